@@ -1,0 +1,106 @@
+"""Differentiable dispatch and combine.
+
+Backward of dispatch is combine of the row gradients (plus the probs gradients sent back to
+their routing slots); backward of combine is dispatch of the output gradient with the same
+handle. All ranks of the EP group must run backward for the same calls, in the same order.
+
+Legend: T tokens, K routes per token, H hidden, R output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .fp8 import is_fp8
+from .handle import DispatchResult
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, buffer, routing, handle, scales, num_out_tokens, num_sms, out_box):
+        rows_RH, scales_RB, handle = buffer._run_dispatch(x_TH, scales, routing, handle, num_out_tokens, num_sms)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.num_tokens = x_TH.shape[0]
+        out_box.extend([handle, scales_RB])
+        probs_R = handle.probs_R.detach().clone()
+        if is_fp8(x_TH.dtype):
+            ctx.mark_non_differentiable(rows_RH)
+        return rows_RH, probs_R
+
+    @staticmethod
+    def backward(ctx, grad_rows_RH, grad_probs_R):
+        buffer, handle = ctx.buffer, ctx.handle
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = buffer._run_combine(grad_rows_RH.contiguous(), handle, False, None)
+        if ctx.needs_input_grad[1]:
+            grad_w = buffer._return_row_values(grad_probs_R, handle)
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RH, probs_R, buffer, handle, apply_probs, num_sms):
+        ctx.buffer, ctx.handle, ctx.apply_probs = buffer, handle, apply_probs
+        ctx.save_for_backward(rows_RH, probs_R)
+        return buffer._run_combine(rows_RH, handle, apply_probs, num_sms)
+
+    @staticmethod
+    def backward(ctx, grad_y_TH):
+        buffer, handle = ctx.buffer, ctx.handle
+        rows_RH, probs_R = ctx.saved_tensors
+        grad_out_RH, _, _ = buffer._run_dispatch(
+            grad_y_TH.contiguous(), None, None, handle, handle.num_out_tokens, None
+        )
+        grad_rows = grad_probs = None
+        if ctx.apply_probs:
+            if ctx.needs_input_grad[1]:
+                grad_probs = (grad_out_RH.float() * rows_RH.float()).sum(dim=1)
+            if ctx.needs_input_grad[0]:
+                grad_rows = (grad_out_RH.float() * probs_R.float()[:, None]).to(rows_RH.dtype)
+        elif ctx.needs_input_grad[0]:
+            grad_rows = grad_out_RH.to(rows_RH.dtype)
+        return grad_rows, grad_probs, None, None, None, None
+
+
+def dispatch(
+    buffer,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    *,
+    scales: torch.Tensor | None = None,
+    handle=None,
+    num_out_tokens: int | None = None,
+    routing_map: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    num_sms: int | None = None,
+) -> DispatchResult:
+    """buffer.dispatch with gradients to x and to topk_weights (or Megatron's probs).
+
+    The result's handle carries the differentiable probs, so combine(apply_probs=True) also
+    sends gradients back to the routing weights. fp8 rows are not differentiable.
+    """
+    routing, handle = buffer._check_dispatch(
+        x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens
+    )
+    box: list = []
+    if routing is not None:
+        rows, probs_R = _Dispatch.apply(
+            x, routing.topk_weights_TK, buffer, routing, None, scales, num_out_tokens, num_sms, box
+        )
+        handle = dataclasses.replace(box[0], probs_R=probs_R)
+    else:
+        # Same routing as before: the weights (and their graph) are the earlier ones.
+        rows, _ = _Dispatch.apply(x, None, buffer, None, handle, scales, num_out_tokens, num_sms, box)
+        probs_R = handle.probs_R
+    return DispatchResult(rows, box[1], probs_R, handle.tokens_per_expert, handle)
+
+
+def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = False,
+            num_sms: int | None = None) -> torch.Tensor:
+    """buffer.combine with gradients to expert_out and, with apply_probs, to the routing weights."""
+    buffer._check_combine(expert_out, handle, apply_probs)
+    return _Combine.apply(expert_out, handle.probs_R, buffer, handle, apply_probs, num_sms)

@@ -1,0 +1,58 @@
+"""Backend selection: the one place that maps a backend name to an implementation."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch.distributed as dist
+
+from .base import Backend
+from .reference import ReferenceBackend
+
+BACKEND_NAMES = ("auto", "cuda", "reference", "deepep")
+
+
+def cuda_unavailable_reason(group) -> str | None:
+    """Why the cuda backend cannot run here, or None when it can."""
+    try:
+        importlib.import_module("hybrid_ep._C")
+    except ImportError as err:
+        return f"the compiled extension hybrid_ep._C is not installed ({err})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return "the EP group is not an NCCL group"
+    return "the cuda backend is not part of this build yet"
+
+
+def deepep_unavailable_reason() -> str | None:
+    if importlib.util.find_spec("deep_ep") is None:
+        return "DeepEP (the deep_ep package) is not installed"
+    return "the DeepEP baseline adapter is not part of this build yet"
+
+
+def create_backend(name: str, config, group, rank: int, owner: int) -> Backend:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    if name == "auto":
+        name = "cuda" if cuda_unavailable_reason(group) is None else "reference"
+    if name == "reference":
+        return ReferenceBackend(config, group, rank, owner)
+    if name == "cuda":
+        raise RuntimeError(f"backend='cuda' is not available: {cuda_unavailable_reason(group)}")
+    raise RuntimeError(f"backend='deepep' is not available: {deepep_unavailable_reason()}")
+
+
+def available_backends(group) -> list[str]:
+    names = ["reference"]
+    if cuda_unavailable_reason(group) is None:
+        names.insert(0, "cuda")
+    if deepep_unavailable_reason() is None:
+        names.append("deepep")
+    return names
+
+
+__all__ = ["BACKEND_NAMES", "Backend", "ReferenceBackend", "available_backends", "create_backend"]

@@ -1,0 +1,59 @@
+"""What a backend implements. Validation and layout live outside; a backend moves bytes.
+
+Legend: T tokens, K routes per token, H hidden, B scale blocks, R output rows.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..config import BufferConfig, KernelConfig
+from ..handle import DispatchHandle
+from ..memory import MemoryPlan
+from ..routing import Routing
+
+
+class Backend(abc.ABC):
+    name: str = ""
+
+    def __init__(self, config: BufferConfig, group, rank: int, owner: int):
+        self.config = config
+        self.group = group
+        self.rank = rank
+        self.owner = owner
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where x must live for this group's transport."""
+
+    @abc.abstractmethod
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        scales_TB: torch.Tensor | None,
+        routing: Routing | None,
+        handle: DispatchHandle | None,
+        num_out_tokens: int | None,
+        kernel: KernelConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, DispatchHandle]:
+        """Return (rows_RH, scales_RB or None, handle). Exactly one of routing / handle is given."""
+
+    @abc.abstractmethod
+    def combine(
+        self, rows_RH: torch.Tensor, handle: DispatchHandle, apply_probs: bool, kernel: KernelConfig
+    ) -> torch.Tensor:
+        """Sum each token's rows (fp32 accumulation) back on its source rank: [T, H]."""
+
+    @abc.abstractmethod
+    def return_row_values(self, values_R: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send one fp32 value per output row back to its routing slot: [T, K], 0 where none.
+
+        This is the backward of the probs that dispatch hands out.
+        """
+
+    @abc.abstractmethod
+    def memory_plan(self) -> MemoryPlan:
+        ...

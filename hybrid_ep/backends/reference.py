@@ -1,0 +1,172 @@
+"""The ground truth: torch.distributed collectives only (gloo on CPU, NCCL on GPU).
+
+It follows the hierarchical scheme's data flow where it matters for semantics: one row per
+(token, destination rank) travels, and the destination expands it to its local experts.
+Everything moves as raw bytes, so bf16, fp32 and fp8 rows take the same path.
+
+Legend: T tokens, K routes per token, H hidden, L local experts, W ranks, N nodes,
+S rows sent, V rows received, R output rows, M kept (row, expert) entries.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..config import KernelConfig, timeout_seconds
+from ..handle import DispatchHandle
+from ..memory import BufferSpec, MemoryPlan
+from ..routing import Routing, dest_layout, source_layout
+from ..rows import as_byte_rows as _as_bytes
+from ..rows import from_byte_rows as _from_bytes
+from .base import Backend
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, config, group, rank, owner):
+        super().__init__(config, group, rank, owner)
+        transport = str(dist.get_backend(group)).lower()
+        if "nccl" in transport and torch.cuda.is_available():
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- collectives, each wait bounded by HYBRID_EP_TIMEOUT_S -------------------------
+
+    def _wait(self, work, phase: str) -> None:
+        limit = timeout_seconds()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=limit))
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"hybrid_ep: rank {self.rank} of the EP group waited more than {limit:g} s "
+                f"(HYBRID_EP_TIMEOUT_S) in {phase}: a peer rank did not make the same call. "
+                f"The process group is unusable after this error. ({err})"
+            ) from err
+
+    def _exchange_counts(self, send_counts_W, node_counts_N) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank learns every rank's row counts: [W, W] per rank and [W, N] per node."""
+        W = self.config.world_size
+        mine = torch.cat([send_counts_W, node_counts_N]).to(torch.int64)
+        if W == 1:
+            table = mine[None]
+        else:
+            flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=mine.device)
+            self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), "dispatch (count exchange)")
+            table = flat.view(W, -1)
+        return table[:, :W], table[:, W:]
+
+    def _all_to_all_rows(self, send, send_counts: list[int], recv_counts: list[int], phase: str):
+        """Variable-size all-to-all of byte rows; rows for rank d are contiguous, in rank order."""
+        row_bytes = send.shape[1]
+        if self.config.world_size == 1:
+            return send.clone()
+        recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=send.device)
+        work = dist.all_to_all_single(
+            recv,
+            send.reshape(-1),
+            [c * row_bytes for c in recv_counts],
+            [c * row_bytes for c in send_counts],
+            group=self.group,
+            async_op=True,
+        )
+        self._wait(work, phase)
+        return recv.view(-1, row_bytes)
+
+    # -- data movement -------------------------------------------------------------------
+
+    def dispatch(self, x_TH, scales_TB, routing: Routing | None, handle: DispatchHandle | None,
+                 num_out_tokens, kernel: KernelConfig):
+        cfg, L = self.config, self.config.experts_per_rank
+        payload = [_as_bytes(x_TH)]
+        if scales_TB is not None:
+            payload.append(_as_bytes(scales_TB))
+        widths = [p.shape[1] for p in payload]
+
+        if handle is None:
+            source = source_layout(routing, cfg)
+            count_WW, node_counts_WN = self._exchange_counts(source.send_counts_W, source.node_counts_N)
+            recv_counts_W = count_WW[:, self.rank].contiguous()
+            # The first dispatch of a routing carries each row's local experts and weights.
+            meta = [_as_bytes(source.row_probs_SL), source.row_expert_mask_SL.to(torch.uint8)]
+        else:
+            source, recv_counts_W, meta = handle.source, handle.recv_counts_W, []
+
+        send = torch.cat([p[source.send_token_idx_S] for p in payload] + meta, dim=1)
+        recv = self._all_to_all_rows(send, source.send_counts_W.tolist(), recv_counts_W.tolist(), "dispatch")
+        parts = list(torch.split(recv, widths + [4 * L, L][: len(meta)], dim=1))
+
+        if handle is None:
+            recv_probs_VL = _from_bytes(parts[len(payload)], torch.float32)
+            recv_mask_VL = parts[len(payload) + 1].bool()
+            dest = dest_layout(recv_mask_VL, cfg.pad_multiple, num_out_tokens)
+            probs_R = torch.zeros(dest.num_rows, dtype=torch.float32, device=x_TH.device)
+            probs_R[dest.out_pos_M] = recv_probs_VL[dest.out_src_M, dest.out_expert_M]
+            handle = DispatchHandle(
+                owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=source, dest=dest,
+                recv_counts_W=recv_counts_W, num_recv_rows=recv.shape[0], count_matrix_WW=count_WW,
+                node_counts_WN=node_counts_WN, probs_R=probs_R, num_out_tokens=num_out_tokens,
+            )
+        dest = handle.dest
+
+        def expand(part_VB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.zeros(dest.num_rows, part_VB.shape[1], dtype=torch.uint8, device=part_VB.device)
+            out[dest.out_pos_M] = part_VB[dest.out_src_M]
+            return out.view(dtype)
+
+        rows_RH = expand(parts[0], x_TH.dtype)
+        scales_RB = expand(parts[1], torch.float32) if scales_TB is not None else None
+        return rows_RH, scales_RB, handle
+
+    def combine(self, rows_RH, handle: DispatchHandle, apply_probs: bool, kernel: KernelConfig):
+        dest, source = handle.dest, handle.source
+        H = rows_RH.shape[1]
+        vals_MH = rows_RH.detach()[dest.out_pos_M].float()
+        if apply_probs:
+            vals_MH = vals_MH * handle.probs_R.detach()[dest.out_pos_M, None]
+        # Reduce a token's local experts first: one fp32 partial row per received row.
+        partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
+        partial_VH.index_add_(0, dest.out_src_M, vals_MH)
+        back = self._all_to_all_rows(
+            _as_bytes(partial_VH), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
+        )
+        y_TH = torch.zeros(handle.num_tokens, H, dtype=torch.float32, device=rows_RH.device)
+        y_TH.index_add_(0, source.send_token_idx_S, _from_bytes(back, torch.float32))
+        return y_TH.to(rows_RH.dtype)
+
+    def return_row_values(self, values_R, handle: DispatchHandle):
+        dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
+        vals_VL = torch.zeros(handle.num_recv_rows, L, dtype=torch.float32, device=values_R.device)
+        vals_VL[dest.out_src_M, dest.out_expert_M] = values_R.detach()[dest.out_pos_M].float()
+        back = self._all_to_all_rows(
+            _as_bytes(vals_VL), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "probs backward"
+        )
+        back_SL = _from_bytes(back, torch.float32)
+        slot_row = source.slot_send_row_TK
+        valid = slot_row >= 0
+        out_TK = torch.zeros(slot_row.shape, dtype=torch.float32, device=values_R.device)
+        out_TK[valid] = back_SL[slot_row[valid], source.slot_local_expert_TK[valid]]
+        return out_TK
+
+    def memory_plan(self) -> MemoryPlan:
+        cfg = self.config
+        T, W, H, L = cfg.max_tokens_per_rank, cfg.world_size, cfg.hidden_dim, cfg.experts_per_rank
+        row = H * 4 + 5 * L  # widest row (fp32) plus per-row expert mask and weights
+        max_rows = W * T * L + L * (cfg.pad_multiple - 1)
+        return MemoryPlan(
+            backend=self.name,
+            buffers=(
+                BufferSpec("send_rows", T * W * row, False, "dispatch rows packed per destination rank"),
+                BufferSpec("recv_rows", W * T * row, False, "dispatch rows received, one per (token, rank)"),
+                BufferSpec("expert_rows", max_rows * H * 4, False, "expert-major output rows"),
+                BufferSpec("combine_partials", W * T * H * 4, False, "fp32 per-rank partial sums"),
+            ),
+        )

@@ -1,0 +1,167 @@
+"""HybridEPBuffer: the public entry point (DESIGN.md section 3).
+
+Legend: T tokens on this rank, K routes per token, E experts, H hidden, B = H / 128,
+R output rows, L experts per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from . import inputs
+from .backends import create_backend
+from .config import BufferConfig, KernelConfig, auto_ranks_per_node
+from .handle import DispatchHandle, DispatchResult
+from .memory import MemoryPlan
+from .routing import normalize_routing
+from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffic
+
+_owner_ids = itertools.count(1)
+
+
+class HybridEPBuffer:
+    """Dispatch and combine for one EP group; sized once for the worst case.
+
+    group: the EP ProcessGroup (None: the default group). ranks_per_node: NVLink domain
+    size (None: the launcher's local world size). backend: "auto" | "cuda" | "reference" |
+    "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
+    """
+
+    def __init__(
+        self,
+        group,
+        hidden_dim: int,
+        max_tokens_per_rank: int,
+        num_experts: int,
+        *,
+        ranks_per_node: int | None = None,
+        backend: str = "auto",
+        pad_multiple: int = 1,
+        num_sms_dispatch: int | None = None,
+        num_sms_combine: int | None = None,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("HybridEPBuffer needs torch.distributed to be initialised (init_process_group)")
+        if group is None:
+            group = dist.group.WORLD
+        world_size = dist.get_world_size(group)
+        if ranks_per_node is None:
+            ranks_per_node = auto_ranks_per_node(world_size)
+        self.config = BufferConfig(
+            hidden_dim=hidden_dim,
+            max_tokens_per_rank=max_tokens_per_rank,
+            num_experts=num_experts,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            pad_multiple=pad_multiple,
+        ).validate()
+        self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self._owner = next(_owner_ids)
+        self._backend = create_backend(backend, self.config, group, self.rank, self._owner)
+        self.last_traffic: Traffic | None = None
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    def memory_plan(self) -> MemoryPlan:
+        return self._backend.memory_plan()
+
+    def _kernel(self, num_sms_dispatch=None, num_sms_combine=None) -> KernelConfig:
+        return dataclasses.replace(
+            self.kernel_config,
+            num_sms_dispatch=num_sms_dispatch or self.kernel_config.num_sms_dispatch,
+            num_sms_combine=num_sms_combine or self.kernel_config.num_sms_combine,
+        ).validate()
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        scales: torch.Tensor | None = None,
+        handle: DispatchHandle | None = None,
+        num_out_tokens: int | None = None,
+        routing_map: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        num_sms: int | None = None,
+    ) -> DispatchResult:
+        """Send each token to the ranks of its experts; rows come back expert-major.
+
+        x: [T, H] bf16 / fp16 / fp32 / float8_e4m3fn (then scales [T, H/128] fp32).
+        Routing: topk_idx [T, K] int (-1 = not routed) with topk_weights [T, K] (None: 1.0),
+        or routing_map [T, E] bool with probs [T, E], or handle= from an earlier dispatch of
+        the same routing. num_out_tokens: static number of output rows (overflow dropped and
+        counted on handle.num_dropped).
+        """
+        routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
+                                               handle, num_out_tokens)
+        rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
+        return DispatchResult(rows, scales_out, handle.probs_R, handle.tokens_per_expert, handle)
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        handle: DispatchHandle,
+        *,
+        apply_probs: bool = False,
+        num_sms: int | None = None,
+    ) -> torch.Tensor:
+        """Sum each token's expert rows back on its source rank: [T, H], dtype of expert_out.
+
+        Accumulates in fp32; padding and dropped rows are ignored. apply_probs multiplies each
+        row by its routing weight first (Megatron applies probs inside the experts instead).
+        """
+        self._check_combine(expert_out, handle, apply_probs)
+        return self._run_combine(expert_out, handle, apply_probs, num_sms)
+
+    # -- shared by the autograd functions ---------------------------------------------------
+
+    def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
+        inputs.check_dispatch_input(x, scales, self.config, self.device)
+        inputs.check_num_out_tokens(num_out_tokens)
+        if handle is not None:
+            inputs.check_handle(handle, self._owner)
+            if any(a is not None for a in (topk_idx, topk_weights, routing_map, probs)):
+                raise ValueError("pass either handle= or routing (topk_idx / routing_map), not both")
+            inputs.check_reused_handle(handle, x.shape[0], num_out_tokens)
+            return None, handle
+        routing = normalize_routing(
+            x.shape[0], self.config.num_experts, x.device,
+            topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
+        )
+        return routing, None
+
+    def _check_combine(self, expert_out, handle, apply_probs) -> None:
+        inputs.check_handle(handle, self._owner)
+        inputs.check_combine_input(expert_out, handle, self.config)
+        if not isinstance(apply_probs, bool):
+            raise TypeError(f"apply_probs must be a bool, got {type(apply_probs).__name__}")
+
+    def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
+        rows, scales_out, handle = self._backend.dispatch(
+            x, scales, routing, handle, num_out_tokens, self._kernel(num_sms_dispatch=num_sms)
+        )
+        row_bytes = dispatch_row_bytes(self.config.hidden_dim, x.dtype)
+        self.last_traffic = rank_traffic("dispatch", self.rank, handle.row_counts, row_bytes)
+        return rows, scales_out, handle
+
+    def _run_combine(self, expert_out, handle, apply_probs, num_sms):
+        y = self._backend.combine(expert_out, handle, apply_probs, self._kernel(num_sms_combine=num_sms))
+        row_bytes = combine_row_bytes(self.config.hidden_dim, expert_out.dtype)
+        self.last_traffic = rank_traffic("combine", self.rank, handle.row_counts, row_bytes)
+        return y
+
+    def _return_row_values(self, values_R, handle):
+        return self._backend.return_row_values(values_R, handle)

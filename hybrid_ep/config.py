@@ -1,0 +1,102 @@
+"""Typed configuration of a buffer, validated once at construction.
+
+`BufferConfig` is what is allocated (it fixes buffer sizes and the rank geometry);
+`KernelConfig` is how the kernels run (it may change per call without a new buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+# Every fp8 row carries one fp32 scale per this many elements.
+FP8_BLOCK = 128
+
+
+def _require_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferConfig:
+    """Shape of one EP group's buffer: W = num_nodes x ranks_per_node ranks."""
+
+    hidden_dim: int
+    max_tokens_per_rank: int
+    num_experts: int
+    world_size: int
+    ranks_per_node: int
+    pad_multiple: int = 1
+
+    def validate(self) -> "BufferConfig":
+        _require_int("hidden_dim", self.hidden_dim, 1)
+        _require_int("max_tokens_per_rank", self.max_tokens_per_rank, 0)
+        _require_int("num_experts", self.num_experts, 1)
+        _require_int("world_size", self.world_size, 1)
+        _require_int("ranks_per_node", self.ranks_per_node, 1)
+        _require_int("pad_multiple", self.pad_multiple, 1)
+        if self.num_experts % self.world_size != 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the EP world size "
+                f"({self.world_size})"
+            )
+        if self.world_size % self.ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node ({self.ranks_per_node}) must divide the EP world size "
+                f"({self.world_size})"
+            )
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_index_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """How many SMs each kernel uses; None means the backend's measured default."""
+
+    num_sms_dispatch: int | None = None
+    num_sms_combine: int | None = None
+
+    def validate(self) -> "KernelConfig":
+        for name in ("num_sms_dispatch", "num_sms_combine"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, 1)
+        return self
+
+
+def timeout_seconds() -> float:
+    """Bound of every wait, from HYBRID_EP_TIMEOUT_S (default 100 s)."""
+    raw = os.environ.get("HYBRID_EP_TIMEOUT_S", "100")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"HYBRID_EP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"HYBRID_EP_TIMEOUT_S must be > 0, got {raw!r}")
+    return value
+
+
+def auto_ranks_per_node(world_size: int) -> int:
+    """NVLink domain size when the caller does not say: the launcher's local world size."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and int(local) > 0:
+        g = min(int(local), world_size)
+        if world_size % g == 0:
+            return g
+    return world_size

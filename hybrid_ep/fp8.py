@@ -1,0 +1,39 @@
+"""FP8 rows travel as e4m3 values plus one fp32 scale per 128 elements (DeepSeek-V3's blocks).
+
+Legend: T rows, H hidden, B = H / 128 scale blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FP8_BLOCK
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_DTYPE
+
+
+def num_scale_blocks(hidden_dim: int) -> int:
+    return hidden_dim // FP8_BLOCK
+
+
+def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block quantisation: x ~= q * scale, with the block's absmax mapped to 448."""
+    T, H = x_TH.shape
+    if H % FP8_BLOCK != 0:
+        raise ValueError(f"x hidden size {H} must be a multiple of {FP8_BLOCK} for fp8")
+    blocks = x_TH.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-12)
+    scales_TB = amax / _FP8_MAX
+    q = (blocks / scales_TB[:, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    return q.view(T, H), scales_TB
+
+
+def dequantize_fp8(q_TH: torch.Tensor, scales_TB: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    T, H = q_TH.shape
+    blocks = q_TH.float().view(T, H // FP8_BLOCK, FP8_BLOCK) * scales_TB.float()[:, :, None]
+    return blocks.view(T, H).to(dtype)

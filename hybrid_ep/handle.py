@@ -1,0 +1,70 @@
+"""The frozen objects a dispatch returns; combine and backward consume them unchanged.
+
+Legend: T tokens on this rank, K routes per token, W ranks, N nodes, R output rows,
+H hidden, V rows received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .config import BufferConfig
+from .routing import DestLayout, Routing, SourceLayout
+from .traffic.model import RowCounts, row_counts
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """Everything combine and backward need; reusable for another dispatch of the same routing."""
+
+    owner: int  # id of the buffer that made it; a handle is not valid on another buffer
+    config: BufferConfig
+    rank: int
+    routing: Routing
+    source: SourceLayout
+    dest: DestLayout
+    recv_counts_W: torch.Tensor  # int64 rows received from each rank
+    num_recv_rows: int  # V
+    count_matrix_WW: torch.Tensor  # int64 rows sent from rank s to rank d (all ranks)
+    node_counts_WN: torch.Tensor  # int64 tokens of rank s that reach node n (all ranks)
+    probs_R: torch.Tensor  # float32 routing weight of each output row, 0 on padding
+    num_out_tokens: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.routing.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        return self.dest.num_rows
+
+    @functools.cached_property
+    def row_counts(self) -> RowCounts:
+        """Rows per rank on each link (traffic model), computed once per routing."""
+        return row_counts(self.count_matrix_WW, self.node_counts_WN, self.config.ranks_per_node)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.dest.tokens_per_expert_L
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        """Routed rows that did not fit num_out_tokens (int64 scalar on the device)."""
+        return self.dest.num_dropped
+
+    @property
+    def num_needed_rows(self) -> torch.Tensor:
+        """Rows the unclipped layout needs (int64 scalar on the device)."""
+        return self.dest.num_needed_rows
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DispatchResult:
+    tokens: torch.Tensor  # [R, H] expert-major rows, dtype of x
+    scales: torch.Tensor | None  # [R, H/128] float32 for fp8 input
+    probs: torch.Tensor  # [R] float32 routing weight of each row, 0 on padding
+    tokens_per_expert: torch.Tensor  # [L] int64 rows per local expert, padding included
+    handle: DispatchHandle

@@ -1,0 +1,98 @@
+"""Checks of per-call arguments, run before any collective so bad input never hangs a peer.
+
+Legend: T tokens, H hidden, B = H / 128 scale blocks, R output rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FP8_BLOCK, BufferConfig
+from .fp8 import is_fp8, num_scale_blocks
+from .handle import DispatchHandle
+
+DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, hidden_dim], got shape {tuple(x.shape)}")
+    if x.dtype not in DISPATCH_DTYPES:
+        raise TypeError(f"x dtype must be one of {_names(DISPATCH_DTYPES)}, got {x.dtype}")
+    T, H = x.shape
+    if H != config.hidden_dim:
+        raise ValueError(f"x hidden size {H} does not match the buffer's hidden_dim={config.hidden_dim}")
+    if T > config.max_tokens_per_rank:
+        raise ValueError(
+            f"x has {T} tokens, more than the buffer's max_tokens_per_rank={config.max_tokens_per_rank}"
+        )
+    if x.device != device:
+        raise ValueError(f"x is on {x.device} but this EP group communicates on {device}")
+    if is_fp8(x.dtype):
+        if H % FP8_BLOCK != 0:
+            raise ValueError(f"fp8 x needs hidden_dim to be a multiple of {FP8_BLOCK}, got {H}")
+        if scales is None:
+            raise ValueError("fp8 x needs scales: a float32 tensor [num_tokens, hidden_dim / 128]")
+        if not isinstance(scales, torch.Tensor):
+            raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
+        expected = (T, num_scale_blocks(H))
+        if tuple(scales.shape) != expected:
+            raise ValueError(f"scales must have shape {list(expected)}, got {list(scales.shape)}")
+        if scales.dtype != torch.float32:
+            raise TypeError(f"scales must be float32, got {scales.dtype}")
+        if scales.device != device:
+            raise ValueError(f"scales is on {scales.device} but x is on {device}")
+    elif scales is not None:
+        raise ValueError(f"scales are only for float8_e4m3fn x; x is {x.dtype}")
+
+
+def check_num_out_tokens(num_out_tokens) -> None:
+    if num_out_tokens is None:
+        return
+    if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, int):
+        raise TypeError(f"num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}")
+    if num_out_tokens < 0:
+        raise ValueError(f"num_out_tokens must be >= 0, got {num_out_tokens}")
+
+
+def check_handle(handle, owner: int, name: str = "handle") -> DispatchHandle:
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{name} must be the DispatchHandle of a dispatch, got {type(handle).__name__}")
+    if handle.owner != owner:
+        raise ValueError(f"{name} was made by another HybridEPBuffer; it is only valid on its own buffer")
+    return handle
+
+
+def check_reused_handle(handle: DispatchHandle, num_tokens: int, num_out_tokens) -> None:
+    if handle.num_tokens != num_tokens:
+        raise ValueError(
+            f"handle was made for {handle.num_tokens} tokens but x has {num_tokens}; a handle is "
+            f"only reusable for the same routing"
+        )
+    if num_out_tokens is not None and num_out_tokens != handle.num_out_tokens:
+        raise ValueError(
+            f"num_out_tokens={num_out_tokens} differs from the handle's {handle.num_out_tokens}; "
+            f"leave it out when reusing a handle"
+        )
+
+
+def check_combine_input(expert_out, handle: DispatchHandle, config: BufferConfig) -> None:
+    if not isinstance(expert_out, torch.Tensor):
+        raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+    if expert_out.dtype not in COMBINE_DTYPES:
+        raise TypeError(f"expert_out dtype must be one of {_names(COMBINE_DTYPES)}, got {expert_out.dtype}")
+    expected = (handle.num_rows, config.hidden_dim)
+    if tuple(expert_out.shape) != expected:
+        raise ValueError(
+            f"expert_out must have shape [rows of the dispatch, hidden_dim] = {list(expected)}, "
+            f"got {list(expert_out.shape)}"
+        )
+    if expert_out.device != handle.probs_R.device:
+        raise ValueError(f"expert_out is on {expert_out.device} but the dispatch ran on {handle.probs_R.device}")

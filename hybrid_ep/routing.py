@@ -1,0 +1,239 @@
+"""Routing metadata: the one place that turns routing into a data layout.
+
+Every backend uses these functions; backends only move bytes.
+
+Legend for shape suffixes:
+  T tokens on this rank, K routes per token, E experts, W ranks in the EP group,
+  N nodes, L = E / W experts per rank, S rows this rank sends (one per token and
+  destination rank), V rows this rank receives, M (row, local expert) entries kept in
+  the output, R output rows (expert-major, padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import BufferConfig
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Normalised routing of one rank: K slots per token, -1 where a slot is not routed."""
+
+    topk_idx_TK: torch.Tensor  # int64, -1 = not routed
+    topk_weights_TK: torch.Tensor  # float32, 0 where not routed
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx_TK.shape[0]
+
+
+def _check_tensor(name: str, value, dims: int) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(value.shape)}")
+
+
+def normalize_routing(
+    num_tokens: int,
+    num_experts: int,
+    device: torch.device,
+    *,
+    topk_idx=None,
+    topk_weights=None,
+    routing_map=None,
+    probs=None,
+    check_values: bool = True,
+) -> Routing:
+    """Validate either (topk_idx, topk_weights) or Megatron's (routing_map, probs).
+
+    The gather from probs[T, E] to weights[T, K] is differentiable, so routing-weight
+    gradients reach Megatron's probs when this runs inside autograd.
+    check_values=False skips the checks that read values (they synchronise with the host).
+    """
+    if topk_idx is not None and routing_map is not None:
+        raise ValueError("pass either topk_idx (with topk_weights) or routing_map (with probs), not both")
+    if topk_idx is None and routing_map is None:
+        raise ValueError("routing is missing: pass topk_idx (with topk_weights) or routing_map (with probs)")
+    if routing_map is not None:
+        if topk_weights is not None:
+            raise ValueError("topk_weights goes with topk_idx; with routing_map pass probs")
+        return _from_routing_map(num_tokens, num_experts, device, routing_map, probs)
+    if probs is not None:
+        raise ValueError("probs goes with routing_map; with topk_idx pass topk_weights")
+
+    _check_tensor("topk_idx", topk_idx, 2)
+    if topk_idx.dtype not in _INT_DTYPES:
+        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} tokens"
+        )
+    if topk_idx.device != device:
+        raise ValueError(f"topk_idx is on {topk_idx.device} but x is on {device}")
+    idx = topk_idx.to(torch.int64)
+    if check_values and idx.numel() > 0:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(
+                f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts}), "
+                f"got min {lo} max {hi}"
+            )
+        if idx.shape[1] > 1:
+            srt = idx.sort(dim=1).values
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            if bool(dup.any()):
+                row = int(dup.any(dim=1).nonzero()[0, 0])
+                raise ValueError(
+                    f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}"
+                )
+    valid = idx >= 0
+    if topk_weights is None:
+        weights = valid.to(torch.float32)
+    else:
+        _check_tensor("topk_weights", topk_weights, 2)
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights must be a floating dtype, got {topk_weights.dtype}")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(
+                f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_idx shape "
+                f"{tuple(topk_idx.shape)}"
+            )
+        if topk_weights.device != device:
+            raise ValueError(f"topk_weights is on {topk_weights.device} but x is on {device}")
+        weights = torch.where(valid, topk_weights.to(torch.float32), 0.0)
+    return Routing(idx, weights)
+
+
+def _from_routing_map(num_tokens, num_experts, device, routing_map, probs) -> Routing:
+    _check_tensor("routing_map", routing_map, 2)
+    if routing_map.dtype != torch.bool:
+        raise TypeError(f"routing_map must be torch.bool, got {routing_map.dtype}")
+    if tuple(routing_map.shape) != (num_tokens, num_experts):
+        raise ValueError(
+            f"routing_map must have shape [num_tokens, num_experts] = [{num_tokens}, {num_experts}], "
+            f"got {tuple(routing_map.shape)}"
+        )
+    if routing_map.device != device:
+        raise ValueError(f"routing_map is on {routing_map.device} but x is on {device}")
+    if probs is not None:
+        _check_tensor("probs", probs, 2)
+        if not probs.is_floating_point():
+            raise TypeError(f"probs must be a floating dtype, got {probs.dtype}")
+        if probs.shape != routing_map.shape:
+            raise ValueError(
+                f"probs shape {tuple(probs.shape)} must equal routing_map shape {tuple(routing_map.shape)}"
+            )
+        if probs.device != device:
+            raise ValueError(f"probs is on {probs.device} but x is on {device}")
+    k = int(routing_map.sum(dim=1).max()) if num_tokens > 0 else 0
+    k = max(k, 1)
+    # Stable sort puts routed experts first, in expert order.
+    order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)
+    cols = order.indices[:, :k]
+    valid = order.values[:, :k] > 0
+    idx = torch.where(valid, cols, -1)
+    if probs is None:
+        weights = valid.to(torch.float32)
+    else:
+        weights = torch.where(valid, probs.gather(1, cols).to(torch.float32), 0.0)
+    return Routing(idx, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLayout:
+    """What this rank sends: one row per (token, destination rank), ordered by rank then token."""
+
+    send_token_idx_S: torch.Tensor  # int64 token of each sent row
+    send_counts_W: torch.Tensor  # int64 rows sent to each rank
+    node_counts_N: torch.Tensor  # int64 tokens that reach each node (one RDMA row per node)
+    row_expert_mask_SL: torch.Tensor  # bool: row goes to these local experts of its destination
+    row_probs_SL: torch.Tensor  # float32 routing weight per local expert of the row
+    slot_send_row_TK: torch.Tensor  # int64 sent row of each routing slot, -1 if not routed
+    slot_local_expert_TK: torch.Tensor  # int64 local expert index of each slot (valid where routed)
+
+    @property
+    def num_rows(self) -> int:
+        return self.send_token_idx_S.shape[0]
+
+
+def source_layout(routing: Routing, config: BufferConfig) -> SourceLayout:
+    idx = routing.topk_idx_TK
+    T, K = idx.shape
+    W, L, N, G = config.world_size, config.experts_per_rank, config.num_nodes, config.ranks_per_node
+    device = idx.device
+    valid = idx >= 0
+    dest_rank_TK = torch.where(valid, idx // L, W)
+    dest_mask_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=device)
+    dest_mask_TW.scatter_(1, dest_rank_TK, True)
+    dest_mask_TW = dest_mask_TW[:, :W]
+
+    # Rows in (rank, token) order: the transposed mask's nonzeros come out sorted that way.
+    pairs = dest_mask_TW.t().nonzero()
+    send_token_idx = pairs[:, 1]
+    send_counts = dest_mask_TW.sum(dim=0, dtype=torch.int64)
+    S = send_token_idx.shape[0]
+    row_of_TW = torch.full((T, W), -1, dtype=torch.int64, device=device)
+    row_of_TW[pairs[:, 1], pairs[:, 0]] = torch.arange(S, device=device)
+
+    slot_rank = torch.where(valid, dest_rank_TK, 0)
+    slot_send_row = torch.where(valid, row_of_TW.gather(1, slot_rank), -1)
+    slot_local = torch.where(valid, idx % L, 0)
+
+    mask_SL = torch.zeros(S, L, dtype=torch.bool, device=device)
+    probs_SL = torch.zeros(S, L, dtype=torch.float32, device=device)
+    rows = slot_send_row[valid]
+    cols = slot_local[valid]
+    mask_SL[rows, cols] = True
+    probs_SL[rows, cols] = routing.topk_weights_TK.detach()[valid]
+
+    node_counts = dest_mask_TW.view(T, N, G).any(dim=2).sum(dim=0, dtype=torch.int64)
+    return SourceLayout(send_token_idx, send_counts, node_counts, mask_SL, probs_SL, slot_send_row, slot_local)
+
+
+@dataclasses.dataclass(frozen=True)
+class DestLayout:
+    """Where each received row lands in the expert-major output of this rank."""
+
+    out_pos_M: torch.Tensor  # int64 output row of each kept (received row, local expert) entry
+    out_src_M: torch.Tensor  # int64 received row of that entry
+    out_expert_M: torch.Tensor  # int64 local expert of that entry
+    tokens_per_expert_L: torch.Tensor  # int64 output rows per local expert, padding included
+    num_rows: int  # R
+    num_needed_rows: torch.Tensor  # int64 scalar: rows the full layout needs
+    num_dropped: torch.Tensor  # int64 scalar: routed entries that did not fit num_out_tokens
+
+
+def dest_layout(
+    recv_expert_mask_VL: torch.Tensor, pad_multiple: int, num_out_tokens: int | None
+) -> DestLayout:
+    """Expert-major layout: expert j's rows in received order (source rank, then token), padded."""
+    mask = recv_expert_mask_VL
+    device = mask.device
+    counts_L = mask.sum(dim=0, dtype=torch.int64)
+    padded_L = (counts_L + pad_multiple - 1) // pad_multiple * pad_multiple
+    ends_L = padded_L.cumsum(0)
+    starts_L = ends_L - padded_L
+    needed = ends_L[-1] if ends_L.numel() else torch.zeros((), dtype=torch.int64, device=device)
+
+    entries = mask.nonzero()
+    src, expert = entries[:, 0], entries[:, 1]
+    rank_in_expert = mask.to(torch.int64).cumsum(dim=0) - 1
+    pos = starts_L[expert] + rank_in_expert[src, expert]
+
+    if num_out_tokens is None:
+        num_rows = int(needed)
+        tokens_per_expert = padded_L
+        dropped = torch.zeros((), dtype=torch.int64, device=device)
+    else:
+        num_rows = num_out_tokens
+        keep = pos < num_rows
+        dropped = (~keep).sum()
+        src, expert, pos = src[keep], expert[keep], pos[keep]
+        tokens_per_expert = ends_L.clamp(max=num_rows) - starts_L.clamp(max=num_rows)
+    return DestLayout(pos, src, expert, tokens_per_expert, num_rows, needed, dropped)

@@ -1,0 +1,143 @@
+"""A pool of W processes joined in one torch.distributed group, reused for many calls.
+
+Starting processes and importing torch costs seconds per rank, so tests and the benchmark
+start the group once and send it work. Every result wait is bounded; a failed or late rank
+closes the pool (its peers may be stuck in a collective) and the error says which rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, backend, init_file, env, tasks, results):
+    os.environ.update(env)
+    torch.set_num_threads(int(env.get("HYBRID_EP_THREADS_PER_RANK", "1")))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=float(env.get("HYBRID_EP_POOL_TIMEOUT_S", "300"))),
+        )
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class ProcessGroupPool:
+    """W ranks on this machine; `run(fn, per_rank_args)` calls fn(*args) on every rank."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", env: dict[str, str] | None = None,
+                 start_timeout_s: float = 300.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self._dir = tempfile.mkdtemp(prefix="hybrid_ep_pool_")
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        env = {k: str(v) for k, v in (env or {}).items()}
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, backend, os.path.join(self._dir, "store"), env, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.closed = False
+        self._collect(start_timeout_s, "start")
+
+    def _collect(self, timeout_s: float, what: str) -> list:
+        out: list = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.05, min(left, 1.0)))
+            except queue.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead or left <= 0:
+                    self.close()
+                    why = f"ranks {dead} died" if dead else f"ranks {sorted(pending)} did not answer after {time.monotonic() - started:.0f} s"
+                    details = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                    raise RuntimeError(f"process group pool ({what}): {why}{details}")
+                continue
+            pending.discard(rank)
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+                # Peers of a failed rank may wait in a collective; give them a moment, not forever.
+                deadline = min(deadline, time.monotonic() + float(os.environ.get("HYBRID_EP_POOL_GRACE_S", "20")))
+        if errors:
+            self.close()
+            details = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            raise RuntimeError(f"process group pool ({what}): ranks {sorted(errors)} raised{details}")
+        return out
+
+    def run(self, fn, per_rank_args: list[tuple] | None = None, timeout_s: float = 300.0) -> list:
+        """fn must be importable by name (a module-level function); returns one result per rank."""
+        if self.closed:
+            raise RuntimeError("process group pool is closed")
+        if per_rank_args is None:
+            per_rank_args = [()] * self.world_size
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"per_rank_args has {len(per_rank_args)} entries, expected {self.world_size}")
+        for r, args in enumerate(per_rank_args):
+            self._tasks[r].put((fn, tuple(args)))
+        return self._collect(timeout_s, getattr(fn, "__name__", "task"))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

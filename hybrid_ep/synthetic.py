@@ -1,0 +1,87 @@
+"""Synthetic routings for tests, the traffic model and benchmarks.
+
+All sample K distinct experts per token without replacement (Gumbel top-k over log
+popularity), so the same code gives uniform, Zipf-skewed and group-limited routing.
+Legend: T tokens, E experts, K routes per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROUTINGS = ("uniform", "zipf", "group-limited")
+
+
+def zipf_popularity(num_experts: int, exponent: float, generator: torch.Generator) -> torch.Tensor:
+    """p[e] proportional to 1 / rank(e)^exponent, with ranks shuffled over experts."""
+    weights = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** exponent
+    perm = torch.randperm(num_experts, generator=generator)
+    return (weights / weights.sum())[perm]
+
+
+def _scores(T: int, popularity: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand(T, popularity.numel(), generator=generator, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    return popularity.log()[None, :] - torch.log(-torch.log(u))
+
+
+def sample_topk(num_tokens: int, num_experts: int, topk: int, generator: torch.Generator,
+                popularity: torch.Tensor | None = None, num_groups: int | None = None,
+                topk_groups: int | None = None) -> torch.Tensor:
+    """[T, K] int64 distinct experts per token.
+
+    With num_groups and topk_groups, DeepSeek-V3's group-limited routing: experts form
+    num_groups contiguous groups (one per node when groups == nodes); a token first picks
+    its topk_groups best groups (sum of the group's two best scores), then K experts there.
+    """
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be in [1, {num_experts}], got {topk}")
+    if popularity is None:
+        popularity = torch.full((num_experts,), 1.0 / num_experts, dtype=torch.float64)
+    scores = _scores(num_tokens, popularity, generator)
+    if num_groups is not None:
+        if num_experts % num_groups != 0:
+            raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts})")
+        per_group = num_experts // num_groups
+        if topk_groups is None or not 1 <= topk_groups <= num_groups:
+            raise ValueError(f"topk_groups must be in [1, {num_groups}], got {topk_groups}")
+        if topk > topk_groups * per_group:
+            raise ValueError(f"topk ({topk}) exceeds the experts in {topk_groups} groups")
+        grouped = scores.view(num_tokens, num_groups, per_group)
+        best = grouped.topk(min(2, per_group), dim=2).values.sum(dim=2)
+        keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool)
+        keep.scatter_(1, best.topk(topk_groups, dim=1).indices, True)
+        scores = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, num_experts)
+    return scores.topk(topk, dim=1).indices.to(torch.int64)
+
+
+def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, generator: torch.Generator,
+                 zipf_exponent: float = 1.2, num_groups: int | None = None,
+                 topk_groups: int | None = None, popularity_seed: int = 0) -> torch.Tensor:
+    """One of ROUTINGS; group-limited needs num_groups and topk_groups.
+
+    Zipf's hot experts come from popularity_seed, not from `generator`, so every rank that
+    calls this with its own generator sees the same hot experts, as in a real model.
+    """
+    if kind == "uniform":
+        return sample_topk(num_tokens, num_experts, topk, generator)
+    if kind == "zipf":
+        return sample_topk(num_tokens, num_experts, topk, generator,
+                           popularity=zipf_popularity(num_experts, zipf_exponent,
+                                                      torch.Generator().manual_seed(popularity_seed)))
+    if kind == "group-limited":
+        return sample_topk(num_tokens, num_experts, topk, generator,
+                           num_groups=num_groups, topk_groups=topk_groups)
+    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {kind!r}")
+
+
+def random_weights(topk_idx_TK: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Positive float32 weights summing to 1 over a token's routed slots, 0 on -1 slots."""
+    w = torch.rand(topk_idx_TK.shape, generator=generator) + 0.05
+    w = torch.where(topk_idx_TK >= 0, w, 0.0)
+    return (w / w.sum(dim=1, keepdim=True).clamp(min=1e-6)).to(torch.float32)
+
+
+def drop_routes(topk_idx_TK: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """Set about `fraction` of the slots to -1 (not routed), as a capacity-dropping router does."""
+    drop = torch.rand(topk_idx_TK.shape, generator=generator) < fraction
+    return torch.where(drop, -1, topk_idx_TK)

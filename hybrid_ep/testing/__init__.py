@@ -1,0 +1,20 @@
+"""Test support shared by every backend: the dense oracle, comparisons, cases, process pools."""
+
+from ..spawn import ProcessGroupPool
+from .cases import Case, check_case, make_rank_inputs
+from .compare import assert_combine_close, assert_dispatch_matches, combine_tolerance
+from .oracle import OracleDispatch, OracleRun, combine_oracle, dispatch_oracle
+
+__all__ = [
+    "Case",
+    "OracleDispatch",
+    "OracleRun",
+    "ProcessGroupPool",
+    "assert_combine_close",
+    "assert_dispatch_matches",
+    "check_case",
+    "combine_oracle",
+    "combine_tolerance",
+    "dispatch_oracle",
+    "make_rank_inputs",
+]

@@ -1,0 +1,205 @@
+"""Test cases for any backend: inputs built in the parent, run on every rank, checked here.
+
+`check_case(pool, case)` makes the inputs of all ranks, runs dispatch + combine (and a
+dispatch that reuses the handle) on each rank of the pool, and compares every rank with the
+dense oracle. The per-rank functions are module-level so spawned ranks can import them.
+
+Legend: T tokens, K routes per token, E experts, H hidden, R output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import BufferConfig
+from ..fp8 import FP8_DTYPE, quantize_fp8
+from ..synthetic import drop_routes, make_routing, random_weights
+from .compare import assert_combine_close, assert_dispatch_matches
+from .oracle import combine_oracle, dispatch_oracle
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    world_size: int
+    ranks_per_node: int
+    num_experts: int
+    hidden: int
+    tokens: tuple[int, ...]  # tokens of each rank (may differ, may be 0)
+    topk: int
+    dtype: torch.dtype = torch.float32
+    routing: str = "uniform"  # uniform | zipf | one-expert
+    drop_fraction: float = 0.0  # share of slots set to -1
+    pad_multiple: int = 1
+    num_out_tokens: int | None = None
+    apply_probs: bool = False
+    routing_map: bool = False  # pass Megatron's routing_map / probs instead of topk
+    backend: str = "reference"
+    seed: int = 0
+
+    @property
+    def config(self) -> BufferConfig:
+        return BufferConfig(self.hidden, max(self.tokens), self.num_experts, self.world_size,
+                            self.ranks_per_node, self.pad_multiple).validate()
+
+    @property
+    def combine_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == FP8_DTYPE else self.dtype
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return (f"W{self.world_size}xG{self.ranks_per_node} E{self.num_experts} H{self.hidden} "
+                f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
+                f"pad{self.pad_multiple} out{self.num_out_tokens}")
+
+
+def make_rank_inputs(case: Case) -> list[dict]:
+    gen = torch.Generator().manual_seed(case.seed)
+    ranks = []
+    for s in range(case.world_size):
+        T = case.tokens[s]
+        if case.routing == "one-expert":
+            hot = case.num_experts // 2
+            idx = torch.full((T, case.topk), -1, dtype=torch.int64)
+            idx[:, 0] = hot
+            if case.topk > 1:
+                others = make_routing("uniform", T, case.num_experts - 1, case.topk - 1, gen)
+                idx[:, 1:] = others + (others >= hot).to(torch.int64)
+        else:
+            idx = make_routing(case.routing, T, case.num_experts, case.topk, gen)
+        if case.drop_fraction > 0:
+            idx = drop_routes(idx, case.drop_fraction, gen)
+        weights = random_weights(idx, gen)
+        x32 = torch.randn(T, case.hidden, generator=gen)
+        inputs = {"topk_idx": idx, "topk_weights": weights}
+        if case.dtype == FP8_DTYPE:
+            inputs["x"], inputs["scales"] = quantize_fp8(x32)
+        else:
+            inputs["x"], inputs["scales"] = x32.to(case.dtype), None
+        ranks.append(inputs)
+    return ranks
+
+
+def _routing_kwargs(case: Case, inputs: dict) -> dict:
+    if not case.routing_map:
+        return {"topk_idx": inputs["topk_idx"], "topk_weights": inputs["topk_weights"]}
+    idx, w = inputs["topk_idx"], inputs["topk_weights"]
+    T = idx.shape[0]
+    routing_map = torch.zeros(T, case.num_experts + 1, dtype=torch.bool)
+    probs = torch.zeros(T, case.num_experts + 1, dtype=torch.float32)
+    col = torch.where(idx >= 0, idx, case.num_experts)
+    routing_map.scatter_(1, col, True)
+    probs.scatter_(1, col, w)
+    return {"routing_map": routing_map[:, :-1].contiguous(), "probs": probs[:, :-1].contiguous()}
+
+
+def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict:
+    """Runs on one rank of the pool."""
+    from ..buffer import HybridEPBuffer
+
+    cfg = case.config
+    buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
+                         ranks_per_node=cfg.ranks_per_node, backend=case.backend,
+                         pad_multiple=cfg.pad_multiple)
+    device = buf.device
+    x = inputs["x"].to(device)
+    scales = inputs["scales"].to(device) if inputs["scales"] is not None else None
+    routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}
+    res = buf.dispatch(x, scales=scales, num_out_tokens=case.num_out_tokens, **routing)
+    dispatch_traffic = buf.last_traffic
+    y = buf.combine(expert_out.to(device), res.handle, apply_probs=case.apply_probs)
+    combine_traffic = buf.last_traffic
+    again = buf.dispatch(x, scales=scales, handle=res.handle)
+    reuse_equal = torch.equal(again.tokens.view(torch.uint8), res.tokens.view(torch.uint8))
+    return {
+        "tokens": res.tokens.cpu(),
+        "scales": None if res.scales is None else res.scales.cpu(),
+        "probs": res.probs.cpu(),
+        "tokens_per_expert": res.tokens_per_expert.cpu(),
+        "num_dropped": int(res.handle.num_dropped),
+        "num_needed_rows": int(res.handle.num_needed_rows),
+        "y": y.cpu(),
+        "reuse_equal": reuse_equal,
+        "traffic": (dispatch_traffic, combine_traffic),
+    }
+
+
+def check_case(pool, case: Case) -> list[dict]:
+    """Run `case` on the pool's ranks and assert every rank against the oracle."""
+    cfg = case.config
+    inputs = make_rank_inputs(case)
+    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs],
+                          [i["scales"] for i in inputs] if case.dtype == FP8_DTYPE else None,
+                          case.num_out_tokens)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
+                   for r in run.ranks]
+    results = pool.run(run_case_on_rank, [(case, inputs[r], expert_outs[r]) for r in range(case.world_size)])
+    want_y, magnitude = combine_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs)
+    for r, got in enumerate(results):
+        where = f"{case} rank {r}"
+        assert_dispatch_matches(got, run.ranks[r], where)
+        assert got["num_needed_rows"] == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
+        assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
+        assert_combine_close(got["y"], want_y[r], magnitude[r], case.topk, where)
+    return results
+
+
+# -- autograd -----------------------------------------------------------------------------
+
+
+def expert_fn(rows_RH: torch.Tensor, weights_EHH: torch.Tensor, expert_ids: list[int],
+              counts: list[int]) -> torch.Tensor:
+    """A different nonlinear function per expert, applied block by block."""
+    blocks = torch.split(rows_RH, counts)
+    outs = [torch.tanh(b @ weights_EHH[e].to(b.dtype)) for b, e in zip(blocks, expert_ids)]
+    return torch.cat(outs) if outs else rows_RH[:0]
+
+
+def run_autograd_on_rank(case: Case, inputs: dict, weights_EHH: torch.Tensor, grad_y: torch.Tensor,
+                         probs_in_expert: bool) -> dict:
+    """Forward dispatch -> experts -> combine, backward; returns grads of x and routing weights."""
+    from .. import autograd
+    from ..buffer import HybridEPBuffer
+
+    cfg = case.config
+    buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
+                         ranks_per_node=cfg.ranks_per_node, backend=case.backend,
+                         pad_multiple=cfg.pad_multiple)
+    x = inputs["x"].clone().requires_grad_(True)
+    routing = _routing_kwargs(case, inputs)
+    weight_key = "probs" if case.routing_map else "topk_weights"
+    routing[weight_key] = routing[weight_key].clone().requires_grad_(True)
+    res = autograd.dispatch(buf, x, num_out_tokens=case.num_out_tokens, **routing)
+    L = cfg.experts_per_rank
+    first = buf.rank * L
+    out = expert_fn(res.tokens, weights_EHH, list(range(first, first + L)), res.tokens_per_expert.tolist())
+    out = torch.cat([out, res.tokens.new_zeros(res.tokens.shape[0] - out.shape[0], cfg.hidden_dim)])
+    if probs_in_expert:
+        out = out * res.probs[:, None].to(out.dtype)
+    y = autograd.combine(buf, out, res.handle, apply_probs=not probs_in_expert)
+    (y * grad_y.to(y.dtype)).sum().backward()
+    return {"y": y.detach(), "grad_x": x.grad, "grad_weights": routing[weight_key].grad}
+
+
+def dense_autograd_oracle(case: Case, inputs: list[dict], weights_EHH: torch.Tensor,
+                          grad_ys: list[torch.Tensor], row_of_slot: list[torch.Tensor]) -> list[dict]:
+    """float64: y[t] = sum_k w[t,k] f_e(x[t]) over kept slots; grads by torch autograd."""
+    out = []
+    W64 = weights_EHH.double()
+    for s, inp in enumerate(inputs):
+        x = inp["x"].double().requires_grad_(True)
+        w = inp["topk_weights"].double().requires_grad_(True)
+        idx = inp["topk_idx"]
+        kept = row_of_slot[s] >= 0
+        y = torch.zeros_like(x)
+        for k in range(idx.shape[1]):
+            for e in idx[:, k][kept[:, k]].unique().tolist():
+                sel = (idx[:, k] == e) & kept[:, k]
+                y = y.index_add(0, sel.nonzero()[:, 0], w[sel, k, None] * torch.tanh(x[sel] @ W64[e]))
+        # The zero terms keep x and w in the graph when no slot of this rank is kept.
+        ((y * grad_ys[s].double()).sum() + 0 * x.sum() + 0 * w.sum()).backward()
+        out.append({"y": y.detach(), "grad_x": x.grad, "grad_weights": w.grad})
+    return out

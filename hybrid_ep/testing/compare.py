@@ -1,0 +1,67 @@
+"""Assertions shared by every backend's tests: bitwise dispatch, rounding-bounded combine."""
+
+from __future__ import annotations
+
+import torch
+
+from ..rows import as_byte_rows
+from .oracle import OracleDispatch
+
+_EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return as_byte_rows(t.cpu())
+
+
+def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") -> None:
+    """got: tokens, scales, probs, tokens_per_expert, num_dropped of one rank."""
+    tag = f"{where}: " if where else ""
+    tokens = got["tokens"]
+    assert tokens.dtype == want.tokens.dtype, f"{tag}tokens dtype {tokens.dtype} != {want.tokens.dtype}"
+    assert tuple(tokens.shape) == tuple(want.tokens.shape), (
+        f"{tag}tokens shape {tuple(tokens.shape)} != {tuple(want.tokens.shape)}"
+    )
+    if not torch.equal(_bytes(tokens), _bytes(want.tokens)):
+        bad = (_bytes(tokens) != _bytes(want.tokens)).any(dim=1).nonzero()[:, 0]
+        raise AssertionError(f"{tag}dispatch rows differ from the oracle at rows {bad[:10].tolist()}")
+    if want.scales is None:
+        assert got["scales"] is None, f"{tag}scales should be None"
+    else:
+        assert torch.equal(_bytes(got["scales"]), _bytes(want.scales)), f"{tag}scales differ from the oracle"
+    assert torch.equal(got["probs"].cpu(), want.probs), f"{tag}probs differ from the oracle"
+    assert torch.equal(got["tokens_per_expert"].cpu(), want.tokens_per_expert), (
+        f"{tag}tokens_per_expert {got['tokens_per_expert'].tolist()} != {want.tokens_per_expert.tolist()}"
+    )
+    assert int(got["num_dropped"]) == want.num_dropped, (
+        f"{tag}num_dropped {int(got['num_dropped'])} != {want.num_dropped}"
+    )
+
+
+def combine_tolerance(want64: torch.Tensor, magnitude64: torch.Tensor, dtype: torch.dtype,
+                      num_terms: int) -> torch.Tensor:
+    """Allowed |error|: fp32 accumulation of num_terms terms, then one rounding to dtype.
+
+    For bf16 and fp16 the rounding is one ulp of the float64 result; for fp32 it is the
+    accumulation bound alone (plus half an ulp).
+    """
+    accumulate = (num_terms + 1) * 2.0**-24 * magnitude64
+    exponent = torch.floor(torch.log2(want64.abs().clamp(min=2.0**-126)))
+    ulp = torch.pow(2.0, exponent - _MANTISSA[dtype])
+    return accumulate + ulp + 1e-300
+
+
+def assert_combine_close(got: torch.Tensor, want64: torch.Tensor, magnitude64: torch.Tensor,
+                         num_terms: int, where: str = "") -> None:
+    tag = f"{where}: " if where else ""
+    assert tuple(got.shape) == tuple(want64.shape), f"{tag}combine shape {tuple(got.shape)} != {tuple(want64.shape)}"
+    err = (got.detach().cpu().double() - want64).abs()
+    tol = combine_tolerance(want64, magnitude64, got.dtype, num_terms)
+    if bool((err > tol).any()):
+        i = int((err - tol).argmax())
+        t, h = divmod(i, max(want64.shape[1], 1))
+        raise AssertionError(
+            f"{tag}combine differs from the float64 oracle at token {t}, column {h}: got "
+            f"{got.flatten()[i].item()!r}, want {want64.flatten()[i].item()!r}, tolerance {tol.flatten()[i].item():.3g}"
+        )

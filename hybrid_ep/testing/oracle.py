@@ -1,0 +1,141 @@
+"""Dense single-process oracle of dispatch and combine for all ranks at once.
+
+Written straight from DESIGN.md section 4 and independent of hybrid_ep.routing, so every
+backend is checked against the contract, not against its own metadata code. Combine is
+computed in float64.
+
+Legend: W ranks, L experts per rank, T_s tokens of rank s, K routes per token, H hidden,
+R_r output rows of rank r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import BufferConfig
+from ..rows import as_byte_rows, from_byte_rows
+
+
+@dataclasses.dataclass
+class OracleDispatch:
+    """Expected dispatch result of one rank."""
+
+    tokens: torch.Tensor  # [R, H] dtype of x
+    scales: torch.Tensor | None  # [R, H/128] float32
+    probs: torch.Tensor  # [R] float32
+    tokens_per_expert: torch.Tensor  # [L] int64
+    num_dropped: int
+    num_needed_rows: int
+
+
+@dataclasses.dataclass
+class OracleRun:
+    ranks: list[OracleDispatch]
+    # row_of_slot[s][t, k]: output row (on rank topk_idx[s][t, k] // L) of that slot, -1 if none
+    row_of_slot: list[torch.Tensor]
+
+
+def _copy_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row gather that works for every dtype, fp8 included (by bytes)."""
+    return from_byte_rows(as_byte_rows(src)[index], src.dtype)
+
+
+def dispatch_oracle(
+    config: BufferConfig,
+    xs: list[torch.Tensor],
+    topk_idx: list[torch.Tensor],
+    topk_weights: list[torch.Tensor] | None = None,
+    scales: list[torch.Tensor] | None = None,
+    num_out_tokens: int | None = None,
+) -> OracleRun:
+    W, L, H = config.world_size, config.experts_per_rank, config.hidden_dim
+    pad = config.pad_multiple
+    if topk_weights is None:
+        topk_weights = [(i >= 0).to(torch.float32) for i in topk_idx]
+    row_of_slot = [torch.full(i.shape, -1, dtype=torch.int64) for i in topk_idx]
+    ranks = []
+    for r in range(W):
+        pieces, scale_pieces, prob_pieces, counts = [], [], [], []
+        pos = 0
+        for j in range(L):
+            expert = r * L + j
+            start = pos
+            for s in range(W):
+                hit_TK = topk_idx[s].cpu() == expert
+                tokens = hit_TK.any(dim=1).nonzero()[:, 0]
+                slots = hit_TK.to(torch.int8).argmax(dim=1)[tokens]
+                n = tokens.numel()
+                pieces.append(_copy_rows(xs[s].cpu(), tokens))
+                if scales is not None:
+                    scale_pieces.append(scales[s].cpu()[tokens])
+                prob_pieces.append(topk_weights[s].cpu().float()[tokens, slots])
+                row_of_slot[s][tokens, slots] = torch.arange(pos, pos + n)
+                pos += n
+            extra = (-(pos - start)) % pad
+            pieces.append(torch.zeros(extra, H, dtype=xs[0].dtype))
+            if scales is not None:
+                scale_pieces.append(torch.zeros(extra, H // 128, dtype=torch.float32))
+            prob_pieces.append(torch.zeros(extra, dtype=torch.float32))
+            pos += extra
+            counts.append(pos - start)
+        tokens_RH = torch.cat(pieces) if pieces else torch.zeros(0, H, dtype=xs[0].dtype)
+        scales_R = torch.cat(scale_pieces) if scales is not None else None
+        probs_R = torch.cat(prob_pieces) if prob_pieces else torch.zeros(0)
+        needed = pos
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        starts = ends - torch.tensor(counts, dtype=torch.int64)
+        dropped = 0
+        if num_out_tokens is not None:
+            R = num_out_tokens
+            for s in range(W):
+                on_r = (topk_idx[s].cpu() >= 0) & (topk_idx[s].cpu() // L == r)
+                lost = on_r & (row_of_slot[s] >= R)
+                dropped += int(lost.sum())
+                row_of_slot[s][lost] = -1
+            if needed >= R:
+                tokens_RH, probs_R = tokens_RH[:R], probs_R[:R]
+                scales_R = scales_R[:R] if scales_R is not None else None
+            else:
+                grow = R - needed
+                tokens_RH = torch.cat([tokens_RH, torch.zeros(grow, H, dtype=tokens_RH.dtype)])
+                probs_R = torch.cat([probs_R, torch.zeros(grow)])
+                if scales_R is not None:
+                    scales_R = torch.cat([scales_R, torch.zeros(grow, H // 128)])
+            counts_L = ends.clamp(max=R) - starts.clamp(max=R)
+        else:
+            counts_L = ends - starts
+        ranks.append(OracleDispatch(tokens_RH, scales_R, probs_R, counts_L, dropped, needed))
+    return OracleRun(ranks, row_of_slot)
+
+
+def combine_oracle(
+    config: BufferConfig,
+    run: OracleRun,
+    expert_outs: list[torch.Tensor],
+    topk_idx: list[torch.Tensor],
+    apply_probs: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per source rank: the float64 sum [T, H], and the sum of |terms| (for rounding bounds)."""
+    L = config.experts_per_rank
+    sums, magnitudes = [], []
+    for s, idx in enumerate(topk_idx):
+        idx = idx.cpu()
+        T, H = idx.shape[0], config.hidden_dim
+        y = torch.zeros(T, H, dtype=torch.float64)
+        mag = torch.zeros(T, H, dtype=torch.float64)
+        for k in range(idx.shape[1]):
+            rows = run.row_of_slot[s][:, k]
+            for r in range(config.world_size):
+                sel = (rows >= 0) & (idx[:, k] // L == r)
+                if not bool(sel.any()):
+                    continue
+                term = expert_outs[r].cpu().double()[rows[sel]]
+                if apply_probs:
+                    term = term * run.ranks[r].probs.double()[rows[sel], None]
+                y[sel] += term
+                mag[sel] += term.abs()
+        sums.append(y)
+        magnitudes.append(mag)
+    return sums, magnitudes

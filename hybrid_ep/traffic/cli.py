@@ -1,0 +1,277 @@
+"""`python -m hybrid_ep.traffic`: bytes per token over NVLink and RDMA for a synthetic routing.
+
+Prints, for the hierarchical scheme and for a flat all-to-all, what each rank sends per
+token in dispatch and in combine, and how much RDMA the hierarchical scheme saves.
+The numbers come from the traffic model (`model.py`); this module only builds the routing,
+calls the model and aggregates over ranks. Computed, not measured.
+
+Legend: W ranks = N nodes x G ranks per node, E experts, K routes per token,
+T tokens per rank, H hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+
+from ..config import FP8_BLOCK, BufferConfig
+from ..fp8 import FP8_DTYPE, num_scale_blocks
+from ..synthetic import ROUTINGS, sample_topk, zipf_popularity
+from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
+
+DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE, "fp32": torch.float32}
+COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Columns of the table: (scheme, link) -> key in the report.
+COLUMNS = ("hierarchical_nvlink", "hierarchical_rdma", "flat_nvlink", "flat_rdma")
+HEADERS = ("hierarchical NVLink", "hierarchical RDMA", "flat NVLink", "flat RDMA")
+DEFAULT_GROUP_LIMIT = 4
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One synthetic configuration; field names are the CLI flags with '-' for '_'."""
+
+    nodes: int = 8
+    ranks_per_node: int = 8
+    experts: int = 256
+    topk: int = 8
+    hidden: int = 7168
+    tokens: int = 4096  # per rank
+    routing: str = "uniform"
+    zipf_exponent: float = 1.2
+    group_limit: int | None = None  # None: DEFAULT_GROUP_LIMIT, capped at the node count
+    dispatch_dtype: str = "bf16"
+    combine_dtype: str = "bf16"
+    seed: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def topk_groups(self) -> int:
+        """Nodes a group-limited token may reach (groups = nodes)."""
+        return self.group_limit if self.group_limit is not None else min(DEFAULT_GROUP_LIMIT, self.nodes)
+
+    def validate(self) -> "Scenario":
+        """Raise ValueError naming the flag and the rule."""
+        for field in ("nodes", "ranks_per_node", "experts", "topk", "hidden", "tokens"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{_flag(field)} must be >= 1, got {getattr(self, field)}")
+        if self.experts % self.world_size != 0:
+            raise ValueError(
+                f"--experts ({self.experts}) must be divisible by --nodes x --ranks-per-node "
+                f"({self.nodes} x {self.ranks_per_node} = {self.world_size})"
+            )
+        if self.topk > self.experts:
+            raise ValueError(f"--topk ({self.topk}) must be <= --experts ({self.experts})")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if not (math.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
+            raise ValueError(f"--zipf-exponent must be a finite number >= 0, got {self.zipf_exponent}")
+        if self.group_limit is not None and not 1 <= self.group_limit <= self.nodes:
+            raise ValueError(f"--group-limit must be in [1, --nodes = {self.nodes}], got {self.group_limit}")
+        per_node = self.experts // self.nodes
+        if self.routing == "group-limited" and self.topk > self.topk_groups * per_node:
+            raise ValueError(
+                f"--topk ({self.topk}) exceeds the experts in --group-limit {self.topk_groups} nodes "
+                f"({self.topk_groups} x {per_node})"
+            )
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(
+                f"--dispatch-dtype must be one of {', '.join(DISPATCH_DTYPES)}, got {self.dispatch_dtype!r}")
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise ValueError(f"--combine-dtype must be one of {', '.join(COMBINE_DTYPES)}, got {self.combine_dtype!r}")
+        if self.dispatch_dtype == "fp8" and self.hidden % FP8_BLOCK != 0:
+            raise ValueError(f"--hidden ({self.hidden}) must be a multiple of {FP8_BLOCK} for --dispatch-dtype fp8")
+        return self
+
+    def buffer_config(self) -> BufferConfig:
+        return BufferConfig(hidden_dim=self.hidden, max_tokens_per_rank=self.tokens, num_experts=self.experts,
+                            world_size=self.world_size, ranks_per_node=self.ranks_per_node).validate()
+
+    def routings(self) -> list[torch.Tensor]:
+        """[T, K] int64 topk_idx per rank. Zipf popularity is drawn once, shared by all ranks."""
+        gen = torch.Generator().manual_seed(self.seed)
+        popularity = zipf_popularity(self.experts, self.zipf_exponent, gen) if self.routing == "zipf" else None
+        groups = dict(num_groups=self.nodes, topk_groups=self.topk_groups) if self.routing == "group-limited" else {}
+        return [sample_topk(self.tokens, self.experts, self.topk, gen, popularity=popularity, **groups)
+                for _ in range(self.world_size)]
+
+
+def _max_distinct(group_TK: torch.Tensor) -> int:
+    """Most distinct non-negative values in a row of [T, K] (-1 = not routed); 0 when T = 0."""
+    if group_TK.shape[0] == 0:
+        return 0
+    srt = group_TK.sort(dim=1).values
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    return int((new & (srt >= 0)).sum(dim=1).max())
+
+
+def _bytes_per_token(sent_W: list[int], tokens_W: torch.Tensor) -> dict:
+    """Mean (total bytes / total tokens, = mean over ranks when T is equal) and max over ranks."""
+    sent = torch.tensor(sent_W, dtype=torch.float64)
+    has = tokens_W > 0
+    total = int(tokens_W.sum())
+    return {
+        "mean": float(sent.sum() / total) if total else 0.0,
+        "max": float((sent[has] / tokens_W[has]).max()) if bool(has.any()) else 0.0,
+    }
+
+
+def summarize(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig,
+              dispatch_dtype: torch.dtype, combine_dtype: torch.dtype) -> dict:
+    """Traffic of one routing (all ranks), as plain Python numbers.
+
+    per_rank[op][column]: bytes each rank sends; bytes_per_token[op][column]: mean and max;
+    rdma_saving_percent[op]: 100 * (1 - hierarchical / flat) over all ranks (None without RDMA).
+    """
+    count_WW, node_counts_WN = count_tables(topk_idx_per_rank, config)
+    counts = row_counts(count_WW, node_counts_WN, config.ranks_per_node)
+    row_bytes = {"dispatch": dispatch_row_bytes(config.hidden_dim, dispatch_dtype),
+                 "combine": combine_row_bytes(config.hidden_dim, combine_dtype)}
+    tokens_W = torch.tensor([idx.shape[0] for idx in topk_idx_per_rank], dtype=torch.int64)
+    total_tokens = int(tokens_W.sum())
+
+    per_rank, per_token, saving = {}, {}, {}
+    for op in ("dispatch", "combine"):
+        traffic = [rank_traffic(op, r, counts, row_bytes[op]) for r in range(config.world_size)]
+        per_rank[op] = {
+            "hierarchical_nvlink": [t.nvlink_bytes for t in traffic],
+            "hierarchical_rdma": [t.rdma_bytes for t in traffic],
+            "flat_nvlink": [t.flat_nvlink_bytes for t in traffic],
+            "flat_rdma": [t.flat_rdma_bytes for t in traffic],
+        }
+        per_token[op] = {col: _bytes_per_token(per_rank[op][col], tokens_W) for col in COLUMNS}
+        flat_rdma = sum(per_rank[op]["flat_rdma"])
+        saving[op] = 100.0 * (1 - sum(per_rank[op]["hierarchical_rdma"]) / flat_rdma) if flat_rdma else None
+
+    # Means from the model's count tables; maxima need the per-token routing.
+    idx_all = torch.cat([idx.to(torch.int64) for idx in topk_idx_per_rank])  # [sum of T, K]
+    dest = torch.where(idx_all >= 0, idx_all // config.experts_per_rank, -1)  # destination rank
+    destinations = {
+        "ranks": {"mean": int(count_WW.sum()) / max(total_tokens, 1), "max": _max_distinct(dest)},
+        "nodes": {"mean": int(node_counts_WN.sum()) / max(total_tokens, 1),
+                  "max": _max_distinct(torch.where(dest >= 0, dest // config.ranks_per_node, -1))},
+    }
+    return {
+        "world_size": config.world_size,
+        "num_nodes": config.num_nodes,
+        "ranks_per_node": config.ranks_per_node,
+        "hidden": config.hidden_dim,
+        "row_bytes": row_bytes,
+        "tokens_per_rank": tokens_W.tolist(),
+        "received_rows": counts.received.tolist(),
+        "per_rank": per_rank,
+        "bytes_per_token": per_token,  # bytes sent per token of the sending rank
+        "rdma_saving_percent": saving,
+        "destinations_per_token": destinations,
+    }
+
+
+def compute(scenario: Scenario) -> dict:
+    """Validate the scenario, draw its routing and return `summarize`'s dict plus the scenario."""
+    scenario.validate()
+    report = summarize(scenario.routings(), scenario.buffer_config(),
+                       DISPATCH_DTYPES[scenario.dispatch_dtype], COMBINE_DTYPES[scenario.combine_dtype])
+    report["scenario"] = dataclasses.asdict(scenario) | {"group_limit": scenario.topk_groups}
+    return report
+
+
+def format_report(report: dict) -> str:
+    s = report["scenario"]
+    W, L = report["world_size"], s["experts"] // report["world_size"]
+    routing = s["routing"]
+    if routing == "zipf":
+        routing += f" (exponent {s['zipf_exponent']})"
+    elif routing == "group-limited":
+        routing += f" (<= {s['group_limit']} of {s['nodes']} nodes per token)"
+    rb = report["row_bytes"]
+    lines = [
+        f"hybrid-ep traffic model: {s['nodes']} nodes x {s['ranks_per_node']} ranks/node (W={W}), "
+        f"{s['experts']} experts ({L}/rank), top-{s['topk']}, H={s['hidden']}, {s['tokens']} tokens/rank, "
+        f"routing {routing}, seed {s['seed']}",
+        f"row bytes: dispatch {rb['dispatch']} ({s['dispatch_dtype']}"
+        + (f", {num_scale_blocks(s['hidden'])} fp32 scales" if s["dispatch_dtype"] == "fp8" else "")
+        + f"), combine {rb['combine']} ({s['combine_dtype']}); routing metadata not counted",
+        "",
+        "bytes sent per token by a rank: mean over ranks [max over ranks]",
+        f"{'':9}" + "".join(f"{h:>24}" for h in HEADERS),
+    ]
+    for op in ("dispatch", "combine"):
+        cells = (report["bytes_per_token"][op][c] for c in COLUMNS)
+        lines.append(f"{op:9}" + "".join(f"{c['mean']:>12,.0f} [{c['max']:>9,.0f}]" for c in cells))
+    lines.append("")
+    for op in ("dispatch", "combine"):
+        pct = report["rdma_saving_percent"][op]
+        text = "n/a (single node: no RDMA)" if pct is None else f"{pct:.1f} %"
+        lines.append(f"RDMA saving of hierarchical over flat, {op}: {text}")
+    d = report["destinations_per_token"]
+    for what in ("rank", "node"):
+        x = d[what + "s"]
+        lines.append(f"destination {what}s per token: mean {x['mean']:.2f}, max {x['max']} (own {what} included)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid_ep.traffic",
+        description="Bytes per token each rank sends over NVLink and RDMA, hierarchical scheme versus a flat "
+                    "all-to-all, for a synthetic routing (traffic model: computed, not measured).")
+    d = Scenario()
+    p.add_argument("--nodes", type=int, default=d.nodes, help="NVLink domains (default %(default)s)")
+    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node, help="ranks per node (default %(default)s)")
+    p.add_argument("--experts", type=int, default=d.experts, help="experts E (default %(default)s)")
+    p.add_argument("--topk", type=int, default=d.topk, help="routes per token K (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size H (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank T (default %(default)s)")
+    p.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="synthetic routing (default %(default)s)")
+    p.add_argument("--zipf-exponent", type=float, default=d.zipf_exponent, help="zipf skew (default %(default)s)")
+    p.add_argument("--group-limit", type=int, default=None,
+                   help=f"nodes a token may reach with --routing group-limited (groups = nodes, as DeepSeek-V3's "
+                        f"node-limited routing; default {DEFAULT_GROUP_LIMIT}, capped at --nodes)")
+    p.add_argument("--dispatch-dtype", choices=tuple(DISPATCH_DTYPES), default=d.dispatch_dtype,
+                   help="dispatch payload; fp8 adds one fp32 scale per 128 elements (default %(default)s)")
+    p.add_argument("--combine-dtype", choices=tuple(COMBINE_DTYPES), default=d.combine_dtype,
+                   help="combine payload (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="routing seed (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write every number as JSON to PATH")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    json_path = vars(args).pop("json")
+    scenario = Scenario(**vars(args))
+    try:
+        scenario.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    if json_path is not None:
+        parent = os.path.dirname(os.path.abspath(json_path))
+        if not os.path.isdir(parent):
+            parser.error(f"--json: directory {parent} does not exist")
+    report = compute(scenario)
+    print(format_report(report))
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

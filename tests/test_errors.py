@@ -1,0 +1,222 @@
+"""Bad input: a TypeError / ValueError naming the argument, raised before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybrid_ep as hep
+from hybrid_ep.fp8 import quantize_fp8
+
+H, E, T = 128, 4, 6
+
+
+@pytest.fixture
+def buf(single_rank_group):
+    return hep.HybridEPBuffer(single_rank_group, H, 16, E, backend="reference")
+
+
+def _x(n=T, dtype=torch.float32, h=H):
+    return torch.randn(n, h).to(dtype)
+
+
+def _idx(n=T):
+    return torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0], [2, 1], [0, 3]], dtype=torch.int64)[:n]
+
+
+def _w(n=T):
+    return torch.full((n, 2), 0.5)
+
+
+DISPATCH_CASES = [
+    # (name, kwargs builder, exception, words the message must contain)
+    ("x not a tensor", lambda: dict(x=[[1.0] * H], topk_idx=_idx()), TypeError, "x must be a torch.Tensor"),
+    ("x 3-D", lambda: dict(x=torch.zeros(1, T, H), topk_idx=_idx()), ValueError, "x must be [num_tokens, hidden_dim]"),
+    ("x int dtype", lambda: dict(x=torch.zeros(T, H, dtype=torch.int32), topk_idx=_idx()), TypeError, "x dtype"),
+    ("x wrong hidden", lambda: dict(x=_x(h=64), topk_idx=_idx()), ValueError, "hidden_dim=128"),
+    ("too many tokens", lambda: dict(x=_x(17), topk_idx=torch.zeros(17, 1, dtype=torch.int64)), ValueError,
+     "max_tokens_per_rank=16"),
+    ("x on another device", lambda: dict(x=torch.empty(T, H, device="meta"), topk_idx=_idx()), ValueError, "x is on meta"),
+    ("topk_idx float", lambda: dict(x=_x(), topk_idx=_idx().float()), TypeError, "topk_idx must be int32 or int64"),
+    ("topk_idx 1-D", lambda: dict(x=_x(), topk_idx=_idx()[:, 0]), ValueError, "topk_idx must have 2 dimensions"),
+    ("topk_idx rows", lambda: dict(x=_x(), topk_idx=_idx(5)), ValueError, "topk_idx has 5 rows"),
+    ("topk_idx >= E", lambda: dict(x=_x(), topk_idx=_idx() + 1), ValueError, "topk_idx values must be in [-1, 3]"),
+    ("topk_idx < -1", lambda: dict(x=_x(), topk_idx=_idx() - 2), ValueError, "topk_idx values must be in [-1, 3]"),
+    ("topk_idx duplicate", lambda: dict(x=_x(), topk_idx=torch.tensor([[1, 1]] * T)), ValueError,
+     "topk_idx routes token 0 to the same expert twice"),
+    ("topk_weights shape", lambda: dict(x=_x(), topk_idx=_idx(), topk_weights=torch.ones(T, 3)), ValueError,
+     "topk_weights shape"),
+    ("topk_weights int", lambda: dict(x=_x(), topk_idx=_idx(), topk_weights=torch.ones(T, 2, dtype=torch.int64)),
+     TypeError, "topk_weights must be a floating dtype"),
+    ("no routing", lambda: dict(x=_x()), ValueError, "routing is missing"),
+    ("two routings", lambda: dict(x=_x(), topk_idx=_idx(), routing_map=torch.zeros(T, E, dtype=torch.bool)),
+     ValueError, "not both"),
+    ("routing_map dtype", lambda: dict(x=_x(), routing_map=torch.zeros(T, E)), TypeError, "routing_map must be torch.bool"),
+    ("routing_map shape", lambda: dict(x=_x(), routing_map=torch.zeros(T, E + 1, dtype=torch.bool)), ValueError,
+     "routing_map must have shape [num_tokens, num_experts] = [6, 4]"),
+    ("probs shape", lambda: dict(x=_x(), routing_map=torch.zeros(T, E, dtype=torch.bool), probs=torch.ones(T, 2)),
+     ValueError, "probs shape"),
+    ("probs with topk_idx", lambda: dict(x=_x(), topk_idx=_idx(), probs=torch.ones(T, E)), ValueError,
+     "probs goes with routing_map"),
+    ("topk_weights with routing_map", lambda: dict(x=_x(), routing_map=torch.zeros(T, E, dtype=torch.bool),
+                                                   topk_weights=_w()), ValueError, "topk_weights goes with topk_idx"),
+    ("fp8 without scales", lambda: dict(x=_x(dtype=torch.float8_e4m3fn), topk_idx=_idx()), ValueError,
+     "fp8 x needs scales"),
+    ("fp8 scales shape", lambda: dict(x=_x(dtype=torch.float8_e4m3fn), topk_idx=_idx(), scales=torch.ones(T, 2)),
+     ValueError, "scales must have shape [6, 1]"),
+    ("fp8 scales dtype", lambda: dict(x=_x(dtype=torch.float8_e4m3fn), topk_idx=_idx(),
+                                      scales=torch.ones(T, 1, dtype=torch.bfloat16)), TypeError, "scales must be float32"),
+    ("scales with bf16 x", lambda: dict(x=_x(dtype=torch.bfloat16), topk_idx=_idx(), scales=torch.ones(T, 1)),
+     ValueError, "scales are only for float8_e4m3fn x"),
+    ("num_out_tokens negative", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=-1), ValueError,
+     "num_out_tokens must be >= 0"),
+    ("num_out_tokens float", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=4.0), TypeError,
+     "num_out_tokens must be an int"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,words", DISPATCH_CASES, ids=[c[0] for c in DISPATCH_CASES])
+def test_dispatch_rejects(buf, name, make, exc, words):
+    kwargs = make()
+    x = kwargs.pop("x")
+    with pytest.raises(exc) as info:
+        buf.dispatch(x, **kwargs)
+    assert words in str(info.value)
+    # The autograd version checks the same way.
+    with pytest.raises(exc):
+        hep.dispatch(buf, x, **kwargs)
+
+
+def test_fp8_hidden_not_multiple_of_128(single_rank_group):
+    buf = hep.HybridEPBuffer(single_rank_group, 100, 8, E, backend="reference")
+    x = torch.zeros(2, 100).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        buf.dispatch(x, torch.zeros(2, 1, dtype=torch.int64), scales=torch.ones(2, 0))
+
+
+@pytest.fixture
+def dispatched(buf):
+    return buf.dispatch(_x(), _idx(), _w())
+
+
+COMBINE_CASES = [
+    ("expert_out rows", lambda r: dict(expert_out=torch.zeros(r.tokens.shape[0] + 1, H)), ValueError,
+     "expert_out must have shape [rows of the dispatch, hidden_dim]"),
+    ("expert_out hidden", lambda r: dict(expert_out=torch.zeros(r.tokens.shape[0], H * 2)), ValueError,
+     "expert_out must have shape"),
+    ("expert_out fp8", lambda r: dict(expert_out=torch.zeros(r.tokens.shape[0], H).to(torch.float8_e4m3fn)),
+     TypeError, "expert_out dtype"),
+    ("expert_out not a tensor", lambda r: dict(expert_out=None), TypeError, "expert_out must be a torch.Tensor"),
+    ("handle not a handle", lambda r: dict(expert_out=r.tokens, handle="h"), TypeError,
+     "handle must be the DispatchHandle"),
+    ("apply_probs not bool", lambda r: dict(expert_out=r.tokens, apply_probs=1), TypeError, "apply_probs must be a bool"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,words", COMBINE_CASES, ids=[c[0] for c in COMBINE_CASES])
+def test_combine_rejects(buf, dispatched, name, make, exc, words):
+    kwargs = {"handle": dispatched.handle, **make(dispatched)}
+    with pytest.raises(exc) as info:
+        buf.combine(kwargs.pop("expert_out"), kwargs.pop("handle"), **kwargs)
+    assert words in str(info.value)
+
+
+def test_handle_of_another_buffer(single_rank_group, buf, dispatched):
+    other = hep.HybridEPBuffer(single_rank_group, H, 16, E, backend="reference")
+    with pytest.raises(ValueError, match="handle was made by another HybridEPBuffer"):
+        other.combine(dispatched.tokens, dispatched.handle)
+    with pytest.raises(ValueError, match="handle was made by another HybridEPBuffer"):
+        other.dispatch(_x(), handle=dispatched.handle)
+
+
+def test_reused_handle_checks(buf, dispatched):
+    with pytest.raises(ValueError, match="pass either handle= or routing"):
+        buf.dispatch(_x(), _idx(), handle=dispatched.handle)
+    with pytest.raises(ValueError, match="handle was made for 6 tokens but x has 5"):
+        buf.dispatch(_x(5), handle=dispatched.handle)
+    with pytest.raises(ValueError, match="num_out_tokens=4 differs"):
+        buf.dispatch(_x(), handle=dispatched.handle, num_out_tokens=4)
+
+
+CONSTRUCTOR_CASES = [
+    ("hidden_dim 0", dict(hidden_dim=0), ValueError, "hidden_dim must be >= 1"),
+    ("hidden_dim float", dict(hidden_dim=128.0), TypeError, "hidden_dim must be an int"),
+    ("max_tokens negative", dict(max_tokens_per_rank=-1), ValueError, "max_tokens_per_rank must be >= 0"),
+    ("num_experts 0", dict(num_experts=0), ValueError, "num_experts must be >= 1"),
+    ("pad_multiple 0", dict(pad_multiple=0), ValueError, "pad_multiple must be >= 1"),
+    ("ranks_per_node does not divide", dict(ranks_per_node=2), ValueError,
+     "ranks_per_node (2) must divide the EP world size (1)"),
+    ("unknown backend", dict(backend="nvshmem"), ValueError, "backend must be one of auto, cuda, reference, deepep"),
+    ("cuda backend missing", dict(backend="cuda"), RuntimeError, "backend='cuda' is not available"),
+    ("deepep backend missing", dict(backend="deepep"), RuntimeError, "backend='deepep' is not available"),
+    ("num_sms_dispatch 0", dict(num_sms_dispatch=0), ValueError, "num_sms_dispatch must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,exc,words", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])
+def test_constructor_rejects(single_rank_group, name, kwargs, exc, words):
+    args = dict(hidden_dim=H, max_tokens_per_rank=16, num_experts=E)
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        hep.HybridEPBuffer(single_rank_group, args.pop("hidden_dim"), args.pop("max_tokens_per_rank"),
+                           args.pop("num_experts"), **args)
+    assert words in str(info.value)
+
+
+def test_bad_timeout_env(buf, monkeypatch):
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="HYBRID_EP_TIMEOUT_S must be a number"):
+        # A world of one still exchanges counts through the same bounded wait.
+        from hybrid_ep.config import timeout_seconds
+
+        timeout_seconds()
+
+
+def _construct_on_rank(num_experts):
+    import hybrid_ep as hep_rank
+
+    try:
+        hep_rank.HybridEPBuffer(None, 128, 8, num_experts, backend="reference")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_experts_not_divisible_by_world_size(pool_for):
+    messages = pool_for(2).run(_construct_on_rank, [(3,), (3,)])
+    assert all("num_experts (3) must be divisible by the EP world size (2)" in m for m in messages)
+
+
+def _dispatch_alone(rank_that_calls):
+    import torch.distributed as dist
+
+    import hybrid_ep as hep_rank
+
+    buf = hep_rank.HybridEPBuffer(None, 128, 8, 4, ranks_per_node=1, backend="reference")
+    if dist.get_rank() != rank_that_calls:
+        return "idle"
+    import os
+    import time
+
+    os.environ["HYBRID_EP_TIMEOUT_S"] = "2"
+    start = time.monotonic()
+    try:
+        buf.dispatch(torch.zeros(3, 128), torch.zeros(3, 1, dtype=torch.int64))
+    except RuntimeError as err:
+        return (time.monotonic() - start, str(err))
+    return "no error"
+
+
+def test_missing_peer_times_out(pool_for):
+    """A rank whose peer never arrives raises after HYBRID_EP_TIMEOUT_S instead of hanging."""
+    pool = pool_for(2)
+    idle, (elapsed, message) = pool.run(_dispatch_alone, [(1,), (1,)])
+    assert idle == "idle"
+    assert 1.5 < elapsed < 30
+    assert "rank 1 of the EP group waited more than 2 s" in message and "HYBRID_EP_TIMEOUT_S" in message
+    pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
+
+
+def test_quantize_fp8_rejects_bad_hidden():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_fp8(torch.zeros(2, 100))

@@ -1,0 +1,51 @@
+"""The public surface of DESIGN.md section 3, and what each call reports."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import hybrid_ep as hep
+
+
+def test_names_and_signatures():
+    for name in ("HybridEPBuffer", "dispatch", "combine", "DispatchResult", "DispatchHandle", "MemoryPlan"):
+        assert hasattr(hep, name), name
+    init = inspect.signature(hep.HybridEPBuffer.__init__).parameters
+    assert list(init)[:5] == ["self", "group", "hidden_dim", "max_tokens_per_rank", "num_experts"]
+    for kw in ("ranks_per_node", "backend", "pad_multiple", "num_sms_dispatch", "num_sms_combine"):
+        assert init[kw].kind is inspect.Parameter.KEYWORD_ONLY, kw
+    d = inspect.signature(hep.HybridEPBuffer.dispatch).parameters
+    assert list(d)[:4] == ["self", "x", "topk_idx", "topk_weights"]
+    for kw in ("scales", "handle", "num_out_tokens", "routing_map", "probs"):
+        assert d[kw].kind is inspect.Parameter.KEYWORD_ONLY, kw
+    c = inspect.signature(hep.HybridEPBuffer.combine).parameters
+    assert list(c)[:3] == ["self", "expert_out", "handle"] and c["apply_probs"].default is False
+
+
+def test_megatron_patches_importable_without_megatron():
+    import megatron_patches
+
+    assert callable(megatron_patches.apply)
+
+
+def test_result_fields_memory_plan_and_traffic(single_rank_group):
+    buf = hep.HybridEPBuffer(single_rank_group, 128, 64, 4, backend="reference", pad_multiple=8)
+    assert buf.backend == "reference"
+    plan = buf.memory_plan()
+    assert plan.registered_bytes == 0  # the reference backend registers nothing
+    assert plan.as_dict()["recv_rows"] == 1 * 64 * (128 * 4 + 5 * 4)
+    assert "per call" in str(plan)
+    x = torch.randn(10, 128, dtype=torch.bfloat16)
+    idx = torch.tensor([[i % 4, (i + 1) % 4] for i in range(10)])
+    res = buf.dispatch(x, idx, torch.full((10, 2), 0.5), num_sms=4)
+    # 4 local experts with 5 rows each, padded to 8.
+    assert res.tokens.shape == (32, 128) and res.tokens.dtype == torch.bfloat16
+    assert res.tokens_per_expert.tolist() == [8, 8, 8, 8]
+    assert res.probs.dtype == torch.float32 and res.scales is None
+    t = buf.last_traffic
+    assert (t.op, t.rows, t.row_bytes, t.nvlink_bytes, t.rdma_bytes) == ("dispatch", 10, 256, 0, 0)
+    y = buf.combine(res.tokens, res.handle, num_sms=2)
+    assert torch.equal(y, (x.float() * 2).to(torch.bfloat16))  # each token came back from two experts
+    assert buf.last_traffic.op == "combine"
