@@ -54,24 +54,25 @@ def sample_topk(num_tokens: int, num_experts: int, topk: int, generator: torch.G
     return scores.topk(topk, dim=1).indices.to(torch.int64)
 
 
-def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, generator: torch.Generator,
-                 zipf_exponent: float = 1.2, num_groups: int | None = None,
-                 topk_groups: int | None = None, popularity_seed: int = 0) -> torch.Tensor:
-    """One of ROUTINGS; group-limited needs num_groups and topk_groups.
+def iter_rank_routings(kind: str, tokens_per_rank, num_experts: int, topk: int, seed: int,
+                       zipf_exponent: float = 1.2, num_groups: int | None = None,
+                       topk_groups: int | None = None):
+    """Yield [T_r, K] int64 topk_idx for ranks 0, 1, ... of one synthetic routing (ROUTINGS).
 
-    Zipf's hot experts come from popularity_seed, not from `generator`, so every rank that
-    calls this with its own generator sees the same hot experts, as in a real model.
+    One generator draws the ranks in order and Zipf's popularity once, so all ranks share the
+    same hot experts and the same seed gives the same routing in the tests, the benchmark and
+    the traffic CLI. group-limited needs num_groups and topk_groups.
     """
-    if kind == "uniform":
-        return sample_topk(num_tokens, num_experts, topk, generator)
+    if kind not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {kind!r}")
+    gen = torch.Generator().manual_seed(seed)
+    options: dict = {}
     if kind == "zipf":
-        return sample_topk(num_tokens, num_experts, topk, generator,
-                           popularity=zipf_popularity(num_experts, zipf_exponent,
-                                                      torch.Generator().manual_seed(popularity_seed)))
-    if kind == "group-limited":
-        return sample_topk(num_tokens, num_experts, topk, generator,
-                           num_groups=num_groups, topk_groups=topk_groups)
-    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {kind!r}")
+        options["popularity"] = zipf_popularity(num_experts, zipf_exponent, gen)
+    elif kind == "group-limited":
+        options.update(num_groups=num_groups, topk_groups=topk_groups)
+    for num_tokens in tokens_per_rank:
+        yield sample_topk(num_tokens, num_experts, topk, gen, **options)
 
 
 def random_weights(topk_idx_TK: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from ..config import BufferConfig
 from ..fp8 import FP8_DTYPE, quantize_fp8
-from ..synthetic import drop_routes, make_routing, random_weights
+from ..synthetic import drop_routes, iter_rank_routings, random_weights
 from .compare import assert_combine_close, assert_dispatch_matches
 from .oracle import combine_oracle, dispatch_oracle
 
@@ -56,18 +56,17 @@ class Case:
 
 def make_rank_inputs(case: Case) -> list[dict]:
     gen = torch.Generator().manual_seed(case.seed)
+    kind = "uniform" if case.routing == "one-expert" else case.routing
+    routings = iter_rank_routings(kind, case.tokens, case.num_experts, case.topk, case.seed)
     ranks = []
-    for s in range(case.world_size):
+    for s, idx in enumerate(routings):
         T = case.tokens[s]
         if case.routing == "one-expert":
+            # Every token's first choice is the same expert; the rest stay distinct from it.
             hot = case.num_experts // 2
-            idx = torch.full((T, case.topk), -1, dtype=torch.int64)
-            idx[:, 0] = hot
-            if case.topk > 1:
-                others = make_routing("uniform", T, case.num_experts - 1, case.topk - 1, gen)
-                idx[:, 1:] = others + (others >= hot).to(torch.int64)
-        else:
-            idx = make_routing(case.routing, T, case.num_experts, case.topk, gen)
+            others = idx[:, : case.topk - 1]
+            others = torch.where(others == hot, idx[:, case.topk - 1 :].expand_as(others), others)
+            idx = torch.cat([torch.full((T, 1), hot, dtype=torch.int64), others], dim=1)
         if case.drop_fraction > 0:
             idx = drop_routes(idx, case.drop_fraction, gen)
         weights = random_weights(idx, gen)

@@ -22,7 +22,7 @@ import torch
 
 from ..config import FP8_BLOCK, BufferConfig
 from ..fp8 import FP8_DTYPE, num_scale_blocks
-from ..synthetic import ROUTINGS, sample_topk, zipf_popularity
+from ..synthetic import ROUTINGS, iter_rank_routings
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
 DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE, "fp32": torch.float32}
@@ -102,11 +102,9 @@ class Scenario:
 
     def routings(self) -> list[torch.Tensor]:
         """[T, K] int64 topk_idx per rank. Zipf popularity is drawn once, shared by all ranks."""
-        gen = torch.Generator().manual_seed(self.seed)
-        popularity = zipf_popularity(self.experts, self.zipf_exponent, gen) if self.routing == "zipf" else None
         groups = dict(num_groups=self.nodes, topk_groups=self.topk_groups) if self.routing == "group-limited" else {}
-        return [sample_topk(self.tokens, self.experts, self.topk, gen, popularity=popularity, **groups)
-                for _ in range(self.world_size)]
+        return list(iter_rank_routings(self.routing, [self.tokens] * self.world_size, self.experts, self.topk,
+                                       self.seed, self.zipf_exponent, **groups))
 
 
 def _max_distinct(group_TK: torch.Tensor) -> int:

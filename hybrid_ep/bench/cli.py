@@ -1,0 +1,257 @@
+"""`python -m hybrid_ep.bench`: flags, device-dependent defaults, and the order of a run.
+
+Start the ranks, ask them which backends they can use, run every backend (and SM count),
+then print one table per run and write results.json and PNG plots into --out.
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank
+and rank 0 reports; otherwise --world-size processes are spawned on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from .. import __version__
+from ..synthetic import ROUTINGS
+from . import worker
+from .launch import open_launcher, under_torchrun
+from .metrics import build_run
+from .plot import write_plots
+from .report import SCHEMA, format_report, write_json
+from .spec import (BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_ITERS, BenchArgError,
+                   BenchSpec)
+
+PROG = "python -m hybrid_ep.bench"
+CPU_WORLD_SIZE = 4
+EXPERTS_PER_RANK = 2
+DEFAULT_TOPK = 8
+# The seed benchmark on GPU; on CPU a smaller shape so W=4 runs in seconds on two cores.
+DEFAULTS = {
+    "cuda": dict(hidden=8192, tokens=4096, warmup=10, iters=30),
+    "cpu": dict(hidden=1024, tokens=512, warmup=5, iters=20),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas or spaces, got {text!r}") from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Time HybridEPBuffer dispatch and combine on every rank and report time, algorithm "
+                    "bandwidth and NVLink / RDMA bus bandwidth (DESIGN.md 6). GPU defaults: H=8192, "
+                    "4096 tokens/rank, top-8, 2 experts/rank; CPU defaults: H=1024, 512 tokens/rank.")
+    p.add_argument("-w", "--world-size", type=int, default=None,
+                   help="ranks W (default: the GPU count on GPU, 4 on CPU; under torchrun: its WORLD_SIZE)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per NVLink domain G; W / G nodes (default: W, one node; under torchrun: "
+                        "LOCAL_WORLD_SIZE)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size H (default 8192 GPU, 1024 CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank T (default 4096 GPU, 512 CPU)")
+    p.add_argument("--topk", type=int, default=None, help=f"routes per token K (default {DEFAULT_TOPK}, at most E)")
+    p.add_argument("--experts", type=int, default=None, help=f"experts E (default {EXPERTS_PER_RANK} x W)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                   help="dispatch payload; fp8 quantises x per 128 elements and sends the scales, combine "
+                        "then runs in bf16 (default %(default)s)")
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform", help="synthetic routing (default %(default)s)")
+    p.add_argument("--zipf-exponent", type=float, default=1.2, help="skew of --routing zipf (default %(default)s)")
+    p.add_argument("--group-limit", type=int, default=None,
+                   help="nodes a token may reach with --routing group-limited (default 4, capped at the nodes)")
+    p.add_argument("--sms", type=_int_list, nargs="+", default=[], metavar="N",
+                   help="SM counts to sweep (num_sms of dispatch and combine), e.g. --sms 16 24 32; backends "
+                        "without an SM setting (reference) run once (default: each backend's default)")
+    p.add_argument("--backends", type=_name_list, nargs="+", default=[], metavar="NAME",
+                   help=f"among {', '.join(BENCH_BACKENDS)} (default: every backend available here)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10 GPU, 5 CPU)")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed calls; the median is reported (default 30 GPU, 20 CPU; >= {MIN_RECOMMENDED_ITERS} "
+                        "recommended)")
+    p.add_argument("--out", default=None, help="results folder (default results/bench-<timestamp>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of routing and inputs (default %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: nccl, one GPU per rank; cpu: gloo; auto: cuda when there is a GPU per rank "
+                        "(default %(default)s)")
+    return p
+
+
+def _note(message: str) -> None:
+    """A line on stderr (under torchrun from rank 0 only)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _resolve_world(args) -> tuple[str, int, int | None]:
+    """(device, world size, ranks per node from the launcher or None)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if under_torchrun():
+        W = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != W:
+            raise BenchArgError("--world-size", f"{args.world_size} differs from the launcher's WORLD_SIZE {W}")
+        if args.device == "cuda" and gpus == 0:
+            raise BenchArgError("--device", "cuda was asked for but no CUDA device is visible")
+        device = "cuda" if args.device == "cuda" or (args.device == "auto" and gpus > 0) else "cpu"
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return device, W, int(local) if local and local.isdigit() else None
+    if args.device == "cuda":
+        W = args.world_size if args.world_size is not None else gpus
+        if gpus == 0:
+            raise BenchArgError("--device", "cuda was asked for but no CUDA device is visible")
+        if gpus < W:
+            raise BenchArgError("--device", f"cuda needs one GPU per rank: --world-size {W}, {gpus} GPUs visible")
+        return "cuda", W, None
+    if args.device == "cpu":
+        return "cpu", args.world_size if args.world_size is not None else CPU_WORLD_SIZE, None
+    if args.world_size is None:
+        return ("cuda", gpus, None) if gpus > 0 else ("cpu", CPU_WORLD_SIZE, None)
+    if gpus >= args.world_size:
+        return "cuda", args.world_size, None
+    if gpus > 0:
+        _note(f"{gpus} GPUs for {args.world_size} ranks: running on CPU (gloo)")
+    return "cpu", args.world_size, None
+
+
+def resolve(args) -> tuple[BenchSpec, str]:
+    """Flags plus device-dependent defaults -> a validated spec and the results folder."""
+    device, W, launcher_G = _resolve_world(args)
+    if W < 1:
+        raise BenchArgError("--world-size", f"must be >= 1, got {W}")
+    d = DEFAULTS[device]
+    G = args.ranks_per_node if args.ranks_per_node is not None else (launcher_G or W)
+    experts = args.experts if args.experts is not None else EXPERTS_PER_RANK * W
+    topk = args.topk if args.topk is not None else min(DEFAULT_TOPK, experts)
+    spec = BenchSpec(
+        world_size=W, ranks_per_node=G,
+        hidden=args.hidden if args.hidden is not None else d["hidden"],
+        tokens=args.tokens if args.tokens is not None else d["tokens"],
+        topk=topk, experts=experts, dtype=args.dtype, routing=args.routing,
+        sms=tuple(n for chunk in args.sms for n in chunk),
+        backends=tuple(dict.fromkeys(n for chunk in args.backends for n in chunk)),
+        warmup=args.warmup if args.warmup is not None else d["warmup"],
+        iters=args.iters if args.iters is not None else d["iters"],
+        seed=args.seed, device=device, zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
+    ).validate()
+    if args.topk is None and topk < DEFAULT_TOPK:
+        _note(f"--topk defaults to {topk}: there are only {experts} experts")
+    out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise BenchArgError("--out", f"{out} exists and is not a folder")
+    return spec, out
+
+
+def _pick_backends(spec: BenchSpec, probes: list[dict]) -> list[str]:
+    usable = [b for b in probes[0]["backends"] if all(b in p["backends"] for p in probes)]
+    if not spec.backends:
+        return usable
+    for name in spec.backends:
+        if name not in usable:
+            reason = probes[0]["unavailable"].get(name) or "not available on every rank"
+            raise BenchArgError("--backends", f"{name!r} is not available here: {reason}")
+    return list(spec.backends)
+
+
+def _sms_note(spec: BenchSpec, backend: str) -> str:
+    if backend in BACKENDS_WITHOUT_SMS:
+        return "no SM setting; --sms ignored, run once" if spec.sms else "no SM setting"
+    return "backend default SMs"
+
+
+def _label(spec: BenchSpec, probes: list[dict]) -> str:
+    if spec.device == "cpu":
+        return "CPU numbers (gloo): they say nothing about GPU performance"
+    return f"GPU numbers ({probes[0]['device']}, nccl)"
+
+
+def _document(spec: BenchSpec, probes: list[dict], runs: list[dict], launcher_name: str) -> dict:
+    hosts = sorted({p["host"] for p in probes})
+    devices = sorted({p["device"] for p in probes})
+    config = {
+        "world_size": spec.world_size, "ranks_per_node": spec.ranks_per_node, "nodes": spec.num_nodes,
+        "hidden": spec.hidden, "tokens_per_rank": spec.tokens, "topk": spec.topk, "experts": spec.experts,
+        "experts_per_rank": spec.experts_per_rank, "dtype": spec.dtype,
+        "combine_dtype": str(spec.combine_dtype).replace("torch.", ""), "routing": spec.routing,
+        "zipf_exponent": spec.zipf_exponent if spec.routing == "zipf" else None,
+        "group_limit": spec.topk_groups if spec.routing == "group-limited" else None,
+        "sms": list(spec.sms) or None, "backends": sorted({r["backend"] for r in runs}, key=BENCH_BACKENDS.index),
+        "warmup": spec.warmup, "iters": spec.iters, "seed": spec.seed, "device": spec.device,
+        "transport": spec.transport,
+    }
+    machine = {
+        "device": devices[0] if len(devices) == 1 else "; ".join(devices),
+        "driver": probes[0]["driver"], "cuda": probes[0]["cuda"], "torch": torch.__version__,
+        "python": platform.python_version(), "hybrid_ep": __version__, "platform": platform.platform(),
+        "hosts": hosts, "logical_nodes": len(hosts) < spec.num_nodes, "launcher": launcher_name,
+    }
+    return {
+        "schema": SCHEMA, "label": _label(spec, probes),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine, "config": config, "runs": runs,
+    }
+
+
+def _execute(spec: BenchSpec, out_dir: str) -> int:
+    started = time.monotonic()
+    _note(f"starting {spec.world_size} ranks ({spec.transport}, {spec.device}) ...")
+    launcher = open_launcher(spec)
+    try:
+        _note(f"ranks ready after {time.monotonic() - started:.1f} s")
+        probes = launcher.run(worker.probe, spec)
+        backends = _pick_backends(spec, probes)
+        runs = []
+        for backend in backends:
+            if spec.sms and backend in BACKENDS_WITHOUT_SMS:
+                _note(f"{backend}: no SM setting (torch.distributed collectives); run once, --sms ignored")
+            raw = launcher.run(worker.run_backend, spec, backend)
+            for k, num_sms in enumerate(spec.sms_for(backend)):
+                runs.append(build_run(backend, num_sms, _sms_note(spec, backend), [per_rank[k] for per_rank in raw],
+                                      spec.ranks_per_node, probes))
+    finally:
+        launcher.close()
+    if not launcher.is_reporter:
+        return 0
+    doc = _document(spec, probes, runs, launcher.name)
+    print(format_report(doc), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    plots = write_plots(doc, out_dir)
+    json_path = os.path.join(out_dir, "results.json")
+    doc["files"] = {"json": json_path, "plots": plots}
+    write_json(doc, json_path)
+    print(f"\nresults: {json_path}")
+    for path in plots:
+        print(f"plot:    {path}")
+    print(f"total wall time {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse printed usage and the error (or --help)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        spec, out_dir = resolve(args)
+        if spec.iters < MIN_RECOMMENDED_ITERS:
+            _note(f"{spec.iters} timed calls: DESIGN.md 6 asks for medians of >= {MIN_RECOMMENDED_ITERS}")
+        return _execute(spec, out_dir)
+    except BenchArgError as err:
+        if os.environ.get("RANK", "0") == "0":
+            parser.print_usage(sys.stderr)
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,106 @@
+"""Text tables and results.json from the results document the CLI assembles.
+
+The document: {"schema", "label", "date", "machine", "config", "runs": [run, ...], "files"};
+a run is metrics.build_run's dict (one backend at one SM count, one entry per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .metrics import OPS
+
+SCHEMA = "hybrid-ep-bench/1"
+_OP_COLS = (("ms", "median_ms", 10), ("algbw GB/s", "algbw_gbps", 12),
+            ("NVLink GB/s", "nvlink_gbps", 13), ("RDMA GB/s", "rdma_gbps", 11))
+_SUMMARY_KEYS = {"median_ms": "max_ms", "algbw_gbps": "mean_algbw_gbps",
+                 "nvlink_gbps": "mean_nvlink_gbps", "rdma_gbps": "mean_rdma_gbps"}
+_LEFT = 11  # width of the rank / node columns
+
+
+def run_title(run: dict) -> str:
+    if run["num_sms"] is None:
+        return f"{run['backend']} ({run['sms_note']})"
+    return f"{run['backend']} ({run['num_sms']} SMs)"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def config_line(doc: dict) -> str:
+    c, m = doc["config"], doc["machine"]
+    nodes = f"{_plural(c['nodes'], 'node')} x {_plural(c['ranks_per_node'], 'rank')}"
+    if m["logical_nodes"]:
+        nodes += f", logical nodes on {_plural(len(m['hosts']), 'host')}"
+    routing = c["routing"]
+    if routing == "zipf":
+        routing += f" (exponent {c['zipf_exponent']})"
+    elif routing == "group-limited":
+        routing += f" (<= {c['group_limit']} nodes per token)"
+    dtype = c["dtype"] + (" (combine bf16)" if c["dtype"] == "fp8" else "")
+    return (f"W={c['world_size']} ({nodes}), H={c['hidden']}, T={c['tokens_per_rank']} tokens/rank, "
+            f"K={c['topk']}, E={c['experts']} ({c['experts_per_rank']}/rank), {dtype}, {routing} routing, "
+            f"seed {c['seed']}")
+
+
+def format_table(doc: dict, run: dict) -> str:
+    c = doc["config"]
+    op_width = sum(w for _, _, w in _OP_COLS)
+    head1 = " " * _LEFT + "".join(f"  {('-- ' + op + ' ').ljust(op_width - 1, '-')}" for op in OPS)
+    head2 = f"{'rank':>5}{'node':>6}" + "".join(
+        "  " + "".join(f"{name:>{w}}" for name, _, w in _OP_COLS) for _ in OPS)
+    lines = [
+        f"== {run_title(run)} | {doc['label']}",
+        config_line(doc),
+        f"{doc['machine']['device']} | torch {doc['machine']['torch']} | {doc['date']}",
+        f"median of {c['iters']} timed calls per rank after {c['warmup']} warm-up; timing: {run['timing']}",
+        head1,
+        head2,
+    ]
+    for r in run["ranks"]:
+        cells = "".join("  " + "".join(f"{r[op][key]:>{w}.3f}" for _, key, w in _OP_COLS) for op in OPS)
+        lines.append(f"{r['rank']:>5}{r['node']:>6}{cells}")
+    s = run["summary"]
+    cells = "".join("  " + "".join(f"{s[op][_SUMMARY_KEYS[key]]:>{w}.3f}" for _, key, w in _OP_COLS)
+                    for op in OPS)
+    lines.append(f"{'max/mean':>{_LEFT}}{cells}")
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "ms: median time of the call on that rank; summary: slowest rank (max), bandwidths averaged over ranks (mean).\n"
+    "algbw: rows the rank receives in dispatch (one per token and destination rank, itself included) x row bytes\n"
+    "  (fp8: with its scales) / time; combine sends the same rows back at the combine dtype.\n"
+    "NVLink / RDMA: bytes the rank sends on that link under the hierarchical scheme / time (GB/s = 1e9 B/s)."
+)
+
+
+def links_note(doc: dict) -> str | None:
+    """Say when the NVLink / RDMA columns name links that the bytes did not actually take."""
+    transport = doc["config"]["transport"]
+    if doc["config"]["device"] == "cpu":
+        return ("On CPU there is no NVLink or RDMA: those columns are the bytes the hierarchical scheme assigns "
+                f"to each link over the measured time; all bytes went through {transport}.")
+    if doc["machine"]["logical_nodes"]:
+        return ("Nodes are logical (fewer hosts than nodes): the RDMA column is the bytes the hierarchical scheme "
+                f"sends between nodes over the measured time; they went through {transport} inside a host.")
+    return None
+
+
+def format_report(doc: dict) -> str:
+    parts = [format_table(doc, run) for run in doc["runs"]]
+    notes = [LEGEND]
+    note = links_note(doc)
+    if note:
+        notes.append(note)
+    return "\n\n".join(parts + ["\n".join(notes)])
+
+
+def write_json(doc: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    return path

@@ -1,0 +1,150 @@
+"""What every rank runs: module-level functions, so ProcessGroupPool can send them by name.
+
+`probe` reports the rank's host, device and usable backends. `run_backend` builds one
+HybridEPBuffer for a backend and, for each SM count, runs dispatch then combine: warm-up
+calls, then timed calls; it returns the raw samples and the traffic of the last calls.
+Rank 0 prints progress on stderr.
+
+Legend: T tokens on this rank, K routes per token, H hidden, R dispatched rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..backends import available_backends, cuda_unavailable_reason, deepep_unavailable_reason
+from ..buffer import HybridEPBuffer
+from ..fp8 import dequantize_fp8, quantize_fp8
+from ..synthetic import iter_rank_routings, random_weights
+from .spec import BACKENDS_WITHOUT_SMS, BenchSpec
+from .timing import make_timer
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def probe(spec: BenchSpec) -> dict:
+    """This rank's host and device, and which backends its EP group can use."""
+    group = dist.group.WORLD
+    info = {"rank": dist.get_rank(group), "host": socket.gethostname()}
+    if spec.device == "cuda":
+        index = torch.cuda.current_device()
+        info |= {"device": torch.cuda.get_device_name(index), "device_index": index,
+                 "driver": _gpu_driver(), "cuda": torch.version.cuda}
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        info |= {"device": f"CPU: {_cpu_name()} ({cores} cores)", "driver": None, "cuda": None}
+    info["backends"] = available_backends(group)
+    info["unavailable"] = {"cuda": cuda_unavailable_reason(group), "deepep": deepep_unavailable_reason()}
+    return info
+
+
+def make_inputs(spec: BenchSpec, rank: int, device: torch.device):
+    """x [T, H], fp8 scales [T, H/128] or None, topk_idx [T, K], topk_weights [T, K].
+
+    Routings of all ranks come from one generator in rank order (Zipf popularity drawn once,
+    shared by all ranks), as `python -m hybrid_ep.traffic` draws them for the same seed.
+    """
+    groups = (dict(num_groups=spec.num_nodes, topk_groups=spec.topk_groups)
+              if spec.routing == "group-limited" else {})
+    routings = iter_rank_routings(spec.routing, [spec.tokens] * (rank + 1), spec.experts, spec.topk, spec.seed,
+                                  spec.zipf_exponent, **groups)
+    topk_idx = list(routings)[rank]
+    own = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank + 1)
+    topk_weights = random_weights(topk_idx, own)
+    x = torch.randn(spec.tokens, spec.hidden, generator=own)
+    scales = None
+    if spec.dtype == "fp8":
+        x, scales = quantize_fp8(x)
+        scales = scales.to(device)
+    else:
+        x = x.to(spec.torch_dtype)
+    return x.to(device), scales, topk_idx.to(device), topk_weights.to(device)
+
+
+class _Progress:
+    """Rank 0's progress on stderr: overwritten in place on a terminal, a few lines otherwise."""
+
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled, self.label, self.total = enabled, label, total
+        self.tty = enabled and sys.stderr.isatty()
+        self.step = max(1, total // 4)
+
+    def update(self, phase: str, i: int, n: int) -> None:
+        if not self.enabled:
+            return
+        line = f"[bench] {self.label}: {phase} {i}/{n}"
+        if self.tty:
+            print("\r" + line.ljust(72), end="" if i < n or phase != "timed" else "\n", file=sys.stderr, flush=True)
+        elif i == n or i % self.step == 0:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _traffic(t) -> dict:
+    return dataclasses.asdict(t) | {"algorithm_bytes": t.algorithm_bytes}
+
+
+def run_backend(spec: BenchSpec, backend: str) -> list[dict]:
+    """One buffer for `backend`; per SM count: warm-up, then timed dispatch and combine pairs."""
+    group = dist.group.WORLD
+    rank = dist.get_rank(group)
+    buf = HybridEPBuffer(group, spec.hidden, spec.tokens, spec.experts,
+                         ranks_per_node=spec.ranks_per_node, backend=backend)
+    device = buf.device
+    x, scales, topk_idx, topk_weights = make_inputs(spec, rank, device)
+    timer = make_timer(group, device)
+    expert_out = None  # combine input [R, H]; the routing is fixed, so R is the same every call
+
+    results = []
+    for num_sms in spec.sms_for(backend):
+        if backend in BACKENDS_WITHOUT_SMS:
+            sms_label = "no SM setting"
+        else:
+            sms_label = f"{num_sms} SMs" if num_sms is not None else "default SMs"
+        progress = _Progress(rank == 0, f"{backend} ({sms_label})", spec.iters)
+        keys = (f"dispatch/{num_sms}", f"combine/{num_sms}")
+        for phase, n in (("warm-up", spec.warmup), ("timed", spec.iters)):
+            for i in range(n):
+                res = timer.call(keys[0], lambda: buf.dispatch(x, topk_idx, topk_weights, scales=scales,
+                                                               num_sms=num_sms), record=phase == "timed")
+                dispatch_traffic = buf.last_traffic
+                if expert_out is None:
+                    expert_out = (dequantize_fp8(res.tokens, res.scales, spec.combine_dtype)
+                                  if res.scales is not None else res.tokens.to(spec.combine_dtype))
+                timer.call(keys[1], lambda: buf.combine(expert_out, res.handle, num_sms=num_sms),
+                           record=phase == "timed")
+                combine_traffic = buf.last_traffic
+                progress.update(phase, i + 1, n)
+        results.append({
+            "rank": rank,
+            "num_sms": num_sms,
+            "timing": timer.method,
+            "dispatch": {"samples_ms": timer.samples_ms(keys[0]), "traffic": _traffic(dispatch_traffic)},
+            "combine": {"samples_ms": timer.samples_ms(keys[1]), "traffic": _traffic(combine_traffic)},
+        })
+    return results
