@@ -78,10 +78,11 @@ class HybridEPBuffer:
         return self._backend.memory_plan()
 
     def _kernel(self, num_sms_dispatch=None, num_sms_combine=None) -> KernelConfig:
+        base = self.kernel_config
         return dataclasses.replace(
-            self.kernel_config,
-            num_sms_dispatch=num_sms_dispatch or self.kernel_config.num_sms_dispatch,
-            num_sms_combine=num_sms_combine or self.kernel_config.num_sms_combine,
+            base,
+            num_sms_dispatch=base.num_sms_dispatch if num_sms_dispatch is None else num_sms_dispatch,
+            num_sms_combine=base.num_sms_combine if num_sms_combine is None else num_sms_combine,
         ).validate()
 
     def dispatch(

@@ -72,6 +72,7 @@ DISPATCH_CASES = [
      "num_out_tokens must be >= 0"),
     ("num_out_tokens float", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=4.0), TypeError,
      "num_out_tokens must be an int"),
+    ("num_sms zero", lambda: dict(x=_x(), topk_idx=_idx(), num_sms=0), ValueError, "num_sms_dispatch must be >= 1"),
 ]
 
 
