@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 ROUTINGS = ("uniform", "zipf", "group-limited")
+# Nodes a group-limited token may reach unless told (DeepSeek-V3 limits a token to 4 nodes).
+DEFAULT_GROUP_LIMIT = 4
+
+
+def default_group_limit(num_nodes: int) -> int:
+    """DEFAULT_GROUP_LIMIT, capped at the node count so small clusters still route."""
+    return min(DEFAULT_GROUP_LIMIT, num_nodes)
 
 
 def zipf_popularity(num_experts: int, exponent: float, generator: torch.Generator) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+import torch
 import torch.distributed as dist
 
 from .base import Backend
@@ -19,8 +20,6 @@ def cuda_unavailable_reason(group) -> str | None:
         importlib.import_module("hybrid_ep._C")
     except ImportError as err:
         return f"the compiled extension hybrid_ep._C is not installed ({err})"
-    import torch
-
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
     if "nccl" not in str(dist.get_backend(group)).lower():

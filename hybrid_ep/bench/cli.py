@@ -24,8 +24,7 @@ from .launch import open_launcher, under_torchrun
 from .metrics import build_run
 from .plot import write_plots
 from .report import SCHEMA, format_report, write_json
-from .spec import (BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_ITERS, BenchArgError,
-                   BenchSpec)
+from .spec import BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_ITERS, BenchArgError, BenchSpec
 
 PROG = "python -m hybrid_ep.bench"
 CPU_WORLD_SIZE = 4

@@ -15,17 +15,13 @@ import dataclasses
 import torch
 
 from ..config import FP8_BLOCK
-from ..synthetic import ROUTINGS
+from ..dtypes import DISPATCH_BY_NAME as DTYPES
+from ..dtypes import combine_dtype_for
+from ..synthetic import ROUTINGS, default_group_limit
 
-DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
-# Combine sends expert outputs, which are never fp8 (DeepEP and Megatron combine in bf16).
-COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp32": torch.float32}
 BENCH_BACKENDS = ("cuda", "reference", "deepep")
 # Backends built on torch.distributed collectives have no SM count to set: run them once.
 BACKENDS_WITHOUT_SMS = frozenset({"reference"})
-# Nodes a group-limited token may reach by default (DeepSeek-V3), capped at the node count;
-# the same default as `python -m hybrid_ep.traffic --group-limit`.
-DEFAULT_GROUP_LIMIT = 4
 # DESIGN.md 6: evict L2 before each timed GPU call by writing this many bytes.
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 # DESIGN.md 6: medians of at least this many timed calls.
@@ -57,7 +53,7 @@ class BenchSpec:
     seed: int
     device: str  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank)
     zipf_exponent: float = 1.2
-    group_limit: int | None = None  # None: DEFAULT_GROUP_LIMIT capped at the node count
+    group_limit: int | None = None  # None: synthetic.default_group_limit(nodes)
 
     @property
     def num_nodes(self) -> int:
@@ -69,7 +65,7 @@ class BenchSpec:
 
     @property
     def topk_groups(self) -> int:
-        return self.group_limit if self.group_limit is not None else min(DEFAULT_GROUP_LIMIT, self.num_nodes)
+        return self.group_limit if self.group_limit is not None else default_group_limit(self.num_nodes)
 
     @property
     def transport(self) -> str:
@@ -81,7 +77,7 @@ class BenchSpec:
 
     @property
     def combine_dtype(self) -> torch.dtype:
-        return COMBINE_DTYPES[self.dtype]
+        return combine_dtype_for(self.torch_dtype)
 
     def sms_for(self, backend: str) -> list[int | None]:
         """SM counts to run `backend` with; [None] = the backend's default (or it has none)."""

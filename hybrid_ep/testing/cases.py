@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ..config import BufferConfig
+from ..dtypes import combine_dtype_for
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..synthetic import drop_routes, iter_rank_routings, random_weights
 from .compare import assert_combine_close, assert_dispatch_matches
@@ -45,7 +46,7 @@ class Case:
 
     @property
     def combine_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.dtype == FP8_DTYPE else self.dtype
+        return combine_dtype_for(self.dtype)
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")

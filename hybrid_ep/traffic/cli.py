@@ -21,16 +21,15 @@ import sys
 import torch
 
 from ..config import FP8_BLOCK, BufferConfig
-from ..fp8 import FP8_DTYPE, num_scale_blocks
-from ..synthetic import ROUTINGS, iter_rank_routings
+from ..dtypes import COMBINE_BY_NAME as COMBINE_DTYPES
+from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
+from ..fp8 import num_scale_blocks
+from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
-DISPATCH_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE, "fp32": torch.float32}
-COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Columns of the table: (scheme, link) -> key in the report.
 COLUMNS = ("hierarchical_nvlink", "hierarchical_rdma", "flat_nvlink", "flat_rdma")
 HEADERS = ("hierarchical NVLink", "hierarchical RDMA", "flat NVLink", "flat RDMA")
-DEFAULT_GROUP_LIMIT = 4
 
 
 def _flag(field: str) -> str:
@@ -61,7 +60,7 @@ class Scenario:
     @property
     def topk_groups(self) -> int:
         """Nodes a group-limited token may reach (groups = nodes)."""
-        return self.group_limit if self.group_limit is not None else min(DEFAULT_GROUP_LIMIT, self.nodes)
+        return self.group_limit if self.group_limit is not None else default_group_limit(self.nodes)
 
     def validate(self) -> "Scenario":
         """Raise ValueError naming the flag and the rule."""
