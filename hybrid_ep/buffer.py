@@ -29,6 +29,9 @@ class HybridEPBuffer:
     group: the EP ProcessGroup (None: the default group). ranks_per_node: NVLink domain
     size (None: the launcher's local world size). backend: "auto" | "cuda" | "reference" |
     "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
+    min_rows_per_expert: every local expert gets at least this many rows (zero rows with
+    prob 0 past its real ones) before rounding up to pad_multiple, so grouped GEMMs never
+    see an empty group (0: experts without tokens get no rows).
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class HybridEPBuffer:
         ranks_per_node: int | None = None,
         backend: str = "auto",
         pad_multiple: int = 1,
+        min_rows_per_expert: int = 0,
         num_sms_dispatch: int | None = None,
         num_sms_combine: int | None = None,
     ):
@@ -58,6 +62,7 @@ class HybridEPBuffer:
             world_size=world_size,
             ranks_per_node=ranks_per_node,
             pad_multiple=pad_multiple,
+            min_rows_per_expert=min_rows_per_expert,
         ).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         self.group = group

@@ -30,6 +30,9 @@ class BufferConfig:
     world_size: int
     ranks_per_node: int
     pad_multiple: int = 1
+    # Every local expert gets at least this many rows (zero rows past its real ones), so a
+    # grouped GEMM never sees an empty group; the block is then rounded up to pad_multiple.
+    min_rows_per_expert: int = 0
 
     def validate(self) -> "BufferConfig":
         _require_int("hidden_dim", self.hidden_dim, 1)
@@ -38,6 +41,7 @@ class BufferConfig:
         _require_int("world_size", self.world_size, 1)
         _require_int("ranks_per_node", self.ranks_per_node, 1)
         _require_int("pad_multiple", self.pad_multiple, 1)
+        _require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
         if self.num_experts % self.world_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the EP world size "

@@ -210,13 +210,22 @@ class DestLayout:
 
 
 def dest_layout(
-    recv_expert_mask_VL: torch.Tensor, pad_multiple: int, num_out_tokens: int | None
+    recv_expert_mask_VL: torch.Tensor,
+    pad_multiple: int,
+    num_out_tokens: int | None,
+    min_rows_per_expert: int = 0,
 ) -> DestLayout:
-    """Expert-major layout: expert j's rows in received order (source rank, then token), padded."""
+    """Expert-major layout: expert j's rows in received order (source rank, then token), padded.
+
+    Expert j's block has roundup(max(n_j, min_rows_per_expert), pad_multiple) rows; the rows
+    past its n_j real ones are zero padding (min_rows_per_expert > 0 keeps grouped GEMMs
+    from ever seeing an empty group).
+    """
     mask = recv_expert_mask_VL
     device = mask.device
     counts_L = mask.sum(dim=0, dtype=torch.int64)
-    padded_L = (counts_L + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded_L = counts_L.clamp(min=min_rows_per_expert)
+    padded_L = (padded_L + pad_multiple - 1) // pad_multiple * pad_multiple
     ends_L = padded_L.cumsum(0)
     starts_L = ends_L - padded_L
     needed = ends_L[-1] if ends_L.numel() else torch.zeros((), dtype=torch.int64, device=device)

@@ -107,7 +107,7 @@ class ReferenceBackend(Backend):
         if handle is None:
             recv_probs_VL = _from_bytes(parts[len(payload)], torch.float32)
             recv_mask_VL = parts[len(payload) + 1].bool()
-            dest = dest_layout(recv_mask_VL, cfg.pad_multiple, num_out_tokens)
+            dest = dest_layout(recv_mask_VL, cfg.pad_multiple, num_out_tokens, cfg.min_rows_per_expert)
             probs_R = torch.zeros(dest.num_rows, dtype=torch.float32, device=x_TH.device)
             probs_R[dest.out_pos_M] = recv_probs_VL[dest.out_src_M, dest.out_expert_M]
             handle = DispatchHandle(
@@ -160,7 +160,8 @@ class ReferenceBackend(Backend):
         cfg = self.config
         T, W, H, L = cfg.max_tokens_per_rank, cfg.world_size, cfg.hidden_dim, cfg.experts_per_rank
         row = H * 4 + 5 * L  # widest row (fp32) plus per-row expert mask and weights
-        max_rows = W * T * L + L * (cfg.pad_multiple - 1)
+        # Per expert: roundup(max(n, min_rows), pad) <= n + min_rows + pad - 1.
+        max_rows = W * T * L + L * (cfg.min_rows_per_expert + cfg.pad_multiple - 1)
         return MemoryPlan(
             backend=self.name,
             buffers=(

@@ -33,6 +33,7 @@ class Case:
     routing: str = "uniform"  # uniform | zipf | one-expert
     drop_fraction: float = 0.0  # share of slots set to -1
     pad_multiple: int = 1
+    min_rows_per_expert: int = 0
     num_out_tokens: int | None = None
     apply_probs: bool = False
     routing_map: bool = False  # pass Megatron's routing_map / probs instead of topk
@@ -42,7 +43,7 @@ class Case:
     @property
     def config(self) -> BufferConfig:
         return BufferConfig(self.hidden, max(self.tokens), self.num_experts, self.world_size,
-                            self.ranks_per_node, self.pad_multiple).validate()
+                            self.ranks_per_node, self.pad_multiple, self.min_rows_per_expert).validate()
 
     @property
     def combine_dtype(self) -> torch.dtype:
@@ -52,7 +53,7 @@ class Case:
         dt = str(self.dtype).replace("torch.", "")
         return (f"W{self.world_size}xG{self.ranks_per_node} E{self.num_experts} H{self.hidden} "
                 f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
-                f"pad{self.pad_multiple} out{self.num_out_tokens}")
+                f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}")
 
 
 def make_rank_inputs(case: Case) -> list[dict]:
@@ -101,7 +102,7 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
     cfg = case.config
     buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
                          ranks_per_node=cfg.ranks_per_node, backend=case.backend,
-                         pad_multiple=cfg.pad_multiple)
+                         pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert)
     device = buf.device
     x = inputs["x"].to(device)
     scales = inputs["scales"].to(device) if inputs["scales"] is not None else None
@@ -167,7 +168,7 @@ def run_autograd_on_rank(case: Case, inputs: dict, weights_EHH: torch.Tensor, gr
     cfg = case.config
     buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
                          ranks_per_node=cfg.ranks_per_node, backend=case.backend,
-                         pad_multiple=cfg.pad_multiple)
+                         pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert)
     x = inputs["x"].clone().requires_grad_(True)
     routing = _routing_kwargs(case, inputs)
     weight_key = "probs" if case.routing_map else "topk_weights"

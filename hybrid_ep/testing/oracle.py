@@ -51,7 +51,7 @@ def dispatch_oracle(
     num_out_tokens: int | None = None,
 ) -> OracleRun:
     W, L, H = config.world_size, config.experts_per_rank, config.hidden_dim
-    pad = config.pad_multiple
+    pad, min_rows = config.pad_multiple, config.min_rows_per_expert
     if topk_weights is None:
         topk_weights = [(i >= 0).to(torch.float32) for i in topk_idx]
     row_of_slot = [torch.full(i.shape, -1, dtype=torch.int64) for i in topk_idx]
@@ -73,7 +73,12 @@ def dispatch_oracle(
                 prob_pieces.append(topk_weights[s].cpu().float()[tokens, slots])
                 row_of_slot[s][tokens, slots] = torch.arange(pos, pos + n)
                 pos += n
-            extra = (-(pos - start)) % pad
+            # At least min_rows rows per expert (zero rows past the real ones), then up to a
+            # multiple of pad.
+            real = pos - start
+            block = max(real, min_rows)
+            block += (-block) % pad
+            extra = block - real
             pieces.append(torch.zeros(extra, H, dtype=xs[0].dtype))
             if scales is not None:
                 scale_pieces.append(torch.zeros(extra, H // 128, dtype=torch.float32))
