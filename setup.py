@@ -7,9 +7,48 @@ pure Python (reference backend) and one line says why.
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 from setuptools import find_packages, setup
+
+
+def _default_archs(cuda_home: str) -> str:
+    """sm_90a always; sm_100a too when this nvcc can build it (CUDA >= 12.8)."""
+    archs = ["90a"]
+    try:
+        listed = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-code"],
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ";".join(archs)
+    if "sm_100" in listed.split():
+        archs.append("100a")
+    return ";".join(archs)
+
+
+def _locate_cuda_home() -> None:
+    """Point CUDA_HOME at the toolkit when nvcc on PATH is a wrapper outside it.
+
+    PyTorch takes the parent of nvcc's directory; a wrapper script in /usr/local/bin would
+    make that /usr/local, which has no CUDA headers. nvcc --dryrun names its real home.
+    """
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or os.path.exists(os.path.join(os.path.dirname(nvcc), "..", "include", "cuda_runtime.h")):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = os.path.join(tmp, "probe.cu")
+        open(probe, "w").close()
+        run = subprocess.run([nvcc, "--dryrun", "-c", probe], capture_output=True, text=True)
+    for line in (run.stdout + run.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            home = os.path.normpath(line.split("=", 1)[1].strip())
+            if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+                os.environ["CUDA_HOME"] = home
+            return
 
 
 def _cuda_extension():
@@ -18,7 +57,8 @@ def _cuda_extension():
         return [], {}, "HYBRID_EP_SKIP_CUDA_BUILD=1"
     sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
     if not sources:
-        return [], {}, "csrc/ has no CUDA sources yet"
+        return [], {}, "csrc/ has no CUDA sources"
+    _locate_cuda_home()
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
@@ -28,9 +68,10 @@ def _cuda_extension():
         return [], {}, "this PyTorch is a CPU-only build"
     if CUDA_HOME is None:
         return [], {}, "no CUDA toolkit found (set CUDA_HOME)"
-    archs = os.environ.get("HYBRID_EP_CUDA_ARCHS", "90a")
-    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+    archs = os.environ.get("HYBRID_EP_CUDA_ARCHS") or _default_archs(CUDA_HOME)
+    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs.split(";") if a]
+    print(f"hybrid-ep: building the CUDA extension hybrid_ep._C for {archs.replace(';', ', ')}", file=sys.stderr)
     ext = CUDAExtension(
         "hybrid_ep._C",
         sources,

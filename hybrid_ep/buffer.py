@@ -69,7 +69,19 @@ class HybridEPBuffer:
         self.rank = dist.get_rank(group)
         self._owner = next(_owner_ids)
         self._backend = create_backend(backend, self.config, group, self.rank, self._owner)
-        self.last_traffic: Traffic | None = None
+        self._last_call: tuple[str, DispatchHandle, int] | None = None
+
+    @property
+    def last_traffic(self) -> Traffic | None:
+        """NVLink / RDMA bytes of the last dispatch or combine of this rank.
+
+        Computed when read, not per call: the row counts live on the device, and reading
+        them on every call would synchronise with the host and break CUDA graph capture.
+        """
+        if self._last_call is None:
+            return None
+        kind, handle, row_bytes = self._last_call
+        return rank_traffic(kind, self.rank, handle.row_counts, row_bytes)
 
     @property
     def backend(self) -> str:
@@ -146,6 +158,7 @@ class HybridEPBuffer:
         routing = normalize_routing(
             x.shape[0], self.config.num_experts, x.device,
             topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
+            check_values=num_out_tokens is None or not self._backend.checks_routing_on_device,
         )
         return routing, None
 
@@ -159,14 +172,12 @@ class HybridEPBuffer:
         rows, scales_out, handle = self._backend.dispatch(
             x, scales, routing, handle, num_out_tokens, self._kernel(num_sms_dispatch=num_sms)
         )
-        row_bytes = dispatch_row_bytes(self.config.hidden_dim, x.dtype)
-        self.last_traffic = rank_traffic("dispatch", self.rank, handle.row_counts, row_bytes)
+        self._last_call = ("dispatch", handle, dispatch_row_bytes(self.config.hidden_dim, x.dtype))
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms):
         y = self._backend.combine(expert_out, handle, apply_probs, self._kernel(num_sms_combine=num_sms))
-        row_bytes = combine_row_bytes(self.config.hidden_dim, expert_out.dtype)
-        self.last_traffic = rank_traffic("combine", self.rank, handle.row_counts, row_bytes)
+        self._last_call = ("combine", handle, combine_row_bytes(self.config.hidden_dim, expert_out.dtype))
         return y
 
     def _return_row_values(self, values_R, handle):

@@ -41,19 +41,27 @@ if [ ! -x "$py" ]; then
     "$py_base" -m venv "$venv"
 fi
 
+# Point the editable install at this checkout. Re-run only when the checkout moved or its
+# build inputs changed: with a CUDA toolkit this compiles hybrid_ep._C (about a minute).
+build_stamp=$( (echo "$repo"; cat "$repo/setup.py" "$repo/pyproject.toml";
+                find "$repo/csrc" -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) \
+                    -print0 2>/dev/null | sort -z | xargs -0 -r cat) | sha256sum | cut -c1-16)
 stamp=$(cat "$repo/setup.py" "$repo/pyproject.toml" | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     log "installing dependencies into $venv (first time: torch from the registry, a few minutes)"
     "$py" -m pip install -q --upgrade pip setuptools wheel >&2
-    "$py" -m pip install -q --no-build-isolation -e "$repo[test]" >&2
+    "$py" -m pip install -q --no-build-isolation -e "$repo[test,megatron]" >&2
     echo "$stamp" > "$venv/.hybrid-ep-deps"
+    echo "$build_stamp" > "$venv/.hybrid-ep-build"  # that install built this checkout too
 fi
 
-# Point the editable install at this checkout (cheap; checkouts move, the venv stays).
-buildlog=$(mktemp)
-if ! "$py" -m pip install -v --no-deps --no-build-isolation -e "$repo" >"$buildlog" 2>&1; then
-    cat "$buildlog" >&2; rm -f "$buildlog"; log "error: installing hybrid-ep failed"; exit 1
+if [ "$(cat "$venv/.hybrid-ep-build" 2>/dev/null)" != "$build_stamp" ]; then
+    buildlog=$(mktemp)
+    if ! "$py" -m pip install -v --no-deps --no-build-isolation -e "$repo" >"$buildlog" 2>&1; then
+        cat "$buildlog" >&2; rm -f "$buildlog"; log "error: installing hybrid-ep failed"; exit 1
+    fi
+    grep -ho 'hybrid-ep: building .*' "$buildlog" | sort -u >&2 || true
+    rm -f "$buildlog"
+    echo "$build_stamp" > "$venv/.hybrid-ep-build"
 fi
-grep -ho 'hybrid-ep: building .*' "$buildlog" | sort -u >&2 || true
-rm -f "$buildlog"
 echo "$py"

@@ -4,7 +4,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$(bash "$repo/scripts/env.sh")
-bash "$repo/scripts/compile_csrc.sh"
+PYTHON="$py" bash "$repo/scripts/compile_csrc.sh"
 cd "$repo"
 set +e
 "$py" -m pytest --timeout=600 "$@"

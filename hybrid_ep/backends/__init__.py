@@ -24,7 +24,20 @@ def cuda_unavailable_reason(group) -> str | None:
         return "no CUDA device is visible"
     if "nccl" not in str(dist.get_backend(group)).lower():
         return "the EP group is not an NCCL group"
-    return "the cuda backend is not part of this build yet"
+    return None
+
+
+def _cuda_fits(config, group) -> bool:
+    """auto picks cuda when it can run here and the group is one NVLink domain."""
+    if cuda_unavailable_reason(group) is not None:
+        return False
+    from .cuda.layout import check_geometry
+
+    try:
+        check_geometry(config)
+    except ValueError:
+        return False
+    return True
 
 
 def deepep_unavailable_reason() -> str | None:
@@ -37,11 +50,16 @@ def create_backend(name: str, config, group, rank: int, owner: int) -> Backend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "auto":
-        name = "cuda" if cuda_unavailable_reason(group) is None else "reference"
+        name = "cuda" if _cuda_fits(config, group) else "reference"
     if name == "reference":
         return ReferenceBackend(config, group, rank, owner)
     if name == "cuda":
-        raise RuntimeError(f"backend='cuda' is not available: {cuda_unavailable_reason(group)}")
+        reason = cuda_unavailable_reason(group)
+        if reason is not None:
+            raise RuntimeError(f"backend='cuda' is not available: {reason}")
+        from .cuda.backend import CudaBackend
+
+        return CudaBackend(config, group, rank, owner)
     raise RuntimeError(f"backend='deepep' is not available: {deepep_unavailable_reason()}")
 
 

@@ -17,6 +17,9 @@ from ..routing import Routing
 
 class Backend(abc.ABC):
     name: str = ""
+    # True: expert ids are range- and duplicate-checked by the device, so the buffer skips the
+    # host checks that would synchronise (and break CUDA graph capture).
+    checks_routing_on_device: bool = False
 
     def __init__(self, config: BufferConfig, group, rank: int, owner: int):
         self.config = config

@@ -1,0 +1,151 @@
+// Plain structs shared by the host launchers, the Python bindings and the kernels.
+//
+// Every pointer is carried as uint64_t so pybind11 can fill the fields from Python
+// (tensor.data_ptr()) and the same struct is passed by value to a kernel. The offsets of
+// the registered buffer and of the per-call info tensor are planned in Python
+// (hybrid_ep/backends/cuda/layout.py) so memory_plan() knows them before allocation.
+#pragma once
+#include <cstdint>
+
+namespace hybrid_ep {
+
+constexpr int kMaxRanks = 64;          // EP group size the kernels index with 64-bit masks
+constexpr int kMaxLaunchRanks = 8;     // virtual ranks one emulated launch can hold
+constexpr int kMaxTopK = 16;           // routes per token (register arrays in the layout kernel)
+constexpr int kMaxExperts = 1024;      // layout kernel keeps [32 warps][E] counters in smem
+constexpr int kThreads = 512;          // threads per dispatch / combine block
+constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3 };
+
+enum Phase : int32_t {
+  kPhaseNone = 0,
+  kPhaseBadRouting = 1,       // topk_idx out of range or duplicated (peer = token)
+  kPhaseDispatchFlow = 2,     // waiting for a peer to finish reading the previous dispatch
+  kPhaseCounts = 3,           // waiting for a peer's counts
+  kPhaseDispatchRows = 4,     // waiting for a peer's rows
+  kPhaseCombineFlow = 5,      // waiting for a peer to finish reading the previous combine
+  kPhaseCombineRows = 6,      // waiting for a peer's partial sums
+  kPhasePipeline = 7,         // a shared-memory FIFO stage never completed
+};
+
+// Offsets (bytes) inside one rank's registered buffer. Peers write into it.
+struct RegLayout {
+  uint64_t count_epoch;      // u64 [W]: epoch of the counts source s wrote
+  uint64_t dispatch_signal;  // u64 [W]: rows that arrived from source s (monotonic)
+  uint64_t combine_signal;   // u64 [W]: partial rows that arrived from expert host d (monotonic)
+  uint64_t done_dispatch;    // u64: last dispatch epoch whose receive buffers were fully read
+  uint64_t done_combine;     // u64: last combine epoch whose partial buffers were fully read
+  uint64_t state;            // LocalState (only this rank touches it)
+  uint64_t count_in;         // i32 [W][count_row_ints]: counts written by source s
+  uint64_t count_row_ints;   // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
+  uint64_t recv_meta;        // MetaEntry [W][max_tokens][meta_entries]
+  uint64_t meta_entries;     // entries per received row: min(L, kMaxTopK)
+  uint64_t recv_rows;        // row bytes [W][max_tokens][row_stride]
+  uint64_t row_stride;
+  uint64_t recv_scales;      // f32 [W][max_tokens][scale_stride / 4]
+  uint64_t scale_stride;
+  uint64_t comb_rows;        // f32 partial sums [W][max_tokens][comb_stride / 4]
+  uint64_t comb_stride;
+  uint64_t total;
+};
+
+// Offsets (int64 elements) inside the per-call info tensor the layout kernel fills.
+struct InfoLayout {
+  int64_t tokens_per_expert;  // [L] output rows per local expert, padding included, clipped at R
+  int64_t expert_start;       // [L] first output row of each local expert
+  int64_t expert_rows;        // [L] real (routed) rows of each local expert, before clipping
+  int64_t src_prefix;         // [W][L] rows of expert j that come from sources before s
+  int64_t recv_count;         // [W] rows received from each source
+  int64_t recv_offset;        // [W] exclusive prefix of recv_count
+  int64_t send_count;         // [W] rows sent to each rank
+  int64_t needed;             // [1] rows the unclipped layout needs
+  int64_t dropped;            // [1] routed entries that did not fit num_out_tokens
+  int64_t num_recv;           // [1] rows received in total
+  int64_t count_matrix;       // [W][W] rows sent from s to d (all ranks)
+  int64_t node_counts;        // [W][N] tokens of s that reach node n
+  int64_t total;
+};
+
+struct Geometry {
+  int32_t world_size, ranks_per_node, num_nodes;
+  int32_t num_experts, local_experts;
+  int32_t max_tokens, hidden;
+  int32_t pad_multiple, min_rows_per_expert;
+  RegLayout reg;
+  InfoLayout info;
+};
+
+// Host-visible error record (pinned host memory, mapped into the device address space).
+struct ErrorRecord {
+  int32_t phase;      // Phase; 0 = no error
+  int32_t rank;
+  int32_t peer;
+  int32_t pad;
+  uint64_t epoch;
+  uint64_t expected;
+  uint64_t observed;
+};
+
+// One rank's view of one call. In production a launch holds one RankArgs; the single-GPU
+// emulation puts every virtual rank of the group into one launch.
+struct RankArgs {
+  int32_t rank;
+  int32_t absent;           // test hook: this virtual rank never arrives
+  int32_t num_tokens;       // T on this rank
+  int32_t topk;             // K
+  uint64_t peers;           // device array of W registered-buffer base pointers (own included)
+  uint64_t x;               // [T, H] rows
+  uint64_t x_scales;        // [T, H/128] f32 (fp8 only)
+  uint64_t topk_idx;        // [T, K] i64
+  uint64_t topk_weights;    // [T, K] f32
+  uint64_t send_slot;       // [T, W] i32: position of token t in the rows sent to d, -1 if none
+  uint64_t entry_ord;       // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
+  uint64_t info;            // InfoLayout tensor (i64)
+  uint64_t out;             // [R, H] dispatch output
+  uint64_t out_scales;      // [R, H/128] f32
+  uint64_t out_probs;       // [R] f32
+  uint64_t row_pos;         // [W, max_tokens, kd] i32 output row of each entry of a received row
+  int64_t num_out_rows;     // R, or -1 before it is known (layout kernel, dynamic mode)
+  uint64_t expert_out;      // [R, C] combine input
+  uint64_t probs;           // [R] f32 routing weight of each output row (apply_probs)
+  uint64_t y;               // [T, C] combine output
+};
+
+struct LaunchArgs {
+  Geometry geo;
+  int32_t num_ranks;        // RankArgs in this launch (1 in production)
+  int32_t blocks_per_rank;
+  int32_t dtype;            // DType of the rows (dispatch input / combine input)
+  int32_t row_elems;        // elements per row moved by this call (combine may use < hidden)
+  int32_t scale_cols;       // f32 scales per row (fp8 dispatch), else 0
+  int32_t kd;               // entries per received row kept in row_pos: min(K, L)
+  int32_t apply_probs;
+  int32_t chunk_tokens;     // tokens per dispatch chunk (one signal per chunk and destination)
+  int32_t fifo_stages;
+  int32_t stage_bytes;
+  uint64_t timeout_ns;
+  uint64_t abort_flag;      // device i32: set by the first failing wait; every wait polls it
+  uint64_t error;           // ErrorRecord* in mapped pinned host memory
+  RankArgs ranks[kMaxLaunchRanks];
+};
+
+// Per-rank device state in the registered buffer; only the owning rank touches it.
+struct LocalState {
+  uint64_t dispatch_epoch;             // dispatch calls started (the layout kernel bumps it)
+  uint64_t combine_epoch;              // combine calls finished
+  uint32_t blocks_done_dispatch;       // blocks of the running dispatch that finished
+  uint32_t blocks_done_combine;
+  uint64_t rx_dispatch[kMaxRanks];     // rows consumed from each source over all calls
+  uint64_t rx_combine[kMaxRanks];      // partial rows consumed from each expert host
+};
+
+// One (local expert, ordinal, weight) of a row sent to a rank. j = -1 marks an unused entry.
+struct MetaEntry {
+  int32_t local_expert;
+  int32_t ordinal;
+  float prob;
+  int32_t pad;
+};
+
+}  // namespace hybrid_ep

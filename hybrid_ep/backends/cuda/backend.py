@@ -1,0 +1,81 @@
+"""CudaBackend: HybridEPBuffer's `cuda` backend, one rank per process, NVLink peers."""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import BufferConfig, KernelConfig
+from ...handle import DispatchHandle
+from ...memory import BufferSpec, MemoryPlan
+from ..base import Backend
+from . import launch, load_extension
+from .engine import Engine
+from .layout import check_geometry, registered_layout
+from .registered import RegisteredBuffers
+
+
+def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
+    """Registered bytes per rank, known before allocation; per-call worst cases alongside."""
+    reg = registered_layout(config)
+    W, H, Tmax = config.world_size, config.hidden_dim, config.max_tokens_per_rank
+    regions = reg.region_bytes()
+    specs = [
+        BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "dispatch_signal", "combine_signal",
+                                                            "done_dispatch", "done_combine", "state", "count_in")),
+                   True, "monotonic signals, per-rank state, exchanged counts"),
+        BufferSpec("recv_meta", regions["recv_meta"], True, "routing entries of every received row"),
+        BufferSpec("recv_rows", regions["recv_rows"], True, "one row per (token, this rank), sized for fp32"),
+        BufferSpec("recv_scales", regions["recv_scales"], True, "fp8 scales of received rows"),
+        BufferSpec("comb_rows", regions["comb_rows"], True, "fp32 partial sums pushed back by expert hosts"),
+    ]
+    L = config.experts_per_rank
+    worst_rows = W * Tmax * min(L, 16) + L * (max(config.pad_multiple, getattr(config, "min_rows_per_expert", 0)))
+    specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
+    return MemoryPlan(name, tuple(specs))
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    checks_routing_on_device = True
+
+    def __init__(self, config, group, rank, owner):
+        super().__init__(config, group, rank, owner)
+        check_geometry(config)
+        ext = load_extension()
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device)
+        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def memory_plan(self) -> MemoryPlan:
+        return memory_plan(self.config)
+
+    def _sms(self, value, default):
+        return default if value is None else value
+
+    def dispatch(self, x_TH, scales_TB, routing, handle, num_out_tokens, kernel: KernelConfig):
+        known = None
+        if handle is not None:
+            routing, num_out_tokens = handle.routing, handle.num_out_tokens
+            known = [handle.num_rows]
+        sms = self._sms(kernel.num_sms_dispatch, launch.DEFAULT_SMS_DISPATCH)
+        [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens, sms, known_rows=known)
+        new = DispatchHandle(
+            owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send, dest=res.recv,
+            recv_counts_W=res.recv_counts_W, num_recv_rows=-1, count_matrix_WW=res.count_matrix_WW,
+            node_counts_WN=res.node_counts_WN, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
+        )
+        return res.rows_RH, res.scales_RB, new
+
+    def combine(self, rows_RH, handle, apply_probs, kernel: KernelConfig):
+        sms = self._sms(kernel.num_sms_combine, launch.DEFAULT_SMS_COMBINE)
+        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs, sms)
+        return y
+
+    def return_row_values(self, values_R, handle):
+        [out] = self._engine.return_row_values([values_R], [handle.routing], [handle.source], [handle.dest],
+                                               launch.DEFAULT_SMS_COMBINE)
+        return out

@@ -1,0 +1,170 @@
+"""Single-GPU emulation: W virtual ranks of one EP group in one process (tests, benchmarks).
+
+Each virtual rank has its own registered buffer and a peer table pointing at the others'.
+Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
+so all are resident together); the kernels are exactly the production ones. Results come
+back as one list entry per rank, with handles like HybridEPBuffer's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ... import inputs
+from ...config import BufferConfig
+from ...handle import DispatchHandle, DispatchResult
+from ...routing import normalize_routing
+from . import launch, load_extension
+from .engine import Engine
+from .layout import check_geometry, registered_layout
+from .registered import RegisteredBuffers
+
+MAX_EMULATED_RANKS = 8  # csrc kMaxLaunchRanks
+_owner_ids = itertools.count(1_000_000)
+
+
+class EmulatedGroup:
+    """W virtual ranks on one GPU; `dispatch` / `combine` take and return per-rank lists."""
+
+    def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
+                 pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
+                 num_sms_combine: int | None = None, device: torch.device | None = None):
+        if not 1 <= world_size <= MAX_EMULATED_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
+        extra = {"min_rows_per_expert": min_rows_per_expert} if min_rows_per_expert else {}
+        self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
+                                   num_experts=num_experts, world_size=world_size, ranks_per_node=world_size,
+                                   pad_multiple=pad_multiple, **extra).validate()
+        check_geometry(self.config)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        ext = load_extension()
+        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device)
+        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device)
+        self.num_sms_dispatch = num_sms_dispatch or launch.DEFAULT_SMS_DISPATCH
+        self.num_sms_combine = num_sms_combine or launch.DEFAULT_SMS_COMBINE
+        self.owner = next(_owner_ids)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def synchronize(self) -> None:
+        """Wait for the device and raise what a kernel recorded (timeouts, bad routing)."""
+        torch.cuda.synchronize(self.device)
+        self.engine.raise_if_failed()
+
+    def close(self) -> None:
+        self.buffers.close()
+
+    # -- plain calls ------------------------------------------------------------------------
+
+    def dispatch(self, xs, topk_idx, topk_weights=None, *, scales=None, num_out_tokens=None, num_sms=None,
+                 absent=()) -> list[DispatchResult]:
+        W = self.world_size
+        topk_weights = topk_weights if topk_weights is not None else [None] * W
+        scales = scales if scales is not None else [None] * W
+        for name, seq in (("xs", xs), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("scales", scales)):
+            if len(seq) != W:
+                raise ValueError(f"{name} must hold one entry per virtual rank ({W}), got {len(seq)}")
+        inputs.check_num_out_tokens(num_out_tokens)
+        routings = []
+        for x, sc, idx, w in zip(xs, scales, topk_idx, topk_weights):
+            inputs.check_dispatch_input(x, sc, self.config, self.device)
+            routings.append(normalize_routing(x.shape[0], self.config.num_experts, x.device, topk_idx=idx,
+                                              topk_weights=w, check_values=num_out_tokens is None))
+        return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None, frozenset(absent))
+
+    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, absent):
+        sms = num_sms or self.num_sms_dispatch
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows, absent)
+        out = []
+        for r, (res, routing) in enumerate(zip(per_rank, routings)):
+            handle = DispatchHandle(
+                owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send, dest=res.recv,
+                recv_counts_W=res.recv_counts_W, num_recv_rows=-1, count_matrix_WW=res.count_matrix_WW,
+                node_counts_WN=res.node_counts_WN, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
+            )
+            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, res.recv.tokens_per_expert_L, handle))
+        return out
+
+    def redispatch(self, xs, handles, *, num_sms=None) -> list[torch.Tensor]:
+        """Dispatch other rows with the routing of earlier handles (backward of combine)."""
+        res = self._dispatch(xs, [None] * len(xs), [h.routing for h in handles], handles[0].num_out_tokens,
+                             num_sms, [h.num_rows for h in handles], frozenset())
+        return [r.tokens for r in res]
+
+    def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None, absent=()) -> list[torch.Tensor]:
+        for h in handles:
+            inputs.check_handle(h, self.owner)
+        for out, h in zip(expert_outs, handles):
+            inputs.check_combine_input(out, h, self.config)
+        sms = num_sms or self.num_sms_combine
+        return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
+                                   [h.probs_R for h in handles], apply_probs, sms, frozenset(absent))
+
+    def return_row_values(self, values, handles) -> list[torch.Tensor]:
+        return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],
+                                             [h.dest for h in handles], self.num_sms_combine)
+
+    # -- autograd ---------------------------------------------------------------------------
+
+    def dispatch_autograd(self, xs, topk_idx, topk_weights, *, num_out_tokens=None):
+        """Differentiable dispatch: returns (rows per rank, probs per rank, handles)."""
+        W = self.world_size
+        box: list = []
+        outs = _EmuDispatch.apply(self, list(topk_idx), num_out_tokens, box, *xs, *topk_weights)
+        return list(outs[:W]), list(outs[W:]), box[0]
+
+    def combine_autograd(self, rows, probs, handles, *, apply_probs=False):
+        return list(_EmuCombine.apply(self, handles, apply_probs, *rows, *probs))
+
+
+class _EmuDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, topk_idx, num_out_tokens, box, *tensors):
+        W = group.world_size
+        xs, ws = tensors[:W], tensors[W:]
+        results = group.dispatch(list(xs), topk_idx, list(ws), num_out_tokens=num_out_tokens)
+        ctx.group, ctx.handles = group, [r.handle for r in results]
+        ctx.w_dtypes = [w.dtype for w in ws]
+        box.append(ctx.handles)
+        return (*[r.tokens for r in results], *[r.probs.clone() for r in results])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group, handles = ctx.group, ctx.handles
+        W = group.world_size
+        grad_rows, grad_probs = grads[:W], grads[W:]
+        gx = group.combine([g.contiguous() for g in grad_rows], handles)
+        gw = group.return_row_values([g.contiguous() for g in grad_probs], handles)
+        gw = [g.to(dt) for g, dt in zip(gw, ctx.w_dtypes)]
+        return (None, None, None, None, *gx, *gw)
+
+
+class _EmuCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, handles, apply_probs, *tensors):
+        W = group.world_size
+        rows, probs = tensors[:W], tensors[W:]
+        ctx.group, ctx.handles, ctx.apply_probs = group, handles, apply_probs
+        ctx.save_for_backward(*rows, *probs)
+        return tuple(group.combine(list(rows), handles, apply_probs=apply_probs))
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        group, handles = ctx.group, ctx.handles
+        W = group.world_size
+        saved = ctx.saved_tensors
+        rows, probs = saved[:W], saved[W:]
+        grad_out = group.redispatch([g.contiguous() for g in grad_ys], handles)
+        grad_rows, grad_probs = [], []
+        for g, r, p in zip(grad_out, rows, probs):
+            if ctx.apply_probs:
+                grad_rows.append((g.float() * p.float()[:, None]).to(r.dtype))
+                grad_probs.append((g.float() * r.float()).sum(dim=1))
+            else:
+                grad_rows.append(g.to(r.dtype))
+                grad_probs.append(None)
+        return (None, None, None, *grad_rows, *grad_probs)

@@ -1,0 +1,324 @@
+"""The call sequence of the cuda backend for the ranks one process drives.
+
+Production drives one rank per process; the single-GPU emulation drives all W virtual
+ranks of a group in one process. Both go through this class, and each kernel is one launch
+covering every rank it drives, so the kernels are the same and only the launcher differs.
+
+Per dispatch: the layout kernel (counts, send slots, ordinals, count exchange, offsets),
+then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
+Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
+
+Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
+from ...routing import Routing
+from . import launch
+from .layout import LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, info_layout, registered_layout
+
+_PHASES = {
+    1: "routing check",
+    2: "dispatch flow control (waiting for the peer to finish reading the previous dispatch)",
+    3: "dispatch count exchange",
+    4: "dispatch rows",
+    5: "combine flow control (waiting for the peer to finish reading the previous combine)",
+    6: "combine partial sums",
+    7: "shared-memory pipeline",
+}
+
+
+class RoutingError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaSendLayout:
+    """What the source side of a dispatch computed on the device."""
+
+    send_slot_TW: torch.Tensor  # int32 position of token t among the rows sent to d, -1 if none
+    entry_ord_TK: torch.Tensor  # int32 ordinal of (t, k) among this rank's tokens of expert e
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CudaRecvLayout:
+    """The device-side layout of a dispatch output; field names follow routing.DestLayout."""
+
+    info: torch.Tensor  # int64, offsets in csrc InfoLayout / layout.InfoLayout
+    row_pos: torch.Tensor  # int32 [W, Tmax, kd] output row of each entry of a received row
+    kd: int
+    num_rows: int  # R
+    tokens_per_expert_L: torch.Tensor
+    num_needed_rows: torch.Tensor
+    num_dropped: torch.Tensor
+    expert_start_L: torch.Tensor
+    expert_rows_L: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankDispatch:
+    rows_RH: torch.Tensor
+    scales_RB: torch.Tensor | None
+    probs_R: torch.Tensor
+    send: CudaSendLayout
+    recv: CudaRecvLayout
+    recv_counts_W: torch.Tensor
+    count_matrix_WW: torch.Tensor
+    node_counts_WN: torch.Tensor
+
+
+def check_extension(ext) -> None:
+    """The Python layout plan and the compiled structs must agree."""
+    expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
+                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS}
+    for name, value in expected.items():
+        if getattr(ext, name) != value:
+            raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
+                               f"rebuild the extension (pip install --no-build-isolation -e .)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Engine:
+    """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
+
+    def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
+                 device: torch.device):
+        self.ext, self.config, self.ranks, self.tables, self.device = ext, config, ranks, tables, device
+        self.reg = registered_layout(config)
+        self.info = info_layout(config)
+        check_extension(ext)
+        self.geo = self._geometry()
+        self.error = ext.ErrorRecord()
+        self.abort = torch.zeros(1, dtype=torch.int32, device=device)
+        props = torch.cuda.get_device_properties(device)
+        self.device_sms = props.multi_processor_count
+        self.smem_per_block = props.shared_memory_per_block_optin
+        self.failure: str | None = None
+
+    def _geometry(self):
+        c, g = self.config, self.ext.Geometry()
+        g.world_size, g.ranks_per_node, g.num_nodes = c.world_size, c.ranks_per_node, c.num_nodes
+        g.num_experts, g.local_experts = c.num_experts, c.experts_per_rank
+        g.max_tokens, g.hidden = c.max_tokens_per_rank, c.hidden_dim
+        g.pad_multiple = c.pad_multiple
+        g.min_rows_per_expert = getattr(c, "min_rows_per_expert", 0)
+        for name, value in dataclasses.asdict(self.reg).items():
+            setattr(g.reg, name, value)
+        for name, value in dataclasses.asdict(self.info).items():
+            setattr(g.info, name, value)
+        return g
+
+    # -- errors --------------------------------------------------------------------------
+
+    def raise_if_failed(self) -> None:
+        """Raise the first failure a kernel recorded (reads pinned host memory; no sync)."""
+        if self.failure is None:
+            record = self.error.read()
+            if record is None:
+                return
+            self.failure = self._describe(record)
+        if self.failure.startswith("topk_idx"):
+            raise RoutingError(self.failure)
+        raise RuntimeError(self.failure)
+
+    def _describe(self, rec: dict) -> str:
+        phase = rec["phase"]
+        if phase == 1:
+            return (f"topk_idx on rank {rec['rank']}: token {rec['peer']} routes to expert {rec['observed']} "
+                    f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
+                    f"this buffer can not be used after the error, create a new one")
+        return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {timeout_seconds():g} s "
+                f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']} in "
+                f"{_PHASES.get(phase, f'phase {phase}')} (call {rec['epoch']}, expected {rec['expected']}, "
+                f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
+                f"after this error; create a new one.")
+
+    # -- launch arguments ------------------------------------------------------------------
+
+    def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str):
+        a = self.ext.LaunchArgs()
+        a.geo = self.geo
+        a.num_ranks = len(self.ranks)
+        a.blocks_per_rank = sms
+        a.dtype = launch.DTYPE_CODES[dtype_name]
+        a.row_elems = row_elems
+        a.kd = int(self.reg.meta_entries)
+        a.chunk_tokens = launch.DEFAULT_CHUNK_TOKENS
+        a.timeout_ns = int(timeout_seconds() * 1e9)
+        a.abort_flag = self.abort.data_ptr()
+        a.error = self.error.device_ptr
+        if kind == "dispatch":
+            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block)
+            a.fifo_stages, a.stage_bytes = fifo.stages, fifo.stage_bytes
+            per_sm = self.ext.dispatch_max_blocks_per_sm(fifo.smem_bytes)
+        else:
+            per_sm = self.ext.combine_max_blocks_per_sm()
+        launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
+        return a
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
+                 num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None,
+                 absent: frozenset[int] = frozenset()) -> list[RankDispatch]:
+        self.raise_if_failed()
+        c = self.config
+        W, L, H = c.world_size, c.experts_per_rank, c.hidden_dim
+        dtype_name = _dtype_name(xs[0].dtype)
+        launch.check_row_bytes("x", H, dtype_name)
+        for r, routing in zip(self.ranks, routings):
+            if routing.topk_idx_TK.shape[1] > MAX_TOPK:
+                raise ValueError(f"topk_idx has {routing.topk_idx_TK.shape[1]} routes per token on rank {r}; "
+                                 f"the cuda backend supports up to {MAX_TOPK}")
+        fp8 = dtype_name == "float8_e4m3fn"
+        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        args.scale_cols = H // FP8_BLOCK if fp8 else 0
+        kd = args.kd
+        dev = self.device
+        rank_args, keep = [], []
+        for i, (r, x, sc, routing) in enumerate(zip(self.ranks, xs, scales, routings)):
+            idx = routing.topk_idx_TK.contiguous()
+            w = routing.topk_weights_TK.detach().to(torch.float32).contiguous()
+            T, K = idx.shape
+            ra = self.ext.RankArgs()
+            ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, K
+            ra.peers = self.tables[i].data_ptr()
+            x = x.contiguous()
+            if x.data_ptr() % 16 != 0:
+                x = x.clone()
+            ra.x = x.data_ptr()
+            if fp8:
+                sc = sc.to(torch.float32).contiguous()
+                ra.x_scales = sc.data_ptr()
+            ra.topk_idx, ra.topk_weights = idx.data_ptr(), w.data_ptr()
+            send_slot = torch.empty(T, W, dtype=torch.int32, device=dev)
+            entry_ord = torch.empty(T, K, dtype=torch.int32, device=dev)
+            info = torch.zeros(self.info.total, dtype=torch.int64, device=dev)
+            ra.send_slot, ra.entry_ord, ra.info = send_slot.data_ptr(), entry_ord.data_ptr(), info.data_ptr()
+            ra.num_out_rows = -1 if num_out_tokens is None else num_out_tokens
+            rank_args.append(ra)
+            keep.append((x, sc, idx, w, send_slot, entry_ord, info))
+        for i, ra in enumerate(rank_args):
+            args.set_rank(i, ra)
+        self.ext.launch_layout(args, self._stream())
+
+        if num_out_tokens is not None:
+            rows = [num_out_tokens] * len(self.ranks)
+        elif known_rows is not None:
+            rows = list(known_rows)
+        else:
+            needed = torch.stack([k[6][self.info.needed] for k in keep]).cpu()  # the one host sync
+            self.raise_if_failed()
+            rows = [int(v) for v in needed]
+
+        results = []
+        for i, (ra, R) in enumerate(zip(rank_args, rows)):
+            x, sc, idx, w, send_slot, entry_ord, info = keep[i]
+            out = torch.empty(R, H, dtype=x.dtype, device=dev)
+            out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
+            out_probs = torch.empty(R, dtype=torch.float32, device=dev)
+            row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
+            ra.out, ra.out_probs, ra.row_pos = out.data_ptr(), out_probs.data_ptr(), row_pos.data_ptr()
+            ra.out_scales = out_scales.data_ptr() if fp8 else 0
+            ra.num_out_rows = R
+            args.set_rank(i, ra)
+            il = self.info
+            recv = CudaRecvLayout(
+                info=info, row_pos=row_pos, kd=kd, num_rows=R,
+                tokens_per_expert_L=info[il.tokens_per_expert:il.tokens_per_expert + L],
+                num_needed_rows=info[il.needed], num_dropped=info[il.dropped],
+                expert_start_L=info[il.expert_start:il.expert_start + L],
+                expert_rows_L=info[il.expert_rows:il.expert_rows + L],
+            )
+            results.append(RankDispatch(
+                rows_RH=out, scales_RB=out_scales, probs_R=out_probs,
+                send=CudaSendLayout(send_slot, entry_ord), recv=recv,
+                recv_counts_W=info[il.recv_count:il.recv_count + W],
+                count_matrix_WW=info[il.count_matrix:il.count_matrix + W * W].view(W, W),
+                node_counts_WN=info[il.node_counts:il.node_counts + W * c.num_nodes].view(W, c.num_nodes),
+            ))
+        self.ext.launch_dispatch(args, self._stream())
+        return results
+
+    # -- combine ---------------------------------------------------------------------------
+
+    def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+                probs: list[torch.Tensor], apply_probs: bool, sms: int,
+                absent: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        self.raise_if_failed()
+        dtype_name = _dtype_name(rows[0].dtype)
+        C = rows[0].shape[1]
+        launch.check_row_bytes("expert_out", C, dtype_name)
+        if C > self.config.hidden_dim:
+            raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
+        args = self._launch_args(sms, dtype_name, C, "combine")
+        args.apply_probs = int(apply_probs)
+        outs = []
+        for i, (r, x, send, recv, p) in enumerate(zip(self.ranks, rows, sends, recvs, probs)):
+            x = x.contiguous()
+            T = send.send_slot_TW.shape[0]
+            y = torch.empty(T, C, dtype=x.dtype, device=self.device)
+            ra = self.ext.RankArgs()
+            ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, send.entry_ord_TK.shape[1]
+            ra.peers = self.tables[i].data_ptr()
+            ra.send_slot, ra.info, ra.row_pos = send.send_slot_TW.data_ptr(), recv.info.data_ptr(), recv.row_pos.data_ptr()
+            ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.detach().contiguous().data_ptr(), y.data_ptr()
+            ra.num_out_rows = recv.num_rows
+            args.set_rank(i, ra)
+            outs.append((y, x, p))
+        self.ext.launch_combine(args, self._stream())
+        return [y for y, _, _ in outs]
+
+    # -- backward of the probs -------------------------------------------------------------
+
+    def return_row_values(self, values: list[torch.Tensor], routings: list[Routing],
+                          sends: list[CudaSendLayout], recvs: list[CudaRecvLayout], sms: int) -> list[torch.Tensor]:
+        """One fp32 value per output row back to its routing slot, [T, K] per rank.
+
+        Each row's value is placed in the column of its global expert, so a combine over
+        expert columns brings every value back unsummed; columns are sent in slices of at
+        most hidden_dim so the registered partial buffers suffice.
+        """
+        c = self.config
+        E, L = c.num_experts, c.experts_per_rank
+        width_all = (E + 3) // 4 * 4
+        step = c.hidden_dim // 4 * 4
+        mats, cols_of = [], []
+        for r, v, recv in zip(self.ranks, values, recvs):
+            R = recv.num_rows
+            pos = torch.arange(R, device=self.device)
+            j = torch.searchsorted(recv.expert_start_L, pos, right=True) - 1
+            j = j.clamp(min=0)
+            real = (pos - recv.expert_start_L[j]) < recv.expert_rows_L[j]
+            mats.append(torch.where(real, v.detach().to(torch.float32), 0.0))
+            cols_of.append(r * L + j)
+        full = [torch.zeros(s.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=self.device) for s in sends]
+        ones = [torch.ones(recv.num_rows, dtype=torch.float32, device=self.device) for recv in recvs]
+        for c0 in range(0, width_all, step):
+            width = min(step, width_all - c0)
+            slices = []
+            for vals, cols in zip(mats, cols_of):
+                m = torch.zeros(vals.shape[0], width, dtype=torch.float32, device=self.device)
+                inside = (cols >= c0) & (cols < c0 + width)
+                m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
+                slices.append(m)
+            got = self.combine(slices, sends, recvs, ones, False, sms)
+            for f, g in zip(full, got):
+                f[:, c0:c0 + width] = g
+        out = []
+        for f, routing in zip(full, routings):
+            idx = routing.topk_idx_TK
+            vals = f.gather(1, idx.clamp(min=0))
+            out.append(torch.where(idx >= 0, vals, 0.0))
+        return out

@@ -1,0 +1,68 @@
+"""Launch configuration: SM counts, FIFO shape, chunk size and the co-residency check.
+
+Everything here is plain arithmetic on the device's properties, so it is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Defaults until measured on the device (docs/benchmarks/cuda.md says which numbers exist).
+DEFAULT_SMS_DISPATCH = 8
+DEFAULT_SMS_COMBINE = 8
+DEFAULT_CHUNK_TOKENS = 32
+MAX_STAGES = 16  # csrc kMaxStages
+MAX_STAGE_BYTES = 32 * 1024
+STATIC_SMEM_RESERVE = 4 * 1024  # the kernels' static shared memory, with headroom
+
+ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class FifoShape:
+    stages: int
+    stage_bytes: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * self.stage_bytes
+
+
+def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8) -> FifoShape:
+    """Stage = a whole row when it fits MAX_STAGE_BYTES, else a 16-byte-aligned segment."""
+    if row_bytes <= 0 or row_bytes % 16 != 0:
+        raise ValueError(f"row bytes must be a positive multiple of 16, got {row_bytes}")
+    stage = min(row_bytes, MAX_STAGE_BYTES)
+    budget = smem_per_block - STATIC_SMEM_RESERVE
+    stages = min(max_stages, MAX_STAGES, budget // stage)
+    if stages < 2:
+        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 FIFO stages of {stage} B")
+    return FifoShape(stages=stages, stage_bytes=stage)
+
+
+def row_bytes_of(hidden: int, dtype_name: str) -> int:
+    return hidden * ELEM_BYTES[dtype_name]
+
+
+def check_row_bytes(name: str, hidden: int, dtype_name: str) -> int:
+    nbytes = row_bytes_of(hidden, dtype_name)
+    if nbytes % 16 != 0:
+        raise ValueError(
+            f"{name}: a row of {hidden} x {dtype_name} is {nbytes} bytes; the cuda backend moves rows in "
+            f"16-byte units, so hidden_dim must be a multiple of {16 // ELEM_BYTES[dtype_name]} for {dtype_name}"
+        )
+    return nbytes
+
+
+def check_coresident(name: str, sms_per_rank: int, ranks_in_launch: int, device_sms: int, blocks_per_sm: int) -> None:
+    """Blocks wait on blocks of other (virtual) ranks, so all must be resident at once."""
+    if sms_per_rank < 1:
+        raise ValueError(f"{name} must be >= 1, got {sms_per_rank}")
+    capacity = device_sms * max(blocks_per_sm, 0)
+    need = sms_per_rank * ranks_in_launch
+    if need > capacity:
+        raise ValueError(
+            f"{name}={sms_per_rank} x {ranks_in_launch} rank(s) in one launch needs {need} co-resident blocks, "
+            f"but the device holds {capacity} ({device_sms} SMs x {blocks_per_sm} block(s) per SM)"
+        )

@@ -1,0 +1,255 @@
+"""The cuda kernels in single-GPU emulation against the dense oracle (needs a GPU).
+
+W virtual ranks run in one process on one GPU (hybrid_ep.backends.cuda.emulation); every
+rank's dispatch must equal the oracle bitwise and every combine must be within one ulp of
+the float64 oracle (plus the fp32 accumulation bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.testing.cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
+from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
+from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
+
+pytestmark = pytest.mark.gpu
+
+_groups: dict = {}
+
+
+def group_for(case: Case):
+    """One emulated group per buffer shape; the previous one is freed first (memory)."""
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    key = (case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts, case.pad_multiple,
+           case.min_rows_per_expert)
+    if key not in _groups:
+        for g in _groups.values():
+            g.close()
+        _groups.clear()
+        _groups[key] = EmulatedGroup(case.world_size, case.hidden, key[2], case.num_experts,
+                                     pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert)
+    return _groups[key]
+
+
+def run_and_check(case: Case, num_sms: int | None = None):
+    group = group_for(case)
+    cfg = group.config
+    inputs = make_rank_inputs(case)
+    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs],
+                          [i["scales"] for i in inputs] if case.dtype == FP8_DTYPE else None, case.num_out_tokens)
+    dev = group.device
+    xs = [i["x"].to(dev) for i in inputs]
+    res = group.dispatch(xs, [i["topk_idx"].to(dev) for i in inputs], [i["topk_weights"].to(dev) for i in inputs],
+                         scales=[None if i["scales"] is None else i["scales"].to(dev) for i in inputs],
+                         num_out_tokens=case.num_out_tokens, num_sms=num_sms)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
+                   for r in run.ranks]
+    ys = group.combine([e.to(dev) for e in expert_outs], [r.handle for r in res], apply_probs=case.apply_probs,
+                       num_sms=num_sms)
+    again = group.redispatch(xs, [r.handle for r in res])
+    group.synchronize()
+    want_y, magnitude = combine_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs)
+    for r in range(case.world_size):
+        where = f"{case} rank {r}"
+        got = {"tokens": res[r].tokens, "scales": res[r].scales, "probs": res[r].probs,
+               "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
+        assert_dispatch_matches(got, run.ranks[r], where)
+        assert int(res[r].handle.num_needed_rows) == run.ranks[r].num_needed_rows, where
+        assert torch.equal(again[r].view(torch.uint8), res[r].tokens.view(torch.uint8)), f"{where}: reuse"
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
+    return run
+
+
+def _case(W, **kw):
+    base = dict(world_size=W, ranks_per_node=W, num_experts=2 * W, hidden=2048, tokens=(17,) * W, topk=2,
+                dtype=torch.bfloat16, backend="cuda")
+    base.update(kw)
+    return Case(**base)
+
+
+CASES = [
+    # world sizes, odd and zero token counts
+    _case(1, tokens=(17,), topk=1),
+    _case(2, tokens=(0, 17)),
+    _case(4, tokens=(1, 17, 0, 4095), topk=8, num_experts=16),
+    _case(8, tokens=(4096,) * 8, topk=8, num_experts=16, hidden=8192),
+    # hidden sizes and dtypes
+    _case(4, hidden=128, dtype=torch.float32, tokens=(17, 1, 0, 33)),
+    _case(4, hidden=7168, dtype=FP8_DTYPE, tokens=(4095, 17, 1, 0), topk=8, num_experts=32),
+    _case(2, hidden=8192, dtype=torch.float32, tokens=(4096, 4095)),
+    _case(8, hidden=128, dtype=FP8_DTYPE, tokens=(0, 1, 17, 4095, 4096, 5, 0, 9), topk=8, num_experts=64),
+    # routing shapes: dropped routes, one hot expert
+    _case(4, drop_fraction=0.3, topk=8, num_experts=16, tokens=(200, 17, 0, 129)),
+    _case(8, routing="one-expert", topk=2, tokens=(333,) * 8),
+    _case(4, routing="zipf", topk=8, num_experts=32, tokens=(1000, 999, 1, 0)),
+    # padding, minimum rows, apply_probs
+    _case(4, pad_multiple=16, tokens=(17, 0, 3, 40)),
+    _case(2, pad_multiple=64, topk=1, tokens=(100, 1)),
+    _case(4, pad_multiple=16, min_rows_per_expert=16, num_experts=32, tokens=(5, 0, 1, 2)),
+    _case(4, apply_probs=True, topk=8, num_experts=16, dtype=torch.float32, tokens=(64, 17, 0, 5)),
+    # static size: overflow (drops counted), exact, larger (trailing zero rows), zero
+    _case(4, num_out_tokens=10, topk=8, num_experts=16, tokens=(64, 17, 0, 5)),
+    _case(4, num_out_tokens=4000, topk=2, tokens=(64, 17, 0, 5), pad_multiple=16),
+    _case(2, num_out_tokens=0, tokens=(8, 8)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_emulated_matches_oracle(case):
+    run_and_check(case)
+
+
+@pytest.mark.parametrize("num_sms", [1, 2, 4, 16])
+def test_sm_count_per_call_gives_identical_results(num_sms):
+    run_and_check(_case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129)), num_sms=num_sms)
+
+
+def test_back_to_back_calls_without_barriers():
+    """Monotonic flags: many calls in a row, different routings, no reset in between."""
+    for seed in range(6):
+        run_and_check(_case(4, topk=8, num_experts=16, tokens=(100 + seed, 17, seed, 3), seed=seed))
+
+
+def test_autograd_through_dispatch_and_combine():
+    case = _case(4, dtype=torch.float32, topk=4, num_experts=8, hidden=128, tokens=(33, 0, 17, 5),
+                 drop_fraction=0.2)
+    group = group_for(case)
+    cfg = group.config
+    inputs = make_rank_inputs(case)
+    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs])
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(cfg.num_experts, cfg.hidden_dim, cfg.hidden_dim, generator=gen) / cfg.hidden_dim ** 0.5
+    grad_ys = [torch.randn(t, cfg.hidden_dim, generator=gen) for t in case.tokens]
+    dev = group.device
+    xs = [i["x"].to(dev).requires_grad_(True) for i in inputs]
+    ws = [i["topk_weights"].to(dev).requires_grad_(True) for i in inputs]
+    rows, probs, handles = group.dispatch_autograd(xs, [i["topk_idx"].to(dev) for i in inputs], ws)
+    L = cfg.experts_per_rank
+    outs = []
+    for r in range(case.world_size):
+        tpe = handles[r].tokens_per_expert.tolist()
+        out = expert_fn(rows[r], weights.to(dev), list(range(r * L, r * L + L)), tpe)
+        outs.append(out * probs[r][:, None])
+    ys = group.combine_autograd(outs, probs, handles)
+    sum((y * g.to(dev)).sum() for y, g in zip(ys, grad_ys)).backward()
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    for r in range(case.world_size):
+        torch.testing.assert_close(ys[r].detach().cpu().double(), want[r]["y"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xs[r].grad.cpu().double(), want[r]["grad_x"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ws[r].grad.cpu().double(), want[r]["grad_weights"], rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_graph_replays_with_new_routings():
+    """Static size: dispatch + expert + combine captured once, replayed with other routings."""
+    case = _case(4, topk=8, num_experts=16, tokens=(256,) * 4, num_out_tokens=1024, pad_multiple=16)
+    group = group_for(case)
+    cfg = group.config
+    dev = group.device
+    first = make_rank_inputs(case)
+    static_x = [i["x"].to(dev) for i in first]
+    static_idx = [i["topk_idx"].to(dev) for i in first]
+    static_w = [i["topk_weights"].to(dev) for i in first]
+
+    def step():
+        res = group.dispatch(static_x, static_idx, static_w, num_out_tokens=case.num_out_tokens)
+        outs = [r.tokens * 2 for r in res]
+        return res, group.combine(outs, [r.handle for r in res])
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res, ys = step()
+    for seed in range(1, 5):
+        new = make_rank_inputs(dataclasses.replace(case, seed=seed))
+        for r in range(case.world_size):
+            static_x[r].copy_(new[r]["x"].to(dev))
+            static_idx[r].copy_(new[r]["topk_idx"].to(dev))
+            static_w[r].copy_(new[r]["topk_weights"].to(dev))
+        graph.replay()
+        group.synchronize()
+        run = dispatch_oracle(cfg, [i["x"] for i in new], [i["topk_idx"] for i in new],
+                              [i["topk_weights"] for i in new], None, case.num_out_tokens)
+        expert_outs = [(o.tokens.float() * 2).to(o.tokens.dtype) for o in run.ranks]
+        want_y, magnitude = combine_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in new])
+        for r in range(case.world_size):
+            where = f"replay {seed} rank {r}"
+            got = {"tokens": res[r].tokens, "scales": None, "probs": res[r].probs,
+                   "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
+            assert_dispatch_matches(got, run.ranks[r], where)
+            assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
+
+
+def test_missing_rank_times_out_with_rank_peer_and_phase(monkeypatch):
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(4, 256, 64, 8)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(16, 256, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
+        idx = [torch.randint(0, 8, (16, 1), generator=gen).cuda() for _ in range(4)]
+        group.dispatch(xs, idx, num_out_tokens=64, absent={3})
+        with pytest.raises(RuntimeError, match=r"rank \d gave up .* waiting for peer rank 3 in dispatch"):
+            group.synchronize()
+        with pytest.raises(RuntimeError, match="can not be used after this error"):
+            group.dispatch(xs, idx, num_out_tokens=64)
+    finally:
+        group.close()
+
+
+def test_bad_expert_index_in_static_mode_is_reported_by_the_device():
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    group = EmulatedGroup(2, 256, 8, 4)
+    try:
+        xs = [torch.zeros(2, 256, dtype=torch.bfloat16, device="cuda") + 1 for _ in range(2)]
+        idx = [torch.tensor([[0], [1]], device="cuda"), torch.tensor([[2], [9]], device="cuda")]
+        group.dispatch(xs, idx, num_out_tokens=8)
+        with pytest.raises(ValueError, match="topk_idx on rank 1: token 1 routes to expert 9"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+def _buffer_cases(world_size):
+    tokens = tuple((7 * r + 17) % 40 for r in range(world_size))
+    return [
+        Case(world_size, world_size, 4 * world_size, 2048, tokens, 2, torch.bfloat16, pad_multiple=8, backend="cuda"),
+        Case(world_size, world_size, 4 * world_size, 7168, tokens, 4, FP8_DTYPE, drop_fraction=0.2, backend="cuda"),
+        Case(world_size, world_size, 4 * world_size, 256, tokens, 2, torch.float32, num_out_tokens=16,
+             backend="cuda"),
+    ]
+
+
+def test_buffer_api_on_the_production_launcher():
+    """HybridEPBuffer(backend='cuda'): one process per rank, registered buffers over CUDA IPC."""
+    from hybrid_ep.spawn import ProcessGroupPool
+    from hybrid_ep.testing import check_case
+
+    with ProcessGroupPool(1, backend="nccl") as pool:
+        for case in _buffer_cases(1):
+            check_case(pool, case)
+
+
+@pytest.mark.multigpu
+def test_buffer_api_across_gpus_of_one_node():
+    from hybrid_ep.spawn import ProcessGroupPool
+    from hybrid_ep.testing import check_case
+
+    world = min(torch.cuda.device_count(), 8)
+    with ProcessGroupPool(world, backend="nccl") as pool:
+        for case in _buffer_cases(world):
+            check_case(pool, case)

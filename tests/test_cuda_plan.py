@@ -1,0 +1,209 @@
+"""CPU-side parts of the cuda backend: buffer layout, launch configuration, the compiled
+structs, backend selection, and the layout arithmetic the kernels implement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from hybrid_ep.backends.cuda import launch
+from hybrid_ep.backends.cuda.backend import memory_plan
+from hybrid_ep.backends.cuda.layout import (
+    ALIGN, MAX_TOPK, check_geometry, info_layout, registered_layout,
+)
+from hybrid_ep.config import BufferConfig
+from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
+from hybrid_ep.testing.oracle import dispatch_oracle
+
+H100_SMEM_OPTIN = 227 * 1024
+
+
+def _cfg(W=8, E=16, H=8192, T=4096, G=None, pad=1, min_rows=0):
+    return BufferConfig(H, T, E, W, G or W, pad, min_rows).validate()
+
+
+@pytest.mark.parametrize("cfg", [_cfg(), _cfg(W=1, E=1, H=128, T=0), _cfg(W=6, E=36, H=7168, T=17),
+                                 _cfg(W=8, E=256, H=7168, T=4096)])
+def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
+    reg = registered_layout(cfg)
+    W, N, L, T, H = cfg.world_size, cfg.num_nodes, cfg.experts_per_rank, cfg.max_tokens_per_rank, cfg.hidden_dim
+    sizes = reg.region_bytes()
+    starts = {name: getattr(reg, name) for name in sizes}
+    assert all(start % ALIGN == 0 for start in starts.values())
+    ordered = sorted(starts.items(), key=lambda kv: kv[1])
+    for (name, start), (_, nxt) in zip(ordered, ordered[1:] + [("end", reg.total)]):
+        assert start + sizes[name] == nxt
+    assert sizes["recv_rows"] >= W * T * H * 4
+    assert sizes["comb_rows"] >= W * T * H * 4
+    assert sizes["count_in"] >= 4 * W * (W + N + L)
+    assert reg.meta_entries == min(L, MAX_TOPK)
+    assert sizes["recv_meta"] >= 16 * W * T * reg.meta_entries
+    assert reg.scale_stride == (((H // 128) * 4 + 15) // 16 * 16 if H % 128 == 0 else 0)
+    assert memory_plan(cfg).registered_bytes == reg.total
+
+
+def test_seed_configuration_memory_plan():
+    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank."""
+    plan = memory_plan(_cfg())
+    sizes = plan.as_dict()
+    assert sizes["recv_rows"] == 8 * 4096 * 8192 * 4
+    assert sizes["comb_rows"] == 8 * 4096 * 8192 * 4
+    assert plan.registered_bytes < 2.01 * 2**30
+
+
+def test_info_offsets_are_contiguous():
+    cfg = _cfg(W=6, E=36, G=6)
+    il = info_layout(cfg)
+    fields = dataclasses.asdict(il)
+    total = fields.pop("total")
+    W, N, L = 6, 1, 6
+    sizes = {"tokens_per_expert": L, "expert_start": L, "expert_rows": L, "src_prefix": W * L, "recv_count": W,
+             "recv_offset": W, "send_count": W, "needed": 1, "dropped": 1, "num_recv": 1,
+             "count_matrix": W * W, "node_counts": W * N}
+    assert sum(sizes.values()) == total
+    for name, start in fields.items():
+        assert start + sizes[name] <= total
+    assert sorted(fields.values()) == sorted(set(fields.values()))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(W=2, E=4, G=1), "inter-node transport"),
+    (dict(W=2, E=2048), "num_experts must be <= 1024"),
+    (dict(W=1, E=1, H=6), "hidden_dim must be a multiple of 4"),
+])
+def test_geometry_limits_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        check_geometry(_cfg(**kwargs))
+
+
+def test_fifo_shapes():
+    bf16 = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN)
+    assert (bf16.stage_bytes, bf16.stages) == (16384, 8)
+    fp32_big = launch.fifo_shape(16384 * 4, H100_SMEM_OPTIN)
+    assert fp32_big.stage_bytes == launch.MAX_STAGE_BYTES and fp32_big.stages == 6
+    tiny = launch.fifo_shape(128 * 2, H100_SMEM_OPTIN)
+    assert tiny.stage_bytes == 256 and tiny.stages == 8
+    assert bf16.smem_bytes + launch.STATIC_SMEM_RESERVE <= H100_SMEM_OPTIN
+    with pytest.raises(ValueError, match="multiple of 16"):
+        launch.fifo_shape(24, H100_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="fewer than 2 FIFO stages"):
+        launch.fifo_shape(32768, 48 * 1024)
+
+
+def test_row_bytes_and_coresidency_errors():
+    assert launch.check_row_bytes("x", 7168, "float8_e4m3fn") == 7168
+    with pytest.raises(ValueError, match=r"x: .*multiple of 8 for bfloat16"):
+        launch.check_row_bytes("x", 7164, "bfloat16")
+    launch.check_coresident("num_sms", 16, 8, 132, 1)
+    with pytest.raises(ValueError, match=r"num_sms=17 x 8 rank\(s\) in one launch needs 136"):
+        launch.check_coresident("num_sms", 17, 8, 132, 1)
+    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+        launch.check_coresident("num_sms", 0, 1, 132, 1)
+
+
+def _extension():
+    try:
+        return importlib.import_module("hybrid_ep._C")
+    except ImportError as err:
+        pytest.fail(f"hybrid_ep._C must be built wherever nvcc and a CUDA torch exist: {err}")
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="the extension is only built against a CUDA PyTorch")
+def test_compiled_structs_match_the_python_plan():
+    from hybrid_ep.backends.cuda.engine import check_extension
+
+    ext = _extension()
+    check_extension(ext)
+    args = ext.LaunchArgs()
+    args.geo.reg.recv_rows = 12345
+    assert args.geo.reg.recv_rows == 12345
+    r = ext.RankArgs()
+    r.rank, r.num_out_rows = 3, -1
+    args.set_rank(7, r)
+    assert args.get_rank(7).rank == 3 and args.get_rank(7).num_out_rows == -1
+    with pytest.raises(IndexError):
+        args.set_rank(8, r)
+    geo = ext.Geometry()
+    for name, value in dataclasses.asdict(registered_layout(_cfg())).items():
+        setattr(geo.reg, name, value)
+    assert geo.reg.total == registered_layout(_cfg()).total
+
+
+def test_backend_selection_without_a_gpu(single_rank_group):
+    from hybrid_ep.backends import create_backend, cuda_unavailable_reason
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU machine's behaviour")
+    assert "no CUDA device" in cuda_unavailable_reason(single_rank_group) or "not installed" in \
+        cuda_unavailable_reason(single_rank_group)
+    cfg = _cfg(W=1, E=2, H=128, T=8)
+    assert create_backend("auto", cfg, single_rank_group, 0, 1).name == "reference"
+    with pytest.raises(RuntimeError, match="backend='cuda' is not available"):
+        create_backend("cuda", cfg, single_rank_group, 0, 1)
+
+
+# -- the layout arithmetic of csrc/kernels/layout.cu and dispatch.cu ------------------------
+
+
+def _kernel_positions(cfg, topk_idx):
+    """What the layout and dispatch kernels compute, written with the kernels' own formulas:
+    ordinal of (t, e) among a rank's tokens, per-source prefixes of expert counts, padded
+    starts, then pos = start_j + src_prefix[s][j] + ordinal for each kept entry."""
+    W, L, E, pad, mn = cfg.world_size, cfg.experts_per_rank, cfg.num_experts, cfg.pad_multiple, cfg.min_rows_per_expert
+    ordinal, counts = [], torch.zeros(W, E, dtype=torch.int64)
+    for s, idx in enumerate(topk_idx):
+        seen = torch.zeros(E, dtype=torch.int64)
+        ords = torch.full(idx.shape, -1, dtype=torch.int64)
+        for t in range(idx.shape[0]):
+            for k in range(idx.shape[1]):
+                e = int(idx[t, k])
+                if e >= 0:
+                    ords[t, k] = seen[e]
+                    seen[e] += 1
+        ordinal.append(ords)
+        counts[s] = seen
+    layouts = []
+    for d in range(W):
+        per_src = counts[:, d * L:(d + 1) * L]  # [W sources, L]
+        n = per_src.sum(0)
+        rows = ((torch.maximum(n, torch.tensor(mn)) + pad - 1) // pad) * pad
+        start = torch.cumsum(rows, 0) - rows
+        src_prefix = torch.cumsum(per_src, 0) - per_src
+        layouts.append((start, src_prefix, rows))
+    return ordinal, layouts
+
+
+@pytest.mark.parametrize("W,E,K,tokens,pad,mn,drop", [
+    (4, 16, 8, (17, 0, 1, 40), 1, 0, 0.0),
+    (3, 9, 2, (5, 9, 0), 16, 0, 0.3),
+    (8, 64, 8, (33,) * 8, 8, 8, 0.1),
+    (2, 2, 1, (3, 0), 1, 4, 0.0),
+])
+def test_kernel_layout_arithmetic_matches_the_oracle(W, E, K, tokens, pad, mn, drop):
+    cfg = BufferConfig(16, max(tokens), E, W, W, pad, mn).validate()
+    gen = torch.Generator().manual_seed(W * 100 + E)
+    idx = [drop_routes(i, drop, gen) if drop else i for i in iter_rank_routings("uniform", tokens, E, K, seed=W)]
+    ws = [random_weights(i, gen) for i in idx]
+    xs = [torch.randn(t, 16, generator=gen) for t in tokens]
+    run = dispatch_oracle(cfg, xs, idx, ws)
+    ordinal, layouts = _kernel_positions(cfg, idx)
+    L = cfg.experts_per_rank
+    for s in range(W):
+        for t in range(tokens[s]):
+            for k in range(K):
+                e = int(idx[s][t, k])
+                if e < 0:
+                    assert int(run.row_of_slot[s][t, k]) == -1
+                    continue
+                d, j = divmod(e, L)
+                start, src_prefix, _ = layouts[d]
+                pos = int(start[j] + src_prefix[s, j] + ordinal[s][t, k])
+                assert pos == int(run.row_of_slot[s][t, k]), (s, t, k)
+    for d in range(W):
+        start, _, rows = layouts[d]
+        assert torch.equal(rows, run.ranks[d].tokens_per_expert)
+        assert int(rows.sum()) == run.ranks[d].num_needed_rows
