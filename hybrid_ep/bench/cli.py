@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "recommended)")
     p.add_argument("--out", default=None, help="results folder (default results/bench-<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="seed of routing and inputs (default %(default)s)")
+    p.add_argument("--emulate", type=int, default=None, metavar="W",
+                   help="run the cuda kernels of W virtual ranks (1-8) on this one GPU and report per-SM "
+                        "throughput against a device copy (default sweep --sms 1 2 4 8 16)")
+    p.add_argument("--reference-iters", type=int, default=3,
+                   help="with --emulate: timed calls of the reference backend on the same shape (gloo on the "
+                        "CPU, slow at the GPU shape); 0 skips it (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: nccl, one GPU per rank; cpu: gloo; auto: cuda when there is a GPU per rank "
                         "(default %(default)s)")
@@ -235,12 +241,34 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
     return 0
 
 
+def _emulate(args) -> int:
+    """The kernels in emulation, then the reference backend on the same shape (gloo, CPU)."""
+    from .emulated import run as run_emulated
+
+    args.out = args.out or os.path.join("results", "emulated-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    rc = run_emulated(args)
+    if rc != 0 or args.reference_iters == 0:
+        return rc
+    W = args.emulate
+    experts = args.experts or 2 * W
+    spec = BenchSpec(
+        world_size=W, ranks_per_node=W, hidden=args.hidden or 8192, tokens=args.tokens or 4096,
+        topk=args.topk or min(DEFAULT_TOPK, experts), experts=experts, dtype=args.dtype, routing=args.routing,
+        sms=(), backends=("reference",), warmup=1, iters=args.reference_iters, seed=args.seed, device="cpu",
+        zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
+    ).validate()
+    _note(f"reference backend on the same shape: {W} gloo processes on the CPU, {spec.iters} timed calls")
+    return _execute(spec, os.path.join(args.out, "reference"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse printed usage and the error (or --help)
         return exit_.code if isinstance(exit_.code, int) else 2
+    if args.emulate is not None:
+        return _emulate(args)
     try:
         spec, out_dir = resolve(args)
         if spec.iters < MIN_RECOMMENDED_ITERS:

@@ -1,0 +1,230 @@
+"""`python -m hybrid_ep.bench --emulate W`: the cuda kernels of W virtual ranks on one GPU.
+
+Per SM count: dispatch and combine time (CUDA events, L2 flushed, median), destination bytes
+per SM per second, and all bytes the kernels read and write as a fraction of a large
+device-to-device copy measured in the same run (DESIGN.md 6). Also: host time per
+dispatch + combine pair in static-size mode, the same data movement written with
+index_select / index_add_ on the one GPU, and the reference backend (W gloo processes on
+the CPU, fewer iterations) for comparison. Writes emulated.json and emulated_per_sm.png.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ..dtypes import DISPATCH_BY_NAME
+from ..fp8 import FP8_DTYPE, quantize_fp8
+from ..synthetic import iter_rank_routings
+from .spec import L2_FLUSH_BYTES
+
+DEFAULT_SMS = (1, 2, 4, 8, 16)
+COPY_BYTES = 1 << 30
+
+
+def _note(msg: str) -> None:
+    print(f"[bench --emulate] {msg}", file=sys.stderr, flush=True)
+
+
+def _median_ms(fn, warmup: int, iters: int, flush: torch.Tensor) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def copy_bandwidth(device, warmup: int, iters: int, flush: torch.Tensor) -> float:
+    """Device-to-device copy, bytes read + written per second (the ceiling of a data mover)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), warmup, iters, flush)
+    return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def torch_movement(xs, idxs, L: int):
+    """The same movement with index_select / index_add_ on one GPU: (dispatch fn, combine fn, rows)."""
+    W, T = len(xs), xs[0].shape[0]
+    x_all = torch.cat(xs)
+    idx = torch.cat(idxs)
+    g = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
+    valid = idx >= 0
+    e, g = idx[valid], g[valid]
+    order = torch.argsort(e * (W * T) + g)  # expert-major, then source rank, then token
+    src = g[order].contiguous()
+    rows = x_all.index_select(0, src)
+    y = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
+
+    def dispatch():
+        torch.index_select(x_all, 0, src, out=rows)
+
+    def combine():
+        y.zero_()
+        y.index_add_(0, src, rows.float())
+        return y.to(x_all.dtype)
+
+    return dispatch, combine, rows
+
+
+def run(args) -> int:
+    from ..backends.cuda.emulation import EmulatedGroup
+
+    if not torch.cuda.is_available():
+        _note("needs a CUDA device")
+        return 2
+    W = args.emulate
+    dev = torch.device("cuda", torch.cuda.current_device())
+    H = args.hidden or 8192
+    T = args.tokens or 4096
+    E = args.experts or 2 * W
+    K = args.topk or min(8, E)
+    dtype = DISPATCH_BY_NAME[args.dtype]
+    sms_list = [n for chunk in args.sms for n in chunk] or list(DEFAULT_SMS)
+    warmup, iters = args.warmup or 10, args.iters or 30
+    out_dir = args.out
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.monotonic()
+
+    group = EmulatedGroup(W, H, T, E)
+    idxs = [i.to(dev) for i in iter_rank_routings(args.routing, [T] * W, E, K, args.seed)]
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    x32 = [torch.randn(T, H, device=dev, generator=gen) for _ in range(W)]
+    scales = [None] * W
+    if dtype == FP8_DTYPE:
+        pairs = [quantize_fp8(x) for x in x32]
+        xs, scales = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        xs = [x.to(dtype) for x in x32]
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    props = torch.cuda.get_device_properties(dev)
+    _note(f"{props.name}, {props.multi_processor_count} SMs; W={W} H={H} T={T} K={K} E={E} {args.dtype}")
+
+    copy_bps = copy_bandwidth(dev, 3, 10, flush)
+    _note(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + written)")
+
+    first = group.dispatch(xs, idxs, scales=scales)
+    group.synchronize()
+    row_bytes = H * xs[0].element_size() + (H // 128 * 4 if dtype == FP8_DTYPE else 0)
+    comb_bytes = H * 2 if dtype == FP8_DTYPE else H * xs[0].element_size()
+    recv_rows = sum(int(r.handle.recv_counts_W.sum()) for r in first)  # one per (token, dest rank)
+    out_rows = sum(int((r.probs != 0).sum()) for r in first)  # routed (row, expert) entries
+    total_rows = sum(r.tokens.shape[0] for r in first)
+    expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(
+        torch.bfloat16 if dtype == FP8_DTYPE else dtype) for r in first]
+    handles = [r.handle for r in first]
+    # Bytes the kernels touch: dispatch reads each token once and writes each sent row, then
+    # reads each received row and writes each output row; combine mirrors it with fp32 partials.
+    dispatch_rw = (W * T + recv_rows) * row_bytes + (recv_rows + out_rows) * row_bytes
+    combine_rw = out_rows * comb_bytes + 2 * recv_rows * H * 4 + W * T * comb_bytes
+
+    rows = []
+    for sms in sms_list:
+        if sms * W > props.multi_processor_count:
+            _note(f"{sms} SMs x {W} ranks > {props.multi_processor_count} SMs: skipped (blocks must be co-resident)")
+            continue
+        d_ms = _median_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms), warmup, iters, flush)
+        c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
+        group.synchronize()
+        row = {"sms_per_rank": sms, "dispatch_ms": d_ms, "combine_ms": c_ms}
+        for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
+                                 ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
+            row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
+            row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
+            row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
+        rows.append(row)
+        _note(f"SMs/rank {sms}: dispatch {d_ms:.3f} ms, combine {c_ms:.3f} ms")
+
+    # Host time per dispatch + combine pair, static size (no host sync inside the pair).
+    host = {}
+    for name, g in (("emulated group", group), ("one rank", EmulatedGroup(1, H, T, E))):
+        n = g.world_size
+        hx, hi, hs = xs[:n], idxs[:n], scales[:n]
+        static = max(total_rows // W, 1) * 2
+        for _ in range(5):
+            res = g.dispatch(hx, hi, scales=hs, num_out_tokens=static)
+            g.combine([torch.zeros_like(r.tokens, dtype=expert_outs[0].dtype) for r in res], [r.handle for r in res])
+        g.synchronize()
+        outs = [torch.zeros(static, H, dtype=expert_outs[0].dtype, device=dev) for _ in range(n)]
+        samples = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            res = g.dispatch(hx, hi, scales=hs, num_out_tokens=static)
+            g.combine(outs, [r.handle for r in res])
+            samples.append((time.perf_counter() - t0) * 1e6)
+        g.synchronize()
+        host[name] = {"ranks": n, "median_us": statistics.median(samples)}
+        _note(f"host time per dispatch+combine pair ({name}, {n} rank(s)): {host[name]['median_us']:.1f} us")
+
+    plain_d, plain_c, _ = torch_movement(xs, idxs, E // W)
+    plain = {"dispatch_ms": _median_ms(plain_d, warmup, iters, flush),
+             "combine_ms": _median_ms(plain_c, warmup, iters, flush)}
+    _note(f"index_select / index_add_: dispatch {plain['dispatch_ms']:.3f} ms, combine {plain['combine_ms']:.3f} ms")
+
+    doc = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": props.name, "device_sms": props.multi_processor_count, "driver": torch.version.cuda,
+        "torch": torch.__version__, "command": " ".join(sys.argv),
+        "config": {"world_size": W, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
+                   "dtype": args.dtype, "routing": args.routing, "warmup": warmup, "iters": iters},
+        "copy_gbps": copy_bps / 1e9, "recv_rows": recv_rows, "out_rows": out_rows,
+        "runs": rows, "host_time": host, "index_select_index_add": plain,
+        "elapsed_s": time.monotonic() - started,
+    }
+    path = os.path.join(out_dir, "emulated.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    _plot(doc, os.path.join(out_dir, "emulated_per_sm.png"))
+    print(format_table(doc))
+    print(f"\nresults: {path}")
+    return 0
+
+
+def format_table(doc: dict) -> str:
+    c = doc["config"]
+    lines = [f"cuda kernels, {c['world_size']} virtual ranks on one {doc['device']} | H={c['hidden']} "
+             f"T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']} | "
+             f"copy {doc['copy_gbps']:.0f} GB/s",
+             f"{'SMs/rank':>8} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"]
+    for r in doc["runs"]:
+        lines.append(f"{r['sms_per_rank']:>8} {r['dispatch_ms']:>9.3f} {r['dispatch_dest_gbps_per_sm']:>8.1f} "
+                     f"{r['dispatch_copy_fraction']:>8.1%} {r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} "
+                     f"{r['combine_copy_fraction']:>8.1%}")
+    p = doc["index_select_index_add"]
+    lines.append(f"index_select/index_add_ on one GPU: dispatch {p['dispatch_ms']:.3f} ms, combine {p['combine_ms']:.3f} ms")
+    for name, h in doc["host_time"].items():
+        lines.append(f"host time per dispatch+combine pair, static size, {name}: {h['median_us']:.1f} us")
+    return "\n".join(lines)
+
+
+def _plot(doc: dict, path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    sms = [r["sms_per_rank"] for r in doc["runs"]]
+    for op in ("dispatch", "combine"):
+        ax1.plot(sms, [r[f"{op}_dest_gbps_per_sm"] for r in doc["runs"]], marker="o", label=op)
+        ax2.plot(sms, [100 * r[f"{op}_copy_fraction"] for r in doc["runs"]], marker="o", label=op)
+    ax1.set(xlabel="SMs per rank", ylabel="destination GB/s per SM", xscale="log", title="per-SM throughput")
+    ax2.set(xlabel="SMs per rank", ylabel="% of device copy bandwidth", xscale="log", title="bytes read+written")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"hybrid-ep emulated W={doc['config']['world_size']} on {doc['device']} ({doc['date']})")
+    fig.tight_layout()
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
