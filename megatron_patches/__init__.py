@@ -1,12 +1,63 @@
-"""Megatron-Core integration of hybrid-ep (token dispatcher, flag, launcher, grouped-GEMM fix).
+"""Megatron-Core integration of hybrid-ep: token dispatcher, flag, launcher, grouped-GEMM fix.
 
-Importable without Megatron installed. The dispatcher and the rest arrive with the Megatron
-integration; until then `apply()` says so instead of pretending to patch anything.
+    import megatron_patches
+    megatron_patches.apply()     # then moe_token_dispatcher_type="hybrid_ep" works
+
+Importable without Megatron installed; `apply()` and the dispatcher need megatron-core.
+What apply() changes (docs/megatron.md): MoELayer selects HybridEPTokenDispatcher for the
+type "hybrid_ep" (other types untouched); Megatron-LM's argument parser (when installed)
+accepts `--moe-token-dispatcher-type hybrid_ep` and the --hybrid-ep-* knobs; the
+grouped-GEMM zero-token fix is installed when present; on a machine without a GPU the CPU
+stand-ins of `cpu_compat` are enabled (never on a GPU machine).
 """
 
+from __future__ import annotations
 
-def apply() -> None:
-    raise NotImplementedError(
-        "megatron_patches.apply(): the hybrid_ep token dispatcher for Megatron-Core is not part "
-        "of this release yet; use hybrid_ep.HybridEPBuffer directly"
-    )
+import importlib
+
+from .options import HybridEPOptions
+
+_applied = None
+
+
+def _install_grouped_gemm_fix() -> bool:
+    try:
+        module = importlib.import_module(f"{__name__}.grouped_gemm")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.grouped_gemm":
+            raise
+        return False
+    module.install()
+    return True
+
+
+def apply(*, cpu_fallback: bool = True) -> dict:
+    """Patch Megatron once (idempotent); returns what is active.
+
+    cpu_fallback: enable `cpu_compat` when no GPU is visible (it never acts on a GPU).
+    """
+    global _applied
+    from . import cpu_compat, selection
+
+    if cpu_fallback:
+        cpu_compat.enable()
+    if _applied is None:
+        selection.patch_moe_layer()
+        _applied = {
+            "moe_layer": True,
+            "arguments": selection.patch_megatron_arguments(),
+            "grouped_gemm": _install_grouped_gemm_fix(),
+        }
+    return dict(_applied, cpu_compat=cpu_compat.enabled())
+
+
+def __getattr__(name):
+    # Lazy: the dispatcher module imports Megatron-Core.
+    if name == "HybridEPTokenDispatcher":
+        from .dispatcher import HybridEPTokenDispatcher
+
+        return HybridEPTokenDispatcher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["HybridEPOptions", "HybridEPTokenDispatcher", "apply"]

@@ -1,0 +1,209 @@
+"""Run Megatron-Core on a machine without a GPU (tests, the CPU demo). Never used on a GPU.
+
+Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
+
+- the router moves its weight (and creates its bias buffers) on `torch.cuda.current_device()`;
+  `mappings.py` allocates gather outputs there too;
+- the alltoall dispatcher creates a `torch.cuda.Stream` for device-to-host copies and
+  enters `torch.cuda.stream(...)` / records events on it;
+- the RNG tracker (`tensor_parallel.random`) forks the CUDA generator around dropout and
+  expert initialisation;
+- the alltoall dispatcher turns its split sizes into host lists only for CUDA tensors
+  (`maybe_move_tensor_to_cpu(..., as_numpy=True)`); CPU tensors stay tensors, which
+  `all_to_all_single` rejects;
+- Megatron-Core 0.16's router gating calls `te_general_gemm`, a name that is left undefined
+  when Transformer Engine is not installed (NameError); it is defined as None, which selects
+  the torch matmul path the code already has.
+
+`enable()` replaces exactly these with CPU equivalents, and only when
+`torch.cuda.is_available()` is false: `current_device()` answers the CPU device, streams
+and events are no-ops (CPU work is synchronous), and the RNG tracker forks the CPU
+generator. `enable()` is idempotent; `enabled()` says whether it patched anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_ENABLED = False
+
+
+class _NullEvent:
+    """A CUDA event stand-in: CPU work is complete when the call returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+    def query(self):
+        return True
+
+
+class _NullStream:
+    """A CUDA stream stand-in; every operation is already ordered on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _cpu_current_device():
+    return torch.device("cpu")
+
+
+def _null_stream_context(stream=None):
+    return contextlib.nullcontext()
+
+
+class _CPURNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker contract (add / fork / get_states / set_states /
+    reset), keeping named states of the CPU generator instead of the CUDA one."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = _CPURNGStatesTracker
+    mrandom._CUDA_RNG_STATE_TRACKER = _CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed re-creates the tracker unless told it exists.
+    original = mrandom.initialize_rng_tracker
+
+    def initialize_rng_tracker(*args, **kwargs):
+        if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPURNGStatesTracker):
+            original(*args, **kwargs)
+            mrandom._CUDA_RNG_STATE_TRACKER = _CPURNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    initialize_rng_tracker._hybrid_ep_cpu = True
+    if not getattr(original, "_hybrid_ep_cpu", False):
+        mrandom.initialize_rng_tracker = initialize_rng_tracker
+
+
+def _install_host_splits() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_hybrid_ep_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        tensor = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    maybe_move_tensor_to_cpu._hybrid_ep_cpu = True
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _define_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def enable() -> bool:
+    """Install the CPU stand-ins when no GPU is visible; returns whether they are active."""
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda device=None: _NULL_STREAM
+    torch.cuda.default_stream = lambda device=None: _NULL_STREAM
+    torch.cuda.stream = _null_stream_context
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+    try:
+        _install_rng_tracker()
+        _install_host_splits()
+        _define_missing_te_gemm()
+    except ImportError:
+        pass  # Megatron not installed: the torch stand-ins are all there is to do
+    _ENABLED = True
+    return True

@@ -1,0 +1,254 @@
+"""Train a tiny MoE GPT (Megatron-Core GPTModel) with expert parallelism through hybrid_ep.
+
+    python -m megatron_patches.demo [--steps 30] [--dispatchers hybrid_ep alltoall]
+
+W processes (default 4, as 2 nodes x 2 ranks) form one EP group of W ranks (data parallel W
+for the dense weights). The model: GPTModel with Megatron's local (non-Transformer-Engine)
+layer spec, 2 layers, hidden 128, 8 experts, top-2, vocabulary 256, fp32, trained on mock
+data (each sequence counts upward by a stride of 1 to 4 from a random start, modulo the
+vocabulary, which a model learns within a few dozen steps). On CPU the group runs on gloo; with
+enough GPUs it runs on NCCL, one GPU per rank, and the same command uses them.
+
+Per step rank 0 prints the loss (mean over ranks), tokens/s, the expert-load imbalance of
+each MoE layer ((max - mean) / mean of tokens per expert, over the whole group) and the
+bytes the forward dispatches sent over NVLink and RDMA (hybrid_ep's traffic record, summed
+over layers and ranks). Every dispatcher named in --dispatchers trains from the same
+weights on the same data; with two of them the run ends with the largest relative
+difference of their loss curves. Results go to --out as JSON.
+
+Gradients: dense weights are averaged over the W data-parallel ranks; expert gradients
+already hold every rank's tokens (combine's backward brings them home), so they are divided
+by W, which makes the update the gradient of the mean loss over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
+
+
+def quiet_libraries() -> None:
+    """Megatron warns about every optional package it does not find; the demo output is the table."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("megatron", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def mock_batch(step: int, rank: int, micro_batch: int, seq: int, seed: int) -> torch.Tensor:
+    """[micro_batch, seq + 1] token ids of this rank and step (different on every rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
+    stride = torch.randint(1, 5, (micro_batch, 1), generator=g)
+    return (start + stride * torch.arange(seq + 1)) % VOCAB
+
+
+def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .options import HybridEPOptions
+    from .testing import PLAIN_FP32_CONFIG
+
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=4 * HIDDEN,
+        moe_ffn_hidden_size=2 * HIDDEN,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=world_size,
+        **PLAIN_FP32_CONFIG,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+    )
+    config.hybrid_ep_options = HybridEPOptions(ranks_per_node=ranks_per_node)
+    torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=seq)
+    # Identical dense weights on every rank (same seed); distinct experts per EP rank.
+    g = torch.Generator().manual_seed(seed + 1 + 1000 * parallel_state.get_expert_model_parallel_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            if not getattr(p, "allreduce", True):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.to(device)
+
+
+def moe_layers(model):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: float,
+               ranks_per_node: int, seed: int) -> list[dict]:
+    """Runs on every rank of the pool; returns rank 0's per-step records (others: [])."""
+    quiet_libraries()
+    from .testing import init_megatron
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    init_megatron(world, seed)
+    model = build_model(dispatcher, world, seq, ranks_per_node, seed, device)
+    layers = moe_layers(model)
+    routed = [None] * len(layers)
+
+    def keep_routing(i):
+        def hook(module, args, output):
+            routed[i] = output[1].detach().sum(dim=0).to(torch.float64)
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.router.register_forward_hook(keep_routing(i))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    position_ids = torch.arange(seq, device=device)[None].expand(micro_batch, -1)
+    records = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = mock_batch(step, rank, micro_batch, seq, seed).to(device)
+        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        opt.zero_grad(set_to_none=True)
+        per_token = model(tokens, position_ids, mask, labels=labels)
+        loss = per_token.float().mean()
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "allreduce", True):
+                dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        opt.step()
+        stats = torch.tensor(
+            [loss.item()] + [_traffic(layer, "nvlink_bytes") for layer in layers]
+            + [_traffic(layer, "rdma_bytes") for layer in layers], dtype=torch.float64)
+        load = torch.stack(routed).cpu()
+        dist.all_reduce(stats)
+        dist.all_reduce(load)
+        elapsed = time.perf_counter() - t0
+        if rank == 0:
+            n = len(layers)
+            mean = load.mean(dim=1)
+            has_traffic = hasattr(layers[0].token_dispatcher, "last_dispatch_traffic")
+            records.append({
+                "step": step + 1,
+                "loss": stats[0].item() / world,
+                "tokens_per_s": world * micro_batch * seq / elapsed,
+                "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
+                "nvlink_bytes": int(stats[1:1 + n].sum()) if has_traffic else None,
+                "rdma_bytes": int(stats[1 + n:].sum()) if has_traffic else None,
+            })
+    return records
+
+
+def _traffic(layer, field: str) -> float:
+    traffic = getattr(layer.token_dispatcher, "last_dispatch_traffic", None)
+    return float(getattr(traffic, field)) if traffic is not None else 0.0
+
+
+def format_record(dispatcher: str, rec: dict) -> str:
+    imb = " ".join(f"{v:.2f}" for v in rec["imbalance"])
+    if rec["nvlink_bytes"] is None:
+        traffic = "dispatch bytes: n/a (not hybrid_ep)"
+    else:
+        traffic = f"dispatch NVLink {rec['nvlink_bytes'] / 1024:8.1f} KiB  RDMA {rec['rdma_bytes'] / 1024:8.1f} KiB"
+    return (f"[{dispatcher}] step {rec['step']:3d}  loss {rec['loss']:.5f}  "
+            f"{rec['tokens_per_s']:8.0f} tok/s  imbalance/layer [{imb}]  {traffic}")
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, seq=32, lr=3e-3,
+        seed=1234, pool=None, echo=print) -> dict:
+    """Train with each dispatcher on one pool; returns {dispatcher: records, ...}."""
+    from hybrid_ep.spawn import ProcessGroupPool
+
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "nccl"
+        if torch.cuda.device_count() < world_size:
+            world_size = torch.cuda.device_count()
+            ranks_per_node = min(ranks_per_node, world_size)
+            while world_size % ranks_per_node:
+                ranks_per_node -= 1
+            echo(f"using {world_size} GPU rank(s) (one per GPU), {ranks_per_node} per node")
+    own_pool = pool is None
+    if own_pool:
+        pool = ProcessGroupPool(world_size, backend=backend, env={"HYBRID_EP_TIMEOUT_S": "120"})
+    results = {"world_size": world_size, "ranks_per_node": ranks_per_node, "backend": backend,
+               "steps": steps, "curves": {}}
+    try:
+        for name in dispatchers:
+            args = (name, steps, micro_batch, seq, lr, ranks_per_node, seed)
+            records = pool.run(train_rank, [args] * pool.world_size, timeout_s=1800)[0]
+            for rec in records:
+                echo(format_record(name, rec))
+            results["curves"][name] = records
+    finally:
+        if own_pool:
+            pool.close()
+    names = list(results["curves"])
+    if len(names) >= 2:
+        a, b = ([r["loss"] for r in results["curves"][n]] for n in names[:2])
+        results["max_rel_loss_diff"] = max_relative_difference(a, b)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_patches.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--dispatchers", nargs="+", default=["hybrid_ep", "alltoall"],
+                        choices=["hybrid_ep", "alltoall", "allgather"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default="results/demo", help="folder for moe_train.json")
+    a = parser.parse_args(argv)
+    if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
+        parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
+    print(f"tiny MoE GPT: {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, vocab {VOCAB}, "
+          f"EP={a.world_size} ({a.world_size // a.ranks_per_node} nodes x {a.ranks_per_node} ranks), "
+          f"{a.steps} steps, {a.micro_batch}x{a.seq} tokens per rank", flush=True)
+    results = run(a.dispatchers, a.steps, a.world_size, a.ranks_per_node, a.micro_batch, a.seq, a.lr, a.seed,
+                  echo=lambda s: print(s, flush=True))
+    for name, recs in results["curves"].items():
+        print(f"{name}: first loss {recs[0]['loss']:.6f}, last loss {recs[-1]['loss']:.6f}")
+    if "max_rel_loss_diff" in results:
+        n1, n2 = list(results["curves"])[:2]
+        print(f"max relative loss difference {n1} vs {n2}: {results['max_rel_loss_diff']:.3e}")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "moe_train.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
+    bad = [n for n, recs in results["curves"].items() if not all(math.isfinite(r["loss"]) for r in recs)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

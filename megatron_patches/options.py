@@ -1,0 +1,122 @@
+"""The hybrid_ep knobs that Megatron's TransformerConfig has no field for.
+
+Megatron builds TransformerConfig from its own dataclass fields only, so the knobs travel
+separately, looked up in this order by `options_for(config)`:
+
+1. `config.hybrid_ep_options` (a HybridEPOptions set by library users on the config);
+2. Megatron-LM's parsed arguments (`--hybrid-ep-*` flags, added by the launcher);
+3. the defaults below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridEPOptions:
+    """How the hybrid_ep dispatcher runs; validated once by validate().
+
+    num_sms_dispatch / num_sms_combine: SMs per call on the cuda backend (None: default).
+    pad_multiple: rows of each local expert padded with zero rows to a multiple of this
+    (combined with the quantization alignment by least common multiple).
+    static_size_factor: None = exact output size (one host sync per dispatch); a float f
+    gives a static output of ceil(f * tokens * topk) rows plus the padding bound, no host
+    sync, and rows that do not fit are dropped and counted.
+    max_tokens_per_rank: buffer size in tokens (None: the largest token count the EP group
+    sees in its first call).
+    ranks_per_node: NVLink domain size (None: the launcher's local world size).
+    backend: "auto" (cuda kernels where available, reference otherwise), "cuda", "reference".
+    """
+
+    num_sms_dispatch: int | None = None
+    num_sms_combine: int | None = None
+    pad_multiple: int = 1
+    static_size_factor: float | None = None
+    max_tokens_per_rank: int | None = None
+    ranks_per_node: int | None = None
+    backend: str = "auto"
+
+    def validate(self) -> "HybridEPOptions":
+        for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"hybrid_ep option {name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
+            raise ValueError(f"hybrid_ep option pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
+        if self.static_size_factor is not None and not self.static_size_factor > 0:
+            raise ValueError(
+                f"hybrid_ep option static_size_factor must be > 0 or None, got {self.static_size_factor!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
+        return self
+
+
+# Command-line flag -> HybridEPOptions field.
+FLAGS = {
+    "--hybrid-ep-num-sms-dispatch": ("num_sms_dispatch", int),
+    "--hybrid-ep-num-sms-combine": ("num_sms_combine", int),
+    "--hybrid-ep-pad-multiple": ("pad_multiple", int),
+    "--hybrid-ep-static-size-factor": ("static_size_factor", float),
+    "--hybrid-ep-max-tokens-per-rank": ("max_tokens_per_rank", int),
+    "--hybrid-ep-ranks-per-node": ("ranks_per_node", int),
+    "--hybrid-ep-backend": ("backend", str),
+}
+
+_HELP = {
+    "num_sms_dispatch": "SMs used by hybrid_ep dispatch (cuda backend; default: library choice)",
+    "num_sms_combine": "SMs used by hybrid_ep combine (cuda backend; default: library choice)",
+    "pad_multiple": "pad each local expert's rows with zero rows to a multiple of this",
+    "static_size_factor": "static dispatch output of factor x tokens x topk rows (no host sync; "
+                          "overflow is dropped and counted); default: exact size",
+    "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: from the first call)",
+    "ranks_per_node": "NVLink domain size of the EP group (default: local world size)",
+    "backend": "hybrid_ep backend: auto, cuda or reference",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the --hybrid-ep-* flags to an argparse parser (Megatron's or any other)."""
+    defaults = HybridEPOptions()
+    group = parser.add_argument_group(title="hybrid_ep token dispatcher")
+    for flag, (field, kind) in FLAGS.items():
+        kwargs = {"type": kind, "default": getattr(defaults, field), "help": _HELP[field]}
+        if field == "backend":
+            kwargs["choices"] = list(BACKENDS)
+        group.add_argument(flag, dest=f"hybrid_ep_{field}", **kwargs)
+    return parser
+
+
+def from_args(args) -> HybridEPOptions:
+    """HybridEPOptions from a namespace that holds the hybrid_ep_* attributes (others default)."""
+    values = {}
+    for field in (f.name for f in dataclasses.fields(HybridEPOptions)):
+        if hasattr(args, f"hybrid_ep_{field}"):
+            values[field] = getattr(args, f"hybrid_ep_{field}")
+    return HybridEPOptions(**values).validate()
+
+
+def _megatron_args():
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def options_for(config) -> HybridEPOptions:
+    explicit = getattr(config, "hybrid_ep_options", None)
+    if explicit is not None:
+        if not isinstance(explicit, HybridEPOptions):
+            raise TypeError(
+                f"config.hybrid_ep_options must be a HybridEPOptions, got {type(explicit).__name__}"
+            )
+        return explicit.validate()
+    args = _megatron_args()
+    if args is not None:
+        return from_args(args)
+    return HybridEPOptions()

@@ -1,0 +1,84 @@
+"""Launcher: Megatron-LM's own pretrain_gpt.py with the hybrid_ep patches applied.
+
+    python -m megatron_patches.pretrain_gpt [--megatron-lm-dir DIR] <pretrain_gpt.py arguments>
+
+Users keep their scripts and add `--moe-token-dispatcher-type hybrid_ep` (plus any
+--hybrid-ep-* knob). The script is found, in this order, at:
+
+1. `--megatron-lm-dir DIR` (taken off the argument list) or $MEGATRON_LM_DIR: DIR/pretrain_gpt.py;
+2. a `pretrain_gpt` module importable from sys.path (a Megatron-LM checkout on PYTHONPATH,
+   next to the installed megatron.training it uses).
+
+It then runs as `__main__` with sys.argv set to the remaining arguments and its folder
+first on sys.path, exactly as `python pretrain_gpt.py ...` would, after megatron_patches.apply().
+torchrun works the same way: `torchrun ... -m megatron_patches.pretrain_gpt ...`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import sys
+
+SCRIPT = "pretrain_gpt.py"
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+def split_launcher_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take --megatron-lm-dir DIR (or --megatron-lm-dir=DIR) off argv; the rest is Megatron's."""
+    rest, lm_dir, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--megatron-lm-dir":
+            if i + 1 >= len(argv):
+                raise LauncherError("--megatron-lm-dir needs a folder")
+            lm_dir, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--megatron-lm-dir="):
+            lm_dir = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return lm_dir, rest
+
+
+def find_pretrain_script(lm_dir: str | None = None) -> str:
+    """Path of Megatron-LM's pretrain_gpt.py (see the module docstring for the order)."""
+    lm_dir = lm_dir or os.environ.get("MEGATRON_LM_DIR")
+    if lm_dir:
+        path = os.path.join(os.path.abspath(os.path.expanduser(lm_dir)), SCRIPT)
+        if not os.path.isfile(path):
+            raise LauncherError(f"{path} does not exist (from --megatron-lm-dir / MEGATRON_LM_DIR)")
+        return path
+    spec = importlib.util.find_spec("pretrain_gpt")
+    if spec is not None and spec.origin and os.path.isfile(spec.origin):
+        return spec.origin
+    raise LauncherError(
+        "cannot find Megatron-LM's pretrain_gpt.py: set MEGATRON_LM_DIR (or pass "
+        "--megatron-lm-dir) to a Megatron-LM checkout, or put one on PYTHONPATH"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        lm_dir, megatron_args = split_launcher_args(argv)
+        script = find_pretrain_script(lm_dir)
+    except LauncherError as err:
+        print(f"megatron_patches.pretrain_gpt: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    import megatron_patches
+
+    megatron_patches.apply()
+    sys.argv = [script] + megatron_args
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

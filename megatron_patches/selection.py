@@ -1,0 +1,114 @@
+"""Make `moe_token_dispatcher_type="hybrid_ep"` select HybridEPTokenDispatcher.
+
+MoELayer.__init__ picks its dispatcher with a fixed if/elif on the type string and raises
+for any other value. The patch wraps __init__: for "hybrid_ep" only, it runs the original
+constructor with the type shown as "alltoall" and Megatron's alltoall class name bound to
+HybridEPTokenDispatcher (both restored right after, whatever happens), so everything else
+MoELayer builds (router, experts, shared experts) is untouched. Other types call the
+original constructor directly. Patching twice is a no-op.
+
+On the command line, `extend_argument_parser` adds "hybrid_ep" to the choices of
+Megatron-LM's --moe-token-dispatcher-type and adds the --hybrid-ep-* knobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from . import options
+from .dispatcher import DISPATCHER_TYPE, HybridEPTokenDispatcher
+
+_MARK = "_hybrid_ep_patched"
+
+
+@contextlib.contextmanager
+def _alltoall_slot_holds_hybrid_ep(moe_layer_module, config):
+    saved_cls = moe_layer_module.MoEAlltoAllTokenDispatcher
+    saved_type = config.moe_token_dispatcher_type
+    moe_layer_module.MoEAlltoAllTokenDispatcher = HybridEPTokenDispatcher
+    config.moe_token_dispatcher_type = "alltoall"
+    try:
+        yield
+    finally:
+        moe_layer_module.MoEAlltoAllTokenDispatcher = saved_cls
+        config.moe_token_dispatcher_type = saved_type
+
+
+def patch_moe_layer() -> bool:
+    """Install the MoELayer hook; returns False if it was already installed."""
+    from megatron.core.transformer.moe import moe_layer
+
+    original = moe_layer.MoELayer.__init__
+    if getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
+            return original(self, config, *args, **kwargs)
+        with _alltoall_slot_holds_hybrid_ep(moe_layer, config):
+            original(self, config, *args, **kwargs)
+        if not isinstance(self.token_dispatcher, HybridEPTokenDispatcher):
+            raise RuntimeError(
+                "this Megatron-Core version builds its token dispatcher in a way the hybrid_ep "
+                "patch does not recognise; see docs/megatron.md for supported versions"
+            )
+
+    setattr(__init__, _MARK, True)
+    moe_layer.MoELayer.__init__ = __init__
+    return True
+
+
+def _dispatcher_action(parser):
+    for action in parser._actions:
+        if "--moe-token-dispatcher-type" in action.option_strings:
+            return action
+    return None
+
+
+def extend_argument_parser(parser):
+    """Add "hybrid_ep" to --moe-token-dispatcher-type and add the --hybrid-ep-* flags."""
+    action = _dispatcher_action(parser)
+    if action is not None and action.choices is not None and DISPATCHER_TYPE not in action.choices:
+        action.choices = list(action.choices) + [DISPATCHER_TYPE]
+    if not any("--hybrid-ep-pad-multiple" in a.option_strings for a in parser._actions):
+        options.add_arguments(parser)
+    return parser
+
+
+def patch_megatron_arguments() -> bool:
+    """Extend Megatron-LM's parser (megatron.training.arguments); False if not installed."""
+    try:
+        from megatron.training import arguments
+    except ImportError:
+        return False
+    original = getattr(arguments, "add_megatron_arguments", None)
+    if original is not None:
+        if getattr(original, _MARK, False):
+            return True
+
+        @functools.wraps(original)
+        def add_megatron_arguments(parser):
+            return extend_argument_parser(original(parser))
+
+        setattr(add_megatron_arguments, _MARK, True)
+        arguments.add_megatron_arguments = add_megatron_arguments
+        return True
+    # Older Megatron-LM builds the parser inside parse_args: chain an extra_args_provider.
+    original_parse = arguments.parse_args
+    if getattr(original_parse, _MARK, False):
+        return True
+
+    @functools.wraps(original_parse)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return extend_argument_parser(parser)
+
+        return original_parse(provider, ignore_unknown_args)
+
+    setattr(parse_args, _MARK, True)
+    arguments.parse_args = parse_args
+    return True

@@ -1,0 +1,218 @@
+"""A Megatron MoELayer on W ranks, and the same layer computed densely in one process.
+
+Used by tests/test_megatron_*.py: `run_moe_layer_case` runs on every rank of a
+hybrid_ep.spawn.ProcessGroupPool (forward + backward of one MoELayer built from a
+TransformerConfig with the given dispatcher type) and `dense_moe_layer` computes the same
+outputs and gradients for all ranks at once, in float64, straight from the definition:
+
+    out_t = sum over the token's top-k experts e of p_te * fc2_e(gelu(fc1_e(x_t)))
+    p_t   = topk(softmax(x_t @ router^T))        (Megatron's pre-softmax routing)
+
+Weights and inputs are drawn from seeds, so every rank and the dense reference see the same
+numbers without shipping tensors around. Legend: S sequence, B batch, H hidden, F expert
+ffn, E experts, K top-k, W EP ranks, L = E / W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# A complete Megatron-LM pretrain_gpt argument list for a tiny MoE GPT on mock data.
+TINY_GPT_ARGS = [
+    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "4", "--global-batch-size", "16",
+    "--num-experts", "8", "--moe-router-topk", "2",
+    "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--transformer-impl", "local",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    world_size: int
+    num_experts: int = 8
+    topk: int = 2
+    hidden: int = 16
+    ffn: int = 12
+    seq: int = 6
+    batch: int = 2
+    dispatcher: str = "hybrid_ep"
+    pad_multiple: int = 1
+    cold_experts: tuple[int, ...] = ()  # experts the router never picks
+    static_size_factor: float | None = None
+    seed: int = 1234
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq * self.batch
+
+
+
+# TransformerConfig fields shared by the tests and the demo: fp32 weights built on the host,
+# no dropout, no fused kernels (they need a GPU), so results compare exactly across dispatchers.
+PLAIN_FP32_CONFIG = dict(
+    add_bias_linear=False,
+    use_cpu_initialization=True,
+    params_dtype=torch.float32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+def case_tensors(case: LayerCase):
+    """Everything drawn from the seed: router [E, H], fc1 [E, F, H], fc2 [E, H, F],
+    inputs [W, S, B, H] and output gradients [W, S, B, H] (float64)."""
+    g = torch.Generator().manual_seed(case.seed)
+    E, H, F, W = case.num_experts, case.hidden, case.ffn, case.world_size
+    router = torch.randn(E, H, generator=g, dtype=torch.float64) * 0.5
+    fc1 = torch.randn(E, F, H, generator=g, dtype=torch.float64) / H**0.5
+    fc2 = torch.randn(E, H, F, generator=g, dtype=torch.float64) / F**0.5
+    x = torch.randn(W, case.seq, case.batch, H, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(W, case.seq, case.batch, H, generator=g, dtype=torch.float64)
+    if case.cold_experts:
+        # Positive inputs and a negative router row: these experts always score lowest.
+        x = x.abs() + 0.1
+        router = router.abs()
+        for e in case.cold_experts:
+            router[e] = -1.0
+    return router, fc1, fc2, x, grad_out
+
+
+def dense_moe_layer(case: LayerCase) -> list[dict]:
+    """Expected results of every rank: out, grad_x, grad_router, grad_fc1/fc2 of its experts."""
+    router, fc1, fc2, x_all, grad_out = case_tensors(case)
+    fc1 = fc1.clone().requires_grad_()
+    fc2 = fc2.clone().requires_grad_()
+    W, L = case.world_size, case.num_experts // case.world_size
+    per_rank = []
+    total = 0.0
+    for r in range(W):
+        x = x_all[r].reshape(-1, case.hidden).clone().requires_grad_()
+        w_router = router.clone().requires_grad_()
+        scores = torch.softmax(x @ w_router.T, dim=-1)
+        probs, idx = torch.topk(scores, case.topk, dim=-1)
+        out = torch.zeros_like(x)
+        for k in range(case.topk):
+            h = torch.nn.functional.gelu(torch.einsum("tfh,th->tf", fc1[idx[:, k]], x))
+            out = out + probs[:, k : k + 1] * torch.einsum("thf,tf->th", fc2[idx[:, k]], h)
+        total = total + (out * grad_out[r].reshape(-1, case.hidden)).sum()
+        per_rank.append((x, w_router, out, idx))
+    total.backward()
+    results = []
+    for r, (x, w_router, out, idx) in enumerate(per_rank):
+        mine = slice(r * L, (r + 1) * L)
+        results.append({
+            "out": out.detach().reshape(case.seq, case.batch, case.hidden),
+            "grad_x": x.grad.reshape(case.seq, case.batch, case.hidden),
+            "grad_router": w_router.grad,
+            "grad_fc1": fc1.grad[mine],
+            "grad_fc2": fc2.grad[mine],
+            "routed_per_expert": torch.bincount(idx.reshape(-1), minlength=case.num_experts),
+        })
+    return results
+
+
+def init_megatron(expert_parallel: int, seed: int = 1234) -> None:
+    """Megatron's parallel state on the current torch.distributed world (TP = PP = 1)."""
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    megatron_patches.apply()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
+    if parallel_state.get_expert_model_parallel_world_size() != expert_parallel:
+        raise RuntimeError(
+            f"Megatron parallel state already has EP={parallel_state.get_expert_model_parallel_world_size()}, "
+            f"asked for {expert_parallel}"
+        )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def moe_config(case: LayerCase):
+    import megatron_patches
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=case.hidden,
+        num_attention_heads=1,
+        ffn_hidden_size=case.ffn,
+        moe_ffn_hidden_size=case.ffn,
+        num_moe_experts=case.num_experts,
+        moe_router_topk=case.topk,
+        moe_router_pre_softmax=True,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=case.dispatcher,
+        expert_model_parallel_size=case.world_size,
+        **PLAIN_FP32_CONFIG,
+    )
+    config.hybrid_ep_options = megatron_patches.HybridEPOptions(
+        pad_multiple=case.pad_multiple, static_size_factor=case.static_size_factor
+    )
+    return config
+
+
+def build_moe_layer(case: LayerCase, **config_overrides):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False)
+    config = moe_config(case)
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
+    if hasattr(spec, "submodules"):  # a ModuleSpec (Megatron-Core <= 0.16)
+        return MoELayer(config, submodules=spec.submodules, layer_number=1)
+    return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
+
+
+def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) -> dict:
+    """On every rank: build the layer, load the seeded weights, forward + backward.
+
+    Returns this rank's out, grad_x, grad_router, grad_fc1 [L, F, H], grad_fc2 [L, H, F]
+    (float32), the dispatcher's class name and its routed-per-expert counts.
+    """
+    import torch.distributed as dist
+
+    init_megatron(case.world_size)
+    rank = dist.get_rank()
+    L = case.num_experts // case.world_size
+    router, fc1, fc2, x_all, grad_out = case_tensors(case)
+    layer = build_moe_layer(case, **(config_overrides or {}))
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        for j, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[rank * L + j])
+            expert.linear_fc2.weight.copy_(fc2[rank * L + j])
+    x = x_all[rank].float().clone().requires_grad_()
+    out, _ = layer(x)
+    (out * grad_out[rank].float()).sum().backward()
+    dispatcher = layer.token_dispatcher
+    routed = getattr(dispatcher, "last_routed_per_expert", None)
+    return {
+        "dispatcher": type(dispatcher).__name__,
+        "out": out.detach(),
+        "grad_x": x.grad,
+        "grad_router": layer.router.weight.grad,
+        "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
+        "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
+        "routed_per_expert": None if routed is None else routed.clone(),
+        "pad_multiple": getattr(dispatcher, "pad_multiple", None),
+        "min_rows_per_expert": getattr(dispatcher, "min_rows_per_expert", None),
+    }
+
+
+def try_build_moe_layer(case: LayerCase, config_overrides: dict) -> str:
+    """Build a MoELayer with some config fields changed after validation; returns the
+    dispatcher's class name, or "ErrorType: message" when construction raises."""
+    init_megatron(case.world_size)
+    try:
+        layer = build_moe_layer(case, **config_overrides)
+    except Exception as err:  # reported to the test, which checks the type and message
+        return f"{type(err).__name__}: {err}"
+    return type(layer.token_dispatcher).__name__

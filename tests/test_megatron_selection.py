@@ -1,0 +1,101 @@
+"""Selecting the dispatcher: megatron_patches.apply(), the config type, Megatron-LM's
+command line (--moe-token-dispatcher-type hybrid_ep and the --hybrid-ep-* knobs), and
+clear errors for combinations the dispatcher does not support."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import megatron_patches  # noqa: E402
+from megatron_patches import options, selection  # noqa: E402
+from megatron_patches.testing import TINY_GPT_ARGS as MEGATRON_ARGS  # noqa: E402
+from megatron_patches.testing import LayerCase, try_build_moe_layer  # noqa: E402
+
+
+
+def test_apply_is_idempotent_and_wraps_once():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    first = megatron_patches.apply()
+    init = MoELayer.__init__
+    second = megatron_patches.apply()
+    assert MoELayer.__init__ is init
+    assert first == second
+    assert first["moe_layer"] is True
+    # One wrapper around Megatron's own constructor, not two.
+    assert getattr(init, "_hybrid_ep_patched", False)
+    assert not getattr(init.__wrapped__, "_hybrid_ep_patched", False)
+    assert selection.patch_moe_layer() is False
+
+
+def test_dispatcher_is_exported_lazily():
+    from megatron_patches.dispatcher import HybridEPTokenDispatcher
+
+    assert megatron_patches.HybridEPTokenDispatcher is HybridEPTokenDispatcher
+    assert HybridEPTokenDispatcher.__mro__[1].__name__ == "MoETokenDispatcher"
+
+
+def test_config_type_selects_dispatcher_and_leaves_others_alone(pool_for):
+    pool = pool_for(2)
+    for dispatcher, expected in [
+        ("hybrid_ep", "HybridEPTokenDispatcher"),
+        ("alltoall", "MoEAlltoAllTokenDispatcher"),
+        ("allgather", "MoEAllGatherTokenDispatcher"),
+    ]:
+        got = pool.run(try_build_moe_layer, [(LayerCase(world_size=2, dispatcher=dispatcher), {})] * 2)
+        assert got == [expected, expected]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0), "moe_pad_expert_input_to_capacity"),
+    (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap"),
+])
+def test_unsupported_combinations_raise_clearly(pool_for, overrides, needle):
+    got = pool_for(2).run(try_build_moe_layer, [(LayerCase(world_size=2), overrides)] * 2)
+    for message in got:
+        assert message.startswith("ValueError: moe_token_dispatcher_type='hybrid_ep' does not support")
+        assert needle in message
+
+
+def test_options_validate_names_the_field():
+    with pytest.raises(ValueError, match="pad_multiple"):
+        options.HybridEPOptions(pad_multiple=0).validate()
+    with pytest.raises(ValueError, match="static_size_factor"):
+        options.HybridEPOptions(static_size_factor=-1.0).validate()
+    with pytest.raises(ValueError, match="backend"):
+        options.HybridEPOptions(backend="nope").validate()
+
+
+def test_flag_through_megatron_argument_parser(monkeypatch):
+    """Megatron-LM's own parser accepts the type and knobs and builds the TransformerConfig."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import global_vars
+
+    megatron_patches.apply()
+    argv = ["pretrain_gpt.py", *MEGATRON_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
+            "--hybrid-ep-pad-multiple", "4", "--hybrid-ep-num-sms-dispatch", "24",
+            "--hybrid-ep-num-sms-combine", "20", "--hybrid-ep-static-size-factor", "1.5"]
+    monkeypatch.setattr("sys.argv", argv)
+    args = arguments.parse_args()
+    assert args.moe_token_dispatcher_type == "hybrid_ep"
+    arguments.validate_args(args)
+    config = arguments.core_transformer_config_from_args(args)
+    assert isinstance(config, TransformerConfig)
+    assert config.moe_token_dispatcher_type == "hybrid_ep"
+    assert config.num_moe_experts == 8 and config.moe_router_topk == 2
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    assert options.options_for(config) == options.HybridEPOptions(
+        num_sms_dispatch=24, num_sms_combine=20, pad_multiple=4, static_size_factor=1.5
+    )
+
+
+def test_megatron_parser_still_rejects_unknown_types(monkeypatch, capsys):
+    arguments = pytest.importorskip("megatron.training.arguments")
+    megatron_patches.apply()
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *MEGATRON_ARGS, "--moe-token-dispatcher-type", "bogus"])
+    with pytest.raises(SystemExit):
+        arguments.parse_args()
+    assert "hybrid_ep" in capsys.readouterr().err  # the choices listed include ours
