@@ -52,7 +52,7 @@ if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     "$py" -m pip install -q --upgrade pip setuptools wheel >&2
     "$py" -m pip install -q --no-build-isolation -e "$repo[test,megatron]" >&2
     echo "$stamp" > "$venv/.hybrid-ep-deps"
-    echo "$build_stamp" > "$venv/.hybrid-ep-build"  # that install built this checkout too
+    rm -f "$venv/.hybrid-ep-build"  # torch was not importable while that install built: build below
 fi
 
 if [ "$(cat "$venv/.hybrid-ep-build" 2>/dev/null)" != "$build_stamp" ]; then

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import shutil
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def _extension():
         pytest.fail(f"hybrid_ep._C must be built wherever nvcc and a CUDA torch exist: {err}")
 
 
-@pytest.mark.skipif(torch.version.cuda is None, reason="the extension is only built against a CUDA PyTorch")
+@pytest.mark.skipif(torch.version.cuda is None or shutil.which("nvcc") is None,
+                    reason="the extension is only built with nvcc against a CUDA PyTorch")
 def test_compiled_structs_match_the_python_plan():
     from hybrid_ep.backends.cuda.engine import check_extension
 
