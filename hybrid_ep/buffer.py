@@ -23,6 +23,21 @@ from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffi
 _owner_ids = itertools.count(1)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class CallRecord:
+    """One dispatch or combine call; its traffic is computed when asked for, not per call:
+    the row counts live on the device, and reading them on every call would synchronise
+    with the host and break CUDA graph capture."""
+
+    kind: str  # "dispatch" | "combine"
+    rank: int
+    handle: DispatchHandle
+    row_bytes: int
+
+    def traffic(self) -> Traffic:
+        return rank_traffic(self.kind, self.rank, self.handle.row_counts, self.row_bytes)
+
+
 class HybridEPBuffer:
     """Dispatch and combine for one EP group; sized once for the worst case.
 
@@ -69,19 +84,12 @@ class HybridEPBuffer:
         self.rank = dist.get_rank(group)
         self._owner = next(_owner_ids)
         self._backend = create_backend(backend, self.config, group, self.rank, self._owner)
-        self._last_call: tuple[str, DispatchHandle, int] | None = None
+        self.last_call: CallRecord | None = None
 
     @property
     def last_traffic(self) -> Traffic | None:
-        """NVLink / RDMA bytes of the last dispatch or combine of this rank.
-
-        Computed when read, not per call: the row counts live on the device, and reading
-        them on every call would synchronise with the host and break CUDA graph capture.
-        """
-        if self._last_call is None:
-            return None
-        kind, handle, row_bytes = self._last_call
-        return rank_traffic(kind, self.rank, handle.row_counts, row_bytes)
+        """NVLink / RDMA bytes of the last dispatch or combine of this rank."""
+        return None if self.last_call is None else self.last_call.traffic()
 
     @property
     def backend(self) -> str:
@@ -172,12 +180,13 @@ class HybridEPBuffer:
         rows, scales_out, handle = self._backend.dispatch(
             x, scales, routing, handle, num_out_tokens, self._kernel(num_sms_dispatch=num_sms)
         )
-        self._last_call = ("dispatch", handle, dispatch_row_bytes(self.config.hidden_dim, x.dtype))
+        self.last_call = CallRecord("dispatch", self.rank, handle, dispatch_row_bytes(self.config.hidden_dim, x.dtype))
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms):
         y = self._backend.combine(expert_out, handle, apply_probs, self._kernel(num_sms_combine=num_sms))
-        self._last_call = ("combine", handle, combine_row_bytes(self.config.hidden_dim, expert_out.dtype))
+        self.last_call = CallRecord("combine", self.rank, handle,
+                                    combine_row_bytes(self.config.hidden_dim, expert_out.dtype))
         return y
 
     def _return_row_values(self, values_R, handle):

@@ -209,6 +209,15 @@ class DestLayout:
     num_dropped: torch.Tensor  # int64 scalar: routed entries that did not fit num_out_tokens
 
 
+def max_output_rows(config: BufferConfig, entries_per_row: int) -> int:
+    """Most expert-major rows one rank can receive: every source's tokens, each routed to
+    `entries_per_row` of this rank's experts, plus per expert at most min_rows + pad - 1
+    rows of padding (roundup(max(n, min_rows), pad) <= n + min_rows + pad - 1)."""
+    L = config.experts_per_rank
+    real = config.world_size * config.max_tokens_per_rank * entries_per_row
+    return real + L * (config.min_rows_per_expert + config.pad_multiple - 1)
+
+
 def dest_layout(
     recv_expert_mask_VL: torch.Tensor,
     pad_multiple: int,

@@ -10,7 +10,6 @@ is why the size is agreed on by all ranks of the group (max over ranks) on the f
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -29,11 +28,6 @@ class BufferKey:
     backend: str
     num_sms_dispatch: int | None
     num_sms_combine: int | None
-
-
-def supports_min_rows_per_expert() -> bool:
-    """Whether this hybrid_ep build can give empty experts zero-padding rows."""
-    return "min_rows_per_expert" in inspect.signature(hybrid_ep.HybridEPBuffer.__init__).parameters
 
 
 class BufferCache:
@@ -65,9 +59,8 @@ class BufferCache:
             pad_multiple=key.pad_multiple,
             num_sms_dispatch=key.num_sms_dispatch,
             num_sms_combine=key.num_sms_combine,
+            min_rows_per_expert=key.min_rows_per_expert,
         )
-        if key.min_rows_per_expert > 0 and supports_min_rows_per_expert():
-            kwargs["min_rows_per_expert"] = key.min_rows_per_expert
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)
         return buf

@@ -84,8 +84,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     `options.options_for(config)`; the buffer is shared per EP group and shape
     (`buffers.BUFFERS`), created on the first dispatch.
 
-    After each forward dispatch, `last_dispatch_traffic` holds hybrid_ep's traffic record
-    (NVLink / RDMA bytes of this rank) and `last_routed_per_expert` the [E] routed-token
+    After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
+    (NVLink / RDMA bytes of this rank, read from the device only when asked for) and `last_routed_per_expert` the [E] routed-token
     counts of this rank (for load statistics).
     """
 
@@ -123,9 +123,14 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         )
         self._buffer: hep.HybridEPBuffer | None = None
         self.handle = None
-        self.last_dispatch_traffic = None
+        self.last_dispatch_call = None  # hybrid_ep.buffer.CallRecord of the forward dispatch
         self.last_routed_per_expert = None
         self.last_num_dropped = None
+
+    @property
+    def last_dispatch_traffic(self):
+        """Traffic of the last forward dispatch; backward calls on the buffer do not replace it."""
+        return None if self.last_dispatch_call is None else self.last_dispatch_call.traffic()
 
     # -- buffer -----------------------------------------------------------------------------
 
@@ -185,7 +190,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             num_sms=self.options.num_sms_dispatch,
         )
         self.handle = res.handle
-        self.last_dispatch_traffic = buf.last_traffic
+        self.last_dispatch_call = buf.last_call
         tokens_per_expert = res.tokens_per_expert
         if self.options.static_size_factor is not None:
             self.last_num_dropped = res.handle.num_dropped

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..config import KernelConfig, timeout_seconds
 from ..handle import DispatchHandle
 from ..memory import BufferSpec, MemoryPlan
-from ..routing import Routing, dest_layout, source_layout
+from ..routing import Routing, dest_layout, max_output_rows, source_layout
 from ..rows import as_byte_rows as _as_bytes
 from ..rows import from_byte_rows as _from_bytes
 from .base import Backend
@@ -160,8 +160,7 @@ class ReferenceBackend(Backend):
         cfg = self.config
         T, W, H, L = cfg.max_tokens_per_rank, cfg.world_size, cfg.hidden_dim, cfg.experts_per_rank
         row = H * 4 + 5 * L  # widest row (fp32) plus per-row expert mask and weights
-        # Per expert: roundup(max(n, min_rows), pad) <= n + min_rows + pad - 1.
-        max_rows = W * T * L + L * (cfg.min_rows_per_expert + cfg.pad_multiple - 1)
+        max_rows = max_output_rows(cfg, L)
         return MemoryPlan(
             backend=self.name,
             buffers=(

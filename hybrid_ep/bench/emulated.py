@@ -23,6 +23,7 @@ from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..synthetic import iter_rank_routings
 from .spec import L2_FLUSH_BYTES
+from .worker import gpu_driver
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
 COPY_BYTES = 1 << 30
@@ -175,7 +176,8 @@ def run(args) -> int:
 
     doc = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": props.name, "device_sms": props.multi_processor_count, "driver": torch.version.cuda,
+        "device": props.name, "device_sms": props.multi_processor_count, "driver": gpu_driver(),
+        "cuda": torch.version.cuda,
         "torch": torch.__version__, "command": " ".join(sys.argv),
         "config": {"world_size": W, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
                    "dtype": args.dtype, "routing": args.routing, "warmup": warmup, "iters": iters},

@@ -39,7 +39,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _gpu_driver() -> str | None:
+def gpu_driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20, check=True).stdout
@@ -55,7 +55,7 @@ def probe(spec: BenchSpec) -> dict:
     if spec.device == "cuda":
         index = torch.cuda.current_device()
         info |= {"device": torch.cuda.get_device_name(index), "device_index": index,
-                 "driver": _gpu_driver(), "cuda": torch.version.cuda}
+                 "driver": gpu_driver(), "cuda": torch.version.cuda}
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         info |= {"device": f"CPU: {_cpu_name()} ({cores} cores)", "driver": None, "cuda": None}

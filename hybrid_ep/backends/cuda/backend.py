@@ -7,17 +7,18 @@ import torch
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
+from ...routing import max_output_rows
 from ..base import Backend
 from . import launch, load_extension
 from .engine import Engine
-from .layout import check_geometry, registered_layout
+from .layout import MAX_TOPK, check_geometry, registered_layout
 from .registered import RegisteredBuffers
 
 
 def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     """Registered bytes per rank, known before allocation; per-call worst cases alongside."""
     reg = registered_layout(config)
-    W, H, Tmax = config.world_size, config.hidden_dim, config.max_tokens_per_rank
+    H = config.hidden_dim
     regions = reg.region_bytes()
     specs = [
         BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "dispatch_signal", "combine_signal",
@@ -28,8 +29,7 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
         BufferSpec("recv_scales", regions["recv_scales"], True, "fp8 scales of received rows"),
         BufferSpec("comb_rows", regions["comb_rows"], True, "fp32 partial sums pushed back by expert hosts"),
     ]
-    L = config.experts_per_rank
-    worst_rows = W * Tmax * min(L, 16) + L * (max(config.pad_multiple, getattr(config, "min_rows_per_expert", 0)))
+    worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
     return MemoryPlan(name, tuple(specs))
 

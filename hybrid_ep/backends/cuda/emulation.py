@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from ... import inputs
-from ...config import BufferConfig
+from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
 from . import launch, load_extension
@@ -33,17 +33,17 @@ class EmulatedGroup:
                  num_sms_combine: int | None = None, device: torch.device | None = None):
         if not 1 <= world_size <= MAX_EMULATED_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
-        extra = {"min_rows_per_expert": min_rows_per_expert} if min_rows_per_expert else {}
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
                                    num_experts=num_experts, world_size=world_size, ranks_per_node=world_size,
-                                   pad_multiple=pad_multiple, **extra).validate()
+                                   pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert).validate()
+        self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         ext = load_extension()
         self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device)
-        self.num_sms_dispatch = num_sms_dispatch or launch.DEFAULT_SMS_DISPATCH
-        self.num_sms_combine = num_sms_combine or launch.DEFAULT_SMS_COMBINE
+        self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
+        self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)
 
     @property
@@ -77,7 +77,7 @@ class EmulatedGroup:
         return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None, frozenset(absent))
 
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, absent):
-        sms = num_sms or self.num_sms_dispatch
+        sms = self.num_sms_dispatch if num_sms is None else num_sms
         per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows, absent)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
@@ -100,7 +100,7 @@ class EmulatedGroup:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
-        sms = num_sms or self.num_sms_combine
+        sms = self.num_sms_combine if num_sms is None else num_sms
         return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
                                    [h.probs_R for h in handles], apply_probs, sms, frozenset(absent))
 

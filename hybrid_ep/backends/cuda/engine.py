@@ -102,6 +102,7 @@ class Engine:
         self.device_sms = props.multi_processor_count
         self.smem_per_block = props.shared_memory_per_block_optin
         self.failure: str | None = None
+        self._blocks_per_sm: dict[tuple[str, int], int] = {}  # occupancy queries, once per shape
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -109,7 +110,7 @@ class Engine:
         g.num_experts, g.local_experts = c.num_experts, c.experts_per_rank
         g.max_tokens, g.hidden = c.max_tokens_per_rank, c.hidden_dim
         g.pad_multiple = c.pad_multiple
-        g.min_rows_per_expert = getattr(c, "min_rows_per_expert", 0)
+        g.min_rows_per_expert = c.min_rows_per_expert
         for name, value in dataclasses.asdict(self.reg).items():
             setattr(g.reg, name, value)
         for name, value in dataclasses.asdict(self.info).items():
@@ -158,9 +159,14 @@ class Engine:
         if kind == "dispatch":
             fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block)
             a.fifo_stages, a.stage_bytes = fifo.stages, fifo.stage_bytes
-            per_sm = self.ext.dispatch_max_blocks_per_sm(fifo.smem_bytes)
+            smem = fifo.smem_bytes
         else:
-            per_sm = self.ext.combine_max_blocks_per_sm()
+            smem = 0
+        per_sm = self._blocks_per_sm.get((kind, smem))
+        if per_sm is None:
+            per_sm = (self.ext.dispatch_max_blocks_per_sm(smem) if kind == "dispatch"
+                      else self.ext.combine_max_blocks_per_sm())
+            self._blocks_per_sm[(kind, smem)] = per_sm
         launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
         return a
 
