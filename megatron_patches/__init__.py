@@ -7,7 +7,8 @@ Importable without Megatron installed; `apply()` and the dispatcher need megatro
 What apply() changes (docs/megatron.md): MoELayer selects HybridEPTokenDispatcher for the
 type "hybrid_ep" (other types untouched); Megatron-LM's argument parser (when installed)
 accepts `--moe-token-dispatcher-type hybrid_ep` and the --hybrid-ep-* knobs; the
-grouped-GEMM zero-token fix is installed when present; on a machine without a GPU the CPU
+grouped-GEMM zero-token fix is installed when present; Megatron-LM's
+setup_model_and_optimizer attaches the expert balancer when --hybrid-ep-balancer-interval is set; on a machine without a GPU the CPU
 stand-ins of `cpu_compat` are enabled (never on a GPU machine).
 """
 
@@ -31,6 +32,12 @@ def _install_grouped_gemm_fix() -> bool:
     return True
 
 
+def _install_balancer_hook() -> bool:
+    from . import balancer
+
+    return balancer.install_training_hook()
+
+
 def apply(*, cpu_fallback: bool = True) -> dict:
     """Patch Megatron once (idempotent); returns what is active.
 
@@ -47,6 +54,7 @@ def apply(*, cpu_fallback: bool = True) -> dict:
             "moe_layer": True,
             "arguments": selection.patch_megatron_arguments(),
             "grouped_gemm": _install_grouped_gemm_fix(),
+            "balancer_hook": _install_balancer_hook(),
         }
     return dict(_applied, cpu_compat=cpu_compat.enabled())
 

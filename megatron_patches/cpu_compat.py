@@ -11,6 +11,12 @@ Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
 - the alltoall dispatcher turns its split sizes into host lists only for CUDA tensors
   (`maybe_move_tensor_to_cpu(..., as_numpy=True)`); CPU tensors stay tensors, which
   `all_to_all_single` rejects;
+- Megatron's optimizers (`optimizer.py`, `clip_grads.py`, `grad_scaler.py`, and the multi-tensor
+  fallbacks in `utils.py`) create their
+  scale / found-inf / norm scalars with `device='cuda'`, and the mixed-precision optimizer
+  and the gradient clipper tell parameter kinds apart by `param.type()` names such as
+  'torch.cuda.BFloat16Tensor'; those modules get a `torch` whose factories put
+  `device='cuda'` tensors on the CPU, and the two type checks see CUDA names for CPU tensors;
 - Megatron-Core 0.16's router gating calls `te_general_gemm`, a name that is left undefined
   when Transformer Engine is not installed (NameError); it is defined as None, which selects
   the torch matmul path the code already has.
@@ -172,6 +178,75 @@ def _install_host_splits() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+class _CpuFactoryTorch:
+    """`torch` as seen by one Megatron module: factories asked for 'cuda' build on the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like")
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Within the block, CPU tensors report `type()` names of their CUDA counterparts."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return name if self.is_cuda or not name.startswith("torch.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _wrap_with_cuda_type_names(owner, name):
+    original = getattr(owner, name)
+    if getattr(original, "_hybrid_ep_cpu", False):
+        return
+
+    def wrapped(*args, **kwargs):
+        with _cuda_type_names():
+            return original(*args, **kwargs)
+
+    wrapped._hybrid_ep_cpu = True
+    setattr(owner, name, wrapped)
+
+
+def _install_cpu_optimizer() -> None:
+    import importlib
+
+    for name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+                 "megatron.core.optimizer.grad_scaler", "megatron.core.utils"):
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuFactoryTorch):
+            module.torch = _CpuFactoryTorch(module.torch)
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    _wrap_with_cuda_type_names(optimizer.Float16OptimizerWithFloat16Params, "__init__")
+    _wrap_with_cuda_type_names(clip_grads, "clip_grad_by_total_norm_fp32")
+    if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
+        _wrap_with_cuda_type_names(optimizer, "clip_grad_by_total_norm_fp32")
+
+
 def _define_missing_te_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
@@ -203,6 +278,7 @@ def enable() -> bool:
         _install_rng_tracker()
         _install_host_splits()
         _define_missing_te_gemm()
+        _install_cpu_optimizer()
     except ImportError:
         pass  # Megatron not installed: the torch stand-ins are all there is to do
     _ENABLED = True

@@ -84,6 +84,10 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     `options.options_for(config)`; the buffer is shared per EP group and shape
     (`buffers.BUFFERS`), created on the first dispatch.
 
+    With the expert balancer on (docs/balancer.md), rows go to expert slots: the router's
+    [T, E] routing is mapped to [T, S] slots through `slot_table`, and the local "experts"
+    are this rank's S / EP slots.
+
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
     (NVLink / RDMA bytes of this rank, read from the device only when asked for) and `last_routed_per_expert` the [E] routed-token
     counts of this rank (for load statistics).
@@ -116,6 +120,21 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
                 f"got {self.local_expert_indices}"
             )
         self.options: HybridEPOptions = options_for(config)
+        # Expert balancer: P local slots instead of E / EP experts, router ids mapped to slots.
+        self.slot_table = None
+        self.load_recorder = None  # callable(routed_per_expert [E]) set by the balancer
+        self.num_slots = self.num_experts
+        if self.options.balancer_enabled:
+            from hybrid_ep.balancer import SlotTable
+
+            from .balancer import slots_per_rank
+
+            P = slots_per_rank(self.options, self.num_experts, self.ep_size)
+            self.num_slots = P * self.ep_size
+            self.num_local_experts = P
+            self.local_expert_indices = [self.ep_rank * P + j for j in range(P)]
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            self.slot_table = SlotTable(self.num_experts, self.num_slots, device=device)
         # Grouped GEMMs want every group at least `align` rows and a multiple of it.
         self.min_rows_per_expert = grouped_gemm_alignment(config)
         self.pad_multiple = math.lcm(
@@ -141,7 +160,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             key = buffers.BufferKey(
                 group_id=id(self.ep_group),
                 hidden_dim=hidden_dim,
-                num_experts=self.num_experts,
+                num_experts=self.num_slots,
                 pad_multiple=self.pad_multiple,
                 min_rows_per_expert=self.min_rows_per_expert,
                 ranks_per_node=opts.ranks_per_node,
@@ -173,8 +192,14 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         if probs.shape != routing_map.shape:
             raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map shape {tuple(routing_map.shape)}")
         self.hidden_shape = hidden_states.shape
-        self.routing_map = routing_map
         self.last_routed_per_expert = routing_map.detach().sum(dim=0)
+        if self.slot_table is not None:
+            if self.load_recorder is not None and torch.is_grad_enabled():
+                self.load_recorder(self.last_routed_per_expert)
+            from hybrid_ep.balancer import route_to_slots
+
+            routing_map, probs = route_to_slots(routing_map, probs, self.slot_table, self.ep_rank)
+        self.routing_map = routing_map
         return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
 
     def token_dispatch(self, hidden_states, probs):

@@ -30,6 +30,19 @@ class HybridEPOptions:
     sees in its first call).
     ranks_per_node: NVLink domain size (None: the launcher's local world size).
     backend: "auto" (cuda kernels where available, reference otherwise), "cuda", "reference".
+
+    Expert balancer (docs/balancer.md), off while balancer_interval is 0:
+    balancer_interval: K, steps between load reductions and rebalancing.
+    balancer_slots_per_rank: expert slots per EP rank (None: experts / EP, placement only;
+    more gives spare slots for replicas of hot experts).
+    balancer_window: reductions (of K steps each) summed into the load the planner sees.
+    balancer_decay: when set, an exponential moving average over reductions with this decay
+    replaces the window.
+    balancer_min_gain: apply a new placement only when it lowers the planned rank imbalance
+    (max - mean) / mean by more than this.
+    balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
+    start from.
+    balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
     """
 
     num_sms_dispatch: int | None = None
@@ -39,6 +52,17 @@ class HybridEPOptions:
     max_tokens_per_rank: int | None = None
     ranks_per_node: int | None = None
     backend: str = "auto"
+    balancer_interval: int = 0
+    balancer_slots_per_rank: int | None = None
+    balancer_window: int = 1
+    balancer_decay: float | None = None
+    balancer_min_gain: float = 0.0
+    balancer_placement: str | None = None
+    balancer_report_dir: str | None = None
+
+    @property
+    def balancer_enabled(self) -> bool:
+        return self.balancer_interval > 0
 
     def validate(self) -> "HybridEPOptions":
         for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node"):
@@ -51,6 +75,18 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option static_size_factor must be > 0 or None, got {self.static_size_factor!r}"
             )
+        if not isinstance(self.balancer_interval, int) or self.balancer_interval < 0:
+            raise ValueError(
+                f"hybrid_ep option balancer_interval must be an int >= 0 (0: off), got {self.balancer_interval!r}"
+            )
+        for name in ("balancer_slots_per_rank", "balancer_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"hybrid_ep option {name} must be a positive int, got {value!r}")
+        if self.balancer_decay is not None and not 0.0 < self.balancer_decay < 1.0:
+            raise ValueError(f"hybrid_ep option balancer_decay must be in (0, 1) or None, got {self.balancer_decay!r}")
+        if not self.balancer_min_gain >= 0.0:
+            raise ValueError(f"hybrid_ep option balancer_min_gain must be >= 0, got {self.balancer_min_gain!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
         return self
@@ -65,6 +101,13 @@ FLAGS = {
     "--hybrid-ep-max-tokens-per-rank": ("max_tokens_per_rank", int),
     "--hybrid-ep-ranks-per-node": ("ranks_per_node", int),
     "--hybrid-ep-backend": ("backend", str),
+    "--hybrid-ep-balancer-interval": ("balancer_interval", int),
+    "--hybrid-ep-balancer-slots-per-rank": ("balancer_slots_per_rank", int),
+    "--hybrid-ep-balancer-window": ("balancer_window", int),
+    "--hybrid-ep-balancer-decay": ("balancer_decay", float),
+    "--hybrid-ep-balancer-min-gain": ("balancer_min_gain", float),
+    "--hybrid-ep-balancer-placement": ("balancer_placement", str),
+    "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
 }
 
 _HELP = {
@@ -76,6 +119,14 @@ _HELP = {
     "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: from the first call)",
     "ranks_per_node": "NVLink domain size of the EP group (default: local world size)",
     "backend": "hybrid_ep backend: auto, cuda or reference",
+    "balancer_interval": "expert balancer: steps between load reductions and rebalancing (0: off)",
+    "balancer_slots_per_rank": "expert balancer: expert slots per EP rank (default experts / EP: "
+                               "placement only; more: replicas of hot experts)",
+    "balancer_window": "expert balancer: reductions summed into the planned load",
+    "balancer_decay": "expert balancer: moving-average decay over reductions (replaces the window)",
+    "balancer_min_gain": "expert balancer: least drop of the rank imbalance that triggers a migration",
+    "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
+    "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
 }
 
 

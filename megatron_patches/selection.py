@@ -4,7 +4,8 @@ MoELayer.__init__ picks its dispatcher with a fixed if/elif on the type string a
 for any other value. The patch wraps __init__: for "hybrid_ep" only, it runs the original
 constructor with the type shown as "alltoall" and Megatron's alltoall class name bound to
 HybridEPTokenDispatcher (both restored right after, whatever happens), so everything else
-MoELayer builds (router, experts, shared experts) is untouched. Other types call the
+MoELayer builds (router, experts, shared experts) is untouched, except that with the expert
+balancer on, the experts are built as S / EP slots (megatron_patches.balancer). Other types call the
 original constructor directly. Patching twice is a no-op.
 
 On the command line, `extend_argument_parser` adds "hybrid_ep" to the choices of
@@ -47,6 +48,13 @@ def patch_moe_layer() -> bool:
     def __init__(self, config, *args, **kwargs):
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
             return original(self, config, *args, **kwargs)
+        opts = options.options_for(config)
+        if opts.balancer_enabled:
+            from . import balancer
+
+            ep_size = _ep_size(kwargs.get("pg_collection"))
+            P = balancer.slots_per_rank(opts, config.num_moe_experts, ep_size)
+            args, kwargs = balancer.slot_experts_kwargs(args, kwargs, P)
         with _alltoall_slot_holds_hybrid_ep(moe_layer, config):
             original(self, config, *args, **kwargs)
         if not isinstance(self.token_dispatcher, HybridEPTokenDispatcher):
@@ -54,10 +62,20 @@ def patch_moe_layer() -> bool:
                 "this Megatron-Core version builds its token dispatcher in a way the hybrid_ep "
                 "patch does not recognise; see docs/megatron.md for supported versions"
             )
+        if opts.balancer_enabled:
+            balancer.finish_moe_layer(self)
 
     setattr(__init__, _MARK, True)
     moe_layer.MoELayer.__init__ = __init__
     return True
+
+
+def _ep_size(pg_collection) -> int:
+    if pg_collection is not None and getattr(pg_collection, "ep", None) is not None:
+        return pg_collection.ep.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
 
 
 def _dispatcher_action(parser):

@@ -1,0 +1,280 @@
+"""ExpertBalancer: statistics -> placement -> migration, driven from the training loop.
+
+    balancer = ExpertBalancer(layers, num_experts=E, slots_per_rank=P, ep_group=..., interval=K)
+    balancer.setup()                   # install the initial placement (copies replicas' weights)
+    ... per MoE forward:  balancer.record(i, routed_per_expert_E)   (device add, no sync)
+    ... before optimizer.step():  balancer.before_optimizer_step()  (sum replicas' grads)
+    ... after optimizer.step():   balancer.after_optimizer_step(iteration)  (every K: plan, migrate)
+
+The placement is the truth kept in each layer's SlotTable (device), so checkpoints that
+hold the tables' `slot_to_expert` rows restore it (see `state_dict`). Rebalancing never
+changes what the model computes: a token reaches a slot that holds exactly the weights and
+optimizer state its expert has everywhere else.
+
+Legend: L MoE layers of this pipeline stage, E experts, S slots, W EP ranks, P = S / W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .migration import migrate_slots_, plan_transfers, sum_replica_grads_
+from .slots import SlotTable
+from .state import OptimizerView, grad_tensors, movable_tensors, summed_grad
+from .stats import LoadStatistics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BalancedLayer:
+    """One MoE layer as the balancer sees it: its slot table and its P local slots' params."""
+
+    table: SlotTable
+    slot_params: list[list[torch.nn.Parameter]]  # [P][k]
+
+
+def native_placement(num_layers: int, num_experts: int, num_slots: int, num_ranks: int) -> torch.Tensor:
+    """[L, S] what freshly built experts hold: rank r's first E/W slots hold experts r*E/W + j;
+    spare slots hold nothing yet (-1)."""
+    P, per_rank = num_slots // num_ranks, num_experts // num_ranks
+    row = torch.full((num_slots,), -1, dtype=torch.int64)
+    for r in range(num_ranks):
+        row[r * P : r * P + per_rank] = torch.arange(r * per_rank, (r + 1) * per_rank)
+    return row.expand(num_layers, num_slots).clone()
+
+
+class ExpertBalancer:
+    def __init__(self, layers: list[BalancedLayer], *, num_experts: int, slots_per_rank: int, ep_group=None,
+                 stats_groups=None, num_nodes: int = 1, interval: int = 100, window: int = 1,
+                 decay: float | None = None, min_gain: float = 0.0, optimizer_view: OptimizerView | None = None,
+                 report_dir: str | None = None, is_reporter: bool | None = None, writers=(),
+                 layer_numbers: list[int] | None = None):
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError("layers: the expert balancer needs at least one MoE layer")
+        self.ep_group = ep_group
+        self.num_ranks = dist.get_world_size(ep_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(ep_group) if dist.is_initialized() else 0
+        self.num_experts = num_experts
+        self.slots_per_rank = slots_per_rank
+        self.num_slots = slots_per_rank * self.num_ranks
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the EP size ({self.num_ranks})")
+        if self.num_slots < num_experts:
+            raise ValueError(
+                f"slots_per_rank ({slots_per_rank}) x EP size ({self.num_ranks}) = {self.num_slots} slots, "
+                f"fewer than the {num_experts} experts"
+            )
+        if self.num_ranks % num_nodes:
+            raise ValueError(f"num_nodes ({num_nodes}) must divide the EP size ({self.num_ranks})")
+        for i, layer in enumerate(self.layers):
+            if layer.table.num_slots != self.num_slots or len(layer.slot_params) != slots_per_rank:
+                raise ValueError(
+                    f"layer {i}: {layer.table.num_slots} slots / {len(layer.slot_params)} local, "
+                    f"expected {self.num_slots} / {slots_per_rank}"
+                )
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.num_nodes = num_nodes
+        self.interval = interval
+        self.min_gain = min_gain
+        self.view = optimizer_view or OptimizerView()
+        self.stats_groups = [ep_group] if stats_groups is None else list(stats_groups)
+        device = self.layers[0].table.slot_to_expert_S.device
+        self.stats = LoadStatistics(len(self.layers), num_experts, window=window, decay=decay, device=device)
+        self.report_dir = report_dir
+        self.is_reporter = (self.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)) \
+            if is_reporter is None else is_reporter
+        self.writers = list(writers)
+        self.layer_numbers = layer_numbers or list(range(len(self.layers)))
+        self.steps = 0
+        self._rows_LS = None  # host mirror of the tables: reading them per step would sync
+        self.refresh_from_tables()
+        self.last_summary: dict | None = None
+        self.events: list[dict] = []
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def placement_rows(self) -> torch.Tensor:
+        """[L, S] the placement now in effect (host copy of the device tables)."""
+        return self._rows_LS.clone()
+
+    def refresh_from_tables(self) -> None:
+        """Re-read the device tables (after something other than the balancer wrote them,
+        e.g. a checkpoint load); one host read."""
+        self._rows_LS = torch.stack([layer.table.slot_to_expert_S.detach().cpu() for layer in self.layers])
+        if bool((self._rows_LS >= 0).all()):
+            for i, layer in enumerate(self.layers):
+                layer.table.load_(self._rows_LS[i])
+            self._mark_duplicates(self._rows_LS)
+
+    def _placement(self, rows=None):
+        from .planner import Placement
+
+        rows = self.placement_rows() if rows is None else rows
+        return Placement(slot_to_expert=rows, num_ranks=self.num_ranks, num_nodes=self.num_nodes,
+                         num_experts=self.num_experts)
+
+    def _slot_tensors(self, layer: int, local: int) -> list[torch.Tensor]:
+        return [t for p in self.layers[layer].slot_params[local] for t in movable_tensors(p, self.view)]
+
+    def _slot_grads(self, layer: int, local: int) -> list[torch.Tensor]:
+        return [summed_grad(p) for p in self.layers[layer].slot_params[local] if summed_grad(p) is not None]
+
+    def apply_placement(self, new_LS: torch.Tensor, old_LS: torch.Tensor | None = None) -> dict:
+        """Migrate slot contents from `old` (default: the tables) to `new`; update the tables."""
+        new_LS = torch.as_tensor(new_LS, dtype=torch.int64).cpu()
+        old_LS = self.placement_rows() if old_LS is None else torch.as_tensor(old_LS, dtype=torch.int64).cpu()
+        transfers = plan_transfers(old_LS, new_LS, self.num_ranks)
+        moved = migrate_slots_(self._slot_tensors, transfers, rank=self.rank, num_ranks=self.num_ranks,
+                               slots_per_rank=self.slots_per_rank, group=self.ep_group)
+        P = self.slots_per_rank
+        for t in transfers:
+            if t.dst_slot // P == self.rank:
+                for p in self.layers[t.layer].slot_params[t.dst_slot % P]:
+                    for g in grad_tensors(p, self.view):
+                        g.zero_()
+        for i, layer in enumerate(self.layers):
+            layer.table.load_(new_LS[i])
+        self._rows_LS = new_LS.clone()
+        self._mark_duplicates(new_LS)
+        moved["slots_changed"] = len(transfers)
+        return moved
+
+    def _mark_duplicates(self, rows_LS: torch.Tensor) -> None:
+        """Only the first slot of each expert counts in gradient-norm statistics."""
+        P = self.slots_per_rank
+        for i, layer in enumerate(self.layers):
+            row = rows_LS[i].tolist()
+            first = {}
+            for s, e in enumerate(row):
+                first.setdefault(e, s)
+            for j in range(P):
+                s = self.rank * P + j
+                for p in layer.slot_params[j]:
+                    self.view.mark_duplicate(p, first[row[s]] != s)
+
+    def setup(self, initial_LS: torch.Tensor | None = None) -> dict:
+        """Install the first placement over freshly built experts (collective over EP).
+
+        initial_LS: [L, S] (default: Placement.identity: the usual layout, spare slots
+        holding replicas).
+        """
+        from .planner import Placement
+
+        if initial_LS is None:
+            initial_LS = Placement.identity(len(self.layers), self.num_experts, self.num_slots,
+                                            self.num_ranks, self.num_nodes).slot_to_expert
+        native = native_placement(len(self.layers), self.num_experts, self.num_slots, self.num_ranks)
+        return self.apply_placement(initial_LS, old_LS=native)
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def record(self, layer: int, routed_per_expert_E: torch.Tensor) -> None:
+        self.stats.record(layer, routed_per_expert_E)
+
+    def before_optimizer_step(self) -> int:
+        """Sum replicas' gradients over their holders (one all_reduce per dtype, replicated experts only)."""
+        if self.num_slots == self.num_experts:
+            return 0
+        return sum_replica_grads_(self._rows_LS, self._slot_grads, rank=self.rank,
+                                  num_ranks=self.num_ranks, group=self.ep_group)
+
+    def after_optimizer_step(self, iteration: int | None = None) -> dict | None:
+        """Count a step; every `interval` steps reduce the statistics and maybe migrate."""
+        self.steps += 1
+        if self.steps % self.interval:
+            return None
+        return self.rebalance(iteration if iteration is not None else self.steps)
+
+    def rebalance(self, iteration: int) -> dict:
+        from .metrics import imbalance_ratio, rank_loads, scalars, summarize
+        from .planner import plan_placement
+
+        t0 = time.perf_counter()
+        load_LE = self.stats.reduce(self.stats_groups, step=iteration)
+        before = self._placement()
+        planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before)
+        old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
+        new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks)).mean()
+        applied = bool(load_LE.sum() > 0 and float(old_imb) - float(new_imb) > self.min_gain)
+        plan_s = time.perf_counter() - t0
+        moved = self.apply_placement(planned.slot_to_expert) if applied else {"slots_changed": 0}
+        summary = summarize(load_LE, before, planned if applied else before)
+        event = {
+            "iteration": int(iteration), "applied": applied, "plan_seconds": plan_s,
+            "migrate_seconds": time.perf_counter() - t0 - plan_s,
+            "imbalance_rank_before": float(old_imb), "imbalance_rank_after": float(new_imb if applied else old_imb),
+            **{k: int(v) for k, v in moved.items()},
+        }
+        self.events.append(event)
+        self.last_summary = summary
+        if self.is_reporter:
+            values = scalars(summary)
+            values.update({"balancer/applied": float(applied), "balancer/slots_changed": float(moved["slots_changed"])})
+            for write in self.writers:
+                write(values, int(iteration))
+            if self.report_dir:
+                self.write_report(iteration)
+            log.info("hybrid_ep balancer at iteration %d: rank imbalance %.3f -> %.3f, %s, %d slots changed",
+                     iteration, old_imb, event["imbalance_rank_after"], "applied" if applied else "kept",
+                     moved["slots_changed"])
+        return event
+
+    def write_report(self, iteration: int) -> dict:
+        """Statistics (npz), JSON summary and heatmap PNGs under report_dir/iter_<N>/."""
+        from .report import save_statistics, write_report
+
+        out = os.path.join(self.report_dir, f"iter_{int(iteration):07d}")
+        os.makedirs(out, exist_ok=True)
+        save_statistics(os.path.join(out, "statistics.npz"), self.stats.load(),
+                        history=self.stats.history_array(), steps=np.asarray(self.stats.history_steps),
+                        ep_size=self.num_ranks, layer_numbers=np.asarray(self.layer_numbers))
+        history = self.stats.history_array()
+        return write_report(self.last_summary, out, history=self._rank_history(history), step=int(iteration))
+
+    def _rank_history(self, history_TLE: np.ndarray) -> np.ndarray:
+        """[T, L, W] tokens per rank of each interval under the current placement."""
+        from .metrics import rank_loads
+
+        rows = self.placement_rows()
+        if history_TLE.shape[0] == 0:
+            return np.zeros((0, len(self.layers), self.num_ranks))
+        return np.stack([np.asarray(rank_loads(h, rows, self.num_ranks)) for h in history_TLE])
+
+    # -- checkpoint --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"placement": self.placement_rows(), "num_ranks": self.num_ranks, "num_slots": self.num_slots,
+                "num_experts": self.num_experts, "steps": self.steps, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict, *, migrate: bool = False) -> None:
+        """Restore placement, step count and statistics.
+
+        migrate=False: the slot contents were restored with the placement (same checkpoint),
+        only the tables are set. migrate=True: the slots hold the placement now in effect and
+        are moved to the saved one.
+        """
+        for key, mine in (("num_experts", self.num_experts), ("num_slots", self.num_slots), ("num_ranks", self.num_ranks)):
+            if int(state[key]) != mine:
+                raise ValueError(
+                    f"checkpoint's expert placement has {key}={state[key]}, this run has {mine}: a placement "
+                    "only loads into the same experts, slots and EP size"
+                )
+        rows = torch.as_tensor(state["placement"], dtype=torch.int64)
+        if migrate:
+            self.apply_placement(rows)
+        else:
+            for i, layer in enumerate(self.layers):
+                layer.table.load_(rows[i])
+            self.refresh_from_tables()
+        self.steps = int(state["steps"])
+        self.stats.load_state_dict(state["stats"])

@@ -1,0 +1,165 @@
+"""`hybrid-ep-balance` / `python -m hybrid_ep.balancer`: plan a placement offline.
+
+    hybrid-ep-balance plan --stats stats.npz --ep-size 32 --num-slots 288 --out placement.yaml \
+        [--ranks-per-node 8] [--previous old.yaml] [--report-dir DIR]
+
+Reads the statistics file that training writes (report.py), plans (planner.py), writes the
+placement YAML (placement_file.py), prints imbalance per layer before (the previous
+placement, or the identity layout) and after, and optionally a report folder: JSON summary,
+imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
+intervals under both placements. Bad input: a message naming the flag, exit code 2.
+Legend: T intervals, L layers, E experts, S slots, W ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+from .metrics import rank_loads, summarize
+from .placement_file import load_placement_yaml, save_placement_yaml
+from .planner import Placement, plan_placement
+from .report import load_statistics, write_report
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message names the flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan a placement from a statistics file")
+    plan.add_argument("--stats", required=True, help="statistics .npz (load [L, E], optional history)")
+    plan.add_argument("--ep-size", type=int, help="ranks W (default: ep_size stored in the statistics)")
+    slots = plan.add_mutually_exclusive_group()
+    slots.add_argument("--num-slots", type=int, help="slots S over all ranks (default: E, placement only)")
+    slots.add_argument("--slots-per-rank", type=int, help="slots per rank (S = this x W)")
+    plan.add_argument("--ranks-per-node", type=int, help="ranks per node (default: min(8, W))")
+    plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance")
+    plan.add_argument("--out", required=True, help="placement YAML to write")
+    plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
+    plan.add_argument("--tolerance", type=float, default=None,
+                      help="with --previous: accepted rise of the peak rank load to keep slots (default 1e-3)")
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the problem
+        return int(exc.code or 0)
+    try:
+        return _plan(args)
+    except UsageError as exc:
+        print(f"hybrid-ep-balance: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args) -> int:
+    stats = _read_stats(args.stats)
+    load_LE = stats["load"]
+    L, E = load_LE.shape
+    W = args.ep_size if args.ep_size is not None else stats.get("ep_size")
+    if W is None:
+        raise UsageError("--ep-size is required: the statistics file has no ep_size")
+    if W < 1:
+        raise UsageError(f"--ep-size must be >= 1, got {W}")
+    if args.slots_per_rank is not None:
+        if args.slots_per_rank < 1:
+            raise UsageError(f"--slots-per-rank must be >= 1, got {args.slots_per_rank}")
+        S, slots_flag = args.slots_per_rank * W, "--slots-per-rank"
+    else:
+        S, slots_flag = (args.num_slots if args.num_slots is not None else E), "--num-slots"
+    if S < E:
+        raise UsageError(f"{slots_flag} gives {S} slots, fewer than the {E} experts in {args.stats}")
+    if S % W != 0:
+        raise UsageError(f"{slots_flag}: {S} slots do not split evenly over --ep-size {W} ranks")
+    rpn = args.ranks_per_node if args.ranks_per_node is not None else min(8, W)
+    if rpn < 1 or W % rpn != 0:
+        raise UsageError(f"--ranks-per-node ({rpn}) must be >= 1 and divide --ep-size ({W})")
+    N = W // rpn
+    if E % N != 0:
+        raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
+    previous = _read_previous(args.previous, L, E, S, W, N)
+    kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
+    try:
+        placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    layer_numbers = [int(v) for v in stats.get("layer_numbers", np.arange(L))]
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    save_placement_yaml(placement, args.out, extra={"layer_numbers": layer_numbers,
+                                                    "source_stats": os.path.abspath(args.stats)})
+    summary = summarize(load_LE, previous, placement)
+    summary["layer_numbers"] = layer_numbers
+    _print_table(summary, previous is not None)
+    print(f"placement: {args.out}")
+    if args.report_dir:
+        before = previous or Placement.identity(L, E, S, W, N)
+        history = stats.get("history")
+        paths = write_report(summary, args.report_dir,
+                             history=None if history is None else _history_per_rank(history, placement),
+                             history_before=None if history is None else _history_per_rank(history, before),
+                             layer_names=[f"layer {n}" for n in layer_numbers])
+        for kind, path in paths.items():
+            print(f"{kind}: {path}")
+    return 0
+
+
+def _read_stats(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UsageError(f"--stats: no such file {path}")
+    try:
+        stats = load_statistics(path)
+    except (ValueError, OSError, EOFError) as exc:
+        raise UsageError(f"--stats: cannot read {path}: {exc}") from exc
+    load = stats["load"]
+    if not np.isfinite(load).all() or (load < 0).any():
+        raise UsageError(f"--stats: load in {path} must be finite and non-negative")
+    return stats
+
+
+def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int) -> Placement | None:
+    if path is None:
+        return None
+    try:
+        prev = load_placement_yaml(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--previous: {exc}") from exc
+    want = (L, S, E, W, N)
+    got = (prev.num_layers, prev.num_slots, prev.num_experts, prev.num_ranks, prev.num_nodes)
+    if got != want:
+        raise UsageError(f"--previous {path} has (layers, slots, experts, ep_size, nodes) = {got}, "
+                         f"this plan needs {want}")
+    return prev
+
+
+def _history_per_rank(history_TLE: np.ndarray, placement: Placement) -> np.ndarray:
+    """[T, L, W] tokens per rank of each interval under placement."""
+    T, L, E = history_TLE.shape
+    s2e = placement.slot_to_expert.repeat(T, 1)  # [T * L, S]
+    ranks = rank_loads(torch.from_numpy(np.ascontiguousarray(history_TLE).reshape(T * L, E)), s2e,
+                       placement.num_ranks)
+    return ranks.view(T, L, placement.num_ranks).numpy()
+
+
+def _print_table(summary: dict, has_previous: bool) -> None:
+    before = "previous" if has_previous else "identity"
+    print(f"{summary['num_experts']} experts, {summary['num_slots']} slots, {summary['num_ranks']} ranks, "
+          f"{summary['num_nodes']} nodes; before = {before} placement")
+    head = f"{'layer':>6} {'rank imb before':>16} {'rank imb after':>15} {'slot imb before':>16} " \
+           f"{'slot imb after':>15} {'moves':>6}"
+    print(head)
+    print("-" * len(head))
+    keys = ("imbalance_rank_before", "imbalance_rank_after", "imbalance_slot_before", "imbalance_slot_after")
+    for i, layer in enumerate(summary["layer_numbers"]):
+        vals = " ".join(f"{summary[k][i]:>{w}.4f}" for k, w in zip(keys, (16, 15, 16, 15)))
+        print(f"{layer:>6} {vals} {summary['moves'][i]:>6}")
+    means = " ".join(f"{np.mean(summary[k]):>{w}.4f}" for k, w in zip(keys, (16, 15, 16, 15)))
+    print(f"{'mean':>6} {means} {sum(summary['moves']):>6}")

@@ -1,0 +1,120 @@
+"""Balance metrics of a placement: tokens per rank and per slot, imbalance, a summary.
+
+Imbalance = (max - mean) / mean (DESIGN.md section 7): the slowest rank sets the step time,
+so this is the fraction of time the others wait. A replicated expert's tokens split evenly
+over its replicas. Loads may be [L, E] or [E] (one layer), torch or numpy, int or float.
+Legend: L layers, E experts, S slots, W ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .planner import Placement
+
+# Per-layer entries of a summary, in table order.
+SUMMARY_KEYS = ("imbalance_rank_before", "imbalance_rank_after", "imbalance_slot_before",
+                "imbalance_slot_after", "std_rank_before", "std_rank_after", "std_slot_before",
+                "std_slot_after", "moves")
+
+
+def imbalance_ratio(x, dim: int = -1):
+    """(max - mean) / mean along dim, 0 where the mean is 0; torch in, torch out (else numpy)."""
+    if isinstance(x, torch.Tensor):
+        x = x.to(torch.float64)
+        mean = x.mean(dim=dim)
+        out = (x.amax(dim=dim) - mean) / torch.where(mean == 0, 1.0, mean)
+        return torch.where(mean == 0, 0.0, out)
+    x = np.asarray(x, dtype=np.float64)
+    mean = x.mean(axis=dim)
+    return np.where(mean == 0, 0.0, (x.max(axis=dim) - mean) / np.where(mean == 0, 1.0, mean))
+
+
+def _load_LE(load) -> torch.Tensor:
+    t = load.detach().cpu() if isinstance(load, torch.Tensor) else torch.as_tensor(np.asarray(load))
+    t = t.to(torch.float64)
+    return t[None, :] if t.dim() == 1 else t
+
+
+def _s2e_LS(slot_to_expert) -> torch.Tensor:
+    if isinstance(slot_to_expert, Placement):
+        slot_to_expert = slot_to_expert.slot_to_expert
+    t = torch.as_tensor(np.asarray(slot_to_expert)) if not isinstance(slot_to_expert, torch.Tensor) \
+        else slot_to_expert
+    t = t.to(torch.int64)
+    return t[None, :] if t.dim() == 1 else t
+
+
+def slot_loads(load, slot_to_expert) -> torch.Tensor:
+    """[L, S] float64 tokens of each slot: load[e] / replicas(e) of its expert e.
+
+    slot_to_expert [L, S] (or a Placement) may have one layer and broadcast over load's.
+    """
+    load_LE, s2e = _load_LE(load), _s2e_LS(slot_to_expert)
+    if s2e.shape[0] == 1 and load_LE.shape[0] > 1:
+        s2e = s2e.expand(load_LE.shape[0], -1)
+    if s2e.shape[0] != load_LE.shape[0]:
+        raise ValueError(f"slot_to_expert has {s2e.shape[0]} layers, load has {load_LE.shape[0]}")
+    if s2e.numel() and int(s2e.max()) >= load_LE.shape[1]:
+        raise ValueError(f"slot_to_expert holds expert {int(s2e.max())}, load has {load_LE.shape[1]} experts")
+    reps = torch.zeros_like(load_LE).scatter_add_(1, s2e, torch.ones_like(s2e, dtype=torch.float64))
+    return torch.gather(load_LE / reps.clamp(min=1), 1, s2e)
+
+
+def rank_loads(load, slot_to_expert, num_ranks: int) -> torch.Tensor:
+    """[L, W] float64 tokens of each rank: the sum over its S / W slots of slot_loads."""
+    s = slot_loads(load, slot_to_expert)
+    if s.shape[1] % num_ranks != 0:
+        raise ValueError(f"num_ranks ({num_ranks}) must divide the number of slots ({s.shape[1]})")
+    return s.view(s.shape[0], num_ranks, -1).sum(-1)
+
+
+def default_rank_loads(load, num_ranks: int) -> torch.Tensor:
+    """[L, W] float64 tokens per rank without balancing: expert e on rank e // (E / W)."""
+    load_LE = _load_LE(load)
+    if load_LE.shape[1] % num_ranks != 0:
+        raise ValueError(f"num_ranks ({num_ranks}) must divide the number of experts ({load_LE.shape[1]})")
+    return load_LE.view(load_LE.shape[0], num_ranks, -1).sum(-1)
+
+
+def summarize(load, placement_before: Placement | None, placement_after: Placement) -> dict:
+    """Per-layer balance before and after, as plain lists (JSON-ready), plus the sizes.
+
+    placement_before None means the identity layout of the same shape (what a run starts
+    with, Placement.identity; without spare slots that is the default layout).
+    """
+    after = placement_after
+    before = placement_before if placement_before is not None else Placement.identity(
+        after.num_layers, after.num_experts, after.num_slots, after.num_ranks, after.num_nodes)
+    out: dict = {"num_layers": after.num_layers, "num_experts": after.num_experts,
+                 "num_slots": after.num_slots, "num_ranks": after.num_ranks, "num_nodes": after.num_nodes,
+                 "total_tokens": _load_LE(load).sum(1).tolist()}
+    for name, p in (("before", before), ("after", after)):
+        ranks, slots = rank_loads(load, p, p.num_ranks), slot_loads(load, p)
+        out[f"imbalance_rank_{name}"] = imbalance_ratio(ranks).tolist()
+        out[f"imbalance_slot_{name}"] = imbalance_ratio(slots).tolist()
+        out[f"std_rank_{name}"] = ranks.std(dim=1, unbiased=False).tolist()
+        out[f"std_slot_{name}"] = slots.std(dim=1, unbiased=False).tolist()
+    out["moves"] = after.moves(before).tolist()
+    return out
+
+
+def scalars(summary: dict, prefix: str = "balancer") -> dict[str, float]:
+    """Flat {name: value} for TensorBoard / wandb: every per-layer entry, mean and max over layers.
+
+    Names: f"{prefix}/layer_{i}/{key}", f"{prefix}/mean/{key}", f"{prefix}/max/{key}" and
+    f"{prefix}/total/moves".
+    """
+    out: dict[str, float] = {}
+    for key in SUMMARY_KEYS:
+        values = [float(v) for v in summary.get(key, [])]
+        if not values:
+            continue
+        for i, v in enumerate(values):
+            out[f"{prefix}/layer_{i}/{key}"] = v
+        out[f"{prefix}/mean/{key}"] = sum(values) / len(values)
+        out[f"{prefix}/max/{key}"] = max(values)
+    if summary.get("moves"):
+        out[f"{prefix}/total/moves"] = float(sum(summary["moves"]))
+    return out

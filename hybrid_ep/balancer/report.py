@@ -1,0 +1,167 @@
+"""Balancer reports: statistics files, a JSON summary and PNG plots (matplotlib, Agg canvas).
+
+The statistics file is what training writes and the offline CLI reads (`.npz`):
+  load [L, E] float64       tokens per expert over the aggregation window
+  history [T, L, E]         tokens per expert per reduction interval (optional)
+  steps [T] int64           training step of each history row (optional)
+  ep_size                   EP size at collection time (optional scalar)
+  layer_numbers [L] int64   model layer number of each MoE layer (optional)
+Plots use Figure + FigureCanvasAgg directly, so pyplot's global state is never touched.
+Legend: T intervals, L layers, E experts, W ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+_PANEL_COLUMNS = 8  # panels per row of a heatmap: 61 layers -> 8 x 8 small panels
+
+
+def save_statistics(path: str, load, history=None, steps=None, ep_size: int | None = None,
+                    layer_numbers=None) -> str:
+    """Write a statistics file (format above); arrays may be torch or numpy."""
+    load_LE = _as_array(load, np.float64, "load")
+    if load_LE.ndim != 2:
+        raise ValueError(f"load must be [layers, experts], got shape {load_LE.shape}")
+    arrays = {"load": load_LE}
+    if history is not None:
+        hist = _as_array(history, np.float64, "history")
+        if hist.ndim != 3 or hist.shape[1:] != load_LE.shape:
+            raise ValueError(f"history must be [T, {load_LE.shape[0]}, {load_LE.shape[1]}], got {hist.shape}")
+        arrays["history"] = hist
+    if steps is not None:
+        arrays["steps"] = _as_array(steps, np.int64, "steps").reshape(-1)
+        if history is not None and arrays["steps"].shape[0] != arrays["history"].shape[0]:
+            raise ValueError(f"steps has {arrays['steps'].shape[0]} entries, history has "
+                             f"{arrays['history'].shape[0]} rows")
+    if ep_size is not None:
+        arrays["ep_size"] = np.int64(ep_size)
+    if layer_numbers is not None:
+        arrays["layer_numbers"] = _as_array(layer_numbers, np.int64, "layer_numbers").reshape(-1)
+        if arrays["layer_numbers"].shape[0] != load_LE.shape[0]:
+            raise ValueError(f"layer_numbers has {arrays['layer_numbers'].shape[0]} entries, load has "
+                             f"{load_LE.shape[0]} layers")
+    with open(path, "wb") as f:  # a file object: np.savez would append .npz to a bare name
+        np.savez(f, **arrays)
+    return path
+
+
+def load_statistics(path: str) -> dict:
+    """Read a statistics file: {'load', and 'history', 'steps', 'ep_size', 'layer_numbers' if present}."""
+    with np.load(path, allow_pickle=False) as data:
+        if "load" not in data:
+            raise ValueError(f"{path}: no 'load' array (keys: {sorted(data.files)})")
+        out = {key: data[key] for key in data.files}
+    out["load"] = out["load"].astype(np.float64)
+    if out["load"].ndim == 1:
+        out["load"] = out["load"][None, :]
+    if out["load"].ndim != 2:
+        raise ValueError(f"{path}: load must be [layers, experts], got shape {out['load'].shape}")
+    if "history" in out and out["history"].shape[1:] != out["load"].shape:
+        raise ValueError(f"{path}: history has shape {out['history'].shape}, expected [T, "
+                         f"{out['load'].shape[0]}, {out['load'].shape[1]}]")
+    if "ep_size" in out:
+        out["ep_size"] = int(out["ep_size"])
+    return out
+
+
+def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per rank",
+                  vmax: float | None = None) -> str:
+    """One PNG: per layer a heatmap of history [T, L, W] (intervals down, ranks across).
+
+    All panels share one colour scale (0 .. vmax, default the maximum), so hot ranks stand
+    out across layers and two heatmaps written with the same vmax compare directly.
+    """
+    hist = _as_array(history, np.float64, "history")
+    if hist.ndim != 3:
+        raise ValueError(f"history must be [iterations, layers, ranks], got shape {hist.shape}")
+    T, L, W = hist.shape
+    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(L)]
+    if len(names) != L:
+        raise ValueError(f"layer_names has {len(names)} entries, history has {L} layers")
+    cols = min(_PANEL_COLUMNS, L)
+    rows = math.ceil(L / cols)
+    fig = Figure(figsize=(2.0 * cols + 1.2, 1.7 * rows + 0.9))
+    top = vmax if vmax is not None else float(hist.max()) if hist.size else 1.0
+    image = None
+    for i in range(L):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        image = ax.imshow(hist[:, i, :], aspect="auto", interpolation="nearest", cmap="viridis",
+                          vmin=0.0, vmax=max(top, 1e-12), origin="upper")
+        ax.set_title(str(names[i]), fontsize=7)
+        ax.tick_params(labelsize=5)
+        if i % cols == 0:
+            ax.set_ylabel("interval", fontsize=6)
+        if i >= L - cols:
+            ax.set_xlabel("rank", fontsize=6)
+    fig.suptitle(f"{title} ({T} intervals x {W} ranks)", fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.9, bottom=0.06, top=1 - 0.9 / fig.get_figheight(),
+                        hspace=0.6, wspace=0.35)
+    cax = fig.add_axes([0.92, 0.1, 0.015, 0.75])
+    fig.colorbar(image, cax=cax).set_label("tokens", fontsize=8)
+    return _save(fig, path)
+
+
+def write_imbalance_plot(summary: dict, path: str) -> str:
+    """Bars per layer of rank imbalance before and after (and slot imbalance), from metrics.summarize."""
+    L = len(summary["imbalance_rank_after"])
+    x = np.arange(L)
+    fig = Figure(figsize=(max(6.0, 0.22 * L + 2), 6.0))
+    for row, level in enumerate(("rank", "slot")):
+        ax = fig.add_subplot(2, 1, row + 1)
+        ax.bar(x - 0.2, summary[f"imbalance_{level}_before"], width=0.4, label="before", color="tab:red")
+        ax.bar(x + 0.2, summary[f"imbalance_{level}_after"], width=0.4, label="after", color="tab:green")
+        ax.set_ylabel(f"{level} imbalance\n(max - mean) / mean", fontsize=8)
+        ax.set_xlim(-0.7, L - 0.3)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("layer")
+    fig.suptitle(f"balancer: {summary['num_experts']} experts in {summary['num_slots']} slots on "
+                 f"{summary['num_ranks']} ranks ({summary['num_nodes']} nodes), {sum(summary['moves'])} slots moved",
+                 fontsize=9)
+    return _save(fig, path)
+
+
+def write_report(summary: dict, directory: str, history=None, step: int | None = None,
+                 history_before=None, layer_names=None) -> dict[str, str]:
+    """Write summary JSON, the imbalance plot and, with history [T, L, W] tokens per rank
+    under the new placement (and history_before under the old one), heatmaps; return
+    {kind: path}. step, when given, is recorded and suffixes the file names.
+    """
+    os.makedirs(directory, exist_ok=True)
+    tag = "" if step is None else f"_step{int(step)}"
+    doc = dict(summary, step=step)
+    paths = {"summary": os.path.join(directory, f"balancer_summary{tag}.json")}
+    with open(paths["summary"], "w") as f:
+        json.dump(doc, f, indent=1)
+    paths["imbalance"] = write_imbalance_plot(summary, os.path.join(directory, f"imbalance{tag}.png"))
+    hists = {"heatmap_after": history, "heatmap_before": history_before}
+    present = [_as_array(h, np.float64, name) for name, h in hists.items() if h is not None]
+    vmax = max((float(h.max()) for h in present if h.size), default=None)
+    for name, hist in hists.items():
+        if hist is not None:
+            label = "after (new placement)" if name == "heatmap_after" else "before"
+            paths[name] = write_heatmap(hist, os.path.join(directory, f"{name}{tag}.png"), layer_names,
+                                        title=f"tokens per rank, {label}", vmax=vmax)
+    return paths
+
+
+def _as_array(x, dtype, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    try:
+        return np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: cannot convert to an array of {np.dtype(dtype).name} ({exc})") from exc
+
+
+def _save(fig: Figure, path: str) -> str:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=100)
+    return path

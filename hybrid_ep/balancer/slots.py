@@ -1,0 +1,102 @@
+"""Expert -> slot routing tables of one MoE layer, and the router-output remap.
+
+A placement gives every layer S slots (S / W per EP rank); an expert may sit in several
+slots (replicas). Before dispatch, each routed (token, expert) pair is sent to one replica:
+the k-th token of this rank routed to expert e (k counted in token order) goes to replica
+(k + rank) mod replicas(e). Every replica thus gets an equal share, to within one token per
+source rank, and the rank offset spreads the remainders; the choice depends only on the
+routing, so it is deterministic and needs no communication or host read.
+
+The tables live on the device with fixed shapes (`max_replicas` = S - E + 1, the most any
+placement can give one expert), so a migration updates them in place and CUDA graphs that
+captured them stay valid.
+
+Legend: T tokens, E experts, S slots, R max replicas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotTable:
+    """Device tables of one layer's placement, updated in place by `load_`."""
+
+    def __init__(self, num_experts: int, num_slots: int, device=None):
+        if num_slots < num_experts:
+            raise ValueError(f"num_slots ({num_slots}) must be >= num_experts ({num_experts})")
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.max_replicas = num_slots - num_experts + 1
+        self.slot_to_expert_S = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.replicas_E = torch.ones(num_experts, dtype=torch.int64, device=device)
+        self.expert_slots_ER = torch.zeros(num_experts, self.max_replicas, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def tables_for(slot_to_expert_S: torch.Tensor, num_experts: int, max_replicas: int):
+        """(replicas [E], expert_slots [E, R]) on the CPU; unused replica columns repeat slot 0."""
+        s2e = slot_to_expert_S.detach().to("cpu", torch.int64)
+        if s2e.dim() != 1:
+            raise ValueError(f"slot_to_expert must be 1-D [slots], got shape {tuple(s2e.shape)}")
+        if s2e.numel() and (int(s2e.min()) < 0 or int(s2e.max()) >= num_experts):
+            raise ValueError(f"slot_to_expert holds ids outside [0, {num_experts})")
+        replicas = torch.bincount(s2e, minlength=num_experts)
+        if int(replicas.min()) < 1:
+            missing = torch.nonzero(replicas == 0).flatten().tolist()
+            raise ValueError(f"slot_to_expert leaves experts {missing[:8]} without a slot")
+        if int(replicas.max()) > max_replicas:
+            raise ValueError(f"an expert has {int(replicas.max())} replicas, more than {max_replicas}")
+        order = torch.argsort(s2e * s2e.numel() + torch.arange(s2e.numel()))  # by expert, then slot
+        first = torch.cumsum(replicas, 0) - replicas
+        slots = torch.zeros(num_experts, max_replicas, dtype=torch.int64)
+        for e in range(num_experts):
+            mine = order[first[e] : first[e] + replicas[e]]
+            slots[e, : mine.numel()] = mine
+            slots[e, mine.numel() :] = mine[0]
+        return replicas, slots
+
+    def load_(self, slot_to_expert_S: torch.Tensor) -> "SlotTable":
+        """Install a placement row [S] (in place: same storage as before)."""
+        replicas, slots = self.tables_for(slot_to_expert_S, self.num_experts, self.max_replicas)
+        self.slot_to_expert_S.copy_(slot_to_expert_S.to(torch.int64))
+        self.replicas_E.copy_(replicas)
+        self.expert_slots_ER.copy_(slots)
+        return self
+
+
+def route_to_slots(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, table: SlotTable, rank: int):
+    """Router output over experts -> over slots: (routing_map [T, S] bool, probs [T, S]).
+
+    Differentiable in probs (each slot column receives at most one expert's prob).
+    """
+    T, E = routing_map_TE.shape
+    if E != table.num_experts:
+        raise ValueError(f"routing_map has {E} expert columns, the slot table {table.num_experts}")
+    S = table.num_slots
+    routed_TE = routing_map_TE.to(torch.int64)
+    ordinal_TE = torch.cumsum(routed_TE, dim=0) - routed_TE
+    replica_TE = torch.remainder(ordinal_TE + rank, table.replicas_E)
+    expert_TE = torch.arange(E, device=routing_map_TE.device).expand(T, E)
+    slot_TE = table.expert_slots_ER[expert_TE, replica_TE]
+    slot_TE = torch.where(routing_map_TE, slot_TE, torch.full_like(slot_TE, S))  # column S: discarded
+    map_TS = torch.zeros(T, S + 1, dtype=torch.bool, device=routing_map_TE.device)
+    map_TS = map_TS.scatter(1, slot_TE, routing_map_TE)[:, :S]
+    kept_TE = torch.where(routing_map_TE, probs_TE, torch.zeros_like(probs_TE))
+    probs_TS = torch.zeros(T, S + 1, dtype=probs_TE.dtype, device=probs_TE.device)
+    probs_TS = probs_TS.scatter(1, slot_TE, kept_TE)[:, :S]
+    return map_TS, probs_TS
+
+
+def route_topk_to_slots(topk_idx_TK: torch.Tensor, table: SlotTable, rank: int) -> torch.Tensor:
+    """topk expert ids [T, K] (-1: dropped) -> slot ids [T, K] (-1 kept), same replica rule."""
+    T, K = topk_idx_TK.shape
+    E = table.num_experts
+    valid = topk_idx_TK >= 0
+    expert = torch.where(valid, topk_idx_TK, torch.zeros_like(topk_idx_TK)).to(torch.int64)
+    onehot_TKE = torch.nn.functional.one_hot(expert, E) * valid.unsqueeze(-1)
+    # Token order first, then k: the ordinal of (t, k) among routes to its expert.
+    flat = onehot_TKE.reshape(T * K, E)
+    ordinal = (torch.cumsum(flat, 0) - flat).gather(1, expert.reshape(-1, 1)).reshape(T, K)
+    replica = torch.remainder(ordinal + rank, table.replicas_E[expert])
+    slot = table.expert_slots_ER[expert, replica]
+    return torch.where(valid, slot, torch.full_like(slot, -1))

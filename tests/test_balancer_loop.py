@@ -1,0 +1,107 @@
+"""ExpertBalancer's loop in one process: interval counting, reports, writers, state dicts,
+and the errors of a bad configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, SlotTable, TorchOptimizerView, slot_parameters
+from hybrid_ep.balancer.report import load_statistics
+
+
+def make_layers(num_layers, experts, slots):
+    layers, modules = [], []
+    for _ in range(num_layers):
+        module = torch.nn.Module()
+        module.local_experts = torch.nn.ModuleList(torch.nn.Linear(3, 3, bias=False) for _ in range(slots))
+        modules.append(module)
+        layers.append(BalancedLayer(SlotTable(experts, slots), slot_parameters(module, slots)))
+    return layers, modules
+
+
+def test_loop_reports_and_writers(single_rank_group, tmp_path):
+    layers, modules = make_layers(2, 4, 6)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.Adam(params, lr=0.1)
+    seen = []
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=3,
+                         optimizer_view=TorchOptimizerView(opt), report_dir=str(tmp_path),
+                         writers=[lambda values, step: seen.append((step, values))])
+    moved = bal.setup()
+    assert moved["slots_changed"] == 4  # per layer, the two spare slots got replicas
+    rows = bal.placement_rows()
+    for layer, module in zip(range(2), modules):
+        for j, e in enumerate(rows[layer].tolist()):
+            torch.testing.assert_close(module.local_experts[j].weight, module.local_experts[e].weight)
+    events = []
+    for step in range(1, 7):
+        for i in range(2):
+            bal.record(i, torch.tensor([8, 1, 1, 2 * step]))
+        for p in params:
+            p.grad = torch.ones_like(p)
+        bal.before_optimizer_step()
+        opt.step()
+        events.append(bal.after_optimizer_step(step))
+    assert [e is None for e in events] == [True, True, False, True, True, False]
+    assert [step for step, _ in seen] == [3, 6]
+    assert any(k.endswith("imbalance_rank_after") for k in seen[0][1])
+    out = tmp_path / "iter_0000006"
+    stats = load_statistics(str(out / "statistics.npz"))
+    np.testing.assert_array_equal(stats["load"][0], [24, 3, 3, 30])  # window 1: steps 4..6
+    assert stats["history"].shape == (2, 2, 4)
+    pngs = [f for f in os.listdir(out) if f.endswith(".png")]
+    assert pngs and all(open(out / f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in pngs)
+    jsons = [f for f in os.listdir(out) if f.endswith(".json")]
+    assert jsons and json.load(open(out / jsons[0]))
+    state = bal.state_dict()
+    assert state["steps"] == 6 and state["placement"].shape == (2, 6)
+
+
+def test_state_dict_refuses_other_shapes(single_rank_group):
+    layers, _ = make_layers(1, 4, 6)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2)
+    bal.setup()
+    state = bal.state_dict()
+    other_layers, _ = make_layers(1, 4, 5)
+    other = ExpertBalancer(other_layers, num_experts=4, slots_per_rank=5, ep_group=single_rank_group, interval=2)
+    with pytest.raises(ValueError, match="num_slots=6"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"slots_per_rank": 3}, "fewer than the 4 experts"),
+    ({"interval": 0}, "interval"),
+    ({"num_nodes": 3}, "num_nodes"),
+])
+def test_bad_configuration_is_named(single_rank_group, kwargs, message):
+    layers, _ = make_layers(1, 4, 4)
+    args = dict(num_experts=4, slots_per_rank=4, ep_group=single_rank_group, interval=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        ExpertBalancer(layers, **args)
+
+
+@pytest.mark.gpu
+def test_no_host_sync_on_cuda():
+    """With CUDA's sync debug mode set to error, statistics and slot routing raise on any sync."""
+    from hybrid_ep.balancer import LoadStatistics, route_to_slots
+
+    dev = torch.device("cuda")
+    table = SlotTable(8, 12, device=dev).load_(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1, 5]))
+    stats = LoadStatistics(1, 8, device=dev)
+    rm = torch.rand(64, 8, device=dev) > 0.7
+    probs = torch.rand(64, 8, device=dev, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats.record(0, rm.sum(0))
+        map_TS, probs_TS = route_to_slots(rm, probs, table, rank=1)
+        probs_TS.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(map_TS.sum()) == int(rm.sum())

@@ -1,0 +1,164 @@
+"""The expert balancer in a Megatron MoELayer on 4 CPU ranks (gloo, fp32 unless noted):
+training with rebalancing every 5 steps and replicas gives the losses of training without
+it, migrations leave the layer's output unchanged, replicas stay identical, and a
+checkpoint round trip restores weights, optimizer state and placement."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_patches.balancer_testing import temporary_directory, train_moe_layer  # noqa: E402
+from megatron_patches.testing import LayerCase  # noqa: E402
+
+W = 4
+CASE = LayerCase(world_size=W, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+STEPS, INTERVAL, SLOTS_PER_RANK = 20, 5, 3  # 12 slots for 8 experts: 4 replicas
+
+
+@pytest.fixture(scope="module")
+def runs(pool_for):
+    pool = pool_for(W)
+    out = {}
+    for kind in ("torch", "megatron"):
+        out[kind, "plain"] = pool.run(train_moe_layer, [(CASE, STEPS, 0, None, kind)] * W, timeout_s=600)
+        ckpt = temporary_directory() if kind == "megatron" else None
+        out[kind, "balanced"] = pool.run(
+            train_moe_layer, [(CASE, STEPS, INTERVAL, SLOTS_PER_RANK, kind, False, 1e-2, ckpt)] * W, timeout_s=600)
+    out["bf16"] = pool.run(
+        train_moe_layer, [(CASE, 10, INTERVAL, SLOTS_PER_RANK, "megatron", True, 1e-2, temporary_directory())] * W,
+        timeout_s=600)
+    return out
+
+
+def rel_diff(a, b):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / a.abs().clamp_min(1e-12)).max())
+
+
+@pytest.mark.parametrize("kind", ["torch", "megatron"])
+def test_losses_match_training_without_balancer(runs, kind):
+    plain, balanced = runs[kind, "plain"][0], runs[kind, "balanced"][0]
+    assert len(plain["losses"]) == STEPS
+    assert rel_diff(plain["losses"], balanced["losses"]) <= 1e-5
+    assert plain["losses"][-1] < plain["losses"][0]  # it trains
+    if kind == "megatron":  # replicas counted once in the gradient norm (clip_grad=1.0 is on)
+        assert rel_diff(plain["grad_norms"], balanced["grad_norms"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["torch", "megatron"])
+def test_migrations_happen_and_leave_output_unchanged(runs, kind):
+    result = runs[kind, "balanced"][0]
+    events = result["events"]
+    assert [e["iteration"] for e in events] == [5, 10, 15, 20]
+    applied = [e for e in events if e["applied"]]
+    assert applied and sum(e["slots_changed"] for e in applied) > 0
+    assert all(e["imbalance_rank_after"] < e["imbalance_rank_before"] for e in applied)
+    for rank_result in runs[kind, "balanced"]:
+        probes = rank_result["around_migration"]
+        assert len(probes) == len(applied)
+        for probe in probes:
+            torch.testing.assert_close(probe["after"], probe["before"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["torch", "megatron"])
+def test_replicas_identical_and_equal_to_unbalanced_experts(runs, kind):
+    by_expert = collections.defaultdict(list)
+    for rank_result in runs[kind, "balanced"]:
+        for slot in rank_result["slots"]:
+            by_expert[slot["expert"]].append(slot["tensors"])
+    assert sorted(by_expert) == list(range(CASE.num_experts))
+    assert sum(len(v) for v in by_expert.values()) == W * SLOTS_PER_RANK
+    for copies in by_expert.values():
+        for other in copies[1:]:
+            for x, y in zip(copies[0], other):
+                assert torch.equal(x, y)  # weights and optimizer state, bit for bit
+    plain = {}
+    for rank_result in runs[kind, "plain"]:
+        plain.update(rank_result["experts"])
+    for rank_result in runs[kind, "balanced"]:
+        for e, (fc1, fc2) in rank_result["experts"].items():
+            torch.testing.assert_close(fc1, plain[e][0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(fc2, plain[e][1], rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_precision_migration_moves_master_weights_and_adam_state(runs):
+    results = runs["bf16"]
+    assert any(e["applied"] for e in results[0]["events"])
+    by_expert = collections.defaultdict(list)
+    for rank_result in results:
+        for slot in rank_result["slots"]:
+            # per parameter: bf16 weight, fp32 master, exp_avg, exp_avg_sq, step
+            assert len(slot["tensors"]) == 10
+            by_expert[slot["expert"]].append(slot["tensors"])
+    for copies in by_expert.values():
+        for other in copies[1:]:
+            for x, y in zip(copies[0], other):
+                assert torch.equal(x, y)
+    for rank_result in results:
+        for probe in rank_result["around_migration"]:
+            torch.testing.assert_close(probe["after"], probe["before"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key", [("megatron", "balanced"), "bf16"])
+def test_checkpoint_round_trip_restores_weights_optimizer_state_and_placement(runs, key):
+    for rank_result in runs[key]:
+        ckpt = rank_result["checkpoint"]
+        assert ckpt["placement_equal"]
+        assert ckpt["num_tensors"] >= SLOTS_PER_RANK * 2 * 4
+        assert ckpt["max_abs_diff"] == 0.0
+        assert "12 slots" in ckpt["mismatch_error"] and "16 slots" in ckpt["mismatch_error"]
+        assert ckpt["mismatch_error"].startswith("ValueError")
+
+
+def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
+    """Megatron-LM's parser takes the --hybrid-ep-balancer-* flags; they reach HybridEPOptions."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron.training import global_vars, training
+
+    import megatron_patches
+    from megatron_patches import options
+    from megatron_patches.testing import TINY_GPT_ARGS
+
+    applied = megatron_patches.apply()
+    assert applied["balancer_hook"] and getattr(training.setup_model_and_optimizer, "_hybrid_ep_balancer", False)
+    argv = ["pretrain_gpt.py", *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
+            "--hybrid-ep-balancer-interval", "50", "--hybrid-ep-balancer-slots-per-rank", "5",
+            "--hybrid-ep-balancer-window", "4", "--hybrid-ep-balancer-min-gain", "0.02",
+            "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
+    monkeypatch.setattr("sys.argv", argv)
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    config = arguments.core_transformer_config_from_args(args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    opts = options.options_for(config)
+    assert opts.balancer_enabled and opts.balancer_interval == 50 and opts.balancer_slots_per_rank == 5
+    assert opts.balancer_window == 4 and opts.balancer_min_gain == 0.02
+    assert opts.balancer_report_dir == "/tmp/reports" and opts.balancer_decay is None
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("balancer_interval", -1, "balancer_interval"),
+    ("balancer_slots_per_rank", 0, "balancer_slots_per_rank"),
+    ("balancer_window", 0, "balancer_window"),
+    ("balancer_decay", 1.0, "balancer_decay"),
+    ("balancer_min_gain", -0.1, "balancer_min_gain"),
+])
+def test_balancer_options_name_the_field(field, value, needle):
+    from megatron_patches.options import HybridEPOptions
+
+    with pytest.raises(ValueError, match=needle):
+        HybridEPOptions(**{field: value}).validate()
+
+
+def test_too_few_slots_is_refused():
+    from megatron_patches.balancer import slots_per_rank
+    from megatron_patches.options import HybridEPOptions
+
+    assert slots_per_rank(HybridEPOptions(balancer_interval=5), 8, 4) == 2
+    with pytest.raises(ValueError, match="balancer_slots_per_rank"):
+        slots_per_rank(HybridEPOptions(balancer_interval=5, balancer_slots_per_rank=1), 8, 4)

@@ -1,0 +1,252 @@
+"""Planner and metrics: validation, structure of plans, hand-computed cases, quality, moves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_ep.balancer.metrics import (default_rank_loads, imbalance_ratio, rank_loads, scalars,
+                                        slot_loads, summarize)
+from hybrid_ep.balancer.planner import Placement, plan_placement
+from hybrid_ep.balancer.quality import sample_load
+
+
+def _zipf_load(num_layers: int, num_experts: int, exponent: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, num_experts + 1) ** exponent
+    return rng.poisson(np.stack([rng.permutation(w) for _ in range(num_layers)]) * 1e5).astype(np.float64)
+
+
+def _rank_experts(p: Placement) -> torch.Tensor:
+    return p.slot_to_expert.view(p.num_layers, p.num_ranks, p.slots_per_rank)
+
+
+# ----------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_slots=6), "num_slots"),                       # fewer slots than experts
+    (dict(num_slots=9), "num_slots .* multiple of num_ranks"),
+    (dict(num_ranks=4, num_nodes=3), "num_ranks .* multiple of num_nodes"),
+    (dict(num_ranks=6, num_nodes=3, num_slots=12), "num_nodes"),  # 3 nodes do not divide 8 experts
+    (dict(num_slots=0), "num_slots"),
+])
+def test_invalid_sizes_name_the_argument(kwargs, match):
+    args = dict(load=np.ones(8), num_slots=8, num_nodes=1, num_ranks=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_placement(**args)
+
+
+@pytest.mark.parametrize("load, match", [
+    (np.array([1.0, -1.0, 1.0, 1.0]), "non-negative"),
+    (np.array([1.0, np.nan, 1.0, 1.0]), "finite"),
+    (np.ones((2, 2, 2)), "load must be"),
+])
+def test_invalid_load_is_named(load, match):
+    with pytest.raises(ValueError, match=match):
+        plan_placement(load, 4, 1, 2)
+
+
+def test_invalid_previous_is_named():
+    prev = plan_placement(np.ones((2, 8)), 8, 1, 2)
+    with pytest.raises(ValueError, match="previous.shape"):
+        plan_placement(np.ones((3, 8)), 8, 1, 2, previous=prev)
+    with pytest.raises(ValueError, match="previous.num_ranks"):
+        plan_placement(np.ones((2, 8)), 8, 1, 4, previous=prev)
+    with pytest.raises(ValueError, match="tolerance"):
+        plan_placement(np.ones((2, 8)), 8, 1, 2, previous=prev, tolerance=-1)
+
+
+def test_placement_validate_names_fields():
+    with pytest.raises(ValueError, match="slot_to_expert: layer 0 has no slot for expert 3"):
+        Placement(torch.tensor([[0, 1, 2, 2]]), 2, 1, 4).validate()
+    with pytest.raises(ValueError, match="num_ranks"):
+        Placement(torch.tensor([[0, 1, 2]]), 2, 1, 3).validate()
+    with pytest.raises(ValueError, match="num_nodes"):
+        Placement(torch.tensor([[0, 1, 2, 3]]), 2, 4, 4).validate()
+    with pytest.raises(ValueError, match="fewer than num_experts"):
+        Placement(torch.tensor([[0, 1]]), 2, 1, 4).validate()
+    with pytest.raises(ValueError, match="int64"):
+        Placement(torch.tensor([[0.0, 1.0]]), 2, 1, 2).validate()
+
+
+# ----------------------------------------------------------------------------- structure
+
+@pytest.mark.parametrize("E, W, N, S", [(16, 4, 2, 16), (16, 4, 2, 24), (32, 8, 2, 48), (8, 2, 1, 12)])
+def test_every_expert_placed_slots_per_rank_and_no_duplicate_on_a_rank(E, W, N, S):
+    load = _zipf_load(5, E, 1.0, seed=E + S)
+    p = plan_placement(load, S, N, W)
+    assert p.slot_to_expert.shape == (5, S) and p.slot_to_expert.dtype == torch.int64
+    assert (p.num_ranks, p.num_nodes, p.num_experts, p.slots_per_rank, p.ranks_per_node) == (W, N, E, S // W, W // N)
+    reps = p.expert_replicas
+    assert reps.shape == (5, E) and bool((reps >= 1).all()) and bool((reps.sum(1) == S).all())
+    per_rank = _rank_experts(p)
+    for layer in range(5):
+        for rank in range(W):
+            assert len(set(per_rank[layer, rank].tolist())) == S // W, (layer, rank)
+    # expert_to_slots agrees with slot_to_expert, ascending, padded with -1
+    e2s = p.expert_to_slots
+    assert e2s.shape == (5, E, int(reps.max()))
+    for layer in range(5):
+        for e in range(E):
+            slots = [s for s in e2s[layer, e].tolist() if s >= 0]
+            assert slots == sorted(slots) and len(slots) == int(reps[layer, e])
+            assert all(int(p.slot_to_expert[layer, s]) == e for s in slots)
+
+
+def test_placement_only_is_a_permutation():
+    load = _zipf_load(3, 64, 1.2, seed=1)
+    p = plan_placement(load, 64, 2, 8)
+    for layer in range(3):
+        assert sorted(p.slot_to_expert[layer].tolist()) == list(range(64))
+
+
+def test_deterministic_and_input_types_agree():
+    load = _zipf_load(4, 32, 1.0, seed=2)
+    a = plan_placement(load, 40, 2, 8)
+    b = plan_placement(torch.from_numpy(load.astype(np.int64)), 40, 2, 8)
+    c = plan_placement(load.tolist(), 40, 2, 8)
+    assert torch.equal(a.slot_to_expert, b.slot_to_expert) and torch.equal(a.slot_to_expert, c.slot_to_expert)
+    # ties (all loads equal) are broken by index, reproducibly
+    assert torch.equal(plan_placement(np.ones(8), 12, 1, 4).slot_to_expert,
+                       plan_placement(np.ones(8), 12, 1, 4).slot_to_expert)
+
+
+def test_one_dimensional_load_is_one_layer_and_zero_load_plans():
+    p = plan_placement(np.zeros(8), 8, 1, 2)
+    assert p.slot_to_expert.shape == (1, 8)
+    assert sorted(p.slot_to_expert[0].tolist()) == list(range(8))
+
+
+def test_identity_layout():
+    p = Placement.identity(2, 8, 12, 4, 2)
+    # rank r: its own experts 2r, 2r + 1, then one copy of an expert of rank r + 1
+    assert p.slot_to_expert[0].tolist() == [0, 1, 2, 2, 3, 5, 4, 5, 6, 6, 7, 1]
+    assert torch.equal(p.slot_to_expert[0], p.slot_to_expert[1])
+    per_rank = _rank_experts(p)
+    assert all(len(set(per_rank[0, r].tolist())) == 3 for r in range(4))
+    assert Placement.identity(1, 8, 8, 4, 2).slot_to_expert[0].tolist() == list(range(8))
+    with pytest.raises(ValueError, match="num_experts .* multiple of num_ranks"):
+        Placement.identity(1, 6, 8, 4, 2)
+
+
+def test_moves_counts_changed_slots():
+    a = Placement(torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), 2, 1, 4)
+    b = Placement(torch.tensor([[0, 1, 3, 2], [0, 1, 2, 3]]), 2, 1, 4)
+    assert a.moves(b).tolist() == [2, 0]
+
+
+# ----------------------------------------------------------------------------- hand-computed
+
+def test_placement_only_small_case():
+    # 10 must share a rank with one 1: ranks carry 11 and 2, mean 6.5
+    p = plan_placement(np.array([10.0, 1.0, 1.0, 1.0]), 4, 1, 2)
+    ranks = rank_loads(np.array([10.0, 1.0, 1.0, 1.0]), p, 2)
+    assert sorted(ranks[0].tolist()) == [2.0, 11.0]
+    assert float(imbalance_ratio(ranks)[0]) == pytest.approx((11 - 6.5) / 6.5)
+
+
+def test_replication_small_case():
+    # 2 spare slots: expert 0 gets a second copy (at most one per rank: 2 ranks), then the
+    # largest load / replicas among the rest (ties: lowest id) is expert 1 -> ranks 6.5 / 6.5
+    load = np.array([10.0, 1.0, 1.0, 1.0])
+    p = plan_placement(load, 6, 1, 2)
+    assert p.expert_replicas[0].tolist() == [2, 2, 1, 1]
+    assert rank_loads(load, p, 2)[0].tolist() == [6.5, 6.5]
+    assert sorted(slot_loads(load, p)[0].tolist()) == [0.5, 0.5, 1.0, 1.0, 5.0, 5.0]
+
+
+def test_replicas_split_over_nodes_ranks():
+    # one hot expert, 2 nodes of 2 ranks, 2 spare slots per node: the hot expert's node gives
+    # it one copy per rank (2), never two on one rank
+    load = np.array([40.0] + [1.0] * 7)
+    p = plan_placement(load, 12, 2, 4)
+    assert int(p.expert_replicas[0, 0]) == 2
+    owners = (p.expert_to_slots[0, 0] // 3).tolist()
+    assert len(set(owners)) == 2
+
+
+# ----------------------------------------------------------------------------- quality
+
+@pytest.mark.parametrize("pattern", ["zipf-0.8", "zipf-1.2"])
+def test_zipf_balanced_with_spare_slots(pattern):
+    load = sample_load(pattern, 2, 256, 8, 8192, seed=3)
+    default = imbalance_ratio(default_rank_loads(load, 32))
+    placed = imbalance_ratio(rank_loads(load, plan_placement(load, 256, 4, 32), 32))
+    spare = imbalance_ratio(rank_loads(load, plan_placement(load, 288, 4, 32), 32))
+    assert bool((placed < default).all())
+    assert bool((spare <= 0.05).all()), spare
+    assert bool((spare < placed).all())
+
+
+# ----------------------------------------------------------------------------- previous
+
+def test_same_load_with_previous_moves_nothing():
+    load = _zipf_load(4, 64, 1.0, seed=4)
+    first = plan_placement(load, 80, 2, 16)
+    again = plan_placement(load, 80, 2, 16, previous=first)
+    assert again is first
+    assert again.moves(first).tolist() == [0, 0, 0, 0]
+
+
+def test_perturbed_load_keeps_most_slots():
+    load = _zipf_load(4, 64, 0.8, seed=5)
+    first = plan_placement(load, 80, 2, 16)
+    rng = np.random.default_rng(6)
+    new_load = load * rng.uniform(0.98, 1.02, load.shape)
+    fresh = plan_placement(new_load, 80, 2, 16)
+    kept = plan_placement(new_load, 80, 2, 16, previous=first)
+    assert int(kept.moves(first).sum()) < 0.25 * 4 * 80
+    peak = lambda p: rank_loads(new_load, p, 16).max(1).values  # noqa: E731
+    assert bool((peak(kept) <= peak(fresh) * (1 + 1e-3 + 1e-9)).all())
+    # with tolerance 0 the result is as balanced as the fresh plan
+    strict = plan_placement(new_load, 80, 2, 16, previous=first, tolerance=0.0)
+    assert bool((peak(strict) <= peak(fresh) * (1 + 1e-9)).all())
+
+
+def test_alignment_permutes_without_changing_balance():
+    # a previous placement with the same content but ranks and slots shuffled: the new plan
+    # is matched back onto it, so (almost) nothing moves although the fresh plan differs
+    load = _zipf_load(2, 32, 1.0, seed=7)
+    fresh = plan_placement(load, 48, 2, 8)
+    perm = torch.tensor([1, 0, 3, 2, 6, 7, 5, 4])  # ranks permuted within their node
+    shuffled = _rank_experts(fresh)[:, perm].flip(-1).reshape(2, 48).contiguous()
+    prev = Placement(shuffled, 8, 2, 32)
+    out = plan_placement(load * 1.0, 48, 2, 8, previous=prev)
+    assert out.moves(prev).tolist() == [0, 0]
+    assert torch.allclose(rank_loads(load, out, 8).sort(1).values, rank_loads(load, fresh, 8).sort(1).values)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def test_metrics_hand_checked():
+    load = torch.tensor([[4, 2, 2, 0]])
+    s2e = torch.tensor([[0, 1, 0, 2, 3, 3]])  # expert 0 twice, expert 3 twice
+    assert slot_loads(load, s2e).tolist() == [[2.0, 2.0, 2.0, 2.0, 0.0, 0.0]]
+    ranks = rank_loads(load, s2e, 3)
+    assert ranks.dtype == torch.float64 and ranks.tolist() == [[4.0, 4.0, 0.0]]
+    assert float(imbalance_ratio(ranks)[0]) == pytest.approx(0.5)
+    assert default_rank_loads(torch.tensor([[1, 2, 3, 4]]), 2).tolist() == [[3.0, 7.0]]
+    z = imbalance_ratio(torch.zeros(2, 3))
+    assert isinstance(z, torch.Tensor) and z.tolist() == [0.0, 0.0]
+    n = imbalance_ratio(np.array([[1.0, 3.0], [2.0, 2.0]]))
+    assert isinstance(n, np.ndarray) and n.tolist() == [0.5, 0.0]
+    assert imbalance_ratio(torch.tensor([[1.0, 2.0], [3.0, 1.0]]), dim=0).tolist() == pytest.approx([0.5, 1 / 3])
+
+
+def test_summarize_and_scalars():
+    load = np.array([[10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    after = plan_placement(load, 8, 1, 4)
+    s = summarize(load, None, after)  # before: identity = default layout (S == E)
+    # 17 tokens on 4 ranks: mean 4.25; 10 shares its rank with a 1 either way
+    assert s["imbalance_rank_before"] == pytest.approx([(11 - 4.25) / 4.25])
+    assert s["imbalance_rank_after"] == pytest.approx([(11 - 4.25) / 4.25])
+    assert s["imbalance_slot_before"] == pytest.approx([(10 - 2.125) / 2.125])
+    assert s["std_rank_before"] == pytest.approx([np.std([11, 2, 2, 2])])
+    assert s["moves"] == [int(after.moves(Placement.identity(1, 8, 8, 4, 1))[0])]
+    flat = scalars(s)
+    assert flat["balancer/layer_0/imbalance_rank_after"] == pytest.approx(s["imbalance_rank_after"][0])
+    assert flat["balancer/mean/imbalance_slot_before"] == pytest.approx(s["imbalance_slot_before"][0])
+    assert "balancer/total/moves" in flat and all(isinstance(v, float) for v in flat.values())
+    assert set(scalars(s, prefix="moe")) == {k.replace("balancer/", "moe/", 1) for k in flat}

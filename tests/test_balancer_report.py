@@ -1,0 +1,174 @@
+"""Placement YAML, statistics files, plots and the offline CLI (`hybrid-ep-balance plan`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from hybrid_ep.balancer.cli import main
+from hybrid_ep.balancer.metrics import summarize
+from hybrid_ep.balancer.placement_file import load_placement_yaml, save_placement_yaml
+from hybrid_ep.balancer.planner import Placement, plan_placement
+from hybrid_ep.balancer.report import (load_statistics, save_statistics, write_heatmap,
+                                       write_imbalance_plot, write_report)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _assert_png(path: str, min_bytes: int = 5000) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > min_bytes, (path, len(data))
+
+
+def _stats(tmp_path, layers=3, experts=32, intervals=6, seed=0) -> tuple[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    pop = 1.0 / np.arange(1, experts + 1) ** 1.0
+    history = np.stack([np.stack([rng.poisson(rng.permutation(pop) * 2000) for _ in range(layers)])
+                        for _ in range(intervals)]).astype(np.float64)
+    load = history.sum(0)
+    path = str(tmp_path / "stats.npz")
+    save_statistics(path, load, history=history, steps=np.arange(intervals) * 10, ep_size=8,
+                    layer_numbers=np.arange(layers) + 1)
+    return path, load
+
+
+# ----------------------------------------------------------------------------- YAML
+
+def test_yaml_round_trip(tmp_path):
+    load = np.random.default_rng(1).random((3, 16))
+    p = plan_placement(load, 24, 2, 4)
+    path = save_placement_yaml(p, str(tmp_path / "p.yaml"), extra={"step": 100})
+    doc = yaml.safe_load(open(path))
+    assert (doc["num_slots"], doc["num_experts"], doc["ep_size"], doc["num_nodes"], doc["step"]) == (24, 16, 4, 2, 100)
+    assert doc["initial_global_assignments"][2] == p.slot_to_expert[2].tolist()
+    q = load_placement_yaml(path)
+    assert torch.equal(q.slot_to_expert, p.slot_to_expert)
+    assert (q.num_ranks, q.num_nodes, q.num_experts) == (4, 2, 16)
+    with pytest.raises(ValueError, match="clashes"):
+        save_placement_yaml(p, str(tmp_path / "x.yaml"), extra={"num_slots": 1})
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.pop("ep_size"), "ep_size must be a positive integer"),
+    (lambda d: d["initial_global_assignments"].pop(0), "keys must be the layer indices"),
+    (lambda d: d["initial_global_assignments"].pop(1), "num_layers is 2 but"),
+    (lambda d: d["initial_global_assignments"][0].pop(), r"initial_global_assignments\[0\] has 7 slots"),
+    (lambda d: d["initial_global_assignments"].__setitem__(0, [0] * 8), "no slot for expert 1"),
+    (lambda d: d.__setitem__("num_nodes", 3), "num_nodes"),
+])
+def test_yaml_load_names_the_problem(tmp_path, edit, match):
+    p = plan_placement(np.ones((2, 8)), 8, 1, 2)
+    path = save_placement_yaml(p, str(tmp_path / "p.yaml"))
+    doc = yaml.safe_load(open(path))
+    edit(doc)
+    yaml.safe_dump(doc, open(path, "w"))
+    with pytest.raises(ValueError, match=match):
+        load_placement_yaml(path)
+
+
+# ----------------------------------------------------------------------------- statistics, plots
+
+def test_statistics_round_trip_and_errors(tmp_path):
+    path, load = _stats(tmp_path)
+    stats = load_statistics(path)
+    assert np.array_equal(stats["load"], load) and stats["history"].shape == (6, 3, 32)
+    assert stats["ep_size"] == 8 and stats["steps"].tolist() == [0, 10, 20, 30, 40, 50]
+    assert stats["layer_numbers"].tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="history must be"):
+        save_statistics(str(tmp_path / "bad.npz"), load, history=np.ones((2, 3, 5)))
+    np.savez(str(tmp_path / "nolaod.npz"), other=np.ones(3))
+    with pytest.raises(ValueError, match="no 'load'"):
+        load_statistics(str(tmp_path / "nolaod.npz"))
+
+
+def test_heatmap_many_layers(tmp_path):
+    history = np.random.default_rng(2).random((20, 61, 64)) * 1000
+    path = write_heatmap(history, str(tmp_path / "h.png"))
+    _assert_png(path, 50_000)
+    with pytest.raises(ValueError, match="layer_names"):
+        write_heatmap(history, str(tmp_path / "x.png"), layer_names=["a"])
+
+
+def test_imbalance_plot_and_report(tmp_path):
+    load = np.random.default_rng(3).random((4, 16)) * 100
+    after = plan_placement(load, 20, 2, 4)
+    summary = summarize(load, None, after)
+    _assert_png(write_imbalance_plot(summary, str(tmp_path / "imb.png")))
+    paths = write_report(summary, str(tmp_path / "rep"), history=np.ones((3, 4, 4)), step=7)
+    assert set(paths) == {"summary", "imbalance", "heatmap_after"}
+    assert paths["summary"].endswith("balancer_summary_step7.json")
+    doc = json.load(open(paths["summary"]))
+    assert doc["step"] == 7 and doc["imbalance_rank_after"] == pytest.approx(summary["imbalance_rank_after"])
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_plan_end_to_end(tmp_path, capsys):
+    stats, load = _stats(tmp_path)
+    out, rep = str(tmp_path / "out" / "placement.yaml"), str(tmp_path / "report")
+    rc = main(["plan", "--stats", stats, "--num-slots", "40", "--ranks-per-node", "4", "--out", out,
+               "--report-dir", rep])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rank imb before" in text and "mean" in text
+    p = load_placement_yaml(out)
+    assert p.slot_to_expert.shape == (3, 40) and (p.num_ranks, p.num_nodes, p.num_experts) == (8, 2, 32)
+    assert yaml.safe_load(open(out))["layer_numbers"] == [1, 2, 3]
+    summary = json.load(open(os.path.join(rep, "balancer_summary.json")))
+    assert len(summary["imbalance_rank_after"]) == 3
+    assert max(summary["imbalance_rank_after"]) < min(summary["imbalance_rank_before"])
+    for name in ("imbalance.png", "heatmap_after.png", "heatmap_before.png"):
+        _assert_png(os.path.join(rep, name))
+    # again with the result as previous: nothing moves
+    out2 = str(tmp_path / "again.yaml")
+    assert main(["plan", "--stats", stats, "--slots-per-rank", "5", "--ranks-per-node", "4",
+                 "--previous", out, "--out", out2]) == 0
+    assert load_placement_yaml(out2).moves(p).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--stats", "missing.npz"], "--stats: no such file"),
+    (["--num-slots", "30"], "--num-slots gives 30 slots, fewer than the 32 experts"),
+    (["--num-slots", "36"], "--num-slots: 36 slots do not split evenly over --ep-size 8"),
+    (["--ranks-per-node", "3"], "--ranks-per-node"),
+    (["--ep-size", "0"], "--ep-size must be >= 1"),
+    (["--previous", "missing.yaml"], "--previous"),
+])
+def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
+    stats, _ = _stats(tmp_path, intervals=2)
+    args = {"--stats": stats, "--out": str(tmp_path / "p.yaml")}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        args[flag] = str(tmp_path / value) if value.endswith((".npz", ".yaml")) else value
+    rc = main(["plan"] + [x for kv in args.items() for x in kv])
+    assert rc == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_previous_shape_mismatch(tmp_path, capsys):
+    stats, _ = _stats(tmp_path, intervals=2)
+    prev = save_placement_yaml(Placement.identity(3, 32, 32, 8, 2), str(tmp_path / "prev.yaml"))
+    rc = main(["plan", "--stats", stats, "--num-slots", "40", "--previous", prev, "--out", str(tmp_path / "p.yaml")])
+    assert rc == 2 and "--previous" in capsys.readouterr().err
+
+
+def test_module_entry_point(tmp_path):
+    stats, _ = _stats(tmp_path, intervals=2)
+    out = str(tmp_path / "p.yaml")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "hybrid_ep.balancer", "plan", "--stats", stats, "--out", out],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert load_placement_yaml(out).slot_to_expert.shape == (3, 32)
+    bad = subprocess.run([sys.executable, "-m", "hybrid_ep.balancer", "plan", "--out", out],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--stats" in bad.stderr
