@@ -93,7 +93,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hybrid_ep", "hybrid_ep.*", "megatron_patches", "megatron_patches.*"]),
-    install_requires=["torch>=2.6", "numpy", "matplotlib"],
+    install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
         "megatron": ["megatron-core>=0.16"],
@@ -103,6 +103,8 @@ setup(
         "console_scripts": [
             "hybrid-ep-bench=hybrid_ep.bench.cli:main",
             "hybrid-ep-traffic=hybrid_ep.traffic.cli:main",
+            "hybrid-ep-balance=hybrid_ep.balancer.cli:main",
+            "hybrid-ep-launch=megatron_patches.slurm.cli:main",
         ]
     },
     ext_modules=ext_modules,

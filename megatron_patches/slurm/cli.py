@@ -1,0 +1,116 @@
+"""`hybrid-ep-launch` / `python scripts/launch_slurm.py`: recipe -> checked sbatch script.
+
+    hybrid-ep-launch RECIPE [--set key=value ...] [--nodes N] [--dry-run | --submit | --local]
+
+RECIPE is a folder under recipes/ (or its recipe.yaml). The recipe is loaded, overridden,
+validated (every failure names the field and the rule; exit status 2) and, for pretraining,
+its memory per GPU is estimated (a warning when it exceeds the GPU's memory). Then:
+
+--dry-run (default)  print the sbatch script
+--submit             write it next to the results (--script PATH to choose) and call `sbatch`
+--local              run it on this machine without Slurm (local.py; tiny_moe on CPU)
+
+--nodes N rescales data parallelism: it sets cluster.nodes, so DP = N x GPUs / (TP x PP x CP)
+with the global batch kept (it must still divide by micro batch x DP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+from . import layout, memory, recipe as recipe_mod, render, validate
+from .local import TRAINERS, run_local
+
+PROG = "hybrid-ep-launch"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipes/<name> or a recipe.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field by its dotted name (repeatable), e.g. --set parallelism.ep=32")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes; rescales data parallelism")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the sbatch script (the default)")
+    mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")
+    mode.add_argument("--local", action="store_true", help="run on this machine (one node, no Slurm)")
+    p.add_argument("--script", default=None, help="with --submit: where to write the script")
+    p.add_argument("--trainer", choices=TRAINERS, default="auto",
+                   help="with --local: megatron (pretrain_gpt.py), core (Megatron-Core CPU trainer) or auto")
+    return p
+
+
+def _error(problems) -> int:
+    for field, rule in problems:
+        print(f"{PROG}: error: {field}: {rule}", file=sys.stderr)
+    return 2
+
+
+def load_checked(path: str, overrides: list[str], nodes: int | None = None):
+    """Load + override + validate; raises RecipeError."""
+    overrides = list(overrides)
+    if nodes is not None:
+        overrides.append(f"cluster.nodes={nodes}")
+    recipe = recipe_mod.load(path, overrides)
+    validate.validate(recipe)
+    return recipe
+
+
+def report(recipe) -> None:
+    """Layout and memory estimate on stderr (stdout carries the script)."""
+    if recipe.kind != "pretrain":
+        return
+    print(f"{PROG}: {recipe.name}: {layout.layout_of(recipe).describe()}", file=sys.stderr)
+    est = memory.estimate(recipe)
+    print(est.table(), file=sys.stderr)
+    if est.over:
+        print(f"{PROG}: warning: estimated {est.total_gb:.1f} GiB per GPU exceeds the {est.gpu_gb:g} GiB of "
+              f"cluster.gpu_type {recipe['cluster.gpu_type']} (stage {est.stage}); more PP/EP, recomputation "
+              "(train.recompute) or a larger GPU", file=sys.stderr)
+
+
+def submit(recipe, text: str, script: str | None) -> int:
+    if script is None:
+        folder = tempfile.mkdtemp(prefix=f"hybrid_ep_{recipe.name}_")
+        script = os.path.join(folder, f"{recipe.name}.sbatch")
+    os.makedirs(os.path.dirname(os.path.abspath(script)), exist_ok=True)
+    with open(script, "w") as f:
+        f.write(text)
+    try:
+        proc = subprocess.run(["sbatch", script], capture_output=True, text=True)
+    except FileNotFoundError:
+        print(f"{PROG}: error: sbatch not found on PATH (script written to {script})", file=sys.stderr)
+        return 127
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    print(f"{PROG}: script {script}", file=sys.stderr)
+    return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        recipe = load_checked(a.recipe, a.overrides, a.nodes)
+        report(recipe)
+        if a.local:
+            return run_local(recipe, trainer=a.trainer)
+        text = render.render(recipe)
+    except recipe_mod.RecipeError as err:
+        return _error(err.problems)
+    if a.submit:
+        return submit(recipe, text, a.script)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""A small Megatron-Core trainer for local mode without Megatron-LM's pretrain_gpt.py or a GPU.
+
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python -m megatron_patches.slurm.cpu_train <Megatron args>
+
+Local mode (`hybrid-ep-launch <recipe> --local`) runs this, one process per rank, when
+pretrain_gpt.py cannot be found or there is no GPU per rank: Megatron-LM's training loop
+needs CUDA (device placement, fused kernels, CUDA RNG and memory calls) and is not installed
+with Megatron-Core. It takes the same argument list the cluster job gets and parses it with
+Megatron-LM's own parser (megatron.training, after megatron_patches.apply()), so the model
+(TransformerConfig, layer count, experts, top-k, dispatcher, --hybrid-ep-* knobs) is the
+recipe's. It then builds Megatron-Core's GPTModel with the local layer spec on gloo and
+trains it for --train-iters steps on counting sequences (each sequence counts upward from a
+random start by a stride of 1-4, modulo the vocabulary: learnable in a few dozen steps),
+printing the loss of every step.
+
+What differs from pretrain_gpt.py, on purpose:
+- GPU-only fusions are switched off (gradient-accumulation fusion, bias/activation fusion,
+  masked-softmax fusion, persistent layer norm); weights are built on the host;
+- optimizer: torch AdamW with linear warm-up and cosine decay to --min-lr; gradients are
+  averaged by all-reduce over the data-parallel group (dense weights) and the expert
+  data-parallel group (experts), as Megatron's DDP does; no distributed optimizer;
+- only TP = PP = CP = 1 (EP any divisor of the world); the expert balancer is not run
+  (its flags are parsed; local mode does not depend on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import sys
+import time
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("megatron", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def counting_batch(step: int, micro: int, rank: int, batch: int, seq: int, vocab: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro * 101 + rank)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    stride = torch.randint(1, 5, (batch, 1), generator=g)
+    return (start + stride * torch.arange(seq + 1)) % vocab
+
+
+def _lr(args, step: int) -> float:
+    warm = args.lr_warmup_iters or 0
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    span = max(1, args.train_iters - warm)
+    frac = min(1.0, (step - warm) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def _padded_vocab(args) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(args.vocab_size / multiple) * multiple)
+
+
+def build_model(args, config):
+    import megatron_patches.options as options
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    for name in ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion",
+                 "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion"):
+        if hasattr(config, name):
+            setattr(config, name, False)
+    config.use_cpu_initialization = True
+    hybrid = options.from_args(args)
+    if getattr(hybrid, "balancer_interval", 0):
+        hybrid = dataclasses.replace(hybrid, balancer_interval=0)
+    config.hybrid_ep_options = hybrid
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=args.qk_layernorm,
+                                    multi_latent_attention=args.multi_latent_attention)
+    return GPTModel(config, spec, vocab_size=_padded_vocab(args), max_sequence_length=args.max_position_embeddings,
+                    position_embedding_type=args.position_embedding_type,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _quiet()
+    import torch
+    import torch.distributed as dist
+
+    from .megatron_parse import parse
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        args, config = parse(argv, world, rank)
+    for flag, value in (("parallelism.tp", args.tensor_model_parallel_size),
+                        ("parallelism.pp", args.pipeline_model_parallel_size),
+                        ("parallelism.cp", args.context_parallel_size)):
+        if value != 1:
+            print(f"cpu_train: {flag} must be 1 in the CPU trainer, got {value}", file=sys.stderr)
+            return 2
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    model = build_model(args, config)
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_group = parallel_state.get_data_parallel_group()
+    edp_group = parallel_state.get_expert_data_parallel_group()
+    micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    seq, mbs, vocab = args.seq_length, args.micro_batch_size, args.vocab_size
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(seq)[None].expand(mbs, -1)
+    if rank == 0:
+        print(f"cpu_train: GPTModel {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
+              f"top-{args.moe_router_topk}, dispatcher {config.moe_token_dispatcher_type}, world {world} "
+              f"(EP {args.expert_model_parallel_size}, DP {dp}), {micro_batches} micro-batch(es) of {mbs} x {seq} "
+              f"per rank per step", flush=True)
+    losses = []
+    for step in range(args.train_iters):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = _lr(args, step)
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(micro_batches):
+            batch = counting_batch(step, micro, rank, mbs, seq, vocab, args.seed)
+            tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            loss = model(tokens, position_ids, mask, labels=labels).float().mean() / micro_batches
+            loss.backward()
+            total += loss.detach().double()
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            expert = not getattr(p, "allreduce", True)
+            group = edp_group if expert else dp_group
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+        opt.step()
+        dist.all_reduce(total)
+        mean = total.item() / world
+        losses.append(mean)
+        if rank == 0 and (step + 1) % max(1, args.log_interval) == 0:
+            tok_s = world * micro_batches * mbs * seq / (time.perf_counter() - t0)
+            print(f"cpu_train: step {step + 1:4d}/{args.train_iters}  loss {mean:.4f}  "
+                  f"lr {_lr(args, step):.2e}  {tok_s:8.0f} tok/s", flush=True)
+    dist.destroy_process_group()
+    finite = all(math.isfinite(v) for v in losses)
+    if rank == 0:
+        print(f"cpu_train: done, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return 0 if finite else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

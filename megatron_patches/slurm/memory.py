@@ -1,0 +1,185 @@
+"""Memory per GPU of a pretraining recipe: weights, gradients, optimizer state, activations.
+
+Parameters are counted from the recipe's model shape, per pipeline stage (the stage with
+the most bytes is reported, since that one runs out first):
+
+    attention   MHA/GQA: H*(a*d) + 2*H*(g*d) + (a*d)*H          (a heads, g query groups, d head dim)
+                MLA:     H*q + q*a*(dn+dr) + H*(c+dr) + c*a*(dn+dv) + a*dv*H + q + c
+                         (q = q_lora_rank, or no down-projection when null; c = kv_lora_rank)
+    norms       2*H per layer, H for the final norm
+    dense MLP   m*H*F                                      (m = 3 with SwiGLU, else 2)
+    MoE layer   E*H (router) + E*m*H*Fe (experts) + m*H*Fs (shared expert)
+    embedding   V*H on the first stage; the output layer V*H on the last (untied)
+
+Sharding: dense parameters (everything but the routed experts) / TP; routed experts: the
+stage's MoE layers x E/EP experts x (m*H*Fe) / ETP, with `balancer.slots_per_rank` slots in
+place of E/EP when the balancer is on (spare slots hold replicas: real memory). Bytes per parameter:
+
+    weights     2 (bf16 / fp16 / fp8 runs keep bf16 weights), 4 for fp32
+    gradients   4 (Megatron's fp32 main-grad buffer)
+    optimizer   12 = fp32 master copy 4 + Adam moments 8 (8 for fp32: no separate master)
+                divided by DP x CP (dense) or EDP (experts) with the distributed optimizer
+
+Activations are a rough estimate, reported separately and included in the total: per
+micro-batch and layer, t = seq x micro_batch / CP tokens, 2 bytes per value (sequence
+parallel: / TP), values kept per token:
+
+    attention side  10*H/TP (norm in/out, QKV, context, projection, residual); 8*H/TP when
+                    `layernorm` is recomputed
+    MoE MLP         k*(H + 3*Fe)/ETP: dispatched rows (fc1 input), fc1 output (SwiGLU's two
+                    halves), activation output; k*(H + 2*Fe) with `moe_act` recomputed;
+                    H/TP with `moe` recomputed
+    dense MLP       (H + 3*F)/TP; H/TP with `mlp` recomputed
+    full recompute  H/TP per layer (its input) plus one layer's full set
+
+Stage s holds min(PP - s, micro-batches per step) micro-batches in flight (1F1B; interleaved
+VPP adds more and is not modelled). Balanced routing assumed; allocator fragmentation,
+communication buffers and the CUDA context are not counted: leave 5-10 GiB of headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import layout as L
+
+GIB = 1024**3
+
+# Memory per GPU in GiB (nominal HBM).
+GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H200": 141, "B200": 180, "GB200": 186, "B300": 288,
+                 "GB300": 288, "CPU": 10**6}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int
+    dense_params: float        # per GPU (after TP)
+    expert_params: float       # per GPU (after EP x ETP)
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    gpu_gb: float
+    total_params_model: float  # whole model, for the record
+
+    @property
+    def states_gb(self) -> float:
+        return self.weights_gb + self.grads_gb + self.optimizer_gb
+
+    @property
+    def total_gb(self) -> float:
+        return self.states_gb + self.activations_gb
+
+    @property
+    def over(self) -> bool:
+        return self.total_gb > self.gpu_gb
+
+    def table(self) -> str:
+        rows = [
+            ("parameters / GPU", f"{_count(self.dense_params)} dense + {_count(self.expert_params)} experts"),
+            ("weights", f"{self.weights_gb:7.1f} GiB"),
+            ("gradients (fp32)", f"{self.grads_gb:7.1f} GiB"),
+            ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
+            ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
+            ("total", f"{self.total_gb:7.1f} GiB of {self.gpu_gb:g} GiB"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        head = (f"memory per GPU, stage {self.stage} (the fullest pipeline stage; model "
+                f"{_count(self.total_params_model)} parameters):")
+        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def _attention_params(m) -> float:
+    H, a = m["hidden_size"], m["num_attention_heads"]
+    if m["mla"]["enabled"]:
+        mla = m["mla"]
+        q, c = mla["q_lora_rank"], mla["kv_lora_rank"]
+        dn, dr, dv = mla["qk_head_dim"], mla["qk_pos_emb_head_dim"], mla["v_head_dim"]
+        q_proj = (H * q + q + q * a * (dn + dr)) if q else H * a * (dn + dr)
+        return q_proj + H * (c + dr) + c + c * a * (dn + dv) + a * dv * H
+    d = m["kv_channels"] or H // a
+    g = m["num_query_groups"] or a
+    return H * a * d + 2 * H * g * d + a * d * H
+
+
+def _mult(m) -> int:
+    return 3 if m["swiglu"] else 2
+
+
+def layer_params(m, moe: bool) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of one transformer layer, unsharded."""
+    H = m["hidden_size"]
+    dense = _attention_params(m) + 2 * H
+    if not moe:
+        return dense + _mult(m) * H * m["ffn_hidden_size"], 0.0
+    E = m["num_experts"]
+    dense += E * H + _mult(m) * H * (m["moe_shared_expert_intermediate_size"] or 0)
+    return dense, E * _mult(m) * H * m["moe_ffn_hidden_size"]
+
+
+def model_params(recipe) -> float:
+    m = recipe["model"]
+    total = m["vocab_size"] * m["hidden_size"] * (2 if m["untie_embeddings"] else 1) + m["hidden_size"]
+    for i in range(m["num_layers"]):
+        total += sum(layer_params(m, moe=i >= m["dense_layers"]))
+    return total
+
+
+def _activation_bytes(recipe, lay, stage: int, dense_layers: int, moe_layers: int) -> float:
+    m, t_cfg = recipe["model"], recipe["train"]
+    H, k, Fe, F = m["hidden_size"], m["moe_router_topk"], m["moe_ffn_hidden_size"], m["ffn_hidden_size"]
+    tokens = m["seq_length"] * t_cfg["micro_batch_size"] / lay.cp
+    mods = set(t_cfg["recompute_modules"]) if t_cfg["recompute"] == "selective" else set()
+    attention = (8 if "layernorm" in mods else 10) * H / lay.tp
+    dense_mlp = (H if "mlp" in mods else H + 3 * F) / lay.tp
+    if "moe" in mods:
+        moe_mlp = H / lay.tp
+    else:
+        moe_mlp = k * (H + (2 if "moe_act" in mods else 3) * Fe) / lay.etp
+    per_dense, per_moe = attention + dense_mlp, attention + moe_mlp
+    micro_batches = max(1, t_cfg["global_batch_size"] // max(1, t_cfg["micro_batch_size"] * lay.dp))
+    in_flight = min(lay.pp - stage, micro_batches)  # 1F1B: stage s holds PP - s micro-batches
+    if t_cfg["recompute"] == "full":
+        kept = (dense_layers + moe_layers) * H / lay.tp * in_flight  # layer inputs only
+        return 2 * tokens * (kept + max(per_dense if dense_layers else 0, per_moe if moe_layers else 0))
+    return 2 * tokens * (dense_layers * per_dense + moe_layers * per_moe) * in_flight
+
+
+def estimate(recipe) -> MemoryEstimate:
+    """The fullest stage's bytes per GPU (see the module docstring for the formula)."""
+    m, lay = recipe["model"], L.layout_of(recipe)
+    stages = L.stage_layers(recipe)
+    weight_b = 4 if recipe["precision"] == "fp32" else 2
+    opt_b = 8 if recipe["precision"] == "fp32" else 12
+    dist_opt = recipe["parallelism.distributed_optimizer"]
+    slots = recipe["balancer.slots_per_rank"] if recipe["balancer.interval"] > 0 else None
+    experts_per_rank = slots or m["num_experts"] // lay.ep
+    best, start = None, 0
+    for s, n in enumerate(stages):
+        idx = range(start, start + n)
+        start += n
+        n_dense = sum(1 for i in idx if i < m["dense_layers"])
+        n_moe = n - n_dense
+        dense = n_dense * layer_params(m, False)[0] + n_moe * layer_params(m, True)[0]
+        experts_full = n_moe * layer_params(m, True)[1]
+        if s == 0:
+            dense += m["vocab_size"] * m["hidden_size"]
+        if s == len(stages) - 1:
+            dense += m["hidden_size"] + (m["vocab_size"] * m["hidden_size"] if m["untie_embeddings"] else 0)
+        dense /= lay.tp
+        experts = experts_full / m["num_experts"] * experts_per_rank / lay.etp
+        opt_dense = dense * opt_b / (lay.dp * lay.cp if dist_opt else 1)
+        opt_exp = experts * opt_b / (lay.edp if dist_opt else 1)
+        act = _activation_bytes(recipe, lay, s, n_dense, n_moe)
+        est = MemoryEstimate(
+            stage=s, dense_params=dense, expert_params=experts,
+            weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * 4 / GIB,
+            optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
+            gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe))
+        if best is None or est.total_gb > best.total_gb:
+            best = est
+    return best

@@ -1,0 +1,158 @@
+"""Which fields a recipe has, their types and defaults.
+
+A recipe is a YAML mapping of sections. Every leaf has a declared type so that a typo or a
+wrong type in the YAML or in `--set key=value` fails at load time with the dotted field name,
+not as a Megatron error an hour into a queue. Two kinds: `pretrain` (a Megatron-LM run) and
+`benchmark` (the dispatch microbenchmark, `python -m hybrid_ep.bench`).
+
+Type names: int, float, str, bool, each with a trailing `?` when null is allowed;
+list[str], list[int]; `map` is a free mapping of names to scalars (environment variables),
+whose keys are not checked.
+"""
+
+from __future__ import annotations
+
+REQUIRED = object()  # default of a field the recipe must give
+
+_COMMON = {
+    "name": ("str", REQUIRED),
+    "kind": ("str", "pretrain"),
+    "description": ("str", ""),
+    "cluster": {
+        "nodes": ("int", REQUIRED),
+        "gpus_per_node": ("int", 8),
+        "gpu_type": ("str", "H100"),
+        "partition": ("str?", None),
+        "account": ("str?", None),
+        "time": ("str", "01:00:00"),
+        "job_name": ("str?", None),
+        "exclusive": ("bool", True),
+        "python": ("str", "python"),
+        "workdir": ("str?", None),
+        "sbatch_extra": ("list[str]", []),
+    },
+    "container": {
+        "image": ("str?", None),
+        "mounts": ("list[str]", []),
+    },
+    "env": ("map", {}),
+    "output": {
+        "dir": ("str", "results/${SLURM_JOB_ID}"),
+    },
+}
+
+_PRETRAIN = {
+    "model": {
+        "num_layers": ("int", REQUIRED),
+        "hidden_size": ("int", REQUIRED),
+        "ffn_hidden_size": ("int", REQUIRED),
+        "num_attention_heads": ("int", REQUIRED),
+        "num_query_groups": ("int?", None),
+        "kv_channels": ("int?", None),
+        "vocab_size": ("int", REQUIRED),
+        "seq_length": ("int", REQUIRED),
+        "max_position_embeddings": ("int", REQUIRED),
+        "untie_embeddings": ("bool", True),
+        "swiglu": ("bool", True),
+        "num_experts": ("int", REQUIRED),
+        "moe_ffn_hidden_size": ("int", REQUIRED),
+        "moe_router_topk": ("int", REQUIRED),
+        "moe_shared_expert_intermediate_size": ("int?", None),
+        "dense_layers": ("int", 0),
+        "mla": {
+            "enabled": ("bool", False),
+            "q_lora_rank": ("int?", None),
+            "kv_lora_rank": ("int", 512),
+            "qk_head_dim": ("int", 128),
+            "qk_pos_emb_head_dim": ("int", 64),
+            "v_head_dim": ("int", 128),
+        },
+        "extra_args": ("list[str]", []),
+    },
+    "parallelism": {
+        "tp": ("int", 1),
+        "pp": ("int", 1),
+        "vpp": ("int?", None),
+        "cp": ("int", 1),
+        "ep": ("int", 1),
+        "etp": ("int", 1),
+        "sequence_parallel": ("bool", False),
+        "first_stage_layers": ("int?", None),
+        "last_stage_layers": ("int?", None),
+        "account_for_embedding": ("bool", False),
+        "account_for_loss": ("bool", False),
+        "distributed_optimizer": ("bool", True),
+    },
+    "dispatcher": {
+        "type": ("str", "hybrid_ep"),
+        "compare": ("str?", "alltoall"),
+        "pad_multiple": ("int", 1),
+        "num_sms_dispatch": ("int?", None),
+        "num_sms_combine": ("int?", None),
+        "static_size_factor": ("float?", None),
+        "max_tokens_per_rank": ("int?", None),
+        "backend": ("str", "auto"),
+    },
+    "balancer": {
+        "interval": ("int", 0),
+        "slots_per_rank": ("int?", None),
+        "window": ("int", 1),
+        "decay": ("float?", None),
+        "min_gain": ("float", 0.0),
+        "report_dir": ("str?", None),
+    },
+    "precision": ("str", "bf16"),
+    "train": {
+        "micro_batch_size": ("int", 1),
+        "global_batch_size": ("int", REQUIRED),
+        "steps": ("int", 100),
+        "lr": ("float", 1.0e-4),
+        "min_lr": ("float", 1.0e-5),
+        "warmup_steps": ("int", 10),
+        "log_interval": ("int", 1),
+        "recompute": ("str", "none"),
+        "recompute_modules": ("list[str]", []),
+        "extra_args": ("list[str]", []),
+    },
+    "data": {
+        "mock": ("bool", True),
+        "path": ("str?", None),
+        "tokenizer_type": ("str", "NullTokenizer"),
+        "tokenizer_model": ("str?", None),
+    },
+    "megatron_lm_dir": ("str", "/path/to/Megatron-LM"),
+}
+
+_BENCHMARK = {
+    "bench": {
+        "node_counts": ("list[int]", [1]),
+        "hidden": ("int", 7168),
+        "tokens": ("int", 4096),
+        "experts": ("int", 256),
+        "topk": ("int", 8),
+        "dtype": ("str", "bf16"),
+        "routing": ("str", "uniform"),
+        "backends": ("list[str]", []),
+        "sms": ("list[int]", []),
+        "warmup": ("int", 10),
+        "iters": ("int", 30),
+    },
+}
+
+KINDS = {"pretrain": {**_COMMON, **_PRETRAIN}, "benchmark": {**_COMMON, **_BENCHMARK}}
+
+
+def schema_for(kind: str) -> dict:
+    if kind not in KINDS:
+        raise KeyError(kind)
+    return KINDS[kind]
+
+
+def leaves(schema: dict, prefix: str = ""):
+    """(dotted name, type, default) of every leaf, in declaration order."""
+    for key, value in schema.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from leaves(value, name + ".")
+        else:
+            yield name, value[0], value[1]

@@ -1,0 +1,209 @@
+"""The rules a recipe must meet before anything is rendered or submitted.
+
+Each rule is checked on the loaded recipe (after `--set`); every failure is a
+(field, rule) pair and all of them are reported at once, so one edit fixes a recipe.
+The rules are the ones Megatron-LM (arguments.py, TransformerConfig) and hybrid_ep would
+otherwise enforce on the cluster, after the queue wait:
+
+- world size = TP x PP x CP x DP (DP a whole number);
+- experts divisible by EP; EP x ETP divides W / PP (expert data parallelism, see layout);
+  hybrid_ep refuses ETP > 1;
+- layers split over PP (x VPP), with the uneven first/last stage when given;
+- global batch divisible by micro batch x DP;
+- heads and query groups divisible by TP; MoE with TP > 1 and EP > 1 needs sequence
+  parallelism (a TransformerConfig assertion); CP needs seq_length divisible by 2 x CP;
+- balancer slots cover every expert, and the balancer is not combined with the distributed
+  optimizer (not supported yet); dispatcher, precision, GPU type from known sets;
+- real data needs a path.
+"""
+
+from __future__ import annotations
+
+from . import layout as L
+from .memory import GPU_MEMORY_GB
+from .recipe import RecipeError
+
+DISPATCHERS = ("hybrid_ep", "alltoall", "allgather", "flex")
+PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
+HYBRID_EP_BACKENDS = ("auto", "cuda", "reference")
+BENCH_DTYPES = ("bf16", "fp8", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _positive(recipe, fields, problems):
+    for field in fields:
+        value = recipe.get(field)
+        if value is not None and value < 1:
+            problems.append((field, f"must be >= 1, got {value}"))
+
+
+def _cluster(recipe, problems):
+    _positive(recipe, ["cluster.nodes", "cluster.gpus_per_node"], problems)
+    if recipe["cluster.gpu_type"] not in GPU_MEMORY_GB:
+        problems.append(("cluster.gpu_type", f"must be one of {', '.join(GPU_MEMORY_GB)}, "
+                                             f"got {recipe['cluster.gpu_type']!r}"))
+
+
+def _parallel(recipe, problems):
+    p = "parallelism."
+    _positive(recipe, [p + k for k in ("tp", "pp", "vpp", "cp", "ep", "etp")], problems)
+    if problems:
+        return
+    lay = L.layout_of(recipe)
+    model_size = lay.tp * lay.pp * lay.cp
+    if lay.world % model_size:
+        problems.append(("cluster.nodes", f"{recipe['cluster.nodes']} nodes x {recipe['cluster.gpus_per_node']} "
+                         f"GPUs = {lay.world} is not divisible by TP x PP x CP = {model_size} "
+                         "(world size = TP x PP x CP x DP)"))
+        return
+    E = recipe["model.num_experts"]
+    if E % lay.ep:
+        problems.append(("parallelism.ep", f"model.num_experts {E} is not divisible by EP {lay.ep}"))
+    per_stage = lay.world // lay.pp
+    if per_stage % (lay.ep * lay.etp):
+        problems.append(("parallelism.ep", f"EP x ETP = {lay.ep} x {lay.etp} must divide world / PP = "
+                         f"TP x CP x DP = {per_stage} (Megatron's expert layout: W = PP x EP x ETP x EDP)"))
+    if recipe["dispatcher.type"] == "hybrid_ep" and lay.etp != 1:
+        problems.append(("parallelism.etp", f"hybrid_ep needs expert tensor parallelism 1, got {lay.etp}"))
+    if lay.vpp > 1 and lay.pp == 1:
+        problems.append(("parallelism.vpp", "virtual pipeline stages need parallelism.pp > 1"))
+    try:
+        L.stage_layers(recipe)
+    except ValueError as err:
+        problems.append(("parallelism.pp", f"model.num_layers {recipe['model.num_layers']} do not split over "
+                         f"PP {lay.pp} x VPP {lay.vpp} (first/last stage layers "
+                         f"{recipe['parallelism.first_stage_layers']}/{recipe['parallelism.last_stage_layers']}): "
+                         f"{err}"))
+    for field in ("parallelism.first_stage_layers", "parallelism.last_stage_layers"):
+        value = recipe[field]
+        if value is not None and lay.vpp > 1 and value % lay.vpp:
+            problems.append((field, f"{value} must be divisible by VPP {lay.vpp}"))
+    mbs, gbs = recipe["train.micro_batch_size"], recipe["train.global_batch_size"]
+    if mbs >= 1 and gbs % (mbs * lay.dp):
+        problems.append(("train.global_batch_size", f"{gbs} is not divisible by micro batch x DP = "
+                         f"{mbs} x {lay.dp} = {mbs * lay.dp}"))
+    heads, groups = recipe["model.num_attention_heads"], recipe["model.num_query_groups"]
+    if heads % lay.tp:
+        problems.append(("model.num_attention_heads", f"{heads} is not divisible by TP {lay.tp}"))
+    if groups is not None and groups % lay.tp:
+        problems.append(("model.num_query_groups", f"{groups} is not divisible by TP {lay.tp}"))
+    if groups is not None and heads % groups:
+        problems.append(("model.num_query_groups", f"{groups} must divide num_attention_heads {heads}"))
+    if lay.tp > 1 and lay.ep > 1 and not recipe["parallelism.sequence_parallel"]:
+        problems.append(("parallelism.sequence_parallel", "MoE with TP > 1 and EP > 1 needs sequence "
+                                                          "parallelism (Megatron TransformerConfig)"))
+    if lay.cp > 1 and recipe["model.seq_length"] % (2 * lay.cp):
+        problems.append(("model.seq_length", f"{recipe['model.seq_length']} must be divisible by 2 x CP = {2 * lay.cp}"))
+
+
+def _model(recipe, problems):
+    m = "model."
+    _positive(recipe, [m + k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                       "vocab_size", "seq_length", "num_experts", "moe_ffn_hidden_size",
+                                       "moe_router_topk", "num_query_groups", "kv_channels")], problems)
+    if recipe["model.moe_router_topk"] > recipe["model.num_experts"]:
+        problems.append(("model.moe_router_topk", f"{recipe['model.moe_router_topk']} exceeds model.num_experts "
+                                                  f"{recipe['model.num_experts']}"))
+    if not 0 <= recipe["model.dense_layers"] < recipe["model.num_layers"]:
+        problems.append(("model.dense_layers", f"must be in [0, num_layers = {recipe['model.num_layers']}), "
+                                               f"got {recipe['model.dense_layers']}"))
+    if recipe["model.seq_length"] > recipe["model.max_position_embeddings"]:
+        problems.append(("model.seq_length", f"{recipe['model.seq_length']} exceeds max_position_embeddings "
+                                             f"{recipe['model.max_position_embeddings']}"))
+    if not recipe["model.mla.enabled"] and recipe["model.kv_channels"] is None \
+            and recipe["model.hidden_size"] % recipe["model.num_attention_heads"]:
+        problems.append(("model.kv_channels", "must be set when hidden_size is not divisible by the heads"))
+
+
+def _dispatcher(recipe, problems):
+    kind = recipe["dispatcher.type"]
+    if kind not in DISPATCHERS:
+        problems.append(("dispatcher.type", f"must be one of {', '.join(DISPATCHERS)}, got {kind!r}"))
+    compare = recipe["dispatcher.compare"]
+    if compare is not None and compare not in DISPATCHERS:
+        problems.append(("dispatcher.compare", f"must be one of {', '.join(DISPATCHERS)} or null, got {compare!r}"))
+    if recipe["dispatcher.backend"] not in HYBRID_EP_BACKENDS:
+        problems.append(("dispatcher.backend", f"must be one of {', '.join(HYBRID_EP_BACKENDS)}, "
+                                               f"got {recipe['dispatcher.backend']!r}"))
+    _positive(recipe, ["dispatcher.pad_multiple", "dispatcher.num_sms_dispatch", "dispatcher.num_sms_combine",
+                       "dispatcher.max_tokens_per_rank"], problems)
+    factor = recipe["dispatcher.static_size_factor"]
+    if factor is not None and not factor > 0:
+        problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
+
+
+def _balancer(recipe, problems):
+    b = "balancer."
+    if recipe[b + "interval"] < 0:
+        problems.append((b + "interval", f"must be >= 0 (0: off), got {recipe[b + 'interval']}"))
+    _positive(recipe, [b + "window", b + "slots_per_rank"], problems)
+    decay = recipe[b + "decay"]
+    if decay is not None and not 0.0 < decay < 1.0:
+        problems.append((b + "decay", f"must be in (0, 1) or null, got {decay}"))
+    if recipe[b + "min_gain"] < 0:
+        problems.append((b + "min_gain", f"must be >= 0, got {recipe[b + 'min_gain']}"))
+    slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
+    E = recipe["model.num_experts"]
+    if slots is not None and ep >= 1 and slots * ep < E:
+        problems.append((b + "slots_per_rank", f"{slots} slots x EP {ep} = {slots * ep} cannot hold "
+                                               f"model.num_experts {E}"))
+    if recipe[b + "interval"] > 0 and recipe["parallelism.distributed_optimizer"]:
+        problems.append((b + "interval", "the expert balancer does not support the distributed optimizer yet "
+                                         "(parallelism.distributed_optimizer=true); set one of them off "
+                                         "(docs/balancer.md, limits)"))
+    if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] != "hybrid_ep":
+        problems.append((b + "interval", "the expert balancer runs inside the hybrid_ep dispatcher; "
+                                         "set it to 0 with another dispatcher.type"))
+
+
+def _train(recipe, problems):
+    _positive(recipe, ["train.micro_batch_size", "train.global_batch_size", "train.steps",
+                       "train.log_interval"], problems)
+    if recipe["train.warmup_steps"] < 0:
+        problems.append(("train.warmup_steps", "must be >= 0"))
+    if recipe["train.recompute"] not in RECOMPUTE:
+        problems.append(("train.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {recipe['train.recompute']!r}"))
+    if recipe["train.recompute_modules"] and recipe["train.recompute"] != "selective":
+        problems.append(("train.recompute_modules", "only apply with train.recompute selective"))
+    if recipe["precision"] not in PRECISIONS:
+        problems.append(("precision", f"must be one of {', '.join(PRECISIONS)}, got {recipe['precision']!r}"))
+    if not recipe["data.mock"] and not recipe["data.path"]:
+        problems.append(("data.path", "is required when data.mock is false (a Megatron .bin/.idx prefix)"))
+
+
+def _bench(recipe, problems):
+    b = "bench."
+    counts = recipe[b + "node_counts"]
+    if not counts:
+        problems.append((b + "node_counts", "must list at least one node count"))
+    for n in counts:
+        if not 1 <= n <= recipe["cluster.nodes"]:
+            problems.append((b + "node_counts", f"{n} must be in [1, cluster.nodes = {recipe['cluster.nodes']}]"))
+        world = n * recipe["cluster.gpus_per_node"]
+        if world >= 1 and recipe[b + "experts"] % world:
+            problems.append((b + "experts", f"{recipe[b + 'experts']} is not divisible by {n} nodes x "
+                             f"{recipe['cluster.gpus_per_node']} GPUs = {world} ranks"))
+    _positive(recipe, [b + k for k in ("hidden", "tokens", "experts", "topk", "iters")], problems)
+    if recipe[b + "topk"] > recipe[b + "experts"]:
+        problems.append((b + "topk", f"{recipe[b + 'topk']} exceeds bench.experts {recipe[b + 'experts']}"))
+    if recipe[b + "dtype"] not in BENCH_DTYPES:
+        problems.append((b + "dtype", f"must be one of {', '.join(BENCH_DTYPES)}, got {recipe[b + 'dtype']!r}"))
+    if recipe[b + "dtype"] == "fp8" and recipe[b + "hidden"] % 128:
+        problems.append((b + "hidden", "must be a multiple of 128 with bench.dtype fp8"))
+
+
+def validate(recipe) -> None:
+    """Raise RecipeError listing every (field, rule) the recipe breaks."""
+    problems: list[tuple[str, str]] = []
+    _cluster(recipe, problems)
+    if recipe.kind == "benchmark":
+        _bench(recipe, problems)
+    else:
+        _model(recipe, problems)
+        if not problems:
+            _parallel(recipe, problems)
+        _dispatcher(recipe, problems)
+        _balancer(recipe, problems)
+        _train(recipe, problems)
+    if problems:
+        raise RecipeError(problems)

@@ -1,0 +1,212 @@
+"""Slurm recipes: every recipe renders to a script bash accepts, every pretraining recipe's
+argument list parses with Megatron-LM's own parser into a TransformerConfig, submission goes
+through `sbatch` (a fake one on PATH here), bad overrides fail naming the field, and the
+memory estimate (docs/slurm.md) gives the numbers quoted in the docs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_patches.slurm import cli, layout, memory, recipe as recipe_mod, render
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES_DIR = os.path.join(REPO, "recipes")
+ALL = sorted(d for d in os.listdir(RECIPES_DIR) if os.path.isfile(os.path.join(RECIPES_DIR, d, "recipe.yaml")))
+PRETRAIN = ["deepseek_v3", "deepseek_v3_proxy", "qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b",
+            "mixtral_8x22b", "tiny_moe"]
+
+
+def path_of(name: str) -> str:
+    return os.path.join(RECIPES_DIR, name)
+
+
+def test_the_recipe_set():
+    assert set(PRETRAIN) | {"bench_dispatch"} == set(ALL)
+    for name in ALL:
+        assert os.path.isfile(os.path.join(RECIPES_DIR, name, "README.md")), f"{name} has no README.md"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_recipe_renders_and_bash_accepts_it(name, tmp_path, capsys):
+    assert cli.main([path_of(name), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("#!/bin/bash\n") and "srun " in text
+    module = "hybrid_ep.bench" if name == "bench_dispatch" else "megatron_patches.pretrain_gpt"
+    assert f"-m {module}" in text
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text(text)
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_rendered_pretrain_script_sets_the_environment():
+    text = render.render(cli.load_checked(path_of("deepseek_v3"), []))
+    for needed in ("export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NVSHMEM_IB_ENABLE_IBGDA=1",
+                   "export HYBRID_EP_TIMEOUT_S=100", "#SBATCH --nodes=128", "#SBATCH --ntasks-per-node=8",
+                   "--moe-token-dispatcher-type hybrid_ep", "--expert-model-parallel-size 64",
+                   "--use-distributed-optimizer"):
+        assert needed in text, needed
+    proxy = render.render(cli.load_checked(path_of("deepseek_v3_proxy"), []))
+    for needed in ("--hybrid-ep-balancer-interval 100", "--hybrid-ep-balancer-slots-per-rank 17",
+                   "--expert-model-parallel-size 16", "--pipeline-model-parallel-size 2"):
+        assert needed in proxy, needed
+    assert "--use-distributed-optimizer" not in proxy
+    bench = render.render(cli.load_checked(path_of("bench_dispatch"), []))
+    for n in (1, 2, 4):
+        assert f"srun --nodes={n} " in bench and f'--out "$OUT_DIR/nodes{n}"' in bench
+    assert "--hidden 7168" in bench and "--experts 256" in bench and "--topk 8" in bench
+
+
+def test_container_fields_are_optional_and_rendered(capsys):
+    assert cli.main([path_of("tiny_moe"), "--set", "container.image=nvcr.io/nvidia/pytorch:25.04-py3",
+                     "--set", "container.mounts=[/data:/data,/ckpt:/ckpt]"]) == 0
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.04-py3 --container-mounts=/data:/data,/ckpt:/ckpt" \
+        in capsys.readouterr().out
+
+
+# Runs in a fresh interpreter: megatron_patches.apply() patches Megatron globally.
+PARSE_ALL = textwrap.dedent('''
+    import contextlib, io, json, sys
+    from megatron_patches.slurm import cli, layout, megatron_args, megatron_parse
+    out = {}
+    for path in sys.argv[1:]:
+        r = cli.load_checked(path, [])
+        notes = []
+        with contextlib.redirect_stdout(io.StringIO()):   # validate_args prints every argument
+            args, config = megatron_parse.parse(megatron_args.megatron_args(r), layout.layout_of(r).world,
+                                                gpu_type=r["cluster.gpu_type"], env=r["env"], notes=notes)
+        out[r.name] = {
+            "config": type(config).__name__, "layers": config.num_layers, "experts": config.num_moe_experts,
+            "topk": config.moe_router_topk, "dispatcher": config.moe_token_dispatcher_type,
+            "tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
+            "ep": config.expert_model_parallel_size, "dp": args.data_parallel_size,
+            "balancer_interval": args.hybrid_ep_balancer_interval, "pad_multiple": args.hybrid_ep_pad_multiple,
+            "mla": bool(config.multi_latent_attention), "notes": notes,
+        }
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_every_pretrain_recipe_parses_with_megatrons_parser():
+    """parse_args + validate_args + core_transformer_config_from_args on every recipe's list.
+
+    On this CPU machine megatron_parse answers validate_args' compute-capability question with
+    the recipe's GPU type and appends --no-rope-fusion when Transformer Engine is missing (both
+    documented there); nothing is allocated, so the 671B config builds in milliseconds.
+    """
+    pytest.importorskip("megatron.training.arguments")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", PARSE_ALL, *[path_of(n) for n in PRETRAIN]],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert sorted(got) == sorted(PRETRAIN)
+    for name in PRETRAIN:
+        r = recipe_mod.load(path_of(name))
+        lay = layout.layout_of(r)
+        g = got[name]
+        assert g["layers"] == r["model.num_layers"] and g["experts"] == r["model.num_experts"]
+        assert g["topk"] == r["model.moe_router_topk"] and g["dispatcher"] == "hybrid_ep"
+        assert (g["tp"], g["pp"], g["ep"], g["dp"]) == (lay.tp, lay.pp, lay.ep, lay.dp), name
+        assert g["balancer_interval"] == r["balancer.interval"] and g["pad_multiple"] == r["dispatcher.pad_multiple"]
+        assert g["mla"] == r["model.mla.enabled"]
+    assert got["deepseek_v3"]["config"] == "MLATransformerConfig"
+
+
+def test_alltoall_comparison_parses_too(capsys):
+    assert cli.main([path_of("qwen3_30b_a3b"), "--set", "dispatcher.type=alltoall", "--set", "balancer.interval=0"]) == 0
+    text = capsys.readouterr().out
+    assert "--moe-token-dispatcher-type alltoall" in text and "--hybrid-ep" not in text
+
+
+def test_submit_goes_through_sbatch(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    captured = tmp_path / "captured.sbatch"
+    fake = bin_dir / "sbatch"
+    fake.write_text(f'#!/bin/bash\ncp "$1" {captured}\necho "Submitted batch job 4242"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    script = tmp_path / "out" / "job.sbatch"
+    rc = cli.main([path_of("qwen3_235b_a22b"), "--submit", "--script", str(script), "--set", "train.steps=50"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Submitted batch job 4242" in out
+    expected = render.render(cli.load_checked(path_of("qwen3_235b_a22b"), ["train.steps=50"]))
+    assert captured.read_text() == expected == script.read_text()
+    assert "--train-iters 50" in expected
+
+
+def test_nodes_rescales_data_parallelism(capsys):
+    assert cli.main([path_of("deepseek_v3_proxy"), "--nodes", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "#SBATCH --nodes=8" in captured.out
+    assert "64 GPUs = TP 1 x PP 2 x CP 1 x DP 32" in captured.err
+    assert layout.layout_of(cli.load_checked(path_of("deepseek_v3_proxy"), [], nodes=8)).edp == 2
+
+
+INVALID = [
+    ("deepseek_v3", ["--set", "parallelism.ep=7"], "parallelism.ep", "not divisible by EP 7"),
+    ("deepseek_v3", ["--set", "parallelism.ep=128"], "parallelism.ep", "must divide world / PP"),
+    ("deepseek_v3", ["--set", "parallelism.tp=3"], "cluster.nodes", "TP x PP x CP"),
+    ("deepseek_v3", ["--nodes", "3"], "cluster.nodes", "not divisible by TP x PP x CP"),
+    ("deepseek_v3", ["--set", "parallelism.pp=8"], "parallelism.pp", "do not split"),
+    ("deepseek_v3", ["--set", "train.global_batch_size=1000"], "train.global_batch_size", "micro batch x DP"),
+    ("deepseek_v3", ["--set", "parallelism.etp=2"], "parallelism.etp", "hybrid_ep needs expert tensor parallelism 1"),
+    ("deepseek_v3", ["--set", "model.moe_router_topk=300"], "model.moe_router_topk", "exceeds"),
+    ("deepseek_v3", ["--set", "parallelism.tpp=2"], "parallelism.tpp", "unknown field"),
+    ("deepseek_v3", ["--set", "parallelism.ep=abc"], "parallelism.ep", "must be a int"),
+    ("deepseek_v3", ["--set", "cluster.gpu_type=K80"], "cluster.gpu_type", "must be one of"),
+    ("deepseek_v3", ["--set", "balancer.slots_per_rank=3"], "balancer.slots_per_rank", "cannot hold"),
+    ("deepseek_v3", ["--set", "balancer.decay=1.5"], "balancer.decay", "(0, 1)"),
+    ("deepseek_v3", ["--set", "balancer.interval=100"], "balancer.interval", "distributed optimizer"),
+    ("deepseek_v3", ["--set", "dispatcher.type=magic"], "dispatcher.type", "must be one of"),
+    ("deepseek_v3", ["--set", "data.mock=false"], "data.path", "is required"),
+    ("deepseek_v3", ["--set", "precision=fp4"], "precision", "must be one of"),
+    ("qwen3_235b_a22b", ["--set", "parallelism.sequence_parallel=false"], "parallelism.sequence_parallel", "needs"),
+    ("qwen3_235b_a22b", ["--set", "parallelism.vpp=5"], "parallelism.pp", "do not split"),
+    ("mixtral_8x7b", ["--set", "model.num_query_groups=5"], "model.num_query_groups", "must divide"),
+    ("bench_dispatch", ["--set", "bench.experts=100"], "bench.experts", "not divisible"),
+    ("bench_dispatch", ["--set", "bench.node_counts=[1,8]"], "bench.node_counts", "must be in"),
+    ("tiny_moe", ["--set", "train.recompute=sometimes"], "train.recompute", "must be one of"),
+]
+
+
+@pytest.mark.parametrize("name,args,field,rule", INVALID, ids=[f"{c[0]}:{c[2]}" for c in INVALID])
+def test_invalid_override_names_field_and_rule(name, args, field, rule, capsys):
+    assert cli.main([path_of(name), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {field}: " in err and rule in err, err
+
+
+def test_override_types():
+    r = recipe_mod.load(path_of("tiny_moe"), ["train.lr=1", "cluster.time=01:30:00", "env.NCCL_DEBUG=INFO",
+                                              "model.extra_args=[--foo, 3]", "parallelism.vpp=null"])
+    assert r["train.lr"] == 1.0 and isinstance(r["train.lr"], float)
+    assert r["cluster.time"] == "01:30:00" and r["env.NCCL_DEBUG"] == "INFO"
+    assert r["model.extra_args"] == ["--foo", "3"] and r["parallelism.vpp"] is None
+    with pytest.raises(recipe_mod.RecipeError, match="an override is key=value"):
+        recipe_mod.load(path_of("tiny_moe"), ["parallelism.ep"])
+
+
+def test_memory_estimates_of_the_large_recipes():
+    """The numbers quoted in docs/slurm.md (GiB per GPU, fullest stage)."""
+    ds = memory.estimate(recipe_mod.load(path_of("deepseek_v3")))
+    assert abs(ds.total_params_model / 1e9 - 671.0) < 1.0  # DeepSeek-V3 without the MTP module
+    assert ds.stage == 0 and round(ds.weights_gb, 1) == 5.7 and round(ds.states_gb, 1) == 19.7
+    assert round(ds.total_gb, 1) == 58.2 and not ds.over
+    qw = memory.estimate(recipe_mod.load(path_of("qwen3_235b_a22b")))
+    assert abs(qw.total_params_model / 1e9 - 235.1) < 0.5
+    assert round(qw.states_gb, 1) == 18.4 and round(qw.total_gb, 1) == 67.9 and not qw.over
+
+
+def test_memory_warning(capsys):
+    assert cli.main([path_of("deepseek_v3"), "--set", "train.recompute=none", "--set", "train.recompute_modules=[]"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: estimated" in err and "exceeds the 80 GiB of cluster.gpu_type H100" in err
