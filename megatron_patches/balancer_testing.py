@@ -177,11 +177,8 @@ def _checkpoint_round_trip(case, layer, opt, bal, directory, interval, slots_per
     model2, opt2 = _optimizer(fresh, optimizer, bf16, lr)
     state = torch.load(path, weights_only=False)
     fresh.load_state_dict(state["model"])
-    if optimizer == "megatron":
-        # Megatron's optimizer state_dict carries the fp32 master copies of a mixed-precision run.
-        opt2.load_state_dict(state["optimizer"])
-    else:
-        opt2.load_state_dict(state["optimizer"])
+    # (Megatron's optimizer state_dict also carries the fp32 master copies of a mixed-precision run.)
+    opt2.load_state_dict(state["optimizer"])
     bal2 = mbalancer.attach(fresh, opt2, writers=[])
     loaded_slots = slot_contents(fresh, bal2)
     max_diff = 0.0

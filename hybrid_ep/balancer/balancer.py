@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .migration import migrate_slots_, plan_transfers, sum_replica_grads_
+from .migration import migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
 from .state import OptimizerView, grad_tensors, movable_tensors, summed_grad
 from .stats import LoadStatistics
@@ -97,6 +97,7 @@ class ExpertBalancer:
         self.layer_numbers = layer_numbers or list(range(len(self.layers)))
         self.steps = 0
         self._rows_LS = None  # host mirror of the tables: reading them per step would sync
+        self._replicas = None  # replica-gradient layout of the placement in _rows_LS
         self.refresh_from_tables()
         self.last_summary: dict | None = None
         self.events: list[dict] = []
@@ -111,6 +112,7 @@ class ExpertBalancer:
         """Re-read the device tables (after something other than the balancer wrote them,
         e.g. a checkpoint load); one host read."""
         self._rows_LS = torch.stack([layer.table.slot_to_expert_S.detach().cpu() for layer in self.layers])
+        self._replicas = None
         if bool((self._rows_LS >= 0).all()):
             for i, layer in enumerate(self.layers):
                 layer.table.load_(self._rows_LS[i])
@@ -127,7 +129,8 @@ class ExpertBalancer:
         return [t for p in self.layers[layer].slot_params[local] for t in movable_tensors(p, self.view)]
 
     def _slot_grads(self, layer: int, local: int) -> list[torch.Tensor]:
-        return [summed_grad(p) for p in self.layers[layer].slot_params[local] if summed_grad(p) is not None]
+        grads = (summed_grad(p) for p in self.layers[layer].slot_params[local])
+        return [g for g in grads if g is not None]
 
     def apply_placement(self, new_LS: torch.Tensor, old_LS: torch.Tensor | None = None) -> dict:
         """Migrate slot contents from `old` (default: the tables) to `new`; update the tables."""
@@ -145,6 +148,7 @@ class ExpertBalancer:
         for i, layer in enumerate(self.layers):
             layer.table.load_(new_LS[i])
         self._rows_LS = new_LS.clone()
+        self._replicas = None
         self._mark_duplicates(new_LS)
         moved["slots_changed"] = len(transfers)
         return moved
@@ -185,8 +189,10 @@ class ExpertBalancer:
         """Sum replicas' gradients over their holders (one all_reduce per dtype, replicated experts only)."""
         if self.num_slots == self.num_experts:
             return 0
-        return sum_replica_grads_(self._rows_LS, self._slot_grads, rank=self.rank,
-                                  num_ranks=self.num_ranks, group=self.ep_group)
+        if self._replicas is None:
+            self._replicas = replica_layout(self._rows_LS, rank=self.rank, num_ranks=self.num_ranks)
+        return sum_replica_grads_(None, self._slot_grads, rank=self.rank, num_ranks=self.num_ranks,
+                                  group=self.ep_group, layout=self._replicas)
 
     def after_optimizer_step(self, iteration: int | None = None) -> dict | None:
         """Count a step; every `interval` steps reduce the statistics and maybe migrate."""

@@ -126,30 +126,46 @@ def migrate_slots_(slot_tensors, transfers: list[Transfer], *, rank: int, num_ra
     return {"local_copies": len(local), "sent": len(outgoing), "received": len(incoming)}
 
 
-def sum_replica_grads_(placement_LS: torch.Tensor, slot_grads, *, rank: int, num_ranks: int,
-                       group=None) -> int:
-    """Make every replica's gradient the sum over all replicas of its expert (in place).
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Which (layer, expert) rows a replica-gradient sum covers, and this rank's slots in each."""
 
-    slot_grads(layer, local_slot) -> list of gradient tensors (the ones the optimizer reads).
-    One all_reduce per dtype over the EP group, covering only replicated experts.
-    Returns the number of (layer, expert) pairs summed.
-    """
+    rows: tuple[tuple[int, int], ...]                          # replicated (layer, expert), same on all ranks
+    holders: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (row, ((layer, local slot), ...)) here
+
+
+def replica_layout(placement_LS: torch.Tensor, *, rank: int, num_ranks: int) -> ReplicaLayout:
+    """Computed once per placement (the balancer caches it), not per step."""
     placement_LS = torch.as_tensor(placement_LS).to("cpu", torch.int64)
     L, S = placement_LS.shape
     P = S // num_ranks
-    rows = []  # (layer, expert) of replicated experts, same order on every rank
+    rows = []
     for layer in range(L):
         counts = torch.bincount(placement_LS[layer].clamp(min=0))
         rows.extend((layer, int(e)) for e in torch.nonzero(counts > 1).flatten().tolist())
-    if not rows:
-        return 0
     index = {key: i for i, key in enumerate(rows)}
-    holders = {}  # row -> this rank's local slots holding it
+    holders: dict[int, list[tuple[int, int]]] = {}
     for layer in range(L):
         for j in range(P):
             e = int(placement_LS[layer, rank * P + j])
             if (layer, e) in index:
                 holders.setdefault(index[(layer, e)], []).append((layer, j))
+    return ReplicaLayout(tuple(rows), tuple((row, tuple(slots)) for row, slots in sorted(holders.items())))
+
+
+def sum_replica_grads_(placement_LS: torch.Tensor | None, slot_grads, *, rank: int, num_ranks: int,
+                       group=None, layout: ReplicaLayout | None = None) -> int:
+    """Make every replica's gradient the sum over all replicas of its expert (in place).
+
+    slot_grads(layer, local_slot) -> list of gradient tensors (the ones the optimizer reads).
+    One all_reduce per dtype over the EP group, covering only replicated experts. Pass the
+    placement, or its precomputed `layout`. Returns the number of (layer, expert) pairs summed.
+    """
+    if layout is None:
+        layout = replica_layout(placement_LS, rank=rank, num_ranks=num_ranks)
+    rows = layout.rows
+    if not rows:
+        return 0
     example = {}
     for layer, _ in rows:
         if layer not in example:
@@ -166,12 +182,12 @@ def sum_replica_grads_(placement_LS: torch.Tensor, slot_grads, *, rank: int, num
         for n in sizes:
             offsets.append(offsets[-1] + n)
         buf = torch.zeros(offsets[-1], dtype=dtype, device=device)
-        for row, slots in holders.items():
+        for row, slots in layout.holders:
             for layer, j in slots:
                 buf[offsets[row] : offsets[row + 1]] += _pack(slot_grads(layer, j), dtype, device)
         if num_ranks > 1:
             dist.all_reduce(buf, group=group)
-        for row, slots in holders.items():
+        for row, slots in layout.holders:
             for layer, j in slots:
                 _unpack_(buf[offsets[row] : offsets[row + 1]], slot_grads(layer, j))
     return len(rows)
