@@ -55,8 +55,9 @@ def _cuda_extension():
     """Return (ext_modules, cmdclass, reason it was skipped or None)."""
     if os.environ.get("HYBRID_EP_SKIP_CUDA_BUILD") == "1":
         return [], {}, "HYBRID_EP_SKIP_CUDA_BUILD=1"
-    sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
-    if not sources:
+    sources = sorted(glob.glob("csrc/kernels/*.cu") + glob.glob("csrc/transport/*.cpp")) + [
+        "csrc/bindings/cuda_module.cpp"]
+    if not all(os.path.exists(s) for s in sources):
         return [], {}, "csrc/ has no CUDA sources"
     _locate_cuda_home()
     try:

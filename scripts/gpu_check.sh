@@ -1,23 +1,149 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: build hybrid_ep._C (timed), run the GPU tests, then the emulated
-# benchmark at the seed configuration. Logs and results go to $OUT (default results/gpu-check).
-#   bash scripts/gpu_check.sh            # everything
-#   SKIP_BENCH=1 bash scripts/gpu_check.sh
+# GPU checks of the cuda backend on a single-GPU machine exactly as it is: its own python3
+# and the packages already installed, no network, no virtualenv, nothing installed. Each
+# stage is one command that ends well inside 10 minutes and writes its logs into RESULTS.
+#
+#   bash scripts/gpu_check.sh build    RESULTS   # hybrid_ep._C in place, sm_90a only
+#   bash scripts/gpu_check.sh test     RESULTS   # (a) build + every GPU test
+#   bash scripts/gpu_check.sh sanitize RESULTS [TOOL ...]   # (b) compute-sanitizer on small
+#                                                #     emulated cases (memcheck racecheck synccheck)
+#   bash scripts/gpu_check.sh bench    RESULTS   # (c) the emulated benchmark sweep
+#   bash scripts/gpu_check.sh ncu      RESULTS   # (d) ncu on dispatch and combine, seed shape
+#
+# Every stage builds the extension first unless hybrid_ep/_C*.so is newer than csrc/ and
+# setup.py. Environment: PYTHON (default python3), HYBRID_EP_CUDA_ARCHS (default 90a),
+# GPU_CHECK_BUDGET_S (seconds a stage's main command may run, default 480).
 set -uo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${OUT:-$repo/results/gpu-check}
-mkdir -p "$out"
-cd "$repo"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-start=$(date +%s)
-py=$(bash scripts/env.sh 2> "$out/build.log") || { tail -40 "$out/build.log"; exit 1; }
-echo "build + env: $(( $(date +%s) - start )) s" | tee "$out/build_time.txt"
-"$py" -c "import hybrid_ep._C" || exit 1
-"$py" -m pytest -m "gpu or multigpu" -rA --timeout=600 tests/test_cuda_emulation.py tests/test_reference_nccl.py \
-    > "$out/gpu_tests.log" 2>&1
-echo "gpu tests exit $?; $(tail -1 "$out/gpu_tests.log")"
-if [ -z "${SKIP_BENCH:-}" ]; then
-    "$py" -m hybrid_ep.bench --emulate 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 \
-        --sms 1 2 4 8 16 --out "$out/bench" > "$out/bench.log" 2>&1
-    echo "bench exit $?"; tail -15 "$out/bench.log"
+
+usage() {
+    sed -n '6,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+[ $# -ge 2 ] || usage
+stage=$1
+results=$2
+shift 2
+case "$stage" in
+    build|test|sanitize|bench|ncu) ;;
+    *) echo "gpu_check: unknown stage '$stage'" >&2; usage ;;
+esac
+if [ "$stage" != sanitize ] && [ $# -gt 0 ]; then
+    echo "gpu_check: stage $stage takes no further arguments, got: $*" >&2
+    usage
 fi
+mkdir -p "$results" || { echo "gpu_check: can not create the results folder $results" >&2; exit 2; }
+results=$(cd "$results" && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+
+py=${PYTHON:-python3}
+budget=${GPU_CHECK_BUDGET_S:-480}
+export PYTHONUNBUFFERED=1
+export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a}
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+
+say() { echo "gpu_check [$stage]: $*"; }
+
+facts_py='import sys, torch; ok = torch.cuda.is_available(); print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| device", torch.cuda.get_device_name(0) if ok else None)'
+
+machine_facts() {
+    {
+        echo "date: $(date -Iseconds)"
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+        "$py" -c "$facts_py" 2>&1
+        nvcc --version 2>&1 | tail -1
+    } > "$results/machine.txt"
+    say "$(head -3 "$results/machine.txt" | tr '\n' ' ')"
+}
+
+extension_is_fresh() {
+    local so
+    so=$(ls hybrid_ep/_C*.so 2>/dev/null | head -1)
+    [ -n "$so" ] || return 1
+    [ -z "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -1)" ]
+}
+
+build() {
+    if extension_is_fresh; then
+        say "hybrid_ep._C is newer than csrc/ and setup.py: not rebuilt"
+    else
+        local start=$SECONDS
+        say "building hybrid_ep._C in place for sm_${HYBRID_EP_CUDA_ARCHS//;/, sm_} (log: build.log)"
+        if ! "$py" setup.py build_ext --inplace > "$results/build.log" 2>&1; then
+            tail -30 "$results/build.log"
+            say "build failed"
+            exit 1
+        fi
+        say "built in $((SECONDS - start)) s"
+    fi
+    "$py" -c 'import hybrid_ep._C' || { say "hybrid_ep._C does not import"; exit 1; }
+}
+
+run_tests() {
+    say "GPU tests (log: gpu_tests.log)"
+    timeout --signal=INT "$budget" "$py" -m pytest -m "gpu or multigpu" -rA -p no:cacheprovider --timeout=300 \
+        --junitxml="$results/gpu_tests.xml" \
+        tests/test_cuda_emulation.py tests/test_reference_nccl.py tests/test_balancer_loop.py \
+        > "$results/gpu_tests.log" 2>&1
+    local rc=$?
+    say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"
+    return "$rc"
+}
+
+run_sanitizer() {
+    local tools=("$@")
+    [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck)
+    local per_tool=$((budget / ${#tools[@]})) worst=0 tool rc
+    : > "$results/sanitizer_summary.txt"
+    for tool in "${tools[@]}"; do
+        case "$tool" in memcheck|racecheck|synccheck|initcheck) ;;
+            *) echo "gpu_check: unknown compute-sanitizer tool '$tool'" >&2; exit 2 ;; esac
+        say "compute-sanitizer --tool $tool (log: sanitizer_$tool.log, at most $per_tool s)"
+        HYBRID_EP_TIMEOUT_S=60 timeout --signal=INT "$per_tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            --print-limit 50 "$py" -m hybrid_ep.testing.emulated_check --preset small --calls 1 \
+            > "$results/sanitizer_$tool.log" 2>&1
+        rc=$?
+        echo "$tool: exit $rc; $(grep -h 'ERROR SUMMARY' "$results/sanitizer_$tool.log" | tail -1)" \
+            | tee -a "$results/sanitizer_summary.txt"
+        [ "$rc" -gt "$worst" ] && worst=$rc
+    done
+    return "$worst"
+}
+
+run_bench() {
+    say "emulated benchmark: W=2 and W=8, 1 2 4 SMs per rank (log: bench.log, results: bench/)"
+    timeout --signal=INT "$budget" "$py" -m hybrid_ep.bench --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \
+        --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench" > "$results/bench.log" 2>&1
+    local rc=$?
+    tail -20 "$results/bench.log"
+    return "$rc"
+}
+
+run_ncu() {
+    # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
+    # first call's three and profile the second call's dispatch and combine.
+    say "ncu on dispatch_kernel and combine_kernel, W=8 H=8192 T=4096 K=8 E=16 bf16 (log: ncu.log)"
+    timeout --signal=INT "$budget" ncu --target-processes all --kernel-name "regex:dispatch_kernel|combine_kernel" \
+        --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
+        --export "$results/ncu" --force-overwrite \
+        "$py" -m hybrid_ep.testing.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
+        --calls 2 --no-check > "$results/ncu.log" 2>&1
+    local rc=$?
+    if [ -f "$results/ncu.ncu-rep" ]; then
+        ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1
+        ncu --import "$results/ncu.ncu-rep" --page details --csv > "$results/ncu_details.csv" 2>&1
+    fi
+    tail -5 "$results/ncu.log"
+    return "$rc"
+}
+
+machine_facts
+build
+case "$stage" in
+    build) exit 0 ;;
+    test) run_tests ;;
+    sanitize) run_sanitizer "$@" ;;
+    bench) run_bench ;;
+    ncu) run_ncu ;;
+esac

@@ -30,20 +30,35 @@ def test_index_select_baseline_moves_the_oracle_rows():
 
 
 def test_table_and_plot(tmp_path):
+    runs = [{"world_size": w, "sms_per_rank": s, "total_sms": w * s, "dispatch_ms": 1.0 / s,
+             "dispatch_dest_gbps_per_sm": 60.0 - w, "dispatch_copy_fraction": 0.1 * s, "combine_ms": 2.0 / s,
+             "combine_dest_gbps_per_sm": 50.0 - w, "combine_copy_fraction": 0.05 * s}
+            for w in (2, 8) for s in (1, 2, 4)]
     doc = {
-        "date": "2026-11-21", "device": "GPU", "copy_gbps": 3000.0,
-        "config": {"world_size": 8, "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
+        "date": "2026-11-21", "device": "GPU", "device_sms": 132, "copy_gbps": 3000.0,
+        "config": {"world_sizes": [2, 8], "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
                    "dtype": "bf16", "routing": "uniform"},
-        "runs": [{"sms_per_rank": s, "dispatch_ms": 1.0 / s, "dispatch_dest_gbps_per_sm": 60.0,
-                  "dispatch_copy_fraction": 0.1 * s, "combine_ms": 2.0 / s, "combine_dest_gbps_per_sm": 50.0,
-                  "combine_copy_fraction": 0.05 * s} for s in (1, 2, 4)],
-        "index_select_index_add": {"dispatch_ms": 0.5, "combine_ms": 0.7},
-        "host_time": {"one rank": {"ranks": 1, "median_us": 21.5}},
+        "runs": runs,
+        "index_select_index_add": [{"world_size": 2, "dispatch_ms": 0.5, "combine_ms": 0.7},
+                                   {"world_size": 8, "dispatch_ms": 1.5, "combine_ms": 1.7}],
+        "host_time": {"W=2": {"ranks": 2, "median_us": 21.5}, "W=8": {"ranks": 8, "median_us": 40.25}},
     }
     table = emulated.format_table(doc)
-    assert "8 virtual ranks" in table and "   4 " in table and "21.5 us" in table
+    lines = table.splitlines()
+    assert "W = 2, 8 virtual ranks" in lines[0] and "132 SMs" in lines[0]
+    # one row per (W, SMs): W=8 with 4 SMs per rank is 32 SMs in all
+    assert any(line.split()[:3] == ["8", "4", "32"] for line in lines)
+    assert "W=8: dispatch 1.500 ms" in table and "21.5 us" in table and "40.2 us" in table
     emulated._plot(doc, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_emulate_takes_several_world_sizes_and_skips_the_reference_by_default():
+    from hybrid_ep.bench.cli import build_parser
+
+    args = build_parser().parse_args(["--emulate", "2", "8", "--sms", "1", "2", "4"])
+    assert args.emulate == [2, 8]
+    assert args.reference_iters == 0
 
 
 def test_emulate_without_a_gpu_exits_with_a_message(capsys, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
+from hybrid_ep.testing.emulated import buffer_key, check_emulated, emulated_group_for, on_device
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
@@ -24,48 +25,17 @@ _groups: dict = {}
 
 def group_for(case: Case):
     """One emulated group per buffer shape; the previous one is freed first (memory)."""
-    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-
-    key = (case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts, case.pad_multiple,
-           case.min_rows_per_expert)
+    key = buffer_key(case)
     if key not in _groups:
         for g in _groups.values():
             g.close()
         _groups.clear()
-        _groups[key] = EmulatedGroup(case.world_size, case.hidden, key[2], case.num_experts,
-                                     pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert)
+        _groups[key] = emulated_group_for(case, "cuda")
     return _groups[key]
 
 
 def run_and_check(case: Case, num_sms: int | None = None):
-    group = group_for(case)
-    cfg = group.config
-    inputs = make_rank_inputs(case)
-    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
-                          [i["topk_weights"] for i in inputs],
-                          [i["scales"] for i in inputs] if case.dtype == FP8_DTYPE else None, case.num_out_tokens)
-    dev = group.device
-    xs = [i["x"].to(dev) for i in inputs]
-    res = group.dispatch(xs, [i["topk_idx"].to(dev) for i in inputs], [i["topk_weights"].to(dev) for i in inputs],
-                         scales=[None if i["scales"] is None else i["scales"].to(dev) for i in inputs],
-                         num_out_tokens=case.num_out_tokens, num_sms=num_sms)
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
-                   for r in run.ranks]
-    ys = group.combine([e.to(dev) for e in expert_outs], [r.handle for r in res], apply_probs=case.apply_probs,
-                       num_sms=num_sms)
-    again = group.redispatch(xs, [r.handle for r in res])
-    group.synchronize()
-    want_y, magnitude = combine_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs)
-    for r in range(case.world_size):
-        where = f"{case} rank {r}"
-        got = {"tokens": res[r].tokens, "scales": res[r].scales, "probs": res[r].probs,
-               "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
-        assert_dispatch_matches(got, run.ranks[r], where)
-        assert int(res[r].handle.num_needed_rows) == run.ranks[r].num_needed_rows, where
-        assert torch.equal(again[r].view(torch.uint8), res[r].tokens.view(torch.uint8)), f"{where}: reuse"
-        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
-    return run
+    return check_emulated(group_for(case), case, num_sms=num_sms)
 
 
 def _case(W, **kw):
@@ -112,10 +82,51 @@ def test_sm_count_per_call_gives_identical_results(num_sms):
     run_and_check(_case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129)), num_sms=num_sms)
 
 
-def test_back_to_back_calls_without_barriers():
-    """Monotonic flags: many calls in a row, different routings, no reset in between."""
-    for seed in range(6):
-        run_and_check(_case(4, topk=8, num_experts=16, tokens=(100 + seed, 17, seed, 3), seed=seed))
+def test_back_to_back_calls_on_one_buffer():
+    """Monotonic flags: 24 calls in a row on one buffer, other routings and token counts each
+    time (never above the buffer's max tokens), no reset in between."""
+    first = _case(4, topk=8, num_experts=16, tokens=(128, 17, 0, 3))
+    group = group_for(first)
+    for seed in range(24):
+        case = _case(4, topk=8, num_experts=16, seed=seed,
+                     tokens=(128, (17 * seed) % 129, seed % 5, 128 - seed))
+        assert buffer_key(case) == buffer_key(first)
+        check_emulated(group, case)
+        assert group_for(case) is group
+
+
+def test_fp8_redispatch_needs_scales():
+    case = _case(2, hidden=256, dtype=FP8_DTYPE, tokens=(9, 4))
+    group = group_for(case)
+    res = check_emulated(group, case)
+    inputs = make_rank_inputs(case)
+    xs = [i["x"].to(group.device) for i in inputs]
+    with pytest.raises(ValueError, match="scales"):
+        group.redispatch(xs, [r.handle for r in res])
+
+
+def test_combine_of_a_misaligned_view():
+    """expert_out starting 2 bytes past a 16-byte boundary: copied to an aligned buffer."""
+    case = _case(2, tokens=(17, 5))
+    group = group_for(case)
+    inputs = make_rank_inputs(case)
+    dev = group.device
+    xs, idx, weights, _ = on_device(inputs, dev)
+    res = group.dispatch(xs, idx, weights)
+    outs = []
+    for r in res:
+        R, H = r.tokens.shape
+        backing = torch.randn(R * H + 1, device=dev).to(torch.bfloat16)
+        view = backing[1:].view(R, H)
+        assert view.data_ptr() % 16 != 0
+        outs.append(view)
+    ys = group.combine(outs, [r.handle for r in res])
+    group.synchronize()
+    run = dispatch_oracle(group.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs])
+    want_y, magnitude = combine_oracle(group.config, run, [o.cpu() for o in outs], [i["topk_idx"] for i in inputs])
+    for r in range(2):
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, f"rank {r}")
 
 
 def test_autograd_through_dispatch_and_combine():
@@ -154,10 +165,7 @@ def test_cuda_graph_replays_with_new_routings():
     group = group_for(case)
     cfg = group.config
     dev = group.device
-    first = make_rank_inputs(case)
-    static_x = [i["x"].to(dev) for i in first]
-    static_idx = [i["topk_idx"].to(dev) for i in first]
-    static_w = [i["topk_weights"].to(dev) for i in first]
+    static_x, static_idx, static_w, _ = on_device(make_rank_inputs(case), dev)
 
     def step():
         res = group.dispatch(static_x, static_idx, static_w, num_out_tokens=case.num_out_tokens)
@@ -202,7 +210,8 @@ def test_missing_rank_times_out_with_rank_peer_and_phase(monkeypatch):
         xs = [torch.randn(16, 256, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
         idx = [torch.randint(0, 8, (16, 1), generator=gen).cuda() for _ in range(4)]
         group.dispatch(xs, idx, num_out_tokens=64, absent={3})
-        with pytest.raises(RuntimeError, match=r"rank \d gave up .* waiting for peer rank 3 in dispatch"):
+        with pytest.raises(RuntimeError, match=r"rank [012] gave up .* waiting for peer rank 3 in dispatch "
+                                               r"count exchange \(call 1,"):
             group.synchronize()
         with pytest.raises(RuntimeError, match="can not be used after this error"):
             group.dispatch(xs, idx, num_out_tokens=64)

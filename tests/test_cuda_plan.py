@@ -209,3 +209,42 @@ def test_kernel_layout_arithmetic_matches_the_oracle(W, E, K, tokens, pad, mn, d
         start, _, rows = layouts[d]
         assert torch.equal(rows, run.ranks[d].tokens_per_expert)
         assert int(rows.sum()) == run.ranks[d].num_needed_rows
+
+
+class _FabricExt:
+    """Stands in for hybrid_ep._C's fabric probe."""
+
+    def __init__(self, answer: str):
+        self.answer, self.probes = answer, 0
+
+    def fabric_probe(self, device: int) -> str:
+        self.probes += 1
+        return self.answer
+
+
+def test_fabric_handles_only_after_a_successful_probe(single_rank_group, monkeypatch, caplog):
+    from hybrid_ep.backends.cuda import registered
+
+    refused = "cuMemCreate (fabric) failed (CUresult 800): no IMEX channel is open to this process"
+    monkeypatch.setattr(registered, "_logged_choices", set())
+    caplog.set_level("INFO", logger="hybrid_ep")
+    monkeypatch.delenv("HYBRID_EP_HANDLE", raising=False)
+    ext = _FabricExt(refused)
+    assert registered._handle_kind(ext, single_rank_group, 0) == registered.IPC
+    assert registered._handle_kind(ext, single_rank_group, 0) == registered.IPC
+    assert ext.probes == 2
+    choices = [r.getMessage() for r in caplog.records if "registered buffers use" in r.getMessage()]
+    assert choices == [f"hybrid_ep: registered buffers use CUDA IPC handles (fabric handles unavailable on rank 0: "
+                       f"{refused})"], "the choice is logged once"
+    assert registered._handle_kind(_FabricExt(""), single_rank_group, 0) == registered.FABRIC
+
+    monkeypatch.setenv("HYBRID_EP_HANDLE", "fabric")
+    with pytest.raises(RuntimeError, match="HYBRID_EP_HANDLE=fabric, but fabric handles do not work on rank 0: "
+                                           "cuMemCreate"):
+        registered._handle_kind(_FabricExt(refused), single_rank_group, 0)
+    monkeypatch.setenv("HYBRID_EP_HANDLE", "ipc")
+    never = _FabricExt("")
+    assert registered._handle_kind(never, single_rank_group, 0) == registered.IPC and never.probes == 0
+    monkeypatch.setenv("HYBRID_EP_HANDLE", "nvlink")
+    with pytest.raises(ValueError, match="HYBRID_EP_HANDLE must be auto, ipc or fabric"):
+        registered._handle_kind(never, single_rank_group, 0)

@@ -2,14 +2,16 @@
 //
 // Flags are monotonic: epochs and row counters only grow, so consecutive calls need no
 // reset and no extra barrier. Every wait polls the launch's abort flag and the global timer;
-// the first wait that runs out of time records rank, peer and phase in the host-visible
-// ErrorRecord and raises the abort flag so every other wait of every rank returns too.
+// the first wait that runs out of time records rank, peer, phase and call in the
+// host-visible ErrorRecord and raises the abort flag so every other wait of every rank
+// returns too.
 #pragma once
 #include "common/params.h"
-#include "common/ptx.cuh"
+#include "device/device.cuh"
 
 namespace hybrid_ep {
 
+constexpr int kNoPeer = -1;  // ErrorRecord.peer of a wait that depends on no other rank
 
 struct RankView {
   const Geometry& geo;
@@ -41,7 +43,13 @@ __device__ __forceinline__ RankView rank_view(const Geometry& geo, const RankArg
 }
 
 __device__ __forceinline__ bool aborted(const LaunchArgs& args) {
-  return ptx::ld_volatile(reinterpret_cast<const int*>(args.abort_flag)) != 0;
+  return dev::ld_volatile(reinterpret_cast<const int*>(args.abort_flag)) != 0;
+}
+
+// The same answer in every lane of the warp: lane 0's. Decisions that lead to a warp
+// collective or a barrier must be warp-uniform.
+__device__ __forceinline__ bool warp_uniform(bool value) {
+  return __shfl_sync(0xffffffffu, static_cast<int>(value), 0) != 0;
 }
 
 __device__ inline void record_error(const LaunchArgs& args, int phase, int rank, int peer, uint64_t epoch,
@@ -65,11 +73,11 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
                                      int rank, int peer, uint64_t epoch) {
   uint64_t start = 0;
   for (uint32_t spin = 0;; ++spin) {
-    uint64_t v = ptx::ld_acquire_sys(flag);
+    uint64_t v = dev::ld_acquire_sys(flag);
     if (v >= target) return true;
     if ((spin & 63) == 0) {
       if (aborted(args)) return false;
-      uint64_t now = ptx::global_timer_ns();
+      uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
       if (now - start > args.timeout_ns) {
         record_error(args, phase, rank, peer, epoch, target, v);
@@ -79,18 +87,37 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
   }
 }
 
-// Spin on an mbarrier phase with the same bound.
-__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank) {
+// Spin on an mbarrier phase with the same bound. A stage that never completes depends on
+// no peer (its bytes come from this rank's own memory), so the record names none.
+__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
   uint64_t start = 0;
   for (uint32_t spin = 0;; ++spin) {
-    if (ptx::mbar_try_wait(bar, parity)) return true;
+    if (dev::mbar_try_wait(bar, parity)) return true;
     if ((spin & 63) == 0) {
       if (aborted(args)) return false;
-      uint64_t now = ptx::global_timer_ns();
+      uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
       if (now - start > args.timeout_ns) {
-        record_error(args, kPhasePipeline, rank, rank, 0, parity, 0);
+        record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
         return false;
+      }
+    }
+  }
+}
+
+// Wait for a phase even after an abort: bulk loads that were issued still land in this
+// block's shared memory, so the block may not exit before they did. Bounded by the timeout
+// all the same (a load that never completes is a hardware fault, not a peer's).
+__device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
+  uint64_t start = 0;
+  for (uint32_t spin = 0;; ++spin) {
+    if (dev::mbar_try_wait(bar, parity)) return;
+    if ((spin & 63) == 0) {
+      uint64_t now = dev::global_timer_ns();
+      if (start == 0) start = now;
+      if (now - start > args.timeout_ns) {
+        record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
+        return;
       }
     }
   }

@@ -6,10 +6,6 @@
 // One partial per (token, destination rank) crosses NVLink, as in dispatch.
 // Phase 2 (on the source): once every expert host has signalled its rows, each token's
 // partials are summed in fp32 and cast once to the output dtype.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include "common/state.cuh"
 #include "kernels/launch.h"
 
@@ -68,6 +64,11 @@ struct Vec<__half> : Vec16Half<__half2, HalfConv> {};
 // A partial written by a peer in this call: read around L1.
 __device__ __forceinline__ float4 ld_partial(const float* p) { return __ldcv(reinterpret_cast<const float4*>(p)); }
 
+struct CombineShared {
+  uint32_t rows_for[kMaxRanks];  // partial rows this block pushed to each source
+  int abort;
+};
+
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
   using V = Vec<Elem>;
@@ -92,19 +93,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   auto* y = reinterpret_cast<uint8_t*>(a.y);
   LocalState* st = view.state();
 
-  __shared__ uint32_t rows_for[kMaxRanks];
-  __shared__ int s_abort;
+  CombineShared& sh = dev::block_shared<CombineShared>();
+  uint32_t* rows_for = sh.rows_for;
   const uint64_t epoch = st->combine_epoch + 1;
-  if (tid == 0) s_abort = 0;
+  if (tid == 0) sh.abort = 0;
   for (int s = tid; s < kMaxRanks; s += blockDim.x) rows_for[s] = 0;
   __syncthreads();
 
   // Flow control: the source must have read the partials of the previous combine.
   if (tid < W && !wait_at_least(args, view.flag(tid, reg.done_combine, 0), epoch - 1, kPhaseCombineFlow, a.rank,
                                 tid, epoch))
-    s_abort = 1;
+    sh.abort = 1;
   __syncthreads();
-  if (s_abort) return;
+  if (sh.abort) return;
 
   // ---- phase 1: reduce local expert rows, push one fp32 partial per received row --------
   const int64_t num_recv = info[il.num_recv];
@@ -140,20 +141,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     }
     if (lane == 0) atomicAdd(&rows_for[s], 1u);
   }
-  __threadfence_system();
-  __syncthreads();
+  __syncthreads();  // every partial written before the releases below (they are cumulative)
   for (int d = tid; d < W; d += blockDim.x)
-    if (rows_for[d] > 0) ptx::red_add_release_sys(view.flag(d, reg.combine_signal, a.rank), rows_for[d]);
+    if (rows_for[d] > 0) {
+      __threadfence_system();
+      dev::red_add_release_sys(view.flag(d, reg.combine_signal, a.rank), rows_for[d]);
+    }
 
   // ---- phase 2: sum the partials of each of this rank's tokens ---------------------------
   if (tid < W) {
     const uint64_t target = st->rx_combine[tid] + static_cast<uint64_t>(info[il.send_count + tid]);
     if (!wait_at_least(args, view.flag(a.rank, reg.combine_signal, tid), target, kPhaseCombineRows, a.rank, tid,
                        epoch))
-      s_abort = 1;
+      sh.abort = 1;
   }
   __syncthreads();
-  if (s_abort) return;
+  if (sh.abort) return;
 
   const auto* partials = reinterpret_cast<const float*>(view.own() + reg.comb_rows);
   const int64_t comb_floats = static_cast<int64_t>(reg.comb_stride / sizeof(float));
@@ -176,9 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     }
   }
   __syncthreads();
-  if (aborted(args)) return;
 
-  if (tid == 0) {
+  if (tid == 0 && !aborted(args)) {
     __threadfence();
     const uint32_t prev = atomicAdd(&st->blocks_done_combine, 1u);
     if (prev == static_cast<uint32_t>(nb - 1)) {
@@ -186,33 +188,27 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
       for (int d = 0; d < W; ++d) st->rx_combine[d] += static_cast<uint64_t>(info[il.send_count + d]);
       st->combine_epoch = epoch;
       __threadfence_system();
-      ptx::st_release_sys(view.flag(a.rank, reg.done_combine, 0), epoch);
+      dev::st_release_sys(view.flag(a.rank, reg.done_combine, 0), epoch);
     }
   }
 }
 
 template <typename T>
-cudaError_t launch_typed(const LaunchArgs& args, cudaStream_t stream) {
-  void* params[] = {const_cast<LaunchArgs*>(&args)};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(combine_kernel<T>),
-                                     dim3(args.num_ranks * args.blocks_per_rank), dim3(kThreads), params, 0, stream);
+LaunchStatus launch_typed(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(combine_kernel<T>, args.num_ranks * args.blocks_per_rank, kThreads, 0, stream, args);
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const LaunchArgs& args, cudaStream_t stream) {
+LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream) {
   switch (args.dtype) {
     case kFloat32: return launch_typed<float>(args, stream);
     case kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
     case kFloat16: return launch_typed<__half>(args, stream);
-    default: return cudaErrorInvalidValue;
+    default: return "combine: unsupported dtype code";
   }
 }
 
-int combine_max_blocks_per_sm() {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<__nv_bfloat16>, kThreads, 0);
-  return n;
-}
+int combine_max_blocks_per_sm() { return dev::max_active_blocks(combine_kernel<__nv_bfloat16>, kThreads, 0); }
 
 }  // namespace hybrid_ep

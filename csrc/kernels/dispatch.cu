@@ -13,8 +13,10 @@
 // entries, computes its expert-major output rows and bulk-stores the row to each of them.
 // The other warps write the zero padding rows meanwhile. The last block to finish records
 // what was consumed and publishes done_dispatch, which lets peers reuse the buffers.
-#include <cuda_runtime.h>
-
+//
+// Aborts (a wait that gave up) are decided per warp from lane 0's answer, so every lane of
+// a warp leaves a loop together; the producer lane waits for every bulk load it issued
+// before the block exits, and the consumer lane for every bulk store.
 #include "common/state.cuh"
 #include "kernels/fifo.cuh"
 #include "kernels/launch.h"
@@ -27,14 +29,8 @@ __device__ __forceinline__ int elem_bytes(int dtype) {
 }
 
 __device__ __forceinline__ MetaEntry load_entry(const MetaEntry* p) {
-  // Written by a peer: bypass L1 so a previous call's entry is never seen.
-  MetaEntry e;
-  int prob_bits;
-  asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(e.local_expert), "=r"(e.ordinal), "=r"(prob_bits), "=r"(e.pad)
-               : "l"(p));
-  e.prob = __int_as_float(prob_bits);
-  return e;
+  const int4 v = dev::ld_volatile_v4(p);
+  return MetaEntry{v.x, v.y, __int_as_float(v.z), v.w};
 }
 
 __device__ __forceinline__ void store_entry(MetaEntry* p, int j, int ordinal, float prob) {
@@ -47,12 +43,12 @@ __device__ __forceinline__ bool has_destination(const int32_t* send_slot, int t,
   return false;
 }
 
-struct Shared {
+struct DispatchShared {
   uint64_t full[kMaxStages];
   uint64_t empty[kMaxStages];
   uint32_t chunk_rows[kMaxRanks];
   int32_t positions[kMaxTopK];
-  int abort;
+  volatile int abort;
 };
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ LaunchArgs args) {
@@ -78,24 +74,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const auto* x = reinterpret_cast<const uint8_t*>(a.x);
   const auto* x_scales = reinterpret_cast<const float*>(a.x_scales);
 
-  extern __shared__ __align__(128) uint8_t fifo_data[];
-  __shared__ Shared sh;
-  const Fifo fifo{fifo_data, sh.full, sh.empty, args.fifo_stages, args.stage_bytes};
+  DispatchShared& sh = dev::block_shared<DispatchShared>();
   const uint64_t epoch = view.state()->dispatch_epoch;
+  const Fifo fifo{dev::dynamic_smem<uint8_t>(), sh.full, sh.empty, args.fifo_stages, args.stage_bytes, a.rank, epoch};
 
   if (tid == 0) {
     for (int s = 0; s < args.fifo_stages; ++s) {
-      ptx::mbar_init(&sh.full[s], 1);
-      ptx::mbar_init(&sh.empty[s], 1);
+      dev::mbar_init(&sh.full[s], 1);
+      dev::mbar_init(&sh.empty[s], 1);
     }
-    ptx::mbar_fence_init();
+    dev::mbar_fence_init();
     sh.abort = aborted(args) ? 1 : 0;
   }
   for (int d = tid; d < kMaxRanks; d += blockDim.x) sh.chunk_rows[d] = 0;
   __syncthreads();
   if (sh.abort) return;
 
-  uint32_t item = 0;  // FIFO position; advanced identically by warp 0 lane 0 and warp 1
+  uint32_t item = 0;     // FIFO position; advanced identically by the producer and the consumer lane
+  uint32_t drained = 0;  // producer: loads up to here are known to have landed
 
   // ---- phase 1: one row per (token, destination rank) -----------------------------------
   const int chunk = args.chunk_tokens;
@@ -123,26 +119,27 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         for (int s = 0; s < scale_cols; ++s) dst[s] = x_scales[static_cast<int64_t>(t) * scale_cols + s];
       }
     }
-    __threadfence_system();
-    __syncthreads();
+    __syncthreads();  // entries written by every thread before warp 1 signals them (its release is cumulative)
 
     if (warp == 0 && lane == 0) {
       for (int t = t0; t < t1 && !sh.abort; ++t) {
         if (!has_destination(send_slot, t, W)) continue;
         for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
           const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-          if (!fifo.produce(args, a.rank, item, x + static_cast<int64_t>(t) * row_bytes + sg * seg_bytes, bytes)) {
+          if (!fifo.produce(args, item, x + static_cast<int64_t>(t) * row_bytes + sg * seg_bytes, bytes)) {
             sh.abort = 1;
             break;
           }
         }
       }
+      fifo.drain(args, drained, item);
+      drained = item;
     } else if (warp == 1 && lane == 0) {
       for (int t = t0; t < t1 && !sh.abort; ++t) {
         if (!has_destination(send_slot, t, W)) continue;
         for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
           const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-          if (!fifo.wait_full(args, a.rank, item)) {
+          if (!fifo.wait_full(args, item)) {
             sh.abort = 1;
             break;
           }
@@ -151,20 +148,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
             if (slot < 0) continue;
             uint8_t* dst = view.base(d) + reg.recv_rows +
                            (static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes;
-            ptx::bulk_s2g(dst, fifo.slot(item), bytes);
+            dev::bulk_s2g(dst, fifo.slot(item), bytes);
           }
           fifo.release(item);
         }
       }
-      ptx::bulk_wait_all();
-      __threadfence_system();
-      if (!sh.abort)
+      dev::bulk_wait_all();
+      if (!sh.abort) {
+        dev::fence_proxy_async();  // the bulk writes above, before the generic release below
+        __threadfence_system();
         for (int d = 0; d < W; ++d)
-          if (sh.chunk_rows[d] > 0)
-            ptx::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d]);
+          if (sh.chunk_rows[d] > 0) dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d]);
+      }
+      for (int d = 0; d < W; ++d) sh.chunk_rows[d] = 0;
     }
-    __syncthreads();
-    for (int d = tid; d < W; d += blockDim.x) sh.chunk_rows[d] = 0;
     __syncthreads();
     if (sh.abort) return;
   }
@@ -204,28 +201,32 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   } else {
     int s = -1;
     int64_t s_end = 0;
-    for (int64_t v = b; v < num_recv && !sh.abort; v += nb) {
+    for (int64_t v = b; v < num_recv; v += nb) {
+      bool ok = true;
       while (v >= s_end && s + 1 < W) {  // next source with rows; wait until all arrived
         ++s;
         s_end = info[il.recv_offset + s] + info[il.recv_count + s];
         if (v < s_end && lane == 0) {
           const uint64_t target = st->rx_dispatch[s] + static_cast<uint64_t>(info[il.recv_count + s]);
-          if (!wait_at_least(args, view.flag(a.rank, reg.dispatch_signal, s), target, kPhaseDispatchRows, a.rank, s,
-                             epoch))
-            sh.abort = 1;
+          ok = wait_at_least(args, view.flag(a.rank, reg.dispatch_signal, s), target, kPhaseDispatchRows, a.rank, s,
+                             epoch);
+          if (ok) dev::fence_proxy_async();  // the peer's rows are read by bulk loads below
         }
       }
-      if (warp == 1) __syncwarp();
-      if (sh.abort) break;
+      if (!warp_uniform(ok)) {
+        sh.abort = 1;
+        break;
+      }
       const int64_t i = v - info[il.recv_offset + s];
       const int64_t row = static_cast<int64_t>(s) * Tmax + i;
+      bool stop = false;
       if (warp == 0) {
         if (lane == 0) {
           for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
             const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
             const uint8_t* src = view.own() + reg.recv_rows + row * reg.row_stride + sg * seg_bytes;
-            if (!fifo.produce(args, a.rank, item, src, bytes)) {
-              sh.abort = 1;
+            if (!fifo.produce(args, item, src, bytes)) {
+              stop = true;
               break;
             }
           }
@@ -259,33 +260,38 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         if (lane == 0) {
           for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
             const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-            if (!fifo.wait_full(args, a.rank, item)) {
-              sh.abort = 1;
+            if (!fifo.wait_full(args, item)) {
+              stop = true;
               break;
             }
             for (int q = 0; q < kd; ++q) {
               const int p = sh.positions[q];
-              if (p >= 0) ptx::bulk_s2g(out + static_cast<int64_t>(p) * row_bytes + sg * seg_bytes, fifo.slot(item), bytes);
+              if (p >= 0) dev::bulk_s2g(out + static_cast<int64_t>(p) * row_bytes + sg * seg_bytes, fifo.slot(item), bytes);
             }
             fifo.release(item);
           }
         }
-        __syncwarp();
+      }
+      // Also the warp's barrier before sh.positions is rewritten for the next row.
+      if (warp_uniform(stop)) {
+        sh.abort = 1;
+        break;
       }
     }
-    if (warp == 1 && lane == 0) ptx::bulk_wait_all();
+    if (warp == 0 && lane == 0) fifo.drain(args, drained, item);
+    if (warp == 1 && lane == 0) dev::bulk_wait_all();
   }
   __syncthreads();
-  if (sh.abort || aborted(args)) return;
+  if (sh.abort) return;
 
-  if (tid == 0) {
+  if (tid == 0 && !aborted(args)) {
     __threadfence();
     const uint32_t prev = atomicAdd(&st->blocks_done_dispatch, 1u);
     if (prev == static_cast<uint32_t>(nb - 1)) {
       st->blocks_done_dispatch = 0;
       for (int s = 0; s < W; ++s) st->rx_dispatch[s] += static_cast<uint64_t>(info[il.recv_count + s]);
       __threadfence_system();
-      ptx::st_release_sys(view.flag(a.rank, reg.done_dispatch, 0), epoch);
+      dev::st_release_sys(view.flag(a.rank, reg.done_dispatch, 0), epoch);
     }
   }
 }
@@ -296,22 +302,11 @@ size_t dispatch_smem_bytes(const LaunchArgs& args) {
   return static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes);
 }
 
-cudaError_t launch_dispatch(const LaunchArgs& args, cudaStream_t stream) {
-  const size_t smem = dispatch_smem_bytes(args);
-  cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  void* params[] = {const_cast<LaunchArgs*>(&args)};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(dispatch_kernel),
-                                     dim3(args.num_ranks * args.blocks_per_rank), dim3(kThreads), params, smem,
-                                     stream);
+LaunchStatus launch_dispatch(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(dispatch_kernel, args.num_ranks * args.blocks_per_rank, kThreads,
+                                 dispatch_smem_bytes(args), stream, args);
 }
 
-int dispatch_max_blocks_per_sm(size_t smem) {
-  int n = 0;
-  cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dispatch_kernel, kThreads, smem);
-  return n;
-}
+int dispatch_max_blocks_per_sm(size_t smem) { return dev::max_active_blocks(dispatch_kernel, kThreads, smem); }
 
 }  // namespace hybrid_ep

@@ -7,8 +7,6 @@
 // tiles. The same scan gives each token's slot in the rows sent to each destination rank.
 // The block then writes its count row into every peer's registered buffer, signals with
 // the call's epoch, waits for every peer's row and computes the expert-major offsets.
-#include <cuda_runtime.h>
-
 #include "common/state.cuh"
 #include "kernels/launch.h"
 
@@ -20,6 +18,12 @@ constexpr int kWarps = kPrepareThreads / 32;
 __device__ __forceinline__ int32_t ld_count(const int32_t* p) {
   return *reinterpret_cast<const volatile int32_t*>(p);
 }
+
+struct LayoutShared {
+  uint64_t epoch;
+  unsigned long long dropped;
+  int fail;
+};
 
 __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid_constant__ LaunchArgs args) {
   const Geometry& geo = args.geo;
@@ -35,21 +39,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   auto* entry_ord = reinterpret_cast<int32_t*>(a.entry_ord);
   auto* info = reinterpret_cast<int64_t*>(a.info);
 
-  extern __shared__ int32_t smem[];
+  int32_t* smem = dev::dynamic_smem<int32_t>();
   int32_t* warp_cnt = smem;                  // [kWarps][cols], scanned in place to per-warp bases
   int32_t* carry = smem + kWarps * cols;     // [cols] totals of the tiles before
-  __shared__ uint64_t s_epoch;
-  __shared__ int s_fail;
-  __shared__ int64_t s_dropped;
+  LayoutShared& sh = dev::block_shared<LayoutShared>();
 
   if (tid == 0) {
-    s_epoch = view.state()->dispatch_epoch + 1;
-    s_fail = 0;
-    s_dropped = 0;
+    sh.epoch = view.state()->dispatch_epoch + 1;
+    sh.fail = 0;
+    sh.dropped = 0;
   }
   for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
   __syncthreads();
-  const uint64_t epoch = s_epoch;
+  const uint64_t epoch = sh.epoch;
   const unsigned full = 0xffffffffu;
   const unsigned lt_mask = (1u << lane) - 1u;
 
@@ -144,16 +146,23 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     }
     __syncthreads();
   }
-  if (aborted(args)) return;
+  // A bad route recorded above stops every thread of the block together.
+  if (tid == 0 && aborted(args)) sh.fail = 1;
+  __syncthreads();
+  if (sh.fail) return;
 
   // Flow control: a peer must have read everything of the previous dispatch before this
-  // rank overwrites its count row (and, later, its receive rows).
-  if (tid < W &&
-      !wait_at_least(args, view.flag(tid, geo.reg.done_dispatch, 0), epoch - 1, kPhaseDispatchFlow, a.rank, tid,
-                     epoch))
-    s_fail = 1;
+  // rank overwrites its count row (and, in the dispatch kernel, its receive rows by bulk
+  // stores: hence the proxy fence after the acquire).
+  if (tid < W) {
+    if (wait_at_least(args, view.flag(tid, geo.reg.done_dispatch, 0), epoch - 1, kPhaseDispatchFlow, a.rank, tid,
+                      epoch))
+      dev::fence_proxy_async();
+    else
+      sh.fail = 1;
+  }
   __syncthreads();
-  if (s_fail) return;
+  if (sh.fail) return;
 
   const int row_ints = static_cast<int>(geo.reg.count_row_ints);
   for (int u = tid; u < W * row_ints; u += blockDim.x) {
@@ -165,15 +174,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     auto* row = reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints;
     row[c] = value;
   }
-  __threadfence_system();
-  __syncthreads();
-  if (tid < W) ptx::st_release_sys(view.flag(tid, geo.reg.count_epoch, a.rank), epoch);
+  __syncthreads();  // every count written before the releases below (they are cumulative)
+  if (tid < W) {
+    __threadfence_system();
+    dev::st_release_sys(view.flag(tid, geo.reg.count_epoch, a.rank), epoch);
+  }
 
   if (tid < W &&
       !wait_at_least(args, view.flag(a.rank, geo.reg.count_epoch, tid), epoch, kPhaseCounts, a.rank, tid, epoch))
-    s_fail = 1;
+    sh.fail = 1;
   __syncthreads();
-  if (s_fail) return;
+  if (sh.fail) return;
 
   const auto* count_in = reinterpret_cast<const int32_t*>(view.own() + geo.reg.count_in);
   const InfoLayout& il = geo.info;
@@ -221,12 +232,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
       info[il.tokens_per_expert + j] = hi - lo;
       const int64_t room = R - start > 0 ? R - start : 0;
       const int64_t kept = n < room ? n : room;
-      atomicAdd(reinterpret_cast<unsigned long long*>(&s_dropped), static_cast<unsigned long long>(n - kept));
+      atomicAdd(&sh.dropped, static_cast<unsigned long long>(n - kept));
     }
   }
   __syncthreads();
   if (tid == 0) {
-    info[il.dropped] = s_dropped;
+    info[il.dropped] = static_cast<int64_t>(sh.dropped);
     view.state()->dispatch_epoch = epoch;
   }
 }
@@ -238,21 +249,11 @@ size_t layout_smem_bytes(const Geometry& geo) {
   return (kWarps + 1) * cols * sizeof(int32_t);
 }
 
-cudaError_t launch_layout(const LaunchArgs& args, cudaStream_t stream) {
-  const size_t smem = layout_smem_bytes(args.geo);
-  cudaError_t err = cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  void* params[] = {const_cast<LaunchArgs*>(&args)};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(layout_kernel), dim3(args.num_ranks),
-                                     dim3(kPrepareThreads), params, smem, stream);
+LaunchStatus launch_layout(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(layout_kernel, args.num_ranks, kPrepareThreads, layout_smem_bytes(args.geo), stream,
+                                 args);
 }
 
-int layout_max_blocks_per_sm(size_t smem) {
-  int n = 0;
-  cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layout_kernel, kPrepareThreads, smem);
-  return n;
-}
+int layout_max_blocks_per_sm(size_t smem) { return dev::max_active_blocks(layout_kernel, kPrepareThreads, smem); }
 
 }  // namespace hybrid_ep

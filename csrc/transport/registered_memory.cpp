@@ -116,6 +116,33 @@ bool fabric_supported(int device) {
   return value != 0;
 }
 
+std::string fabric_probe(int device) {
+  if (!fabric_supported(device)) return "the device does not report fabric handle support";
+  auto failed = [](const char* what, CUresult res) {
+    std::string why = std::string(what) + " failed (CUresult " + std::to_string(static_cast<int>(res)) + ")";
+    if (res == CUDA_ERROR_NOT_PERMITTED) why += ": no IMEX channel is open to this process";
+    return why;
+  };
+  try {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    const Driver& d = driver();
+    CUmemAllocationProp prop = fabric_prop(device);
+    size_t gran = 0;
+    CUresult res = d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (res != CUDA_SUCCESS) return failed("cuMemGetAllocationGranularity (fabric)", res);
+    CUmemGenericAllocationHandle handle;
+    res = d.create(&handle, gran, &prop, 0);
+    if (res != CUDA_SUCCESS) return failed("cuMemCreate (fabric)", res);
+    CUmemFabricHandle fh;
+    res = d.export_handle(&fh, handle, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+    d.release(handle);
+    if (res != CUDA_SUCCESS) return failed("cuMemExportToShareableHandle (fabric)", res);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 Allocation allocate_registered(size_t bytes, HandleKind kind, int device) {
   check(cudaSetDevice(device), "cudaSetDevice");
   Allocation out;

@@ -25,6 +25,9 @@ struct Allocation {
 };
 
 bool fabric_supported(int device);
+// "" when a fabric allocation can be created and exported here, else why not. The device
+// attribute alone is not enough: without an IMEX channel cuMemCreate is refused.
+std::string fabric_probe(int device);
 Allocation allocate_registered(size_t bytes, HandleKind kind, int device);
 void free_registered(uint64_t ptr, size_t bytes, HandleKind kind);
 uint64_t open_peer(const std::string& handle, size_t bytes, HandleKind kind, int device);

@@ -81,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "recommended)")
     p.add_argument("--out", default=None, help="results folder (default results/bench-<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="seed of routing and inputs (default %(default)s)")
-    p.add_argument("--emulate", type=int, default=None, metavar="W",
-                   help="run the cuda kernels of W virtual ranks (1-8) on this one GPU and report per-SM "
-                        "throughput against a device copy (default sweep --sms 1 2 4 8 16)")
-    p.add_argument("--reference-iters", type=int, default=3,
-                   help="with --emulate: timed calls of the reference backend on the same shape (gloo on the "
-                        "CPU, slow at the GPU shape); 0 skips it (default %(default)s)")
+    p.add_argument("--emulate", type=int, nargs="+", default=None, metavar="W",
+                   help="run the cuda kernels of W virtual ranks (1-8) on this one GPU, for each W given, and "
+                        "report per-SM throughput and the fraction of a device copy (default sweep --sms 1 2 4 8 16)")
+    p.add_argument("--reference-iters", type=int, default=0,
+                   help="with --emulate: also time the reference backend on the first W's shape, this many calls "
+                        "(gloo on the CPU: minutes at the GPU shape); 0 skips it (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: nccl, one GPU per rank; cpu: gloo; auto: cuda when there is a GPU per rank "
                         "(default %(default)s)")
@@ -249,8 +249,8 @@ def _emulate(args) -> int:
     rc = run_emulated(args)
     if rc != 0 or args.reference_iters == 0:
         return rc
-    W = args.emulate
-    experts = args.experts or 2 * W
+    W = args.emulate[0]
+    experts = args.experts or 2 * max(args.emulate)
     spec = BenchSpec(
         world_size=W, ranks_per_node=W, hidden=args.hidden or 8192, tokens=args.tokens or 4096,
         topk=args.topk or min(DEFAULT_TOPK, experts), experts=experts, dtype=args.dtype, routing=args.routing,

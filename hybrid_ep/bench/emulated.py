@@ -1,11 +1,11 @@
-"""`python -m hybrid_ep.bench --emulate W`: the cuda kernels of W virtual ranks on one GPU.
+"""`python -m hybrid_ep.bench --emulate W [W ...]`: the cuda kernels of W virtual ranks on one GPU.
 
-Per SM count: dispatch and combine time (CUDA events, L2 flushed, median), destination bytes
-per SM per second, and all bytes the kernels read and write as a fraction of a large
-device-to-device copy measured in the same run (DESIGN.md 6). Also: host time per
-dispatch + combine pair in static-size mode, the same data movement written with
-index_select / index_add_ on the one GPU, and the reference backend (W gloo processes on
-the CPU, fewer iterations) for comparison. Writes emulated.json and emulated_per_sm.png.
+Per world size and SM count: dispatch and combine time (CUDA events, L2 flushed, median),
+destination bytes per SM per second, and all bytes the kernels read and write as a fraction
+of a large device-to-device copy measured in the same run (DESIGN.md 6). Per world size
+also: host time per dispatch + combine pair in static-size mode, and the same data movement
+written with index_select / index_add_ on the one GPU. Writes emulated.json and
+emulated_per_sm.png; progress goes to stderr, one line per measurement.
 """
 
 from __future__ import annotations
@@ -80,51 +80,32 @@ def torch_movement(xs, idxs, L: int):
     return dispatch, combine, rows
 
 
-def run(args) -> int:
-    from ..backends.cuda.emulation import EmulatedGroup
-
-    if not torch.cuda.is_available():
-        _note("needs a CUDA device")
-        return 2
-    W = args.emulate
-    dev = torch.device("cuda", torch.cuda.current_device())
-    H = args.hidden or 8192
-    T = args.tokens or 4096
-    E = args.experts or 2 * W
-    K = args.topk or min(8, E)
-    dtype = DISPATCH_BY_NAME[args.dtype]
-    sms_list = [n for chunk in args.sms for n in chunk] or list(DEFAULT_SMS)
-    warmup, iters = args.warmup or 10, args.iters or 30
-    out_dir = args.out
-    os.makedirs(out_dir, exist_ok=True)
-    started = time.monotonic()
-
-    group = EmulatedGroup(W, H, T, E)
-    idxs = [i.to(dev) for i in iter_rank_routings(args.routing, [T] * W, E, K, args.seed)]
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
+def _inputs(W, T, H, E, K, dtype, routing, seed, dev):
+    idxs = [i.to(dev) for i in iter_rank_routings(routing, [T] * W, E, K, seed)]
+    gen = torch.Generator(device=dev).manual_seed(seed)
     x32 = [torch.randn(T, H, device=dev, generator=gen) for _ in range(W)]
-    scales = [None] * W
     if dtype == FP8_DTYPE:
         pairs = [quantize_fp8(x) for x in x32]
-        xs, scales = [p[0] for p in pairs], [p[1] for p in pairs]
-    else:
-        xs = [x.to(dtype) for x in x32]
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    props = torch.cuda.get_device_properties(dev)
-    _note(f"{props.name}, {props.multi_processor_count} SMs; W={W} H={H} T={T} K={K} E={E} {args.dtype}")
+        return idxs, [p[0] for p in pairs], [p[1] for p in pairs]
+    return idxs, [x.to(dtype) for x in x32], [None] * W
 
-    copy_bps = copy_bandwidth(dev, 3, 10, flush)
-    _note(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + written)")
 
+def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props):
+    """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
+    from ..backends.cuda.emulation import EmulatedGroup
+
+    group = EmulatedGroup(W, H, T, E)
+    idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev)
     first = group.dispatch(xs, idxs, scales=scales)
     group.synchronize()
     row_bytes = H * xs[0].element_size() + (H // 128 * 4 if dtype == FP8_DTYPE else 0)
-    comb_bytes = H * 2 if dtype == FP8_DTYPE else H * xs[0].element_size()
+    comb_dtype = torch.bfloat16 if dtype == FP8_DTYPE else dtype
+    comb_bytes = H * torch.empty(0, dtype=comb_dtype).element_size()
     recv_rows = sum(int(r.handle.recv_counts_W.sum()) for r in first)  # one per (token, dest rank)
     out_rows = sum(int((r.probs != 0).sum()) for r in first)  # routed (row, expert) entries
     total_rows = sum(r.tokens.shape[0] for r in first)
-    expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(
-        torch.bfloat16 if dtype == FP8_DTYPE else dtype) for r in first]
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype) for r in first]
     handles = [r.handle for r in first]
     # Bytes the kernels touch: dispatch reads each token once and writes each sent row, then
     # reads each received row and writes each output row; combine mirrors it with fp32 partials.
@@ -134,54 +115,96 @@ def run(args) -> int:
     rows = []
     for sms in sms_list:
         if sms * W > props.multi_processor_count:
-            _note(f"{sms} SMs x {W} ranks > {props.multi_processor_count} SMs: skipped (blocks must be co-resident)")
+            _note(f"W={W}: {sms} SMs x {W} ranks > {props.multi_processor_count} SMs: skipped (blocks must be "
+                  f"co-resident)")
             continue
         d_ms = _median_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms), warmup, iters, flush)
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
         group.synchronize()
-        row = {"sms_per_rank": sms, "dispatch_ms": d_ms, "combine_ms": c_ms}
+        row = {"world_size": W, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms, "combine_ms": c_ms,
+               "recv_rows": recv_rows, "out_rows": out_rows}
         for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
                                  ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
             row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
             row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
             row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
         rows.append(row)
-        _note(f"SMs/rank {sms}: dispatch {d_ms:.3f} ms, combine {c_ms:.3f} ms")
+        _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
+              f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
+              f"({row['combine_dest_gbps_per_sm']:.1f} GB/s/SM, {row['combine_copy_fraction']:.1%} of copy)")
 
     # Host time per dispatch + combine pair, static size (no host sync inside the pair).
-    host = {}
-    for name, g in (("emulated group", group), ("one rank", EmulatedGroup(1, H, T, E))):
-        n = g.world_size
-        hx, hi, hs = xs[:n], idxs[:n], scales[:n]
-        static = max(total_rows // W, 1) * 2
-        for _ in range(5):
-            res = g.dispatch(hx, hi, scales=hs, num_out_tokens=static)
-            g.combine([torch.zeros_like(r.tokens, dtype=expert_outs[0].dtype) for r in res], [r.handle for r in res])
-        g.synchronize()
-        outs = [torch.zeros(static, H, dtype=expert_outs[0].dtype, device=dev) for _ in range(n)]
-        samples = []
-        for _ in range(50):
-            t0 = time.perf_counter()
-            res = g.dispatch(hx, hi, scales=hs, num_out_tokens=static)
-            g.combine(outs, [r.handle for r in res])
-            samples.append((time.perf_counter() - t0) * 1e6)
-        g.synchronize()
-        host[name] = {"ranks": n, "median_us": statistics.median(samples)}
-        _note(f"host time per dispatch+combine pair ({name}, {n} rank(s)): {host[name]['median_us']:.1f} us")
+    static = max(total_rows // W, 1) * 2
+    for _ in range(5):
+        res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
+        group.combine([torch.zeros_like(r.tokens, dtype=comb_dtype) for r in res], [r.handle for r in res])
+    group.synchronize()
+    outs = [torch.zeros(static, H, dtype=comb_dtype, device=dev) for _ in range(W)]
+    samples = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
+        group.combine(outs, [r.handle for r in res])
+        samples.append((time.perf_counter() - t0) * 1e6)
+    group.synchronize()
+    host = {"ranks": W, "median_us": statistics.median(samples)}
+    _note(f"W={W}: host time per dispatch+combine pair ({W} rank(s) per call): {host['median_us']:.1f} us")
 
     plain_d, plain_c, _ = torch_movement(xs, idxs, E // W)
-    plain = {"dispatch_ms": _median_ms(plain_d, warmup, iters, flush),
+    plain = {"world_size": W, "dispatch_ms": _median_ms(plain_d, warmup, iters, flush),
              "combine_ms": _median_ms(plain_c, warmup, iters, flush)}
-    _note(f"index_select / index_add_: dispatch {plain['dispatch_ms']:.3f} ms, combine {plain['combine_ms']:.3f} ms")
+    _note(f"W={W}: index_select / index_add_: dispatch {plain['dispatch_ms']:.3f} ms, "
+          f"combine {plain['combine_ms']:.3f} ms")
+    group.close()
+    return rows, host, plain
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        _note("needs a CUDA device")
+        return 2
+    worlds = list(args.emulate)
+    bad = [w for w in worlds if not 1 <= w <= 8]
+    if bad:
+        _note(f"--emulate: world sizes must be in [1, 8], got {bad}")
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device())
+    H = args.hidden or 8192
+    T = args.tokens or 4096
+    E = args.experts or 2 * max(worlds)
+    if any(E % w for w in worlds):
+        _note(f"--experts {E} must be a multiple of every emulated world size {worlds}")
+        return 2
+    K = args.topk or min(8, E)
+    dtype = DISPATCH_BY_NAME[args.dtype]
+    sms_list = [n for chunk in args.sms for n in chunk] or list(DEFAULT_SMS)
+    warmup, iters = args.warmup or 10, args.iters or 30
+    out_dir = args.out
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.monotonic()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    props = torch.cuda.get_device_properties(dev)
+    _note(f"{props.name}, {props.multi_processor_count} SMs; W={worlds} H={H} T={T} K={K} E={E} {args.dtype}")
+
+    copy_bps = copy_bandwidth(dev, 3, 10, flush)
+    _note(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + written)")
+
+    rows, host, plain = [], {}, []
+    for W in worlds:
+        w_rows, w_host, w_plain = _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
+                                                   copy_bps, dev, props)
+        rows += w_rows
+        host[f"W={W}"] = w_host
+        plain.append(w_plain)
 
     doc = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": props.name, "device_sms": props.multi_processor_count, "driver": gpu_driver(),
         "cuda": torch.version.cuda,
         "torch": torch.__version__, "command": " ".join(sys.argv),
-        "config": {"world_size": W, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
+        "config": {"world_sizes": worlds, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
                    "dtype": args.dtype, "routing": args.routing, "warmup": warmup, "iters": iters},
-        "copy_gbps": copy_bps / 1e9, "recv_rows": recv_rows, "out_rows": out_rows,
+        "copy_gbps": copy_bps / 1e9,
         "runs": rows, "host_time": host, "index_select_index_add": plain,
         "elapsed_s": time.monotonic() - started,
     }
@@ -196,18 +219,24 @@ def run(args) -> int:
 
 def format_table(doc: dict) -> str:
     c = doc["config"]
-    lines = [f"cuda kernels, {c['world_size']} virtual ranks on one {doc['device']} | H={c['hidden']} "
-             f"T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']} | "
-             f"copy {doc['copy_gbps']:.0f} GB/s",
-             f"{'SMs/rank':>8} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"]
+    worlds = ", ".join(str(w) for w in c["world_sizes"])
+    lines = [f"cuda kernels, W = {worlds} virtual ranks on one {doc['device']} ({doc.get('device_sms', '?')} SMs) | "
+             f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} "
+             f"{c['routing']} | copy {doc['copy_gbps']:.0f} GB/s",
+             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} "
+             f"{'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"]
     for r in doc["runs"]:
-        lines.append(f"{r['sms_per_rank']:>8} {r['dispatch_ms']:>9.3f} {r['dispatch_dest_gbps_per_sm']:>8.1f} "
-                     f"{r['dispatch_copy_fraction']:>8.1%} {r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} "
-                     f"{r['combine_copy_fraction']:>8.1%}")
-    p = doc["index_select_index_add"]
-    lines.append(f"index_select/index_add_ on one GPU: dispatch {p['dispatch_ms']:.3f} ms, combine {p['combine_ms']:.3f} ms")
+        lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
+                     f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
+                     f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} {r['combine_copy_fraction']:>8.1%}")
+    for p in doc["index_select_index_add"]:
+        lines.append(f"index_select/index_add_ on one GPU, W={p['world_size']}: dispatch {p['dispatch_ms']:.3f} ms, "
+                     f"combine {p['combine_ms']:.3f} ms")
     for name, h in doc["host_time"].items():
-        lines.append(f"host time per dispatch+combine pair, static size, {name}: {h['median_us']:.1f} us")
+        lines.append(f"host time per dispatch+combine pair, static size, {name} ({h['ranks']} rank(s) per launch): "
+                     f"{h['median_us']:.1f} us")
+    lines.append("GB/s/SM: rows received x row bytes / time / all SMs of the launch; of copy: bytes the kernels "
+                 "read + write / time, against the device-to-device copy")
     return "\n".join(lines)
 
 
@@ -215,18 +244,37 @@ def _plot(doc: dict, path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 4))
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    fig = Figure(figsize=(11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
-    sms = [r["sms_per_rank"] for r in doc["runs"]]
-    for op in ("dispatch", "combine"):
-        ax1.plot(sms, [r[f"{op}_dest_gbps_per_sm"] for r in doc["runs"]], marker="o", label=op)
-        ax2.plot(sms, [100 * r[f"{op}_copy_fraction"] for r in doc["runs"]], marker="o", label=op)
-    ax1.set(xlabel="SMs per rank", ylabel="destination GB/s per SM", xscale="log", title="per-SM throughput")
-    ax2.set(xlabel="SMs per rank", ylabel="% of device copy bandwidth", xscale="log", title="bytes read+written")
-    for ax in (ax1, ax2):
-        ax.legend()
+    colors = {"dispatch": "tab:blue", "combine": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    for i, W in enumerate(doc["config"]["world_sizes"]):
+        runs = [r for r in doc["runs"] if r["world_size"] == W]
+        if not runs:
+            continue
+        for op in ("dispatch", "combine"):
+            kw = dict(color=colors[op], ls=styles[i % len(styles)], marker="o", label=f"{op}, W={W}")
+            ax1.plot([r["sms_per_rank"] for r in runs], [r[f"{op}_dest_gbps_per_sm"] for r in runs], **kw)
+            ax2.plot([r["total_sms"] for r in runs], [100 * r[f"{op}_copy_fraction"] for r in runs], **kw)
+    quarter = doc.get("device_sms", 132) / 4
+    ax2.axvline(quarter, color="grey", lw=0.8, ls=":")
+    ax2.text(quarter, ax2.get_ylim()[1], " 1/4 of the SMs", color="grey", fontsize=8, va="top")
+    ax1.set(xlabel="SMs per rank", ylabel="destination GB/s per SM", title="per-SM throughput")
+    ax2.set(xlabel="SMs of the launch (all virtual ranks)", ylabel="% of device copy bandwidth",
+            title="bytes read + written, against a device copy")
+    for ax, key in ((ax1, "sms_per_rank"), (ax2, "total_sms")):
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r[key] for r in doc["runs"]})
+        if ticks:
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"hybrid-ep emulated W={doc['config']['world_size']} on {doc['device']} ({doc['date']})")
+    fig.suptitle(f"hybrid-ep cuda kernels in single-GPU emulation on {doc['device']} ({doc['date']})")
     fig.tight_layout()
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110)

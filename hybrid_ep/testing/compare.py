@@ -11,8 +11,9 @@ _EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-1
 _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return as_byte_rows(t.cpu())
+def _bytes(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of t on the device of `like` (the oracle's): comparisons run where it ran."""
+    return as_byte_rows(t.to(like.device))
 
 
 def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") -> None:
@@ -23,15 +24,17 @@ def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") ->
     assert tuple(tokens.shape) == tuple(want.tokens.shape), (
         f"{tag}tokens shape {tuple(tokens.shape)} != {tuple(want.tokens.shape)}"
     )
-    if not torch.equal(_bytes(tokens), _bytes(want.tokens)):
-        bad = (_bytes(tokens) != _bytes(want.tokens)).any(dim=1).nonzero()[:, 0]
+    got_bytes, want_bytes = _bytes(tokens, want.tokens), _bytes(want.tokens, want.tokens)
+    if not torch.equal(got_bytes, want_bytes):
+        bad = (got_bytes != want_bytes).any(dim=1).nonzero()[:, 0]
         raise AssertionError(f"{tag}dispatch rows differ from the oracle at rows {bad[:10].tolist()}")
     if want.scales is None:
         assert got["scales"] is None, f"{tag}scales should be None"
     else:
-        assert torch.equal(_bytes(got["scales"]), _bytes(want.scales)), f"{tag}scales differ from the oracle"
-    assert torch.equal(got["probs"].cpu(), want.probs), f"{tag}probs differ from the oracle"
-    assert torch.equal(got["tokens_per_expert"].cpu(), want.tokens_per_expert), (
+        assert torch.equal(_bytes(got["scales"], want.scales), _bytes(want.scales, want.scales)), (
+            f"{tag}scales differ from the oracle")
+    assert torch.equal(got["probs"].to(want.probs.device), want.probs), f"{tag}probs differ from the oracle"
+    assert torch.equal(got["tokens_per_expert"].to(want.tokens_per_expert.device), want.tokens_per_expert), (
         f"{tag}tokens_per_expert {got['tokens_per_expert'].tolist()} != {want.tokens_per_expert.tolist()}"
     )
     assert int(got["num_dropped"]) == want.num_dropped, (
@@ -56,7 +59,7 @@ def assert_combine_close(got: torch.Tensor, want64: torch.Tensor, magnitude64: t
                          num_terms: int, where: str = "") -> None:
     tag = f"{where}: " if where else ""
     assert tuple(got.shape) == tuple(want64.shape), f"{tag}combine shape {tuple(got.shape)} != {tuple(want64.shape)}"
-    err = (got.detach().cpu().double() - want64).abs()
+    err = (got.detach().to(want64.device).double() - want64).abs()
     tol = combine_tolerance(want64, magnitude64, got.dtype, num_terms)
     if bool((err > tol).any()):
         i = int((err - tol).argmax())

@@ -2,7 +2,8 @@
 
 Written straight from DESIGN.md section 4 and independent of hybrid_ep.routing, so every
 backend is checked against the contract, not against its own metadata code. Combine is
-computed in float64.
+computed in float64. Both run on `device` (default: the CPU); on a GPU the big shapes of the
+GPU tests take seconds instead of minutes.
 
 Legend: W ranks, L experts per rank, T_s tokens of rank s, K routes per token, H hidden,
 R_r output rows of rank r.
@@ -49,12 +50,18 @@ def dispatch_oracle(
     topk_weights: list[torch.Tensor] | None = None,
     scales: list[torch.Tensor] | None = None,
     num_out_tokens: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> OracleRun:
     W, L, H = config.world_size, config.experts_per_rank, config.hidden_dim
     pad, min_rows = config.pad_multiple, config.min_rows_per_expert
+    dev = torch.device(device)
+    xs = [x.to(dev) for x in xs]
+    topk_idx = [i.to(dev) for i in topk_idx]
     if topk_weights is None:
         topk_weights = [(i >= 0).to(torch.float32) for i in topk_idx]
-    row_of_slot = [torch.full(i.shape, -1, dtype=torch.int64) for i in topk_idx]
+    topk_weights = [w.to(dev) for w in topk_weights]
+    scales = None if scales is None else [sc.to(dev) for sc in scales]
+    row_of_slot = [torch.full(i.shape, -1, dtype=torch.int64, device=dev) for i in topk_idx]
     ranks = []
     for r in range(W):
         pieces, scale_pieces, prob_pieces, counts = [], [], [], []
@@ -63,15 +70,15 @@ def dispatch_oracle(
             expert = r * L + j
             start = pos
             for s in range(W):
-                hit_TK = topk_idx[s].cpu() == expert
+                hit_TK = topk_idx[s] == expert
                 tokens = hit_TK.any(dim=1).nonzero()[:, 0]
                 slots = hit_TK.to(torch.int8).argmax(dim=1)[tokens]
                 n = tokens.numel()
-                pieces.append(_copy_rows(xs[s].cpu(), tokens))
+                pieces.append(_copy_rows(xs[s], tokens))
                 if scales is not None:
-                    scale_pieces.append(scales[s].cpu()[tokens])
-                prob_pieces.append(topk_weights[s].cpu().float()[tokens, slots])
-                row_of_slot[s][tokens, slots] = torch.arange(pos, pos + n)
+                    scale_pieces.append(scales[s][tokens])
+                prob_pieces.append(topk_weights[s].float()[tokens, slots])
+                row_of_slot[s][tokens, slots] = torch.arange(pos, pos + n, device=dev)
                 pos += n
             # At least min_rows rows per expert (zero rows past the real ones), then up to a
             # multiple of pad.
@@ -79,15 +86,15 @@ def dispatch_oracle(
             block = max(real, min_rows)
             block += (-block) % pad
             extra = block - real
-            pieces.append(torch.zeros(extra, H, dtype=xs[0].dtype))
+            pieces.append(torch.zeros(extra, H, dtype=xs[0].dtype, device=dev))
             if scales is not None:
-                scale_pieces.append(torch.zeros(extra, H // 128, dtype=torch.float32))
-            prob_pieces.append(torch.zeros(extra, dtype=torch.float32))
+                scale_pieces.append(torch.zeros(extra, H // 128, dtype=torch.float32, device=dev))
+            prob_pieces.append(torch.zeros(extra, dtype=torch.float32, device=dev))
             pos += extra
             counts.append(pos - start)
-        tokens_RH = torch.cat(pieces) if pieces else torch.zeros(0, H, dtype=xs[0].dtype)
+        tokens_RH = torch.cat(pieces) if pieces else torch.zeros(0, H, dtype=xs[0].dtype, device=dev)
         scales_R = torch.cat(scale_pieces) if scales is not None else None
-        probs_R = torch.cat(prob_pieces) if prob_pieces else torch.zeros(0)
+        probs_R = torch.cat(prob_pieces) if prob_pieces else torch.zeros(0, device=dev)
         needed = pos
         ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
         starts = ends - torch.tensor(counts, dtype=torch.int64)
@@ -95,7 +102,7 @@ def dispatch_oracle(
         if num_out_tokens is not None:
             R = num_out_tokens
             for s in range(W):
-                on_r = (topk_idx[s].cpu() >= 0) & (topk_idx[s].cpu() // L == r)
+                on_r = (topk_idx[s] >= 0) & (topk_idx[s] // L == r)
                 lost = on_r & (row_of_slot[s] >= R)
                 dropped += int(lost.sum())
                 row_of_slot[s][lost] = -1
@@ -104,10 +111,10 @@ def dispatch_oracle(
                 scales_R = scales_R[:R] if scales_R is not None else None
             else:
                 grow = R - needed
-                tokens_RH = torch.cat([tokens_RH, torch.zeros(grow, H, dtype=tokens_RH.dtype)])
-                probs_R = torch.cat([probs_R, torch.zeros(grow)])
+                tokens_RH = torch.cat([tokens_RH, torch.zeros(grow, H, dtype=tokens_RH.dtype, device=dev)])
+                probs_R = torch.cat([probs_R, torch.zeros(grow, device=dev)])
                 if scales_R is not None:
-                    scales_R = torch.cat([scales_R, torch.zeros(grow, H // 128)])
+                    scales_R = torch.cat([scales_R, torch.zeros(grow, H // 128, device=dev)])
             counts_L = ends.clamp(max=R) - starts.clamp(max=R)
         else:
             counts_L = ends - starts
@@ -122,21 +129,25 @@ def combine_oracle(
     topk_idx: list[torch.Tensor],
     apply_probs: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per source rank: the float64 sum [T, H], and the sum of |terms| (for rounding bounds)."""
+    """Per source rank: the float64 sum [T, H], and the sum of |terms| (for rounding bounds).
+
+    Computed on the device of run (the dispatch oracle's)."""
     L = config.experts_per_rank
+    dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
+    outs64 = [e.to(dev).double() for e in expert_outs]  # once per rank, not per (slot, rank)
     sums, magnitudes = [], []
     for s, idx in enumerate(topk_idx):
-        idx = idx.cpu()
+        idx = idx.to(dev)
         T, H = idx.shape[0], config.hidden_dim
-        y = torch.zeros(T, H, dtype=torch.float64)
-        mag = torch.zeros(T, H, dtype=torch.float64)
+        y = torch.zeros(T, H, dtype=torch.float64, device=dev)
+        mag = torch.zeros(T, H, dtype=torch.float64, device=dev)
         for k in range(idx.shape[1]):
             rows = run.row_of_slot[s][:, k]
             for r in range(config.world_size):
                 sel = (rows >= 0) & (idx[:, k] // L == r)
                 if not bool(sel.any()):
                     continue
-                term = expert_outs[r].cpu().double()[rows[sel]]
+                term = outs64[r][rows[sel]]
                 if apply_probs:
                     term = term * run.ranks[r].probs.double()[rows[sel], None]
                 y[sel] += term

@@ -41,7 +41,7 @@ class CudaBackend(Backend):
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
         check_geometry(config)
-        ext = load_extension()
+        ext = load_extension("cuda")
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device)

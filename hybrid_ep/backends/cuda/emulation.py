@@ -4,6 +4,9 @@ Each virtual rank has its own registered buffer and a peer table pointing at the
 Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
 so all are resident together); the kernels are exactly the production ones. Results come
 back as one list entry per rank, with handles like HybridEPBuffer's.
+
+device="cuda" runs the kernels on the GPU (hybrid_ep._C); device="cpu" runs the same
+kernel sources on the CPU model of the device layer (hybrid_ep._model), on CPU tensors.
 """
 
 from __future__ import annotations
@@ -38,8 +41,13 @@ class EmulatedGroup:
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        ext = load_extension()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        ext = load_extension(self.device)
+        self.ext = ext
         self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device)
         self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
@@ -52,7 +60,8 @@ class EmulatedGroup:
 
     def synchronize(self) -> None:
         """Wait for the device and raise what a kernel recorded (timeouts, bad routing)."""
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.engine.raise_if_failed()
 
     def close(self) -> None:
@@ -89,11 +98,21 @@ class EmulatedGroup:
             out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, res.recv.tokens_per_expert_L, handle))
         return out
 
-    def redispatch(self, xs, handles, *, num_sms=None) -> list[torch.Tensor]:
-        """Dispatch other rows with the routing of earlier handles (backward of combine)."""
-        res = self._dispatch(xs, [None] * len(xs), [h.routing for h in handles], handles[0].num_out_tokens,
-                             num_sms, [h.num_rows for h in handles], frozenset())
-        return [r.tokens for r in res]
+    def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:
+        """Dispatch other rows with the routing of earlier handles (backward of combine).
+
+        fp8 rows need their scales, as in a first dispatch."""
+        W = self.world_size
+        scales = scales if scales is not None else [None] * W
+        for name, seq in (("xs", xs), ("handles", handles), ("scales", scales)):
+            if len(seq) != W:
+                raise ValueError(f"{name} must hold one entry per virtual rank ({W}), got {len(seq)}")
+        for x, sc, h in zip(xs, scales, handles):
+            inputs.check_handle(h, self.owner)
+            inputs.check_dispatch_input(x, sc, self.config, self.device)
+            inputs.check_reused_handle(h, x.shape[0], None)
+        return self._dispatch(xs, scales, [h.routing for h in handles], handles[0].num_out_tokens,
+                              num_sms, [h.num_rows for h in handles], frozenset())
 
     def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None, absent=()) -> list[torch.Tensor]:
         for h in handles:
@@ -158,7 +177,7 @@ class _EmuCombine(torch.autograd.Function):
         W = group.world_size
         saved = ctx.saved_tensors
         rows, probs = saved[:W], saved[W:]
-        grad_out = group.redispatch([g.contiguous() for g in grad_ys], handles)
+        grad_out = [r.tokens for r in group.redispatch([g.contiguous() for g in grad_ys], handles)]
         grad_rows, grad_probs = [], []
         for g, r, p in zip(grad_out, rows, probs):
             if ctx.apply_probs:

@@ -8,6 +8,9 @@ Per dispatch: the layout kernel (counts, send slots, ordinals, count exchange, o
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
+`ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
+CPU tensors); both expose the same launchers, so nothing here depends on which it is.
+
 Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H hidden.
 """
 
@@ -29,7 +32,7 @@ _PHASES = {
     4: "dispatch rows",
     5: "combine flow control (waiting for the peer to finish reading the previous combine)",
     6: "combine partial sums",
-    7: "shared-memory pipeline",
+    7: "its shared-memory pipeline",
 }
 
 
@@ -98,11 +101,13 @@ class Engine:
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
-        props = torch.cuda.get_device_properties(device)
-        self.device_sms = props.multi_processor_count
-        self.smem_per_block = props.shared_memory_per_block_optin
+        self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
         self._blocks_per_sm: dict[tuple[str, int], int] = {}  # occupancy queries, once per shape
+        # Tensors the last launch of each kind read that the caller may not hold (contiguous
+        # or aligned copies, fp32 casts): kept until the next call of that kind, so they
+        # outlive the kernels also when the caller moves on to another stream.
+        self._in_flight: dict[str, list[torch.Tensor]] = {}
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -136,6 +141,11 @@ class Engine:
             return (f"topk_idx on rank {rec['rank']}: token {rec['peer']} routes to expert {rec['observed']} "
                     f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
                     f"this buffer can not be used after the error, create a new one")
+        if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
+            return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {timeout_seconds():g} s "
+                    f"(HYBRID_EP_TIMEOUT_S) waiting in {_PHASES.get(phase, f'phase {phase}')} "
+                    f"(call {rec['epoch']}): a bulk copy never completed. The buffer can not be used after "
+                    f"this error; create a new one.")
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {timeout_seconds():g} s "
                 f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']} in "
                 f"{_PHASES.get(phase, f'phase {phase}')} (call {rec['epoch']}, expected {rec['expected']}, "
@@ -171,7 +181,16 @@ class Engine:
         return a
 
     def _stream(self) -> int:
+        if self.device.type != "cuda":
+            return 0  # the CPU model runs each launch to completion in the call
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _aligned(self, t: torch.Tensor) -> torch.Tensor:
+        """Contiguous, starting on a 16-byte boundary (the kernels move 16-byte vectors)."""
+        t = t.contiguous()
+        if t.data_ptr() % 16 != 0:
+            t = t.clone()
+        return t
 
     # -- dispatch --------------------------------------------------------------------------
 
@@ -183,11 +202,20 @@ class Engine:
         W, L, H = c.world_size, c.experts_per_rank, c.hidden_dim
         dtype_name = _dtype_name(xs[0].dtype)
         launch.check_row_bytes("x", H, dtype_name)
-        for r, routing in zip(self.ranks, routings):
+        fp8 = dtype_name == "float8_e4m3fn"
+        for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             if routing.topk_idx_TK.shape[1] > MAX_TOPK:
                 raise ValueError(f"topk_idx has {routing.topk_idx_TK.shape[1]} routes per token on rank {r}; "
                                  f"the cuda backend supports up to {MAX_TOPK}")
-        fp8 = dtype_name == "float8_e4m3fn"
+            if x.dtype != xs[0].dtype:
+                raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {xs[0].dtype}; "
+                                f"one call moves one dtype")
+            if fp8 and sc is None:
+                raise ValueError(f"scales: fp8 x on rank {r} needs its float32 scales [num_tokens, "
+                                 f"hidden_dim / {FP8_BLOCK}] (a re-dispatch with a reused handle too)")
+            if fp8 and tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
+                raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
+                                 f"got {list(sc.shape)}")
         args = self._launch_args(sms, dtype_name, H, "dispatch")
         args.scale_cols = H // FP8_BLOCK if fp8 else 0
         kd = args.kd
@@ -200,9 +228,7 @@ class Engine:
             ra = self.ext.RankArgs()
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, K
             ra.peers = self.tables[i].data_ptr()
-            x = x.contiguous()
-            if x.data_ptr() % 16 != 0:
-                x = x.clone()
+            x = self._aligned(x)
             ra.x = x.data_ptr()
             if fp8:
                 sc = sc.to(torch.float32).contiguous()
@@ -254,6 +280,7 @@ class Engine:
                 count_matrix_WW=info[il.count_matrix:il.count_matrix + W * W].view(W, W),
                 node_counts_WN=info[il.node_counts:il.node_counts + W * c.num_nodes].view(W, c.num_nodes),
             ))
+        self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
         self.ext.launch_dispatch(args, self._stream())
         return results
 
@@ -272,17 +299,22 @@ class Engine:
         args.apply_probs = int(apply_probs)
         outs = []
         for i, (r, x, send, recv, p) in enumerate(zip(self.ranks, rows, sends, recvs, probs)):
-            x = x.contiguous()
+            if x.dtype != rows[0].dtype or x.shape[1] != C:
+                raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
+                                 f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
+            x = self._aligned(x)
+            p = p.detach().to(torch.float32).contiguous()
             T = send.send_slot_TW.shape[0]
             y = torch.empty(T, C, dtype=x.dtype, device=self.device)
             ra = self.ext.RankArgs()
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, send.entry_ord_TK.shape[1]
             ra.peers = self.tables[i].data_ptr()
             ra.send_slot, ra.info, ra.row_pos = send.send_slot_TW.data_ptr(), recv.info.data_ptr(), recv.row_pos.data_ptr()
-            ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.detach().contiguous().data_ptr(), y.data_ptr()
+            ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.data_ptr(), y.data_ptr()
             ra.num_out_rows = recv.num_rows
             args.set_rank(i, ra)
             outs.append((y, x, p))
+        self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
         self.ext.launch_combine(args, self._stream())
         return [y for y, _, _ in outs]
 

@@ -2,31 +2,54 @@
 
 Production: each process allocates its own buffer and the handles travel over
 torch.distributed (all_gather_object); peers open them as CUDA IPC or fabric handles.
-Emulation: one process allocates the buffers of all its virtual ranks on one GPU and every
-virtual rank's peer table points straight at them.
+Emulation: one process allocates the buffers of all its virtual ranks on one GPU (or in the
+CPU model's host memory) and every virtual rank's peer table points straight at them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 IPC, FABRIC = 0, 1
+_log = logging.getLogger("hybrid_ep")
+_logged_choices: set[tuple[str, str]] = set()  # (kind, reason) already logged by this process
+
+
+def _log_once(kind: str, reason: str) -> None:
+    if (kind, reason) not in _logged_choices:
+        _logged_choices.add((kind, reason))
+        _log.info("hybrid_ep: registered buffers use %s handles (%s)", kind, reason)
 
 
 def _handle_kind(ext, group, device_index: int) -> int:
-    """Fabric handles when every rank's device supports them (and not disabled), else IPC."""
+    """Fabric handles when they work on every rank (a probe allocation, not the attribute
+    alone: without an IMEX channel the driver refuses them), else CUDA IPC. The choice is
+    logged once per process."""
     wanted = os.environ.get("HYBRID_EP_HANDLE", "auto")
     if wanted not in ("auto", "ipc", "fabric"):
         raise ValueError(f"HYBRID_EP_HANDLE must be auto, ipc or fabric, got {wanted!r}")
-    mine = bool(ext.fabric_supported(device_index)) and wanted != "ipc"
-    flags = [None] * dist.get_world_size(group)
-    dist.all_gather_object(flags, mine, group=group)
-    if wanted == "fabric" and not all(flags):
-        raise RuntimeError("HYBRID_EP_HANDLE=fabric, but not every rank's device supports fabric handles")
-    return FABRIC if all(flags) else IPC
+    why_not = "HYBRID_EP_HANDLE=ipc" if wanted == "ipc" else ext.fabric_probe(device_index)
+    answers = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, why_not, group=group)
+    refused = [(r, a) for r, a in enumerate(answers) if a]
+    if wanted == "fabric" and refused:
+        rank, why = refused[0]
+        raise RuntimeError(f"HYBRID_EP_HANDLE=fabric, but fabric handles do not work on rank {rank}: {why}")
+    if refused:
+        rank, why = refused[0]
+        _log_once("CUDA IPC", f"fabric handles unavailable on rank {rank}: {why}")
+        return IPC
+    _log_once("fabric", "a fabric allocation was created and exported on every rank")
+    return FABRIC
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class RegisteredBuffers:
@@ -43,10 +66,10 @@ class RegisteredBuffers:
         self = cls(ext, nbytes, device)
         bases = []
         for _ in range(world_size):
-            ptr, size, _handle = ext.allocate_registered(nbytes, IPC, device.index)
+            ptr, size, _handle = ext.allocate_registered(nbytes, IPC, device.index or 0)
             self._owned.append((ptr, size, IPC))
             bases.append(ptr)
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         table = torch.tensor(bases, dtype=torch.int64, device=device)
         self.tables = [table] * world_size
         return self
@@ -57,7 +80,7 @@ class RegisteredBuffers:
         kind = _handle_kind(ext, group, device.index)
         ptr, size, handle = ext.allocate_registered(nbytes, kind, device.index)
         self._owned.append((ptr, size, kind))
-        torch.cuda.synchronize(device)  # zeroed before any peer can write into it
+        _synchronize(device)  # zeroed before any peer can write into it
         entries = [None] * dist.get_world_size(group)
         dist.all_gather_object(entries, (handle, size), group=group)
         bases = []
@@ -75,7 +98,7 @@ class RegisteredBuffers:
     def close(self) -> None:
         if not (self._owned or self._opened):
             return
-        torch.cuda.synchronize(self.device)
+        _synchronize(self.device)
         for ptr, size, kind in self._opened:
             self.ext.close_peer(ptr, size, kind)
         for ptr, size, kind in self._owned:

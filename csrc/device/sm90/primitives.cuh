@@ -1,12 +1,34 @@
-// Thin wrappers over the PTX this project uses on sm_90: mbarriers, bulk (TMA) copies
-// between global and shared memory, system-scope acquire/release, and the global timer.
+// The device primitives on sm_90 / sm_100: thin PTX wrappers (mbarriers, bulk copies between
+// global and shared memory, proxy fences, system-scope acquire / release), the global timer,
+// and per-block shared storage. csrc/device/model/ implements the same names on the CPU.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
-namespace hybrid_ep::ptx {
+namespace hybrid_ep::dev {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- shared storage of a block ---------------------------------------------------------
+
+// One struct of a kernel's static shared variables. Each kernel names its own type, so two
+// call sites never alias.
+template <typename T>
+__device__ __forceinline__ T& block_shared() {
+  __shared__ __align__(16) unsigned char storage[sizeof(T)];
+  return *reinterpret_cast<T*>(storage);
+}
+
+// The launch's dynamic shared memory (its size is the launcher's smem argument).
+template <typename T>
+__device__ __forceinline__ T* dynamic_smem() {
+  extern __shared__ __align__(128) unsigned char hybrid_ep_dynamic_smem[];
+  return reinterpret_cast<T*>(hybrid_ep_dynamic_smem);
 }
 
 // ---- mbarrier -------------------------------------------------------------------------
@@ -67,6 +89,10 @@ __device__ __forceinline__ void bulk_wait_read_all() {
 // All committed groups have completed their writes.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Orders this thread's generic-proxy accesses (a flag acquire, plain stores) with its later
+// async-proxy (bulk copy) accesses, and the bulk writes it waited for with its later release.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+
 // ---- system-scope flags ---------------------------------------------------------------
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
@@ -89,10 +115,19 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
   return v;
 }
 
+// 16 bytes written by a peer in this call: bypass L1 so an earlier call's value is never seen.
+__device__ __forceinline__ int4 ld_volatile_v4(const void* p) {
+  int4 v;
+  asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
-}  // namespace hybrid_ep::ptx
+}  // namespace hybrid_ep::dev

@@ -1,79 +1,29 @@
-// Python bindings of hybrid_ep._C: the argument structs, the three launchers, occupancy
-// queries, the host-visible error record and the registered-memory transport.
+// Bindings shared by hybrid_ep._C (the GPU) and hybrid_ep._model (the CPU model of the
+// device layer): limits, the argument structs, the three launchers and the occupancy
+// queries. Both modules expose the same names, so the Python engine drives either.
 //
-// Only pybind11 and the CUDA runtime are used here (no ATen), so this file compiles fast;
-// Python passes tensors as data_ptr() integers and streams as cuda_stream integers.
-#include <cuda_runtime.h>
+// Only pybind11 is used here (no ATen), so this compiles fast; Python passes tensors as
+// data_ptr() integers and streams as integers.
+#pragma once
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "common/params.h"
 #include "kernels/launch.h"
-#include "transport/registered_memory.h"
+
+namespace hybrid_ep::bindings {
 
 namespace py = pybind11;
-using namespace hybrid_ep;
 
-namespace hybrid_ep {
-int layout_max_blocks_per_sm(size_t smem);
-int dispatch_max_blocks_per_sm(size_t smem);
-int combine_max_blocks_per_sm();
-}  // namespace hybrid_ep
-
-namespace {
-
-void check_launch(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("hybrid_ep: launching the ") + what + " kernel failed: " +
-                             cudaGetErrorString(err));
+inline void check_launch(LaunchStatus status, const char* what) {
+  if (status != nullptr)
+    throw std::runtime_error(std::string("hybrid_ep: launching the ") + what + " kernel failed: " + status);
 }
 
-cudaStream_t as_stream(uint64_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-// Pinned host memory mapped into the device address space, so a kernel can report a
-// failure that the host reads without synchronising.
-class ErrorRecordHost {
- public:
-  ErrorRecordHost() {
-    void* p = nullptr;
-    if (cudaHostAlloc(&p, sizeof(ErrorRecord), cudaHostAllocMapped) != cudaSuccess)
-      throw std::runtime_error("hybrid_ep: cudaHostAlloc of the error record failed");
-    host_ = static_cast<ErrorRecord*>(p);
-    clear();
-    void* d = nullptr;
-    if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess)
-      throw std::runtime_error("hybrid_ep: cudaHostGetDevicePointer of the error record failed");
-    device_ = reinterpret_cast<uint64_t>(d);
-  }
-  ~ErrorRecordHost() { cudaFreeHost(host_); }
-  uint64_t device_ptr() const { return device_; }
-  void clear() { std::memset(host_, 0, sizeof(ErrorRecord)); }
-  py::object read() const {
-    const volatile ErrorRecord* r = host_;
-    if (r->phase == 0) return py::none();
-    py::dict d;
-    d["phase"] = static_cast<int>(r->phase);
-    d["rank"] = static_cast<int>(r->rank);
-    d["peer"] = static_cast<int>(r->peer);
-    d["epoch"] = static_cast<uint64_t>(r->epoch);
-    d["expected"] = static_cast<uint64_t>(r->expected);
-    d["observed"] = static_cast<uint64_t>(r->observed);
-    return d;
-  }
-
- private:
-  ErrorRecord* host_ = nullptr;
-  uint64_t device_ = 0;
-};
-
-}  // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "hybrid-ep CUDA kernels and NVLink transport";
+inline void bind_common(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_LAUNCH_RANKS") = kMaxLaunchRanks;
   m.attr("MAX_TOPK") = kMaxTopK;
@@ -122,29 +72,15 @@ PYBIND11_MODULE(_C, m) {
       });
 #undef RW
 
-  m.def("launch_layout", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, as_stream(stream)), "layout"); });
-  m.def("launch_dispatch", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_dispatch(a, as_stream(stream)), "dispatch"); });
-  m.def("launch_combine", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, as_stream(stream)), "combine"); });
+  m.def("launch_layout", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, stream), "layout"); });
+  m.def("launch_dispatch",
+        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_dispatch(a, stream), "dispatch"); });
+  m.def("launch_combine", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
   m.def("layout_smem_bytes", &layout_smem_bytes);
   m.def("dispatch_smem_bytes", &dispatch_smem_bytes);
   m.def("layout_max_blocks_per_sm", &layout_max_blocks_per_sm);
   m.def("dispatch_max_blocks_per_sm", &dispatch_max_blocks_per_sm);
   m.def("combine_max_blocks_per_sm", &combine_max_blocks_per_sm);
-
-  py::class_<ErrorRecordHost>(m, "ErrorRecord")
-      .def(py::init<>())
-      .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
-      .def("read", &ErrorRecordHost::read)
-      .def("clear", &ErrorRecordHost::clear);
-
-  m.def("fabric_supported", &fabric_supported);
-  m.def("allocate_registered", [](size_t bytes, int kind, int device) {
-    Allocation a = allocate_registered(bytes, static_cast<HandleKind>(kind), device);
-    return py::make_tuple(a.ptr, a.bytes, py::bytes(a.handle));
-  });
-  m.def("free_registered", [](uint64_t ptr, size_t bytes, int kind) { free_registered(ptr, bytes, static_cast<HandleKind>(kind)); });
-  m.def("open_peer", [](py::bytes handle, size_t bytes, int kind, int device) {
-    return open_peer(std::string(handle), bytes, static_cast<HandleKind>(kind), device);
-  });
-  m.def("close_peer", [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
 }
+
+}  // namespace hybrid_ep::bindings

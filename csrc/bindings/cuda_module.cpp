@@ -1,0 +1,84 @@
+// hybrid_ep._C: the kernels on the GPU, the host-visible error record (mapped pinned memory)
+// and the NVLink transport's registered memory.
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "bindings/common.h"
+#include "transport/registered_memory.h"
+
+namespace py = pybind11;
+using namespace hybrid_ep;
+
+namespace {
+
+// Pinned host memory mapped into the device address space, so a kernel can report a
+// failure that the host reads without synchronising.
+class ErrorRecordHost {
+ public:
+  ErrorRecordHost() {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, sizeof(ErrorRecord), cudaHostAllocMapped) != cudaSuccess)
+      throw std::runtime_error("hybrid_ep: cudaHostAlloc of the error record failed");
+    host_ = static_cast<ErrorRecord*>(p);
+    clear();
+    void* d = nullptr;
+    if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess)
+      throw std::runtime_error("hybrid_ep: cudaHostGetDevicePointer of the error record failed");
+    device_ = reinterpret_cast<uint64_t>(d);
+  }
+  ~ErrorRecordHost() { cudaFreeHost(host_); }
+  uint64_t device_ptr() const { return device_; }
+  void clear() { std::memset(host_, 0, sizeof(ErrorRecord)); }
+  py::object read() const {
+    const volatile ErrorRecord* r = host_;
+    if (r->phase == 0) return py::none();
+    py::dict d;
+    d["phase"] = static_cast<int>(r->phase);
+    d["rank"] = static_cast<int>(r->rank);
+    d["peer"] = static_cast<int>(r->peer);
+    d["epoch"] = static_cast<uint64_t>(r->epoch);
+    d["expected"] = static_cast<uint64_t>(r->expected);
+    d["observed"] = static_cast<uint64_t>(r->observed);
+    return d;
+  }
+
+ private:
+  ErrorRecord* host_ = nullptr;
+  uint64_t device_ = 0;
+};
+
+// (multiprocessors, shared memory per block with opt-in): what the launch plan needs.
+py::tuple device_properties(int device) {
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    throw std::runtime_error("hybrid_ep: cudaGetDeviceProperties failed");
+  return py::make_tuple(prop.multiProcessorCount, static_cast<int64_t>(prop.sharedMemPerBlockOptin));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hybrid-ep CUDA kernels and NVLink transport";
+  bindings::bind_common(m);
+  m.attr("IS_MODEL") = false;
+  m.def("device_properties", &device_properties);
+
+  py::class_<ErrorRecordHost>(m, "ErrorRecord")
+      .def(py::init<>())
+      .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
+      .def("read", &ErrorRecordHost::read)
+      .def("clear", &ErrorRecordHost::clear);
+
+  m.def("fabric_supported", &fabric_supported);
+  m.def("fabric_probe", &fabric_probe);
+  m.def("allocate_registered", [](size_t bytes, int kind, int device) {
+    Allocation a = allocate_registered(bytes, static_cast<HandleKind>(kind), device);
+    return py::make_tuple(a.ptr, a.bytes, py::bytes(a.handle));
+  });
+  m.def("free_registered", [](uint64_t ptr, size_t bytes, int kind) { free_registered(ptr, bytes, static_cast<HandleKind>(kind)); });
+  m.def("open_peer", [](py::bytes handle, size_t bytes, int kind, int device) {
+    return open_peer(std::string(handle), bytes, static_cast<HandleKind>(kind), device);
+  });
+  m.def("close_peer", [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
+}

@@ -1,0 +1,35 @@
+// Cooperative launches and occupancy queries on a GPU. Every launch is cooperative: blocks
+// wait on rows that other blocks (of this or another virtual rank) send, so all of them must
+// be resident at once. csrc/device/model/launch.h runs the same kernels on the CPU model.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hybrid_ep::dev {
+
+// nullptr on success, else the CUDA error's text.
+template <typename Args>
+const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
+                                const Args& args) {
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err == cudaSuccess) {
+    void* params[] = {const_cast<Args*>(&args)};
+    err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads), params,
+                                      smem, reinterpret_cast<cudaStream_t>(stream));
+  }
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// Blocks of `kernel` that fit on one SM with this many threads and bytes of dynamic smem.
+template <typename Args>
+int max_active_blocks(void (*kernel)(Args), int threads, size_t smem) {
+  int n = 0;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  return n;
+}
+
+}  // namespace hybrid_ep::dev

@@ -1,0 +1,72 @@
+"""One oracle check of the kernels in emulation, shared by the GPU tests, the CPU-model tests
+and the GPU scripts (`python -m hybrid_ep.testing.emulated_check`).
+
+`check_emulated(group, case)` builds the inputs of every virtual rank, runs dispatch,
+combine and a dispatch that reuses the handles on the group (GPU or CPU model), and compares
+every rank with the dense oracle: dispatch bitwise, combine within the fp32-accumulation
+bound plus one rounding. The oracle runs on the group's device, in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8 import FP8_DTYPE
+from .cases import Case, make_rank_inputs
+from .compare import assert_combine_close, assert_dispatch_matches
+from .oracle import combine_oracle, dispatch_oracle
+
+
+def emulated_group_for(case: Case, device, **kwargs):
+    from ..backends.cuda.emulation import EmulatedGroup
+
+    return EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
+                         pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
+                         device=device, **kwargs)
+
+
+def buffer_key(case: Case) -> tuple:
+    """Cases with equal keys can share one EmulatedGroup."""
+    return (case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts, case.pad_multiple,
+            case.min_rows_per_expert)
+
+
+def on_device(inputs: list[dict], dev) -> tuple[list, list, list, list]:
+    """(x, topk_idx, topk_weights, scales) of every rank, moved to dev (scales may be None)."""
+    return ([i["x"].to(dev) for i in inputs], [i["topk_idx"].to(dev) for i in inputs],
+            [i["topk_weights"].to(dev) for i in inputs],
+            [None if i["scales"] is None else i["scales"].to(dev) for i in inputs])
+
+
+def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = True):
+    """Run `case` on the group and (with check) assert every rank against the oracle.
+
+    Returns the dispatch results, so callers can inspect handles."""
+    cfg = group.config
+    dev = group.device
+    xs, idx, weights, scales = on_device(make_rank_inputs(case), dev)
+    res = group.dispatch(xs, idx, weights, scales=scales, num_out_tokens=case.num_out_tokens, num_sms=num_sms)
+    gen = torch.Generator(device=dev).manual_seed(case.seed + 1)
+    expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen, device=dev).to(case.combine_dtype)
+                   for r in res]
+    ys = group.combine(expert_outs, [r.handle for r in res], apply_probs=case.apply_probs, num_sms=num_sms)
+    again = group.redispatch(xs, [r.handle for r in res], scales=scales if case.dtype == FP8_DTYPE else None,
+                             num_sms=num_sms)
+    group.synchronize()
+    if not check:
+        return res
+    run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
+                          device=dev)
+    want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
+    for r in range(case.world_size):
+        where = f"{case} rank {r}"
+        got = {"tokens": res[r].tokens, "scales": res[r].scales, "probs": res[r].probs,
+               "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
+        assert_dispatch_matches(got, run.ranks[r], where)
+        assert int(res[r].handle.num_needed_rows) == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
+        assert torch.equal(again[r].tokens.view(torch.uint8), res[r].tokens.view(torch.uint8)), (
+            f"{where}: a dispatch that reuses the handle gave other rows")
+        if res[r].scales is not None:
+            assert torch.equal(again[r].scales, res[r].scales), f"{where}: reused handle, other scales"
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
+    return res

@@ -1,0 +1,156 @@
+"""scripts/gpu_check.sh on CPU: argument handling, and what each stage runs, with every tool
+of the GPU machine replaced by a stub that records its command line. Network tools (pip,
+curl, wget, git, conda, uv) are stubs that fail loudly: no stage may call them, nor
+scripts/env.sh (it builds a virtualenv from a package registry)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+NETWORK_TOOLS = ("pip", "pip3", "curl", "wget", "git", "conda", "uv", "apt-get")
+
+
+def _stub(path: Path, body: str) -> None:
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def machine(tmp_path):
+    """A fake checkout (the script, csrc/, setup.py) and a PATH of stubs; calls go to calls.log."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "csrc" / "kernels").mkdir(parents=True)
+    (repo / "hybrid_ep").mkdir()
+    shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
+    (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
+    (repo / "setup.py").write_text("# setup\n")
+    _stub(repo / "scripts" / "env.sh", 'echo "NETWORK env.sh" >> "$CALLS"; exit 1\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    # python3: a build creates the extension; pytest / the bench exit with $PYTEST_RC; any
+    # `-m pip` is a network call.
+    _stub(bin_dir / "python3", r'''
+echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" >> "$CALLS"
+case "$*" in
+  *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
+  "setup.py build_ext --inplace") touch hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so; echo built ;;
+  *"-m pytest"*) echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
+  *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
+  *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
+esac
+exit 0
+''')
+    _stub(bin_dir / "nvidia-smi", 'echo "NVIDIA H100 80GB HBM3, 580.00, 81559 MiB"\n')
+    _stub(bin_dir / "nvcc", 'echo "Cuda compilation tools, release 13.0"\n')
+    _stub(bin_dir / "compute-sanitizer", r'''
+echo "compute-sanitizer $*" >> "$CALLS"
+echo "========= ERROR SUMMARY: 0 errors"
+''')
+    _stub(bin_dir / "ncu", r'''
+echo "ncu $*" >> "$CALLS"
+for a in "$@"; do if [ "$prev" = "--export" ]; then touch "$a.ncu-rep"; fi; prev=$a; done
+echo "==PROF== Disconnected"
+''')
+    for tool in NETWORK_TOOLS:
+        _stub(bin_dir / tool, f'echo "NETWORK {tool} $*" >> "$CALLS"; exit 1\n')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(log), "HOME": str(tmp_path)}
+
+    def run(*args, **extra_env):
+        proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *args], cwd=tmp_path,
+                              env={**env, **extra_env}, capture_output=True, text=True, timeout=60)
+        calls = log.read_text() if log.exists() else ""
+        assert "NETWORK" not in calls, f"a stage reached for the network: {calls}"
+        return proc, calls
+
+    return repo, tmp_path / "results", run
+
+
+def test_usage_and_bad_arguments(machine):
+    _, results, run = machine
+    for args in ((), ("test",), ("deploy", str(results)), ("bench", str(results), "extra")):
+        proc, calls = run(*args)
+        assert proc.returncode == 2, args
+        assert "gpu_check.sh test     RESULTS" in proc.stderr
+        assert calls == ""
+    proc, _ = run("sanitize", str(results), "leakcheck")
+    assert proc.returncode == 2 and "unknown compute-sanitizer tool 'leakcheck'" in proc.stderr
+
+
+def test_test_stage_builds_in_place_for_sm90a_then_runs_the_gpu_tests(machine):
+    repo, results, run = machine
+    proc, calls = run("test", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in calls.splitlines() if not line.startswith("python3 -c")]
+    assert lines[0].startswith("python3 setup.py build_ext --inplace | ARCHS=90a PYTHONPATH=" + str(repo))
+    pytest_line = next(line for line in lines if "-m pytest" in line)
+    for expected in ("-m gpu or multigpu", "tests/test_cuda_emulation.py", "tests/test_reference_nccl.py",
+                     f"--junitxml={results}/gpu_tests.xml"):
+        assert expected in pytest_line
+    assert (results / "gpu_tests.log").read_text().strip().endswith("40 passed in 100.00s ===")
+    assert "H100" in (results / "machine.txt").read_text()
+    assert "pytest exit 0" in proc.stdout
+
+
+def test_fresh_extension_is_not_rebuilt_and_a_changed_source_is(machine):
+    repo, results, run = machine
+    run("build", str(results))
+    proc, calls = run("build", str(results))
+    assert proc.returncode == 0
+    assert calls.count("setup.py build_ext") == 1 and "not rebuilt" in proc.stdout
+    time.sleep(0.01)
+    src = repo / "csrc" / "kernels" / "dispatch.cu"
+    later = time.time() + 5
+    os.utime(src, (later, later))
+    _, calls = run("build", str(results))
+    assert calls.count("setup.py build_ext") == 2
+
+
+def test_failing_tests_fail_the_stage(machine):
+    _, results, run = machine
+    proc, _ = run("test", str(results), PYTEST_RC="1")
+    assert proc.returncode == 1 and "pytest exit 1" in proc.stdout
+
+
+def test_sanitize_runs_each_tool_on_the_small_cases(machine):
+    _, results, run = machine
+    proc, calls = run("sanitize", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [line for line in calls.splitlines() if line.startswith("compute-sanitizer")]
+    assert [r.split()[2] for r in runs] == ["memcheck", "racecheck", "synccheck"]
+    assert all("-m hybrid_ep.testing.emulated_check --preset small" in r for r in runs)
+    summary = (results / "sanitizer_summary.txt").read_text().splitlines()
+    assert summary == [f"{t}: exit 0; ========= ERROR SUMMARY: 0 errors" for t in ("memcheck", "racecheck", "synccheck")]
+    proc, calls = run("sanitize", str(results), "memcheck")
+    assert calls.count("--tool memcheck") == 2 and calls.count("--tool racecheck") == 1
+
+
+def test_bench_and_ncu_stages(machine):
+    _, results, run = machine
+    proc, calls = run("bench", str(results))
+    assert proc.returncode == 0
+    bench = next(line for line in calls.splitlines() if "-m hybrid_ep.bench" in line)
+    assert "--emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2 4" in bench
+    assert f"--out {results}/bench" in bench
+    proc, calls = run("ncu", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
+    assert "regex:dispatch_kernel|combine_kernel" in ncu[0] and "--launch-skip 3 --launch-count 2" in ncu[0]
+    assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in ncu[0]
+    assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
+
+
+def test_the_script_names_no_installer():
+    text = SCRIPT.read_text()
+    for word in ("pip ", "env.sh", "curl", "wget", "venv", "conda", "apt-get"):
+        assert word not in text.split("# Every stage")[1], word
