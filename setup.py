@@ -1,8 +1,10 @@
 """hybrid-ep: hierarchical expert-parallel dispatch/combine for Megatron-Core MoE training.
 
-The CUDA extension hybrid_ep._C is compiled ahead of time here when csrc/ has sources and a
-CUDA toolkit plus a CUDA build of PyTorch are present; otherwise the package installs as
-pure Python (reference backend) and one line says why.
+Two extensions are compiled ahead of time from csrc/:
+- hybrid_ep._C, the kernels for the GPU, when a CUDA toolkit and a CUDA build of PyTorch are
+  present; otherwise the package installs without it (reference backend) and one line says why;
+- hybrid_ep._model, the same kernel sources on the CPU model of the device layer, with the
+  host compiler alone (no CUDA toolkit), so the kernels' logic is tested on every machine.
 """
 
 import glob
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 
 def _default_archs(cuda_home: str) -> str:
@@ -51,6 +53,13 @@ def _locate_cuda_home() -> None:
             return
 
 
+def _csrc_files() -> list[str]:
+    """Every source and header under csrc/: an extension is rebuilt when any of them changes
+    (setuptools compares only the listed sources otherwise, and the model's sources include
+    the kernels' .cu files)."""
+    return sorted(p for ext in ("cu", "cuh", "h", "cpp") for p in glob.glob(f"csrc/**/*.{ext}", recursive=True))
+
+
 def _cuda_extension():
     """Return (ext_modules, cmdclass, reason it was skipped or None)."""
     if os.environ.get("HYBRID_EP_SKIP_CUDA_BUILD") == "1":
@@ -77,14 +86,47 @@ def _cuda_extension():
         "hybrid_ep._C",
         sources,
         include_dirs=[os.path.abspath("csrc")],
+        depends=_csrc_files(),
         extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension}, None
 
 
+def _model_extension():
+    """Return (extension or None, reason it was skipped or None)."""
+    if os.environ.get("HYBRID_EP_SKIP_MODEL_BUILD") == "1":
+        return None, "HYBRID_EP_SKIP_MODEL_BUILD=1"
+    try:
+        import pybind11
+
+        includes = [pybind11.get_include()]
+    except ImportError:
+        try:
+            from torch.utils.cpp_extension import include_paths
+        except ImportError:
+            return None, "neither pybind11 nor PyTorch is importable at build time (for the pybind11 headers)"
+        includes = include_paths()
+    sources = sorted(glob.glob("csrc/device/model/*.cpp")) + ["csrc/bindings/model_module.cpp"]
+    print("hybrid-ep: building the CPU model of the kernels hybrid_ep._model", file=sys.stderr)
+    ext = Extension(
+        "hybrid_ep._model",
+        sources,
+        include_dirs=[os.path.abspath("csrc")] + includes,
+        depends=_csrc_files(),
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+    )
+    return ext, None
+
+
 ext_modules, cmdclass, skipped = _cuda_extension()
 if skipped:
     print(f"hybrid-ep: building without the CUDA extension hybrid_ep._C: {skipped}", file=sys.stderr)
+model_ext, model_skipped = _model_extension()
+if model_ext is not None:
+    ext_modules = ext_modules + [model_ext]
+else:
+    print(f"hybrid-ep: building without the CPU model hybrid_ep._model: {model_skipped}", file=sys.stderr)
 
 setup(
     name="hybrid-ep",

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
+from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
-from hybrid_ep.testing.emulated import buffer_key, check_emulated, emulated_group_for, on_device
+from hybrid_ep.testing.emulated import (
+    buffer_key, check_emulated, check_emulated_autograd, emulated_group_for, on_device,
+)
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
@@ -132,31 +134,7 @@ def test_combine_of_a_misaligned_view():
 def test_autograd_through_dispatch_and_combine():
     case = _case(4, dtype=torch.float32, topk=4, num_experts=8, hidden=128, tokens=(33, 0, 17, 5),
                  drop_fraction=0.2)
-    group = group_for(case)
-    cfg = group.config
-    inputs = make_rank_inputs(case)
-    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
-                          [i["topk_weights"] for i in inputs])
-    gen = torch.Generator().manual_seed(7)
-    weights = torch.randn(cfg.num_experts, cfg.hidden_dim, cfg.hidden_dim, generator=gen) / cfg.hidden_dim ** 0.5
-    grad_ys = [torch.randn(t, cfg.hidden_dim, generator=gen) for t in case.tokens]
-    dev = group.device
-    xs = [i["x"].to(dev).requires_grad_(True) for i in inputs]
-    ws = [i["topk_weights"].to(dev).requires_grad_(True) for i in inputs]
-    rows, probs, handles = group.dispatch_autograd(xs, [i["topk_idx"].to(dev) for i in inputs], ws)
-    L = cfg.experts_per_rank
-    outs = []
-    for r in range(case.world_size):
-        tpe = handles[r].tokens_per_expert.tolist()
-        out = expert_fn(rows[r], weights.to(dev), list(range(r * L, r * L + L)), tpe)
-        outs.append(out * probs[r][:, None])
-    ys = group.combine_autograd(outs, probs, handles)
-    sum((y * g.to(dev)).sum() for y, g in zip(ys, grad_ys)).backward()
-    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
-    for r in range(case.world_size):
-        torch.testing.assert_close(ys[r].detach().cpu().double(), want[r]["y"], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(xs[r].grad.cpu().double(), want[r]["grad_x"], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(ws[r].grad.cpu().double(), want[r]["grad_weights"], rtol=1e-4, atol=1e-5)
+    check_emulated_autograd(group_for(case), case)
 
 
 def test_cuda_graph_replays_with_new_routings():

@@ -23,6 +23,20 @@ inline void check_launch(LaunchStatus status, const char* what) {
     throw std::runtime_error(std::string("hybrid_ep: launching the ") + what + " kernel failed: " + status);
 }
 
+// The host-visible error record as a dict, None while no kernel recorded a failure.
+inline py::object error_record_dict(const volatile ErrorRecord* r) {
+  if (r->phase == 0) return py::none();
+  py::dict d;
+  d["phase"] = static_cast<int>(r->phase);
+  d["rank"] = static_cast<int>(r->rank);
+  d["peer"] = static_cast<int>(r->peer);
+  d["epoch"] = static_cast<uint64_t>(r->epoch);
+  d["expected"] = static_cast<uint64_t>(r->expected);
+  d["observed"] = static_cast<uint64_t>(r->observed);
+  return d;
+}
+
+// Classes are module-local: _C and _model bind the same C++ types and may both be imported.
 inline void bind_common(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_LAUNCH_RANKS") = kMaxLaunchRanks;
@@ -33,29 +47,29 @@ inline void bind_common(py::module_& m) {
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
-  py::class_<RegLayout>(m, "RegLayout")
+  py::class_<RegLayout>(m, "RegLayout", py::module_local())
       .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, dispatch_signal) RW(RegLayout, combine_signal)
           RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
               RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
                       RW(RegLayout, scale_stride) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
                           RW(RegLayout, total);
-  py::class_<InfoLayout>(m, "InfoLayout")
+  py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, recv_offset) RW(InfoLayout, send_count)
               RW(InfoLayout, needed) RW(InfoLayout, dropped) RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix)
                   RW(InfoLayout, node_counts) RW(InfoLayout, total);
-  py::class_<Geometry>(m, "Geometry")
+  py::class_<Geometry>(m, "Geometry", py::module_local())
       .def(py::init<>()) RW(Geometry, world_size) RW(Geometry, ranks_per_node) RW(Geometry, num_nodes)
           RW(Geometry, num_experts) RW(Geometry, local_experts) RW(Geometry, max_tokens) RW(Geometry, hidden)
               RW(Geometry, pad_multiple) RW(Geometry, min_rows_per_expert) RW(Geometry, reg) RW(Geometry, info);
-  py::class_<RankArgs>(m, "RankArgs")
+  py::class_<RankArgs>(m, "RankArgs", py::module_local())
       .def(py::init([] { return RankArgs{}; })) RW(RankArgs, rank) RW(RankArgs, absent) RW(RankArgs, num_tokens)
           RW(RankArgs, topk) RW(RankArgs, peers) RW(RankArgs, x) RW(RankArgs, x_scales) RW(RankArgs, topk_idx)
               RW(RankArgs, topk_weights) RW(RankArgs, send_slot) RW(RankArgs, entry_ord) RW(RankArgs, info)
                   RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos)
                       RW(RankArgs, num_out_rows) RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y);
-  py::class_<LaunchArgs>(m, "LaunchArgs")
+  py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks)
           RW(LaunchArgs, blocks_per_rank) RW(LaunchArgs, dtype) RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols)
               RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages)

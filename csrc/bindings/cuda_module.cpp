@@ -30,18 +30,7 @@ class ErrorRecordHost {
   ~ErrorRecordHost() { cudaFreeHost(host_); }
   uint64_t device_ptr() const { return device_; }
   void clear() { std::memset(host_, 0, sizeof(ErrorRecord)); }
-  py::object read() const {
-    const volatile ErrorRecord* r = host_;
-    if (r->phase == 0) return py::none();
-    py::dict d;
-    d["phase"] = static_cast<int>(r->phase);
-    d["rank"] = static_cast<int>(r->rank);
-    d["peer"] = static_cast<int>(r->peer);
-    d["epoch"] = static_cast<uint64_t>(r->epoch);
-    d["expected"] = static_cast<uint64_t>(r->expected);
-    d["observed"] = static_cast<uint64_t>(r->observed);
-    return d;
-  }
+  py::object read() const { return bindings::error_record_dict(host_); }
 
  private:
   ErrorRecord* host_ = nullptr;
@@ -63,8 +52,10 @@ PYBIND11_MODULE(_C, m) {
   bindings::bind_common(m);
   m.attr("IS_MODEL") = false;
   m.def("device_properties", &device_properties);
+  m.def("note_launch_tensors", [](const std::vector<std::pair<uint64_t, uint64_t>>&) {},
+        "no-op on the GPU (the CPU model checks bulk copies against these; compute-sanitizer does it here)");
 
-  py::class_<ErrorRecordHost>(m, "ErrorRecord")
+  py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
       .def(py::init<>())
       .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
       .def("read", &ErrorRecordHost::read)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8 import FP8_DTYPE
-from .cases import Case, make_rank_inputs
+from .cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
 from .compare import assert_combine_close, assert_dispatch_matches
 from .oracle import combine_oracle, dispatch_oracle
 
@@ -38,6 +38,22 @@ def on_device(inputs: list[dict], dev) -> tuple[list, list, list, list]:
             [None if i["scales"] is None else i["scales"].to(dev) for i in inputs])
 
 
+def expected_counts(topk_idx: list[torch.Tensor], experts_per_rank: int, ranks_per_node: int, world_size: int):
+    """(rows from s to d [W, W], tokens of s that reach node n [W, N]), straight from the routes."""
+    N = world_size // ranks_per_node
+    rows = torch.zeros(world_size, world_size, dtype=torch.int64)
+    nodes = torch.zeros(world_size, N, dtype=torch.int64)
+    for s, idx in enumerate(topk_idx):
+        idx = idx.cpu()
+        dest = torch.where(idx >= 0, idx // experts_per_rank, -1)
+        for d in range(world_size):
+            rows[s, d] = int((dest == d).any(dim=1).sum())
+        for n in range(N):
+            on_node = (dest >= n * ranks_per_node) & (dest < (n + 1) * ranks_per_node)
+            nodes[s, n] = int(on_node.any(dim=1).sum())
+    return rows, nodes
+
+
 def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = True):
     """Run `case` on the group and (with check) assert every rank against the oracle.
 
@@ -58,8 +74,14 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
                           device=dev)
     want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
+    want_rows, want_nodes = expected_counts(idx, cfg.experts_per_rank, cfg.ranks_per_node, cfg.world_size)
     for r in range(case.world_size):
         where = f"{case} rank {r}"
+        got_rows, got_nodes = res[r].handle.count_matrix_WW.cpu(), res[r].handle.node_counts_WN.cpu()
+        assert torch.equal(got_rows, want_rows), f"{where}: rows per (source, destination) {got_rows.tolist()} != " \
+                                                 f"{want_rows.tolist()}"
+        assert torch.equal(got_nodes, want_nodes), f"{where}: tokens per (source, node) {got_nodes.tolist()} != " \
+                                                   f"{want_nodes.tolist()}"
         got = {"tokens": res[r].tokens, "scales": res[r].scales, "probs": res[r].probs,
                "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
         assert_dispatch_matches(got, run.ranks[r], where)
@@ -70,3 +92,30 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
             assert torch.equal(again[r].scales, res[r].scales), f"{where}: reused handle, other scales"
         assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
     return res
+
+
+def check_emulated_autograd(group, case: Case) -> None:
+    """Dispatch -> a different nonlinear function per expert (times the routing weight) ->
+    combine, then backward, against the float64 autograd of the dense computation."""
+    cfg, dev = group.config, group.device
+    inputs = make_rank_inputs(case)
+    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs])
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(cfg.num_experts, cfg.hidden_dim, cfg.hidden_dim, generator=gen) / cfg.hidden_dim ** 0.5
+    grad_ys = [torch.randn(t, cfg.hidden_dim, generator=gen) for t in case.tokens]
+    xs = [i["x"].to(dev, copy=True).requires_grad_(True) for i in inputs]  # leaves of this graph only
+    ws = [i["topk_weights"].to(dev, copy=True).requires_grad_(True) for i in inputs]
+    rows, probs, handles = group.dispatch_autograd(xs, [i["topk_idx"].to(dev) for i in inputs], ws)
+    L = cfg.experts_per_rank
+    outs = []
+    for r in range(case.world_size):
+        out = expert_fn(rows[r], weights.to(dev), list(range(r * L, r * L + L)), handles[r].tokens_per_expert.tolist())
+        outs.append(out * probs[r][:, None])
+    ys = group.combine_autograd(outs, probs, handles)
+    sum((y * g.to(dev)).sum() for y, g in zip(ys, grad_ys)).backward()
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    for r in range(case.world_size):
+        torch.testing.assert_close(ys[r].detach().cpu().double(), want[r]["y"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xs[r].grad.cpu().double(), want[r]["grad_x"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ws[r].grad.cpu().double(), want[r]["grad_weights"], rtol=1e-4, atol=1e-5)

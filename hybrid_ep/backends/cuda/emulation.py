@@ -70,7 +70,7 @@ class EmulatedGroup:
     # -- plain calls ------------------------------------------------------------------------
 
     def dispatch(self, xs, topk_idx, topk_weights=None, *, scales=None, num_out_tokens=None, num_sms=None,
-                 absent=()) -> list[DispatchResult]:
+                 absent=(), absent_after_layout=()) -> list[DispatchResult]:
         W = self.world_size
         topk_weights = topk_weights if topk_weights is not None else [None] * W
         scales = scales if scales is not None else [None] * W
@@ -83,11 +83,14 @@ class EmulatedGroup:
             inputs.check_dispatch_input(x, sc, self.config, self.device)
             routings.append(normalize_routing(x.shape[0], self.config.num_experts, x.device, topk_idx=idx,
                                               topk_weights=w, check_values=num_out_tokens is None))
-        return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None, frozenset(absent))
+        return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None, frozenset(absent),
+                              frozenset(absent_after_layout))
 
-    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, absent):
+    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, absent,
+                  absent_after_layout=frozenset()):
         sms = self.num_sms_dispatch if num_sms is None else num_sms
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows, absent)
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows, absent,
+                                        absent_after_layout)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             handle = DispatchHandle(

@@ -108,6 +108,9 @@ class Engine:
         # or aligned copies, fp32 casts): kept until the next call of that kind, so they
         # outlive the kernels also when the caller moves on to another stream.
         self._in_flight: dict[str, list[torch.Tensor]] = {}
+        # The CPU model checks every bulk copy against the tensors of the launch; on a GPU
+        # that is compute-sanitizer's job and the call is skipped.
+        self._declares_tensors = bool(getattr(ext, "IS_MODEL", False))
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -185,6 +188,13 @@ class Engine:
             return 0  # the CPU model runs each launch to completion in the call
         return torch.cuda.current_stream(self.device).cuda_stream
 
+    def _declare(self, tensors) -> None:
+        if self._declares_tensors:
+            self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+                                          if t is not None and t.numel() > 0] +
+                                         [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
+                                         [(self.abort.data_ptr(), 4)])
+
     def _aligned(self, t: torch.Tensor) -> torch.Tensor:
         """Contiguous, starting on a 16-byte boundary (the kernels move 16-byte vectors)."""
         t = t.contiguous()
@@ -196,7 +206,10 @@ class Engine:
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None,
-                 absent: frozenset[int] = frozenset()) -> list[RankDispatch]:
+                 absent: frozenset[int] = frozenset(),
+                 absent_after_layout: frozenset[int] = frozenset()) -> list[RankDispatch]:
+        """absent, absent_after_layout: test hooks, ranks that never launch (or launch the
+        layout kernel but not the dispatch kernel), as a crashed peer would."""
         self.raise_if_failed()
         c = self.config
         W, L, H = c.world_size, c.experts_per_rank, c.hidden_dim
@@ -243,6 +256,7 @@ class Engine:
             keep.append((x, sc, idx, w, send_slot, entry_ord, info))
         for i, ra in enumerate(rank_args):
             args.set_rank(i, ra)
+        self._declare([t for k in keep for t in k])
         self.ext.launch_layout(args, self._stream())
 
         if num_out_tokens is not None:
@@ -264,6 +278,7 @@ class Engine:
             ra.out, ra.out_probs, ra.row_pos = out.data_ptr(), out_probs.data_ptr(), row_pos.data_ptr()
             ra.out_scales = out_scales.data_ptr() if fp8 else 0
             ra.num_out_rows = R
+            ra.absent = int(self.ranks[i] in absent or self.ranks[i] in absent_after_layout)
             args.set_rank(i, ra)
             il = self.info
             recv = CudaRecvLayout(
@@ -281,6 +296,8 @@ class Engine:
                 node_counts_WN=info[il.node_counts:il.node_counts + W * c.num_nodes].view(W, c.num_nodes),
             ))
         self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
+        self._declare(self._in_flight["dispatch"] + [t for r in results for t in (
+            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos)])
         self.ext.launch_dispatch(args, self._stream())
         return results
 
@@ -315,6 +332,8 @@ class Engine:
             args.set_rank(i, ra)
             outs.append((y, x, p))
         self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
+        self._declare([t for y, x, p in outs for t in (y, x, p)] +
+                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos)])
         self.ext.launch_combine(args, self._stream())
         return [y for y, _, _ in outs]
 

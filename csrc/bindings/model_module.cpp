@@ -1,0 +1,99 @@
+// hybrid_ep._model: the kernels on the CPU model of the device layer (csrc/device/model/),
+// with the same names as hybrid_ep._C, so the engine and the single-GPU emulation drive it
+// unchanged on CPU tensors. Registered buffers are host memory; the error record too.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "bindings/common.h"
+#include "device/model/builtins.h"
+#include "device/model/runtime.h"
+#include "device/model/selftest.h"
+
+namespace py = pybind11;
+using namespace hybrid_ep;
+
+namespace {
+
+class ErrorRecordHost {
+ public:
+  ErrorRecordHost() {
+    clear();
+    model::add_allocation(device_ptr(), sizeof(ErrorRecord));
+  }
+  ~ErrorRecordHost() { model::remove_allocation(device_ptr()); }
+  uint64_t device_ptr() const { return reinterpret_cast<uint64_t>(&record_); }
+  void clear() { std::memset(&record_, 0, sizeof(record_)); }
+  py::object read() const { return bindings::error_record_dict(&record_); }
+
+ private:
+  ErrorRecord record_{};
+};
+
+// Registered buffers of the model: zeroed, 4 KiB-aligned host memory.
+py::tuple allocate_registered(size_t bytes, int /*kind*/, int /*device*/) {
+  const size_t size = (bytes + 4095) / 4096 * 4096;
+  void* p = std::aligned_alloc(4096, size == 0 ? 4096 : size);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, size == 0 ? 4096 : size);
+  model::add_allocation(reinterpret_cast<uint64_t>(p), size);
+  return py::make_tuple(reinterpret_cast<uint64_t>(p), size, py::bytes(""));
+}
+
+void free_registered(uint64_t ptr, size_t /*bytes*/, int /*kind*/) {
+  model::remove_allocation(ptr);
+  std::free(reinterpret_cast<void*>(ptr));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_model, m) {
+  m.doc() = "hybrid-ep kernels on the CPU model of the device layer";
+  bindings::bind_common(m);
+  m.attr("IS_MODEL") = true;
+  m.def("device_properties", [](int) {
+    return py::make_tuple(model::kDeviceSms, static_cast<int64_t>(model::kSmemPerBlockOptin));
+  });
+
+  py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
+      .def(py::init<>())
+      .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
+      .def("read", &ErrorRecordHost::read)
+      .def("clear", &ErrorRecordHost::clear);
+
+  m.def("allocate_registered", &allocate_registered);
+  m.def("free_registered", &free_registered);
+  m.def("fabric_probe", [](int) { return std::string("the CPU model has no fabric handles"); });
+  m.def("note_launch_tensors", &model::declare_allocations,
+        "[(data_ptr, bytes)] of the tensors the next launches read and write: a bulk copy outside them and "
+        "the registered buffers is an error");
+  m.def("set_seed", &model::set_seed, "seed of the schedule and of the bulk-copy delays (reproducible runs)");
+  m.def("seed", &model::seed);
+  m.def("round_to_16bit", [](const std::vector<float>& values, const std::string& kind) {
+    std::vector<uint16_t> out;
+    for (float v : values) {
+      if (kind == "bfloat16") out.push_back(model::float_to_bf16_rn(v));
+      else if (kind == "float16") out.push_back(model::float_to_half_rn(v));
+      else throw std::invalid_argument("kind must be bfloat16 or float16");
+    }
+    return out;
+  }, "the model's float -> 16-bit conversion (round to nearest even), as bit patterns");
+  m.def("inject_abort", &model::inject_abort, py::arg("flag"), py::arg("round"), py::arg("kernel"),
+        "in the next launch of `kernel` (layout, dispatch, combine), raise the int abort flag at `flag` when "
+        "scheduling round `round` begins");
+  m.def("selftest_names", &model::selftest_names);
+  m.def("run_selftest", [](const std::string& name) {
+    model::SelftestResult r = model::run_selftest(name);
+    return py::make_tuple(r.error.empty() ? py::none() : py::object(py::str(r.error)), r.out);
+  }, "run one self-test kernel of the model: (the model's error or None, what the kernel wrote)");
+  m.def("stats", [] {
+    const model::Stats s = model::stats();
+    py::dict d;
+    d["launches"] = s.launches;
+    d["rounds"] = s.rounds;
+    d["switches"] = s.switches;
+    d["copies"] = s.copies;
+    d["idle_rounds"] = s.idle_rounds;
+    return d;
+  });
+}

@@ -1,0 +1,154 @@
+#include "device/model/fiber.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace hybrid_ep::model {
+
+namespace {
+size_t page_bytes() {
+  static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+}  // namespace
+
+bool FiberStack::contains_guard(const void* p) const {
+  const auto* a = static_cast<const char*>(p);
+  const auto* m = static_cast<const char*>(mapping);
+  return mapping != nullptr && a >= m && a < m + page_bytes();
+}
+
+StackPool::~StackPool() {
+  for (const FiberStack& s : all_) munmap(s.mapping, s.mapping_bytes);
+}
+
+FiberStack StackPool::acquire() {
+  if (!free_.empty()) {
+    FiberStack s = free_.back();
+    free_.pop_back();
+    return s;
+  }
+  const size_t page = page_bytes();
+  const size_t usable = (stack_bytes_ + page - 1) / page * page;
+  FiberStack s;
+  s.mapping_bytes = usable + page;
+  s.mapping = mmap(nullptr, s.mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  if (s.mapping == MAP_FAILED) throw std::runtime_error("hybrid_ep model: mmap of a fiber stack failed");
+  if (mprotect(s.mapping, page, PROT_NONE) != 0) throw std::runtime_error("hybrid_ep model: mprotect failed");
+  s.low = static_cast<char*>(s.mapping) + page;
+  s.top = static_cast<char*>(s.mapping) + s.mapping_bytes;
+  all_.push_back(s);
+  return s;
+}
+
+#if defined(__x86_64__)
+
+// hybrid_ep_model_switch(void** save_sp, void* new_sp): callee-saved registers, MXCSR and the
+// x87 control word are pushed on the current stack, its pointer stored, the other loaded.
+asm(R"(
+.text
+.globl hybrid_ep_model_switch
+.type hybrid_ep_model_switch,@function
+hybrid_ep_model_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size hybrid_ep_model_switch, .-hybrid_ep_model_switch
+
+.globl hybrid_ep_model_trampoline
+.type hybrid_ep_model_trampoline,@function
+hybrid_ep_model_trampoline:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+.size hybrid_ep_model_trampoline, .-hybrid_ep_model_trampoline
+)");
+
+extern "C" void hybrid_ep_model_switch(void** save_sp, void* new_sp);
+extern "C" void hybrid_ep_model_trampoline();
+
+void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg) {
+  // Frame popped by the first switch: [mxcsr | fpcw] r15 r14 r13 r12 rbx rbp ret. After the
+  // ret into the trampoline the stack pointer must be 16-byte aligned for its call.
+  auto top = reinterpret_cast<uintptr_t>(stack.top) & ~static_cast<uintptr_t>(15);
+  auto* frame = reinterpret_cast<uint64_t*>(top - 128);
+  uint32_t mxcsr = 0;
+  uint16_t fpcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  std::memset(frame, 0, 128);
+  std::memcpy(reinterpret_cast<char*>(frame), &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpcw, 2);
+  frame[1] = 0;                                        // r15
+  frame[2] = 0;                                        // r14
+  frame[3] = reinterpret_cast<uint64_t>(entry);        // r13
+  frame[4] = reinterpret_cast<uint64_t>(arg);          // r12
+  frame[5] = 0;                                        // rbx
+  frame[6] = 0;                                        // rbp
+  frame[7] = reinterpret_cast<uint64_t>(&hybrid_ep_model_trampoline);  // ret
+  ctx.sp = frame;
+}
+
+void switch_context(Context& from, Context& to) { hybrid_ep_model_switch(&from.sp, to.sp); }
+
+void free_context(Context&) {}
+
+#else  // ucontext: portable, one system call per switch
+
+void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg) {
+  auto* uc = static_cast<ucontext_t*>(ctx.impl);
+  if (uc == nullptr) ctx.impl = uc = new ucontext_t;
+  getcontext(uc);
+  uc->uc_stack.ss_sp = stack.low;
+  uc->uc_stack.ss_size = static_cast<char*>(stack.top) - static_cast<char*>(stack.low);
+  uc->uc_link = nullptr;
+  // makecontext passes int arguments: split the pointers.
+  const auto e = reinterpret_cast<uintptr_t>(entry), a = reinterpret_cast<uintptr_t>(arg);
+  makecontext(uc,
+              reinterpret_cast<void (*)()>(+[](unsigned e_hi, unsigned e_lo, unsigned a_hi, unsigned a_lo) {
+                const auto fn = reinterpret_cast<void (*)(void*)>((uintptr_t(e_hi) << 32) | e_lo);
+                fn(reinterpret_cast<void*>((uintptr_t(a_hi) << 32) | a_lo));
+              }),
+              4, unsigned(e >> 32), unsigned(e), unsigned(a >> 32), unsigned(a));
+}
+
+void switch_context(Context& from, Context& to) {
+  if (from.impl == nullptr) from.impl = new ucontext_t;
+  swapcontext(static_cast<ucontext_t*>(from.impl), static_cast<ucontext_t*>(to.impl));
+}
+
+void free_context(Context& ctx) {
+  delete static_cast<ucontext_t*>(ctx.impl);
+  ctx.impl = nullptr;
+}
+
+#endif
+
+}  // namespace hybrid_ep::model

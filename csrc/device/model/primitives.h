@@ -1,0 +1,59 @@
+// The device primitives of csrc/device/sm90/primitives.cuh, on the CPU model: the same
+// names and signatures, implemented by the model's scheduler (runtime.h), which checks each
+// use. Fences are no-ops here: the model runs one fiber at a time and does not model the
+// memory ordering they provide (docs/architecture.md lists what the model cannot show).
+#pragma once
+#include <cstdint>
+
+#include "device/model/builtins.h"
+#include "device/model/runtime.h"
+
+namespace hybrid_ep::dev {
+
+#define HYBRID_EP_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
+
+template <typename T>
+inline T& block_shared() {
+  static const char tag = 0;  // one per T: the block's slot of this type
+  return *static_cast<T*>(model::block_shared(&tag, sizeof(T), alignof(T)));
+}
+
+template <typename T>
+inline T* dynamic_smem() {
+  return static_cast<T*>(model::dynamic_smem());
+}
+
+inline void mbar_init(uint64_t* bar, uint32_t count, HYBRID_EP_SITE) { model::mbar_init(bar, count, {file, line}); }
+inline void mbar_fence_init() {}
+inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes, HYBRID_EP_SITE) {
+  model::mbar_arrive(bar, bytes, {file, line});
+}
+inline void mbar_arrive(uint64_t* bar, HYBRID_EP_SITE) { model::mbar_arrive(bar, 0, {file, line}); }
+inline bool mbar_try_wait(uint64_t* bar, uint32_t parity, HYBRID_EP_SITE) {
+  return model::mbar_try_wait(bar, parity, {file, line});
+}
+
+inline void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar, HYBRID_EP_SITE) {
+  model::bulk_g2s(smem_dst, gmem_src, bytes, bar, {file, line});
+}
+inline void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, HYBRID_EP_SITE) {
+  model::bulk_s2g(gmem_dst, smem_src, bytes, {file, line});
+}
+inline void bulk_commit(HYBRID_EP_SITE) { model::bulk_commit({file, line}); }
+inline void bulk_wait_read_all(HYBRID_EP_SITE) { model::bulk_wait(true, {file, line}); }
+inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, {file, line}); }
+inline void fence_proxy_async() {}
+
+inline uint64_t ld_acquire_sys(const uint64_t* p, HYBRID_EP_SITE) { return model::poll(p, 8, {file, line}); }
+inline void st_release_sys(uint64_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) = v; }
+inline void red_add_release_sys(uint64_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) += v; }
+inline int ld_volatile(const int* p, HYBRID_EP_SITE) { return static_cast<int>(model::poll(p, 4, {file, line})); }
+inline int4 ld_volatile_v4(const void* p) {
+  const auto* v = static_cast<const volatile int*>(p);
+  return make_int4(v[0], v[1], v[2], v[3]);
+}
+inline uint64_t global_timer_ns() { return model::timer_ns(); }
+
+#undef HYBRID_EP_SITE
+
+}  // namespace hybrid_ep::dev

@@ -1,0 +1,880 @@
+// The CPU model's scheduler and checks (runtime.h says what is checked and why).
+#include "device/model/runtime.h"
+
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "device/model/fiber.h"
+
+namespace hybrid_ep::model {
+namespace {
+
+constexpr size_t kStackBytes = 64 * 1024;
+constexpr size_t kArenaBytes = 16 * 1024;  // a block's static shared memory (block_shared)
+constexpr int kMaxCopyDelay = 3;           // rounds a bulk copy usually takes, drawn per copy
+constexpr int kLongCopyDelay = 40;         // ... and one in eight takes up to this many
+constexpr uint64_t kRoundNs = 100;
+constexpr uint64_t kIdleRoundNs = 10'000'000;
+constexpr int64_t kMaxRounds = 20'000'000;
+
+enum class State : uint8_t { kReady, kBarrier, kWarp, kDone };
+
+struct Block;
+
+struct Thread {
+  Context ctx;
+  FiberStack stack;
+  Block* block = nullptr;
+  Dim3 idx;
+  int tid = 0, lane = 0, warp = 0;
+  State state = State::kReady;
+  bool idle = false;                 // the segment that just ended only re-polled an unchanged value
+  bool busy = false;                 // a primitive other than a poll ran in this segment
+  bool last_poll_unchanged = false;  // the value the last poll returned was the one seen before
+  Site site{"", 0};                  // where it waits
+  struct Memo {
+    const volatile void* addr;
+    uint64_t value;
+  };
+  Memo memo[4] = {};
+  int memo_next = 0;
+  std::vector<std::pair<const uint64_t*, int64_t>> waited;  // mbarrier -> phase its last wait returned
+  std::vector<std::vector<size_t>> groups;                  // committed bulk stores, by copy index
+  std::vector<size_t> open_group;                           // issued, not yet committed
+  uint64_t value = 0, result = 0;
+  int src = 0;
+};
+
+struct Mbar {
+  uint32_t count = 0;
+  int64_t pending = 0;  // arrivals still owed in the current phase
+  int64_t tx = 0;       // transaction bytes still owed in the current phase
+  int64_t phase = 0;    // phases completed
+};
+
+struct WarpSync {
+  bool open = false;
+  unsigned mask = 0, arrived = 0;
+  Collective kind = Collective::kSyncwarp;
+  Site site{"", 0};
+  int first_lane = 0;
+};
+
+struct Block {
+  int index = 0;
+  std::vector<Thread*> threads;
+  int live = 0, exited = 0;
+  int at_barrier = 0;
+  bool barrier_open = false;
+  Site barrier_site{"", 0};
+  std::vector<WarpSync> warps;
+  std::vector<unsigned> warp_gone;  // lanes that exited or do not exist, per warp
+  void* mapping = nullptr;          // [arena][dynamic shared memory][guard page]
+  size_t mapping_bytes = 0;
+  unsigned char* arena = nullptr;
+  size_t arena_used = 0;
+  unsigned char* dyn = nullptr;
+  size_t dyn_bytes = 0;
+  unsigned char* guard = nullptr;
+  std::vector<std::pair<const void*, size_t>> slots;  // block_shared tag -> arena offset
+  std::unordered_map<const uint64_t*, Mbar> mbars;
+};
+
+struct Copy {
+  bool g2s = false;
+  unsigned char* dst = nullptr;
+  const unsigned char* src = nullptr;
+  uint32_t bytes = 0;
+  Block* block = nullptr;
+  uint64_t* bar = nullptr;
+  Thread* owner = nullptr;
+  Site site{"", 0};
+  int64_t read_round = 0, write_round = 0;
+  bool read = false, written = false;
+  std::vector<unsigned char> data;  // what a bulk store read from shared memory
+};
+
+struct Launch {
+  const char* name = "";
+  void (*body)(const void*) = nullptr;
+  const void* ctx = nullptr;
+  Dim3 grid, block_dim;
+  size_t smem = 0;
+  std::vector<std::unique_ptr<Block>> blocks;
+  std::vector<Thread> threads;
+  std::vector<Copy> copies;
+  std::vector<size_t> pending;
+  uint64_t rng = 0;
+  int64_t round = 0;
+  uint64_t now = 1'000'000'000;  // %globaltimer never reads 0 (the kernels use 0 as "unset")
+  int live = 0;
+  Thread* current = nullptr;
+  Context scheduler;
+  std::string error;
+  bool running = false;
+  int* inject_flag = nullptr;  // inject_abort: raised when round inject_round begins
+  int64_t inject_round = -1;
+  sigjmp_buf jump;
+};
+
+thread_local Launch* g_launch = nullptr;
+uint64_t g_seed = 0;
+uint64_t g_launches_since_seed = 0;  // with the seed, picks each launch's schedule
+Stats g_stats;
+std::string g_message;
+std::map<uint64_t, uint64_t> g_persistent;                // ptr -> bytes
+std::vector<std::pair<uint64_t, uint64_t>> g_declared;    // per call
+struct Injection {
+  uint64_t flag = 0;
+  int64_t round = -1;
+  std::string kernel;
+} g_injection;
+StackPool& stack_pool() {
+  static StackPool pool(kStackBytes);
+  return pool;
+}
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Rounds until a bulk copy (or its read) completes: mostly soon, sometimes late, so a wait
+// that is missing, or placed too early, shows up as wrong data or as a check.
+int64_t copy_delay(uint64_t& rng) {
+  const uint64_t r = splitmix(rng);
+  return static_cast<int64_t>((r & 7) == 0 ? (r >> 8) % (kLongCopyDelay + 1) : (r >> 8) % (kMaxCopyDelay + 1));
+}
+
+size_t page_bytes() {
+  static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+const char* base_name(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+
+std::string site_text(Site s) { return std::string(base_name(s.file)) + ":" + std::to_string(s.line); }
+
+bool same_site(Site a, Site b) { return a.line == b.line && std::strcmp(a.file, b.file) == 0; }
+
+const char* collective_name(Collective k) {
+  switch (k) {
+    case Collective::kSyncwarp: return "__syncwarp";
+    case Collective::kShfl: return "__shfl_sync";
+    case Collective::kBallot: return "__ballot_sync";
+  }
+  return "?";
+}
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string lanes_text(unsigned mask) {
+  std::string s;
+  for (int l = 0; l < 32; ++l)
+    if ((mask >> l) & 1u) s += (s.empty() ? "" : ",") + std::to_string(l);
+  return "{" + s + "}";
+}
+
+std::string where(const Launch& L, const Thread* t) {
+  std::string s = std::string(L.name) + " kernel";
+  if (t != nullptr)
+    s += ", block " + std::to_string(t->block->index) + " of " + std::to_string(L.grid.x) + ", thread " +
+         std::to_string(t->tid) + " (warp " + std::to_string(t->warp) + ", lane " + std::to_string(t->lane) + ")";
+  return s + ": ";
+}
+
+Launch& launch_state() {
+  if (g_launch == nullptr) {
+    std::fprintf(stderr, "hybrid_ep CPU model: a device primitive ran outside a model launch\n");
+    std::abort();
+  }
+  return *g_launch;
+}
+
+Thread* cur() {
+  Launch& L = launch_state();
+  if (L.current == nullptr) {
+    std::fprintf(stderr, "hybrid_ep CPU model: a thread primitive ran in the scheduler\n");
+    std::abort();
+  }
+  return L.current;
+}
+
+// Stops the launch. In a fiber the thread is abandoned (never resumed); in the scheduler the
+// caller returns and the loop ends.
+void fail(const std::string& message, const Thread* about = nullptr) {
+  Launch& L = launch_state();
+  const Thread* t = about != nullptr ? about : L.current;
+  if (L.error.empty()) L.error = where(L, t) + message;
+  if (L.current != nullptr) {
+    Thread* self = L.current;
+    self->state = State::kDone;
+    switch_context(self->ctx, L.scheduler);
+    std::abort();  // never resumed
+  }
+}
+
+void yield(Thread* t) {
+  ++g_stats.switches;
+  switch_context(t->ctx, launch_state().scheduler);
+}
+
+// The thread gives way at a poll: the segment that ends here was idle when the previous
+// poll saw nothing new and no other primitive ran since.
+void yield_at_poll(Thread* t, Site site) {
+  t->idle = t->last_poll_unchanged && !t->busy;
+  t->busy = false;
+  t->site = site;
+  yield(t);
+}
+
+bool remember(Thread* t, const volatile void* addr, uint64_t value) {
+  for (auto& m : t->memo)
+    if (m.addr == addr) {
+      const bool changed = m.value != value;
+      m.value = value;
+      return changed;
+    }
+  t->memo[t->memo_next] = {addr, value};
+  t->memo_next = (t->memo_next + 1) % 4;
+  return true;
+}
+
+bool in_smem(const Block* b, const void* p, size_t n) {
+  const auto* a = static_cast<const unsigned char*>(p);
+  return (a >= b->arena && a + n <= b->arena + b->arena_used) || (a >= b->dyn && a + n <= b->dyn + b->dyn_bytes);
+}
+
+std::string smem_text(const Block* b, const void* p) {
+  const auto* a = static_cast<const unsigned char*>(p);
+  if (a >= b->dyn && a <= b->dyn + b->dyn_bytes + page_bytes())
+    return "dynamic shared memory + " + std::to_string(a - b->dyn);
+  if (a >= b->arena && a < b->arena + kArenaBytes) return "static shared memory + " + std::to_string(a - b->arena);
+  return hex(reinterpret_cast<uint64_t>(p));
+}
+
+bool in_global(const void* p, size_t n) {
+  const auto a = reinterpret_cast<uint64_t>(p);
+  auto it = g_persistent.upper_bound(a);
+  if (it != g_persistent.begin()) {
+    --it;
+    if (a >= it->first && a + n <= it->first + it->second) return true;
+  }
+  for (const auto& [base, bytes] : g_declared)
+    if (a >= base && a + n <= base + bytes) return true;
+  return false;
+}
+
+Mbar& mbar_of(Block* b, const uint64_t* bar, const char* what) {
+  if (!in_smem(b, bar, 8) || reinterpret_cast<uintptr_t>(bar) % 8 != 0)
+    fail(std::string(what) + " on an mbarrier at " + smem_text(b, bar) +
+         ", which is not an 8-byte slot of this block's shared memory");
+  auto it = b->mbars.find(bar);
+  if (it == b->mbars.end()) fail(std::string(what) + " on an mbarrier at " + smem_text(b, bar) + " before mbar_init");
+  return it->second;
+}
+
+void mbar_settle(Block* b, const uint64_t* bar, Mbar& m, const Thread* about) {
+  if (m.pending == 0 && m.tx < 0)
+    fail("the mbarrier at " + smem_text(b, bar) + " received " + std::to_string(-m.tx) +
+             " transaction bytes more than its phase " + std::to_string(m.phase) + " expected",
+         about);
+  if (m.pending == 0 && m.tx == 0) {
+    ++m.phase;
+    m.pending = m.count;
+  }
+}
+
+Thread& lane_thread(Block* b, int warp, int lane) { return *b->threads[warp * 32 + lane]; }
+
+void block_exit(Block* b) {
+  Launch& L = launch_state();
+  for (size_t i : L.pending) {
+    const Copy& c = L.copies[i];
+    if (c.block != b) continue;
+    if (c.g2s && !c.written)
+      fail("the block exits while a bulk load issued at " + site_text(c.site) + " by thread " +
+           std::to_string(c.owner->tid) + " still writes its shared memory (" + smem_text(b, c.dst) +
+           "): wait for its mbarrier first");
+    if (!c.g2s && !c.read)
+      fail("the block exits while a bulk store issued at " + site_text(c.site) + " by thread " +
+           std::to_string(c.owner->tid) + " still reads its shared memory (" + smem_text(b, c.src) +
+           "): wait_group.read first");
+  }
+  for (const auto& [bar, m] : b->mbars) {
+    if (m.pending == 0 && m.tx > 0) {
+      bool in_flight = false;
+      for (size_t i : L.pending) in_flight |= L.copies[i].bar == bar;
+      if (!in_flight)
+        fail("the block exits with the mbarrier at " + smem_text(b, bar) + " owed " + std::to_string(m.tx) +
+             " transaction bytes in phase " + std::to_string(m.phase) +
+             ": every arrival came, but the bulk copies delivered fewer bytes than expect_tx announced");
+    }
+  }
+}
+
+void thread_exit(Thread* t) {
+  Launch& L = launch_state();
+  Block* b = t->block;
+  WarpSync& w = b->warps[t->warp];
+  if (w.open && ((w.mask >> t->lane) & 1u) && !((w.arrived >> t->lane) & 1u))
+    fail("exits while lanes " + lanes_text(w.arrived) + " of its warp wait for it at " + collective_name(w.kind) +
+         " (" + site_text(w.site) + ", mask " + hex(w.mask) + ")");
+  if (b->barrier_open)
+    fail("exits while " + std::to_string(b->at_barrier) + " thread(s) of its block wait at __syncthreads (" +
+         site_text(b->barrier_site) + ")");
+  b->warp_gone[t->warp] |= 1u << t->lane;
+  --b->live;
+  ++b->exited;
+  --L.live;
+  t->busy = true;
+  if (b->live == 0) block_exit(b);
+  t->state = State::kDone;
+  t->idle = false;
+  yield(t);
+  std::abort();  // a finished thread is never resumed
+}
+
+void fiber_entry(void* arg) {
+  auto* t = static_cast<Thread*>(arg);
+  Launch& L = launch_state();
+  L.body(L.ctx);
+  thread_exit(t);
+}
+
+// One round's progress of the bulk copies in flight; true when any is in flight.
+bool advance_copies(Launch& L) {
+  if (L.pending.empty()) return false;
+  std::vector<size_t> still;
+  for (size_t i : L.pending) {
+    Copy& c = L.copies[i];
+    if (c.g2s) {
+      if (L.round >= c.write_round) {
+        std::memcpy(c.dst, c.src, c.bytes);
+        c.read = c.written = true;
+        ++g_stats.copies;
+        auto it = c.block->mbars.find(c.bar);
+        if (it == c.block->mbars.end()) {
+          fail("a bulk load completed on an mbarrier that no longer exists", c.owner);
+          return true;
+        }
+        it->second.tx -= c.bytes;
+        mbar_settle(c.block, c.bar, it->second, c.owner);
+        if (!L.error.empty()) return true;
+        continue;
+      }
+    } else {
+      if (!c.read && L.round >= c.read_round) {
+        c.data.assign(c.src, c.src + c.bytes);
+        c.read = true;
+      }
+      if (c.read && L.round >= c.write_round) {
+        std::memcpy(c.dst, c.data.data(), c.bytes);
+        c.written = true;
+        ++g_stats.copies;
+        std::vector<unsigned char>().swap(c.data);
+        continue;
+      }
+    }
+    still.push_back(i);
+  }
+  L.pending.swap(still);
+  return true;
+}
+
+std::string deadlock_report(Launch& L) {
+  std::string s = "deadlock: no thread can run and no bulk copy is in flight;";
+  int lines = 0;
+  for (auto& bp : L.blocks) {
+    Block* b = bp.get();
+    if (b->live == 0) continue;
+    std::map<std::string, int> at;
+    for (Thread* t : b->threads) {
+      if (t->state == State::kBarrier) ++at["__syncthreads (" + site_text(t->site) + ")"];
+      if (t->state == State::kWarp) {
+        const WarpSync& w = b->warps[t->warp];
+        ++at[std::string(collective_name(w.kind)) + " (" + site_text(w.site) + ") of warp " + std::to_string(t->warp) +
+             ", lanes " + lanes_text(w.mask & ~w.arrived) + " never came"];
+      }
+    }
+    for (const auto& [what, n] : at) {
+      if (lines++ == 6) return s + " ...";
+      s += " block " + std::to_string(b->index) + ": " + std::to_string(n) + " thread(s) at " + what + ";";
+    }
+  }
+  return s;
+}
+
+void schedule(Launch& L) {
+  std::vector<Thread*> ready;
+  ready.reserve(L.threads.size());
+  while (L.live > 0 && L.error.empty()) {
+    if (L.inject_flag != nullptr && L.round == L.inject_round) *reinterpret_cast<volatile int*>(L.inject_flag) = 1;
+    ready.clear();
+    for (Thread& t : L.threads)
+      if (t.state == State::kReady) ready.push_back(&t);
+    for (size_t i = ready.size(); i > 1; --i) std::swap(ready[i - 1], ready[splitmix(L.rng) % i]);
+    bool progress = false;
+    for (Thread* t : ready) {
+      if (t->state != State::kReady) continue;
+      L.current = t;
+      switch_context(L.scheduler, t->ctx);
+      L.current = nullptr;
+      if (!L.error.empty()) return;
+      progress |= !t->idle;
+    }
+    progress |= advance_copies(L);
+    if (!L.error.empty() || L.live == 0) return;
+    bool runnable = !L.pending.empty();
+    for (Thread& t : L.threads) runnable |= t.state == State::kReady;
+    if (!runnable) {
+      L.error = where(L, nullptr) + deadlock_report(L);
+      return;
+    }
+    L.now += progress ? kRoundNs : kIdleRoundNs;
+    g_stats.idle_rounds += progress ? 0 : 1;
+    ++g_stats.rounds;
+    if (++L.round > kMaxRounds) {
+      L.error = where(L, nullptr) + "no end after " + std::to_string(kMaxRounds) + " scheduling rounds";
+      return;
+    }
+  }
+}
+
+// ---- faults: shared memory past its size, stack overflow, invalid addresses -------------
+
+struct sigaction g_old_segv, g_old_bus;
+std::vector<unsigned char> g_alt_stack;
+
+void on_fault(int sig, siginfo_t* info, void*) {
+  Launch* L = g_launch;
+  if (L == nullptr || !L->running) {
+    sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);
+    raise(sig);
+    return;
+  }
+  const void* addr = info->si_addr;
+  std::string what = "invalid memory access at " + hex(reinterpret_cast<uint64_t>(addr));
+  for (auto& b : L->blocks)
+    if (addr >= b->guard && addr < b->guard + page_bytes())
+      what = "shared memory accessed past the launch's " + std::to_string(L->smem) + " bytes of dynamic shared "
+             "memory (" + smem_text(b.get(), addr) + ")";
+  if (L->current != nullptr && L->current->stack.contains_guard(addr))
+    what = "stack overflow of the thread's fiber (" + std::to_string(kStackBytes) + " bytes)";
+  if (L->error.empty()) L->error = where(*L, L->current) + what;
+  siglongjmp(L->jump, 1);
+}
+
+void install_fault_handlers() {
+  if (g_alt_stack.empty()) g_alt_stack.resize(256 * 1024);
+  stack_t ss{};
+  ss.ss_sp = g_alt_stack.data();
+  ss.ss_size = g_alt_stack.size();
+  sigaltstack(&ss, nullptr);
+  struct sigaction sa{};
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &g_old_segv);
+  sigaction(SIGBUS, &sa, &g_old_bus);
+}
+
+void remove_fault_handlers() {
+  sigaction(SIGSEGV, &g_old_segv, nullptr);
+  sigaction(SIGBUS, &g_old_bus, nullptr);
+}
+
+Block* make_block(int index, int threads, size_t smem) {
+  auto* b = new Block;
+  b->index = index;
+  const size_t page = page_bytes();
+  const size_t arena = round_up(kArenaBytes, page), dyn = round_up(std::max<size_t>(smem, 16), page);
+  b->mapping_bytes = arena + dyn + page;
+  b->mapping = mmap(nullptr, b->mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (b->mapping == MAP_FAILED) {
+    delete b;
+    return nullptr;
+  }
+  auto* base = static_cast<unsigned char*>(b->mapping);
+  b->arena = base;
+  b->guard = base + arena + dyn;
+  mprotect(b->guard, page, PROT_NONE);
+  b->dyn_bytes = smem;
+  b->dyn = b->guard - round_up(smem, 16);
+  // Shared memory holds garbage when a block starts: make reads of it before a write visible.
+  std::memset(b->arena, 0xCD, kArenaBytes);
+  std::memset(base + arena, 0xAB, dyn);
+  const int warps = (threads + 31) / 32;
+  b->warps.resize(warps);
+  b->warp_gone.assign(warps, 0u);
+  if (threads % 32 != 0) b->warp_gone[warps - 1] = ~((1u << (threads % 32)) - 1u);
+  b->live = threads;
+  return b;
+}
+
+}  // namespace
+
+// ---- runtime.h ----------------------------------------------------------------------------
+
+const Dim3& thread_idx() { return cur()->idx; }
+const Dim3& block_idx() {
+  static thread_local Dim3 d;
+  d.x = cur()->block->index;
+  return d;
+}
+const Dim3& block_dim() { return launch_state().block_dim; }
+const Dim3& grid_dim() { return launch_state().grid; }
+
+void syncthreads(Site site) {
+  Thread* t = cur();
+  Block* b = t->block;
+  t->busy = true;
+  if (b->exited > 0)
+    fail("__syncthreads (" + site_text(site) + ") after " + std::to_string(b->exited) +
+         " thread(s) of the block exited: a barrier in divergent code");
+  if (!b->barrier_open) {
+    b->barrier_open = true;
+    b->barrier_site = site;
+    b->at_barrier = 0;
+  } else if (!same_site(b->barrier_site, site)) {
+    fail("threads of one block reach different __syncthreads: " + site_text(b->barrier_site) + " and " +
+         site_text(site));
+  }
+  if (++b->at_barrier == b->live) {
+    for (Thread* u : b->threads)
+      if (u->state == State::kBarrier) u->state = State::kReady;
+    b->barrier_open = false;
+    return;
+  }
+  t->state = State::kBarrier;
+  t->site = site;
+  t->idle = false;
+  yield(t);
+}
+
+uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Site site) {
+  Thread* t = cur();
+  Block* b = t->block;
+  WarpSync& w = b->warps[t->warp];
+  t->busy = true;
+  const unsigned bit = 1u << t->lane;
+  if (!(mask & bit))
+    fail(std::string(collective_name(kind)) + " (" + site_text(site) + ") with mask " + hex(mask) +
+         ", which leaves out the calling lane");
+  if (mask & b->warp_gone[t->warp])
+    fail(std::string(collective_name(kind)) + " (" + site_text(site) + "): its mask " + hex(mask) + " names lanes " +
+         lanes_text(mask & b->warp_gone[t->warp]) + ", which exited");
+  if (!w.open) {
+    w.open = true;
+    w.mask = mask;
+    w.arrived = 0;
+    w.kind = kind;
+    w.site = site;
+    w.first_lane = t->lane;
+  } else if (w.mask != mask || w.kind != kind || (kind != Collective::kSyncwarp && !same_site(w.site, site))) {
+    fail("lanes of one warp meet at different warp collectives: lane " + std::to_string(w.first_lane) + " at " +
+         collective_name(w.kind) + " (" + site_text(w.site) + ", mask " + hex(w.mask) + "), lane " +
+         std::to_string(t->lane) + " at " + collective_name(kind) + " (" + site_text(site) + ", mask " + hex(mask) +
+         ")");
+  }
+  t->value = value;
+  t->src = src;
+  w.arrived |= bit;
+  if (w.arrived != mask) {
+    t->state = State::kWarp;
+    t->site = site;
+    t->idle = false;
+    yield(t);
+    return t->result;
+  }
+  uint64_t ballot = 0;
+  for (int l = 0; l < 32; ++l)
+    if (((mask >> l) & 1u) && lane_thread(b, t->warp, l).value != 0) ballot |= 1ull << l;
+  for (int l = 0; l < 32; ++l) {
+    if (!((mask >> l) & 1u)) continue;
+    Thread& u = lane_thread(b, t->warp, l);
+    if (kind == Collective::kShfl) {
+      const int s = u.src & 31;
+      if (!((mask >> s) & 1u))
+        fail("__shfl_sync (" + site_text(site) + ") reads lane " + std::to_string(s) + ", outside its mask " +
+             hex(mask));
+      u.result = lane_thread(b, t->warp, s).value;
+    } else {
+      u.result = kind == Collective::kBallot ? ballot : 0;
+    }
+    if (l != t->lane) u.state = State::kReady;
+  }
+  w.open = false;
+  return t->result;
+}
+
+uint64_t poll(const volatile void* p, size_t bytes, Site site) {
+  Thread* t = cur();
+  yield_at_poll(t, site);
+  uint64_t v = 0;
+  switch (bytes) {
+    case 4: v = *static_cast<const volatile uint32_t*>(p); break;
+    case 8: v = *static_cast<const volatile uint64_t*>(p); break;
+    default: fail("poll of " + std::to_string(bytes) + " bytes");
+  }
+  t->last_poll_unchanged = !remember(t, p, v);
+  return v;
+}
+
+uint64_t timer_ns() { return launch_state().now; }
+
+void* block_shared(const void* tag, size_t bytes, size_t align) {
+  Thread* t = cur();
+  Block* b = t->block;
+  for (const auto& [slot_tag, offset] : b->slots)
+    if (slot_tag == tag) return b->arena + offset;
+  const size_t offset = round_up(b->arena_used, std::max<size_t>(align, 16));
+  if (offset + bytes > kArenaBytes)
+    fail("static shared memory of the block over the model's " + std::to_string(kArenaBytes) + " bytes");
+  b->slots.emplace_back(tag, offset);
+  b->arena_used = offset + bytes;
+  return b->arena + offset;
+}
+
+void* dynamic_smem() { return cur()->block->dyn; }
+
+void mbar_init(uint64_t* bar, uint32_t count, Site site) {
+  Thread* t = cur();
+  Block* b = t->block;
+  t->busy = true;
+  if (!in_smem(b, bar, 8) || reinterpret_cast<uintptr_t>(bar) % 8 != 0)
+    fail("mbar_init (" + site_text(site) + ") at " + smem_text(b, bar) + ", not an 8-byte slot of shared memory");
+  if (count == 0) fail("mbar_init (" + site_text(site) + ") with a count of 0");
+  Mbar m;
+  m.count = count;
+  m.pending = count;
+  b->mbars[bar] = m;
+}
+
+void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site) {
+  Thread* t = cur();
+  Block* b = t->block;
+  t->busy = true;
+  Mbar& m = mbar_of(b, bar, "arrive");
+  m.tx += expect_tx_bytes;
+  --m.pending;
+  mbar_settle(b, bar, m, t);
+}
+
+bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
+  Thread* t = cur();
+  yield_at_poll(t, site);
+  Block* b = t->block;
+  Mbar& m = mbar_of(b, bar, "try_wait");
+  const bool done = static_cast<uint32_t>(m.phase & 1) != (parity & 1u);
+  t->last_poll_unchanged = !remember(t, bar, static_cast<uint64_t>(m.phase));
+  if (!done) return false;
+  const int64_t phase = m.phase - 1;  // the latest completed phase of that parity (-1: before the first)
+  for (auto& [seen_bar, seen_phase] : t->waited)
+    if (seen_bar == bar) {
+      if (seen_phase == phase)
+        fail("waits a second time (" + site_text(site) + ") on phase " + std::to_string(phase) +
+             " of the mbarrier at " + smem_text(b, bar) +
+             ": that phase was already consumed, so the wait proves nothing (a stale parity)");
+      seen_phase = phase;
+      return true;
+    }
+  t->waited.emplace_back(bar, phase);
+  return true;
+}
+
+// Checks one bulk copy between `smem` and `gmem` and queues it; returns its index.
+size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint64_t* bar, Site site) {
+  Thread* t = cur();
+  Launch& L = launch_state();
+  Block* b = t->block;
+  t->busy = true;
+  const std::string at = std::string(g2s ? "bulk load (" : "bulk store (") + site_text(site) + ") of " +
+                         std::to_string(bytes) + " bytes";
+  const std::string global = hex(reinterpret_cast<uint64_t>(gmem));
+  if (bytes == 0 || bytes % 16 != 0) fail(at + ": the size must be a positive multiple of 16");
+  if (reinterpret_cast<uintptr_t>(smem) % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0)
+    fail(at + ": addresses must be 16-byte aligned (shared " + smem_text(b, smem) + ", global " + global + ")");
+  if (!in_smem(b, smem, bytes))
+    fail(at + (g2s ? " into " : " from ") + smem_text(b, smem) + ": past the block's shared memory");
+  if (!in_global(gmem, bytes)) fail(at + (g2s ? " from " : " to ") + global + ": not inside one declared allocation");
+  if (g2s) mbar_of(b, bar, "a bulk load's complete_tx");
+  Copy c;
+  c.g2s = g2s;
+  c.dst = static_cast<unsigned char*>(g2s ? smem : const_cast<void*>(gmem));
+  c.src = static_cast<const unsigned char*>(g2s ? gmem : smem);
+  c.bytes = bytes;
+  c.block = b;
+  c.bar = bar;
+  c.owner = t;
+  c.site = site;
+  c.read_round = L.round + copy_delay(L.rng);
+  c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
+  L.copies.push_back(std::move(c));
+  L.pending.push_back(L.copies.size() - 1);
+  return L.copies.size() - 1;
+}
+
+void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar, Site site) {
+  enqueue_copy(true, smem_dst, gmem_src, bytes, bar, site);
+}
+
+void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site) {
+  const size_t id = enqueue_copy(false, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr, site);
+  cur()->open_group.push_back(id);
+}
+
+void bulk_commit(Site) {
+  Thread* t = cur();
+  t->busy = true;
+  t->groups.push_back(std::move(t->open_group));
+  t->open_group.clear();
+}
+
+void bulk_wait(bool reads_only, Site site) {
+  Thread* t = cur();
+  Launch& L = launch_state();
+  for (;;) {
+    bool done = true;
+    for (const auto& g : t->groups)
+      for (size_t i : g) done &= reads_only ? L.copies[i].read : L.copies[i].written;
+    if (done) break;
+    t->busy = true;  // copies in flight: the round is not idle
+    yield_at_poll(t, site);
+  }
+  // Groups whose writes completed need no further wait.
+  std::vector<std::vector<size_t>> left;
+  for (auto& g : t->groups) {
+    bool written = true;
+    for (size_t i : g) written &= L.copies[i].written;
+    if (!written) left.push_back(std::move(g));
+  }
+  t->groups.swap(left);
+}
+
+const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem,
+                   const char* name) {
+  const char* short_name = std::strncmp(name, "launch_", 7) == 0 ? name + 7 : name;
+  if (blocks < 1 || threads < 1 || threads > 1024) {
+    g_message = std::string("CPU model: ") + short_name + " kernel: invalid launch configuration (" +
+                std::to_string(blocks) + " blocks of " + std::to_string(threads) + " threads)";
+    return g_message.c_str();
+  }
+  if (smem > kSmemPerBlockOptin) {
+    g_message = std::string("CPU model: ") + short_name + " kernel: " + std::to_string(smem) +
+                " bytes of dynamic shared memory, more than the " + std::to_string(kSmemPerBlockOptin) +
+                " a block may have";
+    return g_message.c_str();
+  }
+  if (g_launch != nullptr) {
+    g_message = "CPU model: a launch from inside a launch";
+    return g_message.c_str();
+  }
+  auto L = std::make_unique<Launch>();
+  L->name = short_name;
+  L->body = body;
+  L->ctx = ctx;
+  L->grid.x = static_cast<unsigned>(blocks);
+  L->block_dim.x = static_cast<unsigned>(threads);
+  L->smem = smem;
+  uint64_t mix = g_seed ^ (0x51ed270b27ull * ++g_launches_since_seed);
+  L->rng = splitmix(mix);
+  L->threads.resize(static_cast<size_t>(blocks) * threads);
+  StackPool& pool = stack_pool();
+  for (int bi = 0; bi < blocks; ++bi) {
+    Block* b = make_block(bi, threads, smem);
+    if (b == nullptr) {
+      g_message = "CPU model: could not map a block's shared memory";
+      return g_message.c_str();
+    }
+    L->blocks.emplace_back(b);
+    for (int ti = 0; ti < threads; ++ti) {
+      Thread& t = L->threads[static_cast<size_t>(bi) * threads + ti];
+      t.block = b;
+      t.tid = ti;
+      t.idx.x = static_cast<unsigned>(ti);
+      t.lane = ti & 31;
+      t.warp = ti >> 5;
+      t.stack = pool.acquire();
+      make_context(t.ctx, t.stack, fiber_entry, &t);
+      b->threads.push_back(&t);
+    }
+  }
+  L->live = blocks * threads;
+  if (g_injection.flag != 0 && g_injection.kernel == short_name) {
+    L->inject_flag = reinterpret_cast<int*>(g_injection.flag);
+    L->inject_round = g_injection.round;
+    g_injection = Injection{};
+  }
+  g_launch = L.get();
+  install_fault_handlers();
+  if (sigsetjmp(L->jump, 1) == 0) {
+    L->running = true;
+    schedule(*L);
+  }
+  L->running = false;
+  remove_fault_handlers();
+  g_launch = nullptr;
+  for (Thread& t : L->threads) {
+    pool.release(t.stack);
+    free_context(t.ctx);
+  }
+  free_context(L->scheduler);
+  for (auto& b : L->blocks) munmap(b->mapping, b->mapping_bytes);
+  ++g_stats.launches;
+  if (!L->error.empty()) {
+    g_message = "CPU model: " + L->error;
+    return g_message.c_str();
+  }
+  return nullptr;
+}
+
+int max_active_blocks(int threads, size_t smem) {
+  if (threads < 1 || threads > 1024 || smem > kSmemPerBlockOptin) return 0;
+  const int by_threads = 2048 / threads;
+  const int by_smem = smem == 0 ? 32 : static_cast<int>(228 * 1024 / (smem + 1024));
+  return std::max(0, std::min({by_threads, by_smem, 32}));
+}
+
+void inject_abort(uint64_t flag, int64_t round, const std::string& kernel) {
+  g_injection.flag = flag;
+  g_injection.round = round;
+  g_injection.kernel = kernel;
+}
+
+void set_seed(uint64_t seed) {
+  g_seed = seed;
+  g_launches_since_seed = 0;
+}
+uint64_t seed() { return g_seed; }
+
+void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) { g_declared = ranges; }
+void add_allocation(uint64_t ptr, uint64_t bytes) { g_persistent[ptr] = bytes; }
+void remove_allocation(uint64_t ptr) { g_persistent.erase(ptr); }
+
+Stats stats() { return g_stats; }
+
+}  // namespace hybrid_ep::model

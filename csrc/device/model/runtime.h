@@ -1,0 +1,100 @@
+// The CPU model of the device layer: what builtins.h, primitives.h and launch.h call.
+//
+// A launch runs every thread of every block as a fiber on one OS thread. Threads switch only
+// at the device layer's synchronisation points (barriers, warp collectives, polls of flags
+// and mbarriers, waits on bulk copies), so blocks may wait on each other as on a GPU whose
+// blocks are all resident. The order of the runnable fibers and the completion of bulk
+// copies are drawn from a seeded generator. Each check below stops the launch with a message
+// that names the kernel, block, thread and source line:
+//   - bulk copies: size a positive multiple of 16, both addresses 16-byte aligned, the
+//     global side inside one declared allocation, the shared side inside the block's shared
+//     memory, the mbarrier initialised and in the block;
+//   - mbarriers: used before mbar_init or outside the block's shared memory, more
+//     transaction bytes than a phase expected, a phase still owed bytes when the block
+//     exits, a phase a thread waits on twice (a stale parity);
+//   - a block that exits with a bulk copy still reading or writing its shared memory;
+//   - warp collectives reached by lanes of the mask at other collectives or never (a lane
+//     exited), __syncthreads reached at two sites or after a thread exited;
+//   - shared memory accessed past the launch's size (a guard page), fiber stack overflow,
+//     and any other invalid access (SIGSEGV / SIGBUS);
+//   - a launch in which no thread can run any more and no bulk copy is in flight (deadlock).
+// Virtual time (%globaltimer) advances a little per scheduling round and by 10 ms per round
+// in which every runnable thread only polled values that did not change, so the kernels'
+// own bounded waits time out after a few thousand rounds instead of minutes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace hybrid_ep::model {
+
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+struct Site {
+  const char* file;
+  int line;
+};
+
+// ---- identity of the running thread ----------------------------------------------------
+const Dim3& thread_idx();
+const Dim3& block_idx();
+const Dim3& block_dim();
+const Dim3& grid_dim();
+
+// ---- barriers and warp collectives -----------------------------------------------------
+void syncthreads(Site site);
+enum class Collective : int { kSyncwarp = 0, kShfl = 1, kBallot = 2 };
+// Every lane of `mask` must reach the same collective; returns this lane's result (shfl: the
+// value of lane `src`; ballot: the mask of lanes whose value was non-zero; syncwarp: 0).
+uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Site site);
+
+// ---- polls (the only places a spinning thread gives way) -------------------------------
+uint64_t poll(const volatile void* p, size_t bytes, Site site);
+uint64_t timer_ns();
+
+// ---- shared memory ----------------------------------------------------------------------
+void* block_shared(const void* tag, size_t bytes, size_t align);
+void* dynamic_smem();
+
+// ---- mbarriers and bulk copies ----------------------------------------------------------
+void mbar_init(uint64_t* bar, uint32_t count, Site site);
+void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site site);
+bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site);
+void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar, Site site);
+void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site);
+void bulk_commit(Site site);
+void bulk_wait(bool reads_only, Site site);
+
+// ---- launches ---------------------------------------------------------------------------
+// Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the
+// message of the first check that failed (valid until the next launch).
+const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem,
+                   const char* name);
+int max_active_blocks(int threads, size_t smem);
+
+// ---- configuration (the Python module's controls) ----------------------------------------
+constexpr int kDeviceSms = 132;                        // an H100 SXM's, so launch plans match
+constexpr size_t kSmemPerBlockOptin = 227 * 1024;      // its opt-in shared memory per block
+void set_seed(uint64_t seed);
+uint64_t seed();
+// Global memory a bulk copy may touch: [ptr, ptr + bytes). Persistent allocations (the
+// registered buffers, the error record) stay until removed; the tensors of the next launches
+// are declared per call and replace the previous call's.
+void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+void add_allocation(uint64_t ptr, uint64_t bytes);
+void remove_allocation(uint64_t ptr);
+// Fault injection: in the next launch of the kernel named `kernel` (its launcher's name
+// without "launch_", e.g. "dispatch"), write 1 to the int at `flag` when scheduling round
+// `round` begins, as a peer's failure would raise the abort flag in the middle of the
+// pipeline. Tests check that every block then leaves cleanly.
+void inject_abort(uint64_t flag, int64_t round, const std::string& kernel);
+struct Stats {
+  uint64_t launches = 0, rounds = 0, switches = 0, copies = 0, idle_rounds = 0;
+};
+Stats stats();
+
+}  // namespace hybrid_ep::model

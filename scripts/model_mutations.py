@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Does the CPU model bite? Plant one defect at a time in the real kernels, rebuild
+hybrid_ep._model in a scratch copy of the checkout, run the model's kernel tests there, and
+report which test failed and with what message. Each defect lives only in the scratch copy.
+
+    python scripts/model_mutations.py                 # every defect, then a clean control run
+    python scripts/model_mutations.py --only missing-mbarrier-wait --keep
+
+Exit status 0 when every planted defect made a test fail and the control run passed. Not
+part of CI (each defect rebuilds the model, about 20 s); docs/architecture.md records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    kind: str  # the class of defect the issue lists
+    path: str
+    old: str
+    new: str
+
+
+MUTATIONS = (
+    Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cu",
+             "(static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes;",
+             "(static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes + 8;"),
+    Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cu",
+             """            if (!fifo.wait_full(args, item)) {
+              stop = true;
+              break;
+            }
+            for (int q = 0; q < kd; ++q) {""",
+             """            for (int q = 0; q < kd; ++q) {"""),
+    Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cu",
+             "dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d]);",
+             "dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d] - 1);"),
+    Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cu",
+             "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
+             "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
+    Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch.cu",
+             "    if (warp == 0 && lane == 0) fifo.drain(args, drained, item);\n", "\n"),
+    Mutation("lanes-skip-the-acquire", "lanes reading a peer's data before lane 0's acquire",
+             "csrc/kernels/dispatch.cu", "      if (!warp_uniform(ok)) {", "      if (!ok) {"),
+    Mutation("syncwarp-in-a-lane-branch", "a warp collective not reached by every lane of its mask",
+             "csrc/kernels/dispatch.cu", """          sh.positions[lane] = pos;
+        }
+        __syncwarp();""", """          sh.positions[lane] = pos;
+          __syncwarp();
+        }"""),
+    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cu",
+             """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
+    }
+    __syncthreads();""",
+             """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
+    }"""),
+)
+
+
+def _copy_checkout(dst: str) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        src = os.path.join(REPO, rel)
+        if not os.path.isfile(src) or rel.startswith("docs/benchmarks/"):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dst, rel))
+
+
+def _plant(root: str, m: Mutation) -> None:
+    path = os.path.join(root, m.path)
+    text = open(path).read()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"{m.name}: the text to change occurs {text.count(m.old)} times in {m.path}; "
+                         f"update the mutation to today's kernel")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def _build(root: str, log: str) -> None:
+    env = {**os.environ, "HYBRID_EP_SKIP_CUDA_BUILD": "1"}
+    with open(log, "w") as out:
+        rc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=root, env=env,
+                            stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"building the model in {root} failed; see {log}")
+
+
+def _first_failure(output: str) -> tuple[str, str]:
+    """(test id, the first line of its error) from pytest -x output."""
+    test = re.search(r"^FAILED (\S+)", output, re.M)
+    errors = [line[2:].strip() for line in output.splitlines() if line.startswith("E ")]
+    message = next((e for e in errors if "Error" in e or "differ" in e or "gave up" in e), errors[0] if errors else "")
+    return (test.group(1) if test else "?"), message[:400]
+
+
+def _run_tests(root: str, timeout_s: int) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": root, "HYBRID_EP_TIMEOUT_S": "5"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           "tests/test_kernels_model.py"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS], help="these defects only")
+    p.add_argument("--keep", action="store_true", help="keep the scratch copies (paths are printed)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--timeout", type=int, default=600, help="seconds for one test run")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    results, ok = [], True
+    for m in chosen + [None]:
+        name = m.name if m else "control (no defect)"
+        root = tempfile.mkdtemp(prefix=f"hybrid_ep_mutation_{name.split()[0]}_")
+        started = time.monotonic()
+        _copy_checkout(root)
+        if m:
+            _plant(root, m)
+        _build(root, os.path.join(root, "build.log"))
+        rc, output = _run_tests(root, args.timeout)
+        test, message = _first_failure(output) if rc != 0 else ("", "")
+        caught = rc != 0
+        good = caught if m else not caught
+        ok &= good
+        row = {"defect": name, "class": m.kind if m else "", "file": m.path if m else "", "caught": caught,
+               "test": test, "message": message, "seconds": round(time.monotonic() - started, 1)}
+        results.append(row)
+        verdict = ("caught" if caught else "NOT CAUGHT") if m else ("passes" if not caught else "FAILS")
+        print(f"{name:<26} {verdict:<11} {test}\n{'':<26} {message}", flush=True)
+        if not good:
+            print(output[-3000:])
+        if args.keep:
+            print(f"{'':<26} scratch copy: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

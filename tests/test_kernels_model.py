@@ -1,0 +1,315 @@
+"""The cuda kernels (csrc/kernels) on the CPU model of the device layer, against the oracle.
+
+The same kernel sources nvcc compiles run here as fibers (hybrid_ep._model), through the
+same engine and single-GPU emulation as on a GPU, on CPU tensors: W virtual ranks, their
+registered buffers and peer pointers, one launch per kernel for all of them. Every rank's
+dispatch must equal the oracle bitwise, its combine must be within the fp32 accumulation
+bound plus one rounding, and a dispatch that reuses the handle must give the same rows.
+Each case runs under two seeds of the model's schedule and bulk-copy delays (and of the
+data). The model shows logic, not speed or the memory model (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.backends.cuda.engine import RoutingError
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.testing.cases import Case, make_rank_inputs
+from hybrid_ep.testing.compare import assert_combine_close
+from hybrid_ep.testing.emulated import buffer_key, check_emulated, check_emulated_autograd, on_device
+from hybrid_ep.testing.emulated_check import main as emulated_check_main
+from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
+
+model = importlib.import_module("hybrid_ep._model")
+
+MODEL_SMS = 2  # SMs per rank unless a test says otherwise: fewer fibers, same code paths
+SEEDS = (0, 1)
+
+_groups: dict = {}
+
+
+def group_for(case: Case, sms: int = MODEL_SMS) -> EmulatedGroup:
+    key = (buffer_key(case), sms)
+    if key not in _groups:
+        for g in _groups.values():
+            g.close()
+        _groups.clear()
+        _groups[key] = EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
+                                     pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
+                                     num_sms_dispatch=sms, num_sms_combine=sms, device="cpu")
+    return _groups[key]
+
+
+def _case(W, **kw):
+    base = dict(world_size=W, ranks_per_node=W, num_experts=2 * W, hidden=256, tokens=(17,) * W, topk=2,
+                dtype=torch.bfloat16, backend="cuda")
+    base.update(kw)
+    return Case(**base)
+
+
+CASES = [
+    # world sizes (3 is not a power of two), odd and zero token counts, top-k 1 / 2 / 8
+    _case(1, hidden=128, tokens=(17,), topk=1),
+    _case(1, dtype=torch.float32, tokens=(0,), topk=1),
+    _case(2, tokens=(0, 17)),
+    _case(2, hidden=2048, tokens=(64, 1)),
+    _case(3, tokens=(17, 1, 0)),
+    _case(3, num_experts=9, hidden=128, tokens=(64, 0, 17), topk=8, dtype=torch.float32),
+    _case(4, num_experts=16, tokens=(1, 17, 0, 64), topk=8),
+    # more tokens than the layout kernel's 1024 threads: counts carried across tiles
+    _case(2, hidden=128, dtype=torch.float32, tokens=(1100, 1030), num_experts=6),
+    # dtypes: fp32, fp16, fp8 with its scales
+    _case(4, hidden=128, dtype=torch.float32, tokens=(17, 1, 0, 33)),
+    _case(2, dtype=torch.float16, tokens=(17, 33)),
+    _case(4, num_experts=32, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
+    _case(3, hidden=128, dtype=FP8_DTYPE, tokens=(17, 64, 1), pad_multiple=16),
+    # rows longer than one FIFO stage (48 KiB: two segments per row)
+    _case(2, hidden=12288, dtype=torch.float32, tokens=(3, 2)),
+    # routing shapes: dropped routes, one hot expert, skew
+    _case(4, num_experts=16, drop_fraction=0.3, topk=8, tokens=(64, 17, 0, 33)),
+    _case(4, routing="one-expert", tokens=(33,) * 4),
+    _case(3, routing="one-expert", topk=1, tokens=(64, 64, 64)),
+    _case(4, routing="zipf", num_experts=32, topk=8, tokens=(64, 63, 1, 0)),
+    # padding and minimum rows per expert
+    _case(4, pad_multiple=16, tokens=(17, 0, 3, 40)),
+    _case(2, num_experts=8, hidden=128, pad_multiple=16, min_rows_per_expert=16, tokens=(5, 0)),
+    _case(4, num_experts=32, min_rows_per_expert=8, tokens=(5, 0, 1, 2)),
+    _case(4, num_experts=16, apply_probs=True, topk=8, dtype=torch.float32, tokens=(64, 17, 0, 5)),
+    # static size: overflow (drops counted), larger (trailing zero rows), zero, fp8 overflow
+    _case(4, num_experts=16, num_out_tokens=10, topk=8, tokens=(64, 17, 0, 5)),
+    _case(3, num_out_tokens=200, pad_multiple=16, tokens=(64, 17, 0)),
+    _case(2, num_out_tokens=0, tokens=(8, 8)),
+    _case(4, num_experts=16, num_out_tokens=37, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_the_oracle(case, seed):
+    model.set_seed(seed)
+    case = dataclasses.replace(case, seed=seed)
+    check_emulated(group_for(case), case)
+
+
+@pytest.mark.parametrize("sms", [1, 3, 8])
+def test_sm_count_per_call_gives_the_oracle_result(sms):
+    case = _case(4, num_experts=16, topk=8, tokens=(64, 17, 0, 33))
+    group = group_for(case)
+    model.set_seed(sms)
+    check_emulated(group, case, num_sms=sms)
+
+
+def test_twenty_four_calls_on_one_buffer():
+    """Monotonic flags and flow control across calls: one buffer, other routings, token
+    counts and dtypes every call, no reset in between."""
+    first = _case(3, tokens=(64, 17, 0))
+    group = group_for(first)
+    dtypes = (torch.bfloat16, torch.float32, FP8_DTYPE, torch.float16)
+    for call in range(24):
+        case = _case(3, seed=call, dtype=dtypes[call % 4], topk=1 + call % 2,
+                     tokens=(64, (17 * call) % 65, call % 3), drop_fraction=0.25 * (call % 2))
+        assert buffer_key(case) == buffer_key(first)
+        model.set_seed(call)
+        check_emulated(group, case)
+    assert group_for(first) is group
+
+
+def test_missing_rank_times_out_in_dispatch_naming_rank_peer_phase_and_call(monkeypatch):
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(4, 256, 64, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(16, 256, generator=gen).to(torch.bfloat16) for _ in range(4)]
+        idx = [torch.randint(0, 8, (16, 1), generator=gen) for _ in range(4)]
+        group.dispatch(xs, idx, num_out_tokens=64, absent={3})
+        with pytest.raises(RuntimeError, match=r"rank [012] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
+                                               r"peer rank 3 in dispatch count exchange \(call 1,"):
+            group.synchronize()
+        with pytest.raises(RuntimeError, match="can not be used after this error"):
+            group.dispatch(xs, idx, num_out_tokens=64)
+    finally:
+        group.close()
+
+
+def test_missing_rank_in_combine_times_out_naming_it(monkeypatch):
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    case = _case(3, tokens=(17, 9, 4))
+    group = EmulatedGroup(3, 256, 17, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    try:
+        xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
+        res = group.dispatch(xs, idx, weights)
+        group.synchronize()
+        outs = [r.tokens.clone() for r in res]
+        group.combine(outs, [r.handle for r in res], absent={2})
+        with pytest.raises(RuntimeError, match=r"rank [01] gave up .* waiting for peer rank 2 in combine partial sums "
+                                               r"\(call 1,"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+def test_routing_errors_are_reported_by_the_kernel():
+    group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        xs = [torch.ones(2, 256, dtype=torch.bfloat16) for _ in range(2)]
+        idx = [torch.tensor([[0], [1]]), torch.tensor([[2], [9]])]
+        group.dispatch(xs, idx, num_out_tokens=8)
+        with pytest.raises(RoutingError, match="topk_idx on rank 1: token 1 routes to expert 9"):
+            group.synchronize()
+    finally:
+        group.close()
+    group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        idx = [torch.tensor([[0, 1], [3, 3]]), torch.tensor([[2, 1], [0, 2]])]
+        group.dispatch([torch.ones(2, 256, dtype=torch.bfloat16)] * 2, idx, num_out_tokens=8)
+        with pytest.raises(RoutingError, match="topk_idx on rank 0: token 1 routes to expert 3 .* or twice"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+def test_fp8_redispatch_needs_its_scales():
+    case = _case(2, dtype=FP8_DTYPE, tokens=(9, 4))
+    group = group_for(case)
+    res = check_emulated(group, case)
+    xs, _, _, _ = on_device(make_rank_inputs(case), "cpu")
+    with pytest.raises(ValueError, match="scales"):
+        group.redispatch(xs, [r.handle for r in res])
+
+
+def test_combine_of_a_misaligned_view():
+    """expert_out starting 2 bytes past a 16-byte boundary is copied before the kernel's
+    16-byte loads (the model would stop a misaligned bulk copy)."""
+    case = _case(2, tokens=(17, 5))
+    group = group_for(case)
+    inputs = make_rank_inputs(case)
+    xs, idx, weights, _ = on_device(inputs, "cpu")
+    res = group.dispatch(xs, idx, weights)
+    gen = torch.Generator().manual_seed(3)
+    outs = []
+    for r in res:
+        R, H = r.tokens.shape
+        view = torch.randn(R * H + 1, generator=gen).to(torch.bfloat16)[1:].view(R, H)
+        assert view.data_ptr() % 16 != 0
+        outs.append(view)
+    ys = group.combine(outs, [r.handle for r in res])
+    group.synchronize()
+    run = dispatch_oracle(group.config, xs, idx, weights)
+    want_y, magnitude = combine_oracle(group.config, run, outs, idx)
+    for r in range(2):
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, f"rank {r}")
+
+
+def test_autograd_through_dispatch_and_combine():
+    case = _case(4, num_experts=8, topk=4, hidden=128, dtype=torch.float32, tokens=(33, 0, 17, 5),
+                 drop_fraction=0.2)
+    check_emulated_autograd(group_for(case), case)
+
+
+def test_the_gpu_scripts_check_runs_on_the_model(capsys):
+    """The runner that compute-sanitizer wraps on a GPU, here on the model."""
+    assert emulated_check_main(["--device", "cpu", "--preset", "small", "--calls", "2"]) == 0
+    assert capsys.readouterr().out.count("matches the oracle") == 6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, seed):
+    """Rank 2 exchanges counts, then never runs its dispatch kernel: every other rank gives up
+    in the middle of its pipeline (rows from rank 2 never come). The model checks that each
+    block leaves together (warp-uniform decisions) and only after its bulk loads landed and its
+    bulk stores read their shared memory; the error names rank 2 and the phase."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    model.set_seed(seed)
+    case = _case(3, hidden=2048, tokens=(64, 40, 64), topk=2)
+    group = EmulatedGroup(3, 2048, 64, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    try:
+        xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
+        group.dispatch(xs, idx, weights, num_out_tokens=256, absent_after_layout={2})
+        with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s .* waiting for peer rank 2 in dispatch "
+                                               r"rows \(call 1,"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "combine"])
+def test_an_abort_at_any_point_leaves_every_block_cleanly(kernel):
+    """The launch's abort flag raised at one scheduling round after another, as a failing
+    peer would: whatever each block was doing, it must leave with its warps together, after
+    its bulk loads landed and its bulk stores read their shared memory (the model stops the
+    launch otherwise), and the next call must refuse the buffer only if an error was
+    recorded (an injected abort records none)."""
+    case = _case(2, hidden=2048, tokens=(64, 48), topk=2)
+    xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
+    # How many scheduling rounds the launch takes undisturbed, then aborts spread over them.
+    group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    res = group.dispatch(xs, idx, weights)
+    before = model.stats()["rounds"]
+    if kernel == "dispatch":
+        group.dispatch(xs, idx, weights)
+    else:
+        group.combine([r.tokens for r in res], [r.handle for r in res])
+    rounds = model.stats()["rounds"] - before
+    group.close()
+    assert rounds >= 3
+    for round_ in sorted({1 + i * rounds // 40 for i in range(40)}):
+        group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+        try:
+            model.set_seed(round_)
+            if kernel == "dispatch":
+                model.inject_abort(group.engine.abort.data_ptr(), round_, "dispatch")
+                group.dispatch(xs, idx, weights)
+            else:
+                res = group.dispatch(xs, idx, weights)
+                model.inject_abort(group.engine.abort.data_ptr(), round_, "combine")
+                group.combine([r.tokens for r in res], [r.handle for r in res])
+            group.synchronize()  # raises if the model found a defect on the way out
+        finally:
+            group.close()
+
+
+def test_interleaved_calls_on_two_handles():
+    """As with recomputation in training: two dispatches, then the combines in reverse order.
+    A combine reads only its own handle's layout, so the second dispatch must not disturb
+    the first one's combine."""
+    case_a = _case(3, tokens=(64, 17, 5), seed=1)
+    case_b = dataclasses.replace(case_a, seed=2, tokens=(9, 64, 33), topk=1)
+    group = group_for(case_a)
+    model.set_seed(5)
+    inputs = [make_rank_inputs(c) for c in (case_a, case_b)]
+    dispatched = []
+    for inp in inputs:
+        xs, idx, weights, _ = on_device(inp, "cpu")
+        dispatched.append((group.dispatch(xs, idx, weights), xs, idx, weights))
+    gen = torch.Generator().manual_seed(11)
+    outs = [[torch.randn(r.tokens.shape, generator=gen).to(torch.bfloat16) for r in res] for res, *_ in dispatched]
+    ys = {}
+    for which in (1, 0):
+        ys[which] = group.combine(outs[which], [r.handle for r in dispatched[which][0]])
+    group.synchronize()
+    for which, case in ((0, case_a), (1, case_b)):
+        res, xs, idx, weights = dispatched[which]
+        run = dispatch_oracle(group.config, xs, idx, weights)
+        want_y, magnitude = combine_oracle(group.config, run, outs[which], idx)
+        for r in range(3):
+            assert_combine_close(ys[which][r], want_y[r], magnitude[r], case.topk, f"handle {which} rank {r}")
+
+
+def test_a_pipeline_timeout_names_no_peer_and_the_call():
+    """A stage of the block's own FIFO that never completes depends on no other rank: the
+    record names none (peer -1) and the message says so, with the call number."""
+    group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        message = group.engine._describe({"phase": 7, "rank": 1, "peer": -1, "epoch": 5, "expected": 0,
+                                          "observed": 0})
+        assert message.startswith("hybrid_ep cuda backend: rank 1 gave up after")
+        assert "waiting in its shared-memory pipeline (call 5): a bulk copy never completed" in message
+        assert "peer" not in message
+    finally:
+        group.close()
