@@ -82,13 +82,19 @@ def test_geometry_limits_name_the_argument(kwargs, match):
 
 
 def test_fifo_shapes():
-    bf16 = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN)
-    assert (bf16.stage_bytes, bf16.stages) == (16384, 8)
-    fp32_big = launch.fifo_shape(16384 * 4, H100_SMEM_OPTIN)
-    assert fp32_big.stage_bytes == launch.MAX_STAGE_BYTES and fp32_big.stages == 6
-    tiny = launch.fifo_shape(128 * 2, H100_SMEM_OPTIN)
-    assert tiny.stage_bytes == 256 and tiny.stages == 8
-    assert bf16.smem_bytes + launch.STATIC_SMEM_RESERVE <= H100_SMEM_OPTIN
+    bf16 = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN)  # one 16 KiB row per stage
+    assert (bf16.stage_bytes, bf16.stages, bf16.rows_per_stage) == (16384, 8, 1)
+    fp32_big = launch.fifo_shape(16384 * 4, H100_SMEM_OPTIN)  # 64 KiB rows: two segments each
+    assert (fp32_big.stage_bytes, fp32_big.stages, fp32_big.rows_per_stage) == (launch.MAX_STAGE_BYTES, 6, 1)
+    tiny = launch.fifo_shape(128 * 2, H100_SMEM_OPTIN)  # small rows batched, a chunk's worth at most
+    assert (tiny.stage_bytes, tiny.rows_per_stage) == (32 * 256, 32) and tiny.stages == 8
+    mid = launch.fifo_shape(2048 * 2, H100_SMEM_OPTIN)  # four 4 KiB rows fill the 16 KiB target
+    assert (mid.stage_bytes, mid.rows_per_stage) == (16384, 4)
+    ds = launch.fifo_shape(7168 * 2, H100_SMEM_OPTIN)  # DeepSeek-V3's bf16 row: one per stage
+    assert (ds.stage_bytes, ds.rows_per_stage) == (14336, 1)
+    assert launch.fifo_shape(128, H100_SMEM_OPTIN, chunk_tokens=8).rows_per_stage == 8
+    for shape in (bf16, fp32_big, tiny, mid, ds):
+        assert shape.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
     with pytest.raises(ValueError, match="multiple of 16"):
         launch.fifo_shape(24, H100_SMEM_OPTIN)
     with pytest.raises(ValueError, match="fewer than 2 FIFO stages"):

@@ -41,8 +41,9 @@ struct RegLayout {
   uint64_t count_row_ints;   // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
   uint64_t recv_meta;        // MetaEntry [W][max_tokens][meta_entries]
   uint64_t meta_entries;     // entries per received row: min(L, kMaxTopK)
-  uint64_t recv_rows;        // row bytes [W][max_tokens][row_stride]
-  uint64_t row_stride;
+  uint64_t recv_rows;        // rows [W][max_tokens], each the call's row bytes (packed: consecutive
+                             // slots of a source are contiguous); sized for fp32 rows
+  uint64_t row_stride;       // bytes per slot at the widest dtype (fp32): the region's size
   uint64_t recv_scales;      // f32 [W][max_tokens][scale_stride / 4]
   uint64_t scale_stride;
   uint64_t comb_rows;        // f32 partial sums [W][max_tokens][comb_stride / 4]
@@ -124,6 +125,7 @@ struct LaunchArgs {
   int32_t chunk_tokens;     // tokens per dispatch chunk (one signal per chunk and destination)
   int32_t fifo_stages;
   int32_t stage_bytes;
+  int32_t rows_per_stage;   // whole rows batched in one stage (1: a row fills a stage or more)
   uint64_t timeout_ns;
   uint64_t abort_flag;      // device i32: set by the first failing wait; every wait polls it
   uint64_t error;           // ErrorRecord* in mapped pinned host memory

@@ -18,7 +18,7 @@
 // a warp leaves a loop together; the producer lane waits for every bulk load it issued
 // before the block exits, and the consumer lane for every bulk store.
 #include "common/state.cuh"
-#include "kernels/fifo.cuh"
+#include "kernels/pipeline.cuh"
 #include "kernels/launch.h"
 
 namespace hybrid_ep {
@@ -43,11 +43,13 @@ __device__ __forceinline__ bool has_destination(const int32_t* send_slot, int t,
   return false;
 }
 
+constexpr int kMaxBatchRows = 32;  // rows one stage may carry (a chunk's worth)
+
 struct DispatchShared {
   uint64_t full[kMaxStages];
   uint64_t empty[kMaxStages];
   uint32_t chunk_rows[kMaxRanks];
-  int32_t positions[kMaxTopK];
+  int32_t positions[kMaxBatchRows][kMaxTopK];  // output row of each entry of the stage's rows
   volatile int abort;
 };
 
@@ -64,8 +66,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kd = args.kd, meta_entries = static_cast<int>(reg.meta_entries), scale_cols = args.scale_cols;
   const uint32_t row_bytes = static_cast<uint32_t>(args.row_elems) * elem_bytes(args.dtype);
-  const uint32_t seg_bytes = static_cast<uint32_t>(args.stage_bytes);
-  const uint32_t nseg = (row_bytes + seg_bytes - 1) / seg_bytes;
+  const RowBatches batches{row_bytes, static_cast<uint32_t>(args.stage_bytes), args.rows_per_stage,
+                           static_cast<int>((row_bytes + args.stage_bytes - 1) / args.stage_bytes)};
   const auto* info = reinterpret_cast<const int64_t*>(a.info);
   const auto* send_slot = reinterpret_cast<const int32_t*>(a.send_slot);
   const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
@@ -73,16 +75,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const auto* ords = reinterpret_cast<const int32_t*>(a.entry_ord);
   const auto* x = reinterpret_cast<const uint8_t*>(a.x);
   const auto* x_scales = reinterpret_cast<const float*>(a.x_scales);
+  // Received rows are packed at the call's row size: consecutive slots of a source are
+  // contiguous, so a batch of them is one bulk copy.
+  auto recv_row = [&](int r, int source, int64_t slot) {
+    return view.base(r) + reg.recv_rows + (static_cast<int64_t>(source) * Tmax + slot) * row_bytes;
+  };
 
   DispatchShared& sh = dev::block_shared<DispatchShared>();
   const uint64_t epoch = view.state()->dispatch_epoch;
-  const Fifo fifo{dev::dynamic_smem<uint8_t>(), sh.full, sh.empty, args.fifo_stages, args.stage_bytes, a.rank, epoch};
+  const StageRing fifo{{sh.full, sh.empty, args.fifo_stages, a.rank, epoch}, dev::dynamic_smem<uint8_t>(),
+                       args.stage_bytes};
+  const int stages = args.fifo_stages;
 
   if (tid == 0) {
-    for (int s = 0; s < args.fifo_stages; ++s) {
-      dev::mbar_init(&sh.full[s], 1);
-      dev::mbar_init(&sh.empty[s], 1);
-    }
+    fifo.ring.init(1, 1);
     dev::mbar_fence_init();
     sh.abort = aborted(args) ? 1 : 0;
   }
@@ -90,8 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   __syncthreads();
   if (sh.abort) return;
 
-  uint32_t item = 0;     // FIFO position; advanced identically by the producer and the consumer lane
-  uint32_t drained = 0;  // producer: loads up to here are known to have landed
+  PipeState produced, consumed, drained;  // the producer lane's, the consumer lane's
 
   // ---- phase 1: one row per (token, destination rank) -----------------------------------
   const int chunk = args.chunk_tokens;
@@ -121,37 +126,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     }
     __syncthreads();  // entries written by every thread before warp 1 signals them (its release is cumulative)
 
+    const int nitems = batches.items(t0, t1);
     if (warp == 0 && lane == 0) {
-      for (int t = t0; t < t1 && !sh.abort; ++t) {
-        if (!has_destination(send_slot, t, W)) continue;
-        for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
-          const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-          if (!fifo.produce(args, item, x + static_cast<int64_t>(t) * row_bytes + sg * seg_bytes, bytes)) {
-            sh.abort = 1;
-            break;
-          }
+      for (int k = 0; k < nitems && !sh.abort; ++k, produced.advance(stages)) {
+        const RowBatches::Item it = batches.item(t0, t1, k);
+        if (!fifo.ring.producer_acquire(args, produced)) {
+          sh.abort = 1;
+          break;
         }
+        fifo.load(produced, x + static_cast<int64_t>(it.first) * row_bytes + it.offset, it.rows * it.bytes);
       }
-      fifo.drain(args, drained, item);
-      drained = item;
+      fifo.drain(args, drained, produced);
+      drained = produced;
     } else if (warp == 1 && lane == 0) {
-      for (int t = t0; t < t1 && !sh.abort; ++t) {
-        if (!has_destination(send_slot, t, W)) continue;
-        for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
-          const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-          if (!fifo.wait_full(args, item)) {
-            sh.abort = 1;
-            break;
-          }
+      for (int k = 0; k < nitems && !sh.abort; ++k, consumed.advance(stages)) {
+        const RowBatches::Item it = batches.item(t0, t1, k);
+        if (!fifo.ring.consumer_wait(args, consumed)) {
+          sh.abort = 1;
+          break;
+        }
+        for (int r = 0; r < it.rows; ++r) {
+          const int t = it.first + r;
           for (int d = 0; d < W; ++d) {
             const int slot = send_slot[static_cast<int64_t>(t) * W + d];
-            if (slot < 0) continue;
-            uint8_t* dst = view.base(d) + reg.recv_rows +
-                           (static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes;
-            dev::bulk_s2g(dst, fifo.slot(item), bytes);
+            if (slot >= 0)
+              dev::bulk_s2g(recv_row(d, a.rank, slot) + it.offset, fifo.slot(consumed) + r * it.bytes, it.bytes);
           }
-          fifo.release(item);
         }
+        dev::bulk_commit();
+        dev::bulk_wait_read_all();
+        fifo.ring.consumer_release(consumed);
       }
       dev::bulk_wait_all();
       if (!sh.abort) {
@@ -168,7 +172,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 
   // ---- phase 2: expand received rows into the expert-major output -----------------------
   const int64_t R = a.num_out_rows;
-  const int64_t num_recv = info[il.num_recv];
   auto* out = reinterpret_cast<uint8_t*>(a.out);
   auto* out_scales = reinterpret_cast<float*>(a.out_scales);
   auto* out_probs = reinterpret_cast<float*>(a.out_probs);
@@ -199,86 +202,105 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
       }
     }
   } else {
-    int s = -1;
-    int64_t s_end = 0;
-    for (int64_t v = b; v < num_recv; v += nb) {
+    // The units of every source's rows (a batch, or a row in segments), in source order,
+    // strided over the blocks.
+    int64_t first_unit = 0;  // of source s in that enumeration
+    bool stop = false;
+    const int per_unit = batches.items_per_unit();
+    for (int s = 0; s < W && !stop; ++s) {
+      const int n = static_cast<int>(info[il.recv_count + s]);
+      const int nunits = batches.units(0, n);
+      const int u0 = static_cast<int>(((b - first_unit) % nb + nb) % nb);
+      first_unit += nunits;
+      if (u0 >= nunits) continue;
       bool ok = true;
-      while (v >= s_end && s + 1 < W) {  // next source with rows; wait until all arrived
-        ++s;
-        s_end = info[il.recv_offset + s] + info[il.recv_count + s];
-        if (v < s_end && lane == 0) {
-          const uint64_t target = st->rx_dispatch[s] + static_cast<uint64_t>(info[il.recv_count + s]);
-          ok = wait_at_least(args, view.flag(a.rank, reg.dispatch_signal, s), target, kPhaseDispatchRows, a.rank, s,
-                             epoch);
-          if (ok) dev::fence_proxy_async();  // the peer's rows are read by bulk loads below
-        }
+      if (lane == 0) {  // this source's rows have all arrived
+        const uint64_t target = st->rx_dispatch[s] + static_cast<uint64_t>(n);
+        ok = wait_at_least(args, view.flag(a.rank, reg.dispatch_signal, s), target, kPhaseDispatchRows, a.rank, s,
+                           epoch);
+        if (ok) dev::fence_proxy_async();  // the peer's rows are read by bulk loads below
       }
       if (!warp_uniform(ok)) {
-        sh.abort = 1;
+        stop = true;
         break;
       }
-      const int64_t i = v - info[il.recv_offset + s];
-      const int64_t row = static_cast<int64_t>(s) * Tmax + i;
-      bool stop = false;
-      if (warp == 0) {
-        if (lane == 0) {
-          for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
-            const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-            const uint8_t* src = view.own() + reg.recv_rows + row * reg.row_stride + sg * seg_bytes;
-            if (!fifo.produce(args, item, src, bytes)) {
-              stop = true;
-              break;
+      for (int u = u0; u < nunits && !stop; u += nb) {
+        for (int k = u * per_unit; k < (u + 1) * per_unit; ++k) {
+          const RowBatches::Item it = batches.item(0, n, k);
+          bool failed = false;
+          if (warp == 0) {
+            if (lane == 0) {
+              if (fifo.ring.producer_acquire(args, produced)) {
+                fifo.load(produced, recv_row(a.rank, s, it.first) + it.offset, it.rows * it.bytes);
+                produced.advance(stages);
+              } else {
+                failed = true;
+              }
+            }
+          } else {
+            // warp 1: entries -> output rows (probs, scales, row_pos) of every row of the
+            // stage, once per row (its first segment), then the rows by bulk stores.
+            if (it.offset == 0) {
+              for (int v = lane; v < it.rows * kd; v += 32) {
+                const int r = v / kd, q = v % kd;
+                const int64_t row = static_cast<int64_t>(s) * Tmax + it.first + r;
+                int pos = -1;
+                const MetaEntry en = load_entry(reinterpret_cast<const MetaEntry*>(view.own() + reg.recv_meta) +
+                                                row * meta_entries + q);
+                if (en.local_expert >= 0) {
+                  const int j = en.local_expert;
+                  const int64_t p = info[il.expert_start + j] + info[il.src_prefix + s * L + j] + en.ordinal;
+                  if (p < R) {
+                    pos = static_cast<int>(p);
+                    out_probs[p] = en.prob;
+                  }
+                }
+                row_pos[row * kd + q] = pos;
+                sh.positions[r][q] = pos;
+              }
+              __syncwarp();
+              if (scale_cols > 0) {
+                for (int r = 0; r < it.rows; ++r) {
+                  const int64_t row = static_cast<int64_t>(s) * Tmax + it.first + r;
+                  const auto* src =
+                      reinterpret_cast<const volatile float*>(view.own() + reg.recv_scales + row * reg.scale_stride);
+                  for (int q = 0; q < kd; ++q) {
+                    const int p = sh.positions[r][q];
+                    if (p < 0) continue;
+                    for (int c2 = lane; c2 < scale_cols; c2 += 32)
+                      out_scales[static_cast<int64_t>(p) * scale_cols + c2] = src[c2];
+                  }
+                }
+              }
+            }
+            if (lane == 0) {
+              if (fifo.ring.consumer_wait(args, consumed)) {
+                for (int r = 0; r < it.rows; ++r)
+                  for (int q = 0; q < kd; ++q) {
+                    const int p = sh.positions[r][q];
+                    if (p >= 0)
+                      dev::bulk_s2g(out + static_cast<int64_t>(p) * row_bytes + it.offset,
+                                    fifo.slot(consumed) + r * it.bytes, it.bytes);
+                  }
+                dev::bulk_commit();
+                dev::bulk_wait_read_all();
+                fifo.ring.consumer_release(consumed);
+                consumed.advance(stages);
+              } else {
+                failed = true;
+              }
             }
           }
-        }
-      } else {
-        // warp 1: entries -> output rows (probs, scales, row_pos), then the row by TMA.
-        int pos = -1;
-        if (lane < kd) {
-          const MetaEntry en =
-              load_entry(reinterpret_cast<const MetaEntry*>(view.own() + reg.recv_meta) + row * meta_entries + lane);
-          if (en.local_expert >= 0) {
-            const int j = en.local_expert;
-            const int64_t p = info[il.expert_start + j] + info[il.src_prefix + s * L + j] + en.ordinal;
-            if (p < R) {
-              pos = static_cast<int>(p);
-              out_probs[p] = en.prob;
-            }
-          }
-          row_pos[row * kd + lane] = pos;
-          sh.positions[lane] = pos;
-        }
-        __syncwarp();
-        if (scale_cols > 0) {
-          const auto* src = reinterpret_cast<const volatile float*>(view.own() + reg.recv_scales + row * reg.scale_stride);
-          for (int q = 0; q < kd; ++q) {
-            const int p = sh.positions[q];
-            if (p < 0) continue;
-            for (int c2 = lane; c2 < scale_cols; c2 += 32) out_scales[static_cast<int64_t>(p) * scale_cols + c2] = src[c2];
+          // Also the warp's barrier before sh.positions is rewritten for the next unit.
+          if (warp_uniform(failed)) {
+            stop = true;
+            break;
           }
         }
-        if (lane == 0) {
-          for (uint32_t sg = 0; sg < nseg; ++sg, ++item) {
-            const uint32_t bytes = min(seg_bytes, row_bytes - sg * seg_bytes);
-            if (!fifo.wait_full(args, item)) {
-              stop = true;
-              break;
-            }
-            for (int q = 0; q < kd; ++q) {
-              const int p = sh.positions[q];
-              if (p >= 0) dev::bulk_s2g(out + static_cast<int64_t>(p) * row_bytes + sg * seg_bytes, fifo.slot(item), bytes);
-            }
-            fifo.release(item);
-          }
-        }
-      }
-      // Also the warp's barrier before sh.positions is rewritten for the next row.
-      if (warp_uniform(stop)) {
-        sh.abort = 1;
-        break;
       }
     }
-    if (warp == 0 && lane == 0) fifo.drain(args, drained, item);
+    if (stop) sh.abort = 1;
+    if (warp == 0 && lane == 0) fifo.drain(args, drained, produced);
     if (warp == 1 && lane == 0) dev::bulk_wait_all();
   }
   __syncthreads();

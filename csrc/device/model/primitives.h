@@ -40,8 +40,16 @@ inline void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, HYBRI
   model::bulk_s2g(gmem_dst, smem_src, bytes, {file, line});
 }
 inline void bulk_commit(HYBRID_EP_SITE) { model::bulk_commit({file, line}); }
-inline void bulk_wait_read_all(HYBRID_EP_SITE) { model::bulk_wait(true, {file, line}); }
-inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, {file, line}); }
+template <int N>
+inline void bulk_wait_read(HYBRID_EP_SITE) {
+  model::bulk_wait(true, N, {file, line});
+}
+inline void bulk_wait_read_all(HYBRID_EP_SITE) { model::bulk_wait(true, 0, {file, line}); }
+template <int N>
+inline void bulk_wait(HYBRID_EP_SITE) {
+  model::bulk_wait(false, N, {file, line});
+}
+inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, 0, {file, line}); }
 inline void fence_proxy_async() {}
 
 inline uint64_t ld_acquire_sys(const uint64_t* p, HYBRID_EP_SITE) { return model::poll(p, 8, {file, line}); }

@@ -754,25 +754,27 @@ void bulk_commit(Site) {
   t->open_group.clear();
 }
 
-void bulk_wait(bool reads_only, Site site) {
+void bulk_wait(bool reads_only, int except_newest, Site site) {
   Thread* t = cur();
   Launch& L = launch_state();
+  const size_t waited = t->groups.size() > static_cast<size_t>(except_newest) ? t->groups.size() - except_newest : 0;
   for (;;) {
     bool done = true;
-    for (const auto& g : t->groups)
-      for (size_t i : g) done &= reads_only ? L.copies[i].read : L.copies[i].written;
+    for (size_t g = 0; g < waited; ++g)
+      for (size_t i : t->groups[g]) done &= reads_only ? L.copies[i].read : L.copies[i].written;
     if (done) break;
     t->busy = true;  // copies in flight: the round is not idle
     yield_at_poll(t, site);
   }
-  // Groups whose writes completed need no further wait.
-  std::vector<std::vector<size_t>> left;
-  for (auto& g : t->groups) {
+  // Groups whose writes completed, oldest first, need no further wait.
+  size_t complete = 0;
+  while (complete < t->groups.size()) {
     bool written = true;
-    for (size_t i : g) written &= L.copies[i].written;
-    if (!written) left.push_back(std::move(g));
+    for (size_t i : t->groups[complete]) written &= L.copies[i].written;
+    if (!written) break;
+    ++complete;
   }
-  t->groups.swap(left);
+  t->groups.erase(t->groups.begin(), t->groups.begin() + static_cast<std::ptrdiff_t>(complete));
 }
 
 const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem,

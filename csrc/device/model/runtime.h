@@ -67,7 +67,9 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site);
 void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar, Site site);
 void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site);
 void bulk_commit(Site site);
-void bulk_wait(bool reads_only, Site site);
+// Until every committed group of this thread but the newest `except_newest` has read its
+// shared memory (reads_only) or completed its writes.
+void bulk_wait(bool reads_only, int except_newest, Site site);
 
 // ---- launches ---------------------------------------------------------------------------
 // Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the

@@ -81,13 +81,20 @@ __device__ __forceinline__ void bulk_s2g(void* gmem_dst, const void* smem_src, u
 
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// Shared memory of all committed groups has been read (the stage may be refilled).
-__device__ __forceinline__ void bulk_wait_read_all() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+// Shared memory of all committed groups but the newest N has been read (their stages may be
+// refilled).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ void bulk_wait_read_all() { bulk_wait_read<0>(); }
 
-// All committed groups have completed their writes.
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// All committed groups but the newest N have completed their writes.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 
 // Orders this thread's generic-proxy accesses (a flag acquire, plain stores) with its later
 // async-proxy (bulk copy) accesses, and the bulk writes it waited for with its later release.

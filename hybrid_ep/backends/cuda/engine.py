@@ -171,7 +171,7 @@ class Engine:
         a.error = self.error.device_ptr
         if kind == "dispatch":
             fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block)
-            a.fifo_stages, a.stage_bytes = fifo.stages, fifo.stage_bytes
+            a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
             smem = fifo.smem_bytes
         else:
             smem = 0

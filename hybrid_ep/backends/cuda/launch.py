@@ -12,8 +12,10 @@ DEFAULT_SMS_DISPATCH = 8
 DEFAULT_SMS_COMBINE = 8
 DEFAULT_CHUNK_TOKENS = 32
 MAX_STAGES = 16  # csrc kMaxStages
-MAX_STAGE_BYTES = 32 * 1024
-STATIC_SMEM_RESERVE = 4 * 1024  # the kernels' static shared memory, with headroom
+MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
+TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
+MAX_BATCH_ROWS = 32  # csrc kMaxBatchRows: whole rows in one stage
+STATIC_SMEM_RESERVE = 8 * 1024  # the kernels' static shared memory, with headroom
 
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3}
@@ -23,22 +25,31 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3}
 class FifoShape:
     stages: int
     stage_bytes: int
+    rows_per_stage: int  # whole rows one stage carries (1: a row fills a stage, or several)
 
     @property
     def smem_bytes(self) -> int:
         return self.stages * self.stage_bytes
 
 
-def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8) -> FifoShape:
-    """Stage = a whole row when it fits MAX_STAGE_BYTES, else a 16-byte-aligned segment."""
+def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> FifoShape:
+    """Stages sized in bytes: rows of up to TARGET_STAGE_BYTES are batched, as many whole rows
+    as fit (at most a chunk's, MAX_BATCH_ROWS), so small rows still move in large copies; a
+    row up to MAX_STAGE_BYTES fills one stage; a larger row is cut into segments of
+    MAX_STAGE_BYTES. As many stages as the shared memory holds, up to max_stages."""
     if row_bytes <= 0 or row_bytes % 16 != 0:
         raise ValueError(f"row bytes must be a positive multiple of 16, got {row_bytes}")
-    stage = min(row_bytes, MAX_STAGE_BYTES)
+    if row_bytes > MAX_STAGE_BYTES:
+        rows, stage = 1, MAX_STAGE_BYTES
+    else:
+        rows = max(1, min(MAX_BATCH_ROWS, chunk_tokens, TARGET_STAGE_BYTES // row_bytes))
+        stage = rows * row_bytes
     budget = smem_per_block - STATIC_SMEM_RESERVE
     stages = min(max_stages, MAX_STAGES, budget // stage)
     if stages < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 FIFO stages of {stage} B")
-    return FifoShape(stages=stages, stage_bytes=stage)
+    return FifoShape(stages=stages, stage_bytes=stage, rows_per_stage=rows)
 
 
 def row_bytes_of(hidden: int, dtype_name: str) -> int:

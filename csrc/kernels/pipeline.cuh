@@ -1,0 +1,155 @@
+// Pipelines between the warps of a block: a ring of `stages` slots, each guarded by a "full"
+// mbarrier (the producer's data is there) and an "empty" mbarrier (the consumer is done with
+// it). Producer and consumer each walk the same sequence of items with their own PipeState.
+//
+// A StageRing adds shared-memory data to each slot, filled by bulk loads that complete their
+// bytes on the full barrier (TMA), and emptied by bulk stores (the consumer releases a slot
+// once the stores that read it have read it). A plain Ring carries no data: its slots hold
+// whatever the two sides agree on (a chunk's table), the producer arrives on full itself.
+#pragma once
+#include "common/state.cuh"
+
+namespace hybrid_ep {
+
+constexpr int kMaxStages = 16;
+
+// Where a walker is in a ring: the slot, the parity of the slot's current round, and how
+// many items it has passed (for drains and for the bulk-group arithmetic).
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  uint32_t count = 0;
+
+  __device__ void advance(int stages) {
+    ++count;
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// The barriers of a ring and the bounded waits on them.
+struct Ring {
+  uint64_t* full;
+  uint64_t* empty;
+  int stages;
+  int rank;        // for the timeout record
+  uint64_t epoch;  // the call, for the timeout record
+
+  // One thread initialises; `arrivals` are the full barrier's arrivals per round (1 for TMA).
+  __device__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) const {
+    for (int s = 0; s < stages; ++s) {
+      dev::mbar_init(&full[s], full_arrivals);
+      dev::mbar_init(&empty[s], empty_arrivals);
+    }
+  }
+
+  // Producer: wait until the slot is free. The first round passes at once (a fresh barrier
+  // has completed the phase before its first).
+  __device__ bool producer_acquire(const LaunchArgs& args, const PipeState& p) const {
+    return mbar_wait(args, &empty[p.stage], p.phase ^ 1u, rank, epoch);
+  }
+  // Producer of a data-less ring: the slot's content is written; one of `full_arrivals`.
+  __device__ void producer_commit(const PipeState& p) const { dev::mbar_arrive(&full[p.stage]); }
+
+  // Consumer: wait until the slot holds the item.
+  __device__ bool consumer_wait(const LaunchArgs& args, const PipeState& p) const {
+    return mbar_wait(args, &full[p.stage], p.phase, rank, epoch);
+  }
+  // Consumer: done with the slot (one of `empty_arrivals`).
+  __device__ void consumer_release(const PipeState& p) const { dev::mbar_arrive(&empty[p.stage]); }
+};
+
+// A ring whose slots hold `stage_bytes` of shared memory filled by bulk loads.
+struct StageRing {
+  Ring ring;
+  uint8_t* data;
+  int stage_bytes;
+
+  __device__ uint8_t* slot(const PipeState& p) const { return data + static_cast<size_t>(p.stage) * stage_bytes; }
+
+  // Producer: after producer_acquire, load `bytes` from global memory into the slot.
+  __device__ void load(const PipeState& p, const void* src, uint32_t bytes) const {
+    dev::mbar_arrive_expect_tx(&ring.full[p.stage], bytes);
+    dev::bulk_g2s(slot(p), src, bytes, &ring.full[p.stage]);
+  }
+
+  // Producer: wait until every load it issued in [from.count, to.count) has landed, consumed
+  // or not (after an abort the consumer stops early, and the block may not exit with loads
+  // in flight). Only the last load of each slot can be pending; the consumer waited for the
+  // earlier ones.
+  __device__ void drain(const LaunchArgs& args, PipeState from, const PipeState& to) const {
+    const int stages = ring.stages;
+    while (to.count - from.count > static_cast<uint32_t>(stages)) from.advance(stages);
+    for (; from.count < to.count; from.advance(stages))
+      mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.epoch);
+  }
+};
+
+// Bulk-store groups of one thread: commit after each item's stores, then let at most
+// `in_flight` groups still read their shared memory. wait_group takes an immediate, hence the
+// switch.
+__device__ __forceinline__ void bulk_wait_read_except(int in_flight) {
+  switch (in_flight < 0 ? 0 : in_flight > 7 ? 7 : in_flight) {
+    case 0: dev::bulk_wait_read<0>(); break;
+    case 1: dev::bulk_wait_read<1>(); break;
+    case 2: dev::bulk_wait_read<2>(); break;
+    case 3: dev::bulk_wait_read<3>(); break;
+    case 4: dev::bulk_wait_read<4>(); break;
+    case 5: dev::bulk_wait_read<5>(); break;
+    case 6: dev::bulk_wait_read<6>(); break;
+    default: dev::bulk_wait_read<7>(); break;
+  }
+}
+
+// The same for completed writes (a destination may read what the groups wrote).
+__device__ __forceinline__ void bulk_wait_write_except(int in_flight) {
+  switch (in_flight < 0 ? 0 : in_flight > 7 ? 7 : in_flight) {
+    case 0: dev::bulk_wait<0>(); break;
+    case 1: dev::bulk_wait<1>(); break;
+    case 2: dev::bulk_wait<2>(); break;
+    case 3: dev::bulk_wait<3>(); break;
+    case 4: dev::bulk_wait<4>(); break;
+    case 5: dev::bulk_wait<5>(); break;
+    case 6: dev::bulk_wait<6>(); break;
+    default: dev::bulk_wait<7>(); break;
+  }
+}
+
+// Rows moved through a StageRing: whole rows batched `rows_per_stage` to a stage (rows are
+// contiguous in memory), or, for a row larger than a stage, `segments` stages per row.
+struct RowBatches {
+  uint32_t row_bytes;
+  uint32_t stage_bytes;
+  int rows_per_stage;
+  int segments;
+
+  // Units of work among rows [begin, end): a batch of rows, or one row cut in segments. A
+  // unit is handled by one block (its rows' routing is computed with the first item).
+  __device__ int units(int begin, int end) const {
+    const int n = end - begin;
+    return n <= 0 ? 0 : rows_per_stage > 1 ? (n + rows_per_stage - 1) / rows_per_stage : n;
+  }
+  __device__ int items_per_unit() const { return rows_per_stage > 1 ? 1 : segments; }
+  // Items (stages) that carry rows [begin, end).
+  __device__ int items(int begin, int end) const { return units(begin, end) * items_per_unit(); }
+
+  struct Item {
+    int first;        // first row
+    int rows;         // rows in the stage
+    uint32_t offset;  // byte offset within each row (segments)
+    uint32_t bytes;   // bytes of each row in the stage
+  };
+
+  __device__ Item item(int begin, int end, int k) const {
+    if (rows_per_stage > 1) {
+      const int first = begin + k * rows_per_stage;
+      return {first, min(rows_per_stage, end - first), 0u, row_bytes};
+    }
+    const uint32_t offset = static_cast<uint32_t>(k % segments) * stage_bytes;
+    return {begin + k / segments, 1, offset, min(stage_bytes, row_bytes - offset)};
+  }
+};
+
+}  // namespace hybrid_ep
