@@ -63,6 +63,7 @@ def test_info_offsets_are_contiguous():
     total = fields.pop("total")
     W, N, L = 6, 1, 6
     sizes = {"tokens_per_expert": L, "expert_start": L, "expert_rows": L, "src_prefix": W * L, "recv_count": W,
+             "src_tokens": W,
              "recv_offset": W, "send_count": W, "needed": 1, "dropped": 1, "num_recv": 1,
              "count_matrix": W * W, "node_counts": W * N}
     assert sum(sizes.values()) == total

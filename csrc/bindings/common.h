@@ -43,12 +43,15 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_TOPK") = kMaxTopK;
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("THREADS") = kThreads;
+  m.attr("CHUNK_TOKENS") = kChunkTokens;
+  m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
-      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, dispatch_signal) RW(RegLayout, combine_signal)
+      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
+          RW(RegLayout, combine_signal)
           RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
               RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
@@ -56,7 +59,8 @@ inline void bind_common(py::module_& m) {
                           RW(RegLayout, total);
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
-          RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, recv_offset) RW(InfoLayout, send_count)
+          RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens)
+              RW(InfoLayout, recv_offset) RW(InfoLayout, send_count)
               RW(InfoLayout, needed) RW(InfoLayout, dropped) RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix)
                   RW(InfoLayout, node_counts) RW(InfoLayout, total);
   py::class_<Geometry>(m, "Geometry", py::module_local())

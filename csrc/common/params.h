@@ -14,6 +14,7 @@ constexpr int kMaxLaunchRanks = 8;     // virtual ranks one emulated launch can 
 constexpr int kMaxTopK = 16;           // routes per token (register arrays in the layout kernel)
 constexpr int kMaxExperts = 1024;      // layout kernel keeps [32 warps][E] counters in smem
 constexpr int kThreads = 512;          // threads per dispatch / combine block
+constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalling between ranks
 constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3 };
@@ -32,13 +33,15 @@ enum Phase : int32_t {
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
 struct RegLayout {
   uint64_t count_epoch;      // u64 [W]: epoch of the counts source s wrote
-  uint64_t dispatch_signal;  // u64 [W]: rows that arrived from source s (monotonic)
+  uint64_t chunk_signal;     // ChunkSignal [W][max_chunks]: chunk c of source s arrived
+  uint64_t max_chunks;       // ceil(max_tokens / kChunkTokens)
   uint64_t combine_signal;   // u64 [W]: partial rows that arrived from expert host d (monotonic)
   uint64_t done_dispatch;    // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;     // u64: last combine epoch whose partial buffers were fully read
   uint64_t state;            // LocalState (only this rank touches it)
   uint64_t count_in;         // i32 [W][count_row_ints]: counts written by source s
   uint64_t count_row_ints;   // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
+                             // + 1 (the source's tokens)
   uint64_t recv_meta;        // MetaEntry [W][max_tokens][meta_entries]
   uint64_t meta_entries;     // entries per received row: min(L, kMaxTopK)
   uint64_t recv_rows;        // rows [W][max_tokens], each the call's row bytes (packed: consecutive
@@ -58,6 +61,7 @@ struct InfoLayout {
   int64_t expert_rows;        // [L] real (routed) rows of each local expert, before clipping
   int64_t src_prefix;         // [W][L] rows of expert j that come from sources before s
   int64_t recv_count;         // [W] rows received from each source
+  int64_t src_tokens;         // [W] tokens of each source (its chunks: ceil(tokens / kChunkTokens))
   int64_t recv_offset;        // [W] exclusive prefix of recv_count
   int64_t send_count;         // [W] rows sent to each rank
   int64_t needed;             // [1] rows the unclipped layout needs
@@ -138,8 +142,16 @@ struct LocalState {
   uint64_t combine_epoch;              // combine calls finished
   uint32_t blocks_done_dispatch;       // blocks of the running dispatch that finished
   uint32_t blocks_done_combine;
-  uint64_t rx_dispatch[kMaxRanks];     // rows consumed from each source over all calls
   uint64_t rx_combine[kMaxRanks];      // partial rows consumed from each expert host
+};
+
+// Chunk c of source s has arrived at this rank: its rows are slots [first, first + rows) of
+// the source's receive area. Written by the source (first, rows, then epoch with release)
+// for every chunk and destination, also with rows = 0.
+struct ChunkSignal {
+  uint64_t epoch;
+  int32_t first;
+  int32_t rows;
 };
 
 // One (local expert, ordinal, weight) of a row sent to a rank. j = -1 marks an unused entry.

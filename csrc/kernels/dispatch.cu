@@ -43,12 +43,23 @@ __device__ __forceinline__ bool has_destination(const int32_t* send_slot, int t,
   return false;
 }
 
-constexpr int kMaxBatchRows = 32;  // rows one stage may carry (a chunk's worth)
+constexpr int kMaxBatchRows = kChunkTokens;  // rows one stage may carry (a chunk's worth)
+constexpr int kStoreGroupsInFlight = 4;      // bulk-store groups still reading the FIFO at once
+
+// A chunk's destinations, built once by warp 1's lanes (one token each): the (rank, slot)
+// of each of its rows, and per destination the chunk's slots [first, first + rows).
+struct SendTable {
+  int32_t ndest[kChunkTokens];
+  uint8_t dest_rank[kChunkTokens][kMaxTopK];
+  int32_t dest_slot[kChunkTokens][kMaxTopK];
+  int32_t span_first[2][kMaxRanks];  // two chunks: the one being sent, the one awaiting its signal
+  int32_t span_rows[2][kMaxRanks];
+};
 
 struct DispatchShared {
   uint64_t full[kMaxStages];
   uint64_t empty[kMaxStages];
-  uint32_t chunk_rows[kMaxRanks];
+  SendTable send;
   int32_t positions[kMaxBatchRows][kMaxTopK];  // output row of each entry of the stage's rows
   volatile int abort;
 };
@@ -92,22 +103,46 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     dev::mbar_fence_init();
     sh.abort = aborted(args) ? 1 : 0;
   }
-  for (int d = tid; d < kMaxRanks; d += blockDim.x) sh.chunk_rows[d] = 0;
   __syncthreads();
   if (sh.abort) return;
 
   PipeState produced, consumed, drained;  // the producer lane's, the consumer lane's
 
   // ---- phase 1: one row per (token, destination rank) -----------------------------------
+  // Chunk c of this rank is signalled to every destination d in d's chunk_signal[rank][c].
+  auto chunk_signal = [&](int d, int source, int c) {
+    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
+           static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
+  };
+  // Send-store lane: chunk signals wait until the chunk's bulk stores completed; that is
+  // checked at the next group's commit (or at the end), so the next chunk is not drained.
+  int pending_chunk = -1, pending_span = 0;
+  uint32_t groups = 0, pending_group = 0;
+  PipeState released;  // send-store lane: stages handed back to the producer
+  auto signal_pending = [&](int writes_in_flight) {
+    if (pending_chunk < 0) return;
+    bulk_wait_write_except(writes_in_flight);
+    dev::fence_proxy_async();  // the bulk writes, before the generic release below
+    __threadfence_system();
+    for (int d = 0; d < W; ++d) {
+      ChunkSignal* sig = chunk_signal(d, a.rank, pending_chunk);
+      const int rows = sh.send.span_rows[pending_span][d];
+      sig->first = rows > 0 ? sh.send.span_first[pending_span][d] : 0;
+      sig->rows = rows;
+      dev::st_release_sys(&sig->epoch, epoch);
+    }
+    pending_chunk = -1;
+  };
+
   const int chunk = args.chunk_tokens;
   const int nchunks = (T + chunk - 1) / chunk;
-  for (int c = b; c < nchunks; c += nb) {
+  int local_chunk = 0;
+  for (int c = b; c < nchunks; c += nb, ++local_chunk) {
     const int t0 = c * chunk, t1 = min(T, t0 + chunk);
     for (int u = tid; u < (t1 - t0) * W; u += blockDim.x) {
       const int t = t0 + u / W, d = u % W;
       const int slot = send_slot[static_cast<int64_t>(t) * W + d];
       if (slot < 0) continue;
-      atomicAdd(&sh.chunk_rows[d], 1u);
       const int64_t row = static_cast<int64_t>(a.rank) * Tmax + slot;
       auto* meta = reinterpret_cast<MetaEntry*>(view.base(d) + reg.recv_meta) + row * meta_entries;
       int q = 0;
@@ -138,37 +173,69 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
       }
       fifo.drain(args, drained, produced);
       drained = produced;
-    } else if (warp == 1 && lane == 0) {
-      for (int k = 0; k < nitems && !sh.abort; ++k, consumed.advance(stages)) {
-        const RowBatches::Item it = batches.item(t0, t1, k);
-        if (!fifo.ring.consumer_wait(args, consumed)) {
-          sh.abort = 1;
-          break;
+    } else if (warp == 1) {
+      // The chunk's destination table, once: lane i takes token t0 + i.
+      const int span = local_chunk & 1;
+      for (int d = lane; d < W; d += 32) {
+        sh.send.span_first[span][d] = 0x7fffffff;
+        sh.send.span_rows[span][d] = 0;
+      }
+      __syncwarp();
+      if (lane < t1 - t0) {
+        const int t = t0 + lane;
+        int n = 0;
+        for (int d = 0; d < W; ++d) {
+          const int slot = send_slot[static_cast<int64_t>(t) * W + d];
+          if (slot < 0) continue;
+          sh.send.dest_rank[lane][n] = static_cast<uint8_t>(d);
+          sh.send.dest_slot[lane][n] = slot;
+          ++n;
+          atomicMin(&sh.send.span_first[span][d], slot);
+          atomicAdd(&sh.send.span_rows[span][d], 1);
         }
-        for (int r = 0; r < it.rows; ++r) {
-          const int t = it.first + r;
-          for (int d = 0; d < W; ++d) {
-            const int slot = send_slot[static_cast<int64_t>(t) * W + d];
-            if (slot >= 0)
-              dev::bulk_s2g(recv_row(d, a.rank, slot) + it.offset, fifo.slot(consumed) + r * it.bytes, it.bytes);
+        sh.send.ndest[lane] = n;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        const int in_flight = min(kStoreGroupsInFlight, stages - 1);
+        for (int k = 0; k < nitems && !sh.abort; ++k, consumed.advance(stages)) {
+          const RowBatches::Item it = batches.item(t0, t1, k);
+          if (!fifo.ring.consumer_wait(args, consumed)) {
+            sh.abort = 1;
+            break;
           }
+          for (int r = 0; r < it.rows; ++r) {
+            const int i = it.first + r - t0;
+            for (int q = 0; q < sh.send.ndest[i]; ++q)
+              dev::bulk_s2g(recv_row(sh.send.dest_rank[i][q], a.rank, sh.send.dest_slot[i][q]) + it.offset,
+                            fifo.slot(consumed) + r * it.bytes, it.bytes);
+          }
+          dev::bulk_commit();
+          ++groups;
+          // The previous chunk is signalled once its stores completed; this group stays in flight.
+          if (pending_chunk >= 0 && pending_group < groups) signal_pending(static_cast<int>(groups - pending_group));
+          // Release the oldest stages: at most `in_flight` groups may still read theirs.
+          bulk_wait_read_except(in_flight);
+          for (; released.count + in_flight <= consumed.count; released.advance(stages))
+            fifo.ring.consumer_release(released);
         }
-        dev::bulk_commit();
-        dev::bulk_wait_read_all();
-        fifo.ring.consumer_release(consumed);
+        if (!sh.abort) {
+          pending_chunk = c;
+          pending_span = span;
+          pending_group = groups;
+        }
       }
-      dev::bulk_wait_all();
-      if (!sh.abort) {
-        dev::fence_proxy_async();  // the bulk writes above, before the generic release below
-        __threadfence_system();
-        for (int d = 0; d < W; ++d)
-          if (sh.chunk_rows[d] > 0) dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d]);
-      }
-      for (int d = 0; d < W; ++d) sh.chunk_rows[d] = 0;
     }
     __syncthreads();
-    if (sh.abort) return;
+    if (sh.abort) break;
   }
+  if (warp == 1 && lane == 0) {
+    if (!sh.abort) signal_pending(0);
+    dev::bulk_wait_all();
+    for (; released.count < consumed.count; released.advance(stages)) fifo.ring.consumer_release(released);
+  }
+  __syncthreads();
+  if (sh.abort) return;
 
   // ---- phase 2: expand received rows into the expert-major output -----------------------
   const int64_t R = a.num_out_rows;
@@ -214,10 +281,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
       first_unit += nunits;
       if (u0 >= nunits) continue;
       bool ok = true;
-      if (lane == 0) {  // this source's rows have all arrived
-        const uint64_t target = st->rx_dispatch[s] + static_cast<uint64_t>(n);
-        ok = wait_at_least(args, view.flag(a.rank, reg.dispatch_signal, s), target, kPhaseDispatchRows, a.rank, s,
-                           epoch);
+      if (lane == 0) {  // every chunk of this source has arrived
+        const int src_chunks = static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk);
+        for (int c = 0; c < src_chunks && ok; ++c)
+          ok = wait_at_least(args, &chunk_signal(a.rank, s, c)->epoch, epoch, kPhaseDispatchRows, a.rank, s, epoch);
         if (ok) dev::fence_proxy_async();  // the peer's rows are read by bulk loads below
       }
       if (!warp_uniform(ok)) {
@@ -311,7 +378,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     const uint32_t prev = atomicAdd(&st->blocks_done_dispatch, 1u);
     if (prev == static_cast<uint32_t>(nb - 1)) {
       st->blocks_done_dispatch = 0;
-      for (int s = 0; s < W; ++s) st->rx_dispatch[s] += static_cast<uint64_t>(info[il.recv_count + s]);
       __threadfence_system();
       dev::st_release_sys(view.flag(a.rank, reg.done_dispatch, 0), epoch);
     }

@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     int32_t value;
     if (c < W) value = carry[E + c];                      // rows to each rank
     else if (c < W + N) value = carry[E + W + (c - W)];   // tokens to each node
-    else value = carry[d * L + (c - W - N)];              // rows for each expert of d
+    else if (c < W + N + L) value = carry[d * L + (c - W - N)];  // rows for each expert of d
+    else value = T;                                       // this rank's tokens
     auto* row = reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints;
     row[c] = value;
   }
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   for (int u = tid; u < W * N; u += blockDim.x)
     info[il.node_counts + u] = ld_count(count_in + (u / N) * row_ints + W + (u % N));
   for (int d = tid; d < W; d += blockDim.x) info[il.send_count + d] = carry[E + d];
+  for (int s = tid; s < W; s += blockDim.x) info[il.src_tokens + s] = ld_count(count_in + s * row_ints + W + N + L);
   __syncthreads();
   if (tid == 0) {
     int64_t start = 0;

@@ -178,6 +178,11 @@ inline T atomicAdd(T* p, T v) {
   *p = old + v;
   return old;
 }
+inline int atomicMin(int* p, int v) {
+  const int old = *p;
+  if (v < old) *p = v;
+  return old;
+}
 inline int atomicCAS(int* p, int compare, int value) {
   const int old = *p;
   if (old == compare) *p = value;

@@ -21,7 +21,7 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     H = config.hidden_dim
     regions = reg.region_bytes()
     specs = [
-        BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "dispatch_signal", "combine_signal",
+        BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "chunk_signal", "combine_signal",
                                                             "done_dispatch", "done_combine", "state", "count_in")),
                    True, "monotonic signals, per-rank state, exchanged counts"),
         BufferSpec("recv_meta", regions["recv_meta"], True, "routing entries of every received row"),

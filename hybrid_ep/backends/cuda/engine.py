@@ -23,7 +23,10 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
-from .layout import LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, info_layout, registered_layout
+from .layout import (
+    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, info_layout,
+    registered_layout,
+)
 
 _PHASES = {
     1: "routing check",
@@ -78,7 +81,8 @@ class RankDispatch:
 def check_extension(ext) -> None:
     """The Python layout plan and the compiled structs must agree."""
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
-                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS}
+                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
+                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES}
     for name, value in expected.items():
         if getattr(ext, name) != value:
             raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
@@ -165,7 +169,7 @@ class Engine:
         a.dtype = launch.DTYPE_CODES[dtype_name]
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
-        a.chunk_tokens = launch.DEFAULT_CHUNK_TOKENS
+        a.chunk_tokens = CHUNK_TOKENS
         a.timeout_ns = int(timeout_seconds() * 1e9)
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from .layout import CHUNK_TOKENS
+
 # Defaults until measured on the device (docs/benchmarks/cuda.md says which numbers exist).
 DEFAULT_SMS_DISPATCH = 8
 DEFAULT_SMS_COMBINE = 8
-DEFAULT_CHUNK_TOKENS = 32
 MAX_STAGES = 16  # csrc kMaxStages
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
@@ -33,7 +34,7 @@ class FifoShape:
 
 
 def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
-               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> FifoShape:
+               chunk_tokens: int = CHUNK_TOKENS) -> FifoShape:
     """Stages sized in bytes: rows of up to TARGET_STAGE_BYTES are batched, as many whole rows
     as fit (at most a chunk's, MAX_BATCH_ROWS), so small rows still move in large copies; a
     row up to MAX_STAGE_BYTES fills one stage; a larger row is cut into segments of

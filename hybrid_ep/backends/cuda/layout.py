@@ -16,7 +16,9 @@ ALIGN = 128  # every region starts on its own 128-byte line
 MAX_TOPK = 16  # csrc kMaxTopK: routes per token
 MAX_RANKS = 64  # csrc kMaxRanks
 MAX_EXPERTS = 1024  # csrc kMaxExperts
-LOCAL_STATE_BYTES = 8 + 8 + 4 + 4 + 2 * 8 * MAX_RANKS  # csrc LocalState
+LOCAL_STATE_BYTES = 8 + 8 + 4 + 4 + 8 * MAX_RANKS  # csrc LocalState
+CHUNK_TOKENS = 32  # csrc kChunkTokens: tokens per chunk, the unit of signalling between ranks
+CHUNK_SIGNAL_BYTES = 16  # csrc ChunkSignal
 META_ENTRY_BYTES = 16  # csrc MetaEntry
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype
 
@@ -30,7 +32,8 @@ class RegisteredLayout:
     """Offsets (bytes) of one rank's registered buffer; field names match csrc RegLayout."""
 
     count_epoch: int
-    dispatch_signal: int
+    chunk_signal: int
+    max_chunks: int
     combine_signal: int
     done_dispatch: int
     done_combine: int
@@ -49,7 +52,7 @@ class RegisteredLayout:
 
     def region_bytes(self) -> dict[str, int]:
         """Size of each region, for the memory plan."""
-        order = ["count_epoch", "dispatch_signal", "combine_signal", "done_dispatch", "done_combine", "state",
+        order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
                  "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
@@ -68,12 +71,13 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
 
     fields = {}
     fields["count_epoch"] = take(8 * W)
-    fields["dispatch_signal"] = take(8 * W)
+    fields["max_chunks"] = max(1, -(-Tmax // CHUNK_TOKENS))
+    fields["chunk_signal"] = take(CHUNK_SIGNAL_BYTES * W * fields["max_chunks"])
     fields["combine_signal"] = take(8 * W)
     fields["done_dispatch"] = take(8)
     fields["done_combine"] = take(8)
     fields["state"] = take(LOCAL_STATE_BYTES)
-    fields["count_row_ints"] = W + N + L
+    fields["count_row_ints"] = W + N + L + 1
     fields["count_in"] = take(4 * W * fields["count_row_ints"])
     fields["meta_entries"] = min(L, MAX_TOPK)
     fields["recv_meta"] = take(META_ENTRY_BYTES * W * Tmax * fields["meta_entries"])
@@ -96,6 +100,7 @@ class InfoLayout:
     expert_rows: int
     src_prefix: int
     recv_count: int
+    src_tokens: int
     recv_offset: int
     send_count: int
     needed: int
@@ -110,7 +115,7 @@ def info_layout(config: BufferConfig) -> InfoLayout:
     W, N, L = config.world_size, config.num_nodes, config.experts_per_rank
     sizes = [
         ("tokens_per_expert", L), ("expert_start", L), ("expert_rows", L), ("src_prefix", W * L),
-        ("recv_count", W), ("recv_offset", W), ("send_count", W), ("needed", 1), ("dropped", 1),
+        ("recv_count", W), ("src_tokens", W), ("recv_offset", W), ("send_count", W), ("needed", 1), ("dropped", 1),
         ("num_recv", 1), ("count_matrix", W * W), ("node_counts", W * N),
     ]
     fields, offset = {}, 0
