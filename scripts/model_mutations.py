@@ -37,31 +37,36 @@ class Mutation:
 
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cu",
-             "(static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes;",
-             "(static_cast<int64_t>(a.rank) * Tmax + slot) * reg.row_stride + sg * seg_bytes + 8;"),
+             "d.recv_row(tab.dest_rank[i][q], d.a.rank, tab.dest_slot[i][q]) + it.offset,",
+             "d.recv_row(tab.dest_rank[i][q], d.a.rank, tab.dest_slot[i][q]) + it.offset + 8,"),
     Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cu",
-             """            if (!fifo.wait_full(args, item)) {
-              stop = true;
-              break;
-            }
-            for (int q = 0; q < kd; ++q) {""",
-             """            for (int q = 0; q < kd; ++q) {"""),
+             "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
+             "if (d.stopped()) {"),
+    Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch.cu",
+             "    bulk_wait_write_except(writes_in_flight);\n", "\n"),
     Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cu",
-             "dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d]);",
-             "dev::red_add_release_sys(view.flag(d, reg.dispatch_signal, a.rank), sh.chunk_rows[d] - 1);"),
+             "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cu",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
     Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch.cu",
-             "    if (warp == 0 && lane == 0) fifo.drain(args, drained, item);\n", "\n"),
+             "  d.expand_fifo.drain(d.args, PipeState{}, produced);\n", "\n"),
     Mutation("lanes-skip-the-acquire", "lanes reading a peer's data before lane 0's acquire",
-             "csrc/kernels/dispatch.cu", "      if (!warp_uniform(ok)) {", "      if (!ok) {"),
+             "csrc/kernels/dispatch.cu", """    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+    const int first""", """    if (!ok) {
+      d.stop();
+      break;
+    }
+    const int first"""),
     Mutation("syncwarp-in-a-lane-branch", "a warp collective not reached by every lane of its mask",
-             "csrc/kernels/dispatch.cu", """          sh.positions[lane] = pos;
-        }
-        __syncwarp();""", """          sh.positions[lane] = pos;
-          __syncwarp();
-        }"""),
+             "csrc/kernels/dispatch.cu", """      tab.ndest[lane] = n;
+    }
+    __syncwarp();""", """      tab.ndest[lane] = n;
+      __syncwarp();
+    }"""),
     Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cu",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }

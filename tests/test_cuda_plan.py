@@ -96,6 +96,10 @@ def test_fifo_shapes():
     assert launch.fifo_shape(128, H100_SMEM_OPTIN, chunk_tokens=8).rows_per_stage == 8
     for shape in (bf16, fp32_big, tiny, mid, ds):
         assert shape.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
+    # Dispatch's two FIFOs (send, expand) share the budget: fewer stages each, both fit.
+    two = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, pipelines=launch.DISPATCH_PIPELINES)
+    assert (two.stage_bytes, two.stages) == (16384, 6)
+    assert launch.DISPATCH_PIPELINES * two.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
     with pytest.raises(ValueError, match="multiple of 16"):
         launch.fifo_shape(24, H100_SMEM_OPTIN)
     with pytest.raises(ValueError, match="fewer than 2 FIFO stages"):

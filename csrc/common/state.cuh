@@ -87,8 +87,10 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
   }
 }
 
-// Spin on an mbarrier phase with the same bound. A stage that never completes depends on
-// no peer (its bytes come from this rank's own memory), so the record names none.
+// Spin on an mbarrier phase between the warps of a block. A stage usually stalls because a
+// wait on a peer stalls elsewhere in the block, so it is given twice the bound: the peer's
+// wait reports first and names the peer. A stage that still never completes depends on no
+// peer (a bulk copy of this rank's own memory), so its record names none.
 __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
   uint64_t start = 0;
   for (uint32_t spin = 0;; ++spin) {
@@ -97,7 +99,7 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
       if (aborted(args)) return false;
       uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
-      if (now - start > args.timeout_ns) {
+      if (now - start > 2 * args.timeout_ns) {
         record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
         return false;
       }

@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
 }
 
 template <typename T>
-LaunchStatus launch_typed(const LaunchArgs& args, uint64_t stream) {
+LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
   return dev::launch_cooperative(combine_kernel<T>, args.num_ranks * args.blocks_per_rank, kThreads, 0, stream, args);
 }
 
@@ -202,9 +202,9 @@ LaunchStatus launch_typed(const LaunchArgs& args, uint64_t stream) {
 
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream) {
   switch (args.dtype) {
-    case kFloat32: return launch_typed<float>(args, stream);
-    case kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
-    case kFloat16: return launch_typed<__half>(args, stream);
+    case kFloat32: return launch_combine_typed<float>(args, stream);
+    case kBFloat16: return launch_combine_typed<__nv_bfloat16>(args, stream);
+    case kFloat16: return launch_combine_typed<__half>(args, stream);
     default: return "combine: unsupported dtype code";
   }
 }

@@ -174,9 +174,10 @@ class Engine:
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr
         if kind == "dispatch":
-            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block)
+            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
+                                     pipelines=launch.DISPATCH_PIPELINES)
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
-            smem = fifo.smem_bytes
+            smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
         else:
             smem = 0
         per_sm = self._blocks_per_sm.get((kind, smem))

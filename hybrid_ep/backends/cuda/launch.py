@@ -16,7 +16,8 @@ MAX_STAGES = 16  # csrc kMaxStages
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
 MAX_BATCH_ROWS = 32  # csrc kMaxBatchRows: whole rows in one stage
-STATIC_SMEM_RESERVE = 8 * 1024  # the kernels' static shared memory, with headroom
+STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
+DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
 
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3}
@@ -34,11 +35,12 @@ class FifoShape:
 
 
 def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
-               chunk_tokens: int = CHUNK_TOKENS) -> FifoShape:
+               chunk_tokens: int = CHUNK_TOKENS, pipelines: int = 1) -> FifoShape:
     """Stages sized in bytes: rows of up to TARGET_STAGE_BYTES are batched, as many whole rows
     as fit (at most a chunk's, MAX_BATCH_ROWS), so small rows still move in large copies; a
     row up to MAX_STAGE_BYTES fills one stage; a larger row is cut into segments of
-    MAX_STAGE_BYTES. As many stages as the shared memory holds, up to max_stages."""
+    MAX_STAGE_BYTES. As many stages as `pipelines` FIFOs of this shape leave in the shared
+    memory, up to max_stages each (dispatch runs two: send and expand)."""
     if row_bytes <= 0 or row_bytes % 16 != 0:
         raise ValueError(f"row bytes must be a positive multiple of 16, got {row_bytes}")
     if row_bytes > MAX_STAGE_BYTES:
@@ -46,7 +48,7 @@ def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
     else:
         rows = max(1, min(MAX_BATCH_ROWS, chunk_tokens, TARGET_STAGE_BYTES // row_bytes))
         stage = rows * row_bytes
-    budget = smem_per_block - STATIC_SMEM_RESERVE
+    budget = (smem_per_block - STATIC_SMEM_RESERVE) // pipelines
     stages = min(max_stages, MAX_STAGES, budget // stage)
     if stages < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 FIFO stages of {stage} B")
