@@ -42,10 +42,10 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_RH, probs_R, buffer, handle, apply_probs, num_sms):
+    def forward(ctx, rows_RH, probs_R, buffer, handle, apply_probs, num_sms, wire_dtype):
         ctx.buffer, ctx.handle, ctx.apply_probs = buffer, handle, apply_probs
         ctx.save_for_backward(rows_RH, probs_R)
-        return buffer._run_combine(rows_RH, handle, apply_probs, num_sms)
+        return buffer._run_combine(rows_RH, handle, apply_probs, num_sms, wire_dtype)
 
     @staticmethod
     def backward(ctx, grad_y_TH):
@@ -62,7 +62,7 @@ class _Combine(torch.autograd.Function):
                 grad_rows = (grad_out_RH.float() * probs_R.float()[:, None]).to(rows_RH.dtype)
         elif ctx.needs_input_grad[0]:
             grad_rows = grad_out_RH.to(rows_RH.dtype)
-        return grad_rows, grad_probs, None, None, None, None
+        return grad_rows, grad_probs, None, None, None, None, None
 
 
 def dispatch(
@@ -100,7 +100,7 @@ def dispatch(
 
 
 def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = False,
-            num_sms: int | None = None) -> torch.Tensor:
+            num_sms: int | None = None, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
     """buffer.combine with gradients to expert_out and, with apply_probs, to the routing weights."""
     buffer._check_combine(expert_out, handle, apply_probs)
-    return _Combine.apply(expert_out, handle.probs_R, buffer, handle, apply_probs, num_sms)
+    return _Combine.apply(expert_out, handle.probs_R, buffer, handle, apply_probs, num_sms, wire_dtype)

@@ -46,7 +46,9 @@ class HybridEPBuffer:
     "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
     min_rows_per_expert: every local expert gets at least this many rows (zero rows with
     prob 0 past its real ones) before rounding up to pad_multiple, so grouped GEMMs never
-    see an empty group (0: experts without tokens get no rows).
+    see an empty group (0: experts without tokens get no rows). combine_wire_dtype: the dtype
+    of combine's partial sums between ranks (None: the dtype of expert_out; torch.float32:
+    twice the bytes, rounded once); combine(wire_dtype=...) overrides it per call.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class HybridEPBuffer:
         min_rows_per_expert: int = 0,
         num_sms_dispatch: int | None = None,
         num_sms_combine: int | None = None,
+        combine_wire_dtype: torch.dtype | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("HybridEPBuffer needs torch.distributed to be initialised (init_process_group)")
@@ -79,7 +82,7 @@ class HybridEPBuffer:
             pad_multiple=pad_multiple,
             min_rows_per_expert=min_rows_per_expert,
         ).validate()
-        self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
+        self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine, combine_wire_dtype).validate()
         self.group = group
         self.rank = dist.get_rank(group)
         self._owner = next(_owner_ids)
@@ -102,12 +105,13 @@ class HybridEPBuffer:
     def memory_plan(self) -> MemoryPlan:
         return self._backend.memory_plan()
 
-    def _kernel(self, num_sms_dispatch=None, num_sms_combine=None) -> KernelConfig:
+    def _kernel(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         base = self.kernel_config
         return dataclasses.replace(
             base,
             num_sms_dispatch=base.num_sms_dispatch if num_sms_dispatch is None else num_sms_dispatch,
             num_sms_combine=base.num_sms_combine if num_sms_combine is None else num_sms_combine,
+            combine_wire_dtype=base.combine_wire_dtype if wire_dtype is None else wire_dtype,
         ).validate()
 
     def dispatch(
@@ -143,14 +147,16 @@ class HybridEPBuffer:
         *,
         apply_probs: bool = False,
         num_sms: int | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Sum each token's expert rows back on its source rank: [T, H], dtype of expert_out.
 
         Accumulates in fp32; padding and dropped rows are ignored. apply_probs multiplies each
         row by its routing weight first (Megatron applies probs inside the experts instead).
+        wire_dtype overrides the buffer's combine_wire_dtype for this call.
         """
         self._check_combine(expert_out, handle, apply_probs)
-        return self._run_combine(expert_out, handle, apply_probs, num_sms)
+        return self._run_combine(expert_out, handle, apply_probs, num_sms, wire_dtype)
 
     # -- shared by the autograd functions ---------------------------------------------------
 
@@ -183,8 +189,9 @@ class HybridEPBuffer:
         self.last_call = CallRecord("dispatch", self.rank, handle, dispatch_row_bytes(self.config.hidden_dim, x.dtype))
         return rows, scales_out, handle
 
-    def _run_combine(self, expert_out, handle, apply_probs, num_sms):
-        y = self._backend.combine(expert_out, handle, apply_probs, self._kernel(num_sms_combine=num_sms))
+    def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
+        kernel = self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype)
+        y = self._backend.combine(expert_out, handle, apply_probs, kernel)
         self.last_call = CallRecord("combine", self.rank, handle,
                                     combine_row_bytes(self.config.hidden_dim, expert_out.dtype))
         return y

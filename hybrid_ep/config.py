@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import torch
+
 # Every fp8 row carries one fp32 scale per this many elements.
 FP8_BLOCK = 128
 
@@ -71,17 +73,26 @@ class BufferConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """How many SMs each kernel uses; None means the backend's measured default."""
+    """How the kernels run: SMs per kernel (None: the backend's default) and the dtype combine's
+    partial sums travel in between ranks (None: the dtype of expert_out, so a bf16 combine
+    rounds once per hop; torch.float32: rounded once, at the end, for twice the bytes)."""
 
     num_sms_dispatch: int | None = None
     num_sms_combine: int | None = None
+    combine_wire_dtype: torch.dtype | None = None
 
     def validate(self) -> "KernelConfig":
         for name in ("num_sms_dispatch", "num_sms_combine"):
             value = getattr(self, name)
             if value is not None:
                 _require_int(name, value, 1)
+        if self.combine_wire_dtype not in (None, torch.float32):
+            raise ValueError(f"combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, "
+                             f"got {self.combine_wire_dtype}")
         return self
+
+    def wire_dtype_for(self, expert_out_dtype: torch.dtype) -> torch.dtype:
+        return expert_out_dtype if self.combine_wire_dtype is None else self.combine_wire_dtype
 
 
 def timeout_seconds() -> float:

@@ -67,6 +67,9 @@ MUTATIONS = (
     __syncwarp();""", """      tab.ndest[lane] = n;
       __syncwarp();
     }"""),
+    Mutation("reducers-take-items-in-turn", "a consumer waiting on a phase two rounds ahead (stale parity)",
+             "csrc/kernels/combine.cu", "  return static_cast<int>(k % stages) % consumers == which;",
+             "  return static_cast<int>(k % consumers) == which;"),
     Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cu",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }

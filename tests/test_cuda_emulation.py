@@ -67,6 +67,11 @@ CASES = [
     _case(2, pad_multiple=64, topk=1, tokens=(100, 1)),
     _case(4, pad_multiple=16, min_rows_per_expert=16, num_experts=32, tokens=(5, 0, 1, 2)),
     _case(4, apply_probs=True, topk=8, num_experts=16, dtype=torch.float32, tokens=(64, 17, 0, 5)),
+    # combine's wire: fp32 partials for bf16 rows (default: bf16, rounded once per hop)
+    _case(4, hidden=7168, topk=8, num_experts=16, tokens=(4095, 17, 1, 0), wire_dtype=torch.float32),
+    _case(8, hidden=7168, topk=8, num_experts=64, tokens=(2048,) * 8, dtype=torch.float16, wire_dtype=torch.float32),
+    # small rows batched 32 to a FIFO stage, with partial stages
+    _case(4, hidden=128, topk=8, num_experts=16, tokens=(4096, 33, 17, 0)),
     # static size: overflow (drops counted), exact, larger (trailing zero rows), zero
     _case(4, num_out_tokens=10, topk=8, num_experts=16, tokens=(64, 17, 0, 5)),
     _case(4, num_out_tokens=4000, topk=2, tokens=(64, 17, 0, 5), pad_multiple=16),

@@ -111,6 +111,8 @@ COMBINE_CASES = [
     ("handle not a handle", lambda r: dict(expert_out=r.tokens, handle="h"), TypeError,
      "handle must be the DispatchHandle"),
     ("apply_probs not bool", lambda r: dict(expert_out=r.tokens, apply_probs=1), TypeError, "apply_probs must be a bool"),
+    ("wire_dtype bf16", lambda r: dict(expert_out=r.tokens, wire_dtype=torch.bfloat16), ValueError,
+     "combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.bfloat16"),
 ]
 
 
@@ -151,6 +153,8 @@ CONSTRUCTOR_CASES = [
     ("cuda backend missing", dict(backend="cuda"), RuntimeError, "backend='cuda' is not available"),
     ("deepep backend missing", dict(backend="deepep"), RuntimeError, "backend='deepep' is not available"),
     ("num_sms_dispatch 0", dict(num_sms_dispatch=0), ValueError, "num_sms_dispatch must be >= 1"),
+    ("combine_wire_dtype fp16", dict(combine_wire_dtype=torch.float16), ValueError,
+     "combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.float16"),
 ]
 
 

@@ -21,7 +21,8 @@ from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.engine import RoutingError
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.compare import assert_combine_close
+from hybrid_ep.backends.cuda import launch
+from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
 from hybrid_ep.testing.emulated import buffer_key, check_emulated, check_emulated_autograd, on_device
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
@@ -81,6 +82,9 @@ CASES = [
     _case(2, num_experts=8, hidden=128, pad_multiple=16, min_rows_per_expert=16, tokens=(5, 0)),
     _case(4, num_experts=32, min_rows_per_expert=8, tokens=(5, 0, 1, 2)),
     _case(4, num_experts=16, apply_probs=True, topk=8, dtype=torch.float32, tokens=(64, 17, 0, 5)),
+    # combine's wire: fp32 partials for bf16 / fp16 rows (the default is the rows' dtype)
+    _case(4, num_experts=16, topk=8, tokens=(64, 17, 0, 33), wire_dtype=torch.float32),
+    _case(3, dtype=torch.float16, apply_probs=True, tokens=(17, 64, 5), wire_dtype=torch.float32),
     # static size: overflow (drops counted), larger (trailing zero rows), zero, fp8 overflow
     _case(4, num_experts=16, num_out_tokens=10, topk=8, tokens=(64, 17, 0, 5)),
     _case(3, num_out_tokens=200, pad_multiple=16, tokens=(64, 17, 0)),
@@ -313,3 +317,51 @@ def test_a_pipeline_timeout_names_no_peer_and_the_call():
         assert "peer" not in message
     finally:
         group.close()
+
+
+def test_a_bf16_wire_rounds_once_per_hop_within_the_oracle_bound():
+    """The same combine over a bf16 wire and an fp32 wire: the bf16 partials are rounded on
+    their hop, so the results differ, each within its own bound, and the bf16 wire's result
+    falls outside the fp32 wire's bound somewhere (the hop's term is needed, not slack)."""
+    case = _case(4, num_experts=8, topk=4, hidden=2048, tokens=(64, 64, 64, 64), seed=3)
+    group = group_for(case)
+    model.set_seed(3)
+    xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
+    res = group.dispatch(xs, idx, weights)
+    gen = torch.Generator().manual_seed(9)
+    outs = [torch.randn(r.tokens.shape, generator=gen).to(torch.bfloat16) for r in res]
+    handles = [r.handle for r in res]
+    y_bf16 = group.combine(outs, handles)
+    y_fp32 = group.combine(outs, handles, wire_dtype=torch.float32)
+    group.synchronize()
+    run = dispatch_oracle(group.config, xs, idx, weights)
+    want_y, magnitude = combine_oracle(group.config, run, outs, idx)
+    outside_fp32_bound = 0
+    for r in range(4):
+        assert_combine_close(y_bf16[r], want_y[r], magnitude[r], case.topk, f"bf16 wire rank {r}")
+        assert_combine_close(y_fp32[r], want_y[r], magnitude[r], case.topk, f"fp32 wire rank {r}", torch.float32)
+        tol32 = combine_tolerance(want_y[r], magnitude[r], torch.bfloat16, case.topk, torch.float32)
+        outside_fp32_bound += int(((y_bf16[r].double() - want_y[r]).abs() > tol32).sum())
+    assert not all(torch.equal(a, b) for a, b in zip(y_bf16, y_fp32))
+    assert outside_fp32_bound > 0
+
+
+def test_small_rows_are_batched_in_one_stage():
+    """256-byte rows: 32 to a stage, so a chunk's rows move in one bulk copy per FIFO stage;
+    chunks of 17 and 33 rows leave partial stages."""
+    shape = launch.fifo_shape(128 * 2, model.device_properties(0)[1], pipelines=launch.DISPATCH_PIPELINES)
+    assert shape.rows_per_stage == 32
+    case = _case(3, hidden=128, tokens=(64, 17, 33), topk=2)
+    for seed in (0, 1):
+        model.set_seed(seed)
+        check_emulated(group_for(case), dataclasses.replace(case, seed=seed))
+
+
+def test_wire_dtype_must_be_the_rows_dtype_or_fp32():
+    case = _case(2, tokens=(9, 4))
+    group = group_for(case)
+    res = check_emulated(group, case)
+    outs = [r.tokens for r in res]
+    with pytest.raises(ValueError, match="wire_dtype must be the dtype of expert_out .bfloat16. or float32, "
+                                         "got float16"):
+        group.combine(outs, [r.handle for r in res], wire_dtype=torch.float16)

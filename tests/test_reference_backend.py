@@ -29,6 +29,7 @@ def _cases():
         variants = [
             dict(topk=1, dtype=torch.float32),
             dict(topk=2, dtype=torch.bfloat16, drop_fraction=0.3, apply_probs=True),
+            dict(topk=min(4, E), dtype=torch.bfloat16, wire_dtype=torch.float32),
             dict(topk=max_k, dtype=FP8, pad_multiple=8),
             dict(topk=min(3, E), dtype=torch.bfloat16, routing="one-expert", pad_multiple=64),
             dict(topk=min(4, E), dtype=torch.float32, num_out_tokens=3, drop_fraction=0.1),

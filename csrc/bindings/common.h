@@ -71,13 +71,15 @@ inline void bind_common(py::module_& m) {
       .def(py::init([] { return RankArgs{}; })) RW(RankArgs, rank) RW(RankArgs, absent) RW(RankArgs, num_tokens)
           RW(RankArgs, topk) RW(RankArgs, peers) RW(RankArgs, x) RW(RankArgs, x_scales) RW(RankArgs, topk_idx)
               RW(RankArgs, topk_weights) RW(RankArgs, send_slot) RW(RankArgs, entry_ord) RW(RankArgs, info)
-                  RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos)
+                  RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos) RW(RankArgs, recv_spans)
                       RW(RankArgs, num_out_rows) RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y);
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks)
           RW(LaunchArgs, blocks_per_rank) RW(LaunchArgs, dtype) RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols)
               RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages)
-                  RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                  RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage)
+                      RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
+                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
                       RW(LaunchArgs, error)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
@@ -96,6 +98,7 @@ inline void bind_common(py::module_& m) {
   m.def("launch_combine", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
   m.def("layout_smem_bytes", &layout_smem_bytes);
   m.def("dispatch_smem_bytes", &dispatch_smem_bytes);
+  m.def("combine_smem_bytes", &combine_smem_bytes);
   m.def("layout_max_blocks_per_sm", &layout_max_blocks_per_sm);
   m.def("dispatch_max_blocks_per_sm", &dispatch_max_blocks_per_sm);
   m.def("combine_max_blocks_per_sm", &combine_max_blocks_per_sm);

@@ -35,7 +35,7 @@ struct RegLayout {
   uint64_t count_epoch;      // u64 [W]: epoch of the counts source s wrote
   uint64_t chunk_signal;     // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;       // ceil(max_tokens / kChunkTokens)
-  uint64_t combine_signal;   // u64 [W]: partial rows that arrived from expert host d (monotonic)
+  uint64_t combine_signal;   // u64 [W][max_chunks]: expert host d wrote the partials of chunk c (epoch)
   uint64_t done_dispatch;    // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;     // u64: last combine epoch whose partial buffers were fully read
   uint64_t state;            // LocalState (only this rank touches it)
@@ -49,8 +49,9 @@ struct RegLayout {
   uint64_t row_stride;       // bytes per slot at the widest dtype (fp32): the region's size
   uint64_t recv_scales;      // f32 [W][max_tokens][scale_stride / 4]
   uint64_t scale_stride;
-  uint64_t comb_rows;        // f32 partial sums [W][max_tokens][comb_stride / 4]
-  uint64_t comb_stride;
+  uint64_t comb_rows;        // partial sums [W][max_tokens], each the call's row in the wire dtype (packed);
+                             // sized for fp32 rows
+  uint64_t comb_stride;      // bytes per slot at the widest wire dtype (fp32): the region's size
   uint64_t total;
 };
 
@@ -111,6 +112,8 @@ struct RankArgs {
   uint64_t out_scales;      // [R, H/128] f32
   uint64_t out_probs;       // [R] f32
   uint64_t row_pos;         // [W, max_tokens, kd] i32 output row of each entry of a received row
+  uint64_t recv_spans;      // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
+                            // writes it, combine reads it: the handle's, not the registered buffer's)
   int64_t num_out_rows;     // R, or -1 before it is known (layout kernel, dynamic mode)
   uint64_t expert_out;      // [R, C] combine input
   uint64_t probs;           // [R] f32 routing weight of each output row (apply_probs)
@@ -130,6 +133,12 @@ struct LaunchArgs {
   int32_t fifo_stages;
   int32_t stage_bytes;
   int32_t rows_per_stage;   // whole rows batched in one stage (1: a row fills a stage or more)
+  int32_t wire_dtype;       // combine: DType of the partial sums between ranks (kFloat32 or dtype)
+  int32_t seg_cols;         // combine: columns per stage (a multiple of 8, or the whole row)
+  int32_t host_stages;      // combine: stages of the expert-host pipeline, and their bytes
+  int32_t host_stage_bytes;
+  int32_t src_stages;       // combine: stages of the source pipeline, and their bytes
+  int32_t src_stage_bytes;
   uint64_t timeout_ns;
   uint64_t abort_flag;      // device i32: set by the first failing wait; every wait polls it
   uint64_t error;           // ErrorRecord* in mapped pinned host memory
@@ -142,7 +151,6 @@ struct LocalState {
   uint64_t combine_epoch;              // combine calls finished
   uint32_t blocks_done_dispatch;       // blocks of the running dispatch that finished
   uint32_t blocks_done_combine;
-  uint64_t rx_combine[kMaxRanks];      // partial rows consumed from each expert host
 };
 
 // Chunk c of source s has arrived at this rank: its rows are slots [first, first + rows) of

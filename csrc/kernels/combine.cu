@@ -1,23 +1,42 @@
-// Combine kernel: persistent, one block per SM; each warp owns one row at a time.
+// Combine kernel: persistent, one block per SM, warp-specialised. Every block reduces its
+// share of the rows this rank received (as their expert host) and, at the same time, sums
+// its share of this rank's own tokens (as their source), chunk by chunk as partials arrive.
 //
-// Phase 1 (on the expert host): for every received row, the warp sums the rows its local
-// experts produced (optionally times the routing weight) in fp32 and pushes the partial sum
-// into the source rank's registered buffer with 16-byte stores through the peer pointer.
-// One partial per (token, destination rank) crosses NVLink, as in dispatch.
-// Phase 2 (on the source): once every expert host has signalled its rows, each token's
-// partials are summed in fp32 and cast once to the output dtype.
+// Expert host (every (source, chunk) this rank received in the dispatch, strided over the
+// blocks as in dispatch; the chunk spans come from the handle):
+//   warp 0      for each received row and column segment, bulk-loads the row's expert outputs
+//               (one per valid output row of the row's entries) into a stage;
+//   warps 2-5   take the stages in turn: fp32 sum (times the routing weight with
+//               apply_probs), rounded once to the wire dtype into the stage's output area;
+//   warp 1      bulk-stores each partial into the source's buffer (several groups in flight)
+//               and signals each chunk to its source once the chunk's stores completed.
+// Source (this rank's chunks of kChunkTokens tokens, strided over the blocks):
+//   warp 6      waits until every rank signalled the chunk, then bulk-loads each token's
+//               partials (one per destination rank) for each column segment into a stage;
+//   warps 7-14  take the stages in turn: fp32 sum of the partials, rounded once to the
+//               output dtype and written to the token's row.
+// Partials travel in the wire dtype (default the dtype of expert_out, fp32 on request), so
+// a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
+// lets peers write the next combine's partials.
 #include "common/state.cuh"
 #include "kernels/launch.h"
+#include "kernels/pipeline.cuh"
 
 namespace hybrid_ep {
 namespace {
 
+constexpr int kStoreGroupsInFlight = 4;
+constexpr int kHostLoadWarp = 0, kHostStoreWarp = 1, kHostReduceWarp = 2, kHostReducers = 4;  // 2 .. 5
+constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7, kSrcReducers = 8;                         // 7 .. 14
+constexpr int kMaxPendingChunks = 8;    // chunks whose partials are stored but not yet signalled
+
+// ---- four values of a 16-bit or 32-bit dtype <-> fp32 -------------------------------------
+
 template <typename T>
-struct Vec;  // 16 bytes of T <-> fp32
+struct Quad;  // 4 elements of T
 
 template <>
-struct Vec<float> {
-  static constexpr int kN = 4;
+struct Quad<float> {
   __device__ static void load(const void* p, float* out) {
     const float4 v = *reinterpret_cast<const float4*>(p);
     out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
@@ -28,23 +47,16 @@ struct Vec<float> {
 };
 
 template <typename H2, typename Conv>
-struct Vec16Half {
-  static constexpr int kN = 8;
+struct QuadHalf {
   __device__ static void load(const void* p, float* out) {
-    const int4 raw = *reinterpret_cast<const int4*>(p);
-    const H2* h = reinterpret_cast<const H2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = Conv::to_float2(h[i]);
-      out[2 * i] = f.x, out[2 * i + 1] = f.y;
-    }
+    const H2* h = reinterpret_cast<const H2*>(p);
+    const float2 a = Conv::to_float2(h[0]), b = Conv::to_float2(h[1]);
+    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
   }
   __device__ static void store(void* p, const float* in) {
-    int4 raw;
-    H2* h = reinterpret_cast<H2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = Conv::from_float2(make_float2(in[2 * i], in[2 * i + 1]));
-    *reinterpret_cast<int4*>(p) = raw;
+    H2* h = reinterpret_cast<H2*>(p);
+    h[0] = Conv::from_float2(make_float2(in[0], in[1]));
+    h[1] = Conv::from_float2(make_float2(in[2], in[3]));
   }
 };
 
@@ -57,158 +69,428 @@ struct HalfConv {
   __device__ static __half2 from_float2(float2 v) { return __float22half2_rn(v); }
 };
 template <>
-struct Vec<__nv_bfloat16> : Vec16Half<__nv_bfloat162, BF16Conv> {};
+struct Quad<__nv_bfloat16> : QuadHalf<__nv_bfloat162, BF16Conv> {};
 template <>
-struct Vec<__half> : Vec16Half<__half2, HalfConv> {};
+struct Quad<__half> : QuadHalf<__half2, HalfConv> {};
 
-// A partial written by a peer in this call: read around L1.
-__device__ __forceinline__ float4 ld_partial(const float* p) { return __ldcv(reinterpret_cast<const float4*>(p)); }
+// ---- stages ---------------------------------------------------------------------------------
 
-struct CombineShared {
-  uint32_t rows_for[kMaxRanks];  // partial rows this block pushed to each source
-  int abort;
+// An expert-host stage: up to kd input segments (expert_out rows, seg_cols columns each) and
+// the partial's output area (seg_cols columns of the wire dtype) after them.
+struct HostItem {
+  int32_t source, slot;  // the received row: source rank and its slot there
+  int32_t col0, cols;    // column segment
+  int32_t n;             // valid input segments
+  float w[kMaxTopK];     // their weights (1 without apply_probs)
 };
 
-template <typename Elem>
+// A source stage: up to kMaxPartials partial segments of one token.
+struct SrcItem {
+  int32_t token, col0, cols, n;
+};
+
+struct CombineShared {
+  uint64_t host_full[kMaxStages], host_reduced[kMaxStages], host_empty[kMaxStages];
+  uint64_t src_full[kMaxStages], src_empty[kMaxStages];
+  HostItem host_items[kMaxStages];
+  SrcItem src_items[kMaxStages];
+  int abort_flow;  // flow-control wait gave up
+  volatile int abort;
+};
+
+// What every role of a block needs to know about the call.
+struct Combine {
+  const LaunchArgs& args;
+  const RankArgs& a;
+  const RegLayout& reg;
+  const InfoLayout& il;
+  RankView view;
+  int b, nb, W, Tmax, T, kd, C, seg_cols, segments, chunk;
+  uint32_t in_bytes, wire_bytes;  // element sizes
+  const int64_t* info;
+  uint64_t epoch;
+  CombineShared& sh;
+  uint8_t* host_data;
+  uint8_t* src_data;
+
+  __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
+  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ void span(int s, int c, int& first, int& rows) const {
+    const auto* spans = reinterpret_cast<const int32_t*>(a.recv_spans);
+    const int64_t i = (static_cast<int64_t>(s) * static_cast<int64_t>(reg.max_chunks) + c) * 2;
+    first = spans[i];
+    rows = spans[i + 1];
+  }
+  // The partial of (source s, slot) from expert host `host`, in s's buffer.
+  __device__ uint8_t* partial(int s, int host, int64_t slot) const {
+    return view.base(s) + reg.comb_rows + (static_cast<int64_t>(host) * Tmax + slot) * C * wire_bytes;
+  }
+  __device__ uint64_t* comb_signal(int s, int host, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) +
+           static_cast<int64_t>(host) * static_cast<int64_t>(reg.max_chunks) + c;
+  }
+  __device__ uint8_t* host_stage(int stage) const {
+    return host_data + static_cast<size_t>(stage) * args.host_stage_bytes;
+  }
+  __device__ uint8_t* host_out(int stage) const {  // after kd input segments
+    return host_stage(stage) + static_cast<size_t>(kd) * seg_cols * in_bytes;
+  }
+  __device__ uint8_t* src_stage(int stage) const { return src_data + static_cast<size_t>(stage) * args.src_stage_bytes; }
+  __device__ void stop() const { sh.abort = 1; }
+  __device__ bool stopped() const { return sh.abort != 0; }
+};
+
+// Item k of a ring whose stages are shared out among several consumer warps.
+__device__ __forceinline__ PipeState pipe_at(uint32_t k, int stages) {
+  PipeState p;
+  p.stage = static_cast<int>(k % stages);
+  p.phase = (k / stages) & 1u;
+  p.count = k;
+  return p;
+}
+
+// A parity wait tells only "this phase or the one before": a consumer may never wait for a
+// stage's round r before its round r - 1 completed. So each stage has one consumer warp, which
+// takes that stage's rounds in order: stage s belongs to warp s % consumers.
+__device__ __forceinline__ bool owns(uint32_t k, int stages, int which, int consumers) {
+  return static_cast<int>(k % stages) % consumers == which;
+}
+
+// The (source, chunk) pairs this block reduces: all sources' chunks in order, strided over
+// the rank's blocks (the same pairs as the dispatch's expansion).
+struct HostChunks {
+  const Combine& d;
+  int s = 0;
+  int64_t base = 0;
+  int64_t u;
+
+  __device__ explicit HostChunks(const Combine& dd) : d(dd), u(dd.b) {}
+  __device__ bool next(int& source, int& c) {
+    while (s < d.W && u >= base + d.source_chunks(s)) base += d.source_chunks(s++);
+    if (s >= d.W) return false;
+    source = s;
+    c = static_cast<int>(u - base);
+    u += d.nb;
+    return true;
+  }
+};
+
+// ---- expert host ----------------------------------------------------------------------------
+
+__device__ void host_load(const Combine& d, const Ring& ring) {
+  const auto* row_pos = reinterpret_cast<const int32_t*>(d.a.row_pos);
+  const auto* probs = reinterpret_cast<const float*>(d.a.probs);
+  const auto* expert_out = reinterpret_cast<const uint8_t*>(d.a.expert_out);
+  HostChunks chunks(d);
+  PipeState produced;
+  int s, c;
+  while (chunks.next(s, c) && !d.stopped()) {
+    int first, rows;
+    d.span(s, c, first, rows);
+    for (int r = 0; r < rows && !d.stopped(); ++r) {
+      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;
+      for (int g = 0; g < d.segments; ++g, produced.advance(ring.stages)) {
+        if (!ring.producer_acquire(d.args, produced)) {
+          d.stop();
+          break;
+        }
+        HostItem& it = d.sh.host_items[produced.stage];
+        it.source = s;
+        it.slot = first + r;
+        it.col0 = g * d.seg_cols;
+        it.cols = min(d.seg_cols, d.C - it.col0);
+        int n = 0;
+        for (int q = 0; q < d.kd; ++q) n += row_pos[row * d.kd + q] >= 0;
+        it.n = n;
+        // The bytes first (the arrival also publishes the header), then the copies.
+        dev::mbar_arrive_expect_tx(&ring.full[produced.stage], static_cast<uint32_t>(n) * it.cols * d.in_bytes);
+        for (int q = 0, i = 0; q < d.kd; ++q) {
+          const int p = row_pos[row * d.kd + q];
+          if (p < 0) continue;
+          it.w[i] = d.args.apply_probs ? probs[p] : 1.f;
+          dev::bulk_g2s(d.host_stage(produced.stage) + static_cast<size_t>(i) * d.seg_cols * d.in_bytes,
+                        expert_out + (static_cast<int64_t>(p) * d.C + it.col0) * d.in_bytes, it.cols * d.in_bytes,
+                        &ring.full[produced.stage]);
+          ++i;
+        }
+      }
+    }
+  }
+  StageRing{ring, d.host_data, d.args.host_stage_bytes}.drain(d.args, PipeState{}, produced);
+}
+
+template <typename In, typename Wire>
+__device__ void host_reduce(const Combine& d, const Ring& ring, const uint64_t* reduced, int which, int lane) {
+  // This warp takes the items of the stages it owns, in order.
+  HostChunks chunks(d);
+  uint32_t k = 0;  // items before the current chunk
+  int s, c;
+  while (chunks.next(s, c)) {
+    int first, rows;
+    d.span(s, c, first, rows);
+    const uint32_t items = static_cast<uint32_t>(rows) * d.segments;
+    for (uint32_t item = k; item < k + items; ++item) {
+      if (!owns(item, ring.stages, which, kHostReducers)) continue;
+      const PipeState p = pipe_at(item, ring.stages);
+      bool ok = true;
+      if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
+      if (!warp_uniform(ok)) {
+        d.stop();
+        return;
+      }
+      const HostItem& it = d.sh.host_items[p.stage];
+      const uint8_t* in = d.host_stage(p.stage);
+      uint8_t* out = d.host_out(p.stage);
+      for (int v = lane; v < it.cols / 4; v += 32) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int q = 0; q < it.n; ++q) {
+          float val[4];
+          Quad<In>::load(in + (static_cast<size_t>(q) * d.seg_cols + v * 4) * sizeof(In), val);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[e] += it.w[q] * val[e];
+        }
+        Quad<Wire>::store(out + static_cast<size_t>(v) * 4 * sizeof(Wire), acc);
+      }
+      dev::fence_proxy_async();  // this lane's output, read next by a bulk store
+      __syncwarp();
+      if (lane == 0) dev::mbar_arrive(const_cast<uint64_t*>(&reduced[p.stage]));
+    }
+    k += items;
+  }
+}
+
+__device__ void host_store(const Combine& d, const Ring& ring, uint64_t* reduced) {
+  const int in_flight = min(kStoreGroupsInFlight, ring.stages - 1);
+  HostChunks chunks(d);
+  PipeState consumed, released;
+  uint32_t groups = 0;
+  // Chunks stored but not yet signalled: (source, chunk, the group that completes it).
+  int pend_s[kMaxPendingChunks] = {}, pend_c[kMaxPendingChunks] = {};
+  uint32_t pend_g[kMaxPendingChunks] = {};
+  int npend = 0;
+  auto signal_through = [&](uint32_t upto_group, int writes_in_flight) {
+    if (npend == 0 || pend_g[0] > upto_group) return;
+    bulk_wait_write_except(writes_in_flight);
+    dev::fence_proxy_async();  // the bulk writes, before the generic releases below
+    __threadfence_system();
+    int kept = 0;
+    for (int i = 0; i < npend; ++i) {
+      if (pend_g[i] <= upto_group) {
+        dev::st_release_sys(d.comb_signal(pend_s[i], d.a.rank, pend_c[i]), d.epoch);
+      } else {
+        pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
+        ++kept;
+      }
+    }
+    npend = kept;
+  };
+
+  int s, c;
+  while (chunks.next(s, c) && !d.stopped()) {
+    int first, rows;
+    d.span(s, c, first, rows);
+    bool ok = true;
+    for (int k = 0; k < rows * d.segments; ++k, consumed.advance(ring.stages)) {
+      if (d.stopped() || !mbar_wait(d.args, &reduced[consumed.stage], consumed.phase, d.a.rank, d.epoch)) {
+        ok = false;
+        break;
+      }
+      const HostItem& it = d.sh.host_items[consumed.stage];
+      dev::bulk_s2g(d.partial(it.source, d.a.rank, it.slot) + static_cast<int64_t>(it.col0) * d.wire_bytes,
+                    d.host_out(consumed.stage), it.cols * d.wire_bytes);
+      dev::bulk_commit();
+      ++groups;
+      signal_through(groups - 1, 1);  // chunks complete with an older group; this one stays in flight
+      bulk_wait_read_except(in_flight);
+      for (; released.count + in_flight <= consumed.count; released.advance(ring.stages)) ring.consumer_release(released);
+    }
+    if (!ok) {
+      d.stop();
+      break;
+    }
+    if (npend == kMaxPendingChunks) signal_through(groups, 0);
+    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = groups;
+    ++npend;
+  }
+  if (!d.stopped()) signal_through(groups, 0);
+  dev::bulk_wait_all();
+  for (; released.count < consumed.count; released.advance(ring.stages)) ring.consumer_release(released);
+}
+
+// ---- source ---------------------------------------------------------------------------------
+
+__device__ void src_load(const Combine& d, const Ring& ring) {
+  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  PipeState produced;
+  for (int c = d.b; c < d.send_chunks() && !d.stopped(); c += d.nb) {
+    bool ok = true;
+    for (int host = 0; host < d.W && ok; ++host)  // every expert host stored its partials of chunk c
+      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, host, c), d.epoch, kPhaseCombineRows, d.a.rank, host,
+                         d.epoch);
+    if (!ok) {
+      d.stop();
+      break;
+    }
+    dev::fence_proxy_async();  // the partials are read by bulk loads below
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+    for (int t = t0; t < t1 && !d.stopped(); ++t) {
+      for (int g = 0; g < d.segments; ++g, produced.advance(ring.stages)) {
+        if (!ring.producer_acquire(d.args, produced)) {
+          d.stop();
+          break;
+        }
+        SrcItem& it = d.sh.src_items[produced.stage];
+        it.token = t;
+        it.col0 = g * d.seg_cols;
+        it.cols = min(d.seg_cols, d.C - it.col0);
+        const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
+        int n = 0;
+        for (int host = 0; host < d.W; ++host) n += slots[host] >= 0;
+        it.n = n;
+        dev::mbar_arrive_expect_tx(&ring.full[produced.stage], static_cast<uint32_t>(n) * it.cols * d.wire_bytes);
+        for (int host = 0, i = 0; host < d.W; ++host) {
+          if (slots[host] < 0) continue;
+          dev::bulk_g2s(d.src_stage(produced.stage) + static_cast<size_t>(i) * d.seg_cols * d.wire_bytes,
+                        d.partial(d.a.rank, host, slots[host]) + static_cast<int64_t>(it.col0) * d.wire_bytes,
+                        it.cols * d.wire_bytes, &ring.full[produced.stage]);
+          ++i;
+        }
+      }
+    }
+  }
+  StageRing{ring, d.src_data, d.args.src_stage_bytes}.drain(d.args, PipeState{}, produced);
+}
+
+template <typename Out, typename Wire>
+__device__ void src_reduce(const Combine& d, const Ring& ring, int which, int lane) {
+  auto* y = reinterpret_cast<uint8_t*>(d.a.y);
+  uint32_t k = 0;  // items before the current chunk
+  for (int c = d.b; c < d.send_chunks(); c += d.nb) {
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+    const uint32_t items = static_cast<uint32_t>(t1 - t0) * d.segments;
+    for (uint32_t item = k; item < k + items; ++item) {
+      if (!owns(item, ring.stages, which, kSrcReducers)) continue;
+      const PipeState p = pipe_at(item, ring.stages);
+      bool ok = true;
+      if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
+      if (!warp_uniform(ok)) {
+        d.stop();
+        return;
+      }
+      const SrcItem& it = d.sh.src_items[p.stage];
+      const uint8_t* in = d.src_stage(p.stage);
+      uint8_t* out = y + (static_cast<int64_t>(it.token) * d.C + it.col0) * sizeof(Out);
+      for (int v = lane; v < it.cols / 4; v += 32) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int q = 0; q < it.n; ++q) {
+          float val[4];
+          Quad<Wire>::load(in + (static_cast<size_t>(q) * d.seg_cols + v * 4) * sizeof(Wire), val);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[e] += val[e];
+        }
+        Quad<Out>::store(out + static_cast<size_t>(v) * 4 * sizeof(Out), acc);
+      }
+      __syncwarp();
+      if (lane == 0) ring.consumer_release(p);
+    }
+    k += items;
+  }
+}
+
+template <typename Elem, typename Wire>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
-  using V = Vec<Elem>;
-  constexpr int kN = V::kN;
   const BlockPlace place = block_place(args);
   const RankArgs& a = place.rank;
   if (a.absent) return;
-  const int b = place.block, nb = place.blocks;
   const Geometry& geo = args.geo;
-  const RegLayout& reg = geo.reg;
-  const InfoLayout& il = geo.info;
   const RankView view = rank_view(geo, a);
-  const int W = geo.world_size, Tmax = geo.max_tokens, T = a.num_tokens, kd = args.kd, C = args.row_elems;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  const int64_t gw = static_cast<int64_t>(b) * nwarps + warp, nw = static_cast<int64_t>(nb) * nwarps;
-  const int nvec = C / kN;
-  const auto* info = reinterpret_cast<const int64_t*>(a.info);
-  const auto* row_pos = reinterpret_cast<const int32_t*>(a.row_pos);
-  const auto* expert_out = reinterpret_cast<const uint8_t*>(a.expert_out);
-  const auto* probs = reinterpret_cast<const float*>(a.probs);
-  const auto* send_slot = reinterpret_cast<const int32_t*>(a.send_slot);
-  auto* y = reinterpret_cast<uint8_t*>(a.y);
-  LocalState* st = view.state();
-
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   CombineShared& sh = dev::block_shared<CombineShared>();
-  uint32_t* rows_for = sh.rows_for;
+  LocalState* st = view.state();
   const uint64_t epoch = st->combine_epoch + 1;
-  if (tid == 0) sh.abort = 0;
-  for (int s = tid; s < kMaxRanks; s += blockDim.x) rows_for[s] = 0;
-  __syncthreads();
+  uint8_t* smem = dev::dynamic_smem<uint8_t>();
+  const int C = args.row_elems;
+  const Combine d{args, a, geo.reg, geo.info, view, place.block, place.blocks, geo.world_size, geo.max_tokens,
+                  a.num_tokens, args.kd, C, args.seg_cols, (C + args.seg_cols - 1) / args.seg_cols, args.chunk_tokens,
+                  static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)),
+                  reinterpret_cast<const int64_t*>(a.info), epoch, sh, smem,
+                  smem + static_cast<size_t>(args.host_stages) * args.host_stage_bytes};
+  const Ring host{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
+  const Ring src{sh.src_full, sh.src_empty, args.src_stages, a.rank, epoch};
 
-  // Flow control: the source must have read the partials of the previous combine.
-  if (tid < W && !wait_at_least(args, view.flag(tid, reg.done_combine, 0), epoch - 1, kPhaseCombineFlow, a.rank,
-                                tid, epoch))
-    sh.abort = 1;
-  __syncthreads();
-  if (sh.abort) return;
-
-  // ---- phase 1: reduce local expert rows, push one fp32 partial per received row --------
-  const int64_t num_recv = info[il.num_recv];
-  int s = 0;
-  for (int64_t v = gw; v < num_recv; v += nw) {
-    while (s + 1 < W && v >= info[il.recv_offset + s + 1]) ++s;
-    const int64_t i = v - info[il.recv_offset + s];
-    const int64_t row = static_cast<int64_t>(s) * Tmax + i;
-    int pos[kMaxTopK];
-    float w[kMaxTopK];
-#pragma unroll
-    for (int q = 0; q < kMaxTopK; ++q) {
-      pos[q] = q < kd ? row_pos[row * kd + q] : -1;
-      w[q] = (pos[q] >= 0 && args.apply_probs) ? probs[pos[q]] : 1.f;
-    }
-    float* dst = reinterpret_cast<float*>(view.base(s) + reg.comb_rows +
-                                          (static_cast<int64_t>(a.rank) * Tmax + i) * reg.comb_stride);
-    for (int cv = lane; cv < nvec; cv += 32) {
-      float acc[kN];
-#pragma unroll
-      for (int n = 0; n < kN; ++n) acc[n] = 0.f;
-#pragma unroll
-      for (int q = 0; q < kMaxTopK; ++q) {
-        if (pos[q] < 0) continue;
-        float val[kN];
-        V::load(expert_out + (static_cast<int64_t>(pos[q]) * C + cv * kN) * sizeof(Elem), val);
-#pragma unroll
-        for (int n = 0; n < kN; ++n) acc[n] += w[q] * val[n];
-      }
-#pragma unroll
-      for (int n = 0; n < kN; n += 4)
-        *reinterpret_cast<float4*>(dst + cv * kN + n) = make_float4(acc[n], acc[n + 1], acc[n + 2], acc[n + 3]);
-    }
-    if (lane == 0) atomicAdd(&rows_for[s], 1u);
-  }
-  __syncthreads();  // every partial written before the releases below (they are cumulative)
-  for (int d = tid; d < W; d += blockDim.x)
-    if (rows_for[d] > 0) {
-      __threadfence_system();
-      dev::red_add_release_sys(view.flag(d, reg.combine_signal, a.rank), rows_for[d]);
-    }
-
-  // ---- phase 2: sum the partials of each of this rank's tokens ---------------------------
-  if (tid < W) {
-    const uint64_t target = st->rx_combine[tid] + static_cast<uint64_t>(info[il.send_count + tid]);
-    if (!wait_at_least(args, view.flag(a.rank, reg.combine_signal, tid), target, kPhaseCombineRows, a.rank, tid,
-                       epoch))
-      sh.abort = 1;
+  if (tid == 0) {
+    host.init(1, 1);
+    src.init(1, 1);
+    for (int s = 0; s < args.host_stages; ++s) dev::mbar_init(&sh.host_reduced[s], 1);
+    dev::mbar_fence_init();
+    sh.abort_flow = 0;
+    sh.abort = aborted(args) ? 1 : 0;
   }
   __syncthreads();
   if (sh.abort) return;
 
-  const auto* partials = reinterpret_cast<const float*>(view.own() + reg.comb_rows);
-  const int64_t comb_floats = static_cast<int64_t>(reg.comb_stride / sizeof(float));
-  for (int64_t t = gw; t < T; t += nw) {
-    for (int cv = lane; cv < nvec; cv += 32) {
-      float acc[kN];
-#pragma unroll
-      for (int n = 0; n < kN; ++n) acc[n] = 0.f;
-      for (int d = 0; d < W; ++d) {
-        const int slot = send_slot[t * W + d];
-        if (slot < 0) continue;
-        const float* src = partials + (static_cast<int64_t>(d) * Tmax + slot) * comb_floats + cv * kN;
-#pragma unroll
-        for (int n = 0; n < kN; n += 4) {
-          const float4 p = ld_partial(src + n);
-          acc[n] += p.x, acc[n + 1] += p.y, acc[n + 2] += p.z, acc[n + 3] += p.w;
-        }
-      }
-      V::store(y + (t * C + cv * kN) * sizeof(Elem), acc);
-    }
+  // Flow control: a source must have read the partials of the previous combine before this
+  // rank writes the next ones into its buffer.
+  if (tid < d.W && !wait_at_least(args, view.flag(tid, geo.reg.done_combine, 0), epoch - 1, kPhaseCombineFlow,
+                                  a.rank, tid, epoch))
+    sh.abort_flow = 1;
+  __syncthreads();
+  if (sh.abort_flow) return;
+
+  if (warp == kHostLoadWarp) {
+    if (lane == 0) host_load(d, host);
+  } else if (warp == kHostStoreWarp) {
+    if (lane == 0) host_store(d, host, sh.host_reduced);
+  } else if (warp < kHostReduceWarp + kHostReducers) {
+    host_reduce<Elem, Wire>(d, host, sh.host_reduced, warp - kHostReduceWarp, lane);
+  } else if (warp == kSrcLoadWarp) {
+    if (lane == 0) src_load(d, src);
+  } else if (warp < kSrcReduceWarp + kSrcReducers) {
+    src_reduce<Elem, Wire>(d, src, warp - kSrcReduceWarp, lane);
   }
   __syncthreads();
 
-  if (tid == 0 && !aborted(args)) {
+  if (tid == 0 && !sh.abort && !aborted(args)) {
     __threadfence();
     const uint32_t prev = atomicAdd(&st->blocks_done_combine, 1u);
-    if (prev == static_cast<uint32_t>(nb - 1)) {
+    if (prev == static_cast<uint32_t>(d.nb - 1)) {
       st->blocks_done_combine = 0;
-      for (int d = 0; d < W; ++d) st->rx_combine[d] += static_cast<uint64_t>(info[il.send_count + d]);
       st->combine_epoch = epoch;
       __threadfence_system();
-      dev::st_release_sys(view.flag(a.rank, reg.done_combine, 0), epoch);
+      dev::st_release_sys(view.flag(a.rank, geo.reg.done_combine, 0), epoch);
     }
   }
 }
 
-template <typename T>
+template <typename Elem, typename Wire>
 LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_kernel<T>, args.num_ranks * args.blocks_per_rank, kThreads, 0, stream, args);
+  return dev::launch_cooperative(combine_kernel<Elem, Wire>, args.num_ranks * args.blocks_per_rank, kThreads,
+                                 combine_smem_bytes(args), stream, args);
 }
 
 }  // namespace
 
+size_t combine_smem_bytes(const LaunchArgs& args) {
+  return static_cast<size_t>(args.host_stages) * args.host_stage_bytes +
+         static_cast<size_t>(args.src_stages) * args.src_stage_bytes;
+}
+
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream) {
+  const bool fp32_wire = args.wire_dtype == kFloat32;
   switch (args.dtype) {
-    case kFloat32: return launch_combine_typed<float>(args, stream);
-    case kBFloat16: return launch_combine_typed<__nv_bfloat16>(args, stream);
-    case kFloat16: return launch_combine_typed<__half>(args, stream);
+    case kFloat32: return launch_combine_typed<float, float>(args, stream);
+    case kBFloat16:
+      return fp32_wire ? launch_combine_typed<__nv_bfloat16, float>(args, stream)
+                       : launch_combine_typed<__nv_bfloat16, __nv_bfloat16>(args, stream);
+    case kFloat16:
+      return fp32_wire ? launch_combine_typed<__half, float>(args, stream)
+                       : launch_combine_typed<__half, __half>(args, stream);
     default: return "combine: unsupported dtype code";
   }
 }
 
-int combine_max_blocks_per_sm() { return dev::max_active_blocks(combine_kernel<__nv_bfloat16>, kThreads, 0); }
+int combine_max_blocks_per_sm(size_t smem) {
+  return dev::max_active_blocks(combine_kernel<__nv_bfloat16, __nv_bfloat16>, kThreads, smem);
+}
 
 }  // namespace hybrid_ep

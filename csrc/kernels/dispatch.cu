@@ -317,6 +317,11 @@ __device__ void expand_meta(const Dispatch& d, int tw, int lane) {
     if (tw == 0) {
       tab.first = first;
       tab.rows = rows;
+      // The handle keeps the span: combine reduces the same chunks after later dispatches.
+      auto* spans = reinterpret_cast<int32_t*>(d.a.recv_spans);
+      const int64_t i = (static_cast<int64_t>(s) * static_cast<int64_t>(d.reg.max_chunks) + c) * 2;
+      spans[i] = first;
+      spans[i + 1] = rows;
     }
     for (int v = tw; v < rows * d.kd; v += kMetaWarps * 32) {
       const int r = v / d.kd, q = v % d.kd;

@@ -25,10 +25,11 @@ LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream);
 // Shared memory (bytes) each kernel asks for with these arguments.
 size_t layout_smem_bytes(const Geometry& geo);
 size_t dispatch_smem_bytes(const LaunchArgs& args);
+size_t combine_smem_bytes(const LaunchArgs& args);
 
 // How many blocks of each kernel fit on one SM with that shared memory.
 int layout_max_blocks_per_sm(size_t smem);
 int dispatch_max_blocks_per_sm(size_t smem);
-int combine_max_blocks_per_sm();
+int combine_max_blocks_per_sm(size_t smem);
 
 }  // namespace hybrid_ep

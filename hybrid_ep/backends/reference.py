@@ -132,14 +132,16 @@ class ReferenceBackend(Backend):
         vals_MH = rows_RH.detach()[dest.out_pos_M].float()
         if apply_probs:
             vals_MH = vals_MH * handle.probs_R.detach()[dest.out_pos_M, None]
-        # Reduce a token's local experts first: one fp32 partial row per received row.
+        # Reduce a token's local experts first: one fp32 partial row per received row, sent
+        # back in the wire dtype (rounded once on this hop), summed in fp32 at the source.
         partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
         partial_VH.index_add_(0, dest.out_src_M, vals_MH)
+        wire = kernel.wire_dtype_for(rows_RH.dtype)
         back = self._all_to_all_rows(
-            _as_bytes(partial_VH), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
+            _as_bytes(partial_VH.to(wire)), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
         )
         y_TH = torch.zeros(handle.num_tokens, H, dtype=torch.float32, device=rows_RH.device)
-        y_TH.index_add_(0, source.send_token_idx_S, _from_bytes(back, torch.float32))
+        y_TH.index_add_(0, source.send_token_idx_S, _from_bytes(back, wire).float())
         return y_TH.to(rows_RH.dtype)
 
     def return_row_values(self, values_R, handle: DispatchHandle):

@@ -36,6 +36,7 @@ class Case:
     min_rows_per_expert: int = 0
     num_out_tokens: int | None = None
     apply_probs: bool = False
+    wire_dtype: torch.dtype | None = None  # combine's partials between ranks (None: the combine dtype)
     routing_map: bool = False  # pass Megatron's routing_map / probs instead of topk
     backend: str = "reference"
     seed: int = 0
@@ -53,7 +54,8 @@ class Case:
         dt = str(self.dtype).replace("torch.", "")
         return (f"W{self.world_size}xG{self.ranks_per_node} E{self.num_experts} H{self.hidden} "
                 f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
-                f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}")
+                f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}"
+                + ("" if self.wire_dtype is None else f" wire {str(self.wire_dtype).replace('torch.', '')}"))
 
 
 def make_rank_inputs(case: Case) -> list[dict]:
@@ -109,7 +111,7 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
     routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}
     res = buf.dispatch(x, scales=scales, num_out_tokens=case.num_out_tokens, **routing)
     dispatch_traffic = buf.last_traffic
-    y = buf.combine(expert_out.to(device), res.handle, apply_probs=case.apply_probs)
+    y = buf.combine(expert_out.to(device), res.handle, apply_probs=case.apply_probs, wire_dtype=case.wire_dtype)
     combine_traffic = buf.last_traffic
     again = buf.dispatch(x, scales=scales, handle=res.handle)
     reuse_equal = torch.equal(again.tokens.view(torch.uint8), res.tokens.view(torch.uint8))
@@ -144,7 +146,7 @@ def check_case(pool, case: Case) -> list[dict]:
         assert_dispatch_matches(got, run.ranks[r], where)
         assert got["num_needed_rows"] == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
         assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
-        assert_combine_close(got["y"], want_y[r], magnitude[r], case.topk, where)
+        assert_combine_close(got["y"], want_y[r], magnitude[r], case.topk, where, case.wire_dtype)
     return results
 
 

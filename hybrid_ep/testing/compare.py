@@ -7,7 +7,7 @@ import torch
 from ..rows import as_byte_rows
 from .oracle import OracleDispatch
 
-_EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff
 _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
@@ -43,24 +43,29 @@ def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") ->
 
 
 def combine_tolerance(want64: torch.Tensor, magnitude64: torch.Tensor, dtype: torch.dtype,
-                      num_terms: int) -> torch.Tensor:
-    """Allowed |error|: fp32 accumulation of num_terms terms, then one rounding to dtype.
+                      num_terms: int, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Allowed |error|: fp32 accumulation of num_terms terms, the rounding of every partial
+    sum to the wire dtype on its hop (None: the output dtype), then one rounding to dtype.
 
-    For bf16 and fp16 the rounding is one ulp of the float64 result; for fp32 it is the
-    accumulation bound alone (plus half an ulp).
+    Each partial is rounded to the wire at most half an ulp of itself, and the partials'
+    magnitudes add up to at most `magnitude64`, so the hops add eps(wire) x magnitude (nothing
+    for an fp32 wire, which the accumulation bound covers). The final rounding is one ulp of
+    the float64 result for bf16 and fp16, half an ulp for fp32.
     """
+    wire = dtype if wire_dtype is None else wire_dtype
     accumulate = (num_terms + 1) * 2.0**-24 * magnitude64
+    hops = (0.0 if wire == torch.float32 else _EPS[wire]) * magnitude64
     exponent = torch.floor(torch.log2(want64.abs().clamp(min=2.0**-126)))
     ulp = torch.pow(2.0, exponent - _MANTISSA[dtype])
-    return accumulate + ulp + 1e-300
+    return accumulate + hops + ulp + 1e-300
 
 
 def assert_combine_close(got: torch.Tensor, want64: torch.Tensor, magnitude64: torch.Tensor,
-                         num_terms: int, where: str = "") -> None:
+                         num_terms: int, where: str = "", wire_dtype: torch.dtype | None = None) -> None:
     tag = f"{where}: " if where else ""
     assert tuple(got.shape) == tuple(want64.shape), f"{tag}combine shape {tuple(got.shape)} != {tuple(want64.shape)}"
     err = (got.detach().to(want64.device).double() - want64).abs()
-    tol = combine_tolerance(want64, magnitude64, got.dtype, num_terms)
+    tol = combine_tolerance(want64, magnitude64, got.dtype, num_terms, wire_dtype)
     if bool((err > tol).any()):
         i = int((err - tol).argmax())
         t, h = divmod(i, max(want64.shape[1], 1))

@@ -65,7 +65,8 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     gen = torch.Generator(device=dev).manual_seed(case.seed + 1)
     expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen, device=dev).to(case.combine_dtype)
                    for r in res]
-    ys = group.combine(expert_outs, [r.handle for r in res], apply_probs=case.apply_probs, num_sms=num_sms)
+    ys = group.combine(expert_outs, [r.handle for r in res], apply_probs=case.apply_probs, num_sms=num_sms,
+                       wire_dtype=case.wire_dtype)
     again = group.redispatch(xs, [r.handle for r in res], scales=scales if case.dtype == FP8_DTYPE else None,
                              num_sms=num_sms)
     group.synchronize()
@@ -90,7 +91,7 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
             f"{where}: a dispatch that reuses the handle gave other rows")
         if res[r].scales is not None:
             assert torch.equal(again[r].scales, res[r].scales), f"{where}: reused handle, other scales"
-        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where, case.wire_dtype)
     return res
 
 

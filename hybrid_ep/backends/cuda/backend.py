@@ -27,7 +27,8 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
         BufferSpec("recv_meta", regions["recv_meta"], True, "routing entries of every received row"),
         BufferSpec("recv_rows", regions["recv_rows"], True, "one row per (token, this rank), sized for fp32"),
         BufferSpec("recv_scales", regions["recv_scales"], True, "fp8 scales of received rows"),
-        BufferSpec("comb_rows", regions["comb_rows"], True, "fp32 partial sums pushed back by expert hosts"),
+        BufferSpec("comb_rows", regions["comb_rows"], True, "partial sums pushed back by expert hosts, sized for "
+                                                            "an fp32 wire"),
     ]
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
@@ -72,7 +73,8 @@ class CudaBackend(Backend):
 
     def combine(self, rows_RH, handle, apply_probs, kernel: KernelConfig):
         sms = self._sms(kernel.num_sms_combine, launch.DEFAULT_SMS_COMBINE)
-        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs, sms)
+        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs, sms,
+                                   kernel.wire_dtype_for(rows_RH.dtype))
         return y
 
     def return_row_values(self, values_R, handle):

@@ -117,14 +117,15 @@ class EmulatedGroup:
         return self._dispatch(xs, scales, [h.routing for h in handles], handles[0].num_out_tokens,
                               num_sms, [h.num_rows for h in handles], frozenset())
 
-    def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None, absent=()) -> list[torch.Tensor]:
+    def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None, wire_dtype=None,
+                absent=()) -> list[torch.Tensor]:
         for h in handles:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
         sms = self.num_sms_combine if num_sms is None else num_sms
         return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
-                                   [h.probs_R for h in handles], apply_probs, sms, frozenset(absent))
+                                   [h.probs_R for h in handles], apply_probs, sms, wire_dtype, frozenset(absent))
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
         return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],

@@ -57,6 +57,7 @@ class CudaRecvLayout:
 
     info: torch.Tensor  # int64, offsets in csrc InfoLayout / layout.InfoLayout
     row_pos: torch.Tensor  # int32 [W, Tmax, kd] output row of each entry of a received row
+    recv_spans: torch.Tensor  # int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk
     kd: int
     num_rows: int  # R
     tokens_per_expert_L: torch.Tensor
@@ -161,7 +162,7 @@ class Engine:
 
     # -- launch arguments ------------------------------------------------------------------
 
-    def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str):
+    def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
         a = self.ext.LaunchArgs()
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
@@ -179,11 +180,16 @@ class Engine:
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
             smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
         else:
-            smem = 0
+            shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
+                                         a.kd, self.config.world_size, self.smem_per_block)
+            a.wire_dtype = launch.DTYPE_CODES[wire_name]
+            a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.stages, shape.stages
+            a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
+            smem = shape.smem_bytes
         per_sm = self._blocks_per_sm.get((kind, smem))
         if per_sm is None:
             per_sm = (self.ext.dispatch_max_blocks_per_sm(smem) if kind == "dispatch"
-                      else self.ext.combine_max_blocks_per_sm())
+                      else self.ext.combine_max_blocks_per_sm(smem))
             self._blocks_per_sm[(kind, smem)] = per_sm
         launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
         return a
@@ -280,14 +286,16 @@ class Engine:
             out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
             out_probs = torch.empty(R, dtype=torch.float32, device=dev)
             row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
+            recv_spans = torch.empty(W, self.reg.max_chunks, 2, dtype=torch.int32, device=dev)
             ra.out, ra.out_probs, ra.row_pos = out.data_ptr(), out_probs.data_ptr(), row_pos.data_ptr()
+            ra.recv_spans = recv_spans.data_ptr()
             ra.out_scales = out_scales.data_ptr() if fp8 else 0
             ra.num_out_rows = R
             ra.absent = int(self.ranks[i] in absent or self.ranks[i] in absent_after_layout)
             args.set_rank(i, ra)
             il = self.info
             recv = CudaRecvLayout(
-                info=info, row_pos=row_pos, kd=kd, num_rows=R,
+                info=info, row_pos=row_pos, recv_spans=recv_spans, kd=kd, num_rows=R,
                 tokens_per_expert_L=info[il.tokens_per_expert:il.tokens_per_expert + L],
                 num_needed_rows=info[il.needed], num_dropped=info[il.dropped],
                 expert_start_L=info[il.expert_start:il.expert_start + L],
@@ -302,22 +310,26 @@ class Engine:
             ))
         self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
         self._declare(self._in_flight["dispatch"] + [t for r in results for t in (
-            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos)])
+            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos, r.recv.recv_spans)])
         self.ext.launch_dispatch(args, self._stream())
         return results
 
     # -- combine ---------------------------------------------------------------------------
 
     def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
-                probs: list[torch.Tensor], apply_probs: bool, sms: int,
+                probs: list[torch.Tensor], apply_probs: bool, sms: int, wire_dtype: torch.dtype | None = None,
                 absent: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
         self.raise_if_failed()
         dtype_name = _dtype_name(rows[0].dtype)
+        wire_name = dtype_name if wire_dtype is None else _dtype_name(wire_dtype)
+        if wire_name not in (dtype_name, "float32"):
+            raise ValueError(f"wire_dtype must be the dtype of expert_out ({dtype_name}) or float32, got {wire_name}")
         C = rows[0].shape[1]
         launch.check_row_bytes("expert_out", C, dtype_name)
         if C > self.config.hidden_dim:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
-        args = self._launch_args(sms, dtype_name, C, "combine")
+        args = self._launch_args(sms, dtype_name, C, "combine", wire_name)
         args.apply_probs = int(apply_probs)
         outs = []
         for i, (r, x, send, recv, p) in enumerate(zip(self.ranks, rows, sends, recvs, probs)):
@@ -332,13 +344,14 @@ class Engine:
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, send.entry_ord_TK.shape[1]
             ra.peers = self.tables[i].data_ptr()
             ra.send_slot, ra.info, ra.row_pos = send.send_slot_TW.data_ptr(), recv.info.data_ptr(), recv.row_pos.data_ptr()
+            ra.recv_spans = recv.recv_spans.data_ptr()
             ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.data_ptr(), y.data_ptr()
             ra.num_out_rows = recv.num_rows
             args.set_rank(i, ra)
             outs.append((y, x, p))
         self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
         self._declare([t for y, x, p in outs for t in (y, x, p)] +
-                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos)])
+                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos, r.recv_spans)])
         self.ext.launch_combine(args, self._stream())
         return [y for y, _, _ in outs]
 
@@ -375,7 +388,7 @@ class Engine:
                 inside = (cols >= c0) & (cols < c0 + width)
                 m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
                 slices.append(m)
-            got = self.combine(slices, sends, recvs, ones, False, sms)
+            got = self.combine(slices, sends, recvs, ones, False, sms, torch.float32)
             for f, g in zip(full, got):
                 f[:, c0:c0 + width] = g
         out = []

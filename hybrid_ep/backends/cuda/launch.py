@@ -15,7 +15,9 @@ DEFAULT_SMS_COMBINE = 8
 MAX_STAGES = 16  # csrc kMaxStages
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
-MAX_BATCH_ROWS = 32  # csrc kMaxBatchRows: whole rows in one stage
+MAX_BATCH_ROWS = 32  # whole rows in one stage (csrc: a chunk's, kChunkTokens)
+TARGET_COMBINE_STAGE_BYTES = 32 * 1024  # one combine stage (either pipeline)
+MAX_TOPK = 16  # csrc kMaxTopK
 STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
 DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
 
@@ -53,6 +55,38 @@ def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
     if stages < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 FIFO stages of {stage} B")
     return FifoShape(stages=stages, stage_bytes=stage, rows_per_stage=rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineShape:
+    seg_cols: int  # columns per stage: the whole row when it fits, else a multiple of 8
+    stages: int  # of each of the two pipelines
+    host_stage_bytes: int  # expert host: kd input segments + the partial's output segment
+    src_stage_bytes: int  # source: one partial segment per destination rank of a token
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.host_stage_bytes + self.src_stage_bytes)
+
+
+def combine_shape(cols: int, in_bytes: int, wire_bytes: int, kd: int, world_size: int, smem_per_block: int,
+                  max_stages: int = 8) -> CombineShape:
+    """Both combine pipelines cut rows into column segments of seg_cols: an expert-host stage
+    holds the kd expert rows of one received row (and the partial's output), a source stage
+    the partials of one token (one per destination rank: at most min(W, MAX_TOPK)). Segments
+    are as wide as TARGET_COMBINE_STAGE_BYTES allows for the wider of the two stages."""
+    if cols <= 0 or cols % 4 != 0:
+        raise ValueError(f"expert_out rows must have a positive multiple of 4 columns, got {cols}")
+    partials = min(world_size, MAX_TOPK)
+    per_col_host, per_col_src = kd * in_bytes + wire_bytes, partials * wire_bytes
+    seg = TARGET_COMBINE_STAGE_BYTES // max(per_col_host, per_col_src)
+    seg = cols if seg >= cols else max(8, seg // 8 * 8)
+    host, src = seg * per_col_host, seg * per_col_src
+    stages = min(max_stages, MAX_STAGES, (smem_per_block - STATIC_SMEM_RESERVE) // (host + src))
+    if stages < 2:
+        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 combine stages of "
+                         f"{host + src} B")
+    return CombineShape(seg_cols=seg, stages=stages, host_stage_bytes=host, src_stage_bytes=src)
 
 
 def row_bytes_of(hidden: int, dtype_name: str) -> int:

@@ -16,7 +16,7 @@ ALIGN = 128  # every region starts on its own 128-byte line
 MAX_TOPK = 16  # csrc kMaxTopK: routes per token
 MAX_RANKS = 64  # csrc kMaxRanks
 MAX_EXPERTS = 1024  # csrc kMaxExperts
-LOCAL_STATE_BYTES = 8 + 8 + 4 + 4 + 8 * MAX_RANKS  # csrc LocalState
+LOCAL_STATE_BYTES = 8 + 8 + 4 + 4  # csrc LocalState
 CHUNK_TOKENS = 32  # csrc kChunkTokens: tokens per chunk, the unit of signalling between ranks
 CHUNK_SIGNAL_BYTES = 16  # csrc ChunkSignal
 META_ENTRY_BYTES = 16  # csrc MetaEntry
@@ -73,7 +73,7 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["count_epoch"] = take(8 * W)
     fields["max_chunks"] = max(1, -(-Tmax // CHUNK_TOKENS))
     fields["chunk_signal"] = take(CHUNK_SIGNAL_BYTES * W * fields["max_chunks"])
-    fields["combine_signal"] = take(8 * W)
+    fields["combine_signal"] = take(8 * W * fields["max_chunks"])
     fields["done_dispatch"] = take(8)
     fields["done_combine"] = take(8)
     fields["state"] = take(LOCAL_STATE_BYTES)
