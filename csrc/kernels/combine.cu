@@ -19,6 +19,7 @@
 // a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
 // lets peers write the next combine's partials.
 #include "common/state.cuh"
+#include "kernels/chunks.cuh"
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
 
@@ -156,24 +157,18 @@ __device__ __forceinline__ bool owns(uint32_t k, int stages, int which, int cons
   return static_cast<int>(k % stages) % consumers == which;
 }
 
-// The (source, chunk) pairs this block reduces: all sources' chunks in order, strided over
-// the rank's blocks (the same pairs as the dispatch's expansion).
-struct HostChunks {
-  const Combine& d;
-  int s = 0;
-  int64_t base = 0;
-  int64_t u;
+using HostChunks = ReceivedChunks<Combine>;  // the (source, chunk) pairs this block reduces
 
-  __device__ explicit HostChunks(const Combine& dd) : d(dd), u(dd.b) {}
-  __device__ bool next(int& source, int& c) {
-    while (s < d.W && u >= base + d.source_chunks(s)) base += d.source_chunks(s++);
-    if (s >= d.W) return false;
-    source = s;
-    c = static_cast<int>(u - base);
-    u += d.nb;
-    return true;
+// A reducer warp: lane 0 waits until its stage holds the item; every lane gets the answer.
+__device__ __forceinline__ bool wait_stage(const Combine& d, const Ring& ring, const PipeState& p, int lane) {
+  bool ok = true;
+  if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
+  if (!warp_uniform(ok)) {
+    d.stop();
+    return false;
   }
-};
+  return true;
+}
 
 // ---- expert host ----------------------------------------------------------------------------
 
@@ -232,12 +227,7 @@ __device__ void host_reduce(const Combine& d, const Ring& ring, const uint64_t* 
     for (uint32_t item = k; item < k + items; ++item) {
       if (!owns(item, ring.stages, which, kHostReducers)) continue;
       const PipeState p = pipe_at(item, ring.stages);
-      bool ok = true;
-      if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
-      if (!warp_uniform(ok)) {
-        d.stop();
-        return;
-      }
+      if (!wait_stage(d, ring, p, lane)) return;
       const HostItem& it = d.sh.host_items[p.stage];
       const uint8_t* in = d.host_stage(p.stage);
       uint8_t* out = d.host_out(p.stage);
@@ -371,12 +361,7 @@ __device__ void src_reduce(const Combine& d, const Ring& ring, int which, int la
     for (uint32_t item = k; item < k + items; ++item) {
       if (!owns(item, ring.stages, which, kSrcReducers)) continue;
       const PipeState p = pipe_at(item, ring.stages);
-      bool ok = true;
-      if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
-      if (!warp_uniform(ok)) {
-        d.stop();
-        return;
-      }
+      if (!wait_stage(d, ring, p, lane)) return;
       const SrcItem& it = d.sh.src_items[p.stage];
       const uint8_t* in = d.src_stage(p.stage);
       uint8_t* out = y + (static_cast<int64_t>(it.token) * d.C + it.col0) * sizeof(Out);

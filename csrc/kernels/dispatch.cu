@@ -24,6 +24,7 @@
 // for the loads they issued and stores for their bulk groups, so no block exits with a copy
 // touching its shared memory.
 #include "common/state.cuh"
+#include "kernels/chunks.cuh"
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
 
@@ -112,24 +113,7 @@ struct Dispatch {
   __device__ bool stopped() const { return sh.abort != 0; }
 };
 
-// The (source, chunk) pairs this block expands: all sources' chunks in order, strided over
-// the rank's blocks.
-struct ExpandChunks {
-  const Dispatch& d;
-  int s = 0;
-  int64_t base = 0;  // index of source s's chunk 0
-  int64_t u;
-
-  __device__ explicit ExpandChunks(const Dispatch& dd) : d(dd), u(dd.b) {}
-  __device__ bool next(int& source, int& c) {
-    while (s < d.W && u >= base + d.source_chunks(s)) base += d.source_chunks(s++);
-    if (s >= d.W) return false;
-    source = s;
-    c = static_cast<int>(u - base);
-    u += d.nb;
-    return true;
-  }
-};
+using ExpandChunks = ReceivedChunks<Dispatch>;  // the (source, chunk) pairs this block expands
 
 // ---- send -----------------------------------------------------------------------------------
 
