@@ -63,6 +63,7 @@ CASES = [
     _case(3, tokens=(17, 1, 0)),
     _case(3, num_experts=9, hidden=128, tokens=(64, 0, 17), topk=8, dtype=torch.float32),
     _case(4, num_experts=16, tokens=(1, 17, 0, 64), topk=8),
+    _case(8, num_experts=16, tokens=(64, 17, 0, 33, 1, 64, 5, 9), topk=8),  # a full NVLink node
     # more tokens than the layout kernel's 1024 threads: counts carried across tiles
     _case(2, hidden=128, dtype=torch.float32, tokens=(1100, 1030), num_experts=6),
     # dtypes: fp32, fp16, fp8 with its scales

@@ -14,39 +14,57 @@
 namespace hybrid_ep::model {
 
 namespace {
+
+constexpr size_t kStacksPerSlab = 256;
+constexpr size_t kCanaryBytes = 64;
+// Stacks with a guard page below them (two mappings each); beyond this many, canary only,
+// so launches of tens of thousands of threads stay within the kernel's limit on mappings.
+constexpr size_t kMaxGuardedStacks = 16384;
+constexpr uint64_t kCanary = 0x5afe57ac6ca7a7a5ull;
+
 size_t page_bytes() {
   static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return p;
 }
+
 }  // namespace
 
-bool FiberStack::contains_guard(const void* p) const {
-  const auto* a = static_cast<const char*>(p);
-  const auto* m = static_cast<const char*>(mapping);
-  return mapping != nullptr && a >= m && a < m + page_bytes();
+bool FiberStack::intact() const {
+  const auto* words = reinterpret_cast<const uint64_t*>(static_cast<const char*>(low) - kCanaryBytes);
+  for (size_t i = 0; i < kCanaryBytes / 8; ++i)
+    if (words[i] != kCanary) return false;
+  return true;
 }
 
 StackPool::~StackPool() {
-  for (const FiberStack& s : all_) munmap(s.mapping, s.mapping_bytes);
+  for (const auto& [mapping, bytes] : slabs_) munmap(mapping, bytes);
 }
 
 FiberStack StackPool::acquire() {
-  if (!free_.empty()) {
-    FiberStack s = free_.back();
-    free_.pop_back();
-    return s;
+  if (free_.empty()) {
+    const size_t page = page_bytes();
+    const bool guarded = guarded_ + kStacksPerSlab <= kMaxGuardedStacks;
+    const size_t guard = guarded ? page : 0;
+    const size_t each = guard + (stack_bytes_ + kCanaryBytes + page - 1) / page * page;
+    const size_t bytes = each * kStacksPerSlab;
+    void* slab = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (slab == MAP_FAILED) throw std::runtime_error("hybrid_ep model: mmap of a slab of fiber stacks failed");
+    slabs_.emplace_back(slab, bytes);
+    if (guarded) guarded_ += kStacksPerSlab;
+    for (size_t i = kStacksPerSlab; i-- > 0;) {
+      char* base = static_cast<char*>(slab) + i * each;
+      if (guarded && mprotect(base, guard, PROT_NONE) != 0)
+        throw std::runtime_error("hybrid_ep model: mprotect of a fiber stack's guard page failed");
+      auto* canary = reinterpret_cast<uint64_t*>(base + guard);
+      for (size_t w = 0; w < kCanaryBytes / 8; ++w) canary[w] = kCanary;
+      FiberStack s;
+      s.low = base + guard + kCanaryBytes;
+      s.top = base + each;
+      free_.push_back(s);
+    }
   }
-  const size_t page = page_bytes();
-  const size_t usable = (stack_bytes_ + page - 1) / page * page;
-  FiberStack s;
-  s.mapping_bytes = usable + page;
-  s.mapping = mmap(nullptr, s.mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
-  if (s.mapping == MAP_FAILED) throw std::runtime_error("hybrid_ep model: mmap of a fiber stack failed");
-  if (mprotect(s.mapping, page, PROT_NONE) != 0) throw std::runtime_error("hybrid_ep model: mprotect failed");
-  s.low = static_cast<char*>(s.mapping) + page;
-  s.top = static_cast<char*>(s.mapping) + s.mapping_bytes;
-  all_.push_back(s);
+  FiberStack s = free_.back();
+  free_.pop_back();
   return s;
 }
 

@@ -1,9 +1,10 @@
 // Fibers for the CPU model: one per CUDA thread, switched cooperatively on one OS thread.
 //
 // A switch saves the callee-saved registers on the current stack and loads another stack
-// pointer (x86-64: a few instructions; elsewhere ucontext, correct but slower). Stacks are
-// mmap'd with a guard page below them, so an overflow faults instead of corrupting a
-// neighbour, and are reused across launches.
+// pointer (x86-64: a few instructions; elsewhere ucontext, correct but slower). Stacks come
+// in slabs and are reused across launches. The first 16384 have a guard page below them (an
+// overflow faults); beyond those a launch would exceed the kernel's limit on mappings, so
+// further stacks have only a canary at their low end, checked whenever the fiber gives way.
 #pragma once
 #include <cstddef>
 #include <vector>
@@ -11,12 +12,11 @@
 namespace hybrid_ep::model {
 
 struct FiberStack {
-  void* mapping = nullptr;  // guard page + usable stack
-  size_t mapping_bytes = 0;
-  void* low = nullptr;  // lowest usable address (just above the guard page)
+  void* low = nullptr;  // lowest usable address (above the canary)
   void* top = nullptr;  // one past the highest usable address
 
-  bool contains_guard(const void* p) const;
+  // The canary below `low` still holds its pattern (false: the fiber overflowed its stack).
+  bool intact() const;
 };
 
 // A saved execution context (the stack pointer on x86-64).
@@ -31,12 +31,12 @@ class StackPool {
   ~StackPool();
   FiberStack acquire();
   void release(const FiberStack& s) { free_.push_back(s); }
-  const std::vector<FiberStack>& all() const { return all_; }
 
  private:
   size_t stack_bytes_;
+  size_t guarded_ = 0;  // stacks made with a guard page
   std::vector<FiberStack> free_;
-  std::vector<FiberStack> all_;
+  std::vector<std::pair<void*, size_t>> slabs_;
 };
 
 // Prepares `ctx` to start entry(arg) on `stack` at its first switch_to.

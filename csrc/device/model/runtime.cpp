@@ -239,6 +239,7 @@ void fail(const std::string& message, const Thread* about = nullptr) {
 
 void yield(Thread* t) {
   ++g_stats.switches;
+  if (!t->stack.intact()) fail("stack overflow of the thread's fiber (" + std::to_string(kStackBytes) + " bytes)");
   switch_context(t->ctx, launch_state().scheduler);
 }
 
@@ -482,8 +483,12 @@ void on_fault(int sig, siginfo_t* info, void*) {
     if (addr >= b->guard && addr < b->guard + page_bytes())
       what = "shared memory accessed past the launch's " + std::to_string(L->smem) + " bytes of dynamic shared "
              "memory (" + smem_text(b.get(), addr) + ")";
-  if (L->current != nullptr && L->current->stack.contains_guard(addr))
-    what = "stack overflow of the thread's fiber (" + std::to_string(kStackBytes) + " bytes)";
+  if (L->current != nullptr) {  // just below the running fiber's stack: it ran past its end
+    const auto* a = static_cast<const char*>(addr);
+    const auto* low = static_cast<const char*>(L->current->stack.low);
+    if (a < low && a + (1 << 20) >= low)
+      what = "stack overflow of the thread's fiber (" + std::to_string(kStackBytes) + " bytes)";
+  }
   if (L->error.empty()) L->error = where(*L, L->current) + what;
   siglongjmp(L->jump, 1);
 }

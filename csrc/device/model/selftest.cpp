@@ -42,7 +42,15 @@ enum Which {
   kSmemOverflow,
   kDeadlock,
   kTimeout,
+  kStackOverflow,
 };
+
+// Deep enough to run past a fiber's 64 KiB stack.
+__device__ int deep(int n) {
+  volatile char frame[4096];
+  frame[0] = static_cast<char>(n);
+  return n == 0 ? frame[0] : deep(n - 1) + frame[0];
+}
 
 __device__ bool wait_bounded(uint64_t* bar, uint32_t parity) {
   const uint64_t start = dev::global_timer_ns();
@@ -166,6 +174,10 @@ __global__ void selftest_kernel(const Args args) {
           }
       }
       break;
+    case kStackOverflow:
+      if (tid == 0) args.out[0] = deep(20);
+      __syncthreads();  // thread 0 gives way here: its stack is checked
+      break;
     default:
       break;
   }
@@ -190,6 +202,7 @@ const std::map<std::string, int>& names() {
       {"smem_overflow", kSmemOverflow},
       {"deadlock", kDeadlock},
       {"timeout", kTimeout},
+      {"stack_overflow", kStackOverflow},
   };
   return n;
 }

@@ -94,6 +94,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Detached, float32 and contiguous: a no-op for what already is."""
+    t = t.detach()
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
@@ -108,7 +116,10 @@ class Engine:
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
-        self._blocks_per_sm: dict[tuple[str, int], int] = {}  # occupancy queries, once per shape
+        self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
+        # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
+        # per-rank part changes (the launchers copy the struct when they launch).
+        self._launch_cache: dict[tuple, object] = {}
         # Tensors the last launch of each kind read that the caller may not hold (contiguous
         # or aligned copies, fp32 casts): kept until the next call of that kind, so they
         # outlive the kernels also when the caller moves on to another stream.
@@ -150,11 +161,11 @@ class Engine:
                     f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
                     f"this buffer can not be used after the error, create a new one")
         if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
-            return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {timeout_seconds():g} s "
+            return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
                     f"(HYBRID_EP_TIMEOUT_S) waiting in {_PHASES.get(phase, f'phase {phase}')} "
                     f"(call {rec['epoch']}): a bulk copy never completed. The buffer can not be used after "
                     f"this error; create a new one.")
-        return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {timeout_seconds():g} s "
+        return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
                 f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']} in "
                 f"{_PHASES.get(phase, f'phase {phase}')} (call {rec['epoch']}, expected {rec['expected']}, "
                 f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
@@ -163,6 +174,10 @@ class Engine:
     # -- launch arguments ------------------------------------------------------------------
 
     def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
+        key = (kind, sms, dtype_name, row_elems, wire_name)
+        cached = self._launch_cache.get(key)
+        if cached is not None:
+            return cached
         a = self.ext.LaunchArgs()
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
@@ -171,7 +186,7 @@ class Engine:
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
         a.chunk_tokens = CHUNK_TOKENS
-        a.timeout_ns = int(timeout_seconds() * 1e9)
+        a.timeout_ns = self.timeout_ns
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr
         if kind == "dispatch":
@@ -179,19 +194,16 @@ class Engine:
                                      pipelines=launch.DISPATCH_PIPELINES)
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
             smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
+            per_sm = self.ext.dispatch_max_blocks_per_sm(smem)
         else:
             shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
                                          a.kd, self.config.world_size, self.smem_per_block)
             a.wire_dtype = launch.DTYPE_CODES[wire_name]
             a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.stages, shape.stages
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
-            smem = shape.smem_bytes
-        per_sm = self._blocks_per_sm.get((kind, smem))
-        if per_sm is None:
-            per_sm = (self.ext.dispatch_max_blocks_per_sm(smem) if kind == "dispatch"
-                      else self.ext.combine_max_blocks_per_sm(smem))
-            self._blocks_per_sm[(kind, smem)] = per_sm
+            per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
         launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
+        self._launch_cache[key] = a
         return a
 
     def _stream(self) -> int:
@@ -247,7 +259,7 @@ class Engine:
         rank_args, keep = [], []
         for i, (r, x, sc, routing) in enumerate(zip(self.ranks, xs, scales, routings)):
             idx = routing.topk_idx_TK.contiguous()
-            w = routing.topk_weights_TK.detach().to(torch.float32).contiguous()
+            w = _fp32(routing.topk_weights_TK)
             T, K = idx.shape
             ra = self.ext.RankArgs()
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, K
@@ -255,12 +267,12 @@ class Engine:
             x = self._aligned(x)
             ra.x = x.data_ptr()
             if fp8:
-                sc = sc.to(torch.float32).contiguous()
+                sc = _fp32(sc)
                 ra.x_scales = sc.data_ptr()
             ra.topk_idx, ra.topk_weights = idx.data_ptr(), w.data_ptr()
             send_slot = torch.empty(T, W, dtype=torch.int32, device=dev)
             entry_ord = torch.empty(T, K, dtype=torch.int32, device=dev)
-            info = torch.zeros(self.info.total, dtype=torch.int64, device=dev)
+            info = torch.empty(self.info.total, dtype=torch.int64, device=dev)  # the layout kernel fills it
             ra.send_slot, ra.entry_ord, ra.info = send_slot.data_ptr(), entry_ord.data_ptr(), info.data_ptr()
             ra.num_out_rows = -1 if num_out_tokens is None else num_out_tokens
             rank_args.append(ra)
@@ -337,7 +349,7 @@ class Engine:
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
                                  f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
             x = self._aligned(x)
-            p = p.detach().to(torch.float32).contiguous()
+            p = _fp32(p)
             T = send.send_slot_TW.shape[0]
             y = torch.empty(T, C, dtype=x.dtype, device=self.device)
             ra = self.ext.RankArgs()
