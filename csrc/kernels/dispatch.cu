@@ -19,6 +19,11 @@
 // Warps 8-15 write the zero padding rows. The last block to finish publishes done_dispatch,
 // which lets peers reuse the receive buffers.
 //
+// Where the inter-node path enters (docs/traffic.md): an RDMA warp group, taken from
+// the padding warps, puts each chunk once per remote node to its rail peer; there the
+// send-load warp gets a second source of chunks, rows that arrived by RDMA, and warp 1
+// forwards them over NVLink through the same FIFO and destination tables.
+//
 // A wait that gives up raises the launch's abort flag; every role then leaves its loop
 // (decisions that lead to a warp collective are taken from lane 0's answer), producers wait
 // for the loads they issued and stores for their bulk groups, so no block exits with a copy
