@@ -193,7 +193,7 @@ class HybridEPBuffer:
         kernel = self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype)
         y = self._backend.combine(expert_out, handle, apply_probs, kernel)
         self.last_call = CallRecord("combine", self.rank, handle,
-                                    combine_row_bytes(self.config.hidden_dim, expert_out.dtype))
+                                    combine_row_bytes(self.config.hidden_dim, kernel.wire_dtype_for(expert_out.dtype)))
         return y
 
     def _return_row_values(self, values_R, handle):

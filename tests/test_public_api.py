@@ -48,4 +48,7 @@ def test_result_fields_memory_plan_and_traffic(single_rank_group):
     assert (t.op, t.rows, t.row_bytes, t.nvlink_bytes, t.rdma_bytes) == ("dispatch", 10, 256, 0, 0)
     y = buf.combine(res.tokens, res.handle, num_sms=2)
     assert torch.equal(y, (x.float() * 2).to(torch.bfloat16))  # each token came back from two experts
-    assert buf.last_traffic.op == "combine"
+    assert (buf.last_traffic.op, buf.last_traffic.row_bytes) == ("combine", 256)  # partials in bf16
+    y32 = buf.combine(res.tokens, res.handle, wire_dtype=torch.float32)
+    assert torch.equal(y32, y)  # two exact bf16 terms: either wire gives the same sum
+    assert buf.last_traffic.row_bytes == 512  # twice the bytes on the wire

@@ -108,9 +108,10 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype) for r in first]
     handles = [r.handle for r in first]
     # Bytes the kernels touch: dispatch reads each token once and writes each sent row, then
-    # reads each received row and writes each output row; combine mirrors it with fp32 partials.
+    # reads each received row and writes each output row; combine mirrors it, its partials
+    # in the wire dtype (the combine dtype: the default).
     dispatch_rw = (W * T + recv_rows) * row_bytes + (recv_rows + out_rows) * row_bytes
-    combine_rw = out_rows * comb_bytes + 2 * recv_rows * H * 4 + W * T * comb_bytes
+    combine_rw = out_rows * comb_bytes + 2 * recv_rows * comb_bytes + W * T * comb_bytes
 
     rows = []
     for sms in sms_list:
