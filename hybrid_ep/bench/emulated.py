@@ -2,7 +2,7 @@
 
 Per world size and SM count: dispatch and combine time (CUDA events, L2 flushed, median),
 destination bytes per SM per second, and all bytes the kernels read and write as a fraction
-of a large device-to-device copy measured in the same run (DESIGN.md 6). Per world size
+of a large device-to-device copy measured in the same run (docs/benchmarks/cuda.md). Per world size
 also: host time per dispatch + combine pair in static-size mode, and the same data movement
 written with index_select / index_add_ on the one GPU. Writes emulated.json and
 emulated_per_sm.png; progress goes to stderr, one line per measurement.
