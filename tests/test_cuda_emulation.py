@@ -16,24 +16,13 @@ from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
 from hybrid_ep.testing.emulated import (
-    buffer_key, check_emulated, check_emulated_autograd, emulated_group_for, on_device,
+    GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
 )
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
 
-_groups: dict = {}
-
-
-def group_for(case: Case):
-    """One emulated group per buffer shape; the previous one is freed first (memory)."""
-    key = buffer_key(case)
-    if key not in _groups:
-        for g in _groups.values():
-            g.close()
-        _groups.clear()
-        _groups[key] = emulated_group_for(case, "cuda")
-    return _groups[key]
+group_for = GroupCache("cuda")
 
 
 def run_and_check(case: Case, num_sms: int | None = None):

@@ -23,7 +23,9 @@ from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
-from hybrid_ep.testing.emulated import buffer_key, check_emulated, check_emulated_autograd, on_device
+from hybrid_ep.testing.emulated import (
+    GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
+)
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
@@ -32,19 +34,11 @@ model = importlib.import_module("hybrid_ep._model")
 MODEL_SMS = 2  # SMs per rank unless a test says otherwise: fewer fibers, same code paths
 SEEDS = (0, 1)
 
-_groups: dict = {}
+_cached = GroupCache("cpu")
 
 
 def group_for(case: Case, sms: int = MODEL_SMS) -> EmulatedGroup:
-    key = (buffer_key(case), sms)
-    if key not in _groups:
-        for g in _groups.values():
-            g.close()
-        _groups.clear()
-        _groups[key] = EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
-                                     pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
-                                     num_sms_dispatch=sms, num_sms_combine=sms, device="cpu")
-    return _groups[key]
+    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms)
 
 
 def _case(W, **kw):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8 import FP8_DTYPE
+from ..traffic import count_tables
 from .cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
 from .compare import assert_combine_close, assert_dispatch_matches
 from .oracle import combine_oracle, dispatch_oracle
@@ -31,27 +32,29 @@ def buffer_key(case: Case) -> tuple:
             case.min_rows_per_expert)
 
 
+class GroupCache:
+    """One live EmulatedGroup at a time, reused while cases share its buffer shape (the
+    previous one is closed first: registered buffers are large)."""
+
+    def __init__(self, device, **group_kwargs):
+        self.device, self.group_kwargs = device, group_kwargs
+        self._key, self._group = None, None
+
+    def __call__(self, case: Case, **kwargs):
+        key = (buffer_key(case), tuple(sorted(kwargs.items())))
+        if key != self._key:
+            if self._group is not None:
+                self._group.close()
+            self._group = emulated_group_for(case, self.device, **{**self.group_kwargs, **kwargs})
+            self._key = key
+        return self._group
+
+
 def on_device(inputs: list[dict], dev) -> tuple[list, list, list, list]:
     """(x, topk_idx, topk_weights, scales) of every rank, moved to dev (scales may be None)."""
     return ([i["x"].to(dev) for i in inputs], [i["topk_idx"].to(dev) for i in inputs],
             [i["topk_weights"].to(dev) for i in inputs],
             [None if i["scales"] is None else i["scales"].to(dev) for i in inputs])
-
-
-def expected_counts(topk_idx: list[torch.Tensor], experts_per_rank: int, ranks_per_node: int, world_size: int):
-    """(rows from s to d [W, W], tokens of s that reach node n [W, N]), straight from the routes."""
-    N = world_size // ranks_per_node
-    rows = torch.zeros(world_size, world_size, dtype=torch.int64)
-    nodes = torch.zeros(world_size, N, dtype=torch.int64)
-    for s, idx in enumerate(topk_idx):
-        idx = idx.cpu()
-        dest = torch.where(idx >= 0, idx // experts_per_rank, -1)
-        for d in range(world_size):
-            rows[s, d] = int((dest == d).any(dim=1).sum())
-        for n in range(N):
-            on_node = (dest >= n * ranks_per_node) & (dest < (n + 1) * ranks_per_node)
-            nodes[s, n] = int(on_node.any(dim=1).sum())
-    return rows, nodes
 
 
 def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = True):
@@ -75,7 +78,7 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
                           device=dev)
     want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
-    want_rows, want_nodes = expected_counts(idx, cfg.experts_per_rank, cfg.ranks_per_node, cfg.world_size)
+    want_rows, want_nodes = count_tables([i.cpu() for i in idx], cfg)  # what the traffic model counts
     for r in range(case.world_size):
         where = f"{case} rank {r}"
         got_rows, got_nodes = res[r].handle.count_matrix_WW.cpu(), res[r].handle.node_counts_WN.cpu()
