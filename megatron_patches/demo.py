@@ -9,12 +9,16 @@ data (each sequence counts upward by a stride of 1 to 4 from a random start, mod
 vocabulary, which a model learns within a few dozen steps). On CPU the group runs on gloo; with
 enough GPUs it runs on NCCL, one GPU per rank, and the same command uses them.
 
-Per step rank 0 prints the loss (mean over ranks), tokens/s, the expert-load imbalance of
-each MoE layer ((max - mean) / mean of tokens per expert, over the whole group) and the
-bytes the forward dispatches sent over NVLink and RDMA (hybrid_ep's traffic record, summed
-over layers and ranks). Every dispatcher named in --dispatchers trains from the same
-weights on the same data; with two of them the run ends with the largest relative
-difference of their loss curves. Results go to --out as JSON.
+The first lines say where it runs (CPU and gloo, or the GPUs), which hybrid_ep backend the
+dispatcher uses, and what the columns mean. Per step rank 0 prints the loss (mean over
+ranks), tokens/s, the expert-load imbalance of each MoE layer ((max - mean) / mean of tokens
+per expert, over the whole group; 0 = even) and the bytes the forward dispatches send over
+NVLink and RDMA. Those bytes are modelled: hybrid_ep's traffic record of what the
+hierarchical scheme sends on each link for this routing, summed over layers and ranks; on
+CPU every byte actually went through gloo. Every dispatcher named in --dispatchers trains
+from the same weights on the same data; with two of them the run ends with the largest
+relative difference of their loss curves. Results go to --out as moe_train.json, with the
+project's metadata block (hybrid_ep.metadata).
 
 Gradients: dense weights are averaged over the W data-parallel ranks; expert gradients
 already hold every rank's tokens (combine's backward brings them home), so they are divided
@@ -34,6 +38,20 @@ import torch
 import torch.distributed as dist
 
 LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
+TOOL = "python -m megatron_patches.demo"
+LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even); "
+          "NVLink / RDMA = modelled bytes of the forward dispatches under the hierarchical scheme, "
+          "all layers and ranks")
+UNITS = {
+    "loss": "nats per token (cross-entropy, mean over ranks)",
+    "tokens_per_s": "tokens per second, all ranks together",
+    "imbalance": "(max - mean) / mean of tokens per expert over the group, one value per MoE layer; 0 = even",
+    "nvlink_bytes": "bytes, modelled: hierarchical scheme's NVLink bytes of the forward dispatches, "
+                    "summed over layers and ranks (null: not the hybrid_ep dispatcher)",
+    "rdma_bytes": "bytes, modelled: hierarchical scheme's RDMA bytes of the forward dispatches, "
+                  "summed over layers and ranks (null: not the hybrid_ep dispatcher)",
+    "max_rel_loss_diff": "largest |a - b| / |b| over the steps of the first two loss curves",
+}
 
 
 def quiet_libraries() -> None:
@@ -166,12 +184,30 @@ def _traffic(layer, field: str) -> float:
     return float(getattr(traffic, field)) if traffic is not None else 0.0
 
 
+def probe_backend(ranks_per_node: int) -> str:
+    """The backend HybridEPBuffer picks on this group for the demo's shape (what the dispatcher gets)."""
+    import hybrid_ep as hep
+
+    return hep.HybridEPBuffer(None, HIDDEN, 1, EXPERTS, ranks_per_node=ranks_per_node).backend
+
+
+def where_line(transport: str, world_size: int, device: str, backend: str | None) -> str:
+    """Where the ranks run and on which hybrid_ep backend (the second line of the output)."""
+    if transport == "gloo":
+        place = f"on CPU ({device}): {world_size} processes, torch.distributed gloo, no GPU"
+    else:
+        place = f"on {world_size} GPUs ({device}), one per process, torch.distributed nccl"
+    via = "hybrid_ep dispatcher not run" if backend is None else f"hybrid_ep backend: {backend}"
+    return f"running {place}; {via}"
+
+
 def format_record(dispatcher: str, rec: dict) -> str:
     imb = " ".join(f"{v:.2f}" for v in rec["imbalance"])
     if rec["nvlink_bytes"] is None:
         traffic = "dispatch bytes: n/a (not hybrid_ep)"
     else:
-        traffic = f"dispatch NVLink {rec['nvlink_bytes'] / 1024:8.1f} KiB  RDMA {rec['rdma_bytes'] / 1024:8.1f} KiB"
+        traffic = (f"modelled dispatch bytes NVLink {rec['nvlink_bytes'] / 1024:8.1f} KiB  "
+                   f"RDMA {rec['rdma_bytes'] / 1024:8.1f} KiB")
     return (f"[{dispatcher}] step {rec['step']:3d}  loss {rec['loss']:.5f}  "
             f"{rec['tokens_per_s']:8.0f} tok/s  imbalance/layer [{imb}]  {traffic}")
 
@@ -183,6 +219,7 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, seq=32, lr=3e-3,
         seed=1234, pool=None, echo=print) -> dict:
     """Train with each dispatcher on one pool; returns {dispatcher: records, ...}."""
+    from hybrid_ep.metadata import metadata
     from hybrid_ep.spawn import ProcessGroupPool
 
     backend = "gloo"
@@ -197,9 +234,19 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     own_pool = pool is None
     if own_pool:
         pool = ProcessGroupPool(world_size, backend=backend, env={"HYBRID_EP_TIMEOUT_S": "120"})
-    results = {"world_size": world_size, "ranks_per_node": ranks_per_node, "backend": backend,
-               "steps": steps, "curves": {}}
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    config = {"world_size": world_size, "ranks_per_node": ranks_per_node, "nodes": world_size // ranks_per_node,
+              "transport": backend, "dispatchers": list(dispatchers), "steps": steps, "micro_batch": micro_batch,
+              "seq": seq, "lr": lr, "seed": seed, "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS,
+              "experts": EXPERTS, "topk": TOPK, "vocab": VOCAB, "dtype": "fp32"}
+    results = {"metadata": None, "curves": {}}
     try:
+        hep_backend = pool.run(probe_backend, [(ranks_per_node,)] * pool.world_size)[0] \
+            if "hybrid_ep" in dispatchers else None
+        results["metadata"] = metadata(TOOL, device_type=device_type, config=config, units=UNITS,
+                                       backends=[hep_backend] if hep_backend else [])
+        echo(where_line(backend, pool.world_size, results["metadata"]["device"], hep_backend))
+        echo(LEGEND)
         for name in dispatchers:
             args = (name, steps, micro_batch, seq, lr, ranks_per_node, seed)
             records = pool.run(train_rank, [args] * pool.world_size, timeout_s=1800)[0]
@@ -217,7 +264,7 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_patches.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--dispatchers", nargs="+", default=["hybrid_ep", "alltoall"],
                         choices=["hybrid_ep", "alltoall", "allgather"])
     parser.add_argument("--steps", type=int, default=30)
@@ -231,9 +278,9 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
         parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
-    print(f"tiny MoE GPT: {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, vocab {VOCAB}, "
-          f"EP={a.world_size} ({a.world_size // a.ranks_per_node} nodes x {a.ranks_per_node} ranks), "
-          f"{a.steps} steps, {a.micro_batch}x{a.seq} tokens per rank", flush=True)
+    print(f"tiny MoE GPT (Megatron-Core): {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
+          f"vocab {VOCAB}, fp32; EP={a.world_size} as {a.world_size // a.ranks_per_node} nodes x "
+          f"{a.ranks_per_node} ranks; {a.steps} steps of {a.micro_batch}x{a.seq} tokens per rank", flush=True)
     results = run(a.dispatchers, a.steps, a.world_size, a.ranks_per_node, a.micro_batch, a.seq, a.lr, a.seed,
                   echo=lambda s: print(s, flush=True))
     for name, recs in results["curves"].items():

@@ -7,9 +7,12 @@ import json
 import re
 
 import pytest
+import torch
 
+import hybrid_ep
 from hybrid_ep.bench import main
 from hybrid_ep.bench.plot import plot_vs_sms
+from hybrid_ep.metadata import validate
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--hidden", "256", "--tokens", "32", "--topk", "4", "--warmup", "1", "--iters", "3", "--device", "cpu"]
@@ -35,12 +38,12 @@ def _check_ranks(doc, printed, world_size, ranks_per_node):
             assert r["node"] == r["rank"] // ranks_per_node
             for op in ("dispatch", "combine"):
                 m = r[op]
-                assert m["median_ms"] > 0 and len(m["samples_ms"]) == doc["config"]["iters"]
+                assert m["median_ms"] > 0 and len(m["samples_ms"]) == doc["metadata"]["config"]["iters"]
                 assert m["algorithm_bytes"] > 0 and m["algbw_gbps"] > 0
                 assert m["algbw_gbps"] == pytest.approx(m["algorithm_bytes"] / (m["median_ms"] * 1e-3) / 1e9)
                 assert m["nvlink_gbps"] == pytest.approx(m["nvlink_bytes"] / (m["median_ms"] * 1e-3) / 1e9)
                 assert m["rdma_gbps"] == pytest.approx(m["rdma_bytes"] / (m["median_ms"] * 1e-3) / 1e9)
-                if doc["config"]["nodes"] > 1:
+                if doc["metadata"]["config"]["nodes"] > 1:
                     assert m["rdma_bytes"] > 0 and m["rdma_gbps"] > 0
                 else:
                     assert m["rdma_bytes"] == 0 and m["rdma_gbps"] == 0
@@ -57,11 +60,14 @@ def _check_ranks(doc, printed, world_size, ranks_per_node):
 def test_two_nodes_bf16(tmp_path, capsys):
     out, printed, doc = _run(tmp_path, capsys, "two-nodes", "-w", "4", "--ranks-per-node", "2",
                              "--backends", "reference")
-    c = doc["config"]
+    c = doc["metadata"]["config"]
     shape = (c["world_size"], c["nodes"], c["hidden"], c["tokens_per_rank"], c["topk"], c["experts"])
     assert shape == (4, 2, 256, 32, 4, 8)
     assert (c["dtype"], c["routing"], c["transport"]) == ("bf16", "uniform", "gloo")
-    assert doc["machine"]["torch"] and doc["machine"]["device"].startswith("CPU") and doc["date"]
+    meta = validate(doc["metadata"])
+    assert meta["tool"] == "hybrid-ep-bench" and meta["device"].startswith("CPU: ") and meta["backends"] == ["reference"]
+    assert meta["versions"]["torch"] == torch.__version__ and meta["versions"]["hybrid_ep"] == hybrid_ep.__version__
+    assert meta["units"]["algbw_gbps"] == "GB/s (1e9 bytes/s)" and meta["units"]["median_ms"].startswith("ms")
     assert [r["backend"] for r in doc["runs"]] == ["reference"]
     _check_ranks(doc, printed, 4, 2)
     assert _is_png(out / "bandwidth_per_rank.png")
@@ -77,7 +83,7 @@ def test_two_nodes_bf16(tmp_path, capsys):
 
 def test_one_node_fp8_sms_ignored_by_reference(tmp_path, capsys):
     out, printed, doc = _run(tmp_path, capsys, "one-node", "-w", "2", "--dtype", "fp8", "--sms", "8,16")
-    assert doc["config"]["nodes"] == 1 and doc["config"]["sms"] == [8, 16]
+    assert doc["metadata"]["config"]["nodes"] == 1 and doc["metadata"]["config"]["sms"] == [8, 16]
     run = doc["runs"][0]
     assert run["backend"] == "reference" and run["num_sms"] is None and "ignored" in run["sms_note"]
     d, c = run["ranks"][0]["dispatch"], run["ranks"][0]["combine"]

@@ -9,6 +9,7 @@ import torch
 from hybrid_ep.bench import emulated
 from hybrid_ep.bench.cli import main
 from hybrid_ep.config import BufferConfig
+from hybrid_ep.metadata import metadata
 from hybrid_ep.synthetic import iter_rank_routings
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
@@ -34,10 +35,11 @@ def test_table_and_plot(tmp_path):
              "dispatch_dest_gbps_per_sm": 60.0 - w, "dispatch_copy_fraction": 0.1 * s, "combine_ms": 2.0 / s,
              "combine_dest_gbps_per_sm": 50.0 - w, "combine_copy_fraction": 0.05 * s}
             for w in (2, 8) for s in (1, 2, 4)]
+    config = {"world_sizes": [2, 8], "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
+              "dtype": "bf16", "routing": "uniform"}
     doc = {
-        "date": "2026-11-21", "device": "GPU", "device_sms": 132, "copy_gbps": 3000.0,
-        "config": {"world_sizes": [2, 8], "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
-                   "dtype": "bf16", "routing": "uniform"},
+        "metadata": dict(metadata("test", device_type="cpu", config=config, units=emulated.UNITS), device="GPU"),
+        "device_sms": 132, "copy_gbps": 3000.0,
         "runs": runs,
         "index_select_index_add": [{"world_size": 2, "dispatch_ms": 0.5, "combine_ms": 0.7},
                                    {"world_size": 8, "dispatch_ms": 1.5, "combine_ms": 1.7}],
@@ -45,7 +47,7 @@ def test_table_and_plot(tmp_path):
     }
     table = emulated.format_table(doc)
     lines = table.splitlines()
-    assert "W = 2, 8 virtual ranks" in lines[0] and "132 SMs" in lines[0]
+    assert "W = 2, 8 virtual ranks on one GPU" in lines[0] and "132 SMs" in lines[0]
     # one row per (W, SMs): W=8 with 4 SMs per rank is 32 SMs in all
     assert any(line.split()[:3] == ["8", "4", "32"] for line in lines)
     assert "W=8: dispatch 1.500 ms" in table and "21.5 us" in table and "40.2 us" in table

@@ -33,4 +33,12 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert all(r["nvlink_bytes"] is None for r in stock)
     # Same routing for both dispatchers, hence the same load statistics.
     assert [r["imbalance"] for r in ours] == [r["imbalance"] for r in stock]
-    assert len(lines) == 2 * STEPS and "loss" in lines[0] and "RDMA" in lines[0]
+    # Where it ran and what the columns mean come first, then one line per step.
+    assert lines[0] == demo.where_line("gloo", 4, results["metadata"]["device"], "reference")
+    assert lines[0].startswith("running on CPU (CPU: ") and "hybrid_ep backend: reference" in lines[0]
+    assert lines[1] == demo.LEGEND and "(max - mean) / mean of tokens per expert" in lines[1]
+    assert len(lines) == 2 + 2 * STEPS and "loss" in lines[2] and "modelled dispatch bytes" in lines[2]
+    meta = results["metadata"]
+    assert meta["backends"] == ["reference"] and meta["device"].startswith("CPU: ")
+    assert meta["config"]["transport"] == "gloo" and meta["config"]["nodes"] == 2
+    assert set(meta["units"]) >= {"loss", "tokens_per_s", "imbalance", "nvlink_bytes", "rdma_bytes"}

@@ -15,6 +15,7 @@ import torch
 
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.metadata import validate
 from hybrid_ep.traffic import (
     combine_row_bytes,
     count_tables,
@@ -300,7 +301,11 @@ def test_cli_group_limited_json(tmp_path, capsys):
     assert "RDMA saving of hierarchical over flat, dispatch:" in out
     assert "group-limited (<= 2 of 4 nodes per token)" in out
     data = json.loads(path.read_text())
-    assert data["scenario"]["group_limit"] == 2 and data["world_size"] == 8
+    meta = validate(data["metadata"])
+    assert (meta["tool"], meta["backends"], meta["device"][:5]) == ("hybrid-ep-traffic", [], "CPU: ")
+    assert meta["config"]["group_limit"] == 2 and meta["config"]["dispatch_dtype"] == "fp8"
+    assert meta["units"]["row_bytes"] == "bytes per row" and "scenario" not in data
+    assert data["world_size"] == 8
     assert data["row_bytes"] == {"dispatch": 256 + 2 * 4, "combine": 512}
     assert data["tokens_per_rank"] == [64] * 8
     # Group-limited routing reaches at most 2 nodes per token, so at most 2 RDMA rows per token

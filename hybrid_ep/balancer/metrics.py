@@ -17,6 +17,16 @@ from .planner import Placement
 SUMMARY_KEYS = ("imbalance_rank_before", "imbalance_rank_after", "imbalance_slot_before",
                 "imbalance_slot_after", "std_rank_before", "std_rank_after", "std_slot_before",
                 "std_slot_after", "moves")
+# Units of a summary's fields (the metadata block of the balancer's JSON files).
+SUMMARY_UNITS = {
+    "imbalance_rank_before": "(max - mean) / mean of tokens per rank, per layer; 0 = even",
+    "imbalance_rank_after": "(max - mean) / mean of tokens per rank, per layer; 0 = even",
+    "imbalance_slot_before": "(max - mean) / mean of tokens per slot, per layer; 0 = even",
+    "imbalance_slot_after": "(max - mean) / mean of tokens per slot, per layer; 0 = even",
+    "std_rank_before": "tokens", "std_rank_after": "tokens", "std_slot_before": "tokens", "std_slot_after": "tokens",
+    "moves": "slots whose expert changed, per layer", "total_tokens": "tokens routed per layer",
+}
+SUMMARY_CONFIG_KEYS = ("num_layers", "num_experts", "num_slots", "num_ranks", "num_nodes")
 
 
 def imbalance_ratio(x, dim: int = -1):

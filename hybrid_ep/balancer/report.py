@@ -20,6 +20,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..metadata import metadata
+from .metrics import SUMMARY_CONFIG_KEYS, SUMMARY_UNITS
+
 _PANEL_COLUMNS = 8  # panels per row of a heatmap: 61 layers -> 8 x 8 small panels
 
 
@@ -136,7 +139,9 @@ def write_report(summary: dict, directory: str, history=None, step: int | None =
     """
     os.makedirs(directory, exist_ok=True)
     tag = "" if step is None else f"_step{int(step)}"
-    doc = dict(summary, step=step)
+    doc = {"metadata": metadata("hybrid_ep.balancer", device_type="cpu", units=SUMMARY_UNITS,
+                                config={k: summary[k] for k in SUMMARY_CONFIG_KEYS} | {"step": step}),
+           **summary, "step": step}
     paths = {"summary": os.path.join(directory, f"balancer_summary{tag}.json")}
     with open(paths["summary"], "w") as f:
         json.dump(doc, f, indent=1)

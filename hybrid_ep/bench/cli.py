@@ -1,4 +1,4 @@
-"""`python -m hybrid_ep.bench`: flags, device-dependent defaults, and the order of a run.
+"""`hybrid-ep-bench` (= `python -m hybrid_ep.bench`): flags, device-dependent defaults, and the order of a run.
 
 Start the ranks, ask them which backends they can use, run every backend (and SM count),
 then print one table per run and write results.json and PNG plots into --out.
@@ -11,22 +11,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import time
 
 import torch
 
-from .. import __version__
+from ..metadata import metadata
 from ..synthetic import ROUTINGS
 from . import worker
 from .launch import open_launcher, under_torchrun
 from .metrics import build_run
 from .plot import write_plots
-from .report import SCHEMA, format_report, write_json
+from .report import UNITS, format_report, write_json
 from .spec import BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_ITERS, BenchArgError, BenchSpec
 
-PROG = "python -m hybrid_ep.bench"
+PROG = "hybrid-ep-bench"
 CPU_WORLD_SIZE = 4
 EXPERTS_PER_RANK = 2
 DEFAULT_TOPK = 8
@@ -50,10 +49,11 @@ def _name_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG,
+        prog=PROG, allow_abbrev=False,
         description="Time HybridEPBuffer dispatch and combine on every rank and report time, algorithm "
-                    "bandwidth and NVLink / RDMA bus bandwidth (DESIGN.md 6). GPU defaults: H=8192, "
-                    "4096 tokens/rank, top-8, 2 experts/rank; CPU defaults: H=1024, 512 tokens/rank.")
+                    "bandwidth (algbw) and NVLink / RDMA bus bandwidth (busbw); docs/benchmarks/README.md. "
+                    "GPU defaults: H=8192, 4096 tokens/rank, top-8, 2 experts/rank; CPU defaults: H=1024, "
+                    "512 tokens/rank.")
     p.add_argument("-w", "--world-size", type=int, default=None,
                    help="ranks W (default: the GPU count on GPU, 4 on CPU; under torchrun: its WORLD_SIZE)")
     p.add_argument("--ranks-per-node", type=int, default=None,
@@ -194,16 +194,13 @@ def _document(spec: BenchSpec, probes: list[dict], runs: list[dict], launcher_na
         "warmup": spec.warmup, "iters": spec.iters, "seed": spec.seed, "device": spec.device,
         "transport": spec.transport,
     }
-    machine = {
-        "device": devices[0] if len(devices) == 1 else "; ".join(devices),
-        "driver": probes[0]["driver"], "cuda": probes[0]["cuda"], "torch": torch.__version__,
-        "python": platform.python_version(), "hybrid_ep": __version__, "platform": platform.platform(),
-        "hosts": hosts, "logical_nodes": len(hosts) < spec.num_nodes, "launcher": launcher_name,
-    }
     return {
-        "schema": SCHEMA, "label": _label(spec, probes),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine, "config": config, "runs": runs,
+        "metadata": metadata(PROG, device_type=spec.device, config=config, units=UNITS, backends=config["backends"],
+                             device=devices[0] if len(devices) == 1 else "; ".join(devices),
+                             driver=probes[0]["driver"]),
+        "label": _label(spec, probes),
+        "machine": {"hosts": hosts, "logical_nodes": len(hosts) < spec.num_nodes, "launcher": launcher_name},
+        "runs": runs,
     }
 
 
@@ -272,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, out_dir = resolve(args)
         if spec.iters < MIN_RECOMMENDED_ITERS:
-            _note(f"{spec.iters} timed calls: DESIGN.md 6 asks for medians of >= {MIN_RECOMMENDED_ITERS}")
+            _note(f"{spec.iters} timed calls: medians of >= {MIN_RECOMMENDED_ITERS} are recommended "
+                  "(docs/benchmarks/README.md, What is timed)")
         return _execute(spec, out_dir)
     except BenchArgError as err:
         if os.environ.get("RANK", "0") == "0":

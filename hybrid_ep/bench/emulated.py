@@ -10,7 +10,6 @@ emulated_per_sm.png; progress goes to stderr, one line per measurement.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -21,12 +20,18 @@ import torch
 
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
+from ..metadata import metadata
 from ..synthetic import iter_rank_routings
 from .spec import L2_FLUSH_BYTES
-from .worker import gpu_driver
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
 COPY_BYTES = 1 << 30
+UNITS = {"dispatch_ms": "ms (median)", "combine_ms": "ms (median)", "copy_gbps": "GB/s (1e9 bytes/s, read + written)",
+         "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
+         "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
+         "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
+         "combine_copy_fraction": "fraction of the device copy's bytes/s",
+         "median_us": "microseconds (host time per dispatch + combine pair)", "elapsed_s": "s"}
 
 
 def _note(msg: str) -> None:
@@ -198,13 +203,13 @@ def run(args) -> int:
         host[f"W={W}"] = w_host
         plain.append(w_plain)
 
+    config = {"world_sizes": worlds, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
+              "dtype": args.dtype, "routing": args.routing, "sms_per_rank": sms_list, "warmup": warmup,
+              "iters": iters}
     doc = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": props.name, "device_sms": props.multi_processor_count, "driver": gpu_driver(),
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__, "command": " ".join(sys.argv),
-        "config": {"world_sizes": worlds, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
-                   "dtype": args.dtype, "routing": args.routing, "warmup": warmup, "iters": iters},
+        "metadata": metadata("hybrid-ep-bench --emulate", device_type="cuda", config=config, units=UNITS,
+                             backends=["cuda"], device=props.name),
+        "device_sms": props.multi_processor_count, "command": " ".join(sys.argv),
         "copy_gbps": copy_bps / 1e9,
         "runs": rows, "host_time": host, "index_select_index_add": plain,
         "elapsed_s": time.monotonic() - started,
@@ -219,9 +224,10 @@ def run(args) -> int:
 
 
 def format_table(doc: dict) -> str:
-    c = doc["config"]
+    meta = doc["metadata"]
+    c = meta["config"]
     worlds = ", ".join(str(w) for w in c["world_sizes"])
-    lines = [f"cuda kernels, W = {worlds} virtual ranks on one {doc['device']} ({doc.get('device_sms', '?')} SMs) | "
+    lines = [f"cuda kernels, W = {worlds} virtual ranks on one {meta['device']} ({doc.get('device_sms', '?')} SMs) | "
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} "
              f"{c['routing']} | copy {doc['copy_gbps']:.0f} GB/s",
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} "
@@ -251,7 +257,7 @@ def _plot(doc: dict, path: str) -> None:
     ax1, ax2 = fig.subplots(1, 2)
     colors = {"dispatch": "tab:blue", "combine": "tab:orange"}
     styles = ["-", "--", ":", "-."]
-    for i, W in enumerate(doc["config"]["world_sizes"]):
+    for i, W in enumerate(doc["metadata"]["config"]["world_sizes"]):
         runs = [r for r in doc["runs"] if r["world_size"] == W]
         if not runs:
             continue
@@ -275,7 +281,8 @@ def _plot(doc: dict, path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"hybrid-ep cuda kernels in single-GPU emulation on {doc['device']} ({doc['date']})")
+    fig.suptitle(f"hybrid-ep cuda kernels in single-GPU emulation on {doc['metadata']['device']} "
+                 f"({doc['metadata']['date']})")
     fig.tight_layout()
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110)

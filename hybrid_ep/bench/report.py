@@ -1,7 +1,8 @@
 """Text tables and results.json from the results document the CLI assembles.
 
-The document: {"schema", "label", "date", "machine", "config", "runs": [run, ...], "files"};
-a run is metrics.build_run's dict (one backend at one SM count, one entry per rank).
+The document: {"metadata" (hybrid_ep.metadata: device, versions, date, config, units),
+"label", "machine" (hosts, logical nodes, launcher), "runs": [run, ...], "files"}; a run is
+metrics.build_run's dict (one backend at one SM count, one entry per rank).
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ import os
 
 from .metrics import OPS
 
-SCHEMA = "hybrid-ep-bench/1"
+# Units of the number fields of a run (the metadata block's "units").
+_GBPS = "GB/s (1e9 bytes/s)"
+UNITS = {
+    "median_ms": "ms (median of one rank's timed calls)", "min_ms": "ms (fastest timed call of the rank)",
+    "max_ms": "ms (per rank: slowest timed call; summary: slowest rank's median)",
+    "samples_ms": "ms (each timed call)", "row_bytes": "bytes", "algorithm_bytes": "bytes",
+    "nvlink_bytes": "bytes", "rdma_bytes": "bytes", "flat_nvlink_bytes": "bytes", "flat_rdma_bytes": "bytes",
+    "algbw_gbps": _GBPS, "nvlink_gbps": _GBPS, "rdma_gbps": _GBPS,
+    "mean_algbw_gbps": _GBPS, "mean_nvlink_gbps": _GBPS, "mean_rdma_gbps": _GBPS,
+}
 _OP_COLS = (("ms", "median_ms", 10), ("algbw GB/s", "algbw_gbps", 12),
             ("NVLink GB/s", "nvlink_gbps", 13), ("RDMA GB/s", "rdma_gbps", 11))
 _SUMMARY_KEYS = {"median_ms": "max_ms", "algbw_gbps": "mean_algbw_gbps",
@@ -30,7 +40,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def config_line(doc: dict) -> str:
-    c, m = doc["config"], doc["machine"]
+    c, m = doc["metadata"]["config"], doc["machine"]
     nodes = f"{_plural(c['nodes'], 'node')} x {_plural(c['ranks_per_node'], 'rank')}"
     if m["logical_nodes"]:
         nodes += f", logical nodes on {_plural(len(m['hosts']), 'host')}"
@@ -46,7 +56,8 @@ def config_line(doc: dict) -> str:
 
 
 def format_table(doc: dict, run: dict) -> str:
-    c = doc["config"]
+    meta = doc["metadata"]
+    c = meta["config"]
     op_width = sum(w for _, _, w in _OP_COLS)
     head1 = " " * _LEFT + "".join(f"  {('-- ' + op + ' ').ljust(op_width - 1, '-')}" for op in OPS)
     head2 = f"{'rank':>5}{'node':>6}" + "".join(
@@ -54,7 +65,7 @@ def format_table(doc: dict, run: dict) -> str:
     lines = [
         f"== {run_title(run)} | {doc['label']}",
         config_line(doc),
-        f"{doc['machine']['device']} | torch {doc['machine']['torch']} | {doc['date']}",
+        f"{meta['device']} | torch {meta['versions']['torch']} | {meta['date']}",
         f"median of {c['iters']} timed calls per rank after {c['warmup']} warm-up; timing: {run['timing']}",
         head1,
         head2,
@@ -79,9 +90,10 @@ LEGEND = (
 
 def links_note(doc: dict) -> str | None:
     """Say when the NVLink / RDMA columns name links that the bytes did not actually take."""
-    transport = doc["config"]["transport"]
-    if doc["config"]["device"] == "cpu":
-        return ("On CPU there is no NVLink or RDMA: those columns are the bytes the hierarchical scheme assigns "
+    config = doc["metadata"]["config"]
+    transport = config["transport"]
+    if config["device"] == "cpu":
+        return ("On CPU there is no NVLink or RDMA: the NVLink / RDMA figures are the bytes the hierarchical scheme assigns "
                 f"to each link over the measured time; all bytes went through {transport}.")
     if doc["machine"]["logical_nodes"]:
         return ("Nodes are logical (fewer hosts than nodes): the RDMA column is the bytes the hierarchical scheme "

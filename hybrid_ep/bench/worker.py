@@ -11,10 +11,7 @@ Legend: T tokens on this rank, K routes per token, H hidden, R dispatched rows.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import socket
-import subprocess
 import sys
 
 import torch
@@ -23,29 +20,10 @@ import torch.distributed as dist
 from ..backends import available_backends, cuda_unavailable_reason, deepep_unavailable_reason
 from ..buffer import HybridEPBuffer
 from ..fp8 import dequantize_fp8, quantize_fp8
+from ..metadata import describe_device, gpu_driver
 from ..synthetic import iter_rank_routings, random_weights
 from .spec import BACKENDS_WITHOUT_SMS, BenchSpec
 from .timing import make_timer
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def gpu_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.strip().splitlines()[0] if out.strip() else None
 
 
 def probe(spec: BenchSpec) -> dict:
@@ -53,12 +31,10 @@ def probe(spec: BenchSpec) -> dict:
     group = dist.group.WORLD
     info = {"rank": dist.get_rank(group), "host": socket.gethostname()}
     if spec.device == "cuda":
-        index = torch.cuda.current_device()
-        info |= {"device": torch.cuda.get_device_name(index), "device_index": index,
-                 "driver": gpu_driver(), "cuda": torch.version.cuda}
+        info |= {"device": describe_device("cuda"), "device_index": torch.cuda.current_device(),
+                 "driver": gpu_driver()}
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        info |= {"device": f"CPU: {_cpu_name()} ({cores} cores)", "driver": None, "cuda": None}
+        info |= {"device": describe_device("cpu"), "driver": None}
     info["backends"] = available_backends(group)
     info["unavailable"] = {"cuda": cuda_unavailable_reason(group), "deepep": deepep_unavailable_reason()}
     return info

@@ -1,4 +1,5 @@
-"""`python -m hybrid_ep.traffic`: bytes per token over NVLink and RDMA for a synthetic routing.
+"""`hybrid-ep-traffic` (= `python -m hybrid_ep.traffic`): bytes per token over NVLink and RDMA for a
+synthetic routing.
 
 Prints, for the hierarchical scheme and for a flat all-to-all, what each rank sends per
 token in dispatch and in combine, and how much RDMA the hierarchical scheme saves.
@@ -24,12 +25,19 @@ from ..config import FP8_BLOCK, BufferConfig
 from ..dtypes import COMBINE_BY_NAME as COMBINE_DTYPES
 from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
 from ..fp8 import num_scale_blocks
+from ..metadata import metadata
 from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
 # Columns of the table: (scheme, link) -> key in the report.
 COLUMNS = ("hierarchical_nvlink", "hierarchical_rdma", "flat_nvlink", "flat_rdma")
 HEADERS = ("hierarchical NVLink", "hierarchical RDMA", "flat NVLink", "flat RDMA")
+PROG = "hybrid-ep-traffic"
+UNITS = {"row_bytes": "bytes per row", "per_rank": "bytes each rank sends (computed by the traffic model)",
+         "bytes_per_token": "bytes sent per token of the sending rank: mean and max over ranks",
+         "rdma_saving_percent": "percent: 100 x (1 - hierarchical RDMA bytes / flat RDMA bytes), null without RDMA",
+         "received_rows": "rows per rank", "tokens_per_rank": "tokens",
+         "destinations_per_token": "ranks or nodes per token: mean and max"}
 
 
 def _flag(field: str) -> str:
@@ -221,9 +229,15 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def json_document(report: dict) -> dict:
+    """The --json file: the metadata block (config = the scenario), then every number."""
+    numbers = {k: v for k, v in report.items() if k != "scenario"}
+    return {"metadata": metadata(PROG, device_type="cpu", config=report["scenario"], units=UNITS), **numbers}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hybrid_ep.traffic",
+        prog=PROG, allow_abbrev=False,
         description="Bytes per token each rank sends over NVLink and RDMA, hierarchical scheme versus a flat "
                     "all-to-all, for a synthetic routing (traffic model: computed, not measured).")
     d = Scenario()
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if json_path is not None:
         with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(json_document(report), f, indent=2)
             f.write("\n")
         print(f"wrote {json_path}")
     return 0
