@@ -2,7 +2,10 @@
 
 Starting processes and importing torch costs seconds per rank, so tests and the benchmark
 start the group once and send it work. Every result wait is bounded; a failed or late rank
-closes the pool (its peers may be stuck in a collective) and the error says which rank.
+closes the pool (its peers may be stuck in a collective) and the error says which rank, the
+likely cause and what to do. HYBRID_EP_POOL_TIMEOUT_S (seconds, default 300) bounds the
+start and the process group's collectives, and raises the bound of every task to at least
+that much: on a loaded machine starting W ranks (each imports torch) can take minutes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,36 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+POOL_TIMEOUT_ENV = "HYBRID_EP_POOL_TIMEOUT_S"
+DEFAULT_POOL_TIMEOUT_S = 300.0
+
+
+def pool_timeout_s() -> float:
+    """HYBRID_EP_POOL_TIMEOUT_S from the environment, or the default; ValueError naming it."""
+    raw = os.environ.get(POOL_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_POOL_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{POOL_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{POOL_TIMEOUT_ENV} must be > 0 seconds, got {raw!r}")
+    return value
+
+
+def _late_message(what: str, ranks: list[int], waited: float, limit: float) -> str:
+    """Why ranks may not have answered and what to do; the message of a pool timeout."""
+    if what == "start":
+        cause = ("they were still starting (each process imports torch and joins the process group, which "
+                 "takes much longer on a loaded machine) or one could not join")
+    else:
+        cause = (f"task {what} had not finished: a rank is slow (a loaded machine) or waits in a collective "
+                 "for a peer that never joined it")
+    return (f"ranks {ranks} did not answer after {waited:.0f} s (limit {limit:.0f} s): {cause}. If the machine "
+            f"is busy, raise the limit, e.g. export {POOL_TIMEOUT_ENV}=900, and run again "
+            "(docs/troubleshooting.md, process group pool)")
+
 
 def _worker(rank, world_size, backend, init_file, env, tasks, results):
     os.environ.update(env)
@@ -31,7 +64,7 @@ def _worker(rank, world_size, backend, init_file, env, tasks, results):
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=float(env.get("HYBRID_EP_POOL_TIMEOUT_S", "300"))),
+            timeout=datetime.timedelta(seconds=float(env[POOL_TIMEOUT_ENV])),
         )
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -53,16 +86,19 @@ class ProcessGroupPool:
     """W ranks on this machine; `run(fn, per_rank_args)` calls fn(*args) on every rank."""
 
     def __init__(self, world_size: int, backend: str = "gloo", env: dict[str, str] | None = None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float | None = None):
+        """start_timeout_s: how long the ranks may take to start (default HYBRID_EP_POOL_TIMEOUT_S)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.timeout_s = pool_timeout_s()
+        self._tasks_at_least_timeout = POOL_TIMEOUT_ENV in os.environ
         self.world_size = world_size
         self.backend = backend
         self._dir = tempfile.mkdtemp(prefix="hybrid_ep_pool_")
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        env = {k: str(v) for k, v in (env or {}).items()}
+        env = {POOL_TIMEOUT_ENV: str(self.timeout_s)} | {k: str(v) for k, v in (env or {}).items()}
         self._procs = [
             ctx.Process(
                 target=_worker,
@@ -74,7 +110,7 @@ class ProcessGroupPool:
         for p in self._procs:
             p.start()
         self.closed = False
-        self._collect(start_timeout_s, "start")
+        self._collect(self.timeout_s if start_timeout_s is None else start_timeout_s, "start")
 
     def _collect(self, timeout_s: float, what: str) -> list:
         out: list = [None] * self.world_size
@@ -89,8 +125,14 @@ class ProcessGroupPool:
             except queue.Empty:
                 dead = [r for r in pending if not self._procs[r].is_alive()]
                 if dead or left <= 0:
+                    waited = time.monotonic() - started
                     self.close()
-                    why = f"ranks {dead} died" if dead else f"ranks {sorted(pending)} did not answer after {time.monotonic() - started:.0f} s"
+                    if dead:
+                        codes = ", ".join(f"rank {r}: {self._procs[r].exitcode}" for r in dead)
+                        why = (f"ranks {dead} died (exit codes {codes}; a negative code is the signal that "
+                               "ended it, e.g. -9 when the system ran out of memory)")
+                    else:
+                        why = _late_message(what, sorted(pending), waited, timeout_s)
                     details = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
                     raise RuntimeError(f"process group pool ({what}): {why}{details}")
                 continue
@@ -108,7 +150,10 @@ class ProcessGroupPool:
         return out
 
     def run(self, fn, per_rank_args: list[tuple] | None = None, timeout_s: float = 300.0) -> list:
-        """fn must be importable by name (a module-level function); returns one result per rank."""
+        """fn must be importable by name (a module-level function); returns one result per rank.
+
+        The wait is timeout_s, or HYBRID_EP_POOL_TIMEOUT_S when that is set and larger.
+        """
         if self.closed:
             raise RuntimeError("process group pool is closed")
         if per_rank_args is None:
@@ -117,6 +162,8 @@ class ProcessGroupPool:
             raise ValueError(f"per_rank_args has {len(per_rank_args)} entries, expected {self.world_size}")
         for r, args in enumerate(per_rank_args):
             self._tasks[r].put((fn, tuple(args)))
+        if self._tasks_at_least_timeout:
+            timeout_s = max(timeout_s, self.timeout_s)
         return self._collect(timeout_s, getattr(fn, "__name__", "task"))
 
     def close(self) -> None:

@@ -31,3 +31,41 @@ def test_pool_reports_failing_rank():
         with pytest.raises(RuntimeError, match=r"ranks \[1\] raised(.|\n)*KeyError: 'broken on purpose'"):
             pool.run(_fail_on_rank, [(1,), (1,)])
         assert pool.closed
+
+
+def _sleep(seconds):
+    import time
+
+    time.sleep(seconds)
+    return "late"
+
+
+def test_start_timeout_says_why_and_names_the_variable(monkeypatch):
+    # Spawning a rank and importing torch takes longer than 0.01 s on any machine.
+    monkeypatch.setenv("HYBRID_EP_POOL_TIMEOUT_S", "0.01")
+    with pytest.raises(RuntimeError) as info:
+        ProcessGroupPool(2)
+    message = str(info.value)
+    assert message.startswith("process group pool (start): ranks [0, 1] did not answer after")
+    assert "(limit 0 s): they were still starting" in message
+    assert "export HYBRID_EP_POOL_TIMEOUT_S=900" in message and "docs/troubleshooting.md" in message
+
+
+def test_task_timeout_says_why_and_the_variable_raises_it(monkeypatch):
+    monkeypatch.delenv("HYBRID_EP_POOL_TIMEOUT_S", raising=False)
+    with ProcessGroupPool(1) as pool:
+        with pytest.raises(RuntimeError, match=r"\(_sleep\): ranks \[0\] did not answer after 1 s \(limit 1 s\): "
+                                               r"task _sleep had not finished(.|\n)*HYBRID_EP_POOL_TIMEOUT_S=900"):
+            pool.run(_sleep, [(30,)], timeout_s=1)
+    monkeypatch.setenv("HYBRID_EP_POOL_TIMEOUT_S", "20")
+    with ProcessGroupPool(1) as pool:
+        assert pool.timeout_s == 20.0
+        assert pool.run(_sleep, [(2,)], timeout_s=1) == ["late"]  # the variable raised the task's 1 s to 20 s
+
+
+@pytest.mark.parametrize("raw, words", [("ten", "must be a number of seconds, got 'ten'"),
+                                        ("0", "must be > 0 seconds, got '0'")])
+def test_bad_pool_timeout_is_named(monkeypatch, raw, words):
+    monkeypatch.setenv("HYBRID_EP_POOL_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match=f"HYBRID_EP_POOL_TIMEOUT_S {words}"):
+        ProcessGroupPool(1)
