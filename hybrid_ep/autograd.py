@@ -44,24 +44,28 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_RH, probs_R, buffer, handle, apply_probs, num_sms, wire_dtype):
         ctx.buffer, ctx.handle, ctx.apply_probs = buffer, handle, apply_probs
-        ctx.save_for_backward(rows_RH, probs_R)
+        ctx.rows_dtype = rows_RH.dtype
+        # The rows are needed only to differentiate the weights; otherwise their memory may
+        # be released after forward (Megatron's EP-overlap schedule frees combine's input).
+        if apply_probs:
+            ctx.save_for_backward(rows_RH, probs_R)
         return buffer._run_combine(rows_RH, handle, apply_probs, num_sms, wire_dtype)
 
     @staticmethod
     def backward(ctx, grad_y_TH):
         buffer, handle = ctx.buffer, ctx.handle
-        rows_RH, probs_R = ctx.saved_tensors
         grad_out_RH, _, _ = buffer._run_dispatch(
             grad_y_TH.contiguous(), None, None, handle, handle.num_out_tokens, None
         )
         grad_rows = grad_probs = None
         if ctx.apply_probs:
+            rows_RH, probs_R = ctx.saved_tensors
             if ctx.needs_input_grad[1]:
                 grad_probs = (grad_out_RH.float() * rows_RH.float()).sum(dim=1)
             if ctx.needs_input_grad[0]:
                 grad_rows = (grad_out_RH.float() * probs_R.float()[:, None]).to(rows_RH.dtype)
         elif ctx.needs_input_grad[0]:
-            grad_rows = grad_out_RH.to(rows_RH.dtype)
+            grad_rows = grad_out_RH.to(ctx.rows_dtype)
         return grad_rows, grad_probs, None, None, None, None, None
 
 

@@ -5,7 +5,12 @@
 
 Importable without Megatron installed; `apply()` and the dispatcher need megatron-core.
 What apply() changes (docs/megatron.md): MoELayer selects HybridEPTokenDispatcher for the
-type "hybrid_ep" (other types untouched); Megatron-LM's argument parser (when installed)
+type "hybrid_ep" (other types untouched) and tells it which experts it built;
+TransformerConfig validation accepts "hybrid_ep" wherever it accepts alltoall/flex
+(`overlap_moe_expert_parallel_comm`, `moe_shared_expert_overlap`,
+`moe_expert_rank_capacity_factor`); the EP-overlap schedule frees node inputs for hybrid_ep
+as for Megatron's hybridep backend; TEGroupedMLP skips its quantization padding when
+hybrid_ep already aligned the rows; Megatron-LM's argument parser (when installed)
 accepts `--moe-token-dispatcher-type hybrid_ep` and the --hybrid-ep-* knobs; the
 grouped-GEMM zero-token fix is installed when present; Megatron-LM's
 setup_model_and_optimizer attaches the expert balancer when --hybrid-ep-balancer-interval is set; on a machine without a GPU the CPU
@@ -44,14 +49,18 @@ def apply(*, cpu_fallback: bool = True) -> dict:
     cpu_fallback: enable `cpu_compat` when no GPU is visible (it never acts on a GPU).
     """
     global _applied
-    from . import cpu_compat, selection
+    from . import cpu_compat, expert_rows, overlap, selection
 
     if cpu_fallback:
         cpu_compat.enable()
     if _applied is None:
         selection.patch_moe_layer()
+        selection.patch_config_validation()
         _applied = {
             "moe_layer": True,
+            "config_validation": True,
+            "expert_padding": expert_rows.install(),
+            "ep_overlap_schedule": overlap.install(),
             "arguments": selection.patch_megatron_arguments(),
             "grouped_gemm": _install_grouped_gemm_fix(),
             "balancer_hook": _install_balancer_hook(),

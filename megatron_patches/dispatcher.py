@@ -26,7 +26,8 @@ import torch
 import hybrid_ep as hep
 
 from . import buffers
-from .options import HybridEPOptions, options_for
+from . import expert_rows
+from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
@@ -39,58 +40,65 @@ except ImportError as _err:  # keeps `import megatron_patches` working without M
 
 DISPATCHER_TYPE = "hybrid_ep"
 
-def quantization_alignment(config) -> int:
-    """Row alignment the experts' quantized GEMMs need (1 when not quantizing)."""
-    if not (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
-        return 1
-    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
-    return int(get_align_size_for_quantization(config))
-
-
-def grouped_gemm_alignment(config) -> int:
-    """Minimum rows per local expert for the grouped-GEMM path (0: not a grouped path)."""
-    if not getattr(config, "moe_grouped_gemm", False):
-        return 0
-    from .grouped_gemm import alignment_for_config  # the one alignment table (docs/grouped_gemm.md)
-
-    return alignment_for_config(config)
-
-
-def unsupported_reasons(config, tp_size: int) -> list[str]:
-    """Config combinations this dispatcher cannot run, each with what to do instead."""
+def unsupported_reasons(config, tp_size: int, balancer: bool) -> list[str]:
+    """Config combinations this dispatcher cannot run, each with what to use instead."""
     reasons = []
-    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+    if balancer and tp_size > 1:
         reasons.append(
-            "moe_pad_expert_input_to_capacity=True (fixed-capacity expert inputs): use "
-            "--hybrid-ep-static-size-factor for a static dispatch size, or the alltoall dispatcher"
+            f"the expert balancer with expert_tensor_parallel_size={tp_size}: use "
+            "expert_tensor_parallel_size=1 with --hybrid-ep-balancer-interval, or turn the balancer off"
         )
-    if getattr(config, "moe_shared_expert_overlap", False):
-        reasons.append("moe_shared_expert_overlap=True: run shared experts without overlap")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        reasons.append("overlap_moe_expert_parallel_comm=True (1F1B EP overlap)")
-    if tp_size > 1:
+    if balancer and getattr(config, "moe_pad_expert_input_to_capacity", False):
         reasons.append(
-            f"expert tensor parallelism (expert_tensor_parallel_size={tp_size}): use "
-            "expert_tensor_parallel_size=1"
+            "the expert balancer with moe_pad_expert_input_to_capacity=True: use "
+            "moe_expert_rank_capacity_factor for a static size with the balancer, or turn the balancer off"
+        )
+    if getattr(config, "moe_pad_expert_input_to_capacity", False) and config.moe_expert_capacity_factor is None:
+        reasons.append(
+            "moe_pad_expert_input_to_capacity=True without moe_expert_capacity_factor: set "
+            "moe_expert_capacity_factor (the capacity each expert is padded to)"
         )
     return reasons
+
+
+def expand_over_tensor_parallel(x_TE: torch.Tensor, ep: int, tp: int) -> torch.Tensor:
+    """[T, E] -> [T, E * TP]: each expert's column repeated for the TP ranks of its EP rank, in
+    the ETP x EP group's rank order (rank = ep_rank * TP + tp_rank), so every expert-TP rank
+    receives the same rows (as Megatron's flex dispatcher routes them)."""
+    T, E = x_TE.shape
+    L = E // ep
+    return x_TE.reshape(T, ep, 1, L).expand(T, ep, tp, L).reshape(T, ep * tp * L)
 
 
 class HybridEPTokenDispatcher(MoETokenDispatcher):
     """Token dispatcher for `moe_token_dispatcher_type="hybrid_ep"` (see module docstring).
 
     Constructor signature of Megatron's stock dispatchers. Knobs come from
-    `options.options_for(config)`; the buffer is shared per EP group and shape
+    `options.options_for(config)`; the buffer is shared per communication group and shape
     (`buffers.BUFFERS`), created on the first dispatch.
+
+    Communication group: the EP group, or with expert tensor parallelism (ETP > 1) the
+    ETP x EP group, where each token goes to every expert-TP rank of its experts (as
+    Megatron's flex dispatcher does) and combine sums their partial outputs.
+
+    Padding rows: only what the experts built by MoELayer need (`set_experts`, decided by
+    `expert_rows.pad_multiple_for`), the user's --hybrid-ep-pad-multiple, router padding for
+    quantization, and with moe_pad_expert_input_to_capacity exactly `capacity x EP x ETP`
+    rows per local expert (min_rows_per_expert = that, a static output size, no host sync).
+
+    Shared-expert overlap (moe_shared_expert_overlap): the shared experts run between the
+    phases as with Megatron's alltoall dispatcher (fc1 after dispatch, fc2 after combine) and
+    their output is added in combine_postprocess.
 
     With the expert balancer on (docs/balancer.md), rows go to expert slots: the router's
     [T, E] routing is mapped to [T, S] slots through `slot_table`, and the local "experts"
     are this rank's S / EP slots.
 
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
-    (NVLink / RDMA bytes of this rank, read from the device only when asked for) and `last_routed_per_expert` the [E] routed-token
-    counts of this rank (for load statistics).
+    (NVLink / RDMA bytes of this rank, read from the device only when asked for) and
+    `last_routed_per_expert` the [E] routed-token counts of this rank (real tokens: padding
+    never appears there).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
@@ -101,7 +109,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         super().__init__(config=config, pg_collection=pg_collection)
         # Megatron-Core 0.16's base class sets ep_size but not ep_rank.
         self.ep_rank = self.ep_group.rank()
-        reasons = unsupported_reasons(config, self.tp_size)
+        self.options: HybridEPOptions = options_for(config)
+        reasons = unsupported_reasons(config, self.tp_size, self.options.balancer_enabled)
         if reasons:
             raise ValueError(
                 "moe_token_dispatcher_type='hybrid_ep' does not support: " + "; ".join(reasons)
@@ -119,7 +128,14 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
                 f"local_expert_indices must be {expected} (experts r*L .. r*L+L-1 on EP rank r), "
                 f"got {self.local_expert_indices}"
             )
-        self.options: HybridEPOptions = options_for(config)
+        self.comm_group = self.ep_group if self.tp_size == 1 else self.tp_ep_group
+        if self.tp_size > 1 and self.comm_group.rank() != self.ep_rank * self.tp_size + self.tp_rank:
+            raise RuntimeError(
+                f"the ETP x EP group orders ranks as {self.comm_group.rank()} for EP rank {self.ep_rank}, "
+                f"ETP rank {self.tp_rank}; hybrid_ep expects ep_rank * ETP + etp_rank"
+            )
+        self.static_size_factor = static_size_factor(config, self.options)
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         # Expert balancer: P local slots instead of E / EP experts, router ids mapped to slots.
         self.slot_table = None
         self.load_recorder = None  # callable(routed_per_expert [E]) set by the balancer
@@ -135,13 +151,10 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.local_expert_indices = [self.ep_rank * P + j for j in range(P)]
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self.slot_table = SlotTable(self.num_experts, self.num_slots, device=device)
-        # Grouped GEMMs want every group at least `align` rows and a multiple of it.
-        self.min_rows_per_expert = grouped_gemm_alignment(config)
-        self.pad_multiple = math.lcm(
-            self.options.pad_multiple, quantization_alignment(config), max(1, self.min_rows_per_expert)
-        )
+        self.set_experts(None)
         self._buffer: hep.HybridEPBuffer | None = None
         self.handle = None
+        self.capacity = None
         self.last_dispatch_call = None  # hybrid_ep.buffer.CallRecord of the forward dispatch
         self.last_routed_per_expert = None
         self.last_num_dropped = None
@@ -151,33 +164,57 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         """Traffic of the last forward dispatch; backward calls on the buffer do not replace it."""
         return None if self.last_dispatch_call is None else self.last_dispatch_call.traffic()
 
+    @property
+    def comm_size(self) -> int:
+        """Ranks that send rows to one local expert: EP x expert-TP."""
+        return self.ep_size * self.tp_size
+
+    def set_experts(self, experts) -> None:
+        """Pad rows only as far as `experts` (the module MoELayer built; None: not built yet)
+        needs; called by the MoELayer hook before the first dispatch."""
+        pad, self.padding_reason = expert_rows.pad_multiple_for(experts, self.config)
+        if getattr(self.config, "moe_router_padding_for_quantization", False):
+            pad = math.lcm(pad, expert_rows.quantization_alignment(self.config))
+        self.pad_multiple = math.lcm(self.options.pad_multiple, pad)
+
     # -- buffer -----------------------------------------------------------------------------
 
-    def buffer(self, num_tokens: int, hidden_dim: int, device) -> hep.HybridEPBuffer:
-        """The shared buffer for this EP group and shape (created on the first call)."""
-        if self._buffer is None or num_tokens > self._buffer.config.max_tokens_per_rank:
+    def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int) -> hep.HybridEPBuffer:
+        """The shared buffer for this group, shape and padding (created on the first call)."""
+        buf = self._buffer
+        if buf is None or num_tokens > buf.config.max_tokens_per_rank or buf.config.min_rows_per_expert != min_rows:
             opts = self.options
             key = buffers.BufferKey(
-                group_id=id(self.ep_group),
+                group_id=id(self.comm_group),
                 hidden_dim=hidden_dim,
-                num_experts=self.num_slots,
+                num_experts=self.num_slots * self.tp_size,
                 pad_multiple=self.pad_multiple,
-                min_rows_per_expert=self.min_rows_per_expert,
+                min_rows_per_expert=min_rows,
                 ranks_per_node=opts.ranks_per_node,
                 backend=opts.backend,
                 num_sms_dispatch=opts.num_sms_dispatch,
                 num_sms_combine=opts.num_sms_combine,
             )
-            self._buffer = buffers.BUFFERS.get(self.ep_group, key, num_tokens, opts.max_tokens_per_rank, device)
+            self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device)
         return self._buffer
 
+    def _capacity(self, num_tokens: int) -> int:
+        """Megatron's per-expert capacity for this rank's tokens (get_capacity, as the router)."""
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        return get_capacity(num_tokens * self.config.moe_router_topk, self.num_experts,
+                            self.config.moe_expert_capacity_factor)
+
     def _num_out_tokens(self, num_tokens: int) -> int | None:
-        factor = self.options.static_size_factor
+        """Static output rows (no host sync), or None for the exact size."""
+        L = self.num_local_experts
+        if self.drop_and_pad:
+            return L * self.capacity * self.comm_size
+        factor = self.static_size_factor
         if factor is None:
             return None
-        L = self.num_local_experts
         rows = math.ceil(factor * num_tokens * self.config.moe_router_topk)
-        rows += L * (self.pad_multiple - 1) + L * self.min_rows_per_expert
+        rows += L * (self.pad_multiple - 1)
         return -(-rows // self.pad_multiple) * self.pad_multiple
 
     # -- the six phases ---------------------------------------------------------------------
@@ -199,13 +236,24 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             from hybrid_ep.balancer import route_to_slots
 
             routing_map, probs = route_to_slots(routing_map, probs, self.slot_table, self.ep_rank)
+        if self.tp_size > 1:
+            routing_map = expand_over_tensor_parallel(routing_map, self.ep_size, self.tp_size)
+            probs = expand_over_tensor_parallel(probs, self.ep_size, self.tp_size)
         self.routing_map = routing_map
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
         return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
 
     def token_dispatch(self, hidden_states, probs):
         """Send rows to the ranks of their experts: rows [R, H] and row probs [R]."""
         x_TH = hidden_states
-        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device)
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        min_rows = 0
+        if self.drop_and_pad:
+            self.capacity = self._capacity(x_TH.shape[0])
+            min_rows = self.capacity * self.comm_size
+        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows)
         res = hep.dispatch(
             buf,
             x_TH,
@@ -216,20 +264,28 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         )
         self.handle = res.handle
         self.last_dispatch_call = buf.last_call
-        tokens_per_expert = res.tokens_per_expert
-        if self.options.static_size_factor is not None:
+        if self.drop_and_pad:
+            # Every local expert holds exactly capacity x EP x ETP rows: known on the host.
+            tokens_per_expert = torch.full((self.num_local_experts,), min_rows, dtype=torch.long)
+        elif self.static_size_factor is not None:
             self.last_num_dropped = res.handle.num_dropped
             # Static size: rows past the last expert are zero. Give them to the last expert so
             # that the per-expert splits cover every row (combine ignores those rows).
-            slack = res.tokens.shape[0] - tokens_per_expert.sum()
-            tokens_per_expert = tokens_per_expert.clone()
+            slack = res.tokens.shape[0] - res.tokens_per_expert.sum()
+            tokens_per_expert = res.tokens_per_expert.clone()
             tokens_per_expert[-1] += slack
+        else:
+            tokens_per_expert = res.tokens_per_expert
         self.tokens_per_expert = tokens_per_expert
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(res.tokens)
         return res.tokens, res.probs.to(probs.dtype)
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Rows are already expert-major: return them with rows per local expert."""
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        # Kept until combine: under the EP-overlap schedule the experts read it on another stream.
+        self._tokens_per_expert_in_use = tokens_per_expert
         return hidden_states, tokens_per_expert, probs
 
     def combine_preprocess(self, hidden_states):
@@ -240,7 +296,17 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         handle, self.handle = self.handle, None
         if handle is None:
             raise RuntimeError("HybridEPTokenDispatcher.token_combine called without a preceding token_dispatch")
-        return hep.combine(self._buffer, hidden_states, handle, num_sms=self.options.num_sms_combine)
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        out = hep.combine(self._buffer, hidden_states, handle, num_sms=self.options.num_sms_combine)
+        self._tokens_per_expert_in_use = None
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        return out
 
     def combine_postprocess(self, hidden_states):
-        return hidden_states.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output

@@ -23,9 +23,10 @@ class HybridEPOptions:
     num_sms_dispatch / num_sms_combine: SMs per call on the cuda backend (None: default).
     pad_multiple: rows of each local expert padded with zero rows to a multiple of this
     (combined with the quantization alignment by least common multiple).
-    static_size_factor: None = exact output size (one host sync per dispatch); a float f
-    gives a static output of ceil(f * tokens * topk) rows plus the padding bound, no host
-    sync, and rows that do not fit are dropped and counted.
+    static_size_factor: alias of Megatron's `moe_expert_rank_capacity_factor` (which wins
+    when both are set and agree; different values raise). None = exact output size (one host
+    sync per dispatch); a float f gives a static output of ceil(f * tokens * topk) rows plus
+    the padding bound, no host sync, and rows that do not fit are dropped and counted.
     max_tokens_per_rank: buffer size in tokens (None: the largest token count the EP group
     sees in its first call).
     ranks_per_node: NVLink domain size (None: the launcher's local world size).
@@ -114,8 +115,9 @@ _HELP = {
     "num_sms_dispatch": "SMs used by hybrid_ep dispatch (cuda backend; default: library choice)",
     "num_sms_combine": "SMs used by hybrid_ep combine (cuda backend; default: library choice)",
     "pad_multiple": "pad each local expert's rows with zero rows to a multiple of this",
-    "static_size_factor": "static dispatch output of factor x tokens x topk rows (no host sync; "
-                          "overflow is dropped and counted); default: exact size",
+    "static_size_factor": "alias of --moe-expert-rank-capacity-factor: static dispatch output of "
+                          "factor x tokens x topk rows (no host sync; overflow is dropped and "
+                          "counted); default: exact size",
     "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: from the first call)",
     "ranks_per_node": "NVLink domain size of the EP group (default: local world size)",
     "backend": "hybrid_ep backend: auto, cuda or reference",
@@ -171,3 +173,20 @@ def options_for(config) -> HybridEPOptions:
     if args is not None:
         return from_args(args)
     return HybridEPOptions()
+
+
+def static_size_factor(config, opts: HybridEPOptions) -> float | None:
+    """The static-size factor: Megatron's moe_expert_rank_capacity_factor, or its alias
+    --hybrid-ep-static-size-factor; both set to different values is an error."""
+    megatron = getattr(config, "moe_expert_rank_capacity_factor", None)
+    alias = opts.static_size_factor
+    if megatron is not None and alias is not None and float(megatron) != float(alias):
+        raise ValueError(
+            f"moe_expert_rank_capacity_factor={megatron} and --hybrid-ep-static-size-factor={alias} "
+            "disagree; --hybrid-ep-static-size-factor is an alias, set only "
+            "moe_expert_rank_capacity_factor"
+        )
+    factor = megatron if megatron is not None else alias
+    if factor is not None and not factor > 0:
+        raise ValueError(f"moe_expert_rank_capacity_factor must be > 0 or None, got {factor!r}")
+    return factor

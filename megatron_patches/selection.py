@@ -8,6 +8,12 @@ MoELayer builds (router, experts, shared experts) is untouched, except that with
 balancer on, the experts are built as S / EP slots (megatron_patches.balancer). Other types call the
 original constructor directly. Patching twice is a no-op.
 
+Megatron's TransformerConfig validation refuses dispatcher types it does not know for
+`overlap_moe_expert_parallel_comm` and `moe_shared_expert_overlap`, and
+`moe_expert_rank_capacity_factor` outside its flex dispatcher. `patch_config_validation`
+runs the same validation for "hybrid_ep" with the type shown as "alltoall" and the rank
+capacity factor hidden (both restored right after), so every other check still applies.
+
 On the command line, `extend_argument_parser` adds "hybrid_ep" to the choices of
 Megatron-LM's --moe-token-dispatcher-type and adds the --hybrid-ep-* knobs.
 """
@@ -62,11 +68,43 @@ def patch_moe_layer() -> bool:
                 "this Megatron-Core version builds its token dispatcher in a way the hybrid_ep "
                 "patch does not recognise; see docs/megatron.md for supported versions"
             )
+        self.token_dispatcher.set_experts(self.experts)
         if opts.balancer_enabled:
             balancer.finish_moe_layer(self)
 
     setattr(__init__, _MARK, True)
     moe_layer.MoELayer.__init__ = __init__
+    return True
+
+
+# Fields that TransformerConfig.__post_init__ judges by Megatron's own dispatchers; for
+# hybrid_ep they are shown as these values during validation and restored after.
+_VALIDATED_AS = {"moe_token_dispatcher_type": "alltoall", "moe_expert_rank_capacity_factor": None}
+
+
+def patch_config_validation() -> bool:
+    """Make TransformerConfig validation accept "hybrid_ep"; False if already patched."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    original = TransformerConfig.__post_init__
+    if getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        if getattr(self, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
+            return original(self)
+        saved = {name: getattr(self, name) for name in _VALIDATED_AS}
+        for name, shown in _VALIDATED_AS.items():
+            setattr(self, name, shown)
+        try:
+            return original(self)
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
+
+    setattr(__post_init__, _MARK, True)
+    TransformerConfig.__post_init__ = __post_init__
     return True
 
 

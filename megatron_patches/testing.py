@@ -203,7 +203,6 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
         "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
         "routed_per_expert": None if routed is None else routed.clone(),
         "pad_multiple": getattr(dispatcher, "pad_multiple", None),
-        "min_rows_per_expert": getattr(dispatcher, "min_rows_per_expert", None),
     }
 
 

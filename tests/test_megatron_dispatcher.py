@@ -76,12 +76,12 @@ def test_whole_rank_without_tokens(pool_for):
     assert torch.count_nonzero(ours[3]["grad_x"]) > 0  # its own tokens still went elsewhere
 
 
-def test_grouped_gemm_alignment_pads_every_expert(pool_for):
-    """With moe_grouped_gemm the dispatcher asks for >= 8 rows per expert, a multiple of 8
-    (bf16 alignment), so a cold expert still gets a block of zero rows; results unchanged."""
+def test_grouped_flag_with_sequential_experts_adds_no_padding(pool_for):
+    """moe_grouped_gemm=True with the local spec builds SequentialMLP, which needs no aligned
+    rows: the dispatcher pads nothing (it used to pad to 8 from the flag alone)."""
     world_size = 2
     case = LayerCase(world_size=world_size, topk=2, cold_experts=(2,))
     ours = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_grouped_gemm": True})] * world_size)
-    assert [(r["pad_multiple"], r["min_rows_per_expert"]) for r in ours] == [(8, 8)] * world_size
-    assert_matches(ours, dense_moe_layer(case), "hybrid_ep (grouped alignment) vs dense")
+    assert [r["pad_multiple"] for r in ours] == [1] * world_size
+    assert_matches(ours, dense_moe_layer(case), "hybrid_ep (grouped flag) vs dense")
     assert torch.count_nonzero(ours[0]["grad_fc1"][2]) == 0

@@ -48,15 +48,55 @@ def test_config_type_selects_dispatcher_and_leaves_others_alone(pool_for):
         assert got == [expected, expected]
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0), "moe_pad_expert_input_to_capacity"),
-    (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap"),
+@pytest.mark.parametrize("overrides, needle, alternative", [
+    (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity", "set moe_expert_capacity_factor"),
+    (dict(moe_expert_rank_capacity_factor=1.5, hybrid_ep_options=options.HybridEPOptions(static_size_factor=2.0)),
+     "disagree", "set only moe_expert_rank_capacity_factor"),
+    (dict(hybrid_ep_options=options.HybridEPOptions(balancer_interval=4), moe_pad_expert_input_to_capacity=True,
+          moe_expert_capacity_factor=1.0), "expert balancer", "use moe_expert_rank_capacity_factor"),
 ])
-def test_unsupported_combinations_raise_clearly(pool_for, overrides, needle):
+def test_unsupported_combinations_raise_clearly(pool_for, overrides, needle, alternative):
+    """Every refusal names the field and says what to use instead."""
     got = pool_for(2).run(try_build_moe_layer, [(LayerCase(world_size=2), overrides)] * 2)
     for message in got:
-        assert message.startswith("ValueError: moe_token_dispatcher_type='hybrid_ep' does not support")
-        assert needle in message
+        assert message.startswith("ValueError: "), message
+        assert needle in message and alternative in message, message
+
+
+def _config(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                expert_model_parallel_size=2, moe_token_dispatcher_type="hybrid_ep", bf16=True)
+    return TransformerConfig(**dict(base, **fields))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(overlap_moe_expert_parallel_comm=True),
+    dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+    dict(moe_expert_rank_capacity_factor=1.25),
+    dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+])
+def test_config_validation_accepts_hybrid_ep(fields):
+    """Megatron refuses these for any type but alltoall/flex; after apply() hybrid_ep passes
+    the same validation, and the fields keep their values."""
+    megatron_patches.apply()
+    config = _config(**fields)
+    assert config.moe_token_dispatcher_type == "hybrid_ep"
+    for name, value in fields.items():
+        assert getattr(config, name) == value
+
+
+def test_config_validation_still_checks_the_rest_for_hybrid_ep():
+    """The alltoall checks still run: the EP overlap refuses an fp32 model and shared-expert overlap."""
+    megatron_patches.apply()
+    with pytest.raises(AssertionError, match="bf16 or fp16"):
+        _config(overlap_moe_expert_parallel_comm=True, bf16=False)
+    with pytest.raises(AssertionError, match="moe_shared_expert_overlap"):
+        _config(overlap_moe_expert_parallel_comm=True, moe_shared_expert_intermediate_size=16,
+                moe_shared_expert_overlap=True)
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor"):
+        _config(moe_token_dispatcher_type="alltoall", moe_expert_rank_capacity_factor=1.25)
 
 
 def test_options_validate_names_the_field():

@@ -1,0 +1,91 @@
+"""Rows the hybrid_ep dispatcher adds per local expert: only what the built experts need.
+
+hybrid_ep can pad each local expert's block of rows with zero rows of routing weight 0
+(a multiple of `pad_multiple`, at least `min_rows_per_expert`); the experts then see the
+padded counts as `tokens_per_expert`. Padding is therefore added only where the expert
+module actually built needs it, so that in every other case Megatron's contracts hold
+unchanged (tokens_per_expert <= capacity x EP x TP, and the router's load statistics and
+aux-loss inputs, which come from the routing map, see only real tokens):
+
+| experts built | precision | rows added per local expert |
+| --- | --- | --- |
+| SequentialMLP | any | none (one GEMM per expert; it pads fp8/fp4 rows per expert itself) |
+| TEGroupedMLP | fp32 / bf16 / fp16 | none (group offsets need no alignment; an empty group is handled by the grouped-GEMM fix) |
+| TEGroupedMLP | fp8 / mxfp8 / fp4 | roundup to the quantization alignment (16 / 32 / 32, 256 with TE's op fuser); the module's own padding copy is skipped |
+| TEGroupedMLP on TorchGroupedLinear | any | none (torch._grouped_mm alignment is done inside `grouped_mm`) |
+
+`--hybrid-ep-pad-multiple` (user padding) and drop-and-pad (`moe_pad_expert_input_to_capacity`)
+come on top; see docs/megatron.md for what Megatron receives in each case.
+"""
+
+from __future__ import annotations
+
+import functools
+
+DISPATCHER_TYPE = "hybrid_ep"
+_MARK = "_hybrid_ep_patched"
+
+
+def quantized(config) -> bool:
+    return bool(getattr(config, "fp8", None) or getattr(config, "fp4", None))
+
+
+def quantization_alignment(config, fused: bool = False) -> int:
+    """Rows per group the quantized grouped GEMM of `config` needs (1 when not quantizing)."""
+    if not quantized(config):
+        return 1
+    if fused:
+        return 256  # Transformer Engine's op-fuser grouped MLP (Megatron's Fp8Padding(align_size=256))
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    return int(get_align_size_for_quantization(config))
+
+
+def _is_torch_grouped(experts) -> bool:
+    from .grouped_gemm import TorchGroupedLinear
+
+    return isinstance(getattr(experts, "linear_fc1", None), TorchGroupedLinear)
+
+
+def pad_multiple_for(experts, config) -> tuple[int, str]:
+    """(pad_multiple, why) for the experts module built by MoELayer (None: not built yet,
+    decided from the config as the module Megatron would build)."""
+    from megatron.core.transformer.moe import experts as experts_module
+
+    te_grouped = getattr(experts_module, "TEGroupedMLP", ())
+    if experts is None:
+        grouped = bool(getattr(config, "moe_grouped_gemm", False))
+        if grouped and quantized(config):
+            return quantization_alignment(config), "grouped experts (from the config), quantized GEMMs"
+        return 1, "no padding needed (from the config)"
+    if isinstance(experts, getattr(experts_module, "SequentialMLP", ())):
+        return 1, "SequentialMLP: one GEMM per expert, pads quantized rows itself"
+    if isinstance(experts, te_grouped) and not _is_torch_grouped(experts):
+        if quantized(config):
+            fused = bool(getattr(experts, "_with_fused_impl", False))
+            return quantization_alignment(config, fused), "TEGroupedMLP with quantized GEMMs"
+        return 1, "TEGroupedMLP in fp32/bf16/fp16: no row alignment needed"
+    return 1, f"{type(experts).__name__}: no padding needed"
+
+
+def dispatcher_pads_for_quantization(config) -> bool:
+    """Whether hybrid_ep already aligned a TEGroupedMLP's rows (so the module skips its copy)."""
+    return getattr(config, "moe_token_dispatcher_type", None) == DISPATCHER_TYPE and quantized(config)
+
+
+def install() -> bool:
+    """TEGroupedMLP skips its own quantization padding when hybrid_ep already padded the rows
+    (as Megatron does for its flex/hybridep dispatcher). Idempotent; False if already done."""
+    from megatron.core.transformer.moe import experts
+
+    original = getattr(experts, "skip_routed_expert_padding", None)
+    if original is None or getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def skip_routed_expert_padding(config):
+        return dispatcher_pads_for_quantization(config) or original(config)
+
+    setattr(skip_routed_expert_padding, _MARK, True)
+    experts.skip_routed_expert_padding = skip_routed_expert_padding
+    return True
