@@ -47,6 +47,7 @@ inline void bind_common(py::module_& m) {
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
+  m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
@@ -56,7 +57,14 @@ inline void bind_common(py::module_& m) {
               RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
                       RW(RegLayout, scale_stride) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
-                          RW(RegLayout, total);
+                          RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, total);
+  py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
+      .def(py::init<>()) RW(RdmaLayout, count_epoch) RW(RdmaLayout, count_out) RW(RdmaLayout, count_in)
+          RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)
+              RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes) RW(RdmaLayout, disp_meta_out)
+                  RW(RdmaLayout, disp_meta_in) RW(RdmaLayout, disp_rows_out) RW(RdmaLayout, disp_rows_in)
+                      RW(RdmaLayout, comb_signal) RW(RdmaLayout, comb_rows_out) RW(RdmaLayout, comb_rows_in)
+                          RW(RdmaLayout, total);
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens)
@@ -66,12 +74,15 @@ inline void bind_common(py::module_& m) {
   py::class_<Geometry>(m, "Geometry", py::module_local())
       .def(py::init<>()) RW(Geometry, world_size) RW(Geometry, ranks_per_node) RW(Geometry, num_nodes)
           RW(Geometry, num_experts) RW(Geometry, local_experts) RW(Geometry, max_tokens) RW(Geometry, hidden)
-              RW(Geometry, pad_multiple) RW(Geometry, min_rows_per_expert) RW(Geometry, reg) RW(Geometry, info);
+              RW(Geometry, pad_multiple) RW(Geometry, min_rows_per_expert) RW(Geometry, transport) RW(Geometry, reg)
+                  RW(Geometry, rdma) RW(Geometry, info);
   py::class_<RankArgs>(m, "RankArgs", py::module_local())
       .def(py::init([] { return RankArgs{}; })) RW(RankArgs, rank) RW(RankArgs, absent) RW(RankArgs, num_tokens)
           RW(RankArgs, topk) RW(RankArgs, peers) RW(RankArgs, x) RW(RankArgs, x_scales) RW(RankArgs, topk_idx)
               RW(RankArgs, topk_weights) RW(RankArgs, send_slot) RW(RankArgs, entry_ord) RW(RankArgs, info)
                   RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos) RW(RankArgs, recv_spans)
+                      RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
+                      RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes)
                       RW(RankArgs, num_out_rows) RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y);
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks)

@@ -10,12 +10,15 @@
 namespace hybrid_ep {
 
 constexpr int kMaxRanks = 64;          // EP group size the kernels index with 64-bit masks
-constexpr int kMaxLaunchRanks = 8;     // virtual ranks one emulated launch can hold
+constexpr int kMaxLaunchRanks = 16;    // virtual ranks one emulated launch can hold (4 nodes x 4)
 constexpr int kMaxTopK = 16;           // routes per token (register arrays in the layout kernel)
 constexpr int kMaxExperts = 1024;      // layout kernel keeps [32 warps][E] counters in smem
 constexpr int kThreads = 512;          // threads per dispatch / combine block
 constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalling between ranks
 constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
+
+// The inter-node transport of a build (csrc/transport/rdma.cuh).
+enum TransportKind : int32_t { kTransportLoopback = 0, kTransportNvshmem = 1 };
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3 };
 
@@ -28,6 +31,11 @@ enum Phase : int32_t {
   kPhaseCombineFlow = 5,      // waiting for a peer to finish reading the previous combine
   kPhaseCombineRows = 6,      // waiting for a peer's partial sums
   kPhasePipeline = 7,         // a shared-memory FIFO stage never completed
+  kPhaseRdmaFlow = 8,         // waiting for a rail peer on another node to finish reading the previous call
+  kPhaseRdmaCounts = 9,       // waiting for the counts of a rank on another node
+  kPhaseRdmaRows = 10,        // forwarder: waiting for a chunk of a source on another node (RDMA)
+  kPhaseNodePartials = 11,    // forwarder: waiting for a rank of its node's partial sums of a chunk
+  kPhaseRdmaPartials = 12,    // source: waiting for the node partial sums of another node (RDMA)
 };
 
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
@@ -52,7 +60,44 @@ struct RegLayout {
   uint64_t comb_rows;        // partial sums [W][max_tokens], each the call's row in the wire dtype (packed);
                              // sized for fp32 rows
   uint64_t comb_stride;      // bytes per slot at the widest wire dtype (fp32): the region's size
+  uint64_t comb_fwd;         // partial sums for sources on other nodes, written by the ranks of this node
+                             // when this rank is the source's rail peer here: [N source node][G writer]
+                             // [max_tokens] rows in the wire dtype (packed), indexed by the writer's slot
+  uint64_t comb_fwd_signal;  // u64 [N][G][max_chunks]: writer g stored its partials of chunk c (epoch)
   uint64_t total;
+};
+
+// Offsets (bytes) inside one rank's RDMA region (the symmetric heap on clusters: the same
+// offsets on every rank). Only ranks on other nodes write into it, through the transport.
+// "Slots" of a staged chunk c are c * kChunkTokens + q, q the token's ordinal among the
+// chunk's tokens that go to the node.
+struct RdmaLayout {
+  uint64_t count_epoch;      // u64 [W]: a source on another node wrote its counts (epoch)
+  uint64_t count_out;        // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
+  uint64_t count_in;         // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
+  uint64_t done_dispatch;    // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
+  uint64_t done_combine;     // u64 [N]: the rail peer on node n finished reading the node partials
+                             // this rank sent it (epoch)
+  uint64_t disp_signal;      // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
+  uint64_t token_meta_bytes; // bytes of one staged token's routing (TokenMeta + scales)
+  uint64_t chunk_meta_bytes; // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
+  uint64_t disp_meta_out;    // [N][max_chunks] chunk routing staged for node n's rail peer
+  uint64_t disp_meta_in;     // [N][max_chunks] chunk routing from the rail peer on node n
+  uint64_t disp_rows_out;    // [N][max_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
+  uint64_t disp_rows_in;     // [N][max_chunks * kChunkTokens] rows from the rail peer on node n
+  uint64_t comb_signal;      // u64 [N][max_chunks]: the node partials of chunk c from node n arrived (epoch)
+  uint64_t comb_rows_out;    // [N][max_chunks * kChunkTokens] node partials staged for the source on node n
+  uint64_t comb_rows_in;     // [N][max_chunks * kChunkTokens] node partials from node n (wire dtype, packed)
+  uint64_t total;
+};
+
+// The routing of one staged token, as its source computed it: what the forwarder needs to
+// write the entries of every rank of its node, and the receive slot at each of them.
+// Followed by G int32 slots and scale_cols floats (fp8) in the staged record.
+struct TokenMeta {
+  int32_t expert[kMaxTopK];  // global expert, -1 for none
+  int32_t ordinal[kMaxTopK];
+  float weight[kMaxTopK];
 };
 
 // Offsets (int64 elements) inside the per-call info tensor the layout kernel fills.
@@ -78,7 +123,10 @@ struct Geometry {
   int32_t num_experts, local_experts;
   int32_t max_tokens, hidden;
   int32_t pad_multiple, min_rows_per_expert;
+  int32_t transport;        // TransportKind of the inter-node path (used only when num_nodes > 1)
+  int32_t pad;
   RegLayout reg;
+  RdmaLayout rdma;
   InfoLayout info;
 };
 
@@ -114,6 +162,12 @@ struct RankArgs {
   uint64_t row_pos;         // [W, max_tokens, kd] i32 output row of each entry of a received row
   uint64_t recv_spans;      // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
                             // writes it, combine reads it: the handle's, not the registered buffer's)
+  uint64_t fwd_slots;       // [N, max_chunks * kChunkTokens, G] i32: receive slot at each rank of this node
+                            // of each token forwarded for the rail peer on node n, -1 if none (handle's)
+  uint64_t fwd_rows;        // [N, max_chunks] i32: tokens of each forwarded chunk (handle's)
+  uint64_t rdma_regions;    // loopback: device array [W] of every rank's RDMA-region base
+  uint64_t rdma_base;       // NVSHMEM: this PE's address of the symmetric RDMA region
+  uint64_t rdma_pes;        // NVSHMEM: device i32 [W], the PE of each rank
   int64_t num_out_rows;     // R, or -1 before it is known (layout kernel, dynamic mode)
   uint64_t expert_out;      // [R, C] combine input
   uint64_t probs;           // [R] f32 routing weight of each output row (apply_probs)

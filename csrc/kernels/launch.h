@@ -22,6 +22,23 @@ LaunchStatus launch_dispatch(const LaunchArgs& args, uint64_t stream);
 // Per-rank reduction of local expert rows, push of partials, fp32 sum on the source.
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream);
 
+// The NVSHMEM instantiations (kernels_nvshmem.cu, built only where the build found NVSHMEM).
+// Every other launch uses the loopback transport, which a single node never calls.
+inline bool uses_nvshmem(const LaunchArgs& args) {
+  return args.geo.num_nodes > 1 && args.geo.transport == kTransportNvshmem;
+}
+#ifdef HYBRID_EP_WITH_NVSHMEM
+LaunchStatus launch_layout_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_dispatch_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_nvshmem(const LaunchArgs& args, uint64_t stream);
+#else
+constexpr LaunchStatus kNoNvshmem =
+    "this build of hybrid_ep has no NVSHMEM transport (rebuild with the nvidia-nvshmem wheel installed)";
+inline LaunchStatus launch_layout_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_dispatch_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_combine_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+#endif
+
 // Shared memory (bytes) each kernel asks for with these arguments.
 size_t layout_smem_bytes(const Geometry& geo);
 size_t dispatch_smem_bytes(const LaunchArgs& args);

@@ -57,6 +57,7 @@ inline T max(T a, T b) {
 }
 
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }  // 1-based, 0 for none
 
 // A load that bypasses L1: on the CPU simply a load.
 inline float4 __ldcv(const float4* p) { return *p; }

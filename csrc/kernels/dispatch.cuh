@@ -1,0 +1,698 @@
+// Dispatch kernel (a template over the inter-node transport): persistent, one block per SM, warp-specialised. Every block sends its
+// share of this rank's tokens and, at the same time, expands its share of the rows this rank
+// receives, chunk by chunk as they arrive.
+//
+// Send (this rank's chunks of kChunkTokens tokens, strided over the blocks):
+//   warp 0      bulk-loads the chunk's rows into the send FIFO (small rows batched per stage);
+//   warps 2-3   write each row's routing entries and fp8 scales into the destinations' buffers;
+//   warp 1      builds the chunk's destination table (one lane per token), bulk-stores each
+//               stage once per destination rank through its peer pointer (several groups in
+//               flight, the oldest stage released first), and signals the chunk to every
+//               destination once its stores completed and its entries are written: checked at
+//               the next group's commit, so the next chunk is not drained.
+// Expand (every (source, chunk) this rank receives, strided over the blocks):
+//   warps 6-7   wait for the chunk's signal, load its routing entries at once, compute each
+//               entry's expert-major output row, write probs, scales and row_pos, and publish
+//               the chunk's position table;
+//   warp 4      bulk-loads the chunk's rows (contiguous receive slots) into the expand FIFO;
+//   warp 5      bulk-stores each row to its output rows (several groups in flight).
+// Warps 8-15 write the zero padding rows. The last block to finish publishes done_dispatch,
+// which lets peers reuse the receive buffers.
+//
+// With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
+//   warps 8-11  (RDMA) stage each chunk's rows and routing once per remote node that hosts
+//               one of its routes and put them to the rail peer there (transport `Rdma`);
+//   warps 0-3   also forward the chunks that arrived from the rail peers on other nodes:
+//               the same FIFO, destination tables, entries and chunk signals, with rows and
+//               routing read from the RDMA region, as if the source had sent them itself;
+// and warps 12-15 write the padding. The destinations' expansion does not change.
+//
+// A wait that gives up raises the launch's abort flag; every role then leaves its loop
+// (decisions that lead to a warp collective are taken from lane 0's answer), producers wait
+// for the loads they issued and stores for their bulk groups, so no block exits with a copy
+// touching its shared memory.
+#include "common/state.cuh"
+#include "kernels/chunks.cuh"
+#include "kernels/hierarchy.cuh"
+#include "kernels/launch.h"
+#include "kernels/pipeline.cuh"
+
+namespace hybrid_ep {
+namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instantiate it
+
+constexpr int kStoreGroupsInFlight = 4;      // bulk-store groups still reading a FIFO at once
+constexpr int kMetaSlots = 4;                // send chunks whose entries may be written ahead
+constexpr int kTableSlots = 4;               // expand chunks whose position tables are ready ahead
+
+// Warp roles (kThreads = 512: 16 warps).
+constexpr int kSendLoadWarp = 0, kSendStoreWarp = 1, kSendMetaWarp = 2;      // 2 and 3
+constexpr int kExpandLoadWarp = 4, kExpandStoreWarp = 5, kExpandMetaWarp = 6;  // 6 and 7
+constexpr int kMetaWarps = 2, kPaddingWarp = 8;                              // 8 .. 15
+constexpr int kRdmaWarp = 8, kRdmaWarps = 4, kPaddingWarpMulti = 12;  // several nodes: 8 .. 11 RDMA
+
+__device__ __forceinline__ int elem_bytes(int dtype) {
+  return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2;
+}
+
+__device__ __forceinline__ MetaEntry load_entry(const MetaEntry* p) {
+  const int4 v = dev::ld_volatile_v4(p);
+  return MetaEntry{v.x, v.y, __int_as_float(v.z), v.w};
+}
+
+__device__ __forceinline__ void store_entry(MetaEntry* p, int j, int ordinal, float prob) {
+  *reinterpret_cast<int4*>(p) = make_int4(j, ordinal, __float_as_int(prob), 0);
+}
+
+// A send chunk's destinations, built once by warp 1's lanes (one token each): the (rank,
+// slot) of each of its rows, and per destination the chunk's slots [first, first + rows).
+struct SendTable {
+  int32_t ndest[kChunkTokens];
+  uint8_t dest_rank[kChunkTokens][kMaxTopK];
+  int32_t dest_slot[kChunkTokens][kMaxTopK];
+  int32_t span_first[2][kMaxRanks];  // two chunks: the one being sent, the one awaiting its signal
+  int32_t span_rows[2][kMaxRanks];   // (indexed by the destination's local index on this node)
+};
+
+// An expand chunk's output rows, built by warps 6-7 for warps 4-5.
+struct ExpandTable {
+  int32_t first;  // receive slots [first, first + rows) of the source
+  int32_t rows;
+  int32_t pos[kChunkTokens][kMaxTopK];  // output row of each entry of each row, -1 if none
+};
+
+struct DispatchShared {
+  uint64_t send_full[kMaxStages], send_empty[kMaxStages];
+  uint64_t expand_full[kMaxStages], expand_empty[kMaxStages];
+  uint64_t meta_full[kMetaSlots], meta_empty[kMetaSlots];
+  uint64_t table_full[kTableSlots], table_empty[kTableSlots];
+  SendTable send;
+  ExpandTable tables[kTableSlots];
+  volatile int abort;
+};
+
+// One unit of the send warps: a chunk of this rank's tokens, or a chunk of a source on
+// another node that arrived by RDMA and is forwarded to the ranks of this node.
+struct SendUnit {
+  int source;  // the rank whose receive slots the rows take (this rank for its own chunks)
+  int node;    // the source's node for a forwarded chunk, -1 for an own chunk
+  int chunk;
+  int u0, u1;  // rows: tokens [u0, u1) of x, or staged rows [0, rows) of the forwarded chunk
+};
+
+// What every role of a block needs to know about the call.
+template <typename Rdma>
+struct Dispatch {
+  const LaunchArgs& args;
+  const RankArgs& a;
+  const Geometry& geo;
+  const RegLayout& reg;
+  const InfoLayout& il;
+  RankView view;
+  int b, nb, W, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages;
+  uint32_t row_bytes;
+  RowBatches batches;
+  const int64_t* info;
+  uint64_t epoch;
+  DispatchShared& sh;
+  StageRing send_fifo, expand_fifo;
+  Ring meta_ring, table_ring;
+  Hierarchy<Rdma> h;
+
+  // Received rows are packed at the call's row size: consecutive slots of a source are
+  // contiguous, so a batch of them is one bulk copy.
+  __device__ uint8_t* recv_row(int r, int source, int64_t slot) const {
+    return view.base(r) + reg.recv_rows + (static_cast<int64_t>(source) * Tmax + slot) * row_bytes;
+  }
+  // Chunk c of `source`, as signalled to rank d.
+  __device__ ChunkSignal* chunk_signal(int d, int source, int c) const {
+    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
+           static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
+  }
+  __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
+  // Own chunks, then forwarded chunks, strided over the blocks by every send role alike.
+  __device__ int64_t send_units() const { return send_chunks() + (h.multi() ? forwarded_chunks(*this) : 0); }
+  __device__ SendUnit unit(int64_t u) const {
+    if (u < send_chunks()) {
+      const int c = static_cast<int>(u);
+      return SendUnit{a.rank, -1, c, c * chunk, min(T, c * chunk + chunk)};
+    }
+    int n, c;
+    forwarded_chunk(*this, u - send_chunks(), n, c);
+    return SendUnit{h.rail_peer(n), n, c, 0, 0};
+  }
+  // A forwarded chunk's routing, in this rank's RDMA region.
+  __device__ uint8_t* fwd_meta(const SendUnit& su) const {
+    return h.rdma.local(h.chunk_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+  }
+  // Lane 0: wait until a forwarded chunk arrived, then read its row count. Own chunks are ready.
+  __device__ bool arrive(SendUnit& su) const {
+    if (su.node < 0) return true;
+    const uint64_t* sig = h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
+    if (!wait_at_least(args, sig, epoch, kPhaseRdmaRows, a.rank, su.source, epoch)) return false;
+    su.u1 = *reinterpret_cast<const volatile int32_t*>(fwd_meta(su));
+    return true;
+  }
+  // The same, for a whole warp: lane 0 waits, every lane gets the rows.
+  __device__ bool arrive_warp(SendUnit& su, int lane) const {
+    bool ok = true;
+    if (lane == 0) ok = !stopped() && arrive(su);
+    su.u1 = __shfl_sync(0xffffffffu, su.u1, 0);
+    return warp_uniform(ok);
+  }
+  // Row i of a unit (u0 <= i < u1).
+  __device__ const uint8_t* unit_row(const SendUnit& su, int i) const {
+    if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
+    return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, static_cast<int64_t>(su.chunk) * chunk + i, row_bytes));
+  }
+  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ void stop() const { sh.abort = 1; }
+  __device__ bool stopped() const { return sh.abort != 0; }
+};
+
+template <typename Rdma>
+using ExpandChunks = ReceivedChunks<Dispatch<Rdma>>;  // the (source, chunk) pairs this block expands
+
+// ---- send -----------------------------------------------------------------------------------
+
+template <typename Rdma>
+__device__ void send_load(const Dispatch<Rdma>& d) {
+  PipeState produced;
+  for (int64_t u = d.b; u < d.send_units() && !d.stopped(); u += d.nb) {
+    SendUnit su = d.unit(u);
+    if (!d.arrive(su)) {
+      d.stop();
+      break;
+    }
+    if (su.node >= 0) dev::fence_proxy_async();  // rows that arrived by RDMA, read by bulk loads
+    for (int k = 0; k < d.batches.items(su.u0, su.u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(su.u0, su.u1, k);
+      if (!d.send_fifo.ring.producer_acquire(d.args, produced)) {
+        d.stop();
+        break;
+      }
+      d.send_fifo.load(produced, d.unit_row(su, it.first) + it.offset, it.rows * it.bytes);
+    }
+  }
+  d.send_fifo.drain(d.args, PipeState{}, produced);
+}
+
+// One row's routing entries for rank dst (its routes to dst's experts, then unused entries up
+// to kd) and its fp8 scales, into dst's buffer at the source's receive slot.
+template <typename Rdma, typename Expert>
+__device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int slot, const Expert* expert,
+                              const int32_t* ordinal, const float* weight, int routes, const float* scales) {
+  const int64_t row = static_cast<int64_t>(source) * d.Tmax + slot;
+  auto* meta = reinterpret_cast<MetaEntry*>(d.view.base(dst) + d.reg.recv_meta) + row * d.meta_entries;
+  int q = 0;
+  for (int k = 0; k < routes; ++k) {
+    const int64_t e = expert[k];
+    if (e < 0 || e / d.L != dst) continue;
+    store_entry(meta + q, static_cast<int>(e % d.L), ordinal[k], weight[k]);
+    ++q;
+  }
+  for (; q < d.kd; ++q) store_entry(meta + q, -1, 0, 0.f);
+  if (d.scale_cols > 0) {
+    auto* out = reinterpret_cast<float*>(d.view.base(dst) + d.reg.recv_scales + row * d.reg.scale_stride);
+    for (int i = 0; i < d.scale_cols; ++i) out[i] = scales[i];
+  }
+}
+
+// Warps 2-3: each unit's routing entries (and fp8 scales) into the buffers of this node's
+// destinations: from the routing tensors for own chunks, from the staged records for
+// forwarded ones.
+template <typename Rdma>
+__device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
+  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
+  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
+  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
+  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
+  const int W = d.W, K = d.K, G = d.h.topo.G, first = d.h.first_local();
+  PipeState slot;
+  for (int64_t u = d.b; u < d.send_units(); u += d.nb, slot.advance(kMetaSlots)) {
+    SendUnit su = d.unit(u);
+    bool ok = true;
+    if (lane == 0) ok = !d.stopped() && d.meta_ring.producer_acquire(d.args, slot);
+    if (!warp_uniform(ok) || !d.arrive_warp(su, lane)) {
+      d.stop();
+      break;
+    }
+    if (su.node < 0) {
+      for (int v = tw; v < (su.u1 - su.u0) * G; v += kMetaWarps * 32) {
+        const int t = su.u0 + v / G, dst = first + v % G;
+        const int s = send_slot[static_cast<int64_t>(t) * W + dst];
+        if (s >= 0)
+          write_entries(d, dst, d.a.rank, s, idx + static_cast<int64_t>(t) * K, ords + static_cast<int64_t>(t) * K,
+                        weights + static_cast<int64_t>(t) * K, K, x_scales + static_cast<int64_t>(t) * d.scale_cols);
+      }
+    } else {
+      uint8_t* meta = d.fwd_meta(su);
+      for (int v = tw; v < su.u1 * G; v += kMetaWarps * 32) {
+        TokenMeta* tm = d.h.token_meta(meta, v / G, d.h.R.token_meta_bytes);
+        const int s = d.h.token_slots(tm)[v % G];
+        if (s >= 0)
+          write_entries(d, first + v % G, su.source, s, tm->expert, tm->ordinal, tm->weight, kMaxTopK,
+                        d.h.token_scales(tm));
+      }
+    }
+    __syncwarp();
+    if (lane == 0) d.meta_ring.producer_commit(slot);  // one of the two warps' arrivals
+  }
+}
+
+template <typename Rdma>
+__device__ void send_store(const Dispatch<Rdma>& d, int lane) {
+  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  auto* fwd_slots = reinterpret_cast<int32_t*>(d.a.fwd_slots);
+  auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
+  SendTable& tab = d.sh.send;
+  const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
+  const int in_flight = min(kStoreGroupsInFlight, d.stages - 1);
+  PipeState consumed, released, meta;  // lane 0's
+  uint32_t groups = 0, pending_group = 0;
+  int pending_chunk = -1, pending_source = 0, pending_span = 0;
+
+  // Lane 0: once the pending unit's stores completed (all but the newest `writes_in_flight`
+  // groups) and its entries are written, tell every destination of this node where its rows are.
+  auto signal_pending = [&](int writes_in_flight) -> bool {
+    if (pending_chunk < 0) return true;
+    bulk_wait_write_except(writes_in_flight);
+    if (!d.meta_ring.consumer_wait(d.args, meta)) return false;
+    d.meta_ring.consumer_release(meta);
+    meta.advance(kMetaSlots);
+    dev::fence_proxy_async();  // the bulk writes, before the generic release below
+    __threadfence_system();    // the entries other warps wrote (their arrival ordered them before)
+    for (int g = 0; g < G; ++g) {
+      ChunkSignal* sig = d.chunk_signal(first + g, pending_source, pending_chunk);
+      const int rows = tab.span_rows[pending_span][g];
+      sig->first = rows > 0 ? tab.span_first[pending_span][g] : 0;
+      sig->rows = rows;
+      dev::st_release_sys(&sig->epoch, d.epoch);
+    }
+    pending_chunk = -1;
+    return true;
+  };
+
+  int local = 0;
+  for (int64_t u = d.b; u < d.send_units(); u += d.nb, ++local) {
+    SendUnit su = d.unit(u);
+    if (!d.arrive_warp(su, lane)) {
+      d.stop();
+      break;
+    }
+    // The unit's destination table, once: lane i takes row u0 + i.
+    const int span = local & 1;
+    for (int g = lane; g < G; g += 32) {
+      tab.span_first[span][g] = 0x7fffffff;
+      tab.span_rows[span][g] = 0;
+    }
+    __syncwarp();
+    if (lane < su.u1 - su.u0) {
+      const int32_t* slots;
+      if (su.node < 0) {
+        slots = send_slot + static_cast<int64_t>(su.u0 + lane) * W + first;
+      } else {
+        slots = d.h.token_slots(d.h.token_meta(d.fwd_meta(su), lane, d.h.R.token_meta_bytes));
+        // The handle keeps where each forwarded row went: combine sums their partials here.
+        int32_t* kept = fwd_slots + (static_cast<int64_t>(su.node) * d.h.staged +
+                                     static_cast<int64_t>(su.chunk) * d.chunk + lane) * G;
+        for (int g = 0; g < G; ++g) kept[g] = slots[g];
+      }
+      int n = 0;
+      for (int g = 0; g < G; ++g) {
+        const int slot = slots[g];
+        if (slot < 0) continue;
+        tab.dest_rank[lane][n] = static_cast<uint8_t>(first + g);
+        tab.dest_slot[lane][n] = slot;
+        ++n;
+        atomicMin(&tab.span_first[span][g], slot);
+        atomicAdd(&tab.span_rows[span][g], 1);
+      }
+      tab.ndest[lane] = n;
+    }
+    if (su.node >= 0 && lane == 0) fwd_rows[static_cast<int64_t>(su.node) * d.h.max_chunks + su.chunk] = su.u1;
+    __syncwarp();
+    bool ok = true;
+    if (lane == 0) {
+      for (int k = 0; k < d.batches.items(su.u0, su.u1) && ok; ++k, consumed.advance(d.stages)) {
+        const RowBatches::Item it = d.batches.item(su.u0, su.u1, k);
+        if (d.stopped() || !d.send_fifo.ring.consumer_wait(d.args, consumed)) {
+          ok = false;
+          break;
+        }
+        for (int r = 0; r < it.rows; ++r) {
+          const int i = it.first + r - su.u0;
+          for (int q = 0; q < tab.ndest[i]; ++q)
+            dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset,
+                          d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
+        }
+        dev::bulk_commit();
+        ++groups;
+        if (pending_chunk >= 0 && pending_group < groups)
+          ok = signal_pending(static_cast<int>(groups - pending_group));
+        bulk_wait_read_except(in_flight);  // release the oldest stages only
+        for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
+          d.send_fifo.ring.consumer_release(released);
+      }
+      // A unit with no rows has no group of its own: the previous unit's signal goes first.
+      if (ok && pending_chunk >= 0) ok = signal_pending(0);
+      if (ok) {
+        pending_chunk = su.chunk;
+        pending_source = su.source;
+        pending_span = span;
+        pending_group = groups;
+      }
+    }
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+  }
+  if (lane == 0) {
+    if (!d.stopped() && !signal_pending(0)) d.stop();
+    dev::bulk_wait_all();
+    for (; released.count < consumed.count; released.advance(d.stages)) d.send_fifo.ring.consumer_release(released);
+  }
+}
+
+// ---- expand ---------------------------------------------------------------------------------
+
+// Warps 6-7: a chunk's entries -> output rows, probs, scales, row_pos and the position table.
+template <typename Rdma>
+__device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
+  const int64_t R = d.a.num_out_rows;
+  auto* out_scales = reinterpret_cast<float*>(d.a.out_scales);
+  auto* out_probs = reinterpret_cast<float*>(d.a.out_probs);
+  auto* row_pos = reinterpret_cast<int32_t*>(d.a.row_pos);
+  const auto* recv_meta = reinterpret_cast<const MetaEntry*>(d.view.own() + d.reg.recv_meta);
+  const int64_t* info = d.info;
+  ExpandChunks<Rdma> chunks(d);
+  PipeState slot;
+  int s, c;
+  while (chunks.next(s, c)) {
+    const ChunkSignal* sig = d.chunk_signal(d.a.rank, s, c);
+    bool ok = true;
+    if (lane == 0)
+      ok = !d.stopped() &&
+           wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch) &&
+           d.table_ring.producer_acquire(d.args, slot);
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+    const int first = *reinterpret_cast<const volatile int32_t*>(&sig->first);
+    const int rows = *reinterpret_cast<const volatile int32_t*>(&sig->rows);
+    ExpandTable& tab = d.sh.tables[slot.stage];
+    if (tw == 0) {
+      tab.first = first;
+      tab.rows = rows;
+      // The handle keeps the span: combine reduces the same chunks after later dispatches.
+      auto* spans = reinterpret_cast<int32_t*>(d.a.recv_spans);
+      const int64_t i = (static_cast<int64_t>(s) * static_cast<int64_t>(d.reg.max_chunks) + c) * 2;
+      spans[i] = first;
+      spans[i + 1] = rows;
+    }
+    for (int v = tw; v < rows * d.kd; v += kMetaWarps * 32) {
+      const int r = v / d.kd, q = v % d.kd;
+      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;
+      int pos = -1;
+      const MetaEntry en = load_entry(recv_meta + row * d.meta_entries + q);
+      if (en.local_expert >= 0) {
+        const int j = en.local_expert;
+        const int64_t p = info[d.il.expert_start + j] + info[d.il.src_prefix + s * d.L + j] + en.ordinal;
+        if (p < R) {
+          pos = static_cast<int>(p);
+          out_probs[p] = en.prob;
+          if (d.scale_cols > 0) {
+            const auto* src =
+                reinterpret_cast<const volatile float*>(d.view.own() + d.reg.recv_scales + row * d.reg.scale_stride);
+            for (int i = 0; i < d.scale_cols; ++i) out_scales[p * d.scale_cols + i] = src[i];
+          }
+        }
+      }
+      row_pos[row * d.kd + q] = pos;
+      tab.pos[r][q] = pos;
+    }
+    __syncwarp();
+    if (lane == 0) d.table_ring.producer_commit(slot);  // one of the two warps' arrivals
+    slot.advance(kTableSlots);
+  }
+}
+
+template <typename Rdma>
+__device__ void expand_load(const Dispatch<Rdma>& d) {
+  ExpandChunks<Rdma> chunks(d);
+  PipeState table, produced;
+  int s, c;
+  while (chunks.next(s, c) && !d.stopped()) {
+    if (!d.table_ring.consumer_wait(d.args, table)) {
+      d.stop();
+      break;
+    }
+    const ExpandTable& tab = d.sh.tables[table.stage];
+    const int first = tab.first, rows = tab.rows;
+    if (rows > 0) {
+      dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
+      dev::fence_proxy_async();                                      // read by bulk loads below
+    }
+    for (int k = 0; k < d.batches.items(first, first + rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(first, first + rows, k);
+      if (!d.expand_fifo.ring.producer_acquire(d.args, produced)) {
+        d.stop();
+        break;
+      }
+      d.expand_fifo.load(produced, d.recv_row(d.a.rank, s, it.first) + it.offset, it.rows * it.bytes);
+    }
+    table.advance(kTableSlots);  // the store warp releases the table
+  }
+  d.expand_fifo.drain(d.args, PipeState{}, produced);
+}
+
+template <typename Rdma>
+__device__ void expand_store(const Dispatch<Rdma>& d) {
+  auto* out = reinterpret_cast<uint8_t*>(d.a.out);
+  const int in_flight = min(kStoreGroupsInFlight, d.stages - 1);
+  ExpandChunks<Rdma> chunks(d);
+  PipeState table, consumed, released;
+  int s, c;
+  while (chunks.next(s, c) && !d.stopped()) {
+    if (!d.table_ring.consumer_wait(d.args, table)) {
+      d.stop();
+      break;
+    }
+    const ExpandTable& tab = d.sh.tables[table.stage];
+    const int first = tab.first, rows = tab.rows;
+    bool ok = true;
+    for (int k = 0; k < d.batches.items(first, first + rows); ++k, consumed.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(first, first + rows, k);
+      if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {
+        ok = false;
+        break;
+      }
+      for (int r = 0; r < it.rows; ++r) {
+        const int i = it.first + r - first;
+        for (int q = 0; q < d.kd; ++q) {
+          const int p = tab.pos[i][q];
+          if (p >= 0)
+            dev::bulk_s2g(out + static_cast<int64_t>(p) * d.row_bytes + it.offset,
+                          d.expand_fifo.slot(consumed) + r * it.bytes, it.bytes);
+        }
+      }
+      dev::bulk_commit();
+      bulk_wait_read_except(in_flight);  // release the oldest stages only
+      for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
+        d.expand_fifo.ring.consumer_release(released);
+    }
+    if (!ok) {
+      d.stop();
+      break;
+    }
+    d.table_ring.consumer_release(table);  // positions were read when the stores were issued
+    table.advance(kTableSlots);
+  }
+  dev::bulk_wait_all();
+  for (; released.count < consumed.count; released.advance(d.stages)) d.expand_fifo.ring.consumer_release(released);
+}
+
+// Warps 8-15: zero rows after each expert's real rows, and after the whole layout.
+// Warps 8-11 with several nodes: for each of this block's own chunks and each other node
+// that hosts one of its routes, stage the rows and routing of the chunk's tokens for that
+// node in this rank's RDMA region and put them to the rail peer there: the rows, then the
+// routing with the chunk's signal (also for no rows: every chunk is signalled). Lane i takes
+// token t0 + i. The staging areas are free again once the puts completed (quiet, at the end);
+// the layout kernel waited until each rail peer had forwarded the previous call's rows.
+template <typename Rdma>
+__device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
+  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
+  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
+  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
+  const int G = h.topo.G, N = h.topo.N, W = d.W, K = d.K;
+  const uint64_t token_bytes = h.R.token_meta_bytes;
+  const int own = (d.send_chunks() - d.b + d.nb - 1) / d.nb;  // this block's own chunks
+  for (int p = w; p < own * (N - 1) && !d.stopped(); p += kRdmaWarps) {
+    const int c = d.b + (p / (N - 1)) * d.nb;
+    const int n = p % (N - 1) < h.node ? p % (N - 1) : p % (N - 1) + 1;
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
+    bool goes = false;
+    if (t < t1)
+      for (int g = 0; g < G; ++g) goes |= send_slot[static_cast<int64_t>(t) * W + n * G + g] >= 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    const int rows = __popc(mask);
+    uint8_t* meta = h.rdma.local(h.chunk_meta_off(h.R.disp_meta_out, n, c));
+    const uint64_t rows_out = h.staged_off(h.R.disp_rows_out, n, static_cast<int64_t>(c) * d.chunk, d.row_bytes);
+    if (goes) {
+      TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
+      for (int k = 0; k < kMaxTopK; ++k) {
+        const bool real = k < K;
+        tm->expert[k] = real ? static_cast<int32_t>(idx[static_cast<int64_t>(t) * K + k]) : -1;
+        tm->ordinal[k] = real ? ords[static_cast<int64_t>(t) * K + k] : 0;
+        tm->weight[k] = real ? weights[static_cast<int64_t>(t) * K + k] : 0.f;
+      }
+      int32_t* slots = h.token_slots(tm);
+      for (int g = 0; g < G; ++g) slots[g] = send_slot[static_cast<int64_t>(t) * W + n * G + g];
+      float* scales = h.token_scales(tm);
+      for (int i = 0; i < d.scale_cols; ++i) scales[i] = x_scales[static_cast<int64_t>(t) * d.scale_cols + i];
+    }
+    if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
+    // The rows, packed in token order: the warp copies one row at a time.
+    auto* staged = reinterpret_cast<int4*>(h.rdma.local(rows_out));
+    const auto* x = reinterpret_cast<const int4*>(d.a.x);
+    const uint32_t vecs = d.row_bytes / 16;
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      const int i = __ffs(m) - 1, q = __popc(mask & ((1u << i) - 1u));
+      for (uint32_t v = lane; v < vecs; v += 32)
+        staged[static_cast<int64_t>(q) * vecs + v] = x[static_cast<int64_t>(t0 + i) * vecs + v];
+    }
+    __threadfence();  // the staged bytes, before the transport reads them
+    __syncwarp();
+    const int peer = h.rail_peer(n);
+    if (rows > 0) {
+      h.rdma.put(lane, peer, h.staged_off(h.R.disp_rows_in, h.node, static_cast<int64_t>(c) * d.chunk, d.row_bytes),
+                 h.rdma.local(rows_out), static_cast<uint64_t>(rows) * d.row_bytes);
+      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
+      __syncwarp();
+    }
+    h.rdma.put_signal(lane, peer, h.chunk_meta_off(h.R.disp_meta_in, h.node, c), meta,
+                      kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
+                      h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+  }
+  if (lane == 0) h.rdma.quiet();
+}
+
+template <typename Rdma>
+__device__ void zero_padding(const Dispatch<Rdma>& d, int pw, int npw, int lane) {
+  const int64_t R = d.a.num_out_rows;
+  auto* out = reinterpret_cast<uint8_t*>(d.a.out);
+  auto* out_scales = reinterpret_cast<float*>(d.a.out_scales);
+  auto* out_probs = reinterpret_cast<float*>(d.a.out_probs);
+  const int64_t* info = d.info;
+  const int64_t gw = static_cast<int64_t>(d.b) * npw + pw, nw = static_cast<int64_t>(d.nb) * npw;
+  const int64_t needed = info[d.il.needed];
+  for (int j = 0; j <= d.L; ++j) {
+    int64_t lo, hi;
+    if (j < d.L) {
+      const int64_t start = info[d.il.expert_start + j];
+      lo = start + info[d.il.expert_rows + j];
+      hi = j + 1 < d.L ? info[d.il.expert_start + j + 1] : needed;
+    } else {
+      lo = needed;
+      hi = R;
+    }
+    hi = min(hi, R);
+    for (int64_t r = lo + gw; r < hi; r += nw) {
+      int4* dst = reinterpret_cast<int4*>(out + r * d.row_bytes);
+      for (uint32_t v = lane; v < d.row_bytes / 16; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+      for (int i = lane; i < d.scale_cols; i += 32) out_scales[r * d.scale_cols + i] = 0.f;
+      if (lane == 0) out_probs[r] = 0.f;
+    }
+  }
+}
+
+template <typename Rdma>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ LaunchArgs args) {
+  const BlockPlace place = block_place(args);
+  const RankArgs& a = place.rank;
+  if (a.absent) return;
+  const Geometry& geo = args.geo;
+  const RankView view = rank_view(geo, a);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t row_bytes = static_cast<uint32_t>(args.row_elems) * elem_bytes(args.dtype);
+  DispatchShared& sh = dev::block_shared<DispatchShared>();
+  const uint64_t epoch = view.state()->dispatch_epoch;
+  const int stages = args.fifo_stages;
+  uint8_t* smem = dev::dynamic_smem<uint8_t>();
+  const Dispatch<Rdma> d{
+      args, a, geo, geo.reg, geo.info, view, place.block, place.blocks, geo.world_size, geo.local_experts,
+      geo.max_tokens, a.num_tokens, a.topk, args.kd, static_cast<int>(geo.reg.meta_entries), args.scale_cols,
+      args.chunk_tokens, stages, row_bytes,
+      RowBatches{row_bytes, static_cast<uint32_t>(args.stage_bytes), args.rows_per_stage,
+                 static_cast<int>((row_bytes + args.stage_bytes - 1) / args.stage_bytes)},
+      reinterpret_cast<const int64_t*>(a.info), epoch, sh,
+      StageRing{{sh.send_full, sh.send_empty, stages, a.rank, epoch}, smem, args.stage_bytes},
+      StageRing{{sh.expand_full, sh.expand_empty, stages, a.rank, epoch},
+                smem + static_cast<size_t>(stages) * args.stage_bytes, args.stage_bytes},
+      Ring{sh.meta_full, sh.meta_empty, kMetaSlots, a.rank, epoch},
+      Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch},
+      make_hierarchy<Rdma>(geo, a)};
+  const bool multi = d.h.multi();
+
+  if (tid == 0) {
+    d.send_fifo.ring.init(1, 1);
+    d.expand_fifo.ring.init(1, 1);
+    d.meta_ring.init(kMetaWarps, 1);
+    d.table_ring.init(kMetaWarps, 1);
+    dev::mbar_fence_init();
+    sh.abort = aborted(args) ? 1 : 0;
+  }
+  __syncthreads();
+  if (sh.abort) return;
+
+  if (warp == kSendLoadWarp) {
+    if (lane == 0) send_load(d);
+  } else if (warp == kSendStoreWarp) {
+    send_store(d, lane);
+  } else if (warp < kSendMetaWarp + kMetaWarps) {
+    send_meta(d, tid - kSendMetaWarp * 32, lane);
+  } else if (warp == kExpandLoadWarp) {
+    if (lane == 0) expand_load(d);
+  } else if (warp == kExpandStoreWarp) {
+    if (lane == 0) expand_store(d);
+  } else if (warp < kExpandMetaWarp + kMetaWarps) {
+    expand_meta(d, tid - kExpandMetaWarp * 32, lane);
+  } else if (multi && warp < kRdmaWarp + kRdmaWarps) {
+    rdma_send(d, warp - kRdmaWarp, lane);
+  } else {
+    const int first_pad = multi ? kPaddingWarpMulti : kPaddingWarp;
+    zero_padding(d, warp - first_pad, (blockDim.x >> 5) - first_pad, lane);
+  }
+  __syncthreads();
+  if (sh.abort) return;
+
+  if (tid == 0 && !aborted(args)) {
+    LocalState* st = view.state();
+    __threadfence();
+    const uint32_t prev = atomicAdd(&st->blocks_done_dispatch, 1u);
+    if (prev == static_cast<uint32_t>(d.nb - 1)) {
+      st->blocks_done_dispatch = 0;
+      __threadfence_system();
+      dev::st_release_sys(view.flag(a.rank, geo.reg.done_dispatch, 0), epoch);
+      // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
+      for (int n = 0; multi && n < d.h.topo.N; ++n)
+        if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), geo.rdma.done_dispatch + 8 * d.h.node, epoch);
+    }
+  }
+}
+
+template <typename Rdma>
+LaunchStatus launch_dispatch_with(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(dispatch_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kThreads,
+                                 2 * static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes),
+                                 stream, args);
+}
+
+}  // namespace dispatch_impl
+
+}  // namespace hybrid_ep

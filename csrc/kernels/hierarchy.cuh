@@ -1,0 +1,82 @@
+// The inter-node side of one rank, shared by the three kernels: its place in the hierarchy
+// and the areas of its RDMA region (common/params.h RdmaLayout).
+//
+// Rank r = (node n, local g). A source sends each token once per remote node n' that hosts
+// one of its routes, to its rail peer (n', g): chunk c of the source (kChunkTokens tokens)
+// becomes staged slots c * kChunkTokens + q there, q the token's ordinal among the chunk's
+// tokens for n', one put for the rows and one put with signal for the chunk's routing. The
+// rail peer forwards the rows over NVLink into the receive slots the source computed, so
+// the destinations' receive layout is the single-node one. Combine comes back the same way:
+// one node partial per staged slot, put to the source.
+#pragma once
+#include "common/state.cuh"
+#include "transport/select.cuh"
+
+namespace hybrid_ep {
+
+constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
+
+template <typename Rdma>
+struct Hierarchy {
+  Rdma rdma;
+  const RdmaLayout& R;
+  Topology topo;
+  int rank, node;
+  int64_t max_chunks, staged;  // chunks per source, staged slots per source node
+
+  __device__ bool multi() const { return topo.N > 1; }
+  __device__ int first_local() const { return node * topo.G; }  // ranks of this node: first_local() + g
+  __device__ int rail_peer(int n) const { return topo.rail_peer(rank, n); }
+  __device__ uint64_t* flag(uint64_t offset, int64_t index) const {
+    return reinterpret_cast<uint64_t*>(rdma.local(offset)) + index;
+  }
+  // Byte offsets of (source node n, chunk c) in the per-chunk areas, and of staged slot i.
+  __device__ uint64_t chunk_flag_off(uint64_t area, int n, int c) const {
+    return area + static_cast<uint64_t>(n * max_chunks + c) * 8;
+  }
+  __device__ uint64_t chunk_meta_off(uint64_t area, int n, int c) const {
+    return area + static_cast<uint64_t>(n * max_chunks + c) * R.chunk_meta_bytes;
+  }
+  __device__ uint64_t staged_off(uint64_t area, int n, int64_t slot, uint32_t row_bytes) const {
+    return area + static_cast<uint64_t>(n * staged + slot) * row_bytes;
+  }
+  // One staged token's record in a chunk's routing: TokenMeta, G receive slots, scales.
+  __device__ static TokenMeta* token_meta(uint8_t* chunk_meta, int q, uint64_t token_bytes) {
+    return reinterpret_cast<TokenMeta*>(chunk_meta + kChunkMetaHeader + q * token_bytes);
+  }
+  __device__ int32_t* token_slots(TokenMeta* m) const { return reinterpret_cast<int32_t*>(m + 1); }
+  __device__ float* token_scales(TokenMeta* m) const { return reinterpret_cast<float*>(token_slots(m) + topo.G); }
+};
+
+template <typename Rdma>
+__device__ Hierarchy<Rdma> make_hierarchy(const Geometry& geo, const RankArgs& a) {
+  const Topology topo{geo.world_size, geo.ranks_per_node, geo.num_nodes};
+  const int64_t max_chunks = static_cast<int64_t>(geo.reg.max_chunks);
+  return Hierarchy<Rdma>{make_transport<Rdma>(a), geo.rdma, topo, a.rank, topo.node(a.rank), max_chunks,
+                         max_chunks * kChunkTokens};
+}
+
+// Forwarded chunks a rank handles: every chunk of the rail peer on every other node, in node
+// order, then chunk order. Dispatch forwards them and combine sends their node partials back,
+// both strided over the rank's blocks the same way. Call: h (a Hierarchy) and source_chunks(s).
+template <typename Call>
+__device__ int64_t forwarded_chunks(const Call& call) {
+  int64_t total = 0;
+  for (int n = 0; n < call.h.topo.N; ++n)
+    if (n != call.h.node) total += call.source_chunks(call.h.rail_peer(n));
+  return total;
+}
+
+// Forwarded chunk k -> (source node n, chunk c).
+template <typename Call>
+__device__ void forwarded_chunk(const Call& call, int64_t k, int& n, int& c) {
+  for (n = 0; n < call.h.topo.N; ++n) {
+    if (n == call.h.node) continue;
+    const int chunks = call.source_chunks(call.h.rail_peer(n));
+    if (k < chunks) break;
+    k -= chunks;
+  }
+  c = static_cast<int>(k);
+}
+
+}  // namespace hybrid_ep

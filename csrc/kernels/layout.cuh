@@ -1,0 +1,294 @@
+// Layout kernel: from this rank's routing, everything the metadata module computes, on the
+// device, with no host synchronisation.
+//
+// One block per rank walks its tokens in tiles of 1024 (one token per thread). Within a warp
+// the order of tokens is the lane order, so a (token, expert) ordinal is the number of
+// earlier lanes routed to the same expert plus a per-warp base from a scan over warps and
+// tiles. The same scan gives each token's slot in the rows sent to each destination rank.
+// The block then writes its count row into every peer's registered buffer, signals with
+// the call's epoch, waits for every peer's row and computes the expert-major offsets.
+// Ranks on other nodes get their rows through the transport, into a copy per call parity:
+// a rank can only start call e + 2 after it read every rank's counts of call e + 1, which
+// each rank writes after it read those of call e, so the copy of call e is never overwritten
+// while it is read. Flow control waits for the peers of this node (their receive buffers) and
+// for the rail peers on other nodes (their staging areas).
+#include "common/state.cuh"
+#include "kernels/hierarchy.cuh"
+#include "kernels/launch.h"
+
+namespace hybrid_ep {
+namespace layout_impl {  // kernels/layout.cu and kernels_nvshmem.cu instantiate it
+
+constexpr int kWarps = kPrepareThreads / 32;
+
+__device__ __forceinline__ int32_t ld_count(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
+
+struct LayoutShared {
+  uint64_t epoch;
+  unsigned long long dropped;
+  int fail;
+};
+
+template <typename Rdma>
+__global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid_constant__ LaunchArgs args) {
+  const Geometry& geo = args.geo;
+  const RankArgs& a = args.ranks[blockIdx.x];
+  if (a.absent) return;
+  const RankView view = rank_view(geo, a);
+  const Hierarchy<Rdma> h = make_hierarchy<Rdma>(geo, a);
+  const int W = geo.world_size, E = geo.num_experts, L = geo.local_experts, N = geo.num_nodes;
+  const int G = geo.ranks_per_node, T = a.num_tokens, K = a.topk;
+  const int cols = E + W + N;  // counters: experts, destination ranks, destination nodes
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  auto* send_slot = reinterpret_cast<int32_t*>(a.send_slot);
+  auto* entry_ord = reinterpret_cast<int32_t*>(a.entry_ord);
+  auto* info = reinterpret_cast<int64_t*>(a.info);
+
+  int32_t* smem = dev::dynamic_smem<int32_t>();
+  int32_t* warp_cnt = smem;                  // [kWarps][cols], scanned in place to per-warp bases
+  int32_t* carry = smem + kWarps * cols;     // [cols] totals of the tiles before
+  LayoutShared& sh = dev::block_shared<LayoutShared>();
+
+  if (tid == 0) {
+    sh.epoch = view.state()->dispatch_epoch + 1;
+    sh.fail = 0;
+    sh.dropped = 0;
+  }
+  for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
+  __syncthreads();
+  const uint64_t epoch = sh.epoch;
+  const unsigned full = 0xffffffffu;
+  const unsigned lt_mask = (1u << lane) - 1u;
+
+  for (int tile = 0; tile < T; tile += kPrepareThreads) {
+    const int t = tile + tid;
+    const bool valid = t < T;
+    int e[kMaxTopK];  // expert ids fit 32 bits (E <= kMaxExperts); -1 = not routed
+    uint64_t dmask = 0, nmask = 0;
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      e[k] = -1;
+      if (k < K && valid) {
+        const int64_t raw = idx[static_cast<int64_t>(t) * K + k];
+        if (raw < -1 || raw >= E) {
+          record_error(args, kPhaseBadRouting, a.rank, t, epoch, E, static_cast<uint64_t>(raw));
+        } else {
+          e[k] = static_cast<int>(raw);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k >= K || !valid) continue;
+#pragma unroll
+      for (int k2 = 0; k2 < kMaxTopK; ++k2) {
+        if (k2 < k && e[k] >= 0 && e[k2] == e[k]) {
+          record_error(args, kPhaseBadRouting, a.rank, t, epoch, E, static_cast<uint64_t>(e[k]));
+          e[k] = -1;
+        }
+      }
+      if (e[k] >= 0) {
+        const int d = e[k] / L;
+        dmask |= 1ull << d;
+        nmask |= 1ull << (d / G);
+      }
+    }
+    for (int c = lane; c < cols; c += 32) warp_cnt[warp * cols + c] = 0;
+    __syncwarp();
+
+    // Earlier lanes of this warp routed to each of my experts.
+    int prefix[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) prefix[k] = 0;
+    for (int src = 0; src < 32; ++src) {
+#pragma unroll
+      for (int k2 = 0; k2 < kMaxTopK; ++k2) {
+        if (k2 >= K) break;
+        const int other = __shfl_sync(full, e[k2], src);
+#pragma unroll
+        for (int k = 0; k < kMaxTopK; ++k)
+          if (k < K && src < lane && e[k] >= 0 && other == e[k]) ++prefix[k];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k)
+      if (k < K && e[k] >= 0) atomicAdd(&warp_cnt[warp * cols + e[k]], 1);
+    for (int d = 0; d < W; ++d) {
+      const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
+      if (lane == 0) warp_cnt[warp * cols + E + d] = __popc(bal);
+    }
+    for (int n = 0; n < N; ++n) {
+      const unsigned bal = __ballot_sync(full, (nmask >> n) & 1);
+      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
+    }
+    __syncthreads();
+
+    // Scan over warps (tile order), carried across tiles.
+    for (int c = tid; c < cols; c += blockDim.x) {
+      int32_t run = carry[c];
+      for (int w = 0; w < kWarps; ++w) {
+        const int32_t v = warp_cnt[w * cols + c];
+        warp_cnt[w * cols + c] = run;
+        run += v;
+      }
+      carry[c] = run;
+    }
+    __syncthreads();
+
+    if (valid) {
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (k >= K) break;
+        entry_ord[static_cast<int64_t>(t) * K + k] =
+            e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;
+      }
+    }
+    for (int d = 0; d < W; ++d) {
+      const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
+      if (valid)
+        send_slot[static_cast<int64_t>(t) * W + d] =
+            ((dmask >> d) & 1) ? warp_cnt[warp * cols + E + d] + __popc(bal & lt_mask) : -1;
+    }
+    __syncthreads();
+  }
+  // A bad route recorded above stops every thread of the block together.
+  if (tid == 0 && aborted(args)) sh.fail = 1;
+  __syncthreads();
+  if (sh.fail) return;
+
+  // Flow control: a peer must have read everything of the previous dispatch before this
+  // rank overwrites its count row (and, in the dispatch kernel, its receive rows by bulk
+  // stores: hence the proxy fence after the acquire).
+  if (tid < W) {
+    bool ok = true;
+    if (h.topo.same_node(tid, a.rank))
+      ok = wait_at_least(args, view.flag(tid, geo.reg.done_dispatch, 0), epoch - 1, kPhaseDispatchFlow, a.rank, tid,
+                         epoch);
+    else if (tid == h.rail_peer(h.topo.node(tid)))
+      ok = wait_at_least(args, h.flag(geo.rdma.done_dispatch, h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank,
+                         tid, epoch);
+    if (ok)
+      dev::fence_proxy_async();
+    else
+      sh.fail = 1;
+  }
+  __syncthreads();
+  if (sh.fail) return;
+
+  const int row_ints = static_cast<int>(geo.reg.count_row_ints);
+  const int row_stride = static_cast<int>(round_up(row_ints, 4));  // RDMA copies: whole 16-byte vectors
+  const uint64_t parity_rows = (epoch & 1) * W;
+  for (int u = tid; u < W * row_ints; u += blockDim.x) {
+    const int d = u / row_ints, c = u % row_ints;
+    int32_t value;
+    if (c < W) value = carry[E + c];                      // rows to each rank
+    else if (c < W + N) value = carry[E + W + (c - W)];   // tokens to each node
+    else if (c < W + N + L) value = carry[d * L + (c - W - N)];  // rows for each expert of d
+    else value = T;                                       // this rank's tokens
+    int32_t* row = h.topo.same_node(d, a.rank)
+                       ? reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints
+                       : reinterpret_cast<int32_t*>(h.rdma.local(geo.rdma.count_out)) + d * row_stride;  // staged
+    row[c] = value;
+  }
+  __threadfence();  // the staged rows, before the transport reads them
+  __syncthreads();  // every count written before the releases below (they are cumulative)
+  if (tid < W && h.topo.same_node(tid, a.rank)) {
+    __threadfence_system();
+    dev::st_release_sys(view.flag(tid, geo.reg.count_epoch, a.rank), epoch);
+  }
+  if (h.multi()) {
+    for (int d = warp; d < W; d += kWarps) {
+      if (h.topo.same_node(d, a.rank)) continue;
+      h.rdma.put_signal(lane, d, geo.rdma.count_in + (parity_rows + a.rank) * row_stride * 4,
+                        h.rdma.local(geo.rdma.count_out + static_cast<uint64_t>(d) * row_stride * 4),
+                        static_cast<uint64_t>(row_stride) * 4, geo.rdma.count_epoch + 8 * a.rank, epoch);
+    }
+    if (lane == 0) h.rdma.quiet();  // count_out may be staged again in the next call
+  }
+
+  if (tid < W) {
+    const bool local = h.topo.same_node(tid, a.rank);
+    if (!wait_at_least(args, local ? view.flag(a.rank, geo.reg.count_epoch, tid) : h.flag(geo.rdma.count_epoch, tid),
+                       epoch, local ? kPhaseCounts : kPhaseRdmaCounts, a.rank, tid, epoch))
+      sh.fail = 1;
+  }
+  __syncthreads();
+  if (sh.fail) return;
+
+  // Source s's count row: in the registered buffer for this node's ranks, in the RDMA region
+  // (this call's parity) for the others.
+  const auto* nvlink_rows = reinterpret_cast<const int32_t*>(view.own() + geo.reg.count_in);
+  const auto* rdma_rows =
+      h.multi() ? reinterpret_cast<const int32_t*>(h.rdma.local(geo.rdma.count_in)) + parity_rows * row_stride : nullptr;
+  auto count_row = [&](int s) {
+    return h.topo.same_node(s, a.rank) ? nvlink_rows + s * row_ints : rdma_rows + s * row_stride;
+  };
+  const InfoLayout& il = geo.info;
+  const int64_t R = a.num_out_rows;  // -1: dynamic, the layout decides
+  // Per local expert: real rows, and each source's prefix.
+  for (int j = tid; j < L; j += blockDim.x) {
+    int64_t run = 0;
+    for (int s = 0; s < W; ++s) {
+      info[il.src_prefix + s * L + j] = run;
+      run += ld_count(count_row(s) + W + N + j);
+    }
+    info[il.expert_rows + j] = run;
+  }
+  for (int u = tid; u < W * W; u += blockDim.x)
+    info[il.count_matrix + u] = ld_count(count_row(u / W) + (u % W));
+  for (int u = tid; u < W * N; u += blockDim.x)
+    info[il.node_counts + u] = ld_count(count_row(u / N) + W + (u % N));
+  for (int d = tid; d < W; d += blockDim.x) info[il.send_count + d] = carry[E + d];
+  for (int s = tid; s < W; s += blockDim.x) info[il.src_tokens + s] = ld_count(count_row(s) + W + N + L);
+  __syncthreads();
+  if (tid == 0) {
+    int64_t start = 0;
+    for (int j = 0; j < L; ++j) {
+      const int64_t n = info[il.expert_rows + j];
+      const int64_t rows = round_up(n > geo.min_rows_per_expert ? n : geo.min_rows_per_expert, geo.pad_multiple);
+      info[il.expert_start + j] = start;
+      info[il.tokens_per_expert + j] = rows;
+      start += rows;
+    }
+    info[il.needed] = start;
+    int64_t off = 0;
+    for (int s = 0; s < W; ++s) {
+      const int64_t n = ld_count(count_row(s) + a.rank);
+      info[il.recv_count + s] = n;
+      info[il.recv_offset + s] = off;
+      off += n;
+    }
+    info[il.num_recv] = off;
+  }
+  __syncthreads();
+  if (R >= 0) {
+    for (int j = tid; j < L; j += blockDim.x) {
+      const int64_t start = info[il.expert_start + j], rows = info[il.tokens_per_expert + j];
+      const int64_t n = info[il.expert_rows + j];
+      const int64_t lo = start < R ? start : R, hi = start + rows < R ? start + rows : R;
+      info[il.tokens_per_expert + j] = hi - lo;
+      const int64_t room = R - start > 0 ? R - start : 0;
+      const int64_t kept = n < room ? n : room;
+      atomicAdd(&sh.dropped, static_cast<unsigned long long>(n - kept));
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    info[il.dropped] = static_cast<int64_t>(sh.dropped);
+    view.state()->dispatch_epoch = epoch;
+  }
+}
+
+template <typename Rdma>
+LaunchStatus launch_layout_with(const LaunchArgs& args, uint64_t stream) {
+  const size_t cols = args.geo.num_experts + args.geo.world_size + args.geo.num_nodes;
+  return dev::launch_cooperative(layout_kernel<Rdma>, args.num_ranks, kPrepareThreads,
+                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args);
+}
+
+}  // namespace layout_impl
+
+}  // namespace hybrid_ep

@@ -1,0 +1,39 @@
+// Loopback transport: puts between the virtual ranks of one process (single-GPU emulation, CPU
+// model) through plain peer pointers to their RDMA regions. Stores of the warp, then a
+// system-scope fence and a release of the signal word: the same ordering NVSHMEM gives a put
+// with signal, with nothing outstanding after a put returns.
+#pragma once
+#include "transport/rdma.cuh"
+
+namespace hybrid_ep {
+
+struct LoopbackTransport {
+  static constexpr TransportKind kKind = kTransportLoopback;
+  uint8_t* const* regions;  // [W] RDMA-region bases of every rank of the launch
+  int rank;
+
+  __device__ uint8_t* local(uint64_t offset) const { return regions[rank] + offset; }
+
+  __device__ void put(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes) const {
+    auto* to = reinterpret_cast<int4*>(regions[dst] + dst_off);
+    const auto* from = reinterpret_cast<const int4*>(src);
+    for (uint64_t v = lane; v < bytes / 16; v += 32) to[v] = from[v];
+    __syncwarp();
+  }
+  __device__ void put_signal(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,
+                             uint64_t value) const {
+    put(lane, dst, dst_off, src, bytes);
+    if (lane == 0) {
+      __threadfence_system();  // every lane's stores were ordered before lane 0's by __syncwarp
+      signal(dst, sig_off, value);
+    }
+    __syncwarp();
+  }
+  __device__ void signal(int dst, uint64_t sig_off, uint64_t value) const {
+    dev::st_release_sys(reinterpret_cast<uint64_t*>(regions[dst] + sig_off), value);
+  }
+  __device__ void fence() const { __threadfence_system(); }
+  __device__ void quiet() const { __threadfence_system(); }
+};
+
+}  // namespace hybrid_ep

@@ -1,0 +1,48 @@
+// NVSHMEM transport: every rank's RDMA region is the same block of the symmetric heap, so a
+// byte offset names the same place on every PE. Puts are NVSHMEM's non-blocking warp puts;
+// on clusters with NVSHMEM_IB_ENABLE_IBGDA=1 the GPU drives the NIC itself. Only compiled
+// where the build found NVSHMEM (HYBRID_EP_WITH_NVSHMEM) and relocatable device code is on.
+#pragma once
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "transport/rdma.cuh"
+
+namespace hybrid_ep {
+
+struct NvshmemTransport {
+  static constexpr TransportKind kKind = kTransportNvshmem;
+  uint8_t* base;       // this PE's address of the symmetric RDMA region
+  const int32_t* pes;  // [W] PE of each rank of the EP group
+  int rank;
+
+  __device__ uint8_t* local(uint64_t offset) const { return base + offset; }
+
+  __device__ void put(int, int dst, uint64_t dst_off, const void* src, uint64_t bytes) const {
+    nvshmemx_putmem_nbi_warp(base + dst_off, src, bytes, pes[dst]);
+  }
+  __device__ void put_signal(int, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,
+                             uint64_t value) const {
+    nvshmemx_putmem_signal_nbi_warp(base + dst_off, src, bytes, reinterpret_cast<uint64_t*>(base + sig_off), value,
+                                    NVSHMEM_SIGNAL_SET, pes[dst]);
+  }
+  __device__ void signal(int dst, uint64_t sig_off, uint64_t value) const {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(base + sig_off), value, NVSHMEM_SIGNAL_SET, pes[dst]);
+  }
+  __device__ void fence() const { nvshmem_fence(); }
+  __device__ void quiet() const { nvshmem_quiet(); }
+};
+
+}  // namespace hybrid_ep
+
+#include "transport/select.cuh"
+
+namespace hybrid_ep {
+
+template <>
+__device__ inline NvshmemTransport make_transport<NvshmemTransport>(const RankArgs& a) {
+  return NvshmemTransport{reinterpret_cast<uint8_t*>(a.rdma_base), reinterpret_cast<const int32_t*>(a.rdma_pes),
+                          a.rank};
+}
+
+}  // namespace hybrid_ep

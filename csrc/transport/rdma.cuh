@@ -1,0 +1,48 @@
+// The inter-node transport contract, and the transport the kernels are instantiated with.
+//
+// Ranks inside one NVLink domain write each other's registered buffers through peer pointers
+// (bulk stores, then a release of a flag). Ranks on other nodes cannot be addressed that way:
+// a kernel reaches them only through a transport `Rdma`, which every kernel takes as a
+// template parameter. Each rank owns an RDMA region (on clusters, a block of NVSHMEM's
+// symmetric heap: the same offsets on every rank); the kernels address it by byte offsets
+// planned in hybrid_ep/backends/cuda/layout.py (RdmaLayout).
+//
+// A transport provides (all offsets are bytes into the RDMA region, all sizes multiples of 16):
+//   uint8_t* local(offset)                  this rank's region: staging areas and the signal
+//                                           words other ranks set
+//   put(lane, dst, dst_off, src, bytes)     warp-collective (every lane, same arguments):
+//                                           copy `bytes` from this rank's region (`src` points
+//                                           into it) to rank dst's region; non-blocking
+//   put_signal(lane, dst, dst_off, src, bytes, sig_off, value)
+//                                           the same, then rank dst's u64 at sig_off becomes
+//                                           `value`, delivered after the data
+//   signal(dst, sig_off, value)             one thread: rank dst's u64 at sig_off := value
+//   fence()                                 one thread: its earlier puts to a rank are
+//                                           delivered before its later ones
+//   quiet()                                 one thread: every put it issued has completed, so
+//                                           the source bytes may be overwritten
+// Signals carry the call's epoch and are set, never added: epochs only grow, so a wait is the
+// same `>= epoch` test as for NVLink flags, and a signal that is set twice is harmless. The
+// receiver waits on local(sig_off) with the bounded wait of common/state.cuh.
+//
+// Transports: LoopbackTransport (transport/loopback.cuh: the NVLink mechanism standing in for
+// RDMA between the virtual nodes of the single-GPU emulation and of the CPU model) and
+// NvshmemTransport (transport/nvshmem.cuh: nvshmemx_putmem_signal_nbi_warp; IBGDA on clusters).
+#pragma once
+#include <cstdint>
+
+#include "device/device.cuh"
+
+namespace hybrid_ep {
+
+// Where each rank sits: rank r = (node r / G, local index r % G); ranks with the same local
+// index form a rail, and the rail peer of rank r on node n is n * G + r % G.
+struct Topology {
+  int W, G, N;
+  __device__ __host__ int node(int r) const { return r / G; }
+  __device__ __host__ int local(int r) const { return r % G; }
+  __device__ __host__ int rail_peer(int r, int n) const { return n * G + r % G; }
+  __device__ __host__ bool same_node(int a, int b) const { return a / G == b / G; }
+};
+
+}  // namespace hybrid_ep
