@@ -133,16 +133,31 @@ class ReferenceBackend(Backend):
         if apply_probs:
             vals_MH = vals_MH * handle.probs_R.detach()[dest.out_pos_M, None]
         # Reduce a token's local experts first: one fp32 partial row per received row, sent
-        # back in the wire dtype (rounded once on this hop), summed in fp32 at the source.
+        # back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
+        # node sums of remote nodes are rounded once more (the forwarders' hop).
         partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
         partial_VH.index_add_(0, dest.out_src_M, vals_MH)
         wire = kernel.wire_dtype_for(rows_RH.dtype)
         back = self._all_to_all_rows(
             _as_bytes(partial_VH.to(wire)), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
         )
-        y_TH = torch.zeros(handle.num_tokens, H, dtype=torch.float32, device=rows_RH.device)
-        y_TH.index_add_(0, source.send_token_idx_S, _from_bytes(back, wire).float())
-        return y_TH.to(rows_RH.dtype)
+        return self._sum_partials(_from_bytes(back, wire).float(), source, handle.num_tokens, wire).to(rows_RH.dtype)
+
+    def _sum_partials(self, back_SH: torch.Tensor, source, num_tokens: int, wire: torch.dtype) -> torch.Tensor:
+        """The source's fp32 sum of the partials, with the hierarchical path's roundings: the
+        partials of a remote node are summed (fp32) and rounded to the wire once more, as that
+        node's forwarder does, before the final sum. The rows travelled flat; the arithmetic
+        is the hops'."""
+        cfg = self.config
+        N, G, H = cfg.num_nodes, cfg.ranks_per_node, back_SH.shape[1]
+        dest_node_S = torch.repeat_interleave(torch.arange(cfg.world_size, device=back_SH.device) // G,
+                                              source.send_counts_W.to(back_SH.device))
+        by_node = torch.zeros(num_tokens * N, H, dtype=torch.float32, device=back_SH.device)
+        by_node.index_add_(0, source.send_token_idx_S * N + dest_node_S, back_SH)
+        by_node = by_node.view(num_tokens, N, H)
+        remote = torch.arange(N, device=back_SH.device) != cfg.node_of(self.rank)
+        by_node[:, remote] = by_node[:, remote].to(wire).float()
+        return by_node.sum(dim=1)
 
     def return_row_values(self, values_R, handle: DispatchHandle):
         dest, source, L = handle.dest, handle.source, self.config.experts_per_rank

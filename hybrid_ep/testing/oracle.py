@@ -17,6 +17,7 @@ import torch
 
 from ..config import BufferConfig
 from ..rows import as_byte_rows, from_byte_rows
+from .rounding import Fp32Sum, Interval
 
 
 @dataclasses.dataclass
@@ -141,17 +142,97 @@ def combine_oracle(
         T, H = idx.shape[0], config.hidden_dim
         y = torch.zeros(T, H, dtype=torch.float64, device=dev)
         mag = torch.zeros(T, H, dtype=torch.float64, device=dev)
-        for k in range(idx.shape[1]):
-            rows = run.row_of_slot[s][:, k]
-            for r in range(config.world_size):
-                sel = (rows >= 0) & (idx[:, k] // L == r)
-                if not bool(sel.any()):
-                    continue
-                term = outs64[r][rows[sel]]
-                if apply_probs:
-                    term = term * run.ranks[r].probs.double()[rows[sel], None]
+        for r in range(config.world_size):
+            for sel, term in _rank_terms(run, s, r, idx, outs64[r], L, apply_probs):
                 y[sel] += term
                 mag[sel] += term.abs()
         sums.append(y)
         magnitudes.append(mag)
     return sums, magnitudes
+
+
+def _rank_terms(run: OracleRun, s: int, d: int, idx: torch.Tensor, out64: torch.Tensor, L: int, apply_probs: bool):
+    """Rank d's expert outputs for the tokens of source s, one routing slot k at a time:
+    (tokens [T] bool, their rows [n, H] float64, times the routing weight with apply_probs)."""
+    for k in range(idx.shape[1]):
+        rows = run.row_of_slot[s][:, k]
+        sel = (rows >= 0) & (idx[:, k] // L == d)
+        if not bool(sel.any()):
+            continue
+        term = out64[rows[sel]]
+        if apply_probs:
+            term = term * run.ranks[d].probs.double()[rows[sel], None]
+        yield sel, term
+
+
+@dataclasses.dataclass
+class CombineBounds:
+    """Expected combine result of one source rank under the hop model, per element [T, H].
+
+    `value` is the result when every fp32 sum happens to be exact; the fp32 sum the source
+    casts to the output dtype lies in [lo, hi] whatever order each hop sums in (float64).
+    hops[t]: roundings to the wire on the longest path of token t's contributions (0: none
+    arrive, 1: only from the source's node, 2: some from a remote node)."""
+
+    value: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    hops: torch.Tensor  # [T] int64
+
+
+def combine_hops_oracle(
+    config: BufferConfig,
+    run: OracleRun,
+    expert_outs: list[torch.Tensor],
+    topk_idx: list[torch.Tensor],
+    apply_probs: bool = False,
+    wire_dtype: torch.dtype | None = None,
+) -> list[CombineBounds]:
+    """Per source rank: what a hierarchical combine over `wire_dtype` may return.
+
+    The hops as the hierarchical path makes them: every rank d sums its local experts' rows
+    of a token in fp32 (times the routing weight with apply_probs) into one partial and
+    rounds it to the wire dtype; partials from the source's node go to the source; those of a
+    remote node are summed in fp32 by that node's forwarder and rounded to the wire once
+    more; the source sums what it receives in fp32. With one node (or one rank per node)
+    every contribution is rounded once. wire_dtype None: the dtype of expert_outs."""
+    L, G, N = config.experts_per_rank, config.ranks_per_node, config.num_nodes
+    dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
+    wire = expert_outs[0].dtype if wire_dtype is None else wire_dtype
+    outs64 = [e.to(dev).double() for e in expert_outs]
+    bounds = []
+    for s, idx in enumerate(topk_idx):
+        idx = idx.to(dev)
+        shape = (idx.shape[0], config.hidden_dim)
+        source_sum = Fp32Sum(shape, dev)
+        hops = torch.zeros(shape[0], dtype=torch.int64, device=dev)
+        for n in range(N):
+            remote = n != s // G
+            node_sum = Fp32Sum(shape, dev) if remote else source_sum
+            node_present = torch.zeros(shape[0], dtype=torch.bool, device=dev)
+            for d in range(n * G, (n + 1) * G):
+                partial, present = _rank_partial(run, s, d, idx, outs64[d], L, apply_probs, shape)
+                if partial is None:
+                    continue
+                node_sum.add(partial.result().rounded(wire), present[:, None])
+                node_present |= present
+            if remote and bool(node_present.any()):
+                source_sum.add(node_sum.result().rounded(wire), node_present[:, None])
+            hops = torch.where(node_present, torch.clamp(hops, min=2 if remote else 1), hops)
+        total = source_sum.result()
+        bounds.append(CombineBounds(total.value, total.lo, total.hi, hops))
+    return bounds
+
+
+def _rank_partial(run: OracleRun, s: int, d: int, idx: torch.Tensor, out64: torch.Tensor, L: int,
+                  apply_probs: bool, shape: tuple[int, int]) -> tuple[Fp32Sum | None, torch.Tensor]:
+    """Rank d's fp32 sum of its experts' rows for every token of source s (None: no token)."""
+    partial, present = None, torch.zeros(shape[0], dtype=torch.bool, device=idx.device)
+    for sel, rows in _rank_terms(run, s, d, idx, out64, L, apply_probs):
+        term = torch.zeros(shape, dtype=torch.float64, device=idx.device)
+        term[sel] = rows
+        if partial is None:
+            partial = Fp32Sum(shape, idx.device)
+        partial.add(Interval.point(term), sel[:, None])
+        present |= sel
+    return partial, present
