@@ -1,4 +1,4 @@
-"""HybridEPBuffer: the public entry point (DESIGN.md section 3).
+"""HybridEPBuffer: the public entry point (docs/architecture.md, Public API).
 
 Legend: T tokens on this rank, K routes per token, E experts, H hidden, B = H / 128,
 R output rows, L experts per rank.
@@ -18,6 +18,7 @@ from .config import BufferConfig, KernelConfig, auto_ranks_per_node
 from .handle import DispatchHandle, DispatchResult
 from .memory import MemoryPlan
 from .routing import normalize_routing
+from .rows import check_hidden_dim
 from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffic
 
 _owner_ids = itertools.count(1)
@@ -82,6 +83,7 @@ class HybridEPBuffer:
             pad_multiple=pad_multiple,
             min_rows_per_expert=min_rows_per_expert,
         ).validate()
+        check_hidden_dim(hidden_dim)
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine, combine_wire_dtype).validate()
         self.group = group
         self.rank = dist.get_rank(group)

@@ -10,6 +10,7 @@ import torch
 from .config import FP8_BLOCK, BufferConfig
 from .fp8 import is_fp8, num_scale_blocks
 from .handle import DispatchHandle
+from .rows import row_bytes_rule
 
 DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,6 +52,9 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
             raise ValueError(f"scales is on {scales.device} but x is on {device}")
     elif scales is not None:
         raise ValueError(f"scales are only for float8_e4m3fn x; x is {x.dtype}")
+    rule = row_bytes_rule(H, x.dtype)
+    if rule:
+        raise ValueError(f"x: {rule}")
 
 
 def check_num_out_tokens(num_out_tokens) -> None:
@@ -94,5 +98,8 @@ def check_combine_input(expert_out, handle: DispatchHandle, config: BufferConfig
             f"expert_out must have shape [rows of the dispatch, hidden_dim] = {list(expected)}, "
             f"got {list(expert_out.shape)}"
         )
+    rule = row_bytes_rule(config.hidden_dim, expert_out.dtype)
+    if rule:
+        raise ValueError(f"expert_out: {rule}")
     if expert_out.device != handle.probs_R.device:
         raise ValueError(f"expert_out is on {expert_out.device} but the dispatch ran on {handle.probs_R.device}")

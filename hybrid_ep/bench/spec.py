@@ -17,14 +17,15 @@ import torch
 from ..config import FP8_BLOCK
 from ..dtypes import DISPATCH_BY_NAME as DTYPES
 from ..dtypes import combine_dtype_for
+from ..rows import row_bytes_rule
 from ..synthetic import ROUTINGS, default_group_limit
 
 BENCH_BACKENDS = ("cuda", "reference", "deepep")
 # Backends built on torch.distributed collectives have no SM count to set: run them once.
 BACKENDS_WITHOUT_SMS = frozenset({"reference"})
-# DESIGN.md 6: evict L2 before each timed GPU call by writing this many bytes.
+# Evict L2 before each timed GPU call by writing this many bytes (docs/benchmarks/README.md).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
-# DESIGN.md 6: medians of at least this many timed calls.
+# Medians of at least this many timed calls (docs/benchmarks/README.md).
 MIN_RECOMMENDED_ITERS = 20
 
 
@@ -102,6 +103,10 @@ class BenchSpec:
             raise BenchArgError("--dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype == "fp8" and self.hidden % FP8_BLOCK != 0:
             raise BenchArgError("--hidden", f"{self.hidden} must be a multiple of {FP8_BLOCK} with --dtype fp8")
+        for dtype in dict.fromkeys((self.torch_dtype, self.combine_dtype)):
+            rule = row_bytes_rule(self.hidden, dtype)
+            if rule:
+                raise BenchArgError("--hidden", f"{self.hidden} with --dtype {self.dtype}: {rule}")
         if self.routing not in ROUTINGS:
             raise BenchArgError("--routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not self.zipf_exponent >= 0 or self.zipf_exponent == float("inf"):

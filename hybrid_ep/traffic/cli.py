@@ -26,6 +26,7 @@ from ..dtypes import COMBINE_BY_NAME as COMBINE_DTYPES
 from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
 from ..fp8 import num_scale_blocks
 from ..metadata import metadata
+from ..rows import row_bytes_rule
 from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
@@ -101,6 +102,11 @@ class Scenario:
             raise ValueError(f"--combine-dtype must be one of {', '.join(COMBINE_DTYPES)}, got {self.combine_dtype!r}")
         if self.dispatch_dtype == "fp8" and self.hidden % FP8_BLOCK != 0:
             raise ValueError(f"--hidden ({self.hidden}) must be a multiple of {FP8_BLOCK} for --dispatch-dtype fp8")
+        for flag, name, dtypes in (("--dispatch-dtype", self.dispatch_dtype, DISPATCH_DTYPES),
+                                   ("--combine-dtype", self.combine_dtype, COMBINE_DTYPES)):
+            rule = row_bytes_rule(self.hidden, dtypes[name])
+            if rule:
+                raise ValueError(f"--hidden ({self.hidden}) with {flag} {name}: {rule}")
         return self
 
     def buffer_config(self) -> BufferConfig:
