@@ -125,7 +125,8 @@ def _run_tests(root: str, timeout_s: int) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS], help="these defects only")
     p.add_argument("--keep", action="store_true", help="keep the scratch copies (paths are printed)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -31,9 +31,10 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="plan a placement from a statistics file")
+    plan = sub.add_parser("plan", help="plan a placement from a statistics file", allow_abbrev=False)
     plan.add_argument("--stats", required=True, help="statistics .npz (load [L, E], optional history)")
     plan.add_argument("--ep-size", type=int, help="ranks W (default: ep_size stored in the statistics)")
     slots = plan.add_mutually_exclusive_group()

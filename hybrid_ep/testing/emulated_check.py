@@ -34,7 +34,7 @@ SMALL_CASES = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hybrid_ep.testing.emulated_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the GPU (hybrid_ep._C); cpu: the CPU model (hybrid_ep._model)")
     p.add_argument("--preset", choices=("small",), default=None,

@@ -23,13 +23,13 @@ import sys
 import tempfile
 
 from . import layout, memory, recipe as recipe_mod, render, validate
-from .local import TRAINERS, run_local
+from .local import TRAINERS, choose, run_local
 
 PROG = "hybrid-ep-launch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipes/<name> or a recipe.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -61,17 +61,33 @@ def load_checked(path: str, overrides: list[str], nodes: int | None = None):
     return recipe
 
 
-def report(recipe) -> None:
-    """Layout and memory estimate on stderr (stdout carries the script)."""
+def report(recipe, on_cpu: bool = False) -> None:
+    """Layout and memory estimate on stderr (stdout carries the script). on_cpu: local mode
+    runs the ranks as CPU processes, so there is no GPU to count or to compare memory with."""
     if recipe.kind != "pretrain":
         return
-    print(f"{PROG}: {recipe.name}: {layout.layout_of(recipe).describe()}", file=sys.stderr)
+    print(f"{PROG}: {recipe.name}: {layout.layout_of(recipe).describe(on_cpu)}", file=sys.stderr)
     est = memory.estimate(recipe)
-    print(est.table(), file=sys.stderr)
-    if est.over:
+    print(est.table(on_cpu), file=sys.stderr)
+    if est.over and not on_cpu:
         print(f"{PROG}: warning: estimated {est.total_gb:.1f} GiB per GPU exceeds the {est.gpu_gb:g} GiB of "
               f"cluster.gpu_type {recipe['cluster.gpu_type']} (stage {est.stage}); more PP/EP, recomputation "
               "(train.recompute) or a larger GPU", file=sys.stderr)
+
+
+def warn_megatron_lm_dir(recipe) -> None:
+    """Say where the job will look for pretrain_gpt.py when the recipe does not name a checkout."""
+    if recipe.kind != "pretrain" or render.megatron_lm_dir(recipe):
+        return
+    given = os.environ.get("MEGATRON_LM_DIR")
+    if given:
+        print(f"{PROG}: note: megatron_lm_dir is not set; the job uses MEGATRON_LM_DIR={given} from this shell "
+              "(sbatch passes the environment)", file=sys.stderr)
+        return
+    placeholder = " (the docs' placeholder)" if recipe["megatron_lm_dir"] == render.PLACEHOLDER_LM_DIR else ""
+    print(f"{PROG}: warning: megatron_lm_dir is {recipe['megatron_lm_dir'] or 'not set'}{placeholder} and "
+          "MEGATRON_LM_DIR is not exported: the job finds pretrain_gpt.py only if the container has Megatron-LM "
+          "on PYTHONPATH; set --set megatron_lm_dir=/your/Megatron-LM", file=sys.stderr)
 
 
 def submit(recipe, text: str, script: str | None) -> int:
@@ -100,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         recipe = load_checked(a.recipe, a.overrides, a.nodes)
-        report(recipe)
         if a.local:
-            return run_local(recipe, trainer=a.trainer)
+            path = choose(recipe, a.trainer)
+            report(recipe, on_cpu=not path.on_gpus)
+            return run_local(recipe, path=path)
+        report(recipe)
+        warn_megatron_lm_dir(recipe)
         text = render.render(recipe)
     except recipe_mod.RecipeError as err:
         return _error(err.problems)

@@ -29,8 +29,10 @@ class Layout:
     etp: int
     edp: int
 
-    def describe(self) -> str:
-        return (f"{self.world} GPUs = TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}; "
+    def describe(self, on_cpu: bool = False) -> str:
+        """One line; on_cpu counts CPU processes (local mode without GPUs) instead of GPUs."""
+        ranks = f"{self.world} CPU processes" if on_cpu else f"{self.world} GPUs"
+        return (f"{ranks} = TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}; "
                 f"experts: EP {self.ep} x ETP {self.etp} x EDP {self.edp} per stage"
                 + (f"; VPP {self.vpp}" if self.vpp > 1 else ""))
 

@@ -16,6 +16,7 @@ to log files whose tail is shown when a rank fails.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -40,7 +41,7 @@ def _pretrain_script(recipe) -> str | None:
     from megatron_patches.pretrain_gpt import LauncherError, find_pretrain_script
 
     lm_dir = recipe["megatron_lm_dir"]
-    if not os.path.isdir(os.path.expanduser(lm_dir)):
+    if not lm_dir or not os.path.isdir(os.path.expanduser(lm_dir)):
         lm_dir = None
     try:
         return find_pretrain_script(lm_dir)
@@ -54,33 +55,46 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def choose(recipe, trainer: str, world: int) -> tuple[list[str], str]:
-    """(python -m command, description) of the path local mode runs."""
-    script = _pretrain_script(recipe)
-    gpus = _gpus()
-    if trainer == "megatron" or (trainer == "auto" and script and gpus >= world):
-        if not script:
-            raise RecipeError([("megatron_lm_dir", "--trainer megatron needs Megatron-LM's pretrain_gpt.py: set "
-                                                   "megatron_lm_dir or $MEGATRON_LM_DIR")])
-        return (["-m", "megatron_patches.pretrain_gpt", "--megatron-lm-dir", os.path.dirname(script)],
-                f"Megatron-LM pretrain_gpt.py ({script}) through megatron_patches.pretrain_gpt")
-    why = "forced by --trainer core" if trainer == "core" else \
-        ("pretrain_gpt.py not found" if not script else f"{gpus} GPU(s) for {world} ranks")
-    return (["-m", "megatron_patches.slurm.cpu_train"],
-            f"Megatron-Core trainer megatron_patches.slurm.cpu_train ({why}; model from Megatron's parser)")
+@dataclasses.dataclass(frozen=True)
+class LocalPath:
+    """What local mode runs: `python -m` arguments, a one-line description, and whether the
+    ranks use GPUs (Megatron-LM's pretrain_gpt.py) or the CPU (the Megatron-Core trainer, gloo)."""
+
+    world: int
+    module: list[str]
+    description: str
+    on_gpus: bool
 
 
-def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=print) -> int:
+def choose(recipe, trainer: str = "auto") -> LocalPath:
+    """Check that the recipe runs here and pick the path (RecipeError naming the field otherwise)."""
     if recipe.kind != "pretrain":
-        raise RecipeError([("kind", "local mode runs pretraining recipes; run the benchmark with python -m hybrid_ep.bench")])
+        raise RecipeError([("kind", "local mode runs pretraining recipes; run the benchmark with hybrid-ep-bench")])
     if recipe["cluster.nodes"] != 1:
         raise RecipeError([("cluster.nodes", f"local mode runs on this one machine; got {recipe['cluster.nodes']} "
                                              "nodes (--set cluster.nodes=1 or --nodes 1)")])
     if trainer not in TRAINERS:
         raise RecipeError([("--trainer", f"must be one of {', '.join(TRAINERS)}, got {trainer!r}")])
     world = recipe["cluster.gpus_per_node"]
-    module, description = choose(recipe, trainer, world)
-    echo(f"local mode: {world} process(es) on this machine; path: {description}", flush=True)
+    script = _pretrain_script(recipe)
+    gpus = _gpus()
+    if trainer == "megatron" or (trainer == "auto" and script and gpus >= world):
+        if not script:
+            raise RecipeError([("megatron_lm_dir", "--trainer megatron needs Megatron-LM's pretrain_gpt.py: set "
+                                                   "megatron_lm_dir or $MEGATRON_LM_DIR")])
+        return LocalPath(world, ["-m", "megatron_patches.pretrain_gpt", "--megatron-lm-dir", os.path.dirname(script)],
+                         f"Megatron-LM pretrain_gpt.py ({script}) through megatron_patches.pretrain_gpt", True)
+    why = "forced by --trainer core" if trainer == "core" else \
+        ("pretrain_gpt.py not found" if not script else f"{gpus} GPU(s) for {world} ranks")
+    return LocalPath(world, ["-m", "megatron_patches.slurm.cpu_train"],
+                     f"Megatron-Core trainer megatron_patches.slurm.cpu_train on the CPU, gloo ({why}; model "
+                     "from Megatron's parser)", False)
+
+
+def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=print, path: LocalPath | None = None) -> int:
+    path = path or choose(recipe, trainer)
+    world, module = path.world, path.module
+    echo(f"local mode: {world} process(es) on this machine; path: {path.description}", flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     base = dict(os.environ)
     base.update({k: str(v) for k, v in recipe["env"].items()})

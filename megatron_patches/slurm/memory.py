@@ -74,17 +74,21 @@ class MemoryEstimate:
     def over(self) -> bool:
         return self.total_gb > self.gpu_gb
 
-    def table(self) -> str:
+    def table(self, on_cpu: bool = False) -> str:
+        """on_cpu: ranks are CPU processes (local mode): per rank, no GPU memory to compare with."""
+        total = f"{self.total_gb:7.1f} GiB" + ("" if on_cpu else f" of {self.gpu_gb:g} GiB")
         rows = [
-            ("parameters / GPU", f"{_count(self.dense_params)} dense + {_count(self.expert_params)} experts"),
+            (f"parameters / {'rank' if on_cpu else 'GPU'}",
+             f"{_count(self.dense_params)} dense + {_count(self.expert_params)} experts"),
             ("weights", f"{self.weights_gb:7.1f} GiB"),
             ("gradients (fp32)", f"{self.grads_gb:7.1f} GiB"),
             ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
             ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
-            ("total", f"{self.total_gb:7.1f} GiB of {self.gpu_gb:g} GiB"),
+            ("total", total),
         ]
         width = max(len(r[0]) for r in rows)
-        head = (f"memory per GPU, stage {self.stage} (the fullest pipeline stage; model "
+        head = (f"memory per {'rank (CPU process)' if on_cpu else 'GPU'}, stage {self.stage} (the fullest "
+                "pipeline stage; model "
                 f"{_count(self.total_params_model)} parameters):")
         return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import os
 
 import yaml
@@ -153,13 +154,32 @@ def _schema_leaf(schema: dict, key: str):
     return None
 
 
+def _unknown_key_rule(schema: dict, key: str) -> str:
+    """Why `key` is no field: a section given a value, or a name its section does not have."""
+    node, parts = schema, key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict):  # a leaf with more parts after it
+            leaf = ".".join(parts[:i])
+            return f"{leaf} is a {node[0]} field and has no sub-fields; set it as --set {leaf}=..."
+        if part not in node:
+            section = ".".join(parts[:i])
+            where = f"in {section}" if section else "at the top level"
+            close = difflib.get_close_matches(part, list(node), n=1)
+            hint = f"; did you mean {'.'.join(parts[:i] + close + parts[i + 1:])}?" if close else ""
+            return f"unknown field (fields {where}: {', '.join(node)}){hint} (docs/slurm.md, Recipe fields)"
+        node = node[part]
+    first = next(iter(node))
+    return (f"is a section, not a field: set one of its fields ({', '.join(f'{key}.{k}' for k in node)}), "
+            f"e.g. --set {key}.{first}=...")
+
+
 def apply_overrides(data: dict, schema: dict, overrides: list[str]) -> None:
     problems = []
     for text in overrides:
         key, value = _parse_override(text)
         kind = _schema_leaf(schema, key)
         if kind is None:
-            problems.append((key, "unknown field (see the recipe file or docs/slurm.md for the fields)"))
+            problems.append((key, _unknown_key_rule(schema, key)))
             continue
         if key in ("kind",):
             problems.append((key, "cannot be overridden"))

@@ -94,11 +94,25 @@ def _array(name: str, items: list[str]) -> list[str]:
     return lines + [")"]
 
 
+PLACEHOLDER_LM_DIR = "/path/to/Megatron-LM"  # what the docs write for "your checkout"
+
+
+def megatron_lm_dir(recipe) -> str | None:
+    """The recipe's Megatron-LM checkout, None when unset or still the docs' placeholder."""
+    value = recipe["megatron_lm_dir"]
+    return None if value in (None, "", PLACEHOLDER_LM_DIR) else value
+
+
 def render_pretrain(recipe) -> str:
     c = recipe["cluster"]
     lines = _header(recipe, c["nodes"], c["job_name"] or f"hybrid-ep-{recipe.name}")
     lines += _environment(recipe)
-    lines.append(f"export MEGATRON_LM_DIR={_q(recipe['megatron_lm_dir'])}")
+    lm_dir = megatron_lm_dir(recipe)
+    if lm_dir:
+        lines.append(f"export MEGATRON_LM_DIR={_q(lm_dir)}")
+    else:
+        lines += ["# megatron_lm_dir is not set: pretrain_gpt.py comes from MEGATRON_LM_DIR exported when the job",
+                  "# was submitted (sbatch passes the environment) or from PYTHONPATH in the container."]
     lines.append("")
     lines.append(f"# Megatron-LM pretrain_gpt.py arguments ({recipe['dispatcher.type']} dispatcher)")
     lines += _array("ARGS", megatron_args(recipe))

@@ -120,7 +120,7 @@ _PRETRAIN = {
         "tokenizer_type": ("str", "NullTokenizer"),
         "tokenizer_model": ("str?", None),
     },
-    "megatron_lm_dir": ("str", "/path/to/Megatron-LM"),
+    "megatron_lm_dir": ("str?", None),  # null: $MEGATRON_LM_DIR at submission, or PYTHONPATH
 }
 
 _BENCHMARK = {

@@ -13,11 +13,22 @@ otherwise enforce on the cluster, after the queue wait:
 - heads and query groups divisible by TP; MoE with TP > 1 and EP > 1 needs sequence
   parallelism (a TransformerConfig assertion); CP needs seq_length divisible by 2 x CP;
 - balancer slots cover every expert, and the balancer is not combined with the distributed
-  optimizer (not supported yet); dispatcher, precision, GPU type from known sets;
+  optimizer (not supported yet); slots are checked only when the balancer is on
+  (interval > 0: it has no slots otherwise); dispatcher, precision, GPU type from known sets;
+- rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
+  element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
+- cluster.time in one of Slurm's time formats;
 - real data needs a path.
 """
 
 from __future__ import annotations
+
+import re
+
+import torch
+
+from hybrid_ep.dtypes import DISPATCH_BY_NAME
+from hybrid_ep.rows import row_bytes_rule
 
 from . import layout as L
 from .memory import GPU_MEMORY_GB
@@ -28,6 +39,11 @@ PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
 HYBRID_EP_BACKENDS = ("auto", "cuda", "reference")
 BENCH_DTYPES = ("bf16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "full")
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds (minutes and seconds below 60).
+_SLURM_TIME = re.compile(r"\d+(:[0-5]?\d){0,2}|\d+-\d{1,2}(:[0-5]?\d){0,2}|UNLIMITED|INFINITE")
+# Rows the dispatcher moves at each precision (fp8 training dispatches bf16 activations).
+_ROW_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _positive(recipe, fields, problems):
@@ -42,6 +58,9 @@ def _cluster(recipe, problems):
     if recipe["cluster.gpu_type"] not in GPU_MEMORY_GB:
         problems.append(("cluster.gpu_type", f"must be one of {', '.join(GPU_MEMORY_GB)}, "
                                              f"got {recipe['cluster.gpu_type']!r}"))
+    if not _SLURM_TIME.fullmatch(recipe["cluster.time"]):
+        problems.append(("cluster.time", "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                                         f"D-HH:MM:SS (e.g. 04:00:00 for four hours), got {recipe['cluster.time']!r}"))
 
 
 def _parallel(recipe, problems):
@@ -127,6 +146,12 @@ def _dispatcher(recipe, problems):
                                                f"got {recipe['dispatcher.backend']!r}"))
     _positive(recipe, ["dispatcher.pad_multiple", "dispatcher.num_sms_dispatch", "dispatcher.num_sms_combine",
                        "dispatcher.max_tokens_per_rank"], problems)
+    dtype = _ROW_DTYPE.get(recipe["precision"])
+    if kind == "hybrid_ep" and dtype is not None and recipe["model.hidden_size"] >= 1:
+        rule = row_bytes_rule(recipe["model.hidden_size"], dtype)
+        if rule:
+            problems.append(("model.hidden_size", f"with precision {recipe['precision']} and the hybrid_ep "
+                                                  f"dispatcher: {rule}"))
     factor = recipe["dispatcher.static_size_factor"]
     if factor is not None and not factor > 0:
         problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
@@ -136,7 +161,7 @@ def _balancer(recipe, problems):
     b = "balancer."
     if recipe[b + "interval"] < 0:
         problems.append((b + "interval", f"must be >= 0 (0: off), got {recipe[b + 'interval']}"))
-    _positive(recipe, [b + "window", b + "slots_per_rank"], problems)
+    _positive(recipe, [b + "window"], problems)
     decay = recipe[b + "decay"]
     if decay is not None and not 0.0 < decay < 1.0:
         problems.append((b + "decay", f"must be in (0, 1) or null, got {decay}"))
@@ -144,7 +169,9 @@ def _balancer(recipe, problems):
         problems.append((b + "min_gain", f"must be >= 0, got {recipe[b + 'min_gain']}"))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
-    if slots is not None and ep >= 1 and slots * ep < E:
+    if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on
+        _positive(recipe, [b + "slots_per_rank"], problems)
+    if recipe[b + "interval"] > 0 and slots is not None and ep >= 1 and slots * ep < E:
         problems.append((b + "slots_per_rank", f"{slots} slots x EP {ep} = {slots * ep} cannot hold "
                                                f"model.num_experts {E}"))
     if recipe[b + "interval"] > 0 and recipe["parallelism.distributed_optimizer"]:
@@ -190,6 +217,10 @@ def _bench(recipe, problems):
         problems.append((b + "dtype", f"must be one of {', '.join(BENCH_DTYPES)}, got {recipe[b + 'dtype']!r}"))
     if recipe[b + "dtype"] == "fp8" and recipe[b + "hidden"] % 128:
         problems.append((b + "hidden", "must be a multiple of 128 with bench.dtype fp8"))
+    elif recipe[b + "dtype"] in DISPATCH_BY_NAME and recipe[b + "hidden"] >= 1:
+        rule = row_bytes_rule(recipe[b + "hidden"], DISPATCH_BY_NAME[recipe[b + "dtype"]])
+        if rule:
+            problems.append((b + "hidden", f"with bench.dtype {recipe[b + 'dtype']}: {rule}"))
 
 
 def validate(recipe) -> None:
