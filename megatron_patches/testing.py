@@ -116,18 +116,31 @@ def dense_moe_layer(case: LayerCase) -> list[dict]:
     return results
 
 
-def init_megatron(expert_parallel: int, seed: int = 1234) -> None:
-    """Megatron's parallel state on the current torch.distributed world (TP = PP = 1)."""
+def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: int = 1,
+                  expert_tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                  virtual_pipeline: int | None = None) -> None:
+    """Megatron's parallel state on the current torch.distributed world; re-initialised when
+    an earlier call on this process asked for another layout."""
     import megatron_patches
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     megatron_patches.apply()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
-    if parallel_state.get_expert_model_parallel_world_size() != expert_parallel:
+    layout = (expert_parallel, tensor_parallel, expert_tensor_parallel, pipeline_parallel, virtual_pipeline)
+    if ps.model_parallel_is_initialized() and getattr(ps, "_hybrid_ep_test_layout", layout) != layout:
+        ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            virtual_pipeline_model_parallel_size=virtual_pipeline,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
+        )
+        ps._hybrid_ep_test_layout = layout
+    if ps.get_expert_model_parallel_world_size() != expert_parallel:
         raise RuntimeError(
-            f"Megatron parallel state already has EP={parallel_state.get_expert_model_parallel_world_size()}, "
+            f"Megatron parallel state already has EP={ps.get_expert_model_parallel_world_size()}, "
             f"asked for {expert_parallel}"
         )
     model_parallel_cuda_manual_seed(seed)
