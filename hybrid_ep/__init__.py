@@ -1,6 +1,6 @@
 """hybrid-ep: hierarchical NVLink + RDMA expert-parallel dispatch and combine for MoE training.
 
-Start with `HybridEPBuffer` (DESIGN.md section 3); `dispatch` / `combine` are the autograd
+Start with `HybridEPBuffer` (docs/architecture.md, Public API); `dispatch` / `combine` are the autograd
 versions of its two calls.
 """
 

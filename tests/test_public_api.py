@@ -1,4 +1,4 @@
-"""The public surface of DESIGN.md section 3, and what each call reports."""
+"""The public API of docs/architecture.md, and what each call reports."""
 
 from __future__ import annotations
 

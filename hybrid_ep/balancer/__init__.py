@@ -1,7 +1,7 @@
 """Training-time expert balancer: load statistics, placement planner, slot routing, migration.
 
     from hybrid_ep.balancer import plan_placement, ExpertBalancer
-    p = plan_placement(load_LE, num_slots, num_nodes, num_ranks)   # DESIGN.md section 7
+    p = plan_placement(load_LE, num_slots, num_nodes, num_ranks)   # docs/balancer.md, Planner
 
 The modules, in the order a step meets them: `stats` (tokens per expert, counted on the
 device), `slots` (router expert ids -> slot ids), `state` (what a slot holds: weights,

@@ -1,6 +1,6 @@
 """Balance metrics of a placement: tokens per rank and per slot, imbalance, a summary.
 
-Imbalance = (max - mean) / mean (DESIGN.md section 7): the slowest rank sets the step time,
+Imbalance = (max - mean) / mean (docs/balancer.md): the slowest rank sets the step time,
 so this is the fraction of time the others wait. A replicated expert's tokens split evenly
 over its replicas. Loads may be [L, E] or [E] (one layer), torch or numpy, int or float.
 Legend: L layers, E experts, S slots, W ranks.

@@ -2,7 +2,7 @@
 
 Modules, one job each: spec (validated configuration), cli (flags and the order of a run),
 launch (starting the ranks), worker (what each rank runs), timing (one timed call),
-metrics (times and bandwidths, DESIGN.md 6), report (tables, results.json), plot (PNGs).
+metrics (times and bandwidths, docs/benchmarks/README.md), report (tables, results.json), plot (PNGs).
 """
 
 

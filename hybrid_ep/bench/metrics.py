@@ -1,4 +1,4 @@
-"""From raw per-rank samples and traffic to the numbers reported (DESIGN.md section 6).
+"""From raw per-rank samples and traffic to the numbers reported (docs/benchmarks/README.md, Columns).
 
   time            median of the timed calls on that rank (ms)
   algbw           algorithm bytes / time: rows the rank received in dispatch (one per token

@@ -1,4 +1,4 @@
-"""Timing of one collective call per rank, as DESIGN.md section 6 asks.
+"""Timing of one collective call per rank, as docs/benchmarks/README.md describes.
 
 CPU: all ranks meet at a barrier, then time.perf_counter() around the call.
 GPU: write a 256 MB buffer to evict L2, barrier, then CUDA events around the call on the

@@ -1,6 +1,6 @@
 """Dense single-process oracle of dispatch and combine for all ranks at once.
 
-Written straight from DESIGN.md section 4 and independent of hybrid_ep.routing, so every
+Written straight from docs/architecture.md (Semantics) and independent of hybrid_ep.routing, so every
 backend is checked against the contract, not against its own metadata code. Combine is
 computed in float64. Both run on `device` (default: the CPU); on a GPU the big shapes of the
 GPU tests take seconds instead of minutes.
