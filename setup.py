@@ -64,8 +64,8 @@ def _cuda_extension():
     """Return (ext_modules, cmdclass, reason it was skipped or None)."""
     if os.environ.get("HYBRID_EP_SKIP_CUDA_BUILD") == "1":
         return [], {}, "HYBRID_EP_SKIP_CUDA_BUILD=1"
-    sources = sorted(glob.glob("csrc/kernels/*.cu") + glob.glob("csrc/transport/*.cpp")) + [
-        "csrc/bindings/cuda_module.cpp"]
+    # *_nvshmem.cu need NVSHMEM's headers and relocatable device code: only with NVSHMEM.
+    sources = _cuda_sources(with_nvshmem=False)
     if not all(os.path.exists(s) for s in sources):
         return [], {}, "csrc/ has no CUDA sources"
     _locate_cuda_home()
@@ -82,14 +82,70 @@ def _cuda_extension():
     nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs.split(";") if a]
     print(f"hybrid-ep: building the CUDA extension hybrid_ep._C for {archs.replace(';', ', ')}", file=sys.stderr)
-    ext = CUDAExtension(
-        "hybrid_ep._C",
-        sources,
-        include_dirs=[os.path.abspath("csrc")],
-        depends=_csrc_files(),
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
-    )
+    kwargs = dict(include_dirs=[os.path.abspath("csrc")], depends=_csrc_files(),
+                  extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags})
+    nvshmem = _nvshmem_for(torch.version.cuda)
+    if nvshmem is not None:
+        sources = _cuda_sources(with_nvshmem=True)
+        _with_nvshmem(kwargs, nvshmem, [f for f in nvcc_flags if f.startswith("-gencode")])
+    ext = CUDAExtension("hybrid_ep._C", sources, **kwargs)
     return [ext], {"build_ext": BuildExtension}, None
+
+
+def _is_nvshmem_source(path: str) -> bool:
+    """Sources of the NVSHMEM transport (csrc/**/*_nvshmem.cu, nvshmem_host.cpp, the NVSHMEM
+    bindings): built only when NVSHMEM is found."""
+    return "nvshmem" in os.path.basename(path)
+
+
+def _cuda_sources(with_nvshmem: bool) -> list[str]:
+    found = set(glob.glob("csrc/kernels/*.cu") + glob.glob("csrc/transport/*.cu") + glob.glob("csrc/transport/*.cpp")
+                + glob.glob("csrc/bindings/nvshmem_*.cpp"))
+    return sorted(s for s in found if with_nvshmem or not _is_nvshmem_source(s)) + ["csrc/bindings/cuda_module.cpp"]
+
+
+def _load_finder():
+    """scripts/find_nvshmem.py, imported by path (the package is not importable while it builds)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "find_nvshmem.py")
+    spec = importlib.util.spec_from_file_location("hybrid_ep_find_nvshmem", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nvshmem_for(torch_cuda: str):
+    """NVSHMEM for this build, or None after one line that says why not and how to get it."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    finder = _load_finder()
+    found, reason = finder.find()
+    if found is not None and found.cuda_major is not None and str(found.cuda_major) != torch_cuda.split(".")[0]:
+        found, reason = None, f"{found.source} does not match torch's CUDA {torch_cuda}"
+    if found is not None and not is_ninja_available():
+        found, reason = None, "ninja is not installed (the device link of relocatable device code needs it)"
+    if found is None:
+        print(finder.not_found_line(reason), file=sys.stderr)
+        return None
+    print(f"hybrid-ep: building hybrid_ep._C with the inter-node transport (NVSHMEM from {found.source})",
+          file=sys.stderr)
+    return found
+
+
+def _with_nvshmem(kwargs: dict, nvshmem, gencode: list[str]) -> None:
+    """Relocatable device code for every .cu, NVSHMEM's headers, a device link against its
+    device library and a host link against its host library (found at run time by rpath)."""
+    flags = kwargs["extra_compile_args"]
+    kwargs["include_dirs"] = kwargs["include_dirs"] + [nvshmem.include_dir]
+    flags["cxx"] = flags["cxx"] + ["-DHYBRID_EP_WITH_NVSHMEM"]
+    # NVSHMEM's device headers use the half / bfloat16 operators that torch's extension flags
+    # (-D__CUDA_NO_HALF_OPERATORS__ ...) switch off; the kernels compile either way.
+    no_half = ("HALF_OPERATORS", "HALF_CONVERSIONS", "BFLOAT16_CONVERSIONS", "HALF2_OPERATORS")
+    flags["nvcc"] = flags["nvcc"] + ["-rdc=true", "-DHYBRID_EP_WITH_NVSHMEM"] + [f"-U__CUDA_NO_{m}__" for m in no_half]
+    flags["nvcc_dlink"] = ["-dlink", "-Xcompiler", "-fPIC", *gencode, f"-L{nvshmem.lib_dir}", "-lnvshmem_device"]
+    kwargs["extra_link_args"] = nvshmem.link_args()
 
 
 def _model_extension():

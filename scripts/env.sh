@@ -3,8 +3,9 @@
 # environment's python on stdout (progress goes to stderr). Used by demo.sh, test.sh and CI.
 #
 # The environment: CPython 3.12 (Megatron-Core >= 0.17 needs it) from PATH or pyenv, a
-# virtualenv at $HYBRID_EP_VENV (default ~/.cache/hybrid-ep/venv-py3.12), and the registry's
-# torch. It is reused across checkouts; dependencies are reinstalled only when setup.py or
+# virtualenv at $HYBRID_EP_VENV (default ~/.cache/hybrid-ep/venv-py3.12), the registry's
+# torch and the nvidia-nvshmem wheel of torch's CUDA major (setup.py builds NVSHMEM's transport
+# from it). It is reused across checkouts; dependencies are reinstalled only when setup.py or
 # pyproject.toml change.
 set -euo pipefail
 
@@ -51,6 +52,12 @@ if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     log "installing dependencies into $venv (first time: torch from the registry, a few minutes)"
     "$py" -m pip install -q --upgrade pip setuptools wheel >&2
     "$py" -m pip install -q --no-build-isolation -e "$repo[test,megatron]" >&2
+    # NVSHMEM for the inter-node transport, from the wheel matching torch's CUDA major.
+    cuda_major=$("$py" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+    if [ -n "$cuda_major" ]; then
+        log "installing nvidia-nvshmem-cu$cuda_major (NVSHMEM for the inter-node transport)"
+        "$py" -m pip install -q "nvidia-nvshmem-cu$cuda_major" >&2
+    fi
     echo "$stamp" > "$venv/.hybrid-ep-deps"
     rm -f "$venv/.hybrid-ep-build"  # torch was not importable while that install built: build below
 fi

@@ -6,6 +6,9 @@
 
 #include "bindings/common.h"
 #include "transport/registered_memory.h"
+#ifdef HYBRID_EP_WITH_NVSHMEM
+#include "bindings/nvshmem_bindings.h"
+#endif
 
 namespace py = pybind11;
 using namespace hybrid_ep;
@@ -72,4 +75,12 @@ PYBIND11_MODULE(_C, m) {
     return open_peer(std::string(handle), bytes, static_cast<HandleKind>(kind), device);
   });
   m.def("close_peer", [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
+
+  // The inter-node transport: built only where setup.py found NVSHMEM.
+#ifdef HYBRID_EP_WITH_NVSHMEM
+  m.def("has_nvshmem", [] { return true; });
+  bindings::bind_nvshmem(m);
+#else
+  m.def("has_nvshmem", [] { return false; });
+#endif
 }
