@@ -140,3 +140,50 @@ def test_plan_rejects_bad_arguments():
         forward_plan([idx[0], torch.zeros(5, 1, dtype=torch.int64)] + idx[2:], cfg)
     with pytest.raises(ValueError, match="topk_idx values must be in"):
         forward_plan([torch.full((2, 1), 4)] + idx[1:], cfg)
+
+
+# -- the reference backend's combine hops ---------------------------------------------------
+
+# Rank r's expert output; token 0 of rank 0 goes to ranks 1, 2, 3, token 1 (W=6) to ranks 1,
+# 4, 5. On nodes of 2 ranks, each token's remote node partial 1 + 2^-8 is a bf16 tie that
+# rounds to 1, and so does 1 + 2^-8 at the source; on one node the sum is 1 + 2^-7, exact.
+TIE_OUTPUT = {1: 2**-8, 2: 1.0, 3: 2**-8, 4: 1.0, 5: 2**-8}
+
+
+def _tie_routes(world_size: int) -> torch.Tensor:
+    return torch.tensor([[1, 2, 3], [1, 4, 5]][: 1 if world_size == 4 else 2])
+
+
+def _tie_on_rank(ranks_per_node: int):
+    import torch.distributed as dist
+
+    import hybrid_ep as hep
+
+    r, W = dist.get_rank(), dist.get_world_size()
+    idx = _tie_routes(W) if r == 0 else torch.zeros(0, 3, dtype=torch.int64)
+    buf = hep.HybridEPBuffer(None, 8, 2, W, ranks_per_node=ranks_per_node, backend="reference")
+    res = buf.dispatch(torch.ones(idx.shape[0], 8, dtype=torch.bfloat16), idx)
+    out = torch.full(res.tokens.shape, TIE_OUTPUT.get(r, 0.0), dtype=torch.bfloat16)
+    return buf.combine(out, res.handle).float().tolist()
+
+
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_reference_rounds_once_per_hop(pool_for, world_size):
+    """2 and 3 nodes of 2 ranks: the remote node's partial is rounded again; one node: once."""
+    from hybrid_ep.testing import combine_hops_oracle
+    from hybrid_ep.testing.compare import combine_output_range
+
+    idx = [_tie_routes(world_size)] + [torch.zeros(0, 3, dtype=torch.int64)] * (world_size - 1)
+    for G, want in ((2, 1.0), (world_size, 1 + 2**-7)):
+        got = pool_for(world_size).run(_tie_on_rank, [(G,)] * world_size)
+        assert got[0] == [[want] * 8] * idx[0].shape[0]
+        cfg = BufferConfig(8, 2, world_size, world_size, G).validate()
+        run = dispatch_oracle(cfg, [torch.ones(i.shape[0], 8) for i in idx], idx)
+        outs = [torch.full(r.tokens.shape, TIE_OUTPUT.get(d, 0.0), dtype=torch.bfloat16) for d, r in enumerate(run.ranks)]
+        lo, hi = combine_output_range(combine_hops_oracle(cfg, run, outs, idx)[0], torch.bfloat16)
+        assert lo.tolist() == hi.tolist() == got[0]
+
+
+def test_reference_three_nodes_matches_the_hop_model(pool_for):
+    check_case(pool_for(6), Case(6, 2, 12, 64, (40, 0, 33, 64, 17, 50), 4, torch.bfloat16, apply_probs=True,
+                                 drop_fraction=0.1, seed=21))
