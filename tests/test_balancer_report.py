@@ -16,8 +16,8 @@ from hybrid_ep.balancer.cli import main
 from hybrid_ep.balancer.metrics import summarize
 from hybrid_ep.balancer.placement_file import load_placement_yaml, save_placement_yaml
 from hybrid_ep.balancer.planner import Placement, plan_placement
-from hybrid_ep.balancer.report import (load_statistics, save_statistics, write_heatmap,
-                                       write_imbalance_plot, write_report)
+from hybrid_ep.balancer.report import (DEFAULT_BYTES_PER_PARAM, load_statistics, save_statistics, slot_bytes,
+                                       write_heatmap, write_imbalance_plot, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +109,23 @@ def test_imbalance_plot_and_report(tmp_path):
     assert paths["summary"].endswith("balancer_summary_step7.json")
     doc = json.load(open(paths["summary"]))
     assert doc["step"] == 7 and doc["imbalance_rank_after"] == pytest.approx(summary["imbalance_rank_after"])
+
+
+def test_report_moved_bytes(tmp_path):
+    # bf16 weight 2 + fp32 main 4 + Adam moments 8 bytes per parameter
+    assert DEFAULT_BYTES_PER_PARAM == 14 and slot_bytes(1000) == 14000 and slot_bytes(10, bytes_per_param=6) == 60
+    with pytest.raises(ValueError, match="params_per_slot"):
+        slot_bytes(0)
+    load = np.random.default_rng(4).random((3, 16)) * 100
+    summary = summarize(load, None, plan_placement(load, 24, 2, 4))
+    paths = write_report(summary, str(tmp_path / "rep"), bytes_per_slot=slot_bytes(3 * 64 * 32))
+    doc = json.load(open(paths["summary"]))
+    assert doc["bytes_per_slot"] == 3 * 64 * 32 * 14
+    assert doc["moved_bytes"] == [m * 3 * 64 * 32 * 14 for m in summary["moves"]]
+    assert doc["moved_bytes_total"] == sum(summary["moves"]) * 3 * 64 * 32 * 14 > 0
+    _assert_png(paths["imbalance"])
+    with pytest.raises(ValueError, match="bytes_per_slot"):
+        write_report(summary, str(tmp_path / "bad"), bytes_per_slot=-1)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1,15 +1,16 @@
 """Expert placement: which expert each slot holds, planned from tokens per expert.
 
-EPLB-style and hierarchical (DESIGN.md section 7): pack experts onto nodes, replicate the
-hottest experts of each node into its spare slots, pack the node's slots onto its ranks,
-then swap slots between the most loaded rank and light ranks while that lowers the peak.
-A replicated expert's load splits evenly over its replicas, so a slot holding expert e
-carries load[e] / replicas(e) and a rank carries the sum over its slots.
-
-Every step loops over items (experts, slots, swaps) and runs numpy over the layer axis, so
-61 layers cost about as much as one.
+A slot holding expert e carries load[e] / replicas(e) (the router splits an expert's
+tokens evenly over its replicas) and a rank carries the sum over its slots; the plan keeps
+the largest rank small. Fresh plan (packing.py): replica counts from one global budget of
+spare slots (each to the largest load / replicas, so a very hot expert gets as many copies
+as it needs, on any node), slots packed onto ranks by balanced differencing, copies of
+one expert moved apart, then swaps between heavy and light ranks; finally ranks are
+ordered onto nodes so an expert's copies share nodes where the balance allows (a
+permutation: it never changes the balance). With a previous placement, the planner keeps
+it and re-fits replica counts and rank loads with few moved slots (docs/balancer.md).
 Legend: L layers, E experts, S slots, W ranks, N nodes, G = W / N ranks per node,
-X = E / N experts per node, P = S / W slots per rank, R most replicas of one expert.
+P = S / W slots per rank, R most replicas of one expert.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import dataclasses
 import numpy as np
 import torch
 
-# Swap partners per improvement step: this many lightest ranks + this many with the lightest slot.
-_SWAP_CANDIDATES = 8
-# A swap must lower the peak rank's load by this fraction of the mean rank load: smaller
-# gains are below the noise of the statistics and only lengthen the loop's tail.
-_MIN_DROP = 1e-3
-# A plan counts as no better than another when its peak rank load is within this factor.
-_REL_TOL = 1e-9
-# plan_placement keeps previous slots unless that raises the peak rank load by more than this fraction.
-DEFAULT_TOLERANCE = 1e-3
+from .baselines import eplb
+from .packing import (expand, improve, pack_differencing, pair_exchange, peak, replica_counts,
+                      separate_copies, slot_weights)
+
+# Rounds of all-pairs swaps before the peak-rank swaps (more rounds: little gain, more time).
+_PAIR_ROUNDS = 2
+# plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
+DEFAULT_TOLERANCE = 5e-3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,12 +127,13 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
                    previous: Placement | None = None, *, tolerance: float = DEFAULT_TOLERANCE) -> Placement:
     """Balanced placement for load [L, E] (or [E]) tokens per expert; deterministic.
 
-    With previous (same shape), per layer, the first of these whose peak rank load is at most
-    (1 + tolerance) x the fresh plan's: previous unchanged; previous improved by swaps
-    (stopping once within tolerance, so few slots move); the fresh plan with nodes, ranks
-    and slots permuted to match previous (permutations do not change the balance).
-    Migration moves weights and optimizer state, while 0.1% of the slowest rank's load is
-    below the noise of one statistics window; tolerance=0 keeps only what is as good.
+    With previous (same shape), per layer, the first of these whose rank imbalance
+    ((max - mean) / mean) is at most the fresh plan's + tolerance: previous unchanged;
+    previous re-fitted (replica counts changed where the fresh counts differ, each change
+    one slot, then a few swaps that lower the peak); the fresh plan with ranks and slots
+    permuted to match previous. Migration moves weights and optimizer state, so a
+    tolerance of 0.005 (the default) saves most moves; tolerance=0 keeps only what is
+    as good as the fresh plan.
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
@@ -142,21 +143,21 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     if num_experts % num_nodes != 0:
         raise ValueError(f"num_nodes ({num_nodes}) must divide the number of experts ({num_experts}) "
                          "so every node holds the same number of experts")
-    fresh_LS = _fresh_plan(load_LE, num_slots, num_nodes, num_ranks)
+    reps_LE = replica_counts(load_LE, num_slots, max(num_ranks, -(-num_slots // num_experts)))
+    fresh_LS = _fresh_plan(load_LE, reps_LE, num_nodes, num_ranks)
     if previous is None:
         return Placement(torch.from_numpy(fresh_LS), num_ranks, num_nodes, num_experts).validate()
     _check_previous(previous, load_LE.shape[0], num_experts, num_slots, num_nodes, num_ranks)
     prev_LS = previous.slot_to_expert.numpy()
-    allowed_L = _peak(load_LE, fresh_LS, num_ranks) * (1 + tolerance + _REL_TOL)  # [L] peak rank load
-    keep_L = _peak(load_LE, prev_LS, num_ranks) <= allowed_L
+    mean_L = load_LE.sum(1) / num_ranks
+    allowed_L = peak(load_LE, fresh_LS, num_ranks) + tolerance * mean_L + 1e-9 * (mean_L + 1)
+    keep_L = peak(load_LE, prev_LS, num_ranks) <= allowed_L
     if keep_L.all():
         return previous
-    # at most W / 2 swaps: a longer repair moves as many slots as the aligned fresh plan
-    warm_LS = _improve(load_LE, prev_LS.copy(), num_ranks, stop_peak_L=allowed_L, max_steps=num_ranks // 2)
-    out_LS = np.where(keep_L[:, None], prev_LS, warm_LS)
-    realign = np.flatnonzero(_peak(load_LE, warm_LS, num_ranks) > allowed_L)
-    if realign.size:
-        out_LS[realign] = _align(fresh_LS[realign], prev_LS[realign], num_nodes, num_ranks, num_experts)
+    todo = np.flatnonzero(~keep_L)
+    out_LS = prev_LS.copy()
+    out_LS[todo] = _keep_most(load_LE[todo], prev_LS[todo], fresh_LS[todo], reps_LE[todo], allowed_L[todo],
+                              num_nodes, num_ranks)
     return Placement(torch.from_numpy(np.ascontiguousarray(out_LS)), num_ranks, num_nodes,
                      num_experts).validate()
 
@@ -207,21 +208,6 @@ def _check_previous(prev: Placement, L: int, E: int, S: int, N: int, W: int) -> 
 
 # ----------------------------------------------------------------------------- loads
 
-def _slot_weights(load_LE: np.ndarray, s2e_LS: np.ndarray) -> np.ndarray:
-    """[L, S] load[e] / replicas(e) of each slot's expert."""
-    L, E = load_LE.shape
-    flat = (s2e_LS + np.arange(L)[:, None] * E).ravel()
-    reps = np.bincount(flat, minlength=L * E).reshape(L, E)
-    per_copy = load_LE / np.maximum(reps, 1)
-    return np.take_along_axis(per_copy, s2e_LS, axis=1)
-
-
-def _peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
-    """[L] largest rank load."""
-    L, S = s2e_LS.shape
-    return _slot_weights(load_LE, s2e_LS).reshape(L, W, S // W).sum(-1).max(-1)
-
-
 def _expert_to_slots(s2e_LS: np.ndarray, E: int) -> np.ndarray:
     L, S = s2e_LS.shape
     order = np.argsort(s2e_LS, axis=1, kind="stable")  # slots grouped by expert, ascending
@@ -235,159 +221,99 @@ def _expert_to_slots(s2e_LS: np.ndarray, E: int) -> np.ndarray:
     return out
 
 
-# ----------------------------------------------------------------------------- fresh plan
+# ----------------------------------------------------------------------------- plans
 
-def _fresh_plan(load_LE: np.ndarray, S: int, N: int, W: int) -> np.ndarray:
-    """[L, S] int64: nodes, replicas, ranks, then swaps."""
-    node_experts_LNX = _pack_nodes(load_LE, N)
-    node_load_LNX = np.take_along_axis(load_LE[:, None, :], node_experts_LNX, axis=2)
-    G = W // N
-    replicas_LNX = _replicate(node_load_LNX, S // N, G)
-    local_LNGP = _pack_ranks(node_load_LNX, replicas_LNX, G, S // W)
-    s2e = np.take_along_axis(node_experts_LNX[:, :, None, :], local_LNGP, axis=3)
-    return _improve(load_LE, s2e.reshape(load_LE.shape[0], S).astype(np.int64), W)
-
-
-def _pack_nodes(load_LE: np.ndarray, N: int) -> np.ndarray:
-    """[L, N, X] experts of each node: largest first into the least loaded node with room."""
-    L, E = load_LE.shape
-    X = E // N
-    order_LE = np.argsort(-load_LE, axis=1, kind="stable")  # ties: lower expert id first
-    rows = np.arange(L)
-    node_load = np.zeros((L, N))
-    count = np.zeros((L, N), dtype=np.int64)
-    out = np.empty((L, N, X), dtype=np.int64)
-    for k in range(E):
-        e = order_LE[:, k]
-        n = np.where(count < X, node_load, np.inf).argmin(axis=1)
-        node_load[rows, n] += load_LE[rows, e]
-        out[rows, n, count[rows, n]] = e
-        count[rows, n] += 1
-    return out
+def _fresh_plan(load_LE: np.ndarray, reps_LE: np.ndarray, N: int, W: int) -> np.ndarray:
+    """[L, S] int64: global replicas, differencing, copies apart, swaps (or EPLB's plan with
+    swaps where that ends lower), ranks onto nodes."""
+    experts, weight = expand(load_LE, reps_LE)
+    s2e = pack_differencing(experts, weight, W)
+    separate_copies(load_LE, s2e, W)
+    pair_exchange(load_LE, s2e, W, _PAIR_ROUNDS)
+    improve(load_LE, s2e, W)
+    # EPLB's two policies, improved by swaps, where they end lower: so never worse than EPLB
+    alt = improve(load_LE, eplb(load_LE, s2e.shape[1], N, W), W)
+    better = peak(load_LE, alt, W) < peak(load_LE, s2e, W)
+    s2e = np.where(better[:, None], alt, s2e)
+    return _group_nodes(s2e, N, W, load_LE.shape[1])
 
 
-def _replicate(load_LNX: np.ndarray, slots_per_node: int, G: int) -> np.ndarray:
-    """[L, N, X] replicas: each spare slot goes to the expert with the largest load / replicas.
+def _group_nodes(s2e_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
+    """Ranks reordered so that ranks sharing experts sit on one node (greedy, balance unchanged).
 
-    At most G replicas (one per rank of the node) unless the node has more slots than that
-    allows, since a second copy on one rank raises that rank's load instead of splitting it.
-    """
-    L, N, X = load_LNX.shape
-    cap = max(G, -(-slots_per_node // X))
-    reps = np.ones((L, N, X), dtype=np.int64)
-    for _ in range(slots_per_node - X):
-        score = np.where(reps < cap, load_LNX / reps, -np.inf)
-        best = score.argmax(axis=2)
-        np.put_along_axis(reps, best[..., None], np.take_along_axis(reps, best[..., None], 2) + 1, 2)
-    return reps
-
-
-def _pack_ranks(load_LNX: np.ndarray, reps_LNX: np.ndarray, G: int, P: int) -> np.ndarray:
-    """[L, N, G, P] local expert index (into the node's X experts) of every slot.
-
-    Slot copies, heaviest first, go to the least loaded rank of the node that has room and
-    does not yet hold that expert (or, when every such rank is full, any rank with room).
-    """
-    L, N, X = load_LNX.shape
-    items = G * P
-    local = np.repeat(np.tile(np.arange(X), L * N), reps_LNX.ravel()).reshape(L, N, items)
-    weight = np.take_along_axis(load_LNX / reps_LNX, local, axis=2)
-    order = np.argsort(-weight, axis=2, kind="stable")  # copies of one expert stay adjacent
-    local = np.take_along_axis(local, order, axis=2)
-    weight = np.take_along_axis(weight, order, axis=2)
-    li, ni = np.arange(L)[:, None], np.arange(N)[None, :]
-    rank_load = np.zeros((L, N, G))
-    count = np.zeros((L, N, G), dtype=np.int64)
-    holds = np.zeros((L, N, G, X), dtype=bool)
-    out = np.empty((L, N, G, P), dtype=np.int64)
-    for k in range(items):
-        x = local[:, :, k]
-        full = count >= P
-        blocked = full | holds[li, ni, :, x]
-        cand = np.where(blocked, np.inf, rank_load)
-        fallback = np.where(full, np.inf, rank_load)
-        g = np.where(np.isinf(cand).all(-1), fallback.argmin(-1), cand.argmin(-1))
-        rank_load[li, ni, g] += weight[:, :, k]
-        out[li, ni, g, count[li, ni, g]] = x
-        count[li, ni, g] += 1
-        holds[li, ni, g, x] = True
-    return out
-
-
-def _improve(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int, stop_peak_L: np.ndarray | None = None,
-             max_steps: int | None = None) -> np.ndarray:
-    """Swap slots between the most loaded rank and another while the pair's peak drops.
-
-    Each swap lowers the sum of squared rank loads, so the loop ends. Partners tried: the
-    _SWAP_CANDIDATES lightest ranks and the _SWAP_CANDIDATES ranks with the lightest slot
-    (a rank holding a tiny expert can be the best partner without being light); trying all
-    ranks gave the same balance in the quality benchmark at twice the time. A layer stops
-    when no swap helps or once its peak is at most stop_peak_L [L] (to move few slots).
-    Swaps never put an expert on a rank that already holds it. Works in place on s2e_LS.
+    Node by node, the free rank with the most copies of replicated experts seeds it and
+    the free ranks sharing the most experts with the node so far fill it.
     """
     L, S = s2e_LS.shape
-    P = S // W
-    if W < 2:
+    G, P = W // N, S // W
+    if N == 1 or G == 1:
         return s2e_LS
+    onehot = np.zeros((L, W, E), dtype=np.float32)
+    li = np.arange(L)[:, None, None]
+    np.add.at(onehot, (li, np.arange(W)[None, :, None], s2e_LS.reshape(L, W, P)), 1.0)
+    share = np.einsum("lae,lbe->lab", onehot, onehot)  # [L, W, W] experts shared by two ranks
+    rows = np.arange(L)
+    free = np.ones((L, W), dtype=bool)
+    order = np.empty((L, W), dtype=np.int64)
+    for n in range(N):
+        node_share = np.zeros((L, W), dtype=np.float32)
+        for g in range(G):
+            score = np.where(free, node_share if g else share.sum(2), -np.inf)
+            r = score.argmax(1)
+            order[:, n * G + g] = r
+            free[rows, r] = False
+            node_share += share[rows, r]
+    return np.take_along_axis(s2e_LS.reshape(L, W, P), order[:, :, None], 1).reshape(L, S)
+
+
+def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, reps_LE: np.ndarray,
+               allowed_L: np.ndarray, N: int, W: int) -> np.ndarray:
+    """[L, S] per layer the candidate within allowed_L that moves the fewest slots: previous
+    with swaps only; previous with the fresh replica counts, then swaps; the fresh plan
+    matched onto previous (always within: it is the fresh plan, permuted)."""
+    E = load_LE.shape[1]
+    cands = [improve(load_LE, prev_LS.copy(), W, stop_peak_L=allowed_L),
+             _refit(load_LE, prev_LS.copy(), reps_LE, W, allowed_L),
+             _align(fresh_LS, prev_LS, N, W, E)]
+    moves = np.stack([np.where(peak(load_LE, c, W) <= allowed_L, (c != prev_LS).sum(1), np.iinfo(np.int64).max)
+                      for c in cands[:2]] + [(cands[2] != prev_LS).sum(1)])
+    best = moves.argmin(0)
+    return np.choose(best[:, None], cands)
+
+
+def _refit(load_LE: np.ndarray, s2e_LS: np.ndarray, reps_LE: np.ndarray, W: int,
+           stop_peak_L: np.ndarray) -> np.ndarray:
+    """Previous placement with replica counts changed to reps_LE, then swaps until the peak
+    is at most stop_peak_L; in place. A count change rewrites one slot: a copy of an expert
+    with too many copies becomes one of an expert with too few, on the rank that ends up
+    lightest (and does not hold that expert yet)."""
+    L, S = s2e_LS.shape
+    E = load_LE.shape[1]
+    P = S // W
+    rows = np.arange(L)
+    w_E = load_LE / reps_LE  # [L, E] weight of a copy under the new counts
+    have = np.zeros((L, E), dtype=np.int64)
+    np.add.at(have, (rows[:, None], s2e_LS), 1)
     slots = s2e_LS.reshape(L, W, P)
-    w = _slot_weights(load_LE, s2e_LS).reshape(L, W, P)
-    rank = w.sum(-1)
-    active = np.ones(L, dtype=bool) if stop_peak_L is None else rank.max(-1) > stop_peak_L
-    K = min(_SWAP_CANDIDATES, W - 1)
-    min_drop_L = rank.mean(-1) * _MIN_DROP
-    for _ in range(max_steps if max_steps is not None else 8 * W):
-        ids = np.flatnonzero(active)
-        if ids.size == 0:
+    for _ in range(int(np.abs(have - reps_LE).sum(1).max()) // 2):
+        short = reps_LE - have  # > 0: needs copies
+        need = np.where(short > 0, w_E, -np.inf).argmax(1)  # heaviest expert short of copies
+        act = short[rows, need] > 0
+        if not act.any():
             break
-        gain = _swap_step(slots, w, rank, ids, K, min_drop_L[ids])
-        active[ids[~gain]] = False
-        if stop_peak_L is not None:
-            sel = ids[gain]
-            active[sel] &= rank[sel].max(-1) > stop_peak_L[sel]
-    return s2e_LS
-
-
-def _swap_step(slots_LWP: np.ndarray, w_LWP: np.ndarray, rank_LW: np.ndarray, ids: np.ndarray,
-               K: int, min_drop: np.ndarray) -> np.ndarray:
-    """One swap in each layer of ids between its peak rank and one of 2K candidate partners.
-
-    Picks the swap that leaves the pair's larger load smallest; updates the arrays in
-    place and returns [len(ids)] bool: whether the layer found a swap lowering its peak
-    rank's load by at least min_drop [len(ids)].
-    """
-    P = slots_LWP.shape[2]
-    n = np.arange(ids.size)
-    r_load = rank_LW[ids]
-    m = r_load.argmax(axis=1)
-    lm = r_load[n, m]
-    is_m = np.arange(r_load.shape[1])[None, :] == m[:, None]
-    light_rank = np.argpartition(np.where(is_m, np.inf, r_load), K - 1, axis=1)[:, :K]
-    light_slot = np.argpartition(np.where(is_m, np.inf, w_LWP[ids].min(-1)), K - 1, axis=1)[:, :K]
-    light = np.sort(np.concatenate([light_rank, light_slot], axis=1), axis=1)  # [l, 2K], never m
-    K = light.shape[1]
-    wm, em = w_LWP[ids, m], slots_LWP[ids, m]  # [l, P]
-    wl = np.take_along_axis(w_LWP[ids], light[..., None], 1)  # [l, K, P]
-    el = np.take_along_axis(slots_LWP[ids], light[..., None], 1)
-    ll = np.take_along_axis(r_load, light, 1)
-    d = wm[:, None, :, None] - wl[:, :, None, :]  # [l, K, i, j] load moved from m to the other
-    pair = np.maximum(lm[:, None, None, None] - d, ll[:, :, None, None] + d)
-    em_in_l = (el[:, :, None, :] == em[:, None, :, None]).any(-1)  # [l, K, i]
-    el_in_m = (el[:, :, :, None] == em[:, None, None, :]).any(-1)  # [l, K, j]
-    ok = (d > 0) & ~em_in_l[..., :, None] & ~el_in_m[..., None, :]
-    score = np.where(ok, pair, np.inf).reshape(ids.size, -1)
-    best = score.argmin(axis=1)
-    gain = score[n, best] < np.minimum(lm - min_drop, lm * (1 - 1e-12))
-    sel = ids[gain]
-    k, i, j = np.unravel_index(best[gain], (K, P, P))
-    mg, rg = m[gain], light[gain, k]
-    dg = d[gain, k, i, j]
-    ea, eb = slots_LWP[sel, mg, i], slots_LWP[sel, rg, j]
-    wa, wb = w_LWP[sel, mg, i], w_LWP[sel, rg, j]
-    slots_LWP[sel, mg, i], slots_LWP[sel, rg, j] = eb, ea
-    w_LWP[sel, mg, i], w_LWP[sel, rg, j] = wb, wa
-    rank_LW[sel, mg] -= dg
-    rank_LW[sel, rg] += dg
-    return gain
+        rank = np.take_along_axis(w_E, s2e_LS, 1).reshape(L, W, P).sum(-1)  # [L, W]
+        surplus = np.take_along_axis(have - reps_LE, s2e_LS, 1).reshape(L, W, P) > 0
+        holds = (slots == need[:, None, None]).any(-1, keepdims=True)
+        after = rank[..., None] - np.take_along_axis(w_E, s2e_LS, 1).reshape(L, W, P) + w_E[rows, need][:, None, None]
+        score = np.where(surplus & ~holds, after, np.inf).reshape(L, S)
+        pick = score.argmin(1)
+        act &= np.isfinite(score[rows, pick])
+        la, sa = rows[act], pick[act]
+        old = s2e_LS[la, sa]
+        have[la, old] -= 1
+        have[la, need[act]] += 1
+        s2e_LS[la, sa] = need[act]
+    return improve(load_LE, s2e_LS, W, stop_peak_L=stop_peak_L)
 
 
 # ----------------------------------------------------------------------------- keep slots

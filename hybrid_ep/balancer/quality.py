@@ -1,13 +1,17 @@
-"""`python -m hybrid_ep.balancer.quality`: how well and how fast the planner balances.
+"""`python -m hybrid_ep.balancer.quality`: the planner against EPLB and a greedy baseline.
 
-Quality: synthetic routings (top-K distinct experts per token, sampled from a popularity,
-hybrid_ep.synthetic) for E experts on W ranks in N nodes; rank imbalance with no balancing
-(expert e on rank e // (E/W)), placement only (S = E) and with spare slots (S > E).
-Patterns: Zipf over experts (a random expert order per layer), two hot experts on one rank
-(experts 0 and 1 at 10x the others' popularity), uniform with +-20% popularity noise.
-Timing: plan_placement on one CPU thread for a large model (61 layers, W=64, Zipf 1.2),
-median of repeats, fresh and with a previous placement planned from a load +-10% off.
-Writes balancer_planner.json and balancer_planner.png into --out.
+Loads: per layer, token counts drawn from a popularity (multinomial over top-K routes, or
+Gumbel top-K routing for the `topk-` patterns). Patterns: Zipf s = 0.6 .. 1.4 (random
+expert order per layer), log-normal popularity, two hot experts (25x and 18x the others),
+a hot contiguous block (E/16 experts at 6x), uniform with +-20% noise.
+Grid: W in --ranks, nodes 1, 2 and W/8 (8 ranks per node) where valid, S/E in --ratios
+(S rounded up to a multiple of W). Per case: rank imbalance (max - mean) / mean of the
+planner, EPLB (baselines.eplb: best of its hierarchical and global policies) and the
+greedy baseline, worst over layers; then the load perturbed by a factor in [0.9, 1.1]
+per expert, planned with previous= the first plan: moved-slot fraction and imbalance
+minus a fresh plan's. Timing: 61 layers x E x 64 ranks on one thread, fresh and with
+previous, median of repeats.
+Writes balancer_planner.json, balancer_planner.md and balancer_planner.png into --out.
 Legend: L layers, E experts, S slots, W ranks, N nodes, K routes per token.
 """
 
@@ -29,21 +33,31 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..synthetic import sample_topk, zipf_popularity
-from .metrics import default_rank_loads, imbalance_ratio, rank_loads
+from .baselines import eplb, greedy
+from .metrics import imbalance_ratio, rank_loads
 from .planner import plan_placement
 
-PATTERNS = ("zipf-0.8", "zipf-1.2", "two-hot", "uniform-noise")
-_CHUNK_TOKENS = 16384  # tokens sampled at once (a [chunk, E] float64 score matrix)
+PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
+            "two-hot", "hot-block", "uniform-noise", "topk-zipf-1.0", "topk-zipf-1.2")
+_CHUNK_TOKENS = 16384  # tokens sampled at once by the topk- patterns ([chunk, E] float64 scores)
 
 
 def popularity(pattern: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
-    """[E] float64 routing popularity of one layer for a pattern of PATTERNS."""
-    if pattern.startswith("zipf-"):
-        return zipf_popularity(num_experts, float(pattern[len("zipf-"):]), gen)
-    if pattern == "two-hot":
+    """[E] float64 routing popularity of one layer for a pattern of PATTERNS (topk- prefix ignored)."""
+    name = pattern[len("topk-"):] if pattern.startswith("topk-") else pattern
+    if name.startswith("zipf-"):
+        p = zipf_popularity(num_experts, float(name[len("zipf-"):]), gen)
+    elif name.startswith("lognormal-"):
+        p = torch.exp(float(name[len("lognormal-"):]) * torch.randn(num_experts, generator=gen, dtype=torch.float64))
+    elif name == "two-hot":
         p = torch.ones(num_experts, dtype=torch.float64)
-        p[:2] = 10.0
-    elif pattern == "uniform-noise":
+        p[torch.randperm(num_experts, generator=gen)[:2]] = torch.tensor([25.0, 18.0], dtype=torch.float64)
+    elif name == "hot-block":
+        p = torch.ones(num_experts, dtype=torch.float64)
+        width = max(1, num_experts // 16)
+        start = int(torch.randint(0, num_experts - width + 1, (1,), generator=gen))
+        p[start:start + width] = 6.0
+    elif name == "uniform-noise":
         p = 1.0 + 0.4 * (torch.rand(num_experts, generator=gen, dtype=torch.float64) - 0.5)
     else:
         raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, got {pattern!r}")
@@ -52,132 +66,199 @@ def popularity(pattern: str, num_experts: int, gen: torch.Generator) -> torch.Te
 
 def sample_load(pattern: str, num_layers: int, num_experts: int, topk: int, num_tokens: int,
                 seed: int) -> torch.Tensor:
-    """[L, E] float64 tokens per expert: num_tokens tokens, each routed to topk distinct experts."""
+    """[L, E] float64 tokens per expert for num_tokens tokens of topk routes each.
+
+    `topk-` patterns route every token to topk distinct experts (Gumbel top-k); the others
+    draw the num_tokens * topk routes as one multinomial over the popularity.
+    """
     gen = torch.Generator().manual_seed(seed)
     out = torch.zeros(num_layers, num_experts, dtype=torch.float64)
     for layer in range(num_layers):
         pop = popularity(pattern, num_experts, gen)
+        if not pattern.startswith("topk-"):
+            idx = torch.multinomial(pop, num_tokens * topk, replacement=True, generator=gen)
+            out[layer] = torch.bincount(idx, minlength=num_experts).to(torch.float64)
+            continue
         for start in range(0, num_tokens, _CHUNK_TOKENS):
             idx = sample_topk(min(_CHUNK_TOKENS, num_tokens - start), num_experts, topk, gen, popularity=pop)
             out[layer] += torch.bincount(idx.reshape(-1), minlength=num_experts).to(torch.float64)
     return out
 
 
+def grid(ranks: list[int], ratios: list[float], num_experts: int) -> list[tuple[int, int, int]]:
+    """(W, N, S) cases: nodes 1, 2 and W/8 (where N divides W and E), S = E x ratio rounded up to W."""
+    out = []
+    for W in ranks:
+        for N in sorted({1, 2, max(1, W // 8)}):
+            if W % N or num_experts % N or N > 16:
+                continue
+            for S in sorted({-(-int(round(num_experts * r)) // W) * W for r in ratios}):
+                out.append((W, N, S))
+    return out
+
+
+def imbalance(load_LE: np.ndarray, s2e_LS, W: int) -> np.ndarray:
+    """[L] rank imbalance of a placement."""
+    return np.asarray(imbalance_ratio(rank_loads(load_LE, torch.as_tensor(np.asarray(s2e_LS)), W)))
+
+
 def quality(args) -> list[dict]:
+    """One row per (pattern, W, N, S): worst-layer imbalance of each planner, moves under perturbation."""
     rows = []
-    num_nodes = args.ranks // args.ranks_per_node
-    for i, pattern in enumerate(PATTERNS):
-        _progress(f"[{i + 1}/{len(PATTERNS)}] sampling {pattern}: {args.layers} layers x "
-                  f"{args.tokens_per_rank * args.ranks} tokens x top-{args.topk}")
-        load = sample_load(pattern, args.layers, args.experts, args.topk, args.tokens_per_rank * args.ranks,
-                           args.seed + i)
-        row = {"pattern": pattern, "none": _stats(imbalance_ratio(default_rank_loads(load, args.ranks)))}
-        for slots in args.slots:
-            p = plan_placement(load, slots, num_nodes, args.ranks)
-            row[f"S={slots}"] = _stats(imbalance_ratio(rank_loads(load, p, args.ranks)))
-        rows.append(row)
+    cases = grid(args.ranks, args.ratios, args.experts)
+    for i, pattern in enumerate(args.patterns):
+        _progress(f"[{i + 1}/{len(args.patterns)}] {pattern}: {len(cases)} cases x {args.layers} layers")
+        for W, N, S in cases:
+            seed = args.seed + 1000 * i + W
+            load = sample_load(pattern, args.layers, args.experts, args.topk, args.tokens_per_rank * W, seed).numpy()
+            p = plan_placement(load, S, N, W)
+            rng = np.random.default_rng(seed)
+            moved_load = load * rng.uniform(0.9, 1.1, load.shape)
+            fresh = plan_placement(moved_load, S, N, W)
+            kept = plan_placement(moved_load, S, N, W, previous=p)
+            rows.append({
+                "pattern": pattern, "num_experts": args.experts, "num_ranks": W, "num_nodes": N, "num_slots": S,
+                "planner": float(imbalance(load, p.slot_to_expert, W).max()),
+                "eplb": float(imbalance(load, eplb(load, S, N, W), W).max()),
+                "greedy": float(imbalance(load, greedy(load, S, W), W).max()),
+                "moved_fraction": float(kept.moves(p).sum()) / (args.layers * S),
+                "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
+                "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W)
+                                             - imbalance(moved_load, fresh.slot_to_expert, W)).max()),
+            })
     return rows
 
 
+def summarize_patterns(rows: list[dict]) -> list[dict]:
+    """Per pattern: worst imbalance (cases with spare slots, and placement only), margins, moves."""
+    out = []
+    for pattern in dict.fromkeys(r["pattern"] for r in rows):
+        mine = [r for r in rows if r["pattern"] == pattern]
+        spare = [r for r in mine if r["num_slots"] > r["num_experts"]]
+        only = [r for r in mine if r not in spare]
+        out.append({
+            "pattern": pattern, "cases": len(mine),
+            **{f"worst_{k}": max((r[k] for r in spare), default=float("nan")) for k in ("planner", "eplb", "greedy")},
+            **{f"worst_{k}_placement_only": max((r[k] for r in only), default=float("nan"))
+               for k in ("planner", "eplb", "greedy")},
+            "max_planner_minus_eplb": max(r["planner"] - r["eplb"] for r in mine),
+            "max_planner_minus_greedy": max(r["planner"] - r["greedy"] for r in mine),
+            "cases_worse_than_eplb": sum(r["planner"] > r["eplb"] + 1e-12 for r in mine),
+            "moved_fraction_mean": float(np.mean([r["moved_fraction"] for r in mine])),
+            "moved_fraction_max": max(r["moved_fraction"] for r in mine),
+            "max_imbalance_vs_fresh": max(r["imbalance_vs_fresh"] for r in mine),
+        })
+    return out
+
+
 def timing(args) -> list[dict]:
-    """Median planning time on one thread for a Zipf-1.2 load; previous comes from a load +-10% off."""
-    L, E, W, N = args.time_layers, args.experts, args.time_ranks, args.time_ranks // args.ranks_per_node
-    _progress(f"timing: sampling zipf-1.2, {L} layers x {args.time_tokens} tokens x top-{args.topk}")
-    load = sample_load("zipf-1.2", L, E, args.topk, args.time_tokens, args.seed + 100)
-    gen = torch.Generator().manual_seed(args.seed)
-    perturbed = load * (1 + 0.2 * (torch.rand(L, E, generator=gen, dtype=torch.float64) - 0.5))
+    """Median planning time on one thread for a topk-Zipf-1.2 load; previous planned from a load +-10% off."""
+    L, E, W, N = args.time_layers, args.experts, args.time_ranks, args.time_ranks // 8
+    _progress(f"timing: sampling topk-zipf-1.2, {L} layers x {args.time_tokens} tokens x top-{args.topk}")
+    load = sample_load("topk-zipf-1.2", L, E, args.topk, args.time_tokens, args.seed + 100).numpy()
+    perturbed = load * np.random.default_rng(args.seed).uniform(0.9, 1.1, load.shape)
     out = []
     for slots in args.time_slots:
         _progress(f"timing S={slots}: {L} layers, E={E}, W={W}, {N} nodes, {args.repeats} repeats")
-        fresh = [_timed(lambda: plan_placement(load, slots, N, W)) for _ in range(args.repeats)]
+        fresh = [_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
         previous = plan_placement(load, slots, N, W)
         warm = [_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
                 for _ in range(args.repeats)]
+        cpu_fresh = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
+        cpu_warm = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
+                    for _ in range(args.repeats)]
         again = plan_placement(perturbed, slots, N, W, previous=previous)
+        fresh_plan = plan_placement(perturbed, slots, N, W)
         out.append({"num_slots": slots, "num_layers": L, "num_experts": E, "num_ranks": W, "num_nodes": N,
                     "fresh_ms": 1e3 * statistics.median(fresh), "with_previous_ms": 1e3 * statistics.median(warm),
+                    "fresh_cpu_ms": 1e3 * statistics.median(cpu_fresh),
+                    "with_previous_cpu_ms": 1e3 * statistics.median(cpu_warm),
                     "moves_with_previous": int(again.moves(previous).sum()), "slots_total": L * slots,
-                    "imbalance_fresh": float(imbalance_ratio(rank_loads(load, previous, W)).mean()),
-                    "imbalance_with_previous": float(imbalance_ratio(rank_loads(perturbed, again, W)).mean())})
+                    "imbalance_fresh": float(imbalance(perturbed, fresh_plan.slot_to_expert, W).mean()),
+                    "imbalance_with_previous": float(imbalance(perturbed, again.slot_to_expert, W).mean())})
     return out
 
 
 def _timed(fn) -> float:
+    """Wall seconds (time.perf_counter) of one call."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def _stats(imb: torch.Tensor) -> dict:
-    return {"mean": float(imb.mean()), "max": float(imb.max())}
+def _cpu_timed(fn) -> float:
+    """CPU seconds of this process (time.process_time): what a shared machine's other jobs do not add."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def print_tables(doc: dict) -> None:
-    cols = ["none"] + [f"S={s}" for s in doc["config"]["slots"]]
-    print(f"rank imbalance (max - mean) / mean, mean [max] over {doc['config']['layers']} layers; "
-          f"E={doc['config']['experts']}, W={doc['config']['ranks']}, top-{doc['config']['topk']}")
-    print(f"{'pattern':<15}" + "".join(f"{c:>20}" for c in cols))
-    for row in doc["quality"]:
-        print(f"{row['pattern']:<15}" + "".join(f"{row[c]['mean']:>11.4f} [{row[c]['max']:.4f}]" for c in cols))
-    print(f"\nplanning time, one thread, median of {doc['config']['repeats']}")
-    print(f"{'L x E, W, S':<26}{'fresh ms':>10}{'prev ms':>10}{'moves':>14}{'imb fresh':>11}{'imb prev':>10}")
+def markdown(doc: dict) -> str:
+    """The tables of balancer_planner.md."""
+    lines = ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
+             "| max planner - EPLB | max planner - greedy | moved slots mean / max | max imbalance - fresh |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in doc["patterns"]:
+        lines.append(
+            f"| {s['pattern']} | {s['cases']} | {s['worst_planner']:.4f} | {s['worst_eplb']:.4f} | "
+            f"{s['worst_greedy']:.4f} | {s['worst_planner_placement_only']:.3f} / {s['worst_eplb_placement_only']:.3f}"
+            f" / {s['worst_greedy_placement_only']:.3f} | {s['max_planner_minus_eplb']:+.4f} | "
+            f"{s['max_planner_minus_greedy']:+.4f} | {100 * s['moved_fraction_mean']:.1f}% / "
+            f"{100 * s['moved_fraction_max']:.1f}% | {s['max_imbalance_vs_fresh']:+.4f} |")
+    lines += ["", "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | slots moved "
+              "| imbalance fresh / with previous |", "|---|---|---|---|---|"]
     for t in doc["timing"]:
-        shape = f"{t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_slots']}"
-        print(f"{shape:<26}{t['fresh_ms']:>10.1f}{t['with_previous_ms']:>10.1f}"
-              f"{t['moves_with_previous']:>7}/{t['slots_total']:<6}{t['imbalance_fresh']:>11.4f}"
-              f"{t['imbalance_with_previous']:>10.4f}")
+        lines.append(f"| {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, {t['num_slots']} "
+                     f"| {t['fresh_ms']:.1f} ({t['fresh_cpu_ms']:.1f}) | {t['with_previous_ms']:.1f} "
+                     f"({t['with_previous_cpu_ms']:.1f}) | {t['moves_with_previous']} / "
+                     f"{t['slots_total']} ({100 * t['moves_with_previous'] / t['slots_total']:.1f}%) | "
+                     f"{t['imbalance_fresh']:.4f} / {t['imbalance_with_previous']:.4f} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict, path: str) -> str:
-    fig = Figure(figsize=(11, 4.2))
+    fig = Figure(figsize=(13, 5.2))
     ax = fig.add_subplot(1, 2, 1)
-    cols = ["none"] + [f"S={s}" for s in doc["config"]["slots"]]
-    x = np.arange(len(doc["quality"]))
-    width = 0.8 / len(cols)
-    for j, col in enumerate(cols):
-        vals = [max(r[col]["mean"], 1e-5) for r in doc["quality"]]
-        label = "no balancing" if col == "none" else col
-        if col == f"S={doc['config']['experts']}":
-            label += " (placement only)"
-        ax.bar(x + (j - (len(cols) - 1) / 2) * width, vals, width, label=label)
-    ax.axhline(0.05, color="k", ls="--", lw=0.8, label="target 0.05")
+    pats = doc["patterns"]
+    x = np.arange(len(pats))
+    for j, (key, label) in enumerate((("planner", "planner"), ("eplb", "EPLB (best of 2 policies)"),
+                                      ("greedy", "greedy + LPT"))):
+        ax.bar(x + (j - 1) * 0.27, [max(s[f"worst_{key}"], 1e-5) for s in pats], 0.27, label=label)
     ax.set_yscale("log")
-    ax.set_xticks(x, [r["pattern"] for r in doc["quality"]], fontsize=8)
-    ax.set_ylabel("rank imbalance (mean over layers, log)")
-    ax.set_title(f"E={doc['config']['experts']}, W={doc['config']['ranks']}, top-{doc['config']['topk']}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
+    ax.set_ylabel("worst rank imbalance, cases with spare slots (log)", fontsize=10)
+    ax.set_title(f"E={doc['config']['experts']}, W in {doc['config']['ranks']}, S/E in {doc['config']['ratios']}",
+                 fontsize=10)
+    ax.legend(fontsize=9)
     ax = fig.add_subplot(1, 2, 2)
-    labels = [f"S={t['num_slots']}" for t in doc["timing"]]
-    xt = np.arange(len(labels))
-    ax.bar(xt - 0.2, [t["fresh_ms"] for t in doc["timing"]], 0.4, label="fresh")
-    ax.bar(xt + 0.2, [t["with_previous_ms"] for t in doc["timing"]], 0.4, label="with previous")
-    ax.axhline(50, color="k", ls="--", lw=0.8, label="budget 50 ms")
-    ax.set_xticks(xt, labels)
-    ax.set_ylabel("ms (median, one thread)")
-    t0 = doc["timing"][0] if doc["timing"] else {}
-    ax.set_title(f"planning time: {t0.get('num_layers')} layers, E={t0.get('num_experts')}, "
-                 f"W={t0.get('num_ranks')}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=9)
+    ax.bar(x - 0.2, [100 * s["moved_fraction_mean"] for s in pats], 0.4, label="mean over cases")
+    ax.bar(x + 0.2, [100 * s["moved_fraction_max"] for s in pats], 0.4, label="worst case")
+    ax.axhline(10, color="k", ls="--", lw=0.8, label="target 10%")
+    ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
+    ax.set_ylabel("slots moved after a +-10% load change (%)", fontsize=10)
+    ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)", fontsize=10)
+    ax.legend(fontsize=9)
+    fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=11)
     fig.tight_layout()
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.quality", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.quality", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--ranks", type=int, default=32, help="W for the quality runs")
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    p.add_argument("--ratios", type=float, nargs="+", default=[1.0, 1.125, 1.25, 1.5], help="S / E")
+    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--tokens-per-rank", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=4, help="layers per pattern (each sampled separately)")
-    p.add_argument("--slots", type=int, nargs="+", default=[256, 288], help="slot counts to plan for")
+    p.add_argument("--layers", type=int, default=2, help="layers per case (each sampled separately)")
     p.add_argument("--time-layers", type=int, default=61)
     p.add_argument("--time-ranks", type=int, default=64)
     p.add_argument("--time-slots", type=int, nargs="+", default=[256, 320])
@@ -196,14 +277,17 @@ def main(argv=None) -> int:
            "command": shlex.join(["python", "-m", "hybrid_ep.balancer.quality"]
                                  + list(sys.argv[1:] if argv is None else argv)),
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "machine")}}
-    doc["quality"] = quality(args)
     doc["timing"] = timing(args)
+    doc["cases"] = quality(args)
+    doc["patterns"] = summarize_patterns(doc["cases"])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "balancer_planner.json"), "w") as f:
         json.dump(doc, f, indent=1)
+    with open(os.path.join(args.out, "balancer_planner.md"), "w") as f:
+        f.write(markdown(doc))
     plot(doc, os.path.join(args.out, "balancer_planner.png"))
-    print_tables(doc)
-    print(f"\nwrote {os.path.join(args.out, 'balancer_planner.json')} and balancer_planner.png")
+    print(markdown(doc))
+    print(f"wrote {args.out}/balancer_planner.json, .md and .png")
     return 0
 
 

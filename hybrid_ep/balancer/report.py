@@ -19,11 +19,23 @@ import os
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from ..metadata import metadata
 from .metrics import SUMMARY_CONFIG_KEYS, SUMMARY_UNITS
 
 _PANEL_COLUMNS = 8  # panels per row of a heatmap: 61 layers -> 8 x 8 small panels
+# Bytes a moved slot carries per expert parameter: bf16 weight (2), fp32 main weight (4),
+# Adam's two fp32 moments (8). Mixed-precision training with Adam; pass your own otherwise.
+DEFAULT_BYTES_PER_PARAM = 2 + 4 + 8
+
+
+def slot_bytes(params_per_slot: int, bytes_per_param: int = DEFAULT_BYTES_PER_PARAM) -> int:
+    """Bytes one slot's migration moves: its expert's parameters x bytes per parameter."""
+    for name, value in (("params_per_slot", params_per_slot), ("bytes_per_param", bytes_per_param)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(params_per_slot) * int(bytes_per_param)
 
 
 def save_statistics(path: str, load, history=None, steps=None, ep_size: int | None = None,
@@ -90,62 +102,103 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
         raise ValueError(f"layer_names has {len(names)} entries, history has {L} layers")
     cols = min(_PANEL_COLUMNS, L)
     rows = math.ceil(L / cols)
-    fig = Figure(figsize=(2.0 * cols + 1.2, 1.7 * rows + 0.9))
+    fig = Figure(figsize=(2.6 * cols + 1.6, 2.2 * rows + 1.2))
     top = vmax if vmax is not None else float(hist.max()) if hist.size else 1.0
     image = None
     for i in range(L):
         ax = fig.add_subplot(rows, cols, i + 1)
         image = ax.imshow(hist[:, i, :], aspect="auto", interpolation="nearest", cmap="viridis",
                           vmin=0.0, vmax=max(top, 1e-12), origin="upper")
-        ax.set_title(str(names[i]), fontsize=7)
-        ax.tick_params(labelsize=5)
+        ax.set_title(str(names[i]), fontsize=10)
+        ax.tick_params(labelsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
         if i % cols == 0:
-            ax.set_ylabel("interval", fontsize=6)
-        if i >= L - cols:
-            ax.set_xlabel("rank", fontsize=6)
-    fig.suptitle(f"{title} ({T} intervals x {W} ranks)", fontsize=10)
-    fig.subplots_adjust(left=0.05, right=0.9, bottom=0.06, top=1 - 0.9 / fig.get_figheight(),
-                        hspace=0.6, wspace=0.35)
-    cax = fig.add_axes([0.92, 0.1, 0.015, 0.75])
-    fig.colorbar(image, cax=cax).set_label("tokens", fontsize=8)
+            ax.set_ylabel("interval", fontsize=9)
+        if i + cols >= L:  # lowest panel of its column
+            ax.set_xlabel("EP rank", fontsize=9)
+    fig.suptitle(f"{title} ({T} intervals x {W} ranks)", fontsize=13)
+    fig.subplots_adjust(left=0.06, right=0.88, bottom=0.08, top=1 - 1.0 / fig.get_figheight(),
+                        hspace=0.7, wspace=0.35)
+    cax = fig.add_axes([0.91, 0.12, 0.015, 0.72])
+    bar = fig.colorbar(image, cax=cax)
+    bar.set_label("tokens routed to the rank in one interval", fontsize=10)
+    bar.ax.tick_params(labelsize=9)
     return _save(fig, path)
 
 
-def write_imbalance_plot(summary: dict, path: str) -> str:
-    """Bars per layer of rank imbalance before and after (and slot imbalance), from metrics.summarize."""
+def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = None) -> str:
+    """Bars per layer (numbered from 1, as in the tables) of rank and slot imbalance before
+    and after, and slots moved, from metrics.summarize; with bytes_per_slot (slot_bytes)
+    the moved bytes too."""
     L = len(summary["imbalance_rank_after"])
-    x = np.arange(L)
-    fig = Figure(figsize=(max(6.0, 0.22 * L + 2), 6.0))
+    x = np.arange(1, L + 1)
+    fig = Figure(figsize=(max(7.0, 0.22 * L + 2.5), 8.5))
     for row, level in enumerate(("rank", "slot")):
-        ax = fig.add_subplot(2, 1, row + 1)
+        ax = fig.add_subplot(3, 1, row + 1)
         ax.bar(x - 0.2, summary[f"imbalance_{level}_before"], width=0.4, label="before", color="tab:red")
         ax.bar(x + 0.2, summary[f"imbalance_{level}_after"], width=0.4, label="after", color="tab:green")
-        ax.set_ylabel(f"{level} imbalance\n(max - mean) / mean", fontsize=8)
-        ax.set_xlim(-0.7, L - 0.3)
+        ax.set_ylabel(f"{level} imbalance\n(max - mean) / mean", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-    ax.set_xlabel("layer")
+        ax.legend(fontsize=9)
+    ax = fig.add_subplot(3, 1, 3)
+    moves = np.asarray(summary["moves"], dtype=np.int64)
+    ax.bar(x, moves, width=0.6, color="tab:blue")
+    ax.set_ylabel("slots moved", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    total = f"{int(moves.sum())} slots moved"
+    if bytes_per_slot is not None:
+        scale, unit = _byte_unit(float(moves.max(initial=0)) * bytes_per_slot)
+        right = ax.twinx()
+        right.set_ylim(ax.get_ylim()[0] * bytes_per_slot / scale, ax.get_ylim()[1] * bytes_per_slot / scale)
+        right.set_ylabel(f"moved ({unit})", fontsize=10)
+        t_scale, t_unit = _byte_unit(float(moves.sum()) * bytes_per_slot)
+        total += f" = {moves.sum() * bytes_per_slot / t_scale:.3g} {t_unit} ({bytes_per_slot} B per slot)"
+    ax.set_title(total, fontsize=10)
+    ax.set_xlabel("layer", fontsize=10)
+    ticks = np.arange(1, L + 1, max(1, math.ceil(L / 20)))
+    for a in fig.axes:
+        a.set_xlim(0.3, L + 0.7)
+        a.set_xticks(ticks)
+        a.tick_params(labelsize=9)
     fig.suptitle(f"balancer: {summary['num_experts']} experts in {summary['num_slots']} slots on "
-                 f"{summary['num_ranks']} ranks ({summary['num_nodes']} nodes), {sum(summary['moves'])} slots moved",
-                 fontsize=9)
+                 f"{summary['num_ranks']} ranks ({summary['num_nodes']} nodes)", fontsize=11)
+    fig.tight_layout()
     return _save(fig, path)
+
+
+def _byte_unit(value: float) -> tuple[float, str]:
+    """(divisor, unit) that shows value as a short number."""
+    for scale, unit in ((2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"), (2.0 ** 10, "KiB")):
+        if value >= scale:
+            return scale, unit
+    return 1.0, "B"
 
 
 def write_report(summary: dict, directory: str, history=None, step: int | None = None,
-                 history_before=None, layer_names=None) -> dict[str, str]:
+                 history_before=None, layer_names=None, bytes_per_slot: int | None = None) -> dict[str, str]:
     """Write summary JSON, the imbalance plot and, with history [T, L, W] tokens per rank
     under the new placement (and history_before under the old one), heatmaps; return
     {kind: path}. step, when given, is recorded and suffixes the file names.
+    bytes_per_slot (see slot_bytes): adds moved_bytes per layer and in total to the JSON
+    and the plot.
     """
+    if bytes_per_slot is not None and (int(bytes_per_slot) != bytes_per_slot or bytes_per_slot < 1):
+        raise ValueError(f"bytes_per_slot must be a positive integer, got {bytes_per_slot!r}")
     os.makedirs(directory, exist_ok=True)
     tag = "" if step is None else f"_step{int(step)}"
     doc = {"metadata": metadata("hybrid_ep.balancer", device_type="cpu", units=SUMMARY_UNITS,
                                 config={k: summary[k] for k in SUMMARY_CONFIG_KEYS} | {"step": step}),
            **summary, "step": step}
+    if bytes_per_slot is not None:
+        doc["bytes_per_slot"] = int(bytes_per_slot)
+        doc["moved_bytes"] = [int(m) * int(bytes_per_slot) for m in summary["moves"]]
+        doc["moved_bytes_total"] = sum(doc["moved_bytes"])
     paths = {"summary": os.path.join(directory, f"balancer_summary{tag}.json")}
     with open(paths["summary"], "w") as f:
         json.dump(doc, f, indent=1)
-    paths["imbalance"] = write_imbalance_plot(summary, os.path.join(directory, f"imbalance{tag}.png"))
+    paths["imbalance"] = write_imbalance_plot(summary, os.path.join(directory, f"imbalance{tag}.png"),
+                                              bytes_per_slot=bytes_per_slot)
     hists = {"heatmap_after": history, "heatmap_before": history_before}
     present = [_as_array(h, np.float64, name) for name, h in hists.items() if h is not None]
     vmax = max((float(h.max()) for h in present if h.size), default=None)
