@@ -9,6 +9,8 @@
 #                                                #     emulated cases (memcheck racecheck synccheck)
 #   bash scripts/gpu_check.sh bench    RESULTS   # (c) the emulated benchmark sweep
 #   bash scripts/gpu_check.sh ncu      RESULTS   # (d) ncu on dispatch and combine, seed shape
+#   bash scripts/gpu_check.sh nvshmem  RESULTS   # (e) NVSHMEM transport, 2 and 4 PEs on the GPU,
+#                                                #     without and with MPS (summary: nvshmem_summary.txt)
 #
 # Every stage builds the extension first unless hybrid_ep/_C*.so is newer than csrc/ and
 # setup.py. Environment: PYTHON (default python3), HYBRID_EP_CUDA_ARCHS (default 90a),
@@ -16,7 +18,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '6,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '6,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -24,7 +26,7 @@ stage=$1
 results=$2
 shift 2
 case "$stage" in
-    build|test|sanitize|bench|ncu) ;;
+    build|test|sanitize|bench|ncu|nvshmem) ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; usage ;;
 esac
 if [ "$stage" != sanitize ] && [ $# -gt 0 ]; then
@@ -138,6 +140,54 @@ run_ncu() {
     return "$rc"
 }
 
+# Several processes on the one GPU, each one NVSHMEM PE (hybrid_ep.testing.nvshmem_selftest):
+# without MPS (NVSHMEM's limited support of several PEs per GPU) and with the MPS daemon
+# started here (full support), each with NVSHMEM's default CUDA VMM heap and with
+# NVSHMEM_DISABLE_CUDA_VMM=1. Every combination is logged; the stage passes when some
+# combination works for both 2 and 4 PEs.
+run_nvshmem() {
+    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+        say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
+    local per_run=$((budget / 8)) mps vmm procs rc name worked2="" worked4=""
+    local summary="$results/nvshmem_summary.txt"
+    : > "$summary"
+    export CUDA_MPS_PIPE_DIRECTORY="$results/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    for mps in off on; do
+        if [ "$mps" = on ]; then
+            if ! nvidia-cuda-mps-control -d > "$results/mps/start.log" 2>&1; then
+                echo "mps=on: nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")" | tee -a "$summary"
+                break
+            fi
+            trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
+            sleep 1
+        fi
+        for vmm in default off; do
+            for procs in 2 4; do
+                name="mps-${mps}_vmm-${vmm}_p${procs}"
+                say "NVSHMEM self-test, $procs PEs, MPS $mps, CUDA VMM heap $vmm (log: nvshmem/$name/)"
+                if [ "$vmm" = off ]; then export NVSHMEM_DISABLE_CUDA_VMM=1; else unset NVSHMEM_DISABLE_CUDA_VMM; fi
+                timeout --signal=INT "$per_run" "$py" -m hybrid_ep.testing.nvshmem_selftest --procs "$procs" \
+                    --deadline $((per_run - 5)) --out "$results/nvshmem/$name" > "$results/nvshmem_$name.log" 2>&1
+                rc=$?
+                local log="$results/nvshmem_$name.log" why
+                why=$(grep -m1 -E '^rank .*(failed|did not|differ|killed|stopped|wrote no)' "$log" || tail -1 "$log")
+                echo "mps=$mps vmm=$vmm procs=$procs: exit $rc; $why" | tee -a "$summary"
+                if [ "$rc" -eq 0 ]; then
+                    if [ "$procs" = 2 ]; then worked2+=" $mps/$vmm"; else worked4+=" $mps/$vmm"; fi
+                fi
+            done
+        done
+        unset NVSHMEM_DISABLE_CUDA_VMM
+        if [ "$mps" = on ]; then
+            echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+            trap - EXIT
+        fi
+    done
+    say "worked with 2 PEs (mps/vmm):${worked2:- none}; with 4 PEs:${worked4:- none}"
+    [ -n "$worked2" ] && [ -n "$worked4" ]
+}
+
 machine_facts
 build
 case "$stage" in
@@ -146,4 +196,5 @@ case "$stage" in
     sanitize) run_sanitizer "$@" ;;
     bench) run_bench ;;
     ncu) run_ncu ;;
+    nvshmem) run_nvshmem ;;
 esac

@@ -48,8 +48,26 @@ case "$*" in
   *"-m pytest"*) echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
+  *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
+  *"-m hybrid_ep.testing.nvshmem_selftest"*)
+    mps=off; [ -e "$HOME/mps_running" ] && mps=on
+    echo "selftest mps=$mps vmm_disabled=${NVSHMEM_DISABLE_CUDA_VMM:-} pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$CALLS"
+    case "${NVSHMEM_PASS_WHEN:-always}:$mps" in
+      always:*|mps:on) echo "nvshmem self-test, 2 PEs on one GPU: PASSED"; exit 0 ;;
+      *) echo "rank 1/2: failed at nvshmem init: NvshmemInitError: boom"
+         echo "nvshmem self-test, 2 PEs on one GPU: FAILED"; exit 1 ;;
+    esac ;;
 esac
 exit 0
+''')
+    # MPS control daemon: -d starts it (a marker file), "quit" on stdin stops it.
+    _stub(bin_dir / "nvidia-cuda-mps-control", r'''
+if [ "$1" = "-d" ]; then
+  echo "mps-control -d pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$CALLS"
+  [ -n "${MPS_START_FAILS:-}" ] && { echo "cannot start MPS"; exit 1; }
+  touch "$HOME/mps_running"; exit 0
+fi
+echo "mps-control $(cat)" >> "$CALLS"; rm -f "$HOME/mps_running"
 ''')
     _stub(bin_dir / "nvidia-smi", 'echo "NVIDIA H100 80GB HBM3, 580.00, 81559 MiB"\n')
     _stub(bin_dir / "nvcc", 'echo "Cuda compilation tools, release 13.0"\n')
@@ -154,3 +172,43 @@ def test_the_script_names_no_installer():
     text = SCRIPT.read_text()
     for word in ("pip ", "env.sh", "curl", "wget", "venv", "conda", "apt-get"):
         assert word not in text.split("# Every stage")[1], word
+
+
+def _selftests(calls: str) -> list[str]:
+    return [line for line in calls.splitlines() if line.startswith(("selftest", "mps-control"))]
+
+
+def test_nvshmem_stage_tries_each_combination_without_and_with_mps(machine):
+    _, results, run = machine
+    proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="mps")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pipe = f"pipe={results}/mps/pipe"
+    runs = [f"selftest mps={m} vmm_disabled={v} {pipe}" for m in ("off", "on") for v in ("", "1") for _ in (2, 4)]
+    assert _selftests(calls) == runs[:4] + [f"mps-control -d {pipe}"] + runs[4:] + ["mps-control quit"]
+    runner = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    assert [line.split("--procs ")[1].split()[0] for line in runner] == ["2", "4"] * 4
+    assert f"--out {results}/nvshmem/mps-on_vmm-off_p4" in runner[-1]
+    summary = (results / "nvshmem_summary.txt").read_text().splitlines()
+    assert summary[0] == "mps=off vmm=default procs=2: exit 1; rank 1/2: failed at nvshmem init: NvshmemInitError: boom"
+    assert summary[4] == "mps=on vmm=default procs=2: exit 0; nvshmem self-test, 2 PEs on one GPU: PASSED"
+    assert [line.split(": ")[1].split(";")[0] for line in summary] == ["exit 1"] * 4 + ["exit 0"] * 4
+    assert "worked with 2 PEs (mps/vmm): on/default on/off; with 4 PEs: on/default on/off" in proc.stdout
+
+
+def test_nvshmem_stage_fails_when_nothing_works_or_nvshmem_is_not_built(machine):
+    _, results, run = machine
+    proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="never")
+    assert proc.returncode == 1 and "worked with 2 PEs (mps/vmm): none; with 4 PEs: none" in proc.stdout
+    assert _selftests(calls)[-1] == "mps-control quit"  # the daemon it started is stopped
+    proc, calls = run("nvshmem", str(results), HAS_NVSHMEM_RC="1")
+    assert proc.returncode == 1 and "built without NVSHMEM" in proc.stdout
+    assert sum(line.startswith("selftest mps=") for line in calls.splitlines()) == 8  # the first run's only
+
+
+def test_nvshmem_stage_reports_an_mps_daemon_that_does_not_start(machine):
+    _, results, run = machine
+    proc, calls = run("nvshmem", str(results), MPS_START_FAILS="1")
+    assert proc.returncode == 0, proc.stdout
+    summary = (results / "nvshmem_summary.txt").read_text().splitlines()
+    assert len(summary) == 5 and summary[4] == "mps=on: nvidia-cuda-mps-control -d failed: cannot start MPS"
+    assert "mps-control quit" not in calls

@@ -28,6 +28,7 @@ void bind_nvshmem(py::module_& m) {
   m.def("nvshmem_finalize", &host::finalize, py::call_guard<py::gil_scoped_release>());
 
   m.def("nvshmem_selftest_region_bytes", &nvshmem_selftest::region_bytes);
+  m.def("nvshmem_selftest_clear", &nvshmem_selftest::clear, py::call_guard<py::gil_scoped_release>());
   m.def("nvshmem_selftest", [](uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes,
                                uint64_t epoch, uint64_t timeout_ns, uint64_t stream) {
     nvshmem_selftest::Result r;

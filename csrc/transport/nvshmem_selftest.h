@@ -20,6 +20,10 @@ struct Result {
 // Bytes of the symmetric region one call needs for `bytes` of pattern (a multiple of 32).
 uint64_t region_bytes(uint64_t bytes);
 
+// Zeroes this PE's region (signal words included: nvshmem_malloc does not clear them). Every
+// PE clears its own and then waits for the others (the caller's barrier) before the first run.
+void clear(uint64_t region, uint64_t bytes, uint64_t stream);
+
 // Runs the exchange on `stream` and waits for it. `region` is this PE's address of a symmetric
 // allocation of region_bytes(bytes); `pes[r]` is the PE of rank r; `epoch` must grow from one
 // call to the next and be the same on every PE; the PEs must not start call e + 1 before every

@@ -88,6 +88,12 @@ void check(cudaError_t err, const char* what) {
 
 uint64_t region_bytes(uint64_t bytes) { return kPayload + 2 * bytes; }
 
+void clear(uint64_t region, uint64_t bytes, uint64_t stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  check(cudaMemsetAsync(reinterpret_cast<void*>(region), 0, region_bytes(bytes), s), "clearing the region");
+  check(cudaStreamSynchronize(s), "clearing the region");
+}
+
 Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes, uint64_t epoch,
            uint64_t timeout_ns, uint64_t stream) {
   const int n = static_cast<int>(pes.size());

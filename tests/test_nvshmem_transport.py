@@ -1,0 +1,87 @@
+"""The NVSHMEM transport between real processes: 2 and 4 PEs on the one GPU (NVSHMEM's
+several-PEs-per-GPU mode), initialised through hybrid_ep/backends/cuda/nvshmem.py, each
+sending a pattern to the next with put_signal and put + fence + signal
+(hybrid_ep/testing/nvshmem_selftest.py). Skips without CUDA or without NVSHMEM in the build;
+the runner's reports are checked on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybrid_ep.testing import nvshmem_selftest
+
+
+@pytest.fixture(scope="module")
+def built():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        import hybrid_ep._C as ext
+    except ImportError as exc:
+        pytest.skip(f"hybrid_ep._C is not built: {exc}")
+    if not ext.has_nvshmem():
+        pytest.skip("hybrid_ep._C was built without NVSHMEM")
+    return ext
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("procs", [2, 4])
+def test_every_pe_receives_the_previous_pes_pattern(built, procs, tmp_path):
+    calls, nbytes = 3, 1 << 20
+    ok, lines = nvshmem_selftest.run(procs, nbytes=nbytes, calls=calls, timeout_s=20.0, deadline_s=240.0,
+                                     out=tmp_path)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(procs))
+    assert ok, "\n".join(lines) + "\n" + logs
+    for rank in range(procs):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["stage"] == "done" and result["pes"] == list(range(procs))
+        assert [(r["epoch"], r["mismatches"], r["first_bad"], r["timed_out"], r["signal_put"], r["signal_fenced"])
+                for r in result["runs"]] == [(e, 0, -1, False, e, e) for e in range(1, calls + 1)]
+        region = built.nvshmem_selftest_region_bytes(nbytes)
+        assert region == 128 + 2 * nbytes
+        assert result["heap_bytes"] >= region
+
+
+def test_bad_arguments_are_refused_before_any_process_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"procs must be an int in 2..8"):
+        nvshmem_selftest.run(1, out=tmp_path)
+    with pytest.raises(ValueError, match="nbytes must be a positive multiple of 32"):
+        nvshmem_selftest.run(2, nbytes=100, out=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _result(**runs_and_fields):
+    base = {"rank": 1, "procs": 4, "bytes": 64, "stage": "done", "ok": True, "status": "initialised",
+            "heap_bytes": 1 << 25}
+    return {**base, **runs_and_fields}
+
+
+def _run(epoch, **fields):
+    return {"epoch": epoch, "mismatches": 0, "first_bad": -1, "timed_out": False, "signal_put": epoch,
+            "signal_fenced": epoch, "seconds": 0.5 * epoch, **fields}
+
+
+def test_reports_name_the_rank_the_sender_and_what_went_wrong():
+    good = _result(runs=[_run(1), _run(2)])
+    assert nvshmem_selftest.describe(good) == (
+        "rank 1/4: 2 calls of 64 bytes correct, initialised, heap 33554432 bytes, slowest call 1.0000 s")
+    late = _result(ok=False, runs=[_run(1), _run(2, timed_out=True, signal_put=1, signal_fenced=2)])
+    assert nvshmem_selftest.describe(late) == (
+        "rank 1/4: call 2: the signals from rank 0 did not arrive in time (put_signal word 1, fenced word 2, "
+        "expected 2)")
+    wrong = _result(ok=False, runs=[_run(1, mismatches=3, first_bad=7)])
+    assert nvshmem_selftest.describe(wrong) == "rank 1/4: call 1: 3 words from rank 0 differ, first at word 7"
+    failed = _result(rank=0, ok=False, stage="nvshmem init", error="NvshmemInitError: boom")
+    assert nvshmem_selftest.describe(failed) == "rank 0/4: failed at nvshmem init: NvshmemInitError: boom"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of PEs that find no GPU")
+def test_pes_without_a_gpu_report_where_they_stopped(tmp_path):
+    ok, lines = nvshmem_selftest.run(2, nbytes=64, calls=1, deadline_s=240.0, out=tmp_path)
+    assert not ok
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in lines] == [
+        "rank 0/2: failed at cuda device", "rank 1/2: failed at cuda device"]
+    assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["stage"] == "cuda device" for r in (0, 1))
