@@ -18,6 +18,7 @@ from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matc
 from hybrid_ep.testing.emulated import (
     GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
 )
+from hybrid_ep.testing.hierarchy_cases import feature_cases, topology_cases
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
@@ -131,9 +132,18 @@ def test_autograd_through_dispatch_and_combine():
     check_emulated_autograd(group_for(case), case)
 
 
-def test_cuda_graph_replays_with_new_routings():
+@pytest.mark.parametrize("case", topology_cases(hidden=2048) + feature_cases(hidden=2048), ids=str)
+def test_hierarchical_emulation_matches_oracle(case):
+    """N nodes x G ranks, the loopback transport between virtual nodes (exactly where a
+    cluster uses NVSHMEM); forwarding checked against the forward plan and traffic model."""
+    run_and_check(case)
+
+
+@pytest.mark.parametrize("ranks_per_node", [4, 2], ids=["one node", "two nodes"])
+def test_cuda_graph_replays_with_new_routings(ranks_per_node):
     """Static size: dispatch + expert + combine captured once, replayed with other routings."""
-    case = _case(4, topk=8, num_experts=16, tokens=(256,) * 4, num_out_tokens=1024, pad_multiple=16)
+    case = _case(4, topk=8, num_experts=16, tokens=(256,) * 4, num_out_tokens=1024, pad_multiple=16,
+                 ranks_per_node=ranks_per_node)
     group = group_for(case)
     cfg = group.config
     dev = group.device
@@ -169,7 +179,24 @@ def test_cuda_graph_replays_with_new_routings():
             got = {"tokens": res[r].tokens, "scales": None, "probs": res[r].probs,
                    "tokens_per_expert": res[r].tokens_per_expert, "num_dropped": int(res[r].handle.num_dropped)}
             assert_dispatch_matches(got, run.ranks[r], where)
-            assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where)
+            assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where,
+                                 hops=2 if cfg.num_nodes > 1 else 1)
+
+
+def test_a_missing_node_times_out_naming_the_node(monkeypatch):
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "2")
+    group = EmulatedGroup(4, 2048, 64, 8, ranks_per_node=2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(64, 2048, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
+        idx = [torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).cuda() for _ in range(4)]
+        group.dispatch(xs, idx, num_out_tokens=256, absent={2, 3})
+        with pytest.raises(RuntimeError, match=r"waiting for peer rank [23] on node 1 in inter-node count exchange"):
+            group.synchronize()
+    finally:
+        group.close()
 
 
 def test_missing_rank_times_out_with_rank_peer_and_phase(monkeypatch):

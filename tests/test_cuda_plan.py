@@ -14,7 +14,7 @@ import torch
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
-    ALIGN, MAX_TOPK, check_geometry, info_layout, registered_layout,
+    ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout,
 )
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -136,14 +136,18 @@ def test_compiled_structs_match_the_python_plan():
     assert args.geo.reg.recv_rows == 12345
     r = ext.RankArgs()
     r.rank, r.num_out_rows = 3, -1
-    args.set_rank(7, r)
-    assert args.get_rank(7).rank == 3 and args.get_rank(7).num_out_rows == -1
+    args.set_rank(15, r)
+    assert args.get_rank(15).rank == 3 and args.get_rank(15).num_out_rows == -1
     with pytest.raises(IndexError):
-        args.set_rank(8, r)
+        args.set_rank(ext.MAX_LAUNCH_RANKS, r)
     geo = ext.Geometry()
     for name, value in dataclasses.asdict(registered_layout(_cfg())).items():
         setattr(geo.reg, name, value)
     assert geo.reg.total == registered_layout(_cfg()).total
+    several = BufferConfig(128, 64, 8, 4, 2).validate()
+    for name, value in dataclasses.asdict(rdma_layout(several)).items():
+        setattr(geo.rdma, name, value)
+    assert geo.rdma.total == rdma_layout(several).total > 0
 
 
 def test_backend_selection_without_a_gpu(single_rank_group):

@@ -13,6 +13,7 @@ import torch
 
 from ..fp8 import FP8_DTYPE
 from ..traffic import count_tables
+from ..traffic.model import row_counts
 from .cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
 from .compare import assert_combine_close, assert_dispatch_matches
 from .oracle import combine_oracle, dispatch_oracle
@@ -23,13 +24,13 @@ def emulated_group_for(case: Case, device, **kwargs):
 
     return EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
                          pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
-                         device=device, **kwargs)
+                         device=device, ranks_per_node=case.ranks_per_node, **kwargs)
 
 
 def buffer_key(case: Case) -> tuple:
     """Cases with equal keys can share one EmulatedGroup."""
-    return (case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts, case.pad_multiple,
-            case.min_rows_per_expert)
+    return (case.world_size, case.ranks_per_node, case.hidden, max(max(case.tokens), 1), case.num_experts,
+            case.pad_multiple, case.min_rows_per_expert)
 
 
 class GroupCache:
@@ -94,8 +95,39 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
             f"{where}: a dispatch that reuses the handle gave other rows")
         if res[r].scales is not None:
             assert torch.equal(again[r].scales, res[r].scales), f"{where}: reused handle, other scales"
-        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where, case.wire_dtype)
+        assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where, case.wire_dtype,
+                             hops=2 if cfg.num_nodes > 1 else 1)
+    if cfg.num_nodes > 1:
+        check_forwarding(cfg, res, idx, want_rows, want_nodes)
     return res
+
+
+def check_forwarding(cfg, res, idx, count_WW, node_counts_WN) -> None:
+    """What each rank forwarded (kept by its handle for the combine) against the forward plan,
+    and the rows it received by RDMA against the traffic model's count."""
+    from .hierarchy import forward_plan
+
+    plan = forward_plan([i.cpu() for i in idx], cfg)
+    rdma_rows = row_counts(count_WW, node_counts_WN, cfg.ranks_per_node).combine_rdma
+    G, N, chunk = cfg.ranks_per_node, cfg.num_nodes, plan.chunk_tokens
+    for f, res_f in enumerate(res):
+        want = plan.forwarders[f]
+        got_rows, got_slots = res_f.handle.dest.fwd_rows.cpu(), res_f.handle.dest.fwd_slots.cpu()
+        received = 0
+        for n in range(N):
+            if n == f // G:
+                continue
+            s = n * G + f % G
+            chunks = -(-int(idx[s].shape[0]) // chunk)
+            assert torch.equal(got_rows[n, :chunks], want.staged_rows[n, :chunks]), (
+                f"rank {f}: rows forwarded per chunk of rank {s} {got_rows[n, :chunks].tolist()} != "
+                f"{want.staged_rows[n, :chunks].tolist()}")
+            for c in range(chunks):
+                rows = int(want.staged_rows[n, c])
+                got_c, want_c = got_slots[n, c * chunk:c * chunk + rows], want.fwd_slots[n, c * chunk:c * chunk + rows]
+                assert torch.equal(got_c, want_c), f"rank {f}: receive slots of chunk {c} of rank {s}"
+                received += rows
+        assert received == int(rdma_rows[f]), f"rank {f}: {received} rows by RDMA, traffic model {int(rdma_rows[f])}"
 
 
 def check_emulated_autograd(group, case: Case) -> None:

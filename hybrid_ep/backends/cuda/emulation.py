@@ -1,4 +1,4 @@
-"""Single-GPU emulation: W virtual ranks of one EP group in one process (tests, benchmarks).
+"""Single-GPU emulation: W = N x G virtual ranks of one EP group in one process (tests, benchmarks).
 
 Each virtual rank has its own registered buffer and a peer table pointing at the others'.
 Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
@@ -7,6 +7,9 @@ back as one list entry per rank, with handles like HybridEPBuffer's.
 
 device="cuda" runs the kernels on the GPU (hybrid_ep._C); device="cpu" runs the same
 kernel sources on the CPU model of the device layer (hybrid_ep._model), on CPU tensors.
+With ranks_per_node < world_size the virtual ranks form several nodes: NVLink peer tables
+reach only a rank's own node, and everything between nodes goes through the loopback
+transport, exactly where a cluster uses NVSHMEM.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
 from . import launch, load_extension
 from .engine import Engine
-from .layout import check_geometry, registered_layout
-from .registered import RegisteredBuffers
+from .layout import check_geometry, rdma_layout, registered_layout
+from .registered import LoopbackRegions, RegisteredBuffers
 
-MAX_EMULATED_RANKS = 8  # csrc kMaxLaunchRanks
+MAX_EMULATED_RANKS = 16  # csrc kMaxLaunchRanks
 _owner_ids = itertools.count(1_000_000)
 
 
@@ -33,14 +36,16 @@ class EmulatedGroup:
 
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
-                 num_sms_combine: int | None = None, device: torch.device | None = None):
+                 num_sms_combine: int | None = None, device: torch.device | None = None,
+                 ranks_per_node: int | None = None):
         if not 1 <= world_size <= MAX_EMULATED_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
-                                   num_experts=num_experts, world_size=world_size, ranks_per_node=world_size,
+                                   num_experts=num_experts, world_size=world_size,
+                                   ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
-        check_geometry(self.config)
+        check_geometry(self.config, inter_node=True)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
@@ -48,8 +53,11 @@ class EmulatedGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         ext = load_extension(self.device)
         self.ext = ext
-        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device)
-        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device)
+        G = self.config.ranks_per_node
+        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G)
+        self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
+                     if self.config.num_nodes > 1 else None)
+        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma)
         self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
         self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)
@@ -66,6 +74,8 @@ class EmulatedGroup:
 
     def close(self) -> None:
         self.buffers.close()
+        if self.rdma is not None:
+            self.rdma.close()
 
     # -- plain calls ------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
 from .layout import (
-    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, info_layout,
-    registered_layout,
+    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, TOKEN_META_BYTES,
+    info_layout, rdma_layout, registered_layout,
 )
 
 _PHASES = {
@@ -36,7 +36,13 @@ _PHASES = {
     5: "combine flow control (waiting for the peer to finish reading the previous combine)",
     6: "combine partial sums",
     7: "its shared-memory pipeline",
+    8: "inter-node flow control (waiting for its rail peer on that node to finish reading the previous call)",
+    9: "inter-node count exchange",
+    10: "forwarding (waiting for the rail peer's rows from that node, by RDMA)",
+    11: "the node partial sums (waiting for a rank of its own node to store its partials of a forwarded chunk)",
+    12: "combine node partials (waiting for the rail peer on that node, by RDMA)",
 }
+TRANSPORTS = {"loopback": 0, "nvshmem": 1}  # csrc TransportKind
 
 
 class RoutingError(ValueError):
@@ -58,6 +64,8 @@ class CudaRecvLayout:
     info: torch.Tensor  # int64, offsets in csrc InfoLayout / layout.InfoLayout
     row_pos: torch.Tensor  # int32 [W, Tmax, kd] output row of each entry of a received row
     recv_spans: torch.Tensor  # int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk
+    fwd_slots: torch.Tensor | None  # int32 [N, max_chunks * 32, G] several nodes: forwarded rows' slots
+    fwd_rows: torch.Tensor | None  # int32 [N, max_chunks] rows of each forwarded chunk
     kd: int
     num_rows: int  # R
     tokens_per_expert_L: torch.Tensor
@@ -83,7 +91,7 @@ def check_extension(ext) -> None:
     """The Python layout plan and the compiled structs must agree."""
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
                 "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
-                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES}
+                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES}
     for name, value in expected.items():
         if getattr(ext, name) != value:
             raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
@@ -106,9 +114,15 @@ class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
     def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
-                 device: torch.device):
+                 device: torch.device, rdma=None):
+        """rdma: the inter-node transport's regions (registered.LoopbackRegions, or NVSHMEM's),
+        for groups of several nodes."""
         self.ext, self.config, self.ranks, self.tables, self.device = ext, config, ranks, tables, device
+        if config.num_nodes > 1 and rdma is None:
+            raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
+        self.rdma = rdma
         self.reg = registered_layout(config)
+        self.rdma_layout = rdma_layout(config)
         self.info = info_layout(config)
         check_extension(ext)
         self.geo = self._geometry()
@@ -139,7 +153,14 @@ class Engine:
             setattr(g.reg, name, value)
         for name, value in dataclasses.asdict(self.info).items():
             setattr(g.info, name, value)
+        for name, value in dataclasses.asdict(self.rdma_layout).items():
+            setattr(g.rdma, name, value)
+        g.transport = TRANSPORTS[self.rdma.kind] if self.rdma is not None else 0
         return g
+
+    def _set_transport(self, ra, i: int) -> None:
+        if self.rdma is not None:
+            ra.rdma_regions, ra.rdma_base, ra.rdma_pes = self.rdma.rank_args(i)
 
     # -- errors --------------------------------------------------------------------------
 
@@ -165,8 +186,9 @@ class Engine:
                     f"(HYBRID_EP_TIMEOUT_S) waiting in {_PHASES.get(phase, f'phase {phase}')} "
                     f"(call {rec['epoch']}): a bulk copy never completed. The buffer can not be used after "
                     f"this error; create a new one.")
+        where = f" on node {rec['peer'] // self.config.ranks_per_node}" if self.config.num_nodes > 1 else ""
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
-                f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']} in "
+                f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']}{where} in "
                 f"{_PHASES.get(phase, f'phase {phase}')} (call {rec['epoch']}, expected {rec['expected']}, "
                 f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
                 f"after this error; create a new one.")
@@ -216,6 +238,7 @@ class Engine:
             self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
                                           if t is not None and t.numel() > 0] +
                                          [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
+                                         (self.rdma.declared() if self.rdma is not None else []) +
                                          [(self.abort.data_ptr(), 4)])
 
     def _aligned(self, t: torch.Tensor) -> torch.Tensor:
@@ -264,6 +287,7 @@ class Engine:
             ra = self.ext.RankArgs()
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, K
             ra.peers = self.tables[i].data_ptr()
+            self._set_transport(ra, i)
             x = self._aligned(x)
             ra.x = x.data_ptr()
             if fp8:
@@ -299,6 +323,12 @@ class Engine:
             out_probs = torch.empty(R, dtype=torch.float32, device=dev)
             row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
             recv_spans = torch.empty(W, self.reg.max_chunks, 2, dtype=torch.int32, device=dev)
+            fwd_slots = fwd_rows = None
+            if c.num_nodes > 1:  # what this rank forwards, for the combine's node partial sums
+                fwd_slots = torch.empty(c.num_nodes, self.reg.max_chunks * CHUNK_TOKENS, c.ranks_per_node,
+                                        dtype=torch.int32, device=dev)
+                fwd_rows = torch.empty(c.num_nodes, self.reg.max_chunks, dtype=torch.int32, device=dev)
+                ra.fwd_slots, ra.fwd_rows = fwd_slots.data_ptr(), fwd_rows.data_ptr()
             ra.out, ra.out_probs, ra.row_pos = out.data_ptr(), out_probs.data_ptr(), row_pos.data_ptr()
             ra.recv_spans = recv_spans.data_ptr()
             ra.out_scales = out_scales.data_ptr() if fp8 else 0
@@ -307,7 +337,8 @@ class Engine:
             args.set_rank(i, ra)
             il = self.info
             recv = CudaRecvLayout(
-                info=info, row_pos=row_pos, recv_spans=recv_spans, kd=kd, num_rows=R,
+                info=info, row_pos=row_pos, recv_spans=recv_spans, fwd_slots=fwd_slots, fwd_rows=fwd_rows, kd=kd,
+                num_rows=R,
                 tokens_per_expert_L=info[il.tokens_per_expert:il.tokens_per_expert + L],
                 num_needed_rows=info[il.needed], num_dropped=info[il.dropped],
                 expert_start_L=info[il.expert_start:il.expert_start + L],
@@ -322,7 +353,8 @@ class Engine:
             ))
         self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
         self._declare(self._in_flight["dispatch"] + [t for r in results for t in (
-            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos, r.recv.recv_spans)])
+            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos, r.recv.recv_spans, r.recv.fwd_slots,
+            r.recv.fwd_rows)])
         self.ext.launch_dispatch(args, self._stream())
         return results
 
@@ -357,13 +389,17 @@ class Engine:
             ra.peers = self.tables[i].data_ptr()
             ra.send_slot, ra.info, ra.row_pos = send.send_slot_TW.data_ptr(), recv.info.data_ptr(), recv.row_pos.data_ptr()
             ra.recv_spans = recv.recv_spans.data_ptr()
+            if recv.fwd_slots is not None:
+                ra.fwd_slots, ra.fwd_rows = recv.fwd_slots.data_ptr(), recv.fwd_rows.data_ptr()
+            self._set_transport(ra, i)
             ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.data_ptr(), y.data_ptr()
             ra.num_out_rows = recv.num_rows
             args.set_rank(i, ra)
             outs.append((y, x, p))
         self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
         self._declare([t for y, x, p in outs for t in (y, x, p)] +
-                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos, r.recv_spans)])
+                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos, r.recv_spans,
+                                                                 r.fwd_slots, r.fwd_rows)])
         self.ext.launch_combine(args, self._stream())
         return [y for y, _, _ in outs]
 

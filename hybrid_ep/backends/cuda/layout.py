@@ -21,10 +21,24 @@ CHUNK_TOKENS = 32  # csrc kChunkTokens: tokens per chunk, the unit of signalling
 CHUNK_SIGNAL_BYTES = 16  # csrc ChunkSignal
 META_ENTRY_BYTES = 16  # csrc MetaEntry
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype
+TOKEN_META_BYTES = 3 * 4 * MAX_TOPK  # csrc TokenMeta: expert, ordinal and weight of every route
+CHUNK_META_HEADER = 16  # csrc kChunkMetaHeader: a staged chunk's routing starts with its row count
 
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+class _Regions:
+    """Consecutive regions of a buffer, each starting on its own ALIGN-byte line."""
+
+    def __init__(self):
+        self.offset = 0
+
+    def take(self, nbytes: int) -> int:
+        start = self.offset
+        self.offset = _round_up(self.offset + nbytes, ALIGN)
+        return start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +62,14 @@ class RegisteredLayout:
     scale_stride: int
     comb_rows: int
     comb_stride: int
+    comb_fwd: int
+    comb_fwd_signal: int
     total: int
 
     def region_bytes(self) -> dict[str, int]:
         """Size of each region, for the memory plan."""
         order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                 "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows"]
+                 "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows", "comb_fwd", "comb_fwd_signal"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
 
@@ -61,13 +77,7 @@ class RegisteredLayout:
 def registered_layout(config: BufferConfig) -> RegisteredLayout:
     W, N, L = config.world_size, config.num_nodes, config.experts_per_rank
     Tmax, H = config.max_tokens_per_rank, config.hidden_dim
-    offset = 0
-
-    def take(nbytes: int) -> int:
-        nonlocal offset
-        start = offset
-        offset = _round_up(offset + nbytes, ALIGN)
-        return start
+    take = _Regions().take
 
     fields = {}
     fields["count_epoch"] = take(8 * W)
@@ -87,8 +97,77 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["recv_scales"] = take(W * Tmax * fields["scale_stride"])
     fields["comb_stride"] = _round_up(H * 4, 16)
     fields["comb_rows"] = take(W * Tmax * fields["comb_stride"])
-    fields["total"] = offset
+    # With several nodes: partials of sources on other nodes, from this node's ranks, when this
+    # rank is the source's rail peer here ([N][G][Tmax] rows), and their per-chunk signals.
+    forwarding = N > 1
+    fields["comb_fwd"] = take(W * Tmax * fields["comb_stride"] if forwarding else 0)
+    fields["comb_fwd_signal"] = take(8 * W * fields["max_chunks"] if forwarding else 0)
+    fields["total"] = take(0)
     return RegisteredLayout(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaLayout:
+    """Offsets (bytes) of one rank's RDMA region (the symmetric heap on clusters); names match
+    csrc RdmaLayout. Empty (total 0) for a single node."""
+
+    count_epoch: int
+    count_out: int
+    count_in: int
+    done_dispatch: int
+    done_combine: int
+    disp_signal: int
+    token_meta_bytes: int
+    chunk_meta_bytes: int
+    disp_meta_out: int
+    disp_meta_in: int
+    disp_rows_out: int
+    disp_rows_in: int
+    comb_signal: int
+    comb_rows_out: int
+    comb_rows_in: int
+    total: int
+
+    def region_bytes(self) -> dict[str, int]:
+        order = ["count_epoch", "count_out", "count_in", "done_dispatch", "done_combine", "disp_signal",
+                 "disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "comb_signal", "comb_rows_out",
+                 "comb_rows_in"]
+        starts = [getattr(self, name) for name in order] + [self.total]
+        return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
+
+
+def rdma_layout(config: BufferConfig) -> RdmaLayout:
+    """Staged rows and routing are indexed [source node][chunk * CHUNK_TOKENS + q]: the areas
+    for this rank's own node stay unused, which keeps every offset the same on every rank."""
+    W, N, G = config.world_size, config.num_nodes, config.ranks_per_node
+    H = config.hidden_dim
+    reg = registered_layout(config)
+    if N == 1:
+        return RdmaLayout(**{f.name: 0 for f in dataclasses.fields(RdmaLayout)})
+    chunks = reg.max_chunks
+    staged = chunks * CHUNK_TOKENS
+    row_ints = _round_up(reg.count_row_ints, 4)
+    scale_cols = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 0
+    take = _Regions().take
+
+    f = {}
+    f["count_epoch"] = take(8 * W)
+    f["count_out"] = take(4 * W * row_ints)
+    f["count_in"] = take(4 * 2 * W * row_ints)
+    f["done_dispatch"] = take(8 * N)
+    f["done_combine"] = take(8 * N)
+    f["disp_signal"] = take(8 * N * chunks)
+    f["token_meta_bytes"] = _round_up(TOKEN_META_BYTES + 4 * G + 4 * scale_cols, 16)
+    f["chunk_meta_bytes"] = CHUNK_META_HEADER + CHUNK_TOKENS * f["token_meta_bytes"]
+    f["disp_meta_out"] = take(N * chunks * f["chunk_meta_bytes"])
+    f["disp_meta_in"] = take(N * chunks * f["chunk_meta_bytes"])
+    f["disp_rows_out"] = take(N * staged * reg.row_stride)
+    f["disp_rows_in"] = take(N * staged * reg.row_stride)
+    f["comb_signal"] = take(8 * N * chunks)
+    f["comb_rows_out"] = take(N * staged * reg.comb_stride)
+    f["comb_rows_in"] = take(N * staged * reg.comb_stride)
+    f["total"] = take(0)
+    return RdmaLayout(**f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +205,18 @@ def info_layout(config: BufferConfig) -> InfoLayout:
     return InfoLayout(**fields)
 
 
-def check_geometry(config: BufferConfig) -> None:
-    """Limits of the kernels, as errors that name the argument."""
+def check_geometry(config: BufferConfig, inter_node: bool = False) -> None:
+    """Limits of the kernels, as errors that name the argument. inter_node: the caller has an
+    inter-node transport (the loopback of the emulation, or NVSHMEM)."""
     if config.world_size > MAX_RANKS:
         raise ValueError(f"the cuda backend supports EP groups of up to {MAX_RANKS} ranks, got {config.world_size}")
     if config.num_experts > MAX_EXPERTS:
         raise ValueError(f"num_experts must be <= {MAX_EXPERTS} for the cuda backend, got {config.num_experts}")
-    if config.num_nodes > 1:
+    if config.num_nodes > 1 and not inter_node:
         raise ValueError(
-            f"the cuda backend moves rows over NVLink inside one node; ranks_per_node={config.ranks_per_node} "
-            f"< world size {config.world_size} needs the inter-node transport, which is not in this build "
-            f"(use backend='reference')"
+            f"ranks_per_node={config.ranks_per_node} < world size {config.world_size} needs the cuda backend's "
+            f"inter-node transport (NVSHMEM), which this process does not have: build hybrid_ep with the "
+            f"nvidia-nvshmem wheel installed, or use backend='reference'"
         )
     if config.hidden_dim % 4 != 0:
         raise ValueError(f"hidden_dim must be a multiple of 4 for the cuda backend (16-byte rows), got {config.hidden_dim}")

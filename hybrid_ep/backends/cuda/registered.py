@@ -62,16 +62,21 @@ class RegisteredBuffers:
         self.tables: list[torch.Tensor] = []
 
     @classmethod
-    def emulated(cls, ext, nbytes: int, world_size: int, device: torch.device) -> "RegisteredBuffers":
+    def emulated(cls, ext, nbytes: int, world_size: int, device: torch.device,
+                 ranks_per_node: int | None = None) -> "RegisteredBuffers":
+        """Each virtual rank's table holds only the ranks of its own node (0 for the others),
+        as NVLink would: a kernel that reached across nodes without the transport would
+        fault instead of passing."""
         self = cls(ext, nbytes, device)
+        G = ranks_per_node or world_size
         bases = []
         for _ in range(world_size):
             ptr, size, _handle = ext.allocate_registered(nbytes, IPC, device.index or 0)
             self._owned.append((ptr, size, IPC))
             bases.append(ptr)
         _synchronize(device)
-        table = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.tables = [table] * world_size
+        self.tables = [torch.tensor([b if p // G == r // G else 0 for p, b in enumerate(bases)], dtype=torch.int64,
+                                    device=device) for r in range(world_size)]
         return self
 
     @classmethod
@@ -109,4 +114,37 @@ class RegisteredBuffers:
         try:
             self.close()
         except Exception:  # interpreter shutdown: the driver may already be gone
+            pass
+
+
+class LoopbackRegions:
+    """The inter-node transport of the emulation: one RDMA region per virtual rank (zeroed,
+    allocated like a registered buffer) and a table of all of them, through which the
+    loopback transport puts between virtual nodes."""
+
+    kind = "loopback"
+
+    def __init__(self, ext, nbytes: int, world_size: int, device: torch.device):
+        self.ext = ext
+        self._owned = [ext.allocate_registered(max(nbytes, 16), IPC, device.index or 0)[:2] for _ in range(world_size)]
+        _synchronize(device)
+        self.table = torch.tensor([ptr for ptr, _ in self._owned], dtype=torch.int64, device=device)
+
+    def rank_args(self, i: int) -> tuple[int, int, int]:
+        """(rdma_regions, rdma_base, rdma_pes) of RankArgs for local rank i."""
+        return self.table.data_ptr(), self._owned[i][0], 0
+
+    def declared(self) -> list[tuple[int, int]]:
+        """Memory the kernels may touch, for the CPU model's checks."""
+        return list(self._owned) + [(self.table.data_ptr(), self.table.numel() * 8)]
+
+    def close(self) -> None:
+        for ptr, size in self._owned:
+            self.ext.free_registered(ptr, size, IPC)
+        self._owned = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
             pass

@@ -1,0 +1,121 @@
+"""The hierarchical (several-node) path of the cuda kernels on the CPU model, against the oracle.
+
+W = N x G virtual ranks: NVLink peer tables reach only a rank's own node (the others are
+null, so a kernel that wrote across nodes directly would fault), and everything between
+nodes goes through the loopback transport, which the kernels use exactly where a cluster
+uses NVSHMEM. Every rank's dispatch must equal the oracle bitwise, its combine must be
+within the bound of the hierarchy's roundings (rank partial, node partial), and what each
+rank forwarded must equal the forward plan and the traffic model's RDMA rows
+(hybrid_ep.testing.emulated.check_forwarding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.testing.cases import Case
+from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd
+from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
+
+model = importlib.import_module("hybrid_ep._model")
+
+MODEL_SMS = 2
+_cached = GroupCache("cpu")
+
+
+def group_for(case: Case, sms: int = MODEL_SMS) -> EmulatedGroup:
+    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms)
+
+
+def _case(N, G, **kw):
+    return hierarchy_case(N, G, **kw)
+
+
+@pytest.mark.parametrize("case", topology_cases() + feature_cases(), ids=str)
+def test_hierarchical_kernels_match_the_oracle(case):
+    model.set_seed(case.world_size)
+    check_emulated(group_for(case), case)
+
+
+def test_a_second_schedule_seed_gives_the_same_results():
+    case = _case(3, 2, topk=6)
+    model.set_seed(7)
+    check_emulated(group_for(case), dataclasses.replace(case, seed=7))
+
+
+def test_back_to_back_calls_across_nodes():
+    """Flow control between nodes (rail peers' done flags, count rows by call parity) over
+    many calls on one buffer, with other routings, token counts and dtypes every call."""
+    first = _case(2, 2, tokens=(64, 0, 0, 33))
+    group = group_for(first)
+    dtypes = (torch.bfloat16, torch.float32, FP8_DTYPE, torch.float16)
+    for call in range(12):
+        case = _case(2, 2, seed=call, dtype=dtypes[call % 4], topk=2 + call % 3,
+                     tokens=(64, (17 * call) % 65, call % 3, 33), drop_fraction=0.25 * (call % 2))
+        assert buffer_key(case) == buffer_key(first)
+        model.set_seed(call)
+        check_emulated(group, case)
+    assert group_for(first) is group
+
+
+def test_autograd_across_nodes():
+    case = _case(2, 2, dtype=torch.float32, topk=3, tokens=(17, 5, 0, 33))
+    check_emulated_autograd(group_for(case), case)
+
+
+def _inputs(W, T=16, E=8, H=128, K=2):
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
+    idx = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) for _ in range(W)]
+    return xs, idx
+
+
+def test_a_missing_node_times_out_in_dispatch_naming_the_node(monkeypatch):
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
+    try:
+        xs, idx = _inputs(4)
+        group.dispatch(xs, idx, num_out_tokens=64, absent={2, 3})
+        with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
+                                               r"peer rank [23] on node 1 in inter-node count exchange \(call 1,"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
+    try:
+        xs, idx = _inputs(4)
+        res = group.dispatch(xs, idx, num_out_tokens=64)
+        group.synchronize()
+        outs = [r.tokens for r in res]
+        group.combine(outs, [r.handle for r in res], absent={2, 3})
+        with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
+                                               r"peer rank [23] on node 1 in combine node partials"):
+            group.synchronize()
+    finally:
+        group.close()
+
+
+def test_emulated_groups_take_up_to_sixteen_ranks_and_name_the_limit():
+    with pytest.raises(ValueError, match=r"world_size must be in \[1, 16\]"):
+        EmulatedGroup(20, 128, 16, 20, device="cpu", ranks_per_node=4)
+
+
+def test_a_production_group_of_several_nodes_needs_the_transport():
+    from hybrid_ep.backends.cuda.layout import check_geometry
+    from hybrid_ep.config import BufferConfig
+
+    config = BufferConfig(128, 16, 8, 4, 2).validate()
+    with pytest.raises(ValueError, match="ranks_per_node=2 < world size 4 needs the cuda backend's inter-node "
+                                         "transport"):
+        check_geometry(config)
+    check_geometry(config, inter_node=True)
