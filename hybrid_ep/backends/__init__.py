@@ -28,13 +28,15 @@ def cuda_unavailable_reason(group) -> str | None:
 
 
 def _cuda_fits(config, group) -> bool:
-    """auto picks cuda when it can run here and the group is one NVLink domain."""
+    """auto picks cuda when it can run here: one NVLink domain, or several nodes with a build
+    that has the NVSHMEM transport."""
     if cuda_unavailable_reason(group) is not None:
         return False
+    from .cuda import load_extension
     from .cuda.layout import check_geometry
 
     try:
-        check_geometry(config)
+        check_geometry(config, inter_node=config.num_nodes > 1 and load_extension("cuda").has_nvshmem())
     except ValueError:
         return False
     return True

@@ -1,4 +1,5 @@
-"""CudaBackend: HybridEPBuffer's `cuda` backend, one rank per process, NVLink peers."""
+"""CudaBackend: HybridEPBuffer's `cuda` backend, one rank per process: NVLink peers inside a
+node, NVSHMEM between nodes (when the build has it)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from ...routing import max_output_rows
 from ..base import Backend
 from . import launch, load_extension
 from .engine import Engine
-from .layout import MAX_TOPK, check_geometry, registered_layout
-from .registered import RegisteredBuffers
+from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
+from .nvshmem import heap_spec
+from .registered import NvshmemRegions, RegisteredBuffers
 
 
 def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
@@ -30,6 +32,8 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
         BufferSpec("comb_rows", regions["comb_rows"], True, "partial sums pushed back by expert hosts, sized for "
                                                             "an fp32 wire"),
     ]
+    if config.num_nodes > 1:
+        specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
     return MemoryPlan(name, tuple(specs))
@@ -41,11 +45,14 @@ class CudaBackend(Backend):
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
-        check_geometry(config)
         ext = load_extension("cuda")
+        several_nodes = config.num_nodes > 1
+        check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device)
-        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device)
+        self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
+                      else None)
+        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma)
 
     @property
     def device(self) -> torch.device:

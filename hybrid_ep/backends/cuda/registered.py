@@ -148,3 +148,41 @@ class LoopbackRegions:
             self.close()
         except Exception:
             pass
+
+
+def _zero(ptr: int, nbytes: int, device: torch.device) -> None:
+    """Zero memory torch did not allocate (signal words must start below every epoch)."""
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+    torch.empty(0, dtype=torch.uint8, device=device).set_(storage).zero_()
+
+
+class NvshmemRegions:
+    """The inter-node transport on clusters: this rank's RDMA region is a zeroed block of
+    NVSHMEM's symmetric heap (the same offsets on every PE), and the PE of every rank of the
+    EP group. NVSHMEM is initialised once per process, over the group, with a heap sized for
+    the region (hybrid_ep.backends.cuda.nvshmem)."""
+
+    kind = "nvshmem"
+
+    def __init__(self, ext, nbytes: int, group, device: torch.device):
+        from . import nvshmem
+
+        self._nvshmem = nvshmem
+        nvshmem.require_built(ext)
+        nvshmem.initialize(group, nbytes, ext=ext)
+        self.allocation = nvshmem.allocate(nbytes)
+        _zero(self.allocation.ptr, nbytes, device)
+        self.pes = torch.tensor(nvshmem.pe_table(group), dtype=torch.int32, device=device)
+        _synchronize(device)
+        dist.barrier(group=group)  # every region zeroed before any rank puts into it
+
+    def rank_args(self, i: int) -> tuple[int, int, int]:
+        return 0, self.allocation.ptr, self.pes.data_ptr()
+
+    def declared(self) -> list[tuple[int, int]]:
+        return []
+
+    def close(self) -> None:
+        if self.allocation is not None:
+            self._nvshmem.free(self.allocation)
+            self.allocation = None
