@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", required=True, help="placement YAML to write")
     plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
     plan.add_argument("--tolerance", type=float, default=None,
-                      help="with --previous: accepted rise of the peak rank load to keep slots (default 1e-3)")
+                      help="with --previous: accepted rise of the rank imbalance over a fresh plan to keep "
+                           "slots (default 0.005)")
     return parser
 
 

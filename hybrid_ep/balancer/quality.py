@@ -198,8 +198,20 @@ def _progress(msg: str) -> None:
 
 
 def markdown(doc: dict) -> str:
-    """The tables of balancer_planner.md."""
-    lines = ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
+    """balancer_planner.md: how it was measured, then the tables."""
+    c = doc["config"]
+    lines = [
+        "# Balancer planner: quality against EPLB and a greedy baseline, moves, time", "",
+        f"Measured {doc['date']} on {doc['machine']}. Command:", "", "```bash",
+        f"OMP_NUM_THREADS=1 {doc['command']}", "```", "",
+        f"E = {c['experts']}, W in {c['ranks']}, nodes 1, 2 and W/8 where valid, S/E in {c['ratios']} (S rounded "
+        f"up to a multiple of W), {c['layers']} layer(s) per case, {c['tokens_per_rank']} tokens per rank x "
+        f"top-{c['topk']}. Imbalance: (max - mean) / mean of tokens per rank, worst layer and case. Columns 3-5: "
+        "worst over the cases with spare slots (S > E); placement only: S = E. Margins: largest "
+        "planner minus baseline over all cases (negative: the planner is better in every case). Moves: "
+        "slots whose expert changed when the load is multiplied by a factor in [0.9, 1.1] per expert and "
+        "planned with previous= (default tolerance 0.005), and the imbalance then minus a fresh plan's.", ""]
+    lines += ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
              "| max planner - EPLB | max planner - greedy | moved slots mean / max | max imbalance - fresh |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["patterns"]:
@@ -209,7 +221,10 @@ def markdown(doc: dict) -> str:
             f" / {s['worst_greedy_placement_only']:.3f} | {s['max_planner_minus_eplb']:+.4f} | "
             f"{s['max_planner_minus_greedy']:+.4f} | {100 * s['moved_fraction_mean']:.1f}% / "
             f"{100 * s['moved_fraction_max']:.1f}% | {s['max_imbalance_vs_fresh']:+.4f} |")
-    lines += ["", "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | slots moved "
+    lines += ["", f"Planning time: one thread, median of {c['repeats']}, wall (time.perf_counter) and, in "
+              "parentheses, CPU time of the process (time.process_time); a topk-zipf-1.2 load; with previous: the "
+              "plan of a load +-10% off.", "",
+              "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | slots moved "
               "| imbalance fresh / with previous |", "|---|---|---|---|---|"]
     for t in doc["timing"]:
         lines.append(f"| {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, {t['num_slots']} "
@@ -241,7 +256,8 @@ def plot(doc: dict, path: str) -> str:
     ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
     ax.set_ylabel("slots moved after a +-10% load change (%)", fontsize=10)
     ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)", fontsize=10)
-    ax.legend(fontsize=9)
+    ax.set_ylim(0, 115)
+    ax.legend(fontsize=9, loc="upper left", ncol=3)
     fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=11)
     fig.tight_layout()
     FigureCanvasAgg(fig)
