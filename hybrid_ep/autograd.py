@@ -107,4 +107,7 @@ def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = Fal
             num_sms: int | None = None, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
     """buffer.combine with gradients to expert_out and, with apply_probs, to the routing weights."""
     buffer._check_combine(expert_out, handle, apply_probs)
-    return _Combine.apply(expert_out, handle.probs_R, buffer, handle, apply_probs, num_sms, wire_dtype)
+    # Without apply_probs the routing weights take no part: keep combine's graph off the
+    # dispatch's, so a schedule may run the two backward passes separately.
+    probs_R = handle.probs_R if apply_probs else handle.probs_R.detach()
+    return _Combine.apply(expert_out, probs_R, buffer, handle, apply_probs, num_sms, wire_dtype)
