@@ -2,7 +2,9 @@
 
 Two extensions are compiled ahead of time from csrc/:
 - hybrid_ep._C, the kernels for the GPU, when a CUDA toolkit and a CUDA build of PyTorch are
-  present; otherwise the package installs without it (reference backend) and one line says why;
+  present; otherwise the package installs without it (reference backend) and one line says why.
+  With NVSHMEM (scripts/find_nvshmem.py: the nvidia-nvshmem wheel or NVSHMEM_HOME) it also holds
+  the inter-node transport; without, one line says so;
 - hybrid_ep._model, the same kernel sources on the CPU model of the device layer, with the
   host compiler alone (no CUDA toolkit), so the kernels' logic is tested on every machine.
 """
@@ -87,9 +89,39 @@ def _cuda_extension():
     nvshmem = _nvshmem_for(torch.version.cuda)
     if nvshmem is not None:
         sources = _cuda_sources(with_nvshmem=True)
-        _with_nvshmem(kwargs, nvshmem, [f for f in nvcc_flags if f.startswith("-gencode")])
+        _with_nvshmem(kwargs, nvshmem)
     ext = CUDAExtension("hybrid_ep._C", sources, **kwargs)
-    return [ext], {"build_ext": BuildExtension}, None
+    if nvshmem is not None:
+        ext.hybrid_ep_dlink = [os.path.join(CUDA_HOME, "bin", "nvcc"), "-dlink", "-Xcompiler", "-fPIC",
+                               *[f for f in nvcc_flags if f.startswith("-gencode")], f"-L{nvshmem.lib_dir}",
+                               "-lnvshmem_device"]
+    return [ext], {"build_ext": _device_linking(BuildExtension)}, None
+
+
+def _device_linking(build_ext):
+    """build_ext that device-links an extension's relocatable device code (ext.hybrid_ep_dlink,
+    the nvcc -dlink command) right before its host link. torch's own device link (nvcc_dlink)
+    needs ninja, which a machine may lack."""
+
+    class BuildWithDeviceLink(build_ext):
+        def build_extension(self, ext):
+            dlink = getattr(ext, "hybrid_ep_dlink", None)
+            if not dlink:
+                return super().build_extension(ext)
+            link = self.compiler.link_shared_object
+
+            def link_with_device_code(objects, output, *args, **kwargs):
+                device_code = os.path.join(self.build_temp, "hybrid_ep_dlink.o")
+                subprocess.check_call([*dlink, *objects, "-o", device_code])
+                return link([*objects, device_code], output, *args, **kwargs)
+
+            self.compiler.link_shared_object = link_with_device_code
+            try:
+                return super().build_extension(ext)
+            finally:
+                self.compiler.link_shared_object = link
+
+    return BuildWithDeviceLink
 
 
 def _is_nvshmem_source(path: str) -> bool:
@@ -118,14 +150,10 @@ def _load_finder():
 
 def _nvshmem_for(torch_cuda: str):
     """NVSHMEM for this build, or None after one line that says why not and how to get it."""
-    from torch.utils.cpp_extension import is_ninja_available
-
     finder = _load_finder()
     found, reason = finder.find()
     if found is not None and found.cuda_major is not None and str(found.cuda_major) != torch_cuda.split(".")[0]:
         found, reason = None, f"{found.source} does not match torch's CUDA {torch_cuda}"
-    if found is not None and not is_ninja_available():
-        found, reason = None, "ninja is not installed (the device link of relocatable device code needs it)"
     if found is None:
         print(finder.not_found_line(reason), file=sys.stderr)
         return None
@@ -134,9 +162,9 @@ def _nvshmem_for(torch_cuda: str):
     return found
 
 
-def _with_nvshmem(kwargs: dict, nvshmem, gencode: list[str]) -> None:
-    """Relocatable device code for every .cu, NVSHMEM's headers, a device link against its
-    device library and a host link against its host library (found at run time by rpath)."""
+def _with_nvshmem(kwargs: dict, nvshmem) -> None:
+    """Relocatable device code for every .cu, NVSHMEM's headers, and a host link against its
+    libraries (the host one found at run time by rpath); the device link is _device_linking's."""
     flags = kwargs["extra_compile_args"]
     kwargs["include_dirs"] = kwargs["include_dirs"] + [nvshmem.include_dir]
     flags["cxx"] = flags["cxx"] + ["-DHYBRID_EP_WITH_NVSHMEM"]
@@ -144,7 +172,6 @@ def _with_nvshmem(kwargs: dict, nvshmem, gencode: list[str]) -> None:
     # (-D__CUDA_NO_HALF_OPERATORS__ ...) switch off; the kernels compile either way.
     no_half = ("HALF_OPERATORS", "HALF_CONVERSIONS", "BFLOAT16_CONVERSIONS", "HALF2_OPERATORS")
     flags["nvcc"] = flags["nvcc"] + ["-rdc=true", "-DHYBRID_EP_WITH_NVSHMEM"] + [f"-U__CUDA_NO_{m}__" for m in no_half]
-    flags["nvcc_dlink"] = ["-dlink", "-Xcompiler", "-fPIC", *gencode, f"-L{nvshmem.lib_dir}", "-lnvshmem_device"]
     kwargs["extra_link_args"] = nvshmem.link_args()
 
 
