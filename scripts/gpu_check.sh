@@ -151,8 +151,10 @@ run_nvshmem() {
     local per_run=$((budget / 8)) mps vmm procs rc name worked2="" worked4=""
     local summary="$results/nvshmem_summary.txt"
     : > "$summary"
-    export CUDA_MPS_PIPE_DIRECTORY="$results/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    # The daemon's socket path must stay short (a Unix socket name): its pipe folder is in /tmp.
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/hybrid-ep-mps.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
+    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
     for mps in off on; do
         if [ "$mps" = on ]; then
             if ! nvidia-cuda-mps-control -d > "$results/mps/start.log" 2>&1; then
@@ -184,6 +186,7 @@ run_nvshmem() {
             trap - EXIT
         fi
     done
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
     say "worked with 2 PEs (mps/vmm):${worked2:- none}; with 4 PEs:${worked4:- none}"
     [ -n "$worked2" ] && [ -n "$worked4" ]
 }

@@ -182,7 +182,8 @@ def test_nvshmem_stage_tries_each_combination_without_and_with_mps(machine):
     _, results, run = machine
     proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="mps")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    pipe = f"pipe={results}/mps/pipe"
+    pipe = calls.split("mps-control -d ")[1].split()[0]
+    assert pipe.startswith("pipe=/tmp/hybrid-ep-mps.")  # a short socket path, the same for clients
     runs = [f"selftest mps={m} vmm_disabled={v} {pipe}" for m in ("off", "on") for v in ("", "1") for _ in (2, 4)]
     assert _selftests(calls) == runs[:4] + [f"mps-control -d {pipe}"] + runs[4:] + ["mps-control quit"]
     runner = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
