@@ -15,8 +15,8 @@ from ..fp8 import FP8_DTYPE
 from ..traffic import count_tables
 from ..traffic.model import row_counts
 from .cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
-from .compare import assert_combine_close, assert_dispatch_matches
-from .oracle import combine_oracle, dispatch_oracle
+from .compare import assert_combine_close, assert_combine_within, assert_dispatch_matches
+from .oracle import combine_hops_oracle, combine_oracle, dispatch_oracle
 
 
 def emulated_group_for(case: Case, device, **kwargs):
@@ -79,6 +79,7 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
                           device=dev)
     want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
+    hops = combine_hops_oracle(cfg, run, expert_outs, idx, case.apply_probs, case.wire_dtype)
     want_rows, want_nodes = count_tables([i.cpu() for i in idx], cfg)  # what the traffic model counts
     for r in range(case.world_size):
         where = f"{case} rank {r}"
@@ -97,6 +98,7 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
             assert torch.equal(again[r].scales, res[r].scales), f"{where}: reused handle, other scales"
         assert_combine_close(ys[r], want_y[r], magnitude[r], case.topk, where, case.wire_dtype,
                              hops=2 if cfg.num_nodes > 1 else 1)
+        assert_combine_within(ys[r], hops[r], where)  # every rounding of the hierarchy reproduced
     if cfg.num_nodes > 1:
         check_forwarding(cfg, res, idx, want_rows, want_nodes)
     return res
