@@ -16,12 +16,15 @@ one launch, but they misbehave when a group is empty or when rows lie past the l
 
 The fix, at the two depths where it belongs:
 
-1. The token dispatcher gives every local expert at least `align` rows, a multiple of
+1. A hybrid_ep buffer can give every local expert at least `align` rows, a multiple of
    `align` (HybridEPBuffer(min_rows_per_expert=align, pad_multiple=align)); the extra rows
    are zero with routing weight 0. Then no group is ever empty and nothing has to be copied.
+   Megatron counts such rows against the expert capacity, so its hybrid_ep dispatcher pads
+   only what the built experts need (megatron_patches.expert_rows) and leaves empty groups
+   to the expert side.
 2. At the expert, `install()` wraps Megatron-Core's grouped expert modules (TEGroupedMLP,
    and the legacy GroupedMLP where the installed version has it): groups that are still
-   empty (tokens from another dispatcher) get `align` zero rows with weight 0, and rows past
+   empty get `align` zero rows with weight 0, and rows past
    the last group never reach the kernel and come back as exact zeros. The expert linears
    always run, on every rank. `TorchGroupedLinear` lets TEGroupedMLP run on torch._grouped_mm
    where Transformer Engine is not installed, through the same zero-safe `grouped_mm`.
@@ -62,8 +65,8 @@ def _recipe_name(recipe) -> str:
 def alignment_for_config(config) -> int:
     """Rows per expert group for a Megatron TransformerConfig (fields fp8, fp8_recipe, fp4).
 
-    This is the value to pass to the dispatcher as both min_rows_per_expert and
-    pad_multiple, and the number of zero rows `install()` gives an empty group.
+    The number of zero rows `install()` gives an empty group (and, for a hybrid_ep buffer
+    used outside Megatron, the value for both min_rows_per_expert and pad_multiple).
     """
     if getattr(config, "use_transformer_engine_op_fuser", False):
         return OP_FUSER_ALIGNMENT_ROWS

@@ -216,6 +216,9 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
         "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
         "routed_per_expert": None if routed is None else routed.clone(),
         "pad_multiple": getattr(dispatcher, "pad_multiple", None),
+        "static_size_factor": getattr(dispatcher, "static_size_factor", None),
+        "rows": None if getattr(dispatcher, "last_dispatch_call", None) is None
+        else dispatcher.last_dispatch_call.handle.num_rows,
     }
 
 

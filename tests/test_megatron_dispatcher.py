@@ -4,6 +4,9 @@ expert weights), on 2 and 4 CPU ranks (gloo, fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -85,3 +88,19 @@ def test_grouped_flag_with_sequential_experts_adds_no_padding(pool_for):
     assert [r["pad_multiple"] for r in ours] == [1] * world_size
     assert_matches(ours, dense_moe_layer(case), "hybrid_ep (grouped flag) vs dense")
     assert torch.count_nonzero(ours[0]["grad_fc1"][2]) == 0
+
+
+def test_megatron_rank_capacity_factor_sets_the_static_size(pool_for):
+    """moe_expert_rank_capacity_factor is the static output size (num_out_tokens), exactly as
+    its alias --hybrid-ep-static-size-factor: ceil(f x tokens x topk) rows plus the padding
+    bound, rounded to the padding multiple; results equal the dense reference."""
+    world_size = 2
+    case = LayerCase(world_size=world_size, topk=2, pad_multiple=2)
+    ours = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 2.0})] * world_size)
+    alias = pool_for(world_size).run(run_moe_layer_case, [(dataclasses.replace(case, static_size_factor=2.0),)] * world_size)
+    L = case.num_experts // world_size
+    expected = math.ceil(2.0 * case.num_tokens * case.topk) + L * (2 - 1)
+    expected += expected % 2
+    assert [r["rows"] for r in ours] == [expected] * world_size == [r["rows"] for r in alias]
+    assert [r["static_size_factor"] for r in ours] == [2.0] * world_size
+    assert_matches(ours, dense_moe_layer(case), "hybrid_ep (rank capacity factor) vs dense")
