@@ -15,8 +15,16 @@ Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
   fallbacks in `utils.py`) create their
   scale / found-inf / norm scalars with `device='cuda'`, and the mixed-precision optimizer
   and the gradient clipper tell parameter kinds apart by `param.type()` names such as
-  'torch.cuda.BFloat16Tensor'; those modules get a `torch` whose factories put
+  'torch.cuda.BFloat16Tensor' (the distributed optimizer and the parameter buffers too);
+  those modules get a `torch` whose factories put
   `device='cuda'` tensors on the CPU, and the two type checks see CUDA names for CPU tensors;
+- with expert tensor parallelism the alltoall dispatcher all-gathers pieces of unequal size
+  and reduce-scatters a list (tensor_parallel.mappings); gloo has neither, so that module
+  gets a `torch.distributed` that does the same with equal-size all_gather and all_reduce;
+- the pipeline schedules count tokens in a `device='cuda'` scalar, and the EP-overlap
+  schedule (`overlap_moe_expert_parallel_comm`, combined 1F1B) creates streams with a
+  priority and calls `record_stream` on activations (allocator lifetimes only); the
+  schedules module gets the CPU factories and `record_stream` is a no-op for CPU tensors;
 - Megatron-Core 0.16's router gating calls `te_general_gemm`, a name that is left undefined
   when Transformer Engine is not installed (NameError); it is defined as None, which selects
   the torch matmul path the code already has.
@@ -75,6 +83,10 @@ class _NullStream:
 
     def query(self):
         return True
+
+    @staticmethod
+    def priority_range():
+        return (0, 0)
 
     def __eq__(self, other):
         return isinstance(other, _NullStream)
@@ -235,16 +247,95 @@ def _install_cpu_optimizer() -> None:
     import importlib
 
     for name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
-                 "megatron.core.optimizer.grad_scaler", "megatron.core.utils"):
+                 "megatron.core.optimizer.grad_scaler", "megatron.core.utils",
+                 "megatron.core.optimizer.distrib_optimizer", "megatron.core.distributed.param_and_grad_buffer"):
         module = importlib.import_module(name)
         if not isinstance(module.torch, _CpuFactoryTorch):
             module.torch = _CpuFactoryTorch(module.torch)
     from megatron.core.optimizer import clip_grads, optimizer
 
     _wrap_with_cuda_type_names(optimizer.Float16OptimizerWithFloat16Params, "__init__")
+    from megatron.core.optimizer import distrib_optimizer
+
+    _wrap_with_cuda_type_names(distrib_optimizer.DistributedOptimizer, "__init__")
     _wrap_with_cuda_type_names(clip_grads, "clip_grad_by_total_norm_fp32")
     if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
         _wrap_with_cuda_type_names(optimizer, "clip_grad_by_total_norm_fp32")
+
+
+class _GlooDistributed:
+    """`torch.distributed` as seen by Megatron's tensor_parallel.mappings on gloo, which has
+    no all_gather of unequal sizes and no list reduce_scatter (the alltoall dispatcher uses
+    both with expert tensor parallelism). The same results from collectives gloo has:
+    all_gather pads every piece to the largest and trims; reduce_scatter all-reduces the
+    concatenated pieces and keeps this rank's."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) == 1 and tensor.shape[0] == sizes[0]:
+            return self._real.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        self._real.all_gather(pieces, padded, group=group)
+        for out, piece, n in zip(tensor_list, pieces, sizes):
+            out.copy_(piece[:n])
+        return None
+
+    def reduce_scatter(self, output, input_list, op=None, group=None, async_op=False):
+        total = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
+        self._real.all_reduce(total, group=group)
+        rank = self._real.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(total[start : start + output.shape[0]].view_as(output))
+        return None
+
+
+class _TorchWithGlooCollectives:
+    """`torch` for one Megatron module, with `distributed` replaced by _GlooDistributed."""
+
+    def __init__(self, real):
+        self._real = real
+        self.distributed = _GlooDistributed(real.distributed)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _install_gloo_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    if not isinstance(mappings.torch, _TorchWithGlooCollectives):
+        mappings.torch = _TorchWithGlooCollectives(mappings.torch)
+
+
+def _install_cpu_schedules() -> None:
+    """The pipeline schedules count tokens in a device='cuda' scalar; the EP-overlap
+    schedule (combined 1F1B) calls record_stream on activations, which on the CPU only
+    affects allocator lifetimes; it becomes a no-op for CPU tensors."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    if not isinstance(module.torch, _CpuFactoryTorch):
+        module.torch = _CpuFactoryTorch(module.torch)
+    original = torch.Tensor.record_stream
+    if getattr(original, "_hybrid_ep_cpu", False):
+        return
+
+    def record_stream(self, stream):
+        if self.is_cuda:
+            return original(self, stream)
+        return None
+
+    record_stream._hybrid_ep_cpu = True
+    torch.Tensor.record_stream = record_stream
 
 
 def _define_missing_te_gemm() -> None:
@@ -277,6 +368,8 @@ def enable() -> bool:
     try:
         _install_rng_tracker()
         _install_host_splits()
+        _install_gloo_collectives()
+        _install_cpu_schedules()
         _define_missing_te_gemm()
         _install_cpu_optimizer()
     except ImportError:
