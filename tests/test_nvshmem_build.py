@@ -144,6 +144,23 @@ def test_the_selftest_links_into_a_shared_object_against_the_wheel(tmp_path):
     assert "hybrid_ep::nvshmem_selftest::run(" in exported and "nvshmemi_init_thread(" not in exported
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: hybrid_ep._C is not built here")
+@pytest.mark.skipif(_wheel_version() is None, reason="no nvidia-nvshmem wheel matching torch's CUDA")
+def test_the_built_extension_imports_with_the_transport():
+    """What runs without a GPU: the module loads libnvshmem_host through its rpath, NVSHMEM makes a
+    unique id, and calls that need an initialised NVSHMEM say so."""
+    import hybrid_ep._C as ext
+
+    assert ext.has_nvshmem() and ext.nvshmem_init_status() == 0
+    uid = ext.nvshmem_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(RuntimeError, match="nvshmem_my_pe before NVSHMEM was initialised"):
+        ext.nvshmem_my_pe()
+    with pytest.raises(ValueError, match="an NVSHMEM unique id has 128 bytes, got 3"):
+        ext.nvshmem_init(0, 2, b"abc")
+    assert ext.nvshmem_selftest_region_bytes(1 << 20) == 128 + (2 << 20)
+
+
 # ---- nvshmem.py with a fake extension and a fake group ------------------------------------
 
 class FakeExt:
