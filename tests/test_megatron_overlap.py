@@ -1,9 +1,11 @@
 """Megatron's EP-communication overlap (overlap_moe_expert_parallel_comm: the combined 1F1B
 schedule) and shared-expert overlap with hybrid_ep, on CPU gloo ranks: a tiny MoE GPTModel
-(2 layers, bf16, EP 2, PP 1) trained one step over 3 micro-batches through Megatron's own
-schedule gives exactly the losses and gradients of the non-overlapped run."""
+(2 layers, bf16, EP 2; PP 1, and PP 2 with a virtual pipeline) trained one step through
+Megatron's own schedules gives exactly the losses and gradients of the non-overlapped run."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -42,7 +44,21 @@ def test_ep_overlap_equals_plain_schedule(pool_for):
     plain = run(pool_for, GPTCase())
     overlapped = run(pool_for, GPTCase(overlap_ep_comm=True))
     assert {r["dispatcher"] for r in overlapped} == {"HybridEPTokenDispatcher"}
+    # The overlapped run really went through the combined 1F1B schedule plans.
+    assert [r["schedule_plans"] for r in overlapped] == [3, 3] and [r["schedule_plans"] for r in plain] == [0, 0]
     assert_trained(plain)
+    assert_same_step(overlapped, plain)
+
+
+def test_ep_overlap_with_pipeline_parallel_equals_plain_schedule(pool_for):
+    """PP 2 (one layer per stage; Megatron requires a virtual pipeline size with PP > 1, here 1)
+    on 4 ranks, EP 2: the interleaved combined 1F1B schedule equals the interleaved plain one."""
+    case = GPTCase(world_size=4, pipeline=2, virtual_pipeline=1, micro_batches=4)
+    plain = run(pool_for, case)
+    overlapped = run(pool_for, dataclasses.replace(case, overlap_ep_comm=True))
+    assert [len(r["losses"]) for r in plain] == [0, 0, 4, 4]  # losses on the last stage
+    assert all(r["schedule_plans"] == 4 for r in overlapped)
+    assert all(len(r["grads"]) >= 17 for r in plain)
     assert_same_step(overlapped, plain)
 
 
