@@ -87,12 +87,17 @@ def _submodules(case: ContractCase):
     return submodules
 
 
-def build_layer(case: ContractCase, **overrides):
-    """Megatron's MoEModelTestContainer.new_moe_layer: a MoELayer in the case's dtype."""
+def build_layer(case: ContractCase, after_validation: dict | None = None, **overrides):
+    """Megatron's MoEModelTestContainer.new_moe_layer: a MoELayer in the case's dtype.
+    after_validation: config fields set after TransformerConfig validated (fp8 without
+    Transformer Engine, which validation refuses; the experts are then built but not run)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     torch.manual_seed(case.seed)
-    layer = MoELayer(_config(case, **overrides), _submodules(case)).to(dtype=DTYPES[case.dtype])
+    config = _config(case, **overrides)
+    for name, value in (after_validation or {}).items():
+        setattr(config, name, value)
+    layer = MoELayer(config, _submodules(case)).to(dtype=DTYPES[case.dtype])
     layer.set_layer_number(0)
     return layer
 
@@ -196,3 +201,27 @@ def layer_forward_backward(case: ContractCase) -> dict:
     out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
     grads = {name: p.grad.detach().clone() for name, p in layer.named_parameters() if p.grad is not None}
     return {"out": out.detach(), "grad_x": x.grad, "grads": grads}
+
+
+def router_padding_for_fp8(case: ContractCase) -> dict:
+    """dispatcher_router_padding_for_fp8_test: the same tokens without and with
+    moe_router_padding_for_quantization (fp8 config; the experts are built, not run)."""
+    rank = _setup(case)
+    x = _input(case, rank, (32, case.hidden))
+    results, state = {}, None
+    for pad in (False, True):
+        extra = dict(moe_router_padding_for_quantization=True, fp8="hybrid") if pad else {}
+        layer = build_layer(case, after_validation=extra)
+        if state is None:
+            state = layer.state_dict()
+        else:
+            layer.load_state_dict(state)
+        probs, routing_map = layer.router(x)
+        rows, tokens_per_expert, row_probs = _permute(layer.token_dispatcher, x, probs, routing_map)
+        rows, counts = _kept_rows(rows, tokens_per_expert, row_probs)
+        restored = _unpermute(layer.token_dispatcher, rows)
+        torch.autograd.backward(restored, restored.detach())
+        results[pad] = {"restored": restored.detach(), "grad": x.grad.clone(), "rows": rows.shape[0],
+                        "tokens_per_expert": counts}
+        x.grad = None
+    return results

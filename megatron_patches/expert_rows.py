@@ -30,12 +30,11 @@ def quantized(config) -> bool:
     return bool(getattr(config, "fp8", None) or getattr(config, "fp4", None))
 
 
-def quantization_alignment(config, fused: bool = False) -> int:
-    """Rows per group the quantized grouped GEMM of `config` needs (1 when not quantizing)."""
+def quantization_alignment(config) -> int:
+    """Rows per group the quantized GEMMs of `config` need (1 when not quantizing): Megatron's
+    get_align_size_for_quantization (16 fp8, 32 mxfp8 / fp4, 256 with TE's op fuser)."""
     if not quantized(config):
         return 1
-    if fused:
-        return 256  # Transformer Engine's op-fuser grouped MLP (Megatron's Fp8Padding(align_size=256))
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
     return int(get_align_size_for_quantization(config))
@@ -62,8 +61,7 @@ def pad_multiple_for(experts, config) -> tuple[int, str]:
         return 1, "SequentialMLP: one GEMM per expert, pads quantized rows itself"
     if isinstance(experts, te_grouped) and not _is_torch_grouped(experts):
         if quantized(config):
-            fused = bool(getattr(experts, "_with_fused_impl", False))
-            return quantization_alignment(config, fused), "TEGroupedMLP with quantized GEMMs"
+            return quantization_alignment(config), "TEGroupedMLP with quantized GEMMs"
         return 1, "TEGroupedMLP in fp32/bf16/fp16: no row alignment needed"
     return 1, f"{type(experts).__name__}: no padding needed"
 
