@@ -167,14 +167,15 @@ def capacity(case: ContractCase) -> dict:
             "tokens_per_expert": counts, "routed_per_expert": kept.sum(dim=0)}
 
 
-def drop_and_pad(case: ContractCase) -> dict:
-    """dispatcher_drop_and_pad_test: padded to capacity == not padded, exactly capacity rows."""
+def _same_tokens_two_layers(case: ContractCase, num_tokens: int, variants: dict) -> dict:
+    """Megatron's padded-vs-plain pattern: one input through layers built with each of
+    `variants` (key -> build_layer kwargs) from the same weights; per key the restored
+    output, input gradient (backward with the output itself), rows and tokens_per_expert."""
     rank = _setup(case)
-    results = {}
-    x = _input(case, rank, (16, case.hidden))
-    state = None
-    for pad in (False, True):
-        layer = build_layer(case, moe_pad_expert_input_to_capacity=pad)
+    x = _input(case, rank, (num_tokens, case.hidden))
+    results, state = {}, None
+    for key, kwargs in variants.items():
+        layer = build_layer(case, **kwargs)
         if state is None:
             state = layer.state_dict()
         else:
@@ -184,10 +185,22 @@ def drop_and_pad(case: ContractCase) -> dict:
         rows, counts = _kept_rows(rows, tokens_per_expert, row_probs)
         restored = _unpermute(layer.token_dispatcher, rows)
         torch.autograd.backward(restored, restored.detach())
-        results[pad] = {"restored": restored.detach(), "grad": x.grad.clone(), "rows": rows.shape[0],
+        results[key] = {"restored": restored.detach(), "grad": x.grad.clone(), "rows": rows.shape[0],
                         "tokens_per_expert": counts}
         x.grad = None
     return results
+
+
+def drop_and_pad(case: ContractCase) -> dict:
+    """dispatcher_drop_and_pad_test: padded to capacity == not padded, exactly capacity rows."""
+    return _same_tokens_two_layers(case, 16, {pad: dict(moe_pad_expert_input_to_capacity=pad) for pad in (False, True)})
+
+
+def router_padding_for_fp8(case: ContractCase) -> dict:
+    """dispatcher_router_padding_for_fp8_test: the same tokens without and with
+    moe_router_padding_for_quantization (fp8 config; the experts are built, not run)."""
+    padded = dict(after_validation=dict(moe_router_padding_for_quantization=True, fp8="hybrid"))
+    return _same_tokens_two_layers(case, 32, {False: {}, True: padded})
 
 
 def layer_forward_backward(case: ContractCase) -> dict:
@@ -202,26 +215,3 @@ def layer_forward_backward(case: ContractCase) -> dict:
     grads = {name: p.grad.detach().clone() for name, p in layer.named_parameters() if p.grad is not None}
     return {"out": out.detach(), "grad_x": x.grad, "grads": grads}
 
-
-def router_padding_for_fp8(case: ContractCase) -> dict:
-    """dispatcher_router_padding_for_fp8_test: the same tokens without and with
-    moe_router_padding_for_quantization (fp8 config; the experts are built, not run)."""
-    rank = _setup(case)
-    x = _input(case, rank, (32, case.hidden))
-    results, state = {}, None
-    for pad in (False, True):
-        extra = dict(moe_router_padding_for_quantization=True, fp8="hybrid") if pad else {}
-        layer = build_layer(case, after_validation=extra)
-        if state is None:
-            state = layer.state_dict()
-        else:
-            layer.load_state_dict(state)
-        probs, routing_map = layer.router(x)
-        rows, tokens_per_expert, row_probs = _permute(layer.token_dispatcher, x, probs, routing_map)
-        rows, counts = _kept_rows(rows, tokens_per_expert, row_probs)
-        restored = _unpermute(layer.token_dispatcher, rows)
-        torch.autograd.backward(restored, restored.detach())
-        results[pad] = {"restored": restored.detach(), "grad": x.grad.clone(), "rows": rows.shape[0],
-                        "tokens_per_expert": counts}
-        x.grad = None
-    return results
