@@ -158,6 +158,17 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         self.last_dispatch_call = None  # hybrid_ep.buffer.CallRecord of the forward dispatch
         self.last_routed_per_expert = None
         self.last_num_dropped = None
+        self._over_budget = None
+
+    def check_over_budget(self):
+        """Megatron's flex-dispatcher interface: a [1] bool device tensor, True once a dispatch
+        dropped rows that did not fit the static size since the last reset (None: no static
+        size, nothing is ever dropped). Read by Megatron's paged stash."""
+        return self._over_budget
+
+    def reset_over_budget(self) -> None:
+        if self._over_budget is not None:
+            self._over_budget.fill_(False)
 
     @property
     def last_dispatch_traffic(self):
@@ -269,6 +280,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             tokens_per_expert = torch.full((self.num_local_experts,), min_rows, dtype=torch.long)
         elif self.static_size_factor is not None:
             self.last_num_dropped = res.handle.num_dropped
+            dropped = (self.last_num_dropped > 0).reshape(1)
+            self._over_budget = dropped if self._over_budget is None else self._over_budget | dropped
             # Static size: rows past the last expert are zero. Give them to the last expert so
             # that the per-expert splits cover every row (combine ignores those rows).
             slack = res.tokens.shape[0] - res.tokens_per_expert.sum()

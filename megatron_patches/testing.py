@@ -217,6 +217,8 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
         "routed_per_expert": None if routed is None else routed.clone(),
         "pad_multiple": getattr(dispatcher, "pad_multiple", None),
         "static_size_factor": getattr(dispatcher, "static_size_factor", None),
+        "over_budget": None if getattr(dispatcher, "check_over_budget", lambda: None)() is None
+        else bool(dispatcher.check_over_budget()),
         "rows": None if getattr(dispatcher, "last_dispatch_call", None) is None
         else dispatcher.last_dispatch_call.handle.num_rows,
     }

@@ -104,3 +104,16 @@ def test_megatron_rank_capacity_factor_sets_the_static_size(pool_for):
     assert [r["rows"] for r in ours] == [expected] * world_size == [r["rows"] for r in alias]
     assert [r["static_size_factor"] for r in ours] == [2.0] * world_size
     assert_matches(ours, dense_moe_layer(case), "hybrid_ep (rank capacity factor) vs dense")
+
+
+def test_rank_capacity_overflow_is_flagged_as_over_budget(pool_for):
+    """A budget too small for the routed rows drops some of them; check_over_budget() says so,
+    as Megatron's flex dispatcher does, and a budget with room does not."""
+    world_size = 2
+    case = LayerCase(world_size=world_size, topk=2)
+    tight = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 0.25})] * world_size)
+    roomy = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 2.0})] * world_size)
+    assert any(r["over_budget"] for r in tight)
+    assert [r["over_budget"] for r in roomy] == [False] * world_size
+    plain = pool_for(world_size).run(run_moe_layer_case, [(case,)] * world_size)
+    assert [r["over_budget"] for r in plain] == [None] * world_size
