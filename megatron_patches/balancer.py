@@ -5,9 +5,14 @@ the hybrid_ep dispatcher. What changes, and where:
 
 - MoELayer construction (selection.py calls `slot_experts_kwargs` / `finish_moe_layer`):
   each EP rank builds P = slots_per_rank expert modules instead of E / EP (the router still
-  scores E experts), and the layer gets two persistent buffers, `hybrid_ep_slot_to_expert`
-  [S] (the placement row, shared with the dispatcher's SlotTable, so checkpoints carry it)
-  and `hybrid_ep_placement_shape` [num_slots, ep_size] (checked on load).
+  scores E experts), and the layer gets persistent buffers, so legacy and torch_dist
+  checkpoints carry them: `hybrid_ep_slot_to_expert` [S] (the placement row, shared with
+  the dispatcher's SlotTable), `hybrid_ep_placement_shape` [num_slots, ep_size] (checked on
+  load), and the layer's load statistics `hybrid_ep_load_stats` [window + 2, E] with
+  `hybrid_ep_load_meta` [4] (see ExpertBalancer.prepare_checkpoint, which the installed
+  save hook runs on every rank before Megatron-LM saves). A checkpoint saved with another
+  EP size but the same number of slots loads: the saved placement row is kept (slot s now
+  lives on rank s // P) and the balancer re-plans from the saved statistics at once.
 - The dispatcher maps router expert ids to slots before dispatch and reports each forward's
   routed tokens per expert to the statistics (device add, no sync).
 - `attach(model, optimizer)` builds the ExpertBalancer over every balanced MoE layer of the
@@ -17,8 +22,9 @@ the hybrid_ep dispatcher. What changes, and where:
 - With Megatron-LM's training loop, `install_training_hook()` (done by megatron_patches.apply)
   calls attach() at the end of `setup_model_and_optimizer`, so the flag is all a user sets.
 
-Supported optimizers: Megatron's FP32Optimizer and mixed-precision (Float16) optimizer, also
-chained; the distributed optimizer is refused with a message (see hybrid_ep.balancer.state).
+Supported optimizers: Megatron's FP32Optimizer, mixed-precision (Float16) optimizer and
+DistributedOptimizer, also chained (see hybrid_ep.balancer.state). Under the distributed
+optimizer a slot's pieces move between the expert-data-parallel members that own them.
 """
 
 from __future__ import annotations
@@ -93,6 +99,16 @@ def finish_moe_layer(layer) -> None:
     shape = torch.tensor([table.num_slots, dispatcher.ep_size], dtype=torch.int64,
                          device=table.slot_to_expert_S.device)
     layer.register_buffer("hybrid_ep_placement_shape", shape, persistent=True)
+    # dist_checkpointing loads into the buffers themselves before load_state_dict runs the
+    # check, so the layer's own shape is also kept off the buffer.
+    layer._hybrid_ep_shape = (table.num_slots, dispatcher.ep_size)
+    from .options import options_for
+
+    window = options_for(layer.config).balancer_window
+    device = table.slot_to_expert_S.device
+    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, table.num_experts, dtype=torch.float64,
+                                                               device=device), persistent=True)
+    layer.register_buffer("hybrid_ep_load_meta", torch.zeros(4, dtype=torch.int64, device=device), persistent=True)
     layer._register_load_state_dict_pre_hook(_check_placement_shape, with_module=True)
     layer.register_load_state_dict_post_hook(_placement_loaded)
     setattr(layer, _MARK, None)
@@ -107,13 +123,39 @@ def _check_placement_shape(module, state_dict, prefix, *args, **kwargs):
             "settings it was saved with"
         )
     saved_slots, saved_ep = (int(v) for v in torch.as_tensor(saved).tolist())
-    mine = module.hybrid_ep_placement_shape.tolist()
-    if [saved_slots, saved_ep] != mine:
+    mine = list(module._hybrid_ep_shape)
+    if saved_slots != mine[0]:
         raise ValueError(
             f"{prefix or 'MoE layer'}: the checkpoint's expert placement has {saved_slots} slots over EP "
-            f"size {saved_ep}; this run has {mine[0]} slots over EP size {mine[1]}. Load with the same EP "
-            "size and --hybrid-ep-balancer-slots-per-rank, or convert the checkpoint first"
+            f"size {saved_ep}; this run has {mine[0]} slots over EP size {mine[1]}. Keep EP size x "
+            "--hybrid-ep-balancer-slots-per-rank equal to the saved number of slots"
         )
+    if saved_ep != mine[1]:  # same slots on another EP size: keep the row, re-plan once loaded
+        state_dict[prefix + "hybrid_ep_placement_shape"] = torch.tensor(mine, dtype=torch.int64)
+        module._hybrid_ep_replan = True
+        log.info("%s: checkpoint saved with EP size %d, loading into EP size %d: the expert balancer "
+                 "re-plans from the saved statistics", prefix or "MoE layer", saved_ep, mine[1])
+    stats_key = prefix + "hybrid_ep_load_stats"
+    saved_stats = state_dict.get(stats_key)
+    if saved_stats is None:  # saved before statistics were checkpointed: start counting afresh
+        state_dict[stats_key] = torch.zeros_like(module.hybrid_ep_load_stats)
+        state_dict[prefix + "hybrid_ep_load_meta"] = torch.zeros_like(module.hybrid_ep_load_meta)
+    elif tuple(saved_stats.shape) != tuple(module.hybrid_ep_load_stats.shape):
+        _resize_saved_stats(state_dict, prefix, module)
+
+
+def _resize_saved_stats(state_dict, prefix, module) -> None:
+    """Statistics saved with another --hybrid-ep-balancer-window: keep the newest reductions."""
+    from hybrid_ep.balancer import LoadStatistics
+
+    saved = torch.as_tensor(state_dict[prefix + "hybrid_ep_load_stats"]).cpu().numpy()
+    held, has_ema, steps, valid = torch.as_tensor(state_dict[prefix + "hybrid_ep_load_meta"]).tolist()
+    window = module.hybrid_ep_load_stats.shape[0] - 2
+    stats = LoadStatistics(1, module.hybrid_ep_load_stats.shape[1], window=window)
+    stats.unpack([saved], held, bool(has_ema))
+    packed, held, has_ema = stats.pack(0)
+    state_dict[prefix + "hybrid_ep_load_stats"] = torch.from_numpy(packed)
+    state_dict[prefix + "hybrid_ep_load_meta"] = torch.tensor([held, int(has_ema), steps, valid])
 
 
 def _placement_loaded(module, incompatible_keys):
@@ -122,6 +164,17 @@ def _placement_loaded(module, incompatible_keys):
     balancer = getattr(module, _MARK, None)
     if balancer is not None:
         balancer.refresh_from_tables()
+
+
+def _resume(balancer: ExpertBalancer, layers) -> None:
+    """Statistics and steps from a loaded checkpoint; re-plan once when it came from another EP size.
+    Called on every rank (a re-plan migrates, a collective)."""
+    if not balancer.restore_saved():
+        return
+    if any(getattr(layer, "_hybrid_ep_replan", False) for layer in layers):
+        for layer in layers:
+            layer._hybrid_ep_replan = False
+        balancer.replan()
 
 
 def balanced_layers(model_chunks) -> list:
@@ -178,8 +231,11 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
     first = dispatchers[0]
     view = MegatronOptimizerView(optimizer) if optimizer is not None and hasattr(optimizer, "get_parameters") \
         else _torch_view(optimizer)
-    balanced = [BalancedLayer(d.slot_table, slot_parameters(layer.experts, d.num_local_experts))
+    balanced = [BalancedLayer(d.slot_table, slot_parameters(layer.experts, d.num_local_experts),
+                              saved_stats=layer.hybrid_ep_load_stats, saved_meta=layer.hybrid_ep_load_meta)
                 for layer, d in zip(layers, dispatchers)]
+    if isinstance(view, MegatronOptimizerView):
+        view.use_for([p for b in balanced for params in b.slot_params for p in params])
     num_nodes = _num_nodes(first.ep_size, options.ranks_per_node)
     balancer = ExpertBalancer(
         balanced, num_experts=first.num_experts, slots_per_rank=first.num_local_experts,
@@ -207,6 +263,8 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
                 )
             initial = loaded.slot_to_expert
         balancer.setup(initial)
+    else:
+        _resume(balancer, layers)
     _wrap_step(optimizer, balancer)
     return balancer
 
@@ -265,4 +323,22 @@ def install_training_hook() -> bool:
 
     setattr(setup_model_and_optimizer, _MARK, True)
     training.setup_model_and_optimizer = setup_model_and_optimizer
+    _install_save_hook(training)
     return True
+
+
+def _install_save_hook(training) -> None:
+    """Megatron-LM's save_checkpoint, preceded on every rank by the balancer's prepare_checkpoint."""
+    original = getattr(training, "save_checkpoint", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
+        balancer = getattr(optimizer, "hybrid_ep_balancer", None)
+        if balancer is not None:
+            balancer.prepare_checkpoint()
+        return original(iteration, model, optimizer, *args, **kwargs)
+
+    setattr(save_checkpoint, _MARK, True)
+    training.save_checkpoint = save_checkpoint

@@ -222,8 +222,12 @@ def test_optimizer_views_list_what_moves():
     assert moved[1] is state["exp_avg"] and moved[2] is state["exp_avg_sq"] and moved[3] is state["step"]
     assert len(movable_tensors(p, OptimizerView())) == 1
 
-    class DistributedOptimizer:
+    class FP32Optimizer:  # Megatron's unsharded fp32 optimizer: the torch optimizer inside
         optimizer = opt
 
-    with pytest.raises(NotImplementedError, match="distributed optimizer"):
-        MegatronOptimizerView(DistributedOptimizer())
+    view = MegatronOptimizerView(FP32Optimizer()).use_for([p])
+    assert not view.sharded and view.state(p) is state
+    with pytest.raises(NotImplementedError, match="does not shard"):
+        view.sharded_slice(p)
+    g, offset, numel = view.grad_piece(p)
+    assert g is p.grad and offset == 0 and numel == 3

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .migration import migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
+from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
-from .state import OptimizerView, grad_tensors, movable_tensors, summed_grad
+from .state import OptimizerView, grad_tensors, movable_tensors
 from .stats import LoadStatistics
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,11 @@ class BalancedLayer:
 
     table: SlotTable
     slot_params: list[list[torch.nn.Parameter]]  # [P][k]
+    # Checkpointed statistics (kept current by the balancer at each reduction and before a
+    # save): float64 [window + 2, E] (LoadStatistics.pack) and int64 [4] (reductions held,
+    # average set, balancer steps, 1 once written).
+    saved_stats: torch.Tensor | None = None
+    saved_meta: torch.Tensor | None = None
 
 
 def native_placement(num_layers: int, num_experts: int, num_slots: int, num_ranks: int) -> torch.Tensor:
@@ -128,17 +133,26 @@ class ExpertBalancer:
     def _slot_tensors(self, layer: int, local: int) -> list[torch.Tensor]:
         return [t for p in self.layers[layer].slot_params[local] for t in movable_tensors(p, self.view)]
 
-    def _slot_grads(self, layer: int, local: int) -> list[torch.Tensor]:
-        grads = (summed_grad(p) for p in self.layers[layer].slot_params[local])
-        return [g for g in grads if g is not None]
+    def _slot_slices(self, layer: int, local: int):
+        return [self.view.sharded_slice(p) for p in self.layers[layer].slot_params[local]]
+
+    def _slot_grads(self, layer: int, local: int) -> list:
+        pieces = (self.view.grad_piece(p) for p in self.layers[layer].slot_params[local])
+        return [g for g in pieces if g is not None]
 
     def apply_placement(self, new_LS: torch.Tensor, old_LS: torch.Tensor | None = None) -> dict:
         """Migrate slot contents from `old` (default: the tables) to `new`; update the tables."""
         new_LS = torch.as_tensor(new_LS, dtype=torch.int64).cpu()
         old_LS = self.placement_rows() if old_LS is None else torch.as_tensor(old_LS, dtype=torch.int64).cpu()
         transfers = plan_transfers(old_LS, new_LS, self.num_ranks)
-        moved = migrate_slots_(self._slot_tensors, transfers, rank=self.rank, num_ranks=self.num_ranks,
-                               slots_per_rank=self.slots_per_rank, group=self.ep_group)
+        if self.view.sharded:
+            moved = migrate_shards_(self._slot_slices, transfers, rank=self.rank, num_ranks=self.num_ranks,
+                                    slots_per_rank=self.slots_per_rank, group=self.ep_group,
+                                    shard_group=self.view.shard_group)
+        else:
+            moved = migrate_slots_(self._slot_tensors, transfers, rank=self.rank, num_ranks=self.num_ranks,
+                                   slots_per_rank=self.slots_per_rank, group=self.ep_group)
+        self.view.finish_migration()
         P = self.slots_per_rank
         for t in transfers:
             if t.dst_slot // P == self.rank:
@@ -192,7 +206,8 @@ class ExpertBalancer:
         if self._replicas is None:
             self._replicas = replica_layout(self._rows_LS, rank=self.rank, num_ranks=self.num_ranks)
         return sum_replica_grads_(None, self._slot_grads, rank=self.rank, num_ranks=self.num_ranks,
-                                  group=self.ep_group, layout=self._replicas)
+                                  group=self.ep_group, layout=self._replicas,
+                                  shard_group=self.view.shard_group if self.view.sharded else None)
 
     def after_optimizer_step(self, iteration: int | None = None) -> dict | None:
         """Count a step; every `interval` steps reduce the statistics and maybe migrate."""
@@ -202,11 +217,23 @@ class ExpertBalancer:
         return self.rebalance(iteration if iteration is not None else self.steps)
 
     def rebalance(self, iteration: int) -> dict:
+        """Reduce the statistics (collective), plan, migrate when the gain is worth it."""
+        t0 = time.perf_counter()
+        load_LE = self.stats.reduce(self.stats_groups, step=iteration)
+        event = self._plan_and_apply(load_LE, iteration, t0)
+        self._write_saved()
+        return event
+
+    def replan(self, iteration: int | None = None) -> dict:
+        """Plan from the statistics held now (no reduction) and migrate: after a checkpoint
+        saved with another EP size is loaded, the placement follows the saved load."""
+        return self._plan_and_apply(self.stats.load(), self.steps if iteration is None else iteration,
+                                    time.perf_counter())
+
+    def _plan_and_apply(self, load_LE, iteration: int, t0: float) -> dict:
         from .metrics import imbalance_ratio, rank_loads, scalars, summarize
         from .planner import plan_placement
 
-        t0 = time.perf_counter()
-        load_LE = self.stats.reduce(self.stats_groups, step=iteration)
         before = self._placement()
         planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before)
         old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
@@ -257,6 +284,37 @@ class ExpertBalancer:
         return np.stack([np.asarray(rank_loads(h, rows, self.num_ranks)) for h in history_TLE])
 
     # -- checkpoint --------------------------------------------------------------------------
+
+    def prepare_checkpoint(self) -> None:
+        """Before a save, on every rank (collective over the statistics groups): fold the
+        counts since the last reduction into the statistics and write them, with the step
+        count, into each layer's checkpointed buffers."""
+        self.stats.flush(self.stats_groups)
+        self._write_saved()
+
+    def _write_saved(self) -> None:
+        for i, layer in enumerate(self.layers):
+            if layer.saved_stats is None:
+                continue
+            packed, held, has_ema = self.stats.pack(i)
+            if tuple(layer.saved_stats.shape) != packed.shape:
+                raise ValueError(f"layer {i}: statistics buffer {tuple(layer.saved_stats.shape)}, "
+                                 f"the statistics need {packed.shape}")
+            layer.saved_stats.copy_(torch.from_numpy(packed))
+            layer.saved_meta.copy_(torch.tensor([held, int(has_ema), self.steps, 1]))
+
+    def restore_saved(self) -> bool:
+        """Statistics and step count from the layers' checkpointed buffers, when a checkpoint
+        filled them (one host read); returns whether it did."""
+        if any(layer.saved_meta is None for layer in self.layers):
+            return False
+        metas = [layer.saved_meta.cpu().tolist() for layer in self.layers]
+        if not all(m[3] == 1 for m in metas):
+            return False
+        held, has_ema, steps = metas[0][:3]
+        self.stats.unpack([layer.saved_stats.cpu().numpy() for layer in self.layers], held, bool(has_ema))
+        self.steps = int(steps)
+        return True
 
     def state_dict(self) -> dict:
         return {"placement": self.placement_rows(), "num_ranks": self.num_ranks, "num_slots": self.num_slots,

@@ -8,14 +8,21 @@ master weights and moments live; an `OptimizerView` answers that per parameter:
 
 - `TorchOptimizerView`: any torch.optim optimizer (Adam, AdamW, SGD, ...): the parameter
   is its own master, the state is `optimizer.state[param]`.
-- `MegatronOptimizerView`: Megatron-Core's FP32Optimizer and mixed-precision
-  Float16OptimizerWithFloat16Params (also inside a ChainedOptimizer): fp32 master
-  copies and the inner optimizer's state keyed by them. The distributed optimizer shards
-  master weights and state over data-parallel ranks in flat buffers; it is refused.
+- `MegatronOptimizerView`: Megatron-Core's FP32Optimizer, mixed-precision
+  Float16OptimizerWithFloat16Params and DistributedOptimizer (also inside a
+  ChainedOptimizer). The first two keep fp32 master copies and the inner optimizer's state
+  keyed by them. The distributed optimizer keeps, per bucket of its flat parameter buffer,
+  one contiguous shard on each data-parallel member: a parameter's flat range is cut at the
+  members' shard boundaries, and each member holds the master weights and Adam moments of
+  its piece only. For such a parameter `sharded_slice` answers this member's piece of every
+  tensor that moves (the weights' piece in the parameter buffer, master weights, moments)
+  and where each member's piece lies, so a migration moves pieces between the members that
+  own them and nothing is gathered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -56,7 +63,25 @@ def slot_parameters(experts: torch.nn.Module, num_slots: int) -> list[list[torch
     return [[p for _, p in items] for items in by_slot]
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedSlice:
+    """This data-parallel member's piece of one parameter under a sharding optimizer.
+
+    tensors: 1-D views of this member's piece of every tensor that moves with the
+    parameter (weights in the parameter buffer, fp32 master weights, optimizer moments),
+    all covering ranges[member]; ranges: (start, end) in the parameter's flat index for
+    every member of the sharding group (start == end: no piece), the same on every EP rank.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    ranges: tuple[tuple[int, int], ...]
+    member: int
+
+
 class OptimizerView:
+    sharded = False  # True: slots move as ShardedSlice pieces over (EP group, shard_group)
+    shard_group = None  # the group the optimizer shards expert parameters over
+
     def main_param(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master copy the optimizer updates, when it is not `param` itself."""
         return None
@@ -67,6 +92,24 @@ class OptimizerView:
 
     def mark_duplicate(self, param: torch.Tensor, duplicate: bool) -> None:
         """Exclude a replica's copy from gradient-norm and similar global statistics."""
+
+    def sharded_slice(self, param: torch.Tensor) -> ShardedSlice:
+        raise NotImplementedError("this optimizer does not shard parameters")
+
+    def grad_piece(self, param: torch.Tensor):
+        """(1-D gradient this rank's optimizer reads, its offset in the parameter, numel)."""
+        g = summed_grad(param)
+        return None if g is None else (g, 0, param.numel())
+
+    def finish_migration(self) -> None:
+        """Called on every rank after slots moved (the distributed optimizer re-gathers weights)."""
+
+
+def _set_shared(tensor, duplicate: bool) -> None:
+    if duplicate:
+        tensor.shared = True
+    elif getattr(tensor, "shared", False):
+        tensor.shared = False
 
 
 class TorchOptimizerView(OptimizerView):
@@ -82,14 +125,15 @@ class MegatronOptimizerView(OptimizerView):
         self.optimizer = optimizer
         self._main = {}
         self._inner_of = {}
+        self._dist = {}  # id(param) -> DistributedOptimizer holding it
+        self._dist_opts = []
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            kind = type(opt).__name__
-            if "Distributed" in kind or hasattr(opt, "gbuf_ranges"):
-                raise NotImplementedError(
-                    "the expert balancer does not support Megatron's distributed optimizer yet "
-                    "(--use-distributed-optimizer): it shards master weights and Adam state over "
-                    "data-parallel ranks; run without it or without --hybrid-ep-balancer-interval"
-                )
+            if hasattr(opt, "gbuf_ranges"):
+                self._dist_opts.append(opt)
+                for buffer in opt.buffers:
+                    for p in buffer.param_index_map:
+                        self._dist[id(p)] = (opt, buffer)
+                continue
             inner = opt.optimizer
             if hasattr(opt, "float16_groups"):
                 for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
@@ -104,6 +148,19 @@ class MegatronOptimizerView(OptimizerView):
                     for p in group["params"]:
                         self._inner_of[id(p)] = inner
 
+    def use_for(self, params) -> "MegatronOptimizerView":
+        """Settle `sharded` and `shard_group` for the expert parameters the balancer moves."""
+        kinds = {id(p) in self._dist for p in params}
+        if len(kinds) > 1:
+            raise ValueError("expert slot parameters are split between the distributed optimizer and another one")
+        self.sharded = kinds == {True}
+        if self.sharded:
+            groups = {id(self._dist[id(p)][1].data_parallel_group) for p in params}
+            if len(groups) != 1:
+                raise ValueError("expert slot parameters are sharded over more than one data-parallel group")
+            self.shard_group = self._dist[id(params[0])][1].data_parallel_group
+        return self
+
     def main_param(self, param):
         return self._main.get(id(param))
 
@@ -112,14 +169,72 @@ class MegatronOptimizerView(OptimizerView):
         inner = self._inner_of.get(id(main))
         return {} if inner is None else inner.state.get(main, {})
 
+    def _shard_main(self, param):
+        """(main param shard, its optimizer state) of param on this member, or None."""
+        opt, _ = self._dist[id(param)]
+        where = opt.model_param_group_index_map.get(param)
+        if where is None:
+            return None
+        main = opt.optimizer.param_groups[where[0]]["params"][where[1]]
+        return main, opt.optimizer.state.get(main, {})
+
+    def _ranges(self, param):
+        _, buffer = self._dist[id(param)]
+        start, end, bucket_id = buffer.param_index_map[param]
+        bucket = buffer.buckets[bucket_id]
+        members = buffer.data_parallel_group.size()
+        shard = bucket.grad_data.numel() // members
+        out = []
+        for d in range(members):
+            lo = max(start, bucket.offset + d * shard)
+            hi = min(end, bucket.offset + (d + 1) * shard)
+            out.append((lo - start, hi - start) if hi > lo else (0, 0))
+        return tuple(out), buffer.data_parallel_group.rank()
+
+    def sharded_slice(self, param):
+        if id(param) not in self._dist:
+            return super().sharded_slice(param)
+        ranges, member = self._ranges(param)
+        lo, hi = ranges[member]
+        flat = param.detach().view(-1)
+        tensors = [flat[lo:hi]]
+        owned = self._shard_main(param)
+        if owned is not None:
+            main, state = owned
+            if main.data_ptr() != tensors[0].data_ptr() or main.dtype != tensors[0].dtype:
+                tensors.append(main.detach().view(-1))  # fp32 master of a 16-bit parameter
+            for key in sorted(state):
+                t = state[key]
+                if key != "step" and torch.is_tensor(t) and t.numel() == hi - lo and t.dim() >= 1:
+                    tensors.append(t.view(-1))
+        return ShardedSlice(tuple(tensors), ranges, member)
+
+    def grad_piece(self, param):
+        if id(param) not in self._dist:
+            return super().grad_piece(param)
+        g = getattr(param, "main_grad", None)
+        if g is None:
+            return None
+        ranges, member = self._ranges(param)
+        lo, hi = ranges[member]
+        return g.view(-1)[lo:hi], lo, param.numel()
+
+    def finish_migration(self):
+        """Re-gather the expert parameter buffers from their (moved) shards: synchronously, so the
+        weights are whole before the next forward, with or without overlapped param gather."""
+        for opt in self._dist_opts:
+            for chunk in opt.model_chunks:
+                for group in getattr(chunk, "expert_parallel_bucket_groups", []):
+                    group.start_param_sync(force_sync=True)
+
     def mark_duplicate(self, param, duplicate):
         for p in (param, self._main.get(id(param))):
-            if p is None:
-                continue
-            if duplicate:
-                p.shared = True
-            elif getattr(p, "shared", False):
-                p.shared = False
+            if p is not None:
+                _set_shared(p, duplicate)
+        if id(param) in self._dist:
+            owned = self._shard_main(param)
+            if owned is not None:
+                _set_shared(owned[0], duplicate)
 
 
 def movable_tensors(param: torch.Tensor, view: OptimizerView) -> list[torch.Tensor]:
