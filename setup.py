@@ -222,7 +222,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
-        "megatron": ["megatron-core>=0.16"],
+        "megatron": ["megatron-core>=0.16", "psutil"],  # psutil: dist_checkpointing's file writer
         "wandb": ["wandb"],
     },
     entry_points={

@@ -13,7 +13,10 @@ the most bytes is reported, since that one runs out first):
 
 Sharding: dense parameters (everything but the routed experts) / TP; routed experts: the
 stage's MoE layers x E/EP experts x (m*H*Fe) / ETP, with `balancer.slots_per_rank` slots in
-place of E/EP when the balancer is on (spare slots hold replicas: real memory). Bytes per parameter:
+place of E/EP when the balancer is on (spare slots hold replicas: real memory, reported
+on their own as `spare_slots_gb`: the spare slots' weights, fp32 main grads, fp32 master
+weights and Adam moments, the last two / EDP with the distributed optimizer, which shards
+them as it shards every expert's). Bytes per parameter:
 
     weights     2 (bf16 / fp16 / fp8 runs keep bf16 weights), 4 for fp32
     gradients   4 (Megatron's fp32 main-grad buffer)
@@ -61,6 +64,7 @@ class MemoryEstimate:
     activations_gb: float
     gpu_gb: float
     total_params_model: float  # whole model, for the record
+    spare_slots_gb: float = 0.0  # part of the states above: the balancer's spare expert slots
 
     @property
     def states_gb(self) -> float:
@@ -83,6 +87,7 @@ class MemoryEstimate:
             ("weights", f"{self.weights_gb:7.1f} GiB"),
             ("gradients (fp32)", f"{self.grads_gb:7.1f} GiB"),
             ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
+            *([("of which balancer spare slots", f"{self.spare_slots_gb:7.1f} GiB")] if self.spare_slots_gb else []),
             ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
             ("total", total),
         ]
@@ -176,6 +181,7 @@ def estimate(recipe) -> MemoryEstimate:
             dense += m["hidden_size"] + (m["vocab_size"] * m["hidden_size"] if m["untie_embeddings"] else 0)
         dense /= lay.tp
         experts = experts_full / m["num_experts"] * experts_per_rank / lay.etp
+        spare = experts_full / m["num_experts"] * (experts_per_rank - m["num_experts"] // lay.ep) / lay.etp
         opt_dense = dense * opt_b / (lay.dp * lay.cp if dist_opt else 1)
         opt_exp = experts * opt_b / (lay.edp if dist_opt else 1)
         act = _activation_bytes(recipe, lay, s, n_dense, n_moe)
@@ -183,7 +189,8 @@ def estimate(recipe) -> MemoryEstimate:
             stage=s, dense_params=dense, expert_params=experts,
             weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * 4 / GIB,
             optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
-            gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe))
+            gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe),
+            spare_slots_gb=spare * (weight_b + 4 + opt_b / (lay.edp if dist_opt else 1)) / GIB)
         if best is None or est.total_gb > best.total_gb:
             best = est
     return best

@@ -174,10 +174,6 @@ def _balancer(recipe, problems):
     if recipe[b + "interval"] > 0 and slots is not None and ep >= 1 and slots * ep < E:
         problems.append((b + "slots_per_rank", f"{slots} slots x EP {ep} = {slots * ep} cannot hold "
                                                f"model.num_experts {E}"))
-    if recipe[b + "interval"] > 0 and recipe["parallelism.distributed_optimizer"]:
-        problems.append((b + "interval", "the expert balancer does not support the distributed optimizer yet "
-                                         "(parallelism.distributed_optimizer=true); set one of them off "
-                                         "(docs/balancer.md, limits)"))
     if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] != "hybrid_ep":
         problems.append((b + "interval", "the expert balancer runs inside the hybrid_ep dispatcher; "
                                          "set it to 0 with another dispatcher.type"))
