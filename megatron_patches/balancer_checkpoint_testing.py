@@ -1,0 +1,167 @@
+"""Checkpoint round trips of a balanced Megatron MoELayer (tests): save, load fresh, go on.
+
+`save_and_resume` runs inside balancer_testing.train_moe_layer on every rank: the balancer
+folds its pending counts into the statistics (`prepare_checkpoint`, as the save hook does in
+Megatron-LM), the layer and optimizer are saved in the legacy format (torch.save per rank,
+the distributed optimizer's parameter state through its own save_parameter_state) or with
+Megatron's dist_checkpointing (torch_dist: sharded_state_dict of layer and optimizer). In
+the legacy format the distributed optimizer's shards are kept per rank as Megatron's
+bucket-space parameter state (get_parameter_state_dp_reshardable): its gathered dp_zero
+file cannot be loaded back on the CPU, where Megatron falls back to torch's Adam, whose
+per-parameter `step` that loader does not expect. Then a
+freshly built layer with scrambled weights and a new optimizer load them, and a new
+balancer attaches to it. Both runs then train on; the test compares them.
+
+`load_other_ep` loads a torch_dist checkpoint's layer into another EP size with the same
+number of slots: the saved placement row is kept and the balancer re-plans from the saved
+statistics at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+
+import torch
+import torch.distributed as dist
+
+
+# Megatron-LM's default layout of the distributed optimizer's state in torch_dist checkpoints.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@contextlib.contextmanager
+def _may_start_processes():
+    """dist_checkpointing's file writer starts a multiprocessing manager, which a daemonic
+    process (a test pool's rank) may not; a training process is not daemonic."""
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
+
+
+def _save(run, layer, opt, directory: str) -> None:
+    if run.checkpoint_format == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        model_sd = layer.sharded_state_dict()
+        optim_sd = opt.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA)
+        with _may_start_processes():
+            dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, directory)
+        return
+    if run.checkpoint_format != "legacy":
+        raise ValueError(f"checkpoint_format must be 'legacy' or 'torch_dist', got {run.checkpoint_format!r}")
+    torch.save({"model": layer.state_dict(), "optimizer": opt.state_dict()},
+               os.path.join(directory, f"rank{dist.get_rank()}.pt"))
+    if run.optimizer == "distributed":
+        torch.save([o.get_parameter_state_dp_reshardable() for o in opt.chained_optimizers],
+                   os.path.join(directory, f"distopt{dist.get_rank()}.pt"))
+    dist.barrier()
+
+
+def _load(run, layer, opt, directory: str) -> None:
+    if run.checkpoint_format == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        model_sd = layer.sharded_state_dict()
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+                # torch's Adam (no Apex or TE, as on the CPU) has no `step` before its first
+                # step, which the distributed optimizer's state_dict needs: one zero-gradient
+                # step (it leaves the weights as they are) creates the states the load fills.
+                inner._init_optimizer_states_with_dummy_values()
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)},
+            directory)
+        layer.load_state_dict(loaded["model"])
+        with torch.no_grad():  # fp32 master shards are views of the weights
+            opt.load_state_dict(loaded["optimizer"])
+        return
+    state = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    layer.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if run.optimizer == "distributed":
+        states = torch.load(os.path.join(directory, f"distopt{dist.get_rank()}.pt"), weights_only=False)
+        for inner, param_state in zip(opt.chained_optimizers, states):
+            for key, value in param_state.items():
+                if isinstance(key, int):
+                    for buckets in value.values():
+                        for bucket in buckets:
+                            for elem in bucket:
+                                elem["padding"] = False
+            with torch.no_grad():  # fp32 master shards are views of the weights
+                inner.load_parameter_state_from_dp_reshardable(param_state)
+
+
+def _fix_adam_steps(opt) -> None:
+    """Megatron's DistributedOptimizer.load_state_dict on torch's Adam (no Apex or TE, as on
+    the CPU) gives every parameter's state one shared `step` tensor, which torch's Adam then
+    increments once per parameter per step, and its torch_dist load leaves `step` at the
+    template's value; each parameter gets its own `step` again, at the checkpoint's step
+    (which that load records in the param groups)."""
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                state = inner.optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+                    if "step" in group:
+                        state["step"].fill_(float(group["step"]))
+
+
+def _scramble_(layer, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+
+
+def save_and_resume(case, run, layer, model, opt, bal, step: int) -> dict:
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _expert_weights, _fixed_output, _optimizer, _sync_params
+
+    bal.prepare_checkpoint()
+    _sync_params(model, run)
+    _save(run, layer, opt, run.checkpoint_dir)
+    saved = {"placement": bal.placement_rows(), "load": bal.stats.load(), "steps": bal.steps,
+             "carry": bal.stats.carry_LE.copy(), "experts": _expert_weights(layer, bal),
+             "output": _fixed_output(layer, run)}
+    fresh = _build(case, run)
+    _scramble_(fresh, 1000 + dist.get_rank())
+    model2, opt2 = _optimizer(fresh, run)
+    _load(run, fresh, opt2, run.checkpoint_dir)
+    _fix_adam_steps(opt2)
+    bal2 = mbalancer.attach(fresh, opt2, writers=[])
+    _sync_params(model2, run)
+    restored = {
+        "placement_equal": bool(torch.equal(saved["placement"], bal2.placement_rows())),
+        "steps": (saved["steps"], bal2.steps),
+        "load_equal": bool((saved["load"] == bal2.stats.load()).all()),
+        "carry_equal": bool((saved["carry"] == bal2.stats.carry_LE).all()),
+        "window_held": len(bal2.stats._recent),
+    }
+    return {"layer": fresh, "model": model2, "opt": opt2, "bal": bal2, "losses": [], "grad_norms": [],
+            "restored": restored, "saved": saved}
+
+
+def load_other_ep(case, run, directory: str) -> dict:
+    """Load the layer of a torch_dist checkpoint into this pool's EP size (case.world_size)."""
+    from megatron.core import dist_checkpointing
+
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _expert_weights, _fixed_output
+
+    layer = _build(case, run)
+    _scramble_(layer, 2000 + dist.get_rank())
+    loaded = dist_checkpointing.load({"model": layer.sharded_state_dict()}, directory)
+    layer.load_state_dict(loaded["model"])
+    before = layer.hybrid_ep_slot_to_expert.clone()
+    probe_before = _fixed_output(layer, run)
+    bal = mbalancer.attach(layer, None, writers=[])
+    return {"events": list(bal.events), "placement_loaded": before, "placement": bal.placement_rows(),
+            "load": bal.stats.load(), "steps": bal.steps, "experts": _expert_weights(layer, bal),
+            "probe_before": probe_before, "probe_after": _fixed_output(layer, run)}

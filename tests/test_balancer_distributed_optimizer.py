@@ -1,0 +1,173 @@
+"""The expert balancer with Megatron-Core's DistributedOptimizer on CPU gloo ranks.
+
+EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32, fp32 with
+overlapped grad reduce and param gather (several buckets, so parameters straddle the
+members' shard boundaries), and bf16 mixed precision; EP 4 x expert-DP 2 (8 processes) in
+fp32 for 10 steps (two migrations), which keeps the 8-process run short on a 2-core machine.
+Every balanced run rebalances every 5 steps and is compared with the same run without the
+balancer. Checkpoints are saved after step 10 (a migration) in the legacy and torch_dist
+formats and resumed in a fresh layer; a torch_dist checkpoint saved at EP 2 loads at EP 4.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_patches.balancer_checkpoint_testing import load_other_ep  # noqa: E402
+from megatron_patches.balancer_testing import TrainRun, temporary_directory, train_moe_layer  # noqa: E402
+from megatron_patches.testing import LayerCase  # noqa: E402
+
+E, STEPS, INTERVAL = 8, 20, 5
+EP2 = LayerCase(world_size=2, num_experts=E, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+EP4 = LayerCase(world_size=4, num_experts=E, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+
+
+def _runs(pool, case, ranks, **runs):
+    return {name: pool.run(train_moe_layer, [(case, run)] * ranks, timeout_s=900) for name, run in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def ep2(pool_for):
+    pool = pool_for(4)
+    dist_ckpt = temporary_directory()
+    out = _runs(
+        pool, EP2, 4,
+        plain=TrainRun(STEPS, optimizer="distributed"),
+        balanced=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=temporary_directory()),
+        overlap=TrainRun(STEPS, INTERVAL, 6, "distributed", overlap=True, checkpoint_dir=dist_ckpt,
+                         checkpoint_format="torch_dist"),
+        bf16_plain=TrainRun(STEPS, optimizer="distributed", bf16=True),
+        bf16_placement=TrainRun(STEPS, INTERVAL, 4, "distributed", bf16=True),
+        bf16=TrainRun(STEPS, INTERVAL, 6, "distributed", bf16=True, checkpoint_dir=temporary_directory(),
+                      checkpoint_format="torch_dist"),
+    )
+    out["other_ep"] = pool.run(load_other_ep, [(EP4, TrainRun(interval=INTERVAL, slots_per_rank=3), dist_ckpt)] * 4,
+                               timeout_s=900)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep4(pool_for):
+    pool = pool_for(8)
+    return _runs(pool, EP4, 8, plain=TrainRun(10, optimizer="distributed"),
+                 balanced=TrainRun(10, INTERVAL, 3, "distributed"))
+
+
+def rel_diff(a, b):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / a.abs().clamp_min(1e-12)).max())
+
+
+# (fixture, balanced run, plain run, loss bound). bf16 with replicas: each replica's weight
+# gradient is a bf16 matmul over its share of the tokens, rounded before the fp32 sum, so
+# it differs from the one bf16 matmul over all tokens by bf16 rounding (measured 2.9e-4 on
+# the loss); the same run with placement only (no replicas) matches to 1e-6.
+CASES = [("ep2", "balanced", "plain", 1e-6), ("ep2", "overlap", "plain", 1e-6),
+         ("ep2", "bf16_placement", "bf16_plain", 1e-6), ("ep2", "bf16", "bf16_plain", 1e-3),
+         ("ep4", "balanced", "plain", 1e-6)]
+
+
+@pytest.mark.parametrize("fixture, name, plain, bound", CASES)
+def test_losses_and_grad_norms_match_training_without_balancer(request, fixture, name, plain, bound):
+    runs = request.getfixturevalue(fixture)
+    a, b = runs[plain][0], runs[name][0]
+    assert len(a["losses"]) == len(b["losses"]) and a["losses"][-1] < a["losses"][0]  # it trains
+    assert rel_diff(a["losses"], b["losses"]) <= bound
+    assert rel_diff(a["grad_norms"], b["grad_norms"]) <= (1e-5 if bound <= 1e-6 else 1e-2)
+    events = b["events"]
+    assert [e["iteration"] for e in events] == list(range(INTERVAL, len(a["losses"]) + 1, INTERVAL))
+    assert any(e["applied"] and e["slots_changed"] > 0 for e in events)
+
+
+@pytest.mark.parametrize("fixture, name, plain, bound", CASES)
+def test_each_migration_leaves_the_layer_output_unchanged(request, fixture, name, plain, bound):
+    runs = request.getfixturevalue(fixture)
+    atol = 0.0 if name.startswith("bf16") else 1e-6  # fp32: rows batched differently after a move
+    applied = sum(e["applied"] for e in runs[name][0]["events"])
+    for rank_result in runs[name]:
+        assert len(rank_result["around_migration"]) == applied
+        for probe in rank_result["around_migration"]:
+            torch.testing.assert_close(probe["after"], probe["before"], rtol=0, atol=atol)
+
+
+def _assembled(results) -> dict:
+    """(expert, slot) -> per parameter: the whole weight and the master weights and moments
+    assembled from every expert-DP member's pieces."""
+    pieces = collections.defaultdict(list)
+    weights = {}
+    for rank_result in results:
+        for slot in rank_result["slots"]:
+            key = (slot["expert"], slot["slot"])
+            weights.setdefault(key, slot["tensors"])
+            assert all(torch.equal(x, y) for x, y in zip(weights[key], slot["tensors"]))  # same on every member
+            pieces[key].append(slot["pieces"])
+    out = {}
+    for key, members in pieces.items():
+        params = []
+        for k, weight in enumerate(weights[key]):
+            parts = sorted((m[k][0], m[k][1]) for m in members if m[k][0][1] > m[k][0][0])
+            assert [r for r, _ in parts][0][0] == 0 and parts[-1][0][1] == weight.numel()
+            assert all(a[0][1] == b[0][0] for a, b in zip(parts, parts[1:]))  # the pieces tile the parameter
+            count = len(parts[0][1])
+            params.append((weight, [torch.cat([p[1][i] for p in parts]) for i in range(count)]))
+        out[key] = params
+    return out
+
+
+@pytest.mark.parametrize("fixture, name", [("ep2", "balanced"), ("ep2", "overlap"), ("ep2", "bf16"),
+                                           ("ep4", "balanced")])
+def test_replicas_bit_identical_in_weights_and_optimizer_shards(request, fixture, name):
+    results = request.getfixturevalue(fixture)[name]
+    by_expert = collections.defaultdict(list)
+    for (expert, _), params in _assembled(results).items():
+        by_expert[expert].append(params)
+    assert sorted(by_expert) == list(range(E))
+    assert sum(len(v) for v in by_expert.values()) == 12 and max(len(v) for v in by_expert.values()) > 1
+    moved = 3 if name == "bf16" else 2  # bf16: fp32 master weights, exp_avg, exp_avg_sq
+    for copies in by_expert.values():
+        for params in copies:
+            assert all(len(states) == moved for _, states in params)
+        for other in copies[1:]:
+            for (w0, s0), (w1, s1) in zip(copies[0], other):
+                assert torch.equal(w0, w1) and all(torch.equal(x, y) for x, y in zip(s0, s1))
+
+
+@pytest.mark.parametrize("name, fmt", [("balanced", "legacy"), ("overlap", "torch_dist"), ("bf16", "torch_dist")])
+def test_checkpoint_after_a_migration_resumes_bit_identically(ep2, name, fmt):
+    for rank_result in ep2[name]:
+        resumed = rank_result["resumed"]
+        restored = resumed["restored"]
+        assert restored["placement_equal"] and restored["load_equal"] and restored["carry_equal"]
+        assert restored["steps"] == (10, 10) and restored["window_held"] == 1
+        assert resumed["losses"] == rank_result["losses"][10:]
+        assert resumed["grad_norms"] == rank_result["grad_norms"][10:]
+        assert [e["iteration"] for e in resumed["events"]] == [15, 20]
+        assert [e["slots_changed"] for e in resumed["events"]] == [e["slots_changed"] for e in rank_result["events"][2:]]
+        for a, b in zip(rank_result["slots"], resumed["slots"]):
+            assert a["expert"] == b["expert"]
+            assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
+            for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
+                assert ra == rb and all(torch.equal(x, y) for x, y in zip(xa, xb))
+
+
+def test_torch_dist_checkpoint_loads_into_another_ep_size_and_replans(ep2):
+    """Saved at EP 2 (6 slots per rank), loaded at EP 4 (3 per rank, the same 12 slots): the
+    saved placement row and statistics load, the balancer re-plans from those statistics at
+    once, and the layer computes what the saved one did."""
+    for saved_rank, loaded in zip(ep2["overlap"], ep2["other_ep"]):
+        saved = saved_rank["resumed"]["saved"]
+        assert (loaded["load"] == saved["load"]).all() and loaded["steps"] == 10
+        assert torch.equal(loaded["placement_loaded"], saved["placement"][0])
+        [event] = loaded["events"]
+        assert event["applied"] and event["imbalance_rank_after"] < event["imbalance_rank_before"]
+        assert sorted(set(loaded["placement"][0].tolist())) == list(range(E))
+        torch.testing.assert_close(loaded["probe_after"], saved["output"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(loaded["probe_before"], saved["output"], rtol=0, atol=1e-6)
+        for e, (fc1, fc2) in loaded["experts"].items():
+            if e in saved["experts"]:
+                assert torch.equal(fc1, saved["experts"][e][0]) and torch.equal(fc2, saved["experts"][e][1])
