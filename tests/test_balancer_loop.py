@@ -105,3 +105,51 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert int(map_TS.sum()) == int(rm.sum())
+
+
+def test_statistics_flush_pack_unpack_round_trip(single_rank_group):
+    """Counts since the last reduction survive a checkpoint (flushed into the carry); the
+    window, the average and the carry pack per layer and unpack into the same planning load."""
+    from hybrid_ep.balancer import LoadStatistics
+
+    stats = LoadStatistics(2, 3, window=2)
+    for counts in ([1, 2, 3], [4, 0, 1], [2, 2, 2]):
+        stats.record(0, torch.tensor(counts))
+        stats.record(1, torch.tensor(counts[::-1]))
+        stats.reduce([single_rank_group])
+    stats.record(0, torch.tensor([5, 0, 0]))
+    stats.flush([single_rank_group])
+    assert stats.carry_LE[0].tolist() == [5, 0, 0] and int(stats.counts_LE.sum()) == 0
+    packed = [stats.pack(i) for i in range(2)]
+    assert packed[0][1] == 2 and not packed[0][2]
+    np.testing.assert_array_equal(packed[0][0], [[4, 0, 1], [2, 2, 2], [0, 0, 0], [5, 0, 0]])
+    other = LoadStatistics(2, 3, window=2)
+    other.unpack([p[0] for p in packed], packed[0][1], packed[0][2])
+    np.testing.assert_array_equal(other.load(), stats.load())
+    np.testing.assert_array_equal(other.reduce([single_rank_group]), stats.reduce([single_rank_group]))
+    shorter = LoadStatistics(2, 3, window=1)  # another window length keeps the newest reduction
+    shorter.unpack([p[0] for p in packed], packed[0][1], packed[0][2])
+    np.testing.assert_array_equal(shorter.load()[0], [2, 2, 2])
+    with pytest.raises(ValueError, match="statistics of 1 layers"):
+        other.unpack([packed[0][0]], 2, False)
+
+
+def test_balancer_checkpoint_buffers_restore_steps_and_statistics(single_rank_group):
+    layers, _ = make_layers(1, 4, 6)
+    for layer in layers:
+        layer.saved_stats = torch.zeros(3, 4, dtype=torch.float64)
+        layer.saved_meta = torch.zeros(4, dtype=torch.int64)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2)
+    bal.setup()
+    assert not bal.restore_saved()  # nothing written yet
+    for step in range(1, 4):
+        bal.record(0, torch.tensor([3, 1, 0, step]))
+        bal.after_optimizer_step(step)
+    bal.prepare_checkpoint()
+    assert layers[0].saved_meta.tolist() == [1, 0, 3, 1]
+    fresh_layers, _ = make_layers(1, 4, 6)
+    fresh_layers[0].saved_stats, fresh_layers[0].saved_meta = layers[0].saved_stats.clone(), layers[0].saved_meta.clone()
+    fresh = ExpertBalancer(fresh_layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2)
+    assert fresh.restore_saved() and fresh.steps == 3
+    np.testing.assert_array_equal(fresh.stats.load(), bal.stats.load())
+    np.testing.assert_array_equal(fresh.stats.carry_LE, [[3, 1, 0, 3]])
