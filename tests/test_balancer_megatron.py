@@ -168,3 +168,48 @@ def test_too_few_slots_is_refused():
     assert slots_per_rank(HybridEPOptions(balancer_interval=5), 8, 4) == 2
     with pytest.raises(ValueError, match="balancer_slots_per_rank"):
         slots_per_rank(HybridEPOptions(balancer_interval=5, balancer_slots_per_rank=1), 8, 4)
+
+
+def _layer_with_placement(slots: int, ep: int, window: int = 1, experts: int = 8):
+    layer = torch.nn.Module()
+    layer.register_buffer("hybrid_ep_placement_shape", torch.tensor([slots, ep]))
+    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, experts, dtype=torch.float64))
+    layer.register_buffer("hybrid_ep_load_meta", torch.zeros(4, dtype=torch.int64))
+    layer._hybrid_ep_shape = (slots, ep)
+    return layer
+
+
+def test_checkpoint_shape_check_names_slots_and_replans_other_ep_sizes():
+    from megatron_patches.balancer import _check_placement_shape
+
+    saved = {"hybrid_ep_placement_shape": torch.tensor([12, 2])}
+    with pytest.raises(ValueError, match="12 slots over EP size 2; this run has 16 slots over EP size 4"):
+        _check_placement_shape(_layer_with_placement(16, 4), dict(saved), "")
+    layer = _layer_with_placement(12, 4)
+    state = dict(saved)  # saved before statistics were checkpointed: zeros, nothing restored
+    _check_placement_shape(layer, state, "")
+    assert layer._hybrid_ep_replan and state["hybrid_ep_placement_shape"].tolist() == [12, 4]
+    assert state["hybrid_ep_load_meta"].tolist() == [0, 0, 0, 0]
+    window3 = torch.arange(5 * 8, dtype=torch.float64).reshape(5, 8)  # 3 reductions, average, carry
+    state = {"hybrid_ep_placement_shape": torch.tensor([12, 4]), "hybrid_ep_load_stats": window3,
+             "hybrid_ep_load_meta": torch.tensor([3, 1, 40, 1])}
+    layer = _layer_with_placement(12, 4, window=1)
+    _check_placement_shape(layer, state, "")
+    assert not getattr(layer, "_hybrid_ep_replan", False)
+    assert state["hybrid_ep_load_stats"].tolist() == [window3[2].tolist(), window3[3].tolist(), window3[4].tolist()]
+    assert state["hybrid_ep_load_meta"].tolist() == [1, 1, 40, 1]
+
+
+def test_save_hook_prepares_the_balancer_before_megatron_saves():
+    import types
+
+    from megatron_patches.balancer import _install_save_hook
+
+    calls = []
+    training = types.SimpleNamespace(save_checkpoint=lambda it, model, opt, *a, **k: calls.append(("save", it)))
+    _install_save_hook(training)
+    _install_save_hook(training)  # idempotent
+    balancer = types.SimpleNamespace(prepare_checkpoint=lambda: calls.append(("prepare", None)))
+    training.save_checkpoint(7, None, types.SimpleNamespace(hybrid_ep_balancer=balancer))
+    training.save_checkpoint(8, None, None)
+    assert calls == [("prepare", None), ("save", 7), ("save", 8)]
