@@ -194,7 +194,7 @@ def probe_backend(ranks_per_node: int) -> str:
 def where_line(transport: str, world_size: int, device: str, backend: str | None) -> str:
     """Where the ranks run and on which hybrid_ep backend (the second line of the output)."""
     if transport == "gloo":
-        place = f"on CPU ({device}): {world_size} processes, torch.distributed gloo, no GPU"
+        place = f"on {device}, {world_size} processes over torch.distributed gloo, no GPU"
     else:
         place = f"on {world_size} GPUs ({device}), one per process, torch.distributed nccl"
     via = "hybrid_ep dispatcher not run" if backend is None else f"hybrid_ep backend: {backend}"

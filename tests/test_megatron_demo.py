@@ -35,7 +35,8 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert [r["imbalance"] for r in ours] == [r["imbalance"] for r in stock]
     # Where it ran and what the columns mean come first, then one line per step.
     assert lines[0] == demo.where_line("gloo", 4, results["metadata"]["device"], "reference")
-    assert lines[0].startswith("running on CPU (CPU: ") and "hybrid_ep backend: reference" in lines[0]
+    assert lines[0].startswith("running on CPU: ") and "4 processes over torch.distributed gloo, no GPU" in lines[0]
+    assert lines[0].endswith("; hybrid_ep backend: reference")
     assert lines[1] == demo.LEGEND and "(max - mean) / mean of tokens per expert" in lines[1]
     assert len(lines) == 2 + 2 * STEPS and "loss" in lines[2] and "modelled dispatch bytes" in lines[2]
     meta = results["metadata"]
