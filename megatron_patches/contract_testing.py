@@ -117,9 +117,11 @@ def _unpermute(dispatcher, rows):
 def _setup(case: ContractCase):
     import torch.distributed as dist
 
+    from .buffers import BUFFERS
     from .testing import init_megatron
 
     init_megatron(case.ep, case.seed, tensor_parallel=case.tp, expert_tensor_parallel=case.etp)
+    BUFFERS.clear()  # each case sizes its buffers from its own first call, as a fresh job would
     return dist.get_rank()
 
 

@@ -228,6 +228,20 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         rows += L * (self.pad_multiple - 1)
         return -(-rows // self.pad_multiple) * self.pad_multiple
 
+    def _routes(self, routing_map, probs):
+        """[T, C] routing map and probs -> (topk_idx [T, K], weights [T, K]) with K fixed on the
+        host: the router's top-k (times ETP for the expanded map), or every column with
+        drop-and-pad, where a token may fill any expert's capacity. Routed columns first, in
+        column order (the order hybrid_ep's own routing-map conversion uses); differentiable
+        in probs."""
+        columns = routing_map.shape[1]
+        K = columns if self.drop_and_pad else min(columns, self.config.moe_router_topk * self.tp_size)
+        order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)
+        cols, valid = order.indices[:, :K], order.values[:, :K] > 0
+        idx = torch.where(valid, cols, -1)
+        weights = torch.where(valid, probs.gather(1, cols).float(), 0.0)
+        return idx, weights
+
     # -- the six phases ---------------------------------------------------------------------
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
@@ -265,14 +279,12 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.capacity = self._capacity(x_TH.shape[0])
             min_rows = self.capacity * self.comm_size
         buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows)
-        res = hep.dispatch(
-            buf,
-            x_TH,
-            routing_map=self.routing_map,
-            probs=probs,
-            num_out_tokens=self._num_out_tokens(x_TH.shape[0]),
-            num_sms=self.options.num_sms_dispatch,
-        )
+        num_out_tokens = self._num_out_tokens(x_TH.shape[0])
+        if num_out_tokens is None:
+            routing = dict(routing_map=self.routing_map, probs=probs)
+        else:  # static shapes: routes per token known on the host, no device read
+            routing = dict(zip(("topk_idx", "topk_weights"), self._routes(self.routing_map, probs)))
+        res = hep.dispatch(buf, x_TH, num_out_tokens=num_out_tokens, num_sms=self.options.num_sms_dispatch, **routing)
         self.handle = res.handle
         self.last_dispatch_call = buf.last_call
         if self.drop_and_pad:

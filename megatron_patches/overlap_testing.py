@@ -94,12 +94,14 @@ def train_step(case: GPTCase) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
+    from .buffers import BUFFERS
     from .testing import init_megatron
 
     from megatron.core import parallel_state as ps
 
     init_megatron(case.world_size // case.pipeline, case.seed, pipeline_parallel=case.pipeline,
                   virtual_pipeline=case.virtual_pipeline)
+    BUFFERS.clear()  # buffers sized from this run's first call, as a fresh job would
     config = _config(case)
     torch.manual_seed(case.seed)
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)

@@ -128,7 +128,10 @@ def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: in
     megatron_patches.apply()
     layout = (expert_parallel, tensor_parallel, expert_tensor_parallel, pipeline_parallel, virtual_pipeline)
     if ps.model_parallel_is_initialized() and getattr(ps, "_hybrid_ep_test_layout", layout) != layout:
+        from .buffers import BUFFERS
+
         ps.destroy_model_parallel()
+        BUFFERS.clear()  # their groups are gone
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
@@ -144,6 +147,20 @@ def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: in
             f"asked for {expert_parallel}"
         )
     model_parallel_cuda_manual_seed(seed)
+    reset_moe_globals()
+
+
+def reset_moe_globals() -> None:
+    """Megatron keeps MoE state per process (per-layer metrics sized by the first model that
+    records them, the aux-loss scale shaped by its first user); a case starts afresh."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # Megatron-Core before 0.17
+        return
+    destroy_moe_metrics_tracker()
 
 
 def moe_config(case: LayerCase):
