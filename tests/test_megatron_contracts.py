@@ -95,10 +95,10 @@ def test_dropless_with_tensor_parallel(pool_for, dispatcher, tp, etp):
         torch.testing.assert_close(r["grad"], r["x"])
 
 
-@pytest.mark.parametrize("tp, etp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("tp, etp", [(1, 2), (2, 1), (2, 2)])
 def test_moe_layer_with_tensor_parallel_matches_alltoall(pool_for, tp, etp):
-    """ETP 2 (EP 2) and TP 2 + sequence parallel (EP 2, ETP 1): a whole MoELayer's output, input
-    gradient and every parameter gradient equal the alltoall dispatcher's within 1e-5."""
+    """ETP 2 (EP 2), TP 2 + sequence parallel (EP 2, ETP 1) and both: a whole MoELayer's output,
+    input gradient and every parameter gradient equal the alltoall dispatcher's within 1e-5."""
     got = {d: run(pool_for, ct.layer_forward_backward, ct.ContractCase(4, d, tp=tp, etp=etp)) for d in DISPATCHERS}
     for rank, (ours, stock) in enumerate(zip(got["hybrid_ep"], got["alltoall"])):
         torch.testing.assert_close(ours["out"], stock["out"], atol=1e-5, rtol=1e-5)
