@@ -31,6 +31,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/params.h"
 #include "device/device.cuh"
 
 namespace hybrid_ep {
