@@ -1,11 +1,13 @@
-"""The cuda backend: hybrid_ep._C kernels over NVLink (DESIGN.md sections 1 and 5).
+"""The cuda backend: hybrid_ep._C kernels over NVLink inside a node and an inter-node
+transport between nodes (docs/architecture.md, "cuda backend"; csrc/README.md).
 
-- layout.py: byte layout of the registered buffer and the per-call info tensor
+- layout.py: byte layout of the registered buffer, the RDMA region and the per-call info tensor
 - launch.py: SM counts, FIFO shape, co-residency
-- registered.py: allocation and exchange of registered buffers (CUDA IPC / fabric handles)
+- registered.py: registered buffers (CUDA IPC / fabric handles) and RDMA regions (loopback, NVSHMEM)
+- nvshmem.py: NVSHMEM's one initialisation per process and its symmetric heap
 - engine.py: the call sequence (layout kernel, dispatch kernel, combine kernel)
 - backend.py: the Backend used by HybridEPBuffer, one rank per process
-- emulation.py: W virtual ranks on one GPU (or on the CPU model), for tests and benchmarks
+- emulation.py: W = N x G virtual ranks on one GPU (or on the CPU model), for tests and benchmarks
 
 The kernels come in two builds of the same sources: hybrid_ep._C for the GPU, and
 hybrid_ep._model, the CPU model of the device layer (csrc/device/model/), which runs them on
