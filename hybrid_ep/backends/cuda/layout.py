@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...config import FP8_BLOCK, BufferConfig
+from ...rows import check_hidden_dim
 
 ALIGN = 128  # every region starts on its own 128-byte line
 MAX_TOPK = 16  # csrc kMaxTopK: routes per token
@@ -218,5 +219,4 @@ def check_geometry(config: BufferConfig, inter_node: bool = False) -> None:
             f"inter-node transport (NVSHMEM), which this process does not have: build hybrid_ep with the "
             f"nvidia-nvshmem wheel installed, or use backend='reference'"
         )
-    if config.hidden_dim % 4 != 0:
-        raise ValueError(f"hidden_dim must be a multiple of 4 for the cuda backend (16-byte rows), got {config.hidden_dim}")
+    check_hidden_dim(config.hidden_dim)  # the 16-byte row rule every backend shares
