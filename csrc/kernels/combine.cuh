@@ -420,7 +420,8 @@ __device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
   const auto* fwd_rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows);
   const int G = h.topo.G, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
-  for (int64_t u = d.b; u < forwarded_chunks(d) && !d.stopped(); u += d.nb) {
+  const int64_t units = forwarded_chunks(d);
+  for (int64_t u = d.b; u < units && !d.stopped(); u += d.nb) {
     int n, c;
     forwarded_chunk(d, u, n, c);
     bool ok = true;

@@ -177,7 +177,8 @@ using ExpandChunks = ReceivedChunks<Dispatch<Rdma>>;  // the (source, chunk) pai
 template <typename Rdma>
 __device__ void send_load(const Dispatch<Rdma>& d) {
   PipeState produced;
-  for (int64_t u = d.b; u < d.send_units() && !d.stopped(); u += d.nb) {
+  const int64_t units = d.send_units();  // once: it walks the source counts of every node
+  for (int64_t u = d.b; u < units && !d.stopped(); u += d.nb) {
     SendUnit su = d.unit(u);
     if (!d.arrive(su)) {
       d.stop();
@@ -229,7 +230,8 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
   const int W = d.W, K = d.K, G = d.h.topo.G, first = d.h.first_local();
   PipeState slot;
-  for (int64_t u = d.b; u < d.send_units(); u += d.nb, slot.advance(kMetaSlots)) {
+  const int64_t units = d.send_units();
+  for (int64_t u = d.b; u < units; u += d.nb, slot.advance(kMetaSlots)) {
     SendUnit su = d.unit(u);
     bool ok = true;
     if (lane == 0) ok = !d.stopped() && d.meta_ring.producer_acquire(d.args, slot);
@@ -294,7 +296,8 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   };
 
   int local = 0;
-  for (int64_t u = d.b; u < d.send_units(); u += d.nb, ++local) {
+  const int64_t units = d.send_units();
+  for (int64_t u = d.b; u < units; u += d.nb, ++local) {
     SendUnit su = d.unit(u);
     if (!d.arrive_warp(su, lane)) {
       d.stop();

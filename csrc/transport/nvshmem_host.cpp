@@ -62,7 +62,8 @@ int n_pes() {
 
 uint64_t malloc(size_t bytes) {
   require_initialized("nvshmem_malloc");
-  return reinterpret_cast<uint64_t>(nvshmem_malloc(bytes));
+  // Zeroed: the transport's signal words must start below every call's epoch.
+  return reinterpret_cast<uint64_t>(nvshmem_calloc(bytes, 1));
 }
 
 void free(uint64_t ptr) {

@@ -27,7 +27,8 @@ int init_status();
 int my_pe();
 int n_pes();
 
-// nvshmem_malloc / nvshmem_free (collective). 0 when the heap has no room for `bytes`.
+// A zeroed symmetric allocation (nvshmem_calloc) / nvshmem_free, both collective. 0 when the
+// heap has no room for `bytes`.
 uint64_t malloc(size_t bytes);
 void free(uint64_t ptr);
 

@@ -182,7 +182,7 @@ def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Ses
 
 
 def allocate(nbytes: int) -> SymmetricAllocation:
-    """A symmetric allocation of `nbytes` (collective: every PE asks for the same size)."""
+    """A zeroed symmetric allocation of `nbytes` (collective: every PE asks for the same size)."""
     nbytes = _require_bytes("nbytes", nbytes)
     s = _session
     if s is None:

@@ -150,12 +150,6 @@ class LoopbackRegions:
             pass
 
 
-def _zero(ptr: int, nbytes: int, device: torch.device) -> None:
-    """Zero memory torch did not allocate (signal words must start below every epoch)."""
-    storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    torch.empty(0, dtype=torch.uint8, device=device).set_(storage).zero_()
-
-
 class NvshmemRegions:
     """The inter-node transport on clusters: this rank's RDMA region is a zeroed block of
     NVSHMEM's symmetric heap (the same offsets on every PE), and the PE of every rank of the
@@ -170,11 +164,10 @@ class NvshmemRegions:
         self._nvshmem = nvshmem
         nvshmem.require_built(ext)
         nvshmem.initialize(group, nbytes, ext=ext)
-        self.allocation = nvshmem.allocate(nbytes)
-        _zero(self.allocation.ptr, nbytes, device)
+        self.allocation = nvshmem.allocate(nbytes)  # zeroed, like registered buffers
         self.pes = torch.tensor(nvshmem.pe_table(group), dtype=torch.int32, device=device)
         _synchronize(device)
-        dist.barrier(group=group)  # every region zeroed before any rank puts into it
+        dist.barrier(group=group)  # every rank's region in place before any rank puts into it
 
     def rank_args(self, i: int) -> tuple[int, int, int]:
         return 0, self.allocation.ptr, self.pes.data_ptr()
