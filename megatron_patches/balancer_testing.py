@@ -43,10 +43,18 @@ class TrainRun:
     optimizer: str = "torch"         # torch | megatron | distributed
     bf16: bool = False
     overlap: bool = False            # distributed: overlap_grad_reduce and overlap_param_gather
+    # Megatron-LM's default: weight gradients added in fp32 straight into the fp32 main_grad
+    # (needs Megatron's DDP, which gives every parameter its main_grad)
+    gradient_accumulation_fusion: bool = False
     lr: float = 1e-2
     checkpoint_dir: str | None = None
     checkpoint_format: str = "legacy"  # legacy | torch_dist
     checkpoint_step: int = 10       # save after this many steps (a migration step when interval divides it)
+
+    def __post_init__(self):
+        if self.gradient_accumulation_fusion and self.optimizer == "torch":
+            raise ValueError("gradient_accumulation_fusion needs optimizer 'megatron' or 'distributed' "
+                             "(Megatron's DDP gives each parameter the main_grad it accumulates into)")
 
 
 def _ep_rank() -> int:
@@ -72,7 +80,8 @@ def _build(case: LayerCase, run: TrainRun):
     options = megatron_patches.HybridEPOptions(
         balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank,
     ) if run.interval else megatron_patches.HybridEPOptions()
-    layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options)
+    layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
+                            gradient_accumulation_fusion=run.gradient_accumulation_fusion)
     layer._hybrid_ep_case = case
     return layer
 

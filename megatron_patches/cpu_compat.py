@@ -25,6 +25,10 @@ Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
   schedule (`overlap_moe_expert_parallel_comm`, combined 1F1B) creates streams with a
   priority and calls `record_stream` on activations (allocator lifetimes only); the
   schedules module gets the CPU factories and `record_stream` is a no-op for CPU tensors;
+- gradient-accumulation fusion (`gradient_accumulation_fusion`, Megatron-LM's default) calls
+  Apex's `fused_weight_gradient_mlp_cuda` to add each linear's weight gradient straight into
+  its `main_grad` (a GEMM with fp32 compute and beta 1, so bf16 runs never round the weight
+  gradient to bf16); tensor_parallel.layers gets a host version of the same arithmetic;
 - Megatron-Core 0.16's router gating calls `te_general_gemm`, a name that is left undefined
   when Transformer Engine is not installed (NameError); it is defined as None, which selects
   the torch matmul path the code already has.
@@ -338,6 +342,26 @@ def _install_cpu_schedules() -> None:
     torch.Tensor.record_stream = record_stream
 
 
+class _HostWgradAccumulation:
+    """Apex's fused_weight_gradient_mlp_cuda on the host: main_grad += grad_output^T @ input,
+    products and sums in fp32 whatever the inputs' dtype, rounded once to main_grad's dtype."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.t().float(), total_input.float())
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        main_grad.copy_(torch.addmm(main_grad.float(), grad_output.t().float(), total_input.float()))
+
+
+def _install_host_wgrad_accumulation() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = _HostWgradAccumulation
+    layers._grad_accum_fusion_available = True
+
+
 def _define_missing_te_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
@@ -371,6 +395,7 @@ def enable() -> bool:
         _install_gloo_collectives()
         _install_cpu_schedules()
         _define_missing_te_gemm()
+        _install_host_wgrad_accumulation()
         _install_cpu_optimizer()
     except ImportError:
         pass  # Megatron not installed: the torch stand-ins are all there is to do
