@@ -1,8 +1,8 @@
 """The expert balancer with Megatron-Core's DistributedOptimizer on CPU gloo ranks.
 
-EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32, fp32 with
-overlapped grad reduce and param gather (several buckets, so parameters straddle the
-members' shard boundaries), and bf16 mixed precision; EP 4 x expert-DP 2 (8 processes; 12
+EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32 and bf16
+mixed precision, each also with overlapped grad reduce and param gather (several buckets,
+so parameters straddle the members' shard boundaries); EP 4 x expert-DP 2 (8 processes; 12
 slots) in fp32 and bf16. Every balanced run trains 20 steps, rebalances every 5 and is
 compared with the same run without the balancer. bf16 runs as Megatron-LM runs it by
 default: fp32 main grads with gradient-accumulation fusion (weight gradients added in fp32
@@ -49,6 +49,7 @@ def ep2(pool_for):
         bf16_plain=TrainRun(STEPS, optimizer="distributed", **BF16),
         bf16=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=temporary_directory(),
                       checkpoint_format="torch_dist", **BF16),
+        bf16_overlap=TrainRun(STEPS, INTERVAL, 6, "distributed", overlap=True, **BF16),
         bf16_unfused_plain=TrainRun(STEPS, optimizer="distributed", **BF16_UNFUSED),
         bf16_unfused_placement=TrainRun(STEPS, INTERVAL, 4, "distributed", **BF16_UNFUSED),
         bf16_unfused=TrainRun(STEPS, INTERVAL, 6, "distributed", **BF16_UNFUSED),
@@ -80,7 +81,7 @@ def rel_diff(a, b):
 # (the weight gradient never rounded to bf16) replicas match to 1e-6 too.
 EXACT = (1e-6, 1e-5)
 CASES = [("ep2", "balanced", "plain", *EXACT), ("ep2", "overlap", "plain", *EXACT),
-         ("ep2", "bf16", "bf16_plain", *EXACT),
+         ("ep2", "bf16", "bf16_plain", *EXACT), ("ep2", "bf16_overlap", "bf16_plain", *EXACT),
          ("ep2", "bf16_unfused_placement", "bf16_unfused_plain", *EXACT),
          ("ep2", "bf16_unfused", "bf16_unfused_plain", 1e-3, 1e-2),
          ("ep4", "balanced", "plain", *EXACT), ("ep4", "bf16", "bf16_plain", *EXACT)]
@@ -171,7 +172,7 @@ def _assembled(results) -> dict:
 
 
 @pytest.mark.parametrize("fixture, name", [("ep2", "balanced"), ("ep2", "overlap"), ("ep2", "bf16"),
-                                           ("ep2", "bf16_unfused"), ("ep4", "balanced"), ("ep4", "bf16")])
+                                           ("ep2", "bf16_overlap"), ("ep2", "bf16_unfused"), ("ep4", "balanced"), ("ep4", "bf16")])
 def test_replicas_bit_identical_in_weights_and_optimizer_shards(request, fixture, name):
     results = request.getfixturevalue(fixture)[name]
     by_expert = collections.defaultdict(list)
