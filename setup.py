@@ -7,6 +7,8 @@ Two extensions are compiled ahead of time from csrc/:
   the inter-node transport; without, one line says so;
 - hybrid_ep._model, the same kernel sources on the CPU model of the device layer, with the
   host compiler alone (no CUDA toolkit), so the kernels' logic is tested on every machine.
+A third, hybrid_ep._planner (the expert balancer's placement planner, csrc/balancer/), is
+plain C++ and always built: the balancer needs it.
 """
 
 import glob
@@ -175,20 +177,40 @@ def _with_nvshmem(kwargs: dict, nvshmem) -> None:
     kwargs["extra_link_args"] = nvshmem.link_args()
 
 
-def _model_extension():
-    """Return (extension or None, reason it was skipped or None)."""
-    if os.environ.get("HYBRID_EP_SKIP_MODEL_BUILD") == "1":
-        return None, "HYBRID_EP_SKIP_MODEL_BUILD=1"
+def _pybind11_includes() -> list[str] | None:
+    """pybind11's headers: its own package, else the copy inside PyTorch; None without either."""
     try:
         import pybind11
 
-        includes = [pybind11.get_include()]
+        return [pybind11.get_include()]
     except ImportError:
         try:
             from torch.utils.cpp_extension import include_paths
         except ImportError:
-            return None, "neither pybind11 nor PyTorch is importable at build time (for the pybind11 headers)"
-        includes = include_paths()
+            return None
+        return include_paths()
+
+
+_CXX_FLAGS = ["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
+
+
+def _planner_extension() -> Extension:
+    includes = _pybind11_includes()
+    if includes is None:
+        raise RuntimeError("hybrid-ep: building hybrid_ep._planner needs pybind11 or PyTorch at build time "
+                           "(pip install pybind11, or install torch first)")
+    return Extension("hybrid_ep._planner", ["csrc/balancer/planner.cpp", "csrc/bindings/planner_module.cpp"],
+                     include_dirs=[os.path.abspath("csrc")] + includes,
+                     depends=sorted(glob.glob("csrc/balancer/*")), language="c++", extra_compile_args=_CXX_FLAGS)
+
+
+def _model_extension():
+    """Return (extension or None, reason it was skipped or None)."""
+    if os.environ.get("HYBRID_EP_SKIP_MODEL_BUILD") == "1":
+        return None, "HYBRID_EP_SKIP_MODEL_BUILD=1"
+    includes = _pybind11_includes()
+    if includes is None:
+        return None, "neither pybind11 nor PyTorch is importable at build time (for the pybind11 headers)"
     sources = sorted(glob.glob("csrc/device/model/*.cpp")) + ["csrc/bindings/model_module.cpp"]
     print("hybrid-ep: building the CPU model of the kernels hybrid_ep._model", file=sys.stderr)
     ext = Extension(
@@ -197,7 +219,7 @@ def _model_extension():
         include_dirs=[os.path.abspath("csrc")] + includes,
         depends=_csrc_files(),
         language="c++",
-        extra_compile_args=["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+        extra_compile_args=_CXX_FLAGS,
     )
     return ext, None
 
@@ -210,6 +232,7 @@ if model_ext is not None:
     ext_modules = ext_modules + [model_ext]
 else:
     print(f"hybrid-ep: building without the CPU model hybrid_ep._model: {model_skipped}", file=sys.stderr)
+ext_modules = ext_modules + [_planner_extension()]
 
 setup(
     name="hybrid-ep",

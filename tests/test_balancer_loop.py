@@ -58,6 +58,11 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     assert pngs and all(open(out / f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in pngs)
     jsons = [f for f in os.listdir(out) if f.endswith(".json")]
     assert jsons and json.load(open(out / jsons[0]))
+    # a moved slot carries its fp32 3 x 3 weight and Adam's two moments (no separate master)
+    assert bal.bytes_per_slot() == 9 * (4 + 8)
+    summary = json.load(open(out / jsons[0]))
+    assert summary["bytes_per_slot"] == 108
+    assert summary["moved_bytes"] == [m * 108 for m in summary["moves"]]
     state = bal.state_dict()
     assert state["steps"] == 6 and state["placement"].shape == (2, 6)
 

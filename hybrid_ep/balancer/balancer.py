@@ -272,7 +272,17 @@ class ExpertBalancer:
                         history=self.stats.history_array(), steps=np.asarray(self.stats.history_steps),
                         ep_size=self.num_ranks, layer_numbers=np.asarray(self.layer_numbers))
         history = self.stats.history_array()
-        return write_report(self.last_summary, out, history=self._rank_history(history), step=int(iteration))
+        return write_report(self.last_summary, out, history=self._rank_history(history), step=int(iteration),
+                            bytes_per_slot=self.bytes_per_slot())
+
+    def bytes_per_slot(self) -> int:
+        """Bytes a moved slot carries: its weights, fp32 master weights (when the weights are
+        not fp32) and Adam's two fp32 moments, summed over its parameters."""
+        from .report import slot_bytes
+
+        params = self.layers[0].slot_params[0]
+        return sum(slot_bytes(p.numel(), p.element_size() + (0 if p.dtype == torch.float32 else 4) + 8)
+                   for p in params)
 
     def _rank_history(self, history_TLE: np.ndarray) -> np.ndarray:
         """[T, L, W] tokens per rank of each interval under the current placement."""

@@ -22,7 +22,7 @@ import torch
 
 from .metrics import rank_loads, summarize
 from .placement_file import load_placement_yaml, save_placement_yaml
-from .planner import Placement, plan_placement
+from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
 from .report import load_statistics, write_report
 
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
     plan.add_argument("--tolerance", type=float, default=None,
                       help="with --previous: accepted rise of the rank imbalance over a fresh plan to keep "
-                           "slots (default 0.005)")
+                           f"slots (default {DEFAULT_TOLERANCE})")
     return parser
 
 

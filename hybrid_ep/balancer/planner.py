@@ -2,13 +2,16 @@
 
 A slot holding expert e carries load[e] / replicas(e) (the router splits an expert's
 tokens evenly over its replicas) and a rank carries the sum over its slots; the plan keeps
-the largest rank small. Fresh plan (packing.py): replica counts from one global budget of
-spare slots (each to the largest load / replicas, so a very hot expert gets as many copies
-as it needs, on any node), slots packed onto ranks by balanced differencing, copies of
-one expert moved apart, then swaps between heavy and light ranks; finally ranks are
-ordered onto nodes so an expert's copies share nodes where the balance allows (a
-permutation: it never changes the balance). With a previous placement, the planner keeps
-it and re-fits replica counts and rank loads with few moved slots (docs/balancer.md).
+the largest rank small. The search runs per layer in C++ (hybrid_ep._planner,
+csrc/balancer/planner.cpp): a local search is sequential, and a Python loop over it costs
+far more than the search. Fresh plan: replica counts from one global budget of spare
+slots (each to the largest load / replicas, so a very hot expert gets as many copies as it
+needs, on any node), slots packed onto ranks by balanced differencing, copies of one
+expert moved apart, then swaps at the most loaded rank; EPLB's plan and a greedy plan,
+swapped the same way, replace it where they end lower; finally ranks are ordered onto
+nodes so an expert's copies share nodes (a permutation: it never changes the balance).
+With a previous placement, the planner keeps it and changes few slots: swaps and
+one-slot replica changes at the most loaded rank (docs/balancer.md).
 Legend: L layers, E experts, S slots, W ranks, N nodes, G = W / N ranks per node,
 P = S / W slots per rank, R most replicas of one expert.
 """
@@ -20,14 +23,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from .baselines import eplb
-from .packing import (expand, improve, pack_differencing, pair_exchange, peak, replica_counts,
-                      separate_copies, slot_weights)
+from .. import _planner
 
-# Rounds of all-pairs swaps before the peak-rank swaps (more rounds: little gain, more time).
-_PAIR_ROUNDS = 2
 # plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
-DEFAULT_TOLERANCE = 5e-3
+DEFAULT_TOLERANCE = 1e-2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -129,11 +128,12 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
 
     With previous (same shape), per layer, the first of these whose rank imbalance
     ((max - mean) / mean) is at most the fresh plan's + tolerance: previous unchanged;
-    previous re-fitted (replica counts changed where the fresh counts differ, each change
-    one slot, then a few swaps that lower the peak); the fresh plan with ranks and slots
-    permuted to match previous. Migration moves weights and optimizer state, so a
-    tolerance of 0.005 (the default) saves most moves; tolerance=0 keeps only what is
-    as good as the fresh plan.
+    previous re-fitted (at the most loaded rank, the cheapest move that brings it within:
+    one slot turned into a copy of another expert, or a swap of two slots; else the move
+    with the largest drop per changed slot), where it gets within and the fresh plan matched
+    onto previous does not change fewer slots; else that matched fresh plan. Migration
+    moves weights and optimizer state, so a tolerance of 0.01 (the default) saves most
+    moves; tolerance=0 keeps only what is as good as the fresh plan.
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
@@ -143,8 +143,7 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     if num_experts % num_nodes != 0:
         raise ValueError(f"num_nodes ({num_nodes}) must divide the number of experts ({num_experts}) "
                          "so every node holds the same number of experts")
-    reps_LE = replica_counts(load_LE, num_slots, max(num_ranks, -(-num_slots // num_experts)))
-    fresh_LS = _fresh_plan(load_LE, reps_LE, num_nodes, num_ranks)
+    fresh_LS = _planner.plan_fresh(load_LE, num_slots, num_nodes, num_ranks)
     if previous is None:
         return Placement(torch.from_numpy(fresh_LS), num_ranks, num_nodes, num_experts).validate()
     _check_previous(previous, load_LE.shape[0], num_experts, num_slots, num_nodes, num_ranks)
@@ -156,10 +155,18 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
         return previous
     todo = np.flatnonzero(~keep_L)
     out_LS = prev_LS.copy()
-    out_LS[todo] = _keep_most(load_LE[todo], prev_LS[todo], fresh_LS[todo], reps_LE[todo], allowed_L[todo],
-                              num_nodes, num_ranks)
+    out_LS[todo] = _keep_most(load_LE[todo], prev_LS[todo], fresh_LS[todo], allowed_L[todo], num_nodes, num_ranks)
     return Placement(torch.from_numpy(np.ascontiguousarray(out_LS)), num_ranks, num_nodes,
                      num_experts).validate()
+
+
+def peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
+    """[L] largest rank load of a placement (a slot weighs load[e] / replicas(e))."""
+    L, S = s2e_LS.shape
+    E = load_LE.shape[1]
+    reps = np.bincount((s2e_LS + np.arange(L)[:, None] * E).ravel(), minlength=L * E).reshape(L, E)
+    per_copy = load_LE / np.maximum(reps, 1)
+    return np.take_along_axis(per_copy, s2e_LS, axis=1).reshape(L, W, S // W).sum(-1).max(-1)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -221,102 +228,22 @@ def _expert_to_slots(s2e_LS: np.ndarray, E: int) -> np.ndarray:
     return out
 
 
-# ----------------------------------------------------------------------------- plans
-
-def _fresh_plan(load_LE: np.ndarray, reps_LE: np.ndarray, N: int, W: int) -> np.ndarray:
-    """[L, S] int64: global replicas, differencing, copies apart, swaps (or EPLB's plan with
-    swaps where that ends lower), ranks onto nodes."""
-    experts, weight = expand(load_LE, reps_LE)
-    s2e = pack_differencing(experts, weight, W)
-    separate_copies(load_LE, s2e, W)
-    pair_exchange(load_LE, s2e, W, _PAIR_ROUNDS)
-    improve(load_LE, s2e, W)
-    # EPLB's two policies, improved by swaps, where they end lower: so never worse than EPLB
-    alt = improve(load_LE, eplb(load_LE, s2e.shape[1], N, W), W)
-    better = peak(load_LE, alt, W) < peak(load_LE, s2e, W)
-    s2e = np.where(better[:, None], alt, s2e)
-    return _group_nodes(s2e, N, W, load_LE.shape[1])
-
-
-def _group_nodes(s2e_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
-    """Ranks reordered so that ranks sharing experts sit on one node (greedy, balance unchanged).
-
-    Node by node, the free rank with the most copies of replicated experts seeds it and
-    the free ranks sharing the most experts with the node so far fill it.
-    """
-    L, S = s2e_LS.shape
-    G, P = W // N, S // W
-    if N == 1 or G == 1:
-        return s2e_LS
-    onehot = np.zeros((L, W, E), dtype=np.float32)
-    li = np.arange(L)[:, None, None]
-    np.add.at(onehot, (li, np.arange(W)[None, :, None], s2e_LS.reshape(L, W, P)), 1.0)
-    share = np.einsum("lae,lbe->lab", onehot, onehot)  # [L, W, W] experts shared by two ranks
-    rows = np.arange(L)
-    free = np.ones((L, W), dtype=bool)
-    order = np.empty((L, W), dtype=np.int64)
-    for n in range(N):
-        node_share = np.zeros((L, W), dtype=np.float32)
-        for g in range(G):
-            score = np.where(free, node_share if g else share.sum(2), -np.inf)
-            r = score.argmax(1)
-            order[:, n * G + g] = r
-            free[rows, r] = False
-            node_share += share[rows, r]
-    return np.take_along_axis(s2e_LS.reshape(L, W, P), order[:, :, None], 1).reshape(L, S)
-
-
-def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, reps_LE: np.ndarray,
-               allowed_L: np.ndarray, N: int, W: int) -> np.ndarray:
-    """[L, S] per layer the candidate within allowed_L that moves the fewest slots: previous
-    with swaps only; previous with the fresh replica counts, then swaps; the fresh plan
-    matched onto previous (always within: it is the fresh plan, permuted)."""
-    E = load_LE.shape[1]
-    cands = [improve(load_LE, prev_LS.copy(), W, stop_peak_L=allowed_L),
-             _refit(load_LE, prev_LS.copy(), reps_LE, W, allowed_L),
-             _align(fresh_LS, prev_LS, N, W, E)]
-    moves = np.stack([np.where(peak(load_LE, c, W) <= allowed_L, (c != prev_LS).sum(1), np.iinfo(np.int64).max)
-                      for c in cands[:2]] + [(cands[2] != prev_LS).sum(1)])
-    best = moves.argmin(0)
-    return np.choose(best[:, None], cands)
-
-
-def _refit(load_LE: np.ndarray, s2e_LS: np.ndarray, reps_LE: np.ndarray, W: int,
-           stop_peak_L: np.ndarray) -> np.ndarray:
-    """Previous placement with replica counts changed to reps_LE, then swaps until the peak
-    is at most stop_peak_L; in place. A count change rewrites one slot: a copy of an expert
-    with too many copies becomes one of an expert with too few, on the rank that ends up
-    lightest (and does not hold that expert yet)."""
-    L, S = s2e_LS.shape
-    E = load_LE.shape[1]
-    P = S // W
-    rows = np.arange(L)
-    w_E = load_LE / reps_LE  # [L, E] weight of a copy under the new counts
-    have = np.zeros((L, E), dtype=np.int64)
-    np.add.at(have, (rows[:, None], s2e_LS), 1)
-    slots = s2e_LS.reshape(L, W, P)
-    for _ in range(int(np.abs(have - reps_LE).sum(1).max()) // 2):
-        short = reps_LE - have  # > 0: needs copies
-        need = np.where(short > 0, w_E, -np.inf).argmax(1)  # heaviest expert short of copies
-        act = short[rows, need] > 0
-        if not act.any():
-            break
-        rank = np.take_along_axis(w_E, s2e_LS, 1).reshape(L, W, P).sum(-1)  # [L, W]
-        surplus = np.take_along_axis(have - reps_LE, s2e_LS, 1).reshape(L, W, P) > 0
-        holds = (slots == need[:, None, None]).any(-1, keepdims=True)
-        after = rank[..., None] - np.take_along_axis(w_E, s2e_LS, 1).reshape(L, W, P) + w_E[rows, need][:, None, None]
-        score = np.where(surplus & ~holds, after, np.inf).reshape(L, S)
-        pick = score.argmin(1)
-        act &= np.isfinite(score[rows, pick])
-        la, sa = rows[act], pick[act]
-        old = s2e_LS[la, sa]
-        have[la, old] -= 1
-        have[la, need[act]] += 1
-        s2e_LS[la, sa] = need[act]
-    return improve(load_LE, s2e_LS, W, stop_peak_L=stop_peak_L)
-
-
 # ----------------------------------------------------------------------------- keep slots
+
+def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, allowed_L: np.ndarray,
+               N: int, W: int) -> np.ndarray:
+    """[L, S] per layer the candidate within allowed_L that moves fewer slots: previous after
+    swaps and one-slot replica changes (where the search reaches allowed_L), or the fresh plan
+    matched onto previous (always within: it is the fresh plan, permuted)."""
+    S = prev_LS.shape[1]
+    kept, reached = _planner.keep_previous(load_LE, prev_LS, allowed_L, W, S)
+    check = np.flatnonzero(~reached | ((kept != prev_LS).sum(1) > S // 2))  # where matching can move fewer
+    if check.size:
+        aligned = _align(fresh_LS[check], prev_LS[check], N, W, load_LE.shape[1])
+        better = ~reached[check] | ((aligned != prev_LS[check]).sum(1) < (kept[check] != prev_LS[check]).sum(1))
+        kept[check[better]] = aligned[better]
+    return kept
+
 
 def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
     """new_LS with nodes, ranks within a node and slots within a rank permuted to match prev_LS.

@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 from ..synthetic import sample_topk, zipf_popularity
 from .baselines import eplb, greedy
 from .metrics import imbalance_ratio, rank_loads
-from .planner import plan_placement
+from .planner import DEFAULT_TOLERANCE, plan_placement
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
             "two-hot", "hot-block", "uniform-noise", "topk-zipf-1.0", "topk-zipf-1.2")
@@ -210,7 +210,8 @@ def markdown(doc: dict) -> str:
         "worst over the cases with spare slots (S > E); placement only: S = E. Margins: largest "
         "planner minus baseline over all cases (negative: the planner is better in every case). Moves: "
         "slots whose expert changed when the load is multiplied by a factor in [0.9, 1.1] per expert and "
-        "planned with previous= (default tolerance 0.005), and the imbalance then minus a fresh plan's.", ""]
+        f"planned with previous= (default tolerance {DEFAULT_TOLERANCE}), and the imbalance then minus a fresh "
+        "plan's.", ""]
     lines += ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
              "| max planner - EPLB | max planner - greedy | moved slots mean / max | max imbalance - fresh |",
              "|---|---|---|---|---|---|---|---|---|---|"]

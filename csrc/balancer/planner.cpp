@@ -1,0 +1,673 @@
+// Expert placement for one layer (planner.h): packings, swaps, replica moves, EPLB.
+#include "balancer/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <utility>
+
+namespace hybrid_ep::balancer {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Indices of w heaviest first, ties by index.
+std::vector<int> heaviest_first(const std::vector<double>& w) {
+  std::vector<int> order(w.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
+  return order;
+}
+
+template <class T>
+int argmin_first(const std::vector<T>& v) {
+  return static_cast<int>(std::min_element(v.begin(), v.end()) - v.begin());
+}
+
+// A plan being improved: the expert of each slot, its copies and every rank's load, in step.
+class Packing {
+ public:
+  Packing(const double* load, int E, int W, Slots slots)
+      : load_(load), E_(E), W_(W), P_(static_cast<int>(slots.size()) / W), slots_(std::move(slots)),
+        copies_(E, 0), w_(slots_.size()), rank_(W, 0.0) {
+    for (int64_t e : slots_) copies_[e] += 1;
+    for (int r = 0; r < W_; ++r) refresh(r);
+    by_load_.resize(W_);
+    std::iota(by_load_.begin(), by_load_.end(), 0);
+    std::sort(by_load_.begin(), by_load_.end(), [&](int a, int b) { return lighter(a, b); });
+  }
+
+  int P() const { return P_; }
+  int W() const { return W_; }
+  const Slots& slots() const { return slots_; }
+  int64_t expert(int s) const { return slots_[s]; }
+  int copies(int64_t e) const { return copies_[e]; }
+  int copies_size() const { return E_; }
+  // Slots holding e (built on first use: only replica moves need it).
+  const std::vector<int>& slots_of(int64_t e) {
+    if (slots_of_.empty()) {
+      slots_of_.resize(E_);
+      for (int s = 0; s < static_cast<int>(slots_.size()); ++s) slots_of_[slots_[s]].push_back(s);
+    }
+    return slots_of_[e];
+  }
+  double weight(int64_t e) const { return copies_[e] ? load_[e] / copies_[e] : 0.0; }
+  double slot_weight(int s) const { return w_[s]; }
+  double load(int64_t e) const { return load_[e]; }
+  double rank_load(int r) const { return rank_[r]; }
+  const std::vector<int>& by_load() const { return by_load_; }
+  // The most loaded rank (ties: the highest rank).
+  int peak_rank() const { return by_load_.back(); }
+  double peak() const { return rank_[by_load_.back()]; }
+  double mean() const { return std::accumulate(rank_.begin(), rank_.end(), 0.0) / W_; }
+  int count_on(int r, int64_t e) const {
+    int n = 0;
+    for (int p = 0; p < P_; ++p) n += slots_[r * P_ + p] == e;
+    return n;
+  }
+  bool holds(int r, int64_t e) const { return count_on(r, e) > 0; }
+
+  void swap(int s, int t) {
+    if (!slots_of_.empty()) {
+      relabel(s, slots_[s], slots_[t]);
+      relabel(t, slots_[t], slots_[s]);
+    }
+    std::swap(slots_[s], slots_[t]);
+    refresh(s / P_);
+    refresh(t / P_);
+  }
+
+  // Slot s now holds e: copies change, so every rank holding either expert is refreshed.
+  void set(int s, int64_t e) {
+    const int64_t old = slots_[s];
+    copies_[old] -= 1;
+    copies_[e] += 1;
+    slots_of(e);  // built before the change
+    relabel(s, old, e);
+    slots_[s] = e;
+    for (int64_t x : {old, e})
+      for (int t : slots_of_[x]) refresh(t / P_);
+    refresh(s / P_);
+  }
+
+ private:
+  void relabel(int s, int64_t from, int64_t to) {
+    auto& v = slots_of_[from];
+    v.erase(std::find(v.begin(), v.end(), s));
+    auto& w = slots_of_[to];
+    w.insert(std::upper_bound(w.begin(), w.end(), s), s);  // kept ascending
+  }
+  bool lighter(int a, int b) const { return rank_[a] < rank_[b] || (rank_[a] == rank_[b] && a < b); }
+  void refresh(int r) {
+    double sum = 0.0;
+    for (int s = r * P_; s < (r + 1) * P_; ++s) sum += w_[s] = weight(slots_[s]);
+    rank_[r] = sum;
+    if (by_load_.empty()) return;
+    auto at = std::find(by_load_.begin(), by_load_.end(), r);
+    for (; at != by_load_.begin() && lighter(r, *(at - 1)); --at) *at = *(at - 1);
+    for (; at + 1 != by_load_.end() && lighter(*(at + 1), r); ++at) *at = *(at + 1);
+    *at = r;
+  }
+
+  const double* load_;
+  int E_, W_, P_;
+  Slots slots_;
+  std::vector<int> copies_;
+  std::vector<std::vector<int>> slots_of_;
+  std::vector<double> w_;  // [S] weight of each slot's copy
+  std::vector<double> rank_;
+  std::vector<int> by_load_;  // ranks, lightest first (ties: lower rank)
+};
+
+// A swap between the peak rank m and another: slots (s, t) and the larger of the two new loads.
+struct Swap {
+  int s = -1, t = -1;
+  double pair = kInf;
+};
+
+// The swap that leaves the larger of (m, partner) smallest, below lm - min_drop; no expert
+// twice on a rank. A partner b can reach no pair below (lm + lb) / 2, so partners go lightest
+// first until that bound passes the best pair.
+Swap best_swap(const Packing& pk, int m, double min_drop) {
+  const int P = pk.P();
+  const double lm = pk.rank_load(m);
+  const int64_t* on_m = pk.slots().data() + m * P;
+  auto m_holds = [&](int64_t e) { return std::find(on_m, on_m + P, e) != on_m + P; };
+  Swap best;
+  best.pair = std::min(lm - min_drop, lm * (1 - 1e-12));
+  for (int b : pk.by_load()) {
+    const double lb = pk.rank_load(b);
+    if ((lm + lb) / 2 >= best.pair) break;
+    if (b == m) continue;
+    for (int t = b * P; t < (b + 1) * P; ++t) {
+      if (m_holds(pk.expert(t))) continue;
+      const double wt = pk.slot_weight(t);
+      for (int i = 0; i < P; ++i) {
+        const double d = pk.slot_weight(m * P + i) - wt;
+        if (d <= 0) continue;
+        const double pair = std::max(lm - d, lb + d);
+        if (pair < best.pair && !pk.holds(b, on_m[i])) best = {m * P + i, t, pair};
+      }
+    }
+  }
+  return best;
+}
+
+// Swaps at the peak rank while they lower it by at least kMinDrop of the mean rank load (each
+// lowers the sum of squared rank loads, so the loop ends); smaller gains are below the noise
+// of the statistics and only lengthen the loop's tail.
+constexpr double kMinDrop = 1e-4;
+
+void improve(Packing& pk) {
+  const double min_drop = kMinDrop * pk.mean();
+  for (int step = 0, cap = 64 * static_cast<int>(pk.slots().size()); step < cap; ++step) {
+    const Swap sw = best_swap(pk, pk.peak_rank(), min_drop);
+    if (sw.s < 0) return;
+    pk.swap(sw.s, sw.t);
+  }
+}
+
+// Rounds of swaps between the i-th heaviest and the i-th lightest rank, each pair taking the
+// swap that leaves its larger load smallest: it lowers many heavy ranks per round, where
+// improve lowers one per step, so improve has a shorter tail.
+constexpr int kPairRounds = 2;  // more rounds: no fewer swaps left for improve
+
+void pair_exchange(Packing& pk, int rounds) {
+  const int P = pk.P(), W = pk.W();
+  std::vector<int> order(W);
+  for (int round = 0; round < rounds; ++round) {
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+      return pk.rank_load(a) > pk.rank_load(b) || (pk.rank_load(a) == pk.rank_load(b) && a < b);
+    });
+    bool any = false;
+    for (int k = 0; k < W / 2; ++k) {
+      const int a = order[k], b = order[W - 1 - k];
+      const double la = pk.rank_load(a), lb = pk.rank_load(b);
+      Swap best;
+      best.pair = la * (1 - 1e-12);
+      for (int i = a * P; i < (a + 1) * P; ++i) {
+        if (pk.holds(b, pk.expert(i))) continue;
+        for (int j = b * P; j < (b + 1) * P; ++j) {
+          const double d = pk.slot_weight(i) - pk.slot_weight(j);
+          if (d <= 0 || pk.holds(a, pk.expert(j))) continue;
+          const double pair = std::max(la - d, lb + d);
+          if (pair < best.pair) best = {i, j, pair};
+        }
+      }
+      if (best.s >= 0) pk.swap(best.s, best.t), any = true;
+    }
+    if (!any) return;
+  }
+}
+
+// Second copies of an expert on one rank go to the partner slot that keeps the pair's larger
+// load smallest, unless every such swap raises the layer's peak.
+void separate_copies(Packing& pk) {
+  const int P = pk.P(), W = pk.W();
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int a = 0; a < W; ++a) {
+      for (int i = 1; i < P; ++i) {
+        const int s = a * P + i;
+        const int64_t e = pk.expert(s);
+        bool repeat = false;
+        for (int k = 0; k < i; ++k) repeat |= pk.expert(a * P + k) == e;
+        if (!repeat) continue;
+        const double we = pk.weight(e), la = pk.rank_load(a);
+        Swap best;
+        for (int b = 0; b < W; ++b) {
+          if (b == a || pk.holds(b, e)) continue;
+          for (int j = 0; j < P; ++j) {
+            const int t = b * P + j;
+            if (pk.holds(a, pk.expert(t))) continue;
+            const double d = we - pk.weight(pk.expert(t));
+            const double pair = std::max(la - d, pk.rank_load(b) + d);
+            if (pair < best.pair) best = {s, t, pair};
+          }
+        }
+        if (best.s >= 0 && best.pair <= pk.peak()) {
+          pk.swap(best.s, best.t);
+          changed = true;
+        }
+      }
+    }
+  }
+}
+
+// Balanced largest differencing (Karmarkar-Karp with P slots per rank) of slots sorted
+// heaviest first: P rounds of W form tuples of W parts; the two tuples with the largest
+// spread merge, heaviest part of one with the lightest of the other, until one is left.
+Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<double>& weight, int W) {
+  const int S = static_cast<int>(experts.size()), P = S / W;
+  std::vector<double> load(weight);           // [tuple][part]: tuple t starts as round t
+  std::vector<int> part(S), owner(P);          // part of each slot in its tuple; tuple holding each round
+  for (int k = 0; k < S; ++k) part[k] = k % W;
+  std::iota(owner.begin(), owner.end(), 0);
+  std::vector<bool> alive(P, true);
+  std::vector<double> spread(P);
+  auto tuple_spread = [&](int t) {
+    auto [lo, hi] = std::minmax_element(load.begin() + t * W, load.begin() + (t + 1) * W);
+    return *hi - *lo;
+  };
+  for (int t = 0; t < P; ++t) spread[t] = tuple_spread(t);
+  std::vector<double> tmp(W);
+  std::vector<int> oa(W), ob(W), new_a(W), new_b(W);
+  for (int merge = 0; merge + 1 < P; ++merge) {
+    int a = -1, b = -1;  // largest two spreads, ties by index
+    for (int t = 0; t < P; ++t) {
+      if (!alive[t]) continue;
+      if (a < 0 || spread[t] > spread[a]) { b = a; a = t; }
+      else if (b < 0 || spread[t] > spread[b]) b = t;
+    }
+    double* la = load.data() + a * W;
+    const double* lb = load.data() + b * W;
+    std::iota(oa.begin(), oa.end(), 0);
+    std::iota(ob.begin(), ob.end(), 0);
+    std::sort(oa.begin(), oa.end(), [&](int x, int y) { return la[x] > la[y] || (la[x] == la[y] && x < y); });
+    std::sort(ob.begin(), ob.end(), [&](int x, int y) { return lb[x] < lb[y] || (lb[x] == lb[y] && x < y); });
+    for (int j = 0; j < W; ++j) {
+      tmp[j] = la[oa[j]] + lb[ob[j]];
+      new_a[oa[j]] = j;
+      new_b[ob[j]] = j;
+    }
+    std::copy(tmp.begin(), tmp.end(), la);
+    for (int k = 0; k < S; ++k) {
+      const int t = owner[k / W];
+      if (t == a) part[k] = new_a[part[k]];
+      else if (t == b) part[k] = new_b[part[k]];
+    }
+    for (int& t : owner) if (t == b) t = a;
+    alive[b] = false;
+    spread[a] = tuple_spread(a);
+  }
+  Slots out(S);
+  for (int k = 0; k < S; ++k) out[part[k] * P + k / W] = experts[k];  // round = local slot
+  return out;
+}
+
+// One entry per copy of every expert, heaviest first (ties: expert id).
+struct Copies {
+  std::vector<int> reps;  // [E] copies of each expert
+  std::vector<int64_t> experts;
+  std::vector<double> weight;
+};
+
+Copies sorted_copies(const double* load, std::vector<int> reps) {
+  Copies out;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  for (int e = 0; e < static_cast<int>(reps.size()); ++e)
+    for (int c = 0; c < reps[e]; ++c) {
+      ids.push_back(e);
+      w.push_back(load[e] / reps[e]);
+    }
+  for (int k : heaviest_first(w)) {
+    out.experts.push_back(ids[k]);
+    out.weight.push_back(w[k]);
+  }
+  out.reps = std::move(reps);
+  return out;
+}
+
+// No placement of the copies has a peak below the mean rank load or its heaviest copy.
+double copies_bound(const double* load, const Copies& c, int W) {
+  const double total = std::accumulate(load, load + c.reps.size(), 0.0);
+  return std::max(total / W, c.weight.empty() ? 0.0 : c.weight.front());
+}
+
+// Copies per item: each spare slot to the largest load / copies while below cap (ties: lower
+// id); a heap keeps it O(spare log X).
+std::vector<int> spread_copies(const double* load, int X, int slots, int cap) {
+  std::vector<int> reps(X, 1);
+  auto score = [&](int x) { return reps[x] < cap ? load[x] / reps[x] : -kInf; };
+  auto less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  std::vector<std::pair<double, int>> heap;
+  for (int x = 0; x < X; ++x) heap.emplace_back(score(x), x);
+  std::make_heap(heap.begin(), heap.end(), less);
+  for (int k = X; k < slots; ++k) {
+    std::pop_heap(heap.begin(), heap.end(), less);
+    const int x = heap.back().second;
+    reps[x] += 1;
+    heap.back() = {score(x), x};
+    std::push_heap(heap.begin(), heap.end(), less);
+  }
+  return reps;
+}
+
+// Each spare slot to the largest load / copies, no cap (EPLB's and the greedy baseline's rule).
+std::vector<int> replicate(const std::vector<double>& load, int slots) {
+  return spread_copies(load.data(), static_cast<int>(load.size()), slots, std::numeric_limits<int>::max());
+}
+
+// Packs by load, lightest on top (ties: lower pack): a binary heap of (load, pack).
+class LightestFirst {
+ public:
+  explicit LightestFirst(int packs) {
+    for (int p = 0; p < packs; ++p) heap_.emplace_back(0.0, p);
+  }
+  bool empty() const { return heap_.empty(); }
+  std::pair<double, int> pop() {
+    std::pop_heap(heap_.begin(), heap_.end(), after);
+    auto top = heap_.back();
+    heap_.pop_back();
+    return top;
+  }
+  void push(double load, int pack) {
+    heap_.emplace_back(load, pack);
+    std::push_heap(heap_.begin(), heap_.end(), after);
+  }
+
+ private:
+  struct After {
+    bool operator()(const std::pair<double, int>& a, const std::pair<double, int>& b) const {
+      return a.first > b.first || (a.first == b.first && a.second > b.second);
+    }
+  };
+  static constexpr After after{};
+  std::vector<std::pair<double, int>> heap_;
+};
+
+// Heaviest item first into the lightest pack with room (ties: lower pack); pack and position.
+void balanced_packing(const std::vector<double>& w, int packs, std::vector<int>& pack, std::vector<int>& pos) {
+  const int I = static_cast<int>(w.size()), room = I / packs;
+  std::vector<int> count(packs, 0);
+  LightestFirst open(packs);
+  pack.assign(I, 0);
+  pos.assign(I, 0);
+  for (int item : heaviest_first(w)) {
+    auto [load, p] = open.pop();
+    pack[item] = p;
+    pos[item] = count[p]++;
+    if (count[p] < room) open.push(load + w[item], p);
+  }
+}
+
+// Ranks reordered so ranks sharing experts sit on one node (a permutation: balance unchanged).
+// Node by node, the free rank sharing the most copies seeds it, then the free ranks sharing
+// the most experts with the node so far fill it.
+Slots group_nodes(const Slots& slots, int E, int N, int W) {
+  const int S = static_cast<int>(slots.size()), P = S / W, G = W / N;
+  if (N == 1 || G == 1) return slots;
+  std::vector<std::vector<int>> ranks_of(E);
+  for (int s = 0; s < S; ++s) ranks_of[slots[s]].push_back(s / P);
+  std::vector<long> share(static_cast<size_t>(W) * W, 0), row(W, 0);
+  for (const auto& ranks : ranks_of)
+    for (int a : ranks)
+      for (int b : ranks) share[static_cast<size_t>(a) * W + b] += 1;
+  for (int a = 0; a < W; ++a)
+    for (int b = 0; b < W; ++b) row[a] += share[static_cast<size_t>(a) * W + b];
+  std::vector<bool> free(W, true);
+  std::vector<int> order(W);
+  for (int n = 0; n < N; ++n) {
+    std::vector<long> node_share(W, 0);
+    for (int g = 0; g < G; ++g) {
+      int best = -1;
+      for (int r = 0; r < W; ++r) {
+        if (!free[r]) continue;
+        const long score = g ? node_share[r] : row[r];
+        if (best < 0 || score > (g ? node_share[best] : row[best])) best = r;
+      }
+      order[n * G + g] = best;
+      free[best] = false;
+      for (int r = 0; r < W; ++r) node_share[r] += share[static_cast<size_t>(best) * W + r];
+    }
+  }
+  Slots out(S);
+  for (int k = 0; k < W; ++k)
+    std::copy_n(slots.begin() + static_cast<long>(order[k]) * P, P, out.begin() + static_cast<long>(k) * P);
+  return out;
+}
+
+// What losing one copy does to the other ranks holding an expert x: each such rank r rises
+// to at most load(r) + copies of x on r * (load_x / (R_x - 1) - load_x / R_x) (copies of the
+// gaining expert on r only lower it). The two largest bounds over ranks other than m, with
+// their ranks, give the largest bound over all but any one rank in O(1).
+struct Rise {
+  double first = -kInf, second = -kInf;
+  int first_rank = -1;
+  double excluding(int r) const { return r == first_rank ? second : first; }
+};
+
+// Rise bounds of the experts a step looks at, each computed on first use.
+class Rises {
+ public:
+  Rises(Packing& pk, int m) : pk_(pk), m_(m), rise_(pk.copies_size()), done_(pk.copies_size(), false) {}
+  const Rise& operator[](int64_t x) {
+    if (!done_[x]) compute(x);
+    return rise_[x];
+  }
+
+ private:
+  void compute(int64_t x) {
+    done_[x] = true;
+    const int P = pk_.P();
+    const double delta = pk_.load(x) / (pk_.copies(x) - 1) - pk_.weight(x);
+    Rise& rise = rise_[x];
+    int last = -1;
+    for (int t : pk_.slots_of(x)) {  // ascending slots: a rank's copies are adjacent
+      const int r = t / P;
+      if (r == m_ || r == last) continue;
+      last = r;
+      const double v = pk_.rank_load(r) + pk_.count_on(r, x) * delta;
+      if (v > rise.first) rise = {v, rise.first, r};
+      else if (v > rise.second) rise.second = v;
+    }
+  }
+  Packing& pk_;
+  int m_;
+  std::vector<Rise> rise_;
+  std::vector<bool> done_;
+};
+
+// A one-slot change (slot s to expert y) at the peak rank m: the larger of m's new load and
+// (bounds on) the new loads of the ranks it raises; ranks it lowers do not count.
+double replica_move_peak(const Packing& pk, Rises& rise, int m, int s, int64_t y) {
+  const int P = pk.P(), rs = s / P;
+  const int64_t x = pk.expert(s);
+  const double wx = pk.weight(x), wx2 = pk.load(x) / (pk.copies(x) - 1);
+  const double wy = pk.weight(y), wy2 = pk.load(y) / (pk.copies(y) + 1);
+  auto new_load = [&](int r) {
+    const int nx = pk.count_on(r, x), ny = pk.count_on(r, y), own = r == rs;
+    return pk.rank_load(r) - nx * wx + (nx - own) * wx2 - ny * wy + (ny + own) * wy2;
+  };
+  double out = std::max(new_load(m), rise[x].excluding(rs));
+  if (rs != m) {
+    const double l = new_load(rs);
+    if (l > pk.rank_load(rs)) out = std::max(out, l);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> replica_counts(const double* load, int E, int S, int cap) {
+  return spread_copies(load, E, S, cap);
+}
+
+double peak_load(const double* load, int E, int W, const Slots& slots) {
+  return Packing(load, E, W, slots).peak();
+}
+
+Slots eplb_hierarchical(const double* load, int E, int S, int N, int W) {
+  const int G = W / N, X = E / N, per_node = S / N;
+  std::vector<int> node, pos;
+  balanced_packing(std::vector<double>(load, load + E), N, node, pos);
+  std::vector<int> node_expert(E);
+  for (int e = 0; e < E; ++e) node_expert[node[e] * X + pos[e]] = e;
+  Slots out(S);
+  for (int n = 0; n < N; ++n) {
+    std::vector<double> node_load(X);
+    for (int x = 0; x < X; ++x) node_load[x] = load[node_expert[n * X + x]];
+    const std::vector<int> reps = replicate(node_load, per_node);
+    std::vector<int> copy_local;
+    std::vector<double> copy_w;
+    for (int x = 0; x < X; ++x)
+      for (int c = 0; c < reps[x]; ++c) {
+        copy_local.push_back(x);
+        copy_w.push_back(node_load[x] / reps[x]);
+      }
+    std::vector<int> rank, rpos;
+    balanced_packing(copy_w, G, rank, rpos);
+    for (size_t c = 0; c < copy_local.size(); ++c)
+      out[n * per_node + rank[c] * (per_node / G) + rpos[c]] = node_expert[n * X + copy_local[c]];
+  }
+  return out;
+}
+
+Slots eplb(const double* load, int E, int S, int N, int W) {
+  Slots hier = eplb_hierarchical(load, E, S, N, W);
+  Slots flat = eplb_hierarchical(load, E, S, 1, W);
+  return peak_load(load, E, W, flat) < peak_load(load, E, W, hier) ? flat : hier;
+}
+
+// Heaviest copy first to the least loaded rank with room that lacks its expert (the least
+// loaded with room when all hold it).
+Slots lpt_packing(const Copies& copies, int E, int W) {
+  const int S = static_cast<int>(copies.experts.size()), P = S / W;
+  const std::vector<int64_t>& experts = copies.experts;
+  const std::vector<double>& weight = copies.weight;
+  std::vector<int> count(W, 0);
+  std::vector<char> holds(static_cast<size_t>(W) * E, 0);
+  LightestFirst open(W);
+  std::vector<std::pair<double, int>> skipped;  // lighter ranks that hold the expert already
+  Slots out(S);
+  for (int k = 0; k < S; ++k) {
+    const int64_t e = experts[k];
+    skipped.clear();
+    auto top = open.pop();
+    while (holds[static_cast<size_t>(top.second) * E + e] && !open.empty()) {
+      skipped.push_back(top);
+      top = open.pop();
+    }
+    if (holds[static_cast<size_t>(top.second) * E + e]) {  // every rank with room holds it: the lightest
+      skipped.push_back(top);
+      auto lightest = std::min_element(skipped.begin(), skipped.end());
+      top = *lightest;
+      skipped.erase(lightest);
+    }
+    for (const auto& r : skipped) open.push(r.first, r.second);
+    const int pick = top.second;
+    out[pick * P + count[pick]++] = e;
+    holds[static_cast<size_t>(pick) * E + e] = 1;
+    if (count[pick] < P) open.push(top.first + weight[k], pick);
+  }
+  return out;
+}
+
+Slots greedy(const double* load, int E, int S, int W) {
+  return lpt_packing(sorted_copies(load, replicate(std::vector<double>(load, load + E), S)), E, W);
+}
+
+double lower_bound(const double* load, int E, int S, int W) {
+  return copies_bound(load, sorted_copies(load, replicate(std::vector<double>(load, load + E), S)), W);
+}
+
+Slots plan_fresh(const double* load, int E, int S, int N, int W) {
+  // the uncapped copies (each spare slot to the largest load / copies) give the lower bound and
+  // the greedy plan; the plan itself keeps at most cap copies (one per rank)
+  const int cap = std::max(W, (S + E - 1) / E);
+  const Copies free = sorted_copies(load, replicate(std::vector<double>(load, load + E), S));
+  const bool fits = *std::max_element(free.reps.begin(), free.reps.end()) <= cap;  // then both agree
+  const Copies capped = fits ? Copies{} : sorted_copies(load, replica_counts(load, E, S, cap));
+  const Copies& mine = fits ? free : capped;
+  Packing main(load, E, W, pack_differencing(mine.experts, mine.weight, W));
+  separate_copies(main);
+  pair_exchange(main, kPairRounds);
+  improve(main);
+  // EPLB's and the greedy plan, improved by swaps, where they end lower: never worse than either
+  // (swaps only lower a plan's peak, so an alternative is improved only when it starts lower;
+  // none is tried when the plan meets the lower bound every placement of S slots obeys)
+  Slots best = main.slots();
+  double best_peak = main.peak();
+  if (best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return group_nodes(best, E, N, W);
+  for (Slots alt : {eplb(load, E, S, N, W), lpt_packing(free, E, W)}) {
+    Packing pk(load, E, W, std::move(alt));
+    if (pk.peak() >= best_peak) continue;
+    improve(pk);
+    if (pk.peak() < best_peak) {
+      best_peak = pk.peak();
+      best = pk.slots();
+    }
+  }
+  return group_nodes(best, E, N, W);
+}
+
+bool keep_previous(const double* load, int E, int W, const Slots& previous, double allowed_peak, int max_moves,
+                   Slots& slots) {
+  Packing pk(load, E, W, previous);
+  const int S = static_cast<int>(previous.size()), P = S / W;
+  const int cap = std::max(W, (S + E - 1) / E);
+  int moved = 0;  // slots that differ from previous
+  auto differs = [&](int s) { return static_cast<int>(pk.expert(s) != previous[s]); };
+  bool ok = false;
+  for (int step = 0; step < 4 * S; ++step) {
+    const int m = pk.peak_rank();
+    const double lm = pk.rank_load(m);
+    if (lm <= allowed_peak) {
+      ok = true;
+      break;
+    }
+    if (moved >= max_moves) break;
+    // Moves at m, each with the larger of m's new load and the loads of the ranks it raises:
+    // the best swap (two slots) and the best replica change (one slot). The cheapest move that
+    // brings m to the allowed peak without raising another rank above it wins (m is then done);
+    // without one, the largest drop of m's load per changed slot.
+    const Swap sw = best_swap(pk, m, 0.0);
+    double rep_peak = lm * (1 - 1e-12);
+    int rs = -1;
+    int64_t ry = -1;
+    Rises rise(pk, m);
+    auto consider = [&](int s, int64_t y) {
+      const double p = replica_move_peak(pk, rise, m, s, y);
+      if (p < rep_peak) rep_peak = p, rs = s, ry = y;
+    };
+    // one of m's replicated experts gives its slot to the lightest copy of an expert m lacks
+    int64_t lightest = -1;
+    double lightest_w = kInf;
+    for (int64_t y = 0; y < E; ++y) {
+      const double w = pk.load(y) / (pk.copies(y) + 1);
+      if (w < lightest_w && pk.copies(y) < cap && !pk.holds(m, y)) lightest = y, lightest_w = w;
+    }
+    for (int i = 0; i < P && lightest >= 0; ++i)
+      if (pk.copies(pk.expert(m * P + i)) >= 2) consider(m * P + i, lightest);
+    // an expert of m gains a copy in a slot of a replicated expert elsewhere (m's new load
+    // depends on y alone, and the slot's rank ends at least at its load - w_x + y's new weight)
+    std::vector<int> spare;  // slots off m holding an expert with several copies
+    for (int s = 0; s < S; ++s)
+      if (s / P != m && pk.copies(pk.expert(s)) >= 2) spare.push_back(s);
+    std::vector<int64_t> gainers(pk.slots().begin() + m * P, pk.slots().begin() + (m + 1) * P);
+    auto drop = [&](int64_t y) { return pk.weight(y) - pk.load(y) / (pk.copies(y) + 1); };
+    std::sort(gainers.begin(), gainers.end(), [&](int64_t a, int64_t b) { return drop(a) > drop(b); });
+    for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
+      if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
+      const double wy2 = pk.load(y) / (pk.copies(y) + 1);
+      for (int s : spare) {
+        const int64_t x = pk.expert(s);
+        if (x == y || pk.rank_load(s / P) - pk.slot_weight(s) + wy2 >= rep_peak ||
+            rise[x].excluding(s / P) >= rep_peak || pk.holds(s / P, y))
+          continue;
+        consider(s, y);
+      }
+    }
+    int kind = 0;  // 1: swap, 2: replica change
+    if (rs >= 0 && rep_peak <= allowed_peak) kind = 2;
+    else if (sw.s >= 0 && sw.pair <= allowed_peak) kind = 1;
+    else if (rs >= 0 || sw.s >= 0) kind = rs >= 0 && (sw.s < 0 || lm - rep_peak >= (lm - sw.pair) / 2) ? 2 : 1;
+    const int bs = kind == 1 ? sw.s : rs, bt = sw.t;
+    const int64_t by = ry;
+    if (kind == 0) break;
+    const int t = kind == 1 ? bt : bs;
+    moved -= differs(bs) + (t != bs ? differs(t) : 0);
+    if (kind == 1) pk.swap(bs, bt);
+    else pk.set(bs, by);
+    moved += differs(bs) + (t != bs ? differs(t) : 0);
+  }
+  slots = pk.slots();
+  return ok || pk.peak() <= allowed_peak;
+}
+
+}  // namespace hybrid_ep::balancer

@@ -1,0 +1,48 @@
+// Expert placement for one MoE layer: which expert each slot holds, so that the most loaded
+// rank carries as few tokens as possible (hybrid_ep/balancer/planner.py, docs/balancer.md).
+//
+// Plain C++ over one layer at a time: the planner is a local search (swaps and replica
+// changes at the most loaded rank), sequential by nature, and a Python loop over it costs
+// about a thousand times more than the search itself.
+//
+// A slot holding expert e weighs load[e] / copies(e); rank r owns slots r*P .. r*P + P - 1.
+// Legend: E experts, S slots, W ranks, N nodes, G = W / N, P = S / W.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace hybrid_ep::balancer {
+
+using Slots = std::vector<int64_t>;  // [S] expert of each slot
+
+// Copies per expert: each spare slot to the largest load / copies, at most cap copies
+// (ties: lower expert id).
+std::vector<int> replica_counts(const double* load, int E, int S, int cap);
+
+// The fresh plan: the best (smallest largest rank) of balanced differencing, EPLB's plan and
+// greedy longest-processing-time packing, each followed by swaps at the most loaded rank;
+// then ranks ordered onto nodes so an expert's copies share nodes (a permutation).
+Slots plan_fresh(const double* load, int E, int S, int N, int W);
+
+// previous re-fitted to load with few changed slots: swaps and one-slot replica changes at
+// the most loaded rank until it carries at most allowed_peak tokens. Returns false (slots
+// then hold the best reached) when no move lowers that rank any more or max_moves slots
+// differ from previous.
+bool keep_previous(const double* load, int E, int W, const Slots& previous, double allowed_peak,
+                   int max_moves, Slots& slots);
+
+// EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
+Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);
+// Per layer the better of EPLB's hierarchical and global plans.
+Slots eplb(const double* load, int E, int S, int N, int W);
+// Replicate the largest load / copies, then longest-processing-time packing.
+Slots greedy(const double* load, int E, int S, int W);
+
+// No placement of S slots has a peak below the mean rank load or below the largest copy
+// weight of the copies that minimise it (each spare slot to the largest load / copies).
+double lower_bound(const double* load, int E, int S, int W);
+
+// Largest rank load of a plan.
+double peak_load(const double* load, int E, int W, const Slots& slots);
+
+}  // namespace hybrid_ep::balancer

@@ -1,0 +1,77 @@
+// hybrid_ep._planner: the expert placement planner (csrc/balancer/planner.h) over the layers
+// of a [L, E] float64 load. hybrid_ep/balancer/planner.py checks every argument first.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+
+#include "balancer/planner.h"
+
+namespace py = pybind11;
+namespace hb = hybrid_ep::balancer;
+
+namespace {
+
+using Load = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Plan = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// [L, S] int64 from one function of (layer load pointer) per layer.
+template <class F>
+Plan per_layer(const Load& load, int S, F plan) {
+  const auto L = load.shape(0), E = load.shape(1);
+  Plan out({L, static_cast<py::ssize_t>(S)});
+  auto* dst = out.mutable_data();
+  const double* src = load.data();
+  {
+    py::gil_scoped_release release;
+    for (py::ssize_t l = 0; l < L; ++l) {
+      const hb::Slots slots = plan(src + l * E, static_cast<int>(E));
+      std::memcpy(dst + l * S, slots.data(), sizeof(int64_t) * S);
+    }
+  }
+  return out;
+}
+
+py::tuple keep_previous(const Load& load, const Plan& previous, const Load& allowed_peak, int W, int max_moves) {
+  const auto L = load.shape(0), E = load.shape(1), S = previous.shape(1);
+  Plan out({L, S});
+  py::array_t<bool> ok(L);
+  auto* dst = out.mutable_data();
+  auto* ok_dst = ok.mutable_data();
+  {
+    py::gil_scoped_release release;
+    for (py::ssize_t l = 0; l < L; ++l) {
+      const hb::Slots prev(previous.data() + l * S, previous.data() + (l + 1) * S);
+      hb::Slots slots;
+      ok_dst[l] = hb::keep_previous(load.data() + l * E, static_cast<int>(E), W, prev, allowed_peak.data()[l],
+                                    max_moves, slots);
+      std::memcpy(dst + l * S, slots.data(), sizeof(int64_t) * S);
+    }
+  }
+  return py::make_tuple(out, ok);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_planner, m) {
+  m.doc() = "Expert placement planner over the layers of a [L, E] load (hybrid_ep.balancer.planner).";
+  m.def("plan_fresh", [](const Load& load, int S, int N, int W) {
+    return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W); });
+  }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
+  m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("allowed_peak"),
+        py::arg("num_ranks"), py::arg("max_moves"),
+        "(slots [L, S], reached [L]): previous re-fitted with few changed slots until its peak is allowed");
+  m.def("lower_bound", [](const Load& load, int S, int W) {
+    const auto L = load.shape(0), E = load.shape(1);
+    py::array_t<double> out(L);
+    for (py::ssize_t l = 0; l < L; ++l)
+      out.mutable_data()[l] = hb::lower_bound(load.data() + l * E, static_cast<int>(E), S, W);
+    return out;
+  }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"), "[L] peak no placement goes below");
+  m.def("eplb", [](const Load& load, int S, int N, int W) {
+    return per_layer(load, S, [&](const double* l, int E) { return hb::eplb(l, E, S, N, W); });
+  }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
+  m.def("greedy", [](const Load& load, int S, int W) {
+    return per_layer(load, S, [&](const double* l, int E) { return hb::greedy(l, E, S, W); });
+  }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"));
+}
