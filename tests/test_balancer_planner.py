@@ -285,8 +285,9 @@ def test_previous_refit_reaches_the_allowed_peak_and_keeps_every_expert(pattern)
     load = sample_load(pattern, 3, 256, 8, 4096 * W, seed=11).numpy()
     prev = _planner.plan_fresh(load, S, 4, W)
     new_load = load * np.random.default_rng(12).uniform(0.9, 1.1, load.shape)
-    allowed = peak(new_load, _planner.plan_fresh(new_load, S, 4, W), W) + 0.01 * new_load.sum(1) / W
-    kept, reached = _planner.keep_previous(new_load, prev, allowed, W, S)
+    fresh = _planner.plan_fresh(new_load, S, 4, W)
+    allowed = peak(new_load, fresh, W) + 0.01 * new_load.sum(1) / W
+    kept, reached = _planner.keep_previous(new_load, prev, fresh, allowed, W, S)
     assert reached.all()
     assert (peak(new_load, kept, W) <= allowed).all() and (peak(new_load, prev, W) > allowed).all()
     def repeats(s2e):  # copies that share a rank with another copy of their expert
@@ -296,7 +297,7 @@ def test_previous_refit_reaches_the_allowed_peak_and_keeps_every_expert(pattern)
         assert np.bincount(kept[layer], minlength=256).min() >= 1  # no expert lost
         assert repeats(kept[layer]) <= repeats(prev[layer])  # moves never put an expert twice on a rank
     # a move budget stops the search early, short of the allowed peak
-    few, reached_few = _planner.keep_previous(new_load, prev, allowed, W, 2)
+    few, reached_few = _planner.keep_previous(new_load, prev, fresh, allowed, W, 2)
     assert ((few != prev).sum(1) <= 3).all() and not reached_few.any()
 
 

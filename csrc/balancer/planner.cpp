@@ -596,13 +596,74 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   return group_nodes(best, E, N, W);
 }
 
-bool keep_previous(const double* load, int E, int W, const Slots& previous, double allowed_peak, int max_moves,
-                   Slots& slots) {
-  Packing pk(load, E, W, previous);
+namespace {
+
+constexpr size_t kEjectTries = 64;  // first swaps an ejection chain tries
+
+// Copies of each expert changed to want (each change rewrites one slot: a copy of an expert
+// with too many becomes one of an expert with too few, heaviest new copy first, on the rank
+// that ends lightest and does not hold that expert yet).
+void refit_counts(Packing& pk, const std::vector<int>& want) {
+  const int E = static_cast<int>(want.size()), S = static_cast<int>(pk.slots().size()), P = pk.P();
+  for (;;) {
+    int64_t y = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (pk.copies(e) < want[e] && (y < 0 || pk.load(e) / want[e] > pk.load(y) / want[y])) y = e;
+    if (y < 0) return;
+    int best = -1;
+    double best_load = kInf;
+    for (int s = 0; s < S; ++s) {
+      const int64_t x = pk.expert(s);
+      if (pk.copies(x) <= want[x] || pk.holds(s / P, y)) continue;
+      const double l = pk.rank_load(s / P) - pk.slot_weight(s) + pk.load(y) / want[y];
+      if (l < best_load) best_load = l, best = s;
+    }
+    if (best < 0) return;
+    pk.set(best, y);
+  }
+}
+
+// When no single move lowers the peak rank m: a swap that brings m within the allowed peak
+// but pushes its partner b over, followed by b's best swap if that brings b back within
+// (an ejection chain of two swaps). Tries the first swaps that push b least first.
+bool eject(Packing& pk, int m, double allowed_peak) {
+  const int P = pk.P(), W = pk.W();
+  const double lm = pk.rank_load(m);
+  std::vector<std::pair<double, std::pair<int, int>>> first;  // (b's new load, (s, t))
+  for (int b = 0; b < W; ++b) {
+    if (b == m) continue;
+    const double lb = pk.rank_load(b);
+    for (int i = m * P; i < (m + 1) * P; ++i) {
+      if (pk.holds(b, pk.expert(i))) continue;
+      for (int t = b * P; t < (b + 1) * P; ++t) {
+        const double d = pk.slot_weight(i) - pk.slot_weight(t);
+        if (d > 0 && lm - d <= allowed_peak && !pk.holds(m, pk.expert(t))) first.push_back({lb + d, {i, t}});
+      }
+    }
+  }
+  const size_t tries = std::min<size_t>(first.size(), kEjectTries);
+  std::partial_sort(first.begin(), first.begin() + tries, first.end());
+  for (size_t k = 0; k < tries; ++k) {
+    const auto [s, t] = first[k].second;
+    pk.swap(s, t);
+    const Swap back = best_swap(pk, t / P, 0.0);
+    if (back.s >= 0 && back.pair <= allowed_peak) {
+      pk.swap(back.s, back.t);
+      return true;
+    }
+    pk.swap(s, t);  // undo
+  }
+  return false;
+}
+
+// The refit search from pk's state (see keep_previous); true once the peak is allowed.
+bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int max_moves) {
+  const int E = pk.copies_size(), W = pk.W();
   const int S = static_cast<int>(previous.size()), P = S / W;
   const int cap = std::max(W, (S + E - 1) / E);
-  int moved = 0;  // slots that differ from previous
   auto differs = [&](int s) { return static_cast<int>(pk.expert(s) != previous[s]); };
+  int moved = 0;  // slots that differ from previous
+  for (int s = 0; s < S; ++s) moved += differs(s);
   bool ok = false;
   for (int step = 0; step < 4 * S; ++step) {
     const int m = pk.peak_rank();
@@ -659,15 +720,46 @@ bool keep_previous(const double* load, int E, int W, const Slots& previous, doub
     else if (rs >= 0 || sw.s >= 0) kind = rs >= 0 && (sw.s < 0 || lm - rep_peak >= (lm - sw.pair) / 2) ? 2 : 1;
     const int bs = kind == 1 ? sw.s : rs, bt = sw.t;
     const int64_t by = ry;
-    if (kind == 0) break;
+    if (kind == 0) {
+      if (!eject(pk, m, allowed_peak)) break;
+      moved = 0;
+      for (int s = 0; s < S; ++s) moved += differs(s);
+      continue;
+    }
     const int t = kind == 1 ? bt : bs;
     moved -= differs(bs) + (t != bs ? differs(t) : 0);
     if (kind == 1) pk.swap(bs, bt);
     else pk.set(bs, by);
     moved += differs(bs) + (t != bs ? differs(t) : 0);
   }
-  slots = pk.slots();
   return ok || pk.peak() <= allowed_peak;
+}
+
+int changed(const Slots& a, const Slots& b) {
+  int n = 0;
+  for (size_t s = 0; s < a.size(); ++s) n += a[s] != b[s];
+  return n;
+}
+
+}  // namespace
+
+bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
+                   double allowed_peak, int max_moves, Slots& slots) {
+  Packing pk(load, E, W, previous);
+  const bool reached = refit_search(pk, previous, allowed_peak, max_moves);
+  slots = pk.slots();
+  if (reached && changed(slots, previous) <= static_cast<int>(previous.size()) / 4) return true;
+  // stuck or costly: replica counts changed to the fresh plan's first, then the same search
+  std::vector<int> want(E, 0);
+  for (int64_t e : fresh) want[e] += 1;
+  Packing counted(load, E, W, previous);
+  refit_counts(counted, want);
+  if (refit_search(counted, previous, allowed_peak, max_moves) &&
+      (!reached || changed(counted.slots(), previous) < changed(slots, previous))) {
+    slots = counted.slots();
+    return true;
+  }
+  return reached;
 }
 
 }  // namespace hybrid_ep::balancer

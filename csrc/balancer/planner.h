@@ -25,11 +25,13 @@ std::vector<int> replica_counts(const double* load, int E, int S, int cap);
 Slots plan_fresh(const double* load, int E, int S, int N, int W);
 
 // previous re-fitted to load with few changed slots: swaps and one-slot replica changes at
-// the most loaded rank until it carries at most allowed_peak tokens. Returns false (slots
-// then hold the best reached) when no move lowers that rank any more or max_moves slots
-// differ from previous.
-bool keep_previous(const double* load, int E, int W, const Slots& previous, double allowed_peak,
-                   int max_moves, Slots& slots);
+// the most loaded rank until it carries at most allowed_peak tokens; where that gets stuck
+// or changes more than a quarter of the slots, also from previous with its copies per
+// expert first changed to fresh's (the fewer changed slots wins). Returns false (slots then
+// hold the best reached) when neither gets there: no move lowers that rank any more, or
+// max_moves slots differ from previous.
+bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
+                   double allowed_peak, int max_moves, Slots& slots);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

@@ -32,7 +32,8 @@ Plan per_layer(const Load& load, int S, F plan) {
   return out;
 }
 
-py::tuple keep_previous(const Load& load, const Plan& previous, const Load& allowed_peak, int W, int max_moves) {
+py::tuple keep_previous(const Load& load, const Plan& previous, const Plan& fresh, const Load& allowed_peak, int W,
+                        int max_moves) {
   const auto L = load.shape(0), E = load.shape(1), S = previous.shape(1);
   Plan out({L, S});
   py::array_t<bool> ok(L);
@@ -42,9 +43,10 @@ py::tuple keep_previous(const Load& load, const Plan& previous, const Load& allo
     py::gil_scoped_release release;
     for (py::ssize_t l = 0; l < L; ++l) {
       const hb::Slots prev(previous.data() + l * S, previous.data() + (l + 1) * S);
+      const hb::Slots target(fresh.data() + l * S, fresh.data() + (l + 1) * S);
       hb::Slots slots;
-      ok_dst[l] = hb::keep_previous(load.data() + l * E, static_cast<int>(E), W, prev, allowed_peak.data()[l],
-                                    max_moves, slots);
+      ok_dst[l] = hb::keep_previous(load.data() + l * E, static_cast<int>(E), W, prev, target,
+                                    allowed_peak.data()[l], max_moves, slots);
       std::memcpy(dst + l * S, slots.data(), sizeof(int64_t) * S);
     }
   }
@@ -58,7 +60,7 @@ PYBIND11_MODULE(_planner, m) {
   m.def("plan_fresh", [](const Load& load, int S, int N, int W) {
     return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W); });
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
-  m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("allowed_peak"),
+  m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("fresh"), py::arg("allowed_peak"),
         py::arg("num_ranks"), py::arg("max_moves"),
         "(slots [L, S], reached [L]): previous re-fitted with few changed slots until its peak is allowed");
   m.def("lower_bound", [](const Load& load, int S, int W) {

@@ -236,7 +236,7 @@ def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, a
     swaps and one-slot replica changes (where the search reaches allowed_L), or the fresh plan
     matched onto previous (always within: it is the fresh plan, permuted)."""
     S = prev_LS.shape[1]
-    kept, reached = _planner.keep_previous(load_LE, prev_LS, allowed_L, W, S)
+    kept, reached = _planner.keep_previous(load_LE, prev_LS, fresh_LS, allowed_L, W, S)
     check = np.flatnonzero(~reached | ((kept != prev_LS).sum(1) > S // 2))  # where matching can move fewer
     if check.size:
         aligned = _align(fresh_LS[check], prev_LS[check], N, W, load_LE.shape[1])
