@@ -20,11 +20,6 @@ std::vector<int> heaviest_first(const std::vector<double>& w) {
   return order;
 }
 
-template <class T>
-int argmin_first(const std::vector<T>& v) {
-  return static_cast<int>(std::min_element(v.begin(), v.end()) - v.begin());
-}
-
 // A plan being improved: the expert of each slot, its copies and every rank's load, in step.
 class Packing {
  public:
@@ -311,7 +306,8 @@ Copies sorted_copies(const double* load, std::vector<int> reps) {
   return out;
 }
 
-// No placement of the copies has a peak below the mean rank load or its heaviest copy.
+// No placement of these copies has a peak below the mean rank load or their heaviest copy;
+// with the copies `replicate` gives (the smallest heaviest copy), no placement of S slots.
 double copies_bound(const double* load, const Copies& c, int W) {
   const double total = std::accumulate(load, load + c.reps.size(), 0.0);
   return std::max(total / W, c.weight.empty() ? 0.0 : c.weight.front());
