@@ -227,6 +227,28 @@ def test_native_eplb_and_greedy_match_the_reference_baselines():
         assert (peak(load, plan_placement(load, S, N, W).slot_to_expert.numpy(), W) >= lb - 1e-9).all()
 
 
+def test_random_small_cases_are_valid_and_never_worse_than_the_baselines():
+    # odd sizes, one rank, one slot per rank, zero loads, ties: every plan is a valid placement
+    rng = np.random.default_rng(21)
+    for _ in range(60):
+        W = int(rng.choice([1, 2, 3, 4, 6, 8]))
+        N = int(rng.choice([n for n in (1, 2, 3) if W % n == 0]))
+        E = W * N * int(rng.integers(1, 4))
+        S = E + W * int(rng.integers(0, 3))
+        load = rng.choice([0.0, 1.0, 5.0, 40.0], size=(2, E)) * rng.integers(0, 3, size=(2, E))
+        p = plan_placement(load, S, N, W)
+        assert (p.expert_replicas >= 1).all() and p.slot_to_expert.shape == (2, S)
+        mine = peak(load, p.slot_to_expert.numpy(), W)
+        assert (mine <= peak(load, eplb(load, S, N, W), W) + 1e-9).all()
+        assert (mine <= peak(load, greedy(load, S, W), W) + 1e-9).all()
+        moved = load * rng.uniform(0.5, 1.5, load.shape)
+        kept = plan_placement(moved, S, N, W, previous=p)
+        assert (kept.expert_replicas >= 1).all()
+        fresh = peak(moved, plan_placement(moved, S, N, W).slot_to_expert.numpy(), W)
+        mean = moved.sum(1) / W
+        assert (peak(moved, kept.slot_to_expert.numpy(), W) <= fresh + DEFAULT_TOLERANCE * mean + 1e-9 * (mean + 1)).all()
+
+
 def test_eplb_baseline_hand_checked():
     # global policy: expert 0 (10) gets the 2 spare slots -> 3 copies of 10/3, then packing by
     # weight onto 2 ranks of 3 slots: [10/3, 10/3, 1] and [10/3, 2, 1] ... peak 7.67
