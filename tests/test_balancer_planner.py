@@ -227,6 +227,21 @@ def test_native_eplb_and_greedy_match_the_reference_baselines():
         assert (peak(load, plan_placement(load, S, N, W).slot_to_expert.numpy(), W) >= lb - 1e-9).all()
 
 
+def test_native_planner_refuses_sizes_that_would_index_out_of_bounds():
+    load = np.ones((2, 8))
+    with pytest.raises(ValueError, match="num_slots"):
+        _planner.plan_fresh(load, 6, 1, 2)
+    with pytest.raises(ValueError, match="num_nodes must divide"):
+        _planner.eplb(load, 12, 3, 3)
+    with pytest.raises(ValueError, match="load must be"):
+        _planner.greedy(np.ones(8), 8, 2)
+    prev = _planner.plan_fresh(load, 8, 1, 2)
+    with pytest.raises(ValueError, match="previous holds an expert id"):
+        _planner.keep_previous(load, prev + 8, prev, np.ones(2), 2, 8)
+    with pytest.raises(ValueError, match="allowed_peak"):
+        _planner.keep_previous(load, prev, prev, np.ones(3), 2, 8)
+
+
 def test_random_small_cases_are_valid_and_never_worse_than_the_baselines():
     # odd sizes, one rank, one slot per rank, zero loads, ties: every plan is a valid placement
     rng = np.random.default_rng(21)

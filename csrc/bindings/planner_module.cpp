@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstring>
+#include <string>
 
 #include "balancer/planner.h"
 
@@ -14,6 +15,26 @@ namespace {
 
 using Load = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using Plan = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw py::value_error("hybrid_ep._planner: " + what);
+}
+
+// The sizes every planner function needs (a wrong one would index out of bounds).
+void check_sizes(const Load& load, int S, int N, int W) {
+  require(load.ndim() == 2 && load.shape(1) > 0, "load must be [layers, num_experts]");
+  const auto E = load.shape(1);
+  require(W >= 1 && N >= 1 && W % N == 0, "num_ranks must be a positive multiple of num_nodes");
+  require(S >= E && S % W == 0, "num_slots must be >= num_experts and a multiple of num_ranks");
+  require(E % N == 0, "num_nodes must divide num_experts");
+}
+
+void check_plan(const Plan& plan, const Load& load, const char* name) {
+  require(plan.ndim() == 2 && plan.shape(0) == load.shape(0), std::string(name) + " must be [layers, num_slots]");
+  const int64_t* p = plan.data();
+  for (py::ssize_t k = 0; k < plan.size(); ++k)
+    require(p[k] >= 0 && p[k] < load.shape(1), std::string(name) + " holds an expert id outside [0, num_experts)");
+}
 
 // [L, S] int64 from one function of (layer load pointer) per layer.
 template <class F>
@@ -34,6 +55,11 @@ Plan per_layer(const Load& load, int S, F plan) {
 
 py::tuple keep_previous(const Load& load, const Plan& previous, const Plan& fresh, const Load& allowed_peak, int W,
                         int max_moves) {
+  check_sizes(load, static_cast<int>(previous.shape(1)), 1, W);
+  check_plan(previous, load, "previous");
+  check_plan(fresh, load, "fresh");
+  require(fresh.shape(1) == previous.shape(1), "fresh and previous must have the same slots");
+  require(allowed_peak.ndim() == 1 && allowed_peak.shape(0) == load.shape(0), "allowed_peak must be [layers]");
   const auto L = load.shape(0), E = load.shape(1), S = previous.shape(1);
   Plan out({L, S});
   py::array_t<bool> ok(L);
@@ -58,12 +84,14 @@ py::tuple keep_previous(const Load& load, const Plan& previous, const Plan& fres
 PYBIND11_MODULE(_planner, m) {
   m.doc() = "Expert placement planner over the layers of a [L, E] load (hybrid_ep.balancer.planner).";
   m.def("plan_fresh", [](const Load& load, int S, int N, int W) {
+    check_sizes(load, S, N, W);
     return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W); });
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
   m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("fresh"), py::arg("allowed_peak"),
         py::arg("num_ranks"), py::arg("max_moves"),
         "(slots [L, S], reached [L]): previous re-fitted with few changed slots until its peak is allowed");
   m.def("lower_bound", [](const Load& load, int S, int W) {
+    check_sizes(load, S, 1, W);
     const auto L = load.shape(0), E = load.shape(1);
     py::array_t<double> out(L);
     for (py::ssize_t l = 0; l < L; ++l)
@@ -71,9 +99,11 @@ PYBIND11_MODULE(_planner, m) {
     return out;
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"), "[L] peak no placement goes below");
   m.def("eplb", [](const Load& load, int S, int N, int W) {
+    check_sizes(load, S, N, W);
     return per_layer(load, S, [&](const double* l, int E) { return hb::eplb(l, E, S, N, W); });
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
   m.def("greedy", [](const Load& load, int S, int W) {
+    check_sizes(load, S, 1, W);
     return per_layer(load, S, [&](const double* l, int E) { return hb::greedy(l, E, S, W); });
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"));
 }

@@ -161,12 +161,10 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
 
 
 def peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
-    """[L] largest rank load of a placement (a slot weighs load[e] / replicas(e))."""
-    L, S = s2e_LS.shape
-    E = load_LE.shape[1]
-    reps = np.bincount((s2e_LS + np.arange(L)[:, None] * E).ravel(), minlength=L * E).reshape(L, E)
-    per_copy = load_LE / np.maximum(reps, 1)
-    return np.take_along_axis(per_copy, s2e_LS, axis=1).reshape(L, W, S // W).sum(-1).max(-1)
+    """[L] largest rank load of a placement (metrics.rank_loads: a slot weighs load[e] / replicas(e))."""
+    from .metrics import rank_loads  # metrics imports Placement from here
+
+    return rank_loads(load_LE, torch.from_numpy(np.ascontiguousarray(s2e_LS)), W).max(1).values.numpy()
 
 
 # ----------------------------------------------------------------------------- checks
