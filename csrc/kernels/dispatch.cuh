@@ -442,18 +442,31 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   }
 }
 
+// The expand warps' walk over this block's received chunks, in the order the table warps
+// fill the table ring: next() waits for the next chunk's table; null at the end or on a stop.
 template <typename Rdma>
-__device__ void expand_load(const Dispatch<Rdma>& d) {
-  ExpandChunks<Rdma> chunks(d);
-  PipeState table, produced;
-  int s, c;
-  while (chunks.next(s, c) && !d.stopped()) {
+struct ExpandTables {
+  const Dispatch<Rdma>& d;
+  ExpandChunks<Rdma> chunks;
+  PipeState table;
+  __device__ explicit ExpandTables(const Dispatch<Rdma>& call) : d(call), chunks(call) {}
+  __device__ const ExpandTable* next(int& s, int& c) {
+    if (!chunks.next(s, c) || d.stopped()) return nullptr;
     if (!d.table_ring.consumer_wait(d.args, table)) {
       d.stop();
-      break;
+      return nullptr;
     }
-    const ExpandTable& tab = d.sh.tables[table.stage];
-    const int first = tab.first, rows = tab.rows;
+    return &d.sh.tables[table.stage];
+  }
+};
+
+template <typename Rdma>
+__device__ void expand_load(const Dispatch<Rdma>& d) {
+  ExpandTables<Rdma> tables(d);
+  PipeState produced;
+  int s, c;
+  while (const ExpandTable* tab = tables.next(s, c)) {
+    const int first = tab->first, rows = tab->rows;
     if (rows > 0) {
       dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
       dev::fence_proxy_async();                                      // read by bulk loads below
@@ -466,7 +479,7 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
       }
       d.expand_fifo.load(produced, d.recv_row(d.a.rank, s, it.first) + it.offset, it.rows * it.bytes);
     }
-    table.advance(kTableSlots);  // the store warp releases the table
+    tables.table.advance(kTableSlots);  // the store warp releases the table
   }
   d.expand_fifo.drain(d.args, PipeState{}, produced);
 }
@@ -475,15 +488,11 @@ template <typename Rdma>
 __device__ void expand_store(const Dispatch<Rdma>& d) {
   auto* out = reinterpret_cast<uint8_t*>(d.a.out);
   const int in_flight = min(kStoreGroupsInFlight, d.stages - 1);
-  ExpandChunks<Rdma> chunks(d);
-  PipeState table, consumed, released;
+  ExpandTables<Rdma> tables(d);
+  PipeState consumed, released;
   int s, c;
-  while (chunks.next(s, c) && !d.stopped()) {
-    if (!d.table_ring.consumer_wait(d.args, table)) {
-      d.stop();
-      break;
-    }
-    const ExpandTable& tab = d.sh.tables[table.stage];
+  while (const ExpandTable* next = tables.next(s, c)) {
+    const ExpandTable& tab = *next;
     const int first = tab.first, rows = tab.rows;
     bool ok = true;
     for (int k = 0; k < d.batches.items(first, first + rows); ++k, consumed.advance(d.stages)) {
@@ -510,8 +519,8 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
       d.stop();
       break;
     }
-    d.table_ring.consumer_release(table);  // positions were read when the stores were issued
-    table.advance(kTableSlots);
+    d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
+    tables.table.advance(kTableSlots);
   }
   dev::bulk_wait_all();
   for (; released.count < consumed.count; released.advance(d.stages)) d.expand_fifo.ring.consumer_release(released);
