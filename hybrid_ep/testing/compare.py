@@ -6,7 +6,7 @@ import torch
 
 from ..rows import as_byte_rows
 from .oracle import CombineBounds, OracleDispatch
-from .rounding import round_to
+from .rounding import exponent_of, power_of_two, round_to
 
 _EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff
 _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -60,8 +60,7 @@ def combine_tolerance(want64: torch.Tensor, magnitude64: torch.Tensor, dtype: to
     accumulate = (num_terms + 1) * 2.0**-24 * magnitude64
     eps = 0.0 if wire == torch.float32 else _EPS[wire]
     rounding = ((1 + eps) ** hops - 1) * magnitude64
-    exponent = torch.floor(torch.log2(want64.abs().clamp(min=2.0**-126)))
-    ulp = torch.pow(2.0, exponent - _MANTISSA[dtype])
+    ulp = power_of_two(exponent_of(want64).clamp(min=-126) - _MANTISSA[dtype])
     return accumulate + rounding + ulp + 1e-300
 
 

@@ -29,11 +29,23 @@ def _format(dtype: torch.dtype) -> tuple[int, int, float]:
     return _FORMATS[dtype]
 
 
+def exponent_of(x64: torch.Tensor) -> torch.Tensor:
+    """floor(log2|x|) of float64 values as int64, read from the bits (-1023 for 0 and the
+    float64 subnormals, which every caller clamps above)."""
+    return ((x64.to(torch.float64).view(torch.int64) >> 52) & 0x7FF) - 1023
+
+
+def power_of_two(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e for int64 e in float64's normal range, built from the bits: exact on every
+    device (CUDA's float64 pow(2, e) is not, and a bound one ulp of float64 off excludes the
+    value it should admit)."""
+    return ((e + 1023) << 52).view(torch.float64)
+
+
 def quantum(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of `dtype` values at |x| (its ulp; the subnormal spacing below the normals)."""
     mantissa, min_exp, _ = _format(dtype)
-    _, exp = torch.frexp(x64)  # x = m * 2^exp, 0.5 <= |m| < 1, so floor(log2|x|) = exp - 1
-    return torch.pow(2.0, ((exp - 1).clamp(min=min_exp) - mantissa).to(torch.float64))
+    return power_of_two(exponent_of(x64).clamp(min=min_exp) - mantissa)
 
 
 def round_to(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
