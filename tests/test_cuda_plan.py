@@ -263,3 +263,69 @@ def test_fabric_handles_only_after_a_successful_probe(single_rank_group, monkeyp
     monkeypatch.setenv("HYBRID_EP_HANDLE", "nvlink")
     with pytest.raises(ValueError, match="HYBRID_EP_HANDLE must be auto, ipc or fabric"):
         registered._handle_kind(never, single_rank_group, 0)
+
+
+class _HandleExt:
+    """Stands in for hybrid_ep._C's registered-memory calls: a handle names its owner, and
+    opening one records whose it was."""
+
+    def __init__(self, rank: int):
+        self.rank, self.opened = rank, []
+
+    def fabric_probe(self, device) -> str:
+        return "no fabric on this machine"
+
+    def allocate_registered(self, nbytes, kind, device):
+        return 1000 + self.rank, nbytes, f"handle of rank {self.rank}"
+
+    def open_peer(self, handle, size, kind, device):
+        owner = int(handle.rsplit(" ", 1)[1])
+        self.opened.append(owner)
+        return 2000 + owner
+
+    def close_peer(self, ptr, size, kind):
+        pass
+
+    def free_registered(self, ptr, size, kind):
+        pass
+
+
+def _exchange_on_rank(ranks_per_node: int):
+    import torch.distributed as dist
+
+    from hybrid_ep.backends.cuda.registered import RegisteredBuffers
+
+    ext = _HandleExt(dist.get_rank())
+    buffers = RegisteredBuffers.exchanged(ext, 64, dist.group.WORLD, dist.get_rank(), torch.device("cpu"),
+                                          ranks_per_node)
+    table = buffers.tables[0].tolist()
+    buffers._opened, buffers._owned = [], []  # nothing real to free
+    return ext.opened, table
+
+
+def test_registered_handles_are_opened_only_inside_the_node(pool_for):
+    """A handle from another machine cannot be opened: ranks of other nodes stay 0 in the
+    table (the RDMA transport reaches them), those of the own node are mapped."""
+    opened, tables = zip(*pool_for(4).run(_exchange_on_rank, [(2,)] * 4))
+    assert list(opened) == [[1], [0], [3], [2]]
+    assert list(tables) == [[1000, 2001, 0, 0], [2000, 1001, 0, 0], [0, 0, 1002, 2003], [0, 0, 2002, 1003]]
+    opened, tables = zip(*pool_for(4).run(_exchange_on_rank, [(4,)] * 4))
+    assert list(opened) == [[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]]
+    assert tables[2] == [2000, 2001, 1002, 2003]
+
+
+def test_cuda_backend_by_name_runs_over_a_gloo_group(single_rank_group):
+    """`auto` keeps CPU-looking (gloo) groups on the reference backend; asked for by name,
+    cuda needs only the extension and a device (processes sharing one GPU use gloo)."""
+    from hybrid_ep.backends import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason(single_rank_group, explicit=True)
+    if torch.cuda.is_available():
+        try:
+            import hybrid_ep._C  # noqa: F401
+        except ImportError:
+            pytest.skip("hybrid_ep._C is not built")
+        assert reason is None
+        assert cuda_unavailable_reason(single_rank_group) == "the EP group is not an NCCL group"
+    else:
+        assert reason is not None and "NCCL" not in reason

@@ -14,15 +14,20 @@ from .reference import ReferenceBackend
 BACKEND_NAMES = ("auto", "cuda", "reference", "deepep")
 
 
-def cuda_unavailable_reason(group) -> str | None:
-    """Why the cuda backend cannot run here, or None when it can."""
+def cuda_unavailable_reason(group, explicit: bool = False) -> str | None:
+    """Why the cuda backend cannot run here, or None when it can.
+
+    `auto` takes a non-NCCL group as a sign that the ranks live on the CPU. Asked for by
+    name, the backend runs over any group: it uses the group only for object collectives
+    (handles, the NVSHMEM unique id), which gloo carries too, and several processes on one
+    GPU (NVSHMEM's several-PEs-per-GPU mode) cannot form an NCCL group."""
     try:
         importlib.import_module("hybrid_ep._C")
     except ImportError as err:
         return f"the compiled extension hybrid_ep._C is not installed ({err})"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    if "nccl" not in str(dist.get_backend(group)).lower():
+    if not explicit and "nccl" not in str(dist.get_backend(group)).lower():
         return "the EP group is not an NCCL group"
     return None
 
@@ -56,7 +61,7 @@ def create_backend(name: str, config, group, rank: int, owner: int) -> Backend:
     if name == "reference":
         return ReferenceBackend(config, group, rank, owner)
     if name == "cuda":
-        reason = cuda_unavailable_reason(group)
+        reason = cuda_unavailable_reason(group, explicit=True)
         if reason is not None:
             raise RuntimeError(f"backend='cuda' is not available: {reason}")
         from .cuda.backend import CudaBackend

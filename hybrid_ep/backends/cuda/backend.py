@@ -49,7 +49,8 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
-        self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device)
+        self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
+                                                    config.ranks_per_node)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma)

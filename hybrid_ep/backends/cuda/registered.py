@@ -80,8 +80,13 @@ class RegisteredBuffers:
         return self
 
     @classmethod
-    def exchanged(cls, ext, nbytes: int, group, rank: int, device: torch.device) -> "RegisteredBuffers":
+    def exchanged(cls, ext, nbytes: int, group, rank: int, device: torch.device,
+                  ranks_per_node: int | None = None) -> "RegisteredBuffers":
+        """Every rank's handle goes round the group; only those of this rank's node are opened
+        (the others are 0 in the table): a handle from another machine cannot be opened, and
+        ranks on other nodes are reached through the RDMA transport alone."""
         self = cls(ext, nbytes, device)
+        G = ranks_per_node or dist.get_world_size(group)
         kind = _handle_kind(ext, group, device.index)
         ptr, size, handle = ext.allocate_registered(nbytes, kind, device.index)
         self._owned.append((ptr, size, kind))
@@ -92,6 +97,9 @@ class RegisteredBuffers:
         for r, (peer_handle, peer_size) in enumerate(entries):
             if r == rank:
                 bases.append(ptr)
+                continue
+            if r // G != rank // G:
+                bases.append(0)
                 continue
             peer_ptr = ext.open_peer(peer_handle, peer_size, kind, device.index)
             self._opened.append((peer_ptr, peer_size, kind))
