@@ -11,6 +11,8 @@
 #   bash scripts/gpu_check.sh ncu      RESULTS   # (d) ncu on dispatch and combine, seed shape
 #   bash scripts/gpu_check.sh nvshmem  RESULTS   # (e) NVSHMEM transport, 2 and 4 PEs on the GPU,
 #                                                #     without and with MPS (summary: nvshmem_summary.txt)
+#   bash scripts/gpu_check.sh nvshmem-ep RESULTS # (f) dispatch + combine across 2-4 processes on the
+#                                                #     GPU, nodes joined by NVSHMEM, against the oracle
 #
 # Every stage builds the extension first unless hybrid_ep/_C*.so is newer than csrc/ and
 # setup.py. Environment: PYTHON (default python3), HYBRID_EP_CUDA_ARCHS (default 90a),
@@ -18,7 +20,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '6,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '6,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -26,7 +28,7 @@ stage=$1
 results=$2
 shift 2
 case "$stage" in
-    build|test|sanitize|bench|ncu|nvshmem) ;;
+    build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep) ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; usage ;;
 esac
 if [ "$stage" != sanitize ] && [ $# -gt 0 ]; then
@@ -86,7 +88,7 @@ run_tests() {
     timeout --signal=INT "$budget" "$py" -m pytest -m "gpu or multigpu" -rA -p no:cacheprovider --timeout=300 \
         --junitxml="$results/gpu_tests.xml" \
         tests/test_cuda_emulation.py tests/test_reference_nccl.py tests/test_balancer_loop.py \
-        > "$results/gpu_tests.log" 2>&1
+        tests/test_nvshmem_transport.py > "$results/gpu_tests.log" 2>&1
     local rc=$?
     say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"
     return "$rc"
@@ -191,6 +193,19 @@ run_nvshmem() {
     [ -n "$worked2" ] && [ -n "$worked4" ]
 }
 
+# The cuda backend across real processes: each one rank, nodes of one or two ranks joined by
+# the NVSHMEM transport (hybrid_ep.testing.nvshmem_cases), every case against the oracle.
+run_nvshmem_cases() {
+    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+        say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
+    say "dispatch + combine across NVSHMEM processes on the GPU (log: nvshmem_cases.log)"
+    timeout --signal=INT "$budget" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
+        --timeout 40 > "$results/nvshmem_cases.log" 2>&1
+    local rc=$?
+    say "exit $rc: $(tail -1 "$results/nvshmem_cases.log")"
+    return "$rc"
+}
+
 machine_facts
 build
 case "$stage" in
@@ -200,4 +215,5 @@ case "$stage" in
     bench) run_bench ;;
     ncu) run_ncu ;;
     nvshmem) run_nvshmem ;;
+    nvshmem-ep) run_nvshmem_cases ;;
 esac

@@ -49,6 +49,9 @@ case "$*" in
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
+  *"-m hybrid_ep.testing.nvshmem_cases"*)
+    if [ -n "${CASES_RC:-}" ]; then echo "nvshmem_cases: 11 of 12 cases match the oracle"; exit "$CASES_RC"; fi
+    echo "nvshmem_cases: 12 of 12 cases match the oracle"; exit 0 ;;
   *"-m hybrid_ep.testing.nvshmem_selftest"*)
     mps=off; [ -e "$HOME/mps_running" ] && mps=on
     echo "selftest mps=$mps vmm_disabled=${NVSHMEM_DISABLE_CUDA_VMM:-} pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$CALLS"
@@ -113,7 +116,7 @@ def test_test_stage_builds_in_place_for_sm90a_then_runs_the_gpu_tests(machine):
     assert lines[0].startswith("python3 setup.py build_ext --inplace | ARCHS=90a PYTHONPATH=" + str(repo))
     pytest_line = next(line for line in lines if "-m pytest" in line)
     for expected in ("-m gpu or multigpu", "tests/test_cuda_emulation.py", "tests/test_reference_nccl.py",
-                     f"--junitxml={results}/gpu_tests.xml"):
+                     "tests/test_nvshmem_transport.py", f"--junitxml={results}/gpu_tests.xml"):
         assert expected in pytest_line
     assert (results / "gpu_tests.log").read_text().strip().endswith("40 passed in 100.00s ===")
     assert "H100" in (results / "machine.txt").read_text()
@@ -213,3 +216,17 @@ def test_nvshmem_stage_reports_an_mps_daemon_that_does_not_start(machine):
     summary = (results / "nvshmem_summary.txt").read_text().splitlines()
     assert len(summary) == 5 and summary[4] == "mps=on: nvidia-cuda-mps-control -d failed: cannot start MPS"
     assert "mps-control quit" not in calls
+
+
+def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(machine):
+    _, results, run = machine
+    proc, calls = run("nvshmem-ep", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [runner] = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_cases" in line]
+    assert f"--out {results}/nvshmem_cases --timeout 40" in runner
+    assert "exit 0: nvshmem_cases: 12 of 12 cases match the oracle" in proc.stdout
+    proc, _ = run("nvshmem-ep", str(results), CASES_RC="1")
+    assert proc.returncode == 1 and "11 of 12" in (results / "nvshmem_cases.log").read_text()
+    proc, calls = run("nvshmem-ep", str(results), HAS_NVSHMEM_RC="1")
+    assert proc.returncode == 1 and "built without NVSHMEM" in proc.stdout
+    assert "nvshmem_cases --out" not in calls.split("has_nvshmem")[-1]

@@ -85,3 +85,46 @@ def test_pes_without_a_gpu_report_where_they_stopped(tmp_path):
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in lines] == [
         "rank 0/2: failed at cuda device", "rank 1/2: failed at cuda device"]
     assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["stage"] == "cuda device" for r in (0, 1))
+
+
+# -- dispatch and combine across NVSHMEM processes (hybrid_ep.testing.nvshmem_cases) ---------
+
+def test_nvshmem_cases_span_several_nodes_and_the_features():
+    from hybrid_ep.fp8 import FP8_DTYPE
+    from hybrid_ep.testing import nvshmem_cases
+
+    cases = nvshmem_cases.default_cases()
+    for case in cases:
+        cfg = case.config  # validates
+        assert 2 <= case.world_size <= 4 and cfg.num_nodes >= 2, str(case)
+    assert {(c.world_size, c.ranks_per_node) for c in cases} == {(2, 1), (3, 1), (4, 1), (4, 2)}
+    assert {c.dtype for c in cases} == {torch.bfloat16, FP8_DTYPE, torch.float32}
+    assert any(c.num_out_tokens is not None and c.num_out_tokens < sum(c.tokens) for c in cases)  # overflow
+    assert any(sum(c.tokens) == 0 for c in cases) and any(c.routing == "one-expert" for c in cases)
+    assert any(c.drop_fraction > 0 for c in cases) and any(c.wire_dtype == torch.float32 for c in cases)
+
+
+def test_nvshmem_cases_cli_refuses_without_a_device_or_a_matching_case(tmp_path, capsys):
+    from hybrid_ep.testing import nvshmem_cases
+
+    if torch.cuda.is_available():
+        assert nvshmem_cases.main(["--out", str(tmp_path), "--only", "no such case"]) == 2
+        assert "no case name contains 'no such case'" in capsys.readouterr().err
+    else:
+        assert nvshmem_cases.main(["--out", str(tmp_path)]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_dispatch_and_combine_across_nvshmem_processes_match_the_oracle(built, tmp_path):
+    """Processes on the one GPU, each one rank: 2 nodes of 1, 3 nodes with dropped routes,
+    2 nodes of 2 with fp8 and with a static size that overflows; the NVSHMEM instantiation of
+    the kernels, checked against the oracle like every backend."""
+    from hybrid_ep.testing import nvshmem_cases
+
+    wanted = ("W2xG1 E4 H2048", "W3xG1 E6 H2048 T[17, 0, 40] K6", "float8_e4m3fn", "out10")
+    cases = [c for c in nvshmem_cases.default_cases() if any(w in str(c) for w in wanted)]
+    assert len(cases) == 4
+    results = nvshmem_cases.run(cases, tmp_path, timeout_s=40.0, progress=lambda line: None)
+    assert {r["case"]: r["ok"] for r in results} == {str(c): True for c in cases}, results
