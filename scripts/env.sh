@@ -50,7 +50,9 @@ build_stamp=$( (echo "$repo"; cat "$repo/setup.py" "$repo/pyproject.toml";
 stamp=$(cat "$repo/setup.py" "$repo/pyproject.toml" | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     log "installing dependencies into $venv (first time: torch from the registry, a few minutes)"
-    "$py" -m pip install -q --upgrade pip setuptools wheel >&2
+    # pybind11 first: setup.py builds the planner (hybrid_ep._planner) in every install, and
+    # this install runs without build isolation, before torch is there.
+    "$py" -m pip install -q --upgrade pip setuptools wheel pybind11 >&2
     "$py" -m pip install -q --no-build-isolation -e "$repo[test,megatron]" >&2
     # NVSHMEM for the inter-node transport, from the wheel matching torch's CUDA major.
     cuda_major=$("$py" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
