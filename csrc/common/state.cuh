@@ -47,8 +47,11 @@ __device__ __forceinline__ bool aborted(const LaunchArgs& args) {
 }
 
 // The same answer in every lane of the warp: lane 0's. Decisions that lead to a warp
-// collective or a barrier must be warp-uniform.
+// collective or a barrier must be warp-uniform. The __syncwarp orders what lane 0 acquired
+// before the answer (a peer's flag, say) before the other lanes' accesses after it: a shuffle
+// alone carries the value, not memory order.
 __device__ __forceinline__ bool warp_uniform(bool value) {
+  __syncwarp();
   return __shfl_sync(0xffffffffu, static_cast<int>(value), 0) != 0;
 }
 

@@ -200,6 +200,7 @@ __device__ __forceinline__ bool wait_stage(const Combine<Rdma>& d, const Ring& r
     d.stop();
     return false;
   }
+  ring.observe_full(p, lane);  // every lane reads the stage's bytes and header
   return true;
 }
 

@@ -239,6 +239,7 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
       d.stop();
       break;
     }
+    d.meta_ring.observe_empty(slot, lane);  // every lane writes after the consumer released the slot
     if (su.node < 0) {
       for (int v = tw; v < (su.u1 - su.u0) * G; v += kMetaWarps * 32) {
         const int t = su.u0 + v / G, dst = first + v % G;
@@ -403,6 +404,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
       d.stop();
       break;
     }
+    d.table_ring.observe_empty(slot, lane);  // every lane writes the table after the store warp read it
     const int first = *reinterpret_cast<const volatile int32_t*>(&sig->first);
     const int rows = *reinterpret_cast<const volatile int32_t*>(&sig->rows);
     ExpandTable& tab = d.sh.tables[slot.stage];

@@ -57,6 +57,19 @@ struct Ring {
   __device__ bool consumer_wait(const LaunchArgs& args, const PipeState& p) const {
     return mbar_wait(args, &full[p.stage], p.phase, rank, epoch);
   }
+  // After lane 0 of a warp waited (bounded) and the warp agreed it succeeded: every other
+  // lane observes the completed phase itself, its own acquire of the slot (the producer's
+  // writes and the bytes its bulk copies completed on the barrier; the consumer's reads
+  // before a release). The phase is complete, so each test passes at once.
+  __device__ void observe_full(const PipeState& p, int lane) const {
+    while (lane != 0 && !dev::mbar_try_wait(&full[p.stage], p.phase)) {
+    }
+  }
+  __device__ void observe_empty(const PipeState& p, int lane) const {
+    while (lane != 0 && !dev::mbar_try_wait(&empty[p.stage], p.phase ^ 1u)) {
+    }
+  }
+
   // Consumer: done with the slot (one of `empty_arrivals`).
   __device__ void consumer_release(const PipeState& p) const { dev::mbar_arrive(&empty[p.stage]); }
 };
