@@ -219,6 +219,17 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring) {
     d.span(s, c, first, rows);
     for (int r = 0; r < rows && !d.stopped(); ++r) {
       const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;
+      // The row's output rows and weights, read once for all its segments: the loads are
+      // independent and issue together here, where between the copies of a segment each
+      // read waited for the one before.
+      int pos[kMaxTopK];
+      float w[kMaxTopK];
+      int n = 0;
+      for (int q = 0; q < d.kd; ++q) {
+        const int p = row_pos[row * d.kd + q];
+        if (p >= 0) pos[n++] = p;
+      }
+      for (int i = 0; i < n; ++i) w[i] = d.args.apply_probs ? probs[pos[i]] : 1.f;
       for (int g = 0; g < d.segments; ++g, produced.advance(ring.stages)) {
         if (!ring.producer_acquire(d.args, produced)) {
           d.stop();
@@ -229,20 +240,14 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring) {
         it.slot = first + r;
         it.col0 = g * d.seg_cols;
         it.cols = min(d.seg_cols, d.C - it.col0);
-        int n = 0;
-        for (int q = 0; q < d.kd; ++q) n += row_pos[row * d.kd + q] >= 0;
         it.n = n;
+        for (int i = 0; i < n; ++i) it.w[i] = w[i];
         // The bytes first (the arrival also publishes the header), then the copies.
         dev::mbar_arrive_expect_tx(&ring.full[produced.stage], static_cast<uint32_t>(n) * it.cols * d.in_bytes);
-        for (int q = 0, i = 0; q < d.kd; ++q) {
-          const int p = row_pos[row * d.kd + q];
-          if (p < 0) continue;
-          it.w[i] = d.args.apply_probs ? probs[p] : 1.f;
+        for (int i = 0; i < n; ++i)
           dev::bulk_g2s(d.host_stage(produced.stage) + static_cast<size_t>(i) * d.seg_cols * d.in_bytes,
-                        expert_out + (static_cast<int64_t>(p) * d.C + it.col0) * d.in_bytes, it.cols * d.in_bytes,
-                        &ring.full[produced.stage]);
-          ++i;
-        }
+                        expert_out + (static_cast<int64_t>(pos[i]) * d.C + it.col0) * d.in_bytes,
+                        it.cols * d.in_bytes, &ring.full[produced.stage]);
       }
     }
   }
