@@ -68,3 +68,51 @@ def test_emulate_without_a_gpu_exits_with_a_message(capsys, tmp_path):
         pytest.skip("checks the behaviour without a GPU")
     assert main(["--emulate", "2", "--out", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_rdma_rows_of_the_kernels_equal_the_traffic_model(capsys):
+    """The count the benchmark reports with --emulate-nodes, on the CPU model of the kernels:
+    what the forwarders' handles say they received equals the traffic model's count."""
+    pytest.importorskip("hybrid_ep._model")
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    tokens = [40, 17, 0, 33]
+    idx = list(iter_rank_routings("uniform", tokens, 8, 4, seed=3))
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(t, 128, generator=gen).to(torch.bfloat16) for t in tokens]
+    two_nodes = EmulatedGroup(4, 128, 40, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
+    got, model = emulated.rdma_rows(two_nodes.dispatch(xs, idx), idx, two_nodes.config)
+    # every token of a rank with a route to the other node crosses once: count them here too
+    crossing = sum(int(((i // 4) != (r // 2)).any(dim=1).sum()) for r, i in enumerate(idx))
+    assert got == model == crossing > 0
+    two_nodes.close()
+    one_node = EmulatedGroup(4, 128, 40, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    assert emulated.rdma_rows(one_node.dispatch(xs, idx), idx, one_node.config) == (0, 0)
+    one_node.close()
+
+
+def test_emulate_nodes_must_divide_every_world_size(capsys, tmp_path, monkeypatch):
+    from hybrid_ep.bench.cli import build_parser
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = build_parser().parse_args(["--emulate", "4", "6", "--emulate-nodes", "4", "--out", str(tmp_path)])
+    assert emulated.run(args) == 2
+    assert "--emulate-nodes 4 must be >= 1 and divide every emulated world size, got [4, 6]" in capsys.readouterr().err
+    args = build_parser().parse_args(["--emulate", "12", "--out", str(tmp_path)])
+    assert emulated.run(args) == 2 and "must be in [1, 8], got [12]" in capsys.readouterr().err
+    args = build_parser().parse_args(["--emulate", "20", "--emulate-nodes", "4", "--out", str(tmp_path)])
+    assert emulated.run(args) == 2 and "must be in [1, 16] with --emulate-nodes" in capsys.readouterr().err
+
+
+def test_table_with_nodes_has_the_rdma_columns():
+    runs = [{"world_size": 8, "nodes": 2, "sms_per_rank": 2, "total_sms": 16, "dispatch_ms": 1.0,
+             "dispatch_dest_gbps_per_sm": 5.0, "dispatch_copy_fraction": 0.1, "combine_ms": 2.0,
+             "combine_dest_gbps_per_sm": 1.0, "combine_copy_fraction": 0.05, "rdma_rows": 12345,
+             "dispatch_rdma_gbps_per_sm": 3.25, "combine_rdma_gbps_per_sm": 0.5}]
+    config = {"world_sizes": [8], "nodes": 2, "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
+              "dtype": "bf16", "routing": "uniform"}
+    doc = {"metadata": dict(metadata("test", device_type="cpu", config=config, units=emulated.UNITS), device="GPU"),
+           "device_sms": 132, "copy_gbps": 3000.0, "runs": runs, "index_select_index_add": [], "host_time": {}}
+    table = emulated.format_table(doc)
+    assert "W = 8 virtual ranks as 2 nodes (loopback transport between them)" in table
+    assert table.splitlines()[2].split()[-3:] == ["12345", "3.25", "0.50"]

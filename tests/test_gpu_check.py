@@ -163,6 +163,9 @@ def test_bench_and_ncu_stages(machine):
     bench = next(line for line in calls.splitlines() if "-m hybrid_ep.bench" in line)
     assert "--emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2 4" in bench
     assert f"--out {results}/bench" in bench
+    nodes = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][1]
+    assert "--emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in nodes
+    assert f"--out {results}/bench_nodes" in nodes
     proc, calls = run("ncu", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]

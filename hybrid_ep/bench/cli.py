@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", type=int, nargs="+", default=None, metavar="W",
                    help="run the cuda kernels of W virtual ranks (1-8) on this one GPU, for each W given, and "
                         "report per-SM throughput and the fraction of a device copy (default sweep --sms 1 2 4 8 16)")
+    p.add_argument("--emulate-nodes", type=int, default=1, metavar="N",
+                   help="with --emulate: the W virtual ranks form N nodes of W/N, joined by the loopback transport "
+                        "where a cluster uses NVSHMEM (W up to 16); adds the RDMA rows per rank, checked against the "
+                        "traffic model, and their bytes per SM per second (default %(default)s)")
     p.add_argument("--reference-iters", type=int, default=0,
                    help="with --emulate: also time the reference backend on the first W's shape, this many calls "
                         "(gloo on the CPU: minutes at the GPU shape); 0 skips it (default %(default)s)")

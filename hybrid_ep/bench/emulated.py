@@ -4,8 +4,11 @@ Per world size and SM count: dispatch and combine time (CUDA events, L2 flushed,
 destination bytes per SM per second, and all bytes the kernels read and write as a fraction
 of a large device-to-device copy measured in the same run (docs/benchmarks/cuda.md). Per world size
 also: host time per dispatch + combine pair in static-size mode, and the same data movement
-written with index_select / index_add_ on the one GPU. Writes emulated.json and
-emulated_per_sm.png; progress goes to stderr, one line per measurement.
+written with index_select / index_add_ on the one GPU. With --emulate-nodes N the ranks form
+N nodes joined by the loopback transport (the cluster's NVSHMEM path): each row then also
+gives the rows the forwarders received by RDMA, which must equal the traffic model's count,
+and those bytes per SM per second. Writes emulated.json and emulated_per_sm.png; progress
+goes to stderr, one line per measurement.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..metadata import metadata
 from ..synthetic import iter_rank_routings
+from ..traffic.model import count_tables, row_counts
 from .spec import L2_FLUSH_BYTES
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
@@ -31,7 +35,31 @@ UNITS = {"dispatch_ms": "ms (median)", "combine_ms": "ms (median)", "copy_gbps":
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
          "combine_copy_fraction": "fraction of the device copy's bytes/s",
-         "median_us": "microseconds (host time per dispatch + combine pair)", "elapsed_s": "s"}
+         "median_us": "microseconds (host time per dispatch + combine pair)", "elapsed_s": "s",
+         "rdma_rows": "rows all forwarders received by RDMA in the dispatch (as many go back in the combine)",
+         "dispatch_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: rows x row bytes)",
+         "combine_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: node partials x row bytes)"}
+MAX_EMULATED_RANKS = 16
+
+
+def rdma_rows(results, idxs, config) -> tuple[int, int]:
+    """(rows the forwarders received by RDMA in the dispatch, as their handles keep them for the
+    combine; the traffic model's count for the same routing). Equal when the kernels forward
+    exactly one row per (token, remote node); 0 and 0 on one node."""
+    if config.num_nodes == 1:
+        return 0, 0
+    from ..backends.cuda.layout import CHUNK_TOKENS
+
+    G = config.ranks_per_node
+    got = 0
+    for f, res in enumerate(results):
+        fwd_rows = res.handle.dest.fwd_rows.cpu()  # [source node, chunk]: the chunks of this call only
+        for n in range(config.num_nodes):
+            if n != f // G:
+                chunks = -(-int(idxs[n * G + f % G].shape[0]) // CHUNK_TOKENS)  # of f's rail peer on node n
+                got += int(fwd_rows[n, :chunks].sum())
+    count_WW, node_counts_WN = count_tables([i.cpu() for i in idxs], config)
+    return got, int(row_counts(count_WW, node_counts_WN, G).combine_rdma.sum())
 
 
 def _note(msg: str) -> None:
@@ -95,14 +123,20 @@ def _inputs(W, T, H, E, K, dtype, routing, seed, dev):
     return idxs, [x.to(dtype) for x in x32], [None] * W
 
 
-def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props):
+def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props, nodes=1):
     """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    group = EmulatedGroup(W, H, T, E)
+    group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes)
     idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev)
     first = group.dispatch(xs, idxs, scales=scales)
     group.synchronize()
+    rdma, rdma_model = rdma_rows(first, idxs, group.config)
+    if rdma != rdma_model:
+        raise RuntimeError(f"W={W} on {nodes} nodes: the forwarders received {rdma} rows by RDMA, the traffic model "
+                           f"says {rdma_model}: the kernels forward other rows than the hierarchy plans")
+    if nodes > 1:
+        _note(f"W={W} on {nodes} nodes: {rdma} rows by RDMA per direction, as the traffic model counts")
     row_bytes = H * xs[0].element_size() + (H // 128 * 4 if dtype == FP8_DTYPE else 0)
     comb_dtype = torch.bfloat16 if dtype == FP8_DTYPE else dtype
     comb_bytes = H * torch.empty(0, dtype=comb_dtype).element_size()
@@ -127,13 +161,16 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         d_ms = _median_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms), warmup, iters, flush)
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
         group.synchronize()
-        row = {"world_size": W, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms, "combine_ms": c_ms,
-               "recv_rows": recv_rows, "out_rows": out_rows}
+        row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms,
+               "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma}
         for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
                                  ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
             row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
             row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
             row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
+        if nodes > 1:
+            row["dispatch_rdma_gbps_per_sm"] = rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
+            row["combine_rdma_gbps_per_sm"] = rdma * comb_bytes / (c_ms * 1e-3) / (W * sms) / 1e9
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
@@ -170,9 +207,16 @@ def run(args) -> int:
         _note("needs a CUDA device")
         return 2
     worlds = list(args.emulate)
-    bad = [w for w in worlds if not 1 <= w <= 8]
+    nodes = getattr(args, "emulate_nodes", 1) or 1
+    top = 8 if nodes == 1 else MAX_EMULATED_RANKS
+    bad = [w for w in worlds if not 1 <= w <= top]
     if bad:
-        _note(f"--emulate: world sizes must be in [1, 8], got {bad}")
+        _note(f"--emulate: world sizes must be in [1, {top}]" + ("" if nodes == 1 else " with --emulate-nodes")
+              + f", got {bad}")
+        return 2
+    uneven = [w for w in worlds if w % nodes]
+    if nodes < 1 or uneven:
+        _note(f"--emulate-nodes {nodes} must be >= 1 and divide every emulated world size, got {worlds}")
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     H = args.hidden or 8192
@@ -198,12 +242,12 @@ def run(args) -> int:
     rows, host, plain = [], {}, []
     for W in worlds:
         w_rows, w_host, w_plain = _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
-                                                   copy_bps, dev, props)
+                                                   copy_bps, dev, props, nodes)
         rows += w_rows
         host[f"W={W}"] = w_host
         plain.append(w_plain)
 
-    config = {"world_sizes": worlds, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
+    config = {"world_sizes": worlds, "nodes": nodes, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
               "dtype": args.dtype, "routing": args.routing, "sms_per_rank": sms_list, "warmup": warmup,
               "iters": iters}
     doc = {
@@ -227,15 +271,22 @@ def format_table(doc: dict) -> str:
     meta = doc["metadata"]
     c = meta["config"]
     worlds = ", ".join(str(w) for w in c["world_sizes"])
-    lines = [f"cuda kernels, W = {worlds} virtual ranks on one {meta['device']} ({doc.get('device_sms', '?')} SMs) | "
-             f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} "
-             f"{c['routing']} | copy {doc['copy_gbps']:.0f} GB/s",
+    nodes = c.get("nodes", 1)
+    where = "" if nodes == 1 else f" as {nodes} nodes (loopback transport between them)"
+    lines = [f"cuda kernels, W = {worlds} virtual ranks{where} on one {meta['device']} "
+             f"({doc.get('device_sms', '?')} SMs) | H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} "
+             f"E={c['experts']} {c['dtype']} {c['routing']} | copy {doc['copy_gbps']:.0f} GB/s",
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} "
-             f"{'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"]
+             f"{'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"
+             + ("" if nodes == 1 else f" {'RDMA rows':>10} {'disp RDMA/SM':>12} {'comb RDMA/SM':>12}")]
     for r in doc["runs"]:
-        lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
-                     f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
-                     f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} {r['combine_copy_fraction']:>8.1%}")
+        line = (f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
+                f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
+                f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} {r['combine_copy_fraction']:>8.1%}")
+        if nodes > 1:
+            line += (f" {r['rdma_rows']:>10} {r['dispatch_rdma_gbps_per_sm']:>12.2f} "
+                     f"{r['combine_rdma_gbps_per_sm']:>12.2f}")
+        lines.append(line)
     for p in doc["index_select_index_add"]:
         lines.append(f"index_select/index_add_ on one GPU, W={p['world_size']}: dispatch {p['dispatch_ms']:.3f} ms, "
                      f"combine {p['combine_ms']:.3f} ms")
@@ -244,6 +295,9 @@ def format_table(doc: dict) -> str:
                      f"{h['median_us']:.1f} us")
     lines.append("GB/s/SM: rows received x row bytes / time / all SMs of the launch; of copy: bytes the kernels "
                  "read + write / time, against the device-to-device copy")
+    if nodes > 1:
+        lines.append("RDMA rows: rows all forwarders received by RDMA (equal to the traffic model's count, checked); "
+                     "RDMA/SM: those rows' bytes / time / all SMs of the launch, GB/s")
     return "\n".join(lines)
 
 
