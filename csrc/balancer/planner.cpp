@@ -652,6 +652,117 @@ bool eject(Packing& pk, int m, double allowed_peak) {
   return false;
 }
 
+// Slot changes along a chain of ranks: slot chain[j] takes the expert of chain[j - 1]; chain[0]
+// takes the last one's (a cycle: copies per expert stay) or a new copy of gain (a path: the
+// last slot's expert loses that copy instead).
+struct Chain {
+  std::vector<int> slots;
+  int64_t gain = -1;  // -1: a cycle
+  int relieved = 0;   // over-loaded ranks it brings within the allowed peak
+  // ranks brought within per changed slot, compared without division
+  bool better_than(const Chain& o) const {
+    const long a = static_cast<long>(relieved) * static_cast<long>(o.slots.size());
+    const long b = static_cast<long>(o.relieved) * static_cast<long>(slots.size());
+    return a > b || (a == b && relieved > o.relieved);
+  }
+};
+
+constexpr int kChainRanks = 8;  // ranks on one chain at most
+
+// Whether expert x can lose the copy in slot s: another copy stays, and every other holder of
+// x stays within allowed after its share grows (loads before the chain: a chain only lowers
+// the over-loaded ranks it passes).
+bool can_drop(Packing& pk, int s, double allowed) {
+  const int64_t x = pk.expert(s);
+  const int c = pk.copies(x), P = pk.P();
+  if (c < 2) return false;
+  const double delta = pk.load(x) / (c - 1) - pk.load(x) / c;
+  for (int t : pk.slots_of(x)) {
+    const int r = t / P;
+    if (r != s / P && pk.rank_load(r) + pk.count_on(r, x) * delta > allowed) return false;
+  }
+  return true;
+}
+
+// Chains from the over-loaded rank m: m hands one expert to another over-loaded rank, which
+// hands on a copy heavier by at least its own excess (so it ends within), and so on. Two ends:
+// a rank with room takes the last expert and hands m one light enough (a cycle: k + 1 changed
+// slots bring k ranks within), or m takes a new copy of the lightest expert it lacks and the
+// last expert loses its copy where its other holders have room (a path: one changed slot per
+// rank brought within). A swap per rank changes two. Each step takes the lightest copy that
+// brings the next rank within (the chain must come back down to m). Returns the chain with the
+// most ranks brought within per changed slot (relieved 0: none ends), of at most max_slots
+// changed slots; no expert twice on a rank.
+Chain best_chain(Packing& pk, int m, double allowed, int cap, int max_slots) {
+  const int P = pk.P(), W = pk.W(), E = pk.copies_size();
+  std::vector<int> over;  // over-loaded ranks other than m
+  for (auto it = pk.by_load().rbegin(); it != pk.by_load().rend() && pk.rank_load(*it) > allowed; ++it)
+    if (*it != m) over.push_back(*it);
+  int64_t gain = -1;  // the lightest new copy m lacks
+  for (int64_t y = 0; y < E; ++y)
+    if (pk.copies(y) < cap && !pk.holds(m, y) &&
+        (gain < 0 || pk.load(y) / (pk.copies(y) + 1) < pk.load(gain) / (pk.copies(gain) + 1)))
+      gain = y;
+  Chain best;
+  std::vector<char> used(W, 0);
+  std::vector<int> chain;
+  for (int i = m * P; i < (m + 1) * P; ++i) {
+    const double back = pk.slot_weight(i) - (pk.rank_load(m) - allowed);  // m takes at most this
+    if (back < 0) continue;
+    const bool path = gain >= 0 && pk.load(gain) / (pk.copies(gain) + 1) <= back;
+    for (int s : chain) used[s / P] = 0;
+    chain.assign(1, i);
+    used[m] = 1;
+    for (;;) {
+      const int in = chain.back(), k = static_cast<int>(chain.size());
+      const int64_t e_in = pk.expert(in);
+      const double w_in = pk.slot_weight(in);
+      if (k > 1 && path && Chain{chain, gain, k}.better_than(best) && can_drop(pk, in, allowed))
+        best = Chain{chain, gain, k};
+      // the rank with the most room first: the first that closes wins, and none closes once
+      // the room is below w_in - back
+      int close = -1;
+      if (Chain{std::vector<int>(k + 1), -1, k}.better_than(best))
+        for (int b : pk.by_load()) {
+          const double room = allowed - pk.rank_load(b);
+          if (room < w_in - back) break;
+          if (used[b] || pk.holds(b, e_in)) continue;
+          for (int t = b * P; t < (b + 1) * P && close < 0; ++t) {
+            const double wt = pk.slot_weight(t);
+            if (wt <= back && wt >= w_in - room && !pk.holds(m, pk.expert(t))) close = t;
+          }
+          if (close >= 0) break;
+        }
+      if (close >= 0) {
+        best = Chain{chain, -1, k};
+        best.slots.push_back(close);
+      }
+      if (k >= std::min(kChainRanks, max_slots - 1)) break;
+      int next = -1;
+      for (int r : over) {
+        if (used[r] || pk.holds(r, e_in)) continue;
+        const double need = w_in + pk.rank_load(r) - allowed;
+        for (int t = r * P; t < (r + 1) * P; ++t)
+          if (pk.slot_weight(t) >= need && (next < 0 || pk.slot_weight(t) < pk.slot_weight(next))) next = t;
+      }
+      if (next < 0) break;
+      chain.push_back(next);
+      used[next / P] = 1;
+    }
+  }
+  return best;
+}
+
+void apply_chain(Packing& pk, const Chain& c) {
+  const std::vector<int>& s = c.slots;
+  if (c.gain < 0) {
+    for (size_t j = 1; j < s.size(); ++j) pk.swap(s[0], s[j]);
+    return;
+  }
+  for (size_t j = s.size() - 1; j >= 1; --j) pk.set(s[j], pk.expert(s[j - 1]));
+  pk.set(s[0], c.gain);
+}
+
 // The refit search from pk's state (see keep_previous); true once the peak is allowed.
 bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int max_moves) {
   const int E = pk.copies_size(), W = pk.W();
@@ -712,6 +823,13 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     }
     int kind = 0;  // 1: swap, 2: replica change
     if (rs >= 0 && rep_peak <= allowed_peak) kind = 2;
+    else if (const Chain ch = best_chain(pk, m, allowed_peak, cap, max_moves - moved + 1); 2 * ch.relieved > static_cast<int>(ch.slots.size())) {
+      // fewer changed slots per rank brought within than a swap's two
+      for (int s : ch.slots) moved -= differs(s);
+      apply_chain(pk, ch);
+      for (int s : ch.slots) moved += differs(s);
+      continue;
+    }
     else if (sw.s >= 0 && sw.pair <= allowed_peak) kind = 1;
     else if (rs >= 0 || sw.s >= 0) kind = rs >= 0 && (sw.s < 0 || lm - rep_peak >= (lm - sw.pair) / 2) ? 2 : 1;
     const int bs = kind == 1 ? sw.s : rs, bt = sw.t;
