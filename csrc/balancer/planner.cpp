@@ -424,8 +424,9 @@ Slots group_nodes(const Slots& slots, int E, int N, int W) {
 // their ranks, give the largest bound over all but any one rank in O(1).
 struct Rise {
   double first = -kInf, second = -kInf;
-  int first_rank = -1;
+  int first_rank = -1, second_rank = -1;
   double excluding(int r) const { return r == first_rank ? second : first; }
+  int rank_excluding(int r) const { return r == first_rank ? second_rank : first_rank; }
 };
 
 // Rise bounds of the experts a step looks at, each computed on first use.
@@ -435,6 +436,14 @@ class Rises {
   const Rise& operator[](int64_t x) {
     if (!done_[x]) compute(x);
     return rise_[x];
+  }
+  // The largest new_load(r) over the holders r of x other than m and skip.
+  template <class F>
+  double largest(int64_t x, int skip, F new_load) {
+    double out = -kInf;
+    for (int t : pk_.slots_of(x))
+      if (t / pk_.P() != m_ && t / pk_.P() != skip) out = std::max(out, new_load(t / pk_.P()));
+    return out;
   }
 
  private:
@@ -449,8 +458,8 @@ class Rises {
       if (r == m_ || r == last) continue;
       last = r;
       const double v = pk_.rank_load(r) + pk_.count_on(r, x) * delta;
-      if (v > rise.first) rise = {v, rise.first, r};
-      else if (v > rise.second) rise.second = v;
+      if (v > rise.first) rise = {v, rise.first, r, rise.first_rank};
+      else if (v > rise.second) rise.second = v, rise.second_rank = r;
     }
   }
   Packing& pk_;
@@ -461,7 +470,7 @@ class Rises {
 
 // A one-slot change (slot s to expert y) at the peak rank m: the larger of m's new load and
 // (bounds on) the new loads of the ranks it raises; ranks it lowers do not count.
-double replica_move_peak(const Packing& pk, Rises& rise, int m, int s, int64_t y) {
+double replica_move_peak(const Packing& pk, Rises& rise, int m, int s, int64_t y, double allowed) {
   const int P = pk.P(), rs = s / P;
   const int64_t x = pk.expert(s);
   const double wx = pk.weight(x), wx2 = pk.load(x) / (pk.copies(x) - 1);
@@ -470,7 +479,10 @@ double replica_move_peak(const Packing& pk, Rises& rise, int m, int s, int64_t y
     const int nx = pk.count_on(r, x), ny = pk.count_on(r, y), own = r == rs;
     return pk.rank_load(r) - nx * wx + (nx - own) * wx2 - ny * wy + (ny + own) * wy2;
   };
-  double out = std::max(new_load(m), rise[x].excluding(rs));
+  double rises = rise[x].excluding(rs);
+  // the bound leaves out the drop of a holder of x that also holds y: exact where that matters
+  if (rises > allowed && pk.holds(rise[x].rank_excluding(rs), y)) rises = rise.largest(x, rs, new_load);
+  double out = std::max(new_load(m), rises);
   if (rs != m) {
     const double l = new_load(rs);
     if (l > pk.rank_load(rs)) out = std::max(out, l);
@@ -790,7 +802,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     int64_t ry = -1;
     Rises rise(pk, m);
     auto consider = [&](int s, int64_t y) {
-      const double p = replica_move_peak(pk, rise, m, s, y);
+      const double p = replica_move_peak(pk, rise, m, s, y, allowed_peak);
       if (p < rep_peak) rep_peak = p, rs = s, ry = y;
     };
     // one of m's replicated experts gives its slot to the lightest copy of an expert m lacks
@@ -816,7 +828,8 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
       for (int s : spare) {
         const int64_t x = pk.expert(s);
         if (x == y || pk.rank_load(s / P) - pk.slot_weight(s) + wy2 >= rep_peak ||
-            rise[x].excluding(s / P) >= rep_peak || pk.holds(s / P, y))
+            (rise[x].excluding(s / P) >= rep_peak && !pk.holds(rise[x].rank_excluding(s / P), y)) ||
+            pk.holds(s / P, y))
           continue;
         consider(s, y);
       }

@@ -8,8 +8,9 @@ Grid: W in --ranks, nodes 1, 2 and W/8 (8 ranks per node) where valid, S/E in --
 (S rounded up to a multiple of W). Per case: rank imbalance (max - mean) / mean of the
 planner, EPLB (baselines.eplb: best of its hierarchical and global policies) and the
 greedy baseline, worst over layers; then the load perturbed by a factor in [0.9, 1.1]
-per expert, planned with previous= the first plan: moved-slot fraction and imbalance
-minus a fresh plan's. Timing: 61 layers x E x 64 ranks on one thread, fresh and with
+per expert, planned with previous= the first plan: moved-slot fraction, imbalance minus a
+fresh plan's, and refit_bound's lower bound on the slots any placement within the same
+allowed peak changes (a case above --move-target whose bound is above it too cannot meet it). Timing: 61 layers x E x 64 ranks on one thread, fresh and with
 previous, median of repeats.
 Writes balancer_planner.json, balancer_planner.md and balancer_planner.png into --out.
 Legend: L layers, E experts, S slots, W ranks, N nodes, K routes per token.
@@ -35,7 +36,8 @@ from matplotlib.figure import Figure
 from ..synthetic import sample_topk, zipf_popularity
 from .baselines import eplb, greedy
 from .metrics import imbalance_ratio, rank_loads
-from .planner import DEFAULT_TOLERANCE, plan_placement
+from .planner import DEFAULT_TOLERANCE, peak, plan_placement
+from .refit_bound import refit_lower_bound
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
             "two-hot", "hot-block", "uniform-noise", "topk-zipf-1.0", "topk-zipf-1.2")
@@ -116,6 +118,10 @@ def quality(args) -> list[dict]:
             moved_load = load * rng.uniform(0.9, 1.1, load.shape)
             fresh = plan_placement(moved_load, S, N, W)
             kept = plan_placement(moved_load, S, N, W, previous=p)
+            mean = moved_load.sum(1) / W  # the allowed peak plan_placement uses
+            allowed = (peak(moved_load, fresh.slot_to_expert.numpy(), W) + DEFAULT_TOLERANCE * mean
+                       + 1e-9 * (mean + 1))
+            bound = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed)
             rows.append({
                 "pattern": pattern, "num_experts": args.experts, "num_ranks": W, "num_nodes": N, "num_slots": S,
                 "planner": float(imbalance(load, p.slot_to_expert, W).max()),
@@ -123,14 +129,16 @@ def quality(args) -> list[dict]:
                 "greedy": float(imbalance(load, greedy(load, S, W), W).max()),
                 "moved_fraction": float(kept.moves(p).sum()) / (args.layers * S),
                 "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
+                "moved_bound_fraction": float(bound.sum()) / (args.layers * S),
                 "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W)
                                              - imbalance(moved_load, fresh.slot_to_expert, W)).max()),
             })
     return rows
 
 
-def summarize_patterns(rows: list[dict]) -> list[dict]:
-    """Per pattern: worst imbalance (cases with spare slots, and placement only), margins, moves."""
+def summarize_patterns(rows: list[dict], target: float) -> list[dict]:
+    """Per pattern: worst imbalance (cases with spare slots, and placement only), margins, moves,
+    cases moving more than target and how many of them the bound shows no placement can avoid."""
     out = []
     for pattern in dict.fromkeys(r["pattern"] for r in rows):
         mine = [r for r in rows if r["pattern"] == pattern]
@@ -146,6 +154,9 @@ def summarize_patterns(rows: list[dict]) -> list[dict]:
             "cases_worse_than_eplb": sum(r["planner"] > r["eplb"] + 1e-12 for r in mine),
             "moved_fraction_mean": float(np.mean([r["moved_fraction"] for r in mine])),
             "moved_fraction_max": max(r["moved_fraction"] for r in mine),
+            "moved_bound_at_max": max(mine, key=lambda r: r["moved_fraction"])["moved_bound_fraction"],
+            "cases_over_target": sum(r["moved_fraction"] > target for r in mine),
+            "cases_over_target_infeasible": sum(r["moved_bound_fraction"] > target for r in mine),
             "max_imbalance_vs_fresh": max(r["imbalance_vs_fresh"] for r in mine),
         })
     return out
@@ -211,17 +222,27 @@ def markdown(doc: dict) -> str:
         "planner minus baseline over all cases (negative: the planner is better in every case). Moves: "
         "slots whose expert changed when the load is multiplied by a factor in [0.9, 1.1] per expert and "
         f"planned with previous= (default tolerance {DEFAULT_TOLERANCE}), and the imbalance then minus a fresh "
-        "plan's.", ""]
+        f"plan's. Bound: refit_bound's lower bound on the slots any placement within the same allowed peak "
+        f"changes, at the worst case; over {100 * c['move_target']:.0f}%: cases moving more, and in parentheses "
+        "those whose bound is above it too (no placement meets it).", ""]
     lines += ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
-             "| max planner - EPLB | max planner - greedy | moved slots mean / max | max imbalance - fresh |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| max planner - EPLB | max planner - greedy | moved slots mean / max (bound) | over "
+             f"{100 * c['move_target']:.0f}% (infeasible) | max imbalance - fresh |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["patterns"]:
         lines.append(
             f"| {s['pattern']} | {s['cases']} | {s['worst_planner']:.4f} | {s['worst_eplb']:.4f} | "
             f"{s['worst_greedy']:.4f} | {s['worst_planner_placement_only']:.3f} / {s['worst_eplb_placement_only']:.3f}"
             f" / {s['worst_greedy_placement_only']:.3f} | {s['max_planner_minus_eplb']:+.4f} | "
             f"{s['max_planner_minus_greedy']:+.4f} | {100 * s['moved_fraction_mean']:.1f}% / "
-            f"{100 * s['moved_fraction_max']:.1f}% | {s['max_imbalance_vs_fresh']:+.4f} |")
+            f"{100 * s['moved_fraction_max']:.1f}% ({100 * s['moved_bound_at_max']:.1f}%) | "
+            f"{s['cases_over_target']} ({s['cases_over_target_infeasible']}) | {s['max_imbalance_vs_fresh']:+.4f} |")
+    rows = doc["cases"]
+    over = [r for r in rows if r["moved_fraction"] > c["move_target"]]
+    lines += ["", f"All patterns: {len(over)} of {len(rows)} cases move more than {100 * c['move_target']:.0f}% "
+              f"of the slots; the bound shows {sum(r['moved_bound_fraction'] > c['move_target'] for r in over)} of "
+              f"them cannot move fewer. Mean moved {100 * np.mean([r['moved_fraction'] for r in rows]):.1f}%, "
+              f"mean bound {100 * np.mean([r['moved_bound_fraction'] for r in rows]):.1f}%."]
     lines += ["", f"Planning time: one thread, median of {c['repeats']}, wall (time.perf_counter) and, in "
               "parentheses, CPU time of the process (time.process_time); a topk-zipf-1.2 load; with previous: the "
               "plan of a load +-10% off.", "",
@@ -253,7 +274,10 @@ def plot(doc: dict, path: str) -> str:
     ax = fig.add_subplot(1, 2, 2)
     ax.bar(x - 0.2, [100 * s["moved_fraction_mean"] for s in pats], 0.4, label="mean over cases")
     ax.bar(x + 0.2, [100 * s["moved_fraction_max"] for s in pats], 0.4, label="worst case")
-    ax.axhline(10, color="k", ls="--", lw=0.8, label="target 10%")
+    ax.scatter(x + 0.2, [100 * s["moved_bound_at_max"] for s in pats], marker="_", s=300, color="k", zorder=3,
+               label="lower bound, worst case")
+    target = 100 * doc["config"]["move_target"]
+    ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:.0f}%")
     ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
     ax.set_ylabel("slots moved after a +-10% load change (%)", fontsize=10)
     ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)", fontsize=10)
@@ -281,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-slots", type=int, nargs="+", default=[256, 320])
     p.add_argument("--time-tokens", type=int, default=16384, help="tokens per layer of the timing load")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--move-target", type=float, default=0.10, help="moved-slot fraction the refit aims below")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", default=platform.processor() or platform.machine())
     p.add_argument("--out", default=os.path.join("docs", "benchmarks"))
@@ -296,7 +321,7 @@ def main(argv=None) -> int:
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "machine")}}
     doc["timing"] = timing(args)
     doc["cases"] = quality(args)
-    doc["patterns"] = summarize_patterns(doc["cases"])
+    doc["patterns"] = summarize_patterns(doc["cases"], args.move_target)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "balancer_planner.json"), "w") as f:
         json.dump(doc, f, indent=1)
