@@ -9,15 +9,17 @@ the optimizer is torch AdamW ("torch"), Megatron's own optimizer over Megatron's
 DistributedDataParallel ("megatron") or its DistributedOptimizer ("distributed",
 optionally with overlapped grad reduce and param gather), fp32 or bf16 mixed precision.
 With `interval` > 0 the expert balancer rebalances every `interval` steps, with
-`slots_per_rank` slots per rank (more than E / EP: replicas).
+`slots_per_rank` slots per rank (more than E / EP: replicas), planning on the sum of the
+last `window` reductions.
 
-Returned per rank: losses (mean over ranks), grad norms, the migration events, the output
-for a fixed input just before and after every migration, and every slot's contents at the
-end (for the distributed optimizer: this member's pieces of master weights and moments with
-their ranges), so a test can compare runs and check replicas are identical. With a
-checkpoint directory, a checkpoint is saved after step `checkpoint_step` (legacy: torch.save
-per rank plus the distributed optimizer's parameter state; torch_dist: Megatron's
-dist_checkpointing), loaded into a freshly built run, and both runs train on to the end.
+Returned per rank: losses (mean over ranks), grad norms, the migration events, the
+placement after every rebalance, the output for a fixed input just before and after every
+migration, and every slot's contents at the end (for the distributed optimizer: this
+member's pieces of master weights and moments with their ranges), so a test can compare
+runs and check replicas are identical. With a checkpoint directory, a checkpoint is saved
+after step `checkpoint_step` (legacy: torch.save per rank plus the distributed optimizer's
+parameter state; torch_dist: Megatron's dist_checkpointing), loaded into a freshly built
+run, and both runs train on to the end.
 
 Legend: S sequence, B batch, H hidden, F expert ffn, E experts, W EP ranks.
 """
@@ -50,6 +52,7 @@ class TrainRun:
     checkpoint_dir: str | None = None
     checkpoint_format: str = "legacy"  # legacy | torch_dist
     checkpoint_step: int = 10       # save after this many steps (a migration step when interval divides it)
+    window: int = 1                 # reductions summed into the planning load
 
     def __post_init__(self):
         if self.gradient_accumulation_fusion and self.optimizer == "torch":
@@ -78,7 +81,7 @@ def _build(case: LayerCase, run: TrainRun):
     init_megatron(case.world_size)
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     options = megatron_patches.HybridEPOptions(
-        balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank,
+        balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank, balancer_window=run.window,
     ) if run.interval else megatron_patches.HybridEPOptions()
     layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
                             gradient_accumulation_fusion=run.gradient_accumulation_fusion)
@@ -173,6 +176,20 @@ def _probe_migrations(bal, layer, fixed_x, dtype, record: list) -> None:
     bal.apply_placement = apply_and_probe
 
 
+def record_placements(bal) -> list:
+    """Wrap bal.rebalance: (iteration, placement rows [L, S]) after every rebalance."""
+    record = []
+    original_rebalance = bal.rebalance
+
+    def rebalance_and_record(iteration):
+        event = original_rebalance(iteration)
+        record.append((int(iteration), bal.placement_rows()))
+        return event
+
+    bal.rebalance = rebalance_and_record
+    return record
+
+
 def _train_steps(model, opt, case, run, steps, losses, grad_norms) -> None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if run.bf16 else torch.float32
@@ -211,8 +228,10 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
     fixed_x, _ = _data(case, 10_000, dist.get_rank())
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     around_migration = []
+    placements = []
     if bal is not None:
         _probe_migrations(bal, layer, fixed_x, dtype, around_migration)
+        placements = record_placements(bal)
     losses, grad_norms = [], []
     split = run.checkpoint_step if run.checkpoint_dir else run.steps
     _train_steps(model, opt, case, run, range(split), losses, grad_norms)
@@ -223,12 +242,13 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         resumed = save_and_resume(case, run, layer, model, opt, bal, split)
     _train_steps(model, opt, case, run, range(split, run.steps), losses, grad_norms)
     if resumed is not None:
+        resumed_placements = record_placements(resumed["bal"])
         _train_steps(resumed["model"], resumed["opt"], case, run, range(split, run.steps),
                      resumed["losses"], resumed["grad_norms"])
         _sync_params(resumed["model"], run)
         resumed = {"losses": resumed["losses"], "grad_norms": resumed["grad_norms"],
                    "events": list(resumed["bal"].events), "slots": slot_contents(resumed["layer"], resumed["bal"]),
-                   "restored": resumed["restored"], "saved": resumed["saved"]}
+                   "restored": resumed["restored"], "saved": resumed["saved"], "placements": resumed_placements}
     _sync_params(model, run)
     return {
         "losses": losses,
@@ -237,6 +257,7 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         "around_migration": around_migration,
         "slots": slot_contents(layer, bal),
         "placement": None if bal is None else bal.placement_rows(),
+        "placements": placements,
         "experts": _expert_weights(layer, bal),
         "ep_rank": _ep_rank(),
         "resumed": resumed,
