@@ -8,9 +8,10 @@ compared with the same run without the balancer. bf16 runs as Megatron-LM runs i
 default: fp32 main grads with gradient-accumulation fusion (weight gradients added in fp32
 straight into main_grad); bf16 without the fusion rounds each replica's weight gradient to
 bf16 and is held to its measured bf16 bound (docs/balancer.md, invariance). Checkpoints are
-saved after step 10 (a migration) in the legacy and torch_dist formats and resumed in a
-fresh layer, at EP 2 and at EP 4 x expert-DP 2 (there with a statistics window of two
-reductions); a torch_dist checkpoint saved at EP 2 loads at EP 4.
+saved after a migration in the legacy and torch_dist formats and resumed in a fresh layer,
+at EP 2 (after step 10) and at EP 4 x expert-DP 2 (a statistics window of three reductions;
+legacy after step 10, torch_dist after step 12 with two steps of counts not yet reduced);
+a torch_dist checkpoint saved at EP 2 loads at EP 4.
 """
 
 from __future__ import annotations
@@ -62,15 +63,17 @@ def ep2(pool_for):
 
 @pytest.fixture(scope="module")
 def ep4(pool_for):
-    # The balanced runs plan on a window of two reductions, so the checkpoint after step 10
-    # holds two (steps 5 and 10) and the resumed run's plan at step 15 needs the older one.
+    # The balanced runs plan on a window of three reductions and are checkpointed after a
+    # migration: the fp32 run at step 10, the bf16 run at step 12 (two steps of counts not yet
+    # reduced, folded into the carry). The resumed runs' plans at step 15 need both saved
+    # reductions (steps 5 and 10) and the carry.
     pool = pool_for(8)
     return _runs(pool, EP4, 8, plain=TrainRun(STEPS, optimizer="distributed"),
-                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", window=2,
+                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3,
                                    checkpoint_dir=temporary_directory()),
                  bf16_plain=TrainRun(STEPS, optimizer="distributed", **BF16),
-                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", window=2, checkpoint_dir=temporary_directory(),
-                               checkpoint_format="torch_dist", **BF16))
+                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3, checkpoint_dir=temporary_directory(),
+                               checkpoint_format="torch_dist", checkpoint_step=12, **BF16))
 
 
 def rel_diff(a, b):
@@ -194,28 +197,38 @@ def test_replicas_bit_identical_in_weights_and_optimizer_shards(request, fixture
                 assert torch.equal(w0, w1) and all(torch.equal(x, y) for x, y in zip(s0, s1))
 
 
-# (fixture, run, format, reductions in the statistics window at the save)
-CHECKPOINTS = [("ep2", "balanced", "legacy", 1), ("ep2", "overlap", "torch_dist", 1), ("ep2", "bf16", "torch_dist", 1),
-               ("ep4", "balanced", "legacy", 2), ("ep4", "bf16", "torch_dist", 2)]
+def _untimed(event: dict) -> dict:
+    return {k: v for k, v in event.items() if not k.endswith("_seconds")}
 
 
-@pytest.mark.parametrize("fixture, name, fmt, window", CHECKPOINTS)
-def test_checkpoint_after_a_migration_resumes_bit_identically(request, fixture, name, fmt, window):
+# (fixture, run, format, step saved after, reductions in the statistics window at the save)
+CHECKPOINTS = [("ep2", "balanced", "legacy", 10, 1), ("ep2", "overlap", "torch_dist", 10, 1),
+               ("ep2", "bf16", "torch_dist", 10, 1),
+               ("ep4", "balanced", "legacy", 10, 2), ("ep4", "bf16", "torch_dist", 12, 2)]
+
+
+@pytest.mark.parametrize("fixture, name, fmt, step, window_held", CHECKPOINTS)
+def test_checkpoint_after_a_migration_resumes_bit_identically(request, fixture, name, fmt, step, window_held):
     results = request.getfixturevalue(fixture)[name]
     assert len(results) == (4 if fixture == "ep2" else 8)
     for rank_result in results:
         resumed = rank_result["resumed"]
         restored = resumed["restored"]
-        saved_at = rank_result["events"][1]
-        assert saved_at["iteration"] == 10 and saved_at["applied"] and saved_at["slots_changed"] > 0
+        before = [e for e in rank_result["events"] if e["iteration"] <= step]
+        after = [e for e in rank_result["events"] if e["iteration"] > step]
+        assert before[-1]["iteration"] == 10 and before[-1]["applied"] and before[-1]["slots_changed"] > 0
         assert restored["placement_equal"] and restored["load_equal"] and restored["carry_equal"]
-        assert restored["steps"] == (10, 10) and restored["window_held"] == window
-        assert resumed["losses"] == rank_result["losses"][10:]
-        assert resumed["grad_norms"] == rank_result["grad_norms"][10:]
-        assert [e["iteration"] for e in resumed["events"]] == [15, 20]
-        assert [e["slots_changed"] for e in resumed["events"]] == [e["slots_changed"] for e in rank_result["events"][2:]]
-        assert [i for i, _ in resumed["placements"]] == [i for i, _ in rank_result["placements"][2:]] == [15, 20]
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed["placements"], rank_result["placements"][2:]))
+        assert restored["steps"] == (step, step) and restored["window_held"] == window_held
+        assert (resumed["saved"]["carry"].sum() > 0) == (step % INTERVAL != 0)  # counts since the last reduction
+        assert resumed["losses"] == rank_result["losses"][step:]
+        assert resumed["grad_norms"] == rank_result["grad_norms"][step:]
+        assert [e["iteration"] for e in resumed["events"]] == [e["iteration"] for e in after] == [15, 20]
+        # the same rebalances: planned from the same load (imbalances), the same slots moved
+        assert [_untimed(e) for e in resumed["events"]] == [_untimed(e) for e in after]
+        placements = [p for p in rank_result["placements"] if p[0] > step]
+        assert [i for i, _ in resumed["placements"]] == [i for i, _ in placements] == [15, 20]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed["placements"], placements))
+        assert len(rank_result["slots"]) == len(resumed["slots"]) == (6 if fixture == "ep2" else 3)
         for a, b in zip(rank_result["slots"], resumed["slots"]):
             assert a["expert"] == b["expert"]
             assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
