@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import queue
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,30 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 @contextlib.contextmanager
+def _write_results_in_process():
+    """dist_checkpointing's file writer reports its write results through a queue served by
+    a multiprocessing manager, a Python process it spawns once per rank (seconds per rank on
+    a small CPU machine) and which a daemonic process (a test pool's rank) may not start. A
+    synchronous save writes in this process, so an in-process queue carries the same results;
+    the module's own queue is put back afterwards."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):  # another layout: let it start its manager
+        with _may_start_processes():
+            yield
+        return
+    kept = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = kept
+
+
+@contextlib.contextmanager
 def _may_start_processes():
-    """dist_checkpointing's file writer starts a multiprocessing manager, which a daemonic
-    process (a test pool's rank) may not; a training process is not daemonic."""
+    """A daemonic process (a test pool's rank) may start no process; a training process is
+    not daemonic."""
     config = multiprocessing.current_process()._config
     daemon = config.get("daemon")
     config["daemon"] = False
@@ -50,7 +72,7 @@ def _save(run, layer, opt, directory: str) -> None:
 
         model_sd = layer.sharded_state_dict()
         optim_sd = opt.sharded_state_dict(model_sd, metadata=_OPTIM_METADATA)
-        with _may_start_processes():
+        with _write_results_in_process():
             dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, directory)
         return
     if run.checkpoint_format != "legacy":
