@@ -3,15 +3,16 @@
 EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32 and bf16
 mixed precision, each also with overlapped grad reduce and param gather (several buckets,
 so parameters straddle the members' shard boundaries); EP 4 x expert-DP 2 (8 processes; 12
-slots) in fp32 and bf16. Every balanced run trains 20 steps, rebalances every 5 and is
-compared with the same run without the balancer. bf16 runs as Megatron-LM runs it by
+slots) in fp32 (also planning on a window of three reductions) and bf16. Every balanced run
+trains 20 steps, rebalances every 5 and is compared with the same run without the balancer. bf16 runs as Megatron-LM runs it by
 default: fp32 main grads with gradient-accumulation fusion (weight gradients added in fp32
 straight into main_grad); bf16 without the fusion rounds each replica's weight gradient to
 bf16 and is held to its measured bf16 bound (docs/balancer.md, invariance). Checkpoints are
 saved after a migration in the legacy and torch_dist formats and resumed in a fresh layer,
-at EP 2 (after step 10) and at EP 4 x expert-DP 2 (a statistics window of three reductions;
-legacy after step 10, torch_dist after step 12 with two steps of counts not yet reduced);
-a torch_dist checkpoint saved at EP 2 loads at EP 4.
+at EP 2 (after step 10) and at EP 4 x expert-DP 2 (legacy after step 10, also with a
+statistics window of three reductions; torch_dist after step 12 with two steps of counts
+not yet reduced, and that run also compared with the same run never saved); a torch_dist
+checkpoint saved at EP 2 loads at EP 4.
 """
 
 from __future__ import annotations
@@ -63,17 +64,19 @@ def ep2(pool_for):
 
 @pytest.fixture(scope="module")
 def ep4(pool_for):
-    # The balanced runs plan on a window of three reductions and are checkpointed after a
-    # migration: the fp32 run at step 10, the bf16 run at step 12 (two steps of counts not yet
-    # reduced, folded into the carry). The resumed runs' plans at step 15 need both saved
-    # reductions (steps 5 and 10) and the carry.
+    # Checkpointed after a migration: the fp32 run at step 10 (legacy), the bf16 run at step
+    # 12 (torch_dist; two steps of counts not yet reduced, folded into the carry that the
+    # plan at step 15 adds in) and an fp32 run planning on a window of three reductions at
+    # step 10 (legacy; its plan at step 15 needs both saved reductions, of steps 5 and 10).
+    # bf16_uninterrupted: the bf16 run never checkpointed (the save folds counts into the carry).
     pool = pool_for(8)
     return _runs(pool, EP4, 8, plain=TrainRun(STEPS, optimizer="distributed"),
-                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3,
-                                   checkpoint_dir=temporary_directory()),
+                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=temporary_directory()),
+                 window3=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3, checkpoint_dir=temporary_directory()),
                  bf16_plain=TrainRun(STEPS, optimizer="distributed", **BF16),
-                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3, checkpoint_dir=temporary_directory(),
-                               checkpoint_format="torch_dist", checkpoint_step=12, **BF16))
+                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=temporary_directory(),
+                               checkpoint_format="torch_dist", checkpoint_step=12, **BF16),
+                 bf16_uninterrupted=TrainRun(STEPS, INTERVAL, 3, "distributed", **BF16))
 
 
 def rel_diff(a, b):
@@ -92,7 +95,8 @@ CASES = [("ep2", "balanced", "plain", *EXACT), ("ep2", "overlap", "plain", *EXAC
          ("ep2", "bf16", "bf16_plain", *EXACT), ("ep2", "bf16_overlap", "bf16_plain", *EXACT),
          ("ep2", "bf16_unfused_placement", "bf16_unfused_plain", *EXACT),
          ("ep2", "bf16_unfused", "bf16_unfused_plain", 1e-3, 1e-2),
-         ("ep4", "balanced", "plain", *EXACT), ("ep4", "bf16", "bf16_plain", *EXACT)]
+         ("ep4", "balanced", "plain", *EXACT), ("ep4", "window3", "plain", *EXACT),
+         ("ep4", "bf16", "bf16_plain", *EXACT)]
 
 
 @pytest.mark.parametrize("fixture, name, plain, loss_bound, grad_norm_bound", CASES)
@@ -180,7 +184,8 @@ def _assembled(results) -> dict:
 
 
 @pytest.mark.parametrize("fixture, name", [("ep2", "balanced"), ("ep2", "overlap"), ("ep2", "bf16"),
-                                           ("ep2", "bf16_overlap"), ("ep2", "bf16_unfused"), ("ep4", "balanced"), ("ep4", "bf16")])
+                                           ("ep2", "bf16_overlap"), ("ep2", "bf16_unfused"), ("ep4", "balanced"),
+                                           ("ep4", "window3"), ("ep4", "bf16")])
 def test_replicas_bit_identical_in_weights_and_optimizer_shards(request, fixture, name):
     results = request.getfixturevalue(fixture)[name]
     by_expert = collections.defaultdict(list)
@@ -204,7 +209,8 @@ def _untimed(event: dict) -> dict:
 # (fixture, run, format, step saved after, reductions in the statistics window at the save)
 CHECKPOINTS = [("ep2", "balanced", "legacy", 10, 1), ("ep2", "overlap", "torch_dist", 10, 1),
                ("ep2", "bf16", "torch_dist", 10, 1),
-               ("ep4", "balanced", "legacy", 10, 2), ("ep4", "bf16", "torch_dist", 12, 2)]
+               ("ep4", "balanced", "legacy", 10, 1), ("ep4", "window3", "legacy", 10, 2),
+               ("ep4", "bf16", "torch_dist", 12, 1)]
 
 
 @pytest.mark.parametrize("fixture, name, fmt, step, window_held", CHECKPOINTS)
@@ -230,6 +236,21 @@ def test_checkpoint_after_a_migration_resumes_bit_identically(request, fixture, 
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed["placements"], placements))
         assert len(rank_result["slots"]) == len(resumed["slots"]) == (6 if fixture == "ep2" else 3)
         for a, b in zip(rank_result["slots"], resumed["slots"]):
+            assert a["expert"] == b["expert"]
+            assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
+            for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
+                assert ra == rb and all(torch.equal(x, y) for x, y in zip(xa, xb))
+
+
+def test_checkpointed_run_is_the_uninterrupted_run(ep4):
+    """Saving (with counts not yet reduced, after step 12) leaves the run that saved as it
+    would have been without the save, so the resumed run matches the uninterrupted one too."""
+    for saved, plain in zip(ep4["bf16"], ep4["bf16_uninterrupted"]):
+        assert saved["losses"] == plain["losses"] and saved["grad_norms"] == plain["grad_norms"]
+        assert [_untimed(e) for e in saved["events"]] == [_untimed(e) for e in plain["events"]]
+        assert all(i == j and torch.equal(a, b) for (i, a), (j, b) in zip(saved["placements"], plain["placements"]))
+        assert len(saved["slots"]) == len(plain["slots"]) == 3
+        for a, b in zip(saved["slots"], plain["slots"]):
             assert a["expert"] == b["expert"]
             assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
             for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
