@@ -25,8 +25,9 @@ class Packing {
  public:
   Packing(const double* load, int E, int W, Slots slots)
       : load_(load), E_(E), W_(W), P_(static_cast<int>(slots.size()) / W), slots_(std::move(slots)),
-        copies_(E, 0), w_(slots_.size()), rank_(W, 0.0) {
+        copies_(E, 0), cw_(E), gw_(E), w_(slots_.size()), rank_(W, 0.0) {
     for (int64_t e : slots_) copies_[e] += 1;
+    for (int64_t e = 0; e < E_; ++e) reweigh(e);
     for (int r = 0; r < W_; ++r) refresh(r);
     by_load_.resize(W_);
     std::iota(by_load_.begin(), by_load_.end(), 0);
@@ -47,7 +48,9 @@ class Packing {
     }
     return slots_of_[e];
   }
-  double weight(int64_t e) const { return copies_[e] ? load_[e] / copies_[e] : 0.0; }
+  double weight(int64_t e) const { return cw_[e]; }
+  // weight of each copy of e after it gains one
+  double gained_weight(int64_t e) const { return gw_[e]; }
   double slot_weight(int s) const { return w_[s]; }
   double load(int64_t e) const { return load_[e]; }
   double rank_load(int r) const { return rank_[r]; }
@@ -57,9 +60,11 @@ class Packing {
   double peak() const { return rank_[by_load_.back()]; }
   double mean() const { return std::accumulate(rank_.begin(), rank_.end(), 0.0) / W_; }
   int count_on(int r, int64_t e) const {
-    int n = 0;
-    for (int p = 0; p < P_; ++p) n += slots_[r * P_ + p] == e;
-    return n;
+    if (held_.empty()) {  // built on first use: plans only compared by their peak never need it
+      held_.assign(static_cast<size_t>(W_) * E_, 0);
+      for (int s = 0; s < static_cast<int>(slots_.size()); ++s) held_[static_cast<size_t>(s / P_) * E_ + slots_[s]] += 1;
+    }
+    return held_[static_cast<size_t>(r) * E_ + e];
   }
   bool holds(int r, int64_t e) const { return count_on(r, e) > 0; }
 
@@ -68,6 +73,8 @@ class Packing {
       relabel(s, slots_[s], slots_[t]);
       relabel(t, slots_[t], slots_[s]);
     }
+    move_held(s, slots_[s], slots_[t]);
+    move_held(t, slots_[t], slots_[s]);
     std::swap(slots_[s], slots_[t]);
     refresh(s / P_);
     refresh(t / P_);
@@ -78,8 +85,11 @@ class Packing {
     const int64_t old = slots_[s];
     copies_[old] -= 1;
     copies_[e] += 1;
+    reweigh(old);
+    reweigh(e);
     slots_of(e);  // built before the change
     relabel(s, old, e);
+    move_held(s, old, e);
     slots_[s] = e;
     for (int64_t x : {old, e})
       for (int t : slots_of_[x]) refresh(t / P_);
@@ -87,6 +97,15 @@ class Packing {
   }
 
  private:
+  void reweigh(int64_t e) {
+    cw_[e] = copies_[e] ? load_[e] / copies_[e] : 0.0;
+    gw_[e] = load_[e] / (copies_[e] + 1);
+  }
+  void move_held(int s, int64_t from, int64_t to) {
+    if (held_.empty()) return;
+    held_[static_cast<size_t>(s / P_) * E_ + from] -= 1;
+    held_[static_cast<size_t>(s / P_) * E_ + to] += 1;
+  }
   void relabel(int s, int64_t from, int64_t to) {
     auto& v = slots_of_[from];
     v.erase(std::find(v.begin(), v.end(), s));
@@ -109,6 +128,8 @@ class Packing {
   int E_, W_, P_;
   Slots slots_;
   std::vector<int> copies_;
+  std::vector<double> cw_, gw_;  // [E] weight of a copy now, and after the expert gains one
+  mutable std::vector<uint16_t> held_;  // [W][E] copies of each expert on each rank
   std::vector<std::vector<int>> slots_of_;
   std::vector<double> w_;  // [S] weight of each slot's copy
   std::vector<double> rank_;
@@ -128,7 +149,7 @@ Swap best_swap(const Packing& pk, int m, double min_drop) {
   const int P = pk.P();
   const double lm = pk.rank_load(m);
   const int64_t* on_m = pk.slots().data() + m * P;
-  auto m_holds = [&](int64_t e) { return std::find(on_m, on_m + P, e) != on_m + P; };
+  auto m_holds = [&](int64_t e) { return pk.holds(m, e); };
   Swap best;
   best.pair = std::min(lm - min_drop, lm * (1 - 1e-12));
   for (int b : pk.by_load()) {
@@ -388,27 +409,32 @@ void balanced_packing(const std::vector<double>& w, int packs, std::vector<int>&
 Slots group_nodes(const Slots& slots, int E, int N, int W) {
   const int S = static_cast<int>(slots.size()), P = S / W, G = W / N;
   if (N == 1 || G == 1) return slots;
-  std::vector<std::vector<int>> ranks_of(E);
-  for (int s = 0; s < S; ++s) ranks_of[slots[s]].push_back(s / P);
-  std::vector<long> share(static_cast<size_t>(W) * W, 0), row(W, 0);
-  for (const auto& ranks : ranks_of)
-    for (int a : ranks)
-      for (int b : ranks) share[static_cast<size_t>(a) * W + b] += 1;
-  for (int a = 0; a < W; ++a)
-    for (int b = 0; b < W; ++b) row[a] += share[static_cast<size_t>(a) * W + b];
-  std::vector<bool> free(W, true);
+  // the ranks of every copy, grouped by expert (a counting sort: no vector per expert)
+  std::vector<int> start(E + 1, 0), ranks(S);
+  for (int64_t e : slots) start[e + 1] += 1;
+  for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int> fill(start.begin(), start.end() - 1);
+  for (int s = 0; s < S; ++s) ranks[fill[slots[s]]++] = s / P;
+  // share[a][b]: pairs of copies of one expert on ranks a and b; row[a]: its sum over b
+  std::vector<int> share(static_cast<size_t>(W) * W, 0), row(W, 0);
+  for (int e = 0; e < E; ++e)
+    for (int i = start[e]; i < start[e + 1]; ++i) {
+      row[ranks[i]] += start[e + 1] - start[e];
+      for (int j = start[e]; j < start[e + 1]; ++j) share[static_cast<size_t>(ranks[i]) * W + ranks[j]] += 1;
+    }
+  std::vector<char> free(W, 1);
   std::vector<int> order(W);
   for (int n = 0; n < N; ++n) {
-    std::vector<long> node_share(W, 0);
+    std::vector<int> node_share(W, 0);
     for (int g = 0; g < G; ++g) {
       int best = -1;
       for (int r = 0; r < W; ++r) {
         if (!free[r]) continue;
-        const long score = g ? node_share[r] : row[r];
+        const int score = g ? node_share[r] : row[r];
         if (best < 0 || score > (g ? node_share[best] : row[best])) best = r;
       }
       order[n * G + g] = best;
-      free[best] = false;
+      free[best] = 0;
       for (int r = 0; r < W; ++r) node_share[r] += share[static_cast<size_t>(best) * W + r];
     }
   }
@@ -432,7 +458,7 @@ struct Rise {
 // Rise bounds of the experts a step looks at, each computed on first use.
 class Rises {
  public:
-  Rises(Packing& pk, int m) : pk_(pk), m_(m), rise_(pk.copies_size()), done_(pk.copies_size(), false) {}
+  Rises(Packing& pk, int m) : pk_(pk), m_(m), rise_(pk.copies_size()), done_(pk.copies_size(), 0) {}
   const Rise& operator[](int64_t x) {
     if (!done_[x]) compute(x);
     return rise_[x];
@@ -448,7 +474,7 @@ class Rises {
 
  private:
   void compute(int64_t x) {
-    done_[x] = true;
+    done_[x] = 1;
     const int P = pk_.P();
     const double delta = pk_.load(x) / (pk_.copies(x) - 1) - pk_.weight(x);
     Rise& rise = rise_[x];
@@ -465,7 +491,7 @@ class Rises {
   Packing& pk_;
   int m_;
   std::vector<Rise> rise_;
-  std::vector<bool> done_;
+  std::vector<char> done_;  // not vector<bool>: looked up in the refit's innermost loop
 };
 
 // A one-slot change (slot s to expert y) at the peak rank m: the larger of m's new load and
@@ -474,7 +500,7 @@ double replica_move_peak(const Packing& pk, Rises& rise, int m, int s, int64_t y
   const int P = pk.P(), rs = s / P;
   const int64_t x = pk.expert(s);
   const double wx = pk.weight(x), wx2 = pk.load(x) / (pk.copies(x) - 1);
-  const double wy = pk.weight(y), wy2 = pk.load(y) / (pk.copies(y) + 1);
+  const double wy = pk.weight(y), wy2 = pk.gained_weight(y);
   auto new_load = [&](int r) {
     const int nx = pk.count_on(r, x), ny = pk.count_on(r, y), own = r == rs;
     return pk.rank_load(r) - nx * wx + (nx - own) * wx2 - ny * wy + (ny + own) * wy2;
@@ -566,6 +592,33 @@ Slots lpt_packing(const Copies& copies, int E, int W) {
   return out;
 }
 
+// The copies (heaviest first, ties: expert id) when the j heaviest experts (by_load: experts
+// heaviest first) share every spare slot, at most cap copies each, and the rest keep one.
+Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S, int cap, int j) {
+  const int E = static_cast<int>(by_load.size());
+  std::vector<double> top(j);
+  for (int k = 0; k < j; ++k) top[k] = load[by_load[k]];
+  const std::vector<int> top_reps = spread_copies(top.data(), j, S - E + j, cap);
+  using Copy = std::pair<double, int64_t>;  // (weight, expert)
+  auto heavier = [](const Copy& a, const Copy& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  std::vector<Copy> all;
+  all.reserve(S);
+  for (int k = 0; k < j; ++k)
+    for (int c = 0; c < top_reps[k]; ++c) all.emplace_back(top[k] / top_reps[k], by_load[k]);
+  std::sort(all.begin(), all.end(), heavier);
+  const size_t split = all.size();
+  for (int k = j; k < E; ++k) all.emplace_back(load[by_load[k]], by_load[k]);  // already in order
+  std::inplace_merge(all.begin(), all.begin() + split, all.end(), heavier);
+  Copies out;
+  out.reps.assign(E, 1);
+  for (int k = 0; k < j; ++k) out.reps[by_load[k]] = top_reps[k];
+  for (const Copy& c : all) {
+    out.experts.push_back(c.second);
+    out.weight.push_back(c.first);
+  }
+  return out;
+}
+
 Slots greedy(const double* load, int E, int S, int W) {
   return lpt_packing(sorted_copies(load, replicate(std::vector<double>(load, load + E), S)), E, W);
 }
@@ -592,6 +645,30 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   Slots best = main.slots();
   double best_peak = main.peak();
   if (best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return group_nodes(best, E, N, W);
+  // copy counts that split only the j heaviest experts, every other expert single: then the
+  // singles are the fine filler that evens out ranks of near-equal experts, where a rule that
+  // splits every expert alike (EPLB's, and the counts above) leaves only coarse copies; j from
+  // the fewest that take all spare slots, doubling, below the count the plan above splits
+  if (S > E) {
+    std::vector<int> by_load(E);
+    std::iota(by_load.begin(), by_load.end(), 0);
+    std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) { return load[a] > load[b]; });
+    int replicated = 0;
+    for (int r : mine.reps) replicated += r > 1;
+    for (int j = std::max(1, (S - E + cap - 2) / (cap - 1)); j < replicated; j *= 2) {
+      const Copies c = split_heaviest(load, by_load, S, cap, j);
+      if (c.weight.front() >= best_peak) continue;  // no packing of these copies is lower
+      Packing pk(load, E, W, pack_differencing(c.experts, c.weight, W));
+      if (pk.peak() >= best_peak) continue;  // improving rarely overturns the differencing's order
+      separate_copies(pk);
+      pair_exchange(pk, kPairRounds);
+      improve(pk);
+      if (pk.peak() < best_peak) {
+        best_peak = pk.peak();
+        best = pk.slots();
+      }
+    }
+  }
   for (Slots alt : {eplb(load, E, S, N, W), lpt_packing(free, E, W)}) {
     Packing pk(load, E, W, std::move(alt));
     if (pk.peak() >= best_peak) continue;
@@ -713,7 +790,7 @@ Chain best_chain(Packing& pk, int m, double allowed, int cap, int max_slots) {
   int64_t gain = -1;  // the lightest new copy m lacks
   for (int64_t y = 0; y < E; ++y)
     if (pk.copies(y) < cap && !pk.holds(m, y) &&
-        (gain < 0 || pk.load(y) / (pk.copies(y) + 1) < pk.load(gain) / (pk.copies(gain) + 1)))
+        (gain < 0 || pk.gained_weight(y) < pk.gained_weight(gain)))
       gain = y;
   Chain best;
   std::vector<char> used(W, 0);
@@ -721,7 +798,7 @@ Chain best_chain(Packing& pk, int m, double allowed, int cap, int max_slots) {
   for (int i = m * P; i < (m + 1) * P; ++i) {
     const double back = pk.slot_weight(i) - (pk.rank_load(m) - allowed);  // m takes at most this
     if (back < 0) continue;
-    const bool path = gain >= 0 && pk.load(gain) / (pk.copies(gain) + 1) <= back;
+    const bool path = gain >= 0 && pk.gained_weight(gain) <= back;
     for (int s : chain) used[s / P] = 0;
     chain.assign(1, i);
     used[m] = 1;
@@ -809,7 +886,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     int64_t lightest = -1;
     double lightest_w = kInf;
     for (int64_t y = 0; y < E; ++y) {
-      const double w = pk.load(y) / (pk.copies(y) + 1);
+      const double w = pk.gained_weight(y);
       if (w < lightest_w && pk.copies(y) < cap && !pk.holds(m, y)) lightest = y, lightest_w = w;
     }
     for (int i = 0; i < P && lightest >= 0; ++i)
@@ -817,20 +894,21 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     // an expert of m gains a copy in a slot of a replicated expert elsewhere (m's new load
     // depends on y alone, and the slot's rank ends at least at its load - w_x + y's new weight)
     std::vector<int> spare;  // slots off m holding an expert with several copies
+    spare.reserve(S);
     for (int s = 0; s < S; ++s)
       if (s / P != m && pk.copies(pk.expert(s)) >= 2) spare.push_back(s);
     std::vector<int64_t> gainers(pk.slots().begin() + m * P, pk.slots().begin() + (m + 1) * P);
-    auto drop = [&](int64_t y) { return pk.weight(y) - pk.load(y) / (pk.copies(y) + 1); };
+    auto drop = [&](int64_t y) { return pk.weight(y) - pk.gained_weight(y); };
     std::sort(gainers.begin(), gainers.end(), [&](int64_t a, int64_t b) { return drop(a) > drop(b); });
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
-      const double wy2 = pk.load(y) / (pk.copies(y) + 1);
+      const double wy2 = pk.gained_weight(y);
       for (int s : spare) {
         const int64_t x = pk.expert(s);
-        if (x == y || pk.rank_load(s / P) - pk.slot_weight(s) + wy2 >= rep_peak ||
-            (rise[x].excluding(s / P) >= rep_peak && !pk.holds(rise[x].rank_excluding(s / P), y)) ||
-            pk.holds(s / P, y))
-          continue;
+        const int r = s / P;
+        if (x == y || pk.rank_load(r) - pk.slot_weight(s) + wy2 >= rep_peak) continue;
+        const Rise& rx = rise[x];
+        if ((rx.excluding(r) >= rep_peak && !pk.holds(rx.rank_excluding(r), y)) || pk.holds(r, y)) continue;
         consider(s, y);
       }
     }
@@ -862,6 +940,51 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
   return ok || pk.peak() <= allowed_peak;
 }
 
+// Slots turned back to previous's expert while every rank stays within allowed: a swap with a
+// slot of that expert on another rank (turning back one slot, or two where the other slot gets
+// its previous expert too), or, where the slot's expert keeps another copy, the slot alone (a
+// copy moves from one expert to the other). Most slots turned back first, then the smallest
+// largest load of the ranks a move touches. A search that reaches the allowed peak greedily
+// often changes slots a later move made unnecessary; a plan within the peak that changes many
+// slots (the fresh plan) walks back toward previous the same way.
+void walk_back(Packing& pk, const Slots& previous, double allowed) {
+  const int S = static_cast<int>(previous.size()), P = pk.P();
+  std::vector<int> differ;
+  for (;;) {
+    differ.clear();
+    for (int s = 0; s < S; ++s)
+      if (pk.expert(s) != previous[s]) differ.push_back(s);
+    int best_s = -1, best_t = -1, best_gain = 0;
+    double best_load = kInf;
+    auto offer = [&](int s, int t, int gain, double load) {
+      if (gain > best_gain || (gain == best_gain && load < best_load))
+        best_s = s, best_t = t, best_gain = gain, best_load = load;
+    };
+    for (int s : differ) {
+      const int64_t want = previous[s], cur = pk.expert(s);
+      const int rs = s / P;
+      if (pk.holds(rs, want)) continue;
+      const double ws = pk.slot_weight(s), ww = pk.weight(want);
+      for (int t : pk.slots_of(want)) {
+        const int rt = t / P;
+        if (pk.holds(rt, cur)) continue;
+        const int gain = 1 + (previous[t] == cur) - (previous[t] == want);
+        if (gain <= 0 || gain < best_gain) continue;
+        const double ls = pk.rank_load(rs) - ws + ww, lt = pk.rank_load(rt) - ww + ws;
+        if (ls <= allowed && lt <= allowed) offer(s, t, gain, std::max(ls, lt));
+      }
+      if (best_gain < 2 && pk.copies(cur) >= 2) {  // the slot alone: simulated, then undone
+        pk.set(s, want);
+        if (pk.peak() <= allowed) offer(s, -1, 1, pk.rank_load(rs));
+        pk.set(s, cur);
+      }
+    }
+    if (best_s < 0) return;
+    if (best_t >= 0) pk.swap(best_s, best_t);
+    else pk.set(best_s, previous[best_s]);
+  }
+}
+
 int changed(const Slots& a, const Slots& b) {
   int n = 0;
   for (size_t s = 0; s < a.size(); ++s) n += a[s] != b[s];
@@ -870,21 +993,30 @@ int changed(const Slots& a, const Slots& b) {
 
 }  // namespace
 
+Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start,
+                   double allowed_peak) {
+  Packing pk(load, E, W, start);
+  walk_back(pk, previous, allowed_peak);
+  return pk.slots();
+}
+
 bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
                    double allowed_peak, int max_moves, Slots& slots) {
+  const int S = static_cast<int>(previous.size());
   Packing pk(load, E, W, previous);
-  const bool reached = refit_search(pk, previous, allowed_peak, max_moves);
+  bool reached = refit_search(pk, previous, allowed_peak, max_moves);
   slots = pk.slots();
-  if (reached && changed(slots, previous) <= static_cast<int>(previous.size()) / 4) return true;
-  // stuck or costly: replica counts changed to the fresh plan's first, then the same search
-  std::vector<int> want(E, 0);
-  for (int64_t e : fresh) want[e] += 1;
-  Packing counted(load, E, W, previous);
-  refit_counts(counted, want);
-  if (refit_search(counted, previous, allowed_peak, max_moves) &&
-      (!reached || changed(counted.slots(), previous) < changed(slots, previous))) {
-    slots = counted.slots();
-    return true;
+  const int best = reached ? changed(slots, previous) : S + 1;
+  if (best > S / 4) {
+    // stuck or costly: replica counts changed to the fresh plan's first, then the same search
+    std::vector<int> want(E, 0);
+    for (int64_t e : fresh) want[e] += 1;
+    Packing counted(load, E, W, previous);
+    refit_counts(counted, want);
+    if (refit_search(counted, previous, allowed_peak, max_moves) && changed(counted.slots(), previous) < best) {
+      slots = counted.slots();
+      reached = true;
+    }
   }
   return reached;
 }

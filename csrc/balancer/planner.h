@@ -19,8 +19,9 @@ using Slots = std::vector<int64_t>;  // [S] expert of each slot
 // (ties: lower expert id).
 std::vector<int> replica_counts(const double* load, int E, int S, int cap);
 
-// The fresh plan: the best (smallest largest rank) of balanced differencing, EPLB's plan and
-// greedy longest-processing-time packing, each followed by swaps at the most loaded rank;
+// The fresh plan: the best (smallest largest rank) of balanced differencing (of the capped
+// copies, and of copies that split only the few heaviest experts), EPLB's plan and greedy
+// longest-processing-time packing, each followed by swaps at the most loaded rank;
 // then ranks ordered onto nodes so an expert's copies share nodes (a permutation).
 Slots plan_fresh(const double* load, int E, int S, int N, int W);
 
@@ -32,6 +33,13 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W);
 // max_moves slots differ from previous.
 bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
                    double allowed_peak, int max_moves, Slots& slots);
+
+// start (a plan within allowed_peak) turned back toward previous slot by slot, every rank
+// staying within allowed_peak: swaps with a copy of previous's expert on another rank, or a
+// slot alone where its expert keeps another copy; the most slots turned back first. Never
+// changes more slots than start does.
+Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start,
+                   double allowed_peak);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

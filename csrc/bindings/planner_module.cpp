@@ -79,6 +79,23 @@ py::tuple keep_previous(const Load& load, const Plan& previous, const Plan& fres
   return py::make_tuple(out, ok);
 }
 
+Plan walk_back(const Load& load, const Plan& previous, const Plan& start, const Load& allowed_peak, int W) {
+  check_sizes(load, static_cast<int>(previous.shape(1)), 1, W);
+  check_plan(previous, load, "previous");
+  check_plan(start, load, "start");
+  require(start.shape(1) == previous.shape(1), "start and previous must have the same slots");
+  require(allowed_peak.ndim() == 1 && allowed_peak.shape(0) == load.shape(0), "allowed_peak must be [layers]");
+  const auto S = previous.shape(1);
+  const int64_t* prev = previous.data();
+  const int64_t* from = start.data();
+  const double* allowed = allowed_peak.data();
+  return per_layer(load, static_cast<int>(S), [&](const double* l, int E) {
+    const py::ssize_t layer = (l - load.data()) / E;
+    return hb::walk_back_to(l, E, W, hb::Slots(prev + layer * S, prev + (layer + 1) * S),
+                            hb::Slots(from + layer * S, from + (layer + 1) * S), allowed[layer]);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -87,6 +104,8 @@ PYBIND11_MODULE(_planner, m) {
     check_sizes(load, S, N, W);
     return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W); });
   }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
+  m.def("walk_back", &walk_back, py::arg("load"), py::arg("previous"), py::arg("start"), py::arg("allowed_peak"),
+        py::arg("num_ranks"), "[L, S]: start turned back toward previous while every rank stays within allowed_peak");
   m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("fresh"), py::arg("allowed_peak"),
         py::arg("num_ranks"), py::arg("max_moves"),
         "(slots [L, S], reached [L]): previous re-fitted with few changed slots until its peak is allowed");

@@ -232,12 +232,14 @@ def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, a
                N: int, W: int) -> np.ndarray:
     """[L, S] per layer the candidate within allowed_L that moves fewer slots: previous after
     swaps and one-slot replica changes (where the search reaches allowed_L), or the fresh plan
-    matched onto previous (always within: it is the fresh plan, permuted)."""
+    matched onto previous (always within: it is the fresh plan, permuted), then turned back
+    toward previous slot by slot while every rank stays within allowed_L."""
     S = prev_LS.shape[1]
     kept, reached = _planner.keep_previous(load_LE, prev_LS, fresh_LS, allowed_L, W, S)
     check = np.flatnonzero(~reached | ((kept != prev_LS).sum(1) > S // 2))  # where matching can move fewer
     if check.size:
         aligned = _align(fresh_LS[check], prev_LS[check], N, W, load_LE.shape[1])
+        aligned = _planner.walk_back(load_LE[check], prev_LS[check], aligned, allowed_L[check], W)
         better = ~reached[check] | ((aligned != prev_LS[check]).sum(1) < (kept[check] != prev_LS[check]).sum(1))
         kept[check[better]] = aligned[better]
     return kept

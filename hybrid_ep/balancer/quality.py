@@ -281,7 +281,8 @@ def plot(doc: dict, path: str) -> str:
     ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
     ax.set_ylabel("slots moved after a +-10% load change (%)", fontsize=10)
     ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)", fontsize=10)
-    ax.set_ylim(0, 115)
+    top = max([target] + [100 * s["moved_fraction_max"] for s in pats])
+    ax.set_ylim(0, 1.35 * top)  # room for the legend above the bars
     ax.legend(fontsize=9, loc="upper left", ncol=3)
     fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=11)
     fig.tight_layout()

@@ -1,0 +1,56 @@
+"""Planning time of the checkout this script is run from, on the benchmark's timing load.
+
+`python -m hybrid_ep.balancer.quality` times the planner once per run, after the quality
+grid; on a shared machine one slow period moves that median. Two versions compare better
+timed in turns, each in its own process, several rounds:
+
+    for round in 1 2 3; do
+      for repo in ../old ../new; do OMP_NUM_THREADS=1 python scripts/planner_timing.py --repo $repo; done
+    done
+
+The load and the +-10% perturbation are those of quality.timing (topk-zipf-1.2, seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repo", default=".", help="checkout whose hybrid_ep is timed (its _planner built in place)")
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--slots", type=int, default=320)
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per layer")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    sys.path.insert(0, args.repo)
+    from hybrid_ep.balancer.planner import plan_placement
+    from hybrid_ep.balancer.quality import sample_load
+
+    W, N, S = args.ranks, args.ranks // 8, args.slots
+    load = sample_load("topk-zipf-1.2", args.layers, 256, 8, args.tokens, 100).numpy()
+    perturbed = load * np.random.default_rng(0).uniform(0.9, 1.1, load.shape)
+    previous = plan_placement(load, S, N, W)
+    fresh, warm = [], []
+    for _ in range(args.repeats):
+        t = time.process_time()
+        plan_placement(perturbed, S, N, W)
+        fresh.append(time.process_time() - t)
+        t = time.process_time()
+        plan_placement(perturbed, S, N, W, previous=previous)
+        warm.append(time.process_time() - t)
+    print(f"{args.repo}: {args.layers} x 256, W {W}, {N} nodes, S {S}; CPU ms median (fastest) of {args.repeats}: "
+          f"fresh {1e3 * statistics.median(fresh):.1f} ({1e3 * min(fresh):.1f}), "
+          f"with previous {1e3 * statistics.median(warm):.1f} ({1e3 * min(warm):.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
