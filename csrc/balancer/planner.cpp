@@ -650,9 +650,7 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   // splits every expert alike (EPLB's, and the counts above) leaves only coarse copies; j from
   // the fewest that take all spare slots, doubling, below the count the plan above splits
   if (S > E) {
-    std::vector<int> by_load(E);
-    std::iota(by_load.begin(), by_load.end(), 0);
-    std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) { return load[a] > load[b]; });
+    const std::vector<int> by_load = heaviest_first(std::vector<double>(load, load + E));
     int replicated = 0;
     for (int r : mine.reps) replicated += r > 1;
     for (int j = std::max(1, (S - E + cap - 2) / (cap - 1)); j < replicated; j *= 2) {
