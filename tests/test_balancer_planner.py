@@ -231,9 +231,13 @@ def test_very_hot_expert_gets_replicas_on_many_nodes():
 
 def test_native_eplb_and_greedy_match_the_reference_baselines():
     # the planner's own EPLB and greedy candidates (C++) are the benchmark's baselines (numpy)
+    # (E and S from 96 up take the planner's radix sort instead of its comparison sort; zero
+    # loads and equal counts check that both order ties by index)
     rng = np.random.default_rng(3)
-    for E, W, N, S in [(16, 4, 2, 24), (32, 8, 4, 40), (64, 8, 1, 64), (8, 2, 2, 12), (64, 16, 4, 80)]:
+    for E, W, N, S in [(16, 4, 2, 24), (32, 8, 4, 40), (64, 8, 1, 64), (8, 2, 2, 12), (64, 16, 4, 80),
+                       (256, 64, 8, 320), (256, 32, 1, 384), (128, 16, 2, 160)]:
         load = np.round(rng.lognormal(0, 1.5, (4, E)) * 50)  # integer counts: ties broken the same way
+        load[:, rng.permutation(E)[:E // 16]] = 0.0
         assert np.array_equal(_planner.eplb(load, S, N, W), eplb(load, S, N, W)), (E, W, N, S)
         assert np.array_equal(_planner.greedy(load, S, W), greedy(load, S, W)), (E, W, S)
         lb = _planner.lower_bound(load, S, W)

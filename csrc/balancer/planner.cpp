@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <utility>
@@ -12,11 +13,48 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Indices of w heaviest first, ties by index.
+// Indices of w heaviest first, ties by index. The planner sorts a few hundred weights many
+// times per layer (copies, EPLB's packings), and a comparison sort of doubles mispredicts
+// about every other branch there; from kRadixFrom items on, a stable radix sort of the
+// weights' bit patterns (byte by byte, bytes that all weights share skipped) costs less.
+constexpr size_t kRadixFrom = 96;
+
 std::vector<int> heaviest_first(const std::vector<double>& w) {
-  std::vector<int> order(w.size());
+  const size_t n = w.size();
+  std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
+  if (n < kRadixFrom) {  // weights beside their indices: no indirect loads in the comparisons
+    std::vector<std::pair<double, int>> items(n);
+    for (size_t i = 0; i < n; ++i) items[i] = {w[i], static_cast<int>(i)};
+    std::sort(items.begin(), items.end(), [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (size_t i = 0; i < n; ++i) order[i] = items[i].second;
+    return order;
+  }
+  // ascending key = descending weight: IEEE doubles order as sign-magnitude integers
+  std::vector<uint64_t> key(n), key_out(n);
+  std::vector<int> order_out(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t bits;
+    const double v = w[i] == 0.0 ? 0.0 : w[i];  // -0.0 ties with 0.0
+    std::memcpy(&bits, &v, sizeof bits);
+    const uint64_t ascending = bits >> 63 ? ~bits : bits | (uint64_t{1} << 63);
+    key[i] = ~ascending;
+  }
+  for (int shift = 0; shift < 64; shift += 8) {
+    size_t start[257] = {};
+    for (size_t i = 0; i < n; ++i) start[((key[i] >> shift) & 255) + 1] += 1;
+    if (std::find(start + 1, start + 257, n) != start + 257) continue;  // one byte value: order stays
+    for (int d = 0; d < 256; ++d) start[d + 1] += start[d];
+    for (size_t i = 0; i < n; ++i) {
+      const size_t at = start[(key[i] >> shift) & 255]++;
+      key_out[at] = key[i];
+      order_out[at] = order[i];
+    }
+    key.swap(key_out);
+    order.swap(order_out);
+  }
   return order;
 }
 
@@ -334,23 +372,90 @@ double copies_bound(const double* load, const Copies& c, int W) {
   return std::max(total / W, c.weight.empty() ? 0.0 : c.weight.front());
 }
 
+// A binary heap of (value, id) whose top is the item `Before` puts first (ids unique, so the
+// order is total and the sequence of tops does not depend on the heap's layout). Unlike
+// std::push_heap / pop_heap it can replace the top with one sift (the packings' pattern:
+// take the lightest pack, put it back heavier).
+template <class Before>
+class Heap {
+ public:
+  using Item = std::pair<double, int>;
+  explicit Heap(std::vector<Item> items) : h_(std::move(items)) {
+    for (size_t i = h_.size() / 2; i-- > 0;) sift_down(i);
+  }
+  bool empty() const { return h_.empty(); }
+  const Item& top() const { return h_.front(); }
+  Item pop() {
+    const Item out = h_.front();
+    h_.front() = h_.back();
+    h_.pop_back();
+    if (!h_.empty()) sift_down(0);
+    return out;
+  }
+  void push(Item x) {
+    size_t i = h_.size();
+    h_.push_back(x);
+    for (; i > 0 && Before{}(x, h_[(i - 1) / 2]); i = (i - 1) / 2) h_[i] = h_[(i - 1) / 2];
+    h_[i] = x;
+  }
+  void replace_top(Item x) {
+    h_.front() = x;
+    sift_down(0);
+  }
+
+ private:
+  void sift_down(size_t i) {
+    const Item x = h_[i];
+    for (const size_t n = h_.size();;) {
+      size_t c = 2 * i + 1;
+      if (c >= n) break;
+      if (c + 1 < n && Before{}(h_[c + 1], h_[c])) ++c;
+      if (!Before{}(h_[c], x)) break;
+      h_[i] = h_[c];
+      i = c;
+    }
+    h_[i] = x;
+  }
+  std::vector<Item> h_;
+};
+
+struct LargerFirst {  // larger value first, ties: lower id
+  bool operator()(const std::pair<double, int>& a, const std::pair<double, int>& b) const {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+};
+struct SmallerFirst {  // smaller value first, ties: lower id
+  bool operator()(const std::pair<double, int>& a, const std::pair<double, int>& b) const {
+    return a.first < b.first || (a.first == b.first && a.second < b.second);
+  }
+};
+
+// Packs by load, lightest on top (ties: lower pack).
+class LightestFirst : public Heap<SmallerFirst> {
+ public:
+  explicit LightestFirst(int packs) : Heap(empty_packs(packs)) {}
+
+ private:
+  static std::vector<Item> empty_packs(int packs) {
+    std::vector<Item> out;
+    for (int p = 0; p < packs; ++p) out.emplace_back(0.0, p);
+    return out;
+  }
+};
+
 // Copies per item: each spare slot to the largest load / copies while below cap (ties: lower
 // id); a heap keeps it O(spare log X).
 std::vector<int> spread_copies(const double* load, int X, int slots, int cap) {
   std::vector<int> reps(X, 1);
   auto score = [&](int x) { return reps[x] < cap ? load[x] / reps[x] : -kInf; };
-  auto less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) {
-    return a.first < b.first || (a.first == b.first && a.second > b.second);
-  };
-  std::vector<std::pair<double, int>> heap;
-  for (int x = 0; x < X; ++x) heap.emplace_back(score(x), x);
-  std::make_heap(heap.begin(), heap.end(), less);
+  std::vector<std::pair<double, int>> items;
+  items.reserve(X);
+  for (int x = 0; x < X; ++x) items.emplace_back(score(x), x);
+  Heap<LargerFirst> heap(std::move(items));
   for (int k = X; k < slots; ++k) {
-    std::pop_heap(heap.begin(), heap.end(), less);
-    const int x = heap.back().second;
+    const int x = heap.top().second;
     reps[x] += 1;
-    heap.back() = {score(x), x};
-    std::push_heap(heap.begin(), heap.end(), less);
+    heap.replace_top({score(x), x});
   }
   return reps;
 }
@@ -360,34 +465,6 @@ std::vector<int> replicate(const std::vector<double>& load, int slots) {
   return spread_copies(load.data(), static_cast<int>(load.size()), slots, std::numeric_limits<int>::max());
 }
 
-// Packs by load, lightest on top (ties: lower pack): a binary heap of (load, pack).
-class LightestFirst {
- public:
-  explicit LightestFirst(int packs) {
-    for (int p = 0; p < packs; ++p) heap_.emplace_back(0.0, p);
-  }
-  bool empty() const { return heap_.empty(); }
-  std::pair<double, int> pop() {
-    std::pop_heap(heap_.begin(), heap_.end(), after);
-    auto top = heap_.back();
-    heap_.pop_back();
-    return top;
-  }
-  void push(double load, int pack) {
-    heap_.emplace_back(load, pack);
-    std::push_heap(heap_.begin(), heap_.end(), after);
-  }
-
- private:
-  struct After {
-    bool operator()(const std::pair<double, int>& a, const std::pair<double, int>& b) const {
-      return a.first > b.first || (a.first == b.first && a.second > b.second);
-    }
-  };
-  static constexpr After after{};
-  std::vector<std::pair<double, int>> heap_;
-};
-
 // Heaviest item first into the lightest pack with room (ties: lower pack); pack and position.
 void balanced_packing(const std::vector<double>& w, int packs, std::vector<int>& pack, std::vector<int>& pos) {
   const int I = static_cast<int>(w.size()), room = I / packs;
@@ -396,10 +473,11 @@ void balanced_packing(const std::vector<double>& w, int packs, std::vector<int>&
   pack.assign(I, 0);
   pos.assign(I, 0);
   for (int item : heaviest_first(w)) {
-    auto [load, p] = open.pop();
+    const auto [load, p] = open.top();
     pack[item] = p;
     pos[item] = count[p]++;
-    if (count[p] < room) open.push(load + w[item], p);
+    if (count[p] < room) open.replace_top({load + w[item], p});
+    else open.pop();
   }
 }
 
@@ -427,12 +505,11 @@ Slots group_nodes(const Slots& slots, int E, int N, int W) {
   for (int n = 0; n < N; ++n) {
     std::vector<int> node_share(W, 0);
     for (int g = 0; g < G; ++g) {
-      int best = -1;
-      for (int r = 0; r < W; ++r) {
-        if (!free[r]) continue;
-        const int score = g ? node_share[r] : row[r];
-        if (best < 0 || score > (g ? node_share[best] : row[best])) best = r;
-      }
+      const std::vector<int>& score = g ? node_share : row;
+      // the lowest free rank first (one is free: n * G + g < W ranks are taken)
+      int best = static_cast<int>(std::find(free.begin(), free.end(), 1) - free.begin());
+      for (int r = best + 1; r < W; ++r)
+        if (free[r] && score[r] > score[best]) best = r;
       order[n * G + g] = best;
       free[best] = 0;
       for (int r = 0; r < W; ++r) node_share[r] += share[static_cast<size_t>(best) * W + r];
@@ -459,8 +536,13 @@ struct Rise {
 class Rises {
  public:
   Rises(Packing& pk, int m) : pk_(pk), m_(m), rise_(pk.copies_size()), done_(pk.copies_size(), 0) {}
+  // Forget every bound: the plan changed, and m is the peak rank of the next step.
+  void reset(int m) {
+    m_ = m;
+    if (++epoch_ == 0) std::fill(done_.begin(), done_.end(), 0), epoch_ = 1;
+  }
   const Rise& operator[](int64_t x) {
-    if (!done_[x]) compute(x);
+    if (done_[x] != epoch_) compute(x);
     return rise_[x];
   }
   // The largest new_load(r) over the holders r of x other than m and skip.
@@ -474,10 +556,10 @@ class Rises {
 
  private:
   void compute(int64_t x) {
-    done_[x] = 1;
+    done_[x] = epoch_;
     const int P = pk_.P();
     const double delta = pk_.load(x) / (pk_.copies(x) - 1) - pk_.weight(x);
-    Rise& rise = rise_[x];
+    Rise& rise = rise_[x] = Rise{};
     int last = -1;
     for (int t : pk_.slots_of(x)) {  // ascending slots: a rank's copies are adjacent
       const int r = t / P;
@@ -491,7 +573,8 @@ class Rises {
   Packing& pk_;
   int m_;
   std::vector<Rise> rise_;
-  std::vector<char> done_;  // not vector<bool>: looked up in the refit's innermost loop
+  std::vector<uint32_t> done_;  // epoch of each bound (not vector<bool>: the refit's innermost loop)
+  uint32_t epoch_ = 1;
 };
 
 // A one-slot change (slot s to expert y) at the peak rank m: the larger of m's new load and
@@ -523,7 +606,17 @@ std::vector<int> replica_counts(const double* load, int E, int S, int cap) {
 }
 
 double peak_load(const double* load, int E, int W, const Slots& slots) {
-  return Packing(load, E, W, slots).peak();
+  // the sums Packing keeps, in the same order (so the same bits), without its other tables
+  std::vector<int> copies(E, 0);
+  for (int64_t e : slots) copies[e] += 1;
+  const int P = static_cast<int>(slots.size()) / W;
+  double out = -kInf;
+  for (int r = 0; r < W; ++r) {
+    double sum = 0.0;
+    for (int s = r * P; s < (r + 1) * P; ++s) sum += load[slots[s]] / copies[slots[s]];
+    out = std::max(out, sum);
+  }
+  return out;
 }
 
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W) {
@@ -552,11 +645,20 @@ Slots eplb_hierarchical(const double* load, int E, int S, int N, int W) {
   return out;
 }
 
-Slots eplb(const double* load, int E, int S, int N, int W) {
+namespace {
+// EPLB's plan (the better of its two policies) and its peak.
+std::pair<Slots, double> eplb_and_peak(const double* load, int E, int S, int N, int W) {
   Slots hier = eplb_hierarchical(load, E, S, N, W);
+  const double hier_peak = peak_load(load, E, W, hier);
+  if (N == 1) return {std::move(hier), hier_peak};  // one node: the hierarchical policy is the global one
   Slots flat = eplb_hierarchical(load, E, S, 1, W);
-  return peak_load(load, E, W, flat) < peak_load(load, E, W, hier) ? flat : hier;
+  const double flat_peak = peak_load(load, E, W, flat);
+  if (flat_peak < hier_peak) return {std::move(flat), flat_peak};
+  return {std::move(hier), hier_peak};
 }
+}  // namespace
+
+Slots eplb(const double* load, int E, int S, int N, int W) { return eplb_and_peak(load, E, S, N, W).first; }
 
 // Heaviest copy first to the least loaded rank with room that lacks its expert (the least
 // loaded with room when all hold it).
@@ -583,22 +685,26 @@ Slots lpt_packing(const Copies& copies, int E, int W) {
       top = *lightest;
       skipped.erase(lightest);
     }
-    for (const auto& r : skipped) open.push(r.first, r.second);
+    for (const auto& r : skipped) open.push(r);
     const int pick = top.second;
     out[pick * P + count[pick]++] = e;
     holds[static_cast<size_t>(pick) * E + e] = 1;
-    if (count[pick] < P) open.push(top.first + weight[k], pick);
+    if (count[pick] < P) open.push({top.first + weight[k], pick});
   }
   return out;
 }
 
 // The copies (heaviest first, ties: expert id) when the j heaviest experts (by_load: experts
-// heaviest first) share every spare slot, at most cap copies each, and the rest keep one.
-Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S, int cap, int j) {
+// heaviest first) share every spare slot, at most cap copies each, and the rest keep one;
+// none (empty) when the heaviest copy is not below `below` (no packing of them would be).
+Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S, int cap, int j, double below) {
   const int E = static_cast<int>(by_load.size());
   std::vector<double> top(j);
   for (int k = 0; k < j; ++k) top[k] = load[by_load[k]];
   const std::vector<int> top_reps = spread_copies(top.data(), j, S - E + j, cap);
+  double heaviest = j < E ? load[by_load[j]] : -kInf;
+  for (int k = 0; k < j; ++k) heaviest = std::max(heaviest, top[k] / top_reps[k]);
+  if (heaviest >= below) return {};
   using Copy = std::pair<double, int64_t>;  // (weight, expert)
   auto heavier = [](const Copy& a, const Copy& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
   std::vector<Copy> all;
@@ -654,8 +760,8 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
     int replicated = 0;
     for (int r : mine.reps) replicated += r > 1;
     for (int j = std::max(1, (S - E + cap - 2) / (cap - 1)); j < replicated; j *= 2) {
-      const Copies c = split_heaviest(load, by_load, S, cap, j);
-      if (c.weight.front() >= best_peak) continue;  // no packing of these copies is lower
+      const Copies c = split_heaviest(load, by_load, S, cap, j, best_peak);
+      if (c.weight.empty()) continue;  // no packing of these copies is lower
       Packing pk(load, E, W, pack_differencing(c.experts, c.weight, W));
       if (pk.peak() >= best_peak) continue;  // improving rarely overturns the differencing's order
       separate_copies(pk);
@@ -667,15 +773,20 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
       }
     }
   }
-  for (Slots alt : {eplb(load, E, S, N, W), lpt_packing(free, E, W)}) {
+  auto try_alternative = [&](Slots alt, double alt_peak) {
+    if (alt_peak >= best_peak) return;
     Packing pk(load, E, W, std::move(alt));
-    if (pk.peak() >= best_peak) continue;
     improve(pk);
     if (pk.peak() < best_peak) {
       best_peak = pk.peak();
       best = pk.slots();
     }
-  }
+  };
+  auto [eplb_plan, eplb_peak] = eplb_and_peak(load, E, S, N, W);
+  try_alternative(std::move(eplb_plan), eplb_peak);
+  Slots greedy_plan = lpt_packing(free, E, W);
+  const double greedy_peak = peak_load(load, E, W, greedy_plan);
+  try_alternative(std::move(greedy_plan), greedy_peak);
   return group_nodes(best, E, N, W);
 }
 
@@ -747,10 +858,9 @@ struct Chain {
   int64_t gain = -1;  // -1: a cycle
   int relieved = 0;   // over-loaded ranks it brings within the allowed peak
   // ranks brought within per changed slot, compared without division
-  bool better_than(const Chain& o) const {
-    const long a = static_cast<long>(relieved) * static_cast<long>(o.slots.size());
-    const long b = static_cast<long>(o.relieved) * static_cast<long>(slots.size());
-    return a > b || (a == b && relieved > o.relieved);
+  static bool better(long relieved, long changed, long o_relieved, long o_changed) {
+    const long a = relieved * o_changed, b = o_relieved * changed;
+    return a > b || (a == b && relieved > o_relieved);
   }
 };
 
@@ -779,18 +889,16 @@ bool can_drop(Packing& pk, int s, double allowed) {
 // rank brought within). A swap per rank changes two. Each step takes the lightest copy that
 // brings the next rank within (the chain must come back down to m). Returns the chain with the
 // most ranks brought within per changed slot (relieved 0: none ends), of at most max_slots
-// changed slots; no expert twice on a rank.
-Chain best_chain(Packing& pk, int m, double allowed, int cap, int max_slots) {
-  const int P = pk.P(), W = pk.W(), E = pk.copies_size();
+// changed slots; no expert twice on a rank. gain: the lightest new copy m lacks (-1: none).
+Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots) {
+  const int P = pk.P(), W = pk.W();
   std::vector<int> over;  // over-loaded ranks other than m
   for (auto it = pk.by_load().rbegin(); it != pk.by_load().rend() && pk.rank_load(*it) > allowed; ++it)
     if (*it != m) over.push_back(*it);
-  int64_t gain = -1;  // the lightest new copy m lacks
-  for (int64_t y = 0; y < E; ++y)
-    if (pk.copies(y) < cap && !pk.holds(m, y) &&
-        (gain < 0 || pk.gained_weight(y) < pk.gained_weight(gain)))
-      gain = y;
   Chain best;
+  auto beats_best = [&](int relieved, int changed) {
+    return Chain::better(relieved, changed, best.relieved, static_cast<long>(best.slots.size()));
+  };
   std::vector<char> used(W, 0);
   std::vector<int> chain;
   for (int i = m * P; i < (m + 1) * P; ++i) {
@@ -804,12 +912,12 @@ Chain best_chain(Packing& pk, int m, double allowed, int cap, int max_slots) {
       const int in = chain.back(), k = static_cast<int>(chain.size());
       const int64_t e_in = pk.expert(in);
       const double w_in = pk.slot_weight(in);
-      if (k > 1 && path && Chain{chain, gain, k}.better_than(best) && can_drop(pk, in, allowed))
+      if (k > 1 && path && beats_best(k, k) && can_drop(pk, in, allowed))
         best = Chain{chain, gain, k};
       // the rank with the most room first: the first that closes wins, and none closes once
       // the room is below w_in - back
       int close = -1;
-      if (Chain{std::vector<int>(k + 1), -1, k}.better_than(best))
+      if (beats_best(k, k + 1))
         for (int b : pk.by_load()) {
           const double room = allowed - pk.rank_load(b);
           if (room < w_in - back) break;
@@ -859,6 +967,13 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
   int moved = 0;  // slots that differ from previous
   for (int s = 0; s < S; ++s) moved += differs(s);
   bool ok = false;
+  Rises rise(pk, pk.peak_rank());
+  struct Spare {  // a slot off m whose expert has several copies, and its rank's load without it
+    int s;
+    double rest;
+  };
+  std::vector<Spare> spare;
+  spare.reserve(S);
   for (int step = 0; step < 4 * S; ++step) {
     const int m = pk.peak_rank();
     const double lm = pk.rank_load(m);
@@ -875,7 +990,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     double rep_peak = lm * (1 - 1e-12);
     int rs = -1;
     int64_t ry = -1;
-    Rises rise(pk, m);
+    rise.reset(m);
     auto consider = [&](int s, int64_t y) {
       const double p = replica_move_peak(pk, rise, m, s, y, allowed_peak);
       if (p < rep_peak) rep_peak = p, rs = s, ry = y;
@@ -891,28 +1006,35 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
       if (pk.copies(pk.expert(m * P + i)) >= 2) consider(m * P + i, lightest);
     // an expert of m gains a copy in a slot of a replicated expert elsewhere (m's new load
     // depends on y alone, and the slot's rank ends at least at its load - w_x + y's new weight)
-    std::vector<int> spare;  // slots off m holding an expert with several copies
-    spare.reserve(S);
-    for (int s = 0; s < S; ++s)
-      if (s / P != m && pk.copies(pk.expert(s)) >= 2) spare.push_back(s);
     std::vector<int64_t> gainers(pk.slots().begin() + m * P, pk.slots().begin() + (m + 1) * P);
     auto drop = [&](int64_t y) { return pk.weight(y) - pk.gained_weight(y); };
     std::sort(gainers.begin(), gainers.end(), [&](int64_t a, int64_t b) { return drop(a) > drop(b); });
+    double lightest_gain = kInf;  // no slot whose rank ends at or above rep_peak with it can win
+    for (int64_t y : gainers)
+      if (pk.copies(y) < cap) lightest_gain = std::min(lightest_gain, pk.gained_weight(y));
+    spare.clear();
+    for (int s = 0; s < S; ++s) {
+      const double rest = pk.rank_load(s / P) - pk.slot_weight(s);
+      if (s / P != m && rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2) spare.push_back({s, rest});
+    }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
       const double wy2 = pk.gained_weight(y);
-      for (int s : spare) {
+      for (const Spare& sp : spare) {
+        const int s = sp.s;
         const int64_t x = pk.expert(s);
         const int r = s / P;
-        if (x == y || pk.rank_load(r) - pk.slot_weight(s) + wy2 >= rep_peak) continue;
+        if (x == y || sp.rest + wy2 >= rep_peak) continue;
+        if (pk.holds(r, y)) continue;
         const Rise& rx = rise[x];
-        if ((rx.excluding(r) >= rep_peak && !pk.holds(rx.rank_excluding(r), y)) || pk.holds(r, y)) continue;
+        if (rx.excluding(r) >= rep_peak && !pk.holds(rx.rank_excluding(r), y)) continue;
         consider(s, y);
       }
     }
     int kind = 0;  // 1: swap, 2: replica change
     if (rs >= 0 && rep_peak <= allowed_peak) kind = 2;
-    else if (const Chain ch = best_chain(pk, m, allowed_peak, cap, max_moves - moved + 1); 2 * ch.relieved > static_cast<int>(ch.slots.size())) {
+    else if (const Chain ch = best_chain(pk, m, allowed_peak, lightest, max_moves - moved + 1);
+             2 * ch.relieved > static_cast<int>(ch.slots.size())) {
       // fewer changed slots per rank brought within than a swap's two
       for (int s : ch.slots) moved -= differs(s);
       apply_chain(pk, ch);
