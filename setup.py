@@ -193,7 +193,7 @@ def _pybind11_includes() -> list[str] | None:
 
 _CXX_FLAGS = ["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
 # The planner runs on the training's critical path at every rebalance; -O3 plans the
-# benchmark's 61 x 256 x 64 layout about 4% faster than -O2 (docs/benchmarks/balancer_planner.md).
+# benchmark's 61 x 256 x 64 layout about 4% faster than -O2 (docs/balancer.md, planning time).
 # No -ffast-math: plans must not depend on the compiler's reassociation of sums.
 _PLANNER_CXX_FLAGS = [flag if flag != "-O2" else "-O3" for flag in _CXX_FLAGS]
 

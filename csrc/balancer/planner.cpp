@@ -535,8 +535,8 @@ struct Rise {
 // Rise bounds of the experts a step looks at, each computed on first use.
 class Rises {
  public:
-  Rises(Packing& pk, int m) : pk_(pk), m_(m), rise_(pk.copies_size()), done_(pk.copies_size(), 0) {}
-  // Forget every bound: the plan changed, and m is the peak rank of the next step.
+  explicit Rises(Packing& pk) : pk_(pk), rise_(pk.copies_size()), done_(pk.copies_size(), 0) {}
+  // Forget every bound (the plan changed); m is the peak rank of the step. Call before use.
   void reset(int m) {
     m_ = m;
     if (++epoch_ == 0) std::fill(done_.begin(), done_.end(), 0), epoch_ = 1;
@@ -571,7 +571,7 @@ class Rises {
     }
   }
   Packing& pk_;
-  int m_;
+  int m_ = -1;
   std::vector<Rise> rise_;
   std::vector<uint32_t> done_;  // epoch of each bound (not vector<bool>: the refit's innermost loop)
   uint32_t epoch_ = 1;
@@ -967,7 +967,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
   int moved = 0;  // slots that differ from previous
   for (int s = 0; s < S; ++s) moved += differs(s);
   bool ok = false;
-  Rises rise(pk, pk.peak_rank());
+  Rises rise(pk);
   struct Spare {  // a slot off m whose expert has several copies, and its rank's load without it
     int s;
     double rest;
@@ -1015,7 +1015,8 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     spare.clear();
     for (int s = 0; s < S; ++s) {
       const double rest = pk.rank_load(s / P) - pk.slot_weight(s);
-      if (s / P != m && rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2) spare.push_back({s, rest});
+      if (s / P != m && rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2)
+        spare.push_back({s, rest});
     }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
