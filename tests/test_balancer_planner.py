@@ -360,6 +360,27 @@ def test_previous_refit_reaches_the_allowed_peak_and_keeps_every_expert(pattern)
     assert ((few != prev).sum(1) <= 3).all() and not reached_few.any()
 
 
+def test_restarts_reach_where_the_most_loaded_first_refit_is_stuck():
+    # the quality benchmark's topk-zipf-1.2 case at W 64, S 320: in layer 0 the search that
+    # always fixes the most loaded rank stops short of the allowed peak (35 slots changed) and
+    # in layer 1 it changes 70 (over a fifth); restarts that fix one of the three most loaded
+    # ranks at each step reach it in both with fewer changed slots
+    W, S = 64, 320
+    load = sample_load("topk-zipf-1.2", 2, 256, 8, 4096 * W, seed=11064).numpy()
+    prev = _planner.plan_fresh(load, S, 1, W)
+    new_load = load * np.random.default_rng(11064).uniform(0.9, 1.1, load.shape)
+    fresh = _planner.plan_fresh(new_load, S, 1, W)
+    allowed = peak(new_load, fresh, W) + 0.01 * new_load.sum(1) / W
+    kept, reached = _planner.keep_previous(new_load, prev, fresh, allowed, W, S)
+    assert reached.all() and (peak(new_load, kept, W) <= allowed).all()
+    changed = (kept != prev).sum(1)
+    assert changed[0] <= 0.15 * S and changed[1] < 70
+    for layer in range(2):
+        assert np.bincount(kept[layer], minlength=256).min() >= 1
+    again, _ = _planner.keep_previous(new_load, prev, fresh, allowed, W, S)
+    assert (again == kept).all()  # seeded: the same plan every time
+
+
 @pytest.mark.parametrize("pattern, W, S", [("zipf-1.0", 32, 288), ("uniform-noise", 64, 320), ("two-hot", 16, 320)])
 def test_walk_back_turns_slots_back_within_the_allowed_peak(pattern, W, S):
     # the fresh plan of a perturbed load (unaligned: most slots differ from previous) walked
