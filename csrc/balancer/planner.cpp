@@ -1164,7 +1164,8 @@ bool keep_previous(const double* load, int E, int W, const Slots& previous, cons
     refit_counts(counted, want);
     keep(refit_search(counted, previous, allowed_peak, max_moves), counted);
   }
-  // still above the move target: restarts that fix one of the most loaded ranks at each step
+  // still stuck or above kRestartAbove of the slots: restarts, each stopped once it changes as
+  // many slots as the best
   for (unsigned seed = 1; seed <= kRestarts && best > S * kRestartAbove; ++seed) {
     std::minstd_rand order(seed);
     Packing again(load, E, W, previous);
