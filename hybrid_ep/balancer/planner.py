@@ -130,7 +130,8 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     ((max - mean) / mean) is at most the fresh plan's + tolerance: previous unchanged;
     previous re-fitted (at the most loaded rank, the cheapest move that brings it within:
     one slot turned into a copy of another expert, or a swap of two slots; else the move
-    with the largest drop per changed slot), where it gets within and the fresh plan matched
+    with the largest drop per changed slot; chains and cycles through several over-loaded
+    ranks where they change fewer slots), where it gets within and the fresh plan matched
     onto previous does not change fewer slots; else that matched fresh plan. Migration
     moves weights and optimizer state, so a tolerance of 0.01 (the default) saves most
     moves; tolerance=0 keeps only what is as good as the fresh plan.
