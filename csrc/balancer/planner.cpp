@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -94,6 +95,12 @@ class Packing {
   double load(int64_t e) const { return load_[e]; }
   double rank_load(int r) const { return rank_[r]; }
   const std::vector<int>& by_load() const { return by_load_; }
+  // Ranks above allowed, most loaded first, into out (at most `most`).
+  void over_loaded(double allowed, std::vector<int>& out, size_t most = SIZE_MAX) const {
+    out.clear();
+    for (auto it = by_load_.rbegin(); it != by_load_.rend() && out.size() < most && rank_[*it] > allowed; ++it)
+      out.push_back(*it);
+  }
   // The most loaded rank (ties: the highest rank).
   int peak_rank() const { return by_load_.back(); }
   double peak() const { return rank_[by_load_.back()]; }
@@ -894,8 +901,8 @@ bool can_drop(Packing& pk, int s, double allowed) {
 Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots) {
   const int P = pk.P(), W = pk.W();
   std::vector<int> over;  // over-loaded ranks other than m
-  for (auto it = pk.by_load().rbegin(); it != pk.by_load().rend() && pk.rank_load(*it) > allowed; ++it)
-    if (*it != m) over.push_back(*it);
+  pk.over_loaded(allowed, over);
+  over.erase(std::remove(over.begin(), over.end(), m), over.end());
   Chain best;
   auto beats_best = [&](int relieved, int changed) {
     return Chain::better(relieved, changed, best.relieved, static_cast<long>(best.slots.size()));
@@ -969,7 +976,9 @@ void apply_chain(Packing& pk, const Chain& c) {
 // brings fewer than two ranks within (a swap is as cheap). The refit search chains from the
 // most loaded rank down, up to 8 ranks; on some loads covering from the room up needs fewer
 // slots. Returns the over-loaded ranks left.
-constexpr int kCoverRooms = 4;  // more win a slot or two for ms (docs/balancer.md, step 3)
+// Four: eight, finished however many over-loaded ranks are left, won in more layers but cost
+// 4.5 ms on the timing load against 1.3 ms (docs/balancer.md, step 3).
+constexpr int kCoverRooms = 4;
 
 int cover_cycles(Packing& pk, double allowed) {
   const int P = pk.P(), W = pk.W(), S = W * P;
@@ -1006,9 +1015,7 @@ int cover_cycles(Packing& pk, double allowed) {
     }
   };
   for (;;) {
-    over.clear();
-    for (auto it = pk.by_load().rbegin(); it != pk.by_load().rend() && pk.rank_load(*it) > allowed; ++it)
-      over.push_back(*it);
+    pk.over_loaded(allowed, over);
     if (over.empty()) return 0;
     // a cycle through two over-loaded ranks needs room for the two smallest excesses
     double least = kInf, second = kInf;
@@ -1029,10 +1036,10 @@ int cover_cycles(Packing& pk, double allowed) {
       }
     }
     if (pick < 0 || from[pick].size() < 3) return static_cast<int>(over.size());
-    const std::vector<int> cycle = from[pick];
-    apply_chain(pk, Chain{cycle, -1, static_cast<int>(cycle.size()) - 1});
+    const Chain cycle{from[pick], -1, static_cast<int>(from[pick].size()) - 1};
+    apply_chain(pk, cycle);
     std::fill(hit.begin(), hit.end(), 0);
-    for (int s : cycle) hit[s / P] = 1;
+    for (int s : cycle.slots) hit[s / P] = 1;
     for (int i = 0; i < S; ++i) {
       bool stale = known[i] && hit[i / P];
       for (size_t j = 0; known[i] && !stale && j < from[i].size(); ++j) stale = hit[from[i][j] / P];
@@ -1061,11 +1068,9 @@ constexpr int kCoverLeft = 4;
 int rank_to_fix(const Packing& pk, double allowed_peak, std::minstd_rand* order) {
   const int m = pk.peak_rank();
   if (!order) return m;
-  int top[kRestartRanks];
-  size_t n = 0;
-  for (auto it = pk.by_load().rbegin(); it != pk.by_load().rend() && n < kRestartRanks; ++it)
-    if (pk.rank_load(*it) > allowed_peak) top[n++] = *it;
-  return n ? top[(*order)() % n] : m;
+  thread_local std::vector<int> top;
+  pk.over_loaded(allowed_peak, top, kRestartRanks);
+  return top.empty() ? m : top[(*order)() % top.size()];
 }
 
 // The refit search from pk's state (see keep_previous); true once the peak is allowed.

@@ -31,8 +31,9 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W);
 // expert first changed to fresh's; where the best still changes more than a fifth, restarts
 // that fix one of the three most loaded ranks, drawn from a seeded generator, at each step;
 // where it changes more than a tenth, cycles from the ranks with the most room through
-// several over-loaded ranks first (the fewest changed slots wins). Returns false (slots then hold the best reached) when none
-// gets there: no move lowers that rank any more, or max_moves slots differ from previous.
+// several over-loaded ranks, then the same search (the fewest changed slots wins). Returns
+// false (slots then hold the best reached) when none gets there: no move lowers that rank any
+// more, or max_moves slots differ from previous.
 bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
                    double allowed_peak, int max_moves, Slots& slots);
 
