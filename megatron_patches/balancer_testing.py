@@ -53,6 +53,7 @@ class TrainRun:
     checkpoint_format: str = "legacy"  # legacy | torch_dist
     checkpoint_step: int = 10       # save after this many steps (a migration step when interval divides it)
     window: int = 1                 # reductions summed into the planning load
+    tolerance: float = 0.01         # the planner's (HybridEPOptions.balancer_tolerance)
 
     def __post_init__(self):
         if self.gradient_accumulation_fusion and self.optimizer == "torch":
@@ -82,6 +83,7 @@ def _build(case: LayerCase, run: TrainRun):
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     options = megatron_patches.HybridEPOptions(
         balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank, balancer_window=run.window,
+        balancer_tolerance=run.tolerance,
     ) if run.interval else megatron_patches.HybridEPOptions()
     layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
                             gradient_accumulation_fusion=run.gradient_accumulation_fusion)
@@ -257,6 +259,7 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         "around_migration": around_migration,
         "slots": slot_contents(layer, bal),
         "placement": None if bal is None else bal.placement_rows(),
+        "tolerance": None if bal is None else bal.tolerance,
         "placements": placements,
         "experts": _expert_weights(layer, bal),
         "ep_rank": _ep_rank(),

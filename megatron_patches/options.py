@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -41,6 +42,9 @@ class HybridEPOptions:
     replaces the window.
     balancer_min_gain: apply a new placement only when it lowers the planned rank imbalance
     (max - mean) / mean by more than this.
+    balancer_tolerance: the planner's tolerance: it keeps the previous placement (or refits
+    few of its slots) while each layer's rank imbalance stays within this of a fresh plan's;
+    larger moves fewer slots per rebalance, at a little more imbalance.
     balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
     start from.
     balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
@@ -58,6 +62,9 @@ class HybridEPOptions:
     balancer_window: int = 1
     balancer_decay: float | None = None
     balancer_min_gain: float = 0.0
+    # hybrid_ep.balancer.planner.DEFAULT_TOLERANCE (a literal: importing the planner loads
+    # torch and the planner extension, which this module does not need)
+    balancer_tolerance: float = 0.01
     balancer_placement: str | None = None
     balancer_report_dir: str | None = None
 
@@ -88,6 +95,9 @@ class HybridEPOptions:
             raise ValueError(f"hybrid_ep option balancer_decay must be in (0, 1) or None, got {self.balancer_decay!r}")
         if not self.balancer_min_gain >= 0.0:
             raise ValueError(f"hybrid_ep option balancer_min_gain must be >= 0, got {self.balancer_min_gain!r}")
+        tolerance = self.balancer_tolerance
+        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf:
+            raise ValueError(f"hybrid_ep option balancer_tolerance must be a finite float >= 0, got {tolerance!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
         return self
@@ -107,6 +117,7 @@ FLAGS = {
     "--hybrid-ep-balancer-window": ("balancer_window", int),
     "--hybrid-ep-balancer-decay": ("balancer_decay", float),
     "--hybrid-ep-balancer-min-gain": ("balancer_min_gain", float),
+    "--hybrid-ep-balancer-tolerance": ("balancer_tolerance", float),
     "--hybrid-ep-balancer-placement": ("balancer_placement", str),
     "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
 }
@@ -127,6 +138,8 @@ _HELP = {
     "balancer_window": "expert balancer: reductions summed into the planned load",
     "balancer_decay": "expert balancer: moving-average decay over reductions (replaces the window)",
     "balancer_min_gain": "expert balancer: least drop of the rank imbalance that triggers a migration",
+    "balancer_tolerance": "expert balancer: rank imbalance by which a kept placement may exceed a fresh "
+                          "plan's; larger moves fewer slots per rebalance, at a little more imbalance",
     "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
     "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
 }

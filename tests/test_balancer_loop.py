@@ -1,5 +1,5 @@
 """ExpertBalancer's loop in one process: interval counting, reports, writers, state dicts,
-and the errors of a bad configuration."""
+and the errors of a bad configuration; on two CPU ranks, the planner's tolerance."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def test_state_dict_refuses_other_shapes(single_rank_group):
     ({"slots_per_rank": 3}, "fewer than the 4 experts"),
     ({"interval": 0}, "interval"),
     ({"num_nodes": 3}, "num_nodes"),
+    ({"tolerance": -0.1}, "tolerance"),
+    ({"tolerance": float("nan")}, "tolerance"),
 ])
 def test_bad_configuration_is_named(single_rank_group, kwargs, message):
     layers, _ = make_layers(1, 4, 4)
@@ -89,6 +91,36 @@ def test_bad_configuration_is_named(single_rank_group, kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         ExpertBalancer(layers, **args)
+
+
+def _rebalance_with_tolerance(tolerance):
+    """On each of 2 ranks: E = S = 4 (identity: experts 0, 1 on rank 0), every rank counts
+    tokens [26, 27, 25, 22]; the reduced load [52, 54, 50, 44] leaves the identity at rank
+    imbalance 0.06, the fresh plan ({0, 2} | {1, 3}) at 0.02."""
+    import torch.distributed as dist
+
+    module = torch.nn.Module()
+    module.local_experts = torch.nn.ModuleList(torch.nn.Linear(3, 3, bias=False) for _ in range(2))
+    layers = [BalancedLayer(SlotTable(4, 4), slot_parameters(module, 2))]
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=2, ep_group=dist.group.WORLD, interval=1,
+                         tolerance=tolerance)
+    bal.setup()
+    bal.record(0, torch.tensor([26, 27, 25, 22]))
+    event = bal.after_optimizer_step(1)
+    return event, bal.placement_rows()[0].tolist()
+
+
+def test_tolerance_reaches_the_planner(pool_for):
+    """The identity is 0.04 more imbalanced than the fresh plan: kept at tolerance 0.05,
+    replanned (two slots swapped) at 0.01."""
+    pool = pool_for(2)
+    (kept, kept_row), _ = pool.run(_rebalance_with_tolerance, [(0.05,)] * 2)
+    assert not kept["applied"] and kept["slots_changed"] == 0 and kept_row == [0, 1, 2, 3]
+    assert kept["imbalance_rank_before"] == kept["imbalance_rank_after"] == pytest.approx(0.06)
+    (moved, moved_row), other = pool.run(_rebalance_with_tolerance, [(0.01,)] * 2)
+    assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
+    assert moved["imbalance_rank_before"] == pytest.approx(0.06)
+    assert moved["imbalance_rank_after"] == pytest.approx(0.02)
 
 
 @pytest.mark.gpu

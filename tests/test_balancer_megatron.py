@@ -32,6 +32,8 @@ def runs(pool_for):
         out[kind, "balanced"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     run = TrainRun(STEPS, INTERVAL, SLOTS_PER_RANK, "megatron", bf16=True, checkpoint_dir=temporary_directory())
     out["bf16"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
+    run = TrainRun(INTERVAL, INTERVAL, SLOTS_PER_RANK, "torch", tolerance=0.25)
+    out["tolerance"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     return out
 
 
@@ -121,6 +123,20 @@ def test_checkpoint_after_a_migration_resumes_bit_identically(runs, key):
             assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
 
 
+def test_attach_passes_the_tolerance(runs):
+    """HybridEPOptions.balancer_tolerance reaches the ExpertBalancer that attach() builds: on
+    the same load at step 5, the default 0.01 migrates, 0.25 keeps the first placement (its
+    imbalance is within 0.25 of the fresh plan's)."""
+    assert [r["tolerance"] for r in runs["torch", "balanced"]] == [0.01] * W
+    assert [r["tolerance"] for r in runs["tolerance"]] == [0.25] * W
+    first, (kept,) = runs["torch", "balanced"][0]["events"][0], runs["tolerance"][0]["events"]
+    assert first["iteration"] == kept["iteration"] == INTERVAL
+    assert first["applied"] and first["slots_changed"] > 0
+    assert not kept["applied"] and kept["slots_changed"] == 0
+    assert kept["imbalance_rank_before"] == first["imbalance_rank_before"]  # the same load
+    assert first["imbalance_rank_after"] < kept["imbalance_rank_before"] <= first["imbalance_rank_after"] + 0.25
+
+
 def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     """Megatron-LM's parser takes the --hybrid-ep-balancer-* flags; they reach HybridEPOptions."""
     arguments = pytest.importorskip("megatron.training.arguments")
@@ -135,7 +151,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     argv = ["pretrain_gpt.py", *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
             "--hybrid-ep-balancer-interval", "50", "--hybrid-ep-balancer-slots-per-rank", "5",
             "--hybrid-ep-balancer-window", "4", "--hybrid-ep-balancer-min-gain", "0.02",
-            "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
+            "--hybrid-ep-balancer-tolerance", "0.03", "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
     monkeypatch.setattr("sys.argv", argv)
     args = arguments.parse_args()
     arguments.validate_args(args)
@@ -143,7 +159,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     opts = options.options_for(config)
     assert opts.balancer_enabled and opts.balancer_interval == 50 and opts.balancer_slots_per_rank == 5
-    assert opts.balancer_window == 4 and opts.balancer_min_gain == 0.02
+    assert opts.balancer_window == 4 and opts.balancer_min_gain == 0.02 and opts.balancer_tolerance == 0.03
     assert opts.balancer_report_dir == "/tmp/reports" and opts.balancer_decay is None
 
 
@@ -153,12 +169,37 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     ("balancer_window", 0, "balancer_window"),
     ("balancer_decay", 1.0, "balancer_decay"),
     ("balancer_min_gain", -0.1, "balancer_min_gain"),
+    ("balancer_tolerance", -0.1, "balancer_tolerance"),
+    ("balancer_tolerance", float("nan"), "balancer_tolerance"),
+    ("balancer_tolerance", float("inf"), "balancer_tolerance"),
+    ("balancer_tolerance", "0.03", "balancer_tolerance"),
 ])
 def test_balancer_options_name_the_field(field, value, needle):
     from megatron_patches.options import HybridEPOptions
 
     with pytest.raises(ValueError, match=needle):
         HybridEPOptions(**{field: value}).validate()
+
+
+def test_balancer_tolerance_flag_and_defaults():
+    """--hybrid-ep-balancer-tolerance through the flags' own parser; without it, the planner's
+    default (kept as a literal in three places that do not import the planner)."""
+    import argparse
+
+    from hybrid_ep.balancer import ExpertBalancer
+    from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE
+    from megatron_patches import options
+    from megatron_patches.slurm.schema import KINDS
+
+    parser = options.add_arguments(argparse.ArgumentParser())
+    assert options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "0.05"])).balancer_tolerance == 0.05
+    assert options.from_args(parser.parse_args([])).balancer_tolerance == DEFAULT_TOLERANCE == 0.01
+    with pytest.raises(ValueError, match="balancer_tolerance"):
+        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "-0.1"]))
+    with pytest.raises(ValueError, match="balancer_tolerance"):
+        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "nan"]))
+    assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float", DEFAULT_TOLERANCE)
+    assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] == DEFAULT_TOLERANCE
 
 
 def test_too_few_slots_is_refused():

@@ -5,6 +5,7 @@ memory estimate (docs/slurm.md) gives the numbers quoted in the docs."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -166,6 +167,8 @@ INVALID = [
     ("tiny_moe", ["--set", "balancer.interval=5", "--set", "balancer.slots_per_rank=3"], "balancer.slots_per_rank",
      "cannot hold"),
     ("deepseek_v3", ["--set", "balancer.decay=1.5"], "balancer.decay", "(0, 1)"),
+    ("deepseek_v3", ["--set", "balancer.tolerance=-0.1"], "balancer.tolerance", "must be a finite number >= 0"),
+    ("deepseek_v3", ["--set", "balancer.tolerance=.nan"], "balancer.tolerance", "got nan"),
     ("deepseek_v3", ["--set", "dispatcher.type=alltoall"], "balancer.interval", "runs inside the hybrid_ep dispatcher"),
     ("deepseek_v3", ["--set", "dispatcher.type=magic"], "dispatcher.type", "must be one of"),
     ("deepseek_v3", ["--set", "data.mock=false"], "data.path", "is required"),
@@ -184,6 +187,21 @@ def test_invalid_override_names_field_and_rule(name, args, field, rule, capsys):
     assert cli.main([path_of(name), *args]) == 2
     err = capsys.readouterr().err
     assert f"error: {field}: " in err and rule in err, err
+
+
+def test_balancer_tolerance_flag_only_when_not_the_default():
+    from megatron_patches import options
+    from megatron_patches.slurm.megatron_args import megatron_args
+
+    default = megatron_args(recipe_mod.load(path_of("deepseek_v3")))
+    assert "--hybrid-ep-balancer-interval" in default and "--hybrid-ep-balancer-tolerance" not in default
+    args = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.tolerance=0.03"]))
+    assert args[args.index("--hybrid-ep-balancer-tolerance") + 1] == "0.03"
+    parser = options.add_arguments(argparse.ArgumentParser())
+    flags = args[args.index("--hybrid-ep-balancer-interval"):args.index("--hybrid-ep-balancer-report-dir") + 2]
+    assert options.from_args(parser.parse_args(flags)).balancer_tolerance == 0.03
+    off = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0", "balancer.tolerance=0.03"]))
+    assert "--hybrid-ep-balancer-tolerance" not in off  # no balancer, no balancer flags
 
 
 def test_override_types():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -31,6 +32,10 @@ from .state import OptimizerView, grad_tensors, movable_tensors
 from .stats import LoadStatistics
 
 log = logging.getLogger(__name__)
+
+# planner.DEFAULT_TOLERANCE, repeated: the planner (and its extension) loads at the first
+# rebalance, not with the balancer (tests/test_balancer_loop.py checks they agree).
+DEFAULT_TOLERANCE = 0.01
 
 
 @dataclasses.dataclass
@@ -59,7 +64,8 @@ def native_placement(num_layers: int, num_experts: int, num_slots: int, num_rank
 class ExpertBalancer:
     def __init__(self, layers: list[BalancedLayer], *, num_experts: int, slots_per_rank: int, ep_group=None,
                  stats_groups=None, num_nodes: int = 1, interval: int = 100, window: int = 1,
-                 decay: float | None = None, min_gain: float = 0.0, optimizer_view: OptimizerView | None = None,
+                 decay: float | None = None, min_gain: float = 0.0, tolerance: float = DEFAULT_TOLERANCE,
+                 optimizer_view: OptimizerView | None = None,
                  report_dir: str | None = None, is_reporter: bool | None = None, writers=(),
                  layer_numbers: list[int] | None = None):
         self.layers = list(layers)
@@ -88,9 +94,12 @@ class ExpertBalancer:
                 )
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
+        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf:
+            raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
         self.num_nodes = num_nodes
         self.interval = interval
         self.min_gain = min_gain
+        self.tolerance = float(tolerance)  # the planner's: see plan_placement
         self.view = optimizer_view or OptimizerView()
         self.stats_groups = [ep_group] if stats_groups is None else list(stats_groups)
         device = self.layers[0].table.slot_to_expert_S.device
@@ -235,7 +244,8 @@ class ExpertBalancer:
         from .planner import plan_placement
 
         before = self._placement()
-        planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before)
+        planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before,
+                                 tolerance=self.tolerance)
         old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
         new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks)).mean()
         applied = bool(load_LE.sum() > 0 and float(old_imb) - float(new_imb) > self.min_gain)

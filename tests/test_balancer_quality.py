@@ -1,0 +1,60 @@
+"""The planner's quality benchmark (python -m hybrid_ep.balancer.quality) on a small grid: files
+written, and the tolerance sweep on the cases that move more than the target."""
+
+import json
+
+import pytest
+
+from hybrid_ep.balancer import quality
+from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    # hot-block at W 32, S = E: 8 slots per rank, no spare slot; its three node layouts all move
+    # more than 10% at the default tolerance
+    out = tmp_path_factory.mktemp("quality")
+    argv = ["--ranks", "32", "--ratios", "1.0", "--patterns", "hot-block", "--time-layers", "2",
+            "--time-slots", "256", "--repeats", "1", "--out", str(out)]
+    assert quality.main(argv) == 0
+    with open(out / "balancer_planner.json") as f:
+        return out, json.load(f)
+
+
+def test_writes_json_markdown_and_plot(small_run):
+    out, doc = small_run
+    assert (out / "balancer_planner.png").stat().st_size > 10_000
+    md = (out / "balancer_planner.md").read_text()
+    assert "| hot-block | 3 |" in md
+    assert "| 32 | 8 | 256 | 3 (hot-block) |" in md  # the sweep's row for the layout
+    assert [r["num_nodes"] for r in doc["cases"]] == [1, 2, 4]
+
+
+def test_sweep_covers_every_case_over_the_target_and_keeps_each_tolerance(small_run):
+    _, doc = small_run
+    target = doc["config"]["move_target"]
+    over = [r for r in doc["cases"] if r["moved_fraction"] > target]
+    assert len(over) == 3
+    for r in doc["cases"]:
+        assert bool(r["tolerance_sweep"]) == (r in over)
+        for point in r["tolerance_sweep"]:
+            # plan_placement's promise: imbalance at most the fresh plan's + tolerance
+            assert point["imbalance_vs_fresh"] <= point["tolerance"] + 1e-9
+    (group,) = doc["tolerance_sweep"]
+    assert (group["num_ranks"], group["num_slots"], group["slots_per_rank"], group["cases"]) == (32, 256, 8, 3)
+    tols = [b["tolerance"] for b in group["by_tolerance"]]
+    assert tols == [DEFAULT_TOLERANCE] + doc["config"]["sweep_tolerances"]
+    first, last = group["by_tolerance"][0], group["by_tolerance"][-1]
+    assert first["cases_over_target"] == 3
+    assert first["moved_fraction_max"] == max(r["moved_fraction"] for r in over)
+    # what the sweep is for: at 0.03 these loads move well under the target
+    assert last["cases_over_target"] == 0 and last["moved_fraction_max"] < 0.6 * target
+
+
+def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):
+    argv = ["--ranks", "8", "--ratios", "1.0", "--patterns", "two-hot", "--time-layers", "1", "--time-slots", "256",
+            "--repeats", "1", "--move-target", "0.0", "--sweep-tolerances", "--out", str(tmp_path)]
+    assert quality.main(argv) == 0
+    doc = json.loads((tmp_path / "balancer_planner.json").read_text())
+    assert all(r["moved_fraction"] > 0.0 for r in doc["cases"])  # over the target, so swept if asked
+    assert doc["tolerance_sweep"] == [] and all(r["tolerance_sweep"] == [] for r in doc["cases"])
