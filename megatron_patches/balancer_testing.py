@@ -53,7 +53,7 @@ class TrainRun:
     checkpoint_format: str = "legacy"  # legacy | torch_dist
     checkpoint_step: int = 10       # save after this many steps (a migration step when interval divides it)
     window: int = 1                 # reductions summed into the planning load
-    tolerance: float = 0.01         # the planner's (HybridEPOptions.balancer_tolerance)
+    tolerance: float | None = None  # the planner's (HybridEPOptions.balancer_tolerance; None: its default)
 
     def __post_init__(self):
         if self.gradient_accumulation_fusion and self.optimizer == "torch":

@@ -42,9 +42,10 @@ class HybridEPOptions:
     replaces the window.
     balancer_min_gain: apply a new placement only when it lowers the planned rank imbalance
     (max - mean) / mean by more than this.
-    balancer_tolerance: the planner's tolerance: it keeps the previous placement (or refits
-    few of its slots) while each layer's rank imbalance stays within this of a fresh plan's;
-    larger moves fewer slots per rebalance, at a little more imbalance.
+    balancer_tolerance: the planner's tolerance (None: its default, 0.01): it keeps the
+    previous placement (or refits few of its slots) while each layer's rank imbalance stays
+    within this of a fresh plan's; larger moves fewer slots per rebalance, at a little more
+    imbalance.
     balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
     start from.
     balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
@@ -62,9 +63,7 @@ class HybridEPOptions:
     balancer_window: int = 1
     balancer_decay: float | None = None
     balancer_min_gain: float = 0.0
-    # hybrid_ep.balancer.planner.DEFAULT_TOLERANCE (a literal: importing the planner loads
-    # torch and the planner extension, which this module does not need)
-    balancer_tolerance: float = 0.01
+    balancer_tolerance: float | None = None
     balancer_placement: str | None = None
     balancer_report_dir: str | None = None
 
@@ -96,8 +95,10 @@ class HybridEPOptions:
         if not self.balancer_min_gain >= 0.0:
             raise ValueError(f"hybrid_ep option balancer_min_gain must be >= 0, got {self.balancer_min_gain!r}")
         tolerance = self.balancer_tolerance
-        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf:
-            raise ValueError(f"hybrid_ep option balancer_tolerance must be a finite float >= 0, got {tolerance!r}")
+        if tolerance is not None and (not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf):
+            raise ValueError(
+                f"hybrid_ep option balancer_tolerance must be a finite float >= 0 or None, got {tolerance!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
         return self
@@ -139,7 +140,8 @@ _HELP = {
     "balancer_decay": "expert balancer: moving-average decay over reductions (replaces the window)",
     "balancer_min_gain": "expert balancer: least drop of the rank imbalance that triggers a migration",
     "balancer_tolerance": "expert balancer: rank imbalance by which a kept placement may exceed a fresh "
-                          "plan's; larger moves fewer slots per rebalance, at a little more imbalance",
+                          "plan's; larger moves fewer slots per rebalance, at a little more imbalance (default: "
+                          "the planner's, 0.01)",
     "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
     "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
 }

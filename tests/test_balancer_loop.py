@@ -112,15 +112,16 @@ def _rebalance_with_tolerance(tolerance):
 
 def test_tolerance_reaches_the_planner(pool_for):
     """The identity is 0.04 more imbalanced than the fresh plan: kept at tolerance 0.05,
-    replanned (two slots swapped) at 0.01."""
+    replanned (two slots swapped) at 0.01 and at the default."""
     pool = pool_for(2)
     (kept, kept_row), _ = pool.run(_rebalance_with_tolerance, [(0.05,)] * 2)
     assert not kept["applied"] and kept["slots_changed"] == 0 and kept_row == [0, 1, 2, 3]
     assert kept["imbalance_rank_before"] == kept["imbalance_rank_after"] == pytest.approx(0.06)
-    (moved, moved_row), other = pool.run(_rebalance_with_tolerance, [(0.01,)] * 2)
-    assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
-    assert moved["imbalance_rank_before"] == pytest.approx(0.06)
-    assert moved["imbalance_rank_after"] == pytest.approx(0.02)
+    for tolerance in (0.01, None):  # None: the planner's default, 0.01
+        (moved, moved_row), other = pool.run(_rebalance_with_tolerance, [(tolerance,)] * 2)
+        assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
+        assert moved["imbalance_rank_before"] == pytest.approx(0.06)
+        assert moved["imbalance_rank_after"] == pytest.approx(0.02)
 
 
 @pytest.mark.gpu

@@ -125,9 +125,9 @@ def test_checkpoint_after_a_migration_resumes_bit_identically(runs, key):
 
 def test_attach_passes_the_tolerance(runs):
     """HybridEPOptions.balancer_tolerance reaches the ExpertBalancer that attach() builds: on
-    the same load at step 5, the default 0.01 migrates, 0.25 keeps the first placement (its
+    the same load at step 5, the default (the planner's 0.01) migrates, 0.25 keeps the first placement (its
     imbalance is within 0.25 of the fresh plan's)."""
-    assert [r["tolerance"] for r in runs["torch", "balanced"]] == [0.01] * W
+    assert [r["tolerance"] for r in runs["torch", "balanced"]] == [None] * W  # the planner's default
     assert [r["tolerance"] for r in runs["tolerance"]] == [0.25] * W
     first, (kept,) = runs["torch", "balanced"][0]["events"][0], runs["tolerance"][0]["events"]
     assert first["iteration"] == kept["iteration"] == INTERVAL
@@ -182,24 +182,23 @@ def test_balancer_options_name_the_field(field, value, needle):
 
 
 def test_balancer_tolerance_flag_and_defaults():
-    """--hybrid-ep-balancer-tolerance through the flags' own parser; without it, the planner's
-    default (kept as a literal in three places that do not import the planner)."""
+    """--hybrid-ep-balancer-tolerance through the flags' own parser; without it None everywhere:
+    the planner's DEFAULT_TOLERANCE, defined once."""
     import argparse
 
     from hybrid_ep.balancer import ExpertBalancer
-    from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE
     from megatron_patches import options
     from megatron_patches.slurm.schema import KINDS
 
     parser = options.add_arguments(argparse.ArgumentParser())
     assert options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "0.05"])).balancer_tolerance == 0.05
-    assert options.from_args(parser.parse_args([])).balancer_tolerance == DEFAULT_TOLERANCE == 0.01
+    assert options.from_args(parser.parse_args([])).balancer_tolerance is None
     with pytest.raises(ValueError, match="balancer_tolerance"):
         options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "-0.1"]))
     with pytest.raises(ValueError, match="balancer_tolerance"):
         options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "nan"]))
-    assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float", DEFAULT_TOLERANCE)
-    assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] == DEFAULT_TOLERANCE
+    assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float?", None)
+    assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] is None
 
 
 def test_too_few_slots_is_refused():

@@ -189,12 +189,13 @@ def test_invalid_override_names_field_and_rule(name, args, field, rule, capsys):
     assert f"error: {field}: " in err and rule in err, err
 
 
-def test_balancer_tolerance_flag_only_when_not_the_default():
+def test_balancer_tolerance_flag_only_when_set():
     from megatron_patches import options
     from megatron_patches.slurm.megatron_args import megatron_args
 
     default = megatron_args(recipe_mod.load(path_of("deepseek_v3")))
     assert "--hybrid-ep-balancer-interval" in default and "--hybrid-ep-balancer-tolerance" not in default
+    assert recipe_mod.load(path_of("deepseek_v3"))["balancer.tolerance"] is None  # the planner's default
     args = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.tolerance=0.03"]))
     assert args[args.index("--hybrid-ep-balancer-tolerance") + 1] == "0.03"
     parser = options.add_arguments(argparse.ArgumentParser())

@@ -33,10 +33,6 @@ from .stats import LoadStatistics
 
 log = logging.getLogger(__name__)
 
-# planner.DEFAULT_TOLERANCE, repeated: the planner (and its extension) loads at the first
-# rebalance, not with the balancer (tests/test_balancer_loop.py checks they agree).
-DEFAULT_TOLERANCE = 0.01
-
 
 @dataclasses.dataclass
 class BalancedLayer:
@@ -64,7 +60,7 @@ def native_placement(num_layers: int, num_experts: int, num_slots: int, num_rank
 class ExpertBalancer:
     def __init__(self, layers: list[BalancedLayer], *, num_experts: int, slots_per_rank: int, ep_group=None,
                  stats_groups=None, num_nodes: int = 1, interval: int = 100, window: int = 1,
-                 decay: float | None = None, min_gain: float = 0.0, tolerance: float = DEFAULT_TOLERANCE,
+                 decay: float | None = None, min_gain: float = 0.0, tolerance: float | None = None,
                  optimizer_view: OptimizerView | None = None,
                  report_dir: str | None = None, is_reporter: bool | None = None, writers=(),
                  layer_numbers: list[int] | None = None):
@@ -94,12 +90,13 @@ class ExpertBalancer:
                 )
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
-        if not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf:
-            raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+        if tolerance is not None and (not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf):
+            raise ValueError(f"tolerance must be a finite number >= 0 or None, got {tolerance!r}")
         self.num_nodes = num_nodes
         self.interval = interval
         self.min_gain = min_gain
-        self.tolerance = float(tolerance)  # the planner's: see plan_placement
+        # plan_placement's; None: its default (the planner loads at the first rebalance)
+        self.tolerance = None if tolerance is None else float(tolerance)
         self.view = optimizer_view or OptimizerView()
         self.stats_groups = [ep_group] if stats_groups is None else list(stats_groups)
         device = self.layers[0].table.slot_to_expert_S.device
@@ -244,8 +241,9 @@ class ExpertBalancer:
         from .planner import plan_placement
 
         before = self._placement()
+        tolerance = {} if self.tolerance is None else {"tolerance": self.tolerance}
         planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before,
-                                 tolerance=self.tolerance)
+                                 **tolerance)
         old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
         new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks)).mean()
         applied = bool(load_LE.sum() > 0 and float(old_imb) - float(new_imb) > self.min_gain)

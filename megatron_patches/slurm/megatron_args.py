@@ -9,10 +9,6 @@ position embedding, normalisation, fusions: see each recipe).
 
 from __future__ import annotations
 
-from ..options import HybridEPOptions
-
-_TOLERANCE = HybridEPOptions.balancer_tolerance  # what the trainer uses without the flag
-
 
 def _flag(args: list[str], name: str, value) -> None:
     if value is None or value is False:
@@ -88,7 +84,7 @@ def dispatcher_args(d: dict, b: dict) -> list[str]:
         _flag(a, "--hybrid-ep-balancer-window", b["window"] if b["window"] != 1 else None)
         _flag(a, "--hybrid-ep-balancer-decay", b["decay"])
         _flag(a, "--hybrid-ep-balancer-min-gain", b["min_gain"] if b["min_gain"] else None)
-        _flag(a, "--hybrid-ep-balancer-tolerance", b["tolerance"] if b["tolerance"] != _TOLERANCE else None)
+        _flag(a, "--hybrid-ep-balancer-tolerance", b["tolerance"])
         _flag(a, "--hybrid-ep-balancer-report-dir", b["report_dir"])
     return a
 

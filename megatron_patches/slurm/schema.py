@@ -99,7 +99,7 @@ _PRETRAIN = {
         "window": ("int", 1),
         "decay": ("float?", None),
         "min_gain": ("float", 0.0),
-        "tolerance": ("float", 0.01),  # the planner's DEFAULT_TOLERANCE
+        "tolerance": ("float?", None),  # None: the planner's default
         "report_dir": ("str?", None),
     },
     "precision": ("str", "bf16"),

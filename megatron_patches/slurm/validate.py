@@ -167,8 +167,9 @@ def _balancer(recipe, problems):
         problems.append((b + "decay", f"must be in (0, 1) or null, got {decay}"))
     if recipe[b + "min_gain"] < 0:
         problems.append((b + "min_gain", f"must be >= 0, got {recipe[b + 'min_gain']}"))
-    if not 0.0 <= recipe[b + "tolerance"] < float("inf"):
-        problems.append((b + "tolerance", f"must be a finite number >= 0, got {recipe[b + 'tolerance']}"))
+    tolerance = recipe[b + "tolerance"]
+    if tolerance is not None and not 0.0 <= tolerance < float("inf"):
+        problems.append((b + "tolerance", f"must be a finite number >= 0 or null, got {tolerance}"))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on
