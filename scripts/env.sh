@@ -64,7 +64,10 @@ if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     rm -f "$venv/.hybrid-ep-build"  # torch was not importable while that install built: build below
 fi
 
-if [ "$(cat "$venv/.hybrid-ep-build" 2>/dev/null)" != "$build_stamp" ]; then
+# The extensions build into the checkout (an editable install): a new clone at a path built
+# before matches the stamp but has none of them, so their presence counts too.
+built() { compgen -G "$repo/hybrid_ep/_planner*.so" >/dev/null; }
+if [ "$(cat "$venv/.hybrid-ep-build" 2>/dev/null)" != "$build_stamp" ] || ! built; then
     buildlog=$(mktemp)
     if ! "$py" -m pip install -v --no-deps --no-build-isolation -e "$repo" >"$buildlog" 2>&1; then
         cat "$buildlog" >&2; rm -f "$buildlog"; log "error: installing hybrid-ep failed"; exit 1
