@@ -242,7 +242,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         ep_group=first.ep_group, stats_groups=[first.ep_group, _expert_data_parallel_group()],
         num_nodes=num_nodes, interval=options.balancer_interval, window=options.balancer_window,
         decay=options.balancer_decay, min_gain=options.balancer_min_gain, tolerance=options.balancer_tolerance,
-        optimizer_view=view,
+        move_budget=options.balancer_move_budget, optimizer_view=view,
         report_dir=options.balancer_report_dir, writers=_writers() if writers is None else writers,
         layer_numbers=[int(getattr(layer, "layer_number", i) or i) for i, layer in enumerate(layers)],
     )

@@ -54,6 +54,7 @@ class TrainRun:
     checkpoint_step: int = 10       # save after this many steps (a migration step when interval divides it)
     window: int = 1                 # reductions summed into the planning load
     tolerance: float | None = None  # the planner's (HybridEPOptions.balancer_tolerance; None: its default)
+    move_budget: float | None = None  # HybridEPOptions.balancer_move_budget (None: no cap)
 
     def __post_init__(self):
         if self.gradient_accumulation_fusion and self.optimizer == "torch":
@@ -83,7 +84,7 @@ def _build(case: LayerCase, run: TrainRun):
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     options = megatron_patches.HybridEPOptions(
         balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank, balancer_window=run.window,
-        balancer_tolerance=run.tolerance,
+        balancer_tolerance=run.tolerance, balancer_move_budget=run.move_budget,
     ) if run.interval else megatron_patches.HybridEPOptions()
     layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
                             gradient_accumulation_fusion=run.gradient_accumulation_fusion)
@@ -260,6 +261,7 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         "slots": slot_contents(layer, bal),
         "placement": None if bal is None else bal.placement_rows(),
         "tolerance": None if bal is None else bal.tolerance,
+        "move_budget": None if bal is None else bal.move_budget,
         "placements": placements,
         "experts": _expert_weights(layer, bal),
         "ep_rank": _ep_rank(),

@@ -46,6 +46,9 @@ class HybridEPOptions:
     previous placement (or refits few of its slots) while each layer's rank imbalance stays
     within this of a fresh plan's; larger moves fewer slots per rebalance, at a little more
     imbalance.
+    balancer_move_budget: the most slots per layer one rebalance migrates, as a fraction of the
+    layer's slots (None: no cap); where it binds, the imbalance may stay above the tolerance
+    until later rebalances move the rest.
     balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
     start from.
     balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
@@ -64,6 +67,7 @@ class HybridEPOptions:
     balancer_decay: float | None = None
     balancer_min_gain: float = 0.0
     balancer_tolerance: float | None = None
+    balancer_move_budget: float | None = None
     balancer_placement: str | None = None
     balancer_report_dir: str | None = None
 
@@ -99,6 +103,12 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option balancer_tolerance must be a finite float >= 0 or None, got {tolerance!r}"
             )
+        budget = self.balancer_move_budget
+        if budget is not None and (not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0):
+            raise ValueError(
+                f"hybrid_ep option balancer_move_budget must be a fraction of the slots in [0, 1] or None, "
+                f"got {budget!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
         return self
@@ -119,6 +129,7 @@ FLAGS = {
     "--hybrid-ep-balancer-decay": ("balancer_decay", float),
     "--hybrid-ep-balancer-min-gain": ("balancer_min_gain", float),
     "--hybrid-ep-balancer-tolerance": ("balancer_tolerance", float),
+    "--hybrid-ep-balancer-move-budget": ("balancer_move_budget", float),
     "--hybrid-ep-balancer-placement": ("balancer_placement", str),
     "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
 }
@@ -142,6 +153,9 @@ _HELP = {
     "balancer_tolerance": "expert balancer: rank imbalance by which a kept placement may exceed a fresh "
                           "plan's; larger moves fewer slots per rebalance, at a little more imbalance (default: "
                           "the planner's, 0.01)",
+    "balancer_move_budget": "expert balancer: most slots per layer one rebalance migrates, as a fraction of the "
+                            "slots; where it binds the imbalance may stay above the tolerance until later "
+                            "rebalances (default: no cap)",
     "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
     "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
 }

@@ -1,5 +1,6 @@
 """ExpertBalancer's loop in one process: interval counting, reports, writers, state dicts,
-and the errors of a bad configuration; on two CPU ranks, the planner's tolerance."""
+and the errors of a bad configuration; on two CPU ranks, the planner's tolerance and move
+budget."""
 
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ def test_state_dict_refuses_other_shapes(single_rank_group):
     ({"num_nodes": 3}, "num_nodes"),
     ({"tolerance": -0.1}, "tolerance"),
     ({"tolerance": float("nan")}, "tolerance"),
+    ({"move_budget": -0.1}, "move_budget"),
+    ({"move_budget": 1.5}, "move_budget"),
+    ({"move_budget": float("nan")}, "move_budget"),
 ])
 def test_bad_configuration_is_named(single_rank_group, kwargs, message):
     layers, _ = make_layers(1, 4, 4)
@@ -93,7 +97,7 @@ def test_bad_configuration_is_named(single_rank_group, kwargs, message):
         ExpertBalancer(layers, **args)
 
 
-def _rebalance_with_tolerance(tolerance):
+def _rebalance_once(tolerance, move_budget=None):
     """On each of 2 ranks: E = S = 4 (identity: experts 0, 1 on rank 0), every rank counts
     tokens [26, 27, 25, 22]; the reduced load [52, 54, 50, 44] leaves the identity at rank
     imbalance 0.06, the fresh plan ({0, 2} | {1, 3}) at 0.02."""
@@ -103,7 +107,7 @@ def _rebalance_with_tolerance(tolerance):
     module.local_experts = torch.nn.ModuleList(torch.nn.Linear(3, 3, bias=False) for _ in range(2))
     layers = [BalancedLayer(SlotTable(4, 4), slot_parameters(module, 2))]
     bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=2, ep_group=dist.group.WORLD, interval=1,
-                         tolerance=tolerance)
+                         tolerance=tolerance, move_budget=move_budget)
     bal.setup()
     bal.record(0, torch.tensor([26, 27, 25, 22]))
     event = bal.after_optimizer_step(1)
@@ -114,14 +118,25 @@ def test_tolerance_reaches_the_planner(pool_for):
     """The identity is 0.04 more imbalanced than the fresh plan: kept at tolerance 0.05,
     replanned (two slots swapped) at 0.01 and at the default."""
     pool = pool_for(2)
-    (kept, kept_row), _ = pool.run(_rebalance_with_tolerance, [(0.05,)] * 2)
+    (kept, kept_row), _ = pool.run(_rebalance_once, [(0.05,)] * 2)
     assert not kept["applied"] and kept["slots_changed"] == 0 and kept_row == [0, 1, 2, 3]
     assert kept["imbalance_rank_before"] == kept["imbalance_rank_after"] == pytest.approx(0.06)
     for tolerance in (0.01, None):  # None: the planner's default, 0.01
-        (moved, moved_row), other = pool.run(_rebalance_with_tolerance, [(tolerance,)] * 2)
+        (moved, moved_row), other = pool.run(_rebalance_once, [(tolerance,)] * 2)
         assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
         assert moved["imbalance_rank_before"] == pytest.approx(0.06)
         assert moved["imbalance_rank_after"] == pytest.approx(0.02)
+
+
+def test_move_budget_reaches_the_planner(pool_for):
+    """At the default tolerance the rebalance swaps 2 of the 4 slots: a budget of 0 keeps the
+    identity (no slot changed), a budget of half the slots lets both swaps through."""
+    pool = pool_for(2)
+    (held, held_row), other = pool.run(_rebalance_once, [(None, 0.0)] * 2)
+    assert not held["applied"] and held["slots_changed"] == 0 and held_row == [0, 1, 2, 3] == other[1]
+    assert held["imbalance_rank_before"] == held["imbalance_rank_after"] == pytest.approx(0.06)
+    (moved, moved_row), _ = pool.run(_rebalance_once, [(None, 0.5)] * 2)
+    assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3]
 
 
 @pytest.mark.gpu

@@ -34,6 +34,8 @@ def runs(pool_for):
     out["bf16"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     run = TrainRun(INTERVAL, INTERVAL, SLOTS_PER_RANK, "torch", tolerance=0.25)
     out["tolerance"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
+    run = TrainRun(INTERVAL, INTERVAL, SLOTS_PER_RANK, "torch", move_budget=0.0)
+    out["move_budget"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     return out
 
 
@@ -137,6 +139,22 @@ def test_attach_passes_the_tolerance(runs):
     assert first["imbalance_rank_after"] < kept["imbalance_rank_before"] <= first["imbalance_rank_after"] + 0.25
 
 
+def test_attach_passes_the_move_budget(runs):
+    """HybridEPOptions.balancer_move_budget reaches the ExpertBalancer that attach() builds: on
+    the same load at step 5, the default (no cap) migrates, a budget of 0 changes no slot and
+    keeps the starting placement (the one the tolerance run kept)."""
+    assert [r["move_budget"] for r in runs["torch", "balanced"]] == [None] * W
+    assert [r["move_budget"] for r in runs["move_budget"]] == [0.0] * W
+    first, (held,) = runs["torch", "balanced"][0]["events"][0], runs["move_budget"][0]["events"]
+    assert held["iteration"] == first["iteration"] == INTERVAL
+    assert first["applied"] and first["slots_changed"] > 0
+    assert not held["applied"] and held["slots_changed"] == 0
+    assert held["imbalance_rank_before"] == held["imbalance_rank_after"] == first["imbalance_rank_before"]
+    for held_rank, kept_rank, moved_rank in zip(runs["move_budget"], runs["tolerance"], runs["torch", "balanced"]):
+        assert torch.equal(held_rank["placement"], kept_rank["placement"])
+        assert not torch.equal(held_rank["placement"], moved_rank["placements"][0][1])
+
+
 def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     """Megatron-LM's parser takes the --hybrid-ep-balancer-* flags; they reach HybridEPOptions."""
     arguments = pytest.importorskip("megatron.training.arguments")
@@ -151,7 +169,8 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     argv = ["pretrain_gpt.py", *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
             "--hybrid-ep-balancer-interval", "50", "--hybrid-ep-balancer-slots-per-rank", "5",
             "--hybrid-ep-balancer-window", "4", "--hybrid-ep-balancer-min-gain", "0.02",
-            "--hybrid-ep-balancer-tolerance", "0.03", "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
+            "--hybrid-ep-balancer-tolerance", "0.03", "--hybrid-ep-balancer-move-budget", "0.1",
+            "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
     monkeypatch.setattr("sys.argv", argv)
     args = arguments.parse_args()
     arguments.validate_args(args)
@@ -160,6 +179,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     opts = options.options_for(config)
     assert opts.balancer_enabled and opts.balancer_interval == 50 and opts.balancer_slots_per_rank == 5
     assert opts.balancer_window == 4 and opts.balancer_min_gain == 0.02 and opts.balancer_tolerance == 0.03
+    assert opts.balancer_move_budget == 0.1
     assert opts.balancer_report_dir == "/tmp/reports" and opts.balancer_decay is None
 
 
@@ -173,6 +193,10 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     ("balancer_tolerance", float("nan"), "balancer_tolerance"),
     ("balancer_tolerance", float("inf"), "balancer_tolerance"),
     ("balancer_tolerance", "0.03", "balancer_tolerance"),
+    ("balancer_move_budget", -0.1, "balancer_move_budget"),
+    ("balancer_move_budget", 1.5, "balancer_move_budget"),
+    ("balancer_move_budget", float("nan"), "balancer_move_budget"),
+    ("balancer_move_budget", "0.1", "balancer_move_budget"),
 ])
 def test_balancer_options_name_the_field(field, value, needle):
     from megatron_patches.options import HybridEPOptions
@@ -199,6 +223,26 @@ def test_balancer_tolerance_flag_and_defaults():
         options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "nan"]))
     assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float?", None)
     assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] is None
+
+
+def test_balancer_move_budget_flag_and_defaults():
+    """--hybrid-ep-balancer-move-budget through the flags' own parser; without it None
+    everywhere: no cap on the slots one rebalance moves."""
+    import argparse
+
+    from hybrid_ep.balancer import ExpertBalancer
+    from megatron_patches import options
+    from megatron_patches.slurm.schema import KINDS
+
+    parser = options.add_arguments(argparse.ArgumentParser())
+    flag = "--hybrid-ep-balancer-move-budget"
+    assert options.from_args(parser.parse_args([flag, "0.1"])).balancer_move_budget == 0.1
+    assert options.from_args(parser.parse_args([])).balancer_move_budget is None
+    for bad in ("-0.1", "1.5", "nan"):
+        with pytest.raises(ValueError, match="balancer_move_budget"):
+            options.from_args(parser.parse_args([flag, bad]))
+    assert KINDS["pretrain"]["balancer"]["move_budget"] == ("float?", None)
+    assert ExpertBalancer.__init__.__kwdefaults__["move_budget"] is None
 
 
 def test_too_few_slots_is_refused():

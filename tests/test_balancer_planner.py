@@ -401,6 +401,46 @@ def test_cover_cycles_from_the_room_change_fewer_slots_than_chains_from_the_peak
         assert all(len(set(rank)) == S // W for rank in kept[layer].reshape(W, S // W))  # no expert twice on a rank
 
 
+def test_move_budget_caps_each_layer_and_the_next_rebalance_reaches_the_tolerance():
+    # the quality benchmark's hot-block case at W 32, S 288: reaching the tolerance changes
+    # more than a tenth of the slots in both layers; with move_budget=0.1 each call changes at
+    # most 28 slots per layer, the first leaves the imbalance between previous's and the
+    # tolerance, and the second, from the first's plan, gets within the tolerance
+    W, S = 32, 288
+    prev_LS, new_load, fresh_LS, allowed, _ = _benchmark_refit("hot-block", 8032, W, S)
+    prev = Placement(torch.from_numpy(prev_LS), W, 1, 256)
+    cap = int(0.1 * S)
+    unbudgeted = plan_placement(new_load, S, 1, W, previous=prev)
+    assert (unbudgeted.moves(prev) > cap).all()
+    first = plan_placement(new_load, S, 1, W, previous=prev, move_budget=0.1)
+    assert (first.moves(prev) <= cap).all() and (first.moves(prev) > 0).all()
+    first_peak = peak(new_load, first.slot_to_expert.numpy(), W)
+    assert (first_peak < peak(new_load, prev_LS, W)).all() and (first_peak > allowed).all()
+    second = plan_placement(new_load, S, 1, W, previous=first, move_budget=0.1)
+    assert (second.moves(first) <= cap).all()
+    assert (peak(new_load, second.slot_to_expert.numpy(), W) <= allowed).all()
+    for p in (first, second):  # every expert keeps a slot
+        assert (p.expert_replicas >= 1).all()
+
+
+def test_move_budget_that_does_not_bind_changes_nothing_and_zero_keeps_previous():
+    W, S = 64, 320
+    load = sample_load("zipf-1.0", 2, 256, 8, 4096 * W, seed=5).numpy()
+    prev = plan_placement(load, S, 8, W)
+    new_load = load * np.random.default_rng(6).uniform(0.9, 1.1, load.shape)
+    free = plan_placement(new_load, S, 8, W, previous=prev)
+    assert torch.equal(plan_placement(new_load, S, 8, W, previous=prev, move_budget=1.0).slot_to_expert,
+                       free.slot_to_expert)
+    assert plan_placement(new_load, S, 8, W, previous=prev, move_budget=0.0).moves(prev).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "0.1"])
+def test_invalid_move_budget_is_named(budget):
+    prev = plan_placement(np.ones((2, 8)), 8, 1, 2)
+    with pytest.raises(ValueError, match="move_budget"):
+        plan_placement(np.ones((2, 8)), 8, 1, 2, previous=prev, move_budget=budget)
+
+
 @pytest.mark.parametrize("pattern, W, S", [("zipf-1.0", 32, 288), ("uniform-noise", 64, 320), ("two-hot", 16, 320)])
 def test_walk_back_turns_slots_back_within_the_allowed_peak(pattern, W, S):
     # the fresh plan of a perturbed load (unaligned: most slots differ from previous) walked

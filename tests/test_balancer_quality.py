@@ -1,5 +1,6 @@
 """The planner's quality benchmark (python -m hybrid_ep.balancer.quality) on a small grid: files
-written, and the tolerance sweep on the cases that move more than the target."""
+written, and the tolerance sweep and the move-budget rebalances on the cases that move more
+than the target."""
 
 import json
 
@@ -51,6 +52,28 @@ def test_sweep_covers_every_case_over_the_target_and_keeps_each_tolerance(small_
     assert last["cases_over_target"] == 0 and last["moved_fraction_max"] < 0.6 * target
 
 
+def test_budget_rounds_cap_every_rebalance_and_reach_the_tolerance(small_run):
+    out, doc = small_run
+    target, rounds = doc["config"]["move_target"], doc["config"]["budget_rounds"]
+    over = [r for r in doc["cases"] if r["moved_fraction"] > target]
+    for r in doc["cases"]:
+        assert len(r["budget_rounds"]) == (rounds if r in over else 0)
+    for r in over:
+        moved = [b["moved_fraction_max_layer"] for b in r["budget_rounds"]]
+        assert max(moved) <= target and moved[0] > 0
+        excess = [b["imbalance_vs_fresh"] for b in r["budget_rounds"]]
+        # the cap binds in the first rebalance; the next ones reach the tolerance, never rising
+        assert excess[0] > DEFAULT_TOLERANCE + 1e-9 and excess[-1] <= DEFAULT_TOLERANCE + 1e-9
+        assert all(b <= a + 1e-12 for a, b in zip(excess, excess[1:]))
+    (group,) = doc["move_budget"]
+    assert (group["num_ranks"], group["slots_per_rank"], group["cases"]) == (32, 8, 3)
+    assert [b["round"] for b in group["by_round"]] == list(range(1, rounds + 1))
+    assert group["by_round"][0]["cases_within_tolerance"] == 0 and group["by_round"][-1]["cases_within_tolerance"] == 3
+    assert group["by_round"][0]["imbalance_vs_fresh_max"] == max(r["budget_rounds"][0]["imbalance_vs_fresh"] for r in over)
+    assert "| 32 | 8 | 256 | 3 | " in (out / "balancer_planner.md").read_text()
+    assert all(t["with_budget_cpu_ms"] > 0 for t in doc["timing"])
+
+
 def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):
     argv = ["--ranks", "8", "--ratios", "1.0", "--patterns", "two-hot", "--time-layers", "1", "--time-slots", "256",
             "--repeats", "1", "--move-target", "0.0", "--sweep-tolerances", "--out", str(tmp_path)]
@@ -58,3 +81,5 @@ def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):
     doc = json.loads((tmp_path / "balancer_planner.json").read_text())
     assert all(r["moved_fraction"] > 0.0 for r in doc["cases"])  # over the target, so swept if asked
     assert doc["tolerance_sweep"] == [] and all(r["tolerance_sweep"] == [] for r in doc["cases"])
+    # a budget of 0 (the move target) keeps every previous slot, rebalance after rebalance
+    assert all(b["moved_fraction_max_layer"] == 0.0 for r in doc["cases"] for b in r["budget_rounds"])

@@ -160,6 +160,8 @@ def test_cli_plan_end_to_end(tmp_path, capsys):
     (["--ranks-per-node", "3"], "--ranks-per-node"),
     (["--ep-size", "0"], "--ep-size must be >= 1"),
     (["--previous", "missing.yaml"], "--previous"),
+    (["--move-budget", "1.5"], "--move-budget must be a fraction of the slots in [0, 1]"),
+    (["--move-budget", "nan"], "--move-budget"),
 ])
 def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     stats, _ = _stats(tmp_path, intervals=2)
@@ -169,6 +171,21 @@ def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     rc = main(["plan"] + [x for kv in args.items() for x in kv])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_cli_move_budget_caps_the_slots_changed_per_layer(tmp_path):
+    stats, _ = _stats(tmp_path)
+    prev = save_placement_yaml(Placement.identity(3, 32, 40, 8, 2), str(tmp_path / "prev.yaml"))
+    plans = {}
+    for budget in (None, "0.1", "0"):
+        out = str(tmp_path / f"plan_{budget}.yaml")
+        extra = [] if budget is None else ["--move-budget", budget]
+        assert main(["plan", "--stats", stats, "--num-slots", "40", "--ranks-per-node", "4", "--previous", prev,
+                     "--out", out] + extra) == 0
+        plans[budget] = load_placement_yaml(out).moves(load_placement_yaml(prev))
+    assert (plans[None] > 4).all()  # from the identity, a Zipf load moves more than a tenth of 40 slots
+    assert (plans["0.1"] <= 4).all() and (plans["0.1"] > 0).all()
+    assert plans["0"].tolist() == [0, 0, 0]
 
 
 def test_cli_previous_shape_mismatch(tmp_path, capsys):

@@ -169,6 +169,9 @@ INVALID = [
     ("deepseek_v3", ["--set", "balancer.decay=1.5"], "balancer.decay", "(0, 1)"),
     ("deepseek_v3", ["--set", "balancer.tolerance=-0.1"], "balancer.tolerance", "must be a finite number >= 0"),
     ("deepseek_v3", ["--set", "balancer.tolerance=.nan"], "balancer.tolerance", "got nan"),
+    ("deepseek_v3", ["--set", "balancer.move_budget=-0.1"], "balancer.move_budget", "must be a number in [0, 1]"),
+    ("deepseek_v3", ["--set", "balancer.move_budget=1.5"], "balancer.move_budget", "got 1.5"),
+    ("deepseek_v3", ["--set", "balancer.move_budget=.nan"], "balancer.move_budget", "got nan"),
     ("deepseek_v3", ["--set", "dispatcher.type=alltoall"], "balancer.interval", "runs inside the hybrid_ep dispatcher"),
     ("deepseek_v3", ["--set", "dispatcher.type=magic"], "dispatcher.type", "must be one of"),
     ("deepseek_v3", ["--set", "data.mock=false"], "data.path", "is required"),
@@ -189,20 +192,24 @@ def test_invalid_override_names_field_and_rule(name, args, field, rule, capsys):
     assert f"error: {field}: " in err and rule in err, err
 
 
-def test_balancer_tolerance_flag_only_when_set():
+@pytest.mark.parametrize("key, value", [("tolerance", 0.03), ("move_budget", 0.1), ("move_budget", 0.0)])
+def test_balancer_planner_flag_only_when_set(key, value):
+    """Unset (null: the planner's default tolerance, no move cap), the flag is left out, so the
+    rendered recipes stay as they were; set, even to 0, it reaches HybridEPOptions."""
     from megatron_patches import options
     from megatron_patches.slurm.megatron_args import megatron_args
 
+    flag = "--hybrid-ep-balancer-" + key.replace("_", "-")
     default = megatron_args(recipe_mod.load(path_of("deepseek_v3")))
-    assert "--hybrid-ep-balancer-interval" in default and "--hybrid-ep-balancer-tolerance" not in default
-    assert recipe_mod.load(path_of("deepseek_v3"))["balancer.tolerance"] is None  # the planner's default
-    args = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.tolerance=0.03"]))
-    assert args[args.index("--hybrid-ep-balancer-tolerance") + 1] == "0.03"
+    assert "--hybrid-ep-balancer-interval" in default and flag not in default
+    assert recipe_mod.load(path_of("deepseek_v3"))["balancer." + key] is None
+    args = megatron_args(recipe_mod.load(path_of("deepseek_v3"), [f"balancer.{key}={value}"]))
+    assert args[args.index(flag) + 1] == str(value)
     parser = options.add_arguments(argparse.ArgumentParser())
     flags = args[args.index("--hybrid-ep-balancer-interval"):args.index("--hybrid-ep-balancer-report-dir") + 2]
-    assert options.from_args(parser.parse_args(flags)).balancer_tolerance == 0.03
-    off = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0", "balancer.tolerance=0.03"]))
-    assert "--hybrid-ep-balancer-tolerance" not in off  # no balancer, no balancer flags
+    assert getattr(options.from_args(parser.parse_args(flags)), "balancer_" + key) == value
+    off = megatron_args(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0", f"balancer.{key}={value}"]))
+    assert flag not in off  # no balancer, no balancer flags
 
 
 def test_override_types():

@@ -61,7 +61,7 @@ class ExpertBalancer:
     def __init__(self, layers: list[BalancedLayer], *, num_experts: int, slots_per_rank: int, ep_group=None,
                  stats_groups=None, num_nodes: int = 1, interval: int = 100, window: int = 1,
                  decay: float | None = None, min_gain: float = 0.0, tolerance: float | None = None,
-                 optimizer_view: OptimizerView | None = None,
+                 move_budget: float | None = None, optimizer_view: OptimizerView | None = None,
                  report_dir: str | None = None, is_reporter: bool | None = None, writers=(),
                  layer_numbers: list[int] | None = None):
         self.layers = list(layers)
@@ -92,11 +92,15 @@ class ExpertBalancer:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if tolerance is not None and (not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf):
             raise ValueError(f"tolerance must be a finite number >= 0 or None, got {tolerance!r}")
+        if move_budget is not None and (not isinstance(move_budget, (int, float)) or not 0.0 <= move_budget <= 1.0):
+            raise ValueError(f"move_budget must be a fraction of the slots in [0, 1] or None, got {move_budget!r}")
         self.num_nodes = num_nodes
         self.interval = interval
         self.min_gain = min_gain
         # plan_placement's; None: its default (the planner loads at the first rebalance)
         self.tolerance = None if tolerance is None else float(tolerance)
+        # most slots per layer one rebalance migrates, as a fraction (None: no cap)
+        self.move_budget = None if move_budget is None else float(move_budget)
         self.view = optimizer_view or OptimizerView()
         self.stats_groups = [ep_group] if stats_groups is None else list(stats_groups)
         device = self.layers[0].table.slot_to_expert_S.device
@@ -243,7 +247,7 @@ class ExpertBalancer:
         before = self._placement()
         tolerance = {} if self.tolerance is None else {"tolerance": self.tolerance}
         planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before,
-                                 **tolerance)
+                                 move_budget=self.move_budget, **tolerance)
         old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
         new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks)).mean()
         applied = bool(load_LE.sum() > 0 and float(old_imb) - float(new_imb) > self.min_gain)

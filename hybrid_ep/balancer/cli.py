@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tolerance", type=float, default=None,
                       help="with --previous: accepted rise of the rank imbalance over a fresh plan to keep "
                            f"slots (default {DEFAULT_TOLERANCE})")
+    plan.add_argument("--move-budget", type=float, default=None,
+                      help="with --previous: most slots per layer to change, as a fraction of the slots; "
+                           "where it binds the imbalance may stay above the tolerance (default: no cap)")
     return parser
 
 
@@ -89,6 +92,10 @@ def _plan(args) -> int:
         raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
     previous = _read_previous(args.previous, L, E, S, W, N)
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
+    if args.move_budget is not None:
+        if not 0.0 <= args.move_budget <= 1.0:
+            raise UsageError(f"--move-budget must be a fraction of the slots in [0, 1], got {args.move_budget}")
+        kwargs["move_budget"] = args.move_budget
     try:
         placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
     except ValueError as exc:

@@ -11,7 +11,8 @@ expert moved apart, then swaps at the most loaded rank; EPLB's plan and a greedy
 swapped the same way, replace it where they end lower; finally ranks are ordered onto
 nodes so an expert's copies share nodes (a permutation: it never changes the balance).
 With a previous placement, the planner keeps it and changes few slots: swaps and
-one-slot replica changes at the most loaded rank (docs/balancer.md).
+one-slot replica changes at the most loaded rank (docs/balancer.md); a move budget caps the
+slots one call changes, at the cost of imbalance until the next call.
 Legend: L layers, E experts, S slots, W ranks, N nodes, G = W / N ranks per node,
 P = S / W slots per rank, R most replicas of one expert.
 """
@@ -27,6 +28,9 @@ from .. import _planner
 
 # plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
 DEFAULT_TOLERANCE = 1e-2
+# Halvings of the allowed peak when a move budget binds: the interval ends 2**-6 of the way
+# from the tolerance's peak to previous's own.
+_BUDGET_STEPS = 6
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,7 +127,8 @@ class Placement:
 
 
 def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
-                   previous: Placement | None = None, *, tolerance: float = DEFAULT_TOLERANCE) -> Placement:
+                   previous: Placement | None = None, *, tolerance: float = DEFAULT_TOLERANCE,
+                   move_budget: float | None = None) -> Placement:
     """Balanced placement for load [L, E] (or [E]) tokens per expert; deterministic.
 
     With previous (same shape), per layer, the first of these whose rank imbalance
@@ -135,9 +140,18 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     onto previous does not change fewer slots; else that matched fresh plan. Migration
     moves weights and optimizer state, so a tolerance of 0.01 (the default) saves most
     moves; tolerance=0 keeps only what is as good as the fresh plan.
+
+    move_budget (a fraction of each layer's slots) caps what one call changes, for users who
+    bound a rebalance's migration: in a layer where the plan above changes more, the
+    plan within the budget with the lowest peak of those the same search finds at higher
+    allowed peaks (bisected between the tolerance's and previous's own, where nothing moves).
+    The imbalance may then exceed the fresh plan's + tolerance; calling again with the
+    result as previous continues toward it.
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    if move_budget is not None and not (isinstance(move_budget, (int, float)) and 0.0 <= move_budget <= 1.0):
+        raise ValueError(f"move_budget must be a fraction of the slots in [0, 1] or None, got {move_budget!r}")
     load_LE = _as_load(load)
     num_experts = load_LE.shape[1]
     _check_sizes(num_experts, num_slots, num_ranks, num_nodes)
@@ -157,6 +171,12 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     todo = np.flatnonzero(~keep_L)
     out_LS = prev_LS.copy()
     out_LS[todo] = _keep_most(load_LE[todo], prev_LS[todo], fresh_LS[todo], allowed_L[todo], num_nodes, num_ranks)
+    if move_budget is not None:
+        cap = int(np.floor(move_budget * num_slots + 1e-9))
+        over = np.flatnonzero((out_LS != prev_LS).sum(1) > cap)
+        if over.size:
+            out_LS[over] = _fit_budget(load_LE[over], prev_LS[over], fresh_LS[over], allowed_L[over], cap,
+                                       num_ranks)
     return Placement(torch.from_numpy(np.ascontiguousarray(out_LS)), num_ranks, num_nodes,
                      num_experts).validate()
 
@@ -244,6 +264,29 @@ def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, a
         better = ~reached[check] | ((aligned != prev_LS[check]).sum(1) < (kept[check] != prev_LS[check]).sum(1))
         kept[check[better]] = aligned[better]
     return kept
+
+
+def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, allowed_L: np.ndarray,
+                cap: int, W: int) -> np.ndarray:
+    """[L, S] per layer the lowest-peak plan changing at most cap slots among the refits
+    (_planner.keep_previous, stopped at cap) toward allowed peaks bisected between allowed_L
+    (more than cap) and previous's own peak (nothing). A refit stopped at cap has fixed the
+    most loaded ranks first, so it is a candidate too; and the search is not monotone in the
+    allowed peak, so every candidate counts, not only the last."""
+    best_LS = prev_LS.copy()
+    best_L = peak(load_LE, prev_LS, W)
+    lo_L, hi_L = allowed_L.astype(np.float64), best_L.copy()
+    for _ in range(_BUDGET_STEPS):
+        mid_L = 0.5 * (lo_L + hi_L)
+        plan_LS, reached_L = _planner.keep_previous(load_LE, prev_LS, fresh_LS, mid_L, W, cap)
+        fits = (plan_LS != prev_LS).sum(1) <= cap
+        got_L = peak(load_LE, plan_LS, W)
+        better = fits & (got_L < best_L)
+        best_LS[better], best_L[better] = plan_LS[better], got_L[better]
+        done = fits & reached_L
+        hi_L = np.where(done, mid_L, hi_L)
+        lo_L = np.where(done, lo_L, mid_L)
+    return best_LS
 
 
 def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:

@@ -12,8 +12,11 @@ per expert, planned with previous= the first plan: moved-slot fraction, imbalanc
 fresh plan's, and refit_bound's lower bound on the slots any placement within the same
 allowed peak changes (a case above --move-target whose bound is above it too cannot meet it);
 cases above --move-target planned again at each of --sweep-tolerances, summed up per layout
-(W, S): how much imbalance buys how many fewer moves. Timing: 61 layers x E x 64 ranks on
-one thread, fresh and with previous, median of repeats.
+(W, S): how much imbalance buys how many fewer moves; and rebalanced --budget-rounds times on
+the same load with move_budget = --move-target: how far above a fresh plan one capped
+rebalance leaves them and how many rebalances reach the tolerance. Timing: 61 layers x E x 64
+ranks on one thread, fresh, with previous, and with previous and the move budget, median of
+repeats.
 Writes balancer_planner.json, balancer_planner.md and balancer_planner.png into --out.
 Legend: L layers, E experts, S slots, W ranks, N nodes, K routes per token.
 """
@@ -38,7 +41,7 @@ from matplotlib.figure import Figure
 from ..synthetic import sample_topk, zipf_popularity
 from .baselines import eplb, greedy
 from .metrics import imbalance_ratio, rank_loads
-from .planner import DEFAULT_TOLERANCE, peak, plan_placement
+from .planner import DEFAULT_TOLERANCE, Placement, peak, plan_placement
 from .refit_bound import refit_lower_bound
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
@@ -125,13 +128,15 @@ def quality(args) -> list[dict]:
                        + 1e-9 * (mean + 1))
             bound = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed)
             moved_fraction = float(kept.moves(p).sum()) / (args.layers * S)
-            sweep = []
+            sweep, rounds = [], []
+            fresh_imb = imbalance(moved_load, fresh.slot_to_expert, W)
             if moved_fraction > args.move_target:  # what a larger tolerance buys where the default moves too many
                 for tol in args.sweep_tolerances:
                     looser = plan_placement(moved_load, S, N, W, previous=p, tolerance=tol)
                     sweep.append({"tolerance": tol, "moved_fraction": float(looser.moves(p).sum()) / (args.layers * S),
                                   "imbalance_vs_fresh": float((imbalance(moved_load, looser.slot_to_expert, W)
-                                                               - imbalance(moved_load, fresh.slot_to_expert, W)).max())})
+                                                               - fresh_imb).max())})
+                rounds = budget_rounds(moved_load, p, fresh_imb, args.move_target, args.budget_rounds)
             rows.append({
                 "pattern": pattern, "num_experts": args.experts, "num_ranks": W, "num_nodes": N, "num_slots": S,
                 "planner": float(imbalance(load, p.slot_to_expert, W).max()),
@@ -143,8 +148,24 @@ def quality(args) -> list[dict]:
                 "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W)
                                              - imbalance(moved_load, fresh.slot_to_expert, W)).max()),
                 "tolerance_sweep": sweep,
+                "budget_rounds": rounds,
             })
     return rows
+
+
+def budget_rounds(load_LE: np.ndarray, previous: Placement, fresh_imb_L: np.ndarray, budget: float,
+                  rounds: int) -> list[dict]:
+    """Rebalances of one load with move_budget, each from the last one's plan (what the balancer
+    does while the load holds): per round the largest moved fraction of a layer and the largest
+    imbalance above a fresh plan's."""
+    out, p = [], previous
+    for _ in range(rounds):
+        nxt = plan_placement(load_LE, p.num_slots, p.num_nodes, p.num_ranks, previous=p, move_budget=budget)
+        out.append({"moved_fraction_max_layer": float(nxt.moves(p).max()) / p.num_slots,
+                    "imbalance_vs_fresh": float((imbalance(load_LE, nxt.slot_to_expert, p.num_ranks)
+                                                 - fresh_imb_L).max())})
+        p = nxt
+    return out
 
 
 def summarize_patterns(rows: list[dict], target: float) -> list[dict]:
@@ -194,6 +215,24 @@ def summarize_sweep(rows: list[dict], target: float) -> list[dict]:
     return out
 
 
+def summarize_budget(rows: list[dict]) -> list[dict]:
+    """Per layout (W, S) with cases over target: per rebalance under the move budget, the largest
+    moved fraction of a layer, the largest imbalance above a fresh plan's, and the cases within
+    the default tolerance of it (worst over patterns and node counts)."""
+    out = []
+    over = [r for r in rows if r["budget_rounds"]]
+    for W, S in sorted({(r["num_ranks"], r["num_slots"]) for r in over}):
+        mine = [r for r in over if (r["num_ranks"], r["num_slots"]) == (W, S)]
+        out.append({"num_ranks": W, "num_slots": S, "slots_per_rank": S // W, "cases": len(mine),
+                    "by_round": [{"round": k + 1,
+                                  "moved_fraction_max_layer": max(c["moved_fraction_max_layer"] for c in col),
+                                  "imbalance_vs_fresh_max": max(c["imbalance_vs_fresh"] for c in col),
+                                  "cases_within_tolerance": sum(c["imbalance_vs_fresh"] <= DEFAULT_TOLERANCE + 1e-9
+                                                                for c in col)}
+                                 for k, col in enumerate(zip(*(r["budget_rounds"] for r in mine)))]})
+    return out
+
+
 def timing(args) -> list[dict]:
     """Median planning time on one thread for a topk-Zipf-1.2 load; previous planned from a load +-10% off."""
     L, E, W, N = args.time_layers, args.experts, args.time_ranks, args.time_ranks // 8
@@ -210,12 +249,16 @@ def timing(args) -> list[dict]:
         cpu_fresh = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
         cpu_warm = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
                     for _ in range(args.repeats)]
+        cpu_budget = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous,
+                                                        move_budget=args.move_target))
+                      for _ in range(args.repeats)]
         again = plan_placement(perturbed, slots, N, W, previous=previous)
         fresh_plan = plan_placement(perturbed, slots, N, W)
         out.append({"num_slots": slots, "num_layers": L, "num_experts": E, "num_ranks": W, "num_nodes": N,
                     "fresh_ms": 1e3 * statistics.median(fresh), "with_previous_ms": 1e3 * statistics.median(warm),
                     "fresh_cpu_ms": 1e3 * statistics.median(cpu_fresh),
                     "with_previous_cpu_ms": 1e3 * statistics.median(cpu_warm),
+                    "with_budget_cpu_ms": 1e3 * statistics.median(cpu_budget),
                     "moves_with_previous": int(again.moves(previous).sum()), "slots_total": L * slots,
                     "imbalance_fresh": float(imbalance(perturbed, fresh_plan.slot_to_expert, W).mean()),
                     "imbalance_with_previous": float(imbalance(perturbed, again.slot_to_expert, W).mean())})
@@ -288,15 +331,29 @@ def markdown(doc: dict) -> str:
                      f"{b['imbalance_vs_fresh_max']:+.4f}" for b in g["by_tolerance"]]
             lines.append(f"| {g['num_ranks']} | {g['slots_per_rank']} | {g['num_slots']} | {g['cases']} "
                          f"({', '.join(g['patterns'])}) | " + " | ".join(cells) + " |")
+    if doc.get("move_budget"):
+        rounds = len(doc["move_budget"][0]["by_round"])
+        lines += ["", f"Move budget: the same cases rebalanced {rounds} times on the same load with "
+                  f"plan_placement(previous=, move_budget={c['move_target']:g}) (the balancer's "
+                  "`balancer_move_budget`), each from the last plan. Per rebalance: largest moved fraction of a "
+                  "layer, largest imbalance above a fresh plan's, and in parentheses the cases within the default "
+                  f"tolerance ({DEFAULT_TOLERANCE:g}).", "",
+                  "| W | slots per rank | S | cases | " + " | ".join(f"rebalance {k + 1}" for k in range(rounds))
+                  + " |", "|---|---|---|---|" + "---|" * rounds]
+        for g in doc["move_budget"]:
+            cells = [f"{100 * b['moved_fraction_max_layer']:.1f}%, {b['imbalance_vs_fresh_max']:+.4f} "
+                     f"({b['cases_within_tolerance']})" for b in g["by_round"]]
+            lines.append(f"| {g['num_ranks']} | {g['slots_per_rank']} | {g['num_slots']} | {g['cases']} | "
+                         + " | ".join(cells) + " |")
     lines += ["", f"Planning time: one thread, median of {c['repeats']}, wall (time.perf_counter) and, in "
               "parentheses, CPU time of the process (time.process_time); a topk-zipf-1.2 load; with previous: the "
-              "plan of a load +-10% off.", "",
-              "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | slots moved "
-              "| imbalance fresh / with previous |", "|---|---|---|---|---|"]
+              f"plan of a load +-10% off; with budget: the same with move_budget={c['move_target']:g} (CPU time).", "",
+              "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | with budget CPU ms | slots moved "
+              "| imbalance fresh / with previous |", "|---|---|---|---|---|---|"]
     for t in doc["timing"]:
         lines.append(f"| {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, {t['num_slots']} "
                      f"| {t['fresh_ms']:.1f} ({t['fresh_cpu_ms']:.1f}) | {t['with_previous_ms']:.1f} "
-                     f"({t['with_previous_cpu_ms']:.1f}) | {t['moves_with_previous']} / "
+                     f"({t['with_previous_cpu_ms']:.1f}) | {t['with_budget_cpu_ms']:.1f} | {t['moves_with_previous']} / "
                      f"{t['slots_total']} ({100 * t['moves_with_previous'] / t['slots_total']:.1f}%) | "
                      f"{t['imbalance_fresh']:.4f} / {t['imbalance_with_previous']:.4f} |")
     return "\n".join(lines) + "\n"
@@ -304,9 +361,11 @@ def markdown(doc: dict) -> str:
 
 def plot(doc: dict, path: str) -> str:
     sweep = doc.get("tolerance_sweep") or []
-    panels = 3 if sweep else 2
-    fig = Figure(figsize=(6.5 * panels, 5.2))
-    ax = fig.add_subplot(1, panels, 1)
+    budget = doc.get("move_budget") or []
+    panels = 2 + bool(sweep) + bool(budget)
+    rows_, cols = (2, 2) if panels == 4 else (1, panels)
+    fig = Figure(figsize=(6.5 * cols, 5.2 * rows_))
+    ax = fig.add_subplot(rows_, cols, 1)
     pats = doc["patterns"]
     x = np.arange(len(pats))
     for j, (key, label) in enumerate((("planner", "planner"), ("eplb", "EPLB (best of 2 policies)"),
@@ -318,7 +377,7 @@ def plot(doc: dict, path: str) -> str:
     ax.set_title(f"E={doc['config']['experts']}, W in {doc['config']['ranks']}, S/E in {doc['config']['ratios']}",
                  fontsize=10)
     ax.legend(fontsize=9)
-    ax = fig.add_subplot(1, panels, 2)
+    ax = fig.add_subplot(rows_, cols, 2)
     ax.bar(x - 0.2, [100 * s["moved_fraction_mean"] for s in pats], 0.4, label="mean over cases")
     ax.bar(x + 0.2, [100 * s["moved_fraction_max"] for s in pats], 0.4, label="worst case")
     ax.scatter(x + 0.2, [100 * s["moved_bound_at_max"] for s in pats], marker="_", s=300, color="k", zorder=3,
@@ -332,7 +391,7 @@ def plot(doc: dict, path: str) -> str:
     ax.set_ylim(0, 1.35 * top)  # room for the legend above the bars
     ax.legend(fontsize=9, loc="upper left", ncol=3)
     if sweep:
-        ax = fig.add_subplot(1, panels, 3)
+        ax = fig.add_subplot(rows_, cols, 3)
         for g in sweep:
             t = [b["tolerance"] for b in g["by_tolerance"]]
             ax.plot(t, [100 * b["moved_fraction_max"] for b in g["by_tolerance"]], marker="o",
@@ -342,6 +401,20 @@ def plot(doc: dict, path: str) -> str:
         ax.set_xlabel("tolerance (imbalance allowed above a fresh plan's)", fontsize=10)
         ax.set_ylabel("slots moved, worst case (%)", fontsize=10)
         ax.set_title("cases over the target: moves against tolerance", fontsize=10)
+        ax.set_ylim(0, None)
+        ax.legend(fontsize=8)
+    if budget:
+        ax = fig.add_subplot(rows_, cols, panels)
+        for g in budget:
+            k = [b["round"] for b in g["by_round"]]
+            ax.plot(k, [b["imbalance_vs_fresh_max"] for b in g["by_round"]], marker="o",
+                    label=f"W={g['num_ranks']}, {g['slots_per_rank']} slots/rank ({g['cases']} cases)")
+        ax.axhline(DEFAULT_TOLERANCE, color="k", ls="--", lw=0.8, label=f"tolerance {DEFAULT_TOLERANCE:g}")
+        ax.set_xticks([b["round"] for b in budget[0]["by_round"]])
+        ax.set_xlabel(f"rebalance on the same load, each moving at most {target:.0f}% of a layer's slots",
+                      fontsize=10)
+        ax.set_ylabel("imbalance above a fresh plan's, worst case", fontsize=10)
+        ax.set_title("cases over the target: a move budget, rebalance after rebalance", fontsize=10)
         ax.set_ylim(0, None)
         ax.legend(fontsize=8)
     fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=11)
@@ -369,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--move-target", type=float, default=0.10, help="moved-slot fraction the refit aims below")
     p.add_argument("--sweep-tolerances", type=float, nargs="*", default=[0.015, 0.02, 0.03],
                    help="tolerances tried (besides the default) on cases that move more than --move-target")
+    p.add_argument("--budget-rounds", type=int, default=3,
+                   help="rebalances with move_budget = --move-target of each case that moves more (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", default=platform.processor() or platform.machine())
     p.add_argument("--out", default=os.path.join("docs", "benchmarks"))
@@ -386,6 +461,7 @@ def main(argv=None) -> int:
     doc["cases"] = quality(args)
     doc["patterns"] = summarize_patterns(doc["cases"], args.move_target)
     doc["tolerance_sweep"] = summarize_sweep(doc["cases"], args.move_target)
+    doc["move_budget"] = summarize_budget(doc["cases"])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "balancer_planner.json"), "w") as f:
         json.dump(doc, f, indent=1)

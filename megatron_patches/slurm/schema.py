@@ -100,6 +100,7 @@ _PRETRAIN = {
         "decay": ("float?", None),
         "min_gain": ("float", 0.0),
         "tolerance": ("float?", None),  # None: the planner's default
+        "move_budget": ("float?", None),  # None: no cap on the slots one rebalance moves
         "report_dir": ("str?", None),
     },
     "precision": ("str", "bf16"),

@@ -170,6 +170,9 @@ def _balancer(recipe, problems):
     tolerance = recipe[b + "tolerance"]
     if tolerance is not None and not 0.0 <= tolerance < float("inf"):
         problems.append((b + "tolerance", f"must be a finite number >= 0 or null, got {tolerance}"))
+    move_budget = recipe[b + "move_budget"]
+    if move_budget is not None and not 0.0 <= move_budget <= 1.0:
+        problems.append((b + "move_budget", f"must be a number in [0, 1] or null, got {move_budget}"))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on
