@@ -160,8 +160,10 @@ def test_cli_plan_end_to_end(tmp_path, capsys):
     (["--ranks-per-node", "3"], "--ranks-per-node"),
     (["--ep-size", "0"], "--ep-size must be >= 1"),
     (["--previous", "missing.yaml"], "--previous"),
-    (["--move-budget", "1.5"], "--move-budget must be a fraction of the slots in [0, 1]"),
-    (["--move-budget", "nan"], "--move-budget"),
+    (["--move-budget", "1.5"], "argument --move-budget: must be a fraction of the slots in [0, 1], got 1.5"),
+    (["--move-budget", "nan"], "argument --move-budget: must be a fraction of the slots in [0, 1], got nan"),
+    (["--tolerance", "-1"], "argument --tolerance: must be a finite number >= 0, got -1"),
+    (["--tolerance", "inf"], "argument --tolerance: must be a finite number >= 0, got inf"),
 ])
 def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     stats, _ = _stats(tmp_path, intervals=2)

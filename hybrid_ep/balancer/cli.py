@@ -14,6 +14,7 @@ Legend: T intervals, L layers, E experts, S slots, W ranks.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -30,6 +31,22 @@ class UsageError(Exception):
     """Bad command-line input; the message names the flag."""
 
 
+def non_negative(text: str) -> float:
+    """argparse type of --tolerance: argparse's message then names the flag."""
+    value = float(text)
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type of --move-budget."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction of the slots in [0, 1], got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0],
                                      allow_abbrev=False)
@@ -44,10 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance")
     plan.add_argument("--out", required=True, help="placement YAML to write")
     plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
-    plan.add_argument("--tolerance", type=float, default=None,
+    plan.add_argument("--tolerance", type=non_negative, default=None,
                       help="with --previous: accepted rise of the rank imbalance over a fresh plan to keep "
                            f"slots (default {DEFAULT_TOLERANCE})")
-    plan.add_argument("--move-budget", type=float, default=None,
+    plan.add_argument("--move-budget", type=fraction, default=None,
                       help="with --previous: most slots per layer to change, as a fraction of the slots; "
                            "where it binds the imbalance may stay above the tolerance (default: no cap)")
     return parser
@@ -93,8 +110,6 @@ def _plan(args) -> int:
     previous = _read_previous(args.previous, L, E, S, W, N)
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
     if args.move_budget is not None:
-        if not 0.0 <= args.move_budget <= 1.0:
-            raise UsageError(f"--move-budget must be a fraction of the slots in [0, 1], got {args.move_budget}")
         kwargs["move_budget"] = args.move_budget
     try:
         placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)

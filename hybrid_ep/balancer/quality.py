@@ -200,9 +200,7 @@ def summarize_sweep(rows: list[dict], target: float) -> list[dict]:
     (worst over patterns and node counts). Slots per rank, not the pattern, decides how many ranks
     a +-10% change pushes over the allowed peak, so the layout is what a user looks up."""
     out = []
-    over = [r for r in rows if r["tolerance_sweep"]]
-    for W, S in sorted({(r["num_ranks"], r["num_slots"]) for r in over}):
-        mine = [r for r in over if (r["num_ranks"], r["num_slots"]) == (W, S)]
+    for W, S, mine in _by_layout(rows, "tolerance_sweep"):
         points = [[{"tolerance": DEFAULT_TOLERANCE, "moved_fraction": r["moved_fraction"],
                     "imbalance_vs_fresh": r["imbalance_vs_fresh"]}] + r["tolerance_sweep"] for r in mine]
         out.append({"num_ranks": W, "num_slots": S, "slots_per_rank": S // W, "cases": len(mine),
@@ -215,14 +213,19 @@ def summarize_sweep(rows: list[dict], target: float) -> list[dict]:
     return out
 
 
+def _by_layout(rows: list[dict], key: str):
+    """(W, S, rows of that layout) over the rows where key is non-empty, by W then S."""
+    over = [r for r in rows if r[key]]
+    for W, S in sorted({(r["num_ranks"], r["num_slots"]) for r in over}):
+        yield W, S, [r for r in over if (r["num_ranks"], r["num_slots"]) == (W, S)]
+
+
 def summarize_budget(rows: list[dict]) -> list[dict]:
     """Per layout (W, S) with cases over target: per rebalance under the move budget, the largest
     moved fraction of a layer, the largest imbalance above a fresh plan's, and the cases within
     the default tolerance of it (worst over patterns and node counts)."""
     out = []
-    over = [r for r in rows if r["budget_rounds"]]
-    for W, S in sorted({(r["num_ranks"], r["num_slots"]) for r in over}):
-        mine = [r for r in over if (r["num_ranks"], r["num_slots"]) == (W, S)]
+    for W, S, mine in _by_layout(rows, "budget_rounds"):
         out.append({"num_ranks": W, "num_slots": S, "slots_per_rank": S // W, "cases": len(mine),
                     "by_round": [{"round": k + 1,
                                   "moved_fraction_max_layer": max(c["moved_fraction_max_layer"] for c in col),
