@@ -434,6 +434,30 @@ def test_move_budget_that_does_not_bind_changes_nothing_and_zero_keeps_previous(
     assert plan_placement(new_load, S, 8, W, previous=prev, move_budget=0.0).moves(prev).tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("pattern, seed, W, S", [("hot-block", 8032, 32, 288), ("two-hot", 7064, 64, 320),
+                                                ("uniform-noise", 9064, 64, 256)])
+def test_refit_stopped_at_max_moves_never_changes_more(pattern, seed, W, S):
+    # the move budget's candidates: refits toward allowed peaks between the tolerance's and
+    # previous's own, each stopped at max_moves. A swap, a chain or an ejection chain that would
+    # take the count past max_moves is not made (they once did, in about 3 of 10 such calls,
+    # and the budget threw those candidates away)
+    prev, new_load, fresh, allowed, kept = _benchmark_refit(pattern, seed, W, S)
+    own = peak(new_load, prev, W)
+    full = (kept != prev).sum(1)
+    stopped = 0
+    for cap in (1, 2, 3, S // 20, S // 10 - 1, S // 10):
+        for frac in (0.0, 0.25, 0.5, 0.75):
+            target = allowed + frac * (own - allowed)
+            plan, reached = _planner.keep_previous(new_load, prev, fresh, target, W, cap)
+            changed = (plan != prev).sum(1)
+            assert (changed <= cap).all(), (cap, frac, changed)
+            assert ((peak(new_load, plan, W) <= target) == reached).all()
+            for layer in range(2):  # a stopped refit is still a placement: every expert keeps a slot
+                assert np.bincount(plan[layer], minlength=256).min() >= 1
+            stopped += int((~reached & (full > cap)).sum())
+    assert stopped >= 12  # most of these calls stop short, so the cap is what binds
+
+
 @pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "0.1"])
 def test_invalid_move_budget_is_named(budget):
     prev = plan_placement(np.ones((2, 8)), 8, 1, 2)

@@ -825,10 +825,17 @@ void refit_counts(Packing& pk, const std::vector<int>& want) {
   }
 }
 
+int changed(const Slots& a, const Slots& b) {
+  int n = 0;
+  for (size_t s = 0; s < a.size(); ++s) n += a[s] != b[s];
+  return n;
+}
+
 // When no single move lowers the peak rank m: a swap that brings m within the allowed peak
 // but pushes its partner b over, followed by b's best swap if that brings b back within
-// (an ejection chain of two swaps). Tries the first swaps that push b least first.
-bool eject(Packing& pk, int m, double allowed_peak) {
+// (an ejection chain of two swaps) that leaves at most max_moves slots changed from previous.
+// Tries the first swaps that push b least first.
+bool eject(Packing& pk, int m, double allowed_peak, const Slots& previous, int max_moves) {
   const int P = pk.P(), W = pk.W();
   const double lm = pk.rank_load(m);
   std::vector<std::pair<double, std::pair<int, int>>> first;  // (b's new load, (s, t))
@@ -851,7 +858,8 @@ bool eject(Packing& pk, int m, double allowed_peak) {
     const Swap back = best_swap(pk, t / P, 0.0);
     if (back.s >= 0 && back.pair <= allowed_peak) {
       pk.swap(back.s, back.t);
-      return true;
+      if (changed(pk.slots(), previous) <= max_moves) return true;
+      pk.swap(back.s, back.t);
     }
     pk.swap(s, t);  // undo
   }
@@ -920,12 +928,12 @@ Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots
       const int in = chain.back(), k = static_cast<int>(chain.size());
       const int64_t e_in = pk.expert(in);
       const double w_in = pk.slot_weight(in);
-      if (k > 1 && path && beats_best(k, k) && can_drop(pk, in, allowed))
+      if (k > 1 && k <= max_slots && path && beats_best(k, k) && can_drop(pk, in, allowed))
         best = Chain{chain, gain, k};
       // the rank with the most room first: the first that closes wins, and none closes once
       // the room is below w_in - back
       int close = -1;
-      if (beats_best(k, k + 1))
+      if (k + 1 <= max_slots && beats_best(k, k + 1))
         for (int b : pk.by_load()) {
           const double room = allowed - pk.rank_load(b);
           if (room < w_in - back) break;
@@ -940,7 +948,7 @@ Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots
         best = Chain{chain, -1, k};
         best.slots.push_back(close);
       }
-      if (k >= std::min(kChainRanks, max_slots - 1)) break;
+      if (k >= std::min(kChainRanks, max_slots)) break;
       int next = -1;
       for (int r : over) {
         if (used[r] || pk.holds(r, e_in)) continue;
@@ -1150,7 +1158,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     }
     int kind = 0;  // 1: swap, 2: replica change
     if (rs >= 0 && rep_peak <= allowed_peak) kind = 2;
-    else if (const Chain ch = best_chain(pk, m, allowed_peak, lightest, max_moves - moved + 1);
+    else if (const Chain ch = best_chain(pk, m, allowed_peak, lightest, max_moves - moved);
              2 * ch.relieved > static_cast<int>(ch.slots.size())) {
       // fewer changed slots per rank brought within than a swap's two
       for (int s : ch.slots) moved -= differs(s);
@@ -1163,12 +1171,16 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     const int bs = kind == 1 ? sw.s : rs, bt = sw.t;
     const int64_t by = ry;
     if (kind == 0) {
-      if (!eject(pk, m, allowed_peak)) break;
+      if (!eject(pk, m, allowed_peak, previous, max_moves)) break;
       moved = 0;
       for (int s = 0; s < S; ++s) moved += differs(s);
       continue;
     }
     const int t = kind == 1 ? bt : bs;
+    const int added = kind == 1 ? static_cast<int>(pk.expert(bt) != previous[bs]) +
+                                      static_cast<int>(pk.expert(bs) != previous[bt]) - differs(bs) - differs(bt)
+                                : static_cast<int>(by != previous[bs]) - differs(bs);
+    if (moved + added > max_moves) break;  // the cap holds: the search stops short instead
     moved -= differs(bs) + (t != bs ? differs(t) : 0);
     if (kind == 1) pk.swap(bs, bt);
     else pk.set(bs, by);
@@ -1222,12 +1234,6 @@ void walk_back(Packing& pk, const Slots& previous, double allowed) {
   }
 }
 
-int changed(const Slots& a, const Slots& b) {
-  int n = 0;
-  for (size_t s = 0; s < a.size(); ++s) n += a[s] != b[s];
-  return n;
-}
-
 }  // namespace
 
 Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start,
@@ -1246,7 +1252,8 @@ bool keep_previous(const double* load, int E, int W, const Slots& previous, cons
   int best = reached ? changed(slots, previous) : S + 1;
   auto keep = [&](bool ok, const Packing& p) {
     const int n = ok ? changed(p.slots(), previous) : S + 1;
-    if (n < best) slots = p.slots(), best = n, reached = true;
+    // refit_counts alone may change more than max_moves slots, before its search starts
+    if (n < best && n <= max_moves) slots = p.slots(), best = n, reached = true;
   };
   if (best > S / 4) {
     // stuck or costly: replica counts changed to the fresh plan's first, then the same search

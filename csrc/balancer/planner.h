@@ -33,7 +33,8 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W);
 // where it changes more than a tenth, cycles from the ranks with the most room through
 // several over-loaded ranks, then the same search (the fewest changed slots wins). Returns
 // false (slots then hold the best reached) when none gets there: no move lowers that rank any
-// more, or max_moves slots differ from previous.
+// more, or the next would change more than max_moves slots. slots never differ from previous
+// in more than max_moves slots (the move budget's candidates rely on it).
 bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
                    double allowed_peak, int max_moves, Slots& slots);
 

@@ -278,14 +278,12 @@ def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, 
     lo_L, hi_L = allowed_L.astype(np.float64), best_L.copy()
     for _ in range(_BUDGET_STEPS):
         mid_L = 0.5 * (lo_L + hi_L)
-        plan_LS, reached_L = _planner.keep_previous(load_LE, prev_LS, fresh_LS, mid_L, W, cap)
-        fits = (plan_LS != prev_LS).sum(1) <= cap
+        plan_LS, reached_L = _planner.keep_previous(load_LE, prev_LS, fresh_LS, mid_L, W, cap)  # <= cap changed
         got_L = peak(load_LE, plan_LS, W)
-        better = fits & (got_L < best_L)
+        better = got_L < best_L
         best_LS[better], best_L[better] = plan_LS[better], got_L[better]
-        done = fits & reached_L
-        hi_L = np.where(done, mid_L, hi_L)
-        lo_L = np.where(done, lo_L, mid_L)
+        hi_L = np.where(reached_L, mid_L, hi_L)
+        lo_L = np.where(reached_L, lo_L, mid_L)
     return best_LS
 
 
