@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -98,16 +97,17 @@ class HybridEPOptions:
             raise ValueError(f"hybrid_ep option balancer_decay must be in (0, 1) or None, got {self.balancer_decay!r}")
         if not self.balancer_min_gain >= 0.0:
             raise ValueError(f"hybrid_ep option balancer_min_gain must be >= 0, got {self.balancer_min_gain!r}")
+        from hybrid_ep.balancer import knobs  # here: `import megatron_patches` stays free of torch
+
         tolerance = self.balancer_tolerance
-        if tolerance is not None and (not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf):
+        if tolerance is not None and not knobs.valid_tolerance(tolerance):
             raise ValueError(
-                f"hybrid_ep option balancer_tolerance must be a finite float >= 0 or None, got {tolerance!r}"
+                f"hybrid_ep option balancer_tolerance must be {knobs.TOLERANCE_RULE} or None, got {tolerance!r}"
             )
         budget = self.balancer_move_budget
-        if budget is not None and (not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0):
+        if budget is not None and not knobs.valid_move_budget(budget):
             raise ValueError(
-                f"hybrid_ep option balancer_move_budget must be a fraction of the slots in [0, 1] or None, "
-                f"got {budget!r}"
+                f"hybrid_ep option balancer_move_budget must be {knobs.MOVE_BUDGET_RULE} or None, got {budget!r}"
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=320)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per layer")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--move-budget", type=float, default=None,
+                   help="also time plan_placement(previous=, move_budget=) at this fraction")
     args = p.parse_args(argv)
     sys.path.insert(0, args.repo)
     from hybrid_ep.balancer.planner import plan_placement
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     load = sample_load("topk-zipf-1.2", args.layers, 256, 8, args.tokens, 100).numpy()
     perturbed = load * np.random.default_rng(0).uniform(0.9, 1.1, load.shape)
     previous = plan_placement(load, S, N, W)
-    fresh, warm = [], []
+    fresh, warm, capped = [], [], []
     for _ in range(args.repeats):
         t = time.process_time()
         plan_placement(perturbed, S, N, W)
@@ -46,9 +48,15 @@ def main(argv=None) -> int:
         t = time.process_time()
         plan_placement(perturbed, S, N, W, previous=previous)
         warm.append(time.process_time() - t)
+        if args.move_budget is not None:
+            t = time.process_time()
+            plan_placement(perturbed, S, N, W, previous=previous, move_budget=args.move_budget)
+            capped.append(time.process_time() - t)
     print(f"{args.repo}: {args.layers} x 256, W {W}, {N} nodes, S {S}; CPU ms median (fastest) of {args.repeats}: "
           f"fresh {1e3 * statistics.median(fresh):.1f} ({1e3 * min(fresh):.1f}), "
-          f"with previous {1e3 * statistics.median(warm):.1f} ({1e3 * min(warm):.1f})")
+          f"with previous {1e3 * statistics.median(warm):.1f} ({1e3 * min(warm):.1f})"
+          + (f", with move budget {args.move_budget} {1e3 * statistics.median(capped):.1f} ({1e3 * min(capped):.1f})"
+             if capped else ""))
     return 0
 
 

@@ -57,8 +57,9 @@ def test_invalid_previous_is_named():
         plan_placement(np.ones((3, 8)), 8, 1, 2, previous=prev)
     with pytest.raises(ValueError, match="previous.num_ranks"):
         plan_placement(np.ones((2, 8)), 8, 1, 4, previous=prev)
-    with pytest.raises(ValueError, match="tolerance"):
-        plan_placement(np.ones((2, 8)), 8, 1, 2, previous=prev, tolerance=-1)
+    for bad in (-1, float("inf"), float("nan"), True):  # the rule every caller shares (knobs.py)
+        with pytest.raises(ValueError, match="tolerance must be a finite number >= 0"):
+            plan_placement(np.ones((2, 8)), 8, 1, 2, previous=prev, tolerance=bad)
 
 
 def test_placement_validate_names_fields():
@@ -458,7 +459,7 @@ def test_refit_stopped_at_max_moves_never_changes_more(pattern, seed, W, S):
     assert stopped >= 12  # most of these calls stop short, so the cap is what binds
 
 
-@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "0.1"])
+@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "0.1", True])
 def test_invalid_move_budget_is_named(budget):
     prev = plan_placement(np.ones((2, 8)), 8, 1, 2)
     with pytest.raises(ValueError, match="move_budget"):

@@ -169,7 +169,7 @@ INVALID = [
     ("deepseek_v3", ["--set", "balancer.decay=1.5"], "balancer.decay", "(0, 1)"),
     ("deepseek_v3", ["--set", "balancer.tolerance=-0.1"], "balancer.tolerance", "must be a finite number >= 0"),
     ("deepseek_v3", ["--set", "balancer.tolerance=.nan"], "balancer.tolerance", "got nan"),
-    ("deepseek_v3", ["--set", "balancer.move_budget=-0.1"], "balancer.move_budget", "must be a number in [0, 1]"),
+    ("deepseek_v3", ["--set", "balancer.move_budget=-0.1"], "balancer.move_budget", "must be a fraction of the slots in [0, 1]"),
     ("deepseek_v3", ["--set", "balancer.move_budget=1.5"], "balancer.move_budget", "got 1.5"),
     ("deepseek_v3", ["--set", "balancer.move_budget=.nan"], "balancer.move_budget", "got nan"),
     ("deepseek_v3", ["--set", "dispatcher.type=alltoall"], "balancer.interval", "runs inside the hybrid_ep dispatcher"),

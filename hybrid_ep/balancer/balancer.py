@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
 from .state import OptimizerView, grad_tensors, movable_tensors
@@ -90,10 +90,10 @@ class ExpertBalancer:
                 )
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
-        if tolerance is not None and (not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < math.inf):
-            raise ValueError(f"tolerance must be a finite number >= 0 or None, got {tolerance!r}")
-        if move_budget is not None and (not isinstance(move_budget, (int, float)) or not 0.0 <= move_budget <= 1.0):
-            raise ValueError(f"move_budget must be a fraction of the slots in [0, 1] or None, got {move_budget!r}")
+        if tolerance is not None and not valid_tolerance(tolerance):
+            raise ValueError(f"tolerance must be {TOLERANCE_RULE} or None, got {tolerance!r}")
+        if move_budget is not None and not valid_move_budget(move_budget):
+            raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
         self.num_nodes = num_nodes
         self.interval = interval
         self.min_gain = min_gain

@@ -14,13 +14,13 @@ Legend: T intervals, L layers, E experts, S slots, W ranks.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 import numpy as np
 import torch
 
+from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .metrics import rank_loads, summarize
 from .placement_file import load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
@@ -34,16 +34,16 @@ class UsageError(Exception):
 def non_negative(text: str) -> float:
     """argparse type of --tolerance: argparse's message then names the flag."""
     value = float(text)
-    if not 0.0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if not valid_tolerance(value):
+        raise argparse.ArgumentTypeError(f"must be {TOLERANCE_RULE}, got {text}")
     return value
 
 
 def fraction(text: str) -> float:
     """argparse type of --move-budget."""
     value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a fraction of the slots in [0, 1], got {text}")
+    if not valid_move_budget(value):
+        raise argparse.ArgumentTypeError(f"must be {MOVE_BUDGET_RULE}, got {text}")
     return value
 
 

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from .. import _planner
+from .knobs import DEFAULT_TOLERANCE, MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 
-# plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
-DEFAULT_TOLERANCE = 1e-2
 # Halvings of the allowed peak when a move budget binds: the interval ends 2**-6 of the way
 # from the tolerance's peak to previous's own.
 _BUDGET_STEPS = 6
@@ -148,10 +147,10 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     The imbalance may then exceed the fresh plan's + tolerance; calling again with the
     result as previous continues toward it.
     """
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
-    if move_budget is not None and not (isinstance(move_budget, (int, float)) and 0.0 <= move_budget <= 1.0):
-        raise ValueError(f"move_budget must be a fraction of the slots in [0, 1] or None, got {move_budget!r}")
+    if not valid_tolerance(tolerance):
+        raise ValueError(f"tolerance must be {TOLERANCE_RULE}, got {tolerance!r}")
+    if move_budget is not None and not valid_move_budget(move_budget):
+        raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
     load_LE = _as_load(load)
     num_experts = load_LE.shape[1]
     _check_sizes(num_experts, num_slots, num_ranks, num_nodes)

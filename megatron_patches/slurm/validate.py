@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from hybrid_ep.balancer.knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from hybrid_ep.dtypes import DISPATCH_BY_NAME
 from hybrid_ep.rows import row_bytes_rule
 
@@ -168,11 +169,11 @@ def _balancer(recipe, problems):
     if recipe[b + "min_gain"] < 0:
         problems.append((b + "min_gain", f"must be >= 0, got {recipe[b + 'min_gain']}"))
     tolerance = recipe[b + "tolerance"]
-    if tolerance is not None and not 0.0 <= tolerance < float("inf"):
-        problems.append((b + "tolerance", f"must be a finite number >= 0 or null, got {tolerance}"))
+    if tolerance is not None and not valid_tolerance(tolerance):
+        problems.append((b + "tolerance", f"must be {TOLERANCE_RULE} or null, got {tolerance}"))
     move_budget = recipe[b + "move_budget"]
-    if move_budget is not None and not 0.0 <= move_budget <= 1.0:
-        problems.append((b + "move_budget", f"must be a number in [0, 1] or null, got {move_budget}"))
+    if move_budget is not None and not valid_move_budget(move_budget):
+        problems.append((b + "move_budget", f"must be {MOVE_BUDGET_RULE} or null, got {move_budget}"))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on

@@ -1,0 +1,31 @@
+"""The planner's two migration knobs: the tolerance's default and both knobs' valid values.
+
+Every place that takes them (plan_placement, ExpertBalancer, HybridEPOptions, recipes, the
+hybrid-ep-balance CLI) checks them here, so a value one accepts none of the others refuses;
+each names the argument its user wrote in its own message.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+# plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
+DEFAULT_TOLERANCE = 1e-2
+
+TOLERANCE_RULE = "a finite number >= 0"
+MOVE_BUDGET_RULE = "a fraction of the slots in [0, 1]"
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def valid_tolerance(value) -> bool:
+    """Rank imbalance a kept placement may add over a fresh plan's (TOLERANCE_RULE)."""
+    return _real(value) and 0.0 <= value < math.inf
+
+
+def valid_move_budget(value) -> bool:
+    """Most slots per layer one call changes, as a fraction of the layer's (MOVE_BUDGET_RULE)."""
+    return _real(value) and 0.0 <= value <= 1.0
