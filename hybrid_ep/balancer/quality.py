@@ -145,8 +145,7 @@ def quality(args) -> list[dict]:
                 "moved_fraction": moved_fraction,
                 "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
                 "moved_bound_fraction": float(bound.sum()) / (args.layers * S),
-                "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W)
-                                             - imbalance(moved_load, fresh.slot_to_expert, W)).max()),
+                "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W) - fresh_imb).max()),
                 "tolerance_sweep": sweep,
                 "budget_rounds": rounds,
             })
