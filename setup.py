@@ -203,7 +203,7 @@ def _planner_extension() -> Extension:
     if includes is None:
         raise RuntimeError("hybrid-ep: building hybrid_ep._planner needs pybind11 or PyTorch at build time "
                            "(pip install pybind11, or install torch first)")
-    return Extension("hybrid_ep._planner", ["csrc/balancer/planner.cpp", "csrc/bindings/planner_module.cpp"],
+    return Extension("hybrid_ep._planner", sorted(glob.glob("csrc/balancer/*.cpp")) + ["csrc/bindings/planner_module.cpp"],
                      include_dirs=[os.path.abspath("csrc")] + includes,
                      depends=sorted(glob.glob("csrc/balancer/*")), language="c++",
                      extra_compile_args=_PLANNER_CXX_FLAGS)

@@ -7,6 +7,10 @@
 //
 // A slot holding expert e weighs load[e] / copies(e); rank r owns slots r*P .. r*P + P - 1.
 // Legend: E experts, S slots, W ranks, N nodes, G = W / N, P = S / W.
+//
+// Where each part lives: fresh.cpp (plan_fresh, lower_bound), refit.cpp (keep_previous,
+// walk_back_to), baselines.cpp (eplb, eplb_hierarchical, greedy), copies.cpp (replica_counts),
+// packing.cpp (peak_load); packing.h and copies.h hold what they share.
 #pragma once
 #include <cstdint>
 #include <vector>

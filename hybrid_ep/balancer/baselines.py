@@ -11,7 +11,7 @@ Greedy: replicate the largest load / replicas until the spare slots are spent, t
 longest-processing-time packing (heaviest slot to the least loaded rank with room,
 avoiding a rank that holds the expert already when one with room does not).
 All return slot_to_expert [L, S] int64 with rank r owning slots r*P .. (r+1)*P - 1.
-The planner runs the same two plans natively (csrc/balancer/planner.cpp) as candidates;
+The planner runs the same two plans natively (csrc/balancer/baselines.cpp) as candidates;
 these stay an independent reference: tests check the native ones give identical plans, and
 the quality benchmark compares against these.
 Legend: L layers, E experts, S slots, W ranks, N nodes, P = S / W slots per rank.

@@ -3,7 +3,7 @@
 A slot holding expert e carries load[e] / replicas(e) (the router splits an expert's
 tokens evenly over its replicas) and a rank carries the sum over its slots; the plan keeps
 the largest rank small. The search runs per layer in C++ (hybrid_ep._planner,
-csrc/balancer/planner.cpp): a local search is sequential, and a Python loop over it costs
+csrc/balancer/): a local search is sequential, and a Python loop over it costs
 far more than the search. Fresh plan: replica counts from one global budget of spare
 slots (each to the largest load / replicas, so a very hot expert gets as many copies as it
 needs, on any node), slots packed onto ranks by balanced differencing, copies of one
