@@ -29,6 +29,10 @@ def test_writes_json_markdown_and_plot(small_run):
     assert "| hot-block | 3 |" in md
     assert "| 32 | 8 | 256 | 3 (hot-block) |" in md  # the sweep's row for the layout
     assert [r["num_nodes"] for r in doc["cases"]] == [1, 2, 4]
+    # S = E: no count can change, so the bound with counts kept is the bound, and no copy is gained
+    for r in doc["cases"]:
+        assert r["moved_bound_kept_counts_fraction"] == r["moved_bound_fraction"] > 0 and r["copies_gained"] == 0
+    assert "0 need more than 10% if every copy count stays" in md
 
 
 def test_sweep_covers_every_case_over_the_target_and_keeps_each_tolerance(small_run):
@@ -72,6 +76,14 @@ def test_budget_rounds_cap_every_rebalance_and_reach_the_tolerance(small_run):
     assert group["by_round"][0]["imbalance_vs_fresh_max"] == max(r["budget_rounds"][0]["imbalance_vs_fresh"] for r in over)
     assert "| 32 | 8 | 256 | 3 | " in (out / "balancer_planner.md").read_text()
     assert all(t["with_budget_cpu_ms"] > 0 for t in doc["timing"])
+
+
+def test_copies_gained_counts_each_layer():
+    before = [[0, 1, 0, 2], [0, 1, 2, 3]]
+    after = [[0, 1, 3, 2], [0, 1, 2, 3]]  # layer 0: a copy of 0 became the first of 3
+    assert quality.copies_gained(before, after, 4) == 1
+    assert quality.copies_gained(after, before, 4) == 1
+    assert quality.copies_gained([[0, 0, 0, 1]], [[0, 1, 2, 3]], 4) == 2
 
 
 def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):

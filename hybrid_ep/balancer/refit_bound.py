@@ -20,7 +20,9 @@ Two necessary conditions bound C from below:
    raises x's holders by at most n_rx * L_x / c_x each, up to their room: t losses take at
    most t * D, D the largest such sum.
 With S = E no copy count can change (t = 0): every over-loaded rank changes a slot, and ranks
-with room must change too until their room covers X.
+with room must change too until their room covers X. The same t = 0 bound holds for any plan
+that keeps every expert's copy count (keep_counts=True), whatever S: where it is above a move
+target and the bound with counts free is not, only plans that change copy counts can meet it.
 Legend: L layers, E experts, S slots, W ranks, P = S / W, n_re copies of e on rank r, c_e copies.
 """
 
@@ -31,12 +33,13 @@ import numpy as np
 _EPS = 1e-12  # relative slack in the comparisons, so rounding never raises the bound
 
 
-def refit_lower_bound(load_LE, previous_LS, num_ranks: int, allowed_L) -> np.ndarray:
-    """[L] int64: changed slots every placement within allowed_L (peak per layer) needs from previous_LS."""
+def refit_lower_bound(load_LE, previous_LS, num_ranks: int, allowed_L, *, keep_counts: bool = False) -> np.ndarray:
+    """[L] int64: changed slots every placement within allowed_L (peak per layer) needs from previous_LS
+    (with keep_counts, every such placement that keeps each expert's copy count)."""
     load_LE = np.atleast_2d(np.asarray(load_LE, dtype=np.float64))
     prev_LS = np.atleast_2d(np.asarray(previous_LS, dtype=np.int64))
     allowed_L = np.broadcast_to(np.asarray(allowed_L, dtype=np.float64), (load_LE.shape[0],))
-    return np.array([_layer_bound(load_LE[l], prev_LS[l], num_ranks, float(allowed_L[l]))
+    return np.array([_layer_bound(load_LE[l], prev_LS[l], num_ranks, float(allowed_L[l]), keep_counts)
                      for l in range(load_LE.shape[0])], dtype=np.int64)
 
 
@@ -50,7 +53,7 @@ def _rank_loads(load_E: np.ndarray, prev_S: np.ndarray, W: int) -> np.ndarray:
     return (load_E[prev_S] / copies[prev_S]).reshape(W, -1).sum(1)
 
 
-def _layer_bound(load: np.ndarray, prev: np.ndarray, W: int, A: float) -> int:
+def _layer_bound(load: np.ndarray, prev: np.ndarray, W: int, A: float, keep_counts: bool) -> int:
     E, S = load.shape[0], prev.shape[0]
     n_WE = np.zeros((W, E))
     np.add.at(n_WE, (np.arange(S) // (S // W), prev), 1.0)
@@ -63,7 +66,7 @@ def _layer_bound(load: np.ndarray, prev: np.ndarray, W: int, A: float) -> int:
     total_excess = float(excess.sum())
     room = np.sort(np.maximum(A - rank[~over], 0.0))[::-1]
     room_cum = np.concatenate([[0.0], np.cumsum(room)])
-    spare = S - E  # copies that can be lost (every expert keeps one)
+    spare = 0 if keep_counts else S - E  # copies that can be lost (every expert keeps one)
     fixed, relief = int(over.sum()), 0.0
     take = 0.0
     if spare > 0:
