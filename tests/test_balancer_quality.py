@@ -5,9 +5,10 @@ than the target."""
 import json
 
 import pytest
+import torch
 
 from hybrid_ep.balancer import quality
-from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE
+from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +80,14 @@ def test_budget_rounds_cap_every_rebalance_and_reach_the_tolerance(small_run):
 
 
 def test_copies_gained_counts_each_layer():
-    before = [[0, 1, 0, 2], [0, 1, 2, 3]]
-    after = [[0, 1, 3, 2], [0, 1, 2, 3]]  # layer 0: a copy of 0 became the first of 3
-    assert quality.copies_gained(before, after, 4) == 1
-    assert quality.copies_gained(after, before, 4) == 1
-    assert quality.copies_gained([[0, 0, 0, 1]], [[0, 1, 2, 3]], 4) == 2
+    def placement(s2e):
+        return Placement(torch.tensor(s2e), num_ranks=2, num_nodes=1, num_experts=4)
+
+    before = placement([[0, 1, 0, 2], [0, 1, 2, 3]])
+    after = placement([[0, 1, 3, 2], [0, 1, 2, 3]])  # layer 0: a copy of 0 became the first of 3
+    assert quality.copies_gained(before, after) == 1
+    assert quality.copies_gained(after, before) == 1
+    assert quality.copies_gained(placement([[0, 0, 0, 1]]), placement([[0, 1, 2, 3]])) == 2
 
 
 def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):

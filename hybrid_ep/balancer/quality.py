@@ -106,12 +106,9 @@ def grid(ranks: list[int], ratios: list[float], num_experts: int) -> list[tuple[
     return out
 
 
-def copies_gained(before_LS, after_LS, num_experts: int) -> int:
+def copies_gained(before: Placement, after: Placement) -> int:
     """Copies experts gained from before to after, summed over layers (as many as they lost)."""
-    def counts(s2e):
-        s2e = torch.as_tensor(np.asarray(s2e))
-        return torch.zeros(s2e.shape[0], num_experts, dtype=torch.int64).scatter_add_(1, s2e, torch.ones_like(s2e))
-    return int((counts(after_LS) - counts(before_LS)).clamp(min=0).sum())
+    return int((after.expert_replicas - before.expert_replicas).clamp(min=0).sum())
 
 
 def imbalance(load_LE: np.ndarray, s2e_LS, W: int) -> np.ndarray:
@@ -157,7 +154,7 @@ def quality(args) -> list[dict]:
                 "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
                 "moved_bound_fraction": float(bound.sum()) / (args.layers * S),
                 "moved_bound_kept_counts_fraction": float(bound_kept.sum()) / (args.layers * S),
-                "copies_gained": copies_gained(p.slot_to_expert, kept.slot_to_expert, args.experts),
+                "copies_gained": copies_gained(p, kept),
                 "imbalance_vs_fresh": float((imbalance(moved_load, kept.slot_to_expert, W) - fresh_imb).max()),
                 "tolerance_sweep": sweep,
                 "budget_rounds": rounds,
