@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "balancer/exchange.h"
 #include "balancer/packing.h"
 #include "balancer/planner.h"
 
@@ -268,88 +269,6 @@ void apply_chain(Packing& pk, const Chain& c) {
   pk.set(s[0], c.gain);
 }
 
-// Cycles from the ranks with the most room, copy counts kept: room rank R gives a light copy to
-// an over-loaded rank, which gives one heavier by at least its excess to the next over-loaded
-// rank, and so on; R takes the last, heaviest copy, within its room. A cycle through k
-// over-loaded ranks changes k + 1 slots and brings all k within. Each round applies the cycle
-// through the most over-loaded ranks (ties: the rank with less room) from any slot of the
-// kCoverRooms ranks with the most room, each step taking the copy that brings the next rank
-// within with the least to spare (room for more steps); it stops where the longest cycle
-// brings fewer than two ranks within (a swap is as cheap). The refit search chains from the
-// most loaded rank down, up to 8 ranks; on some loads covering from the room up needs fewer
-// slots. Returns the over-loaded ranks left.
-// Four: eight, finished however many over-loaded ranks are left, won in more layers but cost
-// 4.5 ms on the timing load against 1.3 ms (docs/balancer.md, step 3).
-constexpr int kCoverRooms = 4;
-
-int cover_cycles(Packing& pk, double allowed) {
-  const int P = pk.P(), W = pk.W(), S = W * P;
-  std::vector<int> over, chain;
-  std::vector<char> used(W, 0), hit(W, 0);
-  // the best cycle from each slot, kept until a cycle changes a rank on it (a cycle only takes
-  // ranks off the over-loaded list, so the choices of one that misses them stay the same)
-  std::vector<std::vector<int>> from(S);
-  std::vector<char> known(S, 0);
-  auto build = [&](int i, double room) {
-    const int R = i / P;
-    const double top = pk.slot_weight(i) + room;  // the heaviest copy R can take
-    for (int r : over) used[r] = 0;
-    chain.assign(1, i);
-    std::vector<int>& best = from[i];
-    best.clear();
-    for (;;) {
-      const int64_t e_in = pk.expert(chain.back());
-      const double w_in = pk.slot_weight(chain.back());
-      int next = -1;
-      double spare = kInf;
-      for (int r : over) {
-        if (used[r] || pk.holds(r, e_in)) continue;
-        const double need = w_in + pk.rank_load(r) - allowed;  // r gives at least this
-        for (int t = r * P; t < (r + 1) * P; ++t) {
-          const double o = pk.slot_weight(t);
-          if (o >= need && o <= top && o - need < spare) next = t, spare = o - need;
-        }
-      }
-      if (next < 0) return;
-      chain.push_back(next);
-      used[next / P] = 1;
-      if (pk.expert(next) == pk.expert(i) || !pk.holds(R, pk.expert(next))) best = chain;
-    }
-  };
-  for (;;) {
-    pk.over_loaded(allowed, over);
-    if (over.empty()) return 0;
-    // a cycle through two over-loaded ranks needs room for the two smallest excesses
-    double least = kInf, second = kInf;
-    for (int r : over) {
-      const double ex = pk.rank_load(r) - allowed;
-      if (ex < least) second = least, least = ex;
-      else if (ex < second) second = ex;
-    }
-    int pick = -1, rooms = 0;
-    double pick_room = 0.0;
-    for (int R : pk.by_load()) {
-      const double room = allowed - pk.rank_load(R);
-      if (room < least + second || rooms++ >= kCoverRooms) break;
-      for (int i = R * P; i < (R + 1) * P; ++i) {
-        if (!known[i]) build(i, room), known[i] = 1;
-        const size_t k = from[i].size(), kp = pick < 0 ? 0 : from[pick].size();
-        if (k > kp || (k == kp && k > 0 && room < pick_room)) pick = i, pick_room = room;
-      }
-    }
-    if (pick < 0 || from[pick].size() < 3) return static_cast<int>(over.size());
-    const Chain cycle{from[pick], -1, static_cast<int>(from[pick].size()) - 1};
-    apply_chain(pk, cycle);
-    std::fill(hit.begin(), hit.end(), 0);
-    for (int s : cycle.slots) hit[s / P] = 1;
-    for (int i = 0; i < S; ++i) {
-      bool stale = known[i] && hit[i / P];
-      for (size_t j = 0; known[i] && !stale && j < from[i].size(); ++j) stale = hit[from[i][j] / P];
-      if (stale) known[i] = 0;
-    }
-  }
-}
-
 // Restarts: where the refit still changes more than kRestartAbove of the slots (twice the 10%
 // move target), the search runs again from previous up to kRestarts times, each step fixing one
 // of the kRestartRanks most loaded ranks drawn from a seeded generator (plans stay
@@ -359,11 +278,11 @@ int cover_cycles(Packing& pk, double allowed) {
 constexpr size_t kRestartRanks = 3;
 constexpr unsigned kRestarts = 5;
 constexpr double kRestartAbove = 0.2;
-// Cover cycles (cover_cycles) where the best refit changes more than the 10% move target, the
-// search finishing from them where at most kCoverLeft over-loaded ranks are left: with more left
-// it wins less often (by 1-4 slots) and the finishing search costs as much as the cycles.
-constexpr double kCoverAbove = 0.1;
-constexpr int kCoverLeft = 4;
+// The one-slot exchange (exchange.h) where the best refit changes more than the 10% move target:
+// it reaches the target on loads where the search, which fixes one rank at a time, changes
+// several slots per rank. It replaced cycles from the ranks with the most room through the
+// over-loaded ranks, which cost as much and won fewer slots (docs/balancer.md).
+constexpr double kExchangeAbove = 0.1;
 
 // The over-loaded rank a refit step works on: the most loaded one (order null), or one of the
 // kRestartRanks most loaded drawn from order.
@@ -564,12 +483,12 @@ bool keep_previous(const double* load, int E, int W, const Slots& previous, cons
     Packing again(load, E, W, previous);
     keep(refit_search(again, previous, allowed_peak, std::min(max_moves, best - 1), &order), again);
   }
-  if (best > S * kCoverAbove) {
-    Packing covered(load, E, W, previous);
-    const int left = cover_cycles(covered, allowed_peak);
-    // a slot per rank left, within the move budget
-    if (left <= kCoverLeft && changed(covered.slots(), previous) + left < std::min(best, max_moves + 1))
-      keep(refit_search(covered, previous, allowed_peak, std::min(max_moves, best - 1)), covered);
+  if (best > S * kExchangeAbove) {
+    Slots exchanged;
+    if (one_slot_exchange(Packing(load, E, W, previous), allowed_peak, std::min(best, max_moves + 1), exchanged)) {
+      Packing p(load, E, W, exchanged);
+      keep(p.peak() <= allowed_peak, p);
+    }
   }
   return reached;
 }
