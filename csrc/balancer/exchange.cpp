@@ -25,10 +25,10 @@ struct Span {
   int lo, hi, group, slot;
 };
 
-constexpr int kMiss = 1000;  // cost of one uncovered unit of demand against one rank with room
-constexpr int kPasses = 1;   // passes of one-rank changes: more cost more than the 25 ms limit leaves
-// A pass lowered the ranks with room the start needs by at most 7 in the quality benchmark's
-// layouts over 10% and on the timing load; a start further than this from winning is dropped.
+constexpr int kPasses = 1;  // passes of one-rank changes: a second costs more than the 25 ms limit leaves
+// A start whose changed slots exceed the best refit's by kPassGain or more is dropped: where the
+// exchange won (the quality benchmark's layouts over 10%, the timing load), its start exceeded
+// them by at most 7.
 constexpr int kPassGain = 8;
 
 class Exchange {
@@ -39,9 +39,9 @@ class Exchange {
   bool run(Slots& out) {
     if (!build()) return false;
     std::vector<int> choice = start();
-    int cost = greedy(choice, true, kMiss, nullptr);
+    int cost = greedy(choice, true, miss_, nullptr);
     const int over = static_cast<int>(choice.size());
-    if (cost >= kMiss || over + cost - kPassGain >= fewer_than_) return false;
+    if (cost >= miss_ || over + cost - kPassGain >= fewer_than_) return false;
     for (int pass = 0; pass < kPasses; ++pass) {
       bool improved = false;
       for (int i = 0; i < over; ++i)
@@ -59,9 +59,9 @@ class Exchange {
     // both sweeps' covers of the final choice, fewer ranks with room first; the first that pairs
     std::vector<int> rooms[2];
     int taken[2];
-    for (int down = 0; down < 2; ++down) taken[down] = greedy(choice, down, kMiss, &rooms[down]);
+    for (int down = 0; down < 2; ++down) taken[down] = greedy(choice, down, miss_, &rooms[down]);
     for (int down : taken[1] < taken[0] ? std::vector<int>{1, 0} : std::vector<int>{0, 1})
-      if (taken[down] < kMiss && over + taken[down] < fewer_than_ && pair_up(choice, rooms[down], out)) return true;
+      if (taken[down] < miss_ && over + taken[down] < fewer_than_ && pair_up(choice, rooms[down], out)) return true;
     return false;
   }
 
@@ -91,6 +91,7 @@ class Exchange {
       else over_at_.push_back(static_cast<int>(over_opt_.size()));
     }
     if (over_opt_.empty() || room_count_ == 0) return false;
+    miss_ = room_count_ + 1;
     // ends to levels: equal weights share a level (heaviest_first: a radix sort at this size)
     const std::vector<int> order = heaviest_first(ends);
     std::vector<int> level(ends.size());
@@ -162,7 +163,7 @@ class Exchange {
 
   // Cover of the demand of choice, sweeping the levels up (taking, where short, the unused
   // interval reaching highest) or down (mirrored), each rank with room at most once: the ranks
-  // taken plus kMiss per unit left short, or bound as soon as it reaches bound. The sweep
+  // taken plus miss_ per unit left short, or bound as soon as it reaches bound. The sweep
   // stops only where coverage can fall short: where a demand interval starts or a taken one
   // ends. rooms: the slots taken.
   int greedy(const std::vector<int>& choice, int down, int bound, std::vector<int>* rooms) {
@@ -195,7 +196,7 @@ class Exchange {
           }
         }
         if (!pick) {
-          cost += kMiss * (need - cov);
+          cost += miss_ * (need - cov);
           break;
         }
         used_[pick->group] = 1;
@@ -257,6 +258,7 @@ class Exchange {
   const int fewer_than_;  // changed slots the exchange must stay under
   int n_ = 0;             // segments between the levels
   int room_count_ = 0;    // ranks with room
+  int miss_ = 0;          // cost of one uncovered unit of demand: more than every rank with room
   std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
   std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
