@@ -483,6 +483,46 @@ def test_refit_stopped_at_max_moves_never_changes_more(pattern, seed, W, S):
     assert stopped >= 12  # most of these calls stop short, so the cap is what binds
 
 
+def test_any_previous_tolerance_and_budget_give_a_deterministic_placement_within_the_rules():
+    # previous as a user may hand it in (a saved placement, another planner's, replicas anywhere,
+    # an expert twice on a rank), loads with zeros and one hot expert, every tolerance and move
+    # budget: the result keeps every expert, is the same on a second call, stays within the
+    # tolerance's peak without a budget, and with one changes at most floor(budget * S) slots
+    # per layer and never ends above the larger of previous's peak and the tolerance's
+    rng = np.random.default_rng(34)
+    for case in range(150):
+        N = int(rng.choice([1, 2, 3]))
+        W = N * int(rng.integers(1, 16 // N + 1))
+        E = N * int(rng.integers(1, 48 // N + 1))
+        S = W * (-(-E // W) + int(rng.integers(0, 3)))
+        kind = case % 3
+        if kind == 0:
+            load = rng.integers(0, 100, (2, E)).astype(np.float64)
+        elif kind == 1:
+            load = np.zeros((2, E))
+            load[:, rng.integers(0, E)] = 1000.0
+            load += rng.integers(0, 3, (2, E))
+        else:
+            load = rng.exponential(1.0, (2, E)) * (rng.random((2, E)) < 0.6)
+        rows = [np.concatenate([rng.permutation(E), rng.integers(0, E, S - E)]) for _ in range(2)]
+        prev = Placement(torch.from_numpy(np.stack([r[rng.permutation(S)] for r in rows])), W, N, E).validate()
+        tol = float(rng.choice([0.0, 0.01, 0.05, 0.3]))
+        budget = [None, 0.0, 0.05, 0.2, 1.0][case % 5]
+        out = plan_placement(load, S, N, W, previous=prev, tolerance=tol, move_budget=budget)
+        out.validate()
+        again = plan_placement(load, S, N, W, previous=prev, tolerance=tol, move_budget=budget)
+        assert torch.equal(out.slot_to_expert, again.slot_to_expert)
+        mean = load.sum(1) / W
+        allowed = (peak(load, plan_placement(load, S, N, W).slot_to_expert.numpy(), W) + tol * mean
+                   + 1e-9 * (mean + 1))
+        mine = peak(load, out.slot_to_expert.numpy(), W)
+        if budget is None:
+            assert (mine <= allowed).all(), (case, E, W, N, S, tol)
+        else:
+            assert (out.moves(prev).numpy() <= np.floor(budget * S + 1e-9)).all(), (case, budget)
+            assert (mine <= np.maximum(peak(load, prev.slot_to_expert.numpy(), W), allowed)).all(), case
+
+
 @pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "0.1", True])
 def test_invalid_move_budget_is_named(budget):
     prev = plan_placement(np.ones((2, 8)), 8, 1, 2)
