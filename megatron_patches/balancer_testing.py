@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -280,7 +279,3 @@ def _expert_weights(layer, bal) -> dict:
         out.setdefault(e, (expert.linear_fc1.weight.detach().double().clone(),
                            expert.linear_fc2.weight.detach().double().clone()))
     return out
-
-
-def temporary_directory() -> str:
-    return tempfile.mkdtemp(prefix="hybrid_ep_balancer_ckpt_")

@@ -1,10 +1,9 @@
-"""Shared fixtures: process-group pools (started once per world size) and a 1-rank group."""
+"""Shared fixtures: process-group pools (started once per world size), a 1-rank group, checkpoint folders."""
 
 from __future__ import annotations
 
 import collections
 import os
-import tempfile
 
 import pytest
 import torch
@@ -35,12 +34,18 @@ def pool_for():
 
 
 @pytest.fixture(scope="session")
-def single_rank_group():
+def single_rank_group(tmp_path_factory):
     """torch.distributed in this process as a world of one (gloo), for in-process checks."""
     if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(prefix="hybrid_ep_w1_"), "store")
+        path = os.path.join(tmp_path_factory.mktemp("w1"), "store")
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     yield dist.group.WORLD
+
+
+@pytest.fixture(scope="module")
+def new_checkpoint_dir(tmp_path_factory):
+    """Makes an empty folder per call, under pytest's base temp (which keeps only its last runs)."""
+    return lambda: str(tmp_path_factory.mktemp("ckpt"))
 
 
 def pytest_collection_modifyitems(config, items):

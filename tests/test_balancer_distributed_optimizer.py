@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_patches.balancer_checkpoint_testing import load_other_ep  # noqa: E402
-from megatron_patches.balancer_testing import TrainRun, temporary_directory, train_moe_layer  # noqa: E402
+from megatron_patches.balancer_testing import TrainRun, train_moe_layer  # noqa: E402
 from megatron_patches.testing import LayerCase  # noqa: E402
 
 E, STEPS, INTERVAL = 8, 20, 5
@@ -40,17 +40,17 @@ def _runs(pool, case, ranks, **runs):
 
 
 @pytest.fixture(scope="module")
-def ep2(pool_for):
+def ep2(pool_for, new_checkpoint_dir):
     pool = pool_for(4)
-    dist_ckpt = temporary_directory()
+    dist_ckpt = new_checkpoint_dir()
     out = _runs(
         pool, EP2, 4,
         plain=TrainRun(STEPS, optimizer="distributed"),
-        balanced=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=temporary_directory()),
+        balanced=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=new_checkpoint_dir()),
         overlap=TrainRun(STEPS, INTERVAL, 6, "distributed", overlap=True, checkpoint_dir=dist_ckpt,
                          checkpoint_format="torch_dist"),
         bf16_plain=TrainRun(STEPS, optimizer="distributed", **BF16),
-        bf16=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=temporary_directory(),
+        bf16=TrainRun(STEPS, INTERVAL, 6, "distributed", checkpoint_dir=new_checkpoint_dir(),
                       checkpoint_format="torch_dist", **BF16),
         bf16_overlap=TrainRun(STEPS, INTERVAL, 6, "distributed", overlap=True, **BF16),
         bf16_unfused_plain=TrainRun(STEPS, optimizer="distributed", **BF16_UNFUSED),
@@ -63,7 +63,7 @@ def ep2(pool_for):
 
 
 @pytest.fixture(scope="module")
-def ep4(pool_for):
+def ep4(pool_for, new_checkpoint_dir):
     # Checkpointed after a migration: the fp32 run at step 10 (legacy), the bf16 run at step
     # 12 (torch_dist; two steps of counts not yet reduced, folded into the carry that the
     # plan at step 15 adds in) and an fp32 run planning on a window of three reductions at
@@ -71,10 +71,10 @@ def ep4(pool_for):
     # bf16_uninterrupted: the bf16 run never checkpointed (the save folds counts into the carry).
     pool = pool_for(8)
     return _runs(pool, EP4, 8, plain=TrainRun(STEPS, optimizer="distributed"),
-                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=temporary_directory()),
-                 window3=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3, checkpoint_dir=temporary_directory()),
+                 balanced=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=new_checkpoint_dir()),
+                 window3=TrainRun(STEPS, INTERVAL, 3, "distributed", window=3, checkpoint_dir=new_checkpoint_dir()),
                  bf16_plain=TrainRun(STEPS, optimizer="distributed", **BF16),
-                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=temporary_directory(),
+                 bf16=TrainRun(STEPS, INTERVAL, 3, "distributed", checkpoint_dir=new_checkpoint_dir(),
                                checkpoint_format="torch_dist", checkpoint_step=12, **BF16),
                  bf16_uninterrupted=TrainRun(STEPS, INTERVAL, 3, "distributed", **BF16))
 

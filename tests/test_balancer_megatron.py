@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.balancer_testing import TrainRun, temporary_directory, train_moe_layer  # noqa: E402
+from megatron_patches.balancer_testing import TrainRun, train_moe_layer  # noqa: E402
 from megatron_patches.testing import LayerCase  # noqa: E402
 
 W = 4
@@ -22,15 +22,15 @@ STEPS, INTERVAL, SLOTS_PER_RANK = 20, 5, 3  # 12 slots for 8 experts: 4 replicas
 
 
 @pytest.fixture(scope="module")
-def runs(pool_for):
+def runs(pool_for, new_checkpoint_dir):
     pool = pool_for(W)
     out = {}
     for kind in ("torch", "megatron"):
         out[kind, "plain"] = pool.run(train_moe_layer, [(CASE, TrainRun(STEPS, optimizer=kind))] * W, timeout_s=600)
-        ckpt = temporary_directory() if kind == "megatron" else None
+        ckpt = new_checkpoint_dir() if kind == "megatron" else None
         run = TrainRun(STEPS, INTERVAL, SLOTS_PER_RANK, kind, checkpoint_dir=ckpt)
         out[kind, "balanced"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
-    run = TrainRun(STEPS, INTERVAL, SLOTS_PER_RANK, "megatron", bf16=True, checkpoint_dir=temporary_directory())
+    run = TrainRun(STEPS, INTERVAL, SLOTS_PER_RANK, "megatron", bf16=True, checkpoint_dir=new_checkpoint_dir())
     out["bf16"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     run = TrainRun(INTERVAL, INTERVAL, SLOTS_PER_RANK, "torch", tolerance=0.25)
     out["tolerance"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)

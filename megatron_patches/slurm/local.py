@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,4 +142,6 @@ def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=pri
             with open(os.path.join(logs, f"rank{rank}.log")) as f:
                 tail = f.read()[-2000:]
             echo(f"--- rank {rank} (tail) ---\n{tail}", flush=True)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)  # kept only where a failure needs reading
     return rc
