@@ -282,7 +282,7 @@ constexpr double kRestartAbove = 0.2;
 // it reaches the target on loads where the search, which fixes one rank at a time, changes
 // several slots per rank. It replaced cycles from the ranks with the most room through the
 // over-loaded ranks, which cost as much and met the target on zipf-0.8 at W 64, S 320 only,
-// where the exchange meets it too (docs/balancer.md).
+// where the exchange meets it too (docs/balancer_notes.md).
 constexpr double kExchangeAbove = 0.1;
 
 // The over-loaded rank a refit step works on: the most loaded one (order null), or one of the
