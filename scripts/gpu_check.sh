@@ -140,13 +140,19 @@ run_ncu() {
     timeout --signal=INT "$budget" ncu --target-processes all --kernel-name "regex:dispatch_kernel|combine_kernel" \
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
-        --export "$results/ncu" --force-overwrite \
+        --section SourceCounters --export "$results/ncu" --force-overwrite \
         "$py" -m hybrid_ep.testing.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
         --calls 2 --no-check > "$results/ncu.log" 2>&1
     local rc=$?
     if [ -f "$results/ncu.ncu-rep" ]; then
         ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1
         ncu --import "$results/ncu.ncu-rep" --page details --csv > "$results/ncu_details.csv" 2>&1
+        # per-SASS-instruction stall samples (SourceCounters), one table per kernel
+        local k
+        for k in dispatch_kernel combine_kernel; do
+            ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source sass \
+                --kernel-name "regex:$k" > "$results/ncu_source_$k.csv" 2>&1
+        done
     fi
     tail -5 "$results/ncu.log"
     return "$rc"
