@@ -152,7 +152,12 @@ run_ncu() {
         for k in dispatch_kernel combine_kernel; do
             ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source sass \
                 --kernel-name "regex:$k" > "$results/ncu_source_$k.csv" 2>&1
+            # the same summed per source line (the build has -lineinfo)
+            ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source cuda,sass \
+                --kernel-name "regex:$k" > "$results/ncu_source_lines.tmp" 2>&1
+            "$py" scripts/ncu_lines.py "$results/ncu_source_lines.tmp" > "$results/ncu_lines_$k.txt" 2>&1
         done
+        rm -f "$results/ncu_source_lines.tmp"
     fi
     tail -5 "$results/ncu.log"
     return "$rc"
