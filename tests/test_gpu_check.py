@@ -5,6 +5,7 @@ scripts/env.sh (it builds a virtualenv from a package registry)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import stat
@@ -172,6 +173,45 @@ def test_bench_and_ncu_stages(machine):
     assert "regex:dispatch_kernel|combine_kernel" in ncu[0] and "--launch-skip 3 --launch-count 2" in ncu[0]
     assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in ncu[0]
     assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
+    assert "--section SourceCounters" in ncu[0]
+    for kernel in ("dispatch_kernel", "combine_kernel"):
+        assert any(f"--print-source cuda,sass --kernel-name regex:{kernel}" in line for line in ncu)
+        assert any("scripts/ncu_lines.py" in line for line in calls.splitlines() if line.startswith("python3"))
+
+
+def _ncu_lines():
+    spec = importlib.util.spec_from_file_location("ncu_lines", REPO / "scripts" / "ncu_lines.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ncu_lines_sums_stall_samples_per_source_line(tmp_path):
+    # ncu's layout: a block per source file, one row per SASS instruction under its line.
+    cols = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_long_sb"'
+    table = tmp_path / "t.csv"
+    table.write_text("\n".join([
+        '"Function Name","combine_kernel"',
+        '"File Path","/src/csrc/kernels/state.cuh"', cols,
+        '"100","if (try_wait) return true;","0x10","LDS R1","30","0","27"',
+        '"100","","0x20","BRA","10","0","1"',
+        '"101","spin","0x30","NOP","20","0","0"',
+        '"File Path","/src/csrc/kernels/combine.cuh"', cols,
+        '"564","__syncthreads();","0x40","EXIT","140","140","0"',
+    ]) + "\n")
+    lines = _ncu_lines().summarize(str(table), top=2).splitlines()
+    assert lines[0] == "combine_kernel: 200 warp samples"
+    assert lines[1].split()[:2] == ["70.0%", "combine.cuh:564"] and "[barrier 100%]" in lines[1]
+    assert lines[2].split()[:2] == ["20.0%", "state.cuh:100"] and "[long_sb 70%]" in lines[2]
+    assert len(lines) == 3
+
+
+def test_ncu_lines_names_a_table_without_stall_samples(tmp_path):
+    table = tmp_path / "sass_only.csv"
+    table.write_text('"Line No","Source","Instructions Executed"\n"1","x","5"\n')
+    with pytest.raises(ValueError, match="SourceCounters"):
+        _ncu_lines().summarize(str(table))
+    assert _ncu_lines().main([str(tmp_path / "missing.csv")]) == 1
 
 
 def test_the_script_names_no_installer():
