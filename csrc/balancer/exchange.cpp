@@ -4,10 +4,14 @@
 // permutation exists iff, at every weight level t, as many caps as released weights reach t;
 // that is, the over-loaded ranks' intervals (w - excess, w] are covered at every level by at
 // least as many intervals (w, w + room] of ranks with room. The search picks the slot each
-// over-loaded rank releases (a start that avoids levels few ranks with room reach, then one
-// pass of one-rank changes) and covers the demand greedily with as few ranks with room as it
+// over-loaded rank releases and covers the demand greedily with as few ranks with room as it
 // can; a bipartite matching then pairs the copies with the ranks, skipping any rank that
-// already holds the expert.
+// already holds the expert. The slots released come from three starts, the one whose cover
+// takes the fewest ranks kept: the slots that avoid levels few ranks with room reach, the
+// heaviest slots, and a first fit into the ranks with the most room (where an exact solve
+// shows the fewest changed slots, the over-loaded ranks release heavy copies and the ranks
+// with the most room take them, docs/balancer_notes.md). One pass of one-rank changes follows
+// where that start does not yet beat the refit.
 #include "balancer/exchange.h"
 
 #include <algorithm>
@@ -25,10 +29,12 @@ struct Span {
   int lo, hi, group, slot;
 };
 
-constexpr int kPasses = 1;  // passes of one-rank changes: a second costs more than the 25 ms limit leaves
+// Passes of one-rank changes, run only where the best start does not beat the refit: a second
+// pass, or one on every layer, costs more than the 25 ms limit leaves.
+constexpr int kPasses = 1;
 // A start whose changed slots exceed the best refit's by kPassGain or more is dropped: where the
-// exchange won (the quality benchmark's layouts over 10%, the timing load), its start exceeded
-// them by at most 7.
+// exchange won (the quality benchmark's layouts over 10%, the timing load), its best start
+// exceeded them by at most 4.
 constexpr int kPassGain = 8;
 
 class Exchange {
@@ -38,11 +44,16 @@ class Exchange {
 
   bool run(Slots& out) {
     if (!build()) return false;
-    std::vector<int> choice = start();
+    std::vector<int> choice = least_spill();
     int cost = greedy(choice, true, miss_, nullptr);
+    for (std::vector<int> other : {heaviest(), first_fit()}) {
+      if (other.empty()) continue;
+      const int c = greedy(other, true, cost, nullptr);
+      if (c < cost) choice.swap(other), cost = c;
+    }
     const int over = static_cast<int>(choice.size());
     if (cost >= miss_ || over + cost - kPassGain >= fewer_than_) return false;
-    for (int pass = 0; pass < kPasses; ++pass) {
+    for (int pass = 0; pass < kPasses && over + cost >= fewer_than_; ++pass) {
       bool improved = false;
       for (int i = 0; i < over; ++i)
         for (int o = over_at_[i]; o < over_at_[i + 1]; ++o) {
@@ -119,10 +130,20 @@ class Exchange {
     return true;
   }
 
-  // The start: the over-loaded ranks with the most excess first, each releasing the slot whose
-  // interval overflows least what the ranks with room reach there (a rank counted once per
-  // level, its intervals merged).
-  std::vector<int> start() {
+  // The over-loaded ranks' indices, the most excess first (ties: rank order).
+  std::vector<int> most_excess_first() const {
+    const int over = static_cast<int>(over_at_.size()) - 1;
+    std::vector<int> order(over);
+    for (int i = 0; i < over; ++i) order[i] = i;
+    auto excess = [&](int i) { return pk_.rank_load(over_opt_[over_at_[i]].slot / pk_.P()) - allowed_; };
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return excess(x) > excess(y); });
+    return order;
+  }
+
+  // The over-loaded ranks with the most excess first, each releasing the slot whose interval
+  // overflows least what the ranks with room reach there (a rank counted once per level, its
+  // intervals merged).
+  std::vector<int> least_spill() {
     std::vector<int> supply(n_ + 1, 0), demand(n_, 0);
     std::vector<std::pair<int, int>> merged;  // one room rank's intervals
     const std::vector<Span>& rooms = by_reach_[0];
@@ -139,10 +160,7 @@ class Exchange {
     }
     for (int k = 1; k <= n_; ++k) supply[k] += supply[k - 1];
     const int over = static_cast<int>(over_at_.size()) - 1;
-    std::vector<int> order(over);
-    for (int i = 0; i < over; ++i) order[i] = i;
-    auto excess = [&](int i) { return pk_.rank_load(over_opt_[over_at_[i]].slot / pk_.P()) - allowed_; };
-    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return excess(x) > excess(y); });
+    const std::vector<int> order = most_excess_first();
     std::vector<int> choice(over);
     for (int i : order) {
       int pick = -1;
@@ -157,6 +175,121 @@ class Exchange {
       }
       choice[i] = pick;
       for (int k = over_opt_[pick].lo; k < over_opt_[pick].hi; ++k) demand[k] += 1;
+    }
+    return choice;
+  }
+
+  // Each over-loaded rank releasing its heaviest copy.
+  std::vector<int> heaviest() const {
+    const int over = static_cast<int>(over_at_.size()) - 1;
+    std::vector<int> choice(over);
+    for (int i = 0; i < over; ++i) {
+      int b = over_at_[i];
+      for (int o = b + 1; o < over_at_[i + 1]; ++o)
+        if (pk_.slot_weight(over_opt_[o].slot) > pk_.slot_weight(over_opt_[b].slot)) b = o;
+      choice[i] = b;
+    }
+    return choice;
+  }
+
+  // First fit, the over-loaded ranks with the most excess first: each releases its heaviest
+  // slot whose interval the ranks with room taken so far still cover; where none is, the rank
+  // with the most room whose slot makes one covered is taken, at the slot that also holds the
+  // most intervals of the ranks still to come, or, where no one rank does (an excess above
+  // every room), the fewest ranks that together do. Empty where that fails.
+  std::vector<int> first_fit() {
+    const int over = static_cast<int>(over_at_.size()) - 1;
+    const std::vector<int> order = most_excess_first();
+    std::vector<int> spare(n_, 0);  // cover minus demand per segment
+    auto fits = [&](const Span& x) {
+      for (int k = x.lo; k < x.hi; ++k)
+        if (spare[k] < 1) return false;
+      return true;
+    };
+    auto add = [&](const Span& x, int d) {
+      for (int k = x.lo; k < x.hi; ++k) spare[k] += d;
+    };
+    // the room ranks' intervals grouped by rank, most room first
+    std::vector<std::vector<const Span*>> of_room(room_count_);
+    std::vector<double> room(room_count_, 0);
+    for (const Span& x : by_reach_[0]) {
+      of_room[x.group].push_back(&x);
+      room[x.group] = allowed_ - pk_.rank_load(x.slot / pk_.P());
+    }
+    std::vector<int> by_room(room_count_);
+    for (int g = 0; g < room_count_; ++g) by_room[g] = g;
+    std::stable_sort(by_room.begin(), by_room.end(), [&](int a, int b) { return room[a] > room[b]; });
+    std::vector<char> taken(room_count_, 0);
+    std::vector<int> choice(over, -1);
+    auto heaviest_fit = [&](int i) {
+      int pick = -1;
+      for (int o = over_at_[i]; o < over_at_[i + 1]; ++o)
+        if (fits(over_opt_[o]) && (pick < 0 || over_opt_[o].hi > over_opt_[pick].hi)) pick = o;
+      return pick;
+    };
+    for (int n = 0; n < over; ++n) {
+      const int i = order[n];
+      int pick = heaviest_fit(i);
+      if (pick < 0) {
+        // per option, the segments left uncovered: a new interval must span them all
+        short_.clear();
+        for (int o = over_at_[i]; o < over_at_[i + 1]; ++o) {
+          int lo = -1, hi = -1;
+          for (int k = over_opt_[o].lo; k < over_opt_[o].hi; ++k)
+            if (spare[k] < 1) hi = k + 1, lo = lo < 0 ? k : lo;
+          short_.push_back({lo, hi});
+        }
+        for (int g : by_room) {
+          if (taken[g]) continue;
+          const Span* best = nullptr;
+          int best_score = -1;
+          for (const Span* x : of_room[g]) {
+            bool ok = false;
+            for (const auto& [lo, hi] : short_) ok = ok || (x->lo <= lo && hi <= x->hi);
+            if (!ok) continue;
+            int score = 0;
+            for (int m = n + 1; m < over; ++m)
+              for (int o = over_at_[order[m]]; o < over_at_[order[m] + 1]; ++o)
+                score += over_opt_[o].lo >= x->lo && over_opt_[o].hi <= x->hi;
+            if (score > best_score) best = x, best_score = score;
+          }
+          if (best) {
+            taken[g] = 1;
+            add(*best, 1);
+            pick = heaviest_fit(i);
+            break;
+          }
+        }
+        if (pick < 0) {
+          // the slot whose short segments the fewest intervals cover, each the untaken one
+          // reaching furthest from the first segment still short
+          std::vector<const Span*> best_set, set;
+          for (int o = over_at_[i]; o < over_at_[i + 1]; ++o) {
+            set.clear();
+            std::vector<char> used(taken);
+            const Span& u = over_opt_[o];
+            int k = u.lo;
+            bool ok = true;
+            while (ok) {
+              while (k < u.hi && spare[k] >= 1) ++k;
+              if (k >= u.hi) break;
+              const Span* far = nullptr;
+              for (const Span& x : by_reach_[0]) {
+                if (x.hi <= k) break;
+                if (x.lo <= k && !used[x.group]) { far = &x; break; }
+              }
+              if (!far) ok = false;
+              else set.push_back(far), used[far->group] = 1, k = far->hi;
+            }
+            if (ok && (best_set.empty() || set.size() < best_set.size())) best_set = set;
+          }
+          for (const Span* x : best_set) taken[x->group] = 1, add(*x, 1);
+          pick = heaviest_fit(i);
+        }
+        if (pick < 0) return {};
+      }
+      choice[i] = pick;
+      add(over_opt_[pick], -1);
     }
     return choice;
   }
@@ -263,6 +396,7 @@ class Exchange {
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
   std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
   std::vector<std::pair<int, int>> events_;
+  std::vector<std::pair<int, int>> short_;  // first_fit: per slot, the segments a new interval must span
   std::vector<int> ends_;
   std::vector<char> used_;
 };
