@@ -30,6 +30,8 @@ def _number(text: str) -> float | None:
 
 def summarize(path: str, top: int = 15) -> str:
     """The table's kernel, its total samples and its `top` source lines by samples."""
+    if top < 1:
+        raise ValueError(f"top must be a positive integer, got {top!r}")
     kernel, source_file, header = "?", "?", None
     samples = collections.Counter()            # (file, line) -> samples
     reasons = collections.defaultdict(collections.Counter)
@@ -65,10 +67,17 @@ def summarize(path: str, top: int = 15) -> str:
     return "\n".join(out)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tables", nargs="+", help="CSV files written by ncu --page source --csv --print-source cuda,sass")
-    p.add_argument("--top", type=int, default=15, help="lines to print per table")
+    p.add_argument("--top", type=_positive_int, default=15, help="lines to print per table")
     args = p.parse_args(argv)
     for path in args.tables:
         try:

@@ -214,6 +214,14 @@ def test_ncu_lines_names_a_table_without_stall_samples(tmp_path):
     assert _ncu_lines().main([str(tmp_path / "missing.csv")]) == 1
 
 
+def test_ncu_lines_rejects_a_top_below_one(tmp_path, capsys):
+    with pytest.raises(ValueError, match="top must be a positive integer"):
+        _ncu_lines().summarize(str(tmp_path / "t.csv"), top=0)
+    with pytest.raises(SystemExit):
+        _ncu_lines().main([str(tmp_path / "t.csv"), "--top", "-3"])
+    assert "--top: must be a positive integer, got '-3'" in capsys.readouterr().err
+
+
 def test_the_script_names_no_installer():
     text = SCRIPT.read_text()
     for word in ("pip ", "env.sh", "curl", "wget", "venv", "conda", "apt-get"):
