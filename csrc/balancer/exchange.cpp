@@ -11,7 +11,8 @@
 // heaviest slots, and a first fit into the ranks with the most room (where an exact solve
 // shows the fewest changed slots, the over-loaded ranks release heavy copies and the ranks
 // with the most room take them, docs/balancer_notes.md). One pass of one-rank changes follows
-// where that start does not yet beat the refit.
+// where that start does not yet beat the refit. Where no start's greedy cover reaches every
+// level, a cover that spares the ranks whose other intervals levels ahead need rates them again.
 #include "balancer/exchange.h"
 
 #include <algorithm>
@@ -45,34 +46,54 @@ class Exchange {
   bool run(Slots& out) {
     if (!build()) return false;
     std::vector<int> choice = least_spill();
+    const int over = static_cast<int>(choice.size());
     int cost = greedy(choice, true, miss_, nullptr);
-    for (std::vector<int> other : {heaviest(), first_fit()}) {
+    std::vector<int> others[2] = {heaviest(), first_fit()};
+    for (std::vector<int>& other : others) {
       if (other.empty()) continue;
       const int c = greedy(other, true, cost, nullptr);
       if (c < cost) choice.swap(other), cost = c;
     }
-    const int over = static_cast<int>(choice.size());
-    if (cost >= miss_ || over + cost - kPassGain >= fewer_than_) return false;
-    for (int pass = 0; pass < kPasses && over + cost >= fewer_than_; ++pass) {
-      bool improved = false;
-      for (int i = 0; i < over; ++i)
-        for (int o = over_at_[i]; o < over_at_[i + 1]; ++o) {
-          if (o == choice[i]) continue;
-          const int keep = choice[i];
-          choice[i] = o;
-          const int c = greedy(choice, true, cost, nullptr);
-          if (c < cost) cost = c, improved = true;
-          else choice[i] = keep;
+    if (cost < miss_) {
+      if (over + cost - kPassGain >= fewer_than_) return false;
+      for (int pass = 0; pass < kPasses && over + cost >= fewer_than_; ++pass) {
+        bool improved = false;
+        for (int i = 0; i < over; ++i)
+          for (int o = over_at_[i]; o < over_at_[i + 1]; ++o) {
+            if (o == choice[i]) continue;
+            const int keep = choice[i];
+            choice[i] = o;
+            const int c = greedy(choice, true, cost, nullptr);
+            if (c < cost) cost = c, improved = true;
+            else choice[i] = keep;
+          }
+        if (!improved) break;
+      }
+    } else {
+      // no start's greedy cover reaches every level: the starts rated by the sparing cover, each
+      // only as far as it could still beat the refit
+      cost = std::min(miss_, fewer_than_ - over);
+      std::vector<int>* best = nullptr;
+      for (std::vector<int>* start : {&choice, &others[0], &others[1]})
+        for (int down = 0; down < 2 && cost > 0 && !start->empty(); ++down) {
+          const int c = sparing_cover(*start, down, cost, nullptr);
+          if (c < cost) cost = c, best = start;
         }
-      if (!improved) break;
+      if (!best) return false;
+      choice.swap(*best);
     }
     if (over + cost >= fewer_than_) return false;
-    // both sweeps' covers of the final choice, fewer ranks with room first; the first that pairs
+    // the greedy covers of the final choice in both sweeps, fewer ranks with room first, then
+    // the sparing ones; the first that pairs
     std::vector<int> rooms[2];
     int taken[2];
-    for (int down = 0; down < 2; ++down) taken[down] = greedy(choice, down, miss_, &rooms[down]);
-    for (int down : taken[1] < taken[0] ? std::vector<int>{1, 0} : std::vector<int>{0, 1})
-      if (taken[down] < miss_ && over + taken[down] < fewer_than_ && pair_up(choice, rooms[down], out)) return true;
+    for (int sparing = 0; sparing < 2; ++sparing) {
+      for (int down = 0; down < 2; ++down)
+        taken[down] = sparing ? sparing_cover(choice, down, std::min(miss_, fewer_than_ - over), &rooms[down])
+                              : greedy(choice, down, miss_, &rooms[down]);
+      for (int down : taken[1] < taken[0] ? std::vector<int>{1, 0} : std::vector<int>{0, 1})
+        if (taken[down] < miss_ && over + taken[down] < fewer_than_ && pair_up(choice, rooms[down], out)) return true;
+    }
     return false;
   }
 
@@ -140,24 +161,39 @@ class Exchange {
     return order;
   }
 
+  // Each rank with room's intervals merged, in the up sweep's levels, flat: rank g's are
+  // merged_[merged_at_[g] .. merged_at_[g + 1]). Built on first use.
+  void merge_reach() {
+    if (!merged_at_.empty()) return;
+    const std::vector<Span>& spans = by_reach_[0];
+    merged_at_.assign(room_count_ + 1, 0);
+    for (const Span& x : spans) merged_at_[x.group + 1] += 1;
+    for (int g = 0; g < room_count_; ++g) merged_at_[g + 1] += merged_at_[g];
+    std::vector<int> fill(merged_at_.begin(), merged_at_.end() - 1);
+    merged_.resize(spans.size());
+    for (const Span& x : spans) merged_[fill[x.group]++] = {x.lo, x.hi};
+    int n = 0;
+    for (int g = 0; g < room_count_; ++g) {
+      const int begin = merged_at_[g], end = merged_at_[g + 1];
+      std::sort(merged_.begin() + begin, merged_.begin() + end);
+      merged_at_[g] = n;
+      for (int j = begin; j < end; ++j)
+        if (n > merged_at_[g] && merged_[j].first <= merged_[n - 1].second)
+          merged_[n - 1].second = std::max(merged_[n - 1].second, merged_[j].second);
+        else
+          merged_[n++] = merged_[j];
+    }
+    merged_at_[room_count_] = n;
+    merged_.resize(n);
+  }
+
   // The over-loaded ranks with the most excess first, each releasing the slot whose interval
   // overflows least what the ranks with room reach there (a rank counted once per level, its
   // intervals merged).
   std::vector<int> least_spill() {
     std::vector<int> supply(n_ + 1, 0), demand(n_, 0);
-    std::vector<std::pair<int, int>> merged;  // one room rank's intervals
-    const std::vector<Span>& rooms = by_reach_[0];
-    std::vector<std::vector<std::pair<int, int>>> of_room(room_count_);
-    for (const Span& x : rooms) of_room[x.group].push_back({x.lo, x.hi});
-    for (std::vector<std::pair<int, int>>& iv : of_room) {
-      std::sort(iv.begin(), iv.end());
-      int lo = iv[0].first, hi = iv[0].second;
-      for (const auto& [a, b] : iv) {
-        if (a > hi) supply[lo] += 1, supply[hi] -= 1, lo = a;
-        hi = std::max(hi, b);
-      }
-      supply[lo] += 1, supply[hi] -= 1;
-    }
+    merge_reach();
+    for (const auto& [a, b] : merged_) supply[a] += 1, supply[b] -= 1;
     for (int k = 1; k <= n_; ++k) supply[k] += supply[k - 1];
     const int over = static_cast<int>(over_at_.size()) - 1;
     const std::vector<int> order = most_excess_first();
@@ -343,6 +379,99 @@ class Exchange {
     return cost;
   }
 
+  // The greedy cover, sparing ranks with room: where short, the unused interval reaching
+  // furthest whose rank's other intervals no level ahead needs (every level ahead that all
+  // unused ranks could still cover stays so), else the one reaching furthest. Where scarce
+  // reaches lie at the far end of the sweep, the plain greedy spends them early and falls
+  // short there (uniform-noise at W 128, S 384: no start's plain cover reaches every level,
+  // the sparing one takes 34 ranks with room). Same cost and arguments as greedy.
+  int sparing_cover(const std::vector<int>& choice, int down, int bound, std::vector<int>* rooms) {
+    merge_reach();
+    // merged interval j in this sweep's levels
+    auto reach = [&](int j) {
+      const auto [a, b] = merged_[j];
+      return down ? std::pair<int, int>{n_ - b, n_ - a} : std::pair<int, int>{a, b};
+    };
+    // margin: cover taken + unused ranks reaching the level - demand; short: demand - cover taken
+    margin_.assign(n_ + 1, 0);
+    short_by_.assign(n_ + 1, 0);
+    for (int g = 0; g < room_count_; ++g)
+      for (int j = merged_at_[g]; j < merged_at_[g + 1]; ++j) {
+        const auto [a, b] = reach(j);
+        margin_[a] += 1, margin_[b] -= 1;
+      }
+    for (int o : choice) {
+      const Span& x = over_opt_[o];
+      const int lo = down ? n_ - x.hi : x.lo, hi = down ? n_ - x.lo : x.hi;
+      margin_[lo] -= 1, margin_[hi] += 1, short_by_[lo] += 1, short_by_[hi] -= 1;
+    }
+    for (int k = 1; k <= n_; ++k) margin_[k] += margin_[k - 1], short_by_[k] += short_by_[k - 1];
+    // no cover where all ranks with room fall short of a level, none within bound where a level
+    // needs bound ranks or more
+    for (int k = 0; k < n_; ++k)
+      if (margin_[k] < 0 || short_by_[k] >= bound) return bound;
+    // the tight segments (margin below 1), counted by a Fenwick tree: a candidate is checked
+    // against each of its rank's merged intervals in O(log n)
+    tight_.assign(n_ + 1, 0);
+    auto mark = [&](int j) {
+      for (++j; j <= n_; j += j & -j) tight_[j] += 1;
+    };
+    auto tight_before = [&](int j) {  // tight segments below j
+      int c = 0;
+      for (; j > 0; j -= j & -j) c += tight_[j];
+      return c;
+    };
+    for (int j = 0; j < n_; ++j)
+      if (margin_[j] < 1) mark(j);
+    // taking x leaves margin as it is on x and lowers it by one on the rest of x's rank's reach
+    auto spares = [&](const Span& x, int k) {
+      for (int j = merged_at_[x.group]; j < merged_at_[x.group + 1]; ++j) {
+        const auto [a, b] = reach(j);
+        const int lo = std::max(a, k);
+        if (lo >= b) continue;
+        int c = tight_before(b) - tight_before(lo);
+        const int in_lo = std::max(lo, x.lo), in_hi = std::min(b, x.hi);
+        if (in_lo < in_hi) c -= tight_before(in_hi) - tight_before(in_lo);
+        if (c > 0) return false;
+      }
+      return true;
+    };
+    used_.assign(room_count_, 0);
+    if (rooms) rooms->clear();
+    int cost = 0;
+    for (int k = 0; k < n_; ++k) {
+      while (short_by_[k] > 0) {
+        const Span* pick = nullptr;
+        const Span* furthest = nullptr;
+        for (const Span& x : by_reach_[down]) {
+          if (x.hi <= k) break;
+          if (x.lo > k || used_[x.group]) continue;
+          if (!furthest) furthest = &x;
+          if (spares(x, k)) {
+            pick = &x;
+            break;
+          }
+        }
+        if (!pick) pick = furthest;
+        if (!pick) {
+          cost += miss_ * short_by_[k];
+          break;
+        }
+        used_[pick->group] = 1;
+        cost += 1;
+        for (int j = pick->lo; j < pick->hi; ++j) short_by_[j] -= 1;
+        for (int i = merged_at_[pick->group]; i < merged_at_[pick->group + 1]; ++i) {
+          const auto [a, b] = reach(i);
+          for (int j = a; j < b; ++j)
+            if ((j < pick->lo || j >= pick->hi) && --margin_[j] == 0) mark(j);
+        }
+        if (rooms) rooms->push_back(pick->slot);
+      }
+      if (cost >= bound) return bound;
+    }
+    return cost;
+  }
+
   // The exchange itself: each released copy to a changed rank it fits within allowed that does
   // not hold its expert in another slot (augmenting paths, heaviest copy first, tightest rank
   // first). False where no such pairing exists.
@@ -395,6 +524,9 @@ class Exchange {
   std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
   std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
+  std::vector<std::pair<int, int>> merged_;  // merge_reach: each rank with room's intervals merged
+  std::vector<int> merged_at_;
+  std::vector<int> margin_, short_by_, tight_;  // sparing_cover's per-segment counts
   std::vector<std::pair<int, int>> events_;
   std::vector<std::pair<int, int>> short_;  // first_fit: per slot, the segments a new interval must span
   std::vector<int> ends_;
