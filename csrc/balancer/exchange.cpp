@@ -148,6 +148,13 @@ class Exchange {
         by[at[k]++] = down ? Span{n_ - x.hi, n_ - x.lo, x.group, x.slot} : x;
       }
     }
+    // the same intervals grouped by rank, each rank's reaching furthest first (a counting sort)
+    of_rank_at_.assign(room_count_ + 1, 0);
+    for (const Span& x : rooms) of_rank_at_[x.group + 1] += 1;
+    for (int g = 0; g < room_count_; ++g) of_rank_at_[g + 1] += of_rank_at_[g];
+    std::vector<int> fill(of_rank_at_.begin(), of_rank_at_.end() - 1);
+    of_rank_.resize(rooms.size());
+    for (const Span& x : by_reach_[0]) of_rank_[fill[x.group]++] = &x;
     return true;
   }
 
@@ -165,26 +172,19 @@ class Exchange {
   // merged_[merged_at_[g] .. merged_at_[g + 1]). Built on first use.
   void merge_reach() {
     if (!merged_at_.empty()) return;
-    const std::vector<Span>& spans = by_reach_[0];
     merged_at_.assign(room_count_ + 1, 0);
-    for (const Span& x : spans) merged_at_[x.group + 1] += 1;
-    for (int g = 0; g < room_count_; ++g) merged_at_[g + 1] += merged_at_[g];
-    std::vector<int> fill(merged_at_.begin(), merged_at_.end() - 1);
-    merged_.resize(spans.size());
-    for (const Span& x : spans) merged_[fill[x.group]++] = {x.lo, x.hi};
-    int n = 0;
+    merged_.clear();
+    std::vector<std::pair<int, int>> iv;  // one rank's intervals
     for (int g = 0; g < room_count_; ++g) {
-      const int begin = merged_at_[g], end = merged_at_[g + 1];
-      std::sort(merged_.begin() + begin, merged_.begin() + end);
-      merged_at_[g] = n;
-      for (int j = begin; j < end; ++j)
-        if (n > merged_at_[g] && merged_[j].first <= merged_[n - 1].second)
-          merged_[n - 1].second = std::max(merged_[n - 1].second, merged_[j].second);
-        else
-          merged_[n++] = merged_[j];
+      iv.clear();
+      for (int j = of_rank_at_[g]; j < of_rank_at_[g + 1]; ++j) iv.push_back({of_rank_[j]->lo, of_rank_[j]->hi});
+      std::sort(iv.begin(), iv.end());
+      merged_.push_back(iv[0]);
+      for (const auto& [a, b] : iv)
+        if (a <= merged_.back().second) merged_.back().second = std::max(merged_.back().second, b);
+        else merged_.push_back({a, b});
+      merged_at_[g + 1] = static_cast<int>(merged_.size());
     }
-    merged_at_[room_count_] = n;
-    merged_.resize(n);
   }
 
   // The over-loaded ranks with the most excess first, each releasing the slot whose interval
@@ -245,13 +245,9 @@ class Exchange {
     auto add = [&](const Span& x, int d) {
       for (int k = x.lo; k < x.hi; ++k) spare[k] += d;
     };
-    // the room ranks' intervals grouped by rank, most room first
-    std::vector<std::vector<const Span*>> of_room(room_count_);
+    // the ranks with room, most room first
     std::vector<double> room(room_count_, 0);
-    for (const Span& x : by_reach_[0]) {
-      of_room[x.group].push_back(&x);
-      room[x.group] = allowed_ - pk_.rank_load(x.slot / pk_.P());
-    }
+    for (const Span& x : by_reach_[0]) room[x.group] = allowed_ - pk_.rank_load(x.slot / pk_.P());
     std::vector<int> by_room(room_count_);
     for (int g = 0; g < room_count_; ++g) by_room[g] = g;
     std::stable_sort(by_room.begin(), by_room.end(), [&](int a, int b) { return room[a] > room[b]; });
@@ -279,7 +275,8 @@ class Exchange {
           if (taken[g]) continue;
           const Span* best = nullptr;
           int best_score = -1;
-          for (const Span* x : of_room[g]) {
+          for (int j = of_rank_at_[g]; j < of_rank_at_[g + 1]; ++j) {
+            const Span* x = of_rank_[j];
             bool ok = false;
             for (const auto& [lo, hi] : short_) ok = ok || (x->lo <= lo && hi <= x->hi);
             if (!ok) continue;
@@ -395,11 +392,10 @@ class Exchange {
     // margin: cover taken + unused ranks reaching the level - demand; short: demand - cover taken
     margin_.assign(n_ + 1, 0);
     short_by_.assign(n_ + 1, 0);
-    for (int g = 0; g < room_count_; ++g)
-      for (int j = merged_at_[g]; j < merged_at_[g + 1]; ++j) {
-        const auto [a, b] = reach(j);
-        margin_[a] += 1, margin_[b] -= 1;
-      }
+    for (size_t j = 0; j < merged_.size(); ++j) {
+      const auto [a, b] = reach(static_cast<int>(j));
+      margin_[a] += 1, margin_[b] -= 1;
+    }
     for (int o : choice) {
       const Span& x = over_opt_[o];
       const int lo = down ? n_ - x.hi : x.lo, hi = down ? n_ - x.lo : x.hi;
@@ -524,6 +520,8 @@ class Exchange {
   std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
   std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
+  std::vector<const Span*> of_rank_;  // by_reach_[0]'s intervals grouped by rank (build)
+  std::vector<int> of_rank_at_;      // [ranks with room + 1] where each rank's start
   std::vector<std::pair<int, int>> merged_;  // merge_reach: each rank with room's intervals merged
   std::vector<int> merged_at_;
   std::vector<int> margin_, short_by_, tight_;  // sparing_cover's per-segment counts
