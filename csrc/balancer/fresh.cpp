@@ -165,8 +165,8 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   // singles are the fine filler that evens out ranks of near-equal experts, where a rule that
   // splits every expert alike (EPLB's, and the counts above) leaves only coarse copies; j from
   // the fewest that take all spare slots, doubling, below the count the plan above splits
+  const std::vector<int> by_load = heaviest_first(std::vector<double>(load, load + E));
   if (S > E) {
-    const std::vector<int> by_load = heaviest_first(std::vector<double>(load, load + E));
     int replicated = 0;
     for (int r : mine.reps) replicated += r > 1;
     for (int j = std::max(1, (S - E + cap - 2) / (cap - 1)); j < replicated; j *= 2) {
@@ -192,11 +192,10 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
       best = pk.slots();
     }
   };
-  auto [eplb_plan, eplb_peak] = detail::eplb_and_peak(load, E, S, N, W);
+  auto [eplb_plan, eplb_peak] = detail::eplb_and_peak(load, by_load, E, S, N, W, best_peak);
   try_alternative(std::move(eplb_plan), eplb_peak);
-  Slots greedy_plan = detail::lpt_packing(free, E, W);
-  const double greedy_peak = peak_load(load, E, W, greedy_plan);
-  try_alternative(std::move(greedy_plan), greedy_peak);
+  Slots greedy_plan = detail::lpt_packing(free, E, W, best_peak);
+  if (!greedy_plan.empty()) try_alternative(greedy_plan, peak_load(load, E, W, greedy_plan));
   return group_nodes(best, E, N, W);
 }
 
