@@ -257,6 +257,10 @@ def test_native_planner_refuses_sizes_that_would_index_out_of_bounds():
     prev = _planner.plan_fresh(load, 8, 1, 2)
     with pytest.raises(ValueError, match="previous holds an expert id"):
         _planner.keep_previous(load, prev + 8, prev, np.ones(2), 2, 8)
+    last_bad = prev.copy()
+    last_bad[-1, -1] = 8  # only the very last slot: every slot is checked
+    with pytest.raises(ValueError, match="fresh holds an expert id"):
+        _planner.keep_previous(load, prev, last_bad, np.ones(2), 2, 8)
     with pytest.raises(ValueError, match="allowed_peak"):
         _planner.keep_previous(load, prev, prev, np.ones(3), 2, 8)
     with pytest.raises(ValueError, match="start holds an expert id"):
