@@ -307,7 +307,8 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
   bool ok = false;
   Rises rise(pk);
   struct Spare {  // a slot off m whose expert has several copies, and its rank's load without it
-    int s;
+    int s, rank;  // the rank kept here: a division by P in the innermost loop cost more than the rest of it
+    int64_t expert;
     double rest;
   };
   std::vector<Spare> spare;
@@ -354,15 +355,14 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     for (int s = 0; s < S; ++s) {
       const double rest = pk.rank_load(s / P) - pk.slot_weight(s);
       if (s / P != m && rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2)
-        spare.push_back({s, rest});
+        spare.push_back({s, s / P, pk.expert(s), rest});
     }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
       const double wy2 = pk.gained_weight(y);
       for (const Spare& sp : spare) {
-        const int s = sp.s;
-        const int64_t x = pk.expert(s);
-        const int r = s / P;
+        const int s = sp.s, r = sp.rank;
+        const int64_t x = sp.expert;
         if (x == y || sp.rest + wy2 >= rep_peak) continue;
         if (pk.holds(r, y)) continue;
         const Rise& rx = rise[x];
