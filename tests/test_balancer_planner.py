@@ -246,6 +246,36 @@ def test_native_eplb_and_greedy_match_the_reference_baselines():
         assert (peak(load, plan_placement(load, S, N, W).slot_to_expert.numpy(), W) >= lb - 1e-9).all()
 
 
+def _copies_sharing_a_node(plan_LS: np.ndarray, E: int, N: int) -> int:
+    """Pairs of copies of one expert on one node, over the layers."""
+    L, S = plan_LS.shape
+    node = np.arange(S) // (S // N)
+    count = np.zeros((L, E, N), dtype=np.int64)
+    np.add.at(count, (np.arange(L)[:, None], plan_LS, node[None, :]), 1)
+    return int((count * (count - 1) // 2).sum())
+
+
+def test_fresh_plan_orders_its_ranks_onto_nodes_last():
+    # plan_placement with previous asks for the plan before that step (only its copies and
+    # peak count there) and orders the ranks itself where it matches the plan onto previous
+    E, W, N, S = 64, 16, 4, 96
+    load = sample_load("zipf-1.0", 3, E, 8, 4096 * W, seed=7).numpy()
+    grouped = _planner.plan_fresh(load, S, N, W)
+    plain = _planner.plan_fresh(load, S, N, W, onto_nodes=False)
+    assert np.array_equal(_planner.group_nodes(plain, E, N, W), grouped)
+    assert (grouped != plain).any()  # the step does reorder ranks here
+    # a permutation of whole ranks: every rank's load keeps its bits, so the peak does too
+    loads = lambda plan: np.sort(rank_loads(load, torch.from_numpy(plan), W).numpy(), axis=1)
+    assert np.array_equal(loads(grouped), loads(plain))
+    assert _copies_sharing_a_node(grouped, E, N) > _copies_sharing_a_node(plain, E, N)
+    bad = plain.copy()
+    bad[-1, -1] = E
+    with pytest.raises(ValueError, match="plan holds an expert id"):
+        _planner.group_nodes(bad, E, N, W)
+    with pytest.raises(ValueError, match="num_ranks must divide"):
+        _planner.group_nodes(plain, E, N, 5)
+
+
 def test_native_planner_refuses_sizes_that_would_index_out_of_bounds():
     load = np.ones((2, 8))
     with pytest.raises(ValueError, match="num_slots"):

@@ -66,7 +66,39 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
   return out;
 }
 
-// Ranks reordered so ranks sharing experts sit on one node (a permutation: balance unchanged).
+// The copies (heaviest first, ties: expert id) when the j heaviest experts (by_load: experts
+// heaviest first) share every spare slot, at most cap copies each, and the rest keep one;
+// none (empty) when the heaviest copy is not below `below` (no packing of them would be).
+Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S, int cap, int j, double below) {
+  const int E = static_cast<int>(by_load.size());
+  std::vector<double> top(j);
+  for (int k = 0; k < j; ++k) top[k] = load[by_load[k]];
+  const std::vector<int> top_reps = spread_copies(top.data(), j, S - E + j, cap);
+  double heaviest = j < E ? load[by_load[j]] : -kInf;
+  for (int k = 0; k < j; ++k) heaviest = std::max(heaviest, top[k] / top_reps[k]);
+  if (heaviest >= below) return {};
+  using Copy = std::pair<double, int64_t>;  // (weight, expert)
+  auto heavier = [](const Copy& a, const Copy& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  std::vector<Copy> all;
+  all.reserve(S);
+  for (int k = 0; k < j; ++k)
+    for (int c = 0; c < top_reps[k]; ++c) all.emplace_back(top[k] / top_reps[k], by_load[k]);
+  std::sort(all.begin(), all.end(), heavier);
+  const size_t split = all.size();
+  for (int k = j; k < E; ++k) all.emplace_back(load[by_load[k]], by_load[k]);  // already in order
+  std::inplace_merge(all.begin(), all.begin() + split, all.end(), heavier);
+  Copies out;
+  out.reps.assign(E, 1);
+  for (int k = 0; k < j; ++k) out.reps[by_load[k]] = top_reps[k];
+  for (const Copy& c : all) {
+    out.experts.push_back(c.second);
+    out.weight.push_back(c.first);
+  }
+  return out;
+}
+
+}  // namespace
+
 // Node by node, the free rank sharing the most copies seeds it, then the free ranks sharing
 // the most experts with the node so far fill it.
 Slots group_nodes(const Slots& slots, int E, int N, int W) {
@@ -106,44 +138,11 @@ Slots group_nodes(const Slots& slots, int E, int N, int W) {
   return out;
 }
 
-// The copies (heaviest first, ties: expert id) when the j heaviest experts (by_load: experts
-// heaviest first) share every spare slot, at most cap copies each, and the rest keep one;
-// none (empty) when the heaviest copy is not below `below` (no packing of them would be).
-Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S, int cap, int j, double below) {
-  const int E = static_cast<int>(by_load.size());
-  std::vector<double> top(j);
-  for (int k = 0; k < j; ++k) top[k] = load[by_load[k]];
-  const std::vector<int> top_reps = spread_copies(top.data(), j, S - E + j, cap);
-  double heaviest = j < E ? load[by_load[j]] : -kInf;
-  for (int k = 0; k < j; ++k) heaviest = std::max(heaviest, top[k] / top_reps[k]);
-  if (heaviest >= below) return {};
-  using Copy = std::pair<double, int64_t>;  // (weight, expert)
-  auto heavier = [](const Copy& a, const Copy& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
-  std::vector<Copy> all;
-  all.reserve(S);
-  for (int k = 0; k < j; ++k)
-    for (int c = 0; c < top_reps[k]; ++c) all.emplace_back(top[k] / top_reps[k], by_load[k]);
-  std::sort(all.begin(), all.end(), heavier);
-  const size_t split = all.size();
-  for (int k = j; k < E; ++k) all.emplace_back(load[by_load[k]], by_load[k]);  // already in order
-  std::inplace_merge(all.begin(), all.begin() + split, all.end(), heavier);
-  Copies out;
-  out.reps.assign(E, 1);
-  for (int k = 0; k < j; ++k) out.reps[by_load[k]] = top_reps[k];
-  for (const Copy& c : all) {
-    out.experts.push_back(c.second);
-    out.weight.push_back(c.first);
-  }
-  return out;
-}
-
-}  // namespace
-
 double lower_bound(const double* load, int E, int S, int W) {
   return copies_bound(load, sorted_copies(load, replicate(std::vector<double>(load, load + E), S)), W);
 }
 
-Slots plan_fresh(const double* load, int E, int S, int N, int W) {
+Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes) {
   // the uncapped copies (each spare slot to the largest load / copies) give the lower bound and
   // the greedy plan; the plan itself keeps at most cap copies (one per rank)
   const int cap = std::max(W, (S + E - 1) / E);
@@ -160,7 +159,8 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   // none is tried when the plan meets the lower bound every placement of S slots obeys)
   Slots best = main.slots();
   double best_peak = main.peak();
-  if (best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return group_nodes(best, E, N, W);
+  auto finish = [&](Slots&& plan) { return onto_nodes ? group_nodes(plan, E, N, W) : std::move(plan); };
+  if (best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return finish(std::move(best));
   // copy counts that split only the j heaviest experts, every other expert single: then the
   // singles are the fine filler that evens out ranks of near-equal experts, where a rule that
   // splits every expert alike (EPLB's, and the counts above) leaves only coarse copies; j from
@@ -196,7 +196,7 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W) {
   try_alternative(std::move(eplb_plan), eplb_peak);
   Slots greedy_plan = detail::lpt_packing(free, E, W, best_peak);
   if (!greedy_plan.empty()) try_alternative(greedy_plan, peak_load(load, E, W, greedy_plan));
-  return group_nodes(best, E, N, W);
+  return finish(std::move(best));
 }
 
 }  // namespace hybrid_ep::balancer

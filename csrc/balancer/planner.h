@@ -27,8 +27,13 @@ std::vector<int> replica_counts(const double* load, int E, int S, int cap);
 // The fresh plan: the best (smallest largest rank) of balanced differencing (of the capped
 // copies, and of copies that split only the few heaviest experts), EPLB's plan and greedy
 // longest-processing-time packing, each followed by swaps at the most loaded rank;
-// then ranks ordered onto nodes so an expert's copies share nodes (a permutation).
-Slots plan_fresh(const double* load, int E, int S, int N, int W);
+// then (onto_nodes) ranks ordered onto nodes so an expert's copies share nodes (group_nodes).
+Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes = true);
+
+// Ranks reordered so ranks sharing experts sit on one node: a permutation of whole ranks,
+// so every rank's load and the peak keep their bits. The refit needs only the fresh plan's
+// copies and peak, and orders ranks onto nodes only where it matches the plan onto previous.
+Slots group_nodes(const Slots& slots, int E, int N, int W);
 
 // previous re-fitted to load with few changed slots: swaps and one-slot replica changes at
 // the most loaded rank until it carries at most allowed_peak tokens; where that gets stuck

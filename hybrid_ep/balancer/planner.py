@@ -158,7 +158,9 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     if num_experts % num_nodes != 0:
         raise ValueError(f"num_nodes ({num_nodes}) must divide the number of experts ({num_experts}) "
                          "so every node holds the same number of experts")
-    fresh_LS = _planner.plan_fresh(load_LE, num_slots, num_nodes, num_ranks)
+    # with previous, only the fresh plan's copies and peak count until it is matched onto
+    # previous (_keep_most), so its ranks are ordered onto nodes only there
+    fresh_LS = _planner.plan_fresh(load_LE, num_slots, num_nodes, num_ranks, onto_nodes=previous is None)
     if previous is None:
         return Placement(torch.from_numpy(fresh_LS), num_ranks, num_nodes, num_experts).validate()
     _check_previous(previous, load_LE.shape[0], num_experts, num_slots, num_nodes, num_ranks)
@@ -254,12 +256,14 @@ def _keep_most(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, a
     """[L, S] per layer the candidate within allowed_L that moves fewer slots: previous after
     swaps and one-slot replica changes (where the search reaches allowed_L), or the fresh plan
     matched onto previous (always within: it is the fresh plan, permuted), then turned back
-    toward previous slot by slot while every rank stays within allowed_L."""
-    S = prev_LS.shape[1]
+    toward previous slot by slot while every rank stays within allowed_L. fresh_LS: the fresh
+    plan before its ranks are ordered onto nodes (plan_fresh's onto_nodes=False)."""
+    S, E = prev_LS.shape[1], load_LE.shape[1]
     kept, reached = _planner.keep_previous(load_LE, prev_LS, fresh_LS, allowed_L, W, S)
     check = np.flatnonzero(~reached | ((kept != prev_LS).sum(1) > S // 2))  # where matching can move fewer
     if check.size:
-        aligned = _align(fresh_LS[check], prev_LS[check], N, W, load_LE.shape[1])
+        grouped = _planner.group_nodes(fresh_LS[check], E, N, W)
+        aligned = _align(grouped, prev_LS[check], N, W, E)
         aligned = _planner.walk_back(load_LE[check], prev_LS[check], aligned, allowed_L[check], W)
         better = ~reached[check] | ((aligned != prev_LS[check]).sum(1) < (kept[check] != prev_LS[check]).sum(1))
         kept[check[better]] = aligned[better]
