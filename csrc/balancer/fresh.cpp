@@ -195,7 +195,10 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes
   auto [eplb_plan, eplb_peak] = detail::eplb_and_peak(load, by_load, E, S, N, W, best_peak);
   try_alternative(std::move(eplb_plan), eplb_peak);
   Slots greedy_plan = detail::lpt_packing(free, E, W, best_peak);
-  if (!greedy_plan.empty()) try_alternative(greedy_plan, peak_load(load, E, W, greedy_plan));
+  if (!greedy_plan.empty()) {
+    const double greedy_peak = peak_load(load, E, W, greedy_plan);
+    try_alternative(std::move(greedy_plan), greedy_peak);
+  }
   return finish(std::move(best));
 }
 

@@ -110,7 +110,8 @@ PYBIND11_MODULE(_planner, m) {
   m.def("group_nodes", [](const Plan& plan, int E, int N, int W) {
     require(plan.ndim() == 2 && E >= 1, "plan must be [layers, num_slots] and num_experts >= 1");
     const auto L = plan.shape(0), S = plan.shape(1);
-    require(W >= 1 && N >= 1 && W % N == 0 && S % W == 0, "num_ranks must divide the slots and be a multiple of num_nodes");
+    require(W >= 1 && N >= 1 && W % N == 0 && S % W == 0,
+            "num_ranks must divide the slots and be a multiple of num_nodes");
     const int64_t* p = plan.data();
     require(std::all_of(p, p + plan.size(), [E](int64_t e) { return e >= 0 && e < E; }),
             "plan holds an expert id outside [0, num_experts)");
