@@ -423,18 +423,20 @@ def test_restarts_reach_where_the_most_loaded_first_refit_is_stuck():
     assert (again == kept).all()  # seeded: the same plan every time
 
 
-@pytest.mark.parametrize("pattern, seed, most", [("zipf-0.8", 1064, (33, 30)), ("hot-block", 8064, (31, 31))])
-def test_one_slot_exchange_reaches_the_move_target_where_the_search_does_not(pattern, seed, most):
+@pytest.mark.parametrize("pattern, seed, most, exchanged",
+                         [("zipf-0.8", 1064, (33, 30), [0, 1]), ("hot-block", 8064, (31, 30), [0])])
+def test_one_slot_exchange_reaches_the_move_target_where_the_search_does_not(pattern, seed, most, exchanged):
     # the quality benchmark's zipf-0.8 and hot-block cases at W 64, S 320: the refit that fixes
     # one rank at a time changes 36 + 30 and 31 + 36 slots (over 10%); exchanging one slot on
     # every over-loaded rank and on a few ranks with room changes 33 + 30 and 31 + 31 (<= 10%;
-    # 32 + 30 and 32 + 31 with the first start alone and a pass of one-rank changes after it)
+    # 32 + 30 and 32 + 31 with the first start alone and a pass of one-rank changes after it).
+    # In hot-block's layer 1 a count shift before the exchange changes 30 (the next test)
     W, S = 64, 320
     prev, new_load, _, allowed, kept = _benchmark_refit(pattern, seed, W, S)
     changed = (kept != prev).sum(1)
     assert (changed <= np.array(most)).all() and changed.sum() <= 0.1 * 2 * S
     assert (peak(new_load, kept, W) <= allowed).all()
-    _assert_one_slot_exchange(prev, kept, range(2), W, S)
+    _assert_one_slot_exchange(prev, kept, exchanged, W, S)
 
 
 def test_first_fit_start_reaches_the_move_target_on_uniform_noise():
@@ -462,6 +464,22 @@ def test_sparing_cover_finds_an_exchange_where_the_greedy_cover_falls_short():
     assert changed[0] <= 76
     assert (peak(new_load, kept, W) <= allowed).all()
     _assert_one_slot_exchange(prev, kept, [0], W, S)
+
+
+def test_count_shift_then_exchange_reaches_the_move_target_where_counts_kept_do_not():
+    # the quality benchmark's topk-zipf-1.2 case at W 64, S 320: the refit changes 31 + 54
+    # slots (13.3%), copy counts kept. One copy moved from a cool replicated expert to a hot
+    # one (in layer 0 only the second rated shift helps), then the one-slot exchange: 21 + 35
+    # (8.8%), each layer with exactly one expert a copy fewer and one a copy more
+    W, S = 64, 320
+    prev, new_load, _, allowed, kept = _benchmark_refit("topk-zipf-1.2", 11064, W, S)
+    changed = (kept != prev).sum(1)
+    assert changed[0] <= 21 and changed.sum() <= 0.1 * 2 * S
+    assert (peak(new_load, kept, W) <= allowed).all()
+    for layer in range(2):
+        counts = np.bincount(kept[layer], minlength=256) - np.bincount(prev[layer], minlength=256)
+        assert sorted(counts[counts != 0].tolist()) == [-1, 1]
+        assert all(len(set(rank)) == S // W for rank in kept[layer].reshape(W, S // W))  # no expert twice on a rank
 
 
 def _assert_one_slot_exchange(prev, kept, layers, W, S):
@@ -498,16 +516,16 @@ def test_move_budget_caps_each_layer_and_the_next_rebalance_reaches_the_toleranc
 @pytest.mark.parametrize("pattern, seed", [("zipf-0.6", 128), ("uniform-noise", 9128)])
 def test_move_budget_reaches_the_tolerance_in_the_fewest_rebalances(pattern, seed):
     # the quality benchmark's zipf-0.6 (S 384) and uniform-noise (S = E) cases at W 128: one
-    # plan within the tolerance changes 18-27% of a layer's slots, so at move_budget=0.1 it
-    # takes three rebalances; choosing the plan that leaves the fewest gets there, where
-    # choosing the lowest peak was still 0.004-0.011 beyond the tolerance after three
+    # plan within the tolerance changes 17-26% of a layer's slots, so at move_budget=0.1 it
+    # takes two rebalances or more; choosing the plan that leaves the fewest gets there in
+    # three, where choosing the lowest peak was still 0.004-0.011 beyond the tolerance after three
     W = 128
     S = 384 if pattern == "zipf-0.6" else 256
     prev_LS, new_load, _, allowed, _ = _benchmark_refit(pattern, seed, W, S)
     cap = int(0.1 * S)
     slack = 1e-9 * (new_load.sum(1) / W + 1)
     p = Placement(torch.from_numpy(prev_LS), W, 1, 256)
-    assert (plan_placement(new_load, S, 1, W, previous=p).moves(p) > 2 * cap).any()
+    assert (plan_placement(new_load, S, 1, W, previous=p).moves(p) > 1.5 * cap).all()
     for _ in range(3):
         nxt = plan_placement(new_load, S, 1, W, previous=p, move_budget=0.1)
         assert (nxt.moves(p) <= cap).all() and (nxt.expert_replicas >= 1).all()

@@ -16,6 +16,7 @@
 #include "balancer/exchange.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -155,6 +156,18 @@ class Exchange {
     std::vector<int> fill(of_rank_at_.begin(), of_rank_at_.end() - 1);
     of_rank_.resize(rooms.size());
     for (const Span& x : by_reach_[0]) of_rank_[fill[x.group]++] = &x;
+    // per sweep, greedy's indices into by_reach_: by start (a counting sort), and by rank
+    for (int down = 0; down < 2; ++down) {
+      const std::vector<Span>& by = by_reach_[down];
+      std::vector<int> at(n_ + 2, 0);
+      for (const Span& x : by) at[x.lo + 1] += 1;
+      for (int k = 1; k <= n_ + 1; ++k) at[k] += at[k - 1];
+      by_start_[down].resize(by.size());
+      for (int i = 0; i < static_cast<int>(by.size()); ++i) by_start_[down][at[by[i].lo]++] = i;
+      std::copy(of_rank_at_.begin(), of_rank_at_.end() - 1, fill.begin());
+      in_rank_[down].resize(by.size());
+      for (int i = 0; i < static_cast<int>(by.size()); ++i) in_rank_[down][fill[by[i].group]++] = i;
+    }
     return true;
   }
 
@@ -333,39 +346,50 @@ class Exchange {
   // stops only where coverage can fall short: where a demand interval starts or a taken one
   // ends. rooms: the slots taken.
   int greedy(const std::vector<int>& choice, int down, int bound, std::vector<int>* rooms) {
-    events_.clear();  // (level, +1 where a demand interval starts, -1 where one ends)
+    events_.clear();  // 2 * level, + 1 where a demand interval starts (+1) rather than ends (-1)
     for (int o : choice) {
       const Span& x = over_opt_[o];
-      events_.push_back({down ? n_ - x.hi : x.lo, 1});
-      events_.push_back({down ? n_ - x.lo : x.hi, -1});
+      events_.push_back(2 * (down ? n_ - x.hi : x.lo) + 1);
+      events_.push_back(2 * (down ? n_ - x.lo : x.hi));
     }
     std::sort(events_.begin(), events_.end());
     const std::vector<Span>& spans = by_reach_[down];
+    const std::vector<int>& by_start = by_start_[down];
+    const std::vector<int>& in_rank = in_rank_[down];
+    // the intervals started at or below the level whose rank is unused, one bit each in reach
+    // order: the first bit set is the pick, where it reaches past the level
+    open_.assign((spans.size() + 63) / 64, 0);
+    size_t started = 0;
     used_.assign(room_count_, 0);
     ends_.clear();  // min-heap (negated) of the ends of the intervals taken
     if (rooms) rooms->clear();
     int need = 0, cov = 0, cost = 0;
     size_t e = 0;
     while (e < events_.size()) {
-      int k = events_[e].first;
+      int k = events_[e] / 2;
       if (!ends_.empty()) k = std::min(k, -ends_.front());
-      for (; e < events_.size() && events_[e].first == k; ++e) need += events_[e].second;
+      for (; e < events_.size() && events_[e] / 2 == k; ++e) need += events_[e] % 2 ? 1 : -1;
       for (; !ends_.empty() && -ends_.front() == k; ends_.pop_back(), cov -= 1)
         std::pop_heap(ends_.begin(), ends_.end());
+      for (; started < by_start.size() && spans[by_start[started]].lo <= k; ++started) {
+        const int i = by_start[started];
+        if (!used_[spans[i].group]) open_[i / 64] |= uint64_t{1} << (i % 64);
+      }
       while (cov < need) {
         const Span* pick = nullptr;
-        for (const Span& x : spans) {
-          if (x.hi <= k) break;
-          if (x.lo <= k && !used_[x.group]) {
-            pick = &x;
+        for (size_t w = 0; w < open_.size(); ++w)
+          if (open_[w]) {
+            const Span& x = spans[w * 64 + __builtin_ctzll(open_[w])];
+            if (x.hi > k) pick = &x;
             break;
           }
-        }
         if (!pick) {
           cost += miss_ * (need - cov);
           break;
         }
         used_[pick->group] = 1;
+        for (int j = of_rank_at_[pick->group]; j < of_rank_at_[pick->group + 1]; ++j)
+          open_[in_rank[j] / 64] &= ~(uint64_t{1} << (in_rank[j] % 64));
         cov += 1, cost += 1;
         ends_.push_back(-pick->hi);
         std::push_heap(ends_.begin(), ends_.end());
@@ -525,7 +549,10 @@ class Exchange {
   std::vector<std::pair<int, int>> merged_;  // merge_reach: each rank with room's intervals merged
   std::vector<int> merged_at_;
   std::vector<int> margin_, short_by_, tight_;  // sparing_cover's per-segment counts
-  std::vector<std::pair<int, int>> events_;
+  std::vector<int> by_start_[2];  // greedy: by_reach_ indices by interval start, per sweep
+  std::vector<int> in_rank_[2];   // greedy: by_reach_ indices grouped by rank (of_rank_at_), per sweep
+  std::vector<uint64_t> open_;    // greedy: the intervals it may take, one bit each
+  std::vector<int> events_;
   std::vector<std::pair<int, int>> short_;  // first_fit: per slot, the segments a new interval must span
   std::vector<int> ends_;
   std::vector<char> used_;

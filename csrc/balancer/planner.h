@@ -9,9 +9,9 @@
 // Legend: E experts, S slots, W ranks, N nodes, G = W / N, P = S / W.
 //
 // Where each part lives: fresh.cpp (plan_fresh, lower_bound), refit.cpp (keep_previous,
-// walk_back_to), exchange.cpp (the refit's one-slot exchange), baselines.cpp (eplb,
-// eplb_hierarchical, greedy), copies.cpp (replica_counts), packing.cpp (peak_load); packing.h
-// and copies.h hold what they share.
+// walk_back_to), exchange.cpp (the refit's one-slot exchange), shifts.cpp (its count shifts),
+// baselines.cpp (eplb, eplb_hierarchical, greedy), copies.cpp (replica_counts), packing.cpp
+// (peak_load); packing.h and copies.h hold what they share.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -40,8 +40,10 @@ Slots group_nodes(const Slots& slots, int E, int N, int W);
 // or changes more than a quarter of the slots, also from previous with its copies per
 // expert first changed to fresh's; where the best still changes more than a fifth, restarts
 // that fix one of the three most loaded ranks, drawn from a seeded generator, at each step;
-// where it changes more than a tenth, one slot exchanged on every over-loaded rank and on a few
-// ranks with room, copy counts kept (exchange.h; the fewest changed slots wins). Returns
+// where it changes more than 9%, the two best rated count shifts (one copy moved from a cool
+// replicated expert to a hot one, shifts.h), each followed by the exchange below; where it
+// changes more than a tenth, one slot exchanged on every over-loaded rank and on a few ranks
+// with room, copy counts kept (exchange.h; the fewest changed slots wins). Returns
 // false (slots then hold the best reached) when none gets there: no move lowers that rank any
 // more, or the next would change more than max_moves slots. slots never differ from previous
 // in more than max_moves slots (the move budget's candidates rely on it).
