@@ -149,24 +149,22 @@ class Exchange {
         by[at[k]++] = down ? Span{n_ - x.hi, n_ - x.lo, x.group, x.slot} : x;
       }
     }
-    // the same intervals grouped by rank, each rank's reaching furthest first (a counting sort)
+    // per sweep, by_reach_'s indices grouped by rank, each rank's reaching furthest first, and
+    // by interval start (counting sorts)
     of_rank_at_.assign(room_count_ + 1, 0);
     for (const Span& x : rooms) of_rank_at_[x.group + 1] += 1;
     for (int g = 0; g < room_count_; ++g) of_rank_at_[g + 1] += of_rank_at_[g];
-    std::vector<int> fill(of_rank_at_.begin(), of_rank_at_.end() - 1);
-    of_rank_.resize(rooms.size());
-    for (const Span& x : by_reach_[0]) of_rank_[fill[x.group]++] = &x;
-    // per sweep, greedy's indices into by_reach_: by start (a counting sort), and by rank
     for (int down = 0; down < 2; ++down) {
       const std::vector<Span>& by = by_reach_[down];
+      const int count = static_cast<int>(by.size());
+      std::vector<int> fill(of_rank_at_.begin(), of_rank_at_.end() - 1);
+      of_rank_[down].resize(count);
+      for (int i = 0; i < count; ++i) of_rank_[down][fill[by[i].group]++] = i;
       std::vector<int> at(n_ + 2, 0);
       for (const Span& x : by) at[x.lo + 1] += 1;
       for (int k = 1; k <= n_ + 1; ++k) at[k] += at[k - 1];
-      by_start_[down].resize(by.size());
-      for (int i = 0; i < static_cast<int>(by.size()); ++i) by_start_[down][at[by[i].lo]++] = i;
-      std::copy(of_rank_at_.begin(), of_rank_at_.end() - 1, fill.begin());
-      in_rank_[down].resize(by.size());
-      for (int i = 0; i < static_cast<int>(by.size()); ++i) in_rank_[down][fill[by[i].group]++] = i;
+      by_start_[down].resize(count);
+      for (int i = 0; i < count; ++i) by_start_[down][at[by[i].lo]++] = i;
     }
     return true;
   }
@@ -181,6 +179,9 @@ class Exchange {
     return order;
   }
 
+  // The j-th interval of the ranks with room grouped by rank (of_rank_at_), in the up sweep.
+  const Span& room_span(int j) const { return by_reach_[0][of_rank_[0][j]]; }
+
   // Each rank with room's intervals merged, in the up sweep's levels, flat: rank g's are
   // merged_[merged_at_[g] .. merged_at_[g + 1]). Built on first use.
   void merge_reach() {
@@ -190,7 +191,7 @@ class Exchange {
     std::vector<std::pair<int, int>> iv;  // one rank's intervals
     for (int g = 0; g < room_count_; ++g) {
       iv.clear();
-      for (int j = of_rank_at_[g]; j < of_rank_at_[g + 1]; ++j) iv.push_back({of_rank_[j]->lo, of_rank_[j]->hi});
+      for (int j = of_rank_at_[g]; j < of_rank_at_[g + 1]; ++j) iv.push_back({room_span(j).lo, room_span(j).hi});
       std::sort(iv.begin(), iv.end());
       merged_.push_back(iv[0]);
       for (const auto& [a, b] : iv)
@@ -289,7 +290,7 @@ class Exchange {
           const Span* best = nullptr;
           int best_score = -1;
           for (int j = of_rank_at_[g]; j < of_rank_at_[g + 1]; ++j) {
-            const Span* x = of_rank_[j];
+            const Span* x = &room_span(j);
             bool ok = false;
             for (const auto& [lo, hi] : short_) ok = ok || (x->lo <= lo && hi <= x->hi);
             if (!ok) continue;
@@ -355,7 +356,7 @@ class Exchange {
     std::sort(events_.begin(), events_.end());
     const std::vector<Span>& spans = by_reach_[down];
     const std::vector<int>& by_start = by_start_[down];
-    const std::vector<int>& in_rank = in_rank_[down];
+    const std::vector<int>& of_rank = of_rank_[down];
     // the intervals started at or below the level whose rank is unused, one bit each in reach
     // order: the first bit set is the pick, where it reaches past the level
     open_.assign((spans.size() + 63) / 64, 0);
@@ -389,7 +390,7 @@ class Exchange {
         }
         used_[pick->group] = 1;
         for (int j = of_rank_at_[pick->group]; j < of_rank_at_[pick->group + 1]; ++j)
-          open_[in_rank[j] / 64] &= ~(uint64_t{1} << (in_rank[j] % 64));
+          open_[of_rank[j] / 64] &= ~(uint64_t{1} << (of_rank[j] % 64));
         cov += 1, cost += 1;
         ends_.push_back(-pick->hi);
         std::push_heap(ends_.begin(), ends_.end());
@@ -544,13 +545,12 @@ class Exchange {
   std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
   std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
-  std::vector<const Span*> of_rank_;  // by_reach_[0]'s intervals grouped by rank (build)
-  std::vector<int> of_rank_at_;      // [ranks with room + 1] where each rank's start
+  std::vector<int> of_rank_[2];   // by_reach_ indices grouped by rank, per sweep (build)
+  std::vector<int> of_rank_at_;   // [ranks with room + 1] where each rank's start
   std::vector<std::pair<int, int>> merged_;  // merge_reach: each rank with room's intervals merged
   std::vector<int> merged_at_;
   std::vector<int> margin_, short_by_, tight_;  // sparing_cover's per-segment counts
   std::vector<int> by_start_[2];  // greedy: by_reach_ indices by interval start, per sweep
-  std::vector<int> in_rank_[2];   // greedy: by_reach_ indices grouped by rank (of_rank_at_), per sweep
   std::vector<uint64_t> open_;    // greedy: the intervals it may take, one bit each
   std::vector<int> events_;
   std::vector<std::pair<int, int>> short_;  // first_fit: per slot, the segments a new interval must span
