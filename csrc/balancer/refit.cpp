@@ -208,6 +208,19 @@ Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots
   std::vector<int> over;  // over-loaded ranks other than m
   pk.over_loaded(allowed, over);
   over.erase(std::remove(over.begin(), over.end(), m), over.end());
+  // the same, least loaded first, each with its heaviest copy: a next rank needs a copy of at
+  // least w_in + its excess, so the scan stops at the first rank whose need passes the lightest
+  // copy found (ties keep over's order: the most loaded rank, then the lowest slot)
+  struct Next {
+    int rank, order;
+    double heaviest;
+  };
+  std::vector<Next> by_need;
+  for (int j = static_cast<int>(over.size()); j-- > 0;) {
+    double heaviest = -kInf;
+    for (int t = over[j] * P; t < (over[j] + 1) * P; ++t) heaviest = std::max(heaviest, pk.slot_weight(t));
+    by_need.push_back({over[j], j, heaviest});
+  }
   Chain best;
   auto beats_best = [&](int relieved, int changed) {
     return Chain::better(relieved, changed, best.relieved, static_cast<long>(best.slots.size()));
@@ -246,12 +259,18 @@ Chain best_chain(Packing& pk, int m, double allowed, int64_t gain, int max_slots
         best.slots.push_back(close);
       }
       if (k >= std::min(kChainRanks, max_slots)) break;
-      int next = -1;
-      for (int r : over) {
-        if (used[r] || pk.holds(r, e_in)) continue;
+      int next = -1, next_order = 0;
+      double next_w = kInf;
+      for (const Next& o : by_need) {
+        const int r = o.rank;
         const double need = w_in + pk.rank_load(r) - allowed;
-        for (int t = r * P; t < (r + 1) * P; ++t)
-          if (pk.slot_weight(t) >= need && (next < 0 || pk.slot_weight(t) < pk.slot_weight(next))) next = t;
+        if (need > next_w) break;
+        if (o.heaviest < need || used[r] || pk.holds(r, e_in)) continue;
+        for (int t = r * P; t < (r + 1) * P; ++t) {
+          const double w = pk.slot_weight(t);
+          if (w >= need && (w < next_w || (w == next_w && o.order < next_order)))
+            next = t, next_w = w, next_order = o.order;
+        }
       }
       if (next < 0) break;
       chain.push_back(next);
@@ -361,11 +380,11 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     for (int64_t y : gainers)
       if (pk.copies(y) < cap) lightest_gain = std::min(lightest_gain, pk.gained_weight(y));
     spare.clear();
-    for (int s = 0; s < S; ++s) {
-      const double rest = pk.rank_load(s / P) - pk.slot_weight(s);
-      if (s / P != m && rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2)
-        spare.push_back({s, s / P, pk.expert(s), rest});
-    }
+    for (int r = 0; r < W; ++r)
+      for (int s = r * P; s < (r + 1) * P && r != m; ++s) {
+        const double rest = pk.rank_load(r) - pk.slot_weight(s);
+        if (rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2) spare.push_back({s, r, pk.expert(s), rest});
+      }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
       const double wy2 = pk.gained_weight(y);
