@@ -380,11 +380,13 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
     for (int64_t y : gainers)
       if (pk.copies(y) < cap) lightest_gain = std::min(lightest_gain, pk.gained_weight(y));
     spare.clear();
-    for (int r = 0; r < W; ++r)
-      for (int s = r * P; s < (r + 1) * P && r != m; ++s) {
+    for (int r = 0; r < W; ++r) {
+      if (r == m) continue;
+      for (int s = r * P; s < (r + 1) * P; ++s) {
         const double rest = pk.rank_load(r) - pk.slot_weight(s);
         if (rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2) spare.push_back({s, r, pk.expert(s), rest});
       }
+    }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
       if (pk.copies(y) >= cap || lm - drop(y) >= rep_peak) continue;
       const double wy2 = pk.gained_weight(y);
