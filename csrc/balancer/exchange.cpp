@@ -51,7 +51,7 @@ class Exchange {
     // where the least-spill start demands more than the ranks with room reach at some level, no
     // start found an exchange in any of the 55 such calls on the quality benchmark and the
     // timing load: the other starts are not tried there (0.3 ms of the timing load's plan)
-    if (spilled_) return false;
+    if (choice.empty()) return false;
     const int over = static_cast<int>(choice.size());
     int cost = greedy(choice, true, miss_, nullptr);
     std::vector<int> others[2] = {heaviest(), first_fit()};
@@ -208,7 +208,7 @@ class Exchange {
 
   // The over-loaded ranks with the most excess first, each releasing the slot whose interval
   // overflows least what the ranks with room reach there (a rank counted once per level, its
-  // intervals merged).
+  // intervals merged). Empty where one still overflows.
   std::vector<int> least_spill() {
     std::vector<int> supply(n_ + 1, 0), demand(n_, 0);
     merge_reach();
@@ -228,8 +228,8 @@ class Exchange {
             (spill == pick_over && pk_.slot_weight(x.slot) < pk_.slot_weight(over_opt_[pick].slot)))
           pick = o, pick_over = spill;
       }
+      if (pick_over > 0) return {};
       choice[i] = pick;
-      spilled_ = spilled_ || pick_over > 0;
       for (int k = over_opt_[pick].lo; k < over_opt_[pick].hi; ++k) demand[k] += 1;
     }
     return choice;
@@ -547,7 +547,6 @@ class Exchange {
   const int fewer_than_;  // changed slots the exchange must stay under
   int n_ = 0;             // segments between the levels
   int room_count_ = 0;    // ranks with room
-  bool spilled_ = false;  // least_spill's choice demands more than the ranks with room reach somewhere
   int miss_ = 0;          // cost of one uncovered unit of demand: more than every rank with room
   std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
   std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start

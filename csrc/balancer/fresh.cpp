@@ -104,12 +104,11 @@ Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S
 Slots group_nodes(const Slots& slots, int E, int N, int W) {
   const int S = static_cast<int>(slots.size()), P = S / W, G = W / N;
   if (N == 1 || G == 1) return slots;
-  // the ranks of every copy, grouped by expert (a counting sort: no vector per expert)
-  std::vector<int> start(E + 1, 0), ranks(S);
-  for (int64_t e : slots) start[e + 1] += 1;
-  for (int e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int> fill(start.begin(), start.end() - 1);
-  for (int s = 0; s < S; ++s) ranks[fill[slots[s]]++] = s / P;
+  // the ranks of every copy, grouped by expert
+  const SlotsByExpert of = slots_by_expert(slots, E);
+  const std::vector<int>& start = of.at;
+  std::vector<int> ranks(S);
+  for (int i = 0; i < S; ++i) ranks[i] = of.slots[i] / P;
   // share[a][b]: pairs of copies of one expert on ranks a and b; row[a]: its sum over b
   std::vector<int> share(static_cast<size_t>(W) * W, 0), row(W, 0);
   for (int e = 0; e < E; ++e)

@@ -52,6 +52,16 @@ std::vector<int> heaviest_first(const std::vector<double>& w) {
   return order;
 }
 
+SlotsByExpert slots_by_expert(const Slots& plan, int E) {
+  const int S = static_cast<int>(plan.size());
+  SlotsByExpert out{std::vector<int>(E + 1, 0), std::vector<int>(S)};
+  for (int64_t e : plan) out.at[e + 1] += 1;
+  for (int e = 0; e < E; ++e) out.at[e + 1] += out.at[e];
+  std::vector<int> fill(out.at.begin(), out.at.end() - 1);
+  for (int s = 0; s < S; ++s) out.slots[fill[plan[s]]++] = s;
+  return out;
+}
+
 Swap best_swap(const Packing& pk, int m, double min_drop) {
   const int P = pk.P();
   const double lm = pk.rank_load(m);

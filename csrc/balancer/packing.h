@@ -20,6 +20,13 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // weights' bit patterns (byte by byte, bytes that all weights share skipped) costs less.
 std::vector<int> heaviest_first(const std::vector<double>& w);
 
+// A plan's slots grouped by expert, flat (a counting sort: a vector per expert costs an
+// allocation each): expert e's slots, ascending, are slots[at[e] .. at[e + 1]).
+struct SlotsByExpert {
+  std::vector<int> at, slots;
+};
+SlotsByExpert slots_by_expert(const Slots& plan, int E);
+
 // A plan being improved: the expert of each slot, its copies and every rank's load, in step.
 class Packing {
  public:

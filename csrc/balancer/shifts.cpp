@@ -9,19 +9,16 @@ namespace hybrid_ep::balancer::detail {
 std::vector<Shift> count_shifts(const Packing& pk, double allowed, size_t most) {
   const int E = pk.copies_size(), W = pk.W(), P = pk.P(), S = W * P;
   auto above = [&](double l) { return std::max(0.0, l - allowed); };
-  // slots of the replicated experts, flat (the Packing's own lists cost an allocation per expert)
-  std::vector<int> at(E + 1, 0);
-  for (int s = 0; s < S; ++s)
-    if (pk.copies(pk.expert(s)) >= 2) at[pk.expert(s) + 1] += 1;
-  for (int e = 0; e < E; ++e) at[e + 1] += at[e];
-  std::vector<int> slots_of(at[E]), rank_of(at[E]);  // rank_of: the ranks, divided once
-  {
-    std::vector<int> fill(at.begin(), at.end() - 1);
-    for (int s = 0; s < S; ++s)
-      if (pk.copies(pk.expert(s)) >= 2) rank_of[fill[pk.expert(s)]] = s / P, slots_of[fill[pk.expert(s)]++] = s;
-  }
+  // the slots of every expert, flat (the Packing's own lists cost an allocation per expert),
+  // and their ranks, divided once
+  const SlotsByExpert of = slots_by_expert(pk.slots(), E);
+  const std::vector<int>& at = of.at;
+  const std::vector<int>& slots_of = of.slots;
+  std::vector<int> rank_of(S);
+  for (int j = 0; j < S; ++j) rank_of[j] = slots_of[j] / P;
   std::vector<int64_t> hot, cool;
   for (int64_t e = 0; e < E; ++e) {
+    if (pk.copies(e) < 2) continue;
     if (pk.copies(e) >= 3) cool.push_back(e);
     for (int j = at[e]; j < at[e + 1]; ++j)
       if (pk.rank_load(rank_of[j]) > allowed) {
