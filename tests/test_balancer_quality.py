@@ -16,8 +16,8 @@ def small_run(tmp_path_factory):
     # hot-block at W 32, S = E: 8 slots per rank, no spare slot; its three node layouts all move
     # more than 10% at the default tolerance
     out = tmp_path_factory.mktemp("quality")
-    argv = ["--ranks", "32", "--ratios", "1.0", "--patterns", "hot-block", "--time-layers", "2",
-            "--time-slots", "256", "--repeats", "1", "--out", str(out)]
+    argv = ["--ranks", "32", "--ratios", "1.0", "--patterns", "hot-block", "--time-layers", "4",
+            "--time-slots", "320", "--time-patterns", "two-hot", "zipf-1.4", "--repeats", "1", "--out", str(out)]
     assert quality.main(argv) == 0
     with open(out / "balancer_planner.json") as f:
         return out, json.load(f)
@@ -79,6 +79,23 @@ def test_budget_rounds_cap_every_rebalance_and_reach_the_tolerance(small_run):
     assert all(t["with_budget_cpu_ms"] > 0 for t in doc["timing"])
 
 
+def test_timing_covers_every_pattern_asked_with_the_moves_of_each_layer(small_run):
+    out, doc = small_run
+    assert [(t["pattern"], t["num_slots"], t["num_layers"]) for t in doc["timing"]] == [("two-hot", 320, 4),
+                                                                                       ("zipf-1.4", 320, 4)]
+    target = doc["config"]["move_target"]
+    for t in doc["timing"]:
+        assert t["fresh_cpu_ms"] > 0 and t["with_previous_cpu_ms"] > 0
+        mean = t["moves_with_previous"] / t["slots_total"]
+        assert mean <= t["moved_fraction_max_layer"] <= 1.0
+        assert 0 <= t["layers_over_target"] <= t["num_layers"]
+        assert (t["layers_over_target"] > 0) == (t["moved_fraction_max_layer"] > target)
+    md = (out / "balancer_planner.md").read_text()
+    over = [t for t in doc["timing"] if t["with_previous_cpu_ms"] > doc["config"]["time_limit_ms"]]
+    assert f"With previous, {len(over)} of 2 loads take more than 25 ms (CPU)" in md
+    assert "| two-hot | 4 x 256, 64, 8, 320 |" in md and "| zipf-1.4 | 4 x 256, 64, 8, 320 |" in md
+
+
 def test_copies_gained_counts_each_layer():
     def placement(s2e):
         return Placement(torch.tensor(s2e), num_ranks=2, num_nodes=1, num_experts=4)
@@ -92,7 +109,7 @@ def test_copies_gained_counts_each_layer():
 
 def test_no_sweep_tolerances_leaves_the_sweep_empty(tmp_path):
     argv = ["--ranks", "8", "--ratios", "1.0", "--patterns", "two-hot", "--time-layers", "1", "--time-slots", "256",
-            "--repeats", "1", "--move-target", "0.0", "--sweep-tolerances", "--out", str(tmp_path)]
+            "--time-patterns", "two-hot", "--repeats", "1", "--move-target", "0.0", "--sweep-tolerances", "--out", str(tmp_path)]
     assert quality.main(argv) == 0
     doc = json.loads((tmp_path / "balancer_planner.json").read_text())
     assert all(r["moved_fraction"] > 0.0 for r in doc["cases"])  # over the target, so swept if asked

@@ -17,8 +17,9 @@ cases above --move-target planned again at each of --sweep-tolerances, summed up
 (W, S): how much imbalance buys how many fewer moves; and rebalanced --budget-rounds times on
 the same load with move_budget = --move-target: how far above a fresh plan one capped
 rebalance leaves them and how many rebalances reach the tolerance. Timing: 61 layers x E x 64
-ranks on one thread, fresh, with previous, and with previous and the move budget, median of
-repeats.
+ranks on one thread, every pattern, fresh, with previous, and with previous and the move
+budget, median of repeats, with the moved slots of all 61 layers (more layers than the grid's
+cases, so the share of layers over --move-target shows as well).
 Writes balancer_planner.json, balancer_planner.md and balancer_planner.png into --out.
 Legend: L layers, E experts, S slots, W ranks, N nodes, K routes per token.
 """
@@ -246,34 +247,41 @@ def summarize_budget(rows: list[dict]) -> list[dict]:
 
 
 def timing(args) -> list[dict]:
-    """Median planning time on one thread for a topk-Zipf-1.2 load; previous planned from a load +-10% off."""
+    """Median planning time on one thread per pattern of --time-patterns; previous planned from a
+    load +-10% off. Every pattern, because the refit's searches run only on layers that move
+    more than the target: one load cannot show the time of another."""
     L, E, W, N = args.time_layers, args.experts, args.time_ranks, args.time_ranks // 8
-    _progress(f"timing: sampling topk-zipf-1.2, {L} layers x {args.time_tokens} tokens x top-{args.topk}")
-    load = sample_load("topk-zipf-1.2", L, E, args.topk, args.time_tokens, args.seed + 100).numpy()
-    perturbed = load * np.random.default_rng(args.seed).uniform(0.9, 1.1, load.shape)
     out = []
-    for slots in args.time_slots:
-        _progress(f"timing S={slots}: {L} layers, E={E}, W={W}, {N} nodes, {args.repeats} repeats")
-        fresh = [_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
-        previous = plan_placement(load, slots, N, W)
-        warm = [_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
-                for _ in range(args.repeats)]
-        cpu_fresh = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
-        cpu_warm = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
+    for pattern in args.time_patterns:
+        _progress(f"timing {pattern}: sampling {L} layers x {args.time_tokens} tokens x top-{args.topk}")
+        load = sample_load(pattern, L, E, args.topk, args.time_tokens, args.seed + 100).numpy()
+        perturbed = load * np.random.default_rng(args.seed).uniform(0.9, 1.1, load.shape)
+        for slots in args.time_slots:
+            _progress(f"timing {pattern} S={slots}: {L} layers, E={E}, W={W}, {N} nodes, {args.repeats} repeats")
+            fresh = [_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
+            previous = plan_placement(load, slots, N, W)
+            warm = [_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
                     for _ in range(args.repeats)]
-        cpu_budget = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous,
-                                                        move_budget=args.move_target))
-                      for _ in range(args.repeats)]
-        again = plan_placement(perturbed, slots, N, W, previous=previous)
-        fresh_plan = plan_placement(perturbed, slots, N, W)
-        out.append({"num_slots": slots, "num_layers": L, "num_experts": E, "num_ranks": W, "num_nodes": N,
-                    "fresh_ms": 1e3 * statistics.median(fresh), "with_previous_ms": 1e3 * statistics.median(warm),
-                    "fresh_cpu_ms": 1e3 * statistics.median(cpu_fresh),
-                    "with_previous_cpu_ms": 1e3 * statistics.median(cpu_warm),
-                    "with_budget_cpu_ms": 1e3 * statistics.median(cpu_budget),
-                    "moves_with_previous": int(again.moves(previous).sum()), "slots_total": L * slots,
-                    "imbalance_fresh": float(imbalance(perturbed, fresh_plan.slot_to_expert, W).mean()),
-                    "imbalance_with_previous": float(imbalance(perturbed, again.slot_to_expert, W).mean())})
+            cpu_fresh = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W)) for _ in range(args.repeats)]
+            cpu_warm = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous))
+                        for _ in range(args.repeats)]
+            cpu_budget = [_cpu_timed(lambda: plan_placement(perturbed, slots, N, W, previous=previous,
+                                                            move_budget=args.move_target))
+                          for _ in range(args.repeats)]
+            again = plan_placement(perturbed, slots, N, W, previous=previous)
+            fresh_plan = plan_placement(perturbed, slots, N, W)
+            moved_L = again.moves(previous).numpy() / slots
+            out.append({"pattern": pattern, "num_slots": slots, "num_layers": L, "num_experts": E, "num_ranks": W,
+                        "num_nodes": N, "fresh_ms": 1e3 * statistics.median(fresh),
+                        "with_previous_ms": 1e3 * statistics.median(warm),
+                        "fresh_cpu_ms": 1e3 * statistics.median(cpu_fresh),
+                        "with_previous_cpu_ms": 1e3 * statistics.median(cpu_warm),
+                        "with_budget_cpu_ms": 1e3 * statistics.median(cpu_budget),
+                        "moves_with_previous": int(again.moves(previous).sum()), "slots_total": L * slots,
+                        "moved_fraction_max_layer": float(moved_L.max()),
+                        "layers_over_target": int((moved_L > args.move_target + 1e-12).sum()),
+                        "imbalance_fresh": float(imbalance(perturbed, fresh_plan.slot_to_expert, W).mean()),
+                        "imbalance_with_previous": float(imbalance(perturbed, again.slot_to_expert, W).mean())})
     return out
 
 
@@ -365,16 +373,25 @@ def markdown(doc: dict) -> str:
                      f"({b['cases_within_tolerance']})" for b in g["by_round"]]
             lines.append(f"| {g['num_ranks']} | {g['slots_per_rank']} | {g['num_slots']} | {g['cases']} | "
                          + " | ".join(cells) + " |")
+    limit = c["time_limit_ms"]
+    over_limit = [t for t in doc["timing"] if t["with_previous_cpu_ms"] > limit]
     lines += ["", f"Planning time: one thread, median of {c['repeats']}, wall (time.perf_counter) and, in "
-              "parentheses, CPU time of the process (time.process_time); a topk-zipf-1.2 load; with previous: the "
-              f"plan of a load +-10% off; with budget: the same with move_budget={c['move_target']:g} (CPU time).", "",
-              "| L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | with budget CPU ms | slots moved "
-              "| imbalance fresh / with previous |", "|---|---|---|---|---|---|"]
+              "parentheses, CPU time of the process (time.process_time); each pattern's load "
+              f"({c['time_tokens']} tokens per layer); with previous: the plan of a load +-10% off; with budget: the "
+              f"same with move_budget={c['move_target']:g} (CPU time). Layers over {100 * c['move_target']:.0f}%: "
+              "the layers whose moved slots exceed the move target, and the largest moved fraction of a layer. "
+              f"With previous, {len(over_limit)} of {len(doc['timing'])} loads take more than {limit:g} ms (CPU)"
+              + (f": {', '.join(t['pattern'] + ' S=' + str(t['num_slots']) for t in over_limit)}." if over_limit
+                 else "."), "",
+              "| pattern | L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | with budget CPU ms "
+              f"| slots moved | layers over {100 * c['move_target']:.0f}% (largest) | imbalance fresh / with previous |",
+              "|---|---|---|---|---|---|---|---|"]
     for t in doc["timing"]:
-        lines.append(f"| {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, {t['num_slots']} "
-                     f"| {t['fresh_ms']:.1f} ({t['fresh_cpu_ms']:.1f}) | {t['with_previous_ms']:.1f} "
+        lines.append(f"| {t['pattern']} | {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, "
+                     f"{t['num_slots']} | {t['fresh_ms']:.1f} ({t['fresh_cpu_ms']:.1f}) | {t['with_previous_ms']:.1f} "
                      f"({t['with_previous_cpu_ms']:.1f}) | {t['with_budget_cpu_ms']:.1f} | {t['moves_with_previous']} / "
                      f"{t['slots_total']} ({100 * t['moves_with_previous'] / t['slots_total']:.1f}%) | "
+                     f"{t['layers_over_target']} of {t['num_layers']} ({100 * t['moved_fraction_max_layer']:.1f}%) | "
                      f"{t['imbalance_fresh']:.4f} / {t['imbalance_with_previous']:.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -382,8 +399,10 @@ def markdown(doc: dict) -> str:
 def plot(doc: dict, path: str) -> str:
     sweep = doc.get("tolerance_sweep") or []
     budget = doc.get("move_budget") or []
-    panels = 2 + bool(sweep) + bool(budget)
-    rows_, cols = (2, 2) if panels == 4 else (1, panels)
+    timed = doc.get("timing") or []
+    panels = 2 + bool(sweep) + bool(budget) + bool(timed)
+    cols = 3 if panels > 4 else (2 if panels == 4 else panels)
+    rows_ = -(-panels // cols)
     fig = Figure(figsize=(6.5 * cols, 5.2 * rows_))
     ax = fig.add_subplot(rows_, cols, 1)
     pats = doc["patterns"]
@@ -424,7 +443,7 @@ def plot(doc: dict, path: str) -> str:
         ax.set_ylim(0, None)
         ax.legend(fontsize=8)
     if budget:
-        ax = fig.add_subplot(rows_, cols, panels)
+        ax = fig.add_subplot(rows_, cols, 2 + bool(sweep) + 1)
         for g in budget:
             k = [b["round"] for b in g["by_round"]]
             ax.plot(k, [b["imbalance_vs_fresh_max"] for b in g["by_round"]], marker="o",
@@ -437,6 +456,22 @@ def plot(doc: dict, path: str) -> str:
         ax.set_title("cases over the target: a move budget, rebalance after rebalance", fontsize=10)
         ax.set_ylim(0, None)
         ax.legend(fontsize=8)
+    if timed:
+        ax = fig.add_subplot(rows_, cols, panels)
+        several = len({t["num_slots"] for t in timed}) > 1
+        names = [t["pattern"] + (f" S={t['num_slots']}" if several else "") for t in timed]
+        x = np.arange(len(timed))
+        ax.bar(x - 0.2, [t["fresh_cpu_ms"] for t in timed], 0.4, label="fresh")
+        ax.bar(x + 0.2, [t["with_previous_cpu_ms"] for t in timed], 0.4, label="with previous (+-10% load)")
+        limit = doc["config"]["time_limit_ms"]
+        ax.axhline(limit, color="k", ls="--", lw=0.8, label=f"limit {limit:g} ms")
+        ax.set_xticks(x, names, rotation=40, ha="right", fontsize=10)
+        ax.set_ylabel("CPU ms per plan, one thread (median)", fontsize=10)
+        t0 = timed[0]
+        ax.set_title(f"planning time: {t0['num_layers']} layers x {t0['num_experts']} experts, W={t0['num_ranks']}"
+                     + ("" if several else f", S={t0['num_slots']}"), fontsize=10)
+        ax.set_ylim(0, 1.3 * max([limit] + [t["with_previous_cpu_ms"] for t in timed]))
+        ax.legend(fontsize=9, loc="upper left", ncol=3)
     fig.suptitle(f"hybrid-ep balancer planner | {doc['machine']} | {doc['date']}", fontsize=11)
     fig.tight_layout()
     FigureCanvasAgg(fig)
@@ -456,7 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="layers per case (each sampled separately)")
     p.add_argument("--time-layers", type=int, default=61)
     p.add_argument("--time-ranks", type=int, default=64)
-    p.add_argument("--time-slots", type=int, nargs="+", default=[256, 320])
+    p.add_argument("--time-slots", type=int, nargs="+", default=[320])
+    p.add_argument("--time-patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS,
+                   help="loads timed, one each")
+    p.add_argument("--time-limit-ms", type=float, default=25.0,
+                   help="planning-time limit drawn in the timing table and plot (CPU time with previous)")
     p.add_argument("--time-tokens", type=int, default=16384, help="tokens per layer of the timing load")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--move-target", type=float, default=0.10, help="moved-slot fraction the refit aims below")
