@@ -11,7 +11,7 @@ from hybrid_ep.balancer.metrics import (default_rank_loads, imbalance_ratio, ran
 from hybrid_ep.balancer.baselines import eplb, eplb_hierarchical, greedy
 from hybrid_ep import _planner
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement, peak, plan_placement
-from hybrid_ep.balancer.quality import imbalance, sample_load
+from hybrid_ep.balancer.quality import PATTERNS, imbalance, sample_load
 from hybrid_ep.balancer.refit_bound import over_loaded_ranks, refit_lower_bound
 
 
@@ -274,6 +274,27 @@ def test_fresh_plan_orders_its_ranks_onto_nodes_last():
         _planner.group_nodes(bad, E, N, W)
     with pytest.raises(ValueError, match="num_ranks must divide"):
         _planner.group_nodes(plain, E, N, 5)
+
+
+def test_exchanges_run_within_a_budget_per_call():
+    # max(8, L / 4) one-slot exchanges per call, layers nearest the move target first: one
+    # layer that wants 3 (two count shifts and the exchange; topk-zipf-1.0 at W 64, S 320, the
+    # quality benchmark's case) repeated 40 times gets them on its first 3 copies only
+    W, S, N, L = 64, 320, 8, 40
+    seed = 1000 * PATTERNS.index("topk-zipf-1.0") + W
+    load = sample_load("topk-zipf-1.0", 1, 256, 8, 4096 * W, seed).numpy()
+    prev = plan_placement(load, S, N, W).slot_to_expert.numpy()
+    moved = load * np.random.default_rng(seed).uniform(0.9, 1.1, load.shape)
+    fresh = _planner.plan_fresh(moved, S, N, W, onto_nodes=False)
+    allowed = peak(moved, fresh, W) + DEFAULT_TOLERANCE * moved.sum(1) / W
+    alone, reached = _planner.keep_previous(moved, prev, fresh, allowed, W, S)
+    assert reached.all() and (alone != prev).sum() > 0.1 * S  # over the target: all 3 exchanges wanted
+    many, reached = _planner.keep_previous(*(np.repeat(a, L, 0) for a in (moved, prev, fresh, allowed)), W, S)
+    assert reached.all()
+    assert (many[:3] == alone).all()
+    assert (many[3:] == many[3]).all()  # the refit without the exchanges
+    assert (many[3] != prev).sum() > (alone != prev).sum()  # which they lower on this layer
+    assert peak(np.repeat(moved, L, 0), many, W).max() <= allowed[0]
 
 
 def test_native_planner_refuses_sizes_that_would_index_out_of_bounds():

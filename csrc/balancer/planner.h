@@ -35,20 +35,23 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes
 // copies and peak, and orders ranks onto nodes only where it matches the plan onto previous.
 Slots group_nodes(const Slots& slots, int E, int N, int W);
 
-// previous re-fitted to load with few changed slots: swaps and one-slot replica changes at
+// previous re-fitted to load with few changed slots, layer by layer (load [L, E], previous,
+// fresh and slots [L, S], allowed_peak and reached [L]): swaps and one-slot replica changes at
 // the most loaded rank until it carries at most allowed_peak tokens; where that gets stuck
 // or changes more than a quarter of the slots, also from previous with its copies per
 // expert first changed to fresh's; where the best still changes more than a fifth, restarts
-// that fix one of the three most loaded ranks, drawn from a seeded generator, at each step;
-// where it changes more than 9%, the two best rated count shifts (one copy moved from a cool
-// replicated expert to a hot one, shifts.h), each followed by the exchange below; where it
-// changes more than a tenth, one slot exchanged on every over-loaded rank and on a few ranks
-// with room, copy counts kept (exchange.h; the fewest changed slots wins). Returns
-// false (slots then hold the best reached) when none gets there: no move lowers that rank any
-// more, or the next would change more than max_moves slots. slots never differ from previous
-// in more than max_moves slots (the move budget's candidates rely on it).
-bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
-                   double allowed_peak, int max_moves, Slots& slots);
+// that fix one of the three most loaded ranks, drawn from a seeded generator, at each step.
+// Then, within a budget of one-slot exchanges per call (layers over the move target first,
+// nearest to it first): where a layer changes more than 9%, the two best rated count shifts
+// (one copy moved from a cool replicated expert to a hot one, shifts.h), each followed by the
+// exchange below; where it changes more than a tenth, one slot exchanged on every
+// over-loaded rank and on a few ranks with room, copy counts kept (exchange.h; the fewest
+// changed slots wins). reached[l] is false (slots then hold the best reached) when none gets
+// there: no move lowers that rank any more, or the next would change more than max_moves
+// slots. A layer's slots never differ from previous in more than max_moves slots (the move
+// budget's candidates rely on it).
+void keep_previous(const double* load, int L, int E, int W, int S, const int64_t* previous, const int64_t* fresh,
+                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached);
 
 // start (a plan within allowed_peak) turned back toward previous slot by slot, every rank
 // staying within allowed_peak: swaps with a copy of previous's expert on another rank, or a

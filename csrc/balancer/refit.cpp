@@ -3,6 +3,7 @@
 // one-slot exchange, and the walk back toward previous; every search here counts the slots it
 // changes.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <utility>
@@ -312,6 +313,14 @@ constexpr double kExchangeAbove = 0.1;
 // timing load against the 25 ms limit (22.5-22.8 at 0.09; docs/balancer_notes.md, "Count shifts").
 constexpr double kShiftAbove = 0.09;
 constexpr size_t kShifts = 2;
+// The exchanges above (count shifts included) cost about 0.15 ms each on average; on loads
+// where most layers move more than the target, running them on every layer took 25-37 ms per
+// plan with previous (61 x 256 x 64, S 320) against the 25 ms limit. So one call runs at most
+// max(kExchangesPerCall, kExchangesPerLayer x its layers) of them: 16 for 61 layers, every
+// one for the few layers of the quality benchmark's cases (docs/balancer_notes.md, "Exchange
+// budget").
+constexpr int kExchangesPerCall = 8;
+constexpr double kExchangesPerLayer = 0.25;
 
 // The over-loaded rank a refit step works on: the most loaded one (order null), or one of the
 // kRestartRanks most loaded drawn from order.
@@ -487,19 +496,31 @@ Slots walk_back_to(const double* load, int E, int W, const Slots& previous, cons
   return pk.slots();
 }
 
-bool keep_previous(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
-                   double allowed_peak, int max_moves, Slots& slots) {
+namespace {
+
+// One layer's refit so far: its best plan, the slots that plan changes (S + 1 where none
+// reached allowed_peak), and whether one did.
+struct Refit {
+  Slots slots;
+  int best;
+  bool reached;
+};
+
+// The search from previous, then (where it gets stuck or costly) from fresh's copy counts
+// and the restarts.
+Refit refit_layer(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
+                  double allowed_peak, int max_moves) {
   const int S = static_cast<int>(previous.size());
   Packing pk(load, E, W, previous);
-  bool reached = refit_search(pk, previous, allowed_peak, max_moves);
-  slots = pk.slots();
-  int best = reached ? changed(slots, previous) : S + 1;
+  Refit r{{}, S + 1, refit_search(pk, previous, allowed_peak, max_moves)};
+  r.slots = pk.slots();
+  if (r.reached) r.best = changed(r.slots, previous);
   auto keep = [&](bool ok, const Packing& p) {
     const int n = ok ? changed(p.slots(), previous) : S + 1;
     // refit_counts alone may change more than max_moves slots, before its search starts
-    if (n < best && n <= max_moves) slots = p.slots(), best = n, reached = true;
+    if (n < r.best && n <= max_moves) r.slots = p.slots(), r.best = n, r.reached = true;
   };
-  if (best > S / 4) {
+  if (r.best > S / 4) {
     // stuck or costly: replica counts changed to the fresh plan's first, then the same search
     std::vector<int> want(E, 0);
     for (int64_t e : fresh) want[e] += 1;
@@ -509,30 +530,73 @@ bool keep_previous(const double* load, int E, int W, const Slots& previous, cons
   }
   // still stuck or above kRestartAbove of the slots: restarts, each stopped once it changes as
   // many slots as the best
-  for (unsigned seed = 1; seed <= kRestarts && best > S * kRestartAbove; ++seed) {
+  for (unsigned seed = 1; seed <= kRestarts && r.best > S * kRestartAbove; ++seed) {
     std::minstd_rand order(seed);
     Packing again(load, E, W, previous);
-    keep(refit_search(again, previous, allowed_peak, std::min(max_moves, best - 1), &order), again);
+    keep(refit_search(again, previous, allowed_peak, std::min(max_moves, r.best - 1), &order), again);
   }
-  // an exchange that changes fewer than fewer_than slots of start, kept where it wins
+  return r;
+}
+
+// The one-slot exchanges the searches beyond refit_layer would run on a layer (count shifts
+// and the exchange): their cost, counted against the call's budget.
+int exchanges_wanted(const Refit& r, int S) {
+  return (r.best > S * kShiftAbove ? static_cast<int>(kShifts) : 0) + (r.best > S * kExchangeAbove ? 1 : 0);
+}
+
+// Count shifts, each followed by the exchange, and the exchange from previous, each kept
+// where it changes fewer slots than the best so far.
+void refine_layer(const double* load, int E, int W, const Slots& previous, double allowed_peak, int max_moves,
+                  Refit& r) {
+  const int S = static_cast<int>(previous.size());
   auto exchange_from = [&](const Packing& start, int fewer_than) {
     Slots exchanged;
-    if (fewer_than > 0 && one_slot_exchange(start, allowed_peak, fewer_than, exchanged)) {
-      Packing p(load, E, W, exchanged);
-      keep(p.peak() <= allowed_peak, p);
-    }
+    if (fewer_than <= 0 || !one_slot_exchange(start, allowed_peak, fewer_than, exchanged)) return;
+    Packing p(load, E, W, exchanged);
+    const int n = p.peak() <= allowed_peak ? changed(p.slots(), previous) : S + 1;
+    if (n < r.best && n <= max_moves) r.slots = p.slots(), r.best = n, r.reached = true;
   };
-  if (best <= S * std::min(kShiftAbove, kExchangeAbove)) return reached;
   const Packing at_previous(load, E, W, previous);
-  if (best > S * kShiftAbove)
+  if (r.best > S * kShiftAbove)
     for (const Shift& shift : count_shifts(at_previous, allowed_peak, kShifts)) {
       Slots shifted = previous;
       shifted[shift.slot] = shift.expert;
       // the shifted slot counts too, unless the exchange turns it back
-      exchange_from(Packing(load, E, W, std::move(shifted)), std::min(best, max_moves + 1) - 1);
+      exchange_from(Packing(load, E, W, std::move(shifted)), std::min(r.best, max_moves + 1) - 1);
     }
-  if (best > S * kExchangeAbove) exchange_from(at_previous, std::min(best, max_moves + 1));
-  return reached;
+  if (r.best > S * kExchangeAbove) exchange_from(at_previous, std::min(r.best, max_moves + 1));
+}
+
+}  // namespace
+
+void keep_previous(const double* load, int L, int E, int W, int S, const int64_t* previous, const int64_t* fresh,
+                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached) {
+  auto layer = [S](const int64_t* plans, int l) {
+    return Slots(plans + static_cast<size_t>(l) * S, plans + static_cast<size_t>(l + 1) * S);
+  };
+  std::vector<Refit> refits;
+  refits.reserve(L);
+  for (int l = 0; l < L; ++l)
+    refits.push_back(refit_layer(load + static_cast<size_t>(l) * E, E, W, layer(previous, l), layer(fresh, l),
+                                 allowed_peak[l], max_moves));
+  // the exchanges, within the call's budget: layers over the move target first, nearest to
+  // it first (where they can still bring it under), then those just under it
+  std::vector<int> order;
+  for (int l = 0; l < L; ++l)
+    if (exchanges_wanted(refits[l], S) > 0) order.push_back(l);
+  auto rank = [&](int l) { return std::make_pair(refits[l].best <= S * kExchangeAbove, refits[l].best); };
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rank(a) < rank(b); });
+  int budget = std::max(kExchangesPerCall, static_cast<int>(std::ceil(kExchangesPerLayer * L)));
+  for (int l : order) {
+    const int cost = exchanges_wanted(refits[l], S);
+    if (cost > budget) continue;
+    budget -= cost;
+    refine_layer(load + static_cast<size_t>(l) * E, E, W, layer(previous, l), allowed_peak[l], max_moves, refits[l]);
+  }
+  for (int l = 0; l < L; ++l) {
+    std::copy(refits[l].slots.begin(), refits[l].slots.end(), slots + static_cast<size_t>(l) * S);
+    reached[l] = refits[l].reached;
+  }
 }
 
 }  // namespace hybrid_ep::balancer

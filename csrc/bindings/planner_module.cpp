@@ -74,14 +74,8 @@ py::tuple keep_previous(const Load& load, const Plan& previous, const Plan& fres
   auto* ok_dst = ok.mutable_data();
   {
     py::gil_scoped_release release;
-    for (py::ssize_t l = 0; l < L; ++l) {
-      const hb::Slots prev(previous.data() + l * S, previous.data() + (l + 1) * S);
-      const hb::Slots target(fresh.data() + l * S, fresh.data() + (l + 1) * S);
-      hb::Slots slots;
-      ok_dst[l] = hb::keep_previous(load.data() + l * E, static_cast<int>(E), W, prev, target,
-                                    allowed_peak.data()[l], max_moves, slots);
-      std::memcpy(dst + l * S, slots.data(), sizeof(int64_t) * S);
-    }
+    hb::keep_previous(load.data(), static_cast<int>(L), static_cast<int>(E), W, static_cast<int>(S), previous.data(),
+                      fresh.data(), allowed_peak.data(), max_moves, dst, ok_dst);
   }
   return py::make_tuple(out, ok);
 }
