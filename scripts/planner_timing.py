@@ -1,14 +1,16 @@
-"""Planning time of the checkout this script is run from, on the benchmark's timing load.
+"""Planning time of the checkout this script is run from, on one of the benchmark's timing loads.
 
-`python -m hybrid_ep.balancer.quality` times the planner once per run, after the quality
-grid; on a shared machine one slow period moves that median. Two versions compare better
+`python -m hybrid_ep.balancer.quality` times the planner once per run and pattern; on a
+shared machine one slow period moves those medians. Two versions compare better
 timed in turns, each in its own process, several rounds:
 
     for round in 1 2 3; do
       for repo in ../old ../new; do OMP_NUM_THREADS=1 python scripts/planner_timing.py --repo $repo; done
     done
 
-The load and the +-10% perturbation are those of quality.timing (topk-zipf-1.2, seed 0).
+The load and the +-10% perturbation are those of quality.timing (seed 0) for --pattern
+(default topk-zipf-1.2; the refit's exchanges run on more layers of zipf-0.6, lognormal-1.0
+or uniform-noise, the slowest with previous).
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=64)
     p.add_argument("--slots", type=int, default=320)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per layer")
+    p.add_argument("--pattern", default="topk-zipf-1.2", help="load pattern (quality.PATTERNS)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--move-budget", type=float, default=None,
                    help="also time plan_placement(previous=, move_budget=) at this fraction")
     args = p.parse_args(argv)
     sys.path.insert(0, args.repo)
     from hybrid_ep.balancer.planner import plan_placement
-    from hybrid_ep.balancer.quality import sample_load
+    from hybrid_ep.balancer.quality import PATTERNS, sample_load
 
     W, N, S = args.ranks, args.ranks // 8, args.slots
-    load = sample_load("topk-zipf-1.2", args.layers, 256, 8, args.tokens, 100).numpy()
+    if args.pattern not in PATTERNS:
+        p.error(f"--pattern must be one of {', '.join(PATTERNS)}, got {args.pattern!r}")
+    load = sample_load(args.pattern, args.layers, 256, 8, args.tokens, 100).numpy()
     perturbed = load * np.random.default_rng(0).uniform(0.9, 1.1, load.shape)
     previous = plan_placement(load, S, N, W)
     fresh, warm, capped = [], [], []
@@ -52,7 +57,7 @@ def main(argv=None) -> int:
             t = time.process_time()
             plan_placement(perturbed, S, N, W, previous=previous, move_budget=args.move_budget)
             capped.append(time.process_time() - t)
-    print(f"{args.repo}: {args.layers} x 256, W {W}, {N} nodes, S {S}; CPU ms median (fastest) of {args.repeats}: "
+    print(f"{args.repo}: {args.pattern}, {args.layers} x 256, W {W}, {N} nodes, S {S}; CPU ms median (fastest) of {args.repeats}: "
           f"fresh {1e3 * statistics.median(fresh):.1f} ({1e3 * min(fresh):.1f}), "
           f"with previous {1e3 * statistics.median(warm):.1f} ({1e3 * min(warm):.1f})"
           + (f", with move budget {args.move_budget} {1e3 * statistics.median(capped):.1f} ({1e3 * min(capped):.1f})"

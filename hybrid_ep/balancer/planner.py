@@ -138,7 +138,11 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     ranks where they change fewer slots), where it gets within and the fresh plan matched
     onto previous does not change fewer slots; else that matched fresh plan. Migration
     moves weights and optimizer state, so a tolerance of 0.01 (the default) saves most
-    moves; tolerance=0 keeps only what is as good as the fresh plan.
+    moves; tolerance=0 keeps only what is as good as the fresh plan. The refit's costliest
+    searches (count shifts and the one-slot exchange, on layers that change more than 9% of
+    their slots) run at most max(8, L / 4) times per call, on the layers just over 10% first,
+    which keeps 61 layers within 25 ms; so with many layers a layer's plan can depend on the
+    others in the call.
 
     move_budget (a fraction of each layer's slots) caps what one call changes, for users who
     bound a rebalance's migration: in a layer where the plan above changes more, of the
