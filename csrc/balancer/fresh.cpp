@@ -52,12 +52,14 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
       new_b[ob[j]] = j;
     }
     std::copy(tmp.begin(), tmp.end(), la);
-    for (int k = 0; k < S; ++k) {
-      const int t = owner[k / W];
-      if (t == a) part[k] = new_a[part[k]];
-      else if (t == b) part[k] = new_b[part[k]];
+    // only the rounds in tuples a and b move parts (slot k is round k / W's, by round: a
+    // division per slot here cost more than the sorts)
+    for (int round = 0; round < P; ++round) {
+      if (owner[round] != a && owner[round] != b) continue;
+      const std::vector<int>& to = owner[round] == a ? new_a : new_b;
+      for (int k = round * W; k < (round + 1) * W; ++k) part[k] = to[part[k]];
+      owner[round] = a;
     }
-    for (int& t : owner) if (t == b) t = a;
     alive[b] = false;
     spread[a] = tuple_spread(a);
   }
