@@ -52,8 +52,8 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
       new_b[ob[j]] = j;
     }
     std::copy(tmp.begin(), tmp.end(), la);
-    // only the rounds in tuples a and b move parts (slot k is round k / W's, by round: a
-    // division per slot here cost more than the sorts)
+    // only the rounds of tuples a and b change parts, so only they are remapped, round by
+    // round (a division by W per slot over all rounds cost up to 0.8 ms of a 61-layer plan)
     for (int round = 0; round < P; ++round) {
       if (owner[round] != a && owner[round] != b) continue;
       const std::vector<int>& to = owner[round] == a ? new_a : new_b;
