@@ -18,7 +18,8 @@ namespace {
 // Balanced largest differencing (Karmarkar-Karp with P slots per rank) of slots sorted
 // heaviest first: P rounds of W form tuples of W parts; the two tuples with the largest
 // spread merge, heaviest part of one with the lightest of the other, until one is left.
-Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<double>& weight, int W) {
+Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<double>& weight, int W,
+                        double* peak = nullptr) {
   const int S = static_cast<int>(experts.size()), P = S / W;
   std::vector<double> load(weight);           // [tuple][part]: tuple t starts as round t
   std::vector<int> part(S), owner(P);          // part of each slot in its tuple; tuple holding each round
@@ -62,6 +63,10 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
     }
     alive[b] = false;
     spread[a] = tuple_spread(a);
+  }
+  if (peak) {  // the merged tuple's parts are the ranks (its sums in merge order)
+    const int t = owner[0];
+    *peak = *std::max_element(load.begin() + t * W, load.begin() + (t + 1) * W);
   }
   Slots out(S);
   for (int k = 0; k < S; ++k) out[part[k] * P + k / W] = experts[k];  // round = local slot
@@ -173,7 +178,12 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes
     for (int j = std::max(1, (S - E + cap - 2) / (cap - 1)); j < replicated; j *= 2) {
       const Copies c = split_heaviest(load, by_load, S, cap, j, best_peak);
       if (c.weight.empty()) continue;  // no packing of these copies is lower
-      Packing pk(load, E, W, pack_differencing(c.experts, c.weight, W));
+      double packed_peak;
+      Slots packed = pack_differencing(c.experts, c.weight, W, &packed_peak);
+      // the packing's own peak, summed in another order, differs by rounding only: a margin far
+      // above it skips building the Packing where it cannot be lower
+      if (packed_peak >= best_peak * (1 + 1e-9)) continue;
+      Packing pk(load, E, W, std::move(packed));
       if (pk.peak() >= best_peak) continue;  // improving rarely overturns the differencing's order
       separate_copies(pk);
       pair_exchange(pk, kPairRounds);
