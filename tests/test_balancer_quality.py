@@ -96,6 +96,12 @@ def test_timing_covers_every_pattern_asked_with_the_moves_of_each_layer(small_ru
     assert "| two-hot | 4 x 256, 64, 8, 320 |" in md and "| zipf-1.4 | 4 x 256, 64, 8, 320 |" in md
 
 
+def test_time_limit_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--time-limit-ms", "0", "--out", str(tmp_path)])
+    assert "--time-limit-ms must be > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_copies_gained_counts_each_layer():
     def placement(s2e):
         return Placement(torch.tensor(s2e), num_ranks=2, num_nodes=1, num_experts=4)

@@ -504,6 +504,13 @@ struct Refit {
   Slots slots;
   int best;
   bool reached;
+
+  // p, where it reached allowed_peak (ok) and changes fewer slots than the best and at most
+  // max_moves (refit_counts alone may change more, before its search starts)
+  void keep(bool ok, const Packing& p, const Slots& previous, int max_moves) {
+    const int n = ok ? changed(p.slots(), previous) : static_cast<int>(previous.size()) + 1;
+    if (n < best && n <= max_moves) slots = p.slots(), best = n, reached = true;
+  }
 };
 
 // The search from previous, then (where it gets stuck or costly) from fresh's copy counts
@@ -515,25 +522,21 @@ Refit refit_layer(const double* load, int E, int W, const Slots& previous, const
   Refit r{{}, S + 1, refit_search(pk, previous, allowed_peak, max_moves)};
   r.slots = pk.slots();
   if (r.reached) r.best = changed(r.slots, previous);
-  auto keep = [&](bool ok, const Packing& p) {
-    const int n = ok ? changed(p.slots(), previous) : S + 1;
-    // refit_counts alone may change more than max_moves slots, before its search starts
-    if (n < r.best && n <= max_moves) r.slots = p.slots(), r.best = n, r.reached = true;
-  };
   if (r.best > S / 4) {
     // stuck or costly: replica counts changed to the fresh plan's first, then the same search
     std::vector<int> want(E, 0);
     for (int64_t e : fresh) want[e] += 1;
     Packing counted(load, E, W, previous);
     refit_counts(counted, want);
-    keep(refit_search(counted, previous, allowed_peak, max_moves), counted);
+    r.keep(refit_search(counted, previous, allowed_peak, max_moves), counted, previous, max_moves);
   }
   // still stuck or above kRestartAbove of the slots: restarts, each stopped once it changes as
   // many slots as the best
   for (unsigned seed = 1; seed <= kRestarts && r.best > S * kRestartAbove; ++seed) {
     std::minstd_rand order(seed);
     Packing again(load, E, W, previous);
-    keep(refit_search(again, previous, allowed_peak, std::min(max_moves, r.best - 1), &order), again);
+    r.keep(refit_search(again, previous, allowed_peak, std::min(max_moves, r.best - 1), &order), again, previous,
+           max_moves);
   }
   return r;
 }
@@ -552,9 +555,8 @@ void refine_layer(const double* load, int E, int W, const Slots& previous, doubl
   auto exchange_from = [&](const Packing& start, int fewer_than) {
     Slots exchanged;
     if (fewer_than <= 0 || !one_slot_exchange(start, allowed_peak, fewer_than, exchanged)) return;
-    Packing p(load, E, W, exchanged);
-    const int n = p.peak() <= allowed_peak ? changed(p.slots(), previous) : S + 1;
-    if (n < r.best && n <= max_moves) r.slots = p.slots(), r.best = n, r.reached = true;
+    const Packing p(load, E, W, std::move(exchanged));
+    r.keep(p.peak() <= allowed_peak, p, previous, max_moves);
   };
   const Packing at_previous(load, E, W, previous);
   if (r.best > S * kShiftAbove)

@@ -510,7 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.time_limit_ms > 0:
+        parser.error(f"--time-limit-ms must be > 0, got {args.time_limit_ms}")
     torch.set_num_threads(1)
     doc = {"date": datetime.date.today().isoformat(), "machine": args.machine,
            "command": shlex.join(["python", "-m", "hybrid_ep.balancer.quality"]
