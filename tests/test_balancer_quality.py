@@ -36,6 +36,22 @@ def test_writes_json_markdown_and_plot(small_run):
     assert "0 need more than 10% if every copy count stays" in md
 
 
+def test_counts_the_layers_over_the_target_per_case_and_pattern(small_run):
+    out, doc = small_run
+    target, layers = doc["config"]["move_target"], doc["config"]["layers"]
+    for r in doc["cases"]:
+        assert r["num_layers"] == layers and 0 <= r["layers_over_target"] <= layers
+        assert (r["layers_over_target"] > 0) == (r["moved_fraction_max_layer"] > target)
+        if r["moved_fraction"] > target:  # the mean over the case's layers is over, so one layer is
+            assert r["layers_over_target"] >= 1
+    (s,) = doc["patterns"]
+    assert s["layers"] == 3 * layers
+    assert s["layers_over_target"] == sum(r["layers_over_target"] for r in doc["cases"]) >= 3
+    md = (out / "balancer_planner.md").read_text()
+    assert f"| {s['layers_over_target']} of {s['layers']} |" in md
+    assert f"({s['layers_over_target']} of {s['layers']} layers)" in md
+
+
 def test_sweep_covers_every_case_over_the_target_and_keeps_each_tolerance(small_run):
     _, doc = small_run
     target = doc["config"]["move_target"]

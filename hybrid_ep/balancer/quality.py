@@ -147,12 +147,14 @@ def quality(args) -> list[dict]:
                                                                - fresh_imb).max())})
                 rounds = budget_rounds(moved_load, p, fresh_imb, args.move_target, args.budget_rounds)
             rows.append({
-                "pattern": pattern, "num_experts": args.experts, "num_ranks": W, "num_nodes": N, "num_slots": S,
+                "pattern": pattern, "num_layers": args.layers, "num_experts": args.experts, "num_ranks": W,
+                "num_nodes": N, "num_slots": S,
                 "planner": float(imbalance(load, p.slot_to_expert, W).max()),
                 "eplb": float(imbalance(load, eplb(load, S, N, W), W).max()),
                 "greedy": float(imbalance(load, greedy(load, S, W), W).max()),
                 "moved_fraction": moved_fraction,
                 "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
+                "layers_over_target": int((kept.moves(p) > args.move_target * S + 1e-9).sum()),
                 "moved_bound_fraction": float(bound.sum()) / (args.layers * S),
                 "moved_bound_kept_counts_fraction": float(bound_kept.sum()) / (args.layers * S),
                 "copies_gained": copies_gained(p, kept),
@@ -198,6 +200,8 @@ def summarize_patterns(rows: list[dict], target: float) -> list[dict]:
             "moved_fraction_max": max(r["moved_fraction"] for r in mine),
             "moved_bound_at_max": max(mine, key=lambda r: r["moved_fraction"])["moved_bound_fraction"],
             "cases_over_target": sum(r["moved_fraction"] > target for r in mine),
+            "layers_over_target": sum(r["layers_over_target"] for r in mine),
+            "layers": sum(r["num_layers"] for r in mine),
             "cases_over_target_infeasible": sum(r["moved_bound_fraction"] > target for r in mine),
             "max_imbalance_vs_fresh": max(r["imbalance_vs_fresh"] for r in mine),
         })
@@ -318,12 +322,15 @@ def markdown(doc: dict) -> str:
         "slots whose expert changed when the load is multiplied by a factor in [0.9, 1.1] per expert and "
         f"planned with previous= (default tolerance {DEFAULT_TOLERANCE}), and the imbalance then minus a fresh "
         f"plan's. Bound: refit_bound's lower bound on the slots any placement within the same allowed peak "
-        f"changes, at the worst case; over {100 * c['move_target']:.0f}%: cases moving more, and in parentheses "
-        "those whose bound is above it too (no placement meets it).", ""]
+        f"changes, at the worst case; cases over {100 * c['move_target']:.0f}%: cases whose layers together move "
+        "more, and in parentheses those whose bound is above it too (no placement meets it); layers over: single "
+        "layers moving more (a call's layers share the refit's costliest searches, so a case with more layers "
+        "gives each fewer).", ""]
     lines += ["| pattern | cases | planner | EPLB | greedy | placement only: planner / EPLB / greedy "
-             "| max planner - EPLB | max planner - greedy | moved slots mean / max (bound) | over "
-             f"{100 * c['move_target']:.0f}% (infeasible) | max imbalance - fresh |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max planner - EPLB | max planner - greedy | moved slots mean / max (bound) | cases over "
+             f"{100 * c['move_target']:.0f}% (infeasible) | layers over {100 * c['move_target']:.0f}% "
+             "| max imbalance - fresh |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["patterns"]:
         lines.append(
             f"| {s['pattern']} | {s['cases']} | {s['worst_planner']:.4f} | {s['worst_eplb']:.4f} | "
@@ -331,13 +338,15 @@ def markdown(doc: dict) -> str:
             f" / {s['worst_greedy_placement_only']:.3f} | {s['max_planner_minus_eplb']:+.4f} | "
             f"{s['max_planner_minus_greedy']:+.4f} | {100 * s['moved_fraction_mean']:.1f}% / "
             f"{100 * s['moved_fraction_max']:.1f}% ({100 * s['moved_bound_at_max']:.1f}%) | "
-            f"{s['cases_over_target']} ({s['cases_over_target_infeasible']}) | {s['max_imbalance_vs_fresh']:+.4f} |")
+            f"{s['cases_over_target']} ({s['cases_over_target_infeasible']}) | {s['layers_over_target']} of "
+            f"{s['layers']} | {s['max_imbalance_vs_fresh']:+.4f} |")
     rows = doc["cases"]
     over = [r for r in rows if r["moved_fraction"] > c["move_target"]]
     open_ = [r for r in over if r["moved_bound_fraction"] <= c["move_target"]]
     need_counts = [r for r in open_ if r["moved_bound_kept_counts_fraction"] > c["move_target"]]
     lines += ["", f"All patterns: {len(over)} of {len(rows)} cases move more than {100 * c['move_target']:.0f}% "
-              f"of the slots; the bound shows {len(over) - len(open_)} of them cannot move fewer. Of the other "
+              f"of the slots ({sum(r['layers_over_target'] for r in rows)} of {sum(r['num_layers'] for r in rows)} "
+              "layers); the bound shows {len(over) - len(open_)} of them cannot move fewer. Of the other "
               f"{len(open_)}, {len(need_counts)} need more than {100 * c['move_target']:.0f}% if every copy count "
               "stays (the bound with counts kept): a placement that meets the target there changes copy counts "
               f"(the planner's plans in those {len(need_counts)} cases gained "
@@ -425,9 +434,13 @@ def plot(doc: dict, path: str) -> str:
     ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:.0f}%")
     ax.set_xticks(x, [s["pattern"] for s in pats], rotation=40, ha="right", fontsize=10)
     ax.set_ylabel("slots moved after a +-10% load change (%)", fontsize=10)
-    ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)", fontsize=10)
+    ax.set_title("moves with previous= (imbalance within tolerance of a fresh plan)\n"
+                 f"n/m above a bar: layers over {target:.0f}% of the pattern's m layers", fontsize=10)
     top = max([target] + [100 * s["moved_fraction_max"] for s in pats])
     ax.set_ylim(0, 1.35 * top)  # room for the legend above the bars
+    for i, s in enumerate(pats):  # single layers over the target, per pattern
+        ax.annotate(f"{s['layers_over_target']}/{s['layers']}", (i + 0.2, 100 * s["moved_fraction_max"]),
+                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7, rotation=90)
     ax.legend(fontsize=9, loc="upper left", ncol=3)
     if sweep:
         ax = fig.add_subplot(rows_, cols, 3)
