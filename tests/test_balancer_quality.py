@@ -49,7 +49,8 @@ def test_counts_the_layers_over_the_target_per_case_and_pattern(small_run):
     assert s["layers_over_target"] == sum(r["layers_over_target"] for r in doc["cases"]) >= 3
     md = (out / "balancer_planner.md").read_text()
     assert f"| {s['layers_over_target']} of {s['layers']} |" in md
-    assert f"({s['layers_over_target']} of {s['layers']} layers)" in md
+    assert f"({s['layers_over_target']} of {s['layers']} layers); the bound shows " in md
+    assert "{" not in md and "}" not in md  # every placeholder filled
 
 
 def test_sweep_covers_every_case_over_the_target_and_keeps_each_tolerance(small_run):

@@ -346,7 +346,7 @@ def markdown(doc: dict) -> str:
     need_counts = [r for r in open_ if r["moved_bound_kept_counts_fraction"] > c["move_target"]]
     lines += ["", f"All patterns: {len(over)} of {len(rows)} cases move more than {100 * c['move_target']:.0f}% "
               f"of the slots ({sum(r['layers_over_target'] for r in rows)} of {sum(r['num_layers'] for r in rows)} "
-              "layers); the bound shows {len(over) - len(open_)} of them cannot move fewer. Of the other "
+              f"layers); the bound shows {len(over) - len(open_)} of them cannot move fewer. Of the other "
               f"{len(open_)}, {len(need_counts)} need more than {100 * c['move_target']:.0f}% if every copy count "
               "stays (the bound with counts kept): a placement that meets the target there changes copy counts "
               f"(the planner's plans in those {len(need_counts)} cases gained "
