@@ -33,8 +33,8 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
   };
   for (int t = 0; t < P; ++t) spread[t] = tuple_spread(t);
   std::vector<double> tmp(W);
-  using VI = std::pair<double, int>;
-  std::vector<VI> va(W), vb(W);
+  using LoadPart = std::pair<double, int>;  // (load, part): LargerFirst / SmallerFirst order
+  std::vector<LoadPart> va(W), vb(W);
   std::vector<int> new_a(W), new_b(W);
   for (int merge = 0; merge + 1 < P; ++merge) {
     int a = -1, b = -1;  // largest two spreads, ties by index

@@ -8,8 +8,8 @@ Grid: W in --ranks, nodes 1, 2 and W/8 (8 ranks per node) where valid, S/E in --
 (S rounded up to a multiple of W). Per case: rank imbalance (max - mean) / mean of the
 planner, EPLB (baselines.eplb: best of its hierarchical and global policies) and the
 greedy baseline, worst over layers; then the load perturbed by a factor in [0.9, 1.1]
-per expert, planned with previous= the first plan: moved-slot fraction, imbalance minus a
-fresh plan's, and refit_bound's lower bound on the slots any placement within the same
+per expert, planned with previous= the first plan: moved-slot fraction, the layers moving
+more than --move-target, imbalance minus a fresh plan's, and refit_bound's lower bound on the slots any placement within the same
 allowed peak changes (a case above --move-target whose bound is above it too cannot meet it),
 and the same bound for placements that keep every copy count (where only that one is above
 --move-target, a placement that meets it has to change copy counts);
@@ -136,7 +136,8 @@ def quality(args) -> list[dict]:
                        + 1e-9 * (mean + 1))
             bound = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed)
             bound_kept = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed, keep_counts=True)
-            moved_fraction = float(kept.moves(p).sum()) / (args.layers * S)
+            moves_L = kept.moves(p)
+            moved_fraction = float(moves_L.sum()) / (args.layers * S)
             sweep, rounds = [], []
             fresh_imb = imbalance(moved_load, fresh.slot_to_expert, W)
             if moved_fraction > args.move_target:  # what a larger tolerance buys where the default moves too many
@@ -153,8 +154,8 @@ def quality(args) -> list[dict]:
                 "eplb": float(imbalance(load, eplb(load, S, N, W), W).max()),
                 "greedy": float(imbalance(load, greedy(load, S, W), W).max()),
                 "moved_fraction": moved_fraction,
-                "moved_fraction_max_layer": float(kept.moves(p).max()) / S,
-                "layers_over_target": int((kept.moves(p) > args.move_target * S + 1e-9).sum()),
+                "moved_fraction_max_layer": float(moves_L.max()) / S,
+                "layers_over_target": int((moves_L > args.move_target * S + 1e-9).sum()),
                 "moved_bound_fraction": float(bound.sum()) / (args.layers * S),
                 "moved_bound_kept_counts_fraction": float(bound_kept.sum()) / (args.layers * S),
                 "copies_gained": copies_gained(p, kept),
