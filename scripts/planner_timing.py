@@ -57,7 +57,8 @@ def main(argv=None) -> int:
             t = time.process_time()
             plan_placement(perturbed, S, N, W, previous=previous, move_budget=args.move_budget)
             capped.append(time.process_time() - t)
-    print(f"{args.repo}: {args.pattern}, {args.layers} x 256, W {W}, {N} nodes, S {S}; CPU ms median (fastest) of {args.repeats}: "
+    print(f"{args.repo}: {args.pattern}, {args.layers} x 256, W {W}, {N} nodes, S {S}; "
+          f"CPU ms median (fastest) of {args.repeats}: "
           f"fresh {1e3 * statistics.median(fresh):.1f} ({1e3 * min(fresh):.1f}), "
           f"with previous {1e3 * statistics.median(warm):.1f} ({1e3 * min(warm):.1f})"
           + (f", with move budget {args.move_budget} {1e3 * statistics.median(capped):.1f} ({1e3 * min(capped):.1f})"

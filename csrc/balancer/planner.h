@@ -1,9 +1,10 @@
 // Expert placement for one MoE layer: which expert each slot holds, so that the most loaded
 // rank carries as few tokens as possible (hybrid_ep/balancer/planner.py, docs/balancer.md).
 //
-// Plain C++ over one layer at a time: the planner is a local search (swaps and replica
-// changes at the most loaded rank), sequential by nature, and a Python loop over it costs
-// about a thousand times more than the search itself.
+// Plain C++, one layer at a time except keep_previous, whose layers share one budget of
+// exchanges: the planner is a local search (swaps and replica changes at the most loaded
+// rank), sequential by nature, and a Python loop over it costs about a thousand times more
+// than the search itself.
 //
 // A slot holding expert e weighs load[e] / copies(e); rank r owns slots r*P .. r*P + P - 1.
 // Legend: E experts, S slots, W ranks, N nodes, G = W / N, P = S / W.

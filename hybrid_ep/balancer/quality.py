@@ -9,10 +9,11 @@ Grid: W in --ranks, nodes 1, 2 and W/8 (8 ranks per node) where valid, S/E in --
 planner, EPLB (baselines.eplb: best of its hierarchical and global policies) and the
 greedy baseline, worst over layers; then the load perturbed by a factor in [0.9, 1.1]
 per expert, planned with previous= the first plan: moved-slot fraction, the layers moving
-more than --move-target, imbalance minus a fresh plan's, and refit_bound's lower bound on the slots any placement within the same
-allowed peak changes (a case above --move-target whose bound is above it too cannot meet it),
-and the same bound for placements that keep every copy count (where only that one is above
---move-target, a placement that meets it has to change copy counts);
+more than --move-target, imbalance minus a fresh plan's, and refit_bound's lower bound on
+the slots any placement within the same allowed peak changes (a case above --move-target
+whose bound is above it too cannot meet it), and the same bound for placements that keep
+every copy count (where only that one is above --move-target, a placement that meets it has
+to change copy counts);
 cases above --move-target planned again at each of --sweep-tolerances, summed up per layout
 (W, S): how much imbalance buys how many fewer moves; and rebalanced --budget-rounds times on
 the same load with move_budget = --move-target: how far above a fresh plan one capped
