@@ -170,7 +170,7 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     _check_previous(previous, load_LE.shape[0], num_experts, num_slots, num_nodes, num_ranks)
     prev_LS = previous.slot_to_expert.numpy()
     mean_L = load_LE.sum(1) / num_ranks
-    allowed_L = peak(load_LE, fresh_LS, num_ranks) + tolerance * mean_L + 1e-9 * (mean_L + 1)
+    allowed_L = peak(load_LE, fresh_LS, num_ranks) + (tolerance + 1e-9) * mean_L  # relative: scale-free
     keep_L = peak(load_LE, prev_LS, num_ranks) <= allowed_L
     if keep_L.all():
         return previous

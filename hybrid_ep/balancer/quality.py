@@ -133,8 +133,7 @@ def quality(args) -> list[dict]:
             fresh = plan_placement(moved_load, S, N, W)
             kept = plan_placement(moved_load, S, N, W, previous=p)
             mean = moved_load.sum(1) / W  # the allowed peak plan_placement uses
-            allowed = (peak(moved_load, fresh.slot_to_expert.numpy(), W) + DEFAULT_TOLERANCE * mean
-                       + 1e-9 * (mean + 1))
+            allowed = peak(moved_load, fresh.slot_to_expert.numpy(), W) + (DEFAULT_TOLERANCE + 1e-9) * mean
             bound = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed)
             bound_kept = refit_lower_bound(moved_load, p.slot_to_expert.numpy(), W, allowed, keep_counts=True)
             moves_L = kept.moves(p)
