@@ -45,6 +45,7 @@ def test_invalid_sizes_name_the_argument(kwargs, match):
     (np.array([1.0, -1.0, 1.0, 1.0]), "non-negative"),
     (np.array([1.0, np.nan, 1.0, 1.0]), "finite"),
     (np.ones((2, 2, 2)), "load must be"),
+    (np.array([[1.0, 1, 1, 1], [1e300, 1e300, 1, 1]]), "layer 1 sums to 2e"),  # finite, but sums past 1e300
 ])
 def test_invalid_load_is_named(load, match):
     with pytest.raises(ValueError, match=match):

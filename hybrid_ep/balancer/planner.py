@@ -196,6 +196,9 @@ def peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- checks
 
+_MAX_LAYER_LOAD = 1e300  # far below float64's 1.8e308, so sums over ranks never overflow
+
+
 def _as_load(load) -> np.ndarray:
     """[L, E] float64 copy of load ([E] is one layer); non-negative and finite."""
     if isinstance(load, torch.Tensor):
@@ -209,6 +212,12 @@ def _as_load(load) -> np.ndarray:
         raise ValueError("load must be finite (found NaN or inf)")
     if (arr < 0).any():
         raise ValueError("load must be non-negative (token counts)")
+    with np.errstate(over="ignore"):
+        totals = arr.sum(1)
+    if not (totals <= _MAX_LAYER_LOAD).all():  # rank sums and allowed peaks must stay finite
+        layer = int(np.argmax(~(totals <= _MAX_LAYER_LOAD)))
+        raise ValueError(f"load: layer {layer} sums to {totals[layer]:.3g}, above {_MAX_LAYER_LOAD:.0e}; "
+                         "give the loads in a smaller unit (the plan does not depend on it)")
     return arr
 
 
