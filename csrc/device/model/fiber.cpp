@@ -11,6 +11,11 @@
 #include <ucontext.h>
 #endif
 
+#ifdef HYBRID_EP_MODEL_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace hybrid_ep::model {
 
 namespace {
@@ -21,6 +26,50 @@ constexpr size_t kCanaryBytes = 64;
 // so launches of tens of thousands of threads stay within the kernel's limit on mappings.
 constexpr size_t kMaxGuardedStacks = 16384;
 constexpr uint64_t kCanary = 0x5afe57ac6ca7a7a5ull;
+
+#ifdef HYBRID_EP_MODEL_ASAN
+// AddressSanitizer's view of the stack switches (no-ops without it): the stack being left
+// and the one arrived on, so its stack checks and the unpoisoning at noreturn calls act on
+// the fiber's stack rather than the OS thread's. Each context keeps its own fake stack (used
+// with detect_stack_use_after_return) while it is switched out.
+thread_local Context* g_leaving = nullptr;
+
+void before_switch(Context& from, const Context& to) {
+  g_leaving = &from;
+  __sanitizer_start_switch_fiber(&from.fake_stack, to.stack_bottom, to.stack_size);
+}
+
+// On the stack arrived on (self: its context, or nullptr in a fiber's first frame); records
+// the bounds of the stack left, which is how the scheduler's are learnt.
+void after_switch(Context* self) {
+  Context* from = g_leaving;
+  __sanitizer_finish_switch_fiber(self != nullptr ? self->fake_stack : nullptr, &from->stack_bottom,
+                                  &from->stack_size);
+}
+
+void fresh_stack(const FiberStack& stack) {  // a reused stack may hold an abandoned fiber's redzones
+  ASAN_UNPOISON_MEMORY_REGION(stack.low, static_cast<char*>(stack.top) - static_cast<char*>(stack.low));
+}
+#else
+void before_switch(Context&, const Context&) {}
+void after_switch(Context*) {}
+void fresh_stack(const FiberStack&) {}
+#endif
+
+// A fiber's first frame: completes the switch that started it, then runs its entry.
+void start_fiber(void* context) {
+  after_switch(nullptr);
+  const Context* ctx = static_cast<const Context*>(context);
+  ctx->entry(ctx->arg);
+}
+
+void set_start(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg) {
+  fresh_stack(stack);
+  ctx.stack_bottom = stack.low;
+  ctx.stack_size = static_cast<size_t>(static_cast<char*>(stack.top) - static_cast<char*>(stack.low));
+  ctx.entry = entry;
+  ctx.arg = arg;
+}
 
 size_t page_bytes() {
   static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -113,6 +162,7 @@ extern "C" void hybrid_ep_model_switch(void** save_sp, void* new_sp);
 extern "C" void hybrid_ep_model_trampoline();
 
 void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg) {
+  set_start(ctx, stack, entry, arg);
   // Frame popped by the first switch: [mxcsr | fpcw] r15 r14 r13 r12 rbx rbp ret. After the
   // ret into the trampoline the stack pointer must be 16-byte aligned for its call.
   auto top = reinterpret_cast<uintptr_t>(stack.top) & ~static_cast<uintptr_t>(15);
@@ -126,21 +176,26 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
   std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpcw, 2);
   frame[1] = 0;                                        // r15
   frame[2] = 0;                                        // r14
-  frame[3] = reinterpret_cast<uint64_t>(entry);        // r13
-  frame[4] = reinterpret_cast<uint64_t>(arg);          // r12
+  frame[3] = reinterpret_cast<uint64_t>(&start_fiber);  // r13
+  frame[4] = reinterpret_cast<uint64_t>(&ctx);          // r12
   frame[5] = 0;                                        // rbx
   frame[6] = 0;                                        // rbp
   frame[7] = reinterpret_cast<uint64_t>(&hybrid_ep_model_trampoline);  // ret
   ctx.sp = frame;
 }
 
-void switch_context(Context& from, Context& to) { hybrid_ep_model_switch(&from.sp, to.sp); }
+void switch_context(Context& from, Context& to) {
+  before_switch(from, to);
+  hybrid_ep_model_switch(&from.sp, to.sp);
+  after_switch(&from);
+}
 
 void free_context(Context&) {}
 
 #else  // ucontext: portable, one system call per switch
 
 void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg) {
+  set_start(ctx, stack, entry, arg);
   auto* uc = static_cast<ucontext_t*>(ctx.impl);
   if (uc == nullptr) ctx.impl = uc = new ucontext_t;
   getcontext(uc);
@@ -148,7 +203,7 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
   uc->uc_stack.ss_size = static_cast<char*>(stack.top) - static_cast<char*>(stack.low);
   uc->uc_link = nullptr;
   // makecontext passes int arguments: split the pointers.
-  const auto e = reinterpret_cast<uintptr_t>(entry), a = reinterpret_cast<uintptr_t>(arg);
+  const auto e = reinterpret_cast<uintptr_t>(&start_fiber), a = reinterpret_cast<uintptr_t>(&ctx);
   makecontext(uc,
               reinterpret_cast<void (*)()>(+[](unsigned e_hi, unsigned e_lo, unsigned a_hi, unsigned a_lo) {
                 const auto fn = reinterpret_cast<void (*)(void*)>((uintptr_t(e_hi) << 32) | e_lo);
@@ -159,7 +214,9 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
 
 void switch_context(Context& from, Context& to) {
   if (from.impl == nullptr) from.impl = new ucontext_t;
+  before_switch(from, to);
   swapcontext(static_cast<ucontext_t*>(from.impl), static_cast<ucontext_t*>(to.impl));
+  after_switch(&from);
 }
 
 void free_context(Context& ctx) {

@@ -9,7 +9,21 @@
 #include <cstddef>
 #include <vector>
 
+#if defined(__SANITIZE_ADDRESS__)
+#define HYBRID_EP_MODEL_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define HYBRID_EP_MODEL_ASAN 1
+#endif
+#endif
+
 namespace hybrid_ep::model {
+
+#ifdef HYBRID_EP_MODEL_ASAN
+inline constexpr size_t kStackScale = 4;  // AddressSanitizer's redzones make frames larger
+#else
+inline constexpr size_t kStackScale = 1;
+#endif
 
 struct FiberStack {
   void* low = nullptr;  // lowest usable address (above the canary)
@@ -19,10 +33,17 @@ struct FiberStack {
   bool intact() const;
 };
 
-// A saved execution context (the stack pointer on x86-64).
+// A saved execution context (the stack pointer on x86-64). The stack's bounds are for
+// AddressSanitizer, which must be told of every switch between stacks; the scheduler's own
+// stack (the OS thread's) is learnt on the first switch away from it.
 struct Context {
   void* sp = nullptr;
   void* impl = nullptr;  // ucontext_t on targets without the assembly switch
+  const void* stack_bottom = nullptr;
+  size_t stack_size = 0;
+  void (*entry)(void*) = nullptr;  // what a fiber runs, called from its first frame
+  void* arg = nullptr;
+  void* fake_stack = nullptr;  // AddressSanitizer's, while switched out
 };
 
 class StackPool {
@@ -39,7 +60,8 @@ class StackPool {
   std::vector<std::pair<void*, size_t>> slabs_;
 };
 
-// Prepares `ctx` to start entry(arg) on `stack` at its first switch_to.
+// Prepares `ctx` to start entry(arg) on `stack` at its first switch_context to it (ctx must
+// stay where it is until then).
 void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), void* arg);
 // Saves the running context into `from` and resumes `to`.
 void switch_context(Context& from, Context& to);

@@ -21,7 +21,7 @@
 namespace hybrid_ep::model {
 namespace {
 
-constexpr size_t kStackBytes = 64 * 1024;
+constexpr size_t kStackBytes = 64 * 1024 * kStackScale;
 constexpr size_t kArenaBytes = 48 * 1024;  // a block's static shared memory (block_shared), as CUDA's
 constexpr int kMaxCopyDelay = 3;           // rounds a bulk copy usually takes, drawn per copy
 constexpr int kLongCopyDelay = 40;         // ... and one in eight takes up to this many

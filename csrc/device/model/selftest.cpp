@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "device/device.cuh"
+#include "device/model/fiber.h"
 #include "device/model/selftest.h"
 
 namespace hybrid_ep::model {
@@ -45,7 +46,7 @@ enum Which {
   kStackOverflow,
 };
 
-// Deep enough to run past a fiber's 64 KiB stack.
+// Deep enough to run past a fiber's stack (64 KiB, kStackScale times that under ASan).
 __device__ int deep(int n) {
   volatile char frame[4096];
   frame[0] = static_cast<char>(n);
@@ -175,7 +176,7 @@ __global__ void selftest_kernel(const Args args) {
       }
       break;
     case kStackOverflow:
-      if (tid == 0) args.out[0] = deep(20);
+      if (tid == 0) args.out[0] = deep(20 * static_cast<int>(model::kStackScale));
       __syncthreads();  // thread 0 gives way here: its stack is checked
       break;
     default:
