@@ -592,9 +592,10 @@ def test_refit_stopped_at_max_moves_never_changes_more(pattern, seed, W, S):
 def test_any_previous_tolerance_and_budget_give_a_deterministic_placement_within_the_rules():
     # previous as a user may hand it in (a saved placement, another planner's, replicas anywhere,
     # an expert twice on a rank), loads with zeros, one hot expert, or in units far below a token
-    # (fractions of a tiny total), every tolerance and move budget: the result keeps every expert, is the same on a second call, stays within the
-    # tolerance's peak without a budget, and with one changes at most floor(budget * S) slots
-    # per layer and never ends above the larger of previous's peak and the tolerance's
+    # (fractions of a tiny total), every tolerance and move budget: the result keeps every
+    # expert, is the same on a second call, stays within the tolerance's peak without a budget,
+    # and with one changes at most floor(budget * S) slots per layer and never ends above the
+    # larger of previous's peak and the tolerance's
     rng = np.random.default_rng(34)
     for case in range(150):
         N = int(rng.choice([1, 2, 3]))

@@ -200,7 +200,7 @@ _MAX_LAYER_LOAD = 1e300  # far below float64's 1.8e308, so sums over ranks never
 
 
 def _as_load(load) -> np.ndarray:
-    """[L, E] float64 copy of load ([E] is one layer); non-negative and finite."""
+    """[L, E] float64 copy of load ([E] is one layer); non-negative, finite, sums finite."""
     if isinstance(load, torch.Tensor):
         load = load.detach().cpu().to(torch.float64).numpy()
     arr = np.array(load, dtype=np.float64)
