@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         build_dir = args.build_dir or tmp
         os.makedirs(build_dir, exist_ok=True)
         builds = {m: build(m, cxx, build_dir, includes) for m in modules}  # both compile at once
-        if any(proc.wait() != 0 for proc in builds.values()):
+        if [proc.wait() for proc in builds.values()] != [0] * len(builds):  # every build waited for
             return 1
         paths = [os.path.join(build_dir, f"_{m}" + sysconfig.get_config_var("EXT_SUFFIX")) for m in modules]
         reports = os.path.join(tmp, "report")
