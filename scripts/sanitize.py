@@ -1,4 +1,5 @@
-"""Run pytest on AddressSanitizer + UndefinedBehaviorSanitizer builds of the native modules.
+"""Run pytest on sanitized builds of the native modules: AddressSanitizer + UBSan, or
+ThreadSanitizer for the kernels' data races.
 
 Two modules run on the CPU on every machine and touch memory through computed indices:
 - hybrid_ep._planner, the balancer's placement planner. It runs in training on loads and
@@ -13,9 +14,19 @@ ends the run with a non-zero exit; pytest captures the tests' stderr, so the san
 their reports to files that are printed at the end. The model's fibers tell AddressSanitizer
 of every stack switch (csrc/device/model/fiber.cpp) and get 4x larger stacks under it.
 
+With --sanitizer thread the model is built for ThreadSanitizer instead: each CUDA thread and
+each warp's bulk copies run as a fiber of their own, the device layer's synchronisation tells
+it what orders what (csrc/device/model/happens_before.h), and a plain access that nothing
+orders against another thread's, or against a bulk copy's, is reported as a data race. Only
+the kernels are instrumented; the model's scheduler is not (its bookkeeping is shared by
+every fiber on purpose), and accesses inside intercepted calls such as memcpy are ignored.
+ThreadSanitizer's runtime stops at 8128 threads and fibers, so a launch that needs more is
+refused and its test counted as skipped, with the reason printed.
+
     python scripts/sanitize.py                           # both modules, their default tests
     python scripts/sanitize.py --module planner          # tests/test_balancer_planner.py
     python scripts/sanitize.py --module model -q tests/test_kernels_model.py -k combine
+    python scripts/sanitize.py --module model --sanitizer thread   # data races in the kernels
 
 Needs a C++ compiler with the sanitizer runtimes (g++ or clang++; CXX picks one) and pybind11.
 Exit 3 when they are missing, so callers can tell "cannot check here" from "found a bug".
@@ -35,9 +46,15 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CANNOT_CHECK = 3  # exit status: no compiler, sanitizer runtime or pybind11 here
-SANITIZERS = ("asan", "ubsan")
+RUNTIMES = {"address": ("asan", "ubsan"), "thread": ("tsan",)}
 ASAN_OPTIONS = "detect_leaks=0:abort_on_error=1"  # CPython's own allocations read as leaks
 UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
+# Every race reported (once per pair of stacks: launches reuse the addresses of shared memory),
+# exit status 66 at the end; accesses inside memcpy and friends are the scheduler's.
+TSAN_OPTIONS = "halt_on_error=0:suppress_equal_addresses=0:ignore_interceptors_accesses=1"
+# The model's scheduler (happens_before.h): not instrumented under ThreadSanitizer.
+SCHEDULER_SOURCES = ("runtime.cpp", "fiber.cpp")
+RACE_LIMIT = "ThreadSanitizer's limit"  # in the model's message for a launch too large for it
 PYTEST_DEFAULTS = ["-q", "-p", "no:cacheprovider"]
 
 
@@ -52,6 +69,9 @@ DEFAULT_TESTS = {
     "planner": ["tests/test_balancer_planner.py"],
     "model": ["tests/test_device_model.py", "tests/test_kernels_model.py", "tests/test_hierarchy_model.py"],
 }
+# The model's own tests run broken kernels on purpose (races among them), so the race check
+# runs the real kernels' tests.
+RACE_TESTS = ["tests/test_kernels_model.py", "tests/test_hierarchy_model.py"]
 
 
 def _runtime(cxx: str, name: str) -> str | None:
@@ -73,15 +93,51 @@ def _pybind11_includes() -> list[str] | None:
     return [pybind11.get_include()]
 
 
-def build(module: str, cxx: str, build_dir: str, includes: list[str]) -> subprocess.Popen:
-    """Start compiling the sanitized module into build_dir (hybrid_ep.<_module><EXT_SUFFIX>)."""
-    out = os.path.join(build_dir, f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = [cxx, "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
-           "-shared", "-fPIC", "-I" + os.path.join(REPO, "csrc"), *("-I" + d for d in includes),
-           "-I" + sysconfig.get_paths()["include"], *_sources(module), "-o", out]
-    print(f"sanitize: building {out}", flush=True)
-    return subprocess.Popen(cmd)
+class Build:
+    """The compilers of one sanitized module, started at once; wait() links and returns 0 on success."""
+
+    def __init__(self, module: str, sanitizer: str, cxx: str, build_dir: str, includes: list[str]):
+        self.out = os.path.join(build_dir, f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX"))
+        common = [cxx, "-O1", "-g", "-fno-omit-frame-pointer", "-std=c++17", "-fno-strict-aliasing",
+                  "-Wno-unknown-pragmas", "-fPIC", "-I" + os.path.join(REPO, "csrc"),
+                  *("-I" + d for d in includes), "-I" + sysconfig.get_paths()["include"]]
+        print(f"sanitize: building {self.out}", flush=True)
+        if sanitizer == "address":
+            self.link = None
+            self.procs = [subprocess.Popen(common + ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                                                    "-shared", *_sources(module), "-o", self.out])]
+            return
+        # thread: the kernels instrumented, the scheduler not; all told the check is on
+        objects, self.procs = [], []
+        for source in _sources(module):
+            obj = os.path.join(build_dir, os.path.basename(source) + ".o")
+            instrument = [] if os.path.basename(source) in SCHEDULER_SOURCES else ["-fsanitize=thread"]
+            self.procs.append(subprocess.Popen(common + ["-DHYBRID_EP_MODEL_TSAN=1", *instrument, "-c", source,
+                                                         "-o", obj]))
+            objects.append(obj)
+        self.link = [cxx, "-shared", "-fsanitize=thread", *objects, "-o", self.out]
+
+    def wait(self) -> int:
+        codes = [p.wait() for p in self.procs]  # every compiler waited for
+        if any(codes) or self.link is None:
+            return max(codes)
+        return subprocess.run(self.link).returncode
+
+
+def _race_limit_plugin(pytest, skipped: list[str]):
+    """A pytest plugin: a test whose launch ThreadSanitizer's thread limit refused is a skip."""
+
+    class RaceLimitSkips:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(self, item, call):
+            report = (yield).get_result()
+            if call.when == "call" and call.excinfo is not None and RACE_LIMIT in str(call.excinfo.value):
+                skipped.append(item.nodeid)
+                report.outcome = "skipped"
+                report.longrepr = (str(item.path), item.location[1] or 0,
+                                   "Skipped: " + str(call.excinfo.value).splitlines()[0])
+
+    return RaceLimitSkips()
 
 
 def _child(modules: list[str], pytest_args: list[str]) -> int:
@@ -97,7 +153,11 @@ def _child(modules: list[str], pytest_args: list[str]) -> int:
         setattr(hybrid_ep, name.split(".")[1], module)  # `from .. import _planner` finds this one
         loaded[name] = module
     import pytest
-    rc = int(pytest.main(pytest_args))
+    skipped: list[str] = []
+    rc = int(pytest.main(pytest_args, plugins=[_race_limit_plugin(pytest, skipped)]))
+    if skipped:
+        print(f"sanitize: {len(skipped)} test(s) skipped, their launches too large for ThreadSanitizer: "
+              + ", ".join(skipped), file=sys.stderr)
     for name, module in loaded.items():  # the run must have used the sanitized builds
         if sys.modules.get(name) is not module:
             print(f"sanitize: the tests imported another {name}", file=sys.stderr)
@@ -109,22 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--module", action="append", choices=sorted(DEFAULT_TESTS),
                         help="module to sanitize (repeat for both; default both)")
+    parser.add_argument("--sanitizer", choices=sorted(RUNTIMES), default="address",
+                        help="address: AddressSanitizer + UBSan (default); thread: data races, model only")
     parser.add_argument("--build-dir", help="where the sanitized modules go (default: a temporary folder)")
     parser.add_argument("--child", action="append", help=argparse.SUPPRESS)  # module paths, in the child
     args, pytest_args = parser.parse_known_args(argv)
     if args.child:
         return _child(args.child, pytest_args)
-    modules = args.module or sorted(DEFAULT_TESTS)
+    modules = args.module or (["model"] if args.sanitizer == "thread" else sorted(DEFAULT_TESTS))
+    if args.sanitizer == "thread" and modules != ["model"]:
+        parser.error("--sanitizer thread is for --module model (the planner runs on one thread)")
     if not pytest_args:
-        pytest_args = PYTEST_DEFAULTS + [os.path.join(REPO, t) for m in modules for t in DEFAULT_TESTS[m]]
+        tests = RACE_TESTS if args.sanitizer == "thread" else [t for m in modules for t in DEFAULT_TESTS[m]]
+        pytest_args = PYTEST_DEFAULTS + [os.path.join(REPO, t) for t in tests]
 
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
         print("sanitize: no C++ compiler (set CXX)", file=sys.stderr)
         return CANNOT_CHECK
-    runtimes = [_runtime(cxx, name) for name in SANITIZERS]
+    runtimes = [_runtime(cxx, name) for name in RUNTIMES[args.sanitizer]]
     if None in runtimes:
-        print(f"sanitize: {cxx} has no shared {' / '.join(SANITIZERS)} runtime", file=sys.stderr)
+        print(f"sanitize: {cxx} has no shared {' / '.join(RUNTIMES[args.sanitizer])} runtime", file=sys.stderr)
         return CANNOT_CHECK
     includes = _pybind11_includes()
     if includes is None:
@@ -133,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sanitize_") as tmp:
         build_dir = args.build_dir or tmp
         os.makedirs(build_dir, exist_ok=True)
-        builds = {m: build(m, cxx, build_dir, includes) for m in modules}  # both compile at once
-        if [proc.wait() for proc in builds.values()] != [0] * len(builds):  # every build waited for
+        builds = [Build(m, args.sanitizer, cxx, build_dir, includes) for m in modules]  # compile at once
+        if [b.wait() for b in builds] != [0] * len(builds):  # every build waited for
             return 1
-        paths = [os.path.join(build_dir, f"_{m}" + sysconfig.get_config_var("EXT_SUFFIX")) for m in modules]
+        paths = [b.out for b in builds]
         reports = os.path.join(tmp, "report")
         env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS=f"{ASAN_OPTIONS}:log_path={reports}",
-                   UBSAN_OPTIONS=f"{UBSAN_OPTIONS}:log_path={reports}")
+                   UBSAN_OPTIONS=f"{UBSAN_OPTIONS}:log_path={reports}",
+                   TSAN_OPTIONS=f"{TSAN_OPTIONS}:log_path={reports}")
         env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         cmd = [sys.executable, os.path.abspath(__file__), *(f"--child={p}" for p in paths), *pytest_args]
         rc = subprocess.run(cmd, env=env, cwd=REPO).returncode

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "device/model/runtime.h"
 
@@ -170,24 +171,24 @@ inline unsigned __ballot_sync(unsigned mask, int predicate, const char* file = _
                                                             predicate != 0, 0, {file, line}));
 }
 
-// ---- atomics and fences: one OS thread runs every fiber, so plain read-modify-writes are
-// atomic; the memory model's orderings are not modelled (docs/architecture.md says so).
+// ---- atomics and fences: one OS thread runs every fiber, so any read-modify-write is
+// atomic here; they are the compiler's atomics so that the race check (happens_before.h)
+// sees them as such, acquire-release because the fences they pair with are not modelled.
 
 template <typename T>
 inline T atomicAdd(T* p, T v) {
-  const T old = *p;
-  *p = old + v;
-  return old;
+  static_assert(std::is_integral<T>::value, "the model's atomicAdd is for integers");
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
 }
 inline int atomicMin(int* p, int v) {
-  const int old = *p;
-  if (v < old) *p = v;
+  int old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+  }
   return old;
 }
 inline int atomicCAS(int* p, int compare, int value) {
-  const int old = *p;
-  if (old == compare) *p = value;
-  return old;
+  __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return compare;  // the value found: `compare` when the swap happened
 }
 inline void __threadfence() {}
 inline void __threadfence_system() {}

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "device/model/happens_before.h"
+
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -186,6 +188,7 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
 
 void switch_context(Context& from, Context& to) {
   before_switch(from, to);
+  if (to.race_fiber != nullptr) hb::enter(to.race_fiber);
   hybrid_ep_model_switch(&from.sp, to.sp);
   after_switch(&from);
 }
@@ -215,6 +218,7 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
 void switch_context(Context& from, Context& to) {
   if (from.impl == nullptr) from.impl = new ucontext_t;
   before_switch(from, to);
+  if (to.race_fiber != nullptr) hb::enter(to.race_fiber);
   swapcontext(static_cast<ucontext_t*>(from.impl), static_cast<ucontext_t*>(to.impl));
   after_switch(&from);
 }

@@ -44,6 +44,7 @@ struct Context {
   void (*entry)(void*) = nullptr;  // what a fiber runs, called from its first frame
   void* arg = nullptr;
   void* fake_stack = nullptr;  // AddressSanitizer's, while switched out
+  void* race_fiber = nullptr;  // ThreadSanitizer's (happens_before.h), made current at each switch to it
 };
 
 class StackPool {

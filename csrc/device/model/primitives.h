@@ -1,7 +1,9 @@
 // The device primitives of csrc/device/sm90/primitives.cuh, on the CPU model: the same
 // names and signatures, implemented by the model's scheduler (runtime.h), which checks each
 // use. Fences are no-ops here: the model runs one fiber at a time and does not model the
-// memory ordering they provide (docs/architecture.md lists what the model cannot show).
+// memory ordering they provide (docs/architecture.md lists what the model cannot show). The
+// flags' release stores are the compiler's atomics, which the race check (happens_before.h)
+// pairs with the polls' acquires.
 #pragma once
 #include <cstdint>
 
@@ -53,8 +55,10 @@ inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, 0, {file, li
 inline void fence_proxy_async() {}
 
 inline uint64_t ld_acquire_sys(const uint64_t* p, HYBRID_EP_SITE) { return model::poll(p, 8, {file, line}); }
-inline void st_release_sys(uint64_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) = v; }
-inline void red_add_release_sys(uint64_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) += v; }
+inline void st_release_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline void red_add_release_sys(uint64_t* p, uint64_t v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+inline int ld_relaxed(const volatile int* p) { return __atomic_load_n(const_cast<const int*>(p), __ATOMIC_RELAXED); }
+inline void st_relaxed(volatile int* p, int v) { __atomic_store_n(const_cast<int*>(p), v, __ATOMIC_RELAXED); }
 inline int ld_volatile(const int* p, HYBRID_EP_SITE) { return static_cast<int>(model::poll(p, 4, {file, line})); }
 inline int4 ld_volatile_v4(const void* p) {
   const auto* v = static_cast<const volatile int*>(p);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "device/model/fiber.h"
+#include "device/model/happens_before.h"
 
 namespace hybrid_ep::model {
 namespace {
@@ -55,6 +57,7 @@ struct Thread {
   std::vector<size_t> open_group;                           // issued, not yet committed
   uint64_t value = 0, result = 0;
   int src = 0;
+  char bulk_key = 0;  // happens_before.h: its bulk stores' reads and writes release here
 };
 
 struct Mbar {
@@ -90,6 +93,8 @@ struct Block {
   unsigned char* guard = nullptr;
   std::vector<std::pair<const void*, size_t>> slots;  // block_shared tag -> arena offset
   std::unordered_map<const uint64_t*, Mbar> mbars;
+  char barrier_key = 0;               // happens_before.h: __syncthreads
+  std::vector<void*> engine_fibers;   // happens_before.h: each warp's bulk copies run on its own
 };
 
 struct Copy {
@@ -101,6 +106,8 @@ struct Copy {
   uint64_t* bar = nullptr;
   Thread* owner = nullptr;
   Site site{"", 0};
+  const char* issued = nullptr;  // happens_before.h: what its issuing thread had done by then
+  void* issue_pc = nullptr;      // ... and where in the kernel it was issued
   int64_t read_round = 0, write_round = 0;
   bool read = false, written = false;
   std::vector<unsigned char> data;  // what a bulk store read from shared memory
@@ -115,6 +122,7 @@ struct Launch {
   std::vector<std::unique_ptr<Block>> blocks;
   std::vector<Thread> threads;
   std::vector<Copy> copies;
+  std::deque<char> copy_keys;  // Copy::issued (a deque: the addresses stay put)
   std::vector<size_t> pending;
   uint64_t rng = 0;
   int64_t round = 0;
@@ -124,6 +132,7 @@ struct Launch {
   Context scheduler;
   std::string error;
   bool running = false;
+  char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
   int* inject_flag = nullptr;  // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
   sigjmp_buf jump;
@@ -141,6 +150,32 @@ struct Injection {
   int64_t round = -1;
   std::string kernel;
 } g_injection;
+// ThreadSanitizer's fibers (happens_before.h) cost about half a millisecond each to make, so
+// they are kept across launches: one per thread slot, one per warp's copy engine.
+constexpr size_t kMaxRaceFibers = 8000;  // its runtime stops at 8128 threads and fibers
+std::vector<void*> g_thread_fibers, g_engine_fibers;
+void* race_fiber(std::vector<void*>& pool, size_t i) {
+  while (pool.size() <= i) pool.push_back(hb::new_fiber());
+  return pool[i];
+}
+
+// Gives the launch's threads and copy engines their fibers, named as reports should show them.
+void name_race_fibers(Launch& L, size_t warps_per_block) {
+  char text[96];
+  for (auto& b : L.blocks) {
+    for (Thread* t : b->threads) {
+      t->ctx.race_fiber = race_fiber(g_thread_fibers, static_cast<size_t>(b->index) * L.block_dim.x + t->tid);
+      std::snprintf(text, sizeof(text), "%s kernel, block %d, thread %d", L.name, b->index, t->tid);
+      hb::name(t->ctx.race_fiber, text);
+    }
+    for (size_t w = 0; w < warps_per_block; ++w) {
+      b->engine_fibers.push_back(race_fiber(g_engine_fibers, static_cast<size_t>(b->index) * warps_per_block + w));
+      std::snprintf(text, sizeof(text), "%s kernel, block %d, bulk copies of warp %zu", L.name, b->index, w);
+      hb::name(b->engine_fibers.back(), text);
+    }
+  }
+}
+
 StackPool& stack_pool() {
   static StackPool pool(kStackBytes);
   return pool;
@@ -362,6 +397,7 @@ void thread_exit(Thread* t) {
 void fiber_entry(void* arg) {
   auto* t = static_cast<Thread*>(arg);
   Launch& L = launch_state();
+  hb::acquire(&L.start_key);
   L.body(L.ctx);
   thread_exit(t);
 }
@@ -374,7 +410,15 @@ bool advance_copies(Launch& L) {
     Copy& c = L.copies[i];
     if (c.g2s) {
       if (L.round >= c.write_round) {
+        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::acquire(c.issued);
+        hb::frame_begin(c.issue_pc);
+        hb::reads(c.src, c.bytes);
+        hb::writes(c.dst, c.bytes);
+        hb::frame_end();
         std::memcpy(c.dst, c.src, c.bytes);
+        hb::release(c.bar);
+        hb::enter(L.scheduler.race_fiber);
         c.read = c.written = true;
         ++g_stats.copies;
         auto it = c.block->mbars.find(c.bar);
@@ -389,14 +433,27 @@ bool advance_copies(Launch& L) {
       }
     } else {
       if (!c.read && L.round >= c.read_round) {
+        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::acquire(c.issued);
+        hb::frame_begin(c.issue_pc);
+        hb::reads(c.src, c.bytes);
+        hb::frame_end();
         c.data.assign(c.src, c.src + c.bytes);
+        hb::release(&c.owner->bulk_key);
+        hb::enter(L.scheduler.race_fiber);
         c.read = true;
       }
       if (c.read && L.round >= c.write_round) {
+        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::frame_begin(c.issue_pc);
+        hb::writes(c.dst, c.bytes);
+        hb::frame_end();
+        hb::release(&c.owner->bulk_key);
+        hb::enter(L.scheduler.race_fiber);
         std::memcpy(c.dst, c.data.data(), c.bytes);
+        std::vector<unsigned char>().swap(c.data);
         c.written = true;
         ++g_stats.copies;
-        std::vector<unsigned char>().swap(c.data);
         continue;
       }
     }
@@ -568,16 +625,19 @@ void syncthreads(Site site) {
     fail("threads of one block reach different __syncthreads: " + site_text(b->barrier_site) + " and " +
          site_text(site));
   }
+  hb::release(&b->barrier_key);
   if (++b->at_barrier == b->live) {
     for (Thread* u : b->threads)
       if (u->state == State::kBarrier) u->state = State::kReady;
     b->barrier_open = false;
+    hb::acquire(&b->barrier_key);
     return;
   }
   t->state = State::kBarrier;
   t->site = site;
   t->idle = false;
   yield(t);
+  hb::acquire(&b->barrier_key);
 }
 
 uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Site site) {
@@ -608,13 +668,16 @@ uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Sit
   t->value = value;
   t->src = src;
   w.arrived |= bit;
+  hb::release(&w);
   if (w.arrived != mask) {
     t->state = State::kWarp;
     t->site = site;
     t->idle = false;
     yield(t);
+    hb::acquire(&w);
     return t->result;
   }
+  hb::acquire(&w);
   uint64_t ballot = 0;
   for (int l = 0; l < 32; ++l)
     if (((mask >> l) & 1u) && lane_thread(b, t->warp, l).value != 0) ballot |= 1ull << l;
@@ -646,6 +709,7 @@ uint64_t poll(const volatile void* p, size_t bytes, Site site) {
     default: fail("poll of " + std::to_string(bytes) + " bytes");
   }
   t->last_poll_unchanged = !remember(t, p, v);
+  hb::acquire(const_cast<const void*>(p));
   return v;
 }
 
@@ -684,6 +748,7 @@ void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site) {
   Block* b = t->block;
   t->busy = true;
   Mbar& m = mbar_of(b, bar, "arrive");
+  hb::release(bar);
   m.tx += expect_tx_bytes;
   --m.pending;
   mbar_settle(b, bar, m, t);
@@ -705,14 +770,16 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
              " of the mbarrier at " + smem_text(b, bar) +
              ": that phase was already consumed, so the wait proves nothing (a stale parity)");
       seen_phase = phase;
+      hb::acquire(bar);
       return true;
     }
   t->waited.emplace_back(bar, phase);
+  hb::acquire(bar);
   return true;
 }
 
 // Checks one bulk copy between `smem` and `gmem` and queues it; returns its index.
-size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint64_t* bar, Site site) {
+size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint64_t* bar, Site site, void* pc) {
   Thread* t = cur();
   Launch& L = launch_state();
   Block* b = t->block;
@@ -736,6 +803,10 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   c.bar = bar;
   c.owner = t;
   c.site = site;
+  L.copy_keys.push_back(0);
+  c.issued = &L.copy_keys.back();
+  c.issue_pc = pc;
+  hb::release(c.issued);
   c.read_round = L.round + copy_delay(L.rng);
   c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
   L.copies.push_back(std::move(c));
@@ -744,11 +815,12 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
 }
 
 void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar, Site site) {
-  enqueue_copy(true, smem_dst, gmem_src, bytes, bar, site);
+  enqueue_copy(true, smem_dst, gmem_src, bytes, bar, site, __builtin_return_address(0));
 }
 
 void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site) {
-  const size_t id = enqueue_copy(false, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr, site);
+  const size_t id =
+      enqueue_copy(false, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr, site, __builtin_return_address(0));
   cur()->open_group.push_back(id);
 }
 
@@ -771,6 +843,7 @@ void bulk_wait(bool reads_only, int except_newest, Site site) {
     t->busy = true;  // copies in flight: the round is not idle
     yield_at_poll(t, site);
   }
+  hb::acquire(&t->bulk_key);
   // Groups whose writes completed, oldest first, need no further wait.
   size_t complete = 0;
   while (complete < t->groups.size()) {
@@ -798,6 +871,16 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   }
   if (g_launch != nullptr) {
     g_message = "CPU model: a launch from inside a launch";
+    return g_message.c_str();
+  }
+  const size_t warps_per_block = (static_cast<size_t>(threads) + 31) / 32;
+  const size_t race_fibers = std::max(g_thread_fibers.size(), static_cast<size_t>(blocks) * threads) +
+                             std::max(g_engine_fibers.size(), blocks * warps_per_block);  // the pools after it
+  if (hb::kEnabled && race_fibers > kMaxRaceFibers) {
+    g_message = std::string("CPU model: ") + short_name + " kernel: " + std::to_string(blocks) + " blocks of " +
+                std::to_string(threads) + " threads need more fibers than ThreadSanitizer's limit allows (" +
+                std::to_string(kMaxRaceFibers) + ": one per thread and one per warp's bulk copies, kept across "
+                "launches)";
     return g_message.c_str();
   }
   auto L = std::make_unique<Launch>();
@@ -830,6 +913,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
       b->threads.push_back(&t);
     }
   }
+  if (hb::kEnabled) name_race_fibers(*L, warps_per_block);
   L->live = blocks * threads;
   if (g_injection.flag != 0 && g_injection.kernel == short_name) {
     L->inject_flag = reinterpret_cast<int*>(g_injection.flag);
@@ -837,12 +921,27 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
     g_injection = Injection{};
   }
   g_launch = L.get();
+  L->scheduler.race_fiber = hb::current_fiber();
+  hb::release(&L->start_key);
   install_fault_handlers();
   if (sigsetjmp(L->jump, 1) == 0) {
     L->running = true;
     schedule(*L);
   }
   L->running = false;
+  if (hb::kEnabled) {  // the host's next work is ordered after everything the launch did
+    for (Thread& t : L->threads) {
+      hb::enter(t.ctx.race_fiber);
+      hb::release(&L->end_key);
+    }
+    for (auto& b : L->blocks)
+      for (void* f : b->engine_fibers) {
+        hb::enter(f);
+        hb::release(&L->end_key);
+      }
+    hb::enter(L->scheduler.race_fiber);
+    hb::acquire(&L->end_key);
+  }
   remove_fault_handlers();
   g_launch = nullptr;
   for (Thread& t : L->threads) {

@@ -18,6 +18,8 @@
 //   - shared memory accessed past the launch's size (a guard page), fiber stack overflow,
 //     and any other invalid access (SIGSEGV / SIGBUS);
 //   - a launch in which no thread can run any more and no bulk copy is in flight (deadlock).
+// Built for ThreadSanitizer (happens_before.h), the synchronisation above also tells it what
+// orders what, so that unordered plain accesses are reported as data races.
 // Virtual time (%globaltimer) advances a little per scheduling round and by 10 ms per round
 // in which every runnable thread only polled values that did not change, so the kernels'
 // own bounded waits time out after a few thousand rounds instead of minutes.

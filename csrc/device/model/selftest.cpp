@@ -44,6 +44,7 @@ enum Which {
   kDeadlock,
   kTimeout,
   kStackOverflow,
+  kSharedWithoutBarrier,
 };
 
 // Deep enough to run past a fiber's stack (64 KiB, kStackScale times that under ASan).
@@ -179,6 +180,11 @@ __global__ void selftest_kernel(const Args args) {
       if (tid == 0) args.out[0] = deep(20 * static_cast<int>(model::kStackScale));
       __syncthreads();  // thread 0 gives way here: its stack is checked
       break;
+    case kSharedWithoutBarrier:  // thread 32 reads what thread 0 (another warp) writes, with no
+      // barrier between: a data race that only the race check reports (docs/architecture.md)
+      if (tid == 0) smem[0] = 1;  // both run in the round after the barrier above, in the
+      if (tid == 32) args.out[0] = smem[0];  // round's seeded order
+      break;
     default:
       break;
   }
@@ -204,6 +210,7 @@ const std::map<std::string, int>& names() {
       {"deadlock", kDeadlock},
       {"timeout", kTimeout},
       {"stack_overflow", kStackOverflow},
+      {"shared_without_barrier", kSharedWithoutBarrier},
   };
   return n;
 }

@@ -116,6 +116,11 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// A shared-memory flag that several threads of a block raise and poll (the abort flag): morally
+// strong relaxed accesses (volatile: never cached in a register nor merged), publishing nothing.
+__device__ __forceinline__ int ld_relaxed(const volatile int* p) { return *p; }
+__device__ __forceinline__ void st_relaxed(volatile int* p, int v) { *p = v; }
+
 __device__ __forceinline__ int ld_volatile(const int* p) {
   int v;
   asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
