@@ -168,8 +168,8 @@ struct Combine {
     return host_stage(stage) + static_cast<size_t>(kd) * seg_cols * in_bytes;
   }
   __device__ uint8_t* src_stage(int stage) const { return src_data + static_cast<size_t>(stage) * args.src_stage_bytes; }
-  __device__ void stop() const { sh.abort = 1; }
-  __device__ bool stopped() const { return sh.abort != 0; }
+  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
+  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
 // Item k of a ring whose stages are shared out among several consumer warps.

@@ -165,8 +165,8 @@ struct Dispatch {
     return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, static_cast<int64_t>(su.chunk) * chunk + i, row_bytes));
   }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
-  __device__ void stop() const { sh.abort = 1; }
-  __device__ bool stopped() const { return sh.abort != 0; }
+  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
+  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
 template <typename Rdma>
@@ -404,7 +404,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
       d.stop();
       break;
     }
-    d.table_ring.observe_empty(slot, lane);  // every lane writes the table after the store warp read it
+    d.table_ring.observe_empty(slot, lane);  // every lane writes the table after both expand warps read it
     const int first = *reinterpret_cast<const volatile int32_t*>(&sig->first);
     const int rows = *reinterpret_cast<const volatile int32_t*>(&sig->rows);
     ExpandTable& tab = d.sh.tables[slot.stage];
@@ -469,6 +469,7 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
   int s, c;
   while (const ExpandTable* tab = tables.next(s, c)) {
     const int first = tab->first, rows = tab->rows;
+    d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
       dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
       dev::fence_proxy_async();                                      // read by bulk loads below
@@ -481,7 +482,7 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
       }
       d.expand_fifo.load(produced, d.recv_row(d.a.rank, s, it.first) + it.offset, it.rows * it.bytes);
     }
-    tables.table.advance(kTableSlots);  // the store warp releases the table
+    tables.table.advance(kTableSlots);
   }
   d.expand_fifo.drain(d.args, PipeState{}, produced);
 }
@@ -657,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     d.send_fifo.ring.init(1, 1);
     d.expand_fifo.ring.init(1, 1);
     d.meta_ring.init(kMetaWarps, 1);
-    d.table_ring.init(kMetaWarps, 1);
+    d.table_ring.init(kMetaWarps, 2);  // both expand warps read each table
     dev::mbar_fence_init();
     sh.abort = aborted(args) ? 1 : 0;
   }

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     if (ok)
       dev::fence_proxy_async();
     else
-      sh.fail = 1;
+      dev::st_relaxed(&sh.fail, 1);  // several threads may raise it
   }
   __syncthreads();
   if (sh.fail) return;
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     const bool local = h.topo.same_node(tid, a.rank);
     if (!wait_at_least(args, local ? view.flag(a.rank, geo.reg.count_epoch, tid) : h.flag(geo.rdma.count_epoch, tid),
                        epoch, local ? kPhaseCounts : kPhaseRdmaCounts, a.rank, tid, epoch))
-      sh.fail = 1;
+      dev::st_relaxed(&sh.fail, 1);
   }
   __syncthreads();
   if (sh.fail) return;
