@@ -5,8 +5,8 @@ migrates experts to a placement nobody planned; in the kernels' CPU model it is 
 corrupts a GPU buffer silently. The AddressSanitizer + UBSan builds turn either into a report.
 A read that no barrier, mbarrier or flag orders after the write it needs passes on the model
 whenever the schedule happens to run the write first; the ThreadSanitizer build of the model
-reports it whatever the schedule. The runs go in separate processes at once (the suite itself
-uses one core).
+reports it whatever the schedule. The two AddressSanitizer runs go in two processes at once
+(the suite itself uses one core).
 """
 
 import os
