@@ -402,6 +402,10 @@ void fiber_entry(void* arg) {
   thread_exit(t);
 }
 
+// The fiber a copy's accesses are made on under the race check (none without it: the blocks
+// then have no engine fibers).
+void* engine_fiber(const Copy& c) { return hb::kEnabled ? c.block->engine_fibers[c.owner->warp] : nullptr; }
+
 // One round's progress of the bulk copies in flight; true when any is in flight.
 bool advance_copies(Launch& L) {
   if (L.pending.empty()) return false;
@@ -410,7 +414,7 @@ bool advance_copies(Launch& L) {
     Copy& c = L.copies[i];
     if (c.g2s) {
       if (L.round >= c.write_round) {
-        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::enter(engine_fiber(c));
         hb::acquire(c.issued);
         hb::frame_begin(c.issue_pc);
         hb::reads(c.src, c.bytes);
@@ -433,7 +437,7 @@ bool advance_copies(Launch& L) {
       }
     } else {
       if (!c.read && L.round >= c.read_round) {
-        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::enter(engine_fiber(c));
         hb::acquire(c.issued);
         hb::frame_begin(c.issue_pc);
         hb::reads(c.src, c.bytes);
@@ -444,7 +448,7 @@ bool advance_copies(Launch& L) {
         c.read = true;
       }
       if (c.read && L.round >= c.write_round) {
-        hb::enter(c.block->engine_fibers[c.owner->warp]);
+        hb::enter(engine_fiber(c));
         hb::frame_begin(c.issue_pc);
         hb::writes(c.dst, c.bytes);
         hb::frame_end();
