@@ -807,10 +807,12 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   c.bar = bar;
   c.owner = t;
   c.site = site;
-  L.copy_keys.push_back(0);
-  c.issued = &L.copy_keys.back();
-  c.issue_pc = pc;
-  hb::release(c.issued);
+  if (hb::kEnabled) {  // only the race check reads them
+    L.copy_keys.push_back(0);
+    c.issued = &L.copy_keys.back();
+    c.issue_pc = pc;
+    hb::release(c.issued);
+  }
   c.read_round = L.round + copy_delay(L.rng);
   c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
   L.copies.push_back(std::move(c));
