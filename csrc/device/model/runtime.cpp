@@ -406,6 +406,21 @@ void fiber_entry(void* arg) {
 // then have no engine fibers).
 void* engine_fiber(const Copy& c) { return hb::kEnabled ? c.block->engine_fibers[c.owner->warp] : nullptr; }
 
+// One step of a bulk copy, told to the race check: its reads (of src) and writes (of dst),
+// made by the issuing warp's copy engine at the issue site, after what the issuer had done
+// when it issued the copy and before `done` (a load's mbarrier, a store's bulk-group wait).
+void race_copy_step(const Launch& L, const Copy& c, bool reads, bool writes, const void* done) {
+  if (!hb::kEnabled) return;
+  hb::enter(engine_fiber(c));
+  hb::acquire(c.issued);
+  hb::frame_begin(c.issue_pc);
+  if (reads) hb::reads(c.src, c.bytes);
+  if (writes) hb::writes(c.dst, c.bytes);
+  hb::frame_end();
+  hb::release(done);
+  hb::enter(L.scheduler.race_fiber);
+}
+
 // One round's progress of the bulk copies in flight; true when any is in flight.
 bool advance_copies(Launch& L) {
   if (L.pending.empty()) return false;
@@ -414,15 +429,8 @@ bool advance_copies(Launch& L) {
     Copy& c = L.copies[i];
     if (c.g2s) {
       if (L.round >= c.write_round) {
-        hb::enter(engine_fiber(c));
-        hb::acquire(c.issued);
-        hb::frame_begin(c.issue_pc);
-        hb::reads(c.src, c.bytes);
-        hb::writes(c.dst, c.bytes);
-        hb::frame_end();
+        race_copy_step(L, c, true, true, c.bar);
         std::memcpy(c.dst, c.src, c.bytes);
-        hb::release(c.bar);
-        hb::enter(L.scheduler.race_fiber);
         c.read = c.written = true;
         ++g_stats.copies;
         auto it = c.block->mbars.find(c.bar);
@@ -437,23 +445,12 @@ bool advance_copies(Launch& L) {
       }
     } else {
       if (!c.read && L.round >= c.read_round) {
-        hb::enter(engine_fiber(c));
-        hb::acquire(c.issued);
-        hb::frame_begin(c.issue_pc);
-        hb::reads(c.src, c.bytes);
-        hb::frame_end();
+        race_copy_step(L, c, true, false, &c.owner->bulk_key);
         c.data.assign(c.src, c.src + c.bytes);
-        hb::release(&c.owner->bulk_key);
-        hb::enter(L.scheduler.race_fiber);
         c.read = true;
       }
       if (c.read && L.round >= c.write_round) {
-        hb::enter(engine_fiber(c));
-        hb::frame_begin(c.issue_pc);
-        hb::writes(c.dst, c.bytes);
-        hb::frame_end();
-        hb::release(&c.owner->bulk_key);
-        hb::enter(L.scheduler.race_fiber);
+        race_copy_step(L, c, false, true, &c.owner->bulk_key);
         std::memcpy(c.dst, c.data.data(), c.bytes);
         std::vector<unsigned char>().swap(c.data);
         c.written = true;
