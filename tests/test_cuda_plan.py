@@ -106,6 +106,33 @@ def test_fifo_shapes():
         launch.fifo_shape(32768, 48 * 1024)
 
 
+def test_store_queue_keeps_most_stages_for_the_loads():
+    # The seed shape's dispatch FIFOs (6 stages of one 16 KiB row) and combine rings (5 stages)
+    # hold one stage for the stores, where a fixed queue of 4 left the loads 1-2 stages.
+    dispatch = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, pipelines=launch.DISPATCH_PIPELINES)
+    combine = launch.combine_shape(8192, 2, 2, 8, 2, H100_SMEM_OPTIN)
+    assert (dispatch.stages, combine.stages) == (6, 5)
+    assert launch.store_groups(dispatch.stages) == launch.store_groups(combine.stages) == 1
+    assert [launch.store_groups(n) for n in (2, 3, 7, 8, 12, 16)] == [1, 1, 1, 2, 3, 4]
+    # An override (HYBRID_EP_STORE_GROUPS) is kept below the ring's size and wait_group's 7.
+    assert [launch.store_groups(n, 0) for n in (2, 16)] == [0, 0]
+    assert [launch.store_groups(n, 7) for n in (2, 6, 16)] == [1, 5, 7]
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        launch.store_groups(1)
+
+
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("0", 0), ("4", 4), ("7", 7)])
+def test_store_groups_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.STORE_GROUPS_ENV: raw}
+    assert launch.store_groups_override(env) == want
+
+
+@pytest.mark.parametrize("raw", ["8", "-1", "two", "1.5"])
+def test_store_groups_override_out_of_range_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"HYBRID_EP_STORE_GROUPS must be an integer from 0 to 7, got '{raw}'"):
+        launch.store_groups_override({launch.STORE_GROUPS_ENV: raw})
+
+
 def test_row_bytes_and_coresidency_errors():
     assert launch.check_row_bytes("x", 7168, "float8_e4m3fn") == 7168
     with pytest.raises(ValueError, match=r"x: .*multiple of 8 for bfloat16"):

@@ -24,7 +24,7 @@ from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
 from hybrid_ep.testing.emulated import (
-    GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
+    GroupCache, buffer_key, check_emulated, check_emulated_autograd, emulated_group_for, on_device,
 )
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
@@ -350,6 +350,26 @@ def test_small_rows_are_batched_in_one_stage():
     for seed in (0, 1):
         model.set_seed(seed)
         check_emulated(group_for(case), dataclasses.replace(case, seed=seed))
+
+
+@pytest.mark.parametrize("groups", ["0", "1", "7"])
+def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups):
+    """The stores' queue (HYBRID_EP_STORE_GROUPS) only changes when stages are released: none
+    held (0), the default's one, and the most the ring allows (7, cut to stages - 1). Rows of
+    two segments and small batched rows, so every ring wraps several times."""
+    monkeypatch.setenv(launch.STORE_GROUPS_ENV, groups)
+    for case in (_case(2, hidden=12288, dtype=torch.float32, tokens=(9, 4)),
+                 _case(3, hidden=128, tokens=(64, 17, 33), topk=2)):
+        group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1)
+        try:
+            for seed in SEEDS:
+                model.set_seed(seed)
+                check_emulated(group, dataclasses.replace(case, seed=seed))
+            kinds = {key[0]: a for key, a in group.engine._launch_cache.items()}
+            assert kinds["dispatch"].store_groups == min(int(groups), kinds["dispatch"].fifo_stages - 1)
+            assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_stages - 1)
+        finally:
+            group.close()
 
 
 def test_wire_dtype_must_be_the_rows_dtype_or_fp32():

@@ -187,6 +187,8 @@ struct LaunchArgs {
   int32_t fifo_stages;
   int32_t stage_bytes;
   int32_t rows_per_stage;   // whole rows batched in one stage (1: a row fills a stage or more)
+  int32_t store_groups;     // bulk-store groups whose stages stay held while they read (every FIFO
+                            // with stores: dispatch send and expand, combine expert host)
   int32_t wire_dtype;       // combine: DType of the partial sums between ranks (kFloat32 or dtype)
   int32_t seg_cols;         // combine: columns per stage (a multiple of 8, or the whole row)
   int32_t host_stages;      // combine: stages of the expert-host pipeline, and their bytes

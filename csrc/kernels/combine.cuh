@@ -8,7 +8,7 @@
 //               (one per valid output row of the row's entries) into a stage;
 //   warps 2-5   take the stages in turn: fp32 sum (times the routing weight with
 //               apply_probs), rounded once to the wire dtype into the stage's output area;
-//   warp 1      bulk-stores each partial into the source's buffer (several groups in flight)
+//   warp 1      bulk-stores each partial into the source's buffer (store_groups groups in flight)
 //               and signals each chunk to its source once the chunk's stores completed.
 // Source (this rank's chunks of kChunkTokens tokens, strided over the blocks):
 //   warp 6      waits until every rank signalled the chunk, then bulk-loads each token's
@@ -33,7 +33,6 @@
 namespace hybrid_ep {
 namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kStoreGroupsInFlight = 4;
 constexpr int kHostLoadWarp = 0, kHostStoreWarp = 1, kHostReduceWarp = 2, kHostReducers = 4;  // 2 .. 5
 constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7, kSrcReducers = 8;                         // 7 .. 14
 constexpr int kForwardWarp = 15;                                                              // several nodes
@@ -291,7 +290,7 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& ring, const uint
 
 template <typename Rdma>
 __device__ void host_store(const Combine<Rdma>& d, const Ring& ring, uint64_t* reduced) {
-  const int in_flight = min(kStoreGroupsInFlight, ring.stages - 1);
+  const int in_flight = store_groups_in_flight(d.args, ring.stages);
   HostChunks<Rdma> chunks(d);
   PipeState consumed, released;
   uint32_t groups = 0;

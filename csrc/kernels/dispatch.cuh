@@ -6,8 +6,8 @@
 //   warp 0      bulk-loads the chunk's rows into the send FIFO (small rows batched per stage);
 //   warps 2-3   write each row's routing entries and fp8 scales into the destinations' buffers;
 //   warp 1      builds the chunk's destination table (one lane per token), bulk-stores each
-//               stage once per destination rank through its peer pointer (several groups in
-//               flight, the oldest stage released first), and signals the chunk to every
+//               stage once per destination rank through its peer pointer (store_groups groups
+//               in flight, the oldest stage released first), and signals the chunk to every
 //               destination once its stores completed and its entries are written: checked at
 //               the next group's commit, so the next chunk is not drained.
 // Expand (every (source, chunk) this rank receives, strided over the blocks):
@@ -40,7 +40,6 @@
 namespace hybrid_ep {
 namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kStoreGroupsInFlight = 4;      // bulk-store groups still reading a FIFO at once
 constexpr int kMetaSlots = 4;                // send chunks whose entries may be written ahead
 constexpr int kTableSlots = 4;               // expand chunks whose position tables are ready ahead
 
@@ -270,7 +269,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
   SendTable& tab = d.sh.send;
   const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
-  const int in_flight = min(kStoreGroupsInFlight, d.stages - 1);
+  const int in_flight = store_groups_in_flight(d.args, d.stages);
   PipeState consumed, released, meta;  // lane 0's
   uint32_t groups = 0, pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
@@ -490,7 +489,7 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
 template <typename Rdma>
 __device__ void expand_store(const Dispatch<Rdma>& d) {
   auto* out = reinterpret_cast<uint8_t*>(d.a.out);
-  const int in_flight = min(kStoreGroupsInFlight, d.stages - 1);
+  const int in_flight = store_groups_in_flight(d.args, d.stages);
   ExpandTables<Rdma> tables(d);
   PipeState consumed, released;
   int s, c;

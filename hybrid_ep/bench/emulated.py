@@ -23,6 +23,7 @@ import torch
 
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
+from ..backends.cuda import launch
 from ..metadata import metadata
 from ..synthetic import iter_rank_routings
 from ..traffic.model import count_tables, row_counts
@@ -249,7 +250,7 @@ def run(args) -> int:
 
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
               "dtype": args.dtype, "routing": args.routing, "sms_per_rank": sms_list, "warmup": warmup,
-              "iters": iters}
+              "iters": iters, "store_groups": launch.store_groups_override()}  # None: the default
     doc = {
         "metadata": metadata("hybrid-ep-bench --emulate", device_type="cuda", config=config, units=UNITS,
                              backends=["cuda"], device=props.name),
@@ -275,7 +276,8 @@ def format_table(doc: dict) -> str:
     where = "" if nodes == 1 else f" as {nodes} nodes (loopback transport between them)"
     lines = [f"cuda kernels, W = {worlds} virtual ranks{where} on one {meta['device']} "
              f"({doc.get('device_sms', '?')} SMs) | H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} "
-             f"E={c['experts']} {c['dtype']} {c['routing']} | copy {doc['copy_gbps']:.0f} GB/s",
+             f"E={c['experts']} {c['dtype']} {c['routing']} | copy {doc['copy_gbps']:.0f} GB/s"
+             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} "
              f"{'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"
              + ("" if nodes == 1 else f" {'RDMA rows':>10} {'disp RDMA/SM':>12} {'comb RDMA/SM':>12}")]

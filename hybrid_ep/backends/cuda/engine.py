@@ -131,6 +131,7 @@ class Engine:
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
+        self.store_groups_override = launch.store_groups_override()  # HYBRID_EP_STORE_GROUPS, likewise
         # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
         # per-rank part changes (the launchers copy the struct when they launch).
         self._launch_cache: dict[tuple, object] = {}
@@ -215,6 +216,7 @@ class Engine:
             fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
                                      pipelines=launch.DISPATCH_PIPELINES)
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+            a.store_groups = launch.store_groups(fifo.stages, self.store_groups_override)
             smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
             per_sm = self.ext.dispatch_max_blocks_per_sm(smem)
         else:
@@ -223,6 +225,7 @@ class Engine:
             a.wire_dtype = launch.DTYPE_CODES[wire_name]
             a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.stages, shape.stages
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
+            a.store_groups = launch.store_groups(shape.stages, self.store_groups_override)
             per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
         launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a

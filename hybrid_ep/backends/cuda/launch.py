@@ -6,6 +6,7 @@ Everything here is plain arithmetic on the device's properties, so it is tested 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .layout import CHUNK_TOKENS
 
@@ -87,6 +88,38 @@ def combine_shape(cols: int, in_bytes: int, wire_bytes: int, kd: int, world_size
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 combine stages of "
                          f"{host + src} B")
     return CombineShape(seg_cols=seg, stages=stages, host_stage_bytes=host, src_stage_bytes=src)
+
+
+STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
+MAX_STORE_GROUPS = 7  # csrc kMaxStoreGroups: cp.async.bulk.wait_group takes an immediate
+
+
+def store_groups_override(environ=None) -> int | None:
+    """HYBRID_EP_STORE_GROUPS, for measuring the store queue's depth (docs/benchmarks/cuda.md);
+    None when unset."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(STORE_GROUPS_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_STORE_GROUPS:
+        raise ValueError(f"{STORE_GROUPS_ENV} must be an integer from 0 to {MAX_STORE_GROUPS}, got {raw!r}")
+    return value
+
+
+def store_groups(stages: int, override: int | None = None) -> int:
+    """Bulk-store groups a store thread lets still read their stages when it releases the
+    older ones. Each holds a stage the loads cannot refill: at the 5 or 6 stages of 16-32 KiB
+    that rows of 8 KiB and more get, a queue of 4 let the loads run only one or two stages
+    ahead of the stores. The default keeps at least three quarters of the stages for the
+    loads."""
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    groups = max(1, stages // 4) if override is None else override
+    return min(groups, stages - 1, MAX_STORE_GROUPS)
 
 
 def row_bytes_of(hidden: int, dtype_name: str) -> int:
