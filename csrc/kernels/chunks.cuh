@@ -1,6 +1,12 @@
-// Which received chunks a block handles: every source's chunks in source order, strided over
-// the rank's blocks. Dispatch's expansion and combine's expert-host side walk the same pairs,
-// so a block reduces in combine the chunks it expanded in dispatch.
+// Which received chunks a block handles: the (source, chunk) pairs in chunk-major order
+// (chunk 0 of every source, then chunk 1, ...; a source with fewer chunks drops out), strided
+// over the rank's blocks. Dispatch's expansion and combine's expert-host side walk the same
+// pairs, so a block reduces in combine the chunks it expanded in dispatch.
+//
+// Chunk-major because every source sends its chunks in order to all ranks at once, and in
+// combine a source sums a chunk only when every expert host has stored its partial: walked
+// source by source, the hosts reached the last source's chunks only at the end of the call,
+// so that source's whole reduction waited for the end.
 #pragma once
 #include <cstdint>
 
@@ -10,18 +16,33 @@ namespace hybrid_ep {
 template <typename Call>
 struct ReceivedChunks {
   const Call& call;
-  int s = 0;
-  int64_t base = 0;  // index of source s's chunk 0 in the enumeration
-  int64_t u;
+  int chunks = 0;  // the most chunks any source has
+  int s = -1, c = 0;
+  bool started = false, done = false;
 
-  __device__ explicit ReceivedChunks(const Call& c) : call(c), u(c.b) {}
+  __device__ explicit ReceivedChunks(const Call& cl) : call(cl) {
+    for (int i = 0; i < call.W; ++i) chunks = chunks > call.source_chunks(i) ? chunks : call.source_chunks(i);
+  }
   __device__ bool next(int& source, int& chunk) {
-    while (s < call.W && u >= base + call.source_chunks(s)) base += call.source_chunks(s++);
-    if (s >= call.W) return false;
+    const int steps = started ? call.nb : call.b + 1;
+    started = true;
+    for (int i = 0; i < steps && !done; ++i) done = !step();
+    if (done) return false;
     source = s;
-    chunk = static_cast<int>(u - base);
-    u += call.nb;
+    chunk = c;
     return true;
+  }
+
+ private:
+  // To the next pair that exists.
+  __device__ bool step() {
+    for (;;) {
+      if (++s == call.W) {
+        s = 0;
+        if (++c >= chunks) return false;
+      }
+      if (c < call.source_chunks(s)) return true;
+    }
   }
 };
 
