@@ -100,19 +100,19 @@ struct StageRing {
   }
 };
 
-// Bulk-store groups of one thread: commit after each item's stores, then let at most
-// `in_flight` groups still read their shared memory. wait_group takes an immediate, hence the
-// switch.
-constexpr int kMaxStoreGroups = 7;
+constexpr int kMaxStoreGroups = 7;  // the switches below
 
 // How many of a store ring's newest groups may still read their stages when the store thread
-// releases the older ones. Each such group holds its stage away from the loads, so with a
-// few large stages a deep store queue leaves the loads one stage ahead and the ring runs one
-// item at a time; the host picks the number per launch (LaunchArgs::store_groups).
+// releases the older ones. Each such group holds its stage away from the loads, so with a few
+// large stages a deep store queue leaves the loads only a stage or two ahead of the stores;
+// the host picks the number per launch (LaunchArgs::store_groups).
 __device__ __forceinline__ int store_groups_in_flight(const LaunchArgs& args, int stages) {
   return max(0, min(min(args.store_groups, kMaxStoreGroups), stages - 1));
 }
 
+// Bulk-store groups of one thread: commit after each item's stores, then let at most
+// `in_flight` groups still read their shared memory. wait_group takes an immediate, hence the
+// switch.
 __device__ __forceinline__ void bulk_wait_read_except(int in_flight) {
   switch (in_flight < 0 ? 0 : in_flight > 7 ? 7 : in_flight) {
     case 0: dev::bulk_wait_read<0>(); break;
