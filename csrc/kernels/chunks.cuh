@@ -21,7 +21,7 @@ struct ReceivedChunks {
   bool started = false, done = false;
 
   __device__ explicit ReceivedChunks(const Call& cl) : call(cl) {
-    for (int i = 0; i < call.W; ++i) chunks = chunks > call.source_chunks(i) ? chunks : call.source_chunks(i);
+    for (int i = 0; i < call.W; ++i) chunks = max(chunks, call.source_chunks(i));
   }
   __device__ bool next(int& source, int& chunk) {
     const int steps = started ? call.nb : call.b + 1;
