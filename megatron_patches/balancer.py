@@ -244,7 +244,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         decay=options.balancer_decay, min_gain=options.balancer_min_gain, tolerance=options.balancer_tolerance,
         move_budget=options.balancer_move_budget, optimizer_view=view,
         report_dir=options.balancer_report_dir, writers=_writers() if writers is None else writers,
-        layer_numbers=[int(getattr(layer, "layer_number", i) or i) for i, layer in enumerate(layers)],
+        layer_numbers=[int(getattr(layer, "layer_number", None) or i + 1) for i, layer in enumerate(layers)],
     )
     balancer.steps = int(start_iteration)
     for i, (layer, d) in enumerate(zip(layers, dispatchers)):

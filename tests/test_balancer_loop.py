@@ -88,6 +88,7 @@ def test_state_dict_refuses_other_shapes(single_rank_group):
     ({"move_budget": -0.1}, "move_budget"),
     ({"move_budget": 1.5}, "move_budget"),
     ({"move_budget": float("nan")}, "move_budget"),
+    ({"layer_numbers": [1, 2]}, "layer_numbers has 2 entries for 1 MoE layers"),
 ])
 def test_bad_configuration_is_named(single_rank_group, kwargs, message):
     layers, _ = make_layers(1, 4, 4)

@@ -128,6 +128,14 @@ def test_report_moved_bytes(tmp_path):
         write_report(summary, str(tmp_path / "bad"), bytes_per_slot=-1)
 
 
+def test_imbalance_plot_labels_layers_by_their_numbers(tmp_path):
+    load = np.random.default_rng(5).random((3, 16)) * 100
+    summary = summarize(load, None, plan_placement(load, 20, 2, 4))
+    _assert_png(write_imbalance_plot({**summary, "layer_numbers": [2, 4, 6]}, str(tmp_path / "imb.png")))
+    with pytest.raises(ValueError, match="layer_numbers"):
+        write_imbalance_plot({**summary, "layer_numbers": [2, 4]}, str(tmp_path / "bad.png"))
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_plan_end_to_end(tmp_path, capsys):
@@ -153,8 +161,30 @@ def test_cli_plan_end_to_end(tmp_path, capsys):
     assert load_placement_yaml(out2).moves(p).tolist() == [0, 0, 0]
 
 
+def test_cli_reports_moved_bytes(tmp_path, capsys):
+    stats, _ = _stats(tmp_path)
+    rep = str(tmp_path / "rep")
+    params = 3 * 64 * 32  # an expert's three weight matrices
+    assert main(["plan", "--stats", stats, "--num-slots", "40", "--out", str(tmp_path / "p.yaml"),
+                 "--report-dir", rep, "--params-per-slot", str(params)]) == 0
+    text = capsys.readouterr().out
+    doc = json.load(open(os.path.join(rep, "balancer_summary.json")))
+    moves = sum(doc["moves"])
+    assert moves > 0 and doc["bytes_per_slot"] == params * DEFAULT_BYTES_PER_PARAM
+    assert doc["moved_bytes_total"] == moves * params * DEFAULT_BYTES_PER_PARAM
+    assert f"moved: {moves} of 3 x 40 slots ({100 * moves / 120:.1f}%)" in text
+    assert f"at {params * DEFAULT_BYTES_PER_PARAM} B per slot" in text
+    # fp32 weights with Adam, no separate main weights: 4 + 8 bytes per parameter
+    assert main(["plan", "--stats", stats, "--num-slots", "40", "--out", str(tmp_path / "p.yaml"),
+                 "--report-dir", rep, "--params-per-slot", str(params), "--bytes-per-param", "12"]) == 0
+    assert json.load(open(os.path.join(rep, "balancer_summary.json")))["moved_bytes_total"] == moves * params * 12
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--stats", "missing.npz"], "--stats: no such file"),
+    (["--bytes-per-param", "6"], "--bytes-per-param needs --params-per-slot"),
+    (["--params-per-slot", "0"], "argument --params-per-slot: must be a positive integer, got 0"),
+    (["--params-per-slot", "1.5"], "argument --params-per-slot: must be a positive integer, got 1.5"),
     (["--num-slots", "30"], "--num-slots gives 30 slots, fewer than the 32 experts"),
     (["--num-slots", "36"], "--num-slots: 36 slots do not split evenly over --ep-size 8"),
     (["--ranks-per-node", "3"], "--ranks-per-node"),
@@ -206,5 +236,9 @@ def test_module_entry_point(tmp_path):
     assert done.returncode == 0, done.stderr
     assert load_placement_yaml(out).slot_to_expert.shape == (3, 32)
     bad = subprocess.run([sys.executable, "-m", "hybrid_ep.balancer", "plan", "--out", out],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--stats" in bad.stderr
+    # the CLI module itself runs too, instead of exiting 0 having done nothing
+    bad = subprocess.run([sys.executable, "-m", "hybrid_ep.balancer.cli", "plan", "--out", out],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--stats" in bad.stderr

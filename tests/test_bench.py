@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -107,4 +110,14 @@ def test_bad_arguments(tmp_path, capsys, flags, flag):
     err = capsys.readouterr().err
     assert code != 0
     assert flag in err and "error" in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_cli_module_runs_as_a_script(tmp_path):
+    """`python -m hybrid_ep.bench.cli` is the CLI too, not a module that exits 0 having done nothing."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "hybrid_ep.bench.cli", "--topk", "0", "--device", "cpu",
+                           "--out", str(tmp_path / "never")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and "--topk" in done.stderr
     assert not (tmp_path / "never").exists()

@@ -109,7 +109,11 @@ class ExpertBalancer:
         self.is_reporter = (self.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)) \
             if is_reporter is None else is_reporter
         self.writers = list(writers)
-        self.layer_numbers = layer_numbers or list(range(len(self.layers)))
+        # the model's layer numbers (Megatron counts from 1), for the report's tables and plots
+        numbers = range(1, len(self.layers) + 1) if layer_numbers is None else layer_numbers
+        self.layer_numbers = [int(n) for n in numbers]
+        if len(self.layer_numbers) != len(self.layers):
+            raise ValueError(f"layer_numbers has {len(self.layer_numbers)} entries for {len(self.layers)} MoE layers")
         self.steps = 0
         self._rows_LS = None  # host mirror of the tables: reading them per step would sync
         self._replicas = None  # replica-gradient layout of the placement in _rows_LS
@@ -284,7 +288,9 @@ class ExpertBalancer:
                         history=self.stats.history_array(), steps=np.asarray(self.stats.history_steps),
                         ep_size=self.num_ranks, layer_numbers=np.asarray(self.layer_numbers))
         history = self.stats.history_array()
-        return write_report(self.last_summary, out, history=self._rank_history(history), step=int(iteration),
+        return write_report({**self.last_summary, "layer_numbers": list(self.layer_numbers)}, out,
+                            history=self._rank_history(history), step=int(iteration),
+                            layer_names=[f"layer {n}" for n in self.layer_numbers],
                             bytes_per_slot=self.bytes_per_slot())
 
     def bytes_per_slot(self) -> int:

@@ -1,13 +1,16 @@
 """`hybrid-ep-balance` / `python -m hybrid_ep.balancer`: plan a placement offline.
 
     hybrid-ep-balance plan --stats stats.npz --ep-size 32 --num-slots 288 --out placement.yaml \
-        [--ranks-per-node 8] [--previous old.yaml] [--report-dir DIR]
+        [--ranks-per-node 8] [--previous old.yaml] [--report-dir DIR] \
+        [--params-per-slot N [--bytes-per-param 14]]
 
 Reads the statistics file that training writes (report.py), plans (planner.py), writes the
 placement YAML (placement_file.py), prints imbalance per layer before (the previous
 placement, or the identity layout) and after, and optionally a report folder: JSON summary,
 imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
-intervals under both placements. Bad input: a message naming the flag, exit code 2.
+intervals under both placements. With --params-per-slot the table and the report also give
+the bytes the moved slots carry, so the cost of applying a plan is known before it is
+applied. Bad input: a message naming the flag, exit code 2.
 Legend: T intervals, L layers, E experts, S slots, W ranks.
 """
 
@@ -24,7 +27,7 @@ from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_to
 from .metrics import rank_loads, summarize
 from .placement_file import load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
-from .report import load_statistics, write_report
+from .report import DEFAULT_BYTES_PER_PARAM, byte_unit, load_statistics, slot_bytes, write_report
 
 
 class UsageError(Exception):
@@ -44,6 +47,17 @@ def fraction(text: str) -> float:
     value = float(text)
     if not valid_move_budget(value):
         raise argparse.ArgumentTypeError(f"must be {MOVE_BUDGET_RULE}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of --params-per-slot and --bytes-per-param."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
@@ -67,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--move-budget", type=fraction, default=None,
                       help="with --previous: most slots per layer to change, as a fraction of the slots; "
                            "where it binds the imbalance may stay above the tolerance (default: no cap)")
+    plan.add_argument("--params-per-slot", type=positive_int, default=None,
+                      help="parameters of one expert (all its weight matrices): the table and the report add the "
+                           "bytes the moved slots carry")
+    plan.add_argument("--bytes-per-param", type=positive_int, default=None,
+                      help="with --params-per-slot: bytes a moved slot carries per parameter (default "
+                           f"{DEFAULT_BYTES_PER_PARAM}: bf16 weight, fp32 main weight, two fp32 Adam moments)")
     return parser
 
 
@@ -107,6 +127,10 @@ def _plan(args) -> int:
     N = W // rpn
     if E % N != 0:
         raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
+    if args.bytes_per_param is not None and args.params_per_slot is None:
+        raise UsageError("--bytes-per-param needs --params-per-slot")
+    bytes_per_slot = None if args.params_per_slot is None else slot_bytes(
+        args.params_per_slot, DEFAULT_BYTES_PER_PARAM if args.bytes_per_param is None else args.bytes_per_param)
     previous = _read_previous(args.previous, L, E, S, W, N)
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
     if args.move_budget is not None:
@@ -115,14 +139,14 @@ def _plan(args) -> int:
         placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    layer_numbers = [int(v) for v in stats.get("layer_numbers", np.arange(L))]
+    layer_numbers = [int(v) for v in stats.get("layer_numbers", np.arange(1, L + 1))]
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     save_placement_yaml(placement, args.out, extra={"layer_numbers": layer_numbers,
                                                     "source_stats": os.path.abspath(args.stats)})
     summary = summarize(load_LE, previous, placement)
     summary["layer_numbers"] = layer_numbers
-    _print_table(summary, previous is not None)
+    _print_table(summary, previous is not None, bytes_per_slot)
     print(f"placement: {args.out}")
     if args.report_dir:
         before = previous or Placement.identity(L, E, S, W, N)
@@ -130,7 +154,7 @@ def _plan(args) -> int:
         paths = write_report(summary, args.report_dir,
                              history=None if history is None else _history_per_rank(history, placement),
                              history_before=None if history is None else _history_per_rank(history, before),
-                             layer_names=[f"layer {n}" for n in layer_numbers])
+                             layer_names=[f"layer {n}" for n in layer_numbers], bytes_per_slot=bytes_per_slot)
         for kind, path in paths.items():
             print(f"{kind}: {path}")
     return 0
@@ -173,10 +197,11 @@ def _history_per_rank(history_TLE: np.ndarray, placement: Placement) -> np.ndarr
     return ranks.view(T, L, placement.num_ranks).numpy()
 
 
-def _print_table(summary: dict, has_previous: bool) -> None:
+def _print_table(summary: dict, has_previous: bool, bytes_per_slot: int | None) -> None:
     before = "previous" if has_previous else "identity"
+    nodes = summary["num_nodes"]
     print(f"{summary['num_experts']} experts, {summary['num_slots']} slots, {summary['num_ranks']} ranks, "
-          f"{summary['num_nodes']} nodes; before = {before} placement")
+          f"{nodes} node{'s' if nodes != 1 else ''}; before = {before} placement")
     head = f"{'layer':>6} {'rank imb before':>16} {'rank imb after':>15} {'slot imb before':>16} " \
            f"{'slot imb after':>15} {'moves':>6}"
     print(head)
@@ -186,4 +211,16 @@ def _print_table(summary: dict, has_previous: bool) -> None:
         vals = " ".join(f"{summary[k][i]:>{w}.4f}" for k, w in zip(keys, (16, 15, 16, 15)))
         print(f"{layer:>6} {vals} {summary['moves'][i]:>6}")
     means = " ".join(f"{np.mean(summary[k]):>{w}.4f}" for k, w in zip(keys, (16, 15, 16, 15)))
-    print(f"{'mean':>6} {means} {sum(summary['moves']):>6}")
+    moves = sum(summary["moves"])
+    print(f"{'mean':>6} {means} {moves / len(summary['moves']):>6.1f}")
+    share = moves / (len(summary["moves"]) * summary["num_slots"])
+    line = f"moved: {moves} of {len(summary['moves'])} x {summary['num_slots']} slots ({100 * share:.1f}%)"
+    if bytes_per_slot is not None:
+        scale, unit = byte_unit(moves * bytes_per_slot)
+        line += (f"; {moves * bytes_per_slot / scale:.3g} {unit} at {bytes_per_slot} B per slot (weights, main "
+                 "weights and optimizer state of every slot that changes its expert)")
+    print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

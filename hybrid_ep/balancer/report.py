@@ -128,11 +128,15 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
 
 
 def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = None) -> str:
-    """Bars per layer (numbered from 1, as in the tables) of rank and slot imbalance before
-    and after, and slots moved, from metrics.summarize; with bytes_per_slot (slot_bytes)
-    the moved bytes too."""
+    """Bars per layer of rank and slot imbalance before and after, and slots moved, from
+    metrics.summarize; with bytes_per_slot (slot_bytes) the moved bytes too. Layers are
+    labelled by summary["layer_numbers"] (the model's numbers, as in the CLI's table) when
+    it has them, else numbered from 1."""
     L = len(summary["imbalance_rank_after"])
     x = np.arange(1, L + 1)
+    numbers = [int(n) for n in summary.get("layer_numbers", x)]
+    if len(numbers) != L:
+        raise ValueError(f"summary['layer_numbers'] has {len(numbers)} entries for {L} layers")
     fig = Figure(figsize=(max(7.0, 0.22 * L + 2.5), 8.5))
     for row, level in enumerate(("rank", "slot")):
         ax = fig.add_subplot(3, 1, row + 1)
@@ -148,26 +152,27 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
     ax.grid(axis="y", alpha=0.3)
     total = f"{int(moves.sum())} slots moved"
     if bytes_per_slot is not None:
-        scale, unit = _byte_unit(float(moves.max(initial=0)) * bytes_per_slot)
+        scale, unit = byte_unit(float(moves.max(initial=0)) * bytes_per_slot)
         right = ax.twinx()
         right.set_ylim(ax.get_ylim()[0] * bytes_per_slot / scale, ax.get_ylim()[1] * bytes_per_slot / scale)
         right.set_ylabel(f"moved ({unit})", fontsize=10)
-        t_scale, t_unit = _byte_unit(float(moves.sum()) * bytes_per_slot)
+        t_scale, t_unit = byte_unit(float(moves.sum()) * bytes_per_slot)
         total += f" = {moves.sum() * bytes_per_slot / t_scale:.3g} {t_unit} ({bytes_per_slot} B per slot)"
     ax.set_title(total, fontsize=10)
     ax.set_xlabel("layer", fontsize=10)
     ticks = np.arange(1, L + 1, max(1, math.ceil(L / 20)))
     for a in fig.axes:
         a.set_xlim(0.3, L + 0.7)
-        a.set_xticks(ticks)
+        a.set_xticks(ticks, [str(numbers[t - 1]) for t in ticks])
         a.tick_params(labelsize=9)
+    nodes = summary["num_nodes"]
     fig.suptitle(f"balancer: {summary['num_experts']} experts in {summary['num_slots']} slots on "
-                 f"{summary['num_ranks']} ranks ({summary['num_nodes']} nodes)", fontsize=11)
+                 f"{summary['num_ranks']} ranks ({nodes} node{'s' if nodes != 1 else ''})", fontsize=11)
     fig.tight_layout()
     return _save(fig, path)
 
 
-def _byte_unit(value: float) -> tuple[float, str]:
+def byte_unit(value: float) -> tuple[float, str]:
     """(divisor, unit) that shows value as a short number."""
     for scale, unit in ((2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"), (2.0 ** 10, "KiB")):
         if value >= scale:

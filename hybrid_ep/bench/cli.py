@@ -284,3 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
