@@ -55,6 +55,7 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     stats = load_statistics(str(out / "statistics.npz"))
     np.testing.assert_array_equal(stats["load"][0], [24, 3, 3, 30])  # window 1: steps 4..6
     assert stats["history"].shape == (2, 2, 4)
+    assert stats["layer_numbers"].tolist() == [1, 2]  # counted from 1, as Megatron numbers its layers
     pngs = [f for f in os.listdir(out) if f.endswith(".png")]
     assert pngs and all(open(out / f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in pngs)
     jsons = [f for f in os.listdir(out) if f.endswith(".json")]

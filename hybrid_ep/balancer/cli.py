@@ -27,7 +27,7 @@ from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_to
 from .metrics import rank_loads, summarize
 from .placement_file import load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
-from .report import DEFAULT_BYTES_PER_PARAM, byte_unit, load_statistics, slot_bytes, write_report
+from .report import DEFAULT_BYTES_PER_PARAM, byte_unit, load_statistics, plural, slot_bytes, write_report
 
 
 class UsageError(Exception):
@@ -199,9 +199,9 @@ def _history_per_rank(history_TLE: np.ndarray, placement: Placement) -> np.ndarr
 
 def _print_table(summary: dict, has_previous: bool, bytes_per_slot: int | None) -> None:
     before = "previous" if has_previous else "identity"
-    nodes = summary["num_nodes"]
-    print(f"{summary['num_experts']} experts, {summary['num_slots']} slots, {summary['num_ranks']} ranks, "
-          f"{nodes} node{'s' if nodes != 1 else ''}; before = {before} placement")
+    print(f"{plural(summary['num_experts'], 'expert')}, {plural(summary['num_slots'], 'slot')}, "
+          f"{plural(summary['num_ranks'], 'rank')}, {plural(summary['num_nodes'], 'node')}; "
+          f"before = {before} placement")
     head = f"{'layer':>6} {'rank imb before':>16} {'rank imb after':>15} {'slot imb before':>16} " \
            f"{'slot imb after':>15} {'moves':>6}"
     print(head)

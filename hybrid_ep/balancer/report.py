@@ -97,7 +97,7 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
     if hist.ndim != 3:
         raise ValueError(f"history must be [iterations, layers, ranks], got shape {hist.shape}")
     T, L, W = hist.shape
-    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(L)]
+    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(1, L + 1)]
     if len(names) != L:
         raise ValueError(f"layer_names has {len(names)} entries, history has {L} layers")
     cols = min(_PANEL_COLUMNS, L)
@@ -111,14 +111,15 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
                           vmin=0.0, vmax=max(top, 1e-12), origin="upper")
         ax.set_title(str(names[i]), fontsize=10)
         ax.tick_params(labelsize=8)
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=4, integer=True, min_n_ticks=1))
         if i % cols == 0:
             ax.set_ylabel("interval", fontsize=9)
         if i + cols >= L:  # lowest panel of its column
             ax.set_xlabel("EP rank", fontsize=9)
-    fig.suptitle(f"{title} ({T} intervals x {W} ranks)", fontsize=13)
-    fig.subplots_adjust(left=0.06, right=0.88, bottom=0.08, top=1 - 1.0 / fig.get_figheight(),
+    fig.suptitle(f"{title} ({plural(T, 'interval')} x {plural(W, 'rank')})", fontsize=13)
+    # margins in inches, so one row of panels keeps room for its axis labels
+    fig.subplots_adjust(left=0.06, right=0.88, bottom=0.7 / fig.get_figheight(), top=1 - 1.0 / fig.get_figheight(),
                         hspace=0.7, wspace=0.35)
     cax = fig.add_axes([0.91, 0.12, 0.015, 0.72])
     bar = fig.colorbar(image, cax=cax)
@@ -143,12 +144,14 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
         ax.bar(x - 0.2, summary[f"imbalance_{level}_before"], width=0.4, label="before", color="tab:red")
         ax.bar(x + 0.2, summary[f"imbalance_{level}_after"], width=0.4, label="after", color="tab:green")
         ax.set_ylabel(f"{level} imbalance\n(max - mean) / mean", fontsize=10)
+        _from_zero(ax, max(max(summary[f"imbalance_{level}_before"]), max(summary[f"imbalance_{level}_after"])), 0.01)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=9)
     ax = fig.add_subplot(3, 1, 3)
     moves = np.asarray(summary["moves"], dtype=np.int64)
     ax.bar(x, moves, width=0.6, color="tab:blue")
     ax.set_ylabel("slots moved", fontsize=10)
+    _from_zero(ax, float(moves.max(initial=0)), 1.0)
     ax.grid(axis="y", alpha=0.3)
     total = f"{int(moves.sum())} slots moved"
     if bytes_per_slot is not None:
@@ -165,11 +168,20 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
         a.set_xlim(0.3, L + 0.7)
         a.set_xticks(ticks, [str(numbers[t - 1]) for t in ticks])
         a.tick_params(labelsize=9)
-    nodes = summary["num_nodes"]
-    fig.suptitle(f"balancer: {summary['num_experts']} experts in {summary['num_slots']} slots on "
-                 f"{summary['num_ranks']} ranks ({nodes} node{'s' if nodes != 1 else ''})", fontsize=11)
+    fig.suptitle(f"balancer: {plural(summary['num_experts'], 'expert')} in {plural(summary['num_slots'], 'slot')} "
+                 f"on {plural(summary['num_ranks'], 'rank')} ({plural(summary['num_nodes'], 'node')})", fontsize=11)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _from_zero(ax, top: float, least: float) -> None:
+    """y from 0, with room above the tallest bar; all-zero bars (nothing moved) keep a
+    positive axis instead of matplotlib's symmetric one around 0."""
+    ax.set_ylim(0.0, max(top * 1.08, least))
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def byte_unit(value: float) -> tuple[float, str]:
