@@ -51,6 +51,9 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     assert [e is None for e in events] == [True, True, False, True, True, False]
     assert [step for step, _ in seen] == [3, 6]
     assert any(k.endswith("imbalance_rank_after") for k in seen[0][1])
+    # a Linear(3, 3) slot in fp32 with Adam: 9 parameters x (4 + 8) bytes
+    assert bal.bytes_per_slot() == 9 * 12
+    assert [v["balancer/moved_bytes"] for _, v in seen] == [float(e["moved_bytes"]) for e in events if e]
     out = tmp_path / "iter_0000006"
     stats = load_statistics(str(out / "statistics.npz"))
     np.testing.assert_array_equal(stats["load"][0], [24, 3, 3, 30])  # window 1: steps 4..6
@@ -121,11 +124,12 @@ def test_tolerance_reaches_the_planner(pool_for):
     replanned (two slots swapped) at 0.01 and at the default."""
     pool = pool_for(2)
     (kept, kept_row), _ = pool.run(_rebalance_once, [(0.05,)] * 2)
-    assert not kept["applied"] and kept["slots_changed"] == 0 and kept_row == [0, 1, 2, 3]
+    assert not kept["applied"] and kept["slots_changed"] == 0 and kept["moved_bytes"] == 0 and kept_row == [0, 1, 2, 3]
     assert kept["imbalance_rank_before"] == kept["imbalance_rank_after"] == pytest.approx(0.06)
     for tolerance in (0.01, None):  # None: the planner's default, 0.01
         (moved, moved_row), other = pool.run(_rebalance_once, [(tolerance,)] * 2)
         assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
+        assert moved["moved_bytes"] == 2 * 9 * (4 + 8)  # two Linear(3, 3) slots in fp32 with Adam
         assert moved["imbalance_rank_before"] == pytest.approx(0.06)
         assert moved["imbalance_rank_after"] == pytest.approx(0.02)
 

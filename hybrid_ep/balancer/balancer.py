@@ -263,19 +263,21 @@ class ExpertBalancer:
             "migrate_seconds": time.perf_counter() - t0 - plan_s,
             "imbalance_rank_before": float(old_imb), "imbalance_rank_after": float(new_imb if applied else old_imb),
             **{k: int(v) for k, v in moved.items()},
+            "moved_bytes": int(moved["slots_changed"]) * self.bytes_per_slot(),
         }
         self.events.append(event)
         self.last_summary = summary
         if self.is_reporter:
             values = scalars(summary)
-            values.update({"balancer/applied": float(applied), "balancer/slots_changed": float(moved["slots_changed"])})
+            values.update({"balancer/applied": float(applied), "balancer/slots_changed": float(moved["slots_changed"]),
+                           "balancer/moved_bytes": float(event["moved_bytes"])})
             for write in self.writers:
                 write(values, int(iteration))
             if self.report_dir:
                 self.write_report(iteration)
-            log.info("hybrid_ep balancer at iteration %d: rank imbalance %.3f -> %.3f, %s, %d slots changed",
-                     iteration, old_imb, event["imbalance_rank_after"], "applied" if applied else "kept",
-                     moved["slots_changed"])
+            log.info("hybrid_ep balancer at iteration %d: rank imbalance %.3f -> %.3f, %s, %d slots changed "
+                     "(%.3g GiB of weights and optimizer state)", iteration, old_imb, event["imbalance_rank_after"],
+                     "applied" if applied else "kept", moved["slots_changed"], event["moved_bytes"] / 2 ** 30)
         return event
 
     def write_report(self, iteration: int) -> dict:
