@@ -166,7 +166,8 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
     ticks = np.arange(1, L + 1, max(1, math.ceil(L / 20)))
     for a in fig.axes:
         a.set_xlim(0.3, L + 0.7)
-        a.set_xticks(ticks, [str(numbers[t - 1]) for t in ticks])
+        a.set_xticks(ticks)
+        a.set_xticklabels([str(numbers[t - 1]) for t in ticks])
         a.tick_params(labelsize=9)
     fig.suptitle(f"balancer: {plural(summary['num_experts'], 'expert')} in {plural(summary['num_slots'], 'slot')} "
                  f"on {plural(summary['num_ranks'], 'rank')} ({plural(summary['num_nodes'], 'node')})", fontsize=11)
