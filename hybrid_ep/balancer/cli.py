@@ -23,11 +23,12 @@ import sys
 import numpy as np
 import torch
 
+from ..wording import byte_unit, plural
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .metrics import rank_loads, summarize
 from .placement_file import load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
-from .report import DEFAULT_BYTES_PER_PARAM, byte_unit, load_statistics, plural, slot_bytes, write_report
+from .report import DEFAULT_BYTES_PER_PARAM, load_statistics, slot_bytes, write_report
 
 
 class UsageError(Exception):

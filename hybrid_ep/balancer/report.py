@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..metadata import metadata
+from ..wording import byte_unit, plural
 from .metrics import SUMMARY_CONFIG_KEYS, SUMMARY_UNITS
 
 _PANEL_COLUMNS = 8  # panels per row of a heatmap: 61 layers -> 8 x 8 small panels
@@ -179,18 +180,6 @@ def _from_zero(ax, top: float, least: float) -> None:
     """y from 0, with room above the tallest bar; all-zero bars (nothing moved) keep a
     positive axis instead of matplotlib's symmetric one around 0."""
     ax.set_ylim(0.0, max(top * 1.08, least))
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def byte_unit(value: float) -> tuple[float, str]:
-    """(divisor, unit) that shows value as a short number."""
-    for scale, unit in ((2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"), (2.0 ** 10, "KiB")):
-        if value >= scale:
-            return scale, unit
-    return 1.0, "B"
 
 
 def write_report(summary: dict, directory: str, history=None, step: int | None = None,

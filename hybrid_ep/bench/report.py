@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..wording import plural
 from .metrics import OPS
 
 # Units of the number fields of a run (the metadata block's "units").
@@ -35,15 +36,11 @@ def run_title(run: dict) -> str:
     return f"{run['backend']} ({run['num_sms']} SMs)"
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
-
-
 def config_line(doc: dict) -> str:
     c, m = doc["metadata"]["config"], doc["machine"]
-    nodes = f"{_plural(c['nodes'], 'node')} x {_plural(c['ranks_per_node'], 'rank')}"
+    nodes = f"{plural(c['nodes'], 'node')} x {plural(c['ranks_per_node'], 'rank')}"
     if m["logical_nodes"]:
-        nodes += f", logical nodes on {_plural(len(m['hosts']), 'host')}"
+        nodes += f", logical nodes on {plural(len(m['hosts']), 'host')}"
     routing = c["routing"]
     if routing == "zipf":
         routing += f" (exponent {c['zipf_exponent']})"
