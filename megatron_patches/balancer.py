@@ -111,7 +111,41 @@ def finish_moe_layer(layer) -> None:
     layer.register_buffer("hybrid_ep_load_meta", torch.zeros(4, dtype=torch.int64, device=device), persistent=True)
     layer._register_load_state_dict_pre_hook(_check_placement_shape, with_module=True)
     layer.register_load_state_dict_post_hook(_placement_loaded)
+    layer.sharded_state_dict = _slot_sharded_state_dict(layer.sharded_state_dict)
     setattr(layer, _MARK, None)
+
+
+# Global checkpoint keys of slot-built experts: their weights are indexed by slot, not by
+# expert, so they must not share keys with the expert-indexed weights of a run without the
+# balancer (at S = E the shapes agree, and such a run would load slot s as expert s).
+_SLOT_EXPERTS = "hybrid_ep_slot_experts."
+_BALANCER_BUFFERS = ("hybrid_ep_slot_to_expert", "hybrid_ep_placement_shape", "hybrid_ep_load_stats",
+                     "hybrid_ep_load_meta")
+
+
+def _slot_sharded_state_dict(original):
+    """The layer's torch_dist (sharded) state dict, two changes on top of Megatron's:
+    - expert entries get global keys under `hybrid_ep_slot_experts.` (local keys unchanged),
+      so a run without the balancer fails on missing keys instead of loading slot-ordered
+      weights as experts, and a run with it cannot load expert-ordered ones;
+    - the placement and statistics buffers are saved as objects, not sharded tensors: a
+      sharded tensor's shape is checked by dist_checkpointing before the layer's own load
+      hook runs, which then could neither resize statistics saved with another window nor
+      name the slot counts in its error."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    @functools.wraps(original)
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        out = original(prefix, sharded_offsets, metadata)
+        experts = prefix + "experts."
+        for local_key, entry in out.items():
+            if local_key.startswith(experts) and hasattr(entry, "key") and entry.key.startswith(experts):
+                entry.key = prefix + _SLOT_EXPERTS + entry.key[len(experts):]
+            elif local_key[len(prefix):] in _BALANCER_BUFFERS and hasattr(entry, "data"):
+                out[local_key] = ShardedObject(entry.key, entry.data, (1,), (0,), replica_id=entry.replica_id)
+        return out
+
+    return sharded_state_dict
 
 
 def _check_placement_shape(module, state_dict, prefix, *args, **kwargs):

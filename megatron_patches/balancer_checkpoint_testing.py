@@ -187,3 +187,45 @@ def load_other_ep(case, run, directory: str) -> dict:
     return {"events": list(bal.events), "placement_loaded": before, "placement": bal.placement_rows(),
             "load": bal.stats.load(), "steps": bal.steps, "experts": _expert_weights(layer, bal),
             "probe_before": probe_before, "probe_after": _fixed_output(layer, run)}
+
+
+def load_elsewhere(case, run, directory: str) -> dict:
+    """Load the layer of a torch_dist checkpoint into a layer built for `run` (another window,
+    no balancer, ...): the load's error, or what the new balancer restored."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from . import balancer as mbalancer
+    from .balancer_testing import _build
+
+    layer = _build(case, run)
+    try:
+        loaded = dist_checkpointing.load({"model": layer.sharded_state_dict()}, directory)
+        layer.load_state_dict(loaded["model"])
+    except (Exception, CheckpointException) as e:  # the caller checks which error and what it says
+        return {"error": f"{type(e).__name__}: {e}"}
+    bal = mbalancer.attach(layer, None, writers=[]) if run.interval else None
+    return {"error": None, "load": None if bal is None else bal.stats.load(),
+            "held": None if bal is None else len(bal.stats._recent), "steps": None if bal is None else bal.steps}
+
+
+def save_placement_only(case, run, directory: str) -> dict:
+    """Train `run` (a balancer with S = E, placement only, or none) and save the layer with
+    dist_checkpointing; the balancer's events, placement and statistics at the save."""
+    from megatron.core import dist_checkpointing
+
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+
+    layer = _build(case, run)
+    _native_weights_(layer, case)
+    model, opt = _optimizer(layer, run)
+    bal = mbalancer.attach(layer, opt, writers=[])
+    _train_steps(model, opt, case, run, range(run.steps), [], [])
+    if bal is not None:
+        bal.prepare_checkpoint()
+    with _write_results_in_process():
+        dist_checkpointing.save({"model": layer.sharded_state_dict()}, directory)
+    if bal is None:
+        return {}
+    return {"events": list(bal.events), "placement": bal.placement_rows(), "load": bal.stats.load()}

@@ -25,6 +25,33 @@ def make_layers(num_layers, experts, slots):
     return layers, modules
 
 
+def test_writers_write_on_every_rank_given_them(single_rank_group, tmp_path):
+    """Megatron-LM creates its TensorBoard and wandb writers on its last rank, which is not the
+    rank that writes the report files: a rank with writers writes the scalars (named by the
+    model's layer numbers) whether or not it reports, and a reporter without writers still
+    writes its files."""
+    for is_reporter, writers in ((False, True), (True, False)):
+        layers, modules = make_layers(2, 4, 6)
+        seen = []
+        report_dir = tmp_path / f"reporter_{is_reporter}"
+        bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=1,
+                             report_dir=str(report_dir), is_reporter=is_reporter, layer_numbers=[3, 7],
+                             writers=[lambda values, step: seen.append((step, values))] if writers else [])
+        bal.setup()
+        for i in range(2):
+            bal.record(i, torch.tensor([8, 1, 1, 2]))
+        for p in (p for m in modules for p in m.parameters()):
+            p.grad = torch.ones_like(p)
+        bal.before_optimizer_step()
+        bal.after_optimizer_step(1)
+        assert [step for step, _ in seen] == ([1] if writers else [])
+        if writers:
+            names = set(seen[0][1])
+            assert {"balancer/layer_3/imbalance_rank_after", "balancer/layer_7/imbalance_rank_after"} <= names
+            assert not any(k.startswith(("balancer/layer_0/", "balancer/layer_1/")) for k in names)
+        assert (report_dir / "iter_0000001").is_dir() == is_reporter
+
+
 def test_loop_reports_and_writers(single_rank_group, tmp_path):
     layers, modules = make_layers(2, 4, 6)
     params = [p for m in modules for p in m.parameters()]

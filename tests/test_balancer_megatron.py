@@ -297,3 +297,33 @@ def test_save_hook_prepares_the_balancer_before_megatron_saves():
     training.save_checkpoint(7, None, types.SimpleNamespace(hybrid_ep_balancer=balancer))
     training.save_checkpoint(8, None, None)
     assert calls == [("prepare", None), ("save", 7), ("save", 8)]
+
+
+def test_torch_dist_checkpoint_keeps_slot_order_apart_from_expert_order(pool_for, new_checkpoint_dir):
+    """A balancer with as many slots as experts (placement only) saves weights in slot order
+    with the shapes of expert-ordered ones: a run without the balancer must fail to load them
+    rather than take slot s for expert s, and the reverse too. A run with another statistics
+    window loads the saved statistics (dist_checkpointing checks shapes before the layer's
+    hook could resize them, so they are saved as objects)."""
+    from megatron_patches.balancer_checkpoint_testing import load_elsewhere, save_placement_only
+
+    case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+    pool = pool_for(2)
+    placed, plain = new_checkpoint_dir(), new_checkpoint_dir()
+    saved = pool.run(save_placement_only, [(case, TrainRun(INTERVAL, INTERVAL, 4, "megatron"), placed)] * 2,
+                     timeout_s=600)
+    [event] = saved[0]["events"]
+    assert event["applied"] and event["slots_changed"] > 0  # slot order is no longer expert order
+    for r in pool.run(load_elsewhere, [(case, TrainRun(INTERVAL), placed)] * 2, timeout_s=600):
+        assert r["error"] is not None and "hybrid_ep_slot_experts" in r["error"]
+    pool.run(save_placement_only, [(case, TrainRun(INTERVAL, optimizer="megatron"), plain)] * 2, timeout_s=600)
+    for r in pool.run(load_elsewhere, [(case, TrainRun(interval=INTERVAL, slots_per_rank=4), plain)] * 2,
+                      timeout_s=600):
+        assert r["error"] is not None and "hybrid_ep" in r["error"]
+    window3 = TrainRun(interval=INTERVAL, slots_per_rank=4, window=3)
+    for s, r in zip(saved, pool.run(load_elsewhere, [(case, window3, placed)] * 2, timeout_s=600)):
+        assert r["error"] is None and r["held"] == 1 and r["steps"] == INTERVAL
+        assert (r["load"] == s["load"]).all() and s["load"].sum() > 0
+    five_slots = TrainRun(interval=INTERVAL, slots_per_rank=5)
+    for r in pool.run(load_elsewhere, [(case, five_slots, placed)] * 2, timeout_s=600):
+        assert r["error"] is not None and "hybrid_ep_slot_experts" in r["error"] and "[8," in r["error"]

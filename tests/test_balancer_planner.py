@@ -723,6 +723,11 @@ def test_summarize_and_scalars():
     assert flat["balancer/mean/imbalance_slot_before"] == pytest.approx(s["imbalance_slot_before"][0])
     assert "balancer/total/moves" in flat and all(isinstance(v, float) for v in flat.values())
     assert set(scalars(s, prefix="moe")) == {k.replace("balancer/", "moe/", 1) for k in flat}
+    numbered = scalars(s, layer_numbers=[7])  # the model's layer number, not the index
+    assert numbered["balancer/layer_7/imbalance_rank_after"] == flat["balancer/layer_0/imbalance_rank_after"]
+    assert not any("layer_0" in k for k in numbered)
+    with pytest.raises(ValueError, match="layer_numbers has 2 entries for 1 layers"):
+        scalars(s, layer_numbers=[1, 2])
 
 
 # ----------------------------------------------------------------------------- refit lower bound

@@ -267,12 +267,15 @@ class ExpertBalancer:
         }
         self.events.append(event)
         self.last_summary = summary
-        if self.is_reporter:
-            values = scalars(summary)
+        # every rank that was given writers writes (every rank holds the same summary):
+        # Megatron-LM creates its TensorBoard and wandb writers on its last rank only
+        if self.writers:
+            values = scalars(summary, layer_numbers=self.layer_numbers)
             values.update({"balancer/applied": float(applied), "balancer/slots_changed": float(moved["slots_changed"]),
                            "balancer/moved_bytes": float(event["moved_bytes"])})
             for write in self.writers:
                 write(values, int(iteration))
+        if self.is_reporter:
             if self.report_dir:
                 self.write_report(iteration)
             log.info("hybrid_ep balancer at iteration %d: rank imbalance %.3f -> %.3f, %s, %d slots changed "

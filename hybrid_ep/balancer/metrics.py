@@ -110,19 +110,23 @@ def summarize(load, placement_before: Placement | None, placement_after: Placeme
     return out
 
 
-def scalars(summary: dict, prefix: str = "balancer") -> dict[str, float]:
+def scalars(summary: dict, prefix: str = "balancer", layer_numbers=None) -> dict[str, float]:
     """Flat {name: value} for TensorBoard / wandb: every per-layer entry, mean and max over layers.
 
-    Names: f"{prefix}/layer_{i}/{key}", f"{prefix}/mean/{key}", f"{prefix}/max/{key}" and
-    f"{prefix}/total/moves".
+    Names: f"{prefix}/layer_{n}/{key}", f"{prefix}/mean/{key}", f"{prefix}/max/{key}" and
+    f"{prefix}/total/moves", where n is the layer's entry of layer_numbers (the model's layer
+    numbers, so runs split over pipeline stages name each layer alike), else its index.
     """
     out: dict[str, float] = {}
     for key in SUMMARY_KEYS:
         values = [float(v) for v in summary.get(key, [])]
         if not values:
             continue
-        for i, v in enumerate(values):
-            out[f"{prefix}/layer_{i}/{key}"] = v
+        numbers = range(len(values)) if layer_numbers is None else list(layer_numbers)
+        if len(numbers) != len(values):
+            raise ValueError(f"layer_numbers has {len(numbers)} entries for {len(values)} layers")
+        for n, v in zip(numbers, values):
+            out[f"{prefix}/layer_{int(n)}/{key}"] = v
         out[f"{prefix}/mean/{key}"] = sum(values) / len(values)
         out[f"{prefix}/max/{key}"] = max(values)
     if summary.get("moves"):
