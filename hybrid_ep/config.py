@@ -102,8 +102,8 @@ def timeout_seconds() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"HYBRID_EP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"HYBRID_EP_TIMEOUT_S must be > 0, got {raw!r}")
+    if not (0 < value < float("inf")):  # nan fails too
+        raise ValueError(f"HYBRID_EP_TIMEOUT_S must be a finite number of seconds > 0, got {raw!r}")
     return value
 
 

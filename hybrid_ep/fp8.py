@@ -35,5 +35,10 @@ def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(q_TH: torch.Tensor, scales_TB: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     T, H = q_TH.shape
+    if H % FP8_BLOCK != 0:
+        raise ValueError(f"q hidden size {H} must be a multiple of {FP8_BLOCK} for fp8")
+    if tuple(scales_TB.shape) != (T, H // FP8_BLOCK):
+        raise ValueError(f"scales must be [tokens, hidden / {FP8_BLOCK}] = [{T}, {H // FP8_BLOCK}], "
+                         f"got {list(scales_TB.shape)}")
     blocks = q_TH.float().view(T, H // FP8_BLOCK, FP8_BLOCK) * scales_TB.float()[:, :, None]
     return blocks.view(T, H).to(dtype)

@@ -194,7 +194,10 @@ def _resize_saved_stats(state_dict, prefix, module) -> None:
 
 def _placement_loaded(module, incompatible_keys):
     table = module.token_dispatcher.slot_table
-    table.load_(table.slot_to_expert_S.clone())  # rebuild the replica tables from the loaded row
+    row = table.slot_to_expert_S.clone()
+    if bool((row < 0).all()):  # saved before a placement was installed: attach installs one
+        return
+    table.load_(row)  # rebuild the replica tables from the loaded row
     balancer = getattr(module, _MARK, None)
     if balancer is not None:
         balancer.refresh_from_tables()

@@ -229,3 +229,17 @@ def save_placement_only(case, run, directory: str) -> dict:
     if bal is None:
         return {}
     return {"events": list(bal.events), "placement": bal.placement_rows(), "load": bal.stats.load()}
+
+
+def load_unplaced(case, run) -> dict:
+    """A layer's state saved before any placement was installed (its row still unset) loads
+    into a fresh layer, whose balancer then installs the first placement as without one."""
+    from . import balancer as mbalancer
+    from .balancer_testing import _build
+
+    saved = _build(case, run).state_dict()
+    layer = _build(case, run)
+    layer.load_state_dict(saved)
+    unset = bool((layer.hybrid_ep_slot_to_expert < 0).all())
+    bal = mbalancer.attach(layer, None, writers=[])
+    return {"unset_after_load": unset, "placement": bal.placement_rows()}

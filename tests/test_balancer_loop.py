@@ -239,3 +239,43 @@ def test_balancer_checkpoint_buffers_restore_steps_and_statistics(single_rank_gr
     assert fresh.restore_saved() and fresh.steps == 3
     np.testing.assert_array_equal(fresh.stats.load(), bal.stats.load())
     np.testing.assert_array_equal(fresh.stats.carry_LE, [[3, 1, 0, 3]])
+
+
+def test_bad_rows_and_knobs_change_nothing(single_rank_group, tmp_path):
+    """A placement that breaks a rule, or a saved state of another layer count, is refused
+    before any slot's weights move or any table changes; knobs of the wrong kind name themselves."""
+    from hybrid_ep.balancer.placement_file import save_placement_yaml
+    from hybrid_ep.balancer.planner import Placement
+
+    layers, modules = make_layers(2, 4, 6)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=1)
+    bal.setup()
+    rows = bal.placement_rows()
+    weights = [[m.weight.clone() for m in module.local_experts] for module in modules]
+    bad = rows.clone()
+    bad[1] = torch.tensor([0, 0, 1, 1, 2, 2])  # expert 3 without a slot
+    with pytest.raises(ValueError, match=r"placement layer 1: slot_to_expert leaves experts \[3\]"):
+        bal.apply_placement(bad)
+    with pytest.raises(ValueError, match=r"placement has shape \(1, 6\)"):
+        bal.apply_placement(rows[:1])
+    state = bal.state_dict()
+    other = make_layers(3, 4, 6)[0]
+    three = ExpertBalancer(other, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=1)
+    three.setup()
+    with pytest.raises(ValueError, match="2 balanced MoE layers"):
+        bal.load_state_dict({**three.state_dict(), "steps": 5})
+    assert torch.equal(bal.placement_rows(), rows) and bal.steps == state["steps"]
+    assert all(torch.equal(m.weight, w) for module, ws in zip(modules, weights) for m, w in zip(module.local_experts, ws))
+    for kwargs, needle in (({"interval": 2.5}, "interval must be an integer"), ({"interval": True}, "interval"),
+                           ({"min_gain": float("nan")}, "min_gain must be a finite"),
+                           ({"num_nodes": 0}, "num_nodes must be an integer >= 1")):
+        with pytest.raises(ValueError, match=needle):
+            ExpertBalancer(make_layers(1, 4, 6)[0], num_experts=4, slots_per_rank=6, ep_group=single_rank_group,
+                           **kwargs)
+    path = tmp_path / "placement.yaml"
+    placement = Placement(rows, 1, 1, 4)
+    save_placement_yaml(placement, str(path))
+    kept = path.read_text()
+    with pytest.raises(ValueError, match="extra values must be plain"):
+        save_placement_yaml(placement, str(path), extra={"layer_numbers": np.array([1, 2])})
+    assert path.read_text() == kept

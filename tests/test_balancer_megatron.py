@@ -327,3 +327,14 @@ def test_torch_dist_checkpoint_keeps_slot_order_apart_from_expert_order(pool_for
     five_slots = TrainRun(interval=INTERVAL, slots_per_rank=5)
     for r in pool.run(load_elsewhere, [(case, five_slots, placed)] * 2, timeout_s=600):
         assert r["error"] is not None and "hybrid_ep_slot_experts" in r["error"] and "[8," in r["error"]
+
+
+def test_state_saved_before_a_placement_loads(pool_for):
+    from hybrid_ep.balancer import Placement
+    from megatron_patches.balancer_checkpoint_testing import load_unplaced
+
+    case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+    for r in pool_for(2).run(load_unplaced, [(case, TrainRun(interval=INTERVAL, slots_per_rank=5))] * 2,
+                             timeout_s=600):
+        assert r["unset_after_load"]
+        assert torch.equal(r["placement"], Placement.identity(1, 8, 10, 2, 1).slot_to_expert)  # as unloaded

@@ -175,6 +175,19 @@ def test_bad_timeout_env(buf, monkeypatch):
         from hybrid_ep.config import timeout_seconds
 
         timeout_seconds()
+    for raw in ("inf", "nan", "0", "-1"):  # no bound, or none at all: refused before any wait
+        monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", raw)
+        with pytest.raises(ValueError, match="HYBRID_EP_TIMEOUT_S must be a finite number of seconds > 0"):
+            timeout_seconds()
+
+
+def test_dequantize_fp8_names_scales_of_another_shape():
+    q, s = hep.quantize_fp8(torch.randn(2, 256))
+    torch.testing.assert_close(hep.dequantize_fp8(q, s), hep.dequantize_fp8(q, s.clone()))
+    with pytest.raises(ValueError, match=r"scales must be \[tokens, hidden / 128\] = \[2, 2\], got \[2, 1\]"):
+        hep.dequantize_fp8(q, s[:, :1])
+    with pytest.raises(ValueError, match="q hidden size 100 must be a multiple of 128"):
+        hep.dequantize_fp8(torch.zeros(2, 100).to(q.dtype), s)
 
 
 def _construct_on_rank(num_experts):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -80,6 +81,8 @@ class ExpertBalancer:
                 f"slots_per_rank ({slots_per_rank}) x EP size ({self.num_ranks}) = {self.num_slots} slots, "
                 f"fewer than the {num_experts} experts"
             )
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
         if self.num_ranks % num_nodes:
             raise ValueError(f"num_nodes ({num_nodes}) must divide the EP size ({self.num_ranks})")
         for i, layer in enumerate(self.layers):
@@ -88,8 +91,10 @@ class ExpertBalancer:
                     f"layer {i}: {layer.table.num_slots} slots / {len(layer.slot_params)} local, "
                     f"expected {self.num_slots} / {slots_per_rank}"
                 )
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
+        if not math.isfinite(min_gain):
+            raise ValueError(f"min_gain must be a finite number, got {min_gain!r}")
         if tolerance is not None and not valid_tolerance(tolerance):
             raise ValueError(f"tolerance must be {TOLERANCE_RULE} or None, got {tolerance!r}")
         if move_budget is not None and not valid_move_budget(move_budget):
@@ -158,6 +163,14 @@ class ExpertBalancer:
         """Migrate slot contents from `old` (default: the tables) to `new`; update the tables."""
         new_LS = torch.as_tensor(new_LS, dtype=torch.int64).cpu()
         old_LS = self.placement_rows() if old_LS is None else torch.as_tensor(old_LS, dtype=torch.int64).cpu()
+        if tuple(new_LS.shape) != (len(self.layers), self.num_slots):
+            raise ValueError(f"placement has shape {tuple(new_LS.shape)}, this balancer needs "
+                             f"({len(self.layers)}, {self.num_slots}) (layers, slots)")
+        for i, layer in enumerate(self.layers):  # before any slot moves: a bad row must not half-migrate
+            try:
+                layer.table.tables_for(new_LS[i], layer.table.num_experts, layer.table.max_replicas)
+            except ValueError as exc:
+                raise ValueError(f"placement layer {i}: {exc}") from None
         transfers = plan_transfers(old_LS, new_LS, self.num_ranks)
         if self.view.sharded:
             moved = migrate_shards_(self._slot_slices, transfers, rank=self.rank, num_ranks=self.num_ranks,
@@ -367,6 +380,11 @@ class ExpertBalancer:
                     "only loads into the same experts, slots and EP size"
                 )
         rows = torch.as_tensor(state["placement"], dtype=torch.int64)
+        if rows.dim() != 2 or rows.shape[0] != len(self.layers):
+            raise ValueError(
+                f"checkpoint's expert placement has shape {tuple(rows.shape)}, this run has {len(self.layers)} "
+                f"balanced MoE layers of {self.num_slots} slots"
+            )
         if migrate:
             self.apply_placement(rows)
         else:

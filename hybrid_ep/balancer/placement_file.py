@@ -34,8 +34,12 @@ def save_placement_yaml(placement: Placement, path: str, extra: dict | None = No
             raise ValueError(f"extra key {key!r} clashes with a placement key")
         doc[key] = value
     doc[ASSIGNMENTS_KEY] = {i: [int(e) for e in row] for i, row in enumerate(placement.slot_to_expert.tolist())}
+    try:  # the whole text first: a value YAML cannot write must not leave an emptied file
+        text = yaml.safe_dump(doc, default_flow_style=None, sort_keys=False, width=100000)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"extra values must be plain (numbers, strings, lists, dicts): {exc}") from None
     with open(path, "w") as f:
-        yaml.safe_dump(doc, f, default_flow_style=None, sort_keys=False, width=100000)
+        f.write(text)
     return path
 
 
