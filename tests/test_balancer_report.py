@@ -194,6 +194,9 @@ def test_cli_reports_moved_bytes(tmp_path, capsys):
     (["--move-budget", "nan"], "argument --move-budget: must be a fraction of the slots in [0, 1], got nan"),
     (["--tolerance", "-1"], "argument --tolerance: must be a finite number >= 0, got -1"),
     (["--tolerance", "inf"], "argument --tolerance: must be a finite number >= 0, got inf"),
+    (["--tolerance", "0.02"], "--tolerance needs --previous"),
+    (["--move-budget", "0.1"], "--move-budget needs --previous"),
+    (["--ep-size", "7", "--num-slots", "70"], "--ep-size 7 must divide the 32 experts"),
 ])
 def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     stats, _ = _stats(tmp_path, intervals=2)
@@ -203,6 +206,43 @@ def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     rc = main(["plan"] + [x for kv in args.items() for x in kv])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_cli_bad_outputs_and_statistics_exit_2_before_writing(tmp_path, capsys):
+    """Output paths are checked before the plan, and a statistics file of the wrong make is
+    named: exit 2, no traceback, no placement YAML left behind."""
+    stats, load = _stats(tmp_path, intervals=2)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = str(tmp_path / "p.yaml")
+    bad_stats = {"array.npy": None, "ep.npz": {"load": load, "ep_size": np.array([8, 8])},
+                 "ep_frac.npz": {"load": load, "ep_size": np.float64(8.7)},
+                 "empty.npz": {"load": np.zeros((0, 32))},
+                 "numbers.npz": {"load": load, "layer_numbers": np.array([1, 2])}}
+    for name, arrays in bad_stats.items():
+        path = str(tmp_path / name)
+        if arrays is None:
+            np.save(path, load)
+        else:
+            with open(path, "wb") as f:
+                np.savez(f, **arrays)
+    cases = [(["--out", str(tmp_path)], "--out", "is a folder, not a file"),
+             (["--out", str(afile / "p.yaml")], "--out", "is a file, not a folder"),
+             (["--out", ""], "--out must name a file"),
+             (["--report-dir", str(afile)], "--report-dir", "is a file, not a folder"),
+             (["--report-dir", str(afile / "sub")], "--report-dir", "is a file, not a folder")]
+    cases += [(["--stats", str(tmp_path / name)], "--stats: cannot read", why)
+              for name, why in (("array.npy", "not a statistics file"), ("ep.npz", "ep_size must be one integer"),
+                                ("ep_frac.npz", "ep_size must be one integer"),
+                                ("empty.npz", "at least one layer and one expert"),
+                                ("numbers.npz", "layer_numbers has shape (2,), load has 3 layers"))]
+    for case in cases:
+        argv, needles = case[0], case[1:]
+        args = {"--stats": stats, "--out": out, "--ep-size": "8", **dict(zip(argv[::2], argv[1::2]))}
+        assert main(["plan"] + [x for kv in args.items() for x in kv]) == 2, argv
+        err = capsys.readouterr().err
+        assert all(n in err for n in needles) and "Traceback" not in err, (argv, err)
+        assert not os.path.exists(out)
 
 
 def test_cli_move_budget_caps_the_slots_changed_per_layer(tmp_path):

@@ -126,10 +126,18 @@ def _plan(args) -> int:
     if rpn < 1 or W % rpn != 0:
         raise UsageError(f"--ranks-per-node ({rpn}) must be >= 1 and divide --ep-size ({W})")
     N = W // rpn
+    if E % W != 0:
+        raise UsageError(f"--ep-size {W} must divide the {E} experts in {args.stats} (as Megatron's EP size must)")
     if E % N != 0:
         raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
     if args.bytes_per_param is not None and args.params_per_slot is None:
         raise UsageError("--bytes-per-param needs --params-per-slot")
+    for flag, value in (("--tolerance", args.tolerance), ("--move-budget", args.move_budget)):
+        if value is not None and args.previous is None:
+            raise UsageError(f"{flag} needs --previous (it bounds the change from a placement in use)")
+    _check_output(args.out, "--out", want_dir=False)
+    if args.report_dir:
+        _check_output(args.report_dir, "--report-dir", want_dir=True)
     bytes_per_slot = None if args.params_per_slot is None else slot_bytes(
         args.params_per_slot, DEFAULT_BYTES_PER_PARAM if args.bytes_per_param is None else args.bytes_per_param)
     previous = _read_previous(args.previous, L, E, S, W, N)
@@ -141,12 +149,11 @@ def _plan(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     layer_numbers = [int(v) for v in stats.get("layer_numbers", np.arange(1, L + 1))]
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    save_placement_yaml(placement, args.out, extra={"layer_numbers": layer_numbers,
-                                                    "source_stats": os.path.abspath(args.stats)})
     summary = summarize(load_LE, previous, placement)
     summary["layer_numbers"] = layer_numbers
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    save_placement_yaml(placement, args.out, extra={"layer_numbers": layer_numbers,
+                                                    "source_stats": os.path.abspath(args.stats)})
     _print_table(summary, previous is not None, bytes_per_slot)
     print(f"placement: {args.out}")
     if args.report_dir:
@@ -172,6 +179,24 @@ def _read_stats(path: str) -> dict:
     if not np.isfinite(load).all() or (load < 0).any():
         raise UsageError(f"--stats: load in {path} must be finite and non-negative")
     return stats
+
+
+def _check_output(path: str, flag: str, want_dir: bool) -> None:
+    """Before planning: a path the output can take (no folder where a file goes, no file where
+    a folder goes or on the way to it)."""
+    if not path:
+        raise UsageError(f"{flag} must name a {'folder' if want_dir else 'file'}, got ''")
+    if os.path.isdir(path) and not want_dir:
+        raise UsageError(f"{flag} {path} is a folder, not a file to write")
+    if os.path.exists(path) and not os.path.isdir(path) and want_dir:
+        raise UsageError(f"{flag} {path} is a file, not a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {parent}")
 
 
 def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int) -> Placement | None:

@@ -70,7 +70,10 @@ def save_statistics(path: str, load, history=None, steps=None, ep_size: int | No
 
 def load_statistics(path: str) -> dict:
     """Read a statistics file: {'load', and 'history', 'steps', 'ep_size', 'layer_numbers' if present}."""
-    with np.load(path, allow_pickle=False) as data:
+    data = np.load(path, allow_pickle=False)
+    if not isinstance(data, np.lib.npyio.NpzFile):  # a bare .npy array
+        raise ValueError(f"{path}: not a statistics file (an .npz with a 'load' array), got one array")
+    with data:
         if "load" not in data:
             raise ValueError(f"{path}: no 'load' array (keys: {sorted(data.files)})")
         out = {key: data[key] for key in data.files}
@@ -79,11 +82,19 @@ def load_statistics(path: str) -> dict:
         out["load"] = out["load"][None, :]
     if out["load"].ndim != 2:
         raise ValueError(f"{path}: load must be [layers, experts], got shape {out['load'].shape}")
+    if 0 in out["load"].shape:
+        raise ValueError(f"{path}: load must hold at least one layer and one expert, got shape {out['load'].shape}")
     if "history" in out and out["history"].shape[1:] != out["load"].shape:
         raise ValueError(f"{path}: history has shape {out['history'].shape}, expected [T, "
                          f"{out['load'].shape[0]}, {out['load'].shape[1]}]")
     if "ep_size" in out:
-        out["ep_size"] = int(out["ep_size"])
+        ep = out["ep_size"]
+        if ep.ndim != 0 or not np.isfinite(ep) or float(ep) != int(ep):
+            raise ValueError(f"{path}: ep_size must be one integer, got {ep.tolist()!r}")
+        out["ep_size"] = int(ep)
+    if "layer_numbers" in out and out["layer_numbers"].shape != (out["load"].shape[0],):
+        raise ValueError(f"{path}: layer_numbers has shape {out['layer_numbers'].shape}, load has "
+                         f"{out['load'].shape[0]} layers")
     return out
 
 
