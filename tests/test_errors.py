@@ -235,6 +235,50 @@ def test_missing_peer_times_out(pool_for):
     pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
 
 
+def _disagree_on_rank(what):
+    import torch.distributed as dist
+
+    import hybrid_ep as hep_rank
+
+    rank = dist.get_rank()
+    buf = hep_rank.HybridEPBuffer(None, 16, 8, 8 if what != "num_experts" or rank else 4, ranks_per_node=1,
+                                  backend="reference")
+    x = torch.randn(4, 16)
+    idx = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    try:
+        if what == "x dtype":  # the same bytes per value: read as the other dtype before the check
+            res = buf.dispatch(x.half() if rank == 0 else x.bfloat16(), idx)
+        elif what == "num_experts":
+            res = buf.dispatch(x, idx)
+        else:
+            res = buf.dispatch(x, idx)
+            if what == "x dtype (handle)":
+                buf.dispatch(x.half() if rank == 0 else x.bfloat16(), handle=res.handle)
+            elif what == "expert_out dtype":
+                buf.combine(res.tokens if rank == 0 else res.tokens.bfloat16(), res.handle)
+            elif what == "wire dtype":
+                buf.combine(res.tokens.bfloat16(), res.handle, wire_dtype=torch.float32 if rank == 0 else None)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("what, needle", [
+    ("x dtype", "dispatch: the EP ranks disagree on x dtype (rank 0: torch.float16, rank 1: torch.bfloat16)"),
+    ("x dtype (handle)", "dispatch: the EP ranks disagree on x dtype (rank 0: torch.float16, rank 1: torch.bfloat16)"),
+    ("num_experts", "dispatch: the EP ranks disagree on num_experts (rank 0: 4, rank 1: 8)"),
+    ("expert_out dtype", "combine: the EP ranks disagree on expert_out dtype (rank 0: torch.float32, rank 1: "
+                         "torch.bfloat16)"),
+    ("wire dtype", "combine: the EP ranks disagree on wire dtype (rank 0: torch.float32, rank 1: torch.bfloat16)"),
+])
+def test_ranks_that_disagree_on_the_row_format_all_raise(pool_for, what, needle):
+    """Rows travel as raw bytes: a rank sending fp16 where its peer expects bf16 would be read
+    as garbage, and rows of another width break the all-to-all (gloo aborts the process). The
+    format travels with the counts (or in a small exchange of its own), and every rank raises."""
+    messages = pool_for(2).run(_disagree_on_rank, [(what,), (what,)])
+    assert all(needle in m for m in messages), messages
+
+
 def test_quantize_fp8_rejects_bad_hidden():
     with pytest.raises(ValueError, match="multiple of 128"):
         quantize_fp8(torch.zeros(2, 100))

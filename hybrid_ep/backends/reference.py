@@ -11,6 +11,7 @@ S rows sent, V rows received, R output rows, M kept (row, expert) entries.
 from __future__ import annotations
 
 import datetime
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -52,17 +53,29 @@ class ReferenceBackend(Backend):
                 f"The process group is unusable after this error. ({err})"
             ) from err
 
-    def _exchange_counts(self, send_counts_W, node_counts_N) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank learns every rank's row counts: [W, W] per rank and [W, N] per node."""
+    def _exchange_counts(self, send_counts_W, node_counts_N, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank learns every rank's row counts: [W, W] per rank and [W, N] per node; the
+        row format (fields) travels along and must agree."""
         W = self.config.world_size
-        mine = torch.cat([send_counts_W, node_counts_N]).to(torch.int64)
+        mine = torch.cat([send_counts_W, node_counts_N, _encode(fields, send_counts_W.device)]).to(torch.int64)
         if W == 1:
-            table = mine[None]
-        else:
-            flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=mine.device)
-            self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), "dispatch (count exchange)")
-            table = flat.view(W, -1)
-        return table[:, :W], table[:, W:]
+            return mine[None, :W], mine[None, W:-len(fields)]
+        flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=mine.device)
+        self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), "dispatch (count exchange)")
+        table = flat.view(W, -1)
+        _check_agreement(fields, table[:, -len(fields):], "dispatch")
+        return table[:, :W], table[:, W:-len(fields)]
+
+    def _agree(self, fields: dict, phase: str, device) -> None:
+        """Every rank's row format for a call with no count exchange: rows are raw bytes, so a
+        rank sending another dtype or width would be read wrongly or break the all-to-all."""
+        W = self.config.world_size
+        if W == 1:
+            return
+        mine = _encode(fields, device)
+        flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=device)
+        self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), f"{phase} (format check)")
+        _check_agreement(fields, flat.view(W, -1), phase)
 
     def _all_to_all_rows(self, send, send_counts: list[int], recv_counts: list[int], phase: str):
         """Variable-size all-to-all of byte rows; rows for rank d are contiguous, in rank order."""
@@ -90,15 +103,18 @@ class ReferenceBackend(Backend):
         if scales_TB is not None:
             payload.append(_as_bytes(scales_TB))
         widths = [p.shape[1] for p in payload]
+        fields = {"x dtype": x_TH.dtype, "x row bytes": widths[0], "scales row bytes": sum(widths[1:]),
+                  "num_experts": cfg.num_experts}
 
         if handle is None:
             source = source_layout(routing, cfg)
-            count_WW, node_counts_WN = self._exchange_counts(source.send_counts_W, source.node_counts_N)
+            count_WW, node_counts_WN = self._exchange_counts(source.send_counts_W, source.node_counts_N, fields)
             recv_counts_W = count_WW[:, self.rank].contiguous()
             # The first dispatch of a routing carries each row's local experts and weights.
             meta = [_as_bytes(source.row_probs_SL), source.row_expert_mask_SL.to(torch.uint8)]
         else:
             source, recv_counts_W, meta = handle.source, handle.recv_counts_W, []
+            self._agree(fields, "dispatch", x_TH.device)
 
         send = torch.cat([p[source.send_token_idx_S] for p in payload] + meta, dim=1)
         recv = self._all_to_all_rows(send, source.send_counts_W.tolist(), recv_counts_W.tolist(), "dispatch")
@@ -138,6 +154,7 @@ class ReferenceBackend(Backend):
         partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
         partial_VH.index_add_(0, dest.out_src_M, vals_MH)
         wire = kernel.wire_dtype_for(rows_RH.dtype)
+        self._agree({"expert_out dtype": rows_RH.dtype, "wire dtype": wire, "hidden": H}, "combine", rows_RH.device)
         back = self._all_to_all_rows(
             _as_bytes(partial_VH.to(wire)), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
         )
@@ -187,3 +204,28 @@ class ReferenceBackend(Backend):
                 BufferSpec("combine_partials", W * T * H * 4, False, "fp32 per-rank partial sums"),
             ),
         )
+
+
+_DTYPES = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())  # the same in every process (hash() is salted)
+
+
+def _encode(fields: dict, device) -> torch.Tensor:
+    return torch.tensor([_dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in fields.values()],
+                        dtype=torch.int64, device=device)
+
+
+def _check_agreement(fields: dict, table_WF: torch.Tensor, phase: str) -> None:
+    """Raise the same ValueError on every rank when the ranks' fields differ."""
+    table = table_WF.cpu().tolist()
+    names = {_dtype_code(d): str(d) for d in _DTYPES}
+    for j, (name, value) in enumerate(fields.items()):
+        column = [row[j] for row in table]
+        if len(set(column)) > 1:
+            shown = [names.get(c, c) for c in column] if isinstance(value, torch.dtype) else column
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+            raise ValueError(f"hybrid_ep {phase}: the EP ranks disagree on {name} ({per_rank}); every rank "
+                             "must make the same call with the same row format")
