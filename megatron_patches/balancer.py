@@ -199,18 +199,34 @@ def _placement_loaded(module, incompatible_keys):
         return
     table.load_(row)  # rebuild the replica tables from the loaded row
     balancer = getattr(module, _MARK, None)
-    if balancer is not None:
-        balancer.refresh_from_tables()
+    if balancer is None:  # not attached yet: attach restores the statistics
+        return
+    # loaded into a running balancer (a reload after attach): once every layer it balances is
+    # loaded, the statistics and step count follow the checkpoint; a re-plan for another EP
+    # size, a collective that moves slots, waits for the end of the next optimizer step
+    balancer.refresh_from_tables()
+    module._hybrid_ep_loaded = True
+    layers = balancer.hybrid_ep_layers
+    if all(getattr(layer, "_hybrid_ep_loaded", False) for layer in layers):
+        for layer in layers:
+            layer._hybrid_ep_loaded = False
+        balancer.hybrid_ep_replan_pending = _restore(balancer, layers)
+
+
+def _restore(balancer: ExpertBalancer, layers) -> bool:
+    """Statistics and steps from a loaded checkpoint; whether it came from another EP size
+    (then the balancer re-plans once)."""
+    if not balancer.restore_saved():
+        return False
+    replan = any(getattr(layer, "_hybrid_ep_replan", False) for layer in layers)
+    for layer in layers:
+        layer._hybrid_ep_replan = False
+    return replan
 
 
 def _resume(balancer: ExpertBalancer, layers) -> None:
-    """Statistics and steps from a loaded checkpoint; re-plan once when it came from another EP size.
-    Called on every rank (a re-plan migrates, a collective)."""
-    if not balancer.restore_saved():
-        return
-    if any(getattr(layer, "_hybrid_ep_replan", False) for layer in layers):
-        for layer in layers:
-            layer._hybrid_ep_replan = False
+    """_restore, and the re-plan at once. Called on every rank (a re-plan migrates, a collective)."""
+    if _restore(balancer, layers):
         balancer.replan()
 
 
@@ -284,6 +300,8 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         layer_numbers=[int(getattr(layer, "layer_number", None) or i + 1) for i, layer in enumerate(layers)],
     )
     balancer.steps = int(start_iteration)
+    balancer.hybrid_ep_layers = layers  # the MoE layers, for a checkpoint loaded after attach
+    balancer.hybrid_ep_replan_pending = False
     for i, (layer, d) in enumerate(zip(layers, dispatchers)):
         setattr(layer, _MARK, balancer)
         d.load_recorder = functools.partial(balancer.record, i)
@@ -334,6 +352,9 @@ def _wrap_step(optimizer, balancer: ExpertBalancer) -> None:
         balancer.before_optimizer_step()
         result = original(*args, **kwargs)
         balancer.after_optimizer_step()
+        if balancer.hybrid_ep_replan_pending:  # a checkpoint of another EP size loaded after attach
+            balancer.hybrid_ep_replan_pending = False
+            balancer.replan()
         return result
 
     setattr(step, _MARK, True)

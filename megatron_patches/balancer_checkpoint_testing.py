@@ -243,3 +243,33 @@ def load_unplaced(case, run) -> dict:
     unset = bool((layer.hybrid_ep_slot_to_expert < 0).all())
     bal = mbalancer.attach(layer, None, writers=[])
     return {"unset_after_load": unset, "placement": bal.placement_rows()}
+
+
+def reload_after_attach(case, run) -> dict:
+    """A layer trained 7 steps (a rebalance at 5, two steps of counts since) and saved (legacy
+    state dict), loaded into a layer whose balancer is already attached (a reload in a
+    running job): the balancer's statistics, step count and placement follow the checkpoint
+    as when the checkpoint is loaded before attach."""
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+
+    def state(bal):
+        return {"steps": bal.steps, "load": bal.stats.load(), "carry": bal.stats.carry_LE.copy(),
+                "placement": bal.placement_rows()}
+
+    layer = _build(case, run)
+    _native_weights_(layer, case)
+    model, opt = _optimizer(layer, run)
+    bal = mbalancer.attach(layer, opt, writers=[])
+    _train_steps(model, opt, case, run, range(7), [], [])
+    bal.prepare_checkpoint()
+    saved_dict = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
+    running = _build(case, run)
+    _native_weights_(running, case)
+    model2, opt2 = _optimizer(running, run)
+    bal2 = mbalancer.attach(running, opt2, writers=[])
+    running.load_state_dict(saved_dict)
+    after = state(bal2)
+    bal2.prepare_checkpoint()  # writes what it restored, not empty statistics
+    return {"saved": state(bal), "after": after, "meta_after_save": running.hybrid_ep_load_meta.tolist(),
+            "replan_pending": bal2.hybrid_ep_replan_pending}

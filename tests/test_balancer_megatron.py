@@ -338,3 +338,15 @@ def test_state_saved_before_a_placement_loads(pool_for):
                              timeout_s=600):
         assert r["unset_after_load"]
         assert torch.equal(r["placement"], Placement.identity(1, 8, 10, 2, 1).slot_to_expert)  # as unloaded
+
+
+def test_checkpoint_loaded_after_attach_restores_the_statistics(pool_for):
+    from megatron_patches.balancer_checkpoint_testing import reload_after_attach
+
+    case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
+    for r in pool_for(2).run(reload_after_attach, [(case, TrainRun(7, INTERVAL, 6))] * 2, timeout_s=600):
+        saved, after = r["saved"], r["after"]
+        assert saved["steps"] == after["steps"] == 7 and saved["load"].sum() > 0 and saved["carry"].sum() > 0
+        assert (saved["load"] == after["load"]).all() and (saved["carry"] == after["carry"]).all()
+        assert torch.equal(saved["placement"], after["placement"])
+        assert r["meta_after_save"][2:] == [7, 1] and not r["replan_pending"]  # same EP size: no re-plan
