@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -257,6 +258,26 @@ def _writers():
     return out
 
 
+def _stage_reporter(report_dir: str | None) -> tuple[bool | None, str | None]:
+    """Who writes the report files and log lines, and where: with pipeline parallelism each
+    stage's balancer covers its own MoE layers, so each stage reports, from its first rank
+    (EP, expert-TP and expert-DP rank 0), into a folder of its own. (None, report_dir) outside
+    Megatron's parallel state: the ExpertBalancer's default (global rank 0)."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return None, report_dir
+        stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        first = (ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+                 and ps.get_expert_data_parallel_rank() == 0)
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return None, report_dir
+    if stages > 1 and report_dir:
+        report_dir = os.path.join(report_dir, f"pipeline_stage_{stage}")
+    return first, report_dir
+
+
 def _expert_data_parallel_group():
     try:
         from megatron.core import parallel_state
@@ -290,13 +311,14 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
     if isinstance(view, MegatronOptimizerView):
         view.use_for([p for b in balanced for params in b.slot_params for p in params])
     num_nodes = _num_nodes(first.ep_size, options.ranks_per_node)
+    is_reporter, report_dir = _stage_reporter(options.balancer_report_dir)
     balancer = ExpertBalancer(
         balanced, num_experts=first.num_experts, slots_per_rank=first.num_local_experts,
         ep_group=first.ep_group, stats_groups=[first.ep_group, _expert_data_parallel_group()],
         num_nodes=num_nodes, interval=options.balancer_interval, window=options.balancer_window,
         decay=options.balancer_decay, min_gain=options.balancer_min_gain, tolerance=options.balancer_tolerance,
         move_budget=options.balancer_move_budget, optimizer_view=view,
-        report_dir=options.balancer_report_dir, writers=_writers() if writers is None else writers,
+        report_dir=report_dir, is_reporter=is_reporter, writers=_writers() if writers is None else writers,
         layer_numbers=[int(getattr(layer, "layer_number", None) or i + 1) for i, layer in enumerate(layers)],
     )
     balancer.steps = int(start_iteration)
@@ -327,8 +349,6 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
 
 def _num_nodes(ep_size: int, ranks_per_node: int | None) -> int:
     """NVLink domains the EP group spans (the planner packs experts onto them first)."""
-    import os
-
     per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ep_size))
     per_node = max(1, min(per_node, ep_size))
     return ep_size // per_node if ep_size % per_node == 0 else 1

@@ -350,3 +350,24 @@ def test_checkpoint_loaded_after_attach_restores_the_statistics(pool_for):
         assert (saved["load"] == after["load"]).all() and (saved["carry"] == after["carry"]).all()
         assert torch.equal(saved["placement"], after["placement"])
         assert r["meta_after_save"][2:] == [7, 1] and not r["replan_pending"]  # same EP size: no re-plan
+
+
+@pytest.mark.parametrize("stages, stage, first, expect_dir", [
+    (1, 0, True, "rep"), (1, 0, False, "rep"), (4, 2, True, "rep/pipeline_stage_2"), (4, 3, False, "rep/pipeline_stage_3")])
+def test_each_pipeline_stage_reports_its_layers_in_its_own_folder(monkeypatch, stages, stage, first, expect_dir):
+    """With pipeline parallelism each stage's balancer covers its own layers: the first rank of
+    each stage's expert grid reports (global rank 0 alone left every later stage unreported),
+    into a folder per stage."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_patches.balancer import _stage_reporter
+
+    rank = 0 if first else 1
+    for name, value in (("model_parallel_is_initialized", True), ("get_pipeline_model_parallel_world_size", stages),
+                        ("get_pipeline_model_parallel_rank", stage), ("get_expert_model_parallel_rank", 0),
+                        ("get_expert_tensor_parallel_rank", 0), ("get_expert_data_parallel_rank", rank)):
+        monkeypatch.setattr(ps, name, lambda value=value: value)
+    assert _stage_reporter("rep") == (first, expect_dir)
+    assert _stage_reporter(None) == (first, None)
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
+    assert _stage_reporter("rep") == (None, "rep")  # library use: the ExpertBalancer's default
