@@ -279,3 +279,26 @@ def test_bad_rows_and_knobs_change_nothing(single_rank_group, tmp_path):
     with pytest.raises(ValueError, match="extra values must be plain"):
         save_placement_yaml(placement, str(path), extra={"layer_numbers": np.array([1, 2])})
     assert path.read_text() == kept
+
+
+def test_replica_without_a_gradient_takes_the_sum(single_rank_group):
+    """A replica its rank's forward did not use has no .grad under a torch optimizer: it takes
+    part in the replica sum as zeros, so both copies read the same gradient and stay equal
+    (before, the first slot's pieces set the layout, so a missing one failed or shifted)."""
+    layers, modules = make_layers(1, 4, 6)
+    params = list(modules[0].parameters())
+    opt = torch.optim.Adam(params, lr=0.1)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=100,
+                         optimizer_view=TorchOptimizerView(opt))
+    bal.setup()
+    assert bal.placement_rows()[0].tolist() == [0, 1, 2, 3, 0, 1]  # experts 0 and 1 twice
+    experts = modules[0].local_experts
+    for j, m in enumerate(experts):  # slot 0 (expert 0) and slot 5 (expert 1) unused
+        m.weight.grad = None if j in (0, 5) else torch.full_like(m.weight, float(j + 1))
+    bal.before_optimizer_step()
+    for a, b, value in ((0, 4, 5.0), (1, 5, 2.0)):
+        torch.testing.assert_close(experts[a].weight.grad, torch.full_like(experts[a].weight, value))
+        torch.testing.assert_close(experts[b].weight.grad, experts[a].weight.grad)
+    opt.step()
+    for a, b in ((0, 4), (1, 5)):
+        torch.testing.assert_close(experts[a].weight, experts[b].weight)

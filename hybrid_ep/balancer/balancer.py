@@ -156,8 +156,22 @@ class ExpertBalancer:
         return [self.view.sharded_slice(p) for p in self.layers[layer].slot_params[local]]
 
     def _slot_grads(self, layer: int, local: int) -> list:
-        pieces = (self.view.grad_piece(p) for p in self.layers[layer].slot_params[local])
-        return [g for g in pieces if g is not None]
+        """One gradient piece per parameter of a replicated slot, in order: the replica sum
+        lines pieces up by position, so a missing one would shift the rest."""
+        out = []
+        for p in self.layers[layer].slot_params[local]:
+            piece = self.view.grad_piece(p)
+            if piece is None and not self.view.sharded:
+                # a replica its rank's forward did not use: its gradient is zero, and it takes
+                # the sum like every other replica (left without one, the optimizer would skip
+                # it while the other replicas step, and the copies would drift apart)
+                p.grad = torch.zeros_like(p)
+                piece = self.view.grad_piece(p)
+            if piece is None:
+                raise RuntimeError(f"layer {layer}, local slot {local}: a replicated expert's parameter has no "
+                                   "gradient storage for the replica sum (main_grad)")
+            out.append(piece)
+        return out
 
     def apply_placement(self, new_LS: torch.Tensor, old_LS: torch.Tensor | None = None) -> dict:
         """Migrate slot contents from `old` (default: the tables) to `new`; update the tables."""
