@@ -226,9 +226,9 @@ def test_cli_bad_outputs_and_statistics_exit_2_before_writing(tmp_path, capsys):
         else:
             with open(path, "wb") as f:
                 np.savez(f, **arrays)
-    cases = [(["--out", str(tmp_path)], "--out", "is a folder, not a file"),
+    cases = [(["--out", str(tmp_path)], "--out", "is a folder; give a file name"),
              (["--out", str(afile / "p.yaml")], "--out", "is a file, not a folder"),
-             (["--out", ""], "--out must name a file"),
+             (["--out", ""], "--out: the path is empty"),
              (["--report-dir", str(afile)], "--report-dir", "is a file, not a folder"),
              (["--report-dir", str(afile / "sub")], "--report-dir", "is a file, not a folder")]
     cases += [(["--stats", str(tmp_path / name)], "--stats: cannot read", why)

@@ -8,6 +8,7 @@ import torch
 
 from hybrid_ep.bench import emulated
 from hybrid_ep.bench.cli import main
+from hybrid_ep.bench.spec import BenchArgError
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.metadata import metadata
 from hybrid_ep.synthetic import iter_rank_routings
@@ -97,7 +98,8 @@ def test_emulate_nodes_must_divide_every_world_size(capsys, tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = build_parser().parse_args(["--emulate", "4", "6", "--emulate-nodes", "4", "--out", str(tmp_path)])
     assert emulated.run(args) == 2
-    assert "--emulate-nodes 4 must be >= 1 and divide every emulated world size, got [4, 6]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --emulate-nodes: 4 must be >= 1 and divide every emulated world size, got [4, 6]" in err
     args = build_parser().parse_args(["--emulate", "12", "--out", str(tmp_path)])
     assert emulated.run(args) == 2 and "must be in [1, 8], got [12]" in capsys.readouterr().err
     args = build_parser().parse_args(["--emulate", "20", "--emulate-nodes", "4", "--out", str(tmp_path)])
@@ -116,3 +118,65 @@ def test_table_with_nodes_has_the_rdma_columns():
     table = emulated.format_table(doc)
     assert "W = 8 virtual ranks as 2 nodes (loopback transport between them)" in table
     assert table.splitlines()[2].split()[-3:] == ["12345", "3.25", "0.50"]
+
+
+def _emulate_args(*flags):
+    from hybrid_ep.bench.cli import build_parser
+
+    return build_parser().parse_args(["--emulate", *flags])
+
+
+def test_emulate_settings_keep_an_explicit_zero_and_fill_in_the_defaults():
+    """`--warmup 0` means no warm-up, not the default 10 (the settings need no GPU)."""
+    s = emulated.settings(_emulate_args("2", "8", "--warmup", "0"))
+    assert (s["warmup"], s["iters"], s["hidden"], s["tokens"]) == (0, 30, 8192, 4096)
+    assert (s["worlds"], s["nodes"], s["experts"], s["topk"], s["sms"]) == ([2, 8], 1, 16, 8, [1, 2, 4, 8, 16])
+    s = emulated.settings(_emulate_args("4", "--hidden", "256", "--tokens", "1", "--experts", "4", "--iters", "1",
+                                        "--sms", "3", "5"))
+    assert (s["hidden"], s["tokens"], s["experts"], s["topk"], s["iters"], s["sms"]) == (256, 1, 4, 4, 1, [3, 5])
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--hidden", "0"], "--hidden"),
+    (["--hidden", "-8"], "--hidden"),
+    (["--tokens", "0"], "--tokens"),
+    (["--experts", "0"], "--experts"),
+    (["--experts", "-4"], "--experts"),
+    (["--experts", "6"], "--experts"),  # not a multiple of W = 4
+    (["--topk", "0"], "--topk"),
+    (["--topk", "9"], "--topk"),  # > E = 8
+    (["--warmup", "-1"], "--warmup"),
+    (["--iters", "0"], "--iters"),
+    (["--sms", "0", "4"], "--sms"),
+    (["--dtype", "fp8", "--hidden", "100"], "--hidden"),
+    (["--hidden", "6"], "--hidden"),  # 12-byte bf16 rows
+    (["--emulate-nodes", "0"], "--emulate-nodes"),
+    (["--reference-iters", "-1"], "--reference-iters"),
+    (["--reference-iters", "2", "--group-limit", "2"], "--group-limit"),  # the reference run: one node
+])
+def test_emulate_refuses_bad_flags_before_touching_the_gpu(flags, flag, capsys, tmp_path, monkeypatch):
+    def never(args):
+        raise AssertionError("the emulation ran")
+
+    monkeypatch.setattr(emulated, "run", never)
+    out = tmp_path / "never"
+    assert main(["--emulate", "4", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}:" in err and "Traceback" not in err
+    assert not out.exists()
+    if flag == "--group-limit":  # only the reference run (cli) has a node count to check it against
+        return
+    with pytest.raises(BenchArgError) as exc:  # what emulated.run checks too, before it looks for a GPU
+        emulated.settings(_emulate_args("4", *flags))
+    assert exc.value.flag == flag
+
+
+@pytest.mark.parametrize("make", ["file", "under a file"])
+def test_emulate_refuses_a_bad_out_before_the_run(make, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(emulated, "run", lambda args: pytest.fail("the emulation ran"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker if make == "file" else blocker / "sub"
+    assert main(["--emulate", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --out:" in err and "not a folder" in err and "Traceback" not in err

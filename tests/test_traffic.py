@@ -343,3 +343,38 @@ def test_cli_rejects_bad_arguments(argv, flag, capsys):
         main(argv)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+SMALL = ["--nodes", "2", "--ranks-per-node", "2", "--experts", "8", "--topk", "2", "--tokens", "16", "--hidden", "64"]
+
+
+@pytest.mark.parametrize("make", ["folder", "empty", "under a file", "trailing slash"])
+def test_cli_refuses_a_bad_json_path_before_computing(make, tmp_path, capsys, monkeypatch):
+    import hybrid_ep.traffic.cli as traffic_cli
+
+    monkeypatch.setattr(traffic_cli, "compute", lambda scenario: pytest.fail("computed before checking --json"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    path = {"folder": str(tmp_path), "empty": "", "under a file": str(blocker / "out.json"),
+            "trailing slash": str(tmp_path / "new") + "/"}[make]
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, "--json", path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --json:" in err and "Traceback" not in err
+    assert blocker.read_text() == "x" and not (tmp_path / "new").exists()
+
+
+def test_cli_json_makes_missing_folders(tmp_path, capsys):
+    path = tmp_path / "new" / "deeper" / "traffic.json"
+    assert main([*SMALL, "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["world_size"] == 4
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+def test_cli_counts_in_the_singular_for_one(capsys):
+    assert main(["--nodes", "1", "--ranks-per-node", "1", "--experts", "1", "--topk", "1", "--tokens", "1",
+                 "--hidden", "64", "--routing", "group-limited"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("hybrid-ep traffic model: 1 node x 1 rank/node (W=1), 1 expert (1/rank), top-1, H=64, "
+                            "1 token/rank, routing group-limited (<= 1 of 1 node per token)"), first

@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import torch
 
+from ..paths import output_problem
 from ..wording import byte_unit, plural
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .metrics import rank_loads, summarize
@@ -182,21 +183,9 @@ def _read_stats(path: str) -> dict:
 
 
 def _check_output(path: str, flag: str, want_dir: bool) -> None:
-    """Before planning: a path the output can take (no folder where a file goes, no file where
-    a folder goes or on the way to it)."""
-    if not path:
-        raise UsageError(f"{flag} must name a {'folder' if want_dir else 'file'}, got ''")
-    if os.path.isdir(path) and not want_dir:
-        raise UsageError(f"{flag} {path} is a folder, not a file to write")
-    if os.path.exists(path) and not os.path.isdir(path) and want_dir:
-        raise UsageError(f"{flag} {path} is a file, not a folder")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {path}: cannot write in {parent}")
+    problem = output_problem(path, folder=want_dir)
+    if problem:
+        raise UsageError(f"{flag}: {problem}")
 
 
 def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int) -> Placement | None:

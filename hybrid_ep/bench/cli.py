@@ -18,6 +18,8 @@ import torch
 
 from ..metadata import metadata
 from ..synthetic import ROUTINGS
+from ..paths import output_problem
+from ..wording import plural
 from . import worker
 from .launch import open_launcher, under_torchrun
 from .metrics import build_run
@@ -27,6 +29,9 @@ from .spec import BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_
 
 PROG = "hybrid-ep-bench"
 CPU_WORLD_SIZE = 4
+# Without torchrun every rank is a process on this machine (each imports torch, a few hundred
+# MB): more than this is a typing slip, not a benchmark. Launch with torchrun for more ranks.
+MAX_SPAWNED_RANKS = 256
 EXPERTS_PER_RANK = 2
 DEFAULT_TOPK = 8
 # The seed benchmark on GPU; on CPU a smaller shape so W=4 runs in seconds on two cores.
@@ -123,14 +128,31 @@ def _resolve_world(args) -> tuple[str, int, int | None]:
             raise BenchArgError("--device", f"cuda needs one GPU per rank: --world-size {W}, {gpus} GPUs visible")
         return "cuda", W, None
     if args.device == "cpu":
-        return "cpu", args.world_size if args.world_size is not None else CPU_WORLD_SIZE, None
+        return "cpu", _spawned_world(args.world_size if args.world_size is not None else CPU_WORLD_SIZE), None
     if args.world_size is None:
         return ("cuda", gpus, None) if gpus > 0 else ("cpu", CPU_WORLD_SIZE, None)
     if gpus >= args.world_size:
         return "cuda", args.world_size, None
+    W = _spawned_world(args.world_size)
     if gpus > 0:
-        _note(f"{gpus} GPUs for {args.world_size} ranks: running on CPU (gloo)")
-    return "cpu", args.world_size, None
+        _note(f"{plural(gpus, 'GPU')} for {plural(W, 'rank')}: running on CPU (gloo)")
+    return "cpu", W, None
+
+
+def _spawned_world(W: int) -> int:
+    """W, when this machine can start W rank processes (gloo); the range check of W itself is resolve's."""
+    if W > MAX_SPAWNED_RANKS:
+        raise BenchArgError("--world-size", f"{W} ranks would start {W} processes on this machine; at most "
+                                            f"{MAX_SPAWNED_RANKS} without torchrun (launch more ranks with torchrun)")
+    return W
+
+
+def check_out_dir(out: str, flag: str = "--out") -> None:
+    """Raise BenchArgError(flag) unless `out` is a writable folder or one that can be made:
+    checked before the run, so a bad path does not cost a whole benchmark."""
+    problem = output_problem(out, folder=True)
+    if problem:
+        raise BenchArgError(flag, problem)
 
 
 def resolve(args) -> tuple[BenchSpec, str]:
@@ -154,10 +176,10 @@ def resolve(args) -> tuple[BenchSpec, str]:
         seed=args.seed, device=device, zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
     ).validate()
     if args.topk is None and topk < DEFAULT_TOPK:
-        _note(f"--topk defaults to {topk}: there are only {experts} experts")
+        _note(f"--topk defaults to {topk}: there are only {plural(experts, 'expert')}")
     out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise BenchArgError("--out", f"{out} exists and is not a folder")
+    if os.environ.get("RANK", "0") == "0":  # only the reporting rank writes (and under torchrun its files)
+        check_out_dir(out)
     return spec, out
 
 
@@ -210,7 +232,7 @@ def _document(spec: BenchSpec, probes: list[dict], runs: list[dict], launcher_na
 
 def _execute(spec: BenchSpec, out_dir: str) -> int:
     started = time.monotonic()
-    _note(f"starting {spec.world_size} ranks ({spec.transport}, {spec.device}) ...")
+    _note(f"starting {plural(spec.world_size, 'rank')} ({spec.transport}, {spec.device}) ...")
     launcher = open_launcher(spec)
     try:
         _note(f"ranks ready after {time.monotonic() - started:.1f} s")
@@ -243,22 +265,35 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
 
 
 def _emulate(args) -> int:
-    """The kernels in emulation, then the reference backend on the same shape (gloo, CPU)."""
-    from .emulated import run as run_emulated
+    """The kernels in emulation, then the reference backend on the same shape (gloo, CPU).
 
-    args.out = args.out or os.path.join("results", "emulated-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    Every flag, --out and the reference run's shape are checked before the GPU is touched."""
+    from .emulated import run as run_emulated
+    from .emulated import settings
+
+    try:
+        shape = settings(args)
+        args.out = args.out or os.path.join("results",
+                                            "emulated-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+        check_out_dir(args.out)
+        spec = None
+        if args.reference_iters > 0:
+            W = shape["worlds"][0]
+            spec = BenchSpec(
+                world_size=W, ranks_per_node=W, hidden=shape["hidden"], tokens=shape["tokens"], topk=shape["topk"],
+                experts=shape["experts"], dtype=args.dtype, routing=args.routing, sms=(), backends=("reference",),
+                warmup=1, iters=args.reference_iters, seed=args.seed, device="cpu",
+                zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
+            ).validate()
+    except BenchArgError as err:
+        build_parser().print_usage(sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     rc = run_emulated(args)
-    if rc != 0 or args.reference_iters == 0:
+    if rc != 0 or spec is None:
         return rc
-    W = args.emulate[0]
-    experts = args.experts or 2 * max(args.emulate)
-    spec = BenchSpec(
-        world_size=W, ranks_per_node=W, hidden=args.hidden or 8192, tokens=args.tokens or 4096,
-        topk=args.topk or min(DEFAULT_TOPK, experts), experts=experts, dtype=args.dtype, routing=args.routing,
-        sms=(), backends=("reference",), warmup=1, iters=args.reference_iters, seed=args.seed, device="cpu",
-        zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
-    ).validate()
-    _note(f"reference backend on the same shape: {W} gloo processes on the CPU, {spec.iters} timed calls")
+    _note(f"reference backend on the same shape: {plural(spec.world_size, 'rank')} on the CPU (gloo, a process "
+          f"each), {plural(spec.iters, 'timed call')}")
     return _execute(spec, os.path.join(args.out, "reference"))
 
 
@@ -273,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, out_dir = resolve(args)
         if spec.iters < MIN_RECOMMENDED_ITERS:
-            _note(f"{spec.iters} timed calls: medians of >= {MIN_RECOMMENDED_ITERS} are recommended "
+            _note(f"{plural(spec.iters, 'timed call')}: medians of >= {MIN_RECOMMENDED_ITERS} are recommended "
                   "(docs/benchmarks/README.md, What is timed)")
         return _execute(spec, out_dir)
     except BenchArgError as err:

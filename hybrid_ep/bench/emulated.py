@@ -21,15 +21,20 @@ import time
 
 import torch
 
-from ..dtypes import DISPATCH_BY_NAME
+from ..config import FP8_BLOCK
+from ..dtypes import DISPATCH_BY_NAME, combine_dtype_for
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..backends.cuda import launch
 from ..metadata import metadata
+from ..rows import row_bytes_rule
 from ..synthetic import iter_rank_routings
 from ..traffic.model import count_tables, row_counts
-from .spec import L2_FLUSH_BYTES
+from ..wording import plural
+from .spec import L2_FLUSH_BYTES, BenchArgError
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
+# Shape and timing when a flag is not given (the seed benchmark's GPU shape).
+DEFAULTS = dict(hidden=8192, tokens=4096, warmup=10, iters=30, topk=8)
 COPY_BYTES = 1 << 30
 UNITS = {"dispatch_ms": "ms (median)", "combine_ms": "ms (median)", "copy_gbps": "GB/s (1e9 bytes/s, read + written)",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
@@ -156,8 +161,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     rows = []
     for sms in sms_list:
         if sms * W > props.multi_processor_count:
-            _note(f"W={W}: {sms} SMs x {W} ranks > {props.multi_processor_count} SMs: skipped (blocks must be "
-                  f"co-resident)")
+            _note(f"W={W}: {plural(sms, 'SM')} x {plural(W, 'rank')} > {props.multi_processor_count} SMs: skipped "
+                  f"(blocks must be co-resident)")
             continue
         d_ms = _median_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms), warmup, iters, flush)
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
@@ -203,33 +208,71 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     return rows, host, plain
 
 
-def run(args) -> int:
-    if not torch.cuda.is_available():
-        _note("needs a CUDA device")
-        return 2
+def settings(args) -> dict:
+    """The flags of an --emulate run with their defaults, checked: {worlds, nodes, hidden, tokens,
+    experts, topk, sms, warmup, iters}. Raises BenchArgError naming the flag; needs no GPU.
+
+    A flag given as 0 stays 0 (and is then checked), it does not mean the default."""
     worlds = list(args.emulate)
-    nodes = getattr(args, "emulate_nodes", 1) or 1
+    nodes = getattr(args, "emulate_nodes", 1)
+    nodes = 1 if nodes is None else nodes
     top = 8 if nodes == 1 else MAX_EMULATED_RANKS
     bad = [w for w in worlds if not 1 <= w <= top]
     if bad:
-        _note(f"--emulate: world sizes must be in [1, {top}]" + ("" if nodes == 1 else " with --emulate-nodes")
-              + f", got {bad}")
-        return 2
-    uneven = [w for w in worlds if w % nodes]
-    if nodes < 1 or uneven:
-        _note(f"--emulate-nodes {nodes} must be >= 1 and divide every emulated world size, got {worlds}")
-        return 2
-    dev = torch.device("cuda", torch.cuda.current_device())
-    H = args.hidden or 8192
-    T = args.tokens or 4096
-    E = args.experts or 2 * max(worlds)
-    if any(E % w for w in worlds):
-        _note(f"--experts {E} must be a multiple of every emulated world size {worlds}")
-        return 2
-    K = args.topk or min(8, E)
+        raise BenchArgError("--emulate", f"world sizes must be in [1, {top}]"
+                            + ("" if nodes == 1 else " with --emulate-nodes") + f", got {bad}")
+    if nodes < 1 or any(w % nodes for w in worlds):
+        raise BenchArgError("--emulate-nodes",
+                            f"{nodes} must be >= 1 and divide every emulated world size, got {worlds}")
+
+    def given(name: str, default: int) -> int:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    hidden, tokens = given("hidden", DEFAULTS["hidden"]), given("tokens", DEFAULTS["tokens"])
+    experts = given("experts", 2 * max(worlds))
+    warmup, iters = given("warmup", DEFAULTS["warmup"]), given("iters", DEFAULTS["iters"])
+    for flag, value, minimum in (("--hidden", hidden, 1), ("--tokens", tokens, 1), ("--experts", experts, 1),
+                                 ("--warmup", warmup, 0), ("--iters", iters, 1),
+                                 ("--reference-iters", getattr(args, "reference_iters", 0) or 0, 0)):
+        if value < minimum:
+            raise BenchArgError(flag, f"must be >= {minimum}, got {value}")
+    if any(experts % w for w in worlds):
+        raise BenchArgError("--experts", f"{experts} must be a multiple of every emulated world size {worlds}")
+    topk = given("topk", min(DEFAULTS["topk"], experts))
+    if not 1 <= topk <= experts:
+        raise BenchArgError("--topk", f"must be in [1, --experts = {experts}], got {topk}")
+    if args.dtype not in DISPATCH_BY_NAME:
+        raise BenchArgError("--dtype", f"must be one of {', '.join(DISPATCH_BY_NAME)}, got {args.dtype!r}")
     dtype = DISPATCH_BY_NAME[args.dtype]
-    sms_list = [n for chunk in args.sms for n in chunk] or list(DEFAULT_SMS)
-    warmup, iters = args.warmup or 10, args.iters or 30
+    if dtype == FP8_DTYPE and hidden % FP8_BLOCK:
+        raise BenchArgError("--hidden", f"{hidden} must be a multiple of {FP8_BLOCK} with --dtype fp8")
+    for each in dict.fromkeys((dtype, combine_dtype_for(dtype))):
+        rule = row_bytes_rule(hidden, each)
+        if rule:
+            raise BenchArgError("--hidden", f"{hidden} with --dtype {args.dtype}: {rule}")
+    sms = [n for chunk in (getattr(args, "sms", None) or []) for n in chunk] or list(DEFAULT_SMS)
+    if min(sms) < 1:
+        raise BenchArgError("--sms", f"SM counts must be >= 1, got {min(sms)}")
+    return dict(worlds=worlds, nodes=nodes, hidden=hidden, tokens=tokens, experts=experts, topk=topk, sms=sms,
+                warmup=warmup, iters=iters)
+
+
+def run(args) -> int:
+    try:
+        s = settings(args)
+    except BenchArgError as err:
+        _note(str(err))
+        return 2
+    if not torch.cuda.is_available():
+        _note("needs a CUDA device")
+        return 2
+    worlds, nodes = s["worlds"], s["nodes"]
+    H, T, E, K = s["hidden"], s["tokens"], s["experts"], s["topk"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = DISPATCH_BY_NAME[args.dtype]
+    sms_list = s["sms"]
+    warmup, iters = s["warmup"], s["iters"]
     out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
     started = time.monotonic()

@@ -47,6 +47,22 @@ def _style(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.tick_params(labelsize=_FONT["tick"])
 
 
+def _figure(figsize: tuple[float, float], h_pad: float | None = None) -> Figure:
+    """A constrained-layout figure on any matplotlib setup.py allows (no version pinned):
+    layout="constrained" and get_layout_engine are matplotlib 3.5 / 3.6."""
+    try:
+        fig = Figure(figsize=figsize, layout="constrained")
+    except TypeError:  # matplotlib < 3.5
+        fig = Figure(figsize=figsize, constrained_layout=True)
+    if h_pad is not None:
+        engine = getattr(fig, "get_layout_engine", None)
+        if engine is not None:
+            engine().set(h_pad=h_pad)
+        else:  # matplotlib < 3.6
+            fig.set_constrained_layout_pads(h_pad=h_pad)
+    return fig
+
+
 def _save(fig: Figure, path: str) -> str:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110)
@@ -57,8 +73,7 @@ def plot_per_rank(doc: dict, path: str) -> str:
     runs = doc["runs"]
     config = doc["metadata"]["config"]
     W = config["world_size"]
-    fig = Figure(figsize=(6.0 * len(_METRICS), 10.0), layout="constrained")
-    fig.get_layout_engine().set(h_pad=0.12)
+    fig = _figure((6.0 * len(_METRICS), 10.0), h_pad=0.12)
     axes = fig.subplots(len(OPS), len(_METRICS), squeeze=False)
     x = np.arange(W)
     width = 0.8 / max(1, len(runs))
@@ -69,7 +84,8 @@ def plot_per_rank(doc: dict, path: str) -> str:
                 values = [r[op][key] for r in run["ranks"]]
                 ax.bar(x - 0.4 + width * (k + 0.5), values, width, label=run_title(run))
             _style(ax, f"{op}: {name}", "rank (node)", f"{name.split(' (')[0]}, GB/s")
-            ax.set_xticks(x, [f"{r} ({r // config['ranks_per_node']})" for r in range(W)])
+            ax.set_xticks(x)  # then the labels: set_xticks(x, labels) needs matplotlib >= 3.5
+            ax.set_xticklabels([f"{r} ({r // config['ranks_per_node']})" for r in range(W)])
             ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=_FONT["legend"])
     fig.suptitle(_title(doc, "bandwidth per rank"), fontsize=_FONT["suptitle"])
@@ -82,7 +98,7 @@ def has_sm_sweep(doc: dict) -> bool:
 
 
 def plot_vs_sms(doc: dict, path: str) -> str:
-    fig = Figure(figsize=(13.0, 6.4), layout="constrained")
+    fig = _figure((13.0, 6.4))
     axes = fig.subplots(1, len(OPS), squeeze=False)[0]
     swept = sorted({run["backend"] for run in doc["runs"] if run["num_sms"] is not None})
     flat = [run for run in doc["runs"] if run["num_sms"] is None]

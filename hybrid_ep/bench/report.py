@@ -45,7 +45,7 @@ def config_line(doc: dict) -> str:
     if routing == "zipf":
         routing += f" (exponent {c['zipf_exponent']})"
     elif routing == "group-limited":
-        routing += f" (<= {c['group_limit']} nodes per token)"
+        routing += f" (<= {plural(c['group_limit'], 'node')} per token)"
     dtype = c["dtype"] + (" (combine bf16)" if c["dtype"] == "fp8" else "")
     return (f"W={c['world_size']} ({nodes}), H={c['hidden']}, T={c['tokens_per_rank']} tokens/rank, "
             f"K={c['topk']}, E={c['experts']} ({c['experts_per_rank']}/rank), {dtype}, {routing} routing, "
@@ -63,7 +63,7 @@ def format_table(doc: dict, run: dict) -> str:
         f"== {run_title(run)} | {doc['label']}",
         config_line(doc),
         f"{meta['device']} | torch {meta['versions']['torch']} | {meta['date']}",
-        f"median of {c['iters']} timed calls per rank after {c['warmup']} warm-up; timing: {run['timing']}",
+        f"median of {plural(c['iters'], 'timed call')} per rank after {c['warmup']} warm-up; timing: {run['timing']}",
         head1,
         head2,
     ]

@@ -28,6 +28,8 @@ from ..fp8 import num_scale_blocks
 from ..metadata import metadata
 from ..rows import row_bytes_rule
 from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings
+from ..paths import output_problem
+from ..wording import plural
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
 # Columns of the table: (scheme, link) -> key in the report.
@@ -207,11 +209,12 @@ def format_report(report: dict) -> str:
     if routing == "zipf":
         routing += f" (exponent {s['zipf_exponent']})"
     elif routing == "group-limited":
-        routing += f" (<= {s['group_limit']} of {s['nodes']} nodes per token)"
+        routing += f" (<= {s['group_limit']} of {plural(s['nodes'], 'node')} per token)"
     rb = report["row_bytes"]
     lines = [
-        f"hybrid-ep traffic model: {s['nodes']} nodes x {s['ranks_per_node']} ranks/node (W={W}), "
-        f"{s['experts']} experts ({L}/rank), top-{s['topk']}, H={s['hidden']}, {s['tokens']} tokens/rank, "
+        f"hybrid-ep traffic model: {plural(s['nodes'], 'node')} x {plural(s['ranks_per_node'], 'rank')}/node "
+        f"(W={W}), {plural(s['experts'], 'expert')} ({L}/rank), top-{s['topk']}, H={s['hidden']}, "
+        f"{plural(s['tokens'], 'token')}/rank, "
         f"routing {routing}, seed {s['seed']}",
         f"row bytes: dispatch {rb['dispatch']} ({s['dispatch_dtype']}"
         + (f", {num_scale_blocks(s['hidden'])} fp32 scales" if s["dispatch_dtype"] == "fp8" else "")
@@ -277,15 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if json_path is not None:
-        parent = os.path.dirname(os.path.abspath(json_path))
-        if not os.path.isdir(parent):
-            parser.error(f"--json: directory {parent} does not exist")
+        problem = output_problem(json_path, folder=False)
+        if problem:
+            parser.error(f"argument --json: {problem}")
     report = compute(scenario)
     print(format_report(report))
     if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump(json_document(report), f, indent=2)
-            f.write("\n")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+            with open(json_path, "w") as f:
+                json.dump(json_document(report), f, indent=2)
+                f.write("\n")
+        except OSError as e:  # checked above; a disk that filled up or a folder removed since
+            print(f"{PROG}: error: argument --json: cannot write {json_path}: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"wrote {json_path}")
     return 0
 
