@@ -1,9 +1,11 @@
 """hybrid-ep-launch: errors that name the field and the rule, what a dry run says about
-Megatron-LM, local mode on the CPU, and exact flag names in every command-line tool."""
+Megatron-LM, local mode on the CPU, exact flag names in every command-line tool, text fields
+kept as written, and bad input (flags, files, values) refused with exit status 2."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -54,7 +56,7 @@ def test_balancer_slots_are_checked_only_when_the_balancer_is_on(capsys):
     assert code == 0 and "balancer" not in err and "--hybrid-ep-balancer" not in out
     code, _, err = _launch(capsys, "--set", "balancer.slots_per_rank=1", "--set", "balancer.interval=5")
     assert code == 2
-    assert "error: balancer.slots_per_rank: 1 slots x EP 2 = 2 cannot hold model.num_experts 8" in err
+    assert "error: balancer.slots_per_rank: 1 slot x EP 2 = 2 cannot hold model.num_experts 8" in err
 
 
 def test_hidden_size_rows_of_16_bytes(capsys):
@@ -90,7 +92,7 @@ def test_local_mode_on_cpu_counts_processes_not_gpus(capsys, monkeypatch):
     recipe = cli.load_checked(TINY, [])
     path = local.choose(recipe)
     assert not path.on_gpus and path.module == ["-m", "megatron_patches.slurm.cpu_train"]
-    assert "cpu_train on the CPU, gloo (0 GPU(s) for 2 ranks;" in path.description
+    assert "cpu_train on the CPU, gloo (0 GPUs for 2 ranks;" in path.description
     cli.report(recipe, on_cpu=not path.on_gpus)
     err = capsys.readouterr().err
     assert "tiny_moe: 2 CPU processes = TP 1 x PP 1 x CP 1 x DP 2" in err
@@ -131,3 +133,144 @@ def test_prefixes_of_flags_are_not_accepted(capsys, tool, argv, bad):
     mains = {"launch": cli.main, "bench": bench, "traffic": traffic, "balance": balance, "demo": demo}
     assert _exit_code(mains[tool], argv) == 2
     assert f"error: unrecognized arguments: {bad}" in capsys.readouterr().err
+
+
+def _no_sbatch(monkeypatch):
+    def run(*args, **kwargs):
+        raise AssertionError(f"sbatch called: {args}")
+    monkeypatch.setattr(cli.subprocess, "run", run)
+
+
+def test_script_must_name_a_file_that_can_be_written(capsys, monkeypatch, tmp_path):
+    _no_sbatch(monkeypatch)
+    regular = tmp_path / "regular"
+    regular.write_text("keep")
+    for script, words in [(str(tmp_path), f"{tmp_path} is a folder; give a file name"),
+                          (str(regular / "job.sbatch"), f"{regular} is a file, not a folder"),
+                          (str(regular / "a" / "b" / "job.sbatch"), f"{regular} is a file, not a folder"),
+                          ("", "the path is empty; give a file name")]:
+        code, out, err = _launch(capsys, "--submit", "--script", script)
+        assert code == 2 and out == "" and "error: --script: " in err and words in err, err
+        assert "Traceback" not in err and "memory per GPU" not in err  # refused before the recipe is loaded
+    assert sorted(os.listdir(tmp_path)) == ["regular"] and regular.read_text() == "keep"
+
+
+def test_script_that_cannot_be_written_is_an_error(capsys, monkeypatch, tmp_path):
+    _no_sbatch(monkeypatch)
+    monkeypatch.setattr(cli.os, "makedirs", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission "
+                                                                                                      "denied")))
+    code, _, err = _launch(capsys, "--submit", "--script", str(tmp_path / "new" / "job.sbatch"))
+    assert code == 2 and "error: --script: cannot write" in err and "Permission denied" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--script", "job.sbatch"], "error: --script: only applies with --submit"),
+    (["--dry-run", "--script", "job.sbatch"], "error: --script: only applies with --submit"),
+    (["--trainer", "core"], "error: --trainer: only applies with --local"),
+    (["--submit", "--trainer", "auto"], "error: --trainer: only applies with --local"),
+])
+def test_flags_without_their_mode_are_refused(capsys, monkeypatch, tmp_path, args, words):
+    _no_sbatch(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _launch(capsys, *args)
+    assert code == 2 and out == "" and words in err, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.num_attention_heads=0", "error: model.num_attention_heads: must be >= 1, got 0"),
+    ("model.num_attention_heads=-4", "error: model.num_attention_heads: must be >= 1, got -4"),
+    ("train.lr=.nan", "error: train.lr: must be a finite number, got nan"),
+    ("train.min_lr=.inf", "error: train.min_lr: must be a finite number, got inf"),
+    ("train.lr=-.inf", "error: train.lr: must be a finite number, got -inf"),
+    ("dispatcher.static_size_factor=.inf", "error: dispatcher.static_size_factor: must be a finite number or null, "
+                                           "got inf"),
+    ("balancer.tolerance=.nan", "error: balancer.tolerance: must be a finite number or null, got nan"),
+    ("env.1A=x", "error: env.1A: '1A' is not an environment variable name"),
+    ("env.A;touch x=1", "error: env.A;touch x: 'A;touch x' is not an environment variable name"),
+    ("env.A=null", "error: env.A: must be a string or number, got None"),
+])
+def test_bad_values_are_validation_errors(capsys, override, words):
+    code, out, err = _launch(capsys, "--set", override)
+    assert code == 2 and out == "" and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name: x\nkind: [1]\n", "error: kind: must be one of pretrain, benchmark, got [1] (in {path})"),
+    ("name: x\nkind: {a: 1}\n", "error: kind: must be one of pretrain, benchmark, got {'a': 1} (in {path})"),
+    (b"name: x\ndescription: \xff\xfe\n", "error: recipe: {path} is not UTF-8 text"),
+    ("- 1\n", "error: recipe: must be a mapping, got [1] (in {path})"),
+    ("{[1]: 2}\n", "error: recipe: {path} is not valid YAML"),
+    ("a: 1\n---\nb: 2\n", "error: recipe: {path} is not valid YAML"),
+    ("name: x\nenv: [1]\n", "error: env: must be a mapping of names to strings or numbers, got ['1'] (in {path})"),
+    ("name: x\nenv: {9X: 1}\n", "error: env.9X: '9X' is not an environment variable name"),
+])
+def test_malformed_recipe_files_name_the_file_and_field(capsys, tmp_path, text, words):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code, out, err = _launch(capsys, recipe=str(tmp_path))
+    assert code == 2 and out == "" and words.replace("{path}", str(path)) in err and "Traceback" not in err, err
+
+
+def test_env_and_extra_args_keep_the_text_as_written(capsys, tmp_path):
+    """YAML would read 010 as 8, 1:30 as 90, 1.10 as 1.1, yes as True and a date as a date."""
+    code, out, _ = _launch(capsys, "--set", "env.B=010", "--set", "env.C=yes", "--set", "env.A=1:30",
+                           "--set", "env.D=1.10", "--set", "env.E=2024-01-01", "--set", "env.F=0x1F",
+                           "--set", "env.G='quoted 1'", "--set", "env.H=",
+                           "--set", "train.extra_args=[--foo,010,--bar,1:30,--flag,--baz,1.10]",
+                           "--set", "model.extra_args=[--on,yes]")
+    assert code == 0
+    for line in ["export B=010\n", "export C=yes\n", "export A=1:30\n", "export D=1.10\n",
+                 "export E=2024-01-01\n", "export F=0x1F\n", "export G='quoted 1'\n", "export H=''\n",
+                 "  --foo 010\n", "  --bar 1:30\n", "  --flag\n", "  --baz 1.10\n", "  --on yes\n"]:
+        assert line in out, line
+    # The same in a recipe file (and an unquoted Slurm time is a time, not 14400 seconds).
+    text = open(os.path.join(TINY, "recipe.yaml")).read()
+    text = text.replace('env:\n', 'env:\n  NCCL_IB_TIMEOUT: 022\n  NCCL_DEBUG_SUBSYS: yes\n  T: 1:30\n  V: 1.10\n', 1)
+    assert "  warmup_steps: 2\n" in text and 'time: "00:15:00"' in text
+    text = text.replace("  warmup_steps: 2\n", "  warmup_steps: 2\n  extra_args: [--foo, 010, --bar, 1:30]\n")
+    text = text.replace('time: "00:15:00"', "time: 04:00:00")
+    (tmp_path / "recipe.yaml").write_text(text)
+    code, out, _ = _launch(capsys, recipe=str(tmp_path))
+    assert code == 0
+    for line in ["export NCCL_IB_TIMEOUT=022\n", "export NCCL_DEBUG_SUBSYS=yes\n", "export T=1:30\n",
+                 "export V=1.10\n", "  --foo 010\n", "  --bar 1:30\n", "#SBATCH --time=04:00:00\n"]:
+        assert line in out, line
+    subprocess.run(["bash", "-n"], input=out, text=True, check=True)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("bench.routing=foo", "error: bench.routing: must be one of uniform, zipf, group-limited, got 'foo'"),
+    ("bench.backends=[cuda,foo]", "error: bench.backends: must be among cuda, reference, deepep, got 'foo'"),
+    ("bench.sms=[16,0]", "error: bench.sms: SM counts must be >= 1, got 0"),
+    ("bench.warmup=-1", "error: bench.warmup: must be >= 0, got -1"),
+    ("bench.node_counts=[1,2,1]", "error: bench.node_counts: 1 listed more than once"),
+])
+def test_benchmark_fields_follow_hybrid_ep_bench(capsys, override, words):
+    code, out, err = _launch(capsys, "--set", override, recipe=BENCH)
+    assert code == 2 and out == "" and words in err, err
+
+
+def test_benchmark_recipe_runs_hybrid_ep_bench_checks(capsys):
+    """What the recipe rules do not spell out, hybrid-ep-bench's own check refuses per node count."""
+    code, _, err = _launch(capsys, "--set", "bench.routing=group-limited", "--set", "bench.topk=40", "--set",
+                           "bench.experts=64", "--set", "cluster.nodes=8", "--set", "bench.node_counts=[1,8]",
+                           recipe=BENCH)
+    assert code == 2
+    assert ("error: bench.topk: with 8 nodes: 40 exceeds the experts in 4 nodes (4 x 8) that --routing "
+            "group-limited allows (hybrid-ep-bench --topk)") in err
+    code, out, _ = _launch(capsys, "--set", "bench.routing=zipf", "--set", "bench.backends=[cuda,reference]",
+                           "--set", "bench.sms=[16,24]", "--set", "bench.warmup=0", recipe=BENCH)
+    assert code == 0 and "  --routing zipf\n" in out and "  --backends cuda,reference\n" in out
+    assert "  --sms 16,24\n" in out and "  --warmup 0\n" in out
+
+
+def test_counts_are_worded_with_plural(capsys):
+    code, _, err = _launch(capsys, "--set", "cluster.gpus_per_node=3", "--set", "parallelism.tp=2")
+    assert code == 2 and "error: cluster.nodes: 1 node x 3 GPUs = 3 is not divisible by TP x PP x CP = 2" in err
+    code, _, err = _launch(capsys, "--set", "cluster.gpus_per_node=1", "--set", "bench.node_counts=[1,3]",
+                           "--set", "bench.experts=8", "--set", "bench.topk=2", recipe=BENCH)
+    assert code == 2 and "error: bench.experts: 8 is not divisible by 3 nodes x 1 GPU = 3 ranks" in err
+    code, _, err = _launch(capsys, "--set", "balancer.slots_per_rank=1", "--set", "balancer.interval=5",
+                           "--set", "parallelism.ep=1")
+    assert "error: balancer.slots_per_rank: 1 slot x EP 1 = 1 cannot hold" in err, err

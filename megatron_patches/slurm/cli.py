@@ -10,6 +10,10 @@ its memory per GPU is estimated (a warning when it exceeds the GPU's memory). Th
 --submit             write it next to the results (--script PATH to choose) and call `sbatch`
 --local              run it on this machine without Slurm (local.py; tiny_moe on CPU)
 
+--script applies only with --submit and --trainer only with --local: given without them, or a
+--script that names a folder or a path under a file, they are errors (exit status 2) before
+anything is loaded, written or submitted.
+
 --nodes N rescales data parallelism: it sets cluster.nodes, so DP = N x GPUs / (TP x PP x CP)
 with the global batch kept (it must still divide by micro batch x DP).
 """
@@ -21,6 +25,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+from hybrid_ep.paths import output_problem
 
 from . import layout, memory, recipe as recipe_mod, render, validate
 from .local import TRAINERS, choose, run_local
@@ -40,9 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")
     mode.add_argument("--local", action="store_true", help="run on this machine (one node, no Slurm)")
     p.add_argument("--script", default=None, help="with --submit: where to write the script")
-    p.add_argument("--trainer", choices=TRAINERS, default="auto",
-                   help="with --local: megatron (pretrain_gpt.py), core (Megatron-Core CPU trainer) or auto")
+    p.add_argument("--trainer", choices=TRAINERS, default=None,
+                   help="with --local: megatron (pretrain_gpt.py), core (Megatron-Core CPU trainer) or auto "
+                        "(the default)")
     return p
+
+
+def check_flags(a) -> list[tuple[str, str]]:
+    """Flags that apply only with another flag, and a --script path that cannot be written,
+    as (flag, rule) pairs: refused before the recipe is loaded, so nothing is written or submitted."""
+    problems = []
+    if a.script is not None and not a.submit:
+        problems.append(("--script", "only applies with --submit (it names the file the submitted script is "
+                                     "written to); add --submit or leave --script out"))
+    if a.trainer is not None and not a.local:
+        problems.append(("--trainer", "only applies with --local; add --local or leave --trainer out"))
+    if a.script is not None and a.submit:
+        rule = _script_path_rule(a.script)
+        if rule:
+            problems.append(("--script", rule))
+    return problems
+
+
+def _script_path_rule(script: str) -> str | None:
+    """None when `script` names a file that can be written (its folder may not exist yet)."""
+    return output_problem(os.path.expanduser(script.strip()) if script.strip() else "", folder=False)
 
 
 def _error(problems) -> int:
@@ -94,9 +122,13 @@ def submit(recipe, text: str, script: str | None) -> int:
     if script is None:
         folder = tempfile.mkdtemp(prefix=f"hybrid_ep_{recipe.name}_")
         script = os.path.join(folder, f"{recipe.name}.sbatch")
-    os.makedirs(os.path.dirname(os.path.abspath(script)), exist_ok=True)
-    with open(script, "w") as f:
-        f.write(text)
+    script = os.path.expanduser(script)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(script)), exist_ok=True)
+        with open(script, "w") as f:
+            f.write(text)
+    except OSError as err:
+        return _error([("--script", f"cannot write {script}: {err.strerror or err}")])
     try:
         proc = subprocess.run(["sbatch", script], capture_output=True, text=True)
     except FileNotFoundError:
@@ -114,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         a = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
+    problems = check_flags(a)
+    if problems:
+        return _error(problems)
     try:
         recipe = load_checked(a.recipe, a.overrides, a.nodes)
         if a.local:
-            path = choose(recipe, a.trainer)
+            path = choose(recipe, a.trainer or "auto")
             report(recipe, on_cpu=not path.on_gpus)
             return run_local(recipe, path=path)
         report(recipe)

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from hybrid_ep.wording import plural
+
     from .megatron_parse import parse
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -123,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     position_ids = torch.arange(seq)[None].expand(mbs, -1)
     if rank == 0:
-        print(f"cpu_train: GPTModel {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
-              f"top-{args.moe_router_topk}, dispatcher {config.moe_token_dispatcher_type}, world {world} "
-              f"(EP {args.expert_model_parallel_size}, DP {dp}), {micro_batches} micro-batch(es) of {mbs} x {seq} "
-              f"per rank per step", flush=True)
+        print(f"cpu_train: GPTModel {plural(args.num_layers, 'layer')}, hidden {args.hidden_size}, "
+              f"{plural(args.num_experts, 'expert')} top-{args.moe_router_topk}, dispatcher "
+              f"{config.moe_token_dispatcher_type}, world {world} (EP {args.expert_model_parallel_size}, DP {dp}), "
+              f"{micro_batches} micro-batch{'' if micro_batches == 1 else 'es'} of {mbs} x {seq} per rank per step",
+              flush=True)
     losses = []
     for step in range(args.train_iters):
         t0 = time.perf_counter()
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     finite = all(math.isfinite(v) for v in losses)
     if rank == 0:
-        print(f"cpu_train: done, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"cpu_train: done, {plural(len(losses), 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0 if finite else 1
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybrid_ep.wording import plural
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -31,7 +33,8 @@ class Layout:
 
     def describe(self, on_cpu: bool = False) -> str:
         """One line; on_cpu counts CPU processes (local mode without GPUs) instead of GPUs."""
-        ranks = f"{self.world} CPU processes" if on_cpu else f"{self.world} GPUs"
+        ranks = (f"{self.world} CPU {'process' if self.world == 1 else 'processes'}" if on_cpu
+                 else plural(self.world, "GPU"))
         return (f"{ranks} = TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}; "
                 f"experts: EP {self.ep} x ETP {self.etp} x EDP {self.edp} per stage"
                 + (f"; VPP {self.vpp}" if self.vpp > 1 else ""))
@@ -61,7 +64,8 @@ def stage_layers(recipe) -> list[int]:
     middle_stages = pp - (first is not None) - (last is not None)
     rest = slots - (first or 0) - (last or 0)
     if middle_stages <= 0 or rest < 0 or rest % (middle_stages * vpp):
-        raise ValueError(f"{rest} layers do not split over {middle_stages} stages x VPP {vpp}")
+        raise ValueError(f"{plural(rest, 'layer')} cannot be split evenly over {plural(middle_stages, 'stage')} "
+                         f"x VPP {vpp}")
     per = rest // middle_stages
     stages = [per] * pp
     if first is not None:

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from hybrid_ep.wording import plural
+
 from .megatron_args import megatron_args
 from .recipe import RecipeError
 
@@ -86,7 +88,7 @@ def choose(recipe, trainer: str = "auto") -> LocalPath:
         return LocalPath(world, ["-m", "megatron_patches.pretrain_gpt", "--megatron-lm-dir", os.path.dirname(script)],
                          f"Megatron-LM pretrain_gpt.py ({script}) through megatron_patches.pretrain_gpt", True)
     why = "forced by --trainer core" if trainer == "core" else \
-        ("pretrain_gpt.py not found" if not script else f"{gpus} GPU(s) for {world} ranks")
+        ("pretrain_gpt.py not found" if not script else f"{plural(gpus, 'GPU')} for {plural(world, 'rank')}")
     return LocalPath(world, ["-m", "megatron_patches.slurm.cpu_train"],
                      f"Megatron-Core trainer megatron_patches.slurm.cpu_train on the CPU, gloo ({why}; model "
                      "from Megatron's parser)", False)
@@ -95,7 +97,8 @@ def choose(recipe, trainer: str = "auto") -> LocalPath:
 def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=print, path: LocalPath | None = None) -> int:
     path = path or choose(recipe, trainer)
     world, module = path.world, path.module
-    echo(f"local mode: {world} process(es) on this machine; path: {path.description}", flush=True)
+    echo(f"local mode: {world} {'process' if world == 1 else 'processes'} on this machine; path: "
+         f"{path.description}", flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     base = dict(os.environ)
     base.update({k: str(v) for k, v in recipe["env"].items()})

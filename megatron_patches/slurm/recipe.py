@@ -5,6 +5,11 @@ fields are declared in `schema`: unknown fields, missing required fields and val
 wrong type fail here, each error naming the dotted field. `--set` values are read as YAML
 scalars or lists (`--set parallelism.ep=16`, `--set train.extra_args=[--foo,1]`,
 `--set env.NCCL_DEBUG=INFO`), then checked like the file.
+
+Text fields (type str, list[str] and the values of `env`) keep the text as written, in the
+file and in `--set`: YAML would read `010` as 8, `1:30` as 90, `1.10` as 1.1 and `yes` as
+True, which would silently change an environment variable or a Megatron flag. Only `null`
+(or `~`) stays null.
 """
 
 from __future__ import annotations
@@ -12,13 +17,31 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import io
+import math
 import os
+import re
 
 import yaml
 
 from . import schema as S
 
 RECIPE_FILE = "recipe.yaml"
+# Schema types whose scalars keep the text as written (see the module docstring).
+TEXT_TYPES = ("str", "list[str]", "map")
+
+
+class _TextLoader(yaml.SafeLoader):
+    """A safe loader that keeps numbers, booleans and dates as the text written (null stays null)."""
+
+
+for _tag in ("int", "float", "bool", "timestamp"):
+    _TextLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", yaml.SafeLoader.construct_scalar)
+
+
+def _as_text(node):
+    """The value of a composed YAML node, numbers, booleans and dates kept as their text."""
+    return _TextLoader("").construct_object(node, deep=True)
 
 
 class RecipeError(ValueError):
@@ -77,6 +100,8 @@ def _check_type(field: str, kind: str, value) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif base == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            return f"must be a finite number{' or null' if nullable else ''}, got {value!r}"
     elif base == "str":
         ok = isinstance(value, str)
     elif base == "bool":
@@ -85,16 +110,31 @@ def _check_type(field: str, kind: str, value) -> str | None:
         item = str if base == "list[str]" else int
         ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
     elif base == "map":
-        ok = isinstance(value, dict) and all(
-            isinstance(v, (str, int, float, bool)) for v in value.values())
-        if ok:
-            return None
-        return "must be a mapping of names to strings or numbers"
+        if not isinstance(value, dict):
+            return f"must be a mapping of names to strings or numbers, got {value!r}"
+        for name, item in value.items():
+            rule = _env_rule(name, item)
+            if rule:
+                return f"{name}: {rule}" if isinstance(name, str) else rule
+        return None
     else:
         raise AssertionError(f"schema type {kind!r} of {field}")
     if ok:
         return None
     return f"must be a {'nullable ' if nullable else ''}{base}, got {value!r} ({type(value).__name__})"
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_rule(name, value) -> str | None:
+    """None when `name: value` is an environment variable the job can export, else the rule."""
+    if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+        return (f"{name!r} is not an environment variable name (letters, digits and _, not starting "
+                "with a digit)")
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        return f"must be a string or number, got {value!r}"
+    return None
 
 
 def _merge(schema: dict, given: dict, prefix: str, problems: list) -> dict:
@@ -116,9 +156,13 @@ def _merge(schema: dict, given: dict, prefix: str, problems: list) -> dict:
             value = given[key]
             if kind.rstrip("?") == "float" and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            rule = _check_type(field, kind, value)
-            if rule:
-                problems.append((field, rule))
+            if kind == "map" and isinstance(value, dict):
+                problems += [(f"{field}.{name}", rule) for name, rule in
+                             ((name, _env_rule(name, item)) for name, item in value.items()) if rule]
+            else:
+                rule = _check_type(field, kind, value)
+                if rule:
+                    problems.append((field, rule))
             out[key] = value
         elif default is S.REQUIRED:
             problems.append((field, "is required"))
@@ -128,16 +172,25 @@ def _merge(schema: dict, given: dict, prefix: str, problems: list) -> dict:
     return out
 
 
-def _parse_override(text: str) -> tuple[str, object]:
+def _parse_override(text: str) -> tuple[str, str]:
+    """(dotted key, the value's text) of `key=value`."""
     if "=" not in text:
         raise RecipeError([(text, "an override is key=value with a dotted key, e.g. parallelism.ep=16")])
     key, raw = text.split("=", 1)
-    key = key.strip()
+    return key.strip(), raw
+
+
+def _override_value(key: str, raw: str, kind: str):
+    """The value of an override read as YAML; text types (and env values) keep numbers,
+    booleans and dates as written."""
+    if not raw.strip():
+        return ""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        if kind == "map-item" or kind.rstrip("?") in TEXT_TYPES:
+            return yaml.load(raw, Loader=_TextLoader)
+        return yaml.safe_load(raw)
     except yaml.YAMLError as err:
         raise RecipeError([(key, f"value {raw!r} is not valid YAML: {err}")]) from None
-    return key, value
 
 
 def _schema_leaf(schema: dict, key: str):
@@ -176,7 +229,7 @@ def _unknown_key_rule(schema: dict, key: str) -> str:
 def apply_overrides(data: dict, schema: dict, overrides: list[str]) -> None:
     problems = []
     for text in overrides:
-        key, value = _parse_override(text)
+        key, raw = _parse_override(text)
         kind = _schema_leaf(schema, key)
         if kind is None:
             problems.append((key, _unknown_key_rule(schema, key)))
@@ -184,19 +237,20 @@ def apply_overrides(data: dict, schema: dict, overrides: list[str]) -> None:
         if key in ("kind",):
             problems.append((key, "cannot be overridden"))
             continue
+        try:
+            value = _override_value(key, raw, kind)
+        except RecipeError as err:
+            problems += err.problems
+            continue
         parts = key.split(".")
         if kind == "map-item":
-            if not isinstance(value, (str, int, float, bool)):
-                problems.append((key, f"must be a string or number, got {value!r}"))
+            rule = _env_rule(parts[-1], value)
+            if rule:
+                problems.append((key, rule))
                 continue
-            value = str(value) if not isinstance(value, str) else value
         else:
             if kind.rstrip("?") == "float" and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if kind.rstrip("?") == "str" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = raw_str(text)
-            if kind.rstrip("?") == "list[str]" and isinstance(value, list):
-                value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
             rule = _check_type(key, kind, value)
             if rule:
                 problems.append((key, rule))
@@ -209,23 +263,67 @@ def apply_overrides(data: dict, schema: dict, overrides: list[str]) -> None:
         raise RecipeError(problems)
 
 
-def raw_str(text: str) -> str:
-    return text.split("=", 1)[1].strip()
+def _child(node, key: str):
+    """The value node of `key` in a composed mapping node (the last one, as the loader keeps)."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    found = None
+    for key_node, value_node in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+            found = value_node
+    return found
+
+
+def _keep_text(root, given: dict, schema: dict) -> None:
+    """Replace the values of text fields in `given` by their text as written (TEXT_TYPES)."""
+    for dotted, kind, _ in S.leaves(schema):
+        if kind.rstrip("?") not in TEXT_TYPES:
+            continue
+        parts = dotted.split(".")
+        node, mapping = root, given
+        for part in parts[:-1]:
+            node, mapping = _child(node, part), mapping.get(part)
+            if not isinstance(mapping, dict):
+                break
+        else:
+            node = _child(node, parts[-1])
+            if node is not None and parts[-1] in mapping:
+                mapping[parts[-1]] = _as_text(node)
+
+
+def _read(path: str):
+    """The recipe file as a mapping with its text fields kept as written; RecipeError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise RecipeError([("recipe", f"{path} is not UTF-8 text ({err})")]) from None
+    except OSError as err:
+        raise RecipeError([("recipe", f"{path} cannot be read: {err.strerror or err}")]) from None
+    try:
+        stream = io.StringIO(text)
+        stream.name = path  # YAML errors name the file
+        root = yaml.compose(stream, Loader=yaml.SafeLoader)
+        given = yaml.SafeLoader("").construct_document(root) if root is not None else None
+    except yaml.YAMLError as err:
+        raise RecipeError([("recipe", f"{path} is not valid YAML: {err}")]) from None
+    return root, given or {}
+
+
+def _kind_of(given, path: str) -> str:
+    kind = given.get("kind", "pretrain") if isinstance(given, dict) else "pretrain"
+    if not isinstance(kind, str) or kind not in S.KINDS:
+        raise RecipeError([("kind", f"must be one of {', '.join(S.KINDS)}, got {kind!r} (in {path})")])
+    return kind
 
 
 def load(path: str, overrides: list[str] | None = None) -> Recipe:
     """Read, fill defaults, type-check, apply overrides. Raises RecipeError."""
     path = recipe_path(path)
-    with open(path) as f:
-        try:
-            given = yaml.safe_load(f) or {}
-        except yaml.YAMLError as err:
-            raise RecipeError([("recipe", f"{path} is not valid YAML: {err}")]) from None
-    kind = given.get("kind", "pretrain") if isinstance(given, dict) else "pretrain"
-    try:
-        schema = S.schema_for(kind)
-    except KeyError:
-        raise RecipeError([("kind", f"must be one of {', '.join(S.KINDS)}, got {kind!r}")]) from None
+    root, given = _read(path)
+    schema = S.schema_for(_kind_of(given, path))
+    if isinstance(given, dict):
+        _keep_text(root, given, schema)
     problems: list = []
     data = _merge(schema, given, "", problems)
     if problems:

@@ -145,7 +145,7 @@ KINDS = {"pretrain": {**_COMMON, **_PRETRAIN}, "benchmark": {**_COMMON, **_BENCH
 
 
 def schema_for(kind: str) -> dict:
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise KeyError(kind)
     return KINDS[kind]
 

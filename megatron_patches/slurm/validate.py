@@ -18,7 +18,9 @@ otherwise enforce on the cluster, after the queue wait:
 - rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
   element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
 - cluster.time in one of Slurm's time formats;
-- real data needs a path.
+- real data needs a path;
+- benchmark: every rule hybrid-ep-bench applies to its flags (hybrid_ep/bench/spec.py: routing,
+  backends, SM counts, warmup, ...), for each node count, and no node count twice.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import re
 import torch
 
 from hybrid_ep.balancer.knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
-from hybrid_ep.dtypes import DISPATCH_BY_NAME
+from hybrid_ep.bench.spec import BENCH_BACKENDS, ROUTINGS, BenchArgError, BenchSpec
+from hybrid_ep.bench.spec import DTYPES as BENCH_DTYPES
+from hybrid_ep.config import FP8_BLOCK
 from hybrid_ep.rows import row_bytes_rule
+from hybrid_ep.wording import plural
 
 from . import layout as L
 from .memory import GPU_MEMORY_GB
@@ -38,7 +43,6 @@ from .recipe import RecipeError
 DISPATCHERS = ("hybrid_ep", "alltoall", "allgather", "flex")
 PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
 HYBRID_EP_BACKENDS = ("auto", "cuda", "reference")
-BENCH_DTYPES = ("bf16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds (minutes and seconds below 60).
@@ -72,8 +76,9 @@ def _parallel(recipe, problems):
     lay = L.layout_of(recipe)
     model_size = lay.tp * lay.pp * lay.cp
     if lay.world % model_size:
-        problems.append(("cluster.nodes", f"{recipe['cluster.nodes']} nodes x {recipe['cluster.gpus_per_node']} "
-                         f"GPUs = {lay.world} is not divisible by TP x PP x CP = {model_size} "
+        problems.append(("cluster.nodes", f"{plural(recipe['cluster.nodes'], 'node')} x "
+                         f"{plural(recipe['cluster.gpus_per_node'], 'GPU')} = {lay.world} is not divisible by "
+                         f"TP x PP x CP = {model_size} "
                          "(world size = TP x PP x CP x DP)"))
         return
     E = recipe["model.num_experts"]
@@ -131,6 +136,7 @@ def _model(recipe, problems):
         problems.append(("model.seq_length", f"{recipe['model.seq_length']} exceeds max_position_embeddings "
                                              f"{recipe['model.max_position_embeddings']}"))
     if not recipe["model.mla.enabled"] and recipe["model.kv_channels"] is None \
+            and recipe["model.num_attention_heads"] >= 1 \
             and recipe["model.hidden_size"] % recipe["model.num_attention_heads"]:
         problems.append(("model.kv_channels", "must be set when hidden_size is not divisible by the heads"))
 
@@ -179,7 +185,7 @@ def _balancer(recipe, problems):
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on
         _positive(recipe, [b + "slots_per_rank"], problems)
     if recipe[b + "interval"] > 0 and slots is not None and ep >= 1 and slots * ep < E:
-        problems.append((b + "slots_per_rank", f"{slots} slots x EP {ep} = {slots * ep} cannot hold "
+        problems.append((b + "slots_per_rank", f"{plural(slots, 'slot')} x EP {ep} = {slots * ep} cannot hold "
                                                f"model.num_experts {E}"))
     if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] != "hybrid_ep":
         problems.append((b + "interval", "the expert balancer runs inside the hybrid_ep dispatcher; "
@@ -202,28 +208,69 @@ def _train(recipe, problems):
 
 
 def _bench(recipe, problems):
+    """The rules hybrid-ep-bench applies to its flags (hybrid_ep/bench/spec.py), per node count."""
     b = "bench."
     counts = recipe[b + "node_counts"]
+    G = recipe["cluster.gpus_per_node"]
     if not counts:
         problems.append((b + "node_counts", "must list at least one node count"))
-    for n in counts:
+    repeated = sorted({n for n in counts if counts.count(n) > 1})
+    if repeated:
+        problems.append((b + "node_counts", f"{', '.join(map(str, repeated))} listed more than once (each node "
+                                            "count writes $OUT_DIR/nodes<N>)"))
+    for n in dict.fromkeys(counts):
         if not 1 <= n <= recipe["cluster.nodes"]:
             problems.append((b + "node_counts", f"{n} must be in [1, cluster.nodes = {recipe['cluster.nodes']}]"))
-        world = n * recipe["cluster.gpus_per_node"]
+        world = n * G
         if world >= 1 and recipe[b + "experts"] % world:
-            problems.append((b + "experts", f"{recipe[b + 'experts']} is not divisible by {n} nodes x "
-                             f"{recipe['cluster.gpus_per_node']} GPUs = {world} ranks"))
+            problems.append((b + "experts", f"{recipe[b + 'experts']} is not divisible by {plural(n, 'node')} x "
+                             f"{plural(G, 'GPU')} = {plural(world, 'rank')}"))
     _positive(recipe, [b + k for k in ("hidden", "tokens", "experts", "topk", "iters")], problems)
+    if recipe[b + "warmup"] < 0:
+        problems.append((b + "warmup", f"must be >= 0, got {recipe[b + 'warmup']}"))
     if recipe[b + "topk"] > recipe[b + "experts"]:
         problems.append((b + "topk", f"{recipe[b + 'topk']} exceeds bench.experts {recipe[b + 'experts']}"))
     if recipe[b + "dtype"] not in BENCH_DTYPES:
         problems.append((b + "dtype", f"must be one of {', '.join(BENCH_DTYPES)}, got {recipe[b + 'dtype']!r}"))
-    if recipe[b + "dtype"] == "fp8" and recipe[b + "hidden"] % 128:
-        problems.append((b + "hidden", "must be a multiple of 128 with bench.dtype fp8"))
-    elif recipe[b + "dtype"] in DISPATCH_BY_NAME and recipe[b + "hidden"] >= 1:
-        rule = row_bytes_rule(recipe[b + "hidden"], DISPATCH_BY_NAME[recipe[b + "dtype"]])
+    if recipe[b + "dtype"] == "fp8" and recipe[b + "hidden"] % FP8_BLOCK:
+        problems.append((b + "hidden", f"must be a multiple of {FP8_BLOCK} with bench.dtype fp8"))
+    elif recipe[b + "dtype"] in BENCH_DTYPES and recipe[b + "hidden"] >= 1:
+        rule = row_bytes_rule(recipe[b + "hidden"], BENCH_DTYPES[recipe[b + "dtype"]])
         if rule:
             problems.append((b + "hidden", f"with bench.dtype {recipe[b + 'dtype']}: {rule}"))
+    if recipe[b + "routing"] not in ROUTINGS:
+        problems.append((b + "routing", f"must be one of {', '.join(ROUTINGS)}, got {recipe[b + 'routing']!r}"))
+    for name in recipe[b + "backends"]:
+        if name not in BENCH_BACKENDS:
+            problems.append((b + "backends", f"must be among {', '.join(BENCH_BACKENDS)}, got {name!r}"))
+    for n in recipe[b + "sms"]:
+        if n < 1:
+            problems.append((b + "sms", f"SM counts must be >= 1, got {n}"))
+    if problems:
+        return
+    # Whatever else hybrid-ep-bench would refuse for one of the runs (e.g. top-k beyond the
+    # experts group-limited routing reaches): its own check, named by the recipe field.
+    for n in counts:
+        try:
+            _bench_spec(recipe, n).validate()
+        except BenchArgError as err:
+            field = _BENCH_FLAG_FIELDS.get(err.flag, "bench." + err.flag.lstrip("-").replace("-", "_"))
+            problems.append((field, f"with {plural(n, 'node')}: {str(err).split(': ', 1)[1]} (hybrid-ep-bench "
+                                    f"{err.flag})"))
+            return
+
+
+# hybrid-ep-bench flags the recipe sets from other fields than bench.<flag>.
+_BENCH_FLAG_FIELDS = {"--world-size": "bench.node_counts", "--ranks-per-node": "cluster.gpus_per_node"}
+
+
+def _bench_spec(recipe, nodes: int) -> BenchSpec:
+    """The BenchSpec the rendered `python -m hybrid_ep.bench` run on `nodes` nodes resolves to."""
+    b, G = recipe["bench"], recipe["cluster.gpus_per_node"]
+    return BenchSpec(world_size=nodes * G, ranks_per_node=G, hidden=b["hidden"], tokens=b["tokens"],
+                     topk=b["topk"], experts=b["experts"], dtype=b["dtype"], routing=b["routing"],
+                     sms=tuple(b["sms"]), backends=tuple(dict.fromkeys(b["backends"])), warmup=b["warmup"],
+                     iters=b["iters"], seed=0, device="cuda")
 
 
 def validate(recipe) -> None:
