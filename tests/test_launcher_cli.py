@@ -274,3 +274,20 @@ def test_counts_are_worded_with_plural(capsys):
     code, _, err = _launch(capsys, "--set", "balancer.slots_per_rank=1", "--set", "balancer.interval=5",
                            "--set", "parallelism.ep=1")
     assert "error: balancer.slots_per_rank: 1 slot x EP 1 = 1 cannot hold" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_memory_estimate_counts_layers_without_visiting_each():
+    """The estimate sums dense and MoE layers by count (it looped once per layer: a typo'd
+    num_layers of 10**12 hung the launcher); the counts equal the per-layer sum."""
+    from megatron_patches.slurm import memory
+
+    recipe = recipe_mod.load("recipes/deepseek_v3")
+    m = recipe["model"]
+    for dense in (0, 3, m["num_layers"], m["num_layers"] + 5):
+        m2 = dict(m, dense_layers=dense)
+        by_layer = m["vocab_size"] * m["hidden_size"] * (2 if m["untie_embeddings"] else 1) + m["hidden_size"]
+        by_layer += sum(sum(memory.layer_params(m2, moe=i >= dense)) for i in range(m["num_layers"]))
+        assert memory.model_params({"model": m2}) == pytest.approx(by_layer, rel=1e-12)
+    huge = recipe_mod.load("recipes/deepseek_v3", ["model.num_layers=1400000000005"])
+    assert memory.estimate(huge).total_gb > 1e9  # far over any GPU, and computed at once

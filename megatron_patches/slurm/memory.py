@@ -133,8 +133,8 @@ def layer_params(m, moe: bool) -> tuple[float, float]:
 def model_params(recipe) -> float:
     m = recipe["model"]
     total = m["vocab_size"] * m["hidden_size"] * (2 if m["untie_embeddings"] else 1) + m["hidden_size"]
-    for i in range(m["num_layers"]):
-        total += sum(layer_params(m, moe=i >= m["dense_layers"]))
+    dense = min(max(m["dense_layers"], 0), m["num_layers"])  # every layer of a kind has the same count
+    total += dense * sum(layer_params(m, moe=False)) + (m["num_layers"] - dense) * sum(layer_params(m, moe=True))
     return total
 
 
@@ -169,9 +169,8 @@ def estimate(recipe) -> MemoryEstimate:
     experts_per_rank = slots or m["num_experts"] // lay.ep
     best, start = None, 0
     for s, n in enumerate(stages):
-        idx = range(start, start + n)
+        n_dense = min(max(m["dense_layers"] - start, 0), n)  # layers start .. start + n - 1 below dense_layers
         start += n
-        n_dense = sum(1 for i in idx if i < m["dense_layers"])
         n_moe = n - n_dense
         dense = n_dense * layer_params(m, False)[0] + n_moe * layer_params(m, True)[0]
         experts_full = n_moe * layer_params(m, True)[1]
