@@ -164,8 +164,6 @@ def test_emulate_refuses_bad_flags_before_touching_the_gpu(flags, flag, capsys, 
     err = capsys.readouterr().err
     assert f"error: argument {flag}:" in err and "Traceback" not in err
     assert not out.exists()
-    if flag == "--group-limit":  # only the reference run (cli) has a node count to check it against
-        return
     with pytest.raises(BenchArgError) as exc:  # what emulated.run checks too, before it looks for a GPU
         emulated.settings(_emulate_args("4", *flags))
     assert exc.value.flag == flag
@@ -180,3 +178,24 @@ def test_emulate_refuses_a_bad_out_before_the_run(make, capsys, tmp_path, monkey
     assert main(["--emulate", "2", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "error: argument --out:" in err and "not a folder" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("routing, flags", [("zipf", ["--zipf-exponent", "1.4"]),
+                                            ("group-limited", ["--emulate-nodes", "2", "--group-limit", "1"])])
+def test_emulated_inputs_route_as_the_bench_ranks_do(routing, flags):
+    """--emulate draws the routing hybrid-ep-bench's ranks draw for the same flags (it ignored
+    --zipf-exponent and --group-limit)."""
+    from hybrid_ep.bench.spec import BenchSpec
+    from hybrid_ep.bench.worker import make_inputs
+
+    args = _emulate_args("4", "--routing", routing, "--experts", "16", "--tokens", "64", "--hidden", "128", *flags)
+    s = emulated.settings(args)
+    idxs, _, _ = emulated._inputs(4, s["tokens"], s["hidden"], s["experts"], s["topk"], torch.bfloat16, routing,
+                                  args.seed, torch.device("cpu"), args.zipf_exponent, s["nodes"], args.group_limit)
+    spec = BenchSpec(world_size=4, ranks_per_node=4 // s["nodes"], hidden=128, tokens=64, topk=s["topk"], experts=16,
+                     dtype="bf16", routing=routing, sms=(), backends=("reference",), warmup=1, iters=1, seed=args.seed,
+                     device="cpu", zipf_exponent=args.zipf_exponent, group_limit=args.group_limit).validate()
+    for rank in range(4):
+        assert torch.equal(idxs[rank], make_inputs(spec, rank, torch.device("cpu"))[2])
+    plain = emulated._inputs(4, 64, 128, 16, s["topk"], torch.bfloat16, routing, args.seed, torch.device("cpu"))[0]
+    assert not all(torch.equal(a, b) for a, b in zip(idxs, plain))  # the flags change the routing

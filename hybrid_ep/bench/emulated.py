@@ -27,7 +27,7 @@ from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..backends.cuda import launch
 from ..metadata import metadata
 from ..rows import row_bytes_rule
-from ..synthetic import iter_rank_routings
+from ..synthetic import default_group_limit, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
 from .spec import L2_FLUSH_BYTES, BenchArgError
@@ -119,8 +119,12 @@ def torch_movement(xs, idxs, L: int):
     return dispatch, combine, rows
 
 
-def _inputs(W, T, H, E, K, dtype, routing, seed, dev):
-    idxs = [i.to(dev) for i in iter_rank_routings(routing, [T] * W, E, K, seed)]
+def _inputs(W, T, H, E, K, dtype, routing, seed, dev, zipf_exponent=1.2, nodes=1, group_limit=None):
+    """The routing draws what hybrid-ep-bench's ranks draw for the same flags (worker.py):
+    the Zipf exponent, and for group-limited routing the nodes as groups."""
+    groups = (dict(num_groups=nodes, topk_groups=default_group_limit(nodes) if group_limit is None else group_limit)
+              if routing == "group-limited" else {})
+    idxs = [i.to(dev) for i in iter_rank_routings(routing, [T] * W, E, K, seed, zipf_exponent, **groups)]
     gen = torch.Generator(device=dev).manual_seed(seed)
     x32 = [torch.randn(T, H, device=dev, generator=gen) for _ in range(W)]
     if dtype == FP8_DTYPE:
@@ -134,7 +138,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     from ..backends.cuda.emulation import EmulatedGroup
 
     group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes)
-    idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev)
+    idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev, args.zipf_exponent, nodes,
+                               args.group_limit)
     first = group.dispatch(xs, idxs, scales=scales)
     group.synchronize()
     rdma, rdma_model = rdma_rows(first, idxs, group.config)
@@ -251,6 +256,9 @@ def settings(args) -> dict:
         rule = row_bytes_rule(hidden, each)
         if rule:
             raise BenchArgError("--hidden", f"{hidden} with --dtype {args.dtype}: {rule}")
+    limit = getattr(args, "group_limit", None)
+    if limit is not None and not 1 <= limit <= nodes:
+        raise BenchArgError("--group-limit", f"must be in [1, --emulate-nodes = {nodes}], got {limit}")
     sms = [n for chunk in (getattr(args, "sms", None) or []) for n in chunk] or list(DEFAULT_SMS)
     if min(sms) < 1:
         raise BenchArgError("--sms", f"SM counts must be >= 1, got {min(sms)}")
