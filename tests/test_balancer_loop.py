@@ -302,3 +302,23 @@ def test_replica_without_a_gradient_takes_the_sum(single_rank_group):
     opt.step()
     for a, b in ((0, 4), (1, 5)):
         torch.testing.assert_close(experts[a].weight, experts[b].weight)
+
+
+def test_replan_before_the_first_reduction_plans_on_the_carry(single_rank_group):
+    """A checkpoint saved before the first reduction holds its counts in the carry only; a
+    re-plan (after loading it into another EP size) plans on them instead of on zeros."""
+    layers, modules = make_layers(1, 4, 6)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=100)
+    bal.setup()
+    bal.record(0, torch.tensor([40, 1, 1, 1]))
+    bal.prepare_checkpoint()  # folds the counts into the carry, as before a save
+    assert not bal.stats.load().any() and bal.stats.carry_LE.sum() == 43
+    planned = []
+    bal._plan_and_apply = lambda load, iteration, t0: planned.append(load)  # what the re-plan plans on
+    bal.replan()
+    np.testing.assert_array_equal(planned[0], [[40, 1, 1, 1]])
+    bal.stats.reduce()  # once a reduction is held, the re-plan plans on the window as before
+    bal.record(0, torch.tensor([0, 9, 0, 0]))
+    bal.prepare_checkpoint()
+    bal.replan()
+    np.testing.assert_array_equal(planned[1], [[40, 1, 1, 1]])

@@ -267,9 +267,12 @@ class ExpertBalancer:
 
     def replan(self, iteration: int | None = None) -> dict:
         """Plan from the statistics held now (no reduction) and migrate: after a checkpoint
-        saved with another EP size is loaded, the placement follows the saved load."""
-        return self._plan_and_apply(self.stats.load(), self.steps if iteration is None else iteration,
-                                    time.perf_counter())
+        saved with another EP size is loaded, the placement follows the saved load. Saved
+        before the first reduction, the counts since then (the carry) are all there is."""
+        load_LE = self.stats.load()
+        if not load_LE.any():
+            load_LE = self.stats.carry_LE.copy()
+        return self._plan_and_apply(load_LE, self.steps if iteration is None else iteration, time.perf_counter())
 
     def _plan_and_apply(self, load_LE, iteration: int, t0: float) -> dict:
         from .metrics import imbalance_ratio, rank_loads, scalars, summarize
