@@ -84,7 +84,15 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     out = tmp_path / "iter_0000006"
     stats = load_statistics(str(out / "statistics.npz"))
     np.testing.assert_array_equal(stats["load"][0], [24, 3, 3, 30])  # window 1: steps 4..6
-    assert stats["history"].shape == (2, 2, 4)
+    # each rebalance's folder holds the reductions since the last report; the report dir's top
+    # file the whole history (a full copy per rebalance grew with the square of the run)
+    assert stats["history"].shape == (1, 2, 4) and stats["steps"].tolist() == [6]
+    np.testing.assert_array_equal(stats["history"][0, 0], [24, 3, 3, 30])
+    assert load_statistics(str(tmp_path / "iter_0000003" / "statistics.npz"))["steps"].tolist() == [3]
+    whole = load_statistics(str(tmp_path / "statistics.npz"))
+    assert whole["history"].shape == (2, 2, 4) and whole["steps"].tolist() == [3, 6]
+    np.testing.assert_array_equal(whole["load"], stats["load"])
+    assert not any(f.endswith(".tmp") for f in os.listdir(tmp_path))
     assert stats["layer_numbers"].tolist() == [1, 2]  # counted from 1, as Megatron numbers its layers
     pngs = [f for f in os.listdir(out) if f.endswith(".png")]
     assert pngs and all(open(out / f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in pngs)

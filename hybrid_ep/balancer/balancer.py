@@ -125,6 +125,7 @@ class ExpertBalancer:
         self.refresh_from_tables()
         self.last_summary: dict | None = None
         self.events: list[dict] = []
+        self._reported_step = -(2 ** 62)  # reductions after this step go into the next report
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -314,15 +315,23 @@ class ExpertBalancer:
         return event
 
     def write_report(self, iteration: int) -> dict:
-        """Statistics (npz), JSON summary and heatmap PNGs under report_dir/iter_<N>/."""
+        """JSON summary, heatmap PNGs and the statistics of the reductions since the last report
+        under report_dir/iter_<N>/; the whole kept history in report_dir/statistics.npz, replaced
+        each time (a full copy per rebalance grew the folder with the square of the run's length)."""
         from .report import save_statistics, write_report
 
         out = os.path.join(self.report_dir, f"iter_{int(iteration):07d}")
         os.makedirs(out, exist_ok=True)
-        save_statistics(os.path.join(out, "statistics.npz"), self.stats.load(),
-                        history=self.stats.history_array(), steps=np.asarray(self.stats.history_steps),
-                        ep_size=self.num_ranks, layer_numbers=np.asarray(self.layer_numbers))
         history = self.stats.history_array()
+        steps = np.asarray(self.stats.history_steps, dtype=np.int64)
+        new = steps > self._reported_step
+        common = dict(ep_size=self.num_ranks, layer_numbers=np.asarray(self.layer_numbers))
+        save_statistics(os.path.join(out, "statistics.npz"), self.stats.load(), history=history[new],
+                        steps=steps[new], **common)
+        whole = os.path.join(self.report_dir, "statistics.npz")
+        save_statistics(whole + ".tmp", self.stats.load(), history=history, steps=steps, **common)
+        os.replace(whole + ".tmp", whole)  # a reader never sees half a file
+        self._reported_step = int(iteration)
         return write_report({**self.last_summary, "layer_numbers": list(self.layer_numbers)}, out,
                             history=self._rank_history(history), step=int(iteration),
                             layer_names=[f"layer {n}" for n in self.layer_numbers],
