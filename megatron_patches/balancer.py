@@ -196,10 +196,13 @@ def _resize_saved_stats(state_dict, prefix, module) -> None:
 def _placement_loaded(module, incompatible_keys):
     table = module.token_dispatcher.slot_table
     row = table.slot_to_expert_S.clone()
+    balancer = getattr(module, _MARK, None)
     if bool((row < 0).all()):  # saved before a placement was installed: attach installs one
+        if balancer is not None:
+            raise ValueError("this checkpoint was saved before the expert balancer installed a placement; "
+                             "load it before the balancer is attached (attach then installs the first one)")
         return
     table.load_(row)  # rebuild the replica tables from the loaded row
-    balancer = getattr(module, _MARK, None)
     if balancer is None:  # not attached yet: attach restores the statistics
         return
     # loaded into a running balancer (a reload after attach): once every layer it balances is

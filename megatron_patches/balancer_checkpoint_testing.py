@@ -242,7 +242,12 @@ def load_unplaced(case, run) -> dict:
     layer.load_state_dict(saved)
     unset = bool((layer.hybrid_ep_slot_to_expert < 0).all())
     bal = mbalancer.attach(layer, None, writers=[])
-    return {"unset_after_load": unset, "placement": bal.placement_rows()}
+    try:  # into the attached layer: refused, its placement cannot come from this checkpoint
+        layer.load_state_dict(saved)
+        again = "loaded"
+    except ValueError as err:
+        again = str(err)
+    return {"unset_after_load": unset, "placement": bal.placement_rows(), "after_attach": again}
 
 
 def reload_after_attach(case, run) -> dict:

@@ -338,6 +338,7 @@ def test_state_saved_before_a_placement_loads(pool_for):
                              timeout_s=600):
         assert r["unset_after_load"]
         assert torch.equal(r["placement"], Placement.identity(1, 8, 10, 2, 1).slot_to_expert)  # as unloaded
+        assert "load it before the balancer is attached" in r["after_attach"]
 
 
 def test_checkpoint_loaded_after_attach_restores_the_statistics(pool_for):
