@@ -14,6 +14,7 @@ from .rows import row_bytes_rule
 
 DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_OUT_ROWS = 2**31 - 1  # the kernels index output rows with int32
 
 
 def _names(dtypes) -> str:
@@ -64,6 +65,9 @@ def check_num_out_tokens(num_out_tokens) -> None:
         raise TypeError(f"num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}")
     if num_out_tokens < 0:
         raise ValueError(f"num_out_tokens must be >= 0, got {num_out_tokens}")
+    if num_out_tokens > MAX_OUT_ROWS:
+        raise ValueError(f"num_out_tokens must be at most {MAX_OUT_ROWS} (output rows are indexed with int32), "
+                         f"got {num_out_tokens}")
 
 
 def check_handle(handle, owner: int, name: str = "handle") -> DispatchHandle:

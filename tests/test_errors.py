@@ -72,6 +72,8 @@ DISPATCH_CASES = [
      "num_out_tokens must be >= 0"),
     ("num_out_tokens float", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=4.0), TypeError,
      "num_out_tokens must be an int"),
+    ("num_out_tokens past int32", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=2**31), ValueError,
+     "num_out_tokens must be at most 2147483647 (output rows are indexed with int32), got 2147483648"),
     ("num_sms zero", lambda: dict(x=_x(), topk_idx=_idx(), num_sms=0), ValueError, "num_sms_dispatch must be >= 1"),
 ]
 
@@ -205,18 +207,24 @@ def test_experts_not_divisible_by_world_size(pool_for):
     assert all("num_experts (3) must be divisible by the EP world size (2)" in m for m in messages)
 
 
-def _dispatch_alone(rank_that_calls):
+def _dispatch_alone(rank_that_calls, peer_leaves=False):
+    """rank_that_calls dispatches; its peer stays idle, or leaves the group as a crashed peer
+    does (its connections close)."""
+    import os
+    import time
+
     import torch.distributed as dist
 
     import hybrid_ep as hep_rank
 
     buf = hep_rank.HybridEPBuffer(None, 128, 8, 4, ranks_per_node=1, backend="reference")
     if dist.get_rank() != rank_that_calls:
+        if peer_leaves:
+            time.sleep(1.0)
+            dist.destroy_process_group()
         return "idle"
-    import os
-    import time
-
-    os.environ["HYBRID_EP_TIMEOUT_S"] = "2"
+    if not peer_leaves:
+        os.environ["HYBRID_EP_TIMEOUT_S"] = "2"
     start = time.monotonic()
     try:
         buf.dispatch(torch.zeros(3, 128), torch.zeros(3, 1, dtype=torch.int64))
@@ -233,6 +241,17 @@ def test_missing_peer_times_out(pool_for):
     assert 1.5 < elapsed < 30
     assert "rank 1 of the EP group waited more than 2 s" in message and "HYBRID_EP_TIMEOUT_S" in message
     pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
+
+
+def test_peer_that_leaves_is_not_reported_as_a_timeout(pool_for):
+    """A broken connection fails at once; the message says so instead of blaming HYBRID_EP_TIMEOUT_S."""
+    pool = pool_for(2)
+    (elapsed, message), idle = pool.run(_dispatch_alone, [(0, True), (0, True)])
+    assert idle == "idle"
+    assert elapsed < 30  # the pool's limit is 60 s
+    assert "rank 0 of the EP group failed after" in message and "connection to a peer rank broke" in message
+    assert "waited more than" not in message
+    pool.close()  # the group is unusable after this; the fixture starts a fresh one
 
 
 def _disagree_on_rank(what):

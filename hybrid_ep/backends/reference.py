@@ -11,6 +11,7 @@ S rows sent, V rows received, R output rows, M kept (row, expert) entries.
 from __future__ import annotations
 
 import datetime
+import time
 import zlib
 
 import torch
@@ -44,13 +45,20 @@ class ReferenceBackend(Backend):
 
     def _wait(self, work, phase: str) -> None:
         limit = timeout_seconds()
+        start = time.monotonic()
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except RuntimeError as err:
+            elapsed = time.monotonic() - start
+            if elapsed < limit:  # the transport failed first: a peer process exited or its link broke
+                cause = (f"failed after {elapsed:.1f} s in {phase}: the connection to a peer rank broke "
+                         f"(did a peer process exit or crash? check its log)")
+            else:
+                cause = (f"waited more than {limit:g} s (HYBRID_EP_TIMEOUT_S) in {phase}: a peer rank did "
+                         f"not make the same call")
             raise RuntimeError(
-                f"hybrid_ep: rank {self.rank} of the EP group waited more than {limit:g} s "
-                f"(HYBRID_EP_TIMEOUT_S) in {phase}: a peer rank did not make the same call. "
-                f"The process group is unusable after this error. ({err})"
+                f"hybrid_ep: rank {self.rank} of the EP group {cause}. The process group is unusable after "
+                f"this error. ({err})"
             ) from err
 
     def _exchange_counts(self, send_counts_W, node_counts_N, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
