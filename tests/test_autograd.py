@@ -14,6 +14,7 @@ CASES = [
     (Case(3, 1, 6, 32, (5, 7, 0), 2, routing_map=True, seed=23), True),
     (Case(3, 3, 6, 32, (5, 7, 2), 4, routing_map=True, pad_multiple=4, seed=24), False),
     (Case(4, 2, 8, 32, (12, 12, 12, 12), 2, num_out_tokens=9, seed=25), True),
+    (Case(4, 2, 8, 32, (6, 0, 9, 4), 2, num_out_tokens=40, pad_multiple=4, seed=27), False),  # trailing zero rows
     (Case(2, 1, 4, 32, (8, 8), 1, routing="one-expert", seed=26), False),
 ]
 
@@ -32,7 +33,7 @@ def test_gradients_match_dense_oracle(pool_for, case, probs_in_expert):
         run_autograd_on_rank,
         [(case, inputs[r], weights, grad_ys[r], probs_in_expert) for r in range(case.world_size)],
     )
-    if case.num_out_tokens is not None:
+    if case.num_out_tokens is not None and case.num_out_tokens < 20:  # the case that drops
         assert sum(int((r < 0).sum() - (i["topk_idx"] < 0).sum()) for r, i in zip(run.row_of_slot, inputs)) > 0
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g["y"].double(), w["y"], rtol=1e-5, atol=1e-6, msg=f"rank {s} y")

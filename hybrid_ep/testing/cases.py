@@ -156,10 +156,12 @@ def check_case(pool, case: Case) -> list[dict]:
 
 def expert_fn(rows_RH: torch.Tensor, weights_EHH: torch.Tensor, expert_ids: list[int],
               counts: list[int]) -> torch.Tensor:
-    """A different nonlinear function per expert, applied block by block."""
-    blocks = torch.split(rows_RH, counts)
+    """A different nonlinear function per expert, applied block by block; rows past the experts'
+    counts (a static num_out_tokens larger than needed) stay zero."""
+    used = sum(counts)
+    blocks = torch.split(rows_RH[:used], counts)
     outs = [torch.tanh(b @ weights_EHH[e].to(b.dtype)) for b, e in zip(blocks, expert_ids)]
-    return torch.cat(outs) if outs else rows_RH[:0]
+    return torch.cat(outs + [rows_RH.new_zeros(rows_RH.shape[0] - used, rows_RH.shape[1])])
 
 
 def run_autograd_on_rank(case: Case, inputs: dict, weights_EHH: torch.Tensor, grad_y: torch.Tensor,
@@ -180,7 +182,6 @@ def run_autograd_on_rank(case: Case, inputs: dict, weights_EHH: torch.Tensor, gr
     L = cfg.experts_per_rank
     first = buf.rank * L
     out = expert_fn(res.tokens, weights_EHH, list(range(first, first + L)), res.tokens_per_expert.tolist())
-    out = torch.cat([out, res.tokens.new_zeros(res.tokens.shape[0] - out.shape[0], cfg.hidden_dim)])
     if probs_in_expert:
         out = out * res.probs[:, None].to(out.dtype)
     y = autograd.combine(buf, out, res.handle, apply_probs=not probs_in_expert)
