@@ -336,18 +336,31 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         if isinstance(initial, str):
             from hybrid_ep.balancer.placement_file import load_placement_yaml
 
-            loaded = load_placement_yaml(initial)
-            if loaded.slot_to_expert.shape != (len(layers), balancer.num_slots):
-                raise ValueError(
-                    f"hybrid_ep option balancer_placement {initial!r} has shape "
-                    f"{tuple(loaded.slot_to_expert.shape)}, this model needs ({len(layers)}, {balancer.num_slots})"
-                )
-            initial = loaded.slot_to_expert
+            initial = _placement_for_model(load_placement_yaml(initial), initial, len(layers), balancer,
+                                           first.ep_size)
         balancer.setup(initial)
     else:
         _resume(balancer, layers)
     _wrap_step(optimizer, balancer)
     return balancer
+
+
+def _placement_for_model(loaded, path: str, num_layers: int, balancer: ExpertBalancer, ep_size: int):
+    """The file's [L, S] table, refused unless it was planned for this model's experts and EP
+    size: a plan for another EP size has the same shape when the slot totals agree, and would
+    load as a placement balanced for ranks this model does not have."""
+    want = {"num_experts": balancer.num_experts, "ep_size": ep_size, "layers": num_layers,
+            "num_slots": balancer.num_slots}
+    have = {"num_experts": loaded.num_experts, "ep_size": loaded.num_ranks, "layers": loaded.num_layers,
+            "num_slots": loaded.num_slots}
+    wrong = [f"{key} {have[key]} (the model has {want[key]})" for key in want if have[key] != want[key]]
+    if wrong:
+        raise ValueError(
+            f"hybrid_ep option balancer_placement {path!r} was planned for another model: {', '.join(wrong)}. "
+            f"Plan one for this model: python -m hybrid_ep.balancer plan --stats ... --ep-size {ep_size} "
+            f"--num-slots {balancer.num_slots}"
+        )
+    return loaded.slot_to_expert
 
 
 def _num_nodes(ep_size: int, ranks_per_node: int | None) -> int:

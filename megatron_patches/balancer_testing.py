@@ -268,6 +268,24 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
     }
 
 
+def attach_placement_file(case: LayerCase, slots_per_rank: int, path: str):
+    """attach() with --hybrid-ep-balancer-placement set to path: the placement rows it set up,
+    or the ValueError's message."""
+    import megatron_patches
+
+    from . import balancer as mbalancer
+
+    init_megatron(case.world_size)
+    options = megatron_patches.HybridEPOptions(balancer_interval=5, balancer_slots_per_rank=slots_per_rank,
+                                               balancer_placement=path)
+    layer = build_moe_layer(case, hybrid_ep_options=options)
+    try:
+        bal = mbalancer.attach(layer, torch.optim.AdamW(layer.parameters()), writers=[])
+    except ValueError as err:
+        return str(err)
+    return bal.placement_rows()
+
+
 def _expert_weights(layer, bal) -> dict:
     """expert id -> (fc1, fc2) of the first local slot holding it (float64)."""
     P = len(layer.experts.local_experts)

@@ -155,6 +155,33 @@ def test_attach_passes_the_move_budget(runs):
         assert not torch.equal(held_rank["placement"], moved_rank["placements"][0][1])
 
 
+def test_attach_takes_a_placement_file_planned_for_this_model(pool_for, tmp_path):
+    """--hybrid-ep-balancer-placement: a YAML planned for this model's experts, EP size and slots
+    becomes the first placement; one planned for another EP size or expert count with the same
+    table shape (12 slots) is refused by name instead of loading as a plan for other ranks."""
+    import numpy as np
+
+    from hybrid_ep.balancer import plan_placement
+    from hybrid_ep.balancer.placement_file import save_placement_yaml
+    from megatron_patches.balancer_testing import attach_placement_file
+
+    load = np.random.default_rng(5).random((1, CASE.num_experts)) * 100
+    good = plan_placement(load, W * SLOTS_PER_RANK, 1, W)
+    other_ep = plan_placement(load, W * SLOTS_PER_RANK, 1, 2)
+    other_experts = plan_placement(np.ones((1, 12)), W * SLOTS_PER_RANK, 1, W)
+    paths = {}
+    for name, placement in (("good", good), ("other_ep", other_ep), ("other_experts", other_experts)):
+        paths[name] = save_placement_yaml(placement, str(tmp_path / f"{name}.yaml"))
+    pool = pool_for(W)
+    rows = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, paths["good"])] * W, timeout_s=300)
+    assert all(torch.equal(r, good.slot_to_expert) for r in rows)
+    assert not torch.equal(good.slot_to_expert, plan_placement(np.ones((1, 8)), 12, 1, W).slot_to_expert)
+    for name, words in (("other_ep", "ep_size 2 (the model has 4)"), ("other_experts", "num_experts 12 (the model has 8)")):
+        messages = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, paths[name])] * W, timeout_s=300)
+        assert all(isinstance(m, str) and f"{name}.yaml' was planned for another model: {words}" in m
+                   for m in messages), messages[0]
+
+
 def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     """Megatron-LM's parser takes the --hybrid-ep-balancer-* flags; they reach HybridEPOptions."""
     arguments = pytest.importorskip("megatron.training.arguments")

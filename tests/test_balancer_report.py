@@ -65,6 +65,9 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["initial_global_assignments"][0].pop(), r"initial_global_assignments\[0\] has 7 slots"),
     (lambda d: d["initial_global_assignments"].__setitem__(0, [0] * 8), "no slot for expert 1"),
     (lambda d: d.__setitem__("num_nodes", 3), "num_nodes"),
+    (lambda d: d["initial_global_assignments"][0].__setitem__(3, 10**30),
+     r"p.yaml: initial_global_assignments\[0\] has expert id 10{30}, outside \[0, 7\] \(num_experts=8\)"),
+    (lambda d: d["initial_global_assignments"][1].__setitem__(0, -1), r"p.yaml: .*\[1\] has expert id -1, outside"),
 ])
 def test_yaml_load_names_the_problem(tmp_path, edit, match):
     p = plan_placement(np.ones((2, 8)), 8, 1, 2)
@@ -74,6 +77,13 @@ def test_yaml_load_names_the_problem(tmp_path, edit, match):
     yaml.safe_dump(doc, open(path, "w"))
     with pytest.raises(ValueError, match=match):
         load_placement_yaml(path)
+
+
+def test_yaml_load_names_a_file_that_is_not_text(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"num_slots: 8\n\xff\xfe: 1\n")
+    with pytest.raises(ValueError, match=r"p.yaml: not UTF-8 text"):
+        load_placement_yaml(str(path))
 
 
 # ----------------------------------------------------------------------------- statistics, plots

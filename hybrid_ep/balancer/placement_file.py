@@ -45,11 +45,14 @@ def save_placement_yaml(placement: Placement, path: str, extra: dict | None = No
 
 def load_placement_yaml(path: str) -> Placement:
     """Read a placement written by save_placement_yaml (or by hand); ValueError names the problem."""
-    with open(path) as f:
-        try:
-            doc = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML ({exc})") from exc
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        doc = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(doc).__name__}")
     sizes = {}
@@ -70,6 +73,10 @@ def load_placement_yaml(path: str) -> Placement:
         row = table[layer]
         if not isinstance(row, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in row):
             raise ValueError(f"{path}: {ASSIGNMENTS_KEY}[{layer}] must be a list of expert ids")
+        outside = [e for e in row if not 0 <= e < sizes["num_experts"]]
+        if outside:
+            raise ValueError(f"{path}: {ASSIGNMENTS_KEY}[{layer}] has expert id {outside[0]}, outside "
+                             f"[0, {sizes['num_experts'] - 1}] (num_experts={sizes['num_experts']})")
         if len(row) != sizes["num_slots"]:
             raise ValueError(f"{path}: {ASSIGNMENTS_KEY}[{layer}] has {len(row)} slots, num_slots is "
                              f"{sizes['num_slots']}")
