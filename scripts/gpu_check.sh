@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of the cuda backend on a single-GPU machine exactly as it is: its own python3
-# and the packages already installed, no network, no virtualenv, nothing installed. Each
-# stage is one command that ends well inside 10 minutes and writes its logs into RESULTS.
+# and the packages already installed, no network, no virtualenv, nothing installed. One
+# command runs one stage or several (comma-separated, in order, building once) and ends
+# inside GPU_CHECK_BUDGET_S seconds, build included; its logs go into RESULTS.
 #
 #   bash scripts/gpu_check.sh build    RESULTS   # hybrid_ep._C in place, sm_90a only
 #   bash scripts/gpu_check.sh test     RESULTS   # (a) build + every GPU test
@@ -13,26 +14,35 @@
 #                                                #     without and with MPS (summary: nvshmem_summary.txt)
 #   bash scripts/gpu_check.sh nvshmem-ep RESULTS # (f) dispatch + combine across 2-4 processes on the
 #                                                #     GPU, nodes joined by NVSHMEM, against the oracle
+#   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
-# Every stage builds the extension first unless hybrid_ep/_C*.so is newer than csrc/ and
-# setup.py. Environment: PYTHON (default python3), HYBRID_EP_CUDA_ARCHS (default 90a),
-# GPU_CHECK_BUDGET_S (seconds a stage's main command may run, default 480).
+# Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
+# GPU_CHECK_BUDGET_S (seconds the whole command may take, build included, default 540: every
+# stage's main command is cut, and killed 10 s later, so that packing ends inside it);
+# HYBRID_EP_TIMEOUT_S (the kernels' wait bound, default 20 here: a hang costs 20 s, not 100);
+# GPU_CHECK_PACK=1 (at the end, every file this command wrote goes into
+# RESULTS/logs_<stages>.tgz beside RESULTS/gpu_check_summary.txt: for machines that return only
+# a few files); GPU_CHECK_COMMIT (the commit being checked, for machine.txt; default: read
+# from .git when the checkout has one).
 set -uo pipefail
 
 usage() {
-    sed -n '6,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
-stage=$1
+IFS=, read -ra stages <<< "$1"
 results=$2
 shift 2
-case "$stage" in
-    build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep) ;;
-    *) echo "gpu_check: unknown stage '$stage'" >&2; usage ;;
-esac
-if [ "$stage" != sanitize ] && [ $# -gt 0 ]; then
-    echo "gpu_check: stage $stage takes no further arguments, got: $*" >&2
+[ ${#stages[@]} -gt 0 ] || usage
+for s in "${stages[@]}"; do
+    case "$s" in
+        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep) ;;
+        *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
+    esac
+done
+if [ $# -gt 0 ] && [[ " ${stages[*]} " != *" sanitize "* ]]; then
+    echo "gpu_check: only the sanitize stage takes further arguments (tools), got: $*" >&2
     usage
 fi
 mkdir -p "$results" || { echo "gpu_check: can not create the results folder $results" >&2; exit 2; }
@@ -41,74 +51,136 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 
 py=${PYTHON:-python3}
-budget=${GPU_CHECK_BUDGET_S:-480}
+budget=${GPU_CHECK_BUDGET_S:-540}
+deadline=$((SECONDS + budget))
+reserve=20  # seconds kept for the kill grace, the post-processing and packing
 export PYTHONUNBUFFERED=1
 export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a}
+export HYBRID_EP_TIMEOUT_S=${HYBRID_EP_TIMEOUT_S:-20}
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+summary="$results/gpu_check_summary.txt"
+stamp=$(mktemp)  # files newer than this were written by this command
+stage=setup
+mps_started=""
 
-say() { echo "gpu_check [$stage]: $*"; }
+say() { echo "gpu_check [$stage]: $*" | tee -a "$summary"; }
+# Seconds the next command may run; never below 1.
+left() { local n=$((deadline - SECONDS - reserve)); [ "$n" -ge 1 ] && echo "$n" || echo 1; }
+# A command cut at $1 seconds: SIGINT first (pytest and Python write their logs), SIGKILL 10 s
+# later (a process blocked in a CUDA call ignores SIGINT).
+bounded() { local limit=$1; shift; timeout -k 10 --signal=INT "$limit" "$@"; }
+# The last lines of a log, on stdout and in the summary.
+show_tail() { tail -"$1" "$2" | tee -a "$summary"; }
+
+commit_of_checkout() {
+    if [ -n "${GPU_CHECK_COMMIT:-}" ]; then echo "$GPU_CHECK_COMMIT"; return; fi
+    [ -f .git/HEAD ] || { echo "unknown (no .git here; pass GPU_CHECK_COMMIT)"; return; }
+    local head ref
+    head=$(cat .git/HEAD)
+    case "$head" in
+        "ref: "*) ref=${head#ref: }
+                  cat ".git/$ref" 2>/dev/null || grep " $ref\$" .git/packed-refs 2>/dev/null | cut -d' ' -f1 ;;
+        *) echo "$head" ;;
+    esac
+}
+
+on_exit() {
+    local rc=$?
+    if [ -n "$mps_started" ]; then echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; fi
+    if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+        local name files
+        name="logs_$(IFS=-; echo "${stages[*]}").tgz"
+        files=$(cd "$results" && find . -type f -newer "$stamp" ! -name gpu_check_summary.txt ! -name "$name" | sort)
+        if [ -n "$files" ]; then
+            (cd "$results" && echo "$files" | tar czf "$name" -T - && echo "$files" | xargs rm -f \
+                && find . -mindepth 1 -type d -empty -delete)
+            echo "gpu_check: packed $(echo "$files" | wc -l) files into $results/$name" | tee -a "$summary"
+        fi
+    fi
+    rm -f "$stamp"
+    exit "$rc"
+}
+trap on_exit EXIT
 
 facts_py='import sys, torch; ok = torch.cuda.is_available(); print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| device", torch.cuda.get_device_name(0) if ok else None)'
 
 machine_facts() {
     {
         echo "date: $(date -Iseconds)"
+        echo "commit: $(commit_of_checkout)"
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
         "$py" -c "$facts_py" 2>&1
         nvcc --version 2>&1 | tail -1
+        echo "stages: ${stages[*]}; budget ${budget} s; HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S"
     } > "$results/machine.txt"
-    say "$(head -3 "$results/machine.txt" | tr '\n' ' ')"
+    cat "$results/machine.txt" >> "$summary"
+    echo "gpu_check: $(sed -n '2,4p' "$results/machine.txt" | tr '\n' ' ')"
 }
 
+# The extension is rebuilt when a source is newer than it or it was built for other archs.
+archs_stamp=build/gpu_check_archs
 extension_is_fresh() {
     local so
     so=$(ls hybrid_ep/_C*.so 2>/dev/null | head -1)
     [ -n "$so" ] || return 1
-    [ -z "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -1)" ]
+    [ "$(cat "$archs_stamp" 2>/dev/null)" = "$HYBRID_EP_CUDA_ARCHS" ] || return 1
+    [ -z "$(find csrc setup.py scripts/find_nvshmem.py -newer "$so" -type f 2>/dev/null | head -1)" ]
 }
 
 build() {
     if extension_is_fresh; then
-        say "hybrid_ep._C is newer than csrc/ and setup.py: not rebuilt"
+        say "hybrid_ep._C is newer than its sources and built for sm_$HYBRID_EP_CUDA_ARCHS: not rebuilt"
     else
         local start=$SECONDS
         say "building hybrid_ep._C in place for sm_${HYBRID_EP_CUDA_ARCHS//;/, sm_} (log: build.log)"
-        if ! "$py" setup.py build_ext --inplace > "$results/build.log" 2>&1; then
+        if ! bounded "$(left)" "$py" setup.py build_ext --inplace > "$results/build.log" 2>&1; then
             tail -30 "$results/build.log"
             say "build failed"
             exit 1
         fi
+        mkdir -p "$(dirname "$archs_stamp")" && echo "$HYBRID_EP_CUDA_ARCHS" > "$archs_stamp"
         say "built in $((SECONDS - start)) s"
     fi
     "$py" -c 'import hybrid_ep._C' || { say "hybrid_ep._C does not import"; exit 1; }
 }
 
 run_tests() {
-    say "GPU tests (log: gpu_tests.log)"
-    timeout --signal=INT "$budget" "$py" -m pytest -m "gpu or multigpu" -rA -p no:cacheprovider --timeout=300 \
-        --junitxml="$results/gpu_tests.xml" \
+    say "GPU tests (log: gpu_tests.log, at most $(left) s)"
+    bounded "$(left)" "$py" -m pytest -m "gpu or multigpu" -v -rfEs -p no:cacheprovider --timeout=120 \
+        --maxfail=10 --junitxml="$results/gpu_tests.xml" \
         tests/test_cuda_emulation.py tests/test_reference_nccl.py tests/test_balancer_loop.py \
-        tests/test_nvshmem_transport.py > "$results/gpu_tests.log" 2>&1
+        tests/test_nvshmem_transport.py tests/test_oracle.py tests/test_cuda_plan.py \
+        > "$results/gpu_tests.log" 2>&1
     local rc=$?
     say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then  # -v names each test as it starts
+        say "stopped at its time limit; the last test it started: $(grep -oE '^tests/[^ ]+::[^ ]+' \
+            "$results/gpu_tests.log" | tail -1)"
+    fi
+    grep -E '^(FAILED|ERROR) ' "$results/gpu_tests.log" | head -20 | tee -a "$summary"
     return "$rc"
 }
 
 run_sanitizer() {
     local tools=("$@")
     [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck)
-    local per_tool=$((budget / ${#tools[@]})) worst=0 tool rc
-    : > "$results/sanitizer_summary.txt"
+    local tool rc worst=0 todo=${#tools[@]} per_tool
     for tool in "${tools[@]}"; do
         case "$tool" in memcheck|racecheck|synccheck|initcheck) ;;
             *) echo "gpu_check: unknown compute-sanitizer tool '$tool'" >&2; exit 2 ;; esac
+    done
+    : > "$results/sanitizer_summary.txt"
+    for tool in "${tools[@]}"; do
+        per_tool=$(( $(left) / todo ))
+        todo=$((todo - 1))
         say "compute-sanitizer --tool $tool (log: sanitizer_$tool.log, at most $per_tool s)"
-        HYBRID_EP_TIMEOUT_S=60 timeout --signal=INT "$per_tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        HYBRID_EP_TIMEOUT_S=60 bounded "$per_tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
             --print-limit 50 "$py" -m hybrid_ep.testing.emulated_check --preset small --calls 1 \
             > "$results/sanitizer_$tool.log" 2>&1
         rc=$?
-        echo "$tool: exit $rc; $(grep -h 'ERROR SUMMARY' "$results/sanitizer_$tool.log" | tail -1)" \
-            | tee -a "$results/sanitizer_summary.txt"
+        # memcheck and synccheck end with "ERROR SUMMARY", racecheck with "RACECHECK SUMMARY"
+        echo "$tool: exit $rc; $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$results/sanitizer_$tool.log" | tail -1)" \
+            | tee -a "$results/sanitizer_summary.txt" "$summary"
         [ "$rc" -gt "$worst" ] && worst=$rc
     done
     return "$worst"
@@ -116,19 +188,18 @@ run_sanitizer() {
 
 run_bench() {
     say "emulated benchmark: W=2 and W=8, 1 2 4 SMs per rank (log: bench.log, results: bench/)"
-    local start=$SECONDS rc rc_nodes
-    timeout --signal=INT "$budget" "$py" -m hybrid_ep.bench --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \
+    local rc rc_nodes
+    bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \
         --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench" > "$results/bench.log" 2>&1
     rc=$?
-    tail -20 "$results/bench.log"
+    show_tail 20 "$results/bench.log"
     # The same shape as 2 nodes of 4: the RDMA stage through the loopback transport, its rows
     # checked against the traffic model.
     say "emulated benchmark, W=8 as 2 nodes (log: bench_nodes.log, results: bench_nodes/)"
-    timeout --signal=INT "$((budget - (SECONDS - start) > 30 ? budget - (SECONDS - start) : 30))" "$py" \
-        -m hybrid_ep.bench --emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
-        --dtype bf16 --sms 1 2 4 --out "$results/bench_nodes" > "$results/bench_nodes.log" 2>&1
+    bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 \
+        --topk 8 --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench_nodes" > "$results/bench_nodes.log" 2>&1
     rc_nodes=$?
-    tail -12 "$results/bench_nodes.log"
+    show_tail 12 "$results/bench_nodes.log"
     [ "$rc" -ne 0 ] && return "$rc"
     return "$rc_nodes"
 }
@@ -137,29 +208,31 @@ run_ncu() {
     # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
     # first call's three and profile the second call's dispatch and combine.
     say "ncu on dispatch_kernel and combine_kernel, W=8 H=8192 T=4096 K=8 E=16 bf16 (log: ncu.log)"
-    timeout --signal=INT "$budget" ncu --target-processes all --kernel-name "regex:dispatch_kernel|combine_kernel" \
+    bounded "$(( $(left) - 40 > 30 ? $(left) - 40 : 30 ))" ncu --target-processes all \
+        --kernel-name "regex:dispatch_kernel|combine_kernel" \
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section SourceCounters --export "$results/ncu" --force-overwrite \
         "$py" -m hybrid_ep.testing.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
         --calls 2 --no-check > "$results/ncu.log" 2>&1
     local rc=$?
-    if [ -f "$results/ncu.ncu-rep" ]; then
-        ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1
-        ncu --import "$results/ncu.ncu-rep" --page details --csv > "$results/ncu_details.csv" 2>&1
+    if [ -f "$results/ncu.ncu-rep" ]; then  # the post-processing has the 40 s kept above
+        bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1
+        bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page details --csv > "$results/ncu_details.csv" 2>&1
         # per-SASS-instruction stall samples (SourceCounters), one table per kernel
         local k
         for k in dispatch_kernel combine_kernel; do
-            ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source sass \
+            bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source sass \
                 --kernel-name "regex:$k" > "$results/ncu_source_$k.csv" 2>&1
             # the same summed per source line (the build has -lineinfo)
-            ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source cuda,sass \
+            bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source cuda,sass \
                 --kernel-name "regex:$k" > "$results/ncu_source_lines.tmp" 2>&1
             "$py" scripts/ncu_lines.py "$results/ncu_source_lines.tmp" > "$results/ncu_lines_$k.txt" 2>&1
+            show_tail 6 "$results/ncu_lines_$k.txt" > /dev/null
         done
         rm -f "$results/ncu_source_lines.tmp"
     fi
-    tail -5 "$results/ncu.log"
+    show_tail 5 "$results/ncu.log"
     return "$rc"
 }
 
@@ -171,9 +244,9 @@ run_ncu() {
 run_nvshmem() {
     "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
-    local per_run=$((budget / 8)) mps vmm procs rc name worked2="" worked4=""
-    local summary="$results/nvshmem_summary.txt"
-    : > "$summary"
+    local todo=8 per_run mps vmm procs rc name worked2="" worked4=""
+    local nv_summary="$results/nvshmem_summary.txt"
+    : > "$nv_summary"
     # The daemon's socket path must stay short (a Unix socket name): its pipe folder is in /tmp.
     CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/hybrid-ep-mps.XXXXXX)
     export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
@@ -181,23 +254,27 @@ run_nvshmem() {
     for mps in off on; do
         if [ "$mps" = on ]; then
             if ! nvidia-cuda-mps-control -d > "$results/mps/start.log" 2>&1; then
-                echo "mps=on: nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")" | tee -a "$summary"
+                echo "mps=on: nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")" \
+                    | tee -a "$nv_summary" "$summary"
                 break
             fi
-            trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
+            mps_started=1
             sleep 1
         fi
         for vmm in default off; do
             for procs in 2 4; do
                 name="mps-${mps}_vmm-${vmm}_p${procs}"
-                say "NVSHMEM self-test, $procs PEs, MPS $mps, CUDA VMM heap $vmm (log: nvshmem/$name/)"
+                per_run=$(( $(left) / todo ))
+                todo=$((todo - 1))
+                say "NVSHMEM self-test, $procs PEs, MPS $mps, CUDA VMM heap $vmm (log: nvshmem_$name.log, at most $per_run s)"
                 if [ "$vmm" = off ]; then export NVSHMEM_DISABLE_CUDA_VMM=1; else unset NVSHMEM_DISABLE_CUDA_VMM; fi
-                timeout --signal=INT "$per_run" "$py" -m hybrid_ep.testing.nvshmem_selftest --procs "$procs" \
-                    --deadline $((per_run - 5)) --out "$results/nvshmem/$name" > "$results/nvshmem_$name.log" 2>&1
+                bounded "$per_run" "$py" -m hybrid_ep.testing.nvshmem_selftest --procs "$procs" \
+                    --deadline $((per_run > 10 ? per_run - 5 : 5)) --out "$results/nvshmem/$name" \
+                    > "$results/nvshmem_$name.log" 2>&1
                 rc=$?
                 local log="$results/nvshmem_$name.log" why
                 why=$(grep -m1 -E '^rank .*(failed|did not|differ|killed|stopped|wrote no)' "$log" || tail -1 "$log")
-                echo "mps=$mps vmm=$vmm procs=$procs: exit $rc; $why" | tee -a "$summary"
+                echo "mps=$mps vmm=$vmm procs=$procs: exit $rc; $why" | tee -a "$nv_summary" "$summary"
                 if [ "$rc" -eq 0 ]; then
                     if [ "$procs" = 2 ]; then worked2+=" $mps/$vmm"; else worked4+=" $mps/$vmm"; fi
                 fi
@@ -206,7 +283,7 @@ run_nvshmem() {
         unset NVSHMEM_DISABLE_CUDA_VMM
         if [ "$mps" = on ]; then
             echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-            trap - EXIT
+            mps_started=""
         fi
     done
     rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
@@ -220,21 +297,32 @@ run_nvshmem_cases() {
     "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     say "dispatch + combine across NVSHMEM processes on the GPU (log: nvshmem_cases.log)"
-    timeout --signal=INT "$budget" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
-        --timeout 40 > "$results/nvshmem_cases.log" 2>&1
+    bounded "$(left)" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
+        --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/nvshmem_cases.log" 2>&1
     local rc=$?
     say "exit $rc: $(tail -1 "$results/nvshmem_cases.log")"
     return "$rc"
 }
 
 machine_facts
+stage=build
 build
-case "$stage" in
-    build) exit 0 ;;
-    test) run_tests ;;
-    sanitize) run_sanitizer "$@" ;;
-    bench) run_bench ;;
-    ncu) run_ncu ;;
-    nvshmem) run_nvshmem ;;
-    nvshmem-ep) run_nvshmem_cases ;;
-esac
+worst=0
+for stage in "${stages[@]}"; do
+    if [ "$stage" != build ] && [ $((deadline - SECONDS - reserve)) -lt 5 ]; then
+        say "not run: $((deadline - SECONDS)) s of the ${budget} s budget left"
+        [ "$worst" -lt 124 ] && worst=124
+        continue
+    fi
+    case "$stage" in
+        build) rc=0 ;;
+        test) run_tests; rc=$? ;;
+        sanitize) run_sanitizer "$@"; rc=$? ;;
+        bench) run_bench; rc=$? ;;
+        ncu) run_ncu; rc=$? ;;
+        nvshmem) run_nvshmem; rc=$? ;;
+        nvshmem-ep) run_nvshmem_cases; rc=$? ;;
+    esac
+    [ "$rc" -gt "$worst" ] && worst=$rc
+done
+exit "$worst"

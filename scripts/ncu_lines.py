@@ -40,7 +40,7 @@ def summarize(path: str, top: int = 15) -> str:
         for row in csv.reader(f):
             if not row:
                 continue
-            if row[0] == "Function Name":
+            if row[0] in ("Kernel Name", "Function Name"):  # ncu 2025.3 writes the first
                 kernel = row[1]
             elif row[0] == "File Path":
                 source_file = os.path.basename(row[1])

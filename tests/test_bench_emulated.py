@@ -92,6 +92,32 @@ def test_rdma_rows_of_the_kernels_equal_the_traffic_model(capsys):
     one_node.close()
 
 
+def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch):
+    """The bench's rows name the stages and store groups of each launch (the default is chosen
+    per launch from the stages, so the override alone does not say what ran)."""
+    pytest.importorskip("hybrid_ep._model")
+    from hybrid_ep.backends.cuda import launch
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+
+    tokens = [9, 4]
+    idx = list(iter_rank_routings("uniform", tokens, 4, 2, seed=1))
+    xs = [torch.randn(t, 1024).to(torch.bfloat16) for t in tokens]
+    for override in (None, 0):
+        if override is None:
+            monkeypatch.delenv(launch.STORE_GROUPS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.STORE_GROUPS_ENV, str(override))
+        group = EmulatedGroup(2, 1024, 9, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+        res = group.dispatch(xs, idx, num_sms=1)
+        group.combine([r.tokens for r in res], [r.handle for r in res], num_sms=1)
+        shapes = group.engine.launch_shapes(1)
+        assert set(shapes) == {"dispatch", "combine"} and group.engine.launch_shapes(2) == {}
+        for shape in shapes.values():
+            assert shape["stages"] >= 2
+            assert shape["store_groups"] == launch.store_groups(shape["stages"], override)
+        group.close()
+
+
 def test_emulate_nodes_must_divide_every_world_size(capsys, tmp_path, monkeypatch):
     from hybrid_ep.bench.cli import build_parser
 

@@ -341,18 +341,26 @@ def test_registered_handles_are_opened_only_inside_the_node(pool_for):
     assert tables[2] == [2000, 2001, 1002, 2003]
 
 
+def test_cuda_backend_by_name_needs_a_device(single_rank_group):
+    """Without a CUDA device, asking for cuda by name gives the reason, and it is not the
+    transport: processes sharing one GPU use gloo."""
+    from hybrid_ep.backends import cuda_unavailable_reason
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU machine's behaviour")
+    reason = cuda_unavailable_reason(single_rank_group, explicit=True)
+    assert reason is not None and "NCCL" not in reason
+
+
+@pytest.mark.gpu
 def test_cuda_backend_by_name_runs_over_a_gloo_group(single_rank_group):
     """`auto` keeps CPU-looking (gloo) groups on the reference backend; asked for by name,
     cuda needs only the extension and a device (processes sharing one GPU use gloo)."""
     from hybrid_ep.backends import cuda_unavailable_reason
 
-    reason = cuda_unavailable_reason(single_rank_group, explicit=True)
-    if torch.cuda.is_available():
-        try:
-            import hybrid_ep._C  # noqa: F401
-        except ImportError:
-            pytest.skip("hybrid_ep._C is not built")
-        assert reason is None
-        assert cuda_unavailable_reason(single_rank_group) == "the EP group is not an NCCL group"
-    else:
-        assert reason is not None and "NCCL" not in reason
+    try:
+        import hybrid_ep._C  # noqa: F401
+    except ImportError:
+        pytest.skip("hybrid_ep._C is not built")
+    assert cuda_unavailable_reason(single_rank_group, explicit=True) is None
+    assert cuda_unavailable_reason(single_rank_group) == "the EP group is not an NCCL group"

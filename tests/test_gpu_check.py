@@ -46,7 +46,10 @@ echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" >> "$CALL
 case "$*" in
   *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
   "setup.py build_ext --inplace") touch hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so; echo built ;;
-  *"-m pytest"*) echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
+  *"-m pytest"*) echo "pytest HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S" >> "$CALLS"
+    if [ -n "${PYTEST_HANGS:-}" ]; then  # as a process blocked in a CUDA call
+      echo "tests/test_cuda_emulation.py::test_hangs[w4] "; trap '' INT; sleep 60; fi
+    echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
@@ -77,7 +80,9 @@ echo "mps-control $(cat)" >> "$CALLS"; rm -f "$HOME/mps_running"
     _stub(bin_dir / "nvcc", 'echo "Cuda compilation tools, release 13.0"\n')
     _stub(bin_dir / "compute-sanitizer", r'''
 echo "compute-sanitizer $*" >> "$CALLS"
-echo "========= ERROR SUMMARY: 0 errors"
+echo "HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S" >> "$CALLS"
+if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+else echo "========= ERROR SUMMARY: 0 errors"; fi
 ''')
     _stub(bin_dir / "ncu", r'''
 echo "ncu $*" >> "$CALLS"
@@ -117,7 +122,8 @@ def test_test_stage_builds_in_place_for_sm90a_then_runs_the_gpu_tests(machine):
     assert lines[0].startswith("python3 setup.py build_ext --inplace | ARCHS=90a PYTHONPATH=" + str(repo))
     pytest_line = next(line for line in lines if "-m pytest" in line)
     for expected in ("-m gpu or multigpu", "tests/test_cuda_emulation.py", "tests/test_reference_nccl.py",
-                     "tests/test_nvshmem_transport.py", f"--junitxml={results}/gpu_tests.xml"):
+                     "tests/test_nvshmem_transport.py", "tests/test_oracle.py", "tests/test_cuda_plan.py",
+                     "-v", "--maxfail=10", "--timeout=120", f"--junitxml={results}/gpu_tests.xml"):
         assert expected in pytest_line
     assert (results / "gpu_tests.log").read_text().strip().endswith("40 passed in 100.00s ===")
     assert "H100" in (results / "machine.txt").read_text()
@@ -138,6 +144,65 @@ def test_fresh_extension_is_not_rebuilt_and_a_changed_source_is(machine):
     assert calls.count("setup.py build_ext") == 2
 
 
+def test_build_again_for_other_archs(machine):
+    _, results, run = machine
+    run("build", str(results))
+    _, calls = run("build", str(results), HYBRID_EP_CUDA_ARCHS="100a")
+    assert calls.count("setup.py build_ext") == 2 and "ARCHS=100a" in calls.splitlines()[-2]
+    proc, calls = run("build", str(results), HYBRID_EP_CUDA_ARCHS="100a")
+    assert calls.count("setup.py build_ext") == 2 and "built for sm_100a: not rebuilt" in proc.stdout
+
+
+def test_several_stages_in_one_command_build_once_and_record_the_commit(machine):
+    _, results, run = machine
+    proc, calls = run("test,sanitize", str(results), "racecheck", GPU_CHECK_COMMIT="0123abc")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls.count("setup.py build_ext") == 1 and calls.count("-m pytest") == 1
+    assert [line.split()[2] for line in calls.splitlines() if line.startswith("compute-sanitizer")] == ["racecheck"]
+    assert "pytest HYBRID_EP_TIMEOUT_S=20" in calls and "HYBRID_EP_TIMEOUT_S=60" in calls  # the sanitizer's own
+    machine_txt = (results / "machine.txt").read_text()
+    assert "commit: 0123abc" in machine_txt and "stages: test sanitize" in machine_txt
+    summary = (results / "gpu_check_summary.txt").read_text()
+    assert "commit: 0123abc" in summary and "pytest exit 0" in summary and "racecheck: exit 0;" in summary
+    proc, _ = run("build", str(results / "again"))
+    assert "commit: unknown (no .git here; pass GPU_CHECK_COMMIT)" in (results / "again" / "machine.txt").read_text()
+    proc, _ = run("test,bench", str(results), "memcheck")
+    assert proc.returncode == 2 and "only the sanitize stage takes further arguments" in proc.stderr
+
+
+def test_a_hung_stage_is_killed_inside_the_budget_and_later_stages_are_skipped(machine):
+    _, results, run = machine
+    start = time.monotonic()
+    proc, calls = run("test,bench", str(results), PYTEST_HANGS="1", GPU_CHECK_BUDGET_S="27")
+    took = time.monotonic() - start
+    assert took < 27, took  # 7 s for pytest (27 - the 20 s kept back), then SIGKILL 10 s later
+    assert proc.returncode == 137, proc.stdout  # the worst stage: killed
+    assert "pytest exit 137" in proc.stdout
+    assert "the last test it started: tests/test_cuda_emulation.py::test_hangs[w4]" in proc.stdout
+    assert "-m hybrid_ep.bench" not in calls and "[bench]: not run:" in proc.stdout
+
+
+def test_pack_leaves_the_summary_and_one_archive(machine):
+    import tarfile
+
+    _, results, run = machine
+    proc, _ = run("nvshmem", str(results), GPU_CHECK_PACK="1", NVSHMEM_PASS_WHEN="mps")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in results.iterdir()) == ["gpu_check_summary.txt", "logs_nvshmem.tgz"]
+    with tarfile.open(results / "logs_nvshmem.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"./machine.txt", "./build.log", "./nvshmem_summary.txt", "./nvshmem_mps-on_vmm-off_p4.log"} <= names
+    assert len(names) == 4 + 8  # machine, build, summaries of the stage and of MPS' start, 8 combinations' logs
+    assert "./mps/start.log" in names
+    summary = (results / "gpu_check_summary.txt").read_text()
+    assert "mps=on vmm=default procs=2: exit 0" in summary and "packed 12 files" in summary
+    proc, _ = run("build", str(results), GPU_CHECK_PACK="1")  # a later command packs only its own files
+    assert sorted(p.name for p in results.iterdir()) == ["gpu_check_summary.txt", "logs_build.tgz",
+                                                         "logs_nvshmem.tgz"]
+    with tarfile.open(results / "logs_build.tgz") as tar:
+        assert tar.getnames() == ["./machine.txt"]
+
+
 def test_failing_tests_fail_the_stage(machine):
     _, results, run = machine
     proc, _ = run("test", str(results), PYTEST_RC="1")
@@ -152,7 +217,9 @@ def test_sanitize_runs_each_tool_on_the_small_cases(machine):
     assert [r.split()[2] for r in runs] == ["memcheck", "racecheck", "synccheck"]
     assert all("-m hybrid_ep.testing.emulated_check --preset small" in r for r in runs)
     summary = (results / "sanitizer_summary.txt").read_text().splitlines()
-    assert summary == [f"{t}: exit 0; ========= ERROR SUMMARY: 0 errors" for t in ("memcheck", "racecheck", "synccheck")]
+    assert summary == ["memcheck: exit 0; ========= ERROR SUMMARY: 0 errors",
+                       "racecheck: exit 0; ========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)",
+                       "synccheck: exit 0; ========= ERROR SUMMARY: 0 errors"]
     proc, calls = run("sanitize", str(results), "memcheck")
     assert calls.count("--tool memcheck") == 2 and calls.count("--tool racecheck") == 1
 
@@ -206,6 +273,17 @@ def test_ncu_lines_sums_stall_samples_per_source_line(tmp_path):
     assert len(lines) == 3
 
 
+def test_ncu_lines_reads_the_kernel_name_row_of_ncu_2025(tmp_path):
+    # ncu 2025.3 heads the table with "Kernel Name" (docs/benchmarks/gpu/2026-11-24-h100's sass export)
+    cols = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)"'
+    table = tmp_path / "t.csv"
+    table.write_text("\n".join(['"Kernel Name","void dispatch_kernel<Loopback>(LaunchArgs)",',
+                                '"File Path","/src/csrc/kernels/dispatch.cuh"', cols,
+                                '"686","if (sh.abort) return;","0x10","EXIT","5"']) + "\n")
+    lines = _ncu_lines().summarize(str(table)).splitlines()
+    assert lines[0] == "void dispatch_kernel<Loopback>(LaunchArgs): 5 warp samples"
+
+
 def test_ncu_lines_names_a_table_without_stall_samples(tmp_path):
     table = tmp_path / "sass_only.csv"
     table.write_text('"Line No","Source","Instructions Executed"\n"1","x","5"\n')
@@ -225,7 +303,7 @@ def test_ncu_lines_rejects_a_top_below_one(tmp_path, capsys):
 def test_the_script_names_no_installer():
     text = SCRIPT.read_text()
     for word in ("pip ", "env.sh", "curl", "wget", "venv", "conda", "apt-get"):
-        assert word not in text.split("# Every stage")[1], word
+        assert word not in text.split("set -uo pipefail")[1], word
 
 
 def _selftests(calls: str) -> list[str]:
@@ -274,7 +352,7 @@ def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(ma
     proc, calls = run("nvshmem-ep", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [runner] = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_cases" in line]
-    assert f"--out {results}/nvshmem_cases --timeout 40" in runner
+    assert f"--out {results}/nvshmem_cases --timeout 20" in runner
     assert "exit 0: nvshmem_cases: 12 of 12 cases match the oracle" in proc.stdout
     proc, _ = run("nvshmem-ep", str(results), CASES_RC="1")
     assert proc.returncode == 1 and "11 of 12" in (results / "nvshmem_cases.log").read_text()

@@ -173,7 +173,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
         group.synchronize()
         row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms,
-               "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma}
+               "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma,
+               "pipelines": group.engine.launch_shapes(sms)}
         for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
                                  ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
             row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
@@ -301,7 +302,7 @@ def run(args) -> int:
 
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
               "dtype": args.dtype, "routing": args.routing, "sms_per_rank": sms_list, "warmup": warmup,
-              "iters": iters, "store_groups": launch.store_groups_override()}  # None: the default
+              "iters": iters, "store_groups": launch.store_groups_override()}  # None: the default (each run's pipelines)
     doc = {
         "metadata": metadata("hybrid-ep-bench --emulate", device_type="cuda", config=config, units=UNITS,
                              backends=["cuda"], device=props.name),

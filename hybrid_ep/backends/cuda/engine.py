@@ -196,6 +196,16 @@ class Engine:
 
     # -- launch arguments ------------------------------------------------------------------
 
+    def launch_shapes(self, sms: int) -> dict:
+        """The pipeline shape each kernel launched with at sms blocks per rank ({kind: {stages,
+        store_groups}}), for benchmark records: the store queue is chosen per launch."""
+        shapes = {}
+        for (kind, blocks, *_), a in self._launch_cache.items():
+            if blocks == sms:
+                stages = a.fifo_stages if kind == "dispatch" else a.host_stages
+                shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
+        return shapes
+
     def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
         key = (kind, sms, dtype_name, row_elems, wire_name)
         cached = self._launch_cache.get(key)
