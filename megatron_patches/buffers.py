@@ -4,7 +4,12 @@ A buffer registers its memory once for the worst case (and, on the cuda backend,
 handles between ranks), so every MoE layer with the same EP group, hidden size, expert count
 and padding uses the same buffer: dispatch/combine calls of different layers never overlap,
 and per-call outputs come from the PyTorch allocator. Creating a buffer is collective, which
-is why the size is agreed on by all ranks of the group (max over ranks) on the first call.
+is why its size is a value every rank of the group holds: the max over ranks of the token
+count, or --hybrid-ep-max-tokens-per-rank.
+
+One buffer per key at most: a buffer that needs other rows per expert (drop-and-pad with
+another capacity) or more tokens replaces the cached one, so the registered memory stays
+that of one buffer per key however often the token count changes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch.distributed as dist
 
 import hybrid_ep
 
+MAX_TOKENS_FLAG = "--hybrid-ep-max-tokens-per-rank (HybridEPOptions.max_tokens_per_rank)"
+
 
 @dataclasses.dataclass(frozen=True)
 class BufferKey:
@@ -23,11 +30,17 @@ class BufferKey:
     hidden_dim: int
     num_experts: int
     pad_multiple: int
-    min_rows_per_expert: int
     ranks_per_node: int | None
     backend: str
     num_sms_dispatch: int | None
     num_sms_combine: int | None
+
+
+def group_max_tokens(group, num_tokens: int, device) -> int:
+    """The largest token count over the ranks of `group` (collective, reads one int on the host)."""
+    size = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    return int(size.item())
 
 
 class BufferCache:
@@ -37,30 +50,50 @@ class BufferCache:
         self._entries: dict[BufferKey, tuple[object, hybrid_ep.HybridEPBuffer]] = {}
 
     def get(self, group, key: BufferKey, num_tokens: int, max_tokens_per_rank: int | None,
-            device: torch.device) -> hybrid_ep.HybridEPBuffer:
+            device: torch.device, *, min_rows_per_expert: int = 0,
+            group_tokens: int | None = None) -> hybrid_ep.HybridEPBuffer:
+        """The buffer for `key` with `min_rows_per_expert` that holds `num_tokens` tokens.
+
+        group_tokens: the group's largest token count when the caller agreed it on every rank
+        (then a buffer that is too small is replaced, or the same error raised, on every rank
+        together). Without it, only a new min_rows_per_expert (the same on every rank: the
+        capacity of drop-and-pad) replaces the buffer; more tokens than its size is an error
+        raised by this rank alone, before any collective.
+        """
         entry = self._entries.get(key)
-        if entry is not None:
-            buf = entry[1]
-            if num_tokens > buf.config.max_tokens_per_rank:
+        buf = None if entry is None else entry[1]
+        needed = num_tokens if group_tokens is None else group_tokens
+        if max_tokens_per_rank is not None and needed > max_tokens_per_rank:
+            who = f"EP rank {dist.get_rank(group)}" if group_tokens is None else "a rank of the EP group"
+            raise ValueError(
+                f"hybrid_ep dispatcher: {needed} tokens on {who} exceed {MAX_TOKENS_FLAG}="
+                f"{max_tokens_per_rank}; raise it to the largest tokens per rank"
+            )
+        if buf is not None and buf.config.min_rows_per_expert == min_rows_per_expert:
+            if needed <= buf.config.max_tokens_per_rank:
+                return buf
+            if group_tokens is None:
                 raise ValueError(
-                    f"hybrid_ep dispatcher: {num_tokens} tokens on EP rank {buf.rank} exceed the "
-                    f"buffer size of {buf.config.max_tokens_per_rank} tokens per rank (taken from "
-                    "the first call); set --hybrid-ep-max-tokens-per-rank (or "
-                    "HybridEPOptions.max_tokens_per_rank) to the largest tokens per rank"
+                    f"hybrid_ep dispatcher: {num_tokens} tokens on EP rank {buf.rank} exceed the buffer "
+                    f"size of {buf.config.max_tokens_per_rank} tokens per rank (the EP group's largest "
+                    "count so far); the token count is agreed between ranks on every call only with "
+                    "variable_seq_lengths=True: set it when micro-batches change their token count, or "
+                    f"set {MAX_TOKENS_FLAG} to the largest tokens per rank"
                 )
-            return buf
         if max_tokens_per_rank is None:
-            size = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-            dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-            max_tokens_per_rank = max(1, int(size.item()))
+            if group_tokens is None:
+                group_tokens = group_max_tokens(group, num_tokens, device)
+            old = 0 if buf is None else buf.config.max_tokens_per_rank
+            max_tokens_per_rank = max(1, group_tokens, old)  # never shrinks: no churn
         kwargs = dict(
             ranks_per_node=key.ranks_per_node,
             backend=key.backend,
             pad_multiple=key.pad_multiple,
             num_sms_dispatch=key.num_sms_dispatch,
             num_sms_combine=key.num_sms_combine,
-            min_rows_per_expert=key.min_rows_per_expert,
+            min_rows_per_expert=min_rows_per_expert,
         )
+        self._entries.pop(key, None)  # the stale buffer lives on only while a handle uses it
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)
         return buf

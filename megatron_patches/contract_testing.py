@@ -205,6 +205,14 @@ def router_padding_for_fp8(case: ContractCase) -> dict:
     return _same_tokens_two_layers(case, 32, {False: {}, True: padded})
 
 
+def drop_and_pad_quantization_alignment(case: ContractCase) -> dict:
+    """Drop-and-pad without and with the fp8 row alignment (16, from
+    moe_router_padding_for_quantization; the experts are built, not run): the same tokens."""
+    aligned = dict(after_validation=dict(moe_router_padding_for_quantization=True, fp8="hybrid"))
+    dnp = dict(moe_pad_expert_input_to_capacity=True)
+    return _same_tokens_two_layers(case, 16, {False: dnp, True: dict(aligned, **dnp)})
+
+
 def layer_forward_backward(case: ContractCase) -> dict:
     """A whole MoELayer forward + backward (router, dispatcher, experts): output, input
     gradient and every parameter gradient by name, for comparing dispatchers."""

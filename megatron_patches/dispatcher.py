@@ -84,8 +84,17 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
 
     Padding rows: only what the experts built by MoELayer need (`set_experts`, decided by
     `expert_rows.pad_multiple_for`), the user's --hybrid-ep-pad-multiple, router padding for
-    quantization, and with moe_pad_expert_input_to_capacity exactly `capacity x EP x ETP`
-    rows per local expert (min_rows_per_expert = that, a static output size, no host sync).
+    quantization, and with moe_pad_expert_input_to_capacity `capacity x EP x ETP` rows per
+    local expert (Megatron's count) rounded up to pad_multiple (`_drop_and_pad_rows`: the
+    buffer's min_rows_per_expert, tokens_per_expert and the static output size all use it,
+    so the experts split the rows where the buffer laid them out; no host sync).
+
+    Buffer size: the largest token count of the group (or --hybrid-ep-max-tokens-per-rank).
+    Where token counts may change between micro-batches (`variable_seq_lengths`), that count
+    is agreed on every call (one all-reduce) before any data moves, so a larger micro-batch
+    on one rank grows the buffer, or fails with the same error, on every rank. With fixed
+    shapes nothing is added; a rank that gets more tokens anyway raises alone, naming both
+    settings, and its peers stop after HYBRID_EP_TIMEOUT_S.
 
     Shared-expert overlap (moe_shared_expert_overlap): the shared experts run between the
     phases as with Megatron's alltoall dispatcher (fc1 after dispatch, fc2 after combine) and
@@ -98,7 +107,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
     (NVLink / RDMA bytes of this rank, read from the device only when asked for) and
     `last_routed_per_expert` the [E] routed-token counts of this rank (real tokens: padding
-    never appears there).
+    never appears there; under drop-and-pad the router's capacity fill, routes of weight 0,
+    is left out).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
@@ -154,16 +164,22 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         self.set_experts(None)
         self._buffer: hep.HybridEPBuffer | None = None
         self.handle = None
+        self._handle_buffer = None  # the buffer self.handle belongs to (combine must use it)
         self.capacity = None
         self.last_dispatch_call = None  # hybrid_ep.buffer.CallRecord of the forward dispatch
         self.last_routed_per_expert = None
+        # Tensors dispatch_preprocess leaves for token_dispatch: with cuda_graph_modules
+        # containing moe_preprocess, Megatron returns them from the captured graph and sets
+        # them again after each replay (its alltoall dispatcher lists its own the same way).
+        self.cudagraph_attrs = ["routing_map", "last_routed_per_expert"]
         self.last_num_dropped = None
         self._over_budget = None
 
     def check_over_budget(self):
         """Megatron's flex-dispatcher interface: a [1] bool device tensor, True once a dispatch
         dropped rows that did not fit the static size since the last reset (None: no static
-        size, nothing is ever dropped). Read by Megatron's paged stash."""
+        size, nothing is ever dropped), for a trainer that checks its budget (Megatron's paged
+        stash, which reads it, is refused with hybrid_ep)."""
         return self._over_budget
 
     def reset_over_budget(self) -> None:
@@ -188,26 +204,42 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             pad = math.lcm(pad, expert_rows.quantization_alignment(self.config))
         self.pad_multiple = math.lcm(self.options.pad_multiple, pad)
 
+    def set_shared_experts(self, shared_experts):
+        """Megatron's hook for moe_shared_expert_overlap; the shared experts' tensors kept
+        between the phases are graph outputs too, as with the alltoall dispatcher."""
+        super().set_shared_experts(shared_experts)
+        if getattr(shared_experts, "use_shared_expert_gate", False):
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
+
     # -- buffer -----------------------------------------------------------------------------
 
-    def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int) -> hep.HybridEPBuffer:
-        """The shared buffer for this group, shape and padding (created on the first call)."""
-        buf = self._buffer
-        if buf is None or num_tokens > buf.config.max_tokens_per_rank or buf.config.min_rows_per_expert != min_rows:
-            opts = self.options
-            key = buffers.BufferKey(
-                group_id=id(self.comm_group),
-                hidden_dim=hidden_dim,
-                num_experts=self.num_slots * self.tp_size,
-                pad_multiple=self.pad_multiple,
-                min_rows_per_expert=min_rows,
-                ranks_per_node=opts.ranks_per_node,
-                backend=opts.backend,
-                num_sms_dispatch=opts.num_sms_dispatch,
-                num_sms_combine=opts.num_sms_combine,
-            )
-            self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device)
+    def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int,
+               group_tokens: int | None = None) -> hep.HybridEPBuffer:
+        """The shared buffer for this group, shape and padding (created on the first call;
+        looked up on every call so that all layers follow one replaced buffer).
+        group_tokens: the group's largest token count, when agreed on this call."""
+        opts = self.options
+        key = buffers.BufferKey(
+            group_id=id(self.comm_group),
+            hidden_dim=hidden_dim,
+            num_experts=self.num_slots * self.tp_size,
+            pad_multiple=self.pad_multiple,
+            ranks_per_node=opts.ranks_per_node,
+            backend=opts.backend,
+            num_sms_dispatch=opts.num_sms_dispatch,
+            num_sms_combine=opts.num_sms_combine,
+        )
+        self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
+                                           min_rows_per_expert=min_rows, group_tokens=group_tokens)
         return self._buffer
+
+    def _agrees_tokens_per_call(self) -> bool:
+        """Whether token_dispatch all-reduces the token count first: only where micro-batches
+        may change their token count (Megatron's variable_seq_lengths). With fixed shapes the
+        first call's group maximum holds for every call, and one more collective per MoE layer
+        would be paid for nothing."""
+        return bool(getattr(self.config, "variable_seq_lengths", False))
 
     def _capacity(self, num_tokens: int) -> int:
         """Megatron's per-expert capacity for this rank's tokens (get_capacity, as the router)."""
@@ -216,11 +248,18 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         return get_capacity(num_tokens * self.config.moe_router_topk, self.num_experts,
                             self.config.moe_expert_capacity_factor)
 
+    def _drop_and_pad_rows(self) -> int:
+        """Drop-and-pad: rows per local expert. Megatron's capacity x EP x ETP, rounded up to
+        pad_multiple because the buffer pads every expert's block to it; the extra rows are
+        zero with weight 0, which is what a quantized TEGroupedMLP adds itself under alltoall."""
+        rows = self.capacity * self.comm_size
+        return -(-rows // self.pad_multiple) * self.pad_multiple
+
     def _num_out_tokens(self, num_tokens: int) -> int | None:
         """Static output rows (no host sync), or None for the exact size."""
         L = self.num_local_experts
         if self.drop_and_pad:
-            return L * self.capacity * self.comm_size
+            return L * self._drop_and_pad_rows()
         factor = self.static_size_factor
         if factor is None:
             return None
@@ -254,7 +293,10 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         if probs.shape != routing_map.shape:
             raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map shape {tuple(routing_map.shape)}")
         self.hidden_shape = hidden_states.shape
-        self.last_routed_per_expert = routing_map.detach().sum(dim=0)
+        routed = routing_map.detach()
+        if self.drop_and_pad:  # the router's capacity fill: routes of weight 0, not tokens
+            routed = routed & (probs.detach() != 0)
+        self.last_routed_per_expert = routed.sum(dim=0)
         if self.slot_table is not None:
             if self.load_recorder is not None and torch.is_grad_enabled():
                 self.load_recorder(self.last_routed_per_expert)
@@ -277,18 +319,21 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         min_rows = 0
         if self.drop_and_pad:
             self.capacity = self._capacity(x_TH.shape[0])
-            min_rows = self.capacity * self.comm_size
-        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows)
+            min_rows = self._drop_and_pad_rows()
+        group_tokens = None
+        if self._agrees_tokens_per_call():
+            group_tokens = buffers.group_max_tokens(self.comm_group, x_TH.shape[0], x_TH.device)
+        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens)
         num_out_tokens = self._num_out_tokens(x_TH.shape[0])
         if num_out_tokens is None:
             routing = dict(routing_map=self.routing_map, probs=probs)
         else:  # static shapes: routes per token known on the host, no device read
             routing = dict(zip(("topk_idx", "topk_weights"), self._routes(self.routing_map, probs)))
         res = hep.dispatch(buf, x_TH, num_out_tokens=num_out_tokens, num_sms=self.options.num_sms_dispatch, **routing)
-        self.handle = res.handle
+        self.handle, self._handle_buffer = res.handle, buf
         self.last_dispatch_call = buf.last_call
         if self.drop_and_pad:
-            # Every local expert holds exactly capacity x EP x ETP rows: known on the host.
+            # Every local expert holds exactly min_rows rows: known on the host.
             tokens_per_expert = torch.full((self.num_local_experts,), min_rows, dtype=torch.long)
         elif self.static_size_factor is not None:
             self.last_num_dropped = res.handle.num_dropped
@@ -319,11 +364,12 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states):
         """Sum each token's expert rows back on its source rank: [T, H]."""
         handle, self.handle = self.handle, None
+        buf, self._handle_buffer = self._handle_buffer, None
         if handle is None:
             raise RuntimeError("HybridEPTokenDispatcher.token_combine called without a preceding token_dispatch")
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        out = hep.combine(self._buffer, hidden_states, handle, num_sms=self.options.num_sms_combine)
+        out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
         self._tokens_per_expert_in_use = None
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)

@@ -132,6 +132,7 @@ def train_step(case: GPTCase) -> dict:
     )
     model = chunks[0]
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    dispatcher = type(getattr(model, "module", model).decoder.layers[0].mlp.token_dispatcher).__name__
-    return {"losses": [float(x["lm loss"]) for x in losses], "grads": grads, "dispatcher": dispatcher,
-            "schedule_plans": _SCHEDULE_PLANS[0]}
+    token_dispatcher = getattr(model, "module", model).decoder.layers[0].mlp.token_dispatcher
+    return {"losses": [float(x["lm loss"]) for x in losses], "grads": grads,
+            "dispatcher": type(token_dispatcher).__name__, "schedule_plans": _SCHEDULE_PLANS[0],
+            "cudagraph_attrs": list(token_dispatcher.cudagraph_attrs)}

@@ -16,6 +16,7 @@ ffn, E experts, K top-k, W EP ranks, L = E / W.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -201,6 +202,53 @@ def build_moe_layer(case: LayerCase, **config_overrides):
     return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
 
 
+def _seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
+    """A MoELayer with the seeded router and expert weights (case_tensors) loaded."""
+    L = case.num_experts // case.world_size
+    router, fc1, fc2, _, _ = case_tensors(case)
+    layer = build_moe_layer(case, **(config_overrides or {}))
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        for j, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[rank * L + j])
+            expert.linear_fc2.weight.copy_(fc2[rank * L + j])
+    return layer
+
+
+def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides: dict | None = None) -> list[dict]:
+    """On every rank: one layer (fresh buffer cache), forward + backward for each call c with
+    seqs[c][rank] sequence positions (input and output gradient drawn from the seed, call
+    and rank). Per call: out, grad_x, grad_router, the buffers cached and this dispatcher's
+    buffer size in tokens per rank; a call that raises gives {"error": "Type: message"}
+    and ends the run on that rank."""
+    import torch.distributed as dist
+
+    from .buffers import BUFFERS
+
+    init_megatron(case.world_size)
+    BUFFERS.clear()  # sized from this run's first call, as a fresh job would
+    rank = dist.get_rank()
+    layer = _seeded_layer(case, rank, config_overrides)
+    results = []
+    for c, seq in enumerate(seqs):
+        g = torch.Generator().manual_seed(case.seed + 1000 * c + rank)
+        x = torch.randn(seq[rank], case.batch, case.hidden, generator=g).requires_grad_()
+        grad_out = torch.randn(seq[rank], case.batch, case.hidden, generator=g)
+        layer.zero_grad()
+        try:
+            out, _ = layer(x)
+            (out * grad_out).sum().backward()
+        except Exception as err:  # reported to the test, which compares the ranks' messages
+            results.append({"error": f"{type(err).__name__}: {err}"})
+            break
+        buf = getattr(layer.token_dispatcher, "_buffer", None)
+        results.append({
+            "out": out.detach(), "grad_x": x.grad, "grad_router": layer.router.weight.grad.clone(),
+            "buffers": len(BUFFERS), "buffer_tokens": None if buf is None else buf.config.max_tokens_per_rank,
+        })
+    return results
+
+
 def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) -> dict:
     """On every rank: build the layer, load the seeded weights, forward + backward.
 
@@ -211,16 +259,13 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
 
     init_megatron(case.world_size)
     rank = dist.get_rank()
-    L = case.num_experts // case.world_size
-    router, fc1, fc2, x_all, grad_out = case_tensors(case)
-    layer = build_moe_layer(case, **(config_overrides or {}))
-    with torch.no_grad():
-        layer.router.weight.copy_(router)
-        for j, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(fc1[rank * L + j])
-            expert.linear_fc2.weight.copy_(fc2[rank * L + j])
+    _, _, _, x_all, grad_out = case_tensors(case)
+    layer = _seeded_layer(case, rank, config_overrides)
+    router_out = {}
+    hook = layer.router.register_forward_hook(lambda m, i, out: router_out.update(probs=out[0], map=out[1]))
     x = x_all[rank].float().clone().requires_grad_()
     out, _ = layer(x)
+    hook.remove()
     (out * grad_out[rank].float()).sum().backward()
     dispatcher = layer.token_dispatcher
     routed = getattr(dispatcher, "last_routed_per_expert", None)
@@ -232,6 +277,14 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
         "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
         "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
         "routed_per_expert": None if routed is None else routed.clone(),
+        # what a CUDA graph of moe_preprocess would return for the dispatcher (Megatron keeps
+        # the names that resolve to tensors)
+        "cudagraph_tensors": [name for name in dispatcher.cudagraph_attrs
+                              if isinstance(functools.reduce(lambda o, a: getattr(o, a, None), name.split("."),
+                                                             dispatcher), torch.Tensor)],
+        # The router's map per expert, and its routes of nonzero weight (real tokens).
+        "router_map_per_expert": router_out["map"].sum(dim=0),
+        "router_weighted_per_expert": (router_out["map"] & (router_out["probs"] != 0)).sum(dim=0),
         "pad_multiple": getattr(dispatcher, "pad_multiple", None),
         "static_size_factor": getattr(dispatcher, "static_size_factor", None),
         "over_budget": None if getattr(dispatcher, "check_over_budget", lambda: None)() is None

@@ -64,6 +64,10 @@ def test_moe_layer_matches_alltoall_and_dense(pool_for, world_size, name):
         # A cold expert's weight gradients are exactly zero.
         assert torch.count_nonzero(ours[rank]["grad_fc1"][j]) == 0
         assert torch.count_nonzero(ours[rank]["grad_fc2"][j]) == 0
+    # What a CUDA graph of moe_preprocess returns and sets again on replay: the routing that
+    # dispatch_preprocess leaves for token_dispatch (alltoall lists its own routing_map too).
+    assert all(r["cudagraph_tensors"] == ["routing_map", "last_routed_per_expert"] for r in ours)
+    assert all("routing_map" in r["cudagraph_tensors"] for r in stock)
 
 
 def test_whole_rank_without_tokens(pool_for):
@@ -117,3 +121,75 @@ def test_rank_capacity_overflow_is_flagged_as_over_budget(pool_for):
     assert [r["over_budget"] for r in roomy] == [False] * world_size
     plain = pool_for(world_size).run(run_moe_layer_case, [(case,)] * world_size)
     assert [r["over_budget"] for r in plain] == [None] * world_size
+
+
+def _run_calls(pool, case, seqs, overrides, timeout_s=120):
+    from megatron_patches.testing import run_moe_layer_calls
+
+    return pool.run(run_moe_layer_calls, [(case, seqs, overrides)] * case.world_size, timeout_s=timeout_s)
+
+
+def _assert_calls_match(got, want, what):
+    for rank, (g_calls, w_calls) in enumerate(zip(got, want)):
+        assert len(g_calls) == len(w_calls)
+        for c, (g, w) in enumerate(zip(g_calls, w_calls)):
+            assert "error" not in g, f"{what}, rank {rank}, call {c}: {g.get('error')}"
+            for field in ("out", "grad_x", "grad_router"):
+                torch.testing.assert_close(g[field], w[field], **TOL, msg=lambda m: f"{what}, rank {rank}, call {c}, {field}: {m}")
+
+
+# Call 2: rank 0 has 12 tokens, rank 1 still 8 (the buffer was sized 8 by call 1).
+ONE_RANK_GROWS = [[4, 4], [6, 4], [3, 5]]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"variable_seq_lengths": True},                                          # exact size
+    {"moe_expert_rank_capacity_factor": 2.0, "variable_seq_lengths": True},  # static size
+], ids=["exact_size", "static_size"])
+def test_more_tokens_on_one_rank_grows_the_buffer_on_every_rank(pool_for, overrides):
+    """A later micro-batch with more tokens on one rank only, with variable_seq_lengths: the
+    token count is agreed on every call, so every rank replaces the buffer by a larger one together and the results
+    equal Megatron's alltoall (one rank used to raise alone while its peer blocked in
+    dispatch until the process-group timeout)."""
+    pool = pool_for(2)
+    case = LayerCase(world_size=2, topk=2)
+    ours = _run_calls(pool, case, ONE_RANK_GROWS, overrides)
+    stock = _run_calls(pool, dataclasses.replace(case, dispatcher="alltoall"),
+                       ONE_RANK_GROWS, {k: v for k, v in overrides.items() if k == "variable_seq_lengths"})
+    _assert_calls_match(ours, stock, "hybrid_ep vs alltoall")
+    for calls in ours:
+        assert [c["buffer_tokens"] for c in calls] == [8, 12, 12]  # grows to the group max, never shrinks
+        assert [c["buffers"] for c in calls] == [1, 1, 1]  # the smaller buffer was replaced
+
+
+def test_more_tokens_than_max_tokens_per_rank_fails_on_every_rank(pool_for):
+    """With --hybrid-ep-max-tokens-per-rank 10 and variable_seq_lengths, a micro-batch of 12
+    tokens on rank 0 only is refused on both ranks, with the same message naming the option, and nothing waits."""
+    import megatron_patches
+
+    pool = pool_for(2)
+    case = LayerCase(world_size=2, topk=2)
+    overrides = {"hybrid_ep_options": megatron_patches.HybridEPOptions(max_tokens_per_rank=10),
+                 "variable_seq_lengths": True}
+    results = _run_calls(pool, case, ONE_RANK_GROWS, overrides, timeout_s=60)
+    errors = [calls[-1].get("error") for calls in results]
+    assert [len(calls) for calls in results] == [2, 2]  # call 1 ran, call 2 failed
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("ValueError: ") and "--hybrid-ep-max-tokens-per-rank" in errors[0]
+    assert "12 tokens" in errors[0] and "=10" in errors[0]
+
+
+def test_drop_and_pad_with_changing_token_counts_keeps_one_buffer(pool_for):
+    """Drop-and-pad whose capacity changes every micro-batch (the same token count on every
+    rank): one cached buffer at a time, sized for the largest count so far, and the results
+    equal Megatron's alltoall (every capacity used to add a full-size buffer to the cache)."""
+    pool = pool_for(2)
+    case = LayerCase(world_size=2, topk=2)
+    seqs = [[s, s] for s in (4, 8, 12, 16, 4)]
+    dnp = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    ours = _run_calls(pool, case, seqs, dnp)
+    stock = _run_calls(pool, dataclasses.replace(case, dispatcher="alltoall"), seqs, dnp)
+    _assert_calls_match(ours, stock, "hybrid_ep vs alltoall")
+    for calls in ours:
+        assert [c["buffers"] for c in calls] == [1] * len(seqs)
+        assert [c["buffer_tokens"] for c in calls] == [8, 16, 24, 32, 32]

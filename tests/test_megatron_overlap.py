@@ -87,6 +87,10 @@ def test_shared_expert_overlap_equals_alltoall_bitwise(pool_for):
     ours = run(pool_for, GPTCase(shared_expert=True, shared_expert_overlap=True))
     stock = run(pool_for, GPTCase(shared_expert=True, shared_expert_overlap=True, dispatcher="alltoall"))
     assert_same_step(ours, stock)
+    # the shared experts' tensors kept between the phases are CUDA-graph outputs, as alltoall's
+    for r in ours:
+        assert r["cudagraph_attrs"] == ["routing_map", "last_routed_per_expert", "shared_experts.cached_fc1_input"]
+    assert all("shared_experts.cached_fc1_input" in r["cudagraph_attrs"] for r in stock)
 
 
 def test_overlap_matches_alltoall(pool_for):

@@ -70,3 +70,60 @@ def test_router_padding_for_fp8(pool_for, dispatcher):
         assert padded["rows"] > plain["rows"]  # the padding is really there
         torch.testing.assert_close(padded["restored"], plain["restored"])
         torch.testing.assert_close(padded["grad"], plain["grad"])
+
+
+def _roundup(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@pytest.mark.parametrize("world_size, pad", [(2, 3), (2, 8), (4, 3)])
+def test_drop_and_pad_with_padding_that_does_not_divide_capacity_x_ep(pool_for, world_size, pad):
+    """Drop-and-pad with --hybrid-ep-pad-multiple not dividing capacity x EP: every local
+    expert holds roundup(capacity x EP, pad) rows (the buffer's blocks, the experts' splits
+    and the static size agree), and output and every gradient equal Megatron's alltoall.
+    (The experts used to be told capacity x EP rows while the buffer laid out padded blocks
+    and the output was cut short: rows of the last experts were lost.)"""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    from megatron_patches.testing import LayerCase, run_moe_layer_case
+
+    dnp = {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True}
+    case = LayerCase(world_size=world_size, topk=2, pad_multiple=pad)
+    pool = pool_for(world_size)
+    ours = pool.run(run_moe_layer_case, [(case, dnp)] * world_size)
+    stock = pool.run(run_moe_layer_case, [(LayerCase(world_size=world_size, topk=2, dispatcher="alltoall"), dnp)] * world_size)
+    capacity = get_capacity(case.num_tokens * case.topk, case.num_experts, 0.5)
+    rows_per_expert = _roundup(capacity * world_size, pad)
+    assert rows_per_expert != capacity * world_size  # the case this test is about
+    L = case.num_experts // world_size
+    for rank, (got, want) in enumerate(zip(ours, stock)):
+        assert got["rows"] == L * rows_per_expert
+        for field in ("out", "grad_x", "grad_router", "grad_fc1", "grad_fc2"):
+            torch.testing.assert_close(got[field], want[field], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"rank {rank}, {field}: {m}")
+
+
+def test_drop_and_pad_with_fp8_row_alignment(pool_for):
+    """Drop-and-pad plus the fp8 alignment (16) where capacity x EP is 8: each expert gets 16
+    rows, none dropped, and the restored tokens and gradient equal drop-and-pad alone."""
+    case = ct.ContractCase(2, "hybrid_ep", capacity_factor=1.0)
+    for r in pool_for(2).run(ct.drop_and_pad_quantization_alignment, [(case,)] * 2):
+        aligned, plain = r[True], r[False]
+        assert plain["tokens_per_expert"] == [8] * 4
+        assert aligned["tokens_per_expert"] == [16] * 4
+        assert aligned["rows"] == 64
+        torch.testing.assert_close(aligned["restored"], plain["restored"])
+        torch.testing.assert_close(aligned["grad"], plain["grad"])
+
+
+def test_drop_and_pad_routed_counts_leave_out_the_capacity_fill(pool_for):
+    """Under drop-and-pad the router fills each expert to capacity with routes of weight 0;
+    last_routed_per_expert counts only the routes of nonzero weight (real tokens)."""
+    from megatron_patches.testing import LayerCase, run_moe_layer_case
+
+    dnp = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    case = LayerCase(world_size=2, topk=2)
+    for r in pool_for(2).run(run_moe_layer_case, [(case, dnp)] * 2):
+        real = r["router_weighted_per_expert"]
+        assert int(r["router_map_per_expert"].sum()) > int(real.sum())  # the router did fill
+        assert torch.equal(r["routed_per_expert"].long(), real.long())
