@@ -11,7 +11,7 @@ aux-loss inputs, which come from the routing map, see only real tokens):
 | --- | --- | --- |
 | SequentialMLP | any | none (one GEMM per expert; it pads fp8/fp4 rows per expert itself) |
 | TEGroupedMLP | fp32 / bf16 / fp16 | none (group offsets need no alignment; an empty group is handled by the grouped-GEMM fix) |
-| TEGroupedMLP | fp8 / mxfp8 / fp4 | roundup to the quantization alignment (16 / 32 / 32, 256 with TE's op fuser); the module's own padding copy is skipped |
+| TEGroupedMLP | fp8 / mxfp8 / fp4 | roundup to the quantization alignment (16 / 32 / 128, 256 with TE's op fuser); the module's own padding copy is skipped |
 | TEGroupedMLP on TorchGroupedLinear | any | none (torch._grouped_mm alignment is done inside `grouped_mm`) |
 
 `--hybrid-ep-pad-multiple` (user padding) and drop-and-pad (`moe_pad_expert_input_to_capacity`)
@@ -32,7 +32,7 @@ def quantized(config) -> bool:
 
 def quantization_alignment(config) -> int:
     """Rows per group the quantized GEMMs of `config` need (1 when not quantizing): Megatron's
-    get_align_size_for_quantization (16 fp8, 32 mxfp8 / fp4, 256 with TE's op fuser)."""
+    get_align_size_for_quantization (16 fp8, 32 mxfp8, 128 fp4 in Megatron-Core 0.19, 256 with TE's op fuser)."""
     if not quantized(config):
         return 1
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization

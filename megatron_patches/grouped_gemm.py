@@ -49,9 +49,12 @@ import torch
 # weight-gradient GEMM (dW = X^T dY): TMA loads need 16-byte aligned offsets there, i.e.
 # 8 rows of bf16/fp16 and 16 rows of fp8; MXFP8 shares one scale per 32 elements along the
 # contraction dimension, so a scale block must not straddle two groups: 32 rows.
+# For fp8, fp4 and the op fuser, Megatron's get_align_size_for_quantization decides (the
+# dispatcher pads the other groups with it); these values are the fallback without it.
 ALIGNMENT_ROWS = {"bf16": 8, "fp8": 16, "mxfp8": 32}
-# FP4 (NVFP4/MXFP4): 16 bytes are 32 four-bit values.
-FP4_ALIGNMENT_ROWS = 32
+# FP4 (NVFP4 / MXFP4): 16 bytes are 32 four-bit values, but Megatron-Core 0.19 aligns fp4
+# groups to 128 rows (its grouped NVFP4 quantization needs no host-side scale padding then).
+FP4_ALIGNMENT_ROWS = 128
 # Transformer Engine's fused grouped MLP (op fuser) requires 256-row groups.
 OP_FUSER_ALIGNMENT_ROWS = 256
 
@@ -62,13 +65,42 @@ def _recipe_name(recipe) -> str:
     return str(getattr(recipe, "value", recipe) or "").lower()
 
 
+class _FieldsOrNone:
+    """A config whose missing fields read as None (Megatron's function reads them directly)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name, None)
+
+
+def _megatron_alignment(config) -> int | None:
+    """Megatron-Core's own rows per group for quantized experts (0: no quantization), or None
+    where the installed version (or no Megatron at all) lacks get_align_size_for_quantization."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    except ImportError:
+        return None
+    return int(get_align_size_for_quantization(_FieldsOrNone(config)))
+
+
 def alignment_for_config(config) -> int:
-    """Rows per expert group for a Megatron TransformerConfig (fields fp8, fp8_recipe, fp4).
+    """Rows per expert group for a Megatron TransformerConfig (fields fp8, fp8_recipe, fp4,
+    use_transformer_engine_op_fuser).
 
     The number of zero rows `install()` gives an empty group (and, for a hybrid_ep buffer
-    used outside Megatron, the value for both min_rows_per_expert and pad_multiple).
+    used outside Megatron, the value for both min_rows_per_expert and pad_multiple). For
+    quantized GEMMs and the op fuser it is Megatron's get_align_size_for_quantization, the
+    size every other group is padded to, so an empty group never breaks the alignment.
     """
-    if getattr(config, "use_transformer_engine_op_fuser", False):
+    quantized = getattr(config, "fp8", None) or getattr(config, "fp4", None)
+    op_fuser = getattr(config, "use_transformer_engine_op_fuser", False)
+    if quantized or op_fuser:
+        megatron = _megatron_alignment(config)
+        if megatron:
+            return megatron
+    if op_fuser:
         return OP_FUSER_ALIGNMENT_ROWS
     if getattr(config, "fp4", None):
         return FP4_ALIGNMENT_ROWS
@@ -149,6 +181,22 @@ def default_alignment(dtype: torch.dtype) -> int:
     return max(1, 16 // torch.empty((), dtype=dtype).element_size())
 
 
+def _check_feature_strides(x_RK: torch.Tensor, w_GKN: torch.Tensor) -> None:
+    """torch._grouped_mm needs 16-byte aligned strides (else its bare "strides should be
+    multiple of 16 bytes"): K always (the row stride of x), and N where w is row-major (its
+    row stride); a transposed w ([G, N, K] viewed as [G, K, N]) has row stride K."""
+    multiple = default_alignment(x_RK.dtype)
+    K, N = w_GKN.shape[1], w_GKN.shape[2]
+    bad = [f"K={K} (input features)"] if K % multiple else []
+    if w_GKN.stride(-1) == 1 and N % multiple:
+        bad.append(f"N={N} (output features)")
+    if bad:
+        raise ValueError(
+            f"grouped_mm in {x_RK.dtype}: torch._grouped_mm needs 16-byte aligned strides, so "
+            f"{' and '.join(bad)} must be a multiple of {multiple}"
+        )
+
+
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts, align: int | None = None) -> torch.Tensor:
     """out[rows of group g] = x[rows of g] @ w[g], through torch._grouped_mm, zero-safe.
 
@@ -158,6 +206,7 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts, align: int | Non
     the last group is passed on, so
     empty groups neither hang nor return garbage, and their weight gradients are exact zeros.
     """
+    _check_feature_strides(x_RK, w_GKN)
     if align is None:
         align = default_alignment(x_RK.dtype)
     layout = plan_groups(counts, x_RK.shape[0], align, align, x_RK.device)
@@ -218,6 +267,7 @@ class TorchGroupedLinear(torch.nn.Module):
 
     def forward(self, x_RK: torch.Tensor, m_splits):
         """x [R, K], m_splits rows per expert -> ([R, N], per-expert biases if skip_bias_add)."""
+        self._check_input_features(x_RK)
         counts = [int(c) for c in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
         w_GKN = torch.stack(self._weights()).transpose(1, 2)
         y = grouped_mm(x_RK, w_GKN.to(x_RK.dtype), counts)
@@ -229,6 +279,22 @@ class TorchGroupedLinear(torch.nn.Module):
                                         torch.tensor(counts, device=y.device))
         bias_rows = torch.stack(self._biases()).to(y.dtype)[group]
         return y + torch.cat([bias_rows, bias_rows.new_zeros(y.shape[0] - bias_rows.shape[0], y.shape[1])]), None
+
+    def _check_input_features(self, x_RK: torch.Tensor) -> None:
+        """The weights are used transposed, so only the input features K need 16-byte rows
+        (grouped_mm); refused naming the config sizes that break that, before the call."""
+        K = x_RK.shape[-1]
+        multiple = default_alignment(x_RK.dtype)
+        if K % multiple == 0:
+            return
+        sizes = {name: getattr(self.config, name, None)
+                 for name in ("hidden_size", "moe_ffn_hidden_size", "moe_latent_size")}
+        named = [f"{name}={size}" for name, size in sizes.items() if isinstance(size, int) and size % multiple]
+        raise ValueError(
+            f"TorchGroupedLinear in {x_RK.dtype} needs feature sizes that are multiples of {multiple} "
+            f"(torch._grouped_mm: 16-byte aligned rows), got {K} input features"
+            + (f"; not a multiple of {multiple}: {', '.join(named)}" if named else "")
+        )
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the ordinary backward; nothing is delayed."""

@@ -12,8 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 
 BACKENDS = ("auto", "cuda", "reference")
+
+
+def _int(value) -> bool:
+    """An int that is not a bool (True would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    """A real number that is not a bool, nan or +-inf (inf would overflow ceil(f * rows))."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +40,7 @@ class HybridEPOptions:
     sync per dispatch); a float f gives a static output of ceil(f * tokens * topk) rows plus
     the padding bound, no host sync, and rows that do not fit are dropped and counted.
     max_tokens_per_rank: buffer size in tokens (None: the largest token count the EP group
-    sees in its first call).
+    has seen so far; it grows with variable_seq_lengths).
     ranks_per_node: NVLink domain size (None: the launcher's local world size).
     backend: "auto" (cuda kernels where available, reference otherwise), "cuda", "reference".
 
@@ -75,28 +87,28 @@ class HybridEPOptions:
         return self.balancer_interval > 0
 
     def validate(self) -> "HybridEPOptions":
-        for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node"):
+        """Check every field; a bad one raises ValueError naming it (wrong types included, so a
+        value never gets as far as a bare TypeError or an OverflowError in the first dispatch)."""
+        for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node",
+                     "balancer_slots_per_rank"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"hybrid_ep option {name} must be a positive int or None, got {value!r}")
-        if not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
-            raise ValueError(f"hybrid_ep option pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
-        if self.static_size_factor is not None and not self.static_size_factor > 0:
-            raise ValueError(
-                f"hybrid_ep option static_size_factor must be > 0 or None, got {self.static_size_factor!r}"
-            )
-        if not isinstance(self.balancer_interval, int) or self.balancer_interval < 0:
-            raise ValueError(
-                f"hybrid_ep option balancer_interval must be an int >= 0 (0: off), got {self.balancer_interval!r}"
-            )
-        for name in ("balancer_slots_per_rank", "balancer_window"):
+            if value is not None and not (_int(value) and value >= 1):
+                raise ValueError(f"hybrid_ep option {name} must be an int >= 1 or None, got {value!r}")
+        for name, low in (("pad_multiple", 1), ("balancer_window", 1), ("balancer_interval", 0)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"hybrid_ep option {name} must be a positive int, got {value!r}")
-        if self.balancer_decay is not None and not 0.0 < self.balancer_decay < 1.0:
-            raise ValueError(f"hybrid_ep option balancer_decay must be in (0, 1) or None, got {self.balancer_decay!r}")
-        if not self.balancer_min_gain >= 0.0:
-            raise ValueError(f"hybrid_ep option balancer_min_gain must be >= 0, got {self.balancer_min_gain!r}")
+            if not (_int(value) and value >= low):
+                rule = f"an int >= {low}" + (" (0: off)" if low == 0 else "")
+                raise ValueError(f"hybrid_ep option {name} must be {rule}, got {value!r}")
+        factor = self.static_size_factor
+        if factor is not None and not (_finite(factor) and factor > 0):
+            raise ValueError(f"hybrid_ep option static_size_factor must be a finite number > 0 or None, got {factor!r}")
+        decay = self.balancer_decay
+        if decay is not None and not (_finite(decay) and 0.0 < decay < 1.0):
+            raise ValueError(f"hybrid_ep option balancer_decay must be a number in (0, 1) or None, got {decay!r}")
+        if not (_finite(self.balancer_min_gain) and self.balancer_min_gain >= 0.0):
+            raise ValueError(
+                f"hybrid_ep option balancer_min_gain must be a finite number >= 0, got {self.balancer_min_gain!r}"
+            )
         from hybrid_ep.balancer import knobs  # here: `import megatron_patches` stays free of torch
 
         tolerance = self.balancer_tolerance
@@ -141,7 +153,7 @@ _HELP = {
     "static_size_factor": "alias of --moe-expert-rank-capacity-factor: static dispatch output of "
                           "factor x tokens x topk rows (no host sync; overflow is dropped and "
                           "counted); default: exact size",
-    "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: from the first call)",
+    "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: the EP group's largest so far)",
     "ranks_per_node": "NVLink domain size of the EP group (default: local world size)",
     "backend": "hybrid_ep backend: auto, cuda or reference",
     "balancer_interval": "expert balancer: steps between load reductions and rebalancing (0: off)",
@@ -209,6 +221,10 @@ def static_size_factor(config, opts: HybridEPOptions) -> float | None:
     --hybrid-ep-static-size-factor; both set to different values is an error."""
     megatron = getattr(config, "moe_expert_rank_capacity_factor", None)
     alias = opts.static_size_factor
+    if megatron is not None and not (_finite(megatron) and megatron > 0):
+        raise ValueError(
+            f"moe_expert_rank_capacity_factor must be a finite number > 0 or None, got {megatron!r}"
+        )
     if megatron is not None and alias is not None and float(megatron) != float(alias):
         raise ValueError(
             f"moe_expert_rank_capacity_factor={megatron} and --hybrid-ep-static-size-factor={alias} "
@@ -216,6 +232,9 @@ def static_size_factor(config, opts: HybridEPOptions) -> float | None:
             "moe_expert_rank_capacity_factor"
         )
     factor = megatron if megatron is not None else alias
-    if factor is not None and not factor > 0:
-        raise ValueError(f"moe_expert_rank_capacity_factor must be > 0 or None, got {factor!r}")
+    if factor is not None and not (_finite(factor) and factor > 0):
+        raise ValueError(
+            f"hybrid_ep option static_size_factor (--hybrid-ep-static-size-factor) must be a finite "
+            f"number > 0 or None, got {factor!r}"
+        )
     return factor

@@ -148,6 +148,28 @@ def test_alignment_table_and_config():
     assert gg.alignment_for_config(cfg(fp8="e4m3", fp8_recipe="mxfp8", use_transformer_engine_op_fuser=True)) == 256
 
 
+@pytest.mark.parametrize("dtype, K, N, needle", [
+    (torch.bfloat16, 12, 16, "K=12 (input features) must be a multiple of 8"),
+    (torch.bfloat16, 16, 12, "N=12 (output features) must be a multiple of 8"),
+    (torch.float32, 6, 16, "K=6 (input features) must be a multiple of 4"),
+])
+def test_grouped_mm_refuses_unaligned_features_by_name(dtype, K, N, needle):
+    """torch._grouped_mm needs 16-byte strides; refused before the call, naming the size
+    and the multiple for the dtype (not torch's bare "strides should be multiple of 16 bytes")."""
+    x, w = torch.randn(8, K, dtype=dtype), torch.randn(2, K, N, dtype=dtype)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        gg.grouped_mm(x, w, [3, 5])
+
+
+def test_grouped_mm_transposed_weights_need_only_k_aligned():
+    """A transposed w (TorchGroupedLinear's layout) has row stride K, so N=12 in bf16 runs."""
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w = torch.randn(2, 12, 16, dtype=torch.bfloat16).transpose(1, 2)
+    y = gg.grouped_mm(x, w, [3, 5])
+    want = torch.cat([x[:3].float() @ w[0].float(), x[3:].float() @ w[1].float()])
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=5e-2)
+
+
 # -- Megatron-Core ---------------------------------------------------------------------------
 
 megatron = pytest.importorskip("megatron.core")
@@ -160,6 +182,81 @@ def test_alignment_for_megatron_config():
     assert gg.alignment_for_config(cfg) == 32
     cfg.fp8_recipe = Fp8Recipe.blockwise
     assert gg.alignment_for_config(cfg) == 16
+
+
+def _quantized(**fields):
+    """A validated TransformerConfig with quantization fields set after validation (fp8/fp4
+    validation needs Transformer Engine)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=4,
+                               moe_router_topk=2, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
+                               use_cpu_initialization=True)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+def _quantized_cases():
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+
+    cases = [dict(fp8="e4m3", fp8_recipe=r) for r in Fp8Recipe if r is not Fp8Recipe.custom]
+    cases += [dict(fp4="e2m1", fp4_recipe=Fp4Recipe.nvfp4)]
+    cases += [dict(c, use_transformer_engine_op_fuser=True) for c in (cases[0], cases[-1])]
+    return cases
+
+
+@pytest.mark.parametrize("fields", _quantized_cases(),
+                         ids=lambda f: "-".join(str(getattr(v, "value", v)) for v in f.values()))
+def test_alignment_is_megatrons_for_quantized_recipes(fields):
+    """The rows an empty group gets equal the alignment Megatron pads every other group to
+    (fp4 is 128 in Megatron-Core 0.19, not the 32 of 16 bytes of 4-bit values)."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    config = _quantized(**fields)
+    assert gg.alignment_for_config(config) == get_align_size_for_quantization(config)
+    if fields.get("fp4") and not fields.get("use_transformer_engine_op_fuser"):
+        assert gg.alignment_for_config(config) == 128
+
+
+def test_fp4_empty_group_gets_megatrons_alignment():
+    """The zero-token wrapper keeps an fp4 batch 128-aligned: an empty group gets 128 rows."""
+    seen = {}
+
+    def forward(self, hidden, tokens_per_expert, probs):
+        seen["counts"] = tokens_per_expert.tolist()
+        return hidden, None
+
+    me = types.SimpleNamespace(config=_quantized(fp4="e2m1"), _with_fused_impl=False)
+    gg.zero_token_safe(forward)(me, torch.zeros(384, 4), torch.tensor([128, 0, 256]), torch.zeros(384))
+    assert seen["counts"] == [128, 128, 256]
+
+
+def test_alignment_fallback_without_megatrons_function(monkeypatch):
+    monkeypatch.setattr(gg, "_megatron_alignment", lambda config: None)
+    assert gg.alignment_for_config(types.SimpleNamespace(fp4="e2m1")) == gg.FP4_ALIGNMENT_ROWS == 128
+    assert gg.alignment_for_config(types.SimpleNamespace(fp8="e4m3", fp8_recipe="mxfp8")) == 32
+    assert gg.alignment_for_config(types.SimpleNamespace(use_transformer_engine_op_fuser=True)) == 256
+
+
+def test_torch_grouped_linear_names_the_unaligned_config_size(single_rank_group):
+    """bf16 TEGroupedMLP on TorchGroupedLinear with moe_ffn_hidden_size=12: fc2's input rows are
+    24 bytes, refused naming the config field and the multiple, before torch._grouped_mm."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    gg.install()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=2, moe_ffn_hidden_size=12,
+        ffn_hidden_size=12, moe_grouped_gemm=True, use_cpu_initialization=True, add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16,
+    )
+    pgs = ProcessGroupCollection(ep=single_rank_group, expt_tp=single_rank_group, expt_dp=single_rank_group)
+    module = TEGroupedMLP(2, config, gg.torch_grouped_mlp_submodules(), pg_collection=pgs)
+    x = torch.randn(8, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"multiples of 8 .* not a multiple of 8: moe_ffn_hidden_size=12$"):
+        module(x, torch.tensor([3, 5]), torch.ones(8, dtype=torch.bfloat16))
 
 
 def _experts(group, L, gated, bias):

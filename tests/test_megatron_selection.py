@@ -54,6 +54,8 @@ def test_config_type_selects_dispatcher_and_leaves_others_alone(pool_for):
      "disagree", "set only moe_expert_rank_capacity_factor"),
     (dict(hybrid_ep_options=options.HybridEPOptions(balancer_interval=4), moe_pad_expert_input_to_capacity=True,
           moe_expert_capacity_factor=1.0), "expert balancer", "use moe_expert_rank_capacity_factor"),
+    # set after validation: refused again when MoELayer is built
+    (dict(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.5), "moe_paged_stash", "turn moe_paged_stash off"),
 ])
 def test_unsupported_combinations_raise_clearly(pool_for, overrides, needle, alternative):
     """Every refusal names the field and says what to use instead."""
@@ -97,6 +99,64 @@ def test_config_validation_still_checks_the_rest_for_hybrid_ep():
                 moe_shared_expert_overlap=True)
     with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor"):
         _config(moe_token_dispatcher_type="alltoall", moe_expert_rank_capacity_factor=1.25)
+
+
+def test_paged_stash_is_refused_by_name_at_config_validation():
+    """Megatron's paged-stash runner drives the flex dispatcher's _comm_manager, which hybrid_ep
+    has not: refused naming the flag and why, not with Megatron's misleading "requires
+    moe_expert_rank_capacity_factor" (that factor is set here, only hidden from validation)."""
+    megatron_patches.apply()
+    with pytest.raises(ValueError) as err:
+        _config(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.5)
+    message = str(err.value)
+    assert message.startswith("moe_token_dispatcher_type='hybrid_ep' does not support: moe_paged_stash=True")
+    assert "_comm_manager" in message and "turn moe_paged_stash off" in message
+    assert "requires moe_expert_rank_capacity_factor" not in message
+    # Other dispatcher types still get Megatron's own paged-stash check.
+    with pytest.raises(ValueError, match="moe_paged_stash requires moe_expert_rank_capacity_factor"):
+        _config(moe_token_dispatcher_type="alltoall", moe_paged_stash=True)
+
+
+_BAD_OPTION_VALUES = [
+    (field, value)
+    for field in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node",
+                  "balancer_slots_per_rank", "pad_multiple", "balancer_window", "balancer_interval")
+    for value in (True, 2.0, "2", float("inf"), -1)
+] + [
+    (field, value)
+    for field in ("static_size_factor", "balancer_decay", "balancer_min_gain")
+    for value in (True, "0.5", float("inf"), float("nan"), -0.5)
+] + [
+    ("pad_multiple", None), ("balancer_window", None), ("balancer_interval", None), ("balancer_min_gain", None),
+    ("balancer_decay", 1.0), ("balancer_tolerance", True), ("balancer_move_budget", False),
+]
+
+
+@pytest.mark.parametrize("field, value", _BAD_OPTION_VALUES, ids=lambda v: repr(v) if not isinstance(v, str) else v)
+def test_options_validate_every_numeric_field_by_name(field, value):
+    """Wrong types (bools too: True is an int), inf and nan are refused by validate() with a
+    ValueError naming the field, not a bare TypeError or an OverflowError at the first dispatch."""
+    with pytest.raises(ValueError, match=f"hybrid_ep option {field} must be"):
+        options.HybridEPOptions(**{field: value}).validate()
+
+
+def test_options_validate_keeps_good_values():
+    opts = options.HybridEPOptions(num_sms_dispatch=4, pad_multiple=8, static_size_factor=2, balancer_interval=0,
+                                   balancer_window=3, balancer_decay=0.5, balancer_min_gain=0).validate()
+    assert (opts.num_sms_dispatch, opts.pad_multiple, opts.static_size_factor) == (4, 8, 2)
+
+
+@pytest.mark.parametrize("factor", [float("inf"), float("nan"), "1.5", True, 0.0])
+def test_rank_capacity_factor_is_checked_by_name(factor):
+    """moe_expert_rank_capacity_factor is hidden from Megatron's validation for hybrid_ep, so
+    the dispatcher checks it (inf used to pass and overflow in the first dispatch)."""
+    import types
+
+    config = types.SimpleNamespace(moe_expert_rank_capacity_factor=factor)
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor must be a finite number > 0"):
+        options.static_size_factor(config, options.HybridEPOptions())
+    assert options.static_size_factor(types.SimpleNamespace(moe_expert_rank_capacity_factor=1.5),
+                                      options.HybridEPOptions()) == 1.5
 
 
 def test_options_validate_names_the_field():
