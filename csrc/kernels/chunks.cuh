@@ -6,7 +6,9 @@
 // Chunk-major because every source sends its chunks in order to all ranks at once, and in
 // combine a source sums a chunk only when every expert host has stored its partial: walked
 // source by source, the hosts reached the last source's chunks only at the end of the call,
-// so that source's whole reduction waited for the end.
+// so that source's whole reduction waited for the end. That is the order of sources on this
+// rank's node; chunks forwarded from other nodes still arrive node by node
+// (hierarchy.cuh), not yet in this order (docs/benchmarks/cuda.md, "Open").
 #pragma once
 #include <cstdint>
 
