@@ -15,6 +15,7 @@ that of one buffer per key however often the token count changes.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,20 @@ class BufferKey:
 
 
 def group_max_tokens(group, num_tokens: int, device) -> int:
-    """The largest token count over the ranks of `group` (collective, reads one int on the host)."""
+    """The largest token count over the ranks of `group` (collective, reads one int on the host);
+    the wait is bounded by HYBRID_EP_TIMEOUT_S like every hybrid_ep collective."""
+    from hybrid_ep.config import timeout_seconds
+
+    limit = timeout_seconds()
     size = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=limit))
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"hybrid_ep dispatcher: EP rank {dist.get_rank(group)} waited more than {limit:g} s "
+            f"(HYBRID_EP_TIMEOUT_S) for the group's token count: a peer rank did not dispatch ({err})"
+        ) from err
     return int(size.item())
 
 

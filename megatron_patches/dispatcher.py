@@ -41,9 +41,39 @@ except ImportError as _err:  # keeps `import megatron_patches` working without M
 DISPATCHER_TYPE = "hybrid_ep"
 
 
+REFUSAL = "moe_token_dispatcher_type='hybrid_ep' does not support: "
+
+
+def refuse(reasons: list[str]) -> None:
+    if reasons:
+        raise ValueError(REFUSAL + "; ".join(reasons))
+
+
+def config_unsupported_reasons(config) -> list[str]:
+    """The refusals the config alone decides, also checked at config validation (selection.py),
+    before Megatron's own checks could give a misleading message.
+
+    moe_paged_stash: Megatron's PagedStashRunner drives the flex dispatcher's `_comm_manager`;
+    to rerun a step that overflowed it turns the rank capacity factor off there, while
+    hybrid_ep fixes its static output size when the dispatcher is built. (The rank capacity
+    factor, hidden from validation for hybrid_ep, made Megatron's own check refuse it with
+    "requires moe_expert_rank_capacity_factor".)
+    """
+    reasons = []
+    if getattr(config, "moe_paged_stash", False):
+        reasons.append(
+            "moe_paged_stash=True (--moe-paged-stash): Megatron's paged-stash runner reruns "
+            "overflowing steps through the flex dispatcher's _comm_manager, and hybrid_ep fixes its "
+            "static size when the dispatcher is built; turn moe_paged_stash off "
+            "(moe_expert_rank_capacity_factor alone gives the static size; rows that do not fit are "
+            "dropped and flagged by check_over_budget())"
+        )
+    return reasons
+
+
 def unsupported_reasons(config, tp_size: int, balancer: bool) -> list[str]:
     """Config combinations this dispatcher cannot run, each with what to use instead."""
-    reasons = []
+    reasons = config_unsupported_reasons(config)
     if balancer and tp_size > 1:
         reasons.append(
             f"the expert balancer with expert_tensor_parallel_size={tp_size}: use "
@@ -120,11 +150,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         # Megatron-Core 0.16's base class sets ep_size but not ep_rank.
         self.ep_rank = self.ep_group.rank()
         self.options: HybridEPOptions = options_for(config)
-        reasons = unsupported_reasons(config, self.tp_size, self.options.balancer_enabled)
-        if reasons:
-            raise ValueError(
-                "moe_token_dispatcher_type='hybrid_ep' does not support: " + "; ".join(reasons)
-            )
+        refuse(unsupported_reasons(config, self.tp_size, self.options.balancer_enabled))
         if config.num_moe_experts is None or config.num_moe_experts % self.ep_size != 0:
             raise ValueError(
                 f"num_moe_experts ({config.num_moe_experts}) must be a multiple of the EP size ({self.ep_size})"

@@ -13,8 +13,9 @@ Megatron's TransformerConfig validation refuses dispatcher types it does not kno
 `moe_expert_rank_capacity_factor` outside its flex dispatcher. `patch_config_validation`
 runs the same validation for "hybrid_ep" with the type shown as "alltoall" and the rank
 capacity factor hidden (both restored right after), so every other check still applies.
-Megatron options hybrid_ep cannot honour (`config_unsupported_reasons`) are refused there,
-before Megatron's own checks, and again when MoELayer is built (a field set after validation).
+Megatron options hybrid_ep refuses on the config alone (`dispatcher.config_unsupported_reasons`)
+are refused there, before Megatron's own checks, and again when MoELayer is built (a field set
+after validation).
 
 On the command line, `extend_argument_parser` adds "hybrid_ep" to the choices of
 Megatron-LM's --moe-token-dispatcher-type and adds the --hybrid-ep-* knobs.
@@ -26,7 +27,7 @@ import contextlib
 import functools
 
 from . import options
-from .dispatcher import DISPATCHER_TYPE, HybridEPTokenDispatcher
+from .dispatcher import DISPATCHER_TYPE, HybridEPTokenDispatcher, config_unsupported_reasons, refuse
 
 _MARK = "_hybrid_ep_patched"
 
@@ -44,36 +45,6 @@ def _alltoall_slot_holds_hybrid_ep(moe_layer_module, config):
         config.moe_token_dispatcher_type = saved_type
 
 
-_REFUSAL = "moe_token_dispatcher_type='hybrid_ep' does not support: "
-
-
-def config_unsupported_reasons(config) -> list[str]:
-    """Megatron options that hybrid_ep cannot honour, each with why and what to do instead.
-
-    moe_paged_stash: Megatron's PagedStashRunner drives the flex dispatcher's `_comm_manager`;
-    to rerun a step that overflowed it turns the rank capacity factor off there, while
-    hybrid_ep fixes its static output size when the dispatcher is built. (Hiding that factor
-    from validation, as the patch must, also made Megatron's own paged-stash check refuse it
-    with a misleading "requires moe_expert_rank_capacity_factor".)
-    """
-    reasons = []
-    if getattr(config, "moe_paged_stash", False):
-        reasons.append(
-            "moe_paged_stash=True (--moe-paged-stash): Megatron's paged-stash runner reruns "
-            "overflowing steps through the flex dispatcher's _comm_manager, and hybrid_ep fixes its "
-            "static size when the dispatcher is built; turn moe_paged_stash off "
-            "(moe_expert_rank_capacity_factor alone gives the static size; rows that do not fit are "
-            "dropped and flagged by check_over_budget())"
-        )
-    return reasons
-
-
-def _refuse_unsupported(config) -> None:
-    reasons = config_unsupported_reasons(config)
-    if reasons:
-        raise ValueError(_REFUSAL + "; ".join(reasons))
-
-
 def patch_moe_layer() -> bool:
     """Install the MoELayer hook; returns False if it was already installed."""
     from megatron.core.transformer.moe import moe_layer
@@ -86,7 +57,7 @@ def patch_moe_layer() -> bool:
     def __init__(self, config, *args, **kwargs):
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
             return original(self, config, *args, **kwargs)
-        _refuse_unsupported(config)
+        refuse(config_unsupported_reasons(config))
         opts = options.options_for(config)
         if opts.balancer_enabled:
             from . import balancer
@@ -127,7 +98,7 @@ def patch_config_validation() -> bool:
     def __post_init__(self):
         if getattr(self, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
             return original(self)
-        _refuse_unsupported(self)
+        refuse(config_unsupported_reasons(self))
         saved = {name: getattr(self, name) for name in _VALIDATED_AS}
         for name, shown in _VALIDATED_AS.items():
             setattr(self, name, shown)

@@ -193,3 +193,32 @@ def test_drop_and_pad_with_changing_token_counts_keeps_one_buffer(pool_for):
     for calls in ours:
         assert [c["buffers"] for c in calls] == [1] * len(seqs)
         assert [c["buffer_tokens"] for c in calls] == [8, 16, 24, 32, 32]
+
+
+def _token_count_alone(rank_that_asks):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_patches import buffers
+
+    if dist.get_rank() != rank_that_asks:
+        return "idle"
+    os.environ["HYBRID_EP_TIMEOUT_S"] = "2"
+    start = time.monotonic()
+    try:
+        buffers.group_max_tokens(dist.group.WORLD, 5, torch.device("cpu"))
+    except RuntimeError as err:
+        return (time.monotonic() - start, str(err))
+    return "no error"
+
+
+def test_token_count_agreement_is_bounded_by_the_timeout(pool_for):
+    """The per-dispatch agreement on the token count (variable_seq_lengths) waits at most
+    HYBRID_EP_TIMEOUT_S for a peer that never dispatches, like every hybrid_ep collective."""
+    pool = pool_for(2)
+    (elapsed, message), idle = pool.run(_token_count_alone, [(0,), (0,)])
+    assert idle == "idle" and 1.5 < elapsed < 30
+    assert "EP rank 0 waited more than 2 s (HYBRID_EP_TIMEOUT_S) for the group's token count" in message
+    pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
