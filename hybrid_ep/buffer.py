@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 from . import inputs
 from .backends import create_backend
-from .config import BufferConfig, KernelConfig, auto_ranks_per_node
+from .config import BufferConfig, KernelConfig
 from .handle import DispatchHandle, DispatchResult
 from .memory import MemoryPlan
 from .routing import normalize_routing
 from .rows import check_hidden_dim
+from .topology import group_ranks_per_node
 from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffic
 
 _owner_ids = itertools.count(1)
@@ -43,8 +44,8 @@ class HybridEPBuffer:
     """Dispatch and combine for one EP group; sized once for the worst case.
 
     group: the EP ProcessGroup (None: the default group). ranks_per_node: NVLink domain
-    size (None: the launcher's local world size). backend: "auto" | "cuda" | "reference" |
-    "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
+    size (None: from the launcher's LOCAL_WORLD_SIZE and the group's members, topology.py).
+    backend: "auto" | "cuda" | "reference" | "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
     min_rows_per_expert: every local expert gets at least this many rows (zero rows with
     prob 0 past its real ones) before rounding up to pad_multiple, so grouped GEMMs never
     see an empty group (0: experts without tokens get no rows). combine_wire_dtype: the dtype
@@ -71,9 +72,15 @@ class HybridEPBuffer:
             raise RuntimeError("HybridEPBuffer needs torch.distributed to be initialised (init_process_group)")
         if group is None:
             group = dist.group.WORLD
+        # new_group hands processes outside the group a sentinel instead of a group
+        if group is dist.GroupMember.NON_GROUP_MEMBER or (isinstance(group, dist.ProcessGroup)
+                                                          and dist.get_rank(group) < 0):
+            raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the EP group; "
+                             "only its members build its buffer")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         world_size = dist.get_world_size(group)
-        if ranks_per_node is None:
-            ranks_per_node = auto_ranks_per_node(world_size)
+        ranks_per_node = group_ranks_per_node(group, ranks_per_node)
         self.config = BufferConfig(
             hidden_dim=hidden_dim,
             max_tokens_per_rank=max_tokens_per_rank,
@@ -182,7 +189,10 @@ class HybridEPBuffer:
         inputs.check_handle(handle, self._owner)
         inputs.check_combine_input(expert_out, handle, self.config)
         if not isinstance(apply_probs, bool):
-            raise TypeError(f"apply_probs must be a bool, got {type(apply_probs).__name__}")
+            kind = type(apply_probs)
+            raise TypeError(f"apply_probs must be a Python bool, got {kind.__module__}.{kind.__qualname__}"
+                            if kind.__module__ != "builtins" else
+                            f"apply_probs must be a Python bool, got {kind.__qualname__}")
 
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
         rows, scales_out, handle = self._backend.dispatch(

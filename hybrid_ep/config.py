@@ -105,13 +105,3 @@ def timeout_seconds() -> float:
     if not (0 < value < float("inf")):  # nan fails too
         raise ValueError(f"HYBRID_EP_TIMEOUT_S must be a finite number of seconds > 0, got {raw!r}")
     return value
-
-
-def auto_ranks_per_node(world_size: int) -> int:
-    """NVLink domain size when the caller does not say: the launcher's local world size."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit() and int(local) > 0:
-        g = min(int(local), world_size)
-        if world_size % g == 0:
-            return g
-    return world_size

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, MegatronOptimizerView, SlotTable, slot_parameters
+from hybrid_ep.topology import contiguous_ranks_per_node, group_member_nodes
 
 from .options import HybridEPOptions
 
@@ -313,7 +314,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
                 for layer, d in zip(layers, dispatchers)]
     if isinstance(view, MegatronOptimizerView):
         view.use_for([p for b in balanced for params in b.slot_params for p in params])
-    num_nodes = _num_nodes(first.ep_size, options.ranks_per_node)
+    num_nodes = _num_nodes(first.ep_group, first.ep_size, options.ranks_per_node)
     is_reporter, report_dir = _stage_reporter(options.balancer_report_dir)
     balancer = ExpertBalancer(
         balanced, num_experts=first.num_experts, slots_per_rank=first.num_local_experts,
@@ -363,11 +364,14 @@ def _placement_for_model(loaded, path: str, num_layers: int, balancer: ExpertBal
     return loaded.slot_to_expert
 
 
-def _num_nodes(ep_size: int, ranks_per_node: int | None) -> int:
-    """NVLink domains the EP group spans (the planner packs experts onto them first)."""
-    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", ep_size))
-    per_node = max(1, min(per_node, ep_size))
-    return ep_size // per_node if ep_size % per_node == 0 else 1
+def _num_nodes(ep_group, ep_size: int, ranks_per_node: int | None) -> int:
+    """Nodes the EP group spans (the planner packs experts onto them first). From its members'
+    launcher nodes where the launcher says (hybrid_ep/topology.py): ranks_per_node is the
+    buffer's group's, which with expert tensor parallelism is not the EP group. A group that
+    does not come node by node gets no node preference (1)."""
+    nodes = group_member_nodes(ep_group)
+    per_node = (ranks_per_node or ep_size) if nodes is None else (contiguous_ranks_per_node(nodes) or ep_size)
+    return ep_size // per_node if 1 <= per_node <= ep_size and ep_size % per_node == 0 else 1
 
 
 def _torch_view(optimizer):
