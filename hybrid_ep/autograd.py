@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from .buffer import HybridEPBuffer
 from .fp8 import is_fp8
 from .handle import DispatchResult
 
@@ -69,6 +70,12 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_probs, None, None, None, None, None
 
 
+def _check_buffer(buffer, fn: str) -> None:
+    if not isinstance(buffer, HybridEPBuffer):
+        raise TypeError(f"hybrid_ep.{fn}: the first argument must be the HybridEPBuffer, got "
+                        f"{type(buffer).__name__} (call hybrid_ep.{fn}(buffer, ...) or buffer.{fn}(...))")
+
+
 def dispatch(
     buffer,
     x: torch.Tensor,
@@ -87,6 +94,7 @@ def dispatch(
     The result's handle carries the differentiable probs, so combine(apply_probs=True) also
     sends gradients back to the routing weights. fp8 rows are not differentiable.
     """
+    _check_buffer(buffer, "dispatch")
     routing, handle = buffer._check_dispatch(
         x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens
     )
@@ -106,6 +114,7 @@ def dispatch(
 def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = False,
             num_sms: int | None = None, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
     """buffer.combine with gradients to expert_out and, with apply_probs, to the routing weights."""
+    _check_buffer(buffer, "combine")
     buffer._check_combine(expert_out, handle, apply_probs)
     # Without apply_probs the routing weights take no part: keep combine's graph off the
     # dispatch's, so a schedule may run the two backward passes separately.

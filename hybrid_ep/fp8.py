@@ -21,8 +21,15 @@ def num_scale_blocks(hidden_dim: int) -> int:
     return hidden_dim // FP8_BLOCK
 
 
+def _check_rows(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D tensor [tokens, hidden], got {shape}")
+
+
 def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block quantisation: x ~= q * scale, with the block's absmax mapped to 448."""
+    _check_rows("x", x_TH)
     T, H = x_TH.shape
     if H % FP8_BLOCK != 0:
         raise ValueError(f"x hidden size {H} must be a multiple of {FP8_BLOCK} for fp8")
@@ -34,6 +41,9 @@ def quantize_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(q_TH: torch.Tensor, scales_TB: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    _check_rows("q", q_TH)
+    if not isinstance(scales_TB, torch.Tensor):
+        raise ValueError(f"scales must be a tensor [tokens, hidden / {FP8_BLOCK}], got {type(scales_TB).__name__}")
     T, H = q_TH.shape
     if H % FP8_BLOCK != 0:
         raise ValueError(f"q hidden size {H} must be a multiple of {FP8_BLOCK} for fp8")

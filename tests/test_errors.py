@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,7 +113,10 @@ COMBINE_CASES = [
     ("expert_out not a tensor", lambda r: dict(expert_out=None), TypeError, "expert_out must be a torch.Tensor"),
     ("handle not a handle", lambda r: dict(expert_out=r.tokens, handle="h"), TypeError,
      "handle must be the DispatchHandle"),
-    ("apply_probs not bool", lambda r: dict(expert_out=r.tokens, apply_probs=1), TypeError, "apply_probs must be a bool"),
+    ("apply_probs not bool", lambda r: dict(expert_out=r.tokens, apply_probs=1), TypeError,
+     "apply_probs must be a Python bool, got int"),
+    ("apply_probs numpy bool", lambda r: dict(expert_out=r.tokens, apply_probs=np.bool_(True)), TypeError,
+     "apply_probs must be a Python bool, got numpy.bool"),
     ("wire_dtype bf16", lambda r: dict(expert_out=r.tokens, wire_dtype=torch.bfloat16), ValueError,
      "combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.bfloat16"),
 ]
@@ -181,6 +185,30 @@ def test_bad_timeout_env(buf, monkeypatch):
         monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", raw)
         with pytest.raises(ValueError, match="HYBRID_EP_TIMEOUT_S must be a finite number of seconds > 0"):
             timeout_seconds()
+
+
+def test_group_that_is_not_a_process_group(single_rank_group):
+    for group in ("ep", 0):
+        with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got "):
+            hep.HybridEPBuffer(group, H, 16, E, backend="reference")
+
+
+def test_autograd_functions_name_a_missing_buffer(buf, dispatched):
+    with pytest.raises(TypeError, match=r"hybrid_ep.dispatch: the first argument must be the HybridEPBuffer, "
+                                        r"got Tensor"):
+        hep.dispatch(_x(), _idx())
+    with pytest.raises(TypeError, match="hybrid_ep.combine: the first argument must be the HybridEPBuffer, got str"):
+        hep.combine("buf", dispatched.tokens, dispatched.handle)
+
+
+def test_fp8_helpers_name_rows_that_are_not_2d():
+    with pytest.raises(ValueError, match=r"x must be a 2-D tensor \[tokens, hidden\], got \[128\]"):
+        hep.quantize_fp8(torch.randn(128))
+    q, s = hep.quantize_fp8(torch.randn(2, 128))
+    with pytest.raises(ValueError, match=r"q must be a 2-D tensor \[tokens, hidden\], got \[1, 2, 128\]"):
+        hep.dequantize_fp8(q[None], s)
+    with pytest.raises(ValueError, match=r"scales must be a tensor \[tokens, hidden / 128\], got list"):
+        hep.dequantize_fp8(q, s.tolist())
 
 
 def test_dequantize_fp8_names_scales_of_another_shape():

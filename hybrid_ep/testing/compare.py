@@ -10,6 +10,8 @@ from .rounding import exponent_of, power_of_two, round_to
 
 _EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff
 _MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+_MIN_EXP = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}  # smallest normal exponent: below
+# it the spacing stays 2**(min - mantissa), so rounding there is absolute, not relative
 
 
 def _bytes(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,9 @@ def combine_tolerance(want64: torch.Tensor, magnitude64: torch.Tensor, dtype: to
     accumulate = (num_terms + 1) * 2.0**-24 * magnitude64
     eps = 0.0 if wire == torch.float32 else _EPS[wire]
     rounding = ((1 + eps) ** hops - 1) * magnitude64
-    ulp = power_of_two(exponent_of(want64).clamp(min=-126) - _MANTISSA[dtype])
+    if wire != torch.float32:  # a subnormal partial rounds by up to half the subnormal spacing
+        rounding = rounding + hops * 2.0 ** (_MIN_EXP[wire] - _MANTISSA[wire] - 1)
+    ulp = power_of_two(exponent_of(want64).clamp(min=_MIN_EXP[dtype]) - _MANTISSA[dtype])
     return accumulate + rounding + ulp + 1e-300
 
 
