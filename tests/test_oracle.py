@@ -252,3 +252,18 @@ def test_hop_model_within_the_two_hop_bound(apply_probs):
         open_elements += int((lo != hi).sum())
         total += lo.numel()
     assert open_elements <= total // 1000, (open_elements, total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_combine_tolerance_allows_correct_rounding_of_subnormals(dtype):
+    """A sum whose correctly rounded result is a subnormal of the output dtype: fp16's
+    spacing there is 2**-24, far above the 2**-136 that clamping at fp32's exponent gave."""
+    tiny = torch.finfo(dtype).smallest_normal
+    spacing = tiny * torch.finfo(dtype).eps  # spacing of the subnormals
+    want = torch.full((1, 4), 1.5 * spacing, dtype=torch.float64)  # exactly between two subnormals
+    got = want.to(dtype)  # rounds to even: 2 x spacing
+    err = (got.double() - want).abs()
+    assert float(err.max()) == pytest.approx(0.5 * spacing)
+    tol = combine_tolerance(want, want.abs(), dtype, 1)
+    assert bool((err <= tol).all())
+    assert bool((tol < 4 * spacing).all())  # still a bound that can fail: not wider than a few spacings
