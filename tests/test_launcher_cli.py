@@ -155,6 +155,29 @@ def test_script_must_name_a_file_that_can_be_written(capsys, monkeypatch, tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["regular"] and regular.read_text() == "keep"
 
 
+def test_dry_run_says_where_the_log_goes(capsys):
+    code, out, err = _launch(capsys)
+    assert code == 0 and "#SBATCH --output=results/tiny_moe/slurm-%j.out\n" in out
+    assert ("note: the Slurm log goes to results/tiny_moe/slurm-%j.out (%j: the job id); Slurm creates no folders: "
+            "--submit creates results/tiny_moe before it calls sbatch (by hand: mkdir -p results/tiny_moe "
+            "first)") in err
+    assert "# Slurm log: results/tiny_moe/slurm-<job id>.out, from the folder sbatch is run in." in out
+    code, out, err = _launch(capsys, "--set", "output.dir=$HOME/results/${SLURM_JOB_ID}")
+    assert code == 0 and "#SBATCH --output=slurm-%j.out\n" in out
+    assert "note: the Slurm log goes to slurm-%j.out (%j: the job id), in the folder sbatch runs in" in err
+
+
+def test_log_folder_that_cannot_be_created_is_an_error(capsys, monkeypatch, tmp_path):
+    _no_sbatch(monkeypatch)
+    regular = tmp_path / "regular"
+    regular.write_text("keep")
+    code, out, err = _launch(capsys, "--submit", "--script", str(tmp_path / "job.sbatch"),
+                             "--set", f"output.dir={regular}/tiny/${{SLURM_JOB_ID}}")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"error: output.dir: cannot create {regular}/tiny, the folder of the Slurm log" in err, err
+    assert regular.read_text() == "keep"
+
+
 def test_script_that_cannot_be_written_is_an_error(capsys, monkeypatch, tmp_path):
     _no_sbatch(monkeypatch)
     monkeypatch.setattr(cli.os, "makedirs", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission "
@@ -189,6 +212,14 @@ def test_flags_without_their_mode_are_refused(capsys, monkeypatch, tmp_path, arg
     ("env.1A=x", "error: env.1A: '1A' is not an environment variable name"),
     ("env.A;touch x=1", "error: env.A;touch x: 'A;touch x' is not an environment variable name"),
     ("env.A=null", "error: env.A: must be a string or number, got None"),
+    ("cluster.workdir=$HOME/run", "error: cluster.workdir: must be a path without shell variables: it is written "
+                                  "as #SBATCH --chdir, which expands none"),
+    ("cluster.workdir=/lustre/${USER}/run", "error: cluster.workdir: must be a path without shell variables"),
+    ("cluster.workdir=~/run", "error: cluster.workdir: must not start with ~"),
+    ("output.dir=~/results/${SLURM_JOB_ID}", "error: output.dir: must not start with ~"),
+    ("output.dir=results/%j", "error: output.dir: must not contain %"),
+    ('output.dir=results/"x"', "error: output.dir: must not contain a double quote"),
+    ("output.dir=' '", "error: output.dir: must name a folder, got an empty path"),
 ])
 def test_bad_values_are_validation_errors(capsys, override, words):
     code, out, err = _launch(capsys, "--set", override)

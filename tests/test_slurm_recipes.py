@@ -1,7 +1,8 @@
 """Slurm recipes: every recipe renders to a script bash accepts, every pretraining recipe's
 argument list parses with Megatron-LM's own parser into a TransformerConfig, submission goes
-through `sbatch` (a fake one on PATH here), bad overrides fail naming the field, and the
-memory estimate (docs/slurm.md) gives the numbers quoted in the docs."""
+through `sbatch` (a fake one on PATH here) into a log folder that exists when the job starts
+(a stand-in for Slurm that opens --output as slurmstepd does), bad overrides fail naming the
+field, and the memory estimate (docs/slurm.md) gives the numbers quoted in the docs."""
 
 from __future__ import annotations
 
@@ -132,16 +133,131 @@ def test_submit_goes_through_sbatch(tmp_path, monkeypatch, capsys):
     bin_dir.mkdir()
     captured = tmp_path / "captured.sbatch"
     fake = bin_dir / "sbatch"
-    fake.write_text(f'#!/bin/bash\ncp "$1" {captured}\necho "Submitted batch job 4242"\n')
+    fake.write_text(f'#!/bin/bash\ncp "$1" {captured}\ntest -d results/qwen3_235b_a22b || exit 3\n'
+                    'echo "Submitted batch job 4242"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
     script = tmp_path / "out" / "job.sbatch"
     rc = cli.main([path_of("qwen3_235b_a22b"), "--submit", "--script", str(script), "--set", "train.steps=50"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "Submitted batch job 4242" in out
+    captured_io = capsys.readouterr()
+    assert rc == 0 and "Submitted batch job 4242" in captured_io.out
+    assert "Slurm log results/qwen3_235b_a22b/slurm-%j.out" in captured_io.err
     expected = render.render(cli.load_checked(path_of("qwen3_235b_a22b"), ["train.steps=50"]))
     assert captured.read_text() == expected == script.read_text()
     assert "--train-iters 50" in expected
+    assert "#SBATCH --output=results/qwen3_235b_a22b/slurm-%j.out\n" in expected
+
+
+# Stands in for Slurm running a batch job, in the order slurmstepd does: go to the job's
+# working directory (--chdir, relative to the submission folder; else the submission folder),
+# open --output there (Slurm creates no folders: a missing one fails the job before the script
+# starts, "Could not open stdout file"), then run the script with SLURM_JOB_ID set and srun /
+# scontrol stubbed. Synchronous, so sbatch's exit status is the job's.
+SLURM_STAND_IN = textwrap.dedent('''
+    import os, re, shlex, subprocess, sys
+    script = os.path.abspath(sys.argv[1])
+    text = open(script).read()
+    opts = {k: shlex.split(v)[0] for k, v in re.findall(r"^#SBATCH --(chdir|output)=(.*)$", text, re.M)}
+    os.chdir(opts.get("chdir", "."))
+    log = opts["output"].replace("%j", "77")
+    if not os.path.isdir(os.path.dirname(log) or "."):
+        sys.exit(f"slurmstepd: error: Could not open stdout file {os.path.abspath(log)}: No such file or directory")
+    stubs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
+    env = dict(os.environ, SLURM_JOB_ID="77", SLURM_JOB_NODELIST="node1",
+               PATH=stubs + os.pathsep + os.environ["PATH"])
+    with open(log, "w") as f:
+        rc = subprocess.call(["bash", script], stdout=f, stderr=subprocess.STDOUT, env=env)
+    print("Submitted batch job 77")
+    sys.exit(rc)
+''')
+
+
+def _slurm_stand_in(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "stubs").mkdir(parents=True)
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!{sys.executable}\n{SLURM_STAND_IN}")
+    for name, body in [("srun", 'echo "srun $*"'), ("scontrol", "echo node1")]:
+        (bin_dir / "stubs" / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / "stubs" / name).chmod(0o755)
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("workdir", [None, "relative", "absolute with space"])
+@pytest.mark.parametrize("name", ALL)
+def test_submitted_job_finds_its_log_folder(name, workdir, tmp_path, monkeypatch, capsys):
+    """Every recipe, submitted: the log's folder exists when the job starts (the launcher made
+    it), and the log and the per-job OUT_DIR resolve from the same folder, with cluster.workdir
+    (the job's --chdir) or without."""
+    _slurm_stand_in(tmp_path, monkeypatch)
+    submit_dir = tmp_path / "submit"
+    submit_dir.mkdir()
+    monkeypatch.chdir(submit_dir)
+    sets, base = [], submit_dir
+    if workdir == "relative":
+        sets, base = ["--set", "cluster.workdir=run/here"], submit_dir / "run" / "here"
+    elif workdir:
+        sets, base = ["--set", f"cluster.workdir={tmp_path / 'work dir'}"], tmp_path / "work dir"
+    rc = cli.main([path_of(name), "--submit", "--script", str(tmp_path / "scripts" / "job.sbatch"), *sets])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Submitted batch job 77" in out, err
+    recipe = cli.load_checked(path_of(name), sets[1::2])
+    out_dir = base / recipe["output.dir"].replace("${SLURM_JOB_ID}", "77")
+    log = base / render.log_dir(recipe) / "slurm-77.out"
+    assert out_dir.is_dir() and log.is_file()
+    assert log.parent == out_dir.parent == base / "results" / name
+    assert "srun --nodes=" in log.read_text()  # the script ran to its srun line
+    if workdir:
+        assert not (submit_dir / "results").exists()  # nothing resolved from the submission folder
+
+
+def test_a_missing_log_folder_fails_the_stand_in_as_it_fails_slurm(tmp_path, monkeypatch):
+    """The stand-in is a real check: the script rendered before the fix (log in the per-job
+    folder that only the script creates) does not start."""
+    _slurm_stand_in(tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    text = render.render(cli.load_checked(path_of("tiny_moe"), []))
+    old = text.replace("#SBATCH --output=results/tiny_moe/slurm-%j.out",
+                       "#SBATCH --output=results/tiny_moe/%j/slurm-%j.out")
+    assert old != text
+    (tmp_path / "old.sbatch").write_text(old)
+    os.makedirs("results/tiny_moe")
+    proc = subprocess.run(["sbatch", "old.sbatch"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Could not open stdout file" in proc.stderr
+
+
+@pytest.mark.parametrize("out, folder", [
+    ("results/x/${SLURM_JOB_ID}", "results/x"),
+    ("results/x/$SLURM_JOB_ID/run", "results/x"),
+    ("/lustre/r/run-${SLURM_JOB_ID}", "/lustre/r"),
+    ("./results//fixed/", "results/fixed"),
+    ("results/fixed", "results/fixed"),
+    ("$HOME/results/${SLURM_JOB_ID}", "."),
+    ("/${SCRATCH}/r", "."),
+])
+def test_log_dir_is_the_leading_part_without_variables(out, folder):
+    recipe = cli.load_checked(path_of("tiny_moe"), [f"output.dir={out}"])
+    assert render.log_dir(recipe) == folder
+    assert render.log_file(recipe) == ("slurm-%j.out" if folder == "." else f"{folder}/slurm-%j.out")
+    text = render.render(recipe)
+    assert f"#SBATCH --output={render.log_file(recipe)}\n" in text and f'OUT_DIR="{out}"' in text
+
+
+def test_workdir_is_the_jobs_chdir():
+    """#SBATCH --chdir, not a `cd` in the script: Slurm resolves --output from it, so the log and
+    OUT_DIR resolve from the same folder."""
+    plain = render.render(cli.load_checked(path_of("tiny_moe"), []))
+    assert "--chdir" not in plain and "\ncd " not in plain
+    text = render.render(cli.load_checked(path_of("tiny_moe"), ["cluster.workdir=/lustre/you/run"]))
+    lines = text.splitlines()
+    chdir, output = "#SBATCH --chdir=/lustre/you/run", "#SBATCH --output=results/tiny_moe/slurm-%j.out"
+    assert lines.index(chdir) < lines.index(output)
+    assert "\ncd " not in text and 'OUT_DIR="results/tiny_moe/${SLURM_JOB_ID}"' in text
+    assert "# Slurm log: results/tiny_moe/slurm-<job id>.out, from cluster.workdir /lustre/you/run" in text
+    assert render.log_dir_to_create(cli.load_checked(path_of("tiny_moe"), ["cluster.workdir=/lustre/you/run"])) \
+        == "/lustre/you/run/results/tiny_moe"
 
 
 def test_nodes_rescales_data_parallelism(capsys):

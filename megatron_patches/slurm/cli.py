@@ -7,8 +7,15 @@ validated (every failure names the field and the rule; exit status 2) and, for p
 its memory per GPU is estimated (a warning when it exceeds the GPU's memory). Then:
 
 --dry-run (default)  print the sbatch script
---submit             write it next to the results (--script PATH to choose) and call `sbatch`
+--submit             write it (to a temporary folder, or --script PATH), create the Slurm
+                     log's folder and call `sbatch` from the current folder
 --local              run it on this machine without Slurm (local.py; tiny_moe on CPU)
+
+Slurm opens the job's log before the script runs and creates no folders: the log goes to
+the leading part of output.dir without variables (render.log_dir, e.g. results/<name>), which
+--submit creates relative to the folder it runs in (or under cluster.workdir, the job's
+--chdir) before it calls sbatch, wherever --script is written. The script creates the
+per-job folder OUT_DIR itself.
 
 --script applies only with --submit and --trainer only with --local: given without them, or a
 --script that names a folder or a path under a file, they are errors (exit status 2) before
@@ -118,6 +125,23 @@ def warn_megatron_lm_dir(recipe) -> None:
           "on PYTHONPATH; set --set megatron_lm_dir=/your/Megatron-LM", file=sys.stderr)
 
 
+def note_log_dir(recipe) -> None:
+    """Say where the Slurm log goes, and that its folder must exist when the job starts."""
+    folder = render.log_dir_to_create(recipe)
+    where = f"{PROG}: note: the Slurm log goes to {_log_path(recipe)} (%j: the job id)"
+    if folder == ".":
+        print(f"{where}, in the folder sbatch runs in", file=sys.stderr)
+    else:
+        print(f"{where}; Slurm creates no folders: --submit creates {folder} before it calls sbatch (by hand: "
+              f"mkdir -p {folder} first)", file=sys.stderr)
+
+
+def _log_path(recipe) -> str:
+    """The Slurm log from the folder sbatch runs in."""
+    folder, name = render.log_dir_to_create(recipe), os.path.basename(render.log_file(recipe))
+    return name if folder == "." else os.path.join(folder, name)
+
+
 def submit(recipe, text: str, script: str | None) -> int:
     if script is None:
         folder = tempfile.mkdtemp(prefix=f"hybrid_ep_{recipe.name}_")
@@ -129,6 +153,14 @@ def submit(recipe, text: str, script: str | None) -> int:
             f.write(text)
     except OSError as err:
         return _error([("--script", f"cannot write {script}: {err.strerror or err}")])
+    # Relative to this folder, where sbatch runs: the job's working directory, or what a
+    # relative cluster.workdir (its --chdir) starts from.
+    log_folder = render.log_dir_to_create(recipe)
+    try:
+        os.makedirs(log_folder, exist_ok=True)
+    except OSError as err:
+        return _error([("output.dir", f"cannot create {log_folder}, the folder of the Slurm log (Slurm opens it "
+                                      f"before the job starts and creates no folders): {err.strerror or err}")])
     try:
         proc = subprocess.run(["sbatch", script], capture_output=True, text=True)
     except FileNotFoundError:
@@ -137,6 +169,7 @@ def submit(recipe, text: str, script: str | None) -> int:
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr)
     print(f"{PROG}: script {script}", file=sys.stderr)
+    print(f"{PROG}: Slurm log {_log_path(recipe)} (%j: the job id)", file=sys.stderr)
     return proc.returncode
 
 
@@ -162,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return _error(err.problems)
     if a.submit:
         return submit(recipe, text, a.script)
+    note_log_dir(recipe)
     sys.stdout.write(text)
     return 0
 

@@ -6,10 +6,20 @@ MASTER_PORT) from Slurm's and runs the command. Pretraining runs
 `python -m megatron_patches.pretrain_gpt <Megatron arguments>`; the benchmark recipe runs
 `python -m hybrid_ep.bench` once per node count in one allocation. Every value from the
 recipe is shell-quoted; `bash -n` accepts every rendered script (tested).
+
+Where the files land. Slurm opens the job's log before the script runs and creates no
+folders, and `#SBATCH` lines expand no shell variables. So the log goes to `log_dir`, the
+longest leading part of output.dir without variables (results/<name> for
+results/<name>/${SLURM_JOB_ID}), which `hybrid-ep-launch --submit` creates before it calls
+sbatch; the per-job folder OUT_DIR is created by the script. Both resolve from the job's
+working directory: cluster.workdir as `#SBATCH --chdir` (validation refuses one with
+variables), else the folder sbatch runs in.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 
 from .megatron_args import megatron_args
@@ -24,21 +34,75 @@ def _q(value) -> str:
     return shlex.quote(str(value))
 
 
+# A path component that depends on the job: shell expansion (OUT_DIR is a double-quoted shell
+# string) or one of Slurm's filename patterns (%j, %x, ... in --output).
+_JOB_DEPENDENT = re.compile(r"[$`%\\]")
+
+
+def log_dir(recipe) -> str:
+    """The folder of the Slurm log, from the job's working directory: the longest leading part
+    of output.dir whose components have no variables ("results/x" for "results/x/${SLURM_JOB_ID}",
+    output.dir itself when it has none), "." when its first component has one."""
+    out = recipe["output.dir"]
+    static = []
+    for part in out.split("/"):
+        if _JOB_DEPENDENT.search(part):
+            break
+        if part not in ("", "."):
+            static.append(part)
+    if not static:
+        return "."
+    return ("/" if out.startswith("/") else "") + "/".join(static)
+
+
+def log_dir_to_create(recipe) -> str:
+    """log_dir as a path from the folder sbatch runs in (cluster.workdir, the job's --chdir,
+    joined when set): what `hybrid-ep-launch --submit` creates before it calls sbatch."""
+    workdir = recipe["cluster.workdir"]
+    return os.path.normpath(os.path.join(workdir, log_dir(recipe))) if workdir else log_dir(recipe)
+
+
+def log_file(recipe) -> str:
+    """The `#SBATCH --output` path (%j: Slurm's job id)."""
+    folder = log_dir(recipe)
+    return "slurm-%j.out" if folder == "." else f"{folder}/slurm-%j.out"
+
+
+def _sbatch_path(path: str) -> str:
+    """A path as an #SBATCH value: sbatch splits unquoted values at whitespace, and honours
+    double quotes (validation refuses paths with a double quote)."""
+    return f'"{path}"' if any(ch.isspace() for ch in path) else path
+
+
+def _where_comments(recipe) -> list[str]:
+    workdir, folder = recipe["cluster.workdir"], log_dir(recipe)
+    base = f"cluster.workdir {workdir} (#SBATCH --chdir)" if workdir else "the folder sbatch is run in"
+    lines = [f"# Slurm log: {log_file(recipe).replace('%j', '<job id>')}"
+             + ("" if folder.startswith("/") else f", from {base}") + "."]
+    if folder != "." or workdir:
+        lines += ["#   Slurm opens it before this script runs and creates no folders: hybrid-ep-launch --submit",
+                  f"#   creates {log_dir_to_create(recipe)} first; before sbatch by hand, mkdir -p it."]
+    lines.append(f"# Results: OUT_DIR={recipe['output.dir']} (created by this script).")
+    return lines
+
+
 def _header(recipe, nodes: int, job_name: str) -> list[str]:
     c = recipe["cluster"]
-    out = recipe["output.dir"]
     lines = [
         "#!/bin/bash",
         f"# Rendered by hybrid-ep-launch from {recipe.path}",
         f"# overrides: {' '.join(recipe.overrides) if recipe.overrides else 'none'}",
         "# Edit the recipe (or pass --set key=value), not this file.",
+        *_where_comments(recipe),
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={c['gpus_per_node']}",
         f"#SBATCH --gpus-per-node={c['gpus_per_node']}",
         f"#SBATCH --time={c['time']}",
-        f"#SBATCH --output={out.replace('${SLURM_JOB_ID}', '%j')}/slurm-%j.out",
     ]
+    if c["workdir"]:
+        lines.append(f"#SBATCH --chdir={_sbatch_path(c['workdir'])}")
+    lines.append(f"#SBATCH --output={_sbatch_path(log_file(recipe))}")
     if c["partition"]:
         lines.append(f"#SBATCH --partition={c['partition']}")
     if c["account"]:
@@ -60,10 +124,7 @@ def _environment(recipe) -> list[str]:
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         'export MASTER_PORT="${MASTER_PORT:-29500}"',
     ]
-    workdir = recipe["cluster.workdir"]
-    if workdir:
-        lines.append(f"cd {_q(workdir)}")
-    out = recipe["output.dir"]
+    out = recipe["output.dir"]  # from the job's working directory, as the log (#SBATCH --chdir)
     lines += [f'OUT_DIR="{out}"', 'mkdir -p "$OUT_DIR"', ""]
     return lines
 

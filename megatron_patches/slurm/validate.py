@@ -18,6 +18,10 @@ otherwise enforce on the cluster, after the queue wait:
 - rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
   element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
 - cluster.time in one of Slurm's time formats;
+- cluster.workdir without shell variables, a leading ~ or a double quote (it is written as
+  `#SBATCH --chdir`, which expands none, and the Slurm log and OUT_DIR resolve from it);
+  output.dir not empty, without %, a leading ~ or a double quote (render.log_dir says where
+  the log goes);
 - real data needs a path;
 - benchmark: every rule hybrid-ep-bench applies to its flags (hybrid_ep/bench/spec.py: routing,
   backends, SM counts, warmup, ...), for each node count, and no node count twice.
@@ -66,6 +70,35 @@ def _cluster(recipe, problems):
     if not _SLURM_TIME.fullmatch(recipe["cluster.time"]):
         problems.append(("cluster.time", "must be a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                                          f"D-HH:MM:SS (e.g. 04:00:00 for four hours), got {recipe['cluster.time']!r}"))
+    _paths(recipe, problems)
+
+
+def _paths(recipe, problems):
+    """The paths of the job's files (render.log_dir). cluster.workdir becomes `#SBATCH --chdir`,
+    where sbatch expands no variables: with one, the Slurm log (--output) and the script's
+    OUT_DIR would resolve from different folders. A leading ~ is expanded by neither, a double
+    quote would end the quoted path, and % is a pattern to Slurm but not to the shell."""
+    workdir = recipe["cluster.workdir"]
+    if workdir and re.search(r"[$`]", workdir):
+        problems.append(("cluster.workdir", "must be a path without shell variables: it is written as "
+                                            "#SBATCH --chdir, which expands none; write the path out "
+                                            f"(e.g. /lustre/you/run), got {workdir!r}"))
+    out = recipe["output.dir"]
+    if not out.strip():
+        problems.append(("output.dir", "must name a folder, got an empty path"))
+    if "%" in out:
+        problems.append(("output.dir", "must not contain %: it is a shell path (OUT_DIR), where Slurm's %j is not "
+                                       f"replaced; use ${{SLURM_JOB_ID}}, got {out!r}"))
+    for field in ("cluster.workdir", "output.dir"):
+        value = recipe[field]
+        if value is None:
+            continue
+        if value.startswith("~"):
+            instead = "write the path out" + (" or start it with $HOME" if field == "output.dir" else "")
+            problems.append((field, "must not start with ~ (neither #SBATCH lines nor the script's quoted paths "
+                                    f"expand it): {instead}, got {value!r}"))
+        if '"' in value or "\n" in value:
+            problems.append((field, f"must not contain a double quote or a newline, got {value!r}"))
 
 
 def _parallel(recipe, problems):
