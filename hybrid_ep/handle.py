@@ -32,6 +32,7 @@ class DispatchHandle:
     node_counts_WN: torch.Tensor  # int64 tokens of rank s that reach node n (all ranks)
     probs_R: torch.Tensor  # float32 routing weight of each output row, 0 on padding
     num_out_tokens: int | None
+    serial: int = 0  # which dispatch with a routing of its buffer made it (1, 2, ...); compared on reuse
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import KernelConfig, timeout_seconds
 from ..handle import DispatchHandle
 from ..memory import BufferSpec, MemoryPlan
-from ..routing import Routing, dest_layout, max_output_rows, source_layout
+from ..routing import Routing, SourceLayout, dest_layout, max_output_rows, source_layout
 from ..rows import as_byte_rows as _as_bytes
 from ..rows import from_byte_rows as _from_bytes
 from .base import Backend
@@ -36,6 +36,7 @@ class ReferenceBackend(Backend):
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device("cpu")
+        self._num_dispatches = 0  # dispatches of a new routing so far: the serial number of their handles
 
     @property
     def device(self) -> torch.device:
@@ -61,29 +62,36 @@ class ReferenceBackend(Backend):
                 f"this error. ({err})"
             ) from err
 
-    def _exchange_counts(self, send_counts_W, node_counts_N, fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank learns every rank's row counts: [W, W] per rank and [W, N] per node; the
-        row format (fields) travels along and must agree."""
-        W = self.config.world_size
-        mine = torch.cat([send_counts_W, node_counts_N, _encode(fields, send_counts_W.device)]).to(torch.int64)
-        if W == 1:
-            return mine[None, :W], mine[None, W:-len(fields)]
-        flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=mine.device)
-        self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), "dispatch (count exchange)")
-        table = flat.view(W, -1)
-        _check_agreement(fields, table[:, -len(fields):], "dispatch")
-        return table[:, :W], table[:, W:-len(fields)]
+    def _agree(self, call: int, fields: dict, device, handle: DispatchHandle | None = None,
+               source: SourceLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One all_gather before every collective call, so that ranks about to make different
+        calls, with different handles or with another row format all raise the same ValueError
+        instead of exchanging wrong rows (rows are raw bytes, counts are each rank's own).
 
-    def _agree(self, fields: dict, phase: str, device) -> None:
-        """Every rank's row format for a call with no count exchange: rows are raw bytes, so a
-        rank sending another dtype or width would be read wrongly or break the all-to-all."""
-        W = self.config.world_size
+        The message's length depends only on W: gloo aborts the process when the lengths
+        differ. It holds a header (the call, ranks_per_node, the handle's serial number and
+        count checksum, the row format padded to _FORMAT slots), then W send counts and the
+        N <= W node counts padded to W, zero unless the call sends a new routing (source).
+        Returns every rank's counts: [W, W] rows sent and [W, N] tokens per node.
+        """
+        cfg = self.config
+        W, N = cfg.world_size, cfg.num_nodes
+        serial, checksum = (handle.serial, _checksum(handle.count_matrix_WW)) if handle is not None else (0, 0)
+        head = [call, cfg.ranks_per_node, serial, checksum] + _encode(fields) + [0] * (_FORMAT - len(fields))
+        counts = torch.zeros(2 * W, dtype=torch.int64, device=device)
+        if source is not None:
+            counts[:W], counts[W:W + N] = source.send_counts_W, source.node_counts_N
+        mine = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), counts])
         if W == 1:
-            return
-        mine = _encode(fields, device)
-        flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=device)
-        self._wait(dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True), f"{phase} (format check)")
-        _check_agreement(fields, flat.view(W, -1), phase)
+            table = mine[None]
+        else:
+            flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=device)
+            work = dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True)
+            self._wait(work, f"{_PHASES[call]} (agreement)")
+            table = flat.view(W, -1)
+            _check_agreement(call, fields, table[:, :_HEAD + _FORMAT].tolist())
+        counts_WX = table[:, _HEAD + _FORMAT:]
+        return counts_WX[:, :W], counts_WX[:, W:W + N]
 
     def _all_to_all_rows(self, send, send_counts: list[int], recv_counts: list[int], phase: str):
         """Variable-size all-to-all of byte rows; rows for rank d are contiguous, in rank order."""
@@ -116,13 +124,14 @@ class ReferenceBackend(Backend):
 
         if handle is None:
             source = source_layout(routing, cfg)
-            count_WW, node_counts_WN = self._exchange_counts(source.send_counts_W, source.node_counts_N, fields)
+            count_WW, node_counts_WN = self._agree(_NEW_ROUTING, fields, x_TH.device, source=source)
+            self._num_dispatches += 1  # numbered once every rank has agreed, so the ranks count alike
             recv_counts_W = count_WW[:, self.rank].contiguous()
             # The first dispatch of a routing carries each row's local experts and weights.
             meta = [_as_bytes(source.row_probs_SL), source.row_expert_mask_SL.to(torch.uint8)]
         else:
             source, recv_counts_W, meta = handle.source, handle.recv_counts_W, []
-            self._agree(fields, "dispatch", x_TH.device)
+            self._agree(_WITH_HANDLE, fields, x_TH.device, handle)
 
         send = torch.cat([p[source.send_token_idx_S] for p in payload] + meta, dim=1)
         recv = self._all_to_all_rows(send, source.send_counts_W.tolist(), recv_counts_W.tolist(), "dispatch")
@@ -138,6 +147,7 @@ class ReferenceBackend(Backend):
                 owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=source, dest=dest,
                 recv_counts_W=recv_counts_W, num_recv_rows=recv.shape[0], count_matrix_WW=count_WW,
                 node_counts_WN=node_counts_WN, probs_R=probs_R, num_out_tokens=num_out_tokens,
+                serial=self._num_dispatches,
             )
         dest = handle.dest
 
@@ -162,7 +172,8 @@ class ReferenceBackend(Backend):
         partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
         partial_VH.index_add_(0, dest.out_src_M, vals_MH)
         wire = kernel.wire_dtype_for(rows_RH.dtype)
-        self._agree({"expert_out dtype": rows_RH.dtype, "wire dtype": wire, "hidden": H}, "combine", rows_RH.device)
+        self._agree(_COMBINE, {"expert_out dtype": rows_RH.dtype, "wire dtype": wire, "hidden": H}, rows_RH.device,
+                    handle)
         back = self._all_to_all_rows(
             _as_bytes(partial_VH.to(wire)), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
         )
@@ -186,6 +197,7 @@ class ReferenceBackend(Backend):
 
     def return_row_values(self, values_R, handle: DispatchHandle):
         dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
+        self._agree(_PROBS_BACKWARD, {}, values_R.device, handle)
         vals_VL = torch.zeros(handle.num_recv_rows, L, dtype=torch.float32, device=values_R.device)
         vals_VL[dest.out_src_M, dest.out_expert_M] = values_R.detach()[dest.out_pos_M].float()
         back = self._all_to_all_rows(
@@ -214,6 +226,13 @@ class ReferenceBackend(Backend):
         )
 
 
+# The collective calls, as the agreement message numbers them and the errors name them.
+_NEW_ROUTING, _WITH_HANDLE, _COMBINE, _PROBS_BACKWARD = range(4)
+_CALLS = ("dispatch with a routing", "dispatch with a handle", "combine", "probs backward")
+_PHASES = ("dispatch", "dispatch", "combine", "probs backward")
+_HEAD = 4  # call, ranks_per_node, handle serial, handle count checksum
+_FORMAT = 4  # row-format slots: the most fields of any call (dispatch's)
+
 _DTYPES = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
 
 
@@ -221,19 +240,38 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())  # the same in every process (hash() is salted)
 
 
-def _encode(fields: dict, device) -> torch.Tensor:
-    return torch.tensor([_dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in fields.values()],
-                        dtype=torch.int64, device=device)
+def _encode(fields: dict) -> list[int]:
+    return [_dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in fields.values()]
 
 
-def _check_agreement(fields: dict, table_WF: torch.Tensor, phase: str) -> None:
-    """Raise the same ValueError on every rank when the ranks' fields differ."""
-    table = table_WF.cpu().tolist()
+def _checksum(count_WW: torch.Tensor) -> int:
+    """The handle's [W, W] count matrix came from one all_gather, so it is the same on every
+    rank: two ranks whose handles' checksums differ hold handles of different dispatches."""
+    return zlib.crc32(count_WW.cpu().contiguous().numpy().tobytes())
+
+
+def _check_agreement(call: int, fields: dict, table: list[list[int]]) -> None:
+    """Raise the same ValueError on every rank when the ranks' headers differ: the call first
+    (in another call the other slots mean something else), then ranks_per_node, the handle
+    and the row format fields."""
+
+    def differ(what: str, shown: list, rule: str, prefix: str = f"hybrid_ep {_PHASES[call]}") -> None:
+        if len(set(shown)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+            raise ValueError(f"{prefix}: the EP ranks disagree on {what} ({per_rank}); {rule}")
+
+    column = [list(c) for c in zip(*table)]
+    differ("the call", [_CALLS[c] for c in column[0]], "every rank must make the same calls in the same order",
+           prefix="hybrid_ep")  # the same text on every rank, whatever its own call
+    differ("ranks_per_node", column[1], "every rank must build its buffer with the same ranks_per_node")
+    serials, sums = column[2], column[3]
+    same_serial = len(set(serials)) == 1
+    differ("the handle", [f"dispatch #{s}" + (f" with count checksum {c:08x}" if same_serial else "")
+                          for s, c in zip(serials, sums)],
+           "every rank must pass the handle of the same dispatch (a buffer numbers its dispatches "
+           "with a routing in call order)")
     names = {_dtype_code(d): str(d) for d in _DTYPES}
     for j, (name, value) in enumerate(fields.items()):
-        column = [row[j] for row in table]
-        if len(set(column)) > 1:
-            shown = [names.get(c, c) for c in column] if isinstance(value, torch.dtype) else column
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
-            raise ValueError(f"hybrid_ep {phase}: the EP ranks disagree on {name} ({per_rank}); every rank "
-                             "must make the same call with the same row format")
+        col = column[_HEAD + j]
+        differ(name, [names.get(c, c) for c in col] if isinstance(value, torch.dtype) else col,
+               "every rank must make the same call with the same row format")
