@@ -12,6 +12,21 @@ import torch
 ROUTINGS = ("uniform", "zipf", "group-limited")
 # Nodes a group-limited token may reach unless told (DeepSeek-V3 limits a token to 4 nodes).
 DEFAULT_GROUP_LIMIT = 4
+# torch generators take seeds in [0, 2^64 - 1] (negative ones alias large ones: -1 is 2^64 - 1).
+MAX_SEED = 2**64 - 1
+
+
+def seed_problem(seed: int) -> str | None:
+    """Why `seed` cannot seed the generators of a run (the rule of every CLI's --seed); None when it can."""
+    if not 0 <= seed <= MAX_SEED:
+        return f"must be in [0, 2^64 - 1] = [0, {MAX_SEED}] (a torch generator seed), got {seed}"
+    return None
+
+
+def derived_seed(value: int) -> int:
+    """A seed computed from --seed (per rank, per stream: seed x a + b) folded into [0, MAX_SEED],
+    so that it fits a torch generator whatever --seed is; values already in range are kept."""
+    return value % (MAX_SEED + 1)
 
 
 def default_group_limit(num_nodes: int) -> int:
@@ -72,6 +87,9 @@ def iter_rank_routings(kind: str, tokens_per_rank, num_experts: int, topk: int, 
     """
     if kind not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {kind!r}")
+    problem = seed_problem(seed)
+    if problem:
+        raise ValueError(f"seed {problem}")
     gen = torch.Generator().manual_seed(seed)
     options: dict = {}
     if kind == "zipf":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,8 @@ from hybrid_ep.bench import cli, main, plot
 from hybrid_ep.bench.plot import plot_per_rank, plot_vs_sms
 from hybrid_ep.bench.report import config_line, format_table
 from hybrid_ep.metadata import validate
+from hybrid_ep.spawn import pool_timeout_s
+from hybrid_ep.synthetic import random_weights
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--hidden", "256", "--tokens", "32", "--topk", "4", "--warmup", "1", "--iters", "3", "--device", "cpu"]
@@ -206,3 +209,252 @@ def test_printouts_count_in_the_singular_for_one():
                        for op in ("dispatch", "combine")}}
     assert "median of 1 timed call per rank after 0 warm-up" in format_table(_doc(iters=1), run)
     assert "median of 3 timed calls per rank" in format_table(_doc(iters=3), run)
+
+
+# --------------------------------------------------------------------------- review mends
+
+
+def _numbers_without_units(doc: dict) -> set[str]:
+    """Keys of the number fields outside `metadata` that no key on their path has a unit for."""
+    units, missing = doc["metadata"]["units"], set()
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key != "metadata":
+                    walk(item, path + (key,))
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, path)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not any(key in units for key in path):
+                missing.add(path[-1])
+
+    walk(doc, ())
+    return missing
+
+
+def test_results_json_gives_every_number_a_unit(tmp_path, capsys):
+    _, _, doc = _run(tmp_path, capsys, "units", "-w", "2", "--backends", "reference")
+    assert _numbers_without_units(doc) == set()
+    assert "rows" in doc["metadata"]["units"]  # the rows each rank receives
+
+
+def _torchrun_env(monkeypatch, rank: int, world_size: int = 2) -> None:
+    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world_size),
+                       ("LOCAL_WORLD_SIZE", world_size), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29599)):
+        monkeypatch.setenv(key, str(value))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_launched_rank_refuses_a_bad_out_before_the_group_forms(tmp_path, capsys, monkeypatch, rank):
+    """Under srun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and no torchrun agent) a rank that
+    did not check --out went on into init_process_group and waited for rank 0, which had exited."""
+    _launcher_must_not_start(monkeypatch)
+    _torchrun_env(monkeypatch, rank)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main([*TINY, "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert ("error: argument --out:" in err) == (rank == 0)  # one message: rank 0's
+    assert "Traceback" not in err and blocker.read_text() == "x"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_srun_style_ranks_all_exit_on_a_bad_out(tmp_path):
+    """Two ranks started as srun starts them, with an --out that is a file: both exit 2 (no rank
+    is left waiting in init_process_group for a rank that refused the flags)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, "-m", "hybrid_ep.bench", *TINY, "--out", str(blocker)],
+                              env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        # Two processes that import torch and exit: seconds, unless the machine is loaded (the
+        # pool's start-up limit, HYBRID_EP_POOL_TIMEOUT_S, is what such a machine is given).
+        results = [p.communicate(timeout=pool_timeout_s()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 2], results
+    assert "error: argument --out:" in results[0][1]
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--emulate-nodes", "2"], "--emulate-nodes"),  # without --emulate: a plain one-node bench ran
+    (["--reference-iters", "5"], "--reference-iters"),
+    (["--reference-iters", "0"], "--reference-iters"),
+    (["--emulate", "4", "-w", "4"], "--world-size"),
+    (["--emulate", "4", "--world-size", "4"], "--world-size"),
+    (["--emulate", "4", "--ranks-per-node", "2"], "--ranks-per-node"),
+    (["--emulate", "4", "--backends", "cuda"], "--backends"),
+    (["--emulate", "4", "--device", "cuda"], "--device"),
+    (["--emulate", "4", "--device", "auto"], "--device"),
+])
+def test_flags_the_run_would_ignore_are_refused(tmp_path, capsys, monkeypatch, flags, flag):
+    from hybrid_ep.bench import emulated
+
+    _launcher_must_not_start(monkeypatch)
+    monkeypatch.setattr(emulated, "run", lambda args: pytest.fail("the emulation ran"))
+    out = tmp_path / "never"
+    assert main([*flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}:" in err and "--emulate" in err.splitlines()[-1] and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("emulate", [[], ["--emulate", "2"]])
+def test_an_empty_out_is_refused(tmp_path, capsys, monkeypatch, emulate):
+    """--out '' named no folder and the results went to results/bench-<timestamp>."""
+    from hybrid_ep.bench import emulated
+
+    _launcher_must_not_start(monkeypatch)
+    monkeypatch.setattr(emulated, "run", lambda args: pytest.fail("the emulation ran"))
+    monkeypatch.chdir(tmp_path)
+    flags = [*TINY, "-w", "2"] if not emulate else emulate
+    assert main([*flags, "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --out: the path is empty" in err and "Traceback" not in err
+    assert not (tmp_path / "results").exists()
+
+
+def test_zero_experts_is_named_before_the_topk_it_implies(tmp_path, capsys, monkeypatch):
+    _launcher_must_not_start(monkeypatch)
+    assert main(["--device", "cpu", "--experts", "0", "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --experts: must be >= 1, got 0" in err and "--topk" not in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(20000000000000 * 10**6), "-1"])
+def test_seed_outside_the_generator_range_is_refused_before_the_run(tmp_path, capsys, monkeypatch, seed):
+    _launcher_must_not_start(monkeypatch)
+    assert main([*TINY, "-w", "2", "--seed", seed, "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --seed: must be in [0, 2^64 - 1]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("seed", [20000000000000, 2**63, 2**64 - 1])
+def test_every_seed_in_range_makes_the_inputs_of_every_rank(seed):
+    """A rank's own generator is seeded with seed x 1000003 + rank + 1, folded into 64 bits: it
+    overflowed for --seed 20000000000000 on every rank."""
+    from hybrid_ep.bench.spec import BenchSpec
+    from hybrid_ep.bench.worker import make_inputs
+
+    spec = BenchSpec(world_size=2, ranks_per_node=2, hidden=64, tokens=4, topk=2, experts=4, dtype="bf16",
+                     routing="uniform", sms=(), backends=(), warmup=0, iters=1, seed=seed, device="cpu").validate()
+    inputs = [make_inputs(spec, rank, torch.device("cpu")) for rank in range(2)]
+    assert all(x.shape == (4, 64) and idx.shape == (4, 2) for x, _, idx, _ in inputs)
+    assert not torch.equal(inputs[0][0], inputs[1][0])  # each rank its own input
+    # Seeds that fitted before draw what they drew: rank 1 of seed 1 seeds its generator with 1000005.
+    x, _, idx, weights = make_inputs(dataclasses.replace(spec, seed=1), 1, torch.device("cpu"))
+    own = torch.Generator().manual_seed(1 * 1_000_003 + 1 + 1)
+    assert torch.equal(weights, random_weights(idx, own))
+    assert torch.equal(x, torch.randn(4, 64, generator=own).to(torch.bfloat16))
+
+
+def _fake_doc(W: int, G: int, runs: list[tuple[str, int | None]], nvlink: float = 1.0, rdma: float = 0.5) -> dict:
+    """A results document for the plots: every rank at algbw 2 + rank/W, NVLink / RDMA busbw
+    `nvlink` / `rdma` (x 1 + k for the k-th run; RDMA 0 on one node)."""
+    nodes = W // G
+    rdma = rdma if nodes > 1 else 0.0
+    config = {"world_size": W, "ranks_per_node": G, "nodes": nodes, "hidden": 256, "tokens_per_rank": 32,
+              "topk": 2, "experts": 2 * W, "experts_per_rank": 2, "dtype": "bf16", "routing": "uniform",
+              "zipf_exponent": None, "group_limit": None, "seed": 0, "iters": 3, "warmup": 1, "device": "cuda",
+              "transport": "nccl"}
+    doc = {"metadata": {"config": config, "device": "GPU", "date": "today", "versions": {"torch": "x"}},
+           "machine": {"hosts": [f"h{n}" for n in range(nodes)], "logical_nodes": False}, "label": "GPU numbers"}
+    doc["runs"] = []
+    for k, (backend, sms) in enumerate(runs):
+        scale = 1 + k
+        ranks = [{"rank": r, "node": r // G, **{op: {"algbw_gbps": scale * (2 + r / W), "nvlink_gbps": scale * nvlink,
+                                                     "rdma_gbps": scale * rdma} for op in ("dispatch", "combine")}}
+                 for r in range(W)]
+        summary = {op: {"max_ms": 1.0, "mean_algbw_gbps": scale * 2.5, "mean_nvlink_gbps": scale * nvlink,
+                        "mean_rdma_gbps": scale * rdma} for op in ("dispatch", "combine")}
+        doc["runs"].append({"backend": backend, "num_sms": sms, "sms_note": "no SM setting" if sms is None else "",
+                            "ranks": ranks, "summary": summary})
+    return doc
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions draw, drawn but not written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    drawn = []
+
+    def keep(fig, path):
+        FigureCanvasAgg(fig).draw()
+        drawn.append(fig)
+        return path
+
+    monkeypatch.setattr(plot, "_save", keep)
+    return drawn
+
+
+def _legend_texts(ax) -> list[str]:
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend is not None else []
+
+
+@pytest.mark.parametrize("G, drawn, note", [
+    (4, ["cuda: algbw", "cuda: NVLink busbw"], "RDMA busbw: 0 (one node), not drawn"),
+    (2, ["cuda: algbw", "cuda: NVLink busbw", "cuda: RDMA busbw"], None),
+    (1, ["cuda: algbw", "cuda: RDMA busbw"], "NVLink busbw: 0 (one rank per node), not drawn"),
+])
+def test_sm_sweep_plot_draws_nvlink_and_leaves_out_an_unused_link(figures, G, drawn, note):
+    """On one node the only link in use is NVLink: the sweep drew algbw and a flat 0 of RDMA."""
+    doc = _fake_doc(4, G, [("cuda", 16), ("cuda", 32), ("reference", None)], nvlink=1.0 if G > 1 else 0.0)
+    plot_vs_sms(doc, "unused.png")
+    for ax in figures[0].axes:
+        lines = [line.get_label() for line in ax.get_lines() if len(line.get_xdata())]
+        assert [name for name in lines if name.startswith("cuda")] == drawn
+        texts = _legend_texts(ax)
+        assert all(name in texts for name in drawn) and "reference (no SM setting): algbw" in texts
+        assert (note in texts) if note else not any("not drawn" in t for t in texts)
+        nvlink = [line for line in ax.get_lines() if line.get_label() == "cuda: NVLink busbw"]
+        if nvlink:
+            assert list(nvlink[0].get_ydata()) == [1.0, 2.0]  # the runs' mean NVLink busbw
+
+
+def _overlapping(extents) -> list:
+    extents = sorted(extents, key=lambda e: e.x0)
+    return [(a, b) for a, b in zip(extents, extents[1:]) if a.x1 > b.x0 + 0.5]
+
+
+@pytest.mark.parametrize("W", [4, 16, 64, 256])
+def test_per_rank_plot_stays_readable_for_many_ranks_and_runs(figures, W):
+    """At W >= 16 the rank labels overlapped, and with several runs the legend covered rank 0's bars."""
+    runs = [("reference", None), ("cuda", 8), ("cuda", 16), ("cuda", 32)]
+    plot_per_rank(_fake_doc(W, min(W, 8), runs), "per_rank.png")
+    fig = figures[0]
+    renderer = fig.canvas.get_renderer()
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert len(panels) == 6
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    assert len(legends) == 1 and [t.get_text() for t in legends[0].get_texts()] == [
+        "reference (no SM setting)", "cuda (8 SMs)", "cuda (16 SMs)", "cuda (32 SMs)"]
+    box = legends[0].get_window_extent(renderer)
+    for ax in panels:
+        assert not box.overlaps(ax.get_window_extent(renderer)), "the legend covers a panel"
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        assert labels[0].get_text() == "0 (0)" and len(labels) >= min(W, 64)
+        assert _overlapping([t.get_window_extent(renderer) for t in labels]) == []
+        assert ax.get_window_extent(renderer).width / fig.dpi >= 5.0  # a panel never narrower than at W <= 16
+    width = fig.get_figwidth()
+    assert width <= plot._MAX_WIDTH * (1 if W > plot._GRID_MAX_RANKS else 3)
+    if W > plot._GRID_MAX_RANKS:  # one panel per row, wider with W
+        assert panels[0].get_window_extent(renderer).width / fig.dpi >= min(plot._MAX_WIDTH, 0.1 * W) - 2

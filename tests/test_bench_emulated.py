@@ -61,7 +61,7 @@ def test_emulate_takes_several_world_sizes_and_skips_the_reference_by_default():
 
     args = build_parser().parse_args(["--emulate", "2", "8", "--sms", "1", "2", "4"])
     assert args.emulate == [2, 8]
-    assert args.reference_iters == 0
+    assert args.reference_iters is None  # not given: no reference run (0 skips it too)
 
 
 def test_emulate_without_a_gpu_exits_with_a_message(capsys, tmp_path):
@@ -179,6 +179,14 @@ def test_emulate_settings_keep_an_explicit_zero_and_fill_in_the_defaults():
     (["--emulate-nodes", "0"], "--emulate-nodes"),
     (["--reference-iters", "-1"], "--reference-iters"),
     (["--reference-iters", "2", "--group-limit", "2"], "--group-limit"),  # the reference run: one node
+    # The rules of hybrid-ep-bench's own check (BenchSpec.validate), which --emulate lacked:
+    (["--emulate-nodes", "2", "--routing", "group-limited", "--group-limit", "1", "--experts", "8", "--topk", "8"],
+     "--topk"),  # 1 node reaches 4 experts
+    (["--routing", "zipf", "--zipf-exponent", "-1"], "--zipf-exponent"),
+    (["--routing", "zipf", "--zipf-exponent", "nan"], "--zipf-exponent"),  # routed every token alike
+    (["--routing", "zipf", "--zipf-exponent", "inf"], "--zipf-exponent"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--seed", "-1"], "--seed"),
 ])
 def test_emulate_refuses_bad_flags_before_touching_the_gpu(flags, flag, capsys, tmp_path, monkeypatch):
     def never(args):
@@ -225,3 +233,61 @@ def test_emulated_inputs_route_as_the_bench_ranks_do(routing, flags):
         assert torch.equal(idxs[rank], make_inputs(spec, rank, torch.device("cpu"))[2])
     plain = emulated._inputs(4, 64, 128, 16, s["topk"], torch.bfloat16, routing, args.seed, torch.device("cpu"))[0]
     assert not all(torch.equal(a, b) for a, b in zip(idxs, plain))  # the flags change the routing
+
+
+def test_emulate_checks_are_the_bench_spec_rules(monkeypatch):
+    """settings() asks BenchSpec.validate (one copy of the rules) for the group of every emulated W."""
+    from hybrid_ep.bench.spec import BenchSpec
+
+    seen = []
+    validate = BenchSpec.validate
+    monkeypatch.setattr(BenchSpec, "validate", lambda spec: seen.append(spec) or validate(spec))
+    emulated.settings(_emulate_args("4", "8", "--emulate-nodes", "2", "--routing", "zipf", "--seed", "7"))
+    assert [(s.world_size, s.num_nodes, s.routing, s.seed) for s in seen] == [(4, 2, "zipf", 7), (8, 2, "zipf", 7)]
+
+
+def test_reference_run_has_the_emulated_nodes_and_routing(tmp_path, monkeypatch):
+    """--reference-iters timed the reference backend on one node (ranks_per_node = W): a valid
+    --group-limit 2 on 2 emulated nodes was refused, and --group-limit 1 routed otherwise."""
+    from hybrid_ep.bench import cli
+    from hybrid_ep.bench.worker import make_inputs
+
+    ran = []
+    monkeypatch.setattr(emulated, "run", lambda args: 0)
+    monkeypatch.setattr(cli, "_execute", lambda spec, out: ran.append((spec, out)) or 0)
+    flags = ["--emulate", "4", "8", "--emulate-nodes", "2", "--routing", "group-limited", "--experts", "16",
+             "--topk", "4", "--tokens", "64", "--hidden", "128", "--reference-iters", "3", "--out", str(tmp_path)]
+    assert main([*flags, "--group-limit", "2"]) == 0
+    assert main([*flags, "--group-limit", "1"]) == 0
+    for (spec, out), limit in zip(ran, (2, 1)):
+        assert out == str(tmp_path / "reference")
+        assert (spec.world_size, spec.num_nodes, spec.ranks_per_node, spec.topk_groups) == (4, 2, 2, limit)
+        assert (spec.backends, spec.device, spec.iters, spec.routing) == (("reference",), "cpu", 3, "group-limited")
+        idxs, _, _ = emulated._inputs(4, 64, 128, 16, 4, torch.bfloat16, "group-limited", 0, torch.device("cpu"),
+                                      1.2, 2, limit)
+        for rank in range(4):
+            assert torch.equal(make_inputs(spec, rank, torch.device("cpu"))[2], idxs[rank])
+
+
+def test_emulated_json_records_routing_and_seed():
+    """emulated.json's config lacked the seed, the Zipf exponent and the group limit."""
+    for flags, zipf, limit in ((["--routing", "zipf", "--zipf-exponent", "1.4"], 1.4, None),
+                               (["--routing", "group-limited", "--emulate-nodes", "2"], None, 2),
+                               (["--routing", "group-limited", "--emulate-nodes", "2", "--group-limit", "1"], None, 1),
+                               (["--routing", "uniform"], None, None)):
+        args = _emulate_args("4", "--seed", "11", "--topk", "4", *flags)
+        config = emulated.run_config(args, emulated.settings(args))
+        assert (config["seed"], config["zipf_exponent"], config["group_limit"]) == (11, zipf, limit)
+        assert config["routing"] == args.routing and config["world_sizes"] == [4]
+
+
+def test_emulated_json_gives_every_number_a_unit():
+    """Every number of a row (and of the document) has its unit: dispatch_rw_gbps and
+    combine_rw_gbps had none."""
+    for nodes in (1, 2):
+        row = emulated.measurement_row(4, nodes, 2, 1.0, 2.0, 100, 300, 40 * (nodes - 1), 2048, 2048, 10**6, 2 * 10**6,
+                                       3e12)
+        assert row["dispatch_rw_gbps"] == pytest.approx(1.0)  # 1e6 bytes read + written in 1 ms
+        assert [key for key in row if key not in emulated.UNITS] == []
+    for key in ("device_sms", "copy_gbps", "elapsed_s", "median_us", "ranks", "pipelines"):
+        assert key in emulated.UNITS

@@ -337,6 +337,8 @@ def test_cli_default_shape_small(capsys):
     (["--zipf-exponent", "-1"], "--zipf-exponent"),
     (["--routing", "topk"], "--routing"),
     (["--combine-dtype", "fp8"], "--combine-dtype"),
+    (["--seed", str(2**64)], "--seed"),  # a traceback: overflow in the generator
+    (["--seed", "-1"], "--seed"),
 ])
 def test_cli_rejects_bad_arguments(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -378,3 +380,30 @@ def test_cli_counts_in_the_singular_for_one(capsys):
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("hybrid-ep traffic model: 1 node x 1 rank/node (W=1), 1 expert (1/rank), top-1, H=64, "
                             "1 token/rank, routing group-limited (<= 1 of 1 node per token)"), first
+
+
+def test_cli_takes_every_seed_a_generator_takes(capsys):
+    assert main([*SMALL, "--seed", str(2**64 - 1)]) == 0
+    assert f"seed {2**64 - 1}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--seed", str(2**64)])
+    assert "--seed must be in [0, 2^64 - 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("routing, zipf, limit", [("uniform", None, None), ("zipf", 1.2, None),
+                                                  ("group-limited", None, 2)])
+def test_cli_json_records_only_the_routing_parameters_in_use(routing, zipf, limit, tmp_path, capsys):
+    """--routing uniform recorded group_limit 2 (the default it does not use); hybrid-ep-bench writes null."""
+    path = tmp_path / "t.json"
+    assert main([*SMALL, "--routing", routing, "--json", str(path)]) == 0
+    config = json.loads(path.read_text())["metadata"]["config"]
+    assert (config["routing"], config["zipf_exponent"], config["group_limit"]) == (routing, zipf, limit)
+
+
+def test_cli_json_gives_every_number_a_unit(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    assert main([*SMALL, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    units = data["metadata"]["units"]
+    numbers = [key for key, value in data.items() if key != "metadata"]  # each field's unit covers its contents
+    assert [key for key in numbers if key not in units] == []

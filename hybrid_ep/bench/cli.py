@@ -85,20 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed calls; the median is reported (default 30 GPU, 20 CPU; >= {MIN_RECOMMENDED_ITERS} "
                         "recommended)")
     p.add_argument("--out", default=None, help="results folder (default results/bench-<timestamp>)")
-    p.add_argument("--seed", type=int, default=0, help="seed of routing and inputs (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of routing and inputs, in [0, 2^64 - 1] (default %(default)s)")
     p.add_argument("--emulate", type=int, nargs="+", default=None, metavar="W",
                    help="run the cuda kernels of W virtual ranks (1-8) on this one GPU, for each W given, and "
                         "report per-SM throughput and the fraction of a device copy (default sweep --sms 1 2 4 8 16)")
-    p.add_argument("--emulate-nodes", type=int, default=1, metavar="N",
+    # Defaults of None: a flag that only applies with (or without) --emulate is refused when given
+    # where it would be ignored (check_flag_combinations).
+    p.add_argument("--emulate-nodes", type=int, default=None, metavar="N",
                    help="with --emulate: the W virtual ranks form N nodes of W/N, joined by the loopback transport "
                         "where a cluster uses NVSHMEM (W up to 16); adds the RDMA rows per rank, checked against the "
-                        "traffic model, and their bytes per SM per second (default %(default)s)")
-    p.add_argument("--reference-iters", type=int, default=0,
-                   help="with --emulate: also time the reference backend on the first W's shape, this many calls "
-                        "(gloo on the CPU: minutes at the GPU shape); 0 skips it (default %(default)s)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        "traffic model, and their bytes per SM per second (default 1)")
+    p.add_argument("--reference-iters", type=int, default=None,
+                   help="with --emulate: also time the reference backend on the first W's shape (its N nodes and "
+                        "routing), this many calls (gloo on the CPU: minutes at the GPU shape); 0 skips it "
+                        "(default 0)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                    help="cuda: nccl, one GPU per rank; cpu: gloo; auto: cuda when there is a GPU per rank "
-                        "(default %(default)s)")
+                        "(default auto; not with --emulate)")
     return p
 
 
@@ -108,26 +112,53 @@ def _note(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+# Flags that only the emulation uses, and flags it has no use for: (dest, flag, why).
+_EMULATE_ONLY = (("emulate_nodes", "--emulate-nodes", "the nodes of the emulated ranks"),
+                 ("reference_iters", "--reference-iters", "the reference run beside the emulated kernels"))
+_NOT_WITH_EMULATE = (
+    ("world_size", "--world-size", "the emulated world sizes are --emulate's values"),
+    ("ranks_per_node", "--ranks-per-node", "the emulated ranks form --emulate-nodes nodes"),
+    ("backends", "--backends", "it runs the cuda kernels (and, with --reference-iters, the reference backend)"),
+    ("device", "--device", "it runs on this machine's GPU (the reference run on the CPU)"),
+)
+
+
+def check_flag_combinations(args) -> None:
+    """Raise BenchArgError for a flag that this kind of run would ignore: --emulate-nodes or
+    --reference-iters without --emulate; -w, --ranks-per-node, --backends or --device with it.
+    A pure check of the flags, so every rank of a launcher refuses them alike."""
+    if args.emulate is None:
+        for dest, flag, what in _EMULATE_ONLY:
+            if getattr(args, dest) is not None:
+                raise BenchArgError(flag, f"only applies with --emulate ({what}); without --emulate it would be "
+                                          "ignored")
+        return
+    for dest, flag, why in _NOT_WITH_EMULATE:
+        if getattr(args, dest) not in (None, []):
+            raise BenchArgError(flag, f"does not apply with --emulate: {why}")
+
+
 def _resolve_world(args) -> tuple[str, int, int | None]:
     """(device, world size, ranks per node from the launcher or None)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    asked = args.device or "auto"
     if under_torchrun():
         W = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != W:
             raise BenchArgError("--world-size", f"{args.world_size} differs from the launcher's WORLD_SIZE {W}")
-        if args.device == "cuda" and gpus == 0:
+        if asked == "cuda" and gpus == 0:
             raise BenchArgError("--device", "cuda was asked for but no CUDA device is visible")
-        device = "cuda" if args.device == "cuda" or (args.device == "auto" and gpus > 0) else "cpu"
+        device = "cuda" if asked == "cuda" or (asked == "auto" and gpus > 0) else "cpu"
         local = os.environ.get("LOCAL_WORLD_SIZE")
         return device, W, int(local) if local and local.isdigit() else None
-    if args.device == "cuda":
+    if asked == "cuda":
         W = args.world_size if args.world_size is not None else gpus
         if gpus == 0:
             raise BenchArgError("--device", "cuda was asked for but no CUDA device is visible")
         if gpus < W:
             raise BenchArgError("--device", f"cuda needs one GPU per rank: --world-size {W}, {gpus} GPUs visible")
         return "cuda", W, None
-    if args.device == "cpu":
+    if asked == "cpu":
         return "cpu", _spawned_world(args.world_size if args.world_size is not None else CPU_WORLD_SIZE), None
     if args.world_size is None:
         return ("cuda", gpus, None) if gpus > 0 else ("cpu", CPU_WORLD_SIZE, None)
@@ -147,9 +178,18 @@ def _spawned_world(W: int) -> int:
     return W
 
 
+def results_folder(args, prefix: str) -> str:
+    """--out as given (an empty path included, which check_out_dir refuses), else results/<prefix>-<timestamp>."""
+    if args.out is not None:
+        return args.out
+    return os.path.join("results", f"{prefix}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
 def check_out_dir(out: str, flag: str = "--out") -> None:
     """Raise BenchArgError(flag) unless `out` is a writable folder or one that can be made:
-    checked before the run, so a bad path does not cost a whole benchmark."""
+    checked before the run, so a bad path does not cost a whole benchmark. A path check only
+    (nothing is made): every rank of a launcher runs it before the process group forms, so all
+    refuse a bad --out alike and none waits for a rank that has exited; rank 0 alone writes."""
     problem = output_problem(out, folder=True)
     if problem:
         raise BenchArgError(flag, problem)
@@ -177,9 +217,8 @@ def resolve(args) -> tuple[BenchSpec, str]:
     ).validate()
     if args.topk is None and topk < DEFAULT_TOPK:
         _note(f"--topk defaults to {topk}: there are only {plural(experts, 'expert')}")
-    out = args.out or os.path.join("results", "bench-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    if os.environ.get("RANK", "0") == "0":  # only the reporting rank writes (and under torchrun its files)
-        check_out_dir(out)
+    out = results_folder(args, "bench")
+    check_out_dir(out)  # on every rank (see check_out_dir); only the reporting rank writes there
     return spec, out
 
 
@@ -264,36 +303,33 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
     return 0
 
 
+def reference_spec(args, shape: dict) -> BenchSpec:
+    """The --reference-iters run beside --emulate: the reference backend (gloo, CPU) on the first
+    emulated world size with the same nodes (--emulate-nodes), shape, routing and seed, so it
+    times the rows the kernels move. Validated."""
+    from .emulated import bench_spec
+
+    return bench_spec(args, shape, shape["worlds"][0], sms=(), backends=("reference",), warmup=1,
+                      iters=args.reference_iters, device="cpu").validate()
+
+
 def _emulate(args) -> int:
     """The kernels in emulation, then the reference backend on the same shape (gloo, CPU).
 
-    Every flag, --out and the reference run's shape are checked before the GPU is touched."""
+    Every flag, --out and the reference run's shape are checked before the GPU is touched
+    (a bad one raises BenchArgError)."""
     from .emulated import run as run_emulated
     from .emulated import settings
 
-    try:
-        shape = settings(args)
-        args.out = args.out or os.path.join("results",
-                                            "emulated-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-        check_out_dir(args.out)
-        spec = None
-        if args.reference_iters > 0:
-            W = shape["worlds"][0]
-            spec = BenchSpec(
-                world_size=W, ranks_per_node=W, hidden=shape["hidden"], tokens=shape["tokens"], topk=shape["topk"],
-                experts=shape["experts"], dtype=args.dtype, routing=args.routing, sms=(), backends=("reference",),
-                warmup=1, iters=args.reference_iters, seed=args.seed, device="cpu",
-                zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
-            ).validate()
-    except BenchArgError as err:
-        build_parser().print_usage(sys.stderr)
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+    shape = settings(args)  # raises BenchArgError (main reports it)
+    args.out = results_folder(args, "emulated")
+    check_out_dir(args.out)
+    spec = reference_spec(args, shape) if args.reference_iters else None
     rc = run_emulated(args)
     if rc != 0 or spec is None:
         return rc
-    _note(f"reference backend on the same shape: {plural(spec.world_size, 'rank')} on the CPU (gloo, a process "
-          f"each), {plural(spec.iters, 'timed call')}")
+    _note(f"reference backend on the same shape: {plural(spec.world_size, 'rank')} "
+          f"({plural(spec.num_nodes, 'node')}) on the CPU (gloo, a process each), {plural(spec.iters, 'timed call')}")
     return _execute(spec, os.path.join(args.out, "reference"))
 
 
@@ -303,14 +339,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse printed usage and the error (or --help)
         return exit_.code if isinstance(exit_.code, int) else 2
-    if args.emulate is not None:
-        return _emulate(args)
     try:
-        spec, out_dir = resolve(args)
+        check_flag_combinations(args)
+        if args.emulate is not None:
+            return _emulate(args)
+        spec, results_dir = resolve(args)
         if spec.iters < MIN_RECOMMENDED_ITERS:
             _note(f"{plural(spec.iters, 'timed call')}: medians of >= {MIN_RECOMMENDED_ITERS} are recommended "
                   "(docs/benchmarks/README.md, What is timed)")
-        return _execute(spec, out_dir)
+        return _execute(spec, results_dir)
     except BenchArgError as err:
         if os.environ.get("RANK", "0") == "0":
             parser.print_usage(sys.stderr)

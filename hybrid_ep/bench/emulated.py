@@ -21,22 +21,27 @@ import time
 
 import torch
 
-from ..config import FP8_BLOCK
-from ..dtypes import DISPATCH_BY_NAME, combine_dtype_for
+from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..backends.cuda import launch
 from ..metadata import metadata
-from ..rows import row_bytes_rule
-from ..synthetic import default_group_limit, iter_rank_routings
+from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
-from .spec import L2_FLUSH_BYTES, BenchArgError
+from .spec import L2_FLUSH_BYTES, BenchArgError, BenchSpec
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
 # Shape and timing when a flag is not given (the seed benchmark's GPU shape).
 DEFAULTS = dict(hidden=8192, tokens=4096, warmup=10, iters=30, topk=8)
 COPY_BYTES = 1 << 30
-UNITS = {"dispatch_ms": "ms (median)", "combine_ms": "ms (median)", "copy_gbps": "GB/s (1e9 bytes/s, read + written)",
+UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_sms": "SMs (all ranks of the launch)",
+         "device_sms": "SMs", "ranks": "ranks per launch",
+         "recv_rows": "rows all ranks received in the dispatch (one per token and destination rank)",
+         "out_rows": "rows all ranks hand to their experts (one per token and routed expert)",
+         "dispatch_ms": "ms (median)", "combine_ms": "ms (median)", "copy_gbps": "GB/s (1e9 bytes/s, read + written)",
+         "dispatch_rw_gbps": "GB/s (1e9 bytes/s): bytes the kernels read + write / time",
+         "combine_rw_gbps": "GB/s (1e9 bytes/s): bytes the kernels read + write / time",
+         "pipelines": "per kernel: pipeline stages and store groups of its launch (counts)",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
@@ -125,12 +130,30 @@ def _inputs(W, T, H, E, K, dtype, routing, seed, dev, zipf_exponent=1.2, nodes=1
     groups = (dict(num_groups=nodes, topk_groups=default_group_limit(nodes) if group_limit is None else group_limit)
               if routing == "group-limited" else {})
     idxs = [i.to(dev) for i in iter_rank_routings(routing, [T] * W, E, K, seed, zipf_exponent, **groups)]
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)  # in [0, 2^64 - 1]: settings checked it
     x32 = [torch.randn(T, H, device=dev, generator=gen) for _ in range(W)]
     if dtype == FP8_DTYPE:
         pairs = [quantize_fp8(x) for x in x32]
         return idxs, [p[0] for p in pairs], [p[1] for p in pairs]
     return idxs, [x.to(dtype) for x in x32], [None] * W
+
+
+def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes, dispatch_rw,
+                    combine_rw, copy_bps) -> dict:
+    """One row of emulated.json's runs (every number field has its entry in UNITS): W ranks on
+    `nodes` nodes at `sms` SMs per rank, median times in ms, rows, bytes per row and bytes the
+    kernels read + write per call, against a device copy of copy_bps bytes/s."""
+    row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms,
+           "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma}
+    for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
+                             ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
+        row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
+        row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
+        row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
+    if nodes > 1:
+        row["dispatch_rdma_gbps_per_sm"] = rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
+        row["combine_rdma_gbps_per_sm"] = rdma * comb_bytes / (c_ms * 1e-3) / (W * sms) / 1e9
+    return row
 
 
 def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props, nodes=1):
@@ -154,7 +177,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     recv_rows = sum(int(r.handle.recv_counts_W.sum()) for r in first)  # one per (token, dest rank)
     out_rows = sum(int((r.probs != 0).sum()) for r in first)  # routed (row, expert) entries
     total_rows = sum(r.tokens.shape[0] for r in first)
-    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    gen = torch.Generator(device=dev).manual_seed(derived_seed(args.seed + 1))
     expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype) for r in first]
     handles = [r.handle for r in first]
     # Bytes the kernels touch: dispatch reads each token once and writes each sent row, then
@@ -172,17 +195,9 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         d_ms = _median_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms), warmup, iters, flush)
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
         group.synchronize()
-        row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms,
-               "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma,
-               "pipelines": group.engine.launch_shapes(sms)}
-        for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
-                                 ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
-            row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
-            row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
-            row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
-        if nodes > 1:
-            row["dispatch_rdma_gbps_per_sm"] = rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
-            row["combine_rdma_gbps_per_sm"] = rdma * comb_bytes / (c_ms * 1e-3) / (W * sms) / 1e9
+        row = measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes,
+                              dispatch_rw, combine_rw, copy_bps)
+        row["pipelines"] = group.engine.launch_shapes(sms)
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
@@ -218,7 +233,10 @@ def settings(args) -> dict:
     """The flags of an --emulate run with their defaults, checked: {worlds, nodes, hidden, tokens,
     experts, topk, sms, warmup, iters}. Raises BenchArgError naming the flag; needs no GPU.
 
-    A flag given as 0 stays 0 (and is then checked), it does not mean the default."""
+    A flag given as 0 stays 0 (and is then checked), it does not mean the default. What is not
+    particular to emulation (sizes, top-k against the experts a group-limited token may reach,
+    dtype and row bytes, Zipf exponent, group limit, SMs, seed) is hybrid-ep-bench's own check,
+    BenchSpec.validate, for the group of each emulated world size."""
     worlds = list(args.emulate)
     nodes = getattr(args, "emulate_nodes", 1)
     nodes = 1 if nodes is None else nodes
@@ -235,36 +253,43 @@ def settings(args) -> dict:
         value = getattr(args, name, None)
         return default if value is None else value
 
-    hidden, tokens = given("hidden", DEFAULTS["hidden"]), given("tokens", DEFAULTS["tokens"])
     experts = given("experts", 2 * max(worlds))
-    warmup, iters = given("warmup", DEFAULTS["warmup"]), given("iters", DEFAULTS["iters"])
-    for flag, value, minimum in (("--hidden", hidden, 1), ("--tokens", tokens, 1), ("--experts", experts, 1),
-                                 ("--warmup", warmup, 0), ("--iters", iters, 1),
-                                 ("--reference-iters", getattr(args, "reference_iters", 0) or 0, 0)):
-        if value < minimum:
-            raise BenchArgError(flag, f"must be >= {minimum}, got {value}")
-    if any(experts % w for w in worlds):
+    reference_iters = given("reference_iters", 0)
+    if reference_iters < 0:
+        raise BenchArgError("--reference-iters", f"must be >= 0, got {reference_iters}")
+    if experts >= 1 and any(experts % w for w in worlds):
         raise BenchArgError("--experts", f"{experts} must be a multiple of every emulated world size {worlds}")
-    topk = given("topk", min(DEFAULTS["topk"], experts))
-    if not 1 <= topk <= experts:
-        raise BenchArgError("--topk", f"must be in [1, --experts = {experts}], got {topk}")
-    if args.dtype not in DISPATCH_BY_NAME:
-        raise BenchArgError("--dtype", f"must be one of {', '.join(DISPATCH_BY_NAME)}, got {args.dtype!r}")
-    dtype = DISPATCH_BY_NAME[args.dtype]
-    if dtype == FP8_DTYPE and hidden % FP8_BLOCK:
-        raise BenchArgError("--hidden", f"{hidden} must be a multiple of {FP8_BLOCK} with --dtype fp8")
-    for each in dict.fromkeys((dtype, combine_dtype_for(dtype))):
-        rule = row_bytes_rule(hidden, each)
-        if rule:
-            raise BenchArgError("--hidden", f"{hidden} with --dtype {args.dtype}: {rule}")
-    limit = getattr(args, "group_limit", None)
-    if limit is not None and not 1 <= limit <= nodes:
-        raise BenchArgError("--group-limit", f"must be in [1, --emulate-nodes = {nodes}], got {limit}")
-    sms = [n for chunk in (getattr(args, "sms", None) or []) for n in chunk] or list(DEFAULT_SMS)
-    if min(sms) < 1:
-        raise BenchArgError("--sms", f"SM counts must be >= 1, got {min(sms)}")
-    return dict(worlds=worlds, nodes=nodes, hidden=hidden, tokens=tokens, experts=experts, topk=topk, sms=sms,
-                warmup=warmup, iters=iters)
+    s = dict(worlds=worlds, nodes=nodes, hidden=given("hidden", DEFAULTS["hidden"]),
+             tokens=given("tokens", DEFAULTS["tokens"]), experts=experts,
+             topk=given("topk", min(DEFAULTS["topk"], experts)),
+             sms=[n for chunk in (getattr(args, "sms", None) or []) for n in chunk] or list(DEFAULT_SMS),
+             warmup=given("warmup", DEFAULTS["warmup"]), iters=given("iters", DEFAULTS["iters"]))
+    for W in worlds:
+        bench_spec(args, s, W).validate()
+    return s
+
+
+def bench_spec(args, s: dict, W: int, **fields) -> BenchSpec:
+    """The hybrid-ep-bench run of the emulated group of W ranks (W / nodes per node, the settings
+    `s`' shape, the flags' routing and seed); `fields` replace the rest (the reference run's
+    backend, device and iterations). Not validated."""
+    spec = dict(world_size=W, ranks_per_node=W // s["nodes"], hidden=s["hidden"], tokens=s["tokens"],
+                topk=s["topk"], experts=s["experts"], dtype=args.dtype, routing=args.routing, sms=tuple(s["sms"]),
+                backends=("cuda",), warmup=s["warmup"], iters=s["iters"], seed=args.seed, device="cuda",
+                zipf_exponent=args.zipf_exponent, group_limit=getattr(args, "group_limit", None))
+    return BenchSpec(**(spec | fields))
+
+
+def run_config(args, s: dict) -> dict:
+    """emulated.json's metadata config: the settings `s`, routing and seed (zipf_exponent and
+    group_limit as hybrid-ep-bench records them: null unless that routing uses them)."""
+    spec = bench_spec(args, s, s["worlds"][0])
+    return {"world_sizes": s["worlds"], "nodes": s["nodes"], "hidden": s["hidden"], "tokens_per_rank": s["tokens"],
+            "topk": s["topk"], "experts": s["experts"], "dtype": args.dtype, "routing": args.routing,
+            "zipf_exponent": args.zipf_exponent if args.routing == "zipf" else None,
+            "group_limit": spec.topk_groups if args.routing == "group-limited" else None,
+            "seed": args.seed, "sms_per_rank": s["sms"], "warmup": s["warmup"], "iters": s["iters"],
+            "store_groups": launch.store_groups_override()}  # None: the default (each run's pipelines)
 
 
 def run(args) -> int:
@@ -300,9 +325,7 @@ def run(args) -> int:
         host[f"W={W}"] = w_host
         plain.append(w_plain)
 
-    config = {"world_sizes": worlds, "nodes": nodes, "hidden": H, "tokens_per_rank": T, "topk": K, "experts": E,
-              "dtype": args.dtype, "routing": args.routing, "sms_per_rank": sms_list, "warmup": warmup,
-              "iters": iters, "store_groups": launch.store_groups_override()}  # None: the default (each run's pipelines)
+    config = run_config(args, s)
     doc = {
         "metadata": metadata("hybrid-ep-bench --emulate", device_type="cuda", config=config, units=UNITS,
                              backends=["cuda"], device=props.name),

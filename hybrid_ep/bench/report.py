@@ -18,7 +18,12 @@ _GBPS = "GB/s (1e9 bytes/s)"
 UNITS = {
     "median_ms": "ms (median of one rank's timed calls)", "min_ms": "ms (fastest timed call of the rank)",
     "max_ms": "ms (per rank: slowest timed call; summary: slowest rank's median)",
-    "samples_ms": "ms (each timed call)", "row_bytes": "bytes", "algorithm_bytes": "bytes",
+    "samples_ms": "ms (each timed call)", "row_bytes": "bytes",
+    "rows": "rows the rank receives in dispatch (one per token and destination rank, itself included; combine "
+            "sends as many back)",
+    "rank": "rank index", "node": "node index (rank // ranks per node)",
+    "local_index": "index in the node (rank % ranks per node)", "num_sms": "SMs per call (null: the backend's default)",
+    "algorithm_bytes": "bytes",
     "nvlink_bytes": "bytes", "rdma_bytes": "bytes", "flat_nvlink_bytes": "bytes", "flat_rdma_bytes": "bytes",
     "algbw_gbps": _GBPS, "nvlink_gbps": _GBPS, "rdma_gbps": _GBPS,
     "mean_algbw_gbps": _GBPS, "mean_nvlink_gbps": _GBPS, "mean_rdma_gbps": _GBPS,

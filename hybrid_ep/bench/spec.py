@@ -18,7 +18,7 @@ from ..config import FP8_BLOCK
 from ..dtypes import DISPATCH_BY_NAME as DTYPES
 from ..dtypes import combine_dtype_for
 from ..rows import row_bytes_rule
-from ..synthetic import ROUTINGS, default_group_limit
+from ..synthetic import ROUTINGS, default_group_limit, seed_problem
 
 BENCH_BACKENDS = ("cuda", "reference", "deepep")
 # Backends built on torch.distributed collectives have no SM count to set: run them once.
@@ -87,8 +87,9 @@ class BenchSpec:
         return list(self.sms)
 
     def validate(self) -> "BenchSpec":
+        # E before K: K's default is min(8, E), so E = 0 is the flag to name.
         for field, minimum in (("world_size", 1), ("ranks_per_node", 1), ("hidden", 1), ("tokens", 1),
-                               ("topk", 1), ("experts", 1), ("warmup", 0), ("iters", 1)):
+                               ("experts", 1), ("topk", 1), ("warmup", 0), ("iters", 1)):
             value = getattr(self, field)
             if value < minimum:
                 raise BenchArgError(_flag(field), f"must be >= {minimum}, got {value}")
@@ -124,6 +125,9 @@ class BenchSpec:
         for name in self.backends:
             if name not in BENCH_BACKENDS:
                 raise BenchArgError("--backends", f"must be among {', '.join(BENCH_BACKENDS)}, got {name!r}")
+        problem = seed_problem(self.seed)
+        if problem:
+            raise BenchArgError("--seed", problem)
         if self.device not in ("cpu", "cuda"):
             raise BenchArgError("--device", f"must be cpu or cuda once resolved, got {self.device!r}")
         return self

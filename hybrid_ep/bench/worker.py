@@ -21,7 +21,7 @@ from ..backends import available_backends, cuda_unavailable_reason, deepep_unava
 from ..buffer import HybridEPBuffer
 from ..fp8 import dequantize_fp8, quantize_fp8
 from ..metadata import describe_device, gpu_driver
-from ..synthetic import iter_rank_routings, random_weights
+from ..synthetic import derived_seed, iter_rank_routings, random_weights
 from .spec import BACKENDS_WITHOUT_SMS, BenchSpec
 from .timing import make_timer
 
@@ -51,7 +51,7 @@ def make_inputs(spec: BenchSpec, rank: int, device: torch.device):
     routings = iter_rank_routings(spec.routing, [spec.tokens] * (rank + 1), spec.experts, spec.topk, spec.seed,
                                   spec.zipf_exponent, **groups)
     topk_idx = list(routings)[rank]
-    own = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank + 1)
+    own = torch.Generator().manual_seed(derived_seed(spec.seed * 1_000_003 + rank + 1))
     topk_weights = random_weights(topk_idx, own)
     x = torch.randn(spec.tokens, spec.hidden, generator=own)
     scales = None

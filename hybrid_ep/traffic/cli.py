@@ -27,7 +27,7 @@ from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
 from ..fp8 import num_scale_blocks
 from ..metadata import metadata
 from ..rows import row_bytes_rule
-from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings
+from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings, seed_problem
 from ..paths import output_problem
 from ..wording import plural
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
@@ -40,7 +40,8 @@ UNITS = {"row_bytes": "bytes per row", "per_rank": "bytes each rank sends (compu
          "bytes_per_token": "bytes sent per token of the sending rank: mean and max over ranks",
          "rdma_saving_percent": "percent: 100 x (1 - hierarchical RDMA bytes / flat RDMA bytes), null without RDMA",
          "received_rows": "rows per rank", "tokens_per_rank": "tokens",
-         "destinations_per_token": "ranks or nodes per token: mean and max"}
+         "destinations_per_token": "ranks or nodes per token: mean and max",
+         "world_size": "ranks", "num_nodes": "nodes", "ranks_per_node": "ranks", "hidden": "elements per row"}
 
 
 def _flag(field: str) -> str:
@@ -109,6 +110,9 @@ class Scenario:
             rule = row_bytes_rule(self.hidden, dtypes[name])
             if rule:
                 raise ValueError(f"--hidden ({self.hidden}) with {flag} {name}: {rule}")
+        problem = seed_problem(self.seed)
+        if problem:
+            raise ValueError(f"--seed {problem}")
         return self
 
     def buffer_config(self) -> BufferConfig:
@@ -194,11 +198,15 @@ def summarize(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig,
 
 
 def compute(scenario: Scenario) -> dict:
-    """Validate the scenario, draw its routing and return `summarize`'s dict plus the scenario."""
+    """Validate the scenario, draw its routing and return `summarize`'s dict plus the scenario
+    (as hybrid-ep-bench records it: zipf_exponent only with zipf routing and group_limit, the nodes a
+    token may reach, only with group-limited routing; None otherwise)."""
     scenario.validate()
     report = summarize(scenario.routings(), scenario.buffer_config(),
                        DISPATCH_DTYPES[scenario.dispatch_dtype], COMBINE_DTYPES[scenario.combine_dtype])
-    report["scenario"] = dataclasses.asdict(scenario) | {"group_limit": scenario.topk_groups}
+    report["scenario"] = dataclasses.asdict(scenario) | {
+        "zipf_exponent": scenario.zipf_exponent if scenario.routing == "zipf" else None,
+        "group_limit": scenario.topk_groups if scenario.routing == "group-limited" else None}
     return report
 
 
@@ -265,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dispatch payload; fp8 adds one fp32 scale per 128 elements (default %(default)s)")
     p.add_argument("--combine-dtype", choices=tuple(COMBINE_DTYPES), default=d.combine_dtype,
                    help="combine payload (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="routing seed (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="routing seed, in [0, 2^64 - 1] (default %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write every number as JSON to PATH")
     return p
 
