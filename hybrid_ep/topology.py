@@ -79,13 +79,3 @@ def group_ranks_per_node(group, requested=None) -> int:
     """G of a process group (None: the world) from its members and the launcher's layout."""
     group = dist.group.WORLD if group is None else group
     return resolve_ranks_per_node(dist.get_process_group_ranks(group), requested, launcher_local_world_size())
-
-
-def group_member_nodes(group) -> list[int] | None:
-    """Launcher node of each member of a process group (None: the world), in group order;
-    None where the launcher did not set LOCAL_WORLD_SIZE."""
-    local = launcher_local_world_size()
-    if local is None:
-        return None
-    group = dist.group.WORLD if group is None else group
-    return member_nodes(dist.get_process_group_ranks(group), local)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, MegatronOptimizerView, SlotTable, slot_parameters
-from hybrid_ep.topology import contiguous_ranks_per_node, group_member_nodes
+from hybrid_ep.topology import group_ranks_per_node
 
 from .options import HybridEPOptions
 
@@ -133,8 +133,13 @@ def _slot_sharded_state_dict(original):
     - the placement and statistics buffers are saved as objects, not sharded tensors: a
       sharded tensor's shape is checked by dist_checkpointing before the layer's own load
       hook runs, which then could neither resize statistics saved with another window nor
-      name the slot counts in its error."""
+      name the slot counts in its error. An object takes its global offset from
+      sharded_offsets, as Megatron's own extra state does: a TransformerBlock of identical
+      layers gives every layer the same key and tells them apart only there (the layer axis,
+      pipeline stages included), so a fixed offset saved the same shard once per layer and
+      dist_checkpointing refused the whole save."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.transformer.utils import _get_extra_state_offsets
 
     @functools.wraps(original)
     def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
@@ -144,7 +149,8 @@ def _slot_sharded_state_dict(original):
             if local_key.startswith(experts) and hasattr(entry, "key") and entry.key.startswith(experts):
                 entry.key = prefix + _SLOT_EXPERTS + entry.key[len(experts):]
             elif local_key[len(prefix):] in _BALANCER_BUFFERS and hasattr(entry, "data"):
-                out[local_key] = ShardedObject(entry.key, entry.data, (1,), (0,), replica_id=entry.replica_id)
+                out[local_key] = ShardedObject(entry.key, entry.data, *_get_extra_state_offsets(sharded_offsets),
+                                               replica_id=entry.replica_id)
         return out
 
     return sharded_state_dict
@@ -365,13 +371,12 @@ def _placement_for_model(loaded, path: str, num_layers: int, balancer: ExpertBal
 
 
 def _num_nodes(ep_group, ep_size: int, ranks_per_node: int | None) -> int:
-    """Nodes the EP group spans (the planner packs experts onto them first). From its members'
-    launcher nodes where the launcher says (hybrid_ep/topology.py): ranks_per_node is the
-    buffer's group's, which with expert tensor parallelism is not the EP group. A group that
-    does not come node by node gets no node preference (1)."""
-    nodes = group_member_nodes(ep_group)
-    per_node = (ranks_per_node or ep_size) if nodes is None else (contiguous_ranks_per_node(nodes) or ep_size)
-    return ep_size // per_node if 1 <= per_node <= ep_size and ep_size % per_node == 0 else 1
+    """Nodes the EP group spans (the planner packs experts onto them first): the buffer's
+    own ranks_per_node (hybrid_ep/topology.py; the balancer needs expert TP 1, so the
+    buffer's group is the EP group), 1 where it does not divide the group."""
+    per_node = group_ranks_per_node(ep_group, ranks_per_node)
+    return ep_size // per_node if isinstance(per_node, int) and 1 <= per_node <= ep_size and ep_size % per_node == 0 \
+        else 1
 
 
 def _torch_view(optimizer):

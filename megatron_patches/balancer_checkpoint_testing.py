@@ -278,3 +278,61 @@ def reload_after_attach(case, run) -> dict:
     bal2.prepare_checkpoint()  # writes what it restored, not empty statistics
     return {"saved": state(bal), "after": after, "meta_after_save": running.hybrid_ep_load_meta.tolist(),
             "replan_pending": bal2.hybrid_ep_replan_pending}
+
+
+def block_checkpoint(directory: str, pipeline_parallel: int, moe_layers_per_stage: int) -> dict:
+    """A GPTModel of identical MoE layers (Megatron's TransformerBlock, as Megatron-LM builds
+    Qwen3 and Mixtral) with the balancer on, each layer with its own placement and statistics,
+    saved in torch_dist and loaded into a fresh model: what each layer held, and what it holds
+    after the load. The block gives every layer the same checkpoint key; only the offsets it
+    passes tell them (and the pipeline stages) apart."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from . import HybridEPOptions
+    from . import balancer as mbalancer
+    from .testing import PLAIN_FP32_CONFIG, init_megatron
+
+    pp = pipeline_parallel
+    ep = dist.get_world_size() // pp
+    init_megatron(ep, pipeline_parallel=pp)
+    experts, per_rank = 4, 3  # spare slots: replicas
+
+    def build():
+        config = TransformerConfig(
+            num_layers=moe_layers_per_stage * pp, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+            moe_ffn_hidden_size=16, num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="hybrid_ep",
+            expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32 if pp > 1 else None, **PLAIN_FP32_CONFIG, masked_softmax_fusion=False,
+            bias_dropout_fusion=False, persist_layer_norm=False)
+        config.hybrid_ep_options = HybridEPOptions(balancer_interval=5, balancer_slots_per_rank=per_rank)
+        return GPTModel(config, get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False), vocab_size=64,
+                        max_sequence_length=8, pre_process=ps.is_pipeline_first_stage(),
+                        post_process=ps.is_pipeline_last_stage())
+
+    def buffers(model):
+        return [{name: getattr(m, name).tolist() for name in _BLOCK_BUFFERS}
+                for m in model.modules() if hasattr(m, "hybrid_ep_slot_to_expert")]
+
+    model = build()
+    slots = per_rank * ep
+    stage = ps.get_pipeline_model_parallel_rank()
+    rows = [[(e + i + stage * moe_layers_per_stage) % experts for e in range(slots)]
+            for i in range(moe_layers_per_stage)]  # another placement on every layer of every stage
+    bal = mbalancer.attach(model, torch.optim.AdamW(model.parameters()), writers=[],
+                           initial_placement=torch.tensor(rows))
+    for i in range(moe_layers_per_stage):  # and other counts
+        bal.stats.record(i, torch.arange(experts, dtype=torch.float64) + 10 * (i + stage * moe_layers_per_stage))
+    bal.prepare_checkpoint()
+    saved = buffers(model)
+    with _write_results_in_process():
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+    fresh = build()
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), directory), strict=False)
+    return {"saved": saved, "loaded": buffers(fresh)}
+
+
+_BLOCK_BUFFERS = ("hybrid_ep_slot_to_expert", "hybrid_ep_load_stats", "hybrid_ep_load_meta")

@@ -399,3 +399,22 @@ def test_each_pipeline_stage_reports_its_layers_in_its_own_folder(monkeypatch, s
     assert _stage_reporter(None) == (first, None)
     monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
     assert _stage_reporter("rep") == (None, "rep")  # library use: the ExpertBalancer's default
+
+
+@pytest.mark.parametrize("world,pipeline,per_stage", [(2, 1, 2), (4, 2, 1)], ids=["2 MoE layers", "PP 2"])
+def test_torch_dist_checkpoint_of_a_block_of_moe_layers(pool_for, new_checkpoint_dir, world, pipeline, per_stage):
+    """Every layer of a TransformerBlock has the same checkpoint key; before the balancer's
+    objects took the block's offsets, dist_checkpointing refused the save (duplicate shard
+    keys) on one rank while the others waited."""
+    from megatron_patches.balancer_checkpoint_testing import block_checkpoint
+
+    directory = new_checkpoint_dir()
+    results = pool_for(world).run(block_checkpoint, [(directory, pipeline, per_stage)] * world, timeout_s=600)
+    placements = set()
+    for r in results:
+        assert r["loaded"] == r["saved"]
+        assert len(r["saved"]) == per_stage
+        for layer in r["saved"]:
+            placements.add(tuple(layer["hybrid_ep_slot_to_expert"]))
+            assert any(v != 0 for row in layer["hybrid_ep_load_stats"] for v in row)
+    assert len(placements) == 2  # the layers (or stages) held different placements

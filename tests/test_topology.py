@@ -90,15 +90,23 @@ def test_strided_ep_group_spans_two_nodes():
         assert outside is not None and f"this process (global rank {rank}) is not a member of the EP group" in outside
 
 
-def test_megatron_balancer_plans_for_the_nodes_the_ep_group_spans(monkeypatch):
-    """The planner's node count comes from the EP group's members; --hybrid-ep-ranks-per-node
-    is the buffer's group's G, which with expert TP is not the EP group's."""
+def test_megatron_balancer_plans_for_the_buffers_nodes(monkeypatch):
+    """The planner's node count is the buffer's: from the members' launcher nodes, or an
+    explicit ranks_per_node that splits a launcher node (it ignored that one when
+    LOCAL_WORLD_SIZE was set: buffer 2 nodes, plan 1)."""
     import megatron_patches.balancer as mb
 
-    monkeypatch.setattr(mb, "group_member_nodes", lambda group: [0, 0, 0, 0, 1, 1, 1, 1])  # strided by ETP 2
-    assert mb._num_nodes(None, 8, 8) == 2
-    monkeypatch.setattr(mb, "group_member_nodes", lambda group: [0, 1, 0, 1])
-    assert mb._num_nodes(None, 4, None) == 1  # not node by node: no node preference
-    monkeypatch.setattr(mb, "group_member_nodes", lambda group: None)  # no LOCAL_WORLD_SIZE: the option
-    assert mb._num_nodes(None, 8, 2) == 4
-    assert mb._num_nodes(None, 8, None) == 1
+    members = {"strided": list(range(0, 16, 2)), "four": list(range(4)), "split": [0, 4, 1, 5]}
+    monkeypatch.setattr(mb, "group_ranks_per_node",
+                        lambda group, requested: resolve_ranks_per_node(members[group], requested, local[0]))
+    local = [8]
+    assert mb._num_nodes("strided", 8, None) == 2  # 4 members on each of 2 launcher nodes
+    local = [4]
+    assert mb._num_nodes("four", 4, None) == 1
+    assert mb._num_nodes("four", 4, 2) == 2  # a launcher node split in two, as the buffer does
+    with pytest.raises(ValueError, match="do not come node by node"):  # as the buffer refuses it
+        mb._num_nodes("split", 4, None)
+    assert mb._num_nodes("split", 4, 1) == 4
+    local = [None]  # no LOCAL_WORLD_SIZE: the option, else one node
+    assert mb._num_nodes("four", 4, 2) == 2
+    assert mb._num_nodes("four", 4, None) == 1
