@@ -4,6 +4,8 @@ On a CPU-only machine without Megatron-LM's pretrain_gpt.py the launcher runs th
 Megatron-Core trainer (megatron_patches.slurm.cpu_train) on 2 gloo processes with the
 recipe's argument list, parsed by Megatron's parser; the test checks that it says so, that
 it trained the asked number of steps and that every loss is finite. About 25 s on 2 cores.
+The CPU trainer also runs the recipe's expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
+EP 2 x ETP 2 on 4), with the losses of ETP 1 on the same ranks: about 100 s more.
 """
 
 from __future__ import annotations
@@ -37,6 +39,42 @@ def test_tiny_moe_trains_locally():
         losses = [float(m) for m in re.findall(r"cpu_train: step +\d+/3 +loss ([0-9.eE+-]+|nan|inf)", out)]
         assert len(losses) == 3 and all(math.isfinite(v) for v in losses), out
         assert "dispatcher hybrid_ep" in out and "done, 3 steps" in out
+
+
+def _train_locally(*overrides: str, steps: int):
+    """Run tiny_moe --local with the overrides; (stdout, losses), or None on the GPU path."""
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
+    env["PYTHONWARNINGS"] = "ignore"
+    sets = [a for o in (f"train.steps={steps}", *overrides) for a in ("--set", o)]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "launch_slurm.py"), os.path.join(REPO, "recipes", "tiny_moe"),
+         "--local", *sets], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "path: Megatron-LM pretrain_gpt.py" in proc.stdout:
+        return None
+    assert "path: Megatron-Core trainer megatron_patches.slurm.cpu_train" in proc.stdout
+    losses = [float(m) for m in re.findall(rf"cpu_train: step +\d+/{steps} +loss ([0-9.eE+-]+|nan|inf)", proc.stdout)]
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses), proc.stdout
+    return proc.stdout, losses
+
+
+@pytest.mark.parametrize("ep,ranks", [(1, 2), (2, 4)], ids=["EP1xETP2-2ranks", "EP2xETP2-4ranks"])
+def test_cpu_trainer_runs_the_recipes_expert_tensor_parallelism(ep, ranks):
+    """The CPU trainer builds Megatron's parallel state with the recipe's ETP (it used to pass EP
+    only: ETP 2 ran as ETP 1 with expert DP 2). Each rank then holds half of every expert's FFN;
+    with the same data and weights the losses equal those of ETP 1 (expert DP 2) on the same
+    ranks, so the expert gradients are reduced as Megatron's DDP reduces them."""
+    pytest.importorskip("megatron.training.arguments")
+    layout = (f"parallelism.ep={ep}", f"cluster.gpus_per_node={ranks}", f"train.global_batch_size={4 * ranks}",
+              "balancer.interval=0")
+    sharded = _train_locally(*layout, "parallelism.etp=2", steps=2)
+    if sharded is None:
+        pytest.skip("local mode ran Megatron-LM's pretrain_gpt.py on GPUs, not the CPU trainer")
+    out, losses = sharded
+    assert f"dispatcher hybrid_ep, world {ranks} (DP {ranks}; experts: EP {ep} x ETP 2 x EDP 1)" in out, out
+    whole = _train_locally(*layout, "parallelism.etp=1", steps=2)
+    assert f"experts: EP {ep} x ETP 1 x EDP 2)" in whole[0]
+    assert losses == pytest.approx(whole[1], rel=1e-3), (losses, whole[1])
 
 
 def test_local_mode_refuses_more_than_one_node(capsys):

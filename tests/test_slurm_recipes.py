@@ -268,6 +268,33 @@ def test_nodes_rescales_data_parallelism(capsys):
     assert layout.layout_of(cli.load_checked(path_of("deepseek_v3_proxy"), [], nodes=8)).edp == 2
 
 
+# EP x ETP with the balancer off: (recipe, overrides, layout line). The hybrid_ep dispatcher runs
+# expert tensor parallelism (docs/megatron.md); only the balancer refuses it.
+ETP_LAYOUTS = [
+    ("tiny_moe", ["parallelism.ep=1", "parallelism.etp=2"], "2 GPUs = TP 1 x PP 1 x CP 1 x DP 2; "
+                                                             "experts: EP 1 x ETP 2 x EDP 1"),
+    ("tiny_moe", ["parallelism.ep=2", "parallelism.etp=2", "cluster.gpus_per_node=4", "train.global_batch_size=16"],
+     "4 GPUs = TP 1 x PP 1 x CP 1 x DP 4; experts: EP 2 x ETP 2 x EDP 1"),
+    ("deepseek_v3", ["parallelism.ep=32", "parallelism.etp=2", "balancer.interval=0"],
+     "1024 GPUs = TP 1 x PP 16 x CP 1 x DP 64; experts: EP 32 x ETP 2 x EDP 1"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,line", ETP_LAYOUTS,
+                         ids=[f"{c[0]}:{c[1][0].split('=')[1]}x{c[1][1].split('=')[1]}" for c in ETP_LAYOUTS])
+def test_expert_tensor_parallelism_with_hybrid_ep_and_the_balancer_off(name, overrides, line, capsys):
+    sets = [a for o in overrides for a in ("--set", o)]
+    assert cli.main([path_of(name), *sets]) == 0
+    captured = capsys.readouterr()
+    assert "error" not in captured.err and line in captured.err, captured.err
+    assert "--moe-token-dispatcher-type hybrid_ep" in captured.out
+    assert "--expert-tensor-parallel-size 2" in captured.out and "--hybrid-ep-balancer-interval" not in captured.out
+    # the same layout with the balancer on is refused, naming the balancer's setting
+    assert cli.main([path_of(name), *sets, "--set", "balancer.interval=5", "--set", "balancer.slots_per_rank=9"]) == 2
+    err = capsys.readouterr().err
+    assert "error: balancer.interval: the expert balancer with parallelism.etp 2" in err and "parallelism.etp:" not in err
+
+
 INVALID = [
     ("deepseek_v3", ["--set", "parallelism.ep=7"], "parallelism.ep", "not divisible by EP 7"),
     ("deepseek_v3", ["--set", "parallelism.ep=128"], "parallelism.ep", "must divide world / PP"),
@@ -275,7 +302,9 @@ INVALID = [
     ("deepseek_v3", ["--nodes", "3"], "cluster.nodes", "not divisible by TP x PP x CP"),
     ("deepseek_v3", ["--set", "parallelism.pp=8"], "parallelism.pp", "do not split"),
     ("deepseek_v3", ["--set", "train.global_batch_size=1000"], "train.global_batch_size", "micro batch x DP"),
-    ("deepseek_v3", ["--set", "parallelism.etp=2"], "parallelism.etp", "hybrid_ep needs expert tensor parallelism 1"),
+    ("deepseek_v3", ["--set", "parallelism.ep=32", "--set", "parallelism.etp=2", "--set", "balancer.slots_per_rank=9"],
+     "balancer.interval", "the expert balancer with parallelism.etp 2 (expert tensor parallelism): use "
+     "parallelism.etp 1 with the balancer, or turn the balancer off (balancer.interval 0"),
     ("deepseek_v3", ["--set", "model.moe_router_topk=300"], "model.moe_router_topk", "exceeds"),
     ("deepseek_v3", ["--set", "parallelism.tpp=2"], "parallelism.tpp", "unknown field"),
     ("deepseek_v3", ["--set", "parallelism.ep=abc"], "parallelism.ep", "must be a int"),

@@ -19,8 +19,9 @@ What differs from pretrain_gpt.py, on purpose:
 - optimizer: torch AdamW with linear warm-up and cosine decay to --min-lr; gradients are
   averaged by all-reduce over the data-parallel group (dense weights) and the expert
   data-parallel group (experts), as Megatron's DDP does; no distributed optimizer;
-- only TP = PP = CP = 1 (EP any divisor of the world); the expert balancer is not run
-  (its flags are parsed; local mode does not depend on it).
+- only TP = PP = CP = 1 (EP x ETP any divisor of the world: the parallel state is built with
+  the recipe's expert model and expert tensor parallel sizes, expert DP = world / (EP x ETP));
+  the expert balancer is not run (its flags are parsed; local mode does not depend on it).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     model = build_model(args, config)
@@ -127,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"cpu_train: GPTModel {plural(args.num_layers, 'layer')}, hidden {args.hidden_size}, "
               f"{plural(args.num_experts, 'expert')} top-{args.moe_router_topk}, dispatcher "
-              f"{config.moe_token_dispatcher_type}, world {world} (EP {args.expert_model_parallel_size}, DP {dp}), "
+              f"{config.moe_token_dispatcher_type}, world {world} (DP {dp}; experts: EP "
+              f"{parallel_state.get_expert_model_parallel_world_size()} x ETP "
+              f"{parallel_state.get_expert_tensor_parallel_world_size()} x EDP "
+              f"{parallel_state.get_expert_data_parallel_world_size()}), "
               f"{micro_batches} micro-batch{'' if micro_batches == 1 else 'es'} of {mbs} x {seq} per rank per step",
               flush=True)
     losses = []

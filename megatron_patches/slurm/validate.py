@@ -7,14 +7,15 @@ otherwise enforce on the cluster, after the queue wait:
 
 - world size = TP x PP x CP x DP (DP a whole number);
 - experts divisible by EP; EP x ETP divides W / PP (expert data parallelism, see layout);
-  hybrid_ep refuses ETP > 1;
 - layers split over PP (x VPP), with the uneven first/last stage when given;
 - global batch divisible by micro batch x DP;
 - heads and query groups divisible by TP; MoE with TP > 1 and EP > 1 needs sequence
   parallelism (a TransformerConfig assertion); CP needs seq_length divisible by 2 x CP;
-- balancer slots cover every expert, and the balancer is not combined with the distributed
-  optimizer (not supported yet); slots are checked only when the balancer is on
-  (interval > 0: it has no slots otherwise); dispatcher, precision, GPU type from known sets;
+- balancer slots cover every expert; slots are checked only when the balancer is on
+  (interval > 0: it has no slots otherwise); the balancer runs only inside hybrid_ep and
+  with ETP 1 (the hybrid_ep dispatcher itself runs ETP > 1, over the ETP x EP group; the
+  balancer refuses it, megatron_patches/dispatcher.py); dispatcher, precision, GPU type from
+  known sets;
 - rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
   element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
 - cluster.time in one of Slurm's time formats;
@@ -121,8 +122,6 @@ def _parallel(recipe, problems):
     if per_stage % (lay.ep * lay.etp):
         problems.append(("parallelism.ep", f"EP x ETP = {lay.ep} x {lay.etp} must divide world / PP = "
                          f"TP x CP x DP = {per_stage} (Megatron's expert layout: W = PP x EP x ETP x EDP)"))
-    if recipe["dispatcher.type"] == "hybrid_ep" and lay.etp != 1:
-        problems.append(("parallelism.etp", f"hybrid_ep needs expert tensor parallelism 1, got {lay.etp}"))
     if lay.vpp > 1 and lay.pp == 1:
         problems.append(("parallelism.vpp", "virtual pipeline stages need parallelism.pp > 1"))
     try:
@@ -223,6 +222,13 @@ def _balancer(recipe, problems):
     if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] != "hybrid_ep":
         problems.append((b + "interval", "the expert balancer runs inside the hybrid_ep dispatcher; "
                                          "set it to 0 with another dispatcher.type"))
+    etp = recipe["parallelism.etp"]
+    if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] == "hybrid_ep" and etp > 1:
+        # The dispatcher runs ETP > 1 (over the ETP x EP group); the balancer does not, and
+        # refuses it when the dispatcher is built (megatron_patches/dispatcher.py).
+        problems.append((b + "interval", f"the expert balancer with parallelism.etp {etp} (expert tensor "
+                                         "parallelism): use parallelism.etp 1 with the balancer, or turn the "
+                                         "balancer off (balancer.interval 0; hybrid_ep runs ETP > 1 without it)"))
 
 
 def _train(recipe, problems):
