@@ -330,3 +330,36 @@ def test_replan_before_the_first_reduction_plans_on_the_carry(single_rank_group)
     bal.prepare_checkpoint()
     bal.replan()
     np.testing.assert_array_equal(planned[1], [[40, 1, 1, 1]])
+
+
+def test_resumed_run_keeps_the_whole_run_history(single_rank_group, tmp_path):
+    """A checkpoint carries the statistics window, not the history: a run resumed into the same
+    report dir keeps the earlier run's reductions before its own first one in statistics.npz
+    (the file for `hybrid-ep-balance plan`), instead of restarting it at the resume. A new run
+    from step 0 into the same folder keeps none of them."""
+
+    def run(steps, state=None):
+        layers, modules = make_layers(2, 4, 6)
+        bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2,
+                             report_dir=str(tmp_path))
+        bal.setup()
+        if state is not None:
+            bal.load_state_dict(state)
+        saved = None
+        for step in steps:
+            for i in range(2):
+                bal.record(i, torch.tensor([8, 1, 1, step]))
+            bal.before_optimizer_step()
+            bal.after_optimizer_step(step)
+            if step == 5:
+                saved = bal.state_dict()
+        return saved
+
+    at_5 = run(range(1, 8))  # reports at 2, 4, 6; "crashed" after step 7, checkpoint of step 5
+    assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4, 6]
+    run(range(6, 9), at_5)  # resumed from step 5: its own reductions at 6 and 8
+    whole = load_statistics(str(tmp_path / "statistics.npz"))
+    assert whole["steps"].tolist() == [2, 4, 6, 8]
+    np.testing.assert_array_equal(whole["history"][:, 0, 3], [1 + 2, 3 + 4, 5 + 6, 7 + 8])  # step 5's count in 6
+    run(range(1, 5))  # a new run from the start: nothing of the earlier runs
+    assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4]

@@ -126,6 +126,7 @@ class ExpertBalancer:
         self.last_summary: dict | None = None
         self.events: list[dict] = []
         self._reported_step = -(2 ** 62)  # reductions after this step go into the next report
+        self._earlier = None  # (history, steps) of the run this one resumed, from its report dir
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -329,13 +330,41 @@ class ExpertBalancer:
         save_statistics(os.path.join(out, "statistics.npz"), self.stats.load(), history=history[new],
                         steps=steps[new], **common)
         whole = os.path.join(self.report_dir, "statistics.npz")
-        save_statistics(whole + ".tmp", self.stats.load(), history=history, steps=steps, **common)
+        if self._earlier is None:
+            self._earlier = self._earlier_history(whole, history.shape[1:], steps)
+        kept = self.stats.history.maxlen
+        whole_history = np.concatenate([self._earlier[0], history])[-kept:]
+        whole_steps = np.concatenate([self._earlier[1], steps])[-kept:]
+        save_statistics(whole + ".tmp", self.stats.load(), history=whole_history, steps=whole_steps, **common)
         os.replace(whole + ".tmp", whole)  # a reader never sees half a file
         self._reported_step = int(iteration)
         return write_report({**self.last_summary, "layer_numbers": list(self.layer_numbers)}, out,
                             history=self._rank_history(history), step=int(iteration),
                             layer_names=[f"layer {n}" for n in self.layer_numbers],
                             bytes_per_slot=self.bytes_per_slot())
+
+    def _earlier_history(self, path: str, shape, steps) -> tuple[np.ndarray, np.ndarray]:
+        """The reductions a resumed run's report dir already holds from before this process's
+        first one: the checkpoint carries the statistics window, not the history, so without
+        them the whole-run file would restart at the resume. Only a file of these layers and
+        experts counts, and only its reductions before this process's first step (a new run
+        from step 0 into an old report dir keeps none)."""
+        from .report import load_statistics
+
+        none = (np.zeros((0, *shape)), np.zeros(0, dtype=np.int64))
+        if not os.path.exists(path) or len(steps) == 0:
+            return none
+        try:
+            old = load_statistics(path)
+        except (OSError, ValueError):
+            log.warning("hybrid_ep balancer: %s is not a statistics file; the whole-run history restarts", path)
+            return none
+        same = ("history" in old and "steps" in old and old["history"].shape[1:] == tuple(shape)
+                and list(old.get("layer_numbers", [])) == list(self.layer_numbers))
+        if not same:
+            return none
+        before = old["steps"] < steps.min()
+        return old["history"][before], old["steps"][before]
 
     def bytes_per_slot(self) -> int:
         """Bytes a moved slot carries: its weights, fp32 master weights (when the weights are
