@@ -343,8 +343,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         if isinstance(initial, str):
             from hybrid_ep.balancer.placement_file import load_placement_yaml
 
-            initial = _placement_for_model(load_placement_yaml(initial), initial, len(layers), balancer,
-                                           first.ep_size)
+            initial = _placement_for_model(load_placement_yaml(initial), initial, balancer, first.ep_size)
         balancer.setup(initial)
     else:
         _resume(balancer, layers)
@@ -352,22 +351,50 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
     return balancer
 
 
-def _placement_for_model(loaded, path: str, num_layers: int, balancer: ExpertBalancer, ep_size: int):
-    """The file's [L, S] table, refused unless it was planned for this model's experts and EP
-    size: a plan for another EP size has the same shape when the slot totals agree, and would
-    load as a placement balanced for ranks this model does not have."""
-    want = {"num_experts": balancer.num_experts, "ep_size": ep_size, "layers": num_layers,
-            "num_slots": balancer.num_slots}
-    have = {"num_experts": loaded.num_experts, "ep_size": loaded.num_ranks, "layers": loaded.num_layers,
-            "num_slots": loaded.num_slots}
+def _placement_for_model(loaded, path: str, balancer: ExpertBalancer, ep_size: int) -> torch.Tensor:
+    """[L, S] rows of the file for this model's MoE layers, by their layer numbers (Megatron's
+    global `layer.layer_number`, as balancer.layer_numbers holds them), so one file planned for
+    the whole model serves every pipeline stage. A file without layer_numbers (older versions,
+    by hand) must have as many layers as the model and is matched in order. Refused unless it
+    was planned for this model's experts and EP size too: a plan for another EP size has the
+    same shape when the slot totals agree, and would load as a placement balanced for ranks
+    this model does not have."""
+    want = {"num_experts": balancer.num_experts, "ep_size": ep_size, "num_slots": balancer.num_slots}
+    have = {"num_experts": loaded.num_experts, "ep_size": loaded.num_ranks, "num_slots": loaded.num_slots}
     wrong = [f"{key} {have[key]} (the model has {want[key]})" for key in want if have[key] != want[key]]
+    numbers = list(balancer.layer_numbers)
+    stage = _pipeline_stage()
+    model = "the model" if stage is None else f"pipeline stage {stage}"
+    if loaded.layer_numbers is None:
+        if loaded.num_layers != len(numbers):
+            wrong.append(f"layers {loaded.num_layers} and no layer_numbers ({model} has {len(numbers)}: "
+                         f"MoE layers {numbers})")
+    else:
+        missing = loaded.missing_layers(numbers)
+        if missing:
+            wrong.append(f"layer_numbers {list(loaded.layer_numbers)} ({model} has MoE layers {numbers}; "
+                         f"none for {missing})")
     if wrong:
+        every_stage = "" if stage is None else " (--stats takes every pipeline stage's statistics.npz)"
         raise ValueError(
             f"hybrid_ep option balancer_placement {path!r} was planned for another model: {', '.join(wrong)}. "
             f"Plan one for this model: python -m hybrid_ep.balancer plan --stats ... --ep-size {ep_size} "
-            f"--num-slots {balancer.num_slots}"
+            f"--num-slots {balancer.num_slots}{every_stage}"
         )
-    return loaded.slot_to_expert
+    return loaded.rows_for(numbers)
+
+
+def _pipeline_stage() -> int | None:
+    """This rank's pipeline stage with pipeline parallelism; None without it (or outside
+    Megatron's parallel state)."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            return int(ps.get_pipeline_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        pass
+    return None
 
 
 def _num_nodes(ep_group, ep_size: int, ranks_per_node: int | None) -> int:

@@ -182,6 +182,105 @@ def test_attach_takes_a_placement_file_planned_for_this_model(pool_for, tmp_path
                    for m in messages), messages[0]
 
 
+def test_attach_takes_the_rows_of_the_models_layer_numbers(pool_for, tmp_path):
+    """A placement file names the model layer of each row (layer_numbers, as the CLI writes them):
+    the model (one MoE layer, layer_number 1) takes its row from a file planned for more layers,
+    and a file for another layer of the same count is refused naming both layer numbers (before,
+    only the count was compared and it loaded rows planned for another layer). A file without
+    layer_numbers still loads in order when the counts agree."""
+    import numpy as np
+
+    from hybrid_ep.balancer import plan_placement
+    from hybrid_ep.balancer.placement_file import save_placement_yaml
+    from hybrid_ep.balancer.planner import Placement
+    from megatron_patches.balancer_testing import attach_placement_file
+
+    plan = plan_placement(np.random.default_rng(6).random((3, CASE.num_experts)) * 100, W * SLOTS_PER_RANK, 1, W)
+    rows = plan.slot_to_expert
+    assert not torch.equal(rows[0], rows[1])
+
+    def one(row, name, numbers=None):
+        extra = None if numbers is None else {"layer_numbers": numbers}
+        return save_placement_yaml(Placement(rows[row:row + 1], W, 1, CASE.num_experts), str(tmp_path / name), extra)
+
+    whole = save_placement_yaml(plan, str(tmp_path / "whole.yaml"), extra={"layer_numbers": [2, 1, 3]})
+    pool = pool_for(W)
+    for path, want in ((whole, rows[1:2]), (one(0, "unnumbered.yaml"), rows[0:1])):
+        got = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, path)] * W, timeout_s=300)
+        assert all(isinstance(r, torch.Tensor) and torch.equal(r, want) for r in got), (path, got[0])
+    messages = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, one(0, "other.yaml", [2]))] * W, timeout_s=300)
+    assert all(isinstance(m, str) and "other.yaml' was planned for another model: layer_numbers [2] (the model has "
+               "MoE layers [1]; none for [1]). Plan one for this model: python -m hybrid_ep.balancer plan" in m
+               for m in messages), messages[0]
+
+
+def _attach_on_pipeline_stages(path: str):
+    """PP 2 x EP 2: a GPTModel of 4 MoE layers (Megatron numbers them 1-4, 2 per stage)
+    attached with --hybrid-ep-balancer-placement path: (stage, its layer numbers, its placement
+    rows), or (stage, the ValueError's message)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patches import HybridEPOptions
+    from megatron_patches import balancer as mbalancer
+    from megatron_patches.testing import PLAIN_FP32_CONFIG, init_megatron
+
+    init_megatron(2, pipeline_parallel=2)
+    config = TransformerConfig(
+        num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=16,
+        num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type="hybrid_ep", expert_model_parallel_size=2,
+        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, **PLAIN_FP32_CONFIG,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False)
+    config.hybrid_ep_options = HybridEPOptions(balancer_interval=5, balancer_slots_per_rank=5, balancer_placement=path)
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False), vocab_size=64,
+                     max_sequence_length=8, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    stage = ps.get_pipeline_model_parallel_rank()
+    try:
+        bal = mbalancer.attach(model, torch.optim.AdamW(model.parameters()), writers=[])
+    except ValueError as err:
+        return stage, str(err)
+    return stage, bal.layer_numbers, bal.placement_rows()
+
+
+def test_each_pipeline_stage_takes_its_rows_of_one_placement_file(pool_for, tmp_path):
+    """With pipeline parallelism every stage reads the same --hybrid-ep-balancer-placement: a file
+    planned for the whole model gives each stage the rows of its own MoE layers (before, every
+    stage refused it for its layer count); a file of stage 0's layers loads on stage 0 and is
+    refused by stage 1, naming the layers (before, stage 1 installed rows planned for layers 1
+    and 2); EP size and experts are still checked."""
+    import numpy as np
+
+    from hybrid_ep.balancer import plan_placement
+    from hybrid_ep.balancer.placement_file import save_placement_yaml
+    from hybrid_ep.balancer.planner import Placement
+
+    plan = plan_placement(np.random.default_rng(7).random((4, 8)) * 100, 10, 1, 2)
+    rows = plan.slot_to_expert
+    whole = save_placement_yaml(plan, str(tmp_path / "whole.yaml"), extra={"layer_numbers": [1, 2, 3, 4]})
+    first = save_placement_yaml(Placement(rows[:2], 2, 1, 8), str(tmp_path / "stage0.yaml"),
+                                extra={"layer_numbers": [1, 2]})
+    other_ep = save_placement_yaml(plan_placement(np.ones((4, 8)), 10, 1, 5), str(tmp_path / "ep5.yaml"),
+                                   extra={"layer_numbers": [1, 2, 3, 4]})
+    pool = pool_for(4)
+    results = pool.run(_attach_on_pipeline_stages, [(whole,)] * 4, timeout_s=600)
+    assert sorted(r[0] for r in results) == [0, 0, 1, 1]
+    for stage, numbers, got in results:
+        assert numbers == [1 + 2 * stage, 2 + 2 * stage] and torch.equal(got, rows[2 * stage:2 * stage + 2])
+    results = pool.run(_attach_on_pipeline_stages, [(first,)] * 4, timeout_s=600)
+    for result in results:
+        if result[0] == 0:
+            assert torch.equal(result[2], rows[:2])
+        else:
+            assert ("stage0.yaml' was planned for another model: layer_numbers [1, 2] (pipeline stage 1 has MoE "
+                    "layers [3, 4]; none for [3, 4])") in result[1], result[1]
+            assert "--stats takes every pipeline stage's statistics.npz" in result[1]
+    for stage, message in pool.run(_attach_on_pipeline_stages, [(other_ep,)] * 4, timeout_s=600):
+        assert "ep5.yaml' was planned for another model: ep_size 5 (the model has 2)" in message, message
+
+
 def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     """Megatron-LM's parser takes the --hybrid-ep-balancer-* flags; they reach HybridEPOptions."""
     arguments = pytest.importorskip("megatron.training.arguments")

@@ -68,6 +68,10 @@ def test_yaml_round_trip(tmp_path):
     (lambda d: d["initial_global_assignments"][0].__setitem__(3, 10**30),
      r"p.yaml: initial_global_assignments\[0\] has expert id 10{30}, outside \[0, 7\] \(num_experts=8\)"),
     (lambda d: d["initial_global_assignments"][1].__setitem__(0, -1), r"p.yaml: .*\[1\] has expert id -1, outside"),
+    (lambda d: d.__setitem__("layer_numbers", [1]), "p.yaml: layer_numbers has 1 entries for 2 layers"),
+    (lambda d: d.__setitem__("layer_numbers", [3, 3]), r"p.yaml: layer_numbers names a layer twice: \[3, 3\]"),
+    (lambda d: d.__setitem__("layer_numbers", [0, 1]), r"layer_numbers must be layer numbers >= 1 .*\[0, 1\]"),
+    (lambda d: d.__setitem__("layer_numbers", ["1", 2]), "layer_numbers must be a list of integers"),
 ])
 def test_yaml_load_names_the_problem(tmp_path, edit, match):
     p = plan_placement(np.ones((2, 8)), 8, 1, 2)
@@ -84,6 +88,37 @@ def test_yaml_load_names_a_file_that_is_not_text(tmp_path):
     path.write_bytes(b"num_slots: 8\n\xff\xfe: 1\n")
     with pytest.raises(ValueError, match=r"p.yaml: not UTF-8 text"):
         load_placement_yaml(str(path))
+
+
+def test_yaml_keeps_layer_numbers_and_gives_rows_by_number(tmp_path):
+    """A file's layer_numbers (the model layer of each row) load with it: a model takes its own
+    layers' rows by number, in its order, and a layer the file lacks is named with the file's."""
+    p = plan_placement(np.random.default_rng(4).random((3, 8)), 12, 1, 4)
+    path = save_placement_yaml(p, str(tmp_path / "p.yaml"), extra={"layer_numbers": [2, 4, 6]})
+    q = load_placement_yaml(path)
+    assert q.layer_numbers == (2, 4, 6) and torch.equal(q.slot_to_expert, p.slot_to_expert)
+    assert torch.equal(q.rows_for([6, 2]), p.slot_to_expert[[2, 0]])
+    assert q.missing_layers([1, 2, 3]) == [1, 3]
+    with pytest.raises(ValueError, match=r"no rows for layers \[3\] \(its layer_numbers: \[2, 4, 6\]\)"):
+        q.rows_for([2, 3])
+    again = load_placement_yaml(save_placement_yaml(q, str(tmp_path / "again.yaml")))  # saved, keeps them
+    assert again.layer_numbers == (2, 4, 6) and torch.equal(again.slot_to_expert, p.slot_to_expert)
+    kept = open(path).read()
+    for bad, match in (([2, 2, 6], "names a layer twice"), ([1, 2], "has 2 entries for 3 layers")):
+        with pytest.raises(ValueError, match=match):
+            save_placement_yaml(p, path, extra={"layer_numbers": bad})
+    assert open(path).read() == kept
+
+
+def test_yaml_without_layer_numbers_matches_in_order(tmp_path):
+    """A file written before layer_numbers were read (or by hand) gives its rows in order, to a
+    model with as many layers."""
+    p = plan_placement(np.random.default_rng(4).random((2, 8)), 12, 1, 4)
+    q = load_placement_yaml(save_placement_yaml(p, str(tmp_path / "p.yaml")))
+    assert q.layer_numbers is None and q.missing_layers([7, 9]) == []
+    assert torch.equal(q.rows_for([7, 9]), p.slot_to_expert)
+    with pytest.raises(ValueError, match=r"2 layers and no layer_numbers, 3 layers \(\[1, 2, 3\]\) want rows"):
+        q.rows_for([1, 2, 3])
 
 
 # ----------------------------------------------------------------------------- statistics, plots
@@ -171,6 +206,57 @@ def test_cli_plan_end_to_end(tmp_path, capsys):
     assert load_placement_yaml(out2).moves(p).tolist() == [0, 0, 0]
 
 
+def _numbered_stats(path, load, numbers, intervals=4):
+    """A statistics file of the layers `numbers` (rows of load), as one pipeline stage writes it."""
+    history = np.stack([load / intervals] * intervals)
+    return save_statistics(str(path), load, history=history, steps=np.arange(intervals) * 10, ep_size=8,
+                           layer_numbers=numbers)
+
+
+def test_cli_joins_pipeline_stages_and_takes_previous_rows_by_layer_number(tmp_path, capsys):
+    """With pipeline parallelism each stage writes its own statistics: --stats takes every
+    stage's file and plans one file for the whole model (the plan of the same load in one
+    file); a stage's statistics with that file as --previous take its rows of the stage's
+    layers, and a --previous without them is refused naming both."""
+    _, load = _stats(tmp_path, layers=4)
+    stage0 = _numbered_stats(tmp_path / "stage0.npz", load[:2], [1, 2])
+    stage1 = _numbered_stats(tmp_path / "stage1.npz", load[2:], [3, 4])
+    whole = _numbered_stats(tmp_path / "whole.npz", load, [1, 2, 3, 4])
+    common = ["--slots-per-rank", "5", "--ranks-per-node", "4"]
+    joined, single, rep = str(tmp_path / "joined.yaml"), str(tmp_path / "single.yaml"), str(tmp_path / "rep")
+    assert main(["plan", "--stats", stage1, stage0, "--out", joined, "--report-dir", rep] + common) == 0
+    assert main(["plan", "--stats", whole, "--out", single] + common) == 0
+    j, w = load_placement_yaml(joined), load_placement_yaml(single)
+    assert j.layer_numbers == (1, 2, 3, 4) and torch.equal(j.slot_to_expert, w.slot_to_expert)
+    assert yaml.safe_load(open(joined))["source_stats"] == [stage1, stage0]
+    _assert_png(os.path.join(rep, "heatmap_after.png"))
+    # stage 1 re-planned from the whole model's file: its rows are kept, nothing moves
+    out1 = str(tmp_path / "stage1.yaml")
+    assert main(["plan", "--stats", stage1, "--previous", joined, "--out", out1] + common) == 0
+    s1 = load_placement_yaml(out1)
+    assert s1.layer_numbers == (3, 4) and torch.equal(s1.slot_to_expert, j.rows_for([3, 4]))
+    capsys.readouterr()
+    assert main(["plan", "--stats", stage0, "--previous", out1, "--out", str(tmp_path / "x.yaml")] + common) == 2
+    assert "--previous " + out1 + " has layer_numbers [3, 4], no row for layers [1, 2]" in capsys.readouterr().err
+    assert main(["plan", "--stats", stage0, stage0, "--out", str(tmp_path / "x.yaml")] + common) == 2
+    assert "layers [1, 2] are in more than one file" in capsys.readouterr().err
+    bare = str(tmp_path / "bare.npz")
+    save_statistics(bare, load[2:])
+    assert main(["plan", "--stats", stage0, bare, "--out", str(tmp_path / "x.yaml"), "--ep-size", "8"] + common) == 2
+    assert f"--stats: {bare} has no layer_numbers" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x.yaml")
+
+
+def test_cli_statistics_without_layer_numbers_write_a_file_matched_in_order(tmp_path):
+    """Statistics of an older version have no layer_numbers: the plan has none either (its
+    rows match a model's MoE layers in order), rather than numbers 1..L a model may not have."""
+    _, load = _stats(tmp_path)
+    bare = save_statistics(str(tmp_path / "bare.npz"), load)
+    out = str(tmp_path / "p.yaml")
+    assert main(["plan", "--stats", bare, "--ep-size", "8", "--out", out]) == 0
+    assert "layer_numbers" not in yaml.safe_load(open(out)) and load_placement_yaml(out).layer_numbers is None
+
+
 def test_cli_reports_moved_bytes(tmp_path, capsys):
     stats, _ = _stats(tmp_path)
     rep = str(tmp_path / "rep")
@@ -228,7 +314,8 @@ def test_cli_bad_outputs_and_statistics_exit_2_before_writing(tmp_path, capsys):
     bad_stats = {"array.npy": None, "ep.npz": {"load": load, "ep_size": np.array([8, 8])},
                  "ep_frac.npz": {"load": load, "ep_size": np.float64(8.7)},
                  "empty.npz": {"load": np.zeros((0, 32))},
-                 "numbers.npz": {"load": load, "layer_numbers": np.array([1, 2])}}
+                 "numbers.npz": {"load": load, "layer_numbers": np.array([1, 2])},
+                 "twice.npz": {"load": load, "layer_numbers": np.array([1, 2, 1])}}
     for name, arrays in bad_stats.items():
         path = str(tmp_path / name)
         if arrays is None:
@@ -246,6 +333,8 @@ def test_cli_bad_outputs_and_statistics_exit_2_before_writing(tmp_path, capsys):
                                 ("ep_frac.npz", "ep_size must be one integer"),
                                 ("empty.npz", "at least one layer and one expert"),
                                 ("numbers.npz", "layer_numbers has shape (2,), load has 3 layers"))]
+    cases.append((["--stats", str(tmp_path / "twice.npz")], "--stats: layer_numbers of",
+                  "names a layer twice: [1, 2, 1]"))
     for case in cases:
         argv, needles = case[0], case[1:]
         args = {"--stats": stats, "--out": out, "--ep-size": "8", **dict(zip(argv[::2], argv[1::2]))}

@@ -1,11 +1,12 @@
 """`hybrid-ep-balance` / `python -m hybrid_ep.balancer`: plan a placement offline.
 
-    hybrid-ep-balance plan --stats stats.npz --ep-size 32 --num-slots 288 --out placement.yaml \
+    hybrid-ep-balance plan --stats stats.npz [more.npz ...] --ep-size 32 --num-slots 288 --out placement.yaml \
         [--ranks-per-node 8] [--previous old.yaml] [--report-dir DIR] \
         [--params-per-slot N [--bytes-per-param 14]]
 
-Reads the statistics file that training writes (report.py), plans (planner.py), writes the
-placement YAML (placement_file.py), prints imbalance per layer before (the previous
+Reads the statistics file that training writes (report.py), or one per pipeline stage joined
+by their layer numbers, plans (planner.py), writes the placement YAML (placement_file.py)
+with the statistics' layer numbers, prints imbalance per layer before (the previous
 placement, or the identity layout) and after, and optionally a report folder: JSON summary,
 imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
 intervals under both placements. With --params-per-slot the table and the report also give
@@ -27,7 +28,7 @@ from ..paths import output_problem
 from ..wording import byte_unit, plural
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .metrics import rank_loads, summarize
-from .placement_file import load_placement_yaml, save_placement_yaml
+from .placement_file import NumberedPlacement, layer_numbers_problem, load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
 from .report import DEFAULT_BYTES_PER_PARAM, load_statistics, slot_bytes, write_report
 
@@ -68,13 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a placement from a statistics file", allow_abbrev=False)
-    plan.add_argument("--stats", required=True, help="statistics .npz (load [L, E], optional history)")
+    plan.add_argument("--stats", required=True, nargs="+",
+                      help="statistics .npz (load [L, E], optional history); with pipeline parallelism every "
+                           "stage's file (<report dir>/pipeline_stage_<k>/statistics.npz), joined by their layer "
+                           "numbers into one plan for the whole model")
     plan.add_argument("--ep-size", type=int, help="ranks W (default: ep_size stored in the statistics)")
     slots = plan.add_mutually_exclusive_group()
     slots.add_argument("--num-slots", type=int, help="slots S over all ranks (default: E, placement only)")
     slots.add_argument("--slots-per-rank", type=int, help="slots per rank (S = this x W)")
     plan.add_argument("--ranks-per-node", type=int, help="ranks per node (default: min(8, W))")
-    plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance")
+    plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance "
+                                         "(its rows for the statistics' layers, by layer number)")
     plan.add_argument("--out", required=True, help="placement YAML to write")
     plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
     plan.add_argument("--tolerance", type=non_negative, default=None,
@@ -106,8 +111,10 @@ def main(argv=None) -> int:
 
 def _plan(args) -> int:
     stats = _read_stats(args.stats)
+    stats_label = " ".join(args.stats)
     load_LE = stats["load"]
     L, E = load_LE.shape
+    numbers = None if "layer_numbers" not in stats else [int(v) for v in stats["layer_numbers"]]
     W = args.ep_size if args.ep_size is not None else stats.get("ep_size")
     if W is None:
         raise UsageError("--ep-size is required: the statistics file has no ep_size")
@@ -120,7 +127,7 @@ def _plan(args) -> int:
     else:
         S, slots_flag = (args.num_slots if args.num_slots is not None else E), "--num-slots"
     if S < E:
-        raise UsageError(f"{slots_flag} gives {S} slots, fewer than the {E} experts in {args.stats}")
+        raise UsageError(f"{slots_flag} gives {S} slots, fewer than the {E} experts in {stats_label}")
     if S % W != 0:
         raise UsageError(f"{slots_flag}: {S} slots do not split evenly over --ep-size {W} ranks")
     rpn = args.ranks_per_node if args.ranks_per_node is not None else min(8, W)
@@ -128,7 +135,7 @@ def _plan(args) -> int:
         raise UsageError(f"--ranks-per-node ({rpn}) must be >= 1 and divide --ep-size ({W})")
     N = W // rpn
     if E % W != 0:
-        raise UsageError(f"--ep-size {W} must divide the {E} experts in {args.stats} (as Megatron's EP size must)")
+        raise UsageError(f"--ep-size {W} must divide the {E} experts in {stats_label} (as Megatron's EP size must)")
     if E % N != 0:
         raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
     if args.bytes_per_param is not None and args.params_per_slot is None:
@@ -141,7 +148,7 @@ def _plan(args) -> int:
         _check_output(args.report_dir, "--report-dir", want_dir=True)
     bytes_per_slot = None if args.params_per_slot is None else slot_bytes(
         args.params_per_slot, DEFAULT_BYTES_PER_PARAM if args.bytes_per_param is None else args.bytes_per_param)
-    previous = _read_previous(args.previous, L, E, S, W, N)
+    previous = _read_previous(args.previous, L, E, S, W, N, numbers)
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
     if args.move_budget is not None:
         kwargs["move_budget"] = args.move_budget
@@ -149,12 +156,15 @@ def _plan(args) -> int:
         placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    layer_numbers = [int(v) for v in stats.get("layer_numbers", np.arange(1, L + 1))]
+    layer_numbers = numbers or list(range(1, L + 1))  # the table's labels
     summary = summarize(load_LE, previous, placement)
     summary["layer_numbers"] = layer_numbers
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    save_placement_yaml(placement, args.out, extra={"layer_numbers": layer_numbers,
-                                                    "source_stats": os.path.abspath(args.stats)})
+    sources = [os.path.abspath(path) for path in args.stats]
+    extra = {"source_stats": sources[0] if len(sources) == 1 else sources}
+    if numbers is not None:  # statistics without them (older versions): a file matched in order, as before
+        extra["layer_numbers"] = numbers
+    save_placement_yaml(placement, args.out, extra=extra)
     _print_table(summary, previous is not None, bytes_per_slot)
     print(f"placement: {args.out}")
     if args.report_dir:
@@ -169,7 +179,51 @@ def _plan(args) -> int:
     return 0
 
 
-def _read_stats(path: str) -> dict:
+def _read_stats(paths: list[str]) -> dict:
+    """The statistics of one file, or of several (one per pipeline stage) joined by layer number."""
+    parts = [_read_one_stats(path) for path in paths]
+    stats = parts[0] if len(parts) == 1 else _join_stats(paths, parts)
+    if "layer_numbers" in stats:
+        problem = layer_numbers_problem([int(v) for v in stats["layer_numbers"]], stats["load"].shape[0])
+        if problem:
+            raise UsageError(f"--stats: layer_numbers of {' '.join(paths)} {problem}")
+    return stats
+
+
+def _join_stats(paths: list[str], parts: list[dict]) -> dict:
+    """One statistics dict of several files, layers sorted by layer number; the history where
+    every file has one over the same steps."""
+    for path, part in zip(paths, parts):
+        if "layer_numbers" not in part:
+            raise UsageError(f"--stats: {path} has no layer_numbers; several files are joined by their layer numbers")
+    experts = sorted({part["load"].shape[1] for part in parts})
+    if len(experts) > 1:
+        raise UsageError(f"--stats: the files count different numbers of experts ({experts})")
+    ep_sizes = sorted({part["ep_size"] for part in parts if "ep_size" in part})
+    if len(ep_sizes) > 1:
+        raise UsageError(f"--stats: the files were written at different EP sizes ({ep_sizes})")
+    numbers = np.concatenate([part["layer_numbers"] for part in parts]).astype(np.int64)
+    twice = sorted({int(n) for n in numbers if (numbers == n).sum() > 1})
+    if twice:
+        raise UsageError(f"--stats: layers {twice} are in more than one file (give each pipeline stage's file once)")
+    order = np.argsort(numbers, kind="stable")
+    out = {"load": np.concatenate([part["load"] for part in parts])[order], "layer_numbers": numbers[order]}
+    if ep_sizes:
+        out["ep_size"] = ep_sizes[0]
+    steps = [part.get("steps") for part in parts]
+    same_steps = all(s is None for s in steps) or all(s is not None and np.array_equal(s, steps[0]) for s in steps)
+    histories = [part.get("history") for part in parts]
+    if all(h is not None for h in histories) and same_steps and len({h.shape[0] for h in histories}) == 1:
+        out["history"] = np.concatenate(histories, axis=1)[:, order]
+        if steps[0] is not None:
+            out["steps"] = steps[0]
+    elif any(h is not None for h in histories):
+        print("hybrid-ep-balance: the statistics files' histories cover different steps: planned from their "
+              "load, with no heatmaps", file=sys.stderr)
+    return out
+
+
+def _read_one_stats(path: str) -> dict:
     if not os.path.isfile(path):
         raise UsageError(f"--stats: no such file {path}")
     try:
@@ -188,13 +242,23 @@ def _check_output(path: str, flag: str, want_dir: bool) -> None:
         raise UsageError(f"{flag}: {problem}")
 
 
-def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int) -> Placement | None:
+def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int,
+                   numbers: list[int] | None) -> Placement | None:
+    """The placement in use for the statistics' layers: its rows by layer number where both
+    have them, else all its rows in order."""
     if path is None:
         return None
     try:
         prev = load_placement_yaml(path)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--previous: {exc}") from exc
+    if numbers is not None and prev.layer_numbers is not None:
+        missing = prev.missing_layers(numbers)
+        if missing:
+            raise UsageError(f"--previous {path} has layer_numbers {list(prev.layer_numbers)}, no row for layers "
+                             f"{missing} of the statistics")
+        prev = NumberedPlacement(prev.rows_for(numbers), prev.num_ranks, prev.num_nodes, prev.num_experts,
+                                 tuple(numbers))
     want = (L, S, E, W, N)
     got = (prev.num_layers, prev.num_slots, prev.num_experts, prev.num_ranks, prev.num_nodes)
     if got != want:
