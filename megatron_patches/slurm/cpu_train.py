@@ -8,10 +8,17 @@ needs CUDA (device placement, fused kernels, CUDA RNG and memory calls) and is n
 with Megatron-Core. It takes the same argument list the cluster job gets and parses it with
 Megatron-LM's own parser (megatron.training, after megatron_patches.apply()), so the model
 (TransformerConfig, layer count, experts, top-k, dispatcher, --hybrid-ep-* knobs) is the
-recipe's. It then builds Megatron-Core's GPTModel with the local layer spec on gloo and
-trains it for --train-iters steps on counting sequences (each sequence counts upward from a
-random start by a stride of 1-4, modulo the vocabulary: learnable in a few dozen steps),
-printing the loss of every step.
+recipe's. It then builds Megatron-Core's GPTModel on gloo with Megatron's decoder block
+spec (local modules), as pretrain_gpt.py builds a MoE model: dense and MoE layers follow
+--moe-layer-freq (the recipe's model.dense_layers; the second line lists them). It trains
+it for --train-iters steps on counting sequences (each sequence counts upward from a random
+start by a stride of 1-4, modulo the vocabulary: learnable in a few dozen steps), printing
+the loss of every step. With --hybrid-ep-balancer-interval K > 0 the expert balancer runs
+as under pretrain_gpt.py: megatron_patches.balancer.attach() once the optimizer exists,
+which wraps the optimizer step the loop calls (replica gradients summed before it; every K
+steps after it the load is reduced, a placement planned and slots migrated), with the
+recipe's slots per rank, tolerance, move budget and report folder; its log lines go to the
+output.
 
 What differs from pretrain_gpt.py, on purpose:
 - GPU-only fusions are switched off (gradient-accumulation fusion, bias/activation fusion,
@@ -21,14 +28,22 @@ What differs from pretrain_gpt.py, on purpose:
   data-parallel group (experts), as Megatron's DDP does; no distributed optimizer;
 - only TP = PP = CP = 1 (EP x ETP any divisor of the world: the parallel state is built with
   the recipe's expert model and expert tensor parallel sizes, expert DP = world / (EP x ETP));
-  the expert balancer is not run (its flags are parsed; local mode does not depend on it).
+- weights are Megatron's CPU initialisation, except that each MoE layer's experts are drawn
+  from a generator of their own (seed, MoE layer, EP rank) and leave the global one as they
+  found it: with the balancer each EP rank builds P slots instead of E / EP, and the first
+  E / EP of them (what the balancer starts from) and every other weight are then the same
+  as without it, so runs with the balancer on and off start from the same model (and EP ranks
+  do not share expert weights, as they would on the one global CPU generator).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
+import itertools
+import logging
 import math
 import os
 import sys
@@ -67,26 +82,117 @@ def _padded_vocab(args) -> int:
     return int(math.ceil(args.vocab_size / multiple) * multiple)
 
 
+def _seeded_experts(spec, seed: int):
+    """The block spec with each MoE layer's experts built under a generator of their own,
+    seeded by (seed, MoE layer in build order, EP rank), the global CPU generator restored
+    after: the experts' weights then do not depend on how many slots a rank builds (slot j
+    draws after slots 0..j-1), and the modules built after them draw what they would draw
+    without them."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    built = itertools.count()
+
+    def seeded(builder):
+        def build(*args, **kwargs):
+            import torch
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((seed * 1_000_003 + next(built) * 10_007 + ep_rank) % 2 ** 63)
+                return builder(*args, **kwargs)
+
+        return build
+
+    def with_seeded_experts(layer_spec):
+        mlp = layer_spec.submodules.mlp
+        moe = getattr(mlp, "keywords", {}).get("submodules")
+        if not isinstance(moe, MoESubmodules) or not callable(moe.experts):
+            return layer_spec  # a dense layer
+        mlp = functools.partial(mlp.func, *mlp.args, **dict(mlp.keywords, submodules=dataclasses.replace(
+            moe, experts=seeded(moe.experts))))
+        return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
+
+    return dataclasses.replace(spec, layer_specs=[with_seeded_experts(s) for s in spec.layer_specs])
+
+
 def build_model(args, config):
+    """GPTModel on the host with Megatron's decoder block spec (local modules; dense and MoE
+    layers as --moe-layer-freq says) and the recipe's hybrid_ep options, balancer included."""
     import megatron_patches.options as options
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     for name in ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion",
                  "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion"):
         if hasattr(config, name):
             setattr(config, name, False)
     config.use_cpu_initialization = True
-    hybrid = options.from_args(args)
-    if getattr(hybrid, "balancer_interval", 0):
-        hybrid = dataclasses.replace(hybrid, balancer_interval=0)
-    config.hybrid_ep_options = hybrid
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=args.qk_layernorm,
-                                    multi_latent_attention=args.multi_latent_attention)
+    config.hybrid_ep_options = options.from_args(args)
+    if args.num_experts:  # as pretrain_gpt.py's model provider: the block spec reads the layer pattern
+        spec = _seeded_experts(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                          normalization=args.normalization,
+                                                          qk_l2_norm=getattr(args, "qk_l2_norm", False)),
+                               args.seed)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                        multi_latent_attention=args.multi_latent_attention)
     return GPTModel(config, spec, vocab_size=_padded_vocab(args), max_sequence_length=args.max_position_embeddings,
                     position_embedding_type=args.position_embedding_type,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+
+
+def layer_kinds(model) -> str:
+    """'layers 1-2 dense, 3-4 MoE': what each decoder layer's MLP is, in runs."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    kinds = ["MoE" if isinstance(layer.mlp, BaseMoELayer) else "dense" for layer in model.decoder.layers]
+    runs, start = [], 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            span = f"{start + 1}" if i - start == 1 else f"{start + 1}-{i}"
+            runs.append(f"{span} {kinds[start]}")
+            start = i
+    return "layers " + ", ".join(runs)
+
+
+def _show_balancer_log() -> None:
+    """The balancer's log lines (one per rebalance, from its reporting rank) on stdout, as
+    Megatron-LM's logging shows them."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("hybrid_ep.balancer", "megatron_patches.balancer"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def attach_balancer(model, optimizer, hybrid):
+    """The expert balancer over the model's balanced MoE layers, wrapping `optimizer.step`
+    (None when the model has none). Checked: the step the loop calls is the wrapped one."""
+    from megatron_patches import balancer as mbalancer
+
+    _show_balancer_log()
+    balancer = mbalancer.attach(model, optimizer, options=hybrid, start_iteration=0, writers=[])
+    if balancer is not None and getattr(optimizer, "hybrid_ep_balancer", None) is not balancer:
+        raise RuntimeError("cpu_train: the expert balancer did not wrap the optimizer's step")
+    return balancer
+
+
+def describe_balancer(balancer) -> str:
+    """One line: interval, slots, tolerance, move budget and report folder the balancer runs with."""
+    from hybrid_ep.balancer.knobs import DEFAULT_TOLERANCE
+    from hybrid_ep.wording import plural
+
+    tolerance = DEFAULT_TOLERANCE if balancer.tolerance is None else balancer.tolerance
+    budget = "no move budget" if balancer.move_budget is None else \
+        f"move budget {balancer.move_budget:g} of a layer's slots"
+    report = balancer.report_dir or "none (balancer.report_dir)"
+    return (f"expert balancer every {plural(balancer.interval, 'step')}, {balancer.slots_per_rank} slots per rank "
+            f"({balancer.num_slots} slots for {plural(balancer.num_experts, 'expert')}) on "
+            f"{plural(len(balancer.layers), 'MoE layer')}, tolerance {tolerance:g}, {budget}, "
+            f"report folder {report}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     model = build_model(args, config)
+    hybrid = config.hybrid_ep_options
     dp = parallel_state.get_data_parallel_world_size()
     dp_group = parallel_state.get_data_parallel_group()
     edp_group = parallel_state.get_expert_data_parallel_group()
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # as pretrain_gpt.py's setup_model_and_optimizer hook: attach once the optimizer exists;
+    # the loop's opt.step() is then the balancer's (replica sum, step, every K: rebalance)
+    balancer = attach_balancer(model, opt, hybrid) if hybrid.balancer_enabled else None
     seq, mbs, vocab = args.seq_length, args.micro_batch_size, args.vocab_size
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     position_ids = torch.arange(seq)[None].expand(mbs, -1)
@@ -135,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{parallel_state.get_expert_data_parallel_world_size()}), "
               f"{micro_batches} micro-batch{'' if micro_batches == 1 else 'es'} of {mbs} x {seq} per rank per step",
               flush=True)
+        print(f"cpu_train: {layer_kinds(model)}", flush=True)
+        if balancer is not None:
+            print(f"cpu_train: {describe_balancer(balancer)}", flush=True)
+        elif hybrid.balancer_enabled:
+            print(f"cpu_train: balancer.interval {hybrid.balancer_interval} but no MoE layer was built with "
+                  "expert slots (the balancer runs inside the hybrid_ep dispatcher): it does not run", flush=True)
     losses = []
     for step in range(args.train_iters):
         t0 = time.perf_counter()
@@ -161,12 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(mean)
         if rank == 0 and (step + 1) % max(1, args.log_interval) == 0:
             tok_s = world * micro_batches * mbs * seq / (time.perf_counter() - t0)
-            print(f"cpu_train: step {step + 1:4d}/{args.train_iters}  loss {mean:.4f}  "
+            print(f"cpu_train: step {step + 1:4d}/{args.train_iters}  loss {mean:.6f}  "
                   f"lr {_lr(args, step):.2e}  {tok_s:8.0f} tok/s", flush=True)
     dist.destroy_process_group()
     finite = all(math.isfinite(v) for v in losses)
     if rank == 0:
         print(f"cpu_train: done, {plural(len(losses), 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        if balancer is not None:
+            applied = [e for e in balancer.events if e["applied"]]
+            print(f"cpu_train: expert balancer: {plural(len(balancer.events), 'rebalance')}, {len(applied)} applied, "
+                  f"{plural(sum(e['slots_changed'] for e in applied), 'slot')} changed"
+                  + (f"; report in {balancer.report_dir}" if balancer.report_dir else ""), flush=True)
     return 0 if finite else 1
 
 
