@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, MegatronOptimizerView, SlotTable, slot_parameters
+from hybrid_ep.balancer.state import is_replica
 from hybrid_ep.topology import group_ranks_per_node
 
 from .options import HybridEPOptions
@@ -455,7 +456,41 @@ def install_training_hook() -> bool:
     setattr(setup_model_and_optimizer, _MARK, True)
     training.setup_model_and_optimizer = setup_model_and_optimizer
     _install_save_hook(training)
+    _install_params_norm_hook(training)
     return True
+
+
+class _WithoutReplicas:
+    """A model chunk whose parameters leave out the balancer's replica copies."""
+
+    def __init__(self, chunk):
+        self._chunk = chunk
+
+    def parameters(self, *args, **kwargs):
+        return (p for p in self._chunk.parameters(*args, **kwargs) if not is_replica(p))
+
+    def named_parameters(self, *args, **kwargs):
+        return ((n, p) for n, p in self._chunk.named_parameters(*args, **kwargs) if not is_replica(p))
+
+    def __getattr__(self, name):
+        return getattr(self._chunk, name)
+
+
+def _install_params_norm_hook(training) -> None:
+    """Megatron-LM's params norm (--log-params-norm) over the model without replica copies:
+    each expert counts once, as in a run without the balancer, and the optimizer's `shared`
+    mark on an FP32Optimizer's replica parameters does not trip its assert."""
+    original = getattr(training, "calc_params_l2_norm", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def calc_params_l2_norm(model, *args, **kwargs):
+        chunks = model if isinstance(model, list) else [model]
+        return original([_WithoutReplicas(c) for c in chunks], *args, **kwargs)
+
+    setattr(calc_params_l2_norm, _MARK, True)
+    training.calc_params_l2_norm = calc_params_l2_norm
 
 
 def _install_save_hook(training) -> None:

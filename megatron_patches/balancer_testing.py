@@ -12,7 +12,9 @@ With `interval` > 0 the expert balancer rebalances every `interval` steps, with
 `slots_per_rank` slots per rank (more than E / EP: replicas), planning on the sum of the
 last `window` reductions.
 
-Returned per rank: losses (mean over ranks), grad norms, the migration events, the
+Returned per rank: losses (mean over ranks), grad norms, Megatron-LM's params norm (as
+--log-params-norm computes it, through the hook `install_training_hook` installs; Megatron
+optimizers only), the migration events, the
 placement after every rebalance, the output for a fixed input just before and after every
 migration, and every slot's contents at the end (for the distributed optimizer: this
 member's pieces of master weights and moments with their ranges), so a test can compare
@@ -54,6 +56,7 @@ class TrainRun:
     window: int = 1                 # reductions summed into the planning load
     tolerance: float | None = None  # the planner's (HybridEPOptions.balancer_tolerance; None: its default)
     move_budget: float | None = None  # HybridEPOptions.balancer_move_budget (None: no cap)
+    frozen: str | None = None       # parameters whose name contains this get requires_grad=False
 
     def __post_init__(self):
         if self.gradient_accumulation_fusion and self.optimizer == "torch":
@@ -88,6 +91,10 @@ def _build(case: LayerCase, run: TrainRun):
     layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
                             gradient_accumulation_fusion=run.gradient_accumulation_fusion)
     layer._hybrid_ep_case = case
+    if run.frozen:
+        for name, param in layer.named_parameters():
+            if run.frozen in name:
+                param.requires_grad_(False)
     return layer
 
 
@@ -192,7 +199,25 @@ def record_placements(bal) -> list:
     return record
 
 
-def _train_steps(model, opt, case, run, steps, losses, grad_norms) -> None:
+def _params_norm(model, run: TrainRun) -> float:
+    """Megatron-LM's params norm of the model, as its training loop logs it (under this run's
+    own Megatron-LM args, set for the call only: the pool's processes serve other runs)."""
+    import types
+
+    from megatron.training import global_vars, training
+
+    from . import balancer as mbalancer
+
+    mbalancer.install_training_hook()
+    saved = global_vars._GLOBAL_ARGS
+    global_vars._GLOBAL_ARGS = types.SimpleNamespace(bf16=run.bf16, use_megatron_fsdp=False)
+    try:
+        return float(training.calc_params_l2_norm(model))
+    finally:
+        global_vars._GLOBAL_ARGS = saved
+
+
+def _train_steps(model, opt, case, run, steps, losses, grad_norms, params_norms=None) -> None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     for step in steps:
@@ -211,6 +236,8 @@ def _train_steps(model, opt, case, run, steps, losses, grad_norms) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / dist.get_world_size())
+        if params_norms is not None and run.optimizer != "torch":
+            params_norms.append(_params_norm(model, run))
 
 
 def _sync_params(model, run: TrainRun) -> None:
@@ -234,15 +261,15 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
     if bal is not None:
         _probe_migrations(bal, layer, fixed_x, dtype, around_migration)
         placements = record_placements(bal)
-    losses, grad_norms = [], []
+    losses, grad_norms, params_norms = [], [], []
     split = run.checkpoint_step if run.checkpoint_dir else run.steps
-    _train_steps(model, opt, case, run, range(split), losses, grad_norms)
+    _train_steps(model, opt, case, run, range(split), losses, grad_norms, params_norms)
     resumed = None
     if run.checkpoint_dir is not None:
         from .balancer_checkpoint_testing import save_and_resume
 
         resumed = save_and_resume(case, run, layer, model, opt, bal, split)
-    _train_steps(model, opt, case, run, range(split, run.steps), losses, grad_norms)
+    _train_steps(model, opt, case, run, range(split, run.steps), losses, grad_norms, params_norms)
     if resumed is not None:
         resumed_placements = record_placements(resumed["bal"])
         _train_steps(resumed["model"], resumed["opt"], case, run, range(split, run.steps),
@@ -255,6 +282,7 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
     return {
         "losses": losses,
         "grad_norms": grad_norms,
+        "params_norms": params_norms,
         "events": [] if bal is None else list(bal.events),
         "around_migration": around_migration,
         "slots": slot_contents(layer, bal),
@@ -266,6 +294,50 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         "ep_rank": _ep_rank(),
         "resumed": resumed,
     }
+
+
+def migrate_with_gather_in_flight(case: LayerCase, run: TrainRun) -> dict:
+    """Two migrations under the distributed optimizer with overlapped param gather: the first
+    starts while a param all-gather is in flight (as after Megatron's optimizer step with
+    --overlap-param-gather-with-optimizer-step), the second with none. Per migration: the
+    layer's output for a fixed input before and after, the expert bucket groups with a
+    gather in flight, and how many all-gathers each group ran."""
+    from . import balancer as mbalancer
+
+    layer = _build(case, run)
+    _native_weights_(layer, case)
+    model, opt = _optimizer(layer, run)
+    bal = mbalancer.attach(layer, opt, writers=[])
+    _train_steps(model, opt, case, run, range(3), [], [])
+    _sync_params(model, run)
+    groups = model.expert_parallel_bucket_groups
+    gathers = {id(g): 0 for g in groups}
+    for g in groups:
+        original = g.start_param_sync
+
+        def counted(force_sync=False, _g=g, _original=original):
+            gathers[id(_g)] += _g.param_gather_handle is None  # with a handle it only waits for it
+            return _original(force_sync=force_sync)
+
+        g.start_param_sync = counted
+    rows = bal.placement_rows()
+    P = bal.slots_per_rank
+    swapped = rows.clone()
+    swapped[0, :2], swapped[0, P:P + 2] = rows[0, P:P + 2], rows[0, :2]  # EP ranks 0 and 1 swap two slots
+    out = []
+    for new, in_flight in ((swapped, True), (rows, False)):
+        before = _fixed_output(layer, run)
+        _sync_params(model, run)
+        with torch.no_grad():
+            if in_flight:
+                model.start_param_sync()  # async
+            handles = sum(g.param_gather_handle is not None for g in groups)
+            for g in groups:
+                gathers[id(g)] = 0
+            bal.apply_placement(new)
+        counts = sorted(gathers.values())
+        out.append({"before": before, "after": _fixed_output(layer, run), "in_flight": handles, "gathers": counts})
+    return {"migrations": out, "groups": len(groups)}
 
 
 def attach_placement_file(case: LayerCase, slots_per_rank: int, path: str):

@@ -16,6 +16,8 @@ Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
   scale / found-inf / norm scalars with `device='cuda'`, and the mixed-precision optimizer
   and the gradient clipper tell parameter kinds apart by `param.type()` names such as
   'torch.cuda.BFloat16Tensor' (the distributed optimizer and the parameter buffers too);
+  Megatron-LM's params norm (`megatron.training.utils.common_utils`, --log-params-norm)
+  sums in `device='cuda'` scalars too;
   those modules get a `torch` whose factories put
   `device='cuda'` tensors on the CPU, and the two type checks see CUDA names for CPU tensors;
 - with expert tensor parallelism the alltoall dispatcher all-gathers pieces of unequal size
@@ -265,6 +267,12 @@ def _install_cpu_optimizer() -> None:
     _wrap_with_cuda_type_names(clip_grads, "clip_grad_by_total_norm_fp32")
     if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
         _wrap_with_cuda_type_names(optimizer, "clip_grad_by_total_norm_fp32")
+    try:  # Megatron-LM's params norm (--log-params-norm) sums in device='cuda' scalars
+        common_utils = importlib.import_module("megatron.training.utils.common_utils")
+    except ImportError:
+        return
+    if not isinstance(common_utils.torch, _CpuFactoryTorch):
+        common_utils.torch = _CpuFactoryTorch(common_utils.torch)
 
 
 class _GlooDistributed:

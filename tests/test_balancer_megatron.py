@@ -52,6 +52,9 @@ def test_losses_match_training_without_balancer(runs, kind):
     assert plain["losses"][-1] < plain["losses"][0]  # it trains
     if kind == "megatron":  # replicas counted once in the gradient norm (clip_grad=1.0 is on)
         assert rel_diff(plain["grad_norms"], balanced["grad_norms"]) <= 1e-5
+        # and in Megatron-LM's params norm (its assert refused the optimizer's mark on replicas)
+        assert len(balanced["params_norms"]) == STEPS
+        assert rel_diff(plain["params_norms"], balanced["params_norms"]) <= 1e-5
 
 
 @pytest.mark.parametrize("kind", ["torch", "megatron"])

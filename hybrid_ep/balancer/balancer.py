@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
-from .state import OptimizerView, grad_tensors, movable_tensors
+from .state import OptimizerView, grad_tensors, mark_replica, movable_tensors
 from .stats import LoadStatistics
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ class ExpertBalancer:
             except ValueError as exc:
                 raise ValueError(f"placement layer {i}: {exc}") from None
         transfers = plan_transfers(old_LS, new_LS, self.num_ranks)
+        self.view.start_migration()
         if self.view.sharded:
             moved = migrate_shards_(self._slot_slices, transfers, rank=self.rank, num_ranks=self.num_ranks,
                                     slots_per_rank=self.slots_per_rank, group=self.ep_group,
@@ -211,7 +212,7 @@ class ExpertBalancer:
         return moved
 
     def _mark_duplicates(self, rows_LS: torch.Tensor) -> None:
-        """Only the first slot of each expert counts in gradient-norm statistics."""
+        """Only the first slot of each expert counts in gradient-norm and params-norm statistics."""
         P = self.slots_per_rank
         for i, layer in enumerate(self.layers):
             row = rows_LS[i].tolist()
@@ -222,6 +223,7 @@ class ExpertBalancer:
                 s = self.rank * P + j
                 for p in layer.slot_params[j]:
                     self.view.mark_duplicate(p, first[row[s]] != s)
+                    mark_replica(p, first[row[s]] != s)
 
     def setup(self, initial_LS: torch.Tensor | None = None) -> dict:
         """Install the first placement over freshly built experts (collective over EP).

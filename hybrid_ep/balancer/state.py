@@ -91,7 +91,11 @@ class OptimizerView:
         return {}
 
     def mark_duplicate(self, param: torch.Tensor, duplicate: bool) -> None:
-        """Exclude a replica's copy from gradient-norm and similar global statistics."""
+        """Exclude a replica's copy from the optimizer's gradient norm and zero count."""
+
+    def start_migration(self) -> None:
+        """Called on every rank before slots move (the distributed optimizer finishes any
+        parameter all-gather in flight, which would otherwise write old pieces over moved ones)."""
 
     def sharded_slice(self, param: torch.Tensor) -> ShardedSlice:
         raise NotImplementedError("this optimizer does not shard parameters")
@@ -105,7 +109,23 @@ class OptimizerView:
         """Called on every rank after slots moved (the distributed optimizer re-gathers weights)."""
 
 
+REPLICA_ATTR = "hybrid_ep_replica"
+
+
+def mark_replica(param: torch.Tensor, duplicate: bool) -> None:
+    """Mark a model parameter as a replica's copy: statistics over the model's parameters
+    (Megatron-LM's params norm) leave it out, so each expert counts once."""
+    setattr(param, REPLICA_ATTR, duplicate)
+
+
+def is_replica(param: torch.Tensor) -> bool:
+    return getattr(param, REPLICA_ATTR, False)
+
+
 def _set_shared(tensor, duplicate: bool) -> None:
+    """Megatron's `shared` mark, read by its optimizers' gradient norm and zero count. Only
+    on the tensors those read: Megatron-LM's params norm asserts that no expert parameter of
+    the model carries it."""
     if duplicate:
         tensor.shared = True
     elif getattr(tensor, "shared", False):
@@ -128,6 +148,8 @@ class MegatronOptimizerView(OptimizerView):
         self._dist = {}  # id(param) -> DistributedOptimizer holding it
         self._dist_opts = []
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if getattr(opt, "is_stub_optimizer", False) or getattr(opt, "optimizer", 0) is None:
+                continue  # nothing trainable on its side (e.g. frozen dense parameters)
             if hasattr(opt, "gbuf_ranges"):
                 self._dist_opts.append(opt)
                 for buffer in opt.buffers:
@@ -150,6 +172,12 @@ class MegatronOptimizerView(OptimizerView):
 
     def use_for(self, params) -> "MegatronOptimizerView":
         """Settle `sharded` and `shard_group` for the expert parameters the balancer moves."""
+        frozen = sum(not p.requires_grad for p in params)
+        if frozen and any(id(p) in self._dist for p in params):
+            raise ValueError(
+                f"{frozen} expert slot parameters have requires_grad=False: the distributed optimizer "
+                "leaves them out of its buffers, so the expert balancer cannot move their shards; "
+                "train every expert parameter, or turn the balancer off (balancer.interval: 0)")
         kinds = {id(p) in self._dist for p in params}
         if len(kinds) > 1:
             raise ValueError("expert slot parameters are split between the distributed optimizer and another one")
@@ -219,22 +247,37 @@ class MegatronOptimizerView(OptimizerView):
         lo, hi = ranges[member]
         return g.view(-1)[lo:hi], lo, param.numel()
 
-    def finish_migration(self):
-        """Re-gather the expert parameter buffers from their (moved) shards: synchronously, so the
-        weights are whole before the next forward, with or without overlapped param gather."""
+    def _expert_bucket_groups(self) -> list:
+        """Each expert bucket group of the distributed optimizers' model chunks, once (a
+        ChainedOptimizer's dense and expert parts hold the same chunks)."""
+        groups, seen = [], set()
         for opt in self._dist_opts:
             for chunk in opt.model_chunks:
                 for group in getattr(chunk, "expert_parallel_bucket_groups", []):
-                    group.start_param_sync(force_sync=True)
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        groups.append(group)
+        return groups
+
+    def start_migration(self):
+        for group in self._expert_bucket_groups():
+            if group.param_gather_handle is not None:
+                group.start_param_sync(force_sync=True)  # with a handle: waits for it, gathers nothing
+
+    def finish_migration(self):
+        """Re-gather the expert parameter buffers from their (moved) shards: synchronously, so the
+        weights are whole before the next forward, with or without overlapped param gather."""
+        self.start_migration()
+        for group in self._expert_bucket_groups():
+            group.start_param_sync(force_sync=True)
 
     def mark_duplicate(self, param, duplicate):
-        for p in (param, self._main.get(id(param))):
-            if p is not None:
-                _set_shared(p, duplicate)
-        if id(param) in self._dist:
+        if id(param) in self._dist:  # the optimizer reads its own shard of the fp32 master
             owned = self._shard_main(param)
             if owned is not None:
                 _set_shared(owned[0], duplicate)
+            return
+        _set_shared(self._main.get(id(param), param), duplicate)  # the master copy, or param itself
 
 
 def movable_tensors(param: torch.Tensor, view: OptimizerView) -> list[torch.Tensor]:
