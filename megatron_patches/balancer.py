@@ -118,6 +118,28 @@ def finish_moe_layer(layer) -> None:
     setattr(layer, _MARK, None)
 
 
+def guard_unbalanced_layer(layer) -> None:
+    """A MoE layer built without the balancer refuses a checkpoint saved with it. Its experts
+    are stored by slot; Megatron-LM's loader retries a failed strict load with strict=False,
+    which drops the placement keys and loads slot j as expert j without a word. A hook that
+    raises stops it under either."""
+    layer._register_load_state_dict_pre_hook(_refuse_slot_checkpoint, with_module=True)
+
+
+def _refuse_slot_checkpoint(module, state_dict, prefix, *args, **kwargs):
+    saved = state_dict.get(prefix + "hybrid_ep_placement_shape")
+    if saved is None:
+        return
+    slots, ep = (int(v) for v in torch.as_tensor(saved).tolist())
+    raise ValueError(
+        f"{prefix or 'MoE layer'}: this checkpoint was saved with the hybrid_ep expert balancer: its experts "
+        f"are stored by slot under a placement ({slots} slots over EP size {ep}), and a run without the "
+        "balancer would load them as the wrong experts. Load it with the balancer on "
+        "(--hybrid-ep-balancer-interval > 0) and EP size x --hybrid-ep-balancer-slots-per-rank = "
+        f"{slots} (docs/balancer.md, checkpoints)"
+    )
+
+
 # Global checkpoint keys of slot-built experts: their weights are indexed by slot, not by
 # expert, so they must not share keys with the expert-indexed weights of a run without the
 # balancer (at S = E the shapes agree, and such a run would load slot s as expert s).
@@ -150,8 +172,10 @@ def _slot_sharded_state_dict(original):
             if local_key.startswith(experts) and hasattr(entry, "key") and entry.key.startswith(experts):
                 entry.key = prefix + _SLOT_EXPERTS + entry.key[len(experts):]
             elif local_key[len(prefix):] in _BALANCER_BUFFERS and hasattr(entry, "data"):
-                out[local_key] = ShardedObject(entry.key, entry.data, *_get_extra_state_offsets(sharded_offsets),
-                                               replica_id=entry.replica_id)
+                # a host copy: an object is pickled with its device, and loaded there on every
+                # rank (no map_location); the load hooks copy it into the device buffers
+                out[local_key] = ShardedObject(entry.key, entry.data.detach().cpu().clone(),
+                                               *_get_extra_state_offsets(sharded_offsets), replica_id=entry.replica_id)
         return out
 
     return sharded_state_dict
@@ -236,9 +260,17 @@ def _restore(balancer: ExpertBalancer, layers) -> bool:
     return replan
 
 
-def _resume(balancer: ExpertBalancer, layers) -> None:
-    """_restore, and the re-plan at once. Called on every rank (a re-plan migrates, a collective)."""
-    if _restore(balancer, layers):
+def _resume(balancer: ExpertBalancer, layers, start_iteration: int | None) -> None:
+    """_restore, and the re-plan at once. Called on every rank (a re-plan migrates, a collective).
+    A given start_iteration (Megatron-LM's iteration) wins over the saved step count: they
+    agree on a resume, and --finetune starts Megatron at 0, where the balancer's schedule,
+    report folders and logged steps must start too."""
+    replan = _restore(balancer, layers)
+    if start_iteration is not None and balancer.steps != start_iteration:
+        log.info("hybrid_ep balancer: checkpoint saved at step %d, training starts at iteration %d; the "
+                 "rebalancing schedule follows the iteration", balancer.steps, start_iteration)
+        balancer.steps = int(start_iteration or 0)
+    if replan:
         balancer.replan()
 
 
@@ -298,9 +330,12 @@ def _expert_data_parallel_group():
         return None
 
 
-def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, start_iteration: int = 0,
+def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, start_iteration: int | None = None,
            initial_placement=None, writers=None) -> ExpertBalancer | None:
     """Build the balancer for a model and optimizer and wrap `optimizer.step` (see module doc).
+
+    start_iteration: the training loop's iteration (Megatron-LM's training hook passes it);
+    None: 0, or the step count a loaded checkpoint holds.
 
     Returns None when the model has no balanced MoE layer. The first placement is the one a
     loaded checkpoint holds, else `initial_placement` ([L, S] or a YAML path), else
@@ -332,7 +367,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         report_dir=report_dir, is_reporter=is_reporter, writers=_writers() if writers is None else writers,
         layer_numbers=[int(getattr(layer, "layer_number", None) or i + 1) for i, layer in enumerate(layers)],
     )
-    balancer.steps = int(start_iteration)
+    balancer.steps = int(start_iteration or 0)
     balancer.hybrid_ep_layers = layers  # the MoE layers, for a checkpoint loaded after attach
     balancer.hybrid_ep_replan_pending = False
     for i, (layer, d) in enumerate(zip(layers, dispatchers)):
@@ -347,7 +382,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
             initial = _placement_for_model(load_placement_yaml(initial), initial, balancer, first.ep_size)
         balancer.setup(initial)
     else:
-        _resume(balancer, layers)
+        _resume(balancer, layers, start_iteration)
     _wrap_step(optimizer, balancer)
     return balancer
 

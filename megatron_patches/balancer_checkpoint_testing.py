@@ -336,3 +336,62 @@ def block_checkpoint(directory: str, pipeline_parallel: int, moe_layers_per_stag
 
 
 _BLOCK_BUFFERS = ("hybrid_ep_slot_to_expert", "hybrid_ep_load_stats", "hybrid_ep_load_meta")
+
+
+def _trained_state_dict(case, run):
+    """A layer trained `run.steps` steps with the balancer: its legacy state dict, the balancer."""
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+
+    layer = _build(case, run)
+    _native_weights_(layer, case)
+    model, opt = _optimizer(layer, run)
+    bal = mbalancer.attach(layer, opt, writers=[])
+    _train_steps(model, opt, case, run, range(run.steps), [], [])
+    bal.prepare_checkpoint()
+    return layer.state_dict(), bal
+
+
+def load_legacy_without_balancer(case, run) -> dict:
+    """A layer trained with the balancer (`run`, a migration included) and saved in the legacy
+    format, loaded into layers built without it (hybrid_ep with the balancer off, and
+    Megatron's alltoall dispatcher) as Megatron-LM's load_checkpoint loads a model: a strict
+    load, retried with strict=False on any error. Per dispatcher: the error, or None."""
+    import dataclasses
+
+    from .balancer_testing import TrainRun, _build
+
+    saved, bal = _trained_state_dict(case, run)
+    out = {"slots_changed": sum(e["slots_changed"] for e in bal.events if e["applied"])}
+    for dispatcher in ("hybrid_ep", "alltoall"):
+        plain = _build(dataclasses.replace(case, dispatcher=dispatcher), TrainRun(run.steps))
+        try:
+            try:
+                plain.load_state_dict(saved, strict=True)
+            except Exception:  # noqa: BLE001 - Megatron-LM retries whatever failed
+                plain.load_state_dict(saved, strict=False)
+            out[dispatcher] = None
+        except ValueError as err:
+            out[dispatcher] = str(err)
+    return out
+
+
+def resume_at_iteration(case, run, start_iterations) -> dict:
+    """A layer trained `run.steps` steps with the balancer and saved (legacy state dict), loaded
+    into fresh layers attached with each start_iteration (None: a library call; Megatron-LM's
+    iteration: a resume, or 0 under --finetune), each then trained `run.steps` more steps:
+    per start_iteration, the step count after attach and the iterations it rebalanced at."""
+    from . import balancer as mbalancer
+    from .balancer_testing import _build, _optimizer, _train_steps
+
+    saved, _ = _trained_state_dict(case, run)
+    out = {}
+    for start in start_iterations:
+        fresh = _build(case, run)
+        fresh.load_state_dict(saved)
+        model, opt = _optimizer(fresh, run)
+        resumed = mbalancer.attach(fresh, opt, start_iteration=start, writers=[])
+        steps = resumed.steps
+        _train_steps(model, opt, case, run, range(run.steps), [], [])
+        out[start] = {"steps": steps, "rebalanced_at": [e["iteration"] for e in resumed.events]}
+    return out

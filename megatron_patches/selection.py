@@ -55,13 +55,15 @@ def patch_moe_layer() -> bool:
 
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
+        from . import balancer
+
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
-            return original(self, config, *args, **kwargs)
+            original(self, config, *args, **kwargs)
+            balancer.guard_unbalanced_layer(self)
+            return
         refuse(config_unsupported_reasons(config))
         opts = options.options_for(config)
         if opts.balancer_enabled:
-            from . import balancer
-
             ep_size = _ep_size(kwargs.get("pg_collection"))
             P = balancer.slots_per_rank(opts, config.num_moe_experts, ep_size)
             args, kwargs = balancer.slot_experts_kwargs(args, kwargs, P)
@@ -75,6 +77,8 @@ def patch_moe_layer() -> bool:
         self.token_dispatcher.set_experts(self.experts)
         if opts.balancer_enabled:
             balancer.finish_moe_layer(self)
+        else:
+            balancer.guard_unbalanced_layer(self)
 
     setattr(__init__, _MARK, True)
     moe_layer.MoELayer.__init__ = __init__

@@ -338,13 +338,16 @@ def test_resumed_run_keeps_the_whole_run_history(single_rank_group, tmp_path):
     (the file for `hybrid-ep-balance plan`), instead of restarting it at the resume. A new run
     from step 0 into the same folder keeps none of them."""
 
-    def run(steps, state=None):
+    def run(steps, state=None, replan=False):
         layers, modules = make_layers(2, 4, 6)
         bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2,
                              report_dir=str(tmp_path))
         bal.setup()
         if state is not None:
             bal.load_state_dict(state)
+        if replan:  # as attach does on a resume into another EP size: a report before any reduction
+            bal.replan()
+            assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4]
         saved = None
         for step in steps:
             for i in range(2):
@@ -363,3 +366,6 @@ def test_resumed_run_keeps_the_whole_run_history(single_rank_group, tmp_path):
     np.testing.assert_array_equal(whole["history"][:, 0, 3], [1 + 2, 3 + 4, 5 + 6, 7 + 8])  # step 5's count in 6
     run(range(1, 5))  # a new run from the start: nothing of the earlier runs
     assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4]
+    at_5 = run(range(1, 8))
+    run(range(6, 9), at_5, replan=True)  # the earlier file was wiped by the re-plan's report
+    assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4, 6, 8]

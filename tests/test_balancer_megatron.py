@@ -520,3 +520,50 @@ def test_torch_dist_checkpoint_of_a_block_of_moe_layers(pool_for, new_checkpoint
             placements.add(tuple(layer["hybrid_ep_slot_to_expert"]))
             assert any(v != 0 for row in layer["hybrid_ep_load_stats"] for v in row)
     assert len(placements) == 2  # the layers (or stages) held different placements
+
+
+@pytest.mark.parametrize("slots_per_rank", [4, 6])
+def test_legacy_balancer_checkpoint_is_refused_by_layers_without_it(pool_for, slots_per_rank):
+    """Megatron-LM retries a failed strict load with strict=False, which dropped the placement
+    keys and loaded slot j as expert j (S = E) or dropped the spare slots (S > E), silently."""
+    from megatron_patches.balancer_checkpoint_testing import load_legacy_without_balancer
+
+    run = TrainRun(7, INTERVAL, slots_per_rank, "torch")
+    for r in pool_for(W).run(load_legacy_without_balancer, [(CASE, run)] * W, timeout_s=600):
+        assert r["slots_changed"] > 0  # saved after a migration
+        for dispatcher in ("hybrid_ep", "alltoall"):
+            assert r[dispatcher] is not None, dispatcher
+            assert f"{slots_per_rank * W} slots over EP size {W}" in r[dispatcher]
+            assert "--hybrid-ep-balancer-interval" in r[dispatcher]
+
+
+def test_torch_dist_balancer_objects_are_host_copies():
+    """An object is pickled with its tensor's device and unpickled there on every loading rank:
+    a GPU buffer would put each rank on the saver's GPU, and fail on a host without it."""
+    import types
+
+    from megatron_patches.balancer import _slot_sharded_state_dict
+
+    buffers = {name: torch.arange(4) for name in ("hybrid_ep_slot_to_expert", "hybrid_ep_load_stats")}
+
+    def original(prefix="", sharded_offsets=(), metadata=None):
+        return {prefix + name: types.SimpleNamespace(key=prefix + name, data=t, replica_id=(0, 0, 0))
+                for name, t in buffers.items()}
+
+    out = _slot_sharded_state_dict(original)("decoder.layers.mlp.", ((0, 2, 4),))
+    for name, t in buffers.items():
+        obj = out["decoder.layers.mlp." + name]
+        assert torch.equal(obj.data, t) and obj.data.device.type == "cpu"
+        assert obj.data.data_ptr() != t.data_ptr()  # not the live buffer (async saves read it later)
+
+
+def test_training_loops_iteration_sets_the_schedule_after_a_resume(pool_for):
+    """Saved after 7 steps (rebalanced at 5): a library attach (None) and a resume at Megatron's
+    iteration 7 go on at step 7 and rebalance at 10; --finetune starts Megatron at iteration 0,
+    and the balancer with it (it kept the saved 7 and rebalanced at its step 10, Megatron's 3)."""
+    from megatron_patches.balancer_checkpoint_testing import resume_at_iteration
+
+    run = TrainRun(7, INTERVAL, SLOTS_PER_RANK, "torch")
+    for r in pool_for(W).run(resume_at_iteration, [(CASE, run, [None, 7, 0])] * W, timeout_s=600):
+        assert r[None] == r[7] == {"steps": 7, "rebalanced_at": [10]}
+        assert r[0] == {"steps": 0, "rebalanced_at": [5]}

@@ -332,11 +332,17 @@ class ExpertBalancer:
         save_statistics(os.path.join(out, "statistics.npz"), self.stats.load(), history=history[new],
                         steps=steps[new], **common)
         whole = os.path.join(self.report_dir, "statistics.npz")
-        if self._earlier is None:
-            self._earlier = self._earlier_history(whole, history.shape[1:], steps)
+        earlier = self._earlier
+        if earlier is None:
+            # before this process's first reduction (a re-plan at a resume into another EP
+            # size) the earlier run's file is kept up to this step, and looked at again later
+            first = int(steps.min()) if len(steps) else int(iteration) + 1
+            earlier = self._earlier_history(whole, history.shape[1:], first)
+            if len(steps):
+                self._earlier = earlier
         kept = self.stats.history.maxlen
-        whole_history = np.concatenate([self._earlier[0], history])[-kept:]
-        whole_steps = np.concatenate([self._earlier[1], steps])[-kept:]
+        whole_history = np.concatenate([earlier[0], history])[-kept:]
+        whole_steps = np.concatenate([earlier[1], steps])[-kept:]
         save_statistics(whole + ".tmp", self.stats.load(), history=whole_history, steps=whole_steps, **common)
         os.replace(whole + ".tmp", whole)  # a reader never sees half a file
         self._reported_step = int(iteration)
@@ -345,16 +351,16 @@ class ExpertBalancer:
                             layer_names=[f"layer {n}" for n in self.layer_numbers],
                             bytes_per_slot=self.bytes_per_slot())
 
-    def _earlier_history(self, path: str, shape, steps) -> tuple[np.ndarray, np.ndarray]:
+    def _earlier_history(self, path: str, shape, first_step: int) -> tuple[np.ndarray, np.ndarray]:
         """The reductions a resumed run's report dir already holds from before this process's
         first one: the checkpoint carries the statistics window, not the history, so without
         them the whole-run file would restart at the resume. Only a file of these layers and
-        experts counts, and only its reductions before this process's first step (a new run
-        from step 0 into an old report dir keeps none)."""
+        experts counts, and only its reductions before `first_step` (a new run from step 0
+        into an old report dir keeps none)."""
         from .report import load_statistics
 
         none = (np.zeros((0, *shape)), np.zeros(0, dtype=np.int64))
-        if not os.path.exists(path) or len(steps) == 0:
+        if not os.path.exists(path):
             return none
         try:
             old = load_statistics(path)
@@ -365,7 +371,7 @@ class ExpertBalancer:
                 and list(old.get("layer_numbers", [])) == list(self.layer_numbers))
         if not same:
             return none
-        before = old["steps"] < steps.min()
+        before = old["steps"] < first_step
         return old["history"][before], old["steps"][before]
 
     def bytes_per_slot(self) -> int:
