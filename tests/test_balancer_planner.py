@@ -33,6 +33,8 @@ def _rank_experts(p: Placement) -> torch.Tensor:
     (dict(num_ranks=4, num_nodes=3), "num_ranks .* multiple of num_nodes"),
     (dict(num_ranks=6, num_nodes=3, num_slots=12), "num_nodes"),  # 3 nodes do not divide 8 experts
     (dict(num_slots=0), "num_slots"),
+    (dict(num_slots=8.0), "num_slots must be a positive integer, got 8.0"),  # passed, then a pybind TypeError
+    (dict(num_ranks=True), "num_ranks must be a positive integer, got True"),
 ])
 def test_invalid_sizes_name_the_argument(kwargs, match):
     args = dict(load=np.ones(8), num_slots=8, num_nodes=1, num_ranks=2)
@@ -50,6 +52,15 @@ def test_invalid_sizes_name_the_argument(kwargs, match):
 def test_invalid_load_is_named(load, match):
     with pytest.raises(ValueError, match=match):
         plan_placement(load, 4, 1, 2)
+
+
+def test_no_layers_plan_with_and_without_previous():
+    """A load of zero layers plans to zero rows, and that plan serves as previous (the rank
+    loads' reshape failed on 0 elements)."""
+    fresh = plan_placement(np.ones((0, 8)), 12, 1, 2)
+    assert tuple(fresh.slot_to_expert.shape) == (0, 12)
+    again = plan_placement(np.ones((0, 8)), 12, 1, 2, previous=fresh)
+    assert tuple(again.slot_to_expert.shape) == (0, 12)
 
 
 def test_invalid_previous_is_named():

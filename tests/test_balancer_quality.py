@@ -119,6 +119,29 @@ def test_time_limit_must_be_positive(tmp_path, capsys):
     assert "--time-limit-ms must be > 0, got 0.0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--time-ranks", "4", "--experts", "16"], None),  # fewer than 8 ranks: one node (it divided by 0)
+    (["--time-ranks", "8", "--experts", "12", "--time-slots", "16"], None),
+    (["--time-ranks", "60", "--experts", "14"], "--time-ranks 60 is 7 nodes of 8"),
+    (["--ratios", "0.5"], "--ratios (S / E) must all be >= 1"),
+    (["--time-slots", "300"], "--time-slots [300]: each must be >= --experts (256) and a multiple of --time-ranks"),
+    (["--time-layers", "0"], "--time-layers must be >= 1, got 0"),
+    (["--ranks", "0"], "--ranks must all be >= 1"),
+])
+def test_bad_sizes_are_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
+    """Each refused by name before the run (it was a traceback from the planner mid-run)."""
+    if needle is None:  # valid: the timing case is built (planning stubbed out)
+        monkeypatch.setattr(quality, "timing", lambda args: (_ for _ in ()).throw(StopIteration(
+            quality.timing_nodes(args.time_ranks))))
+        with pytest.raises(StopIteration) as got:
+            quality.main(argv + ["--out", str(tmp_path)])
+        assert got.value.value == 1
+        return
+    with pytest.raises(SystemExit):
+        quality.main(argv + ["--out", str(tmp_path)])
+    assert needle in capsys.readouterr().err
+
+
 def test_copies_gained_counts_each_layer():
     def placement(s2e):
         return Placement(torch.tensor(s2e), num_ranks=2, num_nodes=1, num_experts=4)

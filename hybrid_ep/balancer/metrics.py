@@ -77,7 +77,7 @@ def rank_loads(load, slot_to_expert, num_ranks: int) -> torch.Tensor:
     s = slot_loads(load, slot_to_expert)
     if s.shape[1] % num_ranks != 0:
         raise ValueError(f"num_ranks ({num_ranks}) must divide the number of slots ({s.shape[1]})")
-    return s.view(s.shape[0], num_ranks, -1).sum(-1)
+    return s.view(s.shape[0], num_ranks, s.shape[1] // num_ranks).sum(-1)  # no -1: L may be 0
 
 
 def default_rank_loads(load, num_ranks: int) -> torch.Tensor:

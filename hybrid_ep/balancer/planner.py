@@ -20,6 +20,7 @@ P = S / W slots per rank, R most replicas of one expert.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 import torch
@@ -223,7 +224,7 @@ def _as_load(load) -> np.ndarray:
 
 def _check_sizes(num_experts: int, num_slots: int, num_ranks: int, num_nodes: int) -> None:
     for name, value in (("num_slots", num_slots), ("num_ranks", num_ranks), ("num_nodes", num_nodes)):
-        if int(value) != value or value < 1:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if num_slots < num_experts:
         raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({num_experts}): "

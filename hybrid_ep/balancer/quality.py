@@ -251,11 +251,16 @@ def summarize_budget(rows: list[dict]) -> list[dict]:
     return out
 
 
+def timing_nodes(num_ranks: int) -> int:
+    """Nodes of the timing case: 8 GPUs per node, at least one."""
+    return max(1, num_ranks // 8)
+
+
 def timing(args) -> list[dict]:
     """Median planning time on one thread per pattern of --time-patterns; previous planned from a
     load +-10% off. Every pattern, because the refit's searches run only on layers that move
     more than the target: one load cannot show the time of another."""
-    L, E, W, N = args.time_layers, args.experts, args.time_ranks, args.time_ranks // 8
+    L, E, W, N = args.time_layers, args.experts, args.time_ranks, timing_nodes(args.time_ranks)
     out = []
     for pattern in args.time_patterns:
         _progress(f"timing {pattern}: sampling {L} layers x {args.time_tokens} tokens x top-{args.topk}")
@@ -528,6 +533,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.time_limit_ms > 0:
         parser.error(f"--time-limit-ms must be > 0, got {args.time_limit_ms}")
+    for flag in ("experts", "topk", "tokens_per_rank", "layers", "time_layers", "time_ranks", "time_tokens",
+                 "repeats", "budget_rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if min(args.ranks) < 1:
+        parser.error(f"--ranks must all be >= 1, got {args.ranks}")
+    if not min(args.ratios) >= 1:
+        parser.error(f"--ratios (S / E) must all be >= 1: every expert needs a slot; got {args.ratios}")
+    nodes = timing_nodes(args.time_ranks)
+    if args.experts % nodes or args.time_ranks % nodes:
+        parser.error(f"--time-ranks {args.time_ranks} is {nodes} nodes of 8, which must divide --experts "
+                     f"({args.experts}) and the ranks")
+    bad = [s for s in args.time_slots if s < args.experts or s % args.time_ranks]
+    if bad:
+        parser.error(f"--time-slots {bad}: each must be >= --experts ({args.experts}) and a multiple of "
+                     f"--time-ranks ({args.time_ranks})")
     torch.set_num_threads(1)
     doc = {"date": datetime.date.today().isoformat(), "machine": args.machine,
            "command": shlex.join(["python", "-m", "hybrid_ep.balancer.quality"]
