@@ -370,6 +370,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
     balancer.steps = int(start_iteration or 0)
     balancer.hybrid_ep_layers = layers  # the MoE layers, for a checkpoint loaded after attach
     balancer.hybrid_ep_replan_pending = False
+    balancer.hybrid_ep_iteration = None  # the training loop's iteration before each step, when known
     for i, (layer, d) in enumerate(zip(layers, dispatchers)):
         setattr(layer, _MARK, balancer)
         d.load_recorder = functools.partial(balancer.record, i)
@@ -457,6 +458,9 @@ def _wrap_step(optimizer, balancer: ExpertBalancer) -> None:
 
     @functools.wraps(original)
     def step(*args, **kwargs):
+        iteration = balancer.hybrid_ep_iteration() if balancer.hybrid_ep_iteration is not None else None
+        if iteration is not None:  # iterations the loop skipped without a step (--iterations-to-skip)
+            balancer.steps = int(iteration)
         balancer.before_optimizer_step()
         result = original(*args, **kwargs)
         balancer.after_optimizer_step()
@@ -485,7 +489,9 @@ def install_training_hook() -> bool:
         model, optimizer, scheduler = original(*args, **kwargs)
         from megatron.training import get_args
 
-        attach(model, optimizer, start_iteration=int(getattr(get_args(), "iteration", 0) or 0))
+        balancer = attach(model, optimizer, start_iteration=int(getattr(get_args(), "iteration", 0) or 0))
+        if balancer is not None:
+            balancer.hybrid_ep_iteration = _megatron_iteration
         return model, optimizer, scheduler
 
     setattr(setup_model_and_optimizer, _MARK, True)
@@ -526,6 +532,16 @@ def _install_params_norm_hook(training) -> None:
 
     setattr(calc_params_l2_norm, _MARK, True)
     training.calc_params_l2_norm = calc_params_l2_norm
+
+
+def _megatron_iteration() -> int | None:
+    """Megatron-LM's iteration in the step being taken (args.curr_iteration; it counts the
+    iterations --iterations-to-skip passes over without an optimizer step, so the balancer's
+    schedule and report steps follow it rather than its own count of steps)."""
+    from megatron.training import get_args
+
+    value = getattr(get_args(), "curr_iteration", None)
+    return None if value is None else int(value)
 
 
 def _install_save_hook(training) -> None:

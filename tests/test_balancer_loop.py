@@ -369,3 +369,45 @@ def test_resumed_run_keeps_the_whole_run_history(single_rank_group, tmp_path):
     at_5 = run(range(1, 8))
     run(range(6, 9), at_5, replan=True)  # the earlier file was wiped by the re-plan's report
     assert load_statistics(str(tmp_path / "statistics.npz"))["steps"].tolist() == [2, 4, 6, 8]
+
+
+def test_wrapped_step_follows_the_training_loops_iteration(single_rank_group):
+    """Megatron-LM's --iterations-to-skip passes iterations without an optimizer step: with the
+    loop's iteration known (the training hook's source), the balancer rebalances at the loop's
+    iterations 5 and 10, not after its own 5th and 10th steps (iterations 7 and 12)."""
+    pytest.importorskip("megatron.core")
+    import types
+
+    from megatron_patches.balancer import _wrap_step
+
+    layers, _ = make_layers(1, 4, 6)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=5)
+    bal.setup()
+    bal.hybrid_ep_replan_pending = False
+    optimizer = types.SimpleNamespace(step=lambda: None)
+    _wrap_step(optimizer, bal)
+    loop = [i for i in range(12) if i not in (2, 3)]  # the loop's iteration before each step taken
+    current = iter(loop)
+    bal.hybrid_ep_iteration = lambda: next(current)
+    for _ in loop:
+        bal.record(0, torch.tensor([8, 1, 1, 1]))
+        optimizer.step()
+    assert [e["iteration"] for e in bal.events] == [5, 10] and bal.steps == 12
+    bal.hybrid_ep_iteration = None  # unknown (a library loop): the balancer counts its own steps
+    for _ in range(3):
+        optimizer.step()
+    assert [e["iteration"] for e in bal.events] == [5, 10, 15]
+
+
+def test_megatron_iteration_reads_the_loops_current_iteration(monkeypatch):
+    pytest.importorskip("megatron.training")
+    import types
+
+    from megatron.training import global_vars
+
+    from megatron_patches.balancer import _megatron_iteration
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace())
+    assert _megatron_iteration() is None  # before the loop sets it
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(curr_iteration=41))
+    assert _megatron_iteration() == 41
