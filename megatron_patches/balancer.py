@@ -9,7 +9,8 @@ the hybrid_ep dispatcher. What changes, and where:
   checkpoints carry them: `hybrid_ep_slot_to_expert` [S] (the placement row, shared with
   the dispatcher's SlotTable), `hybrid_ep_placement_shape` [num_slots, ep_size] (checked on
   load), and the layer's load statistics `hybrid_ep_load_stats` [window + 2, E] with
-  `hybrid_ep_load_meta` [4] (see ExpertBalancer.prepare_checkpoint, which the installed
+  `hybrid_ep_load_meta` [4] (the statistics are float64 kept as int64 bits, which
+  Float16Module's cast leaves alone; see ExpertBalancer.prepare_checkpoint, which the installed
   save hook runs on every rank before Megatron-LM saves). A checkpoint saved with another
   EP size but the same number of slots loads: the saved placement row is kept (slot s now
   lives on rank s // P) and the balancer re-plans from the saved statistics at once.
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, MegatronOptimizerView, SlotTable, slot_parameters
+from hybrid_ep.balancer.balancer import stats_values
 from hybrid_ep.balancer.state import is_replica
 from hybrid_ep.topology import group_ranks_per_node
 
@@ -109,7 +111,8 @@ def finish_moe_layer(layer) -> None:
 
     window = options_for(layer.config).balancer_window
     device = table.slot_to_expert_S.device
-    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, table.num_experts, dtype=torch.float64,
+    # float64 statistics kept as int64 bits (stats_values): Float16Module casts float buffers
+    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, table.num_experts, dtype=torch.int64,
                                                                device=device), persistent=True)
     layer.register_buffer("hybrid_ep_load_meta", torch.zeros(4, dtype=torch.int64, device=device), persistent=True)
     layer._register_load_state_dict_pre_hook(_check_placement_shape, with_module=True)
@@ -204,6 +207,9 @@ def _check_placement_shape(module, state_dict, prefix, *args, **kwargs):
                  "re-plans from the saved statistics", prefix or "MoE layer", saved_ep, mine[1])
     stats_key = prefix + "hybrid_ep_load_stats"
     saved_stats = state_dict.get(stats_key)
+    if saved_stats is not None and torch.as_tensor(saved_stats).is_floating_point():
+        # saved as float64 by earlier versions (or cast by Float16Module): into the int64 bits
+        state_dict[stats_key] = torch.as_tensor(saved_stats).to(torch.float64).view(torch.int64)
     if saved_stats is None:  # saved before statistics were checkpointed: start counting afresh
         state_dict[stats_key] = torch.zeros_like(module.hybrid_ep_load_stats)
         state_dict[prefix + "hybrid_ep_load_meta"] = torch.zeros_like(module.hybrid_ep_load_meta)
@@ -215,13 +221,13 @@ def _resize_saved_stats(state_dict, prefix, module) -> None:
     """Statistics saved with another --hybrid-ep-balancer-window: keep the newest reductions."""
     from hybrid_ep.balancer import LoadStatistics
 
-    saved = torch.as_tensor(state_dict[prefix + "hybrid_ep_load_stats"]).cpu().numpy()
+    saved = stats_values(torch.as_tensor(state_dict[prefix + "hybrid_ep_load_stats"])).cpu().numpy()
     held, has_ema, steps, valid = torch.as_tensor(state_dict[prefix + "hybrid_ep_load_meta"]).tolist()
     window = module.hybrid_ep_load_stats.shape[0] - 2
     stats = LoadStatistics(1, module.hybrid_ep_load_stats.shape[1], window=window)
     stats.unpack([saved], held, bool(has_ema))
     packed, held, has_ema = stats.pack(0)
-    state_dict[prefix + "hybrid_ep_load_stats"] = torch.from_numpy(packed)
+    state_dict[prefix + "hybrid_ep_load_stats"] = torch.from_numpy(packed).view(torch.int64)
     state_dict[prefix + "hybrid_ep_load_meta"] = torch.tensor([held, int(has_ema), steps, valid])
 
 

@@ -395,3 +395,33 @@ def resume_at_iteration(case, run, start_iterations) -> dict:
         _train_steps(model, opt, case, run, range(run.steps), [], [])
         out[start] = {"steps": steps, "rebalanced_at": [e["iteration"] for e in resumed.events]}
     return out
+
+
+def stats_through_float16_module(case, fp16: bool) -> tuple[str, list]:
+    """A balanced layer wrapped in Megatron's Float16Module (bf16, or fp16) as Megatron-LM's
+    get_model wraps it, counts recorded and reduced, saved (legacy state dict) and loaded into
+    another wrapped layer: the statistics buffer's dtype after the wrap, and the statistics
+    the second balancer restored (the carry row: the counts since the last reduction)."""
+    import megatron_patches
+    from megatron.core.transformer.module import Float16Module
+
+    from . import balancer as mbalancer
+    from .testing import build_moe_layer, init_megatron
+
+    init_megatron(case.world_size)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    options = megatron_patches.HybridEPOptions(balancer_interval=1000, balancer_slots_per_rank=6)
+
+    def wrapped():
+        layer = build_moe_layer(case, hybrid_ep_options=options, bf16=not fp16, fp16=fp16, params_dtype=dtype)
+        return Float16Module(layer.config, layer)
+
+    model = wrapped()
+    bal = mbalancer.attach(model, None, writers=[])
+    bal.record(0, torch.tensor([1000003, 7, 513, 1]))
+    bal.prepare_checkpoint()
+    saved = model.module.state_dict()
+    again = wrapped()
+    again.module.load_state_dict(saved)
+    restored = mbalancer.attach(again, None, writers=[])
+    return str(again.module.hybrid_ep_load_stats.dtype), restored.stats.carry_LE[0].tolist()

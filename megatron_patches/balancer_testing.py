@@ -82,7 +82,10 @@ def _data(case: LayerCase, step: int, rank: int):
 def _build(case: LayerCase, run: TrainRun):
     import megatron_patches
 
+    from .buffers import BUFFERS
+
     init_megatron(case.world_size)
+    BUFFERS.clear()  # sized from this run's first call, as a fresh job would (the pool's processes serve other tests)
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     options = megatron_patches.HybridEPOptions(
         balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank, balancer_window=run.window,

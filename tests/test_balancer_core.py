@@ -103,6 +103,30 @@ def test_route_topk_to_slots_matches_routing_map_form():
     assert int(ones.max() - ones.min()) <= 1
 
 
+def test_topk_to_slots_checks_expert_ids():
+    """A token's two routes to one replicated expert would become two distinct slots, past any
+    later duplicate check; ids below -1 were taken as dropped, ids >= E failed in one_hot."""
+    t = table(list(range(4)) + [0, 0], 4)
+    with pytest.raises(ValueError, match="routes token 1 to expert 0 twice"):
+        route_topk_to_slots(torch.tensor([[1, 2], [0, 0]]), t, rank=0)
+    for bad in (-5, 4):
+        with pytest.raises(ValueError, match=r"topk_idx holds ids outside \[-1, 4\)"):
+            route_topk_to_slots(torch.tensor([[1, bad]]), t, rank=0)
+    assert route_topk_to_slots(torch.tensor([[-1, -1], [0, 1]]), t, rank=0)[0].tolist() == [-1, -1]
+
+
+def test_table_without_a_placement_refuses_to_route():
+    """A fresh table maps every expert to slot 0: routes merged silently (a forward before attach)."""
+    t = SlotTable(4, 6)
+    with pytest.raises(RuntimeError, match="no placement yet.*attach"):
+        route_to_slots(torch.eye(4, dtype=torch.bool), torch.rand(4, 4), t, rank=0)
+    with pytest.raises(RuntimeError, match="no placement yet"):
+        route_topk_to_slots(torch.tensor([[0, 1]]), t, rank=0)
+    t.load_(torch.tensor([0, 1, 2, 3, 0, 1]))
+    map_TS, _ = route_to_slots(torch.eye(4, dtype=torch.bool), torch.rand(4, 4), t, rank=0)
+    assert int(map_TS.sum()) == 4
+
+
 def test_statistics_window_and_decay():
     s = LoadStatistics(2, 3, window=2)
     for counts in ([1, 0, 2], [3, 3, 0], [0, 0, 6]):
@@ -126,15 +150,16 @@ def test_statistics_window_and_decay():
 
 def test_per_step_work_has_no_host_read():
     """Statistics and slot routing run on the meta device, where any host read (.item(),
-    .tolist(), bool(), .cpu() of data) raises: the per-step path holds none."""
+    .tolist(), bool(), .cpu() of data) raises: the per-step path holds none. (route_topk_to_slots,
+    outside the Megatron path, checks its expert ids on the host.)"""
     T, E, S = 16, 8, 12
     t = SlotTable(E, S, device="meta")
+    t.installed = True  # as load_ leaves it (meta tensors cannot be loaded)
     rm = torch.empty(T, E, dtype=torch.bool, device="meta")
     probs = torch.empty(T, E, device="meta", requires_grad=True)
     map_TS, probs_TS = route_to_slots(rm, probs, t, rank=1)
     probs_TS.sum().backward()
     assert map_TS.shape == (T, S) and map_TS.device.type == "meta"
-    assert route_topk_to_slots(torch.empty(T, 2, dtype=torch.int64, device="meta"), t, 0).shape == (T, 2)
     stats = LoadStatistics(3, E, device="meta")
     stats.record(1, rm.sum(dim=0))
     with pytest.raises((NotImplementedError, RuntimeError)):

@@ -386,7 +386,7 @@ def test_too_few_slots_is_refused():
 def _layer_with_placement(slots: int, ep: int, window: int = 1, experts: int = 8):
     layer = torch.nn.Module()
     layer.register_buffer("hybrid_ep_placement_shape", torch.tensor([slots, ep]))
-    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, experts, dtype=torch.float64))
+    layer.register_buffer("hybrid_ep_load_stats", torch.zeros(window + 2, experts, dtype=torch.int64))  # float64 bits
     layer.register_buffer("hybrid_ep_load_meta", torch.zeros(4, dtype=torch.int64))
     layer._hybrid_ep_shape = (slots, ep)
     return layer
@@ -409,7 +409,9 @@ def test_checkpoint_shape_check_names_slots_and_replans_other_ep_sizes():
     layer = _layer_with_placement(12, 4, window=1)
     _check_placement_shape(layer, state, "")
     assert not getattr(layer, "_hybrid_ep_replan", False)
-    assert state["hybrid_ep_load_stats"].tolist() == [window3[2].tolist(), window3[3].tolist(), window3[4].tolist()]
+    assert state["hybrid_ep_load_stats"].dtype == torch.int64  # a float64 file (earlier versions) into the bits
+    assert state["hybrid_ep_load_stats"].view(torch.float64).tolist() == [window3[2].tolist(), window3[3].tolist(),
+                                                                         window3[4].tolist()]
     assert state["hybrid_ep_load_meta"].tolist() == [1, 1, 40, 1]
 
 
@@ -567,3 +569,16 @@ def test_training_loops_iteration_sets_the_schedule_after_a_resume(pool_for):
     for r in pool_for(W).run(resume_at_iteration, [(CASE, run, [None, 7, 0])] * W, timeout_s=600):
         assert r[None] == r[7] == {"steps": 7, "rebalanced_at": [10]}
         assert r[0] == {"steps": 0, "rebalanced_at": [5]}
+
+
+def test_statistics_survive_megatrons_float16_module(pool_for):
+    """Megatron-LM wraps every model chunk in Float16Module under --bf16 / --fp16, which casts
+    floating-point buffers: float64 statistics came back rounded (1000003 -> 999424 in bf16,
+    inf in fp16). Kept as int64 bits they go through the cast, a save and a load exactly."""
+    from megatron_patches.balancer_checkpoint_testing import stats_through_float16_module
+
+    case = LayerCase(world_size=1, num_experts=4)
+    for fp16 in (False, True):
+        dtype, restored = pool_for(1).run(stats_through_float16_module, [(case, fp16)])[0]
+        assert dtype == "torch.int64"
+        assert restored == [1000003.0, 7.0, 513.0, 1.0]  # counts since the last reduction, exact

@@ -42,10 +42,22 @@ class BalancedLayer:
     table: SlotTable
     slot_params: list[list[torch.nn.Parameter]]  # [P][k]
     # Checkpointed statistics (kept current by the balancer at each reduction and before a
-    # save): float64 [window + 2, E] (LoadStatistics.pack) and int64 [4] (reductions held,
-    # average set, balancer steps, 1 once written).
+    # save): [window + 2, E] (LoadStatistics.pack), float64 or its bits in an int64 tensor
+    # (stats_values), and int64 [4] (reductions held, average set, balancer steps, 1 once written).
     saved_stats: torch.Tensor | None = None
     saved_meta: torch.Tensor | None = None
+
+
+def stats_values(buffer: torch.Tensor) -> torch.Tensor:
+    """The float64 statistics a checkpointed buffer holds. A model's buffer keeps them as the
+    bits of an int64 tensor: Megatron's Float16Module casts every floating-point buffer to
+    bf16 / fp16 (counts rounded, above 65504 inf), integer ones it leaves alone."""
+    if buffer.dtype == torch.int64:
+        return buffer.view(torch.float64)
+    if buffer.dtype != torch.float64:
+        raise ValueError(f"statistics buffer is {buffer.dtype}: it must stay float64 or hold float64 bits as "
+                         "int64 (a cast to low precision rounds the token counts)")
+    return buffer
 
 
 def native_placement(num_layers: int, num_experts: int, num_slots: int, num_ranks: int) -> torch.Tensor:
@@ -409,7 +421,7 @@ class ExpertBalancer:
             if tuple(layer.saved_stats.shape) != packed.shape:
                 raise ValueError(f"layer {i}: statistics buffer {tuple(layer.saved_stats.shape)}, "
                                  f"the statistics need {packed.shape}")
-            layer.saved_stats.copy_(torch.from_numpy(packed))
+            stats_values(layer.saved_stats).copy_(torch.from_numpy(packed))
             layer.saved_meta.copy_(torch.tensor([held, int(has_ema), self.steps, 1]))
 
     def restore_saved(self) -> bool:
@@ -421,7 +433,8 @@ class ExpertBalancer:
         if not all(m[3] == 1 for m in metas):
             return False
         held, has_ema, steps = metas[0][:3]
-        self.stats.unpack([layer.saved_stats.cpu().numpy() for layer in self.layers], held, bool(has_ema))
+        self.stats.unpack([stats_values(layer.saved_stats).cpu().numpy() for layer in self.layers], held,
+                          bool(has_ema))
         self.steps = int(steps)
         return True
 

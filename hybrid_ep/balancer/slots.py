@@ -31,6 +31,8 @@ class SlotTable:
         self.slot_to_expert_S = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.replicas_E = torch.ones(num_experts, dtype=torch.int64, device=device)
         self.expert_slots_ER = torch.zeros(num_experts, self.max_replicas, dtype=torch.int64, device=device)
+        # set by load_ (host flag, no device read): until then every expert maps to slot 0
+        self.installed = False
 
     @staticmethod
     def tables_for(slot_to_expert_S: torch.Tensor, num_experts: int, max_replicas: int):
@@ -61,7 +63,18 @@ class SlotTable:
         self.slot_to_expert_S.copy_(slot_to_expert_S.to(torch.int64))
         self.replicas_E.copy_(replicas)
         self.expert_slots_ER.copy_(slots)
+        self.installed = True
         return self
+
+    def check_installed(self) -> None:
+        """Refuse routing through a table no placement was loaded into."""
+        if not self.installed:
+            raise RuntimeError(
+                "this MoE layer's expert slots have no placement yet, so every route would go to slot 0: "
+                "the expert balancer installs one in megatron_patches.balancer.attach(model, optimizer) "
+                "(Megatron-LM's training hook calls it after setup_model_and_optimizer), or a checkpoint "
+                "saved with the balancer brings one; run the forward after either"
+            )
 
 
 def route_to_slots(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, table: SlotTable, rank: int):
@@ -69,6 +82,7 @@ def route_to_slots(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, table: 
 
     Differentiable in probs (each slot column receives at most one expert's prob).
     """
+    table.check_installed()
     T, E = routing_map_TE.shape
     if E != table.num_experts:
         raise ValueError(f"routing_map has {E} expert columns, the slot table {table.num_experts}")
@@ -88,9 +102,24 @@ def route_to_slots(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, table: 
 
 
 def route_topk_to_slots(topk_idx_TK: torch.Tensor, table: SlotTable, rank: int) -> torch.Tensor:
-    """topk expert ids [T, K] (-1: dropped) -> slot ids [T, K] (-1 kept), same replica rule."""
+    """topk expert ids [T, K] (-1: dropped) -> slot ids [T, K] (-1 kept), same replica rule.
+
+    The expert ids are checked here (host reads): two routes of a token to one replicated
+    expert would become two distinct slots, which no later check could tell from two experts.
+    """
+    table.check_installed()
+    if topk_idx_TK.dim() != 2:
+        raise ValueError(f"topk_idx must be 2-D [tokens, k], got shape {tuple(topk_idx_TK.shape)}")
     T, K = topk_idx_TK.shape
     E = table.num_experts
+    if topk_idx_TK.numel() and (int(topk_idx_TK.min()) < -1 or int(topk_idx_TK.max()) >= E):
+        raise ValueError(f"topk_idx holds ids outside [-1, {E}) (-1: a dropped route)")
+    ordered = topk_idx_TK.sort(dim=1).values
+    twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(twice.any()):
+        t = int(twice.any(dim=1).nonzero()[0])
+        e = int(ordered[t, 1:][twice[t]][0])
+        raise ValueError(f"topk_idx routes token {t} to expert {e} twice")
     valid = topk_idx_TK >= 0
     expert = torch.where(valid, topk_idx_TK, torch.zeros_like(topk_idx_TK)).to(torch.int64)
     onehot_TKE = torch.nn.functional.one_hot(expert, E) * valid.unsqueeze(-1)
