@@ -315,3 +315,15 @@ def test_frozen_expert_parameter_is_refused_by_name(pool_for):
     with pytest.raises(RuntimeError, match=r"expert slot parameters have requires_grad=False.*balancer.interval"):
         pool_for(4).run(train_moe_layer, [(EP2, TrainRun(10, INTERVAL, 6, "distributed", frozen="linear_fc2"))] * 4,
                         timeout_s=600)
+
+
+@pytest.mark.parametrize("name, per_element", [("balanced", 4 + 8), ("bf16", 2 + 4 + 8)])
+def test_moved_bytes_count_weights_master_and_moments(ep2, name, per_element):
+    """fp32: weights and Adam's two moments (the fp32 master is the weights' own piece); bf16:
+    bf16 weights, fp32 master and two moments: per element of the slot, after the first step."""
+    result = ep2[name][0]
+    elements = sum(t.numel() for t in result["slots"][0]["tensors"])
+    moved = [e for e in result["events"] if e["applied"] and e["slots_changed"]]
+    assert moved
+    for e in moved:
+        assert e["moved_bytes"] == e["slots_changed"] * elements * per_element

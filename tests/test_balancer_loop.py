@@ -78,8 +78,9 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     assert [e is None for e in events] == [True, True, False, True, True, False]
     assert [step for step, _ in seen] == [3, 6]
     assert any(k.endswith("imbalance_rank_after") for k in seen[0][1])
-    # a Linear(3, 3) slot in fp32 with Adam: 9 parameters x (4 + 8) bytes
-    assert bal.bytes_per_slot() == 9 * 12
+    # a Linear(3, 3) slot in fp32 with torch's AdamW: 9 parameters x (4 + 8) bytes, and the
+    # step count Adam keeps as a 4-byte tensor per parameter, which moves too
+    assert bal.bytes_per_slot() == 9 * 12 + 4
     assert [v["balancer/moved_bytes"] for _, v in seen] == [float(e["moved_bytes"]) for e in events if e]
     out = tmp_path / "iter_0000006"
     stats = load_statistics(str(out / "statistics.npz"))
@@ -98,11 +99,11 @@ def test_loop_reports_and_writers(single_rank_group, tmp_path):
     assert pngs and all(open(out / f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in pngs)
     jsons = [f for f in os.listdir(out) if f.endswith(".json")]
     assert jsons and json.load(open(out / jsons[0]))
-    # a moved slot carries its fp32 3 x 3 weight and Adam's two moments (no separate master)
-    assert bal.bytes_per_slot() == 9 * (4 + 8)
+    # a moved slot carries its fp32 3 x 3 weight, Adam's two moments and step (no separate master)
+    assert bal.bytes_per_slot() == 9 * (4 + 8) + 4
     summary = json.load(open(out / jsons[0]))
-    assert summary["bytes_per_slot"] == 108
-    assert summary["moved_bytes"] == [m * 108 for m in summary["moves"]]
+    assert summary["bytes_per_slot"] == 112
+    assert summary["moved_bytes"] == [m * 112 for m in summary["moves"]]
     state = bal.state_dict()
     assert state["steps"] == 6 and state["placement"].shape == (2, 6)
 
@@ -164,7 +165,7 @@ def test_tolerance_reaches_the_planner(pool_for):
     for tolerance in (0.01, None):  # None: the planner's default, 0.01
         (moved, moved_row), other = pool.run(_rebalance_once, [(tolerance,)] * 2)
         assert moved["applied"] and moved["slots_changed"] == 2 and moved_row == [0, 2, 1, 3] == other[1]
-        assert moved["moved_bytes"] == 2 * 9 * (4 + 8)  # two Linear(3, 3) slots in fp32 with Adam
+        assert moved["moved_bytes"] == 2 * 9 * 4  # two Linear(3, 3) slots in fp32, no optimizer state to move
         assert moved["imbalance_rank_before"] == pytest.approx(0.06)
         assert moved["imbalance_rank_after"] == pytest.approx(0.02)
 
@@ -411,3 +412,25 @@ def test_megatron_iteration_reads_the_loops_current_iteration(monkeypatch):
     assert _megatron_iteration() is None  # before the loop sets it
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(curr_iteration=41))
     assert _megatron_iteration() == 41
+
+
+@pytest.mark.parametrize("make_optimizer, per_parameter", [
+    (lambda params: torch.optim.SGD(params, lr=0.1), 4),                  # weights only
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 8),    # + the momentum buffer
+    (lambda params: torch.optim.AdamW(params), 12),                       # + two moments (+ step)
+])
+def test_bytes_per_slot_counts_what_the_optimizer_keeps(single_rank_group, make_optimizer, per_parameter):
+    """Moved bytes came from a fixed Adam-with-fp32-master formula, whatever the optimizer:
+    108 B for a fp32 3 x 3 slot under plain SGD, which moves 36."""
+    layers, modules = make_layers(1, 4, 6)
+    params = [p for m in modules for p in m.parameters()]
+    opt = make_optimizer(params)
+    bal = ExpertBalancer(layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=3,
+                         optimizer_view=TorchOptimizerView(opt))
+    bal.setup()
+    assert bal.bytes_per_slot() == 9 * 4  # before the first step: no optimizer state yet
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    step_tensor = 4 if isinstance(opt, torch.optim.AdamW) else 0
+    assert bal.bytes_per_slot() == 9 * per_parameter + step_tensor

@@ -325,8 +325,9 @@ class ExpertBalancer:
             if self.report_dir:
                 self.write_report(iteration)
             log.info("hybrid_ep balancer at iteration %d: rank imbalance %.3f -> %.3f, %s, %d slots changed "
-                     "(%.3g GiB of weights and optimizer state)", iteration, old_imb, event["imbalance_rank_after"],
-                     "applied" if applied else "kept", moved["slots_changed"], event["moved_bytes"] / 2 ** 30)
+                     "(%.3g GiB of weights and optimizer state per EP group)", iteration, old_imb,
+                     event["imbalance_rank_after"], "applied" if applied else "kept", moved["slots_changed"],
+                     event["moved_bytes"] / 2 ** 30)
         return event
 
     def write_report(self, iteration: int) -> dict:
@@ -387,13 +388,21 @@ class ExpertBalancer:
         return old["history"][before], old["steps"][before]
 
     def bytes_per_slot(self) -> int:
-        """Bytes a moved slot carries: its weights, fp32 master weights (when the weights are
-        not fp32) and Adam's two fp32 moments, summed over its parameters."""
-        from .report import slot_bytes
-
-        params = self.layers[0].slot_params[0]
-        return sum(slot_bytes(p.numel(), p.element_size() + (0 if p.dtype == torch.float32 else 4) + 8)
-                   for p in params)
+        """Bytes a moved slot carries: the tensors a migration moves for it (weights, master
+        copy, optimizer state; only the weights before the optimizer's first step), the most
+        over this rank's slots of the first layer. Under the distributed optimizer from this
+        member's pieces: their bytes per element times the slot's elements."""
+        best = 0
+        for params in self.layers[0].slot_params:
+            if self.view.sharded:
+                pieces = [self.view.sharded_slice(p) for p in params]
+                per_element = max((sum(t.element_size() for t in sl.tensors) for sl in pieces
+                                   if sl.tensors[0].numel()), default=params[0].element_size())
+                total = sum(p.numel() for p in params) * per_element
+            else:
+                total = sum(t.numel() * t.element_size() for p in params for t in movable_tensors(p, self.view))
+            best = max(best, total)
+        return best
 
     def _rank_history(self, history_TLE: np.ndarray) -> np.ndarray:
         """[T, L, W] tokens per rank of each interval under the current placement."""
