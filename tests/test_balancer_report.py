@@ -12,12 +12,14 @@ import pytest
 import torch
 import yaml
 
+from hybrid_ep.balancer import cli
 from hybrid_ep.balancer.cli import main
 from hybrid_ep.balancer.metrics import summarize
 from hybrid_ep.balancer.placement_file import load_placement_yaml, save_placement_yaml
 from hybrid_ep.balancer.planner import Placement, plan_placement
 from hybrid_ep.balancer.report import (DEFAULT_BYTES_PER_PARAM, load_statistics, save_statistics, slot_bytes,
                                        write_heatmap, write_imbalance_plot, write_report)
+from hybrid_ep.wording import byte_unit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,6 +138,60 @@ def test_statistics_round_trip_and_errors(tmp_path):
         load_statistics(str(tmp_path / "nolaod.npz"))
 
 
+def _write_npz(path, **arrays) -> str:
+    with open(path, "wb") as f:  # np.savez would append .npz to a bare name
+        np.savez(f, **arrays)
+    return str(path)
+
+
+_LOAD = np.arange(1.0, 17.0).reshape(2, 8)
+BAD_FIELDS = [  # (arrays besides load, the ValueError's text after "<path>: ")
+    ({"ep_size": np.array("4")}, "ep_size must be one integer >= 1, got '4'"),
+    ({"ep_size": np.int64(0)}, "ep_size must be one integer >= 1, got 0"),
+    ({"history": np.full((2, 2, 8), "a")}, "history must hold numbers, got dtype <U1"),
+    ({"history": np.ones((2, 2, 8), dtype=bool)}, "history must hold numbers, got dtype bool"),
+    ({"history": np.full((2, 2, 8), np.nan)}, "history must be finite, got nan"),
+    ({"history": -np.ones((2, 2, 8))}, "history must be token counts >= 0, got -1.0"),
+    ({"history": np.ones((2, 16))}, "history has shape (2, 16), expected [T, 2, 8] (reductions, layers, experts)"),
+    ({"history": np.ones((3, 2, 8)), "steps": np.arange(2)}, "steps has 2 entries, history has 3 rows"),
+    ({"history": np.ones((2, 2, 8)), "steps": np.array([0.0, 1.5])}, "steps must hold integers, got 1.5"),
+    ({"history": np.ones((2, 2, 8)), "steps": np.zeros((2, 1), dtype=np.int64)},
+     "steps must be one step per history row, got shape (2, 1)"),
+    ({"layer_numbers": np.array([1.5, 2.5])}, "layer_numbers must hold integers, got 1.5"),
+    ({"layer_numbers": np.array([0, 1])}, "layer_numbers must be >= 1 (Megatron counts layers from 1), got [0, 1]"),
+    ({"layer_numbers": np.array(["1", "2"])}, "layer_numbers must hold numbers, got dtype <U1"),
+]
+
+
+@pytest.mark.parametrize("arrays, why", BAD_FIELDS)
+def test_load_statistics_checks_every_field_by_name(tmp_path, arrays, why):
+    """Each field is converted and checked on reading, a ValueError naming file and field:
+    the CLI died on strings with a TypeError, took NaN or negative history, truncated layer
+    numbers 1.5 into 1, and training's first report died on a steps/history mismatch with an
+    IndexError (it catches ValueError only)."""
+    path = _write_npz(tmp_path / "bad.npz", load=_LOAD, **arrays)
+    with pytest.raises(ValueError) as info:
+        load_statistics(path)
+    assert str(info.value) == f"{path}: {why}"
+
+
+def test_load_statistics_converts_whole_numbers(tmp_path):
+    path = _write_npz(tmp_path / "ok.npz", load=_LOAD.astype(np.int32), history=np.ones((2, 2, 8), dtype=np.uint16),
+                      steps=np.array([3.0, 4.0]), layer_numbers=np.array([2.0, 4.0]), ep_size=np.float64(4))
+    stats = load_statistics(path)
+    assert stats["load"].dtype == np.float64 and stats["history"].dtype == np.float64
+    assert stats["steps"].dtype == np.int64 and stats["steps"].tolist() == [3, 4]
+    assert stats["layer_numbers"].dtype == np.int64 and stats["layer_numbers"].tolist() == [2, 4]
+    assert stats["ep_size"] == 4 and type(stats["ep_size"]) is int
+
+
+def test_byte_unit_goes_past_gib():
+    """9.34 TiB of moved slots printed as "9.56e+03 GiB" while GiB was the largest unit."""
+    assert byte_unit(16646 * 616562688) == (2.0 ** 40, "TiB")
+    assert byte_unit(3 * 2.0 ** 50) == (2.0 ** 50, "PiB")
+    assert byte_unit(2.0 ** 40 - 1) == (2.0 ** 30, "GiB") and byte_unit(1023) == (1.0, "B")
+
+
 def test_heatmap_many_layers(tmp_path):
     history = np.random.default_rng(2).random((20, 61, 64)) * 1000
     path = write_heatmap(history, str(tmp_path / "h.png"))
@@ -168,6 +224,9 @@ def test_report_moved_bytes(tmp_path):
     assert doc["bytes_per_slot"] == 3 * 64 * 32 * 14
     assert doc["moved_bytes"] == [m * 3 * 64 * 32 * 14 for m in summary["moves"]]
     assert doc["moved_bytes_total"] == sum(summary["moves"]) * 3 * 64 * 32 * 14 > 0
+    units = doc["metadata"]["units"]  # every number of the JSON says what it counts
+    assert all(units[k].startswith("bytes") for k in ("bytes_per_slot", "moved_bytes", "moved_bytes_total"))
+    assert "step" in units and "layer_numbers" in units
     _assert_png(paths["imbalance"])
     with pytest.raises(ValueError, match="bytes_per_slot"):
         write_report(summary, str(tmp_path / "bad"), bytes_per_slot=-1)
@@ -276,13 +335,24 @@ def test_cli_reports_moved_bytes(tmp_path, capsys):
     assert json.load(open(os.path.join(rep, "balancer_summary.json")))["moved_bytes_total"] == moves * params * 12
 
 
+def test_cli_prints_tib(tmp_path, capsys):
+    stats, _ = _stats(tmp_path, intervals=2)
+    params = 2 ** 36  # x 14 bytes: over a TiB for two moved slots
+    assert main(["plan", "--stats", stats, "--num-slots", "40", "--out", str(tmp_path / "p.yaml"),
+                 "--params-per-slot", str(params)]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("moved: "))
+    moves = int(line.split()[1])
+    assert moves >= 2 and f"; {moves * params * 14 / 2 ** 40:.3g} TiB at {params * 14} B per slot" in line
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--stats", "missing.npz"], "--stats: no such file"),
     (["--bytes-per-param", "6"], "--bytes-per-param needs --params-per-slot"),
     (["--params-per-slot", "0"], "argument --params-per-slot: must be a positive integer, got 0"),
     (["--params-per-slot", "1.5"], "argument --params-per-slot: must be a positive integer, got 1.5"),
     (["--num-slots", "30"], "--num-slots gives 30 slots, fewer than the 32 experts"),
-    (["--num-slots", "36"], "--num-slots: 36 slots do not split evenly over --ep-size 8"),
+    (["--num-slots", "36"], "--num-slots: 36 slots do not split evenly over the statistics' ep_size 8 ranks"),
+    (["--ep-size", "8", "--num-slots", "36"], "--num-slots: 36 slots do not split evenly over --ep-size 8 ranks"),
     (["--ranks-per-node", "3"], "--ranks-per-node"),
     (["--ep-size", "0"], "--ep-size must be >= 1"),
     (["--previous", "missing.yaml"], "--previous"),
@@ -293,6 +363,9 @@ def test_cli_reports_moved_bytes(tmp_path, capsys):
     (["--tolerance", "0.02"], "--tolerance needs --previous"),
     (["--move-budget", "0.1"], "--move-budget needs --previous"),
     (["--ep-size", "7", "--num-slots", "70"], "--ep-size 7 must divide the 32 experts"),
+    (["--ep-size", "4", "--slots-per-rank", "1000000000000000000000"],
+     "--slots-per-rank gives 4000000000000000000000 slots, more than 64 x the 32 experts in "),
+    (["--num-slots", "400000000"], "--num-slots gives 400000000 slots, more than 64 x the 32 experts in "),
 ])
 def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     stats, _ = _stats(tmp_path, intervals=2)
@@ -302,6 +375,52 @@ def test_cli_errors_name_the_flag(tmp_path, capsys, argv, match):
     rc = main(["plan"] + [x for kv in args.items() for x in kv])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_cli_slot_bound_names_the_limit(tmp_path, capsys):
+    """At most 64 slots per expert: 2048 for 32 experts is planned, 2056 refused (before, a slot
+    count past the native call's range printed a pybind TypeError with the whole load, and
+    --num-slots 400000000 ran for minutes)."""
+    stats, _ = _stats(tmp_path, intervals=2)
+    out = str(tmp_path / "p.yaml")
+    assert main(["plan", "--stats", stats, "--num-slots", "2048", "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--stats", stats, "--num-slots", "2056", "--out", out]) == 2
+    assert capsys.readouterr().err == (f"hybrid-ep-balance: error: --num-slots gives 2056 slots, more than 64 x the "
+                                       f"32 experts in {stats} (2048), the most this tool plans\n")
+
+
+def test_cli_planner_type_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """A TypeError or OverflowError from the planner's native call: exit 2 and its first line,
+    not a traceback whose message prints the whole load array."""
+    stats, _ = _stats(tmp_path, intervals=2)
+    for exc in (TypeError("plan_fresh(): incompatible function arguments.\n    1. (load: tensor)\n[1.0, 2.0]"),
+                OverflowError("Python int too large to convert to C long")):
+        def refuse(*args, exc=exc, **kwargs):
+            raise exc
+        monkeypatch.setattr(cli, "plan_placement", refuse)
+        assert main(["plan", "--stats", stats, "--num-slots", "40", "--out", str(tmp_path / "p.yaml")]) == 2
+        first = str(exc).splitlines()[0]
+        assert capsys.readouterr().err == (f"hybrid-ep-balance: error: the planner cannot take 40 slots on 8 ranks "
+                                           f"in 1 nodes ({first})\n")
+
+
+@pytest.mark.parametrize("arrays, why", BAD_FIELDS)
+def test_cli_names_the_bad_statistics_field(tmp_path, capsys, arrays, why):
+    """No traceback, exit 2, the file's field named: an ep_size of 0 in the file was reported
+    as "--ep-size must be >= 1, got 0" though no --ep-size was given."""
+    path = _write_npz(tmp_path / "bad.npz", load=_LOAD, **arrays)
+    out = str(tmp_path / "p.yaml")
+    assert main(["plan", "--stats", path, "--out", out, "--report-dir", str(tmp_path / "rep")]) == 2
+    assert capsys.readouterr().err == f"hybrid-ep-balance: error: --stats: cannot read {path}: {why}\n"
+    assert not os.path.exists(out)
+
+
+def test_cli_names_the_statistics_ep_size_when_no_flag_gave_it(tmp_path, capsys):
+    path = _write_npz(tmp_path / "ep7.npz", load=np.ones((2, 32)), ep_size=np.int64(7))
+    assert main(["plan", "--stats", path, "--num-slots", "42", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err == (f"hybrid-ep-balance: error: the statistics' ep_size 7 must divide the 32 "
+                                       f"experts in {path} (as Megatron's EP size must)\n")
 
 
 def test_cli_bad_outputs_and_statistics_exit_2_before_writing(tmp_path, capsys):

@@ -378,6 +378,43 @@ def test_memory_estimates_of_the_large_recipes():
     assert round(qw.states_gb, 1) == 21.8 and round(qw.total_gb, 1) == 71.3 and not qw.over
 
 
+def test_spare_slots_row_follows_the_total_and_names_its_parts():
+    """The spare slots are a part of weights + grads + optimizer: their row comes after the
+    total, not under the optimizer row (Mixtral 8x22B: optimizer 51.8, 'of which spare' 35.4,
+    while the spare slots' optimizer share is 23.6)."""
+    est = memory.estimate(recipe_mod.load(path_of("mixtral_8x22b"), [
+        "balancer.interval=100", "balancer.slots_per_rank=2", "parallelism.distributed_optimizer=false"]))
+    rows = est.table().splitlines()
+    labels = [row.split("  ")[1].strip() if row.startswith("  ") else row for row in rows]
+    spare = labels.index("balancer spare slots (weights + grads + optimizer, in the rows above)")
+    assert spare == labels.index("total") + 1 and "of which balancer spare slots" not in est.table()
+    assert rows[spare].split()[-2:] == [f"{est.spare_slots_gb:.1f}", "GiB"] and est.spare_slots_gb > 35
+
+
+def test_spare_slots_of_the_stage_paying_the_most():
+    """deepseek_v3: the fullest stage 0 holds 1 MoE layer (0.74 GiB of spare slots), stages 1-14
+    hold 4 each (2.95 GiB): the table names stage 1 and its cost too."""
+    est = memory.estimate(recipe_mod.load(path_of("deepseek_v3")))
+    assert est.stage == 0 and round(est.spare_slots_gb, 2) == 0.74
+    assert est.max_spare_stage == 1 and est.max_spare_slots_gb == pytest.approx(4 * est.spare_slots_gb, rel=1e-12)
+    assert est.table().splitlines()[-1] == (
+        "  balancer spare slots on stage 1 (the most of any stage)                    3.0 GiB")
+    single = memory.estimate(recipe_mod.load(path_of("qwen3_30b_a3b")))  # one stage: no second line
+    assert single.max_spare_stage == single.stage == 0 and "the most of any stage" not in single.table()
+    off = memory.estimate(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0"]))
+    assert "spare" not in off.table() and off.max_spare_slots_gb == 0
+
+
+@pytest.mark.parametrize("doc, name", [("docs/slurm.md", "deepseek_v3"),
+                                       ("recipes/deepseek_v3/README.md", "deepseek_v3"),
+                                       ("recipes/qwen3_235b_a22b/README.md", "qwen3_235b_a22b")])
+def test_docs_quote_the_spare_slot_lines_as_printed(doc, name):
+    table = memory.estimate(recipe_mod.load(path_of(name))).table().splitlines()
+    with open(os.path.join(REPO, doc)) as f:
+        quoted = [line[2:] for line in f.read().splitlines() if line.strip().startswith("balancer spare slots")]
+    assert len(quoted) == 2 and all(line in table for line in quoted), (quoted, table)
+
+
 def test_memory_warning(capsys):
     assert cli.main([path_of("deepseek_v3"), "--set", "train.recompute=none", "--set", "train.recompute_modules=[]"]) == 0
     err = capsys.readouterr().err

@@ -11,7 +11,8 @@ placement, or the identity layout) and after, and optionally a report folder: JS
 imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
 intervals under both placements. With --params-per-slot the table and the report also give
 the bytes the moved slots carry, so the cost of applying a plan is known before it is
-applied. Bad input: a message naming the flag, exit code 2.
+applied. Bad input (a flag, or a statistics file's field, or more than 64 slots per expert): a
+message naming the flag or the field, exit code 2.
 Legend: T intervals, L layers, E experts, S slots, W ranks.
 """
 
@@ -35,6 +36,12 @@ from .report import DEFAULT_BYTES_PER_PARAM, load_statistics, slot_bytes, write_
 
 class UsageError(Exception):
     """Bad command-line input; the message names the flag."""
+
+
+# Most slots per expert this CLI plans: far beyond any useful replication (one spare slot per
+# rank is the usual choice), and it bounds the planner's time (--num-slots 400000000 ran for
+# minutes) and keeps its native call's integer arguments in range.
+MAX_SLOTS_PER_EXPERT = 64
 
 
 def non_negative(text: str) -> float:
@@ -75,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "numbers into one plan for the whole model")
     plan.add_argument("--ep-size", type=int, help="ranks W (default: ep_size stored in the statistics)")
     slots = plan.add_mutually_exclusive_group()
-    slots.add_argument("--num-slots", type=int, help="slots S over all ranks (default: E, placement only)")
+    slots.add_argument("--num-slots", type=int, help="slots S over all ranks, at most 64 x E (default: E, placement only)")
     slots.add_argument("--slots-per-rank", type=int, help="slots per rank (S = this x W)")
     plan.add_argument("--ranks-per-node", type=int, help="ranks per node (default: min(8, W))")
     plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance "
@@ -115,11 +122,7 @@ def _plan(args) -> int:
     load_LE = stats["load"]
     L, E = load_LE.shape
     numbers = None if "layer_numbers" not in stats else [int(v) for v in stats["layer_numbers"]]
-    W = args.ep_size if args.ep_size is not None else stats.get("ep_size")
-    if W is None:
-        raise UsageError("--ep-size is required: the statistics file has no ep_size")
-    if W < 1:
-        raise UsageError(f"--ep-size must be >= 1, got {W}")
+    W, ep_label = _ep_size(args, stats, stats_label)
     if args.slots_per_rank is not None:
         if args.slots_per_rank < 1:
             raise UsageError(f"--slots-per-rank must be >= 1, got {args.slots_per_rank}")
@@ -128,14 +131,17 @@ def _plan(args) -> int:
         S, slots_flag = (args.num_slots if args.num_slots is not None else E), "--num-slots"
     if S < E:
         raise UsageError(f"{slots_flag} gives {S} slots, fewer than the {E} experts in {stats_label}")
+    if S > MAX_SLOTS_PER_EXPERT * E:
+        raise UsageError(f"{slots_flag} gives {S} slots, more than {MAX_SLOTS_PER_EXPERT} x the {E} experts in "
+                         f"{stats_label} ({MAX_SLOTS_PER_EXPERT * E}), the most this tool plans")
     if S % W != 0:
-        raise UsageError(f"{slots_flag}: {S} slots do not split evenly over --ep-size {W} ranks")
+        raise UsageError(f"{slots_flag}: {S} slots do not split evenly over {ep_label} ranks")
     rpn = args.ranks_per_node if args.ranks_per_node is not None else min(8, W)
     if rpn < 1 or W % rpn != 0:
-        raise UsageError(f"--ranks-per-node ({rpn}) must be >= 1 and divide --ep-size ({W})")
+        raise UsageError(f"--ranks-per-node ({rpn}) must be >= 1 and divide {ep_label}")
     N = W // rpn
     if E % W != 0:
-        raise UsageError(f"--ep-size {W} must divide the {E} experts in {stats_label} (as Megatron's EP size must)")
+        raise UsageError(f"{ep_label} must divide the {E} experts in {stats_label} (as Megatron's EP size must)")
     if E % N != 0:
         raise UsageError(f"--ranks-per-node {rpn} gives {N} nodes, which must divide the {E} experts")
     if args.bytes_per_param is not None and args.params_per_slot is None:
@@ -152,10 +158,7 @@ def _plan(args) -> int:
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
     if args.move_budget is not None:
         kwargs["move_budget"] = args.move_budget
-    try:
-        placement = plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    placement = _run_planner(load_LE, S, N, W, previous, kwargs)
     layer_numbers = numbers or list(range(1, L + 1))  # the table's labels
     summary = summarize(load_LE, previous, placement)
     summary["layer_numbers"] = layer_numbers
@@ -177,6 +180,30 @@ def _plan(args) -> int:
         for kind, path in paths.items():
             print(f"{kind}: {path}")
     return 0
+
+
+def _ep_size(args, stats: dict, stats_label: str) -> tuple[int, str]:
+    """(W, how messages name it): the flag when given, else the statistics' ep_size field, so a
+    bad size read from the file does not blame a flag the user never passed."""
+    if args.ep_size is not None:
+        if args.ep_size < 1:
+            raise UsageError(f"--ep-size must be >= 1, got {args.ep_size}")
+        return args.ep_size, f"--ep-size {args.ep_size}"
+    if stats.get("ep_size") is None:
+        raise UsageError("--ep-size is required: the statistics file has no ep_size")
+    return stats["ep_size"], f"the statistics' ep_size {stats['ep_size']}"
+
+
+def _run_planner(load_LE, S: int, N: int, W: int, previous, kwargs: dict) -> Placement:
+    """plan_placement with its refusals as usage errors; a TypeError or OverflowError of its
+    native call (sizes past its integer range) gets one line, not a traceback with the load."""
+    try:
+        return plan_placement(load_LE, S, N, W, previous=previous, **kwargs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    except (TypeError, OverflowError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"the planner cannot take {S} slots on {W} ranks in {N} nodes ({first})") from exc
 
 
 def _read_stats(paths: list[str]) -> dict:
@@ -229,7 +256,8 @@ def _read_one_stats(path: str) -> dict:
     try:
         stats = load_statistics(path)
     except (ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"--stats: cannot read {path}: {exc}") from exc
+        why = str(exc).removeprefix(f"{path}: ")  # load_statistics names the file too
+        raise UsageError(f"--stats: cannot read {path}: {why}") from exc
     load = stats["load"]
     if not np.isfinite(load).all() or (load < 0).any():
         raise UsageError(f"--stats: load in {path} must be finite and non-negative")

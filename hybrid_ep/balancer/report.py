@@ -2,10 +2,10 @@
 
 The statistics file is what training writes and the offline CLI reads (`.npz`):
   load [L, E] float64       tokens per expert over the aggregation window
-  history [T, L, E]         tokens per expert per reduction interval (optional)
-  steps [T] int64           training step of each history row (optional)
-  ep_size                   EP size at collection time (optional scalar)
-  layer_numbers [L] int64   model layer number of each MoE layer (optional)
+  history [T, L, E]         tokens per expert per reduction interval, finite, >= 0 (optional)
+  steps [T] int64           training step of each history row, one per row (optional)
+  ep_size                   EP size at collection time, an integer >= 1 (optional scalar)
+  layer_numbers [L] int64   model layer number of each MoE layer, >= 1 (optional)
 Plots use Figure + FigureCanvasAgg directly, so pyplot's global state is never touched.
 Legend: T intervals, L layers, E experts, W ranks.
 """
@@ -69,7 +69,12 @@ def save_statistics(path: str, load, history=None, steps=None, ep_size: int | No
 
 
 def load_statistics(path: str) -> dict:
-    """Read a statistics file: {'load', and 'history', 'steps', 'ep_size', 'layer_numbers' if present}."""
+    """Read a statistics file: {'load', and 'history', 'steps', 'ep_size', 'layer_numbers' if present}.
+
+    Every field is converted and checked here, each failure a ValueError naming the file and
+    the field: the CLI and training's resumed reports catch ValueError, while a string, NaN or
+    a steps/history mismatch left for later died there with a TypeError or IndexError (or, for
+    layer numbers 1.5, was truncated into a placement for layer 1)."""
     data = np.load(path, allow_pickle=False)
     if not isinstance(data, np.lib.npyio.NpzFile):  # a bare .npy array
         raise ValueError(f"{path}: not a statistics file (an .npz with a 'load' array), got one array")
@@ -77,25 +82,82 @@ def load_statistics(path: str) -> dict:
         if "load" not in data:
             raise ValueError(f"{path}: no 'load' array (keys: {sorted(data.files)})")
         out = {key: data[key] for key in data.files}
-    out["load"] = out["load"].astype(np.float64)
-    if out["load"].ndim == 1:
-        out["load"] = out["load"][None, :]
-    if out["load"].ndim != 2:
-        raise ValueError(f"{path}: load must be [layers, experts], got shape {out['load'].shape}")
-    if 0 in out["load"].shape:
-        raise ValueError(f"{path}: load must hold at least one layer and one expert, got shape {out['load'].shape}")
-    if "history" in out and out["history"].shape[1:] != out["load"].shape:
-        raise ValueError(f"{path}: history has shape {out['history'].shape}, expected [T, "
-                         f"{out['load'].shape[0]}, {out['load'].shape[1]}]")
+    out["load"] = _read_load(path, out["load"])
+    if "history" in out:
+        out["history"] = _read_history(path, out["history"], out["load"].shape)
+    if "steps" in out:
+        out["steps"] = _read_steps(path, out["steps"], out.get("history"))
     if "ep_size" in out:
-        ep = out["ep_size"]
-        if ep.ndim != 0 or not np.isfinite(ep) or float(ep) != int(ep):
-            raise ValueError(f"{path}: ep_size must be one integer, got {ep.tolist()!r}")
-        out["ep_size"] = int(ep)
-    if "layer_numbers" in out and out["layer_numbers"].shape != (out["load"].shape[0],):
-        raise ValueError(f"{path}: layer_numbers has shape {out['layer_numbers'].shape}, load has "
-                         f"{out['load'].shape[0]} layers")
+        out["ep_size"] = _read_ep_size(path, out["ep_size"])
+    if "layer_numbers" in out:
+        out["layer_numbers"] = _read_layer_numbers(path, out["layer_numbers"], out["load"].shape[0])
     return out
+
+
+def _numbers(path: str, name: str, value: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """value as finite numbers of dtype; strings, objects and booleans (a hand-made or foreign
+    file) are refused by name instead of failing later inside numpy or the planner. An integer
+    dtype takes only whole values: 1.5 is refused, not truncated."""
+    if value.dtype.kind not in "iuf":
+        raise ValueError(f"{path}: {name} must hold numbers, got dtype {value.dtype}")
+    if not np.isfinite(value).all():
+        raise ValueError(f"{path}: {name} must be finite, got {value[~np.isfinite(value)].flat[0]}")
+    if np.dtype(dtype).kind == "i" and value.dtype.kind == "f" and (value != np.round(value)).any():
+        raise ValueError(f"{path}: {name} must hold integers, got {value[value != np.round(value)].flat[0]}")
+    return value.astype(dtype)
+
+
+def _read_load(path: str, value: np.ndarray) -> np.ndarray:
+    """[L, E] float64 (a single layer's [E] as [1, E])."""
+    load = _numbers(path, "load", value)
+    if load.ndim == 1:
+        load = load[None, :]
+    if load.ndim != 2:
+        raise ValueError(f"{path}: load must be [layers, experts], got shape {load.shape}")
+    if 0 in load.shape:
+        raise ValueError(f"{path}: load must hold at least one layer and one expert, got shape {load.shape}")
+    return load
+
+
+def _read_history(path: str, value: np.ndarray, load_shape: tuple) -> np.ndarray:
+    """[T, L, E] token counts, as save_statistics writes them: finite and >= 0."""
+    history = _numbers(path, "history", value)
+    if history.ndim != 3 or history.shape[1:] != load_shape:
+        raise ValueError(f"{path}: history has shape {history.shape}, expected [T, {load_shape[0]}, "
+                         f"{load_shape[1]}] (reductions, layers, experts)")
+    if (history < 0).any():
+        raise ValueError(f"{path}: history must be token counts >= 0, got {history[history < 0].flat[0]}")
+    return history
+
+
+def _read_steps(path: str, value: np.ndarray, history: np.ndarray | None) -> np.ndarray:
+    """[T] int64, one per history row: training selects history rows by their steps."""
+    steps = _numbers(path, "steps", value, np.int64)
+    if steps.ndim != 1:
+        raise ValueError(f"{path}: steps must be one step per history row, got shape {steps.shape}")
+    if history is not None and steps.shape[0] != history.shape[0]:
+        raise ValueError(f"{path}: steps has {steps.shape[0]} entries, history has {history.shape[0]} rows")
+    return steps
+
+
+def _read_ep_size(path: str, value: np.ndarray) -> int:
+    """One integer >= 1; named as the file's field, since the CLI's --ep-size may be absent."""
+    whole = (value.dtype.kind in "iuf" and value.ndim == 0 and bool(np.isfinite(value))
+             and float(value) == int(value) and int(value) >= 1)
+    if not whole:
+        raise ValueError(f"{path}: ep_size must be one integer >= 1, got {value.tolist()!r}")
+    return int(value)
+
+
+def _read_layer_numbers(path: str, value: np.ndarray, num_layers: int) -> np.ndarray:
+    """[L] int64 >= 1: Megatron counts layers from 1, and placement files are matched by them."""
+    numbers = _numbers(path, "layer_numbers", value, np.int64)
+    if numbers.shape != (num_layers,):
+        raise ValueError(f"{path}: layer_numbers has shape {numbers.shape}, load has {num_layers} layers")
+    if (numbers < 1).any():
+        raise ValueError(f"{path}: layer_numbers must be >= 1 (Megatron counts layers from 1), got "
+                         f"{numbers.tolist()}")
+    return numbers
 
 
 def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per rank",
@@ -193,6 +255,13 @@ def _from_zero(ax, top: float, least: float) -> None:
     ax.set_ylim(0.0, max(top * 1.08, least))
 
 
+BYTES_UNITS = {
+    "bytes_per_slot": "bytes one moved slot carries (weights, master copy, optimizer state)",
+    "moved_bytes": "bytes per layer: moves x bytes_per_slot, what one EP group's migration carries",
+    "moved_bytes_total": "bytes, the sum of moved_bytes",
+}
+
+
 def write_report(summary: dict, directory: str, history=None, step: int | None = None,
                  history_before=None, layer_names=None, bytes_per_slot: int | None = None) -> dict[str, str]:
     """Write summary JSON, the imbalance plot and, with history [T, L, W] tokens per rank
@@ -205,7 +274,11 @@ def write_report(summary: dict, directory: str, history=None, step: int | None =
         raise ValueError(f"bytes_per_slot must be a positive integer, got {bytes_per_slot!r}")
     os.makedirs(directory, exist_ok=True)
     tag = "" if step is None else f"_step{int(step)}"
-    doc = {"metadata": metadata("hybrid_ep.balancer", device_type="cpu", units=SUMMARY_UNITS,
+    units = dict(SUMMARY_UNITS, step="training iteration of the reduction this report plans on",
+                 layer_numbers="the model's layer number of each MoE layer (from 1)")
+    if bytes_per_slot is not None:
+        units.update(BYTES_UNITS)
+    doc = {"metadata": metadata("hybrid_ep.balancer", device_type="cpu", units=units,
                                 config={k: summary[k] for k in SUMMARY_CONFIG_KEYS} | {"step": step}),
            **summary, "step": step}
     if bytes_per_slot is not None:

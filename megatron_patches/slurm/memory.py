@@ -16,7 +16,9 @@ stage's MoE layers x E/EP experts x (m*H*Fe) / ETP, with `balancer.slots_per_ran
 place of E/EP when the balancer is on (spare slots hold replicas: real memory, reported
 on their own as `spare_slots_gb`: the spare slots' weights, fp32 main grads, fp32 master
 weights and Adam moments, the last two / EDP with the distributed optimizer, which shards
-them as it shards every expert's). Bytes per parameter:
+them as it shards every expert's; printed after the total, as a part of the rows above, and
+with `max_spare_slots_gb` of `max_spare_stage` where another stage, with more MoE layers,
+pays more for them). Bytes per parameter:
 
     weights     2 (bf16 / fp16 / fp8 runs keep bf16 weights), 4 for fp32
     gradients   4 (Megatron's fp32 main-grad buffer)
@@ -65,6 +67,9 @@ class MemoryEstimate:
     gpu_gb: float
     total_params_model: float  # whole model, for the record
     spare_slots_gb: float = 0.0  # part of the states above: the balancer's spare expert slots
+    # the stage whose spare slots cost the most (stages differ in MoE layers) and that cost
+    max_spare_stage: int = 0
+    max_spare_slots_gb: float = 0.0
 
     @property
     def states_gb(self) -> float:
@@ -87,15 +92,30 @@ class MemoryEstimate:
             ("weights", f"{self.weights_gb:7.1f} GiB"),
             ("gradients (fp32)", f"{self.grads_gb:7.1f} GiB"),
             ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
-            *([("of which balancer spare slots", f"{self.spare_slots_gb:7.1f} GiB")] if self.spare_slots_gb else []),
             ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
             ("total", total),
         ]
-        width = max(len(r[0]) for r in rows)
         head = (f"memory per {'rank (CPU process)' if on_cpu else 'GPU'}, stage {self.stage} (the fullest "
                 "pipeline stage; model "
                 f"{_count(self.total_params_model)} parameters):")
-        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+        return "\n".join([head] + _aligned(rows) + _aligned(self._spare_rows()))
+
+    def _spare_rows(self) -> list[tuple[str, str]]:
+        """The spare slots after the total, as a part of it (not an extra row of the optimizer's),
+        and the stage paying the most for them: the fullest stage may hold the fewest MoE layers."""
+        if not self.max_spare_slots_gb:  # balancer off (or a model without MoE layers)
+            return []
+        rows = [("balancer spare slots (weights + grads + optimizer, in the rows above)",
+                 f"{self.spare_slots_gb:7.1f} GiB")]
+        if self.max_spare_stage != self.stage:
+            rows.append((f"balancer spare slots on stage {self.max_spare_stage} (the most of any stage)",
+                         f"{self.max_spare_slots_gb:7.1f} GiB"))
+        return rows
+
+
+def _aligned(rows: list[tuple[str, str]]) -> list[str]:
+    width = max((len(r[0]) for r in rows), default=0)
+    return [f"  {k:<{width}}  {v}" for k, v in rows]
 
 
 def _count(n: float) -> str:
@@ -167,7 +187,7 @@ def estimate(recipe) -> MemoryEstimate:
     dist_opt = recipe["parallelism.distributed_optimizer"]
     slots = recipe["balancer.slots_per_rank"] if recipe["balancer.interval"] > 0 else None
     experts_per_rank = slots or m["num_experts"] // lay.ep
-    best, start = None, 0
+    per_stage, start = [], 0
     for s, n in enumerate(stages):
         n_dense = min(max(m["dense_layers"] - start, 0), n)  # layers start .. start + n - 1 below dense_layers
         start += n
@@ -184,12 +204,20 @@ def estimate(recipe) -> MemoryEstimate:
         opt_dense = dense * opt_b / (lay.dp * lay.cp if dist_opt else 1)
         opt_exp = experts * opt_b / (lay.edp if dist_opt else 1)
         act = _activation_bytes(recipe, lay, s, n_dense, n_moe)
-        est = MemoryEstimate(
+        per_stage.append(MemoryEstimate(
             stage=s, dense_params=dense, expert_params=experts,
             weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * 4 / GIB,
             optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
             gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe),
-            spare_slots_gb=spare * (weight_b + 4 + opt_b / (lay.edp if dist_opt else 1)) / GIB)
-        if best is None or est.total_gb > best.total_gb:
-            best = est
-    return best
+            spare_slots_gb=spare * (weight_b + 4 + opt_b / (lay.edp if dist_opt else 1)) / GIB))
+    return _fullest(per_stage)
+
+
+def _fullest(per_stage: list[MemoryEstimate]) -> MemoryEstimate:
+    """The stage with the largest total (the first of equals), told which stage's spare slots
+    cost the most: that one, where it ties with the most, else the first with the most."""
+    best = max(per_stage, key=lambda e: e.total_gb)
+    most = max(e.spare_slots_gb for e in per_stage)
+    stage = best.stage if best.spare_slots_gb == most else next(e.stage for e in per_stage
+                                                                if e.spare_slots_gb == most)
+    return dataclasses.replace(best, max_spare_stage=stage, max_spare_slots_gb=most)
