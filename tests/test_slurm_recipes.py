@@ -391,6 +391,15 @@ def test_spare_slots_row_follows_the_total_and_names_its_parts():
     assert rows[spare].split()[-2:] == [f"{est.spare_slots_gb:.1f}", "GiB"] and est.spare_slots_gb > 35
 
 
+def test_fp16_gradients_are_two_bytes():
+    """Megatron-LM accumulates and all-reduces grads in fp32 for bf16 (and fp8, which runs
+    --bf16) only: an fp16 run's main grads are fp16 unless asked otherwise."""
+    bf16 = memory.estimate(recipe_mod.load(path_of("mixtral_8x7b")))
+    fp16 = memory.estimate(recipe_mod.load(path_of("mixtral_8x7b"), ["precision=fp16"]))
+    assert fp16.grads_gb == pytest.approx(bf16.grads_gb / 2, rel=1e-12) and fp16.weights_gb == bf16.weights_gb
+    assert "gradients (fp16)" in fp16.table() and "gradients (fp32)" in bf16.table()
+
+
 def test_spare_slots_of_the_stage_paying_the_most():
     """deepseek_v3: the fullest stage 0 holds 1 MoE layer (0.74 GiB of spare slots), stages 1-14
     hold 4 each (2.95 GiB): the table names stage 1 and its cost too."""

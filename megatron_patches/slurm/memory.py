@@ -21,7 +21,8 @@ with `max_spare_slots_gb` of `max_spare_stage` where another stage, with more Mo
 pays more for them). Bytes per parameter:
 
     weights     2 (bf16 / fp16 / fp8 runs keep bf16 weights), 4 for fp32
-    gradients   4 (Megatron's fp32 main-grad buffer)
+    gradients   4 (Megatron's fp32 main-grad buffer), 2 for fp16 (its grads stay fp16
+                unless --accumulate-allreduce-grads-in-fp32, which bf16 and fp8 runs turn on)
     optimizer   12 = fp32 master copy 4 + Adam moments 8 (8 for fp32: no separate master)
                 divided by DP x CP (dense) or EDP (experts) with the distributed optimizer
 
@@ -67,6 +68,7 @@ class MemoryEstimate:
     gpu_gb: float
     total_params_model: float  # whole model, for the record
     spare_slots_gb: float = 0.0  # part of the states above: the balancer's spare expert slots
+    grads_dtype: str = "fp32"
     # the stage whose spare slots cost the most (stages differ in MoE layers) and that cost
     max_spare_stage: int = 0
     max_spare_slots_gb: float = 0.0
@@ -90,7 +92,7 @@ class MemoryEstimate:
             (f"parameters / {'rank' if on_cpu else 'GPU'}",
              f"{_count(self.dense_params)} dense + {_count(self.expert_params)} experts"),
             ("weights", f"{self.weights_gb:7.1f} GiB"),
-            ("gradients (fp32)", f"{self.grads_gb:7.1f} GiB"),
+            (f"gradients ({self.grads_dtype})", f"{self.grads_gb:7.1f} GiB"),
             ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
             ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
             ("total", total),
@@ -178,11 +180,18 @@ def _activation_bytes(recipe, lay, stage: int, dense_layers: int, moe_layers: in
     return 2 * tokens * (dense_layers * per_dense + moe_layers * per_moe) * in_flight
 
 
+def grad_bytes(precision: str) -> int:
+    """Bytes of Megatron's main-grad buffer per parameter: fp32 (accumulated and all-reduced
+    in fp32, which Megatron-LM turns on for bf16), fp16 runs keep fp16 grads by default."""
+    return 2 if precision == "fp16" else 4
+
+
 def estimate(recipe) -> MemoryEstimate:
     """The fullest stage's bytes per GPU (see the module docstring for the formula)."""
     m, lay = recipe["model"], L.layout_of(recipe)
     stages = L.stage_layers(recipe)
     weight_b = 4 if recipe["precision"] == "fp32" else 2
+    grad_b = grad_bytes(recipe["precision"])
     opt_b = 8 if recipe["precision"] == "fp32" else 12
     dist_opt = recipe["parallelism.distributed_optimizer"]
     slots = recipe["balancer.slots_per_rank"] if recipe["balancer.interval"] > 0 else None
@@ -206,10 +215,11 @@ def estimate(recipe) -> MemoryEstimate:
         act = _activation_bytes(recipe, lay, s, n_dense, n_moe)
         per_stage.append(MemoryEstimate(
             stage=s, dense_params=dense, expert_params=experts,
-            weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * 4 / GIB,
+            weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * grad_b / GIB,
             optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
             gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe),
-            spare_slots_gb=spare * (weight_b + 4 + opt_b / (lay.edp if dist_opt else 1)) / GIB))
+            grads_dtype="fp16" if grad_b == 2 else "fp32",
+            spare_slots_gb=spare * (weight_b + grad_b + opt_b / (lay.edp if dist_opt else 1)) / GIB))
     return _fullest(per_stage)
 
 
