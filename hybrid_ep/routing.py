@@ -39,6 +39,26 @@ def _check_tensor(name: str, value, dims: int) -> None:
         raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(value.shape)}")
 
 
+def check_topk_values(idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids [T, K] in [-1, num_experts) and no token routed to one expert twice (host
+    reads). Also before a balancer maps ids to slots: there two routes to one replicated
+    expert would become two distinct slots, past any later check."""
+    if idx.numel() == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(
+            f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts}), "
+            f"got min {lo} max {hi}"
+        )
+    if idx.shape[1] > 1:
+        srt = idx.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(dup.any()):
+            row = int(dup.any(dim=1).nonzero()[0, 0])
+            raise ValueError(f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}")
+
+
 def normalize_routing(
     num_tokens: int,
     num_experts: int,
@@ -77,21 +97,8 @@ def normalize_routing(
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but x is on {device}")
     idx = topk_idx.to(torch.int64)
-    if check_values and idx.numel() > 0:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(
-                f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts}), "
-                f"got min {lo} max {hi}"
-            )
-        if idx.shape[1] > 1:
-            srt = idx.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            if bool(dup.any()):
-                row = int(dup.any(dim=1).nonzero()[0, 0])
-                raise ValueError(
-                    f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}"
-                )
+    if check_values:
+        check_topk_values(idx, num_experts)
     valid = idx >= 0
     if topk_weights is None:
         weights = valid.to(torch.float32)

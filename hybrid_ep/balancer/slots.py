@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..routing import check_topk_values
+
 
 class SlotTable:
     """Device tables of one layer's placement, updated in place by `load_`."""
@@ -103,23 +105,13 @@ def route_to_slots(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, table: 
 
 def route_topk_to_slots(topk_idx_TK: torch.Tensor, table: SlotTable, rank: int) -> torch.Tensor:
     """topk expert ids [T, K] (-1: dropped) -> slot ids [T, K] (-1 kept), same replica rule.
-
-    The expert ids are checked here (host reads): two routes of a token to one replicated
-    expert would become two distinct slots, which no later check could tell from two experts.
-    """
+    The ids are checked first (routing.check_topk_values, host reads)."""
     table.check_installed()
     if topk_idx_TK.dim() != 2:
         raise ValueError(f"topk_idx must be 2-D [tokens, k], got shape {tuple(topk_idx_TK.shape)}")
+    check_topk_values(topk_idx_TK.to(torch.int64), table.num_experts)
     T, K = topk_idx_TK.shape
     E = table.num_experts
-    if topk_idx_TK.numel() and (int(topk_idx_TK.min()) < -1 or int(topk_idx_TK.max()) >= E):
-        raise ValueError(f"topk_idx holds ids outside [-1, {E}) (-1: a dropped route)")
-    ordered = topk_idx_TK.sort(dim=1).values
-    twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    if bool(twice.any()):
-        t = int(twice.any(dim=1).nonzero()[0])
-        e = int(ordered[t, 1:][twice[t]][0])
-        raise ValueError(f"topk_idx routes token {t} to expert {e} twice")
     valid = topk_idx_TK >= 0
     expert = torch.where(valid, topk_idx_TK, torch.zeros_like(topk_idx_TK)).to(torch.int64)
     onehot_TKE = torch.nn.functional.one_hot(expert, E) * valid.unsqueeze(-1)

@@ -266,8 +266,8 @@ class MegatronOptimizerView(OptimizerView):
 
     def finish_migration(self):
         """Re-gather the expert parameter buffers from their (moved) shards: synchronously, so the
-        weights are whole before the next forward, with or without overlapped param gather."""
-        self.start_migration()
+        weights are whole before the next forward, with or without overlapped param gather
+        (start_migration already finished any gather in flight)."""
         for group in self._expert_bucket_groups():
             group.start_param_sync(force_sync=True)
 
