@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import inputs
-from .backends import create_backend
+from .backends import choose_backend, create_backend
 from .config import BufferConfig, KernelConfig
 from .handle import DispatchHandle, DispatchResult
 from .memory import MemoryPlan
@@ -95,7 +95,9 @@ class HybridEPBuffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self._owner = next(_owner_ids)
-        self._backend = create_backend(backend, self.config, group, self.rank, self._owner)
+        # what runs and why (auto: backends/choice.py), logged once on the group's rank 0
+        self.backend_choice = choose_backend(backend, self.config, group)
+        self._backend = create_backend(backend, self.config, group, self.rank, self._owner, self.backend_choice)
         self.last_call: CallRecord | None = None
 
     @property

@@ -42,7 +42,7 @@ class HybridEPOptions:
     max_tokens_per_rank: buffer size in tokens (None: the largest token count the EP group
     has seen so far; it grows with variable_seq_lengths).
     ranks_per_node: NVLink domain size (None: from LOCAL_WORLD_SIZE and the group's members).
-    backend: "auto" (cuda kernels where available, reference otherwise), "cuda", "reference".
+    backend: "auto" (what it picks: docs/architecture.md#what-runs-where), "cuda", "reference".
 
     Expert balancer (docs/balancer.md), off while balancer_interval is 0:
     balancer_interval: K, steps between load reductions and rebalancing.
@@ -155,7 +155,7 @@ _HELP = {
                           "counted); default: exact size",
     "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: the EP group's largest so far)",
     "ranks_per_node": "NVLink domain size of the EP group (default: from LOCAL_WORLD_SIZE and its members)",
-    "backend": "hybrid_ep backend: auto, cuda or reference",
+    "backend": "hybrid_ep backend: auto (docs/architecture.md#what-runs-where), cuda or reference",
     "balancer_interval": "expert balancer: steps between load reductions and rebalancing (0: off)",
     "balancer_slots_per_rank": "expert balancer: expert slots per EP rank (default experts / EP: "
                                "placement only; more: replicas of hot experts)",

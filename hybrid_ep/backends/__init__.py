@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend
+from .choice import AUTO_RULES, BackendChoice, choose_auto, log_choice
 from .reference import ReferenceBackend
 
 BACKEND_NAMES = ("auto", "cuda", "reference", "deepep")
@@ -32,19 +33,20 @@ def cuda_unavailable_reason(group, explicit: bool = False) -> str | None:
     return None
 
 
-def _cuda_fits(config, group) -> bool:
-    """auto picks cuda when it can run here: one NVLink domain, or several nodes with a build
-    that has the NVSHMEM transport."""
-    if cuda_unavailable_reason(group) is not None:
-        return False
+def _cuda_geometry_reason(config, group) -> str | None:
+    """Why the cuda backend cannot run this group's shape here (None when it can): one NVLink
+    domain, or several nodes with a build that has the NVSHMEM transport."""
+    reason = cuda_unavailable_reason(group)
+    if reason is not None:
+        return reason
     from .cuda import load_extension
     from .cuda.layout import check_geometry
 
     try:
         check_geometry(config, inter_node=config.num_nodes > 1 and load_extension("cuda").has_nvshmem())
-    except ValueError:
-        return False
-    return True
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def deepep_unavailable_reason() -> str | None:
@@ -53,11 +55,21 @@ def deepep_unavailable_reason() -> str | None:
     return "the DeepEP baseline adapter is not part of this build yet"
 
 
-def create_backend(name: str, config, group, rank: int, owner: int) -> Backend:
+def choose_backend(name: str, config, group) -> BackendChoice:
+    """The backend a buffer of `config` on `group` runs for the name asked (auto: AUTO_RULES)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "auto":
-        name = "cuda" if _cuda_fits(config, group) else "reference"
+        return choose_auto(config.num_nodes, lambda: _cuda_geometry_reason(config, group))
+    return BackendChoice(name, name, "asked for by name")
+
+
+def create_backend(name: str, config, group, rank: int, owner: int, choice: BackendChoice | None = None) -> Backend:
+    """The backend for `name` (or an already made `choice`), its choice logged once on rank 0."""
+    if choice is None:
+        choice = choose_backend(name, config, group)
+    log_choice(choice, rank, config.num_nodes, config.ranks_per_node)
+    name = choice.name
     if name == "reference":
         return ReferenceBackend(config, group, rank, owner)
     if name == "cuda":
@@ -79,4 +91,5 @@ def available_backends(group) -> list[str]:
     return names
 
 
-__all__ = ["BACKEND_NAMES", "Backend", "ReferenceBackend", "available_backends", "create_backend"]
+__all__ = ["AUTO_RULES", "BACKEND_NAMES", "Backend", "BackendChoice", "ReferenceBackend", "available_backends",
+           "choose_backend", "create_backend"]

@@ -1,0 +1,89 @@
+"""What `backend="auto"` picks, and the measurement each pick rests on.
+
+`auto` follows a rule, not a probe: it picks `cuda` for a topology only where a benchmark on
+real hardware showed the kernels faster than the reference backend (NCCL's all-to-all) there;
+everywhere else it picks `reference`, which is also the better-verified path. A timed probe
+at buffer creation was not chosen: it would time one shape on a cold buffer, add seconds and
+a collective to every buffer, and could pick differently from run to run on noise, while the
+measurements that decide the question (docs/benchmarks/) are made once per hardware and kept.
+
+`AUTO_RULES` is the one home of the rule: a new measurement flips an entry here, with the
+measurement it rests on, and docs/architecture.md's "What runs where" table follows it (a
+test compares the two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+_log = logging.getLogger("hybrid_ep")
+
+WHERE_DOCUMENTED = "docs/architecture.md#what-runs-where"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRule:
+    """What auto picks for one topology, and why."""
+
+    topology: str  # "one node" | "several nodes"
+    picks: str  # "reference" | "cuda"
+    evidence: str  # the measurement (device, date, numbers) the pick rests on
+    source: str  # where the measurement is written down
+
+
+AUTO_RULES = {
+    "one node": AutoRule(
+        topology="one node",
+        picks="reference",
+        evidence="the cuda kernels have run on one H100 only, where they measured 10.0 GB/s (dispatch) and "
+        "0.9 GB/s (combine) of destination bytes per SM at W=8 against targets of 60 and 50 "
+        "(2026-11-24); they have not been timed against NCCL's all-to-all on several GPUs",
+        source="docs/benchmarks/cuda.md, 2026-11-24",
+    ),
+    "several nodes": AutoRule(
+        topology="several nodes",
+        picks="reference",
+        evidence="the inter-node cuda path has not run on two real GPUs (only in single-GPU emulation "
+        "and between processes sharing one H100, 2026-11-24)",
+        source="docs/benchmarks/cuda.md, 2026-11-24",
+    ),
+}
+
+
+def topology_of(num_nodes: int) -> str:
+    return "one node" if num_nodes == 1 else "several nodes"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    """The backend a buffer runs, what was asked for, and why (kept on the buffer, logged once)."""
+
+    name: str
+    asked: str
+    reason: str
+
+    def describe(self, num_nodes: int, ranks_per_node: int) -> str:
+        shape = f"{num_nodes} node{'s' if num_nodes > 1 else ''} x {ranks_per_node} ranks"
+        return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for an EP group of {shape}: {self.reason}"
+
+
+def choose_auto(num_nodes: int, cuda_runs_here) -> BackendChoice:
+    """auto's pick for a group of `num_nodes` nodes. cuda_runs_here() -> None when the cuda
+    backend can run this group, else why not; it is asked only where the rule picks cuda."""
+    rule = AUTO_RULES[topology_of(num_nodes)]
+    if rule.picks == "cuda":
+        reason = cuda_runs_here()
+        if reason is None:
+            return BackendChoice("cuda", "auto", f"faster than reference on {rule.topology}: {rule.evidence} "
+                                                 f"({rule.source})")
+        return BackendChoice("reference", "auto", f"cuda cannot run here ({reason})")
+    return BackendChoice("reference", "auto",
+                         f"auto picks reference on {rule.topology} until a benchmark on real hardware shows cuda "
+                         f"faster: {rule.evidence} ({WHERE_DOCUMENTED}); backend='cuda' runs the kernels")
+
+
+def log_choice(choice: BackendChoice, rank: int, num_nodes: int, ranks_per_node: int) -> None:
+    """One line per buffer, on the group's rank 0."""
+    if rank == 0:
+        _log.info("%s", choice.describe(num_nodes, ranks_per_node))
