@@ -1,0 +1,96 @@
+"""The kernels of an older commit on today's CPU model, for calibration.
+
+The GPU measurements belong to the commits that ran them (docs/benchmarks/timing/points.json),
+and the timing model lives in today's device layer. `build_commit` extracts the commit's tree
+(`git archive`) into a scratch folder, puts today's device layer (csrc/device/) and the model's
+bindings over it, and builds hybrid_ep._model there in place; `run_in_build` runs a job of
+driver.py with that folder's package on PYTHONPATH. A build is reused while the device layer
+it was made with is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+DEFAULT_WORK = os.path.join(os.path.expanduser("~"), ".cache", "hybrid-ep", "timing-builds")
+# Today's files put over the old tree: the device layer (with the timing model) and the binding
+# that exposes it. The kernels, transports, host code and Python package stay the commit's.
+OVERLAY = ("csrc/device", "csrc/bindings/model_module.cpp")
+DRIVER = os.path.join(os.path.dirname(__file__), "driver.py")
+
+
+def overlay_digest(repo: str = REPO) -> str:
+    """A hash of the overlaid files' contents: a build made with other contents is redone."""
+    h = hashlib.sha256()
+    for top in OVERLAY:
+        path = os.path.join(repo, top)
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+        for f in files:
+            h.update(os.path.relpath(f, repo).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def resolve_commit(commit: str, repo: str = REPO) -> str:
+    out = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=repo, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise ValueError(f"{commit!r} is not a commit of {repo}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sys.stderr) -> str:
+    """The folder holding `commit`'s tree with today's device layer and its built model."""
+    full = resolve_commit(commit, repo)
+    folder = os.path.join(work, full[:12])
+    stamp = os.path.join(folder, ".timing-build")
+    digest = overlay_digest(repo)
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read().strip() == digest:
+                return folder
+    if os.path.exists(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    archive = subprocess.run(["git", "archive", full], cwd=repo, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    for top in OVERLAY:
+        src, dst = os.path.join(repo, top), os.path.join(folder, top)
+        if os.path.isdir(src):
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+    print(f"timing: building the model of {full[:12]} with today's device layer in {folder}", file=log, flush=True)
+    env = dict(os.environ, HYBRID_EP_SKIP_CUDA_BUILD="1")
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the model of {full[:12]} did not build:\n{done.stderr[-4000:]}")
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
+    return folder
+
+
+def run_in_build(folder: str, job: dict) -> dict:
+    """driver.py's result for `job`, run with the build's package first on sys.path."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+        path = f.name
+    try:
+        env = dict(os.environ, PYTHONPATH=folder)
+        done = subprocess.run([sys.executable, DRIVER, path], cwd=folder, env=env, capture_output=True, text=True)
+    finally:
+        os.unlink(path)
+    if done.returncode != 0:
+        raise RuntimeError(f"the job {job} failed in {folder}:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
