@@ -202,7 +202,7 @@ def build_moe_layer(case: LayerCase, **config_overrides):
     return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
 
 
-def _seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
+def seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
     """A MoELayer with the seeded router and expert weights (case_tensors) loaded."""
     L = case.num_experts // case.world_size
     router, fc1, fc2, _, _ = case_tensors(case)
@@ -228,7 +228,7 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
     init_megatron(case.world_size)
     BUFFERS.clear()  # sized from this run's first call, as a fresh job would
     rank = dist.get_rank()
-    layer = _seeded_layer(case, rank, config_overrides)
+    layer = seeded_layer(case, rank, config_overrides)
     results = []
     for c, seq in enumerate(seqs):
         g = torch.Generator().manual_seed(case.seed + 1000 * c + rank)
@@ -260,7 +260,7 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
     init_megatron(case.world_size)
     rank = dist.get_rank()
     _, _, _, x_all, grad_out = case_tensors(case)
-    layer = _seeded_layer(case, rank, config_overrides)
+    layer = seeded_layer(case, rank, config_overrides)
     router_out = {}
     hook = layer.router.register_forward_hook(lambda m, i, out: router_out.update(probs=out[0], map=out[1]))
     x = x_all[rank].float().clone().requires_grad_()

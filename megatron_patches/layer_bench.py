@@ -1,0 +1,208 @@
+"""Megatron-Core MoE layer forward + backward: hybrid_ep against Megatron's alltoall dispatcher.
+
+    python -m megatron_patches.layer_bench [--shapes tiny mid deepseek] [--repeats 30] [--out DIR]
+
+Selecting `--moe-token-dispatcher-type hybrid_ep` must cost nothing against Megatron's own
+alltoall dispatcher where hybrid_ep runs its reference backend; this measures it where it
+matters: a whole MoELayer (router, dispatch, experts, combine, and the backward of all of it).
+Both dispatchers run in the same process group (Megatron's EP group), with the same router and
+expert weights and the same inputs, hence the same routing. Samples are interleaved: each
+repeat times one forward + backward of every (shape, dispatcher) in turn, the dispatcher order
+alternating between repeats, so that the load of a shared machine falls on both alike. A
+sample is the slowest rank's time of that step (perf_counter after a barrier); the table gives
+the median over repeats and its ratio, hybrid_ep / alltoall.
+
+Writes layer_bench.json (the project's metadata block first), layer_bench.md (the table) and
+layer_bench.png to --out. docs/benchmarks/megatron_layer.md has a run with its command.
+Legend: W ranks, T tokens per rank, H hidden, F expert ffn hidden, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+TOOL = "python -m megatron_patches.layer_bench"
+DISPATCHERS = ("hybrid_ep", "alltoall")
+# name -> (H, F, E, K, seq, micro-batch): T = seq x micro-batch tokens per rank.
+SHAPES = {
+    "tiny": (128, 256, 8, 2, 32, 4),  # the MoE layer of `python -m megatron_patches.demo`
+    "mid": (1024, 1024, 8, 2, 64, 4),
+    "deepseek": (256, 128, 64, 8, 64, 4),  # fine-grained experts, top-8 of 64, at a small hidden
+}
+UNITS = {
+    "median_ms": "milliseconds, median over repeats of the slowest rank's forward + backward time",
+    "samples_ms": "milliseconds, the slowest rank's forward + backward time of each repeat, in order",
+    "ratio": "hybrid_ep median / alltoall median (1 = same time; below 1 hybrid_ep is faster)",
+    "paired_ratio": "median over repeats of hybrid_ep / alltoall of the same repeat",
+    "hidden": "elements", "ffn": "elements", "experts": "count", "topk": "count",
+    "tokens_per_rank": "tokens",
+    "max_abs_diff": "largest |hybrid_ep - alltoall| over the layer outputs of all ranks (same routing: ~0)",
+}
+
+
+def _case(shape: str, dispatcher: str, world_size: int):
+    from .testing import LayerCase
+
+    H, F, E, K, seq, batch = SHAPES[shape]
+    return LayerCase(world_size, num_experts=E, topk=K, hidden=H, ffn=F, seq=seq, batch=batch,
+                     dispatcher=dispatcher)
+
+
+def _step_time(layer, x: torch.Tensor, grad_out: torch.Tensor) -> float:
+    """One forward + backward of the layer; seconds from a barrier to its end on this rank."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    dist.barrier()
+    start = time.perf_counter()
+    out, _ = layer(x)
+    out.backward(grad_out)
+    return time.perf_counter() - start
+
+
+def _output(run) -> torch.Tensor:
+    layer, x, _ = run
+    with torch.no_grad():
+        return layer(x)[0]
+
+
+def time_rank(shapes: list[str], repeats: int, warmup: int) -> dict:
+    """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time (s)."""
+    from .demo import quiet_libraries
+    from .testing import case_tensors, init_megatron, seeded_layer
+
+    quiet_libraries()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    init_megatron(world)
+    runs = {}
+    for shape in shapes:
+        for name in DISPATCHERS:
+            case = _case(shape, name, world)
+            _, _, _, x, grad_out = case_tensors(case)
+            runs[shape, name] = (seeded_layer(case, rank, None), x[rank].float(), grad_out[rank].float())
+    for args in runs.values():
+        for _ in range(warmup):
+            _step_time(*args)
+    # Same weights, inputs and routing: the two layers must give the same output.
+    diffs = torch.tensor([_output(runs[s, "hybrid_ep"]).sub(_output(runs[s, "alltoall"])).abs().max().item()
+                          for s in shapes], dtype=torch.float64)
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    mine = {key: [] for key in runs}
+    for rep in range(repeats):
+        for shape in shapes:
+            for name in DISPATCHERS if rep % 2 == 0 else DISPATCHERS[::-1]:
+                mine[shape, name].append(_step_time(*runs[shape, name]))
+    keys = list(runs)
+    slowest = torch.tensor([mine[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    backend = runs[shapes[0], "hybrid_ep"][0].token_dispatcher._buffer.backend
+    return {"backend": backend, "max_abs_diff": dict(zip(shapes, diffs.tolist())),
+            "samples": {f"{s}/{n}": slowest[i].tolist() for i, (s, n) in enumerate(keys)}}
+
+
+def summarize(samples: dict, shapes: list[str], max_abs_diff: dict) -> list[dict]:
+    """One row per shape: medians (ms), ratio of medians and the median of per-repeat ratios."""
+    rows = []
+    for shape in shapes:
+        H, F, E, K, seq, batch = SHAPES[shape]
+        ms = {n: [1e3 * t for t in samples[f"{shape}/{n}"]] for n in DISPATCHERS}
+        med = {n: statistics.median(ms[n]) for n in DISPATCHERS}
+        rows.append({
+            "shape": shape, "hidden": H, "ffn": F, "experts": E, "topk": K, "tokens_per_rank": seq * batch,
+            "median_ms": med, "samples_ms": ms,
+            "ratio": med["hybrid_ep"] / med["alltoall"],
+            "paired_ratio": statistics.median(a / b for a, b in zip(ms["hybrid_ep"], ms["alltoall"])),
+            "max_abs_diff": max_abs_diff[shape],
+        })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | H | F | E | top-k | T/rank | hybrid_ep ms | alltoall ms | ratio | paired ratio | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['hidden']} | {r['ffn']} | {r['experts']} | {r['topk']} | "
+                     f"{r['tokens_per_rank']} | {r['median_ms']['hybrid_ep']:.2f} | {r['median_ms']['alltoall']:.2f}"
+                     f" | {r['ratio']:.3f} | {r['paired_ratio']:.3f} | {r['max_abs_diff']:.1e} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    """Median time per shape, one bar per dispatcher, the ratio above each pair."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = doc["rows"]
+    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    xs = range(len(rows))
+    for i, name in enumerate(DISPATCHERS):
+        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r["median_ms"][name] for r in rows], 0.38, label=name)
+    for x, r in zip(xs, rows):
+        top = max(r["median_ms"].values())
+        ax.annotate(f"{r['ratio']:.2f}x", (x, top), ha="center", va="bottom", xytext=(0, 3),
+                    textcoords="offset points")
+    ax.set_xticks(list(xs), [f"{r['shape']}\nH {r['hidden']}, top-{r['topk']} of {r['experts']}" for r in rows])
+    ax.set_ylabel("ms, median forward + backward (slowest rank)")
+    meta = doc["metadata"]
+    ax.set_title(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks: hybrid_ep (reference) "
+                 f"vs alltoall\n{meta['device']} | {meta['date']}", fontsize=10)
+    ax.legend()
+    FigureCanvasAgg(fig).print_png(path)
+
+
+def run(shapes: list[str], repeats: int, warmup: int, world_size: int, pool=None) -> dict:
+    from hybrid_ep.metadata import metadata
+    from hybrid_ep.spawn import ProcessGroupPool
+
+    own = pool is None
+    if own:
+        pool = ProcessGroupPool(world_size, backend="gloo", env={"HYBRID_EP_TIMEOUT_S": "120"})
+    try:
+        out = pool.run(time_rank, [(shapes, repeats, warmup)] * pool.world_size, timeout_s=3600)[0]
+    finally:
+        if own:
+            pool.close()
+    config = {"world_size": world_size, "transport": "gloo", "dispatchers": list(DISPATCHERS), "shapes": shapes,
+              "repeats": repeats, "warmup": warmup, "dtype": "fp32", "layer": "MoELayer, local spec, SequentialMLP",
+              "timing": "time.perf_counter after a barrier, forward + backward, slowest rank per repeat"}
+    meta = metadata(TOOL, device_type="cpu", config=config, units=UNITS, backends=[out["backend"]])
+    return {"metadata": meta, "rows": summarize(out["samples"], shapes, out["max_abs_diff"])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--out", default="results/layer_bench")
+    a = parser.parse_args(argv)
+    for flag, value, low in (("--repeats", a.repeats, 1), ("--warmup", a.warmup, 0), ("--world-size", a.world_size, 1)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    for shape in a.shapes:
+        if SHAPES[shape][2] % a.world_size:
+            parser.error(f"--world-size {a.world_size} must divide the {SHAPES[shape][2]} experts of shape {shape}")
+    doc = run(a.shapes, a.repeats, a.warmup, a.world_size)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "layer_bench.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    text = table(doc["rows"])
+    with open(os.path.join(a.out, "layer_bench.md"), "w") as f:
+        f.write(text + "\n")
+    plot(doc, os.path.join(a.out, "layer_bench.png"))
+    print(f"{doc['metadata']['device']} | {doc['metadata']['date']} | W={a.world_size} gloo, "
+          f"{a.repeats} interleaved repeats\n{text}\nwrote {a.out}/layer_bench.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
