@@ -69,3 +69,59 @@ inline uint64_t global_timer_ns() { return model::timer_ns(); }
 #undef HYBRID_EP_SITE
 
 }  // namespace hybrid_ep::dev
+
+// ---- the cheaper waits of sm90/primitives.cuh (suspend-hint try_wait, relaxed poll + one
+// fence, elected lane, named barrier, back-off) -------------------------------------------
+namespace hybrid_ep::dev {
+
+// The model's try_wait never suspends: with a hint it is the same probe.
+inline bool mbar_try_wait_hint(uint64_t* bar, uint32_t parity, uint32_t /*suspend_ns*/,
+                               const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return model::mbar_try_wait(bar, parity, {file, line});
+}
+// A poll; like every poll here it acquires, so the model cannot show a missing
+// fence_acq_rel_sys (fences are not modelled).
+inline uint64_t ld_relaxed_sys(const uint64_t* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return model::poll(p, 8, {file, line});
+}
+inline void fence_acq_rel_sys() {}
+
+// A warp collective over `mask`; the lowest lane is the one elected.
+inline bool elect_one(uint32_t mask = 0xffffffffu, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  const uint64_t lanes = model::collective(model::Collective::kBallot, mask, 1, 0, {file, line});
+  return (threadIdx.x & 31u) == static_cast<unsigned>(__builtin_ctzll(lanes));
+}
+
+// Counted per thread (every thread of the participating warps calls it, as on the GPU). The
+// counts live in the block's static shared memory, set up by the first caller of the launch;
+// each arrival releases and the waiters acquire through the generation word (the race check's
+// happens-before edges).
+inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file = __builtin_FILE(),
+                               int line = __builtin_LINE()) {
+  struct NamedBarriers {
+    uint64_t launch;  // which launch set the counts up (the model fills fresh shared memory with 0xCD)
+    uint32_t arrived[16];
+    uint32_t generation[16];
+  };
+  NamedBarriers& b = block_shared<NamedBarriers>();
+  const uint64_t launch = 0x6e616d6564626172ull ^ model::stats().launches;
+  if (__atomic_load_n(&b.launch, __ATOMIC_RELAXED) != launch) {
+    for (int i = 0; i < 16; ++i) {
+      __atomic_store_n(&b.arrived[i], 0u, __ATOMIC_RELAXED);
+      __atomic_store_n(&b.generation[i], 0u, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&b.launch, launch, __ATOMIC_RELAXED);
+  }
+  id &= 15u;
+  const uint32_t generation = __atomic_load_n(&b.generation[id], __ATOMIC_RELAXED);
+  if (__atomic_add_fetch(&b.arrived[id], 1u, __ATOMIC_ACQ_REL) == threads) {
+    __atomic_store_n(&b.arrived[id], 0u, __ATOMIC_RELAXED);
+    __atomic_store_n(&b.generation[id], generation + 1u, __ATOMIC_RELEASE);
+    return;
+  }
+  while (static_cast<uint32_t>(model::poll(&b.generation[id], 4, {file, line})) == generation) {}
+}
+
+inline void sleep_ns(uint32_t) {}  // polls give way to the other threads anyway
+
+}  // namespace hybrid_ep::dev

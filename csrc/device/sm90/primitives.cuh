@@ -1,6 +1,8 @@
 // The device primitives on sm_90 / sm_100: thin PTX wrappers (mbarriers, bulk copies between
 // global and shared memory, proxy fences, system-scope acquire / release), the global timer,
-// and per-block shared storage. csrc/device/model/ implements the same names on the CPU.
+// per-block shared storage, and the cheaper waits (suspend-hint try_wait, relaxed poll + one
+// fence, elected lane, named barrier, back-off). csrc/device/model/ implements the same names
+// on the CPU.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -141,5 +143,50 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// ---- cheaper waits and group agreement (measured by csrc/microbench/ before the kernels
+// adopt them) ----------------------------------------------------------------------------
+
+// try_wait that may suspend the thread until the phase completes or about `suspend_ns` pass
+// (the hardware may cap the hint), instead of returning at once: a waiter that sleeps takes no
+// issue slots from the warps doing the work.
+__device__ __forceinline__ bool mbar_try_wait_hint(uint64_t* bar, uint32_t parity, uint32_t suspend_ns) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity), "r"(suspend_ns)
+      : "memory");
+  return done != 0;
+}
+
+// A poll that orders nothing (no L1 invalidate per poll, unlike ld_acquire_sys); once the
+// value is seen, one fence_acq_rel_sys() gives the acquire.
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// True in one lane of `mask` (the same lane for the same mask); every lane of the mask calls it.
+__device__ __forceinline__ bool elect_one(uint32_t mask = 0xffffffffu) {
+  uint32_t elected;
+  asm volatile("{\n .reg .pred p;\n .reg .b32 leader;\n elect.sync leader|p, %1;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(elected)
+               : "r"(mask)
+               : "memory");
+  return elected != 0;
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads') among `threads` threads, a multiple of 32:
+// every thread of each participating warp calls it.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Back-off between polls.
+__device__ __forceinline__ void sleep_ns(uint32_t ns) { __nanosleep(ns); }
 
 }  // namespace hybrid_ep::dev
