@@ -245,6 +245,8 @@ setup(
     description="Hierarchical NVLink + RDMA expert-parallel dispatch/combine for Megatron-Core MoE training",
     long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["hybrid_ep", "hybrid_ep.*", "megatron_patches", "megatron_patches.*"]),
     install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
