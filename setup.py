@@ -251,7 +251,8 @@ setup(
     packages=find_packages(include=["hybrid_ep", "hybrid_ep.*", "megatron_patches", "megatron_patches.*"]),
     install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        # the linters too: scripts/test.sh runs scripts/lint.sh (settings: pyproject.toml, .clang-format)
+        "test": ["pytest>=8", "pytest-timeout", "ruff>=0.17,<0.18", "clang-format>=23,<24", "graylint>=2,<3"],
         "megatron": ["megatron-core>=0.16", "psutil"],  # psutil: dist_checkpointing's file writer
         "wandb": ["wandb"],
     },
