@@ -178,6 +178,15 @@ def _with_nvshmem(kwargs: dict, nvshmem) -> None:
 
 
 def _pybind11_includes() -> list[str] | None:
+def _megatron_core_floor() -> str:
+    """megatron_patches/versions.py's MEGATRON_CORE_FLOOR, the oldest Megatron-Core CI runs
+    (apply() refuses older ones by the same constant)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_patches", "versions.py")
+    namespace = {"__name__": "hybrid_ep_megatron_versions"}
+    exec(compile(open(path, encoding="utf-8").read(), path, "exec"), namespace)
+    return namespace["MEGATRON_CORE_FLOOR"]
+
+
     """pybind11's headers: its own package, else the copy inside PyTorch; None without either."""
     try:
         import pybind11
@@ -253,7 +262,7 @@ setup(
     extras_require={
         # the linters too: scripts/test.sh runs scripts/lint.sh (settings: pyproject.toml, .clang-format)
         "test": ["pytest>=8", "pytest-timeout", "ruff>=0.17,<0.18", "clang-format>=23,<24", "graylint>=2,<3"],
-        "megatron": ["megatron-core>=0.16", "psutil"],  # psutil: dist_checkpointing's file writer
+        "megatron": [f"megatron-core>={_megatron_core_floor()}", "psutil"],  # psutil: dist_checkpointing's writer
         "wandb": ["wandb"],
     },
     entry_points={

@@ -49,8 +49,9 @@ def apply(*, cpu_fallback: bool = True) -> dict:
     cpu_fallback: enable `cpu_compat` when no GPU is visible (it never acts on a GPU).
     """
     global _applied
-    from . import cpu_compat, expert_rows, overlap, selection
+    from . import cpu_compat, expert_rows, overlap, selection, versions
 
+    versions.check_megatron_core()  # older releases fail in obscure places: refuse them by name
     if cpu_fallback:
         cpu_compat.enable()
     if _applied is None:

@@ -9,8 +9,11 @@ Users keep their scripts and add `--moe-token-dispatcher-type hybrid_ep` (plus a
 2. a `pretrain_gpt` module importable from sys.path (a Megatron-LM checkout on PYTHONPATH,
    next to the installed megatron.training it uses).
 
-It then runs as `__main__` with sys.argv set to the remaining arguments and its folder
-first on sys.path, exactly as `python pretrain_gpt.py ...` would, after megatron_patches.apply().
+The script's folder goes first on sys.path before anything imports megatron, so a Megatron-LM
+checkout's own megatron package (modified or not) is the one that runs, not an installed
+megatron-core; one line on rank 0 names the script and the Megatron-Core it runs (version and
+folder). Then megatron_patches.apply(), and the script runs as `__main__` with sys.argv set to
+the remaining arguments, exactly as `python pretrain_gpt.py ...` would.
 torchrun works the same way: `torchrun ... -m megatron_patches.pretrain_gpt ...`.
 """
 
@@ -63,20 +66,39 @@ def find_pretrain_script(lm_dir: str | None = None) -> str:
     )
 
 
+def checkout_megatron_check(checkout: str, imported_folder: str) -> None:
+    """Refuse a run whose megatron.core is not the checkout's own when the checkout has one
+    (something imported megatron before the launcher could put the checkout first)."""
+    own = os.path.join(checkout, "megatron", "core")
+    if os.path.isdir(own) and os.path.realpath(imported_folder) != os.path.realpath(own):
+        raise LauncherError(
+            f"megatron.core was imported from {imported_folder}, not from the Megatron-LM checkout's {own}: "
+            "something imported megatron before the launcher (a sitecustomize or a .pth file?)"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         lm_dir, megatron_args = split_launcher_args(argv)
         script = find_pretrain_script(lm_dir)
+        checkout = os.path.dirname(script)
+        sys.path.insert(0, checkout)  # before anything imports megatron, as `python pretrain_gpt.py` has it
+        from .versions import imported_megatron_core
+
+        version, folder = imported_megatron_core()
+        checkout_megatron_check(checkout, folder)
     except LauncherError as err:
         print(f"megatron_patches.pretrain_gpt: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron_patches.pretrain_gpt: running {script} with Megatron-Core {version} from {folder}",
+              flush=True)
 
     import megatron_patches
 
     megatron_patches.apply()
     sys.argv = [script] + megatron_args
-    sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")
 
 

@@ -13,6 +13,8 @@ if ! PYTHON="$py" bash "$repo/scripts/lint.sh"; then
     echo "test.sh: the lint findings above do not fail this run (HYBRID_EP_LINT=strict makes them)" >&2
 fi
 PYTHON="$py" bash "$repo/scripts/compile_csrc.sh"
+# which Megatron-Core the megatron tests run against (docs/megatron.md#versions)
+echo "test.sh: $("$py" -W ignore -m megatron_patches.versions 2>/dev/null || echo "Megatron-Core is not importable")" >&2
 cd "$repo"
 set +e
 "$py" -m pytest --timeout=600 --durations=25 "$@"
