@@ -2,7 +2,8 @@
 # Compile every CUDA/C++ source under csrc/ (object files only, nothing runs), so a syntax or
 # template error fails CI on machines without a GPU. Kernels (.cu) need only nvcc; the
 # bindings and transport (.cpp) also need pybind11 and Python headers, taken from $PYTHON's
-# torch. Skips when nvcc is absent.
+# torch. The GPU microbenchmarks (csrc/microbench/) are built and linked into their executable
+# by scripts/build_microbench.sh (sm_90a). Skips when nvcc is absent.
 #
 # The NVSHMEM transport's sources (file names containing "nvshmem") are compiled with
 # relocatable device code against NVSHMEM as setup.py finds it (scripts/find_nvshmem.py: the
@@ -94,11 +95,16 @@ if [ -n "$link_only" ]; then
     exit 0
 fi
 
-mapfile -t sources < <(cd "$repo" && find csrc \( -name '*.cu' -o -name '*.cpp' \) | sort)
+mapfile -t sources < <(cd "$repo" && find csrc \( -name '*.cu' -o -name '*.cpp' \) ! -path 'csrc/microbench/*' | sort)
 if [ "${#sources[@]}" -eq 0 ]; then echo "compile_csrc: no sources under csrc/, nothing to compile"; exit 0; fi
 compiled=0
 for src in "${sources[@]}"; do
     if compile "$src"; then compiled=$((compiled + 1)); fi
 done
 if [ "$NVSHMEM_FOUND" = 1 ]; then nvshmem_link "$out"; fi
+if [ -f "$repo/csrc/microbench/main.cu" ]; then
+    echo "compile_csrc: csrc/microbench/main.cu (sm 90a, linked)"
+    NVCC="$nvcc" bash "$repo/scripts/build_microbench.sh" "$out/microbench" > /dev/null
+    compiled=$((compiled + 1))
+fi
 echo "compile_csrc: $compiled file(s) compiled with $("$nvcc" --version | tail -1)"

@@ -44,9 +44,11 @@ fi
 
 # Point the editable install at this checkout. Re-run only when the checkout moved or its
 # build inputs changed: with a CUDA toolkit this compiles hybrid_ep._C (about a minute).
+# csrc/microbench/ is in no extension (scripts/build_microbench.sh builds it).
 build_stamp=$( (echo "$repo"; cat "$repo/setup.py" "$repo/pyproject.toml";
                 find "$repo/csrc" -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) \
-                    -print0 2>/dev/null | sort -z | xargs -0 -r cat) | sha256sum | cut -c1-16)
+                    ! -path "$repo/csrc/microbench/*" -print0 2>/dev/null | sort -z | xargs -0 -r cat) \
+                | sha256sum | cut -c1-16)
 stamp=$(cat "$repo/setup.py" "$repo/pyproject.toml" | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.hybrid-ep-deps" 2>/dev/null)" != "$stamp" ]; then
     log "installing dependencies into $venv (first time: torch from the registry, a few minutes)"

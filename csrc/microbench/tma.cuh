@@ -1,0 +1,153 @@
+// M2: how many bytes per second one SM's bulk copies (TMA) move, for the patterns the
+// kernels use, with the project's own pipeline (kernels/pipeline.cuh: Ring, StageRing, the
+// store-group release of the send and expand stores).
+//
+// A block runs `pipelines` independent pipelines, each on `stages` stages of `copy_bytes`:
+//   - kLoad: one thread issues bulk loads, reusing a stage once its previous load landed;
+//   - kStore: one thread issues bulk stores (one group each) from its stages, letting `depth`
+//     groups still read (wait_group.read depth), then waits for every write;
+//   - kMix: dispatch's send: a load thread fills the stages, a store thread stores each stage
+//     to `fanout` destinations (one group), keeps `depth` groups reading and releases the
+//     older stages to the loads (depth <= stages - 1), then waits for every write.
+// Copy i of a pipeline reads row i (sequential) or a hashed row (random: a new page nearly
+// every copy) of the block's source region, and writes the same row of each destination's
+// region. The host times the launch and reads each block's span.
+#pragma once
+#include <cstdint>
+
+#include "common/state.cuh"
+#include "kernels/pipeline.cuh"
+#include "microbench/probe.cuh"
+
+namespace hybrid_ep::micro {
+
+enum class TmaMode : int { kLoad = 0, kStore = 1, kMix = 2 };
+
+constexpr int kTmaMaxPipelines = 4;
+constexpr int kTmaThreads = 32 * 2 * kTmaMaxPipelines;  // kMix: a load warp and a store warp per pipeline
+
+struct TmaArgs {
+  LaunchArgs la;  // the project's bounded waits read its abort flag, bound and error record
+  Common c;
+  int mode;       // TmaMode
+  int fanout;     // kMix: destinations per stage
+  int pipelines;  // 1 .. kTmaMaxPipelines
+  int stages;     // per pipeline, 2 .. kMaxStages
+  int depth;      // store groups left reading: 0 .. 7
+  int random_rows;
+  uint32_t copy_bytes;  // a multiple of 16
+  uint32_t copies;      // per pipeline: loads (kLoad, kMix) or stores (kStore)
+  // Row counts are powers of two (a mask, not a 64-bit division, on the issuing thread's path).
+  const uint8_t* src;  // block b reads rows [b * src_rows, (b + 1) * src_rows)
+  uint64_t src_rows;
+  uint8_t* dst;  // destination j of block b: rows [(b * fanout + j) * dst_rows, ... + dst_rows)
+  uint64_t dst_rows;
+};
+
+struct TmaShared {
+  uint64_t full[kTmaMaxPipelines][kMaxStages];
+  uint64_t empty[kTmaMaxPipelines][kMaxStages];
+};
+
+// The row copy i of pipeline `pipe` touches, among `rows` (a power of two).
+__device__ __forceinline__ uint64_t tma_row(const TmaArgs& a, int pipe, uint32_t i, uint64_t rows) {
+  uint64_t n = static_cast<uint64_t>(pipe) * a.copies + i;
+  if (a.random_rows) {  // splitmix64's finaliser of (block, copy)
+    n += (static_cast<uint64_t>(blockIdx.x) + 1) * 0x9e3779b97f4a7c15ull;
+    n = (n ^ (n >> 30)) * 0xbf58476d1ce4e5b9ull;
+    n = (n ^ (n >> 27)) * 0x94d049bb133111ebull;
+    n ^= n >> 31;
+  }
+  return n & (rows - 1);
+}
+
+__device__ __forceinline__ const uint8_t* tma_src(const TmaArgs& a, int pipe, uint32_t i) {
+  return a.src + (blockIdx.x * a.src_rows + tma_row(a, pipe, i, a.src_rows)) * a.copy_bytes;
+}
+
+__device__ __forceinline__ uint8_t* tma_dst(const TmaArgs& a, int pipe, uint32_t i, int j) {
+  const uint64_t region = static_cast<uint64_t>(blockIdx.x) * a.fanout + j;
+  return a.dst + (region * a.dst_rows + tma_row(a, pipe, i, a.dst_rows)) * a.copy_bytes;
+}
+
+__device__ __forceinline__ void tma_load_only(const TmaArgs& a, const StageRing& ring, int pipe) {
+  PipeState p;
+  for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
+    // the slot's previous load (one round back) must have landed before it is refilled
+    if (p.count >= static_cast<uint32_t>(a.stages) && !mbar_wait(a.la, &ring.ring.full[p.stage], p.phase ^ 1u, 0, 0))
+      break;
+    ring.load(p, tma_src(a, pipe, i), a.copy_bytes);
+  }
+  ring.drain(a.la, PipeState{}, p);
+}
+
+__device__ __forceinline__ void tma_store_only(const TmaArgs& a, const StageRing& ring, int pipe) {
+  for (uint32_t i = 0; i < a.copies; ++i) {
+    dev::bulk_s2g(tma_dst(a, pipe, i, 0), ring.data + static_cast<size_t>(i % a.stages) * a.copy_bytes, a.copy_bytes);
+    dev::bulk_commit();
+    bulk_wait_read_except(a.depth);
+  }
+  dev::bulk_wait_all();
+}
+
+__device__ __forceinline__ void tma_mix_load(const TmaArgs& a, const StageRing& ring, int pipe) {
+  PipeState p;
+  for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
+    if (!ring.ring.producer_acquire(a.la, p)) break;
+    ring.load(p, tma_src(a, pipe, i), a.copy_bytes);
+  }
+  ring.drain(a.la, PipeState{}, p);
+}
+
+__device__ __forceinline__ void tma_mix_store(const TmaArgs& a, const StageRing& ring, int pipe) {
+  PipeState p, released;
+  for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
+    if (!ring.ring.consumer_wait(a.la, p)) break;
+    for (int j = 0; j < a.fanout; ++j) dev::bulk_s2g(tma_dst(a, pipe, i, j), ring.slot(p), a.copy_bytes);
+    dev::bulk_commit();
+    bulk_wait_read_except(a.depth);
+    // every group but the newest `depth` has read its stage: hand those stages to the loads
+    for (; released.count + a.depth <= p.count; released.advance(a.stages)) ring.ring.consumer_release(released);
+  }
+  dev::bulk_wait_all();
+}
+
+__global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_constant__ TmaArgs a) {
+  TmaShared& sh = dev::block_shared<TmaShared>();
+  uint8_t* smem = dev::dynamic_smem<uint8_t>();
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  if (threadIdx.x == 0) {
+    for (int q = 0; q < a.pipelines; ++q)
+      for (int s = 0; s < a.stages; ++s) {
+        dev::mbar_init(&sh.full[q][s], 1);
+        dev::mbar_init(&sh.empty[q][s], 1);
+      }
+    dev::mbar_fence_init();
+  }
+  if (a.mode == static_cast<int>(TmaMode::kStore)) {  // what the stores carry: each word its offset + 1
+    const uint32_t words = static_cast<uint32_t>(a.pipelines * a.stages) * (a.copy_bytes / 4);
+    for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) reinterpret_cast<uint32_t*>(smem)[w] = w + 1;
+    dev::fence_proxy_async();
+  }
+  __syncthreads();
+  const SpanClock clock = SpanClock::start();
+  const bool mix = a.mode == static_cast<int>(TmaMode::kMix);
+  const int pipe = mix ? warp / 2 : warp;
+  if (lane == 0 && pipe < a.pipelines) {
+    const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0},
+                         smem + static_cast<size_t>(pipe) * a.stages * a.copy_bytes, static_cast<int>(a.copy_bytes)};
+    if (a.mode == static_cast<int>(TmaMode::kLoad)) {
+      tma_load_only(a, ring, pipe);
+    } else if (!mix) {
+      tma_store_only(a, ring, pipe);
+    } else if (warp % 2 == 0) {
+      tma_mix_load(a, ring, pipe);
+    } else {
+      tma_mix_store(a, ring, pipe);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) clock.stop(a.c);
+}
+
+}  // namespace hybrid_ep::micro
