@@ -14,6 +14,10 @@
 #                                                #     without and with MPS (summary: nvshmem_summary.txt)
 #   bash scripts/gpu_check.sh nvshmem-ep RESULTS # (f) dispatch + combine across 2-4 processes on the
 #                                                #     GPU, nodes joined by NVSHMEM, against the oracle
+#   bash scripts/gpu_check.sh micro    RESULTS   # (g) the microbenchmarks (csrc/microbench/): micro.json,
+#                                                #     micro.txt; needs no hybrid_ep._C, builds none
+#   bash scripts/gpu_check.sh ncu-l1tex RESULTS  # (h) ncu's L1TEX breakdown of dispatch and of two
+#                                                #     microbenchmark copy patterns
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -23,11 +27,12 @@
 # GPU_CHECK_PACK=1 (at the end, every file this command wrote goes into
 # RESULTS/logs_<stages>.tgz beside RESULTS/gpu_check_summary.txt: for machines that return only
 # a few files); GPU_CHECK_COMMIT (the commit being checked, for machine.txt; default: read
-# from .git when the checkout has one).
+# from .git when the checkout has one); GPU_CHECK_MICRO (what the micro stage runs: the
+# microbenchmark's arguments, default "all").
 set -uo pipefail
 
 usage() {
-    sed -n '7,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -37,7 +42,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep) ;;
+        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -124,7 +129,9 @@ extension_is_fresh() {
     so=$(ls hybrid_ep/_C*.so 2>/dev/null | head -1)
     [ -n "$so" ] || return 1
     [ "$(cat "$archs_stamp" 2>/dev/null)" = "$HYBRID_EP_CUDA_ARCHS" ] || return 1
-    [ -z "$(find csrc setup.py scripts/find_nvshmem.py -newer "$so" -type f 2>/dev/null | head -1)" ]
+    # (csrc/microbench/ is not part of it)
+    [ -z "$(find csrc setup.py scripts/find_nvshmem.py -newer "$so" -type f ! -path 'csrc/microbench/*' 2>/dev/null \
+        | head -1)" ]
 }
 
 build() {
@@ -236,6 +243,79 @@ run_ncu() {
     return "$rc"
 }
 
+# The microbenchmarks (csrc/microbench/, built by scripts/build_microbench.sh into build/), rebuilt
+# when a source under csrc/ or the build script is newer than the executable.
+micro_bin=build/microbench/hybrid_ep_microbench
+build_micro() {
+    if [ -x "$micro_bin" ] && [ -z "$(find csrc scripts/build_microbench.sh -newer "$micro_bin" -type f | head -1)" ]; then
+        say "$micro_bin is newer than its sources: not rebuilt"
+        return 0
+    fi
+    local start=$SECONDS
+    say "building the microbenchmarks (log: micro_build.log)"
+    if ! bounded "$(left)" bash scripts/build_microbench.sh build/microbench > "$results/micro_build.log" 2>&1; then
+        show_tail 20 "$results/micro_build.log"
+        say "microbenchmark build failed"
+        return 1
+    fi
+    say "built in $((SECONDS - start)) s"
+}
+
+# Every measurement (or GPU_CHECK_MICRO's) as JSON lines, then micro.json (metadata block, every
+# line, the constants), micro.txt (the constants, also in the summary) and micro_tma.png.
+run_micro() {
+    build_micro || return 1
+    local args=${GPU_CHECK_MICRO:-all} rc
+    say "microbenchmarks: hybrid_ep_microbench $args (lines: micro.jsonl, log: micro.log, at most $(left) s)"
+    # shellcheck disable=SC2086
+    bounded "$(left)" "$micro_bin" $args > "$results/micro.jsonl" 2> "$results/micro.log"
+    rc=$?
+    say "microbench exit $rc: $(tail -1 "$results/micro.log")"
+    if "$py" -m hybrid_ep.microbench "$results/micro.jsonl" --out "$results" --command "hybrid_ep_microbench $args" \
+        --commit "$(commit_of_checkout)" > "$results/micro_report.log" 2>&1; then
+        tee -a "$summary" < "$results/micro.txt"
+    else
+        say "micro.json not written: $(tail -1 "$results/micro_report.log")"
+        [ "$rc" -eq 0 ] && rc=1
+    fi
+    return "$rc"
+}
+
+# ncu's breakdown of L1TEX throughput into its sub-units, and the bytes L1TEX wrote to and read
+# from the crossbar per cycle (M8 in docs/benchmarks/cuda.md: which sub-unit is busy when
+# dispatch's L1/TEX throughput reads 77-92%): dispatch at W=2 on 1 SM per rank and at W=8 on 8,
+# then the microbenchmark's store-only and load + 2 stores copy patterns (tma-profile).
+l1tex_metrics="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active"
+l1tex_metrics+=",l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active"
+run_ncu_l1tex() {
+    local rc=0 one shape name
+    # each emulated_check call launches dispatch twice (the second reuses the handle): profile the
+    # second call's first
+    for shape in "w2_1sm:-w 2 --sms 1 --tokens 2048" "w8_8sm:-w 8 --sms 8 --tokens 4096"; do
+        name=${shape%%:*}
+        say "ncu L1TEX breakdown of dispatch_kernel, ${shape#*:} (ncu_l1tex_dispatch_$name.txt)"
+        # shellcheck disable=SC2086
+        bounded "$(( $(left) / 3 > 30 ? $(left) / 3 : 30 ))" ncu --target-processes all \
+            --kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1 --metrics "$l1tex_metrics" \
+            "$py" -m hybrid_ep.testing.emulated_check ${shape#*:} --hidden 8192 --topk 8 --experts 16 --calls 2 \
+            --no-check > "$results/ncu_l1tex_dispatch_$name.txt" 2>&1
+        one=$?
+        [ "$one" -gt "$rc" ] && rc=$one
+        show_tail 3 "$results/ncu_l1tex_dispatch_$name.txt"
+    done
+    if build_micro; then
+        say "ncu L1TEX breakdown of hybrid_ep_microbench tma-profile (ncu_l1tex_tma.txt)"
+        bounded "$(left)" ncu --kernel-name regex:tma_kernel --metrics "$l1tex_metrics" "$micro_bin" tma-profile \
+            > "$results/ncu_l1tex_tma.txt" 2>&1
+        one=$?
+        [ "$one" -gt "$rc" ] && rc=$one
+        show_tail 3 "$results/ncu_l1tex_tma.txt"
+    else
+        [ "$rc" -lt 1 ] && rc=1
+    fi
+    return "$rc"
+}
+
 # Several processes on the one GPU, each one NVSHMEM PE (hybrid_ep.testing.nvshmem_selftest):
 # without MPS (NVSHMEM's limited support of several PEs per GPU) and with the MPS daemon
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
@@ -306,7 +386,13 @@ run_nvshmem_cases() {
 
 machine_facts
 stage=build
-build
+needs_extension=""
+for s in "${stages[@]}"; do [ "$s" != micro ] && needs_extension=1; done
+if [ -n "$needs_extension" ]; then
+    build
+else
+    say "the micro stage needs no hybrid_ep._C: not built"
+fi
 worst=0
 for stage in "${stages[@]}"; do
     if [ "$stage" != build ] && [ $((deadline - SECONDS - reserve)) -lt 5 ]; then
@@ -322,6 +408,8 @@ for stage in "${stages[@]}"; do
         ncu) run_ncu; rc=$? ;;
         nvshmem) run_nvshmem; rc=$? ;;
         nvshmem-ep) run_nvshmem_cases; rc=$? ;;
+        micro) run_micro; rc=$? ;;
+        ncu-l1tex) run_ncu_l1tex; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

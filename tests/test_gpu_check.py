@@ -6,10 +6,12 @@ scripts/env.sh (it builds a virtualenv from a package registry)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +35,10 @@ def machine(tmp_path):
     (repo / "csrc" / "kernels").mkdir(parents=True)
     (repo / "hybrid_ep").mkdir()
     shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
+    shutil.copy(Path(REPO, "scripts", "build_microbench.sh"), repo / "scripts" / "build_microbench.sh")
     (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
+    (repo / "csrc" / "microbench").mkdir()
+    (repo / "csrc" / "microbench" / "main.cu").write_text("// microbenchmarks\n")
     (repo / "setup.py").write_text("# setup\n")
     _stub(repo / "scripts" / "env.sh", 'echo "NETWORK env.sh" >> "$CALLS"; exit 1\n')
     bin_dir = tmp_path / "bin"
@@ -51,6 +56,7 @@ case "$*" in
       echo "tests/test_cuda_emulation.py::test_hangs[w4] "; trap '' INT; sleep 60; fi
     echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
+  *"-m hybrid_ep.microbench"*) PYTHONPATH="$REAL_REPO" exec "$REAL_PYTHON" "$@" ;;  # the real post-processor
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
   *"-m hybrid_ep.testing.nvshmem_cases"*)
@@ -77,7 +83,25 @@ fi
 echo "mps-control $(cat)" >> "$CALLS"; rm -f "$HOME/mps_running"
 ''')
     _stub(bin_dir / "nvidia-smi", 'echo "NVIDIA H100 80GB HBM3, 580.00, 81559 MiB"\n')
-    _stub(bin_dir / "nvcc", 'echo "Cuda compilation tools, release 13.0"\n')
+    # nvcc: --version answers; a build writes a stand-in microbenchmark at -o, which prints a
+    # device line and one M2 line and exits with $MICRO_RC (or, MICRO_NO_GPU set, nothing and 3)
+    _stub(bin_dir / "nvcc", r'''
+[ "$1" = "--version" ] && { echo "Cuda compilation tools, release 13.0"; exit 0; }
+echo "nvcc $*" >> "$CALLS"
+[ -n "${NVCC_FAILS:-}" ] && { echo "main.cu(1): error: boom" >&2; exit 1; }
+for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
+cat > "$out" <<'PROGRAM'
+#!/usr/bin/env bash
+echo "microbench $*" >> "$CALLS"
+[ -n "${MICRO_NO_GPU:-}" ] && { echo "microbench: no CUDA device (stub)" >&2; exit 3; }
+echo '{"m":"device","name":"NVIDIA H100 80GB HBM3","cc":"9.0","sms":132,"timeout_s":2,"quick":false}'
+echo -n '{"m":"M2","test":"tma","sweep":"sms","mode":"load","fanout":1,"sms":1,"copy_bytes":16384,"stages":8,'
+echo '"depth":-1,"pipelines":1,"rows":"sequential","source":"hbm","gbps_per_sm":33.6,"clock_mhz":1755,"ok":true}'
+echo "microbench: done" >&2
+exit "${MICRO_RC:-0}"
+PROGRAM
+chmod +x "$out"
+''')
     _stub(bin_dir / "compute-sanitizer", r'''
 echo "compute-sanitizer $*" >> "$CALLS"
 echo "HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S" >> "$CALLS"
@@ -91,7 +115,8 @@ echo "==PROF== Disconnected"
 ''')
     for tool in NETWORK_TOOLS:
         _stub(bin_dir / tool, f'echo "NETWORK {tool} $*" >> "$CALLS"; exit 1\n')
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(log), "HOME": str(tmp_path)}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(log), "HOME": str(tmp_path),
+           "REAL_PYTHON": sys.executable, "REAL_REPO": str(REPO)}
 
     def run(*args, **extra_env):
         proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *args], cwd=tmp_path,
@@ -359,3 +384,70 @@ def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(ma
     proc, calls = run("nvshmem-ep", str(results), HAS_NVSHMEM_RC="1")
     assert proc.returncode == 1 and "built without NVSHMEM" in proc.stdout
     assert "nvshmem_cases --out" not in calls.split("has_nvshmem")[-1]
+
+
+def test_micro_stage_builds_and_runs_the_microbenchmarks_without_the_extension(machine):
+    repo, results, run = machine
+    proc, calls = run("micro", str(results), GPU_CHECK_COMMIT="abc1234")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "setup.py build_ext" not in calls and "needs no hybrid_ep._C: not built" in proc.stdout
+    [build] = [line for line in calls.splitlines() if line.startswith("nvcc ")]
+    assert "-arch=sm_90a" in build and f"{repo}/csrc/microbench/main.cu" in build
+    assert "-o build/microbench/hybrid_ep_microbench" in build
+    assert [line for line in calls.splitlines() if line.startswith("microbench ")] == ["microbench all"]
+    doc = json.loads((results / "micro.json").read_text())
+    assert doc["metadata"]["tool"] == "hybrid_ep_microbench" and doc["metadata"]["config"]["commit"] == "abc1234"
+    assert doc["measurements"]["M2"][0]["gbps_per_sm"] == 33.6
+    summary = (results / "gpu_check_summary.txt").read_text()
+    assert "microbench exit 0: microbench: done" in summary
+    assert any(line.startswith("C_load ") and "33.6" in line for line in summary.splitlines())  # micro.txt
+    assert (results / "micro.jsonl").read_text().count("\n") == 2 and (results / "micro_build.log").exists()
+    # a second command finds the program up to date, and runs what GPU_CHECK_MICRO names
+    before = len(calls)
+    proc, calls = run("micro", str(results), GPU_CHECK_MICRO="--quick tma reduce")
+    assert proc.returncode == 0 and "nvcc " not in calls[before:] and "not rebuilt" in proc.stdout
+    assert "microbench --quick tma reduce" in calls[before:].splitlines()
+    assert json.loads((results / "micro.json").read_text())["metadata"]["config"]["command"] == (
+        "hybrid_ep_microbench --quick tma reduce")
+
+
+def test_micro_stage_reports_a_failed_measurement_a_failed_build_and_no_gpu(machine):
+    repo, results, run = machine
+    proc, _ = run("micro", str(results / "a"), MICRO_RC="1")
+    assert proc.returncode == 1 and (results / "a" / "micro.json").exists()  # the lines are kept
+    proc, calls = run("micro", str(results / "b"), MICRO_NO_GPU="1")
+    assert proc.returncode == 3 and "microbench exit 3: microbench: no CUDA device (stub)" in proc.stdout
+    assert "micro.json not written: hybrid_ep.microbench: " in proc.stdout and "no device line" in proc.stdout
+    (repo / "build" / "microbench" / "hybrid_ep_microbench").unlink()
+    before = len(calls)
+    proc, calls = run("micro", str(results / "c"), NVCC_FAILS="1")
+    assert proc.returncode == 1 and "microbenchmark build failed" in proc.stdout
+    assert "main.cu(1): error: boom" in proc.stdout and "microbench " not in calls[before:]
+
+
+def test_micro_with_other_stages_builds_the_extension_once_and_a_micro_edit_keeps_it(machine):
+    repo, results, run = machine
+    proc, calls = run("micro,bench", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls.count("setup.py build_ext") == 1 and "microbench all" in calls and "-m hybrid_ep.bench" in calls
+    later = time.time() + 5
+    os.utime(repo / "csrc" / "microbench" / "main.cu", (later, later))
+    proc, calls = run("build", str(results))
+    assert calls.count("setup.py build_ext") == 1 and "not rebuilt" in proc.stdout  # not a source of hybrid_ep._C
+
+
+def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
+    _, results, run = machine
+    proc, calls = run("ncu-l1tex", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
+    assert len(ncu) == 3
+    metrics = ("--metrics breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active,"
+               "l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active")
+    assert all(metrics in line for line in ncu)
+    for line, shape in zip(ncu, ("-w 2 --sms 1 --tokens 2048", "-w 8 --sms 8 --tokens 4096")):
+        assert "--kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1" in line
+        assert f"-m hybrid_ep.testing.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
+    assert "--kernel-name regex:tma_kernel" in ncu[2] and ncu[2].endswith("hybrid_ep_microbench tma-profile")
+    for name in ("ncu_l1tex_dispatch_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
+        assert "==PROF== Disconnected" in (results / name).read_text()
