@@ -227,7 +227,7 @@ inline void measure_tma(Bench& b) {
   cudaEventDestroy(e1);
 }
 
-// For ncu (review M8): two single launches of the base point, store-only and one load with two
+// For ncu (M8, `gpu_check.sh ncu-l1tex`): two single launches of the base point, store-only and one load with two
 // stores per stage, with nothing else launched (no warm-up, no L2 flush kernel).
 inline void measure_tma_profile(Bench& b) {
   cudaEvent_t e0, e1;
