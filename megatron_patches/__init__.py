@@ -5,7 +5,9 @@
 
 Importable without Megatron installed; `apply()` and the dispatcher need megatron-core.
 What apply() changes (docs/megatron.md): MoELayer selects HybridEPTokenDispatcher for the
-type "hybrid_ep" (other types untouched) and tells it which experts it built;
+type "hybrid_ep" (other types untouched) and tells it which experts it built; every MoE
+layer draws its experts from generators of its own per (layer, EP rank), so spare balancer
+slots do not change the initial model (`expert_init`);
 TransformerConfig validation accepts "hybrid_ep" wherever it accepts alltoall/flex
 (`overlap_moe_expert_parallel_comm`, `moe_shared_expert_overlap`,
 `moe_expert_rank_capacity_factor`); the EP-overlap schedule frees node inputs for hybrid_ep
@@ -49,7 +51,7 @@ def apply(*, cpu_fallback: bool = True) -> dict:
     cpu_fallback: enable `cpu_compat` when no GPU is visible (it never acts on a GPU).
     """
     global _applied
-    from . import cpu_compat, expert_rows, overlap, selection, versions
+    from . import cpu_compat, expert_init, expert_rows, overlap, selection, versions
 
     versions.check_megatron_core()  # older releases fail in obscure places: refuse them by name
     if cpu_fallback:
@@ -57,6 +59,7 @@ def apply(*, cpu_fallback: bool = True) -> dict:
     if _applied is None:
         selection.patch_moe_layer()
         selection.patch_config_validation()
+        expert_init.install_layer_context()
         _applied = {
             "moe_layer": True,
             "config_validation": True,

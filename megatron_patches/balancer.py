@@ -30,8 +30,6 @@ optimizer a slot's pieces move between the expert-data-parallel members that own
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import logging
 import os
@@ -44,6 +42,7 @@ from hybrid_ep.balancer.balancer import stats_values
 from hybrid_ep.balancer.state import is_replica
 from hybrid_ep.topology import group_ranks_per_node
 
+from .expert_init import replace_experts_builder
 from .options import HybridEPOptions
 
 log = logging.getLogger(__name__)
@@ -68,30 +67,15 @@ def slots_per_rank(options: HybridEPOptions, num_experts: int, ep_size: int) -> 
 
 def slot_experts_kwargs(args: tuple, kwargs: dict, num_slots_per_rank: int) -> tuple[tuple, dict]:
     """MoELayer constructor arguments whose experts builder builds P slots instead of E / EP."""
-    if "submodules" in kwargs:
-        submodules = kwargs["submodules"]
-    elif args:
-        submodules = args[0]
-    else:
-        raise ValueError("the expert balancer cannot find MoELayer's submodules argument")
-    builder = getattr(submodules, "experts", None)
-    if builder is None or not callable(builder) or hasattr(builder, "module"):
-        raise ValueError(
-            "the expert balancer needs Megatron-Core >= 0.17 (experts given as a builder in "
-            f"MoESubmodules), got experts={builder!r}"
-        )
 
-    @functools.wraps(builder)
-    def build_slots(num_local_experts, config, *b_args, **b_kwargs):
-        return builder(num_slots_per_rank, config, *b_args, **b_kwargs)
+    def wrap(builder):
+        @functools.wraps(builder)
+        def build_slots(num_local_experts, config, *b_args, **b_kwargs):
+            return builder(num_slots_per_rank, config, *b_args, **b_kwargs)
 
-    patched = dataclasses.replace(submodules, experts=build_slots) if dataclasses.is_dataclass(submodules) \
-        else copy.copy(submodules)
-    if not dataclasses.is_dataclass(submodules):
-        patched.experts = build_slots
-    if "submodules" in kwargs:
-        return args, dict(kwargs, submodules=patched)
-    return (patched,) + tuple(args[1:]), kwargs
+        return build_slots
+
+    return replace_experts_builder(args, kwargs, wrap)
 
 
 def finish_moe_layer(layer) -> None:

@@ -6,7 +6,9 @@ constructor with the type shown as "alltoall" and Megatron's alltoall class name
 HybridEPTokenDispatcher (both restored right after, whatever happens), so everything else
 MoELayer builds (router, experts, shared experts) is untouched, except that with the expert
 balancer on, the experts are built as S / EP slots (megatron_patches.balancer). Other types call the
-original constructor directly. Patching twice is a no-op.
+original constructor directly. For every type the experts are drawn from generators of their
+own per (layer, EP rank) (megatron_patches.expert_init), so the slot count does not change the
+initial model. Patching twice is a no-op.
 
 Megatron's TransformerConfig validation refuses dispatcher types it does not know for
 `overlap_moe_expert_parallel_comm` and `moe_shared_expert_overlap`, and
@@ -55,8 +57,11 @@ def patch_moe_layer() -> bool:
 
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
-        from . import balancer
+        from . import balancer, expert_init
 
+        # every dispatcher type: runs with and without spare slots, and the comparison runs
+        # with Megatron's own dispatchers, start from the same expert weights
+        args, kwargs = expert_init.seeded_experts_kwargs(args, kwargs)
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
             original(self, config, *args, **kwargs)
             balancer.guard_unbalanced_layer(self)

@@ -28,21 +28,16 @@ What differs from pretrain_gpt.py, on purpose:
   data-parallel group (experts), as Megatron's DDP does; no distributed optimizer;
 - only TP = PP = CP = 1 (EP x ETP any divisor of the world: the parallel state is built with
   the recipe's expert model and expert tensor parallel sizes, expert DP = world / (EP x ETP));
-- weights are Megatron's CPU initialisation, except that each MoE layer's experts are drawn
-  from a generator of their own (seed, MoE layer, EP rank) and leave the global one as they
-  found it: with the balancer each EP rank builds P slots instead of E / EP, and the first
-  E / EP of them (what the balancer starts from) and every other weight are then the same
-  as without it, so runs with the balancer on and off start from the same model (and EP ranks
-  do not share expert weights, as they would on the one global CPU generator).
+- weights are Megatron's CPU initialisation; each MoE layer's experts come from generators of
+  their own per (seed, layer, EP rank), as under pretrain_gpt.py (megatron_patches.expert_init),
+  so runs with the balancer on and off start from the same model and EP ranks do not share
+  expert weights, as they would on the one global CPU generator.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import io
-import itertools
 import logging
 import math
 import os
@@ -82,40 +77,6 @@ def _padded_vocab(args) -> int:
     return int(math.ceil(args.vocab_size / multiple) * multiple)
 
 
-def _seeded_experts(spec, seed: int):
-    """The block spec with each MoE layer's experts built under a generator of their own,
-    seeded by (seed, MoE layer in build order, EP rank), the global CPU generator restored
-    after: the experts' weights then do not depend on how many slots a rank builds (slot j
-    draws after slots 0..j-1), and the modules built after them draw what they would draw
-    without them."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    built = itertools.count()
-
-    def seeded(builder):
-        def build(*args, **kwargs):
-            import torch
-
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed((seed * 1_000_003 + next(built) * 10_007 + ep_rank) % 2 ** 63)
-                return builder(*args, **kwargs)
-
-        return build
-
-    def with_seeded_experts(layer_spec):
-        mlp = layer_spec.submodules.mlp
-        moe = getattr(mlp, "keywords", {}).get("submodules")
-        if not isinstance(moe, MoESubmodules) or not callable(moe.experts):
-            return layer_spec  # a dense layer
-        mlp = functools.partial(mlp.func, *mlp.args, **dict(mlp.keywords, submodules=dataclasses.replace(
-            moe, experts=seeded(moe.experts))))
-        return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
-
-    return dataclasses.replace(spec, layer_specs=[with_seeded_experts(s) for s in spec.layer_specs])
-
-
 def build_model(args, config):
     """GPTModel on the host with Megatron's decoder block spec (local modules; dense and MoE
     layers as --moe-layer-freq says) and the recipe's hybrid_ep options, balancer included."""
@@ -130,10 +91,8 @@ def build_model(args, config):
     config.use_cpu_initialization = True
     config.hybrid_ep_options = options.from_args(args)
     if args.num_experts:  # as pretrain_gpt.py's model provider: the block spec reads the layer pattern
-        spec = _seeded_experts(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                          normalization=args.normalization,
-                                                          qk_l2_norm=getattr(args, "qk_l2_norm", False)),
-                               args.seed)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          qk_l2_norm=getattr(args, "qk_l2_norm", False))
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
                                         multi_latent_attention=args.multi_latent_attention)
