@@ -164,6 +164,21 @@ def megatron_lm_dir(recipe) -> str | None:
     return None if value in (None, "", PLACEHOLDER_LM_DIR) else value
 
 
+REPORT_DIR_FLAG = "--hybrid-ep-balancer-report-dir"
+
+
+def _job_report_dir(args: list[str]) -> tuple[list[str], str | None]:
+    """(args without a relative balancer report folder, that folder): a relative folder goes
+    under the job's OUT_DIR, beside its tensorboard folder, not into the submit folder, which
+    every job shares; an absolute one stays in args as given."""
+    if REPORT_DIR_FLAG not in args:
+        return args, None
+    i = args.index(REPORT_DIR_FLAG)
+    if os.path.isabs(args[i + 1]):
+        return args, None
+    return args[:i] + args[i + 2:], args[i + 1]
+
+
 def render_pretrain(recipe) -> str:
     c = recipe["cluster"]
     lines = _header(recipe, c["nodes"], c["job_name"] or f"hybrid-ep-{recipe.name}")
@@ -176,8 +191,12 @@ def render_pretrain(recipe) -> str:
                   "# was submitted (sbatch passes the environment) or from PYTHONPATH in the container."]
     lines.append("")
     lines.append(f"# Megatron-LM pretrain_gpt.py arguments ({recipe['dispatcher.type']} dispatcher)")
-    lines += _array("ARGS", megatron_args(recipe))
-    lines += ['ARGS+=(--tensorboard-dir "$OUT_DIR/tensorboard")', ""]
+    args, report_dir = _job_report_dir(megatron_args(recipe))
+    lines += _array("ARGS", args)
+    lines += ['ARGS+=(--tensorboard-dir "$OUT_DIR/tensorboard")']
+    if report_dir is not None:
+        lines.append(f'ARGS+=(--hybrid-ep-balancer-report-dir "$OUT_DIR"/{_q(report_dir)})')
+    lines.append("")
     py = _q(c["python"])
     lines += [
         f"{_srun_prefix(recipe, c['nodes'])} bash -c \\",
