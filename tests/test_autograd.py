@@ -8,6 +8,8 @@ import torch
 from hybrid_ep.testing import Case, dispatch_oracle, make_rank_inputs
 from hybrid_ep.testing.cases import dense_autograd_oracle, run_autograd_on_rank
 
+pytestmark = pytest.mark.unit
+
 CASES = [
     (Case(4, 2, 8, 32, (6, 0, 9, 4), 2, seed=21), True),
     (Case(4, 2, 8, 32, (6, 3, 9, 4), 3, drop_fraction=0.2, pad_multiple=8, seed=22), False),

@@ -13,6 +13,8 @@ from hybrid_ep.balancer.migration import migrate_slots_, sum_replica_grads_
 from hybrid_ep.balancer.state import MegatronOptimizerView, movable_tensors
 from hybrid_ep.testing import migration as mig
 
+pytestmark = pytest.mark.unit
+
 
 def table(row, E):
     return SlotTable(E, len(row)).load_(torch.tensor(row))

@@ -28,6 +28,8 @@ from megatron_patches.balancer_checkpoint_testing import load_other_ep  # noqa: 
 from megatron_patches.balancer_testing import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
 from megatron_patches.testing import LayerCase  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 E, STEPS, INTERVAL = 8, 20, 5
 EP2 = LayerCase(world_size=2, num_experts=E, topk=2, hidden=16, ffn=12, seq=8, batch=4)
 EP4 = LayerCase(world_size=4, num_experts=E, topk=2, hidden=16, ffn=12, seq=8, batch=4)
@@ -99,6 +101,7 @@ CASES = [("ep2", "balanced", "plain", *EXACT), ("ep2", "overlap", "plain", *EXAC
          ("ep4", "bf16", "bf16_plain", *EXACT)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture, name, plain, loss_bound, grad_norm_bound", CASES)
 def test_losses_and_grad_norms_match_training_without_balancer(request, fixture, name, plain, loss_bound,
                                                                 grad_norm_bound):

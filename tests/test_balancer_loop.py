@@ -14,6 +14,8 @@ import torch
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, SlotTable, TorchOptimizerView, slot_parameters
 from hybrid_ep.balancer.report import load_statistics
 
+pytestmark = pytest.mark.unit
+
 
 def make_layers(num_layers, experts, slots):
     layers, modules = [], []

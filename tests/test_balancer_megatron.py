@@ -16,6 +16,8 @@ pytest.importorskip("megatron.core")
 from megatron_patches.balancer_testing import TrainRun, train_moe_layer  # noqa: E402
 from megatron_patches.testing import LayerCase  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 W = 4
 CASE = LayerCase(world_size=W, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
 STEPS, INTERVAL, SLOTS_PER_RANK = 20, 5, 3  # 12 slots for 8 experts: 4 replicas

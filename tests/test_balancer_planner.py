@@ -14,6 +14,8 @@ from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement, peak, plan_
 from hybrid_ep.balancer.quality import PATTERNS, imbalance, sample_load
 from hybrid_ep.balancer.refit_bound import over_loaded_ranks, refit_lower_bound
 
+pytestmark = pytest.mark.unit
+
 
 def _zipf_load(num_layers: int, num_experts: int, exponent: float, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)

@@ -10,6 +10,8 @@ import torch
 from hybrid_ep.balancer import quality
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import checkout_env
 from hybrid_ep.balancer import cli
 from hybrid_ep.balancer.cli import main
 from hybrid_ep.balancer.metrics import summarize
@@ -21,8 +22,9 @@ from hybrid_ep.balancer.report import (DEFAULT_BYTES_PER_PARAM, load_statistics,
                                        write_heatmap, write_imbalance_plot, write_report)
 from hybrid_ep.wording import byte_unit
 
+pytestmark = pytest.mark.unit
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _assert_png(path: str, min_bytes: int = 5000) -> None:
@@ -488,7 +490,7 @@ def test_cli_previous_shape_mismatch(tmp_path, capsys):
 def test_module_entry_point(tmp_path):
     stats, _ = _stats(tmp_path, intervals=2)
     out = str(tmp_path / "p.yaml")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = checkout_env()
     done = subprocess.run([sys.executable, "-m", "hybrid_ep.balancer", "plan", "--stats", stats, "--out", out],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,12 +13,15 @@ import pytest
 import torch
 
 import hybrid_ep
+from helpers import checkout_env
 from hybrid_ep.bench import cli, main, plot
 from hybrid_ep.bench.plot import plot_per_rank, plot_vs_sms
 from hybrid_ep.bench.report import config_line, format_table
 from hybrid_ep.metadata import validate
 from hybrid_ep.spawn import pool_timeout_s
 from hybrid_ep.synthetic import random_weights
+
+pytestmark = pytest.mark.unit
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--hidden", "256", "--tokens", "32", "--topk", "4", "--warmup", "1", "--iters", "3", "--device", "cpu"]
@@ -142,8 +144,7 @@ def test_bad_arguments(tmp_path, capsys, flags, flag):
 
 def test_cli_module_runs_as_a_script(tmp_path):
     """`python -m hybrid_ep.bench.cli` is the CLI too, not a module that exits 0 having done nothing."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = checkout_env()
     done = subprocess.run([sys.executable, "-m", "hybrid_ep.bench.cli", "--topk", "0", "--device", "cpu",
                            "--out", str(tmp_path / "never")], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0 and "--topk" in done.stderr
@@ -273,9 +274,7 @@ def test_srun_style_ranks_all_exit_on_a_bad_out(tmp_path):
     is left waiting in init_process_group for a rank that refused the flags)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), WORLD_SIZE="2",
-                LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    base = checkout_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     procs = [subprocess.Popen([sys.executable, "-m", "hybrid_ep.bench", *TINY, "--out", str(blocker)],
                               env=base | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

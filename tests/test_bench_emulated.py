@@ -14,6 +14,8 @@ from hybrid_ep.metadata import metadata
 from hybrid_ep.synthetic import iter_rank_routings
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
+pytestmark = pytest.mark.unit
+
 
 def test_index_select_baseline_moves_the_oracle_rows():
     W, T, H, E, K = 3, 11, 8, 6, 2

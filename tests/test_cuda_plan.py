@@ -20,6 +20,8 @@ from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
 
+pytestmark = pytest.mark.unit
+
 H100_SMEM_OPTIN = 227 * 1024
 
 

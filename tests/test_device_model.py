@@ -16,6 +16,8 @@ import struct
 import pytest
 import torch
 
+pytestmark = pytest.mark.model
+
 model = importlib.import_module("hybrid_ep._model")
 
 AT = r"CPU model: run_selftest kernel, block 0 of 1, thread \d+ \(warp \d+, lane \d+\): "

@@ -9,6 +9,8 @@ import torch
 import hybrid_ep as hep
 from hybrid_ep.fp8 import quantize_fp8
 
+pytestmark = pytest.mark.unit
+
 H, E, T = 128, 4, 6
 
 

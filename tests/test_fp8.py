@@ -1,8 +1,11 @@
 """Per-128 fp8 quantisation used for fp8 dispatch inputs."""
 
+import pytest
 import torch
 
 from hybrid_ep.fp8 import dequantize_fp8, quantize_fp8
+
+pytestmark = pytest.mark.unit
 
 
 def test_round_trip_within_e4m3_precision():

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
+from helpers import REPO
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = Path(REPO, "scripts", "gpu_check.sh")
 NETWORK_TOOLS = ("pip", "pip3", "curl", "wget", "git", "conda", "uv", "apt-get")
 
 
@@ -272,7 +275,7 @@ def test_bench_and_ncu_stages(machine):
 
 
 def _ncu_lines():
-    spec = importlib.util.spec_from_file_location("ncu_lines", REPO / "scripts" / "ncu_lines.py")
+    spec = importlib.util.spec_from_file_location("ncu_lines", Path(REPO, "scripts", "ncu_lines.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from megatron_patches import grouped_gemm as gg
 
+pytestmark = pytest.mark.megatron
+
 H, FFN = 16, 24  # multiples of 4 fp32 elements: torch._grouped_mm needs 16-byte strides
 
 

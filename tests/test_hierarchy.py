@@ -12,6 +12,8 @@ from hybrid_ep.testing import Case, check_case, dispatch_oracle, make_rank_input
 from hybrid_ep.testing.hierarchy import forward_plan, forwarded_rows
 from hybrid_ep.traffic import routing_row_counts
 
+pytestmark = pytest.mark.unit
+
 # (nodes, ranks per node): N in 1..4, G in {1, 2, 4}, world sizes that are not powers of two.
 TOPOLOGIES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (3, 4), (4, 1), (4, 2)]
 ROUTINGS = [dict(routing="uniform"), dict(routing="uniform", drop_fraction=0.3), dict(routing="one-expert")]

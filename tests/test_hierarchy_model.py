@@ -23,6 +23,8 @@ from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd
 from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
 
+pytestmark = pytest.mark.model
+
 model = importlib.import_module("hybrid_ep._model")
 
 MODEL_SMS = 2

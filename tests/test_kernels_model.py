@@ -29,6 +29,8 @@ from hybrid_ep.testing.emulated import (
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
+pytestmark = pytest.mark.model
+
 model = importlib.import_module("hybrid_ep._model")
 
 MODEL_SMS = 2  # SMs per rank unless a test says otherwise: fewer fibers, same code paths

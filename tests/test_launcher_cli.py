@@ -9,10 +9,12 @@ import subprocess
 
 import pytest
 
+from helpers import REPO
 from megatron_patches.slurm import cli, local
 from megatron_patches.slurm import recipe as recipe_mod
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.unit
+
 TINY = os.path.join(REPO, "recipes", "tiny_moe")
 BENCH = os.path.join(REPO, "recipes", "bench_dispatch")
 

@@ -15,6 +15,8 @@ from megatron.core.transformer.moe.moe_utils import get_capacity  # noqa: E402
 
 from megatron_patches import contract_testing as ct  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 DISPATCHERS = ("hybrid_ep", "alltoall")
 
 

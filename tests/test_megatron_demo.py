@@ -11,6 +11,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_patches import demo  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 STEPS = 4
 
 

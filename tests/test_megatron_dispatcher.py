@@ -14,6 +14,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_patches.testing import LayerCase, dense_moe_layer, run_moe_layer_case  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 FIELDS = ("out", "grad_x", "grad_router", "grad_fc1", "grad_fc2")
 TOL = dict(atol=1e-5, rtol=1e-5)
 

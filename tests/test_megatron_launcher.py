@@ -12,8 +12,11 @@ import textwrap
 
 import pytest
 
+from helpers import REPO
 from megatron_patches.pretrain_gpt import LauncherError, find_pretrain_script, split_launcher_args
 from megatron_patches.testing import TINY_GPT_ARGS
+
+pytestmark = pytest.mark.megatron
 
 # Stands in for Megatron-LM's pretrain_gpt.py: what it sees is what the real one would see.
 STAND_IN = textwrap.dedent('''
@@ -76,11 +79,10 @@ def test_launcher_runs_megatron_script_with_patches(tmp_path):
     pytest.importorskip("megatron.training.arguments")
     (tmp_path / "pretrain_gpt.py").write_text(STAND_IN)
     (tmp_path / "helper_next_to_script.py").write_text("VALUE = 42\n")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = run_launcher(
         ["--megatron-lm-dir", str(tmp_path), *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
          "--hybrid-ep-pad-multiple", "8", "--hybrid-ep-static-size-factor", "1.25"],
-        cwd=repo,
+        cwd=REPO,
     )
     got = result_of(proc)
     assert got == {"name": "__main__", "argv0": "pretrain_gpt.py", "dispatcher_type": "hybrid_ep",

@@ -15,6 +15,8 @@ pytest.importorskip("megatron.core")
 from megatron_patches import overlap  # noqa: E402
 from megatron_patches.overlap_testing import GPTCase, train_step  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 
 def run(pool_for, case: GPTCase) -> list[dict]:
     return pool_for(case.world_size).run(train_step, [(case,)] * case.world_size)

@@ -19,6 +19,8 @@ from megatron_patches import contract_testing as ct  # noqa: E402
 from megatron_patches import expert_rows  # noqa: E402
 from megatron_patches.grouped_gemm import TorchGroupedLinear  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 
 def _config(dispatcher="hybrid_ep", fp8=None, recipe=Fp8Recipe.tensorwise, fp4=None, fuser=False, grouped=True):
     return types.SimpleNamespace(moe_token_dispatcher_type=dispatcher, fp8=fp8, fp8_recipe=recipe, fp4=fp4,

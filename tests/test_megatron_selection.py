@@ -13,6 +13,7 @@ from megatron_patches import options, selection  # noqa: E402
 from megatron_patches.testing import TINY_GPT_ARGS as MEGATRON_ARGS  # noqa: E402
 from megatron_patches.testing import LayerCase, try_build_moe_layer  # noqa: E402
 
+pytestmark = pytest.mark.megatron
 
 
 def test_apply_is_idempotent_and_wraps_once():

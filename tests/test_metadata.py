@@ -18,6 +18,8 @@ from hybrid_ep.balancer.metrics import SUMMARY_KEYS, summarize
 from hybrid_ep.balancer.planner import plan_placement
 from hybrid_ep.balancer.report import write_report
 
+pytestmark = pytest.mark.unit
+
 
 def test_block_has_every_key_with_this_machine():
     block = md.metadata("my-tool", device_type="cpu", config={"hidden": 128}, units={"t": "s"},

@@ -15,6 +15,8 @@ from hybrid_ep.routing import dest_layout
 from hybrid_ep.testing import Case, check_case, combine_oracle, dispatch_oracle, make_rank_inputs
 from hybrid_ep.testing.cases import dense_autograd_oracle, run_autograd_on_rank
 
+pytestmark = pytest.mark.unit
+
 # Received rows x local experts: counts [2, 0, 1] (expert 1 receives nothing).
 MASK = torch.tensor([[True, False, False], [True, False, True]])
 

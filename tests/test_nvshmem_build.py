@@ -16,15 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import REPO
 from hybrid_ep.backends.cuda import nvshmem
 from hybrid_ep.memory import MemoryPlan
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.unit
+
 MIB = 1 << 20
 
 
 def _finder():
-    spec = importlib.util.spec_from_file_location("find_nvshmem_under_test", REPO / "scripts" / "find_nvshmem.py")
+    spec = importlib.util.spec_from_file_location("find_nvshmem_under_test", Path(REPO, "scripts", "find_nvshmem.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -125,7 +127,7 @@ def test_setup_prints_one_line_without_nvshmem_and_one_with_it(tmp_path):
 def test_the_selftest_links_into_a_shared_object_against_the_wheel(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "HYBRID_EP_CUDA_ARCHS": "90a"}
     env.pop("NVSHMEM_HOME", None)
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "compile_csrc.sh"), "--nvshmem-link", str(tmp_path)],
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "compile_csrc.sh"), "--nvshmem-link", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     so = tmp_path / "libhybrid_ep_nvshmem_check.so"

@@ -13,6 +13,8 @@ import torch
 
 from hybrid_ep.testing import nvshmem_selftest
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def built():

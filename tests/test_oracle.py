@@ -16,6 +16,8 @@ from hybrid_ep.testing.compare import combine_output_range
 from hybrid_ep.testing.oracle import _rank_terms
 from hybrid_ep.testing.rounding import Fp32Sum, Interval, exponent_of, power_of_two, quantum, round_to
 
+pytestmark = pytest.mark.unit
+
 # W=2 ranks (two nodes of one), E=2 (expert 0 on rank 0, expert 1 on rank 1), H=1.
 CONFIG = BufferConfig(1, 3, 2, 2, 1, pad_multiple=2)
 XS = [torch.tensor([[10.0], [11.0], [12.0]]), torch.tensor([[20.0], [21.0]])]

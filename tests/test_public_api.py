@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 
 import hybrid_ep as hep
+
+pytestmark = pytest.mark.unit
 
 
 def test_names_and_signatures():

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 import hybrid_ep as hep
 
+pytestmark = pytest.mark.unit
+
 H = 128
 
 

@@ -10,6 +10,8 @@ import torch
 from hybrid_ep.testing import Case, check_case
 from hybrid_ep.traffic import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 
+pytestmark = pytest.mark.unit
+
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.bfloat16, FP8)
 

@@ -8,6 +8,8 @@ import torch
 from hybrid_ep.spawn import ProcessGroupPool
 from hybrid_ep.testing import Case, check_case
 
+pytestmark = pytest.mark.gpu
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -8,6 +8,8 @@ import torch
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.routing import dest_layout, normalize_routing, source_layout
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 
 

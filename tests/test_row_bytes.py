@@ -15,6 +15,8 @@ from hybrid_ep.bench import main as bench_main
 from hybrid_ep.rows import row_bytes_rule
 from hybrid_ep.traffic.cli import main as traffic_main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("hidden, dtype, ok_multiple", [
     (4, torch.float32, 4), (8, torch.bfloat16, 8), (8, torch.float16, 8), (16, torch.float8_e4m3fn, 16),

@@ -18,7 +18,10 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
+pytestmark = pytest.mark.unit
+
 NO_COMPILE = {"HYBRID_EP_SKIP_CUDA_BUILD": "1", "HYBRID_EP_SKIP_MODEL_BUILD": "1", "PYTHONWARNINGS": "ignore"}
 # Build outputs planted in the copy: none may reach the sdist.
 PLANTED = ["hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so", "csrc/kernels/dispatch.o",
@@ -86,8 +89,8 @@ def test_sdist_carries_scripts_recipes_docs_and_tests(sdist):
     names, _, tree = sdist
     missing = sorted(set(_user_files(tree)) - set(names))
     assert not missing, f"the sdist lacks: {missing}"
-    for needed in ("tests/conftest.py", "recipes/tiny_moe/recipe.yaml", "recipes/bench_dispatch/recipe.yaml",
-                   "docs/slurm.md", "scripts/launch_slurm.py", "MANIFEST.in"):
+    for needed in ("LICENSE", "tests/conftest.py", "tests/helpers.py", "recipes/tiny_moe/recipe.yaml",
+                   "recipes/bench_dispatch/recipe.yaml", "docs/slurm.md", "scripts/launch_slurm.py", "MANIFEST.in"):
         assert needed in names, needed
 
 

@@ -21,11 +21,14 @@ import sys
 
 import pytest
 
+from helpers import REPO
 from megatron_patches.slurm import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.megatron
 
 
+
+@pytest.mark.slow
 def test_tiny_moe_trains_locally():
     pytest.importorskip("megatron.training.arguments")
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
@@ -61,6 +64,7 @@ def _train_locally(*overrides: str, steps: int):
     return proc.stdout, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep,ranks", [(1, 2), (2, 4)], ids=["EP1xETP2-2ranks", "EP2xETP2-4ranks"])
 def test_cpu_trainer_runs_the_recipes_expert_tensor_parallelism(ep, ranks):
     """The CPU trainer builds Megatron's parallel state with the recipe's ETP (it used to pass EP
@@ -80,6 +84,7 @@ def test_cpu_trainer_runs_the_recipes_expert_tensor_parallelism(ep, ranks):
     assert losses == pytest.approx(whole[1], rel=1e-3), (losses, whole[1])
 
 
+@pytest.mark.slow
 def test_cpu_trainer_builds_the_recipes_dense_layers():
     """model.dense_layers = 2 of 4 (--moe-layer-freq ([0]*2+[1]*2)): the first two layers have a
     dense MLP, the last two a MoE layer, as Megatron's decoder block spec builds them for
@@ -91,6 +96,7 @@ def test_cpu_trainer_builds_the_recipes_dense_layers():
     assert "cpu_train: layers 1-2 dense, 3-4 MoE\n" in ran[0], ran[0]
 
 
+@pytest.mark.slow
 def test_cpu_trainer_runs_the_balancer_and_keeps_the_losses(tmp_path):
     """balancer.interval > 0 in local mode runs the expert balancer, as pretrain_gpt.py does (it
     was switched off without a word): 5 slots per rank for 8 experts on EP 2 (2 replicas),

@@ -15,9 +15,11 @@ import textwrap
 
 import pytest
 
+from helpers import REPO, checkout_env
 from megatron_patches.slurm import cli, layout, memory, recipe as recipe_mod, render
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.unit
+
 RECIPES_DIR = os.path.join(REPO, "recipes")
 ALL = sorted(d for d in os.listdir(RECIPES_DIR) if os.path.isfile(os.path.join(RECIPES_DIR, d, "recipe.yaml")))
 PRETRAIN = ["deepseek_v3", "deepseek_v3_proxy", "qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b",
@@ -103,7 +105,7 @@ def test_every_pretrain_recipe_parses_with_megatrons_parser():
     documented there); nothing is allocated, so the 671B config builds in milliseconds.
     """
     pytest.importorskip("megatron.training.arguments")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
+    env = checkout_env(PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", PARSE_ALL, *[path_of(n) for n in PRETRAIN]],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

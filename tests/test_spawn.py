@@ -4,6 +4,8 @@ import pytest
 
 from hybrid_ep.spawn import ProcessGroupPool
 
+pytestmark = pytest.mark.unit
+
 
 def _rank_and_sum(value):
     import torch

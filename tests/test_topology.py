@@ -6,6 +6,8 @@ import pytest
 
 from hybrid_ep.topology import contiguous_ranks_per_node, resolve_ranks_per_node
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("members,local,want", [
     (list(range(8)), 8, 8),  # one node

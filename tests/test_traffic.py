@@ -25,6 +25,8 @@ from hybrid_ep.traffic import (
 )
 from hybrid_ep.traffic.cli import Scenario, compute, main, summarize
 
+pytestmark = pytest.mark.unit
+
 
 def _idx(rows: list[list[int]], k: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k)
