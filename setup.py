@@ -178,7 +178,6 @@ def _with_nvshmem(kwargs: dict, nvshmem) -> None:
     kwargs["extra_link_args"] = nvshmem.link_args()
 
 
-def _pybind11_includes() -> list[str] | None:
 def _megatron_core_floor() -> str:
     """megatron_patches/versions.py's MEGATRON_CORE_FLOOR, the oldest Megatron-Core CI runs
     (apply() refuses older ones by the same constant)."""
@@ -188,6 +187,7 @@ def _megatron_core_floor() -> str:
     return namespace["MEGATRON_CORE_FLOOR"]
 
 
+def _pybind11_includes() -> list[str] | None:
     """pybind11's headers: its own package, else the copy inside PyTorch; None without either."""
     try:
         import pybind11
