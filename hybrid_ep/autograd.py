@@ -34,9 +34,11 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_rows_RH, grad_probs_R):
         buffer, handle = ctx.buffer, ctx.handle
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:  # one exchange back where the backend can
+            grad_x, grad_w = buffer._combine_and_return_row_values(grad_rows_RH.contiguous(), grad_probs_R, handle)
+        elif ctx.needs_input_grad[0]:
             grad_x = buffer._run_combine(grad_rows_RH.contiguous(), handle, False, None)
-        if ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:
             grad_w = buffer._return_row_values(grad_probs_R, handle)
         return grad_x, grad_w, None, None, None, None, None, None, None
 

@@ -206,9 +206,19 @@ class HybridEPBuffer:
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
         kernel = self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype)
         y = self._backend.combine(expert_out, handle, apply_probs, kernel)
-        self.last_call = CallRecord("combine", self.rank, handle,
-                                    combine_row_bytes(self.config.hidden_dim, kernel.wire_dtype_for(expert_out.dtype)))
+        self._record_combine(handle, kernel, expert_out.dtype)
         return y
+
+    def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
+        self.last_call = CallRecord("combine", self.rank, handle,
+                                    combine_row_bytes(self.config.hidden_dim, kernel.wire_dtype_for(dtype)))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)
+
+    def _combine_and_return_row_values(self, rows_RH, values_R, handle):
+        """Dispatch's backward when both x and the routing weights need gradients."""
+        kernel = self._kernel()
+        y, values_TK = self._backend.combine_and_return_row_values(rows_RH, values_R, handle, kernel)
+        self._record_combine(handle, kernel, rows_RH.dtype)
+        return y, values_TK

@@ -24,8 +24,8 @@ class DispatchHandle:
     config: BufferConfig
     rank: int
     routing: Routing
-    source: SourceLayout
-    dest: DestLayout
+    source: SourceLayout  # or the backend's own layout of the same rows
+    dest: DestLayout  # or the backend's own layout, with the fields the properties below read
     recv_counts_W: torch.Tensor  # int64 rows received from each rank
     num_recv_rows: int  # V
     count_matrix_WW: torch.Tensor  # int64 rows sent from rank s to rank d (all ranks)
@@ -33,6 +33,7 @@ class DispatchHandle:
     probs_R: torch.Tensor  # float32 routing weight of each output row, 0 on padding
     num_out_tokens: int | None
     serial: int = 0  # which dispatch with a routing of its buffer made it (1, 2, ...); compared on reuse
+    checksum: int = 0  # crc32 of count_matrix_WW, taken where the counts reached the host; compared on reuse
 
     @property
     def num_tokens(self) -> int:

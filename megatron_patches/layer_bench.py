@@ -125,8 +125,8 @@ def summarize(samples: dict, shapes: list[str], max_abs_diff: dict) -> list[dict
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | H | F | E | top-k | T/rank | hybrid_ep ms | alltoall ms | ratio | paired ratio | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | H | F | E | top-k | T/rank | hybrid_ep ms | alltoall ms | ratio | paired ratio "
+             "| max abs diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['hidden']} | {r['ffn']} | {r['experts']} | {r['topk']} | "
                      f"{r['tokens_per_rank']} | {r['median_ms']['hybrid_ep']:.2f} | {r['median_ms']['alltoall']:.2f}"

@@ -56,6 +56,11 @@ def _mismatch(what: str):
                 ra, rb = buf.dispatch(x, routes["A"]), buf.dispatch(x, b)
                 mine = ra if first else rb
                 buf.dispatch(x, handle=mine.handle) if call == "dispatch" else buf.combine(mine.tokens, mine.handle)
+        elif what == "static handles":  # rank 0 reuses static dispatch #1's handle, the others #2's
+            ra, rb = (buf.dispatch(x, routes[k], num_out_tokens=4 * W) for k in ("A", "same"))
+            buf.dispatch(x, handle=(ra if first else rb).handle)
+        elif what == "static vs exact":
+            buf.dispatch(x, routes["A"], num_out_tokens=4 * W if first else None)
         elif what == "count checksum":  # two buffers used crosswise: every rank's buf holds a dispatch #1
             pair = (buf, _buffer(W)) if first else (_buffer(W), buf)
             results = [b.dispatch(x, routes[k]) for b, k in zip(pair, ("A", "other"))]
@@ -68,6 +73,11 @@ def _mismatch(what: str):
                 buf.dispatch(x, handle=res.handle) if first else buf.combine(res.tokens, res.handle)
             elif what == "combine vs probs backward":
                 buf.combine(res.tokens, res.handle) if first else buf._return_row_values(res.probs, res.handle)
+            elif what == "combine with vs without the weights":  # dispatch's backward sends both back at once
+                if first:
+                    buf._combine_and_return_row_values(res.tokens, res.probs, res.handle)
+                else:
+                    buf.combine(res.tokens, res.handle)
     except ValueError as err:
         return str(err), _round_trip_works(W)
     return "no error", _round_trip_works(W)
@@ -98,6 +108,11 @@ def _cases():
              + _per_rank(W, "combine", "probs backward") + ")"),
             (W, "count checksum", "hybrid_ep dispatch: the EP ranks disagree on the handle (rank 0: dispatch #1 "
              "with count checksum "),
+            (W, "static handles", f"hybrid_ep dispatch: the EP ranks disagree on {handles}"),
+            (W, "static vs exact", "hybrid_ep dispatch: the EP ranks disagree on a static output size "
+             "(num_out_tokens) (" + _per_rank(W, True, False) + "); every rank must make the same call"),
+            (W, "combine with vs without the weights", "hybrid_ep combine: the EP ranks disagree on routing-weight "
+             "gradients sent back (" + _per_rank(W, True, False) + ")"),
         ]
     return cases
 
@@ -105,7 +120,9 @@ def _cases():
 @pytest.mark.parametrize("W, what, needle", _cases(), ids=[f"W{W}-{what}" for W, what, _ in _cases()])
 def test_ranks_that_disagree_all_raise_the_same_error(pool_for, W, what, needle):
     """Before the fix: other handles gave wrong rows or uninitialised memory and no error;
-    other calls or ranks_per_node sent messages of other lengths and gloo aborted a rank."""
+    other calls or ranks_per_node sent messages of other lengths and gloo aborted a rank. The
+    header rides in the call's own exchange: each peer's receive is posted at the longest message
+    of the buffer, so a peer in another call delivers a shorter message that its header names."""
     out = pool_for(W).run(_mismatch, [(what,)] * W, timeout_s=120)
     messages = [m for m, _ in out]
     assert len(set(messages)) == 1 and needle in messages[0], messages

@@ -35,3 +35,72 @@ def test_two_gpus_match_oracle():
     with ProcessGroupPool(2, backend="nccl") as pool:
         for case in _cases(2):
             check_case(pool, case)
+
+
+def _static_round_trip_without_host_sync():
+    """A static-size dispatch + combine (num_out_tokens, Megatron's moe_expert_rank_capacity_factor)
+    under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises."""
+    import hybrid_ep as hep
+
+    T, H, E = 16, 256, 4
+    buf = hep.HybridEPBuffer(None, H, T, E, backend="reference")
+    dev = buf.device
+    t = torch.arange(T)
+    idx = torch.stack([t % E, (t + 1) % E], dim=1).to(dev)
+    w = torch.rand(T, 2, device=dev)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+
+    def round_trip():
+        res = buf.dispatch(x, idx, w, num_out_tokens=2 * T + 8)
+        return res, buf.combine(res.tokens, res.handle)
+
+    round_trip()  # the first call sets up the communicator, pinned host memory and the cached maps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res, y = round_trip()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return buf.backend, res.tokens.shape[0], int(res.handle.num_dropped), torch.equal(y, 2 * x)
+
+
+@pytest.mark.gpu
+def test_static_size_makes_no_host_sync():
+    with ProcessGroupPool(1, backend="nccl") as pool:
+        assert pool.run(_static_round_trip_without_host_sync) == [("reference", 40, 0, True)]
+
+
+def _reuse_other_handles():
+    """Ranks reuse handles of different dispatches with the same counts: on NCCL nothing is read on
+    the host for a call with a handle, so the header check runs at the next dispatch with a
+    routing (its count read), on every rank alike."""
+    import torch.distributed as dist
+
+    import hybrid_ep as hep
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    buf = hep.HybridEPBuffer(None, 128, 2 * W, 2 * W, ranks_per_node=W, backend="reference")
+    dev = buf.device
+    t = torch.arange(2 * W)
+    a, b = (t % W * 2)[:, None].to(dev), ((t + 1) % W * 2)[:, None].to(dev)  # the same counts, other rows
+    x = torch.randn(2 * W, 128, device=dev)
+    ra, rb = buf.dispatch(x, a), buf.dispatch(x, b)
+    buf.dispatch(x, handle=(ra if rank == 0 else rb).handle)
+    try:
+        buf.dispatch(x, a)
+        message = "no error"
+    except ValueError as err:
+        message = str(err)
+    res = buf.dispatch(x, a)
+    return message, torch.equal(buf.combine(res.tokens, res.handle), x)
+
+
+@pytest.mark.multigpu
+def test_reused_handles_that_disagree_raise_at_the_next_routing():
+    with ProcessGroupPool(2, backend="nccl") as pool:
+        out = pool.run(_reuse_other_handles)
+    assert out[0] == out[1]
+    message, group_works = out[0]
+    assert "the EP ranks disagree on the handle (rank 0: dispatch #1, rank 1: dispatch #2)" in message, message
+    assert group_works

@@ -57,6 +57,13 @@ class Backend(abc.ABC):
         This is the backward of the probs that dispatch hands out.
         """
 
+    def combine_and_return_row_values(
+        self, rows_RH: torch.Tensor, values_R: torch.Tensor, handle: DispatchHandle, kernel: KernelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both halves of dispatch's backward (combine without probs, then return_row_values);
+        a backend that can send both back in one exchange overrides it."""
+        return self.combine(rows_RH, handle, False, kernel), self.return_row_values(values_R, handle)
+
     @abc.abstractmethod
     def memory_plan(self) -> MemoryPlan:
         ...

@@ -4,26 +4,44 @@ It follows the hierarchical scheme's data flow where it matters for semantics: o
 (token, destination rank) travels, and the destination expands it to its local experts.
 Everything moves as raw bytes, so bf16, fp32 and fp8 rows take the same path.
 
+Collectives, as few as Megatron's alltoall dispatcher makes: a dispatch with a new routing
+exchanges its counts once (the agreement header rides with them, reference_agreement) and
+reads them on the host once, then its rows; a dispatch with a handle, a combine and the
+probs backward exchange their rows only, with the header in front. With a static output
+size (num_out_tokens) every rank's block has max_tokens_per_rank rows, so the counts ride
+with the rows and nothing is read on the host (reference_layout, reference_exchange).
+
 Legend: T tokens, K routes per token, H hidden, L local experts, W ranks, N nodes,
-S rows sent, V rows received, R output rows, M kept (row, expert) entries.
+S rows sent, V rows received, R output rows, P rows of a message (blocks with headers).
 """
 
 from __future__ import annotations
 
-import datetime
-import time
-import zlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
-from ..config import KernelConfig, timeout_seconds
+from ..config import KernelConfig
 from ..handle import DispatchHandle
 from ..memory import BufferSpec, MemoryPlan
-from ..routing import Routing, SourceLayout, dest_layout, max_output_rows, source_layout
+from ..routing import Routing, max_output_rows
 from ..rows import as_byte_rows as _as_bytes
 from ..rows import from_byte_rows as _from_bytes
+from . import reference_agreement as agreement
 from .base import Backend
+from .reference_exchange import ReferenceExchange
+from .reference_layout import (
+    SendLayout,
+    assert_routing_on_device,
+    padded_rows,
+    receive_layout,
+    routes_per_row,
+    send_layout,
+)
+from .reference_message import Messages, message_rows
+
+_HW = agreement.HEADER_WORDS
 
 
 class ReferenceBackend(Backend):
@@ -34,181 +52,254 @@ class ReferenceBackend(Backend):
         transport = str(dist.get_backend(group)).lower()
         if "nccl" in transport and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
+            ReferenceExchange.bound_group(group)
         else:
             self._device = torch.device("cpu")
+        # With a static size nothing is read on the host, the routing checks included (on a GPU).
+        self.checks_routing_on_device = self._device.type == "cuda"
+        self._exchange = ReferenceExchange(group, rank, config.world_size, self._device, _longest_message(config))
         self._num_dispatches = 0  # dispatches of a new routing so far: the serial number of their handles
+        self._msg = Messages(self._device)
 
     @property
     def device(self) -> torch.device:
         return self._device
 
-    # -- collectives, each wait bounded by HYBRID_EP_TIMEOUT_S -------------------------
+    def _check(self, table_WH: torch.Tensor, call: int, fields: dict) -> None:
+        if self.config.world_size > 1:
+            self._exchange.check_headers(table_WH[:, :_HW], lambda t: agreement.check(call, fields, t))
 
-    def _wait(self, work, phase: str) -> None:
-        limit = timeout_seconds()
-        start = time.monotonic()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=limit))
-        except RuntimeError as err:
-            elapsed = time.monotonic() - start
-            if elapsed < limit:  # the transport failed first: a peer process exited or its link broke
-                cause = (f"failed after {elapsed:.1f} s in {phase}: the connection to a peer rank broke "
-                         f"(did a peer process exit or crash? check its log)")
-            else:
-                cause = (f"waited more than {limit:g} s (HYBRID_EP_TIMEOUT_S) in {phase}: a peer rank did "
-                         f"not make the same call")
-            raise RuntimeError(
-                f"hybrid_ep: rank {self.rank} of the EP group {cause}. The process group is unusable after "
-                f"this error. ({err})"
-            ) from err
+    def _message(self, call: int, fields: dict, handle: DispatchHandle | None, extra=()) -> torch.Tensor:
+        words = agreement.header(call, self.config.ranks_per_node, fields,
+                                 *((handle.serial, handle.checksum) if handle is not None else ()))
+        return torch.cat([self._msg.ints(words), *extra]) if extra else self._msg.ints(words)
 
-    def _agree(self, call: int, fields: dict, device, handle: DispatchHandle | None = None,
-               source: SourceLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One all_gather before every collective call, so that ranks about to make different
-        calls, with different handles or with another row format all raise the same ValueError
-        instead of exchanging wrong rows (rows are raw bytes, counts are each rank's own).
-
-        The message's length depends only on W: gloo aborts the process when the lengths
-        differ. It holds a header (the call, ranks_per_node, the handle's serial number and
-        count checksum, the row format padded to _FORMAT slots), then W send counts and the
-        N <= W node counts padded to W, zero unless the call sends a new routing (source).
-        Returns every rank's counts: [W, W] rows sent and [W, N] tokens per node.
-        """
-        cfg = self.config
-        W, N = cfg.world_size, cfg.num_nodes
-        serial, checksum = (handle.serial, _checksum(handle.count_matrix_WW)) if handle is not None else (0, 0)
-        head = [call, cfg.ranks_per_node, serial, checksum] + _encode(fields) + [0] * (_FORMAT - len(fields))
-        counts = torch.zeros(2 * W, dtype=torch.int64, device=device)
-        if source is not None:
-            counts[:W], counts[W:W + N] = source.send_counts_W, source.node_counts_N
-        mine = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), counts])
-        if W == 1:
-            table = mine[None]
-        else:
-            flat = torch.empty(W * mine.numel(), dtype=torch.int64, device=device)
-            work = dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True)
-            self._wait(work, f"{_PHASES[call]} (agreement)")
-            table = flat.view(W, -1)
-            _check_agreement(call, fields, table[:, :_HEAD + _FORMAT].tolist())
-        counts_WX = table[:, _HEAD + _FORMAT:]
-        return counts_WX[:, :W], counts_WX[:, W:W + N]
-
-    def _all_to_all_rows(self, send, send_counts: list[int], recv_counts: list[int], phase: str):
-        """Variable-size all-to-all of byte rows; rows for rank d are contiguous, in rank order."""
-        row_bytes = send.shape[1]
-        if self.config.world_size == 1:
-            return send.clone()
-        recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=send.device)
-        work = dist.all_to_all_single(
-            recv,
-            send.reshape(-1),
-            [c * row_bytes for c in recv_counts],
-            [c * row_bytes for c in send_counts],
-            group=self.group,
-            async_op=True,
-        )
-        self._wait(work, phase)
-        return recv.view(-1, row_bytes)
-
-    # -- data movement -------------------------------------------------------------------
+    # -- dispatch ----------------------------------------------------------------------------
 
     def dispatch(self, x_TH, scales_TB, routing: Routing | None, handle: DispatchHandle | None,
                  num_out_tokens, kernel: KernelConfig):
-        cfg, L = self.config, self.config.experts_per_rank
-        payload = [_as_bytes(x_TH)]
-        if scales_TB is not None:
-            payload.append(_as_bytes(scales_TB))
+        cfg = self.config
+        payload = [_as_bytes(x_TH)] + ([_as_bytes(scales_TB)] if scales_TB is not None else [])
+        static = (num_out_tokens if handle is None else handle.num_out_tokens) is not None
+        fields = {"x dtype": x_TH.dtype, "x row bytes": payload[0].shape[1],
+                  "scales row bytes": sum(p.shape[1] for p in payload[1:]), "num_experts": cfg.num_experts,
+                  "a static output size (num_out_tokens)": static}
+        if static:
+            self._exchange.run_deferred_checks()
+        if handle is not None:
+            return self._dispatch_with_handle(x_TH, payload, handle, fields)
+        if static:
+            return self._dispatch_static(x_TH, payload, routing, num_out_tokens, fields)
+        return self._dispatch_counted(x_TH, payload, routing, fields)
+
+    def _pack(self, payload, layout: SendLayout, row_of_pos: torch.Tensor | None, meta: bool):
+        """Message rows: row p carries the payload of send row row_of_pos[p] (None: row p), and with
+        meta its local experts' weights and marks. Rows of the dummy send row are left for
+        headers. Whole-row gathers straight into the message's columns (index_select), the
+        fast copy of byte rows."""
+        T = layout.num_tokens
+        token_of_pos = layout.token_of_row if row_of_pos is None else layout.token_of_row[row_of_pos]
+        L = self.config.experts_per_rank
         widths = [p.shape[1] for p in payload]
-        fields = {"x dtype": x_TH.dtype, "x row bytes": widths[0], "scales row bytes": sum(widths[1:]),
-                  "num_experts": cfg.num_experts}
+        message = torch.empty(token_of_pos.shape[0], sum(widths) + (5 * L if meta else 0), dtype=torch.uint8,
+                              device=self._device)
+        col = 0
+        for part, width in zip(payload, widths):
+            if T:
+                torch.index_select(part, 0, token_of_pos.clamp(max=T - 1), out=message[:, col:col + width])
+            col += width
+        if meta:
+            probs_SL, mask_SL = routes_per_row(layout, L)
+            routes = torch.cat([probs_SL.view(torch.uint8), mask_SL], dim=1)
+            if row_of_pos is None:
+                message[:, col:] = routes
+            else:
+                torch.index_select(routes, 0, row_of_pos, out=message[:, col:])
+        return message
 
-        if handle is None:
-            source = source_layout(routing, cfg)
-            count_WW, node_counts_WN = self._agree(_NEW_ROUTING, fields, x_TH.device, source=source)
-            self._num_dispatches += 1  # numbered once every rank has agreed, so the ranks count alike
-            recv_counts_W = count_WW[:, self.rank].contiguous()
-            # The first dispatch of a routing carries each row's local experts and weights.
-            meta = [_as_bytes(source.row_probs_SL), source.row_expert_mask_SL.to(torch.uint8)]
-        else:
-            source, recv_counts_W, meta = handle.source, handle.recv_counts_W, []
-            self._agree(_WITH_HANDLE, fields, x_TH.device, handle)
+    def _dispatch_counted(self, x_TH, payload, routing, fields):
+        """A new routing, exact sizes: one count exchange (with the agreement header) and one host
+        read, overlapped with packing the rows, then the rows."""
+        cfg, rank = self.config, self.rank
+        W, N, L = cfg.world_size, cfg.num_nodes, cfg.experts_per_rank
+        layout = send_layout(routing, cfg)
+        node_counts = torch.zeros(W, dtype=torch.int64, device=self._device)
+        node_counts[:N] = layout.node_counts_N
+        words = self._message(agreement.NEW_ROUTING, fields, None,
+                              (layout.send_counts_W, node_counts, layout.expert_counts_E))
+        M = words.numel()
+        recv, starts = self._exchange.all_to_all(words.view(torch.uint8).view(1, M, 8).expand(W, M, 8).reshape(-1, 8),
+                                                 [M] * W, [M] * W, _HW, "dispatch (counts)")
+        copy = self._exchange.start_host_copy(self._msg.read_headers(recv, starts, M))
+        message = self._pack(payload, layout, None, meta=True)
+        table = self._exchange.finish_host_copy(copy, "dispatch (counts)")
+        if W > 1:
+            agreement.check(agreement.NEW_ROUTING, fields, table[:, :_HW].tolist())
+        self._num_dispatches += 1  # numbered once every rank has agreed, so the ranks count alike
+        count_WW, node_WN = table[:, _HW:_HW + W], table[:, _HW + W:_HW + W + N]
+        experts_WL = table[:, _HW + 2 * W + rank * L:_HW + 2 * W + (rank + 1) * L]
+        num_rows = int(padded_rows(experts_WL.sum(dim=0), cfg.pad_multiple, cfg.min_rows_per_expert).sum())
+        send_W, recv_W = count_WW[rank].tolist(), count_WW[:, rank].tolist()
+        layout = _with_blocks(layout, send_W)
+        recv, starts = self._exchange.all_to_all(message, send_W, recv_W, 0, "dispatch")
+        return self._unpack_new(x_TH, payload, routing, layout, recv, starts, recv_W, 0, num_rows, None,
+                                count_WW, node_WN, agreement.checksum(count_WW))
 
-        send = torch.cat([p[source.send_token_idx_S] for p in payload] + meta, dim=1)
-        recv = self._all_to_all_rows(send, source.send_counts_W.tolist(), recv_counts_W.tolist(), "dispatch")
-        parts = list(torch.split(recv, widths + [4 * L, L][: len(meta)], dim=1))
+    def _dispatch_static(self, x_TH, payload, routing, num_out_tokens, fields):
+        """A new routing, static sizes: blocks of max_tokens_per_rank rows per rank, the agreement
+        header and the counts in front of each; no host read."""
+        cfg = self.config
+        W, N, per_rank = cfg.world_size, cfg.num_nodes, cfg.max_tokens_per_rank
+        if self.checks_routing_on_device:
+            assert_routing_on_device(routing, cfg.num_experts)
+        layout = _with_blocks(send_layout(routing, cfg, per_rank), [per_rank] * W)
+        node_counts = torch.zeros(W, dtype=torch.int64, device=self._device)
+        node_counts[:N] = layout.node_counts_N
+        words = self._message(agreement.NEW_ROUTING, fields, None, (layout.send_counts_W, node_counts))
+        B = sum(p.shape[1] for p in payload) + 5 * cfg.experts_per_rank
+        header_rows = -(-words.numel() * 8 // B)
+        _, starts, row_of_pos = self._msg.blocks(list(layout.block_rows_W), header_rows, layout.num_rows_max)
+        message = self._pack(payload, layout, row_of_pos, meta=True)
+        self._msg.put_headers(message, words, starts, header_rows)
+        blocks = [header_rows + per_rank] * W
+        recv, starts = self._exchange.all_to_all(message, blocks, blocks, header_rows, "dispatch")
+        table = self._msg.read_headers(recv, starts, words.numel())
+        self._check(table, agreement.NEW_ROUTING, fields)
+        self._num_dispatches += 1
+        count_WW, node_WN = table[:, _HW:_HW + W], table[:, _HW + W:_HW + W + N]
+        checksum = agreement.checksum(count_WW) if self._device.type == "cpu" else 0
+        return self._unpack_new(x_TH, payload, routing, layout, recv, starts, [per_rank] * W, header_rows,
+                                num_out_tokens, num_out_tokens, count_WW, node_WN, checksum)
 
-        if handle is None:
-            recv_probs_VL = _from_bytes(parts[len(payload)], torch.float32)
-            recv_mask_VL = parts[len(payload) + 1].bool()
-            dest = dest_layout(recv_mask_VL, cfg.pad_multiple, num_out_tokens, cfg.min_rows_per_expert)
-            probs_R = torch.zeros(dest.num_rows, dtype=torch.float32, device=x_TH.device)
-            probs_R[dest.out_pos_M] = recv_probs_VL[dest.out_src_M, dest.out_expert_M]
-            handle = DispatchHandle(
-                owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=source, dest=dest,
-                recv_counts_W=recv_counts_W, num_recv_rows=recv.shape[0], count_matrix_WW=count_WW,
-                node_counts_WN=node_counts_WN, probs_R=probs_R, num_out_tokens=num_out_tokens,
-                serial=self._num_dispatches,
-            )
-        dest = handle.dest
+    def _unpack_new(self, x_TH, payload, routing, layout, recv, starts, recv_W, header_rows, num_rows,
+                    num_out_tokens, count_WW, node_WN, checksum):
+        """Rows of a new routing: the layout from the received marks, then the expert-major rows."""
+        cfg, L = self.config, self.config.experts_per_rank
+        V = sum(recv_W)
+        rows_of = self._msg.row_map(starts, recv_W, header_rows, V, recv.shape[0] - 1)
+        col = sum(p.shape[1] for p in payload)
+        meta = recv[:, col:].index_select(0, rows_of[:V])
+        probs_VL = _from_bytes(meta[:, :4 * L], torch.float32)
+        dest = receive_layout(meta[:, 4 * L:], num_rows, cfg.pad_multiple, cfg.min_rows_per_expert, tuple(recv_W))
+        probs_R = torch.cat([probs_VL, probs_VL.new_zeros(1, L)])[dest.src_of_row_R, dest.expert_of_row_R]
+        recv_counts = count_WW[:, self.rank] if count_WW.device == self._device else self._msg.ints(recv_W)
+        handle = DispatchHandle(
+            owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=layout, dest=dest,
+            recv_counts_W=recv_counts, num_recv_rows=V, count_matrix_WW=count_WW, node_counts_WN=node_WN,
+            probs_R=probs_R, num_out_tokens=num_out_tokens, serial=self._num_dispatches, checksum=checksum,
+        )
+        return (*self._expand(recv, rows_of, dest, payload, x_TH.dtype), handle)
 
-        def expand(part_VB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            out = torch.zeros(dest.num_rows, part_VB.shape[1], dtype=torch.uint8, device=part_VB.device)
-            out[dest.out_pos_M] = part_VB[dest.out_src_M]
-            return out.view(dtype)
+    def _expand(self, recv, rows_of, dest, payload, dtype):
+        """Output rows [R, H] (and scales) from the received rows; padding rows are zero."""
+        picked = rows_of[dest.src_of_row_R]
+        parts, col = [], 0
+        for part in payload:
+            width = part.shape[1]
+            parts.append(recv[:, col:col + width].index_select(0, picked))
+            col += width
+        rows_RH = parts[0].view(dtype)
+        return rows_RH, (parts[1].view(torch.float32) if len(parts) > 1 else None)
 
-        rows_RH = expand(parts[0], x_TH.dtype)
-        scales_RB = expand(parts[1], torch.float32) if scales_TB is not None else None
-        return rows_RH, scales_RB, handle
+    def _dispatch_with_handle(self, x_TH, payload, handle: DispatchHandle, fields):
+        source, dest = handle.source, handle.dest
+        words = self._message(agreement.WITH_HANDLE, fields, handle)
+        B = sum(p.shape[1] for p in payload)
+        header_rows = -(-_HW * 8 // B)
+        send_W, recv_W = list(source.block_rows_W), list(dest.block_rows_W)
+        _, starts, row_of_pos = self._msg.blocks(send_W, header_rows, source.num_rows_max)
+        message = self._pack(payload, source, row_of_pos, meta=False)
+        self._msg.put_headers(message, words, starts, header_rows)
+        recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
+                                                 [header_rows + c for c in recv_W], header_rows, "dispatch")
+        self._check(self._msg.read_headers(recv, starts, _HW), agreement.WITH_HANDLE, fields)
+        rows_of = self._msg.row_map(starts, recv_W, header_rows, dest.num_recv_rows, recv.shape[0] - 1)
+        return (*self._expand(recv, rows_of, dest, payload, x_TH.dtype), handle)
+
+    # -- the way back: combine and the probs backward ----------------------------------------
 
     def combine(self, rows_RH, handle: DispatchHandle, apply_probs: bool, kernel: KernelConfig):
-        dest, source = handle.dest, handle.source
-        H = rows_RH.shape[1]
-        vals_MH = rows_RH.detach()[dest.out_pos_M].float()
-        if apply_probs:
-            vals_MH = vals_MH * handle.probs_R.detach()[dest.out_pos_M, None]
-        # Reduce a token's local experts first: one fp32 partial row per received row, sent
-        # back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
-        # node sums of remote nodes are rounded once more (the forwarders' hop).
-        partial_VH = torch.zeros(handle.num_recv_rows, H, dtype=torch.float32, device=rows_RH.device)
-        partial_VH.index_add_(0, dest.out_src_M, vals_MH)
-        wire = kernel.wire_dtype_for(rows_RH.dtype)
-        self._agree(_COMBINE, {"expert_out dtype": rows_RH.dtype, "wire dtype": wire, "hidden": H}, rows_RH.device,
-                    handle)
-        back = self._all_to_all_rows(
-            _as_bytes(partial_VH.to(wire)), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "combine"
-        )
-        return self._sum_partials(_from_bytes(back, wire).float(), source, handle.num_tokens, wire).to(rows_RH.dtype)
+        return self._send_back(handle, rows_RH, None, apply_probs, kernel.wire_dtype_for(rows_RH.dtype))[0]
 
-    def _sum_partials(self, back_SH: torch.Tensor, source, num_tokens: int, wire: torch.dtype) -> torch.Tensor:
+    def return_row_values(self, values_R, handle: DispatchHandle):
+        return self._send_back(handle, None, values_R, False, torch.float32)[1]
+
+    def combine_and_return_row_values(self, rows_RH, values_R, handle: DispatchHandle, kernel: KernelConfig):
+        return self._send_back(handle, rows_RH, values_R, False, kernel.wire_dtype_for(rows_RH.dtype))
+
+    def _send_back(self, handle: DispatchHandle, rows_RH, values_R, apply_probs: bool, wire: torch.dtype):
+        """The way back in one exchange: combine (rows_RH: [T, H] sums) and / or the probs
+        backward (values_R: one fp32 value per output row back to its routing slot, [T, K]).
+
+        Combine reduces a token's local experts first: one fp32 partial row per received row,
+        sent back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
+        node sums of remote nodes are rounded once more (the forwarders' hop)."""
+        dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
+        if handle.num_out_tokens is not None:
+            self._exchange.run_deferred_checks()
+        width = 0 if rows_RH is None else rows_RH.shape[1] * torch.empty((), dtype=wire).element_size()
+        B = width + (4 * L if values_R is not None else 0)
+        header_rows = -(-_HW * 8 // B)
+        positions, starts, _ = self._msg.blocks(list(dest.block_rows_W), header_rows, dest.num_recv_rows)
+        at = positions[dest.src_of_row_R]
+        P = message_rows(dest.block_rows_W, header_rows)
+        # One message of [partial sums in the wire dtype | routing-weight values (fp32)] per row.
+        message = torch.empty(P, B, dtype=torch.uint8, device=self._device)
+        if rows_RH is not None:
+            vals_RH = rows_RH.detach().float()
+            if apply_probs:
+                vals_RH = vals_RH * handle.probs_R.detach()[:, None]
+            if wire == torch.float32:
+                partial = message.view(torch.float32)[:, :rows_RH.shape[1]]
+                partial.zero_()
+                partial.index_add_(0, at, vals_RH)
+            else:
+                partial = torch.zeros(P, rows_RH.shape[1], dtype=torch.float32, device=self._device)
+                message[:, :width] = _as_bytes(partial.index_add_(0, at, vals_RH).to(wire))
+        if values_R is not None:
+            vals_PL = message.view(torch.float32)[:, width // 4:]
+            vals_PL.zero_()
+            vals_PL[at, dest.expert_of_row_R] = values_R.detach().float()
+        if rows_RH is None:
+            call, fields = agreement.PROBS_BACKWARD, {}
+        else:
+            call, fields = agreement.COMBINE, {"expert_out dtype": rows_RH.dtype, "wire dtype": wire,
+                                               "hidden": rows_RH.shape[1],
+                                               "routing-weight gradients sent back": values_R is not None}
+        self._msg.put_headers(message, self._message(call, fields, handle), starts, header_rows)
+        send_W, recv_W = list(dest.block_rows_W), list(source.block_rows_W)
+        recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
+                                                 [header_rows + c for c in recv_W], header_rows, agreement.PHASES[call])
+        self._check(self._msg.read_headers(recv, starts, _HW), call, fields)
+        S = sum(recv_W)
+        rows_of = self._msg.row_map(starts, recv_W, header_rows, S, recv.shape[0] - 1)
+        back_SB = recv.index_select(0, rows_of)  # S rows, then the zero row
+        y_TH = out_TK = None
+        if rows_RH is not None:
+            back_SH = back_SB.view(wire)[:S, :rows_RH.shape[1]].float()
+            y_TH = self._sum_partials(back_SH, source, wire).to(rows_RH.dtype)
+        if values_R is not None:
+            back_SL = back_SB.view(torch.float32)[:, width // 4:]
+            out_TK = back_SL[source.slot_row_TK.clamp(max=S), source.slot_local_TK]
+        return y_TH, out_TK
+
+    def _sum_partials(self, back_SH: torch.Tensor, source: SendLayout, wire: torch.dtype) -> torch.Tensor:
         """The source's fp32 sum of the partials, with the hierarchical path's roundings: the
         partials of a remote node are summed (fp32) and rounded to the wire once more, as that
         node's forwarder does, before the final sum. The rows travelled flat; the arithmetic
-        is the hops'."""
+        is the hops'. Row T collects the rows of no token (static blocks' padding)."""
         cfg = self.config
-        N, G, H = cfg.num_nodes, cfg.ranks_per_node, back_SH.shape[1]
-        dest_node_S = torch.repeat_interleave(torch.arange(cfg.world_size, device=back_SH.device) // G,
-                                              source.send_counts_W.to(back_SH.device))
-        by_node = torch.zeros(num_tokens * N, H, dtype=torch.float32, device=back_SH.device)
-        by_node.index_add_(0, source.send_token_idx_S * N + dest_node_S, back_SH)
-        by_node = by_node.view(num_tokens, N, H)
-        remote = torch.arange(N, device=back_SH.device) != cfg.node_of(self.rank)
-        by_node[:, remote] = by_node[:, remote].to(wire).float()
+        N, H, T, S = cfg.num_nodes, back_SH.shape[1], source.num_tokens, back_SH.shape[0]
+        token_S = source.token_of_row[:S]
+        if N == 1:
+            return torch.zeros(T + 1, H, device=self._device).index_add_(0, token_S, back_SH)[:T]
+        by_node = torch.zeros((T + 1) * N, H, dtype=torch.float32, device=self._device)
+        by_node.index_add_(0, token_S * N + source.node_of_row[:S], back_SH)
+        by_node = by_node.view(T + 1, N, H)[:T]
+        for n in range(N):
+            if n != cfg.node_of(self.rank):
+                by_node[:, n] = by_node[:, n].to(wire).float()
         return by_node.sum(dim=1)
-
-    def return_row_values(self, values_R, handle: DispatchHandle):
-        dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
-        self._agree(_PROBS_BACKWARD, {}, values_R.device, handle)
-        vals_VL = torch.zeros(handle.num_recv_rows, L, dtype=torch.float32, device=values_R.device)
-        vals_VL[dest.out_src_M, dest.out_expert_M] = values_R.detach()[dest.out_pos_M].float()
-        back = self._all_to_all_rows(
-            _as_bytes(vals_VL), handle.recv_counts_W.tolist(), source.send_counts_W.tolist(), "probs backward"
-        )
-        back_SL = _from_bytes(back, torch.float32)
-        slot_row = source.slot_send_row_TK
-        valid = slot_row >= 0
-        out_TK = torch.zeros(slot_row.shape, dtype=torch.float32, device=values_R.device)
-        out_TK[valid] = back_SL[slot_row[valid], source.slot_local_expert_TK[valid]]
-        return out_TK
 
     def memory_plan(self) -> MemoryPlan:
         cfg = self.config
@@ -226,52 +317,15 @@ class ReferenceBackend(Backend):
         )
 
 
-# The collective calls, as the agreement message numbers them and the errors name them.
-_NEW_ROUTING, _WITH_HANDLE, _COMBINE, _PROBS_BACKWARD = range(4)
-_CALLS = ("dispatch with a routing", "dispatch with a handle", "combine", "probs backward")
-_PHASES = ("dispatch", "dispatch", "combine", "probs backward")
-_HEAD = 4  # call, ranks_per_node, handle serial, handle count checksum
-_FORMAT = 4  # row-format slots: the most fields of any call (dispatch's)
-
-_DTYPES = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
+def _with_blocks(layout: SendLayout, block_rows_W: list[int]) -> SendLayout:
+    return dataclasses.replace(layout, block_rows_W=tuple(block_rows_W))
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())  # the same in every process (hash() is salted)
-
-
-def _encode(fields: dict) -> list[int]:
-    return [_dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in fields.values()]
-
-
-def _checksum(count_WW: torch.Tensor) -> int:
-    """The handle's [W, W] count matrix came from one all_gather, so it is the same on every
-    rank: two ranks whose handles' checksums differ hold handles of different dispatches."""
-    return zlib.crc32(count_WW.cpu().contiguous().numpy().tobytes())
-
-
-def _check_agreement(call: int, fields: dict, table: list[list[int]]) -> None:
-    """Raise the same ValueError on every rank when the ranks' headers differ: the call first
-    (in another call the other slots mean something else), then ranks_per_node, the handle
-    and the row format fields."""
-
-    def differ(what: str, shown: list, rule: str, prefix: str = f"hybrid_ep {_PHASES[call]}") -> None:
-        if len(set(shown)) > 1:
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
-            raise ValueError(f"{prefix}: the EP ranks disagree on {what} ({per_rank}); {rule}")
-
-    column = [list(c) for c in zip(*table)]
-    differ("the call", [_CALLS[c] for c in column[0]], "every rank must make the same calls in the same order",
-           prefix="hybrid_ep")  # the same text on every rank, whatever its own call
-    differ("ranks_per_node", column[1], "every rank must build its buffer with the same ranks_per_node")
-    serials, sums = column[2], column[3]
-    same_serial = len(set(serials)) == 1
-    differ("the handle", [f"dispatch #{s}" + (f" with count checksum {c:08x}" if same_serial else "")
-                          for s, c in zip(serials, sums)],
-           "every rank must pass the handle of the same dispatch (a buffer numbers its dispatches "
-           "with a routing in call order)")
-    names = {_dtype_code(d): str(d) for d in _DTYPES}
-    for j, (name, value) in enumerate(fields.items()):
-        col = column[_HEAD + j]
-        differ(name, [names.get(c, c) for c in col] if isinstance(value, torch.dtype) else col,
-               "every rank must make the same call with the same row format")
+def _longest_message(cfg) -> int:
+    """Bytes of the longest message one rank can send another in any call of this buffer: the
+    agreement header with the counts, then either a dispatch block of max_tokens_per_rank rows
+    (fp32 x, the widest; fp8 x with its scales is narrower; weights and marks of the local
+    experts) or the count message of a routing. A receive posted at this size takes any call."""
+    W, T, H, L, E = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_dim, cfg.experts_per_rank, cfg.num_experts
+    widest = 4 * H + 5 * L
+    return (_HW + 2 * W) * 8 + widest + max(T * widest, (2 * W + E) * 8)

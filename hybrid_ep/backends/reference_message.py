@@ -1,0 +1,109 @@
+"""Where rows sit in the reference backend's messages, and the index maps between orders.
+
+A message to each peer is one block: header_rows rows for the agreement header
+(reference_agreement), then that peer's rows. The maps turn a packed order (rank blocks of
+counts_W[s] rows, back to back) into rows of a message or of a receive buffer, whose blocks
+start wherever the exchange put them. Maps depend only on host integers, so the last few
+are kept: calls with a handle ask for the same ones again. Nothing here reads a device value
+on the host.
+
+Legend: W ranks, B bytes per row, P rows of a message.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..rows import from_byte_rows
+
+_KEPT = 64
+
+
+def message_rows(block_rows_W, header_rows: int) -> int:
+    """Rows of a message of these blocks, each after its header rows, plus the dummy row."""
+    return sum(block_rows_W) + len(block_rows_W) * header_rows + 1
+
+
+class Messages:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+
+    def ints(self, values: list[int]) -> torch.Tensor:
+        """Host integers on the device (pinned and non-blocking on a GPU: no synchronisation)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _recall(self, key):
+        found = self._kept.get(key)
+        if found is not None:
+            self._kept.move_to_end(key)
+        return found
+
+    def _remember(self, key, value):
+        self._kept[key] = value
+        if len(self._kept) > _KEPT:
+            self._kept.popitem(last=False)
+        return value
+
+    def row_map(self, starts: list[int], counts_W: list[int], header_rows: int, length: int, none_row: int):
+        """[length + 1] int64: row r of the packed order -> starts[s] + header_rows + its place in
+        rank s's block; rows past the blocks and the last entry -> none_row."""
+        key = (tuple(starts), tuple(counts_W), header_rows, length, none_row)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        return self._remember(key, self._new_row_map(starts, counts_W, header_rows, length, none_row))
+
+    def _new_row_map(self, starts, counts_W, header_rows, length, none_row):
+        total = sum(counts_W)
+        out = torch.full((length + 1,), none_row, dtype=torch.int64, device=self.device)
+        if total:
+            first = [0] * len(counts_W)
+            for s in range(1, len(counts_W)):
+                first[s] = first[s - 1] + counts_W[s - 1]
+            shift = self.ints([starts[s] + header_rows - first[s] for s in range(len(counts_W))])
+            rank_of_row = torch.repeat_interleave(shift, self.ints(counts_W), output_size=total)
+            out[:total] = torch.arange(total, device=self.device) + rank_of_row
+        return out
+
+    def blocks(self, counts_W: list[int], header_rows: int, length: int
+               ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """A message of rank blocks that start with header_rows rows: the position of each packed
+        row (length + 1 entries, the dummy last, going to the message's last row), the first
+        row of each block, and the inverse map (message row -> packed row, length where none)."""
+        key = ("blocks", tuple(counts_W), header_rows, length)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        starts, row = [], 0
+        for c in counts_W:
+            starts.append(row)
+            row += header_rows + c
+        positions = self._new_row_map(starts, counts_W, header_rows, length, row)
+        inverse = torch.full((row + 1,), length, dtype=torch.int64, device=self.device)
+        inverse[positions] = torch.arange(length + 1, device=self.device)
+        return self._remember(key, (positions, starts, inverse))
+
+    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int):
+        """Write the header words (int64) into the first header_rows rows of every block."""
+        if not header_rows:
+            return
+        B = message_PB.shape[1]
+        block = torch.zeros(header_rows * B, dtype=torch.uint8, device=self.device)
+        block[:words.numel() * 8] = words.view(torch.uint8)
+        block = block.view(header_rows, B)
+        for start in starts:
+            message_PB[start:start + header_rows] = block
+
+    def read_headers(self, recv_PB: torch.Tensor, starts: list[int], num_words: int) -> torch.Tensor:
+        """[W, num_words] int64: the first words of every peer's block."""
+        B = recv_PB.shape[1]
+        header_rows = -(-num_words * 8 // B)
+        rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
+        raw = recv_PB[rows].reshape(len(starts), header_rows * B)[:, :num_words * 8]
+        return from_byte_rows(raw, torch.int64)
