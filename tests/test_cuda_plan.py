@@ -109,18 +109,43 @@ def test_fifo_shapes():
 
 
 def test_store_queue_keeps_most_stages_for_the_loads():
-    # The seed shape's dispatch FIFOs (6 stages of one 16 KiB row) and combine rings (5 stages)
-    # hold one stage for the stores, where a fixed queue of 4 left the loads 1-2 stages.
+    # The seed shape's dispatch FIFOs (6 stages of one 16 KiB row) hold one stage for the
+    # stores, where a fixed queue of 4 left the loads 1-2 stages.
     dispatch = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, pipelines=launch.DISPATCH_PIPELINES)
-    combine = launch.combine_shape(8192, 2, 2, 8, 2, H100_SMEM_OPTIN)
-    assert (dispatch.stages, combine.stages) == (6, 5)
-    assert launch.store_groups(dispatch.stages) == launch.store_groups(combine.stages) == 1
+    assert dispatch.stages == 6
+    assert launch.store_groups(dispatch.stages) == 1
     assert [launch.store_groups(n) for n in (2, 3, 7, 8, 12, 16)] == [1, 1, 1, 2, 3, 4]
     # An override (HYBRID_EP_STORE_GROUPS) is kept below the ring's size and wait_group's 7.
     assert [launch.store_groups(n, 0) for n in (2, 16)] == [0, 0]
     assert [launch.store_groups(n, 7) for n in (2, 6, 16)] == [1, 5, 7]
     with pytest.raises(ValueError, match="stages must be >= 2"):
         launch.store_groups(1)
+    # Combine's partials have a ring of their own that no load refills: all but one in flight.
+    assert [launch.combine_store_groups(n) for n in (2, 3, 16)] == [1, 2, 7]
+    assert [launch.combine_store_groups(n, 0) for n in (2, 16)] == [0, 0]
+    with pytest.raises(ValueError, match="out_stages must be >= 2"):
+        launch.combine_store_groups(1)
+
+
+def test_combine_rings_hold_whole_rows_in_segments_a_group_can_hold():
+    # The seed shape: one bf16 row of 16 KiB per stage, 3 output stages, 5 stages per side.
+    seed = launch.combine_shape(8192, 2, 2, H100_SMEM_OPTIN)
+    assert (seed.seg_cols, seed.host_stages, seed.out_stages, seed.src_stages) == (8192, 5, 3, 5)
+    assert seed.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
+    # DeepSeek-V3's 7168 columns fit one segment; an fp32 wire halves the columns per stage.
+    assert launch.combine_shape(7168, 2, 2, H100_SMEM_OPTIN).seg_cols == 7168
+    fp32_wire = launch.combine_shape(8192, 2, 4, H100_SMEM_OPTIN)
+    assert (fp32_wire.seg_cols, fp32_wire.host_stage_bytes, fp32_wire.src_stage_bytes) == (4096, 8192, 16384)
+    # Wider rows are cut into segments of a multiple of 8 columns, never beyond the registers.
+    wide = launch.combine_shape(16388, 2, 2, H100_SMEM_OPTIN)
+    assert wide.seg_cols == launch.COMBINE_MAX_SEG_COLS
+    # Small rows: deep rings, capped at the kernels' 16 stages.
+    small = launch.combine_shape(256, 2, 2, H100_SMEM_OPTIN)
+    assert (small.seg_cols, small.host_stages, small.out_stages, small.src_stages) == (256, 16, 16, 16)
+    with pytest.raises(ValueError, match="multiple of 4 columns"):
+        launch.combine_shape(6, 2, 2, H100_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="fewer than 2 combine stages"):
+        launch.combine_shape(8192, 4, 4, 48 * 1024)
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("0", 0), ("4", 4), ("7", 7)])

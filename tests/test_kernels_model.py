@@ -369,7 +369,7 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups):
                 check_emulated(group, dataclasses.replace(case, seed=seed))
             kinds = {key[0]: a for key, a in group.engine._launch_cache.items()}
             assert kinds["dispatch"].store_groups == min(int(groups), kinds["dispatch"].fifo_stages - 1)
-            assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_stages - 1)
+            assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_out_stages - 1)
         finally:
             group.close()
 

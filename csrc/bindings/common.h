@@ -44,6 +44,7 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("THREADS") = kThreads;
   m.attr("CHUNK_TOKENS") = kChunkTokens;
+  m.attr("COMBINE_MAX_SEG_COLS") = kCombineMaxSegCols;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
@@ -90,7 +91,7 @@ inline void bind_common(py::module_& m) {
               RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages)
                   RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups)
                       RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
-                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
                       RW(LaunchArgs, error)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {

@@ -16,6 +16,7 @@ constexpr int kMaxExperts = 1024;      // layout kernel keeps [32 warps][E] coun
 constexpr int kThreads = 512;          // threads per dispatch / combine block
 constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalling between ranks
 constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
+constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
 
 // The inter-node transport of a build (csrc/transport/rdma.cuh).
 enum TransportKind : int32_t { kTransportLoopback = 0, kTransportNvshmem = 1 };
@@ -190,10 +191,11 @@ struct LaunchArgs {
   int32_t store_groups;     // bulk-store groups whose stages stay held while they read (every FIFO
                             // with stores: dispatch send and expand, combine expert host)
   int32_t wire_dtype;       // combine: DType of the partial sums between ranks (kFloat32 or dtype)
-  int32_t seg_cols;         // combine: columns per stage (a multiple of 8, or the whole row)
-  int32_t host_stages;      // combine: stages of the expert-host pipeline, and their bytes
+  int32_t seg_cols;         // combine: columns per stage (the whole row up to 8192, else a multiple of 8)
+  int32_t host_stages;      // combine: stages of expert-output segments (seg_cols of dtype each), and their bytes
   int32_t host_stage_bytes;
-  int32_t src_stages;       // combine: stages of the source pipeline, and their bytes
+  int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
+  int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
   uint64_t timeout_ns;
   uint64_t abort_flag;      // device i32: set by the first failing wait; every wait polls it

@@ -6,10 +6,7 @@ namespace hybrid_ep {
 
 using namespace combine_impl;
 
-size_t combine_smem_bytes(const LaunchArgs& args) {
-  return static_cast<size_t>(args.host_stages) * args.host_stage_bytes +
-         static_cast<size_t>(args.src_stages) * args.src_stage_bytes;
-}
+size_t combine_smem_bytes(const LaunchArgs& args) { return combine_stage_bytes(args); }
 
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream) {
   if (uses_nvshmem(args)) return launch_combine_nvshmem(args, stream);
@@ -17,7 +14,7 @@ LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream) {
 }
 
 int combine_max_blocks_per_sm(size_t smem) {
-  return dev::max_active_blocks(combine_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16>, kThreads, smem);
+  return dev::max_active_blocks(combine_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16>, kCombineThreads, smem);
 }
 
 }  // namespace hybrid_ep

@@ -1,23 +1,35 @@
-// Combine kernel (a template over the inter-node transport): persistent, one block per SM, warp-specialised. Every block reduces its
-// share of the rows this rank received (as their expert host) and, at the same time, sums
-// its share of this rank's own tokens (as their source), chunk by chunk as partials arrive.
+// Combine kernel (a template over the inter-node transport): persistent, one block per SM,
+// warp-specialised. Every block reduces its share of the rows this rank received (as their
+// expert host) and, at the same time, sums its share of this rank's own tokens (as their
+// source), chunk by chunk as partials arrive.
+//
+// Each side is a load thread feeding a ring of shared-memory stages that hold one row
+// segment each (one route's expert output, or one partial), and a reducer group of
+// kGroupWarps warps that adds the segments of a row in fp32 registers: thread i of the group
+// holds columns of quads i, i + kGroupThreads, ... of the whole segment, so a row is cut into
+// segments only beyond kMaxSegCols columns. The group's warps take every stage in turn
+// without agreeing with each other: each waits for the stage itself and releases it with one
+// arrival (the empty barrier counts kGroupWarps).
 //
 // Expert host (every (source, chunk) this rank received in the dispatch, strided over the
 // blocks as in dispatch; the chunk spans come from the handle):
-//   warp 0      for each received row and column segment, bulk-loads the row's expert outputs
-//               (one per valid output row of the row's entries) into a stage;
-//   warps 2-5   take the stages in turn: fp32 sum (times the routing weight with
-//               apply_probs), rounded once to the wire dtype into the stage's output area;
-//   warp 1      bulk-stores each partial into the source's buffer (store_groups groups in flight)
-//               and signals each chunk to its source once the chunk's stores completed.
+//   warp 0      reads a chunk's output rows and weights into a table (a lane per row), then
+//               bulk-loads each route of each row into the input ring, one stage per route
+//               and segment (a row without routes left, clipped by num_out_tokens, gets one
+//               stage without bytes: its partial is zero);
+//   warps 1-4   add a row's routes (times the routing weight with apply_probs) and write the
+//               partial, rounded once to the wire dtype, into the output ring;
+//   warp 5      bulk-stores each partial into the source's buffer (every output stage but the
+//               one being written may be in flight) and signals each chunk to its source once
+//               the chunk's stores completed.
 // Source (this rank's chunks of kChunkTokens tokens, strided over the blocks):
-//   warp 6      waits until every rank signalled the chunk, then bulk-loads each token's
-//               partials (one per destination rank) for each column segment into a stage;
-//   warps 7-14  take the stages in turn: fp32 sum of the partials, rounded once to the
-//               output dtype and written to the token's row.
+//   warp 6      waits until every rank signalled the chunk, reads the chunk's partial list
+//               into a table (a lane per token), then bulk-loads each token's partials (one
+//               per expert host of this node, one per other node the token reached);
+//   warps 7-10  add a token's partials and write its output row, rounded once, from registers.
 // With several nodes (kernels/hierarchy.cuh) an expert host stores the partial of a source on
 // another node into that source's rail peer on this node instead, and
-//   warp 15     (forwarder) sums the partials of this node's ranks for each token it forwarded
+//   warp 11     (forwarder) sums the partials of this node's ranks for each token it forwarded
 //               in the dispatch (fp32, rounded once to the wire dtype) and puts one row per
 //               token back to the source on the other node, one put with signal per chunk;
 // the source's warp 6 then also waits for each other node's chunk and loads its node partials.
@@ -33,10 +45,17 @@
 namespace hybrid_ep {
 namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kHostLoadWarp = 0, kHostStoreWarp = 1, kHostReduceWarp = 2, kHostReducers = 4;  // 2 .. 5
-constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7, kSrcReducers = 8;                         // 7 .. 14
-constexpr int kForwardWarp = 15;                                                              // several nodes
-constexpr int kMaxPendingChunks = 8;    // chunks whose partials are stored but not yet signalled
+// Warp roles.
+constexpr int kGroupWarps = 4, kGroupThreads = kGroupWarps * 32;  // a reducer group
+constexpr int kHostLoadWarp = 0, kHostReduceWarp = 1, kHostStoreWarp = 5;  // 1 .. 4 reduce
+constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7;                        // 7 .. 10 reduce
+constexpr int kForwardWarp = 11;                                           // several nodes
+constexpr int kCombineThreads = 12 * 32;
+constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
+
+// The accumulator: quads (4 columns) per thread of a group, for the widest segment.
+constexpr int kQuadsPerThread = kCombineMaxSegCols / (4 * kGroupThreads);
+static_assert(kQuadsPerThread * 4 * kGroupThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
 
 // ---- four values of a 16-bit or 32-bit dtype <-> fp32 -------------------------------------
 
@@ -81,27 +100,58 @@ struct Quad<__nv_bfloat16> : QuadHalf<__nv_bfloat162, BF16Conv> {};
 template <>
 struct Quad<__half> : QuadHalf<__half2, HalfConv> {};
 
-// ---- stages ---------------------------------------------------------------------------------
+// ---- stages and tables ----------------------------------------------------------------------
 
-// An expert-host stage: up to kd input segments (expert_out rows, seg_cols columns each) and
-// the partial's output area (seg_cols columns of the wire dtype) after them.
+enum ItemFlags : int32_t {
+  kFirstPart = 1,  // the first segment added into the accumulator (the others add to it)
+  kLastPart = 2,   // the accumulator holds the row's segment: write it
+  kNoBytes = 4,    // a row with nothing to add: its segment is zero
+  kEndOfWork = 8,  // the load thread's last item: the reducers leave
+};
+
+// One input stage of the expert host: a route's segment of an expert output row.
 struct HostItem {
   int32_t source, slot;  // the received row: source rank and its slot there
   int32_t col0, cols;    // column segment
-  int32_t n;             // valid input segments
-  float w[kMaxTopK];     // their weights (1 without apply_probs)
+  int32_t flags;
+  float weight;  // the route's routing weight with apply_probs, else 1
 };
 
-// A source stage: up to kMaxPartials partial segments of one token.
+// One output stage of the expert host: a partial, to be stored at (source, slot).
+struct OutItem {
+  int32_t source, slot, col0, cols;
+};
+
+// One stage of the source: a partial's segment of one token.
 struct SrcItem {
-  int32_t token, col0, cols, n;
+  int32_t token, col0, cols, flags;
+};
+
+// A received chunk's routes, read by the host load warp (a lane per row).
+struct HostTable {
+  int32_t routes[kChunkTokens];
+  int32_t pos[kChunkTokens][kMaxTopK];
+  float weight[kChunkTokens][kMaxTopK];
+};
+
+// A source chunk's partials, read by the source load warp (a lane per token): the expert host
+// on this node (local index g) or the node (kNodePart + n) of each, and its slot there.
+constexpr int8_t kNodePart = 64;
+struct SrcTable {
+  int32_t parts[kChunkTokens];
+  int8_t from[kChunkTokens][kMaxTopK];
+  int32_t slot[kChunkTokens][kMaxTopK];
 };
 
 struct CombineShared {
-  uint64_t host_full[kMaxStages], host_reduced[kMaxStages], host_empty[kMaxStages];
+  uint64_t host_full[kMaxStages], host_empty[kMaxStages];
+  uint64_t out_full[kMaxStages], out_empty[kMaxStages];
   uint64_t src_full[kMaxStages], src_empty[kMaxStages];
   HostItem host_items[kMaxStages];
+  OutItem out_items[kMaxStages];
   SrcItem src_items[kMaxStages];
+  HostTable host_table;
+  SrcTable src_table;
   int abort_flow;  // flow-control wait gave up
   volatile int abort;
 };
@@ -119,8 +169,9 @@ struct Combine {
   const int64_t* info;
   uint64_t epoch;
   CombineShared& sh;
-  uint8_t* host_data;
-  uint8_t* src_data;
+  uint8_t* host_in;   // [host_stages][seg_cols] expert output segments
+  uint8_t* host_out;  // [host_out_stages][seg_cols] partials in the wire dtype
+  uint8_t* src_in;    // [src_stages][seg_cols] partials in the wire dtype
   Hierarchy<Rdma> h;
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
@@ -160,137 +211,192 @@ struct Combine {
     if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
     return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
   }
-  __device__ uint8_t* host_stage(int stage) const {
-    return host_data + static_cast<size_t>(stage) * args.host_stage_bytes;
+  __device__ uint8_t* host_in_stage(int stage) const {
+    return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
   }
-  __device__ uint8_t* host_out(int stage) const {  // after kd input segments
-    return host_stage(stage) + static_cast<size_t>(kd) * seg_cols * in_bytes;
+  __device__ uint8_t* host_out_stage(int stage) const {
+    return host_out + static_cast<size_t>(stage) * seg_cols * wire_bytes;
   }
-  __device__ uint8_t* src_stage(int stage) const { return src_data + static_cast<size_t>(stage) * args.src_stage_bytes; }
+  __device__ uint8_t* src_stage(int stage) const { return src_in + static_cast<size_t>(stage) * seg_cols * wire_bytes; }
   __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
   __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
-// Item k of a ring whose stages are shared out among several consumer warps.
-__device__ __forceinline__ PipeState pipe_at(uint32_t k, int stages) {
-  PipeState p;
-  p.stage = static_cast<int>(k % stages);
-  p.phase = (k / stages) & 1u;
-  p.count = k;
-  return p;
-}
-
-// A parity wait tells only "this phase or the one before": a consumer may never wait for a
-// stage's round r before its round r - 1 completed. So each stage has one consumer warp, which
-// takes that stage's rounds in order: stage s belongs to warp s % consumers.
-__device__ __forceinline__ bool owns(uint32_t k, int stages, int which, int consumers) {
-  return static_cast<int>(k % stages) % consumers == which;
-}
-
 template <typename Rdma>
 using HostChunks = ReceivedChunks<Combine<Rdma>>;  // the (source, chunk) pairs this block reduces
 
-// A reducer warp: lane 0 waits until its stage holds the item; every lane gets the answer.
+// ---- reducer groups ---------------------------------------------------------------------------
+
+// A reducer warp: lane 0 waits (bounded) until the stage is full, the warp agrees on the
+// answer, and every other lane observes the completed phase itself (its own acquire of the
+// stage's bytes and header).
 template <typename Rdma>
-__device__ __forceinline__ bool wait_stage(const Combine<Rdma>& d, const Ring& ring, const PipeState& p, int lane) {
+__device__ __forceinline__ bool warp_consumer_wait(const Combine<Rdma>& d, const Ring& ring, const PipeState& p,
+                                                   int lane) {
   bool ok = true;
   if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
   if (!warp_uniform(ok)) {
     d.stop();
     return false;
   }
-  ring.observe_full(p, lane);  // every lane reads the stage's bytes and header
+  ring.observe_full(p, lane);
   return true;
 }
 
+// The same for a stage the warp is about to write (a producer of a data-less ring).
+template <typename Rdma>
+__device__ __forceinline__ bool warp_producer_acquire(const Combine<Rdma>& d, const Ring& ring, const PipeState& p,
+                                                      int lane) {
+  bool ok = true;
+  if (lane == 0) ok = !d.stopped() && ring.producer_acquire(d.args, p);
+  if (!warp_uniform(ok)) {
+    d.stop();
+    return false;
+  }
+  ring.observe_empty(p, lane);
+  return true;
+}
+
+// One row segment in fp32, spread over a reducer group: thread gt holds quads gt,
+// gt + kGroupThreads, ... (consecutive threads touch consecutive bytes, in shared and in
+// global memory). The loops are unrolled, so the accumulator stays in registers.
+struct SegmentAcc {
+  float v[kQuadsPerThread][4];
+
+  // v = w * segment (first) or v += w * segment, for the segment's `quads` quads of In at `in`.
+  template <typename In>
+  __device__ __forceinline__ void add(const uint8_t* in, int quads, int gt, float w, bool first) {
+#pragma unroll
+    for (int i = 0; i < kQuadsPerThread; ++i) {
+      const int q = gt + i * kGroupThreads;
+      if (q < quads) {
+        float val[4];
+        Quad<In>::load(in + static_cast<size_t>(q) * 4 * sizeof(In), val);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[i][e] = first ? w * val[e] : v[i][e] + w * val[e];
+      }
+    }
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kQuadsPerThread; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[i][e] = 0.f;
+  }
+  // The segment rounded once to Out, at `out` (shared or global memory).
+  template <typename Out>
+  __device__ __forceinline__ void store(uint8_t* out, int quads, int gt) const {
+#pragma unroll
+    for (int i = 0; i < kQuadsPerThread; ++i) {
+      const int q = gt + i * kGroupThreads;
+      if (q < quads) Quad<Out>::store(out + static_cast<size_t>(q) * 4 * sizeof(Out), v[i]);
+    }
+  }
+};
+
 // ---- expert host ----------------------------------------------------------------------------
 
+// Warp 0: lane i reads row i of the chunk's output rows and weights into the table, then
+// lane 0 loads every route of every row, segment by segment.
 template <typename Rdma>
-__device__ void host_load(const Combine<Rdma>& d, const Ring& ring) {
+__device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   const auto* row_pos = reinterpret_cast<const int32_t*>(d.a.row_pos);
   const auto* probs = reinterpret_cast<const float*>(d.a.probs);
   const auto* expert_out = reinterpret_cast<const uint8_t*>(d.a.expert_out);
+  HostTable& tab = d.sh.host_table;
   HostChunks<Rdma> chunks(d);
   PipeState produced;
   int s, c;
-  while (chunks.next(s, c) && !d.stopped()) {
+  bool ok = true;
+  while (ok && chunks.next(s, c)) {
     int first, rows;
     d.span(s, c, first, rows);
-    for (int r = 0; r < rows && !d.stopped(); ++r) {
-      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;
-      // The row's output rows and weights, read once for all its segments: the loads are
-      // independent and issue together here, where between the copies of a segment each
-      // read waited for the one before.
-      int pos[kMaxTopK];
-      float w[kMaxTopK];
+    if (lane < rows) {
+      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + lane;
       int n = 0;
       for (int q = 0; q < d.kd; ++q) {
         const int p = row_pos[row * d.kd + q];
-        if (p >= 0) pos[n++] = p;
+        if (p >= 0) tab.pos[lane][n++] = p;
       }
-      for (int i = 0; i < n; ++i) w[i] = d.args.apply_probs ? probs[pos[i]] : 1.f;
-      for (int g = 0; g < d.segments; ++g, produced.advance(ring.stages)) {
-        if (!ring.producer_acquire(d.args, produced)) {
-          d.stop();
-          break;
+      for (int i = 0; i < n; ++i) tab.weight[lane][i] = d.args.apply_probs ? probs[tab.pos[lane][i]] : 1.f;
+      tab.routes[lane] = n;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      for (int r = 0; r < rows && ok; ++r) {
+        const int n = tab.routes[r];
+        for (int g = 0; g < d.segments && ok; ++g) {
+          const int col0 = g * d.seg_cols, cols = min(d.seg_cols, d.C - col0);
+          for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
+            if (d.stopped() || !ring.producer_acquire(d.args, produced)) {
+              ok = false;
+              break;
+            }
+            HostItem& it = d.sh.host_items[produced.stage];
+            it.source = s;
+            it.slot = first + r;
+            it.col0 = col0;
+            it.cols = cols;
+            it.flags = (i == 0 ? kFirstPart : 0) | (i + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0);
+            it.weight = n > 0 ? tab.weight[r][i] : 0.f;
+            if (n == 0) {  // the arrival publishes the header
+              ring.producer_commit(produced);
+              continue;
+            }
+            const uint32_t bytes = static_cast<uint32_t>(cols) * d.in_bytes;
+            dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
+            dev::bulk_g2s(d.host_in_stage(produced.stage),
+                          expert_out + (static_cast<int64_t>(tab.pos[r][i]) * d.C + col0) * d.in_bytes, bytes,
+                          &ring.full[produced.stage]);
+          }
         }
-        HostItem& it = d.sh.host_items[produced.stage];
-        it.source = s;
-        it.slot = first + r;
-        it.col0 = g * d.seg_cols;
-        it.cols = min(d.seg_cols, d.C - it.col0);
-        it.n = n;
-        for (int i = 0; i < n; ++i) it.w[i] = w[i];
-        // The bytes first (the arrival also publishes the header), then the copies.
-        dev::mbar_arrive_expect_tx(&ring.full[produced.stage], static_cast<uint32_t>(n) * it.cols * d.in_bytes);
-        for (int i = 0; i < n; ++i)
-          dev::bulk_g2s(d.host_stage(produced.stage) + static_cast<size_t>(i) * d.seg_cols * d.in_bytes,
-                        expert_out + (static_cast<int64_t>(pos[i]) * d.C + it.col0) * d.in_bytes,
-                        it.cols * d.in_bytes, &ring.full[produced.stage]);
       }
     }
+    ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
   }
-  StageRing{ring, d.host_data, d.args.host_stage_bytes}.drain(d.args, PipeState{}, produced);
+  if (lane != 0) return;
+  if (!ok) {
+    d.stop();
+  } else if (ring.producer_acquire(d.args, produced)) {
+    d.sh.host_items[produced.stage].flags = kEndOfWork;
+    ring.producer_commit(produced);
+    produced.advance(ring.stages);
+  }
+  StageRing{ring, d.host_in, static_cast<int>(d.seg_cols * d.in_bytes)}.drain(d.args, PipeState{}, produced);
 }
 
+// Warps 1-4: each row's routes summed in registers, the partial written to the output ring.
 template <typename Rdma, typename In, typename Wire>
-__device__ void host_reduce(const Combine<Rdma>& d, const Ring& ring, const uint64_t* reduced, int which, int lane) {
-  // This warp takes the items of the stages it owns, in order.
-  HostChunks<Rdma> chunks(d);
-  uint32_t k = 0;  // items before the current chunk
-  int s, c;
-  while (chunks.next(s, c)) {
-    int first, rows;
-    d.span(s, c, first, rows);
-    const uint32_t items = static_cast<uint32_t>(rows) * d.segments;
-    for (uint32_t item = k; item < k + items; ++item) {
-      if (!owns(item, ring.stages, which, kHostReducers)) continue;
-      const PipeState p = pipe_at(item, ring.stages);
-      if (!wait_stage(d, ring, p, lane)) return;
-      const HostItem& it = d.sh.host_items[p.stage];
-      const uint8_t* in = d.host_stage(p.stage);
-      uint8_t* out = d.host_out(p.stage);
-      for (int v = lane; v < it.cols / 4; v += 32) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int q = 0; q < it.n; ++q) {
-          float val[4];
-          Quad<In>::load(in + (static_cast<size_t>(q) * d.seg_cols + v * 4) * sizeof(In), val);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[e] += it.w[q] * val[e];
-        }
-        Quad<Wire>::store(out + static_cast<size_t>(v) * 4 * sizeof(Wire), acc);
-      }
-      dev::fence_proxy_async();  // this lane's output, read next by a bulk store
-      __syncwarp();
-      if (lane == 0) dev::mbar_arrive(const_cast<uint64_t*>(&reduced[p.stage]));
-    }
-    k += items;
+__device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& out, int gt, int lane) {
+  SegmentAcc acc;
+  PipeState consumed, produced;
+  for (;; consumed.advance(in.stages)) {
+    if (!warp_consumer_wait(d, in, consumed, lane)) return;
+    const HostItem it = d.sh.host_items[consumed.stage];
+    if (it.flags & kEndOfWork) return;
+    const int quads = it.cols / 4;
+    if (it.flags & kNoBytes)
+      acc.zero();
+    else
+      acc.add<In>(d.host_in_stage(consumed.stage), quads, gt, it.weight, (it.flags & kFirstPart) != 0);
+    __syncwarp();
+    if (lane == 0) in.consumer_release(consumed);  // one of the group's kGroupWarps arrivals
+    if (!(it.flags & kLastPart)) continue;
+    if (!warp_producer_acquire(d, out, produced, lane)) return;
+    acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
+    if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.source, it.slot, it.col0, it.cols};
+    dev::fence_proxy_async();  // this thread's output, read next by a bulk store
+    __syncwarp();
+    if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
+    produced.advance(out.stages);
   }
 }
 
+// Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
+// completed (checked at each commit, so a chunk is not drained before the next is stored).
 template <typename Rdma>
-__device__ void host_store(const Combine<Rdma>& d, const Ring& ring, uint64_t* reduced) {
-  const int in_flight = store_groups_in_flight(d.args, ring.stages);
+__device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
+  const int in_flight = store_groups_in_flight(d.args, out.stages);
   HostChunks<Rdma> chunks(d);
   PipeState consumed, released;
   uint32_t groups = 0;
@@ -320,19 +426,19 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& ring, uint64_t* r
     int first, rows;
     d.span(s, c, first, rows);
     bool ok = true;
-    for (int k = 0; k < rows * d.segments; ++k, consumed.advance(ring.stages)) {
-      if (d.stopped() || !mbar_wait(d.args, &reduced[consumed.stage], consumed.phase, d.a.rank, d.epoch)) {
+    for (int k = 0; k < rows * d.segments; ++k, consumed.advance(out.stages)) {
+      if (d.stopped() || !out.consumer_wait(d.args, consumed)) {
         ok = false;
         break;
       }
-      const HostItem& it = d.sh.host_items[consumed.stage];
+      const OutItem& it = d.sh.out_items[consumed.stage];
       dev::bulk_s2g(d.host_target(it.source, it.slot) + static_cast<int64_t>(it.col0) * d.wire_bytes,
-                    d.host_out(consumed.stage), it.cols * d.wire_bytes);
+                    d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
       dev::bulk_commit();
       ++groups;
       signal_through(groups - 1, 1);  // chunks complete with an older group; this one stays in flight
       bulk_wait_read_except(in_flight);
-      for (; released.count + in_flight <= consumed.count; released.advance(ring.stages)) ring.consumer_release(released);
+      for (; released.count + in_flight <= consumed.count; released.advance(out.stages)) out.consumer_release(released);
     }
     if (!ok) {
       d.stop();
@@ -344,76 +450,123 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& ring, uint64_t* r
   }
   if (!d.stopped()) signal_through(groups, 0);
   dev::bulk_wait_all();
-  for (; released.count < consumed.count; released.advance(ring.stages)) ring.consumer_release(released);
+  for (; released.count < consumed.count; released.advance(out.stages)) out.consumer_release(released);
 }
 
 // ---- source ---------------------------------------------------------------------------------
 
+// Warp 6: per chunk, lane 0 waits until every expert host of this node and every other node
+// delivered the chunk's partials; lane i lists token i's partials in the table; lane 0 loads
+// them, token by token and segment by segment.
 template <typename Rdma>
-__device__ void src_load(const Combine<Rdma>& d, const Ring& ring) {
+__device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
+  SrcTable& tab = d.sh.src_table;
   PipeState produced;
-  for (int c = d.b; c < d.send_chunks() && !d.stopped(); c += d.nb) {
-    bool ok = true;
-    for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, kPhaseCombineRows, d.a.rank,
-                         first + g, d.epoch);
-    for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
-      if (n != h.node)
-        ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch, kPhaseRdmaPartials,
-                           d.a.rank, h.rail_peer(n), d.epoch);
-    if (!ok) {
-      d.stop();
-      break;
+  bool ok = true;
+  for (int c = d.b; c < d.send_chunks() && ok; c += d.nb) {
+    if (lane == 0) {
+      ok = !d.stopped();
+      for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
+        ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, kPhaseCombineRows, d.a.rank,
+                           first + g, d.epoch);
+      for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
+        if (n != h.node)
+          ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch,
+                             kPhaseRdmaPartials, d.a.rank, h.rail_peer(n), d.epoch);
     }
-    dev::fence_proxy_async();  // the partials are read by bulk loads below
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    int staged[kMaxRanks];  // next staged slot of this chunk at each other node
-    for (int n = 0; n < N; ++n) staged[n] = c * d.chunk;
-    for (int t = t0; t < t1 && !d.stopped(); ++t) {
-      const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
-      // This token's partials: one per expert host of this node, one per other node it reached.
-      int n_parts = 0;
-      for (int g = 0; g < G; ++g) n_parts += slots[first + g] >= 0;
-      uint64_t remote = 0;  // bit n: the token reached node n (another node)
-      for (int n = 0; n < N; ++n) {
-        if (n == h.node) continue;
-        bool goes = false;
-        for (int g = 0; g < G; ++g) goes |= slots[n * G + g] >= 0;
-        if (goes) remote |= 1ull << n, ++n_parts;
+    if (!warp_uniform(ok)) break;
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
+    // Token t's partials: one per expert host of this node, one per other node it reached
+    // (at its staged slot there: the chunk's slot c * chunk plus its ordinal among the chunk's
+    // tokens for that node).
+    int parts = 0;
+    const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
+    for (int g = 0; g < G && t < t1; ++g)
+      if (slots[first + g] >= 0) {
+        tab.from[lane][parts] = static_cast<int8_t>(g);
+        tab.slot[lane][parts++] = slots[first + g];
       }
-      for (int seg = 0; seg < d.segments; ++seg, produced.advance(ring.stages)) {
-        if (!ring.producer_acquire(d.args, produced)) {
-          d.stop();
-          break;
+    for (int n = 0; n < N; ++n) {
+      if (n == h.node) continue;
+      bool goes = false;
+      for (int g = 0; g < G && t < t1; ++g) goes |= slots[n * G + g] >= 0;
+      const unsigned mask = __ballot_sync(0xffffffffu, goes);
+      if (goes) {
+        tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
+        tab.slot[lane][parts++] = c * d.chunk + __popc(mask & ((1u << lane) - 1u));
+      }
+    }
+    if (t < t1) tab.parts[lane] = parts;
+    __syncwarp();
+    if (lane == 0) {
+      dev::fence_proxy_async();  // the partials are read by bulk loads below
+      for (int i = 0; i < t1 - t0 && ok; ++i) {
+        const int n = tab.parts[i];
+        for (int seg = 0; seg < d.segments && ok; ++seg) {
+          const int col0 = seg * d.seg_cols, cols = min(d.seg_cols, d.C - col0);
+          const uint32_t bytes = static_cast<uint32_t>(cols) * d.wire_bytes;
+          for (int j = 0; j < max(n, 1); ++j, produced.advance(ring.stages)) {
+            if (d.stopped() || !ring.producer_acquire(d.args, produced)) {
+              ok = false;
+              break;
+            }
+            d.sh.src_items[produced.stage] =
+                SrcItem{t0 + i, col0, cols,
+                        (j == 0 ? kFirstPart : 0) | (j + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0)};
+            if (n == 0) {
+              ring.producer_commit(produced);
+              continue;
+            }
+            const int from = tab.from[i][j], slot = tab.slot[i][j];
+            const uint8_t* row = from < kNodePart
+                                     ? d.partial(d.a.rank, first + from, slot)
+                                     : h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
+            dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
+            dev::bulk_g2s(d.src_stage(produced.stage), row + static_cast<int64_t>(col0) * d.wire_bytes, bytes,
+                          &ring.full[produced.stage]);
+          }
         }
-        SrcItem& it = d.sh.src_items[produced.stage];
-        it.token = t;
-        it.col0 = seg * d.seg_cols;
-        it.cols = min(d.seg_cols, d.C - it.col0);
-        it.n = n_parts;
-        const uint32_t bytes = it.cols * d.wire_bytes;
-        dev::mbar_arrive_expect_tx(&ring.full[produced.stage], static_cast<uint32_t>(n_parts) * bytes);
-        int i = 0;
-        auto load = [&](const uint8_t* row) {
-          dev::bulk_g2s(d.src_stage(produced.stage) + static_cast<size_t>(i++) * d.seg_cols * d.wire_bytes,
-                        row + static_cast<int64_t>(it.col0) * d.wire_bytes, bytes, &ring.full[produced.stage]);
-        };
-        for (int g = 0; g < G; ++g)
-          if (slots[first + g] >= 0) load(d.partial(d.a.rank, first + g, slots[first + g]));
-        for (int n = 0; n < N; ++n)
-          if ((remote >> n) & 1) load(h.rdma.local(h.staged_off(h.R.comb_rows_in, n, staged[n], row_b)));
       }
-      for (int n = 0; n < N; ++n) staged[n] += (remote >> n) & 1;
     }
+    ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
   }
-  StageRing{ring, d.src_data, d.args.src_stage_bytes}.drain(d.args, PipeState{}, produced);
+  if (lane != 0) return;
+  if (!ok) {
+    d.stop();
+  } else if (ring.producer_acquire(d.args, produced)) {
+    d.sh.src_items[produced.stage].flags = kEndOfWork;
+    ring.producer_commit(produced);
+    produced.advance(ring.stages);
+  }
+  StageRing{ring, d.src_in, static_cast<int>(d.seg_cols * d.wire_bytes)}.drain(d.args, PipeState{}, produced);
 }
 
-// Warp 15 with several nodes: for each chunk this rank forwarded in the dispatch (kept by the
+// Warps 7-10: each token's partials summed in registers, its row written from them.
+template <typename Rdma, typename Out, typename Wire>
+__device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int gt, int lane) {
+  auto* y = reinterpret_cast<uint8_t*>(d.a.y);
+  SegmentAcc acc;
+  for (PipeState p;; p.advance(ring.stages)) {
+    if (!warp_consumer_wait(d, ring, p, lane)) return;
+    const SrcItem it = d.sh.src_items[p.stage];
+    if (it.flags & kEndOfWork) return;
+    const int quads = it.cols / 4;
+    if (it.flags & kNoBytes)
+      acc.zero();
+    else
+      acc.add<Wire>(d.src_stage(p.stage), quads, gt, 1.f, (it.flags & kFirstPart) != 0);
+    __syncwarp();
+    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
+    if (it.flags & kLastPart)
+      acc.store<Out>(y + (static_cast<int64_t>(it.token) * d.C + it.col0) * sizeof(Out), quads, gt);
+  }
+}
+
+// Warp 11 with several nodes: for each chunk this rank forwarded in the dispatch (kept by the
 // handle: fwd_rows, fwd_slots), wait for every rank of this node's partials of it, sum them
 // per token in fp32, round once to the wire dtype into the staging area and put the chunk's
 // node partials to the source, with its signal (also for no rows). The layout of the put is
@@ -464,39 +617,8 @@ __device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
   if (lane == 0) h.rdma.quiet();
 }
 
-template <typename Rdma, typename Out, typename Wire>
-__device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int which, int lane) {
-  auto* y = reinterpret_cast<uint8_t*>(d.a.y);
-  uint32_t k = 0;  // items before the current chunk
-  for (int c = d.b; c < d.send_chunks(); c += d.nb) {
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    const uint32_t items = static_cast<uint32_t>(t1 - t0) * d.segments;
-    for (uint32_t item = k; item < k + items; ++item) {
-      if (!owns(item, ring.stages, which, kSrcReducers)) continue;
-      const PipeState p = pipe_at(item, ring.stages);
-      if (!wait_stage(d, ring, p, lane)) return;
-      const SrcItem& it = d.sh.src_items[p.stage];
-      const uint8_t* in = d.src_stage(p.stage);
-      uint8_t* out = y + (static_cast<int64_t>(it.token) * d.C + it.col0) * sizeof(Out);
-      for (int v = lane; v < it.cols / 4; v += 32) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int q = 0; q < it.n; ++q) {
-          float val[4];
-          Quad<Wire>::load(in + (static_cast<size_t>(q) * d.seg_cols + v * 4) * sizeof(Wire), val);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[e] += val[e];
-        }
-        Quad<Out>::store(out + static_cast<size_t>(v) * 4 * sizeof(Out), acc);
-      }
-      __syncwarp();
-      if (lane == 0) ring.consumer_release(p);
-    }
-    k += items;
-  }
-}
-
 template <typename Rdma, typename Elem, typename Wire>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   const RankArgs& a = place.rank;
   if (a.absent) return;
@@ -507,21 +629,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   LocalState* st = view.state();
   const uint64_t epoch = st->combine_epoch + 1;
   uint8_t* smem = dev::dynamic_smem<uint8_t>();
+  uint8_t* host_out = smem + static_cast<size_t>(args.host_stages) * args.host_stage_bytes;
+  uint8_t* src_in = host_out + static_cast<size_t>(args.host_out_stages) * args.src_stage_bytes;
   const int C = args.row_elems;
   const Combine<Rdma> d{args, a, geo.reg, geo.info, view, place.block, place.blocks, geo.world_size, geo.max_tokens,
-                  a.num_tokens, args.kd, C, args.seg_cols, (C + args.seg_cols - 1) / args.seg_cols, args.chunk_tokens,
-                  static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)),
-                  reinterpret_cast<const int64_t*>(a.info), epoch, sh, smem,
-                  smem + static_cast<size_t>(args.host_stages) * args.host_stage_bytes,
-                  make_hierarchy<Rdma>(geo, a)};
+                        a.num_tokens, args.kd, C, args.seg_cols, (C + args.seg_cols - 1) / args.seg_cols,
+                        args.chunk_tokens, static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)),
+                        reinterpret_cast<const int64_t*>(a.info), epoch, sh, smem, host_out, src_in,
+                        make_hierarchy<Rdma>(geo, a)};
   const bool multi = d.h.multi();
-  const Ring host{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
+  const Ring host_in{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
+  const Ring host_partials{sh.out_full, sh.out_empty, args.host_out_stages, a.rank, epoch};
   const Ring src{sh.src_full, sh.src_empty, args.src_stages, a.rank, epoch};
 
   if (tid == 0) {
-    host.init(1, 1);
-    src.init(1, 1);
-    for (int s = 0; s < args.host_stages; ++s) dev::mbar_init(&sh.host_reduced[s], 1);
+    host_in.init(1, kGroupWarps);
+    host_partials.init(kGroupWarps, 1);
+    src.init(1, kGroupWarps);
     dev::mbar_fence_init();
     sh.abort_flow = 0;
     sh.abort = aborted(args) ? 1 : 0;
@@ -546,15 +670,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   if (sh.abort_flow) return;
 
   if (warp == kHostLoadWarp) {
-    if (lane == 0) host_load(d, host);
+    host_load(d, host_in, lane);
+  } else if (warp < kHostReduceWarp + kGroupWarps) {
+    host_reduce<Rdma, Elem, Wire>(d, host_in, host_partials, tid - kHostReduceWarp * 32, lane);
   } else if (warp == kHostStoreWarp) {
-    if (lane == 0) host_store(d, host, sh.host_reduced);
-  } else if (warp < kHostReduceWarp + kHostReducers) {
-    host_reduce<Rdma, Elem, Wire>(d, host, sh.host_reduced, warp - kHostReduceWarp, lane);
+    if (lane == 0) host_store(d, host_partials);
   } else if (warp == kSrcLoadWarp) {
-    if (lane == 0) src_load(d, src);
-  } else if (warp < kSrcReduceWarp + kSrcReducers) {
-    src_reduce<Rdma, Elem, Wire>(d, src, warp - kSrcReduceWarp, lane);
+    src_load(d, src, lane);
+  } else if (warp < kSrcReduceWarp + kGroupWarps) {
+    src_reduce<Rdma, Elem, Wire>(d, src, tid - kSrcReduceWarp * 32, lane);
   } else if (warp == kForwardWarp && multi) {
     forward_reduce<Rdma, Wire>(d, lane);
   }
@@ -575,16 +699,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
   }
 }
 
+// Dynamic shared memory: the three rings' stages.
+__host__ __device__ inline size_t combine_stage_bytes(const LaunchArgs& args) {
+  return static_cast<size_t>(args.host_stages) * args.host_stage_bytes +
+         static_cast<size_t>(args.host_out_stages + args.src_stages) * args.src_stage_bytes;
+}
+
 template <typename Rdma, typename Elem, typename Wire>
 LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank, kThreads,
-                                 static_cast<size_t>(args.host_stages) * args.host_stage_bytes +
-                                     static_cast<size_t>(args.src_stages) * args.src_stage_bytes,
-                                 stream, args);
+  return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
+                                 kCombineThreads, combine_stage_bytes(args), stream, args);
 }
 
 template <typename Rdma>
 LaunchStatus launch_combine_with(const LaunchArgs& args, uint64_t stream) {
+  if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
+    return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kMaxSegCols)";
   const bool fp32_wire = args.wire_dtype == kFloat32;
   switch (args.dtype) {
     case kFloat32: return launch_combine_typed<Rdma, float, float>(args, stream);

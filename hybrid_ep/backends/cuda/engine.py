@@ -91,7 +91,8 @@ def check_extension(ext) -> None:
     """The Python layout plan and the compiled structs must agree."""
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
                 "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
-                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES}
+                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
+                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS}
     for name, value in expected.items():
         if getattr(ext, name) != value:
             raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
@@ -202,7 +203,7 @@ class Engine:
         shapes = {}
         for (kind, blocks, *_), a in self._launch_cache.items():
             if blocks == sms:
-                stages = a.fifo_stages if kind == "dispatch" else a.host_stages
+                stages = a.fifo_stages if kind == "dispatch" else a.host_out_stages
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
         return shapes
 
@@ -231,11 +232,12 @@ class Engine:
             per_sm = self.ext.dispatch_max_blocks_per_sm(smem)
         else:
             shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
-                                         a.kd, self.config.world_size, self.smem_per_block)
+                                         self.smem_per_block)
             a.wire_dtype = launch.DTYPE_CODES[wire_name]
-            a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.stages, shape.stages
+            a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.host_stages, shape.src_stages
+            a.host_out_stages = shape.out_stages
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
-            a.store_groups = launch.store_groups(shape.stages, self.store_groups_override)
+            a.store_groups = launch.combine_store_groups(shape.out_stages, self.store_groups_override)
             per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
         launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a

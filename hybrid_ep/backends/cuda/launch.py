@@ -17,7 +17,6 @@ MAX_STAGES = 16  # csrc kMaxStages
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
 MAX_BATCH_ROWS = 32  # whole rows in one stage (csrc: a chunk's, kChunkTokens)
-TARGET_COMBINE_STAGE_BYTES = 32 * 1024  # one combine stage (either pipeline)
 MAX_TOPK = 16  # csrc kMaxTopK
 STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
 DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
@@ -58,36 +57,46 @@ def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
     return FifoShape(stages=stages, stage_bytes=stage, rows_per_stage=rows)
 
 
+COMBINE_MAX_SEG_COLS = 8192  # csrc kCombineMaxSegCols: columns a reducer group holds in registers
+TARGET_COMBINE_SEGMENT_BYTES = 16 * 1024  # wider rows are cut into column segments of about this size
+COMBINE_OUT_BYTES = 48 * 1024  # partials the expert host keeps in its output ring (at least 2 stages)
+
+
 @dataclasses.dataclass(frozen=True)
 class CombineShape:
     seg_cols: int  # columns per stage: the whole row when it fits, else a multiple of 8
-    stages: int  # of each of the two pipelines
-    host_stage_bytes: int  # expert host: kd input segments + the partial's output segment
-    src_stage_bytes: int  # source: one partial segment per destination rank of a token
+    host_stages: int  # expert host: one route's expert-output segment each (in_bytes per column)
+    out_stages: int  # expert host: one partial each, until its bulk store has read it (wire_bytes)
+    src_stages: int  # source: one partial segment each (wire_bytes per column)
+    host_stage_bytes: int
+    src_stage_bytes: int  # also the bytes of an output stage
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.host_stage_bytes + self.src_stage_bytes)
+        return self.host_stages * self.host_stage_bytes + (self.out_stages + self.src_stages) * self.src_stage_bytes
 
 
-def combine_shape(cols: int, in_bytes: int, wire_bytes: int, kd: int, world_size: int, smem_per_block: int,
-                  max_stages: int = 8) -> CombineShape:
-    """Both combine pipelines cut rows into column segments of seg_cols: an expert-host stage
-    holds the kd expert rows of one received row (and the partial's output), a source stage
-    the partials of one token (one per destination rank: at most min(W, MAX_TOPK)). Segments
-    are as wide as TARGET_COMBINE_STAGE_BYTES allows for the wider of the two stages."""
+def combine_shape(cols: int, in_bytes: int, wire_bytes: int, smem_per_block: int,
+                  max_stages: int = MAX_STAGES) -> CombineShape:
+    """Stages of one row segment each: the whole row up to COMBINE_MAX_SEG_COLS columns and
+    TARGET_COMBINE_SEGMENT_BYTES, else segments of a multiple of 8 columns (16-byte aligned).
+    The output ring gets about COMBINE_OUT_BYTES (the bulk stores read a partial within a few
+    rows' time); the expert host's input ring and the source's ring share the rest equally,
+    so small rows get deep rings (more copies in flight) and 16 KiB rows five stages each."""
     if cols <= 0 or cols % 4 != 0:
         raise ValueError(f"expert_out rows must have a positive multiple of 4 columns, got {cols}")
-    partials = min(world_size, MAX_TOPK)
-    per_col_host, per_col_src = kd * in_bytes + wire_bytes, partials * wire_bytes
-    seg = TARGET_COMBINE_STAGE_BYTES // max(per_col_host, per_col_src)
+    widest = max(in_bytes, wire_bytes)
+    seg = min(COMBINE_MAX_SEG_COLS, TARGET_COMBINE_SEGMENT_BYTES // widest)
     seg = cols if seg >= cols else max(8, seg // 8 * 8)
-    host, src = seg * per_col_host, seg * per_col_src
-    stages = min(max_stages, MAX_STAGES, (smem_per_block - STATIC_SMEM_RESERVE) // (host + src))
-    if stages < 2:
+    host, wire = seg * in_bytes, seg * wire_bytes
+    budget = smem_per_block - STATIC_SMEM_RESERVE
+    out = min(max_stages, max(2, -(-COMBINE_OUT_BYTES // wire)))
+    each = min(max_stages, (budget - out * wire) // (host + wire))
+    if each < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 combine stages of "
-                         f"{host + src} B")
-    return CombineShape(seg_cols=seg, stages=stages, host_stage_bytes=host, src_stage_bytes=src)
+                         f"{host} + {wire} B beside {out} output stages")
+    return CombineShape(seg_cols=seg, host_stages=each, out_stages=out, src_stages=each, host_stage_bytes=host,
+                        src_stage_bytes=wire)
 
 
 STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
@@ -120,6 +129,15 @@ def store_groups(stages: int, override: int | None = None) -> int:
         raise ValueError(f"stages must be >= 2, got {stages}")
     groups = max(1, stages // 4) if override is None else override
     return min(groups, stages - 1, MAX_STORE_GROUPS)
+
+
+def combine_store_groups(out_stages: int, override: int | None = None) -> int:
+    """Combine's expert host stores from a ring of its own, which no load refills: every
+    stage but the one the reducers write may still be read by a store (the default)."""
+    if out_stages < 2:
+        raise ValueError(f"out_stages must be >= 2, got {out_stages}")
+    groups = out_stages - 1 if override is None else override
+    return min(groups, out_stages - 1, MAX_STORE_GROUPS)
 
 
 def row_bytes_of(hidden: int, dtype_name: str) -> int:
