@@ -109,22 +109,18 @@ enum ItemFlags : int32_t {
   kEndOfWork = 8,  // the load thread's last item: the reducers leave
 };
 
-// One input stage of the expert host: a route's segment of an expert output row.
-struct HostItem {
-  int32_t source, slot;  // the received row: source rank and its slot there
-  int32_t col0, cols;    // column segment
+// One stage of either side's input ring: one part (a route's expert output on the expert
+// host, a partial on the source) of one row segment.
+struct PartItem {
+  int32_t row, slot;   // expert host: the received row's source rank and slot; source: the token, -
+  int32_t col0, cols;  // column segment
   int32_t flags;
-  float weight;  // the route's routing weight with apply_probs, else 1
+  float weight;  // expert host with apply_probs: the route's routing weight; else 1
 };
 
 // One output stage of the expert host: a partial, to be stored at (source, slot).
 struct OutItem {
   int32_t source, slot, col0, cols;
-};
-
-// One stage of the source: a partial's segment of one token.
-struct SrcItem {
-  int32_t token, col0, cols, flags;
 };
 
 // A received chunk's routes, read by the host load warp (a lane per row).
@@ -147,9 +143,9 @@ struct CombineShared {
   uint64_t host_full[kMaxStages], host_empty[kMaxStages];
   uint64_t out_full[kMaxStages], out_empty[kMaxStages];
   uint64_t src_full[kMaxStages], src_empty[kMaxStages];
-  HostItem host_items[kMaxStages];
+  PartItem host_items[kMaxStages];
   OutItem out_items[kMaxStages];
-  SrcItem src_items[kMaxStages];
+  PartItem src_items[kMaxStages];
   HostTable host_table;
   SrcTable src_table;
   int abort_flow;  // flow-control wait gave up
@@ -294,6 +290,73 @@ struct SegmentAcc {
   }
 };
 
+// ---- load threads -----------------------------------------------------------------------------
+
+// Lane 0 of a load warp: the n parts of one row segment, a stage each (`head` with the flags
+// of each part added; part(i) gives its row in global memory and its weight). A row without
+// parts gets one stage without bytes: the reducers write a zero segment. False on a stop.
+template <typename Rdma, typename Part>
+__device__ bool load_parts(const Combine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
+                           uint32_t elem_bytes, PipeState& produced, PartItem head, int n, Part part) {
+  const uint32_t bytes = static_cast<uint32_t>(head.cols) * elem_bytes;
+  for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
+    if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
+    PartItem& it = items[produced.stage];
+    it = head;
+    it.flags = (i == 0 ? kFirstPart : 0) | (i + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0);
+    if (n == 0) {  // the arrival publishes the header
+      it.weight = 0.f;
+      ring.producer_commit(produced);
+      continue;
+    }
+    float weight = 1.f;
+    const uint8_t* row = part(i, weight);
+    it.weight = weight;
+    dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
+    dev::bulk_g2s(data + static_cast<size_t>(produced.stage) * d.seg_cols * elem_bytes,
+                  row + static_cast<int64_t>(head.col0) * elem_bytes, bytes, &ring.full[produced.stage]);
+  }
+  return true;
+}
+
+// Lane 0 of a load warp, at the end: the reducers' end-of-work stage (or the stop), then every
+// issued load waited for, consumed or not, so the block never exits with one in flight.
+template <typename Rdma>
+__device__ void finish_loads(const Combine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
+                             uint32_t elem_bytes, PipeState produced, bool ok) {
+  if (!ok) {
+    d.stop();
+  } else if (ring.producer_acquire(d.args, produced)) {
+    items[produced.stage].flags = kEndOfWork;
+    ring.producer_commit(produced);
+    produced.advance(ring.stages);
+  }
+  StageRing{ring, data, static_cast<int>(d.seg_cols * elem_bytes)}.drain(d.args, PipeState{}, produced);
+}
+
+// A reducer warp of a group: the parts of each row segment added as they arrive; emit(acc,
+// item, quads) takes the segment after its last part (false: stop). Returns at the end of work
+// or on a stop.
+template <typename Rdma, typename In, typename Emit>
+__device__ void reduce_parts(const Combine<Rdma>& d, const Ring& ring, const PartItem* items, const uint8_t* data,
+                             int gt, int lane, Emit emit) {
+  SegmentAcc acc;
+  for (PipeState p;; p.advance(ring.stages)) {
+    if (!warp_consumer_wait(d, ring, p, lane)) return;
+    const PartItem it = items[p.stage];
+    if (it.flags & kEndOfWork) return;
+    const int quads = it.cols / 4;
+    if (it.flags & kNoBytes)
+      acc.zero();
+    else
+      acc.add<In>(data + static_cast<size_t>(p.stage) * d.seg_cols * sizeof(In), quads, gt, it.weight,
+                  (it.flags & kFirstPart) != 0);
+    __syncwarp();
+    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
+    if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;
+  }
+}
+
 // ---- expert host ----------------------------------------------------------------------------
 
 // Warp 0: lane i reads row i of the chunk's output rows and weights into the table, then
@@ -322,74 +385,38 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
       tab.routes[lane] = n;
     }
     __syncwarp();
-    if (lane == 0) {
-      for (int r = 0; r < rows && ok; ++r) {
-        const int n = tab.routes[r];
-        for (int g = 0; g < d.segments && ok; ++g) {
-          const int col0 = g * d.seg_cols, cols = min(d.seg_cols, d.C - col0);
-          for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
-            if (d.stopped() || !ring.producer_acquire(d.args, produced)) {
-              ok = false;
-              break;
-            }
-            HostItem& it = d.sh.host_items[produced.stage];
-            it.source = s;
-            it.slot = first + r;
-            it.col0 = col0;
-            it.cols = cols;
-            it.flags = (i == 0 ? kFirstPart : 0) | (i + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0);
-            it.weight = n > 0 ? tab.weight[r][i] : 0.f;
-            if (n == 0) {  // the arrival publishes the header
-              ring.producer_commit(produced);
-              continue;
-            }
-            const uint32_t bytes = static_cast<uint32_t>(cols) * d.in_bytes;
-            dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
-            dev::bulk_g2s(d.host_in_stage(produced.stage),
-                          expert_out + (static_cast<int64_t>(tab.pos[r][i]) * d.C + col0) * d.in_bytes, bytes,
-                          &ring.full[produced.stage]);
-          }
-        }
+    for (int r = 0; r < rows && ok && lane == 0; ++r) {
+      const int n = tab.routes[r];
+      for (int g = 0; g < d.segments && ok; ++g) {
+        const int col0 = g * d.seg_cols;
+        const PartItem head{s, first + r, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
+        ok = load_parts(d, ring, d.sh.host_items, d.host_in, d.in_bytes, produced, head, n,
+                        [&](int i, float& weight) {
+                          weight = tab.weight[r][i];
+                          return expert_out + static_cast<int64_t>(tab.pos[r][i]) * d.C * d.in_bytes;
+                        });
       }
     }
     ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
   }
-  if (lane != 0) return;
-  if (!ok) {
-    d.stop();
-  } else if (ring.producer_acquire(d.args, produced)) {
-    d.sh.host_items[produced.stage].flags = kEndOfWork;
-    ring.producer_commit(produced);
-    produced.advance(ring.stages);
-  }
-  StageRing{ring, d.host_in, static_cast<int>(d.seg_cols * d.in_bytes)}.drain(d.args, PipeState{}, produced);
+  if (lane == 0) finish_loads(d, ring, d.sh.host_items, d.host_in, d.in_bytes, produced, ok);
 }
 
 // Warps 1-4: each row's routes summed in registers, the partial written to the output ring.
 template <typename Rdma, typename In, typename Wire>
 __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& out, int gt, int lane) {
-  SegmentAcc acc;
-  PipeState consumed, produced;
-  for (;; consumed.advance(in.stages)) {
-    if (!warp_consumer_wait(d, in, consumed, lane)) return;
-    const HostItem it = d.sh.host_items[consumed.stage];
-    if (it.flags & kEndOfWork) return;
-    const int quads = it.cols / 4;
-    if (it.flags & kNoBytes)
-      acc.zero();
-    else
-      acc.add<In>(d.host_in_stage(consumed.stage), quads, gt, it.weight, (it.flags & kFirstPart) != 0);
-    __syncwarp();
-    if (lane == 0) in.consumer_release(consumed);  // one of the group's kGroupWarps arrivals
-    if (!(it.flags & kLastPart)) continue;
-    if (!warp_producer_acquire(d, out, produced, lane)) return;
-    acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
-    if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.source, it.slot, it.col0, it.cols};
-    dev::fence_proxy_async();  // this thread's output, read next by a bulk store
-    __syncwarp();
-    if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
-    produced.advance(out.stages);
-  }
+  PipeState produced;
+  reduce_parts<Rdma, In>(d, in, d.sh.host_items, d.host_in, gt, lane,
+                         [&](const SegmentAcc& acc, const PartItem& it, int quads) {
+                           if (!warp_producer_acquire(d, out, produced, lane)) return false;
+                           acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
+                           if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.row, it.slot, it.col0, it.cols};
+                           dev::fence_proxy_async();  // this thread's output, read next by a bulk store
+                           __syncwarp();
+                           if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
+                           produced.advance(out.stages);
+                           return true;
+                         });
 }
 
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
@@ -502,68 +529,33 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
     }
     if (t < t1) tab.parts[lane] = parts;
     __syncwarp();
-    if (lane == 0) {
-      dev::fence_proxy_async();  // the partials are read by bulk loads below
-      for (int i = 0; i < t1 - t0 && ok; ++i) {
-        const int n = tab.parts[i];
-        for (int seg = 0; seg < d.segments && ok; ++seg) {
-          const int col0 = seg * d.seg_cols, cols = min(d.seg_cols, d.C - col0);
-          const uint32_t bytes = static_cast<uint32_t>(cols) * d.wire_bytes;
-          for (int j = 0; j < max(n, 1); ++j, produced.advance(ring.stages)) {
-            if (d.stopped() || !ring.producer_acquire(d.args, produced)) {
-              ok = false;
-              break;
-            }
-            d.sh.src_items[produced.stage] =
-                SrcItem{t0 + i, col0, cols,
-                        (j == 0 ? kFirstPart : 0) | (j + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0)};
-            if (n == 0) {
-              ring.producer_commit(produced);
-              continue;
-            }
-            const int from = tab.from[i][j], slot = tab.slot[i][j];
-            const uint8_t* row = from < kNodePart
-                                     ? d.partial(d.a.rank, first + from, slot)
-                                     : h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
-            dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
-            dev::bulk_g2s(d.src_stage(produced.stage), row + static_cast<int64_t>(col0) * d.wire_bytes, bytes,
-                          &ring.full[produced.stage]);
-          }
-        }
+    if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
+    for (int i = 0; i < t1 - t0 && ok && lane == 0; ++i) {
+      for (int seg = 0; seg < d.segments && ok; ++seg) {
+        const int col0 = seg * d.seg_cols;
+        const PartItem head{t0 + i, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
+        ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, tab.parts[i],
+                        [&](int j, float&) -> const uint8_t* {
+                          const int from = tab.from[i][j], slot = tab.slot[i][j];
+                          if (from < kNodePart) return d.partial(d.a.rank, first + from, slot);
+                          return h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
+                        });
       }
     }
     ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
   }
-  if (lane != 0) return;
-  if (!ok) {
-    d.stop();
-  } else if (ring.producer_acquire(d.args, produced)) {
-    d.sh.src_items[produced.stage].flags = kEndOfWork;
-    ring.producer_commit(produced);
-    produced.advance(ring.stages);
-  }
-  StageRing{ring, d.src_in, static_cast<int>(d.seg_cols * d.wire_bytes)}.drain(d.args, PipeState{}, produced);
+  if (lane == 0) finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok);
 }
 
 // Warps 7-10: each token's partials summed in registers, its row written from them.
 template <typename Rdma, typename Out, typename Wire>
 __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
-  SegmentAcc acc;
-  for (PipeState p;; p.advance(ring.stages)) {
-    if (!warp_consumer_wait(d, ring, p, lane)) return;
-    const SrcItem it = d.sh.src_items[p.stage];
-    if (it.flags & kEndOfWork) return;
-    const int quads = it.cols / 4;
-    if (it.flags & kNoBytes)
-      acc.zero();
-    else
-      acc.add<Wire>(d.src_stage(p.stage), quads, gt, 1.f, (it.flags & kFirstPart) != 0);
-    __syncwarp();
-    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
-    if (it.flags & kLastPart)
-      acc.store<Out>(y + (static_cast<int64_t>(it.token) * d.C + it.col0) * sizeof(Out), quads, gt);
-  }
+  reduce_parts<Rdma, Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
+                           [&](const SegmentAcc& acc, const PartItem& it, int quads) {
+                             acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
+                             return true;
+                           });
 }
 
 // Warp 11 with several nodes: for each chunk this rank forwarded in the dispatch (kept by the
