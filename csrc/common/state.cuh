@@ -1,7 +1,7 @@
 // Per-rank device state kept in the registered buffer, and bounded waits.
 //
 // Flags are monotonic: epochs and row counters only grow, so consecutive calls need no
-// reset and no extra barrier. Every wait polls the launch's abort flag and the global timer;
+// reset and no extra barrier. Every wait reads the launch's abort flag and the global timer;
 // the first wait that runs out of time records rank, peer, phase and call in the
 // host-visible ErrorRecord and raises the abort flag so every other wait of every rank
 // returns too.
@@ -71,41 +71,52 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
   }
 }
 
-// Spin until *flag >= target. Returns false when this or another wait gave up.
+// The waits are cheap while they wait (a waiting thread takes issue slots from the warps
+// doing the work, and an acquire poll invalidates the SM's L1): an mbarrier probe may suspend
+// the thread until its phase completes or kSuspendHintNs pass; a flag is polled relaxed with
+// a short sleep between polls and acquired once, by a fence, when its value is seen. The
+// abort flag and the clock are read only when a probe or a batch of polls came back empty.
+constexpr uint32_t kSuspendHintNs = 1000;  // how late a suspended waiter may notice an abort
+constexpr uint32_t kPollSleepNs = 64;      // between two polls of a flag another rank raises
+constexpr uint32_t kPollsPerCheck = 16;    // polls between two reads of the abort flag and clock
+
+// Until *flag >= target (then this thread has acquired what the writer released). Returns
+// false when this or another wait gave up.
 __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase,
                                      int rank, int peer, uint64_t epoch) {
   uint64_t start = 0;
-  for (uint32_t spin = 0;; ++spin) {
-    uint64_t v = dev::ld_acquire_sys(flag);
-    if (v >= target) return true;
-    if ((spin & 63) == 0) {
+  for (uint32_t poll = 0;; ++poll) {
+    const uint64_t v = dev::ld_relaxed_sys(flag);
+    if (v >= target) {
+      dev::fence_acq_rel_sys();
+      return true;
+    }
+    if (poll % kPollsPerCheck == 0) {
       if (aborted(args)) return false;
-      uint64_t now = dev::global_timer_ns();
+      const uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
       if (now - start > args.timeout_ns) {
         record_error(args, phase, rank, peer, epoch, target, v);
         return false;
       }
     }
+    dev::sleep_ns(kPollSleepNs);
   }
 }
 
-// Spin on an mbarrier phase between the warps of a block. A stage usually stalls because a
-// wait on a peer stalls elsewhere in the block, so it is given twice the bound: the peer's
-// wait reports first and names the peer. A stage that still never completes depends on no
-// peer (a bulk copy of this rank's own memory), so its record names none.
+// Until an mbarrier phase between the warps of a block completes. A stage usually stalls
+// because a wait on a peer stalls elsewhere in the block, so it is given twice the bound: the
+// peer's wait reports first and names the peer. A stage that still never completes depends on
+// no peer (a bulk copy of this rank's own memory), so its record names none.
 __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
-  uint64_t start = 0;
-  for (uint32_t spin = 0;; ++spin) {
-    if (dev::mbar_try_wait(bar, parity)) return true;
-    if ((spin & 63) == 0) {
-      if (aborted(args)) return false;
-      uint64_t now = dev::global_timer_ns();
-      if (start == 0) start = now;
-      if (now - start > 2 * args.timeout_ns) {
-        record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
-        return false;
-      }
+  if (dev::mbar_try_wait(bar, parity)) return true;
+  const uint64_t start = dev::global_timer_ns();
+  for (;;) {
+    if (dev::mbar_try_wait_hint(bar, parity, kSuspendHintNs)) return true;
+    if (aborted(args)) return false;
+    if (dev::global_timer_ns() - start > 2 * args.timeout_ns) {
+      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
+      return false;
     }
   }
 }
@@ -114,16 +125,12 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
 // block's shared memory, so the block may not exit before they did. Bounded by the timeout
 // all the same (a load that never completes is a hardware fault, not a peer's).
 __device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
-  uint64_t start = 0;
-  for (uint32_t spin = 0;; ++spin) {
-    if (dev::mbar_try_wait(bar, parity)) return;
-    if ((spin & 63) == 0) {
-      uint64_t now = dev::global_timer_ns();
-      if (start == 0) start = now;
-      if (now - start > args.timeout_ns) {
-        record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
-        return;
-      }
+  if (dev::mbar_try_wait(bar, parity)) return;
+  const uint64_t start = dev::global_timer_ns();
+  while (!dev::mbar_try_wait_hint(bar, parity, kSuspendHintNs)) {
+    if (dev::global_timer_ns() - start > args.timeout_ns) {
+      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
+      return;
     }
   }
 }
