@@ -36,41 +36,45 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cu",
-             "d.recv_row(tab.dest_rank[i][q], d.a.rank, tab.dest_slot[i][q]) + it.offset,",
-             "d.recv_row(tab.dest_rank[i][q], d.a.rank, tab.dest_slot[i][q]) + it.offset + 8,"),
-    Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cu",
+    Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cuh",
+             "dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset,",
+             "dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset + 8,"),
+    Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cuh",
              "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
              "if (d.stopped()) {"),
-    Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch.cu",
-             "    bulk_wait_write_except(writes_in_flight);\n", "\n"),
-    Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cu",
+    Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch.cuh",
+             "    bulk_wait_write_except(writes_in_flight);\n    if (!d.meta_ring", "    if (!d.meta_ring"),
+    Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cuh",
              "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
-    Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cu",
+    Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cuh",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
-    Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch.cu",
+    Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch.cuh",
              "  d.expand_fifo.drain(d.args, PipeState{}, produced);\n", "\n"),
     Mutation("lanes-skip-the-acquire", "lanes reading a peer's data before lane 0's acquire",
-             "csrc/kernels/dispatch.cu", """    if (!warp_uniform(ok)) {
+             "csrc/kernels/dispatch.cuh", """    if (!warp_uniform(ok)) {
       d.stop();
       break;
     }
-    const int first""", """    if (!ok) {
+    d.table_ring.observe_empty(slot, lane);""", """    if (!ok) {
       d.stop();
       break;
     }
-    const int first"""),
+    d.table_ring.observe_empty(slot, lane);"""),
     Mutation("syncwarp-in-a-lane-branch", "a warp collective not reached by every lane of its mask",
-             "csrc/kernels/dispatch.cu", """      tab.ndest[lane] = n;
-    }
-    __syncwarp();""", """      tab.ndest[lane] = n;
+             "csrc/kernels/dispatch.cuh", """      tab.ndest[lane] = n;
+    }""", """      tab.ndest[lane] = n;
       __syncwarp();
     }"""),
-    Mutation("reducers-take-items-in-turn", "a consumer waiting on a phase two rounds ahead (stale parity)",
-             "csrc/kernels/combine.cu", "  return static_cast<int>(k % stages) % consumers == which;",
-             "  return static_cast<int>(k % consumers) == which;"),
-    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cu",
+    Mutation("combine-stage-freed-by-one-warp", "a stage released before every consumer read it",
+             "csrc/kernels/combine.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
+    Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine.cuh",
+             "    bulk_wait_write_except(writes_in_flight);\n    dev::fence_proxy_async();",
+             "    dev::fence_proxy_async();"),
+    Mutation("combine-partial-after-first-route", "an item flag off by one (a row emitted before its last part)",
+             "csrc/kernels/combine.cuh", "if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;",
+             "if ((it.flags & kFirstPart) && !emit(acc, it, quads)) return;"),
+    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cuh",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }
     __syncthreads();""",

@@ -1,0 +1,36 @@
+"""The mutation script's defects still apply to today's kernels: each one's text occurs exactly
+once in its file and changes it (the script itself rebuilds the model per defect and is run by
+hand, docs/architecture.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from helpers import REPO
+
+pytestmark = pytest.mark.unit
+
+
+def _mutations():
+    spec = importlib.util.spec_from_file_location("model_mutations", os.path.join(REPO, "scripts", "model_mutations.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.MUTATIONS
+
+
+@pytest.mark.parametrize("mutation", _mutations(), ids=lambda m: m.name)
+def test_each_defect_plants_into_todays_kernels(mutation):
+    with open(os.path.join(REPO, mutation.path)) as f:
+        text = f.read()
+    assert text.count(mutation.old) == 1, f"{mutation.name}: update its text to {mutation.path} as it is today"
+    assert mutation.new != mutation.old
+
+
+def test_every_kernel_file_has_a_defect():
+    paths = {m.path for m in _mutations()}
+    assert {"csrc/kernels/dispatch.cuh", "csrc/kernels/combine.cuh", "csrc/kernels/layout.cuh"} <= paths
