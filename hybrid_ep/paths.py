@@ -7,12 +7,15 @@ asks `output_problem` first and reports the answer as a usage error naming its f
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def output_problem(path: str, *, folder: bool) -> str | None:
     """Why `path` cannot take an output file (folder=False) or folder (folder=True); None when
     it can. Missing folders on the way are made when the output is written, so the nearest
-    existing ancestor must be a folder this process may write in."""
+    existing ancestor must be a folder this process can create entries in. Permission bits
+    are not enough (root passes os.access everywhere, and /proc or a read-only mount refuses
+    anyway): the check creates and removes an entry there, or opens an existing file to append."""
     if not path:
         return f"the path is empty; give a {'folder' if folder else 'file'} name"
     full = os.path.abspath(path)
@@ -21,7 +24,7 @@ def output_problem(path: str, *, folder: bool) -> str | None:
             return f"{path} is a file, not a folder"
         if not folder and (os.path.isdir(full) or path.endswith(("/", os.sep))):
             return f"{path} is a folder; give a file name"
-        return None if os.access(full, os.W_OK) else f"cannot write {path}: permission denied"
+        return _cannot_write_in(full, path) if folder else _cannot_append(full, path)
     if not folder and path.endswith(("/", os.sep)):
         return f"{path} names a folder; give a file name"
     existing = os.path.dirname(full)
@@ -29,6 +32,21 @@ def output_problem(path: str, *, folder: bool) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"cannot write {path}: {existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot write {path}: cannot write in {existing} (permission denied)"
+    return _cannot_write_in(existing, path)
+
+
+def _cannot_write_in(folder: str, path: str) -> str | None:
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hybrid-ep-check-", dir=folder))
+    except OSError as err:
+        return f"cannot write {path}: cannot create anything in {folder} ({err.strerror})"
+    return None
+
+
+def _cannot_append(file: str, path: str) -> str | None:
+    try:
+        with open(file, "ab"):
+            pass
+    except OSError as err:
+        return f"cannot write {path}: {err.strerror}"
     return None

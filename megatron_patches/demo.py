@@ -37,6 +37,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybrid_ep.paths import output_problem
+
 LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
 TOOL = "python -m megatron_patches.demo"
 LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even); "
@@ -276,6 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="results/demo", help="folder for moe_train.json")
     a = parser.parse_args(argv)
+    problem = output_problem(a.out, folder=True)
+    if problem:
+        parser.error(f"--out: {problem}")
     if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
         parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
     print(f"tiny MoE GPT (Megatron-Core): {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "

@@ -42,6 +42,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..paths import output_problem
 from ..synthetic import sample_topk, zipf_popularity
 from .baselines import eplb, greedy
 from .metrics import imbalance_ratio, rank_loads
@@ -531,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = output_problem(args.out, folder=True)
+    if problem:
+        parser.error(f"--out: {problem}")
     if not args.time_limit_ms > 0:
         parser.error(f"--time-limit-ms must be > 0, got {args.time_limit_ms}")
     for flag in ("experts", "topk", "tokens_per_rank", "layers", "time_layers", "time_ranks", "time_tokens",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -75,9 +76,16 @@ def load_statistics(path: str) -> dict:
     the field: the CLI and training's resumed reports catch ValueError, while a string, NaN or
     a steps/history mismatch left for later died there with a TypeError or IndexError (or, for
     layer numbers 1.5, was truncated into a placement for layer 1)."""
-    data = np.load(path, allow_pickle=False)
-    if not isinstance(data, np.lib.npyio.NpzFile):  # a bare .npy array
-        raise ValueError(f"{path}: not a statistics file (an .npz with a 'load' array), got one array")
+    with open(path, "rb") as f:
+        start = f.read(len(_NPZ_MAGIC))
+    if start != _NPZ_MAGIC:
+        kind = "one .npy array" if start.startswith(b"\x93NUMPY") else _what_file_starts_with(start)
+        raise ValueError(f"{path}: not a statistics file (an .npz with a 'load' array, as training's "
+                         f"statistics.npz), got {kind}")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except zipfile.BadZipFile as exc:  # the zip signature, then no readable archive
+        raise ValueError(f"{path}: not a statistics file: a damaged .npz ({exc})") from exc
     with data:
         if "load" not in data:
             raise ValueError(f"{path}: no 'load' array (keys: {sorted(data.files)})")
@@ -92,6 +100,20 @@ def load_statistics(path: str) -> dict:
     if "layer_numbers" in out:
         out["layer_numbers"] = _read_layer_numbers(path, out["layer_numbers"], out["load"].shape[0])
     return out
+
+
+_NPZ_MAGIC = b"PK\x03\x04"  # numpy's .npz is a zip archive
+
+
+def _what_file_starts_with(start: bytes) -> str:
+    """A short description of a file that is not an .npz, for the error that refuses it."""
+    if not start:
+        return "an empty file"
+    if start.lstrip()[:1] in (b"{", b"["):
+        return "a JSON file"
+    if all(32 <= b < 127 or b in b"\t\r\n" for b in start):
+        return "a text file"
+    return "a file of another kind"
 
 
 def _numbers(path: str, name: str, value: np.ndarray, dtype=np.float64) -> np.ndarray:

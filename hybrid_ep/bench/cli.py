@@ -187,9 +187,10 @@ def results_folder(args, prefix: str) -> str:
 
 def check_out_dir(out: str, flag: str = "--out") -> None:
     """Raise BenchArgError(flag) unless `out` is a writable folder or one that can be made:
-    checked before the run, so a bad path does not cost a whole benchmark. A path check only
-    (nothing is made): every rank of a launcher runs it before the process group forms, so all
-    refuse a bad --out alike and none waits for a rank that has exited; rank 0 alone writes."""
+    checked before the run, so a bad path does not cost a whole benchmark. Nothing is left
+    behind (paths.output_problem creates and removes a probe entry). Every rank of a launcher
+    runs it before the process group forms, so all refuse a bad --out alike and none waits for
+    a rank that has exited; rank 0 alone writes."""
     problem = output_problem(out, folder=True)
     if problem:
         raise BenchArgError(flag, problem)
