@@ -8,11 +8,17 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py add-run 2026-11-24-h100/bench --commit 3684737 --note "..."
     python scripts/timing_calibration.py build 3684737
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
+    python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
+    python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
 
 `add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
 points.json with the commit it measured; `build` makes the scratch build; `run` prints, per
 SM count, the model's scheduling rounds of the second dispatch and combine (the round proxy).
-Not part of CI: a build takes about a minute, a run at the bench's shape several.
+`fit` fits two constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
+of one world size, run on that run's commit, and with --write puts them into the table with
+their source; `score` predicts a run's points with the table and prints predicted against
+measured per point, the worst ratio last. Not part of CI: a build takes minutes, a fit at
+W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hybrid_ep.timing import builds, points  # noqa: E402
+from hybrid_ep.timing import builds, constants, fit, points, predict  # noqa: E402
 
 
 def add_run(args) -> int:
@@ -60,6 +66,74 @@ def run(args) -> int:
     return 0
 
 
+def _selected(args) -> tuple:
+    """(run, shape, SM counts, {(sms, kernel): measured ms}) of the run's points at -w / --nodes."""
+    runs, pts = points.load_points()
+    if args.run not in runs:
+        raise SystemExit(f"no run {args.run!r} in points.json: {', '.join(runs)}")
+    run = runs[args.run]
+    chosen = [p for p in pts if p.run == args.run and p.world_size == args.world_size and p.nodes == args.nodes]
+    if not chosen:
+        raise SystemExit(f"{args.run} has no points at W={args.world_size} on {args.nodes} node(s)")
+    shape = predict.Shape(args.world_size, args.nodes, run.hidden, run.tokens_per_rank, run.topk, run.experts,
+                          run.seed)
+    sms = sorted({p.sms_per_rank for p in chosen})
+    return run, shape, sms, {(p.sms_per_rank, p.kernel): p.ms for p in chosen}
+
+
+def _evaluator(args, run, shape, sms, table):
+    folder = builds.build_commit(run.commit, args.work)
+
+    def evaluate(trials: list[dict]) -> list[dict]:
+        tables = [table.with_values(**t).costs() for t in trials]
+        ns = predict.predict(lambda job: builds.run_in_build(folder, job), shape, sms, tables,
+                             tuple(args.model_tokens))
+        return [{key: v[i] / 1e6 for key, v in ns.items()} for i in range(len(tables))]
+
+    return evaluate
+
+
+def _print_points(title: str, predicted: dict, measured: dict) -> None:
+    print(title)
+    print(f"{'SMs/rank':>8} {'kernel':>9} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6}")
+    ratios = {}
+    for key in sorted(measured):
+        ratios[key] = predicted[key] / measured[key]
+        print(f"{key[0]:>8} {key[1]:>9} {predicted[key]:>13.3f} {measured[key]:>12.3f} {ratios[key]:>6.2f}")
+    worst = max(ratios, key=lambda k: max(ratios[k], 1 / ratios[k]))
+    print(f"worst: {worst[1]} at {worst[0]} SMs/rank, predicted / measured {ratios[worst]:.2f}")
+
+
+def fit_constants(args) -> int:
+    run, shape, sms, measured = _selected(args)
+    table = constants.load_table()
+    evaluate = _evaluator(args, run, shape, sms, table)
+    start = {n: table.constants[n].value for n in args.names}
+    result = fit.fit_two(evaluate, tuple(args.names), start, measured)
+    for span, centre, best in result.steps:
+        print(f"span {span}: centre " + ", ".join(f"{n} {v:.4g}" for n, v in centre.items()) + f", best {best:.4f}")
+    fitted = ", ".join(f"{n} = {v:.4g}" for n, v in result.values.items())
+    _print_points(f"fit: {fitted}; RMS log ratio {result.score:.4f} (predicted, model at T = "
+                  f"{'/'.join(map(str, args.model_tokens))} per rank)", result.predicted_ms, measured)
+    if args.write:
+        source = (f"fit with {' and '.join(args.names)} to the {len(measured)} points of {run.name} at "
+                  f"W={shape.world_size}, {shape.nodes} node(s) (commit {run.commit}, model at "
+                  f"T={'/'.join(map(str, args.model_tokens))}), {points.today()}: RMS log ratio {result.score:.3f}")
+        constants.save_table(constants.with_sources(table, {n: float(f"{v:.4g}") for n, v in result.values.items()},
+                                                    source))
+        print(f"written to {constants.H100}")
+    return 0
+
+
+def score_points(args) -> int:
+    run, shape, sms, measured = _selected(args)
+    predicted = _evaluator(args, run, shape, sms, constants.load_table())([{}])[0]
+    _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s): predicted "
+                  f"(model at T = {'/'.join(map(str, args.model_tokens))} per rank) against measured",
+                  predicted, measured)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--work", default=builds.DEFAULT_WORK, help="folder of the scratch builds (default %(default)s)")
@@ -81,8 +155,19 @@ def main(argv=None) -> int:
     r.add_argument("--topk", type=int, default=8)
     r.add_argument("--experts", type=int, default=16)
     r.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default)")
+    for name, what in (("fit", "fit two constants of the timing table to a run's points"),
+                       ("score", "predicted against measured for a run's points")):
+        f = sub.add_parser(name, help=what)
+        f.add_argument("--run", default="2026-11-24-h100/bench", help="a run of points.json (default %(default)s)")
+        f.add_argument("-w", "--world-size", type=int, default=2)
+        f.add_argument("--nodes", type=int, default=1)
+        f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
+                       help="one or two tokens per rank the model runs at (default 512 1024)")
+        if name == "fit":
+            f.add_argument("--names", nargs=2, default=["wake_ns", "engine_bytes_per_ns"])
+            f.add_argument("--write", action="store_true", help="put the fitted values into the table")
     args = p.parse_args(argv)
-    return {"add-run": add_run, "build": build, "run": run}[args.command](args)
+    return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points}[args.command](args)
 
 
 if __name__ == "__main__":

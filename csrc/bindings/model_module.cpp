@@ -9,6 +9,8 @@
 #include "device/model/builtins.h"
 #include "device/model/runtime.h"
 #include "device/model/selftest.h"
+#include "device/model/timing.h"
+#include "device/model/timing_selftest.h"
 
 namespace py = pybind11;
 using namespace hybrid_ep;
@@ -43,6 +45,52 @@ py::tuple allocate_registered(size_t bytes, int /*kind*/, int /*device*/) {
 void free_registered(uint64_t ptr, size_t /*bytes*/, int /*kind*/) {
   model::remove_allocation(ptr);
   std::free(reinterpret_cast<void*>(ptr));
+}
+
+py::dict report_dict(const model::timing::Report& r) {
+  auto pairs = [](const std::vector<std::pair<std::string, double>>& v) {
+    py::list out;
+    for (const auto& [what, ns] : v) out.append(py::make_tuple(what, ns));
+    return out;
+  };
+  py::list roles;
+  for (const auto& role : r.roles) {
+    py::dict d;
+    d["warp"] = role.warp;
+    d["busy_ns"] = role.busy_ns;
+    d["end_ns"] = role.end_ns;
+    d["waits"] = pairs(role.waits);
+    roles.append(d);
+  }
+  py::dict d;
+  d["kernel"] = r.kernel;
+  d["table"] = r.table;
+  d["blocks"] = r.blocks;
+  d["threads"] = r.threads;
+  d["time_ns"] = r.time_ns;
+  d["roles"] = roles;
+  d["critical_path"] = pairs(r.critical_path);
+  d["block_end_ns"] = r.block_end_ns;
+  d["engine_busy_ns"] = r.engine_busy_ns;
+  d["copies"] = r.copies;
+  d["copy_bytes"] = r.copy_bytes;
+  return d;
+}
+
+// None: timing off; {name: value}: one cost table; a list of them: one clock set per table.
+void set_timing(const py::object& costs) {
+  std::vector<model::timing::Costs> tables;
+  if (!costs.is_none()) {
+    const bool one = py::isinstance<py::dict>(costs);
+    for (const py::handle table : one ? py::list(py::make_tuple(costs)) : costs.cast<py::list>()) {
+      model::timing::Costs c;
+      std::string message;
+      if (!model::timing::costs_from(table.cast<std::map<std::string, double>>(), c, message))
+        throw py::value_error(message);
+      tables.push_back(c);
+    }
+  }
+  model::timing::configure(std::move(tables));
 }
 
 }  // namespace
@@ -86,6 +134,22 @@ PYBIND11_MODULE(_model, m) {
     model::SelftestResult r = model::run_selftest(name);
     return py::make_tuple(r.error.empty() ? py::none() : py::object(py::str(r.error)), r.out);
   }, "run one self-test kernel of the model: (the model's error or None, what the kernel wrote)");
+  m.def("set_timing", &set_timing, py::arg("costs"),
+        "timing on for the next launches with these constants ({name: value}, every one of timing_costs()), or "
+        "with several such tables at once (a list: one report per launch and table), or off with None: the "
+        "schedule, the checks and the results are the same either way");
+  m.def("timing_costs", &model::timing::cost_fields, "(name, meaning) of every timing constant");
+  m.def("timing_reports", [] {
+    py::list out;
+    for (const auto& r : model::timing::take_reports()) out.append(report_dict(r));
+    return out;
+  }, "the timing report of every launch since the last call (kernel, time_ns, roles, critical_path, ...)");
+  m.def("timing_selftest_names", &model::timing_selftest_names);
+  m.def("run_timing_selftest", [](const std::string& name, int blocks, int n, uint32_t bytes) {
+    const std::string error = model::run_timing_selftest(name, blocks, n, bytes);
+    return error.empty() ? py::none() : py::object(py::str(error));
+  }, py::arg("name"), py::arg("blocks"), py::arg("n"), py::arg("bytes"),
+     "run a kernel whose time the timing model must predict exactly (the model's error or None)");
   m.def("stats", [] {
     const model::Stats s = model::stats();
     py::dict d;

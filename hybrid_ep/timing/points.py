@@ -9,6 +9,7 @@ run's emulated.json into these entries; `load_points` reads the file back.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 
@@ -54,6 +55,10 @@ class Point:
     @property
     def key(self) -> tuple:
         return (self.world_size, self.nodes, self.sms_per_rank, self.kernel)
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
 
 
 def points_from_run(emulated: dict, name: str, commit: str, commit_note: str) -> tuple[Run, list[Point]]:

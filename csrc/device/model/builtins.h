@@ -175,20 +175,26 @@ inline unsigned __ballot_sync(unsigned mask, int predicate, const char* file = _
 // atomic here; they are the compiler's atomics so that the race check (happens_before.h)
 // sees them as such, acquire-release because the fences they pair with are not modelled.
 
+// The timing model is told of each atomic (a write a poll may wait for) and fence (a cost).
+
 template <typename T>
-inline T atomicAdd(T* p, T v) {
+inline T atomicAdd(T* p, T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   static_assert(std::is_integral<T>::value, "the model's atomicAdd is for integers");
-  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+  const T old = __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+  hybrid_ep::model::note_atomic(p, {file, line});
+  return old;
 }
-inline int atomicMin(int* p, int v) {
+inline int atomicMin(int* p, int v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   int old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
   while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
   }
+  hybrid_ep::model::note_atomic(p, {file, line});
   return old;
 }
-inline int atomicCAS(int* p, int compare, int value) {
+inline int atomicCAS(int* p, int compare, int value, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   __atomic_compare_exchange_n(p, &compare, value, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  hybrid_ep::model::note_atomic(p, {file, line});
   return compare;  // the value found: `compare` when the swap happened
 }
-inline void __threadfence() {}
-inline void __threadfence_system() {}
+inline void __threadfence() { hybrid_ep::model::note_fence(hybrid_ep::model::Fence::kGpu); }
+inline void __threadfence_system() { hybrid_ep::model::note_fence(hybrid_ep::model::Fence::kSystem); }

@@ -1,9 +1,10 @@
 // The device primitives of csrc/device/sm90/primitives.cuh, on the CPU model: the same
 // names and signatures, implemented by the model's scheduler (runtime.h), which checks each
-// use. Fences are no-ops here: the model runs one fiber at a time and does not model the
-// memory ordering they provide (docs/architecture.md lists what the model cannot show). The
-// flags' release stores are the compiler's atomics, which the race check (happens_before.h)
-// pairs with the polls' acquires.
+// use. Fences order nothing here: the model runs one fiber at a time and does not model the
+// memory ordering they provide (docs/architecture.md lists what the model cannot show); only
+// the timing model counts their cost. The flags' release stores are the compiler's atomics,
+// which the race check (happens_before.h) pairs with the polls' acquires; the timing model
+// is told of each (note_flag_write), so a poll that reads it waits for its writer's time.
 #pragma once
 #include <cstdint>
 
@@ -52,13 +53,22 @@ inline void bulk_wait(HYBRID_EP_SITE) {
   model::bulk_wait(false, N, {file, line});
 }
 inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, 0, {file, line}); }
-inline void fence_proxy_async() {}
+inline void fence_proxy_async() { model::note_fence(model::Fence::kProxyAsync); }
 
 inline uint64_t ld_acquire_sys(const uint64_t* p, HYBRID_EP_SITE) { return model::poll(p, 8, {file, line}); }
-inline void st_release_sys(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-inline void red_add_release_sys(uint64_t* p, uint64_t v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
+inline void st_release_sys(uint64_t* p, uint64_t v, HYBRID_EP_SITE) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  model::note_flag_write(p, {file, line});
+}
+inline void red_add_release_sys(uint64_t* p, uint64_t v, HYBRID_EP_SITE) {
+  __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+  model::note_flag_write(p, {file, line});
+}
 inline int ld_relaxed(const volatile int* p) { return __atomic_load_n(const_cast<const int*>(p), __ATOMIC_RELAXED); }
-inline void st_relaxed(volatile int* p, int v) { __atomic_store_n(const_cast<int*>(p), v, __ATOMIC_RELAXED); }
+inline void st_relaxed(volatile int* p, int v, HYBRID_EP_SITE) {
+  __atomic_store_n(const_cast<int*>(p), v, __ATOMIC_RELAXED);
+  model::note_flag_write(p, {file, line});
+}
 inline int ld_volatile(const int* p, HYBRID_EP_SITE) { return static_cast<int>(model::poll(p, 4, {file, line})); }
 inline int4 ld_volatile_v4(const void* p) {
   const auto* v = static_cast<const volatile int*>(p);
@@ -80,11 +90,11 @@ inline bool mbar_try_wait_hint(uint64_t* bar, uint32_t parity, uint32_t /*suspen
   return model::mbar_try_wait(bar, parity, {file, line});
 }
 // A poll; like every poll here it acquires, so the model cannot show a missing
-// fence_acq_rel_sys (fences are not modelled).
+// fence_acq_rel_sys (fences order nothing here; the timing model costs them).
 inline uint64_t ld_relaxed_sys(const uint64_t* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   return model::poll(p, 8, {file, line});
 }
-inline void fence_acq_rel_sys() {}
+inline void fence_acq_rel_sys() { model::note_fence(model::Fence::kSystem); }
 
 // A warp collective over `mask`; the lowest lane is the one elected.
 inline bool elect_one(uint32_t mask = 0xffffffffu, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
@@ -114,9 +124,13 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
   }
   id &= 15u;
   const uint32_t generation = __atomic_load_n(&b.generation[id], __ATOMIC_RELAXED);
+  // The timing model: each arrival stamps the generation word, so every thread runs on after
+  // the latest arrival, whichever the schedule brought last.
+  model::note_flag_write(&b.generation[id], {file, line});
   if (__atomic_add_fetch(&b.arrived[id], 1u, __ATOMIC_ACQ_REL) == threads) {
     __atomic_store_n(&b.arrived[id], 0u, __ATOMIC_RELAXED);
     __atomic_store_n(&b.generation[id], generation + 1u, __ATOMIC_RELEASE);
+    model::note_flag_seen(&b.generation[id], {file, line});
     return;
   }
   while (static_cast<uint32_t>(model::poll(&b.generation[id], 4, {file, line})) == generation) {}

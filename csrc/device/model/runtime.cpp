@@ -19,6 +19,7 @@
 
 #include "device/model/fiber.h"
 #include "device/model/happens_before.h"
+#include "device/model/timing.h"
 
 namespace hybrid_ep::model {
 namespace {
@@ -135,6 +136,7 @@ struct Launch {
   char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
   int* inject_flag = nullptr;  // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
+  std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
   sigjmp_buf jump;
 };
 
@@ -202,23 +204,7 @@ size_t page_bytes() {
 
 size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
-const char* base_name(const char* path) {
-  const char* slash = std::strrchr(path, '/');
-  return slash ? slash + 1 : path;
-}
-
-std::string site_text(Site s) { return std::string(base_name(s.file)) + ":" + std::to_string(s.line); }
-
 bool same_site(Site a, Site b) { return a.line == b.line && std::strcmp(a.file, b.file) == 0; }
-
-const char* collective_name(Collective k) {
-  switch (k) {
-    case Collective::kSyncwarp: return "__syncwarp";
-    case Collective::kShfl: return "__shfl_sync";
-    case Collective::kBallot: return "__ballot_sync";
-  }
-  return "?";
-}
 
 std::string hex(uint64_t v) {
   char buf[24];
@@ -248,6 +234,8 @@ Launch& launch_state() {
   }
   return *g_launch;
 }
+
+int thread_index(const Launch& L, const Thread* t) { return static_cast<int>(t - L.threads.data()); }
 
 Thread* cur() {
   Launch& L = launch_state();
@@ -341,6 +329,7 @@ void mbar_settle(Block* b, const uint64_t* bar, Mbar& m, const Thread* about) {
   if (m.pending == 0 && m.tx == 0) {
     ++m.phase;
     m.pending = m.count;
+    for (auto& timer : launch_state().timers) timer->phase_complete(bar);
   }
 }
 
@@ -383,6 +372,7 @@ void thread_exit(Thread* t) {
     fail("exits while " + std::to_string(b->at_barrier) + " thread(s) of its block wait at __syncthreads (" +
          site_text(b->barrier_site) + ")");
   b->warp_gone[t->warp] |= 1u << t->lane;
+  for (auto& timer : L.timers) timer->exit(thread_index(L, t));
   --b->live;
   ++b->exited;
   --L.live;
@@ -439,6 +429,7 @@ bool advance_copies(Launch& L) {
           return true;
         }
         it->second.tx -= c.bytes;
+        for (auto& timer : L.timers) timer->copy_lands(i, c.bar);
         mbar_settle(c.block, c.bar, it->second, c.owner);
         if (!L.error.empty()) return true;
         continue;
@@ -602,6 +593,20 @@ Block* make_block(int index, int threads, size_t smem) {
 
 // ---- runtime.h ----------------------------------------------------------------------------
 
+std::string site_text(Site s) {
+  const char* slash = std::strrchr(s.file, '/');
+  return std::string(slash ? slash + 1 : s.file) + ":" + std::to_string(s.line);
+}
+
+const char* collective_name(Collective k) {
+  switch (k) {
+    case Collective::kSyncwarp: return "__syncwarp";
+    case Collective::kShfl: return "__shfl_sync";
+    case Collective::kBallot: return "__ballot_sync";
+  }
+  return "?";
+}
+
 const Dim3& thread_idx() { return cur()->idx; }
 const Dim3& block_idx() {
   static thread_local Dim3 d;
@@ -628,6 +633,13 @@ void syncthreads(Site site) {
   }
   hb::release(&b->barrier_key);
   if (++b->at_barrier == b->live) {
+    Launch& L = launch_state();
+    if (!L.timers.empty()) {
+      std::vector<int> at{thread_index(L, t)};
+      for (Thread* u : b->threads)
+        if (u->state == State::kBarrier) at.push_back(thread_index(L, u));
+      for (auto& timer : L.timers) timer->barrier(at, site);
+    }
     for (Thread* u : b->threads)
       if (u->state == State::kBarrier) u->state = State::kReady;
     b->barrier_open = false;
@@ -679,6 +691,13 @@ uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Sit
     return t->result;
   }
   hb::acquire(&w);
+  Launch& L = launch_state();
+  if (!L.timers.empty()) {
+    std::vector<int> lanes;
+    for (int l = 0; l < 32; ++l)
+      if ((mask >> l) & 1u) lanes.push_back(thread_index(L, &lane_thread(b, t->warp, l)));
+    for (auto& timer : L.timers) timer->collective(lanes, kind, site);
+  }
   uint64_t ballot = 0;
   for (int l = 0; l < 32; ++l)
     if (((mask >> l) & 1u) && lane_thread(b, t->warp, l).value != 0) ballot |= 1ull << l;
@@ -710,6 +729,11 @@ uint64_t poll(const volatile void* p, size_t bytes, Site site) {
     default: fail("poll of " + std::to_string(bytes) + " bytes");
   }
   t->last_poll_unchanged = !remember(t, p, v);
+  Launch& L = launch_state();
+  if (!L.timers.empty()) {
+    const bool shared = in_smem(t->block, const_cast<const void*>(p), bytes);
+    for (auto& timer : L.timers) timer->poll(thread_index(L, t), p, !t->last_poll_unchanged, shared, site);
+  }
   hb::acquire(const_cast<const void*>(p));
   return v;
 }
@@ -742,14 +766,17 @@ void mbar_init(uint64_t* bar, uint32_t count, Site site) {
   m.count = count;
   m.pending = count;
   b->mbars[bar] = m;
+  for (auto& timer : launch_state().timers) timer->mbar_init(bar);
 }
 
-void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site) {
+void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site site) {
   Thread* t = cur();
   Block* b = t->block;
   t->busy = true;
   Mbar& m = mbar_of(b, bar, "arrive");
   hb::release(bar);
+  Launch& L = launch_state();
+  for (auto& timer : L.timers) timer->arrive(thread_index(L, t), bar, site);
   m.tx += expect_tx_bytes;
   --m.pending;
   mbar_settle(b, bar, m, t);
@@ -764,18 +791,18 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
   t->last_poll_unchanged = !remember(t, bar, static_cast<uint64_t>(m.phase));
   if (!done) return false;
   const int64_t phase = m.phase - 1;  // the latest completed phase of that parity (-1: before the first)
-  for (auto& [seen_bar, seen_phase] : t->waited)
-    if (seen_bar == bar) {
-      if (seen_phase == phase)
-        fail("waits a second time (" + site_text(site) + ") on phase " + std::to_string(phase) +
-             " of the mbarrier at " + smem_text(b, bar) +
-             ": that phase was already consumed, so the wait proves nothing (a stale parity)");
-      seen_phase = phase;
-      hb::acquire(bar);
-      return true;
-    }
-  t->waited.emplace_back(bar, phase);
+  auto seen = std::find_if(t->waited.begin(), t->waited.end(), [&](const auto& w) { return w.first == bar; });
+  if (seen == t->waited.end()) {
+    t->waited.emplace_back(bar, phase);
+  } else {
+    if (seen->second == phase)
+      fail("waits a second time (" + site_text(site) + ") on phase " + std::to_string(phase) + " of the mbarrier at " +
+           smem_text(b, bar) + ": that phase was already consumed, so the wait proves nothing (a stale parity)");
+    seen->second = phase;
+  }
   hb::acquire(bar);
+  Launch& L = launch_state();
+  for (auto& timer : L.timers) timer->wait_done(thread_index(L, t), bar, site);
   return true;
 }
 
@@ -814,6 +841,7 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
   L.copies.push_back(std::move(c));
   L.pending.push_back(L.copies.size() - 1);
+  for (auto& timer : L.timers) timer->copy_issue(thread_index(L, t), L.copies.size() - 1, b->index, g2s, bytes, site);
   return L.copies.size() - 1;
 }
 
@@ -824,7 +852,10 @@ void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* ba
 void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site) {
   const size_t id =
       enqueue_copy(false, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr, site, __builtin_return_address(0));
-  cur()->open_group.push_back(id);
+  Thread* t = cur();
+  t->open_group.push_back(id);
+  Launch& L = launch_state();
+  for (auto& timer : L.timers) timer->store_in_group(thread_index(L, t), id);
 }
 
 void bulk_commit(Site) {
@@ -832,6 +863,8 @@ void bulk_commit(Site) {
   t->busy = true;
   t->groups.push_back(std::move(t->open_group));
   t->open_group.clear();
+  Launch& L = launch_state();
+  for (auto& timer : L.timers) timer->commit(thread_index(L, t));
 }
 
 void bulk_wait(bool reads_only, int except_newest, Site site) {
@@ -847,6 +880,7 @@ void bulk_wait(bool reads_only, int except_newest, Site site) {
     yield_at_poll(t, site);
   }
   hb::acquire(&t->bulk_key);
+  for (auto& timer : L.timers) timer->bulk_wait(thread_index(L, t), reads_only, except_newest, site);
   // Groups whose writes completed, oldest first, need no further wait.
   size_t complete = 0;
   while (complete < t->groups.size()) {
@@ -917,6 +951,9 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
     }
   }
   if (hb::kEnabled) name_race_fibers(*L, warps_per_block);
+  for (size_t i = 0; i < timing::configured().size(); ++i)
+    L->timers.push_back(
+        std::make_unique<timing::Timer>(timing::configured()[i], static_cast<int>(i), short_name, blocks, threads));
   L->live = blocks * threads;
   if (g_injection.flag != 0 && g_injection.kernel == short_name) {
     L->inject_flag = reinterpret_cast<int*>(g_injection.flag);
@@ -954,6 +991,8 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   free_context(L->scheduler);
   for (auto& b : L->blocks) munmap(b->mapping, b->mapping_bytes);
   ++g_stats.launches;
+  if (L->error.empty())
+    for (auto& timer : L->timers) timing::add_report(timer->finish());
   if (!L->error.empty()) {
     g_message = "CPU model: " + L->error;
     return g_message.c_str();
@@ -972,6 +1011,33 @@ void inject_abort(uint64_t flag, int64_t round, const std::string& kernel) {
   g_injection.flag = flag;
   g_injection.round = round;
   g_injection.kernel = kernel;
+}
+
+void note_flag_write(const volatile void* p, Site site) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
+  for (auto& timer : L->timers) timer->flag_write(thread_index(*L, L->current), p, shared, site);
+}
+
+void note_flag_seen(const volatile void* p, Site site) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
+  for (auto& timer : L->timers) timer->poll(thread_index(*L, L->current), p, true, shared, site);
+}
+
+void note_atomic(const volatile void* p, Site site) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
+  for (auto& timer : L->timers) timer->atomic(thread_index(*L, L->current), p, shared, site);
+}
+
+void note_fence(Fence kind) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  for (auto& timer : L->timers) timer->fence(thread_index(*L, L->current), kind);
 }
 
 void set_seed(uint64_t seed) {

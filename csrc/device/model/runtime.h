@@ -41,6 +41,10 @@ struct Site {
   int line;
 };
 
+// "file:line" (the file's base name) and a collective's CUDA name, as messages and reports
+// print them.
+std::string site_text(Site site);
+
 // ---- identity of the running thread ----------------------------------------------------
 const Dim3& thread_idx();
 const Dim3& block_idx();
@@ -53,10 +57,20 @@ enum class Collective : int { kSyncwarp = 0, kShfl = 1, kBallot = 2 };
 // Every lane of `mask` must reach the same collective; returns this lane's result (shfl: the
 // value of lane `src`; ballot: the mask of lanes whose value was non-zero; syncwarp: 0).
 uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Site site);
+const char* collective_name(Collective kind);
 
 // ---- polls (the only places a spinning thread gives way) -------------------------------
 uint64_t poll(const volatile void* p, size_t bytes, Site site);
 uint64_t timer_ns();
+
+// ---- what only the timing model reads (timing.h): writes that polls wait for, fences ------
+// Each does nothing unless timing is on. The flag's store itself stays in the caller, as a
+// compiler atomic the race check sees.
+void note_flag_write(const volatile void* p, Site site);  // release stores, reductions, relaxed stores
+void note_flag_seen(const volatile void* p, Site site);   // a value read without a poll (no yield)
+void note_atomic(const volatile void* p, Site site);
+enum class Fence : int { kGpu = 0, kSystem = 1, kProxyAsync = 2 };
+void note_fence(Fence kind);
 
 // ---- shared memory ----------------------------------------------------------------------
 void* block_shared(const void* tag, size_t bytes, size_t align);

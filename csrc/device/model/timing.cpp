@@ -1,0 +1,493 @@
+// The timing model's clocks, copy-engine calendars and report (timing.h says what is costed).
+#include "device/model/timing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <memory>
+
+namespace hybrid_ep::model::timing {
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+}  // namespace
+
+// ---- constants ----------------------------------------------------------------------------
+
+const std::vector<std::pair<std::string, std::string>>& cost_fields() {
+  static const std::vector<std::pair<std::string, std::string>> fields = {
+#define HYBRID_EP_TIMING_NAME(name, what) {#name, what},
+      HYBRID_EP_TIMING_COSTS(HYBRID_EP_TIMING_NAME)
+#undef HYBRID_EP_TIMING_NAME
+  };
+  return fields;
+}
+
+bool costs_from(const std::map<std::string, double>& table, Costs& out, std::string& message) {
+  Costs c;
+  std::map<std::string, double*> slots = {
+#define HYBRID_EP_TIMING_SLOT(name, what) {#name, &c.name},
+      HYBRID_EP_TIMING_COSTS(HYBRID_EP_TIMING_SLOT)
+#undef HYBRID_EP_TIMING_SLOT
+  };
+  for (const auto& [name, value] : table) {
+    auto it = slots.find(name);
+    if (it == slots.end()) {
+      message = "unknown timing constant " + name;
+      return false;
+    }
+    if (!std::isfinite(value) || value < 0 || (name == "engine_bytes_per_ns" && value <= 0)) {
+      message = "timing constant " + name + " must be finite and " +
+                (name == "engine_bytes_per_ns" ? "> 0" : ">= 0") + ", got " + std::to_string(value);
+      return false;
+    }
+    *it->second = value;
+  }
+  for (const auto& [name, slot] : slots)
+    if (table.count(name) == 0) {
+      message = "timing constant " + name + " is missing";
+      return false;
+    }
+  out = c;
+  return true;
+}
+
+namespace {
+std::vector<Costs> g_tables;
+std::vector<Report> g_reports;
+}  // namespace
+
+void configure(std::vector<Costs> tables) { g_tables = std::move(tables); }
+const std::vector<Costs>& configured() { return g_tables; }
+void add_report(Report report) { g_reports.push_back(std::move(report)); }
+std::vector<Report> take_reports() { return std::exchange(g_reports, {}); }
+
+// ---- the critical path's tree ---------------------------------------------------------------
+
+PathArena::PathArena() { nodes_.push_back(Node{0, 1, 0, 0, -1, -1}); }
+
+uint32_t PathArena::make(const Origin& from, double t_at) {
+  uint32_t n;
+  if (!free_.empty()) {
+    n = free_.back();
+    free_.pop_back();
+  } else {
+    n = static_cast<uint32_t>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  retain(from.node);
+  nodes_[n] = Node{from.node, 1, from.t_src, t_at, from.what, from.role};
+  return n;
+}
+
+void PathArena::retain(uint32_t n) {
+  if (n != 0) ++nodes_[n].refs;
+}
+
+void PathArena::release(uint32_t n) {
+  while (n != 0 && --nodes_[n].refs == 0) {
+    free_.push_back(n);
+    n = nodes_[n].parent;
+  }
+}
+
+// ---- the copy engine's calendar -------------------------------------------------------------
+
+void Calendar::insert(double a, double b) {
+  auto next = busy_.lower_bound(a);
+  if (next != busy_.end() && next->first == b) {
+    b = next->second;
+    next = busy_.erase(next);
+  }
+  if (next != busy_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second == a) {
+      prev->second = b;
+      return;
+    }
+  }
+  busy_.emplace_hint(next, a, b);
+}
+
+double Calendar::fit(double t0, double duration, const Pieces& also, Pieces& out) const {
+  double t = t0, left = duration;
+  if (!(left > 0)) return t0;
+  for (;;) {
+    // The next busy interval of either kind that ends after t.
+    double start = kInfinity, end = kInfinity;
+    auto it = busy_.upper_bound(t);
+    if (it != busy_.begin() && std::prev(it)->second > t) {
+      start = std::prev(it)->first;
+      end = std::prev(it)->second;
+    } else if (it != busy_.end()) {
+      start = it->first;
+      end = it->second;
+    }
+    for (const auto& [a, b] : also)
+      if (b > t && a < start) {
+        start = a;
+        end = b;
+      }
+    if (start <= t) {  // t is inside it: the engine is free at its end at the earliest
+      t = end;
+      continue;
+    }
+    if (left <= start - t) {
+      const double stop = left == start - t ? start : t + left;
+      out.emplace_back(t, stop);
+      return stop;
+    }
+    out.emplace_back(t, start);
+    left -= start - t;
+    t = start;
+  }
+}
+
+double Calendar::busy_ns() const {
+  double sum = 0;
+  for (const auto& [a, b] : busy_) sum += b - a;
+  return sum;
+}
+
+// ---- clocks ---------------------------------------------------------------------------------
+
+Timer::Timer(const Costs& costs, int table, const char* kernel, int blocks, int threads)
+    : c_(costs), table_(table), kernel_(kernel), blocks_(blocks), threads_(threads),
+      clocks_(static_cast<size_t>(blocks) * threads), engines_(blocks) {}
+
+Timer::~Timer() { release_all(); }
+
+void Timer::release_all() {
+  auto drop = [&](Origin& o) {
+    path_.release(o.node);
+    o.node = 0;
+  };
+  for (Clock& c : clocks_) {
+    path_.release(c.node);
+    c.node = 0;
+    for (Group& g : c.groups) {
+      drop(g.read);
+      drop(g.write);
+    }
+    c.groups.clear();
+    drop(c.open.read);
+    drop(c.open.write);
+  }
+  for (auto& [i, ct] : copies_) drop(ct.issued);
+  for (auto& [bar, m] : mbars_) {
+    drop(m.phase);
+    drop(m.done);
+  }
+  for (auto& [p, o] : flags_) drop(o);
+}
+
+int32_t Timer::category(const char* what, Site site) {
+  const SiteKey key{what, site.file, site.line};
+  auto it = site_ids_.find(key);
+  if (it != site_ids_.end()) return it->second;
+  const std::string name = std::string(what) + " (" + site_text(site) + ")";
+  auto named = name_ids_.find(name);
+  int32_t id;
+  if (named != name_ids_.end()) {
+    id = named->second;
+  } else {
+    id = static_cast<int32_t>(names_.size());
+    names_.push_back(name);
+    name_ids_.emplace(name, id);
+  }
+  site_ids_.emplace(key, id);
+  return id;
+}
+
+Origin Timer::here(int th, int32_t what) {
+  const Clock& c = clocks_[th];
+  return Origin{c.t, c.t, c.node, role(th), what};
+}
+
+void Timer::advance(int th, double ns) {
+  Clock& c = clocks_[th];
+  c.t += ns;
+  c.busy += ns;
+}
+
+void Timer::set(Origin& dst, const Origin& src) {
+  path_.retain(src.node);
+  path_.release(dst.node);
+  dst = src;
+}
+
+void Timer::keep_max(Origin& dst, const Origin& src) {
+  if (src.t > dst.t) set(dst, src);
+}
+
+// The thread runs on at max(own, dep.t + latency): `own` is its time after its own cost of
+// the operation; when the dependency is later, the difference is waited at `wait_what` and
+// the path records the dependency (one node for all the waiters of a barrier, `shared_node`).
+void Timer::resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what,
+                    uint32_t* shared_node) {
+  Clock& c = clocks_[th];
+  const double via = dep.t + latency;
+  c.busy += own - c.t;
+  if (dep.t == kNever || !(via > own)) {
+    c.t = own;
+    return;
+  }
+  auto w = std::find_if(c.waits.begin(), c.waits.end(), [&](const auto& e) { return e.first == wait_what; });
+  if (w == c.waits.end()) c.waits.emplace_back(wait_what, via - own);
+  else w->second += via - own;
+  uint32_t n;
+  if (shared_node != nullptr) {
+    if (*shared_node == 0) *shared_node = path_.make(dep, via);
+    n = *shared_node;
+    path_.retain(n);
+  } else {
+    n = path_.make(dep, via);
+  }
+  path_.release(c.node);
+  c.node = n;
+  c.t = via;
+}
+
+void Timer::barrier(const std::vector<int>& participants, Site site) {
+  int last = participants.front();
+  for (int th : participants)
+    if (clocks_[th].t > clocks_[last].t) last = th;
+  const int32_t what = category("__syncthreads", site);
+  const Origin dep = here(last, what);
+  uint32_t shared = 0;
+  for (int th : participants) resolve(th, clocks_[th].t + c_.barrier_ns, dep, c_.barrier_ns, what, &shared);
+  path_.release(shared);
+}
+
+void Timer::collective(const std::vector<int>& lanes, Collective kind, Site site) {
+  int last = lanes.front();
+  for (int th : lanes)
+    if (clocks_[th].t > clocks_[last].t) last = th;
+  const int32_t what = category(collective_name(kind), site);
+  const Origin dep = here(last, what);
+  uint32_t shared = 0;
+  for (int th : lanes) resolve(th, clocks_[th].t + c_.collective_ns, dep, c_.collective_ns, what, &shared);
+  path_.release(shared);
+}
+
+void Timer::mbar_init(const void* bar) {
+  MbarTime& m = mbars_[bar];
+  set(m.phase, Origin{});
+  set(m.done, Origin{});
+}
+
+void Timer::arrive(int th, const void* bar, Site site) {
+  advance(th, c_.arrive_ns);
+  keep_max(mbars_[bar].phase, here(th, category("mbarrier arrive", site)));
+}
+
+void Timer::phase_complete(const void* bar) {
+  MbarTime& m = mbars_[bar];
+  set(m.done, m.phase);
+  set(m.phase, Origin{});
+}
+
+void Timer::wait_done(int th, const void* bar, Site site) {
+  const Origin dep = mbars_[bar].done;
+  resolve(th, clocks_[th].t + c_.try_wait_ns, dep, c_.wake_ns, category("mbarrier wait", site), nullptr);
+}
+
+void Timer::poll(int th, const volatile void* p, bool changed, bool shared, Site site) {
+  if (!changed) return;  // the same value again: the thread only spun
+  auto it = flags_.find(p);
+  if (it == flags_.end()) return;  // a value from before the launch: nothing to wait for
+  const Origin dep = it->second;
+  resolve(th, clocks_[th].t + (shared ? 0 : c_.poll_ns), dep, shared ? 0 : c_.flag_latency_ns,
+          category("flag wait", site), nullptr);
+}
+
+void Timer::flag_write(int th, const volatile void* p, bool shared, Site site) {
+  if (!shared) advance(th, c_.release_ns);
+  keep_max(flags_[p], here(th, category("flag write", site)));
+}
+
+// A global atomic reads what the atomics before it at that address wrote: the thread runs on
+// after the latest of them (the one that learns it came last, say, ends after all the others,
+// whichever that is in the schedule). Shared-memory atomics cost nothing here and order no one.
+void Timer::atomic(int th, const volatile void* p, bool shared, Site site) {
+  const int32_t what = category("atomic", site);
+  if (!shared) {
+    const Origin before = flags_[p];
+    resolve(th, clocks_[th].t + c_.atomic_ns, before, 0, what, nullptr);
+  }
+  keep_max(flags_[p], here(th, what));
+}
+
+void Timer::fence(int th, Fence kind) {
+  advance(th, kind == Fence::kGpu ? c_.fence_gpu_ns : kind == Fence::kSystem ? c_.fence_sys_ns : c_.fence_proxy_ns);
+}
+
+void Timer::copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site) {
+  advance(th, c_.issue_ns);
+  CopyTime& ct = copies_[copy];
+  set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
+  ct.duration = bytes / c_.engine_bytes_per_ns;
+  ct.g2s = g2s;
+  ct.block = block;
+  engines_[block].open.push_back(copy);
+  ++copy_count_;
+  copy_bytes_ += bytes;
+}
+
+// Places the copy on its engine after the placed copies and the open ones issued before it,
+// and folds its read and write times into *read and *write.
+void Timer::place(size_t copy, Origin* read, Origin* write) {
+  auto it = copies_.find(copy);
+  if (it == copies_.end()) return;
+  const CopyTime& ct = it->second;
+  Engine& e = engines_[ct.block];
+  auto before = [&](size_t a) {
+    const CopyTime& x = copies_.at(a);
+    return x.issued.t < ct.issued.t || (x.issued.t == ct.issued.t && a < copy);
+  };
+  std::vector<std::pair<double, size_t>> ahead;
+  for (size_t other : e.open)
+    if (other != copy && before(other)) ahead.emplace_back(copies_.at(other).issued.t, other);
+  std::sort(ahead.begin(), ahead.end());
+  Calendar::Pieces tentative, mine;
+  for (const auto& [t, other] : ahead) {
+    Calendar::Pieces pieces;
+    e.placed.fit(t, copies_.at(other).duration, tentative, pieces);
+    tentative.insert(tentative.end(), pieces.begin(), pieces.end());
+  }
+  const double through = e.placed.fit(ct.issued.t, ct.duration, tentative, mine);
+  for (const auto& [a, b] : mine) e.placed.insert(a, b);
+  e.open.erase(std::find(e.open.begin(), e.open.end(), copy));
+
+  Origin o = ct.issued;
+  o.t = through + (ct.g2s ? c_.g2s_latency_ns : c_.s2g_read_latency_ns);
+  if (read != nullptr) keep_max(*read, o);
+  if (!ct.g2s) o.t += c_.s2g_write_latency_ns;
+  keep_max(*write, o);
+  last_write_ = std::max(last_write_, o.t);
+  path_.release(ct.issued.node);
+  copies_.erase(it);
+}
+
+void Timer::copy_lands(size_t copy, const void* bar) { place(copy, nullptr, &mbars_[bar].phase); }
+
+void Timer::store_in_group(int th, size_t copy) { clocks_[th].open.copies.push_back(copy); }
+
+void Timer::fold_group(Group& g) {
+  for (size_t copy : g.copies) place(copy, &g.read, &g.write);
+  g.copies.clear();
+}
+
+void Timer::commit(int th) {
+  advance(th, c_.commit_ns);
+  Clock& c = clocks_[th];
+  c.groups.push_back(c.open);  // the references move with it
+  c.open = Group{};
+}
+
+void Timer::bulk_wait(int th, bool reads_only, int except_newest, Site site) {
+  Clock& c = clocks_[th];
+  // Groups already written by the thread's time cannot delay it: dropping the oldest of them
+  // leaves the groups this wait covers the same, less those.
+  while (!c.groups.empty() && c.groups.front().copies.empty() && !(c.groups.front().write.t > c.t)) {
+    path_.release(c.groups.front().read.node);
+    path_.release(c.groups.front().write.node);
+    c.groups.pop_front();
+  }
+  const size_t keep = static_cast<size_t>(std::max(except_newest, 0));
+  const size_t covered = c.groups.size() > keep ? c.groups.size() - keep : 0;
+  Origin dep;
+  for (size_t g = 0; g < covered; ++g) {
+    fold_group(c.groups[g]);
+    const Origin& o = reads_only ? c.groups[g].read : c.groups[g].write;
+    if (o.t > dep.t) dep = o;  // no reference taken: resolve copies what it keeps
+  }
+  resolve(th, c.t + c_.wait_group_ns, dep, 0, category(reads_only ? "bulk wait (read)" : "bulk wait", site),
+          nullptr);
+  if (!reads_only)
+    for (size_t g = 0; g < covered; ++g) {
+      path_.release(c.groups.front().read.node);
+      path_.release(c.groups.front().write.node);
+      c.groups.pop_front();
+    }
+}
+
+void Timer::exit(int th) { clocks_[th].end = clocks_[th].t; }
+
+Report Timer::finish() {
+  Report r;
+  r.kernel = kernel_;
+  r.table = table_;
+  r.blocks = blocks_;
+  r.threads = threads_;
+  int last = 0;
+  for (size_t th = 0; th < clocks_.size(); ++th)
+    if (clocks_[th].end > clocks_[last].end) last = static_cast<int>(th);
+  for (Engine& e : engines_)  // copies nothing waited for still take their time
+    while (!e.open.empty()) {
+      Origin read, write;
+      place(e.open.front(), &read, &write);
+      set(read, Origin{});
+      set(write, Origin{});
+    }
+  const double end = std::max(clocks_.empty() ? 0 : clocks_[last].end, last_write_);
+  r.copies = copy_count_;
+  r.copy_bytes = copy_bytes_;
+  r.time_ns = end + c_.launch_ns;
+
+  r.block_end_ns.assign(blocks_, 0);
+  for (size_t th = 0; th < clocks_.size(); ++th) {
+    double& e = r.block_end_ns[th / threads_];
+    e = std::max(e, clocks_[th].end);
+  }
+
+  // Per role (warp index), the lane that was busy longest stands for its warp.
+  const int warps = (threads_ + 31) / 32;
+  for (int w = 0; w < warps; ++w) {
+    RoleTime role;
+    role.warp = w;
+    std::map<int32_t, double> waits;
+    for (int b = 0; b < blocks_; ++b) {
+      int rep = -1;
+      for (int lane = 0; lane < 32 && w * 32 + lane < threads_; ++lane) {
+        const int th = b * threads_ + w * 32 + lane;
+        if (rep < 0 || clocks_[th].busy > clocks_[rep].busy) rep = th;
+      }
+      role.busy_ns += clocks_[rep].busy / blocks_;
+      role.end_ns += clocks_[rep].end / blocks_;
+      for (const auto& [what, ns] : clocks_[rep].waits) waits[what] += ns / blocks_;
+    }
+    for (const auto& [what, ns] : waits) role.waits.emplace_back(names_[what], ns);
+    std::sort(role.waits.begin(), role.waits.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    r.roles.push_back(std::move(role));
+  }
+
+  // The critical path, from the last thread back to the launch's start: a thread's own time
+  // between the waits that others decided, and each such hand-off.
+  std::map<std::string, double> path;
+  if (!clocks_.empty()) {
+    double t = clocks_[last].end;
+    int32_t at_role = role(last);
+    uint32_t n = clocks_[last].node;
+    while (n != 0) {
+      const PathArena::Node& node = path_.at(n);
+      path["warp " + std::to_string(at_role) + ": own work"] += t - node.t_at;
+      const std::string from = node.what >= 0 ? names_[node.what] : std::string("?");
+      path[from + ", warp " + std::to_string(node.role)] += node.t_at - node.t_from;
+      t = node.t_from;
+      at_role = node.role;
+      n = node.parent;
+    }
+    path["warp " + std::to_string(at_role) + ": own work"] += t;
+  }
+  for (const auto& [what, ns] : path)
+    if (ns > 0) r.critical_path.emplace_back(what, ns);
+  std::sort(r.critical_path.begin(), r.critical_path.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
+
+  for (const Engine& e : engines_) r.engine_busy_ns += e.placed.busy_ns() / std::max(blocks_, 1);
+  return r;
+}
+
+}  // namespace hybrid_ep::model::timing

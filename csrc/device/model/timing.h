@@ -1,0 +1,257 @@
+// The timing model of the CPU model: a virtual clock per thread, advanced by the costs of the
+// device layer's operations, and waits that take the time of what they waited for.
+//
+// The scheduler (runtime.cpp) tells a Timer what each thread does, in the order the seeded
+// schedule runs it; the Timer only observes, so the schedule, the checks and the kernels'
+// own timeouts are the same with timing on or off. Which phase, flag value or bulk group
+// satisfies a wait is fixed by the kernels' program order, not by the schedule, so the
+// clocks follow the kernels' causal order: a wait ends at the later of the thread's own
+// time and the time of the event it waited for plus that hand-off's latency (max-plus).
+//
+//   - own work: each operation costs its constant on the thread that runs it;
+//   - __syncthreads, warp collectives: every participant runs on at the last arrival's time
+//     plus the barrier's cost;
+//   - mbarriers: a phase completes at the latest of its arrivals and of the bulk loads that
+//     completed bytes on it; a try_wait that finds it complete ends at that time plus the
+//     wake-up (a try_wait that fails costs nothing: how often a thread spins depends on the
+//     schedule, not on time);
+//   - flags: a release store, reduction or atomic stamps the address with its writer's time
+//     (the latest, for several writes); a poll that reads a value written in the launch
+//     ends at that time plus the flag latency; polls of values from before the launch cost
+//     nothing; a global atomic also runs after the atomics before it at its address;
+//   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
+//     engine at its capacity, loads and stores alike, first come (by issue time) first
+//     served; a load completes its bytes on the mbarrier after its last byte plus the load
+//     latency, a store has read its shared memory after its last byte plus the read latency
+//     and written after the write latency; a bulk wait ends at the latest read or write of
+//     the groups it covers.
+//
+// The schedule runs threads in no order of their clocks, so a copy may be issued (in the
+// schedule) before another copy of the same SM that was issued earlier in virtual time. A
+// copy is therefore placed on its engine's calendar only when its time is needed (the load
+// lands, a wait covers the store, the launch ends): then after the copies already placed, and
+// after those still open that were issued before it, ahead of the open ones issued after it.
+// What still depends on the schedule is which copies are placed by then; the tests bound it.
+//
+// A report per launch gives the kernel's time (the last thread's end, or the last copy's
+// write, plus the launch cost), per warp role the busy time and the waits by site, and the
+// critical path: each wait that another thread's event decided remembers that event, so the
+// path is walked back from the last thread to the launch's start.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "device/model/runtime.h"
+
+namespace hybrid_ep::model::timing {
+
+// The constants (name, what it is); each is in ns except engine_bytes_per_ns.
+#define HYBRID_EP_TIMING_COSTS(X)                                                                          \
+  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                     \
+  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                     \
+  X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on") \
+  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                     \
+  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                \
+  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                               \
+  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                   \
+  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")      \
+  X(release_ns, "a release store or reduction to global memory, on the writing thread")                    \
+  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                            \
+  X(fence_gpu_ns, "__threadfence")                                                                           \
+  X(fence_sys_ns, "__threadfence_system")                                                                    \
+  X(fence_proxy_ns, "fence.proxy.async")                                                                     \
+  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                  \
+  X(commit_ns, "a bulk-group commit")                                                                        \
+  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                        \
+  X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier") \
+  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")  \
+  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                    \
+  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")
+
+struct Costs {
+#define HYBRID_EP_TIMING_FIELD(name, what) double name = 0;
+  HYBRID_EP_TIMING_COSTS(HYBRID_EP_TIMING_FIELD)
+#undef HYBRID_EP_TIMING_FIELD
+};
+
+// (name, meaning) of every constant, in Costs' order.
+const std::vector<std::pair<std::string, std::string>>& cost_fields();
+// Costs from a full table of name -> value; the message names a missing, unknown or
+// invalid entry (every cost >= 0, the engine's capacity > 0).
+bool costs_from(const std::map<std::string, double>& table, Costs& out, std::string& message);
+
+struct RoleTime {
+  int warp = 0;                                        // the role: the warp's index in its block
+  double busy_ns = 0, end_ns = 0;                      // means over the blocks
+  std::vector<std::pair<std::string, double>> waits;   // wait site -> ns, mean over the blocks
+};
+
+struct Report {
+  std::string kernel;
+  int table = 0;  // which of the configured cost tables
+  int blocks = 0, threads = 0;
+  double time_ns = 0;
+  std::vector<RoleTime> roles;
+  std::vector<std::pair<std::string, double>> critical_path;  // what -> ns on the path, largest first
+  std::vector<double> block_end_ns;  // when each block's last thread ended
+  double engine_busy_ns = 0;         // the copy engine's busy time, mean over the blocks
+  uint64_t copies = 0, copy_bytes = 0;
+};
+
+// The cost tables of the next launches (none: timing off, the model as it is without it), and
+// the reports of the launches since the last take_reports. Several tables time one run at
+// once, each with its own clocks (the schedule does not depend on them): one report per
+// launch and table.
+void configure(std::vector<Costs> tables);
+const std::vector<Costs>& configured();
+void add_report(Report report);
+std::vector<Report> take_reports();
+
+constexpr double kNever = -std::numeric_limits<double>::infinity();
+
+// An event a wait may depend on: when the waiter may run on (before the hand-off's latency),
+// and for the critical path where it came from: the thread's role and path node at the time
+// `t_src` the event started on that thread, and what the event was.
+struct Origin {
+  double t = kNever;
+  double t_src = 0;
+  uint32_t node = 0;
+  int32_t role = -1;
+  int32_t what = -1;
+};
+
+// The critical path's tree: each node is one wait that another thread's event decided,
+// linked to that thread's node at the time of the event. Nodes nothing refers to any more
+// are reused.
+class PathArena {
+ public:
+  PathArena();
+  uint32_t make(const Origin& from, double t_at);  // one reference, held by the caller
+  void retain(uint32_t n);
+  void release(uint32_t n);
+  struct Node {
+    uint32_t parent = 0, refs = 0;
+    double t_from = 0, t_at = 0;
+    int32_t what = -1, role = -1;
+  };
+  const Node& at(uint32_t n) const { return nodes_[n]; }
+
+ private:
+  std::vector<Node> nodes_;  // [0]: the launch's start, never released
+  std::vector<uint32_t> free_;
+};
+
+// Busy intervals of one SM's copy engine; a transfer fills the free time from its start on.
+class Calendar {
+ public:
+  using Pieces = std::vector<std::pair<double, double>>;  // [start, end) intervals, sorted
+  // Where a transfer of `duration` from t0 on would go, around the placed intervals and the
+  // tentative ones in `also`: its pieces (appended to `out`) and its end.
+  double fit(double t0, double duration, const Pieces& also, Pieces& out) const;
+  void insert(double a, double b);
+  double busy_ns() const;
+
+ private:
+  std::map<double, double> busy_;  // start -> end: disjoint, never touching
+};
+
+class Timer {
+ public:
+  Timer(const Costs& costs, int table, const char* kernel, int blocks, int threads);
+  ~Timer();
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+
+  // `th` is the thread's index in the launch (block * threads + thread).
+  void barrier(const std::vector<int>& participants, Site site);
+  void collective(const std::vector<int>& lanes, Collective kind, Site site);
+  void mbar_init(const void* bar);
+  void arrive(int th, const void* bar, Site site);
+  void phase_complete(const void* bar);
+  void wait_done(int th, const void* bar, Site site);  // a try_wait that returned true
+  void poll(int th, const volatile void* p, bool changed, bool shared, Site site);
+  void flag_write(int th, const volatile void* p, bool shared, Site site);
+  void atomic(int th, const volatile void* p, bool shared, Site site);
+  void fence(int th, Fence kind);
+  void copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site);
+  void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
+  void store_in_group(int th, size_t copy);
+  void commit(int th);
+  void bulk_wait(int th, bool reads_only, int except_newest, Site site);
+  void exit(int th);
+  Report finish();
+
+ private:
+  struct Group {
+    Origin read, write;          // of its copies already placed
+    std::vector<size_t> copies;  // its copies not yet placed
+  };
+  struct Clock {
+    double t = 0, busy = 0, end = 0;
+    uint32_t node = 0;  // the path node of the last wait another thread's event decided
+    std::vector<std::pair<int32_t, double>> waits;
+    std::deque<Group> groups;  // committed bulk-store groups a wait may still cover
+    Group open;
+  };
+  struct CopyTime {
+    Origin issued;  // t: when its bytes may start through the engine; where it came from
+    double duration = 0;
+    bool g2s = false;
+    int block = 0;
+  };
+  struct Engine {
+    Calendar placed;
+    std::vector<size_t> open;  // copies issued, not yet placed
+  };
+  struct MbarTime {
+    Origin phase;  // the current phase's latest arrival or landed load
+    Origin done;   // the latest completed phase's
+  };
+  // What happened where, as the report names it: "<what> (<file>:<line>)".
+  int32_t category(const char* what, Site site);
+  int role(int th) const { return (th % threads_) / 32; }
+  Origin here(int th, int32_t what);
+  void advance(int th, double ns);
+  void set(Origin& dst, const Origin& src);
+  void place(size_t copy, Origin* read, Origin* write);  // folds its times into read and write
+  void fold_group(Group& g);
+  void keep_max(Origin& dst, const Origin& src);
+  void resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what, uint32_t* shared_node);
+  void release_all();
+
+  Costs c_;
+  int table_;
+  std::string kernel_;
+  int blocks_, threads_;
+  std::vector<Clock> clocks_;
+  std::vector<Engine> engines_;
+  std::unordered_map<size_t, CopyTime> copies_;  // issued, not yet placed
+  double last_write_ = 0;                         // the latest write of any copy
+  uint64_t copy_count_ = 0, copy_bytes_ = 0;
+  std::unordered_map<const void*, MbarTime> mbars_;
+  std::unordered_map<const volatile void*, Origin> flags_;
+  PathArena path_;
+  struct SiteKey {
+    const char* what;
+    const char* file;
+    int line;
+    bool operator==(const SiteKey& o) const { return what == o.what && file == o.file && line == o.line; }
+  };
+  struct SiteHash {
+    size_t operator()(const SiteKey& k) const {
+      return std::hash<const void*>()(k.file) ^ std::hash<const void*>()(k.what) ^ static_cast<size_t>(k.line) * 131u;
+    }
+  };
+  std::unordered_map<SiteKey, int32_t, SiteHash> site_ids_;
+  std::unordered_map<std::string, int32_t> name_ids_;
+  std::vector<std::string> names_;
+};
+
+}  // namespace hybrid_ep::model::timing

@@ -1,0 +1,132 @@
+// Small kernels with a known critical path, written against the same device layer as the real
+// kernels, so that tests/test_timing_model.py can check the timing model's clocks exactly:
+//   - handoff_chain: threads 0 and 32 pass the turn n times through two mbarriers;
+//   - load_stream: thread 0 bulk-loads n copies of `bytes` into one stage's mbarrier;
+//   - store_stream: thread 0 bulk-stores n copies of `bytes`, one group each, then waits;
+//   - flag_chain: thread 0 of blocks 0 and 1 pass the turn n times through two global flags;
+//   - named_barrier: thread 0 fences n times, all 64 threads meet at a named barrier, then
+//     thread 32 fences n times.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "device/device.cuh"
+#include "device/model/timing_selftest.h"
+
+namespace hybrid_ep::model {
+namespace {
+
+constexpr int kGlobalBytes = 64 * 1024;
+
+struct Args {
+  unsigned char* global;  // kGlobalBytes, declared to the model
+  uint64_t* flags;        // two flags, zero before the launch
+  int which;
+  int n;
+  uint32_t bytes;
+};
+
+struct Shared {
+  uint64_t bar[2];
+};
+
+enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier };
+
+__device__ void wait_phase(uint64_t* bar, uint32_t parity) {
+  while (!dev::mbar_try_wait(bar, parity)) {
+  }
+}
+
+__global__ void timing_kernel(const Args a) {
+  Shared& sh = dev::block_shared<Shared>();
+  unsigned char* smem = dev::dynamic_smem<unsigned char>();
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    dev::mbar_init(&sh.bar[0], 1);
+    dev::mbar_init(&sh.bar[1], 1);
+  }
+  __syncthreads();
+  switch (a.which) {
+    case kHandoffChain:  // hand-off k: even k thread 0 -> thread 32 on bar[0], odd k back on bar[1]
+      for (int k = 0; k < a.n; ++k) {
+        const bool to_b = k % 2 == 0;
+        const uint32_t parity = static_cast<uint32_t>(k / 2) & 1u;
+        if (tid == (to_b ? 0 : 32)) dev::mbar_arrive(&sh.bar[to_b ? 0 : 1]);
+        if (tid == (to_b ? 32 : 0)) wait_phase(&sh.bar[to_b ? 0 : 1], parity);
+      }
+      break;
+    case kLoadStream:
+      if (tid == 0) {
+        dev::mbar_arrive_expect_tx(&sh.bar[0], static_cast<uint32_t>(a.n) * a.bytes);
+        for (int i = 0; i < a.n; ++i) dev::bulk_g2s(smem + i * a.bytes, a.global + i * a.bytes, a.bytes, &sh.bar[0]);
+        wait_phase(&sh.bar[0], 0);
+      }
+      break;
+    case kStoreStream:
+      if (tid == 0) {
+        for (int i = 0; i < a.n; ++i) {
+          dev::bulk_s2g(a.global + i * a.bytes, smem + i * a.bytes, a.bytes);
+          dev::bulk_commit();
+        }
+        dev::bulk_wait_read_all();
+        dev::bulk_wait_all();
+      }
+      break;
+    case kFlagChain:  // hand-off k: even k block 0 -> block 1 on flags[0], odd k back on flags[1]
+      if (tid == 0 && blockIdx.x < 2)
+        for (int k = 0; k < a.n; ++k) {
+          const bool to_b = k % 2 == 0;
+          const uint64_t value = static_cast<uint64_t>(k / 2) + 1;
+          uint64_t* flag = &a.flags[to_b ? 0 : 1];
+          if (static_cast<int>(blockIdx.x) == (to_b ? 0 : 1)) dev::st_release_sys(flag, value);
+          if (static_cast<int>(blockIdx.x) == (to_b ? 1 : 0))
+            while (dev::ld_acquire_sys(flag) < value) {
+            }
+        }
+      break;
+    case kNamedBarrier:
+      for (int i = 0; tid == 0 && i < a.n; ++i) __threadfence();
+      dev::named_barrier_sync(1, 64);
+      for (int i = 0; tid == 32 && i < a.n; ++i) __threadfence();
+      break;
+    default:
+      break;
+  }
+}
+
+const std::map<std::string, int>& names() {
+  static const std::map<std::string, int> n = {
+      {"handoff_chain", kHandoffChain},
+      {"load_stream", kLoadStream},
+      {"store_stream", kStoreStream},
+      {"flag_chain", kFlagChain},
+      {"named_barrier", kNamedBarrier},
+  };
+  return n;
+}
+
+}  // namespace
+
+std::vector<std::string> timing_selftest_names() {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : names()) out.push_back(name);
+  return out;
+}
+
+std::string run_timing_selftest(const std::string& name, int blocks, int n, uint32_t bytes) {
+  auto it = names().find(name);
+  if (it == names().end()) return "no such timing self-test: " + name;
+  if (n < 0 || static_cast<uint64_t>(n) * bytes > kGlobalBytes)
+    return "n x bytes must be within " + std::to_string(kGlobalBytes);
+  alignas(16) static unsigned char global[kGlobalBytes];
+  alignas(8) static uint64_t flags[2];
+  flags[0] = flags[1] = 0;
+  add_allocation(reinterpret_cast<uint64_t>(global), sizeof(global));
+  Args args{global, flags, it->second, n, bytes};
+  const size_t smem = std::max<size_t>(static_cast<size_t>(n) * bytes, 16);
+  const char* err = dev::launch_cooperative(timing_kernel, blocks, 64, smem, 0, args);
+  remove_allocation(reinterpret_cast<uint64_t>(global));
+  return err == nullptr ? "" : err;
+}
+
+}  // namespace hybrid_ep::model

@@ -1,0 +1,64 @@
+"""Predicted dispatch and combine times at a benchmark shape, from runs of the CPU model.
+
+The model runs the kernels at one or two token counts per rank (the bench's 4096 does not fit
+every shape in this machine's memory, and the model's time grows linearly in the tokens); a
+prediction at the bench's count is read off the line through the two (or is the run itself
+when the counts are equal). A call's time is the sum of its launches': dispatch is the layout
+kernel and the dispatch kernel, combine its one kernel. The host's work between them (the
+dispatch reads one count back to size its output) is not in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KERNELS = ("dispatch", "combine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the benchmark ran: W ranks as `nodes` nodes, H, tokens per rank, top-k of E, seed."""
+
+    world_size: int
+    nodes: int
+    hidden: int
+    tokens: int
+    topk: int
+    experts: int
+    seed: int = 0
+
+
+def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, model_seed: int = 0) -> dict:
+    """A driver.py job for `shape` at `tokens` per rank, timed with each cost table."""
+    return {"world_size": shape.world_size, "nodes": shape.nodes, "hidden": shape.hidden, "tokens": tokens,
+            "topk": shape.topk, "experts": shape.experts, "seed": shape.seed, "sms": list(sms),
+            "costs": tables, "model_seed": model_seed}
+
+
+def call_times(result: dict, tables: int) -> dict:
+    """{(sms, kernel): [ns of the measured call per table]} from a driver result."""
+    out = {}
+    for run in result["runs"]:
+        for kernel in KERNELS:
+            ns = [0.0] * tables
+            for launch in run[kernel]["launches"]:
+                ns[launch["table"]] += launch["time_ns"]
+            out[(run["sms"], kernel)] = ns
+    return out
+
+
+def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
+    """The value at t on the line through (t1, ns1) and (t2, ns2)."""
+    if t1 == t2:
+        return ns1
+    return ns1 + (ns2 - ns1) * (t - t1) / (t2 - t1)
+
+
+def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...]) -> dict:
+    """{(sms, kernel): [predicted ns at shape.tokens per table]}; run_job(job) -> driver result."""
+    if not 1 <= len(model_tokens) <= 2:
+        raise ValueError(f"model_tokens takes one or two token counts, got {model_tokens}")
+    runs = [call_times(run_job(job(shape, t, sms, tables)), len(tables)) for t in model_tokens]
+    t1, t2 = model_tokens[0], model_tokens[-1]
+    return {key: [extrapolate(t1, a, t2, b, shape.tokens) for a, b in zip(runs[0][key], runs[-1][key])]
+            for key in runs[0]}
