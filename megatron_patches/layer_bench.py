@@ -1,12 +1,14 @@
 """Megatron-Core MoE layer forward + backward: hybrid_ep against Megatron's alltoall dispatcher.
 
-    python -m megatron_patches.layer_bench [--shapes tiny mid deepseek] [--repeats 30] [--out DIR]
+    python -m megatron_patches.layer_bench [--shapes tiny mid deepseek] [--repeats 30]
+        [--world-size 4] [--ranks-per-node 2] [--out DIR]
 
 Selecting `--moe-token-dispatcher-type hybrid_ep` must cost nothing against Megatron's own
 alltoall dispatcher where hybrid_ep runs its reference backend; this measures it where it
 matters: a whole MoELayer (router, dispatch, experts, combine, and the backward of all of it).
 Both dispatchers run in the same process group (Megatron's EP group), with the same router and
-expert weights and the same inputs, hence the same routing. Samples are interleaved: each
+expert weights and the same inputs, hence the same routing; hybrid_ep sees the ranks as nodes
+of --ranks-per-node (4 ranks as 2 nodes of 2 by default, as the demo does). Samples are interleaved: each
 repeat times one forward + backward of every (shape, dispatcher) in turn, the dispatcher order
 alternating between repeats, so that the load of a shared machine falls on both alike. A
 sample is the slowest rank's time of that step (perf_counter after a barrier); the table gives
@@ -73,9 +75,10 @@ def _output(run) -> torch.Tensor:
         return layer(x)[0]
 
 
-def time_rank(shapes: list[str], repeats: int, warmup: int) -> dict:
+def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int) -> dict:
     """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time (s)."""
     from .demo import quiet_libraries
+    from .options import HybridEPOptions
     from .testing import case_tensors, init_megatron, seeded_layer
 
     quiet_libraries()
@@ -86,7 +89,8 @@ def time_rank(shapes: list[str], repeats: int, warmup: int) -> dict:
         for name in DISPATCHERS:
             case = _case(shape, name, world)
             _, _, _, x, grad_out = case_tensors(case)
-            runs[shape, name] = (seeded_layer(case, rank, None), x[rank].float(), grad_out[rank].float())
+            layer = seeded_layer(case, rank, {"hybrid_ep_options": HybridEPOptions(ranks_per_node=ranks_per_node)})
+            runs[shape, name] = (layer, x[rank].float(), grad_out[rank].float())
     for args in runs.values():
         for _ in range(warmup):
             _step_time(*args)
@@ -152,13 +156,14 @@ def plot(doc: dict, path: str) -> None:
     ax.set_xticks(list(xs), [f"{r['shape']}\nH {r['hidden']}, top-{r['topk']} of {r['experts']}" for r in rows])
     ax.set_ylabel("ms, median forward + backward (slowest rank)")
     meta = doc["metadata"]
-    ax.set_title(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks: hybrid_ep (reference) "
+    ax.set_title(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks "
+                 f"({meta['config']['nodes']} nodes for hybrid_ep): hybrid_ep (reference) "
                  f"vs alltoall\n{meta['device']} | {meta['date']}", fontsize=10)
     ax.legend()
     FigureCanvasAgg(fig).print_png(path)
 
 
-def run(shapes: list[str], repeats: int, warmup: int, world_size: int, pool=None) -> dict:
+def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per_node: int, pool=None) -> dict:
     from hybrid_ep.metadata import metadata
     from hybrid_ep.spawn import ProcessGroupPool
 
@@ -166,11 +171,12 @@ def run(shapes: list[str], repeats: int, warmup: int, world_size: int, pool=None
     if own:
         pool = ProcessGroupPool(world_size, backend="gloo", env={"HYBRID_EP_TIMEOUT_S": "120"})
     try:
-        out = pool.run(time_rank, [(shapes, repeats, warmup)] * pool.world_size, timeout_s=3600)[0]
+        out = pool.run(time_rank, [(shapes, repeats, warmup, ranks_per_node)] * pool.world_size, timeout_s=3600)[0]
     finally:
         if own:
             pool.close()
-    config = {"world_size": world_size, "transport": "gloo", "dispatchers": list(DISPATCHERS), "shapes": shapes,
+    config = {"world_size": world_size, "ranks_per_node": ranks_per_node, "nodes": world_size // ranks_per_node,
+              "transport": "gloo", "dispatchers": list(DISPATCHERS), "shapes": shapes,
               "repeats": repeats, "warmup": warmup, "dtype": "fp32", "layer": "MoELayer, local spec, SequentialMLP",
               "timing": "time.perf_counter after a barrier, forward + backward, slowest rank per repeat"}
     meta = metadata(TOOL, device_type="cpu", config=config, units=UNITS, backends=[out["backend"]])
@@ -183,15 +189,19 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=2,
+                        help="hybrid_ep's ranks per node (default 2: 4 ranks as 2 nodes, as in the demo)")
     parser.add_argument("--out", default="results/layer_bench")
     a = parser.parse_args(argv)
     for flag, value, low in (("--repeats", a.repeats, 1), ("--warmup", a.warmup, 0), ("--world-size", a.world_size, 1)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
+    if a.ranks_per_node < 1 or a.world_size % a.ranks_per_node:
+        parser.error(f"--ranks-per-node must divide --world-size {a.world_size}, got {a.ranks_per_node}")
     for shape in a.shapes:
         if SHAPES[shape][2] % a.world_size:
             parser.error(f"--world-size {a.world_size} must divide the {SHAPES[shape][2]} experts of shape {shape}")
-    doc = run(a.shapes, a.repeats, a.warmup, a.world_size)
+    doc = run(a.shapes, a.repeats, a.warmup, a.world_size, a.ranks_per_node)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "layer_bench.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -199,7 +209,8 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "layer_bench.md"), "w") as f:
         f.write(text + "\n")
     plot(doc, os.path.join(a.out, "layer_bench.png"))
-    print(f"{doc['metadata']['device']} | {doc['metadata']['date']} | W={a.world_size} gloo, "
+    print(f"{doc['metadata']['device']} | {doc['metadata']['date']} | W={a.world_size} gloo "
+          f"({a.world_size // a.ranks_per_node} nodes x {a.ranks_per_node} for hybrid_ep), "
           f"{a.repeats} interleaved repeats\n{text}\nwrote {a.out}/layer_bench.json, .md, .png")
     return 0
 

@@ -24,9 +24,10 @@ def test_summary_takes_medians_and_their_ratio():
 
 
 def test_short_run_times_both_dispatchers_on_the_same_routing(pool_for, tmp_path):
-    doc = layer_bench.run(["tiny"], repeats=2, warmup=0, world_size=4, pool=pool_for(4))
+    doc = layer_bench.run(["tiny"], repeats=2, warmup=0, world_size=4, ranks_per_node=2, pool=pool_for(4))
     validate(doc["metadata"])
     assert doc["metadata"]["backends"] == ["reference"] and doc["metadata"]["device"].startswith("CPU: ")
+    assert doc["metadata"]["config"]["nodes"] == 2
     [row] = doc["rows"]
     assert row["max_abs_diff"] < 1e-5  # same weights, inputs and routing
     for name in layer_bench.DISPATCHERS:

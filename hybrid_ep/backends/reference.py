@@ -101,8 +101,7 @@ class ReferenceBackend(Backend):
         token_of_pos = layout.token_of_row if row_of_pos is None else layout.token_of_row[row_of_pos]
         L = self.config.experts_per_rank
         widths = [p.shape[1] for p in payload]
-        message = torch.empty(token_of_pos.shape[0], sum(widths) + (5 * L if meta else 0), dtype=torch.uint8,
-                              device=self._device)
+        message = self._exchange.message(token_of_pos.shape[0], sum(widths) + (5 * L if meta else 0))
         col = 0
         for part, width in zip(payload, widths):
             if T:
@@ -244,7 +243,7 @@ class ReferenceBackend(Backend):
         at = positions[dest.src_of_row_R]
         P = message_rows(dest.block_rows_W, header_rows)
         # One message of [partial sums in the wire dtype | routing-weight values (fp32)] per row.
-        message = torch.empty(P, B, dtype=torch.uint8, device=self._device)
+        message = self._exchange.message(P, B)
         if rows_RH is not None:
             vals_RH = rows_RH.detach().float()
             if apply_probs:
@@ -297,7 +296,7 @@ class ReferenceBackend(Backend):
         by_node.index_add_(0, token_S * N + source.node_of_row[:S], back_SH)
         by_node = by_node.view(T + 1, N, H)[:T]
         for n in range(N):
-            if n != cfg.node_of(self.rank):
+            if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
                 by_node[:, n] = by_node[:, n].to(wire).float()
         return by_node.sum(dim=1)
 

@@ -48,6 +48,7 @@ class ReferenceExchange:
         self.on_gpu = device.type == "cuda"
         self.cap_bytes = cap_bytes  # the longest message one peer can send in any call of the buffer
         self._recv_bytes: torch.Tensor | None = None  # gloo: the receive buffer, allocated on first use
+        self._send_bytes: torch.Tensor | None = None  # gloo: the send buffer, grown to the longest message
         self._side_stream = None  # NCCL: the stream of the counts' device-to-host copy
         self._in_flight: collections.deque = collections.deque()  # NCCL: (event, phase, start) per exchange
         self._deferred: list = []  # NCCL: (HostCopy, check) of headers not checked yet
@@ -122,12 +123,19 @@ class ReferenceExchange:
             starts[s] = starts[s - 1] + posted[s - 1]
         return recv, starts
 
+    def message(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """[rows, row_bytes] uint8 for the next call's message. On the CPU a view of one buffer
+        kept across calls (a gloo exchange has finished with it when the call returns; fresh
+        memory would cost page faults on every call); on a GPU the caching allocator's."""
+        if self.on_gpu:
+            return torch.empty(rows, row_bytes, dtype=torch.uint8, device=self.device)
+        self._send_bytes = _at_least(self._send_bytes, rows * row_bytes)
+        return self._send_bytes[:rows * row_bytes].view(rows, row_bytes)
+
     def _gloo_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         """[rows, row_bytes] view of the receive buffer; sized once for the longest call."""
-        need = rows * row_bytes
-        if self._recv_bytes is None or self._recv_bytes.numel() < need:
-            self._recv_bytes = torch.empty(need, dtype=torch.uint8)
-        return self._recv_bytes[:need].view(rows, row_bytes)
+        self._recv_bytes = _at_least(self._recv_bytes, rows * row_bytes)
+        return self._recv_bytes[:rows * row_bytes].view(rows, row_bytes)
 
     def _note_in_flight(self, phase: str) -> None:
         """NCCL: remember which call each queued collective belongs to, for the timeout message."""
@@ -195,3 +203,7 @@ class ReferenceExchange:
         while self._deferred and self._deferred[0][0].event.query():
             copy, check = self._deferred.pop(0)
             check(copy.host.tolist())
+
+
+def _at_least(buffer: torch.Tensor | None, num_bytes: int) -> torch.Tensor:
+    return buffer if buffer is not None and buffer.numel() >= num_bytes else torch.empty(num_bytes, dtype=torch.uint8)

@@ -74,10 +74,10 @@ def send_layout(routing: Routing, config: BufferConfig, rows_per_rank: int | Non
     slot_row = torch.where(valid, row_TW.gather(1, rank_TK.clamp(max=W - 1)), num_rows_max)
     flat = row_TW.reshape(-1)
     token_of_row = torch.full((num_rows_max + 1,), T, dtype=torch.int64, device=device)
-    token_of_row.scatter_(0, flat, torch.arange(T, device=device).repeat_interleave(W))
+    token_of_row.scatter_(0, flat, torch.arange(T, device=device)[:, None].expand(T, W).reshape(-1))
     token_of_row[num_rows_max] = T  # the dummy row took the last of the tokens sent nowhere
     node_of_row = torch.zeros(num_rows_max + 1, dtype=torch.int64, device=device)
-    node_of_row.scatter_(0, flat, (torch.arange(W, device=device) // G).repeat(T))
+    node_of_row.scatter_(0, flat, (torch.arange(W, device=device) // G)[None, :].expand(T, W).reshape(-1))
     return SendLayout(
         rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], slot_row, rank_TK,
         torch.where(valid, idx % L, 0), routing.topk_weights_TK.detach().float(), token_of_row, node_of_row,
@@ -87,7 +87,7 @@ def send_layout(routing: Routing, config: BufferConfig, rows_per_rank: int | Non
 def assert_routing_on_device(routing: Routing, num_experts: int) -> None:
     """The rule of routing.check_topk_values (expert ids in [-1, E), no token routed to one expert
     twice), checked by the device without a host read: a broken rule stops the process with a
-    device-side assert naming topk_idx (on a GPU the error surfaces at a later CUDA call)."""
+    device-side assert (on a GPU the error surfaces at a later CUDA call)."""
     idx = routing.topk_idx_TK
     in_range = ((idx >= -1) & (idx < num_experts)).all()
     srt = idx.sort(dim=1).values
@@ -144,9 +144,9 @@ def receive_layout(mask_VL: torch.Tensor, num_rows: int, pad_multiple: int, min_
     keep = mask & (pos_VL < num_rows)
     target = torch.where(keep, pos_VL, num_rows).reshape(-1)
     src_of_row = torch.full((num_rows + 1,), V, dtype=torch.int64, device=device)
-    src_of_row.scatter_(0, target, torch.arange(V, device=device).repeat_interleave(L))
+    src_of_row.scatter_(0, target, torch.arange(V, device=device)[:, None].expand(V, L).reshape(-1))
     expert_of_row = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
-    expert_of_row.scatter_(0, target, torch.arange(L, device=device).repeat(V))
+    expert_of_row.scatter_(0, target, torch.arange(L, device=device)[None, :].expand(V, L).reshape(-1))
     needed = ends_L[-1] if L else torch.zeros((), dtype=torch.int64, device=device)
     return ReceiveLayout(
         src_of_row[:num_rows], expert_of_row[:num_rows], ends_L.clamp(max=num_rows) - starts_L.clamp(max=num_rows),

@@ -104,6 +104,6 @@ class Messages:
         """[W, num_words] int64: the first words of every peer's block."""
         B = recv_PB.shape[1]
         header_rows = -(-num_words * 8 // B)
-        rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
-        raw = recv_PB[rows].reshape(len(starts), header_rows * B)[:, :num_words * 8]
+        rows = (self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)).reshape(-1)
+        raw = recv_PB.index_select(0, rows).reshape(len(starts), header_rows * B)[:, :num_words * 8]
         return from_byte_rows(raw, torch.int64)
