@@ -78,3 +78,24 @@ def test_one_count_exchange_per_routing_and_rows_only_otherwise(pool_for, W):
         }
         assert same_counts  # the static blocks' headers carry the exact count matrix (traffic accounting)
         assert weights_learn  # the one exchange back also carried the routing-weight gradients
+
+
+def test_group_timeout_follows_hybrid_ep_timeout_only_when_set(single_rank_group, monkeypatch):
+    """NCCL collectives of the reference backend are bounded by the group's own timeout (its
+    watchdog); HYBRID_EP_TIMEOUT_S sets it, and without it the group keeps its own (the EP group
+    may carry other collectives). Checked on a gloo group, whose timeout reads back the same way."""
+    import datetime
+
+    from hybrid_ep.backends.reference_exchange import ReferenceExchange
+
+    options = single_rank_group._get_backend(torch.device("cpu")).options
+    before = options._timeout
+    try:
+        monkeypatch.delenv("HYBRID_EP_TIMEOUT_S", raising=False)
+        ReferenceExchange.bound_group(single_rank_group)
+        assert options._timeout == before
+        monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "7.5")
+        ReferenceExchange.bound_group(single_rank_group)
+        assert options._timeout == datetime.timedelta(seconds=7.5)
+    finally:
+        dist.set_timeout(before, single_rank_group)

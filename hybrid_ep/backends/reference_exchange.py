@@ -62,7 +62,8 @@ class ReferenceExchange:
         default in PyTorch, --distributed-timeout-minutes in Megatron-LM): the EP group may carry
         other collectives, so it is changed only when asked for."""
         if "HYBRID_EP_TIMEOUT_S" in os.environ:
-            dist.set_timeout(datetime.timedelta(seconds=timeout_seconds()), group)
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # older torch
+            set_timeout(datetime.timedelta(seconds=timeout_seconds()), group)
 
     def _wait(self, work, phase: str) -> None:
         """gloo: wait for the collective, at most HYBRID_EP_TIMEOUT_S."""
