@@ -10,14 +10,16 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
+    python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256
 
 `add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
 points.json with the commit it measured; `build` makes the scratch build; `run` prints, per
 SM count, the model's scheduling rounds of the second dispatch and combine (the round proxy).
-`fit` fits two constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
+`fit` fits up to three constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
-measured per point, the worst ratio last. Not part of CI: a build takes minutes, a fit at
+measured per point, the worst ratio last; `profile` prints what the warps spend their
+predicted time on, per kernel, to set beside ncu's stall samples. Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
@@ -108,8 +110,8 @@ def fit_constants(args) -> int:
     run, shape, sms, measured = _selected(args)
     table = constants.load_table()
     evaluate = _evaluator(args, run, shape, sms, table)
-    start = {n: table.constants[n].value for n in args.names}
-    result = fit.fit_two(evaluate, tuple(args.names), start, measured)
+    start = dict(zip(args.names, args.start)) if args.start else {n: table.constants[n].value for n in args.names}
+    result = fit.fit(evaluate, tuple(args.names), start, measured)
     for span, centre, best in result.steps:
         print(f"span {span}: centre " + ", ".join(f"{n} {v:.4g}" for n, v in centre.items()) + f", best {best:.4f}")
     fitted = ", ".join(f"{n} = {v:.4g}" for n, v in result.values.items())
@@ -134,6 +136,45 @@ def score_points(args) -> int:
     return 0
 
 
+def wait_shares(report: dict) -> dict:
+    """Shares of the warps' time (16 warps x the kernel's time, say) by what they did: busy,
+    waiting at the kernel's last __syncthreads (the one waited at longest: warps whose role is
+    done), in mbarrier waits, flag waits, warp collectives, bulk waits; as ncu's stall samples
+    per source line are read (docs/benchmarks/cuda.md, 2026-11-24)."""
+    total = len(report["roles"]) * (report["time_ns"])
+    sums = {}
+    for role in report["roles"]:
+        sums["busy"] = sums.get("busy", 0.0) + role["busy_ns"]
+        for what, ns in role["waits"]:
+            kind = what.split(" (")[0]
+            key = what if kind == "__syncthreads" else kind
+            sums[key] = sums.get(key, 0.0) + ns
+    last = max((k for k in sums if k.startswith("__syncthreads")), key=sums.get, default=None)
+    out = {"busy": sums.pop("busy", 0.0) / total}
+    if last is not None:
+        out["after the last __syncthreads"] = sums.pop(last) / total
+    for k, v in sums.items():
+        key = "__syncthreads (other)" if k.startswith("__syncthreads") else k
+        out[key] = out.get(key, 0.0) + v / total
+    return out
+
+
+def profile(args) -> int:
+    folder = builds.build_commit(args.commit, args.work)
+    table = constants.load_table()
+    shape = predict.Shape(args.world_size, args.nodes, args.hidden, args.tokens, args.topk, args.experts, args.seed)
+    result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
+    run = result["runs"][0]
+    print(f"commit {args.commit}: W={args.world_size} nodes={args.nodes} T={args.tokens} H={args.hidden}, "
+          f"{args.sms} SMs/rank: shares of the warps' time (predicted)")
+    for kernel in predict.KERNELS:
+        for launch in run[kernel]["launches"]:
+            shares = wait_shares(launch)
+            print(f"{launch['kernel'].split('<')[0]} ({launch['time_ns'] / 1e6:.3f} ms): " +
+                  ", ".join(f"{k} {v:.1%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--work", default=builds.DEFAULT_WORK, help="folder of the scratch builds (default %(default)s)")
@@ -155,7 +196,7 @@ def main(argv=None) -> int:
     r.add_argument("--topk", type=int, default=8)
     r.add_argument("--experts", type=int, default=16)
     r.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default)")
-    for name, what in (("fit", "fit two constants of the timing table to a run's points"),
+    for name, what in (("fit", "fit up to three constants of the timing table to a run's points"),
                        ("score", "predicted against measured for a run's points")):
         f = sub.add_parser(name, help=what)
         f.add_argument("--run", default="2026-11-24-h100/bench", help="a run of points.json (default %(default)s)")
@@ -164,10 +205,24 @@ def main(argv=None) -> int:
         f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
                        help="one or two tokens per rank the model runs at (default 512 1024)")
         if name == "fit":
-            f.add_argument("--names", nargs=2, default=["wake_ns", "engine_bytes_per_ns"])
+            f.add_argument("--names", nargs="+", default=["wake_ns", "engine_bytes_per_ns", "plain_pair_ns"],
+                           help="the constants to fit, at most 3 (default %(default)s)")
+            f.add_argument("--start", nargs="+", type=float, default=None,
+                           help="their starting values (default: the table's; a 0 cannot start a log search)")
             f.add_argument("--write", action="store_true", help="put the fitted values into the table")
+    pr = sub.add_parser("profile", help="shares of the warps' time by what they wait for, per kernel")
+    pr.add_argument("commit")
+    pr.add_argument("-w", "--world-size", type=int, default=8)
+    pr.add_argument("--nodes", type=int, default=1)
+    pr.add_argument("--sms", type=int, default=8)
+    pr.add_argument("--hidden", type=int, default=8192)
+    pr.add_argument("--tokens", type=int, default=256)
+    pr.add_argument("--topk", type=int, default=8)
+    pr.add_argument("--experts", type=int, default=16)
+    pr.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points}[args.command](args)
+    return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points,
+            "profile": profile}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "wake_ns": 211.0, "poll_ns": 701.0, "flag_latency_ns": 997.0, "release_ns": 503.0, "atomic_ns": 601.0,
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
-         "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0}
+         "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0,
+         "plain_pair_ns": 3.0}
 
 
 def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = COSTS) -> dict:
@@ -140,6 +141,12 @@ def test_a_named_barrier_waits_for_its_latest_arrival():
     c, n = COSTS, 5
     r = timed_selftest("named_barrier", 1, n, 16)
     assert r["time_ns"] == pytest.approx(c["barrier_ns"] + 2 * n * c["fence_gpu_ns"] + c["launch_ns"], rel=1e-12)
+
+
+def test_plain_code_is_counted_by_the_pairs_it_converts():
+    c, n = COSTS, 9
+    r = timed_selftest("plain_pairs", 1, n, 4)
+    assert r["time_ns"] == pytest.approx(c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + c["launch_ns"], rel=1e-12)
 
 
 def test_bad_cost_tables_are_refused_by_name():

@@ -10,6 +10,6 @@ prediction, always labelled so, calibrated on and scored against the measured GP
 - points.py: the measured points (points.json), each with the commit it measured
 - driver.py: emulated calls on the model, with the model's counts and timing reports
 - predict.py: predicted call times at a benchmark shape from the model's runs
-- fit.py: two constants fitted to measured times
+- fit.py: at most three constants fitted to measured times
 - builds.py: an older commit's kernels built against today's device layer (calibration)
 """

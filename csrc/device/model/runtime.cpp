@@ -1034,6 +1034,12 @@ void note_atomic(const volatile void* p, Site site) {
   for (auto& timer : L->timers) timer->atomic(thread_index(*L, L->current), p, shared, site);
 }
 
+void note_plain_pair() {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  for (auto& timer : L->timers) timer->plain_pair(thread_index(*L, L->current));
+}
+
 void note_fence(Fence kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

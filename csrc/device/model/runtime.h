@@ -71,6 +71,9 @@ void note_flag_seen(const volatile void* p, Site site);   // a value read withou
 void note_atomic(const volatile void* p, Site site);
 enum class Fence : int { kGpu = 0, kSystem = 1, kProxyAsync = 2 };
 void note_fence(Fence kind);
+// A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every
+// element they load and store, so the count stands for the plain code around it.
+void note_plain_pair();
 
 // ---- shared memory ----------------------------------------------------------------------
 void* block_shared(const void* tag, size_t bytes, size_t align);

@@ -8,7 +8,8 @@
 // clocks follow the kernels' causal order: a wait ends at the later of the thread's own
 // time and the time of the event it waited for plus that hand-off's latency (max-plus).
 //
-//   - own work: each operation costs its constant on the thread that runs it;
+//   - own work: each operation costs its constant on the thread that runs it; plain code
+//     between them only where it converts 16-bit floats (the reductions), per pair;
 //   - __syncthreads, warp collectives: every participant runs on at the last arrival's time
 //     plus the barrier's cost;
 //   - mbarriers: a phase completes at the latest of its arrivals and of the bulk loads that
@@ -73,7 +74,9 @@ namespace hybrid_ep::model::timing {
   X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier") \
   X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")  \
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                    \
-  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")
+  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")     \
+  X(plain_pair_ns, "plain code per pair of 16-bit floats converted to or from fp32 (the reductions' loads, "    \
+                   "arithmetic and stores around it), on the converting thread")
 
 struct Costs {
 #define HYBRID_EP_TIMING_FIELD(name, what) double name = 0;
@@ -180,6 +183,7 @@ class Timer {
   void flag_write(int th, const volatile void* p, bool shared, Site site);
   void atomic(int th, const volatile void* p, bool shared, Site site);
   void fence(int th, Fence kind);
+  void plain_pair(int th) { advance(th, c_.plain_pair_ns); }
   void copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);

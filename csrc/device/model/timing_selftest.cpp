@@ -5,7 +5,8 @@
 //   - store_stream: thread 0 bulk-stores n copies of `bytes`, one group each, then waits;
 //   - flag_chain: thread 0 of blocks 0 and 1 pass the turn n times through two global flags;
 //   - named_barrier: thread 0 fences n times, all 64 threads meet at a named barrier, then
-//     thread 32 fences n times.
+//     thread 32 fences n times;
+//   - plain_pairs: thread 0 converts n bf16 pairs to fp32 and back (2n pairs of plain code).
 #include <map>
 #include <string>
 #include <vector>
@@ -30,7 +31,7 @@ struct Shared {
   uint64_t bar[2];
 };
 
-enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier };
+enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier, kPlainPairs };
 
 __device__ void wait_phase(uint64_t* bar, uint32_t parity) {
   while (!dev::mbar_try_wait(bar, parity)) {
@@ -89,6 +90,15 @@ __global__ void timing_kernel(const Args a) {
       dev::named_barrier_sync(1, 64);
       for (int i = 0; tid == 32 && i < a.n; ++i) __threadfence();
       break;
+    case kPlainPairs:
+      if (tid == 0) {
+        auto* v = reinterpret_cast<__nv_bfloat162*>(a.global);
+        for (int i = 0; i < a.n; ++i) {
+          const float2 f = __bfloat1622float2(v[i]);
+          v[i] = __float22bfloat162_rn(make_float2(f.x * 2.0f, f.y));
+        }
+      }
+      break;
     default:
       break;
   }
@@ -101,6 +111,7 @@ const std::map<std::string, int>& names() {
       {"store_stream", kStoreStream},
       {"flag_chain", kFlagChain},
       {"named_barrier", kNamedBarrier},
+      {"plain_pairs", kPlainPairs},
   };
   return n;
 }
