@@ -17,6 +17,7 @@ import subprocess
 import pytest
 import torch
 
+from hybrid_ep.timing import cli as timing_cli
 from hybrid_ep.timing import constants, points, predict
 
 pytestmark = pytest.mark.model
@@ -263,3 +264,34 @@ def test_each_report_accounts_for_every_nanosecond(small_group):
 def test_a_prediction_is_the_line_through_the_model_runs():
     assert predict.extrapolate(512, 10.0, 1024, 18.0, 4096) == pytest.approx(66.0)
     assert predict.extrapolate(512, 10.0, 512, 10.0, 4096) == 10.0
+
+
+def test_predict_then_validate(tmp_path, capsys):
+    out = tmp_path / "pred"
+    assert timing_cli.main(["predict", "--emulate", "2", "--hidden", "1024", "--tokens", "256", "--topk", "2",
+                            "--experts", "4", "--sms", "1", "--model-tokens", "32", "64", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("PREDICTED by the timing model")
+    with open(out / "predicted.json") as f:
+        doc = json.load(f)
+    assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m hybrid_ep.timing predict"
+    assert all("predicted" in doc["metadata"]["units"][k] for k in ("dispatch_ms", "combine_ms"))
+    (row,) = doc["runs"]
+    assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
+    assert doc["constants"]["wake_ns"]["source"] == constants.load_table().constants["wake_ns"].source
+    shape = {k: doc["metadata"]["config"][k] for k in ("hidden", "tokens_per_rank", "topk", "experts", "dtype",
+                                                        "routing")}
+    measured = {"metadata": {"config": {"nodes": 1, **shape}},
+                "runs": [{"world_size": 2, "nodes": 1, "sms_per_rank": 1, "dispatch_ms": row["dispatch_ms"] * 2,
+                          "combine_ms": row["combine_ms"] / 4}]}
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("worst: combine at W=2, 1 node(s), 1 SMs/rank: predicted / measured 4.00")
+    assert lines[2].split()[-1] == "0.50"  # dispatch predicted at half the measured time
+    # measured numbers are never taken for predictions, nor the other way round; nor other shapes compared
+    assert timing_cli.main(["validate", str(tmp_path / "emulated.json"), str(out / "predicted.json")]) == 2
+    measured["metadata"]["config"]["hidden"] = 8192
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
+    assert "hidden 1024 against 8192" in capsys.readouterr().err

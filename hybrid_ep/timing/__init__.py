@@ -12,4 +12,5 @@ prediction, always labelled so, calibrated on and scored against the measured GP
 - predict.py: predicted call times at a benchmark shape from the model's runs
 - fit.py: at most three constants fitted to measured times
 - builds.py: an older commit's kernels built against today's device layer (calibration)
+- report.py, cli.py: `python -m hybrid_ep.timing predict` and `validate`
 """

@@ -1,0 +1,7 @@
+"""`python -m hybrid_ep.timing`: see cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

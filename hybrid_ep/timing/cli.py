@@ -1,0 +1,154 @@
+"""`python -m hybrid_ep.timing`: predicted kernel times, and predictions against a measured run.
+
+    python -m hybrid_ep.timing predict --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \\
+        --experts 16 --sms 1 2 4 --out results/predicted
+    python -m hybrid_ep.timing validate results/predicted/predicted.json \\
+        docs/benchmarks/gpu/2026-11-24-h100/bench/emulated.json
+
+`predict` runs this checkout's kernels on the CPU model with the timing table (default
+hybrid_ep/timing/h100.json) at the points hybrid-ep-bench --emulate measures on a GPU (bf16,
+uniform routing, its seed), and prints and writes (predicted.json) the predicted dispatch and
+combine ms of each, labelled as predictions. The model runs at one or two smaller token
+counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
+prediction is read off the line through them. HYBRID_EP_STORE_GROUPS is honoured as by the
+bench. `validate` prints predicted / measured per point of a measured emulated.json, the
+worst last. Exit status 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ..paths import output_problem
+
+PROG = "python -m hybrid_ep.timing"
+
+
+def _predict(args) -> int:
+    from ..backends.cuda import launch
+    from ..config import BufferConfig
+    from ..metadata import metadata
+    from ..synthetic import iter_rank_routings
+    from ..traffic.model import count_tables
+    from . import constants, driver, predict, report
+
+    problem = output_problem(args.out, folder=True)
+    if problem:
+        print(f"{PROG} predict: --out: {problem}", file=sys.stderr)
+        return 2
+    worlds, nodes = args.emulate, args.emulate_nodes
+    if any(w < 1 or w > 16 or w % nodes for w in worlds):
+        print(f"{PROG} predict: --emulate: world sizes in [1, 16] that --emulate-nodes {nodes} divides, got {worlds}",
+              file=sys.stderr)
+        return 2
+    experts = args.experts or 2 * max(worlds)
+    if any(experts % w for w in worlds) or not 1 <= args.topk <= experts:
+        print(f"{PROG} predict: --experts {experts} must be a multiple of every world size and >= --topk "
+              f"{args.topk} >= 1", file=sys.stderr)
+        return 2
+    table = constants.load_table(args.constants)
+    import hybrid_ep._model as model
+
+    constants.check_against_model(table, model)
+    started = time.monotonic()
+    rows = []
+    for W in worlds:
+        model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
+        shape = predict.Shape(W, nodes, args.hidden, args.tokens, args.topk, experts, args.seed)
+        ns = predict.predict(driver.run_job, shape, args.sms, [table.costs()], model_tokens)
+        idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
+        cfg = BufferConfig(hidden_dim=args.hidden, max_tokens_per_rank=args.tokens, num_experts=experts,
+                           world_size=W, ranks_per_node=W // nodes)
+        recv = int(count_tables(idxs, cfg)[0].sum())
+        out_rows = int(sum(int((i >= 0).sum()) for i in idxs))
+        for sms in args.sms:
+            row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][0] / 1e6, ns[(sms, "combine")][0] / 1e6,
+                                       recv, out_rows, 2 * args.hidden, 2 * args.hidden)
+            row["model_tokens"] = list(model_tokens)
+            rows.append(row)
+            print(f"[{PROG} predict] W={W}, SMs/rank {sms}: dispatch {row['dispatch_ms']:.3f} ms, combine "
+                  f"{row['combine_ms']:.3f} ms (predicted)", file=sys.stderr, flush=True)
+    config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
+              "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
+              "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
+              "store_groups": launch.store_groups_override(), "constants_file": os.path.relpath(args.constants),
+              "device_modelled": table.device}
+    doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
+           "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
+           "constants": {n: vars(c) for n, c in table.constants.items()},
+           "runs": rows, "elapsed_s": time.monotonic() - started}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "predicted.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(report.format_predicted(doc))
+    print(f"\npredictions: {path}")
+    return 0
+
+
+def _validate(args) -> int:
+    from . import report
+
+    docs = []
+    for path in (args.predicted, args.measured):
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as err:
+            print(f"{PROG} validate: cannot read {path}: {err}", file=sys.stderr)
+            return 2
+    if not docs[0].get("predicted"):
+        print(f"{PROG} validate: {args.predicted} is not a file of predictions ({PROG} predict)", file=sys.stderr)
+        return 2
+    if docs[1].get("predicted"):
+        print(f"{PROG} validate: {args.measured} holds predictions, not measurements", file=sys.stderr)
+        return 2
+    differ = report.shape_differences(docs[0], docs[1])
+    if differ:
+        print(f"{PROG} validate: the two runs are of other shapes: " + "; ".join(differ), file=sys.stderr)
+        return 2
+    rows = report.compare(docs[0], docs[1])
+    if not rows:
+        print(f"{PROG} validate: no point of {args.predicted} is in {args.measured}", file=sys.stderr)
+        return 2
+    print(report.format_comparison(rows, args.predicted, args.measured))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import constants
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("predict", help="predicted dispatch and combine ms at the bench's emulated points")
+    pr.add_argument("--emulate", type=int, nargs="+", required=True, metavar="W", help="world sizes")
+    pr.add_argument("--emulate-nodes", type=int, default=1, help="nodes the ranks form (default 1)")
+    pr.add_argument("--hidden", type=int, default=8192)
+    pr.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the prediction (default 4096)")
+    pr.add_argument("--topk", type=int, default=8)
+    pr.add_argument("--experts", type=int, default=None, help="default 2 x the largest world size")
+    pr.add_argument("--sms", type=int, nargs="+", default=[1, 2, 4], help="SMs per rank (default 1 2 4)")
+    pr.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default 0)")
+    pr.add_argument("--model-tokens", type=int, nargs="+", default=None,
+                    help="one or two tokens per rank the model runs at (default 512 1024, at W > 4 256 512)")
+    pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
+    pr.add_argument("--out", required=True, help="folder for predicted.json")
+    va = sub.add_parser("validate", help="predicted / measured per point, the worst last")
+    va.add_argument("predicted", help="predicted.json of the predict command")
+    va.add_argument("measured", help="emulated.json of hybrid-ep-bench --emulate on a GPU")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "predict":
+        if args.model_tokens is not None and not 1 <= len(args.model_tokens) <= 2:
+            parser.error("--model-tokens takes one or two token counts")
+        return _predict(args)
+    return _validate(args)

@@ -1,0 +1,95 @@
+"""predicted.json and its table, and the comparison of predictions with a measured run.
+
+A predicted time is never printed or stored beside a measured one as if it were one: the
+table's first line and every unit say "predicted", and `compare` puts the two side by side
+only as predicted / measured, per point, the worst last.
+"""
+
+from __future__ import annotations
+
+import math
+
+UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_sms": "SMs (all ranks of the launch)",
+         "dispatch_ms": "ms, predicted by the timing model (layout + dispatch kernels; no host time)",
+         "combine_ms": "ms, predicted by the timing model (combine kernel)",
+         "recv_rows": "rows all ranks receive in the dispatch (one per token and destination rank), counted",
+         "out_rows": "rows all ranks hand to their experts (one per token and routed expert), counted",
+         "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
+         "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
+         "model_tokens": "tokens per rank the CPU model ran at (the prediction is on the line through them)",
+         "constants": "the timing table the prediction used: value, unit, source per constant"}
+
+
+def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: float, recv_rows: int,
+                  out_rows: int, row_bytes: int, comb_bytes: int) -> dict:
+    row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": W * sms, "dispatch_ms": dispatch_ms,
+           "combine_ms": combine_ms, "recv_rows": recv_rows, "out_rows": out_rows}
+    for op, ms, dest in (("dispatch", dispatch_ms, recv_rows * row_bytes), ("combine", combine_ms,
+                                                                               recv_rows * comb_bytes)):
+        row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
+    return row
+
+
+def format_predicted(doc: dict) -> str:
+    c = doc["metadata"]["config"]
+    nodes = c["nodes"]
+    where = "" if nodes == 1 else f" as {nodes} nodes (loopback transport between them)"
+    lines = [f"PREDICTED by the timing model (CPU model at T = {'/'.join(map(str, c['model_tokens']))} per rank, "
+             f"constants {c['constants_file']}), not measured: cuda kernels, W = "
+             f"{', '.join(map(str, c['world_sizes']))} virtual ranks{where} on one {c['device_modelled']} | "
+             f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
+             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
+             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'comb ms':>9} {'GB/s/SM':>8}"]
+    for r in doc["runs"]:
+        lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
+                     f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
+                     f"{r['combine_dest_gbps_per_sm']:>8.1f}")
+    lines.append("predicted ms: kernel time only (dispatch: the layout and dispatch kernels, without the host's read of "
+                 "the row count between them); GB/s/SM: rows received x row bytes / predicted time / all SMs")
+    return "\n".join(lines)
+
+
+SHAPE_KEYS = ("hidden", "tokens_per_rank", "topk", "experts", "dtype", "routing", "seed")
+
+
+def shape_differences(predicted: dict, measured: dict) -> list[str]:
+    """The settings in which the two runs differ (a measured file without a seed ran the
+    bench's default, 0)."""
+    p, m = predicted["metadata"]["config"], measured["metadata"]["config"]
+    return [f"{k} {p.get(k)} against {m.get(k, 0 if k == 'seed' else None)}" for k in SHAPE_KEYS
+            if p.get(k) != m.get(k, 0 if k == "seed" else None)]
+
+
+def compare(predicted: dict, measured: dict) -> list[dict]:
+    """Per point both files have: predicted and measured ms and their ratio."""
+    nodes_p = predicted["metadata"]["config"]["nodes"]
+    nodes_m = measured["metadata"]["config"].get("nodes", 1)
+    want = {(r["world_size"], r.get("nodes", nodes_m), r["sms_per_rank"]): r for r in measured["runs"]}
+    out = []
+    for r in predicted["runs"]:
+        m = want.get((r["world_size"], r.get("nodes", nodes_p), r["sms_per_rank"]))
+        if m is None:
+            continue
+        for kernel in ("dispatch", "combine"):
+            p_ms, m_ms = r[f"{kernel}_ms"], m[f"{kernel}_ms"]
+            out.append({"world_size": r["world_size"], "nodes": r["nodes"], "sms_per_rank": r["sms_per_rank"],
+                        "kernel": kernel, "predicted_ms": p_ms, "measured_ms": m_ms, "ratio": p_ms / m_ms})
+    return out
+
+
+def worst(rows: list[dict]) -> dict:
+    """The point whose prediction is furthest off, either way."""
+    return max(rows, key=lambda r: abs(math.log(r["ratio"])))
+
+
+def format_comparison(rows: list[dict], predicted_path: str, measured_path: str) -> str:
+    lines = [f"predicted ({predicted_path}) against measured ({measured_path}); ratio = predicted / measured",
+             f"{'W':>3} {'nodes':>5} {'SMs/rank':>8} {'kernel':>9} {'predicted ms':>13} {'measured ms':>12} "
+             f"{'ratio':>6}"]
+    for r in rows:
+        lines.append(f"{r['world_size']:>3} {r['nodes']:>5} {r['sms_per_rank']:>8} {r['kernel']:>9} "
+                     f"{r['predicted_ms']:>13.3f} {r['measured_ms']:>12.3f} {r['ratio']:>6.2f}")
+    w = worst(rows)
+    lines.append(f"worst: {w['kernel']} at W={w['world_size']}, {w['nodes']} node(s), {w['sms_per_rank']} SMs/rank: "
+                 f"predicted / measured {w['ratio']:.2f}")
+    return "\n".join(lines)
