@@ -101,7 +101,7 @@ def test_local_mode_on_cpu_counts_processes_not_gpus(capsys, monkeypatch):
     assert "memory per rank (CPU process)" in err and "GPU" not in err and "GiB of" not in err
     cli.report(recipe)  # a cluster job: GPUs and their memory
     err = capsys.readouterr().err
-    assert "2 GPUs = TP 1" in err and "GiB of 80 GiB" in err
+    assert "2 GPUs = TP 1" in err and "MiB of 80 GiB" in err  # tiny_moe: under 1 GiB per GPU
 
 
 def test_local_mode_errors_name_the_field():

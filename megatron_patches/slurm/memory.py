@@ -85,16 +85,23 @@ class MemoryEstimate:
     def over(self) -> bool:
         return self.total_gb > self.gpu_gb
 
+    def size(self, gib: float) -> str:
+        """A row's amount in the table's unit: GiB, or MiB for a model whose total is below
+        1 GiB (tiny_moe's rows all read 0.0 GiB)."""
+        if self.total_gb >= 1:
+            return f"{gib:7.1f} GiB"
+        return f"{gib * 1024:7.1f} MiB"
+
     def table(self, on_cpu: bool = False) -> str:
         """on_cpu: ranks are CPU processes (local mode): per rank, no GPU memory to compare with."""
-        total = f"{self.total_gb:7.1f} GiB" + ("" if on_cpu else f" of {self.gpu_gb:g} GiB")
+        total = self.size(self.total_gb) + ("" if on_cpu else f" of {self.gpu_gb:g} GiB")
         rows = [
             (f"parameters / {'rank' if on_cpu else 'GPU'}",
              f"{_count(self.dense_params)} dense + {_count(self.expert_params)} experts"),
-            ("weights", f"{self.weights_gb:7.1f} GiB"),
-            (f"gradients ({self.grads_dtype})", f"{self.grads_gb:7.1f} GiB"),
-            ("optimizer (fp32 master + Adam)", f"{self.optimizer_gb:7.1f} GiB"),
-            ("activations (rough)", f"{self.activations_gb:7.1f} GiB"),
+            ("weights", self.size(self.weights_gb)),
+            (f"gradients ({self.grads_dtype})", self.size(self.grads_gb)),
+            ("optimizer (fp32 master + Adam)", self.size(self.optimizer_gb)),
+            ("activations (rough)", self.size(self.activations_gb)),
             ("total", total),
         ]
         head = (f"memory per {'rank (CPU process)' if on_cpu else 'GPU'}, stage {self.stage} (the fullest "
@@ -108,10 +115,10 @@ class MemoryEstimate:
         if not self.max_spare_slots_gb:  # balancer off (or a model without MoE layers)
             return []
         rows = [("balancer spare slots (weights + grads + optimizer, in the rows above)",
-                 f"{self.spare_slots_gb:7.1f} GiB")]
+                 self.size(self.spare_slots_gb))]
         if self.max_spare_stage != self.stage:
             rows.append((f"balancer spare slots on stage {self.max_spare_stage} (the most of any stage)",
-                         f"{self.max_spare_slots_gb:7.1f} GiB"))
+                         self.size(self.max_spare_slots_gb)))
         return rows
 
 
