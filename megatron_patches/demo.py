@@ -13,11 +13,13 @@ The first lines say where it runs (CPU and gloo, or the GPUs), which hybrid_ep b
 dispatcher uses, and what the columns mean. Per step rank 0 prints the loss (mean over
 ranks), tokens/s, the expert-load imbalance of each MoE layer ((max - mean) / mean of tokens
 per expert, over the whole group; 0 = even) and the bytes the forward dispatches send over
-NVLink and RDMA. Those bytes are modelled: hybrid_ep's traffic record of what the
-hierarchical scheme sends on each link for this routing, summed over layers and ranks; on
-CPU every byte actually went through gloo. Every dispatcher named in --dispatchers trains
-from the same weights on the same data; with two of them the run ends with the largest
-relative difference of their loss curves. Results go to --out as moe_train.json, with the
+NVLink and RDMA. Those bytes are modelled (hybrid_ep.traffic): what the hierarchical scheme
+sends on each link for the step's routing, summed over layers and ranks, whichever
+dispatcher ran; on CPU every byte actually went through gloo. Every dispatcher named in
+--dispatchers trains from the same weights on the same data. The run ends with one summary:
+the largest relative difference of the first two loss curves, and the modelled NVLink and
+RDMA bytes of the first run's forward dispatches under the hierarchical scheme against a
+flat all-to-all for the same routing. Results go to --out as moe_train.json, with the
 project's metadata block (hybrid_ep.metadata).
 
 Gradients: dense weights are averaged over the W data-parallel ranks; expert gradients
@@ -37,7 +39,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybrid_ep.config import BufferConfig
 from hybrid_ep.paths import output_problem
+from hybrid_ep.routing import normalize_routing, source_layout
+from hybrid_ep.traffic import dispatch_row_bytes, row_counts
+from hybrid_ep.wording import byte_unit, plural
 
 LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
 TOOL = "python -m megatron_patches.demo"
@@ -48,12 +54,16 @@ UNITS = {
     "loss": "nats per token (cross-entropy, mean over ranks)",
     "tokens_per_s": "tokens per second, all ranks together",
     "imbalance": "(max - mean) / mean of tokens per expert over the group, one value per MoE layer; 0 = even",
-    "nvlink_bytes": "bytes, modelled: hierarchical scheme's NVLink bytes of the forward dispatches, "
-                    "summed over layers and ranks (null: not the hybrid_ep dispatcher)",
-    "rdma_bytes": "bytes, modelled: hierarchical scheme's RDMA bytes of the forward dispatches, "
-                  "summed over layers and ranks (null: not the hybrid_ep dispatcher)",
+    "nvlink_bytes": "bytes, modelled: hierarchical scheme's NVLink bytes of the forward dispatches for the "
+                    "step's routing, summed over layers and ranks",
+    "rdma_bytes": "bytes, modelled: hierarchical scheme's RDMA bytes of the forward dispatches for the "
+                  "step's routing, summed over layers and ranks",
+    "flat_nvlink_bytes": "bytes, modelled: a flat all-to-all's NVLink bytes for the same routing",
+    "flat_rdma_bytes": "bytes, modelled: a flat all-to-all's RDMA bytes for the same routing",
     "max_rel_loss_diff": "largest |a - b| / |b| over the steps of the first two loss curves",
+    "summary": "the first two curves' max_rel_loss_diff, and the first curve's modelled bytes summed over its steps",
 }
+BYTE_FIELDS = ("nvlink_bytes", "rdma_bytes", "flat_nvlink_bytes", "flat_rdma_bytes")
 
 
 def quiet_libraries() -> None:
@@ -131,11 +141,12 @@ def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: floa
     init_megatron(world, seed)
     model = build_model(dispatcher, world, seq, ranks_per_node, seed, device)
     layers = moe_layers(model)
-    routed = [None] * len(layers)
+    routed = [None] * len(layers)  # each layer's routing_map [T, E] of the step
+    traffic_config = BufferConfig(HIDDEN, micro_batch * seq, EXPERTS, world, ranks_per_node).validate()
 
     def keep_routing(i):
         def hook(module, args, output):
-            routed[i] = output[1].detach().sum(dim=0).to(torch.float64)
+            routed[i] = output[1].detach()
         return hook
 
     for i, layer in enumerate(layers):
@@ -159,31 +170,49 @@ def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: floa
                 dist.all_reduce(p.grad)
             p.grad.div_(world)
         opt.step()
-        stats = torch.tensor(
-            [loss.item()] + [_traffic(layer, "nvlink_bytes") for layer in layers]
-            + [_traffic(layer, "rdma_bytes") for layer in layers], dtype=torch.float64)
-        load = torch.stack(routed).cpu()
+        # on the group's device (NCCL carries no host tensors), read on the host after
+        stats = torch.tensor([loss.item()], dtype=torch.float64, device=device)
+        load = torch.stack([m.sum(dim=0).to(torch.float64) for m in routed])
+        counts = torch.stack([routing_counts(m, traffic_config) for m in routed])
+        gathered = [torch.empty_like(counts) for _ in range(world)]
         dist.all_reduce(stats)
         dist.all_reduce(load)
+        dist.all_gather(gathered, counts)
+        load = load.cpu()
         elapsed = time.perf_counter() - t0
         if rank == 0:
-            n = len(layers)
             mean = load.mean(dim=1)
-            has_traffic = hasattr(layers[0].token_dispatcher, "last_dispatch_traffic")
             records.append({
                 "step": step + 1,
                 "loss": stats[0].item() / world,
                 "tokens_per_s": world * micro_batch * seq / elapsed,
                 "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
-                "nvlink_bytes": int(stats[1:1 + n].sum()) if has_traffic else None,
-                "rdma_bytes": int(stats[1 + n:].sum()) if has_traffic else None,
+                **modelled_dispatch_bytes(torch.stack(gathered).cpu(), traffic_config,
+                                          dispatch_row_bytes(HIDDEN, torch.float32)),
             })
     return records
 
 
-def _traffic(layer, field: str) -> float:
-    traffic = getattr(layer.token_dispatcher, "last_dispatch_traffic", None)
-    return float(getattr(traffic, field)) if traffic is not None else 0.0
+def routing_counts(routing_map_TE: torch.Tensor, config: BufferConfig) -> torch.Tensor:
+    """[W + N] int64: this rank's dispatch rows per destination rank and tokens per destination
+    node for one routing (the two count tables a dispatch exchanges, hybrid_ep.traffic)."""
+    T, E = routing_map_TE.shape
+    routing = normalize_routing(T, E, routing_map_TE.device, routing_map=routing_map_TE)
+    layout = source_layout(routing, config)
+    return torch.cat([layout.send_counts_W, layout.node_counts_N])
+
+
+def modelled_dispatch_bytes(counts_RLC: torch.Tensor, config: BufferConfig, row_bytes: int) -> dict:
+    """Bytes of one step's dispatches over NVLink and RDMA, hierarchical and flat, summed over
+    layers and ranks, from every rank's routing_counts of every layer [ranks, layers, W + N]."""
+    W = config.world_size
+    total = dict.fromkeys(BYTE_FIELDS, 0)
+    for layer in range(counts_RLC.shape[1]):
+        c = row_counts(counts_RLC[:, layer, :W], counts_RLC[:, layer, W:], config.ranks_per_node)
+        for field, rows in zip(BYTE_FIELDS, (c.dispatch_nvlink, c.dispatch_rdma, c.flat_dispatch_nvlink,
+                                             c.flat_dispatch_rdma)):
+            total[field] += int(rows.sum()) * row_bytes
+    return total
 
 
 def probe_backend(ranks_per_node: int) -> str:
@@ -205,13 +234,46 @@ def where_line(transport: str, world_size: int, device: str, backend: str | None
 
 def format_record(dispatcher: str, rec: dict) -> str:
     imb = " ".join(f"{v:.2f}" for v in rec["imbalance"])
-    if rec["nvlink_bytes"] is None:
-        traffic = "dispatch bytes: n/a (not hybrid_ep)"
-    else:
-        traffic = (f"modelled dispatch bytes NVLink {rec['nvlink_bytes'] / 1024:8.1f} KiB  "
-                   f"RDMA {rec['rdma_bytes'] / 1024:8.1f} KiB")
+    traffic = (f"modelled dispatch bytes NVLink {rec['nvlink_bytes'] / 1024:8.1f} KiB  "
+               f"RDMA {rec['rdma_bytes'] / 1024:8.1f} KiB")
     return (f"[{dispatcher}] step {rec['step']:3d}  loss {rec['loss']:.5f}  "
             f"{rec['tokens_per_s']:8.0f} tok/s  imbalance/layer [{imb}]  {traffic}")
+
+
+def _size(num_bytes: int) -> str:
+    scale, unit = byte_unit(num_bytes)
+    return f"{num_bytes / scale:.1f} {unit}"
+
+
+def summary(results: dict) -> dict:
+    """The run's point in numbers: do the first two curves agree, and what the hierarchy saves,
+    modelled, for the first run's routing (every byte of it, summed over steps)."""
+    names = list(results["curves"])
+    first = results["curves"][names[0]]
+    out = {"curve": names[0], "steps": len(first), **{f: sum(r[f] for r in first) for f in BYTE_FIELDS}}
+    if len(names) >= 2:
+        out.update(compared=names[:2], max_rel_loss_diff=results["max_rel_loss_diff"])
+    return out
+
+
+def summary_lines(s: dict) -> list[str]:
+    lines = ["summary:"]
+    if "compared" in s:
+        a, b = s["compared"]
+        lines.append(f"  losses: {a} and {b} agree within a max relative difference of "
+                     f"{s['max_rel_loss_diff']:.1e} over {plural(s['steps'], 'step')}")
+    lines.append(f"  modelled bytes of the forward dispatches ({s['curve']} run's routing, "
+                 f"{plural(s['steps'], 'step')}, all layers and ranks; traffic model, not measured):")
+    width = max(len(_size(s[f])) for f in BYTE_FIELDS)
+    lines.append(f"    hierarchical scheme   NVLink {_size(s['nvlink_bytes']):>{width}}   "
+                 f"RDMA {_size(s['rdma_bytes']):>{width}}")
+    lines.append(f"    flat all-to-all       NVLink {_size(s['flat_nvlink_bytes']):>{width}}   "
+                 f"RDMA {_size(s['flat_rdma_bytes']):>{width}}")
+    if s["flat_rdma_bytes"]:
+        saved = 1 - s["rdma_bytes"] / s["flat_rdma_bytes"]
+        lines.append(f"    the hierarchy sends {saved:.0%} fewer RDMA bytes; its NVLink forwarding adds "
+                     f"{_size(max(s['nvlink_bytes'] - s['flat_nvlink_bytes'], 0))}")
+    return lines
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:
@@ -262,6 +324,8 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     if len(names) >= 2:
         a, b = ([r["loss"] for r in results["curves"][n]] for n in names[:2])
         results["max_rel_loss_diff"] = max_relative_difference(a, b)
+    if names:
+        results["summary"] = summary(results)
     return results
 
 
@@ -290,9 +354,8 @@ def main(argv=None) -> int:
                   echo=lambda s: print(s, flush=True))
     for name, recs in results["curves"].items():
         print(f"{name}: first loss {recs[0]['loss']:.6f}, last loss {recs[-1]['loss']:.6f}")
-    if "max_rel_loss_diff" in results:
-        n1, n2 = list(results["curves"])[:2]
-        print(f"max relative loss difference {n1} vs {n2}: {results['max_rel_loss_diff']:.3e}")
+    if "summary" in results:
+        print("\n".join(summary_lines(results["summary"])))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "moe_train.json")
     with open(path, "w") as f:

@@ -32,9 +32,26 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
         assert rec["tokens_per_s"] > 0
         # 2 nodes: some rows cross RDMA, some stay on NVLink.
         assert rec["nvlink_bytes"] > 0 and rec["rdma_bytes"] > 0
-    assert all(r["nvlink_bytes"] is None for r in stock)
-    # Same routing for both dispatchers, hence the same load statistics.
+        # the hierarchy crosses RDMA once per (token, remote node), a flat all-to-all once per
+        # (token, remote rank)
+        assert 0 < rec["rdma_bytes"] < rec["flat_rdma_bytes"]
+    # Same routing for both dispatchers, hence the same load statistics and modelled bytes
+    # (the alltoall rows said "bytes n/a" before).
     assert [r["imbalance"] for r in ours] == [r["imbalance"] for r in stock]
+    fields = demo.BYTE_FIELDS
+    assert [[r[f] for f in fields] for r in ours] == [[r[f] for f in fields] for r in stock]
+    # One summary: the losses' agreement and the modelled bytes of the hierarchy against flat.
+    summary = results["summary"]
+    assert summary["compared"] == ["hybrid_ep", "alltoall"] and summary["steps"] == STEPS
+    assert summary["max_rel_loss_diff"] == results["max_rel_loss_diff"]
+    assert {f: summary[f] for f in fields} == {f: sum(r[f] for r in ours) for f in fields}
+    text = demo.summary_lines(summary)
+    assert text[0] == "summary:"
+    assert text[1].startswith("  losses: hybrid_ep and alltoall agree within a max relative difference of ")
+    assert "traffic model, not measured" in text[2]
+    assert text[3].startswith("    hierarchical scheme   NVLink ") and text[4].startswith("    flat all-to-all ")
+    saved = 1 - summary["rdma_bytes"] / summary["flat_rdma_bytes"]
+    assert text[5].startswith(f"    the hierarchy sends {saved:.0%} fewer RDMA bytes")
     # Where it ran and what the columns mean come first, then one line per step.
     assert lines[0] == demo.where_line("gloo", 4, results["metadata"]["device"], "reference")
     assert lines[0].startswith("running on CPU: ") and "4 processes over torch.distributed gloo, no GPU" in lines[0]
@@ -45,3 +62,26 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert meta["backends"] == ["reference"] and meta["device"].startswith("CPU: ")
     assert meta["config"]["transport"] == "gloo" and meta["config"]["nodes"] == 2
     assert set(meta["units"]) >= {"loss", "tokens_per_s", "imbalance", "nvlink_bytes", "rdma_bytes"}
+
+
+def test_modelled_bytes_follow_the_traffic_model():
+    """The demo's per-step bytes, from each rank's routing_map, equal hybrid_ep.traffic's for
+    the same routing given as top-k ids."""
+    import torch
+
+    from hybrid_ep.config import BufferConfig
+    from hybrid_ep.traffic import routing_row_counts
+
+    config = BufferConfig(demo.HIDDEN, 64, demo.EXPERTS, 4, 2).validate()
+    g = torch.Generator().manual_seed(3)
+    topk = [torch.stack([torch.randperm(demo.EXPERTS, generator=g)[:demo.TOPK] for _ in range(64)])
+            for _ in range(4)]
+    maps = [torch.zeros(64, demo.EXPERTS, dtype=torch.bool).scatter_(1, idx, True) for idx in topk]
+    counts = torch.stack([demo.routing_counts(m, config) for m in maps])[:, None]  # one layer
+    got = demo.modelled_dispatch_bytes(counts, config, row_bytes=512)
+    want = routing_row_counts(topk, config)
+    assert got == {"nvlink_bytes": int(want.dispatch_nvlink.sum()) * 512,
+                   "rdma_bytes": int(want.dispatch_rdma.sum()) * 512,
+                   "flat_nvlink_bytes": int(want.flat_dispatch_nvlink.sum()) * 512,
+                   "flat_rdma_bytes": int(want.flat_dispatch_rdma.sum()) * 512}
+    assert got["rdma_bytes"] < got["flat_rdma_bytes"]
