@@ -27,6 +27,10 @@ refused and its test counted as skipped, with the reason printed.
     python scripts/sanitize.py --module planner          # tests/test_balancer_planner.py
     python scripts/sanitize.py --module model -q tests/test_kernels_model.py -k combine
     python scripts/sanitize.py --module model --sanitizer thread   # data races in the kernels
+    python scripts/sanitize.py --all                     # the two full runs above, for csrc changes
+
+With --build-dir the sanitized modules stay there and are rebuilt only when a file under csrc/
+or the compile command changed, so several runs (tests/test_sanitized.py's) build each once.
 
 Needs a C++ compiler with the sanitizer runtimes (g++ or clang++; CXX picks one) and pybind11.
 Exit 3 when they are missing, so callers can tell "cannot check here" from "found a bug".
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -52,8 +57,12 @@ UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
 # Every race reported (once per pair of stacks: launches reuse the addresses of shared memory),
 # exit status 66 at the end; accesses inside memcpy and friends are the scheduler's.
 TSAN_OPTIONS = "halt_on_error=0:suppress_equal_addresses=0:ignore_interceptors_accesses=1"
-# The model's scheduler (happens_before.h): not instrumented under ThreadSanitizer.
-SCHEDULER_SOURCES = ("runtime.cpp", "fiber.cpp")
+FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
+         "thread": ["-DHYBRID_EP_MODEL_TSAN=1", "-fsanitize=thread"]}
+# Sources compiled without the sanitizer: the model's pybind11 glue, which only passes pointers
+# and values on (instrumented, it took longer to compile than the model itself), and, under
+# ThreadSanitizer, the model's scheduler (happens_before.h).
+UNINSTRUMENTED = {"address": ("model_module.cpp",), "thread": ("model_module.cpp", "runtime.cpp", "fiber.cpp")}
 RACE_LIMIT = "ThreadSanitizer's limit"  # in the model's message for a launch too large for it
 PYTEST_DEFAULTS = ["-q", "-p", "no:cacheprovider"]
 
@@ -93,35 +102,66 @@ def _pybind11_includes() -> list[str] | None:
     return [pybind11.get_include()]
 
 
+def _csrc_digest() -> str:
+    """Hash of every file under csrc/ (sources and the headers they include)."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(REPO, "csrc", "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            digest.update(os.path.relpath(path, REPO).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
 class Build:
-    """The compilers of one sanitized module, started at once; wait() links and returns 0 on success."""
+    """The compilers of one sanitized module, started at once; wait() links and returns 0 on success.
+    A module already in the build folder, built from the same csrc/ with the same commands, is kept."""
 
     def __init__(self, module: str, sanitizer: str, cxx: str, build_dir: str, includes: list[str]):
-        self.out = os.path.join(build_dir, f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX"))
+        folder = os.path.join(build_dir, sanitizer)  # the two sanitizers' modules and objects apart
+        os.makedirs(folder, exist_ok=True)
+        self.out = os.path.join(folder, f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX"))
         common = [cxx, "-O1", "-g", "-fno-omit-frame-pointer", "-std=c++17", "-fno-strict-aliasing",
                   "-Wno-unknown-pragmas", "-fPIC", "-I" + os.path.join(REPO, "csrc"),
                   *("-I" + d for d in includes), "-I" + sysconfig.get_paths()["include"]]
-        print(f"sanitize: building {self.out}", flush=True)
-        if sanitizer == "address":
-            self.link = None
-            self.procs = [subprocess.Popen(common + ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-                                                    "-shared", *_sources(module), "-o", self.out])]
-            return
-        # thread: the kernels instrumented, the scheduler not; all told the check is on
-        objects, self.procs = [], []
+        commands, objects = [], []  # one compiler per source, all at once
         for source in _sources(module):
-            obj = os.path.join(build_dir, os.path.basename(source) + ".o")
-            instrument = [] if os.path.basename(source) in SCHEDULER_SOURCES else ["-fsanitize=thread"]
-            self.procs.append(subprocess.Popen(common + ["-DHYBRID_EP_MODEL_TSAN=1", *instrument, "-c", source,
-                                                         "-o", obj]))
+            obj = os.path.join(folder, os.path.basename(source) + ".o")
+            flags = FLAGS[sanitizer]
+            if os.path.basename(source) in UNINSTRUMENTED[sanitizer]:  # defines kept, sanitizer left out
+                flags = [f for f in flags if not f.startswith(("-fsanitize", "-fno-sanitize"))]
+            commands.append(common + [*flags, "-c", source, "-o", obj])
             objects.append(obj)
-        self.link = [cxx, "-shared", "-fsanitize=thread", *objects, "-o", self.out]
+        self.link = [cxx, "-shared", *FLAGS[sanitizer], *objects, "-o", self.out]
+        self.stamp = hashlib.sha256(repr([commands, self.link, _csrc_digest()]).encode()).hexdigest()
+        self.stamp_path = self.out + ".stamp"
+        if os.path.exists(self.out) and _read(self.stamp_path) == self.stamp:
+            print(f"sanitize: {self.out} is up to date", flush=True)
+            self.procs = []
+            return
+        if os.path.exists(self.stamp_path):
+            os.remove(self.stamp_path)  # a build that fails part way leaves no stamp behind
+        print(f"sanitize: building {self.out}", flush=True)
+        self.procs = [subprocess.Popen(c) for c in commands]
 
     def wait(self) -> int:
-        codes = [p.wait() for p in self.procs]  # every compiler waited for
-        if any(codes) or self.link is None:
-            return max(codes)
-        return subprocess.run(self.link).returncode
+        if not self.procs:  # up to date
+            return 0
+        rc = max(p.wait() for p in self.procs)  # every compiler waited for
+        if rc == 0:
+            rc = subprocess.run(self.link).returncode
+        if rc == 0:
+            with open(self.stamp_path, "w") as f:
+                f.write(self.stamp)
+        return rc
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _race_limit_plugin(pytest, skipped: list[str]):
@@ -171,11 +211,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="module to sanitize (repeat for both; default both)")
     parser.add_argument("--sanitizer", choices=sorted(RUNTIMES), default="address",
                         help="address: AddressSanitizer + UBSan (default); thread: data races, model only")
-    parser.add_argument("--build-dir", help="where the sanitized modules go (default: a temporary folder)")
+    parser.add_argument("--build-dir", help="where the sanitized modules go and are kept for the next run "
+                                             "(default: a temporary folder)")
+    parser.add_argument("--all", action="store_true",
+                        help="both full runs: address on both modules' default tests, then thread on the kernels'")
     parser.add_argument("--child", action="append", help=argparse.SUPPRESS)  # module paths, in the child
     args, pytest_args = parser.parse_known_args(argv)
     if args.child:
         return _child(args.child, pytest_args)
+    if args.all:
+        if args.module or pytest_args or args.sanitizer != "address":
+            parser.error("--all runs the default modules and tests of both sanitizers; it takes no other choice")
+        build = ["--build-dir", args.build_dir] if args.build_dir else []
+        codes = [main(build), main(build + ["--sanitizer", "thread"])]  # the race check runs even after a failure
+        return next((c for c in codes if c), 0)
     modules = args.module or (["model"] if args.sanitizer == "thread" else sorted(DEFAULT_TESTS))
     if args.sanitizer == "thread" and modules != ["model"]:
         parser.error("--sanitizer thread is for --module model (the planner runs on one thread)")

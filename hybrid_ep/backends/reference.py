@@ -65,14 +65,27 @@ class ReferenceBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
+    @staticmethod
+    def _memo(layout, key, make):
+        """An index tensor derived from a handle's layout, made once per call kind (a handle
+        serves a dispatch, a combine and the backward: the same indices every time)."""
+        found = layout.memo.get(key)
+        if found is None:
+            found = layout.memo[key] = make()
+        return found
+
     def _check(self, table_WH: torch.Tensor, call: int, fields: dict) -> None:
         if self.config.world_size > 1:
             self._exchange.check_headers(table_WH[:, :_HW], lambda t: agreement.check(call, fields, t))
 
     def _message(self, call: int, fields: dict, handle: DispatchHandle | None, extra=()) -> torch.Tensor:
-        words = agreement.header(call, self.config.ranks_per_node, fields,
-                                 *((handle.serial, handle.checksum) if handle is not None else ()))
-        return torch.cat([self._msg.ints(words), *extra]) if extra else self._msg.ints(words)
+        """The header words (then extra words) this rank sends every peer; a handle's are made once."""
+        def make():
+            words = agreement.header(call, self.config.ranks_per_node, fields,
+                                     *((handle.serial, handle.checksum) if handle is not None else ()))
+            return torch.cat([self._msg.ints(words), *extra]) if extra else self._msg.ints(words)
+
+        return make() if handle is None else self._memo(handle.dest, ("words", call, *fields.items()), make)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -92,23 +105,28 @@ class ReferenceBackend(Backend):
             return self._dispatch_static(x_TH, payload, routing, num_out_tokens, fields)
         return self._dispatch_counted(x_TH, payload, routing, fields)
 
-    def _pack(self, payload, layout: SendLayout, row_of_pos: torch.Tensor | None, meta: bool):
-        """Message rows: row p carries the payload of send row row_of_pos[p] (None: row p), and with
-        meta its local experts' weights and marks. Rows of the dummy send row are left for
-        headers. Whole-row gathers straight into the message's columns (index_select), the
-        fast copy of byte rows."""
-        T = layout.num_tokens
-        token_of_pos = layout.token_of_row if row_of_pos is None else layout.token_of_row[row_of_pos]
-        L = self.config.experts_per_rank
+    @staticmethod
+    def _tokens_at(layout: SendLayout, row_of_pos: torch.Tensor | None) -> torch.Tensor:
+        """Message row -> its token (row_of_pos: message row -> send row; None: the same row).
+        Rows of no token read token 0 (T - 1 at most): they are headers or never read."""
+        gathered = layout.token_of_row if row_of_pos is None else layout.token_of_row[row_of_pos]
+        return gathered.clamp(max=max(layout.num_tokens - 1, 0))
+
+    def _pack(self, payload, layout: SendLayout, token_of_pos: torch.Tensor, routes_of_pos=None):
+        """Message rows: row p carries the payload of token token_of_pos[p], then, for a new
+        routing, routes_of_pos = (routes_per_row, row_of_pos or None for the same order): each
+        row's local-expert weights and marks. Whole-row gathers straight into the message's
+        columns (index_select), the fast copy of byte rows."""
         widths = [p.shape[1] for p in payload]
-        message = self._exchange.message(token_of_pos.shape[0], sum(widths) + (5 * L if meta else 0))
+        meta = 0 if routes_of_pos is None else 5 * self.config.experts_per_rank
+        message = self._exchange.message(token_of_pos.shape[0], sum(widths) + meta)
         col = 0
         for part, width in zip(payload, widths):
-            if T:
-                torch.index_select(part, 0, token_of_pos.clamp(max=T - 1), out=message[:, col:col + width])
+            if layout.num_tokens:
+                torch.index_select(part, 0, token_of_pos, out=message[:, col:col + width])
             col += width
-        if meta:
-            probs_SL, mask_SL = routes_per_row(layout, L)
+        if routes_of_pos is not None:
+            (probs_SL, mask_SL), row_of_pos = routes_of_pos
             routes = torch.cat([probs_SL.view(torch.uint8), mask_SL], dim=1)
             if row_of_pos is None:
                 message[:, col:] = routes
@@ -130,7 +148,7 @@ class ReferenceBackend(Backend):
         recv, starts = self._exchange.all_to_all(words.view(torch.uint8).view(1, M, 8).expand(W, M, 8).reshape(-1, 8),
                                                  [M] * W, [M] * W, _HW, "dispatch (counts)")
         copy = self._exchange.start_host_copy(self._msg.read_headers(recv, starts, M))
-        message = self._pack(payload, layout, None, meta=True)
+        message = self._pack(payload, layout, self._tokens_at(layout, None), (routes_per_row(layout, L), None))
         table = self._exchange.finish_host_copy(copy, "dispatch (counts)")
         if W > 1:
             agreement.check(agreement.NEW_ROUTING, fields, table[:, :_HW].tolist())
@@ -158,7 +176,8 @@ class ReferenceBackend(Backend):
         B = sum(p.shape[1] for p in payload) + 5 * cfg.experts_per_rank
         header_rows = -(-words.numel() * 8 // B)
         _, starts, row_of_pos = self._msg.blocks(list(layout.block_rows_W), header_rows, layout.num_rows_max)
-        message = self._pack(payload, layout, row_of_pos, meta=True)
+        message = self._pack(payload, layout, self._tokens_at(layout, row_of_pos),
+                             (routes_per_row(layout, cfg.experts_per_rank), row_of_pos))
         self._msg.put_headers(message, words, starts, header_rows)
         blocks = [header_rows + per_rank] * W
         recv, starts = self._exchange.all_to_all(message, blocks, blocks, header_rows, "dispatch")
@@ -187,11 +206,10 @@ class ReferenceBackend(Backend):
             recv_counts_W=recv_counts, num_recv_rows=V, count_matrix_WW=count_WW, node_counts_WN=node_WN,
             probs_R=probs_R, num_out_tokens=num_out_tokens, serial=self._num_dispatches, checksum=checksum,
         )
-        return (*self._expand(recv, rows_of, dest, payload, x_TH.dtype), handle)
+        return (*self._expand(recv, rows_of[dest.src_of_row_R], payload, x_TH.dtype), handle)
 
-    def _expand(self, recv, rows_of, dest, payload, dtype):
-        """Output rows [R, H] (and scales) from the received rows; padding rows are zero."""
-        picked = rows_of[dest.src_of_row_R]
+    def _expand(self, recv, picked, payload, dtype):
+        """Output rows [R, H] (and scales): row r is receive row picked[r] (the zero row for padding)."""
         parts, col = [], 0
         for part in payload:
             width = part.shape[1]
@@ -207,13 +225,15 @@ class ReferenceBackend(Backend):
         header_rows = -(-_HW * 8 // B)
         send_W, recv_W = list(source.block_rows_W), list(dest.block_rows_W)
         _, starts, row_of_pos = self._msg.blocks(send_W, header_rows, source.num_rows_max)
-        message = self._pack(payload, source, row_of_pos, meta=False)
+        tokens = self._memo(source, ("tokens at", header_rows), lambda: self._tokens_at(source, row_of_pos))
+        message = self._pack(payload, source, tokens)
         self._msg.put_headers(message, words, starts, header_rows)
         recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
                                                  [header_rows + c for c in recv_W], header_rows, "dispatch")
         self._check(self._msg.read_headers(recv, starts, _HW), agreement.WITH_HANDLE, fields)
         rows_of = self._msg.row_map(starts, recv_W, header_rows, dest.num_recv_rows, recv.shape[0] - 1)
-        return (*self._expand(recv, rows_of, dest, payload, x_TH.dtype), handle)
+        picked = self._memo(dest, ("picked", tuple(starts), header_rows), lambda: rows_of[dest.src_of_row_R])
+        return (*self._expand(recv, picked, payload, x_TH.dtype), handle)
 
     # -- the way back: combine and the probs backward ----------------------------------------
 
@@ -240,7 +260,7 @@ class ReferenceBackend(Backend):
         B = width + (4 * L if values_R is not None else 0)
         header_rows = -(-_HW * 8 // B)
         positions, starts, _ = self._msg.blocks(list(dest.block_rows_W), header_rows, dest.num_recv_rows)
-        at = positions[dest.src_of_row_R]
+        at = self._memo(dest, ("at", header_rows), lambda: positions[dest.src_of_row_R])
         P = message_rows(dest.block_rows_W, header_rows)
         # One message of [partial sums in the wire dtype | routing-weight values (fp32)] per row.
         message = self._exchange.message(P, B)
@@ -279,7 +299,8 @@ class ReferenceBackend(Backend):
             y_TH = self._sum_partials(back_SH, source, wire).to(rows_RH.dtype)
         if values_R is not None:
             back_SL = back_SB.view(torch.float32)[:, width // 4:]
-            out_TK = back_SL[source.slot_row_TK.clamp(max=S), source.slot_local_TK]
+            slot_rows = self._memo(source, ("slot rows", S), lambda: source.slot_row_TK.clamp(max=S))
+            out_TK = back_SL[slot_rows, source.slot_local_TK]
         return y_TH, out_TK
 
     def _sum_partials(self, back_SH: torch.Tensor, source: SendLayout, wire: torch.dtype) -> torch.Tensor:
@@ -292,13 +313,17 @@ class ReferenceBackend(Backend):
         token_S = source.token_of_row[:S]
         if N == 1:
             return torch.zeros(T + 1, H, device=self._device).index_add_(0, token_S, back_SH)[:T]
-        by_node = torch.zeros((T + 1) * N, H, dtype=torch.float32, device=self._device)
-        by_node.index_add_(0, token_S * N + source.node_of_row[:S], back_SH)
-        by_node = by_node.view(T + 1, N, H)[:T]
-        for n in range(N):
+        first = [0]
+        for rows in source.block_rows_W:
+            first.append(first[-1] + rows)
+        G, y = cfg.ranks_per_node, None
+        for n in range(N):  # a node's rows are one slice (rank-major order); sum each, then the nodes
+            lo, hi = first[n * G], first[(n + 1) * G]
+            part = torch.zeros(T + 1, H, device=self._device).index_add_(0, token_S[lo:hi], back_SH[lo:hi])
             if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
-                by_node[:, n] = by_node[:, n].to(wire).float()
-        return by_node.sum(dim=1)
+                part = part.to(wire).float()
+            y = part if y is None else y.add_(part)
+        return y[:T]
 
     def memory_plan(self) -> MemoryPlan:
         cfg = self.config

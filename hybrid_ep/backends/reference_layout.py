@@ -42,6 +42,7 @@ class SendLayout:
     token_of_row: torch.Tensor  # [num_rows_max + 1] int64 token of each send row, T where none
     node_of_row: torch.Tensor  # [num_rows_max + 1] int64 destination node of each send row
     block_rows_W: tuple[int, ...] = ()  # rows of each rank's block on the host, once known
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # indices derived per call kind
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +129,7 @@ class ReceiveLayout:
     num_needed_rows: torch.Tensor  # int64 scalar: rows the unclipped layout needs
     num_dropped: torch.Tensor  # int64 scalar: routed entries that did not fit num_out_tokens
     block_rows_W: tuple[int, ...] = ()  # rows of each source rank's block (its real rows; static: rows_per_rank)
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # indices derived per call kind
 
 
 def receive_layout(mask_VL: torch.Tensor, num_rows: int, pad_multiple: int, min_rows_per_expert: int,

@@ -89,21 +89,26 @@ class Messages:
         inverse[positions] = torch.arange(length + 1, device=self.device)
         return self._remember(key, (positions, starts, inverse))
 
+    def _header_rows(self, starts: list[int], header_rows: int) -> torch.Tensor:
+        """The rows of every block's header, flat."""
+        key = ("headers", tuple(starts), header_rows)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
+        return self._remember(key, rows.reshape(-1))
+
     def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int):
         """Write the header words (int64) into the first header_rows rows of every block."""
         if not header_rows:
             return
         B = message_PB.shape[1]
-        block = torch.zeros(header_rows * B, dtype=torch.uint8, device=self.device)
-        block[:words.numel() * 8] = words.view(torch.uint8)
-        block = block.view(header_rows, B)
-        for start in starts:
-            message_PB[start:start + header_rows] = block
+        block = torch.nn.functional.pad(words.view(torch.uint8), (0, header_rows * B - words.numel() * 8))
+        message_PB[self._header_rows(starts, header_rows)] = block.view(header_rows, B).repeat(len(starts), 1)
 
     def read_headers(self, recv_PB: torch.Tensor, starts: list[int], num_words: int) -> torch.Tensor:
         """[W, num_words] int64: the first words of every peer's block."""
         B = recv_PB.shape[1]
         header_rows = -(-num_words * 8 // B)
-        rows = (self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)).reshape(-1)
-        raw = recv_PB.index_select(0, rows).reshape(len(starts), header_rows * B)[:, :num_words * 8]
-        return from_byte_rows(raw, torch.int64)
+        raw = recv_PB.index_select(0, self._header_rows(starts, header_rows))
+        return from_byte_rows(raw.view(len(starts), header_rows * B)[:, :num_words * 8], torch.int64)
