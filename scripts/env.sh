@@ -19,10 +19,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 log() { echo "[env] $*" >&2; }
 
 # What each step took on a shared 2-core VM with the package registry on local disk
-# (2026-11-25, a fresh venv; README "Set up and run"): printed before the step.
-USUAL_DEPS="about 4 min: torch with its CUDA libraries and Megatron-Core, 5.6 GB installed"
+# (2026-11-25, fresh venvs; docs/benchmarks/setup.md): printed before the step.
+USUAL_DEPS="3 to 4 min: torch with its CUDA libraries and Megatron-Core, 5.6 GB installed"
 USUAL_NVSHMEM="about 5 s"
-USUAL_BUILD="about 2 min on 2 cores for the planner and the CPU model of the kernels"
+USUAL_BUILD="2 to 3 min on 2 cores for the planner and the CPU model of the kernels"
 USUAL_CUDA_BUILD="about 10 min more for hybrid_ep._C (sm_90a and sm_100a)"
 
 runs() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; }

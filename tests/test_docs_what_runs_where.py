@@ -31,6 +31,7 @@ RESTATEMENTS = [
     r"intra-node only",
     r"(has|have) not run on",
     r"nothing has run on",
+    r"(has|have) not (yet )?been run",
     r"(backend|cuda|reference|kernels|nccl)[^.|]{0,80}in this release",
 ]
 
@@ -44,7 +45,7 @@ def _section(text: str, heading: str) -> str:
 def _user_docs() -> list[pathlib.Path]:
     """Every page a user reads, the measurement logs of docs/benchmarks/ aside."""
     pages = [REPO / "README.md", REPO / "csrc" / "README.md", *(REPO / "docs").glob("*.md"),
-             *(REPO / "recipes").rglob("*.md")]
+             REPO / "docs" / "benchmarks" / "README.md", *(REPO / "recipes").rglob("*.md")]
     return sorted(pages)
 
 

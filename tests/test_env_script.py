@@ -7,6 +7,7 @@ setuptools warning box."""
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import textwrap
@@ -108,7 +109,8 @@ def test_each_long_step_is_announced_with_its_usual_time_then_timed(scratch):
     _, err, calls = run_env(scratch, gpu=False)
     lines = err.splitlines()
     for what in ("installing torch, Megatron-Core and the test tools into", "building hybrid-ep into"):
-        [announce] = [i for i, line in enumerate(lines) if line.startswith(f"[env] {what}") and "(about" in line]
+        [announce] = [i for i, line in enumerate(lines) if line.startswith(f"[env] {what}")
+                      and re.search(r" \((about \d+|\d+ to \d+) (s|min)\b", line)]
         [done] = [i for i, line in enumerate(lines) if line.startswith(f"[env] {what}") and ": done in" in line]
         assert announce < done
     # the dependency install builds nothing (the build step does, once torch is there) and
