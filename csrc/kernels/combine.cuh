@@ -41,82 +41,19 @@
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
+#include "kernels/segments.cuh"
 
 namespace hybrid_ep {
 namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantiate it
 
 // Warp roles.
-constexpr int kGroupWarps = 4, kGroupThreads = kGroupWarps * 32;  // a reducer group
 constexpr int kHostLoadWarp = 0, kHostReduceWarp = 1, kHostStoreWarp = 5;  // 1 .. 4 reduce
 constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7;                        // 7 .. 10 reduce
 constexpr int kForwardWarp = 11;                                           // several nodes
 constexpr int kCombineThreads = 12 * 32;
 constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
 
-// The accumulator: quads (4 columns) per thread of a group, for the widest segment.
-constexpr int kQuadsPerThread = kCombineMaxSegCols / (4 * kGroupThreads);
-static_assert(kQuadsPerThread * 4 * kGroupThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
-
-// ---- four values of a 16-bit or 32-bit dtype <-> fp32 -------------------------------------
-
-template <typename T>
-struct Quad;  // 4 elements of T
-
-template <>
-struct Quad<float> {
-  __device__ static void load(const void* p, float* out) {
-    const float4 v = *reinterpret_cast<const float4*>(p);
-    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-  }
-  __device__ static void store(void* p, const float* in) {
-    *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
-  }
-};
-
-template <typename H2, typename Conv>
-struct QuadHalf {
-  __device__ static void load(const void* p, float* out) {
-    const H2* h = reinterpret_cast<const H2*>(p);
-    const float2 a = Conv::to_float2(h[0]), b = Conv::to_float2(h[1]);
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-  }
-  __device__ static void store(void* p, const float* in) {
-    H2* h = reinterpret_cast<H2*>(p);
-    h[0] = Conv::from_float2(make_float2(in[0], in[1]));
-    h[1] = Conv::from_float2(make_float2(in[2], in[3]));
-  }
-};
-
-struct BF16Conv {
-  __device__ static float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-  __device__ static __nv_bfloat162 from_float2(float2 v) { return __float22bfloat162_rn(v); }
-};
-struct HalfConv {
-  __device__ static float2 to_float2(__half2 v) { return __half22float2(v); }
-  __device__ static __half2 from_float2(float2 v) { return __float22half2_rn(v); }
-};
-template <>
-struct Quad<__nv_bfloat16> : QuadHalf<__nv_bfloat162, BF16Conv> {};
-template <>
-struct Quad<__half> : QuadHalf<__half2, HalfConv> {};
-
 // ---- stages and tables ----------------------------------------------------------------------
-
-enum ItemFlags : int32_t {
-  kFirstPart = 1,  // the first segment added into the accumulator (the others add to it)
-  kLastPart = 2,   // the accumulator holds the row's segment: write it
-  kNoBytes = 4,    // a row with nothing to add: its segment is zero
-  kEndOfWork = 8,  // the load thread's last item: the reducers leave
-};
-
-// One stage of either side's input ring: one part (a route's expert output on the expert
-// host, a partial on the source) of one row segment.
-struct PartItem {
-  int32_t row, slot;   // expert host: the received row's source rank and slot; source: the token, -
-  int32_t col0, cols;  // column segment
-  int32_t flags;
-  float weight;  // expert host with apply_probs: the route's routing weight; else 1
-};
 
 // One output stage of the expert host: a partial, to be stored at (source, slot).
 struct OutItem {
@@ -221,142 +158,6 @@ struct Combine {
 template <typename Rdma>
 using HostChunks = ReceivedChunks<Combine<Rdma>>;  // the (source, chunk) pairs this block reduces
 
-// ---- reducer groups ---------------------------------------------------------------------------
-
-// A reducer warp: lane 0 waits (bounded) until the stage is full, the warp agrees on the
-// answer, and every other lane observes the completed phase itself (its own acquire of the
-// stage's bytes and header).
-template <typename Rdma>
-__device__ __forceinline__ bool warp_consumer_wait(const Combine<Rdma>& d, const Ring& ring, const PipeState& p,
-                                                   int lane) {
-  bool ok = true;
-  if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
-  if (!warp_uniform(ok)) {
-    d.stop();
-    return false;
-  }
-  ring.observe_full(p, lane);
-  return true;
-}
-
-// The same for a stage the warp is about to write (a producer of a data-less ring).
-template <typename Rdma>
-__device__ __forceinline__ bool warp_producer_acquire(const Combine<Rdma>& d, const Ring& ring, const PipeState& p,
-                                                      int lane) {
-  bool ok = true;
-  if (lane == 0) ok = !d.stopped() && ring.producer_acquire(d.args, p);
-  if (!warp_uniform(ok)) {
-    d.stop();
-    return false;
-  }
-  ring.observe_empty(p, lane);
-  return true;
-}
-
-// One row segment in fp32, spread over a reducer group: thread gt holds quads gt,
-// gt + kGroupThreads, ... (consecutive threads touch consecutive bytes, in shared and in
-// global memory). The loops are unrolled, so the accumulator stays in registers.
-struct SegmentAcc {
-  float v[kQuadsPerThread][4];
-
-  // v = w * segment (first) or v += w * segment, for the segment's `quads` quads of In at `in`.
-  template <typename In>
-  __device__ __forceinline__ void add(const uint8_t* in, int quads, int gt, float w, bool first) {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i) {
-      const int q = gt + i * kGroupThreads;
-      if (q < quads) {
-        float val[4];
-        Quad<In>::load(in + static_cast<size_t>(q) * 4 * sizeof(In), val);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[i][e] = first ? w * val[e] : v[i][e] + w * val[e];
-      }
-    }
-  }
-  __device__ __forceinline__ void zero() {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[i][e] = 0.f;
-  }
-  // The segment rounded once to Out, at `out` (shared or global memory).
-  template <typename Out>
-  __device__ __forceinline__ void store(uint8_t* out, int quads, int gt) const {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i) {
-      const int q = gt + i * kGroupThreads;
-      if (q < quads) Quad<Out>::store(out + static_cast<size_t>(q) * 4 * sizeof(Out), v[i]);
-    }
-  }
-};
-
-// ---- load threads -----------------------------------------------------------------------------
-
-// Lane 0 of a load warp: the n parts of one row segment, a stage each (`head` with the flags
-// of each part added; part(i) gives its row in global memory and its weight). A row without
-// parts gets one stage without bytes: the reducers write a zero segment. False on a stop.
-template <typename Rdma, typename Part>
-__device__ bool load_parts(const Combine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
-                           uint32_t elem_bytes, PipeState& produced, PartItem head, int n, Part part) {
-  const uint32_t bytes = static_cast<uint32_t>(head.cols) * elem_bytes;
-  for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
-    if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
-    PartItem& it = items[produced.stage];
-    it = head;
-    it.flags = (i == 0 ? kFirstPart : 0) | (i + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0);
-    if (n == 0) {  // the arrival publishes the header
-      it.weight = 0.f;
-      ring.producer_commit(produced);
-      continue;
-    }
-    float weight = 1.f;
-    const uint8_t* row = part(i, weight);
-    it.weight = weight;
-    dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
-    dev::bulk_g2s(data + static_cast<size_t>(produced.stage) * d.seg_cols * elem_bytes,
-                  row + static_cast<int64_t>(head.col0) * elem_bytes, bytes, &ring.full[produced.stage]);
-  }
-  return true;
-}
-
-// Lane 0 of a load warp, at the end: the reducers' end-of-work stage (or the stop), then every
-// issued load waited for, consumed or not, so the block never exits with one in flight.
-template <typename Rdma>
-__device__ void finish_loads(const Combine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
-                             uint32_t elem_bytes, PipeState produced, bool ok) {
-  if (!ok) {
-    d.stop();
-  } else if (ring.producer_acquire(d.args, produced)) {
-    items[produced.stage].flags = kEndOfWork;
-    ring.producer_commit(produced);
-    produced.advance(ring.stages);
-  }
-  StageRing{ring, data, static_cast<int>(d.seg_cols * elem_bytes)}.drain(d.args, PipeState{}, produced);
-}
-
-// A reducer warp of a group: the parts of each row segment added as they arrive; emit(acc,
-// item, quads) takes the segment after its last part (false: stop). Returns at the end of work
-// or on a stop.
-template <typename Rdma, typename In, typename Emit>
-__device__ void reduce_parts(const Combine<Rdma>& d, const Ring& ring, const PartItem* items, const uint8_t* data,
-                             int gt, int lane, Emit emit) {
-  SegmentAcc acc;
-  for (PipeState p;; p.advance(ring.stages)) {
-    if (!warp_consumer_wait(d, ring, p, lane)) return;
-    const PartItem it = items[p.stage];
-    if (it.flags & kEndOfWork) return;
-    const int quads = it.cols / 4;
-    if (it.flags & kNoBytes)
-      acc.zero();
-    else
-      acc.add<In>(data + static_cast<size_t>(p.stage) * d.seg_cols * sizeof(In), quads, gt, it.weight,
-                  (it.flags & kFirstPart) != 0);
-    __syncwarp();
-    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
-    if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;
-  }
-}
-
 // ---- expert host ----------------------------------------------------------------------------
 
 // Warp 0: lane i reads row i of the chunk's output rows and weights into the table, then
@@ -406,7 +207,7 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
 template <typename Rdma, typename In, typename Wire>
 __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& out, int gt, int lane) {
   PipeState produced;
-  reduce_parts<Rdma, In>(d, in, d.sh.host_items, d.host_in, gt, lane,
+  reduce_parts<In>(d, in, d.sh.host_items, d.host_in, gt, lane,
                          [&](const SegmentAcc& acc, const PartItem& it, int quads) {
                            if (!warp_producer_acquire(d, out, produced, lane)) return false;
                            acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
@@ -551,7 +352,7 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
 template <typename Rdma, typename Out, typename Wire>
 __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
-  reduce_parts<Rdma, Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
+  reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
                            [&](const SegmentAcc& acc, const PartItem& it, int quads) {
                              acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
                              return true;
@@ -700,7 +501,7 @@ __host__ __device__ inline size_t combine_stage_bytes(const LaunchArgs& args) {
 template <typename Rdma, typename Elem, typename Wire>
 LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
   return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
-                                 kCombineThreads, combine_stage_bytes(args), stream, args);
+                                 kCombineThreads, combine_stage_bytes(args), stream, args, "combine");
 }
 
 template <typename Rdma>

@@ -35,6 +35,7 @@
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
+#include "kernels/padding.cuh"
 #include "kernels/pipeline.cuh"
 
 namespace hybrid_ep {
@@ -528,7 +529,6 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
   for (; released.count < consumed.count; released.advance(d.stages)) d.expand_fifo.ring.consumer_release(released);
 }
 
-// Warps 8-15: zero rows after each expert's real rows, and after the whole layout.
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node
 // that hosts one of its routes, stage the rows and routing of the chunk's tokens for that
 // node in this rank's RDMA region and put them to the rail peer there: the rows, then the
@@ -594,35 +594,6 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
                       h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
   }
   if (lane == 0) h.rdma.quiet();
-}
-
-template <typename Rdma>
-__device__ void zero_padding(const Dispatch<Rdma>& d, int pw, int npw, int lane) {
-  const int64_t R = d.a.num_out_rows;
-  auto* out = reinterpret_cast<uint8_t*>(d.a.out);
-  auto* out_scales = reinterpret_cast<float*>(d.a.out_scales);
-  auto* out_probs = reinterpret_cast<float*>(d.a.out_probs);
-  const int64_t* info = d.info;
-  const int64_t gw = static_cast<int64_t>(d.b) * npw + pw, nw = static_cast<int64_t>(d.nb) * npw;
-  const int64_t needed = info[d.il.needed];
-  for (int j = 0; j <= d.L; ++j) {
-    int64_t lo, hi;
-    if (j < d.L) {
-      const int64_t start = info[d.il.expert_start + j];
-      lo = start + info[d.il.expert_rows + j];
-      hi = j + 1 < d.L ? info[d.il.expert_start + j + 1] : needed;
-    } else {
-      lo = needed;
-      hi = R;
-    }
-    hi = min(hi, R);
-    for (int64_t r = lo + gw; r < hi; r += nw) {
-      int4* dst = reinterpret_cast<int4*>(out + r * d.row_bytes);
-      for (uint32_t v = lane; v < d.row_bytes / 16; v += 32) dst[v] = make_int4(0, 0, 0, 0);
-      for (int i = lane; i < d.scale_cols; i += 32) out_scales[r * d.scale_cols + i] = 0.f;
-      if (lane == 0) out_probs[r] = 0.f;
-    }
-  }
 }
 
 template <typename Rdma>
@@ -704,7 +675,7 @@ template <typename Rdma>
 LaunchStatus launch_dispatch_with(const LaunchArgs& args, uint64_t stream) {
   return dev::launch_cooperative(dispatch_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kThreads,
                                  2 * static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes),
-                                 stream, args);
+                                 stream, args, "dispatch");
 }
 
 }  // namespace dispatch_impl

@@ -9,9 +9,11 @@
 
 namespace hybrid_ep::dev {
 
+// `name`: the kernel's, as fault injection (model::inject_abort) and the messages call it;
+// by default the caller's function name without "launch_".
 template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t /*stream*/,
-                               const Args& args, const char* caller = __builtin_FUNCTION()) {
+                               const Args& args, const char* name = __builtin_FUNCTION()) {
   struct Call {
     void (*kernel)(Args);
     const Args* args;
@@ -20,7 +22,7 @@ const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, si
       c->kernel(*c->args);
     }
   } call{kernel, &args};
-  return model::launch(&Call::run, &call, blocks, threads, smem, caller);
+  return model::launch(&Call::run, &call, blocks, threads, smem, name);
 }
 
 template <typename Args>

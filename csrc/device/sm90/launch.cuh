@@ -9,10 +9,11 @@
 
 namespace hybrid_ep::dev {
 
-// nullptr on success, else the CUDA error's text.
+// nullptr on success, else the CUDA error's text. `name` is the kernel's for the CPU model
+// (its fault injection and messages); unused here.
 template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
-                                const Args& args) {
+                                const Args& args, const char* /*name*/ = nullptr) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err == cudaSuccess) {
