@@ -53,6 +53,13 @@ class DispatchHandle:
         return self.dest.tokens_per_expert_L
 
     @property
+    def data_path(self) -> str | None:
+        """How the cuda kernels moved this dispatch's rows, and how its combine will: "direct"
+        (each route's row straight to and from its final row) or "receive" (through receive
+        buffers); None for backends without kernels."""
+        return getattr(self.source, "data_path", None)
+
+    @property
     def num_dropped(self) -> torch.Tensor:
         """Routed rows that did not fit num_out_tokens (int64 scalar on the device)."""
         return self.dest.num_dropped

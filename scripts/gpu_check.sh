@@ -211,12 +211,18 @@ run_bench() {
     return "$rc_nodes"
 }
 
+# The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
+# told otherwise).
+ncu_path=${HYBRID_EP_DATA_PATH:-direct}
+if [ "$ncu_path" = receive ]; then ncu_kernels=(dispatch_kernel combine_kernel)
+else ncu_kernels=(dispatch_direct_kernel combine_pull_kernel); fi
+
 run_ncu() {
     # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
     # first call's three and profile the second call's dispatch and combine.
-    say "ncu on dispatch_kernel and combine_kernel, W=8 H=8192 T=4096 K=8 E=16 bf16 (log: ncu.log)"
-    bounded "$(( $(left) - 40 > 30 ? $(left) - 40 : 30 ))" ncu --target-processes all \
-        --kernel-name "regex:dispatch_kernel|combine_kernel" \
+    say "ncu on ${ncu_kernels[0]} and ${ncu_kernels[1]} ($ncu_path path), W=8 H=8192 T=4096 K=8 E=16 bf16 (log: ncu.log)"
+    HYBRID_EP_DATA_PATH=$ncu_path bounded "$(( $(left) - 40 > 30 ? $(left) - 40 : 30 ))" ncu --target-processes all \
+        --kernel-name "regex:${ncu_kernels[0]}|${ncu_kernels[1]}" \
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section SourceCounters --export "$results/ncu" --force-overwrite \
@@ -228,7 +234,7 @@ run_ncu() {
         bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page details --csv > "$results/ncu_details.csv" 2>&1
         # per-SASS-instruction stall samples (SourceCounters), one table per kernel
         local k
-        for k in dispatch_kernel combine_kernel; do
+        for k in "${ncu_kernels[@]}"; do
             bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page source --csv --print-source sass \
                 --kernel-name "regex:$k" > "$results/ncu_source_$k.csv" 2>&1
             # the same summed per source line (the build has -lineinfo)
@@ -283,8 +289,9 @@ run_micro() {
 
 # ncu's breakdown of L1TEX throughput into its sub-units, and the bytes L1TEX wrote to and read
 # from the crossbar per cycle (M8 in docs/benchmarks/cuda.md: which sub-unit is busy when
-# dispatch's L1/TEX throughput reads 77-92%): dispatch at W=2 on 1 SM per rank and at W=8 on 8,
-# then the microbenchmark's store-only and load + 2 stores copy patterns (tma-profile).
+# dispatch's L1/TEX throughput reads 77-92%): the receive path's dispatch (the one measured
+# then) at W=2 on 1 SM per rank and at W=8 on 8, then the microbenchmark's store-only and
+# load + 2 stores copy patterns (tma-profile).
 l1tex_metrics="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active"
 l1tex_metrics+=",l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active"
 run_ncu_l1tex() {
@@ -295,7 +302,7 @@ run_ncu_l1tex() {
         name=${shape%%:*}
         say "ncu L1TEX breakdown of dispatch_kernel, ${shape#*:} (ncu_l1tex_dispatch_$name.txt)"
         # shellcheck disable=SC2086
-        bounded "$(( $(left) / 3 > 30 ? $(left) / 3 : 30 ))" ncu --target-processes all \
+        HYBRID_EP_DATA_PATH=receive bounded "$(( $(left) / 3 > 30 ? $(left) / 3 : 30 ))" ncu --target-processes all \
             --kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1 --metrics "$l1tex_metrics" \
             "$py" -m hybrid_ep.testing.emulated_check ${shape#*:} --hidden 8192 --topk 8 --experts 16 --calls 2 \
             --no-check > "$results/ncu_l1tex_dispatch_$name.txt" 2>&1

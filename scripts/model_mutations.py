@@ -72,8 +72,17 @@ MUTATIONS = (
              "    bulk_wait_write_except(writes_in_flight);\n    dev::fence_proxy_async();",
              "    dev::fence_proxy_async();"),
     Mutation("combine-partial-after-first-route", "an item flag off by one (a row emitted before its last part)",
-             "csrc/kernels/combine.cuh", "if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;",
+             "csrc/kernels/segments.cuh", "if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;",
              "if ((it.flags & kFirstPart) && !emit(acc, it, quads)) return;"),
+    Mutation("direct-route-row-off-by-one", "an off-by-one position (a route's final row)",
+             "csrc/kernels/dispatch_direct.cuh",
+             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];",
+             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k] + (lane == 5);"),
+    Mutation("direct-done-before-rows-land", "a missing bulk-group wait (done signalled with stores in flight)",
+             "csrc/kernels/dispatch_direct.cuh", "  dev::bulk_wait_all();      // the rows landed before",
+             "  // the rows landed before"),
+    Mutation("pull-weight-dropped", "a route summed without its routing weight (apply_probs)",
+             "csrc/kernels/combine_pull.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
     Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cuh",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }

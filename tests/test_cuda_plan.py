@@ -391,3 +391,41 @@ def test_cuda_backend_by_name_runs_over_a_gloo_group(single_rank_group):
         pytest.skip("hybrid_ep._C is not built")
     assert cuda_unavailable_reason(single_rank_group, explicit=True) is None
     assert cuda_unavailable_reason(single_rank_group) == "the EP group is not an NCCL group"
+
+
+def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
+    # Emulation of one node (every rank in the process) goes direct; one process per GPU, or
+    # several nodes, take the receive path. The variable and the argument pick one, checked.
+    assert launch.data_path(True, environ={}) == "direct"
+    assert launch.data_path(False, environ={}) == "receive"
+    assert launch.data_path(True, environ={launch.DATA_PATH_ENV: "receive"}) == "receive"
+    assert launch.data_path(True, "receive", environ={launch.DATA_PATH_ENV: "direct"}) == "receive"
+    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH=direct needs every rank of one node"):
+        launch.data_path(False, environ={launch.DATA_PATH_ENV: "direct"})
+    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH must be one of direct, receive, got 'push'"):
+        launch.data_path(True, environ={launch.DATA_PATH_ENV: "push"})
+    with pytest.raises(ValueError, match="data_path must be one of"):
+        launch.data_path(True, "pull", environ={})
+
+
+def test_direct_dispatch_keeps_all_stages_but_two_for_its_stores():
+    # One FIFO of 13 stages of a 16 KiB row at the seed shape: 7 groups may read (wait_group's
+    # immediate caps it), the loads keep at least two stages.
+    direct = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, max_stages=launch.MAX_STAGES)
+    assert direct.stages == 13
+    assert [launch.direct_store_groups(n) for n in (2, 3, 6, 9, 13)] == [1, 1, 4, 7, 7]
+    assert launch.direct_store_groups(13, 2) == 2
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        launch.direct_store_groups(1)
+
+
+def test_pull_combine_rings_split_the_shared_memory_between_two_pipelines():
+    seed = launch.pull_shape(8192, 2, H100_SMEM_OPTIN)
+    assert (seed.seg_cols, seed.stages, seed.stage_bytes) == (8192, 6, 16384)
+    assert seed.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
+    assert launch.pull_shape(8192, 4, H100_SMEM_OPTIN).seg_cols == 4096  # fp32: 16 KiB stages
+    assert launch.pull_shape(256, 2, H100_SMEM_OPTIN).stages == launch.MAX_STAGES
+    with pytest.raises(ValueError, match="multiple of 4 columns"):
+        launch.pull_shape(6, 2, H100_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="fewer than 2 pull stages"):
+        launch.pull_shape(8192, 2, 48 * 1024)

@@ -112,7 +112,7 @@ if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displ
 else echo "========= ERROR SUMMARY: 0 errors"; fi
 ''')
     _stub(bin_dir / "ncu", r'''
-echo "ncu $*" >> "$CALLS"
+echo "ncu $* | PATH_ENV=${HYBRID_EP_DATA_PATH:-}" >> "$CALLS"
 for a in "$@"; do if [ "$prev" = "--export" ]; then touch "$a.ncu-rep"; fi; prev=$a; done
 echo "==PROF== Disconnected"
 ''')
@@ -265,11 +265,12 @@ def test_bench_and_ncu_stages(machine):
     proc, calls = run("ncu", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
-    assert "regex:dispatch_kernel|combine_kernel" in ncu[0] and "--launch-skip 3 --launch-count 2" in ncu[0]
+    assert "regex:dispatch_direct_kernel|combine_pull_kernel" in ncu[0] and "--launch-skip 3 --launch-count 2" in ncu[0]
+    assert ncu[0].endswith("PATH_ENV=direct")  # the emulation's own path, said out loud
     assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in ncu[0]
     assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
     assert "--section SourceCounters" in ncu[0]
-    for kernel in ("dispatch_kernel", "combine_kernel"):
+    for kernel in ("dispatch_direct_kernel", "combine_pull_kernel"):
         assert any(f"--print-source cuda,sass --kernel-name regex:{kernel}" in line for line in ncu)
         assert any("scripts/ncu_lines.py" in line for line in calls.splitlines() if line.startswith("python3"))
 
@@ -450,7 +451,8 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     assert all(metrics in line for line in ncu)
     for line, shape in zip(ncu, ("-w 2 --sms 1 --tokens 2048", "-w 8 --sms 8 --tokens 4096")):
         assert "--kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1" in line
+        assert line.endswith("PATH_ENV=receive")  # the path measured on 2026-11-24
         assert f"-m hybrid_ep.testing.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
-    assert "--kernel-name regex:tma_kernel" in ncu[2] and ncu[2].endswith("hybrid_ep_microbench tma-profile")
+    assert "--kernel-name regex:tma_kernel" in ncu[2] and "hybrid_ep_microbench tma-profile |" in ncu[2]
     for name in ("ncu_l1tex_dispatch_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
         assert "==PROF== Disconnected" in (results / name).read_text()

@@ -35,12 +35,13 @@ model = importlib.import_module("hybrid_ep._model")
 
 MODEL_SMS = 2  # SMs per rank unless a test says otherwise: fewer fibers, same code paths
 SEEDS = (0, 1)
+PATHS = launch.DATA_PATHS  # direct: rows straight to their final rows; receive: through receive buffers
 
 _cached = GroupCache("cpu")
 
 
-def group_for(case: Case, sms: int = MODEL_SMS) -> EmulatedGroup:
-    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms)
+def group_for(case: Case, sms: int = MODEL_SMS, path: str = "direct") -> EmulatedGroup:
+    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms, data_path=path)
 
 
 def _case(W, **kw):
@@ -90,27 +91,30 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_kernels_match_the_oracle(case, seed):
+def test_kernels_match_the_oracle(case, seed, path):
     model.set_seed(seed)
     case = dataclasses.replace(case, seed=seed)
-    check_emulated(group_for(case), case)
+    check_emulated(group_for(case, path=path), case)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("sms", [1, 3, 8])
-def test_sm_count_per_call_gives_the_oracle_result(sms):
+def test_sm_count_per_call_gives_the_oracle_result(sms, path):
     case = _case(4, num_experts=16, topk=8, tokens=(64, 17, 0, 33))
-    group = group_for(case)
+    group = group_for(case, path=path)
     model.set_seed(sms)
     check_emulated(group, case, num_sms=sms)
 
 
-def test_twenty_four_calls_on_one_buffer():
+@pytest.mark.parametrize("path", PATHS)
+def test_twenty_four_calls_on_one_buffer(path):
     """Monotonic flags and flow control across calls: one buffer, other routings, token
     counts and dtypes every call, no reset in between."""
     first = _case(3, tokens=(64, 17, 0))
-    group = group_for(first)
+    group = group_for(first, path=path)
     dtypes = (torch.bfloat16, torch.float32, FP8_DTYPE, torch.float16)
     for call in range(24):
         case = _case(3, seed=call, dtype=dtypes[call % 4], topk=1 + call % 2,
@@ -118,7 +122,7 @@ def test_twenty_four_calls_on_one_buffer():
         assert buffer_key(case) == buffer_key(first)
         model.set_seed(call)
         check_emulated(group, case)
-    assert group_for(first) is group
+    assert group_for(first, path=path) is group
 
 
 def test_missing_rank_times_out_in_dispatch_naming_rank_peer_phase_and_call(monkeypatch):
@@ -138,18 +142,26 @@ def test_missing_rank_times_out_in_dispatch_naming_rank_peer_phase_and_call(monk
         group.close()
 
 
-def test_missing_rank_in_combine_times_out_naming_it(monkeypatch):
+# What a rank that never arrives leaves its peers waiting for, on each path.
+MISSING_PHASE = {
+    "combine": {"receive": "combine partial sums", "direct": r"the direct path \(waiting for the peer to publish"},
+    "dispatch": {"receive": "dispatch rows", "direct": r"the direct path \(waiting for the peer to publish"},
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_missing_rank_in_combine_times_out_naming_it(monkeypatch, path):
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     case = _case(3, tokens=(17, 9, 4))
-    group = EmulatedGroup(3, 256, 17, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    group = EmulatedGroup(3, 256, 17, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
     try:
         xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
         res = group.dispatch(xs, idx, weights)
         group.synchronize()
         outs = [r.tokens.clone() for r in res]
         group.combine(outs, [r.handle for r in res], absent={2})
-        with pytest.raises(RuntimeError, match=r"rank [01] gave up .* waiting for peer rank 2 in combine partial sums "
-                                               r"\(call 1,"):
+        with pytest.raises(RuntimeError, match=rf"rank [01] gave up .* waiting for peer rank 2 in "
+                                               rf"{MISSING_PHASE['combine'][path]}.* \(call 1,"):
             group.synchronize()
     finally:
         group.close()
@@ -219,8 +231,9 @@ def test_the_gpu_scripts_check_runs_on_the_model(capsys):
     assert capsys.readouterr().out.count("matches the oracle") == 6
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, seed):
+def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, seed, path):
     """Rank 2 exchanges counts, then never runs its dispatch kernel: every other rank gives up
     in the middle of its pipeline (rows from rank 2 never come). The model checks that each
     block leaves together (warp-uniform decisions) and only after its bulk loads landed and its
@@ -228,28 +241,36 @@ def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, see
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     model.set_seed(seed)
     case = _case(3, hidden=2048, tokens=(64, 40, 64), topk=2)
-    group = EmulatedGroup(3, 2048, 64, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    group = EmulatedGroup(3, 2048, 64, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
     try:
         xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
         group.dispatch(xs, idx, weights, num_out_tokens=256, absent_after_layout={2})
-        with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s .* waiting for peer rank 2 in dispatch "
-                                               r"rows \(call 1,"):
+        with pytest.raises(RuntimeError, match=rf"rank [01] gave up after 1 s .* waiting for peer rank 2 in "
+                                               rf"{MISSING_PHASE['dispatch'][path]}.* \(call 1,"):
             group.synchronize()
     finally:
         group.close()
 
 
+# The kernel names fault injection goes by (each launcher names its kernel).
+KERNEL_NAMES = {"dispatch": {"receive": "dispatch", "direct": "dispatch_direct"},
+                "combine": {"receive": "combine", "direct": "combine_pull"}}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kernel", ["dispatch", "combine"])
-def test_an_abort_at_any_point_leaves_every_block_cleanly(kernel):
+def test_an_abort_at_any_point_leaves_every_block_cleanly(kernel, path):
     """The launch's abort flag raised at one scheduling round after another, as a failing
     peer would: whatever each block was doing, it must leave with its warps together, after
     its bulk loads landed and its bulk stores read their shared memory (the model stops the
     launch otherwise), and the next call must refuse the buffer only if an error was
-    recorded (an injected abort records none)."""
+    recorded (an injected abort records none). The injections must fire: the first always
+    (every launch has a first round), and at least a quarter of them (the measured rounds
+    include the layout kernel's, and each run has its own schedule)."""
     case = _case(2, hidden=2048, tokens=(64, 48), topk=2)
     xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
     # How many scheduling rounds the launch takes undisturbed, then aborts spread over them.
-    group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
     res = group.dispatch(xs, idx, weights)
     before = model.stats()["rounds"]
     if kernel == "dispatch":
@@ -259,20 +280,25 @@ def test_an_abort_at_any_point_leaves_every_block_cleanly(kernel):
     rounds = model.stats()["rounds"] - before
     group.close()
     assert rounds >= 3
-    for round_ in sorted({1 + i * rounds // 40 for i in range(40)}):
-        group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu")
+    name = KERNEL_NAMES[kernel][path]
+    injected = sorted({1 + i * rounds // 40 for i in range(40)})
+    fired = []
+    for round_ in injected:
+        group = EmulatedGroup(2, 2048, 64, 4, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
         try:
             model.set_seed(round_)
             if kernel == "dispatch":
-                model.inject_abort(group.engine.abort.data_ptr(), round_, "dispatch")
+                model.inject_abort(group.engine.abort.data_ptr(), round_, name)
                 group.dispatch(xs, idx, weights)
             else:
                 res = group.dispatch(xs, idx, weights)
-                model.inject_abort(group.engine.abort.data_ptr(), round_, "combine")
+                model.inject_abort(group.engine.abort.data_ptr(), round_, name)
                 group.combine([r.tokens for r in res], [r.handle for r in res])
             group.synchronize()  # raises if the model found a defect on the way out
+            fired.append(int(group.engine.abort.item()) == 1)
         finally:
             group.close()
+    assert fired[0] and 4 * sum(fired) >= len(fired), f"{sum(fired)} of {len(fired)} injected aborts fired"
 
 
 def test_interleaved_calls_on_two_handles():
@@ -316,12 +342,15 @@ def test_a_pipeline_timeout_names_no_peer_and_the_call():
         group.close()
 
 
-def test_a_bf16_wire_rounds_once_per_hop_within_the_oracle_bound():
-    """The same combine over a bf16 wire and an fp32 wire: the bf16 partials are rounded on
-    their hop, so the results differ, each within its own bound, and the bf16 wire's result
-    falls outside the fp32 wire's bound somewhere (the hop's term is needed, not slack)."""
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bf16_wire_rounds_once_per_hop_within_the_oracle_bound(path):
+    """The same combine over a bf16 wire and an fp32 wire. On the receive path the bf16
+    partials are rounded on their hop, so the results differ, each within its own bound, and
+    the bf16 wire's result falls outside the fp32 wire's bound somewhere (the hop's term is
+    needed, not slack). On the direct path no partial crosses a link: both are the fp32 sum
+    rounded once, bit for bit."""
     case = _case(4, num_experts=8, topk=4, hidden=2048, tokens=(64, 64, 64, 64), seed=3)
-    group = group_for(case)
+    group = group_for(case, path=path)
     model.set_seed(3)
     xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
     res = group.dispatch(xs, idx, weights)
@@ -339,8 +368,12 @@ def test_a_bf16_wire_rounds_once_per_hop_within_the_oracle_bound():
         assert_combine_close(y_fp32[r], want_y[r], magnitude[r], case.topk, f"fp32 wire rank {r}", torch.float32)
         tol32 = combine_tolerance(want_y[r], magnitude[r], torch.bfloat16, case.topk, torch.float32)
         outside_fp32_bound += int(((y_bf16[r].double() - want_y[r]).abs() > tol32).sum())
-    assert not all(torch.equal(a, b) for a, b in zip(y_bf16, y_fp32))
-    assert outside_fp32_bound > 0
+    if path == "direct":
+        assert all(torch.equal(a, b) for a, b in zip(y_bf16, y_fp32))
+        assert outside_fp32_bound == 0
+    else:
+        assert not all(torch.equal(a, b) for a, b in zip(y_bf16, y_fp32))
+        assert outside_fp32_bound > 0
 
 
 def test_small_rows_are_batched_in_one_stage():
@@ -354,22 +387,29 @@ def test_small_rows_are_batched_in_one_stage():
         check_emulated(group_for(case), dataclasses.replace(case, seed=seed))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("groups", ["0", "1", "7"])
-def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups):
+def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, path):
     """The stores' queue (HYBRID_EP_STORE_GROUPS) only changes when stages are released: none
     held (0), the default's one, and the most the ring allows (7, cut to stages - 1). Rows of
-    two segments and small batched rows, so every ring wraps several times."""
+    two segments and small batched rows, so every ring wraps several times. Every kernel with
+    a store queue: the receive path's dispatch and combine, the direct path's dispatch."""
     monkeypatch.setenv(launch.STORE_GROUPS_ENV, groups)
     for case in (_case(2, hidden=12288, dtype=torch.float32, tokens=(9, 4)),
                  _case(3, hidden=128, tokens=(64, 17, 33), topk=2)):
-        group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1)
+        group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path=path)
         try:
             for seed in SEEDS:
                 model.set_seed(seed)
                 check_emulated(group, dataclasses.replace(case, seed=seed))
             kinds = {key[0]: a for key, a in group.engine._launch_cache.items()}
-            assert kinds["dispatch"].store_groups == min(int(groups), kinds["dispatch"].fifo_stages - 1)
-            assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_out_stages - 1)
+            if path == "receive":
+                assert kinds["dispatch"].store_groups == min(int(groups), kinds["dispatch"].fifo_stages - 1)
+                assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_out_stages - 1)
+            else:
+                direct = kinds["dispatch_direct"]
+                assert direct.store_groups == min(int(groups), direct.fifo_stages - 1)
+                assert set(kinds) == {"dispatch_direct", "combine_pull"}
         finally:
             group.close()
 

@@ -49,16 +49,17 @@ inline void bind_common(py::module_& m) {
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
   m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
+  m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
       .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
-          RW(RegLayout, combine_signal)
-          RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
-              RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
+          RW(RegLayout, combine_signal) RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state)
+              RW(RegLayout, count_in) RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
                       RW(RegLayout, scale_stride) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
-                          RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, total);
+                          RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, direct_tensors)
+                              RW(RegLayout, direct_first) RW(RegLayout, direct_done) RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
       .def(py::init<>()) RW(RdmaLayout, count_epoch) RW(RdmaLayout, count_out) RW(RdmaLayout, count_in)
           RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)
@@ -81,10 +82,11 @@ inline void bind_common(py::module_& m) {
       .def(py::init([] { return RankArgs{}; })) RW(RankArgs, rank) RW(RankArgs, absent) RW(RankArgs, num_tokens)
           RW(RankArgs, topk) RW(RankArgs, peers) RW(RankArgs, x) RW(RankArgs, x_scales) RW(RankArgs, topk_idx)
               RW(RankArgs, topk_weights) RW(RankArgs, send_slot) RW(RankArgs, entry_ord) RW(RankArgs, info)
-                  RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos) RW(RankArgs, recv_spans)
-                      RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
-                      RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes)
-                      RW(RankArgs, num_out_rows) RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y);
+                  RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos)
+                      RW(RankArgs, recv_spans) RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
+                          RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes) RW(RankArgs, num_out_rows)
+                              RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y) RW(RankArgs, route_rows)
+                                  RW(RankArgs, arena_bases);
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks)
           RW(LaunchArgs, blocks_per_rank) RW(LaunchArgs, dtype) RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols)
@@ -108,12 +110,21 @@ inline void bind_common(py::module_& m) {
   m.def("launch_dispatch",
         [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_dispatch(a, stream), "dispatch"); });
   m.def("launch_combine", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
+  m.def("launch_dispatch_direct", [](const LaunchArgs& a, uint64_t stream) {
+    check_launch(launch_dispatch_direct(a, stream), "dispatch_direct");
+  });
+  m.def("launch_combine_pull",
+        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine_pull(a, stream), "combine_pull"); });
   m.def("layout_smem_bytes", &layout_smem_bytes);
   m.def("dispatch_smem_bytes", &dispatch_smem_bytes);
   m.def("combine_smem_bytes", &combine_smem_bytes);
+  m.def("dispatch_direct_smem_bytes", &dispatch_direct_smem_bytes);
+  m.def("combine_pull_smem_bytes", &combine_pull_smem_bytes);
   m.def("layout_max_blocks_per_sm", &layout_max_blocks_per_sm);
   m.def("dispatch_max_blocks_per_sm", &dispatch_max_blocks_per_sm);
   m.def("combine_max_blocks_per_sm", &combine_max_blocks_per_sm);
+  m.def("dispatch_direct_max_blocks_per_sm", &dispatch_direct_max_blocks_per_sm);
+  m.def("combine_pull_max_blocks_per_sm", &combine_pull_max_blocks_per_sm);
 }
 
 }  // namespace hybrid_ep::bindings

@@ -25,18 +25,21 @@ enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3 };
 
 enum Phase : int32_t {
   kPhaseNone = 0,
-  kPhaseBadRouting = 1,       // topk_idx out of range or duplicated (peer = token)
-  kPhaseDispatchFlow = 2,     // waiting for a peer to finish reading the previous dispatch
-  kPhaseCounts = 3,           // waiting for a peer's counts
-  kPhaseDispatchRows = 4,     // waiting for a peer's rows
-  kPhaseCombineFlow = 5,      // waiting for a peer to finish reading the previous combine
-  kPhaseCombineRows = 6,      // waiting for a peer's partial sums
-  kPhasePipeline = 7,         // a shared-memory FIFO stage never completed
-  kPhaseRdmaFlow = 8,         // waiting for a rail peer on another node to finish reading the previous call
-  kPhaseRdmaCounts = 9,       // waiting for the counts of a rank on another node
-  kPhaseRdmaRows = 10,        // forwarder: waiting for a chunk of a source on another node (RDMA)
-  kPhaseNodePartials = 11,    // forwarder: waiting for a rank of its node's partial sums of a chunk
-  kPhaseRdmaPartials = 12,    // source: waiting for the node partial sums of another node (RDMA)
+  kPhaseBadRouting = 1,      // topk_idx out of range or duplicated (peer = token)
+  kPhaseDispatchFlow = 2,    // waiting for a peer to finish reading the previous dispatch
+  kPhaseCounts = 3,          // waiting for a peer's counts
+  kPhaseDispatchRows = 4,    // waiting for a peer's rows
+  kPhaseCombineFlow = 5,     // waiting for a peer to finish reading the previous combine
+  kPhaseCombineRows = 6,     // waiting for a peer's partial sums
+  kPhasePipeline = 7,        // a shared-memory FIFO stage never completed
+  kPhaseRdmaFlow = 8,        // waiting for a rail peer on another node to finish reading the previous call
+  kPhaseRdmaCounts = 9,      // waiting for the counts of a rank on another node
+  kPhaseRdmaRows = 10,       // forwarder: waiting for a chunk of a source on another node (RDMA)
+  kPhaseNodePartials = 11,   // forwarder: waiting for a rank of its node's partial sums of a chunk
+  kPhaseRdmaPartials = 12,   // source: waiting for the node partial sums of another node (RDMA)
+  kPhaseDirectTensors = 13,  // direct path: waiting for a peer to publish its tensors of the call
+  kPhaseDirectRows = 14,     // direct path: waiting for a peer to finish writing this rank's output rows
+  kPhaseDirectReads = 15,    // direct path: waiting for a peer to finish reading this rank's expert_out
 };
 
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
@@ -65,7 +68,25 @@ struct RegLayout {
                              // when this rank is the source's rail peer here: [N source node][G writer]
                              // [max_tokens] rows in the wire dtype (packed), indexed by the writer's slot
   uint64_t comb_fwd_signal;  // u64 [N][G][max_chunks]: writer g stored its partials of chunk c (epoch)
+  // The direct path (a single node whose ranks can address each other's tensors: sources write
+  // output rows straight into their final row, and read expert outputs straight from their row).
+  uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
+  uint64_t direct_first;    // i32 [W][L]: first output row of source s's rows of local expert j (layout kernel)
+  uint64_t direct_done;     // u64 [2][W]: source s finished writing this rank's output rows [0] / reading its
+                            // expert_out [1] in that call (epoch)
   uint64_t total;
+};
+
+// A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
+// the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with
+// the call's epoch once the tensors exist.
+struct PeerTensors {
+  uint64_t epoch;
+  uint64_t rows;     // dispatch: the output rows [R, H]; combine: expert_out [R, C]
+  uint64_t probs;    // [R] f32 routing weight of each output row
+  uint64_t scales;   // dispatch with fp8 rows: [R, H/128] f32
+  int64_t num_rows;  // R
+  uint64_t pad[3];
 };
 
 // Offsets (bytes) inside one rank's RDMA region (the symmetric heap on clusters: the same
@@ -173,6 +194,10 @@ struct RankArgs {
   uint64_t expert_out;      // [R, C] combine input
   uint64_t probs;           // [R] f32 routing weight of each output row (apply_probs)
   uint64_t y;               // [T, C] combine output
+  uint64_t route_rows;      // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
+                            // (dispatch writes it, combine reads it: the handle's)
+  uint64_t arena_bases;     // direct path: device u64 [W], where each rank's arena starts in this process
+                            // (every published tensor offset is relative to it; 0 in single-process emulation)
 };
 
 struct LaunchArgs {

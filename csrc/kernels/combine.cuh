@@ -208,16 +208,16 @@ template <typename Rdma, typename In, typename Wire>
 __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& out, int gt, int lane) {
   PipeState produced;
   reduce_parts<In>(d, in, d.sh.host_items, d.host_in, gt, lane,
-                         [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                           if (!warp_producer_acquire(d, out, produced, lane)) return false;
-                           acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
-                           if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.row, it.slot, it.col0, it.cols};
-                           dev::fence_proxy_async();  // this thread's output, read next by a bulk store
-                           __syncwarp();
-                           if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
-                           produced.advance(out.stages);
-                           return true;
-                         });
+                   [&](const SegmentAcc& acc, const PartItem& it, int quads) {
+                     if (!warp_producer_acquire(d, out, produced, lane)) return false;
+                     acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
+                     if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.row, it.slot, it.col0, it.cols};
+                     dev::fence_proxy_async();  // this thread's output, read next by a bulk store
+                     __syncwarp();
+                     if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
+                     produced.advance(out.stages);
+                     return true;
+                   });
 }
 
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
@@ -353,10 +353,10 @@ template <typename Rdma, typename Out, typename Wire>
 __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
   reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
-                           [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                             acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
-                             return true;
-                           });
+                     [&](const SegmentAcc& acc, const PartItem& it, int quads) {
+                       acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
+                       return true;
+                     });
 }
 
 // Warp 11 with several nodes: for each chunk this rank forwarded in the dispatch (kept by the

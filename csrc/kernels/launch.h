@@ -22,6 +22,12 @@ LaunchStatus launch_dispatch(const LaunchArgs& args, uint64_t stream);
 // Per-rank reduction of local expert rows, push of partials, fp32 sum on the source.
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream);
 
+// The direct path (a single node whose ranks address each other's tensors: emulation, or an
+// arena every rank maps): rows stored straight into their final row at every route's rank,
+// expert outputs read straight from theirs (kernels/dispatch_direct.cuh, combine_pull.cuh).
+LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_pull(const LaunchArgs& args, uint64_t stream);
+
 // The NVSHMEM instantiations (kernels_nvshmem.cu, built only where the build found NVSHMEM).
 // Every other launch uses the loopback transport, which a single node never calls.
 inline bool uses_nvshmem(const LaunchArgs& args) {
@@ -43,10 +49,14 @@ inline LaunchStatus launch_combine_nvshmem(const LaunchArgs&, uint64_t) { return
 size_t layout_smem_bytes(const Geometry& geo);
 size_t dispatch_smem_bytes(const LaunchArgs& args);
 size_t combine_smem_bytes(const LaunchArgs& args);
+size_t dispatch_direct_smem_bytes(const LaunchArgs& args);
+size_t combine_pull_smem_bytes(const LaunchArgs& args);
 
 // How many blocks of each kernel fit on one SM with that shared memory.
 int layout_max_blocks_per_sm(size_t smem);
 int dispatch_max_blocks_per_sm(size_t smem);
 int combine_max_blocks_per_sm(size_t smem);
+int dispatch_direct_max_blocks_per_sm(size_t smem);
+int combine_pull_max_blocks_per_sm(size_t smem);
 
 }  // namespace hybrid_ep

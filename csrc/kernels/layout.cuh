@@ -264,6 +264,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     info[il.num_recv] = off;
   }
   __syncthreads();
+  // The direct path: where each source's rows of each local expert start, for the sources to
+  // read when they write their rows there themselves (kernels/dispatch_direct.cuh).
+  auto* first_row = reinterpret_cast<int32_t*>(view.own() + geo.reg.direct_first);
+  for (int u = tid; u < W * L; u += blockDim.x)
+    first_row[u] = static_cast<int32_t>(info[il.expert_start + u % L] + info[il.src_prefix + u]);
   if (R >= 0) {
     for (int j = tid; j < L; j += blockDim.x) {
       const int64_t start = info[il.expert_start + j], rows = info[il.tokens_per_expert + j];
@@ -286,7 +291,7 @@ template <typename Rdma>
 LaunchStatus launch_layout_with(const LaunchArgs& args, uint64_t stream) {
   const size_t cols = args.geo.num_experts + args.geo.world_size + args.geo.num_nodes;
   return dev::launch_cooperative(layout_kernel<Rdma>, args.num_ranks, kPrepareThreads,
-                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args);
+                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args, "layout");
 }
 
 }  // namespace layout_impl

@@ -152,8 +152,8 @@ struct SegmentAcc {
 // of each part added; part(i) gives its row in global memory and its weight). A row without
 // parts gets one stage without bytes: the reducers write a zero segment. False on a stop.
 template <typename Call, typename Part>
-__device__ bool load_parts(const Call& d, const Ring& ring, PartItem* items, uint8_t* data,
-                           uint32_t elem_bytes, PipeState& produced, PartItem head, int n, Part part) {
+__device__ bool load_parts(const Call& d, const Ring& ring, PartItem* items, uint8_t* data, uint32_t elem_bytes,
+                           PipeState& produced, PartItem head, int n, Part part) {
   const uint32_t bytes = static_cast<uint32_t>(head.cols) * elem_bytes;
   for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
     if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
@@ -178,8 +178,8 @@ __device__ bool load_parts(const Call& d, const Ring& ring, PartItem* items, uin
 // Lane 0 of a load warp, at the end: the reducers' end-of-work stage (or the stop), then every
 // issued load waited for, consumed or not, so the block never exits with one in flight.
 template <typename Call>
-__device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, uint8_t* data,
-                             uint32_t elem_bytes, PipeState produced, bool ok) {
+__device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, uint8_t* data, uint32_t elem_bytes,
+                             PipeState produced, bool ok) {
   if (!ok) {
     d.stop();
   } else if (ring.producer_acquire(d.args, produced)) {
@@ -194,19 +194,20 @@ __device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, u
 // item, quads) takes the segment after its last part (false: stop). Returns at the end of work
 // or on a stop.
 template <typename In, typename Call, typename Emit>
-__device__ void reduce_parts(const Call& d, const Ring& ring, const PartItem* items, const uint8_t* data,
-                             int gt, int lane, Emit emit) {
+__device__ void reduce_parts(const Call& d, const Ring& ring, const PartItem* items, const uint8_t* data, int gt,
+                             int lane, Emit emit) {
   SegmentAcc acc;
   for (PipeState p;; p.advance(ring.stages)) {
     if (!warp_consumer_wait(d, ring, p, lane)) return;
     const PartItem it = items[p.stage];
     if (it.flags & kEndOfWork) return;
     const int quads = it.cols / 4;
-    if (it.flags & kNoBytes)
+    if (it.flags & kNoBytes) {
       acc.zero();
-    else
+    } else {
       acc.add<In>(data + static_cast<size_t>(p.stage) * d.seg_cols * sizeof(In), quads, gt, it.weight,
                   (it.flags & kFirstPart) != 0);
+    }
     __syncwarp();
     if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
     if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;

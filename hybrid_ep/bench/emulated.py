@@ -44,6 +44,11 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "pipelines": "per kernel: pipeline stages and store groups of its launch (counts)",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes)",
+         "dispatch_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs, "
+                                       "the data path's row moves per destination row x the destination bytes",
+         "combine_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs",
+         "data_path": "direct (each route's row straight to and from its final row) or receive (through receive "
+                      "buffers, partial sums pushed back)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
          "combine_copy_fraction": "fraction of the device copy's bytes/s",
          "median_us": "microseconds (host time per dispatch + combine pair)", "elapsed_s": "s",
@@ -149,6 +154,7 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
                              ("combine", c_ms, recv_rows * comb_bytes, combine_rw)):
         row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
         row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
+        row[f"{op}_moved_gbps_per_sm"] = row[f"{op}_rw_gbps"] / (W * sms)
         row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
     if nodes > 1:
         row["dispatch_rdma_gbps_per_sm"] = rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
@@ -160,7 +166,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes)
+    group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes, data_path=launch.data_path(nodes == 1))
     idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev, args.zipf_exponent, nodes,
                                args.group_limit)
     first = group.dispatch(xs, idxs, scales=scales)
@@ -180,11 +186,18 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     gen = torch.Generator(device=dev).manual_seed(derived_seed(args.seed + 1))
     expert_outs = [torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype) for r in first]
     handles = [r.handle for r in first]
-    # Bytes the kernels touch: dispatch reads each token once and writes each sent row, then
-    # reads each received row and writes each output row; combine mirrors it, its partials
-    # in the wire dtype (the combine dtype: the default).
-    dispatch_rw = (W * T + recv_rows) * row_bytes + (recv_rows + out_rows) * row_bytes
-    combine_rw = out_rows * comb_bytes + 2 * recv_rows * comb_bytes + W * T * comb_bytes
+    # Bytes the kernels touch. Receive path: dispatch reads each token once and writes each
+    # sent row, then reads each received row and writes each output row; combine mirrors it,
+    # its partials in the wire dtype (the combine dtype: the default). Direct path: each
+    # token read once and written once per route; combine reads each route's row and writes
+    # each token's.
+    path = group.engine.data_path
+    if path == "direct":
+        dispatch_rw = (W * T + out_rows) * row_bytes
+        combine_rw = (out_rows + W * T) * comb_bytes
+    else:
+        dispatch_rw = (W * T + recv_rows) * row_bytes + (recv_rows + out_rows) * row_bytes
+        combine_rw = out_rows * comb_bytes + 2 * recv_rows * comb_bytes + W * T * comb_bytes
 
     rows = []
     for sms in sms_list:
@@ -198,6 +211,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         row = measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes,
                               dispatch_rw, combine_rw, copy_bps)
         row["pipelines"] = group.engine.launch_shapes(sms)
+        row["data_path"] = path
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
@@ -289,7 +303,8 @@ def run_config(args, s: dict) -> dict:
             "zipf_exponent": args.zipf_exponent if args.routing == "zipf" else None,
             "group_limit": spec.topk_groups if args.routing == "group-limited" else None,
             "seed": args.seed, "sms_per_rank": s["sms"], "warmup": s["warmup"], "iters": s["iters"],
-            "store_groups": launch.store_groups_override()}  # None: the default (each run's pipelines)
+            "store_groups": launch.store_groups_override(),  # None: the default (each run's pipelines)
+            "data_path_override": os.environ.get(launch.DATA_PATH_ENV) or None}  # None: direct where it runs
 
 
 def run(args) -> int:
@@ -352,14 +367,17 @@ def format_table(doc: dict) -> str:
     lines = [f"cuda kernels, W = {worlds} virtual ranks{where} on one {meta['device']} "
              f"({doc.get('device_sms', '?')} SMs) | H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} "
              f"E={c['experts']} {c['dtype']} {c['routing']} | copy {doc['copy_gbps']:.0f} GB/s"
-             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
-             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'of copy':>8} "
-             f"{'comb ms':>9} {'GB/s/SM':>8} {'of copy':>8}"
+             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
+             + ("" if c.get("data_path_override") is None else f" | HYBRID_EP_DATA_PATH={c['data_path_override']}"),
+             f"{'W':>3} {'path':>7} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} "
+             f"{'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} {'of copy':>8}"
              + ("" if nodes == 1 else f" {'RDMA rows':>10} {'disp RDMA/SM':>12} {'comb RDMA/SM':>12}")]
     for r in doc["runs"]:
-        line = (f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
-                f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
-                f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} {r['combine_copy_fraction']:>8.1%}")
+        line = (f"{r['world_size']:>3} {r.get('data_path', '-'):>7} {r['sms_per_rank']:>8} {r['total_sms']:>5} "
+                f"{r['dispatch_ms']:>9.3f} {r['dispatch_dest_gbps_per_sm']:>8.1f} "
+                f"{r.get('dispatch_moved_gbps_per_sm', float('nan')):>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
+                f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} "
+                f"{r.get('combine_moved_gbps_per_sm', float('nan')):>8.1f} {r['combine_copy_fraction']:>8.1%}")
         if nodes > 1:
             line += (f" {r['rdma_rows']:>10} {r['dispatch_rdma_gbps_per_sm']:>12.2f} "
                      f"{r['combine_rdma_gbps_per_sm']:>12.2f}")

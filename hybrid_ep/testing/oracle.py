@@ -172,7 +172,8 @@ class CombineBounds:
     `value` is the result when every fp32 sum happens to be exact; the fp32 sum the source
     casts to the output dtype lies in [lo, hi] whatever order each hop sums in (float64).
     hops[t]: roundings to the wire on the longest path of token t's contributions (0: none
-    arrive, 1: only from the source's node, 2: some from a remote node)."""
+    arrive, or none is rounded on its way (the direct path), 1: only from the source's node,
+    2: some from a remote node)."""
 
     value: torch.Tensor
     lo: torch.Tensor
@@ -187,6 +188,7 @@ def combine_hops_oracle(
     topk_idx: list[torch.Tensor],
     apply_probs: bool = False,
     wire_dtype: torch.dtype | None = None,
+    direct: bool = False,
 ) -> list[CombineBounds]:
     """Per source rank: what a hierarchical combine over `wire_dtype` may return.
 
@@ -195,7 +197,10 @@ def combine_hops_oracle(
     rounds it to the wire dtype; partials from the source's node go to the source; those of a
     remote node are summed in fp32 by that node's forwarder and rounded to the wire once
     more; the source sums what it receives in fp32. With one node (or one rank per node)
-    every contribution is rounded once. wire_dtype None: the dtype of expert_outs."""
+    every contribution is rounded once. wire_dtype None: the dtype of expert_outs.
+
+    direct: the direct path's combine, where the source reads every route's row itself and
+    sums them all in fp32: no partial crosses a link, nothing is rounded to the wire (hops 0)."""
     L, G, N = config.experts_per_rank, config.ranks_per_node, config.num_nodes
     dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
     wire = expert_outs[0].dtype if wire_dtype is None else wire_dtype
@@ -206,6 +211,15 @@ def combine_hops_oracle(
         shape = (idx.shape[0], config.hidden_dim)
         source_sum = Fp32Sum(shape, dev)
         hops = torch.zeros(shape[0], dtype=torch.int64, device=dev)
+        if direct:
+            for d in range(config.world_size):
+                for sel, rows in _rank_terms(run, s, d, idx, outs64[d], L, apply_probs):
+                    term = torch.zeros(shape, dtype=torch.float64, device=dev)
+                    term[sel] = rows
+                    source_sum.add(Interval.point(term), sel[:, None])
+            total = source_sum.result()
+            bounds.append(CombineBounds(total.value, total.lo, total.hi, hops))
+            continue
         for n in range(N):
             remote = n != s // G
             node_sum = Fp32Sum(shape, dev) if remote else source_sum

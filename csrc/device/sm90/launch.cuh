@@ -13,7 +13,7 @@ namespace hybrid_ep::dev {
 // (its fault injection and messages); unused here.
 template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
-                                const Args& args, const char* /*name*/ = nullptr) {
+                               const Args& args, const char* /*name*/ = nullptr) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err == cudaSuccess) {

@@ -37,7 +37,7 @@ class EmulatedGroup:
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, data_path: str | None = None):
         if not 1 <= world_size <= MAX_EMULATED_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
@@ -57,7 +57,8 @@ class EmulatedGroup:
         self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G)
         self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
                      if self.config.num_nodes > 1 else None)
-        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma)
+        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
+                             data_path)
         self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
         self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)

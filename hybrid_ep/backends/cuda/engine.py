@@ -24,8 +24,8 @@ from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
 from .layout import (
-    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, TOKEN_META_BYTES,
-    info_layout, rdma_layout, registered_layout,
+    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, PEER_TENSORS_BYTES,
+    TOKEN_META_BYTES, info_layout, rdma_layout, registered_layout,
 )
 
 _PHASES = {
@@ -41,6 +41,9 @@ _PHASES = {
     10: "forwarding (waiting for the rail peer's rows from that node, by RDMA)",
     11: "the node partial sums (waiting for a rank of its own node to store its partials of a forwarded chunk)",
     12: "combine node partials (waiting for the rail peer on that node, by RDMA)",
+    13: "the direct path (waiting for the peer to publish its tensors of the call)",
+    14: "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
+    15: "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
 }
 TRANSPORTS = {"loopback": 0, "nvshmem": 1}  # csrc TransportKind
 
@@ -55,6 +58,12 @@ class CudaSendLayout:
 
     send_slot_TW: torch.Tensor  # int32 position of token t among the rows sent to d, -1 if none
     entry_ord_TK: torch.Tensor  # int32 ordinal of (t, k) among this rank's tokens of expert e
+    topk_idx_TK: torch.Tensor | None = None  # direct path: the routing's experts (int64)
+    route_rows_TK: torch.Tensor | None = None  # direct path: int32 output row of (t, k) at its expert's rank, -1 none
+
+    @property
+    def data_path(self) -> str:
+        return "receive" if self.route_rows_TK is None else "direct"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,8 +71,8 @@ class CudaRecvLayout:
     """The device-side layout of a dispatch output; field names follow routing.DestLayout."""
 
     info: torch.Tensor  # int64, offsets in csrc InfoLayout / layout.InfoLayout
-    row_pos: torch.Tensor  # int32 [W, Tmax, kd] output row of each entry of a received row
-    recv_spans: torch.Tensor  # int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk
+    row_pos: torch.Tensor | None  # int32 [W, Tmax, kd] output row of each entry of a received row (receive path)
+    recv_spans: torch.Tensor | None  # int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk (receive path)
     fwd_slots: torch.Tensor | None  # int32 [N, max_chunks * 32, G] several nodes: forwarded rows' slots
     fwd_rows: torch.Tensor | None  # int32 [N, max_chunks] rows of each forwarded chunk
     kd: int
@@ -92,7 +101,7 @@ def check_extension(ext) -> None:
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
                 "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
                 "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
-                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS}
+                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES}
     for name, value in expected.items():
         if getattr(ext, name) != value:
             raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
@@ -115,9 +124,10 @@ class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
     def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
-                 device: torch.device, rdma=None):
+                 device: torch.device, rdma=None, data_path: str | None = None):
         """rdma: the inter-node transport's regions (registered.LoopbackRegions, or NVSHMEM's),
-        for groups of several nodes."""
+        for groups of several nodes. data_path: "direct" or "receive" (launch.data_path; None:
+        HYBRID_EP_DATA_PATH, else direct wherever it can run)."""
         self.ext, self.config, self.ranks, self.tables, self.device = ext, config, ranks, tables, device
         if config.num_nodes > 1 and rdma is None:
             raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
@@ -133,6 +143,11 @@ class Engine:
         self.failure: str | None = None
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
         self.store_groups_override = launch.store_groups_override()  # HYBRID_EP_STORE_GROUPS, likewise
+        # The direct path needs every rank's tensors addressable here: all ranks of one node in
+        # this process (HYBRID_EP_DATA_PATH, likewise). Offsets of published tensors are from
+        # each rank's arena base, 0 in one process.
+        self.data_path = launch.data_path(len(ranks) == config.world_size and config.num_nodes == 1, data_path)
+        self.arena_bases = torch.zeros(config.world_size, dtype=torch.int64, device=device)
         # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
         # per-rank part changes (the launchers copy the struct when they launch).
         self._launch_cache: dict[tuple, object] = {}
@@ -203,7 +218,8 @@ class Engine:
         shapes = {}
         for (kind, blocks, *_), a in self._launch_cache.items():
             if blocks == sms:
-                stages = a.fifo_stages if kind == "dispatch" else a.host_out_stages
+                stages = {"dispatch": a.fifo_stages, "dispatch_direct": a.fifo_stages, "combine": a.host_out_stages,
+                          "combine_pull": a.src_stages}[kind]
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
         return shapes
 
@@ -230,6 +246,16 @@ class Engine:
             a.store_groups = launch.store_groups(fifo.stages, self.store_groups_override)
             smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
             per_sm = self.ext.dispatch_max_blocks_per_sm(smem)
+        elif kind == "dispatch_direct":
+            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
+                                     max_stages=launch.MAX_STAGES)
+            a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+            a.store_groups = launch.direct_store_groups(fifo.stages, self.store_groups_override)
+            per_sm = self.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
+        elif kind == "combine_pull":
+            pull = launch.pull_shape(row_elems, launch.ELEM_BYTES[dtype_name], self.smem_per_block)
+            a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
+            per_sm = self.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
         else:
             shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
                                          self.smem_per_block)
@@ -239,7 +265,7 @@ class Engine:
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
             a.store_groups = launch.combine_store_groups(shape.out_stages, self.store_groups_override)
             per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
-        launch.check_coresident(f"num_sms ({kind})", sms, len(self.ranks), self.device_sms, per_sm)
+        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a
         return a
 
@@ -290,7 +316,8 @@ class Engine:
             if fp8 and tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
                 raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
                                  f"got {list(sc.shape)}")
-        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        direct = self.data_path == "direct"
+        args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
         args.scale_cols = H // FP8_BLOCK if fp8 else 0
         kd = args.kd
         dev = self.device
@@ -336,16 +363,21 @@ class Engine:
             out = torch.empty(R, H, dtype=x.dtype, device=dev)
             out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
             out_probs = torch.empty(R, dtype=torch.float32, device=dev)
-            row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
-            recv_spans = torch.empty(W, self.reg.max_chunks, 2, dtype=torch.int32, device=dev)
+            row_pos = recv_spans = route_rows = None
+            if direct:  # where each route's row went, for combine to pull it from there
+                route_rows = torch.empty(idx.shape, dtype=torch.int32, device=dev)
+                ra.route_rows, ra.arena_bases = route_rows.data_ptr(), self.arena_bases.data_ptr()
+            else:
+                row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
+                recv_spans = torch.empty(W, self.reg.max_chunks, 2, dtype=torch.int32, device=dev)
+                ra.row_pos, ra.recv_spans = row_pos.data_ptr(), recv_spans.data_ptr()
             fwd_slots = fwd_rows = None
             if c.num_nodes > 1:  # what this rank forwards, for the combine's node partial sums
                 fwd_slots = torch.empty(c.num_nodes, self.reg.max_chunks * CHUNK_TOKENS, c.ranks_per_node,
                                         dtype=torch.int32, device=dev)
                 fwd_rows = torch.empty(c.num_nodes, self.reg.max_chunks, dtype=torch.int32, device=dev)
                 ra.fwd_slots, ra.fwd_rows = fwd_slots.data_ptr(), fwd_rows.data_ptr()
-            ra.out, ra.out_probs, ra.row_pos = out.data_ptr(), out_probs.data_ptr(), row_pos.data_ptr()
-            ra.recv_spans = recv_spans.data_ptr()
+            ra.out, ra.out_probs = out.data_ptr(), out_probs.data_ptr()
             ra.out_scales = out_scales.data_ptr() if fp8 else 0
             ra.num_out_rows = R
             ra.absent = int(self.ranks[i] in absent or self.ranks[i] in absent_after_layout)
@@ -361,16 +393,19 @@ class Engine:
             )
             results.append(RankDispatch(
                 rows_RH=out, scales_RB=out_scales, probs_R=out_probs,
-                send=CudaSendLayout(send_slot, entry_ord), recv=recv,
+                send=CudaSendLayout(send_slot, entry_ord, idx if direct else None, route_rows), recv=recv,
                 recv_counts_W=info[il.recv_count:il.recv_count + W],
                 count_matrix_WW=info[il.count_matrix:il.count_matrix + W * W].view(W, W),
                 node_counts_WN=info[il.node_counts:il.node_counts + W * c.num_nodes].view(W, c.num_nodes),
             ))
         self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
-        self._declare(self._in_flight["dispatch"] + [t for r in results for t in (
+        self._declare(self._in_flight["dispatch"] + [self.arena_bases] + [t for r in results for t in (
             r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos, r.recv.recv_spans, r.recv.fwd_slots,
-            r.recv.fwd_rows)])
-        self.ext.launch_dispatch(args, self._stream())
+            r.recv.fwd_rows, r.send.route_rows_TK)])
+        if direct:
+            self.ext.launch_dispatch_direct(args, self._stream())
+        else:
+            self.ext.launch_dispatch(args, self._stream())
         return results
 
     # -- combine ---------------------------------------------------------------------------
@@ -388,7 +423,8 @@ class Engine:
         launch.check_row_bytes("expert_out", C, dtype_name)
         if C > self.config.hidden_dim:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
-        args = self._launch_args(sms, dtype_name, C, "combine", wire_name)
+        direct = sends[0].data_path == "direct"  # the path of the dispatch that made the handles
+        args = self._launch_args(sms, dtype_name, C, "combine_pull" if direct else "combine", wire_name)
         args.apply_probs = int(apply_probs)
         outs = []
         for i, (r, x, send, recv, p) in enumerate(zip(self.ranks, rows, sends, recvs, probs)):
@@ -402,8 +438,12 @@ class Engine:
             ra = self.ext.RankArgs()
             ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, send.entry_ord_TK.shape[1]
             ra.peers = self.tables[i].data_ptr()
-            ra.send_slot, ra.info, ra.row_pos = send.send_slot_TW.data_ptr(), recv.info.data_ptr(), recv.row_pos.data_ptr()
-            ra.recv_spans = recv.recv_spans.data_ptr()
+            ra.send_slot, ra.info = send.send_slot_TW.data_ptr(), recv.info.data_ptr()
+            if direct:
+                ra.topk_idx, ra.route_rows = send.topk_idx_TK.data_ptr(), send.route_rows_TK.data_ptr()
+                ra.arena_bases = self.arena_bases.data_ptr()
+            else:
+                ra.row_pos, ra.recv_spans = recv.row_pos.data_ptr(), recv.recv_spans.data_ptr()
             if recv.fwd_slots is not None:
                 ra.fwd_slots, ra.fwd_rows = recv.fwd_slots.data_ptr(), recv.fwd_rows.data_ptr()
             self._set_transport(ra, i)
@@ -412,10 +452,14 @@ class Engine:
             args.set_rank(i, ra)
             outs.append((y, x, p))
         self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
-        self._declare([t for y, x, p in outs for t in (y, x, p)] +
+        self._declare([t for y, x, p in outs for t in (y, x, p)] + [self.arena_bases] +
                       [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos, r.recv_spans,
-                                                                 r.fwd_slots, r.fwd_rows)])
-        self.ext.launch_combine(args, self._stream())
+                                                                 r.fwd_slots, r.fwd_rows, s.topk_idx_TK,
+                                                                 s.route_rows_TK)])
+        if direct:
+            self.ext.launch_combine_pull(args, self._stream())
+        else:
+            self.ext.launch_combine(args, self._stream())
         return [y for y, _, _ in outs]
 
     # -- backward of the probs -------------------------------------------------------------

@@ -99,6 +99,71 @@ def combine_shape(cols: int, in_bytes: int, wire_bytes: int, smem_per_block: int
                         src_stage_bytes=wire)
 
 
+DATA_PATH_ENV = "HYBRID_EP_DATA_PATH"
+DATA_PATHS = ("direct", "receive")
+
+
+def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -> str:
+    """Which data path a buffer's kernels take. "direct": sources store each route's row
+    straight into its final row at the expert's rank and combine pulls each route's expert
+    output straight from there (1 + K row moves per token; needs every rank's tensors
+    addressable by its peers: today single-process emulation of one node). "receive": rows
+    go to a receive buffer once per destination rank and are expanded there, partial sums are
+    pushed back (the path of one process per GPU). HYBRID_EP_DATA_PATH picks one for
+    measurements; unset, direct wherever it can run. `requested` (an argument, for tests and
+    benchmarks) wins over the variable."""
+    environ = os.environ if environ is None else environ
+    name = "data_path" if requested is not None else DATA_PATH_ENV
+    raw = requested if requested is not None else environ.get(DATA_PATH_ENV) or None
+    if raw is not None and raw not in DATA_PATHS:
+        raise ValueError(f"{name} must be one of {', '.join(DATA_PATHS)}, got {raw!r}")
+    if raw == "direct" and not can_go_direct:
+        raise ValueError(f"{name}=direct needs every rank of one node in this process (single-GPU emulation); "
+                         f"this buffer's ranks can not address each other's tensors")
+    if raw is not None:
+        return raw
+    return "direct" if can_go_direct else "receive"
+
+
+def direct_store_groups(stages: int, override: int | None = None) -> int:
+    """The direct dispatch's store threads share one FIFO with its single load thread, whose
+    loads need a stage or two ahead: every stage but two may still be read by stores."""
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
+    groups = max(1, stages - 2) if override is None else override
+    return min(groups, stages - 1, MAX_STORE_GROUPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PullShape:
+    seg_cols: int  # columns per stage (as combine_shape's)
+    stages: int  # of each of the PULL_PIPELINES pipelines
+    stage_bytes: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return PULL_PIPELINES * self.stages * self.stage_bytes
+
+
+PULL_PIPELINES = 2  # csrc combine_pull_impl::kPipelines
+
+
+def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
+    """The pull combine's rings: one expert-output segment per stage (the whole row up to
+    COMBINE_MAX_SEG_COLS columns and TARGET_COMBINE_SEGMENT_BYTES), as many stages as the
+    shared memory holds, split between its two pipelines."""
+    if cols <= 0 or cols % 4 != 0:
+        raise ValueError(f"expert_out rows must have a positive multiple of 4 columns, got {cols}")
+    seg = min(COMBINE_MAX_SEG_COLS, TARGET_COMBINE_SEGMENT_BYTES // in_bytes)
+    seg = cols if seg >= cols else max(8, seg // 8 * 8)
+    stage = seg * in_bytes
+    stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (PULL_PIPELINES * stage))
+    if stages < 2:
+        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 pull stages of {stage} B "
+                         f"per pipeline")
+    return PullShape(seg_cols=seg, stages=stages, stage_bytes=stage)
+
+
 STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
 MAX_STORE_GROUPS = 7  # csrc kMaxStoreGroups: cp.async.bulk.wait_group takes an immediate
 

@@ -24,6 +24,7 @@ META_ENTRY_BYTES = 16  # csrc MetaEntry
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype
 TOKEN_META_BYTES = 3 * 4 * MAX_TOPK  # csrc TokenMeta: expert, ordinal and weight of every route
 CHUNK_META_HEADER = 16  # csrc kChunkMetaHeader: a staged chunk's routing starts with its row count
+PEER_TENSORS_BYTES = 64  # csrc PeerTensors: a rank's published tensors of one call (direct path)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -65,12 +66,16 @@ class RegisteredLayout:
     comb_stride: int
     comb_fwd: int
     comb_fwd_signal: int
+    direct_tensors: int
+    direct_first: int
+    direct_done: int
     total: int
 
     def region_bytes(self) -> dict[str, int]:
         """Size of each region, for the memory plan."""
         order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                 "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows", "comb_fwd", "comb_fwd_signal"]
+                 "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows", "comb_fwd", "comb_fwd_signal",
+                 "direct_tensors", "direct_first", "direct_done"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
 
@@ -103,6 +108,11 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     forwarding = N > 1
     fields["comb_fwd"] = take(W * Tmax * fields["comb_stride"] if forwarding else 0)
     fields["comb_fwd_signal"] = take(8 * W * fields["max_chunks"] if forwarding else 0)
+    # The direct path: this rank's published tensors of a dispatch and a combine, the first
+    # output row of each (source, local expert), and each source's completion per kernel.
+    fields["direct_tensors"] = take(2 * PEER_TENSORS_BYTES)
+    fields["direct_first"] = take(4 * W * L)
+    fields["direct_done"] = take(8 * 2 * W)
     fields["total"] = take(0)
     return RegisteredLayout(**fields)
 

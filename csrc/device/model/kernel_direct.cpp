@@ -1,0 +1,3 @@
+// The direct path's kernels compiled by the host compiler for the CPU model: the very source
+// nvcc compiles, with csrc/device/device.cuh choosing the model's device layer.
+#include "kernels/direct.cu"

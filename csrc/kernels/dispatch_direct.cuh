@@ -1,0 +1,258 @@
+// Dispatch kernel of the direct path (one node whose ranks address each other's output
+// tensors): persistent, one block per SM. Every block sends its share of this rank's chunks
+// of kChunkTokens tokens straight into their final expert-major rows on each route's rank:
+// one bulk load of a token's row, one bulk store per route, so a row moves once per route
+// instead of once into a receive buffer and again into its expert's rows. A rank's work as a
+// destination is its zero padding; the kernel returns once every source has written its rows.
+//
+//   warp 0      bulk-loads the chunk's rows into the FIFO (small rows batched per stage, rows
+//               larger than a stage in segments);
+//   warp 1      builds the chunk's route table, a lane per token: each route's output row at
+//               its expert's rank (the first row of this source's rows of that expert, from the
+//               destination's layout kernel, plus the route's ordinal; -1 where num_out_tokens
+//               clipped it), kept in the handle for combine, and writes each route's routing
+//               weight and fp8 scales into the destination's tensors;
+//   warps 2-3   bulk-store each stage once per route, the two warps taking alternate routes,
+//               store_groups groups in flight each, then release the stage (2 arrivals);
+//   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh).
+// At the start block 0 publishes this rank's output tensors and every block reads every
+// destination's (kernels/direct.cuh, bounded waits); at the end the last block of this rank
+// tells every destination that its rows have landed, and block 0 waits until every source
+// said so, then publishes done_dispatch.
+#include "common/state.cuh"
+#include "kernels/direct.cuh"
+#include "kernels/launch.h"
+#include "kernels/padding.cuh"
+#include "kernels/pipeline.cuh"
+
+namespace hybrid_ep {
+namespace dispatch_direct_impl {
+
+constexpr int kLoadWarp = 0, kTableWarp = 1, kStoreWarp = 2, kStoreWarps = 2, kPadWarp = 4, kPadWarps = 2;
+constexpr int kDirectThreads = 6 * 32;
+constexpr int kTableSlots = 2;  // chunks whose route tables are ready ahead of the stores
+
+// A chunk's routes: output row at the route's rank (-1: none, or clipped) and that rank.
+struct RouteTable {
+  int32_t row[kChunkTokens][kMaxTopK];
+  uint8_t dest[kChunkTokens][kMaxTopK];
+};
+
+struct DirectDispatchShared {
+  uint64_t full[kMaxStages], empty[kMaxStages];
+  uint64_t table_full[kTableSlots], table_empty[kTableSlots];
+  RouteTable tables[kTableSlots];
+  uint64_t rows[kMaxRanks], probs[kMaxRanks], scales[kMaxRanks];  // each destination's, this process's addresses
+  int64_t num_rows[kMaxRanks];
+  int32_t first_row[kMaxExperts];  // [destination][its local expert]: this source's first output row there
+  volatile int fail;               // a wait of the setup gave up
+  volatile int abort;
+};
+
+// What every role of a block needs to know about the call.
+struct DirectDispatch {
+  const LaunchArgs& args;
+  const RankArgs& a;
+  const InfoLayout& il;
+  RankView view;
+  int b, nb, W, L, T, K, scale_cols, chunk, stages;
+  uint32_t row_bytes;
+  RowBatches batches;
+  const int64_t* info;
+  uint64_t epoch;
+  DirectDispatchShared& sh;
+  StageRing fifo;
+  Ring table_ring;
+
+  __device__ int chunks() const { return (T + chunk - 1) / chunk; }
+  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
+  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
+};
+
+// Warp 0 (lane 0): the block's chunks' rows into the FIFO.
+__device__ inline void load_rows(const DirectDispatch& d) {
+  const auto* x = reinterpret_cast<const uint8_t*>(d.a.x);
+  PipeState produced;
+  for (int c = d.b; c < d.chunks() && !d.stopped(); c += d.nb) {
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+    for (int k = 0; k < d.batches.items(t0, t1) && !d.stopped(); ++k, produced.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(t0, t1, k);
+      if (!d.fifo.ring.producer_acquire(d.args, produced)) {
+        d.stop();
+        break;
+      }
+      d.fifo.load(produced, x + static_cast<int64_t>(it.first) * d.row_bytes + it.offset, it.rows * it.bytes);
+    }
+  }
+  d.fifo.drain(d.args, PipeState{}, produced);
+}
+
+// Warp 1: each chunk's route table (lane i: token t0 + i), the handle's route rows, and the
+// routing weights and fp8 scales at each route's output row.
+__device__ inline void route_table(const DirectDispatch& d, int lane) {
+  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
+  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
+  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
+  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
+  auto* route_rows = reinterpret_cast<int32_t*>(d.a.route_rows);
+  PipeState slot;
+  for (int c = d.b; c < d.chunks(); c += d.nb, slot.advance(kTableSlots)) {
+    bool ok = true;
+    if (lane == 0) ok = !d.stopped() && d.table_ring.producer_acquire(d.args, slot);
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+    d.table_ring.observe_empty(slot, lane);  // every lane writes after both store warps released the slot
+    RouteTable& tab = d.sh.tables[slot.stage];
+    const int64_t t = static_cast<int64_t>(c) * d.chunk + lane;
+    if (lane < d.chunk && t < d.T) {
+      for (int k = 0; k < d.K; ++k) {
+        const int64_t e = idx[t * d.K + k];  // checked by the layout kernel: -1 or a valid expert
+        int32_t row = -1;
+        int dst = 0;
+        if (e >= 0) {
+          dst = static_cast<int>(e / d.L);
+          const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
+          if (p < d.sh.num_rows[dst]) {
+            row = static_cast<int32_t>(p);
+            reinterpret_cast<float*>(d.sh.probs[dst])[p] = weights[t * d.K + k];
+            for (int i = 0; i < d.scale_cols; ++i)
+              reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = x_scales[t * d.scale_cols + i];
+          }
+        }
+        tab.row[lane][k] = row;
+        tab.dest[lane][k] = static_cast<uint8_t>(dst);
+        route_rows[t * d.K + k] = row;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) d.table_ring.producer_commit(slot);
+  }
+}
+
+// Warps 2-3 (lane 0): each stage stored once per route this warp takes (routes which,
+// which + kStoreWarps, ...), then released once its stores have read it.
+__device__ inline void store_routes(const DirectDispatch& d, int which) {
+  const int in_flight = store_groups_in_flight(d.args, d.stages);
+  PipeState consumed, released, table;
+  bool ok = true;
+  for (int c = d.b; c < d.chunks() && ok; c += d.nb, table.advance(kTableSlots)) {
+    if (d.stopped() || !d.table_ring.consumer_wait(d.args, table)) {
+      ok = false;
+      break;
+    }
+    const RouteTable& tab = d.sh.tables[table.stage];
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+    for (int k = 0; k < d.batches.items(t0, t1); ++k, consumed.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(t0, t1, k);
+      if (d.stopped() || !d.fifo.ring.consumer_wait(d.args, consumed)) {
+        ok = false;
+        break;
+      }
+      for (int r = 0; r < it.rows; ++r) {
+        const int i = it.first + r - t0;
+        for (int q = which; q < d.K; q += kStoreWarps) {
+          const int p = tab.row[i][q];
+          if (p >= 0)
+            dev::bulk_s2g(reinterpret_cast<uint8_t*>(d.sh.rows[tab.dest[i][q]]) +
+                              static_cast<int64_t>(p) * d.row_bytes + it.offset,
+                          d.fifo.slot(consumed) + r * it.bytes, it.bytes);
+        }
+      }
+      dev::bulk_commit();
+      bulk_wait_read_except(in_flight);  // release the oldest stages only
+      for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
+        d.fifo.ring.consumer_release(released);
+    }
+    if (ok) d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
+  }
+  if (!ok) d.stop();
+  dev::bulk_wait_all();      // the rows landed before the last block's release (after the block barrier)
+  dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
+  for (; released.count < consumed.count; released.advance(d.stages)) d.fifo.ring.consumer_release(released);
+}
+
+__global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
+  const BlockPlace place = block_place(args);
+  const RankArgs& a = place.rank;
+  if (a.absent) return;
+  const Geometry& geo = args.geo;
+  const RankView view = rank_view(geo, a);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t row_bytes = static_cast<uint32_t>(args.row_elems) * (args.dtype == kFloat32  ? 4
+                                                                      : args.dtype == kFloat8 ? 1
+                                                                                              : 2);
+  DirectDispatchShared& sh = dev::block_shared<DirectDispatchShared>();
+  const uint64_t epoch = view.state()->dispatch_epoch;  // the layout kernel started this call
+  const int stages = args.fifo_stages, W = geo.world_size, L = geo.local_experts;
+  uint8_t* smem = dev::dynamic_smem<uint8_t>();
+  const DirectDispatch d{args,
+                         a,
+                         geo.info,
+                         view,
+                         place.block,
+                         place.blocks,
+                         W,
+                         L,
+                         a.num_tokens,
+                         a.topk,
+                         args.scale_cols,
+                         args.chunk_tokens,
+                         stages,
+                         row_bytes,
+                         RowBatches{row_bytes, static_cast<uint32_t>(args.stage_bytes), args.rows_per_stage,
+                                    static_cast<int>((row_bytes + args.stage_bytes - 1) / args.stage_bytes)},
+                         reinterpret_cast<const int64_t*>(a.info),
+                         epoch,
+                         sh,
+                         StageRing{{sh.full, sh.empty, stages, a.rank, epoch}, smem, args.stage_bytes},
+                         Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch}};
+
+  if (tid == 0) {
+    d.fifo.ring.init(1, kStoreWarps);
+    d.table_ring.init(1, kStoreWarps);
+    dev::mbar_fence_init();
+    sh.fail = 0;
+    sh.abort = aborted(args) ? 1 : 0;
+  }
+  if (place.block == 0 && tid == 32)
+    publish_tensors(view, a, kDirectDispatch, epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
+  if (tid < W) {  // every destination's tensors, and where this source's rows of its experts start
+    PeerView pv;
+    if (read_tensors(args, view, a, tid, kDirectDispatch, epoch, pv)) {
+      sh.rows[tid] = pv.rows;
+      sh.probs[tid] = pv.probs;
+      sh.scales[tid] = pv.scales;
+      sh.num_rows[tid] = pv.num_rows;
+      const auto* first = reinterpret_cast<const volatile int32_t*>(view.base(tid) + geo.reg.direct_first);
+      for (int j = 0; j < L; ++j) sh.first_row[tid * L + j] = first[a.rank * L + j];
+    } else {
+      sh.fail = 1;
+    }
+  }
+  __syncthreads();
+  if (sh.abort || sh.fail) return;
+
+  if (warp == kLoadWarp) {
+    if (lane == 0) load_rows(d);
+  } else if (warp == kTableWarp) {
+    route_table(d, lane);
+  } else if (warp < kStoreWarp + kStoreWarps) {
+    if (lane == 0) store_routes(d, warp - kStoreWarp);
+  } else {
+    zero_padding(d, warp - kPadWarp, kPadWarps, lane);
+  }
+  if (tid == 0 && aborted(args)) sh.abort = 1;  // one reading for the whole block
+  __syncthreads();
+  if (sh.abort) return;
+
+  if (finish_direct(args, view, a, place, kDirectDispatch, epoch, &view.state()->blocks_done_dispatch, &sh.fail)) {
+    __threadfence_system();
+    dev::st_release_sys(view.flag(a.rank, geo.reg.done_dispatch, 0), epoch);
+  }
+}
+
+}  // namespace dispatch_direct_impl
+
+}  // namespace hybrid_ep
