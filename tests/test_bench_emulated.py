@@ -36,7 +36,8 @@ def test_index_select_baseline_moves_the_oracle_rows():
 def test_table_and_plot(tmp_path):
     runs = [{"world_size": w, "sms_per_rank": s, "total_sms": w * s, "dispatch_ms": 1.0 / s,
              "dispatch_dest_gbps_per_sm": 60.0 - w, "dispatch_copy_fraction": 0.1 * s, "combine_ms": 2.0 / s,
-             "combine_dest_gbps_per_sm": 50.0 - w, "combine_copy_fraction": 0.05 * s}
+             "combine_dest_gbps_per_sm": 50.0 - w, "combine_copy_fraction": 0.05 * s,
+             "dispatch_moved_gbps_per_sm": 88.0 + s, "combine_moved_gbps_per_sm": 77.0 + s, "data_path": "direct"}
             for w in (2, 8) for s in (1, 2, 4)]
     config = {"world_sizes": [2, 8], "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
               "dtype": "bf16", "routing": "uniform"}
@@ -51,8 +52,11 @@ def test_table_and_plot(tmp_path):
     table = emulated.format_table(doc)
     lines = table.splitlines()
     assert "W = 2, 8 virtual ranks on one GPU" in lines[0] and "132 SMs" in lines[0]
-    # one row per (W, SMs): W=8 with 4 SMs per rank is 32 SMs in all
-    assert any(line.split()[:3] == ["8", "4", "32"] for line in lines)
+    # one row per (W, SMs): W=8 on the direct path with 4 SMs per rank is 32 SMs in all, the
+    # bytes moved per SM beside the destination bytes
+    assert any(line.split()[:5] == ["8", "direct", "4", "32", "0.250"] and line.split()[6] == "92.0"
+               for line in lines)
+    assert "moved/SM" in lines[1] and "path" in lines[1]
     assert "W=8: dispatch 1.500 ms" in table and "21.5 us" in table and "40.2 us" in table
     emulated._plot(doc, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
