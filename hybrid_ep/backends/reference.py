@@ -290,36 +290,36 @@ class ReferenceBackend(Backend):
         recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
                                                  [header_rows + c for c in recv_W], header_rows, agreement.PHASES[call])
         self._check(self._msg.read_headers(recv, starts, _HW), call, fields)
-        S = sum(recv_W)
-        rows_of = self._msg.row_map(starts, recv_W, header_rows, S, recv.shape[0] - 1)
-        back_SB = recv.index_select(0, rows_of)  # S rows, then the zero row
         y_TH = out_TK = None
         if rows_RH is not None:
-            back_SH = back_SB.view(wire)[:S, :rows_RH.shape[1]].float()
-            y_TH = self._sum_partials(back_SH, source, wire).to(rows_RH.dtype)
+            recv_SH = recv.view(wire)[:, :rows_RH.shape[1]]
+            y_TH = self._sum_partials(recv_SH, starts, header_rows, source, wire).to(rows_RH.dtype)
         if values_R is not None:
-            back_SL = back_SB.view(torch.float32)[:, width // 4:]
-            slot_rows = self._memo(source, ("slot rows", S), lambda: source.slot_row_TK.clamp(max=S))
-            out_TK = back_SL[slot_rows, source.slot_local_TK]
+            S = sum(recv_W)
+            rows_of = self._msg.row_map(starts, recv_W, header_rows, S, recv.shape[0] - 1)
+            at_slot = self._memo(source, ("slot rows", tuple(starts), header_rows),
+                                 lambda: rows_of[source.slot_row_TK.clamp(max=S)])
+            out_TK = recv.view(torch.float32)[:, width // 4:][at_slot, source.slot_local_TK]
         return y_TH, out_TK
 
-    def _sum_partials(self, back_SH: torch.Tensor, source: SendLayout, wire: torch.dtype) -> torch.Tensor:
+    def _sum_partials(self, recv_SH: torch.Tensor, starts: list[int], header_rows: int, source: SendLayout,
+                      wire: torch.dtype) -> torch.Tensor:
         """The source's fp32 sum of the partials, with the hierarchical path's roundings: the
         partials of a remote node are summed (fp32) and rounded to the wire once more, as that
         node's forwarder does, before the final sum. The rows travelled flat; the arithmetic
-        is the hops'. Row T collects the rows of no token (static blocks' padding)."""
+        is the hops'. Each rank's block of the receive rows (recv_SH, wire dtype) is added where
+        it lies, with no gather; row T collects the rows of no token (static blocks' padding)."""
         cfg = self.config
-        N, H, T, S = cfg.num_nodes, back_SH.shape[1], source.num_tokens, back_SH.shape[0]
-        token_S = source.token_of_row[:S]
-        if N == 1:
-            return torch.zeros(T + 1, H, device=self._device).index_add_(0, token_S, back_SH)[:T]
-        first = [0]
-        for rows in source.block_rows_W:
-            first.append(first[-1] + rows)
-        G, y = cfg.ranks_per_node, None
-        for n in range(N):  # a node's rows are one slice (rank-major order); sum each, then the nodes
-            lo, hi = first[n * G], first[(n + 1) * G]
-            part = torch.zeros(T + 1, H, device=self._device).index_add_(0, token_S[lo:hi], back_SH[lo:hi])
+        G, T, H = cfg.ranks_per_node, source.num_tokens, recv_SH.shape[1]
+        blocks, first, y = source.block_rows_W, 0, None
+        for n in range(cfg.num_nodes):
+            part = torch.zeros(T + 1, H, device=self._device)
+            for d in range(n * G, (n + 1) * G):
+                rows = blocks[d]
+                if rows:
+                    lo = starts[d] + header_rows
+                    part.index_add_(0, source.token_of_row[first:first + rows], recv_SH[lo:lo + rows].float())
+                first += rows
             if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
                 part = part.to(wire).float()
             y = part if y is None else y.add_(part)
