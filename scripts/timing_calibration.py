@@ -111,9 +111,10 @@ def fit_constants(args) -> int:
     table = constants.load_table()
     evaluate = _evaluator(args, run, shape, sms, table)
     start = dict(zip(args.names, args.start)) if args.start else {n: table.constants[n].value for n in args.names}
-    result = fit.fit(evaluate, tuple(args.names), start, measured)
-    for span, centre, best in result.steps:
-        print(f"span {span}: centre " + ", ".join(f"{n} {v:.4g}" for n, v in centre.items()) + f", best {best:.4f}")
+    result = fit.fit(evaluate, tuple(args.names), start, measured, tuple(args.spans))
+    for span, centre, best, surrogate in result.steps:
+        print(f"span {span}: grid centre " + ", ".join(f"{n} {v:.4g}" for n, v in centre.items()) +
+              f", best on the grid {best:.4f}, surrogate's minimum {surrogate:.4f}")
     fitted = ", ".join(f"{n} = {v:.4g}" for n, v in result.values.items())
     _print_points(f"fit: {fitted}; RMS log ratio {result.score:.4f} (predicted, model at T = "
                   f"{'/'.join(map(str, args.model_tokens))} per rank)", result.predicted_ms, measured)
@@ -205,10 +206,12 @@ def main(argv=None) -> int:
         f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
                        help="one or two tokens per rank the model runs at (default 512 1024)")
         if name == "fit":
-            f.add_argument("--names", nargs="+", default=["wake_ns", "engine_bytes_per_ns", "plain_pair_ns"],
+            f.add_argument("--names", nargs="+", default=["wake_ns", "plain_pair_ns"],
                            help="the constants to fit, at most 3 (default %(default)s)")
             f.add_argument("--start", nargs="+", type=float, default=None,
                            help="their starting values (default: the table's; a 0 cannot start a log search)")
+            f.add_argument("--spans", nargs="+", type=float, default=[3.0, 1.5],
+                           help="factor between a grid's values, per round (default 3 1.5)")
             f.add_argument("--write", action="store_true", help="put the fitted values into the table")
     pr = sub.add_parser("profile", help="shares of the warps' time by what they wait for, per kernel")
     pr.add_argument("commit")

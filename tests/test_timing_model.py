@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybrid_ep.timing import cli as timing_cli
-from hybrid_ep.timing import constants, points, predict
+from hybrid_ep.timing import constants, fit, points, predict
 
 pytestmark = pytest.mark.model
 
@@ -184,7 +184,8 @@ def small_group():
     from hybrid_ep.synthetic import iter_rank_routings
 
     W, T, H = SMALL["world_size"], SMALL["tokens"], SMALL["hidden"]
-    group = EmulatedGroup(W, H, T, SMALL["experts"], device=torch.device("cpu"))
+    # The receive path: the kernels of the calibration points (emulation's default is direct).
+    group = EmulatedGroup(W, H, T, SMALL["experts"], device=torch.device("cpu"), data_path="receive")
     idxs = list(iter_rank_routings("uniform", [T] * W, SMALL["experts"], SMALL["topk"], 0))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
@@ -295,3 +296,20 @@ def test_predict_then_validate(tmp_path, capsys):
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
     assert "hidden 1024 against 8192" in capsys.readouterr().err
+
+
+def test_the_fit_finds_the_constants_of_a_linear_model():
+    """Predicted times are piecewise linear in the constants; on a linear stand-in for the
+    model the fit must come back to the values that made the measurements."""
+    truth = {"wake_ns": 900.0, "plain_pair_ns": 12.0}
+
+    def evaluate(tables):
+        return [{(1, "combine"): 5.0 + 0.02 * t["wake_ns"] + 1.5 * t["plain_pair_ns"],
+                 (1, "dispatch"): 2.0 + 0.01 * t["wake_ns"] + 0.1 * t["plain_pair_ns"],
+                 (2, "combine"): 3.0 + 0.01 * t["wake_ns"] + 0.8 * t["plain_pair_ns"]} for t in tables]
+
+    measured = evaluate([truth])[0]
+    result = fit.fit(evaluate, ("wake_ns", "plain_pair_ns"), {"wake_ns": 400.0, "plain_pair_ns": 10.0}, measured)
+    assert result.values["wake_ns"] == pytest.approx(900.0, rel=0.05)
+    assert result.values["plain_pair_ns"] == pytest.approx(12.0, rel=0.05)
+    assert result.score < 0.01

@@ -1,11 +1,13 @@
 """A fit of a few timing constants (at most three) to measured kernel times.
 
-Every other constant keeps its value. The fitted ones are searched in log space: a grid of
-3 values each around the current values (each CPU-model run times all the grid's tables at
-once, since timing does not change the schedule), a quadratic fitted to the grid's scores,
-its minimum within the grid the next centre, and a narrower grid around it, span by span.
-The score is the root mean square of log(predicted / measured) over the points, so that 2x
-too slow and 2x too fast weigh the same.
+Every other constant keeps its value. A predicted time is piecewise linear in the constants
+(the clocks add costs and take maxima), so near a table it is nearly linear: one CPU-model run
+times a grid of 3 values per fitted constant around the start (every table at once, since
+timing does not change the schedule), each point's predicted time is fitted as a linear
+function of the constants over the grid, the score is minimised on that surrogate over a box
+wider than the grid, and the next round's grid is centred on the minimum with a narrower span.
+A last run at the result gives the score reported. The score is the root mean square of
+log(predicted / measured) over the points, so 2x too slow and 2x too fast weigh the same.
 """
 
 from __future__ import annotations
@@ -28,39 +30,44 @@ def score(predicted_ms: dict, measured_ms: dict) -> float:
 @dataclasses.dataclass(frozen=True)
 class FitResult:
     values: dict          # name -> fitted value
-    score: float          # at the fitted values
+    score: float          # at the fitted values, from a run of the model
     predicted_ms: dict    # point key -> ms at the fitted values
-    steps: list           # (span, centre, best score on the grid) per span
+    steps: list           # (span, grid centre, best score on the grid, surrogate's minimum) per round
 
 
-def _quadratic_terms(x: np.ndarray) -> np.ndarray:
-    k = len(x)
-    return np.concatenate([[1.0], x, [x[i] * x[j] for i in range(k) for j in range(i, k)]])
-
-
-def _grid_minimum(points: list[tuple[float, ...]], scores: list[float]) -> tuple[float, ...]:
-    """The minimum, within the grid's box, of a quadratic in the log values fitted to the scores."""
-    A = np.array([_quadratic_terms(np.array(p)) for p in points])
-    coef, *_ = np.linalg.lstsq(A, np.array(scores), rcond=None)
-    axes = [np.linspace(min(p[i] for p in points), max(p[i] for p in points), 21) for i in range(len(points[0]))]
-    return min(itertools.product(*axes), key=lambda x: float(coef @ _quadratic_terms(np.array(x))))
+def surrogate_minimum(grid: list[dict], results: list[dict], measured_ms: dict, names: tuple[str, ...],
+                      box: float) -> tuple[dict, float]:
+    """The values within `box` times the grid's centre (log-spaced search) that minimise the
+    score of the per-point linear fit to the grid's predictions; and that score."""
+    X = np.array([[1.0] + [g[n] for n in names] for g in grid])
+    coef = {k: np.linalg.lstsq(X, np.array([r[k] for r in results]), rcond=None)[0] for k in measured_ms}
+    centre = grid[len(grid) // 2]
+    axes = [np.exp(np.linspace(math.log(centre[n] / box), math.log(centre[n] * box), 41)) for n in names]
+    best, best_score = None, math.inf
+    for values in itertools.product(*axes):
+        x = np.array([1.0, *values])
+        pred = {k: float(c @ x) for k, c in coef.items()}
+        if min(pred.values()) <= 0:
+            continue
+        s = score(pred, measured_ms)
+        if s < best_score:
+            best, best_score = dict(zip(names, values)), s
+    return best, best_score
 
 
 def fit(evaluate, names: tuple[str, ...], start: dict, measured_ms: dict,
-        spans: tuple[float, ...] = (4.0, 2.0, 1.25)) -> FitResult:
+        spans: tuple[float, ...] = (3.0, 1.5)) -> FitResult:
     """evaluate([{name: value}, ...]) -> [{point: predicted ms}, ...] (one per table)."""
     if not 1 <= len(names) <= MAX_FITTED:
         raise ValueError(f"fit 1 to {MAX_FITTED} constants, got {len(names)}: {names}")
-    centre = tuple(math.log(start[n]) for n in names)
+    centre = {n: float(start[n]) for n in names}
     steps = []
     for span in spans:
-        d = math.log(span)
-        grid = [tuple(c + i * d for c, i in zip(centre, offsets))
+        grid = [{n: centre[n] * span ** i for n, i in zip(names, offsets)}
                 for offsets in itertools.product((-1, 0, 1), repeat=len(names))]
-        results = evaluate([{n: math.exp(x) for n, x in zip(names, p)} for p in grid])
-        scores = [score(r, measured_ms) for r in results]
-        steps.append((span, {n: math.exp(x) for n, x in zip(names, centre)}, min(scores)))
-        centre = _grid_minimum(grid, scores)
-    values = {n: math.exp(x) for n, x in zip(names, centre)}
-    final = evaluate([values])[0]
-    return FitResult(values, score(final, measured_ms), final, steps)
+        results = evaluate(grid)
+        best_grid = min(score(r, measured_ms) for r in results)
+        centre, predicted = surrogate_minimum(grid, results, measured_ms, names, span * span)
+        steps.append((span, grid[len(grid) // 2], best_grid, predicted))
+    final = evaluate([centre])[0]
+    return FitResult(centre, score(final, measured_ms), final, steps)
