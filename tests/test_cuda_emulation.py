@@ -24,10 +24,11 @@ from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 pytestmark = pytest.mark.gpu
 
 group_for = GroupCache("cuda")
+PATHS = ("direct", "receive")  # launch.DATA_PATHS: emulation's own, and that of one process per GPU
 
 
-def run_and_check(case: Case, num_sms: int | None = None):
-    return check_emulated(group_for(case), case, num_sms=num_sms)
+def run_and_check(case: Case, num_sms: int | None = None, path: str = "direct"):
+    return check_emulated(group_for(case, data_path=path), case, num_sms=num_sms)
 
 
 def _case(W, **kw):
@@ -69,14 +70,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_emulated_matches_oracle(case):
-    run_and_check(case)
+def test_emulated_matches_oracle(case, path):
+    run_and_check(case, path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_sms", [1, 2, 4, 16])
-def test_sm_count_per_call_gives_identical_results(num_sms):
-    run_and_check(_case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129)), num_sms=num_sms)
+def test_sm_count_per_call_gives_identical_results(num_sms, path):
+    run_and_check(_case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129)), num_sms=num_sms, path=path)
 
 
 def test_back_to_back_calls_on_one_buffer():
