@@ -177,18 +177,25 @@ run_sanitizer() {
             *) echo "gpu_check: unknown compute-sanitizer tool '$tool'" >&2; exit 2 ;; esac
     done
     : > "$results/sanitizer_summary.txt"
+    # Each tool on both data paths: the direct one (emulation's own) and the receive one (that
+    # of one process per GPU); the time left is shared among the runs not yet made.
+    local path log
+    todo=$((todo * 2))
     for tool in "${tools[@]}"; do
-        per_tool=$(( $(left) / todo ))
-        todo=$((todo - 1))
-        say "compute-sanitizer --tool $tool (log: sanitizer_$tool.log, at most $per_tool s)"
-        HYBRID_EP_TIMEOUT_S=60 bounded "$per_tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-            --print-limit 50 "$py" -m hybrid_ep.testing.emulated_check --preset small --calls 1 \
-            > "$results/sanitizer_$tool.log" 2>&1
-        rc=$?
-        # memcheck and synccheck end with "ERROR SUMMARY", racecheck with "RACECHECK SUMMARY"
-        echo "$tool: exit $rc; $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$results/sanitizer_$tool.log" | tail -1)" \
-            | tee -a "$results/sanitizer_summary.txt" "$summary"
-        [ "$rc" -gt "$worst" ] && worst=$rc
+        for path in direct receive; do
+            per_tool=$(( $(left) / todo ))
+            todo=$((todo - 1))
+            log=sanitizer_${tool}_$path.log
+            say "compute-sanitizer --tool $tool, $path path (log: $log, at most $per_tool s)"
+            HYBRID_EP_DATA_PATH=$path HYBRID_EP_TIMEOUT_S=60 bounded "$per_tool" compute-sanitizer --tool "$tool" \
+                --error-exitcode 99 --print-limit 50 "$py" -m hybrid_ep.testing.emulated_check --preset small \
+                --calls 1 > "$results/$log" 2>&1
+            rc=$?
+            # memcheck and synccheck end with "ERROR SUMMARY", racecheck with "RACECHECK SUMMARY"
+            echo "$tool ($path): exit $rc; $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$results/$log" | tail -1)" \
+                | tee -a "$results/sanitizer_summary.txt" "$summary"
+            [ "$rc" -gt "$worst" ] && worst=$rc
+        done
     done
     return "$worst"
 }

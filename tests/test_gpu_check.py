@@ -106,7 +106,7 @@ PROGRAM
 chmod +x "$out"
 ''')
     _stub(bin_dir / "compute-sanitizer", r'''
-echo "compute-sanitizer $*" >> "$CALLS"
+echo "compute-sanitizer $* | PATH_ENV=${HYBRID_EP_DATA_PATH:-}" >> "$CALLS"
 echo "HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S" >> "$CALLS"
 if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
 else echo "========= ERROR SUMMARY: 0 errors"; fi
@@ -237,19 +237,23 @@ def test_failing_tests_fail_the_stage(machine):
     assert proc.returncode == 1 and "pytest exit 1" in proc.stdout
 
 
-def test_sanitize_runs_each_tool_on_the_small_cases(machine):
+def test_sanitize_runs_each_tool_on_the_small_cases_of_both_paths(machine):
     _, results, run = machine
     proc, calls = run("sanitize", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = [line for line in calls.splitlines() if line.startswith("compute-sanitizer")]
-    assert [r.split()[2] for r in runs] == ["memcheck", "racecheck", "synccheck"]
+    assert [(r.split()[2], r.split("PATH_ENV=")[1]) for r in runs] == [
+        (tool, path) for tool in ("memcheck", "racecheck", "synccheck") for path in ("direct", "receive")]
     assert all("-m hybrid_ep.testing.emulated_check --preset small" in r for r in runs)
     summary = (results / "sanitizer_summary.txt").read_text().splitlines()
-    assert summary == ["memcheck: exit 0; ========= ERROR SUMMARY: 0 errors",
-                       "racecheck: exit 0; ========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)",
-                       "synccheck: exit 0; ========= ERROR SUMMARY: 0 errors"]
+    errors, hazards = "========= ERROR SUMMARY: 0 errors", "========= RACECHECK SUMMARY: 0 hazards displayed"
+    assert summary == [f"memcheck (direct): exit 0; {errors}", f"memcheck (receive): exit 0; {errors}",
+                       f"racecheck (direct): exit 0; {hazards} (0 errors, 0 warnings)",
+                       f"racecheck (receive): exit 0; {hazards} (0 errors, 0 warnings)",
+                       f"synccheck (direct): exit 0; {errors}", f"synccheck (receive): exit 0; {errors}"]
+    assert (results / "sanitizer_racecheck_receive.log").exists()
     proc, calls = run("sanitize", str(results), "memcheck")
-    assert calls.count("--tool memcheck") == 2 and calls.count("--tool racecheck") == 1
+    assert calls.count("--tool memcheck") == 4 and calls.count("--tool racecheck") == 2
 
 
 def test_bench_and_ncu_stages(machine):
