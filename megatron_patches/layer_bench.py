@@ -12,7 +12,9 @@ of --ranks-per-node (4 ranks as 2 nodes of 2 by default, as the demo does). Samp
 repeat times one forward + backward of every (shape, dispatcher) in turn, the dispatcher order
 alternating between repeats, so that the load of a shared machine falls on both alike. A
 sample is the slowest rank's time of that step (perf_counter after a barrier); the table gives
-the median over repeats and its ratio, hybrid_ep / alltoall.
+the median over repeats and its ratio, hybrid_ep / alltoall. Beside it, the CPU time a step
+costs a rank (process_time: all its threads, waits excluded; the mean over ranks per repeat,
+then the median), which moves less with the load of a shared machine than the wall time.
 
 Writes layer_bench.json (the project's metadata block first), layer_bench.md (the table) and
 layer_bench.png to --out. docs/benchmarks/megatron_layer.md has a run with its command.
@@ -47,6 +49,9 @@ UNITS = {
     "hidden": "elements", "ffn": "elements", "experts": "count", "topk": "count",
     "tokens_per_rank": "tokens",
     "max_abs_diff": "largest |hybrid_ep - alltoall| over the layer outputs of all ranks (same routing: ~0)",
+    "median_cpu_ms": "milliseconds of CPU time (process_time) per rank and step: mean over ranks, median over repeats",
+    "cpu_samples_ms": "milliseconds of CPU time per rank of each repeat (mean over ranks), in order",
+    "cpu_ratio": "hybrid_ep median CPU time / alltoall's",
 }
 
 
@@ -58,15 +63,16 @@ def _case(shape: str, dispatcher: str, world_size: int):
                      dispatcher=dispatcher)
 
 
-def _step_time(layer, x: torch.Tensor, grad_out: torch.Tensor) -> float:
-    """One forward + backward of the layer; seconds from a barrier to its end on this rank."""
+def _step_time(layer, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[float, float]:
+    """One forward + backward of the layer: seconds from a barrier to its end on this rank, and
+    the CPU seconds this process spent on it."""
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out, _ = layer(x)
     out.backward(grad_out)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _output(run) -> torch.Tensor:
@@ -76,7 +82,8 @@ def _output(run) -> torch.Tensor:
 
 
 def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int) -> dict:
-    """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time (s)."""
+    """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time and
+    the ranks' mean CPU time (s)."""
     from .demo import quiet_libraries
     from .options import HybridEPOptions
     from .testing import case_tensors, init_megatron, seeded_layer
@@ -104,62 +111,73 @@ def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int)
             for name in DISPATCHERS if rep % 2 == 0 else DISPATCHERS[::-1]:
                 mine[shape, name].append(_step_time(*runs[shape, name]))
     keys = list(runs)
-    slowest = torch.tensor([mine[k] for k in keys], dtype=torch.float64)
+    times = torch.tensor([mine[k] for k in keys], dtype=torch.float64)  # [keys, repeats, (wall, cpu)]
+    slowest, cpu = times[..., 0].contiguous(), times[..., 1].contiguous()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    cpu /= world
     backend = runs[shapes[0], "hybrid_ep"][0].token_dispatcher._buffer.backend
     return {"backend": backend, "max_abs_diff": dict(zip(shapes, diffs.tolist())),
-            "samples": {f"{s}/{n}": slowest[i].tolist() for i, (s, n) in enumerate(keys)}}
+            "samples": {f"{s}/{n}": slowest[i].tolist() for i, (s, n) in enumerate(keys)},
+            "cpu_samples": {f"{s}/{n}": cpu[i].tolist() for i, (s, n) in enumerate(keys)}}
 
 
-def summarize(samples: dict, shapes: list[str], max_abs_diff: dict) -> list[dict]:
-    """One row per shape: medians (ms), ratio of medians and the median of per-repeat ratios."""
+def summarize(samples: dict, shapes: list[str], max_abs_diff: dict, cpu_samples: dict) -> list[dict]:
+    """One row per shape: medians (ms), ratio of medians and the median of per-repeat ratios;
+    the same medians and ratio of the CPU time."""
     rows = []
     for shape in shapes:
         H, F, E, K, seq, batch = SHAPES[shape]
         ms = {n: [1e3 * t for t in samples[f"{shape}/{n}"]] for n in DISPATCHERS}
         med = {n: statistics.median(ms[n]) for n in DISPATCHERS}
+        cpu = {n: [1e3 * t for t in cpu_samples[f"{shape}/{n}"]] for n in DISPATCHERS}
+        cpu_med = {n: statistics.median(cpu[n]) for n in DISPATCHERS}
         rows.append({
             "shape": shape, "hidden": H, "ffn": F, "experts": E, "topk": K, "tokens_per_rank": seq * batch,
             "median_ms": med, "samples_ms": ms,
             "ratio": med["hybrid_ep"] / med["alltoall"],
             "paired_ratio": statistics.median(a / b for a, b in zip(ms["hybrid_ep"], ms["alltoall"])),
             "max_abs_diff": max_abs_diff[shape],
+            "median_cpu_ms": cpu_med, "cpu_samples_ms": cpu, "cpu_ratio": cpu_med["hybrid_ep"] / cpu_med["alltoall"],
         })
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | H | F | E | top-k | T/rank | hybrid_ep ms | alltoall ms | ratio | paired ratio "
-             "| max abs diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU ms hybrid_ep | CPU ms alltoall | CPU ratio | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['hidden']} | {r['ffn']} | {r['experts']} | {r['topk']} | "
                      f"{r['tokens_per_rank']} | {r['median_ms']['hybrid_ep']:.2f} | {r['median_ms']['alltoall']:.2f}"
-                     f" | {r['ratio']:.3f} | {r['paired_ratio']:.3f} | {r['max_abs_diff']:.1e} |")
+                     f" | {r['ratio']:.3f} | {r['paired_ratio']:.3f} | {r['median_cpu_ms']['hybrid_ep']:.2f}"
+                     f" | {r['median_cpu_ms']['alltoall']:.2f} | {r['cpu_ratio']:.3f} | {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
 
 
 def plot(doc: dict, path: str) -> None:
-    """Median time per shape, one bar per dispatcher, the ratio above each pair."""
+    """Per shape, one bar per dispatcher with the ratio above each pair: the median wall time
+    (left) and the median CPU time per rank (right)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rows = doc["rows"]
-    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
-    ax = fig.add_subplot()
+    rows, meta = doc["rows"], doc["metadata"]
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
     xs = range(len(rows))
-    for i, name in enumerate(DISPATCHERS):
-        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r["median_ms"][name] for r in rows], 0.38, label=name)
-    for x, r in zip(xs, rows):
-        top = max(r["median_ms"].values())
-        ax.annotate(f"{r['ratio']:.2f}x", (x, top), ha="center", va="bottom", xytext=(0, 3),
-                    textcoords="offset points")
-    ax.set_xticks(list(xs), [f"{r['shape']}\nH {r['hidden']}, top-{r['topk']} of {r['experts']}" for r in rows])
-    ax.set_ylabel("ms, median forward + backward (slowest rank)")
-    meta = doc["metadata"]
-    ax.set_title(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks "
-                 f"({meta['config']['nodes']} nodes for hybrid_ep): hybrid_ep (reference) "
-                 f"vs alltoall\n{meta['device']} | {meta['date']}", fontsize=10)
-    ax.legend()
+    panels = (("median_ms", "ratio", "ms, median forward + backward (slowest rank)"),
+              ("median_cpu_ms", "cpu_ratio", "ms of CPU time per rank, median forward + backward"))
+    for k, (field, ratio, label) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, k + 1)
+        for i, name in enumerate(DISPATCHERS):
+            ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r[field][name] for r in rows], 0.38, label=name)
+        for x, r in zip(xs, rows):
+            ax.annotate(f"{r[ratio]:.2f}x", (x, max(r[field].values())), ha="center", va="bottom", xytext=(0, 3),
+                        textcoords="offset points")
+        ax.set_xticks(list(xs), [f"{r['shape']}\nH {r['hidden']}, top-{r['topk']} of {r['experts']}" for r in rows])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks ({meta['config']['nodes']} nodes "
+                 f"for hybrid_ep): hybrid_ep (reference) vs alltoall\n{meta['device']} | {meta['date']}", fontsize=10)
     FigureCanvasAgg(fig).print_png(path)
 
 
@@ -178,9 +196,10 @@ def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per
     config = {"world_size": world_size, "ranks_per_node": ranks_per_node, "nodes": world_size // ranks_per_node,
               "transport": "gloo", "dispatchers": list(DISPATCHERS), "shapes": shapes,
               "repeats": repeats, "warmup": warmup, "dtype": "fp32", "layer": "MoELayer, local spec, SequentialMLP",
-              "timing": "time.perf_counter after a barrier, forward + backward, slowest rank per repeat"}
+              "timing": "time.perf_counter after a barrier, forward + backward, slowest rank per repeat; "
+                        "time.process_time over the same span, mean over ranks per repeat"}
     meta = metadata(TOOL, device_type="cpu", config=config, units=UNITS, backends=[out["backend"]])
-    return {"metadata": meta, "rows": summarize(out["samples"], shapes, out["max_abs_diff"])}
+    return {"metadata": meta, "rows": summarize(out["samples"], shapes, out["max_abs_diff"], out["cpu_samples"])}
 
 
 def main(argv=None) -> int:
