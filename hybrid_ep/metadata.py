@@ -59,14 +59,29 @@ def describe_device(device_type: str) -> str:
     raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
 
 
-def gpu_driver() -> str | None:
-    """The NVIDIA driver version (nvidia-smi), None without one."""
+def _nvidia_smi(field: str) -> str | None:
+    """One field of the first GPU as nvidia-smi reports it, None without nvidia-smi or a GPU."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.strip().splitlines()[0] if out.strip() else None
+    return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver version (nvidia-smi), None without one."""
+    return _nvidia_smi("driver_version")
+
+
+def gpu_sm_clock_mhz() -> float | None:
+    """The SM clock the first GPU runs at now (nvidia-smi clocks.sm, MHz): read right after a
+    measurement, the clock it ran at. None without a GPU or a number."""
+    raw = _nvidia_smi("clocks.sm")
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def _installed(distribution: str) -> str | None:

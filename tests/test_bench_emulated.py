@@ -98,13 +98,18 @@ def test_rdma_rows_of_the_kernels_equal_the_traffic_model(capsys):
     one_node.close()
 
 
-def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch):
+@pytest.mark.parametrize("path, kinds", [("direct", {"dispatch_direct", "combine_pull"}),
+                                         ("receive", {"dispatch", "combine"})])
+def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, path, kinds):
     """The bench's rows name the stages and store groups of each launch (the default is chosen
-    per launch from the stages, so the override alone does not say what ran)."""
+    per launch from the stages, so the override alone does not say what ran), for the kernels
+    of each data path; the pull combine has no store queue."""
     pytest.importorskip("hybrid_ep._model")
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 
+    rule = {"dispatch": launch.store_groups, "combine": launch.combine_store_groups,
+            "dispatch_direct": launch.direct_store_groups, "combine_pull": lambda stages, override: 0}
     tokens = [9, 4]
     idx = list(iter_rank_routings("uniform", tokens, 4, 2, seed=1))
     xs = [torch.randn(t, 1024).to(torch.bfloat16) for t in tokens]
@@ -113,14 +118,14 @@ def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch):
             monkeypatch.delenv(launch.STORE_GROUPS_ENV, raising=False)
         else:
             monkeypatch.setenv(launch.STORE_GROUPS_ENV, str(override))
-        group = EmulatedGroup(2, 1024, 9, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+        group = EmulatedGroup(2, 1024, 9, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path)
         res = group.dispatch(xs, idx, num_sms=1)
         group.combine([r.tokens for r in res], [r.handle for r in res], num_sms=1)
         shapes = group.engine.launch_shapes(1)
-        assert set(shapes) == {"dispatch", "combine"} and group.engine.launch_shapes(2) == {}
-        for shape in shapes.values():
+        assert set(shapes) == kinds and group.engine.launch_shapes(2) == {}
+        for kind, shape in shapes.items():
             assert shape["stages"] >= 2
-            assert shape["store_groups"] == launch.store_groups(shape["stages"], override)
+            assert shape["store_groups"] == rule[kind](shape["stages"], override), kind
         group.close()
 
 

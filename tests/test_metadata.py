@@ -78,3 +78,24 @@ def test_balancer_summary_file_carries_the_block(tmp_path):
                               "step": 12}
     assert set(SUMMARY_KEYS) <= set(meta["units"])
     assert doc["moves"] == summary["moves"] and doc["step"] == 12
+
+
+@pytest.mark.parametrize("printed, want", [("1755\n", 1755.0), ("[N/A]\n", None), ("", None)])
+def test_sm_clock_is_read_from_nvidia_smi(monkeypatch, printed, want):
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        return md.subprocess.CompletedProcess(cmd, 0, stdout=printed, stderr="")
+
+    monkeypatch.setattr(md.subprocess, "run", run)
+    assert md.gpu_sm_clock_mhz() == want
+    assert calls == [["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]]
+
+
+def test_no_nvidia_smi_means_no_clock_and_no_driver(monkeypatch):
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(md.subprocess, "run", missing)
+    assert md.gpu_sm_clock_mhz() is None and md.gpu_driver() is None

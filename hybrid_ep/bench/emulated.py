@@ -24,7 +24,7 @@ import torch
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..backends.cuda import launch
-from ..metadata import metadata
+from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
@@ -49,6 +49,7 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "combine_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs",
          "data_path": "direct (each route's row straight to and from its final row) or receive (through receive "
                       "buffers, partial sums pushed back)",
+         "sm_clock_mhz": "MHz: the SM clock nvidia-smi reported right after the point's timed calls (null without it)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
          "combine_copy_fraction": "fraction of the device copy's bytes/s",
          "median_us": "microseconds (host time per dispatch + combine pair)", "elapsed_s": "s",
@@ -212,6 +213,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
                               dispatch_rw, combine_rw, copy_bps)
         row["pipelines"] = group.engine.launch_shapes(sms)
         row["data_path"] = path
+        row["sm_clock_mhz"] = gpu_sm_clock_mhz()  # right after the point's timed calls
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
