@@ -21,22 +21,31 @@ import tempfile
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DEFAULT_WORK = os.path.join(os.path.expanduser("~"), ".cache", "hybrid-ep", "timing-builds")
 # Today's files put over the old tree: the device layer (with the timing model) and the binding
-# that exposes it. The kernels, transports, host code and Python package stay the commit's.
+# that exposes it. The kernels, transports, host code and Python package stay the commit's,
+# and so do the model's kernel_*.cpp, which name the commit's kernel sources.
 OVERLAY = ("csrc/device", "csrc/bindings/model_module.cpp")
+KEEP = "csrc/device/model/kernel_"
+
+
+def _overlay_files(repo: str) -> list[str]:
+    """The overlaid files, relative to the repository."""
+    out = []
+    for top in OVERLAY:
+        path = os.path.join(repo, top)
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+        out += [os.path.relpath(f, repo) for f in files if not os.path.relpath(f, repo).startswith(KEEP)]
+    return out
 DRIVER = os.path.join(os.path.dirname(__file__), "driver.py")
 
 
 def overlay_digest(repo: str = REPO) -> str:
     """A hash of the overlaid files' contents: a build made with other contents is redone."""
     h = hashlib.sha256()
-    for top in OVERLAY:
-        path = os.path.join(repo, top)
-        files = [path] if os.path.isfile(path) else sorted(
-            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-        for f in files:
-            h.update(os.path.relpath(f, repo).encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read())
+    for rel in _overlay_files(repo):
+        h.update(rel.encode())
+        with open(os.path.join(repo, rel), "rb") as fh:
+            h.update(fh.read())
     return h.hexdigest()[:16]
 
 
@@ -63,13 +72,13 @@ def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sy
     os.makedirs(folder)
     archive = subprocess.run(["git", "archive", full], cwd=repo, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    for top in OVERLAY:
-        src, dst = os.path.join(repo, top), os.path.join(folder, top)
-        if os.path.isdir(src):
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
-        else:
-            shutil.copy2(src, dst)
+    for d, _, fs in os.walk(os.path.join(folder, "csrc", "device")):
+        for f in fs:
+            if not os.path.relpath(os.path.join(d, f), folder).startswith(KEEP):
+                os.unlink(os.path.join(d, f))
+    for rel in _overlay_files(repo):
+        os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(repo, rel), os.path.join(folder, rel))
     print(f"timing: building the model of {full[:12]} with today's device layer in {folder}", file=log, flush=True)
     env = dict(os.environ, HYBRID_EP_SKIP_CUDA_BUILD="1")
     done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, env=env,

@@ -45,9 +45,9 @@ class Table:
 
 
 NOTE = ("Every constant of the timing model (csrc/device/model/timing.h) for one GPU, each with where its value "
-        "comes from. 'est.' values are the timing study's initial guesses (docs/benchmarks/timing/README.md), to be "
-        "replaced by the project's GPU microbenchmarks (csrc/microbench) when they have run; 'fit' values were "
-        "fitted to measured kernel times, at most three of them.")
+        "comes from. 'est.' values are estimates within the range given, to be replaced by the project's GPU "
+        "microbenchmarks (csrc/microbench) when they have run; 'fit' values were fitted to measured kernel times "
+        "(docs/benchmarks/timing/README.md), at most three of them.")
 
 
 def save_table(table: Table, path: str = H100) -> None:
