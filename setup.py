@@ -261,8 +261,10 @@ setup(
     packages=find_packages(include=["hybrid_ep", "hybrid_ep.*", "megatron_patches", "megatron_patches.*"]),
     install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
     extras_require={
-        # the linters too: scripts/test.sh runs scripts/lint.sh (settings: pyproject.toml, .clang-format)
-        "test": ["pytest>=8", "pytest-timeout", "ruff>=0.17,<0.18", "clang-format>=23,<24", "graylint>=2,<3"],
+        # the linters too: scripts/test.sh runs scripts/lint.sh (settings: pyproject.toml, .clang-format);
+        # pytest-xdist: test.sh runs the tests on one worker per CPU, at most 4 (--no-loadscope-reorder: 3.6)
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6,<4", "ruff>=0.17,<0.18", "clang-format>=23,<24",
+                 "graylint>=2,<3"],
         "megatron": [f"megatron-core>={_megatron_core_floor()}", "psutil"],  # psutil: dist_checkpointing's writer
         "wandb": ["wandb"],
     },

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Compile every CUDA/C++ source under csrc/ (object files only, nothing runs), so a syntax or
-# template error fails CI on machines without a GPU. Kernels (.cu) need only nvcc; the
-# bindings and transport (.cpp) also need pybind11 and Python headers, taken from $PYTHON's
-# torch. The GPU microbenchmarks (csrc/microbench/) are built and linked into their executable
-# by scripts/build_microbench.sh (sm_90a). Skips when nvcc is absent.
+# Compile the CUDA extension's sources under csrc/ (object files only, nothing runs), so a syntax
+# or template error fails CI on machines without a GPU, where setup.py does not build
+# hybrid_ep._C. Kernels (.cu) need only nvcc; the bindings and transport (.cpp) also need
+# pybind11 and Python headers, taken from $PYTHON's torch. The GPU microbenchmarks
+# (csrc/microbench/) are built and linked into their executable by scripts/build_microbench.sh
+# (sm_90a). Any file that fails to compile fails the run, and the run names it. Skips when nvcc
+# is absent.
+#
+# Not compiled here: the planner's and the CPU model's sources (csrc/balancer/, csrc/device/model/
+# and their bindings, planner_module.cpp and model_module.cpp). setup.py builds them, with the
+# host compiler, in every install (scripts/env.sh, so every CI run), and the sanitizer tier
+# builds them again; --list prints what is compiled and what is left to setup.py.
+#
+# The files compile in parallel, HYBRID_EP_COMPILE_JOBS at a time (default: the number of CPUs),
+# and each file's lines are printed in the sources' order once all have finished.
 #
 # The NVSHMEM transport's sources (file names containing "nvshmem") are compiled with
 # relocatable device code against NVSHMEM as setup.py finds it (scripts/find_nvshmem.py: the
@@ -12,15 +22,41 @@
 # resolved: the NVSHMEM build compiles and links. Without NVSHMEM they are skipped with one line.
 #
 #   bash scripts/compile_csrc.sh                    # everything
+#   bash scripts/compile_csrc.sh --list             # the files it compiles and those it leaves to setup.py
 #   bash scripts/compile_csrc.sh --nvshmem-link DIR # only the NVSHMEM link, the .so left in DIR
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# Built by setup.py in every install, with the host compiler (the planner and the CPU model).
+built_by_setup() {
+    case "$1" in
+        csrc/balancer/*.cpp | csrc/device/model/*.cpp | csrc/bindings/planner_module.cpp | csrc/bindings/model_module.cpp)
+            return 0 ;;
+    esac
+    return 1
+}
+mapfile -t all_sources < <(cd "$repo" && find csrc \( -name '*.cu' -o -name '*.cpp' \) ! -path 'csrc/microbench/*' | sort)
+sources=()
+for src in "${all_sources[@]}"; do built_by_setup "$src" || sources+=("$src"); done
+microbench=""
+if [ -f "$repo/csrc/microbench/main.cu" ]; then microbench=csrc/microbench/main.cu; fi
+
+if [ "${1:-}" = "--list" ]; then
+    for src in "${sources[@]}" $microbench; do echo "compile $src"; done
+    for src in "${all_sources[@]}"; do if built_by_setup "$src"; then echo "setup.py $src"; fi; done
+    exit 0
+fi
+
 nvcc=${NVCC:-$(command -v nvcc || true)}
 if [ -z "$nvcc" ]; then echo "compile_csrc: nvcc not found, CUDA compile check skipped"; exit 0; fi
 link_only=""
 if [ "${1:-}" = "--nvshmem-link" ]; then
     [ -n "${2:-}" ] || { echo "compile_csrc: --nvshmem-link needs an output folder" >&2; exit 2; }
     mkdir -p "$2"; link_only=$(cd "$2" && pwd)
+fi
+jobs=${HYBRID_EP_COMPILE_JOBS:-$(nproc 2>/dev/null || echo 1)}
+if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
+    echo "compile_csrc: HYBRID_EP_COMPILE_JOBS must be a whole number >= 1, got '$jobs'" >&2; exit 2
 fi
 py=${PYTHON:-python3}
 out=$(mktemp -d)
@@ -51,17 +87,24 @@ fi
 
 obj_of() { echo "$out/$(echo "$1" | tr / _).o"; }
 
-# compile SRC: one object into $out; returns 1 when it was skipped.
+# compile SRC: one object into $out (the microbenchmarks: their executable); the compiler's
+# status. A file that cannot be compiled here says why and leaves SRC.skipped beside its object.
 compile() {
     local src=$1 obj nv=()
     obj=$(obj_of "$src")
-    if [[ "$(basename "$src")" == *nvshmem* && "$NVSHMEM_FOUND" != 1 ]]; then return 1; fi
+    if [ "$src" = "$microbench" ]; then
+        echo "compile_csrc: $src (sm 90a, linked)"
+        NVCC="$nvcc" bash "$repo/scripts/build_microbench.sh" "$out/microbench" > /dev/null
+        return
+    fi
+    if [[ "$(basename "$src")" == *nvshmem* && "$NVSHMEM_FOUND" != 1 ]]; then touch "$obj.skipped"; return 0; fi
     # With NVSHMEM, _C is built with relocatable device code and its module binds the transport.
     if [[ "$src" == *.cu ]]; then nv=("${nvshmem_cu[@]}")
     elif [[ "$(basename "$src")" == *nvshmem* || "$src" == csrc/bindings/cuda_module.cpp ]]; then nv=("${nvshmem_cxx[@]}"); fi
     if [[ "$src" == *.cpp ]]; then
         if [ -z "$host_includes" ]; then
-            echo "compile_csrc: $src skipped (no Python with torch for the pybind11 headers; set PYTHON)"; return 1
+            echo "compile_csrc: $src skipped (no Python with torch for the pybind11 headers; set PYTHON)"
+            touch "$obj.skipped"; return 0
         fi
         echo "compile_csrc: $src"
         # shellcheck disable=SC2086
@@ -95,16 +138,26 @@ if [ -n "$link_only" ]; then
     exit 0
 fi
 
-mapfile -t sources < <(cd "$repo" && find csrc \( -name '*.cu' -o -name '*.cpp' \) ! -path 'csrc/microbench/*' | sort)
-if [ "${#sources[@]}" -eq 0 ]; then echo "compile_csrc: no sources under csrc/, nothing to compile"; exit 0; fi
-compiled=0
-for src in "${sources[@]}"; do
-    if compile "$src"; then compiled=$((compiled + 1)); fi
+todo=("${sources[@]}" $microbench)
+if [ "${#todo[@]}" -eq 0 ]; then echo "compile_csrc: no CUDA sources under csrc/, nothing to compile"; exit 0; fi
+# Each file in a background job of its own ($jobs at once), its lines and status kept in $out.
+for i in "${!todo[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+    ( set +e; compile "${todo[i]}" > "$out/job$i.log" 2>&1; echo $? > "$out/job$i.status" ) &
 done
-if [ "$NVSHMEM_FOUND" = 1 ]; then nvshmem_link "$out"; fi
-if [ -f "$repo/csrc/microbench/main.cu" ]; then
-    echo "compile_csrc: csrc/microbench/main.cu (sm 90a, linked)"
-    NVCC="$nvcc" bash "$repo/scripts/build_microbench.sh" "$out/microbench" > /dev/null
-    compiled=$((compiled + 1))
+wait
+compiled=0 failed=()
+for i in "${!todo[@]}"; do
+    src=${todo[i]}
+    cat "$out/job$i.log"
+    status=$(cat "$out/job$i.status" 2>/dev/null || echo "no status")
+    if [ "$status" != 0 ]; then failed+=("$src")
+    elif [ ! -e "$(obj_of "$src").skipped" ]; then compiled=$((compiled + 1)); fi
+done
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "compile_csrc: ${#failed[@]} file(s) failed to compile: ${failed[*]}" >&2
+    exit 1
 fi
-echo "compile_csrc: $compiled file(s) compiled with $("$nvcc" --version | tail -1)"
+if [ "$NVSHMEM_FOUND" = 1 ]; then nvshmem_link "$out"; fi
+echo "compile_csrc: $compiled file(s) compiled with $("$nvcc" --version | tail -1), $jobs at a time;" \
+    "the planner's and the CPU model's sources are built by setup.py"

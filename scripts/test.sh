@@ -2,9 +2,18 @@
 # The test command (README, CI): environment, lint of the changed lines (scripts/lint.sh), nvcc
 # compile check of csrc/, then pytest with the 25 slowest tests listed at the end.
 # Extra arguments go to pytest (e.g. -m unit: CONTRIBUTING.md lists the tiers).
+# pytest runs on HYBRID_EP_TEST_WORKERS processes (pytest-xdist; default: the CPUs, at most 4,
+# since each worker starts process-group pools of its own; 1 where a GPU is visible, as the GPU
+# tests share the devices); 1 runs the tests in the one pytest process.
 # "No tests collected" (pytest exit 5) is a failure.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if nvidia-smi -L >/dev/null 2>&1; then default_workers=1; else default_workers=$(nproc 2>/dev/null || echo 1); fi
+workers=${HYBRID_EP_TEST_WORKERS:-$default_workers}
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+    echo "test.sh: HYBRID_EP_TEST_WORKERS must be a whole number >= 1, got '$workers'" >&2; exit 2
+fi
+[ -n "${HYBRID_EP_TEST_WORKERS:-}" ] || [ "$workers" -le 4 ] || workers=4
 py=$(bash "$repo/scripts/env.sh")
 # Lint findings are printed; they fail the run with HYBRID_EP_LINT=strict, which becomes the
 # default once the whole tree has had its formatting pass (CONTRIBUTING.md).
@@ -16,8 +25,12 @@ PYTHON="$py" bash "$repo/scripts/compile_csrc.sh"
 # which Megatron-Core the megatron tests run against (docs/megatron.md#versions)
 echo "test.sh: $("$py" -W ignore -m megatron_patches.versions 2>/dev/null || echo "Megatron-Core is not importable")" >&2
 cd "$repo"
+xdist=()
+# loadgroup: the tests that share a file's fixtures or pools run on one worker (tests/conftest.py
+# marks them, and puts the slow ones first, an order --no-loadscope-reorder keeps)
+if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder); fi
 set +e
-"$py" -m pytest --timeout=600 --durations=25 "$@"
+"$py" -m pytest --timeout=600 --durations=25 "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests; that is a failure" >&2; exit 1; fi

@@ -1,5 +1,6 @@
 """Shared fixtures (process-group pools started once per world size, a 1-rank group, checkpoint
-folders), the test tiers, and the skips of tests that need a GPU."""
+folders), the test tiers, the skips of tests that need a GPU, and which tests share a worker
+when pytest-xdist runs the suite on several (scripts/test.sh)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ OTHER_MARKERS = {
 def pytest_configure(config):
     for name, what in {**TIERS, **OTHER_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    # set below (pytest-xdist registers it too; without pytest-xdist it is a plain mark)
+    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist runs on one worker")
 
 
 @pytest.fixture(scope="session")
@@ -81,6 +84,23 @@ def _tier_errors(items) -> list[str]:
     return [f"{name}: {' and '.join(tiers) or 'no tier'}" for name, tiers in sorted(bad.items())]
 
 
+def _shares_state_of_its_file(item) -> bool:
+    """Whether the test uses what its file's other tests reuse: a module-scoped fixture of its
+    file (a build, a training run) or the session's process-group pools (pool_for), whose world
+    sizes a file's tests mostly share."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for name, defs in info.name2fixturedefs.items():
+        if name == "pool_for":
+            return True
+        fixture = defs[-1]
+        if fixture.scope == "module" and getattr(fixture.func, "__module__", None) == item.module.__name__:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     errors = _tier_errors(items)
     if errors:
@@ -93,3 +113,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "multigpu" in item.keywords and not many:
             item.add_marker(pytest.mark.skip(reason="needs more than one CUDA device"))
+        # With --dist loadgroup (scripts/test.sh), tests of one xdist_group run on one worker: a
+        # file's module-scoped fixtures are then made once and its pools started by one worker.
+        # Every other test goes to whichever worker is free.
+        if isinstance(item, pytest.Function) and _shares_state_of_its_file(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the long work first
+        _slow_work_first(items)
+
+
+def _slow_work_first(items) -> None:
+    """Moves the slow tests, and the tests that share their worker, to the front (each keeping
+    its order): the workers start them first and the short tests fill in around them, so no
+    worker is left with a long test at the end while the others are idle (with pytest-xdist's
+    --no-loadscopereorder, which keeps this order)."""
+    def groups(item):
+        return {str(m.args[0]) for m in item.iter_markers("xdist_group")}
+
+    slow_groups = set().union(*(groups(i) for i in items if i.get_closest_marker("slow")))
+    items.sort(key=lambda i: not (i.get_closest_marker("slow") or groups(i) & slow_groups))

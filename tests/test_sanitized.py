@@ -45,7 +45,7 @@ PLANNER_TESTS = ("not test_refit_bound_is_below_the_exact_fewest_changes"
 # some schedules), in under a tenth of the time.
 MODEL_FILES = ["tests/test_device_model.py", "tests/test_kernels_model.py", "tests/test_hierarchy_model.py"]
 MODEL_CASES = ("test_device_model"
-               " or (test_kernels_match_the_oracle and not -1] and (float8_e4m3fn and pad16 or H12288 or out10"
+               " or (test_kernels_match_the_oracle and -0- and (float8_e4m3fn and pad16 or H12288 or out10"
                " or W3xG3 and wire or 1100 or min16))"
                " or (hierarchical_kernels_match_the_oracle and (out37 or min16 or H12288))"
                " or missing or peer_lost or abort_at_any_point or routing_errors")
@@ -53,7 +53,7 @@ MODEL_CASES = ("test_device_model"
 # every warp role, and 1016 of the 1053 lines of csrc/kernels and csrc/transport that all the
 # oracle cases run (gcov, 2026-11-25).
 RACE_FILES = MODEL_FILES[1:]
-RACE_CASES = ("(test_kernels_match_the_oracle and W3xG3 and float8_e4m3fn and pad16 and not -1]) or "
+RACE_CASES = ("(test_kernels_match_the_oracle and W3xG3 and float8_e4m3fn and pad16 and -0-) or "
               "(hierarchical_kernels_match_the_oracle and W2xG1 and H128)")
 
 
