@@ -19,6 +19,7 @@ from hybrid_ep.backends.cuda.layout import (
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
+from helpers import built_cuda_extension
 
 pytestmark = pytest.mark.unit
 
@@ -171,19 +172,13 @@ def test_row_bytes_and_coresidency_errors():
         launch.check_coresident("num_sms", 0, 1, 132, 1)
 
 
-def _extension():
-    try:
-        return importlib.import_module("hybrid_ep._C")
-    except ImportError as err:
-        pytest.fail(f"hybrid_ep._C must be built wherever nvcc and a CUDA torch exist: {err}")
-
-
-@pytest.mark.skipif(torch.version.cuda is None or shutil.which("nvcc") is None,
-                    reason="the extension is only built with nvcc against a CUDA PyTorch")
-def test_compiled_structs_match_the_python_plan():
+@pytest.mark.parametrize("module", ["hybrid_ep._model", "hybrid_ep._C"])
+def test_compiled_structs_match_the_python_plan(module):
+    """Both modules bind the same structs (csrc/bindings/common.h): the CPU model's, built in
+    every install, and the GPU extension's where it is built."""
     from hybrid_ep.backends.cuda.engine import check_extension
 
-    ext = _extension()
+    ext = built_cuda_extension() if module == "hybrid_ep._C" else importlib.import_module(module)
     check_extension(ext)
     args = ext.LaunchArgs()
     args.geo.reg.recv_rows = 12345

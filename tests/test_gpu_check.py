@@ -186,12 +186,16 @@ def test_several_stages_in_one_command_build_once_and_record_the_commit(machine)
     proc, calls = run("test,sanitize", str(results), "racecheck", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert calls.count("setup.py build_ext") == 1 and calls.count("-m pytest") == 1
-    assert [line.split()[2] for line in calls.splitlines() if line.startswith("compute-sanitizer")] == ["racecheck"]
+    # the one tool named, once per data path, each run naming its path
+    sanitizer_runs = [line for line in calls.splitlines() if line.startswith("compute-sanitizer")]
+    assert [line.split()[2] for line in sanitizer_runs] == ["racecheck", "racecheck"]
+    assert (results / "sanitizer_racecheck_direct.log").exists() and (results / "sanitizer_racecheck_receive.log").exists()
     assert "pytest HYBRID_EP_TIMEOUT_S=20" in calls and "HYBRID_EP_TIMEOUT_S=60" in calls  # the sanitizer's own
     machine_txt = (results / "machine.txt").read_text()
     assert "commit: 0123abc" in machine_txt and "stages: test sanitize" in machine_txt
     summary = (results / "gpu_check_summary.txt").read_text()
-    assert "commit: 0123abc" in summary and "pytest exit 0" in summary and "racecheck: exit 0;" in summary
+    assert "commit: 0123abc" in summary and "pytest exit 0" in summary
+    assert "racecheck (direct): exit 0;" in summary and "racecheck (receive): exit 0;" in summary
     proc, _ = run("build", str(results / "again"))
     assert "commit: unknown (no .git here; pass GPU_CHECK_COMMIT)" in (results / "again" / "machine.txt").read_text()
     proc, _ = run("test,bench", str(results), "memcheck")
