@@ -279,23 +279,36 @@ def test_predict_then_validate(tmp_path, capsys):
     assert all("predicted" in doc["metadata"]["units"][k] for k in ("dispatch_ms", "combine_ms"))
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
+    assert row["data_path"] == doc["metadata"]["config"]["data_path"] == "direct"  # the bench's on one node
     assert doc["constants"]["wake_ns"]["source"] == constants.load_table().constants["wake_ns"].source
     shape = {k: doc["metadata"]["config"][k] for k in ("hidden", "tokens_per_rank", "topk", "experts", "dtype",
                                                         "routing")}
     measured = {"metadata": {"config": {"nodes": 1, **shape}},
                 "runs": [{"world_size": 2, "nodes": 1, "sms_per_rank": 1, "dispatch_ms": row["dispatch_ms"] * 2,
                           "combine_ms": row["combine_ms"] / 4}]}
+    # a measured row that names no data path ran the receive path's kernels: not this prediction's
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
+    assert "no point of" in capsys.readouterr().err
+    measured["runs"][0]["data_path"] = "direct"
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith("worst: combine at W=2, 1 node(s), 1 SMs/rank: predicted / measured 4.00")
-    assert lines[2].split()[-1] == "0.50"  # dispatch predicted at half the measured time
+    assert lines[-1].startswith("worst: combine at W=2, 1 node(s), 1 SMs/rank, direct path: predicted / measured 4.00")
+    assert lines[2].split()[-1] == "0.50" and lines[2].split()[3] == "direct"  # dispatch at half the measured time
     # measured numbers are never taken for predictions, nor the other way round; nor other shapes compared
     assert timing_cli.main(["validate", str(tmp_path / "emulated.json"), str(out / "predicted.json")]) == 2
     measured["metadata"]["config"]["hidden"] = 8192
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
     assert "hidden 1024 against 8192" in capsys.readouterr().err
+
+
+def test_predict_refuses_the_direct_path_across_nodes(tmp_path, capsys):
+    args = ["predict", "--emulate", "4", "--emulate-nodes", "2", "--data-path", "direct", "--out", str(tmp_path)]
+    assert timing_cli.main(args) == 2
+    assert "--data-path direct runs on one node only (--emulate-nodes 2)" in capsys.readouterr().err
+    assert not (tmp_path / "predicted.json").exists()
 
 
 def test_the_fit_finds_the_constants_of_a_linear_model():

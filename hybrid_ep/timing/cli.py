@@ -1,7 +1,7 @@
 """`python -m hybrid_ep.timing`: predicted kernel times, and predictions against a measured run.
 
     python -m hybrid_ep.timing predict --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \\
-        --experts 16 --sms 1 2 4 --out results/predicted
+        --experts 16 --sms 1 2 4 [--data-path receive] --out results/predicted
     python -m hybrid_ep.timing validate results/predicted/predicted.json \\
         docs/benchmarks/gpu/2026-11-24-h100/bench/emulated.json
 
@@ -10,9 +10,11 @@ hybrid_ep/timing/h100.json) at the points hybrid-ep-bench --emulate measures on 
 uniform routing, its seed), and prints and writes (predicted.json) the predicted dispatch and
 combine ms of each, labelled as predictions. The model runs at one or two smaller token
 counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
-prediction is read off the line through them. HYBRID_EP_STORE_GROUPS is honoured as by the
-bench. `validate` prints predicted / measured per point of a measured emulated.json, the
-worst last. Exit status 2 for bad arguments.
+prediction is read off the line through them. --data-path picks the kernels as
+HYBRID_EP_DATA_PATH does for the bench; HYBRID_EP_STORE_GROUPS is honoured as by the bench.
+`validate` prints predicted / measured per point of a measured emulated.json (points of the
+same data path; a measured point naming none ran the receive path), the worst last. Exit
+status 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 from ..paths import output_problem
 
@@ -30,11 +33,8 @@ PROG = "python -m hybrid_ep.timing"
 
 def _predict(args) -> int:
     from ..backends.cuda import launch
-    from ..config import BufferConfig
     from ..metadata import metadata
-    from ..synthetic import iter_rank_routings
-    from ..traffic.model import count_tables
-    from . import constants, driver, predict, report
+    from . import constants, report
 
     problem = output_problem(args.out, folder=True)
     if problem:
@@ -50,11 +50,44 @@ def _predict(args) -> int:
         print(f"{PROG} predict: --experts {experts} must be a multiple of every world size and >= --topk "
               f"{args.topk} >= 1", file=sys.stderr)
         return 2
+    path = args.data_path or launch.data_path(nodes == 1, environ={})
+    if path == "direct" and nodes > 1:
+        print(f"{PROG} predict: --data-path direct runs on one node only (--emulate-nodes {nodes})", file=sys.stderr)
+        return 2
     table = constants.load_table(args.constants)
     import hybrid_ep._model as model
 
     constants.check_against_model(table, model)
     started = time.monotonic()
+    # the driver's emulated group reads the variable (it runs older commits' kernels too)
+    with mock.patch.dict(os.environ, {launch.DATA_PATH_ENV: path}):
+        rows = _predicted_rows(args, table, path, nodes, worlds, experts)
+    config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
+              "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
+              "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
+              "data_path": path, "store_groups": launch.store_groups_override(),
+              "constants_file": os.path.relpath(args.constants), "device_modelled": table.device}
+    doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
+           "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
+           "constants": {n: vars(c) for n, c in table.constants.items()},
+           "runs": rows, "elapsed_s": time.monotonic() - started}
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, "predicted.json")
+    with open(out_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(report.format_predicted(doc))
+    print(f"\npredictions: {out_path}")
+    return 0
+
+
+def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
+    """One row per world size and SMs per rank: the model's runs at the smaller token counts,
+    read off at the bench's."""
+    from ..config import BufferConfig
+    from ..synthetic import iter_rank_routings
+    from ..traffic.model import count_tables
+    from . import driver, predict, report
+
     rows = []
     for W in worlds:
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
@@ -69,25 +102,11 @@ def _predict(args) -> int:
             row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][0] / 1e6, ns[(sms, "combine")][0] / 1e6,
                                        recv, out_rows, 2 * args.hidden, 2 * args.hidden)
             row["model_tokens"] = list(model_tokens)
+            row["data_path"] = path
             rows.append(row)
             print(f"[{PROG} predict] W={W}, SMs/rank {sms}: dispatch {row['dispatch_ms']:.3f} ms, combine "
-                  f"{row['combine_ms']:.3f} ms (predicted)", file=sys.stderr, flush=True)
-    config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
-              "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
-              "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
-              "store_groups": launch.store_groups_override(), "constants_file": os.path.relpath(args.constants),
-              "device_modelled": table.device}
-    doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
-           "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
-           "constants": {n: vars(c) for n, c in table.constants.items()},
-           "runs": rows, "elapsed_s": time.monotonic() - started}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "predicted.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(report.format_predicted(doc))
-    print(f"\npredictions: {path}")
-    return 0
+                  f"{row['combine_ms']:.3f} ms (predicted, {path} path)", file=sys.stderr, flush=True)
+    return rows
 
 
 def _validate(args) -> int:
@@ -136,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default 0)")
     pr.add_argument("--model-tokens", type=int, nargs="+", default=None,
                     help="one or two tokens per rank the model runs at (default 512 1024, at W > 4 256 512)")
+    pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
+                    help="the kernels' data path (default: the bench's, direct on one node, else receive)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
     pr.add_argument("--out", required=True, help="folder for predicted.json")
     va = sub.add_parser("validate", help="predicted / measured per point, the worst last")

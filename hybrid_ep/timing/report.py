@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+RECEIVE = "receive"  # the data path of a row that names none: the only one before the direct path
+
 UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_sms": "SMs (all ranks of the launch)",
          "dispatch_ms": "ms, predicted by the timing model (layout + dispatch kernels; no host time)",
          "combine_ms": "ms, predicted by the timing model (combine kernel)",
@@ -16,6 +18,7 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "out_rows": "rows all ranks hand to their experts (one per token and routed expert), counted",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
+         "data_path": "the kernels' data path: direct (rows straight to their final row) or receive",
          "model_tokens": "tokens per rank the CPU model ran at (the prediction is on the line through them)",
          "constants": "the timing table the prediction used: value, unit, source per constant"}
 
@@ -38,14 +41,15 @@ def format_predicted(doc: dict) -> str:
              f"constants {c['constants_file']}), not measured: cuda kernels, W = "
              f"{', '.join(map(str, c['world_sizes']))} virtual ranks{where} on one {c['device_modelled']} | "
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
+             f" | {c.get('data_path', RECEIVE)} path"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'comb ms':>9} {'GB/s/SM':>8}"]
     for r in doc["runs"]:
         lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
                      f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
                      f"{r['combine_dest_gbps_per_sm']:>8.1f}")
-    lines.append("predicted ms: kernel time only (dispatch: the layout and dispatch kernels, without the host's read of "
-                 "the row count between them); GB/s/SM: rows received x row bytes / predicted time / all SMs")
+    lines.append("predicted ms: kernel time only (dispatch: the layout and dispatch kernels, without the host's read "
+                 "of the row count between them); GB/s/SM: rows received x row bytes / predicted time / all SMs")
     return "\n".join(lines)
 
 
@@ -61,19 +65,22 @@ def shape_differences(predicted: dict, measured: dict) -> list[str]:
 
 
 def compare(predicted: dict, measured: dict) -> list[dict]:
-    """Per point both files have: predicted and measured ms and their ratio."""
+    """Per point both files have (world size, nodes, SMs per rank and data path): predicted and
+    measured ms and their ratio."""
     nodes_p = predicted["metadata"]["config"]["nodes"]
     nodes_m = measured["metadata"]["config"].get("nodes", 1)
-    want = {(r["world_size"], r.get("nodes", nodes_m), r["sms_per_rank"]): r for r in measured["runs"]}
+    want = {(r["world_size"], r.get("nodes", nodes_m), r["sms_per_rank"], r.get("data_path", RECEIVE)): r
+            for r in measured["runs"]}
     out = []
     for r in predicted["runs"]:
-        m = want.get((r["world_size"], r.get("nodes", nodes_p), r["sms_per_rank"]))
+        m = want.get((r["world_size"], r.get("nodes", nodes_p), r["sms_per_rank"], r.get("data_path", RECEIVE)))
         if m is None:
             continue
         for kernel in ("dispatch", "combine"):
             p_ms, m_ms = r[f"{kernel}_ms"], m[f"{kernel}_ms"]
             out.append({"world_size": r["world_size"], "nodes": r["nodes"], "sms_per_rank": r["sms_per_rank"],
-                        "kernel": kernel, "predicted_ms": p_ms, "measured_ms": m_ms, "ratio": p_ms / m_ms})
+                        "data_path": r.get("data_path", RECEIVE), "kernel": kernel, "predicted_ms": p_ms,
+                        "measured_ms": m_ms, "ratio": p_ms / m_ms})
     return out
 
 
@@ -84,12 +91,13 @@ def worst(rows: list[dict]) -> dict:
 
 def format_comparison(rows: list[dict], predicted_path: str, measured_path: str) -> str:
     lines = [f"predicted ({predicted_path}) against measured ({measured_path}); ratio = predicted / measured",
-             f"{'W':>3} {'nodes':>5} {'SMs/rank':>8} {'kernel':>9} {'predicted ms':>13} {'measured ms':>12} "
-             f"{'ratio':>6}"]
+             f"{'W':>3} {'nodes':>5} {'SMs/rank':>8} {'path':>7} {'kernel':>9} {'predicted ms':>13} "
+             f"{'measured ms':>12} {'ratio':>6}"]
     for r in rows:
-        lines.append(f"{r['world_size']:>3} {r['nodes']:>5} {r['sms_per_rank']:>8} {r['kernel']:>9} "
-                     f"{r['predicted_ms']:>13.3f} {r['measured_ms']:>12.3f} {r['ratio']:>6.2f}")
+        lines.append(f"{r['world_size']:>3} {r['nodes']:>5} {r['sms_per_rank']:>8} {r['data_path']:>7} "
+                     f"{r['kernel']:>9} {r['predicted_ms']:>13.3f} {r['measured_ms']:>12.3f} {r['ratio']:>6.2f}")
     w = worst(rows)
-    lines.append(f"worst: {w['kernel']} at W={w['world_size']}, {w['nodes']} node(s), {w['sms_per_rank']} SMs/rank: "
+    lines.append(f"worst: {w['kernel']} at W={w['world_size']}, {w['nodes']} node(s), {w['sms_per_rank']} SMs/rank, "
+                 f"{w['data_path']} path: "
                  f"predicted / measured {w['ratio']:.2f}")
     return "\n".join(lines)
