@@ -6,8 +6,9 @@
 The modules, in the order a step meets them: `stats` (tokens per expert, counted on the
 device), `slots` (router expert ids -> slot ids), `state` (what a slot holds: weights,
 master weights, optimizer state), `migration` (moving slots between ranks, summing replicas'
-gradients), `planner` (statistics -> placement), `metrics` and `report` (imbalance, heatmaps,
-statistics files), `balancer` (the loop), `cli` (offline planning from saved statistics).
+gradients), `placement` (the Placement type: which expert each slot holds), `planner`
+(statistics -> placement), `metrics` and `report` (imbalance, heatmaps, statistics files),
+`balancer` (the loop), `cli` (offline planning from saved statistics).
 Megatron-Core hooks live in megatron_patches.balancer. See docs/balancer.md.
 """
 
@@ -23,10 +24,14 @@ from .stats import LoadStatistics
 def __getattr__(name):
     # The planner, metrics and reports import lazily: the training path needs them only
     # at a rebalance.
-    if name in ("plan_placement", "Placement"):
+    if name == "plan_placement":
         from . import planner
 
-        return getattr(planner, name)
+        return planner.plan_placement
+    if name == "Placement":
+        from . import placement
+
+        return placement.Placement
     if name in ("imbalance_ratio", "rank_loads", "slot_loads", "summarize"):
         from . import metrics
 

@@ -157,7 +157,7 @@ class ExpertBalancer:
             self._mark_duplicates(self._rows_LS)
 
     def _placement(self, rows=None):
-        from .planner import Placement
+        from .placement import Placement
 
         rows = self.placement_rows() if rows is None else rows
         return Placement(slot_to_expert=rows, num_ranks=self.num_ranks, num_nodes=self.num_nodes,
@@ -243,7 +243,7 @@ class ExpertBalancer:
         initial_LS: [L, S] (default: Placement.identity: the usual layout, spare slots
         holding replicas).
         """
-        from .planner import Placement
+        from .placement import Placement
 
         if initial_LS is None:
             initial_LS = Placement.identity(len(self.layers), self.num_experts, self.num_slots,

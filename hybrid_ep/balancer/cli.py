@@ -29,8 +29,9 @@ from ..paths import output_problem
 from ..wording import byte_unit, plural
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .metrics import rank_loads, summarize
+from .placement import Placement
 from .placement_file import NumberedPlacement, layer_numbers_problem, load_placement_yaml, save_placement_yaml
-from .planner import DEFAULT_TOLERANCE, Placement, plan_placement
+from .planner import DEFAULT_TOLERANCE, plan_placement
 from .report import DEFAULT_BYTES_PER_PARAM, load_statistics, slot_bytes, write_report
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .planner import Placement
+from .placement import Placement
 
 # Per-layer entries of a summary, in table order.
 SUMMARY_KEYS = ("imbalance_rank_before", "imbalance_rank_after", "imbalance_slot_before",

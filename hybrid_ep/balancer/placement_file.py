@@ -8,7 +8,7 @@
     initial_global_assignments:     # layer index -> expert id of every slot
       0: [0, 1, ...]
 
-Slot s of layer l lives on rank s // (num_slots / ep_size), as in planner.Placement.
+Slot s of layer l lives on rank s // (num_slots / ep_size), as in placement.Placement.
 layer_numbers are Megatron's global layer numbers (`layer.layer_number`, counted from 1, as
 the balancer's statistics and reports name layers): a model takes the rows of its own MoE
 layers by number (NumberedPlacement.rows_for), so one file serves every pipeline stage. A
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import yaml
 
-from .planner import Placement
+from .placement import Placement
 
 ASSIGNMENTS_KEY = "initial_global_assignments"
 LAYER_NUMBERS_KEY = "layer_numbers"
