@@ -1,4 +1,4 @@
-"""The planner's quality benchmark (python -m hybrid_ep.balancer.quality) on a small grid: files
+"""The planner's quality benchmark (python -m hybrid_ep.balancer.study.quality) on a small grid: files
 written, and the tolerance sweep and the move-budget rebalances on the cases that move more
 than the target."""
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from hybrid_ep.balancer import quality
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement
+from hybrid_ep.balancer.study import quality
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""`python -m hybrid_ep.balancer.quality`: the planner against EPLB and a greedy baseline.
+"""`python -m hybrid_ep.balancer.study.quality`: the planner against EPLB and a greedy baseline.
 
 Loads: per layer, token counts drawn from a popularity (multinomial over top-K routes, or
 Gumbel top-K routing for the `topk-` patterns). Patterns: Zipf s = 0.6 .. 1.4 (random
@@ -42,11 +42,12 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..paths import output_problem
-from ..synthetic import sample_topk, zipf_popularity
+from ...paths import output_problem
+from ...synthetic import sample_topk, zipf_popularity
+from ..metrics import imbalance_ratio, rank_loads
+from ..placement import Placement
+from ..planner import DEFAULT_TOLERANCE, peak, plan_placement
 from .baselines import eplb, greedy
-from .metrics import imbalance_ratio, rank_loads
-from .planner import DEFAULT_TOLERANCE, Placement, peak, plan_placement
 from .refit_bound import refit_lower_bound
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
@@ -400,12 +401,14 @@ def markdown(doc: dict) -> str:
               + (f": {', '.join(t['pattern'] + ' S=' + str(t['num_slots']) for t in over_limit)}." if over_limit
                  else "."), "",
               "| pattern | L x E, W, nodes, S | fresh ms (CPU ms) | with previous ms (CPU ms) | with budget CPU ms "
-              f"| slots moved | layers over {100 * c['move_target']:.0f}% (largest) | imbalance fresh / with previous |",
+              f"| slots moved | layers over {100 * c['move_target']:.0f}% (largest) "
+              "| imbalance fresh / with previous |",
               "|---|---|---|---|---|---|---|---|"]
     for t in doc["timing"]:
         lines.append(f"| {t['pattern']} | {t['num_layers']} x {t['num_experts']}, {t['num_ranks']}, {t['num_nodes']}, "
                      f"{t['num_slots']} | {t['fresh_ms']:.1f} ({t['fresh_cpu_ms']:.1f}) | {t['with_previous_ms']:.1f} "
-                     f"({t['with_previous_cpu_ms']:.1f}) | {t['with_budget_cpu_ms']:.1f} | {t['moves_with_previous']} / "
+                     f"({t['with_previous_cpu_ms']:.1f}) | "
+                     f"{t['with_budget_cpu_ms']:.1f} | {t['moves_with_previous']} / "
                      f"{t['slots_total']} ({100 * t['moves_with_previous'] / t['slots_total']:.1f}%) | "
                      f"{t['layers_over_target']} of {t['num_layers']} ({100 * t['moved_fraction_max_layer']:.1f}%) | "
                      f"{t['imbalance_fresh']:.4f} / {t['imbalance_with_previous']:.4f} |")
@@ -500,7 +503,7 @@ def plot(doc: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.quality", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.study.quality", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -555,7 +558,7 @@ def main(argv=None) -> int:
                      f"--time-ranks ({args.time_ranks})")
     torch.set_num_threads(1)
     doc = {"date": datetime.date.today().isoformat(), "machine": args.machine,
-           "command": shlex.join(["python", "-m", "hybrid_ep.balancer.quality"]
+           "command": shlex.join(["python", "-m", "hybrid_ep.balancer.study.quality"]
                                  + list(sys.argv[1:] if argv is None else argv)),
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "machine")}}
     doc["timing"] = timing(args)
