@@ -333,8 +333,8 @@ def test_a_pipeline_timeout_names_no_peer_and_the_call():
     record names none (peer -1) and the message says so, with the call number."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
-        message = group.engine._describe({"phase": 7, "rank": 1, "peer": -1, "epoch": 5, "expected": 0,
-                                          "observed": 0})
+        message = group.engine._describe({"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5,
+                                          "expected": 0, "observed": 0})
         assert message.startswith("hybrid_ep cuda backend: rank 1 gave up after")
         assert "waiting in its shared-memory pipeline (call 5): a bulk copy never completed" in message
         assert "peer" not in message

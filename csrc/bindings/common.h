@@ -1,6 +1,6 @@
 // Bindings shared by hybrid_ep._C (the GPU) and hybrid_ep._model (the CPU model of the
-// device layer): limits, the argument structs, the three launchers and the occupancy
-// queries. Both modules expose the same names, so the Python engine drives either.
+// device layer): limits, the codes of dtypes, transports and error phases, the argument
+// structs, the launchers and the occupancy queries. Both modules expose the same names, so the Python engine drives either.
 //
 // Only pybind11 is used here (no ATen), so this compiles fast; Python passes tensors as
 // data_ptr() integers and streams as integers.
@@ -36,6 +36,14 @@ inline py::object error_record_dict(const volatile ErrorRecord* r) {
   return d;
 }
 
+// A code table of common/params.h as a dict {name: code}.
+template <size_t N>
+py::dict code_dict(const CodeName (&names)[N]) {
+  py::dict d;
+  for (const CodeName& n : names) d[n.name] = n.code;
+  return d;
+}
+
 // Classes are module-local: _C and _model bind the same C++ types and may both be imported.
 inline void bind_common(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
@@ -50,6 +58,11 @@ inline void bind_common(py::module_& m) {
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
   m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
   m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
+  // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
+  // (the error record's phase), by name: the one definition is common/params.h.
+  m.attr("DTYPE_CODES") = code_dict(kDTypeNames);
+  m.attr("TRANSPORTS") = code_dict(kTransportNames);
+  m.attr("PHASES") = code_dict(kPhaseNames);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())

@@ -5,6 +5,7 @@
 // the registered buffer and of the per-call info tensor are planned in Python
 // (hybrid_ep/backends/cuda/layout.py) so memory_plan() knows them before allocation.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace hybrid_ep {
@@ -18,10 +19,15 @@ constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalli
 constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
 constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
 
-// The inter-node transport of a build (csrc/transport/rdma.cuh).
-enum TransportKind : int32_t { kTransportLoopback = 0, kTransportNvshmem = 1 };
+// The codes below are the one definition of each: the bindings export them to Python by the
+// names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES; csrc/bindings/common.h),
+// and hybrid_ep/backends/cuda/engine.py reads them from the loaded module. Each enum ends with
+// its count, which is not a code.
 
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3 };
+// The inter-node transport of a build (csrc/transport/rdma.cuh).
+enum TransportKind : int32_t { kTransportLoopback = 0, kTransportNvshmem = 1, kNumTransports };
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3, kNumDTypes };
 
 enum Phase : int32_t {
   kPhaseNone = 0,
@@ -40,7 +46,51 @@ enum Phase : int32_t {
   kPhaseDirectTensors = 13,  // direct path: waiting for a peer to publish its tensors of the call
   kPhaseDirectRows = 14,     // direct path: waiting for a peer to finish writing this rank's output rows
   kPhaseDirectReads = 15,    // direct path: waiting for a peer to finish reading this rank's expert_out
+  kNumPhases
 };
+
+// The name Python knows a code by; entry i of each table names code i (checked below).
+struct CodeName {
+  int32_t code;
+  const char* name;
+};
+
+inline constexpr CodeName kTransportNames[] = {{kTransportLoopback, "loopback"}, {kTransportNvshmem, "nvshmem"}};
+
+// Named as torch names the dtype (str(torch.float8_e4m3fn) less "torch.").
+inline constexpr CodeName kDTypeNames[] = {
+    {kFloat32, "float32"}, {kBFloat16, "bfloat16"}, {kFloat16, "float16"}, {kFloat8, "float8_e4m3fn"}};
+
+inline constexpr CodeName kPhaseNames[] = {
+    {kPhaseNone, "none"},
+    {kPhaseBadRouting, "bad_routing"},
+    {kPhaseDispatchFlow, "dispatch_flow"},
+    {kPhaseCounts, "counts"},
+    {kPhaseDispatchRows, "dispatch_rows"},
+    {kPhaseCombineFlow, "combine_flow"},
+    {kPhaseCombineRows, "combine_rows"},
+    {kPhasePipeline, "pipeline"},
+    {kPhaseRdmaFlow, "rdma_flow"},
+    {kPhaseRdmaCounts, "rdma_counts"},
+    {kPhaseRdmaRows, "rdma_rows"},
+    {kPhaseNodePartials, "node_partials"},
+    {kPhaseRdmaPartials, "rdma_partials"},
+    {kPhaseDirectTensors, "direct_tensors"},
+    {kPhaseDirectRows, "direct_rows"},
+    {kPhaseDirectReads, "direct_reads"},
+};
+
+// Every code named once, in order: a code added to an enum without a name does not compile.
+template <size_t N>
+constexpr bool names_every_code(const CodeName (&names)[N], int count) {
+  if (N != static_cast<size_t>(count)) return false;
+  for (size_t i = 0; i < N; ++i)
+    if (names[i].code != static_cast<int32_t>(i)) return false;
+  return true;
+}
+static_assert(names_every_code(kTransportNames, kNumTransports), "kTransportNames must name every TransportKind");
+static_assert(names_every_code(kDTypeNames, kNumDTypes), "kDTypeNames must name every DType");
+static_assert(names_every_code(kPhaseNames, kNumPhases), "kPhaseNames must name every Phase");
 
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
 struct RegLayout {

@@ -27,25 +27,29 @@ from .layout import (
     CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, PEER_TENSORS_BYTES,
     TOKEN_META_BYTES, info_layout, rdma_layout, registered_layout,
 )
+from .registered import LoopbackRegions, NvshmemRegions
 
-_PHASES = {
-    1: "routing check",
-    2: "dispatch flow control (waiting for the peer to finish reading the previous dispatch)",
-    3: "dispatch count exchange",
-    4: "dispatch rows",
-    5: "combine flow control (waiting for the peer to finish reading the previous combine)",
-    6: "combine partial sums",
-    7: "its shared-memory pipeline",
-    8: "inter-node flow control (waiting for its rail peer on that node to finish reading the previous call)",
-    9: "inter-node count exchange",
-    10: "forwarding (waiting for the rail peer's rows from that node, by RDMA)",
-    11: "the node partial sums (waiting for a rank of its own node to store its partials of a forwarded chunk)",
-    12: "combine node partials (waiting for the rail peer on that node, by RDMA)",
-    13: "the direct path (waiting for the peer to publish its tensors of the call)",
-    14: "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
-    15: "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
+# What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
+# (common/params.h, Phase), read from the loaded module as ext.PHASES {name: code};
+# check_extension makes sure this table names every phase there but "none".
+PHASE_TEXT = {
+    "bad_routing": "routing check",
+    "dispatch_flow": "dispatch flow control (waiting for the peer to finish reading the previous dispatch)",
+    "counts": "dispatch count exchange",
+    "dispatch_rows": "dispatch rows",
+    "combine_flow": "combine flow control (waiting for the peer to finish reading the previous combine)",
+    "combine_rows": "combine partial sums",
+    "pipeline": "its shared-memory pipeline",
+    "rdma_flow": "inter-node flow control (waiting for its rail peer on that node to finish reading the previous call)",
+    "rdma_counts": "inter-node count exchange",
+    "rdma_rows": "forwarding (waiting for the rail peer's rows from that node, by RDMA)",
+    "node_partials": "the node partial sums (waiting for a rank of its own node to store its partials of a forwarded "
+                     "chunk)",
+    "rdma_partials": "combine node partials (waiting for the rail peer on that node, by RDMA)",
+    "direct_tensors": "the direct path (waiting for the peer to publish its tensors of the call)",
+    "direct_rows": "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
+    "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
 }
-TRANSPORTS = {"loopback": 0, "nvshmem": 1}  # csrc TransportKind
 
 
 class RoutingError(ValueError):
@@ -97,15 +101,27 @@ class RankDispatch:
 
 
 def check_extension(ext) -> None:
-    """The Python layout plan and the compiled structs must agree."""
+    """The Python layout plan and the compiled structs must agree, and the Python tables keyed
+    by the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
                 "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
                 "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
                 "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES}
+    rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
     for name, value in expected.items():
         if getattr(ext, name) != value:
-            raise RuntimeError(f"hybrid_ep._C has {name}={getattr(ext, name)} but the package expects {value}; "
-                               f"rebuild the extension (pip install --no-build-isolation -e .)")
+            raise RuntimeError(f"{ext.__name__} has {name}={getattr(ext, name)} but the package expects {value}; "
+                               f"{rebuild}")
+    named = {"DTYPE_CODES": (set(launch.ELEM_BYTES), "launch.ELEM_BYTES"),
+             "TRANSPORTS": ({LoopbackRegions.kind, NvshmemRegions.kind}, "the RDMA region kinds"),
+             "PHASES": ({"none"} | set(PHASE_TEXT), "engine.PHASE_TEXT")}
+    for name, (keys, where) in named.items():
+        codes = getattr(ext, name, None)
+        if codes is None:
+            raise RuntimeError(f"{ext.__name__} has no {name}; {rebuild}")
+        if set(codes) != keys:
+            raise RuntimeError(f"{ext.__name__}.{name} names {sorted(codes)} but {where} names {sorted(keys)}; "
+                               f"{rebuild}, or name the new code there")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -138,6 +154,7 @@ class Engine:
         check_extension(ext)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
+        self._phase_names = {code: name for name, code in ext.PHASES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
@@ -172,7 +189,7 @@ class Engine:
             setattr(g.info, name, value)
         for name, value in dataclasses.asdict(self.rdma_layout).items():
             setattr(g.rdma, name, value)
-        g.transport = TRANSPORTS[self.rdma.kind] if self.rdma is not None else 0
+        g.transport = self.ext.TRANSPORTS[self.rdma.kind if self.rdma is not None else "loopback"]
         return g
 
     def _set_transport(self, ra, i: int) -> None:
@@ -193,20 +210,22 @@ class Engine:
         raise RuntimeError(self.failure)
 
     def _describe(self, rec: dict) -> str:
-        phase = rec["phase"]
-        if phase == 1:
+        code = rec["phase"]
+        phase = self._phase_names.get(code)
+        what = PHASE_TEXT.get(phase, f"phase {code}")
+        if phase == "bad_routing":
             return (f"topk_idx on rank {rec['rank']}: token {rec['peer']} routes to expert {rec['observed']} "
                     f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
                     f"this buffer can not be used after the error, create a new one")
         if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
             return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
-                    f"(HYBRID_EP_TIMEOUT_S) waiting in {_PHASES.get(phase, f'phase {phase}')} "
+                    f"(HYBRID_EP_TIMEOUT_S) waiting in {what} "
                     f"(call {rec['epoch']}): a bulk copy never completed. The buffer can not be used after "
                     f"this error; create a new one.")
         where = f" on node {rec['peer'] // self.config.ranks_per_node}" if self.config.num_nodes > 1 else ""
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
                 f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']}{where} in "
-                f"{_PHASES.get(phase, f'phase {phase}')} (call {rec['epoch']}, expected {rec['expected']}, "
+                f"{what} (call {rec['epoch']}, expected {rec['expected']}, "
                 f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
                 f"after this error; create a new one.")
 
@@ -232,7 +251,7 @@ class Engine:
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
         a.blocks_per_rank = sms
-        a.dtype = launch.DTYPE_CODES[dtype_name]
+        a.dtype = self.ext.DTYPE_CODES[dtype_name]
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
         a.chunk_tokens = CHUNK_TOKENS
@@ -259,7 +278,7 @@ class Engine:
         else:
             shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
                                          self.smem_per_block)
-            a.wire_dtype = launch.DTYPE_CODES[wire_name]
+            a.wire_dtype = self.ext.DTYPE_CODES[wire_name]
             a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.host_stages, shape.src_stages
             a.host_out_stages = shape.out_stages
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes

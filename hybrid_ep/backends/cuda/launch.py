@@ -21,8 +21,9 @@ MAX_TOPK = 16  # csrc kMaxTopK
 STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
 DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
 
+# The dtypes the kernels move, by torch's name; their codes are csrc's (ext.DTYPE_CODES, checked
+# against these names by engine.check_extension).
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "float8_e4m3fn": 3}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""The codes csrc defines once (common/params.h: dtypes, transports, error phases) reach Python
+only through the bindings (csrc/bindings/common.h: DTYPE_CODES, TRANSPORTS, PHASES, as
+{name: code}). Both modules export the same tables, the Python tables keyed by those names
+(launch.ELEM_BYTES, the RDMA region kinds, engine.PHASE_TEXT) name the same codes, and
+check_extension refuses a module whose tables differ."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+
+from hybrid_ep.backends.cuda import launch
+from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.backends.cuda.engine import PHASE_TEXT, check_extension
+from hybrid_ep.backends.cuda.registered import LoopbackRegions, NvshmemRegions
+
+pytestmark = pytest.mark.unit
+
+TABLES = ("DTYPE_CODES", "TRANSPORTS", "PHASES")
+
+
+def _module(name: str):
+    """hybrid_ep._model is built in every install; hybrid_ep._C where it is importable."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        if name == "hybrid_ep._model":
+            raise
+        pytest.skip(f"{name} is not built here: {err}")
+
+
+@pytest.mark.parametrize("name", ["hybrid_ep._model", "hybrid_ep._C"])
+def test_the_exports_are_the_python_view(name):
+    ext = _module(name)
+    check_extension(ext)
+    assert set(ext.DTYPE_CODES) == set(launch.ELEM_BYTES)
+    assert set(ext.TRANSPORTS) == {LoopbackRegions.kind, NvshmemRegions.kind}
+    assert set(ext.PHASES) == {"none", *PHASE_TEXT}
+    for table in TABLES:  # each code named once, 0 .. n-1 (params.h checks it at compile time)
+        assert sorted(getattr(ext, table).values()) == list(range(len(getattr(ext, table)))), table
+    assert ext.PHASES["none"] == 0  # the error record's "no error"
+
+
+def test_both_modules_export_the_same_codes():
+    model, gpu = _module("hybrid_ep._model"), _module("hybrid_ep._C")
+    for table in TABLES:
+        assert getattr(gpu, table) == getattr(model, table), table
+
+
+def _copy_of(ext, **changes):
+    fake = types.SimpleNamespace(**{n: getattr(ext, n) for n in dir(ext) if n.isupper()})
+    fake.__name__ = "hybrid_ep._fake"
+    for name, value in changes.items():
+        if value is None:
+            delattr(fake, name)
+        else:
+            setattr(fake, name, value)
+    return fake
+
+
+def test_check_extension_refuses_codes_python_does_not_name():
+    model = _module("hybrid_ep._model")
+    check_extension(_copy_of(model))
+    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PHASES names .*'new_wait'.* but engine\.PHASE_TEXT "
+                                           r"names .*; rebuild the extension .*, or name the new code there"):
+        check_extension(_copy_of(model, PHASES={**model.PHASES, "new_wait": len(model.PHASES)}))
+    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.DTYPE_CODES names .* but launch\.ELEM_BYTES"):
+        check_extension(_copy_of(model, DTYPE_CODES={"float32": 0}))
+    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake has no TRANSPORTS; rebuild the extension"):
+        check_extension(_copy_of(model, TRANSPORTS=None))
+
+
+def test_the_engine_describes_each_phase_by_the_modules_code():
+    """A timeout message names the phase the record's code stands for in the loaded module."""
+    group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        for name, code in group.ext.PHASES.items():
+            if name in ("none", "bad_routing"):
+                continue
+            message = group.engine._describe({"phase": code, "rank": 0, "peer": 1, "epoch": 3, "expected": 3,
+                                              "observed": 2})
+            assert f"waiting for peer rank 1 in {PHASE_TEXT[name]} (call 3, expected 3, saw 2)" in message
+        routing = group.engine._describe({"phase": group.ext.PHASES["bad_routing"], "rank": 1, "peer": 5,
+                                          "epoch": 1, "expected": 4, "observed": 9})
+        assert routing.startswith("topk_idx on rank 1: token 5 routes to expert 9 out of [-1, 3]")
+    finally:
+        group.close()
