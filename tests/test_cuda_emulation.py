@@ -18,6 +18,7 @@ from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matc
 from hybrid_ep.testing.emulated import (
     GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
 )
+from hybrid_ep.testing.faults import ranks_absent
 from hybrid_ep.testing.hierarchy_cases import feature_cases, topology_cases
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
@@ -195,7 +196,8 @@ def test_a_missing_node_times_out_naming_the_node(monkeypatch):
         gen = torch.Generator().manual_seed(0)
         xs = [torch.randn(64, 2048, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
         idx = [torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).cuda() for _ in range(4)]
-        group.dispatch(xs, idx, num_out_tokens=256, absent={2, 3})
+        with ranks_absent(group, {2, 3}):
+            group.dispatch(xs, idx, num_out_tokens=256)
         with pytest.raises(RuntimeError, match=r"waiting for peer rank [23] on node 1 in inter-node count exchange"):
             group.synchronize()
     finally:
@@ -211,7 +213,8 @@ def test_missing_rank_times_out_with_rank_peer_and_phase(monkeypatch):
         gen = torch.Generator().manual_seed(0)
         xs = [torch.randn(16, 256, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
         idx = [torch.randint(0, 8, (16, 1), generator=gen).cuda() for _ in range(4)]
-        group.dispatch(xs, idx, num_out_tokens=64, absent={3})
+        with ranks_absent(group, {3}):
+            group.dispatch(xs, idx, num_out_tokens=64)
         with pytest.raises(RuntimeError, match=r"rank [012] gave up .* waiting for peer rank 3 in dispatch "
                                                r"count exchange \(call 1,"):
             group.synchronize()

@@ -21,6 +21,7 @@ from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd
+from hybrid_ep.testing.faults import ranks_absent
 from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
 
 pytestmark = pytest.mark.model
@@ -83,7 +84,8 @@ def test_a_missing_node_times_out_in_dispatch_naming_the_node(monkeypatch):
     group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
     try:
         xs, idx = _inputs(4)
-        group.dispatch(xs, idx, num_out_tokens=64, absent={2, 3})
+        with ranks_absent(group, {2, 3}):
+            group.dispatch(xs, idx, num_out_tokens=64)
         with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
                                                r"peer rank [23] on node 1 in inter-node count exchange \(call 1,"):
             group.synchronize()
@@ -99,7 +101,8 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
         res = group.dispatch(xs, idx, num_out_tokens=64)
         group.synchronize()
         outs = [r.tokens for r in res]
-        group.combine(outs, [r.handle for r in res], absent={2, 3})
+        with ranks_absent(group, {2, 3}):
+            group.combine(outs, [r.handle for r in res])
         with pytest.raises(RuntimeError, match=r"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
                                                r"peer rank [23] on node 1 in combine node partials"):
             group.synchronize()

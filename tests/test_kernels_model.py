@@ -27,6 +27,7 @@ from hybrid_ep.testing.emulated import (
     GroupCache, buffer_key, check_emulated, check_emulated_autograd, emulated_group_for, on_device,
 )
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
+from hybrid_ep.testing.faults import ranks_absent
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.model
@@ -132,7 +133,8 @@ def test_missing_rank_times_out_in_dispatch_naming_rank_peer_phase_and_call(monk
         gen = torch.Generator().manual_seed(0)
         xs = [torch.randn(16, 256, generator=gen).to(torch.bfloat16) for _ in range(4)]
         idx = [torch.randint(0, 8, (16, 1), generator=gen) for _ in range(4)]
-        group.dispatch(xs, idx, num_out_tokens=64, absent={3})
+        with ranks_absent(group, {3}):
+            group.dispatch(xs, idx, num_out_tokens=64)
         with pytest.raises(RuntimeError, match=r"rank [012] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for "
                                                r"peer rank 3 in dispatch count exchange \(call 1,"):
             group.synchronize()
@@ -159,7 +161,8 @@ def test_missing_rank_in_combine_times_out_naming_it(monkeypatch, path):
         res = group.dispatch(xs, idx, weights)
         group.synchronize()
         outs = [r.tokens.clone() for r in res]
-        group.combine(outs, [r.handle for r in res], absent={2})
+        with ranks_absent(group, {2}):
+            group.combine(outs, [r.handle for r in res])
         with pytest.raises(RuntimeError, match=rf"rank [01] gave up .* waiting for peer rank 2 in "
                                                rf"{MISSING_PHASE['combine'][path]}.* \(call 1,"):
             group.synchronize()
@@ -244,7 +247,8 @@ def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, see
     group = EmulatedGroup(3, 2048, 64, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
     try:
         xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
-        group.dispatch(xs, idx, weights, num_out_tokens=256, absent_after_layout={2})
+        with ranks_absent(group, after_layout={2}):
+            group.dispatch(xs, idx, weights, num_out_tokens=256)
         with pytest.raises(RuntimeError, match=rf"rank [01] gave up after 1 s .* waiting for peer rank 2 in "
                                                rf"{MISSING_PHASE['dispatch'][path]}.* \(call 1,"):
             group.synchronize()

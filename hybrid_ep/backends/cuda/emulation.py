@@ -80,8 +80,8 @@ class EmulatedGroup:
 
     # -- plain calls ------------------------------------------------------------------------
 
-    def dispatch(self, xs, topk_idx, topk_weights=None, *, scales=None, num_out_tokens=None, num_sms=None,
-                 absent=(), absent_after_layout=()) -> list[DispatchResult]:
+    def dispatch(self, xs, topk_idx, topk_weights=None, *, scales=None, num_out_tokens=None,
+                 num_sms=None) -> list[DispatchResult]:
         W = self.world_size
         topk_weights = topk_weights if topk_weights is not None else [None] * W
         scales = scales if scales is not None else [None] * W
@@ -94,14 +94,11 @@ class EmulatedGroup:
             inputs.check_dispatch_input(x, sc, self.config, self.device)
             routings.append(normalize_routing(x.shape[0], self.config.num_experts, x.device, topk_idx=idx,
                                               topk_weights=w, check_values=num_out_tokens is None))
-        return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None, frozenset(absent),
-                              frozenset(absent_after_layout))
+        return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None)
 
-    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, absent,
-                  absent_after_layout=frozenset()):
+    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows):
         sms = self.num_sms_dispatch if num_sms is None else num_sms
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows, absent,
-                                        absent_after_layout)
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             handle = DispatchHandle(
@@ -126,17 +123,17 @@ class EmulatedGroup:
             inputs.check_dispatch_input(x, sc, self.config, self.device)
             inputs.check_reused_handle(h, x.shape[0], None)
         return self._dispatch(xs, scales, [h.routing for h in handles], handles[0].num_out_tokens,
-                              num_sms, [h.num_rows for h in handles], frozenset())
+                              num_sms, [h.num_rows for h in handles])
 
-    def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None, wire_dtype=None,
-                absent=()) -> list[torch.Tensor]:
+    def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None,
+                wire_dtype=None) -> list[torch.Tensor]:
         for h in handles:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
         sms = self.num_sms_combine if num_sms is None else num_sms
         return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
-                                   [h.probs_R for h in handles], apply_probs, sms, wire_dtype, frozenset(absent))
+                                   [h.probs_R for h in handles], apply_probs, sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
         return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],

@@ -56,6 +56,17 @@ class RoutingError(ValueError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class AbsentRanks:
+    """Test hook (Engine.absent, set by hybrid_ep.testing.faults.ranks_absent): ranks whose
+    kernels are launched with RankArgs.absent, so they never arrive, as a crashed peer would.
+    `ranks` launch none of a call's kernels; `after_layout` launch a dispatch's layout kernel
+    (their counts are exchanged) but not its dispatch kernel."""
+
+    ranks: frozenset[int] = frozenset()
+    after_layout: frozenset[int] = frozenset()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CudaSendLayout:
     """What the source side of a dispatch computed on the device."""
@@ -158,6 +169,7 @@ class Engine:
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
+        self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
         self.store_groups_override = launch.store_groups_override()  # HYBRID_EP_STORE_GROUPS, likewise
         # The direct path needs every rank's tensors addressable here: all ranks of one node in
@@ -311,12 +323,9 @@ class Engine:
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
-                 num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None,
-                 absent: frozenset[int] = frozenset(),
-                 absent_after_layout: frozenset[int] = frozenset()) -> list[RankDispatch]:
-        """absent, absent_after_layout: test hooks, ranks that never launch (or launch the
-        layout kernel but not the dispatch kernel), as a crashed peer would."""
+                 num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
         self.raise_if_failed()
+        absent, absent_after_layout = self.absent.ranks, self.absent.after_layout
         c = self.config
         W, L, H = c.world_size, c.experts_per_rank, c.hidden_dim
         dtype_name = _dtype_name(xs[0].dtype)
@@ -430,10 +439,11 @@ class Engine:
     # -- combine ---------------------------------------------------------------------------
 
     def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
-                probs: list[torch.Tensor], apply_probs: bool, sms: int, wire_dtype: torch.dtype | None = None,
-                absent: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+                probs: list[torch.Tensor], apply_probs: bool, sms: int,
+                wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
         self.raise_if_failed()
+        absent = self.absent.ranks
         dtype_name = _dtype_name(rows[0].dtype)
         wire_name = dtype_name if wire_dtype is None else _dtype_name(wire_dtype)
         if wire_name not in (dtype_name, "float32"):
