@@ -45,7 +45,8 @@ class HybridEPBuffer:
 
     group: the EP ProcessGroup (None: the default group). ranks_per_node: NVLink domain
     size (None: from the launcher's LOCAL_WORLD_SIZE and the group's members, topology.py).
-    backend: "auto" | "cuda" | "reference" | "deepep". pad_multiple: rows per local expert are padded with zero rows to a multiple.
+    backend: "auto" | "cuda" | "reference" (backends.BACKEND_NAMES). pad_multiple: rows per local expert are
+    padded with zero rows to a multiple.
     min_rows_per_expert: every local expert gets at least this many rows (zero rows with
     prob 0 past its real ones) before rounding up to pad_multiple, so grouped GEMMs never
     see an empty group (0: experts without tokens get no rows). combine_wire_dtype: the dtype

@@ -15,8 +15,6 @@ import dataclasses
 import math
 import numbers
 
-BACKENDS = ("auto", "cuda", "reference")
-
 
 def _int(value) -> bool:
     """An int that is not a bool (True would pass as 1)."""
@@ -121,8 +119,10 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option balancer_move_budget must be {knobs.MOVE_BUDGET_RULE} or None, got {budget!r}"
             )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"hybrid_ep option backend must be one of {BACKENDS}, got {self.backend!r}")
+        from hybrid_ep.backends import BACKEND_NAMES  # here too, for the same reason
+
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"hybrid_ep option backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
         return self
 
 
@@ -180,7 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, (field, kind) in FLAGS.items():
         kwargs = {"type": kind, "default": getattr(defaults, field), "help": _HELP[field]}
         if field == "backend":
-            kwargs["choices"] = list(BACKENDS)
+            from hybrid_ep.backends import BACKEND_NAMES  # not at import: `import megatron_patches` stays free of torch
+
+            kwargs["choices"] = list(BACKEND_NAMES)
         group.add_argument(flag, dest=f"hybrid_ep_{field}", **kwargs)
     return parser
 

@@ -47,7 +47,7 @@ def test_by_name_runs_what_was_asked(single_rank_group, cuda_runs_everywhere):
     for name in ("cuda", "reference"):
         got = backends.choose_backend(name, _config(4, 2), single_rank_group)
         assert (got.name, got.asked, got.reason) == (name, name, "asked for by name")
-    with pytest.raises(ValueError, match="backend must be one of auto, cuda, reference, deepep, got 'nccl'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, cuda, reference, got 'nccl'"):
         backends.choose_backend("nccl", _config(4, 2), single_rank_group)
 
 

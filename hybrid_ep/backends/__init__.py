@@ -1,9 +1,10 @@
-"""Backend selection: the one place that maps a backend name to an implementation."""
+"""Backend selection: the one place that maps a backend name to an implementation, and the
+one list of those names (BACKENDS, BACKEND_NAMES): HybridEPBuffer, the benchmark's --backends,
+Megatron's --hybrid-ep-backend and the recipe validator all take theirs from here."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,9 @@ from .base import Backend
 from .choice import AUTO_RULES, BackendChoice, choose_auto, log_choice
 from .reference import ReferenceBackend
 
-BACKEND_NAMES = ("auto", "cuda", "reference", "deepep")
+# The implementations, and every name a buffer may be asked for: "auto" picks one (AUTO_RULES).
+BACKENDS = ("cuda", "reference")
+BACKEND_NAMES = ("auto", *BACKENDS)
 
 
 def cuda_unavailable_reason(group, explicit: bool = False) -> str | None:
@@ -49,12 +52,6 @@ def _cuda_geometry_reason(config, group) -> str | None:
     return None
 
 
-def deepep_unavailable_reason() -> str | None:
-    if importlib.util.find_spec("deep_ep") is None:
-        return "DeepEP (the deep_ep package) is not installed"
-    return "the DeepEP baseline adapter is not part of this build yet"
-
-
 def choose_backend(name: str, config, group) -> BackendChoice:
     """The backend a buffer of `config` on `group` runs for the name asked (auto: AUTO_RULES)."""
     if name not in BACKEND_NAMES:
@@ -72,24 +69,20 @@ def create_backend(name: str, config, group, rank: int, owner: int, choice: Back
     name = choice.name
     if name == "reference":
         return ReferenceBackend(config, group, rank, owner)
-    if name == "cuda":
-        reason = cuda_unavailable_reason(group, explicit=True)
-        if reason is not None:
-            raise RuntimeError(f"backend='cuda' is not available: {reason}")
-        from .cuda.backend import CudaBackend
+    reason = cuda_unavailable_reason(group, explicit=True)
+    if reason is not None:
+        raise RuntimeError(f"backend='cuda' is not available: {reason}")
+    from .cuda.backend import CudaBackend
 
-        return CudaBackend(config, group, rank, owner)
-    raise RuntimeError(f"backend='deepep' is not available: {deepep_unavailable_reason()}")
+    return CudaBackend(config, group, rank, owner)
 
 
 def available_backends(group) -> list[str]:
     names = ["reference"]
     if cuda_unavailable_reason(group) is None:
         names.insert(0, "cuda")
-    if deepep_unavailable_reason() is None:
-        names.append("deepep")
     return names
 
 
-__all__ = ["AUTO_RULES", "BACKEND_NAMES", "Backend", "BackendChoice", "ReferenceBackend", "available_backends",
-           "choose_backend", "create_backend"]
+__all__ = ["AUTO_RULES", "BACKENDS", "BACKEND_NAMES", "Backend", "BackendChoice", "ReferenceBackend",
+           "available_backends", "choose_backend", "create_backend"]

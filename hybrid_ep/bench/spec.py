@@ -14,13 +14,14 @@ import dataclasses
 
 import torch
 
+from ..backends import BACKENDS
 from ..config import FP8_BLOCK
 from ..dtypes import DISPATCH_BY_NAME as DTYPES
 from ..dtypes import combine_dtype_for
 from ..rows import row_bytes_rule
 from ..synthetic import ROUTINGS, default_group_limit, seed_problem
 
-BENCH_BACKENDS = ("cuda", "reference", "deepep")
+BENCH_BACKENDS = BACKENDS  # every implementation ("auto" is none of its own)
 # Backends built on torch.distributed collectives have no SM count to set: run them once.
 BACKENDS_WITHOUT_SMS = frozenset({"reference"})
 # Evict L2 before each timed GPU call by writing this many bytes (docs/benchmarks/README.md).

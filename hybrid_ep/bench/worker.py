@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..backends import available_backends, cuda_unavailable_reason, deepep_unavailable_reason
+from ..backends import available_backends, cuda_unavailable_reason
 from ..buffer import HybridEPBuffer
 from ..fp8 import dequantize_fp8, quantize_fp8
 from ..metadata import describe_device, gpu_driver
@@ -36,7 +36,7 @@ def probe(spec: BenchSpec) -> dict:
     else:
         info |= {"device": describe_device("cpu"), "driver": None}
     info["backends"] = available_backends(group)
-    info["unavailable"] = {"cuda": cuda_unavailable_reason(group), "deepep": deepep_unavailable_reason()}
+    info["unavailable"] = {"cuda": cuda_unavailable_reason(group)}
     return info
 
 

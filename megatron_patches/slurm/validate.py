@@ -34,6 +34,7 @@ import re
 
 import torch
 
+from hybrid_ep.backends import BACKEND_NAMES
 from hybrid_ep.balancer.knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from hybrid_ep.bench.spec import BENCH_BACKENDS, ROUTINGS, BenchArgError, BenchSpec
 from hybrid_ep.bench.spec import DTYPES as BENCH_DTYPES
@@ -47,7 +48,6 @@ from .recipe import RecipeError
 
 DISPATCHERS = ("hybrid_ep", "alltoall", "allgather", "flex")
 PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
-HYBRID_EP_BACKENDS = ("auto", "cuda", "reference")
 RECOMPUTE = ("none", "selective", "full")
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds (minutes and seconds below 60).
@@ -180,8 +180,8 @@ def _dispatcher(recipe, problems):
     compare = recipe["dispatcher.compare"]
     if compare is not None and compare not in DISPATCHERS:
         problems.append(("dispatcher.compare", f"must be one of {', '.join(DISPATCHERS)} or null, got {compare!r}"))
-    if recipe["dispatcher.backend"] not in HYBRID_EP_BACKENDS:
-        problems.append(("dispatcher.backend", f"must be one of {', '.join(HYBRID_EP_BACKENDS)}, "
+    if recipe["dispatcher.backend"] not in BACKEND_NAMES:
+        problems.append(("dispatcher.backend", f"must be one of {', '.join(BACKEND_NAMES)}, "
                                                f"got {recipe['dispatcher.backend']!r}"))
     _positive(recipe, ["dispatcher.pad_multiple", "dispatcher.num_sms_dispatch", "dispatcher.num_sms_combine",
                        "dispatcher.max_tokens_per_rank"], problems)
