@@ -16,7 +16,7 @@ hybrid_ep already aligned the rows; Megatron-LM's argument parser (when installe
 accepts `--moe-token-dispatcher-type hybrid_ep` and the --hybrid-ep-* knobs; the
 grouped-GEMM zero-token fix is installed when present; Megatron-LM's
 setup_model_and_optimizer attaches the expert balancer when --hybrid-ep-balancer-interval is set; on a machine without a GPU the CPU
-stand-ins of `cpu_compat` are enabled (never on a GPU machine).
+stand-ins of `local.cpu_compat` are enabled (never on a GPU machine).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def _install_balancer_hook() -> bool:
 def apply(*, cpu_fallback: bool = True) -> dict:
     """Patch Megatron once (idempotent); returns what is active.
 
-    cpu_fallback: enable `cpu_compat` when no GPU is visible (it never acts on a GPU).
+    cpu_fallback: enable `local.cpu_compat` when no GPU is visible (it never acts on a GPU).
     """
     global _applied
-    from . import cpu_compat, expert_init, expert_rows, overlap, selection, versions
+    from . import expert_init, expert_rows, overlap, selection, versions
+    from .local import cpu_compat
 
     versions.check_megatron_core()  # older releases fail in obscure places: refuse them by name
     if cpu_fallback:

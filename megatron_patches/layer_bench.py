@@ -37,7 +37,7 @@ TOOL = "python -m megatron_patches.layer_bench"
 DISPATCHERS = ("hybrid_ep", "alltoall")
 # name -> (H, F, E, K, seq, micro-batch): T = seq x micro-batch tokens per rank.
 SHAPES = {
-    "tiny": (128, 256, 8, 2, 32, 4),  # the MoE layer of `python -m megatron_patches.demo`
+    "tiny": (128, 256, 8, 2, 32, 4),  # the MoE layer of `python -m megatron_patches.local.demo`
     "mid": (1024, 1024, 8, 2, 64, 4),
     "deepseek": (256, 128, 64, 8, 64, 4),  # fine-grained experts, top-8 of 64, at a small hidden
 }
@@ -56,7 +56,7 @@ UNITS = {
 
 
 def _case(shape: str, dispatcher: str, world_size: int):
-    from .testing import LayerCase
+    from .local.layer import LayerCase
 
     H, F, E, K, seq, batch = SHAPES[shape]
     return LayerCase(world_size, num_experts=E, topk=K, hidden=H, ffn=F, seq=seq, batch=batch,
@@ -84,9 +84,9 @@ def _output(run) -> torch.Tensor:
 def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int) -> dict:
     """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time and
     the ranks' mean CPU time (s)."""
-    from .demo import quiet_libraries
+    from .local.common import init_megatron, quiet_libraries
+    from .local.layer import case_tensors, seeded_layer
     from .options import HybridEPOptions
-    from .testing import case_tensors, init_megatron, seeded_layer
 
     quiet_libraries()
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -15,10 +15,12 @@ ffn, E experts, K top-k, W EP ranks, L = E / W.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
+
+from .local.common import PLAIN_FP32_CONFIG, init_megatron, reset_moe_globals  # noqa: F401 (the tests' names)
+from .local.layer import LayerCase, build_moe_layer, case_tensors, moe_config, seeded_layer  # noqa: F401
 
 # A complete Megatron-LM pretrain_gpt argument list for a tiny MoE GPT on mock data.
 TINY_GPT_ARGS = [
@@ -29,58 +31,6 @@ TINY_GPT_ARGS = [
     "--train-iters", "10", "--lr", "1e-3", "--mock-data",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--transformer-impl", "local",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCase:
-    world_size: int
-    num_experts: int = 8
-    topk: int = 2
-    hidden: int = 16
-    ffn: int = 12
-    seq: int = 6
-    batch: int = 2
-    dispatcher: str = "hybrid_ep"
-    pad_multiple: int = 1
-    cold_experts: tuple[int, ...] = ()  # experts the router never picks
-    static_size_factor: float | None = None
-    seed: int = 1234
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq * self.batch
-
-
-
-# TransformerConfig fields shared by the tests and the demo: fp32 weights built on the host,
-# no dropout, no fused kernels (they need a GPU), so results compare exactly across dispatchers.
-PLAIN_FP32_CONFIG = dict(
-    add_bias_linear=False,
-    use_cpu_initialization=True,
-    params_dtype=torch.float32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    bias_activation_fusion=False,
-    gradient_accumulation_fusion=False,
-)
-
-def case_tensors(case: LayerCase):
-    """Everything drawn from the seed: router [E, H], fc1 [E, F, H], fc2 [E, H, F],
-    inputs [W, S, B, H] and output gradients [W, S, B, H] (float64)."""
-    g = torch.Generator().manual_seed(case.seed)
-    E, H, F, W = case.num_experts, case.hidden, case.ffn, case.world_size
-    router = torch.randn(E, H, generator=g, dtype=torch.float64) * 0.5
-    fc1 = torch.randn(E, F, H, generator=g, dtype=torch.float64) / H**0.5
-    fc2 = torch.randn(E, H, F, generator=g, dtype=torch.float64) / F**0.5
-    x = torch.randn(W, case.seq, case.batch, H, generator=g, dtype=torch.float64)
-    grad_out = torch.randn(W, case.seq, case.batch, H, generator=g, dtype=torch.float64)
-    if case.cold_experts:
-        # Positive inputs and a negative router row: these experts always score lowest.
-        x = x.abs() + 0.1
-        router = router.abs()
-        for e in case.cold_experts:
-            router[e] = -1.0
-    return router, fc1, fc2, x, grad_out
 
 
 def dense_moe_layer(case: LayerCase) -> list[dict]:
@@ -115,104 +65,6 @@ def dense_moe_layer(case: LayerCase) -> list[dict]:
             "routed_per_expert": torch.bincount(idx.reshape(-1), minlength=case.num_experts),
         })
     return results
-
-
-def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: int = 1,
-                  expert_tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  virtual_pipeline: int | None = None) -> None:
-    """Megatron's parallel state on the current torch.distributed world; re-initialised when
-    an earlier call on this process asked for another layout."""
-    import megatron_patches
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    megatron_patches.apply()
-    layout = (expert_parallel, tensor_parallel, expert_tensor_parallel, pipeline_parallel, virtual_pipeline)
-    if ps.model_parallel_is_initialized() and getattr(ps, "_hybrid_ep_test_layout", layout) != layout:
-        from .buffers import BUFFERS
-
-        ps.destroy_model_parallel()
-        BUFFERS.clear()  # their groups are gone
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel,
-            pipeline_model_parallel_size=pipeline_parallel,
-            virtual_pipeline_model_parallel_size=virtual_pipeline,
-            expert_model_parallel_size=expert_parallel,
-            expert_tensor_parallel_size=expert_tensor_parallel,
-        )
-        ps._hybrid_ep_test_layout = layout
-    if ps.get_expert_model_parallel_world_size() != expert_parallel:
-        raise RuntimeError(
-            f"Megatron parallel state already has EP={ps.get_expert_model_parallel_world_size()}, "
-            f"asked for {expert_parallel}"
-        )
-    model_parallel_cuda_manual_seed(seed)
-    reset_moe_globals()
-
-
-def reset_moe_globals() -> None:
-    """Megatron keeps MoE state per process (per-layer metrics sized by the first model that
-    records them, the aux-loss scale shaped by its first user); a case starts afresh."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    try:
-        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    except ImportError:  # Megatron-Core before 0.17
-        return
-    destroy_moe_metrics_tracker()
-
-
-def moe_config(case: LayerCase):
-    import megatron_patches
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=case.hidden,
-        num_attention_heads=1,
-        ffn_hidden_size=case.ffn,
-        moe_ffn_hidden_size=case.ffn,
-        num_moe_experts=case.num_experts,
-        moe_router_topk=case.topk,
-        moe_router_pre_softmax=True,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type=case.dispatcher,
-        expert_model_parallel_size=case.world_size,
-        **PLAIN_FP32_CONFIG,
-    )
-    config.hybrid_ep_options = megatron_patches.HybridEPOptions(
-        pad_multiple=case.pad_multiple, static_size_factor=case.static_size_factor
-    )
-    return config
-
-
-def build_moe_layer(case: LayerCase, **config_overrides):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False)
-    config = moe_config(case)
-    for name, value in config_overrides.items():
-        setattr(config, name, value)
-    if hasattr(spec, "submodules"):  # a ModuleSpec (Megatron-Core <= 0.16)
-        return MoELayer(config, submodules=spec.submodules, layer_number=1)
-    return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
-
-
-def seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
-    """A MoELayer with the seeded router and expert weights (case_tensors) loaded."""
-    L = case.num_experts // case.world_size
-    router, fc1, fc2, _, _ = case_tensors(case)
-    layer = build_moe_layer(case, **(config_overrides or {}))
-    with torch.no_grad():
-        layer.router.weight.copy_(router)
-        for j, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(fc1[rank * L + j])
-            expert.linear_fc2.weight.copy_(fc2[rank * L + j])
-    return layer
 
 
 def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides: dict | None = None) -> list[dict]:

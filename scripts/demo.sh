@@ -4,11 +4,11 @@
 # x 2 ranks, through the hybrid_ep token dispatcher and, for comparison, Megatron's
 # alltoall dispatcher. CPU (gloo) here; with 4 GPUs the same command runs on them.
 # Per step: loss, tokens/s, expert-load imbalance per layer, dispatch bytes over NVLink and
-# RDMA; JSON under results/demo/. Extra arguments go to `python -m megatron_patches.demo`.
+# RDMA; JSON under results/demo/. Extra arguments go to `python -m megatron_patches.local.demo`.
 # The dispatch/combine benchmark demo is scripts/bench_demo.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$(bash "$repo/scripts/env.sh")
 cd "$repo"
 export PYTHONWARNINGS=ignore
-exec "$py" -m megatron_patches.demo --world-size 4 --ranks-per-node 2 --steps 30 --out results/demo "$@"
+exec "$py" -m megatron_patches.local.demo --world-size 4 --ranks-per-node 2 --steps 30 --out results/demo "$@"

@@ -93,7 +93,7 @@ def test_local_mode_on_cpu_counts_processes_not_gpus(capsys, monkeypatch):
     monkeypatch.setattr(local, "_pretrain_script", lambda recipe: "/opt/Megatron-LM/pretrain_gpt.py")
     recipe = cli.load_checked(TINY, [])
     path = local.choose(recipe)
-    assert not path.on_gpus and path.module == ["-m", "megatron_patches.slurm.cpu_train"]
+    assert not path.on_gpus and path.module == ["-m", "megatron_patches.local.cpu_train"]
     assert "cpu_train on the CPU, gloo (0 GPUs for 2 ranks;" in path.description
     cli.report(recipe, on_cpu=not path.on_gpus)
     err = capsys.readouterr().err
@@ -130,7 +130,7 @@ def test_prefixes_of_flags_are_not_accepted(capsys, tool, argv, bad):
     from hybrid_ep.balancer.cli import main as balance
     from hybrid_ep.bench import main as bench
     from hybrid_ep.traffic.cli import main as traffic
-    from megatron_patches.demo import main as demo
+    from megatron_patches.local.demo import main as demo
 
     mains = {"launch": cli.main, "bench": bench, "traffic": traffic, "balance": balance, "demo": demo}
     assert _exit_code(mains[tool], argv) == 2

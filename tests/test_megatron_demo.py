@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches import demo  # noqa: E402
+from megatron_patches.local import demo  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -1,7 +1,7 @@
 """Local mode: tiny_moe trains end to end on this machine through the launcher, no Slurm.
 
 On a CPU-only machine without Megatron-LM's pretrain_gpt.py the launcher runs the
-Megatron-Core trainer (megatron_patches.slurm.cpu_train) on 2 gloo processes with the
+Megatron-Core trainer (megatron_patches.local.cpu_train) on 2 gloo processes with the
 recipe's argument list, parsed by Megatron's parser; the test checks that it says so, that
 it trained the asked number of steps and that every loss is finite. About 25 s on 2 cores.
 The CPU trainer also runs the recipe's expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
@@ -41,7 +41,7 @@ def test_tiny_moe_trains_locally():
     out = proc.stdout
     gpu_path = "path: Megatron-LM pretrain_gpt.py" in out
     if not gpu_path:
-        assert "path: Megatron-Core trainer megatron_patches.slurm.cpu_train" in out
+        assert "path: Megatron-Core trainer megatron_patches.local.cpu_train" in out
         losses = [float(m) for m in re.findall(r"cpu_train: step +\d+/3 +loss ([0-9.eE+-]+|nan|inf)", out)]
         assert len(losses) == 3 and all(math.isfinite(v) for v in losses), out
         assert "dispatcher hybrid_ep" in out and "done, 3 steps" in out
@@ -58,7 +58,7 @@ def _train_locally(*overrides: str, steps: int):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if "path: Megatron-LM pretrain_gpt.py" in proc.stdout:
         return None
-    assert "path: Megatron-Core trainer megatron_patches.slurm.cpu_train" in proc.stdout
+    assert "path: Megatron-Core trainer megatron_patches.local.cpu_train" in proc.stdout
     losses = [float(m) for m in re.findall(rf"cpu_train: step +\d+/{steps} +loss ([0-9.eE+-]+|nan|inf)", proc.stdout)]
     assert len(losses) == steps and all(math.isfinite(v) for v in losses), proc.stdout
     return proc.stdout, losses

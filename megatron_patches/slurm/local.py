@@ -7,7 +7,7 @@ MASTER_PORT) plus the recipe's env, running the recipe's Megatron argument list 
 - `python -m megatron_patches.pretrain_gpt` (Megatron-LM's pretrain_gpt.py with the
   patches) when that script is found (recipe megatron_lm_dir, $MEGATRON_LM_DIR, PYTHONPATH)
   and there is a GPU per rank; or
-- `python -m megatron_patches.slurm.cpu_train` (Megatron-Core GPTModel, same arguments,
+- `python -m megatron_patches.local.cpu_train` (Megatron-Core GPTModel, same arguments,
   parsed by Megatron's parser) otherwise, e.g. on a CPU-only machine.
 
 The first line says which path runs. Rank 0 prints to this terminal; the other ranks write
@@ -89,8 +89,8 @@ def choose(recipe, trainer: str = "auto") -> LocalPath:
                          f"Megatron-LM pretrain_gpt.py ({script}) through megatron_patches.pretrain_gpt", True)
     why = "forced by --trainer core" if trainer == "core" else \
         ("pretrain_gpt.py not found" if not script else f"{plural(gpus, 'GPU')} for {plural(world, 'rank')}")
-    return LocalPath(world, ["-m", "megatron_patches.slurm.cpu_train"],
-                     f"Megatron-Core trainer megatron_patches.slurm.cpu_train on the CPU, gloo ({why}; model "
+    return LocalPath(world, ["-m", "megatron_patches.local.cpu_train"],
+                     f"Megatron-Core trainer megatron_patches.local.cpu_train on the CPU, gloo ({why}; model "
                      "from Megatron's parser)", False)
 
 

@@ -1,6 +1,6 @@
 """Train a tiny MoE GPT (Megatron-Core GPTModel) with expert parallelism through hybrid_ep.
 
-    python -m megatron_patches.demo [--steps 30] [--dispatchers hybrid_ep alltoall]
+    python -m megatron_patches.local.demo [--steps 30] [--dispatchers hybrid_ep alltoall]
 
 W processes (default 4, as 2 nodes x 2 ranks) form one EP group of W ranks (data parallel W
 for the dense weights). The model: GPTModel with Megatron's local (non-Transformer-Engine)
@@ -45,8 +45,10 @@ from hybrid_ep.routing import normalize_routing, source_layout
 from hybrid_ep.traffic import dispatch_row_bytes, row_counts
 from hybrid_ep.wording import byte_unit, plural
 
+from .common import PLAIN_FP32_CONFIG, counting_batch, init_megatron, quiet_libraries
+
 LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
-TOOL = "python -m megatron_patches.demo"
+TOOL = "python -m megatron_patches.local.demo"
 LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even); "
           "NVLink / RDMA = modelled bytes of the forward dispatches under the hierarchical scheme, "
           "all layers and ranks")
@@ -66,32 +68,13 @@ UNITS = {
 BYTE_FIELDS = ("nvlink_bytes", "rdma_bytes", "flat_nvlink_bytes", "flat_rdma_bytes")
 
 
-def quiet_libraries() -> None:
-    """Megatron warns about every optional package it does not find; the demo output is the table."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("megatron", "torch.utils.cpp_extension"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def mock_batch(step: int, rank: int, micro_batch: int, seq: int, seed: int) -> torch.Tensor:
-    """[micro_batch, seq + 1] token ids of this rank and step (different on every rank)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
-    stride = torch.randint(1, 5, (micro_batch, 1), generator=g)
-    return (start + stride * torch.arange(seq + 1)) % VOCAB
-
-
 def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .options import HybridEPOptions
-    from .testing import PLAIN_FP32_CONFIG
+    from ..options import HybridEPOptions
 
     config = TransformerConfig(
         num_layers=LAYERS,
@@ -133,8 +116,6 @@ def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: floa
                ranks_per_node: int, seed: int) -> list[dict]:
     """Runs on every rank of the pool; returns rank 0's per-step records (others: [])."""
     quiet_libraries()
-    from .testing import init_megatron
-
     world = dist.get_world_size()
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -157,7 +138,7 @@ def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: floa
     records = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = mock_batch(step, rank, micro_batch, seq, seed).to(device)
+        batch = counting_batch(step, rank, micro_batch, seq, VOCAB, seed).to(device)
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         opt.zero_grad(set_to_none=True)
         per_token = model(tokens, position_ids, mask, labels=labels)

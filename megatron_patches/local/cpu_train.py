@@ -1,6 +1,6 @@
 """A small Megatron-Core trainer for local mode without Megatron-LM's pretrain_gpt.py or a GPU.
 
-    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python -m megatron_patches.slurm.cpu_train <Megatron args>
+    RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. python -m megatron_patches.local.cpu_train <Megatron args>
 
 Local mode (`hybrid-ep-launch <recipe> --local`) runs this, one process per rank, when
 pretrain_gpt.py cannot be found or there is no GPU per rank: Megatron-LM's training loop
@@ -44,23 +44,7 @@ import os
 import sys
 import time
 
-
-def _quiet() -> None:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("megatron", "torch.utils.cpp_extension"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def counting_batch(step: int, micro: int, rank: int, batch: int, seq: int, vocab: int, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro * 101 + rank)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    stride = torch.randint(1, 5, (batch, 1), generator=g)
-    return (start + stride * torch.arange(seq + 1)) % vocab
+from .common import counting_batch, quiet_libraries
 
 
 def _lr(args, step: int) -> float:
@@ -80,9 +64,10 @@ def _padded_vocab(args) -> int:
 def build_model(args, config):
     """GPTModel on the host with Megatron's decoder block spec (local modules; dense and MoE
     layers as --moe-layer-freq says) and the recipe's hybrid_ep options, balancer included."""
-    import megatron_patches.options as options
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    import megatron_patches.options as options
 
     for name in ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion",
                  "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion"):
@@ -156,13 +141,13 @@ def describe_balancer(balancer) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _quiet()
+    quiet_libraries()
     import torch
     import torch.distributed as dist
 
     from hybrid_ep.wording import plural
 
-    from .megatron_parse import parse
+    from ..slurm.megatron_parse import parse
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -218,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(micro_batches):
-            batch = counting_batch(step, micro, rank, mbs, seq, vocab, args.seed)
+            batch = counting_batch(step, rank, mbs, seq, vocab, args.seed, micro)
             tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             loss = model(tokens, position_ids, mask, labels=labels).float().mean() / micro_batches
             loss.backward()
