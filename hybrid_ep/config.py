@@ -11,15 +11,10 @@ import os
 
 import torch
 
+from .checks import require_int
+
 # Every fp8 row carries one fp32 scale per this many elements.
 FP8_BLOCK = 128
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +32,13 @@ class BufferConfig:
     min_rows_per_expert: int = 0
 
     def validate(self) -> "BufferConfig":
-        _require_int("hidden_dim", self.hidden_dim, 1)
-        _require_int("max_tokens_per_rank", self.max_tokens_per_rank, 0)
-        _require_int("num_experts", self.num_experts, 1)
-        _require_int("world_size", self.world_size, 1)
-        _require_int("ranks_per_node", self.ranks_per_node, 1)
-        _require_int("pad_multiple", self.pad_multiple, 1)
-        _require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
+        require_int("hidden_dim", self.hidden_dim, 1)
+        require_int("max_tokens_per_rank", self.max_tokens_per_rank, 0)
+        require_int("num_experts", self.num_experts, 1)
+        require_int("world_size", self.world_size, 1)
+        require_int("ranks_per_node", self.ranks_per_node, 1)
+        require_int("pad_multiple", self.pad_multiple, 1)
+        require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
         if self.num_experts % self.world_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the EP world size "
@@ -85,7 +80,7 @@ class KernelConfig:
         for name in ("num_sms_dispatch", "num_sms_combine"):
             value = getattr(self, name)
             if value is not None:
-                _require_int(name, value, 1)
+                require_int(name, value, 1)
         if self.combine_wire_dtype not in (None, torch.float32):
             raise ValueError(f"combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, "
                              f"got {self.combine_wire_dtype}")

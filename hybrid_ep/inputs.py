@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import require_int
 from .config import FP8_BLOCK, BufferConfig
 from .fp8 import is_fp8, num_scale_blocks
 from .handle import DispatchHandle
@@ -61,10 +62,7 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
 def check_num_out_tokens(num_out_tokens) -> None:
     if num_out_tokens is None:
         return
-    if isinstance(num_out_tokens, bool) or not isinstance(num_out_tokens, int):
-        raise TypeError(f"num_out_tokens must be an int or None, got {type(num_out_tokens).__name__}")
-    if num_out_tokens < 0:
-        raise ValueError(f"num_out_tokens must be >= 0, got {num_out_tokens}")
+    require_int("num_out_tokens", num_out_tokens, 0, what="an int or None")
     if num_out_tokens > MAX_OUT_ROWS:
         raise ValueError(f"num_out_tokens must be at most {MAX_OUT_ROWS} (output rows are indexed with int32), "
                          f"got {num_out_tokens}")

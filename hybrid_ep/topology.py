@@ -15,6 +15,8 @@ import os
 
 import torch.distributed as dist
 
+from .checks import is_int
+
 
 def launcher_local_world_size() -> int | None:
     """LOCAL_WORLD_SIZE as a positive int, or None where the launcher did not set it."""
@@ -61,7 +63,7 @@ def resolve_ranks_per_node(global_ranks: list[int], requested, local_world_size:
                 f"in group order, from LOCAL_WORLD_SIZE={local_world_size}: {nodes}); pass ranks_per_node "
                 "explicitly (1 treats every rank as a node of its own) or build the group node by node")
         return G
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1 or W % requested:
+    if not is_int(requested, 1) or W % requested:
         return requested
     for first in range(0, W, requested):
         block = nodes[first:first + requested]

@@ -12,18 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import numbers
-
-
-def _int(value) -> bool:
-    """An int that is not a bool (True would pass as 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _finite(value) -> bool:
-    """A real number that is not a bool, nan or +-inf (inf would overflow ceil(f * rows))."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +74,29 @@ class HybridEPOptions:
 
     def validate(self) -> "HybridEPOptions":
         """Check every field; a bad one raises ValueError naming it (wrong types included, so a
-        value never gets as far as a bare TypeError or an OverflowError in the first dispatch)."""
+        value never gets as far as a bare TypeError or an OverflowError in the first dispatch).
+        Integers are ints but not bools (True would pass as 1); numbers are finite (inf would
+        overflow ceil(f * rows)): hybrid_ep.checks, imported here so that `import
+        megatron_patches` stays free of torch, as the imports below."""
+        from hybrid_ep.checks import is_int, is_real
+
         for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node",
                      "balancer_slots_per_rank"):
             value = getattr(self, name)
-            if value is not None and not (_int(value) and value >= 1):
+            if value is not None and not is_int(value, 1):
                 raise ValueError(f"hybrid_ep option {name} must be an int >= 1 or None, got {value!r}")
         for name, low in (("pad_multiple", 1), ("balancer_window", 1), ("balancer_interval", 0)):
             value = getattr(self, name)
-            if not (_int(value) and value >= low):
+            if not is_int(value, low):
                 rule = f"an int >= {low}" + (" (0: off)" if low == 0 else "")
                 raise ValueError(f"hybrid_ep option {name} must be {rule}, got {value!r}")
         factor = self.static_size_factor
-        if factor is not None and not (_finite(factor) and factor > 0):
+        if factor is not None and not (is_real(factor, finite=True) and factor > 0):
             raise ValueError(f"hybrid_ep option static_size_factor must be a finite number > 0 or None, got {factor!r}")
         decay = self.balancer_decay
-        if decay is not None and not (_finite(decay) and 0.0 < decay < 1.0):
+        if decay is not None and not (is_real(decay, finite=True) and 0.0 < decay < 1.0):
             raise ValueError(f"hybrid_ep option balancer_decay must be a number in (0, 1) or None, got {decay!r}")
-        if not (_finite(self.balancer_min_gain) and self.balancer_min_gain >= 0.0):
+        if not (is_real(self.balancer_min_gain, finite=True) and self.balancer_min_gain >= 0.0):
             raise ValueError(
                 f"hybrid_ep option balancer_min_gain must be a finite number >= 0, got {self.balancer_min_gain!r}"
             )
@@ -221,9 +214,11 @@ def options_for(config) -> HybridEPOptions:
 def static_size_factor(config, opts: HybridEPOptions) -> float | None:
     """The static-size factor: Megatron's moe_expert_rank_capacity_factor, or its alias
     --hybrid-ep-static-size-factor; both set to different values is an error."""
+    from hybrid_ep.checks import is_real  # here: `import megatron_patches` stays free of torch
+
     megatron = getattr(config, "moe_expert_rank_capacity_factor", None)
     alias = opts.static_size_factor
-    if megatron is not None and not (_finite(megatron) and megatron > 0):
+    if megatron is not None and not (is_real(megatron, finite=True) and megatron > 0):
         raise ValueError(
             f"moe_expert_rank_capacity_factor must be a finite number > 0 or None, got {megatron!r}"
         )
@@ -234,7 +229,7 @@ def static_size_factor(config, opts: HybridEPOptions) -> float | None:
             "moe_expert_rank_capacity_factor"
         )
     factor = megatron if megatron is not None else alias
-    if factor is not None and not (_finite(factor) and factor > 0):
+    if factor is not None and not (is_real(factor, finite=True) and factor > 0):
         raise ValueError(
             f"hybrid_ep option static_size_factor (--hybrid-ep-static-size-factor) must be a finite "
             f"number > 0 or None, got {factor!r}"

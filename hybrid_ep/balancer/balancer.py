@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checks import is_int
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
 from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
@@ -93,7 +94,7 @@ class ExpertBalancer:
                 f"slots_per_rank ({slots_per_rank}) x EP size ({self.num_ranks}) = {self.num_slots} slots, "
                 f"fewer than the {num_experts} experts"
             )
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        if not is_int(num_nodes, 1):
             raise ValueError(f"num_nodes must be an integer >= 1, got {num_nodes!r}")
         if self.num_ranks % num_nodes:
             raise ValueError(f"num_nodes ({num_nodes}) must divide the EP size ({self.num_ranks})")
@@ -103,7 +104,7 @@ class ExpertBalancer:
                     f"layer {i}: {layer.table.num_slots} slots / {len(layer.slot_params)} local, "
                     f"expected {self.num_slots} / {slots_per_rank}"
                 )
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        if not is_int(interval, 1):
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if not math.isfinite(min_gain):
             raise ValueError(f"min_gain must be a finite number, got {min_gain!r}")

@@ -8,7 +8,8 @@ each names the argument its user wrote in its own message.
 from __future__ import annotations
 
 import math
-import numbers
+
+from ..checks import is_real
 
 # plan_placement keeps previous slots unless that raises the rank imbalance by more than this.
 DEFAULT_TOLERANCE = 1e-2
@@ -17,15 +18,11 @@ TOLERANCE_RULE = "a finite number >= 0"
 MOVE_BUDGET_RULE = "a fraction of the slots in [0, 1]"
 
 
-def _real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def valid_tolerance(value) -> bool:
     """Rank imbalance a kept placement may add over a fresh plan's (TOLERANCE_RULE)."""
-    return _real(value) and 0.0 <= value < math.inf
+    return is_real(value) and 0.0 <= value < math.inf
 
 
 def valid_move_budget(value) -> bool:
     """Most slots per layer one call changes, as a fraction of the layer's (MOVE_BUDGET_RULE)."""
-    return _real(value) and 0.0 <= value <= 1.0
+    return is_real(value) and 0.0 <= value <= 1.0

@@ -9,10 +9,11 @@ replicas of one expert.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 import torch
+
+from ..checks import is_int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,7 +113,7 @@ def check_sizes(num_experts: int, num_slots: int, num_ranks: int, num_nodes: int
     """ValueError unless the sizes can form a placement: every expert a slot, slots even over
     ranks, ranks even over nodes."""
     for name, value in (("num_slots", num_slots), ("num_ranks", num_ranks), ("num_nodes", num_nodes)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if num_slots < num_experts:
         raise ValueError(f"num_slots ({num_slots}) must be >= the number of experts ({num_experts}): "

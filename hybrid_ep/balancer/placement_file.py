@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import yaml
 
+from ..checks import is_int
 from .placement import Placement
 
 ASSIGNMENTS_KEY = "initial_global_assignments"
@@ -73,8 +74,7 @@ class NumberedPlacement(Placement):
 
 def layer_numbers_problem(numbers, num_layers: int) -> str | None:
     """What is wrong with numbers as the layer numbers of num_layers rows, or None."""
-    if not isinstance(numbers, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool)
-                                                         for n in numbers):
+    if not isinstance(numbers, (list, tuple)) or not all(is_int(n) for n in numbers):
         return f"must be a list of integers (the model layer number of each row), got {numbers!r}"
     if len(numbers) != num_layers:
         return f"has {len(numbers)} entries for {num_layers} layers"
@@ -96,7 +96,7 @@ def save_placement_yaml(placement: Placement, path: str, extra: dict | None = No
            "num_layers": placement.num_layers}
     own = getattr(placement, LAYER_NUMBERS_KEY, None)
     if own is not None:
-        doc[LAYER_NUMBERS_KEY] = list(own)
+        doc[LAYER_NUMBERS_KEY] = [int(n) for n in own]
     for key, value in (extra or {}).items():
         if (key in doc and key != LAYER_NUMBERS_KEY) or key == ASSIGNMENTS_KEY:
             raise ValueError(f"extra key {key!r} clashes with a placement key")
@@ -131,20 +131,20 @@ def load_placement_yaml(path: str) -> NumberedPlacement:
     sizes = {}
     for key in _SIZE_KEYS:
         value = doc.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
         sizes[key] = value
     table = doc.get(ASSIGNMENTS_KEY)
     if not isinstance(table, dict) or not table:
         raise ValueError(f"{path}: {ASSIGNMENTS_KEY} must map layer index -> list of expert ids")
     layers = list(range(len(table)))
-    if any(isinstance(k, bool) or not isinstance(k, int) for k in table) or sorted(table) != layers:
+    if not all(is_int(k) for k in table) or sorted(table) != layers:
         raise ValueError(f"{path}: {ASSIGNMENTS_KEY} keys must be the layer indices 0..{len(table) - 1}, "
                          f"got {sorted(map(str, table))[:5]}")
     rows = []
     for layer in layers:
         row = table[layer]
-        if not isinstance(row, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in row):
+        if not isinstance(row, list) or not all(is_int(e) for e in row):
             raise ValueError(f"{path}: {ASSIGNMENTS_KEY}[{layer}] must be a list of expert ids")
         outside = [e for e in row if not 0 <= e < sizes["num_experts"]]
         if outside:

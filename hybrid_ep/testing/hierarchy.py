@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from ..checks import require_int
 from ..config import BufferConfig
 from ..routing import SourceLayout, normalize_routing, source_layout
 
@@ -57,10 +58,7 @@ def send_slots(layout: SourceLayout, world_size: int) -> torch.Tensor:
 
 
 def _check_args(topk_idx_per_rank, config: BufferConfig, chunk_tokens) -> None:
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
-        raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    require_int("chunk_tokens", chunk_tokens, 1)
     if len(topk_idx_per_rank) != config.world_size:
         raise ValueError(f"topk_idx_per_rank has {len(topk_idx_per_rank)} entries, expected world_size="
                          f"{config.world_size}")

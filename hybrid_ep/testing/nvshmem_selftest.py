@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..checks import is_int
+
 # One GPU, no network: what every PE gets unless the caller's environment says otherwise.
 SINGLE_GPU_ENV = {
     "NVSHMEM_REMOTE_TRANSPORT": "none",
@@ -130,9 +132,9 @@ def describe(result: dict) -> str:
 def run(procs: int, nbytes: int = 1 << 20, calls: int = 3, timeout_s: float = 20.0, deadline_s: float = 180.0,
         out: Path | None = None, env: dict[str, str] | None = None) -> tuple[bool, list[str]]:
     """Start `procs` PEs on GPU 0 and wait for them; (every PE correct, one line per PE)."""
-    if isinstance(procs, bool) or not isinstance(procs, int) or not 2 <= procs <= 8:
+    if not is_int(procs, 2, 8):
         raise ValueError(f"procs must be an int in 2..8 (PEs on the one GPU), got {procs!r}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % 32:
+    if not is_int(nbytes, 1) or nbytes % 32:
         raise ValueError(f"nbytes must be a positive multiple of 32, got {nbytes!r}")
     out = Path(tempfile.mkdtemp(prefix="nvshmem_selftest_")) if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ import re
 
 import yaml
 
+from hybrid_ep.checks import is_int, is_real
+
 from . import schema as S
 
 RECIPE_FILE = "recipe.yaml"
@@ -97,9 +99,9 @@ def _check_type(field: str, kind: str, value) -> str | None:
     if value is None:
         return None if nullable else f"must be a {base}, got null"
     if base == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = is_int(value)
     elif base == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = is_real(value)
         if ok and not math.isfinite(value):
             return f"must be a finite number{' or null' if nullable else ''}, got {value!r}"
     elif base == "str":
@@ -107,8 +109,8 @@ def _check_type(field: str, kind: str, value) -> str | None:
     elif base == "bool":
         ok = isinstance(value, bool)
     elif base in ("list[str]", "list[int]"):
-        item = str if base == "list[str]" else int
-        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
+        item = (lambda v: isinstance(v, str)) if base == "list[str]" else is_int
+        ok = isinstance(value, list) and all(item(v) for v in value)
     elif base == "map":
         if not isinstance(value, dict):
             return f"must be a mapping of names to strings or numbers, got {value!r}"
@@ -132,7 +134,7 @@ def _env_rule(name, value) -> str | None:
     if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
         return (f"{name!r} is not an environment variable name (letters, digits and _, not starting "
                 "with a digit)")
-    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+    if not (isinstance(value, str) or is_real(value)):
         return f"must be a string or number, got {value!r}"
     return None
 
@@ -154,7 +156,7 @@ def _merge(schema: dict, given: dict, prefix: str, problems: list) -> dict:
         kind, default = spec
         if key in given:
             value = given[key]
-            if kind.rstrip("?") == "float" and isinstance(value, int) and not isinstance(value, bool):
+            if kind.rstrip("?") == "float" and is_int(value):
                 value = float(value)
             if kind == "map" and isinstance(value, dict):
                 problems += [(f"{field}.{name}", rule) for name, rule in
@@ -249,7 +251,7 @@ def apply_overrides(data: dict, schema: dict, overrides: list[str]) -> None:
                 problems.append((key, rule))
                 continue
         else:
-            if kind.rstrip("?") == "float" and isinstance(value, int) and not isinstance(value, bool):
+            if kind.rstrip("?") == "float" and is_int(value):
                 value = float(value)
             rule = _check_type(key, kind, value)
             if rule:

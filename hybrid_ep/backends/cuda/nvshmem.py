@@ -14,6 +14,7 @@ import math
 import os
 import re
 
+from ...checks import require_int
 from ...memory import BufferSpec
 
 HEAP_ENV = "NVSHMEM_SYMMETRIC_SIZE"
@@ -43,17 +44,9 @@ class NvshmemHeapTooSmall(NvshmemError):
     pass
 
 
-def _require_bytes(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def symmetric_heap_bytes(region_bytes: int) -> int:
     """NVSHMEM_SYMMETRIC_SIZE for a rank whose symmetric allocations total `region_bytes`."""
-    region_bytes = _require_bytes("region_bytes", region_bytes)
+    region_bytes = require_int("region_bytes", region_bytes, 0, what="an int number of bytes")
     return -(-(region_bytes + HEAP_RESERVE) // HEAP_ALIGN) * HEAP_ALIGN
 
 
@@ -80,7 +73,7 @@ def export_heap_size(needed: int, environ=None) -> int:
     """Set NVSHMEM_SYMMETRIC_SIZE to `needed` bytes unless the user set a size at least as large;
     the heap's size in bytes."""
     environ = os.environ if environ is None else environ
-    needed = _require_bytes("needed", needed)
+    needed = require_int("needed", needed, 0, what="an int number of bytes")
     user = environ.get(HEAP_ENV)
     if user:
         size = parse_size(user)
@@ -183,7 +176,7 @@ def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Ses
 
 def allocate(nbytes: int) -> SymmetricAllocation:
     """A zeroed symmetric allocation of `nbytes` (collective: every PE asks for the same size)."""
-    nbytes = _require_bytes("nbytes", nbytes)
+    nbytes = require_int("nbytes", nbytes, 0, what="an int number of bytes")
     s = _session
     if s is None:
         raise NvshmemError("NVSHMEM is not initialised in this process: call nvshmem.initialize(group, bytes) first")
