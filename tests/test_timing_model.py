@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybrid_ep.timing import cli as timing_cli
-from hybrid_ep.timing import constants, fit, points, predict
+from hybrid_ep.timing import constants, fit, points, predict, report
 
 pytestmark = pytest.mark.model
 
@@ -280,6 +280,8 @@ def test_predict_then_validate(tmp_path, capsys):
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
     assert row["data_path"] == doc["metadata"]["config"]["data_path"] == "direct"  # the bench's on one node
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert doc["metadata"]["config"]["commit"] == (head or None)
     assert doc["constants"]["wake_ns"]["source"] == constants.load_table().constants["wake_ns"].source
     shape = {k: doc["metadata"]["config"][k] for k in ("hidden", "tokens_per_rank", "topk", "experts", "dtype",
                                                         "routing")}
@@ -302,6 +304,16 @@ def test_predict_then_validate(tmp_path, capsys):
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
     assert "hidden 1024 against 8192" in capsys.readouterr().err
+
+
+def test_the_table_names_the_model_tokens_given_or_the_default_rule():
+    config = {"nodes": 1, "constants_file": "h100.json", "world_sizes": [2, 8], "device_modelled": "H100",
+              "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16, "dtype": "bf16",
+              "routing": "uniform", "data_path": "receive"}
+    for given, shown in (([256, 512], "T = 256/512 per rank"),
+                         ("256/512 for W > 4, else 512/1024", "T = 256/512 for W > 4, else 512/1024 per rank")):
+        first = report.format_predicted({"metadata": {"config": {**config, "model_tokens": given}}, "runs": []})
+        assert shown in first.splitlines()[0] and first.splitlines()[0].endswith("| receive path")
 
 
 def test_predict_refuses_the_direct_path_across_nodes(tmp_path, capsys):

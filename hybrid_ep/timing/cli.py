@@ -66,7 +66,8 @@ def _predict(args) -> int:
               "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "data_path": path, "store_groups": launch.store_groups_override(),
-              "constants_file": os.path.relpath(args.constants), "device_modelled": table.device}
+              "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
+              "commit": _checkout_commit()}
     doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
            "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
            "constants": {n: vars(c) for n, c in table.constants.items()},
@@ -78,6 +79,20 @@ def _predict(args) -> int:
     print(report.format_predicted(doc))
     print(f"\npredictions: {out_path}")
     return 0
+
+
+def _checkout_commit() -> str | None:
+    """The commit of the checkout whose kernels ran (a prediction is scored against a GPU run of
+    the same kernels); None outside a git checkout. Uncommitted changes are not seen."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        done = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:

@@ -37,7 +37,10 @@ def format_predicted(doc: dict) -> str:
     c = doc["metadata"]["config"]
     nodes = c["nodes"]
     where = "" if nodes == 1 else f" as {nodes} nodes (loopback transport between them)"
-    lines = [f"PREDICTED by the timing model (CPU model at T = {'/'.join(map(str, c['model_tokens']))} per rank, "
+    model_tokens = c["model_tokens"]  # a list, or the rule by world size when none was given
+    if not isinstance(model_tokens, str):
+        model_tokens = "/".join(map(str, model_tokens))
+    lines = [f"PREDICTED by the timing model (CPU model at T = {model_tokens} per rank, "
              f"constants {c['constants_file']}), not measured: cuda kernels, W = "
              f"{', '.join(map(str, c['world_sizes']))} virtual ranks{where} on one {c['device_modelled']} | "
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
