@@ -24,9 +24,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.balancer_checkpoint_testing import load_other_ep  # noqa: E402
-from megatron_patches.balancer_testing import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
-from megatron_patches.testing import LayerCase  # noqa: E402
+from megatron_patches.local.layer import LayerCase  # noqa: E402
+from megatron_patches.testing.balancer_checkpoints import load_other_ep  # noqa: E402
+from megatron_patches.testing.balancer_runs import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.testing import LayerCase, dense_moe_layer, run_moe_layer_case  # noqa: E402
+from megatron_patches.local.layer import LayerCase  # noqa: E402
+from megatron_patches.testing.moe_layer import dense_moe_layer, run_moe_layer_case  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -126,7 +127,7 @@ def test_rank_capacity_overflow_is_flagged_as_over_budget(pool_for):
 
 
 def _run_calls(pool, case, seqs, overrides, timeout_s=120):
-    from megatron_patches.testing import run_moe_layer_calls
+    from megatron_patches.testing.moe_layer import run_moe_layer_calls
 
     return pool.run(run_moe_layer_calls, [(case, seqs, overrides)] * case.world_size, timeout_s=timeout_s)
 

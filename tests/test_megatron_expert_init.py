@@ -25,7 +25,7 @@ def _initial_weights(dispatcher: str, slots_per_rank: int | None, cpu_init: bool
     from megatron.training.initialize import _set_random_seed
 
     from megatron_patches import HybridEPOptions
-    from megatron_patches.testing import PLAIN_FP32_CONFIG, init_megatron
+    from megatron_patches.local.common import PLAIN_FP32_CONFIG, init_megatron
 
     init_megatron(W)
     _set_random_seed(1234)  # Megatron-LM's initialisation: torch.manual_seed(seed + 100 x PP rank)

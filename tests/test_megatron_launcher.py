@@ -14,7 +14,7 @@ import pytest
 
 from helpers import REPO
 from megatron_patches.pretrain_gpt import LauncherError, find_pretrain_script, split_launcher_args
-from megatron_patches.testing import TINY_GPT_ARGS
+from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
 
 pytestmark = pytest.mark.megatron
 

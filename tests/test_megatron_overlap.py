@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_patches import overlap  # noqa: E402
-from megatron_patches.overlap_testing import GPTCase, train_step  # noqa: E402
+from megatron_patches.testing.overlap import GPTCase, train_step  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -115,7 +115,7 @@ def test_schedule_keeps_the_inputs_hybrid_ep_still_needs():
 
     megatron_patches.apply()
     cfg = GPTCase()
-    from megatron_patches.overlap_testing import _config
+    from megatron_patches.testing.overlap import _config
 
     config = _config(cfg)
     assert [utils.should_free_input(n, True, config, 4) for n in ("moe_dispatch", "mlp", "moe_combine")] == \

@@ -1,6 +1,6 @@
 """Checkpoint round trips of a balanced Megatron MoELayer (tests): save, load fresh, go on.
 
-`save_and_resume` runs inside balancer_testing.train_moe_layer on every rank: the balancer
+`save_and_resume` runs inside balancer_runs.train_moe_layer on every rank: the balancer
 folds its pending counts into the statistics (`prepare_checkpoint`, as the save hook does in
 Megatron-LM), the layer and optimizer are saved in the legacy format (torch.save per rank,
 the distributed optimizer's parameter state through its own save_parameter_state) or with
@@ -27,6 +27,18 @@ import queue
 import torch
 import torch.distributed as dist
 
+from ..local.common import PLAIN_FP32_CONFIG, init_megatron
+from ..local.layer import build_moe_layer
+from .balancer_common import (
+    TrainRun,
+    build_layer,
+    expert_weights,
+    fixed_output,
+    make_optimizer,
+    native_weights_,
+    sync_params,
+    train_steps,
+)
 
 # Megatron-LM's default layout of the distributed optimizer's state in torch_dist checkpoints.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -96,9 +108,8 @@ def _load(run, layer, opt, directory: str) -> None:
                 # step, which the distributed optimizer's state_dict needs: one zero-gradient
                 # step (it leaves the weights as they are) creates the states the load fills.
                 inner._init_optimizer_states_with_dummy_values()
-        loaded = dist_checkpointing.load(
-            {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)},
-            directory)
+        optim_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_METADATA)
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, directory)
         layer.load_state_dict(loaded["model"])
         with torch.no_grad():  # fp32 master shards are views of the weights
             opt.load_state_dict(loaded["optimizer"])
@@ -143,22 +154,21 @@ def _scramble_(layer, seed: int) -> None:
 
 
 def save_and_resume(case, run, layer, model, opt, bal, step: int) -> dict:
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _expert_weights, _fixed_output, _optimizer, _sync_params
+    from .. import balancer as mbalancer
 
     bal.prepare_checkpoint()
-    _sync_params(model, run)
+    sync_params(model, run)
     _save(run, layer, opt, run.checkpoint_dir)
     saved = {"placement": bal.placement_rows(), "load": bal.stats.load(), "steps": bal.steps,
-             "carry": bal.stats.carry_LE.copy(), "experts": _expert_weights(layer, bal),
-             "output": _fixed_output(layer, run)}
-    fresh = _build(case, run)
+             "carry": bal.stats.carry_LE.copy(), "experts": expert_weights(layer, bal),
+             "output": fixed_output(layer, run)}
+    fresh = build_layer(case, run)
     _scramble_(fresh, 1000 + dist.get_rank())
-    model2, opt2 = _optimizer(fresh, run)
+    model2, opt2 = make_optimizer(fresh, run)
     _load(run, fresh, opt2, run.checkpoint_dir)
     _fix_adam_steps(opt2)
     bal2 = mbalancer.attach(fresh, opt2, writers=[])
-    _sync_params(model2, run)
+    sync_params(model2, run)
     restored = {
         "placement_equal": bool(torch.equal(saved["placement"], bal2.placement_rows())),
         "steps": (saved["steps"], bal2.steps),
@@ -174,19 +184,18 @@ def load_other_ep(case, run, directory: str) -> dict:
     """Load the layer of a torch_dist checkpoint into this pool's EP size (case.world_size)."""
     from megatron.core import dist_checkpointing
 
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _expert_weights, _fixed_output
+    from .. import balancer as mbalancer
 
-    layer = _build(case, run)
+    layer = build_layer(case, run)
     _scramble_(layer, 2000 + dist.get_rank())
     loaded = dist_checkpointing.load({"model": layer.sharded_state_dict()}, directory)
     layer.load_state_dict(loaded["model"])
     before = layer.hybrid_ep_slot_to_expert.clone()
-    probe_before = _fixed_output(layer, run)
+    probe_before = fixed_output(layer, run)
     bal = mbalancer.attach(layer, None, writers=[])
     return {"events": list(bal.events), "placement_loaded": before, "placement": bal.placement_rows(),
-            "load": bal.stats.load(), "steps": bal.steps, "experts": _expert_weights(layer, bal),
-            "probe_before": probe_before, "probe_after": _fixed_output(layer, run)}
+            "load": bal.stats.load(), "steps": bal.steps, "experts": expert_weights(layer, bal),
+            "probe_before": probe_before, "probe_after": fixed_output(layer, run)}
 
 
 def load_elsewhere(case, run, directory: str) -> dict:
@@ -195,10 +204,9 @@ def load_elsewhere(case, run, directory: str) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from . import balancer as mbalancer
-    from .balancer_testing import _build
+    from .. import balancer as mbalancer
 
-    layer = _build(case, run)
+    layer = build_layer(case, run)
     try:
         loaded = dist_checkpointing.load({"model": layer.sharded_state_dict()}, directory)
         layer.load_state_dict(loaded["model"])
@@ -214,14 +222,13 @@ def save_placement_only(case, run, directory: str) -> dict:
     dist_checkpointing; the balancer's events, placement and statistics at the save."""
     from megatron.core import dist_checkpointing
 
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+    from .. import balancer as mbalancer
 
-    layer = _build(case, run)
-    _native_weights_(layer, case)
-    model, opt = _optimizer(layer, run)
+    layer = build_layer(case, run)
+    native_weights_(layer, case)
+    model, opt = make_optimizer(layer, run)
     bal = mbalancer.attach(layer, opt, writers=[])
-    _train_steps(model, opt, case, run, range(run.steps), [], [])
+    train_steps(model, opt, case, run, range(run.steps), [], [])
     if bal is not None:
         bal.prepare_checkpoint()
     with _write_results_in_process():
@@ -234,11 +241,10 @@ def save_placement_only(case, run, directory: str) -> dict:
 def load_unplaced(case, run) -> dict:
     """A layer's state saved before any placement was installed (its row still unset) loads
     into a fresh layer, whose balancer then installs the first placement as without one."""
-    from . import balancer as mbalancer
-    from .balancer_testing import _build
+    from .. import balancer as mbalancer
 
-    saved = _build(case, run).state_dict()
-    layer = _build(case, run)
+    saved = build_layer(case, run).state_dict()
+    layer = build_layer(case, run)
     layer.load_state_dict(saved)
     unset = bool((layer.hybrid_ep_slot_to_expert < 0).all())
     bal = mbalancer.attach(layer, None, writers=[])
@@ -255,23 +261,22 @@ def reload_after_attach(case, run) -> dict:
     state dict), loaded into a layer whose balancer is already attached (a reload in a
     running job): the balancer's statistics, step count and placement follow the checkpoint
     as when the checkpoint is loaded before attach."""
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+    from .. import balancer as mbalancer
 
     def state(bal):
         return {"steps": bal.steps, "load": bal.stats.load(), "carry": bal.stats.carry_LE.copy(),
                 "placement": bal.placement_rows()}
 
-    layer = _build(case, run)
-    _native_weights_(layer, case)
-    model, opt = _optimizer(layer, run)
+    layer = build_layer(case, run)
+    native_weights_(layer, case)
+    model, opt = make_optimizer(layer, run)
     bal = mbalancer.attach(layer, opt, writers=[])
-    _train_steps(model, opt, case, run, range(7), [], [])
+    train_steps(model, opt, case, run, range(7), [], [])
     bal.prepare_checkpoint()
     saved_dict = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
-    running = _build(case, run)
-    _native_weights_(running, case)
-    model2, opt2 = _optimizer(running, run)
+    running = build_layer(case, run)
+    native_weights_(running, case)
+    model2, opt2 = make_optimizer(running, run)
     bal2 = mbalancer.attach(running, opt2, writers=[])
     running.load_state_dict(saved_dict)
     after = state(bal2)
@@ -292,9 +297,8 @@ def block_checkpoint(directory: str, pipeline_parallel: int, moe_layers_per_stag
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from . import HybridEPOptions
-    from . import balancer as mbalancer
-    from .testing import PLAIN_FP32_CONFIG, init_megatron
+    from .. import HybridEPOptions
+    from .. import balancer as mbalancer
 
     pp = pipeline_parallel
     ep = dist.get_world_size() // pp
@@ -340,14 +344,13 @@ _BLOCK_BUFFERS = ("hybrid_ep_slot_to_expert", "hybrid_ep_load_stats", "hybrid_ep
 
 def _trained_state_dict(case, run):
     """A layer trained `run.steps` steps with the balancer: its legacy state dict, the balancer."""
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _native_weights_, _optimizer, _train_steps
+    from .. import balancer as mbalancer
 
-    layer = _build(case, run)
-    _native_weights_(layer, case)
-    model, opt = _optimizer(layer, run)
+    layer = build_layer(case, run)
+    native_weights_(layer, case)
+    model, opt = make_optimizer(layer, run)
     bal = mbalancer.attach(layer, opt, writers=[])
-    _train_steps(model, opt, case, run, range(run.steps), [], [])
+    train_steps(model, opt, case, run, range(run.steps), [], [])
     bal.prepare_checkpoint()
     return layer.state_dict(), bal
 
@@ -359,12 +362,11 @@ def load_legacy_without_balancer(case, run) -> dict:
     load, retried with strict=False on any error. Per dispatcher: the error, or None."""
     import dataclasses
 
-    from .balancer_testing import TrainRun, _build
 
     saved, bal = _trained_state_dict(case, run)
     out = {"slots_changed": sum(e["slots_changed"] for e in bal.events if e["applied"])}
     for dispatcher in ("hybrid_ep", "alltoall"):
-        plain = _build(dataclasses.replace(case, dispatcher=dispatcher), TrainRun(run.steps))
+        plain = build_layer(dataclasses.replace(case, dispatcher=dispatcher), TrainRun(run.steps))
         try:
             try:
                 plain.load_state_dict(saved, strict=True)
@@ -381,18 +383,17 @@ def resume_at_iteration(case, run, start_iterations) -> dict:
     into fresh layers attached with each start_iteration (None: a library call; Megatron-LM's
     iteration: a resume, or 0 under --finetune), each then trained `run.steps` more steps:
     per start_iteration, the step count after attach and the iterations it rebalanced at."""
-    from . import balancer as mbalancer
-    from .balancer_testing import _build, _optimizer, _train_steps
+    from .. import balancer as mbalancer
 
     saved, _ = _trained_state_dict(case, run)
     out = {}
     for start in start_iterations:
-        fresh = _build(case, run)
+        fresh = build_layer(case, run)
         fresh.load_state_dict(saved)
-        model, opt = _optimizer(fresh, run)
+        model, opt = make_optimizer(fresh, run)
         resumed = mbalancer.attach(fresh, opt, start_iteration=start, writers=[])
         steps = resumed.steps
-        _train_steps(model, opt, case, run, range(run.steps), [], [])
+        train_steps(model, opt, case, run, range(run.steps), [], [])
         out[start] = {"steps": steps, "rebalanced_at": [e["iteration"] for e in resumed.events]}
     return out
 
@@ -402,11 +403,11 @@ def stats_through_float16_module(case, fp16: bool) -> tuple[str, list]:
     get_model wraps it, counts recorded and reduced, saved (legacy state dict) and loaded into
     another wrapped layer: the statistics buffer's dtype after the wrap, and the statistics
     the second balancer restored (the carry row: the counts since the last reduction)."""
-    import megatron_patches
     from megatron.core.transformer.module import Float16Module
 
-    from . import balancer as mbalancer
-    from .testing import build_moe_layer, init_megatron
+    import megatron_patches
+
+    from .. import balancer as mbalancer
 
     init_megatron(case.world_size)
     dtype = torch.float16 if fp16 else torch.bfloat16

@@ -8,8 +8,9 @@ outputs and gradients for all ranks at once, in float64, straight from the defin
     out_t = sum over the token's top-k experts e of p_te * fc2_e(gelu(fc1_e(x_t)))
     p_t   = topk(softmax(x_t @ router^T))        (Megatron's pre-softmax routing)
 
-Weights and inputs are drawn from seeds, so every rank and the dense reference see the same
-numbers without shipping tensors around. Legend: S sequence, B batch, H hidden, F expert
+Weights and inputs are drawn from seeds (megatron_patches.local.layer: LayerCase,
+case_tensors), so every rank and the dense reference see the same numbers without shipping
+tensors around. Legend: S sequence, B batch, H hidden, F expert
 ffn, E experts, K top-k, W EP ranks, L = E / W.
 """
 
@@ -19,8 +20,8 @@ import functools
 
 import torch
 
-from .local.common import PLAIN_FP32_CONFIG, init_megatron, reset_moe_globals  # noqa: F401 (the tests' names)
-from .local.layer import LayerCase, build_moe_layer, case_tensors, moe_config, seeded_layer  # noqa: F401
+from ..local.common import init_megatron
+from ..local.layer import LayerCase, build_moe_layer, case_tensors, seeded_layer
 
 # A complete Megatron-LM pretrain_gpt argument list for a tiny MoE GPT on mock data.
 TINY_GPT_ARGS = [
@@ -75,7 +76,7 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
     and ends the run on that rank."""
     import torch.distributed as dist
 
-    from .buffers import BUFFERS
+    from ..buffers import BUFFERS
 
     init_megatron(case.world_size)
     BUFFERS.clear()  # sized from this run's first call, as a fresh job would

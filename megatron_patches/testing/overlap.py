@@ -49,7 +49,8 @@ def _config(case: GPTCase):
         moe_token_dispatcher_type=case.dispatcher, expert_model_parallel_size=case.world_size // case.pipeline,
         pipeline_model_parallel_size=case.pipeline, virtual_pipeline_model_parallel_size=case.virtual_pipeline,
         overlap_moe_expert_parallel_comm=case.overlap_ep_comm, bf16=case.bf16,
-        pipeline_dtype=torch.bfloat16 if case.bf16 else torch.float32, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_dtype=torch.bfloat16 if case.bf16 else torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0,
         add_bias_linear=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
         **shared,
@@ -89,15 +90,14 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def train_step(case: GPTCase) -> dict:
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    from .buffers import BUFFERS
-    from .testing import init_megatron
-
-    from megatron.core import parallel_state as ps
+    from ..buffers import BUFFERS
+    from ..local.common import init_megatron
 
     init_megatron(case.world_size // case.pipeline, case.seed, pipeline_parallel=case.pipeline,
                   virtual_pipeline=case.virtual_pipeline)

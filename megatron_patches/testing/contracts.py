@@ -80,7 +80,7 @@ def _submodules(case: ContractCase):
     if case.grouped:
         from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-        from .grouped_gemm import torch_grouped_mlp_submodules
+        from ..grouped_gemm import torch_grouped_mlp_submodules
 
         experts = functools.partial(TEGroupedMLP, submodules=torch_grouped_mlp_submodules())
         submodules = dataclasses.replace(submodules, experts=experts)
@@ -117,8 +117,8 @@ def _unpermute(dispatcher, rows):
 def _setup(case: ContractCase):
     import torch.distributed as dist
 
-    from .buffers import BUFFERS
-    from .testing import init_megatron
+    from ..buffers import BUFFERS
+    from ..local.common import init_megatron
 
     init_megatron(case.ep, case.seed, tensor_parallel=case.tp, expert_tensor_parallel=case.etp)
     BUFFERS.clear()  # each case sizes its buffers from its own first call, as a fresh job would
