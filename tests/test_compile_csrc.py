@@ -18,7 +18,8 @@ from helpers import REPO
 pytestmark = pytest.mark.unit
 
 SCRIPT = Path(REPO, "scripts", "compile_csrc.sh")
-GOOD_CU = "template <int N> __global__ void fill(int* out) { out[threadIdx.x] = N; }\ntemplate __global__ void fill<3>(int*);\n"
+GOOD_CU = ("template <int N> __global__ void fill(int* out) { out[threadIdx.x] = N; }\n"
+           "template __global__ void fill<3>(int*);\n")
 GOOD_CPP = "#include <vector>\nint count() { std::vector<int> v{1, 2}; return static_cast<int>(v.size()); }\n"
 BAD_CU = "__global__ void fill(int* out) { out[threadIdx.x] = missing_name; }\n"  # an undeclared name
 BAD_CPP = "#include <vector>\nint count() { std::vector<int> v; return v.size() }\n"  # a missing ';'

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import shutil
 
 import pytest
 import torch
 
+from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.backend import memory_plan
-from hybrid_ep.backends.cuda.layout import (
-    ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout,
-)
+from hybrid_ep.backends.cuda.layout import ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
-from helpers import built_cuda_extension
 
 pytestmark = pytest.mark.unit
 

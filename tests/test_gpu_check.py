@@ -189,7 +189,7 @@ def test_several_stages_in_one_command_build_once_and_record_the_commit(machine)
     # the one tool named, once per data path, each run naming its path
     sanitizer_runs = [line for line in calls.splitlines() if line.startswith("compute-sanitizer")]
     assert [line.split()[2] for line in sanitizer_runs] == ["racecheck", "racecheck"]
-    assert (results / "sanitizer_racecheck_direct.log").exists() and (results / "sanitizer_racecheck_receive.log").exists()
+    assert all((results / f"sanitizer_racecheck_{path}.log").exists() for path in ("direct", "receive"))
     assert "pytest HYBRID_EP_TIMEOUT_S=20" in calls and "HYBRID_EP_TIMEOUT_S=60" in calls  # the sanitizer's own
     machine_txt = (results / "machine.txt").read_text()
     assert "commit: 0123abc" in machine_txt and "stages: test sanitize" in machine_txt
