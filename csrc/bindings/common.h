@@ -1,6 +1,7 @@
 // Bindings shared by hybrid_ep._C (the GPU) and hybrid_ep._model (the CPU model of the
 // device layer): limits, the codes of dtypes, transports and error phases, the argument
-// structs, the launchers and the occupancy queries. Both modules expose the same names, so the Python engine drives either.
+// structs, the launchers and the occupancy queries. Both modules expose the same names, so the Python engine drives
+// either.
 //
 // Only pybind11 is used here (no ATen), so this compiles fast; Python passes tensors as
 // data_ptr() integers and streams as integers.
