@@ -92,7 +92,9 @@ def _checkout_commit() -> str | None:
                               timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
