@@ -72,6 +72,20 @@ def test_check_extension_refuses_codes_python_does_not_name():
         check_extension(_copy_of(model, TRANSPORTS=None))
 
 
+@pytest.mark.parametrize("name, python_value", [("MAX_STAGES", launch.MAX_STAGES),
+                                                 ("MAX_STORE_GROUPS", launch.MAX_STORE_GROUPS),
+                                                 ("PULL_PIPELINES", launch.PULL_PIPELINES)])
+def test_the_launch_limits_are_the_bindings(name, python_value):
+    """launch.py sizes the FIFOs by these on CPU without a module; check_extension holds them to csrc's."""
+    model = _module("hybrid_ep._model")
+    assert getattr(model, name) == python_value
+    with pytest.raises(RuntimeError, match=rf"hybrid_ep\._fake has {name}={python_value + 1} but the package "
+                                           rf"expects {python_value}; rebuild the extension"):
+        check_extension(_copy_of(model, **{name: python_value + 1}))
+    with pytest.raises(RuntimeError, match=rf"hybrid_ep\._fake has no {name}; rebuild the extension"):
+        check_extension(_copy_of(model, **{name: None}))  # a module built before the name was exported
+
+
 def test_the_engine_describes_each_phase_by_the_modules_code():
     """A timeout message names the phase the record's code stands for in the loaded module."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")

@@ -54,6 +54,9 @@ inline void bind_common(py::module_& m) {
   m.attr("THREADS") = kThreads;
   m.attr("CHUNK_TOKENS") = kChunkTokens;
   m.attr("COMBINE_MAX_SEG_COLS") = kCombineMaxSegCols;
+  m.attr("MAX_STAGES") = kMaxStages;
+  m.attr("MAX_STORE_GROUPS") = kMaxStoreGroups;
+  m.attr("PULL_PIPELINES") = kPullPipelines;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);

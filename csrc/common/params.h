@@ -18,6 +18,9 @@ constexpr int kThreads = 512;          // threads per dispatch / combine block
 constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalling between ranks
 constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
 constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
+constexpr int kMaxStages = 16;         // slots of one pipeline's ring (mbarrier arrays are sized by it)
+constexpr int kMaxStoreGroups = 7;     // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
+constexpr int kPullPipelines = 2;      // pipelines of a combine-pull block, sharing its dynamic shared memory
 
 // The codes below are the one definition of each: the bindings export them to Python by the
 // names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES; csrc/bindings/common.h),

@@ -24,7 +24,7 @@
 namespace hybrid_ep {
 namespace combine_pull_impl {
 
-constexpr int kPipelines = 2, kPipelineWarps = 1 + kGroupWarps;
+constexpr int kPipelines = kPullPipelines, kPipelineWarps = 1 + kGroupWarps;
 constexpr int kPullThreads = kPipelines * kPipelineWarps * 32;
 
 // A chunk's routes, per token: the expert host and row of each, and its weight.

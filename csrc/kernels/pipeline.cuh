@@ -11,8 +11,6 @@
 
 namespace hybrid_ep {
 
-constexpr int kMaxStages = 16;
-
 // Where a walker is in a ring: the slot, the parity of the slot's current round, and how
 // many items it has passed (for drains and for the bulk-group arithmetic).
 struct PipeState {
@@ -99,8 +97,6 @@ struct StageRing {
       mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.epoch);
   }
 };
-
-constexpr int kMaxStoreGroups = 7;  // the switches below
 
 // How many of a store ring's newest groups may still read their stages when the store thread
 // releases the older ones. Each such group holds its stage away from the loads, so with a few

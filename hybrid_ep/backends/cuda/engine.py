@@ -24,8 +24,18 @@ from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
 from .layout import (
-    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, PEER_TENSORS_BYTES,
-    TOKEN_META_BYTES, info_layout, rdma_layout, registered_layout,
+    CHUNK_SIGNAL_BYTES,
+    CHUNK_TOKENS,
+    LOCAL_STATE_BYTES,
+    MAX_EXPERTS,
+    MAX_RANKS,
+    MAX_TOPK,
+    META_ENTRY_BYTES,
+    PEER_TENSORS_BYTES,
+    TOKEN_META_BYTES,
+    info_layout,
+    rdma_layout,
+    registered_layout,
 )
 from .registered import LoopbackRegions, NvshmemRegions
 
@@ -115,11 +125,15 @@ def check_extension(ext) -> None:
     """The Python layout plan and the compiled structs must agree, and the Python tables keyed
     by the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
     expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
-                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "CHUNK_TOKENS": CHUNK_TOKENS,
+                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "MAX_EXPERTS": MAX_EXPERTS, "CHUNK_TOKENS": CHUNK_TOKENS,
                 "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
-                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES}
+                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES,
+                "MAX_STAGES": launch.MAX_STAGES, "MAX_STORE_GROUPS": launch.MAX_STORE_GROUPS,
+                "PULL_PIPELINES": launch.PULL_PIPELINES}
     rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
     for name, value in expected.items():
+        if not hasattr(ext, name):
+            raise RuntimeError(f"{ext.__name__} has no {name}; {rebuild}")
         if getattr(ext, name) != value:
             raise RuntimeError(f"{ext.__name__} has {name}={getattr(ext, name)} but the package expects {value}; "
                                f"{rebuild}")

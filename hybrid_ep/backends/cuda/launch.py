@@ -13,7 +13,7 @@ from .layout import CHUNK_TOKENS
 # Defaults until measured on the device (docs/benchmarks/cuda.md says which numbers exist).
 DEFAULT_SMS_DISPATCH = 8
 DEFAULT_SMS_COMBINE = 8
-MAX_STAGES = 16  # csrc kMaxStages
+MAX_STAGES = 16  # csrc kMaxStages (engine.check_extension compares these with the bindings')
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
 MAX_BATCH_ROWS = 32  # whole rows in one stage (csrc: a chunk's, kChunkTokens)
@@ -146,7 +146,7 @@ class PullShape:
         return PULL_PIPELINES * self.stages * self.stage_bytes
 
 
-PULL_PIPELINES = 2  # csrc combine_pull_impl::kPipelines
+PULL_PIPELINES = 2  # csrc kPullPipelines
 
 
 def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
