@@ -33,8 +33,17 @@ from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
 from .layout import (
-    CHUNK_SIGNAL_BYTES, CHUNK_TOKENS, LOCAL_STATE_BYTES, MAX_RANKS, MAX_TOPK, META_ENTRY_BYTES, PEER_TENSORS_BYTES,
-    TOKEN_META_BYTES, info_layout, rdma_layout, registered_layout,
+    CHUNK_SIGNAL_BYTES,
+    CHUNK_TOKENS,
+    LOCAL_STATE_BYTES,
+    MAX_RANKS,
+    MAX_TOPK,
+    META_ENTRY_BYTES,
+    PEER_TENSORS_BYTES,
+    TOKEN_META_BYTES,
+    info_layout,
+    rdma_layout,
+    registered_layout,
 )
 from .registered import LoopbackRegions, NvshmemRegions
 
