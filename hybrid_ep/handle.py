@@ -16,6 +16,26 @@ from .routing import DestLayout, Routing, SourceLayout
 from .traffic.model import RowCounts, row_counts
 
 
+class _CountTable:
+    """A count table of a handle: the tensor the backend gave, or, where it gave None, the
+    dest layout's attribute of the same name, read when first asked for (the cuda backend's
+    are views of its per-call workspace, which a call need not make)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError(self.name)  # no class-level default: the field stays required
+        value = obj.__dict__[self.slot]
+        if value is None:
+            value = obj.__dict__[self.slot] = getattr(obj.dest, self.name)
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchHandle:
     """Everything combine and backward need; reusable for another dispatch of the same routing."""
@@ -26,10 +46,11 @@ class DispatchHandle:
     routing: Routing
     source: SourceLayout  # or the backend's own layout of the same rows
     dest: DestLayout  # or the backend's own layout, with the fields the properties below read
-    recv_counts_W: torch.Tensor  # int64 rows received from each rank
+    # The count tables: None takes dest's attribute of the same name when read (_CountTable).
+    recv_counts_W: torch.Tensor | None = _CountTable()  # int64 rows received from each rank
     num_recv_rows: int  # V
-    count_matrix_WW: torch.Tensor  # int64 rows sent from rank s to rank d (all ranks)
-    node_counts_WN: torch.Tensor  # int64 tokens of rank s that reach node n (all ranks)
+    count_matrix_WW: torch.Tensor | None = _CountTable()  # int64 rows sent from rank s to rank d (all ranks)
+    node_counts_WN: torch.Tensor | None = _CountTable()  # int64 tokens of rank s that reach node n (all ranks)
     probs_R: torch.Tensor  # float32 routing weight of each output row, 0 on padding
     num_out_tokens: int | None
     serial: int = 0  # which dispatch with a routing of its buffer made it (1, 2, ...); compared on reuse

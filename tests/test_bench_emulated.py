@@ -58,6 +58,8 @@ def test_table_and_plot(tmp_path):
                for line in lines)
     assert "moved/SM" in lines[1] and "path" in lines[1]
     assert "W=8: dispatch 1.500 ms" in table and "21.5 us" in table and "40.2 us" in table
+    # the host time per rank, against the target (older JSON without the per-rank number too)
+    assert "10.8 us per rank" in table and "5.0 us per rank (target <= 30 us)" in table
     emulated._plot(doc, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -300,5 +302,6 @@ def test_emulated_json_gives_every_number_a_unit():
                                        3e12)
         assert row["dispatch_rw_gbps"] == pytest.approx(1.0)  # 1e6 bytes read + written in 1 ms
         assert [key for key in row if key not in emulated.UNITS] == []
-    for key in ("device_sms", "copy_gbps", "elapsed_s", "median_us", "ranks", "pipelines"):
+    for key in ("device_sms", "copy_gbps", "elapsed_s", "median_us", "median_us_per_rank", "target_us_per_rank",
+                "ranks", "pipelines"):
         assert key in emulated.UNITS

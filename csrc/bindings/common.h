@@ -1,7 +1,8 @@
 // Bindings shared by hybrid_ep._C (the GPU) and hybrid_ep._model (the CPU model of the
 // device layer): limits, the codes of dtypes, transports and error phases, the argument
-// structs, the launchers and the occupancy queries. Both modules expose the same names, so the Python engine drives
-// either.
+// structs, the per-call host path (HostPath: one call fills every rank's arguments of a
+// kernel sequence and launches it), the launchers and the occupancy queries. Both modules
+// expose the same names, so the Python engine drives either.
 //
 // Only pybind11 is used here (no ATen), so this compiles fast; Python passes tensors as
 // data_ptr() integers and streams as integers.
@@ -11,6 +12,8 @@
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "common/params.h"
 #include "kernels/launch.h"
@@ -44,6 +47,197 @@ py::dict code_dict(const CodeName (&names)[N]) {
   for (const CodeName& n : names) d[n.name] = n.code;
   return d;
 }
+
+// Off only to measure the host path without kernels (hybrid_ep.bench.host): the HostPath
+// calls then fill the arguments and return without launching. One flag per module.
+inline bool& launches_enabled() {
+  static bool on = true;
+  return on;
+}
+
+inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), const LaunchArgs& a, uint64_t stream,
+                           const char* what) {
+  if (launches_enabled()) check_launch(launcher(a, stream), what);
+}
+
+// Where one rank's per-call tensors of a dispatch lie in its part of the call's workspace
+// (bytes from the part's start; -1 where the data path has none). The part is sized for
+// max_tokens tokens and `topk` routes, so it depends only on the engine, K and the path:
+// rank i's part of a call starts at i * bytes. The handle keeps the part for the combine.
+struct CallLayout {
+  int64_t info = -1;        // InfoLayout tensor (i64)
+  int64_t send_slot = -1;   // [T, W] i32
+  int64_t row_pos = -1;     // receive path: [W, max_tokens, kd] i32
+  int64_t recv_spans = -1;  // receive path: [W, max_chunks, 2] i32
+  int64_t fwd_slots = -1;   // several nodes: [N, max_chunks * kChunkTokens, G] i32
+  int64_t fwd_rows = -1;    // several nodes: [N, max_chunks] i32
+  int64_t entry_ord = -1;   // [T, K] i32
+  int64_t route_rows = -1;  // direct path: [T, K] i32
+  int64_t bytes = 0;        // the part, a multiple of kCallAlign
+};
+
+inline constexpr int64_t kCallAlign = 128;  // every tensor of a part starts on its own 128-byte line
+
+inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct) {
+  if (topk < 0 || topk > kMaxTopK) throw py::value_error("topk out of range for a call layout");
+  CallLayout l;
+  int64_t at = 0;
+  auto place = [&at](int64_t& field, int64_t bytes) {
+    field = at;
+    at += (bytes + kCallAlign - 1) / kCallAlign * kCallAlign;
+  };
+  const int64_t W = g.world_size, T = g.max_tokens, N = g.num_nodes, G = g.ranks_per_node;
+  const int64_t chunks = static_cast<int64_t>(g.reg.max_chunks);
+  place(l.info, g.info.total * 8);
+  place(l.send_slot, T * W * 4);
+  if (!direct) {
+    place(l.row_pos, W * T * kd * 4);
+    place(l.recv_spans, W * chunks * 2 * 4);
+  }
+  if (N > 1) {
+    place(l.fwd_slots, N * chunks * kChunkTokens * G * 4);
+    place(l.fwd_rows, N * chunks * 4);
+  }
+  place(l.entry_ord, T * topk * 4);
+  if (direct) place(l.route_rows, T * topk * 4);
+  l.bytes = at < kCallAlign ? kCallAlign : at;
+  return l;
+}
+
+inline uint64_t at_offset(uint64_t part, int64_t offset) {
+  return offset < 0 ? 0 : part + static_cast<uint64_t>(offset);
+}
+
+// Per rank of a dispatch: (num_tokens, topk, x, x_scales, topk_idx, topk_weights).
+using DispatchInput = std::tuple<int32_t, int32_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+// Per rank of a dispatch's second kernel: (num_out_rows, out, out_scales, out_probs).
+using DispatchOutput = std::tuple<int64_t, uint64_t, uint64_t, uint64_t>;
+// Per rank of a combine: (num_tokens, topk, the handle's workspace part, its layout, topk_idx
+// (direct path, else 0), expert_out, probs, y, num_out_rows).
+using CombineInput =
+    std::tuple<int32_t, int32_t, uint64_t, CallLayout, uint64_t, uint64_t, uint64_t, uint64_t, int64_t>;
+
+// The per-call host path of one engine: the ranks it drives with what stays fixed per rank
+// (rank, peer table, transport, arena bases), and per kernel sequence one call that fills
+// every rank slot of the launch arguments, each from a zeroed RankArgs as a fresh one would
+// be, and launches. The launch arguments (geometry, pipeline shape) are the engine's, cached
+// per launch shape; the launchers copy them when they launch.
+class HostPath {
+ public:
+  HostPath(const std::vector<RankArgs>& ranks, uint64_t arena_bases) : fixed_(ranks), arena_bases_(arena_bases) {
+    if (ranks.empty() || ranks.size() > static_cast<size_t>(kMaxLaunchRanks))
+      throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
+  }
+
+  // The layout kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
+  // is the static output size, or -1 (the layout kernel computes it).
+  void dispatch_layout(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+                       const std::vector<DispatchInput>& in, uint64_t absent) {
+    check_count(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      RankArgs r = fixed_[i];
+      const auto& [T, K, x, x_scales, topk_idx, topk_weights] = in[i];
+      const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
+      r.absent = static_cast<int32_t>((absent >> i) & 1);
+      r.num_tokens = T;
+      r.topk = K;
+      r.x = x;
+      r.x_scales = x_scales;
+      r.topk_idx = topk_idx;
+      r.topk_weights = topk_weights;
+      r.send_slot = at_offset(part, l.send_slot);
+      r.entry_ord = at_offset(part, l.entry_ord);
+      r.info = at_offset(part, l.info);
+      r.num_out_rows = rows;
+      a.ranks[i] = r;
+    }
+    a.num_ranks = static_cast<int32_t>(in.size());
+    launch_checked(&launch_layout, a, stream, "layout");
+  }
+
+  // The dispatch kernel, after dispatch_layout on the same arguments: every rank's outputs
+  // and the rest of its part (route rows on the direct path, else row positions and chunk
+  // spans; forwarded chunks with several nodes).
+  void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
+                     const std::vector<DispatchOutput>& out, uint64_t absent) {
+    check_count(out.size());
+    if (static_cast<int32_t>(out.size()) != a.num_ranks)
+      throw py::value_error("dispatch_rows: one output per rank of the layout kernel");
+    for (size_t i = 0; i < out.size(); ++i) {
+      RankArgs& r = a.ranks[i];
+      const auto& [rows, o, o_scales, o_probs] = out[i];
+      const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
+      if (direct) {
+        r.route_rows = at_offset(part, l.route_rows);
+        r.arena_bases = arena_bases_;
+      } else {
+        r.row_pos = at_offset(part, l.row_pos);
+        r.recv_spans = at_offset(part, l.recv_spans);
+      }
+      r.fwd_slots = at_offset(part, l.fwd_slots);
+      r.fwd_rows = at_offset(part, l.fwd_rows);
+      r.out = o;
+      r.out_probs = o_probs;
+      r.out_scales = o_scales;
+      r.num_out_rows = rows;
+      r.absent = static_cast<int32_t>((absent >> i) & 1);
+    }
+    if (direct) launch_checked(&launch_dispatch_direct, a, stream, "dispatch_direct");
+    else launch_checked(&launch_dispatch, a, stream, "dispatch");
+  }
+
+  // A dispatch whose output size is known before the layout kernel (static size, or a
+  // handle's): both kernels in one call.
+  void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+                const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out, uint64_t absent,
+                uint64_t absent_after_layout) {
+    if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
+    dispatch_layout(a, stream, workspace, l, rows, in, absent);
+    dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_layout);
+  }
+
+  // A combine on the parts of the dispatch handles' workspaces.
+  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInput>& in, uint64_t absent) {
+    check_count(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      RankArgs r = fixed_[i];
+      const auto& [T, K, part, l, topk_idx, expert_out, probs, y, rows] = in[i];
+      r.absent = static_cast<int32_t>((absent >> i) & 1);
+      r.num_tokens = T;
+      r.topk = K;
+      r.send_slot = at_offset(part, l.send_slot);
+      r.info = at_offset(part, l.info);
+      if (direct) {
+        r.topk_idx = topk_idx;
+        r.route_rows = at_offset(part, l.route_rows);
+        r.arena_bases = arena_bases_;
+      } else {
+        r.row_pos = at_offset(part, l.row_pos);
+        r.recv_spans = at_offset(part, l.recv_spans);
+      }
+      r.fwd_slots = at_offset(part, l.fwd_slots);
+      r.fwd_rows = at_offset(part, l.fwd_rows);
+      r.expert_out = expert_out;
+      r.probs = probs;
+      r.y = y;
+      r.num_out_rows = rows;
+      a.ranks[i] = r;
+    }
+    a.num_ranks = static_cast<int32_t>(in.size());
+    if (direct) launch_checked(&launch_combine_pull, a, stream, "combine_pull");
+    else launch_checked(&launch_combine, a, stream, "combine");
+  }
+
+ private:
+  void check_count(size_t n) const {
+    if (n != fixed_.size())
+      throw py::value_error("this host path drives " + std::to_string(fixed_.size()) + " rank(s), got " +
+                            std::to_string(n));
+  }
+
+  std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes; the rest zero
+  uint64_t arena_bases_;         // direct path: device u64 [W]
+};
 
 // Classes are module-local: _C and _model bind the same C++ types and may both be imported.
 inline void bind_common(py::module_& m) {
@@ -121,6 +315,29 @@ inline void bind_common(py::module_& m) {
         if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
         return self.ranks[i];
       });
+  py::class_<CallLayout>(m, "CallLayout", py::module_local())
+      .def_readonly("info", &CallLayout::info)
+      .def_readonly("send_slot", &CallLayout::send_slot)
+      .def_readonly("row_pos", &CallLayout::row_pos)
+      .def_readonly("recv_spans", &CallLayout::recv_spans)
+      .def_readonly("fwd_slots", &CallLayout::fwd_slots)
+      .def_readonly("fwd_rows", &CallLayout::fwd_rows)
+      .def_readonly("entry_ord", &CallLayout::entry_ord)
+      .def_readonly("route_rows", &CallLayout::route_rows)
+      .def_readonly("bytes", &CallLayout::bytes);
+  m.def("call_layout", &call_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
+        "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
+  m.attr("CALL_ALIGN") = kCallAlign;
+  py::class_<HostPath>(m, "HostPath", py::module_local())
+      .def(py::init<const std::vector<RankArgs>&, uint64_t>(), py::arg("ranks"), py::arg("arena_bases"))
+      .def("dispatch_layout", &HostPath::dispatch_layout)
+      .def("dispatch_rows", &HostPath::dispatch_rows)
+      .def("dispatch", &HostPath::dispatch)
+      .def("combine", &HostPath::combine);
+  m.def(
+      "set_launches_enabled", [](bool on) { launches_enabled() = on; },
+      "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");
+  m.def("launches_enabled", [] { return launches_enabled(); });
 #undef RW
 
   m.def("launch_layout", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, stream), "layout"); });

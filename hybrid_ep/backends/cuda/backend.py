@@ -75,8 +75,8 @@ class CudaBackend(Backend):
         [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens, sms, known_rows=known)
         new = DispatchHandle(
             owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send, dest=res.recv,
-            recv_counts_W=res.recv_counts_W, num_recv_rows=-1, count_matrix_WW=res.count_matrix_WW,
-            node_counts_WN=res.node_counts_WN, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
+            recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
+            node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
         )
         return res.rows_RH, res.scales_RB, new
 

@@ -103,8 +103,8 @@ class EmulatedGroup:
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             handle = DispatchHandle(
                 owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send, dest=res.recv,
-                recv_counts_W=res.recv_counts_W, num_recv_rows=-1, count_matrix_WW=res.count_matrix_WW,
-                node_counts_WN=res.node_counts_WN, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
+                recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
+                node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
             )
             out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, res.recv.tokens_per_expert_L, handle))
         return out

@@ -8,6 +8,13 @@ Per dispatch: the layout kernel (counts, send slots, ordinals, count exchange, o
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
+The host path per call: Python checks the arguments and allocates what the caller gets
+(output rows, probs, scales; combine's y) and one workspace for the call's per-rank tables
+(CallWorkspace, reused once nothing refers to it); one call into the extension
+(ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
+both dispatch kernels when the output size is known, else the layout kernel, the host read,
+then the dispatch kernel. The handle's tensors are views of the workspace made when read.
+
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
 
@@ -17,6 +24,8 @@ Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 
 import torch
 
@@ -77,48 +86,179 @@ class AbsentRanks:
     after_layout: frozenset[int] = frozenset()
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class CudaSendLayout:
-    """What the source side of a dispatch computed on the device."""
+class CallWorkspace:
+    """The per-rank tables of one dispatch call (csrc CallLayout): one allocation of
+    [ranks, layout.bytes / 8] int64, rank i's part in row i. The call's handles keep it; the
+    engine hands it to a later call once nothing refers to it any more (Engine._workspace)."""
 
-    send_slot_TW: torch.Tensor  # int32 position of token t among the rows sent to d, -1 if none
-    entry_ord_TK: torch.Tensor  # int32 ordinal of (t, k) among this rank's tokens of expert e
-    topk_idx_TK: torch.Tensor | None = None  # direct path: the routing's experts (int64)
-    route_rows_TK: torch.Tensor | None = None  # direct path: int32 output row of (t, k) at its expert's rank, -1 none
+    __slots__ = ("i64", "layout", "ptr", "stream", "__weakref__", "_i32")
+
+    def __init__(self, ranks: int, layout, device: torch.device, stream: int):
+        self.i64 = torch.empty(ranks, layout.bytes // 8, dtype=torch.int64, device=device)
+        self.layout, self.ptr, self.stream, self._i32 = layout, self.i64.data_ptr(), stream, None
+
+    @property
+    def i32(self) -> torch.Tensor:
+        """The same memory as int32 [ranks, layout.bytes / 4] (made when first read)."""
+        if self._i32 is None:
+            self._i32 = self.i64.view(torch.int32)
+        return self._i32
+
+    def part(self, i: int) -> int:
+        """Address of rank i's part."""
+        return self.ptr + i * self.layout.bytes
+
+    def int32(self, i: int, offset: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The int32 tensor of `shape` at byte `offset` of rank i's part (None: offset -1)."""
+        if offset < 0:
+            return None
+        return self.i32.as_strided(shape, _strides(shape), (i * self.layout.bytes + offset) // 4)
+
+    def int64(self, i: int, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.i64.as_strided(shape, _strides(shape), (i * self.layout.bytes + offset) // 8)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class CudaSendLayout:
+    """What the source side of a dispatch computed on the device: rank `part`'s part of the
+    call's workspace; its tensors are views made when first read."""
+
+    def __init__(self, call: CallWorkspace, part: int, num_tokens: int, topk: int, world_size: int,
+                 topk_idx_TK: torch.Tensor | None):
+        self.call, self.part, self.num_tokens, self.topk, self.world_size = call, part, num_tokens, topk, world_size
+        self.topk_idx_TK = topk_idx_TK  # direct path: the routing's experts (int64), combine reads them
 
     @property
     def data_path(self) -> str:
-        return "receive" if self.route_rows_TK is None else "direct"
+        return "receive" if self.call.layout.route_rows < 0 else "direct"
+
+    @functools.cached_property
+    def send_slot_TW(self) -> torch.Tensor:
+        """int32 position of token t among the rows sent to d, -1 if none."""
+        return self.call.int32(self.part, self.call.layout.send_slot, (self.num_tokens, self.world_size))
+
+    @functools.cached_property
+    def entry_ord_TK(self) -> torch.Tensor:
+        """int32 ordinal of (t, k) among this rank's tokens of expert e."""
+        return self.call.int32(self.part, self.call.layout.entry_ord, (self.num_tokens, self.topk))
+
+    @functools.cached_property
+    def route_rows_TK(self) -> torch.Tensor | None:
+        """Direct path: int32 output row of (t, k) at its expert's rank, -1 none; else None."""
+        return self.call.int32(self.part, self.call.layout.route_rows, (self.num_tokens, self.topk))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class CudaRecvLayout:
-    """The device-side layout of a dispatch output; field names follow routing.DestLayout."""
+    """The device-side layout of a dispatch output, in the same part of the call's workspace
+    as its CudaSendLayout; names follow routing.DestLayout. Views made when first read."""
 
-    info: torch.Tensor  # int64, offsets in csrc InfoLayout / layout.InfoLayout
-    row_pos: torch.Tensor | None  # int32 [W, Tmax, kd] output row of each entry of a received row (receive path)
-    recv_spans: torch.Tensor | None  # int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk (receive path)
-    fwd_slots: torch.Tensor | None  # int32 [N, max_chunks * 32, G] several nodes: forwarded rows' slots
-    fwd_rows: torch.Tensor | None  # int32 [N, max_chunks] rows of each forwarded chunk
+    def __init__(self, call: CallWorkspace, part: int, engine_shape: _Shape, num_rows: int):
+        self.call, self.part, self.shape, self.num_rows = call, part, engine_shape, num_rows  # num_rows: R
+        self.kd = engine_shape.kd
+
+    def _info(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.call.int64(self.part, self.call.layout.info + 8 * getattr(self.shape.info, name), shape)
+
+    @functools.cached_property
+    def info(self) -> torch.Tensor:
+        """int64, offsets in csrc InfoLayout / layout.InfoLayout."""
+        return self.call.int64(self.part, self.call.layout.info, (self.shape.info.total,))
+
+    @functools.cached_property
+    def row_pos(self) -> torch.Tensor | None:
+        """int32 [W, Tmax, kd] output row of each entry of a received row (receive path)."""
+        s = self.shape
+        return self.call.int32(self.part, self.call.layout.row_pos, (s.W, s.max_tokens, s.kd))
+
+    @functools.cached_property
+    def recv_spans(self) -> torch.Tensor | None:
+        """int32 [W, max_chunks, 2] receive slots (first, rows) of each chunk (receive path)."""
+        return self.call.int32(self.part, self.call.layout.recv_spans, (self.shape.W, self.shape.max_chunks, 2))
+
+    @functools.cached_property
+    def fwd_slots(self) -> torch.Tensor | None:
+        """int32 [N, max_chunks * 32, G] several nodes: forwarded rows' slots."""
+        s = self.shape
+        return self.call.int32(self.part, self.call.layout.fwd_slots, (s.N, s.max_chunks * CHUNK_TOKENS, s.G))
+
+    @functools.cached_property
+    def fwd_rows(self) -> torch.Tensor | None:
+        """int32 [N, max_chunks] several nodes: rows of each forwarded chunk."""
+        return self.call.int32(self.part, self.call.layout.fwd_rows, (self.shape.N, self.shape.max_chunks))
+
+    @functools.cached_property
+    def tokens_per_expert_L(self) -> torch.Tensor:
+        return self._info("tokens_per_expert", (self.shape.L,))
+
+    @functools.cached_property
+    def num_needed_rows(self) -> torch.Tensor:
+        return self._info("needed", ())
+
+    @functools.cached_property
+    def num_dropped(self) -> torch.Tensor:
+        return self._info("dropped", ())
+
+    @functools.cached_property
+    def expert_start_L(self) -> torch.Tensor:
+        return self._info("expert_start", (self.shape.L,))
+
+    @functools.cached_property
+    def expert_rows_L(self) -> torch.Tensor:
+        return self._info("expert_rows", (self.shape.L,))
+
+    @functools.cached_property
+    def recv_counts_W(self) -> torch.Tensor:
+        return self._info("recv_count", (self.shape.W,))
+
+    @functools.cached_property
+    def count_matrix_WW(self) -> torch.Tensor:
+        return self._info("count_matrix", (self.shape.W, self.shape.W))
+
+    @functools.cached_property
+    def node_counts_WN(self) -> torch.Tensor:
+        return self._info("node_counts", (self.shape.W, self.shape.N))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What the views of a handle need of its engine."""
+
+    W: int
+    N: int
+    G: int
+    L: int
+    max_tokens: int
+    max_chunks: int
     kd: int
-    num_rows: int  # R
-    tokens_per_expert_L: torch.Tensor
-    num_needed_rows: torch.Tensor
-    num_dropped: torch.Tensor
-    expert_start_L: torch.Tensor
-    expert_rows_L: torch.Tensor
+    info: object  # layout.InfoLayout
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class RankDispatch:
-    rows_RH: torch.Tensor
-    scales_RB: torch.Tensor | None
-    probs_R: torch.Tensor
-    send: CudaSendLayout
-    recv: CudaRecvLayout
-    recv_counts_W: torch.Tensor
-    count_matrix_WW: torch.Tensor
-    node_counts_WN: torch.Tensor
+    """One rank's dispatch: its outputs, and its part of the call's workspace (send, recv)."""
+
+    __slots__ = ("rows_RH", "scales_RB", "probs_R", "send", "recv")
+
+    def __init__(self, rows_RH, scales_RB, probs_R, send: CudaSendLayout, recv: CudaRecvLayout):
+        self.rows_RH, self.scales_RB, self.probs_R, self.send, self.recv = rows_RH, scales_RB, probs_R, send, recv
+
+    @property
+    def recv_counts_W(self) -> torch.Tensor:
+        return self.recv.recv_counts_W
+
+    @property
+    def count_matrix_WW(self) -> torch.Tensor:
+        return self.recv.count_matrix_WW
+
+    @property
+    def node_counts_WN(self) -> torch.Tensor:
+        return self.recv.node_counts_WN
 
 
 def check_extension(ext) -> None:
@@ -155,10 +295,41 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     """Detached, float32 and contiguous: a no-op for what already is."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype != torch.float32:
         t = t.float()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _aligned(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Contiguous, starting on a 16-byte boundary (the kernels move 16-byte vectors), and its
+    address."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    ptr = t.data_ptr()
+    if ptr % 16 != 0:
+        t = t.clone()
+        ptr = t.data_ptr()
+    return t, ptr
+
+
+def _stream_getter(device: torch.device):
+    """A function returning the device's current stream as an integer: torch's raw getter
+    where this torch has it (well under a microsecond), else the Stream object's handle."""
+    if device.type != "cuda":
+        return lambda: 0  # the CPU model runs each launch to completion in the call
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(index).cuda_stream
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """Tensors (and storage objects) sharing t's memory, the one untyped_storage() makes
+    for this count included."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class Engine:
@@ -201,6 +372,20 @@ class Engine:
         # The CPU model checks every bulk copy against the tensors of the launch; on a GPU
         # that is compute-sanitizer's job and the call is skipped.
         self._declares_tensors = bool(getattr(ext, "IS_MODEL", False))
+        # The per-call host path: what stays fixed per rank is set once here.
+        fixed = []
+        for i, r in enumerate(ranks):
+            ra = ext.RankArgs()
+            ra.rank, ra.peers = r, tables[i].data_ptr()
+            self._set_transport(ra, i)
+            fixed.append(ra)
+        self.host = ext.HostPath(fixed, self.arena_bases.data_ptr())
+        self._stream = _stream_getter(device)
+        self._shape = _Shape(W=config.world_size, N=config.num_nodes, G=config.ranks_per_node,
+                             L=config.experts_per_rank, max_tokens=config.max_tokens_per_rank,
+                             max_chunks=int(self.reg.max_chunks), kd=int(self.reg.meta_entries), info=self.info)
+        self._call_layouts: dict[tuple[int, bool], object] = {}  # (K, direct) -> ext.CallLayout
+        self._workspaces: dict[tuple[int, bool], CallWorkspace] = {}  # the last of each layout, for reuse
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -314,34 +499,42 @@ class Engine:
         self._launch_cache[key] = a
         return a
 
-    def _stream(self) -> int:
-        if self.device.type != "cuda":
-            return 0  # the CPU model runs each launch to completion in the call
-        return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _declare(self, tensors) -> None:
-        if self._declares_tensors:
+    def _declare(self, tensors, regions=()) -> None:
+        """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
+        if self._declares_tensors and self.ext.launches_enabled():
             self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
-                                          if t is not None and t.numel() > 0] +
+                                          if t is not None and t.numel() > 0] + list(regions) +
                                          [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
                                          (self.rdma.declared() if self.rdma is not None else []) +
                                          [(self.abort.data_ptr(), 4)])
 
-    def _aligned(self, t: torch.Tensor) -> torch.Tensor:
-        """Contiguous, starting on a 16-byte boundary (the kernels move 16-byte vectors)."""
-        t = t.contiguous()
-        if t.data_ptr() % 16 != 0:
-            t = t.clone()
-        return t
+    def _workspace(self, topk: int, direct: bool) -> CallWorkspace:
+        """A workspace for a call of up to `topk` routes per token: the last one of this layout
+        when nothing refers to it any more (no handle, no view; on a GPU, last used on this
+        stream, so it is reused in stream order), else a new one."""
+        key = (topk, direct)
+        stream = self._stream()
+        ws = self._workspaces.get(key)
+        # Unreferenced: the dict's and the argument's references to the object, and the
+        # tensor plus the storage object made to count (an int32 view adds one).
+        if (ws is not None and ws.stream == stream and sys.getrefcount(ws) == 3
+                and _storage_refs(ws.i64) == (2 if ws._i32 is None else 3)):
+            return ws
+        layout = self._call_layouts.get(key)
+        if layout is None:
+            layout = self._call_layouts[key] = self.ext.call_layout(self.geo, self._shape.kd, topk, direct)
+        ws = self._workspaces[key] = CallWorkspace(len(self.ranks), layout, self.device, stream)
+        return ws
+
+    def _absent_mask(self, ranks) -> int:
+        return sum(1 << i for i, r in enumerate(self.ranks) if r in ranks) if ranks else 0
 
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
         self.raise_if_failed()
-        absent, absent_after_layout = self.absent.ranks, self.absent.after_layout
-        c = self.config
-        W, L, H = c.world_size, c.experts_per_rank, c.hidden_dim
+        H = self.config.hidden_dim
         dtype_name = _dtype_name(xs[0].dtype)
         launch.check_row_bytes("x", H, dtype_name)
         fp8 = dtype_name == "float8_e4m3fn"
@@ -361,93 +554,59 @@ class Engine:
         direct = self.data_path == "direct"
         args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
         args.scale_cols = H // FP8_BLOCK if fp8 else 0
-        kd = args.kd
         dev = self.device
-        rank_args, keep = [], []
-        for i, (r, x, sc, routing) in enumerate(zip(self.ranks, xs, scales, routings)):
-            idx = routing.topk_idx_TK.contiguous()
+        inputs, keep, topk = [], [], 0
+        for x, sc, routing in zip(xs, scales, routings):
+            idx = routing.topk_idx_TK
+            if not idx.is_contiguous():
+                idx = idx.contiguous()
             w = _fp32(routing.topk_weights_TK)
             T, K = idx.shape
-            ra = self.ext.RankArgs()
-            ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, K
-            ra.peers = self.tables[i].data_ptr()
-            self._set_transport(ra, i)
-            x = self._aligned(x)
-            ra.x = x.data_ptr()
+            topk = max(topk, K)
+            x, x_ptr = _aligned(x)
+            sc_ptr = 0
             if fp8:
                 sc = _fp32(sc)
-                ra.x_scales = sc.data_ptr()
-            ra.topk_idx, ra.topk_weights = idx.data_ptr(), w.data_ptr()
-            send_slot = torch.empty(T, W, dtype=torch.int32, device=dev)
-            entry_ord = torch.empty(T, K, dtype=torch.int32, device=dev)
-            info = torch.empty(self.info.total, dtype=torch.int64, device=dev)  # the layout kernel fills it
-            ra.send_slot, ra.entry_ord, ra.info = send_slot.data_ptr(), entry_ord.data_ptr(), info.data_ptr()
-            ra.num_out_rows = -1 if num_out_tokens is None else num_out_tokens
-            rank_args.append(ra)
-            keep.append((x, sc, idx, w, send_slot, entry_ord, info))
-        for i, ra in enumerate(rank_args):
-            args.set_rank(i, ra)
-        self._declare([t for k in keep for t in k])
-        self.ext.launch_layout(args, self._stream())
-
-        if num_out_tokens is not None:
+                sc_ptr = sc.data_ptr()
+            inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
+            keep.append((x, sc, idx, w))
+        call = self._workspace(topk, direct)
+        stream = self._stream()
+        absent = self._absent_mask(self.absent.ranks)
+        after_layout = self._absent_mask(self.absent.after_layout)
+        static = num_out_tokens is not None
+        if static:
             rows = [num_out_tokens] * len(self.ranks)
         elif known_rows is not None:
             rows = list(known_rows)
         else:
-            needed = torch.stack([k[6][self.info.needed] for k in keep]).cpu()  # the one host sync
+            self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
+            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
+            needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
             self.raise_if_failed()
-            rows = [int(v) for v in needed]
+            rows = needed.tolist()
 
-        results = []
-        for i, (ra, R) in enumerate(zip(rank_args, rows)):
-            x, sc, idx, w, send_slot, entry_ord, info = keep[i]
+        outputs, results = [], []
+        shape = self._shape
+        for i, (R, (x, _, idx, _)) in enumerate(zip(rows, keep)):
             out = torch.empty(R, H, dtype=x.dtype, device=dev)
             out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
             out_probs = torch.empty(R, dtype=torch.float32, device=dev)
-            row_pos = recv_spans = route_rows = None
-            if direct:  # where each route's row went, for combine to pull it from there
-                route_rows = torch.empty(idx.shape, dtype=torch.int32, device=dev)
-                ra.route_rows, ra.arena_bases = route_rows.data_ptr(), self.arena_bases.data_ptr()
-            else:
-                row_pos = torch.empty(W, c.max_tokens_per_rank, kd, dtype=torch.int32, device=dev)
-                recv_spans = torch.empty(W, self.reg.max_chunks, 2, dtype=torch.int32, device=dev)
-                ra.row_pos, ra.recv_spans = row_pos.data_ptr(), recv_spans.data_ptr()
-            fwd_slots = fwd_rows = None
-            if c.num_nodes > 1:  # what this rank forwards, for the combine's node partial sums
-                fwd_slots = torch.empty(c.num_nodes, self.reg.max_chunks * CHUNK_TOKENS, c.ranks_per_node,
-                                        dtype=torch.int32, device=dev)
-                fwd_rows = torch.empty(c.num_nodes, self.reg.max_chunks, dtype=torch.int32, device=dev)
-                ra.fwd_slots, ra.fwd_rows = fwd_slots.data_ptr(), fwd_rows.data_ptr()
-            ra.out, ra.out_probs = out.data_ptr(), out_probs.data_ptr()
-            ra.out_scales = out_scales.data_ptr() if fp8 else 0
-            ra.num_out_rows = R
-            ra.absent = int(self.ranks[i] in absent or self.ranks[i] in absent_after_layout)
-            args.set_rank(i, ra)
-            il = self.info
-            recv = CudaRecvLayout(
-                info=info, row_pos=row_pos, recv_spans=recv_spans, fwd_slots=fwd_slots, fwd_rows=fwd_rows, kd=kd,
-                num_rows=R,
-                tokens_per_expert_L=info[il.tokens_per_expert:il.tokens_per_expert + L],
-                num_needed_rows=info[il.needed], num_dropped=info[il.dropped],
-                expert_start_L=info[il.expert_start:il.expert_start + L],
-                expert_rows_L=info[il.expert_rows:il.expert_rows + L],
-            )
-            results.append(RankDispatch(
-                rows_RH=out, scales_RB=out_scales, probs_R=out_probs,
-                send=CudaSendLayout(send_slot, entry_ord, idx if direct else None, route_rows), recv=recv,
-                recv_counts_W=info[il.recv_count:il.recv_count + W],
-                count_matrix_WW=info[il.count_matrix:il.count_matrix + W * W].view(W, W),
-                node_counts_WN=info[il.node_counts:il.node_counts + W * c.num_nodes].view(W, c.num_nodes),
-            ))
+            outputs.append((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()))
+            T, K = inputs[i][0], inputs[i][1]
+            results.append(RankDispatch(out, out_scales, out_probs,
+                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
+                                        CudaRecvLayout(call, i, shape, R)))
         self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
-        self._declare(self._in_flight["dispatch"] + [self.arena_bases] + [t for r in results for t in (
-            r.rows_RH, r.scales_RB, r.probs_R, r.recv.row_pos, r.recv.recv_spans, r.recv.fwd_slots,
-            r.recv.fwd_rows, r.send.route_rows_TK)])
-        if direct:
-            self.ext.launch_dispatch_direct(args, self._stream())
+        if self._declares_tensors:
+            self._declare(self._in_flight["dispatch"] + [self.arena_bases] +
+                          [t for r in results for t in (r.rows_RH, r.scales_RB, r.probs_R)],
+                          [(call.ptr, call.i64.numel() * 8)])
+        if static or known_rows is not None:
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
+                               outputs, absent, after_layout)
         else:
-            self.ext.launch_dispatch(args, self._stream())
+            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         return results
 
     # -- combine ---------------------------------------------------------------------------
@@ -457,7 +616,6 @@ class Engine:
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
         self.raise_if_failed()
-        absent = self.absent.ranks
         dtype_name = _dtype_name(rows[0].dtype)
         wire_name = dtype_name if wire_dtype is None else _dtype_name(wire_dtype)
         if wire_name not in (dtype_name, "float32"):
@@ -469,41 +627,28 @@ class Engine:
         direct = sends[0].data_path == "direct"  # the path of the dispatch that made the handles
         args = self._launch_args(sms, dtype_name, C, "combine_pull" if direct else "combine", wire_name)
         args.apply_probs = int(apply_probs)
-        outs = []
-        for i, (r, x, send, recv, p) in enumerate(zip(self.ranks, rows, sends, recvs, probs)):
-            if x.dtype != rows[0].dtype or x.shape[1] != C:
+        dtype = rows[0].dtype
+        inputs, keep, outs = [], [], []
+        for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
+            if x.dtype != dtype or x.shape[1] != C:
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
                                  f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
-            x = self._aligned(x)
+            x, x_ptr = _aligned(x)
             p = _fp32(p)
-            T = send.send_slot_TW.shape[0]
-            y = torch.empty(T, C, dtype=x.dtype, device=self.device)
-            ra = self.ext.RankArgs()
-            ra.rank, ra.absent, ra.num_tokens, ra.topk = r, int(r in absent), T, send.entry_ord_TK.shape[1]
-            ra.peers = self.tables[i].data_ptr()
-            ra.send_slot, ra.info = send.send_slot_TW.data_ptr(), recv.info.data_ptr()
-            if direct:
-                ra.topk_idx, ra.route_rows = send.topk_idx_TK.data_ptr(), send.route_rows_TK.data_ptr()
-                ra.arena_bases = self.arena_bases.data_ptr()
-            else:
-                ra.row_pos, ra.recv_spans = recv.row_pos.data_ptr(), recv.recv_spans.data_ptr()
-            if recv.fwd_slots is not None:
-                ra.fwd_slots, ra.fwd_rows = recv.fwd_slots.data_ptr(), recv.fwd_rows.data_ptr()
-            self._set_transport(ra, i)
-            ra.expert_out, ra.probs, ra.y = x.data_ptr(), p.data_ptr(), y.data_ptr()
-            ra.num_out_rows = recv.num_rows
-            args.set_rank(i, ra)
-            outs.append((y, x, p))
-        self._in_flight["combine"] = [t for _, x, p in outs for t in (x, p)]
-        self._declare([t for y, x, p in outs for t in (y, x, p)] + [self.arena_bases] +
-                      [t for s, r in zip(sends, recvs) for t in (s.send_slot_TW, r.info, r.row_pos, r.recv_spans,
-                                                                 r.fwd_slots, r.fwd_rows, s.topk_idx_TK,
-                                                                 s.route_rows_TK)])
-        if direct:
-            self.ext.launch_combine_pull(args, self._stream())
-        else:
-            self.ext.launch_combine(args, self._stream())
-        return [y for y, _, _ in outs]
+            T = send.num_tokens
+            y = torch.empty(T, C, dtype=dtype, device=self.device)
+            call = send.call
+            inputs.append((T, send.topk, call.part(send.part), call.layout,
+                           send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
+                           recv.num_rows))
+            keep += (x, p)
+            outs.append(y)
+        self._in_flight["combine"] = keep
+        if self._declares_tensors:
+            self._declare(keep + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
+                          [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
+        self.host.combine(args, direct, self._stream(), inputs, self._absent_mask(self.absent.ranks))
+        return outs
 
     # -- backward of the probs -------------------------------------------------------------
 

@@ -1,0 +1,203 @@
+"""The cuda backend's per-call host path (engine.Engine with ext.HostPath), on the CPU model.
+
+In static-size mode a dispatch + combine pair allocates only what the caller gets (output
+rows and probs, combine's y), runs no other tensor operation and reads nothing back; the
+per-call tables reuse the engine's workspace once nothing refers to them, and never while a
+handle or a view of them lives. The error messages of bad arguments are the engine's own,
+word for word. The bench's host mode (hybrid_ep.bench.host) runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.routing import normalize_routing
+
+pytestmark = pytest.mark.model
+
+W, H, T, E, K = 2, 256, 16, 4, 2
+STATIC = W * T * K  # every route of every rank fits: nothing dropped
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten operation run inside, counted by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(T, H, generator=gen) for _ in range(W)]
+    idx = [torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous() for _ in range(W)]
+    ws = [torch.rand(T, K, generator=gen) for _ in range(W)]
+    return xs, idx, ws
+
+
+@pytest.fixture(params=["receive", "direct"])
+def group(request):
+    g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=request.param)
+    yield g
+    g.close()
+
+
+def _engine_pair(group, xs, routings):
+    e = group.engine
+    res = e.dispatch(xs, [None] * W, routings, STATIC, 1)
+    ys = e.combine([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
+                   [r.probs_R for r in res], True, 1)
+    return res, ys
+
+
+def test_static_pair_allocates_only_its_outputs_and_reads_nothing_back(group):
+    xs, idx, ws = _inputs()
+    routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w, check_values=False)
+                for x, i, w in zip(xs, idx, ws)]
+    res, _ = _engine_pair(group, xs, routings)
+    first = res[0].send.call.ptr
+    del res
+    with _Ops() as mode:
+        res, ys = _engine_pair(group, xs, routings)
+    # out rows + probs per rank, y per rank: nothing else, no view, no copy, no item().
+    assert dict(mode.ops) == {"empty": 3 * W}, mode.ops
+    assert res[0].send.call.ptr == first, "the per-call tables were allocated again"
+    group.synchronize()
+    for r in range(W):  # the results are right: apply_probs sums weight x row over the routes
+        want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
+        torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_dispatch_reads_back_once(group):
+    xs, idx, ws = _inputs()
+    routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
+    group.engine.dispatch(xs, [None] * W, routings, None, 1)
+    with _Ops() as mode:
+        group.engine.dispatch(xs, [None] * W, routings, None, 1)
+    # out rows + probs per rank, and the needed rows of every rank read in one gather
+    assert dict(mode.ops) == {"empty": 2 * W, **READ_BACK}, mode.ops
+
+
+READ_BACK = {"select": 1}  # call.i64[:, needed]: one gather; .cpu() of a CPU tensor is no operation
+
+
+def test_live_handles_keep_their_tables(group):
+    """A workspace is reused only once no handle and no view of it lives: the tables of a
+    kept handle still give its combine after other dispatches."""
+    xs, idx, ws = _inputs(1)
+    kept = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+    kept_tpe = kept[0].tokens_per_expert.clone()
+    view = kept[1].handle.count_matrix_WW  # a view alone must keep the workspace too
+    counts = view.clone()
+    held = kept[0].handle.source.call
+    for seed in (2, 3):
+        other = group.dispatch(*_inputs(seed), num_out_tokens=STATIC)
+        assert other[0].handle.source.call is not held
+        del other
+    ys = group.combine([r.tokens for r in kept], [r.handle for r in kept], apply_probs=True)
+    group.synchronize()
+    assert torch.equal(kept[0].tokens_per_expert, kept_tpe)
+    for r in range(W):
+        want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
+        torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
+    held_ptr = held.ptr
+    del kept, held, ys
+    again = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+    assert again[0].handle.source.call.ptr != held_ptr, "reused the tables a live view still reads"
+    group.synchronize()
+    assert torch.equal(view, counts)
+
+
+def test_launches_off_runs_no_kernel(group):
+    xs, idx, ws = _inputs()
+    ext = group.ext
+    ext.set_launches_enabled(False)
+    try:
+        assert not ext.launches_enabled()
+        res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+        out = [torch.full_like(r.tokens, 7.0) for r in res]
+        ys = group.combine(out, [r.handle for r in res])
+        assert all(r.tokens.shape == (STATIC, H) for r in res) and all(y.shape == (T, H) for y in ys)
+    finally:
+        ext.set_launches_enabled(True)
+    res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+    ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    group.synchronize()
+    want = (ws[0][:, :, None] * xs[0][:, None, :]).sum(dim=1)
+    torch.testing.assert_close(ys[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_host_path_checks_its_rank_count(group):
+    e = group.engine
+    args = e._launch_args(1, "float32", H, "combine", "float32")
+    with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
+        e.host.combine(args, False, 0, [(T, K, 0, e.ext.call_layout(e.geo, 2, K, False), 0, 0, 0, 0, 0)], 0)
+
+
+# The engine's messages for bad arguments, word for word as before the host path moved.
+def test_bad_argument_messages_are_unchanged(group):
+    e = group.engine
+    xs, idx, ws = _inputs()
+    routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
+    wide = normalize_routing(T, 32, xs[0].device, topk_idx=torch.arange(17).repeat(T, 1), check_values=False)
+    with pytest.raises(ValueError) as err:
+        e.dispatch(xs, [None] * W, [wide, routings[1]], STATIC, 1)
+    assert str(err.value) == "topk_idx has 17 routes per token on rank 0; the cuda backend supports up to 16"
+    with pytest.raises(TypeError) as err:
+        e.dispatch([xs[0], xs[1].to(torch.bfloat16)], [None] * W, routings, STATIC, 1)
+    assert str(err.value) == "x on rank 1 is torch.bfloat16 but rank 0's is torch.float32; one call moves one dtype"
+    fp8 = [x.to(torch.float8_e4m3fn) for x in xs]
+    with pytest.raises(ValueError) as err:
+        e.dispatch(fp8, [None] * W, routings, STATIC, 1)
+    assert str(err.value) == ("scales: fp8 x on rank 0 needs its float32 scales [num_tokens, hidden_dim / 128] "
+                              "(a re-dispatch with a reused handle too)")
+    with pytest.raises(ValueError) as err:
+        e.dispatch(fp8, [torch.ones(T, 1)] * W, routings, STATIC, 1)
+    assert str(err.value) == "scales on rank 0 must have shape [16, 2], got [16, 1]"
+    with pytest.raises(ValueError) as err:
+        e.dispatch(xs, [None] * W, routings, STATIC, 10_000)
+    assert str(err.value).startswith("num_sms (dispatch)=10000 x 2 rank(s) in one launch needs 20000 co-resident "
+                                     "blocks, but the device holds ")
+
+    res = e.dispatch(xs, [None] * W, routings, STATIC, 1)
+    sends, recvs, probs = [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res]
+    rows = [r.rows_RH for r in res]
+    with pytest.raises(ValueError) as err:
+        e.combine(rows, sends, recvs, probs, False, 1, torch.bfloat16)
+    assert str(err.value) == "wire_dtype must be the dtype of expert_out (float32) or float32, got bfloat16"
+    with pytest.raises(ValueError) as err:
+        e.combine([torch.zeros(STATIC, 2 * H)] * W, sends, recvs, probs, False, 1)
+    assert str(err.value) == "expert_out rows have 512 columns; the buffer holds 256"
+    with pytest.raises(ValueError) as err:
+        e.combine([rows[0], rows[1][:, :128].contiguous()], sends, recvs, probs, False, 1)
+    assert str(err.value) == ("expert_out on rank 1 is torch.float32 [128 columns] but rank 0's is torch.float32 "
+                              "[256]; one call moves one dtype and width")
+    with pytest.raises(ValueError) as err:
+        e.combine(rows, sends, recvs, probs, False, 0)
+    assert str(err.value) == "num_sms (combine) must be >= 1, got 0"
+    group.synchronize()  # nothing of the refused calls reached a kernel
+
+
+def test_bench_host_mode_writes_its_json(tmp_path):
+    from hybrid_ep.bench import host
+
+    out = tmp_path / "host.json"
+    assert host.main(["--worlds", "1", "2", "--paths", "direct", "--iters", "3", "--warmup", "1",
+                      "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "not a GPU number" in doc["what"]
+    assert [p["world_size"] for p in doc["points"]] == [1, 2]
+    for p in doc["points"]:
+        for level in ("engine", "group"):
+            q = p[level]
+            assert q["cpu_us_per_pair_per_rank"] == pytest.approx(q["cpu_us_per_pair"] / p["world_size"])
