@@ -213,7 +213,8 @@ def _planner_extension() -> Extension:
     if includes is None:
         raise RuntimeError("hybrid-ep: building hybrid_ep._planner needs pybind11 or PyTorch at build time "
                            "(pip install pybind11, or install torch first)")
-    return Extension("hybrid_ep._planner", sorted(glob.glob("csrc/balancer/*.cpp")) + ["csrc/bindings/planner_module.cpp"],
+    sources = sorted(glob.glob("csrc/balancer/*.cpp")) + ["csrc/bindings/planner_module.cpp"]
+    return Extension("hybrid_ep._planner", sources,
                      include_dirs=[os.path.abspath("csrc")] + includes,
                      depends=sorted(glob.glob("csrc/balancer/*")), language="c++",
                      extra_compile_args=_PLANNER_CXX_FLAGS)
@@ -253,7 +254,8 @@ setup(
     name="hybrid-ep",
     version="0.1.0",
     description="Hierarchical NVLink + RDMA expert-parallel dispatch/combine for Megatron-Core MoE training",
-    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8").read(),
+    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"),
+                          encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     license_files=["LICENSE"],

@@ -15,8 +15,9 @@ as for Megatron's hybridep backend; TEGroupedMLP skips its quantization padding 
 hybrid_ep already aligned the rows; Megatron-LM's argument parser (when installed)
 accepts `--moe-token-dispatcher-type hybrid_ep` and the --hybrid-ep-* knobs; the
 grouped-GEMM zero-token fix is installed when present; Megatron-LM's
-setup_model_and_optimizer attaches the expert balancer when --hybrid-ep-balancer-interval is set; on a machine without a GPU the CPU
-stand-ins of `local.cpu_compat` are enabled (never on a GPU machine).
+setup_model_and_optimizer attaches the expert balancer when --hybrid-ep-balancer-interval is
+set; on a machine without a GPU the CPU stand-ins of `local.cpu_compat` are enabled (never on
+a GPU machine).
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
 from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, MegatronOptimizerView, SlotTable, slot_parameters
 from hybrid_ep.balancer.balancer import stats_values

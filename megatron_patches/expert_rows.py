@@ -10,9 +10,11 @@ aux-loss inputs, which come from the routing map, see only real tokens):
 | experts built | precision | rows added per local expert |
 | --- | --- | --- |
 | SequentialMLP | any | none (one GEMM per expert; it pads fp8/fp4 rows per expert itself) |
-| TEGroupedMLP | fp32 / bf16 / fp16 | none (group offsets need no alignment; an empty group is handled by the grouped-GEMM fix) |
-| TEGroupedMLP | fp8 / mxfp8 / fp4 | roundup to the quantization alignment (16 / 32 / 128, 256 with TE's op fuser); the module's own padding copy is skipped |
-| TEGroupedMLP on TorchGroupedLinear | any | none (torch._grouped_mm alignment is done inside `grouped_mm`) |
+| TEGroupedMLP | fp32 / bf16 / fp16 | none (no alignment needed; empty groups: the grouped-GEMM fix) |
+| TEGroupedMLP | fp8 / mxfp8 / fp4 | to the quantization alignment (16 / 32 / 128; 256 with TE's op fuser) [1] |
+| TEGroupedMLP on TorchGroupedLinear | any | none (torch._grouped_mm aligns inside `grouped_mm`) |
+
+[1] the module's own padding copy is then skipped.
 
 `--hybrid-ep-pad-multiple` (user padding) and drop-and-pad (`moe_pad_expert_input_to_capacity`)
 come on top; see docs/megatron.md for what Megatron receives in each case.

@@ -19,7 +19,8 @@ import os
 import shlex
 import sys
 
-INSTALL_HINT = "pip install nvidia-nvshmem-cu13 (or -cu12, matching torch.version.cuda) or set NVSHMEM_HOME, then rebuild"
+INSTALL_HINT = ("pip install nvidia-nvshmem-cu13 (or -cu12, matching torch.version.cuda) or set NVSHMEM_HOME, "
+                "then rebuild")
 
 
 @dataclasses.dataclass(frozen=True)

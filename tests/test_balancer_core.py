@@ -7,8 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_ep.balancer import (LoadStatistics, OptimizerView, SlotTable, TorchOptimizerView, native_placement,
-                                plan_transfers, route_to_slots, route_topk_to_slots, slot_parameters)
+from hybrid_ep.balancer import (
+    LoadStatistics,
+    OptimizerView,
+    SlotTable,
+    TorchOptimizerView,
+    native_placement,
+    plan_transfers,
+    route_to_slots,
+    route_topk_to_slots,
+    slot_parameters,
+)
 from hybrid_ep.balancer.migration import migrate_slots_, sum_replica_grads_
 from hybrid_ep.balancer.state import MegatronOptimizerView, movable_tensors
 from hybrid_ep.testing import migration as mig

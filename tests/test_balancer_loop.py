@@ -245,7 +245,8 @@ def test_balancer_checkpoint_buffers_restore_steps_and_statistics(single_rank_gr
     bal.prepare_checkpoint()
     assert layers[0].saved_meta.tolist() == [1, 0, 3, 1]
     fresh_layers, _ = make_layers(1, 4, 6)
-    fresh_layers[0].saved_stats, fresh_layers[0].saved_meta = layers[0].saved_stats.clone(), layers[0].saved_meta.clone()
+    fresh_layers[0].saved_stats = layers[0].saved_stats.clone()
+    fresh_layers[0].saved_meta = layers[0].saved_meta.clone()
     fresh = ExpertBalancer(fresh_layers, num_experts=4, slots_per_rank=6, ep_group=single_rank_group, interval=2)
     assert fresh.restore_saved() and fresh.steps == 3
     np.testing.assert_array_equal(fresh.stats.load(), bal.stats.load())
@@ -276,7 +277,8 @@ def test_bad_rows_and_knobs_change_nothing(single_rank_group, tmp_path):
     with pytest.raises(ValueError, match="2 balanced MoE layers"):
         bal.load_state_dict({**three.state_dict(), "steps": 5})
     assert torch.equal(bal.placement_rows(), rows) and bal.steps == state["steps"]
-    assert all(torch.equal(m.weight, w) for module, ws in zip(modules, weights) for m, w in zip(module.local_experts, ws))
+    assert all(torch.equal(m.weight, w)
+               for module, ws in zip(modules, weights) for m, w in zip(module.local_experts, ws))
     for kwargs, needle in (({"interval": 2.5}, "interval must be an integer"), ({"interval": True}, "interval"),
                            ({"min_gain": float("nan")}, "min_gain must be a finite"),
                            ({"num_nodes": 0}, "num_nodes must be an integer >= 1")):

@@ -124,7 +124,8 @@ def test_checkpoint_after_a_migration_resumes_bit_identically(runs, key):
         assert resumed["losses"] == rank_result["losses"][10:]
         assert resumed["grad_norms"] == rank_result["grad_norms"][10:]
         assert [e["iteration"] for e in resumed["events"]] == [15, 20]
-        assert [e["slots_changed"] for e in resumed["events"]] == [e["slots_changed"] for e in rank_result["events"][2:]]
+        changed = [e["slots_changed"] for e in rank_result["events"][2:]]
+        assert [e["slots_changed"] for e in resumed["events"]] == changed
         for a, b in zip(rank_result["slots"], resumed["slots"]):
             assert a["expert"] == b["expert"] and len(a["tensors"]) == len(b["tensors"]) >= 2
             assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
@@ -181,7 +182,8 @@ def test_attach_takes_a_placement_file_planned_for_this_model(pool_for, tmp_path
     rows = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, paths["good"])] * W, timeout_s=300)
     assert all(torch.equal(r, good.slot_to_expert) for r in rows)
     assert not torch.equal(good.slot_to_expert, plan_placement(np.ones((1, 8)), 12, 1, W).slot_to_expert)
-    for name, words in (("other_ep", "ep_size 2 (the model has 4)"), ("other_experts", "num_experts 12 (the model has 8)")):
+    for name, words in (("other_ep", "ep_size 2 (the model has 4)"),
+                        ("other_experts", "num_experts 12 (the model has 8)")):
         messages = pool.run(attach_placement_file, [(CASE, SLOTS_PER_RANK, paths[name])] * W, timeout_s=300)
         assert all(isinstance(m, str) and f"{name}.yaml' was planned for another model: {words}" in m
                    for m in messages), messages[0]
@@ -487,7 +489,8 @@ def test_checkpoint_loaded_after_attach_restores_the_statistics(pool_for):
 
 
 @pytest.mark.parametrize("stages, stage, first, expect_dir", [
-    (1, 0, True, "rep"), (1, 0, False, "rep"), (4, 2, True, "rep/pipeline_stage_2"), (4, 3, False, "rep/pipeline_stage_3")])
+    (1, 0, True, "rep"), (1, 0, False, "rep"), (4, 2, True, "rep/pipeline_stage_2"),
+    (4, 3, False, "rep/pipeline_stage_3")])
 def test_each_pipeline_stage_reports_its_layers_in_its_own_folder(monkeypatch, stages, stage, first, expect_dir):
     """With pipeline parallelism each stage's balancer covers its own layers: the first rank of
     each stage's expert grid reports (global rank 0 alone left every later stage unreported),

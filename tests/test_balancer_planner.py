@@ -278,7 +278,9 @@ def test_fresh_plan_orders_its_ranks_onto_nodes_last():
     assert np.array_equal(_planner.group_nodes(plain, E, N, W), grouped)
     assert (grouped != plain).any()  # the step does reorder ranks here
     # a permutation of whole ranks: every rank's load keeps its bits, so the peak does too
-    loads = lambda plan: np.sort(rank_loads(load, torch.from_numpy(plan), W).numpy(), axis=1)
+    def loads(plan):
+        return np.sort(rank_loads(load, torch.from_numpy(plan), W).numpy(), axis=1)
+
     assert np.array_equal(loads(grouped), loads(plain))
     assert _copies_sharing_a_node(grouped, E, N) > _copies_sharing_a_node(plain, E, N)
     bad = plain.copy()

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from helpers import REPO
-from megatron_patches.slurm import memory, recipe as recipe_mod
+from megatron_patches.slurm import memory
+from megatron_patches.slurm import recipe as recipe_mod
 
 pytestmark = pytest.mark.unit
 

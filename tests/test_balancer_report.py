@@ -18,8 +18,15 @@ from hybrid_ep.balancer.cli import main
 from hybrid_ep.balancer.metrics import summarize
 from hybrid_ep.balancer.placement_file import load_placement_yaml, save_placement_yaml
 from hybrid_ep.balancer.planner import Placement, plan_placement
-from hybrid_ep.balancer.report import (DEFAULT_BYTES_PER_PARAM, load_statistics, save_statistics, slot_bytes,
-                                       write_heatmap, write_imbalance_plot, write_report)
+from hybrid_ep.balancer.report import (
+    DEFAULT_BYTES_PER_PARAM,
+    load_statistics,
+    save_statistics,
+    slot_bytes,
+    write_heatmap,
+    write_imbalance_plot,
+    write_report,
+)
 from hybrid_ep.wording import byte_unit
 
 pytestmark = pytest.mark.unit

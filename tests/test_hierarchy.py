@@ -34,7 +34,7 @@ def test_plan_matches_traffic_model(case):
     idx = [i["topk_idx"] for i in make_rank_inputs(case)]
     plan = forward_plan(idx, cfg)
     counts = routing_row_counts(idx, cfg)
-    W, N, G = cfg.world_size, cfg.num_nodes, cfg.ranks_per_node
+    N, G = cfg.num_nodes, cfg.ranks_per_node
     staged = torch.stack([f.staged_rows.sum() for f in plan.forwarders]).to(torch.int64)
     assert torch.equal(staged, counts.combine_rdma), "rows staged at each forwarder != RDMA rows it receives"
     sent = torch.stack([(s >= 0).sum() for s in plan.node_slot])
@@ -181,7 +181,8 @@ def test_reference_rounds_once_per_hop(pool_for, world_size):
         assert got[0] == [[want] * 8] * idx[0].shape[0]
         cfg = BufferConfig(8, 2, world_size, world_size, G).validate()
         run = dispatch_oracle(cfg, [torch.ones(i.shape[0], 8) for i in idx], idx)
-        outs = [torch.full(r.tokens.shape, TIE_OUTPUT.get(d, 0.0), dtype=torch.bfloat16) for d, r in enumerate(run.ranks)]
+        outs = [torch.full(r.tokens.shape, TIE_OUTPUT.get(d, 0.0), dtype=torch.bfloat16)
+                for d, r in enumerate(run.ranks)]
         lo, hi = combine_output_range(combine_hops_oracle(cfg, run, outs, idx)[0], torch.bfloat16)
         assert lo.tolist() == hi.tolist() == got[0]
 

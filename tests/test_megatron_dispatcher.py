@@ -104,7 +104,8 @@ def test_megatron_rank_capacity_factor_sets_the_static_size(pool_for):
     world_size = 2
     case = LayerCase(world_size=world_size, topk=2, pad_multiple=2)
     ours = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 2.0})] * world_size)
-    alias = pool_for(world_size).run(run_moe_layer_case, [(dataclasses.replace(case, static_size_factor=2.0),)] * world_size)
+    alias_case = dataclasses.replace(case, static_size_factor=2.0)
+    alias = pool_for(world_size).run(run_moe_layer_case, [(alias_case,)] * world_size)
     L = case.num_experts // world_size
     expected = math.ceil(2.0 * case.num_tokens * case.topk) + L * (2 - 1)
     expected += expected % 2
@@ -118,8 +119,9 @@ def test_rank_capacity_overflow_is_flagged_as_over_budget(pool_for):
     as Megatron's flex dispatcher does, and a budget with room does not."""
     world_size = 2
     case = LayerCase(world_size=world_size, topk=2)
-    tight = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 0.25})] * world_size)
-    roomy = pool_for(world_size).run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 2.0})] * world_size)
+    pool = pool_for(world_size)
+    tight = pool.run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 0.25})] * world_size)
+    roomy = pool.run(run_moe_layer_case, [(case, {"moe_expert_rank_capacity_factor": 2.0})] * world_size)
     assert any(r["over_budget"] for r in tight)
     assert [r["over_budget"] for r in roomy] == [False] * world_size
     plain = pool_for(world_size).run(run_moe_layer_case, [(case,)] * world_size)
@@ -138,7 +140,8 @@ def _assert_calls_match(got, want, what):
         for c, (g, w) in enumerate(zip(g_calls, w_calls)):
             assert "error" not in g, f"{what}, rank {rank}, call {c}: {g.get('error')}"
             for field in ("out", "grad_x", "grad_router"):
-                torch.testing.assert_close(g[field], w[field], **TOL, msg=lambda m: f"{what}, rank {rank}, call {c}, {field}: {m}")
+                torch.testing.assert_close(g[field], w[field], **TOL,
+                                           msg=lambda m: f"{what}, rank {rank}, call {c}, {field}: {m}")
 
 
 # Call 2: rank 0 has 12 tokens, rank 1 still 8 (the buffer was sized 8 by call 1).

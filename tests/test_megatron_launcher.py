@@ -57,7 +57,8 @@ def test_find_pretrain_script(tmp_path, monkeypatch):
     with pytest.raises(LauncherError, match="does not exist"):
         find_pretrain_script()
     monkeypatch.delenv("MEGATRON_LM_DIR")
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if not os.path.isfile(os.path.join(p or ".", "pretrain_gpt.py"))])
+    path = [p for p in sys.path if not os.path.isfile(os.path.join(p or ".", "pretrain_gpt.py"))]
+    monkeypatch.setattr(sys, "path", path)
     with pytest.raises(LauncherError, match="MEGATRON_LM_DIR"):
         find_pretrain_script()
 

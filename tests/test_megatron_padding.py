@@ -94,7 +94,8 @@ def test_drop_and_pad_with_padding_that_does_not_divide_capacity_x_ep(pool_for, 
     case = LayerCase(world_size=world_size, topk=2, pad_multiple=pad)
     pool = pool_for(world_size)
     ours = pool.run(run_moe_layer_case, [(case, dnp)] * world_size)
-    stock = pool.run(run_moe_layer_case, [(LayerCase(world_size=world_size, topk=2, dispatcher="alltoall"), dnp)] * world_size)
+    stock_case = LayerCase(world_size=world_size, topk=2, dispatcher="alltoall")
+    stock = pool.run(run_moe_layer_case, [(stock_case, dnp)] * world_size)
     capacity = get_capacity(case.num_tokens * case.topk, case.num_experts, 0.5)
     rows_per_expert = _roundup(capacity * world_size, pad)
     assert rows_per_expert != capacity * world_size  # the case this test is about

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.unit
 
 
 def _mutations():
-    spec = importlib.util.spec_from_file_location("model_mutations", os.path.join(REPO, "scripts", "model_mutations.py"))
+    path = os.path.join(REPO, "scripts", "model_mutations.py")
+    spec = importlib.util.spec_from_file_location("model_mutations", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.testing import (Case, assert_combine_within, combine_hops_oracle, combine_oracle, combine_tolerance,
-                               dispatch_oracle, make_rank_inputs)
+from hybrid_ep.testing import (
+    Case,
+    assert_combine_within,
+    combine_hops_oracle,
+    combine_oracle,
+    combine_tolerance,
+    dispatch_oracle,
+    make_rank_inputs,
+)
 from hybrid_ep.testing.compare import combine_output_range
 from hybrid_ep.testing.oracle import _rank_terms
 from hybrid_ep.testing.rounding import Fp32Sum, Interval, exponent_of, power_of_two, quantum, round_to

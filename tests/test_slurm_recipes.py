@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 from helpers import REPO, checkout_env
-from megatron_patches.slurm import cli, layout, memory, recipe as recipe_mod, render
+from megatron_patches.slurm import cli, layout, memory, render
+from megatron_patches.slurm import recipe as recipe_mod
 
 pytestmark = pytest.mark.unit
 
@@ -125,7 +126,8 @@ def test_every_pretrain_recipe_parses_with_megatrons_parser():
 
 
 def test_alltoall_comparison_parses_too(capsys):
-    assert cli.main([path_of("qwen3_30b_a3b"), "--set", "dispatcher.type=alltoall", "--set", "balancer.interval=0"]) == 0
+    sets = ["--set", "dispatcher.type=alltoall", "--set", "balancer.interval=0"]
+    assert cli.main([path_of("qwen3_30b_a3b"), *sets]) == 0
     text = capsys.readouterr().out
     assert "--moe-token-dispatcher-type alltoall" in text and "--hybrid-ep" not in text
 
@@ -294,7 +296,8 @@ def test_expert_tensor_parallelism_with_hybrid_ep_and_the_balancer_off(name, ove
     # the same layout with the balancer on is refused, naming the balancer's setting
     assert cli.main([path_of(name), *sets, "--set", "balancer.interval=5", "--set", "balancer.slots_per_rank=9"]) == 2
     err = capsys.readouterr().err
-    assert "error: balancer.interval: the expert balancer with parallelism.etp 2" in err and "parallelism.etp:" not in err
+    assert "error: balancer.interval: the expert balancer with parallelism.etp 2" in err
+    assert "parallelism.etp:" not in err
 
 
 INVALID = [
@@ -316,7 +319,8 @@ INVALID = [
     ("deepseek_v3", ["--set", "balancer.decay=1.5"], "balancer.decay", "(0, 1)"),
     ("deepseek_v3", ["--set", "balancer.tolerance=-0.1"], "balancer.tolerance", "must be a finite number >= 0"),
     ("deepseek_v3", ["--set", "balancer.tolerance=.nan"], "balancer.tolerance", "got nan"),
-    ("deepseek_v3", ["--set", "balancer.move_budget=-0.1"], "balancer.move_budget", "must be a fraction of the slots in [0, 1]"),
+    ("deepseek_v3", ["--set", "balancer.move_budget=-0.1"], "balancer.move_budget",
+     "must be a fraction of the slots in [0, 1]"),
     ("deepseek_v3", ["--set", "balancer.move_budget=1.5"], "balancer.move_budget", "got 1.5"),
     ("deepseek_v3", ["--set", "balancer.move_budget=.nan"], "balancer.move_budget", "got nan"),
     ("deepseek_v3", ["--set", "dispatcher.type=alltoall"], "balancer.interval", "runs inside the hybrid_ep dispatcher"),
@@ -427,6 +431,7 @@ def test_docs_quote_the_spare_slot_lines_as_printed(doc, name):
 
 
 def test_memory_warning(capsys):
-    assert cli.main([path_of("deepseek_v3"), "--set", "train.recompute=none", "--set", "train.recompute_modules=[]"]) == 0
+    sets = ["--set", "train.recompute=none", "--set", "train.recompute_modules=[]"]
+    assert cli.main([path_of("deepseek_v3"), *sets]) == 0
     err = capsys.readouterr().err
     assert "warning: estimated" in err and "exceeds the 80 GiB of cluster.gpu_type H100" in err

@@ -16,13 +16,7 @@ import torch
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.metadata import validate
-from hybrid_ep.traffic import (
-    combine_row_bytes,
-    count_tables,
-    dispatch_row_bytes,
-    rank_traffic,
-    routing_row_counts,
-)
+from hybrid_ep.traffic import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, routing_row_counts
 from hybrid_ep.traffic.cli import Scenario, compute, main, summarize
 
 pytestmark = pytest.mark.unit

@@ -459,7 +459,8 @@ class ExpertBalancer:
         only the tables are set. migrate=True: the slots hold the placement now in effect and
         are moved to the saved one.
         """
-        for key, mine in (("num_experts", self.num_experts), ("num_slots", self.num_slots), ("num_ranks", self.num_ranks)):
+        mine_by_key = (("num_experts", self.num_experts), ("num_slots", self.num_slots), ("num_ranks", self.num_ranks))
+        for key, mine in mine_by_key:
             if int(state[key]) != mine:
                 raise ValueError(
                     f"checkpoint's expert placement has {key}={state[key]}, this run has {mine}: a placement "

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "numbers into one plan for the whole model")
     plan.add_argument("--ep-size", type=int, help="ranks W (default: ep_size stored in the statistics)")
     slots = plan.add_mutually_exclusive_group()
-    slots.add_argument("--num-slots", type=int, help="slots S over all ranks, at most 64 x E (default: E, placement only)")
+    slots.add_argument("--num-slots", type=int,
+                       help="slots S over all ranks, at most 64 x E (default: E, placement only)")
     slots.add_argument("--slots-per-rank", type=int, help="slots per rank (S = this x W)")
     plan.add_argument("--ranks-per-node", type=int, help="ranks per node (default: min(8, W))")
     plan.add_argument("--previous", help="placement YAML in use now: keep its slots where that costs no balance "

@@ -17,8 +17,8 @@ import time
 import torch
 
 from ..metadata import metadata
-from ..synthetic import ROUTINGS
 from ..paths import output_problem
+from ..synthetic import ROUTINGS
 from ..wording import plural
 from . import worker
 from .launch import open_launcher, under_torchrun

@@ -95,8 +95,8 @@ def links_note(doc: dict) -> str | None:
     config = doc["metadata"]["config"]
     transport = config["transport"]
     if config["device"] == "cpu":
-        return ("On CPU there is no NVLink or RDMA: the NVLink / RDMA figures are the bytes the hierarchical scheme assigns "
-                f"to each link over the measured time; all bytes went through {transport}.")
+        return ("On CPU there is no NVLink or RDMA: the NVLink / RDMA figures are the bytes the hierarchical scheme "
+                f"assigns to each link over the measured time; all bytes went through {transport}.")
     if doc["machine"]["logical_nodes"]:
         return ("Nodes are logical (fewer hosts than nodes): the RDMA column is the bytes the hierarchical scheme "
                 f"sends between nodes over the measured time; they went through {transport} inside a host.")

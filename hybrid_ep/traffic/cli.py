@@ -26,9 +26,9 @@ from ..dtypes import COMBINE_BY_NAME as COMBINE_DTYPES
 from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
 from ..fp8 import num_scale_blocks
 from ..metadata import metadata
+from ..paths import output_problem
 from ..rows import row_bytes_rule
 from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings, seed_problem
-from ..paths import output_problem
 from ..wording import plural
 from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
 

@@ -35,7 +35,8 @@ import tempfile
 
 from hybrid_ep.paths import output_problem
 
-from . import layout, memory, recipe as recipe_mod, render, validate
+from . import layout, memory, render, validate
+from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
 PROG = "hybrid-ep-launch"

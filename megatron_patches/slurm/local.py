@@ -94,7 +94,8 @@ def choose(recipe, trainer: str = "auto") -> LocalPath:
                      "from Megatron's parser)", False)
 
 
-def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=print, path: LocalPath | None = None) -> int:
+def run_local(recipe, trainer: str = "auto", timeout_s: float = 3600.0, echo=print,
+              path: LocalPath | None = None) -> int:
     path = path or choose(recipe, trainer)
     world, module = path.world, path.module
     echo(f"local mode: {world} {'process' if world == 1 else 'processes'} on this machine; path: "

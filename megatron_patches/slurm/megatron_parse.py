@@ -84,8 +84,9 @@ def parse(argv: list[str], world_size: int, rank: int = 0, gpu_type: str = "H100
     env: the job's environment variables (a recipe's `env`), set for the call, since
     validate_args checks some of them (CUDA_DEVICE_MAX_CONNECTIONS with TP or CP).
     """
-    import megatron_patches
     import torch
+
+    import megatron_patches
 
     megatron_patches.apply()
     from megatron.training import arguments

@@ -150,7 +150,8 @@ def _parallel(recipe, problems):
         problems.append(("parallelism.sequence_parallel", "MoE with TP > 1 and EP > 1 needs sequence "
                                                           "parallelism (Megatron TransformerConfig)"))
     if lay.cp > 1 and recipe["model.seq_length"] % (2 * lay.cp):
-        problems.append(("model.seq_length", f"{recipe['model.seq_length']} must be divisible by 2 x CP = {2 * lay.cp}"))
+        problems.append(("model.seq_length",
+                         f"{recipe['model.seq_length']} must be divisible by 2 x CP = {2 * lay.cp}"))
 
 
 def _model(recipe, problems):
@@ -237,7 +238,8 @@ def _train(recipe, problems):
     if recipe["train.warmup_steps"] < 0:
         problems.append(("train.warmup_steps", "must be >= 0"))
     if recipe["train.recompute"] not in RECOMPUTE:
-        problems.append(("train.recompute", f"must be one of {', '.join(RECOMPUTE)}, got {recipe['train.recompute']!r}"))
+        problems.append(("train.recompute",
+                         f"must be one of {', '.join(RECOMPUTE)}, got {recipe['train.recompute']!r}"))
     if recipe["train.recompute_modules"] and recipe["train.recompute"] != "selective":
         problems.append(("train.recompute_modules", "only apply with train.recompute selective"))
     if recipe["precision"] not in PRECISIONS:
