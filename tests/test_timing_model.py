@@ -62,7 +62,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
          "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0,
-         "plain_pair_ns": 3.0}
+         "plain_pair_ns": 3.0, "access_ns": 2.0, "smem_load_ns": 41.0, "gmem_load_ns": 613.0}
 
 
 def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = COSTS) -> dict:
@@ -150,6 +150,32 @@ def test_plain_code_is_counted_by_the_pairs_it_converts():
     assert r["time_ns"] == pytest.approx(c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + c["launch_ns"], rel=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_plain_accesses_are_counted_by_memory_class_and_costed_by_batch(n):
+    """n int4 copied global -> shared (a store waits for the load before it: n global round
+    trips), then loaded back from shared memory as one batch ended by dev::chain()."""
+    c = COSTS
+    r = timed_selftest("plain_accesses", 1, n, 16)
+    want = c["barrier_ns"] + n * (2 * c["access_ns"] + c["gmem_load_ns"]) + n * c["access_ns"] + c["smem_load_ns"]
+    assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)
+    assert r["plain"] == {"global": {"loads": n, "stores": 0, "load_bytes": 16 * n, "store_bytes": 0},
+                          "shared": {"loads": n, "stores": n, "load_bytes": 16 * n, "store_bytes": 16 * n}}
+    assert r["chains"] == 1
+
+
+def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
+    model.set_seed(7)
+    before = model.stats()
+    assert model.run_timing_selftest("plain_accesses", 1, 3, 16) is None
+    assert model.timing_reports() == []
+    quiet = {k: model.stats()[k] - before[k] for k in ("launches", "rounds", "switches", "copies")}
+    model.set_seed(7)
+    before = model.stats()
+    timed_selftest("plain_accesses", 1, 3, 16)
+    timed = {k: model.stats()[k] - before[k] for k in ("launches", "rounds", "switches", "copies")}
+    assert quiet == timed  # the accessors never give way to the scheduler
+
+
 def test_bad_cost_tables_are_refused_by_name():
     with pytest.raises(ValueError, match="timing constant wake_ns is missing"):
         model.set_timing({k: v for k, v in COSTS.items() if k != "wake_ns"})
@@ -207,6 +233,14 @@ def test_timing_changes_nothing_the_model_does(small_group):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert [r["table"] for r in reports] == [0, 1] * 3  # layout, dispatch, combine: a report per table
     assert model.timing_reports() == []
+    # The hot loops' accessors, counted alike under both tables: the source side of combine
+    # writes every token's row of y (bf16) to global memory through them, the expert host's and
+    # the source's reducers read their stages from shared memory.
+    W, T, H = SMALL["world_size"], SMALL["tokens"], SMALL["hidden"]
+    combine = reports[4]
+    assert combine["plain"] == reports[5]["plain"]
+    assert combine["plain"]["global"]["store_bytes"] == W * T * H * 2
+    assert combine["plain"]["shared"]["load_bytes"] > 0 and combine["plain"]["shared"]["loads"] > 0
 
 
 def _kernel_times(group, xs, idxs, seed: int, costs: dict) -> list[float]:
