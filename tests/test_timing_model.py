@@ -52,6 +52,35 @@ def test_every_run_names_a_commit_of_the_repository():
         assert done.returncode == 0, f"{run.name}: {run.commit} is not a commit"
 
 
+def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
+    """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
+    loops (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it
+    changes only wraps an access in an accessor."""
+    from hybrid_ep.timing import builds
+
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
+                             text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("needs the repository's whole history")
+    patches = sorted(f for f in os.listdir(builds.ACCESSORS) if f.endswith(".patch"))
+    assert patches
+    for name in patches:
+        commit = builds.resolve_commit(name[:-len(".patch")])
+        assert builds.accessor_patch(commit) == os.path.join(builds.ACCESSORS, name)
+        with open(os.path.join(builds.ACCESSORS, name)) as f:
+            text = f.read()
+        files = [line[len("+++ b/"):].strip() for line in text.splitlines() if line.startswith("+++ b/")]
+        for rel in files:
+            os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
+            (tmp_path / rel).write_bytes(subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=REPO,
+                                                        capture_output=True, check=True).stdout)
+        done = subprocess.run(["patch", "-p1", "--dry-run", "-i", os.path.join(builds.ACCESSORS, name)],
+                              cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line for line in added)
+
+
 # ---- the clocks -----------------------------------------------------------------------------
 
 model = importlib.import_module("hybrid_ep._model")
@@ -62,7 +91,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
          "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0,
-         "plain_pair_ns": 3.0}
+         "plain_pair_ns": 3.0, "access_ns": 2.0, "smem_load_ns": 41.0, "gmem_load_ns": 613.0}
 
 
 def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = COSTS) -> dict:
@@ -150,6 +179,32 @@ def test_plain_code_is_counted_by_the_pairs_it_converts():
     assert r["time_ns"] == pytest.approx(c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + c["launch_ns"], rel=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_plain_accesses_are_counted_by_memory_class_and_costed_by_batch(n):
+    """n int4 copied global -> shared (a store waits for the load before it: n global round
+    trips), then loaded back from shared memory as one batch ended by dev::chain()."""
+    c = COSTS
+    r = timed_selftest("plain_accesses", 1, n, 16)
+    want = c["barrier_ns"] + n * (2 * c["access_ns"] + c["gmem_load_ns"]) + n * c["access_ns"] + c["smem_load_ns"]
+    assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)
+    assert r["plain"] == {"global": {"loads": n, "stores": 0, "load_bytes": 16 * n, "store_bytes": 0},
+                          "shared": {"loads": n, "stores": n, "load_bytes": 16 * n, "store_bytes": 16 * n}}
+    assert r["chains"] == 1
+
+
+def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
+    model.set_seed(7)
+    before = model.stats()
+    assert model.run_timing_selftest("plain_accesses", 1, 3, 16) is None
+    assert model.timing_reports() == []
+    quiet = {k: model.stats()[k] - before[k] for k in ("launches", "rounds", "switches", "copies")}
+    model.set_seed(7)
+    before = model.stats()
+    timed_selftest("plain_accesses", 1, 3, 16)
+    timed = {k: model.stats()[k] - before[k] for k in ("launches", "rounds", "switches", "copies")}
+    assert quiet == timed  # the accessors never give way to the scheduler
+
+
 def test_bad_cost_tables_are_refused_by_name():
     with pytest.raises(ValueError, match="timing constant wake_ns is missing"):
         model.set_timing({k: v for k, v in COSTS.items() if k != "wake_ns"})
@@ -207,6 +262,14 @@ def test_timing_changes_nothing_the_model_does(small_group):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert [r["table"] for r in reports] == [0, 1] * 3  # layout, dispatch, combine: a report per table
     assert model.timing_reports() == []
+    # The hot loops' accessors, counted alike under both tables: the source side of combine
+    # writes every token's row of y (bf16) to global memory through them, the expert host's and
+    # the source's reducers read their stages from shared memory.
+    W, T, H = SMALL["world_size"], SMALL["tokens"], SMALL["hidden"]
+    combine = reports[4]
+    assert combine["plain"] == reports[5]["plain"]
+    assert combine["plain"]["global"]["store_bytes"] == W * T * H * 2
+    assert combine["plain"]["shared"]["load_bytes"] > 0 and combine["plain"]["shared"]["loads"] > 0
 
 
 def _kernel_times(group, xs, idxs, seed: int, costs: dict) -> list[float]:

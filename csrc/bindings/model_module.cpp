@@ -74,6 +74,15 @@ py::dict report_dict(const model::timing::Report& r) {
   d["engine_busy_ns"] = r.engine_busy_ns;
   d["copies"] = r.copies;
   d["copy_bytes"] = r.copy_bytes;
+  py::dict plain;  // the hot loops' plain accesses (dev::ld / dev::st) by memory class
+  const char* classes[2] = {"shared", "global"};
+  for (int k = 0; k < 2; ++k) {
+    const auto& a = r.plain[k];
+    plain[classes[k]] = py::dict(py::arg("loads") = a.loads, py::arg("stores") = a.stores,
+                                 py::arg("load_bytes") = a.load_bytes, py::arg("store_bytes") = a.store_bytes);
+  }
+  d["plain"] = plain;
+  d["chains"] = r.chains;
   return d;
 }
 

@@ -179,10 +179,11 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
       const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + lane;
       int n = 0;
       for (int q = 0; q < d.kd; ++q) {
-        const int p = row_pos[row * d.kd + q];
+        const int p = dev::ld(&row_pos[row * d.kd + q]);
         if (p >= 0) tab.pos[lane][n++] = p;
       }
-      for (int i = 0; i < n; ++i) tab.weight[lane][i] = d.args.apply_probs ? probs[tab.pos[lane][i]] : 1.f;
+      dev::chain();  // the weights' addresses are the positions just read
+      for (int i = 0; i < n; ++i) tab.weight[lane][i] = d.args.apply_probs ? dev::ld(&probs[tab.pos[lane][i]]) : 1.f;
       tab.routes[lane] = n;
     }
     __syncwarp();

@@ -578,7 +578,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const int i = __ffs(m) - 1, q = __popc(mask & ((1u << i) - 1u));
       for (uint32_t v = lane; v < vecs; v += 32)
-        staged[static_cast<int64_t>(q) * vecs + v] = x[static_cast<int64_t>(t0 + i) * vecs + v];
+        dev::st(staged + static_cast<int64_t>(q) * vecs + v, dev::ld(x + static_cast<int64_t>(t0 + i) * vecs + v));
     }
     __threadfence();  // the staged bytes, before the transport reads them
     __syncwarp();

@@ -33,7 +33,7 @@ __device__ void zero_padding(const Call& d, int pw, int npw, int lane) {
     hi = min(hi, R);
     for (int64_t r = lo + gw; r < hi; r += nw) {
       int4* dst = reinterpret_cast<int4*>(out + r * d.row_bytes);
-      for (uint32_t v = lane; v < d.row_bytes / 16; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+      for (uint32_t v = lane; v < d.row_bytes / 16; v += 32) dev::st(dst + v, make_int4(0, 0, 0, 0));
       for (int i = lane; i < d.scale_cols; i += 32) out_scales[r * d.scale_cols + i] = 0.f;
       if (lane == 0) out_probs[r] = 0.f;
     }

@@ -17,7 +17,7 @@ struct LoopbackTransport {
   __device__ void put(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes) const {
     auto* to = reinterpret_cast<int4*>(regions[dst] + dst_off);
     const auto* from = reinterpret_cast<const int4*>(src);
-    for (uint64_t v = lane; v < bytes / 16; v += 32) to[v] = from[v];
+    for (uint64_t v = lane; v < bytes / 16; v += 32) dev::st(to + v, dev::ld(from + v));
     __syncwarp();
   }
   __device__ void put_signal(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,

@@ -138,4 +138,20 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
 
 inline void sleep_ns(uint32_t) {}  // polls give way to the other threads anyway
 
+// ---- plain accesses of the hot loops (sm90/primitives.cuh) -------------------------------------
+// The same plain access as on the GPU (the race check sees it as before), counted by the timing
+// model by memory class and bytes when timing is on (timing.h says what it costs).
+template <typename T>
+inline T ld(const T* p) {
+  const T v = *p;
+  model::note_access(p, sizeof(T), true);
+  return v;
+}
+template <typename T>
+inline void st(T* p, const T& v) {
+  *p = v;
+  model::note_access(p, sizeof(T), false);
+}
+inline void chain() { model::note_chain(); }
+
 }  // namespace hybrid_ep::dev

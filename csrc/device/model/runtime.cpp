@@ -1040,6 +1040,19 @@ void note_plain_pair() {
   for (auto& timer : L->timers) timer->plain_pair(thread_index(*L, L->current));
 }
 
+void note_access(const volatile void* p, uint32_t bytes, bool load) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  const bool shared = in_smem(L->current->block, const_cast<const void*>(p), bytes);
+  for (auto& timer : L->timers) timer->access(thread_index(*L, L->current), shared, bytes, load);
+}
+
+void note_chain() {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  for (auto& timer : L->timers) timer->chain(thread_index(*L, L->current));
+}
+
 void note_fence(Fence kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

@@ -74,6 +74,10 @@ void note_fence(Fence kind);
 // A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every
 // element they load and store, so the count stands for the plain code around it.
 void note_plain_pair();
+// A plain load or store of `bytes` at p in a hot loop (dev::ld / dev::st), and the hint that the
+// loads after it depend on those before it (dev::chain).
+void note_access(const volatile void* p, uint32_t bytes, bool load);
+void note_chain();
 
 // ---- shared memory ----------------------------------------------------------------------
 void* block_shared(const void* tag, size_t bytes, size_t align);

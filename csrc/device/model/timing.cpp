@@ -211,6 +211,35 @@ void Timer::advance(int th, double ns) {
   c.busy += ns;
 }
 
+void Timer::settle(int th) {
+  Clock& c = clocks_[th];
+  if (c.loads > 0) {
+    advance(th, c.loads);
+    c.loads = 0;
+  }
+}
+
+void Timer::access(int th, bool shared, uint32_t bytes, bool load) {
+  Report::Accesses& a = plain_[shared ? Report::kShared : Report::kGlobal];
+  if (load) {
+    ++a.loads;
+    a.load_bytes += bytes;
+    advance(th, c_.access_ns);
+    double& batch = clocks_[th].loads;
+    batch = std::max(batch, shared ? c_.smem_load_ns : c_.gmem_load_ns);
+  } else {
+    ++a.stores;
+    a.store_bytes += bytes;
+    settle(th);  // what it stores comes from the loads before it
+    advance(th, c_.access_ns);
+  }
+}
+
+void Timer::chain(int th) {
+  ++chains_;
+  settle(th);
+}
+
 void Timer::set(Origin& dst, const Origin& src) {
   path_.retain(src.node);
   path_.release(dst.node);
@@ -250,6 +279,7 @@ void Timer::resolve(int th, double own, const Origin& dep, double latency, int32
 }
 
 void Timer::barrier(const std::vector<int>& participants, Site site) {
+  for (int th : participants) settle(th);
   int last = participants.front();
   for (int th : participants)
     if (clocks_[th].t > clocks_[last].t) last = th;
@@ -261,6 +291,7 @@ void Timer::barrier(const std::vector<int>& participants, Site site) {
 }
 
 void Timer::collective(const std::vector<int>& lanes, Collective kind, Site site) {
+  for (int th : lanes) settle(th);
   int last = lanes.front();
   for (int th : lanes)
     if (clocks_[th].t > clocks_[last].t) last = th;
@@ -278,6 +309,7 @@ void Timer::mbar_init(const void* bar) {
 }
 
 void Timer::arrive(int th, const void* bar, Site site) {
+  settle(th);
   advance(th, c_.arrive_ns);
   keep_max(mbars_[bar].phase, here(th, category("mbarrier arrive", site)));
 }
@@ -289,11 +321,13 @@ void Timer::phase_complete(const void* bar) {
 }
 
 void Timer::wait_done(int th, const void* bar, Site site) {
+  settle(th);
   const Origin dep = mbars_[bar].done;
   resolve(th, clocks_[th].t + c_.try_wait_ns, dep, c_.wake_ns, category("mbarrier wait", site), nullptr);
 }
 
 void Timer::poll(int th, const volatile void* p, bool changed, bool shared, Site site) {
+  settle(th);
   if (!changed) return;  // the same value again: the thread only spun
   auto it = flags_.find(p);
   if (it == flags_.end()) return;  // a value from before the launch: nothing to wait for
@@ -303,6 +337,7 @@ void Timer::poll(int th, const volatile void* p, bool changed, bool shared, Site
 }
 
 void Timer::flag_write(int th, const volatile void* p, bool shared, Site site) {
+  settle(th);
   if (!shared) advance(th, c_.release_ns);
   keep_max(flags_[p], here(th, category("flag write", site)));
 }
@@ -311,6 +346,7 @@ void Timer::flag_write(int th, const volatile void* p, bool shared, Site site) {
 // after the latest of them (the one that learns it came last, say, ends after all the others,
 // whichever that is in the schedule). Shared-memory atomics cost nothing here and order no one.
 void Timer::atomic(int th, const volatile void* p, bool shared, Site site) {
+  settle(th);
   const int32_t what = category("atomic", site);
   if (!shared) {
     const Origin before = flags_[p];
@@ -320,10 +356,12 @@ void Timer::atomic(int th, const volatile void* p, bool shared, Site site) {
 }
 
 void Timer::fence(int th, Fence kind) {
+  settle(th);
   advance(th, kind == Fence::kGpu ? c_.fence_gpu_ns : kind == Fence::kSystem ? c_.fence_sys_ns : c_.fence_proxy_ns);
 }
 
 void Timer::copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site) {
+  settle(th);
   advance(th, c_.issue_ns);
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
@@ -380,6 +418,7 @@ void Timer::fold_group(Group& g) {
 }
 
 void Timer::commit(int th) {
+  settle(th);
   advance(th, c_.commit_ns);
   Clock& c = clocks_[th];
   c.groups.push_back(c.open);  // the references move with it
@@ -387,6 +426,7 @@ void Timer::commit(int th) {
 }
 
 void Timer::bulk_wait(int th, bool reads_only, int except_newest, Site site) {
+  settle(th);
   Clock& c = clocks_[th];
   // Groups already written by the thread's time cannot delay it: dropping the oldest of them
   // leaves the groups this wait covers the same, less those.
@@ -413,7 +453,10 @@ void Timer::bulk_wait(int th, bool reads_only, int except_newest, Site site) {
     }
 }
 
-void Timer::exit(int th) { clocks_[th].end = clocks_[th].t; }
+void Timer::exit(int th) {
+  settle(th);
+  clocks_[th].end = clocks_[th].t;
+}
 
 Report Timer::finish() {
   Report r;
@@ -434,6 +477,9 @@ Report Timer::finish() {
   const double end = std::max(clocks_.empty() ? 0 : clocks_[last].end, last_write_);
   r.copies = copy_count_;
   r.copy_bytes = copy_bytes_;
+  r.plain[0] = plain_[0];
+  r.plain[1] = plain_[1];
+  r.chains = chains_;
   r.time_ns = end + c_.launch_ns;
 
   r.block_end_ns.assign(blocks_, 0);

@@ -9,7 +9,13 @@
 // time and the time of the event it waited for plus that hand-off's latency (max-plus).
 //
 //   - own work: each operation costs its constant on the thread that runs it; plain code
-//     between them only where it converts 16-bit floats (the reductions), per pair;
+//     between them where it converts 16-bit floats (the reductions), per pair, and where the
+//     hot loops load and store through the device layer's accessors (dev::ld, dev::st);
+//   - plain loads and stores (dev::ld / dev::st): each costs access_ns on its thread. Loads
+//     in a row overlap: they form a batch that costs the latency of its slowest memory class
+//     (shared or global), paid when the batch ends: at the thread's next store, at a
+//     dev::chain() (the loads after it depend on those before), or at its next operation of
+//     any other kind above (a synchronisation, a copy, a fence, its exit);
 //   - __syncthreads, warp collectives: every participant runs on at the last arrival's time
 //     plus the barrier's cost;
 //   - mbarriers: a phase completes at the latest of its arrivals and of the bulk loads that
@@ -54,29 +60,33 @@
 namespace hybrid_ep::model::timing {
 
 // The constants (name, what it is); each is in ns except engine_bytes_per_ns.
-#define HYBRID_EP_TIMING_COSTS(X)                                                                          \
-  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                     \
-  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                     \
+#define HYBRID_EP_TIMING_COSTS(X)                                                                             \
+  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                       \
+  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                       \
   X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on") \
-  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                     \
-  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                \
-  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                               \
-  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                   \
-  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")      \
-  X(release_ns, "a release store or reduction to global memory, on the writing thread")                    \
-  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                            \
-  X(fence_gpu_ns, "__threadfence")                                                                           \
-  X(fence_sys_ns, "__threadfence_system")                                                                    \
-  X(fence_proxy_ns, "fence.proxy.async")                                                                     \
-  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                  \
-  X(commit_ns, "a bulk-group commit")                                                                        \
-  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                        \
+  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                      \
+  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                 \
+  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                 \
+  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                    \
+  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")        \
+  X(release_ns, "a release store or reduction to global memory, on the writing thread")                       \
+  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                               \
+  X(fence_gpu_ns, "__threadfence")                                                                            \
+  X(fence_sys_ns, "__threadfence_system")                                                                     \
+  X(fence_proxy_ns, "fence.proxy.async")                                                                      \
+  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                   \
+  X(commit_ns, "a bulk-group commit")                                                                         \
+  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                          \
   X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier") \
-  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")  \
-  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                    \
+  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")    \
+  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                     \
   X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")     \
-  X(plain_pair_ns, "plain code per pair of 16-bit floats converted to or from fp32 (the reductions' loads, "    \
-                   "arithmetic and stores around it), on the converting thread")
+  X(plain_pair_ns,                                                                                            \
+    "plain code per pair of 16-bit floats converted to or from fp32 (the reductions' "                        \
+    "arithmetic around it), on the converting thread")                                                        \
+  X(access_ns, "a plain load or store of a hot loop (dev::ld, dev::st), on the thread that issues it")        \
+  X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                 \
+  X(gmem_load_ns, "a batch of plain loads with one from global memory: issue -> the values are there")
 
 struct Costs {
 #define HYBRID_EP_TIMING_FIELD(name, what) double name = 0;
@@ -91,9 +101,9 @@ const std::vector<std::pair<std::string, std::string>>& cost_fields();
 bool costs_from(const std::map<std::string, double>& table, Costs& out, std::string& message);
 
 struct RoleTime {
-  int warp = 0;                                        // the role: the warp's index in its block
-  double busy_ns = 0, end_ns = 0;                      // means over the blocks
-  std::vector<std::pair<std::string, double>> waits;   // wait site -> ns, mean over the blocks
+  int warp = 0;                                       // the role: the warp's index in its block
+  double busy_ns = 0, end_ns = 0;                     // means over the blocks
+  std::vector<std::pair<std::string, double>> waits;  // wait site -> ns, mean over the blocks
 };
 
 struct Report {
@@ -103,9 +113,17 @@ struct Report {
   double time_ns = 0;
   std::vector<RoleTime> roles;
   std::vector<std::pair<std::string, double>> critical_path;  // what -> ns on the path, largest first
-  std::vector<double> block_end_ns;  // when each block's last thread ended
-  double engine_busy_ns = 0;         // the copy engine's busy time, mean over the blocks
+  std::vector<double> block_end_ns;                           // when each block's last thread ended
+  double engine_busy_ns = 0;                                  // the copy engine's busy time, mean over the blocks
   uint64_t copies = 0, copy_bytes = 0;
+  // The plain accesses of the hot loops (dev::ld / dev::st), every thread's together, by
+  // memory class: [kShared], [kGlobal].
+  struct Accesses {
+    uint64_t loads = 0, stores = 0, load_bytes = 0, store_bytes = 0;
+  };
+  static constexpr int kShared = 0, kGlobal = 1;
+  Accesses plain[2];
+  uint64_t chains = 0;  // dev::chain() calls
 };
 
 // The cost tables of the next launches (none: timing off, the model as it is without it), and
@@ -184,6 +202,8 @@ class Timer {
   void atomic(int th, const volatile void* p, bool shared, Site site);
   void fence(int th, Fence kind);
   void plain_pair(int th) { advance(th, c_.plain_pair_ns); }
+  void access(int th, bool shared, uint32_t bytes, bool load);
+  void chain(int th);
   void copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);
@@ -199,6 +219,7 @@ class Timer {
   };
   struct Clock {
     double t = 0, busy = 0, end = 0;
+    double loads = 0;   // the latency of the batch of plain loads not yet paid (0: none)
     uint32_t node = 0;  // the path node of the last wait another thread's event decided
     std::vector<std::pair<int32_t, double>> waits;
     std::deque<Group> groups;  // committed bulk-store groups a wait may still cover
@@ -223,6 +244,7 @@ class Timer {
   int role(int th) const { return (th % threads_) / 32; }
   Origin here(int th, int32_t what);
   void advance(int th, double ns);
+  void settle(int th);  // pays the batch of plain loads in flight
   void set(Origin& dst, const Origin& src);
   void place(size_t copy, Origin* read, Origin* write);  // folds its times into read and write
   void fold_group(Group& g);
@@ -237,8 +259,10 @@ class Timer {
   std::vector<Clock> clocks_;
   std::vector<Engine> engines_;
   std::unordered_map<size_t, CopyTime> copies_;  // issued, not yet placed
-  double last_write_ = 0;                         // the latest write of any copy
+  double last_write_ = 0;                        // the latest write of any copy
   uint64_t copy_count_ = 0, copy_bytes_ = 0;
+  Report::Accesses plain_[2];
+  uint64_t chains_ = 0;
   std::unordered_map<const void*, MbarTime> mbars_;
   std::unordered_map<const volatile void*, Origin> flags_;
   PathArena path_;

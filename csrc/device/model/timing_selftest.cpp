@@ -6,13 +6,17 @@
 //   - flag_chain: thread 0 of blocks 0 and 1 pass the turn n times through two global flags;
 //   - named_barrier: thread 0 fences n times, all 64 threads meet at a named barrier, then
 //     thread 32 fences n times;
-//   - plain_pairs: thread 0 converts n bf16 pairs to fp32 and back (2n pairs of plain code).
+//   - plain_pairs: thread 0 converts n bf16 pairs to fp32 and back (2n pairs of plain code);
+//   - plain_accesses: thread 0 copies n int4 from global to shared memory through dev::ld /
+//     dev::st (each store waits for its load: n global round trips), then loads them back from
+//     shared memory, one batch, and ends it with dev::chain() (one shared round trip).
+#include "device/model/timing_selftest.h"
+
 #include <map>
 #include <string>
 #include <vector>
 
 #include "device/device.cuh"
-#include "device/model/timing_selftest.h"
 
 namespace hybrid_ep::model {
 namespace {
@@ -31,11 +35,10 @@ struct Shared {
   uint64_t bar[2];
 };
 
-enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier, kPlainPairs };
+enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier, kPlainPairs, kPlainAccesses };
 
 __device__ void wait_phase(uint64_t* bar, uint32_t parity) {
-  while (!dev::mbar_try_wait(bar, parity)) {
-  }
+  while (!dev::mbar_try_wait(bar, parity)) {}
 }
 
 __global__ void timing_kernel(const Args a) {
@@ -81,8 +84,7 @@ __global__ void timing_kernel(const Args a) {
           uint64_t* flag = &a.flags[to_b ? 0 : 1];
           if (static_cast<int>(blockIdx.x) == (to_b ? 0 : 1)) dev::st_release_sys(flag, value);
           if (static_cast<int>(blockIdx.x) == (to_b ? 1 : 0))
-            while (dev::ld_acquire_sys(flag) < value) {
-            }
+            while (dev::ld_acquire_sys(flag) < value) {}
         }
       break;
     case kNamedBarrier:
@@ -99,19 +101,26 @@ __global__ void timing_kernel(const Args a) {
         }
       }
       break;
-    default:
+    case kPlainAccesses:
+      if (tid == 0) {
+        const auto* from = reinterpret_cast<const int4*>(a.global);
+        auto* to = reinterpret_cast<int4*>(smem);
+        for (int i = 0; i < a.n; ++i) dev::st(to + i, dev::ld(from + i));
+        int sum = 0;
+        for (int i = 0; i < a.n; ++i) sum += dev::ld(to + i).x;
+        dev::chain();
+        if (sum == 0x7fffffff) a.flags[0] = 1;  // keeps the loads
+      }
       break;
+    default: break;
   }
 }
 
 const std::map<std::string, int>& names() {
   static const std::map<std::string, int> n = {
-      {"handoff_chain", kHandoffChain},
-      {"load_stream", kLoadStream},
-      {"store_stream", kStoreStream},
-      {"flag_chain", kFlagChain},
-      {"named_barrier", kNamedBarrier},
-      {"plain_pairs", kPlainPairs},
+      {"handoff_chain", kHandoffChain},   {"load_stream", kLoadStream},     {"store_stream", kStoreStream},
+      {"flag_chain", kFlagChain},         {"named_barrier", kNamedBarrier}, {"plain_pairs", kPlainPairs},
+      {"plain_accesses", kPlainAccesses},
   };
   return n;
 }

@@ -189,4 +189,20 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
 // Back-off between polls.
 __device__ __forceinline__ void sleep_ns(uint32_t ns) { __nanosleep(ns); }
 
+// ---- plain accesses of the hot loops ----------------------------------------------------------
+// ld / st are the plain load and store they wrap (the compiler sees the same access, so the
+// code generated is the one of `*p` and `*p = v`); chain() is nothing. On the CPU model
+// (device/model/primitives.h) they tell the timing model what plain code the loops run: each
+// access is counted by memory class (shared or global) with its bytes, and chain() says that
+// the loads after it depend on those before it (an address or a branch read from them).
+template <typename T>
+__device__ __forceinline__ T ld(const T* p) {
+  return *p;
+}
+template <typename T>
+__device__ __forceinline__ void st(T* p, const T& v) {
+  *p = v;
+}
+__device__ __forceinline__ void chain() {}
+
 }  // namespace hybrid_ep::dev
