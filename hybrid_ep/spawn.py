@@ -6,6 +6,12 @@ closes the pool (its peers may be stuck in a collective) and the error says whic
 likely cause and what to do. HYBRID_EP_POOL_TIMEOUT_S (seconds, default 300) bounds the
 start and the process group's collectives, and raises the bound of every task to at least
 that much: on a loaded machine starting W ranks (each imports torch) can take minutes.
+
+The ranks are started with multiprocessing's "spawn" (a fresh interpreter each) or, with
+start_method="forkserver", forked from multiprocessing's fork server: modules named in
+`preload_for_forkserver` (torch, ...) are imported there once, so a rank starts in a fraction
+of a second instead of importing them again. Either way a rank sees the environment of this
+process as it is when the pool starts, plus `env`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ import torch.multiprocessing as mp
 
 POOL_TIMEOUT_ENV = "HYBRID_EP_POOL_TIMEOUT_S"
 DEFAULT_POOL_TIMEOUT_S = 300.0
+START_METHODS = ("spawn", "forkserver")
+
+
+def preload_for_forkserver(modules: list[str]) -> None:
+    """Modules the fork server imports before it forks ranks (a name that does not import is
+    skipped). Takes effect only if no pool with start_method="forkserver" has started yet in
+    this process: the fork server starts with the first one and lives as long as this process."""
+    mp.get_context("forkserver").set_forkserver_preload(list(modules))
 
 
 def pool_timeout_s() -> float:
@@ -53,7 +67,9 @@ def _late_message(what: str, ranks: list[int], waited: float, limit: float) -> s
             "(docs/troubleshooting.md, process group pool)")
 
 
-def _worker(rank, world_size, backend, init_file, env, tasks, results):
+def _worker(rank, world_size, backend, init_file, env, tasks, results, left):
+    # the parent's environment when the pool started (a forked rank has the fork server's)
+    os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env.get("HYBRID_EP_THREADS_PER_RANK", "1")))
     try:
@@ -76,33 +92,44 @@ def _worker(rank, world_size, backend, init_file, env, tasks, results):
             break
         fn, args = item
         try:
-            results.put((rank, True, fn(*args)))
+            reply = (rank, True, fn(*args))
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+            reply = (rank, False, traceback.format_exc())
+        if not dist.is_initialized():  # the task destroyed the group (as a crashed peer would)
+            left.set()  # before the reply: once run() returns, `usable` says so
+        results.put(reply)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class ProcessGroupPool:
     """W ranks on this machine; `run(fn, per_rank_args)` calls fn(*args) on every rank."""
 
     def __init__(self, world_size: int, backend: str = "gloo", env: dict[str, str] | None = None,
-                 start_timeout_s: float | None = None):
-        """start_timeout_s: how long the ranks may take to start (default HYBRID_EP_POOL_TIMEOUT_S)."""
+                 start_timeout_s: float | None = None, start_method: str = "spawn"):
+        """start_timeout_s: how long the ranks may take to start (default HYBRID_EP_POOL_TIMEOUT_S);
+        start_method: "spawn" or "forkserver" (the module docstring)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         self.timeout_s = pool_timeout_s()
         self._tasks_at_least_timeout = POOL_TIMEOUT_ENV in os.environ
         self.world_size = world_size
         self.backend = backend
         self._dir = tempfile.mkdtemp(prefix="hybrid_ep_pool_")
-        ctx = mp.get_context("spawn")
+        self.start_method = start_method
+        ctx = mp.get_context(start_method)
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        env = {POOL_TIMEOUT_ENV: str(self.timeout_s)} | {k: str(v) for k, v in (env or {}).items()}
+        self._left = ctx.Event()  # set by a rank whose task destroyed its process group
+        env = dict(os.environ) | {POOL_TIMEOUT_ENV: str(self.timeout_s)} | {k: str(v) for k, v in
+                                                                             (env or {}).items()}
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, backend, os.path.join(self._dir, "store"), env, self._tasks[r], self._results),
+                args=(r, world_size, backend, os.path.join(self._dir, "store"), env, self._tasks[r], self._results,
+                      self._left),
                 daemon=True,
             )
             for r in range(world_size)
@@ -149,6 +176,12 @@ class ProcessGroupPool:
             raise RuntimeError(f"process group pool ({what}): ranks {sorted(errors)} raised{details}")
         return out
 
+    @property
+    def usable(self) -> bool:
+        """Open, every rank alive and still in the process group (a task that destroyed a
+        rank's group, as a crashed peer would, leaves the pool unusable: `run` refuses it)."""
+        return not self.closed and not self._left.is_set() and all(p.is_alive() for p in self._procs)
+
     def run(self, fn, per_rank_args: list[tuple] | None = None, timeout_s: float = 300.0) -> list:
         """fn must be importable by name (a module-level function); returns one result per rank.
 
@@ -156,6 +189,11 @@ class ProcessGroupPool:
         """
         if self.closed:
             raise RuntimeError("process group pool is closed")
+        if not self.usable:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            self.close()
+            why = f"ranks {dead} have exited" if dead else "a rank left the process group in an earlier task"
+            raise RuntimeError(f"process group pool: {why}; the pool is closed, start a new one")
         if per_rank_args is None:
             per_rank_args = [()] * self.world_size
         if len(per_rank_args) != self.world_size:

@@ -11,10 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid_ep.spawn import ProcessGroupPool
+from hybrid_ep.spawn import ProcessGroupPool, preload_for_forkserver
 
 # Pools hold W processes each; keep only a couple alive on a 2-core machine.
 _MAX_LIVE_POOLS = 2
+# What the pools' ranks import, imported once in the fork server they are forked from: a rank
+# starts in about a second instead of importing torch (and Megatron-Core) again, seconds of CPU
+# each. A module that does not import (no megatron-core) is skipped.
+_RANK_PRELOAD = ["torch", "hybrid_ep", "hybrid_ep.spawn", "hybrid_ep.testing", "megatron.core",
+                 "megatron.core.transformer.moe.moe_layer", "megatron.core.optimizer", "megatron.core.distributed"]
 
 # Every test file names its tier (`pytestmark = pytest.mark.<tier>`), so `pytest -m <tier>` runs
 # one kind of test; CONTRIBUTING.md says when to run which.
@@ -42,14 +47,22 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def pool_for():
+    """pool_for(W): a pool of W gloo ranks, shared by the tests of this worker. A pool that a
+    test closed, or left unusable (a rank that left the group), is replaced by a new one; a
+    test that leaves the group unusable another way (a timed-out collective) closes it, e.g.
+    `with pool_for(2) as pool:`."""
     live: collections.OrderedDict[int, ProcessGroupPool] = collections.OrderedDict()
+    preload_for_forkserver(_RANK_PRELOAD)
 
     def get(world_size: int) -> ProcessGroupPool:
         pool = live.pop(world_size, None)
-        if pool is None or pool.closed:
+        if pool is not None and not pool.usable:
+            pool.close()
+            pool = None
+        if pool is None:
             while len(live) >= _MAX_LIVE_POOLS:
                 live.popitem(last=False)[1].close()
-            pool = ProcessGroupPool(world_size, env={"HYBRID_EP_TIMEOUT_S": "60"})
+            pool = ProcessGroupPool(world_size, env={"HYBRID_EP_TIMEOUT_S": "60"}, start_method="forkserver")
         live[world_size] = pool
         return pool
 
@@ -86,17 +99,27 @@ def _tier_errors(items) -> list[str]:
 
 def _shares_state_of_its_file(item) -> bool:
     """Whether the test uses what its file's other tests reuse: a module-scoped fixture of its
-    file (a build, a training run) or the session's process-group pools (pool_for), whose world
+    file (a build, a training run), also one it names in a parameter and gets with
+    request.getfixturevalue, or the session's process-group pools (pool_for), whose world
     sizes a file's tests mostly share."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return False
-    for name, defs in info.name2fixturedefs.items():
-        if name == "pool_for":
-            return True
+
+    def of_this_file(defs) -> bool:
         fixture = defs[-1]
-        if fixture.scope == "module" and getattr(fixture.func, "__module__", None) == item.module.__name__:
+        return fixture.scope == "module" and getattr(fixture.func, "__module__", None) == item.module.__name__
+
+    for name, defs in info.name2fixturedefs.items():
+        if name == "pool_for" or of_this_file(defs):
             return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    manager = item.session._fixturemanager
+    for value in params.values():
+        if isinstance(value, str) and value.isidentifier():
+            defs = manager.getfixturedefs(value, item)
+            if defs and of_this_file(defs):
+                return True
     return False
 
 
@@ -120,6 +143,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the long work first
         _slow_work_first(items)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")  # after pytest-xdist's hook
+def pytest_collection_modifyitems_xdist_group_ids(config, items):
+    """pytest-xdist's --dist loadgroup reads a test's group from its node id ("...@group"),
+    which its worker hook writes into `item._nodeid`; pytest 9 keeps the id in `item._id`, so
+    the groups were lost and every test was scheduled alone (a file's module-scoped fixtures
+    and pools were made again on each worker, and again after tests of other files). Writes
+    the suffix where pytest-xdist could not."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def _slow_work_first(items) -> None:

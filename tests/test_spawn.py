@@ -71,3 +71,42 @@ def test_bad_pool_timeout_is_named(monkeypatch, raw, words):
     monkeypatch.setenv("HYBRID_EP_POOL_TIMEOUT_S", raw)
     with pytest.raises(ValueError, match=f"HYBRID_EP_POOL_TIMEOUT_S {words}"):
         ProcessGroupPool(1)
+
+
+def _leave_on_rank(leaving_rank):
+    import torch.distributed as dist
+
+    if dist.get_rank() == leaving_rank:
+        dist.destroy_process_group()
+    return "done"
+
+
+def _env(name):
+    import os
+
+    return os.environ.get(name)
+
+
+def test_pool_whose_rank_left_the_group_refuses_more_tasks():
+    with ProcessGroupPool(2, start_method="forkserver") as pool:
+        assert pool.usable
+        assert pool.run(_leave_on_rank, [(1,), (1,)]) == ["done", "done"]
+        assert not pool.usable  # known as soon as run() returns
+        with pytest.raises(RuntimeError, match="a rank left the process group in an earlier task; the pool is closed"):
+            pool.run(_rank_and_sum, [(1,), (2,)])
+        assert pool.closed
+
+
+def test_forked_ranks_see_the_environment_of_the_pool_start(monkeypatch):
+    """Ranks forked from the fork server (started with an earlier pool) get this process's
+    environment as it is when the pool starts, as spawned ranks do."""
+    ProcessGroupPool(1, start_method="forkserver").close()  # the fork server runs from here on
+    monkeypatch.setenv("HYBRID_EP_SPAWN_TEST", "set after the fork server started")
+    with ProcessGroupPool(2, env={"HYBRID_EP_TIMEOUT_S": "7"}, start_method="forkserver") as pool:
+        assert pool.run(_env, [("HYBRID_EP_SPAWN_TEST",)] * 2) == ["set after the fork server started"] * 2
+        assert pool.run(_env, [("HYBRID_EP_TIMEOUT_S",)] * 2) == ["7"] * 2
+
+
+def test_unknown_start_method_is_named():
+    with pytest.raises(ValueError, match="start_method must be one of spawn, forkserver, got 'fork'"):
+        ProcessGroupPool(1, start_method="fork")
