@@ -7,9 +7,10 @@ Two modules run on the CPU on every machine and touch memory through computed in
   not crash but quietly plan a wrong slot, and the balancer would migrate experts to it;
 - hybrid_ep._model, the kernels' own sources on the CPU model of the device layer. An index
   past a buffer there is the same index on the GPU, where nothing reports it.
-Each is built from the sources setup.py compiles, at -O1 with -fsanitize=address,undefined,
-and pytest runs in a child process with the sanitizer runtimes preloaded (Python itself is not
-instrumented) and the sanitized modules standing in for the installed ones. The first report
+Each is built from the sources setup.py compiles, at -O1 (the pybind11 glue at -O0) with
+-fsanitize=address,undefined, and pytest runs in a child process with the sanitizer runtimes
+preloaded (Python itself is not instrumented) and the sanitized modules standing in for the
+installed ones. The first report
 ends the run with a non-zero exit; pytest captures the tests' stderr, so the sanitizers write
 their reports to files that are printed at the end. The model's fibers tell AddressSanitizer
 of every stack switch (csrc/device/model/fiber.cpp) and get 4x larger stacks under it.
@@ -29,8 +30,9 @@ refused and its test counted as skipped, with the reason printed.
     python scripts/sanitize.py --module model --sanitizer thread   # data races in the kernels
     python scripts/sanitize.py --all                     # the two full runs above, for csrc changes
 
-With --build-dir the sanitized modules stay there and are rebuilt only when a file under csrc/
-or the compile command changed, so several runs (tests/test_sanitized.py's) build each once.
+With --build-dir the sanitized modules stay there, in a folder per csrc/ state and compile
+command, and are built again only when a file under csrc/ or the command changed: runs of any
+checkout (tests/test_sanitized.py's, CI's with ~/.cache/hybrid-ep/sanitized) build each once.
 
 Needs a C++ compiler with the sanitizer runtimes (g++ or clang++; CXX picks one) and pybind11.
 Exit 3 when they are missing, so callers can tell "cannot check here" from "found a bug".
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CANNOT_CHECK = 3  # exit status: no compiler, sanitizer runtime or pybind11 here
@@ -63,6 +66,10 @@ FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=unde
 # and values on (instrumented, it took longer to compile than the model itself), and, under
 # ThreadSanitizer, the model's scheduler (happens_before.h).
 UNINSTRUMENTED = {"address": ("model_module.cpp",), "thread": ("model_module.cpp", "runtime.cpp", "fiber.cpp")}
+# The pybind11 glue at -O0: a third of the time to compile at -O1, and nothing in it runs long.
+GLUE = ("model_module.cpp", "planner_module.cpp")
+STAMP = "stamp"  # in a build's folder once it is complete
+KEEP = 3  # builds kept per module and sanitizer in a build folder (one per csrc/ state)
 RACE_LIMIT = "ThreadSanitizer's limit"  # in the model's message for a launch too large for it
 PYTEST_DEFAULTS = ["-q", "-p", "no:cacheprovider"]
 
@@ -115,53 +122,75 @@ def _csrc_digest() -> str:
 
 class Build:
     """The compilers of one sanitized module, started at once; wait() links and returns 0 on success.
-    A module already in the build folder, built from the same csrc/ with the same commands, is kept."""
+
+    The module goes to a folder of the build folder named for its stamp (the compile and link
+    commands and the contents of csrc/), so a module built from the same csrc/ with the same
+    commands is reused, by any checkout: the commands run in the checkout with paths relative
+    to it. A build is made in a folder of its own and renamed into place once linked, so a
+    run never loads a half-written module and two runs building at once both finish; the
+    oldest builds of a module beyond KEEP are removed."""
 
     def __init__(self, module: str, sanitizer: str, cxx: str, build_dir: str, includes: list[str]):
-        folder = os.path.join(build_dir, sanitizer)  # the two sanitizers' modules and objects apart
-        os.makedirs(folder, exist_ok=True)
-        self.out = os.path.join(folder, f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX"))
-        common = [cxx, "-O1", "-g", "-fno-omit-frame-pointer", "-std=c++17", "-fno-strict-aliasing",
-                  "-Wno-unknown-pragmas", "-fPIC", "-I" + os.path.join(REPO, "csrc"),
-                  *("-I" + d for d in includes), "-I" + sysconfig.get_paths()["include"]]
-        commands, objects = [], []  # one compiler per source, all at once
+        top = os.path.join(os.path.abspath(build_dir), sanitizer)  # the two sanitizers' builds apart
+        os.makedirs(top, exist_ok=True)
+        name = f"_{module}" + sysconfig.get_config_var("EXT_SUFFIX")
+        common = [cxx, "-g", "-fno-omit-frame-pointer", "-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
+                  "-fPIC", "-Icsrc", *("-I" + d for d in includes), "-I" + sysconfig.get_paths()["include"]]
+        commands = []  # one compiler per source, all at once; objects named relative to the build's folder
         for source in _sources(module):
-            obj = os.path.join(folder, os.path.basename(source) + ".o")
+            base = os.path.basename(source)
             flags = FLAGS[sanitizer]
-            if os.path.basename(source) in UNINSTRUMENTED[sanitizer]:  # defines kept, sanitizer left out
+            if base in UNINSTRUMENTED[sanitizer]:  # defines kept, sanitizer left out
                 flags = [f for f in flags if not f.startswith(("-fsanitize", "-fno-sanitize"))]
-            commands.append(common + [*flags, "-c", source, "-o", obj])
-            objects.append(obj)
-        self.link = [cxx, "-shared", *FLAGS[sanitizer], *objects, "-o", self.out]
-        self.stamp = hashlib.sha256(repr([commands, self.link, _csrc_digest()]).encode()).hexdigest()
-        self.stamp_path = self.out + ".stamp"
-        if os.path.exists(self.out) and _read(self.stamp_path) == self.stamp:
+            level = "-O0" if base in GLUE else "-O1"
+            commands.append(common + [level, *flags, "-c", os.path.relpath(source, REPO), "-o", base + ".o"])
+        objects = [c[-1] for c in commands]
+        link = [cxx, "-shared", *FLAGS[sanitizer], *objects, "-o", name]
+        self.stamp = hashlib.sha256(repr([commands, link, _csrc_digest()]).encode()).hexdigest()
+        self.folder = os.path.join(top, f"{module}-{self.stamp[:16]}")
+        self.out = os.path.join(self.folder, name)
+        self.procs = []
+        if os.path.exists(os.path.join(self.folder, STAMP)):
             print(f"sanitize: {self.out} is up to date", flush=True)
-            self.procs = []
+            os.utime(self.folder)  # the most recently used are kept
             return
-        if os.path.exists(self.stamp_path):
-            os.remove(self.stamp_path)  # a build that fails part way leaves no stamp behind
+        self.work = tempfile.mkdtemp(prefix=f"{module}-building-", dir=top)
         print(f"sanitize: building {self.out}", flush=True)
-        self.procs = [subprocess.Popen(c) for c in commands]
+
+        def absolute(cmd):  # objects into the work folder, sources read from the checkout
+            return [os.path.join(self.work, a) if a.endswith(".o") or a == name else a for a in cmd]
+
+        self.link = absolute(link)
+        self.procs = [subprocess.Popen(absolute(c), cwd=REPO) for c in commands]
+        self.module, self.top = module, top
 
     def wait(self) -> int:
         if not self.procs:  # up to date
             return 0
         rc = max(p.wait() for p in self.procs)  # every compiler waited for
         if rc == 0:
-            rc = subprocess.run(self.link).returncode
-        if rc == 0:
-            with open(self.stamp_path, "w") as f:
-                f.write(self.stamp)
-        return rc
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
+            rc = subprocess.run(self.link, cwd=REPO).returncode
+        if rc != 0:
+            shutil.rmtree(self.work, ignore_errors=True)
+            return rc
+        with open(os.path.join(self.work, STAMP), "w") as f:
+            f.write(self.stamp)
+        for _ in range(2):
+            try:
+                os.rename(self.work, self.folder)
+                break
+            except OSError:  # another run put the same build in place first: use that one
+                if os.path.exists(os.path.join(self.folder, STAMP)):
+                    shutil.rmtree(self.work, ignore_errors=True)
+                    break
+                shutil.rmtree(self.folder, ignore_errors=True)  # a partly removed one: replaced
+        builds = sorted(glob.glob(os.path.join(self.top, f"{self.module}-*", STAMP)),
+                        key=lambda p: os.path.getmtime(os.path.dirname(p)), reverse=True)
+        stale = [p for p in glob.glob(os.path.join(self.top, "*-building-*"))  # left by runs that were killed
+                 if time.time() - os.path.getmtime(p) > 3600]
+        for old in [os.path.dirname(p) for p in builds[KEEP:]] + stale:
+            shutil.rmtree(old, ignore_errors=True)
+        return 0
 
 
 def _race_limit_plugin(pytest, skipped: list[str]):

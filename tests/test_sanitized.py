@@ -7,10 +7,14 @@ A read that no barrier, mbarrier or flag orders after the write it needs passes 
 whenever the schedule happens to run the write first; the ThreadSanitizer build of the model
 reports it whatever the schedule.
 
-Each sanitized module is built once into a folder the tests share, and each run is a subset
-that executes what its whole test file executes of the native code, in less time: PLANNER_TESTS
-and MODEL_CASES below say how that was checked. The full runs, for changes under csrc/:
-python scripts/sanitize.py --all (CONTRIBUTING.md).
+Each sanitized module is built once into BUILD_DIR, a cache kept between runs (CI keeps
+~/.cache/hybrid-ep as it keeps the virtualenv) and reused while csrc/ and the compile commands
+are unchanged; each run is a subset that executes what its whole test file executes of the
+native code, in less time: PLANNER_TESTS and MODEL_CASES below say how that was checked. The
+three sanitized modules (planner and model on AddressSanitizer + UBSan, model on
+ThreadSanitizer) are each built and run by tests of their own xdist group, so pytest-xdist's
+workers take them in parallel with each other and with the rest of the suite. The full runs,
+for changes under csrc/: python scripts/sanitize.py --all (CONTRIBUTING.md).
 """
 
 import os
@@ -28,6 +32,9 @@ pytestmark = [pytest.mark.sanitizer, pytest.mark.slow]
 SCRIPT = os.path.join(REPO, "scripts", "sanitize.py")
 CANNOT_CHECK = 3  # scripts/sanitize.py's exit status when this machine has no sanitizer runtime
 LIMIT_S = 540  # a run still going then has hung: stop it inside pytest's 600 s per test
+# HYBRID_EP_SANITIZE_CACHE names another folder (an empty one: the builds from scratch)
+BUILD_DIR = os.environ.get("HYBRID_EP_SANITIZE_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "hybrid-ep", "sanitized")
 
 # The planner's tests less two sweeps that run no line of csrc/balancer or its binding that the
 # other tests do not run (gcov of the native module, 2026-11-25): every line the whole file runs.
@@ -55,11 +62,6 @@ MODEL_CASES = ("test_device_model"
 RACE_FILES = MODEL_FILES[1:]
 RACE_CASES = ("(test_kernels_match_the_oracle and W3xG3 and float8_e4m3fn and pad16 and -0-) or "
               "(hierarchical_kernels_match_the_oracle and W2xG1 and H128)")
-
-
-@pytest.fixture(scope="module")
-def build_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sanitized_build"))
 
 
 def _start(build_dir: str, *args: str) -> subprocess.Popen:
@@ -90,24 +92,31 @@ def _passed(out: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) passed", out))
 
 
-def test_native_modules_pass_their_tests_on_sanitized_builds(build_dir):
-    runs = {"planner": _start(build_dir, "--module", "planner", "-q", "-p", "no:cacheprovider",  # two processes:
-                              "tests/test_balancer_planner.py", "-k", PLANNER_TESTS),  # the suite uses one core
-            "model": _start(build_dir, "--module", "model", "-q", "-p", "no:cacheprovider", *MODEL_FILES,
-                            "-k", MODEL_CASES)}
-    outs = _finish(runs)
-    for name, proc in runs.items():
-        out = outs[name]
-        assert proc.returncode == 0, f"{name}:\n{out[-6000:]}"
-        assert "Sanitizer" not in out, f"{name}:\n{out[-6000:]}"
-        assert _passed(out) > 0 and " failed" not in out, f"{name}:\n{out[-2000:]}"
+def _assert_clean(name: str, run: subprocess.Popen) -> None:
+    out = _finish({name: run})[name]
+    assert run.returncode == 0, f"{name}:\n{out[-6000:]}"
+    assert "Sanitizer" not in out, f"{name}:\n{out[-6000:]}"
+    assert _passed(out) > 0 and " failed" not in out, f"{name}:\n{out[-2000:]}"
 
 
-def test_the_race_check_reports_a_read_before_its_bulk_load_and_a_read_without_a_barrier(build_dir):
+@pytest.mark.xdist_group("sanitized-planner")
+def test_the_planner_passes_its_tests_on_a_sanitized_build():
+    _assert_clean("planner", _start(BUILD_DIR, "--module", "planner", "-q", "-p", "no:cacheprovider",
+                                    "tests/test_balancer_planner.py", "-k", PLANNER_TESTS))
+
+
+@pytest.mark.xdist_group("sanitized-model")
+def test_the_model_passes_its_tests_on_a_sanitized_build():
+    _assert_clean("model", _start(BUILD_DIR, "--module", "model", "-q", "-p", "no:cacheprovider", *MODEL_FILES,
+                                  "-k", MODEL_CASES))
+
+
+@pytest.mark.xdist_group("sanitized-thread")  # one build of the model for ThreadSanitizer, for both
+def test_the_race_check_reports_a_read_before_its_bulk_load_and_a_read_without_a_barrier():
     """The model's self-tests that read too early: one before its bulk load lands, one what
     another warp writes with no barrier between. Both pass on the model (they are not its
     errors); under ThreadSanitizer each must be a data race naming the two sides."""
-    run = _start(build_dir, "--module", "model", "--sanitizer", "thread", "-q", "-p", "no:cacheprovider",
+    run = _start(BUILD_DIR, "--module", "model", "--sanitizer", "thread", "-q", "-p", "no:cacheprovider",
                  "tests/test_device_model.py", "-k", "missing_wait or without_a_barrier")
     out = _finish({"race": run})["race"]
     assert run.returncode != 0, out[-4000:]
@@ -124,11 +133,12 @@ def test_the_race_check_reports_a_read_before_its_bulk_load_and_a_read_without_a
     assert plain_race.count("selftest.cpp:") >= 2
 
 
-def test_the_kernels_have_no_data_race_on_the_model(build_dir):
+@pytest.mark.xdist_group("sanitized-thread")
+def test_the_kernels_have_no_data_race_on_the_model():
     """RACE_CASES under the race check: layout, dispatch and combine with bulk copies, rings
     and flags, on one node and across two. The whole model suite under it is
     python scripts/sanitize.py --module model --sanitizer thread."""
-    run = _start(build_dir, "--module", "model", "--sanitizer", "thread", "-q", "-p", "no:cacheprovider",
+    run = _start(BUILD_DIR, "--module", "model", "--sanitizer", "thread", "-q", "-p", "no:cacheprovider",
                  *RACE_FILES, "-k", RACE_CASES)
     out = _finish({"race": run})["race"]
     assert run.returncode == 0, out[-6000:]
