@@ -119,6 +119,8 @@ class HybridEPBuffer:
 
     def _kernel(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         base = self.kernel_config
+        if num_sms_dispatch is None and num_sms_combine is None and wire_dtype is None:
+            return base  # validated when the buffer was built
         return dataclasses.replace(
             base,
             num_sms_dispatch=base.num_sms_dispatch if num_sms_dispatch is None else num_sms_dispatch,

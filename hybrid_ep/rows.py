@@ -16,7 +16,7 @@ MIN_HIDDEN_MULTIPLE = ROW_ALIGN_BYTES // 4
 
 def row_bytes_rule(hidden: int, dtype: torch.dtype) -> str | None:
     """None when a row of `hidden` values of dtype is a multiple of 16 bytes, else the rule it breaks."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if hidden * size % ROW_ALIGN_BYTES == 0:
         return None
     name = str(dtype).replace("torch.", "")

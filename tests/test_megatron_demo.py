@@ -1,9 +1,10 @@
 """The tiny MoE GPT demo, a few steps on 4 CPU ranks (2 nodes x 2): hybrid_ep and alltoall
-train from the same weights on the same data and give the same loss curve."""
+train from the same weights on the same data, in alternation, and give the same loss curve."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -52,6 +53,15 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert text[3].startswith("    hierarchical scheme   NVLink ") and text[4].startswith("    flat all-to-all ")
     saved = 1 - summary["rdma_bytes"] / summary["flat_rdma_bytes"]
     assert text[5].startswith(f"    the hierarchy sends {saved:.0%} fewer RDMA bytes")
+    # Speed, from the steps both models trained in alternation (steps 3 on).
+    assert summary["speed_steps"] == [demo.SPEED_FROM_STEP, STEPS]
+    ours_tps = [r["tokens_per_s"] for r in ours[demo.SPEED_FROM_STEP - 1:]]
+    stock_tps = [r["tokens_per_s"] for r in stock[demo.SPEED_FROM_STEP - 1:]]
+    assert summary["median_tokens_per_s"] == [statistics.median(ours_tps), statistics.median(stock_tps)]
+    assert summary["tokens_per_s_ratio"] == pytest.approx(statistics.median(ours_tps) / statistics.median(stock_tps))
+    assert summary["tokens_per_s_step_ratio"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(ours_tps, stock_tps)))
+    assert text[6].startswith(f"  tokens/s, median over steps {demo.SPEED_FROM_STEP}-{STEPS} (trained in alternation")
     # Where it ran and what the columns mean come first, then one line per step.
     assert lines[0] == demo.where_line("gloo", 4, results["metadata"]["device"], "reference")
     assert lines[0].startswith("running on CPU: ") and "4 processes over torch.distributed gloo, no GPU" in lines[0]
@@ -62,6 +72,23 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert meta["backends"] == ["reference"] and meta["device"].startswith("CPU: ")
     assert meta["config"]["transport"] == "gloo" and meta["config"]["nodes"] == 2
     assert set(meta["units"]) >= {"loss", "tokens_per_s", "imbalance", "nvlink_bytes", "rdma_bytes"}
+
+
+def test_speed_pairs_the_steps_of_two_curves():
+    """Ratio of medians and median of per-step ratios over steps 3 on (all steps when fewer)."""
+    def curve(tps):
+        return [{"step": i + 1, "tokens_per_s": t} for i, t in enumerate(tps)]
+
+    got = demo.speed(curve([1, 1, 90, 100, 120]), curve([10, 10, 100, 80, 100]))
+    assert got["speed_steps"] == [3, 5] and got["median_tokens_per_s"] == [100, 100]
+    assert got["tokens_per_s_ratio"] == 1.0
+    assert got["tokens_per_s_step_ratio"] == pytest.approx(1.2)  # median of 0.9, 1.25, 1.2
+    assert demo.speed(curve([2, 4]), curve([4, 4]))["speed_steps"] == [1, 2]
+
+
+def test_dispatchers_must_differ():
+    with pytest.raises(ValueError, match="dispatchers must differ"):
+        demo.run(["alltoall", "alltoall"], steps=1)
 
 
 def test_modelled_bytes_follow_the_traffic_model():

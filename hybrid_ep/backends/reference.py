@@ -34,7 +34,7 @@ from .reference_exchange import ReferenceExchange
 from .reference_layout import (
     SendLayout,
     assert_routing_on_device,
-    padded_rows,
+    padded_row_count,
     receive_layout,
     routes_per_row,
     send_layout,
@@ -86,6 +86,16 @@ class ReferenceBackend(Backend):
             return torch.cat([self._msg.ints(words), *extra]) if extra else self._msg.ints(words)
 
         return make() if handle is None else self._memo(handle.dest, ("words", call, *fields.items()), make)
+
+    def _put_headers(self, message: torch.Tensor, call: int, fields: dict, handle: DispatchHandle,
+                     starts: list[int], header_rows: int) -> None:
+        """The header of a call with a handle in front of every block; the padded block is made
+        once per handle and call kind."""
+        words = self._message(call, fields, handle)
+        key = ("header block", call, *fields.items(), message.shape[1], header_rows, len(starts))
+        block = self._memo(handle.dest, key,
+                           lambda: self._msg.header_block(words, header_rows, message.shape[1], len(starts)))
+        self._msg.put_headers(message, words, starts, header_rows, block)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -150,13 +160,15 @@ class ReferenceBackend(Backend):
         copy = self._exchange.start_host_copy(self._msg.read_headers(recv, starts, M))
         message = self._pack(payload, layout, self._tokens_at(layout, None), (routes_per_row(layout, L), None))
         table = self._exchange.finish_host_copy(copy, "dispatch (counts)")
+        rows = table.tolist()  # the routing's one host read (on the CPU a list of the table)
         if W > 1:
-            agreement.check(agreement.NEW_ROUTING, fields, table[:, :_HW].tolist())
+            agreement.check(agreement.NEW_ROUTING, fields, [r[:_HW] for r in rows])
         self._num_dispatches += 1  # numbered once every rank has agreed, so the ranks count alike
         count_WW, node_WN = table[:, _HW:_HW + W], table[:, _HW + W:_HW + W + N]
-        experts_WL = table[:, _HW + 2 * W + rank * L:_HW + 2 * W + (rank + 1) * L]
-        num_rows = int(padded_rows(experts_WL.sum(dim=0), cfg.pad_multiple, cfg.min_rows_per_expert).sum())
-        send_W, recv_W = count_WW[rank].tolist(), count_WW[:, rank].tolist()
+        first = _HW + 2 * W + rank * L
+        num_rows = sum(padded_row_count(sum(r[first + j] for r in rows), cfg.pad_multiple, cfg.min_rows_per_expert)
+                       for j in range(L))
+        send_W, recv_W = rows[rank][_HW:_HW + W], [r[_HW + rank] for r in rows]
         layout = _with_blocks(layout, send_W)
         recv, starts = self._exchange.all_to_all(message, send_W, recv_W, 0, "dispatch")
         return self._unpack_new(x_TH, payload, routing, layout, recv, starts, recv_W, 0, num_rows, None,
@@ -220,14 +232,13 @@ class ReferenceBackend(Backend):
 
     def _dispatch_with_handle(self, x_TH, payload, handle: DispatchHandle, fields):
         source, dest = handle.source, handle.dest
-        words = self._message(agreement.WITH_HANDLE, fields, handle)
         B = sum(p.shape[1] for p in payload)
         header_rows = -(-_HW * 8 // B)
         send_W, recv_W = list(source.block_rows_W), list(dest.block_rows_W)
         _, starts, row_of_pos = self._msg.blocks(send_W, header_rows, source.num_rows_max)
         tokens = self._memo(source, ("tokens at", header_rows), lambda: self._tokens_at(source, row_of_pos))
         message = self._pack(payload, source, tokens)
-        self._msg.put_headers(message, words, starts, header_rows)
+        self._put_headers(message, agreement.WITH_HANDLE, fields, handle, starts, header_rows)
         recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
                                                  [header_rows + c for c in recv_W], header_rows, "dispatch")
         self._check(self._msg.read_headers(recv, starts, _HW), agreement.WITH_HANDLE, fields)
@@ -256,7 +267,7 @@ class ReferenceBackend(Backend):
         dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
         if handle.num_out_tokens is not None:
             self._exchange.run_deferred_checks()
-        width = 0 if rows_RH is None else rows_RH.shape[1] * torch.empty((), dtype=wire).element_size()
+        width = 0 if rows_RH is None else rows_RH.shape[1] * wire.itemsize
         B = width + (4 * L if values_R is not None else 0)
         header_rows = -(-_HW * 8 // B)
         positions, starts, _ = self._msg.blocks(list(dest.block_rows_W), header_rows, dest.num_recv_rows)
@@ -285,7 +296,7 @@ class ReferenceBackend(Backend):
             call, fields = agreement.COMBINE, {"expert_out dtype": rows_RH.dtype, "wire dtype": wire,
                                                "hidden": rows_RH.shape[1],
                                                "routing-weight gradients sent back": values_R is not None}
-        self._msg.put_headers(message, self._message(call, fields, handle), starts, header_rows)
+        self._put_headers(message, call, fields, handle, starts, header_rows)
         send_W, recv_W = list(dest.block_rows_W), list(source.block_rows_W)
         recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
                                                  [header_rows + c for c in recv_W], header_rows, agreement.PHASES[call])

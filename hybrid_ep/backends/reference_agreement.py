@@ -58,6 +58,8 @@ def check(call: int, fields: dict, table: list[list[int]]) -> None:
     """Raise the same ValueError on every rank when the ranks' headers (table: one row per rank)
     differ: the call first (in another call the other slots mean something else), then
     ranks_per_node, the handle and the row format fields."""
+    if all(row == table[0] for row in table):  # the usual case: nothing differs, nothing to name
+        return
 
     def differ(what: str, shown: list, rule: str, prefix: str = f"hybrid_ep {PHASES[call]}") -> None:
         if len(set(shown)) > 1:

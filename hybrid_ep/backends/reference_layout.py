@@ -36,11 +36,9 @@ class SendLayout:
     node_counts_N: torch.Tensor  # int64 tokens that reach each node (one RDMA row per node)
     expert_counts_E: torch.Tensor  # int64 routes to each expert
     slot_row_TK: torch.Tensor  # int64 send row of each routing slot, num_rows_max where not routed
-    slot_rank_TK: torch.Tensor  # int64 destination rank of each slot, W where not routed
     slot_local_TK: torch.Tensor  # int64 local expert of each slot at its destination (0 where not routed)
     slot_weight_TK: torch.Tensor  # float32 routing weight of each slot, 0 where not routed
     token_of_row: torch.Tensor  # [num_rows_max + 1] int64 token of each send row, T where none
-    node_of_row: torch.Tensor  # [num_rows_max + 1] int64 destination node of each send row
     block_rows_W: tuple[int, ...] = ()  # rows of each rank's block on the host, once known
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # indices derived per call kind
 
@@ -77,11 +75,9 @@ def send_layout(routing: Routing, config: BufferConfig, rows_per_rank: int | Non
     token_of_row = torch.full((num_rows_max + 1,), T, dtype=torch.int64, device=device)
     token_of_row.scatter_(0, flat, torch.arange(T, device=device)[:, None].expand(T, W).reshape(-1))
     token_of_row[num_rows_max] = T  # the dummy row took the last of the tokens sent nowhere
-    node_of_row = torch.zeros(num_rows_max + 1, dtype=torch.int64, device=device)
-    node_of_row.scatter_(0, flat, (torch.arange(W, device=device) // G)[None, :].expand(T, W).reshape(-1))
     return SendLayout(
-        rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], slot_row, rank_TK,
-        torch.where(valid, idx % L, 0), routing.topk_weights_TK.detach().float(), token_of_row, node_of_row,
+        rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], slot_row,
+        torch.where(valid, idx % L, 0), routing.topk_weights_TK.detach().float(), token_of_row,
     )
 
 
@@ -116,6 +112,12 @@ def padded_rows(counts_L: torch.Tensor, pad_multiple: int, min_rows_per_expert: 
     return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
 
 
+def padded_row_count(count: int, pad_multiple: int, min_rows_per_expert: int) -> int:
+    """padded_rows of one expert's count, on the host."""
+    rows = max(count, min_rows_per_expert)
+    return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
+
+
 @dataclasses.dataclass(frozen=True)
 class ReceiveLayout:
     """Where each received row lands in the expert-major output of this rank. Field names
@@ -138,11 +140,11 @@ def receive_layout(mask_VL: torch.Tensor, num_rows: int, pad_multiple: int, min_
     rank, then token), then zero padding; entries past R are dropped and counted."""
     V, L = mask_VL.shape
     device = mask_VL.device
-    mask = mask_VL.bool()
+    mask = mask_VL if mask_VL.dtype == torch.bool else mask_VL.bool()
     block_L = padded_rows(mask.sum(dim=0, dtype=torch.int64), pad_multiple, min_rows_per_expert)
     ends_L = block_L.cumsum(0)
     starts_L = ends_L - block_L
-    pos_VL = starts_L + mask.to(torch.int64).cumsum(dim=0) - 1
+    pos_VL = starts_L + mask.cumsum(dim=0) - 1  # a bool cumsum counts in int64
     keep = mask & (pos_VL < num_rows)
     target = torch.where(keep, pos_VL, num_rows).reshape(-1)
     src_of_row = torch.full((num_rows + 1,), V, dtype=torch.int64, device=device)

@@ -98,17 +98,28 @@ class Messages:
         rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
         return self._remember(key, rows.reshape(-1))
 
-    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int):
-        """Write the header words (int64) into the first header_rows rows of every block."""
+    @staticmethod
+    def header_block(words: torch.Tensor, header_rows: int, row_bytes: int, copies: int) -> torch.Tensor:
+        """[copies * header_rows, row_bytes] uint8: the header words (int64), zero-padded to
+        header_rows rows, once per block."""
+        block = torch.nn.functional.pad(words.view(torch.uint8), (0, header_rows * row_bytes - words.numel() * 8))
+        return block.view(header_rows, row_bytes).repeat(copies, 1)
+
+    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int,
+                    block: torch.Tensor | None = None):
+        """Write the header words (int64) into the first header_rows rows of every block
+        (block: their header_block, where the caller kept it)."""
         if not header_rows:
             return
-        B = message_PB.shape[1]
-        block = torch.nn.functional.pad(words.view(torch.uint8), (0, header_rows * B - words.numel() * 8))
-        message_PB[self._header_rows(starts, header_rows)] = block.view(header_rows, B).repeat(len(starts), 1)
+        if block is None:
+            block = self.header_block(words, header_rows, message_PB.shape[1], len(starts))
+        message_PB[self._header_rows(starts, header_rows)] = block
 
     def read_headers(self, recv_PB: torch.Tensor, starts: list[int], num_words: int) -> torch.Tensor:
         """[W, num_words] int64: the first words of every peer's block."""
         B = recv_PB.shape[1]
         header_rows = -(-num_words * 8 // B)
+        if header_rows == 1:  # the usual case: the words' columns of each block's first row, gathered dense
+            return recv_PB[:, :num_words * 8].index_select(0, self._header_rows(starts, 1)).view(torch.int64)
         raw = recv_PB.index_select(0, self._header_rows(starts, header_rows))
         return from_byte_rows(raw.view(len(starts), header_rows * B)[:, :num_words * 8], torch.int64)

@@ -16,11 +16,15 @@ per expert, over the whole group; 0 = even) and the bytes the forward dispatches
 NVLink and RDMA. Those bytes are modelled (hybrid_ep.traffic): what the hierarchical scheme
 sends on each link for the step's routing, summed over layers and ranks, whichever
 dispatcher ran; on CPU every byte actually went through gloo. Every dispatcher named in
---dispatchers trains from the same weights on the same data. The run ends with one summary:
-the largest relative difference of the first two loss curves, and the modelled NVLink and
-RDMA bytes of the first run's forward dispatches under the hierarchical scheme against a
-flat all-to-all for the same routing. Results go to --out as moe_train.json, with the
-project's metadata block (hybrid_ep.metadata).
+--dispatchers trains its own model, from the same weights on the same data, in the same
+processes and in alternation: step 1 of each, then step 2 of each, the order rotating every
+step (A B, B A, ...), so that each step of one is timed beside the same step of the other,
+under the same load of the machine, and neither always goes first. The run ends with one
+summary: the largest relative difference of the first two loss curves, their tokens/s
+(medians over steps 3 to the last, their ratio, and the median of the per-step ratios), and
+the modelled NVLink and RDMA bytes of the first curve's forward dispatches under the
+hierarchical scheme against a flat all-to-all for the same routing. Results go to --out as
+moe_train.json, with the project's metadata block (hybrid_ep.metadata).
 
 Gradients: dense weights are averaged over the W data-parallel ranks; expert gradients
 already hold every rank's tokens (combine's backward brings them home), so they are divided
@@ -33,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -63,8 +68,15 @@ UNITS = {
     "flat_nvlink_bytes": "bytes, modelled: a flat all-to-all's NVLink bytes for the same routing",
     "flat_rdma_bytes": "bytes, modelled: a flat all-to-all's RDMA bytes for the same routing",
     "max_rel_loss_diff": "largest |a - b| / |b| over the steps of the first two loss curves",
-    "summary": "the first two curves' max_rel_loss_diff, and the first curve's modelled bytes summed over its steps",
+    "summary": "the first two curves' max_rel_loss_diff and speed, and the first curve's modelled bytes summed "
+               "over its steps",
+    "median_tokens_per_s": "tokens per second, all ranks together: median over steps speed_steps of the first two "
+                           "curves",
+    "tokens_per_s_ratio": "first curve's median tokens/s / second curve's (steps speed_steps)",
+    "tokens_per_s_step_ratio": "median over steps speed_steps of the first curve's tokens/s / the second's at the "
+                               "same step (the two steps ran one after the other)",
 }
+SPEED_FROM_STEP = 3  # the first two steps warm up (buffers, allocator, autograd graphs)
 BYTE_FIELDS = ("nvlink_bytes", "rdma_bytes", "flat_nvlink_bytes", "flat_rdma_bytes")
 
 
@@ -112,66 +124,91 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def train_rank(dispatcher: str, steps: int, micro_batch: int, seq: int, lr: float,
-               ranks_per_node: int, seed: int) -> list[dict]:
-    """Runs on every rank of the pool; returns rank 0's per-step records (others: [])."""
+def train_rank(dispatchers: list[str], steps: int, micro_batch: int, seq: int, lr: float,
+               ranks_per_node: int, seed: int) -> dict[str, list[dict]]:
+    """Runs on every rank of the pool: one model per dispatcher, from the same weights, trained
+    step by step in turn on the same data, so that each step of one is timed beside the same step
+    of the others, under the same load of the machine. The order rotates every step (for two
+    dispatchers: A B, then B A), so that neither always runs first. Returns rank 0's per-step
+    records of each dispatcher (others: {})."""
     quiet_libraries()
     world = dist.get_world_size()
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    init_megatron(world, seed)
-    model = build_model(dispatcher, world, seq, ranks_per_node, seed, device)
-    layers = moe_layers(model)
-    routed = [None] * len(layers)  # each layer's routing_map [T, E] of the step
     traffic_config = BufferConfig(HIDDEN, micro_batch * seq, EXPERTS, world, ranks_per_node).validate()
+    runs = {}
+    for name in dispatchers:
+        init_megatron(world, seed)  # the same seeds for every model: the same weights
+        model = build_model(name, world, seq, ranks_per_node, seed, device)
+        routed = keep_routing(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        runs[name] = (model, routed, opt)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    position_ids = torch.arange(seq, device=device)[None].expand(micro_batch, -1)
+    records = {name: [] for name in dispatchers}
+    for step in range(steps):
+        turn = step % len(dispatchers)
+        for name in dispatchers[turn:] + dispatchers[:turn]:
+            rec = train_step(*runs[name], step, rank, world, micro_batch, seq, seed, mask, position_ids,
+                             traffic_config, device)
+            if rec is not None:
+                records[name].append(rec)
+    return records if rank == 0 else {}
 
-    def keep_routing(i):
+
+def keep_routing(model) -> list:
+    """[routing_map [T, E] of each MoE layer], refilled by every forward of the model."""
+    layers = moe_layers(model)
+    routed = [None] * len(layers)
+
+    def hook_for(i):
         def hook(module, args, output):
             routed[i] = output[1].detach()
         return hook
 
     for i, layer in enumerate(layers):
-        layer.router.register_forward_hook(keep_routing(i))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    position_ids = torch.arange(seq, device=device)[None].expand(micro_batch, -1)
-    records = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        batch = counting_batch(step, rank, micro_batch, seq, VOCAB, seed).to(device)
-        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        opt.zero_grad(set_to_none=True)
-        per_token = model(tokens, position_ids, mask, labels=labels)
-        loss = per_token.float().mean()
-        loss.backward()
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if getattr(p, "allreduce", True):
-                dist.all_reduce(p.grad)
-            p.grad.div_(world)
-        opt.step()
-        # on the group's device (NCCL carries no host tensors), read on the host after
-        stats = torch.tensor([loss.item()], dtype=torch.float64, device=device)
-        load = torch.stack([m.sum(dim=0).to(torch.float64) for m in routed])
-        counts = torch.stack([routing_counts(m, traffic_config) for m in routed])
-        gathered = [torch.empty_like(counts) for _ in range(world)]
-        dist.all_reduce(stats)
-        dist.all_reduce(load)
-        dist.all_gather(gathered, counts)
-        load = load.cpu()
-        elapsed = time.perf_counter() - t0
-        if rank == 0:
-            mean = load.mean(dim=1)
-            records.append({
-                "step": step + 1,
-                "loss": stats[0].item() / world,
-                "tokens_per_s": world * micro_batch * seq / elapsed,
-                "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
-                **modelled_dispatch_bytes(torch.stack(gathered).cpu(), traffic_config,
-                                          dispatch_row_bytes(HIDDEN, torch.float32)),
-            })
-    return records
+        layer.router.register_forward_hook(hook_for(i))
+    return routed
+
+
+def train_step(model, routed, opt, step, rank, world, micro_batch, seq, seed, mask, position_ids,
+               traffic_config, device) -> dict:
+    """One training step of one model; its record on rank 0 (the numbers it prints), None elsewhere."""
+    t0 = time.perf_counter()
+    batch = counting_batch(step, rank, micro_batch, seq, VOCAB, seed).to(device)
+    tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    opt.zero_grad(set_to_none=True)
+    per_token = model(tokens, position_ids, mask, labels=labels)
+    loss = per_token.float().mean()
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad)
+        p.grad.div_(world)
+    opt.step()
+    # on the group's device (NCCL carries no host tensors), read on the host after
+    stats = torch.tensor([loss.item()], dtype=torch.float64, device=device)
+    load = torch.stack([m.sum(dim=0).to(torch.float64) for m in routed])
+    counts = torch.stack([routing_counts(m, traffic_config) for m in routed])
+    gathered = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_reduce(stats)
+    dist.all_reduce(load)
+    dist.all_gather(gathered, counts)
+    load = load.cpu()
+    elapsed = time.perf_counter() - t0
+    if rank != 0:
+        return None
+    mean = load.mean(dim=1)
+    return {
+        "step": step + 1,
+        "loss": stats[0].item() / world,
+        "tokens_per_s": world * micro_batch * seq / elapsed,
+        "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
+        **modelled_dispatch_bytes(torch.stack(gathered).cpu(), traffic_config,
+                                  dispatch_row_bytes(HIDDEN, torch.float32)),
+    }
 
 
 def routing_counts(routing_map_TE: torch.Tensor, config: BufferConfig) -> torch.Tensor:
@@ -226,14 +263,28 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / scale:.1f} {unit}"
 
 
+def speed(a: list[dict], b: list[dict]) -> dict:
+    """tokens/s of two curves trained in alternation, over steps SPEED_FROM_STEP.. (all steps when
+    there are fewer): each curve's median, the ratio of the medians (a / b) and the median of the
+    per-step ratios (each step of a against the same step of b, timed beside it)."""
+    first = SPEED_FROM_STEP if len(a) >= SPEED_FROM_STEP else 1
+    ta, tb = ([r["tokens_per_s"] for r in c if r["step"] >= first] for c in (a, b))
+    return {"speed_steps": [first, len(a)],
+            "median_tokens_per_s": [statistics.median(ta), statistics.median(tb)],
+            "tokens_per_s_ratio": statistics.median(ta) / statistics.median(tb),
+            "tokens_per_s_step_ratio": statistics.median(x / y for x, y in zip(ta, tb))}
+
+
 def summary(results: dict) -> dict:
-    """The run's point in numbers: do the first two curves agree, and what the hierarchy saves,
-    modelled, for the first run's routing (every byte of it, summed over steps)."""
+    """The run's point in numbers: do the first two curves agree, how fast the first trains
+    against the second, and what the hierarchy saves, modelled, for the first run's routing
+    (every byte of it, summed over steps)."""
     names = list(results["curves"])
     first = results["curves"][names[0]]
     out = {"curve": names[0], "steps": len(first), **{f: sum(r[f] for r in first) for f in BYTE_FIELDS}}
     if len(names) >= 2:
-        out.update(compared=names[:2], max_rel_loss_diff=results["max_rel_loss_diff"])
+        out.update(compared=names[:2], max_rel_loss_diff=results["max_rel_loss_diff"],
+                   **speed(first, results["curves"][names[1]]))
     return out
 
 
@@ -254,6 +305,13 @@ def summary_lines(s: dict) -> list[str]:
         saved = 1 - s["rdma_bytes"] / s["flat_rdma_bytes"]
         lines.append(f"    the hierarchy sends {saved:.0%} fewer RDMA bytes; its NVLink forwarding adds "
                      f"{_size(max(s['nvlink_bytes'] - s['flat_nvlink_bytes'], 0))}")
+    if "compared" in s:
+        a, b = s["compared"]
+        ma, mb = s["median_tokens_per_s"]
+        lo, hi = s["speed_steps"]
+        lines.append(f"  tokens/s, median over steps {lo}-{hi} (trained in alternation, step by step): "
+                     f"{a} {ma:.0f}, {b} {mb:.0f}; {a} / {b}: ratio of medians "
+                     f"{s['tokens_per_s_ratio']:.3f}, median of per-step ratios {s['tokens_per_s_step_ratio']:.3f}")
     return lines
 
 
@@ -267,6 +325,8 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     from hybrid_ep.metadata import metadata
     from hybrid_ep.spawn import ProcessGroupPool
 
+    if len(set(dispatchers)) != len(dispatchers):
+        raise ValueError(f"dispatchers must differ (each trains its own model), got {list(dispatchers)}")
     backend = "gloo"
     if torch.cuda.is_available():
         backend = "nccl"
@@ -292,12 +352,12 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
                                        backends=[hep_backend] if hep_backend else [])
         echo(where_line(backend, pool.world_size, results["metadata"]["device"], hep_backend))
         echo(LEGEND)
+        args = (list(dispatchers), steps, micro_batch, seq, lr, ranks_per_node, seed)
+        curves = pool.run(train_rank, [args] * pool.world_size, timeout_s=1800 * len(dispatchers))[0]
         for name in dispatchers:
-            args = (name, steps, micro_batch, seq, lr, ranks_per_node, seed)
-            records = pool.run(train_rank, [args] * pool.world_size, timeout_s=1800)[0]
-            for rec in records:
+            for rec in curves[name]:
                 echo(format_record(name, rec))
-            results["curves"][name] = records
+            results["curves"][name] = curves[name]
     finally:
         if own_pool:
             pool.close()
@@ -326,6 +386,8 @@ def main(argv=None) -> int:
     problem = output_problem(a.out, folder=True)
     if problem:
         parser.error(f"--out: {problem}")
+    if len(set(a.dispatchers)) != len(a.dispatchers):
+        parser.error(f"--dispatchers must differ (each trains its own model), got {' '.join(a.dispatchers)}")
     if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
         parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
     print(f"tiny MoE GPT (Megatron-Core): {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
