@@ -42,8 +42,7 @@ constexpr int kPassGain = 4;
 
 class Exchange {
  public:
-  Exchange(const Packing& pk, double allowed, int fewer_than)
-      : pk_(pk), allowed_(allowed), fewer_than_(fewer_than) {}
+  Exchange(const Packing& pk, double allowed, int fewer_than) : pk_(pk), allowed_(allowed), fewer_than_(fewer_than) {}
 
   bool run(Slots& out) {
     if (!build()) return false;
@@ -329,7 +328,10 @@ class Exchange {
               const Span* far = nullptr;
               for (const Span& x : by_reach_[0]) {
                 if (x.hi <= k) break;
-                if (x.lo <= k && !used[x.group]) { far = &x; break; }
+                if (x.lo <= k && !used[x.group]) {
+                  far = &x;
+                  break;
+                }
               }
               if (!far) ok = false;
               else set.push_back(far), used[far->group] = 1, k = far->hi;
@@ -544,20 +546,20 @@ class Exchange {
 
   const Packing& pk_;
   const double allowed_;
-  const int fewer_than_;  // changed slots the exchange must stay under
-  int n_ = 0;             // segments between the levels
-  int room_count_ = 0;    // ranks with room
-  int miss_ = 0;          // cost of one uncovered unit of demand: more than every rank with room
-  std::vector<Span> over_opt_;  // the over-loaded ranks' slots that may be released, by rank
-  std::vector<int> over_at_;    // [over-loaded ranks + 1] where each rank's slots start
-  std::vector<Span> by_reach_[2];  // the rooms' intervals reaching furthest first, per sweep
-  std::vector<int> of_rank_[2];   // by_reach_ indices grouped by rank, per sweep (build)
-  std::vector<int> of_rank_at_;   // [ranks with room + 1] where each rank's start
+  const int fewer_than_;                     // changed slots the exchange must stay under
+  int n_ = 0;                                // segments between the levels
+  int room_count_ = 0;                       // ranks with room
+  int miss_ = 0;                             // cost of one uncovered unit of demand: more than every rank with room
+  std::vector<Span> over_opt_;               // the over-loaded ranks' slots that may be released, by rank
+  std::vector<int> over_at_;                 // [over-loaded ranks + 1] where each rank's slots start
+  std::vector<Span> by_reach_[2];            // the rooms' intervals reaching furthest first, per sweep
+  std::vector<int> of_rank_[2];              // by_reach_ indices grouped by rank, per sweep (build)
+  std::vector<int> of_rank_at_;              // [ranks with room + 1] where each rank's start
   std::vector<std::pair<int, int>> merged_;  // merge_reach: each rank with room's intervals merged
   std::vector<int> merged_at_;
   std::vector<int> margin_, short_by_, tight_;  // sparing_cover's per-segment counts
-  std::vector<int> by_start_[2];  // greedy: by_reach_ indices by interval start, per sweep
-  std::vector<uint64_t> open_;    // greedy: the intervals it may take, one bit each
+  std::vector<int> by_start_[2];                // greedy: by_reach_ indices by interval start, per sweep
+  std::vector<uint64_t> open_;                  // greedy: the intervals it may take, one bit each
   std::vector<int> events_;
   std::vector<std::pair<int, int>> short_;  // first_fit: per slot, the segments a new interval must span
   std::vector<int> ends_;

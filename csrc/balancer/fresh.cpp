@@ -21,8 +21,8 @@ namespace {
 Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<double>& weight, int W,
                         double* peak = nullptr) {
   const int S = static_cast<int>(experts.size()), P = S / W;
-  std::vector<double> load(weight);           // [tuple][part]: tuple t starts as round t
-  std::vector<int> part(S), owner(P);          // part of each slot in its tuple; tuple holding each round
+  std::vector<double> load(weight);    // [tuple][part]: tuple t starts as round t
+  std::vector<int> part(S), owner(P);  // part of each slot in its tuple; tuple holding each round
   for (int k = 0; k < S; ++k) part[k] = k % W;
   std::iota(owner.begin(), owner.end(), 0);
   std::vector<bool> alive(P, true);
@@ -40,8 +40,10 @@ Slots pack_differencing(const std::vector<int64_t>& experts, const std::vector<d
     int a = -1, b = -1;  // largest two spreads, ties by index
     for (int t = 0; t < P; ++t) {
       if (!alive[t]) continue;
-      if (a < 0 || spread[t] > spread[a]) { b = a; a = t; }
-      else if (b < 0 || spread[t] > spread[b]) b = t;
+      if (a < 0 || spread[t] > spread[a]) {
+        b = a;
+        a = t;
+      } else if (b < 0 || spread[t] > spread[b]) b = t;
     }
     double* la = load.data() + a * W;
     const double* lb = load.data() + b * W;
@@ -88,7 +90,9 @@ Copies split_heaviest(const double* load, const std::vector<int>& by_load, int S
   for (int k = 0; k < j; ++k) heaviest = std::max(heaviest, top[k] / top_reps[k]);
   if (heaviest >= below) return {};
   using Copy = std::pair<double, int64_t>;  // (weight, expert)
-  auto heavier = [](const Copy& a, const Copy& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  auto heavier = [](const Copy& a, const Copy& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   std::vector<Copy> all;
   all.reserve(S);
   for (int k = 0; k < j; ++k)

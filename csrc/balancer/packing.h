@@ -31,8 +31,8 @@ SlotsByExpert slots_by_expert(const Slots& plan, int E);
 class Packing {
  public:
   Packing(const double* load, int E, int W, Slots slots)
-      : load_(load), E_(E), W_(W), P_(static_cast<int>(slots.size()) / W), slots_(std::move(slots)),
-        copies_(E, 0), cw_(E), gw_(E), w_(slots_.size()), rank_(W, 0.0) {
+      : load_(load), E_(E), W_(W), P_(static_cast<int>(slots.size()) / W), slots_(std::move(slots)), copies_(E, 0),
+        cw_(E), gw_(E), w_(slots_.size()), rank_(W, 0.0) {
     for (int64_t e : slots_) copies_[e] += 1;
     for (int64_t e = 0; e < E_; ++e) reweigh(e);
     for (int r = 0; r < W_; ++r) refresh(r);
@@ -75,7 +75,8 @@ class Packing {
   int count_on(int r, int64_t e) const {
     if (held_.empty()) {  // built on first use: plans only compared by their peak never need it
       held_.assign(static_cast<size_t>(W_) * E_, 0);
-      for (int s = 0; s < static_cast<int>(slots_.size()); ++s) held_[static_cast<size_t>(s / P_) * E_ + slots_[s]] += 1;
+      for (int s = 0; s < static_cast<int>(slots_.size()); ++s)
+        held_[static_cast<size_t>(s / P_) * E_ + slots_[s]] += 1;
     }
     return held_[static_cast<size_t>(r) * E_ + e];
   }
@@ -141,7 +142,7 @@ class Packing {
   int E_, W_, P_;
   Slots slots_;
   std::vector<int> copies_;
-  std::vector<double> cw_, gw_;  // [E] weight of a copy now, and after the expert gains one
+  std::vector<double> cw_, gw_;         // [E] weight of a copy now, and after the expert gains one
   mutable std::vector<uint16_t> held_;  // [W][E] copies of each expert on each rank
   std::vector<std::vector<int>> slots_of_;
   std::vector<double> w_;  // [S] weight of each slot's copy

@@ -58,8 +58,7 @@ void keep_previous(const double* load, int L, int E, int W, int S, const int64_t
 // staying within allowed_peak: swaps with a copy of previous's expert on another rank, or a
 // slot alone where its expert keeps another copy; the most slots turned back first. Never
 // changes more slots than start does.
-Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start,
-                   double allowed_peak);
+Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start, double allowed_peak);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

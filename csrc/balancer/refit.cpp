@@ -393,7 +393,8 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
       if (r == m) continue;
       for (int s = r * P; s < (r + 1) * P; ++s) {
         const double rest = pk.rank_load(r) - pk.slot_weight(s);
-        if (rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2) spare.push_back({s, r, pk.expert(s), rest});
+        if (rest + lightest_gain < rep_peak && pk.copies(pk.expert(s)) >= 2)
+          spare.push_back({s, r, pk.expert(s), rest});
       }
     }
     for (int64_t y : gainers) {  // largest drop first: later ones are often cut by the bounds
@@ -418,8 +419,7 @@ bool refit_search(Packing& pk, const Slots& previous, double allowed_peak, int m
       apply_chain(pk, ch);
       for (int s : ch.slots) moved += differs(s);
       continue;
-    }
-    else if (sw.s >= 0 && sw.pair <= allowed_peak) kind = 1;
+    } else if (sw.s >= 0 && sw.pair <= allowed_peak) kind = 1;
     else if (rs >= 0 || sw.s >= 0) kind = rs >= 0 && (sw.s < 0 || lm - rep_peak >= (lm - sw.pair) / 2) ? 2 : 1;
     const int bs = kind == 1 ? sw.s : rs, bt = sw.t;
     const int64_t by = ry;
@@ -489,8 +489,7 @@ void walk_back(Packing& pk, const Slots& previous, double allowed) {
 
 }  // namespace
 
-Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start,
-                   double allowed_peak) {
+Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start, double allowed_peak) {
   Packing pk(load, E, W, start);
   walk_back(pk, previous, allowed_peak);
   return pk.slots();
@@ -515,8 +514,8 @@ struct Refit {
 
 // The search from previous, then (where it gets stuck or costly) from fresh's copy counts
 // and the restarts.
-Refit refit_layer(const double* load, int E, int W, const Slots& previous, const Slots& fresh,
-                  double allowed_peak, int max_moves) {
+Refit refit_layer(const double* load, int E, int W, const Slots& previous, const Slots& fresh, double allowed_peak,
+                  int max_moves) {
   const int S = static_cast<int>(previous.size());
   Packing pk(load, E, W, previous);
   Refit r{{}, S + 1, refit_search(pk, previous, allowed_peak, max_moves)};

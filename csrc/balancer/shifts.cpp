@@ -29,7 +29,7 @@ std::vector<Shift> count_shifts(const Packing& pk, double allowed, size_t most) 
   // per pair, each touched rank's new load: copies of a lighten, copies of b weigh more, and
   // slot `to` turns from b to a
   std::vector<int> na(W, 0), nb(W, 0);  // copies of a and of b per rank (zero outside a pair)
-  std::vector<int> rated_in(W, 0);       // the last pair that rated each rank
+  std::vector<int> rated_in(W, 0);      // the last pair that rated each rank
   int pair = 0;
   auto add = [&](int64_t e, std::vector<int>& n, int d) {
     for (int j = at[e]; j < at[e + 1]; ++j) n[rank_of[j]] += d;

@@ -280,10 +280,9 @@ inline void bind_common(py::module_& m) {
                           RW(RdmaLayout, total);
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
-          RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens)
-              RW(InfoLayout, recv_offset) RW(InfoLayout, send_count)
-              RW(InfoLayout, needed) RW(InfoLayout, dropped) RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix)
-                  RW(InfoLayout, node_counts) RW(InfoLayout, total);
+          RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens) RW(InfoLayout, recv_offset)
+              RW(InfoLayout, send_count) RW(InfoLayout, needed) RW(InfoLayout, dropped) RW(InfoLayout, num_recv)
+                  RW(InfoLayout, count_matrix) RW(InfoLayout, node_counts) RW(InfoLayout, total);
   py::class_<Geometry>(m, "Geometry", py::module_local())
       .def(py::init<>()) RW(Geometry, world_size) RW(Geometry, ranks_per_node) RW(Geometry, num_nodes)
           RW(Geometry, num_experts) RW(Geometry, local_experts) RW(Geometry, max_tokens) RW(Geometry, hidden)
@@ -304,8 +303,9 @@ inline void bind_common(py::module_& m) {
               RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages)
                   RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups)
                       RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
-                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
-                      RW(LaunchArgs, error)
+                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages)
+                              RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                                  RW(LaunchArgs, error)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
@@ -340,10 +340,12 @@ inline void bind_common(py::module_& m) {
   m.def("launches_enabled", [] { return launches_enabled(); });
 #undef RW
 
-  m.def("launch_layout", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, stream), "layout"); });
+  m.def("launch_layout",
+        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, stream), "layout"); });
   m.def("launch_dispatch",
         [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_dispatch(a, stream), "dispatch"); });
-  m.def("launch_combine", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
+  m.def("launch_combine",
+        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
   m.def("launch_dispatch_direct", [](const LaunchArgs& a, uint64_t stream) {
     check_launch(launch_dispatch_direct(a, stream), "dispatch_direct");
   });

@@ -55,8 +55,9 @@ PYBIND11_MODULE(_C, m) {
   bindings::bind_common(m);
   m.attr("IS_MODEL") = false;
   m.def("device_properties", &device_properties);
-  m.def("note_launch_tensors", [](const std::vector<std::pair<uint64_t, uint64_t>>&) {},
-        "no-op on the GPU (the CPU model checks bulk copies against these; compute-sanitizer does it here)");
+  m.def(
+      "note_launch_tensors", [](const std::vector<std::pair<uint64_t, uint64_t>>&) {},
+      "no-op on the GPU (the CPU model checks bulk copies against these; compute-sanitizer does it here)");
 
   py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
       .def(py::init<>())
@@ -70,11 +71,13 @@ PYBIND11_MODULE(_C, m) {
     Allocation a = allocate_registered(bytes, static_cast<HandleKind>(kind), device);
     return py::make_tuple(a.ptr, a.bytes, py::bytes(a.handle));
   });
-  m.def("free_registered", [](uint64_t ptr, size_t bytes, int kind) { free_registered(ptr, bytes, static_cast<HandleKind>(kind)); });
+  m.def("free_registered",
+        [](uint64_t ptr, size_t bytes, int kind) { free_registered(ptr, bytes, static_cast<HandleKind>(kind)); });
   m.def("open_peer", [](py::bytes handle, size_t bytes, int kind, int device) {
     return open_peer(std::string(handle), bytes, static_cast<HandleKind>(kind), device);
   });
-  m.def("close_peer", [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
+  m.def("close_peer",
+        [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
 
   // The inter-node transport: built only where setup.py found NVSHMEM.
 #ifdef HYBRID_EP_WITH_NVSHMEM

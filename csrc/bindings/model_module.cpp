@@ -108,9 +108,8 @@ PYBIND11_MODULE(_model, m) {
   m.doc() = "hybrid-ep kernels on the CPU model of the device layer";
   bindings::bind_common(m);
   m.attr("IS_MODEL") = true;
-  m.def("device_properties", [](int) {
-    return py::make_tuple(model::kDeviceSms, static_cast<int64_t>(model::kSmemPerBlockOptin));
-  });
+  m.def("device_properties",
+        [](int) { return py::make_tuple(model::kDeviceSms, static_cast<int64_t>(model::kSmemPerBlockOptin)); });
 
   py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
       .def(py::init<>())
@@ -126,39 +125,51 @@ PYBIND11_MODULE(_model, m) {
         "the registered buffers is an error");
   m.def("set_seed", &model::set_seed, "seed of the schedule and of the bulk-copy delays (reproducible runs)");
   m.def("seed", &model::seed);
-  m.def("round_to_16bit", [](const std::vector<float>& values, const std::string& kind) {
-    std::vector<uint16_t> out;
-    for (float v : values) {
-      if (kind == "bfloat16") out.push_back(model::float_to_bf16_rn(v));
-      else if (kind == "float16") out.push_back(model::float_to_half_rn(v));
-      else throw std::invalid_argument("kind must be bfloat16 or float16");
-    }
-    return out;
-  }, "the model's float -> 16-bit conversion (round to nearest even), as bit patterns");
+  m.def(
+      "round_to_16bit",
+      [](const std::vector<float>& values, const std::string& kind) {
+        std::vector<uint16_t> out;
+        for (float v : values) {
+          if (kind == "bfloat16") out.push_back(model::float_to_bf16_rn(v));
+          else if (kind == "float16") out.push_back(model::float_to_half_rn(v));
+          else throw std::invalid_argument("kind must be bfloat16 or float16");
+        }
+        return out;
+      },
+      "the model's float -> 16-bit conversion (round to nearest even), as bit patterns");
   m.def("inject_abort", &model::inject_abort, py::arg("flag"), py::arg("round"), py::arg("kernel"),
         "in the next launch of `kernel` (layout, dispatch, combine), raise the int abort flag at `flag` when "
         "scheduling round `round` begins");
   m.def("selftest_names", &model::selftest_names);
-  m.def("run_selftest", [](const std::string& name) {
-    model::SelftestResult r = model::run_selftest(name);
-    return py::make_tuple(r.error.empty() ? py::none() : py::object(py::str(r.error)), r.out);
-  }, "run one self-test kernel of the model: (the model's error or None, what the kernel wrote)");
+  m.def(
+      "run_selftest",
+      [](const std::string& name) {
+        model::SelftestResult r = model::run_selftest(name);
+        return py::make_tuple(r.error.empty() ? py::none() : py::object(py::str(r.error)), r.out);
+      },
+      "run one self-test kernel of the model: (the model's error or None, what the kernel wrote)");
   m.def("set_timing", &set_timing, py::arg("costs"),
         "timing on for the next launches with these constants ({name: value}, every one of timing_costs()), or "
         "with several such tables at once (a list: one report per launch and table), or off with None: the "
         "schedule, the checks and the results are the same either way");
   m.def("timing_costs", &model::timing::cost_fields, "(name, meaning) of every timing constant");
-  m.def("timing_reports", [] {
-    py::list out;
-    for (const auto& r : model::timing::take_reports()) out.append(report_dict(r));
-    return out;
-  }, "the timing report of every launch since the last call (kernel, time_ns, roles, critical_path, ...)");
+  m.def(
+      "timing_reports",
+      [] {
+        py::list out;
+        for (const auto& r : model::timing::take_reports()) out.append(report_dict(r));
+        return out;
+      },
+      "the timing report of every launch since the last call (kernel, time_ns, roles, critical_path, ...)");
   m.def("timing_selftest_names", &model::timing_selftest_names);
-  m.def("run_timing_selftest", [](const std::string& name, int blocks, int n, uint32_t bytes) {
-    const std::string error = model::run_timing_selftest(name, blocks, n, bytes);
-    return error.empty() ? py::none() : py::object(py::str(error));
-  }, py::arg("name"), py::arg("blocks"), py::arg("n"), py::arg("bytes"),
-     "run a kernel whose time the timing model must predict exactly (the model's error or None)");
+  m.def(
+      "run_timing_selftest",
+      [](const std::string& name, int blocks, int n, uint32_t bytes) {
+        const std::string error = model::run_timing_selftest(name, blocks, n, bytes);
+        return error.empty() ? py::none() : py::object(py::str(error));
+      },
+      py::arg("name"), py::arg("blocks"), py::arg("n"), py::arg("bytes"),
+      "run a kernel whose time the timing model must predict exactly (the model's error or None)");
   m.def("stats", [] {
     const model::Stats s = model::stats();
     py::dict d;

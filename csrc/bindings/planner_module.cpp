@@ -101,44 +101,59 @@ Plan walk_back(const Load& load, const Plan& previous, const Plan& start, const 
 
 PYBIND11_MODULE(_planner, m) {
   m.doc() = "Expert placement planner over the layers of a [L, E] load (hybrid_ep.balancer.planner).";
-  m.def("plan_fresh", [](const Load& load, int S, int N, int W, bool onto_nodes) {
-    check_sizes(load, S, N, W);
-    return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W, onto_nodes); });
-  }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"), py::arg("onto_nodes") = true);
-  m.def("group_nodes", [](const Plan& plan, int E, int N, int W) {
-    require(plan.ndim() == 2 && E >= 1, "plan must be [layers, num_slots] and num_experts >= 1");
-    const auto L = plan.shape(0), S = plan.shape(1);
-    require(W >= 1 && N >= 1 && W % N == 0 && S % W == 0,
-            "num_ranks must divide the slots and be a multiple of num_nodes");
-    check_ids(plan, E, "plan");
-    const int64_t* p = plan.data();
-    Plan out({L, S});
-    for (py::ssize_t l = 0; l < L; ++l) {
-      const hb::Slots grouped = hb::group_nodes(hb::Slots(p + l * S, p + (l + 1) * S), E, N, W);
-      std::memcpy(out.mutable_data() + l * S, grouped.data(), sizeof(int64_t) * S);
-    }
-    return out;
-  }, py::arg("plan"), py::arg("num_experts"), py::arg("num_nodes"), py::arg("num_ranks"),
-     "[L, S]: ranks reordered onto nodes so ranks sharing experts share a node (plan_fresh's last step)");
+  m.def(
+      "plan_fresh",
+      [](const Load& load, int S, int N, int W, bool onto_nodes) {
+        check_sizes(load, S, N, W);
+        return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W, onto_nodes); });
+      },
+      py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"), py::arg("onto_nodes") = true);
+  m.def(
+      "group_nodes",
+      [](const Plan& plan, int E, int N, int W) {
+        require(plan.ndim() == 2 && E >= 1, "plan must be [layers, num_slots] and num_experts >= 1");
+        const auto L = plan.shape(0), S = plan.shape(1);
+        require(W >= 1 && N >= 1 && W % N == 0 && S % W == 0,
+                "num_ranks must divide the slots and be a multiple of num_nodes");
+        check_ids(plan, E, "plan");
+        const int64_t* p = plan.data();
+        Plan out({L, S});
+        for (py::ssize_t l = 0; l < L; ++l) {
+          const hb::Slots grouped = hb::group_nodes(hb::Slots(p + l * S, p + (l + 1) * S), E, N, W);
+          std::memcpy(out.mutable_data() + l * S, grouped.data(), sizeof(int64_t) * S);
+        }
+        return out;
+      },
+      py::arg("plan"), py::arg("num_experts"), py::arg("num_nodes"), py::arg("num_ranks"),
+      "[L, S]: ranks reordered onto nodes so ranks sharing experts share a node (plan_fresh's last step)");
   m.def("walk_back", &walk_back, py::arg("load"), py::arg("previous"), py::arg("start"), py::arg("allowed_peak"),
         py::arg("num_ranks"), "[L, S]: start turned back toward previous while every rank stays within allowed_peak");
-  m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("fresh"), py::arg("allowed_peak"),
-        py::arg("num_ranks"), py::arg("max_moves"),
+  m.def("keep_previous", &keep_previous, py::arg("load"), py::arg("previous"), py::arg("fresh"),
+        py::arg("allowed_peak"), py::arg("num_ranks"), py::arg("max_moves"),
         "(slots [L, S], reached [L]): previous re-fitted with few changed slots until its peak is allowed");
-  m.def("lower_bound", [](const Load& load, int S, int W) {
-    check_sizes(load, S, 1, W);
-    const auto L = load.shape(0), E = load.shape(1);
-    py::array_t<double> out(L);
-    for (py::ssize_t l = 0; l < L; ++l)
-      out.mutable_data()[l] = hb::lower_bound(load.data() + l * E, static_cast<int>(E), S, W);
-    return out;
-  }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"), "[L] peak no placement goes below");
-  m.def("eplb", [](const Load& load, int S, int N, int W) {
-    check_sizes(load, S, N, W);
-    return per_layer(load, S, [&](const double* l, int E) { return hb::eplb(l, E, S, N, W); });
-  }, py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
-  m.def("greedy", [](const Load& load, int S, int W) {
-    check_sizes(load, S, 1, W);
-    return per_layer(load, S, [&](const double* l, int E) { return hb::greedy(l, E, S, W); });
-  }, py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"));
+  m.def(
+      "lower_bound",
+      [](const Load& load, int S, int W) {
+        check_sizes(load, S, 1, W);
+        const auto L = load.shape(0), E = load.shape(1);
+        py::array_t<double> out(L);
+        for (py::ssize_t l = 0; l < L; ++l)
+          out.mutable_data()[l] = hb::lower_bound(load.data() + l * E, static_cast<int>(E), S, W);
+        return out;
+      },
+      py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"), "[L] peak no placement goes below");
+  m.def(
+      "eplb",
+      [](const Load& load, int S, int N, int W) {
+        check_sizes(load, S, N, W);
+        return per_layer(load, S, [&](const double* l, int E) { return hb::eplb(l, E, S, N, W); });
+      },
+      py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"));
+  m.def(
+      "greedy",
+      [](const Load& load, int S, int W) {
+        check_sizes(load, S, 1, W);
+        return per_layer(load, S, [&](const double* l, int E) { return hb::greedy(l, E, S, W); });
+      },
+      py::arg("load"), py::arg("num_slots"), py::arg("num_ranks"));
 }

@@ -10,17 +10,17 @@
 
 namespace hybrid_ep {
 
-constexpr int kMaxRanks = 64;          // EP group size the kernels index with 64-bit masks
-constexpr int kMaxLaunchRanks = 16;    // virtual ranks one emulated launch can hold (4 nodes x 4)
-constexpr int kMaxTopK = 16;           // routes per token (register arrays in the layout kernel)
-constexpr int kMaxExperts = 1024;      // layout kernel keeps [32 warps][E] counters in smem
-constexpr int kThreads = 512;          // threads per dispatch / combine block
-constexpr int kChunkTokens = 32;       // tokens per chunk: the unit of signalling between ranks
-constexpr int kPrepareThreads = 1024;  // threads of the one layout block per rank
+constexpr int kMaxRanks = 64;             // EP group size the kernels index with 64-bit masks
+constexpr int kMaxLaunchRanks = 16;       // virtual ranks one emulated launch can hold (4 nodes x 4)
+constexpr int kMaxTopK = 16;              // routes per token (register arrays in the layout kernel)
+constexpr int kMaxExperts = 1024;         // layout kernel keeps [32 warps][E] counters in smem
+constexpr int kThreads = 512;             // threads per dispatch / combine block
+constexpr int kChunkTokens = 32;          // tokens per chunk: the unit of signalling between ranks
+constexpr int kPrepareThreads = 1024;     // threads of the one layout block per rank
 constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
-constexpr int kMaxStages = 16;         // slots of one pipeline's ring (mbarrier arrays are sized by it)
-constexpr int kMaxStoreGroups = 7;     // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
-constexpr int kPullPipelines = 2;      // pipelines of a combine-pull block, sharing its dynamic shared memory
+constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
+constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
+constexpr int kPullPipelines = 2;   // pipelines of a combine-pull block, sharing its dynamic shared memory
 
 // The codes below are the one definition of each: the bindings export them to Python by the
 // names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES; csrc/bindings/common.h),
@@ -97,22 +97,22 @@ static_assert(names_every_code(kPhaseNames, kNumPhases), "kPhaseNames must name 
 
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
 struct RegLayout {
-  uint64_t count_epoch;      // u64 [W]: epoch of the counts source s wrote
-  uint64_t chunk_signal;     // ChunkSignal [W][max_chunks]: chunk c of source s arrived
-  uint64_t max_chunks;       // ceil(max_tokens / kChunkTokens)
-  uint64_t combine_signal;   // u64 [W][max_chunks]: expert host d wrote the partials of chunk c (epoch)
-  uint64_t done_dispatch;    // u64: last dispatch epoch whose receive buffers were fully read
-  uint64_t done_combine;     // u64: last combine epoch whose partial buffers were fully read
-  uint64_t state;            // LocalState (only this rank touches it)
-  uint64_t count_in;         // i32 [W][count_row_ints]: counts written by source s
-  uint64_t count_row_ints;   // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
-                             // + 1 (the source's tokens)
-  uint64_t recv_meta;        // MetaEntry [W][max_tokens][meta_entries]
-  uint64_t meta_entries;     // entries per received row: min(L, kMaxTopK)
-  uint64_t recv_rows;        // rows [W][max_tokens], each the call's row bytes (packed: consecutive
-                             // slots of a source are contiguous); sized for fp32 rows
-  uint64_t row_stride;       // bytes per slot at the widest dtype (fp32): the region's size
-  uint64_t recv_scales;      // f32 [W][max_tokens][scale_stride / 4]
+  uint64_t count_epoch;     // u64 [W]: epoch of the counts source s wrote
+  uint64_t chunk_signal;    // ChunkSignal [W][max_chunks]: chunk c of source s arrived
+  uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
+  uint64_t combine_signal;  // u64 [W][max_chunks]: expert host d wrote the partials of chunk c (epoch)
+  uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
+  uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
+  uint64_t state;           // LocalState (only this rank touches it)
+  uint64_t count_in;        // i32 [W][count_row_ints]: counts written by source s
+  uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
+                            // + 1 (the source's tokens)
+  uint64_t recv_meta;       // MetaEntry [W][max_tokens][meta_entries]
+  uint64_t meta_entries;    // entries per received row: min(L, kMaxTopK)
+  uint64_t recv_rows;       // rows [W][max_tokens], each the call's row bytes (packed: consecutive
+                            // slots of a source are contiguous); sized for fp32 rows
+  uint64_t row_stride;      // bytes per slot at the widest dtype (fp32): the region's size
+  uint64_t recv_scales;     // f32 [W][max_tokens][scale_stride / 4]
   uint64_t scale_stride;
   uint64_t comb_rows;        // partial sums [W][max_tokens], each the call's row in the wire dtype (packed);
                              // sized for fp32 rows
@@ -147,22 +147,22 @@ struct PeerTensors {
 // "Slots" of a staged chunk c are c * kChunkTokens + q, q the token's ordinal among the
 // chunk's tokens that go to the node.
 struct RdmaLayout {
-  uint64_t count_epoch;      // u64 [W]: a source on another node wrote its counts (epoch)
-  uint64_t count_out;        // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
-  uint64_t count_in;         // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
-  uint64_t done_dispatch;    // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
-  uint64_t done_combine;     // u64 [N]: the rail peer on node n finished reading the node partials
-                             // this rank sent it (epoch)
-  uint64_t disp_signal;      // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
-  uint64_t token_meta_bytes; // bytes of one staged token's routing (TokenMeta + scales)
-  uint64_t chunk_meta_bytes; // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
-  uint64_t disp_meta_out;    // [N][max_chunks] chunk routing staged for node n's rail peer
-  uint64_t disp_meta_in;     // [N][max_chunks] chunk routing from the rail peer on node n
-  uint64_t disp_rows_out;    // [N][max_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
-  uint64_t disp_rows_in;     // [N][max_chunks * kChunkTokens] rows from the rail peer on node n
-  uint64_t comb_signal;      // u64 [N][max_chunks]: the node partials of chunk c from node n arrived (epoch)
-  uint64_t comb_rows_out;    // [N][max_chunks * kChunkTokens] node partials staged for the source on node n
-  uint64_t comb_rows_in;     // [N][max_chunks * kChunkTokens] node partials from node n (wire dtype, packed)
+  uint64_t count_epoch;       // u64 [W]: a source on another node wrote its counts (epoch)
+  uint64_t count_out;         // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
+  uint64_t count_in;          // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
+  uint64_t done_dispatch;     // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
+  uint64_t done_combine;      // u64 [N]: the rail peer on node n finished reading the node partials
+                              // this rank sent it (epoch)
+  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
+  uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
+  uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
+  uint64_t disp_meta_out;     // [N][max_chunks] chunk routing staged for node n's rail peer
+  uint64_t disp_meta_in;      // [N][max_chunks] chunk routing from the rail peer on node n
+  uint64_t disp_rows_out;     // [N][max_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
+  uint64_t disp_rows_in;      // [N][max_chunks * kChunkTokens] rows from the rail peer on node n
+  uint64_t comb_signal;       // u64 [N][max_chunks]: the node partials of chunk c from node n arrived (epoch)
+  uint64_t comb_rows_out;     // [N][max_chunks * kChunkTokens] node partials staged for the source on node n
+  uint64_t comb_rows_in;      // [N][max_chunks * kChunkTokens] node partials from node n (wire dtype, packed)
   uint64_t total;
 };
 
@@ -198,7 +198,7 @@ struct Geometry {
   int32_t num_experts, local_experts;
   int32_t max_tokens, hidden;
   int32_t pad_multiple, min_rows_per_expert;
-  int32_t transport;        // TransportKind of the inter-node path (used only when num_nodes > 1)
+  int32_t transport;  // TransportKind of the inter-node path (used only when num_nodes > 1)
   int32_t pad;
   RegLayout reg;
   RdmaLayout rdma;
@@ -207,7 +207,7 @@ struct Geometry {
 
 // Host-visible error record (pinned host memory, mapped into the device address space).
 struct ErrorRecord {
-  int32_t phase;      // Phase; 0 = no error
+  int32_t phase;  // Phase; 0 = no error
   int32_t rank;
   int32_t peer;
   int32_t pad;
@@ -220,72 +220,72 @@ struct ErrorRecord {
 // emulation puts every virtual rank of the group into one launch.
 struct RankArgs {
   int32_t rank;
-  int32_t absent;           // test hook: this virtual rank never arrives
-  int32_t num_tokens;       // T on this rank
-  int32_t topk;             // K
-  uint64_t peers;           // device array of W registered-buffer base pointers (own included)
-  uint64_t x;               // [T, H] rows
-  uint64_t x_scales;        // [T, H/128] f32 (fp8 only)
-  uint64_t topk_idx;        // [T, K] i64
-  uint64_t topk_weights;    // [T, K] f32
-  uint64_t send_slot;       // [T, W] i32: position of token t in the rows sent to d, -1 if none
-  uint64_t entry_ord;       // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
-  uint64_t info;            // InfoLayout tensor (i64)
-  uint64_t out;             // [R, H] dispatch output
-  uint64_t out_scales;      // [R, H/128] f32
-  uint64_t out_probs;       // [R] f32
-  uint64_t row_pos;         // [W, max_tokens, kd] i32 output row of each entry of a received row
-  uint64_t recv_spans;      // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
-                            // writes it, combine reads it: the handle's, not the registered buffer's)
-  uint64_t fwd_slots;       // [N, max_chunks * kChunkTokens, G] i32: receive slot at each rank of this node
-                            // of each token forwarded for the rail peer on node n, -1 if none (handle's)
-  uint64_t fwd_rows;        // [N, max_chunks] i32: tokens of each forwarded chunk (handle's)
-  uint64_t rdma_regions;    // loopback: device array [W] of every rank's RDMA-region base
-  uint64_t rdma_base;       // NVSHMEM: this PE's address of the symmetric RDMA region
-  uint64_t rdma_pes;        // NVSHMEM: device i32 [W], the PE of each rank
-  int64_t num_out_rows;     // R, or -1 before it is known (layout kernel, dynamic mode)
-  uint64_t expert_out;      // [R, C] combine input
-  uint64_t probs;           // [R] f32 routing weight of each output row (apply_probs)
-  uint64_t y;               // [T, C] combine output
-  uint64_t route_rows;      // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
-                            // (dispatch writes it, combine reads it: the handle's)
-  uint64_t arena_bases;     // direct path: device u64 [W], where each rank's arena starts in this process
-                            // (every published tensor offset is relative to it; 0 in single-process emulation)
+  int32_t absent;         // test hook: this virtual rank never arrives
+  int32_t num_tokens;     // T on this rank
+  int32_t topk;           // K
+  uint64_t peers;         // device array of W registered-buffer base pointers (own included)
+  uint64_t x;             // [T, H] rows
+  uint64_t x_scales;      // [T, H/128] f32 (fp8 only)
+  uint64_t topk_idx;      // [T, K] i64
+  uint64_t topk_weights;  // [T, K] f32
+  uint64_t send_slot;     // [T, W] i32: position of token t in the rows sent to d, -1 if none
+  uint64_t entry_ord;     // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
+  uint64_t info;          // InfoLayout tensor (i64)
+  uint64_t out;           // [R, H] dispatch output
+  uint64_t out_scales;    // [R, H/128] f32
+  uint64_t out_probs;     // [R] f32
+  uint64_t row_pos;       // [W, max_tokens, kd] i32 output row of each entry of a received row
+  uint64_t recv_spans;    // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
+                          // writes it, combine reads it: the handle's, not the registered buffer's)
+  uint64_t fwd_slots;     // [N, max_chunks * kChunkTokens, G] i32: receive slot at each rank of this node
+                          // of each token forwarded for the rail peer on node n, -1 if none (handle's)
+  uint64_t fwd_rows;      // [N, max_chunks] i32: tokens of each forwarded chunk (handle's)
+  uint64_t rdma_regions;  // loopback: device array [W] of every rank's RDMA-region base
+  uint64_t rdma_base;     // NVSHMEM: this PE's address of the symmetric RDMA region
+  uint64_t rdma_pes;      // NVSHMEM: device i32 [W], the PE of each rank
+  int64_t num_out_rows;   // R, or -1 before it is known (layout kernel, dynamic mode)
+  uint64_t expert_out;    // [R, C] combine input
+  uint64_t probs;         // [R] f32 routing weight of each output row (apply_probs)
+  uint64_t y;             // [T, C] combine output
+  uint64_t route_rows;    // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
+                          // (dispatch writes it, combine reads it: the handle's)
+  uint64_t arena_bases;   // direct path: device u64 [W], where each rank's arena starts in this process
+                          // (every published tensor offset is relative to it; 0 in single-process emulation)
 };
 
 struct LaunchArgs {
   Geometry geo;
-  int32_t num_ranks;        // RankArgs in this launch (1 in production)
+  int32_t num_ranks;  // RankArgs in this launch (1 in production)
   int32_t blocks_per_rank;
-  int32_t dtype;            // DType of the rows (dispatch input / combine input)
-  int32_t row_elems;        // elements per row moved by this call (combine may use < hidden)
-  int32_t scale_cols;       // f32 scales per row (fp8 dispatch), else 0
-  int32_t kd;               // entries per received row kept in row_pos: min(K, L)
+  int32_t dtype;       // DType of the rows (dispatch input / combine input)
+  int32_t row_elems;   // elements per row moved by this call (combine may use < hidden)
+  int32_t scale_cols;  // f32 scales per row (fp8 dispatch), else 0
+  int32_t kd;          // entries per received row kept in row_pos: min(K, L)
   int32_t apply_probs;
-  int32_t chunk_tokens;     // tokens per dispatch chunk (one signal per chunk and destination)
+  int32_t chunk_tokens;  // tokens per dispatch chunk (one signal per chunk and destination)
   int32_t fifo_stages;
   int32_t stage_bytes;
-  int32_t rows_per_stage;   // whole rows batched in one stage (1: a row fills a stage or more)
-  int32_t store_groups;     // bulk-store groups whose stages stay held while they read (every FIFO
-                            // with stores: dispatch send and expand, combine expert host)
-  int32_t wire_dtype;       // combine: DType of the partial sums between ranks (kFloat32 or dtype)
-  int32_t seg_cols;         // combine: columns per stage (the whole row up to 8192, else a multiple of 8)
-  int32_t host_stages;      // combine: stages of expert-output segments (seg_cols of dtype each), and their bytes
+  int32_t rows_per_stage;  // whole rows batched in one stage (1: a row fills a stage or more)
+  int32_t store_groups;    // bulk-store groups whose stages stay held while they read (every FIFO
+                           // with stores: dispatch send and expand, combine expert host)
+  int32_t wire_dtype;      // combine: DType of the partial sums between ranks (kFloat32 or dtype)
+  int32_t seg_cols;        // combine: columns per stage (the whole row up to 8192, else a multiple of 8)
+  int32_t host_stages;     // combine: stages of expert-output segments (seg_cols of dtype each), and their bytes
   int32_t host_stage_bytes;
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
   uint64_t timeout_ns;
-  uint64_t abort_flag;      // device i32: set by the first failing wait; every wait polls it
-  uint64_t error;           // ErrorRecord* in mapped pinned host memory
+  uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
+  uint64_t error;       // ErrorRecord* in mapped pinned host memory
   RankArgs ranks[kMaxLaunchRanks];
 };
 
 // Per-rank device state in the registered buffer; only the owning rank touches it.
 struct LocalState {
-  uint64_t dispatch_epoch;             // dispatch calls started (the layout kernel bumps it)
-  uint64_t combine_epoch;              // combine calls finished
-  uint32_t blocks_done_dispatch;       // blocks of the running dispatch that finished
+  uint64_t dispatch_epoch;        // dispatch calls started (the layout kernel bumps it)
+  uint64_t combine_epoch;         // combine calls finished
+  uint32_t blocks_done_dispatch;  // blocks of the running dispatch that finished
   uint32_t blocks_done_combine;
 };
 

@@ -82,8 +82,8 @@ constexpr uint32_t kPollsPerCheck = 16;    // polls between two reads of the abo
 
 // Until *flag >= target (then this thread has acquired what the writer released). Returns
 // false when this or another wait gave up.
-__device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase,
-                                     int rank, int peer, uint64_t epoch) {
+__device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase, int rank,
+                                     int peer, uint64_t epoch) {
   uint64_t start = 0;
   for (uint32_t poll = 0;; ++poll) {
     const uint64_t v = dev::ld_relaxed_sys(flag);

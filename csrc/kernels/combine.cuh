@@ -192,11 +192,10 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
       for (int g = 0; g < d.segments && ok; ++g) {
         const int col0 = g * d.seg_cols;
         const PartItem head{s, first + r, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
-        ok = load_parts(d, ring, d.sh.host_items, d.host_in, d.in_bytes, produced, head, n,
-                        [&](int i, float& weight) {
-                          weight = tab.weight[r][i];
-                          return expert_out + static_cast<int64_t>(tab.pos[r][i]) * d.C * d.in_bytes;
-                        });
+        ok = load_parts(d, ring, d.sh.host_items, d.host_in, d.in_bytes, produced, head, n, [&](int i, float& weight) {
+          weight = tab.weight[r][i];
+          return expert_out + static_cast<int64_t>(tab.pos[r][i]) * d.C * d.in_bytes;
+        });
       }
     }
     ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
@@ -304,8 +303,8 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
                            first + g, d.epoch);
       for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
         if (n != h.node)
-          ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch,
-                             kPhaseRdmaPartials, d.a.rank, h.rail_peer(n), d.epoch);
+          ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch, kPhaseRdmaPartials,
+                             d.a.rank, h.rail_peer(n), d.epoch);
     }
     if (!warp_uniform(ok)) break;
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -395,7 +394,8 @@ __device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
           if (slots[g] < 0) continue;
           float val[4];
           Quad<Wire>::load(d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + g, slots[g]) +
-                               static_cast<size_t>(v) * 4 * sizeof(Wire), val);
+                               static_cast<size_t>(v) * 4 * sizeof(Wire),
+                           val);
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[e] += val[e];
         }
@@ -426,10 +426,29 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __gri
   uint8_t* host_out = smem + static_cast<size_t>(args.host_stages) * args.host_stage_bytes;
   uint8_t* src_in = host_out + static_cast<size_t>(args.host_out_stages) * args.src_stage_bytes;
   const int C = args.row_elems;
-  const Combine<Rdma> d{args, a, geo.reg, geo.info, view, place.block, place.blocks, geo.world_size, geo.max_tokens,
-                        a.num_tokens, args.kd, C, args.seg_cols, (C + args.seg_cols - 1) / args.seg_cols,
-                        args.chunk_tokens, static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)),
-                        reinterpret_cast<const int64_t*>(a.info), epoch, sh, smem, host_out, src_in,
+  const Combine<Rdma> d{args,
+                        a,
+                        geo.reg,
+                        geo.info,
+                        view,
+                        place.block,
+                        place.blocks,
+                        geo.world_size,
+                        geo.max_tokens,
+                        a.num_tokens,
+                        args.kd,
+                        C,
+                        args.seg_cols,
+                        (C + args.seg_cols - 1) / args.seg_cols,
+                        args.chunk_tokens,
+                        static_cast<uint32_t>(sizeof(Elem)),
+                        static_cast<uint32_t>(sizeof(Wire)),
+                        reinterpret_cast<const int64_t*>(a.info),
+                        epoch,
+                        sh,
+                        smem,
+                        host_out,
+                        src_in,
                         make_hierarchy<Rdma>(geo, a)};
   const bool multi = d.h.multi();
   const Ring host_in{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
@@ -456,8 +475,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __gri
       ok = wait_at_least(args, view.flag(tid, geo.reg.done_combine, 0), epoch - 1, kPhaseCombineFlow, a.rank, tid,
                          epoch);
     else if (tid == d.h.rail_peer(d.h.topo.node(tid)))
-      ok = wait_at_least(args, d.h.flag(geo.rdma.done_combine, d.h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow,
-                         a.rank, tid, epoch);
+      ok = wait_at_least(args, d.h.flag(geo.rdma.done_combine, d.h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank,
+                         tid, epoch);
     if (!ok) sh.abort_flow = 1;
   }
   __syncthreads();

@@ -1,6 +1,6 @@
-// Dispatch kernel (a template over the inter-node transport): persistent, one block per SM, warp-specialised. Every block sends its
-// share of this rank's tokens and, at the same time, expands its share of the rows this rank
-// receives, chunk by chunk as they arrive.
+// Dispatch kernel (a template over the inter-node transport): persistent, one block per SM, warp-specialised. Every
+// block sends its share of this rank's tokens and, at the same time, expands its share of the rows this rank receives,
+// chunk by chunk as they arrive.
 //
 // Send (this rank's chunks of kChunkTokens tokens, strided over the blocks):
 //   warp 0      bulk-loads the chunk's rows into the send FIFO (small rows batched per stage);
@@ -41,18 +41,16 @@
 namespace hybrid_ep {
 namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kMetaSlots = 4;                // send chunks whose entries may be written ahead
-constexpr int kTableSlots = 4;               // expand chunks whose position tables are ready ahead
+constexpr int kMetaSlots = 4;   // send chunks whose entries may be written ahead
+constexpr int kTableSlots = 4;  // expand chunks whose position tables are ready ahead
 
 // Warp roles (kThreads = 512: 16 warps).
-constexpr int kSendLoadWarp = 0, kSendStoreWarp = 1, kSendMetaWarp = 2;      // 2 and 3
+constexpr int kSendLoadWarp = 0, kSendStoreWarp = 1, kSendMetaWarp = 2;        // 2 and 3
 constexpr int kExpandLoadWarp = 4, kExpandStoreWarp = 5, kExpandMetaWarp = 6;  // 6 and 7
-constexpr int kMetaWarps = 2, kPaddingWarp = 8;                              // 8 .. 15
-constexpr int kRdmaWarp = 8, kRdmaWarps = 4, kPaddingWarpMulti = 12;  // several nodes: 8 .. 11 RDMA
+constexpr int kMetaWarps = 2, kPaddingWarp = 8;                                // 8 .. 15
+constexpr int kRdmaWarp = 8, kRdmaWarps = 4, kPaddingWarpMulti = 12;           // several nodes: 8 .. 11 RDMA
 
-__device__ __forceinline__ int elem_bytes(int dtype) {
-  return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2;
-}
+__device__ __forceinline__ int elem_bytes(int dtype) { return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2; }
 
 __device__ __forceinline__ MetaEntry load_entry(const MetaEntry* p) {
   const int4 v = dev::ld_volatile_v4(p);
@@ -318,8 +316,9 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       } else {
         slots = d.h.token_slots(d.h.token_meta(d.fwd_meta(su), lane, d.h.R.token_meta_bytes));
         // The handle keeps where each forwarded row went: combine sums their partials here.
-        int32_t* kept = fwd_slots + (static_cast<int64_t>(su.node) * d.h.staged +
-                                     static_cast<int64_t>(su.chunk) * d.chunk + lane) * G;
+        int32_t* kept =
+            fwd_slots +
+            (static_cast<int64_t>(su.node) * d.h.staged + static_cast<int64_t>(su.chunk) * d.chunk + lane) * G;
         for (int g = 0; g < G; ++g) kept[g] = slots[g];
       }
       int n = 0;
@@ -352,8 +351,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         }
         dev::bulk_commit();
         ++groups;
-        if (pending_chunk >= 0 && pending_group < groups)
-          ok = signal_pending(static_cast<int>(groups - pending_group));
+        if (pending_chunk >= 0 && pending_group < groups) ok = signal_pending(static_cast<int>(groups - pending_group));
         bulk_wait_read_except(in_flight);  // release the oldest stages only
         for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
           d.send_fifo.ring.consumer_release(released);
@@ -397,8 +395,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     const ChunkSignal* sig = d.chunk_signal(d.a.rank, s, c);
     bool ok = true;
     if (lane == 0)
-      ok = !d.stopped() &&
-           wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch) &&
+      ok = !d.stopped() && wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch) &&
            d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -472,7 +469,7 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
       dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
-      dev::fence_proxy_async();                                      // read by bulk loads below
+      dev::fence_proxy_async();                                     // read by bulk loads below
     }
     for (int k = 0; k < d.batches.items(first, first + rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(first, first + rows, k);
@@ -609,19 +606,37 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   const uint64_t epoch = view.state()->dispatch_epoch;
   const int stages = args.fifo_stages;
   uint8_t* smem = dev::dynamic_smem<uint8_t>();
-  const Dispatch<Rdma> d{
-      args, a, geo, geo.reg, geo.info, view, place.block, place.blocks, geo.world_size, geo.local_experts,
-      geo.max_tokens, a.num_tokens, a.topk, args.kd, static_cast<int>(geo.reg.meta_entries), args.scale_cols,
-      args.chunk_tokens, stages, row_bytes,
-      RowBatches{row_bytes, static_cast<uint32_t>(args.stage_bytes), args.rows_per_stage,
-                 static_cast<int>((row_bytes + args.stage_bytes - 1) / args.stage_bytes)},
-      reinterpret_cast<const int64_t*>(a.info), epoch, sh,
-      StageRing{{sh.send_full, sh.send_empty, stages, a.rank, epoch}, smem, args.stage_bytes},
-      StageRing{{sh.expand_full, sh.expand_empty, stages, a.rank, epoch},
-                smem + static_cast<size_t>(stages) * args.stage_bytes, args.stage_bytes},
-      Ring{sh.meta_full, sh.meta_empty, kMetaSlots, a.rank, epoch},
-      Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch},
-      make_hierarchy<Rdma>(geo, a)};
+  const Dispatch<Rdma> d{args,
+                         a,
+                         geo,
+                         geo.reg,
+                         geo.info,
+                         view,
+                         place.block,
+                         place.blocks,
+                         geo.world_size,
+                         geo.local_experts,
+                         geo.max_tokens,
+                         a.num_tokens,
+                         a.topk,
+                         args.kd,
+                         static_cast<int>(geo.reg.meta_entries),
+                         args.scale_cols,
+                         args.chunk_tokens,
+                         stages,
+                         row_bytes,
+                         RowBatches{row_bytes, static_cast<uint32_t>(args.stage_bytes), args.rows_per_stage,
+                                    static_cast<int>((row_bytes + args.stage_bytes - 1) / args.stage_bytes)},
+                         reinterpret_cast<const int64_t*>(a.info),
+                         epoch,
+                         sh,
+                         StageRing{{sh.send_full, sh.send_empty, stages, a.rank, epoch}, smem, args.stage_bytes},
+                         StageRing{{sh.expand_full, sh.expand_empty, stages, a.rank, epoch},
+                                   smem + static_cast<size_t>(stages) * args.stage_bytes,
+                                   args.stage_bytes},
+                         Ring{sh.meta_full, sh.meta_empty, kMetaSlots, a.rank, epoch},
+                         Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch},
+                         make_hierarchy<Rdma>(geo, a)};
   const bool multi = d.h.multi();
 
   if (tid == 0) {

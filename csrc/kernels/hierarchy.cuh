@@ -52,7 +52,7 @@ template <typename Rdma>
 __device__ Hierarchy<Rdma> make_hierarchy(const Geometry& geo, const RankArgs& a) {
   const Topology topo{geo.world_size, geo.ranks_per_node, geo.num_nodes};
   const int64_t max_chunks = static_cast<int64_t>(geo.reg.max_chunks);
-  return Hierarchy<Rdma>{make_transport<Rdma>(a), geo.rdma, topo, a.rank, topo.node(a.rank), max_chunks,
+  return Hierarchy<Rdma>{make_transport<Rdma>(a),  geo.rdma, topo, a.rank, topo.node(a.rank), max_chunks,
                          max_chunks * kChunkTokens};
 }
 

@@ -21,9 +21,7 @@ namespace layout_impl {  // kernels/layout.cu and kernels_nvshmem.cu instantiate
 
 constexpr int kWarps = kPrepareThreads / 32;
 
-__device__ __forceinline__ int32_t ld_count(const int32_t* p) {
-  return *reinterpret_cast<const volatile int32_t*>(p);
-}
+__device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
 struct LayoutShared {
   uint64_t epoch;
@@ -48,8 +46,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   auto* info = reinterpret_cast<int64_t*>(a.info);
 
   int32_t* smem = dev::dynamic_smem<int32_t>();
-  int32_t* warp_cnt = smem;                  // [kWarps][cols], scanned in place to per-warp bases
-  int32_t* carry = smem + kWarps * cols;     // [cols] totals of the tiles before
+  int32_t* warp_cnt = smem;               // [kWarps][cols], scanned in place to per-warp bases
+  int32_t* carry = smem + kWarps * cols;  // [cols] totals of the tiles before
   LayoutShared& sh = dev::block_shared<LayoutShared>();
 
   if (tid == 0) {
@@ -142,8 +140,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 #pragma unroll
       for (int k = 0; k < kMaxTopK; ++k) {
         if (k >= K) break;
-        entry_ord[static_cast<int64_t>(t) * K + k] =
-            e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;
+        entry_ord[static_cast<int64_t>(t) * K + k] = e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;
       }
     }
     for (int d = 0; d < W; ++d) {
@@ -168,12 +165,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
       ok = wait_at_least(args, view.flag(tid, geo.reg.done_dispatch, 0), epoch - 1, kPhaseDispatchFlow, a.rank, tid,
                          epoch);
     else if (tid == h.rail_peer(h.topo.node(tid)))
-      ok = wait_at_least(args, h.flag(geo.rdma.done_dispatch, h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank,
-                         tid, epoch);
-    if (ok)
-      dev::fence_proxy_async();
-    else
-      dev::st_relaxed(&sh.fail, 1);  // several threads may raise it
+      ok = wait_at_least(args, h.flag(geo.rdma.done_dispatch, h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank, tid,
+                         epoch);
+    if (ok) dev::fence_proxy_async();
+    else dev::st_relaxed(&sh.fail, 1);  // several threads may raise it
   }
   __syncthreads();
   if (sh.fail) return;
@@ -184,10 +179,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   for (int u = tid; u < W * row_ints; u += blockDim.x) {
     const int d = u / row_ints, c = u % row_ints;
     int32_t value;
-    if (c < W) value = carry[E + c];                      // rows to each rank
-    else if (c < W + N) value = carry[E + W + (c - W)];   // tokens to each node
+    if (c < W) value = carry[E + c];                             // rows to each rank
+    else if (c < W + N) value = carry[E + W + (c - W)];          // tokens to each node
     else if (c < W + N + L) value = carry[d * L + (c - W - N)];  // rows for each expert of d
-    else value = T;                                       // this rank's tokens
+    else value = T;                                              // this rank's tokens
     int32_t* row = h.topo.same_node(d, a.rank)
                        ? reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints
                        : reinterpret_cast<int32_t*>(h.rdma.local(geo.rdma.count_out)) + d * row_stride;  // staged
@@ -222,7 +217,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   // (this call's parity) for the others.
   const auto* nvlink_rows = reinterpret_cast<const int32_t*>(view.own() + geo.reg.count_in);
   const auto* rdma_rows =
-      h.multi() ? reinterpret_cast<const int32_t*>(h.rdma.local(geo.rdma.count_in)) + parity_rows * row_stride : nullptr;
+      h.multi() ? reinterpret_cast<const int32_t*>(h.rdma.local(geo.rdma.count_in)) + parity_rows * row_stride
+                : nullptr;
   auto count_row = [&](int s) {
     return h.topo.same_node(s, a.rank) ? nvlink_rows + s * row_ints : rdma_rows + s * row_stride;
   };
@@ -237,10 +233,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     }
     info[il.expert_rows + j] = run;
   }
-  for (int u = tid; u < W * W; u += blockDim.x)
-    info[il.count_matrix + u] = ld_count(count_row(u / W) + (u % W));
-  for (int u = tid; u < W * N; u += blockDim.x)
-    info[il.node_counts + u] = ld_count(count_row(u / N) + W + (u % N));
+  for (int u = tid; u < W * W; u += blockDim.x) info[il.count_matrix + u] = ld_count(count_row(u / W) + (u % W));
+  for (int u = tid; u < W * N; u += blockDim.x) info[il.node_counts + u] = ld_count(count_row(u / N) + W + (u % N));
   for (int d = tid; d < W; d += blockDim.x) info[il.send_count + d] = carry[E + d];
   for (int s = tid; s < W; s += blockDim.x) info[il.src_tokens + s] = ld_count(count_row(s) + W + N + L);
   __syncthreads();

@@ -60,12 +60,10 @@ struct Ring {
   // writes and the bytes its bulk copies completed on the barrier; the consumer's reads
   // before a release). The phase is complete, so each test passes at once.
   __device__ void observe_full(const PipeState& p, int lane) const {
-    while (lane != 0 && !dev::mbar_try_wait(&full[p.stage], p.phase)) {
-    }
+    while (lane != 0 && !dev::mbar_try_wait(&full[p.stage], p.phase)) {}
   }
   __device__ void observe_empty(const PipeState& p, int lane) const {
-    while (lane != 0 && !dev::mbar_try_wait(&empty[p.stage], p.phase ^ 1u)) {
-    }
+    while (lane != 0 && !dev::mbar_try_wait(&empty[p.stage], p.phase ^ 1u)) {}
   }
 
   // Consumer: done with the slot (one of `empty_arrivals`).

@@ -43,8 +43,8 @@ void init(int rank, int nranks, const std::string& id) {
   int provided = 0;
   nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                 NVSHMEM_VENDOR_PATCH_VERSION};
-  if (int status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr,
-                                        version))
+  if (int status =
+          nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version))
     fail("nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID)", status);
 }
 

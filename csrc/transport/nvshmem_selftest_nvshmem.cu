@@ -37,8 +37,8 @@ __device__ uint64_t bounded_wait(const uint64_t* flag, uint64_t target, uint64_t
   }
 }
 
-__global__ void __launch_bounds__(kThreads) selftest_kernel(NvshmemTransport t, int n, uint64_t bytes, uint64_t epoch,
-                                                            uint64_t timeout_ns, Result* out) {
+__global__ void __launch_bounds__(kThreads)
+    selftest_kernel(NvshmemTransport t, int n, uint64_t bytes, uint64_t epoch, uint64_t timeout_ns, Result* out) {
   __shared__ bool timed_out;
   const uint64_t words = bytes / 4, half = bytes / 2;
   const uint64_t send = kPayload, recv = kPayload + bytes;

@@ -14,8 +14,9 @@ void check(cudaError_t err, const char* what) {
 }
 
 void check(CUresult res, const char* what) {
-  if (res != CUDA_SUCCESS) throw std::runtime_error(std::string("hybrid_ep: ") + what + " failed (CUresult " +
-                                                    std::to_string(static_cast<int>(res)) + ")");
+  if (res != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("hybrid_ep: ") + what + " failed (CUresult " +
+                             std::to_string(static_cast<int>(res)) + ")");
 }
 
 // Driver functions used by the fabric path, resolved once through the runtime.
@@ -110,9 +111,7 @@ bool fabric_supported(int device) {
   try {
     if (driver().device_get_attribute(&value, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, device) != CUDA_SUCCESS)
       return false;
-  } catch (const std::runtime_error&) {
-    return false;
-  }
+  } catch (const std::runtime_error&) { return false; }
   return value != 0;
 }
 
@@ -137,9 +136,7 @@ std::string fabric_probe(int device) {
     res = d.export_handle(&fh, handle, CU_MEM_HANDLE_TYPE_FABRIC, 0);
     d.release(handle);
     if (res != CUDA_SUCCESS) return failed("cuMemExportToShareableHandle (fabric)", res);
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  } catch (const std::exception& e) { return e.what(); }
   return "";
 }
 

@@ -172,8 +172,8 @@ inline T __shfl_sync(unsigned mask, T var, int src, int width = 32, const char* 
 
 inline unsigned __ballot_sync(unsigned mask, int predicate, const char* file = __builtin_FILE(),
                               int line = __builtin_LINE()) {
-  return static_cast<unsigned>(hybrid_ep::model::collective(hybrid_ep::model::Collective::kBallot, mask,
-                                                            predicate != 0, 0, {file, line}));
+  return static_cast<unsigned>(
+      hybrid_ep::model::collective(hybrid_ep::model::Collective::kBallot, mask, predicate != 0, 0, {file, line}));
 }
 
 // ---- atomics and fences: one OS thread runs every fiber, so any read-modify-write is
@@ -191,8 +191,7 @@ inline T atomicAdd(T* p, T v, const char* file = __builtin_FILE(), int line = __
 }
 inline int atomicMin(int* p, int v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   int old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
-  while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-  }
+  while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {}
   hybrid_ep::model::note_atomic(p, {file, line});
   return old;
 }

@@ -45,8 +45,7 @@ void before_switch(Context& from, const Context& to) {
 // the bounds of the stack left, which is how the scheduler's are learnt.
 void after_switch(Context* self) {
   Context* from = g_leaving;
-  __sanitizer_finish_switch_fiber(self != nullptr ? self->fake_stack : nullptr, &from->stack_bottom,
-                                  &from->stack_size);
+  __sanitizer_finish_switch_fiber(self != nullptr ? self->fake_stack : nullptr, &from->stack_bottom, &from->stack_size);
 }
 
 void fresh_stack(const FiberStack& stack) {  // a reused stack may hold an abandoned fiber's redzones
@@ -176,12 +175,12 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
   std::memset(frame, 0, 128);
   std::memcpy(reinterpret_cast<char*>(frame), &mxcsr, 4);
   std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpcw, 2);
-  frame[1] = 0;                                        // r15
-  frame[2] = 0;                                        // r14
-  frame[3] = reinterpret_cast<uint64_t>(&start_fiber);  // r13
-  frame[4] = reinterpret_cast<uint64_t>(&ctx);          // r12
-  frame[5] = 0;                                        // rbx
-  frame[6] = 0;                                        // rbp
+  frame[1] = 0;                                                        // r15
+  frame[2] = 0;                                                        // r14
+  frame[3] = reinterpret_cast<uint64_t>(&start_fiber);                 // r13
+  frame[4] = reinterpret_cast<uint64_t>(&ctx);                         // r12
+  frame[5] = 0;                                                        // rbx
+  frame[6] = 0;                                                        // rbp
   frame[7] = reinterpret_cast<uint64_t>(&hybrid_ep_model_trampoline);  // ret
   ctx.sp = frame;
 }
@@ -207,8 +206,7 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
   uc->uc_link = nullptr;
   // makecontext passes int arguments: split the pointers.
   const auto e = reinterpret_cast<uintptr_t>(&start_fiber), a = reinterpret_cast<uintptr_t>(&ctx);
-  makecontext(uc,
-              reinterpret_cast<void (*)()>(+[](unsigned e_hi, unsigned e_lo, unsigned a_hi, unsigned a_lo) {
+  makecontext(uc, reinterpret_cast<void (*)()>(+[](unsigned e_hi, unsigned e_lo, unsigned a_hi, unsigned a_lo) {
                 const auto fn = reinterpret_cast<void (*)(void*)>((uintptr_t(e_hi) << 32) | e_lo);
                 fn(reinterpret_cast<void*>((uintptr_t(a_hi) << 32) | a_lo));
               }),

@@ -25,7 +25,7 @@
 
 #ifdef HYBRID_EP_MODEL_TSAN
 #include <sanitizer/tsan_interface.h>
-extern "C" void __tsan_read_range(void* addr, unsigned long size);   // the runtime's, not in its header
+extern "C" void __tsan_read_range(void* addr, unsigned long size);  // the runtime's, not in its header
 extern "C" void __tsan_write_range(void* addr, unsigned long size);
 extern "C" void __tsan_func_entry(void* call_pc);
 extern "C" void __tsan_func_exit();

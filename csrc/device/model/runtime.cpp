@@ -94,8 +94,8 @@ struct Block {
   unsigned char* guard = nullptr;
   std::vector<std::pair<const void*, size_t>> slots;  // block_shared tag -> arena offset
   std::unordered_map<const uint64_t*, Mbar> mbars;
-  char barrier_key = 0;               // happens_before.h: __syncthreads
-  std::vector<void*> engine_fibers;   // happens_before.h: each warp's bulk copies run on its own
+  char barrier_key = 0;              // happens_before.h: __syncthreads
+  std::vector<void*> engine_fibers;  // happens_before.h: each warp's bulk copies run on its own
 };
 
 struct Copy {
@@ -134,7 +134,7 @@ struct Launch {
   std::string error;
   bool running = false;
   char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
-  int* inject_flag = nullptr;  // inject_abort: raised when round inject_round begins
+  int* inject_flag = nullptr;       // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
   std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
   sigjmp_buf jump;
@@ -145,8 +145,8 @@ uint64_t g_seed = 0;
 uint64_t g_launches_since_seed = 0;  // with the seed, picks each launch's schedule
 Stats g_stats;
 std::string g_message;
-std::map<uint64_t, uint64_t> g_persistent;                // ptr -> bytes
-std::vector<std::pair<uint64_t, uint64_t>> g_declared;    // per call
+std::map<uint64_t, uint64_t> g_persistent;              // ptr -> bytes
+std::vector<std::pair<uint64_t, uint64_t>> g_declared;  // per call
 struct Injection {
   uint64_t flag = 0;
   int64_t round = -1;
@@ -530,8 +530,10 @@ void on_fault(int sig, siginfo_t* info, void*) {
   std::string what = "invalid memory access at " + hex(reinterpret_cast<uint64_t>(addr));
   for (auto& b : L->blocks)
     if (addr >= b->guard && addr < b->guard + page_bytes())
-      what = "shared memory accessed past the launch's " + std::to_string(L->smem) + " bytes of dynamic shared "
-             "memory (" + smem_text(b.get(), addr) + ")";
+      what = "shared memory accessed past the launch's " + std::to_string(L->smem) +
+             " bytes of dynamic shared "
+             "memory (" +
+             smem_text(b.get(), addr) + ")";
   if (L->current != nullptr) {  // just below the running fiber's stack: it ran past its end
     const auto* a = static_cast<const char*>(addr);
     const auto* low = static_cast<const char*>(L->current->stack.low);
@@ -812,8 +814,8 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   Launch& L = launch_state();
   Block* b = t->block;
   t->busy = true;
-  const std::string at = std::string(g2s ? "bulk load (" : "bulk store (") + site_text(site) + ") of " +
-                         std::to_string(bytes) + " bytes";
+  const std::string at =
+      std::string(g2s ? "bulk load (" : "bulk store (") + site_text(site) + ") of " + std::to_string(bytes) + " bytes";
   const std::string global = hex(reinterpret_cast<uint64_t>(gmem));
   if (bytes == 0 || bytes % 16 != 0) fail(at + ": the size must be a positive multiple of 16");
   if (reinterpret_cast<uintptr_t>(smem) % 16 != 0 || reinterpret_cast<uintptr_t>(gmem) % 16 != 0)
@@ -892,8 +894,7 @@ void bulk_wait(bool reads_only, int except_newest, Site site) {
   t->groups.erase(t->groups.begin(), t->groups.begin() + static_cast<std::ptrdiff_t>(complete));
 }
 
-const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem,
-                   const char* name) {
+const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem, const char* name) {
   const char* short_name = std::strncmp(name, "launch_", 7) == 0 ? name + 7 : name;
   if (blocks < 1 || threads < 1 || threads > 1024) {
     g_message = std::string("CPU model: ") + short_name + " kernel: invalid launch configuration (" +
@@ -916,7 +917,8 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   if (hb::kEnabled && race_fibers > kMaxRaceFibers) {
     g_message = std::string("CPU model: ") + short_name + " kernel: " + std::to_string(blocks) + " blocks of " +
                 std::to_string(threads) + " threads need more fibers than ThreadSanitizer's limit allows (" +
-                std::to_string(kMaxRaceFibers) + ": one per thread and one per warp's bulk copies, kept across "
+                std::to_string(kMaxRaceFibers) +
+                ": one per thread and one per warp's bulk copies, kept across "
                 "launches)";
     return g_message.c_str();
   }

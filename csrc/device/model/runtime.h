@@ -97,13 +97,12 @@ void bulk_wait(bool reads_only, int except_newest, Site site);
 // ---- launches ---------------------------------------------------------------------------
 // Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the
 // message of the first check that failed (valid until the next launch).
-const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem,
-                   const char* name);
+const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem, const char* name);
 int max_active_blocks(int threads, size_t smem);
 
 // ---- configuration (the Python module's controls) ----------------------------------------
-constexpr int kDeviceSms = 132;                        // an H100 SXM's, so launch plans match
-constexpr size_t kSmemPerBlockOptin = 227 * 1024;      // its opt-in shared memory per block
+constexpr int kDeviceSms = 132;                    // an H100 SXM's, so launch plans match
+constexpr size_t kSmemPerBlockOptin = 227 * 1024;  // its opt-in shared memory per block
 void set_seed(uint64_t seed);
 uint64_t seed();
 // Global memory a bulk copy may touch: [ptr, ptr + bytes). Persistent allocations (the

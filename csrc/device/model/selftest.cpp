@@ -1,6 +1,8 @@
 // Small kernels that break one rule of the device layer each, so the tests can show that the
 // CPU model catches every class of defect it claims to (tests/test_device_model.py). They
 // are written against the same device layer as the real kernels and run only on the model.
+#include "device/model/selftest.h"
+
 #include <cstring>
 #include <map>
 #include <string>
@@ -8,7 +10,6 @@
 
 #include "device/device.cuh"
 #include "device/model/fiber.h"
-#include "device/model/selftest.h"
 
 namespace hybrid_ep::model {
 namespace {
@@ -143,10 +144,8 @@ __global__ void selftest_kernel(const Args args) {
       break;
     case kShflTwoSites:
       if (tid < 32) {
-        if (lane < 16)
-          args.out[lane] = __shfl_sync(0xffffffffu, lane, 0);
-        else
-          args.out[lane] = __shfl_sync(0xffffffffu, lane, 1);
+        if (lane < 16) args.out[lane] = __shfl_sync(0xffffffffu, lane, 0);
+        else args.out[lane] = __shfl_sync(0xffffffffu, lane, 1);
       }
       break;
     case kSyncthreadsAfterExit:
@@ -154,10 +153,8 @@ __global__ void selftest_kernel(const Args args) {
       __syncthreads();
       break;
     case kSyncthreadsTwoSites:
-      if (tid < 64)
-        __syncthreads();
-      else
-        __syncthreads();
+      if (tid < 64) __syncthreads();
+      else __syncthreads();
       break;
     case kSmemOverflow:
       if (tid == 0) smem[256] = 1;  // one past the launch's 256 bytes
@@ -182,11 +179,10 @@ __global__ void selftest_kernel(const Args args) {
       break;
     case kSharedWithoutBarrier:  // thread 32 reads what thread 0 (another warp) writes, with no
       // barrier between: a data race that only the race check reports (docs/architecture.md)
-      if (tid == 0) smem[0] = 1;  // both run in the round after the barrier above, in the
+      if (tid == 0) smem[0] = 1;             // both run in the round after the barrier above, in the
       if (tid == 32) args.out[0] = smem[0];  // round's seeded order
       break;
-    default:
-      break;
+    default: break;
   }
 }
 

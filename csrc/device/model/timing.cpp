@@ -38,8 +38,8 @@ bool costs_from(const std::map<std::string, double>& table, Costs& out, std::str
       return false;
     }
     if (!std::isfinite(value) || value < 0 || (name == "engine_bytes_per_ns" && value <= 0)) {
-      message = "timing constant " + name + " must be finite and " +
-                (name == "engine_bytes_per_ns" ? "> 0" : ">= 0") + ", got " + std::to_string(value);
+      message = "timing constant " + name + " must be finite and " + (name == "engine_bytes_per_ns" ? "> 0" : ">= 0") +
+                ", got " + std::to_string(value);
       return false;
     }
     *it->second = value;
@@ -253,8 +253,7 @@ void Timer::keep_max(Origin& dst, const Origin& src) {
 // The thread runs on at max(own, dep.t + latency): `own` is its time after its own cost of
 // the operation; when the dependency is later, the difference is waited at `wait_what` and
 // the path records the dependency (one node for all the waiters of a barrier, `shared_node`).
-void Timer::resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what,
-                    uint32_t* shared_node) {
+void Timer::resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what, uint32_t* shared_node) {
   Clock& c = clocks_[th];
   const double via = dep.t + latency;
   c.busy += own - c.t;
@@ -443,8 +442,7 @@ void Timer::bulk_wait(int th, bool reads_only, int except_newest, Site site) {
     const Origin& o = reads_only ? c.groups[g].read : c.groups[g].write;
     if (o.t > dep.t) dep = o;  // no reference taken: resolve copies what it keeps
   }
-  resolve(th, c.t + c_.wait_group_ns, dep, 0, category(reads_only ? "bulk wait (read)" : "bulk wait", site),
-          nullptr);
+  resolve(th, c.t + c_.wait_group_ns, dep, 0, category(reads_only ? "bulk wait (read)" : "bulk wait", site), nullptr);
   if (!reads_only)
     for (size_t g = 0; g < covered; ++g) {
       path_.release(c.groups.front().read.node);

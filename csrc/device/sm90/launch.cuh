@@ -14,12 +14,11 @@ namespace hybrid_ep::dev {
 template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
                                const Args& args, const char* /*name*/ = nullptr) {
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err == cudaSuccess) {
     void* params[] = {const_cast<Args*>(&args)};
-    err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads), params,
-                                      smem, reinterpret_cast<cudaStream_t>(stream));
+    err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads), params, smem,
+                                      reinterpret_cast<cudaStream_t>(stream));
   }
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
