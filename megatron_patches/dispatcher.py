@@ -25,8 +25,7 @@ import torch
 
 import hybrid_ep as hep
 
-from . import buffers
-from . import expert_rows
+from . import buffers, expert_rows
 from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
@@ -317,7 +316,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
                 f"of shape {tuple(routing_map.shape)}"
             )
         if probs.shape != routing_map.shape:
-            raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map shape {tuple(routing_map.shape)}")
+            raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map shape "
+                             f"{tuple(routing_map.shape)}")
         self.hidden_shape = hidden_states.shape
         routed = routing_map.detach()
         if self.drop_and_pad:  # the router's capacity fill: routes of weight 0, not tokens

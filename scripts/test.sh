@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README, CI): environment, lint of the changed lines (scripts/lint.sh), nvcc
+# The test command (README, CI): environment, lint of the whole tree (scripts/lint.sh --all), nvcc
 # compile check of csrc/, then pytest with the 25 slowest tests listed at the end.
 # Extra arguments go to pytest (e.g. -m unit: CONTRIBUTING.md lists the tiers).
 # pytest runs on HYBRID_EP_TEST_WORKERS processes (pytest-xdist; default: the CPUs, at most 4,
@@ -15,11 +15,11 @@ if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
 fi
 [ -n "${HYBRID_EP_TEST_WORKERS:-}" ] || [ "$workers" -le 4 ] || workers=4
 py=$(bash "$repo/scripts/env.sh")
-# Lint findings are printed; they fail the run with HYBRID_EP_LINT=strict, which becomes the
-# default once the whole tree has had its formatting pass (CONTRIBUTING.md).
-if ! PYTHON="$py" bash "$repo/scripts/lint.sh"; then
-    [ "${HYBRID_EP_LINT:-warn}" != strict ] || exit 1
-    echo "test.sh: the lint findings above do not fail this run (HYBRID_EP_LINT=strict makes them)" >&2
+# The whole tree is ruff- and clang-format-clean, and a finding anywhere fails the run
+# (CONTRIBUTING.md); HYBRID_EP_LINT=warn prints the findings and goes on, for a local run.
+if ! PYTHON="$py" bash "$repo/scripts/lint.sh" --all; then
+    [ "${HYBRID_EP_LINT:-strict}" = warn ] || { echo "test.sh: lint findings above (scripts/lint.sh --all)" >&2; exit 1; }
+    echo "test.sh: the lint findings above do not fail this run (HYBRID_EP_LINT=warn)" >&2
 fi
 PYTHON="$py" bash "$repo/scripts/compile_csrc.sh"
 # which Megatron-Core the megatron tests run against (docs/megatron.md#versions)

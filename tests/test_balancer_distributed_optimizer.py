@@ -1,18 +1,18 @@
 """The expert balancer with Megatron-Core's DistributedOptimizer on CPU gloo ranks.
 
-EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32 and bf16
-mixed precision, each also with overlapped grad reduce and param gather (several buckets,
-so parameters straddle the members' shard boundaries); EP 4 x expert-DP 2 (8 processes; 12
-slots) in fp32 (also planning on a window of three reductions) and bf16. Every balanced run
-trains 20 steps, rebalances every 5 and is compared with the same run without the balancer. bf16 runs as Megatron-LM runs it by
-default: fp32 main grads with gradient-accumulation fusion (weight gradients added in fp32
-straight into main_grad); bf16 without the fusion rounds each replica's weight gradient to
-bf16 and is held to its measured bf16 bound (docs/balancer.md, invariance). Checkpoints are
-saved after a migration in the legacy and torch_dist formats and resumed in a fresh layer,
-at EP 2 (after step 10) and at EP 4 x expert-DP 2 (legacy after step 10, also with a
-statistics window of three reductions; torch_dist after step 12 with two steps of counts
-not yet reduced, and that run also compared with the same run never saved); a torch_dist
-checkpoint saved at EP 2 loads at EP 4.
+EP 2 x expert-DP 2 (4 processes; 12 slots for 8 experts: 4 replicas) in fp32 and bf16 mixed
+precision, each also with overlapped grad reduce and param gather (several buckets, so
+parameters straddle the members' shard boundaries); EP 4 x expert-DP 2 (8 processes; 12 slots)
+in fp32 (also planning on a window of three reductions) and bf16. Every balanced run trains 20
+steps, rebalances every 5 and is compared with the same run without the balancer. bf16 runs as
+Megatron-LM runs it by default: fp32 main grads with gradient-accumulation fusion (weight
+gradients added in fp32 straight into main_grad); bf16 without the fusion rounds each replica's
+weight gradient to bf16 and is held to its measured bf16 bound (docs/balancer.md, invariance).
+Checkpoints are saved after a migration in the legacy and torch_dist formats and resumed in a
+fresh layer, at EP 2 (after step 10) and at EP 4 x expert-DP 2 (legacy after step 10, also with
+a statistics window of three reductions; torch_dist after step 12 with two steps of counts not
+yet reduced, and that run also compared with the same run never saved); a torch_dist checkpoint
+saved at EP 2 loads at EP 4.
 """
 
 from __future__ import annotations

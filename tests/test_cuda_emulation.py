@@ -15,9 +15,7 @@ import torch
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
-from hybrid_ep.testing.emulated import (
-    GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device,
-)
+from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device
 from hybrid_ep.testing.faults import ranks_absent
 from hybrid_ep.testing.hierarchy_cases import feature_cases, topology_cases
 from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle

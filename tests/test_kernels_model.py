@@ -17,14 +17,19 @@ import importlib
 import pytest
 import torch
 
+from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.engine import RoutingError
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.backends.cuda import launch
 from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
 from hybrid_ep.testing.emulated import (
-    GroupCache, buffer_key, check_emulated, check_emulated_autograd, emulated_group_for, on_device,
+    GroupCache,
+    buffer_key,
+    check_emulated,
+    check_emulated_autograd,
+    emulated_group_for,
+    on_device,
 )
 from hybrid_ep.testing.emulated_check import main as emulated_check_main
 from hybrid_ep.testing.faults import ranks_absent

@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from ..backends.cuda import launch
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
-from ..backends.cuda import launch
 from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
@@ -408,7 +408,6 @@ def format_table(doc: dict) -> str:
 def _plot(doc: dict, path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     fig = Figure(figsize=(11, 4.2))
