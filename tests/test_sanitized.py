@@ -36,10 +36,15 @@ LIMIT_S = 540  # a run still going then has hung: stop it inside pytest's 600 s 
 BUILD_DIR = os.environ.get("HYBRID_EP_SANITIZE_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "hybrid-ep", "sanitized")
 
-# The planner's tests less two sweeps that run no line of csrc/balancer or its binding that the
-# other tests do not run (gcov of the native module, 2026-11-25): every line the whole file runs.
+# The planner's tests less two sweeps and the three longest searches (half the file's time),
+# which run no line of csrc/balancer or its binding that the other tests do not run: gcov of
+# the native module built with --coverage, 2026-11-26: the subset runs 1457 of the 1457 lines
+# the whole file runs.
 PLANNER_TESTS = ("not test_refit_bound_is_below_the_exact_fewest_changes"
-                 " and not test_never_worse_than_eplb_or_greedy[topk-zipf-1.0]")
+                 " and not test_never_worse_than_eplb_or_greedy[topk-zipf-1.0]"
+                 " and not test_restarts_reach_where_the_most_loaded_first_refit_is_stuck"
+                 " and not test_count_shift_then_exchange_reaches_the_move_target"
+                 " and not test_exchanges_run_within_a_budget_per_call")
 # On the sanitized model, as -k over the model's test files: the model's self-tests; oracle
 # cases on schedule seed 0, on one node fp8 rows with scales and padding rows (the entry and
 # padding warps), rows over one FIFO stage (column segments), static size with overflow, an
