@@ -155,6 +155,20 @@ class HostPath {
     launch_checked(&launch_layout, a, stream, "layout");
   }
 
+  // The row tables dispatch wrote into a rank's part of the workspace and combine reads back:
+  // route rows (direct path) or row positions and receive spans, and the forwarded chunks.
+  void set_row_tables(RankArgs& r, bool direct, uint64_t part, const CallLayout& l) const {
+    if (direct) {
+      r.route_rows = at_offset(part, l.route_rows);
+      r.arena_bases = arena_bases_;
+    } else {
+      r.row_pos = at_offset(part, l.row_pos);
+      r.recv_spans = at_offset(part, l.recv_spans);
+    }
+    r.fwd_slots = at_offset(part, l.fwd_slots);
+    r.fwd_rows = at_offset(part, l.fwd_rows);
+  }
+
   // The dispatch kernel, after dispatch_layout on the same arguments: every rank's outputs
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes).
@@ -167,15 +181,7 @@ class HostPath {
       RankArgs& r = a.ranks[i];
       const auto& [rows, o, o_scales, o_probs] = out[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
-      if (direct) {
-        r.route_rows = at_offset(part, l.route_rows);
-        r.arena_bases = arena_bases_;
-      } else {
-        r.row_pos = at_offset(part, l.row_pos);
-        r.recv_spans = at_offset(part, l.recv_spans);
-      }
-      r.fwd_slots = at_offset(part, l.fwd_slots);
-      r.fwd_rows = at_offset(part, l.fwd_rows);
+      set_row_tables(r, direct, part, l);
       r.out = o;
       r.out_probs = o_probs;
       r.out_scales = o_scales;
@@ -207,16 +213,8 @@ class HostPath {
       r.topk = K;
       r.send_slot = at_offset(part, l.send_slot);
       r.info = at_offset(part, l.info);
-      if (direct) {
-        r.topk_idx = topk_idx;
-        r.route_rows = at_offset(part, l.route_rows);
-        r.arena_bases = arena_bases_;
-      } else {
-        r.row_pos = at_offset(part, l.row_pos);
-        r.recv_spans = at_offset(part, l.recv_spans);
-      }
-      r.fwd_slots = at_offset(part, l.fwd_slots);
-      r.fwd_rows = at_offset(part, l.fwd_rows);
+      if (direct) r.topk_idx = topk_idx;
+      set_row_tables(r, direct, part, l);
       r.expert_out = expert_out;
       r.probs = probs;
       r.y = y;
