@@ -286,6 +286,7 @@ def test_bench_host_mode_writes_its_json(tmp_path):
                       "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "not a GPU number" in doc["what"]
+    assert doc["cpu_heap"].startswith(("glibc mallopt", "default ("))
     assert [p["world_size"] for p in doc["points"]] == [1, 2]
     for p in doc["points"]:
         levels = ("engine", "group") + (("buffer", "autograd") if p["world_size"] == 1 else ())

@@ -15,6 +15,11 @@ in production: the public API's path, on the same engine, in a torch.distributed
 one) and `autograd` (hybrid_ep.dispatch + combine on that buffer: Megatron's path, inputs
 without gradients).
 
+The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
+(steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while
+glibc's default mmap threshold moves with what was freed before, so a point's time depended
+on the points run before it (two modes, 8-10 us per rank apart).
+
 These are CPU measurements of the host path with stubbed launches, not GPU numbers: the
 GPU benchmark (`python -m hybrid_ep.bench --emulate W`) reports the host time per rank
 next to the kernels'. Writes JSON to --out.
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import statistics
 import sys
@@ -47,6 +54,19 @@ def _routing(W: int, T: int, E: int, K: int, gen: torch.Generator):
     idx = [torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous() for _ in range(W)]
     w = [torch.rand(T, K, generator=gen) for _ in range(W)]
     return idx, w
+
+
+def steady_cpu_heap() -> str:
+    """Fix glibc's mmap and trim thresholds (mallopt) for this process, so allocations up to
+    32 MiB reuse heap memory instead of a new mapping each call; says what it set."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return "default (no glibc mallopt)"
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    if libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+        return "default (mallopt refused)"
+    return "glibc mallopt: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB"
 
 
 @contextlib.contextmanager
@@ -154,6 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="JSON file to write")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the host path is single-threaded; no pool threads in the timings
+    heap = steady_cpu_heap()
     points = []
     for W in args.worlds:
         for path in args.paths:
@@ -180,6 +201,7 @@ def main(argv=None) -> int:
            "what": "host time per dispatch + combine pair, static size, cuda backend on the CPU model with "
                    "launches off (no kernel runs): a CPU measurement of the host path, not a GPU number",
            "command": "python -m hybrid_ep.bench.host " + " ".join(sys.argv[1:] if argv is None else argv),
+           "cpu_heap": heap,
            "points": points}
     if args.out:
         with open(args.out, "w") as f:
