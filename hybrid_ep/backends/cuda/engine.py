@@ -306,12 +306,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """Detached, float32 and contiguous: a no-op for what already is."""
-    if t.requires_grad:
-        t = t.detach()
+    """float32 and contiguous, for a kernel to read: a no-op (no detach either) for what
+    already is; a conversion is made from the detached tensor, so it records no graph."""
     if t.dtype != torch.float32:
-        t = t.float()
-    return t if t.is_contiguous() else t.contiguous()
+        return t.detach().float().contiguous()
+    return t if t.is_contiguous() else t.detach().contiguous()
 
 
 def _aligned(t: torch.Tensor) -> tuple[torch.Tensor, int]:
