@@ -9,8 +9,6 @@ Legend: T tokens, K routes per token, H hidden, R output rows.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .buffer import HybridEPBuffer
@@ -25,7 +23,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.num_tokens = x_TH.shape[0]
         out_box.extend([handle, scales_RB])
-        probs_R = handle.probs_R.detach().clone()
+        probs_R = handle.probs_R.clone()  # forward runs without grad mode: no graph, no detach needed
         if is_fp8(x_TH.dtype):
             ctx.mark_non_differentiable(rows_RH)
         return rows_RH, probs_R
@@ -102,15 +100,17 @@ def dispatch(
     )
     box: list = []
     if routing is not None:
+        # The weights as given: the gradient of an unrouted slot is 0 (return_row_values), so
+        # no masked copy is made for autograd either.
         rows, probs_R = _Dispatch.apply(
-            x, routing.topk_weights_TK, buffer, routing, None, scales, num_out_tokens, num_sms, box
+            x, routing.weights_as_given_TK, buffer, routing, None, scales, num_out_tokens, num_sms, box
         )
-        handle = dataclasses.replace(box[0], probs_R=probs_R)
+        handle = box[0].replace(probs_R=probs_R)
     else:
         # Same routing as before: the weights (and their graph) are the earlier ones.
         rows, _ = _Dispatch.apply(x, None, buffer, None, handle, scales, num_out_tokens, num_sms, box)
         probs_R = handle.probs_R
-    return DispatchResult(rows, box[1], probs_R, handle.tokens_per_expert, handle)
+    return DispatchResult(rows, box[1], probs_R, None, handle)  # tokens_per_expert: when read
 
 
 def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = False,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import inputs
 from .backends import choose_backend, create_backend
 from .config import BufferConfig, KernelConfig
-from .handle import DispatchHandle, DispatchResult
+from .handle import DispatchHandle, DispatchResult, ReadOnly
 from .memory import MemoryPlan
 from .routing import normalize_routing
 from .rows import check_hidden_dim
@@ -25,16 +25,19 @@ from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffi
 _owner_ids = itertools.count(1)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class CallRecord:
+class CallRecord(ReadOnly):
     """One dispatch or combine call; its traffic is computed when asked for, not per call:
     the row counts live on the device, and reading them on every call would synchronise
-    with the host and break CUDA graph capture."""
+    with the host and break CUDA graph capture. kind: "dispatch" | "combine"; dtype: of the
+    rows on the wire (x's for a dispatch, the wire dtype for a combine)."""
 
-    kind: str  # "dispatch" | "combine"
-    rank: int
-    handle: DispatchHandle
-    row_bytes: int
+    def __init__(self, kind: str, rank: int, handle: DispatchHandle, hidden_dim: int, dtype: torch.dtype):
+        self.__dict__.update(kind=kind, rank=rank, handle=handle, hidden_dim=hidden_dim, dtype=dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        row_bytes = dispatch_row_bytes if self.kind == "dispatch" else combine_row_bytes
+        return row_bytes(self.hidden_dim, self.dtype)
 
     def traffic(self) -> Traffic:
         return rank_traffic(self.kind, self.rank, self.handle.row_counts, self.row_bytes)
@@ -120,7 +123,7 @@ class HybridEPBuffer:
     def _kernel(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         base = self.kernel_config
         if num_sms_dispatch is None and num_sms_combine is None and wire_dtype is None:
-            return base  # validated when the buffer was built
+            return base  # validated when the buffer was built (callers test for this case first)
         return dataclasses.replace(
             base,
             num_sms_dispatch=base.num_sms_dispatch if num_sms_dispatch is None else num_sms_dispatch,
@@ -152,7 +155,7 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
-        return DispatchResult(rows, scales_out, handle.probs_R, handle.tokens_per_expert, handle)
+        return DispatchResult(rows, scales_out, handle.probs_R, None, handle)  # tokens_per_expert: when read
 
     def combine(
         self,
@@ -175,7 +178,8 @@ class HybridEPBuffer:
     # -- shared by the autograd functions ---------------------------------------------------
 
     def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
-        inputs.check_dispatch_input(x, scales, self.config, self.device)
+        device = self.device
+        inputs.check_dispatch_input(x, scales, self.config, device)
         inputs.check_num_out_tokens(num_out_tokens)
         if handle is not None:
             inputs.check_handle(handle, self._owner)
@@ -184,7 +188,7 @@ class HybridEPBuffer:
             inputs.check_reused_handle(handle, x.shape[0], num_out_tokens)
             return None, handle
         routing = normalize_routing(
-            x.shape[0], self.config.num_experts, x.device,
+            x.shape[0], self.config.num_experts, device,  # x's, checked above
             topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
             check_values=num_out_tokens is None or not self._backend.checks_routing_on_device,
         )
@@ -200,21 +204,20 @@ class HybridEPBuffer:
                             f"apply_probs must be a Python bool, got {kind.__qualname__}")
 
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
-        rows, scales_out, handle = self._backend.dispatch(
-            x, scales, routing, handle, num_out_tokens, self._kernel(num_sms_dispatch=num_sms)
-        )
-        self.last_call = CallRecord("dispatch", self.rank, handle, dispatch_row_bytes(self.config.hidden_dim, x.dtype))
+        kernel = self.kernel_config if num_sms is None else self._kernel(num_sms_dispatch=num_sms)
+        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel)
+        self.last_call = CallRecord("dispatch", self.rank, handle, self.config.hidden_dim, x.dtype)
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
-        kernel = self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype)
+        kernel = (self.kernel_config if num_sms is None and wire_dtype is None else
+                  self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype))
         y = self._backend.combine(expert_out, handle, apply_probs, kernel)
         self._record_combine(handle, kernel, expert_out.dtype)
         return y
 
     def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
-        self.last_call = CallRecord("combine", self.rank, handle,
-                                    combine_row_bytes(self.config.hidden_dim, kernel.wire_dtype_for(dtype)))
+        self.last_call = CallRecord("combine", self.rank, handle, self.config.hidden_dim, kernel.wire_dtype_for(dtype))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)

@@ -1,4 +1,4 @@
-"""The frozen objects a dispatch returns; combine and backward consume them unchanged.
+"""The read-only objects a dispatch returns; combine and backward consume them unchanged.
 
 Legend: T tokens on this rank, K routes per token, W ranks, N nodes, R output rows,
 H hidden, V rows received.
@@ -15,46 +15,68 @@ from .config import BufferConfig
 from .routing import DestLayout, Routing, SourceLayout
 from .traffic.model import RowCounts, row_counts
 
-
-class _CountTable:
-    """A count table of a handle: the tensor the backend gave, or, where it gave None, the
-    dest layout's attribute of the same name, read when first asked for (the cuda backend's
-    are views of its per-call workspace, which a call need not make)."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            raise AttributeError(self.name)  # no class-level default: the field stays required
-        value = obj.__dict__[self.slot]
-        if value is None:
-            value = obj.__dict__[self.slot] = getattr(obj.dest, self.name)
-        return value
-
-    def __set__(self, obj, value) -> None:
-        obj.__dict__[self.slot] = value
+_FIELDS = ("owner", "config", "rank", "routing", "source", "dest", "recv_counts_W", "num_recv_rows",
+           "count_matrix_WW", "node_counts_WN", "probs_R", "num_out_tokens", "serial", "checksum")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DispatchHandle:
-    """Everything combine and backward need; reusable for another dispatch of the same routing."""
+class ReadOnly:
+    """Attributes set once, in __init__, and never again: the frozen dataclasses these classes
+    replace cost several microseconds a call to build (one object.__setattr__ per field); a
+    plain instance dictionary filled in one update costs well under one."""
 
-    owner: int  # id of the buffer that made it; a handle is not valid on another buffer
-    config: BufferConfig
-    rank: int
-    routing: Routing
-    source: SourceLayout  # or the backend's own layout of the same rows
-    dest: DestLayout  # or the backend's own layout, with the fields the properties below read
-    # The count tables: None takes dest's attribute of the same name when read (_CountTable).
-    recv_counts_W: torch.Tensor | None = _CountTable()  # int64 rows received from each rank
-    num_recv_rows: int  # V
-    count_matrix_WW: torch.Tensor | None = _CountTable()  # int64 rows sent from rank s to rank d (all ranks)
-    node_counts_WN: torch.Tensor | None = _CountTable()  # int64 tokens of rank s that reach node n (all ranks)
-    probs_R: torch.Tensor  # float32 routing weight of each output row, 0 on padding
-    num_out_tokens: int | None
-    serial: int = 0  # which dispatch with a routing of its buffer made it (1, 2, ...); compared on reuse
-    checksum: int = 0  # crc32 of count_matrix_WW, taken where the counts reached the host; compared on reuse
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+class DispatchHandle(ReadOnly):
+    """Everything combine and backward need; reusable for another dispatch of the same routing.
+
+    owner: id of the buffer that made it (a handle is not valid on another buffer); source,
+    dest: routing.SourceLayout / DestLayout or the backend's own layouts of the same rows
+    (dest with the fields the properties below read). The count tables (recv_counts_W: int64
+    rows received from each rank; count_matrix_WW: rows sent from rank s to rank d, all ranks;
+    node_counts_WN: tokens of rank s that reach node n, all ranks): None takes dest's attribute
+    of the same name when read (the cuda backend's are views of its per-call workspace, which a
+    call need not make). num_recv_rows: V. probs_R: float32 routing weight of each output row,
+    0 on padding. serial: which dispatch with a routing of its buffer made it (1, 2, ...),
+    compared on reuse; checksum: crc32 of count_matrix_WW, taken where the counts reached the
+    host, compared on reuse.
+    """
+
+    def __init__(self, owner: int, config: BufferConfig, rank: int, routing: Routing, source: SourceLayout,
+                 dest: DestLayout, recv_counts_W: torch.Tensor | None, num_recv_rows: int,
+                 count_matrix_WW: torch.Tensor | None, node_counts_WN: torch.Tensor | None, probs_R: torch.Tensor,
+                 num_out_tokens: int | None, serial: int = 0, checksum: int = 0):
+        self.__dict__.update(owner=owner, config=config, rank=rank, routing=routing, source=source, dest=dest,
+                             _recv_counts_W=recv_counts_W, num_recv_rows=num_recv_rows,
+                             _count_matrix_WW=count_matrix_WW, _node_counts_WN=node_counts_WN, probs_R=probs_R,
+                             num_out_tokens=num_out_tokens, serial=serial, checksum=checksum)
+
+    def replace(self, **changes) -> "DispatchHandle":
+        """A copy with some fields changed (dataclasses.replace's contract)."""
+        fields = {name: self.__dict__.get(name, self.__dict__.get("_" + name)) for name in _FIELDS}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"DispatchHandle has no field {sorted(unknown)[0]!r}")
+        return DispatchHandle(**{**fields, **changes})
+
+    @property
+    def recv_counts_W(self) -> torch.Tensor:
+        value = self.__dict__["_recv_counts_W"]
+        return self.dest.recv_counts_W if value is None else value
+
+    @property
+    def count_matrix_WW(self) -> torch.Tensor:
+        value = self.__dict__["_count_matrix_WW"]
+        return self.dest.count_matrix_WW if value is None else value
+
+    @property
+    def node_counts_WN(self) -> torch.Tensor:
+        value = self.__dict__["_node_counts_WN"]
+        return self.dest.node_counts_WN if value is None else value
 
     @property
     def num_tokens(self) -> int:
@@ -91,10 +113,18 @@ class DispatchHandle:
         return self.dest.num_needed_rows
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DispatchResult:
-    tokens: torch.Tensor  # [R, H] expert-major rows, dtype of x
-    scales: torch.Tensor | None  # [R, H/128] float32 for fp8 input
-    probs: torch.Tensor  # [R] float32 routing weight of each row, 0 on padding
-    tokens_per_expert: torch.Tensor  # [L] int64 rows per local expert, padding included
-    handle: DispatchHandle
+class DispatchResult(ReadOnly):
+    """What dispatch returns. tokens: [R, H] expert-major rows, dtype of x; scales: [R, H/128]
+    float32 for fp8 input, else None; probs: [R] float32 routing weight of each row, 0 on
+    padding; tokens_per_expert: [L] int64 rows per local expert, padding included (None: the
+    handle's, read when first asked for); handle: the DispatchHandle."""
+
+    def __init__(self, tokens: torch.Tensor, scales: torch.Tensor | None, probs: torch.Tensor,
+                 tokens_per_expert: torch.Tensor | None, handle: DispatchHandle):
+        self.__dict__.update(tokens=tokens, scales=scales, probs=probs, handle=handle)
+        if tokens_per_expert is not None:
+            self.__dict__["tokens_per_expert"] = tokens_per_expert
+
+    @functools.cached_property
+    def tokens_per_expert(self) -> torch.Tensor:  # read when the instance dictionary holds none
+        return self.handle.tokens_per_expert

@@ -60,8 +60,8 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
 
 
 def check_num_out_tokens(num_out_tokens) -> None:
-    if num_out_tokens is None:
-        return
+    if num_out_tokens is None or (type(num_out_tokens) is int and 0 <= num_out_tokens <= MAX_OUT_ROWS):
+        return  # the common cases, without require_int's abstract-class checks (a microsecond)
     require_int("num_out_tokens", num_out_tokens, 0, what="an int or None")
     if num_out_tokens > MAX_OUT_ROWS:
         raise ValueError(f"num_out_tokens must be at most {MAX_OUT_ROWS} (output rows are indexed with int32), "

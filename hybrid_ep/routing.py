@@ -20,16 +20,50 @@ from .config import BufferConfig
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclasses.dataclass(frozen=True)
 class Routing:
-    """Normalised routing of one rank: K slots per token, -1 where a slot is not routed."""
+    """Normalised routing of one rank: K slots per token, -1 where a slot is not routed.
 
-    topk_idx_TK: torch.Tensor  # int64, -1 = not routed
-    topk_weights_TK: torch.Tensor  # float32, 0 where not routed
+    topk_weights_TK is float32 with 0 where a slot is not routed. Made from the caller's
+    weights (`given`), it is masked when first read, not per call: the cuda kernels never read
+    an unrouted slot's weight, so they take the weights as given (weights_as_given_TK) and a
+    static-size call runs no tensor operation for its routing; nor does autograd's dispatch,
+    whose gradient there is 0 by return_row_values' contract. Read-only, like the frozen
+    objects around it."""
+
+    __slots__ = ("_idx", "_weights", "_given")
+
+    def __init__(self, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor | None = None, *,
+                 given: torch.Tensor | None = None):
+        """topk_idx_TK: int64, -1 = not routed. Either topk_weights_TK (float32, 0 where not
+        routed) or `given`: floating [T, K] as the caller passed them, or None for 1.0 per
+        routed slot; either way unrouted slots read as 0 through topk_weights_TK."""
+        self._idx, self._weights, self._given = topk_idx_TK, topk_weights_TK, given
+
+    @property
+    def topk_idx_TK(self) -> torch.Tensor:
+        """int64 [T, K] expert of each slot, -1 = not routed."""
+        return self._idx
+
+    @property
+    def topk_weights_TK(self) -> torch.Tensor:
+        """float32 [T, K] routing weights, 0 where not routed (differentiable in the given ones)."""
+        if self._weights is None:
+            valid = self._idx >= 0
+            given = self._given
+            self._weights = valid.to(torch.float32) if given is None else torch.where(valid, given.to(torch.float32),
+                                                                                        0.0)
+        return self._weights
+
+    @property
+    def weights_as_given_TK(self) -> torch.Tensor:
+        """[T, K] weights for readers that skip unrouted slots (the cuda kernels, autograd): the
+        caller's as given where there are some (any floating dtype, unrouted slots as passed),
+        else topk_weights_TK."""
+        return self._given if self._given is not None else self.topk_weights_TK
 
     @property
     def num_tokens(self) -> int:
-        return self.topk_idx_TK.shape[0]
+        return self._idx.shape[0]
 
 
 def _check_tensor(name: str, value, dims: int) -> None:
@@ -96,13 +130,10 @@ def normalize_routing(
         )
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but x is on {device}")
-    idx = topk_idx.to(torch.int64)
+    idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)  # .to costs a microsecond
     if check_values:
         check_topk_values(idx, num_experts)
-    valid = idx >= 0
-    if topk_weights is None:
-        weights = valid.to(torch.float32)
-    else:
+    if topk_weights is not None:
         _check_tensor("topk_weights", topk_weights, 2)
         if not topk_weights.is_floating_point():
             raise TypeError(f"topk_weights must be a floating dtype, got {topk_weights.dtype}")
@@ -113,8 +144,7 @@ def normalize_routing(
             )
         if topk_weights.device != device:
             raise ValueError(f"topk_weights is on {topk_weights.device} but x is on {device}")
-        weights = torch.where(valid, topk_weights.to(torch.float32), 0.0)
-    return Routing(idx, weights)
+    return Routing(idx, given=topk_weights)  # masked when first read (Routing.topk_weights_TK)
 
 
 def _from_routing_map(num_tokens, num_experts, device, routing_map, probs) -> Routing:

@@ -1,7 +1,9 @@
 """The cuda backend's per-call host path (engine.Engine with ext.HostPath), on the CPU model.
 
 In static-size mode a dispatch + combine pair allocates only what the caller gets (output
-rows and probs, combine's y), runs no other tensor operation and reads nothing back; the
+rows and probs, combine's y), runs no other tensor operation and reads nothing back, in the
+engine and through the API (EmulatedGroup, and HybridEPBuffer over the cuda backend: the
+routing is not masked per call, since the kernels never read an unrouted slot's weight); the
 per-call tables reuse the engine's workspace once nothing refers to them, and never while a
 handle or a view of them lives. The error messages of bad arguments are the engine's own,
 word for word. The bench's host mode (hybrid_ep.bench.host) runs.
@@ -10,6 +12,7 @@ word for word. The bench's host mode (hybrid_ep.bench.host) runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import pytest
@@ -76,6 +79,93 @@ def test_static_pair_allocates_only_its_outputs_and_reads_nothing_back(group):
     for r in range(W):  # the results are right: apply_probs sums weight x row over the routes
         want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
         torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
+
+
+API_PAIR = {"empty": 3}  # per rank: out rows + probs, combine's y; no routing op, no view, no table
+
+
+def test_api_pair_allocates_only_its_outputs(group):
+    xs, idx, ws = _inputs()
+    for _ in range(2):  # the second leaves a workspace as referenced as in steady state
+        res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+        group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    del res
+    with _Ops() as mode:
+        res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+        ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    assert dict(mode.ops) == {k: v * W for k, v in API_PAIR.items()}, mode.ops
+    group.synchronize()
+    for r in range(W):
+        want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
+        torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
+        # tokens_per_expert, read when asked for: every route fits, so one row per route to r
+        routes = [int(((i // (E // W)) == r).sum()) for i in idx]
+        assert int(res[r].tokens_per_expert.sum()) == sum(routes)
+        assert torch.equal(res[r].tokens_per_expert, res[r].handle.tokens_per_expert)
+
+
+def test_buffer_pair_allocates_only_its_outputs(single_rank_group):
+    """HybridEPBuffer over the cuda backend, one rank per process: its last_call keeps the
+    last handle, and still no dispatch allocates a new workspace."""
+    from hybrid_ep.bench.host import _single_rank_buffer
+
+    g = EmulatedGroup(1, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        buf = _single_rank_buffer(g)
+        xs, idx, ws = _inputs()
+        x, i, w = xs[0], idx[0], ws[0]
+        for _ in range(2):
+            res = buf.dispatch(x, i, w, num_out_tokens=T * K)
+            buf.combine(res.tokens, res.handle, apply_probs=True)
+        del res
+        with _Ops() as mode:
+            res = buf.dispatch(x, i, w, num_out_tokens=T * K)
+            y = buf.combine(res.tokens, res.handle, apply_probs=True)
+        assert dict(mode.ops) == API_PAIR, mode.ops
+        assert buf.last_call.kind == "combine" and buf.last_call.handle is res.handle
+        g.synchronize()
+        torch.testing.assert_close(y, (w[:, :, None] * x[:, None, :]).sum(dim=1), rtol=1e-5, atol=1e-5)
+    finally:
+        g.close()
+
+
+def test_unrouted_weights_are_never_read(group):
+    """The weights reach the kernels as given: an unrouted slot's weight, nan here, changes
+    nothing; the routing's own topk_weights_TK still reads 0 there."""
+    xs, idx, ws = _inputs(4)
+    idx = [i.clone() for i in idx]
+    for i in idx:
+        i[::3, 1] = -1
+    nan = [torch.where(i >= 0, w, float("nan")) for i, w in zip(idx, ws)]
+    zero = [torch.where(i >= 0, w, 0.0) for i, w in zip(idx, ws)]
+    got = group.dispatch(xs, idx, nan, num_out_tokens=STATIC)
+    ys_got = group.combine([r.tokens for r in got], [r.handle for r in got], apply_probs=True)
+    want = group.dispatch(xs, idx, zero, num_out_tokens=STATIC)
+    ys_want = group.combine([r.tokens for r in want], [r.handle for r in want], apply_probs=True)
+    group.synchronize()
+    for g, w_, yg, yw, z in zip(got, want, ys_got, ys_want, zero):
+        assert torch.equal(g.tokens, w_.tokens) and torch.equal(g.probs, w_.probs)
+        assert torch.equal(yg, yw) and not yg.isnan().any()
+        assert torch.equal(g.handle.routing.topk_weights_TK, z)
+
+
+def test_handle_and_result_are_read_only(group):
+    xs, idx, ws = _inputs()
+    res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)[0]
+    h = res.handle
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.rank = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.tokens = None
+    with pytest.raises(AttributeError):
+        h.routing.topk_idx_TK = None
+    probs = torch.zeros_like(h.probs_R)
+    other = h.replace(probs_R=probs)
+    assert other.probs_R is probs and other.routing is h.routing and other.dest is h.dest
+    assert torch.equal(other.count_matrix_WW, h.count_matrix_WW)
+    with pytest.raises(TypeError, match="no field 'probs'"):
+        h.replace(probs=probs)
+    group.synchronize()
 
 
 def test_dynamic_dispatch_reads_back_once(group):
@@ -196,8 +286,11 @@ def test_bench_host_mode_writes_its_json(tmp_path):
                       "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "not a GPU number" in doc["what"]
+    assert doc["cpu_heap"].startswith(("glibc mallopt", "default ("))
     assert [p["world_size"] for p in doc["points"]] == [1, 2]
     for p in doc["points"]:
-        for level in ("engine", "group"):
+        levels = ("engine", "group") + (("buffer", "autograd") if p["world_size"] == 1 else ())
+        assert [k for k in host.LEVELS if k in p] == list(levels)
+        for level in levels:
             q = p[level]
             assert q["cpu_us_per_pair_per_rank"] == pytest.approx(q["cpu_us_per_pair"] / p["world_size"])

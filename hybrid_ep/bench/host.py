@@ -8,8 +8,17 @@ Per world size W (virtual ranks one call drives; 1 is production's one rank per 
 and data path: the median over the timed pairs of the wall time and of the thread's CPU
 time (on a loaded machine the CPU time is the steadier), per pair and per rank (/ W), at two
 levels: `engine` (Engine.dispatch + Engine.combine on routings normalised beforehand: the
-per-call host path this package owns below the API) and `group` (EmulatedGroup.dispatch +
-combine: the API's argument checks, routing normalisation and handles on top).
+per-call host path this package owns below the API), `group` (EmulatedGroup.dispatch +
+combine: the API's argument checks, routing normalisation and handles on top) and, at W = 1,
+`buffer` (HybridEPBuffer.dispatch + combine over the cuda backend, one rank per process as
+in production: the public API's path, on the same engine, in a torch.distributed world of
+one) and `autograd` (hybrid_ep.dispatch + combine on that buffer: Megatron's path, inputs
+without gradients).
+
+The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
+(steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while
+glibc's default mmap threshold moves with what was freed before, so a point's time depended
+on the points run before it (two modes, 8-10 us per rank apart).
 
 These are CPU measurements of the host path with stubbed launches, not GPU numbers: the
 GPU benchmark (`python -m hybrid_ep.bench --emulate W`) reports the host time per rank
@@ -19,16 +28,24 @@ next to the kernels'. Writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
+from ..autograd import combine as hep_combine
+from ..autograd import dispatch as hep_dispatch
 from ..metadata import metadata
 from ..routing import normalize_routing
 
+LEVELS = ("engine", "group", "buffer", "autograd")  # buffer and autograd at W = 1 only
 DEFAULTS = dict(worlds=(1, 2, 8), paths=("receive", "direct"), hidden=1024, tokens=256, topk=8, warmup=50,
                 iters=500)
 
@@ -37,6 +54,45 @@ def _routing(W: int, T: int, E: int, K: int, gen: torch.Generator):
     idx = [torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous() for _ in range(W)]
     w = [torch.rand(T, K, generator=gen) for _ in range(W)]
     return idx, w
+
+
+def steady_cpu_heap() -> str:
+    """Fix glibc's mmap and trim thresholds (mallopt) for this process, so allocations up to
+    32 MiB reuse heap memory instead of a new mapping each call; says what it set."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return "default (no glibc mallopt)"
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    if libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1:
+        return "default (mallopt refused)"
+    return "glibc mallopt: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB"
+
+
+@contextlib.contextmanager
+def _world_of_one():
+    """torch.distributed in this process as a world of one (gloo), unless it already is."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _single_rank_buffer(group):
+    """A HybridEPBuffer of one rank whose cuda backend drives `group`'s engine (W = 1)."""
+    from ..backends.cuda.backend import CudaBackend
+    from ..buffer import HybridEPBuffer
+
+    c = group.config
+    buf = HybridEPBuffer(None, c.hidden_dim, c.max_tokens_per_rank, c.num_experts, backend="reference",
+                         num_sms_dispatch=1, num_sms_combine=1)
+    buf._backend = CudaBackend.on_engine(buf.config, buf.rank, buf._owner, group.engine)
+    return buf
 
 
 def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: int, warmup: int,
@@ -61,15 +117,29 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
         res = group.dispatch(xs, idx, w, num_out_tokens=static)
         group.combine(expert_outs, [r.handle for r in res])
 
+    def buffer_pair():
+        res = buf.dispatch(xs[0], idx[0], w[0], num_out_tokens=static)
+        buf.combine(expert_outs[0], res.handle)
+
+    def autograd_pair():
+        res = hep_dispatch(buf, xs[0], idx[0], w[0], num_out_tokens=static)
+        hep_combine(buf, expert_outs[0], res.handle)
+
     def engine_pair():
         res = engine.dispatch(xs, [None] * W, routings, static, 1)
         engine.combine(expert_outs, [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res], False, 1)
 
     point = {"world_size": W, "data_path": data_path, "hidden": H, "tokens": T, "topk": K, "experts": E,
              "num_out_tokens": static, "iters": iters}
+    levels = [("engine", engine_pair), ("group", group_pair)]
+    stack = contextlib.ExitStack()
+    if W == 1:
+        stack.enter_context(_world_of_one())
+        buf = _single_rank_buffer(group)
+        levels += [("buffer", buffer_pair), ("autograd", autograd_pair)]
     ext.set_launches_enabled(False)
     try:
-        for level, pair in (("engine", engine_pair), ("group", group_pair)):
+        for level, pair in levels:
             wall, cpu = _time(pair, warmup, iters)
             wall_us, cpu_us = statistics.median(wall), statistics.median(cpu)
             deciles = statistics.quantiles(wall, n=10)
@@ -79,6 +149,7 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     finally:
         ext.set_launches_enabled(True)
         group.close()
+        stack.close()
     return point
 
 
@@ -103,18 +174,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="JSON file to write")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the host path is single-threaded; no pool threads in the timings
+    heap = steady_cpu_heap()
     points = []
     for W in args.worlds:
         for path in args.paths:
             p = measure(W, path, hidden=args.hidden, tokens=args.tokens, topk=args.topk, warmup=args.warmup,
                         iters=args.iters)
             points.append(p)
-            for level in ("engine", "group"):
+            for level in LEVELS:
+                if level not in p:
+                    continue
                 q = p[level]
                 print(f"W={W} {path} {level}: {q['cpu_us_per_pair_per_rank']:.1f} us CPU per pair per rank "
                       f"({q['cpu_us_per_pair']:.1f} per pair); wall {q['wall_us_per_pair_per_rank']:.1f} per rank",
                       flush=True)
     units = {"engine": "Engine.dispatch + Engine.combine", "group": "EmulatedGroup.dispatch + combine",
+             "buffer": "HybridEPBuffer.dispatch + combine (cuda backend, W = 1 only)",
+             "autograd": "hybrid_ep.dispatch + combine on that buffer (W = 1 only)",
              "wall_us_per_pair": "microseconds (median)", "wall_us_per_pair_per_rank": "microseconds (median / W)",
              "cpu_us_per_pair": "microseconds of this thread's CPU time (median)",
              "cpu_us_per_pair_per_rank": "microseconds of CPU time (median / W)",
@@ -125,6 +201,7 @@ def main(argv=None) -> int:
            "what": "host time per dispatch + combine pair, static size, cuda backend on the CPU model with "
                    "launches off (no kernel runs): a CPU measurement of the host path, not a GPU number",
            "command": "python -m hybrid_ep.bench.host " + " ".join(sys.argv[1:] if argv is None else argv),
+           "cpu_heap": heap,
            "points": points}
     if args.out:
         with open(args.out, "w") as f:

@@ -56,6 +56,16 @@ class CudaBackend(Backend):
                       else None)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma)
 
+    @classmethod
+    def on_engine(cls, config: BufferConfig, rank: int, owner: int, engine: Engine) -> "CudaBackend":
+        """This backend over an engine built elsewhere, e.g. an EmulatedGroup's of one rank on
+        the CPU model: the host-time bench (hybrid_ep.bench.host) times the one-rank-per-process
+        API path with it, where no GPU and no peer processes are at hand."""
+        self = cls.__new__(cls)
+        Backend.__init__(self, config, None, rank, owner)
+        self._device, self._buffers, self._rdma, self._engine = engine.device, None, None, engine
+        return self
+
     @property
     def device(self) -> torch.device:
         return self._device

@@ -106,7 +106,8 @@ class EmulatedGroup:
                 recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
                 node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
             )
-            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, res.recv.tokens_per_expert_L, handle))
+            # tokens_per_expert: made when read (a view of the call's tables)
+            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, None, handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:

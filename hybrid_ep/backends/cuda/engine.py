@@ -71,6 +71,12 @@ PHASE_TEXT = {
 }
 
 
+# Workspaces kept per call layout for reuse: two, because a buffer's last_call keeps the last
+# dispatch's handle (so its tables) while the next call runs; one more would serve only
+# callers that keep handles, which keep their own tables anyway.
+KEPT_WORKSPACES = 2
+
+
 class RoutingError(ValueError):
     pass
 
@@ -289,17 +295,22 @@ def check_extension(ext) -> None:
                                f"{rebuild}, or name the new code there")
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """Detached, float32 and contiguous: a no-op for what already is."""
-    if t.requires_grad:
-        t = t.detach()
+    """float32 and contiguous, for a kernel to read: a no-op (no detach either) for what
+    already is; a conversion is made from the detached tensor, so it records no graph."""
     if t.dtype != torch.float32:
-        t = t.float()
-    return t if t.is_contiguous() else t.contiguous()
+        return t.detach().float().contiguous()
+    return t if t.is_contiguous() else t.detach().contiguous()
 
 
 def _aligned(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -385,7 +396,7 @@ class Engine:
                              L=config.experts_per_rank, max_tokens=config.max_tokens_per_rank,
                              max_chunks=int(self.reg.max_chunks), kd=int(self.reg.meta_entries), info=self.info)
         self._call_layouts: dict[tuple[int, bool], object] = {}  # (K, direct) -> ext.CallLayout
-        self._workspaces: dict[tuple[int, bool], CallWorkspace] = {}  # the last of each layout, for reuse
+        self._workspaces: dict[tuple[int, bool], list[CallWorkspace]] = {}  # the last of each layout, for reuse
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -466,6 +477,8 @@ class Engine:
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
         a.chunk_tokens = CHUNK_TOKENS
+        if kind.startswith("dispatch") and dtype_name == "float8_e4m3fn":
+            a.scale_cols = row_elems // FP8_BLOCK  # fp8 rows carry their scales
         a.timeout_ns = self.timeout_ns
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr
@@ -499,31 +512,41 @@ class Engine:
         self._launch_cache[key] = a
         return a
 
+    def _declaring(self) -> bool:
+        """Whether the next launches declare their tensors: on the CPU model, launches on. The
+        callers ask first, so that neither a GPU nor the launches-off host bench builds the lists."""
+        return self._declares_tensors and self.ext.launches_enabled()
+
     def _declare(self, tensors, regions=()) -> None:
         """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
-        if self._declares_tensors and self.ext.launches_enabled():
-            self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
-                                          if t is not None and t.numel() > 0] + list(regions) +
-                                         [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
-                                         (self.rdma.declared() if self.rdma is not None else []) +
-                                         [(self.abort.data_ptr(), 4)])
+        self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+                                      if t is not None and t.numel() > 0] + list(regions) +
+                                     [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
+                                     (self.rdma.declared() if self.rdma is not None else []) +
+                                     [(self.abort.data_ptr(), 4)])
 
     def _workspace(self, topk: int, direct: bool) -> CallWorkspace:
-        """A workspace for a call of up to `topk` routes per token: the last one of this layout
-        when nothing refers to it any more (no handle, no view; on a GPU, last used on this
-        stream, so it is reused in stream order), else a new one."""
+        """A workspace for a call of up to `topk` routes per token: one of the last
+        KEPT_WORKSPACES of this layout that nothing refers to any more (no handle, no view; on
+        a GPU, last used on this stream, so it is reused in stream order), else a new one."""
         key = (topk, direct)
         stream = self._stream()
-        ws = self._workspaces.get(key)
-        # Unreferenced: the dict's and the argument's references to the object, and the
-        # tensor plus the storage object made to count (an int32 view adds one).
-        if (ws is not None and ws.stream == stream and sys.getrefcount(ws) == 3
-                and _storage_refs(ws.i64) == (2 if ws._i32 is None else 3)):
-            return ws
+        kept = self._workspaces.get(key)
+        if kept is None:
+            kept = self._workspaces[key] = []
+        for ws in kept:
+            # Unreferenced: the list's and the loop's references to the object, getrefcount's
+            # argument, and the tensor plus the storage object made to count (an int32 view adds one).
+            if (ws.stream == stream and sys.getrefcount(ws) == 3
+                    and _storage_refs(ws.i64) == (2 if ws._i32 is None else 3)):
+                return ws
         layout = self._call_layouts.get(key)
         if layout is None:
             layout = self._call_layouts[key] = self.ext.call_layout(self.geo, self._shape.kd, topk, direct)
-        ws = self._workspaces[key] = CallWorkspace(len(self.ranks), layout, self.device, stream)
+        ws = CallWorkspace(len(self.ranks), layout, self.device, stream)
+        kept.append(ws)
+        if len(kept) > KEPT_WORKSPACES:
+            del kept[0]  # still referenced by its handles, which free it
         return ws
 
     def _absent_mask(self, ranks) -> int:
@@ -538,38 +561,38 @@ class Engine:
         dtype_name = _dtype_name(xs[0].dtype)
         launch.check_row_bytes("x", H, dtype_name)
         fp8 = dtype_name == "float8_e4m3fn"
-        for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
-            if routing.topk_idx_TK.shape[1] > MAX_TOPK:
-                raise ValueError(f"topk_idx has {routing.topk_idx_TK.shape[1]} routes per token on rank {r}; "
-                                 f"the cuda backend supports up to {MAX_TOPK}")
-            if x.dtype != xs[0].dtype:
-                raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {xs[0].dtype}; "
-                                f"one call moves one dtype")
-            if fp8 and sc is None:
-                raise ValueError(f"scales: fp8 x on rank {r} needs its float32 scales [num_tokens, "
-                                 f"hidden_dim / {FP8_BLOCK}] (a re-dispatch with a reused handle too)")
-            if fp8 and tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
-                raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
-                                 f"got {list(sc.shape)}")
-        direct = self.data_path == "direct"
-        args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
-        args.scale_cols = H // FP8_BLOCK if fp8 else 0
-        dev = self.device
+        dtype = xs[0].dtype
         inputs, keep, topk = [], [], 0
-        for x, sc, routing in zip(xs, scales, routings):
+        for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
-            if not idx.is_contiguous():
-                idx = idx.contiguous()
-            w = _fp32(routing.topk_weights_TK)
             T, K = idx.shape
-            topk = max(topk, K)
-            x, x_ptr = _aligned(x)
+            if K > MAX_TOPK:
+                raise ValueError(f"topk_idx has {K} routes per token on rank {r}; "
+                                 f"the cuda backend supports up to {MAX_TOPK}")
+            if x.dtype != dtype:
+                raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
+                                f"one call moves one dtype")
             sc_ptr = 0
             if fp8:
+                if sc is None:
+                    raise ValueError(f"scales: fp8 x on rank {r} needs its float32 scales [num_tokens, "
+                                     f"hidden_dim / {FP8_BLOCK}] (a re-dispatch with a reused handle too)")
+                if tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
+                    raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
+                                     f"got {list(sc.shape)}")
                 sc = _fp32(sc)
                 sc_ptr = sc.data_ptr()
+            if not idx.is_contiguous():
+                idx = idx.contiguous()
+            w = _fp32(routing.weights_as_given_TK)  # unrouted slots are never read
+            if K > topk:
+                topk = K
+            x, x_ptr = _aligned(x)
             inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
             keep.append((x, sc, idx, w))
+        direct = self.data_path == "direct"
+        args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
+        dev = self.device
         call = self._workspace(topk, direct)
         stream = self._stream()
         absent = self._absent_mask(self.absent.ranks)
@@ -580,7 +603,8 @@ class Engine:
         elif known_rows is not None:
             rows = list(known_rows)
         else:
-            self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
+            if self._declaring():
+                self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
             self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
             needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
             self.raise_if_failed()
@@ -597,9 +621,9 @@ class Engine:
             results.append(RankDispatch(out, out_scales, out_probs,
                                         CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
                                         CudaRecvLayout(call, i, shape, R)))
-        self._in_flight["dispatch"] = [t for k in keep for t in k if t is not None]
-        if self._declares_tensors:
-            self._declare(self._in_flight["dispatch"] + [self.arena_bases] +
+        self._in_flight["dispatch"] = keep
+        if self._declaring():
+            self._declare([t for k in keep for t in k] + [self.arena_bases] +
                           [t for r in results for t in (r.rows_RH, r.scales_RB, r.probs_R)],
                           [(call.ptr, call.i64.numel() * 8)])
         if static or known_rows is not None:
@@ -644,7 +668,7 @@ class Engine:
             keep += (x, p)
             outs.append(y)
         self._in_flight["combine"] = keep
-        if self._declares_tensors:
+        if self._declaring():
             self._declare(keep + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
         self.host.combine(args, direct, self._stream(), inputs, self._absent_mask(self.absent.ranks))
