@@ -39,7 +39,7 @@ from .reference_layout import (
     routes_per_row,
     send_layout,
 )
-from .reference_message import Messages, message_rows
+from .reference_message import Messages, block_starts, message_rows
 
 _HW = agreement.HEADER_WORDS
 
@@ -89,13 +89,9 @@ class ReferenceBackend(Backend):
 
     def _put_headers(self, message: torch.Tensor, call: int, fields: dict, handle: DispatchHandle,
                      starts: list[int], header_rows: int) -> None:
-        """The header of a call with a handle in front of every block; the padded block is made
-        once per handle and call kind."""
-        words = self._message(call, fields, handle)
-        key = ("header block", call, *fields.items(), message.shape[1], header_rows, len(starts))
-        block = self._memo(handle.dest, key,
-                           lambda: self._msg.header_block(words, header_rows, message.shape[1], len(starts)))
-        self._msg.put_headers(message, words, starts, header_rows, block)
+        """The header of a call with a handle in front of every block (its words made once per
+        handle and call kind)."""
+        self._msg.put_headers(message, self._message(call, fields, handle), starts, header_rows)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -279,7 +275,7 @@ class ReferenceBackend(Backend):
         send_W, recv_W = _back_blocks(dest.block_rows_W, width, values_R, B, L), \
             _back_blocks(source.block_rows_W, width, values_R, B, L)
         P = message_rows(send_W, header_rows)
-        starts = _starts(send_W, header_rows)
+        starts = block_starts(send_W, header_rows)
         at = self._memo(dest, ("at", header_rows, tuple(send_W)), lambda: self._msg.row_map(
             starts, list(dest.block_rows_W), header_rows, dest.num_recv_rows, P - 1)[dest.src_of_row_R])
         # Rows past the last block: the dummy row (P - 1), where padding rows land, and room for
@@ -340,15 +336,15 @@ class ReferenceBackend(Backend):
         it lies, with no gather; row T collects the rows of no token (static blocks' padding)."""
         cfg = self.config
         G, T, H = cfg.ranks_per_node, source.num_tokens, recv_SH.shape[1]
-        blocks, first, y = source.block_rows_W, 0, None
+        blocks, y = source.block_rows_W, None
+        tokens_W = self._memo(source, ("tokens of blocks",), lambda: _tokens_of_blocks(source))
         for n in range(cfg.num_nodes):
             part = torch.zeros(T + 1, H, device=self._device)
             for d in range(n * G, (n + 1) * G):
-                rows = blocks[d]
-                if rows:
+                if blocks[d]:
                     lo = starts[d] + header_rows
-                    part.index_add_(0, source.token_of_row[first:first + rows], recv_SH[lo:lo + rows].float())
-                first += rows
+                    rows = recv_SH[lo:lo + blocks[d]]
+                    part.index_add_(0, tokens_W[d], rows if rows.dtype == torch.float32 else rows.float())
             if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
                 part = part.to(wire).float()
             y = part if y is None else y.add_(part)
@@ -370,20 +366,20 @@ class ReferenceBackend(Backend):
         )
 
 
+def _tokens_of_blocks(source: SendLayout) -> list[torch.Tensor]:
+    """The token of each row of each rank's block of a send layout (its rows in packed order)."""
+    out, first = [], 0
+    for rows in source.block_rows_W:
+        out.append(source.token_of_row[first:first + rows])
+        first += rows
+    return out
+
+
 def _back_blocks(block_rows_W, width: int, values_R, row_bytes: int, num_local: int) -> list[int]:
     """Rows of each peer's block on the way back, headers aside: its partial rows (if any),
     then the rows its local-expert values take (if any)."""
     return [(c if width else 0) + (-(-c * 4 * num_local // row_bytes) if values_R is not None else 0)
             for c in block_rows_W]
-
-
-def _starts(block_rows_W: list[int], header_rows: int) -> list[int]:
-    """The first row of each block of a message, each block after its header rows."""
-    starts, row = [], 0
-    for c in block_rows_W:
-        starts.append(row)
-        row += header_rows + c
-    return starts
 
 
 def _with_blocks(layout: SendLayout, block_rows_W: list[int]) -> SendLayout:

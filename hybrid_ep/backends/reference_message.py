@@ -34,6 +34,15 @@ def message_rows(block_rows_W, header_rows: int) -> int:
     return sum(block_rows_W) + len(block_rows_W) * header_rows + 1
 
 
+def block_starts(block_rows_W, header_rows: int) -> list[int]:
+    """The first row of each block of a message, each block after its header rows."""
+    starts, row = [], 0
+    for c in block_rows_W:
+        starts.append(row)
+        row += header_rows + c
+    return starts
+
+
 class Messages:
     def __init__(self, device: torch.device):
         self.device = device
@@ -107,10 +116,8 @@ class Messages:
         found = self._recall(key)
         if found is not None:
             return found
-        starts, row = [], 0
-        for c in counts_W:
-            starts.append(row)
-            row += header_rows + c
+        starts = block_starts(counts_W, header_rows)
+        row = message_rows(counts_W, header_rows) - 1
         positions = self._new_row_map(starts, counts_W, header_rows, length, row)
         inverse = torch.full((row + 1,), length, dtype=torch.int64, device=self.device)
         inverse[positions] = torch.arange(length + 1, device=self.device)
@@ -125,22 +132,22 @@ class Messages:
         rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
         return self._remember(key, rows.reshape(-1))
 
-    @staticmethod
-    def header_block(words: torch.Tensor, header_rows: int, row_bytes: int, copies: int) -> torch.Tensor:
-        """[copies * header_rows, row_bytes] uint8: the header words (int64), zero-padded to
-        header_rows rows, once per block."""
-        block = torch.nn.functional.pad(words.view(torch.uint8), (0, header_rows * row_bytes - words.numel() * 8))
-        return block.view(header_rows, row_bytes).repeat(copies, 1)
+    def _header_bytes(self, starts: list[int], row_bytes: int, num_bytes: int) -> torch.Tensor:
+        """[blocks, num_bytes] int64: where the first num_bytes of every block lie in the flat bytes
+        of a message of row_bytes per row."""
+        key = ("header bytes", tuple(starts), row_bytes, num_bytes)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        at = self.ints(starts)[:, None] * row_bytes + torch.arange(num_bytes, device=self.device)
+        return self._remember(key, at)
 
-    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int,
-                    block: torch.Tensor | None = None):
-        """Write the header words (int64) into the first header_rows rows of every block
-        (block: their header_block, where the caller kept it)."""
-        if not header_rows:
-            return
-        if block is None:
-            block = self.header_block(words, header_rows, message_PB.shape[1], len(starts))
-        message_PB[self._header_rows(starts, header_rows)] = block
+    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int):
+        """Write the header words (int64) at the start of every block, in one indexed copy; the
+        rest of a block's header rows is never read."""
+        if header_rows:
+            at = self._header_bytes(starts, message_PB.shape[1], words.numel() * 8)
+            message_PB.view(-1)[at] = words.view(torch.uint8)
 
     def read_headers(self, recv_PB: torch.Tensor, starts: list[int], num_words: int) -> torch.Tensor:
         """[W, num_words] int64: the first words of every peer's block."""

@@ -115,14 +115,14 @@ def rank_traffic(op: str, rank: int, counts: RowCounts, row_bytes: int) -> Traff
 def dispatch_row_bytes(hidden_dim: int, dtype: torch.dtype) -> int:
     from ..fp8 import is_fp8, num_scale_blocks
 
-    size = hidden_dim * torch.empty((), dtype=dtype).element_size()
+    size = hidden_dim * dtype.itemsize
     if is_fp8(dtype):
         size += num_scale_blocks(hidden_dim) * 4
     return size
 
 
 def combine_row_bytes(hidden_dim: int, dtype: torch.dtype) -> int:
-    return hidden_dim * torch.empty((), dtype=dtype).element_size()
+    return hidden_dim * dtype.itemsize
 
 
 def count_tables(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig) -> tuple[torch.Tensor, torch.Tensor]:
