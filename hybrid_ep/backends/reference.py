@@ -261,7 +261,7 @@ class ReferenceBackend(Backend):
         sent back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
         node sums of remote nodes are rounded once more (the forwarders' hop).
 
-        A message row is one partial row (wire dtype, padded to whole fp32 words); each peer's
+        A message row is one partial row (wire dtype: whole fp32 words); each peer's
         block holds its header rows, its partial rows, then its rows' local-expert values
         packed densely in as many more rows as they take (the values alone: rows of L fp32).
         So the partials are dense rows on both sides: the sums are row adds, no strided copy."""
@@ -269,7 +269,7 @@ class ReferenceBackend(Backend):
         if handle.num_out_tokens is not None:
             self._exchange.run_deferred_checks()
         width = 0 if rows_RH is None else rows_RH.shape[1] * wire.itemsize
-        B = -(-width // 4) * 4 if width else 4 * L
+        B = width or 4 * L  # width: a multiple of 4 bytes (hidden_dim is a multiple of 4)
         F = B // 4  # fp32 words per row
         header_rows = -(-_HW * 8 // B)
         send_W, recv_W = _back_blocks(dest.block_rows_W, width, values_R, B, L), \
@@ -291,9 +291,7 @@ class ReferenceBackend(Backend):
                 partial.index_add_(0, at, vals_RH)
             else:
                 partial = torch.zeros(message.shape[0], rows_RH.shape[1], dtype=torch.float32, device=self._device)
-                if width != B:
-                    message.zero_()
-                message[:, :width] = _as_bytes(partial.index_add_(0, at, vals_RH).to(wire))
+                message[:] = _as_bytes(partial.index_add_(0, at, vals_RH).to(wire))  # zero where no row adds
         else:
             message.zero_()
         if values_R is not None:
