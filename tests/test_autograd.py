@@ -18,6 +18,8 @@ CASES = [
     (Case(4, 2, 8, 32, (12, 12, 12, 12), 2, num_out_tokens=9, seed=25), True),
     (Case(4, 2, 8, 32, (6, 0, 9, 4), 2, num_out_tokens=40, pad_multiple=4, seed=27), False),  # trailing zero rows
     (Case(2, 1, 4, 32, (8, 8), 1, routing="one-expert", seed=26), False),
+    # 16 local experts, rows of 8 fp32: on the way back a row's values take two rows of their own.
+    (Case(4, 2, 64, 8, (6, 3, 9, 4), 3, seed=28), True),
 ]
 
 

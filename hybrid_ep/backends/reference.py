@@ -39,7 +39,7 @@ from .reference_layout import (
     routes_per_row,
     send_layout,
 )
-from .reference_message import Messages, message_rows
+from .reference_message import Messages, block_starts, message_rows
 
 _HW = agreement.HEADER_WORDS
 
@@ -89,13 +89,9 @@ class ReferenceBackend(Backend):
 
     def _put_headers(self, message: torch.Tensor, call: int, fields: dict, handle: DispatchHandle,
                      starts: list[int], header_rows: int) -> None:
-        """The header of a call with a handle in front of every block; the padded block is made
-        once per handle and call kind."""
-        words = self._message(call, fields, handle)
-        key = ("header block", call, *fields.items(), message.shape[1], header_rows, len(starts))
-        block = self._memo(handle.dest, key,
-                           lambda: self._msg.header_block(words, header_rows, message.shape[1], len(starts)))
-        self._msg.put_headers(message, words, starts, header_rows, block)
+        """The header of a call with a handle in front of every block (its words made once per
+        handle and call kind)."""
+        self._msg.put_headers(message, self._message(call, fields, handle), starts, header_rows)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -263,33 +259,47 @@ class ReferenceBackend(Backend):
 
         Combine reduces a token's local experts first: one fp32 partial row per received row,
         sent back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
-        node sums of remote nodes are rounded once more (the forwarders' hop)."""
+        node sums of remote nodes are rounded once more (the forwarders' hop).
+
+        A message row is one partial row (wire dtype: whole fp32 words); each peer's
+        block holds its header rows, its partial rows, then its rows' local-expert values
+        packed densely in as many more rows as they take (the values alone: rows of L fp32).
+        So the partials are dense rows on both sides: the sums are row adds, no strided copy."""
         dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
         if handle.num_out_tokens is not None:
             self._exchange.run_deferred_checks()
         width = 0 if rows_RH is None else rows_RH.shape[1] * wire.itemsize
-        B = width + (4 * L if values_R is not None else 0)
+        B = width or 4 * L  # width: a multiple of 4 bytes (hidden_dim is a multiple of 4)
+        F = B // 4  # fp32 words per row
         header_rows = -(-_HW * 8 // B)
-        positions, starts, _ = self._msg.blocks(list(dest.block_rows_W), header_rows, dest.num_recv_rows)
-        at = self._memo(dest, ("at", header_rows), lambda: positions[dest.src_of_row_R])
-        P = message_rows(dest.block_rows_W, header_rows)
-        # One message of [partial sums in the wire dtype | routing-weight values (fp32)] per row.
-        message = self._exchange.message(P, B)
+        send_W, recv_W = _back_blocks(dest.block_rows_W, width, values_R, B, L), \
+            _back_blocks(source.block_rows_W, width, values_R, B, L)
+        P = message_rows(send_W, header_rows)
+        starts = block_starts(send_W, header_rows)
+        at = self._memo(dest, ("at", header_rows, tuple(send_W)), lambda: self._msg.row_map(
+            starts, list(dest.block_rows_W), header_rows, dest.num_recv_rows, P - 1)[dest.src_of_row_R])
+        # Rows past the last block: the dummy row (P - 1), where padding rows land, and room for
+        # their L values.
+        message = self._exchange.message(P - 1 + max(1, -(-L // F)), B)
         if rows_RH is not None:
             vals_RH = rows_RH.detach().float()
             if apply_probs:
                 vals_RH = vals_RH * handle.probs_R.detach()[:, None]
-            if wire == torch.float32:
-                partial = message.view(torch.float32)[:, :rows_RH.shape[1]]
+            if wire == torch.float32:  # the message's rows are the partial rows: summed in place
+                partial = message.view(torch.float32)
                 partial.zero_()
                 partial.index_add_(0, at, vals_RH)
             else:
-                partial = torch.zeros(P, rows_RH.shape[1], dtype=torch.float32, device=self._device)
-                message[:, :width] = _as_bytes(partial.index_add_(0, at, vals_RH).to(wire))
+                partial = torch.zeros(message.shape[0], rows_RH.shape[1], dtype=torch.float32, device=self._device)
+                message[:] = _as_bytes(partial.index_add_(0, at, vals_RH).to(wire))  # zero where no row adds
+        else:
+            message.zero_()
         if values_R is not None:
-            vals_PL = message.view(torch.float32)[:, width // 4:]
-            vals_PL.zero_()
-            vals_PL[at, dest.expert_of_row_R] = values_R.detach().float()
+            before = list(dest.block_rows_W) if width else [0] * len(send_W)
+            slots = self._memo(dest, ("value slots", header_rows, F, tuple(send_W)), lambda: self._msg.value_slots(
+                starts, list(dest.block_rows_W), header_rows, before, F, L, (P - 1) * F,
+            )[dest.src_of_row_R] + dest.expert_of_row_R)
+            message.view(-1).view(torch.float32)[slots] = values_R.detach().float()
         if rows_RH is None:
             call, fields = agreement.PROBS_BACKWARD, {}
         else:
@@ -297,7 +307,6 @@ class ReferenceBackend(Backend):
                                                "hidden": rows_RH.shape[1],
                                                "routing-weight gradients sent back": values_R is not None}
         self._put_headers(message, call, fields, handle, starts, header_rows)
-        send_W, recv_W = list(dest.block_rows_W), list(source.block_rows_W)
         recv, starts = self._exchange.all_to_all(message, [header_rows + c for c in send_W],
                                                  [header_rows + c for c in recv_W], header_rows, agreement.PHASES[call])
         self._check(self._msg.read_headers(recv, starts, _HW), call, fields)
@@ -306,11 +315,14 @@ class ReferenceBackend(Backend):
             recv_SH = recv.view(wire)[:, :rows_RH.shape[1]]
             y_TH = self._sum_partials(recv_SH, starts, header_rows, source, wire).to(rows_RH.dtype)
         if values_R is not None:
-            S = sum(recv_W)
-            rows_of = self._msg.row_map(starts, recv_W, header_rows, S, recv.shape[0] - 1)
-            at_slot = self._memo(source, ("slot rows", tuple(starts), header_rows),
-                                 lambda: rows_of[source.slot_row_TK.clamp(max=S)])
-            out_TK = recv.view(torch.float32)[:, width // 4:][at_slot, source.slot_local_TK]
+            S = sum(source.block_rows_W)
+            before = list(source.block_rows_W) if width else [0] * len(recv_W)
+            none = (recv.shape[0] - 1) * F  # the receive's zero row: the value of a slot not routed
+            at_slot = self._memo(source, ("value slots", tuple(starts), header_rows, F, tuple(recv_W), none),
+                                 lambda: self._msg.value_slots(starts, list(source.block_rows_W), header_rows, before,
+                                                               F, L, none)[source.slot_row_TK.clamp(max=S)]
+                                 + source.slot_local_TK)
+            out_TK = recv.view(-1).view(torch.float32)[at_slot]
         return y_TH, out_TK
 
     def _sum_partials(self, recv_SH: torch.Tensor, starts: list[int], header_rows: int, source: SendLayout,
@@ -322,15 +334,15 @@ class ReferenceBackend(Backend):
         it lies, with no gather; row T collects the rows of no token (static blocks' padding)."""
         cfg = self.config
         G, T, H = cfg.ranks_per_node, source.num_tokens, recv_SH.shape[1]
-        blocks, first, y = source.block_rows_W, 0, None
+        blocks, y = source.block_rows_W, None
+        tokens_W = self._memo(source, ("tokens of blocks",), lambda: _tokens_of_blocks(source))
         for n in range(cfg.num_nodes):
             part = torch.zeros(T + 1, H, device=self._device)
             for d in range(n * G, (n + 1) * G):
-                rows = blocks[d]
-                if rows:
+                if blocks[d]:
                     lo = starts[d] + header_rows
-                    part.index_add_(0, source.token_of_row[first:first + rows], recv_SH[lo:lo + rows].float())
-                first += rows
+                    rows = recv_SH[lo:lo + blocks[d]]
+                    part.index_add_(0, tokens_W[d], rows if rows.dtype == torch.float32 else rows.float())
             if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
                 part = part.to(wire).float()
             y = part if y is None else y.add_(part)
@@ -352,6 +364,22 @@ class ReferenceBackend(Backend):
         )
 
 
+def _tokens_of_blocks(source: SendLayout) -> list[torch.Tensor]:
+    """The token of each row of each rank's block of a send layout (its rows in packed order)."""
+    out, first = [], 0
+    for rows in source.block_rows_W:
+        out.append(source.token_of_row[first:first + rows])
+        first += rows
+    return out
+
+
+def _back_blocks(block_rows_W, width: int, values_R, row_bytes: int, num_local: int) -> list[int]:
+    """Rows of each peer's block on the way back, headers aside: its partial rows (if any),
+    then the rows its local-expert values take (if any)."""
+    return [(c if width else 0) + (-(-c * 4 * num_local // row_bytes) if values_R is not None else 0)
+            for c in block_rows_W]
+
+
 def _with_blocks(layout: SendLayout, block_rows_W: list[int]) -> SendLayout:
     return dataclasses.replace(layout, block_rows_W=tuple(block_rows_W))
 
@@ -363,4 +391,5 @@ def _longest_message(cfg) -> int:
     experts) or the count message of a routing. A receive posted at this size takes any call."""
     W, T, H, L, E = cfg.world_size, cfg.max_tokens_per_rank, cfg.hidden_dim, cfg.experts_per_rank, cfg.num_experts
     widest = 4 * H + 5 * L
-    return (_HW + 2 * W) * 8 + widest + max(T * widest, (2 * W + E) * 8)
+    # One more widest row: combine's values take their own rows after the partial rows.
+    return (_HW + 2 * W) * 8 + 2 * widest + max(T * widest, (2 * W + E) * 8)

@@ -21,9 +21,26 @@ from ..rows import from_byte_rows
 _KEPT = 64
 
 
+def _firsts(counts_W: list[int]) -> list[int]:
+    """The packed index of each rank block's first row."""
+    first = [0] * len(counts_W)
+    for s in range(1, len(counts_W)):
+        first[s] = first[s - 1] + counts_W[s - 1]
+    return first
+
+
 def message_rows(block_rows_W, header_rows: int) -> int:
     """Rows of a message of these blocks, each after its header rows, plus the dummy row."""
     return sum(block_rows_W) + len(block_rows_W) * header_rows + 1
+
+
+def block_starts(block_rows_W, header_rows: int) -> list[int]:
+    """The first row of each block of a message, each block after its header rows."""
+    starts, row = [], 0
+    for c in block_rows_W:
+        starts.append(row)
+        row += header_rows + c
+    return starts
 
 
 class Messages:
@@ -59,16 +76,35 @@ class Messages:
             return found
         return self._remember(key, self._new_row_map(starts, counts_W, header_rows, length, none_row))
 
+    def value_slots(self, starts: list[int], counts_W: list[int], header_rows: int, rows_before_W: list[int],
+                    row_floats: int, num_local: int, none_slot: int) -> torch.Tensor:
+        """[sum(counts_W) + 1] int64: the first fp32 slot (in the flat fp32 view of a message of
+        row_floats fp32 per row) of each packed row's num_local values. Rank s's values are
+        dense, in packed order, in the rows after its header rows and rows_before_W[s] rows
+        (the partial sums of a combine); the last entry -> none_slot."""
+        key = ("values", tuple(starts), tuple(counts_W), header_rows, tuple(rows_before_W), row_floats, num_local,
+               none_slot)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        first = _firsts(counts_W)
+        shift = [(starts[s] + header_rows + rows_before_W[s]) * row_floats - first[s] * num_local
+                 for s in range(len(counts_W))]
+        return self._remember(key, self._packed_map(shift, counts_W, sum(counts_W), none_slot, num_local))
+
     def _new_row_map(self, starts, counts_W, header_rows, length, none_row):
+        first = _firsts(counts_W)
+        shift = [starts[s] + header_rows - first[s] for s in range(len(counts_W))]
+        return self._packed_map(shift, counts_W, length, none_row, 1)
+
+    def _packed_map(self, shift_W: list[int], counts_W: list[int], length: int, none: int, scale: int):
+        """[length + 1] int64: packed row r of rank s's block -> r * scale + shift_W[s]; rows past
+        the blocks and the last entry -> none."""
         total = sum(counts_W)
-        out = torch.full((length + 1,), none_row, dtype=torch.int64, device=self.device)
+        out = torch.full((length + 1,), none, dtype=torch.int64, device=self.device)
         if total:
-            first = [0] * len(counts_W)
-            for s in range(1, len(counts_W)):
-                first[s] = first[s - 1] + counts_W[s - 1]
-            shift = self.ints([starts[s] + header_rows - first[s] for s in range(len(counts_W))])
-            rank_of_row = torch.repeat_interleave(shift, self.ints(counts_W), output_size=total)
-            out[:total] = torch.arange(total, device=self.device) + rank_of_row
+            rank_of_row = torch.repeat_interleave(self.ints(shift_W), self.ints(counts_W), output_size=total)
+            out[:total] = torch.arange(0, total * scale, scale, device=self.device) + rank_of_row
         return out
 
     def blocks(self, counts_W: list[int], header_rows: int, length: int
@@ -80,10 +116,8 @@ class Messages:
         found = self._recall(key)
         if found is not None:
             return found
-        starts, row = [], 0
-        for c in counts_W:
-            starts.append(row)
-            row += header_rows + c
+        starts = block_starts(counts_W, header_rows)
+        row = message_rows(counts_W, header_rows) - 1
         positions = self._new_row_map(starts, counts_W, header_rows, length, row)
         inverse = torch.full((row + 1,), length, dtype=torch.int64, device=self.device)
         inverse[positions] = torch.arange(length + 1, device=self.device)
@@ -98,22 +132,22 @@ class Messages:
         rows = self.ints(starts)[:, None] + torch.arange(header_rows, device=self.device)
         return self._remember(key, rows.reshape(-1))
 
-    @staticmethod
-    def header_block(words: torch.Tensor, header_rows: int, row_bytes: int, copies: int) -> torch.Tensor:
-        """[copies * header_rows, row_bytes] uint8: the header words (int64), zero-padded to
-        header_rows rows, once per block."""
-        block = torch.nn.functional.pad(words.view(torch.uint8), (0, header_rows * row_bytes - words.numel() * 8))
-        return block.view(header_rows, row_bytes).repeat(copies, 1)
+    def _header_bytes(self, starts: list[int], row_bytes: int, num_bytes: int) -> torch.Tensor:
+        """[blocks, num_bytes] int64: where the first num_bytes of every block lie in the flat bytes
+        of a message of row_bytes per row."""
+        key = ("header bytes", tuple(starts), row_bytes, num_bytes)
+        found = self._recall(key)
+        if found is not None:
+            return found
+        at = self.ints(starts)[:, None] * row_bytes + torch.arange(num_bytes, device=self.device)
+        return self._remember(key, at)
 
-    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int,
-                    block: torch.Tensor | None = None):
-        """Write the header words (int64) into the first header_rows rows of every block
-        (block: their header_block, where the caller kept it)."""
-        if not header_rows:
-            return
-        if block is None:
-            block = self.header_block(words, header_rows, message_PB.shape[1], len(starts))
-        message_PB[self._header_rows(starts, header_rows)] = block
+    def put_headers(self, message_PB: torch.Tensor, words: torch.Tensor, starts: list[int], header_rows: int):
+        """Write the header words (int64) at the start of every block, in one indexed copy; the
+        rest of a block's header rows is never read."""
+        if header_rows:
+            at = self._header_bytes(starts, message_PB.shape[1], words.numel() * 8)
+            message_PB.view(-1)[at] = words.view(torch.uint8)
 
     def read_headers(self, recv_PB: torch.Tensor, starts: list[int], num_words: int) -> torch.Tensor:
         """[W, num_words] int64: the first words of every peer's block."""
