@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Does the CPU model bite? Plant one defect at a time in the real kernels, rebuild
-hybrid_ep._model in a scratch copy of the checkout, run the model's kernel tests there, and
-report which test failed and with what message. Each defect lives only in the scratch copy.
+hybrid_ep._model in a scratch copy of the checkout, run the model's kernel tests there (the
+several-node tests for a defect of the RDMA path), and report which test failed and with what
+message. Each defect lives only in the scratch copy.
 
     python scripts/model_mutations.py                 # every defect, then a clean control run
     python scripts/model_mutations.py --only missing-mbarrier-wait --keep
@@ -33,12 +34,13 @@ class Mutation:
     path: str
     old: str
     new: str
+    tests: str = "tests/test_kernels_model.py"  # the model tests that should catch it
 
 
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cuh",
-             "dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset,",
-             "dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset + 8,"),
+             "dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed)",
+             "dev::bulk_s2g(to + it.offset + 8, d.send_fifo.slot(consumed)"),
     Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cuh",
              "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
              "if (d.stopped()) {"),
@@ -46,6 +48,20 @@ MUTATIONS = (
              "    bulk_wait_write_except(writes_in_flight);\n    if (!d.meta_ring", "    if (!d.meta_ring"),
     Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cuh",
              "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
+    Mutation("staged-before-stores-land", "a missing bulk-group wait (rows put to another node before staged)",
+             "csrc/kernels/dispatch.cuh", """    if (pending_chunk < 0) return true;
+    bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
+    if (pending_staged) {
+      if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
+      d.staged_ring.producer_commit(staged);
+      staged.advance(kStagedSlots);
+      pending_staged = false;
+    }
+    bulk_wait_write_except(writes_in_flight);""", tests="tests/test_hierarchy_model.py"),
+    Mutation("staged-slot-off-by-one", "an off-by-one position (a token's staged slot for another node)",
+             "csrc/kernels/dispatch.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
+             "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
+             tests="tests/test_hierarchy_model.py"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cuh",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
@@ -129,11 +145,10 @@ def _first_failure(output: str) -> tuple[str, str]:
     return (test.group(1) if test else "?"), message[:400]
 
 
-def _run_tests(root: str, timeout_s: int) -> tuple[int, str]:
+def _run_tests(root: str, tests: str, timeout_s: int) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": root, "HYBRID_EP_TIMEOUT_S": "5"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                           "tests/test_kernels_model.py"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", tests],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -155,7 +170,7 @@ def main(argv=None) -> int:
         if m:
             _plant(root, m)
         _build(root, os.path.join(root, "build.log"))
-        rc, output = _run_tests(root, args.timeout)
+        rc, output = _run_tests(root, m.tests if m else Mutation.tests, args.timeout)
         test, message = _first_failure(output) if rc != 0 else ("", "")
         caught = rc != 0
         good = caught if m else not caught

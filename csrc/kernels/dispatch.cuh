@@ -20,8 +20,13 @@
 // which lets peers reuse the receive buffers.
 //
 // With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
-//   warps 8-11  (RDMA) stage each chunk's rows and routing once per remote node that hosts
-//               one of its routes and put them to the rail peer there (transport `Rdma`);
+//   warp 1      also bulk-stores each row of an own chunk into the staging area of every
+//               other node that hosts one of its routes (one more store target of the stage
+//               already in shared memory) and, once those stores completed, hands the chunk
+//               to the RDMA warps through the staged ring;
+//   warps 8-11  (RDMA) write each chunk's routing once per remote node that hosts one of its
+//               routes and put the staged rows and the routing to the rail peer there
+//               (transport `Rdma`);
 //   warps 0-3   also forward the chunks that arrived from the rail peers on other nodes:
 //               the same FIFO, destination tables, entries and chunk signals, with rows and
 //               routing read from the RDMA region, as if the source had sent them itself;
@@ -43,12 +48,20 @@ namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instant
 
 constexpr int kMetaSlots = 4;   // send chunks whose entries may be written ahead
 constexpr int kTableSlots = 4;  // expand chunks whose position tables are ready ahead
+// Own chunks whose staged rows the RDMA warps may take ahead. More than the RDMA warps: a warp
+// is at most kRdmaWarps chunks ahead of the slowest, so a parity wait never sees a round
+// from two rounds back.
+constexpr int kStagedSlots = 8;
 
 // Warp roles (kThreads = 512: 16 warps).
 constexpr int kSendLoadWarp = 0, kSendStoreWarp = 1, kSendMetaWarp = 2;        // 2 and 3
 constexpr int kExpandLoadWarp = 4, kExpandStoreWarp = 5, kExpandMetaWarp = 6;  // 6 and 7
 constexpr int kMetaWarps = 2, kPaddingWarp = 8;                                // 8 .. 15
 constexpr int kRdmaWarp = 8, kRdmaWarps = 4, kPaddingWarpMulti = 12;           // several nodes: 8 .. 11 RDMA
+static_assert(kStagedSlots > kRdmaWarps, "an RDMA warp may run kRdmaWarps chunks ahead of another");
+// A send table's destination at or above this is node (value - kStagedTarget)'s staging area.
+constexpr int kStagedTarget = 128;
+static_assert(kMaxRanks < kStagedTarget && kStagedTarget + kMaxRanks <= 256, "destinations are uint8_t");
 
 __device__ __forceinline__ int elem_bytes(int dtype) { return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2; }
 
@@ -62,7 +75,9 @@ __device__ __forceinline__ void store_entry(MetaEntry* p, int j, int ordinal, fl
 }
 
 // A send chunk's destinations, built once by warp 1's lanes (one token each): the (rank,
-// slot) of each of its rows, and per destination the chunk's slots [first, first + rows).
+// slot) of each of its rows (with several nodes also (kStagedTarget + node, staged slot)
+// of each other node it reaches: a token reaches at most K ranks, so at most K targets),
+// and per destination the chunk's slots [first, first + rows).
 struct SendTable {
   int32_t ndest[kChunkTokens];
   uint8_t dest_rank[kChunkTokens][kMaxTopK];
@@ -83,6 +98,7 @@ struct DispatchShared {
   uint64_t expand_full[kMaxStages], expand_empty[kMaxStages];
   uint64_t meta_full[kMetaSlots], meta_empty[kMetaSlots];
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
+  uint64_t staged_full[kStagedSlots], staged_empty[kStagedSlots];  // several nodes: warp 1 -> warps 8-11
   SendTable send;
   ExpandTable tables[kTableSlots];
   volatile int abort;
@@ -113,7 +129,7 @@ struct Dispatch {
   uint64_t epoch;
   DispatchShared& sh;
   StageRing send_fifo, expand_fifo;
-  Ring meta_ring, table_ring;
+  Ring meta_ring, table_ring, staged_ring;
   Hierarchy<Rdma> h;
 
   // Received rows are packed at the call's row size: consecutive slots of a source are
@@ -125,6 +141,20 @@ struct Dispatch {
   __device__ ChunkSignal* chunk_signal(int d, int source, int c) const {
     return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
            static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
+  }
+  // Staged slot q of own chunk c for node n, in this rank's RDMA region.
+  __device__ uint8_t* staged_row(int n, int c, int q) const {
+    return h.rdma.local(h.staged_off(h.R.disp_rows_out, n, static_cast<int64_t>(c) * chunk + q, row_bytes));
+  }
+  // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
+  // there is its ordinal among them. Every lane calls it.
+  __device__ unsigned staged_mask(int t0, int t1, int n, int lane) const {
+    const auto* send_slot = reinterpret_cast<const int32_t*>(a.send_slot);
+    const int t = t0 + lane;
+    bool goes = false;
+    if (t < t1)
+      for (int g = 0; g < h.topo.G; ++g) goes |= send_slot[static_cast<int64_t>(t) * W + n * h.topo.G + g] >= 0;
+    return __ballot_sync(0xffffffffu, goes);
   }
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   // Own chunks, then forwarded chunks, strided over the blocks by every send role alike.
@@ -269,12 +299,15 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   SendTable& tab = d.sh.send;
   const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
   const int in_flight = store_groups_in_flight(d.args, d.stages);
-  PipeState consumed, released, meta;  // lane 0's
+  const bool multi = d.h.multi();
+  PipeState consumed, released, meta, staged;  // lane 0's
   uint32_t groups = 0, pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
+  bool pending_staged = false;  // an own chunk with several nodes: its staged rows go to the RDMA warps
 
   // Lane 0: once the pending unit's stores completed (all but the newest `writes_in_flight`
-  // groups) and its entries are written, tell every destination of this node where its rows are.
+  // groups) and its entries are written, tell every destination of this node where its rows are,
+  // and the RDMA warps that the unit's staged rows are there.
   auto signal_pending = [&](int writes_in_flight) -> bool {
     if (pending_chunk < 0) return true;
     bulk_wait_write_except(writes_in_flight);
@@ -290,6 +323,12 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       sig->rows = rows;
       dev::st_release_sys(&sig->epoch, d.epoch);
     }
+    if (pending_staged) {
+      if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
+      d.staged_ring.producer_commit(staged);
+      staged.advance(kStagedSlots);
+      pending_staged = false;
+    }
     pending_chunk = -1;
     return true;
   };
@@ -298,7 +337,11 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   const int64_t units = d.send_units();
   for (int64_t u = d.b; u < units; u += d.nb, ++local) {
     SendUnit su = d.unit(u);
-    if (!d.arrive_warp(su, lane)) {
+    // The last own chunk's staged rows go out before waiting for a rail peer's chunk, which
+    // may itself wait for this rank's staged rows.
+    bool flushed = true;
+    if (lane == 0 && su.node >= 0 && pending_staged && pending_chunk >= 0) flushed = signal_pending(0);
+    if (!warp_uniform(flushed) || !d.arrive_warp(su, lane)) {
       d.stop();
       break;
     }
@@ -333,6 +376,20 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       }
       tab.ndest[lane] = n;
     }
+    // Several nodes: each other node an own token reaches is one more target, its staged slot.
+    if (multi && su.node < 0) {
+      int n = lane < su.u1 - su.u0 ? tab.ndest[lane] : 0;
+      for (int node = 0; node < d.h.topo.N; ++node) {
+        if (node == d.h.node) continue;
+        const unsigned mask = d.staged_mask(su.u0, su.u1, node, lane);
+        if ((mask >> lane) & 1u) {
+          tab.dest_rank[lane][n] = static_cast<uint8_t>(kStagedTarget + node);
+          tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));
+          ++n;
+        }
+      }
+      if (lane < su.u1 - su.u0) tab.ndest[lane] = n;
+    }
     if (su.node >= 0 && lane == 0) fwd_rows[static_cast<int64_t>(su.node) * d.h.max_chunks + su.chunk] = su.u1;
     __syncwarp();
     bool ok = true;
@@ -345,9 +402,12 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         }
         for (int r = 0; r < it.rows; ++r) {
           const int i = it.first + r - su.u0;
-          for (int q = 0; q < tab.ndest[i]; ++q)
-            dev::bulk_s2g(d.recv_row(tab.dest_rank[i][q], su.source, tab.dest_slot[i][q]) + it.offset,
-                          d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
+          for (int q = 0; q < tab.ndest[i]; ++q) {
+            const int dst = tab.dest_rank[i][q], slot = tab.dest_slot[i][q];
+            uint8_t* to = dst >= kStagedTarget ? d.staged_row(dst - kStagedTarget, su.chunk, slot)
+                                               : d.recv_row(dst, su.source, slot);
+            dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
+          }
         }
         dev::bulk_commit();
         ++groups;
@@ -363,6 +423,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         pending_source = su.source;
         pending_span = span;
         pending_group = groups;
+        pending_staged = multi && su.node < 0;
       }
     }
     if (!warp_uniform(ok)) {
@@ -527,8 +588,9 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 }
 
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node
-// that hosts one of its routes, stage the rows and routing of the chunk's tokens for that
-// node in this rank's RDMA region and put them to the rail peer there: the rows, then the
+// that hosts one of its routes, write the routing of the chunk's tokens for that node in this
+// rank's RDMA region and, once warp 1 says the chunk's rows are staged there (the staged
+// ring: its bulk stores completed), put them to the rail peer there: the rows, then the
 // routing with the chunk's signal (also for no rows: every chunk is signalled). Lane i takes
 // token t0 + i. The staging areas are free again once the puts completed (quiet, at the end);
 // the layout kernel waited until each rail peer had forwarded the previous call's rows.
@@ -544,17 +606,13 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const uint64_t token_bytes = h.R.token_meta_bytes;
   const int own = (d.send_chunks() - d.b + d.nb - 1) / d.nb;  // this block's own chunks
   for (int p = w; p < own * (N - 1) && !d.stopped(); p += kRdmaWarps) {
-    const int c = d.b + (p / (N - 1)) * d.nb;
+    const int j = p / (N - 1), c = d.b + j * d.nb;  // the block's j-th own chunk
     const int n = p % (N - 1) < h.node ? p % (N - 1) : p % (N - 1) + 1;
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
-    bool goes = false;
-    if (t < t1)
-      for (int g = 0; g < G; ++g) goes |= send_slot[static_cast<int64_t>(t) * W + n * G + g] >= 0;
-    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    const unsigned mask = d.staged_mask(t0, t1, n, lane);
     const int rows = __popc(mask);
     uint8_t* meta = h.rdma.local(h.chunk_meta_off(h.R.disp_meta_out, n, c));
-    const uint64_t rows_out = h.staged_off(h.R.disp_rows_out, n, static_cast<int64_t>(c) * d.chunk, d.row_bytes);
-    if (goes) {
+    if ((mask >> lane) & 1u) {
       TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
       for (int k = 0; k < kMaxTopK; ++k) {
         const bool real = k < K;
@@ -568,21 +626,22 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
       for (int i = 0; i < d.scale_cols; ++i) scales[i] = x_scales[static_cast<int64_t>(t) * d.scale_cols + i];
     }
     if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
-    // The rows, packed in token order: the warp copies one row at a time.
-    auto* staged = reinterpret_cast<int4*>(h.rdma.local(rows_out));
-    const auto* x = reinterpret_cast<const int4*>(d.a.x);
-    const uint32_t vecs = d.row_bytes / 16;
-    for (unsigned m = mask; m != 0; m &= m - 1) {
-      const int i = __ffs(m) - 1, q = __popc(mask & ((1u << i) - 1u));
-      for (uint32_t v = lane; v < vecs; v += 32)
-        dev::st(staged + static_cast<int64_t>(q) * vecs + v, dev::ld(x + static_cast<int64_t>(t0 + i) * vecs + v));
+    // The chunk's rows are staged for every node once warp 1 committed it: round j / slots.
+    const PipeState st{j % kStagedSlots, static_cast<uint32_t>(j / kStagedSlots) & 1u, static_cast<uint32_t>(j)};
+    bool ok = true;
+    if (lane == 0) ok = !d.stopped() && d.staged_ring.consumer_wait(d.args, st);
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
     }
-    __threadfence();  // the staged bytes, before the transport reads them
+    d.staged_ring.observe_full(st, lane);  // every lane's transport copy reads the staged rows
+    __threadfence();                       // the routing and the staged bytes, before the transport reads them
     __syncwarp();
+    if (lane == 0) d.staged_ring.consumer_release(st);  // one of the chunk's N - 1 nodes
     const int peer = h.rail_peer(n);
     if (rows > 0) {
       h.rdma.put(lane, peer, h.staged_off(h.R.disp_rows_in, h.node, static_cast<int64_t>(c) * d.chunk, d.row_bytes),
-                 h.rdma.local(rows_out), static_cast<uint64_t>(rows) * d.row_bytes);
+                 d.staged_row(n, c, 0), static_cast<uint64_t>(rows) * d.row_bytes);
       if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
       __syncwarp();
     }
@@ -636,6 +695,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
                                    args.stage_bytes},
                          Ring{sh.meta_full, sh.meta_empty, kMetaSlots, a.rank, epoch},
                          Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch},
+                         Ring{sh.staged_full, sh.staged_empty, kStagedSlots, a.rank, epoch},
                          make_hierarchy<Rdma>(geo, a)};
   const bool multi = d.h.multi();
 
@@ -643,7 +703,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     d.send_fifo.ring.init(1, 1);
     d.expand_fifo.ring.init(1, 1);
     d.meta_ring.init(kMetaWarps, 1);
-    d.table_ring.init(kMetaWarps, 2);  // both expand warps read each table
+    d.table_ring.init(kMetaWarps, 2);                  // both expand warps read each table
+    if (multi) d.staged_ring.init(1, d.h.topo.N - 1);  // each of the chunk's other nodes releases it
     dev::mbar_fence_init();
     sh.abort = aborted(args) ? 1 : 0;
   }
