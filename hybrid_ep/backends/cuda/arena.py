@@ -39,10 +39,10 @@ class _Block:
     """One allocation; alive exactly as long as some tensor views it (the tensor's storage
     holds it through the array interface), then it returns its range."""
 
-    def __init__(self, arena: "Arena", offset: int, nbytes: int, stream: int, kept: bool):
+    def __init__(self, arena: "Arena", offset: int, nbytes: int, stream: int, kept: bool, used_bytes: int):
         self.arena, self.offset, self.nbytes, self.stream, self.kept = arena, offset, nbytes, stream, kept
         ptr = arena.base + offset
-        interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None}
+        interface = {"shape": (used_bytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None}
         if arena.device.type == "cuda":
             self.__cuda_array_interface__ = interface
         else:
@@ -81,21 +81,23 @@ class Arena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, stream: int = 0) -> torch.Tensor | None:
         """A new, uninitialised tensor in the arena, or None when no free range fits."""
-        elem = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for n in shape:
             numel *= n
-        nbytes = aligned(max(numel * elem, 1))
+        used = numel * dtype.itemsize
+        nbytes = aligned(max(used, 1))
         offset = self._take(nbytes, stream)
         if offset is None:
             return None
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        block = _Block(self, offset, nbytes, stream, capturing)
+        block = _Block(self, offset, nbytes, stream, capturing, used)
         if capturing:
             self.kept += nbytes
         raw = torch.as_tensor(block, device=self.device) if self.device.type == "cuda" else \
             torch.from_numpy(np.asarray(block))
-        return raw[:numel * elem].view(dtype).view(shape)
+        if dtype != torch.uint8:
+            raw = raw.view(dtype)
+        return raw.view(shape) if len(shape) != 1 else raw
 
     def _take(self, nbytes: int, stream: int) -> int | None:
         for i, (size, s) in enumerate(self._ranges):
@@ -148,7 +150,7 @@ def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) ->
         numel = 1
         for n in shape:
             numel *= n
-        total += aligned(max(numel * torch.empty((), dtype=dt).element_size(), 1))
+        total += aligned(max(numel * dt.itemsize, 1))
     return total
 
 
