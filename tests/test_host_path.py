@@ -54,14 +54,13 @@ def group(request):
 
 def _assert_outputs_only(mode, group, receive_ops: dict) -> None:
     """The operations of the receive path are `receive_ops`, its out rows and probs among the
-    empties. On the direct path those two and the combine reserve are arena blocks instead:
-    each one tensor made over its block (lift_fresh, with detach on the CPU) and viewed as its
-    dtype and shape; nothing else differs."""
+    empties. On the direct path those two and the combine reserve lie on one arena block per
+    rank instead: one tensor made over the block (lift_fresh, with detach on the CPU), viewed
+    once per other dtype, and each of the three taken from it (as_strided); nothing else."""
     ops = dict(mode.ops)
     if group.engine.data_path == "direct":
-        assert ops.pop("lift_fresh") == 3 * W, mode.ops
-        ops.pop("detach", None)
-        ops.pop("view", None)
+        assert ops.pop("lift_fresh") == W and ops.pop("as_strided") == 3 * W, mode.ops
+        assert ops.pop("detach", 0) <= W and ops.pop("view", 0) <= W, mode.ops
         receive_ops = dict(receive_ops, empty=receive_ops["empty"] - 2 * W)
         receive_ops = {k: v for k, v in receive_ops.items() if v}
     assert ops == receive_ops, mode.ops

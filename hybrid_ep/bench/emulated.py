@@ -167,14 +167,6 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
     return row
 
 
-def _in_arena(group, i: int, t: torch.Tensor) -> torch.Tensor:
-    """t, copied into virtual rank i's arena where the group has arenas and room."""
-    if not group.engine.arenas:
-        return t
-    got = group.engine.arenas[i].empty(tuple(t.shape), t.dtype)
-    return t if got is None else got.copy_(t)
-
-
 def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props, nodes=1):
     """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
     from ..backends.cuda.emulation import EmulatedGroup
@@ -199,7 +191,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     gen = torch.Generator(device=dev).manual_seed(derived_seed(args.seed + 1))
     # On the direct path expert_out lies in each rank's arena, as an expert computation that
     # allocates there leaves it (else combine copies it in first).
-    expert_outs = [_in_arena(group, i, torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype))
+    expert_outs = [group.in_arena(i, torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype))
                    for i, r in enumerate(first)]
     handles = [r.handle for r in first]
     # Bytes the kernels touch. Receive path: dispatch reads each token once and writes each
@@ -242,17 +234,21 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
         group.combine([torch.zeros_like(r.tokens, dtype=comb_dtype) for r in res], [r.handle for r in res])
     group.synchronize()
-    outs = [_in_arena(group, i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
-    samples = []
+    outs = [group.in_arena(i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
+    samples, host_paths = [], set()
+    res = None  # each pair's outputs die before the next pair (the arena holds one call's)
     for _ in range(50):
         t0 = time.perf_counter()
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
         group.combine(outs, [r.handle for r in res])
         samples.append((time.perf_counter() - t0) * 1e6)
+        host_paths.add(res[0].handle.data_path)
+        res = None
     group.synchronize()
     median = statistics.median(samples)
     host = {"ranks": W, "median_us": median, "median_us_per_rank": median / W,
-            "target_us_per_rank": HOST_TARGET_US, "meets_target": median / W <= HOST_TARGET_US}
+            "target_us_per_rank": HOST_TARGET_US, "meets_target": median / W <= HOST_TARGET_US,
+            "data_path": "+".join(sorted(host_paths))}
     _note(f"W={W}: host time per dispatch+combine pair ({W} rank(s) per call): {median:.1f} us, "
           f"{median / W:.1f} us per rank (target <= {HOST_TARGET_US} us)")
 

@@ -20,6 +20,7 @@ takes the receive path for the call.
 from __future__ import annotations
 
 import bisect
+import functools
 
 import numpy as np
 import torch
@@ -84,7 +85,15 @@ class Arena:
         numel = 1
         for n in shape:
             numel *= n
-        used = numel * dtype.itemsize
+        raw = self.empty_bytes(numel * dtype.itemsize, stream)
+        if raw is None:
+            return None
+        if dtype != torch.uint8:
+            raw = raw.view(dtype)
+        return raw.view(shape) if len(shape) != 1 else raw
+
+    def empty_bytes(self, used: int, stream: int = 0) -> torch.Tensor | None:
+        """A new uint8 tensor of `used` bytes on a block of its own, or None when none fits."""
         nbytes = aligned(max(used, 1))
         offset = self._take(nbytes, stream)
         if offset is None:
@@ -93,11 +102,9 @@ class Arena:
         block = _Block(self, offset, nbytes, stream, capturing, used)
         if capturing:
             self.kept += nbytes
-        raw = torch.as_tensor(block, device=self.device) if self.device.type == "cuda" else \
-            torch.from_numpy(np.asarray(block))
-        if dtype != torch.uint8:
-            raw = raw.view(dtype)
-        return raw.view(shape) if len(shape) != 1 else raw
+        if self.device.type == "cuda":
+            return torch.as_tensor(block, device=self.device)
+        return torch.from_numpy(np.asarray(block))
 
     def _take(self, nbytes: int, stream: int) -> int | None:
         for i, (size, s) in enumerate(self._ranges):
@@ -143,26 +150,40 @@ def _call_specs(rows: int, hidden: int, dtype: torch.dtype, fp8: bool) -> list[t
     return specs
 
 
-def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
-    """Arena bytes one direct dispatch of `rows` output rows takes on one rank."""
-    total = 0
+@functools.lru_cache(maxsize=64)
+def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
+    """Byte offset of each of _call_specs' tensors in the call's one block, and its bytes."""
+    at, places = 0, []
     for shape, dt in _call_specs(rows, hidden, dtype, fp8):
         numel = 1
         for n in shape:
             numel *= n
-        total += aligned(max(numel * dt.itemsize, 1))
-    return total
+        places.append((shape, dt, at))
+        at += aligned(max(numel * dt.itemsize, 1))
+    return tuple(places), at
+
+
+def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
+    """Arena bytes one direct dispatch of `rows` output rows takes on one rank."""
+    return _call_layout(rows, hidden, dtype, fp8)[1]
 
 
 def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, stream: int = 0):
     """(rows [R, H], probs [R], scales [R, H / 128] or None, reserve uint8) of one direct
-    dispatch from the arena, or None when they do not all fit (nothing stays taken)."""
+    dispatch, on one arena block (a few tensor operations per call: the host path is short),
+    or None when it does not fit. The block returns when the last of them dies."""
+    places, total = _call_layout(rows, hidden, dtype, fp8)
+    raw = arena.empty_bytes(total, stream)
+    if raw is None:
+        return None
+    typed = {torch.uint8: raw}
     got = []
-    for shape, dt in _call_specs(rows, hidden, dtype, fp8):
-        t = arena.empty(shape, dt, stream)
-        if t is None:
-            return None
-        got.append(t)
+    for shape, dt, at in places:
+        base = typed.get(dt)
+        if base is None:
+            base = typed[dt] = raw.view(dt)
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+        got.append(base.as_strided(shape, strides, at // dt.itemsize))
     out, probs, reserve = got[:3]
     return out, probs, got[3] if fp8 else None, reserve
 

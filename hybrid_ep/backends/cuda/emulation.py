@@ -81,6 +81,15 @@ class EmulatedGroup:
         if self.rdma is not None:
             self.rdma.close()
 
+    def in_arena(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """t copied into virtual rank i's arena, where an expert computation that allocates there
+        would leave its expert_out (a direct combine then reads it in place instead of copying
+        it in); t itself where the group has no arena or it has no room."""
+        if not self.engine.arenas:
+            return t
+        got = self.engine.arenas[i].empty(tuple(t.shape), t.dtype)
+        return t if got is None else got.copy_(t)
+
     # -- plain calls ------------------------------------------------------------------------
 
     def dispatch(self, xs, topk_idx, topk_weights=None, *, scales=None, num_out_tokens=None,

@@ -617,6 +617,7 @@ class Engine:
         else:
             call = self._workspace(topk, prefer, True)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+            args.scale_cols = H // FP8_BLOCK if fp8 else 0
             self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
             self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
             needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
