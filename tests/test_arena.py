@@ -111,3 +111,30 @@ def test_default_size_is_one_worst_case_fp32_call_and_the_knob_wins():
     assert arena_mod.arena_bytes(sized) == 4 * ALIGN
     with pytest.raises(ValueError, match="arena_bytes"):
         BufferConfig(512, 64, 8, 4, 4, arena_bytes=-1).validate()
+
+
+def test_blocks_taken_and_freed_on_several_threads_leave_the_arena_whole(region):
+    import threading
+
+    _, a = region
+    errors = []
+
+    def churn(seed: int):
+        try:
+            for i in range(300):
+                t = a.empty(((seed + i) % 3 + 1, ALIGN // 2), torch.uint8)
+                if t is not None:
+                    t.fill_(seed)
+                    assert bool((t == seed).all())
+                del t
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    gc.collect()
+    assert errors == []
+    assert a.used == 0 and a.largest_free() == 16 * ALIGN

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -66,6 +67,8 @@ class Arena:
         self._starts: list[int] = [0] if self.capacity else []
         self._ranges: list[tuple[int, int | None]] = [(self.capacity, None)] if self.capacity else []
         self.used = 0  # bytes in blocks that are taken (kept ones included)
+        # A block may die on another thread (autograd's backward threads free tensors too).
+        self._lock = threading.Lock()
         self.kept = 0  # bytes taken for good by CUDA graph captures
 
     def contains(self, t: torch.Tensor) -> bool:
@@ -107,6 +110,10 @@ class Arena:
         return torch.from_numpy(np.asarray(block))
 
     def _take(self, nbytes: int, stream: int) -> int | None:
+        with self._lock:
+            return self._take_locked(nbytes, stream)
+
+    def _take_locked(self, nbytes: int, stream: int) -> int | None:
         for i, (size, s) in enumerate(self._ranges):
             if size >= nbytes and (s is None or s == stream):
                 offset = self._starts[i]
@@ -120,6 +127,10 @@ class Arena:
         return None
 
     def _release(self, offset: int, nbytes: int, stream: int) -> None:
+        with self._lock:
+            self._release_locked(offset, nbytes, stream)
+
+    def _release_locked(self, offset: int, nbytes: int, stream: int) -> None:
         self.used -= nbytes
         i = bisect.bisect_left(self._starts, offset)
         self._starts.insert(i, offset)
