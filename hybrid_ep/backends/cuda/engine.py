@@ -9,7 +9,8 @@ then, in dynamic mode only, one host read of the output size, then the dispatch 
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales; combine's y) and one workspace for the call's per-rank tables
+(output rows, probs, scales: on the direct path from each rank's arena, arena.py, or the call
+takes the receive path; combine's y) and one workspace for the call's per-rank tables
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
 both dispatch kernels when the output size is known, else the layout kernel, the host read,
