@@ -70,6 +70,7 @@ class HybridEPBuffer:
         min_rows_per_expert: int = 0,
         num_sms_dispatch: int | None = None,
         num_sms_combine: int | None = None,
+        arena_bytes: int | None = None,
         combine_wire_dtype: torch.dtype | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -93,6 +94,7 @@ class HybridEPBuffer:
             ranks_per_node=ranks_per_node,
             pad_multiple=pad_multiple,
             min_rows_per_expert=min_rows_per_expert,
+            arena_bytes=arena_bytes,
         ).validate()
         check_hidden_dim(hidden_dim)
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine, combine_wire_dtype).validate()

@@ -30,6 +30,10 @@ class BufferConfig:
     # Every local expert gets at least this many rows (zero rows past its real ones), so a
     # grouped GEMM never sees an empty group; the block is then rounded up to pad_multiple.
     min_rows_per_expert: int = 0
+    # The cuda backend's arena (backends/cuda/arena.py): bytes per rank of peer-mapped memory
+    # the direct data path allocates its outputs from; None: one worst-case call's worth
+    # (fp32 rows); 0: no arena, the receive path.
+    arena_bytes: int | None = None
 
     def validate(self) -> "BufferConfig":
         require_int("hidden_dim", self.hidden_dim, 1)
@@ -39,6 +43,8 @@ class BufferConfig:
         require_int("ranks_per_node", self.ranks_per_node, 1)
         require_int("pad_multiple", self.pad_multiple, 1)
         require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
+        if self.arena_bytes is not None:
+            require_int("arena_bytes", self.arena_bytes, 0)
         if self.num_experts % self.world_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the EP world size "

@@ -12,7 +12,7 @@ import torch
 
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
-from hybrid_ep.backends.cuda.backend import memory_plan
+from hybrid_ep.backends.cuda.backend import arena_of, memory_plan
 from hybrid_ep.backends.cuda.layout import ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -44,16 +44,20 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
     assert reg.meta_entries == min(L, MAX_TOPK)
     assert sizes["recv_meta"] >= 16 * W * T * reg.meta_entries
     assert reg.scale_stride == (((H // 128) * 4 + 15) // 16 * 16 if H % 128 == 0 else 0)
-    assert memory_plan(cfg).registered_bytes == reg.total
+    assert memory_plan(cfg).registered_bytes == reg.total + arena_of(cfg)  # the arena follows the regions
 
 
 def test_seed_configuration_memory_plan():
-    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank."""
+    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank,
+    then the arena: one worst-case direct call (65536 fp32 rows, their probs, the combine
+    reserve), 4 GiB."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
     assert sizes["recv_rows"] == 8 * 4096 * 8192 * 4
     assert sizes["comb_rows"] == 8 * 4096 * 8192 * 4
-    assert plan.registered_bytes < 2.01 * 2**30
+    assert plan.registered_bytes - sizes["arena"] < 2.01 * 2**30
+    rows = 8 * 4096 * 2
+    assert sizes["arena"] == rows * 8192 * 4 + rows * 4 + rows * (8192 * 4 + 4)
 
 
 def test_info_offsets_are_contiguous():
@@ -386,13 +390,13 @@ def test_cuda_backend_by_name_runs_over_a_gloo_group(single_rank_group):
 
 
 def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
-    # Emulation of one node (every rank in the process) goes direct; one process per GPU, or
-    # several nodes, take the receive path. The variable and the argument pick one, checked.
+    # One node whose ranks map each other's arenas and agree per call goes direct; several
+    # nodes, or no arena, take the receive path. The variable and the argument pick one, checked.
     assert launch.data_path(True, environ={}) == "direct"
     assert launch.data_path(False, environ={}) == "receive"
     assert launch.data_path(True, environ={launch.DATA_PATH_ENV: "receive"}) == "receive"
     assert launch.data_path(True, "receive", environ={launch.DATA_PATH_ENV: "direct"}) == "receive"
-    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH=direct needs every rank of one node"):
+    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH=direct needs one node whose ranks map"):
         launch.data_path(False, environ={launch.DATA_PATH_ENV: "direct"})
     with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH must be one of direct, receive, got 'push'"):
         launch.data_path(True, environ={launch.DATA_PATH_ENV: "push"})

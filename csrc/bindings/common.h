@@ -78,7 +78,10 @@ struct CallLayout {
 
 inline constexpr int64_t kCallAlign = 128;  // every tensor of a part starts on its own 128-byte line
 
-inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct) {
+// direct: the direct path's route rows; receive: the receive path's row positions and
+// chunk spans. A layout with both serves a dispatch that chooses its path after the layout
+// kernel (the engine's per-call fallback when the arena can not hold the output).
+inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct, bool receive) {
   if (topk < 0 || topk > kMaxTopK) throw py::value_error("topk out of range for a call layout");
   CallLayout l;
   int64_t at = 0;
@@ -90,7 +93,7 @@ inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool 
   const int64_t chunks = static_cast<int64_t>(g.reg.max_chunks);
   place(l.info, g.info.total * 8);
   place(l.send_slot, T * W * 4);
-  if (!direct) {
+  if (receive) {
     place(l.row_pos, W * T * kd * 4);
     place(l.recv_spans, W * chunks * 2 * 4);
   }
@@ -324,7 +327,7 @@ inline void bind_common(py::module_& m) {
       .def_readonly("route_rows", &CallLayout::route_rows)
       .def_readonly("bytes", &CallLayout::bytes);
   m.def("call_layout", &call_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
-        "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
+        py::arg("receive"), "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
   m.attr("CALL_ALIGN") = kCallAlign;
   py::class_<HostPath>(m, "HostPath", py::module_local())
       .def(py::init<const std::vector<RankArgs>&, uint64_t>(), py::arg("ranks"), py::arg("arena_bases"))

@@ -108,7 +108,8 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
     idx, w = _routing(W, T, E, K, gen)
     static = T * K
-    expert_outs = [torch.zeros(static, H, dtype=torch.bfloat16) for _ in range(W)]
+    # In the arena on the direct path, as the GPU benchmark has them (else combine copies them in).
+    expert_outs = [group.in_arena(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=v, check_values=False)
                 for x, i, v in zip(xs, idx, w)]
     engine = group.engine

@@ -40,11 +40,13 @@ class Case:
     routing_map: bool = False  # pass Megatron's routing_map / probs instead of topk
     backend: str = "reference"
     seed: int = 0
+    arena_bytes: int | None = None  # the cuda backend's arena (None: its default)
 
     @property
     def config(self) -> BufferConfig:
         return BufferConfig(self.hidden, max(self.tokens), self.num_experts, self.world_size,
-                            self.ranks_per_node, self.pad_multiple, self.min_rows_per_expert).validate()
+                            self.ranks_per_node, self.pad_multiple, self.min_rows_per_expert,
+                            self.arena_bytes).validate()
 
     @property
     def combine_dtype(self) -> torch.dtype:
@@ -55,7 +57,8 @@ class Case:
         return (f"W{self.world_size}xG{self.ranks_per_node} E{self.num_experts} H{self.hidden} "
                 f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
                 f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}"
-                + ("" if self.wire_dtype is None else f" wire {str(self.wire_dtype).replace('torch.', '')}"))
+                + ("" if self.wire_dtype is None else f" wire {str(self.wire_dtype).replace('torch.', '')}")
+                + ("" if self.arena_bytes is None else f" arena {self.arena_bytes}"))
 
 
 def make_rank_inputs(case: Case) -> list[dict]:
@@ -104,7 +107,8 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
     cfg = case.config
     buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
                          ranks_per_node=cfg.ranks_per_node, backend=case.backend,
-                         pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert)
+                         pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert,
+                         arena_bytes=cfg.arena_bytes)
     device = buf.device
     x = inputs["x"].to(device)
     scales = inputs["scales"].to(device) if inputs["scales"] is not None else None
@@ -125,6 +129,7 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
         "y": y.cpu(),
         "reuse_equal": reuse_equal,
         "traffic": (dispatch_traffic, combine_traffic),
+        "data_path": res.handle.data_path,
     }
 
 
@@ -140,8 +145,10 @@ def check_case(pool, case: Case) -> list[dict]:
     expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
                    for r in run.ranks]
     results = pool.run(run_case_on_rank, [(case, inputs[r], expert_outs[r]) for r in range(case.world_size)])
+    paths = {got["data_path"] for got in results}
+    assert len(paths) == 1, f"{case}: the ranks took different data paths {paths}"
     want_y = combine_hops_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs,
-                                 case.wire_dtype)
+                                 case.wire_dtype, direct=paths == {"direct"})
     for r, got in enumerate(results):
         where = f"{case} rank {r}"
         assert_dispatch_matches(got, run.ranks[r], where)

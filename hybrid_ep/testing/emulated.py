@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8 import FP8_DTYPE
+from ..routing import max_output_rows
 from ..traffic import count_tables
 from ..traffic.model import row_counts
 from .cases import Case, dense_autograd_oracle, expert_fn, make_rank_inputs
@@ -79,7 +80,18 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
                           device=dev)
     want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
-    direct = group.engine.data_path == "direct"
+    direct = res[0].handle.data_path == "direct"  # the call's path: the buffer's, or receive where its
+    # arenas could not hold the outputs (every rank the same)
+    assert {r.handle.data_path for r in res} == {res[0].handle.data_path}, f"{case}: ranks took different paths"
+    fits = case.num_out_tokens is None or case.num_out_tokens <= max_output_rows(cfg, min(cfg.experts_per_rank,
+                                                                                          case.topk))
+    if group.engine.data_path == "direct" and cfg.arena_bytes is None and fits and group.engine.vote is None:
+        # the default arena holds any one call
+        assert direct, f"{case}: the buffer's direct path fell back to the receive path with the default arena"
+    if direct:
+        for r, arena in enumerate(group.engine.arenas):
+            assert arena.contains(res[r].tokens) and arena.contains(res[r].probs), (
+                f"{case} rank {r}: a direct dispatch's output outside its arena")
     hops = combine_hops_oracle(cfg, run, expert_outs, idx, case.apply_probs, case.wire_dtype, direct=direct)
     want_rows, want_nodes = count_tables([i.cpu() for i in idx], cfg)  # what the traffic model counts
     for r in range(case.world_size):

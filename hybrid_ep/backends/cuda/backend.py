@@ -10,7 +10,8 @@ from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import max_output_rows
 from ..base import Backend
-from . import launch, load_extension
+from . import arena, launch, load_extension
+from .agreement import PathVote
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
 from .nvshmem import heap_spec
@@ -35,9 +36,16 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     ]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
+    specs.append(BufferSpec("arena", arena_of(config), True,
+                            "the direct path's outputs and combine reserve (BufferConfig.arena_bytes)"))
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
     return MemoryPlan(name, tuple(specs))
+
+
+def arena_of(config: BufferConfig) -> int:
+    """Arena bytes per rank: none with several nodes (the direct path runs inside one node)."""
+    return arena.arena_bytes(config) if config.num_nodes == 1 else 0
 
 
 class CudaBackend(Backend):
@@ -50,11 +58,15 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
+        arena_bytes = arena_of(config)
         self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
-                                                    config.ranks_per_node)
+                                                    config.ranks_per_node, arena_bytes)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
-        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma)
+        # One process per rank: the ranks agree on each dispatch's path (agreement.PathVote).
+        self._vote = PathVote.create(group, rank) if arena_bytes else None
+        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma,
+                              arenas=self._buffers, vote=self._vote)
 
     @classmethod
     def on_engine(cls, config: BufferConfig, rank: int, owner: int, engine: Engine) -> "CudaBackend":

@@ -1,6 +1,7 @@
 """Single-GPU emulation: W = N x G virtual ranks of one EP group in one process (tests, benchmarks).
 
-Each virtual rank has its own registered buffer and a peer table pointing at the others'.
+Each virtual rank has its own registered buffer and a peer table pointing at the others', and,
+with one node, its own arena (the buffer's tail) that the direct path's outputs come from.
 Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
 so all are resident together); the kernels are exactly the production ones. Results come
 back as one list entry per rank, with handles like HybridEPBuffer's.
@@ -22,7 +23,7 @@ from ... import inputs
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
-from . import launch, load_extension
+from . import arena, launch, load_extension
 from .engine import Engine
 from .layout import check_geometry, rdma_layout, registered_layout
 from .registered import LoopbackRegions, RegisteredBuffers
@@ -37,13 +38,14 @@ class EmulatedGroup:
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
-                 ranks_per_node: int | None = None, data_path: str | None = None):
+                 ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None):
         if not 1 <= world_size <= MAX_EMULATED_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
-                                   pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert).validate()
+                                   pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert,
+                                   arena_bytes=arena_bytes).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config, inter_node=True)
         if device is None:
@@ -54,11 +56,12 @@ class EmulatedGroup:
         ext = load_extension(self.device)
         self.ext = ext
         G = self.config.ranks_per_node
-        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G)
+        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G,
+                                                  arena.arena_bytes(self.config) if self.config.num_nodes == 1 else 0)
         self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
                      if self.config.num_nodes > 1 else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
-                             data_path)
+                             data_path, arenas=self.buffers)
         self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
         self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)
@@ -77,6 +80,15 @@ class EmulatedGroup:
         self.buffers.close()
         if self.rdma is not None:
             self.rdma.close()
+
+    def in_arena(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """t copied into virtual rank i's arena, where an expert computation that allocates there
+        would leave its expert_out (a direct combine then reads it in place instead of copying
+        it in); t itself where the group has no arena or it has no room."""
+        if not self.engine.arenas:
+            return t
+        got = self.engine.arenas[i].empty(tuple(t.shape), t.dtype)
+        return t if got is None else got.copy_(t)
 
     # -- plain calls ------------------------------------------------------------------------
 

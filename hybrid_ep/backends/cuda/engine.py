@@ -9,7 +9,8 @@ then, in dynamic mode only, one host read of the output size, then the dispatch 
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales; combine's y) and one workspace for the call's per-rank tables
+(output rows, probs, scales: on the direct path from each rank's arena, arena.py, or the call
+takes the receive path; combine's y) and one workspace for the call's per-rank tables
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
 both dispatch kernels when the output size is known, else the layout kernel, the host read,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
+from .arena import Arena, call_bytes, call_tensors
 from .layout import (
     CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
@@ -75,6 +78,17 @@ PHASE_TEXT = {
 # dispatch's handle (so its tables) while the next call runs; one more would serve only
 # callers that keep handles, which keep their own tables anyway.
 KEPT_WORKSPACES = 2
+
+
+_log = logging.getLogger("hybrid_ep")
+_fallbacks_logged: set[str] = set()  # the reason of the first call that left the direct path (once per process)
+
+
+def _log_fallback(reason: str) -> None:
+    if not _fallbacks_logged:
+        _fallbacks_logged.add(reason)
+        _log.warning("hybrid_ep: a dispatch took the receive path instead of the direct path (%s); "
+                     "logged once per process", reason)
 
 
 class RoutingError(ValueError):
@@ -137,13 +151,17 @@ class CudaSendLayout:
     call's workspace; its tensors are views made when first read."""
 
     def __init__(self, call: CallWorkspace, part: int, num_tokens: int, topk: int, world_size: int,
-                 topk_idx_TK: torch.Tensor | None):
+                 topk_idx_TK: torch.Tensor | None, reserve: torch.Tensor | None = None):
         self.call, self.part, self.num_tokens, self.topk, self.world_size = call, part, num_tokens, topk, world_size
         self.topk_idx_TK = topk_idx_TK  # direct path: the routing's experts (int64), combine reads them
+        # Direct path: uint8 arena block where combine copies an expert_out (and probs) that
+        # is not in the arena (arena.call_blocks); None on the receive path.
+        self.reserve = reserve
 
     @property
     def data_path(self) -> str:
-        return "receive" if self.call.layout.route_rows < 0 else "direct"
+        """Which path the dispatch took; its combine takes the same."""
+        return "receive" if self.topk_idx_TK is None else "direct"
 
     @functools.cached_property
     def send_slot_TW(self) -> torch.Tensor:
@@ -158,6 +176,8 @@ class CudaSendLayout:
     @functools.cached_property
     def route_rows_TK(self) -> torch.Tensor | None:
         """Direct path: int32 output row of (t, k) at its expert's rank, -1 none; else None."""
+        if self.data_path != "direct":
+            return None
         return self.call.int32(self.part, self.call.layout.route_rows, (self.num_tokens, self.topk))
 
 
@@ -347,10 +367,13 @@ class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
     def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
-                 device: torch.device, rdma=None, data_path: str | None = None):
+                 device: torch.device, rdma=None, data_path: str | None = None, arenas=None, vote=None):
         """rdma: the inter-node transport's regions (registered.LoopbackRegions, or NVSHMEM's),
         for groups of several nodes. data_path: "direct" or "receive" (launch.data_path; None:
-        HYBRID_EP_DATA_PATH, else direct wherever it can run)."""
+        HYBRID_EP_DATA_PATH, else direct wherever it can run). arenas: the registered
+        buffers' arenas (registered.RegisteredBuffers: arena_bases, own, arena_bytes); vote:
+        where this process drives only some ranks of the group, the agreement of every rank
+        on each dispatch's path (agreement.PathVote), else None."""
         self.ext, self.config, self.ranks, self.tables, self.device = ext, config, ranks, tables, device
         if config.num_nodes > 1 and rdma is None:
             raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
@@ -368,11 +391,19 @@ class Engine:
         self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
         self.store_groups_override = launch.store_groups_override()  # HYBRID_EP_STORE_GROUPS, likewise
-        # The direct path needs every rank's tensors addressable here: all ranks of one node in
-        # this process (HYBRID_EP_DATA_PATH, likewise). Offsets of published tensors are from
-        # each rank's arena base, 0 in one process.
-        self.data_path = launch.data_path(len(ranks) == config.world_size and config.num_nodes == 1, data_path)
-        self.arena_bases = torch.zeros(config.world_size, dtype=torch.int64, device=device)
+        # The direct path needs every rank's arena mapped here (one node), and every rank to
+        # choose the same path per call: all ranks in this process, or a vote. Published
+        # tensors are offsets from each rank's arena base (HYBRID_EP_DATA_PATH, likewise).
+        # data_path is the buffer's path; a call the arenas can not serve takes the receive
+        # path (_direct_blocks).
+        mapped = arenas is not None and arenas.arena_bytes > 0 and all(arenas.arena_bases)
+        self.vote = vote
+        self.data_path = launch.data_path(mapped and config.num_nodes == 1
+                                          and (len(ranks) == config.world_size or vote is not None), data_path)
+        direct_ok = self.data_path == "direct"
+        self.arena_bases = torch.tensor(arenas.arena_bases if direct_ok else [0] * config.world_size,
+                                        dtype=torch.int64, device=device)
+        self.arenas = [Arena(b, arenas.arena_bytes, device) for b in arenas.own] if direct_ok else []
         # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
         # per-rank part changes (the launchers copy the struct when they launch).
         self._launch_cache: dict[tuple, object] = {}
@@ -395,8 +426,9 @@ class Engine:
         self._shape = _Shape(W=config.world_size, N=config.num_nodes, G=config.ranks_per_node,
                              L=config.experts_per_rank, max_tokens=config.max_tokens_per_rank,
                              max_chunks=int(self.reg.max_chunks), kd=int(self.reg.meta_entries), info=self.info)
-        self._call_layouts: dict[tuple[int, bool], object] = {}  # (K, direct) -> ext.CallLayout
-        self._workspaces: dict[tuple[int, bool], list[CallWorkspace]] = {}  # the last of each layout, for reuse
+        # (K, route rows, receive tables) -> ext.CallLayout, and the last workspaces of each, for reuse
+        self._call_layouts: dict[tuple[int, bool, bool], object] = {}
+        self._workspaces: dict[tuple[int, bool, bool], list[CallWorkspace]] = {}
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -525,11 +557,12 @@ class Engine:
                                      (self.rdma.declared() if self.rdma is not None else []) +
                                      [(self.abort.data_ptr(), 4)])
 
-    def _workspace(self, topk: int, direct: bool) -> CallWorkspace:
-        """A workspace for a call of up to `topk` routes per token: one of the last
-        KEPT_WORKSPACES of this layout that nothing refers to any more (no handle, no view; on
-        a GPU, last used on this stream, so it is reused in stream order), else a new one."""
-        key = (topk, direct)
+    def _workspace(self, topk: int, direct: bool, receive: bool) -> CallWorkspace:
+        """A workspace for a call of up to `topk` routes per token with the tables of the direct
+        path, the receive path or both: one of the last KEPT_WORKSPACES of this layout that
+        nothing refers to any more (no handle, no view; on a GPU, last used on this stream, so
+        it is reused in stream order), else a new one."""
+        key = (topk, direct, receive)
         stream = self._stream()
         kept = self._workspaces.get(key)
         if kept is None:
@@ -542,7 +575,7 @@ class Engine:
                 return ws
         layout = self._call_layouts.get(key)
         if layout is None:
-            layout = self._call_layouts[key] = self.ext.call_layout(self.geo, self._shape.kd, topk, direct)
+            layout = self._call_layouts[key] = self.ext.call_layout(self.geo, self._shape.kd, topk, direct, receive)
         ws = CallWorkspace(len(self.ranks), layout, self.device, stream)
         kept.append(ws)
         if len(kept) > KEPT_WORKSPACES:
@@ -562,6 +595,8 @@ class Engine:
         launch.check_row_bytes("x", H, dtype_name)
         fp8 = dtype_name == "float8_e4m3fn"
         dtype = xs[0].dtype
+        prefer = self.data_path == "direct"
+        dev = self.device
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
@@ -590,36 +625,54 @@ class Engine:
             x, x_ptr = _aligned(x)
             inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
             keep.append((x, sc, idx, w))
-        direct = self.data_path == "direct"
-        args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
-        dev = self.device
-        call = self._workspace(topk, direct)
         stream = self._stream()
         absent = self._absent_mask(self.absent.ranks)
         after_layout = self._absent_mask(self.absent.after_layout)
         static = num_out_tokens is not None
-        if static:
-            rows = [num_out_tokens] * len(self.ranks)
-        elif known_rows is not None:
-            rows = list(known_rows)
+        # The path is chosen where the output sizes are known: before the layout kernel with a
+        # static size (or a handle's), else after its host read, on a workspace with the
+        # tables of both paths.
+        blocks = None
+        if static or known_rows is not None:
+            rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
+            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
+            direct = blocks is not None
+            call = self._workspace(topk, direct, not direct)
+            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
         else:
+            call = self._workspace(topk, prefer, True)
+            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+            args.scale_cols = H // FP8_BLOCK if fp8 else 0
             if self._declaring():
                 self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
             self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
             needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
             self.raise_if_failed()
             rows = needed.tolist()
+            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
+            direct = blocks is not None
+            if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
+                laid = args
+                args = self._launch_args(sms, dtype_name, H, "dispatch")
+                for i in range(laid.num_ranks):
+                    args.set_rank(i, laid.get_rank(i))
+                args.num_ranks = laid.num_ranks
+        args.scale_cols = H // FP8_BLOCK if fp8 else 0
 
         outputs, results = [], []
         shape = self._shape
         for i, (R, (x, _, idx, _)) in enumerate(zip(rows, keep)):
-            out = torch.empty(R, H, dtype=x.dtype, device=dev)
-            out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
-            out_probs = torch.empty(R, dtype=torch.float32, device=dev)
+            if direct:
+                out, out_probs, out_scales, reserve = blocks[i]
+            else:
+                out = torch.empty(R, H, dtype=x.dtype, device=dev)
+                out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
+                out_probs = torch.empty(R, dtype=torch.float32, device=dev)
+                reserve = None
             outputs.append((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()))
             T, K = inputs[i][0], inputs[i][1]
             results.append(RankDispatch(out, out_scales, out_probs,
-                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
+                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None, reserve),
                                         CudaRecvLayout(call, i, shape, R)))
         self._in_flight["dispatch"] = keep
         if self._declaring():
@@ -632,6 +685,40 @@ class Engine:
         else:
             self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         return results
+
+    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> list | None:
+        """Every driven rank's arena tensors of a direct dispatch (arena.call_tensors), or None
+        when some rank's arena can not hold them: the call then takes the receive path, on
+        every rank of the group (the vote, where this process drives only some), with one log
+        line per process."""
+        H = self.config.hidden_dim
+        got, reason = [], None
+        for r, arena, R in zip(self.ranks, self.arenas, rows):
+            tensors = call_tensors(arena, R, H, dtype, fp8, stream)
+            if tensors is None:
+                reason = (f"rank {r}'s arena can not hold {R} output rows: {call_bytes(R, H, dtype, fp8)} bytes "
+                          f"needed, {arena.used} of {arena.capacity} in use, largest free range "
+                          f"{arena.largest_free(stream)}; BufferConfig.arena_bytes sets its size")
+                break
+            got.append(tensors)
+        ok = reason is None
+        if self.vote is not None and self.vote(ok) != ok:
+            ok, reason = False, "another rank's arena could not hold its output of the call"
+        if not ok:
+            _log_fallback(reason)
+            return None
+        return got
+
+    def _staged(self, i: int, x: torch.Tensor, p: torch.Tensor, send: CudaSendLayout, apply_probs: bool):
+        """A direct combine's expert_out (and, when read, probs) inside rank i's arena: copied
+        into the dispatch's reserve when the caller's lie outside it."""
+        arena = self.arenas[i]
+        if not arena.contains(x):
+            x = send.reserve[:x.numel() * x.element_size()].view(x.dtype).view(x.shape).copy_(x)
+        if apply_probs and not arena.contains(p):
+            at = send.reserve.numel() - p.numel() * 4
+            p = send.reserve[at:].view(torch.float32).copy_(p)
+        return x, p
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -652,24 +739,34 @@ class Engine:
         args = self._launch_args(sms, dtype_name, C, "combine_pull" if direct else "combine", wire_name)
         args.apply_probs = int(apply_probs)
         dtype = rows[0].dtype
-        inputs, keep, outs = [], [], []
+        inputs, keep, outs, staged = [], [], [], []
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
             if x.dtype != dtype or x.shape[1] != C:
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
                                  f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
             x, x_ptr = _aligned(x)
             p = _fp32(p)
+            if direct:
+                # Arena tensors stay out of _in_flight: the arena reuses a block only on the
+                # stream it was used on, and one kept here would split the arena until the next
+                # combine.
+                arena = self.arenas[len(outs)]
+                keep += [t for t in (x, p) if not arena.contains(t)]
+                x, p = self._staged(len(outs), x, p, send, apply_probs)
+                x_ptr = x.data_ptr()
+                staged += (x, p)
+            else:
+                keep += (x, p)
             T = send.num_tokens
             y = torch.empty(T, C, dtype=dtype, device=self.device)
             call = send.call
             inputs.append((T, send.topk, call.part(send.part), call.layout,
                            send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
                            recv.num_rows))
-            keep += (x, p)
             outs.append(y)
         self._in_flight["combine"] = keep
         if self._declaring():
-            self._declare(keep + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
+            self._declare(keep + staged + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
         self.host.combine(args, direct, self._stream(), inputs, self._absent_mask(self.absent.ranks))
         return outs

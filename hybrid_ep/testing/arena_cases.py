@@ -1,0 +1,41 @@
+"""Rank-side functions of the GPU tests of the direct path with one process per rank (several
+processes on one GPU, CUDA IPC between them): a rank whose arena is full sends every rank of
+the group to the receive path for that call (the vote), and the results stay the oracle's."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from .cases import Case, _routing_kwargs
+
+
+def run_uneven_arena_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor, hold: bool) -> dict:
+    """Arena sized for one call of case.num_out_tokens rows. A first dispatch goes direct on
+    every rank; a rank with `hold` keeps its output, so its arena can not hold the second
+    dispatch, which therefore takes the receive path on every rank; the second dispatch and
+    its combine are returned for the oracle check, with both calls' paths."""
+    from ..backends.cuda.arena import call_bytes
+    from ..buffer import HybridEPBuffer
+
+    cfg = case.config
+    one_call = call_bytes(case.num_out_tokens, cfg.hidden_dim, case.dtype, fp8=False)
+    buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
+                         ranks_per_node=cfg.ranks_per_node, backend="cuda", arena_bytes=one_call)
+    device = buf.device
+    x = inputs["x"].to(device)
+    routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}
+    first = buf.dispatch(x, num_out_tokens=case.num_out_tokens, **routing)
+    first_path = first.handle.data_path
+    held = first if hold else None
+    del first
+    gc.collect()
+    res = buf.dispatch(x, num_out_tokens=case.num_out_tokens, **routing)
+    y = buf.combine(expert_out.to(device), res.handle)
+    torch.cuda.synchronize()
+    out = {"paths": (first_path, res.handle.data_path), "tokens": res.tokens.cpu(), "scales": None,
+           "probs": res.probs.cpu(), "tokens_per_expert": res.tokens_per_expert.cpu(),
+           "num_dropped": int(res.handle.num_dropped), "y": y.cpu()}
+    del held
+    return out

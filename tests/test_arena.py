@@ -1,0 +1,140 @@
+"""The arena's sub-allocator (backends/cuda/arena.py) over a CPU region: alignment, the tensors
+it hands out, their return when the last view dies, exhaustion, the stream rule, and the
+bytes one direct call takes."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from hybrid_ep.backends.cuda import arena as arena_mod
+from hybrid_ep.backends.cuda.arena import ALIGN, Arena, call_bytes, call_tensors
+from hybrid_ep.config import BufferConfig
+from hybrid_ep.routing import max_output_rows
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def region():
+    """An ALIGN-aligned CPU region of 16 blocks and an arena over it (the tensor holds the memory)."""
+    backing = torch.zeros(17 * ALIGN, dtype=torch.uint8)
+    skip = (-backing.data_ptr()) % ALIGN
+    region = backing[skip:skip + 16 * ALIGN]
+    return region, Arena(region.data_ptr(), region.numel(), CPU)
+
+
+def test_blocks_are_aligned_typed_and_write_the_region(region):
+    mem, a = region
+    x = a.empty((3, 5), torch.float32)
+    y = a.empty((7,), torch.bfloat16)
+    assert x.shape == (3, 5) and x.dtype == torch.float32 and x.is_contiguous()
+    assert y.shape == (7,) and y.dtype == torch.bfloat16
+    assert (x.data_ptr() - a.base) % ALIGN == 0 and (y.data_ptr() - a.base) % ALIGN == 0
+    assert y.data_ptr() - x.data_ptr() == ALIGN  # 60 bytes take one block, first fit
+    x.fill_(2.5)
+    assert mem[:60].view(torch.float32).tolist() == [2.5] * 15
+    assert a.used == 2 * ALIGN
+    assert a.contains(x) and a.contains(y) and a.contains(x[1])
+
+
+def test_a_block_returns_when_its_last_view_dies_and_ranges_merge(region):
+    _, a = region
+    x, y, z = a.empty((ALIGN,), torch.uint8), a.empty((2 * ALIGN,), torch.uint8), a.empty((ALIGN,), torch.uint8)
+    view = y[5:9]
+    del y
+    gc.collect()
+    assert a.used == 4 * ALIGN  # the view keeps y's block
+    del view, x, z
+    gc.collect()
+    assert a.used == 0
+    assert a.largest_free() == 16 * ALIGN  # the three ranges and the rest are one again
+    big = a.empty((16 * ALIGN,), torch.uint8)
+    assert big is not None and big.data_ptr() == a.base
+
+
+def test_exhaustion_returns_none_and_takes_nothing(region):
+    _, a = region
+    keep = a.empty((10 * ALIGN,), torch.uint8)
+    assert a.empty((7 * ALIGN,), torch.uint8) is None
+    assert a.used == 10 * ALIGN
+    rest = a.empty((6 * ALIGN,), torch.uint8)
+    assert rest is not None
+    assert a.empty((1,), torch.uint8) is None
+    del keep, rest
+
+
+def test_a_range_is_reused_only_on_the_stream_it_was_used_on(region):
+    _, a = region
+    first = a.empty((16 * ALIGN,), torch.uint8, stream=7)
+    del first
+    gc.collect()
+    assert a.empty((ALIGN,), torch.uint8, stream=9) is None  # stream 7 may still use it
+    again = a.empty((16 * ALIGN,), torch.uint8, stream=7)
+    assert again is not None
+
+
+def test_tensors_outside_or_across_the_edge_are_not_contained(region):
+    mem, a = region
+    assert not a.contains(torch.zeros(4))
+    assert a.contains(mem[:16 * ALIGN])
+    wider = mem.as_strided((16 * ALIGN + 1,), (1,))  # one byte past the end
+    assert not a.contains(wider)
+    assert a.contains(torch.zeros(0))
+
+
+def test_call_tensors_take_call_bytes_or_nothing(region):
+    _, a = region
+    R, H = 3, 128
+    need = call_bytes(R, H, torch.bfloat16, fp8=False)
+    assert need == 3 * ALIGN + ALIGN + 7 * ALIGN  # rows 768 bytes, probs 12, reserve 1548
+    out, probs, scales, reserve = call_tensors(a, R, H, torch.bfloat16, False)
+    assert out.shape == (R, H) and probs.shape == (R,) and scales is None
+    assert reserve.numel() == R * (H * 4 + 4)  # an fp32 expert_out of R x H, and its probs
+    assert a.used == need
+    del out, probs, reserve
+    gc.collect()
+    assert call_tensors(a, 64, H, torch.bfloat16, True) is None  # too big: nothing stays taken
+    assert a.used == 0
+
+
+def test_default_size_is_one_worst_case_fp32_call_and_the_knob_wins():
+    cfg = BufferConfig(512, 64, 8, 4, 4).validate()
+    rows = max_output_rows(cfg, 2)
+    assert arena_mod.arena_bytes(cfg) == call_bytes(rows, 512, torch.float32)
+    assert call_bytes(rows, 512, torch.float32) == rows * 512 * 4 + rows * 4 + rows * (512 * 4 + 4)
+    sized = BufferConfig(512, 64, 8, 4, 4, arena_bytes=1000).validate()
+    assert arena_mod.arena_bytes(sized) == 4 * ALIGN
+    with pytest.raises(ValueError, match="arena_bytes"):
+        BufferConfig(512, 64, 8, 4, 4, arena_bytes=-1).validate()
+
+
+def test_blocks_taken_and_freed_on_several_threads_leave_the_arena_whole(region):
+    import threading
+
+    _, a = region
+    errors = []
+
+    def churn(seed: int):
+        try:
+            for i in range(300):
+                t = a.empty(((seed + i) % 3 + 1, ALIGN // 2), torch.uint8)
+                if t is not None:
+                    t.fill_(seed)
+                    assert bool((t == seed).all())
+                del t
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    gc.collect()
+    assert errors == []
+    assert a.used == 0 and a.largest_free() == 16 * ALIGN

@@ -1,0 +1,70 @@
+"""The direct path with one process per rank (needs a GPU): several processes on one GPU, a
+gloo group between them, registered buffers and arenas opened through CUDA IPC. Every rank's
+dispatch output comes from its arena and every peer writes and reads it there; a rank whose
+arena is full takes the whole group to the receive path for that call. Against the oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.testing.arena_cases import run_uneven_arena_on_rank
+from hybrid_ep.testing.cases import Case, check_case, make_rank_inputs
+from hybrid_ep.testing.compare import assert_combine_within, assert_dispatch_matches
+from hybrid_ep.testing.oracle import combine_hops_oracle, dispatch_oracle
+
+pytestmark = pytest.mark.gpu
+
+W = 3  # processes on the one GPU
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from helpers import built_cuda_extension
+    from hybrid_ep.spawn import ProcessGroupPool
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    built_cuda_extension()
+    with ProcessGroupPool(W, backend="gloo") as p:
+        yield p
+
+
+def _cases() -> list[Case]:
+    tokens = (37, 0, 21)
+    return [
+        Case(W, W, 2 * W, 2048, tokens, 2, torch.bfloat16, pad_multiple=8, backend="cuda"),
+        Case(W, W, 2 * W, 1024, tokens, 3, FP8_DTYPE, drop_fraction=0.2, backend="cuda"),
+        Case(W, W, 2 * W, 256, tokens, 2, torch.float32, num_out_tokens=24, apply_probs=True, backend="cuda"),
+    ]
+
+
+@pytest.mark.parametrize("case", _cases(), ids=str)
+def test_processes_on_one_gpu_take_the_direct_path(pool, case):
+    results = check_case(pool, case)
+    assert [r["data_path"] for r in results] == ["direct"] * W
+
+
+def test_an_arena_too_small_for_the_call_takes_every_process_to_the_receive_path(pool):
+    case = dataclasses.replace(_cases()[0], arena_bytes=4096)
+    results = check_case(pool, case)
+    assert [r["data_path"] for r in results] == ["receive"] * W
+
+
+def test_one_full_arena_sends_the_whole_group_to_the_receive_path(pool):
+    """Only rank 1 keeps its first output: its vote takes all three to the receive path."""
+    case = Case(W, W, 2 * W, 512, (30, 12, 25), 2, torch.bfloat16, num_out_tokens=48, backend="cuda")
+    inputs = make_rank_inputs(case)
+    run = dispatch_oracle(case.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                          [i["topk_weights"] for i in inputs], None, case.num_out_tokens)
+    gen = torch.Generator().manual_seed(5)
+    outs = [torch.randn(case.num_out_tokens, case.hidden, generator=gen).to(torch.bfloat16) for _ in range(W)]
+    got = pool.run(run_uneven_arena_on_rank, [(case, inputs[r], outs[r], r == 1) for r in range(W)])
+    assert [g["paths"] for g in got] == [("direct", "receive")] * W
+    want_y = combine_hops_oracle(case.config, run, outs, [i["topk_idx"] for i in inputs], False, None)
+    for r, g in enumerate(got):
+        assert_dispatch_matches(g, run.ranks[r], f"rank {r}")
+        assert_combine_within(g["y"], want_y[r], f"rank {r}")
