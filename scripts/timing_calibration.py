@@ -10,7 +10,8 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
-    python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256
+    python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
+        --ncu docs/benchmarks/gpu/2026-11-24-h100
 
 `add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
 points.json with the commit it measured; `build` makes the scratch build; `run` prints, per
@@ -19,7 +20,8 @@ SM count, the model's scheduling rounds of the second dispatch and combine (the 
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
 measured per point, the worst ratio last; `profile` prints what the warps spend their
-predicted time on, per kernel, to set beside ncu's stall samples. Not part of CI: a build takes minutes, a fit at
+predicted time on, per kernel, and with --ncu beside the stall samples of that run's ncu stage
+(hybrid_ep/timing/shares.py), the difference in points per category. Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
@@ -33,7 +35,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hybrid_ep.timing import builds, constants, fit, points, predict  # noqa: E402
+from hybrid_ep.timing import builds, constants, fit, points, predict, shares  # noqa: E402
 
 
 def add_run(args) -> int:
@@ -137,29 +139,6 @@ def score_points(args) -> int:
     return 0
 
 
-def wait_shares(report: dict) -> dict:
-    """Shares of the warps' time (16 warps x the kernel's time, say) by what they did: busy,
-    waiting at the kernel's last __syncthreads (the one waited at longest: warps whose role is
-    done), in mbarrier waits, flag waits, warp collectives, bulk waits; as ncu's stall samples
-    per source line are read (docs/benchmarks/cuda.md, 2026-11-24)."""
-    total = len(report["roles"]) * (report["time_ns"])
-    sums = {}
-    for role in report["roles"]:
-        sums["busy"] = sums.get("busy", 0.0) + role["busy_ns"]
-        for what, ns in role["waits"]:
-            kind = what.split(" (")[0]
-            key = what if kind == "__syncthreads" else kind
-            sums[key] = sums.get(key, 0.0) + ns
-    last = max((k for k in sums if k.startswith("__syncthreads")), key=sums.get, default=None)
-    out = {"busy": sums.pop("busy", 0.0) / total}
-    if last is not None:
-        out["after the last __syncthreads"] = sums.pop(last) / total
-    for k, v in sums.items():
-        key = "__syncthreads (other)" if k.startswith("__syncthreads") else k
-        out[key] = out.get(key, 0.0) + v / total
-    return out
-
-
 def profile(args) -> int:
     folder = builds.build_commit(args.commit, args.work)
     table = constants.load_table()
@@ -168,11 +147,23 @@ def profile(args) -> int:
     run = result["runs"][0]
     print(f"commit {args.commit}: W={args.world_size} nodes={args.nodes} T={args.tokens} H={args.hidden}, "
           f"{args.sms} SMs/rank: shares of the warps' time (predicted)")
+    worst = 0.0
     for kernel in predict.KERNELS:
         for launch in run[kernel]["launches"]:
-            shares = wait_shares(launch)
-            print(f"{launch['kernel'].split('<')[0]} ({launch['time_ns'] / 1e6:.3f} ms): " +
-                  ", ".join(f"{k} {v:.1%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+            name = launch["kernel"].split("<")[0]
+            model = shares.model_shares(launch)
+            print(f"{name} ({launch['time_ns'] / 1e6:.3f} ms): " +
+                  ", ".join(f"{k} {v:.1%}" for k, v in sorted(model.items(), key=lambda kv: -kv[1])))
+            path = os.path.join(args.ncu, f"ncu_lines_{name}.txt") if args.ncu else None
+            if path and os.path.exists(path):
+                with open(path) as f:
+                    lines = shares.read_ncu_lines(f.read())
+                rows = shares.compare(model, shares.ncu_shares(
+                    lines, lambda base: shares.git_source(REPO, args.commit, base)))
+                print(shares.format_comparison(name, rows))
+                worst = max([worst] + [abs(m - n) for _, m, n in rows])
+    if args.ncu:
+        print(f"worst difference: {100 * worst:.1f} points")
     return 0
 
 
@@ -223,6 +214,9 @@ def main(argv=None) -> int:
     pr.add_argument("--topk", type=int, default=8)
     pr.add_argument("--experts", type=int, default=16)
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--ncu", default=None, metavar="FOLDER",
+                    help="a GPU run's folder with ncu_lines_<kernel>.txt (scripts/ncu_lines.py): the shares beside "
+                         "ncu's, measured at the commit given, with the difference in points")
     args = p.parse_args(argv)
     return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points,
             "profile": profile}[args.command](args)

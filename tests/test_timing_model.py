@@ -401,3 +401,63 @@ def test_the_fit_finds_the_constants_of_a_linear_model():
     assert result.values["wake_ns"] == pytest.approx(900.0, rel=0.05)
     assert result.values["plain_pair_ns"] == pytest.approx(12.0, rel=0.05)
     assert result.score < 0.01
+
+
+# ---- the warps' time beside ncu's stall samples ----------------------------------------------
+
+NCU_LINES = """ncu_source_lines.tmp samples 1000
+   60.0%  k.cuh:12  if (sh.abort) return;  [barrier 100%]
+   15.0%  state.cuh:7  if (dev::mbar_try_wait(bar, parity)) return true;  [long_sb 85%]
+    5.0%  state.cuh:3  if ((spin & 63) == 0) {  [branch_resolving 68%]
+    4.0%  sm_30_intrinsics.hpp:110  return __nvvm_bar_warp_sync(mask);  [branch_resolving 85%]
+    3.0%  k.cuh:11  __syncthreads();  [branch_resolving 80%]
+    2.0%  state.cuh:1  return dev::ld_volatile(flag) != 0;  [long_sb 47%]
+    1.0%  k.cuh:5  __syncthreads();  [branch_resolving 80%]
+"""
+STATE_CUH = """__device__ bool aborted(const int* flag) {
+}
+__device__ inline bool wait_at_least(const int* f) {
+  spin;
+}
+__device__ inline bool mbar_wait(uint64_t* bar) {
+  if (dev::mbar_try_wait(bar, parity)) return true;
+}
+"""
+
+
+def test_ncu_lines_are_put_in_the_categories_of_their_functions():
+    """Each line goes to the wait loop it is in at the measured commit (not to its text: the two
+    loops' lines read alike), the parked warps' line and the last __syncthreads to one category,
+    an earlier __syncthreads and what the top lines leave out to `other`."""
+    from hybrid_ep.timing import shares
+
+    lines = shares.read_ncu_lines(NCU_LINES)
+    assert lines[1] == (0.15, "state.cuh", 7, "if (dev::mbar_try_wait(bar, parity)) return true;", "long_sb 85%")
+    got = shares.ncu_shares(lines, lambda base: STATE_CUH if base == "state.cuh" else None)
+    assert got == pytest.approx({shares.AFTER_LAST: 0.63, shares.MBARRIER: 0.15, shares.FLAG: 0.05,
+                                 shares.SYNCWARP: 0.04, shares.ABORT: 0.02, shares.OTHER: 0.11})
+    with pytest.raises(ValueError, match="no stall-sample lines"):
+        shares.read_ncu_lines("nothing here\n")
+
+
+def test_model_shares_beside_ncu_differ_by_points():
+    """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
+    parked warps' share; the comparison gives both shares per category and their sum of the
+    waits on other warps (the model counts a warp by its lane 0)."""
+    from hybrid_ep.timing import shares
+
+    report = {"time_ns": 100.0, "roles": [
+        {"busy_ns": 20.0, "waits": [("__syncthreads (k.cuh:11)", 70.0), ("mbarrier wait (s.cuh:7)", 10.0)]},
+        {"busy_ns": 30.0, "waits": [("__syncthreads (k.cuh:5)", 5.0), ("mbarrier wait (s.cuh:9)", 40.0),
+                                    ("__syncwarp (s.cuh:2)", 25.0)]}]}
+    model = shares.model_shares(report)
+    assert model == pytest.approx({"busy": 0.25, shares.AFTER_LAST: 0.35, "__syncthreads (other)": 0.025,
+                                   shares.MBARRIER: 0.25, shares.SYNCWARP: 0.125})
+    ncu = {shares.AFTER_LAST: 0.30, shares.MBARRIER: 0.10, shares.FLAG: 0.0, shares.SYNCWARP: 0.05,
+           shares.ABORT: 0.05, shares.OTHER: 0.5}
+    rows = shares.compare(model, ncu)
+    assert [r[0] for r in rows] == [shares.AFTER_LAST, shares.MBARRIER, shares.FLAG, shares.SYNCWARP,
+                                    shares.WAITING_ON_WARPS]
+    assert rows[1][1:] == pytest.approx((0.25, 0.10)) and rows[4][1:] == pytest.approx((0.375, 0.20))
+    text = shares.format_comparison("k", rows)
+    assert "+15.0  over 10 points" in text and "+5.0\n" in text
