@@ -91,7 +91,7 @@ def _evaluator(args, run, shape, sms, table):
     def evaluate(trials: list[dict]) -> list[dict]:
         tables = [table.with_values(**t).costs() for t in trials]
         ns = predict.predict(lambda job: builds.run_in_build(folder, job), shape, sms, tables,
-                             tuple(args.model_tokens))
+                             tuple(args.model_tokens), concurrent=True)
         return [{key: v[i] / 1e6 for key, v in ns.items()} for i in range(len(tables))]
 
     return evaluate
@@ -132,10 +132,31 @@ def fit_constants(args) -> int:
 
 def score_points(args) -> int:
     run, shape, sms, measured = _selected(args)
+    if args.tables:
+        return _score_tables(args, run, shape, sms, measured)
     predicted = _evaluator(args, run, shape, sms, constants.load_table())([{}])[0]
     _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s): predicted "
                   f"(model at T = {'/'.join(map(str, args.model_tokens))} per rank) against measured",
                   predicted, measured)
+    return 0
+
+
+def _score_tables(args, run, shape, sms, measured) -> int:
+    """score --tables: one model run for several variants of the table (each a JSON object of
+    values replacing the table's), the predictions of each printed and, with --save, kept."""
+    with open(args.tables) as f:
+        trials = json.load(f)
+    predicted = _evaluator(args, run, shape, sms, constants.load_table())(trials)
+    for trial, pred in zip(trials, predicted):
+        _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s), table with "
+                      f"{json.dumps(trial)} (model at T = {'/'.join(map(str, args.model_tokens))} per rank)",
+                      pred, measured)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"run": run.name, "commit": run.commit, "world_size": shape.world_size, "nodes": shape.nodes,
+                       "model_tokens": args.model_tokens, "tables": trials,
+                       "predicted_ms": [{f"{k[0]} {k[1]}": v for k, v in p.items()} for p in predicted],
+                       "measured_ms": {f"{k[0]} {k[1]}": v for k, v in measured.items()}}, f, indent=1)
     return 0
 
 
@@ -149,18 +170,20 @@ def profile(args) -> int:
           f"{args.sms} SMs/rank: shares of the warps' time (predicted)")
     worst = 0.0
     for kernel in predict.KERNELS:
-        for launch in run[kernel]["launches"]:
+        launches = run[kernel]["launches"]
+        for launch in launches:
             name = launch["kernel"].split("<")[0]
             model = shares.model_shares(launch)
             print(f"{name} ({launch['time_ns'] / 1e6:.3f} ms): " +
                   ", ".join(f"{k} {v:.1%}" for k, v in sorted(model.items(), key=lambda kv: -kv[1])))
-            path = os.path.join(args.ncu, f"ncu_lines_{name}.txt") if args.ncu else None
-            if path and os.path.exists(path):
+            # ncu profiled each call's main kernel (dispatch_kernel after the layout, combine_kernel)
+            path = os.path.join(args.ncu, f"ncu_lines_{kernel}_kernel.txt") if args.ncu else None
+            if launch is launches[-1] and path and os.path.exists(path):
                 with open(path) as f:
                     lines = shares.read_ncu_lines(f.read())
                 rows = shares.compare(model, shares.ncu_shares(
                     lines, lambda base: shares.git_source(REPO, args.commit, base)))
-                print(shares.format_comparison(name, rows))
+                print(shares.format_comparison(f"{name} against {os.path.basename(path)}", rows))
                 worst = max([worst] + [abs(m - n) for _, m, n in rows])
     if args.ncu:
         print(f"worst difference: {100 * worst:.1f} points")
@@ -196,6 +219,10 @@ def main(argv=None) -> int:
         f.add_argument("--nodes", type=int, default=1)
         f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
                        help="one or two tokens per rank the model runs at (default 512 1024)")
+        if name == "score":
+            f.add_argument("--tables", default=None, help="a JSON list of {constant: value} objects: the table "
+                           "with each one's values, all in one model run")
+            f.add_argument("--save", default=None, help="with --tables: the predictions as JSON")
         if name == "fit":
             f.add_argument("--names", nargs="+", default=["wake_ns", "plain_pair_ns"],
                            help="the constants to fit, at most 3 (default %(default)s)")

@@ -330,6 +330,22 @@ def test_a_prediction_is_the_line_through_the_model_runs():
     assert predict.extrapolate(512, 10.0, 512, 10.0, 4096) == 10.0
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_predict_reads_each_table_off_the_line_through_its_runs(concurrent):
+    """The runs at the two token counts, made one after the other or at once, give per table
+    and point the value on the line through them."""
+    def run_job(job):
+        t = job["tokens"]
+        return {"runs": [{"sms": s, **{k: {"launches": [{"table": i, "time_ns": (i + 1) * t / s + (k == "combine")}
+                                                         for i in range(len(job["costs"]))]}
+                                       for k in predict.KERNELS}} for s in job["sms"]]}
+
+    shape = predict.Shape(2, 1, 64, 4096, 2, 4)
+    ns = predict.predict(run_job, shape, [1, 2], [{}, {}], (512, 1024), concurrent=concurrent)
+    assert ns[(1, "dispatch")] == pytest.approx([4096.0, 8192.0])
+    assert ns[(2, "combine")] == pytest.approx([2049.0, 4097.0])
+
+
 def test_predict_then_validate(tmp_path, capsys):
     out = tmp_path / "pred"
     assert timing_cli.main(["predict", "--emulate", "2", "--hidden", "1024", "--tokens", "256", "--topk", "2",
