@@ -160,6 +160,63 @@ def _score_tables(args, run, shape, sms, measured) -> int:
     return 0
 
 
+def _saved_grid(path: str, names: tuple[str, ...]) -> tuple[dict, list, list, dict]:
+    """A score --tables --save file: (file, the tables that set exactly `names`, their predicted
+    ms by (sms, kernel), measured ms by (sms, kernel))."""
+    with open(path) as f:
+        saved = json.load(f)
+
+    def keyed(d):
+        return {(int(k.split()[0]), k.split()[1]): v for k, v in d.items()}
+
+    rows = [(t, keyed(p)) for t, p in zip(saved["tables"], saved["predicted_ms"]) if set(t) == set(names)]
+    if len(rows) < len(names) + 1:
+        raise SystemExit(f"{path}: {len(rows)} tables set exactly {', '.join(names)}; a line needs {len(names) + 1}")
+    return saved, [t for t, _ in rows], [p for _, p in rows], keyed(saved["measured_ms"])
+
+
+def fit_grid(args) -> int:
+    """fit-grid: the fit's first round on a grid already run (score --tables --save): the values
+    that minimise the score on the per-point lines through the grid, without a run at them."""
+    names = tuple(args.names)
+    if not 1 <= len(names) <= fit.MAX_FITTED:
+        raise SystemExit(f"fit 1 to {fit.MAX_FITTED} constants, got {len(names)}")
+    saved, grid, results, measured = _saved_grid(args.grid, names)
+    values, score = fit.surrogate_minimum(grid, results, measured, names, args.box)
+    coef, worst = fit.linear_surrogate(grid, results, names, measured)
+    fitted = ", ".join(f"{n} = {v:.4g}" for n, v in values.items())
+    tokens = "/".join(map(str, saved["model_tokens"]))
+    _print_points(f"fit on the grid of {args.grid}: {fitted}; RMS log ratio {score:.4f} on the lines through "
+                  f"{len(grid)} tables (largest residual of a line on the grid {worst:.1%}; predicted, model at "
+                  f"T = {tokens} per rank)", fit.surrogate_at(coef, names, values), measured)
+    if args.write:
+        table = constants.load_table()
+        source = (f"fit with {' and '.join(names)} to the {len(measured)} points of {saved['run']} at "
+                  f"W={saved['world_size']}, {saved['nodes']} node(s) (commit {saved['commit']}, model at T={tokens}, "
+                  f"on the lines through a grid of {len(grid)} tables, largest residual {worst:.1%}), "
+                  f"{points.today()}: RMS log ratio {score:.3f}")
+        constants.save_table(constants.with_sources(table, {n: float(f"{v:.4g}") for n, v in values.items()},
+                                                    source))
+        print(f"written to {constants.H100}")
+    return 0
+
+
+def score_grid(args) -> int:
+    """score-grid: a saved grid's points at the table's values of its constants, on the lines
+    through the grid (held-out points scored without a run at the fitted values)."""
+    names = tuple(args.names)
+    saved, grid, results, measured = _saved_grid(args.grid, names)
+    table = constants.load_table()
+    values = {n: table.constants[n].value for n in names}
+    coef, worst = fit.linear_surrogate(grid, results, names, measured)
+    _print_points(f"{saved['run']} (commit {saved['commit']}), W={saved['world_size']} on {saved['nodes']} node(s): "
+                  f"predicted at " + ", ".join(f"{n} {v:.4g}" for n, v in values.items()) +
+                  f" on the lines through {len(grid)} tables (largest residual {worst:.1%}; model at T = "
+                  f"{'/'.join(map(str, saved['model_tokens']))} per rank) against measured",
+                  fit.surrogate_at(coef, names, values), measured)
+    return 0
+
+
 def profile(args) -> int:
     folder = builds.build_commit(args.commit, args.work)
     table = constants.load_table()
@@ -231,6 +288,14 @@ def main(argv=None) -> int:
             f.add_argument("--spans", nargs="+", type=float, default=[3.0, 1.5],
                            help="factor between a grid's values, per round (default 3 1.5)")
             f.add_argument("--write", action="store_true", help="put the fitted values into the table")
+    for name, what in (("fit-grid", "a fit's first round on a grid run by score --tables --save"),
+                       ("score-grid", "a saved grid's points at the table's values, on the lines through it")):
+        g = sub.add_parser(name, help=what)
+        g.add_argument("grid", help="the JSON of score --tables ... --save")
+        g.add_argument("--names", nargs="+", required=True, help="the constants the grid varies")
+        if name == "fit-grid":
+            g.add_argument("--box", type=float, default=4.0, help="search within this factor of the grid's centre")
+            g.add_argument("--write", action="store_true", help="put the fitted values into the table")
     pr = sub.add_parser("profile", help="shares of the warps' time by what they wait for, per kernel")
     pr.add_argument("commit")
     pr.add_argument("-w", "--world-size", type=int, default=8)
@@ -246,7 +311,7 @@ def main(argv=None) -> int:
                          "ncu's, measured at the commit given, with the difference in points")
     args = p.parse_args(argv)
     return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points,
-            "profile": profile}[args.command](args)
+            "profile": profile, "fit-grid": fit_grid, "score-grid": score_grid}[args.command](args)
 
 
 if __name__ == "__main__":

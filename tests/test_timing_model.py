@@ -477,3 +477,25 @@ def test_model_shares_beside_ncu_differ_by_points():
     assert rows[1][1:] == pytest.approx((0.25, 0.10)) and rows[4][1:] == pytest.approx((0.375, 0.20))
     text = shares.format_comparison("k", rows)
     assert "+15.0  over 10 points" in text and "+5.0\n" in text
+
+
+def test_the_lines_through_a_grid_give_a_linear_models_values_between_its_tables():
+    """fit-grid and score-grid read predictions off per-point lines through a grid of tables:
+    on a linear stand-in they are exact, with no residual, and the fit's minimum is the truth."""
+    import itertools
+
+    names = ("wake_ns", "gmem_load_ns")
+
+    def model(t):
+        return {(1, "combine"): 5.0 + 0.02 * t["wake_ns"] + 0.003 * t["gmem_load_ns"],
+                (1, "dispatch"): 2.0 + 0.01 * t["wake_ns"] + 0.001 * t["gmem_load_ns"]}
+
+    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "gmem_load_ns": 500.0 * 2.0 ** j}
+            for i, j in itertools.product((-1, 0, 1), repeat=2)]
+    results = [model(t) for t in grid]
+    coef, worst = fit.linear_surrogate(grid, results, names, results[0])
+    assert worst < 1e-9
+    at = {"wake_ns": 700.0, "gmem_load_ns": 300.0}
+    assert fit.surrogate_at(coef, names, at) == pytest.approx(model(at))
+    values, score = fit.surrogate_minimum(grid, results, model(at), names, 4.0)
+    assert score < 0.01 and values["wake_ns"] == pytest.approx(700.0, rel=0.1)

@@ -35,12 +35,29 @@ class FitResult:
     steps: list           # (span, grid centre, best score on the grid, surrogate's minimum) per round
 
 
+def linear_surrogate(grid: list[dict], results: list[dict], names: tuple[str, ...], keys) -> tuple[dict, float]:
+    """Per point, the least-squares line (intercept, one slope per constant) through the grid's
+    predictions; and its largest relative residual on the grid (how far from linear they are)."""
+    X = np.array([[1.0] + [g[n] for n in names] for g in grid])
+    coef, worst = {}, 0.0
+    for k in keys:
+        y = np.array([r[k] for r in results])
+        coef[k] = np.linalg.lstsq(X, y, rcond=None)[0]
+        worst = max(worst, float(np.max(np.abs(X @ coef[k] - y) / y)))
+    return coef, worst
+
+
+def surrogate_at(coef: dict, names: tuple[str, ...], values: dict) -> dict:
+    """Each point's value on its line at `values`."""
+    x = np.array([1.0] + [values[n] for n in names])
+    return {k: float(c @ x) for k, c in coef.items()}
+
+
 def surrogate_minimum(grid: list[dict], results: list[dict], measured_ms: dict, names: tuple[str, ...],
                       box: float) -> tuple[dict, float]:
     """The values within `box` times the grid's centre (log-spaced search) that minimise the
     score of the per-point linear fit to the grid's predictions; and that score."""
-    X = np.array([[1.0] + [g[n] for n in names] for g in grid])
-    coef = {k: np.linalg.lstsq(X, np.array([r[k] for r in results]), rcond=None)[0] for k in measured_ms}
+    coef, _ = linear_surrogate(grid, results, names, measured_ms)
     centre = grid[len(grid) // 2]
     axes = [np.exp(np.linspace(math.log(centre[n] / box), math.log(centre[n] * box), 41)) for n in names]
     best, best_score = None, math.inf
