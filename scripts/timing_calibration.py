@@ -181,16 +181,22 @@ def fit_grid(args) -> int:
     names = tuple(args.names)
     if not 1 <= len(names) <= fit.MAX_FITTED:
         raise SystemExit(f"fit 1 to {fit.MAX_FITTED} constants, got {len(names)}")
-    saved, grid, results, measured = _saved_grid(args.grid, names)
-    values, score = fit.surrogate_minimum(grid, results, measured, names, args.box)
-    coef, worst = fit.linear_surrogate(grid, results, names, measured)
+    saved, grid, results, measured = _saved_grid(args.grid, names + tuple(args.fixed))
+    table = constants.load_table()
+    fixed = {n: table.constants[n].value for n in args.fixed}
+    names_all = names + tuple(args.fixed)
+    values, score = fit.surrogate_minimum(grid, results, measured, names_all, args.box, fixed)
+    coef, worst = fit.linear_surrogate(grid, results, names_all, measured)
+    for n in args.fixed:
+        del values[n]
     fitted = ", ".join(f"{n} = {v:.4g}" for n, v in values.items())
+    if fixed:
+        fitted += " (" + ", ".join(f"{n} {v:.4g} from the table" for n, v in fixed.items()) + ")"
     tokens = "/".join(map(str, saved["model_tokens"]))
     _print_points(f"fit on the grid of {args.grid}: {fitted}; RMS log ratio {score:.4f} on the lines through "
                   f"{len(grid)} tables (largest residual of a line on the grid {worst:.1%}; predicted, model at "
-                  f"T = {tokens} per rank)", fit.surrogate_at(coef, names, values), measured)
+                  f"T = {tokens} per rank)", fit.surrogate_at(coef, names_all, {**values, **fixed}), measured)
     if args.write:
-        table = constants.load_table()
         source = (f"fit with {' and '.join(names)} to the {len(measured)} points of {saved['run']} at "
                   f"W={saved['world_size']}, {saved['nodes']} node(s) (commit {saved['commit']}, model at T={tokens}, "
                   f"on the lines through a grid of {len(grid)} tables, largest residual {worst:.1%}), "
@@ -295,6 +301,8 @@ def main(argv=None) -> int:
         g.add_argument("--names", nargs="+", required=True, help="the constants the grid varies")
         if name == "fit-grid":
             g.add_argument("--box", type=float, default=4.0, help="search within this factor of the grid's centre")
+            g.add_argument("--fixed", nargs="+", default=[], help="constants the grid varies that are not fitted: "
+                           "at the table's values")
             g.add_argument("--write", action="store_true", help="put the fitted values into the table")
     pr = sub.add_parser("profile", help="shares of the warps' time by what they wait for, per kernel")
     pr.add_argument("commit")

@@ -499,3 +499,21 @@ def test_the_lines_through_a_grid_give_a_linear_models_values_between_its_tables
     assert fit.surrogate_at(coef, names, at) == pytest.approx(model(at))
     values, score = fit.surrogate_minimum(grid, results, model(at), names, 4.0)
     assert score < 0.01 and values["wake_ns"] == pytest.approx(700.0, rel=0.1)
+
+
+def test_the_lines_through_a_grid_take_the_engine_rate_as_its_inverse():
+    """A copy takes bytes / engine_bytes_per_ns: a time with such a term is on a line in the
+    rate's inverse, so the lines through a grid give it exactly between and beyond the tables."""
+    import itertools
+
+    names = ("wake_ns", "engine_bytes_per_ns")
+
+    def model(t):
+        return {(1, "dispatch"): 1.0 + 0.01 * t["wake_ns"] + 600.0 / t["engine_bytes_per_ns"]}
+
+    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "engine_bytes_per_ns": 40.0 * 2.0 ** j}
+            for i, j in itertools.product((-1, 0, 1), repeat=2)]
+    coef, worst = fit.linear_surrogate(grid, [model(t) for t in grid], names, [(1, "dispatch")])
+    assert worst < 1e-9
+    at = {"wake_ns": 900.0, "engine_bytes_per_ns": 55.0}
+    assert fit.surrogate_at(coef, names, at)[(1, "dispatch")] == pytest.approx(model(at)[(1, "dispatch")])
