@@ -10,6 +10,8 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
+    python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 2 --tables grid.json --save gw2.json
+    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns engine_bytes_per_ns --fixed gmem_load_ns
     python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
         --ncu docs/benchmarks/gpu/2026-11-24-h100
 
@@ -19,9 +21,12 @@ SM count, the model's scheduling rounds of the second dispatch and combine (the 
 `fit` fits up to three constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
-measured per point, the worst ratio last; `profile` prints what the warps spend their
-predicted time on, per kernel, and with --ncu beside the stall samples of that run's ncu stage
-(hybrid_ep/timing/shares.py), the difference in points per category. Not part of CI: a build takes minutes, a fit at
+measured per point, the worst ratio last (with --tables, for each of several variants of the
+table in one model run; --save keeps them); `fit-grid` fits on such a saved grid, on the
+per-point lines through it, and `score-grid` reads other points off their lines; `profile`
+prints what the warps spend their predicted time on, per kernel, and with --ncu beside the
+stall samples of that run's ncu stage (hybrid_ep/timing/shares.py), the difference in points
+per category. Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
