@@ -10,7 +10,10 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
-    python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256
+    python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 2 --tables grid.json --save gw2.json
+    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns engine_bytes_per_ns --fixed gmem_load_ns
+    python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
+        --ncu docs/benchmarks/gpu/2026-11-24-h100
 
 `add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
 points.json with the commit it measured; `build` makes the scratch build; `run` prints, per
@@ -18,8 +21,12 @@ SM count, the model's scheduling rounds of the second dispatch and combine (the 
 `fit` fits up to three constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
-measured per point, the worst ratio last; `profile` prints what the warps spend their
-predicted time on, per kernel, to set beside ncu's stall samples. Not part of CI: a build takes minutes, a fit at
+measured per point, the worst ratio last (with --tables, for each of several variants of the
+table in one model run; --save keeps them); `fit-grid` fits on such a saved grid, on the
+per-point lines through it, and `score-grid` reads other points off their lines; `profile`
+prints what the warps spend their predicted time on, per kernel, and with --ncu beside the
+stall samples of that run's ncu stage (hybrid_ep/timing/shares.py), the difference in points
+per category. Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
@@ -33,7 +40,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hybrid_ep.timing import builds, constants, fit, points, predict  # noqa: E402
+from hybrid_ep.timing import builds, constants, fit, points, predict, shares  # noqa: E402
 
 
 def add_run(args) -> int:
@@ -89,7 +96,7 @@ def _evaluator(args, run, shape, sms, table):
     def evaluate(trials: list[dict]) -> list[dict]:
         tables = [table.with_values(**t).costs() for t in trials]
         ns = predict.predict(lambda job: builds.run_in_build(folder, job), shape, sms, tables,
-                             tuple(args.model_tokens))
+                             tuple(args.model_tokens), concurrent=True)
         return [{key: v[i] / 1e6 for key, v in ns.items()} for i in range(len(tables))]
 
     return evaluate
@@ -130,6 +137,8 @@ def fit_constants(args) -> int:
 
 def score_points(args) -> int:
     run, shape, sms, measured = _selected(args)
+    if args.tables:
+        return _score_tables(args, run, shape, sms, measured)
     predicted = _evaluator(args, run, shape, sms, constants.load_table())([{}])[0]
     _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s): predicted "
                   f"(model at T = {'/'.join(map(str, args.model_tokens))} per rank) against measured",
@@ -137,27 +146,86 @@ def score_points(args) -> int:
     return 0
 
 
-def wait_shares(report: dict) -> dict:
-    """Shares of the warps' time (16 warps x the kernel's time, say) by what they did: busy,
-    waiting at the kernel's last __syncthreads (the one waited at longest: warps whose role is
-    done), in mbarrier waits, flag waits, warp collectives, bulk waits; as ncu's stall samples
-    per source line are read (docs/benchmarks/cuda.md, 2026-11-24)."""
-    total = len(report["roles"]) * (report["time_ns"])
-    sums = {}
-    for role in report["roles"]:
-        sums["busy"] = sums.get("busy", 0.0) + role["busy_ns"]
-        for what, ns in role["waits"]:
-            kind = what.split(" (")[0]
-            key = what if kind == "__syncthreads" else kind
-            sums[key] = sums.get(key, 0.0) + ns
-    last = max((k for k in sums if k.startswith("__syncthreads")), key=sums.get, default=None)
-    out = {"busy": sums.pop("busy", 0.0) / total}
-    if last is not None:
-        out["after the last __syncthreads"] = sums.pop(last) / total
-    for k, v in sums.items():
-        key = "__syncthreads (other)" if k.startswith("__syncthreads") else k
-        out[key] = out.get(key, 0.0) + v / total
-    return out
+def _score_tables(args, run, shape, sms, measured) -> int:
+    """score --tables: one model run for several variants of the table (each a JSON object of
+    values replacing the table's), the predictions of each printed and, with --save, kept."""
+    with open(args.tables) as f:
+        trials = json.load(f)
+    predicted = _evaluator(args, run, shape, sms, constants.load_table())(trials)
+    for trial, pred in zip(trials, predicted):
+        _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s), table with "
+                      f"{json.dumps(trial)} (model at T = {'/'.join(map(str, args.model_tokens))} per rank)",
+                      pred, measured)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"run": run.name, "commit": run.commit, "world_size": shape.world_size, "nodes": shape.nodes,
+                       "model_tokens": args.model_tokens, "tables": trials,
+                       "predicted_ms": [{f"{k[0]} {k[1]}": v for k, v in p.items()} for p in predicted],
+                       "measured_ms": {f"{k[0]} {k[1]}": v for k, v in measured.items()}}, f, indent=1)
+    return 0
+
+
+def _saved_grid(path: str, names: tuple[str, ...]) -> tuple[dict, list, list, dict]:
+    """A score --tables --save file: (file, the tables that set exactly `names`, their predicted
+    ms by (sms, kernel), measured ms by (sms, kernel))."""
+    with open(path) as f:
+        saved = json.load(f)
+
+    def keyed(d):
+        return {(int(k.split()[0]), k.split()[1]): v for k, v in d.items()}
+
+    rows = [(t, keyed(p)) for t, p in zip(saved["tables"], saved["predicted_ms"]) if set(t) == set(names)]
+    if len(rows) < len(names) + 1:
+        raise SystemExit(f"{path}: {len(rows)} tables set exactly {', '.join(names)}; a line needs {len(names) + 1}")
+    return saved, [t for t, _ in rows], [p for _, p in rows], keyed(saved["measured_ms"])
+
+
+def fit_grid(args) -> int:
+    """fit-grid: the fit's first round on a grid already run (score --tables --save): the values
+    that minimise the score on the per-point lines through the grid, without a run at them."""
+    names = tuple(args.names)
+    if not 1 <= len(names) <= fit.MAX_FITTED:
+        raise SystemExit(f"fit 1 to {fit.MAX_FITTED} constants, got {len(names)}")
+    saved, grid, results, measured = _saved_grid(args.grid, names + tuple(args.fixed))
+    table = constants.load_table()
+    fixed = {n: table.constants[n].value for n in args.fixed}
+    names_all = names + tuple(args.fixed)
+    values, score = fit.surrogate_minimum(grid, results, measured, names_all, args.box, fixed)
+    coef, worst = fit.linear_surrogate(grid, results, names_all, measured)
+    for n in args.fixed:
+        del values[n]
+    fitted = ", ".join(f"{n} = {v:.4g}" for n, v in values.items())
+    if fixed:
+        fitted += " (" + ", ".join(f"{n} {v:.4g} from the table" for n, v in fixed.items()) + ")"
+    tokens = "/".join(map(str, saved["model_tokens"]))
+    _print_points(f"fit on the grid of {args.grid}: {fitted}; RMS log ratio {score:.4f} on the lines through "
+                  f"{len(grid)} tables (largest residual of a line on the grid {worst:.1%}; predicted, model at "
+                  f"T = {tokens} per rank)", fit.surrogate_at(coef, names_all, {**values, **fixed}), measured)
+    if args.write:
+        source = (f"fit with {' and '.join(names)} to the {len(measured)} points of {saved['run']} at "
+                  f"W={saved['world_size']}, {saved['nodes']} node(s) (commit {saved['commit']}, model at T={tokens}, "
+                  f"on the lines through a grid of {len(grid)} tables, largest residual {worst:.1%}), "
+                  f"{points.today()}: RMS log ratio {score:.3f}")
+        constants.save_table(constants.with_sources(table, {n: float(f"{v:.4g}") for n, v in values.items()},
+                                                    source))
+        print(f"written to {constants.H100}")
+    return 0
+
+
+def score_grid(args) -> int:
+    """score-grid: a saved grid's points at the table's values of its constants, on the lines
+    through the grid (held-out points scored without a run at the fitted values)."""
+    names = tuple(args.names)
+    saved, grid, results, measured = _saved_grid(args.grid, names)
+    table = constants.load_table()
+    values = {n: table.constants[n].value for n in names}
+    coef, worst = fit.linear_surrogate(grid, results, names, measured)
+    _print_points(f"{saved['run']} (commit {saved['commit']}), W={saved['world_size']} on {saved['nodes']} node(s): "
+                  f"predicted at " + ", ".join(f"{n} {v:.4g}" for n, v in values.items()) +
+                  f" on the lines through {len(grid)} tables (largest residual {worst:.1%}; model at T = "
+                  f"{'/'.join(map(str, saved['model_tokens']))} per rank) against measured",
+                  fit.surrogate_at(coef, names, values), measured)
+    return 0
 
 
 def profile(args) -> int:
@@ -168,11 +236,25 @@ def profile(args) -> int:
     run = result["runs"][0]
     print(f"commit {args.commit}: W={args.world_size} nodes={args.nodes} T={args.tokens} H={args.hidden}, "
           f"{args.sms} SMs/rank: shares of the warps' time (predicted)")
+    worst = 0.0
     for kernel in predict.KERNELS:
-        for launch in run[kernel]["launches"]:
-            shares = wait_shares(launch)
-            print(f"{launch['kernel'].split('<')[0]} ({launch['time_ns'] / 1e6:.3f} ms): " +
-                  ", ".join(f"{k} {v:.1%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+        launches = run[kernel]["launches"]
+        for launch in launches:
+            name = launch["kernel"].split("<")[0]
+            model = shares.model_shares(launch)
+            print(f"{name} ({launch['time_ns'] / 1e6:.3f} ms): " +
+                  ", ".join(f"{k} {v:.1%}" for k, v in sorted(model.items(), key=lambda kv: -kv[1])))
+            # ncu profiled each call's main kernel (dispatch_kernel after the layout, combine_kernel)
+            path = os.path.join(args.ncu, f"ncu_lines_{kernel}_kernel.txt") if args.ncu else None
+            if launch is launches[-1] and path and os.path.exists(path):
+                with open(path) as f:
+                    lines = shares.read_ncu_lines(f.read())
+                rows = shares.compare(model, shares.ncu_shares(
+                    lines, lambda base: shares.git_source(REPO, args.commit, base)))
+                print(shares.format_comparison(f"{name} against {os.path.basename(path)}", rows))
+                worst = max([worst] + [abs(m - n) for _, m, n in rows])
+    if args.ncu:
+        print(f"worst difference: {100 * worst:.1f} points")
     return 0
 
 
@@ -205,6 +287,10 @@ def main(argv=None) -> int:
         f.add_argument("--nodes", type=int, default=1)
         f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
                        help="one or two tokens per rank the model runs at (default 512 1024)")
+        if name == "score":
+            f.add_argument("--tables", default=None, help="a JSON list of {constant: value} objects: the table "
+                           "with each one's values, all in one model run")
+            f.add_argument("--save", default=None, help="with --tables: the predictions as JSON")
         if name == "fit":
             f.add_argument("--names", nargs="+", default=["wake_ns", "plain_pair_ns"],
                            help="the constants to fit, at most 3 (default %(default)s)")
@@ -213,6 +299,16 @@ def main(argv=None) -> int:
             f.add_argument("--spans", nargs="+", type=float, default=[3.0, 1.5],
                            help="factor between a grid's values, per round (default 3 1.5)")
             f.add_argument("--write", action="store_true", help="put the fitted values into the table")
+    for name, what in (("fit-grid", "a fit's first round on a grid run by score --tables --save"),
+                       ("score-grid", "a saved grid's points at the table's values, on the lines through it")):
+        g = sub.add_parser(name, help=what)
+        g.add_argument("grid", help="the JSON of score --tables ... --save")
+        g.add_argument("--names", nargs="+", required=True, help="the constants the grid varies")
+        if name == "fit-grid":
+            g.add_argument("--box", type=float, default=4.0, help="search within this factor of the grid's centre")
+            g.add_argument("--fixed", nargs="+", default=[], help="constants the grid varies that are not fitted: "
+                           "at the table's values")
+            g.add_argument("--write", action="store_true", help="put the fitted values into the table")
     pr = sub.add_parser("profile", help="shares of the warps' time by what they wait for, per kernel")
     pr.add_argument("commit")
     pr.add_argument("-w", "--world-size", type=int, default=8)
@@ -223,9 +319,12 @@ def main(argv=None) -> int:
     pr.add_argument("--topk", type=int, default=8)
     pr.add_argument("--experts", type=int, default=16)
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--ncu", default=None, metavar="FOLDER",
+                    help="a GPU run's folder with ncu_lines_<kernel>.txt (scripts/ncu_lines.py): the shares beside "
+                         "ncu's, measured at the commit given, with the difference in points")
     args = p.parse_args(argv)
     return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points,
-            "profile": profile}[args.command](args)
+            "profile": profile, "fit-grid": fit_grid, "score-grid": score_grid}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -330,6 +330,22 @@ def test_a_prediction_is_the_line_through_the_model_runs():
     assert predict.extrapolate(512, 10.0, 512, 10.0, 4096) == 10.0
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_predict_reads_each_table_off_the_line_through_its_runs(concurrent):
+    """The runs at the two token counts, made one after the other or at once, give per table
+    and point the value on the line through them."""
+    def run_job(job):
+        t = job["tokens"]
+        return {"runs": [{"sms": s, **{k: {"launches": [{"table": i, "time_ns": (i + 1) * t / s + (k == "combine")}
+                                                         for i in range(len(job["costs"]))]}
+                                       for k in predict.KERNELS}} for s in job["sms"]]}
+
+    shape = predict.Shape(2, 1, 64, 4096, 2, 4)
+    ns = predict.predict(run_job, shape, [1, 2], [{}, {}], (512, 1024), concurrent=concurrent)
+    assert ns[(1, "dispatch")] == pytest.approx([4096.0, 8192.0])
+    assert ns[(2, "combine")] == pytest.approx([2049.0, 4097.0])
+
+
 def test_predict_then_validate(tmp_path, capsys):
     out = tmp_path / "pred"
     assert timing_cli.main(["predict", "--emulate", "2", "--hidden", "1024", "--tokens", "256", "--topk", "2",
@@ -401,3 +417,103 @@ def test_the_fit_finds_the_constants_of_a_linear_model():
     assert result.values["wake_ns"] == pytest.approx(900.0, rel=0.05)
     assert result.values["plain_pair_ns"] == pytest.approx(12.0, rel=0.05)
     assert result.score < 0.01
+
+
+# ---- the warps' time beside ncu's stall samples ----------------------------------------------
+
+NCU_LINES = """ncu_source_lines.tmp samples 1000
+   60.0%  k.cuh:12  if (sh.abort) return;  [barrier 100%]
+   15.0%  state.cuh:7  if (dev::mbar_try_wait(bar, parity)) return true;  [long_sb 85%]
+    5.0%  state.cuh:3  if ((spin & 63) == 0) {  [branch_resolving 68%]
+    4.0%  sm_30_intrinsics.hpp:110  return __nvvm_bar_warp_sync(mask);  [branch_resolving 85%]
+    3.0%  k.cuh:11  __syncthreads();  [branch_resolving 80%]
+    2.0%  state.cuh:1  return dev::ld_volatile(flag) != 0;  [long_sb 47%]
+    1.0%  k.cuh:5  __syncthreads();  [branch_resolving 80%]
+"""
+STATE_CUH = """__device__ bool aborted(const int* flag) {
+}
+__device__ inline bool wait_at_least(const int* f) {
+  spin;
+}
+__device__ inline bool mbar_wait(uint64_t* bar) {
+  if (dev::mbar_try_wait(bar, parity)) return true;
+}
+"""
+
+
+def test_ncu_lines_are_put_in_the_categories_of_their_functions():
+    """Each line goes to the wait loop it is in at the measured commit (not to its text: the two
+    loops' lines read alike), the parked warps' line and the last __syncthreads to one category,
+    an earlier __syncthreads and what the top lines leave out to `other`."""
+    from hybrid_ep.timing import shares
+
+    lines = shares.read_ncu_lines(NCU_LINES)
+    assert lines[1] == (0.15, "state.cuh", 7, "if (dev::mbar_try_wait(bar, parity)) return true;", "long_sb 85%")
+    got = shares.ncu_shares(lines, lambda base: STATE_CUH if base == "state.cuh" else None)
+    assert got == pytest.approx({shares.AFTER_LAST: 0.63, shares.MBARRIER: 0.15, shares.FLAG: 0.05,
+                                 shares.SYNCWARP: 0.04, shares.ABORT: 0.02, shares.OTHER: 0.11})
+    with pytest.raises(ValueError, match="no stall-sample lines"):
+        shares.read_ncu_lines("nothing here\n")
+
+
+def test_model_shares_beside_ncu_differ_by_points():
+    """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
+    parked warps' share; the comparison gives both shares per category and their sum of the
+    waits on other warps (the model counts a warp by its lane 0)."""
+    from hybrid_ep.timing import shares
+
+    report = {"time_ns": 100.0, "roles": [
+        {"busy_ns": 20.0, "waits": [("__syncthreads (k.cuh:11)", 70.0), ("mbarrier wait (s.cuh:7)", 10.0)]},
+        {"busy_ns": 30.0, "waits": [("__syncthreads (k.cuh:5)", 5.0), ("mbarrier wait (s.cuh:9)", 40.0),
+                                    ("__syncwarp (s.cuh:2)", 25.0)]}]}
+    model = shares.model_shares(report)
+    assert model == pytest.approx({"busy": 0.25, shares.AFTER_LAST: 0.35, "__syncthreads (other)": 0.025,
+                                   shares.MBARRIER: 0.25, shares.SYNCWARP: 0.125})
+    ncu = {shares.AFTER_LAST: 0.30, shares.MBARRIER: 0.10, shares.FLAG: 0.0, shares.SYNCWARP: 0.05,
+           shares.ABORT: 0.05, shares.OTHER: 0.5}
+    rows = shares.compare(model, ncu)
+    assert [r[0] for r in rows] == [shares.AFTER_LAST, shares.MBARRIER, shares.FLAG, shares.SYNCWARP,
+                                    shares.WAITING_ON_WARPS]
+    assert rows[1][1:] == pytest.approx((0.25, 0.10)) and rows[4][1:] == pytest.approx((0.375, 0.20))
+    text = shares.format_comparison("k", rows)
+    assert "+15.0  over 10 points" in text and "+5.0\n" in text
+
+
+def test_the_lines_through_a_grid_give_a_linear_models_values_between_its_tables():
+    """fit-grid and score-grid read predictions off per-point lines through a grid of tables:
+    on a linear stand-in they are exact, with no residual, and the fit's minimum is the truth."""
+    import itertools
+
+    names = ("wake_ns", "gmem_load_ns")
+
+    def model(t):
+        return {(1, "combine"): 5.0 + 0.02 * t["wake_ns"] + 0.003 * t["gmem_load_ns"],
+                (1, "dispatch"): 2.0 + 0.01 * t["wake_ns"] + 0.001 * t["gmem_load_ns"]}
+
+    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "gmem_load_ns": 500.0 * 2.0 ** j}
+            for i, j in itertools.product((-1, 0, 1), repeat=2)]
+    results = [model(t) for t in grid]
+    coef, worst = fit.linear_surrogate(grid, results, names, results[0])
+    assert worst < 1e-9
+    at = {"wake_ns": 700.0, "gmem_load_ns": 300.0}
+    assert fit.surrogate_at(coef, names, at) == pytest.approx(model(at))
+    values, score = fit.surrogate_minimum(grid, results, model(at), names, 4.0)
+    assert score < 0.01 and values["wake_ns"] == pytest.approx(700.0, rel=0.1)
+
+
+def test_the_lines_through_a_grid_take_the_engine_rate_as_its_inverse():
+    """A copy takes bytes / engine_bytes_per_ns: a time with such a term is on a line in the
+    rate's inverse, so the lines through a grid give it exactly between and beyond the tables."""
+    import itertools
+
+    names = ("wake_ns", "engine_bytes_per_ns")
+
+    def model(t):
+        return {(1, "dispatch"): 1.0 + 0.01 * t["wake_ns"] + 600.0 / t["engine_bytes_per_ns"]}
+
+    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "engine_bytes_per_ns": 40.0 * 2.0 ** j}
+            for i, j in itertools.product((-1, 0, 1), repeat=2)]
+    coef, worst = fit.linear_surrogate(grid, [model(t) for t in grid], names, [(1, "dispatch")])
+    assert worst < 1e-9
+    at = {"wake_ns": 900.0, "engine_bytes_per_ns": 55.0}
+    assert fit.surrogate_at(coef, names, at)[(1, "dispatch")] == pytest.approx(model(at)[(1, "dispatch")])

@@ -13,4 +13,5 @@ prediction, always labelled so, calibrated on and scored against the measured GP
 - fit.py: at most three constants fitted to measured times
 - builds.py: an older commit's kernels built against today's device layer (calibration)
 - report.py, cli.py: `python -m hybrid_ep.timing predict` and `validate`
+- shares.py: the warps' time by what they wait for, beside a GPU run's ncu stall samples
 """

@@ -11,6 +11,7 @@ dispatch reads one count back to size its output) is not in it.
 from __future__ import annotations
 
 import dataclasses
+from concurrent import futures as concurrent_futures
 
 KERNELS = ("dispatch", "combine")
 
@@ -54,11 +55,20 @@ def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
     return ns1 + (ns2 - ns1) * (t - t1) / (t2 - t1)
 
 
-def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...]) -> dict:
-    """{(sms, kernel): [predicted ns at shape.tokens per table]}; run_job(job) -> driver result."""
+def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...],
+            concurrent: bool = False) -> dict:
+    """{(sms, kernel): [predicted ns at shape.tokens per table]}; run_job(job) -> driver result.
+    With `concurrent`, the runs at the token counts are made at once (for a run_job that runs
+    each job in its own process: the model in this process is one per process)."""
     if not 1 <= len(model_tokens) <= 2:
         raise ValueError(f"model_tokens takes one or two token counts, got {model_tokens}")
-    runs = [call_times(run_job(job(shape, t, sms, tables)), len(tables)) for t in model_tokens]
+    jobs = [job(shape, t, sms, tables) for t in model_tokens]
+    if concurrent:
+        with concurrent_futures.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(run_job, jobs))
+    else:
+        results = [run_job(j) for j in jobs]
+    runs = [call_times(r, len(tables)) for r in results]
     t1, t2 = model_tokens[0], model_tokens[-1]
     return {key: [extrapolate(t1, a, t2, b, shape.tokens) for a, b in zip(runs[0][key], runs[-1][key])]
             for key in runs[0]}

@@ -1,0 +1,144 @@
+"""Where the warps' time goes: the model's per-role waits beside ncu's stall samples per line.
+
+The issue asks for the model's wait shares within 10 points of a GPU run's ncu stall breakdown.
+Both sides are put into the same few categories, each a share of the warps' time:
+
+- the model (`model_shares`): per warp role, its busy time and its waits by kind and site, over
+  (warp roles x the kernel's predicted time); the model counts a warp by its lane 0;
+- ncu (`ncu_shares`): the per-line stall samples of `scripts/ncu_lines.py` (its top lines, the
+  rest as one share), each line put in the category of the function it is in at the measured
+  commit (the wait loops of csrc/common/state.cuh), or by what it is (`__syncwarp`, the
+  kernel's last `__syncthreads` and the instruction after it, where finished warps park).
+
+`compare` puts the two side by side, per category, with the difference in points.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+AFTER_LAST = "after the last __syncthreads"
+MBARRIER = "mbarrier wait"
+FLAG = "flag wait"
+SYNCWARP = "__syncwarp"
+ABORT = "abort flag read"
+OTHER = "other"
+# What ncu cannot tell from a wait: every lane of a warp that stands at a __syncwarp or reads
+# the abort flag while its lane 0 spins in a wait loop is, in the model, part of that wait.
+WAITING_ON_WARPS = "mbarrier wait + __syncwarp + abort flag read"
+CATEGORIES = (AFTER_LAST, MBARRIER, FLAG, SYNCWARP, ABORT)
+
+# The functions of the device code whose lines are a category's (state.cuh's wait loops).
+FUNCTIONS = {"mbar_wait": MBARRIER, "wait_at_least": FLAG, "aborted": ABORT}
+
+
+def model_shares(report: dict) -> dict:
+    """{category: share} of one launch's timing report (warp roles x its time): busy, the wait at
+    the kernel's last __syncthreads (the one waited at longest: warps whose role is done), the
+    other __syncthreads, and each other kind of wait (mbarrier, flag, warp collective, bulk)."""
+    total = len(report["roles"]) * report["time_ns"]
+    sums = {}
+    for role in report["roles"]:
+        sums["busy"] = sums.get("busy", 0.0) + role["busy_ns"]
+        for what, ns in role["waits"]:
+            kind = what.split(" (")[0]
+            key = what if kind == "__syncthreads" else kind
+            sums[key] = sums.get(key, 0.0) + ns
+    last = max((k for k in sums if k.startswith("__syncthreads")), key=sums.get, default=None)
+    out = {"busy": sums.pop("busy", 0.0) / total}
+    if last is not None:
+        out[AFTER_LAST] = sums.pop(last) / total
+    for k, v in sums.items():
+        key = "__syncthreads (other)" if k.startswith("__syncthreads") else k
+        out[key] = out.get(key, 0.0) + v / total
+    return out
+
+
+LINE = re.compile(r"^\s*([0-9.]+)%\s+(\S+):(\d+)\s+(.*?)\s*(?:\[(.*)\])?\s*$")
+
+
+def read_ncu_lines(text: str) -> list[tuple[float, str, int, str, str]]:
+    """(share, file, line, source text, stall reasons) per line of ncu_lines.py's output."""
+    out = []
+    for raw in text.splitlines():
+        m = LINE.match(raw)
+        if m:
+            out.append((float(m.group(1)) / 100, m.group(2), int(m.group(3)), m.group(4), m.group(5) or ""))
+    if not out:
+        raise ValueError("no stall-sample lines (like '  44.7%  combine.cuh:564  ...') in the ncu file")
+    return out
+
+
+FUNCTION_START = re.compile(r"^__device__\b[^(]*?\b(\w+)\s*\(")
+
+
+def enclosing_functions(source: str) -> list[str | None]:
+    """Per line of a device source (1-based: index 0 is line 1), the __device__ function it is
+    in: the last one that started at or above it (the project's files start each at column 0)."""
+    out, current = [], None
+    for line in source.splitlines():
+        m = FUNCTION_START.match(line)
+        if m:
+            current = m.group(1)
+        elif line.startswith("}"):
+            out.append(current)
+            current = None
+            continue
+        out.append(current)
+    return out
+
+
+def git_source(repo: str, commit: str, basename: str) -> str | None:
+    """The text of the file named `basename` under csrc/ at `commit` (None if none or several)."""
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "csrc"], cwd=repo, capture_output=True,
+                           text=True, check=True).stdout.split()
+    found = [n for n in names if n.rsplit("/", 1)[-1] == basename]
+    if len(found) != 1:
+        return None
+    return subprocess.run(["git", "show", f"{commit}:{found[0]}"], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def ncu_shares(lines: list[tuple[float, str, int, str, str]], source_of) -> dict:
+    """{category: share} of ncu's lines; source_of(basename) -> that file's text at the measured
+    commit, or None. Lines of no category are OTHER; what the lines leave out is OTHER too."""
+    functions = {}
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    out[OTHER] = 0.0
+    parked = {(name, number) for _, name, number, _, reasons in lines if reasons.startswith("barrier")}
+    for share, name, number, text, reasons in lines:
+        if name not in functions:
+            src = source_of(name)
+            functions[name] = enclosing_functions(src) if src is not None else []
+        fn = functions[name][number - 1] if number <= len(functions[name]) else None
+        if fn in FUNCTIONS:
+            key = FUNCTIONS[fn]
+        elif "bar_warp_sync" in text:
+            key = SYNCWARP
+        elif (name, number) in parked or ("__syncthreads()" in text and
+                                          {(name, number + 1), (name, number + 2)} & parked):
+            key = AFTER_LAST  # where done warps park (stall reason barrier) and the barrier's own line
+        else:
+            key = OTHER
+        out[key] += share
+    out[OTHER] += max(0.0, 1.0 - sum(s for s, *_ in lines))
+    return out
+
+
+def compare(model: dict, ncu: dict) -> list[tuple[str, float, float]]:
+    """(category, model share, ncu share) for each category, then the waits on other warps
+    together (see WAITING_ON_WARPS)."""
+    rows = [(k, model.get(k, 0.0), ncu.get(k, 0.0)) for k in (AFTER_LAST, MBARRIER, FLAG, SYNCWARP)]
+    rows.append((WAITING_ON_WARPS, model.get(MBARRIER, 0.0) + model.get(SYNCWARP, 0.0),
+                 ncu[MBARRIER] + ncu[SYNCWARP] + ncu[ABORT]))
+    return rows
+
+
+def format_comparison(kernel: str, rows: list[tuple[str, float, float]], limit: float = 0.10) -> str:
+    lines = [f"{kernel}: share of the warps' time, predicted (model) against ncu's stall samples",
+             f"  {'category':<46} {'model':>7} {'ncu':>7} {'points':>7}"]
+    for what, m, n in rows:
+        flag = "" if abs(m - n) <= limit else f"  over {limit * 100:.0f} points"
+        lines.append(f"  {what:<46} {m:>7.1%} {n:>7.1%} {100 * (m - n):>+7.1f}{flag}")
+    return "\n".join(lines)
