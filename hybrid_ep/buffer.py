@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from . import inputs
 from .backends import choose_backend, create_backend
 from .config import BufferConfig, KernelConfig
-from .handle import DispatchHandle, DispatchResult, ReadOnly
+from .handle import CallCounts, DispatchHandle, DispatchResult, ReadOnly
 from .memory import MemoryPlan
 from .routing import normalize_routing
 from .rows import check_hidden_dim
@@ -29,10 +30,18 @@ class CallRecord(ReadOnly):
     """One dispatch or combine call; its traffic is computed when asked for, not per call:
     the row counts live on the device, and reading them on every call would synchronise
     with the host and break CUDA graph capture. kind: "dispatch" | "combine"; dtype: of the
-    rows on the wire (x's for a dispatch, the wire dtype for a combine)."""
+    rows on the wire (x's for a dispatch, the wire dtype for a combine). It keeps the call's
+    count tables, and the handle only as long as the caller does: a buffer's last record
+    must not keep memory the next call needs (the direct path's arena block)."""
 
     def __init__(self, kind: str, rank: int, handle: DispatchHandle, hidden_dim: int, dtype: torch.dtype):
-        self.__dict__.update(kind=kind, rank=rank, handle=handle, hidden_dim=hidden_dim, dtype=dtype)
+        self.__dict__.update(kind=kind, rank=rank, counts=CallCounts(handle), _handle=weakref.ref(handle),
+                             hidden_dim=hidden_dim, dtype=dtype)
+
+    @property
+    def handle(self) -> DispatchHandle | None:
+        """The call's handle while anything else keeps it, else None."""
+        return self._handle()
 
     @property
     def row_bytes(self) -> int:
@@ -40,7 +49,7 @@ class CallRecord(ReadOnly):
         return row_bytes(self.hidden_dim, self.dtype)
 
     def traffic(self) -> Traffic:
-        return rank_traffic(self.kind, self.rank, self.handle.row_counts, self.row_bytes)
+        return rank_traffic(self.kind, self.rank, self.counts.row_counts, self.row_bytes)
 
 
 class HybridEPBuffer:

@@ -31,7 +31,45 @@ class ReadOnly:
         raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
 
 
-class DispatchHandle(ReadOnly):
+class _CountTables:
+    """The count tables of a dispatch, each the tensor the backend gave or, where it gave None,
+    dest's attribute of the same name read when asked for (the cuda backend's are views of
+    its per-call workspace, which a call need not make); and the rows per link made from them.
+    Needs `dest`, `config` and the raw fields _recv_counts_W, _count_matrix_WW, _node_counts_WN."""
+
+    @property
+    def recv_counts_W(self) -> torch.Tensor:
+        value = self.__dict__["_recv_counts_W"]
+        return self.dest.recv_counts_W if value is None else value
+
+    @property
+    def count_matrix_WW(self) -> torch.Tensor:
+        value = self.__dict__["_count_matrix_WW"]
+        return self.dest.count_matrix_WW if value is None else value
+
+    @property
+    def node_counts_WN(self) -> torch.Tensor:
+        value = self.__dict__["_node_counts_WN"]
+        return self.dest.node_counts_WN if value is None else value
+
+    @functools.cached_property
+    def row_counts(self) -> RowCounts:
+        """Rows per rank on each link (traffic model), computed once per routing."""
+        return row_counts(self.count_matrix_WW, self.node_counts_WN, self.config.ranks_per_node)
+
+
+class CallCounts(ReadOnly, _CountTables):
+    """A handle's count tables without the handle: what a record of a call keeps to report its
+    traffic later. Not the handle itself, whose send layout may hold memory a later call needs
+    (the cuda backend's direct path: the arena block with the combine reserve)."""
+
+    def __init__(self, handle: "DispatchHandle"):
+        d = handle.__dict__
+        self.__dict__.update(dest=handle.dest, config=handle.config, _recv_counts_W=d["_recv_counts_W"],
+                             _count_matrix_WW=d["_count_matrix_WW"], _node_counts_WN=d["_node_counts_WN"])
+
+
+class DispatchHandle(ReadOnly, _CountTables):
     """Everything combine and backward need; reusable for another dispatch of the same routing.
 
     owner: id of the buffer that made it (a handle is not valid on another buffer); source,
@@ -64,32 +102,12 @@ class DispatchHandle(ReadOnly):
         return DispatchHandle(**{**fields, **changes})
 
     @property
-    def recv_counts_W(self) -> torch.Tensor:
-        value = self.__dict__["_recv_counts_W"]
-        return self.dest.recv_counts_W if value is None else value
-
-    @property
-    def count_matrix_WW(self) -> torch.Tensor:
-        value = self.__dict__["_count_matrix_WW"]
-        return self.dest.count_matrix_WW if value is None else value
-
-    @property
-    def node_counts_WN(self) -> torch.Tensor:
-        value = self.__dict__["_node_counts_WN"]
-        return self.dest.node_counts_WN if value is None else value
-
-    @property
     def num_tokens(self) -> int:
         return self.routing.num_tokens
 
     @property
     def num_rows(self) -> int:
         return self.dest.num_rows
-
-    @functools.cached_property
-    def row_counts(self) -> RowCounts:
-        """Rows per rank on each link (traffic model), computed once per routing."""
-        return row_counts(self.count_matrix_WW, self.node_counts_WN, self.config.ranks_per_node)
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:

@@ -162,3 +162,39 @@ def test_a_vote_against_sends_every_rank_to_the_receive_path(fresh_log):
         assert check_emulated(group, dataclasses.replace(case, seed=1))[0].handle.data_path == "direct"
     finally:
         group.close()
+
+
+def test_a_buffer_loop_stays_direct_with_the_default_arena(fresh_log):
+    """HybridEPBuffer's last_call records each call without keeping its handle, so with the
+    default arena (one call) every call of a loop that drops its outputs goes direct, and the
+    record still reports the call's traffic."""
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+    from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
+
+    T, H, E, K = 64, 256, 8, 8  # the default arena holds one call of this shape, not two
+    g = EmulatedGroup(1, H, T, E, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1)
+    try:
+        with _world_of_one():
+            buf = _single_rank_buffer(g)
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+            idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous()
+            w = torch.rand(T, K, generator=gen)
+            paths = []
+            for _ in range(4):
+                res = buf.dispatch(x, idx, w, num_out_tokens=T * K)
+                y = buf.combine(res.tokens, res.handle)
+                paths.append(res.handle.data_path)
+                assert buf.last_call.handle is res.handle  # while the caller keeps it
+                del res
+            assert paths == ["direct"] * 4
+            assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
+            assert buf.last_call.handle is None  # the record did not keep it
+            g.synchronize()
+            # One row per token and destination rank: T, all on this rank.
+            traffic = buf.last_traffic
+            assert (traffic.op, traffic.rows) == ("combine", T), traffic
+            # Combine sums a token's K routes, each its own row here: K x its row, exactly.
+            torch.testing.assert_close(y.float(), K * x.float(), rtol=0, atol=0)
+    finally:
+        g.close()

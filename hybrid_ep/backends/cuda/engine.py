@@ -75,7 +75,7 @@ PHASE_TEXT = {
 
 
 # Workspaces kept per call layout for reuse: two, because a buffer's last_call keeps the last
-# dispatch's handle (so its tables) while the next call runs; one more would serve only
+# dispatch's count tables (views of its workspace) while the next call runs; one more would serve only
 # callers that keep handles, which keep their own tables anyway.
 KEPT_WORKSPACES = 2
 
