@@ -52,6 +52,7 @@ constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7;                        // 7 
 constexpr int kForwardWarp = 11;                                           // several nodes
 constexpr int kCombineThreads = 12 * 32;
 constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
+constexpr int kFwdQuads = 8;          // quads of a row each forwarder lane loads before summing
 
 // ---- stages and tables ----------------------------------------------------------------------
 
@@ -371,6 +372,7 @@ __device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
   const auto* fwd_rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows);
   const int G = h.topo.G, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
+  const int quads = d.C / 4;
   const int64_t units = forwarded_chunks(d);
   for (int64_t u = d.b; u < units && !d.stopped(); u += d.nb) {
     int n, c;
@@ -388,18 +390,27 @@ __device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
     for (int q = 0; q < rows; ++q) {
       const int32_t* slots = fwd_slots + (static_cast<int64_t>(n) * h.staged + slot0 + q) * G;
       uint8_t* out = h.rdma.local(h.staged_off(h.R.comb_rows_out, n, slot0 + q, row_b));
-      for (int v = lane; v < d.C / 4; v += 32) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      // kFwdQuads quads per lane at a time, each partial's loaded before any is summed: the
+      // loads of a row are independent, so more of them are in flight per lane.
+      for (int v0 = lane; v0 < quads; v0 += 32 * kFwdQuads) {
+        float acc[kFwdQuads][4] = {};
         for (int g = 0; g < G; ++g) {
           if (slots[g] < 0) continue;
-          float val[4];
-          Quad<Wire>::load(d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + g, slots[g]) +
-                               static_cast<size_t>(v) * 4 * sizeof(Wire),
-                           val);
+          const uint8_t* part = d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + g, slots[g]);
+          float val[kFwdQuads][4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[e] += val[e];
+          for (int j = 0; j < kFwdQuads; ++j)
+            if (v0 + 32 * j < quads)
+              Quad<Wire>::load(part + static_cast<size_t>(v0 + 32 * j) * 4 * sizeof(Wire), val[j]);
+#pragma unroll
+          for (int j = 0; j < kFwdQuads; ++j)
+            if (v0 + 32 * j < quads)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[j][e] += val[j][e];
         }
-        Quad<Wire>::store(out + static_cast<size_t>(v) * 4 * sizeof(Wire), acc);
+#pragma unroll
+        for (int j = 0; j < kFwdQuads; ++j)
+          if (v0 + 32 * j < quads) Quad<Wire>::store(out + static_cast<size_t>(v0 + 32 * j) * 4 * sizeof(Wire), acc[j]);
       }
     }
     __threadfence();  // the staged node partials, before the transport reads them
