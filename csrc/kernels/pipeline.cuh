@@ -142,6 +142,12 @@ struct RowBatches {
   int rows_per_stage;
   int segments;
 
+  // A launch's batching of rows of `row_bytes` (its stage size and rows per stage).
+  __device__ static RowBatches of(uint32_t row_bytes, const LaunchArgs& args) {
+    const uint32_t stage = static_cast<uint32_t>(args.stage_bytes);
+    return {row_bytes, stage, args.rows_per_stage, static_cast<int>((row_bytes + stage - 1) / stage)};
+  }
+
   // Units of work among rows [begin, end): a batch of rows, or one row cut in segments. A
   // unit is handled by one block (its rows' routing is computed with the first item).
   __device__ int units(int begin, int end) const {
