@@ -156,7 +156,7 @@ run_tests() {
     bounded "$(left)" "$py" -m pytest -m "gpu or multigpu" -v -rfEs -p no:cacheprovider --timeout=120 \
         --maxfail=10 --junitxml="$results/gpu_tests.xml" \
         tests/test_cuda_emulation.py tests/test_reference_nccl.py tests/test_balancer_loop.py \
-        tests/test_nvshmem_transport.py tests/test_oracle.py tests/test_cuda_plan.py \
+        tests/test_nvshmem_transport.py tests/test_oracle.py tests/test_cuda_plan.py tests/test_cuda_arena.py \
         > "$results/gpu_tests.log" 2>&1
     local rc=$?
     say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"
