@@ -1,5 +1,7 @@
 """Host synchronisations found on the CPU (hybrid_ep.testing.host_sync): each rule of the
-recorder on a small case.
+recorder on a small case; the reference backend's static-size round trip, the GPU test
+tests/test_reference_nccl.py::test_static_size_makes_no_host_sync, on emulated CUDA ranks,
+where every synchronisation is listed instead of the first; and a static-size training step.
 
 The emulation leaves its stand-ins in the ranks it ran on, so each test closes its pool."""
 
@@ -7,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from helpers import static_reference_round_trip
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +29,7 @@ def _each_case_recorded():
         cases = {
             "element = number": lambda: a.__setitem__(4, 7),
             "row = number": lambda: b.__setitem__(1, 0),
-            "narrowed fill_": lambda: a[4:].fill_(7),
+            "element fill_": lambda: a[4].fill_(7),
             "int()": lambda: int(a.sum()),
             "tolist": lambda: a.tolist(),
             "mask index": lambda: b[b > 0],
@@ -59,7 +63,7 @@ def _each_case_recorded():
 EXPECTED = {
     "element = number": ["copy_"],  # torch makes the number a CPU tensor, then copies one element
     "row = number": [],  # a slice is filled from the CPU scalar (fill_ reads it on the host)
-    "narrowed fill_": [],
+    "element fill_": [],
     "int()": ["_local_scalar_dense"],
     "tolist": ["_to_copy"],
     "mask index": ["index"],
@@ -88,3 +92,54 @@ def test_each_rule_records_what_syncs_and_only_that(pool_for):
     with pool_for(1) as pool:
         found = pool.run(_each_case_recorded)[0]
     assert found == EXPECTED
+
+
+def _static_round_trip_on_emulated_cuda():
+    from hybrid_ep.testing.host_sync import emulated_cuda
+
+    with emulated_cuda() as recorder:
+        out = static_reference_round_trip(recorder.record)
+        return out, [str(s) for s in recorder.syncs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_static_size_makes_no_host_sync_on_emulated_cuda(pool_for, world_size):
+    with pool_for(world_size) as pool:
+        out = pool.run(_static_round_trip_on_emulated_cuda)
+    assert [o[0] for o in out] == [("reference", 40, 0, True)] * world_size
+    syncs = [f"rank {r}: {s}" for r, o in enumerate(out) for s in o[1]]
+    assert not syncs, "host synchronisations of a static-size round trip on CUDA:\n" + "\n".join(syncs)
+
+
+def _static_training_step_on_emulated_cuda():
+    """A static-size step as training makes it: autograd dispatch and combine, the backward of
+    both (the probs backward included), then a dispatch with the handle."""
+    import hybrid_ep as hep
+    from hybrid_ep.testing.host_sync import emulated_cuda
+
+    T, H, E = 16, 256, 4
+    with emulated_cuda() as recorder:
+        buf = hep.HybridEPBuffer(None, H, T, E, backend="reference")
+        dev = buf.device
+        t = torch.arange(T, device=dev)
+        idx = torch.stack([t % E, (t + 1) % E], dim=1)
+        w = torch.rand(T, 2, device=dev, requires_grad=True)
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+        def step():
+            res = hep.dispatch(buf, x, idx, w, num_out_tokens=2 * T + 8)
+            y = hep.combine(buf, res.tokens * res.probs[:, None].to(res.tokens.dtype), res.handle)
+            y.float().sum().backward()
+            return buf.dispatch(x.detach(), handle=res.handle).tokens.shape[0]
+
+        step()
+        with recorder.record():
+            rows = step()
+        return rows, [str(s) for s in recorder.syncs]
+
+
+def test_static_training_step_makes_no_host_sync_on_emulated_cuda(pool_for):
+    with pool_for(1) as pool:
+        rows, syncs = pool.run(_static_training_step_on_emulated_cuda)[0]
+    assert rows == 40
+    assert not syncs, "host synchronisations of a static-size training step on CUDA:\n" + "\n".join(syncs)
