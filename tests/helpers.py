@@ -29,3 +29,32 @@ def built_cuda_extension():
         if torch.cuda.is_available():
             pytest.fail(f"hybrid_ep._C must be built wherever a GPU is visible: {err}")
         pytest.skip("hybrid_ep._C is not built here (no GPU; HYBRID_EP_FORCE_CUDA_BUILD=1 builds it)")
+
+
+def static_reference_round_trip(window):
+    """The reference backend's static-size dispatch + combine (num_out_tokens, as Megatron's
+    moe_expert_rank_capacity_factor gives it) on this rank of the default group, twice: the
+    first call sets up the communicator, pinned host memory and the cached maps; `window()` is
+    the context around the second (set_sync_debug_mode on a GPU, a recorder on the CPU).
+    Returns (backend, output rows, rows dropped, whether combine gave 2 x: both routes summed)."""
+    import torch
+    import torch.distributed as dist
+
+    import hybrid_ep as hep
+
+    T, H, E = 16, 256, 4
+    buf = hep.HybridEPBuffer(None, H, T, E, backend="reference")
+    dev = buf.device
+    t = torch.arange(T)
+    idx = torch.stack([t % E, (t + 1 + dist.get_rank()) % E], dim=1).to(dev)
+    w = torch.rand(T, 2, device=dev)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+
+    def round_trip():
+        res = buf.dispatch(x, idx, w, num_out_tokens=2 * T + 8)
+        return res, buf.combine(res.tokens, res.handle)
+
+    round_trip()
+    with window():
+        res, y = round_trip()
+    return buf.backend, res.tokens.shape[0], int(res.handle.num_dropped), torch.equal(y, 2 * x)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from helpers import static_reference_round_trip
 from hybrid_ep.spawn import ProcessGroupPool
 from hybrid_ep.testing import Case, check_case
 
@@ -38,31 +41,20 @@ def test_two_gpus_match_oracle():
 
 
 def _static_round_trip_without_host_sync():
-    """A static-size dispatch + combine (num_out_tokens, Megatron's moe_expert_rank_capacity_factor)
-    under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises."""
-    import hybrid_ep as hep
+    """The static round trip under torch.cuda.set_sync_debug_mode("error"): any host
+    synchronisation raises (tests/test_host_sync.py finds them all on the CPU)."""
 
-    T, H, E = 16, 256, 4
-    buf = hep.HybridEPBuffer(None, H, T, E, backend="reference")
-    dev = buf.device
-    t = torch.arange(T)
-    idx = torch.stack([t % E, (t + 1) % E], dim=1).to(dev)
-    w = torch.rand(T, 2, device=dev)
-    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    @contextlib.contextmanager
+    def sync_is_an_error():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
 
-    def round_trip():
-        res = buf.dispatch(x, idx, w, num_out_tokens=2 * T + 8)
-        return res, buf.combine(res.tokens, res.handle)
-
-    round_trip()  # the first call sets up the communicator, pinned host memory and the cached maps
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        res, y = round_trip()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    return buf.backend, res.tokens.shape[0], int(res.handle.num_dropped), torch.equal(y, 2 * x)
+    return static_reference_round_trip(sync_is_an_error)
 
 
 @pytest.mark.gpu

@@ -74,7 +74,9 @@ def send_layout(routing: Routing, config: BufferConfig, rows_per_rank: int | Non
     flat = row_TW.reshape(-1)
     token_of_row = torch.full((num_rows_max + 1,), T, dtype=torch.int64, device=device)
     token_of_row.scatter_(0, flat, torch.arange(T, device=device)[:, None].expand(T, W).reshape(-1))
-    token_of_row[num_rows_max] = T  # the dummy row took the last of the tokens sent nowhere
+    # The dummy row took the last of the tokens sent nowhere. fill_, not token_of_row[num_rows_max] = T:
+    # on a GPU that copies the number from a CPU tensor to the device (a host sync).
+    token_of_row[num_rows_max].fill_(T)
     return SendLayout(
         rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], slot_row,
         torch.where(valid, idx % L, 0), routing.topk_weights_TK.detach().float(), token_of_row,
