@@ -339,7 +339,9 @@ run_ncu_l1tex() {
 # per case: the hazards racecheck reported, what the PTX memory model expects (0 for an ordered
 # case, > 0 for a racy one) and the verdict. The stage fails when a control case comes out
 # wrong (the __syncthreads one flagged, the racy one not), a value read was wrong, or a run
-# failed; an ordered case flagged is the finding, not a failure.
+# failed; an ordered case flagged is the finding, not a failure. Then, while time is left, each
+# ordered case that was flagged runs again with --racecheck-trace-sync yes
+# (racecheck_probe_<case>_trace.log: the synchronisation operations racecheck saw).
 probe_bin=build/racecheck_probe/racecheck_probe
 run_racecheck_probe() {
     if [ -x "$probe_bin" ] && [ -z "$(find csrc scripts/build_racecheck_probe.sh -newer "$probe_bin" -type f \
@@ -351,7 +353,7 @@ run_racecheck_probe() {
         say "racecheck probe build failed"
         return 1
     fi
-    local cases line name ordered role rc hazards expected verdict log todo per_case worst=0
+    local cases line name ordered role rc hazards expected verdict log todo per_case worst=0 flagged=()
     mapfile -t cases < <("$probe_bin" --list)
     [ ${#cases[@]} -gt 0 ] || { say "racecheck_probe --list named no case"; return 1; }
     local table="$results/racecheck_probe_summary.txt"
@@ -384,8 +386,18 @@ run_racecheck_probe() {
         fi
         printf '%-24s %-8s %-9s %s\n' "$name" "$hazards" "$expected" "$verdict" >> "$table"
         [[ "$verdict" == FAILED* ]] && worst=1
+        [[ "$verdict" == "flagged although"* ]] && flagged+=("$name")
     done
     tee -a "$summary" < "$table"
+    todo=${#flagged[@]}
+    for name in "${flagged[@]}"; do
+        per_case=$(( $(left) / todo ))
+        todo=$((todo - 1))
+        [ "$per_case" -ge 5 ] || { say "no time left to trace $name's synchronisation"; continue; }
+        bounded "$per_case" compute-sanitizer --tool racecheck --racecheck-trace-sync yes --print-limit 50 \
+            "$probe_bin" "$name" > "$results/racecheck_probe_${name}_trace.log" 2>&1
+        say "$name with --racecheck-trace-sync yes: exit $?, racecheck_probe_${name}_trace.log"
+    done
     return "$worst"
 }
 

@@ -513,7 +513,11 @@ def test_racecheck_probe_stage_runs_each_case_alone_under_racecheck(machine):
     runs = [line.split(" | ")[0] for line in calls.splitlines() if line.startswith("compute-sanitizer")]
     assert runs == [f"compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 50 "
                     f"build/racecheck_probe/racecheck_probe {case}"
-                    for case in ("syncthreads", "racy", "mbar_syncwarp_writers")]
+                    for case in ("syncthreads", "racy", "mbar_syncwarp_writers")] + [
+        # then the one ordered case flagged, again, with racecheck's trace of what it synchronised
+        "compute-sanitizer --tool racecheck --racecheck-trace-sync yes --print-limit 50 "
+        "build/racecheck_probe/racecheck_probe mbar_syncwarp_writers"]
+    assert "RACECHECK SUMMARY: 2 hazards" in (results / "racecheck_probe_mbar_syncwarp_writers_trace.log").read_text()
     assert _probe_table(results) == {
         "syncthreads": ["0", "0", "clean"],
         "racy": ["4", ">0", "flagged: racy"],
