@@ -58,11 +58,11 @@ def _locate_cuda_home() -> None:
 
 
 def _csrc_files() -> list[str]:
-    """Every source and header under csrc/ but the microbenchmarks' (no extension has them): an
-    extension is rebuilt when any of them changes (setuptools compares only the listed sources
-    otherwise, and the model's sources include the kernels' .cu files)."""
+    """Every source and header under csrc/ but the microbenchmarks' and the tools' (no extension
+    has them): an extension is rebuilt when any of them changes (setuptools compares only the
+    listed sources otherwise, and the model's sources include the kernels' .cu files)."""
     return sorted(p for ext in ("cu", "cuh", "h", "cpp") for p in glob.glob(f"csrc/**/*.{ext}", recursive=True)
-                  if not p.startswith("csrc/microbench/"))
+                  if not p.startswith(("csrc/microbench/", "csrc/tools/")))
 
 
 def _cuda_extension():

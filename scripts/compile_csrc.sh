@@ -3,9 +3,10 @@
 # or template error fails CI on machines without a GPU, where setup.py does not build
 # hybrid_ep._C. Kernels (.cu) need only nvcc; the bindings and transport (.cpp) also need
 # pybind11 and Python headers, taken from $PYTHON's torch. The GPU microbenchmarks
-# (csrc/microbench/) are built and linked into their executable by scripts/build_microbench.sh
-# (sm_90a). Any file that fails to compile fails the run, and the run names it. Skips when nvcc
-# is absent.
+# (csrc/microbench/) and the racecheck probe (csrc/tools/racecheck_probe.cu) are built and
+# linked into their executables by scripts/build_microbench.sh and
+# scripts/build_racecheck_probe.sh (sm_90a). Any file that fails to compile fails the run, and
+# the run names it. Skips when nvcc is absent.
 #
 # Not compiled here: the planner's and the CPU model's sources (csrc/balancer/, csrc/device/model/
 # and their bindings, planner_module.cpp and model_module.cpp). setup.py builds them, with the
@@ -95,6 +96,11 @@ compile() {
     if [ "$src" = "$microbench" ]; then
         echo "compile_csrc: $src (sm 90a, linked)"
         NVCC="$nvcc" bash "$repo/scripts/build_microbench.sh" "$out/microbench" > /dev/null
+        return
+    fi
+    if [ "$src" = csrc/tools/racecheck_probe.cu ]; then
+        echo "compile_csrc: $src (sm 90a, linked)"
+        NVCC="$nvcc" bash "$repo/scripts/build_racecheck_probe.sh" "$out/racecheck_probe" > /dev/null
         return
     fi
     if [[ "$(basename "$src")" == *nvshmem* && "$NVSHMEM_FOUND" != 1 ]]; then touch "$obj.skipped"; return 0; fi

@@ -18,6 +18,8 @@
 #                                                #     micro.txt; needs no hybrid_ep._C, builds none
 #   bash scripts/gpu_check.sh ncu-l1tex RESULTS  # (h) ncu's L1TEX breakdown of dispatch and of two
 #                                                #     microbenchmark copy patterns
+#   bash scripts/gpu_check.sh racecheck-probe RESULTS  # (i) each case of csrc/tools/racecheck_probe.cu alone
+#                                                #     under racecheck; needs no hybrid_ep._C, builds none
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -32,7 +34,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '7,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -42,7 +44,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex) ;;
+        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -129,9 +131,9 @@ extension_is_fresh() {
     so=$(ls hybrid_ep/_C*.so 2>/dev/null | head -1)
     [ -n "$so" ] || return 1
     [ "$(cat "$archs_stamp" 2>/dev/null)" = "$HYBRID_EP_CUDA_ARCHS" ] || return 1
-    # (csrc/microbench/ is not part of it)
-    [ -z "$(find csrc setup.py scripts/find_nvshmem.py -newer "$so" -type f ! -path 'csrc/microbench/*' 2>/dev/null \
-        | head -1)" ]
+    # (csrc/microbench/ and csrc/tools/ are not part of it)
+    [ -z "$(find csrc setup.py scripts/find_nvshmem.py -newer "$so" -type f ! -path 'csrc/microbench/*' \
+        ! -path 'csrc/tools/*' 2>/dev/null | head -1)" ]
 }
 
 build() {
@@ -330,6 +332,75 @@ run_ncu_l1tex() {
     return "$rc"
 }
 
+# The racecheck probe (csrc/tools/racecheck_probe.cu, docs/benchmarks/racecheck.md), built by
+# scripts/build_racecheck_probe.sh into build/, rebuilt when a source under csrc/ or the build
+# script is newer. Each of its cases runs alone under racecheck (racecheck_probe_<case>.log; the
+# time left is shared among the cases not yet run), and racecheck_probe_summary.txt has a line
+# per case: the hazards racecheck reported, what the PTX memory model expects (0 for an ordered
+# case, > 0 for a racy one) and the verdict. The stage fails when a control case comes out
+# wrong (the __syncthreads one flagged, the racy one not), a value read was wrong, or a run
+# failed; an ordered case flagged is the finding, not a failure. Then, while time is left, each
+# ordered case that was flagged runs again with --racecheck-trace-sync yes
+# (racecheck_probe_<case>_trace.log: the synchronisation operations racecheck saw).
+probe_bin=build/racecheck_probe/racecheck_probe
+run_racecheck_probe() {
+    if [ -x "$probe_bin" ] && [ -z "$(find csrc scripts/build_racecheck_probe.sh -newer "$probe_bin" -type f \
+        | head -1)" ]; then
+        say "$probe_bin is newer than its sources: not rebuilt"
+    elif ! bounded "$(left)" bash scripts/build_racecheck_probe.sh build/racecheck_probe \
+        > "$results/racecheck_probe_build.log" 2>&1; then
+        show_tail 20 "$results/racecheck_probe_build.log"
+        say "racecheck probe build failed"
+        return 1
+    fi
+    local cases line name ordered role rc hazards expected verdict log todo per_case worst=0 flagged=()
+    mapfile -t cases < <("$probe_bin" --list)
+    [ ${#cases[@]} -gt 0 ] || { say "racecheck_probe --list named no case"; return 1; }
+    local table="$results/racecheck_probe_summary.txt"
+    printf '%-24s %-8s %-9s %s\n' case hazards expected verdict > "$table"
+    todo=${#cases[@]}
+    for line in "${cases[@]}"; do
+        IFS=$'\t' read -r name ordered role _ <<< "$line"
+        log=racecheck_probe_$name.log
+        per_case=$(( $(left) / todo ))
+        [ "$per_case" -ge 1 ] || per_case=1
+        bounded "$per_case" compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 50 \
+            "$probe_bin" "$name" > "$results/$log" 2>&1
+        rc=$?
+        todo=$((todo - 1))
+        hazards=$(grep -oE 'RACECHECK SUMMARY: [0-9]+ hazard' "$results/$log" | grep -oE '[0-9]+' | tail -1)
+        expected=0
+        [ "$ordered" = racy ] && expected=">0"
+        if [ -z "$hazards" ] || { [ "$rc" -ne 0 ] && [ "$rc" -ne 99 ]; } \
+            || ! grep -q "racecheck_probe: $name: .*every value read was right" "$results/$log"; then
+            verdict="FAILED: exit $rc; $(grep -m1 "racecheck_probe: $name:" "$results/$log" || tail -1 "$results/$log")"
+            hazards=${hazards:--}
+        elif [ "$ordered" = racy ]; then
+            if [ "$hazards" -gt 0 ]; then verdict="flagged: racy"; else verdict="FAILED: racecheck missed the race"; fi
+        elif [ "$hazards" -eq 0 ]; then
+            verdict="clean"
+        elif [ "$role" = control ]; then
+            verdict="FAILED: racecheck flags what __syncthreads orders"
+        else
+            verdict="flagged although ordered: a limit of racecheck"
+        fi
+        printf '%-24s %-8s %-9s %s\n' "$name" "$hazards" "$expected" "$verdict" >> "$table"
+        [[ "$verdict" == FAILED* ]] && worst=1
+        [[ "$verdict" == "flagged although"* ]] && flagged+=("$name")
+    done
+    tee -a "$summary" < "$table"
+    todo=${#flagged[@]}
+    for name in "${flagged[@]}"; do
+        per_case=$(( $(left) / todo ))
+        todo=$((todo - 1))
+        [ "$per_case" -ge 5 ] || { say "no time left to trace $name's synchronisation"; continue; }
+        bounded "$per_case" compute-sanitizer --tool racecheck --racecheck-trace-sync yes --print-limit 50 \
+            "$probe_bin" "$name" > "$results/racecheck_probe_${name}_trace.log" 2>&1
+        say "$name with --racecheck-trace-sync yes: exit $?, racecheck_probe_${name}_trace.log"
+    done
+    return "$worst"
+}
+
 # Several processes on the one GPU, each one NVSHMEM PE (hybrid_ep.testing.nvshmem_selftest):
 # without MPS (NVSHMEM's limited support of several PEs per GPU) and with the MPS daemon
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
@@ -401,11 +472,11 @@ run_nvshmem_cases() {
 machine_facts
 stage=build
 needs_extension=""
-for s in "${stages[@]}"; do [ "$s" != micro ] && needs_extension=1; done
+for s in "${stages[@]}"; do [ "$s" != micro ] && [ "$s" != racecheck-probe ] && needs_extension=1; done
 if [ -n "$needs_extension" ]; then
     build
 else
-    say "the micro stage needs no hybrid_ep._C: not built"
+    say "the ${stages[*]// /, } stage needs no hybrid_ep._C: not built"
 fi
 worst=0
 for stage in "${stages[@]}"; do
@@ -424,6 +495,7 @@ for stage in "${stages[@]}"; do
         nvshmem-ep) run_nvshmem_cases; rc=$? ;;
         micro) run_micro; rc=$? ;;
         ncu-l1tex) run_ncu_l1tex; rc=$? ;;
+        racecheck-probe) run_racecheck_probe; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The runbook's first three calls in one command, for a lease of 15 device-minutes (one call of
 # at most 10 minutes, the machine's start included in the lease): the extension builds while
-# the microbenchmarks run, then the GPU tests, the benchmark (direct path + W=8 as 2 nodes), and
-# the receive path's single-node sweep. Every part is bounded; the logs of all parts are packed
+# the microbenchmarks run, then the GPU tests, the benchmark (direct path + W=8 as 2 nodes), the
+# receive path's single-node sweep, and last the racecheck probe (docs/benchmarks/racecheck.md;
+# its table is copied into the summary). Every part is bounded; the logs of all parts are packed
 # into OUT/logs_short_lease.tgz beside OUT/summary.txt (the device returns at most 8 files).
 #
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh "$OUT"
 #
 # Budgets (seconds) per part: SHORT_LEASE_MICRO_S (150), SHORT_LEASE_TEST_S (150),
-# SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90).
+# SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90), SHORT_LEASE_PROBE_S (60, and never past
+# 580 s from the start, so the command ends inside the device's 10 minutes).
 set -u
 out=${1:?usage: scripts/gpu_short_lease.sh OUT}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,3 +41,13 @@ HYBRID_EP_DATA_PATH=receive timeout -k 10 --signal=INT "${SHORT_LEASE_RECEIVE_S:
     --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2 4 \
     --out "$r/bench_receive" > "$r/bench_receive.log" 2>&1
 note "bench receive exit $?"
+probe_s=$((580 - SECONDS))
+[ "$probe_s" -gt "${SHORT_LEASE_PROBE_S:-60}" ] && probe_s=${SHORT_LEASE_PROBE_S:-60}
+if [ "$probe_s" -ge 30 ]; then
+    GPU_CHECK_BUDGET_S=$probe_s bash scripts/gpu_check.sh racecheck-probe "$r/racecheck_probe" \
+        > "$r/racecheck_probe_stage.out" 2>&1
+    note "racecheck probe exit $? (racecheck_probe/racecheck_probe_summary.txt):"
+    cat "$r/racecheck_probe/racecheck_probe_summary.txt" >> "$r/summary.txt" 2>/dev/null
+else
+    note "racecheck probe not run: $probe_s s left of 580"
+fi

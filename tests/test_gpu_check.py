@@ -38,10 +38,13 @@ def machine(tmp_path):
     (repo / "csrc" / "kernels").mkdir(parents=True)
     (repo / "hybrid_ep").mkdir()
     shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
-    shutil.copy(Path(REPO, "scripts", "build_microbench.sh"), repo / "scripts" / "build_microbench.sh")
+    for script in ("build_microbench.sh", "build_racecheck_probe.sh"):
+        shutil.copy(Path(REPO, "scripts", script), repo / "scripts" / script)
     (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
     (repo / "csrc" / "microbench").mkdir()
     (repo / "csrc" / "microbench" / "main.cu").write_text("// microbenchmarks\n")
+    (repo / "csrc" / "tools").mkdir()
+    (repo / "csrc" / "tools" / "racecheck_probe.cu").write_text("// racecheck probe\n")
     (repo / "setup.py").write_text("# setup\n")
     _stub(repo / "scripts" / "env.sh", 'echo "NETWORK env.sh" >> "$CALLS"; exit 1\n')
     bin_dir = tmp_path / "bin"
@@ -87,12 +90,31 @@ echo "mps-control $(cat)" >> "$CALLS"; rm -f "$HOME/mps_running"
 ''')
     _stub(bin_dir / "nvidia-smi", 'echo "NVIDIA H100 80GB HBM3, 580.00, 81559 MiB"\n')
     # nvcc: --version answers; a build writes a stand-in microbenchmark at -o, which prints a
-    # device line and one M2 line and exits with $MICRO_RC (or, MICRO_NO_GPU set, nothing and 3)
+    # device line and one M2 line and exits with $MICRO_RC (or, MICRO_NO_GPU set, nothing and 3);
+    # or a stand-in racecheck probe: three cases (two controls), each run printing its line,
+    # with a wrong value in the case $PROBE_WRONG names
     _stub(bin_dir / "nvcc", r'''
 [ "$1" = "--version" ] && { echo "Cuda compilation tools, release 13.0"; exit 0; }
 echo "nvcc $*" >> "$CALLS"
 [ -n "${NVCC_FAILS:-}" ] && { echo "main.cu(1): error: boom" >&2; exit 1; }
 for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
+if [[ "$out" == */racecheck_probe ]]; then
+cat > "$out" <<'PROGRAM'
+#!/usr/bin/env bash
+echo "probe $*" >> "$CALLS"
+if [ "$1" = --list ]; then
+  printf 'syncthreads\tordered\tcontrol\t__syncthreads\tcontrol\n'
+  printf 'racy\tracy\tcontrol\tnothing\tcontrol\n'
+  printf 'mbar_syncwarp_writers\tordered\tprobe\tlanes, __syncwarp, arrive\tdispatch_direct.cuh:124/156\n'
+  exit 0
+fi
+if [ "$1" = "${PROBE_WRONG:-}" ]; then
+  echo "racecheck_probe: $1: ordered, 8 rounds: 1 values wrong (first: round 3 word 4 read 0, expected 4004)"; exit 1
+fi
+echo "racecheck_probe: $1: ordered, 8 rounds: every value read was right"
+PROGRAM
+chmod +x "$out"; exit 0
+fi
 cat > "$out" <<'PROGRAM'
 #!/usr/bin/env bash
 echo "microbench $*" >> "$CALLS"
@@ -105,9 +127,16 @@ exit "${MICRO_RC:-0}"
 PROGRAM
 chmod +x "$out"
 ''')
+    # compute-sanitizer: a summary line per tool; on the racecheck probe it runs the case and
+    # reports $HAZARDS_<case> hazards (exit 99 when there are some, as --error-exitcode asks)
     _stub(bin_dir / "compute-sanitizer", r'''
 echo "compute-sanitizer $* | PATH_ENV=${HYBRID_EP_DATA_PATH:-}" >> "$CALLS"
 echo "HYBRID_EP_TIMEOUT_S=$HYBRID_EP_TIMEOUT_S" >> "$CALLS"
+if [[ "$*" == *racecheck_probe* ]]; then
+  name=${*: -1}; "${@: -2:1}" "$name"; rc=$?; var=HAZARDS_$name; n=${!var:-0}
+  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"
+  [ "$n" -gt 0 ] && exit 99; exit "$rc"
+fi
 if [ "$2" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
 else echo "========= ERROR SUMMARY: 0 errors"; fi
 ''')
@@ -464,3 +493,53 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     assert "--kernel-name regex:tma_kernel" in ncu[2] and "hybrid_ep_microbench tma-profile |" in ncu[2]
     for name in ("ncu_l1tex_dispatch_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
         assert "==PROF== Disconnected" in (results / name).read_text()
+
+
+def _probe_table(results: Path) -> dict[str, list[str]]:
+    """racecheck_probe_summary.txt: case -> [hazards, expected, verdict]."""
+    rows = (results / "racecheck_probe_summary.txt").read_text().splitlines()
+    assert rows[0].split() == ["case", "hazards", "expected", "verdict"]
+    return {row.split()[0]: row.split(None, 3)[1:] for row in rows[1:]}
+
+
+def test_racecheck_probe_stage_runs_each_case_alone_under_racecheck(machine):
+    repo, results, run = machine
+    proc, calls = run("racecheck-probe", str(results), HAZARDS_racy="4", HAZARDS_mbar_syncwarp_writers="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # an ordered case flagged is the finding
+    assert "setup.py build_ext" not in calls and "needs no hybrid_ep._C: not built" in proc.stdout
+    [build] = [line for line in calls.splitlines() if line.startswith("nvcc ")]
+    assert "-arch=sm_90a" in build and "-lineinfo" in build and f"{repo}/csrc/tools/racecheck_probe.cu" in build
+    assert "-o build/racecheck_probe/racecheck_probe" in build
+    runs = [line.split(" | ")[0] for line in calls.splitlines() if line.startswith("compute-sanitizer")]
+    assert runs == [f"compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 50 "
+                    f"build/racecheck_probe/racecheck_probe {case}"
+                    for case in ("syncthreads", "racy", "mbar_syncwarp_writers")] + [
+        # then the one ordered case flagged, again, with racecheck's trace of what it synchronised
+        "compute-sanitizer --tool racecheck --racecheck-trace-sync yes --print-limit 50 "
+        "build/racecheck_probe/racecheck_probe mbar_syncwarp_writers"]
+    assert "RACECHECK SUMMARY: 2 hazards" in (results / "racecheck_probe_mbar_syncwarp_writers_trace.log").read_text()
+    assert _probe_table(results) == {
+        "syncthreads": ["0", "0", "clean"],
+        "racy": ["4", ">0", "flagged: racy"],
+        "mbar_syncwarp_writers": ["2", "0", "flagged although ordered: a limit of racecheck"]}
+    assert "every value read was right" in (results / "racecheck_probe_racy.log").read_text()
+    assert "flagged although ordered" in (results / "gpu_check_summary.txt").read_text()
+    before = len(calls)  # a second command finds the program up to date
+    proc, calls = run("racecheck-probe", str(results), HAZARDS_racy="4")
+    assert proc.returncode == 0 and "nvcc " not in calls[before:] and "not rebuilt" in proc.stdout
+
+
+@pytest.mark.parametrize("env, case, verdict", [
+    ({"HAZARDS_racy": "4", "HAZARDS_syncthreads": "1"}, "syncthreads",
+     "FAILED: racecheck flags what __syncthreads orders"),
+    ({}, "racy", "FAILED: racecheck missed the race"),
+    ({"HAZARDS_racy": "4", "PROBE_WRONG": "mbar_syncwarp_writers"}, "mbar_syncwarp_writers",
+     "FAILED: exit 1; racecheck_probe: mbar_syncwarp_writers: ordered, 8 rounds: 1 values wrong"),
+])
+def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine, env, case, verdict):
+    _, results, run = machine
+    proc, _ = run("racecheck-probe", str(results), **env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert _probe_table(results)[case][2].startswith(verdict)
+    others = [row[2] for name, row in _probe_table(results).items() if name != case]
+    assert not any(v.startswith("FAILED") for v in others)
