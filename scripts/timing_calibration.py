@@ -206,11 +206,20 @@ def _saved_grid(path: str, names: tuple[str, ...]) -> tuple[dict, list, list, di
     return saved, [t for t, _ in rows], [p for _, p in rows], keyed(saved["measured_ms"])
 
 
-def _saved_grids(paths: list[str], names: tuple[str, ...]) -> tuple[str, dict, list, list, dict]:
+def _saved_grids(paths: list[str], names: tuple[str, ...], sms: list[int] | None = None) -> tuple:
     """Several grids of the same tables (say one per data path) as one: (what they hold, in words;
-    the first file; the tables; predicted ms per table; measured ms). With more than one file a
-    point's key is ("<data path or run>:<sms>", kernel)."""
-    loaded = [_saved_grid(p, names) for p in paths]
+    the first file; the tables; predicted ms per table; measured ms), only the points at `sms`
+    SMs per rank when given. With more than one file a point's key is
+    ("<data path or run>:<sms>", kernel)."""
+    loaded = []
+    for p in paths:
+        saved, grid, res, meas = _saved_grid(p, names)
+        if sms:
+            meas = {k: v for k, v in meas.items() if k[0] in sms}
+            if not meas:
+                raise SystemExit(f"{p}: no point at {sms} SMs per rank")
+            res = [{k: r[k] for k in meas} for r in res]
+        loaded.append((saved, grid, res, meas))
     grid = loaded[0][1]
     for p, (_, other, _, _) in zip(paths, loaded):
         if other != grid:
@@ -218,7 +227,7 @@ def _saved_grids(paths: list[str], names: tuple[str, ...]) -> tuple[str, dict, l
     if len(loaded) == 1:
         saved = loaded[0][0]
         return (f"the {len(loaded[0][3])} points of {saved['run']} at W={saved['world_size']}, {saved['nodes']} "
-                f"node(s) (commit {saved['commit']}"), saved, grid, loaded[0][2], loaded[0][3]
+                f"node(s){_at_sms(sms)} (commit {saved['commit']}"), saved, grid, loaded[0][2], loaded[0][3]
     results, measured, parts = [{} for _ in grid], {}, []
     for saved, _, res, meas in loaded:
         label = saved.get("data_path") or saved["run"]
@@ -229,7 +238,11 @@ def _saved_grids(paths: list[str], names: tuple[str, ...]) -> tuple[str, dict, l
     saved = loaded[0][0]
     commits = sorted({s['commit'] for s, _, _, _ in loaded})
     return (f"the {len(measured)} points of {' and '.join(parts)} at W={saved['world_size']}, {saved['nodes']} "
-            f"node(s) (commit {', '.join(commits)}"), saved, grid, results, measured
+            f"node(s){_at_sms(sms)} (commit {', '.join(commits)}"), saved, grid, results, measured
+
+
+def _at_sms(sms: list[int] | None) -> str:
+    return f", {'/'.join(map(str, sms))} SMs per rank" if sms else ""
 
 
 def fit_grid(args) -> int:
@@ -238,7 +251,7 @@ def fit_grid(args) -> int:
     names = tuple(args.names)
     if not 1 <= len(names) <= fit.MAX_FITTED:
         raise SystemExit(f"fit 1 to {fit.MAX_FITTED} constants, got {len(names)}")
-    what, saved, grid, results, measured = _saved_grids(args.grid, names + tuple(args.fixed))
+    what, saved, grid, results, measured = _saved_grids(args.grid, names + tuple(args.fixed), args.sms)
     table = constants.load_table(args.constants)
     fixed = {n: table.constants[n].value for n in args.fixed}
     names_all = names + tuple(args.fixed)
@@ -266,7 +279,7 @@ def score_grid(args) -> int:
     """score-grid: saved grids' points at the table's values of their constants, on the lines
     through the grid (held-out points scored without a run at the fitted values)."""
     names = tuple(args.names)
-    what, saved, grid, results, measured = _saved_grids(args.grid, names)
+    what, saved, grid, results, measured = _saved_grids(args.grid, names, args.sms)
     table = constants.load_table(args.constants)
     values = {n: table.constants[n].value for n in names}
     coef, worst = fit.linear_surrogate(grid, results, names, measured)
@@ -359,6 +372,8 @@ def main(argv=None) -> int:
         g.add_argument("grid", nargs="+", help="the JSON of score --tables ... --save; several files of the same "
                        "tables (one per data path, say) are fitted or read as one")
         g.add_argument("--names", nargs="+", required=True, help="the constants the grid varies")
+        g.add_argument("--sms", type=int, nargs="+", default=None,
+                       help="only the points at these SMs per rank (default all the grids hold)")
         if name == "fit-grid":
             g.add_argument("--box", type=float, default=4.0, help="search within this factor of the grid's centre")
             g.add_argument("--fixed", nargs="+", default=[], help="constants the grid varies that are not fitted: "

@@ -79,8 +79,8 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
             f"= {per_vec:.1f} ns per lane per 16-byte vector, which the model costs as 8 loads + 1 store "
             f"(access_ns {c['access_ns']:g} each), one shared batch (smem_load_ns {c['smem_load_ns']:g}) and 36 pairs "
             f"converted. R_4 (4 warps) gives the same per warp; R_8 (8 warps, two to a scheduler) "
-            f"{ROW_BYTES * 8 / v.get('R_8', float('nan')) * 8 / (ROW_BYTES / 16 / 32):.1f} ns per vector: warps sharing "
-            "a scheduler share its issue, which the model does not cost")
+            f"{ROW_BYTES * 8 / v.get('R_8', float('nan')) * 8 / (ROW_BYTES / 16 / 32):.1f} ns per vector: warps "
+            "sharing a scheduler share its issue, which the model does not cost")
     return out
 
 
