@@ -6,6 +6,8 @@ kernels against today's device layer on the CPU model (hybrid_ep/timing/builds.p
 copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
 
     python scripts/timing_calibration.py add-run 2026-11-24-h100/bench --commit 3684737 --note "..."
+    python scripts/timing_calibration.py --constants hybrid_ep/timing/h200.json from-micro \
+        docs/benchmarks/gpu/2026-11-26-h200/micro.json
     python scripts/timing_calibration.py build 3684737
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
@@ -16,14 +18,18 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
         --ncu docs/benchmarks/gpu/2026-11-24-h100
 
 `add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
-points.json with the commit it measured; `build` makes the scratch build; `run` prints, per
-SM count, the model's scheduling rounds of the second dispatch and combine (the round proxy).
-`fit` fits up to three constants of the timing table (hybrid_ep/timing/h100.json) to a run's points
+points.json with the commit it measured and each point's data path (fit and score run the
+kernels of that path); `from-micro` makes a device's table (--constants) from another
+(--base) with every constant the microbenchmarks measured (hybrid_ep/timing/micro.py);
+`build` makes the scratch build; `run` prints, per SM count, the model's scheduling rounds of
+the second dispatch and combine (the round proxy). `fit` fits up to three constants of the
+timing table (--constants, default hybrid_ep/timing/h100.json) to a run's points
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
 measured per point, the worst ratio last (with --tables, for each of several variants of the
 table in one model run; --save keeps them); `fit-grid` fits on such a saved grid, on the
-per-point lines through it, and `score-grid` reads other points off their lines; `profile`
+per-point lines through it (several grids of the same tables, one per data path, as one),
+and `score-grid` reads other points off their lines; `profile`
 prints what the warps spend their predicted time on, per kernel, and with --ncu beside the
 stall samples of that run's ncu stage (hybrid_ep/timing/shares.py), the difference in points
 per category. Not part of CI: a build takes minutes, a fit at
@@ -40,7 +46,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hybrid_ep.timing import builds, constants, fit, points, predict, shares  # noqa: E402
+from hybrid_ep.timing import builds, constants, fit, micro, points, predict, shares  # noqa: E402
 
 
 def add_run(args) -> int:
@@ -52,6 +58,19 @@ def add_run(args) -> int:
     kept = [p for p in old_points if p.run != run.name] + new_points
     points.write_points(args.points, list(runs.values()), kept)
     print(f"{args.points}: {len(new_points)} points of {run.name} (commit {run.commit})")
+    return 0
+
+
+def from_micro(args) -> int:
+    """from-micro: the table at --constants made from --base with every constant the
+    microbenchmarks' micro.json determines replaced (hybrid_ep/timing/micro.py)."""
+    base = constants.load_table(args.base)
+    table = micro.with_measured(base, args.micro, os.path.relpath(os.path.abspath(args.micro), REPO))
+    changed = [n for n in table.constants if table.constants[n] != base.constants[n]]
+    constants.save_table(table, args.constants)
+    for n in changed:
+        print(f"{n}: {base.constants[n].value:g} -> {table.constants[n].value:g}")
+    print(f"{len(changed)} constants from {args.micro}, written to {args.constants}")
     return 0
 
 
@@ -76,7 +95,8 @@ def run(args) -> int:
 
 
 def _selected(args) -> tuple:
-    """(run, shape, SM counts, {(sms, kernel): measured ms}) of the run's points at -w / --nodes."""
+    """(run, shape, SM counts, {(sms, kernel): measured ms}, data path) of the run's points at
+    -w / --nodes."""
     runs, pts = points.load_points()
     if args.run not in runs:
         raise SystemExit(f"no run {args.run!r} in points.json: {', '.join(runs)}")
@@ -87,15 +107,19 @@ def _selected(args) -> tuple:
     shape = predict.Shape(args.world_size, args.nodes, run.hidden, run.tokens_per_rank, run.topk, run.experts,
                           run.seed)
     sms = sorted({p.sms_per_rank for p in chosen})
-    return run, shape, sms, {(p.sms_per_rank, p.kernel): p.ms for p in chosen}
+    paths = {p.data_path for p in chosen}
+    if len(paths) != 1:
+        raise SystemExit(f"{args.run} ran W={args.world_size} on more than one data path: {sorted(paths)}")
+    return run, shape, sms, {(p.sms_per_rank, p.kernel): p.ms for p in chosen}, paths.pop()
 
 
-def _evaluator(args, run, shape, sms, table):
+def _evaluator(args, run, shape, sms, table, data_path):
     folder = builds.build_commit(run.commit, args.work)
+    environ = {"HYBRID_EP_DATA_PATH": data_path}
 
     def evaluate(trials: list[dict]) -> list[dict]:
         tables = [table.with_values(**t).costs() for t in trials]
-        ns = predict.predict(lambda job: builds.run_in_build(folder, job), shape, sms, tables,
+        ns = predict.predict(lambda job: builds.run_in_build(folder, job, environ), shape, sms, tables,
                              tuple(args.model_tokens), concurrent=True)
         return [{key: v[i] / 1e6 for key, v in ns.items()} for i in range(len(tables))]
 
@@ -114,9 +138,9 @@ def _print_points(title: str, predicted: dict, measured: dict) -> None:
 
 
 def fit_constants(args) -> int:
-    run, shape, sms, measured = _selected(args)
-    table = constants.load_table()
-    evaluate = _evaluator(args, run, shape, sms, table)
+    run, shape, sms, measured, path = _selected(args)
+    table = constants.load_table(args.constants)
+    evaluate = _evaluator(args, run, shape, sms, table, path)
     start = dict(zip(args.names, args.start)) if args.start else {n: table.constants[n].value for n in args.names}
     result = fit.fit(evaluate, tuple(args.names), start, measured, tuple(args.spans))
     for span, centre, best, surrogate in result.steps:
@@ -130,28 +154,29 @@ def fit_constants(args) -> int:
                   f"W={shape.world_size}, {shape.nodes} node(s) (commit {run.commit}, model at "
                   f"T={'/'.join(map(str, args.model_tokens))}), {points.today()}: RMS log ratio {result.score:.3f}")
         constants.save_table(constants.with_sources(table, {n: float(f"{v:.4g}") for n, v in result.values.items()},
-                                                    source))
-        print(f"written to {constants.H100}")
+                                                    source), args.constants)
+        print(f"written to {args.constants}")
     return 0
 
 
 def score_points(args) -> int:
-    run, shape, sms, measured = _selected(args)
+    run, shape, sms, measured, path = _selected(args)
     if args.tables:
-        return _score_tables(args, run, shape, sms, measured)
-    predicted = _evaluator(args, run, shape, sms, constants.load_table())([{}])[0]
-    _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s): predicted "
+        return _score_tables(args, run, shape, sms, measured, path)
+    predicted = _evaluator(args, run, shape, sms, constants.load_table(args.constants), path)([{}])[0]
+    _print_points(f"{run.name} (commit {run.commit}, {path} path, table {os.path.basename(args.constants)}), "
+                  f"W={shape.world_size} on {shape.nodes} node(s): predicted "
                   f"(model at T = {'/'.join(map(str, args.model_tokens))} per rank) against measured",
                   predicted, measured)
     return 0
 
 
-def _score_tables(args, run, shape, sms, measured) -> int:
+def _score_tables(args, run, shape, sms, measured, path) -> int:
     """score --tables: one model run for several variants of the table (each a JSON object of
     values replacing the table's), the predictions of each printed and, with --save, kept."""
     with open(args.tables) as f:
         trials = json.load(f)
-    predicted = _evaluator(args, run, shape, sms, constants.load_table())(trials)
+    predicted = _evaluator(args, run, shape, sms, constants.load_table(args.constants), path)(trials)
     for trial, pred in zip(trials, predicted):
         _print_points(f"{run.name} (commit {run.commit}), W={shape.world_size} on {shape.nodes} node(s), table with "
                       f"{json.dumps(trial)} (model at T = {'/'.join(map(str, args.model_tokens))} per rank)",
@@ -159,6 +184,7 @@ def _score_tables(args, run, shape, sms, measured) -> int:
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"run": run.name, "commit": run.commit, "world_size": shape.world_size, "nodes": shape.nodes,
+                       "data_path": path, "constants_file": os.path.relpath(args.constants, REPO),
                        "model_tokens": args.model_tokens, "tables": trials,
                        "predicted_ms": [{f"{k[0]} {k[1]}": v for k, v in p.items()} for p in predicted],
                        "measured_ms": {f"{k[0]} {k[1]}": v for k, v in measured.items()}}, f, indent=1)
@@ -180,14 +206,53 @@ def _saved_grid(path: str, names: tuple[str, ...]) -> tuple[dict, list, list, di
     return saved, [t for t, _ in rows], [p for _, p in rows], keyed(saved["measured_ms"])
 
 
+def _saved_grids(paths: list[str], names: tuple[str, ...], sms: list[int] | None = None) -> tuple:
+    """Several grids of the same tables (say one per data path) as one: (what they hold, in words;
+    the first file; the tables; predicted ms per table; measured ms), only the points at `sms`
+    SMs per rank when given. With more than one file a point's key is
+    ("<data path or run>:<sms>", kernel)."""
+    loaded = []
+    for p in paths:
+        saved, grid, res, meas = _saved_grid(p, names)
+        if sms:
+            meas = {k: v for k, v in meas.items() if k[0] in sms}
+            if not meas:
+                raise SystemExit(f"{p}: no point at {sms} SMs per rank")
+            res = [{k: r[k] for k in meas} for r in res]
+        loaded.append((saved, grid, res, meas))
+    grid = loaded[0][1]
+    for p, (_, other, _, _) in zip(paths, loaded):
+        if other != grid:
+            raise SystemExit(f"{p}: its tables differ from those of {paths[0]}; the grids must be run alike")
+    if len(loaded) == 1:
+        saved = loaded[0][0]
+        return (f"the {len(loaded[0][3])} points of {saved['run']} at W={saved['world_size']}, {saved['nodes']} "
+                f"node(s){_at_sms(sms)} (commit {saved['commit']}"), saved, grid, loaded[0][2], loaded[0][3]
+    results, measured, parts = [{} for _ in grid], {}, []
+    for saved, _, res, meas in loaded:
+        label = saved.get("data_path") or saved["run"]
+        for r, one in zip(results, res):
+            r.update({(f"{label}:{k[0]}", k[1]): v for k, v in one.items()})
+        measured.update({(f"{label}:{k[0]}", k[1]): v for k, v in meas.items()})
+        parts.append(f"{saved['run']} ({label} path)")
+    saved = loaded[0][0]
+    commits = sorted({s['commit'] for s, _, _, _ in loaded})
+    return (f"the {len(measured)} points of {' and '.join(parts)} at W={saved['world_size']}, {saved['nodes']} "
+            f"node(s){_at_sms(sms)} (commit {', '.join(commits)}"), saved, grid, results, measured
+
+
+def _at_sms(sms: list[int] | None) -> str:
+    return f", {'/'.join(map(str, sms))} SMs per rank" if sms else ""
+
+
 def fit_grid(args) -> int:
-    """fit-grid: the fit's first round on a grid already run (score --tables --save): the values
-    that minimise the score on the per-point lines through the grid, without a run at them."""
+    """fit-grid: the fit's first round on grids already run (score --tables --save): the values
+    that minimise the score on the per-point lines through the grids, without a run at them."""
     names = tuple(args.names)
     if not 1 <= len(names) <= fit.MAX_FITTED:
         raise SystemExit(f"fit 1 to {fit.MAX_FITTED} constants, got {len(names)}")
-    saved, grid, results, measured = _saved_grid(args.grid, names + tuple(args.fixed))
-    table = constants.load_table()
+    what, saved, grid, results, measured = _saved_grids(args.grid, names + tuple(args.fixed), args.sms)
+    table = constants.load_table(args.constants)
     fixed = {n: table.constants[n].value for n in args.fixed}
     names_all = names + tuple(args.fixed)
     values, score = fit.surrogate_minimum(grid, results, measured, names_all, args.box, fixed)
@@ -198,30 +263,27 @@ def fit_grid(args) -> int:
     if fixed:
         fitted += " (" + ", ".join(f"{n} {v:.4g} from the table" for n, v in fixed.items()) + ")"
     tokens = "/".join(map(str, saved["model_tokens"]))
-    _print_points(f"fit on the grid of {args.grid}: {fitted}; RMS log ratio {score:.4f} on the lines through "
-                  f"{len(grid)} tables (largest residual of a line on the grid {worst:.1%}; predicted, model at "
-                  f"T = {tokens} per rank)", fit.surrogate_at(coef, names_all, {**values, **fixed}), measured)
+    _print_points(f"fit on the grid of {' '.join(args.grid)}: {fitted}; RMS log ratio {score:.4f} on the lines "
+                  f"through {len(grid)} tables (largest residual of a line on the grid {worst:.1%}; predicted, model "
+                  f"at T = {tokens} per rank)", fit.surrogate_at(coef, names_all, {**values, **fixed}), measured)
     if args.write:
-        source = (f"fit with {' and '.join(names)} to the {len(measured)} points of {saved['run']} at "
-                  f"W={saved['world_size']}, {saved['nodes']} node(s) (commit {saved['commit']}, model at T={tokens}, "
-                  f"on the lines through a grid of {len(grid)} tables, largest residual {worst:.1%}), "
-                  f"{points.today()}: RMS log ratio {score:.3f}")
+        source = (f"fit with {' and '.join(names)} to {what}, model at T={tokens}, on the lines through a grid of "
+                  f"{len(grid)} tables, largest residual {worst:.1%}), {points.today()}: RMS log ratio {score:.3f}")
         constants.save_table(constants.with_sources(table, {n: float(f"{v:.4g}") for n, v in values.items()},
-                                                    source))
-        print(f"written to {constants.H100}")
+                                                    source), args.constants)
+        print(f"written to {args.constants}")
     return 0
 
 
 def score_grid(args) -> int:
-    """score-grid: a saved grid's points at the table's values of its constants, on the lines
+    """score-grid: saved grids' points at the table's values of their constants, on the lines
     through the grid (held-out points scored without a run at the fitted values)."""
     names = tuple(args.names)
-    saved, grid, results, measured = _saved_grid(args.grid, names)
-    table = constants.load_table()
+    what, saved, grid, results, measured = _saved_grids(args.grid, names, args.sms)
+    table = constants.load_table(args.constants)
     values = {n: table.constants[n].value for n in names}
     coef, worst = fit.linear_surrogate(grid, results, names, measured)
-    _print_points(f"{saved['run']} (commit {saved['commit']}), W={saved['world_size']} on {saved['nodes']} node(s): "
-                  f"predicted at " + ", ".join(f"{n} {v:.4g}" for n, v in values.items()) +
+    _print_points(f"{what}): predicted at " + ", ".join(f"{n} {v:.4g}" for n, v in values.items()) +
                   f" on the lines through {len(grid)} tables (largest residual {worst:.1%}; model at T = "
                   f"{'/'.join(map(str, saved['model_tokens']))} per rank) against measured",
                   fit.surrogate_at(coef, names, values), measured)
@@ -230,7 +292,7 @@ def score_grid(args) -> int:
 
 def profile(args) -> int:
     folder = builds.build_commit(args.commit, args.work)
-    table = constants.load_table()
+    table = constants.load_table(args.constants)
     shape = predict.Shape(args.world_size, args.nodes, args.hidden, args.tokens, args.topk, args.experts, args.seed)
     result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
     run = result["runs"][0]
@@ -261,12 +323,17 @@ def profile(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--work", default=builds.DEFAULT_WORK, help="folder of the scratch builds (default %(default)s)")
+    p.add_argument("--constants", default=constants.H100, help="the timing table read and, by --write, written "
+                   "(default hybrid_ep/timing/h100.json; hybrid_ep/timing/h200.json for the H200's points)")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("add-run", help="put one GPU run's points into points.json")
     a.add_argument("name", help="the run's folder under docs/benchmarks/gpu/, e.g. 2026-11-24-h100/bench")
     a.add_argument("--commit", required=True, help="the commit whose kernels the run measured")
     a.add_argument("--note", required=True, help="how that commit was established")
     a.add_argument("--points", default=os.path.normpath(points.POINTS_FILE))
+    m = sub.add_parser("from-micro", help="a table with the constants the microbenchmarks measured, at --constants")
+    m.add_argument("micro", help="a GPU run's micro.json (hybrid_ep_microbench all)")
+    m.add_argument("--base", default=constants.H100, help="the table the other constants come from (default h100.json)")
     b = sub.add_parser("build", help="build a commit's kernels against today's device layer")
     b.add_argument("commit")
     r = sub.add_parser("run", help="the model's rounds for a commit's kernels at one shape")
@@ -302,8 +369,11 @@ def main(argv=None) -> int:
     for name, what in (("fit-grid", "a fit's first round on a grid run by score --tables --save"),
                        ("score-grid", "a saved grid's points at the table's values, on the lines through it")):
         g = sub.add_parser(name, help=what)
-        g.add_argument("grid", help="the JSON of score --tables ... --save")
+        g.add_argument("grid", nargs="+", help="the JSON of score --tables ... --save; several files of the same "
+                       "tables (one per data path, say) are fitted or read as one")
         g.add_argument("--names", nargs="+", required=True, help="the constants the grid varies")
+        g.add_argument("--sms", type=int, nargs="+", default=None,
+                       help="only the points at these SMs per rank (default all the grids hold)")
         if name == "fit-grid":
             g.add_argument("--box", type=float, default=4.0, help="search within this factor of the grid's centre")
             g.add_argument("--fixed", nargs="+", default=[], help="constants the grid varies that are not fitted: "
@@ -323,8 +393,9 @@ def main(argv=None) -> int:
                     help="a GPU run's folder with ncu_lines_<kernel>.txt (scripts/ncu_lines.py): the shares beside "
                          "ncu's, measured at the commit given, with the difference in points")
     args = p.parse_args(argv)
-    return {"add-run": add_run, "build": build, "run": run, "fit": fit_constants, "score": score_points,
-            "profile": profile, "fit-grid": fit_grid, "score-grid": score_grid}[args.command](args)
+    return {"add-run": add_run, "from-micro": from_micro, "build": build, "run": run, "fit": fit_constants,
+            "score": score_points, "profile": profile, "fit-grid": fit_grid,
+            "score-grid": score_grid}[args.command](args)
 
 
 if __name__ == "__main__":

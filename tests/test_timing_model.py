@@ -28,7 +28,7 @@ GPU_RUNS = os.path.join(REPO, "docs", "benchmarks", "gpu")
 
 def test_points_are_the_gpu_runs_numbers():
     runs, pts = points.load_points()
-    assert len(pts) == 30  # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two
+    assert len(pts) == 60  # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26: 12 + 12 + 6
     for name, run in runs.items():
         with open(os.path.join(GPU_RUNS, name, "emulated.json")) as f:
             want_run, want = points.points_from_run(json.load(f), name, run.commit, run.commit_note)
@@ -38,7 +38,15 @@ def test_points_are_the_gpu_runs_numbers():
     assert len(set(keys)) == len(keys)
     combine_w2 = {p.run: p.ms for p in pts if p.key == (2, 1, 1, "combine")}
     assert combine_w2 == {"2026-11-22-h100/bench": pytest.approx(233.636, abs=1e-3),
-                          "2026-11-24-h100/bench": pytest.approx(203.405, abs=1e-3)}
+                          "2026-11-24-h100/bench": pytest.approx(203.405, abs=1e-3),
+                          "2026-11-26-h200/bench": pytest.approx(22.640, abs=1e-3),
+                          "2026-11-26-h200/bench_receive": pytest.approx(45.465, abs=1e-3)}
+    # each point says which kernels ran: the H100 runs predate the direct path
+    paths = {(p.run, p.data_path) for p in pts}
+    assert paths == {("2026-11-22-h100/bench", "receive"), ("2026-11-24-h100/bench", "receive"),
+                     ("2026-11-24-h100/bench_nodes", "receive"), ("2026-11-26-h200/bench", "direct"),
+                     ("2026-11-26-h200/bench_receive", "receive"), ("2026-11-26-h200/bench_nodes", "receive")}
+    assert {r.device for r in runs.values()} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
 
 
 def test_every_run_names_a_commit_of_the_repository():
@@ -117,7 +125,61 @@ def engine_stream(starts: list[float], nbytes: int, c: dict) -> list[float]:
 
 def test_every_constant_of_the_model_is_in_the_table():
     constants.check_against_model(constants.load_table(), model)
+    constants.check_against_model(constants.load_table(constants.H200), model)
     assert set(COSTS) == {name for name, _ in model.timing_costs()}
+
+
+MICRO_H200 = os.path.join(GPU_RUNS, "2026-11-26-h200", "micro.json")
+
+
+def test_the_h200_table_takes_every_constant_the_microbenchmarks_measured():
+    """h200.json: each constant micro.json determines has its value and source from it, unless
+    fitted (at most three fitted); every other one is an estimate or a fit."""
+    from hybrid_ep.timing import micro
+
+    table = constants.load_table(constants.H200)
+    assert table.device == "NVIDIA H200"
+    with open(MICRO_H200) as f:
+        doc = json.load(f)
+    label = os.path.relpath(MICRO_H200, REPO)
+    got = micro.measured(doc, constants.load_table(constants.H100), label)
+    assert {"wake_ns", "barrier_ns", "g2s_latency_ns", "s2g_read_latency_ns", "fence_sys_ns"} <= set(got)
+    fitted = table.fitted()
+    assert len(fitted) <= fit.MAX_FITTED
+    for name, c in table.constants.items():
+        if name in got and name not in fitted:
+            assert (c.value, c.source) == got[name], name
+        else:
+            assert c.source.startswith(("est.", "fit")), name
+    assert got["wake_ns"][0] == pytest.approx(92.43, abs=0.01)  # H_project
+
+
+def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_costs_apart():
+    """A 16 KiB bulk load's issue -> landed is its bytes through the engine plus the load
+    latency; a flag's one-way time includes the writer's release; the reduction's time per
+    vector includes its loads and store: micro.measured leaves the constant alone."""
+    from hybrid_ep.timing import micro
+
+    def row(name, value, ok=True, mhz=2000.0):
+        return {"name": name, "value": value, "ok": ok, "clock_mhz": mhz}
+
+    doc = {"device": {"name": "GPU", "max_clock_mhz_reported": 2000},
+           "constants": [row("C_load", 64.0), row("L_load_hbm", 600.0), row("C_store", 32.0),
+                         row("L_store_read", 700.0), row("L_store_write", 710.0), row("F_acquire", 900.0),
+                         row("X_sys_0", 500.0), row("P_acquire", 300.0), row("H_project", 90.0),
+                         row("R_1", 8.0), row("B_bar_sync4", 16.0, ok=False)]}
+    table = constants.load_table(constants.H100).with_values(access_ns=2.0, smem_load_ns=25.0)
+    got = {n: v for n, (v, _) in micro.measured(doc, table).items()}
+    assert got["g2s_latency_ns"] == pytest.approx(600.0 - 16384 / 64.0)
+    assert got["s2g_read_latency_ns"] == pytest.approx(700.0 - 16384 / 32.0)
+    assert got["s2g_write_latency_ns"] == pytest.approx(10.0)
+    assert got["flag_latency_ns"] == pytest.approx(400.0) and got["release_ns"] == pytest.approx(500.0)
+    assert got["poll_ns"] == pytest.approx(150.0)  # 300 cycles at 2 GHz
+    # 8 rows of 16 KiB at 8 bytes/ns: 16384 ns a row, 32 vectors a lane: 512 ns each, less
+    # 9 accesses (18 ns) and one shared batch (25 ns), over 36 pairs
+    assert got["plain_pair_ns"] == pytest.approx((512.0 - 43.0) / 36, abs=0.01)
+    assert "barrier_ns" not in got  # its line was not ok
+    assert "collective_ns" not in got and "engine_bytes_per_ns" not in got  # not measured
 
 
 @pytest.mark.parametrize("n", [1, 2, 7])
@@ -517,3 +579,41 @@ def test_the_lines_through_a_grid_take_the_engine_rate_as_its_inverse():
     assert worst < 1e-9
     at = {"wake_ns": 900.0, "engine_bytes_per_ns": 55.0}
     assert fit.surrogate_at(coef, names, at)[(1, "dispatch")] == pytest.approx(model(at)[(1, "dispatch")])
+
+
+def test_fit_grid_fits_the_grids_of_two_data_paths_as_one(tmp_path):
+    """scripts/timing_calibration.py fit-grid with one saved grid per data path: the points of
+    both are fitted together, each named by its path; grids of other tables are refused."""
+    import itertools
+    import sys
+
+    truth = {"wake_ns": 300.0, "plain_pair_ns": 20.0}
+
+    def direct(t):  # a combine that only the reduction moves, a dispatch only the wake-up
+        return {"1 combine": 1.0 + 0.5 * t["plain_pair_ns"], "1 dispatch": 2.0 + 0.01 * t["wake_ns"]}
+
+    def receive(t):
+        return {"1 combine": 3.0 + 0.2 * t["plain_pair_ns"] + 0.002 * t["wake_ns"]}
+
+    grid = [{"wake_ns": 300.0 * 2.0 ** i, "plain_pair_ns": 20.0 * 2.0 ** j}
+            for i, j in itertools.product((-1, 0, 1), repeat=2)]
+    files = []
+    for path, f in (("direct", direct), ("receive", receive)):
+        saved = {"run": f"r/{path}", "commit": "abc", "world_size": 2, "nodes": 1, "data_path": path,
+                 "model_tokens": [128, 256], "tables": grid, "predicted_ms": [f(t) for t in grid],
+                 "measured_ms": f(truth)}
+        files.append(tmp_path / f"{path}.json")
+        files[-1].write_text(json.dumps(saved))
+    script = os.path.join(REPO, "scripts", "timing_calibration.py")
+    cmd = [sys.executable, script, "--constants", constants.H200, "fit-grid", *map(str, files),
+           "--names", "wake_ns", "plain_pair_ns"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    head = done.stdout.splitlines()[0]
+    assert "wake_ns = 300" in head and "plain_pair_ns = 20" in head, head
+    assert "direct:1" in done.stdout and "receive:1" in done.stdout
+    other = json.loads(files[1].read_text())
+    other["tables"] = [{k: 2 * v for k, v in t.items()} for t in grid]
+    files[1].write_text(json.dumps(other))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode != 0 and "its tables differ" in done.stderr

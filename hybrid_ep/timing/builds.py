@@ -116,13 +116,14 @@ def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sy
     return folder
 
 
-def run_in_build(folder: str, job: dict) -> dict:
-    """driver.py's result for `job`, run with the build's package first on sys.path."""
+def run_in_build(folder: str, job: dict, environ: dict | None = None) -> dict:
+    """driver.py's result for `job`, run with the build's package first on sys.path and the
+    variables of `environ` set (HYBRID_EP_DATA_PATH picks the data path of the point measured)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
         path = f.name
     try:
-        env = dict(os.environ, PYTHONPATH=folder)
+        env = dict(os.environ, PYTHONPATH=folder, **(environ or {}))
         done = subprocess.run([sys.executable, DRIVER, path], cwd=folder, env=env, capture_output=True, text=True)
     finally:
         os.unlink(path)

@@ -1,9 +1,12 @@
 """The timing model's constants for one GPU: one table, each value with where it came from.
 
-h100.json holds every constant the model costs (csrc/device/model/timing.h, listed by
+One table per GPU: h100.json (fitted to the H100 runs of 2026-11-22/24) and h200.json (the
+microbenchmarks of the H200 run of 2026-11-26, fitted to its points). Each holds every
+constant the model costs (csrc/device/model/timing.h, listed by
 hybrid_ep._model.timing_costs()), with its unit and source: an estimate ("est."), a fit to
-measured kernel times ("fit", at most three constants), or, once the GPU microbenchmarks
-have run, their measurement. Replacing a value means editing that one entry.
+measured kernel times ("fit", at most three constants), or the GPU microbenchmarks'
+measurement ("micro.json", derived where the model's constant is part of what they time).
+Replacing a value means editing that one entry.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 
 SCHEMA = "hybrid-ep-timing-constants/1"
 H100 = os.path.join(os.path.dirname(__file__), "h100.json")
+H200 = os.path.join(os.path.dirname(__file__), "h200.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,9 @@ class Point:
     recv_rows: int
     out_rows: int
     rdma_rows: int
+    # the kernels' data path (HYBRID_EP_DATA_PATH): runs before the direct path had none, and
+    # their points name none: the receive path
+    data_path: str = "receive"
 
     @property
     def key(self) -> tuple:
@@ -71,7 +74,7 @@ def points_from_run(emulated: dict, name: str, commit: str, commit_note: str) ->
               host_time_us={k: v["median_us"] for k, v in emulated.get("host_time", {}).items()})
     points = [Point(run=name, world_size=r["world_size"], nodes=r.get("nodes", 1), sms_per_rank=r["sms_per_rank"],
                     kernel=k, ms=r[f"{k}_ms"], recv_rows=r["recv_rows"], out_rows=r["out_rows"],
-                    rdma_rows=r.get("rdma_rows", 0))
+                    rdma_rows=r.get("rdma_rows", 0), data_path=r.get("data_path", "receive"))
               for r in emulated["runs"] for k in KERNELS]
     return run, points
 
@@ -81,7 +84,8 @@ def dump_points(runs: list[Run], points: list[Point]) -> dict:
              "recv_rows": "rows all ranks received in the dispatch (one per token and destination rank)",
              "out_rows": "rows all ranks hand to their experts (one per token and routed expert)",
              "rdma_rows": "rows the forwarders received by RDMA in the dispatch (as many go back in the combine)",
-             "host_time_us": "us, host time per dispatch + combine pair in static-size mode, per W"}
+             "host_time_us": "us, host time per dispatch + combine pair in static-size mode, per W",
+             "data_path": "the kernels' data path the point ran (direct or receive)"}
     return {"schema": SCHEMA, "units": units, "runs": [dataclasses.asdict(r) for r in runs],
             "points": [dataclasses.asdict(p) for p in points]}
 

@@ -1,0 +1,95 @@
+"""The timing constants the GPU microbenchmarks measure, read from their micro.json.
+
+The microbenchmarks (csrc/microbench, `hybrid_ep_microbench all`) time copies, hand-offs,
+flags, fences and a reduction on one SM. Some of their numbers are one of the model's
+constants (a bar.sync, a fence); others time a constant together with what the model costs
+apart (a bulk load's issue -> landed is its bytes through the engine plus the load latency),
+and the constant is what is left when the model's other part is taken off. `measured` gives
+every constant micro.json determines, with its value and a source that says which numbers
+it came from and how; `with_measured` puts them into a table. Constants micro.json does not
+measure keep their estimates or fits.
+"""
+
+from __future__ import annotations
+
+import json
+
+from . import constants
+
+ROW_BYTES = 16384  # the microbenchmarks' copies and reduced rows: 16 KiB
+
+
+def _values(doc: dict) -> tuple[dict, dict]:
+    """({name: value}, {name: clock MHz}) of micro.json's constants that ran and are ok."""
+    rows = [c for c in doc["constants"] if c.get("ok") and c.get("value") is not None]
+    return {c["name"]: float(c["value"]) for c in rows}, {c["name"]: c.get("clock_mhz") for c in rows}
+
+
+def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> dict[str, tuple[float, str]]:
+    """{constant: (value, source)} for each timing constant micro.json `doc` (named `label` in
+    the sources) determines. The derived ones take the model's other costs from `table`
+    (access_ns, smem_load_ns)."""
+    v, mhz = _values(doc)
+    clock = mhz.get("H_project") or doc["device"].get("max_clock_mhz_reported")
+    where = f"{label} ({doc['device']['name']}, SM clock {clock:.0f} MHz)"
+    out: dict[str, tuple[float, str]] = {}
+
+    def put(name: str, value: float, how: str, *needs: str) -> None:
+        if all(n in v for n in needs):
+            out[name] = (round(value, 2), f"{where}: {how}")
+
+    g = v.get
+    put("barrier_ns", g("B_bar_sync4", 0), "B_bar_sync4, bar.sync among 4 warps", "B_bar_sync4")
+    put("wake_ns", g("H_project", 0),
+        f"H_project, an mbarrier hand-off one way with the kernels' mbar_wait, lane 0 (bare try_wait "
+        f"{g('H_bare', 0):.1f}, hinted {g('H_hint', 0):.1f}). A whole warp's stage wait (mbar_wait, warp_uniform, "
+        f"31 lanes observe) is H_warp_uniform {g('H_warp_uniform', 0):.1f}: in the model this wake-up, the warp "
+        f"collective and the lanes' try_wait", "H_project")
+    if "P_acquire" in v and mhz.get("P_acquire"):
+        put("poll_ns", v["P_acquire"] * 1000.0 / mhz["P_acquire"],
+            f"P_acquire, one ld.acquire.sys poll, {v['P_acquire']:.1f} cycles at {mhz['P_acquire']:.0f} MHz")
+    put("fence_sys_ns", g("X_sys_0", 0), "X_sys_0, __threadfence_system with no store outstanding", "X_sys_0")
+    put("release_ns", g("X_sys_0", 0),
+        "X_sys_0: a release at system scope carries a system fence (__threadfence_system "
+        f"{g('X_sys_0', 0):.1f}, fence.acq_rel.sys {g('X_acq_rel', 0):.1f})", "X_sys_0")
+    put("flag_latency_ns", g("F_acquire", 0) - g("X_sys_0", 0),
+        f"F_acquire {g('F_acquire', 0):.1f} (st.release.sys -> ld.acquire.sys polls between 2 SMs, one way) less "
+        f"the release it includes (release_ns, X_sys_0 {g('X_sys_0', 0):.1f})", "F_acquire", "X_sys_0")
+    put("fence_proxy_ns", g("X_proxy", 0), "X_proxy, fence.proxy.async after a shared store", "X_proxy")
+    if "C_load" in v:
+        put("g2s_latency_ns", g("L_load_hbm", 0) - ROW_BYTES / v["C_load"],
+            f"L_load_hbm {g('L_load_hbm', 0):.1f} (a 16 KiB bulk load from HBM, issue -> mbarrier complete) less its "
+            f"bytes through the engine at C_load {v['C_load']:.2f} bytes/ns (loads alone)", "L_load_hbm")
+    if "C_store" in v:
+        put("s2g_read_latency_ns", g("L_store_read", 0) - ROW_BYTES / v["C_store"],
+            f"L_store_read {g('L_store_read', 0):.1f} (a 16 KiB bulk store, issue -> wait_group.read 0) less its "
+            f"bytes at C_store {v['C_store']:.2f} bytes/ns (stores alone)", "L_store_read")
+    put("s2g_write_latency_ns", g("L_store_write", 0) - g("L_store_read", 0),
+        f"L_store_write {g('L_store_write', 0):.1f} less L_store_read {g('L_store_read', 0):.1f} (wait_group 0 "
+        "against wait_group.read 0 of one 16 KiB store)", "L_store_write", "L_store_read")
+    # R_1: one warp sums 8 rows of 16 KiB (16-byte loads, unrolled) and writes the bf16 row back.
+    # Per lane and 16-byte vector: 8 loads in one batch, 1 store, 8 x 4 + 4 pairs converted.
+    if "R_1" in v:
+        ns_row = ROW_BYTES * 8 / v["R_1"]
+        per_vec = ns_row / (ROW_BYTES / 16 / 32)
+        c = table.costs()
+        own = 9 * c["access_ns"] + c["smem_load_ns"]
+        put("plain_pair_ns", (per_vec - own) / 36,
+            f"R_1, 1 warp summing 8 bf16 rows of 16 KiB from shared memory into fp32 and back: {ns_row:.1f} ns a row "
+            f"= {per_vec:.1f} ns per lane per 16-byte vector, which the model costs as 8 loads + 1 store "
+            f"(access_ns {c['access_ns']:g} each), one shared batch (smem_load_ns {c['smem_load_ns']:g}) and 36 pairs "
+            f"converted. R_4 (4 warps) gives the same per warp; R_8 (8 warps, two to a scheduler) "
+            f"{ROW_BYTES * 8 / v.get('R_8', float('nan')) * 8 / (ROW_BYTES / 16 / 32):.1f} ns per vector: warps "
+            "sharing a scheduler share its issue, which the model does not cost")
+    return out
+
+
+def with_measured(table: constants.Table, path: str, label: str | None = None) -> constants.Table:
+    """`table` with every constant micro.json at `path` determines replaced, its source saying so
+    (naming the file `label`, default its path)."""
+    with open(path) as f:
+        doc = json.load(f)
+    out = table
+    for name, (value, source) in measured(doc, table, label or path).items():
+        out = constants.with_sources(out, {name: value}, source)
+    return constants.Table(doc["device"]["name"], out.constants)
