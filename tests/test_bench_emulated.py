@@ -110,8 +110,12 @@ def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, 
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 
+    def direct(stages, override):  # the direct dispatch sizes its queue by its stages' bytes too
+        return launch.direct_store_groups(stages, launch.fifo_shape(2048, smem, max_stages=stages).stage_bytes,
+                                          override)
+
     rule = {"dispatch": launch.store_groups, "combine": launch.combine_store_groups,
-            "dispatch_direct": launch.direct_store_groups, "combine_pull": lambda stages, override: 0}
+            "dispatch_direct": direct, "combine_pull": lambda stages, override: 0}
     tokens = [9, 4]
     idx = list(iter_rank_routings("uniform", tokens, 4, 2, seed=1))
     xs = [torch.randn(t, 1024).to(torch.bfloat16) for t in tokens]
@@ -121,6 +125,7 @@ def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, 
         else:
             monkeypatch.setenv(launch.STORE_GROUPS_ENV, str(override))
         group = EmulatedGroup(2, 1024, 9, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path)
+        smem = group.engine.smem_per_block
         res = group.dispatch(xs, idx, num_sms=1)
         group.combine([r.tokens for r in res], [r.handle for r in res], num_sms=1)
         shapes = group.engine.launch_shapes(1)

@@ -404,15 +404,21 @@ def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
         launch.data_path(True, "pull", environ={})
 
 
-def test_direct_dispatch_keeps_all_stages_but_two_for_its_stores():
-    # One FIFO of 13 stages of a 16 KiB row at the seed shape: 7 groups may read (wait_group's
-    # immediate caps it), the loads keep at least two stages.
+def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_stages():
+    # Little's law with the H200's C_store (63.17 B/ns) and L_store_read (317.4 ns): about 20 KB
+    # in flight over the two store threads, one group of a 16 KiB stage each; 13 stages of a
+    # 16 KiB row at the seed shape, so the stores hold 4 (2 x (1 + the one being stored)).
     direct = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, max_stages=launch.MAX_STAGES)
-    assert direct.stages == 13
-    assert [launch.direct_store_groups(n) for n in (2, 3, 6, 9, 13)] == [1, 1, 4, 7, 7]
-    assert launch.direct_store_groups(13, 2) == 2
+    assert (direct.stages, direct.stage_bytes) == (13, 16384)
+    assert launch.direct_store_groups(13, 16384) == 1
+    assert [launch.direct_store_groups(13, b) for b in (32768, 8192, 4096, 2048, 512)] == [1, 2, 3, 5, 6]
+    # the threads' groups and the stages being stored leave the loads at least one stage
+    assert [launch.direct_store_groups(n, 512) for n in (2, 3, 4, 5, 16)] == [0, 1, 1, 2, 7]
+    assert [launch.direct_store_groups(13, 16384, g) for g in (0, 2, 7)] == [0, 2, 6]
     with pytest.raises(ValueError, match="stages must be >= 2"):
-        launch.direct_store_groups(1)
+        launch.direct_store_groups(1, 16384)
+    with pytest.raises(ValueError, match="stage_bytes must be positive"):
+        launch.direct_store_groups(13, 0)
 
 
 def test_pull_combine_rings_split_the_shared_memory_between_two_pipelines():

@@ -400,7 +400,8 @@ def test_small_rows_are_batched_in_one_stage():
 @pytest.mark.parametrize("groups", ["0", "1", "7"])
 def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, path):
     """The stores' queue (HYBRID_EP_STORE_GROUPS) only changes when stages are released: none
-    held (0), the default's one, and the most the ring allows (7, cut to stages - 1). Rows of
+    held (0), the default's one, and the most the ring allows (7, cut to stages - 1, or to
+    (stages - 1) / 2 for the direct dispatch's two store threads). Rows of
     two segments and small batched rows, so every ring wraps several times. Every kernel with
     a store queue: the receive path's dispatch and combine, the direct path's dispatch."""
     monkeypatch.setenv(launch.STORE_GROUPS_ENV, groups)
@@ -417,7 +418,7 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
                 assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_out_stages - 1)
             else:
                 direct = kinds["dispatch_direct"]
-                assert direct.store_groups == min(int(groups), direct.fifo_stages - 1)
+                assert direct.store_groups == min(int(groups), (direct.fifo_stages - 1) // 2)  # two store threads
                 assert set(kinds) == {"dispatch_direct", "combine_pull"}
         finally:
             group.close()

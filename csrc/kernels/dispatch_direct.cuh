@@ -12,8 +12,8 @@
 //               destination's layout kernel, plus the route's ordinal; -1 where num_out_tokens
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
-//   warps 2-3   bulk-store each stage once per route, the two warps taking alternate routes,
-//               store_groups groups in flight each, then release the stage (2 arrivals);
+//   warps 2-3   bulk-store each stage once per route, the two warps taking alternate stages,
+//               store_groups groups in flight each, then release the stage (1 arrival);
 //   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh).
 // At the start block 0 publishes this rank's output tensors and every block reads every
 // destination's (kernels/direct.cuh, bounded waits); at the end the last block of this rank
@@ -131,11 +131,28 @@ __device__ inline void route_table(const DirectDispatch& d, int lane) {
   }
 }
 
-// Warps 2-3 (lane 0): each stage stored once per route this warp takes (routes which,
-// which + kStoreWarps, ...), then released once its stores have read it.
+// The store groups a store thread lets still read their stages. The two threads' newest
+// groups hold kStoreWarps x that many stages of the one ring; with the stage being stored they
+// leave the loads at least one, or a load would wait for a release that waits for a later load.
+__device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& args, int stages) {
+  return min(store_groups_in_flight(args, stages), (stages - 1) / kStoreWarps);
+}
+
+// Warps 2-3 (lane 0): every other stage each (the FIFO's items which, which + kStoreWarps,
+// ...), stored once per route of its rows, then released once its stores have read it. A
+// thread stores all of a stage's routes, as the microbenchmarks' 1 load + 8 stores per stage
+// does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
+// stages.
 __device__ inline void store_routes(const DirectDispatch& d, int which) {
-  const int in_flight = store_groups_in_flight(d.args, d.stages);
-  PipeState consumed, released, table;
+  const int in_flight = direct_store_groups_in_flight(d.args, d.stages);
+  PipeState item, released, table;  // item: every item of the FIFO; released: this thread's next to release
+  for (int s = 0; s < which; ++s) released.advance(d.stages);
+  uint32_t committed = 0, freed = 0;  // this thread's groups (one per stage it stored), stages it released
+  const auto release_next = [&] {
+    d.fifo.ring.consumer_release(released);
+    ++freed;
+    for (int s = 0; s < kStoreWarps; ++s) released.advance(d.stages);
+  };
   bool ok = true;
   for (int c = d.b; c < d.chunks() && ok; c += d.nb, table.advance(kTableSlots)) {
     if (d.stopped() || !d.table_ring.consumer_wait(d.args, table)) {
@@ -144,33 +161,34 @@ __device__ inline void store_routes(const DirectDispatch& d, int which) {
     }
     const RouteTable& tab = d.sh.tables[table.stage];
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    for (int k = 0; k < d.batches.items(t0, t1); ++k, consumed.advance(d.stages)) {
+    for (int k = 0; k < d.batches.items(t0, t1); ++k, item.advance(d.stages)) {
+      if (item.count % kStoreWarps != static_cast<uint32_t>(which)) continue;  // the other thread's
       const RowBatches::Item it = d.batches.item(t0, t1, k);
-      if (d.stopped() || !d.fifo.ring.consumer_wait(d.args, consumed)) {
+      if (d.stopped() || !d.fifo.ring.consumer_wait(d.args, item)) {
         ok = false;
         break;
       }
       for (int r = 0; r < it.rows; ++r) {
         const int i = it.first + r - t0;
-        for (int q = which; q < d.K; q += kStoreWarps) {
+        for (int q = 0; q < d.K; ++q) {
           const int p = tab.row[i][q];
           if (p >= 0)
             dev::bulk_s2g(reinterpret_cast<uint8_t*>(d.sh.rows[tab.dest[i][q]]) +
                               static_cast<int64_t>(p) * d.row_bytes + it.offset,
-                          d.fifo.slot(consumed) + r * it.bytes, it.bytes);
+                          d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
       dev::bulk_commit();
+      ++committed;
       bulk_wait_read_except(in_flight);  // release the oldest stages only
-      for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
-        d.fifo.ring.consumer_release(released);
+      while (freed + in_flight < committed) release_next();
     }
     if (ok) d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
   }
   if (!ok) d.stop();
   dev::bulk_wait_all();      // the rows landed before the last block's release (after the block barrier)
   dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
-  for (; released.count < consumed.count; released.advance(d.stages)) d.fifo.ring.consumer_release(released);
+  while (freed < committed) release_next();
 }
 
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
@@ -209,7 +227,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
                          Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch}};
 
   if (tid == 0) {
-    d.fifo.ring.init(1, kStoreWarps);
+    d.fifo.ring.init(1, 1);  // a stage's one store thread releases it
     d.table_ring.init(1, kStoreWarps);
     dev::mbar_fence_init();
     sh.fail = 0;

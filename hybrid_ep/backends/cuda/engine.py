@@ -525,7 +525,7 @@ class Engine:
             fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
                                      max_stages=launch.MAX_STAGES)
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
-            a.store_groups = launch.direct_store_groups(fifo.stages, self.store_groups_override)
+            a.store_groups = launch.direct_store_groups(fifo.stages, fifo.stage_bytes, self.store_groups_override)
             per_sm = self.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
         elif kind == "combine_pull":
             pull = launch.pull_shape(row_elems, launch.ELEM_BYTES[dtype_name], self.smem_per_block)

@@ -6,6 +6,7 @@ Everything here is plain arithmetic on the device's properties, so it is tested 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from .layout import CHUNK_TOKENS
@@ -126,13 +127,41 @@ def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -
     return "direct" if can_go_direct else "receive"
 
 
-def direct_store_groups(stages: int, override: int | None = None) -> int:
-    """The direct dispatch's store threads share one FIFO with its single load thread, whose
-    loads need a stage or two ahead: every stage but two may still be read by stores."""
+# One SM's bulk stores, measured by the microbenchmarks on an H200 on 2026-11-26
+# (docs/benchmarks/gpu/2026-11-26-h200/micro.txt): C_store, stores only, 16 KiB copies (the
+# same from 1 to 4 issuing threads and from 1 to 7 groups left reading), and L_store_read, a
+# 16 KiB store from its issue until wait_group.read 0 returns.
+STORE_BYTES_PER_NS = 63.17
+STORE_READ_NS = 317.4
+
+
+def direct_store_groups(stages: int, stage_bytes: int, override: int | None = None) -> int:
+    """Bulk-store groups each of the direct dispatch's two store threads lets still read
+    their stages (each thread stores every other stage, once per route). Little's law: to
+    keep an SM's stores going, the bytes in flight must cover the stores' read latency at
+    their rate, STORE_BYTES_PER_NS x STORE_READ_NS (about 20 KB); a group is at least one
+    stage's bytes (one route), and the two threads' groups are in flight together, so one
+    group each covers it from 16 KiB stages on (at 2 or more routes per thread, several
+    times). More groups only hold stages away from the loads: on 2026-11-26 (H200) 7 groups
+    of 4 stores per thread left the loads 5 of the 13 stages, and the receive path's
+    dispatch was 2.5-7 % faster with 1 group than with 4 (bench_receive*). The microbenchmarks
+    reach the stores' full rate with 1 group left reading (stores only, and 1 load + 4 stores
+    per stage) and lose a quarter with 0."""
     if stages < 2:
         raise ValueError(f"stages must be >= 2, got {stages}")
-    groups = max(1, stages - 2) if override is None else override
-    return min(groups, stages - 1, MAX_STORE_GROUPS)
+    if stage_bytes <= 0:
+        raise ValueError(f"stage_bytes must be positive, got {stage_bytes}")
+    if override is None:
+        groups = max(1, math.ceil(STORE_BYTES_PER_NS * STORE_READ_NS / DIRECT_STORE_THREADS / stage_bytes))
+    else:
+        groups = override
+    # The threads' newest groups together hold DIRECT_STORE_THREADS x groups stages; with the
+    # stage being stored they must leave the loads one, or a load would wait for a release
+    # that waits for a later load (the kernel clamps the same way).
+    return min(groups, (stages - 1) // DIRECT_STORE_THREADS, MAX_STORE_GROUPS)
+
+
+DIRECT_STORE_THREADS = 2  # csrc dispatch_direct.cuh kStoreWarps: the store threads of a direct dispatch block
 
 
 @dataclasses.dataclass(frozen=True)
