@@ -28,10 +28,14 @@
 //               per expert host of this node, one per other node the token reached);
 //   warps 7-10  add a token's partials and write its output row, rounded once, from registers.
 // With several nodes (kernels/hierarchy.cuh) an expert host stores the partial of a source on
-// another node into that source's rail peer on this node instead, and
-//   warp 11     (forwarder) sums the partials of this node's ranks for each token it forwarded
-//               in the dispatch (fp32, rounded once to the wire dtype) and puts one row per
-//               token back to the source on the other node, one put with signal per chunk;
+// another node into that source's rail peer on this node instead. The rail peer's source side
+// forwards them: between its own chunks (SourceSideChunks: an own chunk after the forwarded
+// chunks one block step ahead of it), warp 6 waits for every rank of this node's partials of
+// a chunk it forwarded in the dispatch and bulk-loads each token's (one per rank of this node
+// that hosts its routes), warps 7-10 sum them (fp32) and write the node partial, rounded once
+// to the wire dtype, into the staging area, and
+//   warp 11     (several nodes) puts each forwarded chunk's node partials back to the source on
+//               the other node, one put with signal per chunk, once the reducers wrote them;
 // the source's warp 6 then also waits for each other node's chunk and loads its node partials.
 // Partials travel in the wire dtype (default the dtype of expert_out, fp32 on request), so
 // a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
@@ -49,10 +53,10 @@ namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantia
 // Warp roles.
 constexpr int kHostLoadWarp = 0, kHostReduceWarp = 1, kHostStoreWarp = 5;  // 1 .. 4 reduce
 constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7;                        // 7 .. 10 reduce
-constexpr int kForwardWarp = 11;                                           // several nodes
+constexpr int kForwardPutWarp = 11;                                        // several nodes
 constexpr int kCombineThreads = 12 * 32;
 constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
-constexpr int kFwdQuads = 8;          // quads of a row each forwarder lane loads before summing
+constexpr int kPutStages = 4;         // forwarded chunks written by the reducers, not yet put
 
 // ---- stages and tables ----------------------------------------------------------------------
 
@@ -77,13 +81,35 @@ struct SrcTable {
   int32_t slot[kChunkTokens][kMaxTopK];
 };
 
+// A source-ring item of a forwarded chunk (several nodes): PartItem.row holds the chunk, and
+// PartItem.slot (0 for the source's own tokens) this tag: the source node, the row's ordinal
+// in the chunk and the chunk's rows (a chunk without rows passes as one stage without bytes).
+struct FwdTag {
+  static constexpr int32_t kTag = 1 << 30;
+  int32_t node, q, rows;
+
+  __device__ static bool is(int32_t slot) { return (slot & kTag) != 0; }
+  __device__ int32_t pack() const { return kTag | (node << 16) | (q << 8) | rows; }
+  __device__ static FwdTag of(int32_t slot) { return {(slot >> 16) & 0x3fff, (slot >> 8) & 0xff, slot & 0xff}; }
+  // The chunk's node partials are all written once this row's segment ending at column `end` is.
+  __device__ bool completes(int end, int C) const { return rows == 0 || (q == rows - 1 && end == C); }
+};
+static_assert(kChunkTokens < 256, "a forwarded row's ordinal and its chunk's rows fit FwdTag's bytes");
+
+// A forwarded chunk whose node partials the reducers wrote: for the put warp.
+struct FwdPut {
+  int32_t node, chunk, rows;
+};
+
 struct CombineShared {
   uint64_t host_full[kMaxStages], host_empty[kMaxStages];
   uint64_t out_full[kMaxStages], out_empty[kMaxStages];
   uint64_t src_full[kMaxStages], src_empty[kMaxStages];
+  uint64_t put_full[kPutStages], put_empty[kPutStages];
   PartItem host_items[kMaxStages];
   OutItem out_items[kMaxStages];
   PartItem src_items[kMaxStages];
+  FwdPut put_items[kPutStages];
   HostTable host_table;
   SrcTable src_table;
   int abort_flow;  // flow-control wait gave up
@@ -284,140 +310,180 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
 
 // ---- source ---------------------------------------------------------------------------------
 
-// Warp 6: per chunk, lane 0 waits until every expert host of this node and every other node
-// delivered the chunk's partials; lane i lists token i's partials in the table; lane 0 loads
-// them, token by token and segment by segment.
+// Warp 6, an own chunk c: lane 0 waits until every expert host of this node and every other
+// node delivered the chunk's partials; lane i lists token i's partials in the table; lane 0
+// loads them, token by token and segment by segment. Warp-uniform; false on a stop.
 template <typename Rdma>
-__device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
+__device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, int c, int lane) {
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
   SrcTable& tab = d.sh.src_table;
-  PipeState produced;
   bool ok = true;
-  for (int c = d.b; c < d.send_chunks() && ok; c += d.nb) {
-    if (lane == 0) {
-      ok = !d.stopped();
-      for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-        ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, kPhaseCombineRows, d.a.rank,
-                           first + g, d.epoch);
-      for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
-        if (n != h.node)
-          ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch, kPhaseRdmaPartials,
-                             d.a.rank, h.rail_peer(n), d.epoch);
-    }
-    if (!warp_uniform(ok)) break;
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
-    // Token t's partials: one per expert host of this node, one per other node it reached
-    // (at its staged slot there: the chunk's slot c * chunk plus its ordinal among the chunk's
-    // tokens for that node).
-    int parts = 0;
-    const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
-    for (int g = 0; g < G && t < t1; ++g)
-      if (slots[first + g] >= 0) {
-        tab.from[lane][parts] = static_cast<int8_t>(g);
-        tab.slot[lane][parts++] = slots[first + g];
-      }
-    for (int n = 0; n < N; ++n) {
-      if (n == h.node) continue;
-      bool goes = false;
-      for (int g = 0; g < G && t < t1; ++g) goes |= slots[n * G + g] >= 0;
-      const unsigned mask = __ballot_sync(0xffffffffu, goes);
-      if (goes) {
-        tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
-        tab.slot[lane][parts++] = c * d.chunk + __popc(mask & ((1u << lane) - 1u));
-      }
-    }
-    if (t < t1) tab.parts[lane] = parts;
-    __syncwarp();
-    if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
-    for (int i = 0; i < t1 - t0 && ok && lane == 0; ++i) {
-      for (int seg = 0; seg < d.segments && ok; ++seg) {
-        const int col0 = seg * d.seg_cols;
-        const PartItem head{t0 + i, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
-        ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, tab.parts[i],
-                        [&](int j, float&) -> const uint8_t* {
-                          const int from = tab.from[i][j], slot = tab.slot[i][j];
-                          if (from < kNodePart) return d.partial(d.a.rank, first + from, slot);
-                          return h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
-                        });
-      }
-    }
-    ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
+  if (lane == 0) {
+    ok = !d.stopped();
+    for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
+      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, kPhaseCombineRows, d.a.rank, first + g,
+                         d.epoch);
+    for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
+      if (n != h.node)
+        ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch, kPhaseRdmaPartials,
+                           d.a.rank, h.rail_peer(n), d.epoch);
   }
+  if (!warp_uniform(ok)) return false;
+  const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
+  // Token t's partials: one per expert host of this node, one per other node it reached
+  // (at its staged slot there: the chunk's slot c * chunk plus its ordinal among the chunk's
+  // tokens for that node).
+  int parts = 0;
+  const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
+  for (int g = 0; g < G && t < t1; ++g)
+    if (slots[first + g] >= 0) {
+      tab.from[lane][parts] = static_cast<int8_t>(g);
+      tab.slot[lane][parts++] = slots[first + g];
+    }
+  for (int n = 0; n < N; ++n) {
+    if (n == h.node) continue;
+    bool goes = false;
+    for (int g = 0; g < G && t < t1; ++g) goes |= slots[n * G + g] >= 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    if (goes) {
+      tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
+      tab.slot[lane][parts++] = c * d.chunk + __popc(mask & ((1u << lane) - 1u));
+    }
+  }
+  if (t < t1) tab.parts[lane] = parts;
+  __syncwarp();
+  if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
+  for (int i = 0; i < t1 - t0 && ok && lane == 0; ++i) {
+    for (int seg = 0; seg < d.segments && ok; ++seg) {
+      const int col0 = seg * d.seg_cols;
+      const PartItem head{t0 + i, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
+      ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, tab.parts[i],
+                      [&](int j, float&) -> const uint8_t* {
+                        const int from = tab.from[i][j], slot = tab.slot[i][j];
+                        if (from < kNodePart) return d.partial(d.a.rank, first + from, slot);
+                        return h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
+                      });
+    }
+  }
+  return warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
+}
+
+// Warp 6, chunk c it forwarded from node n in the dispatch (several nodes; the handle keeps
+// fwd_rows, fwd_slots): lane 0 waits until every rank of this node stored its partials of it;
+// lane q lists row q's partials (one per rank of this node that hosts the token's routes, in
+// rank order: the order of the sum); lane 0 loads them, row by row and segment by segment,
+// tagged (FwdTag) for the reducers. A chunk without rows is one stage without bytes, so that
+// its signal is put too. Warp-uniform; false on a stop.
+template <typename Rdma>
+__device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, int n, int c,
+                                   int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  const int G = h.topo.G, first = h.first_local();
+  SrcTable& tab = d.sh.src_table;
+  bool ok = true;
+  if (lane == 0) {
+    ok = !d.stopped();
+    for (int g = 0; g < G && ok; ++g)
+      ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch,
+                         kPhaseNodePartials, d.a.rank, first + g, d.epoch);
+  }
+  if (!warp_uniform(ok)) return false;
+  const int rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
+  const int64_t slot0 = static_cast<int64_t>(c) * d.chunk;
+  if (lane < rows) {
+    const int32_t* slots =
+        reinterpret_cast<const int32_t*>(d.a.fwd_slots) + (static_cast<int64_t>(n) * h.staged + slot0 + lane) * G;
+    int parts = 0;
+    for (int g = 0; g < G; ++g)
+      if (slots[g] >= 0) {
+        tab.from[lane][parts] = static_cast<int8_t>(g);
+        tab.slot[lane][parts++] = slots[g];
+      }
+    tab.parts[lane] = parts;
+  }
+  __syncwarp();
+  if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
+  for (int q = 0; q < max(rows, 1) && ok && lane == 0; ++q) {
+    for (int seg = 0; seg < (rows > 0 ? d.segments : 1) && ok; ++seg) {
+      const int col0 = seg * d.seg_cols, cols = rows > 0 ? min(d.seg_cols, d.C - col0) : 0;
+      const PartItem head{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f};
+      ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, rows > 0 ? tab.parts[q] : 0,
+                      [&](int j, float&) -> const uint8_t* {
+                        return d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], tab.slot[q][j]);
+                      });
+    }
+  }
+  return warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
+}
+
+// Warp 6: the block's source-side chunks in SourceSideChunks' order, then the end of work.
+template <typename Rdma>
+__device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
+  SourceSideChunks<Combine<Rdma>> work(d);
+  PipeState produced;
+  bool ok = true, forwarded;
+  int n, c;
+  while (ok && work.next(forwarded, n, c))
+    ok = forwarded ? src_load_forwarded(d, ring, produced, n, c, lane) : src_load_own(d, ring, produced, c, lane);
   if (lane == 0) finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok);
 }
 
-// Warps 7-10: each token's partials summed in registers, its row written from them.
+// Warps 7-10: each row's partials summed in registers. An own token's output row is written
+// from them, rounded once; a forwarded row's node partial is written, rounded once to the wire
+// dtype, into the staging area, and after its chunk's last row each warp fences its stores and
+// hands the chunk to the put warp (one of the put ring's kGroupWarps arrivals).
 template <typename Rdma, typename Out, typename Wire>
-__device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, int gt, int lane) {
+__device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring& put, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
+  const Hierarchy<Rdma>& h = d.h;
+  const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
+  PipeState produced;
   reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
                      [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                       acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
+                       if (!FwdTag::is(it.slot)) {
+                         acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
+                         return true;
+                       }
+                       const FwdTag f = FwdTag::of(it.slot);
+                       const int64_t slot = static_cast<int64_t>(it.row) * d.chunk + f.q;
+                       if (f.rows > 0)
+                         acc.store<Wire>(h.rdma.local(h.staged_off(h.R.comb_rows_out, f.node, slot, row_b)) +
+                                             static_cast<int64_t>(it.col0) * d.wire_bytes,
+                                         quads, gt);
+                       if (!f.completes(it.col0 + it.cols, d.C)) return true;
+                       __threadfence();  // this thread's node partials, before the transport reads them
+                       if (!warp_producer_acquire(d, put, produced, lane)) return false;
+                       if (gt == 0) d.sh.put_items[produced.stage] = FwdPut{f.node, it.row, f.rows};
+                       __syncwarp();
+                       if (lane == 0) put.producer_commit(produced);
+                       produced.advance(put.stages);
                        return true;
                      });
 }
 
-// Warp 11 with several nodes: for each chunk this rank forwarded in the dispatch (kept by the
-// handle: fwd_rows, fwd_slots), wait for every rank of this node's partials of it, sum them
-// per token in fp32, round once to the wire dtype into the staging area and put the chunk's
-// node partials to the source, with its signal (also for no rows). The layout of the put is
-// the dispatch's staging: slot c * kChunkTokens + q.
-template <typename Rdma, typename Wire>
-__device__ void forward_reduce(const Combine<Rdma>& d, int lane) {
+// Warp 11 with several nodes: each chunk this block forwards (as many as forwarded_chunks'
+// units it takes), once the reducers wrote its node partials into the staging area (the
+// layout of the dispatch's staging: slot c * kChunkTokens + q), put to the source on the other
+// node with the chunk's signal (also for no rows).
+template <typename Rdma>
+__device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
   const Hierarchy<Rdma>& h = d.h;
-  const auto* fwd_slots = reinterpret_cast<const int32_t*>(d.a.fwd_slots);
-  const auto* fwd_rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows);
-  const int G = h.topo.G, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
-  const int quads = d.C / 4;
   const int64_t units = forwarded_chunks(d);
-  for (int64_t u = d.b; u < units && !d.stopped(); u += d.nb) {
-    int n, c;
-    forwarded_chunk(d, u, n, c);
-    bool ok = true;
-    for (int g = 0; g < G && ok && lane == 0; ++g)
-      ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch,
-                         kPhaseNodePartials, d.a.rank, first + g, d.epoch);
-    if (!warp_uniform(ok)) {
-      d.stop();
-      break;
-    }
-    const int rows = fwd_rows[static_cast<int64_t>(n) * h.max_chunks + c];
-    const int64_t slot0 = static_cast<int64_t>(c) * d.chunk;
-    for (int q = 0; q < rows; ++q) {
-      const int32_t* slots = fwd_slots + (static_cast<int64_t>(n) * h.staged + slot0 + q) * G;
-      uint8_t* out = h.rdma.local(h.staged_off(h.R.comb_rows_out, n, slot0 + q, row_b));
-      // kFwdQuads quads per lane at a time, each partial's loaded before any is summed: the
-      // loads of a row are independent, so more of them are in flight per lane.
-      for (int v0 = lane; v0 < quads; v0 += 32 * kFwdQuads) {
-        float acc[kFwdQuads][4] = {};
-        for (int g = 0; g < G; ++g) {
-          if (slots[g] < 0) continue;
-          const uint8_t* part = d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + g, slots[g]);
-          float val[kFwdQuads][4];
-#pragma unroll
-          for (int j = 0; j < kFwdQuads; ++j)
-            if (v0 + 32 * j < quads)
-              Quad<Wire>::load(part + static_cast<size_t>(v0 + 32 * j) * 4 * sizeof(Wire), val[j]);
-#pragma unroll
-          for (int j = 0; j < kFwdQuads; ++j)
-            if (v0 + 32 * j < quads)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[j][e] += val[j][e];
-        }
-#pragma unroll
-        for (int j = 0; j < kFwdQuads; ++j)
-          if (v0 + 32 * j < quads) Quad<Wire>::store(out + static_cast<size_t>(v0 + 32 * j) * 4 * sizeof(Wire), acc[j]);
-      }
-    }
-    __threadfence();  // the staged node partials, before the transport reads them
+  PipeState p;
+  for (int64_t u = d.b; u < units; u += d.nb, p.advance(put.stages)) {
+    if (!warp_consumer_wait(d, put, p, lane)) break;
+    const FwdPut it = d.sh.put_items[p.stage];
     __syncwarp();
-    h.rdma.put_signal(lane, h.rail_peer(n), h.staged_off(h.R.comb_rows_in, h.node, slot0, row_b),
-                      h.rdma.local(h.staged_off(h.R.comb_rows_out, n, slot0, row_b)),
-                      static_cast<uint64_t>(rows) * row_b, h.chunk_flag_off(h.R.comb_signal, h.node, c), d.epoch);
+    if (lane == 0) put.consumer_release(p);
+    const int64_t slot0 = static_cast<int64_t>(it.chunk) * d.chunk;
+    h.rdma.put_signal(lane, h.rail_peer(it.node), h.staged_off(h.R.comb_rows_in, h.node, slot0, row_b),
+                      h.rdma.local(h.staged_off(h.R.comb_rows_out, it.node, slot0, row_b)),
+                      static_cast<uint64_t>(it.rows) * row_b, h.chunk_flag_off(h.R.comb_signal, h.node, it.chunk),
+                      d.epoch);
   }
   if (lane == 0) h.rdma.quiet();
 }
@@ -465,11 +531,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __gri
   const Ring host_in{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
   const Ring host_partials{sh.out_full, sh.out_empty, args.host_out_stages, a.rank, epoch};
   const Ring src{sh.src_full, sh.src_empty, args.src_stages, a.rank, epoch};
+  const Ring put{sh.put_full, sh.put_empty, kPutStages, a.rank, epoch};
 
   if (tid == 0) {
     host_in.init(1, kGroupWarps);
     host_partials.init(kGroupWarps, 1);
     src.init(1, kGroupWarps);
+    put.init(kGroupWarps, 1);
     dev::mbar_fence_init();
     sh.abort_flow = 0;
     sh.abort = aborted(args) ? 1 : 0;
@@ -502,9 +570,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __gri
   } else if (warp == kSrcLoadWarp) {
     src_load(d, src, lane);
   } else if (warp < kSrcReduceWarp + kGroupWarps) {
-    src_reduce<Rdma, Elem, Wire>(d, src, tid - kSrcReduceWarp * 32, lane);
-  } else if (warp == kForwardWarp && multi) {
-    forward_reduce<Rdma, Wire>(d, lane);
+    src_reduce<Rdma, Elem, Wire>(d, src, put, tid - kSrcReduceWarp * 32, lane);
+  } else if (warp == kForwardPutWarp && multi) {
+    forward_put(d, put, lane);
   }
   __syncthreads();
 

@@ -79,4 +79,53 @@ __device__ void forwarded_chunk(const Call& call, int64_t k, int& n, int& c) {
   c = static_cast<int>(k);
 }
 
+// The chunks one block's source side takes in combine, in order: its own chunks (b, b + nb, ...
+// of send_chunks()) and, with several nodes, the forwarded chunks whose node partials it sends
+// back (forwarded_chunks' units b, b + nb, ...), merged by chunk index, with an own chunk c
+// after the forwarded chunks up to c + nb: one block step later, so that the rail peers'
+// forwarding of chunk c, at the same step of their own order, is likely done when c is waited
+// for. No cycle of waits: own chunk c waits for other ranks' forwarded chunk c, before which
+// their blocks take only own chunks up to c - 1, and a forwarded chunk waits for expert hosts
+// only. Call: h, b, nb, send_chunks() and source_chunks(s).
+template <typename Call>
+struct SourceSideChunks {
+  const Call& call;
+  int key = 0;        // the forwarded chunk index looked at (the own chunk key - nb after it)
+  int node = 0;       // the node looked at next at that index; N: the own chunk, N + 1: done
+  int64_t unit0 = 0;  // forwarded units of the nodes before `node`
+  int last;           // the last key with work
+
+  __device__ explicit SourceSideChunks(const Call& c) : call(c), last(c.send_chunks() - 1 + c.nb) {
+    for (int n = 0; n < call.h.topo.N; ++n)
+      if (n != call.h.node) last = max(last, call.source_chunks(call.h.rail_peer(n)) - 1);
+  }
+
+  // The next chunk: forwarded from source node n, or own (n is this node); false when done.
+  __device__ bool next(bool& forwarded, int& n, int& c) {
+    const int N = call.h.topo.N;
+    for (; key <= last; ++key, node = 0, unit0 = 0) {
+      while (node < N) {
+        const int m = node++;
+        if (m == call.h.node) continue;
+        const int chunks = call.source_chunks(call.h.rail_peer(m));
+        const int64_t unit = unit0 + key;
+        unit0 += chunks;
+        if (key < chunks && unit % call.nb == call.b) {
+          forwarded = true, n = m, c = key;
+          return true;
+        }
+      }
+      if (node == N) {
+        node = N + 1;
+        const int own = key - call.nb;
+        if (own >= 0 && own < call.send_chunks() && own % call.nb == call.b) {
+          forwarded = false, n = call.h.node, c = own;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+};
+
 }  // namespace hybrid_ep
