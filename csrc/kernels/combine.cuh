@@ -234,17 +234,16 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
 template <typename Rdma, typename In, typename Wire>
 __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& out, int gt, int lane) {
   PipeState produced;
-  reduce_parts<In>(d, in, d.sh.host_items, d.host_in, gt, lane,
-                   [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                     if (!warp_producer_acquire(d, out, produced, lane)) return false;
-                     acc.store<Wire>(d.host_out_stage(produced.stage), quads, gt);
-                     if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.row, it.slot, it.col0, it.cols};
-                     dev::fence_proxy_async();  // this thread's output, read next by a bulk store
-                     __syncwarp();
-                     if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
-                     produced.advance(out.stages);
-                     return true;
-                   });
+  reduce_parts<In>(d, in, d.sh.host_items, d.host_in, gt, lane, [&](const SegmentAcc<In>& acc, const PartItem& it) {
+    if (!warp_producer_acquire(d, out, produced, lane)) return false;
+    acc.template store<Wire>(d.host_out_stage(produced.stage), it.cols, gt);
+    if (gt == 0) d.sh.out_items[produced.stage] = OutItem{it.row, it.slot, it.col0, it.cols};
+    dev::fence_proxy_async();  // this thread's output, read next by a bulk store
+    __syncwarp();
+    if (lane == 0) out.producer_commit(produced);  // one of kGroupWarps arrivals
+    produced.advance(out.stages);
+    return true;
+  });
 }
 
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
@@ -441,27 +440,26 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
   const Hierarchy<Rdma>& h = d.h;
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
   PipeState produced;
-  reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane,
-                     [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                       if (!FwdTag::is(it.slot)) {
-                         acc.store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), quads, gt);
-                         return true;
-                       }
-                       const FwdTag f = FwdTag::of(it.slot);
-                       const int64_t slot = static_cast<int64_t>(it.row) * d.chunk + f.q;
-                       if (f.rows > 0)
-                         acc.store<Wire>(h.rdma.local(h.staged_off(h.R.comb_rows_out, f.node, slot, row_b)) +
-                                             static_cast<int64_t>(it.col0) * d.wire_bytes,
-                                         quads, gt);
-                       if (!f.completes(it.col0 + it.cols, d.C)) return true;
-                       __threadfence();  // this thread's node partials, before the transport reads them
-                       if (!warp_producer_acquire(d, put, produced, lane)) return false;
-                       if (gt == 0) d.sh.put_items[produced.stage] = FwdPut{f.node, it.row, f.rows};
-                       __syncwarp();
-                       if (lane == 0) put.producer_commit(produced);
-                       produced.advance(put.stages);
-                       return true;
-                     });
+  reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane, [&](const SegmentAcc<Wire>& acc, const PartItem& it) {
+    if (!FwdTag::is(it.slot)) {
+      acc.template store<Out>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out), it.cols, gt);
+      return true;
+    }
+    const FwdTag f = FwdTag::of(it.slot);
+    const int64_t slot = static_cast<int64_t>(it.row) * d.chunk + f.q;
+    if (f.rows > 0)
+      acc.template store<Wire>(h.rdma.local(h.staged_off(h.R.comb_rows_out, f.node, slot, row_b)) +
+                                   static_cast<int64_t>(it.col0) * d.wire_bytes,
+                               it.cols, gt);
+    if (!f.completes(it.col0 + it.cols, d.C)) return true;
+    __threadfence();  // this thread's node partials, before the transport reads them
+    if (!warp_producer_acquire(d, put, produced, lane)) return false;
+    if (gt == 0) d.sh.put_items[produced.stage] = FwdPut{f.node, it.row, f.rows};
+    __syncwarp();
+    if (lane == 0) put.producer_commit(produced);
+    produced.advance(put.stages);
+    return true;
+  });
 }
 
 // Warp 11 with several nodes: each chunk this block forwards (as many as forwarded_chunks'
@@ -607,6 +605,9 @@ template <typename Rdma>
 LaunchStatus launch_combine_with(const LaunchArgs& args, uint64_t stream) {
   if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
     return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kMaxSegCols)";
+  if (args.seg_cols % vector_cols(args.dtype) != 0 || args.row_elems % vector_cols(args.dtype) != 0)
+    return "combine: seg_cols and the row's columns must be whole 16-byte vectors (multiples of 8 for bf16 / fp16, "
+           "4 for fp32)";
   const bool fp32_wire = args.wire_dtype == kFloat32;
   switch (args.dtype) {
     case kFloat32: return launch_combine_typed<Rdma, float, float>(args, stream);

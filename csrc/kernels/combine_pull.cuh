@@ -162,8 +162,9 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __g
     auto* y = reinterpret_cast<uint8_t*>(a.y);
     const int gt = tid - (pipeline * kPipelineWarps + 1) * 32;
     reduce_parts<Elem>(d, ring, sh.items[pipeline], d.stage_data(pipeline), gt, lane,
-                       [&](const SegmentAcc& acc, const PartItem& it, int quads) {
-                         acc.store<Elem>(y + (static_cast<int64_t>(it.row) * C + it.col0) * sizeof(Elem), quads, gt);
+                       [&](const SegmentAcc<Elem>& acc, const PartItem& it) {
+                         acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * C + it.col0) * sizeof(Elem),
+                                                  it.cols, gt);
                          return true;
                        });
   }

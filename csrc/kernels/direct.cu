@@ -41,6 +41,9 @@ LaunchStatus launch_combine_pull(const LaunchArgs& args, uint64_t stream) {
   if (args.geo.num_nodes != 1) return kDirectNodes;
   if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
     return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kCombineMaxSegCols)";
+  if (args.seg_cols % vector_cols(args.dtype) != 0 || args.row_elems % vector_cols(args.dtype) != 0)
+    return "combine: seg_cols and the row's columns must be whole 16-byte vectors (multiples of 8 for bf16 / fp16, "
+           "4 for fp32)";
   switch (args.dtype) {
     case kFloat32: return launch_combine_pull_typed<float>(args, stream);
     case kBFloat16: return launch_combine_pull_typed<__nv_bfloat16>(args, stream);

@@ -2,22 +2,21 @@
 // both sides of combine (kernels/combine.cuh) and the pull combine (kernels/combine_pull.cuh)
 // share. A load thread puts the parts of one row segment (a route's expert output, a partial)
 // into stages of their own; a group of kGroupWarps warps holds the segment in fp32 registers
-// (thread i of the group: quads i, i + kGroupThreads, ...), adds each part as it arrives and
+// (thread i of the group: 16-byte vectors i, i + kGroupThreads, ...), adds each part as it arrives and
 // hands the finished segment to the caller. Each warp of the group waits for a stage and
 // releases it itself: the ring's empty barrier counts kGroupWarps arrivals.
 //
 // Call: anything with args (LaunchArgs), seg_cols, stop() and stopped().
 #pragma once
+#include <cstring>
+#include <type_traits>
+
 #include "common/state.cuh"
 #include "kernels/pipeline.cuh"
 
 namespace hybrid_ep {
 
 constexpr int kGroupWarps = 4, kGroupThreads = kGroupWarps * 32;  // a reducer group
-
-// The accumulator: quads (4 columns) per thread of a group, for the widest segment.
-constexpr int kQuadsPerThread = kCombineMaxSegCols / (4 * kGroupThreads);
-static_assert(kQuadsPerThread * 4 * kGroupThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
 
 // ---- four values of a 16-bit or 32-bit dtype <-> fp32 -------------------------------------
 
@@ -51,18 +50,85 @@ struct QuadHalf {
   }
 };
 
+// A pair's 32 bits (element 0 in the low half) <-> fp32. bf16 is the top half of an fp32, so the
+// device layer widens it with a shift and a mask (dev::bf16x2_to_float2), exactly as
+// __bfloat1622float2 does, in 2 instructions where the cvt of each half takes 3.
 struct BF16Conv {
+  using H2 = __nv_bfloat162;
   __device__ static float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+  __device__ static float2 bits_to_float2(uint32_t bits) { return dev::bf16x2_to_float2(bits); }
   __device__ static __nv_bfloat162 from_float2(float2 v) { return __float22bfloat162_rn(v); }
 };
 struct HalfConv {
+  using H2 = __half2;
   __device__ static float2 to_float2(__half2 v) { return __half22float2(v); }
+  __device__ static float2 bits_to_float2(uint32_t bits) {
+    __half2 v;
+    memcpy(&v, &bits, 4);
+    return __half22float2(v);
+  }
   __device__ static __half2 from_float2(float2 v) { return __float22half2_rn(v); }
 };
 template <>
 struct Quad<__nv_bfloat16> : QuadHalf<__nv_bfloat162, BF16Conv> {};
 template <>
 struct Quad<__half> : QuadHalf<__half2, HalfConv> {};
+
+// ---- sixteen bytes of a dtype <-> fp32: a reducer thread's vector ---------------------------
+
+// One 16-byte access: kCols columns (8 of a 16-bit dtype, 4 of fp32), the unit a reducer
+// thread loads from a stage and holds in registers.
+template <typename T>
+struct Vec16;
+template <>
+struct Vec16<float> {
+  static constexpr int kCols = 4;
+  __device__ static void load(const uint8_t* p, float* out) { Quad<float>::load(p, out); }
+  __device__ static void store(uint8_t* p, const float* in) { Quad<float>::store(p, in); }
+};
+
+template <typename Conv>
+struct Vec16Half {
+  static constexpr int kCols = 8;
+  __device__ static void load(const uint8_t* p, float* out) {
+    const int4 v = dev::ld(reinterpret_cast<const int4*>(p));
+    const int bits[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = Conv::bits_to_float2(static_cast<uint32_t>(bits[k]));
+      out[2 * k] = f.x, out[2 * k + 1] = f.y;
+    }
+  }
+  __device__ static void store(uint8_t* p, const float* in) {
+    int bits[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const typename Conv::H2 h = Conv::from_float2(make_float2(in[2 * k], in[2 * k + 1]));
+      memcpy(&bits[k], &h, 4);
+    }
+    dev::st(reinterpret_cast<int4*>(p), make_int4(bits[0], bits[1], bits[2], bits[3]));
+  }
+};
+template <>
+struct Vec16<__nv_bfloat16> : Vec16Half<BF16Conv> {};
+template <>
+struct Vec16<__half> : Vec16Half<HalfConv> {};
+
+// The columns of one vector of a combine dtype code (fp32, bf16, fp16): a segment and a row
+// must hold whole vectors (the launchers check; rows are whole 16-byte multiples anyway).
+__host__ __device__ constexpr int vector_cols(int32_t dtype) { return dtype == kFloat32 ? 4 : 8; }
+
+// kCols columns of fp32 rounded once to Out at p: one 16-byte store where they fill one, else
+// a store per quad (a 16-bit segment written as fp32, or the reverse).
+template <typename Out, int kCols>
+__device__ __forceinline__ void store_cols(uint8_t* p, const float* in) {
+  if constexpr (kCols * sizeof(Out) == 16) {
+    Vec16<Out>::store(p, in);
+  } else {
+#pragma unroll
+    for (int q = 0; q < kCols / 4; ++q) Quad<Out>::store(p + q * 4 * sizeof(Out), in + 4 * q);
+  }
+}
 
 // ---- stages ------------------------------------------------------------------------------------
 
@@ -111,40 +177,93 @@ __device__ __forceinline__ bool warp_producer_acquire(const Call& d, const Ring&
   return true;
 }
 
-// One row segment in fp32, spread over a reducer group: thread gt holds quads gt,
-// gt + kGroupThreads, ... (consecutive threads touch consecutive bytes, in shared and in
-// global memory). The loops are unrolled, so the accumulator stays in registers.
+// One row segment in fp32, spread over a reducer group: thread gt holds the 16-byte vectors
+// (of In, the parts' dtype) gt, gt + kGroupThreads, ... (consecutive threads touch consecutive
+// bytes, in shared and in global memory). The loops are unrolled, so the accumulator stays in
+// registers. Each part is added element by element in fp32 in the order the parts come, the
+// product with the weight rounded before the sum (no fused multiply-add), as the oracle sums.
+template <typename In>
 struct SegmentAcc {
-  float v[kQuadsPerThread][4];
+  using V = Vec16<In>;
+  static constexpr int kCols = V::kCols;                                      // per vector
+  static constexpr int kVecs = kCombineMaxSegCols / (kCols * kGroupThreads);  // per thread
+  static_assert(kVecs * kCols * kGroupThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
+  static_assert(kCols == vector_cols(std::is_same<In, float>::value ? kFloat32 : kBFloat16), "vector_cols");
 
-  // v = w * segment (first) or v += w * segment, for the segment's `quads` quads of In at `in`.
-  template <typename In>
-  __device__ __forceinline__ void add(const uint8_t* in, int quads, int gt, float w, bool first) {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i) {
-      const int q = gt + i * kGroupThreads;
-      if (q < quads) {
-        float val[4];
-        Quad<In>::load(in + static_cast<size_t>(q) * 4 * sizeof(In), val);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[i][e] = first ? w * val[e] : v[i][e] + w * val[e];
-      }
+  float v[kVecs][kCols];
+  bool blank = false;  // no part: the segment is zero whatever v holds (v keeps its registers, no
+                       // constant written into all of them on every item's path)
+
+  // v = w * part (the first part), else v += part (w == 1: w * x is x) or v += w * part, for the
+  // `cols` columns (whole vectors: launchers check vector_cols) of In at `in`. The part's kind is one branch per part,
+  // not a select per element.
+  __device__ __forceinline__ void add(const uint8_t* in, int cols, int gt, float w, bool first) {
+    blank = false;
+    if (first) {
+      add_as<kFirst>(in, cols, gt, w);
+    } else if (w == 1.f) {
+      add_as<kPlain>(in, cols, gt, w);
+    } else {
+      add_as<kWeighted>(in, cols, gt, w);
     }
   }
-  __device__ __forceinline__ void zero() {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[i][e] = 0.f;
-  }
-  // The segment rounded once to Out, at `out` (shared or global memory).
+  // A segment without parts (a row with nothing to add): zero.
+  __device__ __forceinline__ void set_blank() { blank = true; }
+  // The segment's `cols` columns rounded once to Out, at `out` (shared or global memory).
   template <typename Out>
-  __device__ __forceinline__ void store(uint8_t* out, int quads, int gt) const {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerThread; ++i) {
-      const int q = gt + i * kGroupThreads;
-      if (q < quads) Quad<Out>::store(out + static_cast<size_t>(q) * 4 * sizeof(Out), v[i]);
+  __device__ __forceinline__ void store(uint8_t* out, int cols, int gt) const {
+    if (blank) {
+      store_as<Out, true>(out, cols, gt);
+    } else {
+      store_as<Out, false>(out, cols, gt);
     }
+  }
+
+ private:
+  enum Kind { kFirst, kPlain, kWeighted };
+
+  template <typename Out, bool kBlank>
+  __device__ __forceinline__ void store_as(uint8_t* out, int cols, int gt) const {
+    const float zeros[kCols] = {};
+    const int whole = cols / kCols;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int j = gt + i * kGroupThreads;
+      if (cols == kCombineMaxSegCols || j < whole)
+        store_cols<Out, kCols>(out + static_cast<size_t>(j) * kCols * sizeof(Out), kBlank ? zeros : v[i]);
+    }
+  }
+
+  template <Kind kKind>
+  __device__ __forceinline__ static void add_to(float* acc, const float* x, float w) {
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      if (kKind == kFirst) acc[e] = w * x[e];
+      if (kKind == kPlain) acc[e] += x[e];
+      if (kKind == kWeighted) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, x[e]));
+    }
+  }
+
+  template <Kind kKind>
+  __device__ __forceinline__ void add_as(const uint8_t* in, int cols, int gt, float w) {
+    float x[kVecs][kCols];
+    if (cols == kCombineMaxSegCols) {  // the widest segment: every vector whole, no bounds
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) V::load(in + static_cast<size_t>(gt + i * kGroupThreads) * 16, x[i]);
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) add_to<kKind>(v[i], x[i], w);
+      return;
+    }
+    // `rounds` vectors per thread (the same in every thread: uniform branches); a vector past the
+    // end adds a copy of the last one to columns that are never stored (store() bounds them), so
+    // no divergent branch per vector
+    const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+      if (i < rounds) V::load(in + static_cast<size_t>(min(gt + i * kGroupThreads, whole - 1)) * 16, x[i]);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+      if (i < rounds) add_to<kKind>(v[i], x[i], w);
   }
 };
 
@@ -193,26 +312,25 @@ __device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, u
 }
 
 // A reducer warp of a group: the parts of each row segment added as they arrive; emit(acc,
-// item, quads) takes the segment after its last part (false: stop). Returns at the end of work
-// or on a stop.
+// item) takes the segment (SegmentAcc<In>) after its last part (false: stop). Returns at the
+// end of work or on a stop.
 template <typename In, typename Call, typename Emit>
 __device__ void reduce_parts(const Call& d, const Ring& ring, const PartItem* items, const uint8_t* data, int gt,
                              int lane, Emit emit) {
-  SegmentAcc acc;
+  SegmentAcc<In> acc;
   for (PipeState p;; p.advance(ring.stages)) {
     if (!warp_consumer_wait(d, ring, p, lane)) return;
     const PartItem it = items[p.stage];
     if (it.flags & kEndOfWork) return;
-    const int quads = it.cols / 4;
     if (it.flags & kNoBytes) {
-      acc.zero();
+      acc.set_blank();
     } else {
-      acc.add<In>(data + static_cast<size_t>(p.stage) * d.seg_cols * sizeof(In), quads, gt, it.weight,
-                  (it.flags & kFirstPart) != 0);
+      acc.add(data + static_cast<size_t>(p.stage) * d.seg_cols * sizeof(In), it.cols, gt, it.weight,
+              (it.flags & kFirstPart) != 0);
     }
     __syncwarp();
     if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
-    if ((it.flags & kLastPart) && !emit(acc, it, quads)) return;
+    if ((it.flags & kLastPart) && !emit(acc, it)) return;
   }
 }
 

@@ -146,6 +146,11 @@ inline __half2 __float22half2_rn(float2 v) {
   return {{hybrid_ep::model::float_to_half_rn(v.x)}, {hybrid_ep::model::float_to_half_rn(v.y)}};
 }
 
+// fp32 products and sums rounded each on its own (never fused into a multiply-add); the host
+// compiler's x86-64 code has no fused multiply-add.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+
 // ---- barriers, warp collectives ---------------------------------------------------------
 
 inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {

@@ -153,5 +153,10 @@ inline void st(T* p, const T& v) {
   model::note_access(p, sizeof(T), false);
 }
 inline void chain() { model::note_chain(); }
+// The GPU's shift and mask (sm90/primitives.cuh); the timing model counts one pair of plain code.
+inline float2 bf16x2_to_float2(uint32_t bits) {
+  model::note_plain_pair();
+  return {model::bits_float(bits << 16), model::bits_float(bits & 0xffff0000u)};
+}
 
 }  // namespace hybrid_ep::dev

@@ -200,4 +200,11 @@ __device__ __forceinline__ void st(T* p, const T& v) {
 }
 __device__ __forceinline__ void chain() {}
 
+// A bf16 pair held as its 32 bits (element 0 in the low half) widened to fp32: a bf16 is the top
+// half of an fp32, so a shift and a mask, exact as __bfloat1622float2 is (which converts each
+// half with a cvt, 3 instructions a pair). The model counts it as a pair of plain code.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t bits) {
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
 }  // namespace hybrid_ep::dev
