@@ -228,7 +228,11 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
               f"({row['combine_dest_gbps_per_sm']:.1f} GB/s/SM, {row['combine_copy_fraction']:.1%} of copy)")
 
-    # Host time per dispatch + combine pair, static size (no host sync inside the pair).
+    # Host time per dispatch + combine pair, static size (no host sync inside the pair). The
+    # timed points' first call and expert_outs die first: on the direct path they hold arena
+    # blocks, and a static call of 2x the rows with its expert_out fills the default arena
+    # alone (on 2026-11-26 every host-loop call fell back to the receive path without this).
+    first = handles = expert_outs = None
     static = max(total_rows // W, 1) * 2
     for _ in range(5):
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)

@@ -1,0 +1,43 @@
+"""The emulated bench's host-time loop on the CPU model: it must time the data path the
+sweep measured (the direct path's host loop once fell back to the receive path on a GPU
+because the timed points' outputs still held the arena)."""
+
+import functools
+import types
+
+import pytest
+import torch
+
+from hybrid_ep.bench import emulated
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def cpu_sweep(monkeypatch):
+    """emulated._sweep_one_world with its GPU-only parts replaced: groups on the CPU model,
+    each timed callable run once, no SM clock or index_select baseline."""
+    pytest.importorskip("hybrid_ep._model")
+    from hybrid_ep.backends.cuda import emulation
+
+    monkeypatch.setattr(emulation, "EmulatedGroup", functools.partial(emulation.EmulatedGroup, device="cpu"))
+
+    def once(fn, warmup, iters, flush):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(emulated, "_median_ms", once)
+    monkeypatch.setattr(emulated, "gpu_sm_clock_mhz", lambda: None)
+    monkeypatch.setattr(emulated, "torch_movement", lambda xs, idxs, L: (lambda: None, lambda: None, None))
+    return emulated._sweep_one_world
+
+
+def test_host_loop_times_the_direct_path(cpu_sweep, capsys):
+    W, H, T, E, K = 2, 256, 64, 16, 8
+    args = types.SimpleNamespace(routing="uniform", seed=0, zipf_exponent=1.0, group_limit=None)
+    props = types.SimpleNamespace(multi_processor_count=132)
+    rows, host, _ = cpu_sweep(W, args, H, T, E, K, torch.bfloat16, [1], 1, 1, None, 1e12, torch.device("cpu"),
+                              props)
+    assert [r["data_path"] for r in rows] == ["direct"]
+    assert host["data_path"] == "direct", capsys.readouterr().err
+    assert host["ranks"] == W and host["median_us"] > 0
