@@ -78,9 +78,8 @@ def test_combines_on_two_streams_take_the_staging_region_in_turn():
     after the first's kernel (staging.StreamOrder), so the second copy never overwrites rows
     the first kernel's peers still read, and the kernels' call numbers stay in order. The
     first combine is made long (1 SM, 2048 tokens of H=4096 per rank) so that without that
-    wait the second would overlap it. Both match the oracle."""
+    wait the second could overlap it. Both match the oracle."""
     from helpers import built_cuda_extension
-
     from hybrid_ep.testing.compare import assert_combine_close
     from hybrid_ep.testing.emulated import emulated_group_for, on_device
     from hybrid_ep.testing.oracle import combine_oracle
