@@ -754,9 +754,10 @@ class Engine:
                 # stream it was used on, and one kept here would split the arena until the next
                 # combine. What lies outside the arena is copied into the staging region.
                 arena = self.arenas[len(outs)]
-                x_out, p_out = not arena.contains(x), apply_probs and not arena.contains(p)
+                x_out, p_out = not arena.contains(x), not arena.contains(p)
+                keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
+                p_out = p_out and apply_probs  # probs are read only then
                 if x_out or p_out:
-                    keep += [t for t in (x, p) if not arena.contains(t)]
                     if order is None:
                         order = self.staging.order
                         order.before(stream)
