@@ -31,8 +31,10 @@ class BufferConfig:
     # grouped GEMM never sees an empty group; the block is then rounded up to pad_multiple.
     min_rows_per_expert: int = 0
     # The cuda backend's arena (backends/cuda/arena.py): bytes per rank of peer-mapped memory
-    # the direct data path allocates its outputs from; None: one worst-case call's worth
-    # (fp32 rows); 0: no arena, the receive path.
+    # the direct data path allocates its dispatch outputs from, each kept output (a training
+    # layer in flight) its rows, probs and fp8 scales (arena.call_bytes; a training step:
+    # arena.training_bytes); None: one worst-case call's worth (fp32 rows); 0: no arena, the
+    # receive path. The combine staging region (staging.py) comes on top of it.
     arena_bytes: int | None = None
 
     def validate(self) -> "BufferConfig":

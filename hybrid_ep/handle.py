@@ -61,7 +61,7 @@ class _CountTables:
 class CallCounts(ReadOnly, _CountTables):
     """A handle's count tables without the handle: what a record of a call keeps to report its
     traffic later. Not the handle itself, whose send layout may hold memory a later call needs
-    (the cuda backend's direct path: the arena block with the combine reserve)."""
+    (the cuda backend's direct path: the arena block of the dispatch's probs)."""
 
     def __init__(self, handle: "DispatchHandle"):
         d = handle.__dict__

@@ -1,6 +1,6 @@
 """The arena's sub-allocator (backends/cuda/arena.py) over a CPU region: alignment, the tensors
-it hands out, their return when the last view dies, exhaustion, the stream rule, and the
-bytes one direct call takes."""
+it hands out, their return when the last view dies, exhaustion, the stream rule, the bytes
+one direct call takes and what a training step needs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda import arena as arena_mod
-from hybrid_ep.backends.cuda.arena import ALIGN, Arena, call_bytes, call_tensors
+from hybrid_ep.backends.cuda.arena import ALIGN, Arena, aligned, call_bytes, call_tensors
+from hybrid_ep.backends.cuda.staging import StreamOrder
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.routing import max_output_rows
 
@@ -91,26 +92,46 @@ def test_call_tensors_take_call_bytes_or_nothing(region):
     _, a = region
     R, H = 3, 128
     need = call_bytes(R, H, torch.bfloat16, fp8=False)
-    assert need == 3 * ALIGN + ALIGN + 7 * ALIGN  # rows 768 bytes, probs 12, reserve 1548
-    out, probs, scales, reserve = call_tensors(a, R, H, torch.bfloat16, False)
+    assert need == 3 * ALIGN + ALIGN  # rows 768 bytes, probs 12: no combine room any more (staging.py)
+    out, probs, scales = call_tensors(a, R, H, torch.bfloat16, False)
     assert out.shape == (R, H) and probs.shape == (R,) and scales is None
-    assert reserve.numel() == R * (H * 4 + 4)  # an fp32 expert_out of R x H, and its probs
+    assert probs.data_ptr() == out.data_ptr() + 3 * ALIGN
     assert a.used == need
-    del out, probs, reserve
+    del out, probs
     gc.collect()
     assert call_tensors(a, 64, H, torch.bfloat16, True) is None  # too big: nothing stays taken
     assert a.used == 0
+
+
+def test_fp8_calls_carry_their_scales_in_the_block(region):
+    _, a = region
+    R, H = 2, 256
+    assert call_bytes(R, H, torch.float8_e4m3fn, fp8=True) == 2 * ALIGN + ALIGN + ALIGN  # rows 512, probs, scales 16
+    out, probs, scales = call_tensors(a, R, H, torch.float8_e4m3fn, True)
+    assert scales.shape == (R, 2) and scales.dtype == torch.float32
+    assert scales.data_ptr() == out.data_ptr() + 3 * ALIGN
+    assert a.used == 4 * ALIGN
 
 
 def test_default_size_is_one_worst_case_fp32_call_and_the_knob_wins():
     cfg = BufferConfig(512, 64, 8, 4, 4).validate()
     rows = max_output_rows(cfg, 2)
     assert arena_mod.arena_bytes(cfg) == call_bytes(rows, 512, torch.float32)
-    assert call_bytes(rows, 512, torch.float32) == rows * 512 * 4 + rows * 4 + rows * (512 * 4 + 4)
+    assert call_bytes(rows, 512, torch.float32) == rows * 512 * 4 + rows * 4  # 256-byte multiples here
     sized = BufferConfig(512, 64, 8, 4, 4, arena_bytes=1000).validate()
     assert arena_mod.arena_bytes(sized) == 4 * ALIGN
     with pytest.raises(ValueError, match="arena_bytes"):
         BufferConfig(512, 64, 8, 4, 4, arena_bytes=-1).validate()
+
+
+def test_a_training_step_holds_one_call_per_layer_in_flight_and_one_gradient_dispatch():
+    one = call_bytes(100, 512, torch.bfloat16)
+    assert one == aligned(100 * 512 * 2) + aligned(100 * 4)
+    assert arena_mod.training_bytes(6, 100, 512, torch.bfloat16) == 7 * one
+    assert arena_mod.training_bytes(1, 100, 512, torch.float8_e4m3fn, fp8=True) == 2 * call_bytes(
+        100, 512, torch.float8_e4m3fn, True)
+    with pytest.raises(ValueError, match="layers_in_flight"):
+        arena_mod.training_bytes(0, 100, 512, torch.bfloat16)
 
 
 def test_blocks_taken_and_freed_on_several_threads_leave_the_arena_whole(region):
@@ -138,3 +159,33 @@ def test_blocks_taken_and_freed_on_several_threads_leave_the_arena_whole(region)
     gc.collect()
     assert errors == []
     assert a.used == 0 and a.largest_free() == 16 * ALIGN
+
+
+def test_expected_rows_are_the_mean_times_the_imbalance_plus_the_padding_bound():
+    assert arena_mod.expected_rows(4096, 8, 1.0, 2) == 32768
+    assert arena_mod.expected_rows(4096, 8, 1.5, 2, pad_multiple=16) == 49152 + 2 * 15
+    assert arena_mod.expected_rows(10, 3, 1.25, 4, pad_multiple=2, min_rows_per_expert=5) == 38 + 4 * 6
+    with pytest.raises(ValueError, match="imbalance"):
+        arena_mod.expected_rows(10, 3, 0.5, 4)
+
+
+def test_the_stream_order_waits_only_where_the_stream_changes():
+    """staging.StreamOrder with recording hooks: a user on the last user's stream enqueues no
+    wait; one on another stream waits for the marker recorded after the last user; the
+    first user waits for nothing."""
+    log = []
+
+    def record():
+        log.append(("record", len(log)))
+        return len(log) - 1
+
+    order = StreamOrder(CPU, record=record, wait=lambda marker: log.append(("wait", marker)))
+    for stream in (1, 1, 2, 2, 1):
+        order.before(stream)
+        log.append(("use", stream))
+        order.after(stream)
+    assert log == [("use", 1), ("record", 1), ("use", 1), ("record", 3),
+                   ("wait", 3), ("use", 2), ("record", 6), ("use", 2), ("record", 8),
+                   ("wait", 8), ("use", 1), ("record", 11)]
+    assert order.waits == 2 and order.last_stream == 1
+

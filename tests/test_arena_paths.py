@@ -1,7 +1,9 @@
 """The direct path through each rank's arena, on the CPU model: outputs come from the arena,
 a call the arenas can not hold takes the receive path on every rank (one log line per
 process) and still matches the oracle, an expert_out outside the arena is copied into the
-dispatch's reserve (and one inside is not), and memory_plan() reports the arena."""
+rank's one combine staging region (and one inside is not), its users on different streams
+are ordered, a training step of several layers goes direct on every layer with the arena
+sized for it, and memory_plan() reports the arena and the staging region."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda import engine as engine_mod
-from hybrid_ep.backends.cuda.arena import arena_bytes, call_bytes
+from hybrid_ep.backends.cuda.arena import arena_bytes, call_bytes, expected_rows, training_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
+from hybrid_ep.backends.cuda.staging import StreamOrder, staging_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close
@@ -56,10 +59,13 @@ def test_a_too_small_arena_falls_back_with_one_log_line_and_matches_the_oracle(f
         for seed in (0, 1):
             res = check_emulated(group, dataclasses.replace(case, seed=seed))
             assert [r.handle.data_path for r in res] == ["receive"] * 3
-            assert all(r.handle.source.reserve is None for r in res)
+            assert all(r.handle.source.topk_idx_TK is None for r in res)
         lines = [r.getMessage() for r in fresh_log.records if FALLBACK in r.getMessage()]
         assert len(lines) == 1, lines
         assert "rank 0's arena can not hold" in lines[0] and "arena_bytes" in lines[0]
+        # ... and says how to size it for training
+        assert "arena.training_bytes(layers_in_flight" in lines[0] and "--hybrid-ep-arena-layers" in lines[0]
+        assert group.engine.staging.uses == 0
     finally:
         group.close()
 
@@ -104,9 +110,9 @@ def test_combine_copies_only_an_expert_out_outside_the_arena():
         rows = [r.tokens.shape[0] for r in res]
         outs = [torch.randn(R, case.hidden).to(torch.bfloat16) for R in rows]
         want, magnitude = combine_oracle(group.config, run, outs, idx, True)
-        reserves = [r.handle.source.reserve for r in res]
-        for reserve in reserves:
-            reserve.fill_(0x5A)
+        staging = group.engine.staging
+        for region in staging.regions:
+            region.fill_(0x5A)
         inside = []
         for arena, out in zip(group.engine.arenas, outs):
             t = arena.empty(tuple(out.shape), out.dtype)
@@ -114,14 +120,154 @@ def test_combine_copies_only_an_expert_out_outside_the_arena():
         ys = group.combine(inside, [r.handle for r in res], apply_probs=True)
         for r in range(3):
             assert_combine_close(ys[r], want[r], magnitude[r], case.topk, f"rank {r}, expert_out in the arena")
-            assert bool((reserves[r] == 0x5A).all()), f"rank {r}: an expert_out in the arena was copied"
+            assert bool((staging.regions[r] == 0x5A).all()), f"rank {r}: an expert_out in the arena was copied"
+        assert staging.uses == 0
         ys = group.combine(outs, [r.handle for r in res], apply_probs=True)
         for r in range(3):
             assert_combine_close(ys[r], want[r], magnitude[r], case.topk, f"rank {r}, expert_out outside")
-            staged = reserves[r][:outs[r].numel() * 2].view(torch.bfloat16).view(outs[r].shape)
-            assert torch.equal(staged, outs[r]), f"rank {r}: the copy is not in the reserve"
-            # probs are the dispatch's (in the arena): not copied, the reserve's tail untouched
-            assert bool((reserves[r][-rows[r] * 4:] == 0x5A).all())
+            region = staging.regions[r]
+            staged = region[:outs[r].numel() * 2].view(torch.bfloat16).view(outs[r].shape)
+            assert torch.equal(staged, outs[r]), f"rank {r}: the copy is not in the staging region"
+            # probs are the dispatch's (in the arena): not copied, the region's tail untouched
+            assert bool((region[outs[r].numel() * 2:] == 0x5A).all())
+        assert staging.uses == 1
+    finally:
+        group.close()
+
+
+def _layer_inputs(case: Case, seed: int):
+    return on_device(make_rank_inputs(dataclasses.replace(case, seed=seed)), torch.device("cpu"))[:3]
+
+
+def _assert_combines(ys, config, run, outs, idx, case, where):
+    want, magnitude = combine_oracle(config, run, outs, idx, False)
+    for r in range(case.world_size):
+        assert_combine_close(ys[r], want[r], magnitude[r], case.topk, f"{where}, rank {r}")
+
+
+def test_a_training_step_goes_direct_on_every_layer_with_the_arena_sized_for_it(fresh_log):
+    """L layers: L dispatches whose outputs stay alive (the experts save them for backward),
+    L combines, then per layer in reverse backward's two calls: the dispatch of the output
+    gradient (backward of combine) and the combine of the rows' gradient (backward of
+    dispatch). With arena.training_bytes for L layers in flight every call goes direct and
+    matches the oracle; every layer in flight holds exactly its call's rows and probs
+    (call_bytes); no combine takes an arena block, each stages into the one region."""
+    L = 3
+    case = _case()
+    H, K = case.hidden, case.topk
+    rows = expected_rows(max(case.tokens), K, 2.0, case.num_experts // case.world_size)
+    group = _group(case, arena_bytes=training_bytes(L, rows, H, torch.bfloat16))
+    arenas, staging = group.engine.arenas, group.engine.staging
+    try:
+        layers = []
+        for layer in range(L):
+            xs, idx, w = _layer_inputs(case, layer)
+            res = group.dispatch(xs, idx, w)
+            assert [r.handle.data_path for r in res] == ["direct"] * 3, f"layer {layer}"
+            assert max(r.tokens.shape[0] for r in res) <= rows  # the sizing rule's assumption holds
+            run = dispatch_oracle(group.config, xs, idx, w, None, None)
+            layers.append((idx, w, res, run))
+        held = [sum(call_bytes(res[r].tokens.shape[0], H, torch.bfloat16) for _, _, res, _ in layers)
+                for r in range(3)]
+        assert [a.used for a in arenas] == held  # rows and probs per layer in flight, nothing more
+
+        gen = torch.Generator().manual_seed(7)
+        for layer, (idx, _, res, run) in enumerate(layers):
+            outs = [(r.tokens.float() * 0.5 + torch.randn(r.tokens.shape, generator=gen)).to(torch.bfloat16)
+                    for r in res]  # the experts' output: outside the arena
+            ys = group.combine(outs, [r.handle for r in res])
+            _assert_combines(ys, group.config, run, outs, idx, case, f"forward combine of layer {layer}")
+            assert [a.used for a in arenas] == held and staging.uses == layer + 1
+
+        for layer in reversed(range(L)):
+            idx, w, res, run = layers[layer]
+            grad_ys = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for T in case.tokens]
+            grad_in = group.redispatch(grad_ys, [r.handle for r in res])
+            assert [g.handle.data_path for g in grad_in] == ["direct"] * 3, f"gradient dispatch of layer {layer}"
+            grad_run = dispatch_oracle(group.config, grad_ys, idx, w, None, None)
+            for r in range(3):
+                assert torch.equal(grad_in[r].tokens, grad_run.ranks[r].tokens), f"layer {layer} rank {r}"
+            grad_rows = [(g.tokens.float() * 2).to(torch.bfloat16) for g in grad_in]  # experts' backward
+            uses = staging.uses
+            gx = group.combine(grad_rows, [r.handle for r in res])
+            _assert_combines(gx, group.config, run, grad_rows, idx, case, f"backward combine of layer {layer}")
+            assert staging.uses == uses + 1
+            grad_bytes = [call_bytes(g.tokens.shape[0], H, torch.bfloat16) for g in grad_in]
+            assert [a.used for a in arenas] == [h + g for h, g in zip(held, grad_bytes)]
+            del grad_in, layers[layer], res, run
+            gc.collect()
+            held = [sum(call_bytes(res[r].tokens.shape[0], H, torch.bfloat16) for _, _, res, _ in layers)
+                    for r in range(3)]
+            assert [a.used for a in arenas] == held, f"after the backward of layer {layer}"
+        assert [a.used for a in arenas] == [0] * 3
+        assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
+    finally:
+        group.close()
+
+
+def test_combines_on_another_stream_wait_for_the_last_user_of_the_staging_region():
+    """The CPU model has no streams: the engine's stream getter and the order's device hooks
+    are replaced by recording ones. A combine that stages on the last user's stream enqueues
+    no wait; one on another stream waits for the marker recorded after the last staging
+    combine's kernel, before its copy; a combine whose expert_out is in the arena does not
+    touch the region and neither waits nor records. Every combine matches the oracle."""
+    case = _case()
+    group = _group(case)
+    engine = group.engine
+    staging = engine.staging
+    try:
+        stream, log = [1], []
+
+        def record():
+            log.append(("record", stream[0]))
+            return len(log) - 1
+
+        staging.order = StreamOrder(torch.device("cpu"), record=record,
+                                    wait=lambda marker: log.append(("wait", stream[0], marker)))
+        engine._stream = lambda: stream[0]
+        stage = staging.stage
+
+        def logged_stage(i, *args):
+            if i == 0:
+                log.append(("copy", stream[0]))
+            return stage(i, *args)
+
+        staging.stage = logged_stage
+        xs, idx, w = _layer_inputs(case, 0)
+        res = group.dispatch(xs, idx, w)
+        assert res[0].handle.data_path == "direct"
+        run = dispatch_oracle(group.config, xs, idx, w, None, None)
+        gen = torch.Generator().manual_seed(3)
+        for s in (1, 1, 2, 3):
+            stream[0] = s
+            outs = [torch.randn(r.tokens.shape, generator=gen).to(torch.bfloat16) for r in res]
+            ys = group.combine(outs, [r.handle for r in res])
+            _assert_combines(ys, group.config, run, outs, idx, case, f"combine on stream {s}")
+        stream[0] = 4
+        inside = [group.in_arena(i, torch.randn(r.tokens.shape, generator=gen).to(torch.bfloat16))
+                  for i, r in enumerate(res)]
+        ys = group.combine(inside, [r.handle for r in res])
+        _assert_combines(ys, group.config, run, inside, idx, case, "combine of an expert_out in the arena")
+        assert log == [("copy", 1), ("record", 1), ("copy", 1), ("record", 1),
+                       ("wait", 2, 3), ("copy", 2), ("record", 2),
+                       ("wait", 3, 6), ("copy", 3), ("record", 3)]
+        assert staging.order.last_stream == 3 and staging.uses == 4
+    finally:
+        group.close()
+
+
+def test_a_static_size_past_the_staging_region_falls_back(fresh_log):
+    """num_out_tokens above the most rows a dynamic dispatch of the buffer makes: the staging
+    region could not hold its combine's expert_out, so the call takes the receive path."""
+    case = _case()
+    group = _group(case)
+    try:
+        rows = group.engine.staging.rows + 10
+        res = check_emulated(group, dataclasses.replace(case, num_out_tokens=rows))
+        assert [r.handle.data_path for r in res] == ["receive"] * 3
+        assert "combine staging region holds" in fresh_log.text
+        ok = check_emulated(group, dataclasses.replace(case, num_out_tokens=group.engine.staging.rows))
+        assert ok[0].handle.data_path == "direct"
     finally:
         group.close()
 
@@ -139,12 +285,18 @@ def test_no_arena_means_the_receive_path():
         _group(case, arena_bytes=0, data_path="direct")
 
 
-def test_memory_plan_reports_the_arena():
+def test_memory_plan_reports_the_arena_and_the_staging_region():
     one_node = BufferConfig(512, 64, 8, 4, 4).validate()
     plan = memory_plan(one_node).as_dict()
     assert plan["arena"] == arena_bytes(one_node) > 0
-    assert memory_plan(dataclasses.replace(one_node, arena_bytes=1 << 20)).as_dict()["arena"] == 1 << 20
-    assert memory_plan(BufferConfig(512, 64, 8, 4, 2).validate()).as_dict()["arena"] == 0  # two nodes
+    rows = 4 * 64 * 2  # every token of every rank to both local experts
+    assert plan["combine_staging"] == staging_bytes(one_node) == rows * 512 * 4 + rows * 4
+    sized = memory_plan(dataclasses.replace(one_node, arena_bytes=1 << 20)).as_dict()
+    assert sized["arena"] == 1 << 20 and sized["combine_staging"] == plan["combine_staging"]
+    none = memory_plan(dataclasses.replace(one_node, arena_bytes=0)).as_dict()
+    assert none["arena"] == none["combine_staging"] == 0  # no direct path, no staging
+    two_nodes = memory_plan(BufferConfig(512, 64, 8, 4, 2).validate()).as_dict()
+    assert two_nodes["arena"] == two_nodes["combine_staging"] == 0
 
 
 def test_a_vote_against_sends_every_rank_to_the_receive_path(fresh_log):

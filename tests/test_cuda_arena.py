@@ -1,7 +1,8 @@
 """The direct path with one process per rank (needs a GPU): several processes on one GPU, a
 gloo group between them, registered buffers and arenas opened through CUDA IPC. Every rank's
 dispatch output comes from its arena and every peer writes and reads it there; a rank whose
-arena is full takes the whole group to the receive path for that call. Against the oracle."""
+arena is full takes the whole group to the receive path for that call; combines on two
+streams take the combine staging region in turn (one process). Against the oracle."""
 
 from __future__ import annotations
 
@@ -68,3 +69,51 @@ def test_one_full_arena_sends_the_whole_group_to_the_receive_path(pool):
     for r, g in enumerate(got):
         assert_dispatch_matches(g, run.ranks[r], f"rank {r}")
         assert_combine_within(g["y"], want_y[r], f"rank {r}")
+
+
+def test_combines_on_two_streams_take_the_staging_region_in_turn():
+    """One process, two virtual ranks: two combines of one direct dispatch's handles, with
+    expert_outs outside the arena, on two streams issued back to back. Both stage into each
+    rank's one staging region; the second stream waits on the device for an event recorded
+    after the first's kernel (staging.StreamOrder), so the second copy never overwrites rows
+    the first kernel's peers still read, and the kernels' call numbers stay in order. The
+    first combine is made long (1 SM, 2048 tokens of H=4096 per rank) so that without that
+    wait the second could overlap it. Both match the oracle."""
+    from helpers import built_cuda_extension
+    from hybrid_ep.testing.compare import assert_combine_close
+    from hybrid_ep.testing.emulated import emulated_group_for, on_device
+    from hybrid_ep.testing.oracle import combine_oracle
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    built_cuda_extension()
+    case = Case(2, 2, 4, 4096, (2048, 1999), 2, torch.bfloat16, backend="cuda")
+    group = emulated_group_for(case, "cuda", num_sms_dispatch=2, num_sms_combine=1)
+    try:
+        dev = group.device
+        xs, idx, w, _ = on_device(make_rank_inputs(case), dev)
+        res = group.dispatch(xs, idx, w)
+        assert [r.handle.data_path for r in res] == ["direct"] * 2
+        run = dispatch_oracle(group.config, xs, idx, w, None, None, device=dev)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        outs = [[torch.randn(r.tokens.shape, generator=gen, device=dev).to(torch.bfloat16) for r in res]
+                for _ in range(2)]
+        handles = [r.handle for r in res]
+        main = torch.cuda.current_stream(dev)
+        streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+        ys = []
+        for s, o in zip(streams, outs):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                ys.append(group.combine(o, handles))
+        for s in streams:
+            main.wait_stream(s)
+        group.synchronize()
+        staging = group.engine.staging
+        assert staging.uses == 2 and staging.order.waits == 1
+        for k, (y, o) in enumerate(zip(ys, outs)):
+            want, magnitude = combine_oracle(group.config, run, o, idx, False)
+            for r in range(2):
+                assert_combine_close(y[r], want[r], magnitude[r], case.topk, f"combine {k} rank {r}")
+    finally:
+        group.close()

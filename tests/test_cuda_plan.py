@@ -12,8 +12,9 @@ import torch
 
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
-from hybrid_ep.backends.cuda.backend import arena_of, memory_plan
+from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout
+from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
@@ -44,20 +45,22 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
     assert reg.meta_entries == min(L, MAX_TOPK)
     assert sizes["recv_meta"] >= 16 * W * T * reg.meta_entries
     assert reg.scale_stride == (((H // 128) * 4 + 15) // 16 * 16 if H % 128 == 0 else 0)
-    assert memory_plan(cfg).registered_bytes == reg.total + arena_of(cfg)  # the arena follows the regions
+    assert memory_plan(cfg).registered_bytes == reg.total + direct_region_bytes(cfg)  # staging and arena follow
 
 
 def test_seed_configuration_memory_plan():
     """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank,
-    then the arena: one worst-case direct call (65536 fp32 rows, their probs, the combine
-    reserve), 4 GiB."""
+    then the combine staging region (an fp32 expert_out of the worst-case call, 65536 rows,
+    and its probs) and the arena: one worst-case direct call's outputs (the same bytes), 4 GiB
+    together, as the arena with a combine reserve per call was."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
     assert sizes["recv_rows"] == 8 * 4096 * 8192 * 4
     assert sizes["comb_rows"] == 8 * 4096 * 8192 * 4
-    assert plan.registered_bytes - sizes["arena"] < 2.01 * 2**30
+    assert plan.registered_bytes - sizes["arena"] - sizes["combine_staging"] < 2.01 * 2**30
     rows = 8 * 4096 * 2
-    assert sizes["arena"] == rows * 8192 * 4 + rows * 4 + rows * (8192 * 4 + 4)
+    assert sizes["arena"] == rows * 8192 * 4 + rows * 4
+    assert sizes["combine_staging"] == rows * 8192 * 4 + rows * 4
 
 
 def test_info_offsets_are_contiguous():

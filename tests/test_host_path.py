@@ -57,12 +57,12 @@ def group(request):
 
 def _assert_outputs_only(mode, group, receive_ops: dict, ranks: int = W) -> None:
     """The operations of the receive path are `receive_ops`, its out rows and probs among the
-    empties. On the direct path those two and the combine reserve lie on one arena block per
-    rank instead: one tensor made over the block (lift_fresh, with detach on the CPU), viewed
-    once per other dtype, and each of the three taken from it (as_strided); nothing else."""
+    empties. On the direct path those two lie on one arena block per rank instead: one
+    tensor made over the block (lift_fresh, with detach on the CPU), viewed once per other
+    dtype, and each of the two taken from it (as_strided); nothing else."""
     ops = dict(mode.ops)
     if group.engine.data_path == "direct":
-        assert ops.pop("lift_fresh") == ranks and ops.pop("as_strided") == 3 * ranks, mode.ops
+        assert ops.pop("lift_fresh") == ranks and ops.pop("as_strided") == 2 * ranks, mode.ops
         assert ops.pop("detach", 0) <= ranks and ops.pop("view", 0) <= ranks, mode.ops
         receive_ops = dict(receive_ops, empty=receive_ops["empty"] - 2 * ranks)
         receive_ops = {k: v for k, v in receive_ops.items() if v}

@@ -228,3 +228,42 @@ def test_token_count_agreement_is_bounded_by_the_timeout(pool_for):
     assert idle == "idle" and 1.5 < elapsed < 30
     assert "EP rank 0 waited more than 2 s (HYBRID_EP_TIMEOUT_S) for the group's token count" in message
     pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
+
+
+@pytest.mark.parametrize("overrides", [{}, {"moe_expert_rank_capacity_factor": 2.0}], ids=["exact_size", "static_size"])
+def test_arena_layers_size_the_buffers_arena_for_a_training_step(pool_for, overrides):
+    """--hybrid-ep-arena-layers 5 with imbalance 1.25: the buffer's arena holds 6 calls (5 layers
+    in flight and backward's gradient dispatch) of the rows one call makes: 1.25 x tokens x
+    top-k plus the padding bound for an exact size, the static size itself otherwise. Without
+    the option the buffer keeps the library's default arena (None). Results unchanged."""
+    import megatron_patches
+    from hybrid_ep.backends.cuda.arena import call_bytes
+
+    pool = pool_for(2)
+    case = LayerCase(world_size=2, topk=2)
+    opts = megatron_patches.HybridEPOptions(arena_layers=5, arena_imbalance=1.25)
+    sized = _run_calls(pool, case, [[4, 4]], {**overrides, "hybrid_ep_options": opts})
+    plain = _run_calls(pool, case, [[4, 4]], overrides)
+    _assert_calls_match(sized, plain, "sized arena vs default arena")
+    L = case.num_experts // 2
+    for calls, default in zip(sized, plain):
+        [c], [d] = calls, default
+        tokens, pad = c["buffer_tokens"], c["buffer_pad"]
+        assert tokens == 8 and d["buffer_arena"] is None
+        if overrides:  # the static size: ceil(2.0 x 8 x 2) rows plus the padding bound, rounded to pad
+            rows = -(-(32 + L * (pad - 1)) // pad) * pad
+        else:
+            rows = math.ceil(1.25 * 8 * 2) + L * (pad - 1)
+        assert c["buffer_arena"] == 6 * call_bytes(rows, case.hidden, torch.float32)
+
+
+def test_arena_options_are_checked_by_name():
+    import megatron_patches
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="arena_layers"):
+            megatron_patches.HybridEPOptions(arena_layers=bad).validate()
+    for bad in (0.5, float("inf"), "2"):
+        with pytest.raises(ValueError, match="arena_imbalance"):
+            megatron_patches.HybridEPOptions(arena_imbalance=bad).validate()
+    assert megatron_patches.HybridEPOptions(arena_layers=3, arena_imbalance=1.0).validate().arena_layers == 3

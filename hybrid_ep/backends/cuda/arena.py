@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import threading
 
 import numpy as np
@@ -37,18 +38,37 @@ def aligned(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-class _Block:
+class _Memory:
+    """nbytes of device (or CPU model) memory at ptr, as torch.as_tensor / np.asarray take it
+    (the array interface); a tensor made from it keeps this object alive."""
+
+    def __init__(self, ptr: int, nbytes: int, device: torch.device):
+        interface = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None}
+        if device.type == "cuda":
+            self.__cuda_array_interface__ = interface
+        else:
+            self.__array_interface__ = dict(interface, version=3)
+
+
+def _tensor_over(memory: _Memory, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.as_tensor(memory, device=device)
+    return torch.from_numpy(np.asarray(memory))
+
+
+def memory_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over [ptr, ptr + nbytes) that owns nothing (the combine staging region:
+    staging.py); the memory must outlive it."""
+    return _tensor_over(_Memory(ptr, nbytes, device), device)
+
+
+class _Block(_Memory):
     """One allocation; alive exactly as long as some tensor views it (the tensor's storage
     holds it through the array interface), then it returns its range."""
 
     def __init__(self, arena: "Arena", offset: int, nbytes: int, stream: int, kept: bool, used_bytes: int):
+        super().__init__(arena.base + offset, used_bytes, arena.device)
         self.arena, self.offset, self.nbytes, self.stream, self.kept = arena, offset, nbytes, stream, kept
-        ptr = arena.base + offset
-        interface = {"shape": (used_bytes,), "typestr": "|u1", "data": (ptr, False), "version": 2, "strides": None}
-        if arena.device.type == "cuda":
-            self.__cuda_array_interface__ = interface
-        else:
-            self.__array_interface__ = dict(interface, version=3)
 
     def __del__(self):
         if not self.kept:
@@ -105,9 +125,7 @@ class Arena:
         block = _Block(self, offset, nbytes, stream, capturing, used)
         if capturing:
             self.kept += nbytes
-        if self.device.type == "cuda":
-            return torch.as_tensor(block, device=self.device)
-        return torch.from_numpy(np.asarray(block))
+        return _tensor_over(block, self.device)
 
     def _take(self, nbytes: int, stream: int) -> int | None:
         with self._lock:
@@ -152,10 +170,10 @@ class Arena:
 
 def _call_specs(rows: int, hidden: int, dtype: torch.dtype, fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The arena tensors of one direct dispatch of `rows` output rows on one rank: the rows,
-    their probs, the combine reserve (an expert_out of up to `hidden` fp32 columns plus its
-    probs, which combine copies in when the caller's are outside the arena, so a combine of
-    a direct dispatch never needs a new block), and the fp8 scales."""
-    specs = [((rows, hidden), dtype), ((rows,), torch.float32), ((rows * (hidden * 4 + 4),), torch.uint8)]
+    their probs and the fp8 scales. What a layer in flight keeps in the arena until its
+    backward; its combine copies an expert_out from outside the arena into the buffer's one
+    staging region (staging.py), not into room of its own."""
+    specs = [((rows, hidden), dtype), ((rows,), torch.float32)]
     if fp8:
         specs.append(((rows, hidden // FP8_BLOCK), torch.float32))
     return specs
@@ -175,14 +193,35 @@ def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
 
 
 def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
-    """Arena bytes one direct dispatch of `rows` output rows takes on one rank."""
+    """Arena bytes one direct dispatch of `rows` output rows takes on one rank, as long as its
+    outputs or its handle live (in training: until the layer's backward)."""
     return _call_layout(rows, hidden, dtype, fp8)[1]
 
 
+def expected_rows(tokens: int, topk: int, imbalance: float, local_experts: int, pad_multiple: int = 1,
+                  min_rows_per_expert: int = 0) -> int:
+    """Output rows of one rank's dispatch to plan an arena for: every rank's `tokens` tokens
+    routed `topk` ways give tokens x topk rows per rank on average; the busiest rank gets
+    `imbalance` times that, plus the padding bound of its local experts."""
+    if not imbalance >= 1.0:
+        raise ValueError(f"imbalance must be >= 1 (the busiest rank over the mean), got {imbalance}")
+    return math.ceil(imbalance * tokens * topk) + local_experts * (min_rows_per_expert + pad_multiple - 1)
+
+
+def training_bytes(layers_in_flight: int, rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
+    """An arena for a training step: one call of `rows` output rows per MoE layer in flight
+    (MoE layers of the pipeline stage x micro-batches in flight, each kept until its
+    backward), plus one for backward's dispatch of an output gradient, which lives while the
+    layer's forward output still does."""
+    if layers_in_flight < 1:
+        raise ValueError(f"layers_in_flight must be >= 1, got {layers_in_flight}")
+    return (layers_in_flight + 1) * call_bytes(rows, hidden, dtype, fp8)
+
+
 def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, stream: int = 0):
-    """(rows [R, H], probs [R], scales [R, H / 128] or None, reserve uint8) of one direct
-    dispatch, on one arena block (a few tensor operations per call: the host path is short),
-    or None when it does not fit. The block returns when the last of them dies."""
+    """(rows [R, H], probs [R], scales [R, H / 128] or None) of one direct dispatch, on one
+    arena block (a few tensor operations per call: the host path is short), or None when it
+    does not fit. The block returns when the last of them dies."""
     places, total = _call_layout(rows, hidden, dtype, fp8)
     raw = arena.empty_bytes(total, stream)
     if raw is None:
@@ -195,17 +234,19 @@ def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: 
             base = typed[dt] = raw.view(dt)
         strides = (shape[1], 1) if len(shape) == 2 else (1,)
         got.append(base.as_strided(shape, strides, at // dt.itemsize))
-    out, probs, reserve = got[:3]
-    return out, probs, got[3] if fp8 else None, reserve
+    return got[0], got[1], got[2] if fp8 else None
 
 
 def default_bytes(config) -> int:
-    """One worst-case direct call (every output row the buffer allows, fp32 rows: any dtype
-    fits, as the receive buffers are sized): BufferConfig.arena_bytes when unset."""
+    """One worst-case direct call's outputs (every output row the buffer allows, fp32 rows:
+    any dtype fits, as the receive buffers are sized): BufferConfig.arena_bytes when unset.
+    With the staging region beside it (staging.py, as large) the default takes what one
+    call with its own combine room took before."""
     rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     return call_bytes(rows, config.hidden_dim, torch.float32)
 
 
 def arena_bytes(config) -> int:
-    """Bytes of each rank's arena: BufferConfig.arena_bytes, else default_bytes."""
+    """Bytes of each rank's arena for dispatch outputs: BufferConfig.arena_bytes, else
+    default_bytes."""
     return aligned(default_bytes(config) if config.arena_bytes is None else config.arena_bytes)

@@ -10,7 +10,7 @@ from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import max_output_rows
 from ..base import Backend
-from . import arena, launch, load_extension
+from . import arena, launch, load_extension, staging
 from .agreement import PathVote
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
@@ -36,16 +36,16 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     ]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
-    specs.append(BufferSpec("arena", arena_of(config), True,
-                            "the direct path's outputs and combine reserve (BufferConfig.arena_bytes)"))
+    one_node = config.num_nodes == 1
+    specs.append(BufferSpec("combine_staging", staging.staging_bytes(config) if one_node else 0, True,
+                            "where every direct combine copies an expert_out from outside the arena: fp32 rows "
+                            "of the largest call and their probs, reused by each combine"))
+    specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
+                            "the direct path's dispatch outputs (BufferConfig.arena_bytes): each kept output "
+                            "(a training layer in flight) takes its rows, probs and fp8 scales, arena.call_bytes"))
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
     return MemoryPlan(name, tuple(specs))
-
-
-def arena_of(config: BufferConfig) -> int:
-    """Arena bytes per rank: none with several nodes (the direct path runs inside one node)."""
-    return arena.arena_bytes(config) if config.num_nodes == 1 else 0
 
 
 class CudaBackend(Backend):
@@ -58,7 +58,7 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
-        arena_bytes = arena_of(config)
+        arena_bytes = staging.direct_region_bytes(config)
         self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
                                                     config.ranks_per_node, arena_bytes)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes

@@ -1,7 +1,8 @@
 """Single-GPU emulation: W = N x G virtual ranks of one EP group in one process (tests, benchmarks).
 
 Each virtual rank has its own registered buffer and a peer table pointing at the others', and,
-with one node, its own arena (the buffer's tail) that the direct path's outputs come from.
+with one node, its own arena (the buffer's tail) that the direct path's outputs come from,
+behind its combine staging region (staging.py).
 Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
 so all are resident together); the kernels are exactly the production ones. Results come
 back as one list entry per rank, with handles like HybridEPBuffer's.
@@ -23,10 +24,11 @@ from ... import inputs
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
-from . import arena, launch, load_extension
+from . import launch, load_extension
 from .engine import Engine
 from .layout import check_geometry, rdma_layout, registered_layout
 from .registered import LoopbackRegions, RegisteredBuffers
+from .staging import direct_region_bytes
 
 MAX_EMULATED_RANKS = 16  # csrc kMaxLaunchRanks
 _owner_ids = itertools.count(1_000_000)
@@ -57,7 +59,7 @@ class EmulatedGroup:
         self.ext = ext
         G = self.config.ranks_per_node
         self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G,
-                                                  arena.arena_bytes(self.config) if self.config.num_nodes == 1 else 0)
+                                                  direct_region_bytes(self.config))
         self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
                      if self.config.num_nodes > 1 else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,

@@ -10,7 +10,8 @@ Static mode (num_out_tokens) never reads anything back, so it can be captured in
 
 The host path per call: Python checks the arguments and allocates what the caller gets
 (output rows, probs, scales: on the direct path from each rank's arena, arena.py, or the call
-takes the receive path; combine's y) and one workspace for the call's per-rank tables
+takes the receive path; combine's y; a direct combine's expert_out from outside the arena is
+copied into the rank's staging region, staging.py) and one workspace for the call's per-rank tables
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
 both dispatch kernels when the output size is known, else the layout kernel, the host read,
@@ -50,6 +51,7 @@ from .layout import (
     registered_layout,
 )
 from .registered import LoopbackRegions, NvshmemRegions
+from .staging import CombineStaging
 
 # What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
 # (common/params.h, Phase), read from the loaded module as ext.PHASES {name: code};
@@ -82,6 +84,13 @@ KEPT_WORKSPACES = 2
 
 _log = logging.getLogger("hybrid_ep")
 _fallbacks_logged: set[str] = set()  # the reason of the first call that left the direct path (once per process)
+
+
+# How to size the arena, in the fallback line: what a training step keeps there.
+ARENA_SIZING = ("Size it with HybridEPBuffer(arena_bytes=...): each dispatch output kept alive (in training, one "
+                "per MoE layer in flight until its backward) takes arena.call_bytes(rows, hidden, dtype), and "
+                "arena.training_bytes(layers_in_flight, rows, hidden, dtype) sizes a training step; Megatron: "
+                "--hybrid-ep-arena-layers (docs/megatron.md)")
 
 
 def _log_fallback(reason: str) -> None:
@@ -151,12 +160,9 @@ class CudaSendLayout:
     call's workspace; its tensors are views made when first read."""
 
     def __init__(self, call: CallWorkspace, part: int, num_tokens: int, topk: int, world_size: int,
-                 topk_idx_TK: torch.Tensor | None, reserve: torch.Tensor | None = None):
+                 topk_idx_TK: torch.Tensor | None):
         self.call, self.part, self.num_tokens, self.topk, self.world_size = call, part, num_tokens, topk, world_size
         self.topk_idx_TK = topk_idx_TK  # direct path: the routing's experts (int64), combine reads them
-        # Direct path: uint8 arena block where combine copies an expert_out (and probs) that
-        # is not in the arena (arena.call_blocks); None on the receive path.
-        self.reserve = reserve
 
     @property
     def data_path(self) -> str:
@@ -403,7 +409,10 @@ class Engine:
         direct_ok = self.data_path == "direct"
         self.arena_bases = torch.tensor(arenas.arena_bases if direct_ok else [0] * config.world_size,
                                         dtype=torch.int64, device=device)
-        self.arenas = [Arena(b, arenas.arena_bytes, device) for b in arenas.own] if direct_ok else []
+        # Each rank's peer-mapped tail: the combine staging region, then the arena of outputs.
+        self.staging = CombineStaging(config, arenas.own, device) if direct_ok else None
+        split = self.staging.nbytes if direct_ok else 0
+        self.arenas = [Arena(b + split, arenas.arena_bytes - split, device) for b in arenas.own] if direct_ok else []
         # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
         # per-rank part changes (the launchers copy the struct when they launch).
         self._launch_cache: dict[tuple, object] = {}
@@ -663,16 +672,15 @@ class Engine:
         shape = self._shape
         for i, (R, (x, _, idx, _)) in enumerate(zip(rows, keep)):
             if direct:
-                out, out_probs, out_scales, reserve = blocks[i]
+                out, out_probs, out_scales = blocks[i]
             else:
                 out = torch.empty(R, H, dtype=x.dtype, device=dev)
                 out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
                 out_probs = torch.empty(R, dtype=torch.float32, device=dev)
-                reserve = None
             outputs.append((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()))
             T, K = inputs[i][0], inputs[i][1]
             results.append(RankDispatch(out, out_scales, out_probs,
-                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None, reserve),
+                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
                                         CudaRecvLayout(call, i, shape, R)))
         self._in_flight["dispatch"] = keep
         if self._declaring():
@@ -688,17 +696,22 @@ class Engine:
 
     def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> list | None:
         """Every driven rank's arena tensors of a direct dispatch (arena.call_tensors), or None
-        when some rank's arena can not hold them: the call then takes the receive path, on
-        every rank of the group (the vote, where this process drives only some), with one log
-        line per process."""
+        when some rank's arena can not hold them, or its combine could not be staged (a static
+        size past the buffer's largest call): the call then takes the receive path, on every
+        rank of the group (the vote, where this process drives only some), with one log line
+        per process."""
         H = self.config.hidden_dim
         got, reason = [], None
         for r, arena, R in zip(self.ranks, self.arenas, rows):
+            if not self.staging.holds(R):
+                reason = (f"rank {r}'s combine staging region holds {self.staging.rows} rows, the most a "
+                          f"dispatch of this buffer makes without num_out_tokens; the call has {R}")
+                break
             tensors = call_tensors(arena, R, H, dtype, fp8, stream)
             if tensors is None:
                 reason = (f"rank {r}'s arena can not hold {R} output rows: {call_bytes(R, H, dtype, fp8)} bytes "
                           f"needed, {arena.used} of {arena.capacity} in use, largest free range "
-                          f"{arena.largest_free(stream)}; BufferConfig.arena_bytes sets its size")
+                          f"{arena.largest_free(stream)}. {ARENA_SIZING}")
                 break
             got.append(tensors)
         ok = reason is None
@@ -708,17 +721,6 @@ class Engine:
             _log_fallback(reason)
             return None
         return got
-
-    def _staged(self, i: int, x: torch.Tensor, p: torch.Tensor, send: CudaSendLayout, apply_probs: bool):
-        """A direct combine's expert_out (and, when read, probs) inside rank i's arena: copied
-        into the dispatch's reserve when the caller's lie outside it."""
-        arena = self.arenas[i]
-        if not arena.contains(x):
-            x = send.reserve[:x.numel() * x.element_size()].view(x.dtype).view(x.shape).copy_(x)
-        if apply_probs and not arena.contains(p):
-            at = send.reserve.numel() - p.numel() * 4
-            p = send.reserve[at:].view(torch.float32).copy_(p)
-        return x, p
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -739,7 +741,8 @@ class Engine:
         args = self._launch_args(sms, dtype_name, C, "combine_pull" if direct else "combine", wire_name)
         args.apply_probs = int(apply_probs)
         dtype = rows[0].dtype
-        inputs, keep, outs, staged = [], [], [], []
+        stream = self._stream()
+        inputs, keep, outs, staged, order = [], [], [], [], None
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
             if x.dtype != dtype or x.shape[1] != C:
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
@@ -749,10 +752,16 @@ class Engine:
             if direct:
                 # Arena tensors stay out of _in_flight: the arena reuses a block only on the
                 # stream it was used on, and one kept here would split the arena until the next
-                # combine.
+                # combine. What lies outside the arena is copied into the staging region.
                 arena = self.arenas[len(outs)]
-                keep += [t for t in (x, p) if not arena.contains(t)]
-                x, p = self._staged(len(outs), x, p, send, apply_probs)
+                x_out, p_out = not arena.contains(x), not arena.contains(p)
+                keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
+                p_out = p_out and apply_probs  # probs are read only then
+                if x_out or p_out:
+                    if order is None:
+                        order = self.staging.order
+                        order.before(stream)
+                    x, p = self.staging.stage(len(outs), x, p, x_out, p_out)
                 x_ptr = x.data_ptr()
                 staged += (x, p)
             else:
@@ -768,7 +777,10 @@ class Engine:
         if self._declaring():
             self._declare(keep + staged + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
-        self.host.combine(args, direct, self._stream(), inputs, self._absent_mask(self.absent.ranks))
+        self.host.combine(args, direct, stream, inputs, self._absent_mask(self.absent.ranks))
+        if order is not None:
+            order.after(stream)
+            self.staging.uses += 1
         return outs
 
     # -- backward of the probs -------------------------------------------------------------

@@ -5,8 +5,9 @@ torch.distributed (all_gather_object); peers open them as CUDA IPC or fabric han
 Emulation: one process allocates the buffers of all its virtual ranks on one GPU (or in the
 CPU model's host memory) and every virtual rank's peer table points straight at them.
 
-Each allocation ends with the rank's arena (arena.py): the tail past the kernels' regions,
-from ARENA_ALIGN on, mapped by the peers with the same handles as the rest.
+Each allocation ends with the direct path's tail past the kernels' regions, from ARENA_ALIGN
+on, mapped by the peers with the same handles as the rest: the rank's combine staging region
+(staging.py), then its arena (arena.py). `arena_bytes` here is that whole tail.
 """
 
 from __future__ import annotations
