@@ -79,18 +79,22 @@ def check_topk_values(idx: torch.Tensor, num_experts: int) -> None:
     expert would become two distinct slots, past any later check."""
     if idx.numel() == 0:
         return
-    lo, hi = int(idx.min()), int(idx.max())
+    # One host read for all three facts: on a GPU each read waits for every kernel queued
+    # before it, and the host work after it runs while the GPU idles.
+    facts = [idx.min(), idx.max()]
+    if idx.shape[1] > 1:
+        srt = idx.sort(dim=1).values
+        dup_T = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
+        facts.append(dup_T.any().to(idx.dtype))
+    lo, hi, *dup = torch.stack(facts).tolist()
     if lo < -1 or hi >= num_experts:
         raise ValueError(
             f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts}), "
             f"got min {lo} max {hi}"
         )
-    if idx.shape[1] > 1:
-        srt = idx.sort(dim=1).values
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        if bool(dup.any()):
-            row = int(dup.any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}")
+    if dup and dup[0]:
+        row = int(dup_T.nonzero()[0, 0])
+        raise ValueError(f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}")
 
 
 def normalize_routing(

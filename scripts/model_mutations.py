@@ -116,6 +116,9 @@ MUTATIONS = (
              "      bulk_wait_read_except(in_flight);  // release the oldest stages only\n", ""),
     Mutation("pull-weight-dropped", "a route summed without its routing weight (apply_probs)",
              "csrc/kernels/combine_pull.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
+    Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "
+             "before every lane read it)", "csrc/kernels/layout.cuh",
+             "    __syncwarp();  // every lane has read the masks before they become counts\n", ""),
     Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cuh",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }

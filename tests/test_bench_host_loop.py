@@ -27,6 +27,12 @@ def cpu_sweep(monkeypatch):
         return 1.0
 
     monkeypatch.setattr(emulated, "_median_ms", once)
+
+    def kernels(fn, calls, before):  # the profiler's CUDA activity: here the kernels' names only
+        fn()
+        return {"layout_kernel": 0.25, "dispatch_direct_kernel": 0.5}
+
+    monkeypatch.setattr(emulated, "profiled_kernel_ms", kernels)
     monkeypatch.setattr(emulated, "gpu_sm_clock_mhz", lambda: None)
     monkeypatch.setattr(emulated, "torch_movement", lambda xs, idxs, L: (lambda: None, lambda: None, None))
     return emulated._sweep_one_world
@@ -39,5 +45,6 @@ def test_host_loop_times_the_direct_path(cpu_sweep, capsys):
     rows, host, _ = cpu_sweep(W, args, H, T, E, K, torch.bfloat16, [1], 1, 1, None, 1e12, torch.device("cpu"),
                               props)
     assert [r["data_path"] for r in rows] == ["direct"]
+    assert rows[0]["dispatch_outside_kernels_ms"] == pytest.approx(0.25)  # 1 ms timed, 0.75 in kernels
     assert host["data_path"] == "direct", capsys.readouterr().err
     assert host["ranks"] == W and host["median_us"] > 0

@@ -143,3 +143,39 @@ def test_static_training_step_makes_no_host_sync_on_emulated_cuda(pool_for):
         rows, syncs = pool.run(_static_training_step_on_emulated_cuda)[0]
     assert rows == 40
     assert not syncs, "host synchronisations of a static-size training step on CUDA:\n" + "\n".join(syncs)
+
+
+def _routing_checks_on_emulated_cuda():
+    """Host reads of check_topk_values on a CUDA topk_idx: good ids, an id out of range, a route
+    twice (each error still named)."""
+    from hybrid_ep.routing import check_topk_values
+    from hybrid_ep.testing.host_sync import emulated_cuda
+
+    dev = torch.device("cuda")
+    found = {}
+    with emulated_cuda() as recorder:
+        cases = {"good": [[0, 3], [2, -1], [1, 2]], "out of range": [[0, 9], [2, -1]], "twice": [[0, 3], [2, 2]]}
+        for name, ids in cases.items():
+            idx = torch.tensor(ids, dtype=torch.int64).to(dev)
+            with recorder.record() as syncs:
+                try:
+                    check_topk_values(idx, 4)
+                    error = None
+                except ValueError as e:
+                    error = str(e)
+            found[name] = (len(syncs), error)
+            syncs.clear()
+    return found
+
+
+def test_routing_checks_read_the_device_once(pool_for):
+    """A dynamic-size dispatch checks topk_idx on the host (the cuda backend's static size leaves
+    it to the layout kernel); each read waits for the GPU's queue and leaves it idle while the
+    host works on, so min, max and the duplicate test are one read (they were three)."""
+    with pool_for(1) as pool:
+        found = pool.run(_routing_checks_on_emulated_cuda)[0]
+    assert found["good"] == (1, None)
+    n, error = found["out of range"]
+    assert n == 1 and "[-1, 3]" in error and "max 9" in error
+    n, error = found["twice"]
+    assert n == 4 and "token 1" in error  # then three reads for the message (which token, its ids)

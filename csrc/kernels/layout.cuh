@@ -94,26 +94,24 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
         nmask |= 1ull << (d / G);
       }
     }
-    for (int c = lane; c < cols; c += 32) warp_cnt[warp * cols + c] = 0;
+    // Each expert's counter word of this warp first holds the lanes routed to it, as a lane
+    // mask (a token routes to an expert at most once), then their count: a route's ordinal
+    // in the warp is the number of earlier lanes in its expert's mask. K shared atomics per
+    // lane, where comparing every lane's K routes with every other lane's took about 1000
+    // instructions per lane and per source lane (32 x K x K compares, 2026-11-26 SASS).
+    int32_t* lanes_of = warp_cnt + warp * cols;
+    for (int c = lane; c < cols; c += 32) lanes_of[c] = 0;
     __syncwarp();
-
-    // Earlier lanes of this warp routed to each of my experts.
-    int prefix[kMaxTopK];
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) prefix[k] = 0;
-    for (int src = 0; src < 32; ++src) {
-#pragma unroll
-      for (int k2 = 0; k2 < kMaxTopK; ++k2) {
-        if (k2 >= K) break;
-        const int other = __shfl_sync(full, e[k2], src);
-#pragma unroll
-        for (int k = 0; k < kMaxTopK; ++k)
-          if (k < K && src < lane && e[k] >= 0 && other == e[k]) ++prefix[k];
-      }
-    }
 #pragma unroll
     for (int k = 0; k < kMaxTopK; ++k)
-      if (k < K && e[k] >= 0) atomicAdd(&warp_cnt[warp * cols + e[k]], 1);
+      if (k < K && e[k] >= 0) atomicOr(&lanes_of[e[k]], static_cast<int32_t>(1u << lane));
+    __syncwarp();
+    int prefix[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k)
+      prefix[k] = k < K && e[k] >= 0 ? __popc(static_cast<unsigned>(lanes_of[e[k]]) & lt_mask) : 0;
+    __syncwarp();  // every lane has read the masks before they become counts
+    for (int c = lane; c < E; c += 32) lanes_of[c] = __popc(static_cast<unsigned>(lanes_of[c]));
     for (int d = 0; d < W; ++d) {
       const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
       if (lane == 0) warp_cnt[warp * cols + E + d] = __popc(bal);

@@ -28,12 +28,14 @@ from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
+from .kernel_times import profiled_kernel_ms
 from .spec import L2_FLUSH_BYTES, BenchArgError, BenchSpec
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
 # Shape and timing when a flag is not given (the seed benchmark's GPU shape).
 DEFAULTS = dict(hidden=8192, tokens=4096, warmup=10, iters=30, topk=8)
 COPY_BYTES = 1 << 30
+KERNEL_CALLS = 5  # profiled calls per op and point, after the timed ones
 UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_sms": "SMs (all ranks of the launch)",
          "device_sms": "SMs", "ranks": "ranks per launch",
          "recv_rows": "rows all ranks received in the dispatch (one per token and destination rank)",
@@ -50,6 +52,11 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "data_path": "direct (each route's row straight to and from its final row, through each rank's arena) or "
                       "receive (through receive buffers, partial sums pushed back); direct+receive: some timed "
                       "dispatches found the arena full and took the receive path",
+         "kernels_ms": "ms per call: GPU time of each hybrid_ep kernel in a timed call, per op (torch.profiler's "
+                       "CUDA activity, mean of KERNEL_CALLS calls after the timed ones; null: no profiler data)",
+         "dispatch_outside_kernels_ms": "ms: dispatch_ms minus its kernels' time (host work between the layout "
+                                        "and dispatch kernels of a dynamic-size call, launch gaps)",
+         "combine_outside_kernels_ms": "ms: combine_ms minus its kernel's time",
          "sm_clock_mhz": "MHz: the SM clock nvidia-smi reported right after the point's timed calls (null without it)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
          "combine_copy_fraction": "fraction of the device copy's bytes/s",
@@ -167,6 +174,31 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
     return row
 
 
+def kernel_rows(kernels: dict, d_ms: float, c_ms: float) -> dict:
+    """A row's per-kernel fields: `kernels_ms` ({op: {kernel: GPU ms per call}}, an op None where
+    the profiler saw no CUDA activity) and, per op, the call's time outside its kernels (the
+    host's work between them, launch gaps)."""
+    out = {"kernels_ms": kernels}
+    for op, ms in (("dispatch", d_ms), ("combine", c_ms)):
+        if kernels.get(op):
+            out[f"{op}_outside_kernels_ms"] = ms - sum(kernels[op].values())
+    return out
+
+
+def kernel_summary(row: dict) -> str:
+    """One line of a row's per-kernel times: "layout_kernel 0.412 + dispatch_direct_kernel ...
+    ms, outside 1.5 ms" per op."""
+    parts = []
+    for op in ("dispatch", "combine"):
+        got = row.get("kernels_ms", {}).get(op)
+        if not got:
+            parts.append(f"{op}: no profiler data")
+            continue
+        inner = " + ".join(f"{k} {v:.3f}" for k, v in got.items())
+        parts.append(f"{op}: {inner} ms, outside {row[f'{op}_outside_kernels_ms']:.3f} ms")
+    return "; ".join(parts)
+
+
 def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush, copy_bps, dev, props, nodes=1):
     """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
     from ..backends.cuda.emulation import EmulatedGroup
@@ -220,13 +252,20 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         group.synchronize()
         row = measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes,
                               dispatch_rw, combine_rw, copy_bps)
+        flush_l2 = None if flush is None else flush.zero_
+        kernels = {"dispatch": profiled_kernel_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms),
+                                                  KERNEL_CALLS, flush_l2),
+                   "combine": profiled_kernel_ms(lambda: group.combine(expert_outs, handles, num_sms=sms),
+                                                 KERNEL_CALLS, flush_l2)}
+        row.update(kernel_rows(kernels, d_ms, c_ms))
         row["pipelines"] = group.engine.launch_shapes(sms)
         row["data_path"] = "+".join(sorted(paths))
         row["sm_clock_mhz"] = gpu_sm_clock_mhz()  # right after the point's timed calls
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
               f"{row['dispatch_copy_fraction']:.1%} of copy), combine {c_ms:.3f} ms "
-              f"({row['combine_dest_gbps_per_sm']:.1f} GB/s/SM, {row['combine_copy_fraction']:.1%} of copy)")
+              f"({row['combine_dest_gbps_per_sm']:.1f} GB/s/SM, {row['combine_copy_fraction']:.1%} of copy); "
+              f"kernels {kernel_summary(row)}")
 
     # Host time per dispatch + combine pair, static size (no host sync inside the pair). The
     # timed points' first call and expert_outs die first: on the direct path they hold arena
@@ -404,6 +443,9 @@ def format_table(doc: dict) -> str:
             line += (f" {r['rdma_rows']:>10} {r['dispatch_rdma_gbps_per_sm']:>12.2f} "
                      f"{r['combine_rdma_gbps_per_sm']:>12.2f}")
         lines.append(line)
+    for r in doc["runs"]:
+        if "kernels_ms" in r:  # older emulated.json files have none
+            lines.append(f"W={r['world_size']}, {r['sms_per_rank']} SMs/rank, kernels: {kernel_summary(r)}")
     for p in doc["index_select_index_add"]:
         lines.append(f"index_select/index_add_ on one GPU, W={p['world_size']}: dispatch {p['dispatch_ms']:.3f} ms, "
                      f"combine {p['combine_ms']:.3f} ms")

@@ -194,6 +194,13 @@ inline T atomicAdd(T* p, T v, const char* file = __builtin_FILE(), int line = __
   hybrid_ep::model::note_atomic(p, {file, line});
   return old;
 }
+template <typename T>
+inline T atomicOr(T* p, T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  static_assert(std::is_integral<T>::value, "the model's atomicOr is for integers");
+  const T old = __atomic_fetch_or(p, v, __ATOMIC_ACQ_REL);
+  hybrid_ep::model::note_atomic(p, {file, line});
+  return old;
+}
 inline int atomicMin(int* p, int v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   int old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
   while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {}
