@@ -35,7 +35,7 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
-from .arena import Arena, call_bytes, call_tensors
+from .arena import Arena, arena_blocks, call_bytes
 from .layout import (
     CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
@@ -363,6 +363,11 @@ def _stream_getter(device: torch.device):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
+def _spans(tensors) -> list[tuple[int, int]]:
+    """(address, bytes) of each tensor that has any (the CPU model's launch declarations)."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
+
+
 def _storage_refs(t: torch.Tensor) -> int:
     """Tensors (and storage objects) sharing t's memory, the one untyped_storage() makes
     for this count included."""
@@ -560,11 +565,13 @@ class Engine:
 
     def _declare(self, tensors, regions=()) -> None:
         """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
-        self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
-                                      if t is not None and t.numel() > 0] + list(regions) +
-                                     [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
-                                     (self.rdma.declared() if self.rdma is not None else []) +
-                                     [(self.abort.data_ptr(), 4)])
+        self.ext.note_launch_tensors(_spans(tensors) + list(regions) + self._fixed_spans())
+
+    def _fixed_spans(self) -> list[tuple[int, int]]:
+        """What every launch may touch besides its call's tensors: peer tables, RDMA regions,
+        the abort flag."""
+        return ([(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
+                (self.rdma.declared() if self.rdma is not None else []) + [(self.abort.data_ptr(), 4)])
 
     def _workspace(self, topk: int, direct: bool, receive: bool) -> CallWorkspace:
         """A workspace for a call of up to `topk` routes per token with the tables of the direct
@@ -605,7 +612,6 @@ class Engine:
         fp8 = dtype_name == "float8_e4m3fn"
         dtype = xs[0].dtype
         prefer = self.data_path == "direct"
-        dev = self.device
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
@@ -638,82 +644,101 @@ class Engine:
         absent = self._absent_mask(self.absent.ranks)
         after_layout = self._absent_mask(self.absent.after_layout)
         static = num_out_tokens is not None
+        scale_cols = H // FP8_BLOCK if fp8 else 0
         # The path is chosen where the output sizes are known: before the layout kernel with a
         # static size (or a handle's), else after its host read, on a workspace with the
         # tables of both paths.
-        blocks = None
         if static or known_rows is not None:
             rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
+            blocks = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
             direct = blocks is not None
             call = self._workspace(topk, direct, not direct)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
+            args.scale_cols = scale_cols
+            outputs = self._outputs(rows, blocks, dtype, fp8)
+            if self._declaring():
+                self._declare(self._dispatch_tensors(keep, outputs), [(call.ptr, call.i64.numel() * 8)])
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
+                               [o[0] for o in outputs], absent, after_layout)
         else:
             call = self._workspace(topk, prefer, True)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            args.scale_cols = H // FP8_BLOCK if fp8 else 0
-            if self._declaring():
-                self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
+            args.scale_cols = scale_cols
+            needed = call.i64[:, (call.layout.info // 8) + self.info.needed]
+            declared = None
+            if self._declaring():  # the outputs are added after the read
+                declared = (_spans(self._dispatch_tensors(keep, ())) + [(call.ptr, call.i64.numel() * 8)] +
+                            self._fixed_spans())
+                self.ext.note_launch_tensors(declared)
             self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
-            needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
+            # From the host read to the dispatch launch the GPU idles: only what needs the
+            # output sizes runs here (the outputs, the path); the results are built after.
+            rows = needed.cpu().tolist()  # the one host sync
             self.raise_if_failed()
-            rows = needed.tolist()
-            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
+            blocks = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
             direct = blocks is not None
             if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
-                laid = args
-                args = self._launch_args(sms, dtype_name, H, "dispatch")
-                for i in range(laid.num_ranks):
-                    args.set_rank(i, laid.get_rank(i))
-                args.num_ranks = laid.num_ranks
-        args.scale_cols = H // FP8_BLOCK if fp8 else 0
-
-        outputs, results = [], []
-        shape = self._shape
-        for i, (R, (x, _, idx, _)) in enumerate(zip(rows, keep)):
-            if direct:
-                out, out_probs, out_scales = blocks[i]
-            else:
-                out = torch.empty(R, H, dtype=x.dtype, device=dev)
-                out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
-                out_probs = torch.empty(R, dtype=torch.float32, device=dev)
-            outputs.append((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()))
-            T, K = inputs[i][0], inputs[i][1]
-            results.append(RankDispatch(out, out_scales, out_probs,
-                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
-                                        CudaRecvLayout(call, i, shape, R)))
+                args = self._receive_args(args, sms, dtype_name, H)
+            outputs = self._outputs(rows, blocks, dtype, fp8)
+            if declared is not None:
+                self.ext.note_launch_tensors(declared + _spans([t for o in outputs for t in o[1:]]))
+            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, [o[0] for o in outputs],
+                                    absent | after_layout)
         self._in_flight["dispatch"] = keep
-        if self._declaring():
-            self._declare([t for k in keep for t in k] + [self.arena_bases] +
-                          [t for r in results for t in (r.rows_RH, r.scales_RB, r.probs_R)],
-                          [(call.ptr, call.i64.numel() * 8)])
-        if static or known_rows is not None:
-            self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
-                               outputs, absent, after_layout)
-        else:
-            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
-        return results
+        shape = self._shape
+        return [RankDispatch(out, out_scales, out_probs,
+                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
+                             CudaRecvLayout(call, i, shape, R))
+                for i, (R, inp, k, (_, out, out_scales, out_probs)) in enumerate(zip(rows, inputs, keep, outputs))]
+
+    def _outputs(self, rows: list[int], blocks: list | None, dtype: torch.dtype, fp8: bool) -> list[tuple]:
+        """Per rank: (the launcher's output tuple, rows, scales, probs): the arena blocks' tensors
+        on the direct path, else new tensors."""
+        got = []
+        if blocks is None:
+            H, dev = self.config.hidden_dim, self.device
+            blocks = [(torch.empty(R, H, dtype=dtype, device=dev),
+                       torch.empty(R, dtype=torch.float32, device=dev),
+                       torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None)
+                      for R in rows]
+        for R, (out, out_probs, out_scales) in zip(rows, blocks):
+            got.append(((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()),
+                        out, out_scales, out_probs))
+        return got
+
+    def _receive_args(self, laid, sms: int, dtype_name: str, H: int):
+        """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
+        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        for i in range(laid.num_ranks):
+            args.set_rank(i, laid.get_rank(i))
+        args.num_ranks = laid.num_ranks
+        args.scale_cols = laid.scale_cols
+        return args
+
+    def _dispatch_tensors(self, keep, outputs) -> list[torch.Tensor]:
+        return [t for k in keep for t in k] + [self.arena_bases] + [t for o in outputs for t in o[1:]]
 
     def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> list | None:
-        """Every driven rank's arena tensors of a direct dispatch (arena.call_tensors), or None
+        """Every driven rank's arena tensors of a direct dispatch (arena.arena_blocks), or None
         when some rank's arena can not hold them, or its combine could not be staged (a static
         size past the buffer's largest call): the call then takes the receive path, on every
         rank of the group (the vote, where this process drives only some), with one log line
         per process."""
         H = self.config.hidden_dim
-        got, reason = [], None
-        for r, arena, R in zip(self.ranks, self.arenas, rows):
+        got, reason = None, None
+        for r, R in zip(self.ranks, rows):
             if not self.staging.holds(R):
                 reason = (f"rank {r}'s combine staging region holds {self.staging.rows} rows, the most a "
                           f"dispatch of this buffer makes without num_out_tokens; the call has {R}")
                 break
-            tensors = call_tensors(arena, R, H, dtype, fp8, stream)
-            if tensors is None:
-                reason = (f"rank {r}'s arena can not hold {R} output rows: {call_bytes(R, H, dtype, fp8)} bytes "
-                          f"needed, {arena.used} of {arena.capacity} in use, largest free range "
-                          f"{arena.largest_free(stream)}. {ARENA_SIZING}")
-                break
-            got.append(tensors)
+        else:
+            got = arena_blocks(self.arenas, rows, H, dtype, fp8, stream)
+            if isinstance(got, int):
+                i, got = got, None
+                arena, R = self.arenas[i], rows[i]
+                reason = (f"rank {self.ranks[i]}'s arena can not hold {R} output rows: "
+                          f"{call_bytes(R, H, dtype, fp8)} bytes needed, {arena.used} of {arena.capacity} in use, "
+                          f"largest free range {arena.largest_free(stream)}. {ARENA_SIZING}")
         ok = reason is None
         if self.vote is not None and self.vote(ok) != ok:
             ok, reason = False, "another rank's arena could not hold its output of the call"
