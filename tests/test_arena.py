@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda import arena as arena_mod
+from hybrid_ep.backends.cuda import load_extension
 from hybrid_ep.backends.cuda.arena import ALIGN, Arena, aligned, arena_blocks, call_bytes, call_tensors
 from hybrid_ep.backends.cuda.staging import StreamOrder
 from hybrid_ep.config import BufferConfig
@@ -124,6 +125,17 @@ def test_every_ranks_block_in_one_call_or_none_taken():
     assert big.used == 0 and small.used == 0
     assert arena_blocks([big, small], [R, R], H, torch.bfloat16, False) == 1  # 9 blocks do not fit in 8
     assert big.used == 0 and small.used == 0 and big.largest_free() == 16 * ALIGN
+
+
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float32, False),
+                                        (torch.float8_e4m3fn, True)])
+def test_the_extensions_block_layout_is_call_bytes_for_any_rows(dtype, fp8):
+    """The extension places a block's tensors by the rule call_bytes sizes them with (both
+    homes of the rule agree), for any number of rows, none included."""
+    ext = load_extension("cpu")
+    layout = arena_mod.call_layout(ext, 384, dtype, fp8)
+    for rows in (0, 1, 3, 255, 256, 1000):
+        assert layout.nbytes(rows) == call_bytes(rows, 384, dtype, fp8)
 
 
 def test_fp8_calls_carry_their_scales_in_the_block(region):

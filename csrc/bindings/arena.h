@@ -3,7 +3,8 @@
 // dispatch takes one block per rank and makes its tensors on every call, and doing that in
 // Python (a tensor over the block through the array interface, then a view per dtype and an
 // as_strided per tensor) cost more host time than the rest of the call: one call here takes
-// the blocks of every rank the engine drives and makes each tensor with one DLPack hand-over.
+// the blocks of every rank the engine drives (ArenaTaken), and makes each tensor with one
+// DLPack hand-over after the launch.
 //
 // A tensor views its block through a DLPack managed tensor whose deleter drops its share of
 // the block; the block returns its range when the last of its tensors dies, on whatever
@@ -15,6 +16,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <map>
@@ -167,36 +169,44 @@ inline void arena_capsule_destructor(PyObject* capsule) {
   if (m != nullptr) m->deleter(m);
 }
 
-// Where the tensors of one kind of block lie: its bytes and, per tensor, (byte offset in the
-// block, DLPack type code, bits, shape of 1 or 2 dims). Built once per kind of call
-// (arena.py caches them per rows, hidden and dtype), so a call converts no lists.
+// The tensors of one kind of block, for any number of rows: per tensor, its bytes per row,
+// DLPack type and columns (0: a 1-D tensor of `rows` elements). Each tensor starts on the
+// next `align` boundary of the block, the rule of arena.py's _call_layout (which sizes the
+// blocks for memory plans without the extension; tests/test_arena.py holds the two equal).
+// Built once per kind of call (arena.py caches it per hidden and dtype), so a call of any
+// output size converts no lists.
 struct ArenaLayout {
   struct View {
-    int64_t at;
+    int64_t row_bytes;
     dlpack::DataType dtype;
-    int32_t ndim;
-    int64_t shape[2];
+    int64_t cols;
   };
-  int64_t nbytes = 0;
   std::vector<View> views;
+  int64_t align;
 
-  ArenaLayout(int64_t bytes, const std::vector<std::tuple<int64_t, int, int, std::vector<int64_t>>>& specs)
-      : nbytes(bytes) {
-    for (const auto& [at, code, bits, shape] : specs) {
-      if (shape.empty() || shape.size() > 2) throw py::value_error("an arena tensor has 1 or 2 dimensions");
-      View v{at,
-             dlpack::DataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1},
-             static_cast<int32_t>(shape.size()),
-             {0, 0}};
-      int64_t bytes_of = (bits + 7) / 8;
-      for (size_t d = 0; d < shape.size(); ++d) {
-        if (shape[d] < 0) throw py::value_error("an arena tensor's shape must not be negative");
-        v.shape[d] = shape[d];
-        bytes_of *= shape[d];
-      }
-      if (at < 0 || at + bytes_of > nbytes) throw py::value_error("an arena tensor must lie inside its block");
-      views.push_back(v);
+  ArenaLayout(const std::vector<std::tuple<int64_t, int, int, int64_t>>& specs, int64_t align_bytes)
+      : align(align_bytes) {
+    if (align <= 0) throw py::value_error("arena layout: align must be > 0");
+    if (specs.empty() || specs.size() > kMaxViews) throw py::value_error("arena layout: 1 to 3 tensors per block");
+    for (const auto& [row_bytes, code, bits, cols] : specs) {
+      if (row_bytes < 0 || cols < 0) throw py::value_error("arena layout: sizes must not be negative");
+      views.push_back(
+          View{row_bytes, dlpack::DataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1}, cols});
     }
+  }
+
+  static constexpr size_t kMaxViews = 3;
+
+  int64_t aligned(int64_t bytes) const { return (std::max<int64_t>(bytes, 1) + align - 1) / align * align; }
+
+  // The byte offset of each tensor in a block of `rows` rows; returns the block's bytes.
+  int64_t place(int64_t rows, int64_t* at) const {
+    int64_t end = 0;
+    for (size_t v = 0; v < views.size(); ++v) {
+      at[v] = end;
+      end += aligned(rows * views[v].row_bytes);
+    }
+    return end;
   }
 };
 
@@ -218,37 +228,44 @@ class __attribute__((visibility("hidden"))) Arena {
     return std::shared_ptr<ArenaBlock>(new ArenaBlock{ranges_, offset, nbytes, stream, false});
   }
 
-  // The tensors of `layout` over `block`, as a tuple; kept: the block never returns.
-  py::tuple tensors(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout& layout, bool kept) const {
+  // The tensors of `layout` with `rows` rows over `block`, as a tuple; kept: the block never
+  // returns.
+  py::tuple tensors(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout& layout, int64_t rows,
+                    bool kept) const {
     if (kept) {
       block->kept = true;
       ranges_->keep(block->nbytes);
     }
+    int64_t at[ArenaLayout::kMaxViews];
+    layout.place(rows, at);
     py::tuple out(layout.views.size());
-    for (size_t i = 0; i < layout.views.size(); ++i) out[i] = tensor(block, layout.views[i]);
+    for (size_t i = 0; i < layout.views.size(); ++i) out[i] = tensor(block, layout.views[i], rows, at[i]);
     return out;
   }
 
-  // One block of `layout` with its tensors, or None when it does not fit.
-  py::object block(const ArenaLayout& layout, uint64_t stream, bool kept) {
-    auto b = take(layout.nbytes, stream);
+  // One block of `layout` with `rows` rows and its tensors, or None when it does not fit.
+  py::object block(const ArenaLayout& layout, int64_t rows, uint64_t stream, bool kept) {
+    if (rows < 0) throw py::value_error("arena block: rows must be >= 0");
+    int64_t at[ArenaLayout::kMaxViews];
+    auto b = take(layout.place(rows, at), stream);
     if (!b) return py::none();
-    return tensors(b, layout, kept);
+    return tensors(b, layout, rows, kept);
   }
 
   uint64_t base() const { return base_; }
   const std::shared_ptr<ArenaRanges>& ranges() const { return ranges_; }
 
  private:
-  py::object tensor(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout::View& view) const {
+  py::object tensor(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout::View& view, int64_t rows,
+                    int64_t at) const {
     auto* v = new ArenaView();
     v->block = block;
-    v->shape[0] = view.shape[0];
-    v->shape[1] = view.shape[1];
+    v->shape[0] = rows;
+    v->shape[1] = view.cols;
     dlpack::Tensor& t = v->managed.dl_tensor;
-    t.data = reinterpret_cast<void*>(base_ + static_cast<uint64_t>(block->offset + view.at));
+    t.data = reinterpret_cast<void*>(base_ + static_cast<uint64_t>(block->offset + at));
     t.device = device_;
-    t.ndim = view.ndim;
+    t.ndim = view.cols > 0 ? 2 : 1;
     t.dtype = view.dtype;
     t.shape = v->shape;
     t.strides = nullptr;
@@ -269,41 +286,96 @@ class __attribute__((visibility("hidden"))) Arena {
   py::object to_tensor_;
 };
 
-// One block per arena, each of its layout with its tensors: a list of tuples, or the index of
-// the first arena that could not hold its block (then no block stays taken, no tensor is made).
-inline py::object arena_blocks(const std::vector<Arena*>& arenas, const std::vector<const ArenaLayout*>& layouts,
-                               uint64_t stream, bool kept) {
-  if (arenas.size() != layouts.size()) throw py::value_error("arena_blocks: one layout per arena");
-  std::vector<std::shared_ptr<ArenaBlock>> blocks;
-  blocks.reserve(arenas.size());
-  for (size_t i = 0; i < arenas.size(); ++i) {
-    auto b = arenas[i]->take(layouts[i]->nbytes, stream);
-    if (!b) return py::int_(i);  // the blocks taken so far return here
-    blocks.push_back(std::move(b));
+// One block per arena, taken before a launch; the tensors are made after it (tensors()), so
+// that between a dynamic dispatch's host read and its launch only the ranges are taken. A
+// block nothing made a tensor of returns when this object dies.
+class __attribute__((visibility("hidden"))) ArenaTaken {
+ public:
+  // rows[i] rows of `layout` on arenas[i]. The index of the first arena that could not hold
+  // its block is `failed` (then no block stays taken); -1 when every arena holds its block.
+  ArenaTaken(const std::vector<py::object>& arenas, py::object layout, const std::vector<int64_t>& rows,
+             uint64_t stream, bool kept)
+      : arenas_(arenas), layout_(std::move(layout)), rows_(rows), kept_(kept) {
+    if (arenas.size() != rows.size()) throw py::value_error("arena_take: one row count per arena");
+    const auto* l = layout_.cast<const ArenaLayout*>();
+    int64_t at[ArenaLayout::kMaxViews];
+    blocks_.reserve(arenas.size());
+    for (size_t i = 0; i < arenas.size(); ++i) {
+      if (rows[i] < 0) throw py::value_error("arena_take: rows must be >= 0");
+      auto b = arenas[i].cast<Arena*>()->take(l->place(rows[i], at), stream);
+      if (!b) {
+        failed_ = static_cast<int64_t>(i);
+        blocks_.clear();  // the blocks taken so far return here
+        return;
+      }
+      blocks_.push_back(std::move(b));
+    }
   }
-  py::list out(arenas.size());
-  for (size_t i = 0; i < arenas.size(); ++i) out[i] = arenas[i]->tensors(blocks[i], *layouts[i], kept);
-  return out;
-}
+
+  int64_t failed() const { return failed_; }
+
+  // Per arena, the address of each tensor of the layout (an empty list when failed).
+  py::list addresses() const {
+    const auto* l = layout_.cast<const ArenaLayout*>();
+    int64_t at[ArenaLayout::kMaxViews];
+    py::list out(blocks_.size());
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      const uint64_t start = arenas_[i].cast<const Arena*>()->base() + static_cast<uint64_t>(blocks_[i]->offset);
+      l->place(rows_[i], at);
+      py::tuple addr(l->views.size());
+      for (size_t v = 0; v < l->views.size(); ++v) addr[v] = py::int_(start + static_cast<uint64_t>(at[v]));
+      out[i] = addr;
+    }
+    return out;
+  }
+
+  // Per arena, the tuple of the layout's tensors; from then on they alone hold the blocks.
+  py::list tensors() {
+    if (failed_ >= 0 || made_) throw py::value_error("arena_take: no blocks to make tensors of");
+    const auto* l = layout_.cast<const ArenaLayout*>();
+    py::list out(blocks_.size());
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      out[i] = arenas_[i].cast<const Arena*>()->tensors(blocks_[i], *l, rows_[i], kept_);
+    blocks_.clear();
+    made_ = true;
+    return out;
+  }
+
+ private:
+  std::vector<py::object> arenas_;
+  py::object layout_;
+  std::vector<int64_t> rows_;
+  std::vector<std::shared_ptr<ArenaBlock>> blocks_;
+  bool kept_, made_ = false;
+  int64_t failed_ = -1;
+};
 
 inline void bind_arena(py::module_& m) {
   py::class_<ArenaLayout>(m, "ArenaLayout", py::module_local())
-      .def(py::init<int64_t, const std::vector<std::tuple<int64_t, int, int, std::vector<int64_t>>>&>(),
-           py::arg("nbytes"), py::arg("views"))
-      .def_readonly("nbytes", &ArenaLayout::nbytes);
+      .def(py::init<const std::vector<std::tuple<int64_t, int, int, int64_t>>&, int64_t>(), py::arg("views"),
+           py::arg("align"), "views: per tensor (bytes per row, DLPack code, bits, columns or 0 for 1-D)")
+      .def("nbytes", [](const ArenaLayout& l, int64_t rows) {
+        int64_t at[ArenaLayout::kMaxViews];
+        return l.place(rows, at);
+      });
   py::class_<Arena>(m, "Arena", py::module_local())
       .def(py::init<uint64_t, int64_t, int32_t, int32_t, py::object>(), py::arg("base"), py::arg("capacity"),
            py::arg("device_type"), py::arg("device_id"), py::arg("to_tensor"))
-      .def("block", &Arena::block, py::arg("layout"), py::arg("stream"), py::arg("kept"),
-           "one block of layout with its tensors, or None when no free range fits")
+      .def("block", &Arena::block, py::arg("layout"), py::arg("rows"), py::arg("stream"), py::arg("kept"),
+           "one block of layout with rows rows and its tensors, or None when no free range fits")
       .def("largest_free", [](const Arena& a, uint64_t stream) { return a.ranges()->largest_free(stream); })
       .def_property_readonly("used", [](const Arena& a) { return a.ranges()->used(); })
       .def_property_readonly("kept", [](const Arena& a) { return a.ranges()->kept(); })
       .def_property_readonly("capacity", [](const Arena& a) { return a.ranges()->capacity(); })
       .def_property_readonly("base", &Arena::base);
-  m.def("arena_blocks", &arena_blocks, py::arg("arenas"), py::arg("layouts"), py::arg("stream"), py::arg("kept"),
-        "one block per arena with its layout's tensors, or the index of the first arena that can not hold its "
-        "block");
+  py::class_<ArenaTaken>(m, "ArenaTaken", py::module_local())
+      .def(py::init<const std::vector<py::object>&, py::object, const std::vector<int64_t>&, uint64_t, bool>(),
+           py::arg("arenas"), py::arg("layout"), py::arg("rows"), py::arg("stream"), py::arg("kept"),
+           "one block per arena (ext.Arena) of layout (ext.ArenaLayout) and its rows; failed: the first that can "
+           "not")
+      .def_property_readonly("failed", &ArenaTaken::failed)
+      .def("addresses", &ArenaTaken::addresses)
+      .def("tensors", &ArenaTaken::tensors);
 }
 
 }  // namespace hybrid_ep::bindings

@@ -78,15 +78,16 @@ def _from_dlpack():
     return getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
 
 
-def _layout(views: list[tuple[tuple[int, ...], torch.dtype, int]], nbytes: int, ext):
-    """The extension's ArenaLayout of tensors (shape, dtype, byte offset) on a block of nbytes."""
+def _layout(views: list[tuple[int, torch.dtype]], ext):
+    """The extension's ArenaLayout of tensors (columns, 0 for 1-D; dtype) of any number of
+    rows on one block, each starting on the next ALIGN boundary (as _call_layout places them)."""
     specs = []
-    for shape, dt, at in views:
+    for cols, dt in views:
         if dt not in DLPACK_DTYPES:
             raise TypeError(f"the arena makes no {dt} tensors; it makes {sorted(map(str, DLPACK_DTYPES))}")
         code, bits = DLPACK_DTYPES[dt]
-        specs.append((at, code, bits, list(shape)))
-    return ext.ArenaLayout(nbytes, specs)
+        specs.append((max(cols, 1) * dt.itemsize, code, bits, cols))
+    return ext.ArenaLayout(specs, ALIGN)
 
 
 class Arena:
@@ -105,7 +106,8 @@ class Arena:
         index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else 0)
         self.core = self.ext.Arena(base, self.capacity, _DLPACK_DEVICES[self.device.type], index, _from_dlpack())
-        self._layouts: dict = {}  # (shape, dtype) -> ext.ArenaLayout of Arena.empty
+        self._layouts: dict = {}  # (columns, dtype) -> ext.ArenaLayout of Arena.empty
+        self._on_cuda = self.device.type == "cuda"
 
     @property
     def used(self) -> int:
@@ -119,7 +121,7 @@ class Arena:
 
     def capturing(self) -> bool:
         """Whether blocks taken now stay taken: a CUDA graph capture replays into them."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self._on_cuda and torch.cuda.is_current_stream_capturing()
 
     def contains(self, t: torch.Tensor) -> bool:
         """Whether all of t's memory lies inside the arena (t contiguous, as the kernels take it)."""
@@ -136,15 +138,16 @@ class Arena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, stream: int = 0) -> torch.Tensor | None:
         """A new, uninitialised tensor (1 or 2 dimensions) in the arena, or None when no free
         range fits."""
-        key = (tuple(shape), dtype)
+        if len(shape) not in (1, 2):
+            raise ValueError(f"an arena tensor has 1 or 2 dimensions, got shape {tuple(shape)}")
+        cols = shape[1] if len(shape) == 2 else 0
+        if len(shape) == 2 and cols < 1:
+            raise ValueError(f"a 2-D arena tensor needs columns, got shape {tuple(shape)}")
+        key = (cols, dtype)
         layout = self._layouts.get(key)
         if layout is None:
-            numel = 1
-            for n in shape:
-                numel *= n
-            layout = self._layouts[key] = _layout([(tuple(shape), dtype, 0)], aligned(max(numel * dtype.itemsize, 1)),
-                                                  self.ext)
-        got = self.core.block(layout, stream, self.capturing())
+            layout = self._layouts[key] = _layout([(cols, dtype)], self.ext)
+        got = self.core.block(layout, shape[0], stream, self.capturing())
         return None if got is None else got[0]
 
     def empty_bytes(self, used: int, stream: int = 0) -> torch.Tensor | None:
@@ -177,11 +180,11 @@ def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
 
 
 @functools.lru_cache(maxsize=64)
-def call_layout(ext, rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
-    """The extension's ArenaLayout of one direct dispatch's block (_call_layout), made once
-    per (rows, hidden, dtype): a call hands it to ext.arena_blocks as it is."""
-    places, total = _call_layout(rows, hidden, dtype, fp8)
-    return _layout(list(places), total, ext)
+def call_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
+    """The extension's ArenaLayout of one direct dispatch's block (_call_specs, for any
+    number of rows), made once per (hidden, dtype): a call hands it to ext.ArenaTaken as it is."""
+    return _layout([(shape[1] if len(shape) == 2 else 0, dt) for shape, dt in _call_specs(1, hidden, dtype, fp8)],
+                   ext)
 
 
 def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
@@ -213,24 +216,31 @@ def training_bytes(layers_in_flight: int, rows: int, hidden: int, dtype: torch.d
 def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, stream: int = 0):
     """(rows [R, H], probs [R], scales [R, H / 128] or None) of one direct dispatch, on one
     arena block, or None when it does not fit. The block returns when the last of them dies.
-    The engine takes every rank's block in one call instead (arena_blocks)."""
-    got = arena.core.block(call_layout(arena.ext, rows, hidden, dtype, fp8), stream, arena.capturing())
+    The engine takes every rank's block in one call instead (arena_take)."""
+    got = arena.core.block(call_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
     if got is None:
         return None
     return got[0], got[1], got[2] if fp8 else None
 
 
+def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
+               stream: int = 0):
+    """The blocks of call_tensors on every arena (rows[i] output rows on arenas[i]), taken in
+    one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
+    `addresses()` give each block's (rows, probs[, scales]) addresses for a launch and whose
+    `tensors()` make the tensors after it; its `failed` is the index of the first arena that
+    can not hold its block (then none is taken), else -1."""
+    return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
+                                    stream, arenas[0].capturing())
+
+
 def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
                  stream: int = 0) -> list | int:
-    """call_tensors of every arena (rows[i] output rows on arenas[i]) in one call into the
-    extension: a list of (rows, probs, scales or None), or the index of the first arena that
-    can not hold its block (then none is taken)."""
-    ext = arenas[0].ext
-    got = ext.arena_blocks([a.core for a in arenas], [call_layout(ext, R, hidden, dtype, fp8) for R in rows],
-                           stream, arenas[0].capturing())
-    if isinstance(got, int) or fp8:
-        return got
-    return [(t[0], t[1], None) for t in got]
+    """arena_take's tensors: a list of (rows, probs, scales or None), or the failed index."""
+    taken = arena_take(arenas, rows, hidden, dtype, fp8, stream)
+    if taken.failed >= 0:
+        return taken.failed
+    return [(t[0], t[1], t[2] if fp8 else None) for t in taken.tensors()]
 
 
 def default_bytes(config) -> int:

@@ -35,7 +35,7 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
-from .arena import Arena, arena_blocks, call_bytes
+from .arena import Arena, arena_take, call_bytes
 from .layout import (
     CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
@@ -650,16 +650,17 @@ class Engine:
         # tables of both paths.
         if static or known_rows is not None:
             rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            blocks = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
-            direct = blocks is not None
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
+            direct = taken is not None
             call = self._workspace(topk, direct, not direct)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
             args.scale_cols = scale_cols
-            outputs = self._outputs(rows, blocks, dtype, fp8)
+            outputs, made = self._outputs(rows, taken, dtype, fp8)
             if self._declaring():
-                self._declare(self._dispatch_tensors(keep, outputs), [(call.ptr, call.i64.numel() * 8)])
+                self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
+                              self._output_spans(outputs, dtype))
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
-                               [o[0] for o in outputs], absent, after_layout)
+                               outputs, absent, after_layout)
         else:
             call = self._workspace(topk, prefer, True)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
@@ -667,44 +668,45 @@ class Engine:
             needed = call.i64[:, (call.layout.info // 8) + self.info.needed]
             declared = None
             if self._declaring():  # the outputs are added after the read
-                declared = (_spans(self._dispatch_tensors(keep, ())) + [(call.ptr, call.i64.numel() * 8)] +
+                declared = (_spans(self._dispatch_tensors(keep)) + [(call.ptr, call.i64.numel() * 8)] +
                             self._fixed_spans())
                 self.ext.note_launch_tensors(declared)
             self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
             # From the host read to the dispatch launch the GPU idles: only what needs the
-            # output sizes runs here (the outputs, the path); the results are built after.
+            # output sizes runs here (the outputs' memory, the path); the tensors over the
+            # arena blocks and the results are made after the launch.
             rows = needed.cpu().tolist()  # the one host sync
             self.raise_if_failed()
-            blocks = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
-            direct = blocks is not None
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
+            direct = taken is not None
             if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
                 args = self._receive_args(args, sms, dtype_name, H)
-            outputs = self._outputs(rows, blocks, dtype, fp8)
+            outputs, made = self._outputs(rows, taken, dtype, fp8)
             if declared is not None:
-                self.ext.note_launch_tensors(declared + _spans([t for o in outputs for t in o[1:]]))
-            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, [o[0] for o in outputs],
-                                    absent | after_layout)
+                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
+            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         self._in_flight["dispatch"] = keep
+        if made is None:
+            made = taken.tensors()  # (rows, probs[, scales]) per rank
         shape = self._shape
-        return [RankDispatch(out, out_scales, out_probs,
+        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
                              CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
                              CudaRecvLayout(call, i, shape, R))
-                for i, (R, inp, k, (_, out, out_scales, out_probs)) in enumerate(zip(rows, inputs, keep, outputs))]
+                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, keep, made))]
 
-    def _outputs(self, rows: list[int], blocks: list | None, dtype: torch.dtype, fp8: bool) -> list[tuple]:
-        """Per rank: (the launcher's output tuple, rows, scales, probs): the arena blocks' tensors
-        on the direct path, else new tensors."""
-        got = []
-        if blocks is None:
-            H, dev = self.config.hidden_dim, self.device
-            blocks = [(torch.empty(R, H, dtype=dtype, device=dev),
-                       torch.empty(R, dtype=torch.float32, device=dev),
-                       torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None)
-                      for R in rows]
-        for R, (out, out_probs, out_scales) in zip(rows, blocks):
-            got.append(((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()),
-                        out, out_scales, out_probs))
-        return got
+    def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
+        """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
+        on the direct path the arena blocks' addresses now and None (the tensors are made
+        after the launch: taken.tensors()), else new tensors."""
+        if taken is not None:
+            if fp8:
+                return [(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
+            return [(R, out, 0, probs) for R, (out, probs) in zip(rows, taken.addresses())], None
+        H, dev = self.config.hidden_dim, self.device
+        made = [(torch.empty(R, H, dtype=dtype, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
+                 torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None) for R in rows]
+        return [(R, out.data_ptr(), sc.data_ptr() if fp8 else 0, probs.data_ptr())
+                for R, (out, probs, sc) in zip(rows, made)], made
 
     def _receive_args(self, laid, sms: int, dtype_name: str, H: int):
         """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
@@ -715,26 +717,36 @@ class Engine:
         args.scale_cols = laid.scale_cols
         return args
 
-    def _dispatch_tensors(self, keep, outputs) -> list[torch.Tensor]:
-        return [t for k in keep for t in k] + [self.arena_bases] + [t for o in outputs for t in o[1:]]
+    def _dispatch_tensors(self, keep) -> list[torch.Tensor]:
+        return [t for k in keep for t in k] + [self.arena_bases]
 
-    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> list | None:
-        """Every driven rank's arena tensors of a direct dispatch (arena.arena_blocks), or None
-        when some rank's arena can not hold them, or its combine could not be staged (a static
-        size past the buffer's largest call): the call then takes the receive path, on every
-        rank of the group (the vote, where this process drives only some), with one log line
-        per process."""
+    def _output_spans(self, outputs: list[tuple], dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(address, bytes) of the outputs of a dispatch, from the launcher's output tuples."""
         H = self.config.hidden_dim
-        got, reason = None, None
-        for r, R in zip(self.ranks, rows):
-            if not self.staging.holds(R):
-                reason = (f"rank {r}'s combine staging region holds {self.staging.rows} rows, the most a "
-                          f"dispatch of this buffer makes without num_out_tokens; the call has {R}")
-                break
+        spans = []
+        for R, out, sc, probs in outputs:
+            if R > 0:
+                spans += [(out, R * H * dtype.itemsize), (probs, R * 4)]
+                if sc:
+                    spans.append((sc, R * (H // FP8_BLOCK) * 4))
+        return spans
+
+    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int):
+        """Every driven rank's arena block of a direct dispatch (arena.arena_take: the tensors
+        are made after the launch), or None when some rank's arena can not hold it, or its
+        combine could not be staged (a static size past the buffer's largest call): the call
+        then takes the receive path, on every rank of the group (the vote, where this process
+        drives only some), with one log line per process."""
+        H = self.config.hidden_dim
+        taken, reason = None, None
+        if max(rows) > self.staging.rows:
+            i = next(i for i, R in enumerate(rows) if not self.staging.holds(R))
+            reason = (f"rank {self.ranks[i]}'s combine staging region holds {self.staging.rows} rows, the most a "
+                      f"dispatch of this buffer makes without num_out_tokens; the call has {rows[i]}")
         else:
-            got = arena_blocks(self.arenas, rows, H, dtype, fp8, stream)
-            if isinstance(got, int):
-                i, got = got, None
+            taken = arena_take(self.arenas, rows, H, dtype, fp8, stream)
+            if taken.failed >= 0:
+                i, taken = taken.failed, None
                 arena, R = self.arenas[i], rows[i]
                 reason = (f"rank {self.ranks[i]}'s arena can not hold {R} output rows: "
                           f"{call_bytes(R, H, dtype, fp8)} bytes needed, {arena.used} of {arena.capacity} in use, "
@@ -745,7 +757,7 @@ class Engine:
         if not ok:
             _log_fallback(reason)
             return None
-        return got
+        return taken
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -779,15 +791,15 @@ class Engine:
                 # stream it was used on, and one kept here would split the arena until the next
                 # combine. What lies outside the arena is copied into the staging region.
                 arena = self.arenas[len(outs)]
-                x_out, p_out = not arena.contains(x), not arena.contains(p)
-                keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
-                p_out = p_out and apply_probs  # probs are read only then
+                x_out = not arena.contains(x)
+                p_out = apply_probs and not arena.contains(p)  # probs are read only then
                 if x_out or p_out:
+                    keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
                     if order is None:
                         order = self.staging.order
                         order.before(stream)
                     x, p = self.staging.stage(len(outs), x, p, x_out, p_out)
-                x_ptr = x.data_ptr()
+                    x_ptr = x.data_ptr()
                 staged += (x, p)
             else:
                 keep += (x, p)
