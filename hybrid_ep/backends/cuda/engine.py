@@ -15,7 +15,10 @@ copied into the rank's staging region, staging.py) and one workspace for the cal
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
 both dispatch kernels when the output size is known, else the layout kernel, the host read,
-then the dispatch kernel. The handle's tensors are views of the workspace made when read.
+then the dispatch kernel. Between that read and the dispatch launch (a GPU idles there) only
+what needs the output sizes runs: the path, the arena blocks' ranges or the receive path's
+outputs; the arena's tensors (made by the extension, arena.py) and the per-rank results are
+made after the launch. The handle's tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
