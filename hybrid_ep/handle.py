@@ -17,6 +17,8 @@ from .traffic.model import RowCounts, row_counts
 
 _FIELDS = ("owner", "config", "rank", "routing", "source", "dest", "recv_counts_W", "num_recv_rows",
            "count_matrix_WW", "node_counts_WN", "probs_R", "num_out_tokens", "serial", "checksum")
+_COUNT_TABLES = ("_recv_counts_W", "_count_matrix_WW", "_node_counts_WN")  # kept under these names
+_STORED = {name: "_" + name if "_" + name in _COUNT_TABLES else name for name in _FIELDS}  # field -> key
 
 
 class ReadOnly:
@@ -94,12 +96,19 @@ class DispatchHandle(ReadOnly, _CountTables):
                              num_out_tokens=num_out_tokens, serial=serial, checksum=checksum)
 
     def replace(self, **changes) -> "DispatchHandle":
-        """A copy with some fields changed (dataclasses.replace's contract)."""
-        fields = {name: self.__dict__.get(name, self.__dict__.get("_" + name)) for name in _FIELDS}
-        unknown = set(changes) - set(fields)
-        if unknown:
-            raise TypeError(f"DispatchHandle has no field {sorted(unknown)[0]!r}")
-        return DispatchHandle(**{**fields, **changes})
+        """A copy with some fields changed (dataclasses.replace's contract). A copy of the
+        instance dictionary, not a new __init__: autograd's dispatch makes one per call."""
+        fields = dict(self.__dict__)
+        for name, value in changes.items():
+            key = _STORED.get(name)
+            if key is None:
+                raise TypeError(f"DispatchHandle has no field {name!r}")
+            fields[key] = value
+            if key in _COUNT_TABLES:
+                fields.pop("row_counts", None)  # cached from the old tables
+        new = DispatchHandle.__new__(DispatchHandle)
+        new.__dict__.update(fields)
+        return new
 
     @property
     def num_tokens(self) -> int:

@@ -74,6 +74,21 @@ MUTATIONS = (
              "chunk put before its later rows' node partials)", "csrc/kernels/combine.cuh",
              "return rows == 0 || (q == rows - 1 && end == C); }", "return rows == 0 || (q == 0 && end == C); }",
              tests="tests/test_hierarchy_model.py"),
+    Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
+             "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch.cuh",
+             "wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows",
+             "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
+    Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
+             "takes a destination's tensors published by the previous call, epoch - 1)",
+             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, view, a, tid, kDirectDispatch, epoch, pv)",
+             "read_tensors(args, view, a, tid, kDirectDispatch, epoch - 1, pv)",
+             tests="tests/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
+    Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
+             "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "
+             "peer still writes its rows)", "csrc/kernels/direct.cuh",
+             "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch,",
+             "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch - 1,",
+             tests="tests/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cuh",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),

@@ -7,6 +7,7 @@ sized for it, and memory_plan() reports the arena and the staging region."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -316,37 +317,68 @@ def test_a_vote_against_sends_every_rank_to_the_receive_path(fresh_log):
         group.close()
 
 
+T1, H1, E1, K1 = 64, 256, 8, 8  # the default arena holds one call of this shape, not two
+
+
+@contextlib.contextmanager
+def _one_rank_direct_buffer():
+    """A HybridEPBuffer of one rank over the cuda backend on the CPU model (direct path, the
+    default arena) and a routing of T1 tokens to K1 of E1 experts: (buf, group, x, idx, w)."""
+    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+    from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
+
+    g = EmulatedGroup(1, H1, T1, E1, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1)
+    try:
+        with _world_of_one():
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(T1, H1, generator=gen).to(torch.bfloat16)
+            idx = torch.argsort(torch.rand(T1, E1, generator=gen), dim=1)[:, :K1].contiguous()
+            yield _single_rank_buffer(g), g, x, idx, torch.rand(T1, K1, generator=gen)
+    finally:
+        g.close()
+
+
 def test_a_buffer_loop_stays_direct_with_the_default_arena(fresh_log):
     """HybridEPBuffer's last_call records each call without keeping its handle, so with the
     default arena (one call) every call of a loop that drops its outputs goes direct, and the
     record still reports the call's traffic."""
-    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-    from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
+    with _one_rank_direct_buffer() as (buf, g, x, idx, w):
+        paths = []
+        for _ in range(4):
+            res = buf.dispatch(x, idx, w, num_out_tokens=T1 * K1)
+            y = buf.combine(res.tokens, res.handle)
+            paths.append(res.handle.data_path)
+            assert buf.last_call.handle is res.handle  # while the caller keeps it
+            del res
+        assert paths == ["direct"] * 4
+        assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
+        assert buf.last_call.handle is None  # the record did not keep it
+        g.synchronize()
+        # One row per token and destination rank: T1, all on this rank.
+        traffic = buf.last_traffic
+        assert (traffic.op, traffic.rows) == ("combine", T1), traffic
+        # Combine sums a token's K1 routes, each its own row here: K1 x its row, exactly.
+        torch.testing.assert_close(y.float(), K1 * x.float(), rtol=0, atol=0)
 
-    T, H, E, K = 64, 256, 8, 8  # the default arena holds one call of this shape, not two
-    g = EmulatedGroup(1, H, T, E, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1)
-    try:
-        with _world_of_one():
-            buf = _single_rank_buffer(g)
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-            idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous()
-            w = torch.rand(T, K, generator=gen)
-            paths = []
-            for _ in range(4):
-                res = buf.dispatch(x, idx, w, num_out_tokens=T * K)
-                y = buf.combine(res.tokens, res.handle)
-                paths.append(res.handle.data_path)
-                assert buf.last_call.handle is res.handle  # while the caller keeps it
-                del res
-            assert paths == ["direct"] * 4
-            assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
-            assert buf.last_call.handle is None  # the record did not keep it
-            g.synchronize()
-            # One row per token and destination rank: T, all on this rank.
-            traffic = buf.last_traffic
-            assert (traffic.op, traffic.rows) == ("combine", T), traffic
-            # Combine sums a token's K routes, each its own row here: K x its row, exactly.
-            torch.testing.assert_close(y.float(), K * x.float(), rtol=0, atol=0)
-    finally:
-        g.close()
+
+def test_a_training_forward_loop_stays_direct_with_the_default_arena(fresh_log):
+    """hybrid_ep.dispatch + combine with inputs that ask for gradients, outputs dropped after
+    each pair: the autograd graph must not keep a call's arena block past its outputs (it kept
+    it while dispatch returned a copy of the probs: every other call then took the receive
+    path)."""
+    import hybrid_ep as hep
+
+    with _one_rank_direct_buffer() as (buf, g, x, idx, w):
+        x, w = x.requires_grad_(), w.requires_grad_()
+        paths = []
+        for _ in range(4):
+            res = hep.dispatch(buf, x, idx, w, num_out_tokens=T1 * K1)
+            y = hep.combine(buf, res.tokens, res.handle)
+            paths.append(res.handle.data_path)
+            assert y.requires_grad and res.probs.requires_grad
+            out = y.detach()  # not in the arena; y's graph holds the call's handle
+            del res, y
+        assert paths == ["direct"] * 4
+        assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
+        g.synchronize()
+        torch.testing.assert_close(out.float(), K1 * x.detach().float(), rtol=0, atol=0)

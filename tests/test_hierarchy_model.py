@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -108,6 +109,65 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
             group.synchronize()
     finally:
         group.close()
+
+
+def _forwarded_combine(held_rank: int, absent=()):
+    """Two nodes of one rank; rank 0's 256 tokens all go to rank 1's experts, so rank 1
+    forwards 8 chunks of node partials back to rank 0 in the combine, more than its put ring
+    holds (kPutStages, 4); rank 1 has no tokens. The combine runs with the loopback puts of
+    `held_rank` stalled (model.hold_at) and the ranks `absent` missing. Returns the error the
+    group raised (None), the virtual time the combine took, and rank 0's x and y."""
+    group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", ranks_per_node=1)
+    try:
+        xs = [torch.randn(256, 128).to(torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
+        idx = [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)]
+        res = group.dispatch(xs, idx, num_out_tokens=512)
+        group.synchronize()
+        model.hold_at(held_rank, "combine")
+        before = model.stats()["virtual_ns"]
+        with ranks_absent(group, absent):
+            ys = group.combine([r.tokens for r in res], [r.handle for r in res])
+        took_s = (model.stats()["virtual_ns"] - before) / 1e9
+        try:
+            group.synchronize()
+        except RuntimeError as err:
+            return str(err), took_s, xs[0], None
+        return None, took_s, xs[0], ys[0]
+    finally:
+        group.close()
+
+
+def test_a_stalled_forwarder_put_is_reported_by_the_source_it_starves(monkeypatch):
+    """Rank 1's put warp stalls at its first put: its reducers fill the put ring and wait on it,
+    and rank 0, whose node partials never come, gives up within HYBRID_EP_TIMEOUT_S naming
+    rank 1; every wait of both ranks then returns (no hang)."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message, took_s, _, _ = _forwarded_combine(held_rank=1)
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 on node 1 in "
+                     r"combine node partials \(waiting for the rail peer on that node, by RDMA\) \(call 1,",
+                     message or ""), message
+    assert 1.0 <= took_s < 2.0, took_s
+
+
+def test_the_forwarders_put_ring_times_out_on_its_own(monkeypatch):
+    """The same stall with the source rank absent, so that no other wait runs out first: the
+    reducers' wait for a free stage of the put ring gives up, with the pipeline's record
+    (which has twice the bound: state.cuh, mbar_wait), and the launch ends."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message, took_s, _, _ = _forwarded_combine(held_rank=1, absent={0})
+    assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting in its shared-memory pipeline "
+                     r"\(call 1\)", message or ""), message
+    assert 2.0 <= took_s < 3.0, took_s
+
+
+def test_the_forwarder_puts_without_a_stall(monkeypatch):
+    """The two tests above with nothing held (key -1 holds nowhere): the combine
+    completes at once with each token's two routes summed, 2 x, exactly (one bf16 rounding of
+    an exact sum per hop)."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message, took_s, x, y = _forwarded_combine(held_rank=-1)
+    assert message is None and took_s < 0.5, (message, took_s)
+    assert torch.equal(y, 2 * x) and float(x.abs().sum()) > 0
 
 
 def test_emulated_groups_take_up_to_sixteen_ranks_and_name_the_limit():

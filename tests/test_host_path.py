@@ -179,6 +179,11 @@ def test_handle_and_result_are_read_only(group):
     assert torch.equal(other.count_matrix_WW, h.count_matrix_WW)
     with pytest.raises(TypeError, match="no field 'probs'"):
         h.replace(probs=probs)
+    # The copy keeps the rows per link computed from the counts, unless the counts change.
+    counts = h.row_counts
+    assert h.replace(probs_R=probs).row_counts is counts and int(counts.received.sum()) > 0
+    none = h.replace(count_matrix_WW=torch.zeros_like(h.count_matrix_WW))
+    assert int(none.row_counts.received.sum()) == 0 and h.row_counts is counts
     group.synchronize()
 
 
@@ -347,7 +352,7 @@ def test_bench_host_mode_writes_its_json(tmp_path):
     assert doc["cpu_heap"].startswith(("glibc mallopt", "default ("))
     assert [p["world_size"] for p in doc["points"]] == [1, 2]
     for p in doc["points"]:
-        levels = ("engine", "group") + (("buffer", "autograd") if p["world_size"] == 1 else ())
+        levels = ("engine", "group") + (("buffer", "autograd", "training") if p["world_size"] == 1 else ())
         assert [k for k in host.LEVELS if k in p] == list(levels)
         for level in levels:
             q = p[level]

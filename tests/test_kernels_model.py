@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -173,6 +174,53 @@ def test_missing_rank_in_combine_times_out_naming_it(monkeypatch, path):
             group.synchronize()
     finally:
         group.close()
+
+
+def _direct_dispatch_with_a_stall(key: int) -> tuple[str, float]:
+    """Rank 1's 64 tokens all go to rank 0's experts (rank 0 has none), direct path, one SM per
+    rank (rank r's block is block r); the direct dispatch runs with the hold `key`
+    (model.hold_at). Returns the error the group raised and the virtual time the call took.
+    One launch runs every rank here, so a wait on another rank that is missing or passes too
+    early shows only when that rank is stalled."""
+    group = EmulatedGroup(2, 256, 64, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="direct")
+    try:
+        xs = [torch.zeros(0, 256, dtype=torch.bfloat16), torch.randn(64, 256).to(torch.bfloat16)]
+        idx = [torch.zeros(0, 2, dtype=torch.int64), torch.tensor([[0, 1]] * 64)]
+        model.hold_at(key, "dispatch_direct")
+        before = model.stats()["virtual_ns"]
+        res = group.dispatch(xs, idx, num_out_tokens=128)
+        took_s = (model.stats()["virtual_ns"] - before) / 1e9
+        assert res[0].handle.data_path == "direct"
+        with pytest.raises(RuntimeError) as err:
+            group.synchronize()
+        return str(err.value), took_s
+    finally:
+        group.close()
+
+
+def test_a_destination_waits_for_its_direct_writers(monkeypatch):
+    """The direct dispatch's completion count: a rank's kernel ends only once every source has
+    written its rows of the call. With rank 1's bulk stores stalled, rank 0 gives up after
+    HYBRID_EP_TIMEOUT_S naming rank 1, and not before (a count of the previous call's epoch
+    passes at once: scripts/model_mutations.py, direct-done-of-the-previous-call)."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message, took_s = _direct_dispatch_with_a_stall(model.STORES_OF_BLOCK + 1)
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 in the direct "
+                     r"path's dispatch \(waiting for the peer to finish writing this rank's rows\) \(call 1,",
+                     message), message
+    assert 1.0 <= took_s < 2.0, took_s
+
+
+def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
+    """A source writes a destination's rows only where the destination published them for this
+    call: with rank 0's block starting late, rank 1 gives up after HYBRID_EP_TIMEOUT_S naming
+    rank 0 (tensors published by the previous call would pass at once:
+    direct-tensors-of-the-previous-call)."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message, took_s = _direct_dispatch_with_a_stall(model.START_OF_BLOCK + 0)
+    assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 0 in the direct path "
+                     r"\(waiting for the peer to publish its tensors of the call\) \(call 1,", message), message
+    assert 1.0 <= took_s < 2.0, took_s
 
 
 def test_routing_errors_are_reported_by_the_kernel():

@@ -140,6 +140,12 @@ PYBIND11_MODULE(_model, m) {
   m.def("inject_abort", &model::inject_abort, py::arg("flag"), py::arg("round"), py::arg("kernel"),
         "in the next launch of `kernel` (layout, dispatch, combine), raise the int abort flag at `flag` when "
         "scheduling round `round` begins");
+  m.def("hold_at", &model::hold_at, py::arg("key"), py::arg("kernel"),
+        "in the next launch of `kernel`, hold every thread that reaches dev::hold_point(key) until no other thread "
+        "can run (the loopback transport's puts hold at key = the putting rank, block b's bulk stores at "
+        "STORES_OF_BLOCK + b, its threads' start at START_OF_BLOCK + b)");
+  m.attr("STORES_OF_BLOCK") = model::kStoresOfBlock;
+  m.attr("START_OF_BLOCK") = model::kStartOfBlock;
   m.def("selftest_names", &model::selftest_names);
   m.def(
       "run_selftest",
@@ -178,6 +184,7 @@ PYBIND11_MODULE(_model, m) {
     d["switches"] = s.switches;
     d["copies"] = s.copies;
     d["idle_rounds"] = s.idle_rounds;
+    d["virtual_ns"] = s.virtual_ns;
     return d;
   });
 }

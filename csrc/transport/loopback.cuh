@@ -34,6 +34,7 @@ struct LoopbackTransport {
   }
   __device__ void put_signal(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,
                              uint64_t value) const {
+    dev::hold_point(rank);  // tests stall a rank's puts here (CPU model); nothing on a GPU
     put(lane, dst, dst_off, src, bytes);
     if (lane == 0) {
       __threadfence_system();  // every lane's stores were ordered before lane 0's by __syncwarp

@@ -12,8 +12,10 @@ per-call host path this package owns below the API), `group` (EmulatedGroup.disp
 combine: the API's argument checks, routing normalisation and handles on top) and, at W = 1,
 `buffer` (HybridEPBuffer.dispatch + combine over the cuda backend, one rank per process as
 in production: the public API's path, on the same engine, in a torch.distributed world of
-one) and `autograd` (hybrid_ep.dispatch + combine on that buffer: Megatron's path, inputs
-without gradients).
+one), `autograd` (hybrid_ep.dispatch + combine on that buffer, inputs without gradients:
+no graph to record, as in evaluation) and `training` (the same with x, topk_weights and
+expert_out asking for gradients: Megatron's training forward, which records the graph; the
+graph is freed after each pair, its backward is not timed).
 
 The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
 (steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while
@@ -51,7 +53,7 @@ from ..autograd import dispatch as hep_dispatch
 from ..metadata import metadata
 from ..routing import normalize_routing
 
-LEVELS = ("engine", "group", "buffer", "autograd")  # buffer and autograd at W = 1 only
+LEVELS = ("engine", "group", "buffer", "autograd", "training")  # the last three at W = 1 only
 DEFAULTS = dict(worlds=(1, 2, 8), paths=("receive", "direct"), hidden=1024, tokens=256, topk=8, warmup=50,
                 iters=500)
 
@@ -132,6 +134,12 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
         res = hep_dispatch(buf, xs[0], idx[0], w[0], num_out_tokens=static)
         hep_combine(buf, expert_outs[0], res.handle)
 
+    leaves = [t.detach().requires_grad_() for t in (xs[0], w[0], expert_outs[0])]  # views, no copies
+
+    def training_pair():
+        res = hep_dispatch(buf, leaves[0], idx[0], leaves[1], num_out_tokens=static)
+        hep_combine(buf, leaves[2], res.handle)  # its graph and res's die on return
+
     def engine_pair():
         res = engine.dispatch(xs, [None] * W, routings, static, 1)
         engine.combine(expert_outs, [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res], False, 1)
@@ -143,7 +151,7 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     if W == 1:
         stack.enter_context(_world_of_one())
         buf = _single_rank_buffer(group)
-        levels += [("buffer", buffer_pair), ("autograd", autograd_pair)]
+        levels += [("buffer", buffer_pair), ("autograd", autograd_pair), ("training", training_pair)]
     ext.set_launches_enabled(False)
     try:
         for level, pair in levels:
@@ -262,7 +270,9 @@ def main(argv=None) -> int:
                       flush=True)
     units = {"engine": "Engine.dispatch + Engine.combine", "group": "EmulatedGroup.dispatch + combine",
              "buffer": "HybridEPBuffer.dispatch + combine (cuda backend, W = 1 only)",
-             "autograd": "hybrid_ep.dispatch + combine on that buffer (W = 1 only)",
+             "autograd": "hybrid_ep.dispatch + combine on that buffer, inputs without gradients (W = 1 only)",
+             "training": "the same with x, topk_weights and expert_out requiring gradients: the forward "
+                         "records the graph (W = 1 only)",
              "wall_us_per_pair": "microseconds (median)", "wall_us_per_pair_per_rank": "microseconds (median / W)",
              "cpu_us_per_pair": "microseconds of this thread's CPU time (median)",
              "cpu_us_per_pair_per_rank": "microseconds of CPU time (median / W)",

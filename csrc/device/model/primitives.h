@@ -138,6 +138,11 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
 
 inline void sleep_ns(uint32_t) {}  // polls give way to the other threads anyway
 
+// A point where a test may hold the calling thread, as a stalled warp (runtime.h, hold_at).
+inline void hold_point(int key, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::hold_point(key, {file, line});
+}
+
 // ---- plain accesses of the hot loops (sm90/primitives.cuh) -------------------------------------
 // The same plain access as on the GPU (the race check sees it as before), counted by the timing
 // model by memory class and bytes when timing is on (timing.h says what it costs).

@@ -46,6 +46,7 @@ struct Thread {
   bool idle = false;                 // the segment that just ended only re-polled an unchanged value
   bool busy = false;                 // a primitive other than a poll ran in this segment
   bool last_poll_unchanged = false;  // the value the last poll returned was the one seen before
+  bool held = false;                 // at a hold point (hold_at): not scheduled for now
   Site site{"", 0};                  // where it waits
   struct Memo {
     const volatile void* addr;
@@ -136,6 +137,8 @@ struct Launch {
   char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
   int* inject_flag = nullptr;       // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
+  int hold_key = -1;  // hold_at: the key dev::hold_point holds at in this launch, -1 none
+  int held = 0;       // threads held there now
   std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
   sigjmp_buf jump;
 };
@@ -152,6 +155,10 @@ struct Injection {
   int64_t round = -1;
   std::string kernel;
 } g_injection;
+struct Hold {
+  int key = -1;
+  std::string kernel;
+} g_hold;
 // ThreadSanitizer's fibers (happens_before.h) cost about half a millisecond each to make, so
 // they are kept across launches: one per thread slot, one per warp's copy engine.
 constexpr size_t kMaxRaceFibers = 8000;  // its runtime stops at 8128 threads and fibers
@@ -388,6 +395,7 @@ void fiber_entry(void* arg) {
   auto* t = static_cast<Thread*>(arg);
   Launch& L = launch_state();
   hb::acquire(&L.start_key);
+  hold_point(kStartOfBlock + t->block->index, Site{"(the block's start)", 0});
   L.body(L.ctx);
   thread_exit(t);
 }
@@ -485,7 +493,16 @@ void schedule(Launch& L) {
     if (L.inject_flag != nullptr && L.round == L.inject_round) *reinterpret_cast<volatile int*>(L.inject_flag) = 1;
     ready.clear();
     for (Thread& t : L.threads)
-      if (t.state == State::kReady) ready.push_back(&t);
+      if (t.state == State::kReady && !t.held) ready.push_back(&t);
+    if (ready.empty() && L.pending.empty() && L.held > 0) {  // nothing else can run: the held go on
+      L.hold_key = -1;
+      L.held = 0;
+      for (Thread& t : L.threads)
+        if (t.held) {
+          t.held = false;
+          ready.push_back(&t);
+        }
+    }
     for (size_t i = ready.size(); i > 1; --i) std::swap(ready[i - 1], ready[splitmix(L.rng) % i]);
     bool progress = false;
     for (Thread* t : ready) {
@@ -852,6 +869,7 @@ void bulk_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* ba
 }
 
 void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site) {
+  hold_point(kStoresOfBlock + cur()->block->index, site);
   const size_t id =
       enqueue_copy(false, const_cast<void*>(smem_src), gmem_dst, bytes, nullptr, site, __builtin_return_address(0));
   Thread* t = cur();
@@ -962,6 +980,11 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
     L->inject_round = g_injection.round;
     g_injection = Injection{};
   }
+  if (g_hold.key >= 0 && g_hold.kernel == short_name) {
+    L->hold_key = g_hold.key;
+    g_hold = Hold{};
+  }
+  const uint64_t started_ns = L->now;
   g_launch = L.get();
   L->scheduler.race_fiber = hb::current_fiber();
   hb::release(&L->start_key);
@@ -993,6 +1016,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   free_context(L->scheduler);
   for (auto& b : L->blocks) munmap(b->mapping, b->mapping_bytes);
   ++g_stats.launches;
+  g_stats.virtual_ns += L->now - started_ns;
   if (L->error.empty())
     for (auto& timer : L->timers) timing::add_report(timer->finish());
   if (!L->error.empty()) {
@@ -1013,6 +1037,20 @@ void inject_abort(uint64_t flag, int64_t round, const std::string& kernel) {
   g_injection.flag = flag;
   g_injection.round = round;
   g_injection.kernel = kernel;
+}
+
+void hold_at(int key, const std::string& kernel) {
+  g_hold.key = key;
+  g_hold.kernel = kernel;
+}
+
+void hold_point(int key, Site site) {
+  Launch& L = launch_state();
+  if (key < 0 || key != L.hold_key) return;
+  Thread* t = cur();
+  t->held = true;
+  ++L.held;
+  yield_at_poll(t, site);  // the scheduler resumes it once it lets the held go on
 }
 
 void note_flag_write(const volatile void* p, Site site) {

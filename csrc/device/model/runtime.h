@@ -116,8 +116,20 @@ void remove_allocation(uint64_t ptr);
 // `round` begins, as a peer's failure would raise the abort flag in the middle of the
 // pipeline. Tests check that every block then leaves cleanly.
 void inject_abort(uint64_t flag, int64_t round, const std::string& kernel);
+// Stalls: in the next launch of `kernel`, every thread that reaches a hold point with this key
+// is held there, not scheduled, until no other thread of the launch can run and no bulk copy
+// is in flight (the others finished, or wait at a barrier for the held ones); then the held
+// threads go on and the point holds no more in that launch. Hold points: dev::hold_point(key)
+// (the loopback transport's puts, key = the putting rank), every bulk store of block b
+// (bulk_s2g, before the copy: key = kStoresOfBlock + b) and the start of block b's threads
+// (a block that starts late: kStartOfBlock + b). Tests stall one role this way and check that
+// the waits on it give up, bounded, with their error record.
+constexpr int kStoresOfBlock = 1 << 20, kStartOfBlock = 2 << 20;
+void hold_at(int key, const std::string& kernel);
+void hold_point(int key, Site site);
 struct Stats {
   uint64_t launches = 0, rounds = 0, switches = 0, copies = 0, idle_rounds = 0;
+  uint64_t virtual_ns = 0;  // %globaltimer time the launches took, summed
 };
 Stats stats();
 

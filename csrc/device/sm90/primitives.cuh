@@ -184,6 +184,9 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
 // Back-off between polls.
 __device__ __forceinline__ void sleep_ns(uint32_t ns) { __nanosleep(ns); }
 
+// A test hook of the CPU model (model/runtime.h, hold_at): nothing on a GPU.
+__device__ __forceinline__ void hold_point(int /*key*/) {}
+
 // ---- plain accesses of the hot loops ----------------------------------------------------------
 // ld / st are the plain load and store they wrap (the compiler sees the same access, so the
 // code generated is the one of `*p` and `*p = v`); chain() is nothing. On the CPU model
