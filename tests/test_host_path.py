@@ -357,3 +357,20 @@ def test_bench_host_mode_writes_its_json(tmp_path):
         for level in levels:
             q = p[level]
             assert q["cpu_us_per_pair_per_rank"] == pytest.approx(q["cpu_us_per_pair"] / p["world_size"])
+
+
+def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
+    from hybrid_ep.bench import host
+
+    out = tmp_path / "dynamic.json"
+    assert host.main(["--dynamic", "--worlds", "2", "--paths", "direct", "receive", "--iters", "2", "--warmup", "1",
+                      "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "dynamic-size dispatch" in doc["what"] and doc["metadata"]["config"]["dynamic"] is True
+    assert [(p["world_size"], p["data_path"], p["num_out_tokens"]) for p in doc["points"]] == [
+        (2, "direct", None), (2, "receive", None)]
+    for p in doc["points"]:
+        for window in ("before_layout", "after_read"):
+            q = p[window]
+            assert q["cpu_us_per_call"] > 0
+            assert q["cpu_us_per_rank"] == pytest.approx(q["cpu_us_per_call"] / 2)
