@@ -5,7 +5,8 @@ rows and probs, combine's y), runs no other tensor operation and reads nothing b
 engine and through the API (EmulatedGroup, and HybridEPBuffer over the cuda backend: the
 routing is not masked per call, since the kernels never read an unrouted slot's weight); the
 per-call tables reuse the engine's workspace once nothing refers to them, and never while a
-handle or a view of them lives. The error messages of bad arguments are the engine's own,
+handle or a view of them lives. A dynamic-size dispatch makes only its outputs between its host
+read and the dispatch launch. The error messages of bad arguments are the engine's own,
 word for word. The bench's host mode (hybrid_ep.bench.host) runs.
 """
 
