@@ -1,6 +1,7 @@
-"""The arena's sub-allocator (backends/cuda/arena.py) over a CPU region: alignment, the tensors
-it hands out, their return when the last view dies, exhaustion, the stream rule, the bytes
-one direct call takes and what a training step needs."""
+"""The arena's sub-allocator (backends/cuda/arena.py, its free list and tensors in the CPU
+model's extension: csrc/bindings/arena.h) over a CPU region: alignment, the tensors it hands
+out, their return when the last view dies, exhaustion, the stream rule, every rank's block in
+one call, the bytes one direct call takes and what a training step needs."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda import arena as arena_mod
-from hybrid_ep.backends.cuda.arena import ALIGN, Arena, aligned, call_bytes, call_tensors
+from hybrid_ep.backends.cuda import load_extension
+from hybrid_ep.backends.cuda.arena import ALIGN, Arena, aligned, arena_blocks, call_bytes, call_tensors
 from hybrid_ep.backends.cuda.staging import StreamOrder
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.routing import max_output_rows
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.model
 
 CPU = torch.device("cpu")
 
@@ -101,6 +103,39 @@ def test_call_tensors_take_call_bytes_or_nothing(region):
     gc.collect()
     assert call_tensors(a, 64, H, torch.bfloat16, True) is None  # too big: nothing stays taken
     assert a.used == 0
+
+
+def test_every_ranks_block_in_one_call_or_none_taken():
+    """arena_blocks: one block per arena; where one can not hold its block, its index comes
+    back and no arena keeps a block."""
+    backing = torch.zeros(40 * ALIGN, dtype=torch.uint8)
+    skip = (-backing.data_ptr()) % ALIGN
+    big = Arena(backing.data_ptr() + skip, 16 * ALIGN, CPU)
+    small = Arena(backing.data_ptr() + skip + 16 * ALIGN, 8 * ALIGN, CPU)
+    R, H = 8, 128  # 8 blocks of rows, 1 of probs
+    got = arena_blocks([big, small], [R, 4], H, torch.bfloat16, False)
+    (out0, probs0, sc0), (out1, probs1, sc1) = got
+    assert out0.shape == (R, H) and out0.dtype == torch.bfloat16 and probs0.shape == (R,) and sc0 is None
+    assert out1.shape == (4, H) and probs1.dtype == torch.float32 and sc1 is None
+    assert out0.data_ptr() == big.base and out1.data_ptr() == small.base
+    out1.fill_(3.0)
+    assert backing[skip + 16 * ALIGN:skip + 16 * ALIGN + 4 * H * 2].view(torch.bfloat16).eq(3.0).all()
+    del got, out0, probs0, out1, probs1
+    gc.collect()
+    assert big.used == 0 and small.used == 0
+    assert arena_blocks([big, small], [R, R], H, torch.bfloat16, False) == 1  # 9 blocks do not fit in 8
+    assert big.used == 0 and small.used == 0 and big.largest_free() == 16 * ALIGN
+
+
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float32, False),
+                                        (torch.float8_e4m3fn, True)])
+def test_the_extensions_block_layout_is_call_bytes_for_any_rows(dtype, fp8):
+    """The extension places a block's tensors by the rule call_bytes sizes them with (both
+    homes of the rule agree), for any number of rows, none included."""
+    ext = load_extension("cpu")
+    layout = arena_mod.call_layout(ext, 384, dtype, fp8)
+    for rows in (0, 1, 3, 255, 256, 1000):
+        assert layout.nbytes(rows) == call_bytes(rows, 384, dtype, fp8)
 
 
 def test_fp8_calls_carry_their_scales_in_the_block(region):

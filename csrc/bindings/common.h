@@ -1,7 +1,8 @@
 // Bindings shared by hybrid_ep._C (the GPU) and hybrid_ep._model (the CPU model of the
 // device layer): limits, the codes of dtypes, transports and error phases, the argument
 // structs, the per-call host path (HostPath: one call fills every rank's arguments of a
-// kernel sequence and launches it), the launchers and the occupancy queries. Both modules
+// kernel sequence and launches it), the arena's blocks (arena.h), the launchers and the
+// occupancy queries. Both modules
 // expose the same names, so the Python engine drives either.
 //
 // Only pybind11 is used here (no ATen), so this compiles fast; Python passes tensors as
@@ -15,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings/arena.h"
 #include "common/params.h"
 #include "kernels/launch.h"
 
@@ -339,6 +341,7 @@ inline void bind_common(py::module_& m) {
       "set_launches_enabled", [](bool on) { launches_enabled() = on; },
       "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");
   m.def("launches_enabled", [] { return launches_enabled(); });
+  bind_arena(m);
 #undef RW
 
   m.def("launch_layout",

@@ -22,6 +22,12 @@ The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per ca
 glibc's default mmap threshold moves with what was freed before, so a point's time depended
 on the points run before it (two modes, 8-10 us per rank apart).
 
+`--dynamic` measures the dynamic-size dispatch instead (num_out_tokens=None, Megatron's
+default), with the launches on (the layout kernel must compute the output size): a proxy
+around the engine's HostPath records the thread's CPU time from the call's start to the
+layout launch, and from the layout kernel's return (its one host read follows) to the
+dispatch launch. On a GPU the second part runs while the GPU idles after the read.
+
 These are CPU measurements of the host path with stubbed launches, not GPU numbers: the
 GPU benchmark (`python -m hybrid_ep.bench --emulate W`) reports the host time per rank
 next to the kernels'. Writes JSON to --out.
@@ -162,6 +168,60 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     return point
 
 
+class _HostClock:
+    """A proxy of an engine's ext.HostPath that notes the thread's CPU time around the
+    dynamic dispatch's two launches."""
+
+    def __init__(self, host):
+        self._host, self.marks = host, {}
+
+    def dispatch_layout(self, *args):
+        self.marks["layout_launch"] = time.thread_time_ns()
+        self._host.dispatch_layout(*args)
+        self.marks["layout_done"] = time.thread_time_ns()
+
+    def dispatch_rows(self, *args):
+        self.marks["rows_launch"] = time.thread_time_ns()
+        self._host.dispatch_rows(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._host, name)
+
+
+def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: int, warmup: int,
+                    iters: int) -> dict:
+    """One point of the dynamic-size dispatch (EmulatedGroup.dispatch, num_out_tokens=None) on
+    the CPU model with launches on: the median CPU time before the layout launch and between
+    the layout kernel's return and the dispatch launch, per call and per rank."""
+    from ..backends.cuda.emulation import EmulatedGroup
+
+    W, H, T, K = world_size, hidden, tokens, topk
+    E = max(2 * W, K)
+    group = EmulatedGroup(W, H, T, E, device="cpu", data_path=data_path, num_sms_dispatch=1, num_sms_combine=1)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
+    idx, w = _routing(W, T, E, K, gen)
+    clock = group.engine.host = _HostClock(group.engine.host)
+    before, after = [], []
+    try:
+        for i in range(warmup + iters):
+            t0 = time.thread_time_ns()
+            res = group.dispatch(xs, idx, w)
+            del res
+            if i >= warmup:
+                m = clock.marks
+                before.append((m["layout_launch"] - t0) / 1e3)
+                after.append((m["rows_launch"] - m["layout_done"]) / 1e3)
+        path = group.engine.data_path
+    finally:
+        group.close()
+    b, a = statistics.median(before), statistics.median(after)
+    return {"world_size": W, "data_path": path, "hidden": H, "tokens": T, "topk": K, "experts": E,
+            "num_out_tokens": None, "iters": iters,
+            "before_layout": {"cpu_us_per_call": b, "cpu_us_per_rank": b / W},
+            "after_read": {"cpu_us_per_call": a, "cpu_us_per_rank": a / W}}
+
+
 def _time(pair, warmup: int, iters: int) -> tuple[list[float], list[float]]:
     wall, cpu = [], []
     for i in range(warmup + iters):
@@ -180,6 +240,8 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", nargs="+", choices=("receive", "direct"), default=list(DEFAULTS["paths"]))
     for name in ("hidden", "tokens", "topk", "warmup", "iters"):
         parser.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
+    parser.add_argument("--dynamic", action="store_true",
+                        help="the dynamic-size dispatch's host time around its host read, launches on")
     parser.add_argument("--out", help="JSON file to write")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the host path is single-threaded; no pool threads in the timings
@@ -187,6 +249,15 @@ def main(argv=None) -> int:
     points = []
     for W in args.worlds:
         for path in args.paths:
+            if args.dynamic:
+                p = measure_dynamic(W, path, hidden=args.hidden, tokens=args.tokens, topk=args.topk,
+                                    warmup=args.warmup, iters=args.iters)
+                points.append(p)
+                print(f"W={W} {path} dynamic: before the layout launch {p['before_layout']['cpu_us_per_call']:.1f} us "
+                      f"CPU per call ({p['before_layout']['cpu_us_per_rank']:.1f} per rank); from the layout "
+                      f"kernel's return to the dispatch launch {p['after_read']['cpu_us_per_call']:.1f} "
+                      f"({p['after_read']['cpu_us_per_rank']:.1f} per rank)", flush=True)
+                continue
             p = measure(W, path, hidden=args.hidden, tokens=args.tokens, topk=args.topk, warmup=args.warmup,
                         iters=args.iters)
             points.append(p)
@@ -206,11 +277,19 @@ def main(argv=None) -> int:
              "cpu_us_per_pair": "microseconds of this thread's CPU time (median)",
              "cpu_us_per_pair_per_rank": "microseconds of CPU time (median / W)",
              "wall_us_p10_p90": "microseconds (10th and 90th percentile)"}
-    config = {k: getattr(args, k) for k in ("worlds", "paths", "hidden", "tokens", "topk", "warmup", "iters")}
+    if args.dynamic:
+        units = {"before_layout": "from EmulatedGroup.dispatch's start to the layout launch",
+                 "after_read": "from the layout kernel's return (the host read follows) to the dispatch launch",
+                 "cpu_us_per_call": "microseconds of this thread's CPU time (median)",
+                 "cpu_us_per_rank": "microseconds of CPU time (median / W)"}
+    config = {k: getattr(args, k) for k in ("worlds", "paths", "hidden", "tokens", "topk", "warmup", "iters",
+                                            "dynamic")}
     doc = {"metadata": metadata("python -m hybrid_ep.bench.host", device_type="cpu", config=config, units=units,
                                 backends=("cuda",)),
-           "what": "host time per dispatch + combine pair, static size, cuda backend on the CPU model with "
-                   "launches off (no kernel runs): a CPU measurement of the host path, not a GPU number",
+           "what": ("host time of the dynamic-size dispatch around its host read, cuda backend on the CPU model "
+                    "with launches on: a CPU measurement of the host path, not a GPU number" if args.dynamic else
+                    "host time per dispatch + combine pair, static size, cuda backend on the CPU model with "
+                    "launches off (no kernel runs): a CPU measurement of the host path, not a GPU number"),
            "command": "python -m hybrid_ep.bench.host " + " ".join(sys.argv[1:] if argv is None else argv),
            "cpu_heap": heap,
            "points": points}

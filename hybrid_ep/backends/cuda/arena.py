@@ -9,6 +9,13 @@ so the tensors are carved out of it here rather than by torch's allocator: a tor
 over a pluggable allocator would still need this sub-allocator for its segments, and a
 symmetric-memory tensor per call would need a collective rendezvous per call.
 
+The free list and the tensors over a block live in the extension (ext.Arena,
+csrc/bindings/arena.h): a direct dispatch takes one block per rank and makes its tensors on
+every call, and in Python that (a tensor over the block through the array interface, a view
+per dtype, an as_strided per tensor) cost more host time than the rest of the call; there
+one call takes every driven rank's block and hands each tensor to torch as a DLPack capsule.
+What a block holds is decided here (call_bytes, call_layout, cached per rows and dtype).
+
 A block is returned to the arena when the last tensor viewing it dies. Blocks are reused in
 the order of the stream they were allocated on (as torch's caching allocator reuses its
 blocks): a free range remembers that stream, and only a call on the same stream takes it
@@ -19,10 +26,8 @@ takes the receive path for the call.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
-import threading
 
 import numpy as np
 import torch
@@ -50,46 +55,73 @@ class _Memory:
             self.__array_interface__ = dict(interface, version=3)
 
 
-def _tensor_over(memory: _Memory, device: torch.device) -> torch.Tensor:
+def memory_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over [ptr, ptr + nbytes) that owns nothing (the combine staging region:
+    staging.py); the memory must outlive it."""
+    memory = _Memory(ptr, nbytes, device)
     if device.type == "cuda":
         return torch.as_tensor(memory, device=device)
     return torch.from_numpy(np.asarray(memory))
 
 
-def memory_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over [ptr, ptr + nbytes) that owns nothing (the combine staging region:
-    staging.py); the memory must outlive it."""
-    return _tensor_over(_Memory(ptr, nbytes, device), device)
+# DLPack's (type code, bits) of each dtype an arena tensor may have: the extension hands the
+# block's tensors to torch as DLPack capsules (csrc/bindings/arena.h).
+DLPACK_DTYPES = {torch.uint8: (1, 8), torch.int8: (0, 8), torch.int32: (0, 32), torch.int64: (0, 64),
+                 torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
+                 torch.float8_e4m3fn: (10, 8)}
+_DLPACK_DEVICES = {"cpu": 1, "cuda": 2}
 
 
-class _Block(_Memory):
-    """One allocation; alive exactly as long as some tensor views it (the tensor's storage
-    holds it through the array interface), then it returns its range."""
+def _from_dlpack():
+    """torch's function from a DLPack capsule to a tensor: its C entry where this torch has it
+    (no Python checks in front), else the public one."""
+    return getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
 
-    def __init__(self, arena: "Arena", offset: int, nbytes: int, stream: int, kept: bool, used_bytes: int):
-        super().__init__(arena.base + offset, used_bytes, arena.device)
-        self.arena, self.offset, self.nbytes, self.stream, self.kept = arena, offset, nbytes, stream, kept
 
-    def __del__(self):
-        if not self.kept:
-            self.arena._release(self.offset, self.nbytes, self.stream)
+def _layout(views: list[tuple[int, torch.dtype]], ext):
+    """The extension's ArenaLayout of tensors (columns, 0 for 1-D; dtype) of any number of
+    rows on one block, each starting on the next ALIGN boundary (as _call_layout places them)."""
+    specs = []
+    for cols, dt in views:
+        if dt not in DLPACK_DTYPES:
+            raise TypeError(f"the arena makes no {dt} tensors; it makes {sorted(map(str, DLPACK_DTYPES))}")
+        code, bits = DLPACK_DTYPES[dt]
+        specs.append((max(cols, 1) * dt.itemsize, code, bits, cols))
+    return ext.ArenaLayout(specs, ALIGN)
 
 
 class Arena:
     """First-fit sub-allocator over [base, base + capacity) of device memory (or of the CPU
-    model's host memory), handing out torch tensors."""
+    model's host memory), handing out torch tensors. The free list and the tensors live in
+    the extension (ext.Arena, csrc/bindings/arena.h): a block returns when its last tensor
+    dies, on any thread."""
 
     def __init__(self, base: int, capacity: int, device: torch.device):
         if base % ALIGN != 0:
             raise ValueError(f"arena base {base:#x} is not {ALIGN}-byte aligned")
+        from . import load_extension
+
         self.base, self.capacity, self.device = base, capacity // ALIGN * ALIGN, torch.device(device)
-        # Free ranges, sorted by offset: offsets, and (size, stream) of each; stream None: never used.
-        self._starts: list[int] = [0] if self.capacity else []
-        self._ranges: list[tuple[int, int | None]] = [(self.capacity, None)] if self.capacity else []
-        self.used = 0  # bytes in blocks that are taken (kept ones included)
-        # A block may die on another thread (autograd's backward threads free tensors too).
-        self._lock = threading.Lock()
-        self.kept = 0  # bytes taken for good by CUDA graph captures
+        self.ext = load_extension(self.device)
+        index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else 0)
+        self.core = self.ext.Arena(base, self.capacity, _DLPACK_DEVICES[self.device.type], index, _from_dlpack())
+        self._layouts: dict = {}  # (columns, dtype) -> ext.ArenaLayout of Arena.empty
+        self._on_cuda = self.device.type == "cuda"
+
+    @property
+    def used(self) -> int:
+        """Bytes in blocks that are taken (kept ones included)."""
+        return self.core.used
+
+    @property
+    def kept(self) -> int:
+        """Bytes taken for good by CUDA graph captures."""
+        return self.core.kept
+
+    def capturing(self) -> bool:
+        """Whether blocks taken now stay taken: a CUDA graph capture replays into them."""
+        return self._on_cuda and torch.cuda.is_current_stream_capturing()
 
     def contains(self, t: torch.Tensor) -> bool:
         """Whether all of t's memory lies inside the arena (t contiguous, as the kernels take it)."""
@@ -101,71 +133,26 @@ class Arena:
         return self.base <= start and start + t.numel() * t.element_size() <= self.base + self.capacity
 
     def largest_free(self, stream: int = 0) -> int:
-        return max((size for size, s in self._ranges if s is None or s == stream), default=0)
+        return self.core.largest_free(stream)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, stream: int = 0) -> torch.Tensor | None:
-        """A new, uninitialised tensor in the arena, or None when no free range fits."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        raw = self.empty_bytes(numel * dtype.itemsize, stream)
-        if raw is None:
-            return None
-        if dtype != torch.uint8:
-            raw = raw.view(dtype)
-        return raw.view(shape) if len(shape) != 1 else raw
+        """A new, uninitialised tensor (1 or 2 dimensions) in the arena, or None when no free
+        range fits."""
+        if len(shape) not in (1, 2):
+            raise ValueError(f"an arena tensor has 1 or 2 dimensions, got shape {tuple(shape)}")
+        cols = shape[1] if len(shape) == 2 else 0
+        if len(shape) == 2 and cols < 1:
+            raise ValueError(f"a 2-D arena tensor needs columns, got shape {tuple(shape)}")
+        key = (cols, dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _layout([(cols, dtype)], self.ext)
+        got = self.core.block(layout, shape[0], stream, self.capturing())
+        return None if got is None else got[0]
 
     def empty_bytes(self, used: int, stream: int = 0) -> torch.Tensor | None:
         """A new uint8 tensor of `used` bytes on a block of its own, or None when none fits."""
-        nbytes = aligned(max(used, 1))
-        offset = self._take(nbytes, stream)
-        if offset is None:
-            return None
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        block = _Block(self, offset, nbytes, stream, capturing, used)
-        if capturing:
-            self.kept += nbytes
-        return _tensor_over(block, self.device)
-
-    def _take(self, nbytes: int, stream: int) -> int | None:
-        with self._lock:
-            return self._take_locked(nbytes, stream)
-
-    def _take_locked(self, nbytes: int, stream: int) -> int | None:
-        for i, (size, s) in enumerate(self._ranges):
-            if size >= nbytes and (s is None or s == stream):
-                offset = self._starts[i]
-                if size == nbytes:
-                    del self._starts[i], self._ranges[i]
-                else:
-                    self._starts[i] += nbytes
-                    self._ranges[i] = (size - nbytes, s)
-                self.used += nbytes
-                return offset
-        return None
-
-    def _release(self, offset: int, nbytes: int, stream: int) -> None:
-        with self._lock:
-            self._release_locked(offset, nbytes, stream)
-
-    def _release_locked(self, offset: int, nbytes: int, stream: int) -> None:
-        self.used -= nbytes
-        i = bisect.bisect_left(self._starts, offset)
-        self._starts.insert(i, offset)
-        self._ranges.insert(i, (nbytes, stream))
-        # Merge with the neighbours: ranges of the same stream, or never used (which then
-        # belong to this stream: conservative, never wrong).
-        if i + 1 < len(self._starts) and self._starts[i] + self._ranges[i][0] == self._starts[i + 1]:
-            self._merge(i)
-        if i > 0 and self._starts[i - 1] + self._ranges[i - 1][0] == self._starts[i]:
-            self._merge(i - 1)
-
-    def _merge(self, i: int) -> None:
-        (a, sa), (b, sb) = self._ranges[i], self._ranges[i + 1]
-        if sa is not None and sb is not None and sa != sb:
-            return
-        self._ranges[i] = (a + b, sa if sa is not None else sb)
-        del self._starts[i + 1], self._ranges[i + 1]
+        return self.empty((used,), torch.uint8, stream)
 
 
 def _call_specs(rows: int, hidden: int, dtype: torch.dtype, fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -190,6 +177,14 @@ def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
         places.append((shape, dt, at))
         at += aligned(max(numel * dt.itemsize, 1))
     return tuple(places), at
+
+
+@functools.lru_cache(maxsize=64)
+def call_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
+    """The extension's ArenaLayout of one direct dispatch's block (_call_specs, for any
+    number of rows), made once per (hidden, dtype): a call hands it to ext.ArenaTaken as it is."""
+    return _layout([(shape[1] if len(shape) == 2 else 0, dt) for shape, dt in _call_specs(1, hidden, dtype, fp8)],
+                   ext)
 
 
 def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
@@ -220,21 +215,32 @@ def training_bytes(layers_in_flight: int, rows: int, hidden: int, dtype: torch.d
 
 def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, stream: int = 0):
     """(rows [R, H], probs [R], scales [R, H / 128] or None) of one direct dispatch, on one
-    arena block (a few tensor operations per call: the host path is short), or None when it
-    does not fit. The block returns when the last of them dies."""
-    places, total = _call_layout(rows, hidden, dtype, fp8)
-    raw = arena.empty_bytes(total, stream)
-    if raw is None:
+    arena block, or None when it does not fit. The block returns when the last of them dies.
+    The engine takes every rank's block in one call instead (arena_take)."""
+    got = arena.core.block(call_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
+    if got is None:
         return None
-    typed = {torch.uint8: raw}
-    got = []
-    for shape, dt, at in places:
-        base = typed.get(dt)
-        if base is None:
-            base = typed[dt] = raw.view(dt)
-        strides = (shape[1], 1) if len(shape) == 2 else (1,)
-        got.append(base.as_strided(shape, strides, at // dt.itemsize))
     return got[0], got[1], got[2] if fp8 else None
+
+
+def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
+               stream: int = 0):
+    """The blocks of call_tensors on every arena (rows[i] output rows on arenas[i]), taken in
+    one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
+    `addresses()` give each block's (rows, probs[, scales]) addresses for a launch and whose
+    `tensors()` make the tensors after it; its `failed` is the index of the first arena that
+    can not hold its block (then none is taken), else -1."""
+    return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
+                                    stream, arenas[0].capturing())
+
+
+def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
+                 stream: int = 0) -> list | int:
+    """arena_take's tensors: a list of (rows, probs, scales or None), or the failed index."""
+    taken = arena_take(arenas, rows, hidden, dtype, fp8, stream)
+    if taken.failed >= 0:
+        return taken.failed
+    return [(t[0], t[1], t[2] if fp8 else None) for t in taken.tensors()]
 
 
 def default_bytes(config) -> int:

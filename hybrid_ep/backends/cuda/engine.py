@@ -15,7 +15,10 @@ copied into the rank's staging region, staging.py) and one workspace for the cal
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
 both dispatch kernels when the output size is known, else the layout kernel, the host read,
-then the dispatch kernel. The handle's tensors are views of the workspace made when read.
+then the dispatch kernel. Between that read and the dispatch launch (a GPU idles there) only
+what needs the output sizes runs: the path, the arena blocks' ranges or the receive path's
+outputs; the arena's tensors (made by the extension, arena.py) and the per-rank results are
+made after the launch. The handle's tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
@@ -35,7 +38,7 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing
 from . import launch
-from .arena import Arena, call_bytes, call_tensors
+from .arena import Arena, arena_take, call_bytes
 from .layout import (
     CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
@@ -363,6 +366,11 @@ def _stream_getter(device: torch.device):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
+def _spans(tensors) -> list[tuple[int, int]]:
+    """(address, bytes) of each tensor that has any (the CPU model's launch declarations)."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
+
+
 def _storage_refs(t: torch.Tensor) -> int:
     """Tensors (and storage objects) sharing t's memory, the one untyped_storage() makes
     for this count included."""
@@ -560,11 +568,13 @@ class Engine:
 
     def _declare(self, tensors, regions=()) -> None:
         """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
-        self.ext.note_launch_tensors([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
-                                      if t is not None and t.numel() > 0] + list(regions) +
-                                     [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
-                                     (self.rdma.declared() if self.rdma is not None else []) +
-                                     [(self.abort.data_ptr(), 4)])
+        self.ext.note_launch_tensors(_spans(tensors) + list(regions) + self._fixed_spans())
+
+    def _fixed_spans(self) -> list[tuple[int, int]]:
+        """What every launch may touch besides its call's tensors: peer tables, RDMA regions,
+        the abort flag."""
+        return ([(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
+                (self.rdma.declared() if self.rdma is not None else []) + [(self.abort.data_ptr(), 4)])
 
     def _workspace(self, topk: int, direct: bool, receive: bool) -> CallWorkspace:
         """A workspace for a call of up to `topk` routes per token with the tables of the direct
@@ -605,7 +615,6 @@ class Engine:
         fp8 = dtype_name == "float8_e4m3fn"
         dtype = xs[0].dtype
         prefer = self.data_path == "direct"
-        dev = self.device
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
@@ -638,89 +647,120 @@ class Engine:
         absent = self._absent_mask(self.absent.ranks)
         after_layout = self._absent_mask(self.absent.after_layout)
         static = num_out_tokens is not None
+        scale_cols = H // FP8_BLOCK if fp8 else 0
         # The path is chosen where the output sizes are known: before the layout kernel with a
         # static size (or a handle's), else after its host read, on a workspace with the
         # tables of both paths.
-        blocks = None
         if static or known_rows is not None:
             rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
-            direct = blocks is not None
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
+            direct = taken is not None
             call = self._workspace(topk, direct, not direct)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
-        else:
-            call = self._workspace(topk, prefer, True)
-            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            args.scale_cols = H // FP8_BLOCK if fp8 else 0
+            args.scale_cols = scale_cols
+            outputs, made = self._outputs(rows, taken, dtype, fp8)
             if self._declaring():
-                self._declare([t for k in keep for t in k], [(call.ptr, call.i64.numel() * 8)])
-            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
-            needed = call.i64[:, (call.layout.info // 8) + self.info.needed].cpu()  # the one host sync
-            self.raise_if_failed()
-            rows = needed.tolist()
-            blocks = self._direct_blocks(rows, xs[0].dtype, fp8, stream) if prefer else None
-            direct = blocks is not None
-            if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
-                laid = args
-                args = self._launch_args(sms, dtype_name, H, "dispatch")
-                for i in range(laid.num_ranks):
-                    args.set_rank(i, laid.get_rank(i))
-                args.num_ranks = laid.num_ranks
-        args.scale_cols = H // FP8_BLOCK if fp8 else 0
-
-        outputs, results = [], []
-        shape = self._shape
-        for i, (R, (x, _, idx, _)) in enumerate(zip(rows, keep)):
-            if direct:
-                out, out_probs, out_scales = blocks[i]
-            else:
-                out = torch.empty(R, H, dtype=x.dtype, device=dev)
-                out_scales = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
-                out_probs = torch.empty(R, dtype=torch.float32, device=dev)
-            outputs.append((R, out.data_ptr(), out_scales.data_ptr() if fp8 else 0, out_probs.data_ptr()))
-            T, K = inputs[i][0], inputs[i][1]
-            results.append(RankDispatch(out, out_scales, out_probs,
-                                        CudaSendLayout(call, i, T, K, shape.W, idx if direct else None),
-                                        CudaRecvLayout(call, i, shape, R)))
-        self._in_flight["dispatch"] = keep
-        if self._declaring():
-            self._declare([t for k in keep for t in k] + [self.arena_bases] +
-                          [t for r in results for t in (r.rows_RH, r.scales_RB, r.probs_R)],
-                          [(call.ptr, call.i64.numel() * 8)])
-        if static or known_rows is not None:
+                self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
+                              self._output_spans(outputs, dtype))
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
                                outputs, absent, after_layout)
         else:
+            call = self._workspace(topk, prefer, True)
+            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+            args.scale_cols = scale_cols
+            needed = call.i64[:, (call.layout.info // 8) + self.info.needed]
+            declared = None
+            if self._declaring():  # the outputs are added after the read
+                declared = (_spans(self._dispatch_tensors(keep)) + [(call.ptr, call.i64.numel() * 8)] +
+                            self._fixed_spans())
+                self.ext.note_launch_tensors(declared)
+            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
+            # From the host read to the dispatch launch the GPU idles: only what needs the
+            # output sizes runs here (the outputs' memory, the path); the tensors over the
+            # arena blocks and the results are made after the launch.
+            rows = needed.cpu().tolist()  # the one host sync
+            self.raise_if_failed()
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
+            direct = taken is not None
+            if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
+                args = self._receive_args(args, sms, dtype_name, H)
+            outputs, made = self._outputs(rows, taken, dtype, fp8)
+            if declared is not None:
+                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
             self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
-        return results
+        self._in_flight["dispatch"] = keep
+        if made is None:
+            made = taken.tensors()  # (rows, probs[, scales]) per rank
+        shape = self._shape
+        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
+                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
+                             CudaRecvLayout(call, i, shape, R))
+                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, keep, made))]
 
-    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> list | None:
-        """Every driven rank's arena tensors of a direct dispatch (arena.call_tensors), or None
-        when some rank's arena can not hold them, or its combine could not be staged (a static
-        size past the buffer's largest call): the call then takes the receive path, on every
-        rank of the group (the vote, where this process drives only some), with one log line
-        per process."""
+    def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
+        """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
+        on the direct path the arena blocks' addresses now and None (the tensors are made
+        after the launch: taken.tensors()), else new tensors."""
+        if taken is not None:
+            if fp8:
+                return [(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
+            return [(R, out, 0, probs) for R, (out, probs) in zip(rows, taken.addresses())], None
+        H, dev = self.config.hidden_dim, self.device
+        made = [(torch.empty(R, H, dtype=dtype, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
+                 torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None) for R in rows]
+        return [(R, out.data_ptr(), sc.data_ptr() if fp8 else 0, probs.data_ptr())
+                for R, (out, probs, sc) in zip(rows, made)], made
+
+    def _receive_args(self, laid, sms: int, dtype_name: str, H: int):
+        """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
+        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        for i in range(laid.num_ranks):
+            args.set_rank(i, laid.get_rank(i))
+        args.num_ranks = laid.num_ranks
+        args.scale_cols = laid.scale_cols
+        return args
+
+    def _dispatch_tensors(self, keep) -> list[torch.Tensor]:
+        return [t for k in keep for t in k] + [self.arena_bases]
+
+    def _output_spans(self, outputs: list[tuple], dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(address, bytes) of the outputs of a dispatch, from the launcher's output tuples."""
         H = self.config.hidden_dim
-        got, reason = [], None
-        for r, arena, R in zip(self.ranks, self.arenas, rows):
-            if not self.staging.holds(R):
-                reason = (f"rank {r}'s combine staging region holds {self.staging.rows} rows, the most a "
-                          f"dispatch of this buffer makes without num_out_tokens; the call has {R}")
-                break
-            tensors = call_tensors(arena, R, H, dtype, fp8, stream)
-            if tensors is None:
-                reason = (f"rank {r}'s arena can not hold {R} output rows: {call_bytes(R, H, dtype, fp8)} bytes "
-                          f"needed, {arena.used} of {arena.capacity} in use, largest free range "
-                          f"{arena.largest_free(stream)}. {ARENA_SIZING}")
-                break
-            got.append(tensors)
+        spans = []
+        for R, out, sc, probs in outputs:
+            if R > 0:
+                spans += [(out, R * H * dtype.itemsize), (probs, R * 4)]
+                if sc:
+                    spans.append((sc, R * (H // FP8_BLOCK) * 4))
+        return spans
+
+    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int):
+        """Every driven rank's arena block of a direct dispatch (arena.arena_take: the tensors
+        are made after the launch), or None when some rank's arena can not hold it, or its
+        combine could not be staged (a static size past the buffer's largest call): the call
+        then takes the receive path, on every rank of the group (the vote, where this process
+        drives only some), with one log line per process."""
+        H = self.config.hidden_dim
+        taken, reason = None, None
+        if max(rows) > self.staging.rows:
+            i = next(i for i, R in enumerate(rows) if not self.staging.holds(R))
+            reason = (f"rank {self.ranks[i]}'s combine staging region holds {self.staging.rows} rows, the most a "
+                      f"dispatch of this buffer makes without num_out_tokens; the call has {rows[i]}")
+        else:
+            taken = arena_take(self.arenas, rows, H, dtype, fp8, stream)
+            if taken.failed >= 0:
+                i, taken = taken.failed, None
+                arena, R = self.arenas[i], rows[i]
+                reason = (f"rank {self.ranks[i]}'s arena can not hold {R} output rows: "
+                          f"{call_bytes(R, H, dtype, fp8)} bytes needed, {arena.used} of {arena.capacity} in use, "
+                          f"largest free range {arena.largest_free(stream)}. {ARENA_SIZING}")
         ok = reason is None
         if self.vote is not None and self.vote(ok) != ok:
             ok, reason = False, "another rank's arena could not hold its output of the call"
         if not ok:
             _log_fallback(reason)
             return None
-        return got
+        return taken
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -754,15 +794,15 @@ class Engine:
                 # stream it was used on, and one kept here would split the arena until the next
                 # combine. What lies outside the arena is copied into the staging region.
                 arena = self.arenas[len(outs)]
-                x_out, p_out = not arena.contains(x), not arena.contains(p)
-                keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
-                p_out = p_out and apply_probs  # probs are read only then
+                x_out = not arena.contains(x)
+                p_out = apply_probs and not arena.contains(p)  # probs are read only then
                 if x_out or p_out:
+                    keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
                     if order is None:
                         order = self.staging.order
                         order.before(stream)
                     x, p = self.staging.stage(len(outs), x, p, x_out, p_out)
-                x_ptr = x.data_ptr()
+                    x_ptr = x.data_ptr()
                 staged += (x, p)
             else:
                 keep += (x, p)
