@@ -101,9 +101,11 @@ def _selected(args) -> tuple:
     if args.run not in runs:
         raise SystemExit(f"no run {args.run!r} in points.json: {', '.join(runs)}")
     run = runs[args.run]
-    chosen = [p for p in pts if p.run == args.run and p.world_size == args.world_size and p.nodes == args.nodes]
+    chosen = [p for p in pts if p.run == args.run and p.world_size == args.world_size and p.nodes == args.nodes
+              and (args.sms is None or p.sms_per_rank in args.sms)]
     if not chosen:
-        raise SystemExit(f"{args.run} has no points at W={args.world_size} on {args.nodes} node(s)")
+        raise SystemExit(f"{args.run} has no points at W={args.world_size} on {args.nodes} node(s)"
+                         + ("" if args.sms is None else f" and SMs per rank {args.sms}"))
     shape = predict.Shape(args.world_size, args.nodes, run.hidden, run.tokens_per_rank, run.topk, run.experts,
                           run.seed)
     sms = sorted({p.sms_per_rank for p in chosen})
@@ -120,7 +122,7 @@ def _evaluator(args, run, shape, sms, table, data_path):
     def evaluate(trials: list[dict]) -> list[dict]:
         tables = [table.with_values(**t).costs() for t in trials]
         ns = predict.predict(lambda job: builds.run_in_build(folder, job, environ), shape, sms, tables,
-                             tuple(args.model_tokens), concurrent=True)
+                             tuple(args.model_tokens), concurrent=True, payload=not args.payload_free)
         return [{key: v[i] / 1e6 for key, v in ns.items()} for i in range(len(tables))]
 
     return evaluate
@@ -354,6 +356,11 @@ def main(argv=None) -> int:
         f.add_argument("--nodes", type=int, default=1)
         f.add_argument("--model-tokens", type=int, nargs="+", default=[512, 1024],
                        help="one or two tokens per rank the model runs at (default 512 1024)")
+        f.add_argument("--payload-free", action="store_true",
+                       help="the model's bulk copies move no bytes (the same times in far less memory: the run's own "
+                            "4096 tokens per rank fit)")
+        f.add_argument("--sms", type=int, nargs="+", default=None,
+                       help="only the points at these SMs per rank (default all of the run's)")
         if name == "score":
             f.add_argument("--tables", default=None, help="a JSON list of {constant: value} objects: the table "
                            "with each one's values, all in one model run")

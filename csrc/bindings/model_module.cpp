@@ -1,6 +1,9 @@
 // hybrid_ep._model: the kernels on the CPU model of the device layer (csrc/device/model/),
 // with the same names as hybrid_ep._C, so the engine and the single-GPU emulation drive it
 // unchanged on CPU tensors. Registered buffers are host memory; the error record too.
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -32,19 +35,24 @@ class ErrorRecordHost {
   ErrorRecord record_{};
 };
 
-// Registered buffers of the model: zeroed, 4 KiB-aligned host memory.
+// Registered buffers of the model: zeroed, 4 KiB-aligned host memory. Anonymous mappings are
+// zero without being written, so a page costs memory only once the kernels touch it (a
+// payload-free timing run, model::set_payload, never touches the rows); a guard page after each
+// makes an access past its end a fault the model reports.
+constexpr size_t kPage = 4096;
+
 py::tuple allocate_registered(size_t bytes, int /*kind*/, int /*device*/) {
-  const size_t size = (bytes + 4095) / 4096 * 4096;
-  void* p = std::aligned_alloc(4096, size == 0 ? 4096 : size);
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, size == 0 ? 4096 : size);
+  const size_t size = std::max<size_t>((bytes + kPage - 1) / kPage * kPage, kPage);
+  void* p = mmap(nullptr, size + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  mprotect(static_cast<char*>(p) + size, kPage, PROT_NONE);
   model::add_allocation(reinterpret_cast<uint64_t>(p), size);
   return py::make_tuple(reinterpret_cast<uint64_t>(p), size, py::bytes(""));
 }
 
-void free_registered(uint64_t ptr, size_t /*bytes*/, int /*kind*/) {
+void free_registered(uint64_t ptr, size_t bytes, int /*kind*/) {
   model::remove_allocation(ptr);
-  std::free(reinterpret_cast<void*>(ptr));
+  munmap(reinterpret_cast<void*>(ptr), bytes + kPage);
 }
 
 py::dict report_dict(const model::timing::Report& r) {
@@ -125,6 +133,11 @@ PYBIND11_MODULE(_model, m) {
         "the registered buffers is an error");
   m.def("set_seed", &model::set_seed, "seed of the schedule and of the bulk-copy delays (reproducible runs)");
   m.def("seed", &model::seed);
+  m.def("set_payload", &model::set_payload, py::arg("moves"),
+        "payload-free mode with False, for timing runs at shapes too large for this machine: bulk copies are "
+        "checked, scheduled and timed as always but move no bytes, so the rows they carry stay untouched and the "
+        "results are not the kernels' (never check them); True, the default, moves every byte");
+  m.def("payload", &model::payload, "False in payload-free mode (set_payload)");
   m.def(
       "round_to_16bit",
       [](const std::vector<float>& values, const std::string& kind) {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..rows import as_byte_rows
@@ -19,8 +21,19 @@ def _bytes(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return as_byte_rows(t.to(like.device))
 
 
+def refuse_payload_free() -> None:
+    """Results of the CPU model in payload-free mode (hybrid_ep._model.set_payload(False), for
+    timing runs) are not the kernels' results: its bulk copies moved no bytes. Checking them
+    would fail by chance or pass by chance, so every check here refuses them."""
+    model = sys.modules.get("hybrid_ep._model")
+    if model is not None and hasattr(model, "payload") and not model.payload():
+        raise RuntimeError("the CPU model runs payload-free (hybrid_ep._model.set_payload(False)): its bulk copies "
+                           "move no bytes, so its outputs are not results to check; set_payload(True) first")
+
+
 def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") -> None:
     """got: tokens, scales, probs, tokens_per_expert, num_dropped of one rank."""
+    refuse_payload_free()
     tag = f"{where}: " if where else ""
     tokens = got["tokens"]
     assert tokens.dtype == want.tokens.dtype, f"{tag}tokens dtype {tokens.dtype} != {want.tokens.dtype}"
@@ -71,6 +84,7 @@ def combine_tolerance(want64: torch.Tensor, magnitude64: torch.Tensor, dtype: to
 def assert_combine_close(got: torch.Tensor, want64: torch.Tensor, magnitude64: torch.Tensor,
                          num_terms: int, where: str = "", wire_dtype: torch.dtype | None = None,
                          hops: int = 1) -> None:
+    refuse_payload_free()
     tag = f"{where}: " if where else ""
     assert tuple(got.shape) == tuple(want64.shape), f"{tag}combine shape {tuple(got.shape)} != {tuple(want64.shape)}"
     err = (got.detach().to(want64.device).double() - want64).abs()
@@ -93,6 +107,7 @@ def assert_combine_within(got: torch.Tensor, bounds: CombineBounds, where: str =
     """got (the combine output, any float dtype) against the hop model: every rounding to the
     wire is reproduced, so only the fp32 summation order is left open; most elements have
     one admissible value."""
+    refuse_payload_free()
     tag = f"{where}: " if where else ""
     assert tuple(got.shape) == tuple(bounds.value.shape), (
         f"{tag}combine shape {tuple(got.shape)} != {tuple(bounds.value.shape)}")

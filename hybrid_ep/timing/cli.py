@@ -10,7 +10,9 @@ hybrid_ep/timing/h100.json) at the points hybrid-ep-bench --emulate measures on 
 uniform routing, its seed), and prints and writes (predicted.json) the predicted dispatch and
 combine ms of each, labelled as predictions. The model runs at one or two smaller token
 counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
-prediction is read off the line through them. --data-path picks the kernels as
+prediction is read off the line through them (--model-tokens 4096: the run itself; with
+--payload-free the model's bulk copies move no bytes, the same times in far less memory, so
+the bench's own count fits at W = 8). --data-path picks the kernels as
 HYBRID_EP_DATA_PATH does for the bench; HYBRID_EP_STORE_GROUPS is honoured as by the bench.
 `validate` prints predicted / measured per point of a measured emulated.json (points of the
 same data path; a measured point naming none ran the receive path), the worst last. Exit
@@ -65,13 +67,13 @@ def _predict(args) -> int:
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
-              "data_path": path, "store_groups": launch.store_groups_override(),
+              "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": _checkout_commit()}
     doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
            "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
            "constants": {n: vars(c) for n, c in table.constants.items()},
-           "runs": rows, "elapsed_s": time.monotonic() - started}
+           "runs": rows, "elapsed_s": time.monotonic() - started, **_usage()}
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "predicted.json")
     with open(out_path, "w") as f:
@@ -79,6 +81,14 @@ def _predict(args) -> int:
     print(report.format_predicted(doc))
     print(f"\npredictions: {out_path}")
     return 0
+
+
+def _usage() -> dict:
+    """This process's CPU seconds and peak resident memory (MB), for the record of a run."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": u.ru_utime + u.ru_stime, "peak_rss_mb": u.ru_maxrss / 1024}
 
 
 def _checkout_commit() -> str | None:
@@ -109,7 +119,8 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
     for W in worlds:
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
         shape = predict.Shape(W, nodes, args.hidden, args.tokens, args.topk, experts, args.seed)
-        ns = predict.predict(driver.run_job, shape, args.sms, [table.costs()], model_tokens)
+        ns = predict.predict(driver.run_job, shape, args.sms, [table.costs()], model_tokens,
+                             payload=not args.payload_free)
         idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
         cfg = BufferConfig(hidden_dim=args.hidden, max_tokens_per_rank=args.tokens, num_experts=experts,
                            world_size=W, ranks_per_node=W // nodes)
@@ -172,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default 0)")
     pr.add_argument("--model-tokens", type=int, nargs="+", default=None,
                     help="one or two tokens per rank the model runs at (default 512 1024, at W > 4 256 512)")
+    pr.add_argument("--payload-free", action="store_true",
+                    help="the model's bulk copies move no bytes (the same predicted times; the bench's 4096 tokens "
+                         "per rank fit this machine)")
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
                     help="the kernels' data path (default: the bench's, direct on one node, else receive)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")

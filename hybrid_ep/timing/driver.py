@@ -11,11 +11,18 @@ costs (the timing model's constants, or None for the functional model alone). Pe
 the first dispatch + combine pair warms the buffers (the benchmark times calls after
 warm-up); the second is measured: the model's statistics (scheduling rounds, switches,
 copies) of each, and with costs the timing report of every launch.
+
+With "payload": False the model runs payload-free (hybrid_ep._model.set_payload): the bulk
+copies are timed but move no bytes, the inputs are made without touching their pages
+(torch.empty) and each combine takes its dispatch's output rows as expert_out, so the
+bench's shape fits this machine's memory. The times are those of a run with payload; the
+rows are not (nothing here reads them).
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
@@ -34,9 +41,35 @@ def _inputs(job: dict):
 
     W, T, H = job["world_size"], job["tokens"], job["hidden"]
     idxs = list(iter_rank_routings("uniform", [T] * W, job["experts"], job["topk"], job["seed"]))
+    if not job.get("payload", True):  # rows nobody reads: pages left untouched
+        return idxs, [torch.empty(T, H, dtype=torch.bfloat16) for _ in range(W)]
     gen = torch.Generator().manual_seed(job["seed"])
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
     return idxs, xs
+
+
+def _expert_outs(job: dict, results: list):
+    """The combine's expert_out per rank for a dispatch's results: random rows, or without
+    payload the dispatch's own output rows (no new memory; on the direct path already in the
+    arena, so the combine copies nothing in)."""
+    import torch
+
+    if not job.get("payload", True):
+        return [r.tokens for r in results]
+    gen = torch.Generator().manual_seed(job["seed"] + 1)
+    return [torch.randn(r.tokens.shape[0], job["hidden"], generator=gen).to(torch.bfloat16) for r in results]
+
+
+def _set_payload(ext, moves: bool) -> None:
+    if not hasattr(ext, "set_payload"):
+        raise RuntimeError("this checkout's hybrid_ep._model has no payload-free mode (set_payload): run the job "
+                           "with payload")
+    ext.set_payload(moves)
+
+
+def _peak_rss_mb() -> float:
+    """The process's peak resident memory so far (ru_maxrss: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_job(job: dict) -> dict:
@@ -50,6 +83,9 @@ def run_job(job: dict) -> dict:
                           device=torch.device("cpu"))
     ext = group.ext
     costs = job.get("costs")
+    payload = job.get("payload", True)
+    if not payload:
+        _set_payload(ext, False)
     if costs is not None:
         ext.set_timing(costs)
     runs = []
@@ -58,11 +94,12 @@ def run_job(job: dict) -> dict:
         for sms in job["sms"]:
             ext.set_seed(job.get("model_seed", 0))
             first = group.dispatch(xs, idxs, num_sms=sms)
-            gen = torch.Generator().manual_seed(job["seed"] + 1)
-            outs = [torch.randn(r.tokens.shape[0], job["hidden"], generator=gen).to(torch.bfloat16) for r in first]
+            outs = _expert_outs(job, first)
             group.combine(outs, [r.handle for r in first], num_sms=sms)
             group.synchronize()
             first = None  # its outputs leave the arena to the timed dispatch (direct path)
+            if not payload:
+                outs = None  # ... and without payload they were those outputs
             run = {"sms": sms}
             for kind in ("dispatch", "combine"):
                 if costs is not None:
@@ -70,16 +107,21 @@ def run_job(job: dict) -> dict:
                 before, t0 = ext.stats(), time.perf_counter()
                 if kind == "dispatch":
                     res = group.dispatch(xs, idxs, num_sms=sms)
+                    if not payload:
+                        outs = _expert_outs(job, res)
                 else:
                     group.combine(outs, [r.handle for r in res], num_sms=sms)
                 group.synchronize()
                 run[kind] = {"stats": _stats_delta(ext, before), "wall_s": time.perf_counter() - t0}
                 if costs is not None:
                     run[kind]["launches"] = ext.timing_reports()
+            run["peak_rss_mb"] = _peak_rss_mb()
             runs.append(run)
     finally:
         if costs is not None:
             ext.set_timing(None)
+        if not payload:
+            ext.set_payload(True)
         group.close()
     return {"job": job, "runs": runs}
 

@@ -29,11 +29,16 @@ class Shape:
     seed: int = 0
 
 
-def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, model_seed: int = 0) -> dict:
-    """A driver.py job for `shape` at `tokens` per rank, timed with each cost table."""
-    return {"world_size": shape.world_size, "nodes": shape.nodes, "hidden": shape.hidden, "tokens": tokens,
-            "topk": shape.topk, "experts": shape.experts, "seed": shape.seed, "sms": list(sms),
-            "costs": tables, "model_seed": model_seed}
+def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, model_seed: int = 0,
+        payload: bool = True) -> dict:
+    """A driver.py job for `shape` at `tokens` per rank, timed with each cost table; without
+    payload the model's bulk copies move no bytes (the same times, far less memory)."""
+    out = {"world_size": shape.world_size, "nodes": shape.nodes, "hidden": shape.hidden, "tokens": tokens,
+           "topk": shape.topk, "experts": shape.experts, "seed": shape.seed, "sms": list(sms),
+           "costs": tables, "model_seed": model_seed}
+    if not payload:  # older checkouts' drivers (calibration builds) know no such key
+        out["payload"] = False
+    return out
 
 
 def call_times(result: dict, tables: int) -> dict:
@@ -56,13 +61,13 @@ def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
 
 
 def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...],
-            concurrent: bool = False) -> dict:
+            concurrent: bool = False, payload: bool = True) -> dict:
     """{(sms, kernel): [predicted ns at shape.tokens per table]}; run_job(job) -> driver result.
     With `concurrent`, the runs at the token counts are made at once (for a run_job that runs
     each job in its own process: the model in this process is one per process)."""
     if not 1 <= len(model_tokens) <= 2:
         raise ValueError(f"model_tokens takes one or two token counts, got {model_tokens}")
-    jobs = [job(shape, t, sms, tables) for t in model_tokens]
+    jobs = [job(shape, t, sms, tables, payload=payload) for t in model_tokens]
     if concurrent:
         with concurrent_futures.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(run_job, jobs))

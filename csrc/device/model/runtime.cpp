@@ -137,14 +137,16 @@ struct Launch {
   char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
   int* inject_flag = nullptr;       // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
-  int hold_key = -1;  // hold_at: the key dev::hold_point holds at in this launch, -1 none
-  int held = 0;       // threads held there now
+  int hold_key = -1;    // hold_at: the key dev::hold_point holds at in this launch, -1 none
+  int held = 0;         // threads held there now
+  bool payload = true;  // set_payload when the launch began: bulk copies move their bytes
   std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
   sigjmp_buf jump;
 };
 
 thread_local Launch* g_launch = nullptr;
 uint64_t g_seed = 0;
+bool g_payload = true;               // set_payload
 uint64_t g_launches_since_seed = 0;  // with the seed, picks each launch's schedule
 Stats g_stats;
 std::string g_message;
@@ -419,6 +421,14 @@ void race_copy_step(const Launch& L, const Copy& c, bool reads, bool writes, con
   hb::enter(L.scheduler.race_fiber);
 }
 
+// Whether a bulk copy moves its bytes: the one place payload is told from control. Every bulk
+// copy of the kernels carries payload (token rows, expert rows, fp8 scales, partial sums in the
+// wire dtype): what a kernel decides by (counts, layout tables, route rows, signals, the
+// headers of its stages) it reads and writes with plain code and flags, which always run. So in
+// payload-free mode no bulk copy moves bytes, and the schedule, the checks and the timing are
+// those of a run that moves them (tests/test_timing_payload.py compares the two).
+bool moves_bytes(const Launch& L, const Copy&) { return L.payload; }
+
 // One round's progress of the bulk copies in flight; true when any is in flight.
 bool advance_copies(Launch& L) {
   if (L.pending.empty()) return false;
@@ -428,7 +438,7 @@ bool advance_copies(Launch& L) {
     if (c.g2s) {
       if (L.round >= c.write_round) {
         race_copy_step(L, c, true, true, c.bar);
-        std::memcpy(c.dst, c.src, c.bytes);
+        if (moves_bytes(L, c)) std::memcpy(c.dst, c.src, c.bytes);
         c.read = c.written = true;
         ++g_stats.copies;
         auto it = c.block->mbars.find(c.bar);
@@ -445,12 +455,12 @@ bool advance_copies(Launch& L) {
     } else {
       if (!c.read && L.round >= c.read_round) {
         race_copy_step(L, c, true, false, &c.owner->bulk_key);
-        c.data.assign(c.src, c.src + c.bytes);
+        if (moves_bytes(L, c)) c.data.assign(c.src, c.src + c.bytes);
         c.read = true;
       }
       if (c.read && L.round >= c.write_round) {
         race_copy_step(L, c, false, true, &c.owner->bulk_key);
-        std::memcpy(c.dst, c.data.data(), c.bytes);
+        if (moves_bytes(L, c)) std::memcpy(c.dst, c.data.data(), c.bytes);
         std::vector<unsigned char>().swap(c.data);
         c.written = true;
         ++g_stats.copies;
@@ -947,6 +957,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   L->grid.x = static_cast<unsigned>(blocks);
   L->block_dim.x = static_cast<unsigned>(threads);
   L->smem = smem;
+  L->payload = g_payload;
   uint64_t mix = g_seed ^ (0x51ed270b27ull * ++g_launches_since_seed);
   L->rng = splitmix(mix);
   L->threads.resize(static_cast<size_t>(blocks) * threads);
@@ -1104,6 +1115,8 @@ void set_seed(uint64_t seed) {
   g_launches_since_seed = 0;
 }
 uint64_t seed() { return g_seed; }
+void set_payload(bool moves) { g_payload = moves; }
+bool payload() { return g_payload; }
 
 void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) { g_declared = ranges; }
 void add_allocation(uint64_t ptr, uint64_t bytes) { g_persistent[ptr] = bytes; }

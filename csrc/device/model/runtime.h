@@ -105,6 +105,16 @@ constexpr int kDeviceSms = 132;                    // an H100 SXM's, so launch p
 constexpr size_t kSmemPerBlockOptin = 227 * 1024;  // its opt-in shared memory per block
 void set_seed(uint64_t seed);
 uint64_t seed();
+// Payload-free mode, for timing runs at shapes whose rows do not fit this machine's memory:
+// bulk copies are checked, scheduled and timed as always (the same bytes through the copy
+// engine, the same mbarrier completions) but move no bytes, so the tensors they would read and
+// write are never touched. Which data is payload is decided in one place (runtime.cpp,
+// moves_bytes): the kernels move rows, scales and partial sums by bulk copy, and everything
+// they decide by (counts, tables, route rows, flags, stage headers) by plain code, which
+// still runs. The results of a launch in this mode are not the kernels' results. Off (the
+// default: every copy moves its bytes) until set; takes effect at the next launch.
+void set_payload(bool moves);
+bool payload();
 // Global memory a bulk copy may touch: [ptr, ptr + bytes). Persistent allocations (the
 // registered buffers, the error record) stay until removed; the tensors of the next launches
 // are declared per call and replace the previous call's.
