@@ -99,8 +99,8 @@ namespace hybrid_ep::model::timing {
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
   X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")           \
   X(plain_pair_ns,                                                                                                  \
-    "plain code per pair of 16-bit floats converted to or from fp32 (the reductions' "                              \
-    "arithmetic around it), on the converting thread")                                                              \
+    "plain code per pair of 16-bit floats converted to or from fp32 beside its instructions' issue (the "           \
+    "reductions' dependent arithmetic, what the counts miss), on the converting thread")                            \
   X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                       \
   X(gmem_load_ns, "a batch of plain loads with one from device memory (an L2 miss): issue -> the values are there") \
   X(l2_load_ns, "a batch of plain global loads that all hit in L2: issue -> the values are there")                  \
