@@ -99,13 +99,18 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
          "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0,
-         "plain_pair_ns": 3.0, "access_ns": 2.0, "smem_load_ns": 41.0, "gmem_load_ns": 613.0}
+         "plain_pair_ns": 3.0, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
+         "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
+         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "spin_instructions": 0.0,
+         "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
+         "l2_hit_stream": 0.0}
+ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
 
 
-def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = COSTS) -> dict:
+def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = COSTS, threads: int = 64) -> dict:
     model.set_timing(costs)
     try:
-        error = model.run_timing_selftest(name, blocks, n, nbytes)
+        error = model.run_timing_selftest(name, blocks, n, nbytes, threads)
         reports = model.timing_reports()
     finally:
         model.set_timing(None)
@@ -134,7 +139,7 @@ MICRO_H200 = os.path.join(GPU_RUNS, "2026-11-26-h200", "micro.json")
 
 def test_the_h200_table_takes_every_constant_the_microbenchmarks_measured():
     """h200.json: each constant micro.json determines has its value and source from it, unless
-    fitted (at most three fitted); every other one is an estimate or a fit."""
+    fitted (at most three fitted); every other one is an estimate, a fit or a count from SASS."""
     from hybrid_ep.timing import micro
 
     table = constants.load_table(constants.H200)
@@ -150,7 +155,7 @@ def test_the_h200_table_takes_every_constant_the_microbenchmarks_measured():
         if name in got and name not in fitted:
             assert (c.value, c.source) == got[name], name
         else:
-            assert c.source.startswith(("est.", "fit")), name
+            assert c.source.startswith(("est.", "fit", "SASS")), name
     assert got["wake_ns"][0] == pytest.approx(92.43, abs=0.01)  # H_project
 
 
@@ -167,14 +172,18 @@ def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_cost
            "constants": [row("C_load", 64.0), row("L_load_hbm", 600.0), row("C_store", 32.0),
                          row("L_store_read", 700.0), row("L_store_write", 710.0), row("F_acquire", 900.0),
                          row("X_sys_0", 500.0), row("P_acquire", 300.0), row("H_project", 90.0),
-                         row("R_1", 8.0), row("B_bar_sync4", 16.0, ok=False)]}
-    table = constants.load_table(constants.H100).with_values(access_ns=2.0, smem_load_ns=25.0)
+                         row("R_1", 8.0), row("B_bar_sync4", 16.0, ok=False), row("L_load_l2", 300.0),
+                         row("E_alone", 2000.0, mhz=None)]}
+    table = constants.load_table(constants.H100).with_values(access_instructions=4.0, sm_clock_ghz=2.0,
+                                                             smem_load_ns=25.0)
     got = {n: v for n, (v, _) in micro.measured(doc, table).items()}
     assert got["g2s_latency_ns"] == pytest.approx(600.0 - 16384 / 64.0)
     assert got["s2g_read_latency_ns"] == pytest.approx(700.0 - 16384 / 32.0)
     assert got["s2g_write_latency_ns"] == pytest.approx(10.0)
     assert got["flag_latency_ns"] == pytest.approx(400.0) and got["release_ns"] == pytest.approx(500.0)
     assert got["poll_ns"] == pytest.approx(150.0)  # 300 cycles at 2 GHz
+    assert got["g2s_l2_latency_ns"] == pytest.approx(300.0 - 16384 / 64.0)
+    assert got["sm_clock_ghz"] == pytest.approx(2.0) and got["hbm_bytes_per_ns"] == pytest.approx(4000.0)
     # 8 rows of 16 KiB at 8 bytes/ns: 16384 ns a row, 32 vectors a lane: 512 ns each, less
     # 9 accesses (18 ns) and one shared batch (25 ns), over 36 pairs
     assert got["plain_pair_ns"] == pytest.approx((512.0 - 43.0) / 36, abs=0.01)
@@ -238,7 +247,10 @@ def test_a_named_barrier_waits_for_its_latest_arrival():
 def test_plain_code_is_counted_by_the_pairs_it_converts():
     c, n = COSTS, 9
     r = timed_selftest("plain_pairs", 1, n, 4)
-    assert r["time_ns"] == pytest.approx(c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + c["launch_ns"], rel=1e-12)
+    issue = n * (c["cvt_pair_instructions"] + c["pack_pair_instructions"]) / c["sm_clock_ghz"]
+    want = c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + issue + c["launch_ns"]
+    assert r["time_ns"] == pytest.approx(want, rel=1e-12)
+    assert r["instructions"] == n * (c["cvt_pair_instructions"] + c["pack_pair_instructions"])
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -247,7 +259,7 @@ def test_plain_accesses_are_counted_by_memory_class_and_costed_by_batch(n):
     trips), then loaded back from shared memory as one batch ended by dev::chain()."""
     c = COSTS
     r = timed_selftest("plain_accesses", 1, n, 16)
-    want = c["barrier_ns"] + n * (2 * c["access_ns"] + c["gmem_load_ns"]) + n * c["access_ns"] + c["smem_load_ns"]
+    want = c["barrier_ns"] + n * (2 * ACCESS_NS + c["gmem_load_ns"]) + n * ACCESS_NS + c["smem_load_ns"]
     assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)
     assert r["plain"] == {"global": {"loads": n, "stores": 0, "load_bytes": 16 * n, "store_bytes": 0},
                           "shared": {"loads": n, "stores": n, "load_bytes": 16 * n, "store_bytes": 16 * n}}
@@ -265,6 +277,77 @@ def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
     timed_selftest("plain_accesses", 1, 3, 16)
     timed = {k: model.stats()[k] - before[k] for k in ("launches", "rounds", "switches", "copies")}
     assert quiet == timed  # the accessors never give way to the scheduler
+
+
+# ---- shared resources: issue slots, device memory, L2 ---------------------------------------
+
+# Work starts at t = 0 (no barrier cost), on a bucket's edge, so the issue calendar is exact.
+ISSUE = {**COSTS, "barrier_ns": 0.0, "collective_ns": 0.0, "plain_pair_ns": 0.0}
+
+
+@pytest.mark.parametrize("warps", [1, 4, 5, 8])
+def test_warps_bound_by_issue_share_their_schedulers(warps):
+    """Every lane of `warps` warps widens m pairs (shift_pair_instructions each); warp w issues
+    on scheduler w % 4, one instruction a cycle: the busiest scheduler's warps take their turns."""
+    c, m = ISSUE, 50
+    r = timed_selftest("issue_warps", 1, m, warps, ISSUE, threads=256)
+    per_warp = m * c["shift_pair_instructions"]
+    busiest = -(-warps // 4)  # warps on scheduler 0
+    assert r["time_ns"] == pytest.approx(busiest * per_warp / c["sm_clock_ghz"] + c["launch_ns"], rel=1e-12)
+    assert r["instructions"] == warps * per_warp  # a warp's lanes issue together: counted once
+
+
+def _worker_end(spinner_thread: int, seed: int, costs: dict) -> float:
+    model.set_seed(seed)
+    r = timed_selftest("spin_beside", 2, 64, spinner_thread, costs, threads=256)
+    return r["roles"][0]["end_ns"] * r["blocks"]  # block 1's warp 0 ends at 0
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_spinning_warp_slows_the_working_warp_of_its_scheduler_only(seed):
+    """Warp 0 of block 0 widens 64 pairs; warp 4 (its scheduler) or warp 4 of block 1 polls a
+    flag meanwhile, one turn of spin_instructions per poll_ns: half the scheduler."""
+    c = {**ISSUE, "spin_instructions": 8.0, "poll_ns": 2.0}
+    alone = 64 * c["shift_pair_instructions"] / c["sm_clock_ghz"] + c["release_ns"]  # then it releases the flag
+    assert _worker_end(0, seed, c) == pytest.approx(alone, rel=1e-12)
+    assert _worker_end(256 + 128, seed, c) == pytest.approx(alone, rel=1e-12)  # another SM
+    beside = _worker_end(128, seed, c)
+    pairs = alone - c["release_ns"]
+    assert 1.25 * pairs < beside - c["release_ns"] <= 2 * pairs + 1e-9  # at most half the slots go to the spinner
+    quiet = {**c, "spin_instructions": 0.0}
+    assert _worker_end(128, seed, quiet) == pytest.approx(alone, rel=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_copies_from_many_sms_share_device_memory(blocks):
+    """Each block's thread 0 bulk-loads n copies (issued at t = 0; the engines far faster than
+    device memory): all bytes of all blocks through device memory take bytes / bandwidth."""
+    n, nbytes = 4, 1024
+    c = {**ISSUE, "arrive_ns": 0.0, "issue_ns": 0.0, "engine_bytes_per_ns": 1e6, "hbm_bytes_per_ns": 2.0}
+    r = timed_selftest("load_stream", blocks, n, nbytes, c)
+    total = blocks * n * nbytes
+    want = total / c["hbm_bytes_per_ns"] + c["g2s_latency_ns"] + c["wake_ns"] + c["launch_ns"]
+    assert r["time_ns"] == pytest.approx(want, rel=1e-12)
+    assert r["hbm_bytes"] == total
+    # All blocks read the same rows: the first block's stream in, the others' are re-reads.
+    assert r["reads"]["stream"]["bytes"] == n * nbytes
+    assert r["reads"]["reread"]["bytes"] == (blocks - 1) * n * nbytes
+    # Re-reads served from L2: only the first block's bytes through device memory.
+    hits = timed_selftest("load_stream", blocks, n, nbytes, {**c, "l2_hit_reread": 1.0})
+    assert hits["hbm_bytes"] == n * nbytes
+    assert hits["reads"]["reread"]["l2_bytes"] == (blocks - 1) * n * nbytes
+
+
+def test_plain_loads_cost_the_latency_of_their_traffic_class():
+    """n int4 loaded from global memory one at a time: the first of each 128-byte line streams
+    from device memory (gmem_load_ns), the others re-read a line just read (l2_load_ns)."""
+    c, n = {**COSTS, "l2_hit_reread": 1.0}, 9
+    r = timed_selftest("plain_accesses", 1, n, 16, c)
+    firsts = len(range(0, n, 8))
+    loads = firsts * c["gmem_load_ns"] + (n - firsts) * c["l2_load_ns"]
+    want = c["barrier_ns"] + 2 * n * ACCESS_NS + loads + n * ACCESS_NS + c["smem_load_ns"]
+    assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)
+    assert r["reads"]["stream"]["bytes"] == 16 * firsts and r["reads"]["reread"]["l2_bytes"] == 16 * (n - firsts)
 
 
 def test_bad_cost_tables_are_refused_by_name():
@@ -357,7 +440,10 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
     for kernel in range(3):
         times = [t[kernel] for t in by_seed]
         assert max(times) <= 1.05 * min(times), times
-    unqueued = {**costs, "engine_bytes_per_ns": 1e9}
+    # Nothing queues (no engine, no issue slots, no spinning) and every traffic class alike.
+    unqueued = {**costs, "engine_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12, "access_instructions": 0.0,
+                "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
+                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0}
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
 
 

@@ -91,6 +91,14 @@ py::dict report_dict(const model::timing::Report& r) {
   }
   d["plain"] = plain;
   d["chains"] = r.chains;
+  d["instructions"] = r.instructions;  // warp instructions issued: plain code, spinning
+  d["spin_instructions"] = r.spin_instructions;
+  py::dict reads;  // global reads by traffic class: bytes, and of them served from L2
+  const char* kinds[3] = {"written", "reread", "stream"};
+  for (int k = 0; k < 3; ++k)
+    reads[kinds[k]] = py::dict(py::arg("bytes") = r.reads[k].bytes, py::arg("l2_bytes") = r.reads[k].l2_bytes);
+  d["reads"] = reads;
+  d["hbm_bytes"] = r.hbm_bytes;
   return d;
 }
 
@@ -183,11 +191,11 @@ PYBIND11_MODULE(_model, m) {
   m.def("timing_selftest_names", &model::timing_selftest_names);
   m.def(
       "run_timing_selftest",
-      [](const std::string& name, int blocks, int n, uint32_t bytes) {
-        const std::string error = model::run_timing_selftest(name, blocks, n, bytes);
+      [](const std::string& name, int blocks, int n, uint32_t bytes, int threads) {
+        const std::string error = model::run_timing_selftest(name, blocks, n, bytes, threads);
         return error.empty() ? py::none() : py::object(py::str(error));
       },
-      py::arg("name"), py::arg("blocks"), py::arg("n"), py::arg("bytes"),
+      py::arg("name"), py::arg("blocks"), py::arg("n"), py::arg("bytes"), py::arg("threads") = 64,
       "run a kernel whose time the timing model must predict exactly (the model's error or None)");
   m.def("stats", [] {
     const model::Stats s = model::stats();

@@ -4,8 +4,9 @@ One table per GPU: h100.json (fitted to the H100 runs of 2026-11-22/24) and h200
 microbenchmarks of the H200 run of 2026-11-26, fitted to its points). Each holds every
 constant the model costs (csrc/device/model/timing.h, listed by
 hybrid_ep._model.timing_costs()), with its unit and source: an estimate ("est."), a fit to
-measured kernel times ("fit", at most three constants), or the GPU microbenchmarks'
-measurement ("micro.json", derived where the model's constant is part of what they time).
+measured kernel times ("fit", at most three constants), the GPU microbenchmarks'
+measurement ("micro.json", derived where the model's constant is part of what they time), or
+an instruction count read off the kernels' SASS ("SASS").
 Replacing a value means editing that one entry.
 """
 
@@ -51,7 +52,8 @@ class Table:
 NOTE = ("Every constant of the timing model (csrc/device/model/timing.h) for one GPU, each with where its value "
         "comes from. 'est.' values are estimates within the range given, to be replaced by the project's GPU "
         "microbenchmarks (csrc/microbench) when they have run; 'fit' values were fitted to measured kernel times "
-        "(docs/benchmarks/timing/README.md), at most three of them.")
+        "(docs/benchmarks/timing/README.md), at most three of them; 'SASS' values are instruction counts read off "
+        "the kernels' SASS.")
 
 
 def save_table(table: Table, path: str = H100) -> None:

@@ -28,7 +28,7 @@ def _values(doc: dict) -> tuple[dict, dict]:
 def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> dict[str, tuple[float, str]]:
     """{constant: (value, source)} for each timing constant micro.json `doc` (named `label` in
     the sources) determines. The derived ones take the model's other costs from `table`
-    (access_ns, smem_load_ns)."""
+    (access_instructions, sm_clock_ghz, smem_load_ns)."""
     v, mhz = _values(doc)
     clock = mhz.get("H_project") or doc["device"].get("max_clock_mhz_reported")
     where = f"{label} ({doc['device']['name']}, SM clock {clock:.0f} MHz)"
@@ -64,6 +64,15 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         put("s2g_read_latency_ns", g("L_store_read", 0) - ROW_BYTES / v["C_store"],
             f"L_store_read {g('L_store_read', 0):.1f} (a 16 KiB bulk store, issue -> wait_group.read 0) less its "
             f"bytes at C_store {v['C_store']:.2f} bytes/ns (stores alone)", "L_store_read")
+    if "C_load" in v:
+        put("g2s_l2_latency_ns", g("L_load_l2", 0) - ROW_BYTES / v["C_load"],
+            f"L_load_l2 {g('L_load_l2', 0):.1f} (a 16 KiB bulk load, L2-hot) less its bytes through the engine at "
+            f"C_load {v['C_load']:.2f} bytes/ns", "L_load_l2")
+    put("sm_clock_ghz", clock / 1000.0,
+        "the clock of its lines (clock64 against %globaltimer); the bench ran at it, ncu at 1.50")
+    put("hbm_bytes_per_ns", 2 * g("E_alone", 0),
+        f"E_alone {g('E_alone', 0):.1f} GB/s copied device to device by the copy engine, bytes read + written",
+        "E_alone")
     put("s2g_write_latency_ns", g("L_store_write", 0) - g("L_store_read", 0),
         f"L_store_write {g('L_store_write', 0):.1f} less L_store_read {g('L_store_read', 0):.1f} (wait_group 0 "
         "against wait_group.read 0 of one 16 KiB store)", "L_store_write", "L_store_read")
@@ -73,14 +82,16 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         ns_row = ROW_BYTES * 8 / v["R_1"]
         per_vec = ns_row / (ROW_BYTES / 16 / 32)
         c = table.costs()
-        own = 9 * c["access_ns"] + c["smem_load_ns"]
+        access = c["access_instructions"] / c["sm_clock_ghz"]
+        own = 9 * access + c["smem_load_ns"]
         put("plain_pair_ns", (per_vec - own) / 36,
             f"R_1, 1 warp summing 8 bf16 rows of 16 KiB from shared memory into fp32 and back: {ns_row:.1f} ns a row "
             f"= {per_vec:.1f} ns per lane per 16-byte vector, which the model costs as 8 loads + 1 store "
-            f"(access_ns {c['access_ns']:g} each), one shared batch (smem_load_ns {c['smem_load_ns']:g}) and 36 pairs "
-            f"converted. R_4 (4 warps) gives the same per warp; R_8 (8 warps, two to a scheduler) "
+            f"({access:.3g} ns each: access_instructions at sm_clock_ghz), one shared batch (smem_load_ns "
+            f"{c['smem_load_ns']:g}) and 36 pairs converted, the pairs' instructions in this value (no SASS of "
+            f"R_1's loop). R_4 (4 warps) gives the same per warp; R_8 (8 warps, two to a scheduler) "
             f"{ROW_BYTES * 8 / v.get('R_8', float('nan')) * 8 / (ROW_BYTES / 16 / 32):.1f} ns per vector: warps "
-            "sharing a scheduler share its issue, which the model does not cost")
+            "sharing a scheduler share its issue")
     return out
 
 

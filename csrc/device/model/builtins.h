@@ -130,19 +130,19 @@ inline float half_to_float(uint16_t h) {
 
 // Each pair converted is the timing model's count of the plain code around it (runtime.h).
 inline float2 __bfloat1622float2(__nv_bfloat162 v) {
-  hybrid_ep::model::note_plain_pair();
+  hybrid_ep::model::note_plain_pair(hybrid_ep::model::Pair::kWidenCvt);
   return {hybrid_ep::model::bf16_to_float(v.x.bits), hybrid_ep::model::bf16_to_float(v.y.bits)};
 }
 inline __nv_bfloat162 __float22bfloat162_rn(float2 v) {
-  hybrid_ep::model::note_plain_pair();
+  hybrid_ep::model::note_plain_pair(hybrid_ep::model::Pair::kNarrow);
   return {{hybrid_ep::model::float_to_bf16_rn(v.x)}, {hybrid_ep::model::float_to_bf16_rn(v.y)}};
 }
 inline float2 __half22float2(__half2 v) {
-  hybrid_ep::model::note_plain_pair();
+  hybrid_ep::model::note_plain_pair(hybrid_ep::model::Pair::kWidenCvt);
   return {hybrid_ep::model::half_to_float(v.x.bits), hybrid_ep::model::half_to_float(v.y.bits)};
 }
 inline __half2 __float22half2_rn(float2 v) {
-  hybrid_ep::model::note_plain_pair();
+  hybrid_ep::model::note_plain_pair(hybrid_ep::model::Pair::kNarrow);
   return {{hybrid_ep::model::float_to_half_rn(v.x)}, {hybrid_ep::model::float_to_half_rn(v.y)}};
 }
 

@@ -160,7 +160,7 @@ inline void st(T* p, const T& v) {
 inline void chain() { model::note_chain(); }
 // The GPU's shift and mask (sm90/primitives.cuh); the timing model counts one pair of plain code.
 inline float2 bf16x2_to_float2(uint32_t bits) {
-  model::note_plain_pair();
+  model::note_plain_pair(model::Pair::kWidenShift);
   return {model::bits_float(bits << 16), model::bits_float(bits & 0xffff0000u)};
 }
 

@@ -818,7 +818,10 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
   Mbar& m = mbar_of(b, bar, "try_wait");
   const bool done = static_cast<uint32_t>(m.phase & 1) != (parity & 1u);
   t->last_poll_unchanged = !remember(t, bar, static_cast<uint64_t>(m.phase));
-  if (!done) return false;
+  if (!done) {
+    for (auto& timer : launch_state().timers) timer->spinning(thread_index(launch_state(), t));
+    return false;
+  }
   const int64_t phase = m.phase - 1;  // the latest completed phase of that parity (-1: before the first)
   auto seen = std::find_if(t->waited.begin(), t->waited.end(), [&](const auto& w) { return w.first == bar; });
   if (seen == t->waited.end()) {
@@ -870,7 +873,8 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
   L.copies.push_back(std::move(c));
   L.pending.push_back(L.copies.size() - 1);
-  for (auto& timer : L.timers) timer->copy_issue(thread_index(L, t), L.copies.size() - 1, b->index, g2s, bytes, site);
+  for (auto& timer : L.timers)
+    timer->copy_issue(thread_index(L, t), L.copies.size() - 1, b->index, g2s, gmem, bytes, site);
   return L.copies.size() - 1;
 }
 
@@ -1085,17 +1089,17 @@ void note_atomic(const volatile void* p, Site site) {
   for (auto& timer : L->timers) timer->atomic(thread_index(*L, L->current), p, shared, site);
 }
 
-void note_plain_pair() {
+void note_plain_pair(Pair kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->plain_pair(thread_index(*L, L->current));
+  for (auto& timer : L->timers) timer->plain_pair(thread_index(*L, L->current), kind);
 }
 
 void note_access(const volatile void* p, uint32_t bytes, bool load) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
   const bool shared = in_smem(L->current->block, const_cast<const void*>(p), bytes);
-  for (auto& timer : L->timers) timer->access(thread_index(*L, L->current), shared, bytes, load);
+  for (auto& timer : L->timers) timer->access(thread_index(*L, L->current), p, shared, bytes, load);
 }
 
 void note_chain() {

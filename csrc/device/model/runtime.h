@@ -72,8 +72,10 @@ void note_atomic(const volatile void* p, Site site);
 enum class Fence : int { kGpu = 0, kSystem = 1, kProxyAsync = 2 };
 void note_fence(Fence kind);
 // A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every
-// element they load and store, so the count stands for the plain code around it.
-void note_plain_pair();
+// element they load and store, so the count stands for the plain code around it; the kind
+// says which conversion (the timing model counts each kind's instructions, taken from SASS).
+enum class Pair : int { kWidenCvt = 0, kWidenShift = 1, kNarrow = 2 };
+void note_plain_pair(Pair kind);
 // A plain load or store of `bytes` at p in a hot loop (dev::ld / dev::st), and the hint that the
 // loads after it depend on those before it (dev::chain).
 void note_access(const volatile void* p, uint32_t bytes, bool load);

@@ -37,8 +37,13 @@ bool costs_from(const std::map<std::string, double>& table, Costs& out, std::str
       message = "unknown timing constant " + name;
       return false;
     }
-    if (!std::isfinite(value) || value < 0 || (name == "engine_bytes_per_ns" && value <= 0)) {
-      message = "timing constant " + name + " must be finite and " + (name == "engine_bytes_per_ns" ? "> 0" : ">= 0") +
+    const bool rate = name == "engine_bytes_per_ns" || name == "sm_clock_ghz" || name == "hbm_bytes_per_ns";
+    const bool fraction = name.rfind("l2_hit_", 0) == 0;
+    if (!std::isfinite(value) || value < 0 || (rate && value <= 0) || (fraction && value > 1)) {
+      message = "timing constant " + name + " must be finite and " +
+                (rate       ? "> 0"
+                 : fraction ? "in [0, 1]"
+                            : ">= 0") +
                 ", got " + std::to_string(value);
       return false;
     }
@@ -89,6 +94,20 @@ void PathArena::release(uint32_t n) {
   while (n != 0 && --nodes_[n].refs == 0) {
     free_.push_back(n);
     n = nodes_[n].parent;
+  }
+}
+
+// ---- shared resources in buckets ------------------------------------------------------------
+
+void Buckets::add(double a, double b, double per_ns) {
+  if (!(b > a) || !(per_ns > 0)) return;
+  for (size_t k = static_cast<size_t>(std::max(a, 0.0) / width_);; ++k) {
+    const double start = k * width_, end = start + width_;
+    if (start >= b) return;
+    const double overlap = std::min(b, end) - std::max(a, start);
+    if (overlap <= 0) continue;
+    grow(k);
+    spun_[k] = static_cast<float>(spun_[k] + overlap * per_ns);
   }
 }
 
@@ -154,7 +173,13 @@ double Calendar::busy_ns() const {
 
 Timer::Timer(const Costs& costs, int table, const char* kernel, int blocks, int threads)
     : c_(costs), table_(table), kernel_(kernel), blocks_(blocks), threads_(threads),
-      clocks_(static_cast<size_t>(blocks) * threads), engines_(blocks) {}
+      clocks_(static_cast<size_t>(blocks) * threads), engines_(blocks), warps_((threads + 31) / 32),
+      warp_state_(static_cast<size_t>(blocks) * warps_),
+      schedulers_(static_cast<size_t>(blocks) * 4, Buckets(kBucketCycles / costs.sm_clock_ghz)),
+      scheduler_warps_(static_cast<size_t>(blocks) * 4), hbm_(kBucketCycles / costs.sm_clock_ghz, false) {
+  for (int b = 0; b < blocks; ++b)
+    for (int w = 0; w < warps_; ++w) scheduler_warps_[b * 4 + w % 4].push_back(b * warps_ + w);
+}
 
 Timer::~Timer() { release_all(); }
 
@@ -211,27 +236,155 @@ void Timer::advance(int th, double ns) {
   c.busy += ns;
 }
 
-void Timer::settle(int th) {
+void Timer::settle(int th, bool end_spin) {
   Clock& c = clocks_[th];
   if (c.loads > 0) {
     advance(th, c.loads);
     c.loads = 0;
   }
+  if (end_spin) spin_end(th);
 }
 
-void Timer::access(int th, bool shared, uint32_t bytes, bool load) {
+// ---- issue slots ------------------------------------------------------------------------------
+
+// The lanes of a warp run the same instructions: the lane ahead of its warp's count takes the
+// slots for the instructions past it, from its scheduler's calendar; a lane behind runs on no
+// earlier than its warp issued the same instruction.
+void Timer::issue(int th, double instructions) {
+  spin_end(th);
+  if (!(instructions > 0)) return;
+  Clock& c = clocks_[th];
+  Warp& w = warp_state_[warp_of(th)];
+  const double clock = c_.sm_clock_ghz, n = c.count + instructions;
+  double t;
+  if (n > w.count) {
+    const double behind = std::max(w.count - c.count, 0.0);
+    const double from = behind > 0 ? std::max(c.t + behind / clock, w.t) : c.t;
+    const int self = warp_of(th), sched = scheduler_of(th);
+    t = schedulers_[sched].take(from, n - w.count, clock, [&](size_t b) { return spinners(sched, self, b); });
+    instructions_ += n - w.count;
+    w.count = n;
+    w.t = t;
+  } else {
+    t = std::max(c.t + instructions / clock, w.t - (w.count - n) / clock);
+  }
+  c.count = n;
+  advance(th, t - c.t);
+}
+
+// Cycles of bucket b that the other warps spinning on the scheduler take (those still spinning;
+// finished spins are in the calendar already).
+double Timer::spinners(int sched, int self, size_t b) const {
+  const double width = kBucketCycles / c_.sm_clock_ghz, start = b * width, end = start + width;
+  double cycles = 0;
+  for (int w : scheduler_warps_[sched]) {
+    const Warp& s = warp_state_[w];
+    if (w == self || s.spinning == 0) continue;
+    const double from = std::max({s.spin_from, s.spun_until, start});
+    if (end > from) cycles += (end - from) * c_.sm_clock_ghz * s.spin_rate;
+  }
+  return cycles;
+}
+
+// A warp spinning on a poll or a try_wait issues a turn (spin_instructions) per period, from
+// its first failed probe until its lane's next operation (when its wait ends, at the time it
+// waited for). Its lanes spin together: a warp's spin is counted once.
+void Timer::spin_begin(int th, double period_ns) {
+  Clock& c = clocks_[th];
+  if (c.spinning || !(c_.spin_instructions > 0)) return;
+  const double cycles = period_ns * c_.sm_clock_ghz;
+  c.spinning = true;
+  c.spin_from = c.t;
+  c.spin_rate = cycles > c_.spin_instructions ? c_.spin_instructions / cycles : 1.0;
+  Warp& w = warp_state_[warp_of(th)];
+  if (w.spinning++ == 0 || c.t < w.spin_from) w.spin_from = c.t;
+  w.spin_rate = std::max(w.spin_rate, c.spin_rate);
+}
+
+void Timer::spin_end(int th) {
+  Clock& c = clocks_[th];
+  if (!c.spinning) return;
+  c.spinning = false;
+  Warp& w = warp_state_[warp_of(th)];
+  const double a = std::max(c.spin_from, w.spun_until), b = c.t;
+  if (b > a) {
+    const double per_ns = c.spin_rate * c_.sm_clock_ghz;
+    schedulers_[scheduler_of(th)].add(a, b, per_ns);
+    spin_instructions_ += (b - a) * per_ns;
+    w.spun_until = b;
+  }
+  if (--w.spinning == 0) w.spin_rate = 0;
+}
+
+void Timer::spinning(int th) { spin_begin(th, c_.spin_period_ns); }
+
+void Timer::plain_pair(int th, Pair kind) {
+  advance(th, c_.plain_pair_ns);
+  issue(th, kind == Pair::kWidenCvt     ? c_.cvt_pair_instructions
+            : kind == Pair::kWidenShift ? c_.shift_pair_instructions
+                                        : c_.pack_pair_instructions);
+}
+
+// ---- device memory and L2 ---------------------------------------------------------------------
+
+namespace {
+constexpr uint8_t kLineRead = 1, kLineWritten = 2;
+constexpr int kLineShift = 7;  // 128-byte lines
+}  // namespace
+
+// The L2-hit fraction of a global read of [p, p + bytes): per line by its class (written in the
+// launch, read before in it, neither); counted in the report and the lines marked read.
+double Timer::read_hit(const void* p, uint32_t bytes) {
+  if (bytes == 0) return 0;
+  const uint64_t a = reinterpret_cast<uintptr_t>(p), e = a + bytes;
+  const double hit[3] = {c_.l2_hit_written, c_.l2_hit_reread, c_.l2_hit_stream};
+  double l2 = 0;
+  for (uint64_t line = a >> kLineShift; line <= (e - 1) >> kLineShift; ++line) {
+    uint8_t& f = lines_[line];
+    const int cls = (f & kLineWritten) ? Report::kWritten : (f & kLineRead) ? Report::kReread : Report::kStream;
+    const uint64_t lo = std::max(a, line << kLineShift), hi = std::min(e, (line + 1) << kLineShift);
+    const double part = static_cast<double>(hi - lo);
+    reads_[cls].bytes += part;
+    reads_[cls].l2_bytes += part * hit[cls];
+    l2 += part * hit[cls];
+    f |= kLineRead;
+  }
+  return l2 / bytes;
+}
+
+void Timer::mark_written(const void* p, uint32_t bytes) {
+  if (bytes == 0) return;
+  const uint64_t a = reinterpret_cast<uintptr_t>(p);
+  for (uint64_t line = a >> kLineShift; line <= (a + bytes - 1) >> kLineShift; ++line) lines_[line] |= kLineWritten;
+}
+
+void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, bool load) {
   Report::Accesses& a = plain_[shared ? Report::kShared : Report::kGlobal];
+  const void* at = const_cast<const void*>(p);
   if (load) {
     ++a.loads;
     a.load_bytes += bytes;
-    advance(th, c_.access_ns);
+    issue(th, c_.access_instructions);
+    double latency = c_.smem_load_ns;
+    if (!shared) {
+      const double hit = read_hit(at, bytes), miss = bytes * (1 - hit);
+      latency = hit * c_.l2_load_ns + (1 - hit) * c_.gmem_load_ns;
+      const double t = clocks_[th].t;
+      latency = std::max(latency, hbm_.take(t, miss, c_.hbm_bytes_per_ns, [](size_t) { return 0.0; }) - t);
+      hbm_bytes_ += miss;
+    }
     double& batch = clocks_[th].loads;
-    batch = std::max(batch, shared ? c_.smem_load_ns : c_.gmem_load_ns);
+    batch = std::max(batch, latency);
   } else {
     ++a.stores;
     a.store_bytes += bytes;
     settle(th);  // what it stores comes from the loads before it
-    advance(th, c_.access_ns);
+    issue(th, c_.access_instructions);
+    if (!shared) {
+      mark_written(at, bytes);
+      hbm_.take(clocks_[th].t, bytes, c_.hbm_bytes_per_ns, [](size_t) { return 0.0; });
+      hbm_bytes_ += bytes;
+    }
   }
 }
 
@@ -320,19 +473,25 @@ void Timer::phase_complete(const void* bar) {
 }
 
 void Timer::wait_done(int th, const void* bar, Site site) {
-  settle(th);
+  settle(th, false);
   const Origin dep = mbars_[bar].done;
   resolve(th, clocks_[th].t + c_.try_wait_ns, dep, c_.wake_ns, category("mbarrier wait", site), nullptr);
+  spin_end(th);  // it spun until the phase it waited for
 }
 
+// Polls of shared memory are not counted as spinning: the model's named barriers poll there,
+// and on the GPU they are a bar.sync that does not issue while it waits.
 void Timer::poll(int th, const volatile void* p, bool changed, bool shared, Site site) {
-  settle(th);
-  if (!changed) return;  // the same value again: the thread only spun
+  settle(th, false);
+  if (!changed) {  // the same value again: the thread only spun
+    if (!shared) spin_begin(th, c_.poll_ns);
+    return;
+  }
   auto it = flags_.find(p);
-  if (it == flags_.end()) return;  // a value from before the launch: nothing to wait for
-  const Origin dep = it->second;
-  resolve(th, clocks_[th].t + (shared ? 0 : c_.poll_ns), dep, shared ? 0 : c_.flag_latency_ns,
-          category("flag wait", site), nullptr);
+  if (it != flags_.end())  // else a value from before the launch: nothing to wait for
+    resolve(th, clocks_[th].t + (shared ? 0 : c_.poll_ns), it->second, shared ? 0 : c_.flag_latency_ns,
+            category("flag wait", site), nullptr);
+  spin_end(th);
 }
 
 void Timer::flag_write(int th, const volatile void* p, bool shared, Site site) {
@@ -359,12 +518,21 @@ void Timer::fence(int th, Fence kind) {
   advance(th, kind == Fence::kGpu ? c_.fence_gpu_ns : kind == Fence::kSystem ? c_.fence_sys_ns : c_.fence_proxy_ns);
 }
 
-void Timer::copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site) {
+void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site) {
   settle(th);
   advance(th, c_.issue_ns);
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
   ct.duration = bytes / c_.engine_bytes_per_ns;
+  if (g2s) {
+    const double hit = read_hit(gmem, bytes);
+    ct.latency = hit * c_.g2s_l2_latency_ns + (1 - hit) * c_.g2s_latency_ns;
+    ct.hbm_bytes = bytes * (1 - hit);
+  } else {
+    mark_written(gmem, bytes);
+    ct.latency = c_.s2g_read_latency_ns;
+    ct.hbm_bytes = bytes;
+  }
   ct.g2s = g2s;
   ct.block = block;
   engines_[block].open.push_back(copy);
@@ -393,12 +561,16 @@ void Timer::place(size_t copy, Origin* read, Origin* write) {
     e.placed.fit(t, copies_.at(other).duration, tentative, pieces);
     tentative.insert(tentative.end(), pieces.begin(), pieces.end());
   }
-  const double through = e.placed.fit(ct.issued.t, ct.duration, tentative, mine);
+  double through = e.placed.fit(ct.issued.t, ct.duration, tentative, mine);
   for (const auto& [a, b] : mine) e.placed.insert(a, b);
   e.open.erase(std::find(e.open.begin(), e.open.end(), copy));
+  // Its device-memory bytes from its start through the engine on, beside every other SM's.
+  const double start = mine.empty() ? ct.issued.t : mine.front().first;
+  through = std::max(through, hbm_.take(start, ct.hbm_bytes, c_.hbm_bytes_per_ns, [](size_t) { return 0.0; }));
+  hbm_bytes_ += ct.hbm_bytes;
 
   Origin o = ct.issued;
-  o.t = through + (ct.g2s ? c_.g2s_latency_ns : c_.s2g_read_latency_ns);
+  o.t = through + ct.latency;
   if (read != nullptr) keep_max(*read, o);
   if (!ct.g2s) o.t += c_.s2g_write_latency_ns;
   keep_max(*write, o);
@@ -478,6 +650,10 @@ Report Timer::finish() {
   r.plain[0] = plain_[0];
   r.plain[1] = plain_[1];
   r.chains = chains_;
+  r.instructions = instructions_;
+  r.spin_instructions = spin_instructions_;
+  for (int k = 0; k < 3; ++k) r.reads[k] = reads_[k];
+  r.hbm_bytes = hbm_bytes_;
   r.time_ns = end + c_.launch_ns;
 
   r.block_end_ns.assign(blocks_, 0);

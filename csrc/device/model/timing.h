@@ -11,21 +11,37 @@
 //   - own work: each operation costs its constant on the thread that runs it; plain code
 //     between them where it converts 16-bit floats (the reductions), per pair, and where the
 //     hot loops load and store through the device layer's accessors (dev::ld, dev::st);
-//   - plain loads and stores (dev::ld / dev::st): each costs access_ns on its thread. Loads
+//   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
+//     kind of conversion: counts from the kernels' SASS), issued on the SM's scheduler of its
+//     warp (warp w on scheduler w % 4), one instruction per cycle per scheduler and per warp.
+//     The lanes of a warp run the same instructions, so only a lane ahead of its warp's count
+//     takes slots; a lane behind runs on no earlier than the warp issued the same instruction.
+//     A warp that spins (a failed try_wait, a failed poll of global memory) issues a turn of
+//     spin_instructions per try_wait turn or poll from then until its next operation, taken
+//     from the other warps of its scheduler (at most half of it while they work);
+//   - plain loads and stores (dev::ld / dev::st): each costs its instructions on its thread. Loads
 //     in a row overlap: they form a batch that costs the latency of its slowest memory class
-//     (shared or global), paid when the batch ends: at the thread's next store, at a
+//     (shared, L2 or device memory), paid when the batch ends: at the thread's next store, at a
 //     dev::chain() (the loads after it depend on those before), or at its next operation of
 //     any other kind above (a synchronisation, a copy, a fence, its exit);
+//   - global reads (plain and bulk loads) by traffic class, per 128-byte line: written in the
+//     launch (rows a peer just stored), read before in the launch (re-reads), neither (input
+//     rows streamed in); each class hits in L2 with its fraction, which sets a load's latency
+//     (L2 or device memory) and the bytes it moves through device memory. Which read of a line
+//     comes first follows the schedule, not the clocks;
+//   - device memory: one calendar for the launch (every SM, every rank of the emulation: one
+//     GPU's bandwidth for all, an upper bound on the sharing), which the misses and every
+//     global write go through, bulk copies from their start through the engine on;
 //   - __syncthreads, warp collectives: every participant runs on at the last arrival's time
 //     plus the barrier's cost;
 //   - mbarriers: a phase completes at the latest of its arrivals and of the bulk loads that
 //     completed bytes on it; a try_wait that finds it complete ends at that time plus the
-//     wake-up (a try_wait that fails costs nothing: how often a thread spins depends on the
-//     schedule, not on time);
+//     wake-up (a try_wait that fails costs the thread nothing: how often a thread spins depends
+//     on the schedule, not on time; its warp's issue slots while it spins are costed above);
 //   - flags: a release store, reduction or atomic stamps the address with its writer's time
 //     (the latest, for several writes); a poll that reads a value written in the launch
 //     ends at that time plus the flag latency; polls of values from before the launch cost
-//     nothing; a global atomic also runs after the atomics before it at its address;
+//     the thread nothing; a global atomic also runs after the atomics before it at its address;
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
 //     engine at its capacity, loads and stores alike, first come (by issue time) first
 //     served; a load completes its bytes on the mbarrier after its last byte plus the load
@@ -45,6 +61,7 @@
 // critical path: each wait that another thread's event decided remembers that event, so the
 // path is walked back from the last thread to the launch's start.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -60,33 +77,49 @@
 namespace hybrid_ep::model::timing {
 
 // The constants (name, what it is); each is in ns except engine_bytes_per_ns.
-#define HYBRID_EP_TIMING_COSTS(X)                                                                             \
-  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                       \
-  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                       \
-  X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on") \
-  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                      \
-  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                 \
-  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                 \
-  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                    \
-  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")        \
-  X(release_ns, "a release store or reduction to global memory, on the writing thread")                       \
-  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                               \
-  X(fence_gpu_ns, "__threadfence")                                                                            \
-  X(fence_sys_ns, "__threadfence_system")                                                                     \
-  X(fence_proxy_ns, "fence.proxy.async")                                                                      \
-  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                   \
-  X(commit_ns, "a bulk-group commit")                                                                         \
-  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                          \
-  X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier") \
-  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")    \
-  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                     \
-  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")     \
-  X(plain_pair_ns,                                                                                            \
-    "plain code per pair of 16-bit floats converted to or from fp32 (the reductions' "                        \
-    "arithmetic around it), on the converting thread")                                                        \
-  X(access_ns, "a plain load or store of a hot loop (dev::ld, dev::st), on the thread that issues it")        \
-  X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                 \
-  X(gmem_load_ns, "a batch of plain loads with one from global memory: issue -> the values are there")
+#define HYBRID_EP_TIMING_COSTS(X)                                                                                   \
+  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                             \
+  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                             \
+  X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on")       \
+  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                            \
+  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                       \
+  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                       \
+  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                          \
+  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")              \
+  X(release_ns, "a release store or reduction to global memory, on the writing thread")                             \
+  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                                     \
+  X(fence_gpu_ns, "__threadfence")                                                                                  \
+  X(fence_sys_ns, "__threadfence_system")                                                                           \
+  X(fence_proxy_ns, "fence.proxy.async")                                                                            \
+  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                         \
+  X(commit_ns, "a bulk-group commit")                                                                               \
+  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                                \
+  X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier")       \
+  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")          \
+  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
+  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")           \
+  X(plain_pair_ns,                                                                                                  \
+    "plain code per pair of 16-bit floats converted to or from fp32 beside its instructions' issue (the "           \
+    "reductions' dependent arithmetic, what the counts miss), on the converting thread")                            \
+  X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                       \
+  X(gmem_load_ns, "a batch of plain loads with one from device memory (an L2 miss): issue -> the values are there") \
+  X(l2_load_ns, "a batch of plain global loads that all hit in L2: issue -> the values are there")                  \
+  X(g2s_l2_latency_ns, "bulk load from L2: its last byte through the copy engine -> complete on the mbarrier")      \
+  X(sm_clock_ghz, "SM cycles per ns: the issue slots' clock")                                                       \
+  X(access_instructions, "warp instructions per plain access of a hot loop (dev::ld, dev::st)")                     \
+  X(cvt_pair_instructions,                                                                                          \
+    "warp instructions per pair widened with the cvt builtins (__bfloat1622float2, __half22float2), with "          \
+    "the loop around it")                                                                                           \
+  X(shift_pair_instructions,                                                                                        \
+    "warp instructions per bf16 pair widened by shift and mask (dev::bf16x2_to_float2), "                           \
+    "with the loop around it")                                                                                      \
+  X(pack_pair_instructions, "warp instructions per pair narrowed (__float22bfloat162_rn, __float22half2_rn)")       \
+  X(spin_instructions, "warp instructions per turn of a spinning wait (a failed poll or try_wait, its loop)")       \
+  X(spin_period_ns, "one turn of a warp spinning on an mbarrier (try_wait that fails and its loop)")                \
+  X(hbm_bytes_per_ns, "device memory: bytes per ns read and written, all SMs of the launch together")               \
+  X(l2_hit_written, "L2-hit fraction of global reads of lines written in the launch (rows a peer just wrote)")      \
+  X(l2_hit_reread, "L2-hit fraction of global reads of lines read before in the launch (re-reads)")                 \
+  X(l2_hit_stream, "L2-hit fraction of global reads of lines not touched before in the launch (input rows)")
 
 struct Costs {
 #define HYBRID_EP_TIMING_FIELD(name, what) double name = 0;
@@ -124,6 +157,18 @@ struct Report {
   static constexpr int kShared = 0, kGlobal = 1;
   Accesses plain[2];
   uint64_t chains = 0;  // dev::chain() calls
+  // Issue slots: warp instructions the SMs' schedulers issued for plain code (accessors,
+  // converted pairs) and for spinning waits, every block's together.
+  double instructions = 0, spin_instructions = 0;
+  // Global reads (bulk loads and plain loads) by traffic class: lines written in the launch,
+  // lines read before in the launch, lines not touched before; their bytes and the bytes
+  // served from L2. hbm_bytes: what went through device memory (misses and every write).
+  struct Reads {
+    double bytes = 0, l2_bytes = 0;
+  };
+  static constexpr int kWritten = 0, kReread = 1, kStream = 2;
+  Reads reads[3];
+  double hbm_bytes = 0;
 };
 
 // The cost tables of the next launches (none: timing off, the model as it is without it), and
@@ -169,6 +214,54 @@ class PathArena {
   std::vector<uint32_t> free_;
 };
 
+// A resource shared in time by several requesters (an SM scheduler's issue slots, device
+// memory's bytes): per bucket of fixed width, how much of its capacity is taken. A request
+// takes what is free from its start on, first come (in the schedule) first served; for issue
+// slots (`in_turn`) it ends in a bucket no earlier than the bucket's start plus everything taken
+// in it so far (warps that issue at once take turns).
+// Spinning (`add`, and `reserved` while it goes on) yields: it holds at most half a bucket
+// from a request, the share a round-robin scheduler leaves a working warp beside a spinning one.
+class Buckets {
+ public:
+  explicit Buckets(double width_ns = 1, bool in_turn = true) : width_(width_ns), in_turn_(in_turn) {}
+  // Takes `amount` at up to `rate` per ns (the requester's own limit and the capacity: per
+  // bucket rate * width) from t on, less what spinning holds (added, and `reserved(bucket)`);
+  // returns its end.
+  template <typename Reserved>
+  double take(double t, double amount, double rate, Reserved reserved);
+  void add(double a, double b, double per_ns);  // spinning: per_ns over [a, b)
+
+ private:
+  void grow(size_t b) {
+    if (b >= taken_.size()) {
+      taken_.resize(b + 1 + b / 2, 0.0f);
+      spun_.resize(taken_.size(), 0.0f);
+    }
+  }
+  double width_;
+  bool in_turn_;
+  std::vector<float> taken_, spun_;
+};
+
+template <typename Reserved>
+double Buckets::take(double t, double amount, double rate, Reserved reserved) {
+  if (!(amount > 0)) return t;
+  const double cap = rate * width_;
+  for (size_t b = static_cast<size_t>(std::max(t, 0.0) / width_);; ++b) {
+    const double start = b * width_, end = start + width_;
+    if (t < start) t = start;
+    if (t >= end) continue;
+    grow(b);
+    const double held = std::min(spun_[b] + reserved(b), cap / 2);
+    const double room = std::min(cap - taken_[b] - held, (end - t) * rate);
+    if (room <= 0) continue;
+    const double x = std::min(amount, room);
+    taken_[b] = static_cast<float>(taken_[b] + x);
+    amount -= x;
+    if (amount <= 0) return in_turn_ ? std::max(t + x / rate, start + (taken_[b] + held) / rate) : t + x / rate;
+  }
+}
+
 // Busy intervals of one SM's copy engine; a transfer fills the free time from its start on.
 class Calendar {
  public:
@@ -201,10 +294,11 @@ class Timer {
   void flag_write(int th, const volatile void* p, bool shared, Site site);
   void atomic(int th, const volatile void* p, bool shared, Site site);
   void fence(int th, Fence kind);
-  void plain_pair(int th) { advance(th, c_.plain_pair_ns); }
-  void access(int th, bool shared, uint32_t bytes, bool load);
+  void plain_pair(int th, Pair kind);
+  void access(int th, const volatile void* p, bool shared, uint32_t bytes, bool load);
+  void spinning(int th);  // an mbarrier try_wait that failed: the warp spins until its next operation
   void chain(int th);
-  void copy_issue(int th, size_t copy, int block, bool g2s, uint32_t bytes, Site site);
+  void copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);
   void commit(int th);
@@ -219,8 +313,11 @@ class Timer {
   };
   struct Clock {
     double t = 0, busy = 0, end = 0;
-    double loads = 0;   // the latency of the batch of plain loads not yet paid (0: none)
-    uint32_t node = 0;  // the path node of the last wait another thread's event decided
+    double loads = 0;  // the latency of the batch of plain loads not yet paid (0: none)
+    double count = 0;  // warp instructions this lane has issued (issue slots)
+    bool spinning = false;
+    double spin_from = 0, spin_rate = 0;  // since when it spins, warp instructions per cycle
+    uint32_t node = 0;                    // the path node of the last wait another thread's event decided
     std::vector<std::pair<int32_t, double>> waits;
     std::deque<Group> groups;  // committed bulk-store groups a wait may still cover
     Group open;
@@ -228,6 +325,8 @@ class Timer {
   struct CopyTime {
     Origin issued;  // t: when its bytes may start through the engine; where it came from
     double duration = 0;
+    double latency = 0;    // a load's: by the L2-hit fraction of what it reads
+    double hbm_bytes = 0;  // its bytes through device memory
     bool g2s = false;
     int block = 0;
   };
@@ -242,9 +341,18 @@ class Timer {
   // What happened where, as the report names it: "<what> (<file>:<line>)".
   int32_t category(const char* what, Site site);
   int role(int th) const { return (th % threads_) / 32; }
+  int warp_of(int th) const { return th / threads_ * warps_ + role(th); }
+  int scheduler_of(int th) const { return th / threads_ * 4 + role(th) % 4; }
   Origin here(int th, int32_t what);
   void advance(int th, double ns);
-  void settle(int th);  // pays the batch of plain loads in flight
+  // Pays the batch of plain loads in flight and, unless told not to, ends the thread's spinning.
+  void settle(int th, bool end_spin = true);
+  void issue(int th, double instructions);  // on its SM's scheduler (issue slots)
+  void spin_begin(int th, double period_ns);
+  void spin_end(int th);
+  double spinners(int scheduler, int self, size_t bucket) const;  // cycles of a bucket spinning warps take
+  double read_hit(const void* p, uint32_t bytes);                 // L2-hit fraction; marks the lines read
+  void mark_written(const void* p, uint32_t bytes);
   void set(Origin& dst, const Origin& src);
   void place(size_t copy, Origin* read, Origin* write);  // folds its times into read and write
   void fold_group(Group& g);
@@ -258,6 +366,26 @@ class Timer {
   int blocks_, threads_;
   std::vector<Clock> clocks_;
   std::vector<Engine> engines_;
+  // Issue slots: one calendar per SM scheduler (warp w of a block issues on its scheduler w % 4),
+  // in warp instructions per cycle; per warp, its leading lane's count and when it issued the
+  // last of them (lanes run the same instructions: only a lane ahead of its warp takes slots),
+  // and the lanes spinning in it.
+  static constexpr double kBucketCycles = 64;
+  struct Warp {
+    double count = 0, t = 0;
+    int spinning = 0;  // lanes spinning
+    double spin_from = 0, spin_rate = 0, spun_until = kNever;
+  };
+  int warps_;
+  std::vector<Warp> warp_state_;
+  std::vector<Buckets> schedulers_;
+  std::vector<std::vector<int>> scheduler_warps_;
+  double instructions_ = 0, spin_instructions_ = 0;
+  // Device memory: one calendar for the launch, and the global lines touched, by 128-byte line.
+  Buckets hbm_;
+  std::unordered_map<uint64_t, uint8_t> lines_;
+  Report::Reads reads_[3];
+  double hbm_bytes_ = 0;
   std::unordered_map<size_t, CopyTime> copies_;  // issued, not yet placed
   double last_write_ = 0;                        // the latest write of any copy
   uint64_t copy_count_ = 0, copy_bytes_ = 0;

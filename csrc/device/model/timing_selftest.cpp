@@ -9,7 +9,11 @@
 //   - plain_pairs: thread 0 converts n bf16 pairs to fp32 and back (2n pairs of plain code);
 //   - plain_accesses: thread 0 copies n int4 from global to shared memory through dev::ld /
 //     dev::st (each store waits for its load: n global round trips), then loads them back from
-//     shared memory, one batch, and ends it with dev::chain() (one shared round trip).
+//     shared memory, one batch, and ends it with dev::chain() (one shared round trip);
+//   - issue_warps: the first `bytes` warps, every lane, widen n bf16 pairs each (dev::bf16x2_to_float2):
+//     bound by issue slots, warps w and w + 4 share a scheduler;
+//   - spin_beside: warp 0 of block 0 widens n pairs (a __syncwarp every 8), then releases a
+//     flag; the warp whose first thread is `bytes` (0: none) polls that flag meanwhile.
 #include "device/model/timing_selftest.h"
 
 #include <map>
@@ -35,7 +39,28 @@ struct Shared {
   uint64_t bar[2];
 };
 
-enum Which { kHandoffChain, kLoadStream, kStoreStream, kFlagChain, kNamedBarrier, kPlainPairs, kPlainAccesses };
+enum Which {
+  kHandoffChain,
+  kLoadStream,
+  kStoreStream,
+  kFlagChain,
+  kNamedBarrier,
+  kPlainPairs,
+  kPlainAccesses,
+  kIssueWarps,
+  kSpinBeside
+};
+
+// n pairs widened by one thread; the sum keeps them.
+__device__ float widen_pairs(int n, bool sync_every_8) {
+  float sum = 0;
+  for (int i = 0; i < n; ++i) {
+    const float2 f = dev::bf16x2_to_float2(0x3f803f80u + static_cast<uint32_t>(i));
+    sum += f.x + f.y;
+    if (sync_every_8 && i % 8 == 7) __syncwarp();
+  }
+  return sum;
+}
 
 __device__ void wait_phase(uint64_t* bar, uint32_t parity) {
   while (!dev::mbar_try_wait(bar, parity)) {}
@@ -112,6 +137,20 @@ __global__ void timing_kernel(const Args a) {
         if (sum == 0x7fffffff) a.flags[0] = 1;  // keeps the loads
       }
       break;
+    case kIssueWarps:
+      if (tid < static_cast<int>(a.bytes) * 32 && widen_pairs(a.n, false) == -1.0f) a.flags[1] = 1;
+      break;
+    case kSpinBeside: {
+      const int global_tid = static_cast<int>(blockIdx.x * blockDim.x) + tid;
+      if (blockIdx.x == 0 && tid < 32) {
+        if (widen_pairs(a.n, true) == -1.0f) a.flags[1] = 1;
+        __syncwarp();
+        if (tid == 0) dev::st_release_sys(&a.flags[0], 1);
+      } else if (a.bytes != 0 && global_tid / 32 == static_cast<int>(a.bytes) / 32) {
+        while (dev::ld_acquire_sys(&a.flags[0]) == 0) {}
+      }
+      break;
+    }
     default: break;
   }
 }
@@ -120,7 +159,7 @@ const std::map<std::string, int>& names() {
   static const std::map<std::string, int> n = {
       {"handoff_chain", kHandoffChain},   {"load_stream", kLoadStream},     {"store_stream", kStoreStream},
       {"flag_chain", kFlagChain},         {"named_barrier", kNamedBarrier}, {"plain_pairs", kPlainPairs},
-      {"plain_accesses", kPlainAccesses},
+      {"plain_accesses", kPlainAccesses}, {"issue_warps", kIssueWarps},     {"spin_beside", kSpinBeside},
   };
   return n;
 }
@@ -133,18 +172,20 @@ std::vector<std::string> timing_selftest_names() {
   return out;
 }
 
-std::string run_timing_selftest(const std::string& name, int blocks, int n, uint32_t bytes) {
+std::string run_timing_selftest(const std::string& name, int blocks, int n, uint32_t bytes, int threads) {
   auto it = names().find(name);
   if (it == names().end()) return "no such timing self-test: " + name;
-  if (n < 0 || static_cast<uint64_t>(n) * bytes > kGlobalBytes)
+  const bool counts = it->second == kIssueWarps || it->second == kSpinBeside;  // bytes is no size there
+  if (n < 0 || (!counts && static_cast<uint64_t>(n) * bytes > kGlobalBytes))
     return "n x bytes must be within " + std::to_string(kGlobalBytes);
-  alignas(16) static unsigned char global[kGlobalBytes];
+  if (threads < 64 || threads > 1024 || threads % 32 != 0) return "threads must be a multiple of 32 in [64, 1024]";
+  alignas(128) static unsigned char global[kGlobalBytes];  // whole 128-byte lines (L2 classes)
   alignas(8) static uint64_t flags[2];
   flags[0] = flags[1] = 0;
   add_allocation(reinterpret_cast<uint64_t>(global), sizeof(global));
   Args args{global, flags, it->second, n, bytes};
-  const size_t smem = std::max<size_t>(static_cast<size_t>(n) * bytes, 16);
-  const char* err = dev::launch_cooperative(timing_kernel, blocks, 64, smem, 0, args);
+  const size_t smem = counts ? 16 : std::max<size_t>(static_cast<size_t>(n) * bytes, 16);
+  const char* err = dev::launch_cooperative(timing_kernel, blocks, threads, smem, 0, args);
   remove_allocation(reinterpret_cast<uint64_t>(global));
   return err == nullptr ? "" : err;
 }
