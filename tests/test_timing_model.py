@@ -339,11 +339,12 @@ def test_copies_from_many_sms_share_device_memory(blocks):
 
 
 def test_plain_loads_cost_the_latency_of_their_traffic_class():
-    """n int4 loaded from global memory one at a time: the first of each 128-byte line streams
-    from device memory (gmem_load_ns), the others re-read a line just read (l2_load_ns)."""
+    """n int4 loaded from global memory one at a time: the first of each 64-byte unit (the
+    classes' grain) streams from device memory (gmem_load_ns), the others re-read a unit just
+    read (l2_load_ns)."""
     c, n = {**COSTS, "l2_hit_reread": 1.0}, 9
     r = timed_selftest("plain_accesses", 1, n, 16, c)
-    firsts = len(range(0, n, 8))
+    firsts = len(range(0, n, 4))
     loads = firsts * c["gmem_load_ns"] + (n - firsts) * c["l2_load_ns"]
     want = c["barrier_ns"] + 2 * n * ACCESS_NS + loads + n * ACCESS_NS + c["smem_load_ns"]
     assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)

@@ -37,26 +37,6 @@ def _job(payload: bool) -> dict:
     return predict.job(SHAPE, SHAPE.tokens, [1, 2], [constants.load_table(constants.H200).costs()], payload=payload)
 
 
-def _same_report(a, b):
-    """Launch reports equal: each kernel's time and every warp's end to the nanosecond, the
-    other numbers within 1 %, but for the reads by L2 class and the bytes through device
-    memory. Those depend on where the host placed the tensors (the classes are kept per
-    128-byte line of the host addresses): two jobs with payload alike gave the receive combine
-    1,362,731 and 1,409,304 bytes through device memory (2026-11-26), and a warp's busy time
-    moved by 0.7 %; sums of floats may differ in their last bit."""
-    assert [r["kernel"] for r in a] == [r["kernel"] for r in b]
-    for x, y in zip(a, b):
-        assert x["time_ns"] == pytest.approx(y["time_ns"], rel=1e-12, abs=1e-3)
-        assert x.keys() == y.keys()
-        for key in x:
-            if isinstance(x[key], (int, float)) and key != "hbm_bytes":
-                assert x[key] == pytest.approx(y[key], rel=1e-2), key
-        assert [r["warp"] for r in x["roles"]] == [r["warp"] for r in y["roles"]]
-        for p, q in zip(x["roles"], y["roles"]):
-            assert p["busy_ns"] == pytest.approx(q["busy_ns"], rel=1e-2)
-            assert p["end_ns"] == pytest.approx(q["end_ns"], rel=1e-12, abs=1e-3)
-
-
 @pytest.mark.parametrize("path", ["direct", "receive"])
 def test_payload_free_runs_give_the_same_timing_reports(path, monkeypatch):
     monkeypatch.setenv("HYBRID_EP_DATA_PATH", path)
@@ -66,7 +46,7 @@ def test_payload_free_runs_give_the_same_timing_reports(path, monkeypatch):
     for a, b in zip(with_rows["runs"], without["runs"], strict=True):
         for kernel in ("dispatch", "combine"):
             assert a[kernel]["stats"] == b[kernel]["stats"]  # the same schedule, round for round
-            _same_report(a[kernel]["launches"], b[kernel]["launches"])
+            assert a[kernel]["launches"] == b[kernel]["launches"]  # every report, to the nanosecond
     launches = [r["kernel"] for run in without["runs"] for k in ("dispatch", "combine") for r in run[k]["launches"]]
     want = ["layout", "dispatch_direct", "combine_pull"] if path == "direct" else ["layout", "dispatch", "combine"]
     assert launches == want * 2

@@ -329,7 +329,7 @@ void Timer::plain_pair(int th, Pair kind) {
 
 namespace {
 constexpr uint8_t kLineRead = 1, kLineWritten = 2;
-constexpr int kLineShift = 7;  // 128-byte lines
+constexpr int kLineShift = 6;  // 64-byte units (see timing.h)
 }  // namespace
 
 // The L2-hit fraction of a global read of [p, p + bytes): per line by its class (written in the

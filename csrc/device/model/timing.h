@@ -24,7 +24,7 @@
 //     (shared, L2 or device memory), paid when the batch ends: at the thread's next store, at a
 //     dev::chain() (the loads after it depend on those before), or at its next operation of
 //     any other kind above (a synchronisation, a copy, a fence, its exit);
-//   - global reads (plain and bulk loads) by traffic class, per 128-byte line: written in the
+//   - global reads (plain and bulk loads) by traffic class, per 64-byte unit: written in the
 //     launch (rows a peer just stored), read before in the launch (re-reads), neither (input
 //     rows streamed in); each class hits in L2 with its fraction, which sets a load's latency
 //     (L2 or device memory) and the bytes it moves through device memory. Which read of a line
@@ -381,7 +381,8 @@ class Timer {
   std::vector<Buckets> schedulers_;
   std::vector<std::vector<int>> scheduler_warps_;
   double instructions_ = 0, spin_instructions_ = 0;
-  // Device memory: one calendar for the launch, and the global lines touched, by 128-byte line.
+  // Device memory: one calendar for the launch, and the global lines touched, by 64-byte unit
+  // (a host tensor is 64-byte aligned: no unit holds two tensors, whatever their placement).
   Buckets hbm_;
   std::unordered_map<uint64_t, uint8_t> lines_;
   Report::Reads reads_[3];
