@@ -80,8 +80,8 @@ MUTATIONS = (
              "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
              "takes a destination's tensors published by the previous call, epoch - 1)",
-             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, view, a, tid, kDirectDispatch, epoch, pv)",
-             "read_tensors(args, view, a, tid, kDirectDispatch, epoch - 1, pv)",
+             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch, pv)",
+             "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch - 1, pv)",
              tests="tests/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
     Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
              "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "

@@ -385,16 +385,22 @@ def test_interleaved_calls_on_two_handles():
             assert_combine_close(ys[which][r], want_y[r], magnitude[r], case.topk, f"handle {which} rank {r}")
 
 
-def test_a_pipeline_timeout_names_no_peer_and_the_call():
-    """A stage of the block's own FIFO that never completes depends on no other rank: the
-    record names none (peer -1) and the message says so, with the call number."""
+def test_a_pipeline_timeout_names_the_ring_the_side_and_the_call():
+    """A stage of the block's own rings that never completes depends on no other rank: the
+    record names no peer (-1) but the ring (site) and the barrier it waited on (observed: 0 for
+    data, 1 for a free stage), and the message names what stopped: the ring's producer or its
+    consumer."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
-        message = group.engine._describe({"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5,
-                                          "expected": 0, "observed": 0})
-        assert message.startswith("hybrid_ep cuda backend: rank 1 gave up after")
-        assert "waiting in its shared-memory pipeline (call 5): a bulk copy never completed" in message
-        assert "peer" not in message
+        record = {"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5, "expected": 0}
+        data = group.engine._describe({**record, "site": group.ext.PIPE_SITES["send_fifo"], "observed": 0})
+        assert data.startswith("hybrid_ep cuda backend: rank 1 gave up after")
+        assert ("waiting in its shared-memory pipeline for data in the dispatch's send FIFO (call 5): the bulk "
+                "loads of this rank's token rows stopped making progress") in data, data
+        free = group.engine._describe({**record, "site": group.ext.PIPE_SITES["pull_routes"], "observed": 1})
+        assert ("waiting in its shared-memory pipeline for a free stage of the direct combine's route ring "
+                "(call 5): the reducers stopped making progress") in free, free
+        assert "peer rank" not in data + free
     finally:
         group.close()
 
