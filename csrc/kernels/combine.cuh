@@ -261,10 +261,9 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
 // completed (checked at each commit, so a chunk is not drained before the next is stored).
 template <typename Rdma>
 __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
-  const int in_flight = store_groups_in_flight(d.args, out.stages);
+  StoreQueue queue(out, store_groups_in_flight(d.args, out.stages));
   HostChunks<Rdma> chunks(d);
-  PipeState consumed, released;
-  uint32_t groups = 0;
+  PipeState consumed;
   // Chunks stored but not yet signalled: (source, chunk, the group that completes it).
   int pend_s[kMaxPendingChunks] = {}, pend_c[kMaxPendingChunks] = {};
   uint32_t pend_g[kMaxPendingChunks] = {};
@@ -299,23 +298,20 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
       const OutItem& it = d.sh.out_items[consumed.stage];
       dev::bulk_s2g(d.host_target(it.source, it.slot) + static_cast<int64_t>(it.col0) * d.wire_bytes,
                     d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
-      dev::bulk_commit();
-      ++groups;
-      signal_through(groups - 1, 1);  // chunks complete with an older group; this one stays in flight
-      bulk_wait_read_except(in_flight);
-      for (; released.count + in_flight <= consumed.count; released.advance(out.stages)) out.consumer_release(released);
+      queue.commit();
+      signal_through(queue.groups() - 1, 1);  // chunks complete with an older group; this one stays in flight
+      queue.release_read();
     }
     if (!ok) {
       d.stop();
       break;
     }
-    if (npend == kMaxPendingChunks) signal_through(groups, 0);
-    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = groups;
+    if (npend == kMaxPendingChunks) signal_through(queue.groups(), 0);
+    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = queue.groups();
     ++npend;
   }
-  if (!d.stopped()) signal_through(groups, 0);
-  dev::bulk_wait_all();
-  for (; released.count < consumed.count; released.advance(out.stages)) out.consumer_release(released);
+  if (!d.stopped()) signal_through(queue.groups(), 0);
+  queue.finish();
 }
 
 // ---- source ---------------------------------------------------------------------------------

@@ -317,10 +317,10 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
   SendTable& tab = d.sh.send;
   const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
-  const int in_flight = store_groups_in_flight(d.args, d.stages);
   const bool multi = d.h.multi();
-  PipeState consumed, released, meta, staged;  // lane 0's
-  uint32_t groups = 0, pending_group = 0;
+  StoreQueue queue(d.send_fifo.ring, store_groups_in_flight(d.args, d.stages));  // lane 0's
+  PipeState consumed, meta, staged;                                              // lane 0's
+  uint32_t pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
   bool pending_staged = false;  // an own chunk with several nodes: its staged rows go to the RDMA warps
 
@@ -428,12 +428,10 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
             dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
           }
         }
-        dev::bulk_commit();
-        ++groups;
-        if (pending_chunk >= 0 && pending_group < groups) ok = signal_pending(static_cast<int>(groups - pending_group));
-        bulk_wait_read_except(in_flight);  // release the oldest stages only
-        for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
-          d.send_fifo.ring.consumer_release(released);
+        queue.commit();
+        if (pending_chunk >= 0 && pending_group < queue.groups())
+          ok = signal_pending(static_cast<int>(queue.groups() - pending_group));
+        queue.release_read();
       }
       // A unit with no rows has no group of its own: the previous unit's signal goes first.
       if (ok && pending_chunk >= 0) ok = signal_pending(0);
@@ -441,7 +439,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         pending_chunk = su.chunk;
         pending_source = su.source;
         pending_span = span;
-        pending_group = groups;
+        pending_group = queue.groups();
         pending_staged = multi && su.node < 0;
       }
     }
@@ -452,8 +450,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   }
   if (lane == 0) {
     if (!d.stopped() && !signal_pending(0)) d.stop();
-    dev::bulk_wait_all();
-    for (; released.count < consumed.count; released.advance(d.stages)) d.send_fifo.ring.consumer_release(released);
+    queue.finish();
   }
 }
 
@@ -567,9 +564,9 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
 template <typename Rdma>
 __device__ void expand_store(const Dispatch<Rdma>& d) {
   auto* out = reinterpret_cast<uint8_t*>(d.a.out);
-  const int in_flight = store_groups_in_flight(d.args, d.stages);
+  StoreQueue queue(d.expand_fifo.ring, store_groups_in_flight(d.args, d.stages));
   ExpandTables<Rdma> tables(d);
-  PipeState consumed, released;
+  PipeState consumed;
   int s, c;
   while (const ExpandTable* next = tables.next(s, c)) {
     const ExpandTable& tab = *next;
@@ -590,10 +587,8 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
                           d.expand_fifo.slot(consumed) + r * it.bytes, it.bytes);
         }
       }
-      dev::bulk_commit();
-      bulk_wait_read_except(in_flight);  // release the oldest stages only
-      for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
-        d.expand_fifo.ring.consumer_release(released);
+      queue.commit();
+      queue.release_read();
     }
     if (!ok) {
       d.stop();
@@ -602,8 +597,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
     d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
     tables.table.advance(kTableSlots);
   }
-  dev::bulk_wait_all();
-  for (; released.count < consumed.count; released.advance(d.stages)) d.expand_fifo.ring.consumer_release(released);
+  queue.finish();
 }
 
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node

@@ -155,15 +155,8 @@ __device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& a
 // does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
 // stages.
 __device__ inline void store_routes(const DirectDispatch& d, int which) {
-  const int in_flight = direct_store_groups_in_flight(d.args, d.stages);
-  PipeState item, released, table;  // item: every item of the FIFO; released: this thread's next to release
-  for (int s = 0; s < which; ++s) released.advance(d.stages);
-  uint32_t committed = 0, freed = 0;  // this thread's groups (one per stage it stored), stages it released
-  const auto release_next = [&] {
-    d.fifo.ring.consumer_release(released);
-    ++freed;
-    for (int s = 0; s < kStoreWarps; ++s) released.advance(d.stages);
-  };
+  StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
+  PipeState item, table;  // item: every item of the FIFO
   bool ok = true;
   for (int c = d.b; c < d.chunks() && ok; c += d.nb, table.advance(kTableSlots)) {
     if (d.stopped() || !d.table_ring.consumer_wait(d.args, table)) {
@@ -189,17 +182,13 @@ __device__ inline void store_routes(const DirectDispatch& d, int which) {
                           d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
-      dev::bulk_commit();
-      ++committed;
-      bulk_wait_read_except(in_flight);  // release the oldest stages only
-      while (freed + in_flight < committed) release_next();
+      queue.commit();
+      queue.release_read();
     }
     if (ok) d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
   }
   if (!ok) d.stop();
-  dev::bulk_wait_all();      // the rows landed before the last block's release (after the block barrier)
-  dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
-  while (freed < committed) release_next();
+  queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }
 
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
