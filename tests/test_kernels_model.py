@@ -223,6 +223,30 @@ def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
     assert 1.0 <= took_s < 2.0, took_s
 
 
+def test_a_stalled_store_warp_is_named_by_the_ring_it_starves(monkeypatch):
+    """One rank, no peer to wait for: with the direct dispatch's bulk stores held, its rings fill
+    and the warps that fill them wait for a free stage until twice HYBRID_EP_TIMEOUT_S; the
+    record names the ring, the side (a free stage) and what stopped freeing it, the store warps,
+    not "a bulk copy never completed"."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(1, 256, 1024, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="direct")
+    try:
+        x = torch.randn(1024, 256).to(torch.bfloat16)
+        model.hold_at(model.STORES_OF_BLOCK + 0, "dispatch_direct")
+        before = model.stats()["virtual_ns"]
+        res = group.dispatch([x], [torch.tensor([[0, 1]] * 1024)], num_out_tokens=2048)
+        took_s = (model.stats()["virtual_ns"] - before) / 1e9
+        assert res[0].handle.data_path == "direct"
+        with pytest.raises(RuntimeError) as err:
+            group.synchronize()
+    finally:
+        group.close()
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting in its shared-memory pipeline for a "
+                     r"free stage of the direct dispatch's (FIFO|route-table ring) \(call 1\): the store warps",
+                     str(err.value)), str(err.value)
+    assert 2.0 <= took_s < 3.0, took_s
+
+
 def test_routing_errors_are_reported_by_the_kernel():
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
