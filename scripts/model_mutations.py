@@ -80,8 +80,8 @@ MUTATIONS = (
              "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
              "takes a destination's tensors published by the previous call, epoch - 1)",
-             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, view, a, tid, kDirectDispatch, epoch, pv)",
-             "read_tensors(args, view, a, tid, kDirectDispatch, epoch - 1, pv)",
+             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch, pv)",
+             "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch - 1, pv)",
              tests="tests/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
     Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
              "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "
@@ -123,12 +123,15 @@ MUTATIONS = (
              "csrc/kernels/dispatch_direct.cuh",
              "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];",
              "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k] + (lane == 5);"),
-    Mutation("direct-done-before-rows-land", "a missing bulk-group wait (done signalled with stores in flight)",
-             "csrc/kernels/dispatch_direct.cuh", "  dev::bulk_wait_all();      // the rows landed before",
-             "  // the rows landed before"),
-    Mutation("direct-stage-freed-before-read", "a stage released before its stores read it (direct dispatch)",
-             "csrc/kernels/dispatch_direct.cuh",
-             "      bulk_wait_read_except(in_flight);  // release the oldest stages only\n", ""),
+    Mutation("store-queue-ends-before-stores-land", "a missing bulk-group wait (a store thread ends, and the "
+             "direct dispatch signals done, with stores in flight)", "csrc/kernels/pipeline.cuh",
+             "    dev::bulk_wait_all();      // the stores landed", "    // the stores landed"),
+    Mutation("store-queue-frees-before-read", "a stage released before its stores read it (every store queue)",
+             "csrc/kernels/pipeline.cuh",
+             "    bulk_wait_read_except(in_flight);  // release the oldest stages only\n", ""),
+    Mutation("block-counter-kept-across-calls", "a completion count of the wrong epoch (the rank's count of "
+             "finished blocks is not reset, so the next call's last block never publishes done)",
+             "csrc/kernels/skeleton.cuh", "  *blocks_done = 0;\n", ""),
     Mutation("pull-weight-dropped", "a route summed without its routing weight (apply_probs)",
              "csrc/kernels/combine_pull.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
     Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "

@@ -1,8 +1,9 @@
-"""The codes csrc defines once (common/params.h: dtypes, transports, error phases) reach Python
-only through the bindings (csrc/bindings/common.h: DTYPE_CODES, TRANSPORTS, PHASES, as
-{name: code}). Both modules export the same tables, the Python tables keyed by those names
-(launch.ELEM_BYTES, the RDMA region kinds, engine.PHASE_TEXT) name the same codes, and
-check_extension refuses a module whose tables differ."""
+"""The codes csrc defines once (common/params.h: dtypes, transports, error phases, pipeline
+sites) reach Python only through the bindings (csrc/bindings/common.h: DTYPE_CODES, TRANSPORTS,
+PHASES, PIPE_SITES, as {name: code}). Both modules export the same tables, the Python tables
+keyed by those names (launch.ELEM_BYTES, the RDMA region kinds, engine.PHASE_TEXT,
+engine.PIPE_SITE_TEXT) name the same codes, and check_extension refuses a module whose tables
+differ."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.engine import PHASE_TEXT, check_extension
+from hybrid_ep.backends.cuda.engine import PHASE_TEXT, PIPE_SITE_TEXT, check_extension
 from hybrid_ep.backends.cuda.registered import LoopbackRegions, NvshmemRegions
 
 pytestmark = pytest.mark.unit
 
-TABLES = ("DTYPE_CODES", "TRANSPORTS", "PHASES")
+TABLES = ("DTYPE_CODES", "TRANSPORTS", "PHASES", "PIPE_SITES")
 
 
 def _module(name: str):
@@ -38,9 +39,11 @@ def test_the_exports_are_the_python_view(name):
     assert set(ext.DTYPE_CODES) == set(launch.ELEM_BYTES)
     assert set(ext.TRANSPORTS) == {LoopbackRegions.kind, NvshmemRegions.kind}
     assert set(ext.PHASES) == {"none", *PHASE_TEXT}
+    assert set(ext.PIPE_SITES) == set(PIPE_SITE_TEXT)
     for table in TABLES:  # each code named once, 0 .. n-1 (params.h checks it at compile time)
         assert sorted(getattr(ext, table).values()) == list(range(len(getattr(ext, table)))), table
     assert ext.PHASES["none"] == 0  # the error record's "no error"
+    assert ext.PIPE_SITES["none"] == 0  # a record of a wait that is not a ring's
 
 
 def test_both_modules_export_the_same_codes():
@@ -66,6 +69,9 @@ def test_check_extension_refuses_codes_python_does_not_name():
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PHASES names .*'new_wait'.* but engine\.PHASE_TEXT "
                                            r"names .*; rebuild the extension .*, or name the new code there"):
         check_extension(_copy_of(model, PHASES={**model.PHASES, "new_wait": len(model.PHASES)}))
+    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PIPE_SITES names .*'new_ring'.* but "
+                                           r"engine\.PIPE_SITE_TEXT names"):
+        check_extension(_copy_of(model, PIPE_SITES={**model.PIPE_SITES, "new_ring": len(model.PIPE_SITES)}))
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.DTYPE_CODES names .* but launch\.ELEM_BYTES"):
         check_extension(_copy_of(model, DTYPE_CODES={"float32": 0}))
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake has no TRANSPORTS; rebuild the extension"):

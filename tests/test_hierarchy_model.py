@@ -152,11 +152,13 @@ def test_a_stalled_forwarder_put_is_reported_by_the_source_it_starves(monkeypatc
 def test_the_forwarders_put_ring_times_out_on_its_own(monkeypatch):
     """The same stall with the source rank absent, so that no other wait runs out first: the
     reducers' wait for a free stage of the put ring gives up, with the pipeline's record
-    (which has twice the bound: state.cuh, mbar_wait), and the launch ends."""
+    (which has twice the bound: state.cuh, mbar_wait) naming that ring and its consumer, the
+    stalled put warp (not the source ring the source's reducers wait on), and the launch ends."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     message, took_s, _, _ = _forwarded_combine(held_rank=1, absent={0})
     assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting in its shared-memory pipeline "
-                     r"\(call 1\)", message or ""), message
+                     r"for a free stage of the combine's forward-put ring \(call 1\): the warp putting node "
+                     r"partials to other nodes stopped making progress", message or ""), message
     assert 2.0 <= took_s < 3.0, took_s
 
 

@@ -223,6 +223,30 @@ def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
     assert 1.0 <= took_s < 2.0, took_s
 
 
+def test_a_stalled_store_warp_is_named_by_the_ring_it_starves(monkeypatch):
+    """One rank, no peer to wait for: with the direct dispatch's bulk stores held, its rings fill
+    and the warps that fill them wait for a free stage until twice HYBRID_EP_TIMEOUT_S; the
+    record names the ring, the side (a free stage) and what stopped freeing it, the store warps,
+    not "a bulk copy never completed"."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(1, 256, 1024, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="direct")
+    try:
+        x = torch.randn(1024, 256).to(torch.bfloat16)
+        model.hold_at(model.STORES_OF_BLOCK + 0, "dispatch_direct")
+        before = model.stats()["virtual_ns"]
+        res = group.dispatch([x], [torch.tensor([[0, 1]] * 1024)], num_out_tokens=2048)
+        took_s = (model.stats()["virtual_ns"] - before) / 1e9
+        assert res[0].handle.data_path == "direct"
+        with pytest.raises(RuntimeError) as err:
+            group.synchronize()
+    finally:
+        group.close()
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting in its shared-memory pipeline for a "
+                     r"free stage of the direct dispatch's (FIFO|route-table ring) \(call 1\): the store warps",
+                     str(err.value)), str(err.value)
+    assert 2.0 <= took_s < 3.0, took_s
+
+
 def test_routing_errors_are_reported_by_the_kernel():
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
@@ -385,16 +409,22 @@ def test_interleaved_calls_on_two_handles():
             assert_combine_close(ys[which][r], want_y[r], magnitude[r], case.topk, f"handle {which} rank {r}")
 
 
-def test_a_pipeline_timeout_names_no_peer_and_the_call():
-    """A stage of the block's own FIFO that never completes depends on no other rank: the
-    record names none (peer -1) and the message says so, with the call number."""
+def test_a_pipeline_timeout_names_the_ring_the_side_and_the_call():
+    """A stage of the block's own rings that never completes depends on no other rank: the
+    record names no peer (-1) but the ring (site) and the barrier it waited on (observed: 0 for
+    data, 1 for a free stage), and the message names what stopped: the ring's producer or its
+    consumer."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
-        message = group.engine._describe({"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5,
-                                          "expected": 0, "observed": 0})
-        assert message.startswith("hybrid_ep cuda backend: rank 1 gave up after")
-        assert "waiting in its shared-memory pipeline (call 5): a bulk copy never completed" in message
-        assert "peer" not in message
+        record = {"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5, "expected": 0}
+        data = group.engine._describe({**record, "site": group.ext.PIPE_SITES["send_fifo"], "observed": 0})
+        assert data.startswith("hybrid_ep cuda backend: rank 1 gave up after")
+        assert ("waiting in its shared-memory pipeline for data in the dispatch's send FIFO (call 5): the bulk "
+                "loads of this rank's token rows stopped making progress") in data, data
+        free = group.engine._describe({**record, "site": group.ext.PIPE_SITES["pull_routes"], "observed": 1})
+        assert ("waiting in its shared-memory pipeline for a free stage of the direct combine's route ring "
+                "(call 5): the reducers stopped making progress") in free, free
+        assert "peer rank" not in data + free
     finally:
         group.close()
 

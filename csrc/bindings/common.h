@@ -36,6 +36,7 @@ inline py::object error_record_dict(const volatile ErrorRecord* r) {
   d["phase"] = static_cast<int>(r->phase);
   d["rank"] = static_cast<int>(r->rank);
   d["peer"] = static_cast<int>(r->peer);
+  d["site"] = static_cast<int>(r->site);
   d["epoch"] = static_cast<uint64_t>(r->epoch);
   d["expected"] = static_cast<uint64_t>(r->expected);
   d["observed"] = static_cast<uint64_t>(r->observed);
@@ -260,10 +261,11 @@ inline void bind_common(py::module_& m) {
   m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
   m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
   // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
-  // (the error record's phase), by name: the one definition is common/params.h.
+  // (the error record's phase and pipeline site), by name: the one definition is common/params.h.
   m.attr("DTYPE_CODES") = code_dict(kDTypeNames);
   m.attr("TRANSPORTS") = code_dict(kTransportNames);
   m.attr("PHASES") = code_dict(kPhaseNames);
+  m.attr("PIPE_SITES") = code_dict(kPipeSiteNames);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())

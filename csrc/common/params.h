@@ -23,7 +23,8 @@ constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_gro
 constexpr int kPullPipelines = 2;   // pipelines of a combine-pull block, sharing its dynamic shared memory
 
 // The codes below are the one definition of each: the bindings export them to Python by the
-// names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES; csrc/bindings/common.h),
+// names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES, PIPE_SITES;
+// csrc/bindings/common.h),
 // and hybrid_ep/backends/cuda/engine.py reads them from the loaded module. Each enum ends with
 // its count, which is not a code.
 
@@ -51,6 +52,28 @@ enum Phase : int32_t {
   kPhaseDirectReads = 15,    // direct path: waiting for a peer to finish reading this rank's expert_out
   kNumPhases
 };
+
+// The ring of a block's shared memory a pipeline wait (kPhasePipeline) waited on: which
+// kernel, and which warps fill and free its stages (kernels/pipeline.cuh, Ring::site).
+enum PipeSite : int32_t {
+  kSiteNone = 0,           // not a ring's wait
+  kSiteSendFifo = 1,       // dispatch: token rows, bulk-loaded by the send load warp, stored by the send store warp
+  kSiteExpandFifo = 2,     // dispatch: received rows, bulk-loaded and stored by the expand load / store warps
+  kSiteSendEntries = 3,    // dispatch: a chunk's routing entries (meta warps) before its signal (send store warp)
+  kSiteExpandTables = 4,   // dispatch: a received chunk's position table (expand meta warps) for the expand warps
+  kSiteStagedRows = 5,     // dispatch, several nodes: own chunks staged (send store warp) for the RDMA warps
+  kSiteHostInputs = 6,     // combine: expert outputs, bulk-loaded by the host load warp, summed by the host reducers
+  kSiteHostPartials = 7,   // combine: partials of the host reducers, bulk-stored by the host store warp
+  kSiteSourceParts = 8,    // combine: partials, bulk-loaded by the source load warp, summed by the source reducers
+  kSiteForwardPuts = 9,    // combine, several nodes: node partials of the source reducers, put by the put warp
+  kSiteDirectRows = 10,    // dispatch_direct: token rows, bulk-loaded by the load warp, stored by the store warps
+  kSiteDirectTables = 11,  // dispatch_direct: a chunk's route table (table warp) for the store warps
+  kSitePullRoutes = 12,    // combine_pull: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
+  kNumPipeSites
+};
+
+// ErrorRecord::observed of a pipeline wait: which barrier of the slot it waited on.
+enum PipeSide : int32_t { kWaitedForData = 0, kWaitedForFreeSlot = 1 };
 
 // The name Python knows a code by; entry i of each table names code i (checked below).
 struct CodeName {
@@ -83,6 +106,22 @@ inline constexpr CodeName kPhaseNames[] = {
     {kPhaseDirectReads, "direct_reads"},
 };
 
+inline constexpr CodeName kPipeSiteNames[] = {
+    {kSiteNone, "none"},
+    {kSiteSendFifo, "send_fifo"},
+    {kSiteExpandFifo, "expand_fifo"},
+    {kSiteSendEntries, "send_entries"},
+    {kSiteExpandTables, "expand_tables"},
+    {kSiteStagedRows, "staged_rows"},
+    {kSiteHostInputs, "host_inputs"},
+    {kSiteHostPartials, "host_partials"},
+    {kSiteSourceParts, "source_partials"},
+    {kSiteForwardPuts, "forward_puts"},
+    {kSiteDirectRows, "direct_rows"},
+    {kSiteDirectTables, "direct_tables"},
+    {kSitePullRoutes, "pull_routes"},
+};
+
 // Every code named once, in order: a code added to an enum without a name does not compile.
 template <size_t N>
 constexpr bool names_every_code(const CodeName (&names)[N], int count) {
@@ -94,6 +133,7 @@ constexpr bool names_every_code(const CodeName (&names)[N], int count) {
 static_assert(names_every_code(kTransportNames, kNumTransports), "kTransportNames must name every TransportKind");
 static_assert(names_every_code(kDTypeNames, kNumDTypes), "kDTypeNames must name every DType");
 static_assert(names_every_code(kPhaseNames, kNumPhases), "kPhaseNames must name every Phase");
+static_assert(names_every_code(kPipeSiteNames, kNumPipeSites), "kPipeSiteNames must name every PipeSite");
 
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it.
 struct RegLayout {
@@ -206,11 +246,14 @@ struct Geometry {
 };
 
 // Host-visible error record (pinned host memory, mapped into the device address space).
+// A flag wait records the flag's target (expected) and the last value it read (observed); a
+// pipeline wait records its ring (site), the barrier's parity (expected) and which barrier of
+// the slot (observed: PipeSide).
 struct ErrorRecord {
   int32_t phase;  // Phase; 0 = no error
   int32_t rank;
   int32_t peer;
-  int32_t pad;
+  int32_t site;  // PipeSite of a pipeline wait, else kSiteNone
   uint64_t epoch;
   uint64_t expected;
   uint64_t observed;

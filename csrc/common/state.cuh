@@ -56,7 +56,7 @@ __device__ __forceinline__ bool warp_uniform(bool value) {
 }
 
 __device__ inline void record_error(const LaunchArgs& args, int phase, int rank, int peer, uint64_t epoch,
-                                    uint64_t expected, uint64_t observed) {
+                                    uint64_t expected, uint64_t observed, int site = kSiteNone) {
   int* flag = reinterpret_cast<int*>(args.abort_flag);
   if (atomicCAS(flag, 0, phase) == 0) {
     auto* rec = reinterpret_cast<volatile ErrorRecord*>(args.error);
@@ -65,6 +65,7 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
     rec->epoch = epoch;
     rec->expected = expected;
     rec->observed = observed;
+    rec->site = site;
     __threadfence_system();
     rec->phase = phase;
     __threadfence_system();
@@ -113,7 +114,8 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
 // every probe: the hardware may end a suspension early, and each reading is a load from
 // global memory (ld.volatile: ncu put 5.2 % of the direct dispatch's warp samples there on
 // 2026-11-26) during which the thread does not see the phase complete.
-__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
+__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch,
+                                 int site, int side) {
   if (dev::mbar_try_wait(bar, parity)) return true;
   const uint64_t start = dev::global_timer_ns();
   uint64_t checked = start;
@@ -124,7 +126,7 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
     checked = now;
     if (aborted(args)) return false;
     if (now - start > 2 * args.timeout_ns) {
-      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
+      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, side, site);
       return false;
     }
   }
@@ -133,12 +135,13 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
 // Wait for a phase even after an abort: bulk loads that were issued still land in this
 // block's shared memory, so the block may not exit before they did. Bounded by the timeout
 // all the same (a load that never completes is a hardware fault, not a peer's).
-__device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch) {
+__device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch,
+                                  int site) {
   if (dev::mbar_try_wait(bar, parity)) return;
   const uint64_t start = dev::global_timer_ns();
   while (!dev::mbar_try_wait_hint(bar, parity, kSuspendHintNs)) {
     if (dev::global_timer_ns() - start > args.timeout_ns) {
-      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, 0);
+      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, kWaitedForData, site);
       return;
     }
   }

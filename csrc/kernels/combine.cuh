@@ -46,15 +46,23 @@
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
 #include "kernels/segments.cuh"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantiate it
 
-// Warp roles.
-constexpr int kHostLoadWarp = 0, kHostReduceWarp = 1, kHostStoreWarp = 5;  // 1 .. 4 reduce
-constexpr int kSrcLoadWarp = 6, kSrcReduceWarp = 7;                        // 7 .. 10 reduce
-constexpr int kForwardPutWarp = 11;                                        // several nodes
+// Warp roles (kCombineThreads = 384: 12 warps); the put warp works with several nodes only.
+enum class CombineRole { kHostLoad, kHostReduce, kHostStore, kSourceLoad, kSourceReduce, kForwardPut };
 constexpr int kCombineThreads = 12 * 32;
+__host__ __device__ constexpr RoleTable<CombineRole, 6> combine_warps() {
+  return {{{CombineRole::kHostLoad, 0, 1},
+           {CombineRole::kHostReduce, 1, kGroupWarps},
+           {CombineRole::kHostStore, 1 + kGroupWarps, 1},
+           {CombineRole::kSourceLoad, 2 + kGroupWarps, 1},
+           {CombineRole::kSourceReduce, 3 + kGroupWarps, kGroupWarps},
+           {CombineRole::kForwardPut, 3 + 2 * kGroupWarps, 1}}};
+}
+static_assert(combine_warps().tiles(kCombineThreads / 32), "the combine's roles tile its block");
 constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
 constexpr int kPutStages = 4;         // forwarded chunks written by the reducers, not yet put
 
@@ -112,27 +120,32 @@ struct CombineShared {
   FwdPut put_items[kPutStages];
   HostTable host_table;
   SrcTable src_table;
-  int abort_flow;  // flow-control wait gave up
-  volatile int abort;
+  BlockControl ctl;
 };
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
-struct Combine {
-  const LaunchArgs& args;
-  const RankArgs& a;
+struct Combine : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
-  RankView view;
-  int b, nb, W, Tmax, T, kd, C, seg_cols, segments, chunk;
+  int W, Tmax, T, kd, C, seg_cols, segments, chunk;
   uint32_t in_bytes, wire_bytes;  // element sizes
   const int64_t* info;
-  uint64_t epoch;
   CombineShared& sh;
   uint8_t* host_in;   // [host_stages][seg_cols] expert output segments
   uint8_t* host_out;  // [host_out_stages][seg_cols] partials in the wire dtype
   uint8_t* src_in;    // [src_stages][seg_cols] partials in the wire dtype
   Hierarchy<Rdma> h;
+
+  // smem: the three rings' stages (combine_stage_bytes), in the order above.
+  __device__ Combine(const KernelCall& k, CombineShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
+      : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), Tmax(k.geo.max_tokens), T(k.a.num_tokens),
+        kd(k.args.kd), C(k.args.row_elems), seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols),
+        chunk(k.args.chunk_tokens), in_bytes(elem_size), wire_bytes(wire_size),
+        info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared), host_in(smem),
+        host_out(host_in + static_cast<size_t>(k.args.host_stages) * k.args.host_stage_bytes),
+        src_in(host_out + static_cast<size_t>(k.args.host_out_stages) * k.args.src_stage_bytes),
+        h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
@@ -178,8 +191,6 @@ struct Combine {
     return host_out + static_cast<size_t>(stage) * seg_cols * wire_bytes;
   }
   __device__ uint8_t* src_stage(int stage) const { return src_in + static_cast<size_t>(stage) * seg_cols * wire_bytes; }
-  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
-  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
 template <typename Rdma>
@@ -250,10 +261,9 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
 // completed (checked at each commit, so a chunk is not drained before the next is stored).
 template <typename Rdma>
 __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
-  const int in_flight = store_groups_in_flight(d.args, out.stages);
+  StoreQueue queue(out, store_groups_in_flight(d.args, out.stages));
   HostChunks<Rdma> chunks(d);
-  PipeState consumed, released;
-  uint32_t groups = 0;
+  PipeState consumed;
   // Chunks stored but not yet signalled: (source, chunk, the group that completes it).
   int pend_s[kMaxPendingChunks] = {}, pend_c[kMaxPendingChunks] = {};
   uint32_t pend_g[kMaxPendingChunks] = {};
@@ -288,23 +298,20 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
       const OutItem& it = d.sh.out_items[consumed.stage];
       dev::bulk_s2g(d.host_target(it.source, it.slot) + static_cast<int64_t>(it.col0) * d.wire_bytes,
                     d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
-      dev::bulk_commit();
-      ++groups;
-      signal_through(groups - 1, 1);  // chunks complete with an older group; this one stays in flight
-      bulk_wait_read_except(in_flight);
-      for (; released.count + in_flight <= consumed.count; released.advance(out.stages)) out.consumer_release(released);
+      queue.commit();
+      signal_through(queue.groups() - 1, 1);  // chunks complete with an older group; this one stays in flight
+      queue.release_read();
     }
     if (!ok) {
       d.stop();
       break;
     }
-    if (npend == kMaxPendingChunks) signal_through(groups, 0);
-    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = groups;
+    if (npend == kMaxPendingChunks) signal_through(queue.groups(), 0);
+    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = queue.groups();
     ++npend;
   }
-  if (!d.stopped()) signal_through(groups, 0);
-  dev::bulk_wait_all();
-  for (; released.count < consumed.count; released.advance(out.stages)) out.consumer_release(released);
+  if (!d.stopped()) signal_through(queue.groups(), 0);
+  queue.finish();
 }
 
 // ---- source ---------------------------------------------------------------------------------
@@ -489,103 +496,62 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
 template <typename Rdma, typename Elem, typename Wire>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  const RankArgs& a = place.rank;
-  if (a.absent) return;
-  const Geometry& geo = args.geo;
-  const RankView view = rank_view(geo, a);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (place.rank.absent) return;
   CombineShared& sh = dev::block_shared<CombineShared>();
-  LocalState* st = view.state();
-  const uint64_t epoch = st->combine_epoch + 1;
-  uint8_t* smem = dev::dynamic_smem<uint8_t>();
-  uint8_t* host_out = smem + static_cast<size_t>(args.host_stages) * args.host_stage_bytes;
-  uint8_t* src_in = host_out + static_cast<size_t>(args.host_out_stages) * args.src_stage_bytes;
-  const int C = args.row_elems;
-  const Combine<Rdma> d{args,
-                        a,
-                        geo.reg,
-                        geo.info,
-                        view,
-                        place.block,
-                        place.blocks,
-                        geo.world_size,
-                        geo.max_tokens,
-                        a.num_tokens,
-                        args.kd,
-                        C,
-                        args.seg_cols,
-                        (C + args.seg_cols - 1) / args.seg_cols,
-                        args.chunk_tokens,
-                        static_cast<uint32_t>(sizeof(Elem)),
-                        static_cast<uint32_t>(sizeof(Wire)),
-                        reinterpret_cast<const int64_t*>(a.info),
-                        epoch,
-                        sh,
-                        smem,
-                        host_out,
-                        src_in,
-                        make_hierarchy<Rdma>(geo, a)};
+  const Combine<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
+                        static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
+  const RankArgs& a = d.a;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool multi = d.h.multi();
-  const Ring host_in{sh.host_full, sh.host_empty, args.host_stages, a.rank, epoch};
-  const Ring host_partials{sh.out_full, sh.out_empty, args.host_out_stages, a.rank, epoch};
-  const Ring src{sh.src_full, sh.src_empty, args.src_stages, a.rank, epoch};
-  const Ring put{sh.put_full, sh.put_empty, kPutStages, a.rank, epoch};
+  const Ring host_in = d.ring(sh.host_full, sh.host_empty, args.host_stages, kSiteHostInputs);
+  const Ring host_partials = d.ring(sh.out_full, sh.out_empty, args.host_out_stages, kSiteHostPartials);
+  const Ring src = d.ring(sh.src_full, sh.src_empty, args.src_stages, kSiteSourceParts);
+  const Ring put = d.ring(sh.put_full, sh.put_empty, kPutStages, kSiteForwardPuts);
 
-  if (tid == 0) {
+  init_block(d, [&] {
     host_in.init(1, kGroupWarps);
     host_partials.init(kGroupWarps, 1);
     src.init(1, kGroupWarps);
     put.init(kGroupWarps, 1);
-    dev::mbar_fence_init();
-    sh.abort_flow = 0;
-    sh.abort = aborted(args) ? 1 : 0;
-  }
-  __syncthreads();
-  if (sh.abort) return;
-
+  });
   // Flow control: a source (or a rail peer, for sources on other nodes) must have read the
   // partials of the previous combine before this rank writes the next ones into its buffer;
   // so must every source on another node this rank forwards for, before the next node partials.
   if (tid < d.W) {
     bool ok = true;
     if (d.h.topo.same_node(tid, a.rank))
-      ok = wait_at_least(args, view.flag(tid, geo.reg.done_combine, 0), epoch - 1, kPhaseCombineFlow, a.rank, tid,
-                         epoch);
+      ok = wait_at_least(args, d.view.flag(tid, d.reg.done_combine, 0), d.epoch - 1, kPhaseCombineFlow, a.rank, tid,
+                         d.epoch);
     else if (tid == d.h.rail_peer(d.h.topo.node(tid)))
-      ok = wait_at_least(args, d.h.flag(geo.rdma.done_combine, d.h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank,
-                         tid, epoch);
-    if (!ok) sh.abort_flow = 1;
+      ok = wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, d.h.topo.node(tid)), d.epoch - 1, kPhaseRdmaFlow,
+                         a.rank, tid, d.epoch);
+    if (!ok) sh.ctl.fail = 1;
   }
-  __syncthreads();
-  if (sh.abort_flow) return;
+  if (!block_ready(d)) return;
 
-  if (warp == kHostLoadWarp) {
-    host_load(d, host_in, lane);
-  } else if (warp < kHostReduceWarp + kGroupWarps) {
-    host_reduce<Rdma, Elem, Wire>(d, host_in, host_partials, tid - kHostReduceWarp * 32, lane);
-  } else if (warp == kHostStoreWarp) {
-    if (lane == 0) host_store(d, host_partials);
-  } else if (warp == kSrcLoadWarp) {
-    src_load(d, src, lane);
-  } else if (warp < kSrcReduceWarp + kGroupWarps) {
-    src_reduce<Rdma, Elem, Wire>(d, src, put, tid - kSrcReduceWarp * 32, lane);
-  } else if (warp == kForwardPutWarp && multi) {
-    forward_put(d, put, lane);
+  const RoleSpan<CombineRole> role = combine_warps().of(warp);
+  switch (role.role) {
+    case CombineRole::kHostLoad: host_load(d, host_in, lane); break;
+    case CombineRole::kHostReduce:
+      host_reduce<Rdma, Elem, Wire>(d, host_in, host_partials, role.thread_index(tid), lane);
+      break;
+    case CombineRole::kHostStore:
+      if (lane == 0) host_store(d, host_partials);
+      break;
+    case CombineRole::kSourceLoad: src_load(d, src, lane); break;
+    case CombineRole::kSourceReduce: src_reduce<Rdma, Elem, Wire>(d, src, put, role.thread_index(tid), lane); break;
+    case CombineRole::kForwardPut:
+      if (multi) forward_put(d, put, lane);
+      break;
   }
-  __syncthreads();
+  if (!roles_done(d)) return;
 
-  if (tid == 0 && !sh.abort && !aborted(args)) {
-    __threadfence();
-    const uint32_t prev = atomicAdd(&st->blocks_done_combine, 1u);
-    if (prev == static_cast<uint32_t>(d.nb - 1)) {
-      st->blocks_done_combine = 0;
-      st->combine_epoch = epoch;
-      __threadfence_system();
-      dev::st_release_sys(view.flag(a.rank, geo.reg.done_combine, 0), epoch);
-      // The node partials the rail peers on other nodes put here are read: they may put the next.
-      for (int n = 0; multi && n < d.h.topo.N; ++n)
-        if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), geo.rdma.done_combine + 8 * d.h.node, epoch);
-    }
+  if (tid == 0 && last_block(d, &d.view.state()->blocks_done_combine)) {
+    d.view.state()->combine_epoch = d.epoch;
+    publish_done(d, d.reg.done_combine);
+    // The node partials the rail peers on other nodes put here are read: they may put the next.
+    for (int n = 0; multi && n < d.h.topo.N; ++n)
+      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_combine + 8 * d.h.node, d.epoch);
   }
 }
 

@@ -20,12 +20,20 @@
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
 #include "kernels/segments.cuh"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 namespace combine_pull_impl {
 
 constexpr int kPipelines = kPullPipelines, kPipelineWarps = 1 + kGroupWarps;
 constexpr int kPullThreads = kPipelines * kPipelineWarps * 32;
+
+// Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
+enum class PullRole { kLoad, kReduce };
+__host__ __device__ constexpr RoleTable<PullRole, 2> pull_warps() {
+  return {{{PullRole::kLoad, 0, 1}, {PullRole::kReduce, 1, kGroupWarps}}};
+}
+static_assert(pull_warps().tiles(kPipelineWarps), "a pull pipeline's roles tile its warps");
 
 // A chunk's routes, per token: the expert host and row of each, and its weight.
 struct PullTable {
@@ -40,25 +48,27 @@ struct PullShared {
   PartItem items[kPipelines][kMaxStages];
   PullTable tables[kPipelines];
   uint64_t rows[kMaxRanks], probs[kMaxRanks];  // each expert host's expert_out and probs, this process's addresses
-  volatile int fail;                           // a wait of the setup gave up
-  volatile int abort;
+  BlockControl ctl;
 };
 
 // What every role of a block needs to know about the call.
-struct CombinePull {
-  const LaunchArgs& args;
-  const RankArgs& a;
-  int b, nb, L, T, K, C, seg_cols, segments, chunk, stages;
+struct CombinePull : KernelCall {
+  int L, T, K, C, seg_cols, segments, chunk, stages;
   uint32_t in_bytes;
   PullShared& sh;
   uint8_t* data;  // [kPipelines][stages][seg_cols] expert output segments
+
+  __device__ CombinePull(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size)
+      : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
+        seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
+        stages(k.args.src_stages), in_bytes(elem_size), sh(shared), data(smem) {}
 
   __device__ int chunks() const { return (T + chunk - 1) / chunk; }
   __device__ uint8_t* stage_data(int pipeline) const {
     return data + static_cast<size_t>(pipeline) * stages * seg_cols * in_bytes;
   }
-  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
-  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
+  // Pipeline p's ring.
+  __device__ Ring pipeline_ring(int p) const { return ring(sh.full[p], sh.empty[p], stages, kSitePullRoutes); }
 };
 
 // A pipeline's load warp: lane i lists token t0 + i's routes, lane 0 loads them.
@@ -109,73 +119,52 @@ __device__ inline void pull_load(const CombinePull& d, int pipeline, const Ring&
 template <typename Elem>
 __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  const RankArgs& a = place.rank;
-  if (a.absent) return;
-  const Geometry& geo = args.geo;
-  const RankView view = rank_view(geo, a);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (place.rank.absent) return;
   PullShared& sh = dev::block_shared<PullShared>();
-  LocalState* st = view.state();
-  const uint64_t epoch = st->combine_epoch + 1;
-  const int W = geo.world_size, C = args.row_elems;
-  const CombinePull d{args,
-                      a,
-                      place.block,
-                      place.blocks,
-                      geo.local_experts,
-                      a.num_tokens,
-                      a.topk,
-                      C,
-                      args.seg_cols,
-                      (C + args.seg_cols - 1) / args.seg_cols,
-                      args.chunk_tokens,
-                      args.src_stages,
-                      static_cast<uint32_t>(sizeof(Elem)),
-                      sh,
-                      dev::dynamic_smem<uint8_t>()};
-  const int pipeline = warp / kPipelineWarps, role = warp % kPipelineWarps;
-  const Ring ring{sh.full[pipeline], sh.empty[pipeline], d.stages, a.rank, epoch};
+  const CombinePull d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
+                      static_cast<uint32_t>(sizeof(Elem)));
+  const RankArgs& a = d.a;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pipeline = warp / kPipelineWarps;
+  const Ring ring = d.pipeline_ring(pipeline);
 
-  if (tid == 0) {
-    for (int p = 0; p < kPipelines; ++p) Ring{sh.full[p], sh.empty[p], d.stages, a.rank, epoch}.init(1, kGroupWarps);
-    dev::mbar_fence_init();
-    sh.fail = 0;
-    sh.abort = aborted(args) ? 1 : 0;
-  }
-  if (place.block == 0 && tid == 32)
-    publish_tensors(view, a, kDirectCombine, epoch, a.expert_out, a.probs, a.probs, a.num_out_rows);
-  if (tid < W) {  // every expert host's expert_out and probs
+  init_block(d, [&] {
+    for (int p = 0; p < kPipelines; ++p) d.pipeline_ring(p).init(1, kGroupWarps);
+  });
+  if (d.b == 0 && tid == 32)
+    publish_tensors(d.view, a, kDirectCombine, d.epoch, a.expert_out, a.probs, a.probs, a.num_out_rows);
+  if (tid < d.geo.world_size) {  // every expert host's expert_out and probs
     PeerView pv;
-    if (read_tensors(args, view, a, tid, kDirectCombine, epoch, pv)) {
+    if (read_tensors(args, d.view, a, tid, kDirectCombine, d.epoch, pv)) {
       sh.rows[tid] = pv.rows;
       sh.probs[tid] = pv.probs;
     } else {
-      sh.fail = 1;
+      sh.ctl.fail = 1;
     }
   }
-  __syncthreads();
-  if (sh.abort || sh.fail) return;
+  if (!block_ready(d)) return;
 
-  if (role == 0) {
-    pull_load(d, pipeline, ring, lane);
-  } else {
-    auto* y = reinterpret_cast<uint8_t*>(a.y);
-    const int gt = tid - (pipeline * kPipelineWarps + 1) * 32;
-    reduce_parts<Elem>(d, ring, sh.items[pipeline], d.stage_data(pipeline), gt, lane,
-                       [&](const SegmentAcc<Elem>& acc, const PartItem& it) {
-                         acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * C + it.col0) * sizeof(Elem),
-                                                  it.cols, gt);
-                         return true;
-                       });
+  const RoleSpan<PullRole> role = pull_warps().of(warp % kPipelineWarps);
+  switch (role.role) {
+    case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
+    case PullRole::kReduce: {
+      auto* y = reinterpret_cast<uint8_t*>(a.y);
+      const int gt = role.thread_index(tid - pipeline * kPipelineWarps * 32);
+      reduce_parts<Elem>(d, ring, sh.items[pipeline], d.stage_data(pipeline), gt, lane,
+                         [&](const SegmentAcc<Elem>& acc, const PartItem& it) {
+                           acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Elem),
+                                                    it.cols, gt);
+                           return true;
+                         });
+      break;
+    }
   }
-  if (tid == 0 && aborted(args)) sh.abort = 1;  // one reading for the whole block
-  __syncthreads();
-  if (sh.abort) return;
+  if (!roles_done(d)) return;
 
-  if (finish_direct(args, view, a, place, kDirectCombine, epoch, &st->blocks_done_combine, &sh.fail)) {
-    st->combine_epoch = epoch;  // every block of this rank has read the epoch: all reported done
-    __threadfence_system();
-    dev::st_release_sys(view.flag(a.rank, geo.reg.done_combine, 0), epoch);
+  LocalState* st = d.view.state();
+  if (finish_direct(d, kDirectCombine, &st->blocks_done_combine)) {
+    st->combine_epoch = d.epoch;  // every block of this rank has read the epoch: all reported done
+    publish_done(d, d.geo.reg.done_combine);
   }
 }
 

@@ -9,6 +9,7 @@
 // single-process emulation, where every tensor is addressable as it is).
 #pragma once
 #include "common/state.cuh"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 
@@ -75,26 +76,18 @@ __device__ inline bool wait_done(const LaunchArgs& args, const RankView& view, c
 }
 
 // The end of a direct kernel, once every role of the block is done and the block agreed it
-// was not aborted; every thread of the block calls it. The last block of this rank to get
-// here tells every peer that this rank is done with their tensors; block 0 then waits until
-// every peer is done with this rank's. True in thread 0 of block 0 when the call completed
-// (the caller publishes it). blocks_done: this kernel's block counter in the rank's state.
-__device__ inline bool finish_direct(const LaunchArgs& args, const RankView& view, const RankArgs& a,
-                                     const BlockPlace& place, int kind, uint64_t epoch, uint32_t* blocks_done,
-                                     volatile int* fail) {
+// was not aborted (roles_done); every thread of the block calls it. The last block of this
+// rank to get here tells every peer that this rank is done with their tensors; block 0 then
+// waits until every peer is done with this rank's. True in thread 0 of block 0 when the call
+// completed (the caller publishes it). blocks_done: this kernel's block counter in the rank's
+// state.
+__device__ inline bool finish_direct(const KernelCall& k, int kind, uint32_t* blocks_done) {
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid == 0) {
-    __threadfence();
-    const uint32_t prev = atomicAdd(blocks_done, 1u);
-    if (prev == static_cast<uint32_t>(place.blocks - 1)) {
-      *blocks_done = 0;
-      signal_done(view, a, kind, epoch);
-    }
-  }
-  if (place.block != 0) return false;
-  if (tid < view.geo.world_size && !wait_done(args, view, a, tid, kind, epoch)) *fail = 1;
+  if (tid == 0 && last_block(k, blocks_done)) signal_done(k.view, k.a, kind, k.epoch);
+  if (k.b != 0) return false;
+  if (tid < k.geo.world_size && !wait_done(k.args, k.view, k.a, tid, kind, k.epoch)) k.ctl.fail = 1;
   __syncthreads();
-  return tid == 0 && !*fail;
+  return tid == 0 && !k.ctl.fail;
 }
 
 }  // namespace hybrid_ep

@@ -42,6 +42,7 @@
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
 #include "kernels/pipeline.cuh"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instantiate it
@@ -53,17 +54,26 @@ constexpr int kTableSlots = 4;  // expand chunks whose position tables are ready
 // from two rounds back.
 constexpr int kStagedSlots = 8;
 
-// Warp roles (kThreads = 512: 16 warps).
-constexpr int kSendLoadWarp = 0, kSendStoreWarp = 1, kSendMetaWarp = 2;        // 2 and 3
-constexpr int kExpandLoadWarp = 4, kExpandStoreWarp = 5, kExpandMetaWarp = 6;  // 6 and 7
-constexpr int kMetaWarps = 2, kPaddingWarp = 8;                                // 8 .. 15
-constexpr int kRdmaWarp = 8, kRdmaWarps = 4, kPaddingWarpMulti = 12;           // several nodes: 8 .. 11 RDMA
+// Warp roles (kThreads = 512: 16 warps); with several nodes warps 8-11 are the RDMA warps.
+enum class DispatchRole { kSendLoad, kSendStore, kSendMeta, kExpandLoad, kExpandStore, kExpandMeta, kRdma, kPadding };
+constexpr int kMetaWarps = 2, kRdmaWarps = 4;
+__host__ __device__ constexpr RoleTable<DispatchRole, 8> dispatch_warps(bool multi) {
+  const int rdma = multi ? kRdmaWarps : 0;
+  return {{{DispatchRole::kSendLoad, 0, 1},
+           {DispatchRole::kSendStore, 1, 1},
+           {DispatchRole::kSendMeta, 2, kMetaWarps},
+           {DispatchRole::kExpandLoad, 4, 1},
+           {DispatchRole::kExpandStore, 5, 1},
+           {DispatchRole::kExpandMeta, 6, kMetaWarps},
+           {DispatchRole::kRdma, 8, rdma},
+           {DispatchRole::kPadding, 8 + rdma, 8 - rdma}}};
+}
+static_assert(dispatch_warps(false).tiles(kThreads / 32) && dispatch_warps(true).tiles(kThreads / 32),
+              "the dispatch's roles tile its block");
 static_assert(kStagedSlots > kRdmaWarps, "an RDMA warp may run kRdmaWarps chunks ahead of another");
 // A send table's destination at or above this is node (value - kStagedTarget)'s staging area.
 constexpr int kStagedTarget = 128;
 static_assert(kMaxRanks < kStagedTarget && kStagedTarget + kMaxRanks <= 256, "destinations are uint8_t");
-
-__device__ __forceinline__ int elem_bytes(int dtype) { return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2; }
 
 __device__ __forceinline__ MetaEntry load_entry(const MetaEntry* p) {
   const int4 v = dev::ld_volatile_v4(p);
@@ -101,7 +111,7 @@ struct DispatchShared {
   uint64_t staged_full[kStagedSlots], staged_empty[kStagedSlots];  // several nodes: warp 1 -> warps 8-11
   SendTable send;
   ExpandTable tables[kTableSlots];
-  volatile int abort;
+  BlockControl ctl;
 };
 
 // One unit of the send warps: a chunk of this rank's tokens, or a chunk of a source on
@@ -115,22 +125,33 @@ struct SendUnit {
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
-struct Dispatch {
-  const LaunchArgs& args;
-  const RankArgs& a;
-  const Geometry& geo;
+struct Dispatch : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
-  RankView view;
-  int b, nb, W, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages;
+  int W, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages;
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
-  uint64_t epoch;
   DispatchShared& sh;
   StageRing send_fifo, expand_fifo;
   Ring meta_ring, table_ring, staged_ring;
   Hierarchy<Rdma> h;
+
+  // smem: the two FIFOs' stages, the send FIFO's first.
+  __device__ Dispatch(const KernelCall& k, DispatchShared& shared, uint8_t* smem)
+      : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), L(k.geo.local_experts),
+        Tmax(k.geo.max_tokens), T(k.a.num_tokens), K(k.a.topk), kd(k.args.kd),
+        meta_entries(static_cast<int>(k.geo.reg.meta_entries)), scale_cols(k.args.scale_cols),
+        chunk(k.args.chunk_tokens), stages(k.args.fifo_stages),
+        row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
+        batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
+        send_fifo{k.ring(shared.send_full, shared.send_empty, stages, kSiteSendFifo), smem, k.args.stage_bytes},
+        expand_fifo{k.ring(shared.expand_full, shared.expand_empty, stages, kSiteExpandFifo),
+                    smem + static_cast<size_t>(stages) * k.args.stage_bytes, k.args.stage_bytes},
+        meta_ring(k.ring(shared.meta_full, shared.meta_empty, kMetaSlots, kSiteSendEntries)),
+        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteExpandTables)),
+        staged_ring(k.ring(shared.staged_full, shared.staged_empty, kStagedSlots, kSiteStagedRows)),
+        h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   // Received rows are packed at the call's row size: consecutive slots of a source are
   // contiguous, so a batch of them is one bulk copy.
@@ -193,8 +214,6 @@ struct Dispatch {
     return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, static_cast<int64_t>(su.chunk) * chunk + i, row_bytes));
   }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
-  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
-  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
 template <typename Rdma>
@@ -298,10 +317,10 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
   SendTable& tab = d.sh.send;
   const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
-  const int in_flight = store_groups_in_flight(d.args, d.stages);
   const bool multi = d.h.multi();
-  PipeState consumed, released, meta, staged;  // lane 0's
-  uint32_t groups = 0, pending_group = 0;
+  StoreQueue queue(d.send_fifo.ring, store_groups_in_flight(d.args, d.stages));  // lane 0's
+  PipeState consumed, meta, staged;                                              // lane 0's
+  uint32_t pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
   bool pending_staged = false;  // an own chunk with several nodes: its staged rows go to the RDMA warps
 
@@ -409,12 +428,10 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
             dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
           }
         }
-        dev::bulk_commit();
-        ++groups;
-        if (pending_chunk >= 0 && pending_group < groups) ok = signal_pending(static_cast<int>(groups - pending_group));
-        bulk_wait_read_except(in_flight);  // release the oldest stages only
-        for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
-          d.send_fifo.ring.consumer_release(released);
+        queue.commit();
+        if (pending_chunk >= 0 && pending_group < queue.groups())
+          ok = signal_pending(static_cast<int>(queue.groups() - pending_group));
+        queue.release_read();
       }
       // A unit with no rows has no group of its own: the previous unit's signal goes first.
       if (ok && pending_chunk >= 0) ok = signal_pending(0);
@@ -422,7 +439,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         pending_chunk = su.chunk;
         pending_source = su.source;
         pending_span = span;
-        pending_group = groups;
+        pending_group = queue.groups();
         pending_staged = multi && su.node < 0;
       }
     }
@@ -433,8 +450,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   }
   if (lane == 0) {
     if (!d.stopped() && !signal_pending(0)) d.stop();
-    dev::bulk_wait_all();
-    for (; released.count < consumed.count; released.advance(d.stages)) d.send_fifo.ring.consumer_release(released);
+    queue.finish();
   }
 }
 
@@ -548,9 +564,9 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
 template <typename Rdma>
 __device__ void expand_store(const Dispatch<Rdma>& d) {
   auto* out = reinterpret_cast<uint8_t*>(d.a.out);
-  const int in_flight = store_groups_in_flight(d.args, d.stages);
+  StoreQueue queue(d.expand_fifo.ring, store_groups_in_flight(d.args, d.stages));
   ExpandTables<Rdma> tables(d);
-  PipeState consumed, released;
+  PipeState consumed;
   int s, c;
   while (const ExpandTable* next = tables.next(s, c)) {
     const ExpandTable& tab = *next;
@@ -571,10 +587,8 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
                           d.expand_fifo.slot(consumed) + r * it.bytes, it.bytes);
         }
       }
-      dev::bulk_commit();
-      bulk_wait_read_except(in_flight);  // release the oldest stages only
-      for (; released.count + in_flight <= consumed.count; released.advance(d.stages))
-        d.expand_fifo.ring.consumer_release(released);
+      queue.commit();
+      queue.release_read();
     }
     if (!ok) {
       d.stop();
@@ -583,8 +597,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
     d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
     tables.table.advance(kTableSlots);
   }
-  dev::bulk_wait_all();
-  for (; released.count < consumed.count; released.advance(d.stages)) d.expand_fifo.ring.consumer_release(released);
+  queue.finish();
 }
 
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node
@@ -655,94 +668,45 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
 template <typename Rdma>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  const RankArgs& a = place.rank;
-  if (a.absent) return;
-  const Geometry& geo = args.geo;
-  const RankView view = rank_view(geo, a);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t row_bytes = static_cast<uint32_t>(args.row_elems) * elem_bytes(args.dtype);
+  if (place.rank.absent) return;
   DispatchShared& sh = dev::block_shared<DispatchShared>();
-  const uint64_t epoch = view.state()->dispatch_epoch;
-  const int stages = args.fifo_stages;
-  uint8_t* smem = dev::dynamic_smem<uint8_t>();
-  const Dispatch<Rdma> d{args,
-                         a,
-                         geo,
-                         geo.reg,
-                         geo.info,
-                         view,
-                         place.block,
-                         place.blocks,
-                         geo.world_size,
-                         geo.local_experts,
-                         geo.max_tokens,
-                         a.num_tokens,
-                         a.topk,
-                         args.kd,
-                         static_cast<int>(geo.reg.meta_entries),
-                         args.scale_cols,
-                         args.chunk_tokens,
-                         stages,
-                         row_bytes,
-                         RowBatches::of(row_bytes, args),
-                         reinterpret_cast<const int64_t*>(a.info),
-                         epoch,
-                         sh,
-                         StageRing{{sh.send_full, sh.send_empty, stages, a.rank, epoch}, smem, args.stage_bytes},
-                         StageRing{{sh.expand_full, sh.expand_empty, stages, a.rank, epoch},
-                                   smem + static_cast<size_t>(stages) * args.stage_bytes,
-                                   args.stage_bytes},
-                         Ring{sh.meta_full, sh.meta_empty, kMetaSlots, a.rank, epoch},
-                         Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch},
-                         Ring{sh.staged_full, sh.staged_empty, kStagedSlots, a.rank, epoch},
-                         make_hierarchy<Rdma>(geo, a)};
+  const Dispatch<Rdma> d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool multi = d.h.multi();
 
-  if (tid == 0) {
+  init_block(d, [&] {
     d.send_fifo.ring.init(1, 1);
     d.expand_fifo.ring.init(1, 1);
     d.meta_ring.init(kMetaWarps, 1);
     d.table_ring.init(kMetaWarps, 2);                  // both expand warps read each table
     if (multi) d.staged_ring.init(1, d.h.topo.N - 1);  // each of the chunk's other nodes releases it
-    dev::mbar_fence_init();
-    sh.abort = aborted(args) ? 1 : 0;
-  }
-  __syncthreads();
-  if (sh.abort) return;
+  });
+  if (!block_ready(d)) return;
 
-  if (warp == kSendLoadWarp) {
-    if (lane == 0) send_load(d);
-  } else if (warp == kSendStoreWarp) {
-    send_store(d, lane);
-  } else if (warp < kSendMetaWarp + kMetaWarps) {
-    send_meta(d, tid - kSendMetaWarp * 32, lane);
-  } else if (warp == kExpandLoadWarp) {
-    if (lane == 0) expand_load(d);
-  } else if (warp == kExpandStoreWarp) {
-    if (lane == 0) expand_store(d);
-  } else if (warp < kExpandMetaWarp + kMetaWarps) {
-    expand_meta(d, tid - kExpandMetaWarp * 32, lane);
-  } else if (multi && warp < kRdmaWarp + kRdmaWarps) {
-    rdma_send(d, warp - kRdmaWarp, lane);
-  } else {
-    const int first_pad = multi ? kPaddingWarpMulti : kPaddingWarp;
-    zero_padding(d, warp - first_pad, (blockDim.x >> 5) - first_pad, lane);
+  const RoleSpan<DispatchRole> role = dispatch_warps(multi).of(warp);
+  switch (role.role) {
+    case DispatchRole::kSendLoad:
+      if (lane == 0) send_load(d);
+      break;
+    case DispatchRole::kSendStore: send_store(d, lane); break;
+    case DispatchRole::kSendMeta: send_meta(d, role.thread_index(tid), lane); break;
+    case DispatchRole::kExpandLoad:
+      if (lane == 0) expand_load(d);
+      break;
+    case DispatchRole::kExpandStore:
+      if (lane == 0) expand_store(d);
+      break;
+    case DispatchRole::kExpandMeta: expand_meta(d, role.thread_index(tid), lane); break;
+    case DispatchRole::kRdma: rdma_send(d, role.warp_index(warp), lane); break;
+    case DispatchRole::kPadding: zero_padding(d, role.warp_index(warp), role.warps, lane); break;
   }
-  __syncthreads();
-  if (sh.abort) return;
+  if (!roles_done(d)) return;
 
-  if (tid == 0 && !aborted(args)) {
-    LocalState* st = view.state();
-    __threadfence();
-    const uint32_t prev = atomicAdd(&st->blocks_done_dispatch, 1u);
-    if (prev == static_cast<uint32_t>(d.nb - 1)) {
-      st->blocks_done_dispatch = 0;
-      __threadfence_system();
-      dev::st_release_sys(view.flag(a.rank, geo.reg.done_dispatch, 0), epoch);
-      // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
-      for (int n = 0; multi && n < d.h.topo.N; ++n)
-        if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), geo.rdma.done_dispatch + 8 * d.h.node, epoch);
-    }
+  if (tid == 0 && last_block(d, &d.view.state()->blocks_done_dispatch)) {
+    publish_done(d, d.geo.reg.done_dispatch);
+    // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
+    for (int n = 0; multi && n < d.h.topo.N; ++n)
+      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_dispatch + 8 * d.h.node, d.epoch);
   }
 }
 

@@ -24,12 +24,22 @@
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
 #include "kernels/pipeline.cuh"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 namespace dispatch_direct_impl {
 
-constexpr int kLoadWarp = 0, kTableWarp = 1, kStoreWarp = 2, kStoreWarps = 2, kPadWarp = 4, kPadWarps = 2;
+// Warp roles (kDirectThreads = 192: 6 warps).
+enum class DirectRole { kLoad, kTable, kStore, kPad };
+constexpr int kStoreWarps = 2, kPadWarps = 2;
 constexpr int kDirectThreads = 6 * 32;
+__host__ __device__ constexpr RoleTable<DirectRole, 4> direct_warps() {
+  return {{{DirectRole::kLoad, 0, 1},
+           {DirectRole::kTable, 1, 1},
+           {DirectRole::kStore, 2, kStoreWarps},
+           {DirectRole::kPad, 2 + kStoreWarps, kPadWarps}}};
+}
+static_assert(direct_warps().tiles(kDirectThreads / 32), "the direct dispatch's roles tile its block");
 constexpr int kTableSlots = 2;  // chunks whose route tables are ready ahead of the stores
 
 // A chunk's routes: output row at the route's rank (-1: none, or clipped) and that rank.
@@ -45,28 +55,29 @@ struct DirectDispatchShared {
   uint64_t rows[kMaxRanks], probs[kMaxRanks], scales[kMaxRanks];  // each destination's, this process's addresses
   int64_t num_rows[kMaxRanks];
   int32_t first_row[kMaxExperts];  // [destination][its local expert]: this source's first output row there
-  volatile int fail;               // a wait of the setup gave up
-  volatile int abort;
+  BlockControl ctl;
 };
 
 // What every role of a block needs to know about the call.
-struct DirectDispatch {
-  const LaunchArgs& args;
-  const RankArgs& a;
+struct DirectDispatch : KernelCall {
   const InfoLayout& il;
-  RankView view;
-  int b, nb, W, L, T, K, scale_cols, chunk, stages;
+  int W, L, T, K, scale_cols, chunk, stages;
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
-  uint64_t epoch;
   DirectDispatchShared& sh;
   StageRing fifo;
   Ring table_ring;
 
+  __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
+      : KernelCall(k), il(k.geo.info), W(k.geo.world_size), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk),
+        scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens), stages(k.args.fifo_stages),
+        row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
+        batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
+        fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},
+        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)) {}
+
   __device__ int chunks() const { return (T + chunk - 1) / chunk; }
-  __device__ void stop() const { dev::st_relaxed(&sh.abort, 1); }
-  __device__ bool stopped() const { return dev::ld_relaxed(&sh.abort) != 0; }
 };
 
 // Warp 0 (lane 0): the block's chunks' rows into the FIFO.
@@ -144,15 +155,8 @@ __device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& a
 // does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
 // stages.
 __device__ inline void store_routes(const DirectDispatch& d, int which) {
-  const int in_flight = direct_store_groups_in_flight(d.args, d.stages);
-  PipeState item, released, table;  // item: every item of the FIFO; released: this thread's next to release
-  for (int s = 0; s < which; ++s) released.advance(d.stages);
-  uint32_t committed = 0, freed = 0;  // this thread's groups (one per stage it stored), stages it released
-  const auto release_next = [&] {
-    d.fifo.ring.consumer_release(released);
-    ++freed;
-    for (int s = 0; s < kStoreWarps; ++s) released.advance(d.stages);
-  };
+  StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
+  PipeState item, table;  // item: every item of the FIFO
   bool ok = true;
   for (int c = d.b; c < d.chunks() && ok; c += d.nb, table.advance(kTableSlots)) {
     if (d.stopped() || !d.table_ring.consumer_wait(d.args, table)) {
@@ -178,96 +182,59 @@ __device__ inline void store_routes(const DirectDispatch& d, int which) {
                           d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
-      dev::bulk_commit();
-      ++committed;
-      bulk_wait_read_except(in_flight);  // release the oldest stages only
-      while (freed + in_flight < committed) release_next();
+      queue.commit();
+      queue.release_read();
     }
     if (ok) d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
   }
   if (!ok) d.stop();
-  dev::bulk_wait_all();      // the rows landed before the last block's release (after the block barrier)
-  dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
-  while (freed < committed) release_next();
+  queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }
 
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  const RankArgs& a = place.rank;
-  if (a.absent) return;
-  const Geometry& geo = args.geo;
-  const RankView view = rank_view(geo, a);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t row_bytes = static_cast<uint32_t>(args.row_elems) * (args.dtype == kFloat32  ? 4
-                                                                      : args.dtype == kFloat8 ? 1
-                                                                                              : 2);
+  if (place.rank.absent) return;
   DirectDispatchShared& sh = dev::block_shared<DirectDispatchShared>();
-  const uint64_t epoch = view.state()->dispatch_epoch;  // the layout kernel started this call
-  const int stages = args.fifo_stages, W = geo.world_size, L = geo.local_experts;
-  uint8_t* smem = dev::dynamic_smem<uint8_t>();
-  const DirectDispatch d{args,
-                         a,
-                         geo.info,
-                         view,
-                         place.block,
-                         place.blocks,
-                         W,
-                         L,
-                         a.num_tokens,
-                         a.topk,
-                         args.scale_cols,
-                         args.chunk_tokens,
-                         stages,
-                         row_bytes,
-                         RowBatches::of(row_bytes, args),
-                         reinterpret_cast<const int64_t*>(a.info),
-                         epoch,
-                         sh,
-                         StageRing{{sh.full, sh.empty, stages, a.rank, epoch}, smem, args.stage_bytes},
-                         Ring{sh.table_full, sh.table_empty, kTableSlots, a.rank, epoch}};
+  const DirectDispatch d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
+  const RankArgs& a = d.a;
+  const int tid = threadIdx.x, lane = tid & 31;
 
-  if (tid == 0) {
+  init_block(d, [&] {
     d.fifo.ring.init(1, 1);  // a stage's one store thread releases it
     d.table_ring.init(1, kStoreWarps);
-    dev::mbar_fence_init();
-    sh.fail = 0;
-    sh.abort = aborted(args) ? 1 : 0;
-  }
-  if (place.block == 0 && tid == 32)
-    publish_tensors(view, a, kDirectDispatch, epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
-  if (tid < W) {  // every destination's tensors, and where this source's rows of its experts start
+  });
+  if (d.b == 0 && tid == 32)
+    publish_tensors(d.view, a, kDirectDispatch, d.epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
+  if (tid < d.W) {  // every destination's tensors, and where this source's rows of its experts start
     PeerView pv;
-    if (read_tensors(args, view, a, tid, kDirectDispatch, epoch, pv)) {
+    if (read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch, pv)) {
       sh.rows[tid] = pv.rows;
       sh.probs[tid] = pv.probs;
       sh.scales[tid] = pv.scales;
       sh.num_rows[tid] = pv.num_rows;
-      const auto* first = reinterpret_cast<const volatile int32_t*>(view.base(tid) + geo.reg.direct_first);
-      for (int j = 0; j < L; ++j) sh.first_row[tid * L + j] = first[a.rank * L + j];
+      const auto* first = reinterpret_cast<const volatile int32_t*>(d.view.base(tid) + d.geo.reg.direct_first);
+      for (int j = 0; j < d.L; ++j) sh.first_row[tid * d.L + j] = first[a.rank * d.L + j];
     } else {
-      sh.fail = 1;
+      sh.ctl.fail = 1;
     }
   }
-  __syncthreads();
-  if (sh.abort || sh.fail) return;
+  if (!block_ready(d)) return;
 
-  if (warp == kLoadWarp) {
-    if (lane == 0) load_rows(d);
-  } else if (warp == kTableWarp) {
-    route_table(d, lane);
-  } else if (warp < kStoreWarp + kStoreWarps) {
-    if (lane == 0) store_routes(d, warp - kStoreWarp);
-  } else {
-    zero_padding(d, warp - kPadWarp, kPadWarps, lane);
+  const RoleSpan<DirectRole> role = direct_warps().of(tid >> 5);
+  switch (role.role) {
+    case DirectRole::kLoad:
+      if (lane == 0) load_rows(d);
+      break;
+    case DirectRole::kTable: route_table(d, lane); break;
+    case DirectRole::kStore:
+      if (lane == 0) store_routes(d, role.warp_index(tid >> 5));
+      break;
+    case DirectRole::kPad: zero_padding(d, role.warp_index(tid >> 5), role.warps, lane); break;
   }
-  if (tid == 0 && aborted(args)) sh.abort = 1;  // one reading for the whole block
-  __syncthreads();
-  if (sh.abort) return;
+  if (!roles_done(d)) return;
 
-  if (finish_direct(args, view, a, place, kDirectDispatch, epoch, &view.state()->blocks_done_dispatch, &sh.fail)) {
-    __threadfence_system();
-    dev::st_release_sys(view.flag(a.rank, geo.reg.done_dispatch, 0), epoch);
-  }
+  if (finish_direct(d, kDirectDispatch, &d.view.state()->blocks_done_dispatch))
+    publish_done(d, d.geo.reg.done_dispatch);
 }
 
 }  // namespace dispatch_direct_impl

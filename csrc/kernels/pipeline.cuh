@@ -34,6 +34,7 @@ struct Ring {
   int stages;
   int rank;        // for the timeout record
   uint64_t epoch;  // the call, for the timeout record
+  int site;        // PipeSite: which ring, for the timeout record
 
   // One thread initialises; `arrivals` are the full barrier's arrivals per round (1 for TMA).
   __device__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) const {
@@ -46,14 +47,14 @@ struct Ring {
   // Producer: wait until the slot is free. The first round passes at once (a fresh barrier
   // has completed the phase before its first).
   __device__ bool producer_acquire(const LaunchArgs& args, const PipeState& p) const {
-    return mbar_wait(args, &empty[p.stage], p.phase ^ 1u, rank, epoch);
+    return mbar_wait(args, &empty[p.stage], p.phase ^ 1u, rank, epoch, site, kWaitedForFreeSlot);
   }
   // Producer of a data-less ring: the slot's content is written; one of `full_arrivals`.
   __device__ void producer_commit(const PipeState& p) const { dev::mbar_arrive(&full[p.stage]); }
 
   // Consumer: wait until the slot holds the item.
   __device__ bool consumer_wait(const LaunchArgs& args, const PipeState& p) const {
-    return mbar_wait(args, &full[p.stage], p.phase, rank, epoch);
+    return mbar_wait(args, &full[p.stage], p.phase, rank, epoch, site, kWaitedForData);
   }
   // After lane 0 of a warp waited (bounded) and the warp agreed it succeeded: every other
   // lane observes the completed phase itself, its own acquire of the slot (the producer's
@@ -92,7 +93,7 @@ struct StageRing {
     const int stages = ring.stages;
     while (to.count - from.count > static_cast<uint32_t>(stages)) from.advance(stages);
     for (; from.count < to.count; from.advance(stages))
-      mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.epoch);
+      mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.epoch, ring.site);
   }
 };
 
@@ -133,6 +134,46 @@ __device__ __forceinline__ void bulk_wait_write_except(int in_flight) {
     default: dev::bulk_wait<7>(); break;
   }
 }
+
+// One store thread's bulk-store groups over the stages of a ring it consumes. After a stage's
+// stores, commit() closes them as a group; release_read() lets at most `in_flight` of the
+// thread's newest groups still read their stages and releases its older stages, oldest first;
+// finish() waits until every store landed (and orders them before the thread's later generic
+// accesses) and releases the rest. A thread that takes every `stride`-th stage of the ring
+// from `first` on (store threads alternating stages) releases only its own.
+struct StoreQueue {
+  const Ring& ring;
+  int in_flight, stride;
+  PipeState next;          // the thread's oldest stage not yet released
+  uint32_t committed = 0;  // groups (one per stage stored)
+  uint32_t released = 0;
+
+  __device__ StoreQueue(const Ring& r, int in_flight_groups, int first = 0, int every = 1)
+      : ring(r), in_flight(in_flight_groups), stride(every) {
+    for (int s = 0; s < first; ++s) next.advance(ring.stages);
+  }
+  __device__ uint32_t groups() const { return committed; }
+  __device__ void commit() {
+    dev::bulk_commit();
+    ++committed;
+  }
+  __device__ void release_read() {
+    bulk_wait_read_except(in_flight);  // release the oldest stages only
+    while (released + in_flight < committed) release_next();
+  }
+  __device__ void finish() {
+    dev::bulk_wait_all();      // the stores landed (a signal or the block's end comes next)
+    dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
+    while (released < committed) release_next();
+  }
+
+ private:
+  __device__ void release_next() {
+    ring.consumer_release(next);
+    ++released;
+    for (int s = 0; s < stride; ++s) next.advance(ring.stages);
+  }
+};
 
 // Rows moved through a StageRing: whole rows batched `rows_per_stage` to a stage (rows are
 // contiguous in memory), or, for a row larger than a stage, `segments` stages per row.

@@ -54,7 +54,7 @@ __device__ __forceinline__ bool wait_phase(const HandoffArgs& a, uint64_t* bar, 
   } else if constexpr (W == Wait::kHint) {
     return spin_until(a.c, [&] { return dev::mbar_try_wait_hint(bar, parity, a.hint_ns); });
   } else {
-    return mbar_wait(a.la, bar, parity, 0, 0);
+    return mbar_wait(a.la, bar, parity, 0, 0, kSiteNone, kWaitedForData);
   }
 }
 

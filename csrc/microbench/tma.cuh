@@ -74,7 +74,8 @@ __device__ __forceinline__ void tma_load_only(const TmaArgs& a, const StageRing&
   PipeState p;
   for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
     // the slot's previous load (one round back) must have landed before it is refilled
-    if (p.count >= static_cast<uint32_t>(a.stages) && !mbar_wait(a.la, &ring.ring.full[p.stage], p.phase ^ 1u, 0, 0))
+    if (p.count >= static_cast<uint32_t>(a.stages) &&
+        !mbar_wait(a.la, &ring.ring.full[p.stage], p.phase ^ 1u, 0, 0, kSiteNone, kWaitedForData))
       break;
     ring.load(p, tma_src(a, pipe, i), a.copy_bytes);
   }
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   const bool mix = a.mode == static_cast<int>(TmaMode::kMix);
   const int pipe = mix ? warp / 2 : warp;
   if (lane == 0 && pipe < a.pipelines) {
-    const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0},
+    const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0, kSiteNone},
                          smem + static_cast<size_t>(pipe) * a.stages * a.copy_bytes, static_cast<int>(a.copy_bytes)};
     if (a.mode == static_cast<int>(TmaMode::kLoad)) {
       tma_load_only(a, ring, pipe);

@@ -78,6 +78,36 @@ PHASE_TEXT = {
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
 }
 
+# The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and
+# which warps fill and free each ring: PipeSite in csrc/common/params.h): (the ring, what fills
+# a stage, what frees it).
+PIPE_SITE_TEXT = {
+    "none": ("a ring", "its producer", "its consumer"),
+    "send_fifo": ("the dispatch's send FIFO", "the bulk loads of this rank's token rows",
+                  "the send warp's stores to the destinations"),
+    "expand_fifo": ("the dispatch's expand FIFO", "the bulk loads of the received rows",
+                    "the expand warp's stores to the output rows"),
+    "send_entries": ("the dispatch's routing-entry ring", "the warps writing a chunk's routing entries",
+                     "the send warp signalling the chunk"),
+    "expand_tables": ("the dispatch's position-table ring", "the warps building a received chunk's positions",
+                      "the expand load and store warps"),
+    "staged_rows": ("the dispatch's staged-rows ring", "the send warp staging rows for other nodes",
+                    "the RDMA warps"),
+    "host_inputs": ("the combine's expert-output ring", "the bulk loads of the expert outputs",
+                    "the expert host's reducers"),
+    "host_partials": ("the combine's partial-sum ring", "the expert host's reducers",
+                      "the store warp sending partials to the sources"),
+    "source_partials": ("the combine's source ring", "the bulk loads of the partials", "the source's reducers"),
+    "forward_puts": ("the combine's forward-put ring", "the reducers of the node partials",
+                     "the warp putting node partials to other nodes"),
+    "direct_rows": ("the direct dispatch's FIFO", "the bulk loads of this rank's token rows",
+                    "the store warps writing each route's row"),
+    "direct_tables": ("the direct dispatch's route-table ring", "the warp building a chunk's route table",
+                      "the store warps"),
+    "pull_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
+                    "the reducers"),
+}
+
 
 # Workspaces kept per call layout for reuse: two, because a buffer's last_call keeps the last
 # dispatch's count tables (views of its workspace) while the next call runs; one more would serve only
@@ -314,7 +344,8 @@ def check_extension(ext) -> None:
                                f"{rebuild}")
     named = {"DTYPE_CODES": (set(launch.ELEM_BYTES), "launch.ELEM_BYTES"),
              "TRANSPORTS": ({LoopbackRegions.kind, NvshmemRegions.kind}, "the RDMA region kinds"),
-             "PHASES": ({"none"} | set(PHASE_TEXT), "engine.PHASE_TEXT")}
+             "PHASES": ({"none"} | set(PHASE_TEXT), "engine.PHASE_TEXT"),
+             "PIPE_SITES": (set(PIPE_SITE_TEXT), "engine.PIPE_SITE_TEXT")}
     for name, (keys, where) in named.items():
         codes = getattr(ext, name, None)
         if codes is None:
@@ -399,6 +430,7 @@ class Engine:
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
+        self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         self.failure: str | None = None
@@ -489,16 +521,26 @@ class Engine:
                     f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
                     f"this buffer can not be used after the error, create a new one")
         if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
-            return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
-                    f"(HYBRID_EP_TIMEOUT_S) waiting in {what} "
-                    f"(call {rec['epoch']}): a bulk copy never completed. The buffer can not be used after "
-                    f"this error; create a new one.")
+            return self._describe_pipeline(rec, what)
         where = f" on node {rec['peer'] // self.config.ranks_per_node}" if self.config.num_nodes > 1 else ""
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
                 f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']}{where} in "
                 f"{what} (call {rec['epoch']}, expected {rec['expected']}, "
                 f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
                 f"after this error; create a new one.")
+
+    def _describe_pipeline(self, rec: dict, what: str) -> str:
+        """A wait between the warps of a block ran out (it has twice the bound of a peer's wait,
+        so no peer's wait gave up first): name the ring and the side that stopped."""
+        ring, fills, frees = PIPE_SITE_TEXT[self._site_names.get(rec.get("site", 0), "none")]
+        free_slot = rec["observed"] == 1  # PipeSide: kWaitedForFreeSlot
+        waited = f"for a free stage of {ring}" if free_slot else f"for data in {ring}"
+        stalled = frees if free_slot else fills
+        return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
+                f"(HYBRID_EP_TIMEOUT_S) waiting in {what} {waited} (call {rec['epoch']}): {stalled} "
+                f"stopped making progress while no wait on another rank ran out (a bulk copy that never "
+                f"completed, or a warp of this block stalled). The buffer can not be used after this "
+                f"error; create a new one.")
 
     # -- launch arguments ------------------------------------------------------------------
 
