@@ -38,6 +38,16 @@ class CallRecord(ReadOnly):
         self.__dict__.update(kind=kind, rank=rank, counts=CallCounts(handle), _handle=weakref.ref(handle),
                              hidden_dim=hidden_dim, dtype=dtype)
 
+    @classmethod
+    def from_note(cls, note: tuple, rank: int, hidden_dim: int) -> "CallRecord":
+        """The record of a call noted as (kind, weak reference to the handle, CallCounts.note,
+        dtype): HybridEPBuffer notes each call and makes its record when last_call is read."""
+        kind, handle_ref, counts, dtype = note
+        record = cls.__new__(cls)
+        record.__dict__.update(kind=kind, rank=rank, counts=CallCounts.from_note(counts), _handle=handle_ref,
+                               hidden_dim=hidden_dim, dtype=dtype)
+        return record
+
     @property
     def handle(self) -> DispatchHandle | None:
         """The call's handle while anything else keeps it, else None."""
@@ -113,7 +123,16 @@ class HybridEPBuffer:
         # what runs and why (auto: backends/choice.py), logged once on the group's rank 0
         self.backend_choice = choose_backend(backend, self.config, group)
         self._backend = create_backend(backend, self.config, group, self.rank, self._owner, self.backend_choice)
-        self.last_call: CallRecord | None = None
+        # The last call: a note (CallRecord.from_note) until last_call is read, then its record.
+        self._last: tuple | CallRecord | None = None
+
+    @property
+    def last_call(self) -> CallRecord | None:
+        """The record of this rank's last dispatch or combine (None before the first)."""
+        last = self._last
+        if type(last) is tuple:
+            last = self._last = CallRecord.from_note(last, self.rank, self.config.hidden_dim)
+        return last
 
     @property
     def last_traffic(self) -> Traffic | None:
@@ -217,7 +236,7 @@ class HybridEPBuffer:
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
         kernel = self.kernel_config if num_sms is None else self._kernel(num_sms_dispatch=num_sms)
         rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel)
-        self.last_call = CallRecord("dispatch", self.rank, handle, self.config.hidden_dim, x.dtype)
+        self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
@@ -228,7 +247,7 @@ class HybridEPBuffer:
         return y
 
     def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
-        self.last_call = CallRecord("combine", self.rank, handle, self.config.hidden_dim, kernel.wire_dtype_for(dtype))
+        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel.wire_dtype_for(dtype))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)

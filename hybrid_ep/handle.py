@@ -66,9 +66,23 @@ class CallCounts(ReadOnly, _CountTables):
     (the cuda backend's direct path: the arena block of the dispatch's probs)."""
 
     def __init__(self, handle: "DispatchHandle"):
+        self.__dict__.update(zip(_COUNTS_FIELDS, CallCounts.note(handle)))
+
+    @staticmethod
+    def note(handle: "DispatchHandle") -> tuple:
+        """What CallCounts keeps of `handle`, as a tuple (from_note makes the object later):
+        a buffer notes every call and makes its record only when asked for it."""
         d = handle.__dict__
-        self.__dict__.update(dest=handle.dest, config=handle.config, _recv_counts_W=d["_recv_counts_W"],
-                             _count_matrix_WW=d["_count_matrix_WW"], _node_counts_WN=d["_node_counts_WN"])
+        return d["dest"], d["config"], d["_recv_counts_W"], d["_count_matrix_WW"], d["_node_counts_WN"]
+
+    @classmethod
+    def from_note(cls, note: tuple) -> "CallCounts":
+        counts = cls.__new__(cls)
+        counts.__dict__.update(zip(_COUNTS_FIELDS, note))
+        return counts
+
+
+_COUNTS_FIELDS = ("dest", "config") + _COUNT_TABLES  # CallCounts.note's order
 
 
 class DispatchHandle(ReadOnly, _CountTables):

@@ -27,8 +27,9 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be [num_tokens, hidden_dim], got shape {tuple(x.shape)}")
-    if x.dtype not in DISPATCH_DTYPES:
-        raise TypeError(f"x dtype must be one of {_names(DISPATCH_DTYPES)}, got {x.dtype}")
+    dtype = x.dtype
+    if dtype not in DISPATCH_DTYPES:
+        raise TypeError(f"x dtype must be one of {_names(DISPATCH_DTYPES)}, got {dtype}")
     T, H = x.shape
     if H != config.hidden_dim:
         raise ValueError(f"x hidden size {H} does not match the buffer's hidden_dim={config.hidden_dim}")
@@ -38,7 +39,7 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
         )
     if x.device != device:
         raise ValueError(f"x is on {x.device} but this EP group communicates on {device}")
-    if is_fp8(x.dtype):
+    if is_fp8(dtype):
         if H % FP8_BLOCK != 0:
             raise ValueError(f"fp8 x needs hidden_dim to be a multiple of {FP8_BLOCK}, got {H}")
         if scales is None:
@@ -53,8 +54,8 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
         if scales.device != device:
             raise ValueError(f"scales is on {scales.device} but x is on {device}")
     elif scales is not None:
-        raise ValueError(f"scales are only for float8_e4m3fn x; x is {x.dtype}")
-    rule = row_bytes_rule(H, x.dtype)
+        raise ValueError(f"scales are only for float8_e4m3fn x; x is {dtype}")
+    rule = row_bytes_rule(H, dtype)
     if rule:
         raise ValueError(f"x: {rule}")
 

@@ -137,11 +137,48 @@ def test_buffer_pair_allocates_only_its_outputs(single_rank_group):
             res = buf.dispatch(x, i, w, num_out_tokens=T * K)
             y = buf.combine(res.tokens, res.handle, apply_probs=True)
         _assert_outputs_only(mode, g, API_PAIR, ranks=1)
-        assert buf.last_call.kind == "combine" and buf.last_call.handle is res.handle
+        # The record of the last call is made when read (the call only notes it), once.
+        record = buf.last_call
+        assert record is buf.last_call and record.kind == "combine" and record.handle is res.handle
+        assert record.dtype == x.dtype and record.counts.dest is res.handle.dest
+        assert torch.equal(record.counts.count_matrix_WW, res.handle.count_matrix_WW)
         g.synchronize()
         torch.testing.assert_close(y, (w[:, :, None] * x[:, None, :]).sum(dim=1), rtol=1e-5, atol=1e-5)
     finally:
         g.close()
+
+
+class _Calls:
+    """A proxy of the engine's HostPath that notes the name of each call into it."""
+
+    def __init__(self, host):
+        self.host, self.calls = host, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.host, name)
+
+
+def test_static_dispatch_is_one_call_into_the_host_path(group):
+    """A static-size dispatch is one call into the extension's host path: on the direct path
+    dispatch_into launches both kernels and returns the arena blocks' tensors."""
+    xs, idx, ws = _inputs()
+    e = group.engine
+    e.host = proxy = _Calls(e.host)
+    try:
+        res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+    finally:
+        e.host = proxy.host
+    direct = e.data_path == "direct"
+    assert proxy.calls == ["dispatch_into" if direct else "dispatch"]
+    for i, r in enumerate(res):
+        assert r.tokens.shape == (STATIC, H) and r.probs.shape == (STATIC,)
+        assert not direct or (e.arenas[i].contains(r.tokens) and e.arenas[i].contains(r.probs))
+    ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    group.synchronize()
+    for r in range(W):
+        want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
+        torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
 
 
 def test_unrouted_weights_are_never_read(group):
