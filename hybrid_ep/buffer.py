@@ -208,19 +208,20 @@ class HybridEPBuffer:
     # -- shared by the autograd functions ---------------------------------------------------
 
     def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
-        device = self.device
-        inputs.check_dispatch_input(x, scales, self.config, device)
+        backend = self._backend
+        device = backend.device
+        num_tokens = inputs.check_dispatch_input(x, scales, self.config, device)
         inputs.check_num_out_tokens(num_out_tokens)
         if handle is not None:
             inputs.check_handle(handle, self._owner)
             if any(a is not None for a in (topk_idx, topk_weights, routing_map, probs)):
                 raise ValueError("pass either handle= or routing (topk_idx / routing_map), not both")
-            inputs.check_reused_handle(handle, x.shape[0], num_out_tokens)
+            inputs.check_reused_handle(handle, num_tokens, num_out_tokens)
             return None, handle
         routing = normalize_routing(
-            x.shape[0], self.config.num_experts, device,  # x's, checked above
+            num_tokens, self.config.num_experts, device,  # x's, checked above
             topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
-            check_values=num_out_tokens is None or not self._backend.checks_routing_on_device,
+            check_values=num_out_tokens is None or not backend.checks_routing_on_device,
         )
         return routing, None
 

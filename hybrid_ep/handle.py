@@ -112,7 +112,9 @@ class DispatchHandle(ReadOnly, _CountTables):
     def replace(self, **changes) -> "DispatchHandle":
         """A copy with some fields changed (dataclasses.replace's contract). A copy of the
         instance dictionary, not a new __init__: autograd's dispatch makes one per call."""
-        fields = dict(self.__dict__)
+        new = DispatchHandle.__new__(DispatchHandle)
+        fields = new.__dict__
+        fields.update(self.__dict__)
         for name, value in changes.items():
             key = _STORED.get(name)
             if key is None:
@@ -120,8 +122,6 @@ class DispatchHandle(ReadOnly, _CountTables):
             fields[key] = value
             if key in _COUNT_TABLES:
                 fields.pop("row_counts", None)  # cached from the old tables
-        new = DispatchHandle.__new__(DispatchHandle)
-        new.__dict__.update(fields)
         return new
 
     @property

@@ -22,7 +22,8 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) -> None:
+def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) -> int:
+    """Raises for x (and scales) a dispatch can not take; returns x's number of tokens."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -58,6 +59,7 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
     rule = row_bytes_rule(H, dtype)
     if rule:
         raise ValueError(f"x: {rule}")
+    return T
 
 
 def check_num_out_tokens(num_out_tokens) -> None:
@@ -93,15 +95,16 @@ def check_reused_handle(handle: DispatchHandle, num_tokens: int, num_out_tokens)
 def check_combine_input(expert_out, handle: DispatchHandle, config: BufferConfig) -> None:
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
-    if expert_out.dtype not in COMBINE_DTYPES:
-        raise TypeError(f"expert_out dtype must be one of {_names(COMBINE_DTYPES)}, got {expert_out.dtype}")
+    dtype = expert_out.dtype
+    if dtype not in COMBINE_DTYPES:
+        raise TypeError(f"expert_out dtype must be one of {_names(COMBINE_DTYPES)}, got {dtype}")
     expected = (handle.num_rows, config.hidden_dim)
-    if tuple(expert_out.shape) != expected:
+    if expert_out.shape != expected:  # a torch.Size is a tuple
         raise ValueError(
             f"expert_out must have shape [rows of the dispatch, hidden_dim] = {list(expected)}, "
             f"got {list(expert_out.shape)}"
         )
-    rule = row_bytes_rule(config.hidden_dim, expert_out.dtype)
+    rule = row_bytes_rule(config.hidden_dim, dtype)
     if rule:
         raise ValueError(f"expert_out: {rule}")
     if expert_out.device != handle.probs_R.device:
