@@ -148,6 +148,40 @@ def test_buffer_pair_allocates_only_its_outputs(single_rank_group):
         g.close()
 
 
+@pytest.mark.parametrize("path", ["receive", "direct"])
+def test_training_pair_adds_only_the_probs_detach(path):
+    """hybrid_ep.dispatch / combine with inputs asking for gradients (Megatron's forward): the
+    buffer pair's allocations plus one detach (the probs dispatch returns, a new tensor over
+    the handle's), no copy; and the gradients reach x and the weights."""
+    import hybrid_ep as hep
+    from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
+
+    g = EmulatedGroup(1, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path)
+    try:
+        with _world_of_one():
+            buf = _single_rank_buffer(g)
+            xs, idx, ws = _inputs()
+            x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+            for _ in range(2):
+                res = hep.dispatch(buf, x, idx[0], w, num_out_tokens=T * K)
+                hep.combine(buf, res.tokens, res.handle, apply_probs=True)
+            del res
+            with _Ops() as mode:
+                res = hep.dispatch(buf, x, idx[0], w, num_out_tokens=T * K)
+                y = hep.combine(buf, res.tokens, res.handle, apply_probs=True)
+            assert res.handle.data_path == path
+            _assert_outputs_only(mode, g, {**API_PAIR, "detach": 1}, ranks=1)
+            y.sum().backward()
+            g.synchronize()
+            routed = (idx[0] >= 0)
+            torch.testing.assert_close(w.grad, torch.where(routed, x.detach().sum(dim=1, keepdim=True), 0.0),
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(x.grad, torch.where(routed, w.detach(), 0.0).sum(dim=1, keepdim=True)
+                                       .expand(T, H), rtol=1e-5, atol=1e-5)
+    finally:
+        g.close()
+
+
 class _Calls:
     """A proxy of the engine's HostPath that notes the name of each call into it."""
 
