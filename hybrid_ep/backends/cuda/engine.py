@@ -28,6 +28,7 @@ Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -398,6 +399,9 @@ class Engine:
         check_extension(ext)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
+        # Its first word, the phase (common/params.h ErrorRecord; 0 while no kernel failed), in
+        # host memory: each call polls it here, without a call into the extension.
+        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
@@ -617,7 +621,7 @@ class Engine:
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
-        if self.failure is not None or self.error.read() is not None:
+        if self.failure is not None or self._error_phase.value:
             self.raise_if_failed()
         H = self.config.hidden_dim
         dtype = xs[0].dtype
@@ -789,7 +793,7 @@ class Engine:
                 probs: list[torch.Tensor], apply_probs: bool, sms: int,
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
-        if self.failure is not None or self.error.read() is not None:
+        if self.failure is not None or self._error_phase.value:
             self.raise_if_failed()
         dtype = rows[0].dtype
         dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
