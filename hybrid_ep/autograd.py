@@ -15,10 +15,15 @@ from .buffer import HybridEPBuffer
 from .fp8 import is_fp8
 from .handle import DispatchResult
 
+# The Functions take the tensors that may need gradients one by one and everything else in
+# one tuple (`call`): Function.apply's host time grows with its number of arguments
+# (docs/architecture.md, the host path per call); backward returns one None for the tuple.
+
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, weights_TK, buffer, routing, handle, scales, num_out_tokens, num_sms, out_box):
+    def forward(ctx, x_TH, weights_TK, call):
+        buffer, routing, handle, scales, num_out_tokens, num_sms, out_box = call
         rows_RH, scales_RB, handle = buffer._run_dispatch(x_TH, scales, routing, handle, num_out_tokens, num_sms)
         ctx.buffer, ctx.handle = buffer, handle
         out_box.extend([handle, scales_RB])
@@ -40,12 +45,13 @@ class _Dispatch(torch.autograd.Function):
             grad_x = buffer._run_combine(grad_rows_RH.contiguous(), handle, False, None)
         elif ctx.needs_input_grad[1]:
             grad_w = buffer._return_row_values(grad_probs_R, handle)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_RH, probs_R, buffer, handle, apply_probs, num_sms, wire_dtype):
+    def forward(ctx, rows_RH, probs_R, call):
+        buffer, handle, apply_probs, num_sms, wire_dtype = call
         ctx.buffer, ctx.handle, ctx.apply_probs = buffer, handle, apply_probs
         ctx.rows_dtype = rows_RH.dtype
         # The rows are needed only to differentiate the weights; otherwise their memory may
@@ -69,7 +75,7 @@ class _Combine(torch.autograd.Function):
                 grad_rows = (grad_out_RH.float() * probs_R.float()[:, None]).to(rows_RH.dtype)
         elif ctx.needs_input_grad[0]:
             grad_rows = grad_out_RH.to(ctx.rows_dtype)
-        return grad_rows, grad_probs, None, None, None, None, None
+        return grad_rows, grad_probs, None
 
 
 def _records_graph(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -117,13 +123,12 @@ def dispatch(
     if routing is not None:
         # The weights as given: the gradient of an unrouted slot is 0 (return_row_values), so
         # no masked copy is made for autograd either.
-        rows, probs_R = _Dispatch.apply(
-            x, routing.weights_as_given_TK, buffer, routing, None, scales, num_out_tokens, num_sms, box
-        )
+        rows, probs_R = _Dispatch.apply(x, routing.weights_as_given_TK,
+                                        (buffer, routing, None, scales, num_out_tokens, num_sms, box))
         handle = box[0].replace(probs_R=probs_R)
     else:
         # Same routing as before: the weights (and their graph) are the earlier ones.
-        rows, _ = _Dispatch.apply(x, None, buffer, None, handle, scales, num_out_tokens, num_sms, box)
+        rows, _ = _Dispatch.apply(x, None, (buffer, None, handle, scales, num_out_tokens, num_sms, box))
         probs_R = handle.probs_R
     return DispatchResult(rows, box[1], probs_R, None, handle)  # tokens_per_expert: when read
 
@@ -138,4 +143,4 @@ def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = Fal
     probs_R = handle.probs_R if apply_probs else None
     if not _records_graph(expert_out, probs_R):
         return buffer._run_combine(expert_out, handle, apply_probs, num_sms, wire_dtype)
-    return _Combine.apply(expert_out, probs_R, buffer, handle, apply_probs, num_sms, wire_dtype)
+    return _Combine.apply(expert_out, probs_R, (buffer, handle, apply_probs, num_sms, wire_dtype))

@@ -38,6 +38,16 @@ class CallRecord(ReadOnly):
         self.__dict__.update(kind=kind, rank=rank, counts=CallCounts(handle), _handle=weakref.ref(handle),
                              hidden_dim=hidden_dim, dtype=dtype)
 
+    @classmethod
+    def from_note(cls, note: tuple, rank: int, hidden_dim: int) -> "CallRecord":
+        """The record of a call noted as (kind, weak reference to the handle, CallCounts.note,
+        dtype): HybridEPBuffer notes each call and makes its record when last_call is read."""
+        kind, handle_ref, counts, dtype = note
+        record = cls.__new__(cls)
+        record.__dict__.update(kind=kind, rank=rank, counts=CallCounts.from_note(counts), _handle=handle_ref,
+                               hidden_dim=hidden_dim, dtype=dtype)
+        return record
+
     @property
     def handle(self) -> DispatchHandle | None:
         """The call's handle while anything else keeps it, else None."""
@@ -113,7 +123,16 @@ class HybridEPBuffer:
         # what runs and why (auto: backends/choice.py), logged once on the group's rank 0
         self.backend_choice = choose_backend(backend, self.config, group)
         self._backend = create_backend(backend, self.config, group, self.rank, self._owner, self.backend_choice)
-        self.last_call: CallRecord | None = None
+        # The last call: a note (CallRecord.from_note) until last_call is read, then its record.
+        self._last: tuple | CallRecord | None = None
+
+    @property
+    def last_call(self) -> CallRecord | None:
+        """The record of this rank's last dispatch or combine (None before the first)."""
+        last = self._last
+        if type(last) is tuple:
+            last = self._last = CallRecord.from_note(last, self.rank, self.config.hidden_dim)
+        return last
 
     @property
     def last_traffic(self) -> Traffic | None:
@@ -189,19 +208,20 @@ class HybridEPBuffer:
     # -- shared by the autograd functions ---------------------------------------------------
 
     def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
-        device = self.device
-        inputs.check_dispatch_input(x, scales, self.config, device)
+        backend = self._backend
+        device = backend.device
+        num_tokens = inputs.check_dispatch_input(x, scales, self.config, device)
         inputs.check_num_out_tokens(num_out_tokens)
         if handle is not None:
             inputs.check_handle(handle, self._owner)
             if any(a is not None for a in (topk_idx, topk_weights, routing_map, probs)):
                 raise ValueError("pass either handle= or routing (topk_idx / routing_map), not both")
-            inputs.check_reused_handle(handle, x.shape[0], num_out_tokens)
+            inputs.check_reused_handle(handle, num_tokens, num_out_tokens)
             return None, handle
         routing = normalize_routing(
-            x.shape[0], self.config.num_experts, device,  # x's, checked above
+            num_tokens, self.config.num_experts, device,  # x's, checked above
             topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
-            check_values=num_out_tokens is None or not self._backend.checks_routing_on_device,
+            check_values=num_out_tokens is None or not backend.checks_routing_on_device,
         )
         return routing, None
 
@@ -217,7 +237,7 @@ class HybridEPBuffer:
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
         kernel = self.kernel_config if num_sms is None else self._kernel(num_sms_dispatch=num_sms)
         rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel)
-        self.last_call = CallRecord("dispatch", self.rank, handle, self.config.hidden_dim, x.dtype)
+        self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
@@ -228,7 +248,7 @@ class HybridEPBuffer:
         return y
 
     def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
-        self.last_call = CallRecord("combine", self.rank, handle, self.config.hidden_dim, kernel.wire_dtype_for(dtype))
+        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel.wire_dtype_for(dtype))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)

@@ -66,9 +66,23 @@ class CallCounts(ReadOnly, _CountTables):
     (the cuda backend's direct path: the arena block of the dispatch's probs)."""
 
     def __init__(self, handle: "DispatchHandle"):
+        self.__dict__.update(zip(_COUNTS_FIELDS, CallCounts.note(handle)))
+
+    @staticmethod
+    def note(handle: "DispatchHandle") -> tuple:
+        """What CallCounts keeps of `handle`, as a tuple (from_note makes the object later):
+        a buffer notes every call and makes its record only when asked for it."""
         d = handle.__dict__
-        self.__dict__.update(dest=handle.dest, config=handle.config, _recv_counts_W=d["_recv_counts_W"],
-                             _count_matrix_WW=d["_count_matrix_WW"], _node_counts_WN=d["_node_counts_WN"])
+        return d["dest"], d["config"], d["_recv_counts_W"], d["_count_matrix_WW"], d["_node_counts_WN"]
+
+    @classmethod
+    def from_note(cls, note: tuple) -> "CallCounts":
+        counts = cls.__new__(cls)
+        counts.__dict__.update(zip(_COUNTS_FIELDS, note))
+        return counts
+
+
+_COUNTS_FIELDS = ("dest", "config") + _COUNT_TABLES  # CallCounts.note's order
 
 
 class DispatchHandle(ReadOnly, _CountTables):
@@ -90,15 +104,18 @@ class DispatchHandle(ReadOnly, _CountTables):
                  dest: DestLayout, recv_counts_W: torch.Tensor | None, num_recv_rows: int,
                  count_matrix_WW: torch.Tensor | None, node_counts_WN: torch.Tensor | None, probs_R: torch.Tensor,
                  num_out_tokens: int | None, serial: int = 0, checksum: int = 0):
-        self.__dict__.update(owner=owner, config=config, rank=rank, routing=routing, source=source, dest=dest,
-                             _recv_counts_W=recv_counts_W, num_recv_rows=num_recv_rows,
-                             _count_matrix_WW=count_matrix_WW, _node_counts_WN=node_counts_WN, probs_R=probs_R,
-                             num_out_tokens=num_out_tokens, serial=serial, checksum=checksum)
+        d = self.__dict__  # one store per field: a keyword dict for update() costs a third more per call
+        d["owner"], d["config"], d["rank"], d["routing"] = owner, config, rank, routing
+        d["source"], d["dest"], d["probs_R"], d["num_out_tokens"] = source, dest, probs_R, num_out_tokens
+        d["_recv_counts_W"], d["num_recv_rows"], d["_count_matrix_WW"] = recv_counts_W, num_recv_rows, count_matrix_WW
+        d["_node_counts_WN"], d["serial"], d["checksum"] = node_counts_WN, serial, checksum
 
     def replace(self, **changes) -> "DispatchHandle":
         """A copy with some fields changed (dataclasses.replace's contract). A copy of the
         instance dictionary, not a new __init__: autograd's dispatch makes one per call."""
-        fields = dict(self.__dict__)
+        new = DispatchHandle.__new__(DispatchHandle)
+        fields = new.__dict__
+        fields.update(self.__dict__)
         for name, value in changes.items():
             key = _STORED.get(name)
             if key is None:
@@ -106,8 +123,6 @@ class DispatchHandle(ReadOnly, _CountTables):
             fields[key] = value
             if key in _COUNT_TABLES:
                 fields.pop("row_counts", None)  # cached from the old tables
-        new = DispatchHandle.__new__(DispatchHandle)
-        new.__dict__.update(fields)
         return new
 
     @property
@@ -148,9 +163,10 @@ class DispatchResult(ReadOnly):
 
     def __init__(self, tokens: torch.Tensor, scales: torch.Tensor | None, probs: torch.Tensor,
                  tokens_per_expert: torch.Tensor | None, handle: DispatchHandle):
-        self.__dict__.update(tokens=tokens, scales=scales, probs=probs, handle=handle)
+        d = self.__dict__
+        d["tokens"], d["scales"], d["probs"], d["handle"] = tokens, scales, probs, handle
         if tokens_per_expert is not None:
-            self.__dict__["tokens_per_expert"] = tokens_per_expert
+            d["tokens_per_expert"] = tokens_per_expert
 
     @functools.cached_property
     def tokens_per_expert(self) -> torch.Tensor:  # read when the instance dictionary holds none

@@ -22,13 +22,15 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) -> None:
+def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) -> int:
+    """Raises for x (and scales) a dispatch can not take; returns x's number of tokens."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be [num_tokens, hidden_dim], got shape {tuple(x.shape)}")
-    if x.dtype not in DISPATCH_DTYPES:
-        raise TypeError(f"x dtype must be one of {_names(DISPATCH_DTYPES)}, got {x.dtype}")
+    dtype = x.dtype
+    if dtype not in DISPATCH_DTYPES:
+        raise TypeError(f"x dtype must be one of {_names(DISPATCH_DTYPES)}, got {dtype}")
     T, H = x.shape
     if H != config.hidden_dim:
         raise ValueError(f"x hidden size {H} does not match the buffer's hidden_dim={config.hidden_dim}")
@@ -38,7 +40,7 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
         )
     if x.device != device:
         raise ValueError(f"x is on {x.device} but this EP group communicates on {device}")
-    if is_fp8(x.dtype):
+    if is_fp8(dtype):
         if H % FP8_BLOCK != 0:
             raise ValueError(f"fp8 x needs hidden_dim to be a multiple of {FP8_BLOCK}, got {H}")
         if scales is None:
@@ -53,10 +55,11 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
         if scales.device != device:
             raise ValueError(f"scales is on {scales.device} but x is on {device}")
     elif scales is not None:
-        raise ValueError(f"scales are only for float8_e4m3fn x; x is {x.dtype}")
-    rule = row_bytes_rule(H, x.dtype)
+        raise ValueError(f"scales are only for float8_e4m3fn x; x is {dtype}")
+    rule = row_bytes_rule(H, dtype)
     if rule:
         raise ValueError(f"x: {rule}")
+    return T
 
 
 def check_num_out_tokens(num_out_tokens) -> None:
@@ -92,15 +95,16 @@ def check_reused_handle(handle: DispatchHandle, num_tokens: int, num_out_tokens)
 def check_combine_input(expert_out, handle: DispatchHandle, config: BufferConfig) -> None:
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
-    if expert_out.dtype not in COMBINE_DTYPES:
-        raise TypeError(f"expert_out dtype must be one of {_names(COMBINE_DTYPES)}, got {expert_out.dtype}")
+    dtype = expert_out.dtype
+    if dtype not in COMBINE_DTYPES:
+        raise TypeError(f"expert_out dtype must be one of {_names(COMBINE_DTYPES)}, got {dtype}")
     expected = (handle.num_rows, config.hidden_dim)
-    if tuple(expert_out.shape) != expected:
+    if expert_out.shape != expected:  # a torch.Size is a tuple
         raise ValueError(
             f"expert_out must have shape [rows of the dispatch, hidden_dim] = {list(expected)}, "
             f"got {list(expert_out.shape)}"
         )
-    rule = row_bytes_rule(config.hidden_dim, expert_out.dtype)
+    rule = row_bytes_rule(config.hidden_dim, dtype)
     if rule:
         raise ValueError(f"expert_out: {rule}")
     if expert_out.device != handle.probs_R.device:

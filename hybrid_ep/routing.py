@@ -126,25 +126,26 @@ def normalize_routing(
         raise ValueError("probs goes with routing_map; with topk_idx pass topk_weights")
 
     _check_tensor("topk_idx", topk_idx, 2)
-    if topk_idx.dtype not in _INT_DTYPES:
-        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if topk_idx.shape[0] != num_tokens:
+    idx_dtype, idx_shape = topk_idx.dtype, topk_idx.shape  # each read makes a Python object
+    if idx_dtype not in _INT_DTYPES:
+        raise TypeError(f"topk_idx must be int32 or int64, got {idx_dtype}")
+    if idx_shape[0] != num_tokens:
         raise ValueError(
-            f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} tokens"
+            f"topk_idx has {idx_shape[0]} rows but x has {num_tokens} tokens"
         )
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but x is on {device}")
-    idx = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.to(torch.int64)  # .to costs a microsecond
+    idx = topk_idx if idx_dtype == torch.int64 else topk_idx.to(torch.int64)  # .to costs a microsecond
     if check_values:
         check_topk_values(idx, num_experts)
     if topk_weights is not None:
         _check_tensor("topk_weights", topk_weights, 2)
         if not topk_weights.is_floating_point():
             raise TypeError(f"topk_weights must be a floating dtype, got {topk_weights.dtype}")
-        if topk_weights.shape != topk_idx.shape:
+        if topk_weights.shape != idx_shape:
             raise ValueError(
                 f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_idx shape "
-                f"{tuple(topk_idx.shape)}"
+                f"{tuple(idx_shape)}"
             )
         if topk_weights.device != device:
             raise ValueError(f"topk_weights is on {topk_weights.device} but x is on {device}")

@@ -3,6 +3,8 @@ one rule on their size that every backend enforces."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Every backend takes only rows whose size is a multiple of this many bytes. The cuda kernels
@@ -14,8 +16,10 @@ ROW_ALIGN_BYTES = 16
 MIN_HIDDEN_MULTIPLE = ROW_ALIGN_BYTES // 4
 
 
+@functools.lru_cache(maxsize=256)
 def row_bytes_rule(hidden: int, dtype: torch.dtype) -> str | None:
-    """None when a row of `hidden` values of dtype is a multiple of 16 bytes, else the rule it breaks."""
+    """None when a row of `hidden` values of dtype is a multiple of 16 bytes, else the rule it
+    breaks. Remembered per (hidden, dtype): every dispatch and combine asks."""
     size = dtype.itemsize
     if hidden * size % ROW_ALIGN_BYTES == 0:
         return None

@@ -100,3 +100,23 @@ def test_a_dispatch_with_gradients_leaves_no_reference_cycle(buf):
     finally:
         gc.enable()
     assert w.grad is not None
+
+
+def test_each_call_applies_one_function_on_its_tensors_and_one_tuple(buf, monkeypatch):
+    """Function.apply's host time grows with its arguments, so each call applies one Function
+    to the tensors that may need a gradient and one tuple of everything else."""
+    applied = []
+    for fn in (autograd._Dispatch, autograd._Combine):
+        apply = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda *args, _apply=apply, _fn=fn: applied.append(
+            (_fn.__name__, len(args), type(args[-1]))) or _apply(*args))
+    x, idx, w = _inputs()
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    res = hep.dispatch(buf, x, idx, w, num_out_tokens=16)
+    rows = res.tokens.detach().requires_grad_()
+    y = hep.combine(buf, rows, res.handle, apply_probs=True)
+    assert applied == [("_Dispatch", 3, tuple), ("_Combine", 3, tuple)]
+    assert [edge[0] is not None for edge in y.grad_fn.next_functions] == [True, True]  # rows and probs
+    y.sum().backward()
+    want = torch.where(idx >= 0, x.detach().sum(dim=1, keepdim=True), 0.0)  # d sum(y) / d w: routed x summed
+    torch.testing.assert_close(w.grad, want, rtol=1e-5, atol=1e-5)

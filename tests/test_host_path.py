@@ -137,11 +137,82 @@ def test_buffer_pair_allocates_only_its_outputs(single_rank_group):
             res = buf.dispatch(x, i, w, num_out_tokens=T * K)
             y = buf.combine(res.tokens, res.handle, apply_probs=True)
         _assert_outputs_only(mode, g, API_PAIR, ranks=1)
-        assert buf.last_call.kind == "combine" and buf.last_call.handle is res.handle
+        # The record of the last call is made when read (the call only notes it), once.
+        record = buf.last_call
+        assert record is buf.last_call and record.kind == "combine" and record.handle is res.handle
+        assert record.dtype == x.dtype and record.counts.dest is res.handle.dest
+        assert torch.equal(record.counts.count_matrix_WW, res.handle.count_matrix_WW)
         g.synchronize()
         torch.testing.assert_close(y, (w[:, :, None] * x[:, None, :]).sum(dim=1), rtol=1e-5, atol=1e-5)
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("path", ["receive", "direct"])
+def test_training_pair_adds_only_the_probs_detach(path):
+    """hybrid_ep.dispatch / combine with inputs asking for gradients (Megatron's forward): the
+    buffer pair's allocations plus one detach (the probs dispatch returns, a new tensor over
+    the handle's), no copy; and the gradients reach x and the weights."""
+    import hybrid_ep as hep
+    from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
+
+    g = EmulatedGroup(1, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path)
+    try:
+        with _world_of_one():
+            buf = _single_rank_buffer(g)
+            xs, idx, ws = _inputs()
+            x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+            for _ in range(2):
+                res = hep.dispatch(buf, x, idx[0], w, num_out_tokens=T * K)
+                hep.combine(buf, res.tokens, res.handle, apply_probs=True)
+            del res
+            with _Ops() as mode:
+                res = hep.dispatch(buf, x, idx[0], w, num_out_tokens=T * K)
+                y = hep.combine(buf, res.tokens, res.handle, apply_probs=True)
+            assert res.handle.data_path == path
+            _assert_outputs_only(mode, g, {**API_PAIR, "detach": 1}, ranks=1)
+            y.sum().backward()
+            g.synchronize()
+            routed = (idx[0] >= 0)
+            torch.testing.assert_close(w.grad, torch.where(routed, x.detach().sum(dim=1, keepdim=True), 0.0),
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(x.grad, torch.where(routed, w.detach(), 0.0).sum(dim=1, keepdim=True)
+                                       .expand(T, H), rtol=1e-5, atol=1e-5)
+    finally:
+        g.close()
+
+
+class _Calls:
+    """A proxy of the engine's HostPath that notes the name of each call into it."""
+
+    def __init__(self, host):
+        self.host, self.calls = host, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.host, name)
+
+
+def test_static_dispatch_is_one_call_into_the_host_path(group):
+    """A static-size dispatch is one call into the extension's host path: on the direct path
+    dispatch_into launches both kernels and returns the arena blocks' tensors."""
+    xs, idx, ws = _inputs()
+    e = group.engine
+    e.host = proxy = _Calls(e.host)
+    try:
+        res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
+    finally:
+        e.host = proxy.host
+    direct = e.data_path == "direct"
+    assert proxy.calls == ["dispatch_into" if direct else "dispatch"]
+    for i, r in enumerate(res):
+        assert r.tokens.shape == (STATIC, H) and r.probs.shape == (STATIC,)
+        assert not direct or (e.arenas[i].contains(r.tokens) and e.arenas[i].contains(r.probs))
+    ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    group.synchronize()
+    for r in range(W):
+        want = (ws[r][:, :, None] * xs[r][:, None, :]).sum(dim=1)
+        torch.testing.assert_close(ys[r], want, rtol=1e-5, atol=1e-5)
 
 
 def test_unrouted_weights_are_never_read(group):

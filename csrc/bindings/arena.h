@@ -329,6 +329,21 @@ class __attribute__((visibility("hidden"))) ArenaTaken {
     return out;
   }
 
+  // Per arena, its rows and the address of each tensor of the layout (`at` holds
+  // ArenaLayout::kMaxViews; 0 past the layout's tensors). Throws when failed.
+  int64_t block_addresses(size_t i, uint64_t* at) const {
+    if (failed_ >= 0 || made_ || i >= blocks_.size()) throw py::value_error("arena_take: no such block");
+    const auto* l = layout_.cast<const ArenaLayout*>();
+    int64_t offsets[ArenaLayout::kMaxViews];
+    l->place(rows_[i], offsets);
+    const uint64_t start = arenas_[i].cast<const Arena*>()->base() + static_cast<uint64_t>(blocks_[i]->offset);
+    for (size_t v = 0; v < ArenaLayout::kMaxViews; ++v)
+      at[v] = v < l->views.size() ? start + static_cast<uint64_t>(offsets[v]) : 0;
+    return rows_[i];
+  }
+
+  size_t size() const { return blocks_.size(); }
+
   // Per arena, the tuple of the layout's tensors; from then on they alone hold the blocks.
   py::list tensors() {
     if (failed_ >= 0 || made_) throw py::value_error("arena_take: no blocks to make tensors of");

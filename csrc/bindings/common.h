@@ -208,6 +208,25 @@ class HostPath {
     dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_layout);
   }
 
+  // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
+  // engine's arena_take): both kernels, then the blocks' tensors, per rank the tuple of
+  // ArenaTaken::tensors. The block's tensors are, in order, the rows, their probs and the fp8
+  // scales (arena.py, _call_specs). One call instead of the addresses, the launch and the
+  // tensors one by one.
+  py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+                         const std::vector<DispatchInput>& in, ArenaTaken& taken, uint64_t absent,
+                         uint64_t absent_after_layout) {
+    if (taken.size() != in.size()) throw py::value_error("dispatch_into: one arena block per input");
+    std::vector<DispatchOutput> out(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      uint64_t at[ArenaLayout::kMaxViews];
+      const int64_t block_rows = taken.block_addresses(i, at);
+      out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};
+    }
+    dispatch(a, true, stream, workspace, l, rows, in, out, absent, absent_after_layout);
+    return taken.tensors();
+  }
+
   // A combine on the parts of the dispatch handles' workspaces.
   void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInput>& in, uint64_t absent) {
     check_count(in.size());
@@ -338,6 +357,7 @@ inline void bind_common(py::module_& m) {
       .def("dispatch_layout", &HostPath::dispatch_layout)
       .def("dispatch_rows", &HostPath::dispatch_rows)
       .def("dispatch", &HostPath::dispatch)
+      .def("dispatch_into", &HostPath::dispatch_into)
       .def("combine", &HostPath::combine);
   m.def(
       "set_launches_enabled", [](bool on) { launches_enabled() = on; },

@@ -31,6 +31,9 @@ class ErrorRecordHost {
     device_ = reinterpret_cast<uint64_t>(d);
   }
   ~ErrorRecordHost() { cudaFreeHost(host_); }
+  // The host's address of the record (its first word is the phase, 0 while no kernel
+  // failed): the engine polls that word per call without a call into this module.
+  uint64_t host_ptr() const { return reinterpret_cast<uint64_t>(host_); }
   uint64_t device_ptr() const { return device_; }
   void clear() { std::memset(host_, 0, sizeof(ErrorRecord)); }
   py::object read() const { return bindings::error_record_dict(host_); }
@@ -62,6 +65,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
       .def(py::init<>())
       .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
+      .def_property_readonly("host_ptr", &ErrorRecordHost::host_ptr)
       .def("read", &ErrorRecordHost::read)
       .def("clear", &ErrorRecordHost::clear);
 

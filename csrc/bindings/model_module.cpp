@@ -27,6 +27,9 @@ class ErrorRecordHost {
     model::add_allocation(device_ptr(), sizeof(ErrorRecord));
   }
   ~ErrorRecordHost() { model::remove_allocation(device_ptr()); }
+  // The host's address of the record (its first word is the phase, 0 while no kernel
+  // failed): the engine polls that word per call without a call into this module.
+  uint64_t host_ptr() const { return reinterpret_cast<uint64_t>(&record_); }
   uint64_t device_ptr() const { return reinterpret_cast<uint64_t>(&record_); }
   void clear() { std::memset(&record_, 0, sizeof(record_)); }
   py::object read() const { return bindings::error_record_dict(&record_); }
@@ -130,6 +133,7 @@ PYBIND11_MODULE(_model, m) {
   py::class_<ErrorRecordHost>(m, "ErrorRecord", py::module_local())
       .def(py::init<>())
       .def_property_readonly("device_ptr", &ErrorRecordHost::device_ptr)
+      .def_property_readonly("host_ptr", &ErrorRecordHost::host_ptr)
       .def("read", &ErrorRecordHost::read)
       .def("clear", &ErrorRecordHost::clear);
 

@@ -85,26 +85,25 @@ class CudaBackend(Backend):
     def memory_plan(self) -> MemoryPlan:
         return memory_plan(self.config)
 
-    def _sms(self, value, default):
-        return default if value is None else value
-
     def dispatch(self, x_TH, scales_TB, routing, handle, num_out_tokens, kernel: KernelConfig):
         known = None
         if handle is not None:
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
             known = [handle.num_rows]
-        sms = self._sms(kernel.num_sms_dispatch, launch.DEFAULT_SMS_DISPATCH)
-        [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens, sms, known_rows=known)
-        new = DispatchHandle(
-            owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send, dest=res.recv,
-            recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
-            node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
-        )
+        sms = kernel.num_sms_dispatch
+        [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
+                                      launch.DEFAULT_SMS_DISPATCH if sms is None else sms, known)
+        # DispatchHandle's fields in order (positional: a call per dispatch): owner, config, rank,
+        # routing, source, dest, recv_counts_W, num_recv_rows, count_matrix_WW, node_counts_WN,
+        # probs_R, num_out_tokens; the count tables are the workspace's, read when asked for.
+        new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, None, -1, None, None,
+                             res.probs_R, num_out_tokens)
         return res.rows_RH, res.scales_RB, new
 
     def combine(self, rows_RH, handle, apply_probs, kernel: KernelConfig):
-        sms = self._sms(kernel.num_sms_combine, launch.DEFAULT_SMS_COMBINE)
-        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs, sms,
+        sms = kernel.num_sms_combine
+        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs,
+                                   launch.DEFAULT_SMS_COMBINE if sms is None else sms,
                                    kernel.wire_dtype_for(rows_RH.dtype))
         return y
 

@@ -28,6 +28,7 @@ Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -429,6 +430,9 @@ class Engine:
         check_extension(ext)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
+        # Its first word, the phase (common/params.h ErrorRecord; 0 while no kernel failed), in
+        # host memory: each call polls it here, without a call into the extension.
+        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
         self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
@@ -478,6 +482,8 @@ class Engine:
         # (K, route rows, receive tables) -> ext.CallLayout, and the last workspaces of each, for reuse
         self._call_layouts: dict[tuple[int, bool, bool], object] = {}
         self._workspaces: dict[tuple[int, bool, bool], list[CallWorkspace]] = {}
+        # (dtype, columns) -> dtype name, for row widths already checked (_check_rows)
+        self._row_dtypes: dict[tuple[torch.dtype, int], str] = {}
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -618,13 +624,12 @@ class Engine:
         return ([(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
                 (self.rdma.declared() if self.rdma is not None else []) + [(self.abort.data_ptr(), 4)])
 
-    def _workspace(self, topk: int, direct: bool, receive: bool) -> CallWorkspace:
+    def _workspace(self, topk: int, direct: bool, receive: bool, stream: int) -> CallWorkspace:
         """A workspace for a call of up to `topk` routes per token with the tables of the direct
         path, the receive path or both: one of the last KEPT_WORKSPACES of this layout that
-        nothing refers to any more (no handle, no view; on a GPU, last used on this stream, so
+        nothing refers to any more (no handle, no view; on a GPU, last used on `stream`, so
         it is reused in stream order), else a new one."""
         key = (topk, direct, receive)
-        stream = self._stream()
         kept = self._workspaces.get(key)
         if kept is None:
             kept = self._workspaces[key] = []
@@ -643,6 +648,14 @@ class Engine:
             del kept[0]  # still referenced by its handles, which free it
         return ws
 
+    def _check_rows(self, name: str, cols: int, dtype: torch.dtype) -> str:
+        """dtype's name, once rows of `cols` values of it are known to move in 16-byte units
+        (launch.check_row_bytes, raising with `name` otherwise); remembered per (dtype, cols)."""
+        dtype_name = _dtype_name(dtype)
+        launch.check_row_bytes(name, cols, dtype_name)
+        self._row_dtypes[(dtype, cols)] = dtype_name
+        return dtype_name
+
     def _absent_mask(self, ranks) -> int:
         return sum(1 << i for i, r in enumerate(self.ranks) if r in ranks) if ranks else 0
 
@@ -650,12 +663,12 @@ class Engine:
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
-        self.raise_if_failed()
+        if self.failure is not None or self._error_phase.value:
+            self.raise_if_failed()
         H = self.config.hidden_dim
-        dtype_name = _dtype_name(xs[0].dtype)
-        launch.check_row_bytes("x", H, dtype_name)
-        fp8 = dtype_name == "float8_e4m3fn"
         dtype = xs[0].dtype
+        dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
+        fp8 = dtype_name == "float8_e4m3fn"
         prefer = self.data_path == "direct"
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
@@ -679,17 +692,23 @@ class Engine:
                 sc_ptr = sc.data_ptr()
             if not idx.is_contiguous():
                 idx = idx.contiguous()
-            w = _fp32(routing.weights_as_given_TK)  # unrouted slots are never read
+            w = routing.weights_as_given_TK  # unrouted slots are never read
+            if w.dtype != torch.float32 or not w.is_contiguous():
+                w = _fp32(w)
             if K > topk:
                 topk = K
-            x, x_ptr = _aligned(x)
+            if not x.is_contiguous():
+                x = x.contiguous()
+            x_ptr = x.data_ptr()
+            if x_ptr % 16:
+                x, x_ptr = _aligned(x)
             inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
             keep.append((x, sc, idx, w))
         stream = self._stream()
-        absent = self._absent_mask(self.absent.ranks)
-        after_layout = self._absent_mask(self.absent.after_layout)
+        ab = self.absent
+        absent = self._absent_mask(ab.ranks) if ab.ranks else 0
+        after_layout = self._absent_mask(ab.after_layout) if ab.after_layout else 0
         static = num_out_tokens is not None
-        scale_cols = H // FP8_BLOCK if fp8 else 0
         # The path is chosen where the output sizes are known: before the layout kernel with a
         # static size (or a handle's), else after its host read, on a workspace with the
         # tables of both paths.
@@ -697,19 +716,25 @@ class Engine:
             rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
             taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
             direct = taken is not None
-            call = self._workspace(topk, direct, not direct)
-            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if direct else "dispatch")
-            args.scale_cols = scale_cols
-            outputs, made = self._outputs(rows, taken, dtype, fp8)
-            if self._declaring():
+            call = self._workspace(topk, direct, not direct, stream)
+            kind = "dispatch_direct" if direct else "dispatch"
+            args = (self._launch_cache.get((kind, sms, dtype_name, H, None))
+                    or self._launch_args(sms, dtype_name, H, kind))
+            declaring = self._declaring()
+            if declaring or not direct:
+                outputs, made = self._outputs(rows, taken, dtype, fp8)
+            if declaring:
                 self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
                               self._output_spans(outputs, dtype))
-            self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1, inputs,
-                               outputs, absent, after_layout)
+            if direct:  # the launch and the arena blocks' tensors in one call
+                made = self.host.dispatch_into(args, stream, call.ptr, call.layout, num_out_tokens if static else -1,
+                                               inputs, taken, absent, after_layout)
+            else:
+                self.host.dispatch(args, False, stream, call.ptr, call.layout, num_out_tokens if static else -1,
+                                   inputs, outputs, absent, after_layout)
         else:
-            call = self._workspace(topk, prefer, True)
+            call = self._workspace(topk, prefer, True, stream)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            args.scale_cols = scale_cols
             needed = call.i64[:, (call.layout.info // 8) + self.info.needed]
             declared = None
             if self._declaring():  # the outputs are added after the read
@@ -810,19 +835,23 @@ class Engine:
                 probs: list[torch.Tensor], apply_probs: bool, sms: int,
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
-        self.raise_if_failed()
-        dtype_name = _dtype_name(rows[0].dtype)
-        wire_name = dtype_name if wire_dtype is None else _dtype_name(wire_dtype)
+        if self.failure is not None or self._error_phase.value:
+            self.raise_if_failed()
+        dtype = rows[0].dtype
+        dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+        wire_name = dtype_name if wire_dtype is None or wire_dtype == dtype else _dtype_name(wire_dtype)
         if wire_name not in (dtype_name, "float32"):
             raise ValueError(f"wire_dtype must be the dtype of expert_out ({dtype_name}) or float32, got {wire_name}")
         C = rows[0].shape[1]
-        launch.check_row_bytes("expert_out", C, dtype_name)
+        if (dtype, C) not in self._row_dtypes:
+            self._check_rows("expert_out", C, dtype)
         if C > self.config.hidden_dim:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
-        direct = sends[0].data_path == "direct"  # the path of the dispatch that made the handles
-        args = self._launch_args(sms, dtype_name, C, "combine_pull" if direct else "combine", wire_name)
+        direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
+        kind = "combine_pull" if direct else "combine"
+        args = (self._launch_cache.get((kind, sms, dtype_name, C, wire_name))
+                or self._launch_args(sms, dtype_name, C, kind, wire_name))
         args.apply_probs = int(apply_probs)
-        dtype = rows[0].dtype
         stream = self._stream()
         inputs, keep, outs, staged, order = [], [], [], [], None
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
@@ -859,7 +888,8 @@ class Engine:
         if self._declaring():
             self._declare(keep + staged + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
-        self.host.combine(args, direct, stream, inputs, self._absent_mask(self.absent.ranks))
+        ab = self.absent.ranks
+        self.host.combine(args, direct, stream, inputs, self._absent_mask(ab) if ab else 0)
         if order is not None:
             order.after(stream)
             self.staging.uses += 1
