@@ -653,7 +653,7 @@ def test_ncu_lines_are_put_in_the_categories_of_their_functions():
 def test_model_shares_beside_ncu_differ_by_points():
     """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
     parked warps' share; the comparison gives both shares per category and their sum of the
-    waits on other warps (the model counts a warp by its lane 0)."""
+    waits on other warps (a report without paths: each warp by its busiest lane)."""
     from hybrid_ep.timing import shares
 
     report = {"time_ns": 100.0, "roles": [
