@@ -57,9 +57,10 @@
 // What still depends on the schedule is which copies are placed by then; the tests bound it.
 //
 // A report per launch gives the kernel's time (the last thread's end, or the last copy's
-// write, plus the launch cost), per warp role the busy time and the waits by site, and the
-// critical path: each wait that another thread's event decided remembers that event, so the
-// path is walked back from the last thread to the launch's start.
+// write, plus the launch cost), per warp role the busy time and the waits by site (its busiest
+// lane's, and per group of its lanes that passed the same synchronisation sites: the paths of a
+// diverged warp), and the critical path: each wait that another thread's event decided
+// remembers that event, so the path is walked back from the last thread to the launch's start.
 #pragma once
 #include <algorithm>
 #include <cstddef>
