@@ -32,7 +32,8 @@ per-point lines through it (several grids of the same tables, one per data path,
 and `score-grid` reads other points off their lines; `profile`
 prints what the warps spend their predicted time on, per kernel, and with --ncu beside the
 stall samples of that run's ncu stage (hybrid_ep/timing/shares.py), the difference in points
-per category. Not part of CI: a build takes minutes, a fit at
+per category (--save / --load keep a run's reports and read them again, say with the other
+--count). Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
 """
 
@@ -293,19 +294,28 @@ def score_grid(args) -> int:
 
 
 def profile(args) -> int:
-    folder = builds.build_commit(args.commit, args.work)
-    table = constants.load_table(args.constants)
-    shape = predict.Shape(args.world_size, args.nodes, args.hidden, args.tokens, args.topk, args.experts, args.seed)
-    result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
+    if args.load:
+        with open(args.load) as f:
+            result = json.load(f)
+    else:
+        folder = builds.build_commit(args.commit, args.work)
+        table = constants.load_table(args.constants)
+        shape = predict.Shape(args.world_size, args.nodes, args.hidden, args.tokens, args.topk, args.experts,
+                              args.seed)
+        result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(result, f)
     run = result["runs"][0]
-    print(f"commit {args.commit}: W={args.world_size} nodes={args.nodes} T={args.tokens} H={args.hidden}, "
-          f"{args.sms} SMs/rank: shares of the warps' time (predicted)")
+    job = result["job"]
+    print(f"commit {args.commit}: W={job['world_size']} nodes={job['nodes']} T={job['tokens']} H={job['hidden']}, "
+          f"{run['sms']} SMs/rank: shares of the warps' time (predicted), a warp counted by its {args.count}")
     worst = 0.0
     for kernel in predict.KERNELS:
         launches = run[kernel]["launches"]
         for launch in launches:
             name = launch["kernel"].split("<")[0]
-            model = shares.model_shares(launch)
+            model = shares.model_shares(launch, args.count)
             print(f"{name} ({launch['time_ns'] / 1e6:.3f} ms): " +
                   ", ".join(f"{k} {v:.1%}" for k, v in sorted(model.items(), key=lambda kv: -kv[1])))
             # ncu profiled each call's main kernel (dispatch_kernel after the layout, combine_kernel)
@@ -399,6 +409,12 @@ def main(argv=None) -> int:
     pr.add_argument("--ncu", default=None, metavar="FOLDER",
                     help="a GPU run's folder with ncu_lines_<kernel>.txt (scripts/ncu_lines.py): the shares beside "
                          "ncu's, measured at the commit given, with the difference in points")
+    pr.add_argument("--count", choices=(shares.SAMPLED, shares.BUSIEST), default=shares.SAMPLED,
+                    help="how a warp counts: its paths alike, as ncu's warp sampling sees a diverged warp "
+                         "(default), or its busiest lane alone (hybrid_ep/timing/shares.py)")
+    pr.add_argument("--save", default=None, metavar="JSON", help="keep the model run's reports")
+    pr.add_argument("--load", default=None, metavar="JSON",
+                    help="the reports of an earlier run (--save) instead of a model run; the shape is the run's")
     args = p.parse_args(argv)
     return {"add-run": add_run, "from-micro": from_micro, "build": build, "run": run, "fit": fit_constants,
             "score": score_points, "profile": profile, "fit-grid": fit_grid,

@@ -318,6 +318,47 @@ def test_a_spinning_warp_slows_the_working_warp_of_its_scheduler_only(seed):
     assert _worker_end(128, seed, quiet) == pytest.approx(alone, rel=1e-12)
 
 
+@pytest.mark.parametrize("n", [0, 3])
+def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
+    """Thread 0 fences n times and arrives; lane 0 of warp 1 waits for that phase on the
+    mbarrier, the warp's other 31 lanes at the __syncwarp after it. The report groups warp 1's
+    lanes by the sites they passed into those two paths, each with its exact times; ncu's warp
+    sampling (shares.SAMPLED) counts the two paths alike, the busiest lane (shares.BUSIEST) only
+    lane 0's mbarrier wait."""
+    from hybrid_ep.timing import shares
+
+    c = COSTS
+    r = timed_selftest("diverged_wait", 1, n, 16)
+    arrived = c["barrier_ns"] + n * c["fence_gpu_ns"] + c["arrive_ns"]
+    woken = arrived + c["wake_ns"]
+    assert r["time_ns"] == pytest.approx(woken + c["collective_ns"] + c["launch_ns"], rel=1e-12)
+    warp0, warp1 = r["roles"]
+    assert [p["lanes"] for p in warp0["paths"]] == [32]  # one path: lane 0 works, the others are done
+    assert warp0["paths"][0]["busy_ns"] == pytest.approx(arrived, rel=1e-12)
+    paths = {p["lanes"]: p for p in warp1["paths"]}
+    assert sorted(paths) == [1, 31] and all(p["blocks"] == 1 for p in paths.values())
+    spinner, others = paths[1], paths[31]
+    mbar_wait = woken - c["barrier_ns"] - c["try_wait_ns"]
+    assert spinner["busy_ns"] == pytest.approx(c["barrier_ns"] + c["try_wait_ns"] + c["collective_ns"], rel=1e-12)
+    assert [w.split(" (")[0] for w, _ in spinner["waits"]] == ["mbarrier wait"]
+    assert spinner["waits"][0][1] == pytest.approx(mbar_wait, rel=1e-12)
+    assert others["busy_ns"] == pytest.approx(c["barrier_ns"] + c["collective_ns"], rel=1e-12)
+    assert [w.split(" (")[0] for w, _ in others["waits"]] == ["__syncwarp"]
+    assert others["waits"][0][1] == pytest.approx(woken - c["barrier_ns"], rel=1e-12)
+    for p in paths.values():
+        assert p["end_ns"] == pytest.approx(woken + c["collective_ns"], rel=1e-12)
+    assert warp1["waits"] == spinner["waits"]  # the warp's busiest lane is lane 0
+
+    total = 2 * r["time_ns"]
+    sampled = shares.model_shares(r, shares.SAMPLED)
+    assert sampled == pytest.approx({
+        "busy": (arrived + c["barrier_ns"] + c["collective_ns"] + c["try_wait_ns"] / 2) / total,
+        shares.MBARRIER: mbar_wait / 2 / total, shares.SYNCWARP: (woken - c["barrier_ns"]) / 2 / total}, rel=1e-12)
+    busiest = shares.model_shares(r, shares.BUSIEST)
+    assert busiest == pytest.approx({"busy": (arrived + spinner["busy_ns"]) / total,
+                                     shares.MBARRIER: mbar_wait / total}, rel=1e-12)
+
+
 @pytest.mark.parametrize("blocks", [1, 4])
 def test_copies_from_many_sms_share_device_memory(blocks):
     """Each block's thread 0 bulk-loads n copies (issued at t = 0; the engines far faster than
@@ -464,6 +505,10 @@ def test_each_report_accounts_for_every_nanosecond(small_group):
         assert max(r["block_end_ns"]) == pytest.approx(r["time_ns"] - costs["launch_ns"], rel=1e-9)
         for role in r["roles"]:
             assert role["busy_ns"] + sum(ns for _, ns in role["waits"]) == pytest.approx(role["end_ns"], rel=1e-9)
+            # every lane in one path of its warp, each path's time accounted for alike
+            assert sum(p["lanes"] for p in role["paths"]) == 32 * r["blocks"]
+            for p in role["paths"]:
+                assert p["busy_ns"] + sum(ns for _, ns in p["waits"]) == pytest.approx(p["end_ns"], rel=1e-9)
     dispatch, combine = reports[1], reports[2]
     assert dispatch["copies"] > 0 and 0 < dispatch["engine_busy_ns"] < dispatch["time_ns"]
     assert len(combine["roles"]) == combine["threads"] // 32
@@ -608,7 +653,7 @@ def test_ncu_lines_are_put_in_the_categories_of_their_functions():
 def test_model_shares_beside_ncu_differ_by_points():
     """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
     parked warps' share; the comparison gives both shares per category and their sum of the
-    waits on other warps (the model counts a warp by its lane 0)."""
+    waits on other warps (a report without paths: each warp by its busiest lane)."""
     from hybrid_ep.timing import shares
 
     report = {"time_ns": 100.0, "roles": [
@@ -626,6 +671,31 @@ def test_model_shares_beside_ncu_differ_by_points():
     assert rows[1][1:] == pytest.approx((0.25, 0.10)) and rows[4][1:] == pytest.approx((0.375, 0.20))
     text = shares.format_comparison("k", rows)
     assert "+15.0  over 10 points" in text and "+5.0\n" in text
+
+
+def test_a_warp_of_several_paths_counts_each_path_of_each_block_alike():
+    """Two warp roles x 100 ns. Role 0's lanes took two paths in both blocks (lane 0 waiting on
+    an mbarrier, 31 lanes at a __syncwarp), and a third in one block only: each (block, path)
+    pair counts alike, 2 + 2 + 1 of 5. Role 1 has one path: its busiest lane, as before."""
+    from hybrid_ep.timing import shares
+
+    parked = [("__syncthreads (k.cuh:11)", 50.0)]
+    report = {"time_ns": 100.0, "roles": [
+        {"busy_ns": 10.0, "waits": [("mbarrier wait (s.cuh:7)", 80.0)], "paths": [
+            {"lanes": 2, "blocks": 2, "busy_ns": 10.0, "end_ns": 90.0, "waits": [("mbarrier wait (s.cuh:7)", 80.0)]},
+            {"lanes": 61, "blocks": 2, "busy_ns": 5.0, "end_ns": 90.0, "waits": [("__syncwarp (s.cuh:2)", 85.0)]},
+            {"lanes": 1, "blocks": 1, "busy_ns": 90.0, "end_ns": 90.0, "waits": []}]},
+        {"busy_ns": 40.0, "waits": parked, "paths": [
+            {"lanes": 64, "blocks": 2, "busy_ns": 40.0, "end_ns": 90.0, "waits": parked}]}]}
+    got = shares.model_shares(report)
+    assert got == pytest.approx({"busy": (0.4 * 10 + 0.4 * 5 + 0.2 * 90 + 40) / 200, shares.AFTER_LAST: 50 / 200,
+                                 shares.MBARRIER: 0.4 * 80 / 200, shares.SYNCWARP: 0.4 * 85 / 200})
+    assert shares.model_shares(report, shares.BUSIEST) == pytest.approx(
+        {"busy": 50 / 200, shares.AFTER_LAST: 50 / 200, shares.MBARRIER: 80 / 200})
+    without = {"time_ns": 100.0, "roles": [{k: v for k, v in role.items() if k != "paths"} for role in report["roles"]]}
+    assert shares.model_shares(without) == shares.model_shares(report, shares.BUSIEST)  # older reports
+    with pytest.raises(ValueError, match="count is"):
+        shares.model_shares(report, "lane 0")
 
 
 def test_the_lines_through_a_grid_give_a_linear_models_values_between_its_tables():

@@ -71,6 +71,11 @@ py::dict report_dict(const model::timing::Report& r) {
     d["busy_ns"] = role.busy_ns;
     d["end_ns"] = role.end_ns;
     d["waits"] = pairs(role.waits);
+    py::list paths;  // the warp's lanes grouped by the sites they passed (timing.h, RoleTime::Path)
+    for (const auto& p : role.paths)
+      paths.append(py::dict(py::arg("lanes") = p.lanes, py::arg("blocks") = p.blocks, py::arg("busy_ns") = p.busy_ns,
+                            py::arg("end_ns") = p.end_ns, py::arg("waits") = pairs(p.waits)));
+    d["paths"] = paths;
     roles.append(d);
   }
   py::dict d;

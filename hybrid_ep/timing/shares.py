@@ -4,7 +4,8 @@ The issue asks for the model's wait shares within 10 points of a GPU run's ncu s
 Both sides are put into the same few categories, each a share of the warps' time:
 
 - the model (`model_shares`): per warp role, its busy time and its waits by kind and site, over
-  (warp roles x the kernel's predicted time); the model counts a warp by its lane 0;
+  (warp roles x the kernel's predicted time), a diverged warp's time split over its paths as a
+  sampler of warps sees it (`SAMPLED`, below);
 - ncu (`ncu_shares`): the per-line stall samples of `scripts/ncu_lines.py` (its top lines, the
   rest as one share), each line put in the category of the function it is in at the measured
   commit (the wait loops of csrc/common/state.cuh), or by what it is (`__syncwarp`, the
@@ -24,8 +25,9 @@ FLAG = "flag wait"
 SYNCWARP = "__syncwarp"
 ABORT = "abort flag read"
 OTHER = "other"
-# What ncu cannot tell from a wait: every lane of a warp that stands at a __syncwarp or reads
-# the abort flag while its lane 0 spins in a wait loop is, in the model, part of that wait.
+# The waits on other warps together, whichever path of a diverged warp a sample lands on: lane 0
+# spinning in the wait loop (and reading the abort flag from it), the other lanes at the
+# __syncwarp after it.
 WAITING_ON_WARPS = "mbarrier wait + __syncwarp + abort flag read"
 CATEGORIES = (AFTER_LAST, MBARRIER, FLAG, SYNCWARP, ABORT)
 
@@ -33,15 +35,47 @@ CATEGORIES = (AFTER_LAST, MBARRIER, FLAG, SYNCWARP, ABORT)
 FUNCTIONS = {"mbar_wait": MBARRIER, "wait_at_least": FLAG, "aborted": ABORT}
 
 
-def model_shares(report: dict) -> dict:
+# How a warp counts. ncu's source counters come from warp state sampling: at a fixed interval
+# the SM's sampler picks a warp and records one program counter and one stall reason for it (a
+# CUPTI PC-sampling record has one pcOffset and one stallReason per sample). A warp whose lanes
+# stand at different sites (lane 0 spinning on an mbarrier, the other 31 at the __syncwarp after
+# it, or lane 0 working while the others are parked at the last __syncthreads) is diverged: with
+# independent thread scheduling it keeps a program counter per path and runs one path at a
+# time, so each sample lands on one of its paths. Which one the scheduler holds at a sample is
+# not documented, and the model has no scheduler of paths, so SAMPLED gives each path of a warp
+# an equal share of the warp's time: the warp's time per category is the mean of its lane
+# groups' (the report's `paths`: lanes grouped by the synchronisation sites they passed, each
+# group's busiest lane for it), each group of each block alike. This is exact for a warp of two
+# paths that end together; with three or more, lanes of two groups that stand at one site at
+# once would count as one path on the GPU. BUSIEST counts a warp by its busiest lane alone
+# (lane 0 where one lane waits for the others), as the model did before the paths were reported.
+SAMPLED, BUSIEST = "paths", "busiest lane"
+
+
+def _role_time(role: dict, count: str) -> tuple[float, list[tuple[str, float]]]:
+    """(busy ns, [(wait site, ns)]) that one warp role counts for under `count`."""
+    paths = role.get("paths") or []
+    if count == BUSIEST or not paths:
+        return role["busy_ns"], list(role["waits"])
+    if count != SAMPLED:
+        raise ValueError(f"count is {SAMPLED!r} or {BUSIEST!r}, got {count!r}")
+    weight = sum(p["blocks"] for p in paths)
+    busy = sum(p["blocks"] * p["busy_ns"] for p in paths) / weight
+    waits = [(what, p["blocks"] * ns / weight) for p in paths for what, ns in p["waits"]]
+    return busy, waits
+
+
+def model_shares(report: dict, count: str = SAMPLED) -> dict:
     """{category: share} of one launch's timing report (warp roles x its time): busy, the wait at
     the kernel's last __syncthreads (the one waited at longest: warps whose role is done), the
-    other __syncthreads, and each other kind of wait (mbarrier, flag, warp collective, bulk)."""
+    other __syncthreads, and each other kind of wait (mbarrier, flag, warp collective, bulk);
+    a warp counted as `count` says (SAMPLED: its paths alike; BUSIEST: its busiest lane)."""
     total = len(report["roles"]) * report["time_ns"]
     sums = {}
     for role in report["roles"]:
-        sums["busy"] = sums.get("busy", 0.0) + role["busy_ns"]
-        for what, ns in role["waits"]:
+        busy, waits = _role_time(role, count)
+        sums["busy"] = sums.get("busy", 0.0) + busy
+        for what, ns in waits:
             kind = what.split(" (")[0]
             key = what if kind == "__syncthreads" else kind
             sums[key] = sums.get(key, 0.0) + ns

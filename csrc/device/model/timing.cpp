@@ -410,6 +410,8 @@ void Timer::resolve(int th, double own, const Origin& dep, double latency, int32
   Clock& c = clocks_[th];
   const double via = dep.t + latency;
   c.busy += own - c.t;
+  auto site = std::lower_bound(c.sites.begin(), c.sites.end(), wait_what);
+  if (site == c.sites.end() || *site != wait_what) c.sites.insert(site, wait_what);
   if (dep.t == kNever || !(via > own)) {
     c.t = own;
     return;
@@ -628,6 +630,46 @@ void Timer::exit(int th) {
   clocks_[th].end = clocks_[th].t;
 }
 
+// The lanes of warp role w grouped by the sites they passed; per group, its busiest lane per
+// block stands for it (as the busiest lane of the warp does for the role), mean over the blocks
+// the group is in.
+std::vector<RoleTime::Path> Timer::lane_paths(int w) const {
+  struct Sum {
+    int lanes = 0, blocks = 0;
+    double busy = 0, end = 0;
+    std::map<int32_t, double> waits;
+  };
+  std::map<std::vector<int32_t>, Sum> groups;  // by the sites passed, in a fixed order
+  for (int b = 0; b < blocks_; ++b) {
+    std::map<std::vector<int32_t>, int> rep;  // this block's busiest lane of each group
+    for (int lane = 0; lane < 32 && w * 32 + lane < threads_; ++lane) {
+      const int th = b * threads_ + w * 32 + lane;
+      ++groups[clocks_[th].sites].lanes;
+      auto [it, fresh] = rep.emplace(clocks_[th].sites, th);
+      if (!fresh && clocks_[th].busy > clocks_[it->second].busy) it->second = th;
+    }
+    for (const auto& [sites, th] : rep) {
+      Sum& g = groups[sites];
+      ++g.blocks;
+      g.busy += clocks_[th].busy;
+      g.end += clocks_[th].end;
+      for (const auto& [what, ns] : clocks_[th].waits) g.waits[what] += ns;
+    }
+  }
+  std::vector<RoleTime::Path> out;
+  for (const auto& [sites, g] : groups) {
+    RoleTime::Path p;
+    p.lanes = g.lanes;
+    p.blocks = g.blocks;
+    p.busy_ns = g.busy / g.blocks;
+    p.end_ns = g.end / g.blocks;
+    for (const auto& [what, ns] : g.waits) p.waits.emplace_back(names_[what], ns / g.blocks);
+    std::sort(p.waits.begin(), p.waits.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 Report Timer::finish() {
   Report r;
   r.kernel = kernel_;
@@ -680,6 +722,7 @@ Report Timer::finish() {
     }
     for (const auto& [what, ns] : waits) role.waits.emplace_back(names_[what], ns);
     std::sort(role.waits.begin(), role.waits.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    role.paths = lane_paths(w);
     r.roles.push_back(std::move(role));
   }
 

@@ -57,9 +57,10 @@
 // What still depends on the schedule is which copies are placed by then; the tests bound it.
 //
 // A report per launch gives the kernel's time (the last thread's end, or the last copy's
-// write, plus the launch cost), per warp role the busy time and the waits by site, and the
-// critical path: each wait that another thread's event decided remembers that event, so the
-// path is walked back from the last thread to the launch's start.
+// write, plus the launch cost), per warp role the busy time and the waits by site (its busiest
+// lane's, and per group of its lanes that passed the same synchronisation sites: the paths of a
+// diverged warp), and the critical path: each wait that another thread's event decided
+// remembers that event, so the path is walked back from the last thread to the launch's start.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -137,6 +138,17 @@ struct RoleTime {
   int warp = 0;                                       // the role: the warp's index in its block
   double busy_ns = 0, end_ns = 0;                     // means over the blocks
   std::vector<std::pair<std::string, double>> waits;  // wait site -> ns, mean over the blocks
+  // The warp's lanes grouped by the synchronisation sites they passed (with or without a wait):
+  // lanes that went through different sites ran different code, so a warp whose lanes wait at
+  // different sites at once is diverged, one group per path (lane 0 spinning on an mbarrier, the
+  // others at the __syncwarp after it). Per group, its lanes and blocks, and its busiest lane's
+  // times, mean over the blocks it is in. The fields above are the busiest lane of the warp's.
+  struct Path {
+    int lanes = 0, blocks = 0;  // lanes of the group, all blocks together; blocks it is in
+    double busy_ns = 0, end_ns = 0;
+    std::vector<std::pair<std::string, double>> waits;
+  };
+  std::vector<Path> paths;
 };
 
 struct Report {
@@ -319,6 +331,7 @@ class Timer {
     double spin_from = 0, spin_rate = 0;  // since when it spins, warp instructions per cycle
     uint32_t node = 0;                    // the path node of the last wait another thread's event decided
     std::vector<std::pair<int32_t, double>> waits;
+    std::vector<int32_t> sites;  // the synchronisation sites it passed, waited at or not, sorted
     std::deque<Group> groups;  // committed bulk-store groups a wait may still cover
     Group open;
   };
@@ -359,6 +372,7 @@ class Timer {
   void keep_max(Origin& dst, const Origin& src);
   void resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what, uint32_t* shared_node);
   void release_all();
+  std::vector<RoleTime::Path> lane_paths(int warp) const;  // the report's lane groups of a warp role
 
   Costs c_;
   int table_;

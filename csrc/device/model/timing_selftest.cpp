@@ -13,7 +13,9 @@
 //   - issue_warps: the first `bytes` warps, every lane, widen n bf16 pairs each (dev::bf16x2_to_float2):
 //     bound by issue slots, warps w and w + 4 share a scheduler;
 //   - spin_beside: warp 0 of block 0 widens n pairs (a __syncwarp every 8), then releases a
-//     flag; the warp whose first thread is `bytes` (0: none) polls that flag meanwhile.
+//     flag; the warp whose first thread is `bytes` (0: none) polls that flag meanwhile;
+//   - diverged_wait: thread 0 fences n times, then arrives on an mbarrier; lane 0 of warp 1 waits
+//     for that phase while the warp's other lanes wait at the __syncwarp after it (two paths).
 #include "device/model/timing_selftest.h"
 
 #include <map>
@@ -48,7 +50,8 @@ enum Which {
   kPlainPairs,
   kPlainAccesses,
   kIssueWarps,
-  kSpinBeside
+  kSpinBeside,
+  kDivergedWait
 };
 
 // n pairs widened by one thread; the sum keeps them.
@@ -151,6 +154,16 @@ __global__ void timing_kernel(const Args a) {
       }
       break;
     }
+    case kDivergedWait:
+      if (tid == 0) {
+        for (int i = 0; i < a.n; ++i) __threadfence();
+        dev::mbar_arrive(&sh.bar[0]);
+      }
+      if (tid >= 32 && tid < 64) {
+        if (tid == 32) wait_phase(&sh.bar[0], 0);
+        __syncwarp();
+      }
+      break;
     default: break;
   }
 }
@@ -160,6 +173,7 @@ const std::map<std::string, int>& names() {
       {"handoff_chain", kHandoffChain},   {"load_stream", kLoadStream},     {"store_stream", kStoreStream},
       {"flag_chain", kFlagChain},         {"named_barrier", kNamedBarrier}, {"plain_pairs", kPlainPairs},
       {"plain_accesses", kPlainAccesses}, {"issue_warps", kIssueWarps},     {"spin_beside", kSpinBeside},
+      {"diverged_wait", kDivergedWait},
   };
   return n;
 }
