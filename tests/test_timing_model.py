@@ -513,7 +513,7 @@ def test_each_report_accounts_for_every_nanosecond(small_group):
     assert dispatch["copies"] > 0 and 0 < dispatch["engine_busy_ns"] < dispatch["time_ns"]
     assert len(combine["roles"]) == combine["threads"] // 32
     sites = {w for role in combine["roles"] for w, _ in role["waits"]}
-    assert any(w.startswith("__syncthreads (combine.cuh:") for w in sites), sites  # the warps' end
+    assert any(w.startswith("__syncthreads (skeleton.cuh:") for w in sites), sites  # the warps' end (roles_done)
 
 
 # ---- predictions at the bench's points ------------------------------------------------------
