@@ -267,9 +267,11 @@ class Calendar {
  public:
   using Pieces = std::vector<std::pair<double, double>>;  // [start, end) intervals, sorted
   // Where a transfer of `duration` from t0 on would go, around the placed intervals and the
-  // tentative ones in `also`: its pieces (appended to `out`) and its end.
-  double fit(double t0, double duration, const Pieces& also, Pieces& out) const;
+  // tentative ones in `also` (disjoint from them): its pieces (appended to `out`) and its end.
+  // Touching intervals are kept as one, which leaves the free gaps, and so every fit, the same.
+  double fit(double t0, double duration, const Calendar& also, Pieces& out) const;
   void insert(double a, double b);
+  void add(double a, double b);  // a tentative piece (for `also`)
   double busy_ns() const;
 
  private:
