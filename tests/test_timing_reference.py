@@ -3,9 +3,11 @@
 A change that makes the timing model cheaper (the copy engines' calendar kept as ordered
 intervals, not scanned as a list, after 4465b5d) must leave every report as it was: each
 launch's kernel time, per-role busy and waits, block ends, the engine's busy time, critical
-path and counts. tests/timing_reports_4465b5d.json holds the reports 4465b5d's model gave
-for these jobs (H200 table, payload-free, one and two nodes, both data paths); a change that
-means to change the times replaces the file and says so in its commit.
+path and counts. tests/timing_reports_reference.json holds the reports for these jobs (H200
+table, payload-free, one and two nodes, both data paths): 4465b5d's model's, with the layout
+launches made again once the layout kernel counted its tile loop's instructions
+(dev::plain_instructions; no other launch changed). A change that means to change the times
+replaces the file and says so in its commit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hybrid_ep.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
 
-REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timing_reports_4465b5d.json")
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timing_reports_reference.json")
 
 # Small shapes with several copies open on an engine at once: receive at W = 4 and two nodes
 # queue the most.

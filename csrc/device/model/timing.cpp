@@ -407,6 +407,9 @@ void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, 
   }
 }
 
+// Plain code the kernel counted from its SASS: issue slots only (as the pairs' instructions).
+void Timer::instructions(int th, int n) { issue(th, n); }
+
 void Timer::chain(int th) {
   ++chains_;
   settle(th);
