@@ -62,8 +62,9 @@ def test_every_run_names_a_commit_of_the_repository():
 
 def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
     """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
-    loops (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it
-    changes only wraps an access in an accessor."""
+    loops, or dev::plain_instructions where the SASS of plain code was counted
+    (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it changes
+    only wraps an access in an accessor or adds such a count."""
     from hybrid_ep.timing import builds
 
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
@@ -86,7 +87,8 @@ def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path
                               cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
         added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line for line in added)
+        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line
+                             or line.lstrip().startswith("dev::plain_instructions(") for line in added)
 
 
 # ---- the clocks -----------------------------------------------------------------------------
