@@ -36,7 +36,7 @@ struct TileInstructions {
   static constexpr int kRoutePair = 5;     // per pair of a token's routes: the duplicate check
   static constexpr int kDest = 31;         // per destination rank: two ballots, its count, a send_slot store
   static constexpr int kNode = 9;          // per node: a ballot and its count
-  static constexpr int kScanColumn = 136;  // per counter column of the scan over the 32 warps (unrolled)
+  static constexpr int kScanColumn = 136;  // per pass of the scan (a column per lane, the 32 warps unrolled)
 };
 
 __device__ __forceinline__ int tile_instructions(int K, int W, int N) {
