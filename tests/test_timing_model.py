@@ -62,8 +62,9 @@ def test_every_run_names_a_commit_of_the_repository():
 
 def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
     """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
-    loops (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it
-    changes only wraps an access in an accessor."""
+    loops, or dev::plain_instructions where the SASS of plain code was counted
+    (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it changes
+    only wraps an access in an accessor or adds such a count."""
     from hybrid_ep.timing import builds
 
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
@@ -86,7 +87,8 @@ def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path
                               cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
         added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line for line in added)
+        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line
+                             or line.lstrip().startswith("dev::plain_instructions(") for line in added)
 
 
 # ---- the clocks -----------------------------------------------------------------------------
@@ -538,6 +540,52 @@ def test_predict_reads_each_table_off_the_line_through_its_runs(concurrent):
     ns = predict.predict(run_job, shape, [1, 2], [{}, {}], (512, 1024), concurrent=concurrent)
     assert ns[(1, "dispatch")] == pytest.approx([4096.0, 8192.0])
     assert ns[(2, "combine")] == pytest.approx([2049.0, 4097.0])
+
+
+def test_a_prediction_says_each_kernel_and_validate_scores_each():
+    """A call's time is its launches'; each kernel's part is kept under the bench's kernel names,
+    and validate scores the dispatch kernel alone where the measured row has kernels_ms."""
+    result = {"runs": [{"sms": 2, "dispatch": {"launches": [{"table": 0, "kernel": "layout", "time_ns": 3e5},
+                                                            {"table": 0, "kernel": "dispatch", "time_ns": 5e6}]},
+                        "combine": {"launches": [{"table": 0, "kernel": "combine", "time_ns": 7e6}]}}]}
+    ns = predict.call_times(result, 1)
+    assert ns[(2, "dispatch")] == [5.3e6] and ns[(2, "dispatch", "layout")] == [3e5]
+    kernels = report.kernels_ms(ns, 2)
+    assert kernels == {"combine": {"combine_kernel": 7.0}, "dispatch": {"dispatch_kernel": 5.0, "layout_kernel": 0.3}}
+    row = {"world_size": 8, "nodes": 1, "sms_per_rank": 2, "data_path": "receive", "dispatch_ms": 5.3,
+           "combine_ms": 7.0, "kernels_ms": kernels}
+    measured = {"metadata": {"config": {"nodes": 1}},
+                "runs": [{"world_size": 8, "nodes": 1, "sms_per_rank": 2, "dispatch_ms": 10.6, "combine_ms": 7.0,
+                          "kernels_ms": {"dispatch": {"layout_kernel": 0.6, "dispatch_kernel": 5.0}}}]}
+    rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [row]}, measured)
+    ratios = {r["kernel"]: r["ratio"] for r in rows}
+    assert ratios == {"dispatch": pytest.approx(0.5), "combine": 1.0, "dispatch_kernel": 1.0,
+                      "layout_kernel": pytest.approx(0.5)}
+    layout_only = {k: v for k, v in row.items() if k not in ("dispatch_ms", "combine_ms")}  # timing_layout.py's rows
+    rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [layout_only]}, measured)
+    assert [r["kernel"] for r in rows] == ["dispatch_kernel", "layout_kernel"]
+
+
+def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
+    """scripts/timing_layout.py's one dispatch: the layout launch takes the time it takes in the
+    measured dispatch of a full job (its flow control waits for nothing the model costs; the
+    waits by site follow the schedule, which differs), and it counts the tile loop's
+    instructions."""
+    from hybrid_ep.timing import driver
+
+    shape = predict.Shape(world_size=2, nodes=1, hidden=256, tokens=96, topk=4, experts=8)
+    table = constants.load_table(constants.H200).costs()
+    full = driver.run_job(predict.job(shape, shape.tokens, [1], [table], payload=False))
+    only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table], payload=False), "dispatch_only": True})
+    (run,) = only["runs"]
+    assert set(run) == {"sms", "dispatch", "peak_rss_mb"}
+    (layout,) = [x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"]
+    (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "layout"]
+    assert (layout["time_ns"], layout["instructions"]) == (want["time_ns"], want["instructions"])
+    # one tile (96 tokens) on each of 2 blocks of 32 warps: 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per
+    # warp, and one pass of the scan (its 11 columns on 11 lanes of warp 0) of 136
+    per_warp = 477 + 104 * 4 + 5 * 6 + 31 * 2 + 9
+    assert layout["instructions"] == 2 * (32 * per_warp + 136)
 
 
 def test_predict_then_validate(tmp_path, capsys):

@@ -11,7 +11,9 @@ The hot loops' plain loads and stores are costed where the kernels name them thr
 layer's accessors (dev::ld, dev::st, dev::chain). Commits older than those accessors get them from
 a patch, accessors/<commit>.patch, applied over the extracted tree: it replaces the plain accesses
 of the same loops by the accessors and changes nothing else (on the GPU an accessor is the plain
-access it wraps), so the measured kernels run as they were, with their plain code costed.
+access it wraps), so the measured kernels run as they were, with their plain code costed. A patch
+may also add dev::plain_instructions (nothing on the GPU) where plain code was counted on the
+commit's SASS: c714646's layout kernel, whose compare loop 010bbe2 replaced.
 """
 
 from __future__ import annotations

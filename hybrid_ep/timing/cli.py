@@ -129,6 +129,7 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
         for sms in args.sms:
             row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][0] / 1e6, ns[(sms, "combine")][0] / 1e6,
                                        recv, out_rows, 2 * args.hidden, 2 * args.hidden)
+            row["kernels_ms"] = report.kernels_ms(ns, sms)
             row["model_tokens"] = list(model_tokens)
             row["data_path"] = path
             rows.append(row)

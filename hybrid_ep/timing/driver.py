@@ -12,6 +12,11 @@ the first dispatch + combine pair warms the buffers (the benchmark times calls a
 warm-up); the second is measured: the model's statistics (scheduling rounds, switches,
 copies) of each, and with costs the timing report of every launch.
 
+With "dispatch_only": True each SM count makes one dispatch call, measured, and nothing else:
+the layout kernel's time at a shape without the cost of the combines (the layout kernel waits
+for nothing the call before it wrote that the model costs: its flow control reads flags
+written before its launch).
+
 With "payload": False the model runs payload-free (hybrid_ep._model.set_payload): the bulk
 copies are timed but move no bytes, the inputs are made without touching their pages
 (torch.empty) and each combine takes its dispatch's output rows as expert_out, so the
@@ -72,6 +77,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _measured(ext, costs, call) -> dict:
+    """One call's statistics and wall time, and with costs its launches' timing reports."""
+    if costs is not None:
+        ext.timing_reports()  # drop what came before
+    before, t0 = ext.stats(), time.perf_counter()
+    call()
+    out = {"stats": _stats_delta(ext, before), "wall_s": time.perf_counter() - t0}
+    if costs is not None:
+        out["launches"] = ext.timing_reports()
+    return out
+
+
 def run_job(job: dict) -> dict:
     """The job's measured calls: {"runs": [{sms, dispatch: {...}, combine: {...}}]}."""
     import torch
@@ -93,6 +110,13 @@ def run_job(job: dict) -> dict:
         idxs, xs = _inputs(job)
         for sms in job["sms"]:
             ext.set_seed(job.get("model_seed", 0))
+            if job.get("dispatch_only"):
+                def call(sms=sms):
+                    group.dispatch(xs, idxs, num_sms=sms)
+                    group.synchronize()
+
+                runs.append({"sms": sms, "dispatch": _measured(ext, costs, call), "peak_rss_mb": _peak_rss_mb()})
+                continue
             first = group.dispatch(xs, idxs, num_sms=sms)
             outs = _expert_outs(job, first)
             group.combine(outs, [r.handle for r in first], num_sms=sms)

@@ -4,8 +4,10 @@ The model runs the kernels at one or two token counts per rank (the bench's 4096
 every shape in this machine's memory, and the model's time grows linearly in the tokens); a
 prediction at the bench's count is read off the line through the two (or is the run itself
 when the counts are equal). A call's time is the sum of its launches': dispatch is the layout
-kernel and the dispatch kernel, combine its one kernel. The host's work between them (the
-dispatch reads one count back to size its output) is not in it.
+kernel and the dispatch kernel, combine its one kernel; each launch's own time is kept too, so a
+prediction can be scored against the bench's per-kernel GPU times (kernels_ms) as well as its
+call times. The host's work between them (the dispatch reads one count back to size its output)
+is not in it.
 """
 
 from __future__ import annotations
@@ -42,14 +44,19 @@ def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, mo
 
 
 def call_times(result: dict, tables: int) -> dict:
-    """{(sms, kernel): [ns of the measured call per table]} from a driver result."""
+    """{(sms, call): [ns of the measured call per table]} from a driver result, and per kernel
+    the call launched {(sms, call, kernel): [ns of its launches per table]} (kernel: the model's
+    launch name, "layout", "dispatch_direct", ...)."""
     out = {}
     for run in result["runs"]:
-        for kernel in KERNELS:
+        for call in KERNELS:
             ns = [0.0] * tables
-            for launch in run[kernel]["launches"]:
+            for launch in run[call]["launches"]:
                 ns[launch["table"]] += launch["time_ns"]
-            out[(run["sms"], kernel)] = ns
+                if "kernel" in launch:
+                    per = out.setdefault((run["sms"], call, launch["kernel"]), [0.0] * tables)
+                    per[launch["table"]] += launch["time_ns"]
+            out[(run["sms"], call)] = ns
     return out
 
 
@@ -62,7 +69,8 @@ def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
 
 def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...],
             concurrent: bool = False, payload: bool = True) -> dict:
-    """{(sms, kernel): [predicted ns at shape.tokens per table]}; run_job(job) -> driver result.
+    """{(sms, call): [predicted ns at shape.tokens per table]}, and {(sms, call, kernel): [...]}
+    for each kernel of the call (call_times); run_job(job) -> driver result.
     With `concurrent`, the runs at the token counts are made at once (for a run_job that runs
     each job in its own process: the model in this process is one per process)."""
     if not 1 <= len(model_tokens) <= 2:

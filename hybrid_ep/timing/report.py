@@ -16,6 +16,8 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "combine_ms": "ms, predicted by the timing model (combine kernel)",
          "recv_rows": "rows all ranks receive in the dispatch (one per token and destination rank), counted",
          "out_rows": "rows all ranks hand to their experts (one per token and routed expert), counted",
+         "kernels_ms": "ms per call, predicted by the timing model: each kernel of a call ({call: {kernel: ms}}, "
+                       "named as the bench's kernels_ms names them), the layout kernel apart from the dispatch kernel",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "data_path": "the kernels' data path: direct (rows straight to their final row) or receive",
@@ -33,6 +35,17 @@ def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: 
     return row
 
 
+def kernels_ms(ns: dict, sms: int) -> dict:
+    """{call: {kernel: predicted ms}} of a point from predict's per-kernel times (table 0),
+    with the GPU's kernel names (the model's launch name + "_kernel", as the bench's
+    kernels_ms has them)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, values in ns.items():
+        if len(key) == 3 and key[0] == sms:
+            out.setdefault(key[1], {})[f"{key[2]}_kernel"] = values[0] / 1e6
+    return {call: dict(sorted(kernels.items())) for call, kernels in sorted(out.items())}
+
+
 def format_predicted(doc: dict) -> str:
     c = doc["metadata"]["config"]
     nodes = c["nodes"]
@@ -46,13 +59,17 @@ def format_predicted(doc: dict) -> str:
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
              f" | {c.get('data_path', RECEIVE)} path"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
-             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'comb ms':>9} {'GB/s/SM':>8}"]
+             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'layout ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
+             f"{'GB/s/SM':>8}"]
     for r in doc["runs"]:
+        layout = r.get("kernels_ms", {}).get("dispatch", {}).get("layout_kernel")
         lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
-                     f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
+                     + (f"{layout:>9.3f} " if layout is not None else f"{'-':>9} ")
+                     + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
                      f"{r['combine_dest_gbps_per_sm']:>8.1f}")
     lines.append("predicted ms: kernel time only (dispatch: the layout and dispatch kernels, without the host's read "
-                 "of the row count between them); GB/s/SM: rows received x row bytes / predicted time / all SMs")
+                 "of the row count between them; layout ms: its layout kernel's part); GB/s/SM: rows received x "
+                 "row bytes / predicted time / all SMs")
     return "\n".join(lines)
 
 
@@ -69,7 +86,8 @@ def shape_differences(predicted: dict, measured: dict) -> list[str]:
 
 def compare(predicted: dict, measured: dict) -> list[dict]:
     """Per point both files have (world size, nodes, SMs per rank and data path): predicted and
-    measured ms and their ratio."""
+    measured ms and their ratio, per call (dispatch, combine) and per kernel where both files
+    time each kernel (kernels_ms: the dispatch kernel alone, the layout kernel alone)."""
     nodes_p = predicted["metadata"]["config"]["nodes"]
     nodes_m = measured["metadata"]["config"].get("nodes", 1)
     want = {(r["world_size"], r.get("nodes", nodes_m), r["sms_per_rank"], r.get("data_path", RECEIVE)): r
@@ -79,8 +97,13 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
         m = want.get((r["world_size"], r.get("nodes", nodes_p), r["sms_per_rank"], r.get("data_path", RECEIVE)))
         if m is None:
             continue
-        for kernel in ("dispatch", "combine"):
-            p_ms, m_ms = r[f"{kernel}_ms"], m[f"{kernel}_ms"]
+        pairs = [(call, r[f"{call}_ms"], m[f"{call}_ms"]) for call in ("dispatch", "combine") if f"{call}_ms" in r]
+        # each kernel alone, where both say it (a measured row: the bench's torch.profiler times)
+        for call, kernels in r.get("kernels_ms", {}).items():
+            measured_kernels = (m.get("kernels_ms") or {}).get(call) or {}
+            pairs += [(kernel, ms, measured_kernels[kernel]) for kernel, ms in kernels.items()
+                      if measured_kernels.get(kernel)]
+        for kernel, p_ms, m_ms in pairs:
             out.append({"world_size": r["world_size"], "nodes": r["nodes"], "sms_per_rank": r["sms_per_rank"],
                         "data_path": r.get("data_path", RECEIVE), "kernel": kernel, "predicted_ms": p_ms,
                         "measured_ms": m_ms, "ratio": p_ms / m_ms})
@@ -94,11 +117,11 @@ def worst(rows: list[dict]) -> dict:
 
 def format_comparison(rows: list[dict], predicted_path: str, measured_path: str) -> str:
     lines = [f"predicted ({predicted_path}) against measured ({measured_path}); ratio = predicted / measured",
-             f"{'W':>3} {'nodes':>5} {'SMs/rank':>8} {'path':>7} {'kernel':>9} {'predicted ms':>13} "
+             f"{'W':>3} {'nodes':>5} {'SMs/rank':>8} {'path':>7} {'kernel':>22} {'predicted ms':>13} "
              f"{'measured ms':>12} {'ratio':>6}"]
     for r in rows:
         lines.append(f"{r['world_size']:>3} {r['nodes']:>5} {r['sms_per_rank']:>8} {r['data_path']:>7} "
-                     f"{r['kernel']:>9} {r['predicted_ms']:>13.3f} {r['measured_ms']:>12.3f} {r['ratio']:>6.2f}")
+                     f"{r['kernel']:>22} {r['predicted_ms']:>13.3f} {r['measured_ms']:>12.3f} {r['ratio']:>6.2f}")
     w = worst(rows)
     lines.append(f"worst: {w['kernel']} at W={w['world_size']}, {w['nodes']} node(s), {w['sms_per_rank']} SMs/rank, "
                  f"{w['data_path']} path: "

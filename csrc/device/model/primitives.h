@@ -158,6 +158,8 @@ inline void st(T* p, const T& v) {
   model::note_access(p, sizeof(T), false);
 }
 inline void chain() { model::note_chain(); }
+// Warp instructions of plain code the kernel counted from its SASS (sm90/primitives.cuh).
+inline void plain_instructions(int warp_instructions) { model::note_instructions(warp_instructions); }
 // The GPU's shift and mask (sm90/primitives.cuh); the timing model counts one pair of plain code.
 inline float2 bf16x2_to_float2(uint32_t bits) {
   model::note_plain_pair(model::Pair::kWidenShift);

@@ -1108,6 +1108,12 @@ void note_chain() {
   for (auto& timer : L->timers) timer->chain(thread_index(*L, L->current));
 }
 
+void note_instructions(int n) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  for (auto& timer : L->timers) timer->instructions(thread_index(*L, L->current), n);
+}
+
 void note_fence(Fence kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

@@ -80,6 +80,8 @@ void note_plain_pair(Pair kind);
 // loads after it depend on those before it (dev::chain).
 void note_access(const volatile void* p, uint32_t bytes, bool load);
 void note_chain();
+// `n` warp instructions of plain code the kernel counted from its SASS (dev::plain_instructions).
+void note_instructions(int n);
 
 // ---- shared memory ----------------------------------------------------------------------
 void* block_shared(const void* tag, size_t bytes, size_t align);

@@ -129,25 +129,44 @@ void Calendar::insert(double a, double b) {
   busy_.emplace_hint(next, a, b);
 }
 
-double Calendar::fit(double t0, double duration, const Pieces& also, Pieces& out) const {
+// A tentative piece: kept as the list of pieces the fits once scanned would keep it. Touching
+// pieces are one (the free gaps are the same); a zero-length piece (left by rounding, when a
+// transfer's last part is below the clock's resolution) is kept only alone in a free gap,
+// where it splits the gap as before; next to or inside a piece it changes no fit.
+void Calendar::add(double a, double b) {
+  if (b > a) {
+    auto at = busy_.find(a);  // a zero-length piece at its start
+    if (at != busy_.end() && at->second == a) busy_.erase(at);
+    insert(a, b);
+    return;
+  }
+  auto it = busy_.upper_bound(a);
+  if (it != busy_.begin() && std::prev(it)->second >= a) return;  // inside or touching a piece (or itself)
+  busy_.emplace_hint(it, a, a);
+}
+
+namespace {
+// The interval of `busy` that holds t, else the next one after t: (start, end), or both
+// infinite when none ends after t.
+std::pair<double, double> next_busy(const std::map<double, double>& busy, double t) {
+  auto it = busy.upper_bound(t);
+  if (it != busy.begin() && std::prev(it)->second > t) return *std::prev(it);
+  if (it != busy.end()) return *it;
+  return {kInfinity, kInfinity};
+}
+}  // namespace
+
+double Calendar::fit(double t0, double duration, const Calendar& also, Pieces& out) const {
   double t = t0, left = duration;
   if (!(left > 0)) return t0;
   for (;;) {
-    // The next busy interval of either kind that ends after t.
-    double start = kInfinity, end = kInfinity;
-    auto it = busy_.upper_bound(t);
-    if (it != busy_.begin() && std::prev(it)->second > t) {
-      start = std::prev(it)->first;
-      end = std::prev(it)->second;
-    } else if (it != busy_.end()) {
-      start = it->first;
-      end = it->second;
+    // The next busy interval of either calendar that ends after t (the two are disjoint).
+    auto [start, end] = next_busy(busy_, t);
+    const auto [a, b] = next_busy(also.busy_, t);
+    if (a < start) {
+      start = a;
+      end = b;
     }
-    for (const auto& [a, b] : also)
-      if (b > t && a < start) {
-        start = a;
-        end = b;
-      }
     if (start <= t) {  // t is inside it: the engine is free at its end at the earliest
       t = end;
       continue;
@@ -388,6 +407,9 @@ void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, 
   }
 }
 
+// Plain code the kernel counted from its SASS: issue slots only (as the pairs' instructions).
+void Timer::instructions(int th, int n) { issue(th, n); }
+
 void Timer::chain(int th) {
   ++chains_;
   settle(th);
@@ -557,11 +579,12 @@ void Timer::place(size_t copy, Origin* read, Origin* write) {
   for (size_t other : e.open)
     if (other != copy && before(other)) ahead.emplace_back(copies_.at(other).issued.t, other);
   std::sort(ahead.begin(), ahead.end());
-  Calendar::Pieces tentative, mine;
+  Calendar tentative;
+  Calendar::Pieces pieces, mine;
   for (const auto& [t, other] : ahead) {
-    Calendar::Pieces pieces;
+    pieces.clear();
     e.placed.fit(t, copies_.at(other).duration, tentative, pieces);
-    tentative.insert(tentative.end(), pieces.begin(), pieces.end());
+    for (const auto& [a, b] : pieces) tentative.add(a, b);
   }
   double through = e.placed.fit(ct.issued.t, ct.duration, tentative, mine);
   for (const auto& [a, b] : mine) e.placed.insert(a, b);

@@ -12,7 +12,8 @@
 //     between them where it converts 16-bit floats (the reductions), per pair, and where the
 //     hot loops load and store through the device layer's accessors (dev::ld, dev::st);
 //   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
-//     kind of conversion: counts from the kernels' SASS), issued on the SM's scheduler of its
+//     kind of conversion: counts from the kernels' SASS; where a kernel names a count itself,
+//     dev::plain_instructions, that count: the layout kernel's tile loop), issued on the SM's scheduler of its
 //     warp (warp w on scheduler w % 4), one instruction per cycle per scheduler and per warp.
 //     The lanes of a warp run the same instructions, so only a lane ahead of its warp's count
 //     takes slots; a lane behind runs on no earlier than the warp issued the same instruction.
@@ -279,9 +280,11 @@ class Calendar {
  public:
   using Pieces = std::vector<std::pair<double, double>>;  // [start, end) intervals, sorted
   // Where a transfer of `duration` from t0 on would go, around the placed intervals and the
-  // tentative ones in `also`: its pieces (appended to `out`) and its end.
-  double fit(double t0, double duration, const Pieces& also, Pieces& out) const;
+  // tentative ones in `also` (disjoint from them): its pieces (appended to `out`) and its end.
+  // Touching intervals are kept as one, which leaves the free gaps, and so every fit, the same.
+  double fit(double t0, double duration, const Calendar& also, Pieces& out) const;
   void insert(double a, double b);
+  void add(double a, double b);  // a tentative piece (for `also`)
   double busy_ns() const;
 
  private:
@@ -310,6 +313,7 @@ class Timer {
   void access(int th, const volatile void* p, bool shared, uint32_t bytes, bool load);
   void spinning(int th);  // an mbarrier try_wait that failed: the warp spins until its next operation
   void chain(int th);
+  void instructions(int th, int n);  // plain code counted from SASS (dev::plain_instructions)
   void copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);

@@ -202,6 +202,11 @@ __device__ __forceinline__ void st(T* p, const T& v) {
   *p = v;
 }
 __device__ __forceinline__ void chain() {}
+// Plain code the model cannot see through the accessors (a loop of compares, integer division,
+// ballots and their bookkeeping): the kernel says how many warp instructions its SASS issues
+// here, per lane of the warp (all lanes the same count: the warp issues them once). Nothing
+// on the GPU; on the CPU model the timing model issues them on the warp's scheduler.
+__device__ __forceinline__ void plain_instructions(int /*warp_instructions*/) {}
 
 // A bf16 pair held as its 32 bits (element 0 in the low half) widened to fp32: a bf16 is the top
 // half of an fp32, so a shift and a mask, exact as __bfloat1622float2 is (which converts each
