@@ -6,8 +6,10 @@ launch's kernel time, per-role busy and waits, block ends, the engine's busy tim
 path and counts. tests/timing_reports_reference.json holds the reports for these jobs (H200
 table, payload-free, one and two nodes, both data paths): 4465b5d's model's, with the layout
 launches made again once the layout kernel counted its tile loop's instructions
-(dev::plain_instructions; no other launch changed). A change that means to change the times
-replaces the file and says so in its commit.
+(dev::plain_instructions; no other launch changed); made again where the kernel skeleton
+(042f4a5, 41893c6: the receive path's kernels -2.0 to +0.2 % on these small jobs, the direct
+path's to the bit) and the reports' lane paths (3b234a7) met. A change that means to change
+the times replaces the file and says so in its commit.
 """
 
 from __future__ import annotations
