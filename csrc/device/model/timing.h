@@ -336,7 +336,7 @@ class Timer {
     uint32_t node = 0;                    // the path node of the last wait another thread's event decided
     std::vector<std::pair<int32_t, double>> waits;
     std::vector<int32_t> sites;  // the synchronisation sites it passed, waited at or not, sorted
-    std::deque<Group> groups;  // committed bulk-store groups a wait may still cover
+    std::deque<Group> groups;    // committed bulk-store groups a wait may still cover
     Group open;
   };
   struct CopyTime {
