@@ -221,6 +221,20 @@ def test_a_stream_of_bulk_loads_goes_through_the_engine_at_its_capacity(n, nbyte
     assert timed_selftest("load_stream", 3, n, nbytes)["time_ns"] == pytest.approx(want, rel=1e-12)
 
 
+def test_the_engine_calendar_keeps_a_piece_placed_where_a_zero_length_one_starts():
+    """A zero-length piece (a transfer's last part below the clock's resolution) and a piece
+    placed from the same start: the engine is busy over the second, and a later transfer goes
+    around it (the second piece was dropped once, the key being taken, and the engine looked
+    free there)."""
+    from hybrid_ep import _model as model
+
+    end, pieces = model.calendar_fit([(5.0, 5.0), (5.0, 10.0)], 0.0, 8.0)
+    assert (end, [tuple(p) for p in pieces]) == (13.0, [(0.0, 5.0), (10.0, 13.0)])
+    # the same without the zero-length piece, and with it alone (it splits a free gap only)
+    assert model.calendar_fit([(5.0, 10.0)], 0.0, 8.0)[0] == 13.0
+    assert model.calendar_fit([(5.0, 5.0)], 0.0, 8.0) == (8.0, [(0.0, 5.0), (5.0, 8.0)])
+
+
 def test_bulk_store_groups_are_read_then_written():
     c, n, nbytes = COSTS, 5, 2048
     starts = [c["barrier_ns"] + i * (c["issue_ns"] + c["commit_ns"]) + c["issue_ns"] for i in range(n)]

@@ -197,6 +197,18 @@ PYBIND11_MODULE(_model, m) {
         return out;
       },
       "the timing report of every launch since the last call (kernel, time_ns, roles, critical_path, ...)");
+  m.def(
+      "calendar_fit",
+      [](const std::vector<std::pair<double, double>>& placed, double t0, double duration) {
+        model::timing::Calendar engine, none;
+        for (const auto& [a, b] : placed) engine.insert(a, b);
+        model::timing::Calendar::Pieces pieces;
+        const double end = engine.fit(t0, duration, none, pieces);
+        return py::make_tuple(end, pieces);
+      },
+      py::arg("placed"), py::arg("t0"), py::arg("duration"),
+      "a copy engine's calendar: the pieces `placed` in order, then where a transfer of `duration` from t0 "
+      "goes (its end, its pieces); for tests of the timing model");
   m.def("timing_selftest_names", &model::timing_selftest_names);
   m.def(
       "run_timing_selftest",

@@ -115,6 +115,9 @@ void Buckets::add(double a, double b, double per_ns) {
 
 void Calendar::insert(double a, double b) {
   auto next = busy_.lower_bound(a);
+  // A zero-length piece at a (left by rounding) lies inside the new piece: the new one replaces
+  // it (kept, it took the key, and the new piece was dropped: the engine looked free there).
+  if (b > a && next != busy_.end() && next->first == a && next->second == a) next = busy_.erase(next);
   if (next != busy_.end() && next->first == b) {
     b = next->second;
     next = busy_.erase(next);
