@@ -300,8 +300,7 @@ def profile(args) -> int:
     else:
         folder = builds.build_commit(args.commit, args.work)
         table = constants.load_table(args.constants)
-        shape = predict.Shape(args.world_size, args.nodes, args.hidden, args.tokens, args.topk, args.experts,
-                              args.seed)
+        shape = predict.Shape.from_args(args, args.world_size, args.nodes)
         result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
         if args.save:
             with open(args.save, "w") as f:
@@ -353,11 +352,7 @@ def main(argv=None) -> int:
     r.add_argument("-w", "--world-size", type=int, default=2)
     r.add_argument("--nodes", type=int, default=1)
     r.add_argument("--sms", type=int, nargs="+", default=[1])
-    r.add_argument("--hidden", type=int, default=8192)
-    r.add_argument("--tokens", type=int, default=512)
-    r.add_argument("--topk", type=int, default=8)
-    r.add_argument("--experts", type=int, default=16)
-    r.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default)")
+    predict.add_shape_arguments(r, tokens=512)
     for name, what in (("fit", "fit up to three constants of the timing table to a run's points"),
                        ("score", "predicted against measured for a run's points")):
         f = sub.add_parser(name, help=what)
@@ -401,11 +396,7 @@ def main(argv=None) -> int:
     pr.add_argument("-w", "--world-size", type=int, default=8)
     pr.add_argument("--nodes", type=int, default=1)
     pr.add_argument("--sms", type=int, default=8)
-    pr.add_argument("--hidden", type=int, default=8192)
-    pr.add_argument("--tokens", type=int, default=256)
-    pr.add_argument("--topk", type=int, default=8)
-    pr.add_argument("--experts", type=int, default=16)
-    pr.add_argument("--seed", type=int, default=0)
+    predict.add_shape_arguments(pr, tokens=256)
     pr.add_argument("--ncu", default=None, metavar="FOLDER",
                     help="a GPU run's folder with ncu_lines_<kernel>.txt (scripts/ncu_lines.py): the shares beside "
                          "ncu's, measured at the commit given, with the difference in points")

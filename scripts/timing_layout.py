@@ -41,11 +41,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--emulate", type=int, nargs="+", required=True, metavar="W")
     p.add_argument("--emulate-nodes", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=8192)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    predict.add_shape_arguments(p, tokens=4096)
     p.add_argument("--sms", type=int, nargs="+", default=[1, 2, 4], help="the rows' SMs per rank (one run serves all)")
     p.add_argument("--data-path", choices=("direct", "receive"), default=None,
                    help="the dispatch kernel run after the layout (default: direct on one node, else receive)")
@@ -70,7 +66,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     rows = []
     for W in args.emulate:
-        shape = predict.Shape(W, nodes, args.hidden, args.tokens, args.topk, args.experts, args.seed)
+        shape = predict.Shape.from_args(args, W, nodes)
         job = predict.job(shape, args.tokens, [1], [table.costs()], payload=not args.payload_free)
         job["dispatch_only"] = True
         ms = layout_ms(run_job(job))

@@ -118,7 +118,7 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
     rows = []
     for W in worlds:
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
-        shape = predict.Shape(W, nodes, args.hidden, args.tokens, args.topk, experts, args.seed)
+        shape = predict.Shape.from_args(args, W, nodes, experts)
         ns = predict.predict(driver.run_job, shape, args.sms, [table.costs()], model_tokens,
                              payload=not args.payload_free)
         idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
@@ -168,7 +168,7 @@ def _validate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import constants
+    from . import constants, predict
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -176,12 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("predict", help="predicted dispatch and combine ms at the bench's emulated points")
     pr.add_argument("--emulate", type=int, nargs="+", required=True, metavar="W", help="world sizes")
     pr.add_argument("--emulate-nodes", type=int, default=1, help="nodes the ranks form (default 1)")
-    pr.add_argument("--hidden", type=int, default=8192)
-    pr.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the prediction (default 4096)")
-    pr.add_argument("--topk", type=int, default=8)
-    pr.add_argument("--experts", type=int, default=None, help="default 2 x the largest world size")
+    predict.add_shape_arguments(pr, tokens=4096, experts=None, experts_help="default 2 x the largest world size")
     pr.add_argument("--sms", type=int, nargs="+", default=[1, 2, 4], help="SMs per rank (default 1 2 4)")
-    pr.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default 0)")
     pr.add_argument("--model-tokens", type=int, nargs="+", default=None,
                     help="one or two tokens per rank the model runs at (default 512 1024, at W > 4 256 512)")
     pr.add_argument("--payload-free", action="store_true",

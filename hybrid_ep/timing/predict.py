@@ -30,6 +30,22 @@ class Shape:
     experts: int
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args, world_size: int, nodes: int, experts: int | None = None) -> "Shape":
+        """The shape of add_shape_arguments' options (experts: where the command derives it)."""
+        return cls(world_size, nodes, args.hidden, args.tokens, args.topk,
+                   args.experts if experts is None else experts, args.seed)
+
+
+def add_shape_arguments(parser, *, tokens: int, experts: int | None = 16, experts_help: str | None = None) -> None:
+    """The benchmark shape's options (--hidden, --tokens, --topk, --experts, --seed), defined
+    once for every timing command; the defaults are the bench's but for the token count."""
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=tokens, help=f"tokens per rank (default {tokens})")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=experts, help=experts_help or f"default {experts}")
+    parser.add_argument("--seed", type=int, default=0, help="routing and input seed (the bench's default 0)")
+
 
 def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, model_seed: int = 0,
         payload: bool = True) -> dict:
