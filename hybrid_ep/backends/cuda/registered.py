@@ -12,6 +12,7 @@ on, mapped by the peers with the same handles as the rest: the rank's combine st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -92,11 +93,12 @@ class RegisteredBuffers:
         self = cls(ext, nbytes, device, arena_bytes)
         G = ranks_per_node or world_size
         bases = []
-        for _ in range(world_size):
-            ptr, size, _handle = ext.allocate_registered(self.allocation_bytes, IPC, device.index or 0)
-            self._owned.append((ptr, size, IPC))
-            bases.append(ptr)
-        _synchronize(device)
+        with self._freed_on_failure():
+            for _ in range(world_size):
+                ptr, size, _handle = ext.allocate_registered(self.allocation_bytes, IPC, device.index or 0)
+                self._owned.append((ptr, size, IPC))
+                bases.append(ptr)
+            _synchronize(device)
         self.tables = [torch.tensor([b if p // G == r // G else 0 for p, b in enumerate(bases)], dtype=torch.int64,
                                     device=device) for r in range(world_size)]
         self.arena_bases = [self._arena_of(b) for b in bases]
@@ -112,27 +114,39 @@ class RegisteredBuffers:
         self = cls(ext, nbytes, device, arena_bytes)
         G = ranks_per_node or dist.get_world_size(group)
         kind = _handle_kind(ext, group, device.index)
-        ptr, size, handle = ext.allocate_registered(self.allocation_bytes, kind, device.index)
-        self._owned.append((ptr, size, kind))
-        _synchronize(device)  # zeroed before any peer can write into it
-        entries = [None] * dist.get_world_size(group)
-        dist.all_gather_object(entries, (handle, size), group=group)
-        bases = []
-        for r, (peer_handle, peer_size) in enumerate(entries):
-            if r == rank:
-                bases.append(ptr)
-                continue
-            if r // G != rank // G:
-                bases.append(0)
-                continue
-            peer_ptr = ext.open_peer(peer_handle, peer_size, kind, device.index)
-            self._opened.append((peer_ptr, peer_size, kind))
-            bases.append(peer_ptr)
+        with self._freed_on_failure():
+            ptr, size, handle = ext.allocate_registered(self.allocation_bytes, kind, device.index)
+            self._owned.append((ptr, size, kind))
+            _synchronize(device)  # zeroed before any peer can write into it
+            entries = [None] * dist.get_world_size(group)
+            dist.all_gather_object(entries, (handle, size), group=group)
+            bases = []
+            for r, (peer_handle, peer_size) in enumerate(entries):
+                if r == rank:
+                    bases.append(ptr)
+                    continue
+                if r // G != rank // G:
+                    bases.append(0)
+                    continue
+                peer_ptr = ext.open_peer(peer_handle, peer_size, kind, device.index)
+                self._opened.append((peer_ptr, peer_size, kind))
+                bases.append(peer_ptr)
         self.tables = [torch.tensor(bases, dtype=torch.int64, device=device)]
         self.arena_bases = [self._arena_of(b) for b in bases]
         self.own = [self.arena_bases[rank]]
         dist.barrier(group=group)  # every peer mapped before the first kernel writes
         return self
+
+    @contextlib.contextmanager
+    def _freed_on_failure(self):
+        """Frees what was allocated or opened so far when a step fails (an allocation out of
+        memory, a peer that can not be opened): the error's traceback keeps this half-built
+        object alive, and with it gigabytes of device memory, until the next collection."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if not (self._owned or self._opened):
