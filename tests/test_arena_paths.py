@@ -382,3 +382,22 @@ def test_a_training_forward_loop_stays_direct_with_the_default_arena(fresh_log):
         assert not [r for r in fresh_log.records if FALLBACK in r.getMessage()]
         g.synchronize()
         torch.testing.assert_close(out.float(), K1 * x.detach().float(), rtol=0, atol=0)
+
+
+def test_an_emulated_group_takes_the_cases_arena():
+    """The GPU tests size the arena of their largest cases through Case.arena_bytes (all W
+    ranks' buffers share one GPU there); the group and the group cache honour it."""
+    from hybrid_ep.backends.cuda.arena import aligned
+    from hybrid_ep.testing.emulated import GroupCache
+
+    case = _case()
+    sized = dataclasses.replace(case, arena_bytes=3 * 4096)
+    cache = GroupCache("cpu", num_sms_dispatch=2, num_sms_combine=2)
+    default = cache(case)
+    assert default.buffers.arena_bytes == staging_bytes(case.config) + arena_bytes(case.config)
+    group = cache(sized)
+    assert group is not default
+    assert group.config.arena_bytes == 3 * 4096
+    assert group.buffers.arena_bytes == staging_bytes(sized.config) + aligned(3 * 4096)
+    check_emulated(group, sized)  # the call does not fit: the receive path, still the oracle's
+    group.close()

@@ -43,3 +43,4 @@ def test_emulated_buffers_keep_every_rank_when_all_fit():
     assert len(ext.live) == 6 and len(buffers.arena_bases) == 6
     buffers.close()
     assert ext.live == {}
+

@@ -21,8 +21,10 @@ from .oracle import combine_hops_oracle, combine_oracle, dispatch_oracle
 
 
 def emulated_group_for(case: Case, device, **kwargs):
+    """The case's buffer shape on `device`, its arena `case.arena_bytes` unless kwargs name one."""
     from ..backends.cuda.emulation import EmulatedGroup
 
+    kwargs.setdefault("arena_bytes", case.arena_bytes)
     return EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
                          pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
                          device=device, ranks_per_node=case.ranks_per_node, **kwargs)
@@ -31,7 +33,7 @@ def emulated_group_for(case: Case, device, **kwargs):
 def buffer_key(case: Case) -> tuple:
     """Cases with equal keys can share one EmulatedGroup."""
     return (case.world_size, case.ranks_per_node, case.hidden, max(max(case.tokens), 1), case.num_experts,
-            case.pad_multiple, case.min_rows_per_expert)
+            case.pad_multiple, case.min_rows_per_expert, case.arena_bytes)
 
 
 class GroupCache:
