@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_ep.bench import emulated
+from hybrid_ep.bench.kernel_times import CallKernels
 
 pytestmark = pytest.mark.model
 
@@ -18,9 +19,10 @@ def cpu_sweep(monkeypatch):
     """emulated._sweep_one_world with its GPU-only parts replaced: groups on the CPU model,
     each timed callable run once, no SM clock or index_select baseline."""
     pytest.importorskip("hybrid_ep._model")
-    from hybrid_ep.backends.cuda import emulation
+    from hybrid_ep.backends.cuda import emulation, engine
 
     monkeypatch.setattr(emulation, "EmulatedGroup", functools.partial(emulation.EmulatedGroup, device="cpu"))
+    monkeypatch.setattr(engine, "_fallbacks_logged", set())  # the fallback line is logged once per process
 
     def once(fn, warmup, iters, flush):
         fn()
@@ -30,15 +32,15 @@ def cpu_sweep(monkeypatch):
 
     def kernels(fn, calls, before):  # the profiler's CUDA activity: here the kernels' names only
         fn()
-        return {"layout_kernel": 0.25, "dispatch_direct_kernel": 0.5}
+        return CallKernels({"layout_kernel": 0.25, "dispatch_direct_kernel": 0.5}, 3.0, 0.125)
 
-    monkeypatch.setattr(emulated, "profiled_kernel_ms", kernels)
+    monkeypatch.setattr(emulated, "profiled_kernels", kernels)
     monkeypatch.setattr(emulated, "gpu_sm_clock_mhz", lambda: None)
     monkeypatch.setattr(emulated, "torch_movement", lambda xs, idxs, L: (lambda: None, lambda: None, None))
     return emulated._sweep_one_world
 
 
-def test_host_loop_times_the_direct_path(cpu_sweep, capsys):
+def test_host_loop_times_the_direct_path(cpu_sweep, capsys, caplog):
     W, H, T, E, K = 2, 256, 64, 16, 8
     args = types.SimpleNamespace(routing="uniform", seed=0, zipf_exponent=1.0, group_limit=None)
     props = types.SimpleNamespace(multi_processor_count=132)
@@ -46,5 +48,8 @@ def test_host_loop_times_the_direct_path(cpu_sweep, capsys):
                               props)
     assert [r["data_path"] for r in rows] == ["direct"]
     assert rows[0]["dispatch_outside_kernels_ms"] == pytest.approx(0.25)  # 1 ms timed, 0.75 in kernels
+    assert rows[0]["dispatch_other_kernels_ms"] == pytest.approx(0.125)
     assert host["data_path"] == "direct", capsys.readouterr().err
+    # nor did a warm-up call fall back (on 2026-11-26 the H100's W = 2 sweep logged one)
+    assert not [r.message for r in caplog.records if "took the receive path" in r.getMessage()]
     assert host["ranks"] == W and host["median_us"] > 0

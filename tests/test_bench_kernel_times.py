@@ -4,8 +4,8 @@ about 2-3 ms of every dynamic-size dispatch on the 2026-11-26 H200 run from shri
 
 import pytest
 
-from hybrid_ep.bench import emulated
-from hybrid_ep.bench.kernel_times import kernel_name, per_call_ms
+from hybrid_ep.bench import emulated, kernel_times
+from hybrid_ep.bench.kernel_times import CallKernels, kernel_name, other_kernels, per_call_ms
 
 pytestmark = pytest.mark.unit
 
@@ -14,6 +14,7 @@ DIRECT = "dispatch_direct_impl::dispatch_direct_kernel(LaunchArgs)"
 PULL = "void combine_pull_impl::combine_pull_kernel<__nv_bfloat16>(LaunchArgs)"
 FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>, "
         "std::array<char*, 1ul>>(int, at::native::FillFunctor<unsigned char>, std::array<char*, 1ul>)")
+COPY = "Memcpy DtoH (Device -> Pinned)"
 
 
 def test_kernel_name_keeps_hybrid_ep_kernels_only():
@@ -31,17 +32,47 @@ def test_per_call_ms_sums_each_kernel_over_the_calls():
         per_call_ms(events, 0)
 
 
+def test_other_kernels_count_what_is_not_hybrid_eps():
+    events = [(FILL, 50.0), (LAYOUT, 400.0), (COPY, 30.0), (FILL, 70.0), (LAYOUT, 600.0)]
+    assert other_kernels(events, 2) == (1.5, pytest.approx(0.075))
+    assert other_kernels([(LAYOUT, 1.0)], 1) == (0.0, 0.0)
+
+
+def test_profiled_kernels_leave_the_flush_out(monkeypatch):
+    """The flush's fill runs before every profiled call: its launches and time are profiled
+    alone and taken off the other kernels, so only the call's own torch kernels remain."""
+    flush, call = object(), object()
+
+    def fake_events(fn, calls, before):
+        flush_part = [(FILL, 100.0)] * calls if (fn is flush or before is flush) else []
+        call_part = [(LAYOUT, 400.0), (COPY, 20.0), (COPY, 40.0)] * calls if fn is call else []
+        return flush_part + call_part
+
+    monkeypatch.setattr(kernel_times, "_cuda_events", fake_events)
+    got = kernel_times.profiled_kernels(call, 4, flush)
+    assert got.ours == {"layout_kernel": pytest.approx(0.4)}
+    assert got.other_launches == pytest.approx(2.0)
+    assert got.other_ms == pytest.approx(0.06)
+    monkeypatch.setattr(kernel_times, "_cuda_events", lambda fn, calls, before: [])
+    assert kernel_times.profiled_kernels(call, 4, flush) is None
+
+
 def test_kernel_rows_give_the_time_outside_the_kernels():
-    row = emulated.kernel_rows({"dispatch": {"layout_kernel": 0.5, "dispatch_direct_kernel": 2.5},
-                                "combine": {"combine_pull_kernel": 3.0}}, 5.0, 3.25)
+    row = emulated.kernel_rows({"dispatch": CallKernels({"layout_kernel": 0.5, "dispatch_direct_kernel": 2.5}, 12.0,
+                                                        0.75),
+                                "combine": CallKernels({"combine_pull_kernel": 3.0}, 0.0, 0.0)}, 5.0, 3.25)
+    assert row["kernels_ms"]["dispatch"] == {"layout_kernel": 0.5, "dispatch_direct_kernel": 2.5}
     assert row["dispatch_outside_kernels_ms"] == pytest.approx(2.0)
+    assert row["dispatch_other_kernels_ms"] == pytest.approx(0.75) and row["dispatch_other_launches"] == 12.0
     assert row["combine_outside_kernels_ms"] == pytest.approx(0.25)
     assert [k for k in row if k not in emulated.UNITS] == []
     text = emulated.kernel_summary(row)
-    assert "layout_kernel 0.500" in text and "outside 2.000 ms" in text
+    assert "layout_kernel 0.500" in text and "outside 2.000 ms (other kernels 0.750 ms in 12 launches)" in text
 
 
 def test_no_profiler_data_is_said_not_invented():
-    row = emulated.kernel_rows({"dispatch": None, "combine": {"combine_pull_kernel": 1.0}}, 5.0, 1.5)
-    assert "dispatch_outside_kernels_ms" not in row
+    row = emulated.kernel_rows({"dispatch": None, "combine": CallKernels({"combine_pull_kernel": 1.0}, 1.0, 0.1)},
+                               5.0, 1.5)
+    assert row["kernels_ms"]["dispatch"] is None
+    assert "dispatch_outside_kernels_ms" not in row and "dispatch_other_kernels_ms" not in row
     assert emulated.kernel_summary(row).startswith("dispatch: no profiler data")

@@ -28,7 +28,7 @@ from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
-from .kernel_times import profiled_kernel_ms
+from .kernel_times import profiled_kernels
 from .spec import L2_FLUSH_BYTES, BenchArgError, BenchSpec
 
 DEFAULT_SMS = (1, 2, 4, 8, 16)
@@ -57,6 +57,11 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "dispatch_outside_kernels_ms": "ms: dispatch_ms minus its kernels' time (host work between the layout "
                                         "and dispatch kernels of a dynamic-size call, launch gaps)",
          "combine_outside_kernels_ms": "ms: combine_ms minus its kernel's time",
+         "dispatch_other_kernels_ms": "ms per call: GPU time of the call's other kernels (torch's own, memsets, "
+                                      "copies; the L2 flush left out), part of dispatch_outside_kernels_ms",
+         "combine_other_kernels_ms": "ms per call: the same for combine",
+         "dispatch_other_launches": "launches per call of those other kernels",
+         "combine_other_launches": "launches per call of those other kernels",
          "sm_clock_mhz": "MHz: the SM clock nvidia-smi reported right after the point's timed calls (null without it)",
          "dispatch_copy_fraction": "fraction of the device copy's bytes/s",
          "combine_copy_fraction": "fraction of the device copy's bytes/s",
@@ -174,14 +179,18 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
     return row
 
 
-def kernel_rows(kernels: dict, d_ms: float, c_ms: float) -> dict:
-    """A row's per-kernel fields: `kernels_ms` ({op: {kernel: GPU ms per call}}, an op None where
-    the profiler saw no CUDA activity) and, per op, the call's time outside its kernels (the
-    host's work between them, launch gaps)."""
-    out = {"kernels_ms": kernels}
+def kernel_rows(calls: dict, d_ms: float, c_ms: float) -> dict:
+    """A row's per-kernel fields from {op: kernel_times.CallKernels or None}: `kernels_ms` ({op:
+    {kernel: GPU ms per call}}, an op None where the profiler saw no CUDA activity) and, per op,
+    the call's time outside its kernels (the host's work between them, launch gaps, other
+    kernels) with the other kernels' launches and GPU time inside it."""
+    out = {"kernels_ms": {op: None if c is None else c.ours for op, c in calls.items()}}
     for op, ms in (("dispatch", d_ms), ("combine", c_ms)):
-        if kernels.get(op):
-            out[f"{op}_outside_kernels_ms"] = ms - sum(kernels[op].values())
+        got = calls.get(op)
+        if got is not None and got.ours:
+            out[f"{op}_outside_kernels_ms"] = ms - sum(got.ours.values())
+            out[f"{op}_other_kernels_ms"] = got.other_ms
+            out[f"{op}_other_launches"] = got.other_launches
     return out
 
 
@@ -195,7 +204,8 @@ def kernel_summary(row: dict) -> str:
             parts.append(f"{op}: no profiler data")
             continue
         inner = " + ".join(f"{k} {v:.3f}" for k, v in got.items())
-        parts.append(f"{op}: {inner} ms, outside {row[f'{op}_outside_kernels_ms']:.3f} ms")
+        parts.append(f"{op}: {inner} ms, outside {row[f'{op}_outside_kernels_ms']:.3f} ms (other kernels "
+                     f"{row[f'{op}_other_kernels_ms']:.3f} ms in {row[f'{op}_other_launches']:.0f} launches)")
     return "; ".join(parts)
 
 
@@ -253,10 +263,10 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         row = measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes,
                               dispatch_rw, combine_rw, copy_bps)
         flush_l2 = None if flush is None else flush.zero_
-        kernels = {"dispatch": profiled_kernel_ms(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms),
-                                                  KERNEL_CALLS, flush_l2),
-                   "combine": profiled_kernel_ms(lambda: group.combine(expert_outs, handles, num_sms=sms),
-                                                 KERNEL_CALLS, flush_l2)}
+        kernels = {"dispatch": profiled_kernels(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms),
+                                                KERNEL_CALLS, flush_l2),
+                   "combine": profiled_kernels(lambda: group.combine(expert_outs, handles, num_sms=sms),
+                                               KERNEL_CALLS, flush_l2)}
         row.update(kernel_rows(kernels, d_ms, c_ms))
         row["pipelines"] = group.engine.launch_shapes(sms)
         row["data_path"] = "+".join(sorted(paths))
@@ -273,9 +283,10 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     # alone (on 2026-11-26 every host-loop call fell back to the receive path without this).
     first = handles = expert_outs = None
     static = max(total_rows // W, 1) * 2
-    for _ in range(5):
+    for _ in range(5):  # each call's outputs die before the next (on 2026-11-26 the second fell back)
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
         group.combine([torch.zeros_like(r.tokens, dtype=comb_dtype) for r in res], [r.handle for r in res])
+        res = None
     group.synchronize()
     outs = [group.in_arena(i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
     samples, host_paths = [], set()
