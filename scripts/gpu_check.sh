@@ -298,22 +298,29 @@ run_micro() {
 
 # ncu's breakdown of L1TEX throughput into its sub-units, and the bytes L1TEX wrote to and read
 # from the crossbar per cycle (M8 in docs/benchmarks/cuda.md: which sub-unit is busy when
-# dispatch's L1/TEX throughput reads 77-92%): the receive path's dispatch (the one measured
-# then) at W=2 on 1 SM per rank and at W=8 on 8, then the microbenchmark's store-only and
-# load + 2 stores copy patterns (tma-profile).
+# dispatch's L1/TEX throughput reads 77-95%): the direct path's dispatch at W=8 and W=2 on 1 SM
+# per rank (the headline; 94.9% on the 2026-11-26 H200 at W=8, 8 SMs per rank, while its stores
+# ran at half the microbenchmarks' rate) and the receive path's at W=8 on 8 (the one measured
+# on 2026-11-24), then the microbenchmark's copy patterns (tma-profile: store-only, one load
+# with two stores and one load with eight stores per stage).
 l1tex_metrics="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active"
 l1tex_metrics+=",l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active"
+l1tex_dispatches=(
+    "direct_w8_1sm|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096"
+    "direct_w2_1sm|direct|dispatch_direct_kernel|-w 2 --sms 1 --tokens 2048"
+    "w8_8sm|receive|dispatch_kernel|-w 8 --sms 8 --tokens 4096"
+)
 run_ncu_l1tex() {
-    local rc=0 one shape name
+    local rc=0 one entry name path kernel shape
     # each emulated_check call launches dispatch twice (the second reuses the handle): profile the
     # second call's first
-    for shape in "w2_1sm:-w 2 --sms 1 --tokens 2048" "w8_8sm:-w 8 --sms 8 --tokens 4096"; do
-        name=${shape%%:*}
-        say "ncu L1TEX breakdown of dispatch_kernel, ${shape#*:} (ncu_l1tex_dispatch_$name.txt)"
+    for entry in "${l1tex_dispatches[@]}"; do
+        IFS='|' read -r name path kernel shape <<< "$entry"
+        say "ncu L1TEX breakdown of $kernel, $shape (ncu_l1tex_dispatch_$name.txt)"
         # shellcheck disable=SC2086
-        HYBRID_EP_DATA_PATH=receive bounded "$(( $(left) / 3 > 30 ? $(left) / 3 : 30 ))" ncu --target-processes all \
-            --kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1 --metrics "$l1tex_metrics" \
-            "$py" -m hybrid_ep.testing.emulated_check ${shape#*:} --hidden 8192 --topk 8 --experts 16 --calls 2 \
+        HYBRID_EP_DATA_PATH=$path bounded "$(( $(left) / 4 > 30 ? $(left) / 4 : 30 ))" ncu --target-processes all \
+            --kernel-name "regex:$kernel" --launch-skip 2 --launch-count 1 --metrics "$l1tex_metrics" \
+            "$py" -m hybrid_ep.testing.emulated_check $shape --hidden 8192 --topk 8 --experts 16 --calls 2 \
             --no-check > "$results/ncu_l1tex_dispatch_$name.txt" 2>&1
         one=$?
         [ "$one" -gt "$rc" ] && rc=$one

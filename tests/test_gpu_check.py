@@ -482,16 +482,20 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     proc, calls = run("ncu-l1tex", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
-    assert len(ncu) == 3
+    assert len(ncu) == 4
     metrics = ("--metrics breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active,"
                "l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active")
     assert all(metrics in line for line in ncu)
-    for line, shape in zip(ncu, ("-w 2 --sms 1 --tokens 2048", "-w 8 --sms 8 --tokens 4096")):
-        assert "--kernel-name regex:dispatch_kernel --launch-skip 2 --launch-count 1" in line
-        assert line.endswith("PATH_ENV=receive")  # the path measured on 2026-11-24
+    expected = (("dispatch_direct_kernel", "direct", "-w 8 --sms 1 --tokens 4096"),
+                ("dispatch_direct_kernel", "direct", "-w 2 --sms 1 --tokens 2048"),
+                ("dispatch_kernel", "receive", "-w 8 --sms 8 --tokens 4096"))  # the last: 2026-11-24's path
+    for line, (kernel, path, shape) in zip(ncu, expected):
+        assert f"--kernel-name regex:{kernel} --launch-skip 2 --launch-count 1" in line
+        assert line.endswith(f"PATH_ENV={path}")
         assert f"-m hybrid_ep.testing.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
-    assert "--kernel-name regex:tma_kernel" in ncu[2] and "hybrid_ep_microbench tma-profile |" in ncu[2]
-    for name in ("ncu_l1tex_dispatch_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
+    assert "--kernel-name regex:tma_kernel" in ncu[3] and "hybrid_ep_microbench tma-profile |" in ncu[3]
+    for name in ("ncu_l1tex_dispatch_direct_w8_1sm.txt", "ncu_l1tex_dispatch_direct_w2_1sm.txt",
+                 "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
         assert "==PROF== Disconnected" in (results / name).read_text()
 
 

@@ -227,14 +227,16 @@ inline void measure_tma(Bench& b) {
   cudaEventDestroy(e1);
 }
 
-// For ncu (M8, `gpu_check.sh ncu-l1tex`): two single launches of the base point, store-only and one load with two
-// stores per stage, with nothing else launched (no warm-up, no L2 flush kernel).
+// For ncu (M8, `gpu_check.sh ncu-l1tex`): single launches of the base point, store-only, one load with two stores
+// and one load with eight stores per stage (the direct dispatch's pattern at top-8), with nothing else launched (no
+// warm-up, no L2 flush kernel).
 inline void measure_tma_profile(Bench& b) {
   cudaEvent_t e0, e1;
   MICRO_CHECK(cudaEventCreate(&e0));
   MICRO_CHECK(cudaEventCreate(&e1));
   for (const TmaCase& c : {TmaCase{"profile", TmaMode::kStore, 1, 1, 16384, 8, 4, 1, false, false},
-                           TmaCase{"profile", TmaMode::kMix, 2, 1, 16384, 8, 4, 1, false, false}}) {
+                           TmaCase{"profile", TmaMode::kMix, 2, 1, 16384, 8, 4, 1, false, false},
+                           TmaCase{"profile", TmaMode::kMix, 8, 1, 16384, 8, 4, 1, false, false}}) {
     const TmaArgs a = tma_args(b, c);
     const TmaRun r = run_tma(b, c, a, e0, e1, false);
     print_tma(c, a, r, 1, "tma-profile");
