@@ -53,3 +53,6 @@ def test_host_loop_times_the_direct_path(cpu_sweep, capsys, caplog):
     # nor did a warm-up call fall back (on 2026-11-26 the H100's W = 2 sweep logged one)
     assert not [r.message for r in caplog.records if "took the receive path" in r.getMessage()]
     assert host["ranks"] == W and host["median_us"] > 0
+    # the host time by function: the package's own host path among the top entries
+    assert len(host["profile"]) == 15 and any("hybrid_ep/" in p["function"] for p in host["profile"])
+    assert "host time by function" in capsys.readouterr().err

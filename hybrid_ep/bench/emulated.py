@@ -28,6 +28,7 @@ from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
 from ..traffic.model import count_tables, row_counts
 from ..wording import plural
+from .host_profile import profile_pairs
 from .kernel_times import profiled_kernels
 from .spec import L2_FLUSH_BYTES, BenchArgError, BenchSpec
 
@@ -68,6 +69,9 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "median_us": "microseconds (host time per dispatch + combine pair, all W ranks of the launch)",
          "median_us_per_rank": "microseconds (median_us / W: host time per pair per rank)",
          "target_us_per_rank": "microseconds (the target per rank)", "elapsed_s": "s",
+         "profile": "host time by function: cProfile over 20 more pairs after the timed ones, the top 15 by own "
+                    "time: calls_per_pair (count), own_us_per_pair and cumulative_us_per_pair (microseconds per "
+                    "pair, all W ranks, cProfile's overhead included)",
          "rdma_rows": "rows all forwarders received by RDMA in the dispatch (as many go back in the combine)",
          "dispatch_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: rows x row bytes)",
          "combine_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: node partials x row bytes)"}
@@ -300,11 +304,20 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         res = None
     group.synchronize()
     median = statistics.median(samples)
+
+    def pair():  # as timed above; its outputs die before the next pair
+        got = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
+        group.combine(outs, [r.handle for r in got])
+
+    profile = profile_pairs(pair)
+    group.synchronize()
     host = {"ranks": W, "median_us": median, "median_us_per_rank": median / W,
             "target_us_per_rank": HOST_TARGET_US, "meets_target": median / W <= HOST_TARGET_US,
-            "data_path": "+".join(sorted(host_paths))}
+            "data_path": "+".join(sorted(host_paths)), "profile": profile}
     _note(f"W={W}: host time per dispatch+combine pair ({W} rank(s) per call): {median:.1f} us, "
           f"{median / W:.1f} us per rank (target <= {HOST_TARGET_US} us)")
+    _note(f"W={W}: host time by function (cProfile, us per pair, own time): "
+          + "; ".join(f"{p['function']} {p['own_us_per_pair']:.1f}" for p in profile[:5]))
 
     plain_d, plain_c, _ = torch_movement(xs, idxs, E // W)
     plain = {"world_size": W, "dispatch_ms": _median_ms(plain_d, warmup, iters, flush),
