@@ -135,7 +135,7 @@ def combine_oracle(
     Computed on the device of run (the dispatch oracle's)."""
     L = config.experts_per_rank
     dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
-    outs64 = [e.to(dev).double() for e in expert_outs]  # once per rank, not per (slot, rank)
+    outs = [e.to(dev) for e in expert_outs]  # in their dtype: float64 only the rows a slot gathers
     sums, magnitudes = [], []
     for s, idx in enumerate(topk_idx):
         idx = idx.to(dev)
@@ -143,7 +143,7 @@ def combine_oracle(
         y = torch.zeros(T, H, dtype=torch.float64, device=dev)
         mag = torch.zeros(T, H, dtype=torch.float64, device=dev)
         for r in range(config.world_size):
-            for sel, term in _rank_terms(run, s, r, idx, outs64[r], L, apply_probs):
+            for sel, term in _rank_terms(run, s, r, idx, outs[r], L, apply_probs):
                 y[sel] += term
                 mag[sel] += term.abs()
         sums.append(y)
@@ -151,15 +151,17 @@ def combine_oracle(
     return sums, magnitudes
 
 
-def _rank_terms(run: OracleRun, s: int, d: int, idx: torch.Tensor, out64: torch.Tensor, L: int, apply_probs: bool):
+def _rank_terms(run: OracleRun, s: int, d: int, idx: torch.Tensor, out: torch.Tensor, L: int, apply_probs: bool):
     """Rank d's expert outputs for the tokens of source s, one routing slot k at a time:
-    (tokens [T] bool, their rows [n, H] float64, times the routing weight with apply_probs)."""
+    (tokens [T] bool, their rows [n, H] float64, times the routing weight with apply_probs).
+    Only the gathered rows become float64 (exactly): a float64 copy of every rank's expert_out
+    took 17 GB at the seed shape (W = 8, 4096 x 8192), past an 80 GB GPU beside the buffers."""
     for k in range(idx.shape[1]):
         rows = run.row_of_slot[s][:, k]
         sel = (rows >= 0) & (idx[:, k] // L == d)
         if not bool(sel.any()):
             continue
-        term = out64[rows[sel]]
+        term = out[rows[sel]].double()
         if apply_probs:
             term = term * run.ranks[d].probs.double()[rows[sel], None]
         yield sel, term
@@ -204,7 +206,7 @@ def combine_hops_oracle(
     L, G, N = config.experts_per_rank, config.ranks_per_node, config.num_nodes
     dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
     wire = expert_outs[0].dtype if wire_dtype is None else wire_dtype
-    outs64 = [e.to(dev).double() for e in expert_outs]
+    outs = [e.to(dev) for e in expert_outs]
     bounds = []
     for s, idx in enumerate(topk_idx):
         idx = idx.to(dev)
@@ -213,7 +215,7 @@ def combine_hops_oracle(
         hops = torch.zeros(shape[0], dtype=torch.int64, device=dev)
         if direct:
             for d in range(config.world_size):
-                for sel, rows in _rank_terms(run, s, d, idx, outs64[d], L, apply_probs):
+                for sel, rows in _rank_terms(run, s, d, idx, outs[d], L, apply_probs):
                     term = torch.zeros(shape, dtype=torch.float64, device=dev)
                     term[sel] = rows
                     source_sum.add(Interval.point(term), sel[:, None])
@@ -225,7 +227,7 @@ def combine_hops_oracle(
             node_sum = Fp32Sum(shape, dev) if remote else source_sum
             node_present = torch.zeros(shape[0], dtype=torch.bool, device=dev)
             for d in range(n * G, (n + 1) * G):
-                partial, present = _rank_partial(run, s, d, idx, outs64[d], L, apply_probs, shape)
+                partial, present = _rank_partial(run, s, d, idx, outs[d], L, apply_probs, shape)
                 if partial is None:
                     continue
                 node_sum.add(partial.result().rounded(wire), present[:, None])
@@ -238,11 +240,11 @@ def combine_hops_oracle(
     return bounds
 
 
-def _rank_partial(run: OracleRun, s: int, d: int, idx: torch.Tensor, out64: torch.Tensor, L: int,
+def _rank_partial(run: OracleRun, s: int, d: int, idx: torch.Tensor, out: torch.Tensor, L: int,
                   apply_probs: bool, shape: tuple[int, int]) -> tuple[Fp32Sum | None, torch.Tensor]:
     """Rank d's fp32 sum of its experts' rows for every token of source s (None: no token)."""
     partial, present = None, torch.zeros(shape[0], dtype=torch.bool, device=idx.device)
-    for sel, rows in _rank_terms(run, s, d, idx, out64, L, apply_probs):
+    for sel, rows in _rank_terms(run, s, d, idx, out, L, apply_probs):
         term = torch.zeros(shape, dtype=torch.float64, device=idx.device)
         term[sel] = rows
         if partial is None:
