@@ -38,6 +38,7 @@ def machine(tmp_path):
     (repo / "csrc" / "kernels").mkdir(parents=True)
     (repo / "hybrid_ep").mkdir()
     shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
+    shutil.copy(Path(REPO, "scripts", "gpu_short_lease.sh"), repo / "scripts" / "gpu_short_lease.sh")
     for script in ("build_microbench.sh", "build_racecheck_probe.sh"):
         shutil.copy(Path(REPO, "scripts", script), repo / "scripts" / script)
     (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
@@ -53,7 +54,8 @@ def machine(tmp_path):
     # python3: a build creates the extension; pytest / the bench exit with $PYTEST_RC; any
     # `-m pip` is a network call.
     _stub(bin_dir / "python3", r'''
-echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" >> "$CALLS"
+echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" \
+     "DATA_PATH=${HYBRID_EP_DATA_PATH:-} STORE_GROUPS=${HYBRID_EP_STORE_GROUPS:-}" >> "$CALLS"
 case "$*" in
   *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
   "setup.py build_ext --inplace") touch hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so; echo built ;;
@@ -150,8 +152,8 @@ echo "==PROF== Disconnected"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(log), "HOME": str(tmp_path),
            "REAL_PYTHON": sys.executable, "REAL_REPO": str(REPO)}
 
-    def run(*args, **extra_env):
-        proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), *args], cwd=tmp_path,
+    def run(*args, script="gpu_check.sh", **extra_env):
+        proc = subprocess.run(["bash", str(repo / "scripts" / script), *args], cwd=tmp_path,
                               env={**env, **extra_env}, capture_output=True, text=True, timeout=60)
         calls = log.read_text() if log.exists() else ""
         assert "NETWORK" not in calls, f"a stage reached for the network: {calls}"
@@ -547,3 +549,32 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
     assert _probe_table(results)[case][2].startswith(verdict)
     others = [row[2] for name, row in _probe_table(results).items() if name != case]
     assert not any(v.startswith("FAILED") for v in others)
+
+
+def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
+    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8 and the
+    direct dispatch's store-queue A/B, then the racecheck probe; logs packed for the device."""
+    import tarfile
+
+    _, results, run = machine
+    results.mkdir()
+    proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
+    # the bench stage's two sweeps, the receive sweep, fp8, and the A/B at 3 and 6 store groups
+    assert len(benches) == 6, benches
+    assert "--dtype fp8 --sms 1 2" in benches[3] and "--emulate 8 " in benches[3]
+    assert benches[2].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
+    for line, groups in zip(benches[4:], ("3", "6")):
+        assert "--emulate 8 " in line and "--sms 1 2" in line and line.endswith(f"STORE_GROUPS={groups}")
+        assert f"bench_groups{groups}" in line
+    assert all(line.endswith("STORE_GROUPS=") for line in benches[:4])  # the default queue elsewhere
+    summary = (results / "summary.txt").read_text()
+    order = ["micro exit", "build exit", "test exit", "bench exit", "bench receive exit", "bench fp8 exit",
+             "bench groups=3 exit", "bench groups=6 exit", "racecheck probe exit"]
+    at = [summary.index(step) for step in order]
+    assert at == sorted(at), summary
+    with tarfile.open(results / "logs_short_lease.tgz") as packed:
+        names = packed.getnames()
+    for log in ("./bench_fp8.log", "./bench_groups3.log", "./bench_groups6.log", "./summary.txt"):
+        assert log in names, names
