@@ -28,7 +28,7 @@ GPU_RUNS = os.path.join(REPO, "docs", "benchmarks", "gpu")
 
 def test_points_are_the_gpu_runs_numbers():
     runs, pts = points.load_points()
-    assert len(pts) == 60  # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26: 12 + 12 + 6
+    assert len(pts) == 90  # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26: 12 + 12 + 6 twice
     for name, run in runs.items():
         with open(os.path.join(GPU_RUNS, name, "emulated.json")) as f:
             want_run, want = points.points_from_run(json.load(f), name, run.commit, run.commit_note)
@@ -40,12 +40,16 @@ def test_points_are_the_gpu_runs_numbers():
     assert combine_w2 == {"2026-11-22-h100/bench": pytest.approx(233.636, abs=1e-3),
                           "2026-11-24-h100/bench": pytest.approx(203.405, abs=1e-3),
                           "2026-11-26-h200/bench": pytest.approx(22.640, abs=1e-3),
-                          "2026-11-26-h200/bench_receive": pytest.approx(45.465, abs=1e-3)}
+                          "2026-11-26-h200/bench_receive": pytest.approx(45.465, abs=1e-3),
+                          "2026-11-26-h100/bench": pytest.approx(10.375, abs=1e-3),
+                          "2026-11-26-h100/bench_receive": pytest.approx(23.563, abs=1e-3)}
     # each point says which kernels ran: the H100 runs predate the direct path
     paths = {(p.run, p.data_path) for p in pts}
     assert paths == {("2026-11-22-h100/bench", "receive"), ("2026-11-24-h100/bench", "receive"),
                      ("2026-11-24-h100/bench_nodes", "receive"), ("2026-11-26-h200/bench", "direct"),
-                     ("2026-11-26-h200/bench_receive", "receive"), ("2026-11-26-h200/bench_nodes", "receive")}
+                     ("2026-11-26-h200/bench_receive", "receive"), ("2026-11-26-h200/bench_nodes", "receive"),
+                     ("2026-11-26-h100/bench", "direct"), ("2026-11-26-h100/bench_receive", "receive"),
+                     ("2026-11-26-h100/bench_nodes", "receive")}
     assert {r.device for r in runs.values()} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
 
 
