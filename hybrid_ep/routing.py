@@ -126,7 +126,8 @@ def normalize_routing(
 
     The gather from probs[T, E] to weights[T, K] is differentiable, so routing-weight
     gradients reach Megatron's probs when this runs inside autograd.
-    check_values=False skips the checks that read values (they synchronise with the host).
+    check_values=False skips the checks that read values (they synchronise with the host):
+    for a backend that checks the ids on the device (the cuda backend's layout kernel).
     """
     if topk_idx is not None and routing_map is not None:
         raise ValueError("pass either topk_idx (with topk_weights) or routing_map (with probs), not both")
