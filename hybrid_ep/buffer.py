@@ -221,7 +221,8 @@ class HybridEPBuffer:
         routing = normalize_routing(
             num_tokens, self.config.num_experts, device,  # x's, checked above
             topk_idx=topk_idx, topk_weights=topk_weights, routing_map=routing_map, probs=probs,
-            check_values=num_out_tokens is None or not backend.checks_routing_on_device,
+            check_values=not (backend.reports_dynamic_routing if num_out_tokens is None
+                              else backend.checks_routing_on_device),
         )
         return routing, None
 

@@ -73,6 +73,23 @@ def _check_tensor(name: str, value, dims: int) -> None:
         raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(value.shape)}")
 
 
+def _out_of_range(num_experts: int) -> str:
+    return f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts})"
+
+
+def _twice(token: int) -> str:
+    return f"topk_idx routes token {token} to the same expert twice"
+
+
+def bad_route_text(num_experts: int, rank: int, token: int, expert: int) -> str:
+    """The error of a bad route the device found (the layout kernel's first bad route of the
+    lowest bad rank, csrc/kernels/layout.cuh): an expert id in [-1, num_experts) can only be
+    bad as a token's second route to that expert."""
+    if -1 <= expert < num_experts:
+        return f"{_twice(token)} on rank {rank}: expert {expert}"
+    return f"{_out_of_range(num_experts)}, got {expert} at token {token} on rank {rank}"
+
+
 def check_topk_values(idx: torch.Tensor, num_experts: int) -> None:
     """Expert ids [T, K] in [-1, num_experts) and no token routed to one expert twice (host
     reads). Also before a balancer maps ids to slots: there two routes to one replicated
@@ -88,13 +105,10 @@ def check_topk_values(idx: torch.Tensor, num_experts: int) -> None:
         facts.append(dup_T.any().to(idx.dtype))
     lo, hi, *dup = torch.stack(facts).tolist()
     if lo < -1 or hi >= num_experts:
-        raise ValueError(
-            f"topk_idx values must be in [-1, {num_experts - 1}] (num_experts={num_experts}), "
-            f"got min {lo} max {hi}"
-        )
+        raise ValueError(f"{_out_of_range(num_experts)}, got min {lo} max {hi}")
     if dup and dup[0]:
         row = int(dup_T.nonzero()[0, 0])
-        raise ValueError(f"topk_idx routes token {row} to the same expert twice: {idx[row].tolist()}")
+        raise ValueError(f"{_twice(row)}: {idx[row].tolist()}")
 
 
 def normalize_routing(
@@ -112,7 +126,8 @@ def normalize_routing(
 
     The gather from probs[T, E] to weights[T, K] is differentiable, so routing-weight
     gradients reach Megatron's probs when this runs inside autograd.
-    check_values=False skips the checks that read values (they synchronise with the host).
+    check_values=False skips the checks that read values (they synchronise with the host):
+    for a backend that checks the ids on the device (the cuda backend's layout kernel).
     """
     if topk_idx is not None and routing_map is not None:
         raise ValueError("pass either topk_idx (with topk_weights) or routing_map (with probs), not both")

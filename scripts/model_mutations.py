@@ -143,6 +143,13 @@ MUTATIONS = (
     __syncthreads();""",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }"""),
+    Mutation("bad-routing-call-left-open", "a completion never published (a dynamic-size call with a bad route, "
+             "which runs no dispatch kernel, is not completed by the layout kernel)", "csrc/kernels/layout.cuh",
+             "    if (sh.bad_rank >= 0) complete_unmoved(view, h, epoch);", "",
+             tests="tests/test_routing_device.py"),
+    Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
+             "csrc/kernels/layout.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
+             "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),
 )
 
 

@@ -104,6 +104,6 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
             assert f"waiting for peer rank 1 in {PHASE_TEXT[name]} (call 3, expected 3, saw 2)" in message
         routing = group.engine._describe({"phase": group.ext.PHASES["bad_routing"], "rank": 1, "peer": 5,
                                           "epoch": 1, "expected": 4, "observed": 9})
-        assert routing.startswith("topk_idx on rank 1: token 5 routes to expert 9 out of [-1, 3]")
+        assert routing.startswith("topk_idx values must be in [-1, 3] (num_experts=4), got 9 at token 5 on rank 1; ")
     finally:
         group.close()

@@ -246,8 +246,29 @@ def test_bad_expert_index_in_static_mode_is_reported_by_the_device():
         xs = [torch.zeros(2, 256, dtype=torch.bfloat16, device="cuda") + 1 for _ in range(2)]
         idx = [torch.tensor([[0], [1]], device="cuda"), torch.tensor([[2], [9]], device="cuda")]
         group.dispatch(xs, idx, num_out_tokens=8)
-        with pytest.raises(ValueError, match="topk_idx on rank 1: token 1 routes to expert 9"):
+        with pytest.raises(ValueError, match=r"topk_idx values must be in \[-1, 3\] \(num_experts=4\), got 9 at "
+                                             r"token 1 on rank 1; this buffer can not be used"):
             group.synchronize()
+    finally:
+        group.close()
+
+
+def test_bad_expert_index_in_dynamic_mode_leaves_the_buffer_usable(monkeypatch):
+    """The CPU model's tests/test_routing_device.py on the GPU: the layout kernel's bad route
+    raised by the dynamic dispatch's host read, then the next call on the buffer."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "5")
+    case = Case(3, 3, 6, 256, (17, 40, 33), 3, torch.bfloat16, drop_fraction=0.2, backend="cuda")
+    from hybrid_ep.testing.emulated import emulated_group_for
+
+    group = emulated_group_for(case, "cuda")
+    try:
+        xs, idx, weights, _ = on_device(make_rank_inputs(case), "cuda")
+        bad = idx[1].clone()
+        bad[39, 0] = -2
+        with pytest.raises(ValueError) as err:
+            group.dispatch(xs, [idx[0], bad, idx[2]], weights)
+        assert str(err.value) == "topk_idx values must be in [-1, 5] (num_experts=6), got -2 at token 39 on rank 1"
+        check_emulated(group, case)
     finally:
         group.close()
 

@@ -136,10 +136,13 @@ class HostPath {
   }
 
   // The layout kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
-  // is the static output size, or -1 (the layout kernel computes it).
+  // is the static output size, or -1 (the layout kernel computes it). read: the caller reads
+  // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
+  // routing itself (LaunchArgs::layout_read).
   void dispatch_layout(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                       const std::vector<DispatchInput>& in, uint64_t absent) {
+                       const std::vector<DispatchInput>& in, uint64_t absent, bool read) {
     check_count(in.size());
+    a.layout_read = read ? 1 : 0;
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
       const auto& [T, K, x, x_scales, topk_idx, topk_weights] = in[i];
@@ -204,7 +207,7 @@ class HostPath {
                 const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out, uint64_t absent,
                 uint64_t absent_after_layout) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
-    dispatch_layout(a, stream, workspace, l, rows, in, absent);
+    dispatch_layout(a, stream, workspace, l, rows, in, absent, false);
     dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_layout);
   }
 
@@ -274,6 +277,7 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_STAGES") = kMaxStages;
   m.attr("MAX_STORE_GROUPS") = kMaxStoreGroups;
   m.attr("PULL_PIPELINES") = kPullPipelines;
+  m.attr("COUNT_ROW_TAIL") = kCountRowTail;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
@@ -305,8 +309,9 @@ inline void bind_common(py::module_& m) {
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens) RW(InfoLayout, recv_offset)
-              RW(InfoLayout, send_count) RW(InfoLayout, needed) RW(InfoLayout, dropped) RW(InfoLayout, num_recv)
-                  RW(InfoLayout, count_matrix) RW(InfoLayout, node_counts) RW(InfoLayout, total);
+              RW(InfoLayout, send_count) RW(InfoLayout, needed) RW(InfoLayout, bad_route) RW(InfoLayout, dropped)
+                  RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix) RW(InfoLayout, node_counts)
+                      RW(InfoLayout, total);
   py::class_<Geometry>(m, "Geometry", py::module_local())
       .def(py::init<>()) RW(Geometry, world_size) RW(Geometry, ranks_per_node) RW(Geometry, num_nodes)
           RW(Geometry, num_experts) RW(Geometry, local_experts) RW(Geometry, max_tokens) RW(Geometry, hidden)
@@ -328,8 +333,8 @@ inline void bind_common(py::module_& m) {
                   RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups)
                       RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
                           RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages)
-                              RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
-                                  RW(LaunchArgs, error)
+                              RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns)
+                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

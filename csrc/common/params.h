@@ -21,6 +21,8 @@ constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine 
 constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
 constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
 constexpr int kPullPipelines = 2;   // pipelines of a combine-pull block, sharing its dynamic shared memory
+constexpr int kCountRowTail = 4;    // a count row's last ints: the source's tokens, its first bad token (-1:
+                                    // none) and that route's expert id (low, high word)
 
 // The codes below are the one definition of each: the bindings export them to Python by the
 // names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES, PIPE_SITES;
@@ -146,7 +148,7 @@ struct RegLayout {
   uint64_t state;           // LocalState (only this rank touches it)
   uint64_t count_in;        // i32 [W][count_row_ints]: counts written by source s
   uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
-                            // + 1 (the source's tokens)
+                            // + kCountRowTail (the source's tokens, its first bad route)
   uint64_t recv_meta;       // MetaEntry [W][max_tokens][meta_entries]
   uint64_t meta_entries;    // entries per received row: min(L, kMaxTopK)
   uint64_t recv_rows;       // rows [W][max_tokens], each the call's row bytes (packed: consecutive
@@ -226,6 +228,8 @@ struct InfoLayout {
   int64_t recv_offset;        // [W] exclusive prefix of recv_count
   int64_t send_count;         // [W] rows sent to each rank
   int64_t needed;             // [1] rows the unclipped layout needs
+  int64_t bad_route;          // [3] the lowest rank with a bad route, its first bad token and expert id,
+                              // the same on every rank (rank -1: none); right after needed, for one read
   int64_t dropped;            // [1] routed entries that did not fit num_out_tokens
   int64_t num_recv;           // [1] rows received in total
   int64_t count_matrix;       // [W][W] rows sent from s to d (all ranks)
@@ -318,6 +322,8 @@ struct LaunchArgs {
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
+  int32_t layout_read;  // layout: the host reads its info before it launches the dispatch kernel
+                        // (dynamic size): a bad route is reported there, not by an abort
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory

@@ -12,6 +12,14 @@
 // each rank writes after it read those of call e, so the copy of call e is never overwritten
 // while it is read. Flow control waits for the peers of this node (their receive buffers) and
 // for the rail peers on other nodes (their staging areas).
+//
+// A bad route (an id outside [-1, E), or a token's second route to one expert) is counted as
+// not routed, and the block's first bad token goes into its count row beside the counts, so
+// after the exchange every rank holds every rank's and picks the same one, the lowest bad
+// rank's, for its info. Where the host reads the info before the dispatch launch (dynamic
+// size, LaunchArgs::layout_read) it raises the error and launches no dispatch kernel: this
+// kernel then completes the call in the dispatch kernel's place (its done flags), so the next
+// call proceeds. Where the dispatch kernel follows unread, every rank aborts the launch.
 #include "common/state.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
@@ -27,7 +35,7 @@ __device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterp
 // (dev::plain_instructions: nothing on the GPU; the model issues them on the warp's scheduler,
 // 8 warps to a scheduler here). Counted on this kernel's SASS (sm_90a, nvcc 12.x, cuobjdump
 // -sass of kernels/layout.cu, scripts/sass_blocks.py; 2026-11-26): the blocks a valid routing
-// runs, without record_error's, each part by what repeats it. Loops that run in part (the
+// runs, without the bad routes' atomicMin, each part by what repeats it. Loops that run in part (the
 // zeroing, the remainders of the unrolled loops over ranks) are counted whole: an estimate
 // from static counts, not a trace.
 struct TileInstructions {
@@ -44,11 +52,40 @@ __device__ __forceinline__ int tile_instructions(int K, int W, int N) {
   return I::kFixed + K * I::kRoute + K * (K - 1) / 2 * I::kRoutePair + W * I::kDest + N * I::kNode;
 }
 
+constexpr int kNoBadToken = 0x7fffffff;
+
 struct LayoutShared {
   uint64_t epoch;
   unsigned long long dropped;
+  int64_t bad_id;    // the expert id of this rank's first bad route, then of the lowest bad rank's
+  int64_t bad_rank;  // the lowest rank with a bad route, -1: none (the same on every rank)
+  int bad_token;     // this rank's first token with a bad route (kNoBadToken: none), then that rank's
   int fail;
 };
+
+// The expert id of a token's first bad route in route order, by the tile loop's rule: out of
+// [-1, E), or a second route to an expert an earlier route of the token took.
+__device__ inline int64_t first_bad_id(const int64_t* routes, int K, int E) {
+  for (int k = 0; k < K; ++k) {
+    const int64_t id = routes[k];
+    if (id < -1 || id >= E) return id;
+    for (int k2 = 0; k2 < k; ++k2)
+      if (id >= 0 && routes[k2] == id) return id;
+  }
+  return -1;  // not reached for a token the tile loop found bad
+}
+
+// A call whose bad routing the host reports moves no rows: the layout kernel publishes the
+// done flags the dispatch kernel would have, once it read every count row, so every peer's
+// next call finds this rank done with this one (thread 0).
+template <typename Rdma>
+__device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rdma>& h, uint64_t epoch) {
+  const Geometry& geo = view.geo;
+  __threadfence_system();
+  dev::st_release_sys(view.flag(view.rank, geo.reg.done_dispatch, 0), epoch);
+  for (int n = 0; h.multi() && n < h.topo.N; ++n)
+    if (n != h.node) h.rdma.signal(h.rail_peer(n), geo.rdma.done_dispatch + 8 * h.node, epoch);
+}
 
 template <typename Rdma>
 __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid_constant__ LaunchArgs args) {
@@ -75,6 +112,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     sh.epoch = view.state()->dispatch_epoch + 1;
     sh.fail = 0;
     sh.dropped = 0;
+    sh.bad_token = kNoBadToken;
+    sh.bad_id = 0;
   }
   for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
   __syncthreads();
@@ -93,11 +132,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
       e[k] = -1;
       if (k < K && valid) {
         const int64_t raw = idx[static_cast<int64_t>(t) * K + k];
-        if (raw < -1 || raw >= E) {
-          record_error(args, kPhaseBadRouting, a.rank, t, epoch, E, static_cast<uint64_t>(raw));
-        } else {
-          e[k] = static_cast<int>(raw);
-        }
+        if (raw < -1 || raw >= E) atomicMin(&sh.bad_token, t);  // not routed
+        else e[k] = static_cast<int>(raw);
       }
     }
 #pragma unroll
@@ -106,8 +142,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 #pragma unroll
       for (int k2 = 0; k2 < kMaxTopK; ++k2) {
         if (k2 < k && e[k] >= 0 && e[k2] == e[k]) {
-          record_error(args, kPhaseBadRouting, a.rank, t, epoch, E, static_cast<uint64_t>(e[k]));
-          e[k] = -1;
+          atomicMin(&sh.bad_token, t);
+          e[k] = -1;  // not routed
         }
       }
       if (e[k] >= 0) {
@@ -172,10 +208,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     }
     __syncthreads();
   }
-  // A bad route recorded above stops every thread of the block together.
-  if (tid == 0 && aborted(args)) sh.fail = 1;
-  __syncthreads();
-  if (sh.fail) return;
+  // The first bad route's id, for the count row (the barrier after the waits below orders it).
+  if (tid == 0 && sh.bad_token != kNoBadToken)
+    sh.bad_id = first_bad_id(idx + static_cast<int64_t>(sh.bad_token) * K, K, E);
 
   // Flow control: a peer must have read everything of the previous dispatch before this
   // rank overwrites its count row (and, in the dispatch kernel, its receive rows by bulk
@@ -197,13 +232,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   const int row_ints = static_cast<int>(geo.reg.count_row_ints);
   const int row_stride = static_cast<int>(round_up(row_ints, 4));  // RDMA copies: whole 16-byte vectors
   const uint64_t parity_rows = (epoch & 1) * W;
+  const int tail = W + N + L;  // kCountRowTail ints from here
+  const bool bad = sh.bad_token != kNoBadToken;
   for (int u = tid; u < W * row_ints; u += blockDim.x) {
     const int d = u / row_ints, c = u % row_ints;
     int32_t value;
-    if (c < W) value = carry[E + c];                             // rows to each rank
-    else if (c < W + N) value = carry[E + W + (c - W)];          // tokens to each node
-    else if (c < W + N + L) value = carry[d * L + (c - W - N)];  // rows for each expert of d
-    else value = T;                                              // this rank's tokens
+    if (c < W) value = carry[E + c];                          // rows to each rank
+    else if (c < W + N) value = carry[E + W + (c - W)];       // tokens to each node
+    else if (c < tail) value = carry[d * L + (c - W - N)];    // rows for each expert of d
+    else if (c == tail) value = T;                            // this rank's tokens
+    else if (c == tail + 1) value = bad ? sh.bad_token : -1;  // its first bad token
+    else value = static_cast<int32_t>(static_cast<uint64_t>(sh.bad_id) >> (c == tail + 2 ? 0 : 32));  // its id
     int32_t* row = h.topo.same_node(d, a.rank)
                        ? reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints
                        : reinterpret_cast<int32_t*>(h.rdma.local(geo.rdma.count_out)) + d * row_stride;  // staged
@@ -277,8 +316,29 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
       off += n;
     }
     info[il.num_recv] = off;
+    // The lowest rank with a bad route: every rank reads the same rows, so picks the same.
+    sh.bad_rank = -1;
+    for (int s = 0; s < W && sh.bad_rank < 0; ++s) {
+      const int32_t* row = count_row(s) + tail;
+      if (ld_count(row + 1) < 0) continue;
+      sh.bad_rank = s;
+      sh.bad_token = ld_count(row + 1);
+      sh.bad_id = static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(ld_count(row + 3))) << 32 |
+                                       static_cast<uint32_t>(ld_count(row + 2)));
+    }
+    info[il.bad_route] = sh.bad_rank;
+    info[il.bad_route + 1] = sh.bad_rank < 0 ? -1 : sh.bad_token;
+    info[il.bad_route + 2] = sh.bad_rank < 0 ? 0 : sh.bad_id;
   }
   __syncthreads();
+  // A bad routing where no host reads it before the dispatch kernel runs: every rank stops
+  // the launch, naming the same route.
+  if (sh.bad_rank >= 0 && !args.layout_read) {
+    if (tid == 0)
+      record_error(args, kPhaseBadRouting, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E,
+                   static_cast<uint64_t>(sh.bad_id));
+    return;
+  }
   // The direct path: where each source's rows of each local expert start, for the sources to
   // read when they write their rows there themselves (kernels/dispatch_direct.cuh).
   auto* first_row = reinterpret_cast<int32_t*>(view.own() + geo.reg.direct_first);
@@ -299,6 +359,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   if (tid == 0) {
     info[il.dropped] = static_cast<int64_t>(sh.dropped);
     view.state()->dispatch_epoch = epoch;
+    if (sh.bad_rank >= 0) complete_unmoved(view, h, epoch);  // the host raises, no dispatch kernel runs
   }
 }
 

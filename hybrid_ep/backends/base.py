@@ -20,6 +20,10 @@ class Backend(abc.ABC):
     # True: expert ids are range- and duplicate-checked by the device, so the buffer skips the
     # host checks that would synchronise (and break CUDA graph capture).
     checks_routing_on_device: bool = False
+    # True: a dynamic-size dispatch (num_out_tokens=None) reads the bad expert ids back with its
+    # output sizes, in the one host read it makes anyway, and raises them, so the buffer skips
+    # the host checks' own read there.
+    reports_dynamic_routing: bool = False
 
     def __init__(self, config: BufferConfig, group, rank: int, owner: int):
         self.config = config

@@ -51,6 +51,7 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
 class CudaBackend(Backend):
     name = "cuda"
     checks_routing_on_device = True
+    reports_dynamic_routing = True  # the layout kernel's bad route, read with `needed` (engine.dispatch)
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)

@@ -37,12 +37,14 @@ import sys
 import torch
 
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
-from ...routing import Routing
+from ...routing import Routing, bad_route_text
 from . import launch
 from .arena import Arena, arena_take, call_bytes
 from .layout import (
+    BAD_ROUTE_WORDS,
     CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
+    COUNT_ROW_TAIL,
     LOCAL_STATE_BYTES,
     MAX_EXPERTS,
     MAX_RANKS,
@@ -335,7 +337,7 @@ def check_extension(ext) -> None:
                 "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
                 "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES,
                 "MAX_STAGES": launch.MAX_STAGES, "MAX_STORE_GROUPS": launch.MAX_STORE_GROUPS,
-                "PULL_PIPELINES": launch.PULL_PIPELINES}
+                "PULL_PIPELINES": launch.PULL_PIPELINES, "COUNT_ROW_TAIL": COUNT_ROW_TAIL}
     rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
     for name, value in expected.items():
         if not hasattr(ext, name):
@@ -522,10 +524,10 @@ class Engine:
         code = rec["phase"]
         phase = self._phase_names.get(code)
         what = PHASE_TEXT.get(phase, f"phase {code}")
-        if phase == "bad_routing":
-            return (f"topk_idx on rank {rec['rank']}: token {rec['peer']} routes to expert {rec['observed']} "
-                    f"out of [-1, {rec['expected'] - 1}] or twice (num_experts={rec['expected']}); "
-                    f"this buffer can not be used after the error, create a new one")
+        if phase == "bad_routing":  # a static size: the dispatch kernel was launched, every rank stopped it
+            expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
+            return (f"{bad_route_text(rec['expected'], rec['rank'], rec['peer'], expert)}; this buffer can not "
+                    f"be used after the error, create a new one")
         if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
             return self._describe_pipeline(rec, what)
         where = f" on node {rec['peer'] // self.config.ranks_per_node}" if self.config.num_nodes > 1 else ""
@@ -735,18 +737,22 @@ class Engine:
         else:
             call = self._workspace(topk, prefer, True, stream)
             args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            needed = call.i64[:, (call.layout.info // 8) + self.info.needed]
+            first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
+            sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
             declared = None
             if self._declaring():  # the outputs are added after the read
                 declared = (_spans(self._dispatch_tensors(keep)) + [(call.ptr, call.i64.numel() * 8)] +
                             self._fixed_spans())
                 self.ext.note_launch_tensors(declared)
-            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent)
+            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
             # From the host read to the dispatch launch the GPU idles: only what needs the
             # output sizes runs here (the outputs' memory, the path); the tensors over the
             # arena blocks and the results are made after the launch.
-            rows = needed.cpu().tolist()  # the one host sync
+            read = sizes.cpu().tolist()  # the one host sync
             self.raise_if_failed()
+            if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
+                raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
+            rows = [r[0] for r in read]
             taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
             direct = taken is not None
             if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel

@@ -25,6 +25,8 @@ MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch d
 TOKEN_META_BYTES = 3 * 4 * MAX_TOPK  # csrc TokenMeta: expert, ordinal and weight of every route
 CHUNK_META_HEADER = 16  # csrc kChunkMetaHeader: a staged chunk's routing starts with its row count
 PEER_TENSORS_BYTES = 64  # csrc PeerTensors: a rank's published tensors of one call (direct path)
+COUNT_ROW_TAIL = 4  # csrc kCountRowTail: a count row's source tokens and first bad route (token, id low, high)
+BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -93,7 +95,7 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["done_dispatch"] = take(8)
     fields["done_combine"] = take(8)
     fields["state"] = take(LOCAL_STATE_BYTES)
-    fields["count_row_ints"] = W + N + L + 1
+    fields["count_row_ints"] = W + N + L + COUNT_ROW_TAIL
     fields["count_in"] = take(4 * W * fields["count_row_ints"])
     fields["meta_entries"] = min(L, MAX_TOPK)
     fields["recv_meta"] = take(META_ENTRY_BYTES * W * Tmax * fields["meta_entries"])
@@ -194,6 +196,7 @@ class InfoLayout:
     recv_offset: int
     send_count: int
     needed: int
+    bad_route: int
     dropped: int
     num_recv: int
     count_matrix: int
@@ -203,9 +206,11 @@ class InfoLayout:
 
 def info_layout(config: BufferConfig) -> InfoLayout:
     W, N, L = config.world_size, config.num_nodes, config.experts_per_rank
+    # needed and bad_route side by side: a dynamic-size dispatch reads both in one host read.
     sizes = [
         ("tokens_per_expert", L), ("expert_start", L), ("expert_rows", L), ("src_prefix", W * L),
-        ("recv_count", W), ("src_tokens", W), ("recv_offset", W), ("send_count", W), ("needed", 1), ("dropped", 1),
+        ("recv_count", W), ("src_tokens", W), ("recv_offset", W), ("send_count", W), ("needed", 1),
+        ("bad_route", BAD_ROUTE_WORDS), ("dropped", 1),
         ("num_recv", 1), ("count_matrix", W * W), ("node_counts", W * N),
     ]
     fields, offset = {}, 0
