@@ -371,7 +371,7 @@ def main(argv=None) -> int:
                            "with each one's values, all in one model run")
             f.add_argument("--save", default=None, help="with --tables: the predictions as JSON")
         if name == "fit":
-            f.add_argument("--names", nargs="+", default=["wake_ns", "plain_pair_ns"],
+            f.add_argument("--names", nargs="+", default=["engine_store_bytes_per_ns", "pair_instruction_ns"],
                            help="the constants to fit, at most 3 (default %(default)s)")
             f.add_argument("--start", nargs="+", type=float, default=None,
                            help="their starting values (default: the table's; a 0 cannot start a log search)")
