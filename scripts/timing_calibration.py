@@ -13,7 +13,7 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 2 --tables grid.json --save gw2.json
-    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns engine_bytes_per_ns --fixed gmem_load_ns
+    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns pair_instruction_ns --fixed gmem_load_ns
     python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
         --ncu docs/benchmarks/gpu/2026-11-24-h100
 

@@ -514,7 +514,8 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
         times = [t[kernel] for t in by_seed]
         assert max(times) <= 1.05 * min(times), times
     # Nothing queues (no engine, no issue slots, no spinning) and every traffic class alike.
-    unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12, "access_instructions": 0.0,
+    unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12,
+                "access_instructions": 0.0,
                 "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
                 "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0}
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
@@ -684,7 +685,8 @@ def test_the_fit_finds_the_constants_of_a_linear_model():
                  (2, "combine"): 3.0 + 0.01 * t["wake_ns"] + 0.8 * t["pair_instruction_ns"]} for t in tables]
 
     measured = evaluate([truth])[0]
-    result = fit.fit(evaluate, ("wake_ns", "pair_instruction_ns"), {"wake_ns": 400.0, "pair_instruction_ns": 10.0}, measured)
+    start = {"wake_ns": 400.0, "pair_instruction_ns": 10.0}
+    result = fit.fit(evaluate, ("wake_ns", "pair_instruction_ns"), start, measured)
     assert result.values["wake_ns"] == pytest.approx(900.0, rel=0.05)
     assert result.values["pair_instruction_ns"] == pytest.approx(12.0, rel=0.05)
     assert result.score < 0.01

@@ -46,10 +46,10 @@
 //     the thread nothing; a global atomic also runs after the atomics before it at its address;
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
 //     engine, one calendar for loads and stores, first come (by issue time) first served, a
-//     load's at the engine's load rate and a store's at its store rate; a load completes its bytes on the mbarrier after its last byte plus the load
-//     latency, a store has read its shared memory after its last byte plus the read latency
-//     and written after the write latency; a bulk wait ends at the latest read or write of
-//     the groups it covers.
+//     load's at the engine's load rate and a store's at its store rate; a load completes its bytes on the mbarrier
+//     after its last byte plus the load latency, a store has read its shared memory after its last byte plus the read
+//     latency and written after the write latency; a bulk wait ends at the latest read or write of the groups it
+//     covers.
 //
 // The schedule runs threads in no order of their clocks, so a copy may be issued (in the
 // schedule) before another copy of the same SM that was issued earlier in virtual time. A
@@ -79,7 +79,8 @@
 
 namespace hybrid_ep::model::timing {
 
-// The constants (name, what it is); each is in ns except the rates (*_bytes_per_ns, sm_clock_ghz), the instruction counts and the fractions.
+// The constants (name, what it is); each is in ns except the rates (*_bytes_per_ns, sm_clock_ghz), the instruction
+// counts and the fractions.
 #define HYBRID_EP_TIMING_COSTS(X)                                                                                   \
   X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                             \
   X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                             \
@@ -100,7 +101,7 @@ namespace hybrid_ep::model::timing {
   X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier")       \
   X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")          \
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
-  X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")         \
+  X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")          \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")        \
   X(pair_instruction_ns,                                                                                            \
     "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "       \
