@@ -13,7 +13,7 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 8 --model-tokens 256 512
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 2 --tables grid.json --save gw2.json
-    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns engine_bytes_per_ns --fixed gmem_load_ns
+    python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns pair_instruction_ns --fixed gmem_load_ns
     python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
         --ncu docs/benchmarks/gpu/2026-11-24-h100
 
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
                            "with each one's values, all in one model run")
             f.add_argument("--save", default=None, help="with --tables: the predictions as JSON")
         if name == "fit":
-            f.add_argument("--names", nargs="+", default=["wake_ns", "plain_pair_ns"],
+            f.add_argument("--names", nargs="+", default=["engine_store_bytes_per_ns", "pair_instruction_ns"],
                            help="the constants to fit, at most 3 (default %(default)s)")
             f.add_argument("--start", nargs="+", type=float, default=None,
                            help="their starting values (default: the table's; a 0 cannot start a log search)")

@@ -28,7 +28,8 @@ GPU_RUNS = os.path.join(REPO, "docs", "benchmarks", "gpu")
 
 def test_points_are_the_gpu_runs_numbers():
     runs, pts = points.load_points()
-    assert len(pts) == 90  # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26: 12 + 12 + 6 twice
+    # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26, H200 and H100: 12 + 12 + 6 each
+    assert len(pts) == 90
     for name, run in runs.items():
         with open(os.path.join(GPU_RUNS, name, "emulated.json")) as f:
             want_run, want = points.points_from_run(json.load(f), name, run.commit, run.commit_note)
@@ -43,7 +44,7 @@ def test_points_are_the_gpu_runs_numbers():
                           "2026-11-26-h200/bench_receive": pytest.approx(45.465, abs=1e-3),
                           "2026-11-26-h100/bench": pytest.approx(10.375, abs=1e-3),
                           "2026-11-26-h100/bench_receive": pytest.approx(23.563, abs=1e-3)}
-    # each point says which kernels ran: the H100 runs predate the direct path
+    # each point says which kernels ran: the H100 runs of 2026-11-22 and -24 predate the direct path
     paths = {(p.run, p.data_path) for p in pts}
     assert paths == {("2026-11-22-h100/bench", "receive"), ("2026-11-24-h100/bench", "receive"),
                      ("2026-11-24-h100/bench_nodes", "receive"), ("2026-11-26-h200/bench", "direct"),
@@ -104,8 +105,8 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "wake_ns": 211.0, "poll_ns": 701.0, "flag_latency_ns": 997.0, "release_ns": 503.0, "atomic_ns": 601.0,
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
-         "s2g_write_latency_ns": 1019.0, "engine_bytes_per_ns": 40.0,
-         "plain_pair_ns": 3.0, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
+         "s2g_write_latency_ns": 1019.0, "engine_load_bytes_per_ns": 40.0, "engine_store_bytes_per_ns": 29.0,
+         "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
          "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
@@ -125,11 +126,12 @@ def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = CO
     return reports[0]
 
 
-def engine_stream(starts: list[float], nbytes: int, c: dict) -> list[float]:
-    """When each copy's last byte leaves the engine: copies issued at `starts`, one engine."""
+def engine_stream(starts: list[float], nbytes: int, c: dict, rate: str = "engine_load_bytes_per_ns") -> list[float]:
+    """When each copy's last byte leaves the engine: copies issued at `starts`, one engine, each
+    at the engine's `rate` (loads' or stores')."""
     done, free = [], 0.0
     for s in starts:
-        free = max(s, free) + nbytes / c["engine_bytes_per_ns"]
+        free = max(s, free) + nbytes / c[rate]
         done.append(free)
     return done
 
@@ -141,19 +143,25 @@ def test_every_constant_of_the_model_is_in_the_table():
 
 
 MICRO_H200 = os.path.join(GPU_RUNS, "2026-11-26-h200", "micro.json")
+MICRO_H100 = os.path.join(GPU_RUNS, "2026-11-26-h100", "micro.json")
 
 
-def test_the_h200_table_takes_every_constant_the_microbenchmarks_measured():
-    """h200.json: each constant micro.json determines has its value and source from it, unless
-    fitted (at most three fitted); every other one is an estimate, a fit or a count from SASS."""
+@pytest.mark.parametrize("path,micro_json,device,wake_ns", [
+    (constants.H200, MICRO_H200, "NVIDIA H200", 92.43),
+    (constants.H100, MICRO_H100, "NVIDIA H100 80GB HBM3", 87.6),
+])
+def test_each_table_takes_every_constant_its_gpus_microbenchmarks_measured(path, micro_json, device, wake_ns):
+    """h200.json and h100.json: each constant their GPU's micro.json determines has its value and
+    source from it, unless fitted (at most three fitted); every other one is an estimate, a fit
+    or a count from SASS."""
     from hybrid_ep.timing import micro
 
-    table = constants.load_table(constants.H200)
-    assert table.device == "NVIDIA H200"
-    with open(MICRO_H200) as f:
+    table = constants.load_table(path)
+    assert table.device == device
+    with open(micro_json) as f:
         doc = json.load(f)
-    label = os.path.relpath(MICRO_H200, REPO)
-    got = micro.measured(doc, constants.load_table(constants.H100), label)
+    label = os.path.relpath(micro_json, REPO)
+    got = micro.measured(doc, table, label)
     assert {"wake_ns", "barrier_ns", "g2s_latency_ns", "s2g_read_latency_ns", "fence_sys_ns"} <= set(got)
     fitted = table.fitted()
     assert len(fitted) <= fit.MAX_FITTED
@@ -162,7 +170,7 @@ def test_the_h200_table_takes_every_constant_the_microbenchmarks_measured():
             assert (c.value, c.source) == got[name], name
         else:
             assert c.source.startswith(("est.", "fit", "SASS")), name
-    assert got["wake_ns"][0] == pytest.approx(92.43, abs=0.01)  # H_project
+    assert got["wake_ns"][0] == pytest.approx(wake_ns, abs=0.01)  # H_project
 
 
 def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_costs_apart():
@@ -190,11 +198,11 @@ def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_cost
     assert got["poll_ns"] == pytest.approx(150.0)  # 300 cycles at 2 GHz
     assert got["g2s_l2_latency_ns"] == pytest.approx(300.0 - 16384 / 64.0)
     assert got["sm_clock_ghz"] == pytest.approx(2.0) and got["hbm_bytes_per_ns"] == pytest.approx(4000.0)
-    # 8 rows of 16 KiB at 8 bytes/ns: 16384 ns a row, 32 vectors a lane: 512 ns each, less
-    # 9 accesses (18 ns) and one shared batch (25 ns), over 36 pairs
-    assert got["plain_pair_ns"] == pytest.approx((512.0 - 43.0) / 36, abs=0.01)
+    # R_1's loop has no SASS count: no cost per instruction of a pair comes from it
+    assert "pair_instruction_ns" not in got
     assert "barrier_ns" not in got  # its line was not ok
-    assert "collective_ns" not in got and "engine_bytes_per_ns" not in got  # not measured
+    assert "collective_ns" not in got and "engine_load_bytes_per_ns" not in got  # not measured
+    assert "engine_store_bytes_per_ns" not in got
 
 
 @pytest.mark.parametrize("n", [1, 2, 7])
@@ -219,8 +227,8 @@ def test_a_stream_of_bulk_loads_goes_through_the_engine_at_its_capacity(n, nbyte
     r = timed_selftest("load_stream", 1, n, nbytes)
     assert r["time_ns"] == pytest.approx(want, rel=1e-12)
     assert r["copies"] == n and r["copy_bytes"] == n * nbytes
-    if nbytes / c["engine_bytes_per_ns"] > c["issue_ns"]:  # the engine never idles after the first copy
-        assert r["engine_busy_ns"] == pytest.approx(n * nbytes / c["engine_bytes_per_ns"], rel=1e-12)
+    if nbytes / c["engine_load_bytes_per_ns"] > c["issue_ns"]:  # the engine never idles after the first copy
+        assert r["engine_busy_ns"] == pytest.approx(n * nbytes / c["engine_load_bytes_per_ns"], rel=1e-12)
     # Each SM has its own engine: blocks side by side take the time of one.
     assert timed_selftest("load_stream", 3, n, nbytes)["time_ns"] == pytest.approx(want, rel=1e-12)
 
@@ -242,7 +250,7 @@ def test_the_engine_calendar_keeps_a_piece_placed_where_a_zero_length_one_starts
 def test_bulk_store_groups_are_read_then_written():
     c, n, nbytes = COSTS, 5, 2048
     starts = [c["barrier_ns"] + i * (c["issue_ns"] + c["commit_ns"]) + c["issue_ns"] for i in range(n)]
-    through = engine_stream(starts, nbytes, c)[-1]
+    through = engine_stream(starts, nbytes, c, "engine_store_bytes_per_ns")[-1]  # a store's rate, not a load's
     t = c["barrier_ns"] + n * (c["issue_ns"] + c["commit_ns"])
     t = max(t + c["wait_group_ns"], through + c["s2g_read_latency_ns"])
     t = max(t + c["wait_group_ns"], through + c["s2g_read_latency_ns"] + c["s2g_write_latency_ns"])
@@ -265,10 +273,13 @@ def test_a_named_barrier_waits_for_its_latest_arrival():
 
 
 def test_plain_code_is_counted_by_the_pairs_it_converts():
+    """Each pair costs its kind's instructions: on the issue slots and, per instruction, its
+    dependent latency (COSTS: a widening of 6 instructions costs three times a narrowing of 2)."""
     c, n = COSTS, 9
     r = timed_selftest("plain_pairs", 1, n, 4)
-    issue = n * (c["cvt_pair_instructions"] + c["pack_pair_instructions"]) / c["sm_clock_ghz"]
-    want = c["barrier_ns"] + 2 * n * c["plain_pair_ns"] + issue + c["launch_ns"]
+    instructions = n * (c["cvt_pair_instructions"] + c["pack_pair_instructions"])
+    issue = instructions / c["sm_clock_ghz"]
+    want = c["barrier_ns"] + instructions * c["pair_instruction_ns"] + issue + c["launch_ns"]
     assert r["time_ns"] == pytest.approx(want, rel=1e-12)
     assert r["instructions"] == n * (c["cvt_pair_instructions"] + c["pack_pair_instructions"])
 
@@ -302,7 +313,7 @@ def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
 # ---- shared resources: issue slots, device memory, L2 ---------------------------------------
 
 # Work starts at t = 0 (no barrier cost), on a bucket's edge, so the issue calendar is exact.
-ISSUE = {**COSTS, "barrier_ns": 0.0, "collective_ns": 0.0, "plain_pair_ns": 0.0}
+ISSUE = {**COSTS, "barrier_ns": 0.0, "collective_ns": 0.0, "pair_instruction_ns": 0.0}
 
 
 @pytest.mark.parametrize("warps", [1, 4, 5, 8])
@@ -384,7 +395,7 @@ def test_copies_from_many_sms_share_device_memory(blocks):
     """Each block's thread 0 bulk-loads n copies (issued at t = 0; the engines far faster than
     device memory): all bytes of all blocks through device memory take bytes / bandwidth."""
     n, nbytes = 4, 1024
-    c = {**ISSUE, "arrive_ns": 0.0, "issue_ns": 0.0, "engine_bytes_per_ns": 1e6, "hbm_bytes_per_ns": 2.0}
+    c = {**ISSUE, "arrive_ns": 0.0, "issue_ns": 0.0, "engine_load_bytes_per_ns": 1e6, "hbm_bytes_per_ns": 2.0}
     r = timed_selftest("load_stream", blocks, n, nbytes, c)
     total = blocks * n * nbytes
     want = total / c["hbm_bytes_per_ns"] + c["g2s_latency_ns"] + c["wake_ns"] + c["launch_ns"]
@@ -417,8 +428,8 @@ def test_bad_cost_tables_are_refused_by_name():
         model.set_timing({k: v for k, v in COSTS.items() if k != "wake_ns"})
     with pytest.raises(ValueError, match="unknown timing constant wake"):
         model.set_timing({**COSTS, "wake": 1.0})
-    with pytest.raises(ValueError, match="engine_bytes_per_ns must be finite and > 0"):
-        model.set_timing({**COSTS, "engine_bytes_per_ns": 0.0})
+    with pytest.raises(ValueError, match="engine_store_bytes_per_ns must be finite and > 0"):
+        model.set_timing({**COSTS, "engine_store_bytes_per_ns": 0.0})
     model.set_timing(None)
 
 
@@ -503,7 +514,8 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
         times = [t[kernel] for t in by_seed]
         assert max(times) <= 1.05 * min(times), times
     # Nothing queues (no engine, no issue slots, no spinning) and every traffic class alike.
-    unqueued = {**costs, "engine_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12, "access_instructions": 0.0,
+    unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12,
+                "access_instructions": 0.0,
                 "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
                 "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0}
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
@@ -665,17 +677,18 @@ def test_predict_refuses_the_direct_path_across_nodes(tmp_path, capsys):
 def test_the_fit_finds_the_constants_of_a_linear_model():
     """Predicted times are piecewise linear in the constants; on a linear stand-in for the
     model the fit must come back to the values that made the measurements."""
-    truth = {"wake_ns": 900.0, "plain_pair_ns": 12.0}
+    truth = {"wake_ns": 900.0, "pair_instruction_ns": 12.0}
 
     def evaluate(tables):
-        return [{(1, "combine"): 5.0 + 0.02 * t["wake_ns"] + 1.5 * t["plain_pair_ns"],
-                 (1, "dispatch"): 2.0 + 0.01 * t["wake_ns"] + 0.1 * t["plain_pair_ns"],
-                 (2, "combine"): 3.0 + 0.01 * t["wake_ns"] + 0.8 * t["plain_pair_ns"]} for t in tables]
+        return [{(1, "combine"): 5.0 + 0.02 * t["wake_ns"] + 1.5 * t["pair_instruction_ns"],
+                 (1, "dispatch"): 2.0 + 0.01 * t["wake_ns"] + 0.1 * t["pair_instruction_ns"],
+                 (2, "combine"): 3.0 + 0.01 * t["wake_ns"] + 0.8 * t["pair_instruction_ns"]} for t in tables]
 
     measured = evaluate([truth])[0]
-    result = fit.fit(evaluate, ("wake_ns", "plain_pair_ns"), {"wake_ns": 400.0, "plain_pair_ns": 10.0}, measured)
+    start = {"wake_ns": 400.0, "pair_instruction_ns": 10.0}
+    result = fit.fit(evaluate, ("wake_ns", "pair_instruction_ns"), start, measured)
     assert result.values["wake_ns"] == pytest.approx(900.0, rel=0.05)
-    assert result.values["plain_pair_ns"] == pytest.approx(12.0, rel=0.05)
+    assert result.values["pair_instruction_ns"] == pytest.approx(12.0, rel=0.05)
     assert result.score < 0.01
 
 
@@ -787,20 +800,20 @@ def test_the_lines_through_a_grid_give_a_linear_models_values_between_its_tables
 
 
 def test_the_lines_through_a_grid_take_the_engine_rate_as_its_inverse():
-    """A copy takes bytes / engine_bytes_per_ns: a time with such a term is on a line in the
+    """A copy takes bytes / engine_load_bytes_per_ns: a time with such a term is on a line in the
     rate's inverse, so the lines through a grid give it exactly between and beyond the tables."""
     import itertools
 
-    names = ("wake_ns", "engine_bytes_per_ns")
+    names = ("wake_ns", "engine_load_bytes_per_ns")
 
     def model(t):
-        return {(1, "dispatch"): 1.0 + 0.01 * t["wake_ns"] + 600.0 / t["engine_bytes_per_ns"]}
+        return {(1, "dispatch"): 1.0 + 0.01 * t["wake_ns"] + 600.0 / t["engine_load_bytes_per_ns"]}
 
-    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "engine_bytes_per_ns": 40.0 * 2.0 ** j}
+    grid = [{"wake_ns": 1000.0 * 2.0 ** i, "engine_load_bytes_per_ns": 40.0 * 2.0 ** j}
             for i, j in itertools.product((-1, 0, 1), repeat=2)]
     coef, worst = fit.linear_surrogate(grid, [model(t) for t in grid], names, [(1, "dispatch")])
     assert worst < 1e-9
-    at = {"wake_ns": 900.0, "engine_bytes_per_ns": 55.0}
+    at = {"wake_ns": 900.0, "engine_load_bytes_per_ns": 55.0}
     assert fit.surrogate_at(coef, names, at)[(1, "dispatch")] == pytest.approx(model(at)[(1, "dispatch")])
 
 
@@ -810,15 +823,15 @@ def test_fit_grid_fits_the_grids_of_two_data_paths_as_one(tmp_path):
     import itertools
     import sys
 
-    truth = {"wake_ns": 300.0, "plain_pair_ns": 20.0}
+    truth = {"wake_ns": 300.0, "pair_instruction_ns": 20.0}
 
     def direct(t):  # a combine that only the reduction moves, a dispatch only the wake-up
-        return {"1 combine": 1.0 + 0.5 * t["plain_pair_ns"], "1 dispatch": 2.0 + 0.01 * t["wake_ns"]}
+        return {"1 combine": 1.0 + 0.5 * t["pair_instruction_ns"], "1 dispatch": 2.0 + 0.01 * t["wake_ns"]}
 
     def receive(t):
-        return {"1 combine": 3.0 + 0.2 * t["plain_pair_ns"] + 0.002 * t["wake_ns"]}
+        return {"1 combine": 3.0 + 0.2 * t["pair_instruction_ns"] + 0.002 * t["wake_ns"]}
 
-    grid = [{"wake_ns": 300.0 * 2.0 ** i, "plain_pair_ns": 20.0 * 2.0 ** j}
+    grid = [{"wake_ns": 300.0 * 2.0 ** i, "pair_instruction_ns": 20.0 * 2.0 ** j}
             for i, j in itertools.product((-1, 0, 1), repeat=2)]
     files = []
     for path, f in (("direct", direct), ("receive", receive)):
@@ -829,11 +842,11 @@ def test_fit_grid_fits_the_grids_of_two_data_paths_as_one(tmp_path):
         files[-1].write_text(json.dumps(saved))
     script = os.path.join(REPO, "scripts", "timing_calibration.py")
     cmd = [sys.executable, script, "--constants", constants.H200, "fit-grid", *map(str, files),
-           "--names", "wake_ns", "plain_pair_ns"]
+           "--names", "wake_ns", "pair_instruction_ns"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     head = done.stdout.splitlines()[0]
-    assert "wake_ns = 300" in head and "plain_pair_ns = 20" in head, head
+    assert "wake_ns = 300" in head and "pair_instruction_ns = 20" in head, head
     assert "direct:1" in done.stdout and "receive:1" in done.stdout
     other = json.loads(files[1].read_text())
     other["tables"] = [{k: 2 * v for k, v in t.items()} for t in grid]

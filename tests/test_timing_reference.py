@@ -8,8 +8,12 @@ table, payload-free, one and two nodes, both data paths): 4465b5d's model's, wit
 launches made again once the layout kernel counted its tile loop's instructions
 (dev::plain_instructions; no other launch changed); made again where the kernel skeleton
 (042f4a5, 41893c6: the receive path's kernels -2.0 to +0.2 % on these small jobs, the direct
-path's to the bit) and the reports' lane paths (3b234a7) met. A change that means to change
-the times replaces the file and says so in its commit.
+path's to the bit) and the reports' lane paths (3b234a7) met; made again when bulk loads and stores
+got their own rates and a pair came to cost per instruction of its kind, h200.json taking
+h100.json's fit of the three (the combines 20-23 % faster on these jobs, the dispatches 3-9 %,
+the layout kernel to the bit); made again when the layout kernel reported a bad route in
+its count row instead of aborting (each layout launch 16.48 ns shorter, nothing else). A
+change that means to change the times replaces the file and says so in its commit.
 """
 
 from __future__ import annotations

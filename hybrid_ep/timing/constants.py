@@ -1,8 +1,9 @@
 """The timing model's constants for one GPU: one table, each value with where it came from.
 
-One table per GPU: h100.json (fitted to the H100 run of 2026-11-24 at W = 2; the other H100
-points, 2026-11-22's among them, are held out) and h200.json (the
-microbenchmarks of the H200 run of 2026-11-26, fitted to its points). Each holds every
+One table per GPU: h100.json (the microbenchmarks of the H100 run of 2026-11-26, three
+constants fitted to that run's W = 2 points; its other points held out) and h200.json (the
+microbenchmarks of the H200 run of 2026-11-26, with h100.json's three fitted constants: the
+same SM design at the same clock). Each holds every
 constant the model costs (csrc/device/model/timing.h, listed by
 hybrid_ep._model.timing_costs()), with its unit and source: an estimate ("est."), a fit to
 measured kernel times ("fit", at most three constants), the GPU microbenchmarks'

@@ -20,9 +20,9 @@ import math
 import numpy as np
 
 MAX_FITTED = 3
-# Constants that enter the clocks as their inverse (a copy takes bytes / engine_bytes_per_ns):
+# Constants that enter the clocks as their inverse (a copy takes bytes / engine_*_bytes_per_ns):
 # the per-point lines are through their inverse, in which the times are piecewise linear.
-INVERSE = frozenset({"engine_bytes_per_ns"})
+INVERSE = frozenset({"engine_load_bytes_per_ns", "engine_store_bytes_per_ns"})
 
 
 def _feature(name: str, value: float) -> float:

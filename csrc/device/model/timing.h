@@ -9,8 +9,9 @@
 // time and the time of the event it waited for plus that hand-off's latency (max-plus).
 //
 //   - own work: each operation costs its constant on the thread that runs it; plain code
-//     between them where it converts 16-bit floats (the reductions), per pair, and where the
-//     hot loops load and store through the device layer's accessors (dev::ld, dev::st);
+//     between them where it converts 16-bit floats (the reductions), per instruction of a
+//     pair (its kind's count, below), and where the hot loops load and store through the
+//     device layer's accessors (dev::ld, dev::st);
 //   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
 //     kind of conversion: counts from the kernels' SASS; where a kernel names a count itself,
 //     dev::plain_instructions, that count: the layout kernel's tile loop), issued on the SM's scheduler of its
@@ -44,11 +45,11 @@
 //     ends at that time plus the flag latency; polls of values from before the launch cost
 //     the thread nothing; a global atomic also runs after the atomics before it at its address;
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
-//     engine at its capacity, loads and stores alike, first come (by issue time) first
-//     served; a load completes its bytes on the mbarrier after its last byte plus the load
-//     latency, a store has read its shared memory after its last byte plus the read latency
-//     and written after the write latency; a bulk wait ends at the latest read or write of
-//     the groups it covers.
+//     engine, one calendar for loads and stores, first come (by issue time) first served, a
+//     load's at the engine's load rate and a store's at its store rate; a load completes its bytes on the mbarrier
+//     after its last byte plus the load latency, a store has read its shared memory after its last byte plus the read
+//     latency and written after the write latency; a bulk wait ends at the latest read or write of the groups it
+//     covers.
 //
 // The schedule runs threads in no order of their clocks, so a copy may be issued (in the
 // schedule) before another copy of the same SM that was issued earlier in virtual time. A
@@ -78,7 +79,8 @@
 
 namespace hybrid_ep::model::timing {
 
-// The constants (name, what it is); each is in ns except engine_bytes_per_ns.
+// The constants (name, what it is); each is in ns except the rates (*_bytes_per_ns, sm_clock_ghz), the instruction
+// counts and the fractions.
 #define HYBRID_EP_TIMING_COSTS(X)                                                                                   \
   X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                             \
   X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                             \
@@ -99,10 +101,11 @@ namespace hybrid_ep::model::timing {
   X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier")       \
   X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")          \
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
-  X(engine_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns through it, loads and stores together")           \
-  X(plain_pair_ns,                                                                                                  \
-    "plain code per pair of 16-bit floats converted to or from fp32 beside its instructions' issue (the "           \
-    "reductions' dependent arithmetic, what the counts miss), on the converting thread")                            \
+  X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")          \
+  X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")        \
+  X(pair_instruction_ns,                                                                                            \
+    "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "       \
+    "thread beside its issue slot: the loop's dependent latency, so a loop of fewer instructions costs less")       \
   X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                       \
   X(gmem_load_ns, "a batch of plain loads with one from device memory (an L2 miss): issue -> the values are there") \
   X(l2_load_ns, "a batch of plain global loads that all hit in L2: issue -> the values are there")                  \
