@@ -143,10 +143,17 @@ MUTATIONS = (
     __syncthreads();""",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }"""),
-    Mutation("bad-routing-call-left-open", "a completion never published (a dynamic-size call with a bad route, "
-             "which runs no dispatch kernel, is not completed by the layout kernel)", "csrc/kernels/layout.cuh",
-             "    if (sh.bad_rank >= 0) complete_unmoved(view, h, epoch);", "",
+    Mutation("bad-routing-call-left-open", "a completion never published (a call with a bad route, whose "
+             "dispatch kernel moves nothing, is not completed by the layout kernel)", "csrc/kernels/layout.cuh",
+             "  complete_unmoved(view, h, epoch);\n", "", tests="tests/test_routing_device.py"),
+    Mutation("static-bad-route-unrecorded", "a bad route of a static-size call never reported (the layout kernel "
+             "records no route for the host)", "csrc/kernels/layout.cuh",
+             "  if (!args.layout_read) record_bad_route(", "  if (false) record_bad_route(",
              tests="tests/test_routing_device.py"),
+    Mutation("refused-direct-dispatch-runs", "a dispatch kernel run on a call its layout kernel refused (the direct "
+             "path's kernel does not return on the info's bad-route word)", "csrc/kernels/dispatch_direct.cuh",
+             "  if (place.rank.absent || call_refused(args.geo, place.rank)) return;",
+             "  if (place.rank.absent) return;", tests="tests/test_routing_device.py"),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/layout.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),

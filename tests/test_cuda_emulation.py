@@ -238,17 +238,26 @@ def test_missing_rank_times_out_with_rank_peer_and_phase(monkeypatch):
         group.close()
 
 
-def test_bad_expert_index_in_static_mode_is_reported_by_the_device():
-    from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+def test_bad_expert_index_in_static_mode_is_reported_and_leaves_the_buffer_usable(monkeypatch):
+    """The CPU model's static-size tests of tests/test_routing_device.py on the GPU: the call
+    with a bad route completes without moving rows, synchronize() raises the route once, and
+    the next calls on the buffer (static, then dynamic) match the oracle."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "5")
+    case = Case(3, 3, 6, 256, (17, 40, 33), 3, torch.bfloat16, drop_fraction=0.2, backend="cuda", num_out_tokens=64)
+    from hybrid_ep.testing.emulated import emulated_group_for
 
-    group = EmulatedGroup(2, 256, 8, 4)
+    group = emulated_group_for(case, "cuda")
     try:
-        xs = [torch.zeros(2, 256, dtype=torch.bfloat16, device="cuda") + 1 for _ in range(2)]
-        idx = [torch.tensor([[0], [1]], device="cuda"), torch.tensor([[2], [9]], device="cuda")]
-        group.dispatch(xs, idx, num_out_tokens=8)
-        with pytest.raises(ValueError, match=r"topk_idx values must be in \[-1, 3\] \(num_experts=4\), got 9 at "
-                                             r"token 1 on rank 1; this buffer can not be used"):
+        xs, idx, weights, _ = on_device(make_rank_inputs(case), "cuda")
+        bad = idx[1].clone()
+        bad[39, 0] = 9
+        group.dispatch(xs, [idx[0], bad, idx[2]], weights, num_out_tokens=64)
+        with pytest.raises(ValueError) as err:
             group.synchronize()
+        assert str(err.value) == "topk_idx values must be in [-1, 5] (num_experts=6), got 9 at token 39 on rank 1"
+        group.synchronize()  # raised once
+        check_emulated(group, case)
+        check_emulated(group, dataclasses.replace(case, num_out_tokens=None))
     finally:
         group.close()
 

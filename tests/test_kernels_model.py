@@ -254,7 +254,7 @@ def test_routing_errors_are_reported_by_the_kernel():
         idx = [torch.tensor([[0], [1]]), torch.tensor([[2], [9]])]
         group.dispatch(xs, idx, num_out_tokens=8)
         with pytest.raises(RoutingError, match=re.escape("topk_idx values must be in [-1, 3] (num_experts=4), got 9 "
-                                                         "at token 1 on rank 1; this buffer can not be used")):
+                                                         "at token 1 on rank 1") + "$"):
             group.synchronize()
     finally:
         group.close()
@@ -262,7 +262,7 @@ def test_routing_errors_are_reported_by_the_kernel():
     try:
         idx = [torch.tensor([[0, 1], [3, 3]]), torch.tensor([[2, 1], [0, 2]])]
         group.dispatch([torch.ones(2, 256, dtype=torch.bfloat16)] * 2, idx, num_out_tokens=8)
-        with pytest.raises(RoutingError, match="topk_idx routes token 1 to the same expert twice on rank 0: expert 3;"):
+        with pytest.raises(RoutingError, match="topk_idx routes token 1 to the same expert twice on rank 0: expert 3$"):
             group.synchronize()
     finally:
         group.close()

@@ -6,12 +6,15 @@ route to one expert) as not routed, completes the count exchange on every rank a
 its first bad token in its count row; the host reads the lowest bad rank's route with the
 output sizes and raises on every rank alike, and the call's epoch still completes (the layout
 kernel publishes the done flags), so the next call on the same buffer runs. With a static
-size every rank stops the launch naming the same route (the buffer is not used after it).
+size the dispatch kernel follows unread and returns at its start on the info's word; the
+layout kernel records the route, which the next call or synchronize() raises on every rank
+alike, and the buffer stays usable.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -113,24 +116,80 @@ def test_the_lowest_bad_rank_is_named_on_every_rank(monkeypatch):
         group.close()
 
 
-def test_a_static_size_stops_every_rank_naming_the_same_route(monkeypatch):
-    """num_out_tokens given: nothing reads the layout before the dispatch kernel, so every rank
-    stops the launch; the error names the route (its kind known) and no wait ran out."""
+STATIC_ROWS = 64  # num_out_tokens of the static-size calls
+
+
+def _with_bad_route(idx: list[torch.Tensor], rank: int, kind: str, E: int) -> tuple[list[torch.Tensor], int, int]:
+    """Every rank's topk_idx, rank's with one bad route of `kind`: (the list, token, id)."""
+    bad, token, expert = _bad(idx[rank], kind, E)
+    return idx[:rank] + [bad] + idx[rank + 1:], token, expert
+
+
+def _static_group(monkeypatch, W: int, G: int, path: str):
+    """A static-size case on a group of `path` (waits bounded by TIMEOUT_S): (case, group,
+    every rank's x, topk_idx and weights)."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", str(TIMEOUT_S))
-    case = _case(3, 3)
-    for kind in ("E at the first token", "twice at the last token"):
-        group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1)
-        try:
-            E = case.num_experts
-            xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
-            bad, token, expert = _bad(idx[2], kind, E)
-            group.dispatch(xs, idx[:2] + [bad], weights, num_out_tokens=64)
+    case = _case(W, G, num_out_tokens=STATIC_ROWS)
+    group = emulated_group_for(case, "cpu", data_path=path, num_sms_dispatch=2, num_sms_combine=2)
+    return (case, group, *on_device(make_rank_inputs(case), "cpu")[:3])
+
+
+@pytest.mark.parametrize("W,G,path", TOPOLOGIES, ids=[f"W{w}G{g}-{p}" for w, g, p in TOPOLOGIES])
+def test_a_static_call_with_a_bad_route_is_raised_next_and_the_buffer_stays_usable(monkeypatch, W, G, path):
+    """num_out_tokens given: nothing reads the layout before the dispatch kernel, so the call
+    returns; its layout kernel completed it and its dispatch kernel moved nothing. The next
+    call (it launches nothing), or synchronize(), raises the route's ValueError once for every
+    rank, no wait ran out, and the call after it, good routing on the same buffer, matches the
+    oracle; also after two refused calls back to back (the even kinds then the odd ones)."""
+    case, group, xs, idx, weights = _static_group(monkeypatch, W, G, path)
+    try:
+        E, rank = case.num_experts, W - 2
+        for n, kind in enumerate(KINDS):
+            bad, token, expert = _with_bad_route(idx, rank, kind, E)
+            group.dispatch(xs, bad, weights, num_out_tokens=STATIC_ROWS)
             with pytest.raises(RoutingError) as err:
-                group.synchronize()
-            assert str(err.value) == (f"{_message(E, 2, token, expert)}; this buffer can not be used after the "
-                                      f"error, create a new one")
-        finally:
-            group.close()
+                if n % 2:
+                    group.synchronize()
+                else:
+                    group.dispatch(xs, idx, weights, num_out_tokens=STATIC_ROWS)
+            assert str(err.value) == _message(E, rank, token, expert), kind
+            assert group.engine.failure is None and int(group.engine.abort) == 0, kind
+            group.synchronize()  # raised once
+            if n % 2:
+                check_emulated(group, case)
+        check_emulated(group, dataclasses.replace(case, num_out_tokens=None))
+    finally:
+        group.close()
+
+
+COMBINE_TOPOLOGIES = [(3, 3, "receive"), (3, 3, "direct"), (4, 2, "receive")]
+
+
+@pytest.mark.parametrize("W,G,path", COMBINE_TOPOLOGIES, ids=[f"W{w}G{g}-{p}" for w, g, p in COMBINE_TOPOLOGIES])
+def test_a_combine_on_a_refused_calls_handle_moves_nothing(monkeypatch, W, G, path):
+    """The host raises the route before it launches a combine on the refused call's handle.
+    Where it could not know yet (on a GPU the layout kernel may not have run when the host
+    polls; here the poll is skipped), the combine kernels return at their start on every rank
+    alike: no wait runs out, and the buffer's next calls match the oracle."""
+    case, group, xs, idx, weights = _static_group(monkeypatch, W, G, path)
+    try:
+        E, rank = case.num_experts, W - 1
+        bad, token, expert = _with_bad_route(idx, rank, "E at the first token", E)
+        res = group.dispatch(xs, bad, weights, num_out_tokens=STATIC_ROWS)
+        outs = [torch.ones(STATIC_ROWS, case.hidden, dtype=case.dtype) for _ in res]
+        handles = [r.handle for r in res]
+        group.engine._reported = lambda: False  # the host has not seen the record yet
+        ys = group.combine(outs, handles)
+        del group.engine._reported
+        assert [tuple(y.shape) for y in ys] == [(t, case.hidden) for t in case.tokens]
+        assert group.engine.failure is None and int(group.engine.abort) == 0
+        with pytest.raises(RoutingError) as err:
+            group.combine(outs, handles)
+        assert str(err.value) == _message(E, rank, token, expert)
+        check_emulated(group, case)
+        check_emulated(group, dataclasses.replace(case, num_out_tokens=None))
+    finally:
+        group.close()
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):

@@ -334,7 +334,7 @@ inline void bind_common(py::module_& m) {
                       RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
                           RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages)
                               RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns)
-                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error)
+                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

@@ -323,10 +323,12 @@ struct LaunchArgs {
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
   int32_t layout_read;  // layout: the host reads its info before it launches the dispatch kernel
-                        // (dynamic size): a bad route is reported there, not by an abort
+                        // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory
+  uint64_t bad_route;   // ErrorRecord* (mapped pinned host memory) of the last bad route a layout kernel
+                        // found without a host read (a static size): reported, not a failure (no abort)
   RankArgs ranks[kMaxLaunchRanks];
 };
 

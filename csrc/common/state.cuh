@@ -72,6 +72,27 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
   }
 }
 
+// A bad route of a call that moved no rows, where no host read the layout before the dispatch
+// kernel (a static size): a report for the host's next call, not a failure (no abort flag, so
+// the buffer stays usable). Every rank writes the same route. The epoch is zeroed before the
+// fields and written after them, so a host that reads the same non-zero epoch before and
+// after the fields read one call's route.
+__device__ inline void record_bad_route(const LaunchArgs& args, int rank, int token, uint64_t epoch, int num_experts,
+                                        int64_t id) {
+  auto* rec = reinterpret_cast<volatile ErrorRecord*>(args.bad_route);
+  rec->epoch = 0;
+  __threadfence_system();
+  rec->phase = kPhaseBadRouting;
+  rec->rank = rank;
+  rec->peer = token;
+  rec->site = kSiteNone;
+  rec->expected = static_cast<uint64_t>(num_experts);
+  rec->observed = static_cast<uint64_t>(id);
+  __threadfence_system();
+  rec->epoch = epoch;
+  __threadfence_system();
+}
+
 // The waits are cheap while they wait (a waiting thread takes issue slots from the warps
 // doing the work, and an acquire poll invalidates the SM's L1): an mbarrier probe may suspend
 // the thread until its phase completes or kSuspendHintNs pass; a flag is polled relaxed with

@@ -496,7 +496,7 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
 template <typename Rdma, typename Elem, typename Wire>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  if (place.rank.absent) return;
+  if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   CombineShared& sh = dev::block_shared<CombineShared>();
   const Combine<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
                         static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));

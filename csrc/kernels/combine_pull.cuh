@@ -119,7 +119,7 @@ __device__ inline void pull_load(const CombinePull& d, int pipeline, const Ring&
 template <typename Elem>
 __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  if (place.rank.absent) return;
+  if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   PullShared& sh = dev::block_shared<PullShared>();
   const CombinePull d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
                       static_cast<uint32_t>(sizeof(Elem)));

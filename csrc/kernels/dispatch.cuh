@@ -668,7 +668,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
 template <typename Rdma>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  if (place.rank.absent) return;
+  if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   DispatchShared& sh = dev::block_shared<DispatchShared>();
   const Dispatch<Rdma> d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

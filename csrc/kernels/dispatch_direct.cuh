@@ -193,7 +193,7 @@ __device__ inline void store_routes(const DirectDispatch& d, int which) {
 
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
-  if (place.rank.absent) return;
+  if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   DirectDispatchShared& sh = dev::block_shared<DirectDispatchShared>();
   const DirectDispatch d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
   const RankArgs& a = d.a;

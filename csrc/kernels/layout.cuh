@@ -16,10 +16,12 @@
 // A bad route (an id outside [-1, E), or a token's second route to one expert) is counted as
 // not routed, and the block's first bad token goes into its count row beside the counts, so
 // after the exchange every rank holds every rank's and picks the same one, the lowest bad
-// rank's, for its info. Where the host reads the info before the dispatch launch (dynamic
-// size, LaunchArgs::layout_read) it raises the error and launches no dispatch kernel: this
-// kernel then completes the call in the dispatch kernel's place (its done flags), so the next
-// call proceeds. Where the dispatch kernel follows unread, every rank aborts the launch.
+// rank's, for its info. The call then moves no rows: this kernel completes it in the dispatch
+// kernel's place (its done flags), so the next call proceeds. Where the host reads the info
+// before the dispatch launch (dynamic size, LaunchArgs::layout_read) it raises the error and
+// launches no dispatch kernel; where the dispatch kernel follows unread (a static size), that
+// kernel returns at its start on the info's word, and this one records the route
+// (LaunchArgs::bad_route) for the host to raise at its next call.
 #include "common/state.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
@@ -75,9 +77,9 @@ __device__ inline int64_t first_bad_id(const int64_t* routes, int K, int E) {
   return -1;  // not reached for a token the tile loop found bad
 }
 
-// A call whose bad routing the host reports moves no rows: the layout kernel publishes the
-// done flags the dispatch kernel would have, once it read every count row, so every peer's
-// next call finds this rank done with this one (thread 0).
+// A call with a bad route moves no rows: the layout kernel publishes the done flags the
+// dispatch kernel would have, once it read every count row, so every peer's next call finds
+// this rank done with this one (thread 0).
 template <typename Rdma>
 __device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rdma>& h, uint64_t epoch) {
   const Geometry& geo = view.geo;
@@ -85,6 +87,17 @@ __device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rd
   dev::st_release_sys(view.flag(view.rank, geo.reg.done_dispatch, 0), epoch);
   for (int n = 0; h.multi() && n < h.topo.N; ++n)
     if (n != h.node) h.rdma.signal(h.rail_peer(n), geo.rdma.done_dispatch + 8 * h.node, epoch);
+}
+
+// A call with a bad route moves no rows on any rank (each holds the same word in its info):
+// this kernel completes it, and where no host reads the info before the dispatch kernel (a
+// static size) it records the route for the host's next call; the dispatch kernel returns at
+// its start (call_refused). Thread 0.
+template <typename Rdma>
+__device__ inline void refuse_call(const LaunchArgs& args, const RankView& view, const Hierarchy<Rdma>& h,
+                                   const LayoutShared& sh, uint64_t epoch, int E) {
+  complete_unmoved(view, h, epoch);
+  if (!args.layout_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E, sh.bad_id);
 }
 
 template <typename Rdma>
@@ -331,14 +344,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     info[il.bad_route + 2] = sh.bad_rank < 0 ? 0 : sh.bad_id;
   }
   __syncthreads();
-  // A bad routing where no host reads it before the dispatch kernel runs: every rank stops
-  // the launch, naming the same route.
-  if (sh.bad_rank >= 0 && !args.layout_read) {
-    if (tid == 0)
-      record_error(args, kPhaseBadRouting, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E,
-                   static_cast<uint64_t>(sh.bad_id));
-    return;
-  }
   // The direct path: where each source's rows of each local expert start, for the sources to
   // read when they write their rows there themselves (kernels/dispatch_direct.cuh).
   auto* first_row = reinterpret_cast<int32_t*>(view.own() + geo.reg.direct_first);
@@ -359,7 +364,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   if (tid == 0) {
     info[il.dropped] = static_cast<int64_t>(sh.dropped);
     view.state()->dispatch_epoch = epoch;
-    if (sh.bad_rank >= 0) complete_unmoved(view, h, epoch);  // the host raises, no dispatch kernel runs
+    if (sh.bad_rank >= 0) refuse_call(args, view, h, sh, epoch, E);
   }
 }
 

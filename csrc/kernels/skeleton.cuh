@@ -58,6 +58,14 @@ __device__ inline KernelCall kernel_call(const LaunchArgs& args, const BlockPlac
   return KernelCall{args, place.rank, args.geo, view, place.block, place.blocks, epoch, ctl};
 }
 
+// The layout kernel of the rank's call found a bad route (InfoLayout::bad_route: the same word
+// on every rank, written by this rank's layout kernel before this kernel in stream order). The
+// call moves no rows and the layout kernel completed its epoch, so a dispatch kernel of the
+// call, and a combine on its handle, return before they touch a flag or a peer.
+__device__ __forceinline__ bool call_refused(const Geometry& geo, const RankArgs& a) {
+  return reinterpret_cast<const int64_t*>(a.info)[geo.info.bad_route] >= 0;
+}
+
 // Warps [first, first + warps) of a block play `role`.
 template <typename Role>
 struct RoleSpan {

@@ -59,6 +59,8 @@ from .layout import (
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging
 
+RECORD_EPOCH_OFFSET = 16  # common/params.h ErrorRecord: four int32 words, then the epoch
+
 # What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
 # (common/params.h, Phase), read from the loaded module as ext.PHASES {name: code};
 # check_extension makes sure this table names every phase there but "none".
@@ -436,6 +438,11 @@ class Engine:
         # host memory: each call polls it here, without a call into the extension.
         self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
+        # The last bad route a layout kernel recorded without a host read (a static size): not a
+        # failure; each call compares its epoch word with the last one raised, without a sync.
+        self.bad_route = ext.ErrorRecord()
+        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + RECORD_EPOCH_OFFSET)
+        self._bad_route_raised = 0
         self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
@@ -509,25 +516,39 @@ class Engine:
 
     # -- errors --------------------------------------------------------------------------
 
+    def _reported(self) -> bool:
+        """Whether a kernel recorded something the host has not raised (pinned host memory)."""
+        return (self.failure is not None or self._error_phase.value != 0
+                or self._bad_route_epoch.value != self._bad_route_raised)
+
     def raise_if_failed(self) -> None:
-        """Raise the first failure a kernel recorded (reads pinned host memory; no sync)."""
+        """Raise the first failure a kernel recorded, else a bad route of a static-size call not
+        raised yet (reads pinned host memory; no sync)."""
         if self.failure is None:
             record = self.error.read()
-            if record is None:
-                return
-            self.failure = self._describe(record)
-        if self.failure.startswith("topk_idx"):
-            raise RoutingError(self.failure)
-        raise RuntimeError(self.failure)
+            if record is not None:
+                self.failure = self._describe(record)
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        self._raise_bad_route()
+
+    def _raise_bad_route(self) -> None:
+        """The route the last refused static-size call recorded, once: that call moved no rows and
+        completed on every rank, so the buffer stays usable. The device zeroes the epoch before
+        the fields and writes it after them: a read between two equal non-zero readings of the
+        epoch is one call's route."""
+        while (epoch := self._bad_route_epoch.value) != self._bad_route_raised:
+            rec = self.bad_route.read()
+            if epoch == 0 or rec is None or rec["epoch"] != epoch or self._bad_route_epoch.value != epoch:
+                continue  # a layout kernel is writing it
+            self._bad_route_raised = epoch
+            expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
+            raise RoutingError(bad_route_text(rec["expected"], rec["rank"], rec["peer"], expert))
 
     def _describe(self, rec: dict) -> str:
         code = rec["phase"]
         phase = self._phase_names.get(code)
         what = PHASE_TEXT.get(phase, f"phase {code}")
-        if phase == "bad_routing":  # a static size: the dispatch kernel was launched, every rank stopped it
-            expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
-            return (f"{bad_route_text(rec['expected'], rec['rank'], rec['peer'], expert)}; this buffer can not "
-                    f"be used after the error, create a new one")
         if rec["peer"] < 0:  # a wait on this rank's own pipeline, no peer involved
             return self._describe_pipeline(rec, what)
         where = f" on node {rec['peer'] // self.config.ranks_per_node}" if self.config.num_nodes > 1 else ""
@@ -581,6 +602,7 @@ class Engine:
         a.timeout_ns = self.timeout_ns
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr
+        a.bad_route = self.bad_route.device_ptr
         if kind == "dispatch":
             fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
                                      pipelines=launch.DISPATCH_PIPELINES)
@@ -665,7 +687,7 @@ class Engine:
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
-        if self.failure is not None or self._error_phase.value:
+        if self._reported():
             self.raise_if_failed()
         H = self.config.hidden_dim
         dtype = xs[0].dtype
@@ -841,7 +863,7 @@ class Engine:
                 probs: list[torch.Tensor], apply_probs: bool, sms: int,
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
-        if self.failure is not None or self._error_phase.value:
+        if self._reported():
             self.raise_if_failed()
         dtype = rows[0].dtype
         dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
