@@ -7,14 +7,16 @@ differ."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import re
 import types
 
 import pytest
 
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.engine import PHASE_TEXT, PIPE_SITE_TEXT, check_extension
+from hybrid_ep.backends.cuda.engine import PHASE_TEXT, PIPE_SITE_TEXT, RoutingError, check_extension
 from hybrid_ep.backends.cuda.registered import LoopbackRegions, NvshmemRegions
 
 pytestmark = pytest.mark.unit
@@ -92,6 +94,14 @@ def test_the_launch_limits_are_the_bindings(name, python_value):
         check_extension(_copy_of(model, **{name: None}))  # a module built before the name was exported
 
 
+class ErrorRecordFields(ctypes.Structure):
+    """common/params.h ErrorRecord, as the host maps it."""
+
+    _fields_ = [("phase", ctypes.c_int32), ("rank", ctypes.c_int32), ("peer", ctypes.c_int32),
+                ("site", ctypes.c_int32), ("epoch", ctypes.c_uint64), ("expected", ctypes.c_uint64),
+                ("observed", ctypes.c_uint64)]
+
+
 def test_the_engine_describes_each_phase_by_the_modules_code():
     """A timeout message names the phase the record's code stands for in the loaded module."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
@@ -102,8 +112,15 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
             message = group.engine._describe({"phase": code, "rank": 0, "peer": 1, "epoch": 3, "expected": 3,
                                               "observed": 2})
             assert f"waiting for peer rank 1 in {PHASE_TEXT[name]} (call 3, expected 3, saw 2)" in message
-        routing = group.engine._describe({"phase": group.ext.PHASES["bad_routing"], "rank": 1, "peer": 5,
-                                          "epoch": 1, "expected": 4, "observed": 9})
-        assert routing.startswith("topk_idx values must be in [-1, 3] (num_experts=4), got 9 at token 5 on rank 1; ")
+        # a bad route is not a failure: its own record, raised once by the next call, by the module's code
+        record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
+        record.phase, record.rank, record.peer, record.expected, record.observed = (
+            group.ext.PHASES["bad_routing"], 1, 5, 4, 9)
+        record.epoch = 1  # written last, as the layout kernel does
+        with pytest.raises(RoutingError, match=re.escape("topk_idx values must be in [-1, 3] (num_experts=4), got 9 "
+                                                         "at token 5 on rank 1")):
+            group.engine.raise_if_failed()
+        group.engine.raise_if_failed()  # raised once: the buffer works on
+        assert group.engine.failure is None
     finally:
         group.close()
