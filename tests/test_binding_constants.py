@@ -124,3 +124,20 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
         assert group.engine.failure is None
     finally:
         group.close()
+
+
+def test_a_bad_route_record_being_written_is_left_to_the_next_call():
+    """The host reads the record without waiting: a record whose epoch word is still 0 (a
+    layout kernel between its writes) raises nothing now and the whole route later."""
+    group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
+    try:
+        record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
+        group.engine._bad_route_raised = 7  # a route was raised before; the kernel zeroed the epoch
+        record.phase, record.rank, record.peer, record.expected, record.observed = (
+            group.ext.PHASES["bad_routing"], 0, 2, 4, 4)
+        group.engine.raise_if_failed()  # returns: nothing complete to raise
+        record.epoch = 8
+        with pytest.raises(RoutingError, match=re.escape("got 4 at token 2 on rank 0")):
+            group.engine.raise_if_failed()
+    finally:
+        group.close()

@@ -60,6 +60,7 @@ from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging
 
 RECORD_EPOCH_OFFSET = 16  # common/params.h ErrorRecord: four int32 words, then the epoch
+BAD_ROUTE_READS = 1000  # reads of a bad-route record being written before a call leaves it to the next
 
 # What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
 # (common/params.h, Phase), read from the loaded module as ext.PHASES {name: code};
@@ -536,8 +537,12 @@ class Engine:
         """The route the last refused static-size call recorded, once: that call moved no rows and
         completed on every rank, so the buffer stays usable. The device zeroes the epoch before
         the fields and writes it after them: a read between two equal non-zero readings of the
-        epoch is one call's route."""
-        while (epoch := self._bad_route_epoch.value) != self._bad_route_raised:
+        epoch is one call's route. A record still being written after BAD_ROUTE_READS reads is
+        left to the next call: the host never waits on a kernel here."""
+        for _ in range(BAD_ROUTE_READS):
+            epoch = self._bad_route_epoch.value
+            if epoch == self._bad_route_raised:
+                return
             rec = self.bad_route.read()
             if epoch == 0 or rec is None or rec["epoch"] != epoch or self._bad_route_epoch.value != epoch:
                 continue  # a layout kernel is writing it
