@@ -36,6 +36,11 @@ class BufferConfig:
     # arena.training_bytes); None: one worst-case call's worth (fp32 rows); 0: no arena, the
     # receive path. The combine staging region (staging.py) comes on top of it.
     arena_bytes: int | None = None
+    # Chunks (of kChunkTokens tokens) one rank may have in a peer's ring before it waits for the
+    # peer to free one: every ring of rows between ranks (receive rows, partial sums, RDMA
+    # staging) holds this many chunks per peer, so the memory held is bounded independently of
+    # the routing, and a call that routes more rows to one rank takes more turns of its ring.
+    ring_chunks: int = 8
 
     def validate(self) -> "BufferConfig":
         require_int("hidden_dim", self.hidden_dim, 1)
@@ -47,6 +52,7 @@ class BufferConfig:
         require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
         if self.arena_bytes is not None:
             require_int("arena_bytes", self.arena_bytes, 0)
+        require_int("ring_chunks", self.ring_chunks, 2)
         if self.num_experts % self.world_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the EP world size "

@@ -292,7 +292,7 @@ inline void bind_common(py::module_& m) {
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
-      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
+      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks) RW(RegLayout, ring_chunks)
           RW(RegLayout, combine_signal) RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state)
               RW(RegLayout, count_in) RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)

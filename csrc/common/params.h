@@ -142,6 +142,7 @@ struct RegLayout {
   uint64_t count_epoch;     // u64 [W]: epoch of the counts source s wrote
   uint64_t chunk_signal;    // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
+  uint64_t ring_chunks;     // chunk slots per peer of every ring of rows between ranks (BufferConfig.ring_chunks)
   uint64_t combine_signal;  // u64 [W][max_chunks]: expert host d wrote the partials of chunk c (epoch)
   uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read

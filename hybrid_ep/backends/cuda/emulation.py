@@ -40,14 +40,15 @@ class EmulatedGroup:
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
-                 ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None):
+                 ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
+                 ring_chunks: int = BufferConfig.ring_chunks):
         if not 1 <= world_size <= MAX_EMULATED_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert,
-                                   arena_bytes=arena_bytes).validate()
+                                   arena_bytes=arena_bytes, ring_chunks=ring_chunks).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config, inter_node=True)
         if device is None:

@@ -52,6 +52,7 @@ class RegisteredLayout:
     count_epoch: int
     chunk_signal: int
     max_chunks: int
+    ring_chunks: int
     combine_signal: int
     done_dispatch: int
     done_combine: int
@@ -90,6 +91,7 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields = {}
     fields["count_epoch"] = take(8 * W)
     fields["max_chunks"] = max(1, -(-Tmax // CHUNK_TOKENS))
+    fields["ring_chunks"] = config.ring_chunks
     fields["chunk_signal"] = take(CHUNK_SIGNAL_BYTES * W * fields["max_chunks"])
     fields["combine_signal"] = take(8 * W * fields["max_chunks"])
     fields["done_dispatch"] = take(8)
