@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class BufferSpec:
     name: str
@@ -23,6 +27,23 @@ class MemoryPlan:
         return sum(b.nbytes for b in self.buffers if b.registered)
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes per GPU the buffer holds for its whole life (its registered regions): what a
+        user plans a job's memory by. Outputs come from PyTorch's allocator per call."""
+        return self.registered_bytes
+
+    def held_by_region(self) -> dict[str, int]:
+        """held_bytes by region, regions that hold nothing left out."""
+        return {b.name: b.nbytes for b in self.buffers if b.registered and b.nbytes}
+
+    def summary(self) -> str:
+        """One line for a log: the bytes held per GPU and the largest regions."""
+        regions = sorted(self.held_by_region().items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{name} {_mib(n)}" for name, n in regions[:4])
+        more = f", {len(regions) - 4} more" if len(regions) > 4 else ""
+        return f"{self.backend} backend holds {_mib(self.held_bytes)} per GPU ({parts}{more})"
+
+    @property
     def workspace_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers if not b.registered)
 
@@ -35,7 +56,7 @@ class MemoryPlan:
             kind = "registered" if b.registered else "per call"
             lines.append(f"  {b.name:<16} {b.nbytes / 2**20:12.2f} MiB  {kind:<10}  {b.purpose}")
         lines.append(
-            f"  registered total {self.registered_bytes / 2**20:.2f} MiB, "
-            f"per-call worst case {self.workspace_bytes / 2**20:.2f} MiB"
+            f"  held for the buffer's life {self.held_bytes / 2**20:.2f} MiB, "
+            f"per-call worst case (PyTorch's allocator) {self.workspace_bytes / 2**20:.2f} MiB"
         )
         return "\n".join(lines)

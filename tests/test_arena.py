@@ -148,10 +148,11 @@ def test_fp8_calls_carry_their_scales_in_the_block(region):
     assert a.used == 4 * ALIGN
 
 
-def test_default_size_is_one_worst_case_fp32_call_and_the_knob_wins():
+def test_no_arena_unless_asked_for_and_the_knob_wins():
     cfg = BufferConfig(512, 64, 8, 4, 4).validate()
+    assert arena_mod.arena_bytes(cfg) == 0
+    assert arena_mod.arena_bytes(BufferConfig(512, 64, 8, 4, 4, arena_bytes=0).validate()) == 0
     rows = max_output_rows(cfg, 2)
-    assert arena_mod.arena_bytes(cfg) == call_bytes(rows, 512, torch.float32)
     assert call_bytes(rows, 512, torch.float32) == rows * 512 * 4 + rows * 4  # 256-byte multiples here
     sized = BufferConfig(512, 64, 8, 4, 4, arena_bytes=1000).validate()
     assert arena_mod.arena_bytes(sized) == 4 * ALIGN

@@ -1,9 +1,12 @@
-"""The direct path through each rank's arena, on the CPU model: outputs come from the arena,
+"""The direct path through each rank's arena (opt-in: what ranks in separate processes need to
+address each other's tensors), on the CPU model: outputs come from the arena,
 a call the arenas can not hold takes the receive path on every rank (one log line per
 process) and still matches the oracle, an expert_out outside the arena is copied into the
 rank's one combine staging region (and one inside is not), its users on different streams
 are ordered, a training step of several layers goes direct on every layer with the arena
-sized for it, and memory_plan() reports the arena and the staging region."""
+sized for it, and memory_plan() reports the arena and the staging region. Without an arena,
+ranks that share a process take the direct path on outputs from PyTorch's allocator, and
+ranks in separate processes the receive path."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda import engine as engine_mod
-from hybrid_ep.backends.cuda.arena import arena_bytes, call_bytes, expected_rows, training_bytes
+from hybrid_ep.backends.cuda.arena import call_bytes, expected_rows, training_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.staging import StreamOrder, staging_bytes
 from hybrid_ep.config import BufferConfig
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.model
 model = importlib.import_module("hybrid_ep._model")
 
 FALLBACK = "took the receive path instead of the direct path"
+ARENA = 1 << 20  # holds many calls of _case's shape; its staging region every call's rows
 
 
 def _case(**kw) -> Case:
@@ -63,9 +67,10 @@ def test_a_too_small_arena_falls_back_with_one_log_line_and_matches_the_oracle(f
             assert all(r.handle.source.topk_idx_TK is None for r in res)
         lines = [r.getMessage() for r in fresh_log.records if FALLBACK in r.getMessage()]
         assert len(lines) == 1, lines
-        assert "rank 0's arena can not hold" in lines[0] and "arena_bytes" in lines[0]
+        # the staging region is sized by the arena: the smaller of the two names the rank first
+        assert "rank 0's" in lines[0] and "arena" in lines[0] and "arena_bytes" in lines[0]
         # ... and says how to size it for training
-        assert "arena.training_bytes(layers_in_flight" in lines[0] and "--hybrid-ep-arena-layers" in lines[0]
+        assert "arena.training_bytes(layers_in_flight" in lines[0]
         assert group.engine.staging.uses == 0
     finally:
         group.close()
@@ -102,7 +107,7 @@ def test_live_outputs_exhaust_the_arena_and_released_ones_serve_again(fresh_log)
 
 def test_combine_copies_only_an_expert_out_outside_the_arena():
     case = _case()
-    group = _group(case)
+    group = _group(case, arena_bytes=ARENA)
     try:
         xs, idx, weights, _ = on_device(make_rank_inputs(case), torch.device("cpu"))
         res = group.dispatch(xs, idx, weights)
@@ -213,7 +218,7 @@ def test_combines_on_another_stream_wait_for_the_last_user_of_the_staging_region
     combine's kernel, before its copy; a combine whose expert_out is in the arena does not
     touch the region and neither waits nor records. Every combine matches the oracle."""
     case = _case()
-    group = _group(case)
+    group = _group(case, arena_bytes=ARENA)
     engine = group.engine
     staging = engine.staging
     try:
@@ -261,7 +266,7 @@ def test_a_static_size_past_the_staging_region_falls_back(fresh_log):
     """num_out_tokens above the most rows a dynamic dispatch of the buffer makes: the staging
     region could not hold its combine's expert_out, so the call takes the receive path."""
     case = _case()
-    group = _group(case)
+    group = _group(case, arena_bytes=ARENA)
     try:
         rows = group.engine.staging.rows + 10
         res = check_emulated(group, dataclasses.replace(case, num_out_tokens=rows))
@@ -273,30 +278,61 @@ def test_a_static_size_past_the_staging_region_falls_back(fresh_log):
         group.close()
 
 
-def test_no_arena_means_the_receive_path():
+def test_without_an_arena_one_process_goes_direct_on_torch_outputs():
+    """Ranks that share a process address each other's tensors as they are: the direct path's
+    outputs are ordinary tensors from PyTorch's allocator, nothing lies in registered memory,
+    and combine reads an expert_out where it lies (no staging)."""
     case = _case()
-    group = _group(case, arena_bytes=0)
+    group = _group(case)
     try:
-        assert group.engine.data_path == "receive" and group.engine.arenas == []
-        res = check_emulated(group, case)
-        assert res[0].handle.data_path == "receive"
+        engine = group.engine
+        assert engine.data_path == "direct" and engine.arenas == [] and engine.staging is None
+        assert group.buffers.arena_bytes == 0
+        for seed in (0, 1):
+            res = check_emulated(group, dataclasses.replace(case, seed=seed))
+            assert [r.handle.data_path for r in res] == ["direct"] * 3
+            registered = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in group.buffers.tables]
+            for r in res:
+                assert r.tokens._base is None and r.tokens.untyped_storage().nbytes() == r.tokens.nbytes
+                assert not any(lo <= r.tokens.data_ptr() < hi for lo, hi in registered)
     finally:
         group.close()
-    with pytest.raises(ValueError, match="data_path=direct needs one node whose ranks map each other's arenas"):
-        _group(case, arena_bytes=0, data_path="direct")
+
+
+def test_without_an_arena_ranks_in_separate_processes_take_the_receive_path():
+    """One rank per process (an engine that drives one rank of the group, with a vote): no
+    arena means its peers can not reach its tensors, so the buffer takes the receive path,
+    and asking for the direct path is refused with the reason."""
+    from hybrid_ep.backends.cuda.engine import Engine
+
+    case = _case()
+    group = _group(case)
+    try:
+        b = group.buffers
+        engine = Engine(group.ext, group.config, [0], b.tables[:1], group.device, arenas=b, vote=lambda ok: ok)
+        assert engine.data_path == "receive" and engine.arenas == [] and engine.staging is None
+        with pytest.raises(ValueError, match="data_path=direct needs one node whose ranks address each other"):
+            Engine(group.ext, group.config, [0], b.tables[:1], group.device, data_path="direct", arenas=b,
+                   vote=lambda ok: ok)
+    finally:
+        group.close()
 
 
 def test_memory_plan_reports_the_arena_and_the_staging_region():
     one_node = BufferConfig(512, 64, 8, 4, 4).validate()
     plan = memory_plan(one_node).as_dict()
-    assert plan["arena"] == arena_bytes(one_node) > 0
-    rows = 4 * 64 * 2  # every token of every rank to both local experts
-    assert plan["combine_staging"] == staging_bytes(one_node) == rows * 512 * 4 + rows * 4
-    sized = memory_plan(dataclasses.replace(one_node, arena_bytes=1 << 20)).as_dict()
-    assert sized["arena"] == 1 << 20 and sized["combine_staging"] == plan["combine_staging"]
-    none = memory_plan(dataclasses.replace(one_node, arena_bytes=0)).as_dict()
-    assert none["arena"] == none["combine_staging"] == 0  # no direct path, no staging
-    two_nodes = memory_plan(BufferConfig(512, 64, 8, 4, 2).validate()).as_dict()
+    assert plan["arena"] == plan["combine_staging"] == 0  # opt-in: none by default
+    sized_config = dataclasses.replace(one_node, arena_bytes=1 << 20)
+    sized = memory_plan(sized_config).as_dict()
+    # the staging region holds fp32 rows of as many rows as a bf16 call in the arena: 1 MiB /
+    # (512 x 2 + 4) = 1020, fewer than the 512 rows of the largest call (every token of every
+    # rank to both local experts), so 512
+    rows = 4 * 64 * 2
+    assert sized["arena"] == 1 << 20
+    assert sized["combine_staging"] == staging_bytes(sized_config) == rows * 512 * 4 + rows * 4
+    small_config = dataclasses.replace(one_node, arena_bytes=100 * (512 * 2 + 4))
+    assert staging_bytes(small_config) == 100 * 512 * 4 + 512  # 100 rows, probs aligned to 256 bytes
+    two_nodes = memory_plan(BufferConfig(512, 64, 8, 4, 2, arena_bytes=1 << 20).validate()).as_dict()
     assert two_nodes["arena"] == two_nodes["combine_staging"] == 0
 
 
@@ -304,7 +340,7 @@ def test_a_vote_against_sends_every_rank_to_the_receive_path(fresh_log):
     """One process per GPU: this process's arenas could serve, but another rank's vote says no
     (agreement.PathVote); the engine then takes the receive path, which still matches."""
     case = _case()
-    group = _group(case)
+    group = _group(case, arena_bytes=ARENA)
     try:
         votes = []
         group.engine.vote = lambda ok: votes.append(ok) or False
@@ -317,17 +353,19 @@ def test_a_vote_against_sends_every_rank_to_the_receive_path(fresh_log):
         group.close()
 
 
-T1, H1, E1, K1 = 64, 256, 8, 8  # the default arena holds one call of this shape, not two
+T1, H1, E1, K1 = 64, 256, 8, 8
+ONE_CALL = call_bytes(T1 * K1, H1, torch.bfloat16)  # an arena of one call of this shape, not two
 
 
 @contextlib.contextmanager
 def _one_rank_direct_buffer():
-    """A HybridEPBuffer of one rank over the cuda backend on the CPU model (direct path, the
-    default arena) and a routing of T1 tokens to K1 of E1 experts: (buf, group, x, idx, w)."""
+    """A HybridEPBuffer of one rank over the cuda backend on the CPU model (direct path, an
+    arena of one call) and a routing of T1 tokens to K1 of E1 experts: (buf, group, x, idx, w)."""
     from hybrid_ep.backends.cuda.emulation import EmulatedGroup
     from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
 
-    g = EmulatedGroup(1, H1, T1, E1, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1)
+    g = EmulatedGroup(1, H1, T1, E1, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1,
+                      arena_bytes=ONE_CALL)
     try:
         with _world_of_one():
             gen = torch.Generator().manual_seed(0)
@@ -338,9 +376,9 @@ def _one_rank_direct_buffer():
         g.close()
 
 
-def test_a_buffer_loop_stays_direct_with_the_default_arena(fresh_log):
+def test_a_buffer_loop_stays_direct_with_an_arena_of_one_call(fresh_log):
     """HybridEPBuffer's last_call records each call without keeping its handle, so with the
-    default arena (one call) every call of a loop that drops its outputs goes direct, and the
+    an arena of one call every call of a loop that drops its outputs goes direct, and the
     record still reports the call's traffic."""
     with _one_rank_direct_buffer() as (buf, g, x, idx, w):
         paths = []
@@ -361,7 +399,7 @@ def test_a_buffer_loop_stays_direct_with_the_default_arena(fresh_log):
         torch.testing.assert_close(y.float(), K1 * x.float(), rtol=0, atol=0)
 
 
-def test_a_training_forward_loop_stays_direct_with_the_default_arena(fresh_log):
+def test_a_training_forward_loop_stays_direct_with_an_arena_of_one_call(fresh_log):
     """hybrid_ep.dispatch + combine with inputs that ask for gradients, outputs dropped after
     each pair: the autograd graph must not keep a call's arena block past its outputs (it kept
     it while dispatch returned a copy of the probs: every other call then took the receive
@@ -385,8 +423,8 @@ def test_a_training_forward_loop_stays_direct_with_the_default_arena(fresh_log):
 
 
 def test_an_emulated_group_takes_the_cases_arena():
-    """The GPU tests size the arena of their largest cases through Case.arena_bytes (all W
-    ranks' buffers share one GPU there); the group and the group cache honour it."""
+    """A case that asks for an arena (Case.arena_bytes) gets a group with one, and one without
+    a group without: the group cache keys on it."""
     from hybrid_ep.backends.cuda.arena import aligned
     from hybrid_ep.testing.emulated import GroupCache
 
@@ -394,7 +432,7 @@ def test_an_emulated_group_takes_the_cases_arena():
     sized = dataclasses.replace(case, arena_bytes=3 * 4096)
     cache = GroupCache("cpu", num_sms_dispatch=2, num_sms_combine=2)
     default = cache(case)
-    assert default.buffers.arena_bytes == staging_bytes(case.config) + arena_bytes(case.config)
+    assert default.buffers.arena_bytes == 0 and default.engine.arenas == []
     group = cache(sized)
     assert group is not default
     assert group.config.arena_bytes == 3 * 4096

@@ -12,9 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from hybrid_ep.backends.cuda.arena import call_bytes
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.routing import max_output_rows
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
 from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device
@@ -39,24 +37,12 @@ def _case(W, **kw):
     return Case(**base)
 
 
-def _own_dtype_arena(case: Case) -> Case:
-    """The case with an arena for its largest call in its own dtype, not the default's fp32
-    rows: in emulation all W ranks' registered buffers share one GPU, and at W = 8 with
-    4096 x 8192 bf16 tokens (or 2048 x 7168 with fp32 partials) the defaults (6.5 and 8.5 GB
-    a rank) and the float64 oracle exceed an 80 GB H100. The default arena is checked by the
-    other cases (check_emulated asserts they stay on the direct path)."""
-    cfg = case.config
-    rows = max_output_rows(cfg, min(cfg.experts_per_rank, case.topk))
-    return dataclasses.replace(case, arena_bytes=call_bytes(rows, cfg.hidden_dim, case.dtype,
-                                                            fp8=case.dtype == FP8_DTYPE))
-
-
 CASES = [
     # world sizes, odd and zero token counts
     _case(1, tokens=(17,), topk=1),
     _case(2, tokens=(0, 17)),
     _case(4, tokens=(1, 17, 0, 4095), topk=8, num_experts=16),
-    _own_dtype_arena(_case(8, tokens=(4096,) * 8, topk=8, num_experts=16, hidden=8192)),
+    _case(8, tokens=(4096,) * 8, topk=8, num_experts=16, hidden=8192),
     # hidden sizes and dtypes
     _case(4, hidden=128, dtype=torch.float32, tokens=(17, 1, 0, 33)),
     _case(4, hidden=7168, dtype=FP8_DTYPE, tokens=(4095, 17, 1, 0), topk=8, num_experts=32),
@@ -73,8 +59,7 @@ CASES = [
     _case(4, apply_probs=True, topk=8, num_experts=16, dtype=torch.float32, tokens=(64, 17, 0, 5)),
     # combine's wire: fp32 partials for bf16 rows (default: bf16, rounded once per hop)
     _case(4, hidden=7168, topk=8, num_experts=16, tokens=(4095, 17, 1, 0), wire_dtype=torch.float32),
-    _own_dtype_arena(_case(8, hidden=7168, topk=8, num_experts=64, tokens=(2048,) * 8, dtype=torch.float16,
-                           wire_dtype=torch.float32)),
+    _case(8, hidden=7168, topk=8, num_experts=64, tokens=(2048,) * 8, dtype=torch.float16, wire_dtype=torch.float32),
     # small rows batched 32 to a FIFO stage, with partial stages
     _case(4, hidden=128, topk=8, num_experts=16, tokens=(4096, 33, 17, 0)),
     # static size: overflow (drops counted), exact, larger (trailing zero rows), zero

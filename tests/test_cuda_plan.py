@@ -48,19 +48,28 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
     assert memory_plan(cfg).registered_bytes == reg.total + direct_region_bytes(cfg)  # staging and arena follow
 
 
-def test_seed_configuration_memory_plan():
-    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank,
-    then the combine staging region (an fp32 expert_out of the worst-case call, 65536 rows,
-    and its probs) and the arena: one worst-case direct call's outputs (the same bytes), 4 GiB
-    together, as the arena with a combine reserve per call was."""
+def test_memory_plan_lines_cover_every_registered_region_once():
+    """memory_plan()'s registered lines add up to the registered layout: a region added to or
+    renamed in layout.py without a line here fails, instead of going unreported."""
+    from hybrid_ep.backends.cuda.backend import REGISTERED_LINES
+
+    named = [r for _, regions, _ in REGISTERED_LINES for r in regions]
+    assert len(named) == len(set(named))
+    for cfg in (_cfg(), _cfg(W=8, E=256, H=7168, T=4096, G=4)):
+        assert set(named) == set(registered_layout(cfg).region_bytes())
+        plan = memory_plan(cfg).as_dict()
+        assert sum(plan[line] for line, _, _ in REGISTERED_LINES) == registered_layout(cfg).total
+
+
+def test_outputs_are_not_held_and_the_arena_is_opt_in():
+    """Nothing a call returns is held by the buffer: the dispatch output is a per-call line (from
+    PyTorch's allocator); the arena and its staging region hold bytes only when asked for."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
-    assert sizes["recv_rows"] == 8 * 4096 * 8192 * 4
-    assert sizes["comb_rows"] == 8 * 4096 * 8192 * 4
-    assert plan.registered_bytes - sizes["arena"] - sizes["combine_staging"] < 2.01 * 2**30
-    rows = 8 * 4096 * 2
-    assert sizes["arena"] == rows * 8192 * 4 + rows * 4
-    assert sizes["combine_staging"] == rows * 8192 * 4 + rows * 4
+    assert sizes["arena"] == sizes["combine_staging"] == 0
+    out = next(b for b in plan.buffers if b.name == "dispatch_out")
+    assert not out.registered and out.nbytes == 8 * 4096 * 2 * 8192 * 4  # every route of every rank, fp32
+    assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
 
 
 def test_info_offsets_are_contiguous():
@@ -394,13 +403,14 @@ def test_cuda_backend_by_name_runs_over_a_gloo_group(single_rank_group):
 
 
 def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
-    # One node whose ranks map each other's arenas and agree per call goes direct; several
-    # nodes, or no arena, take the receive path. The variable and the argument pick one, checked.
+    # One node whose ranks address each other's tensors and agree per call goes direct;
+    # several nodes, or separate processes without an arena, take the receive path. The
+    # variable and the argument pick one, checked.
     assert launch.data_path(True, environ={}) == "direct"
     assert launch.data_path(False, environ={}) == "receive"
     assert launch.data_path(True, environ={launch.DATA_PATH_ENV: "receive"}) == "receive"
     assert launch.data_path(True, "receive", environ={launch.DATA_PATH_ENV: "direct"}) == "receive"
-    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH=direct needs one node whose ranks map"):
+    with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH=direct needs one node whose ranks address each other"):
         launch.data_path(False, environ={launch.DATA_PATH_ENV: "direct"})
     with pytest.raises(ValueError, match="HYBRID_EP_DATA_PATH must be one of direct, receive, got 'push'"):
         launch.data_path(True, environ={launch.DATA_PATH_ENV: "push"})

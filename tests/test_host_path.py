@@ -51,19 +51,27 @@ def _inputs(seed=0):
     return xs, idx, ws
 
 
-@pytest.fixture(params=["receive", "direct"])
+ARENA = 1 << 20  # an opt-in arena (what ranks in separate processes need for the direct path)
+
+
+@pytest.fixture(params=["receive", "direct", "arena"])
 def group(request):
-    g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=request.param)
+    """The receive path; the direct path on outputs from PyTorch's allocator (ranks in one
+    process); the direct path on an arena the caller asked for."""
+    path, arena = ("direct", ARENA) if request.param == "arena" else (request.param, None)
+    g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path,
+                      arena_bytes=arena)
     yield g
     g.close()
 
 
 def _assert_outputs_only(mode, group, receive_ops: dict, ranks: int = W) -> None:
     """The operations of the receive path are `receive_ops`, its out rows and probs among the
-    empties. On the direct path those two are the tensors of one arena block per rank, which
-    the extension makes (DLPack, no tensor operation): the same minus those empties."""
+    empties; so are the direct path's on outputs from PyTorch's allocator. With an arena those
+    two are the tensors of one arena block per rank, which the extension makes (DLPack, no
+    tensor operation): the same minus those empties."""
     ops = dict(mode.ops)
-    if group.engine.data_path == "direct":
+    if group.engine.arenas:
         receive_ops = dict(receive_ops, empty=receive_ops["empty"] - 2 * ranks)
         receive_ops = {k: v for k, v in receive_ops.items() if v}
     assert ops == receive_ops, mode.ops
@@ -194,7 +202,7 @@ class _Calls:
 
 
 def test_static_dispatch_is_one_call_into_the_host_path(group):
-    """A static-size dispatch is one call into the extension's host path: on the direct path
+    """A static-size dispatch is one call into the extension's host path: with an arena
     dispatch_into launches both kernels and returns the arena blocks' tensors."""
     xs, idx, ws = _inputs()
     e = group.engine
@@ -203,11 +211,12 @@ def test_static_dispatch_is_one_call_into_the_host_path(group):
         res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
     finally:
         e.host = proxy.host
-    direct = e.data_path == "direct"
-    assert proxy.calls == ["dispatch_into" if direct else "dispatch"]
+    arena = bool(e.arenas)
+    assert arena == (group.config.arena_bytes is not None)
+    assert proxy.calls == ["dispatch_into" if arena else "dispatch"]
     for i, r in enumerate(res):
         assert r.tokens.shape == (STATIC, H) and r.probs.shape == (STATIC,)
-        assert not direct or (e.arenas[i].contains(r.tokens) and e.arenas[i].contains(r.probs))
+        assert not arena or (e.arenas[i].contains(r.tokens) and e.arenas[i].contains(r.probs))
     ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
     group.synchronize()
     for r in range(W):
@@ -291,8 +300,8 @@ class _AfterRead:
 
 def test_dynamic_dispatch_makes_only_its_outputs_after_the_read(group):
     """Between the host read and the dispatch launch a dynamic-size dispatch makes its
-    outputs and nothing else: rows and probs per rank on the receive path, nothing on the
-    direct path (the arena's tensors come from the extension); the gather of the output
+    outputs and nothing else: rows and probs per rank, nothing with an arena (its tensors
+    come from the extension); the gather of the output
     sizes and the results are made before and after."""
     xs, idx, ws = _inputs()
     e = group.engine
@@ -307,7 +316,7 @@ def test_dynamic_dispatch_makes_only_its_outputs_after_the_read(group):
     finally:
         e.host = host
     assert proxy.launches == 1 and res[0].send.data_path == e.data_path
-    assert dict(mode.ops) == ({} if e.data_path == "direct" else {"empty": 2 * W}), mode.ops
+    assert dict(mode.ops) == ({} if e.arenas else {"empty": 2 * W}), mode.ops
     ys = e.combine([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
                    [r.probs_R for r in res], True, 1)
     group.synchronize()

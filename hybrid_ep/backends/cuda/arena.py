@@ -33,8 +33,6 @@ import numpy as np
 import torch
 
 from ...config import FP8_BLOCK
-from ...routing import max_output_rows
-from .layout import MAX_TOPK
 
 ALIGN = 256  # bytes; every block starts on this boundary (the kernels need 16, TMA likes 128)
 
@@ -243,16 +241,10 @@ def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch
     return [(t[0], t[1], t[2] if fp8 else None) for t in taken.tensors()]
 
 
-def default_bytes(config) -> int:
-    """One worst-case direct call's outputs (every output row the buffer allows, fp32 rows:
-    any dtype fits, as the receive buffers are sized): BufferConfig.arena_bytes when unset.
-    With the staging region beside it (staging.py, as large) the default takes what one
-    call with its own combine room took before."""
-    rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
-    return call_bytes(rows, config.hidden_dim, torch.float32)
-
-
 def arena_bytes(config) -> int:
-    """Bytes of each rank's arena for dispatch outputs: BufferConfig.arena_bytes, else
-    default_bytes."""
-    return aligned(default_bytes(config) if config.arena_bytes is None else config.arena_bytes)
+    """Bytes of each rank's arena for dispatch outputs: BufferConfig.arena_bytes, 0 unless a
+    caller asks for one. Without an arena a group whose ranks share one process (the
+    single-GPU emulation) writes its outputs straight into tensors from PyTorch's allocator,
+    and a group of one rank per process takes the receive path, whose rings hold bounded
+    memory (docs/architecture.md, "Memory")."""
+    return aligned(config.arena_bytes or 0)

@@ -17,34 +17,40 @@ from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
 from .nvshmem import heap_spec
 from .registered import NvshmemRegions, RegisteredBuffers
 
+# The registered regions of layout.RegisteredLayout, grouped as memory_plan() reports them:
+# (line, regions, what it holds). Every region is in exactly one line (tests/test_cuda_plan.py).
+REGISTERED_LINES = (
+    ("flags+counts", ("count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
+                      "count_in", "direct_tensors", "direct_first", "direct_done"),
+     "monotonic signals, per-rank state, exchanged counts, the direct path's tables"),
+    ("recv_meta", ("recv_meta",), "routing entries of received rows"),
+    ("recv_rows", ("recv_rows",), "received rows, sized for fp32"),
+    ("recv_scales", ("recv_scales",), "fp8 scales of received rows"),
+    ("comb_rows", ("comb_rows",), "partial sums pushed back by expert hosts, sized for an fp32 wire"),
+    ("comb_fwd", ("comb_fwd", "comb_fwd_signal"), "several nodes: partials of this node's ranks for sources on "
+                                                  "other nodes, at their rail peer"),
+)
+
 
 def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
-    """Registered bytes per rank, known before allocation; per-call worst cases alongside."""
-    reg = registered_layout(config)
-    H = config.hidden_dim
-    regions = reg.region_bytes()
-    specs = [
-        BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "chunk_signal", "combine_signal",
-                                                            "done_dispatch", "done_combine", "state", "count_in",
-                                                            "direct_tensors", "direct_first", "direct_done")),
-                   True, "monotonic signals, per-rank state, exchanged counts, the direct path's tables"),
-        BufferSpec("recv_meta", regions["recv_meta"], True, "routing entries of every received row"),
-        BufferSpec("recv_rows", regions["recv_rows"], True, "one row per (token, this rank), sized for fp32"),
-        BufferSpec("recv_scales", regions["recv_scales"], True, "fp8 scales of received rows"),
-        BufferSpec("comb_rows", regions["comb_rows"], True, "partial sums pushed back by expert hosts, sized for "
-                                                            "an fp32 wire"),
-    ]
+    """Bytes each rank holds for the buffer's life (registered regions, the NVSHMEM heap, an
+    opt-in arena), known before allocation; the outputs of a call come from PyTorch's
+    allocator at the call's size (the per-call line: the worst case)."""
+    regions = registered_layout(config).region_bytes()
+    specs = [BufferSpec(line, sum(regions[r] for r in names), True, purpose)
+             for line, names, purpose in REGISTERED_LINES]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     one_node = config.num_nodes == 1
     specs.append(BufferSpec("combine_staging", staging.staging_bytes(config) if one_node else 0, True,
-                            "where every direct combine copies an expert_out from outside the arena: fp32 rows "
-                            "of the largest call and their probs, reused by each combine"))
+                            "with an arena (opt-in): where a direct combine copies an expert_out from outside "
+                            "the arena, fp32 rows as many as a bf16 call in the arena"))
     specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
-                            "the direct path's dispatch outputs (BufferConfig.arena_bytes): each kept output "
-                            "(a training layer in flight) takes its rows, probs and fp8 scales, arena.call_bytes"))
+                            "opt-in (BufferConfig.arena_bytes): dispatch outputs peers in other processes write, "
+                            "each kept output taking arena.call_bytes"))
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
-    specs.append(BufferSpec("dispatch_out", worst_rows * H * 4, False, "expert-major output, fp32 worst case"))
+    specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
+                            "expert-major output from PyTorch's allocator, fp32 worst case"))
     return MemoryPlan(name, tuple(specs))
 
 

@@ -126,10 +126,10 @@ _fallbacks_logged: set[str] = set()  # the reason of the first call that left th
 
 
 # How to size the arena, in the fallback line: what a training step keeps there.
-ARENA_SIZING = ("Size it with HybridEPBuffer(arena_bytes=...): each dispatch output kept alive (in training, one "
-                "per MoE layer in flight until its backward) takes arena.call_bytes(rows, hidden, dtype), and "
-                "arena.training_bytes(layers_in_flight, rows, hidden, dtype) sizes a training step; Megatron: "
-                "--hybrid-ep-arena-layers (docs/megatron.md)")
+ARENA_SIZING = ("The arena (HybridEPBuffer(arena_bytes=...), opt-in, for ranks in separate processes) holds "
+                "each dispatch output kept alive (in training, one per MoE layer in flight until its backward): "
+                "arena.call_bytes(rows, hidden, dtype) each, arena.training_bytes(layers_in_flight, rows, hidden, "
+                "dtype) for a training step")
 
 
 def _log_fallback(reason: str) -> None:
@@ -451,19 +451,23 @@ class Engine:
         self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
         self.store_groups_override = launch.store_groups_override()  # HYBRID_EP_STORE_GROUPS, likewise
-        # The direct path needs every rank's arena mapped here (one node), and every rank to
-        # choose the same path per call: all ranks in this process, or a vote. Published
-        # tensors are offsets from each rank's arena base (HYBRID_EP_DATA_PATH, likewise).
-        # data_path is the buffer's path; a call the arenas can not serve takes the receive
-        # path (_direct_blocks).
-        mapped = arenas is not None and arenas.arena_bytes > 0 and all(arenas.arena_bases)
+        # The direct path writes a rank's outputs and reads its expert_out from every rank of
+        # the node, and every rank must choose the same path per call. Ranks that share this
+        # process (the single-GPU emulation) address each other's tensors as they are: outputs
+        # come from PyTorch's allocator at the call's size, and combine reads expert_out where
+        # it lies, so the direct path holds no memory. Ranks in other processes reach a rank's
+        # tensors only in an arena their peers mapped (BufferConfig.arena_bytes, opt-in), with
+        # a vote per call; without one the buffer takes the receive path, whose rings are
+        # bounded. Published tensors are offsets from each rank's arena base (0 in one process).
+        arena = arenas is not None and arenas.arena_bytes > 0 and all(arenas.arena_bases)
+        in_process = len(ranks) == config.world_size
         self.vote = vote
-        self.data_path = launch.data_path(mapped and config.num_nodes == 1
-                                          and (len(ranks) == config.world_size or vote is not None), data_path)
-        direct_ok = self.data_path == "direct"
+        self.data_path = launch.data_path(config.num_nodes == 1 and (in_process or (arena and vote is not None)),
+                                          data_path)
+        direct_ok = self.data_path == "direct" and arena
         self.arena_bases = torch.tensor(arenas.arena_bases if direct_ok else [0] * config.world_size,
                                         dtype=torch.int64, device=device)
-        # Each rank's peer-mapped tail: the combine staging region, then the arena of outputs.
+        # With an arena, each rank's peer-mapped tail: the combine staging region, then the arena.
         self.staging = CombineStaging(config, arenas.own, device) if direct_ok else None
         split = self.staging.nbytes if direct_ok else 0
         self.arenas = [Arena(b + split, arenas.arena_bytes - split, device) for b in arenas.own] if direct_ok else []
@@ -743,23 +747,23 @@ class Engine:
         # tables of both paths.
         if static or known_rows is not None:
             rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
-            direct = taken is not None
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
+            direct = prefer and (taken is not None or not self.arenas)
             call = self._workspace(topk, direct, not direct, stream)
             kind = "dispatch_direct" if direct else "dispatch"
             args = (self._launch_cache.get((kind, sms, dtype_name, H, None))
                     or self._launch_args(sms, dtype_name, H, kind))
             declaring = self._declaring()
-            if declaring or not direct:
+            if declaring or taken is None:
                 outputs, made = self._outputs(rows, taken, dtype, fp8)
             if declaring:
                 self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
                               self._output_spans(outputs, dtype))
-            if direct:  # the launch and the arena blocks' tensors in one call
+            if taken is not None:  # the launch and the arena blocks' tensors in one call
                 made = self.host.dispatch_into(args, stream, call.ptr, call.layout, num_out_tokens if static else -1,
                                                inputs, taken, absent, after_layout)
             else:
-                self.host.dispatch(args, False, stream, call.ptr, call.layout, num_out_tokens if static else -1,
+                self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1,
                                    inputs, outputs, absent, after_layout)
         else:
             call = self._workspace(topk, prefer, True, stream)
@@ -780,8 +784,8 @@ class Engine:
             if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
                 raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
             rows = [r[0] for r in read]
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer else None
-            direct = taken is not None
+            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
+            direct = prefer and (taken is not None or not self.arenas)
             if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
                 args = self._receive_args(args, sms, dtype_name, H)
             outputs, made = self._outputs(rows, taken, dtype, fp8)
@@ -799,8 +803,8 @@ class Engine:
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
         """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
-        on the direct path the arena blocks' addresses now and None (the tensors are made
-        after the launch: taken.tensors()), else new tensors."""
+        with arena blocks their addresses now and None (the tensors are made after the launch:
+        taken.tensors()), else new tensors from PyTorch's allocator."""
         if taken is not None:
             if fp8:
                 return [(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
@@ -837,15 +841,15 @@ class Engine:
     def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int):
         """Every driven rank's arena block of a direct dispatch (arena.arena_take: the tensors
         are made after the launch), or None when some rank's arena can not hold it, or its
-        combine could not be staged (a static size past the buffer's largest call): the call
+        combine could not be staged (more rows than the staging region holds): the call
         then takes the receive path, on every rank of the group (the vote, where this process
         drives only some), with one log line per process."""
         H = self.config.hidden_dim
         taken, reason = None, None
         if max(rows) > self.staging.rows:
             i = next(i for i, R in enumerate(rows) if not self.staging.holds(R))
-            reason = (f"rank {self.ranks[i]}'s combine staging region holds {self.staging.rows} rows, the most a "
-                      f"dispatch of this buffer makes without num_out_tokens; the call has {rows[i]}")
+            reason = (f"rank {self.ranks[i]}'s combine staging region holds {self.staging.rows} fp32 rows (as many "
+                      f"as a bf16 call the arena holds); the call has {rows[i]}. {ARENA_SIZING}")
         else:
             taken = arena_take(self.arenas, rows, H, dtype, fp8, stream)
             if taken.failed >= 0:
@@ -893,7 +897,7 @@ class Engine:
                                  f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
             x, x_ptr = _aligned(x)
             p = _fp32(p)
-            if direct:
+            if direct and self.arenas:
                 # Arena tensors stay out of _in_flight: the arena reuses a block only on the
                 # stream it was used on, and one kept here would split the arena until the next
                 # combine. What lies outside the arena is copied into the staging region.

@@ -108,10 +108,12 @@ DATA_PATHS = ("direct", "receive")
 def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -> str:
     """Which data path a buffer's kernels take. "direct": sources store each route's row
     straight into its final row at the expert's rank and combine pulls each route's expert
-    output straight from there (1 + K row moves per token; needs one node whose ranks map
-    each other's arenas, and every rank choosing the same path per call). "receive": rows go
-    to a receive buffer once per destination rank and are expanded there, partial sums are
-    pushed back (several nodes, no arena, and any call the arena can not serve).
+    output straight from there (1 + K row moves per token; needs one node whose ranks address
+    each other's tensors: ranks sharing one process, or ranks in separate processes with an
+    arena each (arena_bytes > 0) and a vote per call). "receive": rows go through a bounded
+    receive ring once per destination rank and are expanded there, partial sums are pushed
+    back the same way (several nodes, separate processes without an arena, and any call the
+    arena can not serve).
     HYBRID_EP_DATA_PATH picks one for measurements; unset, direct wherever it can run.
     `requested` (an argument, for tests and benchmarks) wins over the variable."""
     environ = os.environ if environ is None else environ
@@ -120,8 +122,9 @@ def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -
     if raw is not None and raw not in DATA_PATHS:
         raise ValueError(f"{name} must be one of {', '.join(DATA_PATHS)}, got {raw!r}")
     if raw == "direct" and not can_go_direct:
-        raise ValueError(f"{name}=direct needs one node whose ranks map each other's arenas (arena_bytes > 0) "
-                         f"and agree on each call's path; this buffer's ranks can not address each other's tensors")
+        raise ValueError(f"{name}=direct needs one node whose ranks address each other's tensors: ranks in one "
+                         f"process, or an arena per rank (arena_bytes > 0) and a vote per call; this buffer's ranks "
+                         f"can not")
     if raw is not None:
         return raw
     return "direct" if can_go_direct else "receive"

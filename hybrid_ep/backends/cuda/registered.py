@@ -58,6 +58,42 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class RegisteredAllocationError(MemoryError):
+    """A registered buffer could not be allocated, even after PyTorch's cached blocks were
+    returned to the driver."""
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def allocate(ext, nbytes: int, kind: int, device: torch.device, region: str):
+    """ext.allocate_registered, retried once after torch.cuda.empty_cache() (memory PyTorch's
+    allocator caches but no tensor uses), then a RegisteredAllocationError that names the
+    region, the bytes asked for and the bytes free."""
+    index = device.index or 0
+    try:
+        return ext.allocate_registered(nbytes, kind, index)
+    except (RuntimeError, MemoryError) as first:
+        if "out of memory" not in str(first):
+            raise
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            return ext.allocate_registered(nbytes, kind, index)
+        except (RuntimeError, MemoryError) as second:
+            if "out of memory" not in str(second):
+                raise
+            free = _free_bytes(device)
+            where = f"{free} bytes free on {device}" if free is not None else f"on {device}"
+            raise RegisteredAllocationError(
+                f"hybrid_ep: could not allocate the {region} ({nbytes} bytes; {where}, after returning "
+                f"PyTorch's cached blocks): {second}. memory_plan() lists what the buffer holds by region"
+            ) from second
+
+
 def arena_offset(nbytes: int) -> int:
     """Where the arena starts in a registered allocation whose kernel regions take nbytes."""
     return (nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
@@ -94,8 +130,9 @@ class RegisteredBuffers:
         G = ranks_per_node or world_size
         bases = []
         with self._freed_on_failure():
-            for _ in range(world_size):
-                ptr, size, _handle = ext.allocate_registered(self.allocation_bytes, IPC, device.index or 0)
+            for r in range(world_size):
+                ptr, size, _handle = allocate(ext, self.allocation_bytes, IPC, device,
+                                              f"registered buffer of virtual rank {r}")
                 self._owned.append((ptr, size, IPC))
                 bases.append(ptr)
             _synchronize(device)
@@ -115,7 +152,7 @@ class RegisteredBuffers:
         G = ranks_per_node or dist.get_world_size(group)
         kind = _handle_kind(ext, group, device.index)
         with self._freed_on_failure():
-            ptr, size, handle = ext.allocate_registered(self.allocation_bytes, kind, device.index)
+            ptr, size, handle = allocate(ext, self.allocation_bytes, kind, device, f"registered buffer of rank {rank}")
             self._owned.append((ptr, size, kind))
             _synchronize(device)  # zeroed before any peer can write into it
             entries = [None] * dist.get_world_size(group)

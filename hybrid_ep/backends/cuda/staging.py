@@ -6,11 +6,11 @@ Why one shared region and not room in every dispatch's arena block: a training s
 each MoE layer's dispatch output and handle alive until that layer's backward, and room for
 an fp32 expert_out per dispatch tripled what a layer in flight pinned in the arena. A
 combine needs the copy only while its kernel runs, so one region serves every combine of the
-buffer in turn. It is sized for the largest call the buffer can make (max_output_rows fp32
-rows of hidden_dim and their probs), allocated with the arena and listed by memory_plan()
-(`combine_staging`): a combine of a direct dispatch never needs memory it can not get. A
-dispatch whose rows it can not hold (a static num_out_tokens past that bound) takes the
-receive path (engine.py, _direct_blocks).
+buffer in turn. It holds fp32 rows of hidden_dim and their probs, as many as the arena holds rows of a
+bf16 call (never more than the largest call the buffer can make), allocated with the arena
+and listed by memory_plan() (`combine_staging`): a combine of a direct dispatch never needs
+memory it can not get. A dispatch whose rows it can not hold takes the receive path
+(engine.py, _direct_blocks).
 
 When the region is free again. A combine kernel publishes its expert_out to the peers once it
 runs, after the copy in front of it on its stream; a peer reads it only after that, and the
@@ -36,8 +36,10 @@ from .layout import MAX_TOPK
 
 
 def staging_rows(config) -> int:
-    """Rows of the largest dispatch output the buffer can make (dynamic size)."""
-    return max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
+    """fp32 rows the region holds: the rows of a bf16 call the arena holds, at most the
+    largest dispatch output the buffer can make (dynamic size); 0 without an arena."""
+    bf16_rows = arena_bytes(config) // (config.hidden_dim * 2 + 4)
+    return min(bf16_rows, max_output_rows(config, min(config.experts_per_rank, MAX_TOPK)))
 
 
 def _probs_at(config) -> int:
@@ -45,9 +47,9 @@ def _probs_at(config) -> int:
 
 
 def staging_bytes(config) -> int:
-    """Bytes of each rank's staging region: an fp32 expert_out of the largest call and its
-    probs (0 without an arena: no direct path)."""
-    if arena_bytes(config) == 0:
+    """Bytes of each rank's staging region: staging_rows fp32 rows and their probs (0
+    without an arena)."""
+    if staging_rows(config) == 0:
         return 0
     return _probs_at(config) + aligned(staging_rows(config) * 4)
 
