@@ -164,7 +164,7 @@ def _copy_checkout(dst: str) -> None:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     for rel in filter(None, files.decode().split("\0")):
         src = os.path.join(REPO, rel)
-        if not os.path.isfile(src) or rel.startswith("docs/benchmarks/"):
+        if not os.path.isfile(src) or rel.startswith(("docs/benchmarks/", "benchmarks/results/")):
             continue
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
         shutil.copy2(src, os.path.join(dst, rel))
