@@ -8,7 +8,7 @@ message. Each defect lives only in the scratch copy.
     python scripts/model_mutations.py --only missing-mbarrier-wait --keep
 
 Exit status 0 when every planted defect made a test fail and the control run passed. Not
-part of CI (each defect rebuilds the model, about 20 s); docs/architecture.md records a run.
+part of CI (each defect rebuilds the model, about 20 s); benchmarks/results/ records its runs (docs/dev/cpu_model.md).
 """
 
 from __future__ import annotations
