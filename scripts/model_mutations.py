@@ -8,7 +8,7 @@ message. Each defect lives only in the scratch copy.
     python scripts/model_mutations.py --only missing-mbarrier-wait --keep
 
 Exit status 0 when every planted defect made a test fail and the control run passed. Not
-part of CI (each defect rebuilds the model, about 20 s); docs/architecture.md records a run.
+part of CI (each defect rebuilds the model, about 20 s); benchmarks/results/ records its runs (docs/dev/cpu_model.md).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _copy_checkout(dst: str) -> None:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     for rel in filter(None, files.decode().split("\0")):
         src = os.path.join(REPO, rel)
-        if not os.path.isfile(src) or rel.startswith("docs/benchmarks/"):
+        if not os.path.isfile(src) or rel.startswith(("docs/benchmarks/", "benchmarks/results/")):
             continue
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
         shutil.copy2(src, os.path.join(dst, rel))

@@ -4,7 +4,7 @@ sanitizer_racecheck_<path>.log) by shared-memory site pair: for each (write site
 the reports that name it, the hazard instances racecheck counted, and the emulated_check cases
 whose launches they came from. docs/benchmarks/racecheck.md classifies the pairs.
 
-    python scripts/racecheck_classes.py docs/benchmarks/gpu/2026-11-26-h200/sanitizer_racecheck_*.log
+    python scripts/racecheck_classes.py benchmarks/results/2026-11-26-h200/sanitizer_racecheck_*.log
 
 A report ("Error: Race reported between ...") names one access and then one or more others,
 each with its count; every pair of a report is a row. The reports printed before a case's

@@ -7,7 +7,7 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
 
     python scripts/timing_calibration.py add-run 2026-11-24-h100/bench --commit 3684737 --note "..."
     python scripts/timing_calibration.py --constants hybrid_ep/timing/h200.json from-micro \
-        docs/benchmarks/gpu/2026-11-26-h200/micro.json
+        benchmarks/results/2026-11-26-h200/micro.json
     python scripts/timing_calibration.py build 3684737
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
     python scripts/timing_calibration.py fit --run 2026-11-24-h100/bench -w 2 --write
@@ -15,9 +15,9 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
     python scripts/timing_calibration.py score --run 2026-11-24-h100/bench -w 2 --tables grid.json --save gw2.json
     python scripts/timing_calibration.py fit-grid gw2.json --names wake_ns pair_instruction_ns --fixed gmem_load_ns
     python scripts/timing_calibration.py profile 3684737 -w 8 --sms 8 --tokens 256 \
-        --ncu docs/benchmarks/gpu/2026-11-24-h100
+        --ncu benchmarks/results/2026-11-24-h100
 
-`add-run` puts one run's points (its emulated.json under docs/benchmarks/gpu/) into
+`add-run` puts one run's points (its emulated.json under benchmarks/results/) into
 points.json with the commit it measured and each point's data path (fit and score run the
 kernels of that path); `from-micro` makes a device's table (--constants) from another
 (--base) with every constant the microbenchmarks measured (hybrid_ep/timing/micro.py);
@@ -51,7 +51,7 @@ from hybrid_ep.timing import builds, constants, fit, micro, points, predict, sha
 
 
 def add_run(args) -> int:
-    path = os.path.join(REPO, "docs", "benchmarks", "gpu", args.name, "emulated.json")
+    path = os.path.join(REPO, "benchmarks", "results", args.name, "emulated.json")
     with open(path) as f:
         run, new_points = points.points_from_run(json.load(f), args.name, args.commit, args.note)
     runs, old_points = ({}, []) if not os.path.exists(args.points) else points.load_points(args.points)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
                    "(default hybrid_ep/timing/h100.json; hybrid_ep/timing/h200.json for the H200's points)")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("add-run", help="put one GPU run's points into points.json")
-    a.add_argument("name", help="the run's folder under docs/benchmarks/gpu/, e.g. 2026-11-24-h100/bench")
+    a.add_argument("name", help="the run's folder under benchmarks/results/, e.g. 2026-11-24-h100/bench")
     a.add_argument("--commit", required=True, help="the commit whose kernels the run measured")
     a.add_argument("--note", required=True, help="how that commit was established")
     a.add_argument("--points", default=os.path.normpath(points.POINTS_FILE))

@@ -342,7 +342,7 @@ def test_ncu_lines_sums_stall_samples_per_source_line(tmp_path):
 
 
 def test_ncu_lines_reads_the_kernel_name_row_of_ncu_2025(tmp_path):
-    # ncu 2025.3 heads the table with "Kernel Name" (docs/benchmarks/gpu/2026-11-24-h100's sass export)
+    # ncu 2025.3 heads the table with "Kernel Name" (benchmarks/results/2026-11-24-h100's sass export)
     cols = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)"'
     table = tmp_path / "t.csv"
     table.write_text("\n".join(['"Kernel Name","void dispatch_kernel<Loopback>(LaunchArgs)",',

@@ -6,7 +6,7 @@ registered buffers and peer pointers, one launch per kernel for all of them. Eve
 dispatch must equal the oracle bitwise, its combine must be within the fp32 accumulation
 bound plus one rounding, and a dispatch that reuses the handle must give the same rows.
 Each case runs under two seeds of the model's schedule and bulk-copy delays (and of the
-data). The model shows logic, not speed or the memory model (docs/architecture.md).
+data). The model shows logic, not speed or the memory model (docs/dev/cpu_model.md).
 """
 
 from __future__ import annotations

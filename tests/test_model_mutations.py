@@ -1,6 +1,6 @@
 """The mutation script's defects still apply to today's kernels: each one's text occurs exactly
 once in its file and changes it (the script itself rebuilds the model per defect and is run by
-hand, docs/architecture.md)."""
+hand, docs/dev/cpu_model.md)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from helpers import REPO
 
 pytestmark = pytest.mark.unit
 
-LOGS = Path(REPO, "docs", "benchmarks", "gpu", "2026-11-26-h200")
+LOGS = Path(REPO, "benchmarks", "results", "2026-11-26-h200")
 
 
 def _module():

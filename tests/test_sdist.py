@@ -1,9 +1,10 @@
 """The source distribution (MANIFEST.in): it carries what setup.py reads at build time (csrc/
 sources and headers, scripts/find_nvshmem.py, README.md) and what a user of the source needs
-(scripts, recipes, docs, tests with conftest.py), and no build outputs. Nothing is compiled:
-`setup.py sdist` with the CUDA and model builds skipped, on a copy of this tree with a few
-build outputs planted in it, then setup.py's own loader of find_nvshmem.py run from the
-unpacked sdist (the step that failed a wheel build from the sdist on a CUDA machine)."""
+(scripts, recipes, docs, the measurement records of benchmarks/results/, tests with conftest.py),
+and no build outputs. Nothing is compiled: `setup.py sdist` with the CUDA and model builds
+skipped, on a copy of this tree with a few build outputs planted in it, then setup.py's own
+loader of find_nvshmem.py run from the unpacked sdist (the step that failed a wheel build from
+the sdist on a CUDA machine)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ NO_COMPILE = {"HYBRID_EP_SKIP_CUDA_BUILD": "1", "HYBRID_EP_SKIP_MODEL_BUILD": "1
 PLANTED = ["hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so", "csrc/kernels/dispatch.o",
            "tests/__pycache__/conftest.cpython-312.pyc", "build/lib/hybrid_ep/_model.so", "results/demo/run.json",
            "recipes/tiny_moe/__pycache__/x.pyc"]
-_IGNORED = shutil.ignore_patterns(".git", ".pytest_cache", "__pycache__", "*.so", "*.o", "*.egg-info", "build",
-                                  "dist", "results", ".before")
+_IGNORED_NAMES = shutil.ignore_patterns(".git", ".pytest_cache", "__pycache__", "*.so", "*.o", "*.egg-info", "build",
+                                        "dist", ".before")
+
+
+def _IGNORED(folder, names):
+    """What the copy of the tree leaves out: build outputs, caches and the tools' results/ at the
+    top (benchmarks/results/ holds the committed measurement records the docs cite)."""
+    top = os.path.abspath(folder) == os.path.abspath(REPO)
+    return set(_IGNORED_NAMES(folder, names)) | ({"results"} & set(names) if top else set())
 
 
 def _is_build_output(name: str) -> bool:
@@ -52,7 +60,7 @@ def _build_time_files(root: str) -> list[str]:
 def _user_files(root: str) -> list[str]:
     """What a user of the source needs besides the packages."""
     found = glob.glob(f"{root}/scripts/*") + glob.glob(f"{root}/tests/*.py")
-    for folder in ("recipes", "docs"):
+    for folder in ("recipes", "docs", "benchmarks"):
         found += glob.glob(f"{root}/{folder}/**/*", recursive=True)
     return _relative(found, root)
 

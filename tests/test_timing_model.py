@@ -23,7 +23,7 @@ from hybrid_ep.timing import constants, fit, points, predict, report
 pytestmark = pytest.mark.model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_RUNS = os.path.join(REPO, "docs", "benchmarks", "gpu")
+GPU_RUNS = os.path.join(REPO, "benchmarks", "results")
 
 
 def test_points_are_the_gpu_runs_numbers():

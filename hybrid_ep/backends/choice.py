@@ -39,14 +39,14 @@ AUTO_RULES = {
         evidence="the cuda kernels have run on one H100 only, where they measured 10.0 GB/s (dispatch) and "
         "0.9 GB/s (combine) of destination bytes per SM at W=8 against targets of 60 and 50 "
         "(2026-11-24); they have not been timed against NCCL's all-to-all on several GPUs",
-        source="docs/benchmarks/cuda.md, 2026-11-24",
+        source="benchmarks/results/2026-11-24-h100/README.md",
     ),
     "several nodes": AutoRule(
         topology="several nodes",
         picks="reference",
         evidence="the inter-node cuda path has not run on two real GPUs (only in single-GPU emulation "
         "and between processes sharing one H100, 2026-11-24)",
-        source="docs/benchmarks/cuda.md, 2026-11-24",
+        source="benchmarks/results/2026-11-24-h100/README.md",
     ),
 }
 

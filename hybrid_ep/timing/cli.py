@@ -3,7 +3,7 @@
     python -m hybrid_ep.timing predict --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \\
         --experts 16 --sms 1 2 4 [--data-path receive] --out results/predicted
     python -m hybrid_ep.timing validate results/predicted/predicted.json \\
-        docs/benchmarks/gpu/2026-11-24-h100/bench/emulated.json
+        benchmarks/results/2026-11-24-h100/bench/emulated.json
 
 `predict` runs this checkout's kernels on the CPU model with the timing table (default
 hybrid_ep/timing/h100.json) at the points hybrid-ep-bench --emulate measures on a GPU (bf16,

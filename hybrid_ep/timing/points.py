@@ -22,7 +22,7 @@ KERNELS = ("dispatch", "combine")
 class Run:
     """One benchmark run on a GPU: where its files are and what it measured."""
 
-    name: str           # e.g. "2026-11-24-h100/bench": the folder under docs/benchmarks/gpu/
+    name: str           # e.g. "2026-11-24-h100/bench": the folder under benchmarks/results/
     date: str           # the emulated.json's date
     device: str
     commit: str         # the commit whose kernels ran

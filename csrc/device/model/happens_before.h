@@ -7,7 +7,7 @@
 // unit and instruments only the kernels' (the scheduler itself is not instrumented: its own
 // bookkeeping is shared by all fibers on purpose). Each CUDA thread runs on a ThreadSanitizer
 // fiber of its own; switches carry no ordering; the device layer's synchronisation carries
-// exactly the ordering CUDA gives it (docs/architecture.md, "Data races"):
+// exactly the ordering CUDA gives it (docs/dev/cpu_model.md, "Data races"):
 //   - __syncthreads, warp collectives: every participant's release before every one's acquire;
 //   - mbarrier: an arrival (or a bulk load's complete_tx) releases, a wait that sees the
 //     phase complete acquires;

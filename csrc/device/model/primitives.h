@@ -1,7 +1,7 @@
 // The device primitives of csrc/device/sm90/primitives.cuh, on the CPU model: the same
 // names and signatures, implemented by the model's scheduler (runtime.h), which checks each
 // use. Fences order nothing here: the model runs one fiber at a time and does not model the
-// memory ordering they provide (docs/architecture.md lists what the model cannot show); only
+// memory ordering they provide (docs/dev/cpu_model.md lists what the model cannot show); only
 // the timing model counts their cost. The flags' release stores are the compiler's atomics,
 // which the race check (happens_before.h) pairs with the polls' acquires; the timing model
 // is told of each (note_flag_write), so a poll that reads it waits for its writer's time.

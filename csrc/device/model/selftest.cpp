@@ -178,7 +178,7 @@ __global__ void selftest_kernel(const Args args) {
       __syncthreads();  // thread 0 gives way here: its stack is checked
       break;
     case kSharedWithoutBarrier:  // thread 32 reads what thread 0 (another warp) writes, with no
-      // barrier between: a data race that only the race check reports (docs/architecture.md)
+      // barrier between: a data race that only the race check reports (docs/dev/cpu_model.md)
       if (tid == 0) smem[0] = 1;             // both run in the round after the barrier above, in the
       if (tid == 32) args.out[0] = smem[0];  // round's seeded order
       break;

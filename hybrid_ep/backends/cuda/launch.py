@@ -131,7 +131,7 @@ def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -
 
 
 # One SM's bulk stores, measured by the microbenchmarks on an H200 on 2026-11-26
-# (docs/benchmarks/gpu/2026-11-26-h200/micro.txt): C_store, stores only, 16 KiB copies (the
+# (benchmarks/results/2026-11-26-h200/micro.txt): C_store, stores only, 16 KiB copies (the
 # same from 1 to 4 issuing threads and from 1 to 7 groups left reading), and L_store_read, a
 # 16 KiB store from its issue until wait_group.read 0 returns.
 STORE_BYTES_PER_NS = 63.17
