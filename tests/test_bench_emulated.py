@@ -37,7 +37,8 @@ def test_table_and_plot(tmp_path):
     runs = [{"world_size": w, "sms_per_rank": s, "total_sms": w * s, "dispatch_ms": 1.0 / s,
              "dispatch_dest_gbps_per_sm": 60.0 - w, "dispatch_copy_fraction": 0.1 * s, "combine_ms": 2.0 / s,
              "combine_dest_gbps_per_sm": 50.0 - w, "combine_copy_fraction": 0.05 * s,
-             "dispatch_moved_gbps_per_sm": 88.0 + s, "combine_moved_gbps_per_sm": 77.0 + s, "data_path": "direct"}
+             "dispatch_moved_gbps_per_sm": 88.0 + s, "combine_moved_gbps_per_sm": 77.0 + s, "data_path": "direct",
+             "held_bytes_per_rank": w * 2**27}
             for w in (2, 8) for s in (1, 2, 4)]
     config = {"world_sizes": [2, 8], "hidden": 8192, "tokens_per_rank": 4096, "topk": 8, "experts": 16,
               "dtype": "bf16", "routing": "uniform"}
@@ -56,7 +57,9 @@ def test_table_and_plot(tmp_path):
     # bytes moved per SM beside the destination bytes
     assert any(line.split()[:5] == ["8", "direct", "4", "32", "0.250"] and line.split()[6] == "92.0"
                for line in lines)
-    assert "moved/SM" in lines[1] and "path" in lines[1]
+    assert "moved/SM" in lines[1] and "path" in lines[1] and lines[1].split()[-1] == "GiB"
+    # the memory each rank's buffer holds, beside its speed: W=8 holds 8 x 128 MiB = 1 GiB here
+    assert any(line.split()[:3] == ["8", "direct", "4"] and line.split()[-1] == "1.000" for line in lines)
     assert "W=8: dispatch 1.500 ms" in table and "21.5 us" in table and "40.2 us" in table
     # the host time per rank, against the target (older JSON without the per-rank number too)
     assert "10.8 us per rank" in table and "5.0 us per rank (target <= 30 us)" in table

@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..backends.cuda import launch
+from ..backends.cuda.backend import memory_plan
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..metadata import gpu_sm_clock_mhz, metadata
@@ -50,9 +51,12 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "dispatch_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs, "
                                        "the data path's row moves per destination row x the destination bytes",
          "combine_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs",
-         "data_path": "direct (each route's row straight to and from its final row, through each rank's arena) or "
-                      "receive (through receive buffers, partial sums pushed back); direct+receive: some timed "
-                      "dispatches found the arena full and took the receive path",
+         "data_path": "direct (each route's row straight to and from its final row; outputs from PyTorch's "
+                      "allocator) or receive (through bounded receive rings, partial sums pushed back); "
+                      "direct+receive: some timed dispatches took the receive path",
+         "held_bytes_per_rank": "bytes each rank's buffer holds for its life (memory_plan().held_bytes; one GPU "
+                                "each in production, all W on the one GPU here)",
+         "held_by_region": "bytes per rank by region (memory_plan().held_by_region())",
          "kernels_ms": "ms per call: GPU time of each hybrid_ep kernel in a timed call, per op (torch.profiler's "
                        "CUDA activity, mean of KERNEL_CALLS calls after the timed ones; null: no profiler data)",
          "dispatch_outside_kernels_ms": "ms: dispatch_ms minus its kernels' time (host work between the layout "
@@ -218,6 +222,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     from ..backends.cuda.emulation import EmulatedGroup
 
     group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes, data_path=launch.data_path(nodes == 1))
+    plan = memory_plan(group.config)
+    _note(f"W={W}: {plan.summary()}")
     idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev, args.zipf_exponent, nodes,
                                args.group_limit)
     first = group.dispatch(xs, idxs, scales=scales)
@@ -235,8 +241,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     out_rows = sum(int((r.probs != 0).sum()) for r in first)  # routed (row, expert) entries
     total_rows = sum(r.tokens.shape[0] for r in first)
     gen = torch.Generator(device=dev).manual_seed(derived_seed(args.seed + 1))
-    # On the direct path expert_out lies in each rank's arena, as an expert computation that
-    # allocates there leaves it (else combine copies it in first).
+    # With an arena (opt-in), expert_out lies in it, as an expert computation allocating there
+    # leaves it (else combine copies it in first); without one, where it is.
     expert_outs = [group.in_arena(i, torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype))
                    for i, r in enumerate(first)]
     handles = [r.handle for r in first]
@@ -259,7 +265,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
             _note(f"W={W}: {plural(sms, 'SM')} x {plural(W, 'rank')} > {props.multi_processor_count} SMs: skipped "
                   f"(blocks must be co-resident)")
             continue
-        paths = {path}  # a timed dispatch the arena could not hold would take the receive path: reported
+        paths = {path}  # a timed dispatch that took the receive path: reported
         d_ms = _median_ms(lambda: paths.add(group.dispatch(xs, idxs, scales=scales, num_sms=sms)[0].handle.data_path),
                           warmup, iters, flush)
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
@@ -274,6 +280,8 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         row.update(kernel_rows(kernels, d_ms, c_ms))
         row["pipelines"] = group.engine.launch_shapes(sms)
         row["data_path"] = "+".join(sorted(paths))
+        row["held_bytes_per_rank"] = plan.held_bytes
+        row["held_by_region"] = plan.held_by_region()
         row["sm_clock_mhz"] = gpu_sm_clock_mhz()  # right after the point's timed calls
         rows.append(row)
         _note(f"W={W}, SMs/rank {sms}: dispatch {d_ms:.3f} ms ({row['dispatch_dest_gbps_per_sm']:.1f} GB/s/SM, "
@@ -282,19 +290,17 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
               f"kernels {kernel_summary(row)}")
 
     # Host time per dispatch + combine pair, static size (no host sync inside the pair). The
-    # timed points' first call and expert_outs die first: on the direct path they hold arena
-    # blocks, and a static call of 2x the rows with its expert_out fills the default arena
-    # alone (on 2026-11-26 every host-loop call fell back to the receive path without this).
+    # timed points' first call and expert_outs die first: with an arena they hold its blocks.
     first = handles = expert_outs = None
     static = max(total_rows // W, 1) * 2
-    for _ in range(5):  # each call's outputs die before the next (on 2026-11-26 the second fell back)
+    for _ in range(5):  # each call's outputs die before the next
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
         group.combine([torch.zeros_like(r.tokens, dtype=comb_dtype) for r in res], [r.handle for r in res])
         res = None
     group.synchronize()
     outs = [group.in_arena(i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
     samples, host_paths = [], set()
-    res = None  # each pair's outputs die before the next pair (the arena holds one call's)
+    res = None  # each pair's outputs die before the next pair
     for _ in range(50):
         t0 = time.perf_counter()
         res = group.dispatch(xs, idxs, scales=scales, num_out_tokens=static)
@@ -455,14 +461,15 @@ def format_table(doc: dict) -> str:
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
              + ("" if c.get("data_path_override") is None else f" | HYBRID_EP_DATA_PATH={c['data_path_override']}"),
              f"{'W':>3} {'path':>7} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} "
-             f"{'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} {'of copy':>8}"
+             f"{'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} {'of copy':>8} {'held GiB':>8}"
              + ("" if nodes == 1 else f" {'RDMA rows':>10} {'disp RDMA/SM':>12} {'comb RDMA/SM':>12}")]
     for r in doc["runs"]:
         line = (f"{r['world_size']:>3} {r.get('data_path', '-'):>7} {r['sms_per_rank']:>8} {r['total_sms']:>5} "
                 f"{r['dispatch_ms']:>9.3f} {r['dispatch_dest_gbps_per_sm']:>8.1f} "
                 f"{r.get('dispatch_moved_gbps_per_sm', float('nan')):>8.1f} {r['dispatch_copy_fraction']:>8.1%} "
                 f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f} "
-                f"{r.get('combine_moved_gbps_per_sm', float('nan')):>8.1f} {r['combine_copy_fraction']:>8.1%}")
+                f"{r.get('combine_moved_gbps_per_sm', float('nan')):>8.1f} {r['combine_copy_fraction']:>8.1%} "
+                f"{r.get('held_bytes_per_rank', float('nan')) / 2**30:>8.3f}")
         if nodes > 1:
             line += (f" {r['rdma_rows']:>10} {r['dispatch_rdma_gbps_per_sm']:>12.2f} "
                      f"{r['combine_rdma_gbps_per_sm']:>12.2f}")
@@ -478,7 +485,8 @@ def format_table(doc: dict) -> str:
         lines.append(f"host time per dispatch+combine pair, static size, {name} ({h['ranks']} rank(s) per launch): "
                      f"{h['median_us']:.1f} us, {per_rank:.1f} us per rank (target <= {HOST_TARGET_US} us)")
     lines.append("GB/s/SM: rows received x row bytes / time / all SMs of the launch; of copy: bytes the kernels "
-                 "read + write / time, against the device-to-device copy")
+                 "read + write / time, against the device-to-device copy; held GiB: what each rank's buffer holds "
+                 "for its life (memory_plan())")
     if nodes > 1:
         lines.append("RDMA rows: rows all forwarders received by RDMA (equal to the traffic model's count, checked); "
                      "RDMA/SM: those rows' bytes / time / all SMs of the launch, GB/s")
