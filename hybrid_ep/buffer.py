@@ -63,7 +63,9 @@ class CallRecord(ReadOnly):
 
 
 class HybridEPBuffer:
-    """Dispatch and combine for one EP group; sized once for the worst case.
+    """Dispatch and combine for one EP group. The memory it holds for its life is bounded
+    independently of the routing (memory_plan() says how much, by region, before allocating);
+    outputs come from PyTorch's allocator at each call's size.
 
     group: the EP ProcessGroup (None: the default group). ranks_per_node: NVLink domain
     size (None: from the launcher's LOCAL_WORLD_SIZE and the group's members, topology.py).
@@ -74,6 +76,10 @@ class HybridEPBuffer:
     see an empty group (0: experts without tokens get no rows). combine_wire_dtype: the dtype
     of combine's partial sums between ranks (None: the dtype of expert_out; torch.float32:
     twice the bytes, rounded once); combine(wire_dtype=...) overrides it per call.
+    ring_chunks: cuda backend: chunks of 32 tokens one rank may have in each peer's rings before
+    it waits for the peer to free one (memory against slack; default 8).
+    arena_bytes: cuda backend, opt-in: a peer-mapped arena of dispatch outputs per rank, so that
+    ranks in separate processes take the direct path (None: none, the receive path there).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class HybridEPBuffer:
         num_sms_combine: int | None = None,
         arena_bytes: int | None = None,
         combine_wire_dtype: torch.dtype | None = None,
+        ring_chunks: int = BufferConfig.ring_chunks,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("HybridEPBuffer needs torch.distributed to be initialised (init_process_group)")
@@ -114,6 +121,7 @@ class HybridEPBuffer:
             pad_multiple=pad_multiple,
             min_rows_per_expert=min_rows_per_expert,
             arena_bytes=arena_bytes,
+            ring_chunks=ring_chunks,
         ).validate()
         check_hidden_dim(hidden_dim)
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine, combine_wire_dtype).validate()
