@@ -3,16 +3,17 @@
 # at most 10 minutes, the machine's start included in the lease): the extension builds while
 # the microbenchmarks run, then the GPU tests, the benchmark (direct path + W=8 as 2 nodes), the
 # receive path's single-node sweep, fp8 dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8
-# must reach bf16's tokens/s), the direct dispatch's store queue at 3 and 6 groups (A/B against
-# the bench stage's default), and last the racecheck probe (docs/benchmarks/racecheck.md; its
+# must reach bf16's tokens/s), the shape users run (a DeepSeek-V3-like layer: E=256, top-8,
+# H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive path, with the
+# bytes each rank's buffer holds in its JSON), and last the racecheck probe (docs/benchmarks/racecheck.md; its
 # table is copied into the summary). Every part is bounded; the logs of all parts are packed
 # into OUT/logs_short_lease.tgz beside OUT/summary.txt (the device returns at most 8 files).
 #
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh "$OUT"
 #
 # Budgets (seconds) per part: SHORT_LEASE_MICRO_S (150), SHORT_LEASE_TEST_S (150),
-# SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90), SHORT_LEASE_FP8_S (60), SHORT_LEASE_AB_S
-# (40 for each of the two A/B runs), SHORT_LEASE_PROBE_S (60, and never past 580 s from the start,
+# SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90), SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S
+# (45 for each of the two paths), SHORT_LEASE_PROBE_S (60, and never past 580 s from the start,
 # so the command ends inside the device's 10 minutes).
 set -u
 out=${1:?usage: scripts/gpu_short_lease.sh OUT}
@@ -49,12 +50,12 @@ timeout -k 10 --signal=INT "${SHORT_LEASE_FP8_S:-60}" python3 -m hybrid_ep.bench
     --emulate 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype fp8 --sms 1 2 \
     --out "$r/bench_fp8" > "$r/bench_fp8.log" 2>&1
 note "bench fp8 exit $?"
-for groups in 3 6; do  # the direct dispatch's store queue (launch.direct_store_groups: 1 at H=8192 bf16)
-    note "direct dispatch with HYBRID_EP_STORE_GROUPS=$groups, W=8, 1 and 2 SMs per rank (bench_groups$groups/)"
-    HYBRID_EP_STORE_GROUPS=$groups timeout -k 10 --signal=INT "${SHORT_LEASE_AB_S:-40}" python3 -m hybrid_ep.bench \
-        --emulate 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2 \
-        --out "$r/bench_groups$groups" > "$r/bench_groups$groups.log" 2>&1
-    note "bench groups=$groups exit $?"
+for path in direct receive; do  # the shape users run, default settings (no arena, default rings)
+    note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, $path path, 1 and 2 SMs per rank (bench_dsv3_$path/)"
+    HYBRID_EP_DATA_PATH=$path timeout -k 10 --signal=INT "${SHORT_LEASE_DSV3_S:-45}" python3 -m hybrid_ep.bench \
+        --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2 \
+        --out "$r/bench_dsv3_$path" > "$r/bench_dsv3_$path.log" 2>&1
+    note "bench dsv3 $path exit $?"
 done
 probe_s=$((580 - SECONDS))
 [ "$probe_s" -gt "${SHORT_LEASE_PROBE_S:-60}" ] && probe_s=${SHORT_LEASE_PROBE_S:-60}

@@ -553,7 +553,7 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8 and the
-    direct dispatch's store-queue A/B, then the racecheck probe; logs packed for the device."""
+    DeepSeek-V3-like layer on both paths, then the racecheck probe; logs packed for the device."""
     import tarfile
 
     _, results, run = machine
@@ -561,20 +561,20 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the bench stage's two sweeps, the receive sweep, fp8, and the A/B at 3 and 6 store groups
+    # the bench stage's two sweeps, the receive sweep, fp8, and the DeepSeek-V3-like layer on each path
     assert len(benches) == 6, benches
     assert "--dtype fp8 --sms 1 2" in benches[3] and "--emulate 8 " in benches[3]
     assert benches[2].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
-    for line, groups in zip(benches[4:], ("3", "6")):
-        assert "--emulate 8 " in line and "--sms 1 2" in line and line.endswith(f"STORE_GROUPS={groups}")
-        assert f"bench_groups{groups}" in line
-    assert all(line.endswith("STORE_GROUPS=") for line in benches[:4])  # the default queue elsewhere
+    for line, path in zip(benches[4:], ("direct", "receive")):
+        assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
+        assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
+    assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "bench exit", "bench receive exit", "bench fp8 exit",
-             "bench groups=3 exit", "bench groups=6 exit", "racecheck probe exit"]
+             "bench dsv3 direct exit", "bench dsv3 receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
-    for log in ("./bench_fp8.log", "./bench_groups3.log", "./bench_groups6.log", "./summary.txt"):
+    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt"):
         assert log in names, names
