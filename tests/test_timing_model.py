@@ -1,6 +1,6 @@
-"""The timing model of the kernels on the CPU model (hybrid_ep.timing, csrc/device/model/timing.*).
+"""The timing model of the kernels on the CPU model (tools.timing, csrc/device/model/timing.*).
 
-The measured points it is calibrated on are data (docs/benchmarks/timing/points.json); they
+The measured points it is calibrated on are data (tools/timing/points.json); they
 must be exactly the GPU runs' numbers, each tied to the commit that was measured. The clocks
 must give the exact time of kernels whose critical path is known (timing_selftest.cpp), the
 same time for a seed every time and nearly the same for every seed, and timing must change
@@ -17,8 +17,8 @@ import subprocess
 import pytest
 import torch
 
-from hybrid_ep.timing import cli as timing_cli
-from hybrid_ep.timing import constants, fit, points, predict, report
+from tools.timing import cli as timing_cli
+from tools.timing import constants, fit, points, predict, report
 
 pytestmark = pytest.mark.model
 
@@ -68,9 +68,9 @@ def test_every_run_names_a_commit_of_the_repository():
 def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
     """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
     loops, or dev::plain_instructions where the SASS of plain code was counted
-    (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it changes
+    (tools/timing/builds.py): it applies to that commit's files, and every line it changes
     only wraps an access in an accessor or adds such a count."""
-    from hybrid_ep.timing import builds
+    from tools.timing import builds
 
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
                              text=True)
@@ -154,7 +154,7 @@ def test_each_table_takes_every_constant_its_gpus_microbenchmarks_measured(path,
     """h200.json and h100.json: each constant their GPU's micro.json determines has its value and
     source from it, unless fitted (at most three fitted); every other one is an estimate, a fit
     or a count from SASS."""
-    from hybrid_ep.timing import micro
+    from tools.timing import micro
 
     table = constants.load_table(path)
     assert table.device == device
@@ -177,7 +177,7 @@ def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_cost
     """A 16 KiB bulk load's issue -> landed is its bytes through the engine plus the load
     latency; a flag's one-way time includes the writer's release; the reduction's time per
     vector includes its loads and store: micro.measured leaves the constant alone."""
-    from hybrid_ep.timing import micro
+    from tools.timing import micro
 
     def row(name, value, ok=True, mhz=2000.0):
         return {"name": name, "value": value, "ok": ok, "clock_mhz": mhz}
@@ -356,7 +356,7 @@ def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
     lanes by the sites they passed into those two paths, each with its exact times; ncu's warp
     sampling (shares.SAMPLED) counts the two paths alike, the busiest lane (shares.BUSIEST) only
     lane 0's mbarrier wait."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     c = COSTS
     r = timed_selftest("diverged_wait", 1, n, 16)
@@ -601,7 +601,7 @@ def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
     measured dispatch of a full job (its flow control waits for nothing the model costs; the
     waits by site follow the schedule, which differs), and it counts the tile loop's
     instructions."""
-    from hybrid_ep.timing import driver
+    from tools.timing import driver
 
     shape = predict.Shape(world_size=2, nodes=1, hidden=256, tokens=96, topk=4, experts=8)
     table = constants.load_table(constants.H200).costs()
@@ -626,7 +626,7 @@ def test_predict_then_validate(tmp_path, capsys):
     assert printed.startswith("PREDICTED by the timing model")
     with open(out / "predicted.json") as f:
         doc = json.load(f)
-    assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m hybrid_ep.timing predict"
+    assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m tools.timing predict"
     assert all("predicted" in doc["metadata"]["units"][k] for k in ("dispatch_ms", "combine_ms"))
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
@@ -718,7 +718,7 @@ def test_ncu_lines_are_put_in_the_categories_of_their_functions():
     """Each line goes to the wait loop it is in at the measured commit (not to its text: the two
     loops' lines read alike), the parked warps' line and the last __syncthreads to one category,
     an earlier __syncthreads and what the top lines leave out to `other`."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     lines = shares.read_ncu_lines(NCU_LINES)
     assert lines[1] == (0.15, "state.cuh", 7, "if (dev::mbar_try_wait(bar, parity)) return true;", "long_sb 85%")
@@ -733,7 +733,7 @@ def test_model_shares_beside_ncu_differ_by_points():
     """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
     parked warps' share; the comparison gives both shares per category and their sum of the
     waits on other warps (a report without paths: each warp by its busiest lane)."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     report = {"time_ns": 100.0, "roles": [
         {"busy_ns": 20.0, "waits": [("__syncthreads (k.cuh:11)", 70.0), ("mbarrier wait (s.cuh:7)", 10.0)]},
@@ -756,7 +756,7 @@ def test_a_warp_of_several_paths_counts_each_path_of_each_block_alike():
     """Two warp roles x 100 ns. Role 0's lanes took two paths in both blocks (lane 0 waiting on
     an mbarrier, 31 lanes at a __syncwarp), and a third in one block only: each (block, path)
     pair counts alike, 2 + 2 + 1 of 5. Role 1 has one path: its busiest lane, as before."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     parked = [("__syncthreads (k.cuh:11)", 50.0)]
     report = {"time_ns": 100.0, "roles": [

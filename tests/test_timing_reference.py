@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from hybrid_ep.timing import constants, driver, predict
+from tools.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
 

@@ -1,6 +1,6 @@
 """The kernels of an older commit on today's CPU model, for calibration.
 
-The GPU measurements belong to the commits that ran them (docs/benchmarks/timing/points.json),
+The GPU measurements belong to the commits that ran them (tools/timing/points.json),
 and the timing model lives in today's device layer. `build_commit` extracts the commit's tree
 (`git archive`) into a scratch folder, puts today's device layer (csrc/device/) and the model's
 bindings over it, and builds hybrid_ep._model there in place; `run_in_build` runs a job of
