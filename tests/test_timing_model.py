@@ -108,7 +108,9 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "s2g_write_latency_ns": 1019.0, "engine_load_bytes_per_ns": 40.0, "engine_store_bytes_per_ns": 29.0,
          "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
-         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "spin_instructions": 0.0,
+         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "layout_tile_instructions": 101.0,
+         "layout_route_instructions": 7.0, "layout_route_pair_instructions": 3.0, "layout_dest_instructions": 5.0,
+         "layout_node_instructions": 11.0, "layout_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
          "l2_hit_stream": 0.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
@@ -596,26 +598,44 @@ def test_a_prediction_says_each_kernel_and_validate_scores_each():
     assert [r["kernel"] for r in rows] == ["dispatch_kernel", "layout_kernel"]
 
 
+def _layout_instructions(t: dict, K: int, W: int, N: int, blocks: int) -> float:
+    """The layout kernel's warp instructions at one tile per block: per warp the tile's blocks of
+    plain code (dev::plain_code) with the table's counts, and one pass of the scan (its E + W + N
+    columns, at most 32, on lanes of warp 0)."""
+    per_warp = (t["layout_tile_instructions"] + K * t["layout_route_instructions"]
+                + K * (K - 1) // 2 * t["layout_route_pair_instructions"] + W * t["layout_dest_instructions"]
+                + N * t["layout_node_instructions"])
+    return blocks * (32 * per_warp + t["layout_scan_column_instructions"])
+
+
 def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
     """scripts/timing_layout.py's one dispatch: the layout launch takes the time it takes in the
     measured dispatch of a full job (its flow control waits for nothing the model costs; the
     waits by site follow the schedule, which differs), and it counts the tile loop's
-    instructions."""
+    instructions: the counts of the SASS in the table, and the table's whatever they are (a
+    second table with other counts, in the same run)."""
     from tools.timing import driver
 
     shape = predict.Shape(world_size=2, nodes=1, hidden=256, tokens=96, topk=4, experts=8)
     table = constants.load_table(constants.H200).costs()
+    other = {**table, "layout_tile_instructions": 1000.0, "layout_route_instructions": 10.0,
+             "layout_route_pair_instructions": 1.0, "layout_dest_instructions": 100.0,
+             "layout_node_instructions": 10000.0, "layout_scan_column_instructions": 7.0}
     full = driver.run_job(predict.job(shape, shape.tokens, [1], [table], payload=False))
-    only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table], payload=False), "dispatch_only": True})
+    only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table, other], payload=False),
+                           "dispatch_only": True})
     (run,) = only["runs"]
     assert set(run) == {"sms", "dispatch", "peak_rss_mb"}
-    (layout,) = [x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"]
+    layout, layout_other = sorted((x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"),
+                                  key=lambda x: x["table"])
     (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "layout"]
     assert (layout["time_ns"], layout["instructions"]) == (want["time_ns"], want["instructions"])
-    # one tile (96 tokens) on each of 2 blocks of 32 warps: 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per
-    # warp, and one pass of the scan (its 11 columns on 11 lanes of warp 0) of 136
-    per_warp = 477 + 104 * 4 + 5 * 6 + 31 * 2 + 9
-    assert layout["instructions"] == 2 * (32 * per_warp + 136)
+    # one tile (96 tokens) on each of 2 blocks of 32 warps, K = 4, W = 2, N = 1: with the SASS counts
+    # 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per warp, and 136 for the scan's pass
+    assert [table[f"layout_{n}_instructions"] for n in ("tile", "route", "route_pair", "dest", "node", "scan_column")] \
+        == [477, 104, 5, 31, 9, 136]
+    assert layout["instructions"] == _layout_instructions(table, 4, 2, 1, blocks=2) == 2 * (32 * 994 + 136)
+    assert layout_other["instructions"] == _layout_instructions(other, 4, 2, 1, blocks=2) == 2 * (32 * 11246 + 7)
 
 
 def test_predict_then_validate(tmp_path, capsys):
