@@ -9,6 +9,9 @@ Two extensions are compiled ahead of time from csrc/:
   host compiler alone (no CUDA toolkit), so the kernels' logic is tested on every machine.
 A third, hybrid_ep._planner (the expert balancer's placement planner, csrc/balancer/), is
 plain C++ and always built: the balancer needs it.
+
+The package's metadata (name, version, dependencies, extras, the CLIs) and which packages the
+wheel holds are in pyproject.toml; this file holds what must stay code, the extensions.
 """
 
 import glob
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 
 
 def _default_archs(cuda_home: str) -> str:
@@ -178,15 +181,6 @@ def _with_nvshmem(kwargs: dict, nvshmem) -> None:
     kwargs["extra_link_args"] = nvshmem.link_args()
 
 
-def _megatron_core_floor() -> str:
-    """megatron_patches/versions.py's MEGATRON_CORE_FLOOR, the oldest Megatron-Core CI runs
-    (apply() refuses older ones by the same constant)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_patches", "versions.py")
-    namespace = {"__name__": "hybrid_ep_megatron_versions"}
-    exec(compile(open(path, encoding="utf-8").read(), path, "exec"), namespace)
-    return namespace["MEGATRON_CORE_FLOOR"]
-
-
 def _pybind11_includes() -> list[str] | None:
     """pybind11's headers: its own package, else the copy inside PyTorch; None without either."""
     try:
@@ -250,34 +244,4 @@ else:
     print(f"hybrid-ep: building without the CPU model hybrid_ep._model: {model_skipped}", file=sys.stderr)
 ext_modules = ext_modules + [_planner_extension()]
 
-setup(
-    name="hybrid-ep",
-    version="0.1.0",
-    description="Hierarchical NVLink + RDMA expert-parallel dispatch/combine for Megatron-Core MoE training",
-    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"),
-                          encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    license_files=["LICENSE"],
-    python_requires=">=3.10",
-    packages=find_packages(include=["hybrid_ep", "hybrid_ep.*", "megatron_patches", "megatron_patches.*"]),
-    install_requires=["torch>=2.6", "numpy", "matplotlib", "pyyaml"],
-    extras_require={
-        # the linters too: scripts/test.sh runs scripts/lint.sh (settings: pyproject.toml, .clang-format);
-        # pytest-xdist: test.sh runs the tests on one worker per CPU, at most 4 (--no-loadscope-reorder: 3.6)
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6,<4", "ruff>=0.17,<0.18", "clang-format>=23,<24",
-                 "graylint>=2,<3"],
-        "megatron": [f"megatron-core>={_megatron_core_floor()}", "psutil"],  # psutil: dist_checkpointing's writer
-        "wandb": ["wandb"],
-    },
-    entry_points={
-        "console_scripts": [
-            "hybrid-ep-bench=hybrid_ep.bench.cli:main",
-            "hybrid-ep-traffic=hybrid_ep.traffic.cli:main",
-            "hybrid-ep-balance=hybrid_ep.balancer.cli:main",
-            "hybrid-ep-launch=megatron_patches.slurm.cli:main",
-        ]
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

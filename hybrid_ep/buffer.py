@@ -34,6 +34,13 @@ class CallRecord(ReadOnly):
     count tables, and the handle only as long as the caller does: a buffer's last record
     must not keep memory the next call needs (the direct path's arena block)."""
 
+    kind: str
+    rank: int
+    counts: CallCounts
+    _handle: weakref.ref[DispatchHandle]
+    hidden_dim: int
+    dtype: torch.dtype
+
     def __init__(self, kind: str, rank: int, handle: DispatchHandle, hidden_dim: int, dtype: torch.dtype):
         self.__dict__.update(kind=kind, rank=rank, counts=CallCounts(handle), _handle=weakref.ref(handle),
                              hidden_dim=hidden_dim, dtype=dtype)
@@ -138,7 +145,7 @@ class HybridEPBuffer:
     def last_call(self) -> CallRecord | None:
         """The record of this rank's last dispatch or combine (None before the first)."""
         last = self._last
-        if type(last) is tuple:
+        if isinstance(last, tuple):
             last = self._last = CallRecord.from_note(last, self.rank, self.config.hidden_dim)
         return last
 

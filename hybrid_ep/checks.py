@@ -17,7 +17,8 @@ def is_int(value, lo: int | None = None, hi: int | None = None) -> bool:
     """An integer that is not a bool, in [lo, hi] where given."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         return False
-    return (lo is None or value >= lo) and (hi is None or value <= hi)
+    # typeshed's numbers.Integral declares no comparisons; every integral type compares with int
+    return (lo is None or value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
 
 
 def is_real(value, *, finite: bool = False) -> bool:

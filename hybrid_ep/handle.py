@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
 from .config import BufferConfig
-from .routing import DestLayout, Routing, SourceLayout
+from .routing import Routing
 from .traffic.model import RowCounts, row_counts
 
 _FIELDS = ("owner", "config", "rank", "routing", "source", "dest", "recv_counts_W", "num_recv_rows",
@@ -38,6 +39,11 @@ class _CountTables:
     dest's attribute of the same name read when asked for (the cuda backend's are views of
     its per-call workspace, which a call need not make); and the rows per link made from them.
     Needs `dest`, `config` and the raw fields _recv_counts_W, _count_matrix_WW, _node_counts_WN."""
+
+    # The fields, as __init__ stores them in the instance dictionary (annotations only). dest:
+    # routing.DestLayout or the backend's own layout of the same rows, whose type is the backend's.
+    dest: Any
+    config: BufferConfig
 
     @property
     def recv_counts_W(self) -> torch.Tensor:
@@ -100,8 +106,18 @@ class DispatchHandle(ReadOnly, _CountTables):
     host, compared on reuse.
     """
 
-    def __init__(self, owner: int, config: BufferConfig, rank: int, routing: Routing, source: SourceLayout,
-                 dest: DestLayout, recv_counts_W: torch.Tensor | None, num_recv_rows: int,
+    owner: int
+    rank: int
+    routing: Routing
+    source: Any  # routing.SourceLayout or the backend's own layout of the same rows
+    num_recv_rows: int
+    probs_R: torch.Tensor
+    num_out_tokens: int | None
+    serial: int
+    checksum: int
+
+    def __init__(self, owner: int, config: BufferConfig, rank: int, routing: Routing, source: Any,
+                 dest: Any, recv_counts_W: torch.Tensor | None, num_recv_rows: int,
                  count_matrix_WW: torch.Tensor | None, node_counts_WN: torch.Tensor | None, probs_R: torch.Tensor,
                  num_out_tokens: int | None, serial: int = 0, checksum: int = 0):
         d = self.__dict__  # one store per field: a keyword dict for update() costs a third more per call
@@ -160,6 +176,11 @@ class DispatchResult(ReadOnly):
     float32 for fp8 input, else None; probs: [R] float32 routing weight of each row, 0 on
     padding; tokens_per_expert: [L] int64 rows per local expert, padding included (None: the
     handle's, read when first asked for); handle: the DispatchHandle."""
+
+    tokens: torch.Tensor
+    scales: torch.Tensor | None
+    probs: torch.Tensor
+    handle: DispatchHandle
 
     def __init__(self, tokens: torch.Tensor, scales: torch.Tensor | None, probs: torch.Tensor,
                  tokens_per_expert: torch.Tensor | None, handle: DispatchHandle):

@@ -1,14 +1,15 @@
 """The Megatron-Core versions megatron_patches is tested with, and the check of the one imported.
 
-MEGATRON_CORE_FLOOR is the oldest release CI runs (docs/megatron.md#versions); setup.py's
-`megatron` extra reads it from this file, so the two cannot drift. Older releases are refused
+MEGATRON_CORE_FLOOR is the oldest release CI runs (docs/megatron.md#versions); pyproject.toml's
+`megatron` extra names the same floor, and tests/test_megatron_versions.py checks that the two
+agree. Older releases are refused
 by `apply()` with the version found, where they would fail in obscure places (with 0.16.1,
 22 of 23 tests in tests/test_megatron_dispatcher.py failed); 0.17 and 0.18 are not tested.
 
 `python -m megatron_patches.versions` prints the one line scripts/test.sh writes before the
 tests: which Megatron-Core they run against, and from where.
 
-Kept free of imports from this package: setup.py executes this file alone.
+Kept free of imports from this package.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ run_micro() {
     bounded "$(left)" "$micro_bin" $args > "$results/micro.jsonl" 2> "$results/micro.log"
     rc=$?
     say "microbench exit $rc: $(tail -1 "$results/micro.log")"
-    if "$py" -m hybrid_ep.microbench "$results/micro.jsonl" --out "$results" --command "hybrid_ep_microbench $args" \
+    if "$py" -m tools.microbench "$results/micro.jsonl" --out "$results" --command "hybrid_ep_microbench $args" \
         --commit "$(commit_of_checkout)" > "$results/micro_report.log" 2>&1; then
         tee -a "$summary" < "$results/micro.txt"
     else

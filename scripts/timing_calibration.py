@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Calibration of the timing model against the measured GPU points (docs/benchmarks/timing/).
+"""Calibration of the timing model against the measured GPU points (tools/timing/).
 
 Every measured point belongs to a commit (points.json); this script builds that commit's
-kernels against today's device layer on the CPU model (hybrid_ep/timing/builds.py: a scratch
+kernels against today's device layer on the CPU model (tools/timing/builds.py: a scratch
 copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
 
     python scripts/timing_calibration.py add-run 2026-11-24-h100/bench --commit 3684737 --note "..."
-    python scripts/timing_calibration.py --constants hybrid_ep/timing/h200.json from-micro \
+    python scripts/timing_calibration.py --constants tools/timing/h200.json from-micro \
         benchmarks/results/2026-11-26-h200/micro.json
     python scripts/timing_calibration.py build 3684737
     python scripts/timing_calibration.py run 3684737 -w 2 --sms 1 2 4 --tokens 512
@@ -20,10 +20,10 @@ copy under ~/.cache/hybrid-ep/timing-builds) and runs them there.
 `add-run` puts one run's points (its emulated.json under benchmarks/results/) into
 points.json with the commit it measured and each point's data path (fit and score run the
 kernels of that path); `from-micro` makes a device's table (--constants) from another
-(--base) with every constant the microbenchmarks measured (hybrid_ep/timing/micro.py);
+(--base) with every constant the microbenchmarks measured (tools/timing/micro.py);
 `build` makes the scratch build; `run` prints, per SM count, the model's scheduling rounds of
 the second dispatch and combine (the round proxy). `fit` fits up to three constants of the
-timing table (--constants, default hybrid_ep/timing/h100.json) to a run's points
+timing table (--constants, default tools/timing/h100.json) to a run's points
 of one world size, run on that run's commit, and with --write puts them into the table with
 their source; `score` predicts a run's points with the table and prints predicted against
 measured per point, the worst ratio last (with --tables, for each of several variants of the
@@ -31,7 +31,7 @@ table in one model run; --save keeps them); `fit-grid` fits on such a saved grid
 per-point lines through it (several grids of the same tables, one per data path, as one),
 and `score-grid` reads other points off their lines; `profile`
 prints what the warps spend their predicted time on, per kernel, and with --ncu beside the
-stall samples of that run's ncu stage (hybrid_ep/timing/shares.py), the difference in points
+stall samples of that run's ncu stage (tools/timing/shares.py), the difference in points
 per category (--save / --load keep a run's reports and read them again, say with the other
 --count). Not part of CI: a build takes minutes, a fit at
 W = 2 about ten, a score at W = 8 tens of minutes on a 2-core machine.
@@ -47,7 +47,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hybrid_ep.timing import builds, constants, fit, micro, points, predict, shares  # noqa: E402
+from tools.timing import builds, constants, fit, micro, points, predict, shares  # noqa: E402
 
 
 def add_run(args) -> int:
@@ -64,7 +64,7 @@ def add_run(args) -> int:
 
 def from_micro(args) -> int:
     """from-micro: the table at --constants made from --base with every constant the
-    microbenchmarks' micro.json determines replaced (hybrid_ep/timing/micro.py)."""
+    microbenchmarks' micro.json determines replaced (tools/timing/micro.py)."""
     base = constants.load_table(args.base)
     table = micro.with_measured(base, args.micro, os.path.relpath(os.path.abspath(args.micro), REPO))
     changed = [n for n in table.constants if table.constants[n] != base.constants[n]]
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--work", default=builds.DEFAULT_WORK, help="folder of the scratch builds (default %(default)s)")
     p.add_argument("--constants", default=constants.H100, help="the timing table read and, by --write, written "
-                   "(default hybrid_ep/timing/h100.json; hybrid_ep/timing/h200.json for the H200's points)")
+                   "(default tools/timing/h100.json; tools/timing/h200.json for the H200's points)")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("add-run", help="put one GPU run's points into points.json")
     a.add_argument("name", help="the run's folder under benchmarks/results/, e.g. 2026-11-24-h100/bench")
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                          "ncu's, measured at the commit given, with the difference in points")
     pr.add_argument("--count", choices=(shares.SAMPLED, shares.BUSIEST), default=shares.SAMPLED,
                     help="how a warp counts: its paths alike, as ncu's warp sampling sees a diverged warp "
-                         "(default), or its busiest lane alone (hybrid_ep/timing/shares.py)")
+                         "(default), or its busiest lane alone (tools/timing/shares.py)")
     pr.add_argument("--save", default=None, metavar="JSON", help="keep the model run's reports")
     pr.add_argument("--load", default=None, metavar="JSON",
                     help="the reports of an earlier run (--save) instead of a model run; the shape is the run's")

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """The layout kernel's predicted time at the bench's points, for this checkout or a commit.
 
-    python scripts/timing_layout.py --emulate 2 8 --tokens 4096 --constants hybrid_ep/timing/h200.json \\
+    python scripts/timing_layout.py --emulate 2 8 --tokens 4096 --constants tools/timing/h200.json \\
         --payload-free --out layout.json [--commit c714646] [--emulate-nodes 2]
 
 The layout kernel runs on one SM per rank whatever the bench's SMs per rank, so one dispatch
 call per world size (driver.py's "dispatch_only" job) gives its time at every point. The rows
-are those of `python -m hybrid_ep.timing predict` with only the layout kernel's time
+are those of `python -m tools.timing predict` with only the layout kernel's time
 (kernels_ms: {"dispatch": {"layout_kernel": ms}}), one per SM count of --sms, so that
-`python -m hybrid_ep.timing validate` scores them against the bench's kernels_ms. With
---commit the commit's kernels run on today's model (hybrid_ep/timing/builds.py: its tree, today's
+`python -m tools.timing validate` scores them against the bench's kernels_ms. With
+--commit the commit's kernels run on today's model (tools/timing/builds.py: its tree, today's
 device layer and its accessors/<commit>.patch). PREDICTED: what the timing model says, not a
 measurement.
 """
@@ -35,8 +35,8 @@ def layout_ms(result: dict) -> float:
 
 def main(argv=None) -> int:
     from hybrid_ep.metadata import metadata
-    from hybrid_ep.timing import builds, constants, driver, predict, report
-    from hybrid_ep.timing.cli import _checkout_commit
+    from tools.timing import builds, constants, driver, predict, report
+    from tools.timing.cli import _checkout_commit
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--emulate", type=int, nargs="+", required=True, metavar="W")

@@ -64,7 +64,7 @@ case "$*" in
       echo "tests/test_cuda_emulation.py::test_hangs[w4] "; trap '' INT; sleep 60; fi
     echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
-  *"-m hybrid_ep.microbench"*) PYTHONPATH="$REAL_REPO" exec "$REAL_PYTHON" "$@" ;;  # the real post-processor
+  *"-m tools.microbench"*) PYTHONPATH="$REAL_REPO" exec "$REAL_PYTHON" "$@" ;;  # the real post-processor
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
   *"-m hybrid_ep.testing.nvshmem_cases"*)
@@ -460,7 +460,7 @@ def test_micro_stage_reports_a_failed_measurement_a_failed_build_and_no_gpu(mach
     assert proc.returncode == 1 and (results / "a" / "micro.json").exists()  # the lines are kept
     proc, calls = run("micro", str(results / "b"), MICRO_NO_GPU="1")
     assert proc.returncode == 3 and "microbench exit 3: microbench: no CUDA device (stub)" in proc.stdout
-    assert "micro.json not written: hybrid_ep.microbench: " in proc.stdout and "no device line" in proc.stdout
+    assert "micro.json not written: tools.microbench: " in proc.stdout and "no device line" in proc.stdout
     (repo / "build" / "microbench" / "hybrid_ep_microbench").unlink()
     before = len(calls)
     proc, calls = run("micro", str(results / "c"), NVCC_FAILS="1")

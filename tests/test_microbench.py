@@ -1,7 +1,7 @@
 """The GPU microbenchmarks on a machine without a GPU: the command line and the JSON writer
 (csrc/microbench/cli.h, json.h, built with the host compiler), the program built with nvcc for
 sm_90a (its --help, --list and bad arguments make no CUDA call; without a GPU it stops with one
-line), and the post-processor (hybrid_ep.microbench) that turns its lines into micro.json."""
+line), and the post-processor (tools.microbench) that turns its lines into micro.json."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_ep import metadata
-from hybrid_ep.microbench import __main__ as cli
-from hybrid_ep.microbench import constants, records, report
+from tools.microbench import __main__ as cli
+from tools.microbench import constants, records, report
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,7 @@
 """The source distribution (MANIFEST.in): it carries what setup.py reads at build time (csrc/
 sources and headers, scripts/find_nvshmem.py, README.md) and what a user of the source needs
-(scripts, recipes, docs, the measurement records of benchmarks/results/, tests with conftest.py),
+(scripts, recipes, docs, the measurement records of benchmarks/results/, the development tools of
+tools/, tests with conftest.py),
 and no build outputs. Nothing is compiled: `setup.py sdist` with the CUDA and model builds
 skipped, on a copy of this tree with a few build outputs planted in it, then setup.py's own
 loader of find_nvshmem.py run from the unpacked sdist (the step that failed a wheel build from
@@ -27,7 +28,7 @@ NO_COMPILE = {"HYBRID_EP_SKIP_CUDA_BUILD": "1", "HYBRID_EP_SKIP_MODEL_BUILD": "1
 # Build outputs planted in the copy: none may reach the sdist.
 PLANTED = ["hybrid_ep/_C.cpython-312-x86_64-linux-gnu.so", "csrc/kernels/dispatch.o",
            "tests/__pycache__/conftest.cpython-312.pyc", "build/lib/hybrid_ep/_model.so", "results/demo/run.json",
-           "recipes/tiny_moe/__pycache__/x.pyc"]
+           "recipes/tiny_moe/__pycache__/x.pyc", "tools/timing/__pycache__/cli.cpython-312.pyc"]
 _IGNORED_NAMES = shutil.ignore_patterns(".git", ".pytest_cache", "__pycache__", "*.so", "*.o", "*.egg-info", "build",
                                         "dist", ".before")
 
@@ -60,7 +61,7 @@ def _build_time_files(root: str) -> list[str]:
 def _user_files(root: str) -> list[str]:
     """What a user of the source needs besides the packages."""
     found = glob.glob(f"{root}/scripts/*") + glob.glob(f"{root}/tests/*.py")
-    for folder in ("recipes", "docs", "benchmarks"):
+    for folder in ("recipes", "docs", "benchmarks", "tools", "hybrid_ep", "megatron_patches"):
         found += glob.glob(f"{root}/{folder}/**/*", recursive=True)
     return _relative(found, root)
 
@@ -98,7 +99,8 @@ def test_sdist_carries_scripts_recipes_docs_and_tests(sdist):
     missing = sorted(set(_user_files(tree)) - set(names))
     assert not missing, f"the sdist lacks: {missing}"
     for needed in ("LICENSE", "tests/conftest.py", "tests/helpers.py", "recipes/tiny_moe/recipe.yaml",
-                   "recipes/bench_dispatch/recipe.yaml", "docs/slurm.md", "scripts/launch_slurm.py", "MANIFEST.in"):
+                   "recipes/bench_dispatch/recipe.yaml", "docs/slurm.md", "scripts/launch_slurm.py", "MANIFEST.in",
+                   "tools/timing/h100.json", "tools/timing/accessors/c714646.patch", "tools/microbench/__main__.py"):
         assert needed in names, needed
 
 

@@ -1,6 +1,6 @@
-"""The timing model of the kernels on the CPU model (hybrid_ep.timing, csrc/device/model/timing.*).
+"""The timing model of the kernels on the CPU model (tools.timing, csrc/device/model/timing.*).
 
-The measured points it is calibrated on are data (docs/benchmarks/timing/points.json); they
+The measured points it is calibrated on are data (tools/timing/points.json); they
 must be exactly the GPU runs' numbers, each tied to the commit that was measured. The clocks
 must give the exact time of kernels whose critical path is known (timing_selftest.cpp), the
 same time for a seed every time and nearly the same for every seed, and timing must change
@@ -17,8 +17,8 @@ import subprocess
 import pytest
 import torch
 
-from hybrid_ep.timing import cli as timing_cli
-from hybrid_ep.timing import constants, fit, points, predict, report
+from tools.timing import cli as timing_cli
+from tools.timing import constants, fit, points, predict, report
 
 pytestmark = pytest.mark.model
 
@@ -68,9 +68,9 @@ def test_every_run_names_a_commit_of_the_repository():
 def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
     """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
     loops, or dev::plain_instructions where the SASS of plain code was counted
-    (hybrid_ep/timing/builds.py): it applies to that commit's files, and every line it changes
+    (tools/timing/builds.py): it applies to that commit's files, and every line it changes
     only wraps an access in an accessor or adds such a count."""
-    from hybrid_ep.timing import builds
+    from tools.timing import builds
 
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
                              text=True)
@@ -108,7 +108,9 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "s2g_write_latency_ns": 1019.0, "engine_load_bytes_per_ns": 40.0, "engine_store_bytes_per_ns": 29.0,
          "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
-         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "spin_instructions": 0.0,
+         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "layout_tile_instructions": 101.0,
+         "layout_route_instructions": 7.0, "layout_route_pair_instructions": 3.0, "layout_dest_instructions": 5.0,
+         "layout_node_instructions": 11.0, "layout_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
          "l2_hit_stream": 0.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
@@ -154,7 +156,7 @@ def test_each_table_takes_every_constant_its_gpus_microbenchmarks_measured(path,
     """h200.json and h100.json: each constant their GPU's micro.json determines has its value and
     source from it, unless fitted (at most three fitted); every other one is an estimate, a fit
     or a count from SASS."""
-    from hybrid_ep.timing import micro
+    from tools.timing import micro
 
     table = constants.load_table(path)
     assert table.device == device
@@ -177,7 +179,7 @@ def test_constants_derived_from_the_microbenchmarks_take_off_what_the_model_cost
     """A 16 KiB bulk load's issue -> landed is its bytes through the engine plus the load
     latency; a flag's one-way time includes the writer's release; the reduction's time per
     vector includes its loads and store: micro.measured leaves the constant alone."""
-    from hybrid_ep.timing import micro
+    from tools.timing import micro
 
     def row(name, value, ok=True, mhz=2000.0):
         return {"name": name, "value": value, "ok": ok, "clock_mhz": mhz}
@@ -356,7 +358,7 @@ def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
     lanes by the sites they passed into those two paths, each with its exact times; ncu's warp
     sampling (shares.SAMPLED) counts the two paths alike, the busiest lane (shares.BUSIEST) only
     lane 0's mbarrier wait."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     c = COSTS
     r = timed_selftest("diverged_wait", 1, n, 16)
@@ -596,26 +598,44 @@ def test_a_prediction_says_each_kernel_and_validate_scores_each():
     assert [r["kernel"] for r in rows] == ["dispatch_kernel", "layout_kernel"]
 
 
+def _layout_instructions(t: dict, K: int, W: int, N: int, blocks: int) -> float:
+    """The layout kernel's warp instructions at one tile per block: per warp the tile's blocks of
+    plain code (dev::plain_code) with the table's counts, and one pass of the scan (its E + W + N
+    columns, at most 32, on lanes of warp 0)."""
+    per_warp = (t["layout_tile_instructions"] + K * t["layout_route_instructions"]
+                + K * (K - 1) // 2 * t["layout_route_pair_instructions"] + W * t["layout_dest_instructions"]
+                + N * t["layout_node_instructions"])
+    return blocks * (32 * per_warp + t["layout_scan_column_instructions"])
+
+
 def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
     """scripts/timing_layout.py's one dispatch: the layout launch takes the time it takes in the
     measured dispatch of a full job (its flow control waits for nothing the model costs; the
     waits by site follow the schedule, which differs), and it counts the tile loop's
-    instructions."""
-    from hybrid_ep.timing import driver
+    instructions: the counts of the SASS in the table, and the table's whatever they are (a
+    second table with other counts, in the same run)."""
+    from tools.timing import driver
 
     shape = predict.Shape(world_size=2, nodes=1, hidden=256, tokens=96, topk=4, experts=8)
     table = constants.load_table(constants.H200).costs()
+    other = {**table, "layout_tile_instructions": 1000.0, "layout_route_instructions": 10.0,
+             "layout_route_pair_instructions": 1.0, "layout_dest_instructions": 100.0,
+             "layout_node_instructions": 10000.0, "layout_scan_column_instructions": 7.0}
     full = driver.run_job(predict.job(shape, shape.tokens, [1], [table], payload=False))
-    only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table], payload=False), "dispatch_only": True})
+    only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table, other], payload=False),
+                           "dispatch_only": True})
     (run,) = only["runs"]
     assert set(run) == {"sms", "dispatch", "peak_rss_mb"}
-    (layout,) = [x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"]
+    layout, layout_other = sorted((x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"),
+                                  key=lambda x: x["table"])
     (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "layout"]
     assert (layout["time_ns"], layout["instructions"]) == (want["time_ns"], want["instructions"])
-    # one tile (96 tokens) on each of 2 blocks of 32 warps: 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per
-    # warp, and one pass of the scan (its 11 columns on 11 lanes of warp 0) of 136
-    per_warp = 477 + 104 * 4 + 5 * 6 + 31 * 2 + 9
-    assert layout["instructions"] == 2 * (32 * per_warp + 136)
+    # one tile (96 tokens) on each of 2 blocks of 32 warps, K = 4, W = 2, N = 1: with the SASS counts
+    # 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per warp, and 136 for the scan's pass
+    assert [table[f"layout_{n}_instructions"] for n in ("tile", "route", "route_pair", "dest", "node", "scan_column")] \
+        == [477, 104, 5, 31, 9, 136]
+    assert layout["instructions"] == _layout_instructions(table, 4, 2, 1, blocks=2) == 2 * (32 * 994 + 136)
+    assert layout_other["instructions"] == _layout_instructions(other, 4, 2, 1, blocks=2) == 2 * (32 * 11246 + 7)
 
 
 def test_predict_then_validate(tmp_path, capsys):
@@ -626,7 +646,7 @@ def test_predict_then_validate(tmp_path, capsys):
     assert printed.startswith("PREDICTED by the timing model")
     with open(out / "predicted.json") as f:
         doc = json.load(f)
-    assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m hybrid_ep.timing predict"
+    assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m tools.timing predict"
     assert all("predicted" in doc["metadata"]["units"][k] for k in ("dispatch_ms", "combine_ms"))
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
@@ -718,7 +738,7 @@ def test_ncu_lines_are_put_in_the_categories_of_their_functions():
     """Each line goes to the wait loop it is in at the measured commit (not to its text: the two
     loops' lines read alike), the parked warps' line and the last __syncthreads to one category,
     an earlier __syncthreads and what the top lines leave out to `other`."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     lines = shares.read_ncu_lines(NCU_LINES)
     assert lines[1] == (0.15, "state.cuh", 7, "if (dev::mbar_try_wait(bar, parity)) return true;", "long_sb 85%")
@@ -733,7 +753,7 @@ def test_model_shares_beside_ncu_differ_by_points():
     """A launch's report of 2 warp roles x 100 ns: the longest-waited __syncthreads is the
     parked warps' share; the comparison gives both shares per category and their sum of the
     waits on other warps (a report without paths: each warp by its busiest lane)."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     report = {"time_ns": 100.0, "roles": [
         {"busy_ns": 20.0, "waits": [("__syncthreads (k.cuh:11)", 70.0), ("mbarrier wait (s.cuh:7)", 10.0)]},
@@ -756,7 +776,7 @@ def test_a_warp_of_several_paths_counts_each_path_of_each_block_alike():
     """Two warp roles x 100 ns. Role 0's lanes took two paths in both blocks (lane 0 waiting on
     an mbarrier, 31 lanes at a __syncwarp), and a third in one block only: each (block, path)
     pair counts alike, 2 + 2 + 1 of 5. Role 1 has one path: its busiest lane, as before."""
-    from hybrid_ep.timing import shares
+    from tools.timing import shares
 
     parked = [("__syncthreads (k.cuh:11)", 50.0)]
     report = {"time_ns": 100.0, "roles": [

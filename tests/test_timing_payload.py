@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid_ep.testing import compare
-from hybrid_ep.timing import constants, driver, predict
+from tools.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
 

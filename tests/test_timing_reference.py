@@ -12,9 +12,11 @@ path's to the bit) and the reports' lane paths (3b234a7) met; made again when bu
 got their own rates and a pair came to cost per instruction of its kind, h200.json taking
 h100.json's fit of the three (the combines 20-23 % faster on these jobs, the dispatches 3-9 %,
 the layout kernel to the bit); made again when the layout kernel reported a bad route in
-its count row instead of aborting (each layout launch 16.48 ns shorter, nothing else); and
+its count row instead of aborting (each layout launch 16.48 ns shorter, nothing else);
 when a static-size call with a bad route came to be completed without an abort (the sites'
-lines in layout.cuh, skeleton.cuh and state.cuh moved; no time changed). A change that
+lines in layout.cuh, skeleton.cuh and state.cuh moved; no time changed); and when the layout
+kernel's instruction counts moved from layout.cuh into the timing tables (dev::plain_code: its
+sites 9 lines up, every time to the bit). A change that
 means to change the times replaces the file and says so in its commit.
 """
 
@@ -25,7 +27,7 @@ import os
 
 import pytest
 
-from hybrid_ep.timing import constants, driver, predict
+from tools.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
 

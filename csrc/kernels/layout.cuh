@@ -33,25 +33,16 @@ constexpr int kWarps = kPrepareThreads / 32;
 
 __device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
-// The tile loop's plain code in warp instructions per lane, for the CPU model's timing
-// (dev::plain_instructions: nothing on the GPU; the model issues them on the warp's scheduler,
-// 8 warps to a scheduler here). Counted on this kernel's SASS (sm_90a, nvcc 12.x, cuobjdump
-// -sass of kernels/layout.cu, scripts/sass_blocks.py; 2026-11-26): the blocks a valid routing
-// runs, without the bad routes' atomicMin, each part by what repeats it. Loops that run in part (the
-// zeroing, the remainders of the unrolled loops over ranks) are counted whole: an estimate
-// from static counts, not a trace.
-struct TileInstructions {
-  static constexpr int kFixed = 477;       // zeroing, prefix popcs, loop head and tail, routes k >= K skipped
-  static constexpr int kRoute = 104;       // per route: its load, rank and node (two divisions), atomicOr, ordinal
-  static constexpr int kRoutePair = 5;     // per pair of a token's routes: the duplicate check
-  static constexpr int kDest = 31;         // per destination rank: two ballots, its count, a send_slot store
-  static constexpr int kNode = 9;          // per node: a ballot and its count
-  static constexpr int kScanColumn = 136;  // per pass of the scan (a column per lane, the 32 warps unrolled)
-};
-
-__device__ __forceinline__ int tile_instructions(int K, int W, int N) {
-  using I = TileInstructions;
-  return I::kFixed + K * I::kRoute + K * (K - 1) / 2 * I::kRoutePair + W * I::kDest + N * I::kNode;
+// The tile loop's plain code per lane, for the CPU model's timing (dev::plain_code: nothing on the
+// GPU; the model issues each block's instructions, a constant of the timing model counted on this
+// kernel's SASS, on the warp's scheduler, 8 warps to a scheduler here): the blocks a valid routing
+// runs, each by what repeats it. The scan's passes are named where they run.
+__device__ __forceinline__ void tile_code(int K, int W, int N) {
+  using dev::PlainCode;
+  using dev::PlainRun;
+  dev::plain_code(PlainRun{PlainCode::kLayoutTile, 1}, PlainRun{PlainCode::kLayoutRoute, K},
+                  PlainRun{PlainCode::kLayoutRoutePair, K * (K - 1) / 2}, PlainRun{PlainCode::kLayoutDest, W},
+                  PlainRun{PlainCode::kLayoutNode, N});
 }
 
 constexpr int kNoBadToken = 0x7fffffff;
@@ -137,7 +128,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   for (int tile = 0; tile < T; tile += kPrepareThreads) {
     const int t = tile + tid;
     const bool valid = t < T;
-    dev::plain_instructions(tile_instructions(K, W, N));
+    tile_code(K, W, N);
     int e[kMaxTopK];  // expert ids fit 32 bits (E <= kMaxExperts); -1 = not routed
     uint64_t dmask = 0, nmask = 0;
 #pragma unroll
@@ -195,7 +186,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 
     // Scan over warps (tile order), carried across tiles.
     for (int c = tid; c < cols; c += blockDim.x) {
-      dev::plain_instructions(TileInstructions::kScanColumn);
+      dev::plain_code(dev::PlainRun{dev::PlainCode::kLayoutScanColumn, 1});
       int32_t run = carry[c];
       for (int w = 0; w < kWarps; ++w) {
         const int32_t v = warp_cnt[w * cols + c];

@@ -334,7 +334,8 @@ class ReferenceBackend(Backend):
         it lies, with no gather; row T collects the rows of no token (static blocks' padding)."""
         cfg = self.config
         G, T, H = cfg.ranks_per_node, source.num_tokens, recv_SH.shape[1]
-        blocks, y = source.block_rows_W, None
+        blocks = source.block_rows_W
+        y: torch.Tensor | None = None
         tokens_W = self._memo(source, ("tokens of blocks",), lambda: _tokens_of_blocks(source))
         for n in range(cfg.num_nodes):
             part = torch.zeros(T + 1, H, device=self._device)
@@ -346,6 +347,7 @@ class ReferenceBackend(Backend):
             if n != cfg.node_of(self.rank) and wire != torch.float32:  # rounding to fp32 changes nothing
                 part = part.to(wire).float()
             y = part if y is None else y.add_(part)
+        assert y is not None  # num_nodes >= 1
         return y[:T]
 
     def memory_plan(self) -> MemoryPlan:

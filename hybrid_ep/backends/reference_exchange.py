@@ -39,7 +39,7 @@ class HostCopy:
     """A device tensor on its way to pinned host memory (on the CPU: the tensor itself)."""
 
     host: torch.Tensor
-    event: object | None = None
+    event: torch.cuda.Event | None = None
 
 
 class ReferenceExchange:
@@ -49,7 +49,7 @@ class ReferenceExchange:
         self.cap_bytes = cap_bytes  # the longest message one peer can send in any call of the buffer
         self._recv_bytes: torch.Tensor | None = None  # gloo: the receive buffer, allocated on first use
         self._send_bytes: torch.Tensor | None = None  # gloo: the send buffer, grown to the longest message
-        self._side_stream = None  # NCCL: the stream of the counts' device-to-host copy
+        self._side_stream: torch.cuda.Stream | None = None  # NCCL: the stream of the counts' device-to-host copy
         self._in_flight: collections.deque = collections.deque()  # NCCL: (event, phase, start) per exchange
         self._deferred: list = []  # NCCL: (HostCopy, check) of headers not checked yet
 

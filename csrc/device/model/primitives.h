@@ -158,7 +158,13 @@ inline void st(T* p, const T& v) {
   model::note_access(p, sizeof(T), false);
 }
 inline void chain() { model::note_chain(); }
-// Warp instructions of plain code the kernel counted from its SASS (sm90/primitives.cuh).
+// Blocks of plain code the kernel ran (device/plain_code.h, sm90/primitives.cuh): one issue of
+// their instructions, the timing model's constants; the count written out (older kernels).
+template <typename... Runs>
+inline void plain_code(const Runs&... runs) {
+  const PlainRun all[] = {runs...};
+  model::note_plain_code(all, static_cast<int>(sizeof...(Runs)));
+}
 inline void plain_instructions(int warp_instructions) { model::note_instructions(warp_instructions); }
 // The GPU's shift and mask (sm90/primitives.cuh); the timing model counts one pair of plain code.
 inline float2 bf16x2_to_float2(uint32_t bits) {

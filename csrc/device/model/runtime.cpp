@@ -1108,6 +1108,12 @@ void note_chain() {
   for (auto& timer : L->timers) timer->chain(thread_index(*L, L->current));
 }
 
+void note_plain_code(const dev::PlainRun* runs, int n) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  for (auto& timer : L->timers) timer->plain_code(thread_index(*L, L->current), runs, n);
+}
+
 void note_instructions(int n) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

@@ -30,6 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include "device/plain_code.h"
+
 namespace hybrid_ep::model {
 
 struct Dim3 {
@@ -80,7 +82,9 @@ void note_plain_pair(Pair kind);
 // loads after it depend on those before it (dev::chain).
 void note_access(const volatile void* p, uint32_t bytes, bool load);
 void note_chain();
-// `n` warp instructions of plain code the kernel counted from its SASS (dev::plain_instructions).
+// Blocks of plain code the kernel ran (dev::plain_code), `n` of them, costed by the timing model's
+// constants; `n` warp instructions of plain code written out (dev::plain_instructions).
+void note_plain_code(const dev::PlainRun* runs, int n);
 void note_instructions(int n);
 
 // ---- shared memory ----------------------------------------------------------------------

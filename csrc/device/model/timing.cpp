@@ -416,7 +416,24 @@ void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, 
   }
 }
 
-// Plain code the kernel counted from its SASS: issue slots only (as the pairs' instructions).
+// Blocks of plain code a kernel named: their instructions, this table's counts, in one issue; issue
+// slots only (as the pairs' instructions).
+void Timer::plain_code(int th, const dev::PlainRun* runs, int n) {
+  double count = 0;
+  for (int i = 0; i < n; ++i) {
+    const dev::PlainCode code = runs[i].code;
+    const double each = code == dev::PlainCode::kLayoutTile        ? c_.layout_tile_instructions
+                        : code == dev::PlainCode::kLayoutRoute     ? c_.layout_route_instructions
+                        : code == dev::PlainCode::kLayoutRoutePair ? c_.layout_route_pair_instructions
+                        : code == dev::PlainCode::kLayoutDest      ? c_.layout_dest_instructions
+                        : code == dev::PlainCode::kLayoutNode      ? c_.layout_node_instructions
+                                                                   : c_.layout_scan_column_instructions;
+    count += each * runs[i].times;
+  }
+  issue(th, count);
+}
+
+// Plain code whose count the kernel wrote out: issue slots only.
 void Timer::instructions(int th, int n) { issue(th, n); }
 
 void Timer::chain(int th) {

@@ -13,8 +13,8 @@
 //     pair (its kind's count, below), and where the hot loops load and store through the
 //     device layer's accessors (dev::ld, dev::st);
 //   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
-//     kind of conversion: counts from the kernels' SASS; where a kernel names a count itself,
-//     dev::plain_instructions, that count: the layout kernel's tile loop), issued on the SM's scheduler of its
+//     kind of conversion, per block of plain code a kernel names (dev::plain_code: the layout
+//     kernel's tile loop): counts from the kernels' SASS), issued on the SM's scheduler of its
 //     warp (warp w on scheduler w % 4), one instruction per cycle per scheduler and per warp.
 //     The lanes of a warp run the same instructions, so only a lane ahead of its warp's count
 //     takes slots; a lane behind runs on no earlier than the warp issued the same instruction.
@@ -119,6 +119,21 @@ namespace hybrid_ep::model::timing {
     "warp instructions per bf16 pair widened by shift and mask (dev::bf16x2_to_float2), "                           \
     "with the loop around it")                                                                                      \
   X(pack_pair_instructions, "warp instructions per pair narrowed (__float22bfloat162_rn, __float22half2_rn)")       \
+  X(layout_tile_instructions,                                                                                       \
+    "warp instructions per tile of the layout kernel (dev::PlainCode::kLayoutTile): zeroing, prefix popcs, the "    \
+    "loop's head and tail, the routes k >= K skipped")                                                              \
+  X(layout_route_instructions,                                                                                      \
+    "warp instructions per route of a tile's token (kLayoutRoute): its load, rank and node (two divisions), "       \
+    "atomicOr, ordinal")                                                                                            \
+  X(layout_route_pair_instructions,                                                                                 \
+    "warp instructions per pair of a token's routes (kLayoutRoutePair): the duplicate check")                       \
+  X(layout_dest_instructions,                                                                                       \
+    "warp instructions per destination rank of a tile (kLayoutDest): two ballots, its count, a send_slot store")    \
+  X(layout_node_instructions,                                                                                       \
+    "warp instructions per destination node of a tile (kLayoutNode): a ballot and its count")                       \
+  X(layout_scan_column_instructions,                                                                                \
+    "warp instructions per counter column a lane scans over the warps' counts (kLayoutScanColumn, 32 warps "        \
+    "unrolled)")                                                                                                    \
   X(spin_instructions, "warp instructions per turn of a spinning wait (a failed poll or try_wait, its loop)")       \
   X(spin_period_ns, "one turn of a warp spinning on an mbarrier (try_wait that fails and its loop)")                \
   X(hbm_bytes_per_ns, "device memory: bytes per ns read and written, all SMs of the launch together")               \
@@ -316,7 +331,8 @@ class Timer {
   void access(int th, const volatile void* p, bool shared, uint32_t bytes, bool load);
   void spinning(int th);  // an mbarrier try_wait that failed: the warp spins until its next operation
   void chain(int th);
-  void instructions(int th, int n);  // plain code counted from SASS (dev::plain_instructions)
+  void plain_code(int th, const dev::PlainRun* runs, int n);  // blocks of plain code (dev::plain_code)
+  void instructions(int th, int n);  // plain code counted from SASS, written out (dev::plain_instructions)
   void copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);

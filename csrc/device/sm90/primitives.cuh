@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "device/plain_code.h"
+
 namespace hybrid_ep::dev {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -203,9 +205,15 @@ __device__ __forceinline__ void st(T* p, const T& v) {
 }
 __device__ __forceinline__ void chain() {}
 // Plain code the model cannot see through the accessors (a loop of compares, integer division,
-// ballots and their bookkeeping): the kernel says how many warp instructions its SASS issues
-// here, per lane of the warp (all lanes the same count: the warp issues them once). Nothing
-// on the GPU; on the CPU model the timing model issues them on the warp's scheduler.
+// ballots and their bookkeeping): the kernel names the blocks that ran and how many times
+// (device/plain_code.h), the same for every lane of the warp (the warp issues them once); their
+// instruction counts are the timing model's. Nothing on the GPU; on the CPU model the timing
+// model issues them on the warp's scheduler.
+template <typename... Runs>
+__device__ __forceinline__ void plain_code(const Runs&... /*runs*/) {}
+// The same with the count of warp instructions written out: kept for the kernels of the commits
+// measured before the counts moved to the timing model, which its calibration builds
+// (tools/timing/builds.py) compile against this device layer, and for its accessor patches.
 __device__ __forceinline__ void plain_instructions(int /*warp_instructions*/) {}
 
 // A bf16 pair held as its 32 bits (element 0 in the low half) widened to fp32: a bf16 is the top

@@ -1,4 +1,4 @@
-"""`python -m hybrid_ep.timing`: see cli.py."""
+"""`python -m tools.timing`: see cli.py."""
 
 import sys
 

@@ -1,6 +1,6 @@
 """The kernels of an older commit on today's CPU model, for calibration.
 
-The GPU measurements belong to the commits that ran them (docs/benchmarks/timing/points.json),
+The GPU measurements belong to the commits that ran them (tools/timing/points.json),
 and the timing model lives in today's device layer. `build_commit` extracts the commit's tree
 (`git archive`) into a scratch folder, puts today's device layer (csrc/device/) and the model's
 bindings over it, and builds hybrid_ep._model there in place; `run_in_build` runs a job of
@@ -12,8 +12,10 @@ layer's accessors (dev::ld, dev::st, dev::chain). Commits older than those acces
 a patch, accessors/<commit>.patch, applied over the extracted tree: it replaces the plain accesses
 of the same loops by the accessors and changes nothing else (on the GPU an accessor is the plain
 access it wraps), so the measured kernels run as they were, with their plain code costed. A patch
-may also add dev::plain_instructions (nothing on the GPU) where plain code was counted on the
-commit's SASS: c714646's layout kernel, whose compare loop 010bbe2 replaced.
+may also add dev::plain_instructions (nothing on the GPU, a count written out) where plain code
+was counted on the commit's SASS: c714646's layout kernel, whose compare loop 010bbe2 replaced.
+Today's kernels name their blocks of plain code instead (dev::plain_code), whose counts are the
+timing table's; the device layer keeps plain_instructions for the commits measured before.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""`python -m hybrid_ep.timing`: predicted kernel times, and predictions against a measured run.
+"""`python -m tools.timing`: predicted kernel times, and predictions against a measured run.
 
-    python -m hybrid_ep.timing predict --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \\
+    python -m tools.timing predict --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \\
         --experts 16 --sms 1 2 4 [--data-path receive] --out results/predicted
-    python -m hybrid_ep.timing validate results/predicted/predicted.json \\
+    python -m tools.timing validate results/predicted/predicted.json \\
         benchmarks/results/2026-11-24-h100/bench/emulated.json
 
 `predict` runs this checkout's kernels on the CPU model with the timing table (default
-hybrid_ep/timing/h100.json) at the points hybrid-ep-bench --emulate measures on a GPU (bf16,
+tools/timing/h100.json) at the points hybrid-ep-bench --emulate measures on a GPU (bf16,
 uniform routing, its seed), and prints and writes (predicted.json) the predicted dispatch and
 combine ms of each, labelled as predictions. The model runs at one or two smaller token
 counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
@@ -28,14 +28,15 @@ import sys
 import time
 from unittest import mock
 
-from ..paths import output_problem
+from hybrid_ep.paths import output_problem
 
-PROG = "python -m hybrid_ep.timing"
+PROG = "python -m tools.timing"
 
 
 def _predict(args) -> int:
-    from ..backends.cuda import launch
-    from ..metadata import metadata
+    from hybrid_ep.backends.cuda import launch
+    from hybrid_ep.metadata import metadata
+
     from . import constants, report
 
     problem = output_problem(args.out, folder=True)
@@ -110,9 +111,10 @@ def _checkout_commit() -> str | None:
 def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
     """One row per world size and SMs per rank: the model's runs at the smaller token counts,
     read off at the bench's."""
-    from ..config import BufferConfig
-    from ..synthetic import iter_rank_routings
-    from ..traffic.model import count_tables
+    from hybrid_ep.config import BufferConfig
+    from hybrid_ep.synthetic import iter_rank_routings
+    from hybrid_ep.traffic.model import count_tables
+
     from . import driver, predict, report
 
     rows = []

@@ -1,6 +1,6 @@
 """Runs emulated dispatch + combine calls on the CPU model and reports what the model counted.
 
-This file imports nothing of hybrid_ep.timing, so that the calibration script can run it
+This file imports nothing of tools.timing, so that the calibration script can run it
 inside an older checkout of the project (`python driver.py JOB.json` with that checkout on
 PYTHONPATH), whose kernels were built against today's device layer: the measured GPU points
 belong to older commits. It uses only what every such checkout has: EmulatedGroup on the

@@ -1,4 +1,4 @@
-"""The GPU microbenchmarks' results: `python -m hybrid_ep.microbench LINES --out DIR`.
+"""The GPU microbenchmarks' results: `python -m tools.microbench LINES --out DIR`.
 
 csrc/microbench/ (built by scripts/build_microbench.sh, run by `scripts/gpu_check.sh micro`)
 prints one JSON object per line; this package turns them into micro.json (with the

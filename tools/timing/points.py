@@ -1,6 +1,6 @@
 """The measured GPU points the timing model is calibrated on and scored against.
 
-docs/benchmarks/timing/points.json holds every (W, nodes, SMs per rank, kernel, ms, rows)
+tools/timing/points.json holds every (W, nodes, SMs per rank, kernel, ms, rows)
 of the emulated benchmark runs on a GPU, each run with the commit whose kernels it measured,
 so that a prediction is always made for the code that was timed. `points_from_run` turns one
 run's emulated.json into these entries; `load_points` reads the file back.
@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 
-POINTS_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks", "timing", "points.json")
+POINTS_FILE = os.path.join(os.path.dirname(__file__), "points.json")
 SCHEMA = "hybrid-ep-timing-points/1"
 KERNELS = ("dispatch", "combine")
 

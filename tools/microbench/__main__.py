@@ -1,4 +1,4 @@
-"""python -m hybrid_ep.microbench LINES --out DIR [--command TEXT] [--commit SHA]
+"""python -m tools.microbench LINES --out DIR [--command TEXT] [--commit SHA]
 
 Reads the JSON lines of one run of hybrid_ep_microbench and writes DIR/micro.json,
 DIR/micro.txt (printed too) and DIR/micro_tma.png. Exit status 2 when LINES cannot be read
@@ -16,7 +16,7 @@ from . import plot, records, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybrid_ep.microbench", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m tools.microbench", description=__doc__.split("\n\n")[1])
     p.add_argument("lines", help="the program's stdout: one JSON object per line")
     p.add_argument("--out", required=True, help="folder for micro.json, micro.txt and micro_tma.png")
     p.add_argument("--command", default="hybrid_ep_microbench all", help="the command that printed LINES")
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lines = records.read(args.lines)
     except (OSError, ValueError) as e:
-        print(f"hybrid_ep.microbench: {e}", file=sys.stderr)
+        print(f"tools.microbench: {e}", file=sys.stderr)
         return 2
     doc = report.build(lines, command=args.command, commit=args.commit)
     paths = report.write(doc, args.out)

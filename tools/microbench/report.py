@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from .. import metadata
+from hybrid_ep import metadata
+
 from .constants import best_tma, table
 from .records import Lines
 

@@ -54,7 +54,7 @@ class Table:
 NOTE = ("Every constant of the timing model (csrc/device/model/timing.h) for one GPU, each with where its value "
         "comes from. 'est.' values are estimates within the range given, to be replaced by the project's GPU "
         "microbenchmarks (csrc/microbench) when they have run; 'fit' values were fitted to measured kernel times "
-        "(docs/benchmarks/timing/README.md), at most three of them; 'SASS' values are instruction counts read off "
+        "(tools/timing/README.md), at most three of them; 'SASS' values are instruction counts read off "
         "the kernels' SASS.")
 
 
