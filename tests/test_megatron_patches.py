@@ -1,12 +1,15 @@
 """The Megatron patches in one checked place: the registry (megatron_patches/patches.py) against
 what apply() really replaces, against docs/megatron.md's table, and against the installed
 Megatron-Core (signatures and source hashes recorded per release, each difference named); the
-CPU stand-ins only when asked for."""
+CPU stand-ins only when asked for; the dispatcher's startup line and the memory figure of
+docs/megatron.md's first screen."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -274,3 +277,100 @@ def test_launcher_chains_the_scripts_own_provider(monkeypatch):
                             "--hybrid-ep-backend", "cuda"])
     assert (ns.own_flag, ns.moe_token_dispatcher_type, ns.hybrid_ep_backend) == ("x", "hybrid_ep", "cuda")
     assert seen == [{"a": 1}]
+
+
+# -- docs/megatron.md ---------------------------------------------------------------------------
+
+
+def test_doc_table_is_the_registry():
+    assert patches.markdown_table() in doc_text(), "docs/megatron.md's patch table: python -m megatron_patches.patches"
+
+
+def test_doc_first_screen():
+    """The switch, the backend auto runs (AUTO_RULES), the memory held and the newest figures,
+    in the first 40 lines; at most 5 dated lines in the page."""
+    from hybrid_ep.backends.choice import AUTO_RULES
+
+    text = doc_text()
+    head = "\n".join(text.splitlines()[:40])
+    assert re.search(r"^torchrun .*-m megatron_patches\.pretrain_gpt .*--moe-token-dispatcher-type hybrid_ep$",
+                     head, re.M)
+    for topology, rule in AUTO_RULES.items():
+        assert f"{topology}:\n  `{rule.picks}`" in head or f"{topology}: `{rule.picks}`" in head, topology
+    assert "(benchmarks/README.md)" in head and "GB/s" in head
+    assert "(#memory-per-gpu)" in head
+    dated = [line for line in text.splitlines() if re.search(r"20\d\d-\d\d-\d\d|\b[0-9a-f]{7,40}\b", line)]
+    assert len(dated) <= 5, dated
+
+
+def _recipe_buffer_config():
+    from hybrid_ep.config import BufferConfig
+    from megatron_patches.slurm.recipe import load
+
+    r = load(os.path.join(REPO, "recipes", "deepseek_v3"))
+    ep = r["parallelism.ep"] * r["parallelism.etp"]
+    experts = r["balancer.slots_per_rank"] * ep if r["balancer.interval"] > 0 else r["model.num_experts"]
+    return BufferConfig(hidden_dim=r["model.hidden_size"],
+                        max_tokens_per_rank=r["train.micro_batch_size"] * r["model.seq_length"],
+                        num_experts=experts, world_size=ep, ranks_per_node=min(ep, r["cluster.gpus_per_node"]),
+                        pad_multiple=r["dispatcher.pad_multiple"]).validate()
+
+
+def test_doc_memory_figure_is_the_recipes_memory_plan():
+    """The first screen's figure is memory_plan() at the DeepSeek-V3 recipe's shape, and so is
+    what the page's own snippet prints."""
+    import contextlib
+    import io
+
+    from hybrid_ep.backends.cuda.backend import memory_plan
+    from megatron_patches.buffers import size
+
+    plan = memory_plan(_recipe_buffer_config())
+    text = doc_text()
+    memory = [line for line in text.splitlines()[:40] if line.startswith("- **Memory.**")]
+    assert len(memory) == 1 and f"holds {size(plan.registered_bytes)} per GPU" in memory[0], memory
+    section = text[text.index("## Memory per GPU"):]
+    snippet = section[section.index("```python") + len("```python"):]
+    snippet = snippet[:snippet.index("```")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet, {})
+    assert str(plan) == out.getvalue().strip()
+
+
+# -- the dispatcher's startup line ----------------------------------------------------------------
+
+
+def test_startup_line_reports_held_bytes_by_region():
+    from hybrid_ep.backends.cuda.backend import memory_plan
+    from megatron_patches.buffers import LINE_LIMIT, memory_line, size
+
+    config = _recipe_buffer_config()
+    plan = memory_plan(config)
+    line = memory_line(plan, config)
+    assert len(line) <= LINE_LIMIT < 200, line
+    assert line.startswith("hybrid_ep dispatcher: cuda buffer for EP 64 (8 nodes x 8), 4096 tokens/rank, "
+                           f"holds {size(plan.registered_bytes)} per GPU (")
+    held = sorted((b for b in plan.buffers if b.registered and b.nbytes), key=lambda b: -b.nbytes)
+    shown = re.findall(r"(\w[\w+]*) (\d+\.\d\d [KMGT]iB)", line.split(" per GPU (")[1].split(")")[0])
+    assert [name for name, _ in shown] == [b.name for b in held[:len(shown)]] and len(shown) >= 3
+    assert [value for _, value in shown] == [size(b.nbytes) for b in held[:len(shown)]]
+    assert f"+{len(held) - len(shown)} more" in line
+    assert line.endswith(f"; per call up to {size(plan.workspace_bytes)}")
+
+
+def test_buffer_creation_logs_the_line(single_rank_group, caplog):
+    import torch
+
+    from megatron_patches import buffers
+
+    cache = buffers.BufferCache()
+    key = buffers.BufferKey(group_id=id(single_rank_group), hidden_dim=64, num_experts=4, pad_multiple=1,
+                            ranks_per_node=None, backend="reference", num_sms_dispatch=None, num_sms_combine=None)
+    with caplog.at_level(logging.INFO, logger="megatron_patches.buffers"):
+        buf = cache.get(single_rank_group, key, 16, None, torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_patches.buffers"]
+    assert lines == [buffers.memory_line(buf.memory_plan(), buf.config)]
+    assert lines[0].startswith("hybrid_ep dispatcher: reference buffer for EP 1 (1 node x 1), 16 tokens/rank, "
+                               "holds 0 B per GPU; per call up to ")
+    assert len(lines[0]) < 200
