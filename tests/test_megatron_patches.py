@@ -136,6 +136,21 @@ def test_signature_drift_is_empty_on_the_recorded_release():
     assert patches.signature_drift() == []
 
 
+def test_apply_warns_naming_a_patched_function_whose_signature_changed(monkeypatch, caplog):
+    from megatron.training import training
+
+    def save_checkpoint(iteration, model, optimizer):
+        return None
+
+    monkeypatch.setattr(training, "save_checkpoint", save_checkpoint)
+    with caplog.at_level(logging.WARNING, logger="megatron_patches.patches"):
+        patches.warn_on_drift()
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_patches.patches"]
+    assert len(lines) == 1, lines
+    changed = "megatron.training.training:save_checkpoint(iteration, model, optimizer) (written for (iteration, "
+    assert changed in lines[0]
+
+
 def test_every_patch_has_a_record_and_a_known_installer():
     record = patches.recorded()[patches.installed_version()]
     assert set(record) == {p.target for p in patches.PATCHES}
