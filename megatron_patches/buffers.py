@@ -10,12 +10,16 @@ count, or --hybrid-ep-max-tokens-per-rank.
 One buffer per key at most: a buffer that needs other rows per expert (drop-and-pad with
 another capacity) or more tokens replaces the cached one, so the registered memory stays
 that of one buffer per key however often the token count changes.
+
+Each buffer created is announced in one log line on the group's rank 0 (`memory_line`): the
+bytes it holds per GPU, by region, from its `memory_plan()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 from collections.abc import Callable
 
 import torch
@@ -24,6 +28,38 @@ import torch.distributed as dist
 import hybrid_ep
 
 MAX_TOKENS_FLAG = "--hybrid-ep-max-tokens-per-rank (HybridEPOptions.max_tokens_per_rank)"
+LINE_LIMIT = 199  # characters of the startup line
+
+_log = logging.getLogger(__name__)
+
+
+def size(nbytes: float) -> str:
+    """'17.63 GiB', '512.00 MiB', '0 B'."""
+    from hybrid_ep.wording import byte_unit
+
+    scale, unit = byte_unit(nbytes)
+    return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes / scale:.2f} {unit}"
+
+
+def memory_line(plan: hybrid_ep.MemoryPlan, config) -> str:
+    """One line (at most LINE_LIMIT characters): the buffer's shape, the bytes it holds per GPU
+    for its life (registered regions, largest first; the smallest are counted as "+N more"
+    where the line would run over) and its per-call worst case."""
+    nodes = config.world_size // config.ranks_per_node
+    head = (f"hybrid_ep dispatcher: {plan.backend} buffer for EP {config.world_size} "
+            f"({nodes} node{'s' if nodes > 1 else ''} x {config.ranks_per_node}), "
+            f"{config.max_tokens_per_rank} tokens/rank, holds {size(plan.registered_bytes)} per GPU")
+    tail = f"; per call up to {size(plan.workspace_bytes)}"
+    held = sorted((b for b in plan.buffers if b.registered and b.nbytes), key=lambda b: -b.nbytes)
+    for shown in range(len(held), -1, -1):
+        parts = [f"{b.name} {size(b.nbytes)}" for b in held[:shown]]
+        if shown < len(held):
+            parts.append(f"+{len(held) - shown} more")
+        regions = f" ({', '.join(parts)})" if parts else ""
+        line = head + regions + tail
+        if len(line) <= LINE_LIMIT:
+            return line
+    return (head + tail)[:LINE_LIMIT]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +150,8 @@ class BufferCache:
         self._entries.pop(key, None)  # the stale buffer lives on only while a handle uses it
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)
+        if buf.rank == 0:
+            _log.info("%s", memory_line(buf.memory_plan(), buf.config))
         return buf
 
     def clear(self) -> None:

@@ -22,9 +22,8 @@ The fix, at the two depths where it belongs:
    Megatron counts such rows against the expert capacity, so its hybrid_ep dispatcher pads
    only what the built experts need (megatron_patches.expert_rows) and leaves empty groups
    to the expert side.
-2. At the expert, `install()` wraps Megatron-Core's grouped expert modules (TEGroupedMLP,
-   and the legacy GroupedMLP where the installed version has it): groups that are still
-   empty get `align` zero rows with weight 0, and rows past
+2. At the expert, `install()` wraps Megatron-Core's grouped expert module (TEGroupedMLP):
+   groups that are still empty get `align` zero rows with weight 0, and rows past
    the last group never reach the kernel and come back as exact zeros. The expert linears
    always run, on every rank. `TorchGroupedLinear` lets TEGroupedMLP run on torch._grouped_mm
    where Transformer Engine is not installed, through the same zero-safe `grouped_mm`.
@@ -349,22 +348,13 @@ def zero_token_safe(forward):
 
 
 def install() -> list[str]:
-    """Make Megatron-Core's grouped expert modules safe with zero-token experts. Idempotent.
-
-    Wraps the forward of TEGroupedMLP (Transformer Engine grouped linears, or
-    TorchGroupedLinear without TE) and of the legacy GroupedMLP where the installed
-    Megatron-Core still has it. Returns the names of the classes that are now patched.
-    """
+    """Make Megatron-Core's grouped expert module (TEGroupedMLP: Transformer Engine grouped
+    linears, or TorchGroupedLinear without TE) safe with zero-token experts. Idempotent.
+    Returns the names of the classes that are now patched (patches.py lists the patch)."""
     from megatron.core.transformer.moe import experts
 
-    patched = []
-    for name in ("TEGroupedMLP", "GroupedMLP"):
-        cls = getattr(experts, name, None)
-        if cls is None or "forward" not in vars(cls):
-            continue
-        cls.forward = zero_token_safe(cls.forward)
-        patched.append(name)
-    return patched
+    experts.TEGroupedMLP.forward = zero_token_safe(experts.TEGroupedMLP.forward)
+    return ["TEGroupedMLP"]
 
 
 def is_installed() -> bool:

@@ -4,7 +4,7 @@ Megatron builds TransformerConfig from its own dataclass fields only, so the kno
 separately, looked up in this order by `options_for(config)`:
 
 1. `config.hybrid_ep_options` (a HybridEPOptions set by library users on the config);
-2. Megatron-LM's parsed arguments (`--hybrid-ep-*` flags, added by the launcher);
+2. Megatron-LM's parsed arguments (`--hybrid-ep-*` flags, added by `extra_args_provider`);
 3. the defaults below.
 """
 
@@ -196,6 +196,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
             kwargs["choices"] = list(BACKEND_NAMES)
         group.add_argument(flag, dest=f"hybrid_ep_{field}", **kwargs)
+    return parser
+
+
+DISPATCHER_TYPE = "hybrid_ep"
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's `extra_args_provider` for hybrid_ep: "hybrid_ep" among the choices of
+    --moe-token-dispatcher-type, and the --hybrid-ep-* flags. The launcher passes it; a script of
+    its own passes it to `parse_and_validate_args` / `parse_args` (after its own provider, if
+    any: `lambda p: extra_args_provider(own(p))`). Adding it twice changes nothing."""
+    for action in parser._actions:
+        if "--moe-token-dispatcher-type" in action.option_strings and action.choices is not None \
+                and DISPATCHER_TYPE not in action.choices:
+            action.choices = list(action.choices) + [DISPATCHER_TYPE]
+    if not any(flag in action.option_strings for action in parser._actions for flag in FLAGS):
+        add_arguments(parser)
     return parser
 
 

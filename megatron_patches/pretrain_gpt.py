@@ -13,12 +13,17 @@ The script's folder goes first on sys.path before anything imports megatron, so 
 checkout's own megatron package (modified or not) is the one that runs, not an installed
 megatron-core; one line on rank 0 names the script and the Megatron-Core it runs (version and
 folder). Then megatron_patches.apply(), and the script runs as `__main__` with sys.argv set to
-the remaining arguments, exactly as `python pretrain_gpt.py ...` would.
+the remaining arguments, exactly as `python pretrain_gpt.py ...` would, except that the
+arguments it parses include hybrid_ep's: while it runs, Megatron-LM's `parse_and_validate_args`
+chains `megatron_patches.extra_args_provider` after the script's own `extra_args_provider`
+(`hybrid_ep_arguments`; megatron_patches/patches.py lists it with the other patches).
 torchrun works the same way: `torchrun ... -m megatron_patches.pretrain_gpt ...`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import runpy
@@ -77,6 +82,37 @@ def checkout_megatron_check(checkout: str, imported_folder: str) -> None:
         )
 
 
+def with_hybrid_ep_arguments(provider):
+    """An extra_args_provider that runs `provider` (None: nothing) and then adds hybrid_ep's."""
+    from .options import extra_args_provider
+
+    def both(parser):
+        if provider is not None:
+            parser = provider(parser)
+        return extra_args_provider(parser)
+
+    return both
+
+
+@contextlib.contextmanager
+def hybrid_ep_arguments():
+    """Inside: Megatron-LM's parse_and_validate_args (what pretrain_gpt.py calls, with its own
+    extra_args_provider) also adds hybrid_ep's arguments. Restored after."""
+    from megatron.training import arguments
+
+    original = arguments.parse_and_validate_args
+
+    @functools.wraps(original)
+    def parse_and_validate_args(extra_args_provider=None, *args, **kwargs):
+        return original(with_hybrid_ep_arguments(extra_args_provider), *args, **kwargs)
+
+    arguments.parse_and_validate_args = parse_and_validate_args
+    try:
+        yield
+    finally:
+        arguments.parse_and_validate_args = original
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -99,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
 
     megatron_patches.apply()
     sys.argv = [script] + megatron_args
-    runpy.run_path(script, run_name="__main__")
+    with hybrid_ep_arguments():
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

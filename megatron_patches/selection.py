@@ -19,8 +19,7 @@ Megatron options hybrid_ep refuses on the config alone (`dispatcher.config_unsup
 are refused there, before Megatron's own checks, and again when MoELayer is built (a field set
 after validation).
 
-On the command line, `extend_argument_parser` adds "hybrid_ep" to the choices of
-Megatron-LM's --moe-token-dispatcher-type and adds the --hybrid-ep-* knobs.
+Both are listed, with the reasons, in megatron_patches/patches.py.
 """
 
 from __future__ import annotations
@@ -128,57 +127,3 @@ def _ep_size(pg_collection) -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_expert_model_parallel_world_size()
-
-
-def _dispatcher_action(parser):
-    for action in parser._actions:
-        if "--moe-token-dispatcher-type" in action.option_strings:
-            return action
-    return None
-
-
-def extend_argument_parser(parser):
-    """Add "hybrid_ep" to --moe-token-dispatcher-type and add the --hybrid-ep-* flags."""
-    action = _dispatcher_action(parser)
-    if action is not None and action.choices is not None and DISPATCHER_TYPE not in action.choices:
-        action.choices = list(action.choices) + [DISPATCHER_TYPE]
-    if not any("--hybrid-ep-pad-multiple" in a.option_strings for a in parser._actions):
-        options.add_arguments(parser)
-    return parser
-
-
-def patch_megatron_arguments() -> bool:
-    """Extend Megatron-LM's parser (megatron.training.arguments); False if not installed."""
-    try:
-        from megatron.training import arguments
-    except ImportError:
-        return False
-    original = getattr(arguments, "add_megatron_arguments", None)
-    if original is not None:
-        if getattr(original, _MARK, False):
-            return True
-
-        @functools.wraps(original)
-        def add_megatron_arguments(parser):
-            return extend_argument_parser(original(parser))
-
-        setattr(add_megatron_arguments, _MARK, True)
-        arguments.add_megatron_arguments = add_megatron_arguments
-        return True
-    # Older Megatron-LM builds the parser inside parse_args: chain an extra_args_provider.
-    original_parse = arguments.parse_args
-    if getattr(original_parse, _MARK, False):
-        return True
-
-    @functools.wraps(original_parse)
-    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        def provider(parser):
-            if extra_args_provider is not None:
-                parser = extra_args_provider(parser)
-            return extend_argument_parser(parser)
-
-        return original_parse(provider, ignore_unknown_args)
-
-    setattr(parse_args, _MARK, True)
-    arguments.parse_args = parse_args
-    return True

@@ -6,6 +6,9 @@ agree. Older releases are refused
 by `apply()` with the version found, where they would fail in obscure places (with 0.16.1,
 22 of 23 tests in tests/test_megatron_dispatcher.py failed); 0.17 and 0.18 are not tested.
 
+Which release each patched Megatron function was checked on, and what changed since: patches.py
+(its fingerprints per release in fingerprints.py).
+
 `python -m megatron_patches.versions` prints the one line scripts/test.sh writes before the
 tests: which Megatron-Core they run against, and from where.
 

@@ -305,7 +305,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
             "--hybrid-ep-balancer-tolerance", "0.03", "--hybrid-ep-balancer-move-budget", "0.1",
             "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
     monkeypatch.setattr("sys.argv", argv)
-    args = arguments.parse_args()
+    args = arguments.parse_args(megatron_patches.extra_args_provider)
     arguments.validate_args(args)
     config = arguments.core_transformer_config_from_args(args)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)

@@ -1,6 +1,7 @@
 """`python -m megatron_patches.pretrain_gpt`: argument handling, finding pretrain_gpt.py, and
 running it as __main__ with the patches applied (a stand-in pretrain_gpt.py that parses the
-full argument list with Megatron-LM's parser and builds the TransformerConfig)."""
+full argument list with Megatron-LM's parse_and_validate_args and an extra_args_provider of
+its own, to which the launcher adds hybrid_ep's, and builds the TransformerConfig)."""
 
 from __future__ import annotations
 
@@ -18,22 +19,29 @@ from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
 
 pytestmark = pytest.mark.megatron
 
-# Stands in for Megatron-LM's pretrain_gpt.py: what it sees is what the real one would see.
+# Stands in for Megatron-LM's pretrain_gpt.py (Megatron-Core 0.19's): it parses the arguments
+# with parse_and_validate_args and an extra_args_provider of its own, as the real one passes
+# ModelOpt's; what it sees is what the real one would see.
 STAND_IN = textwrap.dedent('''
     import json, os, sys
     import helper_next_to_script  # importable because the script's folder is on sys.path
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.training import arguments
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 
-    args = arguments.parse_args()
-    arguments.validate_args(args)
-    config = arguments.core_transformer_config_from_args(args)
+    def own_arguments(parser):
+        parser.add_argument("--stand-in-flag", type=int, default=0)
+        return parser
+
+    args = parse_and_validate_args(extra_args_provider=own_arguments,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    config = core_transformer_config_from_args(args)
     print("RESULT " + json.dumps({
         "name": __name__,
         "argv0": os.path.basename(sys.argv[0]),
         "dispatcher_type": config.moe_token_dispatcher_type,
         "pad_multiple": args.hybrid_ep_pad_multiple,
         "static_size_factor": args.hybrid_ep_static_size_factor,
+        "own_flag": args.stand_in_flag,
         "patched": getattr(MoELayer.__init__, "_hybrid_ep_patched", False),
         "helper": helper_next_to_script.VALUE,
     }))
@@ -82,12 +90,12 @@ def test_launcher_runs_megatron_script_with_patches(tmp_path):
     (tmp_path / "helper_next_to_script.py").write_text("VALUE = 42\n")
     proc = run_launcher(
         ["--megatron-lm-dir", str(tmp_path), *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
-         "--hybrid-ep-pad-multiple", "8", "--hybrid-ep-static-size-factor", "1.25"],
+         "--hybrid-ep-pad-multiple", "8", "--hybrid-ep-static-size-factor", "1.25", "--stand-in-flag", "3"],
         cwd=REPO,
     )
     got = result_of(proc)
     assert got == {"name": "__main__", "argv0": "pretrain_gpt.py", "dispatcher_type": "hybrid_ep",
-                   "pad_multiple": 8, "static_size_factor": 1.25, "patched": True, "helper": 42}
+                   "pad_multiple": 8, "static_size_factor": 1.25, "own_flag": 3, "patched": True, "helper": 42}
 
 
 def test_launcher_without_script_explains(tmp_path):

@@ -181,7 +181,7 @@ def test_flag_through_megatron_argument_parser(monkeypatch):
             "--hybrid-ep-pad-multiple", "4", "--hybrid-ep-num-sms-dispatch", "24",
             "--hybrid-ep-num-sms-combine", "20", "--hybrid-ep-static-size-factor", "1.5"]
     monkeypatch.setattr("sys.argv", argv)
-    args = arguments.parse_args()
+    args = arguments.parse_args(megatron_patches.extra_args_provider)
     assert args.moe_token_dispatcher_type == "hybrid_ep"
     arguments.validate_args(args)
     config = arguments.core_transformer_config_from_args(args)
@@ -199,5 +199,5 @@ def test_megatron_parser_still_rejects_unknown_types(monkeypatch, capsys):
     megatron_patches.apply()
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *MEGATRON_ARGS, "--moe-token-dispatcher-type", "bogus"])
     with pytest.raises(SystemExit):
-        arguments.parse_args()
+        arguments.parse_args(megatron_patches.extra_args_provider)
     assert "hybrid_ep" in capsys.readouterr().err  # the choices listed include ours

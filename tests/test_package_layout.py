@@ -150,5 +150,5 @@ def test_cycle_finder_counts_imports_inside_functions():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _path(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
-    # megatron_patches.apply() imports the balancer hooks inside the function
-    assert "megatron_patches.balancer" in _imports("megatron_patches")
+    # megatron_patches.patches imports the balancer hooks inside its install()
+    assert "megatron_patches.balancer" in _imports("megatron_patches.patches")

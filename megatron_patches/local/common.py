@@ -2,8 +2,8 @@
 
 `quiet_libraries` (Megatron's warnings off: the output is the table), `counting_batch` (the
 token ids every local run trains on, with `batch_seed`, their seed), `PLAIN_FP32_CONFIG`
-(TransformerConfig fields for fp32 runs on the host) and `init_megatron` (Megatron's parallel
-state on the current torch.distributed world).
+(TransformerConfig fields for fp32 runs on the host) and `init_megatron` (the patches, with the
+CPU stand-ins asked for, and Megatron's parallel state on the current torch.distributed world).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: in
 
     import megatron_patches
 
-    megatron_patches.apply()
+    megatron_patches.apply(cpu_compat=True)  # local runs: Megatron's CUDA-only calls on the CPU
     layout = (expert_parallel, tensor_parallel, expert_tensor_parallel, pipeline_parallel, virtual_pipeline)
     if ps.model_parallel_is_initialized() and getattr(ps, "_hybrid_ep_layout", layout) != layout:
         from ..buffers import BUFFERS

@@ -39,11 +39,18 @@ Megatron-Core assumes CUDA in a few places even when the model lives on the CPU:
 `torch.cuda.is_available()` is false: `current_device()` answers the CPU device, streams
 and events are no-ops (CPU work is synchronous), and the RNG tracker forks the CPU
 generator. `enable()` is idempotent; `enabled()` says whether it patched anything.
+
+Nothing enables them by default: `megatron_patches.apply(cpu_compat=True)` or
+HYBRID_EP_CPU_COMPAT=1 asks for them (`requested`), as the local demo, the launcher's CPU
+trainer and the tests do (through `local.common.init_megatron`). The Megatron functions they
+replace are listed in megatron_patches/patches.py with the others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 
 import torch
 
@@ -168,6 +175,7 @@ def _install_rng_tracker() -> None:
     # model_parallel_cuda_manual_seed re-creates the tracker unless told it exists.
     original = mrandom.initialize_rng_tracker
 
+    @functools.wraps(original)
     def initialize_rng_tracker(*args, **kwargs):
         if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, _CPURNGStatesTracker):
             original(*args, **kwargs)
@@ -186,6 +194,7 @@ def _install_host_splits() -> None:
     if getattr(original, "_hybrid_ep_cpu", False):
         return
 
+    @functools.wraps(original)
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         tensor = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
         if as_numpy and torch.is_tensor(tensor):
@@ -241,6 +250,7 @@ def _wrap_with_cuda_type_names(owner, name):
     if getattr(original, "_hybrid_ep_cpu", False):
         return
 
+    @functools.wraps(original)
     def wrapped(*args, **kwargs):
         with _cuda_type_names():
             return original(*args, **kwargs)
@@ -377,12 +387,30 @@ def _define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+ENV = "HYBRID_EP_CPU_COMPAT"
+_ENV_VALUES = {"1": True, "0": False, "": False}
+
+
+def requested(explicit: bool | None = None) -> bool:
+    """Whether the stand-ins are asked for: `explicit` when given, else HYBRID_EP_CPU_COMPAT
+    (1: yes; 0 or unset: no; anything else is refused by name)."""
+    if explicit is not None:
+        if not isinstance(explicit, bool):
+            raise TypeError(f"cpu_compat must be True, False or None, got {explicit!r}")
+        return explicit
+    value = os.environ.get(ENV, "").strip()
+    if value not in _ENV_VALUES:
+        raise ValueError(f"{ENV} must be 1 (CPU stand-ins on) or 0, got {value!r}")
+    return _ENV_VALUES[value]
+
+
 def enabled() -> bool:
     return _ENABLED
 
 
 def enable() -> bool:
-    """Install the CPU stand-ins when no GPU is visible; returns whether they are active."""
+    """Install the CPU stand-ins when no GPU is visible; returns whether they are active (never
+    on a machine with a GPU, where Megatron's own CUDA calls work)."""
     global _ENABLED
     if _ENABLED:
         return True

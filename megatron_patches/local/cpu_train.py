@@ -6,7 +6,7 @@ Local mode (`hybrid-ep-launch <recipe> --local`) runs this, one process per rank
 pretrain_gpt.py cannot be found or there is no GPU per rank: Megatron-LM's training loop
 needs CUDA (device placement, fused kernels, CUDA RNG and memory calls) and is not installed
 with Megatron-Core. It takes the same argument list the cluster job gets and parses it with
-Megatron-LM's own parser (megatron.training, after megatron_patches.apply()), so the model
+Megatron-LM's own parser (megatron.training, with megatron_patches.extra_args_provider), so the model
 (TransformerConfig, layer count, experts, top-k, dispatcher, --hybrid-ep-* knobs) is the
 recipe's. It then builds Megatron-Core's GPTModel on gloo with Megatron's decoder block
 spec (local modules), as pretrain_gpt.py builds a MoE model: dense and MoE layers follow
@@ -145,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    import megatron_patches
     from hybrid_ep.wording import plural
 
     from ..slurm.megatron_parse import parse
 
+    megatron_patches.apply(cpu_compat=True)  # this trainer runs Megatron-Core on the CPU
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument

@@ -1,9 +1,10 @@
 """Parse a Megatron-LM argument list the way pretrain_gpt.py does, without a cluster.
 
-`parse(argv, world_size)` runs megatron.training's parse_args + validate_args +
-core_transformer_config_from_args after megatron_patches.apply() (so `hybrid_ep` and the
---hybrid-ep-* flags are known) and returns (args, TransformerConfig). Nothing is allocated:
-a TransformerConfig is a dataclass of sizes, so the 671B recipe parses on a laptop.
+`parse(argv, world_size)` runs megatron.training's parse_args (with
+megatron_patches.extra_args_provider, so `hybrid_ep` and the --hybrid-ep-* flags are known) +
+validate_args + core_transformer_config_from_args after megatron_patches.apply() and returns
+(args, TransformerConfig). Nothing is allocated: a TransformerConfig is a dataclass of sizes,
+so the 671B recipe parses on a laptop.
 
 validate_args reads the world size from $WORLD_SIZE (and the rank from $RANK) when the
 arguments are parsed; the recipe's world size and environment are set for the duration of
@@ -101,7 +102,7 @@ def parse(argv: list[str], world_size: int, rank: int = 0, gpu_type: str = "H100
         answer = CAPABILITY.get(gpu_type, (9, 0))
         notes.append(f"no CUDA device: compute capability answered as {answer} ({gpu_type})")
     with _as_process(argv, world_size, rank, env or {}), _capability(answer):
-        args = arguments.parse_args()
+        args = arguments.parse_args(megatron_patches.extra_args_provider)
         arguments.validate_args(args)
         config = arguments.core_transformer_config_from_args(args)
     return args, config
