@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -100,12 +99,8 @@ class BufferCache:
 
     def get(self, group, key: BufferKey, num_tokens: int, max_tokens_per_rank: int | None,
             device: torch.device, *, min_rows_per_expert: int = 0,
-            group_tokens: int | None = None,
-            arena_for: Callable[[int], int | None] | None = None) -> hybrid_ep.HybridEPBuffer:
+            group_tokens: int | None = None) -> hybrid_ep.HybridEPBuffer:
         """The buffer for `key` with `min_rows_per_expert` that holds `num_tokens` tokens.
-
-        arena_for: the arena bytes of a new buffer of so many tokens per rank (None, or it
-        returns None: the library's default arena).
 
         group_tokens: the group's largest token count when the caller agreed it on every rank
         (then a buffer that is too small is replaced, or the same error raised, on every rank
@@ -145,7 +140,6 @@ class BufferCache:
             num_sms_dispatch=key.num_sms_dispatch,
             num_sms_combine=key.num_sms_combine,
             min_rows_per_expert=min_rows_per_expert,
-            arena_bytes=None if arena_for is None else arena_for(max_tokens_per_rank),
         )
         self._entries.pop(key, None)  # the stale buffer lives on only while a handle uses it
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)

@@ -240,11 +240,10 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     # -- buffer -----------------------------------------------------------------------------
 
     def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int,
-               group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> hep.HybridEPBuffer:
+               group_tokens: int | None = None) -> hep.HybridEPBuffer:
         """The shared buffer for this group, shape and padding (created on the first call;
         looked up on every call so that all layers follow one replaced buffer).
-        group_tokens: the group's largest token count, when agreed on this call. dtype: of
-        the rows dispatched, for sizing the arena (--hybrid-ep-arena-layers)."""
+        group_tokens: the group's largest token count, when agreed on this call."""
         opts = self.options
         key = buffers.BufferKey(
             group_id=id(self.comm_group),
@@ -256,35 +255,9 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             num_sms_dispatch=opts.num_sms_dispatch,
             num_sms_combine=opts.num_sms_combine,
         )
-        arena_for = None
-        if opts.arena_layers is not None:
-            def arena_for(max_tokens: int) -> int:
-                return self.arena_bytes(max_tokens, hidden_dim, dtype)
         self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
-                                           min_rows_per_expert=min_rows, group_tokens=group_tokens,
-                                           arena_for=arena_for)
+                                           min_rows_per_expert=min_rows, group_tokens=group_tokens)
         return self._buffer
-
-    def arena_bytes(self, max_tokens: int, hidden_dim: int, dtype: torch.dtype) -> int:
-        """The arena of a buffer of `max_tokens` tokens per rank for --hybrid-ep-arena-layers
-        layers in flight (docs/megatron.md#sizing-the-arena-for-training): each holds one
-        call's output rows, probs and fp8 scales until its backward, plus one gradient
-        dispatch in backward (arena.training_bytes). A call's rows: the static size where
-        there is one, else the mean (tokens x routes per token) times --hybrid-ep-arena-imbalance
-        plus the padding bound."""
-        from hybrid_ep.backends.cuda.arena import expected_rows, training_bytes
-        from hybrid_ep.fp8 import FP8_DTYPE
-
-        L = self.num_local_experts
-        if self.drop_and_pad:
-            per_expert = self._capacity(max_tokens) * self.comm_size
-            rows = L * (-(-per_expert // self.pad_multiple) * self.pad_multiple)
-        else:
-            rows = self._num_out_tokens(max_tokens)
-        if rows is None:
-            rows = expected_rows(max_tokens, self.config.moe_router_topk * self.tp_size, self.options.arena_imbalance,
-                                 L, self.pad_multiple)
-        return training_bytes(self.options.arena_layers, rows, hidden_dim, dtype, fp8=dtype == FP8_DTYPE)
 
     def _agrees_tokens_per_call(self) -> bool:
         """Whether token_dispatch all-reduces the token count first: only where micro-batches
@@ -376,7 +349,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         group_tokens = None
         if self._agrees_tokens_per_call():
             group_tokens = buffers.group_max_tokens(self.comm_group, x_TH.shape[0], x_TH.device)
-        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens, x_TH.dtype)
+        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens)
         num_out_tokens = self._num_out_tokens(x_TH.shape[0])
         if num_out_tokens is None:
             routing = dict(routing_map=self.routing_map, probs=probs)

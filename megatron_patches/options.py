@@ -29,13 +29,9 @@ class HybridEPOptions:
     has seen so far; it grows with variable_seq_lengths).
     ranks_per_node: NVLink domain size (None: from LOCAL_WORLD_SIZE and the group's members).
     backend: "auto" (what it picks: docs/architecture.md#what-runs-where), "cuda", "reference".
-    arena_layers: the cuda backend's direct path keeps each dispatch output in its arena until
-    the layer's backward: size the arena for this many layers in flight (MoE layers on this
-    pipeline stage x micro-batches in flight; docs/megatron.md#sizing-the-arena-for-training).
-    None: the library's default arena (one worst-case call), where only one or two layers of a
-    training step go direct and the others take the slower receive path.
-    arena_imbalance: headroom of that sizing for routing imbalance: an exact-size dispatch's
-    rows on the busiest EP rank over the mean (tokens x top-k); a static size is exact.
+    Nothing sizes the buffer's memory: what it holds is bounded by design (memory_plan(), logged
+    when the buffer is made); --hybrid-ep-arena-layers and --hybrid-ep-arena-imbalance are
+    retired (RETIRED_FLAGS).
 
     Expert balancer (docs/balancer.md), off while balancer_interval is 0:
     balancer_interval: K, steps between load reductions and rebalancing.
@@ -65,8 +61,6 @@ class HybridEPOptions:
     max_tokens_per_rank: int | None = None
     ranks_per_node: int | None = None
     backend: str = "auto"
-    arena_layers: int | None = None
-    arena_imbalance: float = 1.5
     balancer_interval: int = 0
     balancer_slots_per_rank: int | None = None
     balancer_window: int = 1
@@ -90,7 +84,7 @@ class HybridEPOptions:
         from hybrid_ep.checks import is_int, is_real
 
         for name in ("num_sms_dispatch", "num_sms_combine", "max_tokens_per_rank", "ranks_per_node",
-                     "balancer_slots_per_rank", "arena_layers"):
+                     "balancer_slots_per_rank"):
             value = getattr(self, name)
             if value is not None and not is_int(value, 1):
                 raise ValueError(f"hybrid_ep option {name} must be an int >= 1 or None, got {value!r}")
@@ -102,9 +96,6 @@ class HybridEPOptions:
         factor = self.static_size_factor
         if factor is not None and not (is_real(factor, finite=True) and factor > 0):
             raise ValueError(f"hybrid_ep option static_size_factor must be a finite number > 0 or None, got {factor!r}")
-        imbalance = self.arena_imbalance
-        if not (is_real(imbalance, finite=True) and imbalance >= 1.0):
-            raise ValueError(f"hybrid_ep option arena_imbalance must be a finite number >= 1, got {imbalance!r}")
         decay = self.balancer_decay
         if decay is not None and not (is_real(decay, finite=True) and 0.0 < decay < 1.0):
             raise ValueError(f"hybrid_ep option balancer_decay must be a number in (0, 1) or None, got {decay!r}")
@@ -140,8 +131,6 @@ FLAGS = {
     "--hybrid-ep-max-tokens-per-rank": ("max_tokens_per_rank", int),
     "--hybrid-ep-ranks-per-node": ("ranks_per_node", int),
     "--hybrid-ep-backend": ("backend", str),
-    "--hybrid-ep-arena-layers": ("arena_layers", int),
-    "--hybrid-ep-arena-imbalance": ("arena_imbalance", float),
     "--hybrid-ep-balancer-interval": ("balancer_interval", int),
     "--hybrid-ep-balancer-slots-per-rank": ("balancer_slots_per_rank", int),
     "--hybrid-ep-balancer-window": ("balancer_window", int),
@@ -163,11 +152,6 @@ _HELP = {
     "max_tokens_per_rank": "hybrid_ep buffer size in tokens per rank (default: the EP group's largest so far)",
     "ranks_per_node": "NVLink domain size of the EP group (default: from LOCAL_WORLD_SIZE and its members)",
     "backend": "hybrid_ep backend: auto (docs/architecture.md#what-runs-where), cuda or reference",
-    "arena_layers": "cuda backend: size the direct path's arena for this many MoE layers in flight (MoE layers on "
-                    "this pipeline stage x micro-batches in flight; default: one worst-case call, where most "
-                    "layers of a training step take the receive path)",
-    "arena_imbalance": "cuda backend: routing-imbalance headroom of --hybrid-ep-arena-layers (busiest rank's rows "
-                       "over the mean of an exact-size dispatch; a static size is exact)",
     "balancer_interval": "expert balancer: steps between load reductions and rebalancing (0: off)",
     "balancer_slots_per_rank": "expert balancer: expert slots per EP rank (default experts / EP: "
                                "placement only; more: replicas of hot experts)",
@@ -185,6 +169,21 @@ _HELP = {
 }
 
 
+# Flags that no longer exist, and why: given, they stop the parse with this reason instead of
+# argparse's "unrecognized arguments" (a job script written for an older release says what to drop).
+RETIRED_FLAGS = {
+    "--hybrid-ep-arena-layers": "the cuda backend no longer keeps dispatch outputs in an arena sized by hand: "
+                                "they come from PyTorch's allocator, and the memory the buffer holds is bounded "
+                                "by design (its startup line and memory_plan() say how much); drop the flag",
+    "--hybrid-ep-arena-imbalance": "it sized the retired --hybrid-ep-arena-layers arena; drop the flag",
+}
+
+
+class _Retired(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was retired: {RETIRED_FLAGS[option_string]}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the --hybrid-ep-* flags to an argparse parser (Megatron's or any other)."""
     defaults = HybridEPOptions()
@@ -196,6 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
             kwargs["choices"] = list(BACKEND_NAMES)
         group.add_argument(flag, dest=f"hybrid_ep_{field}", **kwargs)
+    for flag in RETIRED_FLAGS:
+        group.add_argument(flag, action=_Retired, nargs="?", help=argparse.SUPPRESS)
     return parser
 
 

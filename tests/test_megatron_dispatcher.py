@@ -230,40 +230,31 @@ def test_token_count_agreement_is_bounded_by_the_timeout(pool_for):
     pool.close()  # the group is unusable after a timeout; the fixture starts a fresh one
 
 
-@pytest.mark.parametrize("overrides", [{}, {"moe_expert_rank_capacity_factor": 2.0}], ids=["exact_size", "static_size"])
-def test_arena_layers_size_the_buffers_arena_for_a_training_step(pool_for, overrides):
-    """--hybrid-ep-arena-layers 5 with imbalance 1.25: the buffer's arena holds 6 calls (5 layers
-    in flight and backward's gradient dispatch) of the rows one call makes: 1.25 x tokens x
-    top-k plus the padding bound for an exact size, the static size itself otherwise. Without
-    the option the buffer keeps the library's default arena (None). Results unchanged."""
-    import megatron_patches
-    from hybrid_ep.backends.cuda.arena import call_bytes
-
+def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
+    """The buffer Megatron's dispatcher makes holds bounded memory with nothing sized by hand:
+    no arena (its outputs come from PyTorch's allocator)."""
     pool = pool_for(2)
     case = LayerCase(world_size=2, topk=2)
-    opts = megatron_patches.HybridEPOptions(arena_layers=5, arena_imbalance=1.25)
-    sized = _run_calls(pool, case, [[4, 4]], {**overrides, "hybrid_ep_options": opts})
-    plain = _run_calls(pool, case, [[4, 4]], overrides)
-    _assert_calls_match(sized, plain, "sized arena vs default arena")
-    L = case.num_experts // 2
-    for calls, default in zip(sized, plain):
-        [c], [d] = calls, default
-        tokens, pad = c["buffer_tokens"], c["buffer_pad"]
-        assert tokens == 8 and d["buffer_arena"] is None
-        if overrides:  # the static size: ceil(2.0 x 8 x 2) rows plus the padding bound, rounded to pad
-            rows = -(-(32 + L * (pad - 1)) // pad) * pad
-        else:
-            rows = math.ceil(1.25 * 8 * 2) + L * (pad - 1)
-        assert c["buffer_arena"] == 6 * call_bytes(rows, case.hidden, torch.float32)
+    for calls in _run_calls(pool, case, [[4, 4]], {}):
+        [c] = calls
+        assert c["buffer_tokens"] == 8 and c["buffer_arena"] is None
 
 
-def test_arena_options_are_checked_by_name():
+def test_retired_arena_flags_stop_the_parse_with_the_reason(capsys):
+    """--hybrid-ep-arena-layers and --hybrid-ep-arena-imbalance no longer exist: a job script
+    that still passes them is told why and what to do, not just "unrecognized arguments"."""
+    import argparse
+
     import megatron_patches
+    from megatron_patches.options import RETIRED_FLAGS, add_arguments
 
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="arena_layers"):
-            megatron_patches.HybridEPOptions(arena_layers=bad).validate()
-    for bad in (0.5, float("inf"), "2"):
-        with pytest.raises(ValueError, match="arena_imbalance"):
-            megatron_patches.HybridEPOptions(arena_imbalance=bad).validate()
-    assert megatron_patches.HybridEPOptions(arena_layers=3, arena_imbalance=1.0).validate().arena_layers == 3
+    for flag, value in (("--hybrid-ep-arena-layers", "5"), ("--hybrid-ep-arena-imbalance", "1.25")):
+        parser = add_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([flag, value])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag} was retired: {RETIRED_FLAGS[flag]}" in err and "drop the flag" in err
+    with pytest.raises(TypeError, match="arena_layers"):
+        megatron_patches.HybridEPOptions(arena_layers=5)
+    assert "--hybrid-ep-arena-layers" not in add_arguments(argparse.ArgumentParser()).format_help()
