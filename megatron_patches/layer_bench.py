@@ -1,7 +1,7 @@
 """Megatron-Core MoE layer forward + backward: hybrid_ep against Megatron's alltoall dispatcher.
 
     python -m megatron_patches.layer_bench [--shapes tiny mid deepseek] [--repeats 30]
-        [--world-size 4] [--ranks-per-node 2] [--out DIR]
+        [--memory-steps 3] [--world-size 4] [--ranks-per-node 2] [--out DIR]
 
 Selecting `--moe-token-dispatcher-type hybrid_ep` must cost nothing against Megatron's own
 alltoall dispatcher where hybrid_ep runs its reference backend; this measures it where it
@@ -19,8 +19,9 @@ then the median), which moves less with the load of a shared machine than the wa
 Memory, per rank: the peak bytes of the tensor storages a forward + backward creates, above
 those live before it (hybrid_ep.peak_memory.PeakMemoryMeter: the same meter, step and inputs for
 both dispatchers, in steps of their own, not timed), for the first step of a new layer (the
-dispatcher's buffer is created in it, and whatever it keeps between calls) and for a step
-after the warm-up; beside them the bytes the hybrid_ep buffer holds for its life
+dispatcher's buffer is created in it, and whatever it keeps between calls) and the largest of
+--memory-steps steps after the warm-up (a step's peak can differ from the next one's by a
+buffer that is freed a little later); beside them the bytes the hybrid_ep buffer holds for its life
 (`memory_plan().held_bytes`). hybrid_ep's memory is bounded by alltoall's where its peak is at
 most alltoall's plus the held bytes on every rank: "excess" is the largest
 peak(hybrid_ep) - peak(alltoall) - held over the ranks (<= 0: bounded).
@@ -63,7 +64,9 @@ UNITS = {
     "cpu_samples_ms": "milliseconds of CPU time per rank of each repeat (mean over ranks), in order",
     "cpu_ratio": "hybrid_ep median CPU time / alltoall's",
     "peak_bytes": "bytes per rank, in rank order: the most that the tensor storages created in one forward + "
-                  "backward after the warm-up held at one time (PeakMemoryMeter), above those live before it",
+                  "backward after the warm-up held at one time (PeakMemoryMeter), above those live before it; "
+                  "the largest over the memory steps",
+    "step_peaks_bytes": "bytes per rank (outer) and memory step (inner, in order): each step's peak",
     "first_step_peak_bytes": "bytes per rank, as peak_bytes for the first forward + backward of a new layer "
                              "(hybrid_ep creates its buffer in it)",
     "output_bytes": "bytes per rank of the layer output's storage",
@@ -117,10 +120,10 @@ def _output(run) -> torch.Tensor:
         return layer(x)[0]
 
 
-def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int) -> dict:
+def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int, memory_steps: int) -> dict:
     """Runs on every rank of the pool: the interleaved samples, each the slowest rank's time and
-    the ranks' mean CPU time (s); and this rank's memory: the peaks of a first and a later step
-    of every layer, the bytes its hybrid_ep buffers hold."""
+    the ranks' mean CPU time (s); and this rank's memory: the peaks of every layer's first step
+    and of memory_steps steps after the warm-up, the bytes its hybrid_ep buffers hold."""
     from .buffers import BUFFERS
     from .local.common import init_megatron, quiet_libraries
     from .local.layer import case_tensors, seeded_layer
@@ -141,10 +144,14 @@ def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int)
     for args in runs.values():
         for _ in range(warmup):
             _step_time(*args)
+    steps = {key: [] for key in runs}
+    for _ in range(memory_steps):
+        for key, args in runs.items():
+            steps[key].append(_step_peak(*args))
     memory = {}
     for (shape, name), args in runs.items():
-        step = _step_peak(*args)
-        memory[f"{shape}/{name}"] = {"peak_bytes": step["peak_bytes"], "output_bytes": step["output_bytes"],
+        memory[f"{shape}/{name}"] = {"step_peaks_bytes": [step["peak_bytes"] for step in steps[shape, name]],
+                                     "output_bytes": steps[shape, name][-1]["output_bytes"],
                                      "first_step_peak_bytes": first[shape, name]["peak_bytes"]}
         if name == "hybrid_ep":
             plan = args[0].token_dispatcher._buffer.memory_plan()
@@ -173,7 +180,8 @@ def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int)
 def _memory_fields(shape: str, memory: list[dict]) -> dict:
     """The row's memory fields from every rank's memory (time_rank's, in rank order)."""
     per_rank = {field: {n: [m[f"{shape}/{n}"][field] for m in memory] for n in DISPATCHERS}
-                for field in ("peak_bytes", "first_step_peak_bytes", "output_bytes")}
+                for field in ("step_peaks_bytes", "first_step_peak_bytes", "output_bytes")}
+    per_rank["peak_bytes"] = {n: [max(steps) for steps in per_rank["step_peaks_bytes"][n]] for n in DISPATCHERS}
     held = [m[shape]["held_bytes"] for m in memory]
 
     def excess(field):
@@ -291,7 +299,8 @@ def plot(doc: dict, path: str) -> None:
     FigureCanvasAgg(fig).print_png(path)
 
 
-def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per_node: int, pool=None) -> dict:
+def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per_node: int, pool=None,
+        memory_steps: int = 3) -> dict:
     from hybrid_ep.metadata import metadata
     from hybrid_ep.spawn import ProcessGroupPool
 
@@ -299,17 +308,19 @@ def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per
     if own:
         pool = ProcessGroupPool(world_size, backend="gloo", env={"HYBRID_EP_TIMEOUT_S": "120"})
     try:
-        outs = pool.run(time_rank, [(shapes, repeats, warmup, ranks_per_node)] * pool.world_size, timeout_s=3600)
+        args = (shapes, repeats, warmup, ranks_per_node, memory_steps)
+        outs = pool.run(time_rank, [args] * pool.world_size, timeout_s=3600)
     finally:
         if own:
             pool.close()
     config = {"world_size": world_size, "ranks_per_node": ranks_per_node, "nodes": world_size // ranks_per_node,
               "transport": "gloo", "dispatchers": list(DISPATCHERS), "shapes": shapes,
-              "repeats": repeats, "warmup": warmup, "dtype": "fp32", "layer": "MoELayer, local spec, SequentialMLP",
+              "repeats": repeats, "warmup": warmup, "memory_steps": memory_steps, "dtype": "fp32",
+              "layer": "MoELayer, local spec, SequentialMLP",
               "timing": "time.perf_counter after a barrier, forward + backward, slowest rank per repeat; "
                         "time.process_time over the same span, mean over ranks per repeat",
-              "memory": "hybrid_ep.peak_memory.PeakMemoryMeter over one forward + backward of its own (not timed): "
-                        "the first of a new layer, and one after the warm-up; every rank"}
+              "memory": "hybrid_ep.peak_memory.PeakMemoryMeter over forward + backward steps of their own (not "
+                        "timed): the first of a new layer, and memory_steps after the warm-up; every rank"}
     out = outs[0]
     meta = metadata(TOOL, device_type="cpu", config=config, units=UNITS, backends=[out["backend"]])
     rows = summarize(out["samples"], shapes, out["max_abs_diff"], out["cpu_samples"], [o["memory"] for o in outs])
@@ -321,12 +332,15 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--memory-steps", type=int, default=3,
+                        help="steps after the warm-up whose peak of memory is measured (the largest is reported)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=2,
                         help="hybrid_ep's ranks per node (default 2: 4 ranks as 2 nodes, as in the demo)")
     parser.add_argument("--out", default="results/layer_bench")
     a = parser.parse_args(argv)
-    for flag, value, low in (("--repeats", a.repeats, 1), ("--warmup", a.warmup, 0), ("--world-size", a.world_size, 1)):
+    for flag, value, low in (("--repeats", a.repeats, 1), ("--warmup", a.warmup, 0), ("--world-size", a.world_size, 1),
+                             ("--memory-steps", a.memory_steps, 1)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
     if a.ranks_per_node < 1 or a.world_size % a.ranks_per_node:
@@ -334,7 +348,7 @@ def main(argv=None) -> int:
     for shape in a.shapes:
         if SHAPES[shape][2] % a.world_size:
             parser.error(f"--world-size {a.world_size} must divide the {SHAPES[shape][2]} experts of shape {shape}")
-    doc = run(a.shapes, a.repeats, a.warmup, a.world_size, a.ranks_per_node)
+    doc = run(a.shapes, a.repeats, a.warmup, a.world_size, a.ranks_per_node, memory_steps=a.memory_steps)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "layer_bench.json"), "w") as f:
         json.dump(doc, f, indent=1)

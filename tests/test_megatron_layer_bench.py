@@ -15,9 +15,9 @@ from megatron_patches import layer_bench  # noqa: E402
 pytestmark = pytest.mark.megatron
 
 
-def _rank_memory(peaks: dict, firsts: dict, held: int) -> dict:
+def _rank_memory(steps: dict, firsts: dict, held: int) -> dict:
     """One rank's memory as time_rank returns it."""
-    return {**{f"tiny/{n}": {"peak_bytes": peaks[n], "first_step_peak_bytes": firsts[n], "output_bytes": 1024}
+    return {**{f"tiny/{n}": {"step_peaks_bytes": steps[n], "first_step_peak_bytes": firsts[n], "output_bytes": 1024}
                for n in layer_bench.DISPATCHERS},
             "tiny": {"held_bytes": held, "held_by_region": {"rows": held} if held else {}}}
 
@@ -25,8 +25,10 @@ def _rank_memory(peaks: dict, firsts: dict, held: int) -> dict:
 def test_summary_takes_medians_and_their_ratio():
     samples = {"tiny/hybrid_ep": [0.010, 0.030, 0.011], "tiny/alltoall": [0.010, 0.020, 0.040]}
     cpu = {"tiny/hybrid_ep": [0.004, 0.006, 0.005], "tiny/alltoall": [0.004, 0.004, 0.009]}
-    memory = [_rank_memory({"hybrid_ep": 5000, "alltoall": 4000}, {"hybrid_ep": 9000, "alltoall": 4000}, 2048),
-              _rank_memory({"hybrid_ep": 7000, "alltoall": 5500}, {"hybrid_ep": 7000, "alltoall": 5500}, 1024)]
+    memory = [_rank_memory({"hybrid_ep": [5000, 4900], "alltoall": [3000, 4000]},
+                           {"hybrid_ep": 9000, "alltoall": 4000}, 2048),
+              _rank_memory({"hybrid_ep": [7000, 7000], "alltoall": [5500, 5400]},
+                           {"hybrid_ep": 7000, "alltoall": 5500}, 1024)]
     [row] = layer_bench.summarize(samples, ["tiny"], {"tiny": 0.0}, cpu, memory)
     assert row["median_ms"] == pytest.approx({"hybrid_ep": 11.0, "alltoall": 20.0})
     assert row["ratio"] == pytest.approx(0.55)
@@ -36,7 +38,8 @@ def test_summary_takes_medians_and_their_ratio():
     assert (row["hidden"], row["experts"], row["topk"], row["tokens_per_rank"]) == (128, 8, 2, 128)
     assert ("| tiny | 128 | 256 | 8 | 2 | 128 | 11.00 | 20.00 | 0.550 | 1.000 | 5.00 | 4.00 | 1.250 | 0.0e+00 |"
             in layer_bench.table([row]))
-    assert row["peak_bytes"] == {"hybrid_ep": [5000, 7000], "alltoall": [4000, 5500]}
+    assert row["peak_bytes"] == {"hybrid_ep": [5000, 7000], "alltoall": [4000, 5500]}  # the largest step per rank
+    assert row["step_peaks_bytes"]["alltoall"] == [[3000, 4000], [5500, 5400]]
     assert row["held_bytes"] == [2048, 1024] and row["held_by_region"] == [{"rows": 2048}, {"rows": 1024}]
     # Per rank: 5000 - 4000 - 2048 = -1048 and 7000 - 5500 - 1024 = 476 (the worst rank is over).
     assert row["excess_bytes"] == 476
@@ -46,8 +49,10 @@ def test_summary_takes_medians_and_their_ratio():
 
 @pytest.fixture(scope="module")
 def short_run(pool_for):
-    """Two repeats of the tiny shape on 4 gloo ranks as 2 nodes of 2, no warm-up beyond the meter's first step."""
-    return layer_bench.run(["tiny"], repeats=2, warmup=0, world_size=4, ranks_per_node=2, pool=pool_for(4))
+    """Two repeats of the tiny shape on 4 gloo ranks as 2 nodes of 2, no warm-up beyond the meter's first step,
+    then two metered steps."""
+    return layer_bench.run(["tiny"], repeats=2, warmup=0, world_size=4, ranks_per_node=2, pool=pool_for(4),
+                           memory_steps=2)
 
 
 def test_short_run_times_both_dispatchers_on_the_same_routing(short_run, tmp_path):
@@ -76,9 +81,10 @@ def test_the_meter_sees_each_steps_activations_and_gradients(short_run):
     [row] = short_run["rows"]
     floor = _step_bytes_at_least("tiny", 4)
     for name in layer_bench.DISPATCHERS:
-        for field in ("peak_bytes", "first_step_peak_bytes"):
-            peaks = row[field][name]
-            assert len(peaks) == 4 and all(p >= floor for p in peaks), (name, field, peaks, floor)
+        steps = row["step_peaks_bytes"][name]
+        assert len(steps) == 4 and all(len(s) == 2 for s in steps)
+        for peaks in (row["first_step_peak_bytes"][name], *zip(*steps)):
+            assert len(peaks) == 4 and all(p >= floor for p in peaks), (name, peaks, floor)
         # The output is the tokens' hidden rows (hybrid_ep's combine keeps one more row: 128 + 1).
         assert all(128 * 128 * 4 <= b <= 129 * 128 * 4 for b in row["output_bytes"][name])
     # The reference backend registers nothing: its plan holds no bytes.
