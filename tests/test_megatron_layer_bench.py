@@ -47,6 +47,13 @@ def test_summary_takes_medians_and_their_ratio():
     assert "| tiny | 6.8 | 5.4 | 2.0 | 0.5 | 8.8 | 5.4 | 2.9 | 1.0 |" in layer_bench.memory_table([row])
 
 
+def test_memory_steps_below_one_is_refused_with_the_flag_named(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        layer_bench.main(["--memory-steps", "0"])
+    assert exit_info.value.code == 2
+    assert "--memory-steps must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def short_run(pool_for):
     """Two repeats of the tiny shape on 4 gloo ranks as 2 nodes of 2, no warm-up beyond the meter's first step,
