@@ -115,7 +115,6 @@ _OVER = {
                                    for f, why in _OVER.items()])
 def test_hybrid_ep_peaks_at_most_alltoalls_plus_the_held_bytes(short_run, field):
     [row] = short_run["rows"]
-    peaks, held = row[field], row["held_bytes"]
-    assert all(p > 0 for n in layer_bench.DISPATCHERS for p in peaks[n])
+    peaks, held = row[field], row["held_bytes"]  # peaks are real: test_the_meter_sees_each_steps_...
     over = [h - (a + b) for h, a, b in zip(peaks["hybrid_ep"], peaks["alltoall"], held)]
     assert max(over) <= 0, f"{field}: hybrid_ep's peak exceeds alltoall's + held bytes by {over} bytes per rank"
