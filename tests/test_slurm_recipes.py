@@ -441,8 +441,8 @@ def test_spare_slots_of_the_stage_paying_the_most():
     est = memory.estimate(recipe_mod.load(path_of("deepseek_v3")))
     assert est.stage == 0 and round(est.spare_slots_gb, 2) == 0.74
     assert est.max_spare_stage == 1 and est.max_spare_slots_gb == pytest.approx(4 * est.spare_slots_gb, rel=1e-12)
-    assert est.table().splitlines()[-1] == (
-        "  balancer spare slots on stage 1 (the most of any stage)                    3.0 GiB")
+    assert ("  balancer spare slots on stage 1 (the most of any stage)                    3.0 GiB"
+            in est.table().splitlines())
     single = memory.estimate(recipe_mod.load(path_of("qwen3_30b_a3b")))  # one stage: no second line
     assert single.max_spare_stage == single.stage == 0 and "the most of any stage" not in single.table()
     off = memory.estimate(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0"]))

@@ -279,6 +279,19 @@ def _dispatcher(recipe, problems):
         problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
 
 
+def _dispatcher_group(recipe, problems):
+    """The hybrid_ep dispatcher's groups of EP x ETP consecutive ranks must each come node by
+    node (hybrid_ep/topology.py refuses one that does not, at run time): their size a multiple
+    or a divisor of the GPUs per node."""
+    if recipe["dispatcher.type"] != "hybrid_ep":
+        return
+    size, gpus = recipe["parallelism.ep"] * recipe["parallelism.etp"], recipe["cluster.gpus_per_node"]
+    if size % gpus and gpus % size:
+        problems.append(("parallelism.ep", f"EP x ETP = {size} ranks per hybrid_ep group must be a multiple or a "
+                                           f"divisor of cluster.gpus_per_node {gpus}: a group's ranks on a node "
+                                           "share NVLink"))
+
+
 def _balancer(recipe, problems):
     b = "balancer."
     if recipe[b + "interval"] < 0:
@@ -410,5 +423,7 @@ def validate(recipe) -> None:
         _train(recipe, problems)
         _data(recipe, problems)
         _checkpoint(recipe, problems)
+        if not problems:
+            _dispatcher_group(recipe, problems)
     if problems:
         raise RecipeError(problems)
