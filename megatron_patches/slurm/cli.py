@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 
+from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
 from . import layout, memory, render, site_fields, validate
@@ -43,8 +44,8 @@ PROG = "hybrid-ep-launch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipes/<name> or a recipe.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field by its dotted name (repeatable), e.g. --set parallelism.ep=32")
