@@ -99,6 +99,14 @@ def test_a_group_that_does_not_fill_nodes_is_refused(capsys):
             "cluster.gpus_per_node 6") in capsys.readouterr().err
 
 
+def test_hybrid_ep_flags_the_library_refuses_are_refused(capsys):
+    code = cli.main([os.path.join(REPO, "recipes", "deepseek_v3"), "--set",
+                     "train.extra_args=[--hybrid-ep-ranks-per-node, '3']"])
+    assert code == 2
+    assert ("error: extra_args: the hybrid_ep buffer of these --hybrid-ep-* flags: ranks_per_node (3) must divide "
+            "the EP world size (64)") in capsys.readouterr().err
+
+
 def test_the_reference_plan_is_the_backends_own():
     """library_plan asks ReferenceBackend.memory_plan for its per-call buffers (nothing held)."""
     config = dispatcher_memory.buffer_config(load("tiny_moe"))

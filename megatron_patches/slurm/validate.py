@@ -290,6 +290,13 @@ def _dispatcher_group(recipe, problems):
         problems.append(("parallelism.ep", f"EP x ETP = {size} ranks per hybrid_ep group must be a multiple or a "
                                            f"divisor of cluster.gpus_per_node {gpus}: a group's ranks on a node "
                                            "share NVLink"))
+        return
+    from .dispatcher_memory import buffer_config
+
+    try:  # what the dispatcher builds from the --hybrid-ep-* flags of extra_args, refused as it refuses them
+        buffer_config(recipe)
+    except ValueError as err:
+        problems.append(("extra_args", f"the hybrid_ep buffer of these --hybrid-ep-* flags: {err}"))
 
 
 def _balancer(recipe, problems):
