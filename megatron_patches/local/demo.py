@@ -48,7 +48,8 @@ import threading
 
 from hybrid_ep.cli_parser import ArgumentParser, positive_int, positive_number
 
-LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
+from .demo_shape import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
+
 TOOL = "python -m megatron_patches.local.demo"
 LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even);",
           "  NVLink / RDMA = modelled bytes of the forward dispatches under the hierarchical scheme, all layers and "
@@ -74,7 +75,6 @@ UNITS = {
                                "same step (the two steps ran one after the other)",
 }
 SPEED_FROM_STEP = 3  # the first two steps warm up (buffers, allocator, autograd graphs)
-BYTE_FIELDS = ("nvlink_bytes", "rdma_bytes", "flat_nvlink_bytes", "flat_rdma_bytes")
 
 
 def where_line(transport: str, world_size: int, device: str, backend: str | None) -> str:

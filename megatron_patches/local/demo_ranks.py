@@ -16,7 +16,7 @@ from hybrid_ep.routing import normalize_routing, source_layout
 from hybrid_ep.traffic import dispatch_row_bytes, row_counts
 
 from .common import PLAIN_FP32_CONFIG, counting_batch, init_megatron, quiet_libraries
-from .demo import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
+from .demo_shape import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
 
 
 def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
