@@ -33,7 +33,6 @@ Legend: W ranks, T tokens per rank, H hidden, F expert ffn hidden, E experts, K 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -43,6 +42,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from hybrid_ep.cli_parser import ArgumentParser
 
 TOOL = "python -m megatron_patches.layer_bench"
 DISPATCHERS = ("hybrid_ep", "alltoall")
@@ -328,7 +329,7 @@ def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)

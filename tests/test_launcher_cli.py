@@ -161,8 +161,8 @@ def test_dry_run_says_where_the_log_goes(capsys):
     code, out, err = _launch(capsys)
     assert code == 0 and "#SBATCH --output=results/tiny_moe/slurm-%j.out\n" in out
     assert ("note: the Slurm log goes to results/tiny_moe/slurm-%j.out (%j: the job id); Slurm creates no folders: "
-            "--submit creates results/tiny_moe before it calls sbatch (by hand: mkdir -p results/tiny_moe "
-            "first)") in err
+            "--submit creates results/tiny_moe before sbatch\nhybrid-ep-launch:   (to run sbatch by hand: mkdir -p "
+            "results/tiny_moe first)") in err
     assert "# Slurm log: results/tiny_moe/slurm-<job id>.out, from the folder sbatch is run in." in out
     code, out, err = _launch(capsys, "--set", "output.dir=$HOME/results/${SLURM_JOB_ID}")
     assert code == 0 and "#SBATCH --output=slurm-%j.out\n" in out

@@ -1,26 +1,41 @@
 """The tiny MoE GPT demo, a few steps on 4 CPU ranks (2 nodes x 2): hybrid_ep and alltoall
-train from the same weights on the same data, in alternation, and give the same loss curve."""
+train from the same weights on the same data, in alternation, and give the same loss curve;
+each step's line comes as the step ends; the run writes its JSON and a plot of both curves;
+a bad argument is refused within seconds, before torch is loaded."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.local import demo  # noqa: E402
+from helpers import REPO, checkout_env  # noqa: E402
+from megatron_patches.local import demo, demo_ranks  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
 STEPS = 4
 
 
-def test_demo_hybrid_ep_matches_alltoall(pool_for):
+@pytest.fixture(scope="module")
+def trained(pool_for):
+    """(results, [(time echoed, line)]) of one run of both dispatchers."""
     lines = []
     results = demo.run(["hybrid_ep", "alltoall"], steps=STEPS, world_size=4, ranks_per_node=2,
-                       pool=pool_for(4), echo=lines.append)
+                       pool=pool_for(4), echo=lambda line: lines.append((time.time(), line)))
+    return results, lines
+
+
+def test_demo_hybrid_ep_matches_alltoall(trained):
+    results, timed = trained
+    lines = [line for _, line in timed]
     ours, stock = results["curves"]["hybrid_ep"], results["curves"]["alltoall"]
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1))
     losses = [r["loss"] for r in ours]
@@ -62,12 +77,19 @@ def test_demo_hybrid_ep_matches_alltoall(pool_for):
     assert summary["tokens_per_s_step_ratio"] == pytest.approx(
         statistics.median(a / b for a, b in zip(ours_tps, stock_tps)))
     assert text[6].startswith(f"  tokens/s, median over steps {demo.SPEED_FROM_STEP}-{STEPS} (trained in alternation")
+    assert text[7].startswith("    hybrid_ep / alltoall: ratio of medians ")
+    assert max(len(line) for line in text + lines) < 200
     # Where it ran and what the columns mean come first, then one line per step.
     assert lines[0] == demo.where_line("gloo", 4, results["metadata"]["device"], "reference")
     assert lines[0].startswith("running on CPU: ") and "4 processes over torch.distributed gloo, no GPU" in lines[0]
     assert lines[0].endswith("; hybrid_ep backend: reference")
-    assert lines[1] == demo.LEGEND and "(max - mean) / mean of tokens per expert" in lines[1]
-    assert len(lines) == 2 + 2 * STEPS and "loss" in lines[2] and "modelled dispatch bytes" in lines[2]
+    assert tuple(lines[1:3]) == demo.LEGEND and "(max - mean) / mean of tokens per expert" in lines[1]
+    steps = lines[3:]
+    assert len(steps) == 2 * STEPS and all("loss" in line and "modelled dispatch bytes" in line for line in steps)
+    # in the order they ran: step 1 of each, then step 2 of each, the order rotating
+    assert steps == [demo.format_record(name, results["curves"][name][step])
+                     for step in range(STEPS) for name in (["hybrid_ep", "alltoall"] if step % 2 == 0
+                                                            else ["alltoall", "hybrid_ep"])]
     meta = results["metadata"]
     assert meta["backends"] == ["reference"] and meta["device"].startswith("CPU: ")
     assert meta["config"]["transport"] == "gloo" and meta["config"]["nodes"] == 2
@@ -104,11 +126,66 @@ def test_modelled_bytes_follow_the_traffic_model():
     topk = [torch.stack([torch.randperm(demo.EXPERTS, generator=g)[:demo.TOPK] for _ in range(64)])
             for _ in range(4)]
     maps = [torch.zeros(64, demo.EXPERTS, dtype=torch.bool).scatter_(1, idx, True) for idx in topk]
-    counts = torch.stack([demo.routing_counts(m, config) for m in maps])[:, None]  # one layer
-    got = demo.modelled_dispatch_bytes(counts, config, row_bytes=512)
+    counts = torch.stack([demo_ranks.routing_counts(m, config) for m in maps])[:, None]  # one layer
+    got = demo_ranks.modelled_dispatch_bytes(counts, config, row_bytes=512)
     want = routing_row_counts(topk, config)
     assert got == {"nvlink_bytes": int(want.dispatch_nvlink.sum()) * 512,
                    "rdma_bytes": int(want.dispatch_rdma.sum()) * 512,
                    "flat_nvlink_bytes": int(want.flat_dispatch_nvlink.sum()) * 512,
                    "flat_rdma_bytes": int(want.flat_dispatch_rdma.sum()) * 512}
     assert got["rdma_bytes"] < got["flat_rdma_bytes"]
+
+
+def test_step_lines_come_as_the_steps_end(trained):
+    """Each step's line is echoed once its step has ended, and the first ones before the last
+    step has ended (not all at the end of the run)."""
+    results, timed = trained
+    steps = [(t, line) for t, line in timed if " step " in line]
+    records = {demo.format_record(name, rec): rec for name, recs in results["curves"].items() for rec in recs}
+    assert len(steps) == len(records) == 2 * STEPS
+    assert all(t >= records[line]["ended_at"] for t, line in steps)
+    last_end = max(rec["ended_at"] for rec in records.values())
+    assert steps[0][0] < last_end and steps[1][0] < last_end
+
+
+def test_the_plot_shows_both_curves(trained, tmp_path):
+    from matplotlib.image import imread
+
+    results, _ = trained
+    path = demo.plot(results, str(tmp_path / "moe_train.png"))
+    image = imread(path)
+    assert image.shape[0] > 400 and image.shape[1] > 1000  # two panels side by side
+
+
+def test_main_writes_the_json_and_the_plot_beside_it(trained, tmp_path, monkeypatch, capsys):
+    results, _ = trained
+    monkeypatch.setattr(demo, "run", lambda *args, **kwargs: results)
+    out = tmp_path / "demo"
+    assert demo.main(["--steps", str(STEPS), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'moe_train.json'}\nwrote {out / 'moe_train.png'}\n" in printed
+    assert json.loads((out / "moe_train.json").read_text())["curves"].keys() == {"hybrid_ep", "alltoall"}
+    assert (out / "moe_train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("steps, shown", [("0", "0"), ("-3", "-3"), ("abc", "'abc'"), ("2.5", "'2.5'")])
+def test_bad_steps_exit_2_within_seconds_naming_the_flag(steps, shown):
+    """As scripts/demo.sh runs it: a fresh interpreter, refused before torch is imported."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_patches.local.demo", "--world-size", "4",
+                           "--ranks-per-node", "2", "--steps", steps, "--out", "results/demo"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=checkout_env())
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2 and elapsed < 5, (elapsed, proc.stderr)
+    assert proc.stderr.splitlines()[-1] == (f"python -m megatron_patches.local.demo: error: argument --steps: must "
+                                            f"be an integer >= 1, got {shown}")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_near_miss_flag_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.build_parser().parse_args(["--step", "3", "--wrld-size=2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: unrecognized arguments: --step 3 --wrld-size=2 (did you mean --steps for --step, --world-size for "
+        "--wrld-size?)")

@@ -31,6 +31,15 @@ def path_of(name: str) -> str:
     return os.path.join(RECIPES_DIR, name)
 
 
+def site_sets(name: str) -> list[str]:
+    """--set flags that fill every site placeholder of a recipe, as a user at a site would."""
+    sets = ["cluster.partition=batch", "cluster.account=moe", "container.image=nvcr.io#nvidia/pytorch:25.04-py3",
+            "container.mounts=[/lustre:/lustre]"]
+    if name != "bench_dispatch":
+        sets.append("data.path=/lustre/data/web_text_document")
+    return [word for item in sets for word in ("--set", item)]
+
+
 def test_the_recipe_set():
     assert set(PRETRAIN) | {"bench_dispatch"} == set(ALL)
     for name in ALL:
@@ -143,11 +152,12 @@ def test_submit_goes_through_sbatch(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "out" / "job.sbatch"
-    rc = cli.main([path_of("qwen3_235b_a22b"), "--submit", "--script", str(script), "--set", "train.steps=50"])
+    sets = site_sets("qwen3_235b_a22b") + ["--set", "train.steps=50"]
+    rc = cli.main([path_of("qwen3_235b_a22b"), "--submit", "--script", str(script), *sets])
     captured_io = capsys.readouterr()
     assert rc == 0 and "Submitted batch job 4242" in captured_io.out
     assert "Slurm log results/qwen3_235b_a22b/slurm-%j.out" in captured_io.err
-    expected = render.render(cli.load_checked(path_of("qwen3_235b_a22b"), ["train.steps=50"]))
+    expected = render.render(cli.load_checked(path_of("qwen3_235b_a22b"), sets[1::2]))
     assert captured.read_text() == expected == script.read_text()
     assert "--train-iters 50" in expected
     assert "#SBATCH --output=results/qwen3_235b_a22b/slurm-%j.out\n" in expected
@@ -199,11 +209,11 @@ def test_submitted_job_finds_its_log_folder(name, workdir, tmp_path, monkeypatch
     submit_dir = tmp_path / "submit"
     submit_dir.mkdir()
     monkeypatch.chdir(submit_dir)
-    sets, base = [], submit_dir
+    sets, base = site_sets(name), submit_dir
     if workdir == "relative":
-        sets, base = ["--set", "cluster.workdir=run/here"], submit_dir / "run" / "here"
+        sets, base = sets + ["--set", "cluster.workdir=run/here"], submit_dir / "run" / "here"
     elif workdir:
-        sets, base = ["--set", f"cluster.workdir={tmp_path / 'work dir'}"], tmp_path / "work dir"
+        sets, base = sets + ["--set", f"cluster.workdir={tmp_path / 'work dir'}"], tmp_path / "work dir"
     rc = cli.main([path_of(name), "--submit", "--script", str(tmp_path / "scripts" / "job.sbatch"), *sets])
     out, err = capsys.readouterr()
     assert rc == 0 and "Submitted batch job 77" in out, err
@@ -325,7 +335,26 @@ INVALID = [
     ("deepseek_v3", ["--set", "balancer.move_budget=.nan"], "balancer.move_budget", "got nan"),
     ("deepseek_v3", ["--set", "dispatcher.type=alltoall"], "balancer.interval", "runs inside the hybrid_ep dispatcher"),
     ("deepseek_v3", ["--set", "dispatcher.type=magic"], "dispatcher.type", "must be one of"),
-    ("deepseek_v3", ["--set", "data.mock=false"], "data.path", "is required"),
+    ("deepseek_v3", ["--set", "data.path=null"], "data.path", "is required"),
+    ("tiny_moe", ["--set", "data.mock=false"], "data.path", "is required when data.mock is false"),
+    ("deepseek_v3", ["--set", "data.blend=[0.5 /d/a_text_document]"], "data.blend", "alternatives"),
+    ("tiny_moe", ["--set", "data.mock=false", "--set", "data.blend=[/d/a_text_document]"], "data.blend",
+     "entries are \"WEIGHT PREFIX\" with a weight > 0"),
+    ("tiny_moe", ["--set", "data.mock=false", "--set", "data.blend=[-1 /d/a]"], "data.blend", "got '-1 /d/a'"),
+    ("tiny_moe", ["--set", "checkpoint.interval=-5"], "checkpoint.interval", "must be >= 0"),
+    ("tiny_moe", ["--set", "checkpoint.save=~/ckpt"], "checkpoint.save", "must not start with ~"),
+    ("tiny_moe", ["--set", "cluster.partition=a b"], "cluster.partition", "must be one word"),
+    ("tiny_moe", ["--set", "cluster.qos=x'y"], "cluster.qos", "must be one word"),
+    ("tiny_moe", ["--set", "container.image=img", "--set", "container.mounts=['/a:/a,/b:/b']"], "container.mounts",
+     "without whitespace, quotes or commas"),
+    ("tiny_moe", ["--set", "container.mounts=[/a:/a]"], "container.mounts", "applies only with container.image"),
+    ("tiny_moe", ["--set", "container.image=img", "--set", "container.workdir=run"], "container.workdir",
+     "must be an absolute path"),
+    ("tiny_moe", ["--set", "network.nccl_ib_hca=mlx5_0, mlx5_1"], "network.nccl_ib_hca", "without whitespace"),
+    ("tiny_moe", ["--set", "network.nccl_ib_hca=mlx5_0", "--set", "env.NCCL_IB_HCA=mlx5_1"], "env.NCCL_IB_HCA",
+     "is set by network.nccl_ib_hca"),
+    ("bench_dispatch", ["--set", "network.socket_ifname=eth0", "--set", "env.GLOO_SOCKET_IFNAME=eth1"],
+     "env.GLOO_SOCKET_IFNAME", "is set by network.socket_ifname"),
     ("deepseek_v3", ["--set", "precision=fp4"], "precision", "must be one of"),
     ("qwen3_235b_a22b", ["--set", "parallelism.sequence_parallel=false"], "parallelism.sequence_parallel", "needs"),
     ("qwen3_235b_a22b", ["--set", "parallelism.vpp=5"], "parallelism.pp", "do not split"),
@@ -412,8 +441,8 @@ def test_spare_slots_of_the_stage_paying_the_most():
     est = memory.estimate(recipe_mod.load(path_of("deepseek_v3")))
     assert est.stage == 0 and round(est.spare_slots_gb, 2) == 0.74
     assert est.max_spare_stage == 1 and est.max_spare_slots_gb == pytest.approx(4 * est.spare_slots_gb, rel=1e-12)
-    assert est.table().splitlines()[-1] == (
-        "  balancer spare slots on stage 1 (the most of any stage)                    3.0 GiB")
+    assert ("  balancer spare slots on stage 1 (the most of any stage)                    3.0 GiB"
+            in est.table().splitlines())
     single = memory.estimate(recipe_mod.load(path_of("qwen3_30b_a3b")))  # one stage: no second line
     assert single.max_spare_stage == single.stage == 0 and "the most of any stage" not in single.table()
     off = memory.estimate(recipe_mod.load(path_of("deepseek_v3"), ["balancer.interval=0"]))

@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import torch
 
+from ..cli_parser import ArgumentParser
 from ..paths import output_problem
 from ..wording import byte_unit, plural
 from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
@@ -73,8 +74,8 @@ def positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = ArgumentParser(prog="hybrid-ep-balance", description=__doc__.split("\n")[0],
+                            allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a placement from a statistics file", allow_abbrev=False)
     plan.add_argument("--stats", required=True, nargs="+",

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..cli_parser import ArgumentParser
 from ..metadata import metadata
 from ..paths import output_problem
 from ..synthetic import ROUTINGS
@@ -53,7 +54,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, allow_abbrev=False,
         description="Time HybridEPBuffer dispatch and combine on every rank and report time, algorithm "
                     "bandwidth (algbw) and NVLink / RDMA bus bandwidth (busbw); docs/benchmarks/README.md. "

@@ -35,7 +35,6 @@ next to the kernels'. Writes JSON to --out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import ctypes.util
@@ -50,6 +49,7 @@ import torch.distributed as dist
 
 from ..autograd import combine as hep_combine
 from ..autograd import dispatch as hep_dispatch
+from ..cli_parser import ArgumentParser
 from ..metadata import metadata
 from ..routing import normalize_routing
 
@@ -235,7 +235,7 @@ def _time(pair, warmup: int, iters: int) -> tuple[list[float], list[float]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybrid_ep.bench.host", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m hybrid_ep.bench.host", description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]))
     parser.add_argument("--paths", nargs="+", choices=("receive", "direct"), default=list(DEFAULTS["paths"]))
     for name in ("hidden", "tokens", "topk", "warmup", "iters"):

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..cli_parser import ArgumentParser
 from ..config import FP8_BLOCK, BufferConfig
 from ..dtypes import COMBINE_BY_NAME as COMBINE_DTYPES
 from ..dtypes import DISPATCH_BY_NAME as DISPATCH_DTYPES
@@ -253,7 +254,7 @@ def json_document(report: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, allow_abbrev=False,
         description="Bytes per token each rank sends over NVLink and RDMA, hierarchical scheme versus a flat "
                     "all-to-all, for a synthetic routing (traffic model: computed, not measured).")

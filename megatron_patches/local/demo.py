@@ -23,8 +23,13 @@ under the same load of the machine, and neither always goes first. The run ends 
 summary: the largest relative difference of the first two loss curves, their tokens/s
 (medians over steps 3 to the last, their ratio, and the median of the per-step ratios), and
 the modelled NVLink and RDMA bytes of the first curve's forward dispatches under the
-hierarchical scheme against a flat all-to-all for the same routing. Results go to --out as
-moe_train.json, with the project's metadata block (hybrid_ep.metadata).
+hierarchical scheme against a flat all-to-all for the same routing. Each step's line is
+printed as the step ends (rank 0 appends its record to a file this process reads while the
+ranks train). Results go to --out as moe_train.json, with the project's metadata block
+(hybrid_ep.metadata), and moe_train.png, both dispatchers' loss and tokens/s curves.
+
+Arguments are checked before torch is loaded (demo_ranks, what the ranks run, loads it): a bad
+one exits with status 2 and a message naming it within a second.
 
 Gradients: dense weights are averaged over the W data-parallel ranks; expert gradients
 already hold every rank's tokens (combine's backward brings them home), so they are divided
@@ -33,30 +38,22 @@ by W, which makes the update the gradient of the mean loss over ranks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
 import sys
-import time
+import tempfile
+import threading
 
-import torch
-import torch.distributed as dist
+from hybrid_ep.cli_parser import ArgumentParser, positive_int, positive_number
 
-from hybrid_ep.config import BufferConfig
-from hybrid_ep.paths import output_problem
-from hybrid_ep.routing import normalize_routing, source_layout
-from hybrid_ep.traffic import dispatch_row_bytes, row_counts
-from hybrid_ep.wording import byte_unit, plural
+from .demo_shape import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
 
-from .common import PLAIN_FP32_CONFIG, counting_batch, init_megatron, quiet_libraries
-
-LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, VOCAB = 2, 128, 4, 8, 2, 256
 TOOL = "python -m megatron_patches.local.demo"
-LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even); "
-          "NVLink / RDMA = modelled bytes of the forward dispatches under the hierarchical scheme, "
-          "all layers and ranks")
+LEGEND = ("legend: imbalance/layer = (max - mean) / mean of tokens per expert in each MoE layer (0 = even);",
+          "  NVLink / RDMA = modelled bytes of the forward dispatches under the hierarchical scheme, all layers and "
+          "ranks")
 UNITS = {
     "loss": "nats per token (cross-entropy, mean over ranks)",
     "tokens_per_s": "tokens per second, all ranks together",
@@ -67,6 +64,7 @@ UNITS = {
                   "step's routing, summed over layers and ranks",
     "flat_nvlink_bytes": "bytes, modelled: a flat all-to-all's NVLink bytes for the same routing",
     "flat_rdma_bytes": "bytes, modelled: a flat all-to-all's RDMA bytes for the same routing",
+    "ended_at": "seconds since the epoch when the step ended (rank 0's clock)",
     "max_rel_loss_diff": "largest |a - b| / |b| over the steps of the first two loss curves",
     "summary": "the first two curves' max_rel_loss_diff and speed, and the first curve's modelled bytes summed "
                "over its steps",
@@ -77,167 +75,6 @@ UNITS = {
                                "same step (the two steps ran one after the other)",
 }
 SPEED_FROM_STEP = 3  # the first two steps warm up (buffers, allocator, autograd graphs)
-BYTE_FIELDS = ("nvlink_bytes", "rdma_bytes", "flat_nvlink_bytes", "flat_rdma_bytes")
-
-
-def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from ..options import HybridEPOptions
-
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=4 * HIDDEN,
-        moe_ffn_hidden_size=2 * HIDDEN,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOPK,
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        moe_token_dispatcher_type=dispatcher,
-        expert_model_parallel_size=world_size,
-        **PLAIN_FP32_CONFIG,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-    )
-    config.hybrid_ep_options = HybridEPOptions(ranks_per_node=ranks_per_node)
-    torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=seq)
-    # Identical dense weights on every rank (same seed); distinct experts per EP rank.
-    g = torch.Generator().manual_seed(seed + 1 + 1000 * parallel_state.get_expert_model_parallel_rank())
-    with torch.no_grad():
-        for p in model.parameters():
-            if not getattr(p, "allreduce", True):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.to(device)
-
-
-def moe_layers(model):
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-def train_rank(dispatchers: list[str], steps: int, micro_batch: int, seq: int, lr: float,
-               ranks_per_node: int, seed: int) -> dict[str, list[dict]]:
-    """Runs on every rank of the pool: one model per dispatcher, from the same weights, trained
-    step by step in turn on the same data, so that each step of one is timed beside the same step
-    of the others, under the same load of the machine. The order rotates every step (for two
-    dispatchers: A B, then B A), so that neither always runs first. Returns rank 0's per-step
-    records of each dispatcher (others: {})."""
-    quiet_libraries()
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    traffic_config = BufferConfig(HIDDEN, micro_batch * seq, EXPERTS, world, ranks_per_node).validate()
-    runs = {}
-    for name in dispatchers:
-        init_megatron(world, seed)  # the same seeds for every model: the same weights
-        model = build_model(name, world, seq, ranks_per_node, seed, device)
-        routed = keep_routing(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        runs[name] = (model, routed, opt)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    position_ids = torch.arange(seq, device=device)[None].expand(micro_batch, -1)
-    records = {name: [] for name in dispatchers}
-    for step in range(steps):
-        turn = step % len(dispatchers)
-        for name in dispatchers[turn:] + dispatchers[:turn]:
-            rec = train_step(*runs[name], step, rank, world, micro_batch, seq, seed, mask, position_ids,
-                             traffic_config, device)
-            if rec is not None:
-                records[name].append(rec)
-    return records if rank == 0 else {}
-
-
-def keep_routing(model) -> list:
-    """[routing_map [T, E] of each MoE layer], refilled by every forward of the model."""
-    layers = moe_layers(model)
-    routed = [None] * len(layers)
-
-    def hook_for(i):
-        def hook(module, args, output):
-            routed[i] = output[1].detach()
-        return hook
-
-    for i, layer in enumerate(layers):
-        layer.router.register_forward_hook(hook_for(i))
-    return routed
-
-
-def train_step(model, routed, opt, step, rank, world, micro_batch, seq, seed, mask, position_ids,
-               traffic_config, device) -> dict:
-    """One training step of one model; its record on rank 0 (the numbers it prints), None elsewhere."""
-    t0 = time.perf_counter()
-    batch = counting_batch(step, rank, micro_batch, seq, VOCAB, seed).to(device)
-    tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-    opt.zero_grad(set_to_none=True)
-    per_token = model(tokens, position_ids, mask, labels=labels)
-    loss = per_token.float().mean()
-    loss.backward()
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if getattr(p, "allreduce", True):
-            dist.all_reduce(p.grad)
-        p.grad.div_(world)
-    opt.step()
-    # on the group's device (NCCL carries no host tensors), read on the host after
-    stats = torch.tensor([loss.item()], dtype=torch.float64, device=device)
-    load = torch.stack([m.sum(dim=0).to(torch.float64) for m in routed])
-    counts = torch.stack([routing_counts(m, traffic_config) for m in routed])
-    gathered = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_reduce(stats)
-    dist.all_reduce(load)
-    dist.all_gather(gathered, counts)
-    load = load.cpu()
-    elapsed = time.perf_counter() - t0
-    if rank != 0:
-        return None
-    mean = load.mean(dim=1)
-    return {
-        "step": step + 1,
-        "loss": stats[0].item() / world,
-        "tokens_per_s": world * micro_batch * seq / elapsed,
-        "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
-        **modelled_dispatch_bytes(torch.stack(gathered).cpu(), traffic_config,
-                                  dispatch_row_bytes(HIDDEN, torch.float32)),
-    }
-
-
-def routing_counts(routing_map_TE: torch.Tensor, config: BufferConfig) -> torch.Tensor:
-    """[W + N] int64: this rank's dispatch rows per destination rank and tokens per destination
-    node for one routing (the two count tables a dispatch exchanges, hybrid_ep.traffic)."""
-    T, E = routing_map_TE.shape
-    routing = normalize_routing(T, E, routing_map_TE.device, routing_map=routing_map_TE)
-    layout = source_layout(routing, config)
-    return torch.cat([layout.send_counts_W, layout.node_counts_N])
-
-
-def modelled_dispatch_bytes(counts_RLC: torch.Tensor, config: BufferConfig, row_bytes: int) -> dict:
-    """Bytes of one step's dispatches over NVLink and RDMA, hierarchical and flat, summed over
-    layers and ranks, from every rank's routing_counts of every layer [ranks, layers, W + N]."""
-    W = config.world_size
-    total = dict.fromkeys(BYTE_FIELDS, 0)
-    for layer in range(counts_RLC.shape[1]):
-        c = row_counts(counts_RLC[:, layer, :W], counts_RLC[:, layer, W:], config.ranks_per_node)
-        for field, rows in zip(BYTE_FIELDS, (c.dispatch_nvlink, c.dispatch_rdma, c.flat_dispatch_nvlink,
-                                             c.flat_dispatch_rdma)):
-            total[field] += int(rows.sum()) * row_bytes
-    return total
-
-
-def probe_backend(ranks_per_node: int) -> str:
-    """The backend HybridEPBuffer picks on this group for the demo's shape (what the dispatcher gets)."""
-    import hybrid_ep as hep
-
-    return hep.HybridEPBuffer(None, HIDDEN, 1, EXPERTS, ranks_per_node=ranks_per_node).backend
 
 
 def where_line(transport: str, world_size: int, device: str, backend: str | None) -> str:
@@ -259,6 +96,8 @@ def format_record(dispatcher: str, rec: dict) -> str:
 
 
 def _size(num_bytes: int) -> str:
+    from hybrid_ep.wording import byte_unit
+
     scale, unit = byte_unit(num_bytes)
     return f"{num_bytes / scale:.1f} {unit}"
 
@@ -289,6 +128,8 @@ def summary(results: dict) -> dict:
 
 
 def summary_lines(s: dict) -> list[str]:
+    from hybrid_ep.wording import plural
+
     lines = ["summary:"]
     if "compared" in s:
         a, b = s["compared"]
@@ -310,8 +151,9 @@ def summary_lines(s: dict) -> list[str]:
         ma, mb = s["median_tokens_per_s"]
         lo, hi = s["speed_steps"]
         lines.append(f"  tokens/s, median over steps {lo}-{hi} (trained in alternation, step by step): "
-                     f"{a} {ma:.0f}, {b} {mb:.0f}; {a} / {b}: ratio of medians "
-                     f"{s['tokens_per_s_ratio']:.3f}, median of per-step ratios {s['tokens_per_s_step_ratio']:.3f}")
+                     f"{a} {ma:.0f}, {b} {mb:.0f}")
+        lines.append(f"    {a} / {b}: ratio of medians {s['tokens_per_s_ratio']:.3f}, median of per-step ratios "
+                     f"{s['tokens_per_s_step_ratio']:.3f}")
     return lines
 
 
@@ -321,9 +163,15 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 
 def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, seq=32, lr=3e-3,
         seed=1234, pool=None, echo=print) -> dict:
-    """Train with each dispatcher on one pool; returns {dispatcher: records, ...}."""
+    """Train with each dispatcher on one pool; returns {dispatcher: records, ...}. Each step's
+    line is echoed as the step ends (rank 0 appends its record to a progress file, read here
+    while the pool trains)."""
+    import torch
+
     from hybrid_ep.metadata import metadata
     from hybrid_ep.spawn import ProcessGroupPool
+
+    from .demo_ranks import probe_backend, train_rank
 
     if len(set(dispatchers)) != len(dispatchers):
         raise ValueError(f"dispatchers must differ (each trains its own model), got {list(dispatchers)}")
@@ -351,12 +199,14 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
         results["metadata"] = metadata(TOOL, device_type=device_type, config=config, units=UNITS,
                                        backends=[hep_backend] if hep_backend else [])
         echo(where_line(backend, pool.world_size, results["metadata"]["device"], hep_backend))
-        echo(LEGEND)
-        args = (list(dispatchers), steps, micro_batch, seq, lr, ranks_per_node, seed)
-        curves = pool.run(train_rank, [args] * pool.world_size, timeout_s=1800 * len(dispatchers))[0]
+        for line in LEGEND:
+            echo(line)
+        with tempfile.TemporaryDirectory(prefix="hybrid_ep_demo_") as folder:
+            progress = os.path.join(folder, "steps.jsonl")
+            args = (list(dispatchers), steps, micro_batch, seq, lr, ranks_per_node, seed, progress)
+            curves = _run_echoing_steps(lambda: pool.run(train_rank, [args] * pool.world_size,
+                                                         timeout_s=1800 * len(dispatchers))[0], progress, echo)
         for name in dispatchers:
-            for rec in curves[name]:
-                echo(format_record(name, rec))
             results["curves"][name] = curves[name]
     finally:
         if own_pool:
@@ -370,26 +220,110 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     return results
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
+def _run_echoing_steps(train, progress: str, echo, poll_s: float = 0.05):
+    """train() in a thread; meanwhile each line rank 0 appends to `progress` is echoed as a step
+    line. Returns train()'s value (or raises its error) once every line is echoed."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = train()
+        except BaseException as err:  # handed to the caller below
+            out["error"] = err
+
+    thread = threading.Thread(target=target, name="demo-train", daemon=True)
+    thread.start()
+    done = 0
+    while True:
+        finished = not thread.is_alive()  # read before the file: no line written before it is missed
+        lines = _lines(progress)
+        for line in lines[done:]:
+            item = json.loads(line)
+            echo(format_record(item["dispatcher"], item["record"]))
+        done = len(lines)
+        if finished:
+            break
+        thread.join(poll_s)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _lines(path: str) -> list[str]:
+    """The complete lines of a file (none when it does not exist yet); a line still being written is left."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return text.splitlines()[:text.count("\n")]
+
+
+def plot(results: dict, path: str) -> str:
+    """PNG of the curves: loss (left) and tokens/s (right) per step, one line per dispatcher
+    (the second dashed: the loss curves lie on each other when the dispatchers agree), the
+    tokens/s medians the summary gives as horizontal lines over the steps they cover."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    meta, curves, summ = results["metadata"], results["curves"], results.get("summary", {})
+    cfg = meta["config"]
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    styles = [dict(linestyle="-", marker="o", markersize=4), dict(linestyle="--", marker="s", markersize=6,
+                                                                   markerfacecolor="none")]
+    for k, (field, label) in enumerate((("loss", "loss (nats per token, mean over ranks)"),
+                                        ("tokens_per_s", "tokens/s, all ranks together"))):
+        ax = fig.add_subplot(1, 2, k + 1)
+        for i, (name, recs) in enumerate(curves.items()):
+            line, = ax.plot([r["step"] for r in recs], [r[field] for r in recs], label=name,
+                            **styles[min(i, len(styles) - 1)])
+            if field == "tokens_per_s" and name in summ.get("compared", []):
+                lo, hi = summ["speed_steps"]
+                median = summ["median_tokens_per_s"][summ["compared"].index(name)]
+                ax.hlines(median, lo, hi, colors=line.get_color(), linestyles=":", linewidth=1.5,
+                          label=f"{name} median, steps {lo}-{hi}: {median:.0f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if field == "loss" and "max_rel_loss_diff" in results:
+            ax.set_title(f"largest relative difference of the two curves: {results['max_rel_loss_diff']:.1e}",
+                         fontsize=10)
+        ax.legend(fontsize=9)
+    fig.suptitle(f"tiny MoE GPT (Megatron-Core, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['experts']} "
+                 f"experts, top-{cfg['topk']}): EP={cfg['world_size']} as {cfg['nodes']} nodes x "
+                 f"{cfg['ranks_per_node']} ranks over {cfg['transport']}; dispatchers trained in alternation\n"
+                 f"{meta['device']} | {meta['date']}", fontsize=10)
+    FigureCanvasAgg(fig).print_png(path)
+    return path
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--dispatchers", nargs="+", default=["hybrid_ep", "alltoall"],
                         choices=["hybrid_ep", "alltoall", "allgather"])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps (>= 1)")
+    parser.add_argument("--world-size", type=positive_int, default=4)
+    parser.add_argument("--ranks-per-node", type=positive_int, default=2)
+    parser.add_argument("--micro-batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--lr", type=positive_number, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", default="results/demo", help="folder for moe_train.json")
-    a = parser.parse_args(argv)
-    problem = output_problem(a.out, folder=True)
-    if problem:
-        parser.error(f"--out: {problem}")
+    parser.add_argument("--out", default="results/demo", help="folder for moe_train.json and moe_train.png")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)  # before torch is loaded: a bad argument costs no start-up
     if len(set(a.dispatchers)) != len(a.dispatchers):
         parser.error(f"--dispatchers must differ (each trains its own model), got {' '.join(a.dispatchers)}")
     if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
         parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
+    from hybrid_ep.paths import output_problem
+
+    problem = output_problem(a.out, folder=True)
+    if problem:
+        parser.error(f"--out: {problem}")
     print(f"tiny MoE GPT (Megatron-Core): {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
           f"vocab {VOCAB}, fp32; EP={a.world_size} as {a.world_size // a.ranks_per_node} nodes x "
           f"{a.ranks_per_node} ranks; {a.steps} steps of {a.micro_batch}x{a.seq} tokens per rank", flush=True)
@@ -404,6 +338,7 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")
+    print(f"wrote {plot(results, os.path.join(a.out, 'moe_train.png'))}")
     bad = [n for n, recs in results["curves"].items() if not all(math.isfinite(r["loss"]) for r in recs)]
     return 1 if bad else 0
 

@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 
+from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
-from . import layout, memory, render, validate
+from . import layout, memory, render, site_fields, validate
 from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
@@ -43,8 +44,8 @@ PROG = "hybrid-ep-launch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipes/<name> or a recipe.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field by its dotted name (repeatable), e.g. --set parallelism.ep=32")
@@ -122,8 +123,18 @@ def warn_megatron_lm_dir(recipe) -> None:
         return
     placeholder = " (the docs' placeholder)" if recipe["megatron_lm_dir"] == render.PLACEHOLDER_LM_DIR else ""
     print(f"{PROG}: warning: megatron_lm_dir is {recipe['megatron_lm_dir'] or 'not set'}{placeholder} and "
-          "MEGATRON_LM_DIR is not exported: the job finds pretrain_gpt.py only if the container has Megatron-LM "
-          "on PYTHONPATH; set --set megatron_lm_dir=/your/Megatron-LM", file=sys.stderr)
+          "MEGATRON_LM_DIR is not exported: the job needs Megatron-LM on the container's PYTHONPATH", file=sys.stderr)
+    print(f"{PROG}:   or --set megatron_lm_dir=/your/Megatron-LM", file=sys.stderr)
+
+
+def report_site(recipe) -> None:
+    """Say which site fields are unset (what runs instead) and which still hold placeholders,
+    and warn when a container may not see the job's working directory."""
+    for line in site_fields.report_lines(recipe):
+        print(f"{PROG}: {line}", file=sys.stderr)
+    if recipe["container.image"] and not recipe["container.workdir"] and not recipe["container.mounts"]:
+        print(f"{PROG}: warning: container.mounts is empty: the container starts in the job's working directory "
+              "(srun --container-workdir), which it must mount", file=sys.stderr)
 
 
 def note_log_dir(recipe) -> None:
@@ -133,8 +144,8 @@ def note_log_dir(recipe) -> None:
     if folder == ".":
         print(f"{where}, in the folder sbatch runs in", file=sys.stderr)
     else:
-        print(f"{where}; Slurm creates no folders: --submit creates {folder} before it calls sbatch (by hand: "
-              f"mkdir -p {folder} first)", file=sys.stderr)
+        print(f"{where}; Slurm creates no folders: --submit creates {folder} before sbatch", file=sys.stderr)
+        print(f"{PROG}:   (to run sbatch by hand: mkdir -p {folder} first)", file=sys.stderr)
 
 
 def _log_path(recipe) -> str:
@@ -191,10 +202,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_local(recipe, path=path)
         report(recipe)
         warn_megatron_lm_dir(recipe)
+        report_site(recipe)
         text = render.render(recipe)
     except recipe_mod.RecipeError as err:
         return _error(err.problems)
     if a.submit:
+        placeholders = site_fields.placeholder_problems(recipe)
+        if placeholders:  # the job would wait in the queue, then fail
+            return _error(placeholders)
         return submit(recipe, text, a.script)
     note_log_dir(recipe)
     sys.stdout.write(text)

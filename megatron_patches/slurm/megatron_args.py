@@ -2,7 +2,7 @@
 
 The list is what `python -m megatron_patches.pretrain_gpt` receives, on the cluster and in
 local mode, and what the tests parse with Megatron-LM's own parser. Structured fields
-(shape, parallelism, dispatcher, balancer, precision, batch, data) become flags here;
+(shape, parallelism, dispatcher, balancer, precision, batch, data, checkpoints) become flags here;
 `model.extra_args` and `train.extra_args` are appended verbatim after them (router,
 position embedding, normalisation, fusions: see each recipe).
 """
@@ -114,11 +114,17 @@ def train_args(t: dict) -> list[str]:
 
 
 def data_args(d: dict, m: dict) -> list[str]:
+    """Mock data only when data.mock asks for it; else the dataset prefix or the blend
+    ("WEIGHT PREFIX" entries, one --data-path list as Megatron reads it)."""
     a: list[str] = []
     if d["mock"]:
         _flag(a, "--mock-data", True)
+    elif d["blend"]:
+        a += ["--data-path", *(word for entry in d["blend"] for word in entry.split())]
     else:
         _flag(a, "--data-path", d["path"])
+    if not d["mock"]:
+        _flag(a, "--split", d["split"])
     _flag(a, "--tokenizer-type", d["tokenizer_type"])
     _flag(a, "--tokenizer-model", d["tokenizer_model"])
     if d["tokenizer_type"] == "NullTokenizer":
@@ -126,9 +132,35 @@ def data_args(d: dict, m: dict) -> list[str]:
     return a
 
 
+def checkpoint_dir(recipe) -> str:
+    """Where checkpoints go by default: checkpoints/ beside the job folders, so the next job
+    of the recipe resumes from the last one. The parent of output.dir when its last part
+    names the job (has a variable: results/x/${SLURM_JOB_ID} -> results/x/checkpoints), else
+    inside output.dir. May hold shell variables, as output.dir may (the script expands them)."""
+    out = recipe["output.dir"].rstrip("/") or "."
+    parent, _, last = out.rpartition("/")
+    if "$" in last:
+        return f"{parent or '.'}/checkpoints"
+    return f"{out}/checkpoints"
+
+
+CHECKPOINT_PATH_FLAGS = ("--save", "--load")
+
+
+def checkpoint_args(recipe) -> list[str]:
+    """--save, --load and --save-interval: none with checkpoint.interval 0; null saves once, at
+    the end (Megatron-LM needs an interval with --save: train.steps)."""
+    c = recipe["checkpoint"]
+    if c["interval"] == 0:
+        return []
+    save = c["save"] or checkpoint_dir(recipe)
+    return ["--save", save, "--load", c["load"] or save, "--save-interval", str(c["interval"] or recipe["train.steps"])]
+
+
 def megatron_args(recipe) -> list[str]:
     """The full pretrain_gpt.py argument list of a pretraining recipe."""
     r = recipe.data
     return (model_args(r["model"]) + parallel_args(r["parallelism"])
             + dispatcher_args(r["dispatcher"], r["balancer"]) + precision_args(r["precision"])
-            + train_args(r["train"]) + data_args(r["data"], r["model"]) + list(r["train"]["extra_args"]))
+            + train_args(r["train"]) + data_args(r["data"], r["model"]) + checkpoint_args(recipe)
+            + list(r["train"]["extra_args"]))

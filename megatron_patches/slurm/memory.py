@@ -39,8 +39,15 @@ parallel: / TP), values kept per token:
     full recompute  H/TP per layer (its input) plus one layer's full set
 
 Stage s holds min(PP - s, micro-batches per step) micro-batches in flight (1F1B; interleaved
-VPP adds more and is not modelled). Balanced routing assumed; allocator fragmentation,
-communication buffers and the CUDA context are not counted: leave 5-10 GiB of headroom.
+VPP adds more and is not modelled). Balanced routing assumed.
+
+The dispatcher: with hybrid_ep, the bytes its buffer holds for the job's life (registered,
+by region), from the library's memory_plan() for the recipe's shape, backend and EP layout
+(dispatcher_memory.py), on every stage with MoE layers, in the total. Where the backend that
+runs holds nothing (reference: its buffers come from the allocator per call, and the
+dispatch outputs are in the activations above), the table says what the cuda backend would
+hold, outside the total. Allocator fragmentation, NCCL's buffers and the CUDA context are
+not counted: leave 5-10 GiB of headroom.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import layout as L
+from .dispatcher_memory import DispatcherMemory, dispatcher_memory
 
 GIB = 1024**3
 
@@ -72,6 +80,11 @@ class MemoryEstimate:
     # the stage whose spare slots cost the most (stages differ in MoE layers) and that cost
     max_spare_stage: int = 0
     max_spare_slots_gb: float = 0.0
+    # the hybrid_ep dispatcher's buffer (None: another dispatcher), held on stages with MoE layers
+    dispatcher: DispatcherMemory | None = None
+    dispatcher_gb: float = 0.0
+    # what the cuda backend would hold where the backend that runs holds nothing (not in the total)
+    cuda_dispatcher: DispatcherMemory | None = None
 
     @property
     def states_gb(self) -> float:
@@ -79,7 +92,7 @@ class MemoryEstimate:
 
     @property
     def total_gb(self) -> float:
-        return self.states_gb + self.activations_gb
+        return self.states_gb + self.activations_gb + self.dispatcher_gb
 
     @property
     def over(self) -> bool:
@@ -102,12 +115,34 @@ class MemoryEstimate:
             (f"gradients ({self.grads_dtype})", self.size(self.grads_gb)),
             ("optimizer (fp32 master + Adam)", self.size(self.optimizer_gb)),
             ("activations (rough)", self.size(self.activations_gb)),
+            *self._dispatcher_rows(),
             ("total", total),
         ]
         head = (f"memory per {'rank (CPU process)' if on_cpu else 'GPU'}, stage {self.stage} (the fullest "
                 "pipeline stage; model "
                 f"{_count(self.total_params_model)} parameters):")
-        return "\n".join([head] + _aligned(rows) + _aligned(self._spare_rows()))
+        return "\n".join([head] + _aligned(rows) + _aligned(self._spare_rows() + ([] if on_cpu else self._cuda_rows())))
+
+    def _dispatcher_rows(self) -> list[tuple[str, str]]:
+        """The hybrid_ep buffer's held bytes, then each held region below it."""
+        d = self.dispatcher
+        if d is None:
+            return []
+        label = f"dispatcher buffer (hybrid_ep {d.backend})"
+        if not self.dispatcher_gb:
+            why = "no MoE layer on this stage" if d.held_bytes else f"{d.why}: per-call buffers from the allocator"
+            return [(label, f"{self.size(0.0)}  ({why})")]
+        return [(label, f"{self.size(self.dispatcher_gb)}  ({d.why})")] + [
+            (f"  {name}", self.size(n / GIB) if n >= GIB / 10 or self.total_gb < 1 else f"{n / 2**20:7.1f} MiB")
+            for name, n in d.regions()]
+
+    def _cuda_rows(self) -> list[tuple[str, str]]:
+        """What opting into the cuda backend would add (dispatcher.backend cuda), outside the total."""
+        d = self.cuda_dispatcher
+        if d is None:
+            return []
+        label = "with dispatcher.backend cuda the buffer would hold (not in the total)"
+        return [(label, self.size(d.held_bytes / GIB))]
 
     def _spare_rows(self) -> list[tuple[str, str]]:
         """The spare slots after the total, as a part of it (not an extra row of the optimizer's),
@@ -195,6 +230,11 @@ def grad_bytes(precision: str) -> int:
 
 def estimate(recipe) -> MemoryEstimate:
     """The fullest stage's bytes per GPU (see the module docstring for the formula)."""
+    return _fullest(stage_estimates(recipe))
+
+
+def stage_estimates(recipe) -> list[MemoryEstimate]:
+    """Bytes per GPU of each pipeline stage."""
     m, lay = recipe["model"], L.layout_of(recipe)
     stages = L.stage_layers(recipe)
     weight_b = 4 if recipe["precision"] == "fp32" else 2
@@ -202,6 +242,8 @@ def estimate(recipe) -> MemoryEstimate:
     opt_b = 8 if recipe["precision"] == "fp32" else 12
     dist_opt = recipe["parallelism.distributed_optimizer"]
     slots = recipe["balancer.slots_per_rank"] if recipe["balancer.interval"] > 0 else None
+    disp = dispatcher_memory(recipe)
+    cuda = dispatcher_memory(recipe, "cuda") if disp is not None and not disp.held_bytes else None
     experts_per_rank = slots or m["num_experts"] // lay.ep
     per_stage, start = [], 0
     for s, n in enumerate(stages):
@@ -226,8 +268,10 @@ def estimate(recipe) -> MemoryEstimate:
             optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
             gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe),
             grads_dtype="fp16" if grad_b == 2 else "fp32",
-            spare_slots_gb=spare * (weight_b + grad_b + opt_b / (lay.edp if dist_opt else 1)) / GIB))
-    return _fullest(per_stage)
+            spare_slots_gb=spare * (weight_b + grad_b + opt_b / (lay.edp if dist_opt else 1)) / GIB,
+            dispatcher=disp, dispatcher_gb=disp.held_bytes / GIB if disp is not None and n_moe else 0.0,
+            cuda_dispatcher=cuda))
+    return per_stage
 
 
 def _fullest(per_stage: list[MemoryEstimate]) -> MemoryEstimate:

@@ -83,13 +83,45 @@ class Recipe:
             return default
 
 
+# The checkout's recipes/ (a bare recipe name is looked up there).
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+
+
+def recipe_names(folder: str) -> list[str]:
+    """The recipes in a folder: its sub-folders that hold a recipe.yaml."""
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(e for e in entries if os.path.isfile(os.path.join(folder, e, RECIPE_FILE)))
+
+
 def recipe_path(path: str) -> str:
+    """The recipe.yaml of a folder, a file, or a bare name of the checkout's recipes/."""
     path = os.path.expanduser(path)
+    if not os.path.exists(path) and "/" not in path.rstrip("/") and path in recipe_names(RECIPES_DIR):
+        path = os.path.join(RECIPES_DIR, path)
     if os.path.isdir(path):
         path = os.path.join(path, RECIPE_FILE)
     if not os.path.isfile(path):
-        raise RecipeError([("recipe", f"{path} does not exist (give recipes/<name> or a recipe.yaml)")])
+        raise RecipeError([("recipe", _missing(path))])
     return path
+
+
+def _missing(path: str) -> str:
+    """Why a recipe path names none, with the recipes there are: beside it, else in recipes/
+    (then by bare name, as recipe_path takes them)."""
+    given = path[:-len(RECIPE_FILE)].rstrip("/") if path.endswith("/" + RECIPE_FILE) else path.rstrip("/")
+    folder = os.path.dirname(given)
+    names = recipe_names(folder or ".") if folder else []
+    if not names:
+        folder, names = "", recipe_names(RECIPES_DIR)
+    if not names:
+        return f"{path} does not exist (give recipes/<name> or a recipe.yaml)"
+    close = difflib.get_close_matches(os.path.basename(given), names, n=1)
+    hint = f"; did you mean {os.path.join(folder, close[0])}?" if close else ""
+    where = f"in {folder}" if folder else "by name"
+    return f"no recipe at {given}{hint}\n  recipes {where}: {', '.join(names)}"
 
 
 def _check_type(field: str, kind: str, value) -> str | None:

@@ -22,7 +22,8 @@ import os
 import re
 import shlex
 
-from .megatron_args import megatron_args
+from . import site_fields
+from .megatron_args import CHECKPOINT_PATH_FLAGS, megatron_args
 
 _RANK_ENV = (
     'export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID" '
@@ -86,6 +87,18 @@ def _where_comments(recipe) -> list[str]:
     return lines
 
 
+def _data_comments(recipe) -> list[str]:
+    """What the job trains on: mock data is said, since it reads no dataset."""
+    if recipe.kind != "pretrain":
+        return []
+    d = recipe["data"]
+    if d["mock"]:
+        return ["# Data: MOCK (data.mock true): synthetic tokens, no dataset is read."]
+    if d["blend"]:
+        return [f"# Data: a blend of {len(d['blend'])} datasets (data.blend), tokenizer {d['tokenizer_type']}."]
+    return [f"# Data: {d['path']} (data.path), tokenizer {d['tokenizer_type']}."]
+
+
 def _header(recipe, nodes: int, job_name: str) -> list[str]:
     c = recipe["cluster"]
     lines = [
@@ -94,6 +107,8 @@ def _header(recipe, nodes: int, job_name: str) -> list[str]:
         f"# overrides: {' '.join(recipe.overrides) if recipe.overrides else 'none'}",
         "# Edit the recipe (or pass --set key=value), not this file.",
         *_where_comments(recipe),
+        *_data_comments(recipe),
+        *site_fields.header_lines(recipe),
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={c['gpus_per_node']}",
@@ -107,6 +122,8 @@ def _header(recipe, nodes: int, job_name: str) -> list[str]:
         lines.append(f"#SBATCH --partition={c['partition']}")
     if c["account"]:
         lines.append(f"#SBATCH --account={c['account']}")
+    if c["qos"]:
+        lines.append(f"#SBATCH --qos={c['qos']}")
     if c["exclusive"]:
         lines.append("#SBATCH --exclusive")
     lines += [f"#SBATCH {extra}" for extra in c["sbatch_extra"]]
@@ -118,6 +135,10 @@ def _environment(recipe) -> list[str]:
     lines = ["# Communication and runtime environment (recipe field env)"]
     for key, value in recipe["env"].items():
         lines.append(f"export {key}={_q(value)}")
+    nics = site_fields.network_env(recipe)
+    if nics:
+        lines += ["", "# NICs (recipe section network)"]
+        lines += [f"export {key}={_q(value)}" for key, value in nics.items()]
     lines += [
         "",
         "# Rendezvous: the first node of the allocation",
@@ -135,23 +156,31 @@ def _srun_prefix(recipe, nodes: int) -> str:
     parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={recipe['cluster.gpus_per_node']}",
              "--relative=0", "--kill-on-bad-exit=1"]
     image, mounts = recipe["container.image"], recipe["container.mounts"]
-    if image:
-        parts.append(f"--container-image={_q(image)}")
-        if mounts:
-            parts.append(f"--container-mounts={_q(','.join(mounts))}")
-    return " ".join(parts)
+    if not image:
+        return " ".join(parts)
+    pyxis = [f"--container-image={_q(image)}"]
+    if mounts:
+        pyxis.append(f"--container-mounts={_q(','.join(mounts))}")
+    # Relative paths (OUT_DIR, checkpoints) resolve in the container as on the host: it starts in
+    # the job's working directory (which container.mounts must hold), not in the image's WORKDIR.
+    workdir = recipe["container.workdir"]
+    pyxis.append(f"--container-workdir={_q(workdir)}" if workdir else '--container-workdir="$PWD"')
+    return " ".join(parts) + " \\\n  " + " ".join(pyxis)
+
+
+def python_of(recipe) -> str:
+    """The interpreter the tasks run: cluster.python, or `python` from the job's PATH when unset."""
+    return recipe["cluster.python"] or "python"
 
 
 def _array(name: str, items: list[str]) -> list[str]:
-    """A bash array, one flag (and its value, when it has one) per line."""
-    lines, i = [f"{name}=("], 0
-    while i < len(items):
-        if i + 1 < len(items) and not str(items[i + 1]).startswith("--"):
-            lines.append(f"  {_q(items[i])} {_q(items[i + 1])}")
-            i += 2
+    """A bash array, one flag and all of its values per line (`--recompute-modules a b c`)."""
+    lines = [f"{name}=("]
+    for item in map(str, items):
+        if item.startswith("--") or len(lines) == 1:
+            lines.append(f"  {_q(item)}")
         else:
-            lines.append(f"  {_q(items[i])}")
-            i += 1
+            lines[-1] += f" {_q(item)}"
     return lines + [")"]
 
 
@@ -165,6 +194,20 @@ def megatron_lm_dir(recipe) -> str | None:
 
 
 REPORT_DIR_FLAG = "--hybrid-ep-balancer-report-dir"
+
+
+def _job_paths(args: list[str]) -> tuple[list[str], list[str]]:
+    """(args without --save and --load, those flags with their paths double-quoted): the paths
+    may hold shell variables, as output.dir does (validation refuses a double quote in them)."""
+    kept, paths, i = [], [], 0
+    while i < len(args):
+        if args[i] in CHECKPOINT_PATH_FLAGS:
+            paths.append(f'{args[i]} "{args[i + 1]}"')
+            i += 2
+        else:
+            kept.append(args[i])
+            i += 1
+    return kept, paths
 
 
 def _job_report_dir(args: list[str]) -> tuple[list[str], str | None]:
@@ -192,12 +235,15 @@ def render_pretrain(recipe) -> str:
     lines.append("")
     lines.append(f"# Megatron-LM pretrain_gpt.py arguments ({recipe['dispatcher.type']} dispatcher)")
     args, report_dir = _job_report_dir(megatron_args(recipe))
+    args, checkpoint_paths = _job_paths(args)
     lines += _array("ARGS", args)
     lines += ['ARGS+=(--tensorboard-dir "$OUT_DIR/tensorboard")']
+    if checkpoint_paths:
+        lines.append(f"ARGS+=({' '.join(checkpoint_paths)})  # checkpoint (recipe section checkpoint)")
     if report_dir is not None:
         lines.append(f'ARGS+=(--hybrid-ep-balancer-report-dir "$OUT_DIR"/{_q(report_dir)})')
     lines.append("")
-    py = _q(c["python"])
+    py = _q(python_of(recipe))
     lines += [
         f"{_srun_prefix(recipe, c['nodes'])} bash -c \\",
         f"  '{_RANK_ENV}; exec \"$0\" -m megatron_patches.pretrain_gpt \"$@\"' \\",
@@ -221,7 +267,7 @@ def render_benchmark(recipe) -> str:
         common += ["--sms", ",".join(str(n) for n in b["sms"])]
     lines += _array("BENCH_ARGS", [str(v) for v in common])
     lines += ["", "# One run per node count in this allocation; each writes results.json and PNG plots."]
-    py = _q(c["python"])
+    py = _q(python_of(recipe))
     for n in b["node_counts"]:
         lines += [
             f"{_srun_prefix(recipe, n)} bash -c \\",

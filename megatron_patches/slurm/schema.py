@@ -24,16 +24,23 @@ _COMMON = {
         "gpu_type": ("str", "H100"),
         "partition": ("str?", None),
         "account": ("str?", None),
+        "qos": ("str?", None),
         "time": ("str", "01:00:00"),
         "job_name": ("str?", None),
         "exclusive": ("bool", True),
-        "python": ("str", "python"),
+        "python": ("str?", None),  # None: `python` from the job's PATH (reported as unset)
         "workdir": ("str?", None),
         "sbatch_extra": ("list[str]", []),
     },
     "container": {
         "image": ("str?", None),
         "mounts": ("list[str]", []),
+        "workdir": ("str?", None),  # None: the job's working directory ("$PWD" on the batch host)
+    },
+    "network": {  # None: the library picks its NICs itself
+        "nccl_ib_hca": ("str?", None),
+        "nvshmem_hca_list": ("str?", None),
+        "socket_ifname": ("str?", None),
     },
     "env": ("map", {}),
     "output": {
@@ -116,9 +123,16 @@ _PRETRAIN = {
         "recompute_modules": ("list[str]", []),
         "extra_args": ("list[str]", []),
     },
+    "checkpoint": {
+        "save": ("str?", None),  # None: checkpoints/ beside the job folders (megatron_args.checkpoint_dir)
+        "load": ("str?", None),  # None: the save folder (a job resumes from the last checkpoint there)
+        "interval": ("int?", None),  # None: once, at the end of training; 0: no checkpoints
+    },
     "data": {
-        "mock": ("bool", True),
+        "mock": ("bool", False),
         "path": ("str?", None),
+        "blend": ("list[str]", []),  # "WEIGHT PREFIX" entries: Megatron's --data-path blend
+        "split": ("str?", None),
         "tokenizer_type": ("str", "NullTokenizer"),
         "tokenizer_model": ("str?", None),
     },

@@ -23,7 +23,12 @@ otherwise enforce on the cluster, after the queue wait:
   `#SBATCH --chdir`, which expands none, and the Slurm log and OUT_DIR resolve from it);
   output.dir not empty, without %, a leading ~ or a double quote (render.log_dir says where
   the log goes);
-- real data needs a path;
+- real data needs a path or a blend (not both); a blend entry is "WEIGHT PREFIX", the weight > 0;
+- site fields written as #SBATCH or srun options (partition, account, QoS, container image,
+  mounts) hold no whitespace or quote; a mount holds no comma (the mounts are joined by commas);
+  container.workdir is absolute; NIC fields hold no whitespace, and their variables are not also
+  set in env (one home each); checkpoint paths follow output.dir's rules, the interval is >= 0;
+  a `<...>` placeholder passes these checks (site_fields reports it, --submit refuses it);
 - benchmark: every rule hybrid-ep-bench applies to its flags (hybrid_ep/bench/spec.py: routing,
   backends, SM counts, warmup, ...), for each node count, and no node count twice.
 """
@@ -43,6 +48,7 @@ from hybrid_ep.rows import row_bytes_rule
 from hybrid_ep.wording import plural
 
 from . import layout as L
+from . import site_fields
 from .memory import GPU_MEMORY_GB
 from .recipe import RecipeError
 
@@ -100,6 +106,82 @@ def _paths(recipe, problems):
                                     f"expand it): {instead}, got {value!r}"))
         if '"' in value or "\n" in value:
             problems.append((field, f"must not contain a double quote or a newline, got {value!r}"))
+
+
+# Site values written as #SBATCH or srun options: sbatch splits at whitespace and honours quotes.
+_OPTION_VALUE = re.compile(r"[^\s\"'`$\\]+")
+
+
+def _site(recipe, problems):
+    """Partition, account, QoS, container and NICs (placeholders pass: site_fields reports them)."""
+    def check(field, value, rule, ok):
+        if value is not None and not site_fields.is_placeholder(value) and not ok(value):
+            problems.append((field, f"{rule}, got {value!r}"))
+
+    plain = "must be one word without whitespace, quotes, $ or backslashes (it is an #SBATCH or srun option)"
+    for field in ("cluster.partition", "cluster.account", "cluster.qos", "container.image"):
+        check(field, recipe[field], plain, _OPTION_VALUE.fullmatch)
+    for mount in recipe["container.mounts"]:
+        check("container.mounts", mount, "entries are SRC[:DST[:FLAGS]] without whitespace, quotes or commas "
+              "(pyxis joins them with commas)", lambda m: _OPTION_VALUE.fullmatch(m) and "," not in m)
+    check("container.workdir", recipe["container.workdir"], "must be an absolute path inside the container",
+          lambda w: w.startswith("/") and "\n" not in w)
+    if recipe["container.image"] is None:
+        for field in ("container.mounts", "container.workdir"):
+            if recipe[field]:
+                problems.append((field, "applies only with container.image (pyxis options of srun); set the "
+                                        "image or leave it out"))
+    check("cluster.python", recipe["cluster.python"], "must name an interpreter (a path or a command name)",
+          lambda p: p.strip() and "\n" not in p)
+    for field, names in site_fields.NETWORK_ENV.items():
+        value = recipe[f"network.{field}"]
+        check(f"network.{field}", value, f"must be a list without whitespace (exported as {names[0]})",
+              lambda v: re.fullmatch(r"[^\s\"'`]+", v))
+        for name in names:
+            if value is not None and name in recipe["env"]:
+                problems.append((f"env.{name}", f"is set by network.{field}; give it there only"))
+
+
+def _checkpoint(recipe, problems):
+    interval = recipe["checkpoint.interval"]
+    if interval is not None and interval < 0:
+        problems.append(("checkpoint.interval", f"must be >= 0 (0: no checkpoints) or null (at the end of "
+                                                f"training), got {interval}"))
+    for field in ("checkpoint.save", "checkpoint.load"):
+        value = recipe[field]
+        if value is None:
+            continue
+        if not value.strip():
+            problems.append((field, "must name a folder or be null (the default folder), got an empty path"))
+        elif value.startswith("~") or '"' in value or "\n" in value or "%" in value:
+            problems.append((field, "must not start with ~ or contain a double quote, % or a newline (a shell path "
+                                    f"like output.dir; $HOME and ${{SLURM_JOB_ID}} expand), got {value!r}"))
+
+
+def _data(recipe, problems):
+    d = recipe["data"]
+    if d["mock"]:
+        return
+    if not d["path"] and not d["blend"]:
+        problems.append(("data.path", "is required when data.mock is false (a Megatron .bin/.idx prefix), or "
+                                      "give data.blend"))
+    if d["path"] and d["blend"]:
+        problems.append(("data.blend", "and data.path are alternatives: give the blend's entries or one path"))
+    for entry in d["blend"]:
+        if site_fields.is_placeholder(entry):
+            continue
+        words = entry.split()
+        if len(words) != 2 or not _positive_number(words[0]):
+            problems.append(("data.blend", f"entries are \"WEIGHT PREFIX\" with a weight > 0, e.g. \"0.7 "
+                                           f"/data/web_text_document\", got {entry!r}"))
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return value > 0 and value != float("inf")
 
 
 def _parallel(recipe, problems):
@@ -197,6 +279,26 @@ def _dispatcher(recipe, problems):
         problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
 
 
+def _dispatcher_group(recipe, problems):
+    """The hybrid_ep dispatcher's groups of EP x ETP consecutive ranks must each come node by
+    node (hybrid_ep/topology.py refuses one that does not, at run time): their size a multiple
+    or a divisor of the GPUs per node."""
+    if recipe["dispatcher.type"] != "hybrid_ep":
+        return
+    size, gpus = recipe["parallelism.ep"] * recipe["parallelism.etp"], recipe["cluster.gpus_per_node"]
+    if size % gpus and gpus % size:
+        problems.append(("parallelism.ep", f"EP x ETP = {size} ranks per hybrid_ep group must be a multiple or a "
+                                           f"divisor of cluster.gpus_per_node {gpus}: a group's ranks on a node "
+                                           "share NVLink"))
+        return
+    from .dispatcher_memory import buffer_config
+
+    try:  # what the dispatcher builds from the --hybrid-ep-* flags of extra_args, refused as it refuses them
+        buffer_config(recipe)
+    except ValueError as err:
+        problems.append(("extra_args", f"the hybrid_ep buffer of these --hybrid-ep-* flags: {err}"))
+
+
 def _balancer(recipe, problems):
     b = "balancer."
     if recipe[b + "interval"] < 0:
@@ -244,8 +346,6 @@ def _train(recipe, problems):
         problems.append(("train.recompute_modules", "only apply with train.recompute selective"))
     if recipe["precision"] not in PRECISIONS:
         problems.append(("precision", f"must be one of {', '.join(PRECISIONS)}, got {recipe['precision']!r}"))
-    if not recipe["data.mock"] and not recipe["data.path"]:
-        problems.append(("data.path", "is required when data.mock is false (a Megatron .bin/.idx prefix)"))
 
 
 def _bench(recipe, problems):
@@ -318,6 +418,7 @@ def validate(recipe) -> None:
     """Raise RecipeError listing every (field, rule) the recipe breaks."""
     problems: list[tuple[str, str]] = []
     _cluster(recipe, problems)
+    _site(recipe, problems)
     if recipe.kind == "benchmark":
         _bench(recipe, problems)
     else:
@@ -327,5 +428,9 @@ def validate(recipe) -> None:
         _dispatcher(recipe, problems)
         _balancer(recipe, problems)
         _train(recipe, problems)
+        _data(recipe, problems)
+        _checkpoint(recipe, problems)
+        if not problems:
+            _dispatcher_group(recipe, problems)
     if problems:
         raise RecipeError(problems)

@@ -8,15 +8,16 @@ counted, the program's own exit status says whether the run failed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from hybrid_ep.cli_parser import ArgumentParser
 
 from . import plot, records, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.microbench", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog="python -m tools.microbench", description=__doc__.split("\n\n")[1])
     p.add_argument("lines", help="the program's stdout: one JSON object per line")
     p.add_argument("--out", required=True, help="folder for micro.json, micro.txt and micro_tma.png")
     p.add_argument("--command", default="hybrid_ep_microbench all", help="the command that printed LINES")

@@ -28,6 +28,7 @@ import sys
 import time
 from unittest import mock
 
+from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
 PROG = "python -m tools.timing"
@@ -172,8 +173,8 @@ def _validate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import constants, predict
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
     pr = sub.add_parser("predict", help="predicted dispatch and combine ms at the bench's emulated points")
     pr.add_argument("--emulate", type=int, nargs="+", required=True, metavar="W", help="world sizes")

@@ -42,6 +42,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ...cli_parser import ArgumentParser
 from ...paths import output_problem
 from ...synthetic import sample_topk, zipf_popularity
 from ..metrics import imbalance_ratio, rank_loads
@@ -503,7 +504,7 @@ def plot(doc: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.study.quality", description=__doc__.split("\n")[0],
+    p = ArgumentParser(prog="python -m hybrid_ep.balancer.study.quality", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
