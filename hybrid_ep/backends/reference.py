@@ -351,19 +351,7 @@ class ReferenceBackend(Backend):
         return y[:T]
 
     def memory_plan(self) -> MemoryPlan:
-        cfg = self.config
-        T, W, H, L = cfg.max_tokens_per_rank, cfg.world_size, cfg.hidden_dim, cfg.experts_per_rank
-        row = H * 4 + 5 * L  # widest row (fp32) plus per-row expert mask and weights
-        max_rows = max_output_rows(cfg, L)
-        return MemoryPlan(
-            backend=self.name,
-            buffers=(
-                BufferSpec("send_rows", T * W * row, False, "dispatch rows packed per destination rank"),
-                BufferSpec("recv_rows", W * T * row, False, "dispatch rows received, one per (token, rank)"),
-                BufferSpec("expert_rows", max_rows * H * 4, False, "expert-major output rows"),
-                BufferSpec("combine_partials", W * T * H * 4, False, "fp32 per-rank partial sums"),
-            ),
-        )
+        return memory_plan(self.config, self._device.type)
 
 
 def _tokens_of_blocks(source: SendLayout) -> list[torch.Tensor]:
@@ -384,6 +372,30 @@ def _back_blocks(block_rows_W, width: int, values_R, row_bytes: int, num_local: 
 
 def _with_blocks(layout: SendLayout, block_rows_W: list[int]) -> SendLayout:
     return dataclasses.replace(layout, block_rows_W=tuple(block_rows_W))
+
+
+def memory_plan(config, device_type: str = "cuda") -> MemoryPlan:
+    """What a reference buffer of `config` holds on a device of `device_type`, known without
+    one: its messages and outputs come from PyTorch's allocator per call (NCCL), except on the
+    CPU (gloo), where the send and receive messages live in two buffers kept across calls (fresh
+    memory would cost page faults on every call, reference_exchange.py), each at most one
+    peer's longest message per rank: held for the buffer's life."""
+    T, W, H, L = config.max_tokens_per_rank, config.world_size, config.hidden_dim, config.experts_per_rank
+    row = H * 4 + 5 * L  # widest row (fp32) plus per-row expert mask and weights
+    max_rows = max_output_rows(config, L)
+    kept = device_type == "cpu" and W > 1
+    return MemoryPlan(
+        backend=ReferenceBackend.name,
+        buffers=(
+            BufferSpec("send_rows", T * W * row, False, "dispatch rows packed per destination rank"),
+            BufferSpec("recv_rows", W * T * row, False, "dispatch rows received, one per (token, rank)"),
+            BufferSpec("expert_rows", max_rows * H * 4, False, "expert-major output rows"),
+            BufferSpec("combine_partials", W * T * H * 4, False, "fp32 per-rank partial sums"),
+            BufferSpec("gloo_messages", 2 * W * _longest_message(config) if kept else 0, True,
+                       "on the CPU: the send and receive messages, kept across calls, up to one peer's "
+                       "longest message per rank each"),
+        ),
+    )
 
 
 def _longest_message(cfg) -> int:

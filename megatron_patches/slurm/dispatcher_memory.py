@@ -19,15 +19,13 @@ node or several (hybrid_ep/backends/choice.py; the job runs on GPUs with the ext
 The plan is the backend's memory_plan() for that BufferConfig, the function
 HybridEPBuffer.memory_plan() returns, computed without a GPU or a process group; its
 registered (held) bytes are what the launcher adds to the estimate. Not modelled: a drop-and-pad
-run's min_rows_per_expert, and the arena --hybrid-ep-arena-layers sizes (the library's default
-arena is counted; `arena_layers` says when the recipe sets it).
+run's min_rows_per_expert (rows of padding, per call).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.memory import MemoryPlan
@@ -42,12 +40,11 @@ class DispatcherMemory:
     why: str  # "dispatcher.backend" or auto's rule, in a few words
     config: BufferConfig
     plan: MemoryPlan
-    arena_layers: int | None = None  # --hybrid-ep-arena-layers when the recipe sets it
 
     @property
     def held_bytes(self) -> int:
-        """What the buffer registers for its life (MemoryPlan.registered_bytes)."""
-        return self.plan.registered_bytes
+        """What the buffer holds for its life (MemoryPlan.held_bytes)."""
+        return self.plan.held_bytes
 
     def regions(self) -> list[tuple[str, int]]:
         """(name, bytes) of each held region with bytes, in the plan's order."""
@@ -94,11 +91,9 @@ def library_plan(backend: str, config: BufferConfig) -> MemoryPlan:
         from hybrid_ep.backends.cuda.backend import memory_plan
 
         return memory_plan(config)
-    from hybrid_ep.backends.reference import ReferenceBackend
+    from hybrid_ep.backends.reference import memory_plan as reference_plan
 
-    # The reference backend's plan reads only its config and name; it is asked without the
-    # process group a backend object needs.
-    return ReferenceBackend.memory_plan(types.SimpleNamespace(config=config, name=ReferenceBackend.name))
+    return reference_plan(config, "cuda")  # a GPU job: NCCL's messages come from the allocator per call
 
 
 def dispatcher_memory(recipe, backend: str | None = None) -> DispatcherMemory | None:
@@ -116,4 +111,4 @@ def dispatcher_memory(recipe, backend: str | None = None) -> DispatcherMemory | 
         why = f"auto's pick for {topology_of(config.num_nodes)}"
     else:
         name, why = asked, "asked for" if backend else "dispatcher.backend"
-    return DispatcherMemory(name, why, config, library_plan(name, config), opts.arena_layers)
+    return DispatcherMemory(name, why, config, library_plan(name, config))
