@@ -105,10 +105,12 @@ MUTATIONS = (
     }
     d.table_ring.observe_empty(slot, lane);"""),
     Mutation("syncwarp-in-a-lane-branch", "a warp collective not reached by every lane of its mask",
-             "csrc/kernels/dispatch.cuh", """      tab.ndest[lane] = n;
-    }""", """      tab.ndest[lane] = n;
+             "csrc/kernels/dispatch.cuh", """    if (lane < rows) tab.ndest[lane] = n;
+    // Several nodes""", """    if (lane < rows) {
+      tab.ndest[lane] = n;
       __syncwarp();
-    }"""),
+    }
+    // Several nodes"""),
     Mutation("combine-stage-freed-by-one-warp", "a stage released before every consumer read it",
              "csrc/kernels/combine.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
     Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine.cuh",

@@ -39,11 +39,14 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
     ordered = sorted(starts.items(), key=lambda kv: kv[1])
     for (name, start), (_, nxt) in zip(ordered, ordered[1:] + [("end", reg.total)]):
         assert start + sizes[name] == nxt
-    assert sizes["recv_rows"] >= W * T * H * 4
+    ring_rows = W * cfg.ring_chunks * 32  # the receive ring: ring_chunks chunks of 32 rows per source
+    assert sizes["recv_rows"] == ring_rows * reg.row_stride and reg.row_stride >= H * 4
     assert sizes["comb_rows"] >= W * T * H * 4
     assert sizes["count_in"] >= 4 * W * (W + N + L)
     assert reg.meta_entries == min(L, MAX_TOPK)
-    assert sizes["recv_meta"] >= 16 * W * T * reg.meta_entries
+    assert sizes["recv_meta"] == 16 * ring_rows * reg.meta_entries
+    assert sizes["recv_scales"] == ring_rows * reg.scale_stride
+    assert sizes["recv_credit"] >= 8 * W * cfg.ring_chunks
     assert reg.scale_stride == (((H // 128) * 4 + 15) // 16 * 16 if H % 128 == 0 else 0)
     assert memory_plan(cfg).registered_bytes == reg.total + direct_region_bytes(cfg)  # staging and arena follow
 

@@ -52,6 +52,7 @@ enum Phase : int32_t {
   kPhaseDirectTensors = 13,  // direct path: waiting for a peer to publish its tensors of the call
   kPhaseDirectRows = 14,     // direct path: waiting for a peer to finish writing this rank's output rows
   kPhaseDirectReads = 15,    // direct path: waiting for a peer to finish reading this rank's expert_out
+  kPhaseRecvRing = 16,       // dispatch: waiting for a rank of this node to free a chunk slot of its receive ring
   kNumPhases
 };
 
@@ -106,6 +107,7 @@ inline constexpr CodeName kPhaseNames[] = {
     {kPhaseDirectTensors, "direct_tensors"},
     {kPhaseDirectRows, "direct_rows"},
     {kPhaseDirectReads, "direct_reads"},
+    {kPhaseRecvRing, "recv_ring"},
 };
 
 inline constexpr CodeName kPipeSiteNames[] = {
@@ -150,13 +152,20 @@ struct RegLayout {
   uint64_t count_in;        // i32 [W][count_row_ints]: counts written by source s
   uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
                             // + kCountRowTail (the source's tokens, its first bad route)
-  uint64_t recv_meta;       // MetaEntry [W][max_tokens][meta_entries]
+  // The receive ring: chunk c of source s lands in chunk slot c % ring_chunks of s's ring, its rows
+  // for this rank (at most kChunkTokens, receive slots [first, first + rows) of the ChunkSignal) in
+  // rows 0 .. rows - 1 of the slot. Written by s (by its rail peer on this node, the forwarder, for a
+  // source on another node), freed by this rank's credit once it read the chunk (recv_credit).
+  uint64_t recv_meta;       // MetaEntry [W][ring_chunks][kChunkTokens][meta_entries]
   uint64_t meta_entries;    // entries per received row: min(L, kMaxTopK)
-  uint64_t recv_rows;       // rows [W][max_tokens], each the call's row bytes (packed: consecutive
-                            // slots of a source are contiguous); sized for fp32 rows
-  uint64_t row_stride;      // bytes per slot at the widest dtype (fp32): the region's size
-  uint64_t recv_scales;     // f32 [W][max_tokens][scale_stride / 4]
+  uint64_t recv_rows;       // rows [W][ring_chunks][kChunkTokens], each the call's row bytes (packed: a chunk's
+                            // rows are contiguous); sized for fp32 rows
+  uint64_t row_stride;      // bytes per row at the widest dtype (fp32): the region's size
+  uint64_t recv_scales;     // f32 [W][ring_chunks][kChunkTokens][scale_stride / 4]
   uint64_t scale_stride;
+  uint64_t recv_credit;      // u64 [N][G][ring_chunks], written by the readers of the rings this rank writes:
+                             // [source node n][rank g of this node][slot] = (epoch << 32) | (c + 1) once rank g
+                             // read chunk c of the source on node n that this rank sent it (its own, or forwarded)
   uint64_t comb_rows;        // partial sums [W][max_tokens], each the call's row in the wire dtype (packed);
                              // sized for fp32 rows
   uint64_t comb_stride;      // bytes per slot at the widest wire dtype (fp32): the region's size

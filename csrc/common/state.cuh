@@ -104,9 +104,11 @@ constexpr uint32_t kPollSleepNs = 64;      // between two polls of a flag anothe
 constexpr uint32_t kPollsPerCheck = 16;    // polls between two reads of the abort flag and clock
 
 // Until *flag >= target (then this thread has acquired what the writer released). Returns
-// false when this or another wait gave up.
+// false when this or another wait gave up. A flag this rank itself raises (a chunk it signals
+// to itself) gets `bounds` = 2 bounds, like a wait inside a block: the wait that stalls its
+// writer on another rank reports first.
 __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase, int rank,
-                                     int peer, uint64_t epoch) {
+                                     int peer, uint64_t epoch, uint32_t bounds = 1) {
   uint64_t start = 0;
   for (uint32_t poll = 0;; ++poll) {
     const uint64_t v = dev::ld_relaxed_sys(flag);
@@ -118,7 +120,7 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
       if (aborted(args)) return false;
       const uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
-      if (now - start > args.timeout_ns) {
+      if (now - start > bounds * args.timeout_ns) {
         record_error(args, phase, rank, peer, epoch, target, v);
         return false;
       }

@@ -4,9 +4,11 @@
 //
 // Send (this rank's chunks of kChunkTokens tokens, strided over the blocks):
 //   warp 0      bulk-loads the chunk's rows into the send FIFO (small rows batched per stage);
-//   warps 2-3   write each row's routing entries and fp8 scales into the destinations' buffers;
+//   warps 2-3   write each row's routing entries and fp8 scales into the destinations' receive
+//               rings;
 //   warp 1      builds the chunk's destination table (one lane per token), bulk-stores each
-//               stage once per destination rank through its peer pointer (store_groups groups
+//               stage once per destination rank through its peer pointer into the rank's
+//               receive ring (store_groups groups
 //               in flight, the oldest stage released first), and signals the chunk to every
 //               destination once its stores completed and its entries are written: checked at
 //               the next group's commit, so the next chunk is not drained.
@@ -14,10 +16,40 @@
 //   warps 6-7   wait for the chunk's signal, load its routing entries at once, compute each
 //               entry's expert-major output row, write probs, scales and row_pos, and publish
 //               the chunk's position table;
-//   warp 4      bulk-loads the chunk's rows (contiguous receive slots) into the expand FIFO;
-//   warp 5      bulk-stores each row to its output rows (several groups in flight).
+//   warp 4      bulk-loads the chunk's rows (contiguous in its ring slot) into the expand FIFO;
+//   warp 5      bulk-stores each row to its output rows (several groups in flight) and, once
+//               the chunk's loads completed, frees its ring slot (a credit to its writer).
 // Warps 8-15 write the zero padding rows. The last block to finish publishes done_dispatch,
-// which lets peers reuse the receive buffers.
+// which lets peers reuse every ring slot in the next call.
+//
+// The receive ring (common/params.h RegLayout): chunk c of source s lands in chunk slot
+// c % ring_chunks of the destination's ring for s (rows, entries, scales), row q of the slot
+// for the chunk's q-th row to that destination; the chunk signal says which receive slots
+// [first, first + rows) those rows are (the handle's tables stay indexed by receive slot).
+// The ring's writer is s, or for a source on another node its rail peer on the destination's
+// node (the forwarder). Once the destination has read chunk c (warp 5, above), it stores the
+// credit tag(c) = (epoch << 32) | (c + 1) into the writer's credit word of the slot (release).
+// Before the writer puts anything of chunk c >= ring_chunks into a slot, it waits (bounded,
+// kPhaseRecvRing) until the credit word of the slot reached tag(c - ring_chunks), for every
+// rank of its node (also one the chunk sends no rows: then the destination's credits stay in
+// chunk order, since it reads chunk c + ring_chunks only after the writer waited for c). The
+// store warp waits before its stores, the entry warps before their entries (they run up to
+// kMetaSlots chunks ahead). Chunks below ring_chunks need no wait: the layout kernel waited
+// for every peer's done_dispatch of the previous call. A call that sends a rank more than a
+// ring holds costs time (the writer waits for the reader), never memory.
+//
+// Why the waits end (no deadlock), by induction on the chunk index c: suppose every chunk
+// below c was produced (its rows, entries and signal) by every writer and read by every
+// reader. The waits of chunk c's production then end: a credit wait waits for the reading of
+// chunk c - ring_chunks; a forwarded chunk's arrival waits for its source's production of
+// its own chunk c; the send warps of a block take their units in chunk order with an own chunk
+// before the forwarded chunks of its index (SendUnits), so the units before one are of lower
+// index, or own chunks of its index, whose production waits for nothing of index c; the
+// block's rings (FIFO, entries, staged rows) are freed by its own warps' progress on earlier
+// units. And the store warp signals its pending unit before any wait that may block (the
+// pending signal would otherwise wait for the next unit's first stores), so no reader waits
+// for a chunk whose writer holds its signal while it waits. Then chunk c is read: the expand
+// warps take (source, chunk) pairs in chunk order, each waiting only for its chunk's signal.
 //
 // With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
 //   warp 1      also bulk-stores each row of an own chunk into the staging area of every
@@ -98,8 +130,7 @@ struct SendTable {
 
 // An expand chunk's output rows, built by warps 6-7 for warps 4-5.
 struct ExpandTable {
-  int32_t first;  // receive slots [first, first + rows) of the source
-  int32_t rows;
+  int32_t rows;                         // the chunk's rows: rows [0, rows) of its slot in the receive ring
   int32_t pos[kChunkTokens][kMaxTopK];  // output row of each entry of each row, -1 if none
 };
 
@@ -128,7 +159,7 @@ template <typename Rdma>
 struct Dispatch : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
-  int W, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages;
+  int W, G, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages, ring;
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
@@ -139,10 +170,10 @@ struct Dispatch : KernelCall {
 
   // smem: the two FIFOs' stages, the send FIFO's first.
   __device__ Dispatch(const KernelCall& k, DispatchShared& shared, uint8_t* smem)
-      : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), L(k.geo.local_experts),
-        Tmax(k.geo.max_tokens), T(k.a.num_tokens), K(k.a.topk), kd(k.args.kd),
+      : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node),
+        L(k.geo.local_experts), Tmax(k.geo.max_tokens), T(k.a.num_tokens), K(k.a.topk), kd(k.args.kd),
         meta_entries(static_cast<int>(k.geo.reg.meta_entries)), scale_cols(k.args.scale_cols),
-        chunk(k.args.chunk_tokens), stages(k.args.fifo_stages),
+        chunk(k.args.chunk_tokens), stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         send_fifo{k.ring(shared.send_full, shared.send_empty, stages, kSiteSendFifo), smem, k.args.stage_bytes},
@@ -153,10 +184,55 @@ struct Dispatch : KernelCall {
         staged_ring(k.ring(shared.staged_full, shared.staged_empty, kStagedSlots, kSiteStagedRows)),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
-  // Received rows are packed at the call's row size: consecutive slots of a source are
-  // contiguous, so a batch of them is one bulk copy.
-  __device__ uint8_t* recv_row(int r, int source, int64_t slot) const {
-    return view.base(r) + reg.recv_rows + (static_cast<int64_t>(source) * Tmax + slot) * row_bytes;
+  // Row q of chunk c of `source` in rank r's receive ring: chunk slot c % ring, row q of it (q
+  // counts the chunk's rows for r). Rows are packed at the call's row size, so a batch of a
+  // chunk's rows is one bulk copy.
+  __device__ int64_t ring_row(int source, int c, int q) const {
+    return (static_cast<int64_t>(source) * ring + c % ring) * kChunkTokens + q;
+  }
+  __device__ uint8_t* recv_row(int r, int source, int c, int q) const {
+    return view.base(r) + reg.recv_rows + ring_row(source, c, q) * row_bytes;
+  }
+  __device__ MetaEntry* recv_entries(int r, int source, int c, int q) const {
+    return reinterpret_cast<MetaEntry*>(view.base(r) + reg.recv_meta) + ring_row(source, c, q) * meta_entries;
+  }
+  __device__ float* recv_scales(int r, int source, int c, int q) const {
+    return reinterpret_cast<float*>(view.base(r) + reg.recv_scales + ring_row(source, c, q) * reg.scale_stride);
+  }
+  // The credit of rank g of this node for the chunk slot of chunk c of the source on node sn,
+  // in the buffer of the rank that writes that ring (w: the source, or its rail peer here).
+  __device__ uint64_t* recv_credit(int w, int sn, int g, int c) const {
+    return view.flag(w, reg.recv_credit, (sn * G + g) * ring + c % ring);
+  }
+  // The rank that writes this rank's ring for `source` (and signals its chunks here): the source,
+  // or for a source on another node its rail peer on this node, which forwards its chunks.
+  __device__ int ring_writer(int source) const {
+    return h.topo.same_node(source, a.rank) ? source : h.first_local() + h.topo.local(source);
+  }
+  // A credit's value: chunk c of this call was read. Tags only grow (the call in the high word).
+  __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
+  // The node of a unit's source (this rank's for an own chunk).
+  __device__ int unit_node(const SendUnit& su) const { return su.node < 0 ? h.node : su.node; }
+  // Whether the receive rings of this node's ranks have chunk su.chunk's slot free: every lane
+  // polls once (ranks lane, lane + 32, ...), no wait. Warp-collective, the same answer in every lane.
+  __device__ bool ring_ready(const SendUnit& su, int lane) const {
+    bool ready = true;
+    if (su.chunk >= ring)
+      for (int g = lane; g < G; g += 32)
+        ready &= dev::ld_relaxed_sys(recv_credit(a.rank, unit_node(su), g, su.chunk)) >= tag(su.chunk - ring);
+    return __ballot_sync(0xffffffffu, !ready) == 0u;
+  }
+  // Until every rank of this node freed the slot of chunk su.chunk in su's ring: it read chunk
+  // su.chunk - ring from it (bounded; chunks below ring have their slots free at the call's
+  // start). Each lane waits for its ranks; warp-collective, true in every lane when all did.
+  __device__ bool ring_free(const SendUnit& su, int lane) const {
+    bool ok = !stopped();
+    if (su.chunk >= ring)
+      for (int g = lane; g < G && ok; g += 32)
+        ok = wait_at_least(args, recv_credit(a.rank, unit_node(su), g, su.chunk), tag(su.chunk - ring), kPhaseRecvRing,
+                           a.rank, h.first_local() + g, epoch);
+    __syncwarp();  // every lane's acquire, before any lane's writes into the slot
+    return __ballot_sync(0xffffffffu, !ok) == 0u;
   }
   // Chunk c of `source`, as signalled to rank d.
   __device__ ChunkSignal* chunk_signal(int d, int source, int c) const {
@@ -178,20 +254,18 @@ struct Dispatch : KernelCall {
     return __ballot_sync(0xffffffffu, goes);
   }
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
-  // Own chunks, then forwarded chunks, strided over the blocks by every send role alike.
-  __device__ int64_t send_units() const { return send_chunks() + (h.multi() ? forwarded_chunks(*this) : 0); }
-  __device__ SendUnit unit(int64_t u) const {
-    if (u < send_chunks()) {
-      const int c = static_cast<int>(u);
-      return SendUnit{a.rank, -1, c, c * chunk, min(T, c * chunk + chunk)};
-    }
-    int n, c;
-    forwarded_chunk(*this, u - send_chunks(), n, c);
-    return SendUnit{h.rail_peer(n), n, c, 0, 0};
-  }
+  // Own chunk c of this rank.
+  __device__ SendUnit own_unit(int c) const { return SendUnit{a.rank, -1, c, c * chunk, min(T, c * chunk + chunk)}; }
+  // The FIFO items of a unit: its stages, or one stage without bytes for a forwarded chunk
+  // without rows, so the store warp frees the chunk's staging only after the load warp read it.
+  __device__ int unit_items(const SendUnit& su) const { return max(1, batches.items(su.u0, su.u1)); }
   // A forwarded chunk's routing, in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
     return h.rdma.local(h.chunk_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+  }
+  // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
+  __device__ bool arrived(const SendUnit& su) const {
+    return su.node < 0 || dev::ld_relaxed_sys(h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0)) >= epoch;
   }
   // Lane 0: wait until a forwarded chunk arrived, then read its row count. Own chunks are ready.
   __device__ bool arrive(SendUnit& su) const {
@@ -219,25 +293,71 @@ struct Dispatch : KernelCall {
 template <typename Rdma>
 using ExpandChunks = ReceivedChunks<Dispatch<Rdma>>;  // the (source, chunk) pairs this block expands
 
+// The units a block's send warps take, in order: its own chunks (b, b + nb, ...) and, with
+// several nodes, its forwarded chunks (every chunk of the rail peer on each other node,
+// numbered chunk by chunk: chunk 0 of each node in node order, then chunk 1, ...; units b,
+// b + nb, ...), merged by chunk index, an own chunk before the forwarded chunks of its index.
+// Monotone in the chunk index, so no unit waits for the production of a later chunk (the
+// kernel's header: why that keeps the rings free of deadlock). Every send role walks it alike,
+// and the RDMA warps take the block's own chunks in the same order.
+template <typename Rdma>
+struct SendUnits {
+  const Dispatch<Rdma>& d;
+  int key = 0;            // the chunk index looked at
+  int node = -1;          // the node looked at next at that index (-1: the own chunk first)
+  int64_t forwarded = 0;  // forwarded chunks numbered so far
+  int last;               // the last chunk index with a unit
+
+  __device__ explicit SendUnits(const Dispatch<Rdma>& call) : d(call), last(call.send_chunks() - 1) {
+    for (int n = 0; d.h.multi() && n < d.h.topo.N; ++n)
+      if (n != d.h.node) last = max(last, d.source_chunks(d.h.rail_peer(n)) - 1);
+  }
+
+  __device__ bool next(SendUnit& su) {
+    for (; key <= last; ++key, node = -1) {
+      if (node < 0) {
+        node = 0;
+        if (key < d.send_chunks() && key % d.nb == d.b) {
+          su = d.own_unit(key);
+          return true;
+        }
+      }
+      while (d.h.multi() && node < d.h.topo.N) {
+        const int m = node++;
+        if (m == d.h.node || key >= d.source_chunks(d.h.rail_peer(m))) continue;
+        if (forwarded++ % d.nb == d.b) {
+          su = SendUnit{d.h.rail_peer(m), m, key, 0, 0};
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+};
+
 // ---- send -----------------------------------------------------------------------------------
 
 template <typename Rdma>
 __device__ void send_load(const Dispatch<Rdma>& d) {
   PipeState produced;
-  const int64_t units = d.send_units();  // once: it walks the source counts of every node
-  for (int64_t u = d.b; u < units && !d.stopped(); u += d.nb) {
-    SendUnit su = d.unit(u);
+  SendUnits<Rdma> units(d);
+  SendUnit su;
+  while (!d.stopped() && units.next(su)) {
     if (!d.arrive(su)) {
       d.stop();
       break;
     }
     if (su.node >= 0) dev::fence_proxy_async();  // rows that arrived by RDMA, read by bulk loads
-    for (int k = 0; k < d.batches.items(su.u0, su.u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
-      const RowBatches::Item it = d.batches.item(su.u0, su.u1, k);
+    for (int k = 0; k < d.unit_items(su) && !d.stopped(); ++k, produced.advance(d.stages)) {
       if (!d.send_fifo.ring.producer_acquire(d.args, produced)) {
         d.stop();
         break;
       }
+      if (su.u1 == su.u0) {  // a forwarded chunk without rows: the stage says its routing was read
+        d.send_fifo.ring.producer_commit(produced);
+        continue;
+      }
+      const RowBatches::Item it = d.batches.item(su.u0, su.u1, k);
       d.send_fifo.load(produced, d.unit_row(su, it.first) + it.offset, it.rows * it.bytes);
     }
   }
@@ -245,12 +365,11 @@ __device__ void send_load(const Dispatch<Rdma>& d) {
 }
 
 // One row's routing entries for rank dst (its routes to dst's experts, then unused entries up
-// to kd) and its fp8 scales, into dst's buffer at the source's receive slot.
+// to kd) and its fp8 scales, into dst's receive ring: row `row` of chunk c of the source.
 template <typename Rdma, typename Expert>
-__device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int slot, const Expert* expert,
+__device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int c, int row, const Expert* expert,
                               const int32_t* ordinal, const float* weight, int routes, const float* scales) {
-  const int64_t row = static_cast<int64_t>(source) * d.Tmax + slot;
-  auto* meta = reinterpret_cast<MetaEntry*>(d.view.base(dst) + d.reg.recv_meta) + row * d.meta_entries;
+  MetaEntry* meta = d.recv_entries(dst, source, c, row);
   int q = 0;
   for (int k = 0; k < routes; ++k) {
     const int64_t e = expert[k];
@@ -260,14 +379,17 @@ __device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int 
   }
   for (; q < d.kd; ++q) store_entry(meta + q, -1, 0, 0.f);
   if (d.scale_cols > 0) {
-    auto* out = reinterpret_cast<float*>(d.view.base(dst) + d.reg.recv_scales + row * d.reg.scale_stride);
+    float* out = d.recv_scales(dst, source, c, row);
     for (int i = 0; i < d.scale_cols; ++i) out[i] = scales[i];
   }
 }
 
-// Warps 2-3: each unit's routing entries (and fp8 scales) into the buffers of this node's
-// destinations: from the routing tensors for own chunks, from the staged records for
-// forwarded ones.
+// Warps 2-3: each unit's routing entries (and fp8 scales) into the receive rings of this
+// node's destinations: from the routing tensors for own chunks, from the staged records for
+// forwarded ones. Warp i takes destinations i, i + 2, ..., a lane per row of the unit: a row's
+// place in the chunk's slot is its ordinal among the unit's rows for that destination. Each
+// warp waits for the slot itself (the entries are written up to kMetaSlots units ahead of the
+// store warp).
 template <typename Rdma>
 __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
@@ -275,35 +397,42 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
   const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
   const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
-  const int W = d.W, K = d.K, G = d.h.topo.G, first = d.h.first_local();
+  const int W = d.W, K = d.K, G = d.G, first = d.h.first_local();
+  const unsigned below = (1u << lane) - 1u;
   PipeState slot;
-  const int64_t units = d.send_units();
-  for (int64_t u = d.b; u < units; u += d.nb, slot.advance(kMetaSlots)) {
-    SendUnit su = d.unit(u);
+  SendUnits<Rdma> units(d);
+  SendUnit su;
+  for (; units.next(su); slot.advance(kMetaSlots)) {
     bool ok = true;
     if (lane == 0) ok = !d.stopped() && d.meta_ring.producer_acquire(d.args, slot);
-    if (!warp_uniform(ok) || !d.arrive_warp(su, lane)) {
+    if (!warp_uniform(ok) || !d.arrive_warp(su, lane) || !d.ring_free(su, lane)) {
       d.stop();
       break;
     }
     d.meta_ring.observe_empty(slot, lane);  // every lane writes after the consumer released the slot
-    if (su.node < 0) {
-      for (int v = tw; v < (su.u1 - su.u0) * G; v += kMetaWarps * 32) {
-        const int t = su.u0 + v / G, dst = first + v % G;
-        const int s = send_slot[static_cast<int64_t>(t) * W + dst];
-        if (s >= 0)
-          write_entries(d, dst, d.a.rank, s, idx + static_cast<int64_t>(t) * K, ords + static_cast<int64_t>(t) * K,
-                        weights + static_cast<int64_t>(t) * K, K, x_scales + static_cast<int64_t>(t) * d.scale_cols);
+    const int rows = su.u1 - su.u0, t = su.u0 + lane;
+    uint8_t* meta = su.node < 0 ? nullptr : d.fwd_meta(su);
+    for (int g = tw / 32; g < G; g += kMetaWarps) {
+      int s = -1;
+      TokenMeta* tm = nullptr;
+      if (lane < rows) {
+        if (su.node < 0) {
+          s = send_slot[static_cast<int64_t>(t) * W + first + g];
+        } else {
+          tm = d.h.token_meta(meta, lane, d.h.R.token_meta_bytes);
+          s = d.h.token_slots(tm)[g];
+        }
       }
-    } else {
-      uint8_t* meta = d.fwd_meta(su);
-      for (int v = tw; v < su.u1 * G; v += kMetaWarps * 32) {
-        TokenMeta* tm = d.h.token_meta(meta, v / G, d.h.R.token_meta_bytes);
-        const int s = d.h.token_slots(tm)[v % G];
-        if (s >= 0)
-          write_entries(d, first + v % G, su.source, s, tm->expert, tm->ordinal, tm->weight, kMaxTopK,
-                        d.h.token_scales(tm));
-      }
+      const unsigned goes = __ballot_sync(0xffffffffu, s >= 0);
+      if (s < 0) continue;
+      const int row = __popc(goes & below);
+      if (su.node < 0)
+        write_entries(d, first + g, d.a.rank, su.chunk, row, idx + static_cast<int64_t>(t) * K,
+                      ords + static_cast<int64_t>(t) * K, weights + static_cast<int64_t>(t) * K, K,
+                      x_scales + static_cast<int64_t>(t) * d.scale_cols);
+      else
+        write_entries(d, first + g, su.source, su.chunk, row, tm->expert, tm->ordinal, tm->weight, kMaxTopK,
+                      d.h.token_scales(tm));
     }
     __syncwarp();
     if (lane == 0) d.meta_ring.producer_commit(slot);  // one of the two warps' arrivals
@@ -316,8 +445,9 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   auto* fwd_slots = reinterpret_cast<int32_t*>(d.a.fwd_slots);
   auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
   SendTable& tab = d.sh.send;
-  const int W = d.W, G = d.h.topo.G, first = d.h.first_local();
+  const int W = d.W, G = d.G, first = d.h.first_local();
   const bool multi = d.h.multi();
+  const unsigned below = (1u << lane) - 1u;
   StoreQueue queue(d.send_fifo.ring, store_groups_in_flight(d.args, d.stages));  // lane 0's
   PipeState consumed, meta, staged;                                              // lane 0's
   uint32_t pending_group = 0;
@@ -353,26 +483,27 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   };
 
   int local = 0;
-  const int64_t units = d.send_units();
-  for (int64_t u = d.b; u < units; u += d.nb, ++local) {
-    SendUnit su = d.unit(u);
-    // The last own chunk's staged rows go out before waiting for a rail peer's chunk, which
-    // may itself wait for this rank's staged rows.
-    bool flushed = true;
-    if (lane == 0 && su.node >= 0 && pending_staged && pending_chunk >= 0) flushed = signal_pending(0);
-    if (!warp_uniform(flushed) || !d.arrive_warp(su, lane)) {
+  SendUnits<Rdma> units(d);
+  SendUnit su;
+  for (; units.next(su); ++local) {
+    // A wait that may block (the unit's arrival from another node, a free slot in the receive
+    // rings) first signals the pending unit: the ranks that would end the wait may need it.
+    bool ok = true;
+    if (lane == 0 && !d.arrived(su)) ok = signal_pending(0);
+    if (!warp_uniform(ok) || !d.arrive_warp(su, lane)) {
       d.stop();
       break;
     }
-    // The unit's destination table, once: lane i takes row u0 + i.
-    const int span = local & 1;
-    for (int g = lane; g < G; g += 32) {
-      tab.span_first[span][g] = 0x7fffffff;
-      tab.span_rows[span][g] = 0;
+    if (!d.ring_ready(su, lane) && lane == 0) ok = signal_pending(0);
+    if (!warp_uniform(ok) || !d.ring_free(su, lane)) {
+      d.stop();
+      break;
     }
-    __syncwarp();
-    if (lane < su.u1 - su.u0) {
-      const int32_t* slots;
+    // The unit's destination table, once: lane i takes row u0 + i; its place in the chunk's
+    // slot of a destination's ring is its ordinal among the unit's rows for that destination.
+    const int span = local & 1, rows = su.u1 - su.u0;
+    const int32_t* slots = nullptr;
+    if (lane < rows) {
       if (su.node < 0) {
         slots = send_slot + static_cast<int64_t>(su.u0 + lane) * W + first;
       } else {
@@ -383,21 +514,25 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
             (static_cast<int64_t>(su.node) * d.h.staged + static_cast<int64_t>(su.chunk) * d.chunk + lane) * G;
         for (int g = 0; g < G; ++g) kept[g] = slots[g];
       }
-      int n = 0;
-      for (int g = 0; g < G; ++g) {
-        const int slot = slots[g];
-        if (slot < 0) continue;
-        tab.dest_rank[lane][n] = static_cast<uint8_t>(first + g);
-        tab.dest_slot[lane][n] = slot;
-        ++n;
-        atomicMin(&tab.span_first[span][g], slot);
-        atomicAdd(&tab.span_rows[span][g], 1);
-      }
-      tab.ndest[lane] = n;
     }
+    int n = 0;
+    for (int g = 0; g < G; ++g) {
+      const int slot = lane < rows ? slots[g] : -1;
+      const unsigned goes = __ballot_sync(0xffffffffu, slot >= 0);
+      const int first_slot = __shfl_sync(0xffffffffu, slot, goes ? __ffs(goes) - 1 : 0);
+      if (slot >= 0) {
+        tab.dest_rank[lane][n] = static_cast<uint8_t>(first + g);
+        tab.dest_slot[lane][n] = __popc(goes & below);
+        ++n;
+      }
+      if (lane == 0) {
+        tab.span_first[span][g] = first_slot;  // receive slots [first_slot, first_slot + rows) of the source
+        tab.span_rows[span][g] = __popc(goes);
+      }
+    }
+    if (lane < rows) tab.ndest[lane] = n;
     // Several nodes: each other node an own token reaches is one more target, its staged slot.
     if (multi && su.node < 0) {
-      int n = lane < su.u1 - su.u0 ? tab.ndest[lane] : 0;
       for (int node = 0; node < d.h.topo.N; ++node) {
         if (node == d.h.node) continue;
         const unsigned mask = d.staged_mask(su.u0, su.u1, node, lane);
@@ -407,24 +542,24 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
           ++n;
         }
       }
-      if (lane < su.u1 - su.u0) tab.ndest[lane] = n;
+      if (lane < rows) tab.ndest[lane] = n;
     }
     if (su.node >= 0 && lane == 0) fwd_rows[static_cast<int64_t>(su.node) * d.h.max_chunks + su.chunk] = su.u1;
     __syncwarp();
-    bool ok = true;
     if (lane == 0) {
-      for (int k = 0; k < d.batches.items(su.u0, su.u1) && ok; ++k, consumed.advance(d.stages)) {
-        const RowBatches::Item it = d.batches.item(su.u0, su.u1, k);
+      dev::fence_proxy_async();  // the slots' credits (ring_free), before the bulk stores into them
+      for (int k = 0; k < d.unit_items(su) && ok; ++k, consumed.advance(d.stages)) {
         if (d.stopped() || !d.send_fifo.ring.consumer_wait(d.args, consumed)) {
           ok = false;
           break;
         }
+        const RowBatches::Item it = rows > 0 ? d.batches.item(su.u0, su.u1, k) : RowBatches::Item{0, 0, 0u, 0u};
         for (int r = 0; r < it.rows; ++r) {
           const int i = it.first + r - su.u0;
           for (int q = 0; q < tab.ndest[i]; ++q) {
-            const int dst = tab.dest_rank[i][q], slot = tab.dest_slot[i][q];
-            uint8_t* to = dst >= kStagedTarget ? d.staged_row(dst - kStagedTarget, su.chunk, slot)
-                                               : d.recv_row(dst, su.source, slot);
+            const int dst = tab.dest_rank[i][q], row = tab.dest_slot[i][q];
+            uint8_t* to = dst >= kStagedTarget ? d.staged_row(dst - kStagedTarget, su.chunk, row)
+                                               : d.recv_row(dst, su.source, su.chunk, row);
             dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
           }
         }
@@ -433,8 +568,6 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
           ok = signal_pending(static_cast<int>(queue.groups() - pending_group));
         queue.release_read();
       }
-      // A unit with no rows has no group of its own: the previous unit's signal goes first.
-      if (ok && pending_chunk >= 0) ok = signal_pending(0);
       if (ok) {
         pending_chunk = su.chunk;
         pending_source = su.source;
@@ -463,16 +596,18 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   auto* out_scales = reinterpret_cast<float*>(d.a.out_scales);
   auto* out_probs = reinterpret_cast<float*>(d.a.out_probs);
   auto* row_pos = reinterpret_cast<int32_t*>(d.a.row_pos);
-  const auto* recv_meta = reinterpret_cast<const MetaEntry*>(d.view.own() + d.reg.recv_meta);
   const int64_t* info = d.info;
   ExpandChunks<Rdma> chunks(d);
   PipeState slot;
   int s, c;
   while (chunks.next(s, c)) {
     const ChunkSignal* sig = d.chunk_signal(d.a.rank, s, c);
+    // This rank signals its own chunks and those it forwards: a wait on its own progress.
+    const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
     if (lane == 0)
-      ok = !d.stopped() && wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch) &&
+      ok = !d.stopped() &&
+           wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch, bounds) &&
            d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -483,7 +618,6 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     const int rows = *reinterpret_cast<const volatile int32_t*>(&sig->rows);
     ExpandTable& tab = d.sh.tables[slot.stage];
     if (tw == 0) {
-      tab.first = first;
       tab.rows = rows;
       // The handle keeps the span: combine reduces the same chunks after later dispatches.
       auto* spans = reinterpret_cast<int32_t*>(d.a.recv_spans);
@@ -493,9 +627,9 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     }
     for (int v = tw; v < rows * d.kd; v += kMetaWarps * 32) {
       const int r = v / d.kd, q = v % d.kd;
-      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;
+      const int64_t row = static_cast<int64_t>(s) * d.Tmax + first + r;  // the handle's tables: by receive slot
       int pos = -1;
-      const MetaEntry en = load_entry(recv_meta + row * d.meta_entries + q);
+      const MetaEntry en = load_entry(d.recv_entries(d.a.rank, s, c, r) + q);
       if (en.local_expert >= 0) {
         const int j = en.local_expert;
         const int64_t p = info[d.il.expert_start + j] + info[d.il.src_prefix + s * d.L + j] + en.ordinal;
@@ -503,8 +637,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
           pos = static_cast<int>(p);
           out_probs[p] = en.prob;
           if (d.scale_cols > 0) {
-            const auto* src =
-                reinterpret_cast<const volatile float*>(d.view.own() + d.reg.recv_scales + row * d.reg.scale_stride);
+            const volatile float* src = d.recv_scales(d.a.rank, s, c, r);
             for (int i = 0; i < d.scale_cols; ++i) out_scales[p * d.scale_cols + i] = src[i];
           }
         }
@@ -542,44 +675,49 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
   PipeState produced;
   int s, c;
   while (const ExpandTable* tab = tables.next(s, c)) {
-    const int first = tab->first, rows = tab->rows;
+    const int rows = tab->rows;
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
       dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
       dev::fence_proxy_async();                                     // read by bulk loads below
     }
-    for (int k = 0; k < d.batches.items(first, first + rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
-      const RowBatches::Item it = d.batches.item(first, first + rows, k);
+    for (int k = 0; k < d.batches.items(0, rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(0, rows, k);  // rows of the chunk's slot in the ring
       if (!d.expand_fifo.ring.producer_acquire(d.args, produced)) {
         d.stop();
         break;
       }
-      d.expand_fifo.load(produced, d.recv_row(d.a.rank, s, it.first) + it.offset, it.rows * it.bytes);
+      d.expand_fifo.load(produced, d.recv_row(d.a.rank, s, c, it.first) + it.offset, it.rows * it.bytes);
     }
     tables.table.advance(kTableSlots);
   }
   d.expand_fifo.drain(d.args, PipeState{}, produced);
 }
 
+// Warp 5: a received chunk's rows from the expand FIFO to their output rows. Once every bulk
+// load of the chunk's rows completed (and the table warps read its entries and scales: its
+// table came after), the chunk's slot in the receive ring is free: its credit goes to the
+// ring's writer, the source, or for a source on another node its rail peer on this node.
 template <typename Rdma>
 __device__ void expand_store(const Dispatch<Rdma>& d) {
   auto* out = reinterpret_cast<uint8_t*>(d.a.out);
   StoreQueue queue(d.expand_fifo.ring, store_groups_in_flight(d.args, d.stages));
   ExpandTables<Rdma> tables(d);
+  const Topology& topo = d.h.topo;
   PipeState consumed;
   int s, c;
   while (const ExpandTable* next = tables.next(s, c)) {
     const ExpandTable& tab = *next;
-    const int first = tab.first, rows = tab.rows;
+    const int rows = tab.rows;
     bool ok = true;
-    for (int k = 0; k < d.batches.items(first, first + rows); ++k, consumed.advance(d.stages)) {
-      const RowBatches::Item it = d.batches.item(first, first + rows, k);
+    for (int k = 0; k < d.batches.items(0, rows); ++k, consumed.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(0, rows, k);
       if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {
         ok = false;
         break;
       }
       for (int r = 0; r < it.rows; ++r) {
-        const int i = it.first + r - first;
+        const int i = it.first + r;
         for (int q = 0; q < d.kd; ++q) {
           const int p = tab.pos[i][q];
           if (p >= 0)
@@ -594,6 +732,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
       d.stop();
       break;
     }
+    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), topo.local(d.a.rank), c), d.tag(c));
     d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
     tables.table.advance(kTableSlots);
   }

@@ -82,6 +82,8 @@ PHASE_TEXT = {
     "direct_tensors": "the direct path (waiting for the peer to publish its tensors of the call)",
     "direct_rows": "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
+    "recv_ring": "the dispatch's receive ring (waiting for the peer to read a chunk and free its slot; expected and "
+                 "saw are call x 2^32 + the last chunk read + 1)",
 }
 
 # The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and

@@ -65,6 +65,7 @@ class RegisteredLayout:
     row_stride: int
     recv_scales: int
     scale_stride: int
+    recv_credit: int
     comb_rows: int
     comb_stride: int
     comb_fwd: int
@@ -77,8 +78,8 @@ class RegisteredLayout:
     def region_bytes(self) -> dict[str, int]:
         """Size of each region, for the memory plan."""
         order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                 "count_in", "recv_meta", "recv_rows", "recv_scales", "comb_rows", "comb_fwd", "comb_fwd_signal",
-                 "direct_tensors", "direct_first", "direct_done"]
+                 "count_in", "recv_meta", "recv_rows", "recv_scales", "recv_credit", "comb_rows", "comb_fwd",
+                 "comb_fwd_signal", "direct_tensors", "direct_first", "direct_done"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
 
@@ -99,12 +100,17 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["state"] = take(LOCAL_STATE_BYTES)
     fields["count_row_ints"] = W + N + L + COUNT_ROW_TAIL
     fields["count_in"] = take(4 * W * fields["count_row_ints"])
+    # The receive ring: ring_chunks chunk slots of CHUNK_TOKENS rows per source, whatever the
+    # routing (a call that sends a rank more waits for it to free slots), and the credit words
+    # its readers free them with, [N source node][G reader][ring_chunks] in the writer's buffer.
+    ring_rows = W * config.ring_chunks * CHUNK_TOKENS
     fields["meta_entries"] = min(L, MAX_TOPK)
-    fields["recv_meta"] = take(META_ENTRY_BYTES * W * Tmax * fields["meta_entries"])
+    fields["recv_meta"] = take(META_ENTRY_BYTES * ring_rows * fields["meta_entries"])
     fields["row_stride"] = _round_up(H * MAX_ROW_ELEM_BYTES, 16)
-    fields["recv_rows"] = take(W * Tmax * fields["row_stride"])
+    fields["recv_rows"] = take(ring_rows * fields["row_stride"])
     fields["scale_stride"] = _round_up(H // FP8_BLOCK * 4, 16) if H % FP8_BLOCK == 0 else 0
-    fields["recv_scales"] = take(W * Tmax * fields["scale_stride"])
+    fields["recv_scales"] = take(ring_rows * fields["scale_stride"])
+    fields["recv_credit"] = take(8 * W * config.ring_chunks)
     fields["comb_stride"] = _round_up(H * 4, 16)
     fields["comb_rows"] = take(W * Tmax * fields["comb_stride"])
     # With several nodes: partials of sources on other nodes, from this node's ranks, when this
