@@ -13,7 +13,15 @@ import torch
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.backend import memory_plan
-from hybrid_ep.backends.cuda.layout import ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout
+from hybrid_ep.backends.cuda.layout import (
+    ALIGN,
+    MAX_TOPK,
+    check_geometry,
+    comb_ring,
+    info_layout,
+    rdma_layout,
+    registered_layout,
+)
 from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -40,7 +48,10 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
     for (name, start), (_, nxt) in zip(ordered, ordered[1:] + [("end", reg.total)]):
         assert start + sizes[name] == nxt
     assert sizes["recv_rows"] >= W * T * H * 4
-    assert sizes["comb_rows"] >= W * T * H * 4
+    ring = min(cfg.ring_chunks, max(1, -(-T // 32)))  # chunk slots of each combine ring
+    assert reg.ring_chunks == cfg.ring_chunks and comb_ring(cfg) == ring
+    assert sizes["comb_rows"] == W * ring * 32 * ((H * 4 + 15) // 16 * 16)  # a ring per expert host, fp32 rows
+    assert sizes["combine_signal"] >= 8 * W * ring and sizes["comb_credit"] >= 8 * W * ring
     assert sizes["count_in"] >= 4 * W * (W + N + L)
     assert reg.meta_entries == min(L, MAX_TOPK)
     assert sizes["recv_meta"] >= 16 * W * T * reg.meta_entries
@@ -49,15 +60,16 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
 
 
 def test_seed_configuration_memory_plan():
-    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 1 GiB of partials per rank,
-    then the combine staging region (an fp32 expert_out of the worst-case call, 65536 rows,
-    and its probs) and the arena: one worst-case direct call's outputs (the same bytes), 4 GiB
-    together, as the arena with a combine reserve per call was."""
+    """H=8192, 4096 tokens/rank, W=8: 1 GiB of receive rows and 64 MiB of partials per rank (a
+    ring of 8 chunks of 32 fp32 rows per expert host), then the combine staging region (an
+    fp32 expert_out of the worst-case call, 65536 rows, and its probs) and the arena: one
+    worst-case direct call's outputs (the same bytes), 4 GiB together, as the arena with a
+    combine reserve per call was."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
     assert sizes["recv_rows"] == 8 * 4096 * 8192 * 4
-    assert sizes["comb_rows"] == 8 * 4096 * 8192 * 4
-    assert plan.registered_bytes - sizes["arena"] - sizes["combine_staging"] < 2.01 * 2**30
+    assert sizes["comb_rows"] == 8 * 8 * 32 * 8192 * 4
+    assert plan.registered_bytes - sizes["arena"] - sizes["combine_staging"] < 1.1 * 2**30
     rows = 8 * 4096 * 2
     assert sizes["arena"] == rows * 8192 * 4 + rows * 4
     assert sizes["combine_staging"] == rows * 8192 * 4 + rows * 4

@@ -292,13 +292,14 @@ inline void bind_common(py::module_& m) {
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
-      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks) RW(RegLayout, ring_chunks)
-          RW(RegLayout, combine_signal) RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state)
-              RW(RegLayout, count_in) RW(RegLayout, count_row_ints) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
-                  RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
-                      RW(RegLayout, scale_stride) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
-                          RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, direct_tensors)
-                              RW(RegLayout, direct_first) RW(RegLayout, direct_done) RW(RegLayout, total);
+      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
+          RW(RegLayout, ring_chunks) RW(RegLayout, combine_signal) RW(RegLayout, done_dispatch)
+              RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in) RW(RegLayout, count_row_ints)
+                  RW(RegLayout, recv_meta) RW(RegLayout, meta_entries) RW(RegLayout, recv_rows)
+                      RW(RegLayout, row_stride) RW(RegLayout, recv_scales) RW(RegLayout, scale_stride)
+                          RW(RegLayout, comb_rows) RW(RegLayout, comb_stride) RW(RegLayout, comb_fwd)
+                              RW(RegLayout, comb_fwd_signal) RW(RegLayout, comb_credit) RW(RegLayout, direct_tensors)
+                                  RW(RegLayout, direct_first) RW(RegLayout, direct_done) RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
       .def(py::init<>()) RW(RdmaLayout, count_epoch) RW(RdmaLayout, count_out) RW(RdmaLayout, count_in)
           RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)

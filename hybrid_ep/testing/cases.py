@@ -30,7 +30,7 @@ class Case:
     tokens: tuple[int, ...]  # tokens of each rank (may differ, may be 0)
     topk: int
     dtype: torch.dtype = torch.float32
-    routing: str = "uniform"  # uniform | zipf | one-expert
+    routing: str = "uniform"  # uniform | zipf | one-expert | one-rank
     drop_fraction: float = 0.0  # share of slots set to -1
     pad_multiple: int = 1
     min_rows_per_expert: int = 0
@@ -63,7 +63,7 @@ class Case:
 
 def make_rank_inputs(case: Case) -> list[dict]:
     gen = torch.Generator().manual_seed(case.seed)
-    kind = "uniform" if case.routing == "one-expert" else case.routing
+    kind = "uniform" if case.routing in ("one-expert", "one-rank") else case.routing
     routings = iter_rank_routings(kind, case.tokens, case.num_experts, case.topk, case.seed)
     ranks = []
     for s, idx in enumerate(routings):
@@ -74,6 +74,11 @@ def make_rank_inputs(case: Case) -> list[dict]:
             others = idx[:, : case.topk - 1]
             others = torch.where(others == hot, idx[:, case.topk - 1 :].expand_as(others), others)
             idx = torch.cat([torch.full((T, 1), hot, dtype=torch.int64), others], dim=1)
+        if case.routing == "one-rank":
+            # Every route of every token on the experts of one rank (top-k <= experts per rank).
+            L = case.num_experts // case.world_size
+            picks = [torch.randperm(L, generator=gen)[: case.topk] for _ in range(T)]
+            idx = case.world_size // 2 * L + (torch.stack(picks) if T else idx)
         if case.drop_fraction > 0:
             idx = drop_routes(idx, case.drop_fraction, gen)
         weights = random_weights(idx, gen)

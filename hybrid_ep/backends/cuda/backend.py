@@ -26,7 +26,8 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     specs = [
         BufferSpec("flags+counts", sum(regions[k] for k in ("count_epoch", "chunk_signal", "combine_signal",
                                                             "done_dispatch", "done_combine", "state", "count_in",
-                                                            "direct_tensors", "direct_first", "direct_done")),
+                                                            "comb_credit", "direct_tensors", "direct_first",
+                                                            "direct_done")),
                    True, "monotonic signals, per-rank state, exchanged counts, the direct path's tables"),
         BufferSpec("recv_meta", regions["recv_meta"], True, "routing entries of every received row"),
         BufferSpec("recv_rows", regions["recv_rows"], True, "one row per (token, this rank), sized for fp32"),
