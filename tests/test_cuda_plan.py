@@ -13,7 +13,15 @@ import torch
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.backend import memory_plan
-from hybrid_ep.backends.cuda.layout import ALIGN, MAX_TOPK, check_geometry, info_layout, rdma_layout, registered_layout
+from hybrid_ep.backends.cuda.layout import (
+    ALIGN,
+    MAX_TOPK,
+    check_geometry,
+    comb_ring,
+    info_layout,
+    rdma_layout,
+    registered_layout,
+)
 from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -41,7 +49,10 @@ def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
         assert start + sizes[name] == nxt
     ring_rows = W * cfg.ring_chunks * 32  # the receive ring: ring_chunks chunks of 32 rows per source
     assert sizes["recv_rows"] == ring_rows * reg.row_stride and reg.row_stride >= H * 4
-    assert sizes["comb_rows"] >= W * T * H * 4
+    ring = min(cfg.ring_chunks, max(1, -(-T // 32)))  # chunk slots of each combine ring
+    assert reg.ring_chunks == cfg.ring_chunks and comb_ring(cfg) == ring
+    assert sizes["comb_rows"] == W * ring * 32 * ((H * 4 + 15) // 16 * 16)  # a ring per expert host, fp32 rows
+    assert sizes["combine_signal"] >= 8 * W * ring and sizes["comb_credit"] >= 8 * W * ring
     assert sizes["count_in"] >= 4 * W * (W + N + L)
     assert reg.meta_entries == min(L, MAX_TOPK)
     assert sizes["recv_meta"] == 16 * ring_rows * reg.meta_entries

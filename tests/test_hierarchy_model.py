@@ -47,6 +47,14 @@ def test_hierarchical_kernels_match_the_oracle(case):
     check_emulated(group_for(case), case)
 
 
+@pytest.mark.parametrize("case", topology_cases() + feature_cases(), ids=str)
+def test_hierarchical_kernels_on_two_slot_rings(case):
+    """The same cases with the combine's rings at their fewest slots (ring_chunks=2)."""
+    model.set_seed(case.world_size + 1)
+    group = _cached(case, num_sms_dispatch=MODEL_SMS, num_sms_combine=MODEL_SMS, ring_chunks=2)
+    check_emulated(group, dataclasses.replace(case, seed=case.world_size + 1))
+
+
 def test_a_second_schedule_seed_gives_the_same_results():
     case = _case(3, 2, topk=6)
     model.set_seed(7)

@@ -107,6 +107,15 @@ def test_kernels_match_the_oracle(case, seed, path):
     check_emulated(group_for(case, path=path), case)
 
 
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_receive_path_on_two_slot_rings(case):
+    """Every case with the combine's rings at their fewest slots (ring_chunks=2): a source of
+    more than 64 tokens turns each ring over, its expert hosts waiting for its credits."""
+    model.set_seed(2)
+    group = _cached(case, num_sms_dispatch=MODEL_SMS, num_sms_combine=MODEL_SMS, data_path="receive", ring_chunks=2)
+    check_emulated(group, dataclasses.replace(case, seed=2))
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("sms", [1, 3, 8])
 def test_sm_count_per_call_gives_the_oracle_result(sms, path):

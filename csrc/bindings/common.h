@@ -298,8 +298,9 @@ inline void bind_common(py::module_& m) {
                   RW(RegLayout, recv_meta) RW(RegLayout, meta_entries) RW(RegLayout, recv_rows)
                       RW(RegLayout, row_stride) RW(RegLayout, recv_scales) RW(RegLayout, scale_stride)
                           RW(RegLayout, recv_credit) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
-                              RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, direct_tensors)
-                                  RW(RegLayout, direct_first) RW(RegLayout, direct_done) RW(RegLayout, total);
+                              RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, comb_credit)
+                                  RW(RegLayout, direct_tensors) RW(RegLayout, direct_first) RW(RegLayout, direct_done)
+                                      RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
       .def(py::init<>()) RW(RdmaLayout, count_epoch) RW(RdmaLayout, count_out) RW(RdmaLayout, count_in)
           RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)

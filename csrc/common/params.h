@@ -53,6 +53,11 @@ enum Phase : int32_t {
   kPhaseDirectRows = 14,     // direct path: waiting for a peer to finish writing this rank's output rows
   kPhaseDirectReads = 15,    // direct path: waiting for a peer to finish reading this rank's expert_out
   kPhaseRecvRing = 16,       // dispatch: waiting for a rank of this node to free a chunk slot of its receive ring
+  kPhasePartialRing = 17,    // expert host: waiting for source P to free a chunk slot of its partial-sum ring
+  kPhaseForwardRing = 18,    // expert host: waiting for rail peer P (forwarding for a source on another node)
+                             // to free a chunk slot of its comb_fwd ring
+  kPhaseNodePartRing = 19,   // forwarder: waiting for source P on another node to free a chunk slot of its
+                             // node-partial ring (RDMA)
   kNumPhases
 };
 
@@ -108,6 +113,9 @@ inline constexpr CodeName kPhaseNames[] = {
     {kPhaseDirectRows, "direct_rows"},
     {kPhaseDirectReads, "direct_reads"},
     {kPhaseRecvRing, "recv_ring"},
+    {kPhasePartialRing, "partial_ring"},
+    {kPhaseForwardRing, "forward_ring"},
+    {kPhaseNodePartRing, "node_part_ring"},
 };
 
 inline constexpr CodeName kPipeSiteNames[] = {
@@ -145,7 +153,8 @@ struct RegLayout {
   uint64_t chunk_signal;    // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
   uint64_t ring_chunks;     // chunk slots per peer of every ring of rows between ranks (BufferConfig.ring_chunks)
-  uint64_t combine_signal;  // u64 [W][max_chunks]: expert host d wrote the partials of chunk c (epoch)
+  uint64_t combine_signal;  // u64 [W][comb ring]: expert host d wrote the partials of chunk c into slot
+                            // c % ring (ring_tag(epoch, c))
   uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
   uint64_t state;           // LocalState (only this rank touches it)
@@ -156,23 +165,26 @@ struct RegLayout {
   // for this rank (at most kChunkTokens, receive slots [first, first + rows) of the ChunkSignal) in
   // rows 0 .. rows - 1 of the slot. Written by s (by its rail peer on this node, the forwarder, for a
   // source on another node), freed by this rank's credit once it read the chunk (recv_credit).
-  uint64_t recv_meta;       // MetaEntry [W][ring_chunks][kChunkTokens][meta_entries]
-  uint64_t meta_entries;    // entries per received row: min(L, kMaxTopK)
-  uint64_t recv_rows;       // rows [W][ring_chunks][kChunkTokens], each the call's row bytes (packed: a chunk's
-                            // rows are contiguous); sized for fp32 rows
-  uint64_t row_stride;      // bytes per row at the widest dtype (fp32): the region's size
-  uint64_t recv_scales;     // f32 [W][ring_chunks][kChunkTokens][scale_stride / 4]
+  uint64_t recv_meta;     // MetaEntry [W][ring_chunks][kChunkTokens][meta_entries]
+  uint64_t meta_entries;  // entries per received row: min(L, kMaxTopK)
+  uint64_t recv_rows;     // rows [W][ring_chunks][kChunkTokens], each the call's row bytes (packed: a chunk's
+                          // rows are contiguous); sized for fp32 rows
+  uint64_t row_stride;    // bytes per row at the widest dtype (fp32): the region's size
+  uint64_t recv_scales;   // f32 [W][ring_chunks][kChunkTokens][scale_stride / 4]
   uint64_t scale_stride;
   uint64_t recv_credit;      // u64 [N][G][ring_chunks], written by the readers of the rings this rank writes:
                              // [source node n][rank g of this node][slot] = (epoch << 32) | (c + 1) once rank g
                              // read chunk c of the source on node n that this rank sent it (its own, or forwarded)
-  uint64_t comb_rows;        // partial sums [W][max_tokens], each the call's row in the wire dtype (packed);
-                             // sized for fp32 rows
-  uint64_t comb_stride;      // bytes per slot at the widest wire dtype (fp32): the region's size
+  uint64_t comb_rows;        // partial sums, a ring per expert host d: [W][comb ring][kChunkTokens] rows, each
+                             // the call's row in the wire dtype (packed); chunk c in slot c % ring, row q the
+                             // q-th of the chunk's receive slots at d; sized for fp32 rows
+  uint64_t comb_stride;      // bytes per row at the widest wire dtype (fp32): the region's size
   uint64_t comb_fwd;         // partial sums for sources on other nodes, written by the ranks of this node
                              // when this rank is the source's rail peer here: [N source node][G writer]
                              // [max_tokens] rows in the wire dtype (packed), indexed by the writer's slot
   uint64_t comb_fwd_signal;  // u64 [N][G][max_chunks]: writer g stored its partials of chunk c (epoch)
+  uint64_t comb_credit;      // u64 [W][comb ring]: the reader of this rank's partial ring for source s (s, or
+                             // its rail peer on this node) has read chunk c from slot c % ring (ring_tag)
   // The direct path (a single node whose ranks can address each other's tensors: sources write
   // output rows straight into their final row, and read expert outputs straight from their row).
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
@@ -181,6 +193,18 @@ struct RegLayout {
                             // expert_out [1] in that call (epoch)
   uint64_t total;
 };
+
+// The chunk slots of each combine ring (comb_rows, comb_fwd, the RDMA node partials): ring_chunks,
+// or fewer where no source has that many chunks (hybrid_ep/backends/cuda/layout.py comb_ring).
+inline constexpr uint64_t comb_ring(const RegLayout& reg) {
+  return reg.ring_chunks < reg.max_chunks ? reg.ring_chunks : reg.max_chunks;
+}
+
+// What a combine ring's signal and credit words hold: the call and the chunk, so that a wait is
+// `>=` across calls and chunks alike (the chunks of one slot come in order: c, c + ring, ...).
+inline constexpr uint64_t ring_tag(uint64_t epoch, int64_t chunk) {
+  return (epoch << 32) | static_cast<uint64_t>(chunk + 1);
+}
 
 // A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
 // the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with

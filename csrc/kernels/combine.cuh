@@ -40,6 +40,31 @@
 // Partials travel in the wire dtype (default the dtype of expert_out, fp32 on request), so
 // a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
 // lets peers write the next combine's partials.
+//
+// Rings. An expert host's partials of a source on its node go through a bounded ring of
+// R = comb_ring chunk slots (BufferConfig.ring_chunks, at most the largest source's chunks),
+// whatever max_tokens and the routing: those of chunk c of source s to slot c % R of the ring it
+// fills in s's comb_rows (row q: the q-th of the chunk's receive slots at the host). A slot's
+// signal word and credit word hold ring_tag(epoch, c) of its latest chunk. The reader (the
+// source's load warp), once the bulk loads of a chunk landed in shared memory, stores the
+// chunk's tag into the credit word in the writer's buffer (a system-scope release through the
+// peer pointer), and the writer of chunk c >= R first waits until its credit word holds the tag
+// of chunk c - R (kPhasePartialRing); chunks c < R wait for nothing, the call's flow control
+// (done_combine) freed every slot. Every chunk waits, rows or none, so a slot's chunks follow
+// each other in order (write c - R, signal, read, credit, write c, ...) and its words only grow.
+//
+// No cycle of waits (R >= 2 where a ring turns over; the tests run R = 2). Number the events of
+// chunk k: host(k) = 3k (an expert host stores and signals its partials of chunk k), fwd(k) =
+// 3k + 1 (a forwarder reads a forwarded chunk's partials, sums and puts them), own(k) =
+// 3(k + lag) + 2 (the source reads and sums chunk k), lag = min(blocks, R - 1): own chunk k
+// comes after the forwarded chunks up to k + lag (SourceSideChunks). Each event waits only for
+// lower numbers: host(k) for the credit of own(k - R) = 3(k - R + lag) + 2 <= 3k - 1; fwd(k) for
+// host(k); own(k) for host(k) and fwd(k). Each warp's work list is monotone in that number: the
+// host warps walk (source, chunk) chunk-major, the source load warp forwarded chunk k before own
+// chunk k - lag. And no warp holds back what a lower number needs while it waits: the host store
+// warp signals every chunk it stored before it waits for a credit, the source load warp sends
+// the credits of the chunks it loaded (after they landed, which needs no peer) before it waits
+// for a peer, and the reducers and the put warp wait only inside the block.
 #include "common/state.cuh"
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
@@ -129,6 +154,7 @@ struct Combine : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
   int W, Tmax, T, kd, C, seg_cols, segments, chunk;
+  int ring_slots;                 // chunk slots of each combine ring (comb_ring)
   uint32_t in_bytes, wire_bytes;  // element sizes
   const int64_t* info;
   CombineShared& sh;
@@ -141,8 +167,8 @@ struct Combine : KernelCall {
   __device__ Combine(const KernelCall& k, CombineShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
       : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), Tmax(k.geo.max_tokens), T(k.a.num_tokens),
         kd(k.args.kd), C(k.args.row_elems), seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols),
-        chunk(k.args.chunk_tokens), in_bytes(elem_size), wire_bytes(wire_size),
-        info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared), host_in(smem),
+        chunk(k.args.chunk_tokens), ring_slots(static_cast<int>(comb_ring(k.geo.reg))), in_bytes(elem_size),
+        wire_bytes(wire_size), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared), host_in(smem),
         host_out(host_in + static_cast<size_t>(k.args.host_stages) * k.args.host_stage_bytes),
         src_in(host_out + static_cast<size_t>(k.args.host_out_stages) * k.args.src_stage_bytes),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
@@ -155,13 +181,21 @@ struct Combine : KernelCall {
     first = spans[i];
     rows = spans[i + 1];
   }
-  // The partial of (source s, slot) from expert host `host`, in s's buffer.
-  __device__ uint8_t* partial(int s, int host, int64_t slot) const {
-    return view.base(s) + reg.comb_rows + (static_cast<int64_t>(host) * Tmax + slot) * C * wire_bytes;
+  // Row q (the q-th of a chunk's rows at the writer) of chunk c in a ring: its index in the ring.
+  __device__ int32_t ring_row(int c, int q) const { return (c % ring_slots) * kChunkTokens + q; }
+  // The partial of source s at `row` of expert host `host`'s ring, in s's buffer.
+  __device__ uint8_t* partial(int s, int host, int64_t row) const {
+    return view.base(s) + reg.comb_rows +
+           (static_cast<int64_t>(host) * ring_slots * kChunkTokens + row) * C * wire_bytes;
   }
   __device__ uint64_t* comb_signal(int s, int host, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) +
-           static_cast<int64_t>(host) * static_cast<int64_t>(reg.max_chunks) + c;
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + static_cast<int64_t>(host) * ring_slots +
+           c % ring_slots;
+  }
+  // Writer w's credit word (in w's buffer) of the slot of chunk c of its ring for source s.
+  __device__ uint64_t* credit(int w, int s, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(w) + reg.comb_credit) + static_cast<int64_t>(s) * ring_slots +
+           c % ring_slots;
   }
   // Partials for a source on another node go to its rail peer f on this node: rows of writer
   // (source node, local index of the writer) in f's comb_fwd area, at the writer's slot.
@@ -183,6 +217,9 @@ struct Combine : KernelCall {
   __device__ uint64_t* host_signal(int s, int c) const {
     if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
     return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
+  }
+  __device__ uint64_t host_signal_value(int s, int c) const {
+    return h.topo.same_node(s, a.rank) ? ring_tag(epoch, c) : epoch;
   }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
@@ -225,11 +262,15 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
       tab.routes[lane] = n;
     }
     __syncwarp();
+    const bool same_node = d.h.topo.same_node(s, d.a.rank);
     for (int r = 0; r < rows && ok && lane == 0; ++r) {
       const int n = tab.routes[r];
+      // where the partial goes: row r of the chunk's slot of the source's ring (same node), or the
+      // row's receive slot in the rail peer's comb_fwd
+      const int32_t to = same_node ? d.ring_row(c, r) : first + r;
       for (int g = 0; g < d.segments && ok; ++g) {
         const int col0 = g * d.seg_cols;
-        const PartItem head{s, first + r, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
+        const PartItem head{s, to, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
         ok = load_parts(d, ring, d.sh.host_items, d.host_in, d.in_bytes, produced, head, n, [&](int i, float& weight) {
           weight = tab.weight[r][i];
           return expert_out + static_cast<int64_t>(tab.pos[r][i]) * d.C * d.in_bytes;
@@ -257,6 +298,24 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
   });
 }
 
+// The expert host's store thread, before chunk c >= ring of source s: until the reader of the
+// ring this rank fills for s (s itself, or its rail peer on this node) has read chunk c - ring
+// from the slot chunk c takes (its credit). flush() first signals the chunks already stored
+// when the credit is not there yet: the reader may need them before it reads chunk c - ring.
+// Bounded; false on a stop.
+template <typename Rdma, typename Flush>
+__device__ bool host_slot_free(const Combine<Rdma>& d, int s, int c, Flush flush) {
+  const uint64_t* word = d.credit(d.a.rank, s, c);
+  const uint64_t need = ring_tag(d.epoch, c - d.ring_slots);
+  if (dev::ld_relaxed_sys(word) < need) flush();
+  const bool local = d.h.topo.same_node(s, d.a.rank);
+  if (!wait_at_least(d.args, word, need, local ? kPhasePartialRing : kPhaseForwardRing, d.a.rank,
+                     local ? s : d.h.topo.rail_peer(s, d.h.node), d.epoch))
+    return false;
+  dev::fence_proxy_async();  // the reader's loads before this thread's bulk stores into the slot
+  return true;
+}
+
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
 // completed (checked at each commit, so a chunk is not drained before the next is stored).
 template <typename Rdma>
@@ -276,7 +335,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     int kept = 0;
     for (int i = 0; i < npend; ++i) {
       if (pend_g[i] <= upto_group) {
-        dev::st_release_sys(d.host_signal(pend_s[i], pend_c[i]), d.epoch);
+        dev::st_release_sys(d.host_signal(pend_s[i], pend_c[i]), d.host_signal_value(pend_s[i], pend_c[i]));
       } else {
         pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
         ++kept;
@@ -289,6 +348,13 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
   while (chunks.next(s, c) && !d.stopped()) {
     int first, rows;
     d.span(s, c, first, rows);
+    // every chunk, rows or none, waits for its slot: the slot's signal and credit words then
+    // take the chunks c - ring, c, c + ring, ... in order
+    if (c >= d.ring_slots && d.h.topo.same_node(s, d.a.rank) &&
+        !host_slot_free(d, s, c, [&] { signal_through(queue.groups(), 0); })) {
+      d.stop();
+      break;
+    }
     bool ok = true;
     for (int k = 0; k < rows * d.segments; ++k, consumed.advance(out.stages)) {
       if (d.stopped() || !out.consumer_wait(d.args, consumed)) {
@@ -316,21 +382,105 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
 
 // ---- source ---------------------------------------------------------------------------------
 
+// Lane 0 of the source load warp: the chunks whose partials it has loaded, each credited to its
+// writers once every bulk load of it has landed in shared memory (then the writers may reuse
+// the chunk's ring slots). A load has landed when its stage's full barrier completed that
+// round; this lane observes each round at most once (`landed`: the items before it are known to
+// have landed), and an item whose stage it has acquired again has landed anyway (its consumers
+// released it).
+struct SourceCredits {
+  struct Chunk {
+    int node;      // this rank's node for an own chunk, else the node of the source it forwarded
+    int chunk;     //
+    uint32_t end;  // the items (PipeState::count) up to the chunk's last load
+  };
+  Chunk pending[kMaxPendingChunks];
+  int count = 0;
+  uint32_t landed = 0;
+};
+
+// The credits of a chunk whose loads landed: an own chunk's to every expert host of this node,
+// a forwarded chunk's to every rank of this node that wrote partials of it (into its credit
+// word for the forwarded chunk's source).
+template <typename Rdma>
+__device__ void send_credits(const Combine<Rdma>& d, const SourceCredits::Chunk& k) {
+  const Hierarchy<Rdma>& h = d.h;
+  const uint64_t tag = ring_tag(d.epoch, k.chunk);
+  const int first = h.first_local();
+  const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
+  if (k.node != h.node) return;  // forwarded chunks: comb_fwd has no ring yet
+  for (int g = 0; g < h.topo.G; ++g) dev::st_release_sys(d.credit(first + g, source, k.chunk), tag);
+}
+
+// Sends the credits of the pending chunks, oldest first, whose loads landed: those already seen
+// to, or with `block`, after waiting (bounded) for each. False on a stop.
+template <typename Rdma>
+__device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr, const PipeState& produced,
+                              bool block) {
+  const uint32_t stages = static_cast<uint32_t>(ring.stages);
+  if (produced.count > stages) cr.landed = max(cr.landed, produced.count - stages);  // acquired again
+  int sent = 0;
+  for (; sent < cr.count; ++sent) {
+    const uint32_t end = cr.pending[sent].end;
+    for (; cr.landed < end; ++cr.landed) {
+      uint64_t* full = &ring.full[cr.landed % stages];
+      const uint32_t parity = (cr.landed / stages) & 1u;
+      if (!block ? !dev::mbar_try_wait(full, parity)
+                 : !mbar_wait(d.args, full, parity, ring.rank, ring.epoch, ring.site, kWaitedForData))
+        break;
+    }
+    if (cr.landed < end) break;
+    send_credits(d, cr.pending[sent]);
+  }
+  for (int i = sent; i < cr.count; ++i) cr.pending[i - sent] = cr.pending[i];
+  cr.count -= sent;
+  return !block || cr.count == 0;
+}
+
+// After the chunk's loads: its credits wait for them to land (a full list is flushed first).
+template <typename Rdma>
+__device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr, const PipeState& produced,
+                             int node, int c) {
+  if (cr.count == kMaxPendingChunks && !flush_credits(d, ring, cr, produced, true)) return false;
+  cr.pending[cr.count++] = SourceCredits::Chunk{node, c, produced.count};
+  return true;
+}
+
+// Lane 0 of the source load warp, before it waits for a peer: the credits of the chunks it
+// loaded are sent first where `arrived` (the wait would pass at once) is false, after their
+// loads landed (no peer is needed for that), since the peer may be waiting for them.
+template <typename Rdma, typename Arrived>
+__device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr,
+                                       const PipeState& produced, Arrived arrived) {
+  if (!flush_credits(d, ring, cr, produced, false)) return false;
+  return cr.count == 0 || arrived() || flush_credits(d, ring, cr, produced, true);
+}
+
 // Warp 6, an own chunk c: lane 0 waits until every expert host of this node and every other
 // node delivered the chunk's partials; lane i lists token i's partials in the table; lane 0
-// loads them, token by token and segment by segment. Warp-uniform; false on a stop.
+// loads them, token by token and segment by segment, and notes the chunk's credits. Warp-uniform;
+// false on a stop.
 template <typename Rdma>
-__device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, int c, int lane) {
+__device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, SourceCredits& credits,
+                             int c, int lane) {
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
   SrcTable& tab = d.sh.src_table;
+  const uint64_t tag = ring_tag(d.epoch, c);
   bool ok = true;
   if (lane == 0) {
-    ok = !d.stopped();
+    ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
+      for (int g = 0; g < G; ++g)
+        if (dev::ld_relaxed_sys(d.comb_signal(d.a.rank, first + g, c)) < tag) return false;
+      for (int n = 0; n < N; ++n)
+        if (n != h.node && dev::ld_relaxed_sys(h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0)) < d.epoch)
+          return false;
+      return true;
+    });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, kPhaseCombineRows, d.a.rank, first + g,
+      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), tag, kPhaseCombineRows, d.a.rank, first + g,
                          d.epoch);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
@@ -339,16 +489,21 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   }
   if (!warp_uniform(ok)) return false;
   const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
-  // Token t's partials: one per expert host of this node, one per other node it reached
-  // (at its staged slot there: the chunk's slot c * chunk plus its ordinal among the chunk's
-  // tokens for that node).
+  // Token t's partials: one per expert host of this node (at row q of the chunk's slot of that
+  // host's ring, q its ordinal among the chunk's tokens for that host: the chunk's receive slots
+  // there are consecutive), one per other node it reached (at its staged slot there: the
+  // chunk's slot c * chunk plus its ordinal among the chunk's tokens for that node).
   int parts = 0;
-  const int32_t* slots = send_slot + static_cast<int64_t>(t) * d.W;
-  for (int g = 0; g < G && t < t1; ++g)
-    if (slots[first + g] >= 0) {
+  const bool mine = t < t1;
+  const int32_t* slots = send_slot + static_cast<int64_t>(mine ? t : t0) * d.W;
+  for (int g = 0; g < G; ++g) {
+    const bool goes = mine && slots[first + g] >= 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    if (goes) {
       tab.from[lane][parts] = static_cast<int8_t>(g);
-      tab.slot[lane][parts++] = slots[first + g];
+      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
     }
+  }
   for (int n = 0; n < N; ++n) {
     if (n == h.node) continue;
     bool goes = false;
@@ -364,6 +519,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
   for (int i = 0; i < t1 - t0 && ok && lane == 0; ++i) {
     for (int seg = 0; seg < d.segments && ok; ++seg) {
+      ok = flush_credits(d, ring, credits, produced, false);  // those of earlier chunks that landed
       const int col0 = seg * d.seg_cols;
       const PartItem head{t0 + i, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, tab.parts[i],
@@ -374,6 +530,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                       });
     }
   }
+  if (lane == 0 && ok) ok = note_credits(d, ring, credits, produced, h.node, c);
   return warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
 }
 
@@ -384,14 +541,18 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
 // tagged (FwdTag) for the reducers. A chunk without rows is one stage without bytes, so that
 // its signal is put too. Warp-uniform; false on a stop.
 template <typename Rdma>
-__device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, int n, int c,
-                                   int lane) {
+__device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, PipeState& produced,
+                                   SourceCredits& credits, int n, int c, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
   bool ok = true;
   if (lane == 0) {
-    ok = !d.stopped();
+    ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
+      for (int g = 0; g < G; ++g)
+        if (dev::ld_relaxed_sys(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c)) < d.epoch) return false;
+      return true;
+    });
     for (int g = 0; g < G && ok; ++g)
       ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch,
                          kPhaseNodePartials, d.a.rank, first + g, d.epoch);
@@ -414,6 +575,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
   if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
   for (int q = 0; q < max(rows, 1) && ok && lane == 0; ++q) {
     for (int seg = 0; seg < (rows > 0 ? d.segments : 1) && ok; ++seg) {
+      ok = flush_credits(d, ring, credits, produced, false);  // those of earlier chunks that landed
       const int col0 = seg * d.seg_cols, cols = rows > 0 ? min(d.seg_cols, d.C - col0) : 0;
       const PartItem head{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, rows > 0 ? tab.parts[q] : 0,
@@ -430,11 +592,16 @@ template <typename Rdma>
 __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   SourceSideChunks<Combine<Rdma>> work(d);
   PipeState produced;
+  SourceCredits credits;  // lane 0's
   bool ok = true, forwarded;
   int n, c;
   while (ok && work.next(forwarded, n, c))
-    ok = forwarded ? src_load_forwarded(d, ring, produced, n, c, lane) : src_load_own(d, ring, produced, c, lane);
-  if (lane == 0) finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok);
+    ok = forwarded ? src_load_forwarded(d, ring, produced, credits, n, c, lane)
+                   : src_load_own(d, ring, produced, credits, c, lane);
+  if (lane != 0) return;
+  finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok, credits.landed);
+  // every load landed (finish_loads waited for them): the last chunks' credits
+  for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits.pending[i]);
 }
 
 // Warps 7-10: each row's partials summed in registers. An own token's output row is written

@@ -82,20 +82,23 @@ __device__ void forwarded_chunk(const Call& call, int64_t k, int& n, int& c) {
 // The chunks one block's source side takes in combine, in order: its own chunks (b, b + nb, ...
 // of send_chunks()) and, with several nodes, the forwarded chunks whose node partials it sends
 // back (forwarded_chunks' units b, b + nb, ...), merged by chunk index, with an own chunk c
-// after the forwarded chunks up to c + nb: one block step later, so that the rail peers'
-// forwarding of chunk c, at the same step of their own order, is likely done when c is waited
-// for. No cycle of waits: own chunk c waits for other ranks' forwarded chunk c, before which
-// their blocks take only own chunks up to c - 1, and a forwarded chunk waits for expert hosts
-// only. Call: h, b, nb, send_chunks() and source_chunks(s).
+// after the forwarded chunks up to c + lag, lag = min(nb, ring - 1): about one block step
+// later, so that the rail peers' forwarding of chunk c, at the same step of their own order, is
+// likely done when c is waited for; less than a turn of the combine's rings, which the
+// argument of kernels/combine.cuh (no cycle of waits) needs: a forwarded chunk c waits for its
+// source to have read own chunk c - ring, which that source's block takes after forwarded
+// chunks up to c - ring + lag < c only. Call: h, b, nb, ring_slots, send_chunks() and source_chunks(s).
 template <typename Call>
 struct SourceSideChunks {
   const Call& call;
-  int key = 0;        // the forwarded chunk index looked at (the own chunk key - nb after it)
+  int lag;            // an own chunk c comes after the forwarded chunks up to c + lag
+  int key = 0;        // the forwarded chunk index looked at (the own chunk key - lag after it)
   int node = 0;       // the node looked at next at that index; N: the own chunk, N + 1: done
   int64_t unit0 = 0;  // forwarded units of the nodes before `node`
   int last;           // the last key with work
 
-  __device__ explicit SourceSideChunks(const Call& c) : call(c), last(c.send_chunks() - 1 + c.nb) {
+  __device__ explicit SourceSideChunks(const Call& c)
+      : call(c), lag(min(c.nb, c.ring_slots - 1)), last(c.send_chunks() - 1 + min(c.nb, c.ring_slots - 1)) {
     for (int n = 0; n < call.h.topo.N; ++n)
       if (n != call.h.node) last = max(last, call.source_chunks(call.h.rail_peer(n)) - 1);
   }
@@ -117,7 +120,7 @@ struct SourceSideChunks {
       }
       if (node == N) {
         node = N + 1;
-        const int own = key - call.nb;
+        const int own = key - lag;
         if (own >= 0 && own < call.send_chunks() && own % call.nb == call.b) {
           forwarded = false, n = call.h.node, c = own;
           return true;

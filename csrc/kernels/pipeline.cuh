@@ -18,6 +18,11 @@ struct PipeState {
   uint32_t phase = 0;
   uint32_t count = 0;
 
+  // The walker that has passed `count` items of a ring of `stages` slots.
+  __device__ static PipeState at(uint32_t count, int stages) {
+    return {static_cast<int>(count % stages), (count / stages) & 1u, count};
+  }
+
   __device__ void advance(int stages) {
     ++count;
     if (++stage == stages) {

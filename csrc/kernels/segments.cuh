@@ -297,10 +297,11 @@ __device__ bool load_parts(const Call& d, const Ring& ring, PartItem* items, uin
 }
 
 // Lane 0 of a load warp, at the end: the reducers' end-of-work stage (or the stop), then every
-// issued load waited for, consumed or not, so the block never exits with one in flight.
+// issued load waited for, consumed or not, so the block never exits with one in flight. Loads
+// before item `observed` are those this lane already saw land (each phase is waited for once).
 template <typename Call>
 __device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, uint8_t* data, uint32_t elem_bytes,
-                             PipeState produced, bool ok) {
+                             PipeState produced, bool ok, uint32_t observed = 0) {
   if (!ok) {
     d.stop();
   } else if (ring.producer_acquire(d.args, produced)) {
@@ -308,7 +309,8 @@ __device__ void finish_loads(const Call& d, const Ring& ring, PartItem* items, u
     ring.producer_commit(produced);
     produced.advance(ring.stages);
   }
-  StageRing{ring, data, static_cast<int>(d.seg_cols * elem_bytes)}.drain(d.args, PipeState{}, produced);
+  StageRing{ring, data, static_cast<int>(d.seg_cols * elem_bytes)}.drain(d.args, PipeState::at(observed, ring.stages),
+                                                                         produced);
 }
 
 // A reducer warp of a group: the parts of each row segment added as they arrive; emit(acc,

@@ -21,14 +21,16 @@ from .registered import NvshmemRegions, RegisteredBuffers
 # (line, regions, what it holds). Every region is in exactly one line (tests/test_cuda_plan.py).
 REGISTERED_LINES = (
     ("flags+counts", ("count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                      "count_in", "recv_credit", "direct_tensors", "direct_first", "direct_done"),
+                      "count_in", "recv_credit", "comb_credit", "direct_tensors", "direct_first",
+                      "direct_done"),
      "monotonic signals, per-rank state, exchanged counts, ring credits, the direct path's tables"),
     ("recv_meta", ("recv_meta",), "routing entries of received rows: a ring of ring_chunks chunks per source"),
     ("recv_rows", ("recv_rows",), "received rows, sized for fp32: a ring of ring_chunks chunks per source"),
     ("recv_scales", ("recv_scales",), "fp8 scales of received rows, the same ring"),
-    ("comb_rows", ("comb_rows",), "partial sums pushed back by expert hosts, sized for an fp32 wire"),
+    ("comb_rows", ("comb_rows",), "partial sums pushed back by expert hosts, sized for an fp32 wire: a ring of "
+                                  "ring_chunks chunks per expert host"),
     ("comb_fwd", ("comb_fwd", "comb_fwd_signal"), "several nodes: partials of this node's ranks for sources on "
-                                                  "other nodes, at their rail peer"),
+                                                  "other nodes, at their rail peer, in rings likewise"),
 )
 
 

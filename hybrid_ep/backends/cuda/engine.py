@@ -84,6 +84,13 @@ PHASE_TEXT = {
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
     "recv_ring": "the dispatch's receive ring (waiting for the peer to read a chunk and free its slot; expected and "
                  "saw are call x 2^32 + the last chunk read + 1)",
+    "partial_ring": "the combine's partial-sum ring (waiting for the source to free the chunk slot its next partials "
+                    "go to; expected and saw: call << 32 | chunk + 1 of the chunk read there)",
+    "forward_ring": "the combine's forwarding ring (waiting for the source's rail peer on this node to free the chunk "
+                    "slot its next partials go to; expected and saw: call << 32 | chunk + 1 of the chunk read there)",
+    "node_part_ring": "the combine's node-partial ring (waiting for the source on that node to free the chunk slot "
+                      "its next node partials go to, by RDMA; expected and saw: call << 32 | chunk + 1 of the chunk "
+                      "read there)",
 }
 
 # The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and

@@ -70,6 +70,7 @@ class RegisteredLayout:
     comb_stride: int
     comb_fwd: int
     comb_fwd_signal: int
+    comb_credit: int
     direct_tensors: int
     direct_first: int
     direct_done: int
@@ -79,9 +80,15 @@ class RegisteredLayout:
         """Size of each region, for the memory plan."""
         order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
                  "count_in", "recv_meta", "recv_rows", "recv_scales", "recv_credit", "comb_rows", "comb_fwd",
-                 "comb_fwd_signal", "direct_tensors", "direct_first", "direct_done"]
+                 "comb_fwd_signal", "comb_credit", "direct_tensors", "direct_first", "direct_done"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
+
+
+def comb_ring(config: BufferConfig) -> int:
+    """Chunk slots of each combine ring (csrc comb_ring): ring_chunks, or the chunks of the
+    largest source where that is fewer."""
+    return min(config.ring_chunks, max(1, -(-config.max_tokens_per_rank // CHUNK_TOKENS)))
 
 
 def registered_layout(config: BufferConfig) -> RegisteredLayout:
@@ -94,7 +101,8 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["max_chunks"] = max(1, -(-Tmax // CHUNK_TOKENS))
     fields["ring_chunks"] = config.ring_chunks
     fields["chunk_signal"] = take(CHUNK_SIGNAL_BYTES * W * fields["max_chunks"])
-    fields["combine_signal"] = take(8 * W * fields["max_chunks"])
+    ring = comb_ring(config)
+    fields["combine_signal"] = take(8 * W * ring)
     fields["done_dispatch"] = take(8)
     fields["done_combine"] = take(8)
     fields["state"] = take(LOCAL_STATE_BYTES)
@@ -112,12 +120,15 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["recv_scales"] = take(ring_rows * fields["scale_stride"])
     fields["recv_credit"] = take(8 * W * config.ring_chunks)
     fields["comb_stride"] = _round_up(H * 4, 16)
-    fields["comb_rows"] = take(W * Tmax * fields["comb_stride"])
+    # Partial sums: a ring of `ring` chunk slots per expert host (the reader frees a slot with a
+    # credit in the writer's comb_credit), whatever max_tokens and the routing.
+    fields["comb_rows"] = take(W * ring * CHUNK_TOKENS * fields["comb_stride"])
     # With several nodes: partials of sources on other nodes, from this node's ranks, when this
     # rank is the source's rail peer here ([N][G][Tmax] rows), and their per-chunk signals.
     forwarding = N > 1
     fields["comb_fwd"] = take(W * Tmax * fields["comb_stride"] if forwarding else 0)
     fields["comb_fwd_signal"] = take(8 * W * fields["max_chunks"] if forwarding else 0)
+    fields["comb_credit"] = take(8 * W * ring)
     # The direct path: this rank's published tensors of a dispatch and a combine, the first
     # output row of each (source, local expert), and each source's completion per kernel.
     fields["direct_tensors"] = take(2 * PEER_TENSORS_BYTES)
