@@ -84,6 +84,8 @@ PHASE_TEXT = {
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
     "recv_ring": "the dispatch's receive ring (waiting for the peer to read a chunk and free its slot; expected and "
                  "saw are call x 2^32 + the last chunk read + 1)",
+    "staged_ring": "the dispatch's staging for that node (waiting for the rail peer to forward a chunk and free its "
+                   "slot; expected and saw are call x 2^32 + the last chunk forwarded + 1)",
 }
 
 # The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and
