@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -91,15 +92,22 @@ def test_calls_that_wrap_the_ring_many_times_match_the_oracle(case):
 
 
 def test_a_call_that_wraps_the_ring_needs_no_more_memory():
-    """The registered bytes of a buffer do not grow with max_tokens_per_rank: the receive
-    ring's regions are the same for 64 and 4096 tokens per rank."""
-    from hybrid_ep.backends.cuda.layout import registered_layout
+    """The dispatch's rings do not grow with max_tokens_per_rank: the receive ring's regions
+    and, with several nodes, the staging rings' are the same for 64 and 4096 tokens per rank."""
+    from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
 
-    small, large = (dataclasses.replace(_case(4, tokens=(t,) * 4).config, ring_chunks=RING) for t in (64, 4096))
+    def config(tokens):
+        return dataclasses.replace(hierarchy_case(2, 2, tokens=(tokens,) * 4).config, ring_chunks=RING)
+
+    small, large = config(64), config(4096)
     a, b = registered_layout(small).region_bytes(), registered_layout(large).region_bytes()
     for region in ("recv_rows", "recv_meta", "recv_credit"):
         assert a[region] == b[region] > 0, region
     assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x ring x 32 rows of H fp32 values
+    a, b = rdma_layout(small).region_bytes(), rdma_layout(large).region_bytes()
+    for region in ("disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit"):
+        assert a[region] == b[region] > 0, region
+    assert a["disp_rows_in"] == 2 * RING * 32 * 128 * 4  # N x ring x 32 rows of H fp32 values
 
 
 def test_back_to_back_calls_wrap_the_ring_with_other_shapes():
@@ -116,26 +124,47 @@ def test_back_to_back_calls_wrap_the_ring_with_other_shapes():
     assert group_for(first) is group
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
-    """Rank 1 has no tokens and runs its layout kernel but not its dispatch kernel; rank 0 sends
-    it 8 chunks through a 2-chunk ring. Rank 0's writers fill the two slots of rank 1's ring
-    for rank 0 and wait for rank 1 to free chunk 0's slot (its credit in call 1: 2^32 + 1): the
-    record names the ring, rank 1 and that chunk. Rank 0's expansion waits too, for its own
-    chunk 2, which its stalled writers never signal; a wait on a rank's own signal has twice the
-    bound, so the ring's wait reports first whatever the schedule."""
-    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
-    model.set_seed(seed)
+def _dispatch_to_an_absent_rank(ranks_per_node: int) -> str:
+    """Rank 0 sends its 256 tokens (8 chunks) to rank 1's experts through 2-chunk rings; rank 1
+    has no tokens and runs its layout kernel but not its dispatch kernel. Returns the error the
+    group raised."""
     group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="receive",
-                          ring_chunks=RING)
+                          ranks_per_node=ranks_per_node, ring_chunks=RING)
     try:
         xs = [torch.randn(256, 128).to(torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
         idx = [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)]
         with ranks_absent(group, after_layout={1}):
             group.dispatch(xs, idx, num_out_tokens=512)
-        with pytest.raises(RuntimeError, match=r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer "
-                                               r"rank 1 in the dispatch's receive ring \(waiting for the peer to read "
-                                               r"a chunk and free its slot.*\(call 1, expected 4294967297, saw 0\)"):
+        with pytest.raises(RuntimeError) as err:
             group.synchronize()
+        return str(err.value)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
+    """One node: rank 0's writers fill the two slots of rank 1's ring for rank 0 and wait for
+    rank 1 to free chunk 0's slot (its credit in call 1: 2^32 + 1): the record names the ring,
+    rank 1 and that chunk. Rank 0's expansion waits too, for its own chunk 2, which its stalled
+    writers never signal; a wait on a rank's own signal has twice the bound, so the ring's wait
+    reports first whatever the schedule."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    model.set_seed(seed)
+    message = _dispatch_to_an_absent_rank(ranks_per_node=2)
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 in the dispatch's "
+                     r"receive ring \(waiting for the peer to read a chunk and free its slot.*"
+                     r"\(call 1, expected 4294967297, saw 0\)", message), message
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_rail_peer_that_never_forwards_is_named(monkeypatch, seed):
+    """Two nodes of one rank: rank 0 stages its chunks for node 1 through a 2-chunk staging
+    ring and waits for rank 1 to forward chunk 0 and free its slot: the record names the
+    staging, rank 1, its node and the chunk."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    model.set_seed(seed)
+    message = _dispatch_to_an_absent_rank(ranks_per_node=1)
+    assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 on node 1 in the "
+                     r"dispatch's staging for that node \(waiting for the rail peer to forward a chunk and free its "
+                     r"slot.*\(call 1, expected 4294967297, saw 0\)", message), message

@@ -58,6 +58,7 @@ enum Phase : int32_t {
                              // to free a chunk slot of its comb_fwd ring
   kPhaseNodePartRing = 19,   // forwarder: waiting for source P on another node to free a chunk slot of its
                              // node-partial ring (RDMA)
+  kPhaseStagedRing = 20,     // dispatch: waiting for a rail peer on another node to free a chunk slot of its staging
   kNumPhases
 };
 
@@ -116,6 +117,7 @@ inline constexpr CodeName kPhaseNames[] = {
     {kPhasePartialRing, "partial_ring"},
     {kPhaseForwardRing, "forward_ring"},
     {kPhaseNodePartRing, "node_part_ring"},
+    {kPhaseStagedRing, "staged_ring"},
 };
 
 inline constexpr CodeName kPipeSiteNames[] = {
@@ -220,8 +222,10 @@ struct PeerTensors {
 
 // Offsets (bytes) inside one rank's RDMA region (the symmetric heap on clusters: the same
 // offsets on every rank). Only ranks on other nodes write into it, through the transport.
-// "Slots" of a staged chunk c are c * kChunkTokens + q, q the token's ordinal among the
-// chunk's tokens that go to the node.
+// The dispatch's staging is a ring of ring_chunks chunk slots per node: staged chunk c takes
+// slot c % ring_chunks, its rows (c % ring_chunks) * kChunkTokens + q, q the token's ordinal
+// among the chunk's tokens that go to the node. The combine's areas are indexed
+// c * kChunkTokens + q.
 struct RdmaLayout {
   uint64_t count_epoch;       // u64 [W]: a source on another node wrote its counts (epoch)
   uint64_t count_out;         // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
@@ -232,10 +236,12 @@ struct RdmaLayout {
   uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
   uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
   uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
-  uint64_t disp_meta_out;     // [N][max_chunks] chunk routing staged for node n's rail peer
-  uint64_t disp_meta_in;      // [N][max_chunks] chunk routing from the rail peer on node n
-  uint64_t disp_rows_out;     // [N][max_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
-  uint64_t disp_rows_in;      // [N][max_chunks * kChunkTokens] rows from the rail peer on node n
+  uint64_t disp_meta_out;     // [N][ring_chunks] chunk routing staged for node n's rail peer
+  uint64_t disp_meta_in;      // [N][ring_chunks] chunk routing from the rail peer on node n
+  uint64_t disp_rows_out;     // [N][ring_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
+  uint64_t disp_rows_in;      // [N][ring_chunks * kChunkTokens] rows from the rail peer on node n
+  uint64_t disp_credit;       // u64 [N][ring_chunks]: the rail peer on node n forwarded this rank's staged chunk c
+                              // from the slot, (epoch << 32) | (c + 1): both ends of the slot are free again
   uint64_t comb_signal;       // u64 [N][max_chunks]: the node partials of chunk c from node n arrived (epoch)
   uint64_t comb_rows_out;     // [N][max_chunks * kChunkTokens] node partials staged for the source on node n
   uint64_t comb_rows_in;      // [N][max_chunks * kChunkTokens] node partials from node n (wire dtype, packed)

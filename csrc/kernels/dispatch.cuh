@@ -38,18 +38,28 @@
 // for every peer's done_dispatch of the previous call. A call that sends a rank more than a
 // ring holds costs time (the writer waits for the reader), never memory.
 //
+// With several nodes the staging in the RDMA region is a ring per node too (RdmaLayout): own
+// chunk c staged for node n takes chunk slot c % ring_chunks of the source's staging ring for
+// n (rows by the store warp, routing by the RDMA warps) and is put into the same slot of the
+// rail peer's ring for the source's node. The forwarder, once it read forwarded chunk c
+// whole (its store warp signalled it: loads completed, routing read), signals the credit
+// tag(c) into the source's disp_credit word of the slot: the put of chunk c had arrived, so
+// both ends of the slot are free. Before staging chunk c >= ring_chunks for node n, the store
+// warp and the RDMA warps wait (kPhaseStagedRing) for tag(c - ring_chunks) there, for every
+// other node, whether or not the chunk sends it rows (every chunk's routing is put).
+//
 // Why the waits end (no deadlock), by induction on the chunk index c: suppose every chunk
 // below c was produced (its rows, entries and signal) by every writer and read by every
-// reader. The waits of chunk c's production then end: a credit wait waits for the reading of
-// chunk c - ring_chunks; a forwarded chunk's arrival waits for its source's production of
-// its own chunk c; the send warps of a block take their units in chunk order with an own chunk
-// before the forwarded chunks of its index (SendUnits), so the units before one are of lower
-// index, or own chunks of its index, whose production waits for nothing of index c; the
-// block's rings (FIFO, entries, staged rows) are freed by its own warps' progress on earlier
-// units. And the store warp signals its pending unit before any wait that may block (the
-// pending signal would otherwise wait for the next unit's first stores), so no reader waits
-// for a chunk whose writer holds its signal while it waits. Then chunk c is read: the expand
-// warps take (source, chunk) pairs in chunk order, each waiting only for its chunk's signal.
+// reader. The waits of chunk c's production then end: a credit wait (either ring) waits for
+// the reading of chunk c - ring_chunks; a forwarded chunk's arrival waits for its source's
+// production of its own chunk c (its staging and put); the send warps of a block take their units in chunk order with
+// an own chunk before the forwarded chunks of its index (SendUnits), so the units before one are of lower index, or own
+// chunks of its index, whose production waits for nothing of index c; the block's rings (FIFO, entries, staged rows)
+// are freed by its own warps' progress on earlier units (the RDMA warps free a staged-rows stage after their credit
+// wait, which points lower). And the store warp signals its pending unit before any wait that may block (the pending
+// signal would otherwise wait for the next unit's first stores), so no reader waits for a chunk whose writer holds its
+// signal while it waits. Then chunk c is read: the expand warps take (source, chunk) pairs in chunk order, each waiting
+// only for its chunk's signal.
 //
 // With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
 //   warp 1      also bulk-stores each row of an own chunk into the staging area of every
@@ -213,25 +223,41 @@ struct Dispatch : KernelCall {
   __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
   // The node of a unit's source (this rank's for an own chunk).
   __device__ int unit_node(const SendUnit& su) const { return su.node < 0 ? h.node : su.node; }
-  // Whether the receive rings of this node's ranks have chunk su.chunk's slot free: every lane
-  // polls once (ranks lane, lane + 32, ...), no wait. Warp-collective, the same answer in every lane.
-  __device__ bool ring_ready(const SendUnit& su, int lane) const {
+  // The ring slots a unit writes: chunk su.chunk's slot in the receive ring of each rank g of
+  // this node (item g) and, with `staged`, for an own chunk with several nodes, its slot in
+  // the staging ring for each other node n (item G + n). Item i's credit word, in this rank's
+  // memory.
+  __device__ int slot_items(const SendUnit& su, bool staged) const {
+    return G + (staged && su.node < 0 && h.multi() ? h.topo.N : 0);
+  }
+  __device__ bool slot_item(const SendUnit& su, int i) const { return i < G || i - G != h.node; }
+  __device__ const uint64_t* slot_credit(const SendUnit& su, int i) const {
+    return i < G ? recv_credit(a.rank, unit_node(su), i, su.chunk) : h.flag(staged_credit_off(i - G, su.chunk), 0);
+  }
+  // Whether the unit's slots are free (slot_items), without waiting: each lane polls its items
+  // once. Warp-collective, the same answer in every lane.
+  __device__ bool slots_ready(const SendUnit& su, int lane, bool staged) const {
     bool ready = true;
     if (su.chunk >= ring)
-      for (int g = lane; g < G; g += 32)
-        ready &= dev::ld_relaxed_sys(recv_credit(a.rank, unit_node(su), g, su.chunk)) >= tag(su.chunk - ring);
+      for (int i = lane; i < slot_items(su, staged); i += 32)
+        ready &= !slot_item(su, i) || dev::ld_relaxed_sys(slot_credit(su, i)) >= tag(su.chunk - ring);
     return __ballot_sync(0xffffffffu, !ready) == 0u;
   }
-  // Until every rank of this node freed the slot of chunk su.chunk in su's ring: it read chunk
-  // su.chunk - ring from it (bounded; chunks below ring have their slots free at the call's
-  // start). Each lane waits for its ranks; warp-collective, true in every lane when all did.
-  __device__ bool ring_free(const SendUnit& su, int lane) const {
+  // Until every reader of the unit's slots freed them: it read chunk su.chunk - ring from there
+  // (bounded: kPhaseRecvRing names the rank of this node, kPhaseStagedRing the rail peer on the
+  // other node; chunks below ring have their slots free at the call's start). Each lane waits
+  // for its items; warp-collective, true in every lane when all did.
+  __device__ bool slots_free(const SendUnit& su, int lane, bool staged) const {
     bool ok = !stopped();
     if (su.chunk >= ring)
-      for (int g = lane; g < G && ok; g += 32)
-        ok = wait_at_least(args, recv_credit(a.rank, unit_node(su), g, su.chunk), tag(su.chunk - ring), kPhaseRecvRing,
-                           a.rank, h.first_local() + g, epoch);
-    __syncwarp();  // every lane's acquire, before any lane's writes into the slot
+      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {
+        if (!slot_item(su, i)) continue;
+        const bool nvlink = i < G;
+        const int reader = nvlink ? h.first_local() + i : h.rail_peer(i - G);
+        ok = wait_at_least(args, slot_credit(su, i), tag(su.chunk - ring), nvlink ? kPhaseRecvRing : kPhaseStagedRing,
+                           a.rank, reader, epoch, reader == a.rank ? 2 : 1);  // its own ring: its own progress
+      }
+    __syncwarp();  // every lane's acquire, before any lane's writes into the slots
     return __ballot_sync(0xffffffffu, !ok) == 0u;
   }
   // Chunk c of `source`, as signalled to rank d.
@@ -239,9 +265,21 @@ struct Dispatch : KernelCall {
     return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
            static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
   }
-  // Staged slot q of own chunk c for node n, in this rank's RDMA region.
+  // The staging rings in the RDMA region: chunk c staged for (or from) node n takes chunk slot
+  // c % ring of node n's ring; byte offsets of its row q, of its routing, and of the credit of
+  // the slot (the rail peer on node n forwarded chunk c from it).
+  __device__ uint64_t staged_off(uint64_t area, int n, int c, int q) const {
+    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
+  }
+  __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
+    return area + static_cast<uint64_t>(n * ring + c % ring) * h.R.chunk_meta_bytes;
+  }
+  __device__ uint64_t staged_credit_off(int n, int c) const {
+    return h.R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
+  }
+  // Staged row q of own chunk c for node n, in this rank's RDMA region.
   __device__ uint8_t* staged_row(int n, int c, int q) const {
-    return h.rdma.local(h.staged_off(h.R.disp_rows_out, n, static_cast<int64_t>(c) * chunk + q, row_bytes));
+    return h.rdma.local(staged_off(h.R.disp_rows_out, n, c, q));
   }
   // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
   // there is its ordinal among them. Every lane calls it.
@@ -261,7 +299,7 @@ struct Dispatch : KernelCall {
   __device__ int unit_items(const SendUnit& su) const { return max(1, batches.items(su.u0, su.u1)); }
   // A forwarded chunk's routing, in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
-    return h.rdma.local(h.chunk_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+    return h.rdma.local(staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
   }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
@@ -285,7 +323,7 @@ struct Dispatch : KernelCall {
   // Row i of a unit (u0 <= i < u1).
   __device__ const uint8_t* unit_row(const SendUnit& su, int i) const {
     if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
-    return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, static_cast<int64_t>(su.chunk) * chunk + i, row_bytes));
+    return h.rdma.local(staged_off(h.R.disp_rows_in, su.node, su.chunk, i));
   }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
 };
@@ -405,7 +443,7 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   for (; units.next(su); slot.advance(kMetaSlots)) {
     bool ok = true;
     if (lane == 0) ok = !d.stopped() && d.meta_ring.producer_acquire(d.args, slot);
-    if (!warp_uniform(ok) || !d.arrive_warp(su, lane) || !d.ring_free(su, lane)) {
+    if (!warp_uniform(ok) || !d.arrive_warp(su, lane) || !d.slots_free(su, lane, false)) {
       d.stop();
       break;
     }
@@ -452,11 +490,15 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   PipeState consumed, meta, staged;                                              // lane 0's
   uint32_t pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
+  int pending_node = -1;        // a forwarded chunk: its source's node (its staging slot here is read)
   bool pending_staged = false;  // an own chunk with several nodes: its staged rows go to the RDMA warps
 
   // Lane 0: once the pending unit's stores completed (all but the newest `writes_in_flight`
   // groups) and its entries are written, tell every destination of this node where its rows are,
-  // and the RDMA warps that the unit's staged rows are there.
+  // and the RDMA warps that the unit's staged rows are there. A forwarded unit was read whole by
+  // then (its rows' loads completed, the entry warps read its routing; a chunk without rows had
+  // its empty stage): its slot in the staging ring is free, on this rank and, since its put
+  // arrived, on the source, which the credit tells.
   auto signal_pending = [&](int writes_in_flight) -> bool {
     if (pending_chunk < 0) return true;
     bulk_wait_write_except(writes_in_flight);
@@ -472,6 +514,8 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       sig->rows = rows;
       dev::st_release_sys(&sig->epoch, d.epoch);
     }
+    if (pending_node >= 0)
+      d.h.rdma.signal(pending_source, d.staged_credit_off(d.h.node, pending_chunk), d.tag(pending_chunk));
     if (pending_staged) {
       if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
       d.staged_ring.producer_commit(staged);
@@ -494,8 +538,8 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       d.stop();
       break;
     }
-    if (!d.ring_ready(su, lane) && lane == 0) ok = signal_pending(0);
-    if (!warp_uniform(ok) || !d.ring_free(su, lane)) {
+    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);
+    if (!warp_uniform(ok) || !d.slots_free(su, lane, true)) {
       d.stop();
       break;
     }
@@ -547,7 +591,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
     if (su.node >= 0 && lane == 0) fwd_rows[static_cast<int64_t>(su.node) * d.h.max_chunks + su.chunk] = su.u1;
     __syncwarp();
     if (lane == 0) {
-      dev::fence_proxy_async();  // the slots' credits (ring_free), before the bulk stores into them
+      dev::fence_proxy_async();  // the slots' credits (slots_free), before the bulk stores into them
       for (int k = 0; k < d.unit_items(su) && ok; ++k, consumed.advance(d.stages)) {
         if (d.stopped() || !d.send_fifo.ring.consumer_wait(d.args, consumed)) {
           ok = false;
@@ -571,6 +615,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       if (ok) {
         pending_chunk = su.chunk;
         pending_source = su.source;
+        pending_node = su.node;
         pending_span = span;
         pending_group = queue.groups();
         pending_staged = multi && su.node < 0;
@@ -740,12 +785,15 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 }
 
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node
-// that hosts one of its routes, write the routing of the chunk's tokens for that node in this
-// rank's RDMA region and, once warp 1 says the chunk's rows are staged there (the staged
-// ring: its bulk stores completed), put them to the rail peer there: the rows, then the
-// routing with the chunk's signal (also for no rows: every chunk is signalled). Lane i takes
-// token t0 + i. The staging areas are free again once the puts completed (quiet, at the end);
-// the layout kernel waited until each rail peer had forwarded the previous call's rows.
+// (also one no route of the chunk reaches: every chunk is signalled), write the routing of the
+// chunk's tokens for that node into the chunk's slot of the staging ring in this rank's RDMA
+// region and, once warp 1 says the chunk's rows are staged there (the staged ring: its bulk
+// stores completed), put them to the rail peer there, into the same slot of its ring for this
+// node: the rows, then the routing with the chunk's signal. Lane i takes token t0 + i. A slot
+// is free for chunk c >= ring_chunks, at both ends, once the rail peer's credit says it
+// forwarded chunk c - ring_chunks (its put had arrived, so its source bytes were read); the
+// slots of the first ring_chunks chunks are free at the call's start (the layout kernel waited
+// until each rail peer had forwarded the previous call's rows).
 template <typename Rdma>
 __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const Hierarchy<Rdma>& h = d.h;
@@ -763,7 +811,18 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
     const unsigned mask = d.staged_mask(t0, t1, n, lane);
     const int rows = __popc(mask);
-    uint8_t* meta = h.rdma.local(h.chunk_meta_off(h.R.disp_meta_out, n, c));
+    const int peer = h.rail_peer(n);
+    // The chunk's slot of the staging ring for node n (here and at the rail peer there) is free
+    // once the rail peer forwarded chunk c - ring from it.
+    bool ok = true;
+    if (lane == 0 && c >= d.ring)
+      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.staged_credit_off(n, c), 0), d.tag(c - d.ring),
+                                         kPhaseStagedRing, d.a.rank, peer, d.epoch);
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+    uint8_t* meta = h.rdma.local(d.staged_meta_off(h.R.disp_meta_out, n, c));
     if ((mask >> lane) & 1u) {
       TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
       for (int k = 0; k < kMaxTopK; ++k) {
@@ -780,7 +839,6 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
     // The chunk's rows are staged for every node once warp 1 committed it: round j / slots.
     const PipeState st{j % kStagedSlots, static_cast<uint32_t>(j / kStagedSlots) & 1u, static_cast<uint32_t>(j)};
-    bool ok = true;
     if (lane == 0) ok = !d.stopped() && d.staged_ring.consumer_wait(d.args, st);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -790,14 +848,13 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     __threadfence();                       // the routing and the staged bytes, before the transport reads them
     __syncwarp();
     if (lane == 0) d.staged_ring.consumer_release(st);  // one of the chunk's N - 1 nodes
-    const int peer = h.rail_peer(n);
     if (rows > 0) {
-      h.rdma.put(lane, peer, h.staged_off(h.R.disp_rows_in, h.node, static_cast<int64_t>(c) * d.chunk, d.row_bytes),
-                 d.staged_row(n, c, 0), static_cast<uint64_t>(rows) * d.row_bytes);
+      h.rdma.put(lane, peer, d.staged_off(h.R.disp_rows_in, h.node, c, 0), d.staged_row(n, c, 0),
+                 static_cast<uint64_t>(rows) * d.row_bytes);
       if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
       __syncwarp();
     }
-    h.rdma.put_signal(lane, peer, h.chunk_meta_off(h.R.disp_meta_in, h.node, c), meta,
+    h.rdma.put_signal(lane, peer, d.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
                       kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
                       h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
   }

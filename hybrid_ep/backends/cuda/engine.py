@@ -91,6 +91,8 @@ PHASE_TEXT = {
     "node_part_ring": "the combine's node-partial ring (waiting for the source on that node to free the chunk slot "
                       "its next node partials go to, by RDMA; expected and saw: call << 32 | chunk + 1 of the chunk "
                       "read there)",
+    "staged_ring": "the dispatch's staging for that node (waiting for the rail peer to forward a chunk and free its "
+                   "slot; expected and saw are call x 2^32 + the last chunk forwarded + 1)",
 }
 
 # The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and

@@ -155,6 +155,7 @@ class RdmaLayout:
     disp_meta_in: int
     disp_rows_out: int
     disp_rows_in: int
+    disp_credit: int
     comb_signal: int
     comb_rows_out: int
     comb_rows_in: int
@@ -162,15 +163,17 @@ class RdmaLayout:
 
     def region_bytes(self) -> dict[str, int]:
         order = ["count_epoch", "count_out", "count_in", "done_dispatch", "done_combine", "disp_signal",
-                 "disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "comb_signal", "comb_rows_out",
-                 "comb_rows_in"]
+                 "disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit", "comb_signal",
+                 "comb_rows_out", "comb_rows_in"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
 
 
 def rdma_layout(config: BufferConfig) -> RdmaLayout:
-    """Staged rows and routing are indexed [source node][chunk * CHUNK_TOKENS + q]: the areas
-    for this rank's own node stay unused, which keeps every offset the same on every rank."""
+    """The dispatch's staging is a ring per node, [node][ring_chunks] chunk slots of
+    CHUNK_TOKENS rows and a chunk's routing, and its credit words, whatever the routing; the
+    combine's areas are indexed [source node][chunk * CHUNK_TOKENS + q]. The areas for this
+    rank's own node stay unused, which keeps every offset the same on every rank."""
     W, N, G = config.world_size, config.num_nodes, config.ranks_per_node
     H = config.hidden_dim
     reg = registered_layout(config)
@@ -191,10 +194,12 @@ def rdma_layout(config: BufferConfig) -> RdmaLayout:
     f["disp_signal"] = take(8 * N * chunks)
     f["token_meta_bytes"] = _round_up(TOKEN_META_BYTES + 4 * G + 4 * scale_cols, 16)
     f["chunk_meta_bytes"] = CHUNK_META_HEADER + CHUNK_TOKENS * f["token_meta_bytes"]
-    f["disp_meta_out"] = take(N * chunks * f["chunk_meta_bytes"])
-    f["disp_meta_in"] = take(N * chunks * f["chunk_meta_bytes"])
-    f["disp_rows_out"] = take(N * staged * reg.row_stride)
-    f["disp_rows_in"] = take(N * staged * reg.row_stride)
+    ring = config.ring_chunks
+    f["disp_meta_out"] = take(N * ring * f["chunk_meta_bytes"])
+    f["disp_meta_in"] = take(N * ring * f["chunk_meta_bytes"])
+    f["disp_rows_out"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
+    f["disp_rows_in"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
+    f["disp_credit"] = take(8 * N * ring)
     f["comb_signal"] = take(8 * N * chunks)
     f["comb_rows_out"] = take(N * staged * reg.comb_stride)
     f["comb_rows_in"] = take(N * staged * reg.comb_stride)
