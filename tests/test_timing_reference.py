@@ -15,10 +15,10 @@ the layout kernel to the bit); made again when the layout kernel reported a bad 
 its count row instead of aborting (each layout launch 16.48 ns shorter, nothing else); and
 when a static-size call with a bad route came to be completed without an abort (the sites'
 lines in layout.cuh, skeleton.cuh and state.cuh moved; no time changed); and when the
-combine's partial sums moved into rings of chunk slots freed by the sources' credits (the
-receive combines -0.2 and -0.1 %, the two-node combine +0.9 % on these jobs, whose 2 to 3
-chunks per source fit in a ring). A change that means to change the times replaces the file
-and says so in its commit.
+combine's partial sums, forwarded partials and node partials moved into rings of chunk slots
+freed by their readers' credits (the receive combines -0.2 and -0.1 %, the two-node combine
++1.6 % on these jobs, whose 2 to 3 chunks per source fit in a ring). A change that means to
+change the times replaces the file and says so in its commit.
 """
 
 from __future__ import annotations
