@@ -63,10 +63,8 @@ MUTATIONS = (
              "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
              tests="tests/test_hierarchy_model.py"),
     Mutation("forwarder-drops-a-partial", "a lost term (a node partial summed without one rank's partial)",
-             "csrc/kernels/combine.cuh",
-             "      if (slots[g] >= 0) {\n        tab.from[lane][parts] = static_cast<int8_t>(g);",
-             "      if (slots[g] >= 0 && g != 1) {\n        tab.from[lane][parts] = static_cast<int8_t>(g);",
-             tests="tests/test_hierarchy_model.py"),
+             "csrc/kernels/combine.cuh", "    const bool goes = lane < rows && slots[g] >= 0;",
+             "    const bool goes = lane < rows && slots[g] >= 0 && g != 1;", tests="tests/test_hierarchy_model.py"),
     Mutation("forwarded-stage-freed-by-one-warp", "a stage released before every consumer read it (the source "
              "side's ring, forwarded partials too)", "csrc/kernels/combine.cuh", "    src.init(1, kGroupWarps);",
              "    src.init(1, 1);", tests="tests/test_hierarchy_model.py"),

@@ -2,18 +2,21 @@
 
 The receive path's combine moves partial sums through rings of BufferConfig.ring_chunks chunk
 slots per peer (csrc/kernels/combine.cuh): an expert host writes chunk c of a source into slot
-c % ring and, from the second turn on, first waits until the reader of that ring has read chunk
-c - ring there (its credit). Here the rings have 2 slots, the fewest allowed, and the calls 8 to
-16 chunks per source, so every ring turns over many times; each call must still match the
-oracle (every rounding of the hierarchy reproduced) and complete: a wait that never ends ends
-the launch with a timeout record, which the check raises. Several SM counts per rank, so that a
-rank has more blocks than its rings have slots.
+c % ring (of the source's ring, or of its rail peer's forwarding ring), a forwarder the node
+partials of chunk c into slot c % ring of the node-partial ring, and each, from the second turn
+on, first waits until the reader of that ring has read chunk c - ring there (its credit). Here
+the rings have 2 slots, the fewest allowed, and the calls 8 to 16 chunks per source, so every
+ring turns over many times; each call must still match the oracle (every rounding of the
+hierarchy reproduced) and complete: a wait that never ends ends the launch with a timeout
+record, which the check raises. Several SM counts per rank, so that a rank has more blocks than
+its rings have slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -138,3 +141,45 @@ def test_a_source_that_never_reads_its_partials_is_named_by_its_expert_host(monk
             group.synchronize()
     finally:
         group.close()
+
+
+def _combine_with_absent(world: int, per_node: int, max_tokens: int, idx: list[torch.Tensor], absent: set[int]) -> str:
+    """Dispatch `idx` (bf16 rows of 128) on a receive-path group with two-slot rings, then a
+    combine with the ranks `absent` missing; returns the error the group raised."""
+    group = EmulatedGroup(world, 128, max_tokens, 2 * world, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
+                          ranks_per_node=per_node, data_path="receive", ring_chunks=RING)
+    try:
+        xs = [torch.randn(i.shape[0], 128).to(torch.bfloat16) for i in idx]
+        res = group.dispatch(xs, idx)
+        group.synchronize()
+        with ranks_absent(group, absent):
+            group.combine([r.tokens for r in res], [r.handle for r in res])
+        with pytest.raises(RuntimeError) as err:
+            group.synchronize()
+        return str(err.value)
+    finally:
+        group.close()
+
+
+def test_a_forwarder_that_never_reads_is_named_by_the_expert_host(monkeypatch):
+    """Two nodes of two ranks: rank 0's 256 tokens all go to rank 3's experts (node 1), whose
+    partials of them go to rank 0's rail peer there, rank 2. With ranks 0-2 missing from the
+    combine, rank 3 fills rank 2's forwarding ring and gives up waiting for rank 2 to free the
+    slot of chunk 0. (Nothing else waits: rank 3 has no tokens, and rank 1, which has to signal
+    every chunk of rank 0 too, rows or none, is missing.)"""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    empty = torch.zeros(0, 2, dtype=torch.int64)
+    message = _combine_with_absent(4, 2, 256, [torch.tensor([[6, 7]] * 256), empty, empty, empty], {0, 1, 2})
+    assert re.search(r"rank 3 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 2 on node 1 in the "
+                     rf"combine's forwarding ring .*\(call 1, expected {(1 << 32) | 1}, saw 0\)", message), message
+
+
+def test_a_source_that_never_reads_its_node_partials_is_named_by_its_forwarder(monkeypatch):
+    """Two nodes of one rank: rank 0's 256 tokens all go to rank 1's experts; rank 1 forwards
+    their node partials back. With rank 0 missing from the combine, rank 1 puts chunks 0 and 1
+    and gives up waiting for rank 0 to free the node-partial slot of chunk 0, by RDMA."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    message = _combine_with_absent(2, 1, 256, [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)],
+                                   {0})
+    assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 0 on node 0 in the "
+                     rf"combine's node-partial ring .*\(call 1, expected {(1 << 32) | 1}, saw 0\)", message), message

@@ -86,6 +86,27 @@ def test_outputs_are_not_held_and_the_arena_is_opt_in():
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
 
 
+@pytest.mark.parametrize("ring", [2, 8])
+def test_combine_rings_are_their_slots_whatever_max_tokens(ring):
+    """Several nodes: every combine ring (partials, forwarded partials, node partials out and in)
+    holds ring x 32 fp32 rows per peer, with a signal and a credit word per slot; 4096 or
+    65536 tokens per rank take the same bytes."""
+    sizes = []
+    for T in (4096, 65536):
+        cfg = BufferConfig(7168, T, 256, 64, 8, ring_chunks=ring).validate()
+        reg, rdma = registered_layout(cfg), rdma_layout(cfg)
+        row, W, N = 7168 * 4, 64, 8
+        regs, rd = reg.region_bytes(), rdma.region_bytes()
+        assert regs["comb_rows"] == regs["comb_fwd"] == W * ring * 32 * row
+        assert regs["comb_fwd_signal"] >= 8 * W * ring and regs["comb_credit"] >= 8 * W * ring
+        assert rd["comb_rows_out"] == rd["comb_rows_in"] == N * ring * 32 * row
+        assert rd["comb_signal"] >= 8 * N * ring and rd["comb_credit"] >= 8 * N * ring
+        sizes.append({k: regs[k] for k in ("comb_rows", "comb_fwd", "comb_fwd_signal", "comb_credit",
+                                           "combine_signal")} | {k: rd[k] for k in ("comb_rows_out", "comb_rows_in",
+                                                                                   "comb_signal", "comb_credit")})
+    assert sizes[0] == sizes[1]
+
+
 def test_info_offsets_are_contiguous():
     cfg = _cfg(W=6, E=36, G=6)
     il = info_layout(cfg)

@@ -17,12 +17,12 @@ when a static-size call with a bad route came to be completed without an abort (
 lines in layout.cuh, skeleton.cuh and state.cuh moved; no time changed); and when the layout
 kernel's instruction counts moved from layout.cuh into the timing tables (dev::plain_code: its
 sites 9 lines up, every time to the bit); and when the
-combine's partial sums moved into rings of chunk slots freed by the sources' credits (the
-receive combines -0.2 and -0.1 %, the two-node combine +0.9 % on these jobs, whose 2 to 3
-chunks per source fit in a ring); and when the receive rows moved into rings freed by credits
-and the send units were merged by chunk index (the receive dispatches +9.2 and +6.5 %, the
-two-node dispatch +26.2 % on these jobs). A change that
-means to change the times replaces the file and says so in its commit.
+combine's partial sums, forwarded partials and node partials moved into rings of chunk slots
+freed by their readers' credits (the receive combines -0.2 and -0.1 %, the two-node combine
++1.6 % on these jobs, whose 2 to 3 chunks per source fit in a ring); and when the receive
+rows and their RDMA staging moved into rings freed by credits and the send units were merged
+by chunk index (measured on the merged kernels: see the commit that last replaced the file).
+A change that means to change the times replaces the file and says so in its commit.
 """
 
 from __future__ import annotations

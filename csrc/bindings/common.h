@@ -306,8 +306,8 @@ inline void bind_common(py::module_& m) {
           RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)
               RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes) RW(RdmaLayout, disp_meta_out)
                   RW(RdmaLayout, disp_meta_in) RW(RdmaLayout, disp_rows_out) RW(RdmaLayout, disp_rows_in)
-                      RW(RdmaLayout, disp_credit) RW(RdmaLayout, comb_signal) RW(RdmaLayout, comb_rows_out)
-                          RW(RdmaLayout, comb_rows_in) RW(RdmaLayout, total);
+                      RW(RdmaLayout, disp_credit) RW(RdmaLayout, comb_signal) RW(RdmaLayout, comb_credit)
+                          RW(RdmaLayout, comb_rows_out) RW(RdmaLayout, comb_rows_in) RW(RdmaLayout, total);
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens) RW(InfoLayout, recv_offset)

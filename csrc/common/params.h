@@ -182,9 +182,10 @@ struct RegLayout {
                              // q-th of the chunk's receive slots at d; sized for fp32 rows
   uint64_t comb_stride;      // bytes per row at the widest wire dtype (fp32): the region's size
   uint64_t comb_fwd;         // partial sums for sources on other nodes, written by the ranks of this node
-                             // when this rank is the source's rail peer here: [N source node][G writer]
-                             // [max_tokens] rows in the wire dtype (packed), indexed by the writer's slot
-  uint64_t comb_fwd_signal;  // u64 [N][G][max_chunks]: writer g stored its partials of chunk c (epoch)
+                             // when this rank is the source's rail peer here: a ring per (source node,
+                             // writer g): [N][G][comb ring][kChunkTokens] rows in the wire dtype (packed),
+                             // chunk c in slot c % ring, row q the q-th of the chunk's receive slots at g
+  uint64_t comb_fwd_signal;  // u64 [N][G][comb ring]: writer g stored its partials of chunk c (ring_tag)
   uint64_t comb_credit;      // u64 [W][comb ring]: the reader of this rank's partial ring for source s (s, or
                              // its rail peer on this node) has read chunk c from slot c % ring (ring_tag)
   // The direct path (a single node whose ranks can address each other's tensors: sources write
@@ -242,9 +243,13 @@ struct RdmaLayout {
   uint64_t disp_rows_in;      // [N][ring_chunks * kChunkTokens] rows from the rail peer on node n
   uint64_t disp_credit;       // u64 [N][ring_chunks]: the rail peer on node n forwarded this rank's staged chunk c
                               // from the slot, (epoch << 32) | (c + 1): both ends of the slot are free again
-  uint64_t comb_signal;       // u64 [N][max_chunks]: the node partials of chunk c from node n arrived (epoch)
-  uint64_t comb_rows_out;     // [N][max_chunks * kChunkTokens] node partials staged for the source on node n
-  uint64_t comb_rows_in;      // [N][max_chunks * kChunkTokens] node partials from node n (wire dtype, packed)
+  uint64_t comb_signal;       // u64 [N][comb ring]: the node partials of chunk c from node n arrived (ring_tag)
+  uint64_t comb_credit;       // u64 [N][comb ring]: the source on node n read the node partials of chunk c
+                              // this rank put it (ring_tag): slot c % ring is free here and there
+  uint64_t comb_rows_out;     // [N][comb ring * kChunkTokens] node partials staged for the source on node n:
+                              // chunk c at slots (c % ring) * kChunkTokens + q, q the token's ordinal among
+                              // the chunk's tokens for this node
+  uint64_t comb_rows_in;      // [N][comb ring * kChunkTokens] node partials from node n (wire dtype, packed)
   uint64_t total;
 };
 

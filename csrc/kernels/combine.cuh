@@ -41,30 +41,38 @@
 // a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
 // lets peers write the next combine's partials.
 //
-// Rings. An expert host's partials of a source on its node go through a bounded ring of
-// R = comb_ring chunk slots (BufferConfig.ring_chunks, at most the largest source's chunks),
-// whatever max_tokens and the routing: those of chunk c of source s to slot c % R of the ring it
-// fills in s's comb_rows (row q: the q-th of the chunk's receive slots at the host). A slot's
-// signal word and credit word hold ring_tag(epoch, c) of its latest chunk. The reader (the
-// source's load warp), once the bulk loads of a chunk landed in shared memory, stores the
-// chunk's tag into the credit word in the writer's buffer (a system-scope release through the
-// peer pointer), and the writer of chunk c >= R first waits until its credit word holds the tag
-// of chunk c - R (kPhasePartialRing); chunks c < R wait for nothing, the call's flow control
-// (done_combine) freed every slot. Every chunk waits, rows or none, so a slot's chunks follow
-// each other in order (write c - R, signal, read, credit, write c, ...) and its words only grow.
+// Rings. Partials go through bounded rings of R = comb_ring chunk slots (BufferConfig.
+// ring_chunks, at most the largest source's chunks), whatever max_tokens and the routing: an
+// expert host's partials of chunk c of source s to slot c % R of the ring it fills for s (row q:
+// the q-th of the chunk's receive slots at the host), in s's comb_rows or, for a source on
+// another node, in s's rail peer's comb_fwd; the forwarder's node partials of chunk c to slot
+// c % R of its comb_rows_out, and by the put to the same slot of the source's comb_rows_in. A
+// slot's signal word and credit word hold ring_tag(epoch, c) of its latest chunk. The reader of a
+// ring (a source's or forwarder's load warp), once the bulk loads of a chunk landed in shared
+// memory, stores the chunk's tag into the credit word in the writer's memory (NVLink: a
+// system-scope release through the peer pointer; RDMA: the transport's signal), and the writer of
+// chunk c >= R first waits until its credit word holds the tag of chunk c - R (kPhasePartialRing,
+// kPhaseForwardRing; the forwarder's load warp, before the chunk whose node partials its
+// reducers will write: kPhaseNodePartRing). Chunks c < R wait for nothing: the call's flow
+// control (done_combine) freed every slot. Every chunk waits, rows or none, so a slot's chunks
+// follow each other in order (write c - R, signal, read, credit, write c, ...) and its words only
+// grow. One credit of the source frees a node-partial slot at both ends: its comb_rows_in (it
+// read the node partials) and the forwarder's comb_rows_out (the put that delivered them had
+// read them).
 //
 // No cycle of waits (R >= 2 where a ring turns over; the tests run R = 2). Number the events of
 // chunk k: host(k) = 3k (an expert host stores and signals its partials of chunk k), fwd(k) =
 // 3k + 1 (a forwarder reads a forwarded chunk's partials, sums and puts them), own(k) =
 // 3(k + lag) + 2 (the source reads and sums chunk k), lag = min(blocks, R - 1): own chunk k
 // comes after the forwarded chunks up to k + lag (SourceSideChunks). Each event waits only for
-// lower numbers: host(k) for the credit of own(k - R) = 3(k - R + lag) + 2 <= 3k - 1; fwd(k) for
-// host(k); own(k) for host(k) and fwd(k). Each warp's work list is monotone in that number: the
-// host warps walk (source, chunk) chunk-major, the source load warp forwarded chunk k before own
-// chunk k - lag. And no warp holds back what a lower number needs while it waits: the host store
-// warp signals every chunk it stored before it waits for a credit, the source load warp sends
-// the credits of the chunks it loaded (after they landed, which needs no peer) before it waits
-// for a peer, and the reducers and the put warp wait only inside the block.
+// lower numbers: host(k) for the credit of own(k - R) = 3(k - R + lag) + 2 <= 3k - 1 or of
+// fwd(k - R) = 3k - 3R + 1; fwd(k) for host(k) and for the credit of own(k - R) <= 3k - 1; own(k)
+// for host(k) and fwd(k). Each warp's work list is monotone in that number: the host warps walk
+// (source, chunk) chunk-major, the source load warp forwarded chunk k before own chunk k - lag.
+// And no warp holds back what a lower number needs while it waits: the host store warp signals
+// every chunk it stored before it waits for a credit, the source load warp sends the credits of
+// the chunks it loaded (after they landed, which needs no peer) before it waits for a peer, and
+// the reducers and the put warp wait only inside the block.
 #include "common/state.cuh"
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
@@ -197,29 +205,33 @@ struct Combine : KernelCall {
     return reinterpret_cast<uint64_t*>(view.base(w) + reg.comb_credit) + static_cast<int64_t>(s) * ring_slots +
            c % ring_slots;
   }
-  // Partials for a source on another node go to its rail peer f on this node: rows of writer
-  // (source node, local index of the writer) in f's comb_fwd area, at the writer's slot.
+  // Partials for a source on another node go to its rail peer f on this node: the ring of writer
+  // (source node, local index of the writer) in f's comb_fwd area.
   __device__ int64_t fwd_writer(int s, int writer) const {
     return static_cast<int64_t>(h.topo.node(s)) * h.topo.G + h.topo.local(writer);
   }
-  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int64_t slot) const {
-    return view.base(f) + reg.comb_fwd + (writer_index * Tmax + slot) * C * wire_bytes;
+  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int64_t row) const {
+    return view.base(f) + reg.comb_fwd + (writer_index * ring_slots * kChunkTokens + row) * C * wire_bytes;
   }
   __device__ uint64_t* fwd_signal(int f, int64_t writer_index, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) +
-           writer_index * static_cast<int64_t>(reg.max_chunks) + c;
+    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) + writer_index * ring_slots + c % ring_slots;
   }
-  // Where this rank, as expert host, stores its partial of (source s, slot) and signals chunk c.
-  __device__ uint8_t* host_target(int s, int64_t slot) const {
-    if (h.topo.same_node(s, a.rank)) return partial(s, a.rank, slot);
-    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), slot);
+  // Where this rank, as expert host, stores its partial of (source s, ring row) and signals chunk c.
+  __device__ uint8_t* host_target(int s, int64_t row) const {
+    if (h.topo.same_node(s, a.rank)) return partial(s, a.rank, row);
+    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), row);
   }
   __device__ uint64_t* host_signal(int s, int c) const {
     if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
     return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
   }
-  __device__ uint64_t host_signal_value(int s, int c) const {
-    return h.topo.same_node(s, a.rank) ? ring_tag(epoch, c) : epoch;
+  // The RDMA region's node-partial rings: the word of chunk c of node n's ring (signal, credit),
+  // and the byte offset of its ring row.
+  __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
+    return area + (static_cast<uint64_t>(n) * ring_slots + c % ring_slots) * 8;
+  }
+  __device__ uint64_t node_row_off(uint64_t area, int n, int64_t row) const {
+    return area + (static_cast<uint64_t>(n) * ring_slots * kChunkTokens + row) * C * wire_bytes;
   }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
@@ -262,12 +274,9 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
       tab.routes[lane] = n;
     }
     __syncwarp();
-    const bool same_node = d.h.topo.same_node(s, d.a.rank);
     for (int r = 0; r < rows && ok && lane == 0; ++r) {
       const int n = tab.routes[r];
-      // where the partial goes: row r of the chunk's slot of the source's ring (same node), or the
-      // row's receive slot in the rail peer's comb_fwd
-      const int32_t to = same_node ? d.ring_row(c, r) : first + r;
+      const int32_t to = d.ring_row(c, r);  // row r of the chunk's slot of the ring this rank fills for s
       for (int g = 0; g < d.segments && ok; ++g) {
         const int col0 = g * d.seg_cols;
         const PartItem head{s, to, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
@@ -335,7 +344,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     int kept = 0;
     for (int i = 0; i < npend; ++i) {
       if (pend_g[i] <= upto_group) {
-        dev::st_release_sys(d.host_signal(pend_s[i], pend_c[i]), d.host_signal_value(pend_s[i], pend_c[i]));
+        dev::st_release_sys(d.host_signal(pend_s[i], pend_c[i]), ring_tag(d.epoch, pend_c[i]));
       } else {
         pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
         ++kept;
@@ -350,8 +359,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     d.span(s, c, first, rows);
     // every chunk, rows or none, waits for its slot: the slot's signal and credit words then
     // take the chunks c - ring, c, c + ring, ... in order
-    if (c >= d.ring_slots && d.h.topo.same_node(s, d.a.rank) &&
-        !host_slot_free(d, s, c, [&] { signal_through(queue.groups(), 0); })) {
+    if (c >= d.ring_slots && !host_slot_free(d, s, c, [&] { signal_through(queue.groups(), 0); })) {
       d.stop();
       break;
     }
@@ -408,8 +416,12 @@ __device__ void send_credits(const Combine<Rdma>& d, const SourceCredits::Chunk&
   const uint64_t tag = ring_tag(d.epoch, k.chunk);
   const int first = h.first_local();
   const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
-  if (k.node != h.node) return;  // forwarded chunks: comb_fwd has no ring yet
   for (int g = 0; g < h.topo.G; ++g) dev::st_release_sys(d.credit(first + g, source, k.chunk), tag);
+  if (k.node != h.node) return;
+  // and an own chunk's node partials to the rail peer of every other node, whose staged slot is
+  // free too (the put that delivered them has read them)
+  for (int n = 0; n < h.topo.N; ++n)
+    if (n != h.node) h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), tag);
 }
 
 // Sends the credits of the pending chunks, oldest first, whose loads landed: those already seen
@@ -466,7 +478,6 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
-  const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
   SrcTable& tab = d.sh.src_table;
   const uint64_t tag = ring_tag(d.epoch, c);
   bool ok = true;
@@ -475,8 +486,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
       for (int g = 0; g < G; ++g)
         if (dev::ld_relaxed_sys(d.comb_signal(d.a.rank, first + g, c)) < tag) return false;
       for (int n = 0; n < N; ++n)
-        if (n != h.node && dev::ld_relaxed_sys(h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0)) < d.epoch)
-          return false;
+        if (n != h.node && dev::ld_relaxed_sys(h.flag(d.node_word_off(h.R.comb_signal, n, c), 0)) < tag) return false;
       return true;
     });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
@@ -484,15 +494,15 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                          d.epoch);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
-        ok = wait_at_least(d.args, h.flag(h.chunk_flag_off(h.R.comb_signal, n, c), 0), d.epoch, kPhaseRdmaPartials,
-                           d.a.rank, h.rail_peer(n), d.epoch);
+        ok = wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0), tag, kPhaseRdmaPartials, d.a.rank,
+                           h.rail_peer(n), d.epoch);
   }
   if (!warp_uniform(ok)) return false;
   const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
   // Token t's partials: one per expert host of this node (at row q of the chunk's slot of that
   // host's ring, q its ordinal among the chunk's tokens for that host: the chunk's receive slots
-  // there are consecutive), one per other node it reached (at its staged slot there: the
-  // chunk's slot c * chunk plus its ordinal among the chunk's tokens for that node).
+  // there are consecutive), one per other node it reached (at row q of the chunk's slot of that
+  // node's ring, q its ordinal among the chunk's tokens for that node).
   int parts = 0;
   const bool mine = t < t1;
   const int32_t* slots = send_slot + static_cast<int64_t>(mine ? t : t0) * d.W;
@@ -511,7 +521,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
       tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
-      tab.slot[lane][parts++] = c * d.chunk + __popc(mask & ((1u << lane) - 1u));
+      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
     }
   }
   if (t < t1) tab.parts[lane] = parts;
@@ -526,7 +536,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                       [&](int j, float&) -> const uint8_t* {
                         const int from = tab.from[i][j], slot = tab.slot[i][j];
                         if (from < kNodePart) return d.partial(d.a.rank, first + from, slot);
-                        return h.rdma.local(h.staged_off(h.R.comb_rows_in, from - kNodePart, slot, row_b));
+                        return h.rdma.local(d.node_row_off(h.R.comb_rows_in, from - kNodePart, slot));
                       });
     }
   }
@@ -535,42 +545,54 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
 }
 
 // Warp 6, chunk c it forwarded from node n in the dispatch (several nodes; the handle keeps
-// fwd_rows, fwd_slots): lane 0 waits until every rank of this node stored its partials of it;
-// lane q lists row q's partials (one per rank of this node that hosts the token's routes, in
-// rank order: the order of the sum); lane 0 loads them, row by row and segment by segment,
-// tagged (FwdTag) for the reducers. A chunk without rows is one stage without bytes, so that
-// its signal is put too. Warp-uniform; false on a stop.
+// fwd_rows, fwd_slots): lane 0 waits until the source freed the chunk's node-partial slot (from
+// the ring's second turn on) and every rank of this node stored its partials of it; lane q lists
+// row q's partials (one per rank of this node that hosts the token's routes, in rank order: the
+// order of the sum); lane 0 loads them, row by row and segment by segment, tagged (FwdTag) for
+// the reducers, and notes the chunk's credits. A chunk without rows is one stage without bytes,
+// so that its signal is put too. Warp-uniform; false on a stop.
 template <typename Rdma>
 __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, PipeState& produced,
                                    SourceCredits& credits, int n, int c, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
+  const uint64_t tag = ring_tag(d.epoch, c);
+  // chunk c >= ring takes the node-partial slot of chunk c - ring: the source must have read that
+  // one (its credit), before the reducers write this chunk's node partials there
+  const uint64_t* credit = c >= d.ring_slots ? h.flag(d.node_word_off(h.R.comb_credit, n, c), 0) : nullptr;
+  const uint64_t freed = ring_tag(d.epoch, c - d.ring_slots);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
+      if (credit && dev::ld_relaxed_sys(credit) < freed) return false;
       for (int g = 0; g < G; ++g)
-        if (dev::ld_relaxed_sys(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c)) < d.epoch) return false;
+        if (dev::ld_relaxed_sys(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c)) < tag) return false;
       return true;
     });
+    if (ok && credit) ok = wait_at_least(d.args, credit, freed, kPhaseNodePartRing, d.a.rank, h.rail_peer(n), d.epoch);
     for (int g = 0; g < G && ok; ++g)
-      ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch,
-                         kPhaseNodePartials, d.a.rank, first + g, d.epoch);
+      ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), tag, kPhaseNodePartials,
+                         d.a.rank, first + g, d.epoch);
   }
   if (!warp_uniform(ok)) return false;
   const int rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
   const int64_t slot0 = static_cast<int64_t>(c) * d.chunk;
-  if (lane < rows) {
-    const int32_t* slots =
-        reinterpret_cast<const int32_t*>(d.a.fwd_slots) + (static_cast<int64_t>(n) * h.staged + slot0 + lane) * G;
-    int parts = 0;
-    for (int g = 0; g < G; ++g)
-      if (slots[g] >= 0) {
-        tab.from[lane][parts] = static_cast<int8_t>(g);
-        tab.slot[lane][parts++] = slots[g];
-      }
-    tab.parts[lane] = parts;
+  // Row q's partials: one per rank g of this node that hosts the token's routes, at row p of the
+  // chunk's slot of g's ring, p the row's ordinal among the chunk's rows for g (their receive
+  // slots at g are consecutive).
+  int parts = 0;
+  const int32_t* slots =
+      reinterpret_cast<const int32_t*>(d.a.fwd_slots) + (static_cast<int64_t>(n) * h.staged + slot0 + lane) * G;
+  for (int g = 0; g < G; ++g) {
+    const bool goes = lane < rows && slots[g] >= 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    if (goes) {
+      tab.from[lane][parts] = static_cast<int8_t>(g);
+      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+    }
   }
+  if (lane < rows) tab.parts[lane] = parts;
   __syncwarp();
   if (lane == 0) dev::fence_proxy_async();  // the partials are read by bulk loads below
   for (int q = 0; q < max(rows, 1) && ok && lane == 0; ++q) {
@@ -584,6 +606,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
                       });
     }
   }
+  if (lane == 0 && ok) ok = note_credits(d, ring, credits, produced, n, c);
   return warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
 }
 
@@ -612,7 +635,6 @@ template <typename Rdma, typename Out, typename Wire>
 __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring& put, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
   const Hierarchy<Rdma>& h = d.h;
-  const uint32_t row_b = static_cast<uint32_t>(d.C) * d.wire_bytes;
   PipeState produced;
   reduce_parts<Wire>(d, ring, d.sh.src_items, d.src_in, gt, lane, [&](const SegmentAcc<Wire>& acc, const PartItem& it) {
     if (!FwdTag::is(it.slot)) {
@@ -620,9 +642,8 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
       return true;
     }
     const FwdTag f = FwdTag::of(it.slot);
-    const int64_t slot = static_cast<int64_t>(it.row) * d.chunk + f.q;
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(h.staged_off(h.R.comb_rows_out, f.node, slot, row_b)) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, d.ring_row(it.row, f.q))) +
                                    static_cast<int64_t>(it.col0) * d.wire_bytes,
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) return true;
@@ -637,9 +658,9 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
 }
 
 // Warp 11 with several nodes: each chunk this block forwards (as many as forwarded_chunks'
-// units it takes), once the reducers wrote its node partials into the staging area (the
-// layout of the dispatch's staging: slot c * kChunkTokens + q), put to the source on the other
-// node with the chunk's signal (also for no rows).
+// units it takes), once the reducers wrote its node partials into the chunk's slot of the
+// node-partial ring (row q: the q-th of the chunk's tokens for this node), put to the same slot
+// of the source on the other node with the chunk's signal (also for no rows).
 template <typename Rdma>
 __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
   const Hierarchy<Rdma>& h = d.h;
@@ -651,11 +672,11 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
     const FwdPut it = d.sh.put_items[p.stage];
     __syncwarp();
     if (lane == 0) put.consumer_release(p);
-    const int64_t slot0 = static_cast<int64_t>(it.chunk) * d.chunk;
-    h.rdma.put_signal(lane, h.rail_peer(it.node), h.staged_off(h.R.comb_rows_in, h.node, slot0, row_b),
-                      h.rdma.local(h.staged_off(h.R.comb_rows_out, it.node, slot0, row_b)),
-                      static_cast<uint64_t>(it.rows) * row_b, h.chunk_flag_off(h.R.comb_signal, h.node, it.chunk),
-                      d.epoch);
+    const int64_t row0 = d.ring_row(it.chunk, 0);
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, row0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)),
+                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk),
+                      ring_tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }

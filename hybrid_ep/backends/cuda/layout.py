@@ -124,10 +124,11 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     # credit in the writer's comb_credit), whatever max_tokens and the routing.
     fields["comb_rows"] = take(W * ring * CHUNK_TOKENS * fields["comb_stride"])
     # With several nodes: partials of sources on other nodes, from this node's ranks, when this
-    # rank is the source's rail peer here ([N][G][Tmax] rows), and their per-chunk signals.
+    # rank is the source's rail peer here (a ring per source node and writer: [N][G][ring] chunk
+    # slots), and their signals.
     forwarding = N > 1
-    fields["comb_fwd"] = take(W * Tmax * fields["comb_stride"] if forwarding else 0)
-    fields["comb_fwd_signal"] = take(8 * W * fields["max_chunks"] if forwarding else 0)
+    fields["comb_fwd"] = take(W * ring * CHUNK_TOKENS * fields["comb_stride"] if forwarding else 0)
+    fields["comb_fwd_signal"] = take(8 * W * ring if forwarding else 0)
     fields["comb_credit"] = take(8 * W * ring)
     # The direct path: this rank's published tensors of a dispatch and a combine, the first
     # output row of each (source, local expert), and each source's completion per kernel.
@@ -157,6 +158,7 @@ class RdmaLayout:
     disp_rows_in: int
     disp_credit: int
     comb_signal: int
+    comb_credit: int
     comb_rows_out: int
     comb_rows_in: int
     total: int
@@ -164,6 +166,7 @@ class RdmaLayout:
     def region_bytes(self) -> dict[str, int]:
         order = ["count_epoch", "count_out", "count_in", "done_dispatch", "done_combine", "disp_signal",
                  "disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit", "comb_signal",
+                 "comb_credit",
                  "comb_rows_out", "comb_rows_in"]
         starts = [getattr(self, name) for name in order] + [self.total]
         return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
@@ -171,16 +174,16 @@ class RdmaLayout:
 
 def rdma_layout(config: BufferConfig) -> RdmaLayout:
     """The dispatch's staging is a ring per node, [node][ring_chunks] chunk slots of
-    CHUNK_TOKENS rows and a chunk's routing, and its credit words, whatever the routing; the
-    combine's areas are indexed [source node][chunk * CHUNK_TOKENS + q]. The areas for this
-    rank's own node stay unused, which keeps every offset the same on every rank."""
+    CHUNK_TOKENS rows and a chunk's routing, and its credit words; the combine's node partials a
+    ring per node too, [node][(chunk % ring) * CHUNK_TOKENS + q], with a signal and a credit word
+    per slot; whatever the routing. The areas for this rank's own node stay unused, which keeps
+    every offset the same on every rank."""
     W, N, G = config.world_size, config.num_nodes, config.ranks_per_node
     H = config.hidden_dim
     reg = registered_layout(config)
     if N == 1:
         return RdmaLayout(**{f.name: 0 for f in dataclasses.fields(RdmaLayout)})
     chunks = reg.max_chunks
-    staged = chunks * CHUNK_TOKENS
     row_ints = _round_up(reg.count_row_ints, 4)
     scale_cols = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 0
     take = _Regions().take
@@ -200,9 +203,12 @@ def rdma_layout(config: BufferConfig) -> RdmaLayout:
     f["disp_rows_out"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
     f["disp_rows_in"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
     f["disp_credit"] = take(8 * N * ring)
-    f["comb_signal"] = take(8 * N * chunks)
-    f["comb_rows_out"] = take(N * staged * reg.comb_stride)
-    f["comb_rows_in"] = take(N * staged * reg.comb_stride)
+    # Node partials: a ring of `ring` chunk slots per node, freed by the source's credits.
+    ring = comb_ring(config)
+    f["comb_signal"] = take(8 * N * ring)
+    f["comb_credit"] = take(8 * N * ring)
+    f["comb_rows_out"] = take(N * ring * CHUNK_TOKENS * reg.comb_stride)
+    f["comb_rows_in"] = take(N * ring * CHUNK_TOKENS * reg.comb_stride)
     f["total"] = take(0)
     return RdmaLayout(**f)
 
