@@ -48,7 +48,7 @@ def memory_line(plan: hybrid_ep.MemoryPlan, config) -> str:
     head = (f"hybrid_ep dispatcher: {plan.backend} buffer for EP {config.world_size} "
             f"({nodes} node{'s' if nodes > 1 else ''} x {config.ranks_per_node}), "
             f"{config.max_tokens_per_rank} tokens/rank, holds {size(plan.registered_bytes)} per GPU")
-    tail = f"; per call up to {size(plan.workspace_bytes)}"
+    tail = f"; per call <= {size(plan.workspace_bytes)}"
     held = sorted((b for b in plan.buffers if b.registered and b.nbytes), key=lambda b: -b.nbytes)
     for shown in range(len(held), -1, -1):
         parts = [f"{b.name} {size(b.nbytes)}" for b in held[:shown]]

@@ -296,3 +296,42 @@ def test_buffer_api_across_gpus_of_one_node():
     with ProcessGroupPool(world, backend="nccl") as pool:
         for case in _buffer_cases(world):
             check_case(pool, case)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_deepseek_v3_layer_at_ep8_fits_one_gpu_with_default_settings(dtype, path):
+    """The shape users run: E=256, top-8, H=7168, 4096 tokens per rank, all eight ranks'
+    buffers on one 80 GB GPU with default settings (no arena, default rings), against the
+    oracle. What the buffers hold is memory_plan()'s, and each rank's is under 1 GB."""
+    from hybrid_ep.backends.cuda.backend import memory_plan
+
+    case = _case(8, hidden=7168, topk=8, num_experts=256, tokens=(4096,) * 8, dtype=dtype)
+    assert memory_plan(case.config).held_bytes <= 1e9
+    group_for.clear()  # the cache's other groups share the GPU
+    before = torch.cuda.memory_allocated()
+    group = group_for(case, data_path=path)
+    assert group.buffers.allocation_bytes == memory_plan(group.config).held_bytes
+    check_emulated(group, case)
+    group_for.clear()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+
+
+def test_dispatch_outputs_return_to_pytorchs_allocator():
+    """The direct path's outputs are ordinary tensors from PyTorch's caching allocator: the
+    bytes torch counts as allocated grow by the call's outputs and come back when they die."""
+    case = _case(4, hidden=2048, topk=8, num_experts=16, tokens=(1024,) * 4)
+    group = group_for(case)
+    dev = group.device
+    xs, idx, weights, _ = on_device(make_rank_inputs(case), dev)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    res = group.dispatch(xs, idx, weights)
+    group.synchronize()
+    assert res[0].handle.data_path == "direct"
+    rows = sum(r.tokens.shape[0] for r in res)
+    assert torch.cuda.memory_allocated(dev) >= before + rows * 2048 * 2  # the rows, at least
+    del res
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(dev) <= before + (1 << 20)  # a workspace may stay for reuse

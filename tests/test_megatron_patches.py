@@ -371,7 +371,7 @@ def test_startup_line_reports_held_bytes_by_region():
     assert [name for name, _ in shown] == [b.name for b in held[:len(shown)]] and len(shown) >= 3
     assert [value for _, value in shown] == [size(b.nbytes) for b in held[:len(shown)]]
     assert f"+{len(held) - len(shown)} more" in line
-    assert line.endswith(f"; per call up to {size(plan.workspace_bytes)}")
+    assert line.endswith(f"; per call <= {size(plan.workspace_bytes)}")
 
 
 def test_buffer_creation_logs_the_line(single_rank_group, caplog):
@@ -387,5 +387,5 @@ def test_buffer_creation_logs_the_line(single_rank_group, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_patches.buffers"]
     assert lines == [buffers.memory_line(buf.memory_plan(), buf.config)]
     assert lines[0].startswith("hybrid_ep dispatcher: reference buffer for EP 1 (1 node x 1), 16 tokens/rank, "
-                               "holds 0 B per GPU; per call up to ")
+                               "holds 0 B per GPU; per call <= ")
     assert len(lines[0]) < 200

@@ -52,6 +52,12 @@ class GroupCache:
             self._key = key
         return self._group
 
+    def clear(self) -> None:
+        """Close the live group, if any: its registered buffers go back to the device."""
+        if self._group is not None:
+            self._group.close()
+        self._key, self._group = None, None
+
 
 def on_device(inputs: list[dict], dev) -> tuple[list, list, list, list]:
     """(x, topk_idx, topk_weights, scales) of every rank, moved to dev (scales may be None)."""
