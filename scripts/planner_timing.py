@@ -1,6 +1,6 @@
 """Planning time of the checkout this script is run from, on one of the benchmark's timing loads.
 
-`python -m hybrid_ep.balancer.study.quality` times the planner once per run and pattern; on a
+`python -m tools.balancer_study.quality` times the planner once per run and pattern; on a
 shared machine one slow period moves those medians. Two versions compare better
 timed in turns, each in its own process, several rounds:
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, args.repo)
     from hybrid_ep.balancer.planner import plan_placement
-    from hybrid_ep.balancer.study.quality import PATTERNS, sample_load
+    from tools.balancer_study.quality import PATTERNS, sample_load
 
     W, N, S = args.ranks, args.ranks // 8, args.slots
     if args.pattern not in PATTERNS:

@@ -1,4 +1,4 @@
-"""`python -m hybrid_ep.balancer.study.quality`: the planner against EPLB and a greedy baseline.
+"""`python -m tools.balancer_study.quality`: the planner against EPLB and a greedy baseline.
 
 Loads: per layer, token counts drawn from a popularity (multinomial over top-K routes, or
 Gumbel top-K routing for the `topk-` patterns). Patterns: Zipf s = 0.6 .. 1.4 (random
@@ -42,11 +42,12 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ...paths import output_problem
-from ...synthetic import sample_topk, zipf_popularity
-from ..metrics import imbalance_ratio, rank_loads
-from ..placement import Placement
-from ..planner import DEFAULT_TOLERANCE, peak, plan_placement
+from hybrid_ep.balancer.metrics import imbalance_ratio, rank_loads
+from hybrid_ep.balancer.placement import Placement
+from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, peak, plan_placement
+from hybrid_ep.paths import output_problem
+from hybrid_ep.synthetic import sample_topk, zipf_popularity
+
 from .baselines import eplb, greedy
 from .refit_bound import refit_lower_bound
 
@@ -503,7 +504,7 @@ def plot(doc: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hybrid_ep.balancer.study.quality", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.balancer_study.quality", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -558,7 +559,7 @@ def main(argv=None) -> int:
                      f"--time-ranks ({args.time_ranks})")
     torch.set_num_threads(1)
     doc = {"date": datetime.date.today().isoformat(), "machine": args.machine,
-           "command": shlex.join(["python", "-m", "hybrid_ep.balancer.study.quality"]
+           "command": shlex.join(["python", "-m", "tools.balancer_study.quality"]
                                  + list(sys.argv[1:] if argv is None else argv)),
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "machine")}}
     doc["timing"] = timing(args)
