@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -49,6 +48,7 @@ from hybrid_ep.paths import output_problem
 from hybrid_ep.synthetic import sample_topk, zipf_popularity
 
 from .baselines import eplb, greedy
+from .pages import write_page
 from .refit_bound import refit_lower_bound
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
@@ -567,14 +567,7 @@ def main(argv=None) -> int:
     doc["patterns"] = summarize_patterns(doc["cases"], args.move_target)
     doc["tolerance_sweep"] = summarize_sweep(doc["cases"], args.move_target)
     doc["move_budget"] = summarize_budget(doc["cases"])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "balancer_planner.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.join(args.out, "balancer_planner.md"), "w") as f:
-        f.write(markdown(doc))
-    plot(doc, os.path.join(args.out, "balancer_planner.png"))
-    print(markdown(doc))
-    print(f"wrote {args.out}/balancer_planner.json, .md and .png")
+    write_page(doc, args.out, "balancer_planner", markdown, plot)
     return 0
 
 
