@@ -216,3 +216,18 @@ def test_traffic_cli_routes_through_a_placement(tmp_path, capsys):
     with pytest.raises(SystemExit):
         traffic_main(common[:2] + ["--ranks-per-node", "2"] + common[4:] + ["--placement", path])
     assert "--placement" in capsys.readouterr().err
+
+
+def test_destination_counts_equal_the_models_count_tables():
+    from hybrid_ep.config import BufferConfig
+    from hybrid_ep.traffic.model import count_tables
+    from hybrid_ep.traffic.placement import destination_counts
+
+    W, G, S = 8, 4, 96
+    gen = torch.Generator().manual_seed(0)
+    idx = [torch.stack([torch.randperm(S, generator=gen)[:K] for _ in range(t)]) if t else torch.zeros(0, K).long()
+           for t in (30, 0, 17, 25, 30, 2, 9, 30)]
+    idx[0][::3, 1] = -1  # dropped routes
+    want = count_tables(idx, BufferConfig(128, 30, S, W, G).validate())
+    got = destination_counts(idx, S, W, G)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -527,6 +527,17 @@ Slots node_start(const int64_t* previous, int C, const std::vector<int>& experts
 
 }  // namespace
 
+void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off) {
+  const Layout l = layout_of(slots.data(), E, static_cast<int>(slots.size()), N);
+  const std::vector<double> rank = rank_loads(load, l, slots, W);
+  const double total = std::accumulate(load, load + E, 0.0);
+  const double peak = *std::max_element(rank.begin(), rank.end()), mean = total / W;
+  *imbalance = mean > 0 ? (peak - mean) / mean : 0.0;
+  double away = 0.0;
+  for (int e = 0; e < E; ++e) away += off_home(load, l, e);
+  *off = total > 0 ? away / total : 0.0;
+}
+
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight) {
   return local_plan(load, E, S, N, W, rdma_weight, home_layout(E, N));
 }

@@ -68,6 +68,11 @@ Slots walk_back_to(const double* load, int E, int W, const Slots& previous, cons
 // and swaps of single-copy experts between the peak rank and other nodes (nodes.cpp).
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight);
 
+// A plan's two terms under the replica choice by locality: rank imbalance (max - mean) / mean
+// and the share of all routes served off their home node (hybrid_ep/balancer/metrics.py's
+// rank_loads with nodes=N and off_home, for the planner's own comparisons).
+void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off);
+
 // previous re-fitted node by node (load [L, E], previous, target and slots [L, S],
 // allowed_peak and reached [L]): a node layout (which nodes hold each expert) that of target
 // where given (not null), else previous's searched on as plan_local searches from the home

@@ -142,6 +142,22 @@ PYBIND11_MODULE(_planner, m) {
       },
       py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"), py::arg("rdma_weight"),
       "[L, S]: the node-aware plan for the replica choice by locality (planner.h)");
+  m.def(
+      "local_terms",
+      [](const Load& load, const Plan& plan, int N, int W) {
+        const int S = static_cast<int>(plan.shape(1));
+        check_sizes(load, S, N, W);
+        check_plan(plan, load, "plan");
+        const auto L = load.shape(0), E = load.shape(1);
+        py::array_t<double> imbalance(L), off(L);
+        const int64_t* p = plan.data();
+        for (py::ssize_t l = 0; l < L; ++l)
+          hb::local_terms(load.data() + l * E, static_cast<int>(E), W, N, hb::Slots(p + l * S, p + (l + 1) * S),
+                          imbalance.mutable_data() + l, off.mutable_data() + l);
+        return py::make_tuple(imbalance, off);
+      },
+      py::arg("load"), py::arg("plan"), py::arg("num_nodes"), py::arg("num_ranks"),
+      "([L] rank imbalance, [L] share of routes off their home node) under the replica choice by locality");
   m.def("keep_local", &keep_local, py::arg("load"), py::arg("previous"), py::arg("target"), py::arg("num_nodes"),
         py::arg("num_ranks"), py::arg("rdma_weight"), py::arg("keep_layout"), py::arg("allowed_peak"),
         py::arg("max_moves"),

@@ -213,7 +213,8 @@ def _plan(args) -> int:
     placement = _run_planner(load_LE, S, N, W, previous, kwargs)
     layer_numbers = numbers or list(range(1, L + 1))  # the table's labels
     local = args.rdma_weight is not None and N > 1
-    summary = summarize(load_LE, previous, placement, nodes=N if local else 1)
+    nodes = N if local else 1  # the replica choice the plan is for (metrics' load model)
+    summary = summarize(load_LE, previous, placement, nodes=nodes)
     summary["layer_numbers"] = layer_numbers
     if local:
         summary["node_bound_breaks"] = _node_bound_breaks(load_LE, placement, N, layer_numbers, args.topk,
@@ -236,8 +237,8 @@ def _plan(args) -> int:
         before = previous or Placement.identity(L, E, S, W, N)
         history = stats.get("history")
         paths = write_report(summary, args.report_dir,
-                             history=None if history is None else _history_per_rank(history, placement),
-                             history_before=None if history is None else _history_per_rank(history, before),
+                             history=None if history is None else _history_per_rank(history, placement, nodes),
+                             history_before=None if history is None else _history_per_rank(history, before, nodes),
                              layer_names=[f"layer {n}" for n in layer_numbers], bytes_per_slot=bytes_per_slot)
         for kind, path in paths.items():
             print(f"{kind}: {path}")
@@ -425,12 +426,12 @@ def _print_traffic(traffic: dict, has_previous: bool) -> None:
           f"({plan / ident if ident else float('nan'):.3f}x)")
 
 
-def _history_per_rank(history_TLE: np.ndarray, placement: Placement) -> np.ndarray:
-    """[T, L, W] tokens per rank of each interval under placement."""
+def _history_per_rank(history_TLE: np.ndarray, placement: Placement, nodes: int = 1) -> np.ndarray:
+    """[T, L, W] tokens per rank of each interval under placement (nodes: metrics.rank_loads')."""
     T, L, E = history_TLE.shape
     s2e = placement.slot_to_expert.repeat(T, 1)  # [T * L, S]
     ranks = rank_loads(torch.from_numpy(np.ascontiguousarray(history_TLE).reshape(T * L, E)), s2e,
-                       placement.num_ranks)
+                       placement.num_ranks, nodes=nodes)
     return ranks.view(T, L, placement.num_ranks).numpy()
 
 

@@ -32,7 +32,7 @@ from .knobs import (
     valid_rdma_weight,
     valid_tolerance,
 )
-from .metrics import imbalance_ratio, off_home, rank_loads
+from .metrics import rank_loads
 from .placement import Placement, check_sizes, expert_to_slots
 
 # Halvings of the allowed peak when a move budget binds: the interval ends 2**-6 of the way
@@ -125,12 +125,10 @@ def peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
 def objective(load_LE: np.ndarray, s2e_LS: np.ndarray, num_nodes: int, num_ranks: int,
               rdma_weight: float) -> tuple[np.ndarray, np.ndarray]:
     """([L] rank imbalance under the replica choice by locality, [L] rdma_weight x (routes
-    served off their home node) / (all routes)): the two terms the node-aware plan minimises."""
-    s2e = torch.from_numpy(np.ascontiguousarray(s2e_LS))
-    imbalance = imbalance_ratio(rank_loads(load_LE, s2e, num_ranks, nodes=num_nodes)).numpy()
-    total = load_LE.sum(1)
-    away = off_home(load_LE, s2e, num_nodes).sum(1).numpy()
-    return imbalance, rdma_weight * np.divide(away, total, out=np.zeros_like(away), where=total > 0)
+    served off their home node) / (all routes)): the two terms the node-aware plan minimises
+    (metrics.rank_loads with nodes=N and metrics.off_home, computed natively)."""
+    imbalance, off = _planner.local_terms(load_LE, np.ascontiguousarray(s2e_LS), num_nodes, num_ranks)
+    return imbalance, rdma_weight * off
 
 
 def _within(load_LE, s2e_LS, N, W, rdma_weight, goal) -> np.ndarray:
@@ -143,11 +141,11 @@ def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement
                 move_budget: float | None, rdma_weight: float) -> Placement:
     """The node-aware plan (plan_placement's rdma_weight). With previous, per layer the first
     of: previous unchanged, where its imbalance and its cost of off-home routes are each within
-    tolerance of the fresh plan's; else, whichever changes fewest slots among those within
+    tolerance of the fresh plan's; else, whichever changes fewer slots among those within
     tolerance, previous re-fitted node by node (each node's slots by the refit of the
-    node-agnostic plan) in its own node layout searched on, or in the fresh plan's layout, or
-    the fresh plan with the ranks of each node and the slots of each rank matched onto previous
-    (always within). With
+    node-agnostic plan) in its own node layout searched on (where that is not within, in the
+    fresh plan's layout), or the fresh plan with the ranks of each node and the slots of each
+    rank matched onto previous (always within). With
     move_budget, a layer changing more is re-fitted within previous's node layout, each node
     stopped at the budget's share of its slots."""
     E = load_LE.shape[1]
@@ -163,14 +161,21 @@ def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement
     todo = np.flatnonzero(~keep_L)
     mean_L = load_LE[todo].sum(1) / W
     allowed_L = peak_local(load_LE[todo], fresh_LS[todo], N, W) + (tolerance + 1e-9) * mean_L
-    goal_todo = (goal[0][todo], goal[1][todo])
     out_LS = prev_LS.copy()
     out_LS[todo] = _align(fresh_LS[todo], prev_LS[todo], N, W, E, fixed_nodes=True)  # always within
-    for target in (None, fresh_LS[todo]):  # previous's node layout searched on; the fresh plan's
-        refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], target, N, W, rdma_weight, False, allowed_L, S)
-        better = _within(load_LE[todo], refit, N, W, rdma_weight, goal_todo) & (
-            (refit != prev_LS[todo]).sum(1) < (out_LS[todo] != prev_LS[todo]).sum(1))
-        out_LS[todo[better]] = refit[better]
+    # previous re-fitted in its own node layout searched on; where that is not within
+    # tolerance, in the fresh plan's layout
+    refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], None, N, W, rdma_weight, False, allowed_L, S)
+    within = _within(load_LE[todo], refit, N, W, rdma_weight, (goal[0][todo], goal[1][todo]))
+    short = np.flatnonzero(~within)
+    if short.size:
+        again, _ = _planner.keep_local(load_LE[todo[short]], prev_LS[todo[short]], fresh_LS[todo[short]], N, W,
+                                       rdma_weight, False, allowed_L[short], S)
+        refit[short] = again
+        within[short] = _within(load_LE[todo[short]], again, N, W, rdma_weight,
+                                (goal[0][todo[short]], goal[1][todo[short]]))
+    better = within & ((refit != prev_LS[todo]).sum(1) < (out_LS[todo] != prev_LS[todo]).sum(1))
+    out_LS[todo[better]] = refit[better]
     if move_budget is not None:
         cap = int(np.floor(move_budget * S / N + 1e-9))  # per node
         over = todo[(out_LS[todo] != prev_LS[todo]).reshape(len(todo), N, S // N).sum(2).max(1) > cap]
@@ -184,7 +189,8 @@ def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement
 
 def peak_local(load_LE: np.ndarray, s2e_LS: np.ndarray, N: int, W: int) -> np.ndarray:
     """[L] largest rank load under the replica choice by locality over N nodes."""
-    return rank_loads(load_LE, torch.from_numpy(np.ascontiguousarray(s2e_LS)), W, nodes=N).max(1).values.numpy()
+    imbalance, _ = _planner.local_terms(load_LE, np.ascontiguousarray(s2e_LS), N, W)
+    return (1 + imbalance) * load_LE.sum(1) / W
 
 
 # ----------------------------------------------------------------------------- checks

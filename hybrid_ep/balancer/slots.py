@@ -177,10 +177,16 @@ def route_topk_to_slots(topk_idx_TK: torch.Tensor, table: SlotTable, rank: int) 
     E = table.num_experts
     valid = topk_idx_TK >= 0
     expert = torch.where(valid, topk_idx_TK, torch.zeros_like(topk_idx_TK)).to(torch.int64)
-    onehot_TKE = torch.nn.functional.one_hot(expert, E) * valid.unsqueeze(-1)
-    # Token order first, then k: the ordinal of (t, k) among routes to its expert.
-    flat = onehot_TKE.reshape(T * K, E)
-    ordinal = (torch.cumsum(flat, 0) - flat).gather(1, expert.reshape(-1, 1)).reshape(T, K)
+    # Token order first, then k: the ordinal of (t, k) among routes to its expert, from a sort of
+    # (expert, position) (dropped routes in a group of their own, E)
+    group = torch.where(valid, expert, E).reshape(-1)
+    n = group.numel()
+    order = torch.argsort(group * n + torch.arange(n, device=group.device))
+    size = torch.bincount(group, minlength=E + 1)
+    start = torch.cumsum(size, 0) - size
+    ordinal = torch.empty_like(group)
+    ordinal[order] = torch.arange(n, device=group.device) - start[group[order]]
+    ordinal = ordinal.reshape(T, K)
     node = table.node_of_rank(rank)
     replica = torch.remainder(ordinal + rank, table.route_count_NE[node][expert])
     slot = table.route_slots_NER[node][expert, replica]

@@ -17,6 +17,7 @@ import torch
 
 from ..config import BufferConfig
 from ..synthetic import sample_topk
+from .summary import summarize
 
 ROUTINGS = ("group-limited", "top-k")
 
@@ -59,17 +60,35 @@ def placement_traffic(topk_idx_per_rank: list[torch.Tensor], slot_to_expert_S, l
                       locality: bool = True) -> dict:
     """hybrid_ep.traffic.cli.summarize of the routing through the placement row, plus
     `tokens_per_rank_routed`: routes each rank receives (the load the balancer evens out)."""
-    from .cli import summarize
-
     nodes = layout.num_ranks // layout.ranks_per_node
     slots = slot_routings(topk_idx_per_rank, slot_to_expert_S, layout.num_ranks, nodes, locality)
     config = layout.buffer_config(max(int(s.shape[0]) for s in slots))
-    report = summarize(slots, config, dispatch_dtype, combine_dtype)
+    report = summarize(slots, config, dispatch_dtype, combine_dtype,
+                       tables=destination_counts(slots, layout.num_slots, layout.num_ranks, layout.ranks_per_node))
     per_rank = layout.num_slots // layout.num_ranks
     routed = torch.cat([s.reshape(-1) for s in slots])
     routed = routed[routed >= 0]
     report["routes_per_rank"] = torch.bincount(routed // per_rank, minlength=layout.num_ranks).tolist()
     return report
+
+
+def destination_counts(idx_per_rank: list[torch.Tensor], num_experts: int, num_ranks: int,
+                       ranks_per_node: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count_WW, node_counts_WN) of model.count_tables, counted straight from the ids (expert x
+    on rank x // (num_experts / W)): tokens of each source rank with a route to each rank and
+    to each node. count_tables builds every rank's whole dispatch layout to get them, which at
+    64 ranks of thousands of tokens takes seconds per routing."""
+    W, N = num_ranks, num_ranks // ranks_per_node
+    per_rank = num_experts // W
+    rows, nodes = [], []
+    for idx in idx_per_rank:
+        idx = idx.to(torch.int64)
+        valid = idx >= 0
+        rank_TK = torch.where(valid, idx // per_rank, W)  # W: a dropped route's own column
+        hit = torch.zeros(idx.shape[0], W + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :W]
+        rows.append(hit.sum(0))
+        nodes.append(hit.view(-1, N, ranks_per_node).any(2).sum(0))
+    return torch.stack(rows).to(torch.int64), torch.stack(nodes).to(torch.int64)
 
 
 def routing_from_load(load_E, num_ranks: int, tokens_per_rank: int, topk: int, seed: int, routing: str = "top-k",

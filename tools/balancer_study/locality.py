@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -51,7 +52,6 @@ from .pages import write_page
 
 E, K, GROUPS, GROUP_LIMIT = 256, 8, 8, 4
 LAYOUTS = ((8, 8), (4, 8))  # (nodes, ranks per node)
-RULES = {"default": False, "today": False, "new": True}  # placement -> routes by locality
 
 
 def draw_routing(popularity: torch.Tensor, W: int, T: int, seed: int, grouped: bool) -> list[torch.Tensor]:
@@ -179,6 +179,7 @@ def markdown(doc: dict) -> str:
         lines.append(_row(c))
     worst = max(c["rdma_ratio"] for c in group)
     lines += ["", f"worst RDMA ratio (new planner / default placement): {worst:.2f}", ""]
+    lines += _reading(group)
     plain = [c for c in doc["cases"] if c["routing"] == "top-k"]
     if plain:
         lines += ["## Plain top-k routing (no group limit)", "",
@@ -209,6 +210,31 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {load} | {v['fresh_ms']:.1f} | {v['previous_ms']:.1f} | {100 * v['moved_fraction']:.1f}% | "
                      f"{v['today_fresh_ms']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _reading(group: list[dict]) -> list[str]:
+    """The rows against three marks: RDMA at most 1.02x the default placement's; with spare
+    slots, imbalance at most 0.02 where today's plan reaches it; elsewhere no more imbalance
+    than today's (to within 0.001, the noise of one plan's rounding)."""
+    def name(c):
+        per_rank = c["num_slots"] // (c["nodes"] * c["ranks_per_node"])
+        return f"{c['nodes']} x {c['ranks_per_node']} {c['load']} ({per_rank} slots per rank)"
+
+    over = [f"{name(c)} {c['rdma_ratio']:.3f}x" for c in group if c["rdma_ratio"] > 1.02]
+    spare = [c for c in group if c["num_slots"] > E]
+    short = [f"{name(c)} {c['new']['imbalance']:.3f} (today {c['today']['imbalance']:.3f})" for c in spare
+             if c["today"]["imbalance"] <= 0.02 < c["new"]["imbalance"]]
+    worse = [f"{name(c)} {c['new']['imbalance']:.3f} (today {c['today']['imbalance']:.3f})" for c in group
+             if not (c["num_slots"] > E and c["today"]["imbalance"] <= 0.02)
+             and c["new"]["imbalance"] > c["today"]["imbalance"] + 1e-3]
+    out = [f"Rows above 1.02x the default placement's RDMA bytes: {len(over)} of {len(group)}"
+           + (": " + "; ".join(over) if over else "") + ".",
+           f"Rows with spare slots where today's plan is at most 0.02 imbalanced and the new one is not: "
+           f"{len(short)} of {sum(c['today']['imbalance'] <= 0.02 for c in spare)}" + (": " + "; ".join(short) if short
+                                                                                      else "") + ".",
+           f"Other rows where the new plan is more imbalanced than today's: {len(worse)}"
+           + (": " + "; ".join(worse) if worse else "") + ".", ""]
+    return out
 
 
 def _row(c: dict) -> str:
@@ -275,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", default=platform.processor() or platform.machine())
     p.add_argument("--out", default=os.path.join("docs", "benchmarks"))
+    p.add_argument("--render", metavar="JSON", default=None,
+                   help="write the page and plot of an earlier run's JSON into --out, measuring nothing")
     return p
 
 
@@ -302,6 +330,14 @@ def main(argv=None) -> int:
     problem = output_problem(args.out, folder=True)
     if problem:
         parser.error(f"--out: {problem}")
+    if args.render:
+        try:
+            with open(args.render) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--render: cannot read {args.render}: {e}")
+        write_page(doc, args.out, "balancer_locality", markdown, plot)
+        return 0
     for flag in ("tokens_per_rank", "hidden", "time_layers", "time_tokens", "repeats"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
