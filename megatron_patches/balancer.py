@@ -352,7 +352,8 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
         ep_group=first.ep_group, stats_groups=[first.ep_group, _expert_data_parallel_group()],
         num_nodes=num_nodes, interval=options.balancer_interval, window=options.balancer_window,
         decay=options.balancer_decay, min_gain=options.balancer_min_gain, tolerance=options.balancer_tolerance,
-        move_budget=options.balancer_move_budget, optimizer_view=view,
+        move_budget=options.balancer_move_budget, rdma_weight=getattr(options, "balancer_rdma_weight", None),
+        optimizer_view=view,
         report_dir=report_dir, is_reporter=is_reporter, writers=_writers() if writers is None else writers,
         layer_numbers=[int(getattr(layer, "layer_number", None) or i + 1) for i, layer in enumerate(layers)],
     )

@@ -267,3 +267,137 @@ def test_optimizer_views_list_what_moves():
         view.sharded_slice(p)
     g, offset, numel = view.grad_piece(p)
     assert g is p.grad and offset == 0 and numel == 3
+
+
+def two_node_table(row, E, W=4):
+    """Slots of `row` over W ranks on 2 nodes (node 0: the first half of the slots)."""
+    return SlotTable(E, len(row)).set_layout(W, 2).load_(torch.tensor(row))
+
+
+def test_route_takes_the_copy_on_the_tokens_own_node():
+    """E = 4 on 2 nodes of 2 ranks, 3 slots per rank: expert 0 (home node 0) has copies in
+    slots 0, 4 (node 0) and 7 (node 1). Ranks 0, 1 route to slots 0 and 4 only, ranks 2, 3
+    to slot 7 only; an expert with one copy goes there from every node."""
+    row = [0, 1, 2, 3, 0, 1, 2, 0, 3, 1, 2, 3]
+    t = two_node_table(row, 4)
+    T = 200
+    idx = torch.stack([torch.zeros(T, dtype=torch.int64), torch.full((T,), 3)], dim=1)
+    for rank in range(4):
+        slots = route_topk_to_slots(idx, t, rank=rank)
+        used = set(slots[:, 0].tolist())
+        assert used == ({0, 4} if rank < 2 else {7}), (rank, used)
+        assert set(slots[:, 1].tolist()) <= {3, 8, 11}
+        assert torch.equal(t.slot_to_expert_S[slots], idx)  # every route reaches a copy of its expert
+    # on node 0 the two local copies share the tokens evenly
+    counts = torch.bincount(route_topk_to_slots(idx, t, rank=1)[:, 0], minlength=12)
+    assert counts[[0, 4]].tolist() == [100, 100]
+
+
+def test_route_without_a_local_copy_takes_the_primary_node():
+    """Node 0 holds slots 0-5, node 1 slots 6-11; experts 0, 1 are at home on node 0, 2, 3 on
+    node 1. Expert 3 lives on node 1 only (slots 8, 11): node 0's routes take its primary
+    (home) node's copies, spread evenly. An expert whose home node holds no copy has the node
+    with most copies as its primary."""
+    row = [0, 1, 2, 0, 1, 0, 1, 0, 3, 2, 0, 3]
+    t = two_node_table(row, 4)
+    T = 120
+    idx = torch.full((T, 1), 3)
+    slots = route_topk_to_slots(idx, t, rank=0)[:, 0]
+    assert torch.bincount(slots, minlength=12)[[8, 11]].tolist() == [60, 60]  # node 1's copies, primary
+    # primary node: the home node when it holds a copy, else the node with most copies
+    moved = two_node_table([2, 1, 2, 3, 0, 2, 1, 0, 3, 0, 1, 3], 4)  # expert 2: 3 copies on node 0, none on 1
+    assert moved.route_count_NE[1, 2] == 3
+    assert set(route_topk_to_slots(torch.full((30, 1), 2), moved, rank=3)[:, 0].tolist()) == {0, 2, 5}
+
+
+def _old_spreading_rule(idx_TK, row, E, rank):
+    """The replica rule before locality: the k-th route of this rank to e takes copy (k + rank) mod copies."""
+    copies = [[s for s, x in enumerate(row) if x == e] for e in range(E)]
+    seen = [0] * E
+    out = torch.full_like(idx_TK, -1)
+    for t in range(idx_TK.shape[0]):
+        for k in range(idx_TK.shape[1]):
+            e = int(idx_TK[t, k])
+            if e >= 0:
+                out[t, k] = copies[e][(seen[e] + rank) % len(copies[e])]
+                seen[e] += 1
+    return out
+
+
+@pytest.mark.parametrize("nodes_row", [
+    (1, [0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 3, 5]),  # one node: every copy is local
+    (2, [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 5, 5]),  # 2 nodes, every expert's copies on one node
+])
+def test_route_is_the_spreading_rule_where_locality_leaves_no_choice(nodes_row):
+    """Backward identical: on one node, and where all of an expert's copies share a node, the
+    slots are those of the rule before locality, in both forms (topk ids and routing map)."""
+    N, row = nodes_row
+    E, g = 8, torch.Generator().manual_seed(5)
+    t = SlotTable(E, len(row)).set_layout(4, N).load_(torch.tensor(row))
+    idx = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(60)])
+    idx[::5, 2] = -1
+    for rank in range(4):
+        want = _old_spreading_rule(idx, row, E, rank)
+        assert torch.equal(route_topk_to_slots(idx, t, rank=rank), want)
+        rm = torch.zeros(60, E, dtype=torch.bool)
+        for k in range(3):
+            ok = idx[:, k] >= 0
+            rm[torch.arange(60)[ok], idx[ok, k]] = True
+        map_TS, _ = route_to_slots(rm, torch.rand(60, E, generator=g), t, rank=rank)
+        from_topk = torch.zeros(60, len(row), dtype=torch.bool)
+        from_topk[torch.arange(60)[:, None].expand(-1, 3)[want >= 0], want[want >= 0]] = True
+        # the routing map counts routes to an expert in token order, one per token: the same ordinal
+        assert torch.equal(map_TS, from_topk)
+
+
+def test_routing_map_and_topk_forms_agree_across_nodes():
+    g = torch.Generator().manual_seed(11)
+    E, T, K = 8, 80, 3
+    row = [0, 1, 2, 3, 0, 0, 4, 5, 6, 7, 0, 2]  # expert 0 on both nodes, 2 on both, others on one
+    t = two_node_table(row, E)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    for rank in range(4):
+        slots = route_topk_to_slots(idx, t, rank=rank)
+        rm = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+        map_TS, probs_TS = route_to_slots(rm, rm.float(), t, rank=rank)
+        want = torch.zeros(T, len(row), dtype=torch.bool).scatter_(1, slots, True)
+        assert torch.equal(map_TS, want)
+        node = rank // 2
+        assert all(s // 6 == node for s in slots[idx == 0].tolist())  # expert 0: always the own node's copies
+
+
+def test_layout_is_checked_and_kept_across_loads():
+    t = SlotTable(4, 8)
+    with pytest.raises(ValueError, match="num_ranks .* multiple of num_nodes"):
+        t.set_layout(4, 3)
+    with pytest.raises(ValueError, match="num_ranks .* divide the 8 slots"):
+        t.set_layout(3, 1)
+    t.load_(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])).set_layout(4, 2)  # re-derives the tables of the row in place
+    assert t.route_count_NE.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
+        route_topk_to_slots(torch.tensor([[0]]), t, rank=4)
+
+
+def _locality_routes_on_emulated_cuda():
+    from hybrid_ep.testing.host_sync import emulated_cuda
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    rm, probs = torch.rand(64, 8, generator=g) > 0.6, torch.rand(64, 8, generator=g)
+    with emulated_cuda() as recorder:
+        t = SlotTable(8, 12, device=dev).set_layout(4, 2).load_(torch.tensor([0, 1, 2, 3, 0, 0, 4, 5, 6, 7, 0, 2]))
+        rm_d, probs_d = rm.to(dev), probs.to(dev).requires_grad_()
+        with recorder.record():
+            map_TS, probs_TS = route_to_slots(rm_d, probs_d, t, rank=3)
+            probs_TS.sum().backward()
+        kept = int(map_TS.sum()) == int(rm.sum())
+        return kept, [str(s) for s in recorder.syncs]
+
+
+def test_locality_routing_makes_no_host_sync_on_emulated_cuda(pool_for):
+    """The replica choice across nodes, forward and backward, on emulated CUDA tensors: no
+    operator that would wait for the device (the GPU check is tests/test_balancer_loop.py's)."""
+    with pool_for(1) as pool:
+        kept, syncs = pool.run(_locality_routes_on_emulated_cuda)[0]
+    assert kept
+    assert not syncs, "host synchronisations of route_to_slots across nodes:\n" + "\n".join(syncs)

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_ep.balancer import BalancedLayer, ExpertBalancer, SlotTable, TorchOptimizerView, slot_parameters
+from hybrid_ep.balancer import (
+    BalancedLayer,
+    ExpertBalancer,
+    SlotTable,
+    TorchOptimizerView,
+    route_topk_to_slots,
+    slot_parameters,
+)
 from hybrid_ep.balancer.report import load_statistics
 
 pytestmark = pytest.mark.unit
@@ -438,3 +445,41 @@ def test_bytes_per_slot_counts_what_the_optimizer_keeps(single_rank_group, make_
     opt.step()
     step_tensor = 4 if isinstance(opt, torch.optim.AdamW) else 0
     assert bal.bytes_per_slot() == 9 * per_parameter + step_tensor
+
+
+def _rebalance_node_aware(rdma_weight):
+    """On each of 4 ranks in 2 nodes: E = 8, 3 slots per rank (S = 12); experts 0-3 are at home
+    on node 0, 4-7 on node 1; expert 0 carries most tokens. Returns the event, the placement
+    and what this rank's table routes expert 0 to."""
+    import torch.distributed as dist
+
+    module = torch.nn.Module()
+    module.local_experts = torch.nn.ModuleList(torch.nn.Linear(3, 3, bias=False) for _ in range(3))
+    layers = [BalancedLayer(SlotTable(8, 12), slot_parameters(module, 3))]
+    bal = ExpertBalancer(layers, num_experts=8, slots_per_rank=3, ep_group=dist.group.WORLD, num_nodes=2,
+                         interval=1, rdma_weight=rdma_weight)
+    bal.setup()
+    bal.record(0, torch.tensor([60, 10, 8, 6, 9, 7, 5, 4]))
+    event = bal.after_optimizer_step(1)
+    rank = dist.get_rank()
+    slots = route_topk_to_slots(torch.zeros(16, 1, dtype=torch.int64), layers[0].table, rank=rank)
+    return event, bal.placement_rows()[0].tolist(), sorted(set(slots[:, 0].tolist())), layers[0].table.num_nodes
+
+
+def test_node_aware_rebalance_routes_by_locality(pool_for):
+    """With rdma_weight the balancer plans node-aware and its tables route by locality: the hot
+    expert 0 gets copies on both nodes and every rank's routes to it stay on its own node;
+    without it the tables keep the spreading rule (one node in the layout)."""
+    from hybrid_ep.balancer.metrics import off_home
+
+    out = pool_for(4).run(_rebalance_node_aware, [(0.5,)] * 4)
+    event, row, _, nodes = out[0]
+    assert event["applied"] and nodes == 2
+    assert all(o[1] == row for o in out)  # every rank holds the same placement
+    holders = {s // 6 for s, e in enumerate(row) if e == 0}
+    assert holders == {0, 1}
+    for rank, (_, _, used, _) in enumerate(out):
+        assert used and all(s // 6 == rank // 2 for s in used), (rank, used, row)
+    assert float(off_home(torch.tensor([60, 10, 8, 6, 9, 7, 5, 4.0]), torch.tensor(row), 2).sum()) == 0.0
+    plain = pool_for(4).run(_rebalance_node_aware, [(None,)] * 4)
+    assert {o[3] for o in plain} == {1}

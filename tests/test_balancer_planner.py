@@ -9,9 +9,9 @@ import torch
 from hybrid_ep import _planner
 from hybrid_ep.balancer.metrics import default_rank_loads, imbalance_ratio, rank_loads, scalars, slot_loads, summarize
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement, peak, plan_placement
-from hybrid_ep.balancer.study.baselines import eplb, eplb_hierarchical, greedy
-from hybrid_ep.balancer.study.quality import PATTERNS, imbalance, sample_load
-from hybrid_ep.balancer.study.refit_bound import over_loaded_ranks, refit_lower_bound
+from tools.balancer_study.baselines import eplb, eplb_hierarchical, greedy
+from tools.balancer_study.quality import PATTERNS, imbalance, sample_load
+from tools.balancer_study.refit_bound import over_loaded_ranks, refit_lower_bound
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The planner's quality benchmark (python -m hybrid_ep.balancer.study.quality) on a small grid: files
+"""The planner's quality benchmark (python -m tools.balancer_study.quality) on a small grid: files
 written, and the tolerance sweep and the move-budget rebalances on the cases that move more
 than the target."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, Placement
-from hybrid_ep.balancer.study import quality
+from tools.balancer_study import quality
 
 pytestmark = pytest.mark.unit
 

@@ -25,10 +25,10 @@ CASES = [
     ("hybrid_ep.traffic.cli", ["--node", "2"], "--node 2", "--nodes"),
     ("hybrid_ep.balancer.cli", ["plan", "--stats", "x.npz", "--out", "p.yaml", "--ep-siz", "4"], "--ep-siz 4",
      "--ep-size"),
-    ("hybrid_ep.timing.cli", ["predict", "--emulate", "2", "8", "--out", "x", "--hiden", "8"], "--hiden 8", "--hidden"),
-    ("hybrid_ep.microbench.__main__", ["lines.txt", "--out", "x", "--comand", "a"], "--comand a", "--command"),
+    ("tools.timing.cli", ["predict", "--emulate", "2", "8", "--out", "x", "--hiden", "8"], "--hiden 8", "--hidden"),
+    ("tools.microbench.__main__", ["lines.txt", "--out", "x", "--comand", "a"], "--comand a", "--command"),
     ("hybrid_ep.bench.host", ["--itres", "3"], "--itres 3", "--iters"),
-    ("hybrid_ep.balancer.study.quality", ["--expert", "3"], "--expert 3", "--experts"),
+    ("tools.balancer_study.quality", ["--expert", "3"], "--expert 3", "--experts"),
     ("megatron_patches.layer_bench", ["--repeat", "3"], "--repeat 3", "--repeats"),
     ("megatron_patches.local.demo", ["--step", "3"], "--step 3", "--steps"),
 ]

@@ -46,7 +46,7 @@ def test_bench_refuses_the_folder_before_starting_ranks(capsys):
 @needs_proc
 @pytest.mark.parametrize("tool, argv", [
     ("hybrid_ep.traffic.cli", ["--json", "/proc/nope/traffic.json"]),
-    ("hybrid_ep.balancer.study.quality", ["--out", "/proc/nope"]),
+    ("tools.balancer_study.quality", ["--out", "/proc/nope"]),
     ("megatron_patches.local.demo", ["--out", "/proc/nope"]),
 ])
 def test_other_tools_refuse_the_path_as_a_usage_error(tool, argv, capsys):

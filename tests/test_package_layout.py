@@ -1,6 +1,6 @@
 """The packages' layout: production modules import no test framework, and no import cycle exists.
 
-Test harnesses live in `testing` subpackages, studies in `study`, the CPU-only trainer, demo
+Test harnesses live in `testing` subpackages, studies in tools/ beside the packages, the CPU-only trainer, demo
 and stand-ins in `megatron_patches.local` (CONTRIBUTING.md, "Where code goes"); everything
 else is production code, read from the source with ast (nothing is imported).
 """
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 PACKAGES = ("hybrid_ep", "megatron_patches")
 # Subpackages that may hold test and study code (pytest included).
-NOT_PRODUCTION = {"testing", "study", "local"}
+NOT_PRODUCTION = {"testing", "local"}
 
 
 def _modules() -> dict[str, str]:
@@ -136,7 +136,7 @@ def test_production_modules_do_not_import_pytest():
                    for n in names):
                 offenders.append(f"{os.path.relpath(MODULES[module], REPO)}:{node.lineno}")
     assert not offenders, ("production modules import pytest (test code goes to a `testing` subpackage, "
-                           f"studies to `study`): {offenders}")
+                           f"studies to tools/): {offenders}")
 
 
 def test_no_import_cycles():

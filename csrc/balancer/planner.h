@@ -9,10 +9,10 @@
 // A slot holding expert e weighs load[e] / copies(e); rank r owns slots r*P .. r*P + P - 1.
 // Legend: E experts, S slots, W ranks, N nodes, G = W / N, P = S / W.
 //
-// Where each part lives: fresh.cpp (plan_fresh, lower_bound), refit.cpp (keep_previous,
-// walk_back_to), exchange.cpp (the refit's one-slot exchange), shifts.cpp (its count shifts),
-// baselines.cpp (eplb, eplb_hierarchical, greedy), copies.cpp (replica_counts), packing.cpp
-// (peak_load); packing.h and copies.h hold what they share.
+// Where each part lives: fresh.cpp (plan_fresh, lower_bound), nodes.cpp (plan_local,
+// keep_local), refit.cpp (keep_previous, walk_back_to), exchange.cpp (the refit's one-slot exchange), shifts.cpp (its
+// count shifts), baselines.cpp (eplb, eplb_hierarchical, greedy), copies.cpp (replica_counts), packing.cpp (peak_load);
+// packing.h and copies.h hold what they share.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -59,6 +59,29 @@ void keep_previous(const double* load, int L, int E, int W, int S, const int64_t
 // slot alone where its expert keeps another copy; the most slots turned back first. Never
 // changes more slots than start does.
 Slots walk_back_to(const double* load, int E, int W, const Slots& previous, const Slots& start, double allowed_peak);
+
+// The node-aware plan for the replica choice by locality (hybrid_ep/balancer/slots.py: a
+// route takes the copies on its own node, else its expert's primary node's): per expert, the
+// nodes holding copies and the primary (its home node e / (E / N) unless moving it pays for
+// itself), searched against the node loads plus rdma_weight x the routes served off their
+// home node as a fraction of all; then each node's S / N slots packed by plan_fresh (N = 1),
+// and swaps of single-copy experts between the peak rank and other nodes (nodes.cpp).
+Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight);
+
+// A plan's two terms under the replica choice by locality: rank imbalance (max - mean) / mean
+// and the share of all routes served off their home node (hybrid_ep/balancer/metrics.py's
+// rank_loads with nodes=N and off_home, for the planner's own comparisons).
+void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off);
+
+// previous re-fitted node by node (load [L, E], previous, target and slots [L, S],
+// allowed_peak and reached [L]): a node layout (which nodes hold each expert) that of target
+// where given (not null), else previous's searched on as plan_local searches from the home
+// layout (kept as it is with keep_layout); then each node's slots re-fitted by keep_previous
+// from previous's slots of that node toward allowed_peak, at most max_moves changed slots per
+// node. reached[l]: every node of layer l got there.
+void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
+                double rdma_weight, bool keep_layout, const double* allowed_peak, int max_moves, int64_t* slots,
+                bool* reached);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

@@ -2,9 +2,11 @@
 // of a [L, E] float64 load. hybrid_ep/balancer/planner.py checks every argument first.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "balancer/planner.h"
@@ -97,6 +99,30 @@ Plan walk_back(const Load& load, const Plan& previous, const Plan& start, const 
   });
 }
 
+py::tuple keep_local(const Load& load, const Plan& previous, const std::optional<Plan>& target, int N, int W,
+                     double rdma_weight, bool keep_layout, const Load& allowed_peak, int max_moves) {
+  const int S = static_cast<int>(previous.shape(1));
+  check_sizes(load, S, N, W);
+  check_plan(previous, load, "previous");
+  if (target) {
+    check_plan(*target, load, "target");
+    require(target->shape(1) == S, "target and previous must have the same slots");
+  }
+  require(allowed_peak.ndim() == 1 && allowed_peak.shape(0) == load.shape(0), "allowed_peak must be [layers]");
+  const auto L = load.shape(0), E = load.shape(1);
+  Plan out({L, static_cast<py::ssize_t>(S)});
+  py::array_t<bool> ok(L);
+  auto* dst = out.mutable_data();
+  auto* ok_dst = ok.mutable_data();
+  {
+    py::gil_scoped_release release;
+    hb::keep_local(load.data(), static_cast<int>(L), static_cast<int>(E), W, N, S, previous.data(),
+                   target ? target->data() : nullptr, rdma_weight, keep_layout, allowed_peak.data(), max_moves, dst,
+                   ok_dst);
+  }
+  return py::make_tuple(out, ok);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -108,6 +134,34 @@ PYBIND11_MODULE(_planner, m) {
         return per_layer(load, S, [&](const double* l, int E) { return hb::plan_fresh(l, E, S, N, W, onto_nodes); });
       },
       py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"), py::arg("onto_nodes") = true);
+  m.def(
+      "plan_local",
+      [](const Load& load, int S, int N, int W, double rdma_weight) {
+        check_sizes(load, S, N, W);
+        return per_layer(load, S, [&](const double* l, int E) { return hb::plan_local(l, E, S, N, W, rdma_weight); });
+      },
+      py::arg("load"), py::arg("num_slots"), py::arg("num_nodes"), py::arg("num_ranks"), py::arg("rdma_weight"),
+      "[L, S]: the node-aware plan for the replica choice by locality (planner.h)");
+  m.def(
+      "local_terms",
+      [](const Load& load, const Plan& plan, int N, int W) {
+        const int S = static_cast<int>(plan.shape(1));
+        check_sizes(load, S, N, W);
+        check_plan(plan, load, "plan");
+        const auto L = load.shape(0), E = load.shape(1);
+        py::array_t<double> imbalance(L), off(L);
+        const int64_t* p = plan.data();
+        for (py::ssize_t l = 0; l < L; ++l)
+          hb::local_terms(load.data() + l * E, static_cast<int>(E), W, N, hb::Slots(p + l * S, p + (l + 1) * S),
+                          imbalance.mutable_data() + l, off.mutable_data() + l);
+        return py::make_tuple(imbalance, off);
+      },
+      py::arg("load"), py::arg("plan"), py::arg("num_nodes"), py::arg("num_ranks"),
+      "([L] rank imbalance, [L] share of routes off their home node) under the replica choice by locality");
+  m.def("keep_local", &keep_local, py::arg("load"), py::arg("previous"), py::arg("target"), py::arg("num_nodes"),
+        py::arg("num_ranks"), py::arg("rdma_weight"), py::arg("keep_layout"), py::arg("allowed_peak"),
+        py::arg("max_moves"),
+        "(slots [L, S], reached [L]): previous re-fitted node by node toward allowed_peak (planner.h)");
   m.def(
       "group_nodes",
       [](const Plan& plan, int E, int N, int W) {

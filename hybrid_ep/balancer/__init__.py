@@ -4,11 +4,14 @@
     p = plan_placement(load_LE, num_slots, num_nodes, num_ranks)   # docs/balancer.md, Planner
 
 The modules, in the order a step meets them: `stats` (tokens per expert, counted on the
-device), `slots` (router expert ids -> slot ids), `state` (what a slot holds: weights,
+device), `slots` (router expert ids -> slot ids: the spreading rule, or the replica choice by
+locality for node-aware plans), `state` (what a slot holds: weights,
 master weights, optimizer state), `migration` (moving slots between ranks, summing replicas'
 gradients), `placement` (the Placement type: which expert each slot holds), `planner`
 (statistics -> placement), `metrics` and `report` (imbalance, heatmaps, statistics files),
-`balancer` (the loop), `cli` (offline planning from saved statistics).
+`balancer` (the loop), `cli` (offline planning from saved statistics). `knobs` holds the
+planner's tolerance, move budget and RDMA weight (plan_placement's rdma_weight: the
+node-aware plan that keeps node-limited routing's RDMA savings).
 Megatron-Core hooks live in megatron_patches.balancer. See docs/balancer.md.
 """
 

@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from ..checks import is_int
-from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
+from .knobs import (
+    MOVE_BUDGET_RULE,
+    RDMA_WEIGHT_RULE,
+    TOLERANCE_RULE,
+    valid_move_budget,
+    valid_rdma_weight,
+    valid_tolerance,
+)
 from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
 from .slots import SlotTable
 from .state import OptimizerView, grad_tensors, mark_replica, movable_tensors
@@ -75,7 +82,8 @@ class ExpertBalancer:
     def __init__(self, layers: list[BalancedLayer], *, num_experts: int, slots_per_rank: int, ep_group=None,
                  stats_groups=None, num_nodes: int = 1, interval: int = 100, window: int = 1,
                  decay: float | None = None, min_gain: float = 0.0, tolerance: float | None = None,
-                 move_budget: float | None = None, optimizer_view: OptimizerView | None = None,
+                 move_budget: float | None = None, rdma_weight: float | None = None,
+                 optimizer_view: OptimizerView | None = None,
                  report_dir: str | None = None, is_reporter: bool | None = None, writers=(),
                  layer_numbers: list[int] | None = None):
         self.layers = list(layers)
@@ -112,7 +120,16 @@ class ExpertBalancer:
             raise ValueError(f"tolerance must be {TOLERANCE_RULE} or None, got {tolerance!r}")
         if move_budget is not None and not valid_move_budget(move_budget):
             raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
+        if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
+            raise ValueError(f"rdma_weight must be {RDMA_WEIGHT_RULE} or None, got {rdma_weight!r}")
         self.num_nodes = num_nodes
+        # plan_placement's: None the node-agnostic plan (routes spread over all copies), a number
+        # the node-aware plan, whose routes take the copies on their own node (slots.py)
+        self.rdma_weight = None if rdma_weight is None else float(rdma_weight)
+        # nodes the replica choice spreads by locality over (1: the spreading rule)
+        self.routing_nodes = num_nodes if self.rdma_weight is not None else 1
+        for layer in self.layers:
+            layer.table.set_layout(self.num_ranks, self.routing_nodes)
         self.interval = interval
         self.min_gain = min_gain
         # plan_placement's; None: its default (the planner loads at the first rebalance)
@@ -298,13 +315,14 @@ class ExpertBalancer:
         before = self._placement()
         tolerance = {} if self.tolerance is None else {"tolerance": self.tolerance}
         planned = plan_placement(load_LE, self.num_slots, self.num_nodes, self.num_ranks, previous=before,
-                                 move_budget=self.move_budget, **tolerance)
-        old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks)).mean()
-        new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks)).mean()
+                                 move_budget=self.move_budget, rdma_weight=self.rdma_weight, **tolerance)
+        nodes = self.routing_nodes
+        old_imb = imbalance_ratio(rank_loads(load_LE, before.slot_to_expert, self.num_ranks, nodes=nodes)).mean()
+        new_imb = imbalance_ratio(rank_loads(load_LE, planned.slot_to_expert, self.num_ranks, nodes=nodes)).mean()
         applied = bool(load_LE.sum() > 0 and float(old_imb) - float(new_imb) > self.min_gain)
         plan_s = time.perf_counter() - t0
         moved = self.apply_placement(planned.slot_to_expert) if applied else {"slots_changed": 0}
-        summary = summarize(load_LE, before, planned if applied else before)
+        summary = summarize(load_LE, before, planned if applied else before, nodes=nodes)
         event = {
             "iteration": int(iteration), "applied": applied, "plan_seconds": plan_s,
             "migrate_seconds": time.perf_counter() - t0 - plan_s,
@@ -412,7 +430,8 @@ class ExpertBalancer:
         rows = self.placement_rows()
         if history_TLE.shape[0] == 0:
             return np.zeros((0, len(self.layers), self.num_ranks))
-        return np.stack([np.asarray(rank_loads(h, rows, self.num_ranks)) for h in history_TLE])
+        return np.stack([np.asarray(rank_loads(h, rows, self.num_ranks, nodes=self.routing_nodes))
+                         for h in history_TLE])
 
     # -- checkpoint --------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
     hybrid-ep-balance plan --stats stats.npz [more.npz ...] --ep-size 32 --num-slots 288 --out placement.yaml \
         [--ranks-per-node 8] [--previous old.yaml] [--report-dir DIR] \
-        [--params-per-slot N [--bytes-per-param 14]]
+        [--params-per-slot N [--bytes-per-param 14]] [--rdma-weight 0.5] \
+        [--traffic group-limited|top-k [--topk 8] [--groups N] [--group-limit 4]]
 
 Reads the statistics file that training writes (report.py), or one per pipeline stage joined
 by their layer numbers, plans (planner.py), writes the placement YAML (placement_file.py)
@@ -11,8 +12,12 @@ placement, or the identity layout) and after, and optionally a report folder: JS
 imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
 intervals under both placements. With --params-per-slot the table and the report also give
 the bytes the moved slots carry, so the cost of applying a plan is known before it is
-applied. Bad input (a flag, or a statistics file's field, or more than 64 slots per expert): a
-message naming the flag or the field, exit code 2.
+applied. With --rdma-weight the plan is node-aware (routes by locality) and the table names
+every expert served off its home node; with --traffic it also gives RDMA and NVLink bytes per
+token of each layer for the identity layout, the placement before and the plan, on a routing
+drawn from the layer's tokens per expert (hybrid_ep.traffic.placement). Bad input (a flag, or a
+statistics file's field, or more than 64 slots per expert): a message naming the flag or the
+field, exit code 2.
 Legend: T intervals, L layers, E experts, S slots, W ranks.
 """
 
@@ -27,9 +32,18 @@ import torch
 
 from ..cli_parser import ArgumentParser
 from ..paths import output_problem
+from ..traffic.placement import ROUTINGS
 from ..wording import byte_unit, plural
-from .knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
-from .metrics import rank_loads, summarize
+from .knobs import (
+    DEFAULT_RDMA_WEIGHT,
+    MOVE_BUDGET_RULE,
+    RDMA_WEIGHT_RULE,
+    TOLERANCE_RULE,
+    valid_move_budget,
+    valid_rdma_weight,
+    valid_tolerance,
+)
+from .metrics import off_home, rank_loads, summarize
 from .placement import Placement
 from .placement_file import NumberedPlacement, layer_numbers_problem, load_placement_yaml, save_placement_yaml
 from .planner import DEFAULT_TOLERANCE, plan_placement
@@ -59,6 +73,14 @@ def fraction(text: str) -> float:
     value = float(text)
     if not valid_move_budget(value):
         raise argparse.ArgumentTypeError(f"must be {MOVE_BUDGET_RULE}, got {text}")
+    return value
+
+
+def rdma_weight(text: str) -> float:
+    """argparse type of --rdma-weight."""
+    value = float(text)
+    if not valid_rdma_weight(value):
+        raise argparse.ArgumentTypeError(f"must be {RDMA_WEIGHT_RULE}, got {text}")
     return value
 
 
@@ -104,6 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--bytes-per-param", type=positive_int, default=None,
                       help="with --params-per-slot: bytes a moved slot carries per parameter (default "
                            f"{DEFAULT_BYTES_PER_PARAM}: bf16 weight, fp32 main weight, two fp32 Adam moments)")
+    plan.add_argument("--rdma-weight", type=rdma_weight, default=None,
+                      help="plan for the replica choice by locality (routes take the copies on their own node): "
+                           "experts stay on their home node unless moving one lowers the imbalance by more than "
+                           "this x the share of routes it then serves off its node (recommended for node-limited "
+                           f"routing: {DEFAULT_RDMA_WEIGHT}; default: copies on any node, routes spread over them)")
+    plan.add_argument("--traffic", choices=ROUTINGS,
+                      help="also report RDMA and NVLink bytes per token of every layer, on this routing drawn from "
+                           "the layer's tokens per expert (group-limited: DeepSeek-V3's node-limited routing)")
+    plan.add_argument("--topk", type=positive_int, default=8, help="routes per token (default 8)")
+    plan.add_argument("--groups", type=positive_int, default=None,
+                      help="with --traffic group-limited: expert groups, contiguous (default: one per node)")
+    plan.add_argument("--group-limit", type=positive_int, default=4,
+                      help="with --traffic group-limited: groups a token's routes may use (default 4)")
+    plan.add_argument("--traffic-tokens", type=positive_int, default=512,
+                      help="with --traffic: tokens drawn per rank and layer (default 512)")
+    plan.add_argument("--hidden", type=positive_int, default=7168,
+                      help="with --traffic: elements per row, moved as bf16 (default 7168)")
     return parser
 
 
@@ -157,14 +196,32 @@ def _plan(args) -> int:
         _check_output(args.report_dir, "--report-dir", want_dir=True)
     bytes_per_slot = None if args.params_per_slot is None else slot_bytes(
         args.params_per_slot, DEFAULT_BYTES_PER_PARAM if args.bytes_per_param is None else args.bytes_per_param)
+    groups = args.groups if args.groups is not None else N
+    if args.traffic == "group-limited":
+        if E % groups != 0:
+            raise UsageError(f"--groups ({groups}) must divide the {E} experts")
+        if args.group_limit > groups or args.topk > args.group_limit * (E // groups):
+            raise UsageError(f"--group-limit ({args.group_limit}) must be at most --groups ({groups}) and hold "
+                             f"--topk ({args.topk}) routes")
+    if args.traffic is not None and args.topk > E:
+        raise UsageError(f"--topk ({args.topk}) must be at most the {E} experts")
     previous = _read_previous(args.previous, L, E, S, W, N, numbers)
     kwargs = {} if args.tolerance is None else {"tolerance": args.tolerance}
     if args.move_budget is not None:
         kwargs["move_budget"] = args.move_budget
+    if args.rdma_weight is not None:
+        kwargs["rdma_weight"] = args.rdma_weight
     placement = _run_planner(load_LE, S, N, W, previous, kwargs)
     layer_numbers = numbers or list(range(1, L + 1))  # the table's labels
-    summary = summarize(load_LE, previous, placement)
+    local = args.rdma_weight is not None and N > 1
+    nodes = N if local else 1  # the replica choice the plan is for (metrics' load model)
+    summary = summarize(load_LE, previous, placement, nodes=nodes)
     summary["layer_numbers"] = layer_numbers
+    if local:
+        summary["node_bound_breaks"] = _node_bound_breaks(load_LE, placement, N, layer_numbers, args.topk,
+                                                          2 * args.hidden)
+    if args.traffic is not None:
+        summary["traffic"] = _traffic(load_LE, previous, placement, args, groups, local)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     sources = [os.path.abspath(path) for path in args.stats]
     extra = {"source_stats": sources[0] if len(sources) == 1 else sources}
@@ -172,13 +229,17 @@ def _plan(args) -> int:
         extra["layer_numbers"] = numbers
     save_placement_yaml(placement, args.out, extra=extra)
     _print_table(summary, previous is not None, bytes_per_slot)
+    if local:
+        _print_breaks(summary["node_bound_breaks"])
+    if args.traffic is not None:
+        _print_traffic(summary["traffic"], previous is not None)
     print(f"placement: {args.out}")
     if args.report_dir:
         before = previous or Placement.identity(L, E, S, W, N)
         history = stats.get("history")
         paths = write_report(summary, args.report_dir,
-                             history=None if history is None else _history_per_rank(history, placement),
-                             history_before=None if history is None else _history_per_rank(history, before),
+                             history=None if history is None else _history_per_rank(history, placement, nodes),
+                             history_before=None if history is None else _history_per_rank(history, before, nodes),
                              layer_names=[f"layer {n}" for n in layer_numbers], bytes_per_slot=bytes_per_slot)
         for kind, path in paths.items():
             print(f"{kind}: {path}")
@@ -298,12 +359,80 @@ def _read_previous(path: str | None, L: int, E: int, S: int, W: int, N: int,
     return prev
 
 
-def _history_per_rank(history_TLE: np.ndarray, placement: Placement) -> np.ndarray:
-    """[T, L, W] tokens per rank of each interval under placement."""
+def _node_bound_breaks(load_LE, placement: Placement, N: int, layer_numbers, topk: int,
+                       row_bytes: int) -> list[dict]:
+    """Every expert the plan serves off its home node (metrics.off_home): under node-limited
+    routing (groups = nodes) these routes may reach a node beyond a token's limit, each at most
+    one RDMA row of row_bytes in dispatch (and one back in combine)."""
+    away = off_home(load_LE, placement, N).numpy()
+    out = []
+    for layer, expert in zip(*np.nonzero(away > 0)):
+        tokens = float(load_LE[layer].sum()) / topk
+        out.append({"layer": int(layer_numbers[layer]), "expert": int(expert),
+                    "home_node": int(expert) // (load_LE.shape[1] // N), "routes": float(away[layer, expert]),
+                    "rdma_bytes_per_token": float(away[layer, expert]) / tokens * row_bytes if tokens else 0.0})
+    return out
+
+
+def _print_breaks(breaks: list[dict]) -> None:
+    if not breaks:
+        print("node bound: every expert's routes from nodes without a copy go to its home node")
+        return
+    print(f"node bound: {plural(len(breaks), 'expert')} served off its home node, each route at most one RDMA row "
+          "(upper bound on the added dispatch RDMA bytes per token):")
+    for b in breaks:
+        print(f"  layer {b['layer']} expert {b['expert']} (home node {b['home_node']}): {b['routes']:.0f} routes, "
+              f"<= {b['rdma_bytes_per_token']:,.0f} B per token")
+
+
+def _traffic(load_LE, previous, placement: Placement, args, groups: int, local: bool) -> dict:
+    """Per layer: RDMA and NVLink bytes per token (dispatch, mean over ranks) of the identity
+    layout, the placement before (with --previous) and the plan, on a routing drawn from the
+    layer's load; the plan's routes by locality when it is node-aware."""
+    from ..traffic.placement import Layout, placement_traffic, routing_from_load
+
+    W, N = placement.num_ranks, placement.num_nodes
+    layout = Layout(W, W // N, placement.num_slots, args.hidden)
+    identity = Placement.identity(placement.num_layers, placement.num_experts, placement.num_slots, W, N)
+    names = [("identity", identity, False)] + ([("previous", previous, local)] if previous is not None else []) \
+        + [("plan", placement, local)]
+    out = {name: {"rdma_bytes_per_token": [], "nvlink_bytes_per_token": []} for name, _, _ in names}
+    for layer in range(placement.num_layers):
+        if load_LE[layer].sum() <= 0:
+            for name in out:
+                out[name]["rdma_bytes_per_token"].append(0.0)
+                out[name]["nvlink_bytes_per_token"].append(0.0)
+            continue
+        routing = routing_from_load(load_LE[layer], W, args.traffic_tokens, args.topk, seed=layer,
+                                    routing=args.traffic, num_groups=groups, group_limit=args.group_limit)
+        for name, p, by_locality in names:
+            t = placement_traffic(routing, p.slot_to_expert[layer], layout, locality=by_locality)
+            out[name]["rdma_bytes_per_token"].append(t["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"])
+            out[name]["nvlink_bytes_per_token"].append(t["bytes_per_token"]["dispatch"]["hierarchical_nvlink"]["mean"])
+    return {"routing": args.traffic, "tokens_per_rank": args.traffic_tokens, "topk": args.topk, "hidden": args.hidden,
+            **({"groups": groups, "group_limit": args.group_limit} if args.traffic == "group-limited" else {}),
+            **out}
+
+
+def _print_traffic(traffic: dict, has_previous: bool) -> None:
+    names = ["identity"] + (["previous"] if has_previous else []) + ["plan"]
+    print(f"traffic ({traffic['routing']} routing drawn from each layer's load, {traffic['tokens_per_rank']} tokens "
+          f"per rank, top-{traffic['topk']}, bf16 rows of {traffic['hidden']}): dispatch bytes per token a rank sends")
+    print(f"{'layer':>6} " + " ".join(f"{n + ' RDMA':>15} {n + ' NVLink':>15}" for n in names))
+    for i in range(len(traffic["plan"]["rdma_bytes_per_token"])):
+        print(f"{i + 1:>6} " + " ".join(f"{traffic[n]['rdma_bytes_per_token'][i]:>15,.0f} "
+                                       f"{traffic[n]['nvlink_bytes_per_token'][i]:>15,.0f}" for n in names))
+    plan, ident = (np.mean(traffic[n]["rdma_bytes_per_token"]) for n in ("plan", "identity"))
+    print(f"mean RDMA bytes per token: plan {plan:,.0f}, identity layout {ident:,.0f} "
+          f"({plan / ident if ident else float('nan'):.3f}x)")
+
+
+def _history_per_rank(history_TLE: np.ndarray, placement: Placement, nodes: int = 1) -> np.ndarray:
+    """[T, L, W] tokens per rank of each interval under placement (nodes: metrics.rank_loads')."""
     T, L, E = history_TLE.shape
     s2e = placement.slot_to_expert.repeat(T, 1)  # [T * L, S]
     ranks = rank_loads(torch.from_numpy(np.ascontiguousarray(history_TLE).reshape(T * L, E)), s2e,
-                       placement.num_ranks)
+                       placement.num_ranks, nodes=nodes)
     return ranks.view(T, L, placement.num_ranks).numpy()
 
 

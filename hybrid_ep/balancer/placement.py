@@ -137,3 +137,14 @@ def expert_to_slots(s2e_LS: np.ndarray, E: int) -> np.ndarray:
     out = np.full((L, E, max(int(reps.max()), 1)), -1, dtype=np.int64)
     out[np.arange(L)[:, None], experts, pos] = order
     return out
+
+
+def primary_nodes(count_EN: torch.Tensor) -> torch.Tensor:
+    """[E] int64 the primary node of each expert from its copies per node [E, N] (every expert
+    has one): its home node e // (E / N), where node-limited routing sends its tokens, when a
+    copy is there; else the node holding most of its copies (the lowest on a tie). A route
+    from a node without a copy takes the primary node's copies (slots.py)."""
+    E, N = count_EN.shape
+    home_E = torch.arange(E) // max(E // N, 1)
+    at_home = count_EN.gather(1, home_E[:, None])[:, 0] > 0
+    return torch.where(at_home, home_E, count_EN.argmax(dim=1))

@@ -23,7 +23,15 @@ import numpy as np
 import torch
 
 from .. import _planner
-from .knobs import DEFAULT_TOLERANCE, MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
+from .knobs import (
+    DEFAULT_TOLERANCE,
+    MOVE_BUDGET_RULE,
+    RDMA_WEIGHT_RULE,
+    TOLERANCE_RULE,
+    valid_move_budget,
+    valid_rdma_weight,
+    valid_tolerance,
+)
 from .metrics import rank_loads
 from .placement import Placement, check_sizes, expert_to_slots
 
@@ -34,7 +42,7 @@ _BUDGET_STEPS = 6
 
 def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
                    previous: Placement | None = None, *, tolerance: float = DEFAULT_TOLERANCE,
-                   move_budget: float | None = None) -> Placement:
+                   move_budget: float | None = None, rdma_weight: float | None = None) -> Placement:
     """Balanced placement for load [L, E] (or [E]) tokens per expert; deterministic.
 
     With previous (same shape), per layer, the first of these whose rank imbalance
@@ -58,17 +66,32 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     leaves the fewest further rebalances to the tolerance on this load, then the lowest peak.
     The imbalance may then exceed the fresh plan's + tolerance; calling again with the
     result as previous continues toward it.
+
+    rdma_weight (None: the node-agnostic plan above, for the spreading rule, where copies go to
+    any node): with a number and num_nodes > 1, the node-aware plan for the replica choice by
+    locality (SlotTable.set_layout, slots.py): experts stay on their home node e // (E / N), the
+    node their group maps to under node-limited routing, and get satellite copies that serve
+    other nodes' own routes; an expert moves to another node only where the drop in imbalance
+    is above rdma_weight x the routes it then serves off its home node (a fraction of all
+    routes). Imbalance and tolerance are then those of the locality rule (metrics, nodes=N),
+    and a kept plan must be within tolerance of the fresh plan's imbalance + rdma_weight x its
+    off-home routes (docs/balancer.md, "Node-aware plans").
     """
     if not valid_tolerance(tolerance):
         raise ValueError(f"tolerance must be {TOLERANCE_RULE}, got {tolerance!r}")
     if move_budget is not None and not valid_move_budget(move_budget):
         raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
+    if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
+        raise ValueError(f"rdma_weight must be {RDMA_WEIGHT_RULE} or None, got {rdma_weight!r}")
     load_LE = _as_load(load)
     num_experts = load_LE.shape[1]
     check_sizes(num_experts, num_slots, num_ranks, num_nodes)
     if num_experts % num_nodes != 0:
         raise ValueError(f"num_nodes ({num_nodes}) must divide the number of experts ({num_experts}) "
                          "so every node holds the same number of experts")
+    if rdma_weight is not None and num_nodes > 1:
+        return _plan_local(load_LE, num_slots, num_nodes, num_ranks, previous, tolerance, move_budget,
+                           float(rdma_weight))
     # with previous, only the fresh plan's copies and peak count until it is matched onto
     # previous (_keep_most), so its ranks are ordered onto nodes only there
     fresh_LS = _planner.plan_fresh(load_LE, num_slots, num_nodes, num_ranks, onto_nodes=previous is None)
@@ -97,6 +120,77 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
 def peak(load_LE: np.ndarray, s2e_LS: np.ndarray, W: int) -> np.ndarray:
     """[L] largest rank load of a placement (metrics.rank_loads: a slot weighs load[e] / replicas(e))."""
     return rank_loads(load_LE, torch.from_numpy(np.ascontiguousarray(s2e_LS)), W).max(1).values.numpy()
+
+
+def objective(load_LE: np.ndarray, s2e_LS: np.ndarray, num_nodes: int, num_ranks: int,
+              rdma_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """([L] rank imbalance under the replica choice by locality, [L] rdma_weight x (routes
+    served off their home node) / (all routes)): the two terms the node-aware plan minimises
+    (metrics.rank_loads with nodes=N and metrics.off_home, computed natively)."""
+    imbalance, off = _planner.local_terms(load_LE, np.ascontiguousarray(s2e_LS), num_nodes, num_ranks)
+    return imbalance, rdma_weight * off
+
+
+def _within(load_LE, s2e_LS, N, W, rdma_weight, goal) -> np.ndarray:
+    """[L] both terms of the objective within tolerance of the fresh plan's (goal: theirs + tolerance)."""
+    imbalance, cost = objective(load_LE, s2e_LS, N, W, rdma_weight)
+    return (imbalance <= goal[0]) & (cost <= goal[1])
+
+
+def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement | None, tolerance: float,
+                move_budget: float | None, rdma_weight: float) -> Placement:
+    """The node-aware plan (plan_placement's rdma_weight). With previous, per layer the first
+    of: previous unchanged, where its imbalance and its cost of off-home routes are each within
+    tolerance of the fresh plan's; else, whichever changes fewer slots among those within
+    tolerance, previous re-fitted node by node (each node's slots by the refit of the
+    node-agnostic plan) in its own node layout searched on (where that is not within, in the
+    fresh plan's layout), or the fresh plan with the ranks of each node and the slots of each
+    rank matched onto previous (always within). With
+    move_budget, a layer changing more is re-fitted within previous's node layout, each node
+    stopped at the budget's share of its slots."""
+    E = load_LE.shape[1]
+    fresh_LS = _planner.plan_local(load_LE, S, N, W, rdma_weight)
+    if previous is None:
+        return Placement(torch.from_numpy(fresh_LS), W, N, E).validate()
+    _check_previous(previous, load_LE.shape[0], E, S, N, W)
+    prev_LS = previous.slot_to_expert.numpy()
+    goal = tuple(term + tolerance + 1e-9 for term in objective(load_LE, fresh_LS, N, W, rdma_weight))
+    keep_L = _within(load_LE, prev_LS, N, W, rdma_weight, goal)
+    if keep_L.all():
+        return previous
+    todo = np.flatnonzero(~keep_L)
+    mean_L = load_LE[todo].sum(1) / W
+    allowed_L = peak_local(load_LE[todo], fresh_LS[todo], N, W) + (tolerance + 1e-9) * mean_L
+    out_LS = prev_LS.copy()
+    out_LS[todo] = _align(fresh_LS[todo], prev_LS[todo], N, W, E, fixed_nodes=True)  # always within
+    # previous re-fitted in its own node layout searched on; where that is not within
+    # tolerance, in the fresh plan's layout
+    refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], None, N, W, rdma_weight, False, allowed_L, S)
+    within = _within(load_LE[todo], refit, N, W, rdma_weight, (goal[0][todo], goal[1][todo]))
+    short = np.flatnonzero(~within)
+    if short.size:
+        again, _ = _planner.keep_local(load_LE[todo[short]], prev_LS[todo[short]], fresh_LS[todo[short]], N, W,
+                                       rdma_weight, False, allowed_L[short], S)
+        refit[short] = again
+        within[short] = _within(load_LE[todo[short]], again, N, W, rdma_weight,
+                                (goal[0][todo[short]], goal[1][todo[short]]))
+    better = within & ((refit != prev_LS[todo]).sum(1) < (out_LS[todo] != prev_LS[todo]).sum(1))
+    out_LS[todo[better]] = refit[better]
+    if move_budget is not None:
+        cap = int(np.floor(move_budget * S / N + 1e-9))  # per node
+        over = todo[(out_LS[todo] != prev_LS[todo]).reshape(len(todo), N, S // N).sum(2).max(1) > cap]
+        if over.size:
+            mean_over = load_LE[over].sum(1) / W
+            allowed_over = peak_local(load_LE[over], fresh_LS[over], N, W) + (tolerance + 1e-9) * mean_over
+            out_LS[over] = _planner.keep_local(load_LE[over], prev_LS[over], None, N, W, rdma_weight, True,
+                                               allowed_over, cap)[0]
+    return Placement(torch.from_numpy(np.ascontiguousarray(out_LS)), W, N, E).validate()
+
+
+def peak_local(load_LE: np.ndarray, s2e_LS: np.ndarray, N: int, W: int) -> np.ndarray:
+    """[L] largest rank load under the replica choice by locality over N nodes."""
+    imbalance, _ = _planner.local_terms(load_LE, np.ascontiguousarray(s2e_LS), N, W)
+    return (1 + imbalance) * load_LE.sum(1) / W
 
 
 # ----------------------------------------------------------------------------- checks
@@ -195,17 +289,18 @@ def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, 
     return best_LS
 
 
-def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
+def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int, fixed_nodes: bool = False) -> np.ndarray:
     """new_LS with nodes, ranks within a node and slots within a rank permuted to match prev_LS.
 
-    Greedy matching: node pairs by shared experts, then rank pairs within matched nodes,
-    then slots. Rank loads are only permuted, so the balance is unchanged.
+    Greedy matching: node pairs by shared experts (fixed_nodes: every node stays, as the
+    node-aware plan's copies are placed for their nodes), then rank pairs within matched
+    nodes, then slots. Rank loads are only permuted, so the balance is unchanged.
     """
     L, S = new_LS.shape
     G, P = W // N, S // W
     overlap = _rank_overlap(new_LS, prev_LS, W, E)  # [L, Wnew, Wold]
     node_ov = overlap.reshape(L, N, G, N, G).sum(axis=(2, 4))
-    node_map = _greedy_match(node_ov)  # [L, N] old node for each new node
+    node_map = np.tile(np.arange(N), (L, 1)) if fixed_nodes else _greedy_match(node_ov)  # [L, N] old node of each
     rank_ov = overlap.reshape(L, N, G, N, G)
     rank_ov = np.take_along_axis(rank_ov, node_map[:, :, None, None, None], axis=3)[:, :, :, 0, :]  # [L, N, G, G]
     rank_map = _greedy_match(rank_ov.reshape(L * N, G, G)).reshape(L, N, G)

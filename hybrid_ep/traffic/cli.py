@@ -4,7 +4,10 @@ synthetic routing.
 Prints, for the hierarchical scheme and for a flat all-to-all, what each rank sends per
 token in dispatch and in combine, and how much RDMA the hierarchical scheme saves.
 The numbers come from the traffic model (`model.py`); this module only builds the routing,
-calls the model and aggregates over ranks. Computed, not measured.
+calls the model and aggregates over ranks. Computed, not measured. With --placement the
+routes go through an expert placement of the balancer (one layer of its YAML: router ids to
+slots by the replica choice, `placement.py`), and the line after the table compares its RDMA
+bytes with the layout without one.
 
 Legend: W ranks = N nodes x G ranks per node, E experts, K routes per token,
 T tokens per rank, H hidden size.
@@ -29,12 +32,18 @@ from ..fp8 import num_scale_blocks
 from ..metadata import metadata
 from ..paths import output_problem
 from ..rows import row_bytes_rule
-from ..synthetic import DEFAULT_GROUP_LIMIT, ROUTINGS, default_group_limit, iter_rank_routings, seed_problem
+from ..synthetic import (
+    DEFAULT_GROUP_LIMIT,
+    ROUTINGS,
+    default_group_limit,
+    derived_seed,
+    iter_rank_routings,
+    sample_topk,
+    seed_problem,
+)
 from ..wording import plural
-from .model import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
+from .summary import COLUMNS, summarize
 
-# Columns of the table: (scheme, link) -> key in the report.
-COLUMNS = ("hierarchical_nvlink", "hierarchical_rdma", "flat_nvlink", "flat_rdma")
 HEADERS = ("hierarchical NVLink", "hierarchical RDMA", "flat NVLink", "flat RDMA")
 PROG = "hybrid-ep-traffic"
 UNITS = {"row_bytes": "bytes per row", "per_rank": "bytes each rank sends (computed by the traffic model)",
@@ -65,6 +74,11 @@ class Scenario:
     dispatch_dtype: str = "bf16"
     combine_dtype: str = "bf16"
     seed: int = 0
+    popularity: str = "routing"  # routing: the routing's own (uniform, or Zipf for zipf); zipf; stats
+    stats: str | None = None  # statistics file whose layer's tokens per expert are the popularity
+    layer: int | None = None  # layer number of --stats and --placement (None: their first layer)
+    placement: str | None = None  # placement YAML (hybrid-ep-balance plan) the routes go through
+    replica_choice: str = "locality"  # of a replicated expert's copy: locality or spread (slots.py)
 
     @property
     def world_size(self) -> int:
@@ -114,7 +128,26 @@ class Scenario:
         problem = seed_problem(self.seed)
         if problem:
             raise ValueError(f"--seed {problem}")
+        if self.popularity not in POPULARITIES:
+            raise ValueError(f"--popularity must be one of {', '.join(POPULARITIES)}, got {self.popularity!r}")
+        if (self.popularity == "stats") != (self.stats is not None):
+            raise ValueError("--popularity stats and --stats go together")
+        if self.replica_choice not in ("locality", "spread"):
+            raise ValueError(f"--replica-choice must be locality or spread, got {self.replica_choice!r}")
         return self
+
+    def popularity_vector(self) -> torch.Tensor | None:
+        """[E] float64 popularity where --popularity sets one (None: the routing's own)."""
+        if self.popularity == "zipf":
+            from ..synthetic import zipf_popularity
+
+            return zipf_popularity(self.experts, self.zipf_exponent, torch.Generator().manual_seed(self.seed))
+        if self.popularity == "stats":
+            load = _layer_row(self.stats, self.layer, "--stats")
+            if load.numel() != self.experts:
+                raise ValueError(f"--stats: {self.stats} counts {load.numel()} experts, --experts is {self.experts}")
+            return load / load.sum()
+        return None
 
     def buffer_config(self) -> BufferConfig:
         return BufferConfig(hidden_dim=self.hidden, max_tokens_per_rank=self.tokens, num_experts=self.experts,
@@ -123,79 +156,55 @@ class Scenario:
     def routings(self) -> list[torch.Tensor]:
         """[T, K] int64 topk_idx per rank. Zipf popularity is drawn once, shared by all ranks."""
         groups = dict(num_groups=self.nodes, topk_groups=self.topk_groups) if self.routing == "group-limited" else {}
-        return list(iter_rank_routings(self.routing, [self.tokens] * self.world_size, self.experts, self.topk,
-                                       self.seed, self.zipf_exponent, **groups))
+        popularity = self.popularity_vector()
+        if popularity is None:
+            return list(iter_rank_routings(self.routing, [self.tokens] * self.world_size, self.experts, self.topk,
+                                           self.seed, self.zipf_exponent, **groups))
+        gen = torch.Generator().manual_seed(derived_seed(self.seed + 1))
+        return [sample_topk(self.tokens, self.experts, self.topk, gen, popularity=popularity, **groups)
+                for _ in range(self.world_size)]
 
 
-def _max_distinct(group_TK: torch.Tensor) -> int:
-    """Most distinct non-negative values in a row of [T, K] (-1 = not routed); 0 when T = 0."""
-    if group_TK.shape[0] == 0:
-        return 0
-    srt = group_TK.sort(dim=1).values
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    return int((new & (srt >= 0)).sum(dim=1).max())
+POPULARITIES = ("routing", "zipf", "stats")
 
 
-def _bytes_per_token(sent_W: list[int], tokens_W: torch.Tensor) -> dict:
-    """Mean (total bytes / total tokens, = mean over ranks when T is equal) and max over ranks."""
-    sent = torch.tensor(sent_W, dtype=torch.float64)
-    has = tokens_W > 0
-    total = int(tokens_W.sum())
-    return {
-        "mean": float(sent.sum() / total) if total else 0.0,
-        "max": float((sent[has] / tokens_W[has]).max()) if bool(has.any()) else 0.0,
-    }
+def _layer_row(path: str, layer: int | None, flag: str) -> torch.Tensor:
+    """[E] float64 tokens per expert of one layer of a statistics file (its first without `layer`)."""
+    from ..balancer.report import load_statistics
+
+    try:
+        stats = load_statistics(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e}") from None
+    load = torch.as_tensor(stats["load"], dtype=torch.float64)
+    numbers = [int(n) for n in stats.get("layer_numbers", range(1, load.shape[0] + 1))]
+    index = 0 if layer is None else numbers.index(layer) if layer in numbers else None
+    if index is None:
+        raise ValueError(f"--layer {layer}: {path} holds layers {numbers}")
+    if float(load[index].sum()) <= 0:
+        raise ValueError(f"{flag}: layer {numbers[index]} of {path} has no tokens")
+    return load[index]
 
 
-def summarize(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig,
-              dispatch_dtype: torch.dtype, combine_dtype: torch.dtype) -> dict:
-    """Traffic of one routing (all ranks), as plain Python numbers.
+def _placement_row(scenario: "Scenario") -> torch.Tensor:
+    """[S] one layer of --placement, checked against the scenario's experts, ranks and nodes."""
+    from ..balancer.placement_file import load_placement_yaml
 
-    per_rank[op][column]: bytes each rank sends; bytes_per_token[op][column]: mean and max;
-    rdma_saving_percent[op]: 100 * (1 - hierarchical / flat) over all ranks (None without RDMA).
-    """
-    count_WW, node_counts_WN = count_tables(topk_idx_per_rank, config)
-    counts = row_counts(count_WW, node_counts_WN, config.ranks_per_node)
-    row_bytes = {"dispatch": dispatch_row_bytes(config.hidden_dim, dispatch_dtype),
-                 "combine": combine_row_bytes(config.hidden_dim, combine_dtype)}
-    tokens_W = torch.tensor([idx.shape[0] for idx in topk_idx_per_rank], dtype=torch.int64)
-    total_tokens = int(tokens_W.sum())
-
-    per_rank, per_token, saving = {}, {}, {}
-    for op in ("dispatch", "combine"):
-        traffic = [rank_traffic(op, r, counts, row_bytes[op]) for r in range(config.world_size)]
-        per_rank[op] = {
-            "hierarchical_nvlink": [t.nvlink_bytes for t in traffic],
-            "hierarchical_rdma": [t.rdma_bytes for t in traffic],
-            "flat_nvlink": [t.flat_nvlink_bytes for t in traffic],
-            "flat_rdma": [t.flat_rdma_bytes for t in traffic],
-        }
-        per_token[op] = {col: _bytes_per_token(per_rank[op][col], tokens_W) for col in COLUMNS}
-        flat_rdma = sum(per_rank[op]["flat_rdma"])
-        saving[op] = 100.0 * (1 - sum(per_rank[op]["hierarchical_rdma"]) / flat_rdma) if flat_rdma else None
-
-    # Means from the model's count tables; maxima need the per-token routing.
-    idx_all = torch.cat([idx.to(torch.int64) for idx in topk_idx_per_rank])  # [sum of T, K]
-    dest = torch.where(idx_all >= 0, idx_all // config.experts_per_rank, -1)  # destination rank
-    destinations = {
-        "ranks": {"mean": int(count_WW.sum()) / max(total_tokens, 1), "max": _max_distinct(dest)},
-        "nodes": {"mean": int(node_counts_WN.sum()) / max(total_tokens, 1),
-                  "max": _max_distinct(torch.where(dest >= 0, dest // config.ranks_per_node, -1))},
-    }
-    return {
-        "world_size": config.world_size,
-        "num_nodes": config.num_nodes,
-        "ranks_per_node": config.ranks_per_node,
-        "hidden": config.hidden_dim,
-        "row_bytes": row_bytes,
-        "tokens_per_rank": tokens_W.tolist(),
-        "received_rows": counts.received.tolist(),
-        "per_rank": per_rank,
-        "bytes_per_token": per_token,  # bytes sent per token of the sending rank
-        "rdma_saving_percent": saving,
-        "destinations_per_token": destinations,
-    }
+    try:
+        p = load_placement_yaml(scenario.placement)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--placement: {e}") from None
+    want = (scenario.experts, scenario.world_size, scenario.nodes)
+    got = (p.num_experts, p.num_ranks, p.num_nodes)
+    if got != want:
+        raise ValueError(f"--placement {scenario.placement} is for (experts, ranks, nodes) = {got}, the scenario has "
+                         f"{want} (--experts, --nodes x --ranks-per-node, --nodes)")
+    numbers = list(p.layer_numbers) if p.layer_numbers is not None else list(range(1, p.num_layers + 1))
+    if scenario.layer is None:
+        return p.slot_to_expert[0]
+    if scenario.layer not in numbers:
+        raise ValueError(f"--layer {scenario.layer}: {scenario.placement} holds layers {numbers}")
+    return p.slot_to_expert[numbers.index(scenario.layer)]
 
 
 def compute(scenario: Scenario) -> dict:
@@ -203,10 +212,20 @@ def compute(scenario: Scenario) -> dict:
     (as hybrid-ep-bench records it: zipf_exponent only with zipf routing and group_limit, the nodes a
     token may reach, only with group-limited routing; None otherwise)."""
     scenario.validate()
-    report = summarize(scenario.routings(), scenario.buffer_config(),
-                       DISPATCH_DTYPES[scenario.dispatch_dtype], COMBINE_DTYPES[scenario.combine_dtype])
+    routings = scenario.routings()
+    dtypes = DISPATCH_DTYPES[scenario.dispatch_dtype], COMBINE_DTYPES[scenario.combine_dtype]
+    if scenario.placement is None:
+        report = summarize(routings, scenario.buffer_config(), *dtypes)
+    else:
+        from .placement import Layout, placement_traffic
+
+        row = _placement_row(scenario)
+        layout = Layout(scenario.world_size, scenario.ranks_per_node, row.numel(), scenario.hidden)
+        report = placement_traffic(routings, row, layout, *dtypes, locality=scenario.replica_choice == "locality")
+        without = summarize(routings, scenario.buffer_config(), *dtypes)
+        report["without_placement"] = {"bytes_per_token": without["bytes_per_token"]}
     report["scenario"] = dataclasses.asdict(scenario) | {
-        "zipf_exponent": scenario.zipf_exponent if scenario.routing == "zipf" else None,
+        "zipf_exponent": scenario.zipf_exponent if "zipf" in (scenario.routing, scenario.popularity) else None,
         "group_limit": scenario.topk_groups if scenario.routing == "group-limited" else None}
     return report
 
@@ -219,6 +238,10 @@ def format_report(report: dict) -> str:
         routing += f" (exponent {s['zipf_exponent']})"
     elif routing == "group-limited":
         routing += f" (<= {s['group_limit']} of {plural(s['nodes'], 'node')} per token)"
+    if s.get("popularity") == "zipf" and s["routing"] != "zipf":
+        routing += f", Zipf popularity (exponent {s['zipf_exponent']})"
+    elif s.get("popularity") == "stats":
+        routing += f", popularity of {s['stats']}" + ("" if s["layer"] is None else f" layer {s['layer']}")
     rb = report["row_bytes"]
     lines = [
         f"hybrid-ep traffic model: {plural(s['nodes'], 'node')} x {plural(s['ranks_per_node'], 'rank')}/node "
@@ -244,6 +267,13 @@ def format_report(report: dict) -> str:
     for what in ("rank", "node"):
         x = d[what + "s"]
         lines.append(f"destination {what}s per token: mean {x['mean']:.2f}, max {x['max']} (own {what} included)")
+    if "without_placement" in report:
+        mine = report["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"]
+        base = report["without_placement"]["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"]
+        layer = "first layer" if s["layer"] is None else f"layer {s['layer']}"
+        lines.append(f"placement {s['placement']} ({layer}, replica choice {s['replica_choice']}): dispatch RDMA "
+                     f"{mine:,.0f} bytes per token, {mine / base if base else float('nan'):.3f}x the {base:,.0f} "
+                     "without a placement (expert e on rank e // (E / W))")
     return "\n".join(lines)
 
 
@@ -275,6 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--combine-dtype", choices=tuple(COMBINE_DTYPES), default=d.combine_dtype,
                    help="combine payload (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="routing seed, in [0, 2^64 - 1] (default %(default)s)")
+    p.add_argument("--popularity", choices=POPULARITIES, default=d.popularity,
+                   help="expert popularity: the routing's own (uniform; Zipf for --routing zipf), zipf (also for "
+                        "group-limited routing) or stats (a layer's tokens per expert from --stats)")
+    p.add_argument("--stats", default=None, help="statistics file (.npz, hybrid-ep-balance's input) for "
+                                                 "--popularity stats")
+    p.add_argument("--layer", type=int, default=None,
+                   help="layer number of --stats and --placement (default: their first layer)")
+    p.add_argument("--placement", default=None,
+                   help="placement YAML (hybrid-ep-balance plan --out) the routes go through, router ids to slots")
+    p.add_argument("--replica-choice", choices=("locality", "spread"), default=d.replica_choice,
+                   help="with --placement: a route to a replicated expert takes the copies on its own node, else "
+                        "its primary node's (locality), or spreads over every copy (default %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write every number as JSON to PATH")
     return p
 
@@ -286,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     scenario = Scenario(**vars(args))
     try:
         scenario.validate()
+        scenario.popularity_vector()  # reads --stats: a bad file is a usage error too
+        if scenario.placement is not None:
+            _placement_row(scenario)
     except ValueError as e:
         parser.error(str(e))
     if json_path is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planner import peak
+from hybrid_ep.balancer.planner import peak
 
 
 def eplb(load_LE: np.ndarray, num_slots: int, num_nodes: int, num_ranks: int,

@@ -1,4 +1,4 @@
-"""`python -m hybrid_ep.balancer.study.quality`: the planner against EPLB and a greedy baseline.
+"""`python -m tools.balancer_study.quality`: the planner against EPLB and a greedy baseline.
 
 Loads: per layer, token counts drawn from a popularity (multinomial over top-K routes, or
 Gumbel top-K routing for the `topk-` patterns). Patterns: Zipf s = 0.6 .. 1.4 (random
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -42,13 +41,15 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ...cli_parser import ArgumentParser
-from ...paths import output_problem
-from ...synthetic import sample_topk, zipf_popularity
-from ..metrics import imbalance_ratio, rank_loads
-from ..placement import Placement
-from ..planner import DEFAULT_TOLERANCE, peak, plan_placement
+from hybrid_ep.balancer.metrics import imbalance_ratio, rank_loads
+from hybrid_ep.balancer.placement import Placement
+from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, peak, plan_placement
+from hybrid_ep.cli_parser import ArgumentParser
+from hybrid_ep.paths import output_problem
+from hybrid_ep.synthetic import sample_topk, zipf_popularity
+
 from .baselines import eplb, greedy
+from .pages import write_page
 from .refit_bound import refit_lower_bound
 
 PATTERNS = ("zipf-0.6", "zipf-0.8", "zipf-1.0", "zipf-1.2", "zipf-1.4", "lognormal-1.0", "lognormal-2.0",
@@ -504,7 +505,7 @@ def plot(doc: dict, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m hybrid_ep.balancer.study.quality", description=__doc__.split("\n")[0],
+    p = ArgumentParser(prog="python -m tools.balancer_study.quality", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -559,7 +560,7 @@ def main(argv=None) -> int:
                      f"--time-ranks ({args.time_ranks})")
     torch.set_num_threads(1)
     doc = {"date": datetime.date.today().isoformat(), "machine": args.machine,
-           "command": shlex.join(["python", "-m", "hybrid_ep.balancer.study.quality"]
+           "command": shlex.join(["python", "-m", "tools.balancer_study.quality"]
                                  + list(sys.argv[1:] if argv is None else argv)),
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "machine")}}
     doc["timing"] = timing(args)
@@ -567,14 +568,7 @@ def main(argv=None) -> int:
     doc["patterns"] = summarize_patterns(doc["cases"], args.move_target)
     doc["tolerance_sweep"] = summarize_sweep(doc["cases"], args.move_target)
     doc["move_budget"] = summarize_budget(doc["cases"])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "balancer_planner.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.join(args.out, "balancer_planner.md"), "w") as f:
-        f.write(markdown(doc))
-    plot(doc, os.path.join(args.out, "balancer_planner.png"))
-    print(markdown(doc))
-    print(f"wrote {args.out}/balancer_planner.json, .md and .png")
+    write_page(doc, args.out, "balancer_planner", markdown, plot)
     return 0
 
 

@@ -1,0 +1,578 @@
+// The node-aware plan (planner.h: plan_local, keep_local): which nodes hold copies of each
+// expert, searched against an objective that weighs imbalance against routes served off
+// their home node, then every node packed on its own by the single-node planner.
+//
+// Under the replica choice by locality (hybrid_ep/balancer/slots.py) a route takes the copies
+// on its own node, else those on the expert's primary node. Each node's ranks send 1 / N of
+// an expert's tokens, so a copy set is a node demand: load / N on every node holding a copy
+// (its own routes), plus on the primary the shares of the nodes holding none. A node's slots
+// then split its demands among its ranks exactly as one node of S / N slots would (plan_fresh
+// with N = 1): the search is over nodes, the packing is the planner's.
+//
+// Moves at the node level, from the most loaded node h (node load: the larger of its demand
+// per rank and its heaviest copy, once its spare slots split its largest demands, plus the
+// lightest copy for each other slot of that rank; bounds the packing cannot beat):
+//   satellite: a copy of an expert whose primary is h on a node m without one; it takes m's
+//     own routes (load / N) off h and crosses no link (a route served on its own node);
+//     where m has no free slot, m's coldest single-node expert moves to h in the same step;
+//   move: a single-node expert's copies to another node, whose routes then cross to it;
+//   swap: two single-node experts trade nodes.
+// Objective: the 16-norm of the node loads over the mean rank load (a smooth maximum: a move
+// that lowers one of several nodes at the peak counts) plus rdma_weight x (routes served
+// off their home node, the shares of the nodes without a copy of an expert whose primary
+// is not its home) / (all routes). Steepest descent, one move per step: satellites alone
+// first (they cost nothing), then every kind; after a satellite, more of the same expert on
+// the lightest nodes while each lowers the objective. Then the nodes are packed, and
+// single-copy experts of the peak rank swap with lighter ones of other nodes while that
+// lowers the objective (polish).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "balancer/packing.h"
+#include "balancer/planner.h"
+
+namespace hybrid_ep::balancer {
+
+using namespace detail;
+
+namespace {
+
+constexpr int kExpertsTried = 8;    // of the peak node, per kind of move
+constexpr int kTargetsTried = 4;    // lightest nodes a step moves load to
+constexpr double kMinGain = 1e-12;  // relative: below it a step is rounding
+
+double pow16(double x) {  // the smooth maximum's power
+  x *= x;
+  x *= x;
+  x *= x;
+  return x * x;
+}
+
+// Which nodes hold copies of each expert, and its primary node.
+struct Layout {
+  int E = 0, N = 0;
+  std::vector<int> primary;     // [E]
+  std::vector<uint8_t> holds;   // [E][N]
+  std::vector<int> nodes_held;  // [E]
+  bool at(int e, int n) const { return holds[static_cast<size_t>(e) * N + n] != 0; }
+};
+
+int home_of(int e, int E, int N) { return e / (E / N); }
+
+Layout home_layout(int E, int N) {
+  Layout l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0), std::vector<int>(E, 1)};
+  for (int e = 0; e < E; ++e) {
+    l.primary[e] = home_of(e, E, N);
+    l.holds[static_cast<size_t>(e) * N + l.primary[e]] = 1;
+  }
+  return l;
+}
+
+// The layout of a placement: copies per node, primary by placement.primary_nodes' rule.
+Layout layout_of(const int64_t* slots, int E, int S, int N) {
+  Layout l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0), std::vector<int>(E, 0)};
+  std::vector<int> count(static_cast<size_t>(E) * N, 0);
+  for (int s = 0; s < S; ++s) count[static_cast<size_t>(slots[s]) * N + s / (S / N)] += 1;
+  for (int e = 0; e < E; ++e) {
+    const int* c = count.data() + static_cast<size_t>(e) * N;
+    const int home = home_of(e, E, N);
+    l.primary[e] = c[home] > 0 ? home : static_cast<int>(std::max_element(c, c + N) - c);
+    for (int n = 0; n < N; ++n)
+      if (c[n] > 0) l.holds[static_cast<size_t>(e) * N + n] = 1, l.nodes_held[e] += 1;
+  }
+  return l;
+}
+
+// Routes of e served off its home node: the shares of the nodes without a copy, where they go
+// to a primary that is not its home.
+double off_home(const double* load, const Layout& l, int e) {
+  const int N = l.N;
+  return l.primary[e] == home_of(e, l.E, N) ? 0.0 : load[e] * (N - l.nodes_held[e]) / N;
+}
+
+// Node demand of e on n.
+double demand(const double* load, const Layout& l, int e, int n) {
+  if (!l.at(e, n)) return 0.0;
+  const double share = load[e] / l.N;
+  return n == l.primary[e] ? share * (l.N - l.nodes_held[e] + 1) : share;
+}
+
+class NodeSearch {
+ public:
+  NodeSearch(const double* load, int E, int N, int G, int C, double weight, Layout start)
+      : load_(load), E_(E), N_(N), G_(G), C_(C), weight_(weight), l_(std::move(start)), items_(N), demand_(N, 0.0),
+        sorted_(N), lb_(N), term_(N) {
+    total_ = std::accumulate(load, load + E, 0.0);
+    mean_ = total_ / (static_cast<double>(N) * G);
+    for (int e = 0; e < E_; ++e) {
+      for (int n = 0; n < N_; ++n)
+        if (l_.at(e, n)) items_[n].push_back(e);
+      off_ += off_home(load_, l_, e);
+    }
+    for (int n = 0; n < N_; ++n) refresh(n);
+  }
+
+  const Layout& layout() const { return l_; }
+
+  // Satellites first (they cross no link), then every kind of move: a move sheds more in one
+  // step, so a search that takes the largest step first moves experts a satellite would relieve.
+  void run(int max_steps) {
+    if (total_ <= 0 || N_ == 1) return;
+    int steps = 0;
+    for (bool moves : {false, true}) {
+      moves_ = moves;
+      while (steps < max_steps && step()) ++steps;
+    }
+  }
+
+ private:
+  struct Candidate {
+    double key;
+    int kind, e, m, f;  // kind 0: satellite (f: evicted to h, or -1); 1: move; 2: swap e <-> f
+  };
+
+  // node bound: demand per rank, and the heaviest copy once the spare slots go to the largest
+  // demand per copy (at most G copies of one expert: one per rank), as plan_fresh spreads them,
+  // with the P - 1 other slots of its rank at least the lightest copy each
+  double bound(double demand, double heaviest) const { return std::max(demand / G_, heaviest); }
+
+  // That heaviest copy's rank bound for node n with one change: `skip`'s demand replaced by
+  // `replaced` (< 0: removed) and an item of demand `added` (< 0: none) joined; spare slots
+  // left. Only the spare + 1 largest demands can end heaviest (at most `spare` are split).
+  double split(int n, int skip, double replaced, double added, int spare) const {
+    if (spare < 0) return kInf;
+    const auto& v = sorted_[n];
+    const size_t k = static_cast<size_t>(spare) + 1;
+    // lightest item left (the list is heaviest first)
+    double lightest = kInf;
+    for (size_t i = v.size(); i-- > 0;)
+      if (v[i].second != skip) {
+        lightest = v[i].first;
+        break;
+      }
+    buf_.clear();
+    for (size_t i = 0; i < v.size() && buf_.size() < k; ++i)
+      if (v[i].second != skip) buf_.push_back(v[i].first);
+    for (double d : {replaced, added}) {  // into place, heaviest first, at most k kept
+      if (d < 0) continue;
+      lightest = std::min(lightest, d);
+      if (buf_.size() == k && d <= buf_.back()) continue;
+      if (buf_.size() == k) buf_.pop_back();
+      buf_.insert(std::upper_bound(buf_.begin(), buf_.end(), d, std::greater<>()), d);
+    }
+    if (buf_.empty()) return 0.0;
+    double heaviest;
+    if (static_cast<size_t>(spare) >= (G_ - 1) * buf_.size()) {  // every one of them split G ways
+      heaviest = buf_.front() / G_;
+      lightest = std::min(lightest, buf_.back() / G_);
+    } else {
+      // each spare slot to the largest demand per copy (a heap of (per copy, item))
+      copies_.assign(buf_.size(), 1);
+      heap_.clear();
+      for (size_t i = 0; i < buf_.size(); ++i) heap_.emplace_back(buf_[i], static_cast<int>(i));
+      std::make_heap(heap_.begin(), heap_.end());
+      for (int left = spare; left > 0 && !heap_.empty(); --left) {
+        std::pop_heap(heap_.begin(), heap_.end());
+        const int i = heap_.back().second;
+        copies_[i] += 1;
+        if (copies_[i] < G_) heap_.back() = {buf_[i] / copies_[i], i}, std::push_heap(heap_.begin(), heap_.end());
+        else heap_.pop_back();
+      }
+      heaviest = 0.0;
+      for (size_t i = 0; i < buf_.size(); ++i) {
+        heaviest = std::max(heaviest, buf_[i] / copies_[i]);
+        lightest = std::min(lightest, buf_[i] / copies_[i]);
+      }
+    }
+    return heaviest + (C_ / G_ - 1) * lightest;
+  }
+
+  double term(double lb) const { return pow16(lb / mean_); }
+  double key(double sum_terms, double off) const {  // the 16th root as four square roots
+    return std::sqrt(std::sqrt(std::sqrt(std::sqrt(sum_terms / N_)))) + weight_ * off / total_;
+  }
+
+  void refresh(int n) {
+    double d = 0.0;
+    auto& v = sorted_[n];
+    v.clear();
+    for (int e : items_[n]) {
+      const double x = demand(load_, l_, e, n);
+      d += x;
+      v.emplace_back(x, e);
+    }
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    demand_[n] = d;
+    const int spare = C_ - static_cast<int>(items_[n].size());
+    lb_[n] = bound(d, split(n, -1, -1.0, -1.0, spare));
+    term_[n] = term(lb_[n]);
+  }
+
+  double sum_terms() const { return std::accumulate(term_.begin(), term_.end(), 0.0); }
+
+  // the evictable expert of m for a satellite: its coldest single-node expert with primary m
+  int coldest(int m) const {
+    int best = -1;
+    for (int f : items_[m])
+      if (l_.nodes_held[f] == 1 && (best < 0 || load_[f] < load_[best])) best = f;
+    return best;
+  }
+
+  double off_change(int e, int from, int to) const {  // a single-node expert moving nodes
+    const int home = home_of(e, E_, N_);
+    const double moved = load_[e] * (N_ - 1) / N_;
+    return (to == home ? -moved : 0.0) + (from == home ? moved : 0.0);
+  }
+
+  bool step() {
+    const int h = static_cast<int>(std::max_element(lb_.begin(), lb_.end()) - lb_.begin());
+    std::vector<int> targets(N_);
+    std::iota(targets.begin(), targets.end(), 0);
+    std::stable_sort(targets.begin(), targets.end(), [&](int a, int b) { return lb_[a] < lb_[b]; });
+    targets.erase(std::remove(targets.begin(), targets.end(), h), targets.end());
+    if (static_cast<int>(targets.size()) > kTargetsTried) targets.resize(kTargetsTried);
+    // experts with primary h: heaviest demand on h first (satellites shed from these)
+    std::vector<int> own, single;
+    for (int e : items_[h])
+      if (l_.primary[e] == h) {
+        own.push_back(e);
+        if (l_.nodes_held[e] == 1) single.push_back(e);
+      }
+    auto heavier = [&](int a, int b) {
+      const double da = demand(load_, l_, a, h), db = demand(load_, l_, b, h);
+      return da > db || (da == db && a < b);
+    };
+    auto first = [&](std::vector<int>& v) {
+      const size_t k = std::min(v.size(), static_cast<size_t>(kExpertsTried));
+      std::partial_sort(v.begin(), v.begin() + k, v.end(), heavier);
+      v.resize(k);
+    };
+    first(own);
+    first(single);
+    const double base_terms = sum_terms();
+    const double base = key(base_terms, off_);
+    Candidate best{base * (1 - kMinGain), -1, -1, -1, -1};
+    auto consider = [&](int kind, int e, int m, int f, double lb_h, double lb_m, double off) {
+      const double k = key(base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m), off);
+      if (k < best.key) best = {k, kind, e, m, f};
+    };
+    // a move that only adds load to m cannot beat the best with m's bound where it is now
+    auto hopeless = [&](int m, double lb_h, double off) {
+      return key(base_terms - term_[h] + term(lb_h), off) >= best.key;
+    };
+    const int items_h = static_cast<int>(items_[h].size());
+    // h's side of a satellite and of a move does not depend on the target: once per expert
+    std::vector<double> sat_h(own.size()), move_h(single.size());
+    std::vector<std::pair<double, int>> partners;
+    for (size_t i = 0; i < own.size(); ++i) {
+      const int e = own[i];
+      const double share = load_[e] / N_;
+      sat_h[i] = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
+    }
+    for (size_t i = 0; i < single.size() && moves_; ++i)
+      move_h[i] = bound(demand_[h] - load_[single[i]], split(h, single[i], -1.0, -1.0, C_ - items_h + 1));
+    for (int m : targets) {
+      const int items_m = static_cast<int>(items_[m].size());
+      const int evict = items_m >= C_ ? coldest(m) : -1;
+      partners.clear();  // m's single-node experts by load, for swaps
+      if (moves_)
+        for (int x : items_[m])
+          if (l_.nodes_held[x] == 1) partners.emplace_back(load_[x], x);
+      std::sort(partners.begin(), partners.end());
+      for (size_t i = 0; i < own.size(); ++i) {  // satellites
+        const int e = own[i];
+        if (l_.at(e, m)) continue;
+        const double share = load_[e] / N_;
+        const double off = off_ - (l_.primary[e] == home_of(e, E_, N_) ? 0.0 : share);
+        if (items_m < C_) {
+          if (hopeless(m, sat_h[i], off)) continue;
+          consider(0, e, m, -1, sat_h[i], bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)), off);
+        } else if (evict >= 0 && items_h < C_) {  // m's coldest single-node expert goes to h
+          const double lf = load_[evict];
+          const double lb_h =
+              bound(demand_[h] - share + lf, split(h, e, demand(load_, l_, e, h) - share, lf, C_ - items_h - 1));
+          consider(0, e, m, evict, lb_h, bound(demand_[m] - lf + share, split(m, evict, -1.0, share, C_ - items_m)),
+                   off + off_change(evict, m, h));
+        }
+      }
+      for (size_t i = 0; i < single.size() && moves_; ++i) {  // moves and swaps of single-node experts
+        const int e = single[i];
+        const double le = load_[e];
+        if (items_m < C_ && items_h > 1 && !hopeless(m, move_h[i], off_ + off_change(e, h, m)))
+          consider(1, e, m, -1, move_h[i], bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
+                   off_ + off_change(e, h, m));
+        // swap partner: the single-node expert of m lighter than e closest to what evens the pair
+        const double want = le - (demand_[h] - demand_[m]) / 2;
+        const auto below = std::lower_bound(partners.begin(), partners.end(), std::make_pair(le, -1));
+        auto near = std::lower_bound(partners.begin(), below, std::make_pair(want, -1));
+        if (near == below || (near != partners.begin() && want - (near - 1)->first <= near->first - want)) {
+          if (near == partners.begin()) continue;
+          --near;
+        }
+        const int f = near->second;
+        const double lf = load_[f];
+        consider(2, e, m, f, bound(demand_[h] - le + lf, split(h, e, -1.0, lf, C_ - items_h)),
+                 bound(demand_[m] - lf + le, split(m, f, -1.0, le, C_ - items_m)),
+                 off_ + off_change(e, h, m) + off_change(f, m, h));
+      }
+    }
+    if (best.kind < 0) return false;
+    apply(best, h);
+    if (best.kind == 0 && best.f < 0) more_satellites(best.e, h);
+    return true;
+  }
+
+  // After a satellite of e, more of e on the lightest nodes with a free slot while each lowers
+  // the objective (the step that chose e would most often choose it again, at full cost).
+  void more_satellites(int e, int h) {
+    for (;;) {
+      if (l_.primary[e] != h) return;
+      int m = -1;
+      for (int n = 0; n < N_; ++n)
+        if (!l_.at(e, n) && static_cast<int>(items_[n].size()) < C_ && (m < 0 || lb_[n] < lb_[m])) m = n;
+      if (m < 0) return;
+      const double share = load_[e] / N_;
+      const int items_h = static_cast<int>(items_[h].size()), items_m = static_cast<int>(items_[m].size());
+      const double lb_h = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
+      const double lb_m = bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1));
+      const double terms = sum_terms();
+      const double off = off_ - (l_.primary[e] == home_of(e, E_, N_) ? 0.0 : share);
+      if (key(terms - term_[h] - term_[m] + term(lb_h) + term(lb_m), off) >= key(terms, off_) * (1 - kMinGain)) return;
+      apply({0.0, 0, e, m, -1}, h);
+    }
+  }
+
+  void move_single(int e, int from, int to) {
+    off_ -= off_home(load_, l_, e);
+    l_.holds[static_cast<size_t>(e) * N_ + from] = 0;
+    l_.holds[static_cast<size_t>(e) * N_ + to] = 1;
+    l_.primary[e] = to;
+    items_[from].erase(std::find(items_[from].begin(), items_[from].end(), e));
+    items_[to].push_back(e);
+    off_ += off_home(load_, l_, e);
+  }
+
+  void apply(const Candidate& c, int h) {
+    if (c.kind == 0) {
+      if (c.f >= 0) move_single(c.f, c.m, h);
+      off_ -= off_home(load_, l_, c.e);
+      l_.holds[static_cast<size_t>(c.e) * N_ + c.m] = 1;
+      l_.nodes_held[c.e] += 1;
+      items_[c.m].push_back(c.e);
+      off_ += off_home(load_, l_, c.e);
+    } else {
+      move_single(c.e, h, c.m);
+      if (c.kind == 2) move_single(c.f, c.m, h);
+    }
+    refresh(h);
+    refresh(c.m);
+  }
+
+  const double* load_;
+  int E_, N_, G_, C_;
+  double weight_, total_ = 0.0, mean_ = 0.0, off_ = 0.0;
+  bool moves_ = true;  // moves and swaps tried too, besides satellites
+  Layout l_;
+  std::vector<std::vector<int>> items_;                      // [N] experts with a copy on each node
+  std::vector<double> demand_;                               // [N]
+  std::vector<std::vector<std::pair<double, int>>> sorted_;  // [N] (demand, expert), heaviest first
+  mutable std::vector<double> buf_;                          // split's scratch
+  mutable std::vector<int> copies_;
+  mutable std::vector<std::pair<double, int>> heap_;
+  std::vector<double> lb_, term_;  // [N] node bound, its term of the norm
+};
+
+// The experts with a copy on node n, ascending, and their demands there.
+void node_items(const double* load, const Layout& l, int n, std::vector<int>& experts, std::vector<double>& d) {
+  experts.clear(), d.clear();
+  for (int e = 0; e < l.E; ++e)
+    if (l.at(e, n)) experts.push_back(e), d.push_back(demand(load, l, e, n));
+}
+
+// Every node packed on its own: its experts' demands over its C slots and G ranks.
+Slots pack_nodes(const double* load, const Layout& l, int S, int W) {
+  const int N = l.N, C = S / N, G = W / N;
+  Slots out(S);
+  std::vector<int> experts;
+  std::vector<double> d;
+  for (int n = 0; n < N; ++n) {
+    node_items(load, l, n, experts, d);
+    const Slots local = plan_fresh(d.data(), static_cast<int>(experts.size()), C, 1, G, false);
+    for (int j = 0; j < C; ++j) out[static_cast<size_t>(n) * C + j] = experts[local[j]];
+  }
+  return out;
+}
+
+// Rank loads of a plan under the replica choice by locality (metrics.slot_loads, nodes=N).
+std::vector<double> rank_loads(const double* load, const Layout& l, const Slots& slots, int W) {
+  const int S = static_cast<int>(slots.size()), N = l.N, C = S / N, P = S / W;
+  std::vector<int> copies(static_cast<size_t>(l.E) * N, 0);
+  for (int s = 0; s < S; ++s) copies[static_cast<size_t>(slots[s]) * N + s / C] += 1;
+  std::vector<double> out(W, 0.0);
+  for (int s = 0; s < S; ++s) {
+    const int e = static_cast<int>(slots[s]), n = s / C;
+    out[s / P] += demand(load, l, e, n) / copies[static_cast<size_t>(e) * N + n];
+  }
+  return out;
+}
+
+// Swaps of single-copy experts between the peak rank and ranks of other nodes while they lower
+// the objective (largest rank over the mean + weight x off-home routes / all routes): where a
+// node's ranks are even but its peak rank's lightest experts are heavier than other nodes'.
+void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
+  const int S = static_cast<int>(slots.size()), N = l.N, C = S / N, P = S / W, E = l.E;
+  const double total = std::accumulate(load, load + E, 0.0);
+  if (N == 1 || total <= 0) return;
+  const double mean = total / W;
+  std::vector<int> copies(E, 0);
+  for (int64_t e : slots) copies[e] += 1;
+  std::vector<double> rank = rank_loads(load, l, slots, W);
+  std::vector<int> order(W);
+  for (int step = 0; step < S; ++step) {
+    std::iota(order.begin(), order.end(), 0);
+    const int top = std::min(W, 3);
+    std::partial_sort(order.begin(), order.begin() + top, order.end(),
+                      [&](int a, int b) { return rank[a] > rank[b] || (rank[a] == rank[b] && a < b); });
+    const int p = order[0];
+    double best_gain = kMinGain;
+    int bs = -1, bt = -1;
+    for (int s = p * P; s < (p + 1) * P; ++s) {
+      const int e = static_cast<int>(slots[s]);
+      if (copies[e] != 1) continue;
+      const int he = home_of(e, E, N);
+      for (int t = 0; t < S; ++t) {
+        const int f = static_cast<int>(slots[t]), q = t / P;
+        if (t / C == s / C || copies[f] != 1 || load[f] >= load[e]) continue;
+        double rest = 0.0;  // the largest rank but p and q
+        for (int i = 1; i < top; ++i)
+          if (order[i] != q) {
+            rest = rank[order[i]];
+            break;
+          }
+        const double after = std::max({rank[p] - load[e] + load[f], rank[q] - load[f] + load[e], rest});
+        const int hf = home_of(f, E, N);
+        const double off = ((s / C == he) - (t / C == he)) * load[e] * (N - 1) / N +
+                           ((t / C == hf) - (s / C == hf)) * load[f] * (N - 1) / N;
+        const double gain = (rank[p] - after) / mean - weight * off / total;
+        if (gain > best_gain) best_gain = gain, bs = s, bt = t;
+      }
+    }
+    if (bs < 0) return;
+    const int e = static_cast<int>(slots[bs]), f = static_cast<int>(slots[bt]);
+    const int p2 = bs / P, q = bt / P;
+    rank[p2] += load[f] - load[e];
+    rank[q] += load[e] - load[f];
+    std::swap(slots[bs], slots[bt]);
+    for (auto [x, to] : {std::pair{e, bt / C}, std::pair{f, bs / C}}) {
+      for (int n = 0; n < N; ++n) l.holds[static_cast<size_t>(x) * N + n] = n == to;
+      l.primary[x] = to;
+    }
+  }
+}
+
+Slots local_plan(const double* load, int E, int S, int N, int W, double weight, Layout start) {
+  const int G = W / N;
+  NodeSearch search(load, E, N, G, S / N, weight, std::move(start));
+  search.run(4 * E);
+  Layout l = search.layout();
+  Slots slots = pack_nodes(load, l, S, W);
+  polish(load, l, slots, W, weight);
+  return slots;
+}
+
+// A start for node n's refit: previous's slots of the node, each expert not in `experts` (the
+// node's experts now) replaced by one of them without a slot, then by a second copy of the
+// one with the heaviest demand per copy; experts still without a slot take the slot of a copy
+// of the one with the lightest demand per copy. Local expert indices.
+Slots node_start(const int64_t* previous, int C, const std::vector<int>& experts, const std::vector<double>& d) {
+  const int k = static_cast<int>(experts.size());
+  std::vector<int> local(previous, previous + C);
+  std::vector<int> copies(k, 0);
+  for (int& x : local) {
+    const auto it = std::lower_bound(experts.begin(), experts.end(), x);
+    x = it != experts.end() && *it == x ? static_cast<int>(it - experts.begin()) : -1;
+    if (x >= 0) copies[x] += 1;
+  }
+  auto per_copy = [&](int j) { return copies[j] ? d[j] / copies[j] : kInf; };
+  int missing = 0;
+  for (int& x : local) {
+    if (x >= 0) continue;
+    while (missing < k && copies[missing] > 0) ++missing;
+    if (missing < k) {
+      x = missing;
+    } else {
+      x = 0;
+      for (int j = 1; j < k; ++j)
+        if (d[j] / (copies[j] + 1) > d[x] / (copies[x] + 1)) x = j;
+    }
+    copies[x] += 1;
+  }
+  for (int j = 0; j < k; ++j) {
+    if (copies[j] > 0) continue;
+    int give = -1;  // a slot of the expert with most copies to spare, lightest per copy
+    for (int s = 0; s < C; ++s)
+      if (copies[local[s]] > 1 && (give < 0 || per_copy(local[s]) < per_copy(local[give]))) give = s;
+    copies[local[give]] -= 1;
+    local[give] = j;
+    copies[j] = 1;
+  }
+  return Slots(local.begin(), local.end());
+}
+
+}  // namespace
+
+void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off) {
+  const Layout l = layout_of(slots.data(), E, static_cast<int>(slots.size()), N);
+  const std::vector<double> rank = rank_loads(load, l, slots, W);
+  const double total = std::accumulate(load, load + E, 0.0);
+  const double peak = *std::max_element(rank.begin(), rank.end()), mean = total / W;
+  *imbalance = mean > 0 ? (peak - mean) / mean : 0.0;
+  double away = 0.0;
+  for (int e = 0; e < E; ++e) away += off_home(load, l, e);
+  *off = total > 0 ? away / total : 0.0;
+}
+
+Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight) {
+  return local_plan(load, E, S, N, W, rdma_weight, home_layout(E, N));
+}
+
+void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
+                double rdma_weight, bool keep_layout, const double* allowed_peak, int max_moves, int64_t* slots,
+                bool* reached) {
+  const int C = S / N, G = W / N;
+  for (int layer = 0; layer < L; ++layer) {
+    const double* ld = load + static_cast<size_t>(layer) * E;
+    const int64_t* prev = previous + static_cast<size_t>(layer) * S;
+    Layout l = layout_of(target ? target + static_cast<size_t>(layer) * S : prev, E, S, N);
+    if (!keep_layout && !target) {
+      NodeSearch search(ld, E, N, G, C, rdma_weight, std::move(l));
+      search.run(4 * E);
+      l = search.layout();
+    }
+    bool ok = true;
+    std::vector<int> experts;
+    std::vector<double> d;
+    for (int n = 0; n < N; ++n) {
+      node_items(ld, l, n, experts, d);
+      const int k = static_cast<int>(experts.size());
+      const Slots start = node_start(prev + static_cast<size_t>(n) * C, C, experts, d);
+      const Slots fresh = plan_fresh(d.data(), k, C, 1, G, false);
+      Slots local(C);
+      bool node_ok = false;
+      keep_previous(d.data(), 1, k, G, C, start.data(), fresh.data(), allowed_peak + layer, max_moves, local.data(),
+                    &node_ok);
+      ok = ok && node_ok;
+      for (int j = 0; j < C; ++j)
+        slots[static_cast<size_t>(layer) * S + static_cast<size_t>(n) * C + j] = experts[local[j]];
+    }
+    reached[layer] = ok;
+  }
+}
+
+}  // namespace hybrid_ep::balancer
