@@ -34,13 +34,18 @@ def test_auto_keeps_one_node_on_reference_where_cuda_could_run(single_rank_group
     buf = hep.HybridEPBuffer(single_rank_group, 128, 16, 2)
     assert buf.backend == "reference"
     assert buf.backend_choice.name == "reference" and buf.backend_choice.asked == "auto"
-    assert "10.0 GB/s" in buf.backend_choice.reason and "backend='cuda'" in buf.backend_choice.reason
+    reason = buf.backend_choice.reason
+    assert "measured faster than NCCL on one node" in reason and "backend='cuda'" in reason
+    assert choice_module.WHERE_DOCUMENTED in reason
+    # the log line stays under 200 characters at the largest group (64 ranks as 8 nodes of 8)
+    assert len(buf.backend_choice.describe(8, 8)) < 200
 
 
 def test_auto_keeps_several_nodes_on_reference(single_rank_group, cuda_runs_everywhere):
     got = backends.choose_backend("auto", _config(4, 2), single_rank_group)
     assert (got.name, got.asked) == ("reference", "auto")
-    assert "two real GPUs" in got.reason
+    assert "several nodes" in got.reason and len(got.describe(2, 2)) < 200
+    assert "two real GPUs" in choice_module.AUTO_RULES["several nodes"].evidence
 
 
 def test_by_name_runs_what_was_asked(single_rank_group, cuda_runs_everywhere):
@@ -74,4 +79,4 @@ def test_the_choice_is_logged_once_per_buffer(single_rank_group, caplog):
         buf.combine(res.tokens, res.handle)
     lines = [r.getMessage() for r in caplog.records if "hybrid_ep: backend" in r.getMessage()]
     assert lines == [buf.backend_choice.describe(1, 1)]
-    assert lines[0].startswith("hybrid_ep: backend reference (asked: auto) for an EP group of 1 node x 1 ranks: ")
+    assert lines[0].startswith("hybrid_ep: backend reference (asked: auto) for EP 1 node x 1 ranks: ")

@@ -36,17 +36,17 @@ AUTO_RULES = {
     "one node": AutoRule(
         topology="one node",
         picks="reference",
-        evidence="the cuda kernels have run on one H100 only, where they measured 10.0 GB/s (dispatch) and "
-        "0.9 GB/s (combine) of destination bytes per SM at W=8 against targets of 60 and 50 "
-        "(2026-11-24); they have not been timed against NCCL's all-to-all on several GPUs",
-        source="benchmarks/results/2026-11-24-h100/README.md",
+        evidence="the cuda kernels have run on one H100 only (8 ranks emulated, 2026-11-26: 24.3 GB/s "
+        "dispatch, 39.6 combine per SM on the direct path); not yet timed against NCCL's all-to-all on "
+        "several GPUs",
+        source="benchmarks/results/2026-11-26-h100-b/README.md",
     ),
     "several nodes": AutoRule(
         topology="several nodes",
         picks="reference",
         evidence="the inter-node cuda path has not run on two real GPUs (only in single-GPU emulation "
-        "and between processes sharing one H100, 2026-11-24)",
-        source="benchmarks/results/2026-11-24-h100/README.md",
+        "and between processes sharing one H100, 2026-11-26)",
+        source="benchmarks/results/2026-11-26-h100-b/README.md",
     ),
 }
 
@@ -65,7 +65,7 @@ class BackendChoice:
 
     def describe(self, num_nodes: int, ranks_per_node: int) -> str:
         shape = f"{num_nodes} node{'s' if num_nodes > 1 else ''} x {ranks_per_node} ranks"
-        return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for an EP group of {shape}: {self.reason}"
+        return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for EP {shape}: {self.reason}"
 
 
 def choose_auto(num_nodes: int, cuda_runs_here) -> BackendChoice:
@@ -78,9 +78,10 @@ def choose_auto(num_nodes: int, cuda_runs_here) -> BackendChoice:
             return BackendChoice("cuda", "auto", f"faster than reference on {rule.topology}: {rule.evidence} "
                                                  f"({rule.source})")
         return BackendChoice("reference", "auto", f"cuda cannot run here ({reason})")
+    # The rule's evidence stays on the rule (and in the docs): the reason is one short log line.
     return BackendChoice("reference", "auto",
-                         f"auto picks reference on {rule.topology} until a benchmark on real hardware shows cuda "
-                         f"faster: {rule.evidence} ({WHERE_DOCUMENTED}); backend='cuda' runs the kernels")
+                         f"until cuda is measured faster than NCCL on {rule.topology} ({WHERE_DOCUMENTED}; "
+                         f"backend='cuda' to run it)")
 
 
 def log_choice(choice: BackendChoice, rank: int, num_nodes: int, ranks_per_node: int) -> None:
