@@ -27,6 +27,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Calls that wrap the dispatch's rings (2 chunks) many times, on one node and on 2-4 nodes.
+RING_TESTS = "tests/test_ring_model.py::test_calls_that_wrap_the_ring_many_times_match_the_oracle"
+
+
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     name: str
@@ -143,6 +147,30 @@ MUTATIONS = (
     __syncthreads();""",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }"""),
+    Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
+             "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch.cuh",
+             "    const int rows = tab.rows;\n    bool ok = true;\n",
+             "    const int rows = tab.rows;\n    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), "
+             "topo.local(d.a.rank), c), d.tag(c));\n    bool ok = true;\n", tests=RING_TESTS),
+    Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
+             "csrc/kernels/dispatch.cuh", "topo.local(d.a.rank), c), d.tag(c));",
+             "topo.local(d.a.rank), c), d.tag(c) - 1);", tests=RING_TESTS),
+    Mutation("ring-writer-skips-the-credit-wait", "a writer that skips the credit wait (a chunk written into a ring "
+             "slot whose previous chunk its reader may not have read)", "csrc/kernels/dispatch.cuh",
+             "    if (su.chunk >= ring)\n      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {",
+             "    if (false)\n      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {",
+             tests=RING_TESTS),
+    Mutation("staging-freed-before-forwarded", "a staging slot freed before its forwarder read it (the credit sent "
+             "when the forwarded chunk arrived)", "csrc/kernels/dispatch.cuh",
+             "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);",
+             "    if (lane == 0 && su.node >= 0)\n"
+             "      d.h.rdma.signal(su.source, d.staged_credit_off(d.h.node, su.chunk), d.tag(su.chunk));\n"
+             "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);", tests=RING_TESTS),
+    Mutation("staged-rows-forwarded-before-their-signal", "a staged row forwarded before its RDMA put landed (the "
+             "forwarder's load warp reads a chunk's row count and rows without waiting for its signal)",
+             "csrc/kernels/dispatch.cuh", "    if (!d.arrive(su)) {\n      d.stop();\n      break;\n    }\n",
+             "    if (su.node >= 0) su.u1 = *reinterpret_cast<const volatile int32_t*>(d.fwd_meta(su));\n",
+             tests=RING_TESTS),
     Mutation("bad-routing-call-left-open", "a completion never published (a call with a bad route, whose "
              "dispatch kernel moves nothing, is not completed by the layout kernel)", "csrc/kernels/layout.cuh",
              "  complete_unmoved(view, h, epoch);\n", "", tests="tests/test_routing_device.py"),

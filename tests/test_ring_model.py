@@ -70,6 +70,9 @@ HIERARCHY_WRAPS = [
     hierarchy_case(4, 1, routing="one-expert", topk=1, tokens=(200, 129, 0, 96)),
     hierarchy_case(4, 2, num_experts=16, topk=8, dtype=FP8_DTYPE, tokens=(128, 0, 97, 65, 33, 1, 160, 96)),
     hierarchy_case(2, 2, num_experts=16, topk=8, drop_fraction=0.25, num_out_tokens=200, tokens=(190, 0, 130, 67)),
+    # rows over one FIFO stage to one rank: its forwarders' FIFOs fill while they wait for its
+    # ring, so forwarded rows stay in the staging ring while the sources go on
+    hierarchy_case(2, 2, 12288, dtype=torch.float32, routing="one-rank", topk=2, tokens=(97, 130, 0, 65)),
 ]
 
 

@@ -629,6 +629,9 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   if (lane == 0) {
     if (!d.stopped() && !signal_pending(0)) d.stop();
     queue.finish();
+    // The staging credits it signalled (non-blocking with NVSHMEM) land before the rank's done
+    // signal to the rail peers: a late credit of this call would overwrite one of the next.
+    if (multi) d.h.rdma.quiet();
   }
 }
 
