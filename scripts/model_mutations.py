@@ -41,6 +41,10 @@ class Mutation:
     tests: str = "tests/test_kernels_model.py"  # the model tests that should catch it
 
 
+# The combine's ring tests (many turns of two-slot rings), one node and several.
+RINGS_ONE_NODE = "tests/test_combine_rings_model.py::test_one_node_calls_many_times_a_ring_match_the_oracle"
+RINGS_NODES = "tests/test_combine_rings_model.py::test_several_nodes_calls_many_times_a_ring_match_the_oracle"
+
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cuh",
              "dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed)",
@@ -76,6 +80,28 @@ MUTATIONS = (
              "chunk put before its later rows' node partials)", "csrc/kernels/combine.cuh",
              "return rows == 0 || (q == rows - 1 && end == C); }", "return rows == 0 || (q == 0 && end == C); }",
              tests="tests/test_hierarchy_model.py"),
+    Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
+             "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
+             "csrc/kernels/combine.cuh", "  cr.pending[cr.count++] = SourceCredits::Chunk{node, c, produced.count};",
+             "  send_credits(d, SourceCredits::Chunk{node, c, produced.count});",
+             tests=RINGS_ONE_NODE),
+    Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
+             "the writers wait for a credit that never comes, and the call times out)", "csrc/kernels/combine.cuh",
+             "  const uint64_t tag = ring_tag(d.epoch, k.chunk);",
+             "  const uint64_t tag = ring_tag(d.epoch, k.chunk - 1);", tests=RINGS_ONE_NODE),
+    Mutation("host-skips-the-credit-wait", "a missing wait for a ring slot (an expert host writes chunk c over "
+             "chunk c - ring before its reader read it)", "csrc/kernels/combine.cuh",
+             "    if (c >= d.ring_slots && !host_slot_free(d, s, c,",
+             "    if (false && !host_slot_free(d, s, c,", tests=RINGS_ONE_NODE),
+    Mutation("node-partial-forwarded-twice", "a chunk counted twice (a forwarder puts a chunk's node partials "
+             "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine.cuh",
+             "                      ring_tag(d.epoch, it.chunk));\n  }",
+             """                      ring_tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, d.ring_row(it.chunk + 1, 0)),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)),
+                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1),
+                      ring_tag(d.epoch, it.chunk + 1));
+  }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
              "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch.cuh",
              "wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows",

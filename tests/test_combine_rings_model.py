@@ -48,6 +48,10 @@ def _case(W, **kw):
 
 
 ONE_NODE = [
+    # one source and eight hosts of its routes, each with a few rows per chunk: the hosts run ahead
+    # and wait for the source's credits, so a credit sent early lets a host overwrite what the
+    # source is still reading
+    _case(8, num_experts=16, topk=2, tokens=(512,) + (0,) * 7),
     # 16 chunks per source, 8 turns of every ring: every token to one expert, every route to one rank
     _case(8, routing="one-expert", topk=1, tokens=(512,) * 8),
     _case(8, routing="one-rank", topk=2, tokens=(512,) * 8),
@@ -71,6 +75,7 @@ def test_one_node_calls_many_times_a_ring_match_the_oracle(case):
 
 
 SEVERAL_NODES = [
+    hierarchy_case(2, 2, topk=1, tokens=(512, 0, 0, 0)),  # one source, hosts on both nodes ahead of it
     hierarchy_case(2, 2, tokens=(300, 0, 97, 257), topk=4),
     hierarchy_case(3, 2, tokens=(129, 200, 0, 33, 257, 64), topk=6, apply_probs=True, dtype=torch.float32),
     hierarchy_case(4, 1, tokens=(200, 0, 64, 129), topk=4, wire_dtype=torch.float32),
