@@ -262,7 +262,7 @@ def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, 
     allowed peak, so every one counts). The rebalances a candidate leaves are the slots the
     unbudgeted plan from it (_keep_most) changes, in budgets. Picking the lowest peak alone
     left 4 of the quality benchmark's 16 layouts over 10% above the tolerance after three
-    rebalances (this: none) and moved 26% more slots in four (docs/balancer_notes.md)."""
+    rebalances (this: none) and moved 26% more slots in four (tools/balancer_study/NOTES.md)."""
     if cap == 0:
         return prev_LS.copy()
     plans = [_planner.keep_previous(load_LE, prev_LS, fresh_LS, allowed_L, W, cap)[0]]  # <= cap changed
