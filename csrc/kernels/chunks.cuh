@@ -7,8 +7,8 @@
 // combine a source sums a chunk only when every expert host has stored its partial: walked
 // source by source, the hosts reached the last source's chunks only at the end of the call,
 // so that source's whole reduction waited for the end. Chunks forwarded from other nodes come
-// in chunk order too: a forwarder takes them between its own chunks, by chunk index
-// (SendUnits, kernels/dispatch.cuh). With bounded receive rings the walk must be monotone in
+// in chunk order too, a bounded lag behind the forwarder's own (SendUnits,
+// kernels/dispatch.cuh). With bounded receive rings the walk must be monotone in
 // the chunk index: a writer waits for chunk c - ring_chunks to be read before it writes c.
 #pragma once
 #include <cstdint>

@@ -48,18 +48,22 @@
 // warp and the RDMA warps wait (kPhaseStagedRing) for tag(c - ring_chunks) there, for every
 // other node, whether or not the chunk sends it rows (every chunk's routing is put).
 //
-// Why the waits end (no deadlock), by induction on the chunk index c: suppose every chunk
-// below c was produced (its rows, entries and signal) by every writer and read by every
-// reader. The waits of chunk c's production then end: a credit wait (either ring) waits for
-// the reading of chunk c - ring_chunks; a forwarded chunk's arrival waits for its source's
-// production of its own chunk c (its staging and put); the send warps of a block take their units in chunk order with
-// an own chunk before the forwarded chunks of its index (SendUnits), so the units before one are of lower index, or own
-// chunks of its index, whose production waits for nothing of index c; the block's rings (FIFO, entries, staged rows)
-// are freed by its own warps' progress on earlier units (the RDMA warps free a staged-rows stage after their credit
-// wait, which points lower). And the store warp signals its pending unit before any wait that may block (the pending
-// signal would otherwise wait for the next unit's first stores), so no reader waits for a chunk whose writer holds its
-// signal while it waits. Then chunk c is read: the expand warps take (source, chunk) pairs in chunk order, each waiting
-// only for its chunk's signal.
+// Why the waits end (no deadlock). Give each unit a writer produces (a chunk's rows, entries
+// and signal) a key: an own chunk c has key c, a forwarded chunk c the key c + L, L =
+// ring_chunks / 2 (SendUnits; L < ring_chunks is all the argument needs). A reader reads
+// chunk index j of every source once the units of keys up to j + L are produced: its expand
+// warps take (source, chunk) pairs in chunk order, each waiting only for its chunk's signal.
+// By induction on the key K, suppose every unit of a key below K was produced; then every
+// chunk index up to K - L - 1 was read, and the waits of a unit of key K end: a credit wait
+// for chunk c (c <= K) waits for the reading of chunk c - ring_chunks, by the destinations
+// (an index up to K - L - 1) or, for the staging, by the forwarder's unit of key
+// c - ring_chunks + L < K; a forwarded chunk's arrival (key c + L) waits for its source's own chunk c (key c < K); the
+// send warps of a block take their units in key order, so the units before one have lower
+// keys; the block's rings (FIFO, entries, staged rows) are freed by its own warps' progress
+// on earlier units (the RDMA warps free a staged stage after their credit wait, which points
+// lower). And the store warp signals its pending unit before any wait that may block (the
+// pending signal would otherwise wait for the next unit's first stores), so no reader waits
+// for a chunk whose writer holds its signal while it waits.
 //
 // With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
 //   warp 1      also bulk-stores each row of an own chunk into the staging area of every
@@ -292,6 +296,8 @@ struct Dispatch : KernelCall {
     return __ballot_sync(0xffffffffu, goes);
   }
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
+  // How many chunk indices a forwarded chunk comes after the own chunk of its index (SendUnits).
+  __device__ int fwd_lag() const { return ring / 2; }
   // Own chunk c of this rank.
   __device__ SendUnit own_unit(int c) const { return SendUnit{a.rank, -1, c, c * chunk, min(T, c * chunk + chunk)}; }
   // The FIFO items of a unit: its stages, or one stage without bytes for a forwarded chunk
@@ -334,21 +340,23 @@ using ExpandChunks = ReceivedChunks<Dispatch<Rdma>>;  // the (source, chunk) pai
 // The units a block's send warps take, in order: its own chunks (b, b + nb, ...) and, with
 // several nodes, its forwarded chunks (every chunk of the rail peer on each other node,
 // numbered chunk by chunk: chunk 0 of each node in node order, then chunk 1, ...; units b,
-// b + nb, ...), merged by chunk index, an own chunk before the forwarded chunks of its index.
-// Monotone in the chunk index, so no unit waits for the production of a later chunk (the
-// kernel's header: why that keeps the rings free of deadlock). Every send role walks it alike,
-// and the RDMA warps take the block's own chunks in the same order.
+// b + nb, ...), merged by a key: an own chunk c has key c, a forwarded chunk c key
+// c + fwd_lag() and comes after the own chunk of that key. The lag (ring_chunks / 2) lets a
+// source's chunk c arrive while the forwarder sends its own chunks up to c + lag, and is
+// below ring_chunks, which keeps every wait pointing at a lower key (the kernel's header: why
+// that keeps the rings free of deadlock). Every send role walks it alike, and the RDMA warps
+// take the block's own chunks in the same order.
 template <typename Rdma>
 struct SendUnits {
   const Dispatch<Rdma>& d;
-  int key = 0;            // the chunk index looked at
-  int node = -1;          // the node looked at next at that index (-1: the own chunk first)
+  int key = 0;            // the key looked at
+  int node = -1;          // the node looked at next at that key (-1: the own chunk first)
   int64_t forwarded = 0;  // forwarded chunks numbered so far
-  int last;               // the last chunk index with a unit
+  int last;               // the last key with a unit
 
   __device__ explicit SendUnits(const Dispatch<Rdma>& call) : d(call), last(call.send_chunks() - 1) {
     for (int n = 0; d.h.multi() && n < d.h.topo.N; ++n)
-      if (n != d.h.node) last = max(last, d.source_chunks(d.h.rail_peer(n)) - 1);
+      if (n != d.h.node) last = max(last, d.source_chunks(d.h.rail_peer(n)) - 1 + d.fwd_lag());
   }
 
   __device__ bool next(SendUnit& su) {
@@ -360,11 +368,12 @@ struct SendUnits {
           return true;
         }
       }
-      while (d.h.multi() && node < d.h.topo.N) {
+      const int c = key - d.fwd_lag();  // the forwarded chunks of this key
+      while (d.h.multi() && c >= 0 && node < d.h.topo.N) {
         const int m = node++;
-        if (m == d.h.node || key >= d.source_chunks(d.h.rail_peer(m))) continue;
+        if (m == d.h.node || c >= d.source_chunks(d.h.rail_peer(m))) continue;
         if (forwarded++ % d.nb == d.b) {
-          su = SendUnit{d.h.rail_peer(m), m, key, 0, 0};
+          su = SendUnit{d.h.rail_peer(m), m, c, 0, 0};
           return true;
         }
       }
@@ -531,9 +540,11 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   SendUnit su;
   for (; units.next(su); ++local) {
     // A wait that may block (the unit's arrival from another node, a free slot in the receive
-    // rings) first signals the pending unit: the ranks that would end the wait may need it.
+    // rings) first signals the pending unit: the ranks that would end the wait may need it. A
+    // pending own chunk's staged rows go to the RDMA warps before any forwarded unit: the other
+    // nodes' forwarders wait for them.
     bool ok = true;
-    if (lane == 0 && !d.arrived(su)) ok = signal_pending(0);
+    if (lane == 0 && su.node >= 0 && (pending_staged || !d.arrived(su))) ok = signal_pending(0);
     if (!warp_uniform(ok) || !d.arrive_warp(su, lane)) {
       d.stop();
       break;
