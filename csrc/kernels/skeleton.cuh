@@ -20,11 +20,22 @@ namespace hybrid_ep {
 // Bytes of one element of a row dtype (DType).
 __device__ __forceinline__ int elem_bytes(int dtype) { return dtype == kFloat32 ? 4 : dtype == kFloat8 ? 1 : 2; }
 
+// A word of shared memory that any thread of the block may write and every thread polls:
+// each access is a relaxed atomic, so two writers (or a writer and a poller) never race.
+struct ControlWord {
+  volatile int v;
+  __device__ ControlWord& operator=(int x) {
+    dev::st_relaxed(&v, x);
+    return *this;
+  }
+  __device__ operator int() const { return dev::ld_relaxed(&v); }
+};
+
 // A block's two control words in shared memory: a wait of the setup gave up (fail), the launch
 // was aborted or a role stopped (abort: every role leaves its loop when it reads it).
 struct BlockControl {
-  volatile int fail;
-  volatile int abort;
+  ControlWord fail;
+  ControlWord abort;
 };
 
 // Which of the rank's call counters a kernel serves: the layout kernel started the dispatch's
@@ -41,8 +52,8 @@ struct KernelCall {
   uint64_t epoch;
   BlockControl& ctl;
 
-  __device__ void stop() const { dev::st_relaxed(&ctl.abort, 1); }
-  __device__ bool stopped() const { return dev::ld_relaxed(&ctl.abort) != 0; }
+  __device__ void stop() const { ctl.abort = 1; }
+  __device__ bool stopped() const { return ctl.abort != 0; }
   // A ring of the block's shared memory, named for the timeout record.
   __device__ Ring ring(uint64_t* full, uint64_t* empty, int stages, PipeSite site) const {
     return Ring{full, empty, stages, a.rank, epoch, site};
@@ -100,15 +111,18 @@ struct RoleTable {
   }
 };
 
-// Thread 0: the block's rings (init()), the fence that shows them to the bulk copies, and the
-// launch's abort flag read once for the block. The caller synchronises (block_ready).
+// Every thread: thread 0 sets up the block's rings (init()), the fence that shows them to the
+// bulk copies, and the control words (the launch's abort flag read once for the block); the
+// barrier orders them before any thread's setup, whose waits may raise fail.
 template <typename Init>
 __device__ inline void init_block(const KernelCall& k, Init init) {
-  if (threadIdx.x != 0) return;
-  init();
-  dev::mbar_fence_init();
-  k.ctl.fail = 0;
-  k.ctl.abort = aborted(k.args) ? 1 : 0;
+  if (threadIdx.x == 0) {
+    init();
+    dev::mbar_fence_init();
+    k.ctl.fail = 0;
+    k.ctl.abort = aborted(k.args) ? 1 : 0;
+  }
+  __syncthreads();
 }
 
 // Every thread: the setup is done; true when it held (nothing aborted, no setup wait gave up).
