@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -283,6 +284,9 @@ inline void bind_common(py::module_& m) {
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
   m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
   m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
+  // Where the host polls the error records (pinned host memory) without a call into the module.
+  m.attr("ERROR_RECORD_PHASE_OFFSET") = offsetof(ErrorRecord, phase);
+  m.attr("ERROR_RECORD_EPOCH_OFFSET") = offsetof(ErrorRecord, epoch);
   // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
   // (the error record's phase and pipeline site), by name: the one definition is common/params.h.
   m.attr("DTYPE_CODES") = code_dict(kDTypeNames);

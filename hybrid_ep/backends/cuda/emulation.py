@@ -26,11 +26,10 @@ from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
 from . import launch, load_extension
 from .engine import Engine
-from .layout import check_geometry, rdma_layout, registered_layout
+from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
 from .registered import LoopbackRegions, RegisteredBuffers
 from .staging import direct_region_bytes
 
-MAX_EMULATED_RANKS = 16  # csrc kMaxLaunchRanks
 _owner_ids = itertools.count(1_000_000)
 
 
@@ -42,8 +41,8 @@ class EmulatedGroup:
                  num_sms_combine: int | None = None, device: torch.device | None = None,
                  ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
                  ring_chunks: int = BufferConfig.ring_chunks):
-        if not 1 <= world_size <= MAX_EMULATED_RANKS:
-            raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
+        if not 1 <= world_size <= MAX_LAUNCH_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_LAUNCH_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,

@@ -42,16 +42,12 @@ from . import launch
 from .arena import Arena, arena_take, call_bytes
 from .layout import (
     BAD_ROUTE_WORDS,
-    CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
-    COUNT_ROW_TAIL,
-    LOCAL_STATE_BYTES,
-    MAX_EXPERTS,
-    MAX_RANKS,
+    COMPILED_CONSTANTS,
+    ERROR_RECORD_EPOCH_OFFSET,
+    ERROR_RECORD_PHASE_OFFSET,
     MAX_TOPK,
-    META_ENTRY_BYTES,
-    PEER_TENSORS_BYTES,
-    TOKEN_META_BYTES,
+    compiled,
     info_layout,
     rdma_layout,
     registered_layout,
@@ -59,7 +55,6 @@ from .layout import (
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging
 
-RECORD_EPOCH_OFFSET = 16  # common/params.h ErrorRecord: four int32 words, then the epoch
 BAD_ROUTE_READS = 1000  # reads of a bad-route record being written before a call leaves it to the next
 
 # What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
@@ -344,16 +339,12 @@ class RankDispatch:
 
 
 def check_extension(ext) -> None:
-    """The Python layout plan and the compiled structs must agree, and the Python tables keyed
-    by the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
-    expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
-                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "MAX_EXPERTS": MAX_EXPERTS, "CHUNK_TOKENS": CHUNK_TOKENS,
-                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
-                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES,
-                "MAX_STAGES": launch.MAX_STAGES, "MAX_STORE_GROUPS": launch.MAX_STORE_GROUPS,
-                "PULL_PIPELINES": launch.PULL_PIPELINES, "COUNT_ROW_TAIL": COUNT_ROW_TAIL}
+    """The loaded module and the one the layout plan took csrc's sizes from (layout.compiled)
+    must agree (a module built from other sources is stale), and the Python tables keyed by
+    the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
     rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
-    for name, value in expected.items():
+    for name in COMPILED_CONSTANTS:
+        value = getattr(compiled, name)
         if not hasattr(ext, name):
             raise RuntimeError(f"{ext.__name__} has no {name}; {rebuild}")
         if getattr(ext, name) != value:
@@ -446,14 +437,14 @@ class Engine:
         check_extension(ext)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
-        # Its first word, the phase (common/params.h ErrorRecord; 0 while no kernel failed), in
-        # host memory: each call polls it here, without a call into the extension.
-        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr)
+        # Its phase word (common/params.h ErrorRecord; 0 while no kernel failed), in host memory:
+        # each call polls it here, without a call into the extension.
+        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr + ERROR_RECORD_PHASE_OFFSET)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
         # The last bad route a layout kernel recorded without a host read (a static size): not a
         # failure; each call compares its epoch word with the last one raised, without a sync.
         self.bad_route = ext.ErrorRecord()
-        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + RECORD_EPOCH_OFFSET)
+        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + ERROR_RECORD_EPOCH_OFFSET)
         self._bad_route_raised = 0
         self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
