@@ -165,7 +165,7 @@ class HybridEPBuffer:
     def memory_plan(self) -> MemoryPlan:
         return self._backend.memory_plan()
 
-    def _kernel(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
+    def _kernel_config(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         base = self.kernel_config
         if num_sms_dispatch is None and num_sms_combine is None and wire_dtype is None:
             return base  # validated when the buffer was built (callers test for this case first)
@@ -251,27 +251,27 @@ class HybridEPBuffer:
                             f"apply_probs must be a Python bool, got {kind.__qualname__}")
 
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
-        kernel = self.kernel_config if num_sms is None else self._kernel(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel)
+        kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
+        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
-        kernel = (self.kernel_config if num_sms is None and wire_dtype is None else
-                  self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype))
-        y = self._backend.combine(expert_out, handle, apply_probs, kernel)
-        self._record_combine(handle, kernel, expert_out.dtype)
+        kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else
+                         self._kernel_config(num_sms_combine=num_sms, wire_dtype=wire_dtype))
+        y = self._backend.combine(expert_out, handle, apply_probs, kernel_config)
+        self._record_combine(handle, kernel_config, expert_out.dtype)
         return y
 
-    def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
-        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel.wire_dtype_for(dtype))
+    def _record_combine(self, handle, kernel_config: KernelConfig, dtype: torch.dtype) -> None:
+        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel_config.wire_dtype_for(dtype))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)
 
     def _combine_and_return_row_values(self, rows_RH, values_R, handle):
         """Dispatch's backward when both x and the routing weights need gradients."""
-        kernel = self._kernel()
-        y, values_TK = self._backend.combine_and_return_row_values(rows_RH, values_R, handle, kernel)
-        self._record_combine(handle, kernel, rows_RH.dtype)
+        kernel_config = self._kernel_config()
+        y, values_TK = self._backend.combine_and_return_row_values(rows_RH, values_R, handle, kernel_config)
+        self._record_combine(handle, kernel_config, rows_RH.dtype)
         return y, values_TK

@@ -24,7 +24,7 @@ from ... import inputs
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
-from . import launch, load_extension
+from . import load_extension
 from .engine import Engine
 from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
 from .registered import LoopbackRegions, RegisteredBuffers
@@ -64,8 +64,6 @@ class EmulatedGroup:
                      if self.config.num_nodes > 1 else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
                              data_path, arenas=self.buffers)
-        self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
-        self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)
 
     @property
@@ -111,8 +109,9 @@ class EmulatedGroup:
         return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None)
 
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows):
-        sms = self.num_sms_dispatch if num_sms is None else num_sms
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows)
+        if num_sms is None:
+            num_sms = self.kernel_config.num_sms_dispatch
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             handle = DispatchHandle(
@@ -146,13 +145,14 @@ class EmulatedGroup:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
-        sms = self.num_sms_combine if num_sms is None else num_sms
+        if num_sms is None:
+            num_sms = self.kernel_config.num_sms_combine
         return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
-                                   [h.probs_R for h in handles], apply_probs, sms, wire_dtype)
+                                   [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
         return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],
-                                             [h.dest for h in handles], self.num_sms_combine)
+                                             [h.dest for h in handles], self.kernel_config.num_sms_combine)
 
     # -- autograd ---------------------------------------------------------------------------
 

@@ -584,26 +584,26 @@ class Engine:
 
     # -- launch arguments ------------------------------------------------------------------
 
-    def launch_shapes(self, sms: int) -> dict:
-        """The pipeline shape each kernel launched with at sms blocks per rank ({kind: {stages,
+    def launch_shapes(self, num_sms: int) -> dict:
+        """The pipeline shape each kernel launched with at num_sms SMs per rank ({kind: {stages,
         store_groups}}), for benchmark records: the store queue is chosen per launch."""
         shapes = {}
-        for (kind, blocks, *_), a in self._launch_cache.items():
-            if blocks == sms:
+        for (kind, launched_sms, *_), a in self._launch_cache.items():
+            if launched_sms == num_sms:
                 stages = {"dispatch": a.fifo_stages, "dispatch_direct": a.fifo_stages, "combine": a.host_out_stages,
                           "combine_pull": a.src_stages}[kind]
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
         return shapes
 
-    def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
-        key = (kind, sms, dtype_name, row_elems, wire_name)
+    def _launch_args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
+        key = (kind, num_sms, dtype_name, row_elems, wire_name)
         cached = self._launch_cache.get(key)
         if cached is not None:
             return cached
         a = self.ext.LaunchArgs()
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
-        a.blocks_per_rank = sms
+        a.num_sms = num_sms
         a.dtype = self.ext.DTYPE_CODES[dtype_name]
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
@@ -640,7 +640,7 @@ class Engine:
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
             a.store_groups = launch.combine_store_groups(shape.out_stages, self.store_groups_override)
             per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
-        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", sms, len(self.ranks), self.device_sms, per_sm)
+        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", num_sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a
         return a
 
@@ -697,9 +697,13 @@ class Engine:
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
-                 num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
+                 num_out_tokens: int | None, num_sms: int | None,
+                 known_rows: list[int] | None = None) -> list[RankDispatch]:
+        """num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
         if self._reported():
             self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
         H = self.config.hidden_dim
         dtype = xs[0].dtype
         dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
@@ -753,8 +757,8 @@ class Engine:
             direct = prefer and (taken is not None or not self.arenas)
             call = self._workspace(topk, direct, not direct, stream)
             kind = "dispatch_direct" if direct else "dispatch"
-            args = (self._launch_cache.get((kind, sms, dtype_name, H, None))
-                    or self._launch_args(sms, dtype_name, H, kind))
+            args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None))
+                    or self._launch_args(num_sms, dtype_name, H, kind))
             declaring = self._declaring()
             if declaring or taken is None:
                 outputs, made = self._outputs(rows, taken, dtype, fp8)
@@ -769,7 +773,7 @@ class Engine:
                                    inputs, outputs, absent, after_layout)
         else:
             call = self._workspace(topk, prefer, True, stream)
-            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+            args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
             first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
             sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
             declared = None
@@ -789,7 +793,7 @@ class Engine:
             taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
             direct = prefer and (taken is not None or not self.arenas)
             if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
-                args = self._receive_args(args, sms, dtype_name, H)
+                args = self._receive_args(args, num_sms, dtype_name, H)
             outputs, made = self._outputs(rows, taken, dtype, fp8)
             if declared is not None:
                 self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
@@ -817,9 +821,9 @@ class Engine:
         return [(R, out.data_ptr(), sc.data_ptr() if fp8 else 0, probs.data_ptr())
                 for R, (out, probs, sc) in zip(rows, made)], made
 
-    def _receive_args(self, laid, sms: int, dtype_name: str, H: int):
+    def _receive_args(self, laid, num_sms: int, dtype_name: str, H: int):
         """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
-        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch")
         for i in range(laid.num_ranks):
             args.set_rank(i, laid.get_rank(i))
         args.num_ranks = laid.num_ranks
@@ -871,11 +875,14 @@ class Engine:
     # -- combine ---------------------------------------------------------------------------
 
     def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
-                probs: list[torch.Tensor], apply_probs: bool, sms: int,
+                probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
+        """num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_COMBINE); wire_dtype: of the partial
+        sums between ranks (None: the dtype of the rows)."""
         if self._reported():
             self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_COMBINE
         dtype = rows[0].dtype
         dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
         wire_name = dtype_name if wire_dtype is None or wire_dtype == dtype else _dtype_name(wire_dtype)
@@ -888,8 +895,8 @@ class Engine:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
         direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
         kind = "combine_pull" if direct else "combine"
-        args = (self._launch_cache.get((kind, sms, dtype_name, C, wire_name))
-                or self._launch_args(sms, dtype_name, C, kind, wire_name))
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name))
+                or self._launch_args(num_sms, dtype_name, C, kind, wire_name))
         args.apply_probs = int(apply_probs)
         stream = self._stream()
         inputs, keep, outs, staged, order = [], [], [], [], None
@@ -937,7 +944,8 @@ class Engine:
     # -- backward of the probs -------------------------------------------------------------
 
     def return_row_values(self, values: list[torch.Tensor], routings: list[Routing],
-                          sends: list[CudaSendLayout], recvs: list[CudaRecvLayout], sms: int) -> list[torch.Tensor]:
+                          sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+                          num_sms: int | None = None) -> list[torch.Tensor]:
         """One fp32 value per output row back to its routing slot, [T, K] per rank.
 
         Each row's value is placed in the column of its global expert, so a combine over
@@ -967,7 +975,7 @@ class Engine:
                 inside = (cols >= c0) & (cols < c0 + width)
                 m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
                 slices.append(m)
-            got = self.combine(slices, sends, recvs, ones, False, sms, torch.float32)
+            got = self.combine(slices, sends, recvs, ones, False, num_sms, torch.float32)
             for f, g in zip(full, got):
                 f[:, c0:c0 + width] = g
         out = []

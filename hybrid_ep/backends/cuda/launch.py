@@ -11,9 +11,11 @@ import os
 
 from .layout import CHUNK_TOKENS, compiled
 
+# SMs per rank of a call that names none (num_sms None: the API's num_sms_dispatch /
+# num_sms_combine unset); Engine.dispatch and Engine.combine apply them, nothing else does.
 # Defaults until measured on the device (docs/benchmarks/cuda.md says which numbers exist).
-DEFAULT_SMS_DISPATCH = 8
-DEFAULT_SMS_COMBINE = 8
+DEFAULT_NUM_SMS_DISPATCH = 8
+DEFAULT_NUM_SMS_COMBINE = 8
 MAX_STAGES: int = compiled.MAX_STAGES  # slots of one pipeline's ring
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
