@@ -250,8 +250,15 @@ def test_handle_and_result_are_read_only(group):
     h = res.handle
     with pytest.raises(dataclasses.FrozenInstanceError):
         h.rank = 1
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'routing'"):
+        del h.routing
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.tokens = None
+    with pytest.raises(AttributeError):  # slotted: no field can be added either
+        h.extra = 1
+    assert not hasattr(h, "__dict__") and not hasattr(res, "__dict__")
+    assert res.tokens_per_expert is res.tokens_per_expert  # the handle's, read once
+    assert torch.equal(res.tokens_per_expert, h.tokens_per_expert)
     with pytest.raises(AttributeError):
         h.routing.topk_idx_TK = None
     probs = torch.zeros_like(h.probs_R)

@@ -101,11 +101,9 @@ class CudaBackend(Backend):
             known = [handle.num_rows]
         [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
                                       kernel_config.num_sms_dispatch, known)
-        # DispatchHandle's fields in order (positional: a call per dispatch): owner, config, rank,
-        # routing, source, dest, recv_counts_W, num_recv_rows, count_matrix_WW, node_counts_WN,
-        # probs_R, num_out_tokens; the count tables are the workspace's, read when asked for.
-        new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, None, -1, None, None,
-                             res.probs_R, num_out_tokens)
+        # The count tables are views of the call's workspace, read from dest when asked for.
+        new = DispatchHandle(owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send,
+                             dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
         return res.rows_RH, res.scales_RB, new
 
     def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):

@@ -114,13 +114,11 @@ class EmulatedGroup:
         per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
-            handle = DispatchHandle(
-                owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send, dest=res.recv,
-                recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
-                node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
-            )
-            # tokens_per_expert: made when read (a view of the call's tables)
-            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, None, handle))
+            # The count tables are views of the call's workspace, read from dest when asked for;
+            # tokens_per_expert likewise, from the handle.
+            handle = DispatchHandle(owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send,
+                                    dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
+            out.append(DispatchResult(tokens=res.rows_RH, scales=res.scales_RB, probs=res.probs_R, handle=handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:

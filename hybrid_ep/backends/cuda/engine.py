@@ -416,6 +416,18 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+@dataclasses.dataclass(slots=True)
+class _DispatchInputs:
+    """A dispatch's inputs as Engine._dispatch_inputs checked and marshalled them."""
+
+    dtype: torch.dtype
+    dtype_name: str
+    fp8: bool
+    topk: int  # the most routes per token of any driven rank (the workspace's tables are sized by it)
+    launch: list[tuple]  # per rank, the extension's DispatchInput: (T, K, x, x_scales, topk_idx, topk_weights)
+    tensors: list[tuple]  # per rank, the tensors behind those addresses (x, scales, topk_idx, weights)
+
+
 class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
@@ -699,16 +711,40 @@ class Engine:
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                  num_out_tokens: int | None, num_sms: int | None,
                  known_rows: list[int] | None = None) -> list[RankDispatch]:
-        """num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
+        """Every driven rank's dispatch: the inputs checked and marshalled (_dispatch_inputs),
+        then the kernels. With the output size known before the layout kernel (num_out_tokens,
+        or known_rows: a handle's) both kernels go in one call (_dispatch_known); else the
+        layout kernel, the one host read of the sizes, and the dispatch kernel
+        (_dispatch_dynamic). Either chooses the data path where the sizes are known
+        (_choose_path). num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
         if self._reported():
             self.raise_if_failed()
         if num_sms is None:
             num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
+        given = self._dispatch_inputs(xs, scales, routings)
+        if num_out_tokens is not None:
+            launched = self._dispatch_known(given, [num_out_tokens] * len(self.ranks), num_out_tokens, num_sms)
+        elif known_rows is not None:
+            launched = self._dispatch_known(given, list(known_rows), -1, num_sms)
+        else:
+            launched = self._dispatch_dynamic(given, num_sms)
+        self._in_flight["dispatch"] = given.tensors
+        call, rows, direct, made = launched
+        shape, fp8 = self._shape, given.fp8
+        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
+                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
+                             CudaRecvLayout(call, i, shape, R))
+                for i, (R, inp, k, t) in enumerate(zip(rows, given.launch, given.tensors, made))]
+
+    def _dispatch_inputs(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
+                         routings: list[Routing]) -> _DispatchInputs:
+        """Validation and marshalling: one dtype and K <= MAX_TOPK on every rank, fp8 scales of
+        the right shape; each rank's tensors as the kernels read them (contiguous, 16-byte
+        aligned, fp32 scales and weights) and their addresses."""
         H = self.config.hidden_dim
         dtype = xs[0].dtype
         dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
         fp8 = dtype_name == "float8_e4m3fn"
-        prefer = self.data_path == "direct"
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
@@ -743,69 +779,92 @@ class Engine:
                 x, x_ptr = _aligned(x)
             inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
             keep.append((x, sc, idx, w))
+        return _DispatchInputs(dtype, dtype_name, fp8, topk, inputs, keep)
+
+    def _choose_path(self, rows: list[int], given: _DispatchInputs, stream: int) -> tuple[bool, object]:
+        """(direct, the arena blocks of a direct dispatch or None) for a call of `rows` output
+        rows per rank: the buffer's data path, unless an arena can not serve the call (then the
+        receive path, on every rank: _direct_blocks)."""
+        if self.data_path != "direct":
+            return False, None
+        if not self.arenas:  # ranks in one process: outputs from PyTorch's allocator
+            return True, None
+        taken = self._direct_blocks(rows, given.dtype, given.fp8, stream)
+        return taken is not None, taken
+
+    @property
+    def absent(self) -> AbsentRanks:
+        """The test hook (AbsentRanks); setting it computes the bit masks a call passes on once
+        (_absent_bits: absent, absent after the layout kernel)."""
+        return self._absent
+
+    @absent.setter
+    def absent(self, ranks: AbsentRanks) -> None:
+        self._absent = ranks
+        self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_layout))
+
+    def _dispatch_known(self, given: _DispatchInputs, rows: list[int], static_rows: int, num_sms: int) -> tuple:
+        """Both kernels in one call into the extension, the output size known (rows per rank;
+        static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
+        output tensors per rank)."""
         stream = self._stream()
-        ab = self.absent
-        absent = self._absent_mask(ab.ranks) if ab.ranks else 0
-        after_layout = self._absent_mask(ab.after_layout) if ab.after_layout else 0
-        static = num_out_tokens is not None
-        # The path is chosen where the output sizes are known: before the layout kernel with a
-        # static size (or a handle's), else after its host read, on a workspace with the
-        # tables of both paths.
-        if static or known_rows is not None:
-            rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
-            direct = prefer and (taken is not None or not self.arenas)
-            call = self._workspace(topk, direct, not direct, stream)
-            kind = "dispatch_direct" if direct else "dispatch"
-            args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None))
-                    or self._launch_args(num_sms, dtype_name, H, kind))
-            declaring = self._declaring()
-            if declaring or taken is None:
-                outputs, made = self._outputs(rows, taken, dtype, fp8)
-            if declaring:
-                self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
-                              self._output_spans(outputs, dtype))
-            if taken is not None:  # the launch and the arena blocks' tensors in one call
-                made = self.host.dispatch_into(args, stream, call.ptr, call.layout, num_out_tokens if static else -1,
-                                               inputs, taken, absent, after_layout)
-            else:
-                self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1,
-                                   inputs, outputs, absent, after_layout)
+        absent, after_layout = self._absent_bits
+        direct, taken = self._choose_path(rows, given, stream)
+        call = self._workspace(given.topk, direct, not direct, stream)
+        kind = "dispatch_direct" if direct else "dispatch"
+        H, dtype_name = self.config.hidden_dim, given.dtype_name
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None))
+                or self._launch_args(num_sms, dtype_name, H, kind))
+        declaring = self._declaring()
+        if declaring or taken is None:
+            outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+        if declaring:
+            self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
+                          self._output_spans(outputs, given.dtype))
+        if taken is not None:  # the launch and the arena blocks' tensors in one call
+            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, given.launch, taken,
+                                           absent, after_layout)
         else:
-            call = self._workspace(topk, prefer, True, stream)
-            args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
-            sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
-            declared = None
-            if self._declaring():  # the outputs are added after the read
-                declared = (_spans(self._dispatch_tensors(keep)) + [(call.ptr, call.i64.numel() * 8)] +
-                            self._fixed_spans())
-                self.ext.note_launch_tensors(declared)
-            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
-            # From the host read to the dispatch launch the GPU idles: only what needs the
-            # output sizes runs here (the outputs' memory, the path); the tensors over the
-            # arena blocks and the results are made after the launch.
-            read = sizes.cpu().tolist()  # the one host sync
-            self.raise_if_failed()
-            if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
-                raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
-            rows = [r[0] for r in read]
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
-            direct = prefer and (taken is not None or not self.arenas)
-            if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
-                args = self._receive_args(args, num_sms, dtype_name, H)
-            outputs, made = self._outputs(rows, taken, dtype, fp8)
-            if declared is not None:
-                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
-        self._in_flight["dispatch"] = keep
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, given.launch, outputs,
+                               absent, after_layout)
+        return call, rows, direct, made
+
+    def _dispatch_dynamic(self, given: _DispatchInputs, num_sms: int) -> tuple:
+        """The layout kernel on a workspace with the tables of both paths, the one host read of
+        the output sizes (and of a bad route, raised here), then the dispatch kernel on the path
+        those sizes allow: (workspace, rows, direct, output tensors per rank)."""
+        stream = self._stream()
+        absent, after_layout = self._absent_bits
+        prefer = self.data_path == "direct"
+        H, dtype_name = self.config.hidden_dim, given.dtype_name
+        call = self._workspace(given.topk, prefer, True, stream)
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+        first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
+        sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
+        declared = None
+        if self._declaring():  # the outputs are added after the read
+            declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+                        self._fixed_spans())
+            self.ext.note_launch_tensors(declared)
+        self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, given.launch, absent, True)
+        # From the host read to the dispatch launch the GPU idles: only what needs the
+        # output sizes runs here (the outputs' memory, the path); the tensors over the
+        # arena blocks and the results are made after the launch.
+        read = sizes.cpu().tolist()  # the one host sync
+        self.raise_if_failed()
+        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
+            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
+        rows = [r[0] for r in read]
+        direct, taken = self._choose_path(rows, given, stream)
+        if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
+            args = self._receive_args(args, num_sms, dtype_name, H)
+        outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+        if declared is not None:
+            self.ext.note_launch_tensors(declared + self._output_spans(outputs, given.dtype))
+        self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         if made is None:
             made = taken.tensors()  # (rows, probs[, scales]) per rank
-        shape = self._shape
-        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
-                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
-                             CudaRecvLayout(call, i, shape, R))
-                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, keep, made))]
+        return call, rows, direct, made
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
         """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
@@ -934,8 +993,7 @@ class Engine:
         if self._declaring():
             self._declare(keep + staged + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
-        ab = self.absent.ranks
-        self.host.combine(args, direct, stream, inputs, self._absent_mask(ab) if ab else 0)
+        self.host.combine(args, direct, stream, inputs, self._absent_bits[0])
         if order is not None:
             order.after(stream)
             self.staging.uses += 1
