@@ -512,6 +512,7 @@ class Engine:
         self._workspaces: dict[tuple[int, bool, bool], list[CallWorkspace]] = {}
         # (dtype, columns) -> dtype name, for row widths already checked (_check_rows)
         self._row_dtypes: dict[tuple[torch.dtype, int], str] = {}
+        self._ones: torch.Tensor | None = None  # _unit_weights
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -767,9 +768,14 @@ class Engine:
                 sc_ptr = sc.data_ptr()
             if not idx.is_contiguous():
                 idx = idx.contiguous()
-            w = routing.weights_as_given_TK  # unrouted slots are never read
-            if w.dtype != torch.float32 or not w.is_contiguous():
-                w = _fp32(w)
+            w = routing.given_weights_TK  # unrouted slots are never read
+            if w is None:  # 1.0 per route: the first T * K of the engine's ones, no tensor op
+                w = self._unit_weights(T * K)
+                w_ptr = w.data_ptr()
+            else:
+                if w.dtype != torch.float32 or not w.is_contiguous():
+                    w = _fp32(w)
+                w_ptr = w.data_ptr()
             if K > topk:
                 topk = K
             if not x.is_contiguous():
@@ -777,9 +783,18 @@ class Engine:
             x_ptr = x.data_ptr()
             if x_ptr % 16:
                 x, x_ptr = _aligned(x)
-            inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
+            inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))
             keep.append((x, sc, idx, w))
         return _DispatchInputs(dtype, dtype_name, fp8, topk, inputs, keep)
+
+    def _unit_weights(self, count: int) -> torch.Tensor:
+        """float32 ones, at least `count` (a dispatch whose caller gave no routing weights reads
+        its T x K from the start), made once and grown to the largest call's: no tensor
+        operation per call, which on a GPU is a kernel launch and a cast per rank."""
+        ones = self._ones
+        if ones is None or ones.numel() < count:
+            ones = self._ones = torch.ones(max(count, 1), dtype=torch.float32, device=self.device)
+        return ones
 
     def _choose_path(self, rows: list[int], given: _DispatchInputs, stream: int) -> tuple[bool, object]:
         """(direct, the arena blocks of a direct dispatch or None) for a call of `rows` output
