@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import inputs
 from .backends import choose_backend, create_backend
 from .config import BufferConfig, KernelConfig
-from .handle import CallCounts, DispatchHandle, DispatchResult, ReadOnly
+from .handle import CallCounts, DispatchHandle, DispatchResult
 from .memory import MemoryPlan
 from .routing import normalize_routing
 from .rows import check_hidden_dim
@@ -26,39 +26,35 @@ from .traffic import Traffic, combine_row_bytes, dispatch_row_bytes, rank_traffi
 _owner_ids = itertools.count(1)
 
 
-class CallRecord(ReadOnly):
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallRecord:
     """One dispatch or combine call; its traffic is computed when asked for, not per call:
     the row counts live on the device, and reading them on every call would synchronise
     with the host and break CUDA graph capture. kind: "dispatch" | "combine"; dtype: of the
     rows on the wire (x's for a dispatch, the wire dtype for a combine). It keeps the call's
-    count tables, and the handle only as long as the caller does: a buffer's last record
-    must not keep memory the next call needs (the direct path's arena block)."""
+    count tables, and the handle only as long as the caller does (handle_ref): a buffer's last
+    record must not keep memory the next call needs (the direct path's arena block). Made only
+    when HybridEPBuffer.last_call is read (from_note), so a frozen dataclass costs no call."""
 
     kind: str
     rank: int
     counts: CallCounts
-    _handle: weakref.ref[DispatchHandle]
+    handle_ref: weakref.ref[DispatchHandle]
     hidden_dim: int
     dtype: torch.dtype
-
-    def __init__(self, kind: str, rank: int, handle: DispatchHandle, hidden_dim: int, dtype: torch.dtype):
-        self.__dict__.update(kind=kind, rank=rank, counts=CallCounts(handle), _handle=weakref.ref(handle),
-                             hidden_dim=hidden_dim, dtype=dtype)
 
     @classmethod
     def from_note(cls, note: tuple, rank: int, hidden_dim: int) -> "CallRecord":
         """The record of a call noted as (kind, weak reference to the handle, CallCounts.note,
         dtype): HybridEPBuffer notes each call and makes its record when last_call is read."""
         kind, handle_ref, counts, dtype = note
-        record = cls.__new__(cls)
-        record.__dict__.update(kind=kind, rank=rank, counts=CallCounts.from_note(counts), _handle=handle_ref,
-                               hidden_dim=hidden_dim, dtype=dtype)
-        return record
+        return cls(kind=kind, rank=rank, counts=CallCounts.from_note(counts), handle_ref=handle_ref,
+                   hidden_dim=hidden_dim, dtype=dtype)
 
     @property
     def handle(self) -> DispatchHandle | None:
         """The call's handle while anything else keeps it, else None."""
-        return self._handle()
+        return self.handle_ref()
 
     @property
     def row_bytes(self) -> int:
@@ -165,7 +161,7 @@ class HybridEPBuffer:
     def memory_plan(self) -> MemoryPlan:
         return self._backend.memory_plan()
 
-    def _kernel(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
+    def _kernel_config(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         base = self.kernel_config
         if num_sms_dispatch is None and num_sms_combine is None and wire_dtype is None:
             return base  # validated when the buffer was built (callers test for this case first)
@@ -200,7 +196,8 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
-        return DispatchResult(rows, scales_out, handle.probs_R, None, handle)  # tokens_per_expert: when read
+        # tokens_per_expert: the handle's, read when asked for
+        return DispatchResult(tokens=rows, scales=scales_out, probs=handle.probs_R, handle=handle)
 
     def combine(
         self,
@@ -251,27 +248,27 @@ class HybridEPBuffer:
                             f"apply_probs must be a Python bool, got {kind.__qualname__}")
 
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
-        kernel = self.kernel_config if num_sms is None else self._kernel(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel)
+        kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
+        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
-        kernel = (self.kernel_config if num_sms is None and wire_dtype is None else
-                  self._kernel(num_sms_combine=num_sms, wire_dtype=wire_dtype))
-        y = self._backend.combine(expert_out, handle, apply_probs, kernel)
-        self._record_combine(handle, kernel, expert_out.dtype)
+        kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else
+                         self._kernel_config(num_sms_combine=num_sms, wire_dtype=wire_dtype))
+        y = self._backend.combine(expert_out, handle, apply_probs, kernel_config)
+        self._record_combine(handle, kernel_config, expert_out.dtype)
         return y
 
-    def _record_combine(self, handle, kernel: KernelConfig, dtype: torch.dtype) -> None:
-        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel.wire_dtype_for(dtype))
+    def _record_combine(self, handle, kernel_config: KernelConfig, dtype: torch.dtype) -> None:
+        self._last = ("combine", weakref.ref(handle), CallCounts.note(handle), kernel_config.wire_dtype_for(dtype))
 
     def _return_row_values(self, values_R, handle):
         return self._backend.return_row_values(values_R, handle)
 
     def _combine_and_return_row_values(self, rows_RH, values_R, handle):
         """Dispatch's backward when both x and the routing weights need gradients."""
-        kernel = self._kernel()
-        y, values_TK = self._backend.combine_and_return_row_values(rows_RH, values_R, handle, kernel)
-        self._record_combine(handle, kernel, rows_RH.dtype)
+        kernel_config = self._kernel_config()
+        y, values_TK = self._backend.combine_and_return_row_values(rows_RH, values_R, handle, kernel_config)
+        self._record_combine(handle, kernel_config, rows_RH.dtype)
         return y, values_TK

@@ -62,6 +62,13 @@ class Routing:
         return self._given if self._given is not None else self.topk_weights_TK
 
     @property
+    def given_weights_TK(self) -> torch.Tensor | None:
+        """weights_as_given_TK where there are weights, None where the caller gave none (1.0 per
+        routed slot) and none were made yet: the cuda engine then reads ones it keeps, with no
+        tensor operation per call."""
+        return self._given if self._given is not None else self._weights
+
+    @property
     def num_tokens(self) -> int:
         return self._idx.shape[0]
 

@@ -127,6 +127,27 @@ def test_api_pair_allocates_only_its_outputs(group):
         assert torch.equal(res[r].tokens_per_expert, res[r].handle.tokens_per_expert)
 
 
+def test_a_call_without_weights_runs_no_routing_op(group):
+    """topk_weights None (1.0 per route, as the GPU bench calls it): the engine reads ones it
+    keeps; no comparison and cast per rank and call (on a GPU two kernel launches, the
+    Tensor.to the bench's profile put first), only the outputs."""
+    xs, idx, _ = _inputs()
+    for _ in range(2):
+        res = group.dispatch(xs, idx, num_out_tokens=STATIC)
+        group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    del res
+    with _Ops() as mode:
+        res = group.dispatch(xs, idx, num_out_tokens=STATIC)
+        ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+    _assert_outputs_only(mode, group, {k: v * W for k, v in API_PAIR.items()})
+    group.synchronize()
+    for r in range(W):
+        torch.testing.assert_close(ys[r], xs[r] * K, rtol=1e-5, atol=1e-5)  # K routes of weight 1
+        routed = res[r].probs[:int(res[r].tokens_per_expert.sum())]
+        assert torch.equal(routed, torch.ones_like(routed))
+        assert torch.equal(res[r].handle.routing.topk_weights_TK, torch.ones(T, K))  # made when read
+
+
 def test_buffer_pair_allocates_only_its_outputs(single_rank_group):
     """HybridEPBuffer over the cuda backend, one rank per process: its last_call keeps the
     last handle, and still no dispatch allocates a new workspace."""
@@ -250,8 +271,15 @@ def test_handle_and_result_are_read_only(group):
     h = res.handle
     with pytest.raises(dataclasses.FrozenInstanceError):
         h.rank = 1
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'routing'"):
+        del h.routing
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.tokens = None
+    with pytest.raises(AttributeError):  # slotted: no field can be added either
+        h.extra = 1
+    assert not hasattr(h, "__dict__") and not hasattr(res, "__dict__")
+    assert res.tokens_per_expert is res.tokens_per_expert  # the handle's, read once
+    assert torch.equal(res.tokens_per_expert, h.tokens_per_expert)
     with pytest.raises(AttributeError):
         h.routing.topk_idx_TK = None
     probs = torch.zeros_like(h.probs_R)

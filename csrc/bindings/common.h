@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -283,6 +284,9 @@ inline void bind_common(py::module_& m) {
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
   m.attr("TOKEN_META_BYTES") = sizeof(TokenMeta);
   m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
+  // Where the host polls the error records (pinned host memory) without a call into the module.
+  m.attr("ERROR_RECORD_PHASE_OFFSET") = offsetof(ErrorRecord, phase);
+  m.attr("ERROR_RECORD_EPOCH_OFFSET") = offsetof(ErrorRecord, epoch);
   // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
   // (the error record's phase and pipeline site), by name: the one definition is common/params.h.
   m.attr("DTYPE_CODES") = code_dict(kDTypeNames);
@@ -329,14 +333,18 @@ inline void bind_common(py::module_& m) {
                               RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y) RW(RankArgs, route_rows)
                                   RW(RankArgs, arena_bases);
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
-      .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks)
-          RW(LaunchArgs, blocks_per_rank) RW(LaunchArgs, dtype) RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols)
-              RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages)
-                  RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups)
-                      RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
-                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages)
-                              RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns)
-                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
+      .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype)
+          RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs)
+              RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages) RW(LaunchArgs, stage_bytes)
+                  RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype)
+                      RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
+                          RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
+                              RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
+      // SMs per rank, the API's name (num_sms): one block per SM.
+      .def_property(
+          "num_sms", [](const LaunchArgs& self) { return self.blocks_per_rank; },
+          [](LaunchArgs& self, int32_t n) { self.blocks_per_rank = n; })
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

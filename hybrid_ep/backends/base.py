@@ -44,13 +44,13 @@ class Backend(abc.ABC):
         routing: Routing | None,
         handle: DispatchHandle | None,
         num_out_tokens: int | None,
-        kernel: KernelConfig,
+        kernel_config: KernelConfig,
     ) -> tuple[torch.Tensor, torch.Tensor | None, DispatchHandle]:
         """Return (rows_RH, scales_RB or None, handle). Exactly one of routing / handle is given."""
 
     @abc.abstractmethod
     def combine(
-        self, rows_RH: torch.Tensor, handle: DispatchHandle, apply_probs: bool, kernel: KernelConfig
+        self, rows_RH: torch.Tensor, handle: DispatchHandle, apply_probs: bool, kernel_config: KernelConfig
     ) -> torch.Tensor:
         """Sum each token's rows (fp32 accumulation) back on its source rank: [T, H]."""
 
@@ -62,11 +62,11 @@ class Backend(abc.ABC):
         """
 
     def combine_and_return_row_values(
-        self, rows_RH: torch.Tensor, values_R: torch.Tensor, handle: DispatchHandle, kernel: KernelConfig
+        self, rows_RH: torch.Tensor, values_R: torch.Tensor, handle: DispatchHandle, kernel_config: KernelConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both halves of dispatch's backward (combine without probs, then return_row_values);
         a backend that can send both back in one exchange overrides it."""
-        return self.combine(rows_RH, handle, False, kernel), self.return_row_values(values_R, handle)
+        return self.combine(rows_RH, handle, False, kernel_config), self.return_row_values(values_R, handle)
 
     @abc.abstractmethod
     def memory_plan(self) -> MemoryPlan:

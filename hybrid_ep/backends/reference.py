@@ -96,7 +96,7 @@ class ReferenceBackend(Backend):
     # -- dispatch ----------------------------------------------------------------------------
 
     def dispatch(self, x_TH, scales_TB, routing: Routing | None, handle: DispatchHandle | None,
-                 num_out_tokens, kernel: KernelConfig):
+                 num_out_tokens, kernel_config: KernelConfig):
         cfg = self.config
         payload = [_as_bytes(x_TH)] + ([_as_bytes(scales_TB)] if scales_TB is not None else [])
         static = (num_out_tokens if handle is None else handle.num_out_tokens) is not None
@@ -244,14 +244,14 @@ class ReferenceBackend(Backend):
 
     # -- the way back: combine and the probs backward ----------------------------------------
 
-    def combine(self, rows_RH, handle: DispatchHandle, apply_probs: bool, kernel: KernelConfig):
-        return self._send_back(handle, rows_RH, None, apply_probs, kernel.wire_dtype_for(rows_RH.dtype))[0]
+    def combine(self, rows_RH, handle: DispatchHandle, apply_probs: bool, kernel_config: KernelConfig):
+        return self._send_back(handle, rows_RH, None, apply_probs, kernel_config.wire_dtype_for(rows_RH.dtype))[0]
 
     def return_row_values(self, values_R, handle: DispatchHandle):
         return self._send_back(handle, None, values_R, False, torch.float32)[1]
 
-    def combine_and_return_row_values(self, rows_RH, values_R, handle: DispatchHandle, kernel: KernelConfig):
-        return self._send_back(handle, rows_RH, values_R, False, kernel.wire_dtype_for(rows_RH.dtype))
+    def combine_and_return_row_values(self, rows_RH, values_R, handle: DispatchHandle, kernel_config: KernelConfig):
+        return self._send_back(handle, rows_RH, values_R, False, kernel_config.wire_dtype_for(rows_RH.dtype))
 
     def _send_back(self, handle: DispatchHandle, rows_RH, values_R, apply_probs: bool, wire: torch.dtype):
         """The way back in one exchange: combine (rows_RH: [T, H] sums) and / or the probs

@@ -10,7 +10,7 @@ from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import max_output_rows
 from ..base import Backend
-from . import arena, launch, load_extension, staging
+from . import arena, load_extension, staging
 from .agreement import PathVote
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
@@ -94,29 +94,23 @@ class CudaBackend(Backend):
     def memory_plan(self) -> MemoryPlan:
         return memory_plan(self.config)
 
-    def dispatch(self, x_TH, scales_TB, routing, handle, num_out_tokens, kernel: KernelConfig):
+    def dispatch(self, x_TH, scales_TB, routing, handle, num_out_tokens, kernel_config: KernelConfig):
         known = None
         if handle is not None:
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
             known = [handle.num_rows]
-        sms = kernel.num_sms_dispatch
         [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
-                                      launch.DEFAULT_SMS_DISPATCH if sms is None else sms, known)
-        # DispatchHandle's fields in order (positional: a call per dispatch): owner, config, rank,
-        # routing, source, dest, recv_counts_W, num_recv_rows, count_matrix_WW, node_counts_WN,
-        # probs_R, num_out_tokens; the count tables are the workspace's, read when asked for.
-        new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, None, -1, None, None,
-                             res.probs_R, num_out_tokens)
+                                      kernel_config.num_sms_dispatch, known)
+        # The count tables are views of the call's workspace, read from dest when asked for.
+        new = DispatchHandle(owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send,
+                             dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
         return res.rows_RH, res.scales_RB, new
 
-    def combine(self, rows_RH, handle, apply_probs, kernel: KernelConfig):
-        sms = kernel.num_sms_combine
+    def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):
         [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs,
-                                   launch.DEFAULT_SMS_COMBINE if sms is None else sms,
-                                   kernel.wire_dtype_for(rows_RH.dtype))
+                                   kernel_config.num_sms_combine, kernel_config.wire_dtype_for(rows_RH.dtype))
         return y
 
     def return_row_values(self, values_R, handle):
-        [out] = self._engine.return_row_values([values_R], [handle.routing], [handle.source], [handle.dest],
-                                               launch.DEFAULT_SMS_COMBINE)
+        [out] = self._engine.return_row_values([values_R], [handle.routing], [handle.source], [handle.dest])
         return out

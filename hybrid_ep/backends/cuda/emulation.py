@@ -24,13 +24,12 @@ from ... import inputs
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
-from . import launch, load_extension
+from . import load_extension
 from .engine import Engine
-from .layout import check_geometry, rdma_layout, registered_layout
+from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
 from .registered import LoopbackRegions, RegisteredBuffers
 from .staging import direct_region_bytes
 
-MAX_EMULATED_RANKS = 16  # csrc kMaxLaunchRanks
 _owner_ids = itertools.count(1_000_000)
 
 
@@ -42,8 +41,8 @@ class EmulatedGroup:
                  num_sms_combine: int | None = None, device: torch.device | None = None,
                  ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
                  ring_chunks: int = BufferConfig.ring_chunks):
-        if not 1 <= world_size <= MAX_EMULATED_RANKS:
-            raise ValueError(f"world_size must be in [1, {MAX_EMULATED_RANKS}] for emulation, got {world_size}")
+        if not 1 <= world_size <= MAX_LAUNCH_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_LAUNCH_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
@@ -65,8 +64,6 @@ class EmulatedGroup:
                      if self.config.num_nodes > 1 else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
                              data_path, arenas=self.buffers)
-        self.num_sms_dispatch = launch.DEFAULT_SMS_DISPATCH if num_sms_dispatch is None else num_sms_dispatch
-        self.num_sms_combine = launch.DEFAULT_SMS_COMBINE if num_sms_combine is None else num_sms_combine
         self.owner = next(_owner_ids)
 
     @property
@@ -112,17 +109,16 @@ class EmulatedGroup:
         return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None)
 
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows):
-        sms = self.num_sms_dispatch if num_sms is None else num_sms
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, sms, known_rows)
+        if num_sms is None:
+            num_sms = self.kernel_config.num_sms_dispatch
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
-            handle = DispatchHandle(
-                owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send, dest=res.recv,
-                recv_counts_W=None, num_recv_rows=-1, count_matrix_WW=None,
-                node_counts_WN=None, probs_R=res.probs_R, num_out_tokens=num_out_tokens,
-            )
-            # tokens_per_expert: made when read (a view of the call's tables)
-            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, None, handle))
+            # The count tables are views of the call's workspace, read from dest when asked for;
+            # tokens_per_expert likewise, from the handle.
+            handle = DispatchHandle(owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send,
+                                    dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
+            out.append(DispatchResult(tokens=res.rows_RH, scales=res.scales_RB, probs=res.probs_R, handle=handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:
@@ -147,13 +143,14 @@ class EmulatedGroup:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
-        sms = self.num_sms_combine if num_sms is None else num_sms
+        if num_sms is None:
+            num_sms = self.kernel_config.num_sms_combine
         return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
-                                   [h.probs_R for h in handles], apply_probs, sms, wire_dtype)
+                                   [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
         return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],
-                                             [h.dest for h in handles], self.num_sms_combine)
+                                             [h.dest for h in handles], self.kernel_config.num_sms_combine)
 
     # -- autograd ---------------------------------------------------------------------------
 

@@ -42,16 +42,12 @@ from . import launch
 from .arena import Arena, arena_take, call_bytes
 from .layout import (
     BAD_ROUTE_WORDS,
-    CHUNK_SIGNAL_BYTES,
     CHUNK_TOKENS,
-    COUNT_ROW_TAIL,
-    LOCAL_STATE_BYTES,
-    MAX_EXPERTS,
-    MAX_RANKS,
+    COMPILED_CONSTANTS,
+    ERROR_RECORD_EPOCH_OFFSET,
+    ERROR_RECORD_PHASE_OFFSET,
     MAX_TOPK,
-    META_ENTRY_BYTES,
-    PEER_TENSORS_BYTES,
-    TOKEN_META_BYTES,
+    compiled,
     info_layout,
     rdma_layout,
     registered_layout,
@@ -59,7 +55,6 @@ from .layout import (
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging
 
-RECORD_EPOCH_OFFSET = 16  # common/params.h ErrorRecord: four int32 words, then the epoch
 BAD_ROUTE_READS = 1000  # reads of a bad-route record being written before a call leaves it to the next
 
 # What a kernel waited for when it gave up, by the name of its phase: the codes are csrc's
@@ -344,16 +339,12 @@ class RankDispatch:
 
 
 def check_extension(ext) -> None:
-    """The Python layout plan and the compiled structs must agree, and the Python tables keyed
-    by the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
-    expected = {"LOCAL_STATE_BYTES": LOCAL_STATE_BYTES, "META_ENTRY_BYTES": META_ENTRY_BYTES,
-                "MAX_TOPK": MAX_TOPK, "MAX_RANKS": MAX_RANKS, "MAX_EXPERTS": MAX_EXPERTS, "CHUNK_TOKENS": CHUNK_TOKENS,
-                "CHUNK_SIGNAL_BYTES": CHUNK_SIGNAL_BYTES, "TOKEN_META_BYTES": TOKEN_META_BYTES,
-                "COMBINE_MAX_SEG_COLS": launch.COMBINE_MAX_SEG_COLS, "PEER_TENSORS_BYTES": PEER_TENSORS_BYTES,
-                "MAX_STAGES": launch.MAX_STAGES, "MAX_STORE_GROUPS": launch.MAX_STORE_GROUPS,
-                "PULL_PIPELINES": launch.PULL_PIPELINES, "COUNT_ROW_TAIL": COUNT_ROW_TAIL}
+    """The loaded module and the one the layout plan took csrc's sizes from (layout.compiled)
+    must agree (a module built from other sources is stale), and the Python tables keyed by
+    the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
     rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
-    for name, value in expected.items():
+    for name in COMPILED_CONSTANTS:
+        value = getattr(compiled, name)
         if not hasattr(ext, name):
             raise RuntimeError(f"{ext.__name__} has no {name}; {rebuild}")
         if getattr(ext, name) != value:
@@ -425,6 +416,18 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+@dataclasses.dataclass(slots=True)
+class _DispatchInputs:
+    """A dispatch's inputs as Engine._dispatch_inputs checked and marshalled them."""
+
+    dtype: torch.dtype
+    dtype_name: str
+    fp8: bool
+    topk: int  # the most routes per token of any driven rank (the workspace's tables are sized by it)
+    launch: list[tuple]  # per rank, the extension's DispatchInput: (T, K, x, x_scales, topk_idx, topk_weights)
+    tensors: list[tuple]  # per rank, the tensors behind those addresses (x, scales, topk_idx, weights)
+
+
 class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
@@ -446,14 +449,14 @@ class Engine:
         check_extension(ext)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
-        # Its first word, the phase (common/params.h ErrorRecord; 0 while no kernel failed), in
-        # host memory: each call polls it here, without a call into the extension.
-        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr)
+        # Its phase word (common/params.h ErrorRecord; 0 while no kernel failed), in host memory:
+        # each call polls it here, without a call into the extension.
+        self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr + ERROR_RECORD_PHASE_OFFSET)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
         # The last bad route a layout kernel recorded without a host read (a static size): not a
         # failure; each call compares its epoch word with the last one raised, without a sync.
         self.bad_route = ext.ErrorRecord()
-        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + RECORD_EPOCH_OFFSET)
+        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + ERROR_RECORD_EPOCH_OFFSET)
         self._bad_route_raised = 0
         self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
@@ -509,6 +512,7 @@ class Engine:
         self._workspaces: dict[tuple[int, bool, bool], list[CallWorkspace]] = {}
         # (dtype, columns) -> dtype name, for row widths already checked (_check_rows)
         self._row_dtypes: dict[tuple[torch.dtype, int], str] = {}
+        self._ones: torch.Tensor | None = None  # _unit_weights
 
     def _geometry(self):
         c, g = self.config, self.ext.Geometry()
@@ -593,26 +597,26 @@ class Engine:
 
     # -- launch arguments ------------------------------------------------------------------
 
-    def launch_shapes(self, sms: int) -> dict:
-        """The pipeline shape each kernel launched with at sms blocks per rank ({kind: {stages,
+    def launch_shapes(self, num_sms: int) -> dict:
+        """The pipeline shape each kernel launched with at num_sms SMs per rank ({kind: {stages,
         store_groups}}), for benchmark records: the store queue is chosen per launch."""
         shapes = {}
-        for (kind, blocks, *_), a in self._launch_cache.items():
-            if blocks == sms:
+        for (kind, launched_sms, *_), a in self._launch_cache.items():
+            if launched_sms == num_sms:
                 stages = {"dispatch": a.fifo_stages, "dispatch_direct": a.fifo_stages, "combine": a.host_out_stages,
                           "combine_pull": a.src_stages}[kind]
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
         return shapes
 
-    def _launch_args(self, sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
-        key = (kind, sms, dtype_name, row_elems, wire_name)
+    def _launch_args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
+        key = (kind, num_sms, dtype_name, row_elems, wire_name)
         cached = self._launch_cache.get(key)
         if cached is not None:
             return cached
         a = self.ext.LaunchArgs()
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
-        a.blocks_per_rank = sms
+        a.num_sms = num_sms
         a.dtype = self.ext.DTYPE_CODES[dtype_name]
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
@@ -649,7 +653,7 @@ class Engine:
             a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
             a.store_groups = launch.combine_store_groups(shape.out_stages, self.store_groups_override)
             per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
-        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", sms, len(self.ranks), self.device_sms, per_sm)
+        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", num_sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a
         return a
 
@@ -706,14 +710,42 @@ class Engine:
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
-                 num_out_tokens: int | None, sms: int, known_rows: list[int] | None = None) -> list[RankDispatch]:
+                 num_out_tokens: int | None, num_sms: int | None,
+                 known_rows: list[int] | None = None) -> list[RankDispatch]:
+        """Every driven rank's dispatch: the inputs checked and marshalled (_dispatch_inputs),
+        then the kernels. With the output size known before the layout kernel (num_out_tokens,
+        or known_rows: a handle's) both kernels go in one call (_dispatch_known); else the
+        layout kernel, the one host read of the sizes, and the dispatch kernel
+        (_dispatch_dynamic). Either chooses the data path where the sizes are known
+        (_choose_path). num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
         if self._reported():
             self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
+        given = self._dispatch_inputs(xs, scales, routings)
+        if num_out_tokens is not None:
+            launched = self._dispatch_known(given, [num_out_tokens] * len(self.ranks), num_out_tokens, num_sms)
+        elif known_rows is not None:
+            launched = self._dispatch_known(given, list(known_rows), -1, num_sms)
+        else:
+            launched = self._dispatch_dynamic(given, num_sms)
+        self._in_flight["dispatch"] = given.tensors
+        call, rows, direct, made = launched
+        shape, fp8 = self._shape, given.fp8
+        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
+                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
+                             CudaRecvLayout(call, i, shape, R))
+                for i, (R, inp, k, t) in enumerate(zip(rows, given.launch, given.tensors, made))]
+
+    def _dispatch_inputs(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
+                         routings: list[Routing]) -> _DispatchInputs:
+        """Validation and marshalling: one dtype and K <= MAX_TOPK on every rank, fp8 scales of
+        the right shape; each rank's tensors as the kernels read them (contiguous, 16-byte
+        aligned, fp32 scales and weights) and their addresses."""
         H = self.config.hidden_dim
         dtype = xs[0].dtype
         dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
         fp8 = dtype_name == "float8_e4m3fn"
-        prefer = self.data_path == "direct"
         inputs, keep, topk = [], [], 0
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
@@ -736,9 +768,14 @@ class Engine:
                 sc_ptr = sc.data_ptr()
             if not idx.is_contiguous():
                 idx = idx.contiguous()
-            w = routing.weights_as_given_TK  # unrouted slots are never read
-            if w.dtype != torch.float32 or not w.is_contiguous():
-                w = _fp32(w)
+            w = routing.given_weights_TK  # unrouted slots are never read
+            if w is None:  # 1.0 per route: the first T * K of the engine's ones, no tensor op
+                w = self._unit_weights(T * K)
+                w_ptr = w.data_ptr()
+            else:
+                if w.dtype != torch.float32 or not w.is_contiguous():
+                    w = _fp32(w)
+                w_ptr = w.data_ptr()
             if K > topk:
                 topk = K
             if not x.is_contiguous():
@@ -746,71 +783,103 @@ class Engine:
             x_ptr = x.data_ptr()
             if x_ptr % 16:
                 x, x_ptr = _aligned(x)
-            inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w.data_ptr()))
+            inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))
             keep.append((x, sc, idx, w))
+        return _DispatchInputs(dtype, dtype_name, fp8, topk, inputs, keep)
+
+    def _unit_weights(self, count: int) -> torch.Tensor:
+        """float32 ones, at least `count` (a dispatch whose caller gave no routing weights reads
+        its T x K from the start), made once and grown to the largest call's: no tensor
+        operation per call, which on a GPU is a kernel launch and a cast per rank."""
+        ones = self._ones
+        if ones is None or ones.numel() < count:
+            ones = self._ones = torch.ones(max(count, 1), dtype=torch.float32, device=self.device)
+        return ones
+
+    def _choose_path(self, rows: list[int], given: _DispatchInputs, stream: int) -> tuple[bool, object]:
+        """(direct, the arena blocks of a direct dispatch or None) for a call of `rows` output
+        rows per rank: the buffer's data path, unless an arena can not serve the call (then the
+        receive path, on every rank: _direct_blocks)."""
+        if self.data_path != "direct":
+            return False, None
+        if not self.arenas:  # ranks in one process: outputs from PyTorch's allocator
+            return True, None
+        taken = self._direct_blocks(rows, given.dtype, given.fp8, stream)
+        return taken is not None, taken
+
+    @property
+    def absent(self) -> AbsentRanks:
+        """The test hook (AbsentRanks); setting it computes the bit masks a call passes on once
+        (_absent_bits: absent, absent after the layout kernel)."""
+        return self._absent
+
+    @absent.setter
+    def absent(self, ranks: AbsentRanks) -> None:
+        self._absent = ranks
+        self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_layout))
+
+    def _dispatch_known(self, given: _DispatchInputs, rows: list[int], static_rows: int, num_sms: int) -> tuple:
+        """Both kernels in one call into the extension, the output size known (rows per rank;
+        static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
+        output tensors per rank)."""
         stream = self._stream()
-        ab = self.absent
-        absent = self._absent_mask(ab.ranks) if ab.ranks else 0
-        after_layout = self._absent_mask(ab.after_layout) if ab.after_layout else 0
-        static = num_out_tokens is not None
-        # The path is chosen where the output sizes are known: before the layout kernel with a
-        # static size (or a handle's), else after its host read, on a workspace with the
-        # tables of both paths.
-        if static or known_rows is not None:
-            rows = [num_out_tokens] * len(self.ranks) if static else list(known_rows)
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
-            direct = prefer and (taken is not None or not self.arenas)
-            call = self._workspace(topk, direct, not direct, stream)
-            kind = "dispatch_direct" if direct else "dispatch"
-            args = (self._launch_cache.get((kind, sms, dtype_name, H, None))
-                    or self._launch_args(sms, dtype_name, H, kind))
-            declaring = self._declaring()
-            if declaring or taken is None:
-                outputs, made = self._outputs(rows, taken, dtype, fp8)
-            if declaring:
-                self._declare(self._dispatch_tensors(keep), [(call.ptr, call.i64.numel() * 8)] +
-                              self._output_spans(outputs, dtype))
-            if taken is not None:  # the launch and the arena blocks' tensors in one call
-                made = self.host.dispatch_into(args, stream, call.ptr, call.layout, num_out_tokens if static else -1,
-                                               inputs, taken, absent, after_layout)
-            else:
-                self.host.dispatch(args, direct, stream, call.ptr, call.layout, num_out_tokens if static else -1,
-                                   inputs, outputs, absent, after_layout)
+        absent, after_layout = self._absent_bits
+        direct, taken = self._choose_path(rows, given, stream)
+        call = self._workspace(given.topk, direct, not direct, stream)
+        kind = "dispatch_direct" if direct else "dispatch"
+        H, dtype_name = self.config.hidden_dim, given.dtype_name
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None))
+                or self._launch_args(num_sms, dtype_name, H, kind))
+        declaring = self._declaring()
+        if declaring or taken is None:
+            outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+        if declaring:
+            self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
+                          self._output_spans(outputs, given.dtype))
+        if taken is not None:  # the launch and the arena blocks' tensors in one call
+            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, given.launch, taken,
+                                           absent, after_layout)
         else:
-            call = self._workspace(topk, prefer, True, stream)
-            args = self._launch_args(sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
-            first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
-            sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
-            declared = None
-            if self._declaring():  # the outputs are added after the read
-                declared = (_spans(self._dispatch_tensors(keep)) + [(call.ptr, call.i64.numel() * 8)] +
-                            self._fixed_spans())
-                self.ext.note_launch_tensors(declared)
-            self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
-            # From the host read to the dispatch launch the GPU idles: only what needs the
-            # output sizes runs here (the outputs' memory, the path); the tensors over the
-            # arena blocks and the results are made after the launch.
-            read = sizes.cpu().tolist()  # the one host sync
-            self.raise_if_failed()
-            if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
-                raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
-            rows = [r[0] for r in read]
-            taken = self._direct_blocks(rows, dtype, fp8, stream) if prefer and self.arenas else None
-            direct = prefer and (taken is not None or not self.arenas)
-            if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
-                args = self._receive_args(args, sms, dtype_name, H)
-            outputs, made = self._outputs(rows, taken, dtype, fp8)
-            if declared is not None:
-                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-            self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
-        self._in_flight["dispatch"] = keep
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, given.launch, outputs,
+                               absent, after_layout)
+        return call, rows, direct, made
+
+    def _dispatch_dynamic(self, given: _DispatchInputs, num_sms: int) -> tuple:
+        """The layout kernel on a workspace with the tables of both paths, the one host read of
+        the output sizes (and of a bad route, raised here), then the dispatch kernel on the path
+        those sizes allow: (workspace, rows, direct, output tensors per rank)."""
+        stream = self._stream()
+        absent, after_layout = self._absent_bits
+        prefer = self.data_path == "direct"
+        H, dtype_name = self.config.hidden_dim, given.dtype_name
+        call = self._workspace(given.topk, prefer, True, stream)
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+        first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
+        sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
+        declared = None
+        if self._declaring():  # the outputs are added after the read
+            declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+                        self._fixed_spans())
+            self.ext.note_launch_tensors(declared)
+        self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, given.launch, absent, True)
+        # From the host read to the dispatch launch the GPU idles: only what needs the
+        # output sizes runs here (the outputs' memory, the path); the tensors over the
+        # arena blocks and the results are made after the launch.
+        read = sizes.cpu().tolist()  # the one host sync
+        self.raise_if_failed()
+        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
+            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
+        rows = [r[0] for r in read]
+        direct, taken = self._choose_path(rows, given, stream)
+        if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
+            args = self._receive_args(args, num_sms, dtype_name, H)
+        outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+        if declared is not None:
+            self.ext.note_launch_tensors(declared + self._output_spans(outputs, given.dtype))
+        self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         if made is None:
             made = taken.tensors()  # (rows, probs[, scales]) per rank
-        shape = self._shape
-        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
-                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
-                             CudaRecvLayout(call, i, shape, R))
-                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, keep, made))]
+        return call, rows, direct, made
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
         """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
@@ -826,9 +895,9 @@ class Engine:
         return [(R, out.data_ptr(), sc.data_ptr() if fp8 else 0, probs.data_ptr())
                 for R, (out, probs, sc) in zip(rows, made)], made
 
-    def _receive_args(self, laid, sms: int, dtype_name: str, H: int):
+    def _receive_args(self, laid, num_sms: int, dtype_name: str, H: int):
         """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
-        args = self._launch_args(sms, dtype_name, H, "dispatch")
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch")
         for i in range(laid.num_ranks):
             args.set_rank(i, laid.get_rank(i))
         args.num_ranks = laid.num_ranks
@@ -880,11 +949,14 @@ class Engine:
     # -- combine ---------------------------------------------------------------------------
 
     def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
-                probs: list[torch.Tensor], apply_probs: bool, sms: int,
+                probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
                 wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
+        """num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_COMBINE); wire_dtype: of the partial
+        sums between ranks (None: the dtype of the rows)."""
         if self._reported():
             self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_COMBINE
         dtype = rows[0].dtype
         dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
         wire_name = dtype_name if wire_dtype is None or wire_dtype == dtype else _dtype_name(wire_dtype)
@@ -897,8 +969,8 @@ class Engine:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
         direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
         kind = "combine_pull" if direct else "combine"
-        args = (self._launch_cache.get((kind, sms, dtype_name, C, wire_name))
-                or self._launch_args(sms, dtype_name, C, kind, wire_name))
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name))
+                or self._launch_args(num_sms, dtype_name, C, kind, wire_name))
         args.apply_probs = int(apply_probs)
         stream = self._stream()
         inputs, keep, outs, staged, order = [], [], [], [], None
@@ -936,8 +1008,7 @@ class Engine:
         if self._declaring():
             self._declare(keep + staged + outs + [self.arena_bases] + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
-        ab = self.absent.ranks
-        self.host.combine(args, direct, stream, inputs, self._absent_mask(ab) if ab else 0)
+        self.host.combine(args, direct, stream, inputs, self._absent_bits[0])
         if order is not None:
             order.after(stream)
             self.staging.uses += 1
@@ -946,7 +1017,8 @@ class Engine:
     # -- backward of the probs -------------------------------------------------------------
 
     def return_row_values(self, values: list[torch.Tensor], routings: list[Routing],
-                          sends: list[CudaSendLayout], recvs: list[CudaRecvLayout], sms: int) -> list[torch.Tensor]:
+                          sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+                          num_sms: int | None = None) -> list[torch.Tensor]:
         """One fp32 value per output row back to its routing slot, [T, K] per rank.
 
         Each row's value is placed in the column of its global expert, so a combine over
@@ -976,7 +1048,7 @@ class Engine:
                 inside = (cols >= c0) & (cols < c0 + width)
                 m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
                 slices.append(m)
-            got = self.combine(slices, sends, recvs, ones, False, sms, torch.float32)
+            got = self.combine(slices, sends, recvs, ones, False, num_sms, torch.float32)
             for f, g in zip(full, got):
                 f[:, c0:c0 + width] = g
         out = []

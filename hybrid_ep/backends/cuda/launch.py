@@ -9,16 +9,17 @@ import dataclasses
 import math
 import os
 
-from .layout import CHUNK_TOKENS
+from .layout import CHUNK_TOKENS, compiled
 
+# SMs per rank of a call that names none (num_sms None: the API's num_sms_dispatch /
+# num_sms_combine unset); Engine.dispatch and Engine.combine apply them, nothing else does.
 # Defaults until measured on the device (docs/benchmarks/cuda.md says which numbers exist).
-DEFAULT_SMS_DISPATCH = 8
-DEFAULT_SMS_COMBINE = 8
-MAX_STAGES = 16  # csrc kMaxStages (engine.check_extension compares these with the bindings')
+DEFAULT_NUM_SMS_DISPATCH = 8
+DEFAULT_NUM_SMS_COMBINE = 8
+MAX_STAGES: int = compiled.MAX_STAGES  # slots of one pipeline's ring
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
-MAX_BATCH_ROWS = 32  # whole rows in one stage (csrc: a chunk's, kChunkTokens)
-MAX_TOPK = 16  # csrc kMaxTopK
+MAX_BATCH_ROWS = CHUNK_TOKENS  # whole rows in one stage: a chunk's
 STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
 DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
 
@@ -59,7 +60,7 @@ def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
     return FifoShape(stages=stages, stage_bytes=stage, rows_per_stage=rows)
 
 
-COMBINE_MAX_SEG_COLS = 8192  # csrc kCombineMaxSegCols: columns a reducer group holds in registers
+COMBINE_MAX_SEG_COLS: int = compiled.COMBINE_MAX_SEG_COLS  # columns a reducer group holds in registers
 TARGET_COMBINE_SEGMENT_BYTES = 16 * 1024  # wider rows are cut into column segments of about this size
 COMBINE_OUT_BYTES = 48 * 1024  # partials the expert host keeps in its output ring (at least 2 stages)
 
@@ -178,7 +179,7 @@ class PullShape:
         return PULL_PIPELINES * self.stages * self.stage_bytes
 
 
-PULL_PIPELINES = 2  # csrc kPullPipelines
+PULL_PIPELINES: int = compiled.PULL_PIPELINES  # pipelines of a combine-pull block
 
 
 def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
@@ -198,7 +199,7 @@ def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = 
 
 
 STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
-MAX_STORE_GROUPS = 7  # csrc kMaxStoreGroups: cp.async.bulk.wait_group takes an immediate
+MAX_STORE_GROUPS: int = compiled.MAX_STORE_GROUPS  # cp.async.bulk.wait_group takes an immediate
 
 
 def store_groups_override(environ=None) -> int | None:

@@ -2,6 +2,8 @@
 
 Planned here, in Python, so memory_plan() can say how much a buffer needs before anything is
 allocated; the kernels receive these offsets (csrc/common/params.h: RegLayout, InfoLayout).
+The sizes of csrc's structs and its limits come from the compiled module (`compiled`: both
+builds export them, csrc/bindings/common.h); none is written here a second time.
 
 Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 """
@@ -9,24 +11,52 @@ Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from ...config import FP8_BLOCK, BufferConfig
 from ...rows import check_hidden_dim
 
-ALIGN = 128  # every region starts on its own 128-byte line
-MAX_TOPK = 16  # csrc kMaxTopK: routes per token
-MAX_RANKS = 64  # csrc kMaxRanks
-MAX_EXPERTS = 1024  # csrc kMaxExperts
-LOCAL_STATE_BYTES = 8 + 8 + 4 + 4  # csrc LocalState
-CHUNK_TOKENS = 32  # csrc kChunkTokens: tokens per chunk, the unit of signalling between ranks
-CHUNK_SIGNAL_BYTES = 16  # csrc ChunkSignal
-META_ENTRY_BYTES = 16  # csrc MetaEntry
-MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype
-TOKEN_META_BYTES = 3 * 4 * MAX_TOPK  # csrc TokenMeta: expert, ordinal and weight of every route
-CHUNK_META_HEADER = 16  # csrc kChunkMetaHeader: a staged chunk's routing starts with its row count
-PEER_TENSORS_BYTES = 64  # csrc PeerTensors: a rank's published tensors of one call (direct path)
-COUNT_ROW_TAIL = 4  # csrc kCountRowTail: a count row's source tokens and first bad route (token, id low, high)
+
+def _compiled():
+    """hybrid_ep._model (built by every install, loads without a GPU), else hybrid_ep._C: both
+    bind csrc/common/params.h's constants and struct sizes under the same names."""
+    errors = []
+    for name in ("hybrid_ep._model", "hybrid_ep._C"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+    raise ImportError("the cuda backend's buffer layout takes csrc's struct sizes from a compiled module, and "
+                      "neither is installed (" + "; ".join(errors) + ")")
+
+
+compiled = _compiled()
+ALIGN = 128  # every region starts on its own 128-byte line (a choice of this plan, passed down as offsets)
+MAX_TOPK: int = compiled.MAX_TOPK  # routes per token
+MAX_RANKS: int = compiled.MAX_RANKS
+MAX_EXPERTS: int = compiled.MAX_EXPERTS
+MAX_LAUNCH_RANKS: int = compiled.MAX_LAUNCH_RANKS  # virtual ranks one emulated launch holds
+LOCAL_STATE_BYTES: int = compiled.LOCAL_STATE_BYTES
+CHUNK_TOKENS: int = compiled.CHUNK_TOKENS  # tokens per chunk, the unit of signalling between ranks
+CHUNK_SIGNAL_BYTES: int = compiled.CHUNK_SIGNAL_BYTES
+META_ENTRY_BYTES: int = compiled.META_ENTRY_BYTES
+TOKEN_META_BYTES: int = compiled.TOKEN_META_BYTES  # expert, ordinal and weight of every route
+PEER_TENSORS_BYTES: int = compiled.PEER_TENSORS_BYTES  # a rank's published tensors of one call (direct path)
+COUNT_ROW_TAIL: int = compiled.COUNT_ROW_TAIL  # a count row's source tokens and first bad route
+ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorRecord's words the host polls
+ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
+# csrc/kernels/hierarchy.cuh kChunkMetaHeader: a staged chunk's routing starts with its row count. A
+# constant of a kernel header, which the bindings (host code) do not include, so no module exports it.
+CHUNK_META_HEADER = 16
+MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype (this plan's choice)
 BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
+
+# The names `compiled` and every loaded module must give the same values (engine.check_extension):
+# a module built from other sources than the one this plan read is stale.
+COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS", "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
+                      "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
+                      "COUNT_ROW_TAIL", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
+                      "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES")
 
 
 def _round_up(value: int, multiple: int) -> int:
