@@ -130,12 +130,12 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch, path):
 
 
 def _forwarded_combine(held_rank: int, absent=()):
-    """The receive path's forwarder (combine.cuh's put ring). Two nodes of one rank; rank 0's
-    256 tokens all go to rank 1's experts, so rank 1
-    forwards 8 chunks of node partials back to rank 0 in the combine, more than its put ring
-    holds (kPutStages, 4); rank 1 has no tokens. The combine runs with the loopback puts of
-    `held_rank` stalled (model.hold_at) and the ranks `absent` missing. Returns the error the
-    group raised (None), the virtual time the combine took, and rank 0's x and y."""
+    """The receive path's forwarder (combine.cuh's put ring). Two nodes of one rank; rank 0's 256
+    tokens all go to rank 1's experts, so rank 1 forwards 8 chunks of node partials back to
+    rank 0 in the combine, more than its put ring holds (kPutStages, 4); rank 1 has no tokens.
+    The combine runs with the loopback puts of `held_rank` stalled (model.hold_at) and the
+    ranks `absent` missing. Returns the error the group raised (None), the virtual time the
+    combine took, and rank 0's x and y."""
     group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", ranks_per_node=1,
                           data_path="receive")
     try:
