@@ -44,6 +44,8 @@ class Mutation:
 # The combine's ring tests (many turns of two-slot rings), one node and several.
 RINGS_ONE_NODE = "tests/test_combine_rings_model.py::test_one_node_calls_many_times_a_ring_match_the_oracle"
 RINGS_NODES = "tests/test_combine_rings_model.py::test_several_nodes_calls_many_times_a_ring_match_the_oracle"
+# The direct path on several nodes: calls that wrap its staging and node-partial rings many times.
+DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle"
 
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cuh",
@@ -108,8 +110,8 @@ MUTATIONS = (
              "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
              "takes a destination's tensors published by the previous call, epoch - 1)",
-             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch, pv)",
-             "read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch - 1, pv)",
+             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)",
+             "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch - 1, pv)",
              tests="tests/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
     Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
              "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "
@@ -148,7 +150,8 @@ MUTATIONS = (
              "csrc/kernels/segments.cuh", "if ((it.flags & kLastPart) && !emit(acc, it)) return;",
              "if ((it.flags & kFirstPart) && !emit(acc, it)) return;"),
     Mutation("reducer-weight-taken-as-one", "a lost factor (a weighted part added as if its weight were 1)",
-             "csrc/kernels/segments.cuh", "} else if (w == 1.f) {", "} else if (w > 0.f) {"),
+             "csrc/kernels/segments.cuh", "add_as<kFirst>(in, cols, gt, w);\n    } else if (w == 1.f) {",
+             "add_as<kFirst>(in, cols, gt, w);\n    } else if (w > 0.f) {"),
     Mutation("direct-route-row-off-by-one", "an off-by-one position (a route's final row)",
              "csrc/kernels/dispatch_direct.cuh",
              "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];",
@@ -208,6 +211,32 @@ MUTATIONS = (
              "path's kernel does not return on the info's bad-route word)", "csrc/kernels/dispatch_direct.cuh",
              "  if (place.rank.absent || call_refused(args.geo, place.rank)) return;",
              "  if (place.rank.absent) return;", tests="tests/test_routing_device.py"),
+    # The direct path on several nodes (dispatch_direct.cuh, combine_pull.cuh through the rail peers)
+    Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
+             "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_pull.cuh",
+             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));\n"
+             "  }\n  if (lane == 0) h.rdma.quiet();",
+             """                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, d.ring_row(it.chunk + 1, 0)),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)), it.rows * row_b,
+                      d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), ring_tag(d.epoch, it.chunk + 1));
+  }
+  if (lane == 0) h.rdma.quiet();""", tests=DIRECT_NODES),
+    Mutation("direct-staged-rows-loaded-before-their-put", "a staged row expanded before its RDMA put landed (the "
+             "rail peer's load warp reads a forwarded chunk's row count and rows without waiting for its signal)",
+             "csrc/kernels/dispatch_direct.cuh",
+             "      if (!d.arrive(m, c, u1)) {\n        d.stop();\n        break;\n      }\n",
+             "      u1 = *reinterpret_cast<const volatile int32_t*>(d.fwd_meta(m, c));\n", tests=DIRECT_NODES),
+    Mutation("direct-staging-credit-before-loads-land", "a staging slot freed before its reader's loads landed (the "
+             "rail peer credits a forwarded chunk before the store warps waited for its loads)",
+             "csrc/kernels/dispatch_direct.cuh",
+             "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
+             "    if (m >= 0 && lane == 0) h.rdma.signal(h.rail_peer(m), d.staged_credit_off(h.node, c), d.tag(c));\n"
+             "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
+             tests=DIRECT_NODES),
+    Mutation("direct-forwarded-route-off-by-one", "an off-by-one position (a forwarded route written to the wrong "
+             "row on the rail peer's node)", "csrc/kernels/dispatch_direct.cuh",
+             "+ dev::ld(&tm->ordinal[k]);", "+ dev::ld(&tm->ordinal[k]) + (lane == 3);", tests=DIRECT_NODES),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/layout.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),

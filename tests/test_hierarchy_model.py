@@ -33,25 +33,31 @@ MODEL_SMS = 2
 _cached = GroupCache("cpu")
 
 
-def group_for(case: Case, sms: int = MODEL_SMS) -> EmulatedGroup:
-    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms)
+PATHS = ("direct", "receive")  # launch.DATA_PATHS: both serve several nodes
+
+
+def group_for(case: Case, sms: int = MODEL_SMS, path: str | None = None) -> EmulatedGroup:
+    return _cached(case, num_sms_dispatch=sms, num_sms_combine=sms, data_path=path)
 
 
 def _case(N, G, **kw):
     return hierarchy_case(N, G, **kw)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", topology_cases() + feature_cases(), ids=str)
-def test_hierarchical_kernels_match_the_oracle(case):
+def test_hierarchical_kernels_match_the_oracle(case, path):
     model.set_seed(case.world_size)
-    check_emulated(group_for(case), case)
+    res = check_emulated(group_for(case, path=path), case)
+    assert {r.handle.data_path for r in res} == {path}
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", topology_cases() + feature_cases(), ids=str)
-def test_hierarchical_kernels_on_two_slot_rings(case):
-    """The same cases with the combine's rings at their fewest slots (ring_chunks=2)."""
+def test_hierarchical_kernels_on_two_slot_rings(case, path):
+    """The same cases with the rings at their fewest slots (ring_chunks=2)."""
     model.set_seed(case.world_size + 1)
-    group = _cached(case, num_sms_dispatch=MODEL_SMS, num_sms_combine=MODEL_SMS, ring_chunks=2)
+    group = _cached(case, num_sms_dispatch=MODEL_SMS, num_sms_combine=MODEL_SMS, ring_chunks=2, data_path=path)
     check_emulated(group, dataclasses.replace(case, seed=case.world_size + 1))
 
 
@@ -88,9 +94,11 @@ def _inputs(W, T=16, E=8, H=128, K=2):
     return xs, idx
 
 
-def test_a_missing_node_times_out_in_dispatch_naming_the_node(monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_missing_node_times_out_in_dispatch_naming_the_node(monkeypatch, path):
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
-    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
+    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2,
+                          data_path=path)
     try:
         xs, idx = _inputs(4)
         with ranks_absent(group, {2, 3}):
@@ -102,9 +110,11 @@ def test_a_missing_node_times_out_in_dispatch_naming_the_node(monkeypatch):
         group.close()
 
 
-def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch, path):
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
-    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2)
+    group = EmulatedGroup(4, 128, 16, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu", ranks_per_node=2,
+                          data_path=path)
     try:
         xs, idx = _inputs(4)
         res = group.dispatch(xs, idx, num_out_tokens=64)
@@ -120,12 +130,14 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
 
 
 def _forwarded_combine(held_rank: int, absent=()):
-    """Two nodes of one rank; rank 0's 256 tokens all go to rank 1's experts, so rank 1
-    forwards 8 chunks of node partials back to rank 0 in the combine, more than its put ring
-    holds (kPutStages, 4); rank 1 has no tokens. The combine runs with the loopback puts of
-    `held_rank` stalled (model.hold_at) and the ranks `absent` missing. Returns the error the
-    group raised (None), the virtual time the combine took, and rank 0's x and y."""
-    group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", ranks_per_node=1)
+    """The receive path's forwarder (combine.cuh's put ring). Two nodes of one rank; rank 0's 256
+    tokens all go to rank 1's experts, so rank 1 forwards 8 chunks of node partials back to
+    rank 0 in the combine, more than its put ring holds (kPutStages, 4); rank 1 has no tokens.
+    The combine runs with the loopback puts of `held_rank` stalled (model.hold_at) and the
+    ranks `absent` missing. Returns the error the group raised (None), the virtual time the
+    combine took, and rank 0's x and y."""
+    group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", ranks_per_node=1,
+                          data_path="receive")
     try:
         xs = [torch.randn(256, 128).to(torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
         idx = [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)]

@@ -75,6 +75,7 @@ struct CallLayout {
   int64_t recv_spans = -1;  // receive path: [W, max_chunks, 2] i32
   int64_t fwd_slots = -1;   // several nodes: [N, max_chunks * kChunkTokens, G] i32
   int64_t fwd_rows = -1;    // several nodes: [N, max_chunks] i32
+  int64_t fwd_routes = -1;  // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32
   int64_t entry_ord = -1;   // [T, K] i32
   int64_t route_rows = -1;  // direct path: [T, K] i32
   int64_t bytes = 0;        // the part, a multiple of kCallAlign
@@ -102,7 +103,8 @@ inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool 
     place(l.recv_spans, W * chunks * 2 * 4);
   }
   if (N > 1) {
-    place(l.fwd_slots, N * chunks * kChunkTokens * G * 4);
+    if (receive) place(l.fwd_slots, N * chunks * kChunkTokens * G * 4);
+    if (direct) place(l.fwd_routes, N * chunks * kChunkTokens * fwd_route_width(g) * 4);
     place(l.fwd_rows, N * chunks * 4);
   }
   place(l.entry_ord, T * topk * 4);
@@ -171,11 +173,12 @@ class HostPath {
     if (direct) {
       r.route_rows = at_offset(part, l.route_rows);
       r.arena_bases = arena_bases_;
+      r.fwd_routes = at_offset(part, l.fwd_routes);
     } else {
       r.row_pos = at_offset(part, l.row_pos);
       r.recv_spans = at_offset(part, l.recv_spans);
+      r.fwd_slots = at_offset(part, l.fwd_slots);
     }
-    r.fwd_slots = at_offset(part, l.fwd_slots);
     r.fwd_rows = at_offset(part, l.fwd_rows);
   }
 
@@ -331,7 +334,7 @@ inline void bind_common(py::module_& m) {
                       RW(RankArgs, recv_spans) RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
                           RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes) RW(RankArgs, num_out_rows)
                               RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y) RW(RankArgs, route_rows)
-                                  RW(RankArgs, arena_bases);
+                                  RW(RankArgs, arena_bases) RW(RankArgs, fwd_routes);
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype)
           RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs)
@@ -361,6 +364,7 @@ inline void bind_common(py::module_& m) {
       .def_readonly("recv_spans", &CallLayout::recv_spans)
       .def_readonly("fwd_slots", &CallLayout::fwd_slots)
       .def_readonly("fwd_rows", &CallLayout::fwd_rows)
+      .def_readonly("fwd_routes", &CallLayout::fwd_routes)
       .def_readonly("entry_ord", &CallLayout::entry_ord)
       .def_readonly("route_rows", &CallLayout::route_rows)
       .def_readonly("bytes", &CallLayout::bytes);

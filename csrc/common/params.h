@@ -78,6 +78,8 @@ enum PipeSite : int32_t {
   kSiteDirectRows = 10,    // dispatch_direct: token rows, bulk-loaded by the load warp, stored by the store warps
   kSiteDirectTables = 11,  // dispatch_direct: a chunk's route table (table warp) for the store warps
   kSitePullRoutes = 12,    // combine_pull: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
+  kSiteDirectDone = 13,    // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
+  kSitePullPuts = 14,      // combine_pull, several nodes: node partials of the reducers, put by the put warp
   kNumPipeSites
 };
 
@@ -134,6 +136,8 @@ inline constexpr CodeName kPipeSiteNames[] = {
     {kSiteDirectRows, "direct_rows"},
     {kSiteDirectTables, "direct_tables"},
     {kSitePullRoutes, "pull_routes"},
+    {kSiteDirectDone, "direct_done"},
+    {kSitePullPuts, "pull_puts"},
 };
 
 // Every code named once, in order: a code added to an enum without a name does not compile.
@@ -343,7 +347,16 @@ struct RankArgs {
                           // (dispatch writes it, combine reads it: the handle's)
   uint64_t arena_bases;   // direct path: device u64 [W], where each rank's arena starts in this process
                           // (every published tensor offset is relative to it; 0 in single-process emulation)
+  uint64_t fwd_routes;    // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
+                          // the routes to this node of each token forwarded for the rail peer on node n,
+                          // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
 };
+
+// Routes to one node a forwarded token can have on the direct path (fwd_routes' width): at most
+// its routes, at most the node's experts.
+inline constexpr int fwd_route_width(const Geometry& g) {
+  return kMaxTopK < g.ranks_per_node * g.local_experts ? kMaxTopK : g.ranks_per_node * g.local_experts;
+}
 
 struct LaunchArgs {
   Geometry geo;

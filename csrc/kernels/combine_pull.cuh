@@ -1,32 +1,59 @@
-// Combine kernel of the direct path (one node whose ranks address each other's expert
-// outputs): persistent, one block per SM. Every block sums its share of this rank's tokens
-// straight from the expert output rows of each route, wherever they live, and writes the
-// tokens' rows: a row moves once per route, with no partial sums between ranks. A rank's work
-// as an expert host is to publish its expert_out and wait until every source has read it.
+// Combine kernel of the direct path (the ranks of a node address each other's expert outputs),
+// a template over the inter-node transport: persistent, one block per SM. Every block sums its
+// share of this rank's tokens straight from the expert output rows of each route on its node,
+// wherever they live, and writes the tokens' rows: a row moves once per route, with no partial
+// sums between the ranks of a node. A rank's work as an expert host is to publish its expert_out
+// and wait until every rank of its node has read it.
 //
-// Two pipelines per block (kernels/segments.cuh), taking alternate chunks of the block's
-// share of kChunkTokens tokens:
-//   warps 0 and 5     read a chunk's routes into a table, a lane per token (each route's row
-//                     at its expert's rank, which the dispatch kept in the handle, and with
-//                     apply_probs its routing weight there), then bulk-load every route's
+// Two pipelines per block (kernels/segments.cuh), taking alternate units of the block's share:
+//   warps 0 and 5     read a unit's parts into a table, a lane per token (each route's row at
+//                     its expert's rank, which the dispatch kept in the handle, and with
+//                     apply_probs its routing weight there), then bulk-load every part's
 //                     segment into the pipeline's ring;
-//   warps 1-4, 6-9    add a token's routes in fp32 registers and write its row, rounded once.
-// At the start block 0 publishes this rank's expert_out and probs and every block reads every
-// expert host's (bounded waits); at the end the last block of this rank tells every host that
-// its reads ended, and block 0 waits until every source said so (only then may expert_out be
-// freed), then publishes done_combine.
+//   warps 1-4, 6-9    add a token's parts in fp32 registers and write its row, rounded once.
+// At the start block 0 publishes this rank's expert_out and probs and every block reads those of
+// every rank of its node (bounded waits); at the end the last block of this rank tells every
+// rank of its node that its reads ended, and block 0 waits until every one said so (only then
+// may expert_out be freed), then publishes done_combine.
+//
+// With several nodes (kernels/hierarchy.cuh) a block's units are its own chunks and the chunks it
+// forwarded in the dispatch (SourceSideChunks: an own chunk after the forwarded chunks up to a
+// block step ahead of it):
+//   own chunk c       a token's parts are its routes on this node and one node partial per other
+//                     node it reaches, at row q of the chunk's slot of that node's ring in this
+//                     rank's RDMA region (comb_rows_in; q its ordinal among the chunk's tokens for
+//                     that node), once the rail peer there put the chunk (kPhaseRdmaPartials);
+//                     the reducers add them (node partials in the wire dtype) and, after the
+//                     chunk's last segment, give its slots' credits back to those rail peers
+//                     (every load of the chunk landed: the reducers waited for each);
+//   forwarded chunk c of the rail peer on node n: a token's parts are its routes on this node (the
+//                     dispatch kept them, fwd_routes); the reducers write its node partial, rounded
+//                     once to the wire dtype, into row q of the chunk's slot of the node-partial
+//                     ring for n (comb_rows_out), and once the chunk's last one is written,
+//   warp 10           puts the chunk's node partials, with its signal, into the same slot of the
+//                     source (one put per chunk, also for no rows).
+// Before a forwarded chunk c >= ring takes its slot, the load warp waits until the source read
+// chunk c - ring from it (its credit, kPhaseNodePartRing); chunks below ring find it free (the
+// source's done_combine of the previous call, waited for at the start). No cycle of waits, as in
+// kernels/combine.cuh: forwarded chunk k waits for the source's own chunk k - ring, own chunk k
+// for the forwarded chunks k, each block's units come in that order, and the reducers and the
+// put warp wait only inside the block.
 #include "common/state.cuh"
 #include "kernels/direct.cuh"
+#include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
 #include "kernels/pipeline.cuh"
 #include "kernels/segments.cuh"
 #include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
-namespace combine_pull_impl {
+namespace combine_pull_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
 
 constexpr int kPipelines = kPullPipelines, kPipelineWarps = 1 + kGroupWarps;
-constexpr int kPullThreads = kPipelines * kPipelineWarps * 32;
+constexpr int kPullThreads = (kPipelines * kPipelineWarps + 1) * 32;  // and the put warp
+constexpr int kPutWarp = kPipelines * kPipelineWarps;
+constexpr int kPutStages = 4;  // forwarded chunks written by a pipeline's reducers, not yet put
+static_assert(kPullThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
 
 // Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
 enum class PullRole { kLoad, kReduce };
@@ -35,7 +62,30 @@ __host__ __device__ constexpr RoleTable<PullRole, 2> pull_warps() {
 }
 static_assert(pull_warps().tiles(kPipelineWarps), "a pull pipeline's roles tile its warps");
 
-// A chunk's routes, per token: the expert host and row of each, and its weight.
+// A part of a token in the wire dtype (a node partial), not the dtype of expert_out.
+constexpr int32_t kWirePart = 16;
+static_assert((kWirePart & (kFirstPart | kLastPart | kNoBytes | kEndOfWork)) == 0, "a flag of its own");
+
+// PartItem.slot of an own token: the last segment of its chunk's last token (its credits follow).
+constexpr int32_t kChunkEnd = 1;
+// PartItem.slot of a forwarded chunk's row (PartItem.row holds the chunk): the source node, the
+// row's ordinal in the chunk and the chunk's rows (a chunk without rows passes as one stage
+// without bytes).
+struct FwdTag {
+  static constexpr int32_t kTag = 1 << 30;
+  int32_t node, q, rows;
+
+  __device__ static bool is(int32_t slot) { return (slot & kTag) != 0; }
+  __device__ int32_t pack() const { return kTag | (node << 16) | (q << 8) | rows; }
+  __device__ static FwdTag of(int32_t slot) { return {(slot >> 16) & 0x3fff, (slot >> 8) & 0xff, slot & 0xff}; }
+  // The chunk's node partials are all written once this row's segment ending at column `end` is.
+  __device__ bool completes(int end, int C) const { return rows == 0 || (q == rows - 1 && end == C); }
+};
+static_assert(kChunkTokens < 256, "a forwarded row's ordinal and its chunk's rows fit FwdTag's bytes");
+
+// A unit's parts, per token: the expert host of each route (kNodePart + n: node n's partial) and
+// its row there (the ring row of the node partial), and its weight.
+constexpr int kNodePart = kMaxRanks;
 struct PullTable {
   int32_t parts[kChunkTokens];
   int32_t row[kChunkTokens][kMaxTopK];
@@ -43,120 +93,352 @@ struct PullTable {
   float weight[kChunkTokens][kMaxTopK];
 };
 
+// A forwarded chunk whose node partials a pipeline's reducers wrote: for the put warp.
+struct FwdPut {
+  int32_t node, chunk, rows;
+};
+
 struct PullShared {
   uint64_t full[kPipelines][kMaxStages], empty[kPipelines][kMaxStages];
+  uint64_t put_full[kPipelines][kPutStages], put_empty[kPipelines][kPutStages];
   PartItem items[kPipelines][kMaxStages];
+  FwdPut puts[kPipelines][kPutStages];
   PullTable tables[kPipelines];
   uint64_t rows[kMaxRanks], probs[kMaxRanks];  // each expert host's expert_out and probs, this process's addresses
   BlockControl ctl;
 };
 
 // What every role of a block needs to know about the call.
+template <typename Rdma>
 struct CombinePull : KernelCall {
   int L, T, K, C, seg_cols, segments, chunk, stages;
-  uint32_t in_bytes;
+  int ring_slots;                   // chunk slots of the node-partial rings (comb_ring)
+  uint32_t in_bytes, wire_bytes;    // element sizes
+  uint32_t stage_bytes;             // a stage holds a segment of either
   PullShared& sh;
-  uint8_t* data;  // [kPipelines][stages][seg_cols] expert output segments
+  uint8_t* data;  // [kPipelines][stages][stage_bytes] segments
+  Hierarchy<Rdma> h;
 
-  __device__ CombinePull(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size)
+  __device__ CombinePull(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
       : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
         seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
-        stages(k.args.src_stages), in_bytes(elem_size), sh(shared), data(smem) {}
+        stages(k.args.src_stages), ring_slots(static_cast<int>(comb_ring(k.geo.reg))), in_bytes(elem_size),
+        wire_bytes(wire_size), stage_bytes(static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)), sh(shared),
+        data(smem), h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
-  __device__ int chunks() const { return (T + chunk - 1) / chunk; }
-  __device__ uint8_t* stage_data(int pipeline) const {
-    return data + static_cast<size_t>(pipeline) * stages * seg_cols * in_bytes;
+  __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
+  __device__ int source_chunks(int s) const {
+    const auto* info = reinterpret_cast<const int64_t*>(a.info);
+    return static_cast<int>((info[geo.info.src_tokens + s] + chunk - 1) / chunk);
   }
-  // Pipeline p's ring.
+  __device__ uint8_t* stage_data(int pipeline) const {
+    return data + static_cast<size_t>(pipeline) * stages * stage_bytes;
+  }
+  // Pipeline p's ring, and its put ring (several nodes).
   __device__ Ring pipeline_ring(int p) const { return ring(sh.full[p], sh.empty[p], stages, kSitePullRoutes); }
+  __device__ Ring put_ring(int p) const { return ring(sh.put_full[p], sh.put_empty[p], kPutStages, kSitePullPuts); }
+  // Row q of chunk c in a node-partial ring, and the byte offsets of a ring row and of a slot's word.
+  __device__ int32_t ring_row(int c, int q) const { return (c % ring_slots) * kChunkTokens + q; }
+  __device__ uint64_t node_row_off(uint64_t area, int n, int64_t row) const {
+    return area + (static_cast<uint64_t>(n) * ring_slots * kChunkTokens + row) * C * wire_bytes;
+  }
+  __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
+    return area + (static_cast<uint64_t>(n) * ring_slots + c % ring_slots) * 8;
+  }
+  // Whether token t (t < t1) of this rank has a route to node n. Every lane calls it.
+  __device__ bool reaches(int64_t t, int t1, int n) const {
+    const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+    bool goes = false;
+    for (int k = 0; t < t1 && k < K; ++k) {
+      const int64_t e = idx[t * K + k];
+      goes |= e >= 0 && h.topo.node(static_cast<int>(e / L)) == n;
+    }
+    return goes;
+  }
 };
 
-// A pipeline's load warp: lane i lists token t0 + i's routes, lane 0 loads them.
-__device__ inline void pull_load(const CombinePull& d, int pipeline, const Ring& ring, int lane) {
+// Lane 0 of a load warp: the n parts of one row segment, a stage each (`head` with the flags of
+// each part added; part(i, weight, wire) gives its row in global memory, its weight and whether
+// it is in the wire dtype). A row without parts gets one stage without bytes: the reducers
+// write a zero segment. False on a stop.
+template <typename Rdma, typename Part>
+__device__ bool pull_parts(const CombinePull<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
+                           PipeState& produced, PartItem head, int n, Part part) {
+  for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
+    if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
+    PartItem& it = items[produced.stage];
+    it = head;
+    it.flags = (i == 0 ? kFirstPart : 0) | (i + 1 >= n ? kLastPart : 0) | (n == 0 ? kNoBytes : 0);
+    if (n == 0) {  // the arrival publishes the header
+      it.weight = 0.f;
+      ring.producer_commit(produced);
+      continue;
+    }
+    float weight = 1.f;
+    bool wire = false;
+    const uint8_t* row = part(i, weight, wire);
+    const uint32_t elem = wire ? d.wire_bytes : d.in_bytes, bytes = static_cast<uint32_t>(head.cols) * elem;
+    it.weight = weight;
+    if (wire) it.flags |= kWirePart;
+    dev::mbar_arrive_expect_tx(&ring.full[produced.stage], bytes);
+    dev::bulk_g2s(data + static_cast<size_t>(produced.stage) * d.stage_bytes,
+                  row + static_cast<int64_t>(head.col0) * elem, bytes, &ring.full[produced.stage]);
+  }
+  return true;
+}
+
+// An own chunk c (lane i: token t0 + i): its routes on this node and, with several nodes, one
+// node partial per other node it reaches, once each of those nodes' rail peers put the chunk.
+template <typename Rdma>
+__device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int lane) {
   const auto* route_rows = reinterpret_cast<const int32_t*>(d.a.route_rows);
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
+  const Hierarchy<Rdma>& h = d.h;
+  const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+  const int64_t t = static_cast<int64_t>(t0) + lane;
+  bool ok = true;
+  for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
+    if (n != h.node)
+      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
+                                         ring_tag(d.epoch, c), kPhaseRdmaPartials, d.a.rank, h.rail_peer(n), d.epoch);
+  if (!warp_uniform(ok)) return false;
+  int n = 0;
+  if (t < t1) {
+    for (int k = 0; k < d.K; ++k) {
+      const int row = route_rows[t * d.K + k];
+      if (row < 0) continue;  // none, clipped, or on another node
+      const int host = static_cast<int>(idx[t * d.K + k] / d.L);
+      tab.row[lane][n] = row;
+      tab.host[lane][n] = static_cast<uint8_t>(host);
+      tab.weight[lane][n] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;
+      ++n;
+    }
+  }
+  for (int m = 0; h.multi() && m < h.topo.N; ++m) {
+    if (m == h.node) continue;
+    const bool goes = d.reaches(t, t1, m);
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    if (goes) {
+      tab.row[lane][n] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+      tab.host[lane][n] = static_cast<uint8_t>(kNodePart + m);
+      tab.weight[lane][n] = 1.f;
+      ++n;
+    }
+  }
+  if (t < t1) tab.parts[lane] = n;
+  return true;
+}
+
+// A chunk c this rank forwarded for the rail peer on node n (several nodes; lane q: its row q):
+// its routes on this node, from the dispatch's handle, once the source freed the chunk's slot of
+// the node-partial ring (from the ring's second turn on). Returns its rows.
+template <typename Rdma>
+__device__ bool forwarded_parts(const CombinePull<Rdma>& d, PullTable& tab, int n, int c, int lane, int& rows) {
+  const Hierarchy<Rdma>& h = d.h;
+  bool ok = true;
+  if (lane == 0 && c >= d.ring_slots)
+    ok = !d.stopped() && wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0),
+                                       ring_tag(d.epoch, c - d.ring_slots), kPhaseNodePartRing, d.a.rank,
+                                       h.rail_peer(n), d.epoch);
+  if (!warp_uniform(ok)) return false;
+  rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
+  const int width = fwd_route_width(d.geo);
+  const int32_t* kept = reinterpret_cast<const int32_t*>(d.a.fwd_routes) +
+                        (static_cast<int64_t>(n) * h.staged + static_cast<int64_t>(c) * d.chunk + lane) * width;
+  if (lane < rows) {
+    int parts = 0;
+    for (; parts < width && kept[parts] >= 0; ++parts) {
+      const int row = kept[parts] / kMaxRanks, host = h.first_local() + kept[parts] % kMaxRanks;
+      tab.row[lane][parts] = row;
+      tab.host[lane][parts] = static_cast<uint8_t>(host);
+      tab.weight[lane][parts] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;
+    }
+    tab.parts[lane] = parts;
+  }
+  return true;
+}
+
+// A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, lane 0
+// loads them, token by token and segment by segment.
+template <typename Rdma>
+__device__ void pull_load(const CombinePull<Rdma>& d, int pipeline, const Ring& ring, int lane) {
   PullTable& tab = d.sh.tables[pipeline];
   PartItem* items = d.sh.items[pipeline];
   uint8_t* data = d.stage_data(pipeline);
+  const Hierarchy<Rdma>& h = d.h;
   PipeState produced;
-  bool ok = true;
-  if (lane == 0) dev::fence_proxy_async();  // the hosts' rows (acquired at the setup) are read by bulk loads
-  int i = 0;
-  for (int c = d.b; c < d.chunks() && ok; c += d.nb, ++i) {
+  SourceSideChunks<CombinePull<Rdma>> work(d);
+  bool ok = true, forwarded;
+  int n, c;
+  for (int i = 0; ok && work.next(forwarded, n, c); ++i) {
     if (i % kPipelines != pipeline) continue;
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    const int64_t t = static_cast<int64_t>(t0) + lane;
-    if (t < t1) {
-      int n = 0;
-      for (int k = 0; k < d.K; ++k) {
-        const int row = route_rows[t * d.K + k];
-        if (row < 0) continue;
-        const int host = static_cast<int>(idx[t * d.K + k] / d.L);
-        tab.row[lane][n] = row;
-        tab.host[lane][n] = static_cast<uint8_t>(host);
-        tab.weight[lane][n] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;
-        ++n;
-      }
-      tab.parts[lane] = n;
-    }
+    int rows = 0;
+    ok = forwarded ? forwarded_parts(d, tab, n, c, lane, rows) : own_parts(d, tab, c, lane);
+    if (!ok) break;
     __syncwarp();
-    for (int q = 0; q < t1 - t0 && ok && lane == 0; ++q) {
-      for (int g = 0; g < d.segments && ok; ++g) {
-        const int col0 = g * d.seg_cols;
-        const PartItem head{t0 + q, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
-        ok = load_parts(d, ring, items, data, d.in_bytes, produced, head, tab.parts[q], [&](int j, float& weight) {
-          weight = tab.weight[q][j];
-          return reinterpret_cast<const uint8_t*>(d.sh.rows[tab.host[q][j]]) +
-                 static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
-        });
+    if (lane == 0) dev::fence_proxy_async();  // the parts (acquired above or at the setup) are read by bulk loads
+    const int t0 = c * d.chunk, tokens = forwarded ? max(rows, 1) : min(d.T, t0 + d.chunk) - t0;
+    for (int q = 0; q < tokens && ok && lane == 0; ++q) {
+      for (int g = 0; g < (forwarded && rows == 0 ? 1 : d.segments) && ok; ++g) {
+        const int col0 = g * d.seg_cols, cols = forwarded && rows == 0 ? 0 : min(d.seg_cols, d.C - col0);
+        const bool end = q == tokens - 1 && g == d.segments - 1;
+        const PartItem head = forwarded ? PartItem{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f}
+                                        : PartItem{t0 + q, end ? kChunkEnd : 0, col0, cols, 0, 1.f};
+        ok = pull_parts(d, ring, items, data, produced, head, forwarded && rows == 0 ? 0 : tab.parts[q],
+                        [&](int j, float& weight, bool& wire) -> const uint8_t* {
+                          weight = tab.weight[q][j];
+                          const int host = tab.host[q][j];
+                          if (host >= kNodePart) {
+                            wire = true;
+                            return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, tab.row[q][j]));
+                          }
+                          return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
+                                 static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
+                        });
       }
     }
-    ok = warp_uniform(ok);  // the table is rewritten for the next chunk only after lane 0 read it
+    ok = warp_uniform(ok);  // the table is rewritten for the next unit only after lane 0 read it
   }
-  if (lane == 0) finish_loads(d, ring, items, data, d.in_bytes, produced, ok);
+  if (lane == 0) finish_loads(d, ring, items, data, d.stage_bytes / d.seg_cols, produced, ok);
 }
 
-template <typename Elem>
+// A pipeline's reducer warp: each row's parts summed in fp32 registers (node partials read in the
+// wire dtype). An own token's row is written to y, rounded once, and after its chunk's last
+// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers
+// (this warp waited for every load of the chunk: they landed). A forwarded row's node partial is
+// written, rounded once to the wire dtype, into the node-partial ring, and after its chunk's last
+// row each warp fences its stores and hands the chunk to the put warp (one of the put ring's
+// kGroupWarps arrivals).
+template <typename Rdma, typename Elem, typename Wire>
+__device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
+  auto* y = reinterpret_cast<uint8_t*>(d.a.y);
+  const Hierarchy<Rdma>& h = d.h;
+  const PartItem* items = d.sh.items[pipeline];
+  const uint8_t* data = d.stage_data(pipeline);
+  const Ring put = d.put_ring(pipeline);
+  PipeState produced;
+  SegmentAcc<Elem> acc;
+  bool credited = false;  // this thread sent credits (quiet at the end)
+  for (PipeState p;; p.advance(ring.stages)) {
+    if (!warp_consumer_wait(d, ring, p, lane)) break;
+    const PartItem it = items[p.stage];
+    if (it.flags & kEndOfWork) break;
+    const uint8_t* in = data + static_cast<size_t>(p.stage) * d.stage_bytes;
+    if (it.flags & kNoBytes) {
+      acc.set_blank();
+    } else if (it.flags & kWirePart) {
+      acc.template add_from<Wire>(in, it.cols, gt, it.weight, (it.flags & kFirstPart) != 0);
+    } else {
+      acc.add(in, it.cols, gt, it.weight, (it.flags & kFirstPart) != 0);
+    }
+    __syncwarp();
+    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
+    if (!(it.flags & kLastPart)) continue;
+    if (!FwdTag::is(it.slot)) {
+      acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Elem), it.cols, gt);
+      if (h.multi() && it.slot == kChunkEnd && gt == 0) {
+        const int c = it.row / d.chunk;
+        for (int n = 0; n < h.topo.N; ++n)
+          if (n != h.node) h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), ring_tag(d.epoch, c));
+        credited = true;
+      }
+      continue;
+    }
+    const FwdTag f = FwdTag::of(it.slot);
+    if (f.rows > 0)
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, d.ring_row(it.row, f.q))) +
+                                   static_cast<int64_t>(it.col0) * sizeof(Wire),
+                               it.cols, gt);
+    if (!f.completes(it.col0 + it.cols, d.C)) continue;
+    __threadfence();  // this thread's node partials, before the transport reads them
+    if (!warp_producer_acquire(d, put, produced, lane)) break;
+    if (gt == 0) d.sh.puts[pipeline][produced.stage] = FwdPut{f.node, it.row, f.rows};
+    __syncwarp();
+    if (lane == 0) put.producer_commit(produced);
+    produced.advance(put.stages);
+  }
+  if (credited) h.rdma.quiet();  // the credits, before the rank's done signals
+}
+
+// Warp 10 with several nodes: each chunk this block forwards, once a pipeline's reducers wrote
+// its node partials into the chunk's slot of the node-partial ring (row q: the q-th of the
+// chunk's tokens for this node), put to the same slot of the source on the other node with the
+// chunk's signal (also for no rows). The block's units alternate between the pipelines.
+template <typename Rdma>
+__device__ void forward_put(const CombinePull<Rdma>& d, int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  const uint64_t row_b = static_cast<uint64_t>(d.C) * d.wire_bytes;
+  SourceSideChunks<CombinePull<Rdma>> work(d);
+  PipeState p[kPipelines];
+  bool forwarded;
+  int n, c;
+  for (int i = 0; work.next(forwarded, n, c); ++i) {
+    if (!forwarded) continue;
+    const int pipeline = i % kPipelines;
+    const Ring put = d.put_ring(pipeline);
+    if (!warp_consumer_wait(d, put, p[pipeline], lane)) break;
+    const FwdPut it = d.sh.puts[pipeline][p[pipeline].stage];
+    __syncwarp();
+    if (lane == 0) put.consumer_release(p[pipeline]);
+    p[pipeline].advance(put.stages);
+    const int64_t row0 = d.ring_row(it.chunk, 0);
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, row0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)), it.rows * row_b,
+                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));
+  }
+  if (lane == 0) h.rdma.quiet();
+}
+
+template <typename Rdma, typename Elem, typename Wire>
 __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   PullShared& sh = dev::block_shared<PullShared>();
-  const CombinePull d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
-                      static_cast<uint32_t>(sizeof(Elem)));
+  const CombinePull<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
+                            static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
   const RankArgs& a = d.a;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pipeline = warp / kPipelineWarps;
-  const Ring ring = d.pipeline_ring(pipeline);
+  const bool multi = d.h.multi();
 
   init_block(d, [&] {
-    for (int p = 0; p < kPipelines; ++p) d.pipeline_ring(p).init(1, kGroupWarps);
+    for (int p = 0; p < kPipelines; ++p) {
+      d.pipeline_ring(p).init(1, kGroupWarps);
+      if (multi) d.put_ring(p).init(kGroupWarps, 1);
+    }
   });
   if (d.b == 0 && tid == 32)
     publish_tensors(d.view, a, kDirectCombine, d.epoch, a.expert_out, a.probs, a.probs, a.num_out_rows);
-  if (tid < d.geo.world_size) {  // every expert host's expert_out and probs
+  const int G = d.geo.ranks_per_node;
+  if (tid < G) {  // every expert host's expert_out and probs on this node
+    const int host = d.h.first_local() + tid;
     PeerView pv;
-    if (read_tensors(args, d.view, a, tid, kDirectCombine, d.epoch, pv)) {
-      sh.rows[tid] = pv.rows;
-      sh.probs[tid] = pv.probs;
+    if (read_tensors(args, d.view, a, host, kDirectCombine, d.epoch, pv)) {
+      sh.rows[host] = pv.rows;
+      sh.probs[host] = pv.probs;
     } else {
       sh.ctl.fail = 1;
     }
+  } else if (multi && tid >= kMaxRanks && tid - kMaxRanks < d.h.topo.N && tid - kMaxRanks != d.h.node) {
+    // the source on node n has read the node partials of the previous combine this rank put it
+    const int n = tid - kMaxRanks;
+    if (!wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, n), d.epoch - 1, kPhaseRdmaFlow, a.rank,
+                       d.h.rail_peer(n), d.epoch))
+      sh.ctl.fail = 1;
   }
   if (!block_ready(d)) return;
 
-  const RoleSpan<PullRole> role = pull_warps().of(warp % kPipelineWarps);
-  switch (role.role) {
-    case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
-    case PullRole::kReduce: {
-      auto* y = reinterpret_cast<uint8_t*>(a.y);
-      const int gt = role.thread_index(tid - pipeline * kPipelineWarps * 32);
-      reduce_parts<Elem>(d, ring, sh.items[pipeline], d.stage_data(pipeline), gt, lane,
-                         [&](const SegmentAcc<Elem>& acc, const PartItem& it) {
-                           acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Elem),
-                                                    it.cols, gt);
-                           return true;
-                         });
-      break;
+  if (warp == kPutWarp) {
+    if (multi) forward_put(d, lane);
+  } else {
+    const Ring ring = d.pipeline_ring(pipeline);
+    const RoleSpan<PullRole> role = pull_warps().of(warp % kPipelineWarps);
+    switch (role.role) {
+      case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
+      case PullRole::kReduce:
+        pull_reduce<Rdma, Elem, Wire>(d, pipeline, ring, role.thread_index(tid - pipeline * kPipelineWarps * 32),
+                                      lane);
+        break;
     }
   }
   if (!roles_done(d)) return;
@@ -165,6 +447,41 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __g
   if (finish_direct(d, kDirectCombine, &st->blocks_done_combine)) {
     st->combine_epoch = d.epoch;  // every block of this rank has read the epoch: all reported done
     publish_done(d, d.geo.reg.done_combine);
+    // The node partials the rail peers on other nodes put here are read: they may put the next.
+    for (int n = 0; multi && n < d.h.topo.N; ++n)
+      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_combine + 8 * d.h.node, d.epoch);
+  }
+}
+
+// Dynamic shared memory: each pipeline's stages, each a segment of expert_out or of the wire.
+__host__ __device__ inline size_t combine_pull_stage_bytes(const LaunchArgs& args) {
+  return static_cast<size_t>(kPipelines) * args.src_stages * args.src_stage_bytes;
+}
+
+template <typename Rdma, typename Elem, typename Wire>
+LaunchStatus launch_combine_pull_typed(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(combine_pull_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
+                                 kPullThreads, combine_pull_stage_bytes(args), stream, args, "combine_pull");
+}
+
+template <typename Rdma>
+LaunchStatus launch_combine_pull_with(const LaunchArgs& args, uint64_t stream) {
+  if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
+    return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kCombineMaxSegCols)";
+  if (args.seg_cols % vector_cols(args.dtype) != 0 || args.row_elems % vector_cols(args.dtype) != 0)
+    return "combine: seg_cols and the row's columns must be whole 16-byte vectors (multiples of 8 for bf16 / fp16, "
+           "4 for fp32)";
+  // The node partials' dtype matters only with several nodes: one node instantiates the pair once.
+  const bool fp32_wire = args.geo.num_nodes > 1 && args.wire_dtype == kFloat32;
+  switch (args.dtype) {
+    case kFloat32: return launch_combine_pull_typed<Rdma, float, float>(args, stream);
+    case kBFloat16:
+      return fp32_wire ? launch_combine_pull_typed<Rdma, __nv_bfloat16, float>(args, stream)
+                       : launch_combine_pull_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
+    case kFloat16:
+      return fp32_wire ? launch_combine_pull_typed<Rdma, __half, float>(args, stream)
+                       : launch_combine_pull_typed<Rdma, __half, __half>(args, stream);
+    default: return "combine: unsupported dtype code";
   }
 }
 

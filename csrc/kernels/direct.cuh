@@ -61,11 +61,20 @@ __device__ inline bool read_tensors(const LaunchArgs& args, const RankView& view
   return true;
 }
 
-// The last block of this rank to finish: every peer learns that this rank is done with its
-// tensors of the call; what this rank's blocks wrote or read before is released with it.
+// The ranks whose tensors a rank's direct kernels touch, and which touch its own: those of its
+// node (with several nodes, rows and partials cross nodes only through the rail peers' RDMA
+// staging, kernels/hierarchy.cuh).
+__device__ __forceinline__ int node_first(const RankView& view) {
+  return view.rank / view.geo.ranks_per_node * view.geo.ranks_per_node;
+}
+
+// The last block of this rank to finish: every peer of its node learns that this rank is done
+// with its tensors of the call; what this rank's blocks wrote or read before is released with it.
 __device__ inline void signal_done(const RankView& view, const RankArgs& a, int kind, uint64_t epoch) {
   __threadfence_system();
-  for (int r = 0; r < view.geo.world_size; ++r) dev::st_release_sys(direct_done(view, r, kind, a.rank), epoch);
+  const int first = node_first(view);
+  for (int g = 0; g < view.geo.ranks_per_node; ++g)
+    dev::st_release_sys(direct_done(view, first + g, kind, a.rank), epoch);
 }
 
 // Until peer r is done with this rank's tensors of the call (bounded).
@@ -77,15 +86,16 @@ __device__ inline bool wait_done(const LaunchArgs& args, const RankView& view, c
 
 // The end of a direct kernel, once every role of the block is done and the block agreed it
 // was not aborted (roles_done); every thread of the block calls it. The last block of this
-// rank to get here tells every peer that this rank is done with their tensors; block 0 then
-// waits until every peer is done with this rank's. True in thread 0 of block 0 when the call
+// rank to get here tells every peer of its node that this rank is done with their tensors;
+// block 0 then waits until every such peer is done with this rank's. True in thread 0 of block 0 when the call
 // completed (the caller publishes it). blocks_done: this kernel's block counter in the rank's
 // state.
 __device__ inline bool finish_direct(const KernelCall& k, int kind, uint32_t* blocks_done) {
   const int tid = static_cast<int>(threadIdx.x);
   if (tid == 0 && last_block(k, blocks_done)) signal_done(k.view, k.a, kind, k.epoch);
   if (k.b != 0) return false;
-  if (tid < k.geo.world_size && !wait_done(k.args, k.view, k.a, tid, kind, k.epoch)) k.ctl.fail = 1;
+  if (tid < k.geo.ranks_per_node && !wait_done(k.args, k.view, k.a, node_first(k.view) + tid, kind, k.epoch))
+    k.ctl.fail = 1;
   __syncthreads();
   return tid == 0 && !k.ctl.fail;
 }

@@ -1,49 +1,102 @@
-// Dispatch kernel of the direct path (one node whose ranks address each other's output
-// tensors): persistent, one block per SM. Every block sends its share of this rank's chunks
-// of kChunkTokens tokens straight into their final expert-major rows on each route's rank:
-// one bulk load of a token's row, one bulk store per route, so a row moves once per route
-// instead of once into a receive buffer and again into its expert's rows. A rank's work as a
-// destination is its zero padding; the kernel returns once every source has written its rows.
+// Dispatch kernel of the direct path (the ranks of a node address each other's output
+// tensors), a template over the inter-node transport: persistent, one block per SM. Every block
+// sends its share of this rank's chunks of kChunkTokens tokens straight into their final
+// expert-major rows on each route's rank of its node: one bulk load of a token's row, one bulk
+// store per route, so a row moves once per route instead of once into a receive buffer and
+// again into its expert's rows. A rank's work as a destination is its zero padding; the kernel
+// returns once every source of its node has written its rows.
 //
-//   warp 0      bulk-loads the chunk's rows into the FIFO (small rows batched per stage, rows
+//   warp 0      bulk-loads the unit's rows into the FIFO (small rows batched per stage, rows
 //               larger than a stage in segments);
-//   warp 1      builds the chunk's route table, a lane per token: each route's output row at
-//               its expert's rank (the first row of this source's rows of that expert, from the
+//   warp 1      builds the unit's route table, a lane per token: each route's output row at
+//               its expert's rank (the first row of the source's rows of that expert, from the
 //               destination's layout kernel, plus the route's ordinal; -1 where num_out_tokens
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
-//   warps 2-3   bulk-store each stage once per route, the two warps taking alternate stages,
-//               store_groups groups in flight each, then release the stage (1 arrival);
-//   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh).
-// At the start block 0 publishes this rank's output tensors and every block reads every
-// destination's (kernels/direct.cuh, bounded waits); at the end the last block of this rank
-// tells every destination that its rows have landed, and block 0 waits until every source
-// said so, then publishes done_dispatch.
+//   warps 2-3   bulk-store each stage once per target of its rows, the two warps taking
+//               alternate stages, store_groups groups in flight each, then release the stage
+//               (1 arrival);
+//   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh); with several nodes
+//               warp 4 is the RDMA warp (below) and warp 5 writes the padding.
+// At the start block 0 publishes this rank's output tensors and every block reads those of every
+// rank of its node (kernels/direct.cuh, bounded waits); at the end the last block of this rank
+// tells every rank of its node that its rows have landed, and block 0 waits until every rank of
+// the node said so, then publishes done_dispatch.
+//
+// With several nodes (kernels/hierarchy.cuh) a block's units are its own chunks and the chunks
+// that arrive from the rail peers on other nodes (DirectUnits, merged by key):
+//   own chunk c     routes to this node's ranks as above; for each other node n the chunk's
+//                   token reaches, one more target: row q of the chunk's slot c % ring_chunks of
+//                   the staging ring for n in this rank's RDMA region (disp_rows_out), q the
+//                   token's ordinal among the chunk's tokens for n. Once both store warps'
+//                   stores of the chunk completed (the done ring: one arrival each), the RDMA
+//                   warp writes each token's routing for n (TokenMeta: every route's expert,
+//                   ordinal and weight, then its fp8 scales) and puts the rows and the routing,
+//                   with the chunk's signal, into the same slot of the rail peer on n;
+//   forwarded chunk c of the rail peer on node m: the load warp and the table warp wait for
+//                   its signal (kPhaseRdmaRows); the rows are loaded from disp_rows_in into the
+//                   FIFO as an own chunk's are, and the table warp computes each route to a rank
+//                   of this node from the published layout (that rank's first row of the
+//                   source's rows of the expert, + the route's ordinal), writes its weight and
+//                   scales there and keeps the routes in the handle (fwd_routes, fwd_rows) for
+//                   combine. Once both store warps waited for the chunk's loads (the table
+//                   warp read its routing before), the RDMA warp gives the slot's credit,
+//                   tag(c), back to the source (disp_credit): both ends of the slot are free.
+// Before a store warp stores own chunk c >= ring_chunks into the staging, it waits
+// (kPhaseStagedRing) until the credit of the slot reached tag(c - ring_chunks) for every other
+// node (the RDMA warp writes the routing into it for every node, rows or none); chunks below
+// ring_chunks find their slots free (the layout kernel waited for the rail peers' done_dispatch
+// of the previous call, which the last block sends them at the end).
+//
+// Why the waits end (no deadlock), as in kernels/dispatch.cuh: an own chunk c has key c, a
+// forwarded chunk c key c + L, L = ring_chunks / 2 < ring_chunks. A forwarded chunk's arrival
+// waits for its source's own chunk c (a lower key); own chunk c's credit wait for the rail
+// peer's forwarded chunk c - ring_chunks (key c - ring_chunks + L < c); every role of a block
+// takes its units in key order and waits otherwise only on the block's rings, which its own
+// roles free by their progress on earlier units. A store warp holds at most one unit whose
+// done arrival is pending (its stores in flight) and makes it before any wait that may block,
+// and the RDMA warp waits only for the store warps, so no unit is held back by a later one.
+//
+// A wait that gives up raises the launch's abort flag; every role then leaves its loop, producers
+// wait for the loads they issued and stores for their bulk groups, so no block exits with a copy
+// touching its shared memory.
 #include "common/state.cuh"
 #include "kernels/direct.cuh"
+#include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
-namespace dispatch_direct_impl {
+namespace dispatch_direct_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
 
-// Warp roles (kDirectThreads = 192: 6 warps).
-enum class DirectRole { kLoad, kTable, kStore, kPad };
+// Warp roles (kDirectThreads = 192: 6 warps); with several nodes warp 4 is the RDMA warp.
+enum class DirectRole { kLoad, kTable, kStore, kRdma, kPad };
 constexpr int kStoreWarps = 2, kPadWarps = 2;
 constexpr int kDirectThreads = 6 * 32;
-__host__ __device__ constexpr RoleTable<DirectRole, 4> direct_warps() {
+__host__ __device__ constexpr RoleTable<DirectRole, 5> direct_warps(bool multi) {
+  const int rdma = multi ? 1 : 0;
   return {{{DirectRole::kLoad, 0, 1},
            {DirectRole::kTable, 1, 1},
            {DirectRole::kStore, 2, kStoreWarps},
-           {DirectRole::kPad, 2 + kStoreWarps, kPadWarps}}};
+           {DirectRole::kRdma, 2 + kStoreWarps, rdma},
+           {DirectRole::kPad, 2 + kStoreWarps + rdma, kPadWarps - rdma}}};
 }
-static_assert(direct_warps().tiles(kDirectThreads / 32), "the direct dispatch's roles tile its block");
-constexpr int kTableSlots = 2;  // chunks whose route tables are ready ahead of the stores
+static_assert(direct_warps(false).tiles(kDirectThreads / 32) && direct_warps(true).tiles(kDirectThreads / 32),
+              "the direct dispatch's roles tile its block");
+constexpr int kTableSlots = 2;  // units whose route tables are ready ahead of the stores
+constexpr int kDoneSlots = 4;   // several nodes: units the store warps finished, for the RDMA warp
+// A route table's destination at or above this is node (value - kStagedTarget)'s staging ring.
+constexpr int kStagedTarget = 128;
+static_assert(kMaxRanks < kStagedTarget && kStagedTarget + kMaxRanks <= 256, "destinations are uint8_t");
 
-// A chunk's routes: output row at the route's rank (-1: none, or clipped) and that rank.
+// A unit's targets, per row (at most K: a route to this node's ranks, or one per other node the
+// row reaches, which takes at least one of its routes): the output row at the target's rank (or
+// the row of the staging slot) and that rank (or kStagedTarget + node).
 struct RouteTable {
+  int32_t u0, u1;  // the unit's rows: tokens [u0, u1) of x, or staged rows [0, u1) of a forwarded chunk
+  int32_t targets[kChunkTokens];
   int32_t row[kChunkTokens][kMaxTopK];
   uint8_t dest[kChunkTokens][kMaxTopK];
 };
@@ -51,63 +104,207 @@ struct RouteTable {
 struct DirectDispatchShared {
   uint64_t full[kMaxStages], empty[kMaxStages];
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
+  uint64_t done_full[kDoneSlots], done_empty[kDoneSlots];  // several nodes: store warps -> RDMA warp
   RouteTable tables[kTableSlots];
   uint64_t rows[kMaxRanks], probs[kMaxRanks], scales[kMaxRanks];  // each destination's, this process's addresses
   int64_t num_rows[kMaxRanks];
-  int32_t first_row[kMaxExperts];  // [destination][its local expert]: this source's first output row there
+  // [source node m][rank g of this node][its local expert j]: the first output row there of the
+  // rows of the source on node m that this rank serves (itself, or its rail peer on m)
+  int32_t first_row[kMaxExperts];
   BlockControl ctl;
 };
 
 // What every role of a block needs to know about the call.
+template <typename Rdma>
 struct DirectDispatch : KernelCall {
   const InfoLayout& il;
-  int W, L, T, K, scale_cols, chunk, stages;
+  int W, G, L, T, K, scale_cols, chunk, stages, ring;
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
   DirectDispatchShared& sh;
   StageRing fifo;
-  Ring table_ring;
+  Ring table_ring, done_ring;
+  Hierarchy<Rdma> h;
 
   __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
-      : KernelCall(k), il(k.geo.info), W(k.geo.world_size), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk),
-        scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens), stages(k.args.fifo_stages),
+      : KernelCall(k), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node), L(k.geo.local_experts),
+        T(k.a.num_tokens), K(k.a.topk), scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens),
+        stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},
-        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)) {}
+        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)),
+        done_ring(k.ring(shared.done_full, shared.done_empty, kDoneSlots, kSiteDirectDone)),
+        h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
-  __device__ int chunks() const { return (T + chunk - 1) / chunk; }
+  __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
+  __device__ int chunks() const { return send_chunks(); }
+  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ int fwd_lag() const { return ring / 2; }  // DirectUnits
+  // A staging credit's value: chunk c of this call was read. Tags only grow (the call in the high word).
+  __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
+  // The staging rings in the RDMA region: chunk c staged for (or from) node n takes chunk slot
+  // c % ring of node n's ring; byte offsets of its row q, of its routing, of the slot's credit.
+  __device__ uint64_t staged_off(uint64_t area, int n, int c, int q) const {
+    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
+  }
+  __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
+    return area + static_cast<uint64_t>(n * ring + c % ring) * h.R.chunk_meta_bytes;
+  }
+  __device__ uint64_t staged_credit_off(int n, int c) const {
+    return h.R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
+  }
+  __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
+  // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
+  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(staged_meta_off(h.R.disp_meta_in, m, c)); }
+  // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
+  __device__ bool arrive(int m, int c, int& rows) const {
+    if (!wait_at_least(args, arrival(m, c), epoch, kPhaseRdmaRows, a.rank, h.rail_peer(m), epoch)) return false;
+    rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
+    return true;
+  }
+  // Whether token t (t0 <= t < t1) of this rank has a route to node n. Every lane calls it.
+  __device__ bool reaches(int t, int t1, int n) const {
+    const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+    bool goes = false;
+    for (int k = 0; t < t1 && k < K; ++k) {
+      const int64_t e = idx[static_cast<int64_t>(t) * K + k];
+      goes |= e >= 0 && h.topo.node(static_cast<int>(e / L)) == n;
+    }
+    return goes;
+  }
 };
 
-// Warp 0 (lane 0): the block's chunks' rows into the FIFO.
-__device__ inline void load_rows(const DirectDispatch& d) {
+// Warp 0 (lane 0): the block's units' rows into the FIFO.
+template <typename Rdma>
+__device__ void load_rows(const DirectDispatch<Rdma>& d) {
   const auto* x = reinterpret_cast<const uint8_t*>(d.a.x);
   PipeState produced;
-  for (int c = d.b; c < d.chunks() && !d.stopped(); c += d.nb) {
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    for (int k = 0; k < d.batches.items(t0, t1) && !d.stopped(); ++k, produced.advance(d.stages)) {
-      const RowBatches::Item it = d.batches.item(t0, t1, k);
+  DirectUnits<DirectDispatch<Rdma>> units(d);
+  int m, c;
+  while (!d.stopped() && units.next(m, c)) {
+    int u0 = c * d.chunk, u1 = min(d.T, u0 + d.chunk);
+    const uint8_t* rows = x;
+    if (m >= 0) {  // rows that arrived by RDMA, read by bulk loads
+      u0 = 0;
+      if (!d.arrive(m, c, u1)) {
+        d.stop();
+        break;
+      }
+      dev::fence_proxy_async();
+      rows = d.h.rdma.local(d.staged_off(d.h.R.disp_rows_in, m, c, 0));
+    }
+    for (int k = 0; k < d.batches.items(u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
+      const RowBatches::Item it = d.batches.item(u0, u1, k);
       if (!d.fifo.ring.producer_acquire(d.args, produced)) {
         d.stop();
         break;
       }
-      d.fifo.load(produced, x + static_cast<int64_t>(it.first) * d.row_bytes + it.offset, it.rows * it.bytes);
+      d.fifo.load(produced, rows + static_cast<int64_t>(it.first) * d.row_bytes + it.offset, it.rows * it.bytes);
     }
   }
   d.fifo.drain(d.args, PipeState{}, produced);
 }
 
-// Warp 1: each chunk's route table (lane i: token t0 + i), the handle's route rows, and the
-// routing weights and fp8 scales at each route's output row.
-__device__ inline void route_table(const DirectDispatch& d, int lane) {
+// Warp 1, an own chunk (lane i: token t0 + i): each route to a rank of this node, the handle's
+// route rows, the routing weights and fp8 scales at each route's output row, and with several
+// nodes one target per other node the token reaches (its row in that node's staging slot).
+template <typename Rdma>
+__device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c, int lane) {
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
   const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
   const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
   const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
   auto* route_rows = reinterpret_cast<int32_t*>(d.a.route_rows);
+  const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
+  const int64_t t = static_cast<int64_t>(t0) + lane;
+  int n = 0;
+  if (lane < d.chunk && t < t1) {
+    for (int k = 0; k < d.K; ++k) {
+      const int64_t e = idx[t * d.K + k];  // checked by the layout kernel: -1 or a valid expert
+      int32_t row = -1;
+      const int dst = e >= 0 ? static_cast<int>(e / d.L) : 0;
+      if (e >= 0 && d.h.topo.same_node(dst, d.a.rank)) {  // another node's routes: its rail peer's
+        const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
+        if (p < d.sh.num_rows[dst]) {
+          row = static_cast<int32_t>(p);
+          reinterpret_cast<float*>(d.sh.probs[dst])[p] = weights[t * d.K + k];
+          for (int i = 0; i < d.scale_cols; ++i)
+            reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = x_scales[t * d.scale_cols + i];
+          tab.row[lane][n] = row;
+          tab.dest[lane][n] = static_cast<uint8_t>(dst);
+          ++n;
+        }
+      }
+      route_rows[t * d.K + k] = row;
+    }
+  }
+  for (int m = 0; d.h.multi() && m < d.h.topo.N; ++m) {
+    if (m == d.h.node) continue;
+    const bool goes = d.reaches(static_cast<int>(t), t1, m);
+    const unsigned mask = __ballot_sync(0xffffffffu, goes);
+    if (goes) {
+      tab.row[lane][n] = __popc(mask & ((1u << lane) - 1u));
+      tab.dest[lane][n] = static_cast<uint8_t>(kStagedTarget + m);
+      ++n;
+    }
+  }
+  if (lane < d.chunk && t < t1) tab.targets[lane] = n;
+  if (lane == 0) tab.u0 = t0, tab.u1 = t1;
+}
+
+// Warp 1, chunk c of the rail peer on node m (several nodes; lane q: its staged row q): each
+// route to a rank of this node from the routing the source put with the rows, its weight and
+// scales at its output row there, and the routes in the handle (fwd_routes: output row x
+// kMaxRanks + local index, -1 for none; fwd_rows: the chunk's rows) for combine.
+template <typename Rdma>
+__device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int m, int c, int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  int rows = 0;
+  bool ok = true;
+  if (lane == 0) ok = !d.stopped() && d.arrive(m, c, rows);
+  rows = __shfl_sync(0xffffffffu, rows, 0);
+  if (!warp_uniform(ok)) return false;
+  const int width = fwd_route_width(d.geo);
+  auto* kept = reinterpret_cast<int32_t*>(d.a.fwd_routes) +
+               (static_cast<int64_t>(m) * h.staged + static_cast<int64_t>(c) * d.chunk + lane) * width;
+  int n = 0;
+  if (lane < rows) {
+    TokenMeta* tm = h.token_meta(d.fwd_meta(m, c), lane, h.R.token_meta_bytes);
+    const float* scales = h.token_scales(tm);
+    for (int k = 0; k < kMaxTopK; ++k) {
+      const int e = dev::ld(&tm->expert[k]);
+      const int dst = e >= 0 ? e / d.L : 0;
+      if (e < 0 || !h.topo.same_node(dst, d.a.rank)) continue;
+      const int g = h.topo.local(dst);
+      const int64_t p = static_cast<int64_t>(d.sh.first_row[(m * d.G + g) * d.L + e % d.L]) + dev::ld(&tm->ordinal[k]);
+      if (p >= d.sh.num_rows[dst]) continue;  // clipped by num_out_tokens
+      reinterpret_cast<float*>(d.sh.probs[dst])[p] = dev::ld(&tm->weight[k]);
+      for (int i = 0; i < d.scale_cols; ++i)
+        reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = dev::ld(&scales[i]);
+      tab.row[lane][n] = static_cast<int32_t>(p);
+      tab.dest[lane][n] = static_cast<uint8_t>(dst);
+      kept[n] = static_cast<int32_t>(p * kMaxRanks + g);
+      ++n;
+    }
+    for (int i = n; i < width; ++i) kept[i] = -1;
+    tab.targets[lane] = n;
+  }
+  if (lane == 0) {
+    tab.u0 = 0, tab.u1 = rows;
+    reinterpret_cast<int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(m) * h.max_chunks + c] = rows;
+  }
+  return true;
+}
+
+// Warp 1: each unit's route table (own_table, forwarded_table) into the table ring.
+template <typename Rdma>
+__device__ void route_table(const DirectDispatch<Rdma>& d, int lane) {
   PipeState slot;
-  for (int c = d.b; c < d.chunks(); c += d.nb, slot.advance(kTableSlots)) {
+  DirectUnits<DirectDispatch<Rdma>> units(d);
+  int m, c;
+  for (; units.next(m, c); slot.advance(kTableSlots)) {
     bool ok = true;
     if (lane == 0) ok = !d.stopped() && d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
@@ -116,26 +313,11 @@ __device__ inline void route_table(const DirectDispatch& d, int lane) {
     }
     d.table_ring.observe_empty(slot, lane);  // every lane writes after both store warps released the slot
     RouteTable& tab = d.sh.tables[slot.stage];
-    const int64_t t = static_cast<int64_t>(c) * d.chunk + lane;
-    if (lane < d.chunk && t < d.T) {
-      for (int k = 0; k < d.K; ++k) {
-        const int64_t e = idx[t * d.K + k];  // checked by the layout kernel: -1 or a valid expert
-        int32_t row = -1;
-        int dst = 0;
-        if (e >= 0) {
-          dst = static_cast<int>(e / d.L);
-          const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
-          if (p < d.sh.num_rows[dst]) {
-            row = static_cast<int32_t>(p);
-            reinterpret_cast<float*>(d.sh.probs[dst])[p] = weights[t * d.K + k];
-            for (int i = 0; i < d.scale_cols; ++i)
-              reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = x_scales[t * d.scale_cols + i];
-          }
-        }
-        tab.row[lane][k] = row;
-        tab.dest[lane][k] = static_cast<uint8_t>(dst);
-        route_rows[t * d.K + k] = row;
-      }
+    if (m < 0) {
+      own_table(d, tab, c, lane);
+    } else if (!forwarded_table(d, tab, m, c, lane)) {
+      d.stop();
+      break;
     }
     __syncwarp();
     if (lane == 0) d.table_ring.producer_commit(slot);
@@ -150,77 +332,199 @@ __device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& a
 }
 
 // Warps 2-3 (lane 0): every other stage each (the FIFO's items which, which + kStoreWarps,
-// ...), stored once per route of its rows, then released once its stores have read it. A
-// thread stores all of a stage's routes, as the microbenchmarks' 1 load + 8 stores per stage
+// ...), stored once per target of its rows, then released once its stores have read it. A
+// thread stores all of a stage's targets, as the microbenchmarks' 1 load + 8 stores per stage
 // does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
-// stages.
-__device__ inline void store_routes(const DirectDispatch& d, int which) {
+// stages. With several nodes each thread tells the RDMA warp when it is done with a unit (the
+// done ring): an own chunk once its staged stores completed, a forwarded chunk once its loads
+// were waited for. That arrival stays pending while the next unit's stores go out, and is made
+// before any wait that may block.
+template <typename Rdma>
+__device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
   StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
-  PipeState item, table;  // item: every item of the FIFO
+  const bool multi = d.h.multi();
+  PipeState item, table, done;  // item: every item of the FIFO
+  bool pending = false;         // a unit's done arrival, once its groups up to pending_group completed
+  uint32_t pending_group = 0;
+  auto arrive_pending = [&](bool all) -> bool {
+    if (!pending) return true;
+    bulk_wait_write_except(all ? 0 : static_cast<int>(queue.groups() - pending_group));
+    dev::fence_proxy_async();  // the staged rows, before the RDMA warp's generic reads
+    if (!d.done_ring.producer_acquire(d.args, done)) return false;
+    d.done_ring.producer_commit(done);
+    done.advance(kDoneSlots);
+    pending = false;
+    return true;
+  };
+  // A consumer wait on `ring` that may block: the pending arrival first, unless it passes at once.
+  auto wait_for = [&](const Ring& ring, const PipeState& p) {
+    if (d.stopped()) return false;
+    if (pending && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
+    return arrive_pending(true) && ring.consumer_wait(d.args, p);
+  };
+  DirectUnits<DirectDispatch<Rdma>> units(d);
+  int m, c;
   bool ok = true;
-  for (int c = d.b; c < d.chunks() && ok; c += d.nb, table.advance(kTableSlots)) {
-    if (d.stopped() || !d.table_ring.consumer_wait(d.args, table)) {
+  for (; ok && units.next(m, c); table.advance(kTableSlots)) {
+    if (!wait_for(d.table_ring, table)) {
       ok = false;
       break;
     }
     const RouteTable& tab = d.sh.tables[table.stage];
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
-    for (int k = 0; k < d.batches.items(t0, t1); ++k, item.advance(d.stages)) {
+    const int u0 = tab.u0, u1 = tab.u1;
+    const bool staged = multi && m < 0;
+    if (staged && c >= d.ring) {  // the chunk's slot of every other node's staging ring is free
+      for (int n = 0; n < d.h.topo.N && ok; ++n) {
+        if (n == d.h.node) continue;
+        const uint64_t* credit = d.h.flag(d.staged_credit_off(n, c), 0);
+        if (pending && dev::ld_relaxed_sys(credit) < d.tag(c - d.ring)) ok = arrive_pending(true);
+        ok = ok && wait_at_least(d.args, credit, d.tag(c - d.ring), kPhaseStagedRing, d.a.rank, d.h.rail_peer(n),
+                                 d.epoch);
+      }
+      if (!ok) break;
+      dev::fence_proxy_async();  // the credits, before the bulk stores into the slots
+    }
+    for (int k = 0; k < d.batches.items(u0, u1); ++k, item.advance(d.stages)) {
       if (item.count % kStoreWarps != static_cast<uint32_t>(which)) continue;  // the other thread's
-      const RowBatches::Item it = d.batches.item(t0, t1, k);
-      if (d.stopped() || !d.fifo.ring.consumer_wait(d.args, item)) {
+      const RowBatches::Item it = d.batches.item(u0, u1, k);
+      if (!wait_for(d.fifo.ring, item)) {
         ok = false;
         break;
       }
       for (int r = 0; r < it.rows; ++r) {
-        const int i = it.first + r - t0;
-        for (int q = 0; q < d.K; ++q) {
-          const int p = tab.row[i][q];
-          if (p >= 0)
-            dev::bulk_s2g(reinterpret_cast<uint8_t*>(d.sh.rows[tab.dest[i][q]]) +
-                              static_cast<int64_t>(p) * d.row_bytes + it.offset,
-                          d.fifo.slot(item) + r * it.bytes, it.bytes);
+        const int i = it.first + r - u0;
+        for (int q = 0; q < tab.targets[i]; ++q) {
+          const int p = tab.row[i][q], dst = tab.dest[i][q];
+          uint8_t* to = dst >= kStagedTarget
+                            ? d.h.rdma.local(d.staged_off(d.h.R.disp_rows_out, dst - kStagedTarget, c, p))
+                            : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
+          dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
       queue.commit();
+      // the pending unit's groups completed but the newest in_flight (the next unit's)
+      if (pending && queue.groups() - pending_group >= static_cast<uint32_t>(max(1, queue.in_flight)) &&
+          !arrive_pending(false))
+        ok = false;
       queue.release_read();
     }
-    if (ok) d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
+    if (!ok) break;
+    d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
+    if (multi) {
+      if (pending && !arrive_pending(true)) {
+        ok = false;
+        break;
+      }
+      pending = true;
+      pending_group = queue.groups();
+    }
   }
+  if (ok && !d.stopped() && !arrive_pending(true)) ok = false;
   if (!ok) d.stop();
   queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }
 
+// Warp 4 with several nodes: each unit once both store warps are done with it. An own chunk c:
+// per other node n (also one no token reaches: every chunk is signalled), lane i writes token
+// t0 + i's routing into the chunk's slot of the staging ring for n if it goes there (its place:
+// its ordinal among the chunk's tokens for n, as the store warps staged its row), then the
+// rows and the routing go to the rail peer on n, the routing with the chunk's signal. A
+// forwarded chunk: the slot's credit back to its source.
+template <typename Rdma>
+__device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
+  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
+  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
+  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
+  const uint64_t token_bytes = h.R.token_meta_bytes;
+  DirectUnits<DirectDispatch<Rdma>> units(d);
+  PipeState done;
+  int m, c;
+  for (; units.next(m, c); done.advance(kDoneSlots)) {
+    bool ok = true;
+    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);
+    if (!warp_uniform(ok)) {
+      d.stop();
+      break;
+    }
+    d.done_ring.observe_full(done, lane);  // every lane's transport copy reads the staged rows
+    __syncwarp();
+    if (lane == 0) d.done_ring.consumer_release(done);
+    if (m >= 0) {  // the forwarded chunk was read whole: its slot is free at both ends
+      if (lane == 0) h.rdma.signal(h.rail_peer(m), d.staged_credit_off(h.node, c), d.tag(c));
+      continue;
+    }
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
+    for (int n = 0; n < h.topo.N; ++n) {
+      if (n == h.node) continue;
+      const unsigned mask = __ballot_sync(0xffffffffu, d.reaches(t, t1, n));
+      const int rows = __popc(mask);
+      uint8_t* meta = h.rdma.local(d.staged_meta_off(h.R.disp_meta_out, n, c));
+      if ((mask >> lane) & 1u) {
+        TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
+        for (int k = 0; k < kMaxTopK; ++k) {
+          const bool real = k < d.K;
+          tm->expert[k] = real ? static_cast<int32_t>(idx[static_cast<int64_t>(t) * d.K + k]) : -1;
+          tm->ordinal[k] = real ? ords[static_cast<int64_t>(t) * d.K + k] : 0;
+          tm->weight[k] = real ? weights[static_cast<int64_t>(t) * d.K + k] : 0.f;
+        }
+        float* scales = h.token_scales(tm);
+        for (int i = 0; i < d.scale_cols; ++i) scales[i] = x_scales[static_cast<int64_t>(t) * d.scale_cols + i];
+      }
+      if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
+      __threadfence();  // the routing and the staged rows, before the transport reads them
+      __syncwarp();
+      const int peer = h.rail_peer(n);
+      if (rows > 0) {
+        h.rdma.put(lane, peer, d.staged_off(h.R.disp_rows_in, h.node, c, 0),
+                   h.rdma.local(d.staged_off(h.R.disp_rows_out, n, c, 0)), static_cast<uint64_t>(rows) * d.row_bytes);
+        if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
+        __syncwarp();
+      }
+      h.rdma.put_signal(lane, peer, d.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
+                        kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
+                        h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+    }
+  }
+  if (lane == 0) h.rdma.quiet();  // the staging and the credits, before the rank's done signals
+}
+
+template <typename Rdma>
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   DirectDispatchShared& sh = dev::block_shared<DirectDispatchShared>();
-  const DirectDispatch d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
+  const DirectDispatch<Rdma> d(kernel_call(args, place, kDispatchCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>());
   const RankArgs& a = d.a;
   const int tid = threadIdx.x, lane = tid & 31;
+  const bool multi = d.h.multi();
 
   init_block(d, [&] {
     d.fifo.ring.init(1, 1);  // a stage's one store thread releases it
     d.table_ring.init(1, kStoreWarps);
+    if (multi) d.done_ring.init(kStoreWarps, 1);
   });
   if (d.b == 0 && tid == 32)
     publish_tensors(d.view, a, kDirectDispatch, d.epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
-  if (tid < d.W) {  // every destination's tensors, and where this source's rows of its experts start
+  if (tid < d.G) {  // every destination's tensors, and where the rows this rank sends of its experts start
+    const int dst = d.h.first_local() + tid;
     PeerView pv;
-    if (read_tensors(args, d.view, a, tid, kDirectDispatch, d.epoch, pv)) {
-      sh.rows[tid] = pv.rows;
-      sh.probs[tid] = pv.probs;
-      sh.scales[tid] = pv.scales;
-      sh.num_rows[tid] = pv.num_rows;
-      const auto* first = reinterpret_cast<const volatile int32_t*>(d.view.base(tid) + d.geo.reg.direct_first);
-      for (int j = 0; j < d.L; ++j) sh.first_row[tid * d.L + j] = first[a.rank * d.L + j];
+    if (read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)) {
+      sh.rows[dst] = pv.rows;
+      sh.probs[dst] = pv.probs;
+      sh.scales[dst] = pv.scales;
+      sh.num_rows[dst] = pv.num_rows;
+      const auto* first = reinterpret_cast<const volatile int32_t*>(d.view.base(dst) + d.geo.reg.direct_first);
+      for (int m = 0; m < d.h.topo.N; ++m)
+        for (int j = 0; j < d.L; ++j) sh.first_row[(m * d.G + tid) * d.L + j] = first[d.h.rail_peer(m) * d.L + j];
     } else {
       sh.ctl.fail = 1;
     }
   }
   if (!block_ready(d)) return;
 
-  const RoleSpan<DirectRole> role = direct_warps().of(tid >> 5);
+  const RoleSpan<DirectRole> role = direct_warps(multi).of(tid >> 5);
   switch (role.role) {
     case DirectRole::kLoad:
       if (lane == 0) load_rows(d);
@@ -229,12 +533,24 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
     case DirectRole::kStore:
       if (lane == 0) store_routes(d, role.warp_index(tid >> 5));
       break;
+    case DirectRole::kRdma: rdma_send(d, lane); break;
     case DirectRole::kPad: zero_padding(d, role.warp_index(tid >> 5), role.warps, lane); break;
   }
   if (!roles_done(d)) return;
 
-  if (finish_direct(d, kDirectDispatch, &d.view.state()->blocks_done_dispatch))
+  if (finish_direct(d, kDirectDispatch, &d.view.state()->blocks_done_dispatch)) {
     publish_done(d, d.geo.reg.done_dispatch);
+    // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
+    for (int n = 0; multi && n < d.h.topo.N; ++n)
+      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_dispatch + 8 * d.h.node, d.epoch);
+  }
+}
+
+template <typename Rdma>
+LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kDirectThreads,
+                                 static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
+                                 args, "dispatch_direct");
 }
 
 }  // namespace dispatch_direct_impl

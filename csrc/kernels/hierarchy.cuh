@@ -79,6 +79,53 @@ __device__ void forwarded_chunk(const Call& call, int64_t k, int& n, int& c) {
   c = static_cast<int>(k);
 }
 
+// The units one block of the direct path's dispatch takes, in order (kernels/dispatch_direct.cuh):
+// its own chunks (b, b + nb, ... of send_chunks()) and, with several nodes, the chunks that
+// arrive from the rail peer on every other node (every chunk of each, numbered chunk by chunk:
+// chunk 0 of each node in node order, then chunk 1, ...; units b, b + nb, ...), merged by a
+// key: an own chunk c has key c, a forwarded chunk c key c + fwd_lag() and comes after the
+// own chunk of that key. The lag (ring_chunks / 2) lets a source's chunk c arrive while the
+// rail peer stores its own chunks up to c + lag, and is below ring_chunks, which keeps every
+// wait pointing at a lower key (kernels/dispatch_direct.cuh: why the rings cannot deadlock).
+// Every role of the block walks it alike. Call: h, b, nb, send_chunks(), source_chunks(s),
+// fwd_lag().
+template <typename Call>
+struct DirectUnits {
+  const Call& call;
+  int key = 0;            // the key looked at
+  int node = -1;          // the node looked at next at that key (-1: the own chunk first)
+  int64_t forwarded = 0;  // forwarded chunks numbered so far
+  int last;               // the last key with a unit
+
+  __device__ explicit DirectUnits(const Call& c) : call(c), last(c.send_chunks() - 1) {
+    for (int n = 0; call.h.multi() && n < call.h.topo.N; ++n)
+      if (n != call.h.node) last = max(last, call.source_chunks(call.h.rail_peer(n)) - 1 + call.fwd_lag());
+  }
+
+  // The next unit: chunk c of this rank (n = -1) or of the rail peer on node n; false at the end.
+  __device__ bool next(int& n, int& c) {
+    for (; key <= last; ++key, node = -1) {
+      if (node < 0) {
+        node = 0;
+        if (key < call.send_chunks() && key % call.nb == call.b) {
+          n = -1, c = key;
+          return true;
+        }
+      }
+      const int fc = key - call.fwd_lag();  // the forwarded chunks of this key
+      while (call.h.multi() && fc >= 0 && node < call.h.topo.N) {
+        const int m = node++;
+        if (m == call.h.node || fc >= call.source_chunks(call.h.rail_peer(m))) continue;
+        if (forwarded++ % call.nb == call.b) {
+          n = m, c = fc;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+};
+
 // The chunks one block's source side takes in combine, in order: its own chunks (b, b + nb, ...
 // of send_chunks()) and, with several nodes, the forwarded chunks whose node partials it sends
 // back (forwarded_chunks' units b, b + nb, ...), merged by chunk index, with an own chunk c

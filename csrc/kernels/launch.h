@@ -22,9 +22,10 @@ LaunchStatus launch_dispatch(const LaunchArgs& args, uint64_t stream);
 // Per-rank reduction of local expert rows, push of partials, fp32 sum on the source.
 LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream);
 
-// The direct path (a single node whose ranks address each other's tensors: emulation, or an
-// arena every rank maps): rows stored straight into their final row at every route's rank,
-// expert outputs read straight from theirs (kernels/dispatch_direct.cuh, combine_pull.cuh).
+// The direct path (the ranks of each node address each other's tensors: emulation, or an arena
+// every rank maps): rows stored straight into their final row at every route's rank of the
+// node, expert outputs read straight from theirs; with several nodes through the rail peers'
+// RDMA staging (kernels/dispatch_direct.cuh, combine_pull.cuh).
 LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_combine_pull(const LaunchArgs& args, uint64_t stream);
 
@@ -37,12 +38,16 @@ inline bool uses_nvshmem(const LaunchArgs& args) {
 LaunchStatus launch_layout_nvshmem(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_dispatch_nvshmem(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_combine_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_pull_nvshmem(const LaunchArgs& args, uint64_t stream);
 #else
 constexpr LaunchStatus kNoNvshmem =
     "this build of hybrid_ep has no NVSHMEM transport (rebuild with the nvidia-nvshmem wheel installed)";
 inline LaunchStatus launch_layout_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_dispatch_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_combine_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_combine_pull_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 #endif
 
 // Shared memory (bytes) each kernel asks for with these arguments.

@@ -207,6 +207,32 @@ struct SegmentAcc {
       add_as<kWeighted>(in, cols, gt, w);
     }
   }
+  // The same for a part of another dtype (an fp32 node partial added into a 16-bit row's
+  // accumulator): the thread's columns read as From, a quad at a time.
+  template <typename From>
+  __device__ __forceinline__ void add_from(const uint8_t* in, int cols, int gt, float w, bool first) {
+    if constexpr (std::is_same<From, In>::value) {
+      add(in, cols, gt, w, first);
+    } else {
+      blank = false;
+      const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (i >= rounds) continue;
+        float x[kCols];
+        const uint8_t* p = in + static_cast<size_t>(min(gt + i * kGroupThreads, whole - 1)) * kCols * sizeof(From);
+#pragma unroll
+        for (int q = 0; q < kCols / 4; ++q) Quad<From>::load(p + q * 4 * sizeof(From), x + 4 * q);
+        if (first) {
+          add_to<kFirst>(v[i], x, w);
+        } else if (w == 1.f) {
+          add_to<kPlain>(v[i], x, w);
+        } else {
+          add_to<kWeighted>(v[i], x, w);
+        }
+      }
+    }
+  }
   // A segment without parts (a row with nothing to add): zero.
   __device__ __forceinline__ void set_blank() { blank = true; }
   // The segment's `cols` columns rounded once to Out, at `out` (shared or global memory).

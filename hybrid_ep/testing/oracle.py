@@ -201,8 +201,10 @@ def combine_hops_oracle(
     more; the source sums what it receives in fp32. With one node (or one rank per node)
     every contribution is rounded once. wire_dtype None: the dtype of expert_outs.
 
-    direct: the direct path's combine, where the source reads every route's row itself and
-    sums them all in fp32: no partial crosses a link, nothing is rounded to the wire (hops 0)."""
+    direct: the direct path's combine, where the source reads every route's row on its node
+    itself and sums them in fp32 (nothing rounded to the wire: hops 0); with several nodes the
+    rail peer on each other node does the same for that node's routes, and its sum crosses
+    rounded once to the wire (hops 1)."""
     L, G, N = config.experts_per_rank, config.ranks_per_node, config.num_nodes
     dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
     wire = expert_outs[0].dtype if wire_dtype is None else wire_dtype
@@ -214,11 +216,19 @@ def combine_hops_oracle(
         source_sum = Fp32Sum(shape, dev)
         hops = torch.zeros(shape[0], dtype=torch.int64, device=dev)
         if direct:
-            for d in range(config.world_size):
-                for sel, rows in _rank_terms(run, s, d, idx, outs[d], L, apply_probs):
-                    term = torch.zeros(shape, dtype=torch.float64, device=dev)
-                    term[sel] = rows
-                    source_sum.add(Interval.point(term), sel[:, None])
+            for n in [s // G] + [m for m in range(N) if m != s // G]:  # the source's node first
+                remote = n != s // G
+                node_sum = Fp32Sum(shape, dev) if remote else source_sum
+                node_present = torch.zeros(shape[0], dtype=torch.bool, device=dev)
+                for d in range(n * G, (n + 1) * G):
+                    for sel, rows in _rank_terms(run, s, d, idx, outs[d], L, apply_probs):
+                        term = torch.zeros(shape, dtype=torch.float64, device=dev)
+                        term[sel] = rows
+                        node_sum.add(Interval.point(term), sel[:, None])
+                        node_present |= sel
+                if remote and bool(node_present.any()):
+                    source_sum.add(node_sum.result().rounded(wire), node_present[:, None])
+                    hops = torch.where(node_present, torch.clamp(hops, min=1), hops)
             total = source_sum.result()
             bounds.append(CombineBounds(total.value, total.lo, total.hi, hops))
             continue

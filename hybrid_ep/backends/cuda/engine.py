@@ -118,6 +118,10 @@ PIPE_SITE_TEXT = {
                       "the store warps"),
     "pull_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
                     "the reducers"),
+    "direct_done": ("the direct dispatch's done ring", "the store warps finishing a chunk",
+                    "the RDMA warp putting staged rows to other nodes"),
+    "pull_puts": ("the direct combine's node-partial put ring", "the reducers of the node partials",
+                  "the warp putting node partials to other nodes"),
 }
 
 
@@ -476,8 +480,8 @@ class Engine:
         arena = arenas is not None and arenas.arena_bytes > 0 and all(arenas.arena_bases)
         in_process = len(ranks) == config.world_size
         self.vote = vote
-        self.data_path = launch.data_path(config.num_nodes == 1 and (in_process or (arena and vote is not None)),
-                                          data_path)
+        self.data_path = launch.data_path((config.num_nodes == 1 or rdma is not None)
+                                          and (in_process or (arena and vote is not None)), data_path)
         direct_ok = self.data_path == "direct" and arena
         self.arena_bases = torch.tensor(arenas.arena_bases if direct_ok else [0] * config.world_size,
                                         dtype=torch.int64, device=device)
@@ -640,8 +644,10 @@ class Engine:
             a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
             a.store_groups = launch.direct_store_groups(fifo.stages, fifo.stage_bytes, self.store_groups_override)
             per_sm = self.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
-        elif kind == "combine_pull":
-            pull = launch.pull_shape(row_elems, launch.ELEM_BYTES[dtype_name], self.smem_per_block)
+        elif kind == "combine_pull":  # several nodes: a stage holds a node partial in the wire dtype too
+            wire_bytes = launch.ELEM_BYTES[wire_name] if wire_name and self.config.num_nodes > 1 else 0
+            a.wire_dtype = self.ext.DTYPE_CODES[wire_name or dtype_name]
+            pull = launch.pull_shape(row_elems, max(launch.ELEM_BYTES[dtype_name], wire_bytes), self.smem_per_block)
             a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
             per_sm = self.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
         else:

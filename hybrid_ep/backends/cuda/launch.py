@@ -109,12 +109,13 @@ DATA_PATHS = ("direct", "receive")
 def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -> str:
     """Which data path a buffer's kernels take. "direct": sources store each route's row
     straight into its final row at the expert's rank and combine pulls each route's expert
-    output straight from there (1 + K row moves per token; needs one node whose ranks address
-    each other's tensors: ranks sharing one process, or ranks in separate processes with an
-    arena each (arena_bytes > 0) and a vote per call). "receive": rows go through a bounded
-    receive ring once per destination rank and are expanded there, partial sums are pushed
-    back the same way (several nodes, separate processes without an arena, and any call the
-    arena can not serve).
+    output straight from there (1 + K row moves per token; needs the ranks of each node to
+    address each other's tensors: ranks sharing one process, or ranks in separate processes
+    with an arena each (arena_bytes > 0) and a vote per call; across nodes each token goes
+    once per other node to the rail peer there, which writes its rows on that node and sends
+    one node partial back). "receive": rows go through a bounded receive ring once per
+    destination rank and are expanded there, partial sums are pushed back the same way
+    (separate processes without an arena, and any call the arena can not serve).
     HYBRID_EP_DATA_PATH picks one for measurements; unset, direct wherever it can run.
     `requested` (an argument, for tests and benchmarks) wins over the variable."""
     environ = os.environ if environ is None else environ
