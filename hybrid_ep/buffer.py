@@ -203,8 +203,7 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
-        # tokens_per_expert: the handle's, read when asked for
-        return DispatchResult(tokens=rows, scales=scales_out, probs=handle.probs_R, handle=handle)
+        return DispatchResult(rows, scales_out, handle.probs_R, handle)  # tokens_per_expert: the handle's, when read
 
     def combine(
         self,
