@@ -118,19 +118,19 @@ def dispatch(
         # result is what the Function's would be (a reused handle is handed back as given).
         rows, scales_out, new = buffer._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
         handle = new if handle is None else handle
-        return DispatchResult(tokens=rows, scales=scales_out, probs=handle.probs_R, handle=handle)
+        return DispatchResult(rows, scales_out, handle.probs_R, handle)
     box: list = []
     if routing is not None:
         # The weights as given: the gradient of an unrouted slot is 0 (return_row_values), so
         # no masked copy is made for autograd either.
         rows, probs_R = _Dispatch.apply(x, routing.weights_as_given_TK,
                                         (buffer, routing, None, scales, num_out_tokens, num_sms, box))
-        handle = box[0].replace(probs_R=probs_R)
+        handle = box[0]._with_probs(probs_R)
     else:
         # Same routing as before: the weights (and their graph) are the earlier ones.
         rows, _ = _Dispatch.apply(x, None, (buffer, None, handle, scales, num_out_tokens, num_sms, box))
         probs_R = handle.probs_R
-    return DispatchResult(tokens=rows, scales=box[1], probs=probs_R, handle=handle)  # tokens_per_expert: when read
+    return DispatchResult(rows, box[1], probs_R, handle)  # tokens_per_expert: the handle's, when read
 
 
 def combine(buffer, expert_out: torch.Tensor, handle, *, apply_probs: bool = False,

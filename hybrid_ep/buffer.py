@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from . import inputs
 from .backends import choose_backend, create_backend
-from .config import BufferConfig, KernelConfig
+from .checks import require_int
+from .config import BufferConfig, KernelConfig, check_wire_dtype
 from .handle import CallCounts, DispatchHandle, DispatchResult
 from .memory import MemoryPlan
 from .routing import normalize_routing
@@ -162,15 +163,21 @@ class HybridEPBuffer:
         return self._backend.memory_plan()
 
     def _kernel_config(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
+        """The buffer's KernelConfig with a call's num_sms (of a dispatch or a combine) and
+        wire_dtype, each checked under the name the call takes it by."""
         base = self.kernel_config
         if num_sms_dispatch is None and num_sms_combine is None and wire_dtype is None:
             return base  # validated when the buffer was built (callers test for this case first)
+        for num_sms in (num_sms_dispatch, num_sms_combine):
+            if num_sms is not None:
+                require_int("num_sms", num_sms, 1)
+        check_wire_dtype("wire_dtype", wire_dtype)
         return dataclasses.replace(
             base,
             num_sms_dispatch=base.num_sms_dispatch if num_sms_dispatch is None else num_sms_dispatch,
             num_sms_combine=base.num_sms_combine if num_sms_combine is None else num_sms_combine,
             combine_wire_dtype=base.combine_wire_dtype if wire_dtype is None else wire_dtype,
-        ).validate()
+        )
 
     def dispatch(
         self,
@@ -196,8 +203,7 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
-        # tokens_per_expert: the handle's, read when asked for
-        return DispatchResult(tokens=rows, scales=scales_out, probs=handle.probs_R, handle=handle)
+        return DispatchResult(rows, scales_out, handle.probs_R, handle)  # tokens_per_expert: the handle's, when read
 
     def combine(
         self,

@@ -96,13 +96,17 @@ class KernelConfig:
             value = getattr(self, name)
             if value is not None:
                 require_int(name, value, 1)
-        if self.combine_wire_dtype not in (None, torch.float32):
-            raise ValueError(f"combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, "
-                             f"got {self.combine_wire_dtype}")
+        check_wire_dtype("combine_wire_dtype", self.combine_wire_dtype)
         return self
 
     def wire_dtype_for(self, expert_out_dtype: torch.dtype) -> torch.dtype:
         return expert_out_dtype if self.combine_wire_dtype is None else self.combine_wire_dtype
+
+
+def check_wire_dtype(name: str, value) -> None:
+    """The dtype of combine's partial sums between ranks: None (expert_out's) or torch.float32."""
+    if value not in (None, torch.float32):
+        raise ValueError(f"{name} must be None (the dtype of expert_out) or torch.float32, got {value}")
 
 
 def timeout_seconds() -> float:

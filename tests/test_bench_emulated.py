@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_ep.backends.cuda.layout import MAX_LAUNCH_RANKS
 from hybrid_ep.bench import emulated
 from hybrid_ep.bench.cli import main
 from hybrid_ep.bench.spec import BenchArgError
@@ -149,8 +150,11 @@ def test_emulate_nodes_must_divide_every_world_size(capsys, tmp_path, monkeypatc
     assert "argument --emulate-nodes: 4 must be >= 1 and divide every emulated world size, got [4, 6]" in err
     args = build_parser().parse_args(["--emulate", "12", "--out", str(tmp_path)])
     assert emulated.run(args) == 2 and "must be in [1, 8], got [12]" in capsys.readouterr().err
-    args = build_parser().parse_args(["--emulate", "20", "--emulate-nodes", "4", "--out", str(tmp_path)])
-    assert emulated.run(args) == 2 and "must be in [1, 16] with --emulate-nodes" in capsys.readouterr().err
+    # With nodes, up to the virtual ranks one emulated launch holds (EmulatedGroup's limit, csrc's).
+    over = MAX_LAUNCH_RANKS + 4
+    args = build_parser().parse_args(["--emulate", str(over), "--emulate-nodes", "4", "--out", str(tmp_path)])
+    assert emulated.run(args) == 2
+    assert f"must be in [1, {MAX_LAUNCH_RANKS}] with --emulate-nodes, got [{over}]" in capsys.readouterr().err
 
 
 def test_table_with_nodes_has_the_rdma_columns():

@@ -80,7 +80,9 @@ DISPATCH_CASES = [
      "num_out_tokens must be an int"),
     ("num_out_tokens past int32", lambda: dict(x=_x(), topk_idx=_idx(), num_out_tokens=2**31), ValueError,
      "num_out_tokens must be at most 2147483647 (output rows are indexed with int32), got 2147483648"),
-    ("num_sms zero", lambda: dict(x=_x(), topk_idx=_idx(), num_sms=0), ValueError, "num_sms_dispatch must be >= 1"),
+    # The argument the caller gave, not the buffer's num_sms_dispatch it overrides.
+    ("num_sms zero", lambda: dict(x=_x(), topk_idx=_idx(), num_sms=0), ValueError, "num_sms must be >= 1, got 0"),
+    ("num_sms float", lambda: dict(x=_x(), topk_idx=_idx(), num_sms=2.0), TypeError, "num_sms must be an int"),
 ]
 
 
@@ -92,8 +94,9 @@ def test_dispatch_rejects(buf, name, make, exc, words):
         buf.dispatch(x, **kwargs)
     assert words in str(info.value)
     # The autograd version checks the same way.
-    with pytest.raises(exc):
+    with pytest.raises(exc) as info:
         hep.dispatch(buf, x, **kwargs)
+    assert words in str(info.value)
 
 
 def test_fp8_hidden_not_multiple_of_128(single_rank_group):
@@ -123,7 +126,8 @@ COMBINE_CASES = [
     ("apply_probs numpy bool", lambda r: dict(expert_out=r.tokens, apply_probs=np.bool_(True)), TypeError,
      "apply_probs must be a Python bool, got numpy.bool"),
     ("wire_dtype bf16", lambda r: dict(expert_out=r.tokens, wire_dtype=torch.bfloat16), ValueError,
-     "combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.bfloat16"),
+     "wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.bfloat16"),
+    ("num_sms zero", lambda r: dict(expert_out=r.tokens, num_sms=0), ValueError, "num_sms must be >= 1, got 0"),
 ]
 
 

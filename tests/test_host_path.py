@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.handle import DispatchHandle
 from hybrid_ep.routing import normalize_routing
 
 pytestmark = pytest.mark.model
@@ -293,6 +294,18 @@ def test_handle_and_result_are_read_only(group):
     assert h.replace(probs_R=probs).row_counts is counts and int(counts.received.sum()) > 0
     none = h.replace(count_matrix_WW=torch.zeros_like(h.count_matrix_WW))
     assert int(none.row_counts.received.sum()) == 0 and h.row_counts is counts
+    # autograd's copy with its differentiable probs: replace(probs_R=...) by position.
+    copy = h._with_probs(probs)
+    assert copy.probs_R is probs and copy.row_counts is counts and copy.routing is h.routing
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'probs_R'"):
+        copy.probs_R = None
+    # The fields by position (a backend's per-call path) or by name: the same handle.
+    named = DispatchHandle(owner=h.owner, config=h.config, rank=h.rank, routing=h.routing, source=h.source,
+                           dest=h.dest, probs_R=h.probs_R, num_out_tokens=h.num_out_tokens, serial=3)
+    fields = ("owner", "config", "rank", "routing", "source", "dest", "probs_R", "num_out_tokens", "num_recv_rows",
+              "checksum")
+    assert all(getattr(named, f) is getattr(h, f) for f in fields) and (named.serial, h.serial) == (3, 0)
+    assert torch.equal(named.count_matrix_WW, h.count_matrix_WW)
     group.synchronize()
 
 

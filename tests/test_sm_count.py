@@ -52,8 +52,11 @@ def test_the_buffers_counts_reach_the_launch(single_rank_group):
         res = buf.dispatch(x, idx, num_sms=1)  # per call, the same name
         buf.combine(res.tokens, res.handle, num_sms=4)
         assert _launched(g.engine) == {"dispatch": {3, 1}, "combine": {2, 4}}
-        with pytest.raises(ValueError, match="num_sms_dispatch"):
+        # A bad per-call count is named as the caller passed it, not as the buffer's setting.
+        with pytest.raises(ValueError, match=r"^num_sms must be >= 1, got 0$"):
             buf.dispatch(x, idx, num_sms=0)
+        with pytest.raises(ValueError, match=r"^num_sms must be >= 1, got -1$"):
+            buf.combine(res.tokens, res.handle, num_sms=-1)
     finally:
         g.close()
 

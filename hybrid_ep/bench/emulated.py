@@ -23,6 +23,7 @@ import torch
 
 from ..backends.cuda import launch
 from ..backends.cuda.backend import memory_plan
+from ..backends.cuda.layout import MAX_LAUNCH_RANKS
 from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..metadata import gpu_sm_clock_mhz, metadata
@@ -79,7 +80,6 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "rdma_rows": "rows all forwarders received by RDMA in the dispatch (as many go back in the combine)",
          "dispatch_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: rows x row bytes)",
          "combine_rdma_gbps_per_sm": "GB/s per SM (RDMA bytes: node partials x row bytes)"}
-MAX_EMULATED_RANKS = 16
 HOST_TARGET_US = 30  # host time per dispatch + combine pair per rank (issue target)
 
 
@@ -345,7 +345,7 @@ def settings(args) -> dict:
     worlds = list(args.emulate)
     nodes = getattr(args, "emulate_nodes", 1)
     nodes = 1 if nodes is None else nodes
-    top = 8 if nodes == 1 else MAX_EMULATED_RANKS
+    top = 8 if nodes == 1 else MAX_LAUNCH_RANKS  # the virtual ranks one launch holds (EmulatedGroup's limit)
     bad = [w for w in worlds if not 1 <= w <= top]
     if bad:
         raise BenchArgError("--emulate", f"world sizes must be in [1, {top}]"

@@ -101,9 +101,10 @@ class CudaBackend(Backend):
             known = [handle.num_rows]
         [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
                                       kernel_config.num_sms_dispatch, known)
-        # The count tables are views of the call's workspace, read from dest when asked for.
-        new = DispatchHandle(owner=self.owner, config=self.config, rank=self.rank, routing=routing, source=res.send,
-                             dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
+        # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
+        # are views of the call's workspace, read from dest when asked for.
+        new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,
+                             num_out_tokens)
         return res.rows_RH, res.scales_RB, new
 
     def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):

@@ -114,11 +114,12 @@ class EmulatedGroup:
         per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
-            # The count tables are views of the call's workspace, read from dest when asked for;
-            # tokens_per_expert likewise, from the handle.
-            handle = DispatchHandle(owner=self.owner, config=self.config, rank=r, routing=routing, source=res.send,
-                                    dest=res.recv, probs_R=res.probs_R, num_out_tokens=num_out_tokens)
-            out.append(DispatchResult(tokens=res.rows_RH, scales=res.scales_RB, probs=res.probs_R, handle=handle))
+            # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
+            # are views of the call's workspace, read from dest when asked for; tokens_per_expert
+            # likewise, from the handle.
+            handle = DispatchHandle(self.owner, self.config, r, routing, res.send, res.recv, res.probs_R,
+                                    num_out_tokens)
+            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import sys
+from typing import Callable
 
 import torch
 
@@ -169,11 +170,23 @@ class CallWorkspace:
     [ranks, layout.bytes / 8] int64, rank i's part in row i. The call's handles keep it; the
     engine hands it to a later call once nothing refers to it any more (Engine._workspace)."""
 
-    __slots__ = ("i64", "layout", "ptr", "stream", "__weakref__", "_i32")
+    __slots__ = ("i64", "layout", "ptr", "stream", "__weakref__", "_i32", "_storage", "_storage_ptr")
 
     def __init__(self, ranks: int, layout, device: torch.device, stream: int):
         self.i64 = torch.empty(ranks, layout.bytes // 8, dtype=torch.int64, device=device)
         self.layout, self.ptr, self.stream, self._i32 = layout, self.i64.data_ptr(), stream, None
+        # The memory's storage object, kept, and its address: the storage's use count is the
+        # tensors sharing the memory, views included, and this object.
+        self._storage = self.i64.untyped_storage()
+        self._storage_ptr = self._storage._cdata
+
+    def free(self, stream: int) -> bool:
+        """Whether nothing but the engine refers to it (no handle, no view) and it was last used
+        on `stream`: the object is held by the engine's list, the engine's loop variable, this
+        call's self and getrefcount's argument; the memory by its own tensors (i64, and the
+        int32 view once made) and storage object."""
+        return (self.stream == stream and sys.getrefcount(self) == 4
+                and torch._C._storage_Use_Count(self._storage_ptr) == (2 if self._i32 is None else 3))
 
     @property
     def i32(self) -> torch.Tensor:
@@ -242,7 +255,6 @@ class CudaRecvLayout:
 
     def __init__(self, call: CallWorkspace, part: int, engine_shape: _Shape, num_rows: int):
         self.call, self.part, self.shape, self.num_rows = call, part, engine_shape, num_rows  # num_rows: R
-        self.kd = engine_shape.kd
 
     def _info(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.call.int64(self.part, self.call.layout.info + 8 * getattr(self.shape.info, name), shape)
@@ -414,22 +426,76 @@ def _spans(tensors) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    """Tensors (and storage objects) sharing t's memory, the one untyped_storage() makes
-    for this count included."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+# A dispatch's inputs as Engine._dispatch_inputs checked and marshalled them, a plain tuple (a
+# record object would cost a construction per call): (dtype, dtype_name, fp8, topk: the most
+# routes per token of any driven rank, which sizes the workspace's tables; launch: per rank the
+# extension's DispatchInput (T, K, x, x_scales, topk_idx, topk_weights); tensors: per rank the
+# tensors behind those addresses (x, scales, topk_idx, weights)).
+_DispatchInputs = tuple
 
 
-@dataclasses.dataclass(slots=True)
-class _DispatchInputs:
-    """A dispatch's inputs as Engine._dispatch_inputs checked and marshalled them."""
+# The launch settings of each kind of launch: its pipeline (a function that sets the kind's
+# pipeline fields of a LaunchArgs for rows of row_elems values, from the engine's shared memory
+# per block and store-queue override, and returns the blocks per SM the kernel's shared memory
+# leaves room for), the LaunchArgs field with its pipeline depth (launch_shapes) and its role:
+# "dispatch" (fp8 rows carry their scales) or "combine", as the SM count's errors name it.
 
-    dtype: torch.dtype
-    dtype_name: str
-    fp8: bool
-    topk: int  # the most routes per token of any driven rank (the workspace's tables are sized by it)
-    launch: list[tuple]  # per rank, the extension's DispatchInput: (T, K, x, x_scales, topk_idx, topk_weights)
-    tensors: list[tuple]  # per rank, the tensors behind those addresses (x, scales, topk_idx, weights)
+
+def _dispatch_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The receive path's dispatch: a send and an expand FIFO of row stages."""
+    fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), engine.smem_per_block,
+                             pipelines=launch.DISPATCH_PIPELINES)
+    a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+    a.store_groups = launch.store_groups(fifo.stages, engine.store_groups_override)
+    smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
+    return engine.ext.dispatch_max_blocks_per_sm(smem)
+
+
+def _dispatch_direct_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The direct path's dispatch: one FIFO of row stages, each stored once per route."""
+    fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), engine.smem_per_block,
+                             max_stages=launch.MAX_STAGES)
+    a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+    a.store_groups = launch.direct_store_groups(fifo.stages, fifo.stage_bytes, engine.store_groups_override)
+    return engine.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
+
+
+def _combine_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The receive path's combine: the expert host's input and output rings, the source's ring,
+    partial sums of wire_name on the wire."""
+    shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
+                                 engine.smem_per_block)
+    a.wire_dtype = engine.ext.DTYPE_CODES[wire_name]
+    a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.host_stages, shape.src_stages
+    a.host_out_stages = shape.out_stages
+    a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
+    a.store_groups = launch.combine_store_groups(shape.out_stages, engine.store_groups_override)
+    return engine.ext.combine_max_blocks_per_sm(shape.smem_bytes)
+
+
+def _combine_pull_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The direct path's combine: each route's expert-output segments pulled into two rings
+    (several nodes: a stage holds a node partial in the wire dtype too)."""
+    wire_bytes = launch.ELEM_BYTES[wire_name] if wire_name and engine.config.num_nodes > 1 else 0
+    a.wire_dtype = engine.ext.DTYPE_CODES[wire_name or dtype_name]
+    pull = launch.pull_shape(row_elems, max(launch.ELEM_BYTES[dtype_name], wire_bytes), engine.smem_per_block)
+    a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
+    return engine.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KindSettings:
+    pipeline: Callable[..., int]  # (engine, args, row_elems, dtype_name, wire_name) -> blocks per SM
+    stages: str  # the LaunchArgs field with the pipeline's depth
+    role: str  # "dispatch" or "combine"
+
+
+_KIND_SETTINGS = {
+    "dispatch": _KindSettings(_dispatch_pipeline, "fifo_stages", "dispatch"),
+    "dispatch_direct": _KindSettings(_dispatch_direct_pipeline, "fifo_stages", "dispatch"),
+    "combine": _KindSettings(_combine_pipeline, "host_out_stages", "combine"),
+    "combine_pull": _KindSettings(_combine_pull_pipeline, "src_stages", "combine"),
+}
 
 
 class Engine:
@@ -489,8 +555,8 @@ class Engine:
         self.staging = CombineStaging(config, arenas.own, device) if direct_ok else None
         split = self.staging.nbytes if direct_ok else 0
         self.arenas = [Arena(b + split, arenas.arena_bytes - split, device) for b in arenas.own] if direct_ok else []
-        # Launch arguments per (kind, SMs, dtypes, width): built and checked once, then only the
-        # per-rank part changes (the launchers copy the struct when they launch).
+        # Launch arguments per (kind, SMs, dtype, width, wire dtype, apply_probs): built and checked
+        # once, then only the per-rank part changes (the launchers copy the struct when they launch).
         self._launch_cache: dict[tuple, object] = {}
         # Tensors the last launch of each kind read that the caller may not hold (contiguous
         # or aligned copies, fp32 casts): kept until the next call of that kind, so they
@@ -607,16 +673,21 @@ class Engine:
         shapes = {}
         for (kind, launched_sms, *_), a in self._launch_cache.items():
             if launched_sms == num_sms:
-                stages = {"dispatch": a.fifo_stages, "dispatch_direct": a.fifo_stages, "combine": a.host_out_stages,
-                          "combine_pull": a.src_stages}[kind]
+                stages = getattr(a, _KIND_SETTINGS[kind].stages)
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
         return shapes
 
-    def _launch_args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None):
-        key = (kind, num_sms, dtype_name, row_elems, wire_name)
+    def _launch_args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None,
+                     apply_probs: bool = False):
+        """The LaunchArgs of a kind of launch (_KIND_SETTINGS) at num_sms SMs per rank, rows of
+        row_elems values of dtype_name (combine: partial sums of wire_name between ranks,
+        apply_probs): what every kind sets, then the kind's pipeline; built and checked once per
+        key, the key the callers look up first."""
+        key = (kind, num_sms, dtype_name, row_elems, wire_name, apply_probs)
         cached = self._launch_cache.get(key)
         if cached is not None:
             return cached
+        settings = _KIND_SETTINGS[kind]
         a = self.ext.LaunchArgs()
         a.geo = self.geo
         a.num_ranks = len(self.ranks)
@@ -625,41 +696,15 @@ class Engine:
         a.row_elems = row_elems
         a.kd = int(self.reg.meta_entries)
         a.chunk_tokens = CHUNK_TOKENS
-        if kind.startswith("dispatch") and dtype_name == "float8_e4m3fn":
+        if settings.role == "dispatch" and dtype_name == "float8_e4m3fn":
             a.scale_cols = row_elems // FP8_BLOCK  # fp8 rows carry their scales
+        a.apply_probs = int(apply_probs)
         a.timeout_ns = self.timeout_ns
         a.abort_flag = self.abort.data_ptr()
         a.error = self.error.device_ptr
         a.bad_route = self.bad_route.device_ptr
-        if kind == "dispatch":
-            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
-                                     pipelines=launch.DISPATCH_PIPELINES)
-            a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
-            a.store_groups = launch.store_groups(fifo.stages, self.store_groups_override)
-            smem = launch.DISPATCH_PIPELINES * fifo.smem_bytes
-            per_sm = self.ext.dispatch_max_blocks_per_sm(smem)
-        elif kind == "dispatch_direct":
-            fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), self.smem_per_block,
-                                     max_stages=launch.MAX_STAGES)
-            a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
-            a.store_groups = launch.direct_store_groups(fifo.stages, fifo.stage_bytes, self.store_groups_override)
-            per_sm = self.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
-        elif kind == "combine_pull":  # several nodes: a stage holds a node partial in the wire dtype too
-            wire_bytes = launch.ELEM_BYTES[wire_name] if wire_name and self.config.num_nodes > 1 else 0
-            a.wire_dtype = self.ext.DTYPE_CODES[wire_name or dtype_name]
-            pull = launch.pull_shape(row_elems, max(launch.ELEM_BYTES[dtype_name], wire_bytes), self.smem_per_block)
-            a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
-            per_sm = self.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
-        else:
-            shape = launch.combine_shape(row_elems, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name],
-                                         self.smem_per_block)
-            a.wire_dtype = self.ext.DTYPE_CODES[wire_name]
-            a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.host_stages, shape.src_stages
-            a.host_out_stages = shape.out_stages
-            a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
-            a.store_groups = launch.combine_store_groups(shape.out_stages, self.store_groups_override)
-            per_sm = self.ext.combine_max_blocks_per_sm(shape.smem_bytes)
-        launch.check_coresident(f"num_sms ({kind.split('_')[0]})", num_sms, len(self.ranks), self.device_sms, per_sm)
+        per_sm = settings.pipeline(self, a, row_elems, dtype_name, wire_name)
+        launch.check_coresident(f"num_sms ({settings.role})", num_sms, len(self.ranks), self.device_sms, per_sm)
         self._launch_cache[key] = a
         return a
 
@@ -688,10 +733,7 @@ class Engine:
         if kept is None:
             kept = self._workspaces[key] = []
         for ws in kept:
-            # Unreferenced: the list's and the loop's references to the object, getrefcount's
-            # argument, and the tensor plus the storage object made to count (an int32 view adds one).
-            if (ws.stream == stream and sys.getrefcount(ws) == 3
-                    and _storage_refs(ws.i64) == (2 if ws._i32 is None else 3)):
+            if ws.free(stream):
                 return ws
         layout = self._call_layouts.get(key)
         if layout is None:
@@ -735,13 +777,14 @@ class Engine:
             launched = self._dispatch_known(given, list(known_rows), -1, num_sms)
         else:
             launched = self._dispatch_dynamic(given, num_sms)
-        self._in_flight["dispatch"] = given.tensors
+        _, _, fp8, _, inputs, tensors = given
+        self._in_flight["dispatch"] = tensors
         call, rows, direct, made = launched
-        shape, fp8 = self._shape, given.fp8
+        shape = self._shape
         return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
                              CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
                              CudaRecvLayout(call, i, shape, R))
-                for i, (R, inp, k, t) in enumerate(zip(rows, given.launch, given.tensors, made))]
+                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, tensors, made))]
 
     def _dispatch_inputs(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
                          routings: list[Routing]) -> _DispatchInputs:
@@ -749,7 +792,8 @@ class Engine:
         the right shape; each rank's tensors as the kernels read them (contiguous, 16-byte
         aligned, fp32 scales and weights) and their addresses."""
         H = self.config.hidden_dim
-        dtype = xs[0].dtype
+        first = xs[0]  # the first rank's x sets the call's dtype
+        dtype = first.dtype
         dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
         fp8 = dtype_name == "float8_e4m3fn"
         inputs, keep, topk = [], [], 0
@@ -759,7 +803,7 @@ class Engine:
             if K > MAX_TOPK:
                 raise ValueError(f"topk_idx has {K} routes per token on rank {r}; "
                                  f"the cuda backend supports up to {MAX_TOPK}")
-            if x.dtype != dtype:
+            if x is not first and x.dtype != dtype:
                 raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
                                 f"one call moves one dtype")
             sc_ptr = 0
@@ -791,7 +835,7 @@ class Engine:
                 x, x_ptr = _aligned(x)
             inputs.append((T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))
             keep.append((x, sc, idx, w))
-        return _DispatchInputs(dtype, dtype_name, fp8, topk, inputs, keep)
+        return dtype, dtype_name, fp8, topk, inputs, keep
 
     def _unit_weights(self, count: int) -> torch.Tensor:
         """float32 ones, at least `count` (a dispatch whose caller gave no routing weights reads
@@ -801,17 +845,6 @@ class Engine:
         if ones is None or ones.numel() < count:
             ones = self._ones = torch.ones(max(count, 1), dtype=torch.float32, device=self.device)
         return ones
-
-    def _choose_path(self, rows: list[int], given: _DispatchInputs, stream: int) -> tuple[bool, object]:
-        """(direct, the arena blocks of a direct dispatch or None) for a call of `rows` output
-        rows per rank: the buffer's data path, unless an arena can not serve the call (then the
-        receive path, on every rank: _direct_blocks)."""
-        if self.data_path != "direct":
-            return False, None
-        if not self.arenas:  # ranks in one process: outputs from PyTorch's allocator
-            return True, None
-        taken = self._direct_blocks(rows, given.dtype, given.fp8, stream)
-        return taken is not None, taken
 
     @property
     def absent(self) -> AbsentRanks:
@@ -828,25 +861,26 @@ class Engine:
         """Both kernels in one call into the extension, the output size known (rows per rank;
         static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
         output tensors per rank)."""
+        dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
         absent, after_layout = self._absent_bits
-        direct, taken = self._choose_path(rows, given, stream)
-        call = self._workspace(given.topk, direct, not direct, stream)
+        direct, taken = self._choose_path(rows, dtype, fp8, stream)
+        call = self._workspace(topk, direct, not direct, stream)
         kind = "dispatch_direct" if direct else "dispatch"
-        H, dtype_name = self.config.hidden_dim, given.dtype_name
-        args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None))
+        H = self.config.hidden_dim
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None, False))
                 or self._launch_args(num_sms, dtype_name, H, kind))
         declaring = self._declaring()
         if declaring or taken is None:
-            outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+            outputs, made = self._outputs(rows, taken, dtype, fp8)
         if declaring:
-            self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
-                          self._output_spans(outputs, given.dtype))
+            self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
+                          self._output_spans(outputs, dtype))
         if taken is not None:  # the launch and the arena blocks' tensors in one call
-            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, given.launch, taken,
+            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
                                            absent, after_layout)
         else:
-            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, given.launch, outputs,
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs,
                                absent, after_layout)
         return call, rows, direct, made
 
@@ -854,20 +888,21 @@ class Engine:
         """The layout kernel on a workspace with the tables of both paths, the one host read of
         the output sizes (and of a bad route, raised here), then the dispatch kernel on the path
         those sizes allow: (workspace, rows, direct, output tensors per rank)."""
+        dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
         absent, after_layout = self._absent_bits
         prefer = self.data_path == "direct"
-        H, dtype_name = self.config.hidden_dim, given.dtype_name
-        call = self._workspace(given.topk, prefer, True, stream)
+        H = self.config.hidden_dim
+        call = self._workspace(topk, prefer, True, stream)
         args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
         first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
         declared = None
         if self._declaring():  # the outputs are added after the read
-            declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+            declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
-        self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, given.launch, absent, True)
+        self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
         # From the host read to the dispatch launch the GPU idles: only what needs the
         # output sizes runs here (the outputs' memory, the path); the tensors over the
         # arena blocks and the results are made after the launch.
@@ -876,12 +911,12 @@ class Engine:
         if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
             raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
         rows = [r[0] for r in read]
-        direct, taken = self._choose_path(rows, given, stream)
+        direct, taken = self._choose_path(rows, dtype, fp8, stream)
         if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
             args = self._receive_args(args, num_sms, dtype_name, H)
-        outputs, made = self._outputs(rows, taken, given.dtype, given.fp8)
+        outputs, made = self._outputs(rows, taken, dtype, fp8)
         if declared is not None:
-            self.ext.note_launch_tensors(declared + self._output_spans(outputs, given.dtype))
+            self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
         self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
         if made is None:
             made = taken.tensors()  # (rows, probs[, scales]) per rank
@@ -924,12 +959,17 @@ class Engine:
                     spans.append((sc, R * (H // FP8_BLOCK) * 4))
         return spans
 
-    def _direct_blocks(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int):
-        """Every driven rank's arena block of a direct dispatch (arena.arena_take: the tensors
-        are made after the launch), or None when some rank's arena can not hold it, or its
-        combine could not be staged (more rows than the staging region holds): the call
-        then takes the receive path, on every rank of the group (the vote, where this process
-        drives only some), with one log line per process."""
+    def _choose_path(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int) -> tuple[bool, object]:
+        """(direct, the arena blocks of a direct dispatch or None) for a call of `rows` output
+        rows per rank: the buffer's data path. With arenas, every driven rank's arena block
+        (arena.arena_take: the tensors are made after the launch), unless some rank's arena can
+        not hold it, or its combine could not be staged (more rows than the staging region
+        holds): the call then takes the receive path, on every rank of the group (the vote,
+        where this process drives only some), with one log line per process."""
+        if self.data_path != "direct":
+            return False, None
+        if not self.arenas:  # ranks in one process: outputs from PyTorch's allocator
+            return True, None
         H = self.config.hidden_dim
         taken, reason = None, None
         if max(rows) > self.staging.rows:
@@ -949,8 +989,8 @@ class Engine:
             ok, reason = False, "another rank's arena could not hold its output of the call"
         if not ok:
             _log_fallback(reason)
-            return None
-        return taken
+            return False, None
+        return True, taken
 
     # -- combine ---------------------------------------------------------------------------
 
@@ -963,29 +1003,32 @@ class Engine:
             self.raise_if_failed()
         if num_sms is None:
             num_sms = launch.DEFAULT_NUM_SMS_COMBINE
-        dtype = rows[0].dtype
+        first = rows[0]  # the first rank's rows set the call's dtype and width
+        dtype = first.dtype
         dtype_name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
         wire_name = dtype_name if wire_dtype is None or wire_dtype == dtype else _dtype_name(wire_dtype)
         if wire_name not in (dtype_name, "float32"):
             raise ValueError(f"wire_dtype must be the dtype of expert_out ({dtype_name}) or float32, got {wire_name}")
-        C = rows[0].shape[1]
+        C = first.shape[1]
         if (dtype, C) not in self._row_dtypes:
             self._check_rows("expert_out", C, dtype)
         if C > self.config.hidden_dim:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
         direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
         kind = "combine_pull" if direct else "combine"
-        args = (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name))
-                or self._launch_args(num_sms, dtype_name, C, kind, wire_name))
-        args.apply_probs = int(apply_probs)
+        args = (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name, apply_probs))
+                or self._launch_args(num_sms, dtype_name, C, kind, wire_name, apply_probs))
         stream = self._stream()
         inputs, keep, outs, staged, order = [], [], [], [], None
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
-            if x.dtype != dtype or x.shape[1] != C:
+            if x is not first and (x.dtype != dtype or x.shape[1] != C):
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
-                                 f"{self.ranks[0]}'s is {rows[0].dtype} [{C}]; one call moves one dtype and width")
-            x, x_ptr = _aligned(x)
-            p = _fp32(p)
+                                 f"{self.ranks[0]}'s is {dtype} [{C}]; one call moves one dtype and width")
+            x_ptr = x.data_ptr()
+            if x_ptr % 16 or not x.is_contiguous():
+                x, x_ptr = _aligned(x)
+            if p.dtype is not torch.float32 or not p.is_contiguous():
+                p = _fp32(p)
             if direct and self.arenas:
                 # Arena tensors stay out of _in_flight: the arena reuses a block only on the
                 # stream it was used on, and one kept here would split the arena until the next

@@ -10,7 +10,7 @@ buffer in turn. It holds fp32 rows of hidden_dim and their probs, as many as the
 bf16 call (never more than the largest call the buffer can make), allocated with the arena
 and listed by memory_plan() (`combine_staging`): a combine of a direct dispatch never needs
 memory it can not get. A dispatch whose rows it can not hold takes the receive path
-(engine.py, _direct_blocks).
+(engine.py, Engine._choose_path).
 
 When the region is free again. A combine kernel publishes its expert_out to the peers once it
 runs, after the copy in front of it on its stream; a peer reads it only after that, and the
