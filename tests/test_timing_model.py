@@ -687,11 +687,23 @@ def test_the_table_names_the_model_tokens_given_or_the_default_rule():
         assert shown in first.splitlines()[0] and first.splitlines()[0].endswith("| receive path")
 
 
-def test_predict_refuses_the_direct_path_across_nodes(tmp_path, capsys):
-    args = ["predict", "--emulate", "4", "--emulate-nodes", "2", "--data-path", "direct", "--out", str(tmp_path)]
-    assert timing_cli.main(args) == 2
-    assert "--data-path direct runs on one node only (--emulate-nodes 2)" in capsys.readouterr().err
-    assert not (tmp_path / "predicted.json").exists()
+def test_predict_runs_the_direct_path_across_nodes_by_default(tmp_path):
+    """Across nodes the bench takes the direct path (rail peers forward over NVLink into final
+    rows): the model predicts that path's kernels, and the receive path's on request."""
+    shape = ["--emulate", "4", "--emulate-nodes", "2", "--hidden", "256", "--tokens", "128", "--topk", "2",
+             "--experts", "8", "--sms", "1", "--model-tokens", "32", "64"]
+    kernels = {}
+    for path in ("direct", "receive"):
+        out = tmp_path / path
+        assert timing_cli.main(["predict", *shape, "--out", str(out)] +
+                               (["--data-path", path] if path == "receive" else [])) == 0
+        doc = json.loads((out / "predicted.json").read_text())
+        assert (doc["metadata"]["config"]["data_path"], doc["metadata"]["config"]["nodes"]) == (path, 2)
+        (run,) = doc["runs"]
+        assert run["data_path"] == path and run["dispatch_ms"] > 0 and run["combine_ms"] > 0
+        kernels[path] = set(run["kernels_ms"]["dispatch"]) | set(run["kernels_ms"]["combine"])
+    assert kernels["direct"] == {"layout_kernel", "dispatch_direct_kernel", "combine_pull_kernel"}
+    assert {"dispatch_kernel", "combine_kernel"} <= kernels["receive"]
 
 
 def test_the_fit_finds_the_constants_of_a_linear_model():

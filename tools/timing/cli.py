@@ -54,10 +54,7 @@ def _predict(args) -> int:
         print(f"{PROG} predict: --experts {experts} must be a multiple of every world size and >= --topk "
               f"{args.topk} >= 1", file=sys.stderr)
         return 2
-    path = args.data_path or launch.data_path(nodes == 1, environ={})
-    if path == "direct" and nodes > 1:
-        print(f"{PROG} predict: --data-path direct runs on one node only (--emulate-nodes {nodes})", file=sys.stderr)
-        return 2
+    path = args.data_path or launch.data_path(True, environ={})
     table = constants.load_table(args.constants)
     import hybrid_ep._model as model
 
@@ -187,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the model's bulk copies move no bytes (the same predicted times; the bench's 4096 tokens "
                          "per rank fit this machine)")
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
-                    help="the kernels' data path (default: the bench's, direct on one node, else receive)")
+                    help="the kernels' data path (default: the bench's, direct)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
     pr.add_argument("--out", required=True, help="folder for predicted.json")
     va = sub.add_parser("validate", help="predicted / measured per point, the worst last")
