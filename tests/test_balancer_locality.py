@@ -112,6 +112,35 @@ def test_node_aware_plan_keeps_the_node_bound_where_moves_cost_more():
     assert imb_free[0] <= imb_high[0] + 1e-12
 
 
+def rdma_per_token(routing, row, W: int, N: int, locality: bool) -> float:
+    """Mean RDMA bytes a rank sends per token in dispatch (hierarchical scheme, bf16 rows of 64)."""
+    t = placement_traffic(routing, row, Layout(W, W // N, len(row), 64), locality=locality)
+    return t["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"]
+
+
+@pytest.mark.parametrize("W, N, hot", [(16, 4, 2.0), (16, 8, 2.0), (32, 8, 3.0), (16, 4, 1.0)])
+def test_permutation_plan_adds_at_most_2_percent_rdma(W, N, hot):
+    """No spare slots (S = E): the plan only permutes experts, and an expert off its home node
+    costs RDMA rows. Group-limited routing with one node's experts `hot` times as popular (the
+    nodes' loads uneven, so balancing them tempts moves): the node-aware plan sends at most
+    1.02x the default layout's RDMA bytes per token, where the node-agnostic plan, which
+    evens the nodes, sends more than that; and it is no more imbalanced than the default."""
+    gen = torch.Generator().manual_seed(W + N)
+    pop = zipf_popularity(E, 0.6, gen)
+    pop[: E // N] *= hot
+    routing = [sample_topk(400, E, K, gen, popularity=pop, num_groups=N, topk_groups=2) for _ in range(W)]
+    load = counts(routing)
+    identity = Placement.identity(1, E, E, W, N).slot_to_expert[0]
+    default = rdma_per_token(routing, identity, W, N, locality=False)
+    for weight in (0.0, DEFAULT_RDMA_WEIGHT, 4.0):
+        row = plan_placement(load, E, N, W, rdma_weight=weight).slot_to_expert[0]
+        assert rdma_per_token(routing, row, W, N, locality=True) <= 1.02 * default, weight
+        imbalance = float(imbalance_ratio(rank_loads(load, row, W, nodes=N)))
+        assert imbalance <= float(imbalance_ratio(rank_loads(load, identity, W))) + 1e-12
+    agnostic = plan_placement(load, E, N, W).slot_to_expert[0]
+    assert rdma_per_token(routing, agnostic, W, N, locality=False) > 1.02 * default
+
+
 def test_node_aware_plan_is_valid_deterministic_and_node_agnostic_on_one_node():
     W, N, S = 16, 4, 80
     load = counts(group_limited(W, N, 200, 1.0, seed=2))

@@ -20,7 +20,9 @@
 // Objective: the 16-norm of the node loads over the mean rank load (a smooth maximum: a move
 // that lowers one of several nodes at the peak counts) plus rdma_weight x (routes served
 // off their home node, the shares of the nodes without a copy of an expert whose primary
-// is not its home) / (all routes). Steepest descent, one move per step: satellites alone
+// is not its home) / (all routes), subject to the RDMA budget (below: a move or swap that
+// would spend more than it allows is not taken, so without spare slots a permutation moves
+// experts off their node only within it). Steepest descent, one move per step: satellites alone
 // first (they cost nothing), then every kind; after a satellite, more of the same expert on
 // the lightest nodes while each lowers the objective. Then the nodes are packed, and
 // single-copy experts of the peak rank swap with lighter ones of other nodes while that
@@ -44,6 +46,16 @@ namespace {
 constexpr int kExpertsTried = 8;    // of the peak node, per kind of move
 constexpr int kTargetsTried = 4;    // lightest nodes a step moves load to
 constexpr double kMinGain = 1e-12;  // relative: below it a step is rounding
+
+// The RDMA budget (planner.h: plan_local): routes served off their home node, less
+// kSatelliteCredit x the routes satellites serve on their own node, at most kOffHomeBudget of
+// all routes. An off-home route adds at most one RDMA row (none where its token reaches that
+// node anyway) and a satellite's route saves one where its token needs its home node for no
+// other route; on the DeepSeek-V3-like layer of docs/benchmarks/balancer_locality.md the
+// RDMA bytes per token rose by 0.8-1.2x the off-home share and fell by 0.4-0.7x the
+// satellites' share, so the budget keeps a plan within about 1.2% of the home layout's bytes.
+constexpr double kOffHomeBudget = 0.01;
+constexpr double kSatelliteCredit = 0.3;
 
 double pow16(double x) {  // the smooth maximum's power
   x *= x;
@@ -94,6 +106,14 @@ double off_home(const double* load, const Layout& l, int e) {
   return l.primary[e] == home_of(e, l.E, N) ? 0.0 : load[e] * (N - l.nodes_held[e]) / N;
 }
 
+// Routes of e its satellites serve on their own nodes.
+double satellite_routes(const double* load, const Layout& l, int e) { return load[e] * (l.nodes_held[e] - 1) / l.N; }
+
+// The budget's measure of a plan's added RDMA rows, a fraction of all routes.
+double rdma_spend(double off, double satellites, double total) {
+  return total > 0 ? (off - kSatelliteCredit * satellites) / total : 0.0;
+}
+
 // Node demand of e on n.
 double demand(const double* load, const Layout& l, int e, int n) {
   if (!l.at(e, n)) return 0.0;
@@ -112,6 +132,7 @@ class NodeSearch {
       for (int n = 0; n < N_; ++n)
         if (l_.at(e, n)) items_[n].push_back(e);
       off_ += off_home(load_, l_, e);
+      sat_ += satellite_routes(load_, l_, e);
     }
     for (int n = 0; n < N_; ++n) refresh(n);
   }
@@ -258,9 +279,15 @@ class NodeSearch {
     const double base_terms = sum_terms();
     const double base = key(base_terms, off_);
     Candidate best{base * (1 - kMinGain), -1, -1, -1, -1};
+    // within the RDMA budget, or lowering what is spent where a start is over it
+    const double spent = rdma_spend(off_, sat_, total_);
+    auto affordable = [&](double off, double sat) {
+      const double after = rdma_spend(off, sat, total_);
+      return after <= kOffHomeBudget || after <= spent;
+    };
     auto consider = [&](int kind, int e, int m, int f, double lb_h, double lb_m, double off) {
       const double k = key(base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m), off);
-      if (k < best.key) best = {k, kind, e, m, f};
+      if (k < best.key && affordable(off, sat_ + (kind == 0 ? load_[e] / N_ : 0.0))) best = {k, kind, e, m, f};
     };
     // a move that only adds load to m cannot beat the best with m's bound where it is now
     auto hopeless = [&](int m, double lb_h, double off) {
@@ -362,10 +389,12 @@ class NodeSearch {
     if (c.kind == 0) {
       if (c.f >= 0) move_single(c.f, c.m, h);
       off_ -= off_home(load_, l_, c.e);
+      sat_ -= satellite_routes(load_, l_, c.e);
       l_.holds[static_cast<size_t>(c.e) * N_ + c.m] = 1;
       l_.nodes_held[c.e] += 1;
       items_[c.m].push_back(c.e);
       off_ += off_home(load_, l_, c.e);
+      sat_ += satellite_routes(load_, l_, c.e);
     } else {
       move_single(c.e, h, c.m);
       if (c.kind == 2) move_single(c.f, c.m, h);
@@ -377,6 +406,7 @@ class NodeSearch {
   const double* load_;
   int E_, N_, G_, C_;
   double weight_, total_ = 0.0, mean_ = 0.0, off_ = 0.0;
+  double sat_ = 0.0;   // routes satellites serve on their own nodes
   bool moves_ = true;  // moves and swaps tried too, besides satellites
   Layout l_;
   std::vector<std::vector<int>> items_;                      // [N] experts with a copy on each node
@@ -433,6 +463,8 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
   std::vector<int> copies(E, 0);
   for (int64_t e : slots) copies[e] += 1;
   std::vector<double> rank = rank_loads(load, l, slots, W);
+  double away = 0.0, sat = 0.0;  // off-home and satellite routes (the swaps keep the satellites)
+  for (int e = 0; e < E; ++e) away += off_home(load, l, e), sat += satellite_routes(load, l, e);
   std::vector<int> order(W);
   for (int step = 0; step < S; ++step) {
     std::iota(order.begin(), order.end(), 0);
@@ -440,7 +472,7 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
     std::partial_sort(order.begin(), order.begin() + top, order.end(),
                       [&](int a, int b) { return rank[a] > rank[b] || (rank[a] == rank[b] && a < b); });
     const int p = order[0];
-    double best_gain = kMinGain;
+    double best_gain = kMinGain, best_off = 0.0;
     int bs = -1, bt = -1;
     for (int s = p * P; s < (p + 1) * P; ++s) {
       const int e = static_cast<int>(slots[s]);
@@ -460,10 +492,12 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
         const double off = ((s / C == he) - (t / C == he)) * load[e] * (N - 1) / N +
                            ((t / C == hf) - (s / C == hf)) * load[f] * (N - 1) / N;
         const double gain = (rank[p] - after) / mean - weight * off / total;
-        if (gain > best_gain) best_gain = gain, bs = s, bt = t;
+        if (gain > best_gain && (off <= 0 || rdma_spend(away + off, sat, total) <= kOffHomeBudget))
+          best_gain = gain, bs = s, bt = t, best_off = off;
       }
     }
     if (bs < 0) return;
+    away += best_off;
     const int e = static_cast<int>(slots[bs]), f = static_cast<int>(slots[bt]);
     const int p2 = bs / P, q = bt / P;
     rank[p2] += load[f] - load[e];

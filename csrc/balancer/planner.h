@@ -64,8 +64,10 @@ Slots walk_back_to(const double* load, int E, int W, const Slots& previous, cons
 // route takes the copies on its own node, else its expert's primary node's): per expert, the
 // nodes holding copies and the primary (its home node e / (E / N) unless moving it pays for
 // itself), searched against the node loads plus rdma_weight x the routes served off their
-// home node as a fraction of all; then each node's S / N slots packed by plan_fresh (N = 1),
-// and swaps of single-copy experts between the peak rank and other nodes (nodes.cpp).
+// home node as a fraction of all, within an RDMA budget (off-home routes less a credit for
+// the routes satellites keep on their node: at most 1% of all routes, nodes.cpp); then each
+// node's S / N slots packed by plan_fresh (N = 1), and swaps of single-copy experts between
+// the peak rank and other nodes within the same budget (nodes.cpp).
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight);
 
 // A plan's two terms under the replica choice by locality: rank imbalance (max - mean) / mean
