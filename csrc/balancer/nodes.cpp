@@ -218,17 +218,22 @@ class NodeSearch {
   }
 
   void refresh(int n) {
-    double d = 0.0;
+    // the list as it was, its demands updated, the experts gone dropped and the new ones (the
+    // last of items_[n]: a node's experts are only erased or appended) added, then put in
+    // order by insertion: a step changes a few demands, so the list is nearly in order
     auto& v = sorted_[n];
-    v.clear();
-    for (int e : items_[n]) {
-      const double x = demand(load_, l_, e, n);
-      d += x;
-      v.emplace_back(x, e);
-    }
-    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+    size_t kept = 0;
+    for (const auto& [x, e] : v)
+      if (l_.at(e, n)) v[kept++] = {demand(load_, l_, e, n), e};
+    v.resize(kept);
+    for (size_t i = kept; i < items_[n].size(); ++i) v.emplace_back(demand(load_, l_, items_[n][i], n), items_[n][i]);
+    auto before = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
       return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
+    };
+    for (size_t i = 1; i < v.size(); ++i)
+      for (size_t j = i; j > 0 && before(v[j], v[j - 1]); --j) std::swap(v[j], v[j - 1]);
+    double d = 0.0;
+    for (const auto& item : v) d += item.first;
     demand_[n] = d;
     const int spare = C_ - static_cast<int>(items_[n].size());
     lb_[n] = bound(d, split(n, -1, -1.0, -1.0, spare));
@@ -258,24 +263,16 @@ class NodeSearch {
     std::stable_sort(targets.begin(), targets.end(), [&](int a, int b) { return lb_[a] < lb_[b]; });
     targets.erase(std::remove(targets.begin(), targets.end(), h), targets.end());
     if (static_cast<int>(targets.size()) > kTargetsTried) targets.resize(kTargetsTried);
-    // experts with primary h: heaviest demand on h first (satellites shed from these)
+    // experts with primary h: heaviest demand on h first (satellites shed from these), the
+    // first kExpertsTried of each kind from h's list by demand
     std::vector<int> own, single;
-    for (int e : items_[h])
-      if (l_.primary[e] == h) {
-        own.push_back(e);
-        if (l_.nodes_held[e] == 1) single.push_back(e);
-      }
-    auto heavier = [&](int a, int b) {
-      const double da = demand(load_, l_, a, h), db = demand(load_, l_, b, h);
-      return da > db || (da == db && a < b);
-    };
-    auto first = [&](std::vector<int>& v) {
-      const size_t k = std::min(v.size(), static_cast<size_t>(kExpertsTried));
-      std::partial_sort(v.begin(), v.begin() + k, v.end(), heavier);
-      v.resize(k);
-    };
-    first(own);
-    first(single);
+    for (const auto& [d, e] : sorted_[h]) {
+      if (l_.primary[e] != h) continue;
+      if (own.size() < static_cast<size_t>(kExpertsTried)) own.push_back(e);
+      if (l_.nodes_held[e] == 1 && single.size() < static_cast<size_t>(kExpertsTried)) single.push_back(e);
+      if (own.size() == static_cast<size_t>(kExpertsTried) && single.size() == static_cast<size_t>(kExpertsTried))
+        break;
+    }
     const double base_terms = sum_terms();
     const double base = key(base_terms, off_);
     Candidate best{base * (1 - kMinGain), -1, -1, -1, -1};
@@ -293,6 +290,12 @@ class NodeSearch {
     auto hopeless = [&](int m, double lb_h, double off) {
       return key(base_terms - term_[h] + term(lb_h), off) >= best.key;
     };
+    // nor one whose new demands per rank alone (each a lower bound of its node's bound) do not
+    // beat it, nor one the budget refuses: both checked before the bounds' spare-slot splits
+    auto out = [&](int m, double lb_h, double demand_m, double off, double sat) {
+      return key(base_terms - term_[h] - term_[m] + term(lb_h) + term(demand_m / G_), off) >= best.key ||
+             !affordable(off, sat);
+    };
     const int items_h = static_cast<int>(items_[h].size());
     // h's side of a satellite and of a move does not depend on the target: once per expert
     std::vector<double> sat_h(own.size()), move_h(single.size());
@@ -307,21 +310,23 @@ class NodeSearch {
     for (int m : targets) {
       const int items_m = static_cast<int>(items_[m].size());
       const int evict = items_m >= C_ ? coldest(m) : -1;
-      partners.clear();  // m's single-node experts by load, for swaps
+      partners.clear();  // m's single-node experts by load (their demand), lightest first, for swaps
       if (moves_)
-        for (int x : items_[m])
-          if (l_.nodes_held[x] == 1) partners.emplace_back(load_[x], x);
-      std::sort(partners.begin(), partners.end());
+        for (auto it = sorted_[m].rbegin(); it != sorted_[m].rend(); ++it)
+          if (l_.nodes_held[it->second] == 1) partners.emplace_back(load_[it->second], it->second);
       for (size_t i = 0; i < own.size(); ++i) {  // satellites
         const int e = own[i];
         if (l_.at(e, m)) continue;
         const double share = load_[e] / N_;
         const double off = off_ - (l_.primary[e] == home_of(e, E_, N_) ? 0.0 : share);
         if (items_m < C_) {
-          if (hopeless(m, sat_h[i], off)) continue;
+          if (hopeless(m, sat_h[i], off) || out(m, sat_h[i], demand_[m] + share, off, sat_ + share)) continue;
           consider(0, e, m, -1, sat_h[i], bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)), off);
         } else if (evict >= 0 && items_h < C_) {  // m's coldest single-node expert goes to h
           const double lf = load_[evict];
+          if (out(m, (demand_[h] - share + lf) / G_, demand_[m] - lf + share, off + off_change(evict, m, h),
+                  sat_ + share))
+            continue;
           const double lb_h =
               bound(demand_[h] - share + lf, split(h, e, demand(load_, l_, e, h) - share, lf, C_ - items_h - 1));
           consider(0, e, m, evict, lb_h, bound(demand_[m] - lf + share, split(m, evict, -1.0, share, C_ - items_m)),
@@ -331,7 +336,8 @@ class NodeSearch {
       for (size_t i = 0; i < single.size() && moves_; ++i) {  // moves and swaps of single-node experts
         const int e = single[i];
         const double le = load_[e];
-        if (items_m < C_ && items_h > 1 && !hopeless(m, move_h[i], off_ + off_change(e, h, m)))
+        if (items_m < C_ && items_h > 1 && !hopeless(m, move_h[i], off_ + off_change(e, h, m)) &&
+            !out(m, move_h[i], demand_[m] + le, off_ + off_change(e, h, m), sat_))
           consider(1, e, m, -1, move_h[i], bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
                    off_ + off_change(e, h, m));
         // swap partner: the single-node expert of m lighter than e closest to what evens the pair
@@ -344,6 +350,9 @@ class NodeSearch {
         }
         const int f = near->second;
         const double lf = load_[f];
+        if (out(m, (demand_[h] - le + lf) / G_, demand_[m] - lf + le, off_ + off_change(e, h, m) + off_change(f, m, h),
+                sat_))
+          continue;
         consider(2, e, m, f, bound(demand_[h] - le + lf, split(h, e, -1.0, lf, C_ - items_h)),
                  bound(demand_[m] - lf + le, split(m, f, -1.0, le, C_ - items_m)),
                  off_ + off_change(e, h, m) + off_change(f, m, h));
@@ -596,17 +605,75 @@ void keep_local(const double* load, int L, int E, int W, int N, int S, const int
       node_items(ld, l, n, experts, d);
       const int k = static_cast<int>(experts.size());
       const Slots start = node_start(prev + static_cast<size_t>(n) * C, C, experts, d);
-      const Slots fresh = plan_fresh(d.data(), k, C, 1, G, false);
+      // the refit takes only the copy counts of its `fresh` (where it falls back to them):
+      // replica_counts' own, at a small part of a fresh plan's cost
+      const std::vector<int> counts = replica_counts(d.data(), k, C, std::max(G, (C + k - 1) / k));
+      Slots fresh;
+      fresh.reserve(C);
+      for (int j = 0; j < k; ++j) fresh.insert(fresh.end(), counts[j], j);
       Slots local(C);
       bool node_ok = false;
       keep_previous(d.data(), 1, k, G, C, start.data(), fresh.data(), allowed_peak + layer, max_moves, local.data(),
-                    &node_ok);
+                    &node_ok, false);
       ok = ok && node_ok;
       for (int j = 0; j < C; ++j)
         slots[static_cast<size_t>(layer) * S + static_cast<size_t>(n) * C + j] = experts[local[j]];
     }
     reached[layer] = ok;
   }
+}
+
+Slots align_within_nodes(const Slots& plan, const Slots& previous, int E, int N, int W) {
+  const int S = static_cast<int>(plan.size()), P = S / W, G = W / N;
+  // overlap[a][b] of the ranks a (plan) and b (previous) of one node: pairs of copies of one
+  // expert on them; greedy matching, the largest entry first (ties: lowest a, then b)
+  const SlotsByExpert old = slots_by_expert(previous, E);
+  std::vector<int> overlap(static_cast<size_t>(G) * G), dest(W);
+  std::vector<char> row_free(G), col_free(G);
+  for (int n = 0; n < N; ++n) {
+    std::fill(overlap.begin(), overlap.end(), 0);
+    for (int a = 0; a < G; ++a)
+      for (int s = (n * G + a) * P; s < (n * G + a + 1) * P; ++s)
+        for (int i = old.at[plan[s]]; i < old.at[plan[s] + 1]; ++i) {
+          const int b = old.slots[i] / P - n * G;
+          if (b >= 0 && b < G) overlap[static_cast<size_t>(a) * G + b] += 1;
+        }
+    std::fill(row_free.begin(), row_free.end(), 1);
+    std::fill(col_free.begin(), col_free.end(), 1);
+    for (int k = 0; k < G; ++k) {
+      int best = -1;
+      for (int a = 0; a < G; ++a)
+        for (int b = 0; b < G; ++b)
+          if (row_free[a] && col_free[b] && (best < 0 || overlap[static_cast<size_t>(a) * G + b] > overlap[best]))
+            best = a * G + b;
+      row_free[best / G] = col_free[best % G] = 0;
+      dest[n * G + best / G] = n * G + best % G;
+    }
+  }
+  // within each matched rank, every expert the old rank held in its old slot, the rest in
+  // order into the free slots in order
+  Slots out(S, -1);
+  std::vector<char> used(P);
+  for (int r = 0; r < W; ++r) {
+    const int64_t* from = plan.data() + static_cast<size_t>(r) * P;
+    const int to = dest[r];
+    int64_t* into = out.data() + static_cast<size_t>(to) * P;
+    const int64_t* was = previous.data() + static_cast<size_t>(to) * P;
+    std::fill(used.begin(), used.end(), 0);
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i < P; ++i)
+        if (!used[i] && from[i] == was[j]) {
+          into[j] = from[i], used[i] = 1;
+          break;
+        }
+    int j = 0;
+    for (int i = 0; i < P; ++i) {
+      if (used[i]) continue;
+      while (into[j] >= 0) ++j;
+      into[j] = from[i];
+    }
+  }
+  return out;
 }
 
 }  // namespace hybrid_ep::balancer

@@ -50,9 +50,11 @@ Slots group_nodes(const Slots& slots, int E, int N, int W);
 // changed slots wins). reached[l] is false (slots then hold the best reached) when none gets
 // there: no move lowers that rank any more, or the next would change more than max_moves
 // slots. A layer's slots never differ from previous in more than max_moves slots (the move
-// budget's candidates rely on it).
+// budget's candidates rely on it). searches=false: the search from previous and from fresh's
+// copy counts only, no restarts, count shifts or exchanges (keep_local's node refits, one
+// call per node, where those searches cost more than the whole plan may take).
 void keep_previous(const double* load, int L, int E, int W, int S, const int64_t* previous, const int64_t* fresh,
-                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached);
+                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached, bool searches = true);
 
 // start (a plan within allowed_peak) turned back toward previous slot by slot, every rank
 // staying within allowed_peak: swaps with a copy of previous's expert on another rank, or a
@@ -84,6 +86,12 @@ void local_terms(const double* load, int E, int W, int N, const Slots& slots, do
 void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
                 double rdma_weight, bool keep_layout, const double* allowed_peak, int max_moves, int64_t* slots,
                 bool* reached);
+
+// plan with the ranks of each node and the slots of each rank permuted to match previous
+// (every expert stays on its node, so the node-aware plan's copies keep serving their nodes):
+// ranks of a node matched greedily by the copies they share, then each expert the old rank
+// held put back in its old slot. The balance is unchanged (a permutation within nodes).
+Slots align_within_nodes(const Slots& plan, const Slots& previous, int E, int N, int W);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

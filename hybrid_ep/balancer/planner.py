@@ -162,7 +162,6 @@ def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement
     mean_L = load_LE[todo].sum(1) / W
     allowed_L = peak_local(load_LE[todo], fresh_LS[todo], N, W) + (tolerance + 1e-9) * mean_L
     out_LS = prev_LS.copy()
-    out_LS[todo] = _align(fresh_LS[todo], prev_LS[todo], N, W, E, fixed_nodes=True)  # always within
     # previous re-fitted in its own node layout searched on; where that is not within
     # tolerance, in the fresh plan's layout
     refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], None, N, W, rdma_weight, False, allowed_L, S)
@@ -174,8 +173,16 @@ def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement
         refit[short] = again
         within[short] = _within(load_LE[todo[short]], again, N, W, rdma_weight,
                                 (goal[0][todo[short]], goal[1][todo[short]]))
-    better = within & ((refit != prev_LS[todo]).sum(1) < (out_LS[todo] != prev_LS[todo]).sum(1))
-    out_LS[todo[better]] = refit[better]
+    # the fresh plan matched onto previous (always within) where the refit is not, or changes
+    # more than a quarter of the slots (where matching may change fewer; a refit within that
+    # changes less rarely loses to it, and the matching costs as much as the refit)
+    moved = (refit != prev_LS[todo]).sum(1)
+    match = np.flatnonzero(~within | (moved > S // 4))
+    out_LS[todo] = refit
+    if match.size:
+        aligned = _planner.align_within_nodes(fresh_LS[todo[match]], prev_LS[todo[match]], E, N, W)
+        worse = ~within[match] | ((aligned != prev_LS[todo[match]]).sum(1) <= moved[match])
+        out_LS[todo[match[worse]]] = aligned[worse]
     if move_budget is not None:
         cap = int(np.floor(move_budget * S / N + 1e-9))  # per node
         over = todo[(out_LS[todo] != prev_LS[todo]).reshape(len(todo), N, S // N).sum(2).max(1) > cap]
@@ -289,18 +296,18 @@ def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, 
     return best_LS
 
 
-def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int, fixed_nodes: bool = False) -> np.ndarray:
+def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
     """new_LS with nodes, ranks within a node and slots within a rank permuted to match prev_LS.
 
-    Greedy matching: node pairs by shared experts (fixed_nodes: every node stays, as the
-    node-aware plan's copies are placed for their nodes), then rank pairs within matched
-    nodes, then slots. Rank loads are only permuted, so the balance is unchanged.
+    Greedy matching: node pairs by shared experts, then rank pairs within matched nodes, then
+    slots. Rank loads are only permuted, so the balance is unchanged. (The node-aware plan,
+    whose copies are placed for their nodes, keeps every node: _planner.align_within_nodes.)
     """
     L, S = new_LS.shape
     G, P = W // N, S // W
     overlap = _rank_overlap(new_LS, prev_LS, W, E)  # [L, Wnew, Wold]
     node_ov = overlap.reshape(L, N, G, N, G).sum(axis=(2, 4))
-    node_map = np.tile(np.arange(N), (L, 1)) if fixed_nodes else _greedy_match(node_ov)  # [L, N] old node of each
+    node_map = _greedy_match(node_ov)  # [L, N] old node of each
     rank_ov = overlap.reshape(L, N, G, N, G)
     rank_ov = np.take_along_axis(rank_ov, node_map[:, :, None, None, None], axis=3)[:, :, :, 0, :]  # [L, N, G, G]
     rank_map = _greedy_match(rank_ov.reshape(L * N, G, G)).reshape(L, N, G)
