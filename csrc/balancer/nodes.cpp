@@ -11,7 +11,7 @@
 //
 // Moves at the node level, from the most loaded node h (node load: the larger of its demand
 // per rank and its heaviest copy, once its spare slots split its largest demands, plus the
-// lightest copy for each other slot of that rank; bounds the packing cannot beat):
+// P - 1 lightest copies for the other slots of that rank; bounds the packing cannot beat):
 //   satellite: a copy of an expert whose primary is h on a node m without one; it takes m's
 //     own routes (load / N) off h and crosses no link (a route served on its own node);
 //     where m has no free slot, m's coldest single-node expert moves to h in the same step;
@@ -45,6 +45,11 @@ namespace {
 
 constexpr int kExpertsTried = 8;    // of the peak node, per kind of move
 constexpr int kTargetsTried = 4;    // lightest nodes a step moves load to
+// Steps with every expert and node once the lists above stop: on the locality study's 8 x 8
+// rows with a spare slot per rank, 2 took the largest node from 1.026 to 1.016 of the mean
+// (zipf 0.8) and 1.018 to 1.014 (the training statistics) for 1-2 ms of the 61-layer plan;
+// more cost 1 ms each and did not lower those further.
+constexpr int kWideSteps = 2;
 constexpr double kMinGain = 1e-12;  // relative: below it a step is rounding
 
 // The RDMA budget (planner.h: plan_local): routes served off their home node, less
@@ -141,13 +146,17 @@ class NodeSearch {
 
   // Satellites first (they cross no link), then every kind of move: a move sheds more in one
   // step, so a search that takes the largest step first moves experts a satellite would relieve.
-  void run(int max_steps) {
+  void run(int max_steps, bool wide = true) {
     if (total_ <= 0 || N_ == 1) return;
     int steps = 0;
     for (bool moves : {false, true}) {
       moves_ = moves;
       while (steps < max_steps && step()) ++steps;
     }
+    // then kWideSteps steps with every expert of the peak node to every node: the short lists
+    // stop where the step that evens the last nodes needs a lighter expert or a node further up
+    experts_tried_ = E_, targets_tried_ = N_;
+    for (int k = 0; wide && k < kWideSteps && steps < max_steps && step(); ++k) ++steps;
   }
 
  private:
@@ -158,7 +167,7 @@ class NodeSearch {
 
   // node bound: demand per rank, and the heaviest copy once the spare slots go to the largest
   // demand per copy (at most G copies of one expert: one per rank), as plan_fresh spreads them,
-  // with the P - 1 other slots of its rank at least the lightest copy each
+  // with the P - 1 other slots of its rank at least the P - 1 lightest copies
   double bound(double demand, double heaviest) const { return std::max(demand / G_, heaviest); }
 
   // That heaviest copy's rank bound for node n with one change: `skip`'s demand replaced by
@@ -168,19 +177,22 @@ class NodeSearch {
     if (spare < 0) return kInf;
     const auto& v = sorted_[n];
     const size_t k = static_cast<size_t>(spare) + 1;
-    // lightest item left (the list is heaviest first)
-    double lightest = kInf;
-    for (size_t i = v.size(); i-- > 0;)
-      if (v[i].second != skip) {
-        lightest = v[i].first;
-        break;
-      }
+    // the P - 1 lightest items left (the list is heaviest first), lightest first
+    const size_t others = static_cast<size_t>(C_ / G_ - 1);
+    light_.clear();
+    for (size_t i = v.size(); i-- > 0 && light_.size() < others;)
+      if (v[i].second != skip) light_.push_back(v[i].first);
+    auto lighter = [&](double d) {  // d among the lightest, in place
+      if (others == 0 || (light_.size() == others && d >= light_.back())) return;
+      if (light_.size() == others) light_.pop_back();
+      light_.insert(std::upper_bound(light_.begin(), light_.end(), d), d);
+    };
     buf_.clear();
     for (size_t i = 0; i < v.size() && buf_.size() < k; ++i)
       if (v[i].second != skip) buf_.push_back(v[i].first);
     for (double d : {replaced, added}) {  // into place, heaviest first, at most k kept
       if (d < 0) continue;
-      lightest = std::min(lightest, d);
+      lighter(d);
       if (buf_.size() == k && d <= buf_.back()) continue;
       if (buf_.size() == k) buf_.pop_back();
       buf_.insert(std::upper_bound(buf_.begin(), buf_.end(), d, std::greater<>()), d);
@@ -189,7 +201,7 @@ class NodeSearch {
     double heaviest;
     if (static_cast<size_t>(spare) >= (G_ - 1) * buf_.size()) {  // every one of them split G ways
       heaviest = buf_.front() / G_;
-      lightest = std::min(lightest, buf_.back() / G_);
+      lighter(buf_.back() / G_);
     } else {
       // each spare slot to the largest demand per copy (a heap of (per copy, item))
       copies_.assign(buf_.size(), 1);
@@ -206,15 +218,20 @@ class NodeSearch {
       heaviest = 0.0;
       for (size_t i = 0; i < buf_.size(); ++i) {
         heaviest = std::max(heaviest, buf_[i] / copies_[i]);
-        lightest = std::min(lightest, buf_[i] / copies_[i]);
+        if (copies_[i] > 1) lighter(buf_[i] / copies_[i]);
       }
     }
-    return heaviest + (C_ / G_ - 1) * lightest;
+    return heaviest + std::accumulate(light_.begin(), light_.end(), 0.0);
   }
 
   double term(double lb) const { return pow16(lb / mean_); }
   double key(double sum_terms, double off) const {  // the 16th root as four square roots
     return std::sqrt(std::sqrt(std::sqrt(std::sqrt(sum_terms / N_)))) + weight_ * off / total_;
+  }
+  // key(sum_terms, off) >= k, without the roots (the candidates' pre-checks, many per step)
+  bool not_below(double sum_terms, double off, double k) const {
+    const double norm = k - weight_ * off / total_;
+    return norm <= 0 || sum_terms / N_ >= pow16(norm);
   }
 
   void refresh(int n) {
@@ -262,16 +279,16 @@ class NodeSearch {
     std::iota(targets.begin(), targets.end(), 0);
     std::stable_sort(targets.begin(), targets.end(), [&](int a, int b) { return lb_[a] < lb_[b]; });
     targets.erase(std::remove(targets.begin(), targets.end(), h), targets.end());
-    if (static_cast<int>(targets.size()) > kTargetsTried) targets.resize(kTargetsTried);
+    if (static_cast<int>(targets.size()) > targets_tried_) targets.resize(targets_tried_);
     // experts with primary h: heaviest demand on h first (satellites shed from these), the
-    // first kExpertsTried of each kind from h's list by demand
+    // first experts_tried_ of each kind from h's list by demand
     std::vector<int> own, single;
+    const size_t tried = static_cast<size_t>(experts_tried_);
     for (const auto& [d, e] : sorted_[h]) {
       if (l_.primary[e] != h) continue;
-      if (own.size() < static_cast<size_t>(kExpertsTried)) own.push_back(e);
-      if (l_.nodes_held[e] == 1 && single.size() < static_cast<size_t>(kExpertsTried)) single.push_back(e);
-      if (own.size() == static_cast<size_t>(kExpertsTried) && single.size() == static_cast<size_t>(kExpertsTried))
-        break;
+      if (own.size() < tried) own.push_back(e);
+      if (l_.nodes_held[e] == 1 && single.size() < tried) single.push_back(e);
+      if (own.size() == tried && single.size() == tried) break;
     }
     const double base_terms = sum_terms();
     const double base = key(base_terms, off_);
@@ -283,30 +300,39 @@ class NodeSearch {
       return after <= kOffHomeBudget || after <= spent;
     };
     auto consider = [&](int kind, int e, int m, int f, double lb_h, double lb_m, double off) {
-      const double k = key(base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m), off);
-      if (k < best.key && affordable(off, sat_ + (kind == 0 ? load_[e] / N_ : 0.0))) best = {k, kind, e, m, f};
+      const double terms = base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m);
+      if (not_below(terms, off, best.key) || !affordable(off, sat_ + (kind == 0 ? load_[e] / N_ : 0.0))) return;
+      const double k = key(terms, off);
+      if (k < best.key) best = {k, kind, e, m, f};
     };
     // a move that only adds load to m cannot beat the best with m's bound where it is now
     auto hopeless = [&](int m, double lb_h, double off) {
-      return key(base_terms - term_[h] + term(lb_h), off) >= best.key;
+      return not_below(base_terms - term_[h] + term(lb_h), off, best.key);
     };
     // nor one whose new demands per rank alone (each a lower bound of its node's bound) do not
     // beat it, nor one the budget refuses: both checked before the bounds' spare-slot splits
     auto out = [&](int m, double lb_h, double demand_m, double off, double sat) {
-      return key(base_terms - term_[h] - term_[m] + term(lb_h) + term(demand_m / G_), off) >= best.key ||
+      return not_below(base_terms - term_[h] - term_[m] + term(lb_h) + term(demand_m / G_), off, best.key) ||
              !affordable(off, sat);
     };
     const int items_h = static_cast<int>(items_[h].size());
-    // h's side of a satellite and of a move does not depend on the target: once per expert
-    std::vector<double> sat_h(own.size()), move_h(single.size());
+    // h's side of a satellite and of a move does not depend on the target: once per expert,
+    // on first use (a candidate whose demands alone cannot beat the best never needs it)
+    std::vector<double> sat_h(own.size(), -1.0), move_h(single.size(), -1.0);
+    auto sat_side = [&](size_t i) {
+      if (sat_h[i] < 0) {
+        const int e = own[i];
+        const double share = load_[e] / N_;
+        sat_h[i] = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
+      }
+      return sat_h[i];
+    };
+    auto move_side = [&](size_t i) {
+      if (move_h[i] < 0)
+        move_h[i] = bound(demand_[h] - load_[single[i]], split(h, single[i], -1.0, -1.0, C_ - items_h + 1));
+      return move_h[i];
+    };
     std::vector<std::pair<double, int>> partners;
-    for (size_t i = 0; i < own.size(); ++i) {
-      const int e = own[i];
-      const double share = load_[e] / N_;
-      sat_h[i] = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
-    }
-    for (size_t i = 0; i < single.size() && moves_; ++i)
-      move_h[i] = bound(demand_[h] - load_[single[i]], split(h, single[i], -1.0, -1.0, C_ - items_h + 1));
     for (int m : targets) {
       const int items_m = static_cast<int>(items_[m].size());
       const int evict = items_m >= C_ ? coldest(m) : -1;
@@ -316,12 +342,18 @@ class NodeSearch {
           if (l_.nodes_held[it->second] == 1) partners.emplace_back(load_[it->second], it->second);
       for (size_t i = 0; i < own.size(); ++i) {  // satellites
         const int e = own[i];
-        if (l_.at(e, m)) continue;
+        // of experts at home only: the replica choice takes an expert's primary by its copies
+        // (home, else the node with most), which for a moved expert with satellites can be
+        // another node than the search's
+        if (l_.at(e, m) || h != home_of(e, E_, N_)) continue;
         const double share = load_[e] / N_;
         const double off = off_ - (l_.primary[e] == home_of(e, E_, N_) ? 0.0 : share);
         if (items_m < C_) {
-          if (hopeless(m, sat_h[i], off) || out(m, sat_h[i], demand_[m] + share, off, sat_ + share)) continue;
-          consider(0, e, m, -1, sat_h[i], bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)), off);
+          if (out(m, (demand_[h] - share) / G_, demand_[m] + share, off, sat_ + share) ||
+              hopeless(m, sat_side(i), off) || out(m, sat_side(i), demand_[m] + share, off, sat_ + share))
+            continue;
+          consider(0, e, m, -1, sat_side(i), bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)),
+                   off);
         } else if (evict >= 0 && items_h < C_) {  // m's coldest single-node expert goes to h
           const double lf = load_[evict];
           if (out(m, (demand_[h] - share + lf) / G_, demand_[m] - lf + share, off + off_change(evict, m, h),
@@ -336,9 +368,10 @@ class NodeSearch {
       for (size_t i = 0; i < single.size() && moves_; ++i) {  // moves and swaps of single-node experts
         const int e = single[i];
         const double le = load_[e];
-        if (items_m < C_ && items_h > 1 && !hopeless(m, move_h[i], off_ + off_change(e, h, m)) &&
-            !out(m, move_h[i], demand_[m] + le, off_ + off_change(e, h, m), sat_))
-          consider(1, e, m, -1, move_h[i], bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
+        const double moved_off = off_ + off_change(e, h, m);
+        if (items_m < C_ && items_h > 1 && !out(m, (demand_[h] - le) / G_, demand_[m] + le, moved_off, sat_) &&
+            !hopeless(m, move_side(i), moved_off) && !out(m, move_side(i), demand_[m] + le, moved_off, sat_))
+          consider(1, e, m, -1, move_side(i), bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
                    off_ + off_change(e, h, m));
         // swap partner: the single-node expert of m lighter than e closest to what evens the pair
         const double want = le - (demand_[h] - demand_[m]) / 2;
@@ -417,11 +450,12 @@ class NodeSearch {
   double weight_, total_ = 0.0, mean_ = 0.0, off_ = 0.0;
   double sat_ = 0.0;   // routes satellites serve on their own nodes
   bool moves_ = true;  // moves and swaps tried too, besides satellites
+  int experts_tried_ = kExpertsTried, targets_tried_ = kTargetsTried;
   Layout l_;
   std::vector<std::vector<int>> items_;                      // [N] experts with a copy on each node
   std::vector<double> demand_;                               // [N]
   std::vector<std::vector<std::pair<double, int>>> sorted_;  // [N] (demand, expert), heaviest first
-  mutable std::vector<double> buf_;                          // split's scratch
+  mutable std::vector<double> buf_, light_;                  // split's scratch
   mutable std::vector<int> copies_;
   mutable std::vector<std::pair<double, int>> heap_;
   std::vector<double> lb_, term_;  // [N] node bound, its term of the norm
@@ -519,9 +553,9 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
   }
 }
 
-Slots local_plan(const double* load, int E, int S, int N, int W, double weight, Layout start) {
+Slots local_plan(const double* load, int E, int S, int N, int W, double weight) {
   const int G = W / N;
-  NodeSearch search(load, E, N, G, S / N, weight, std::move(start));
+  NodeSearch search(load, E, N, G, S / N, weight, home_layout(E, N));
   search.run(4 * E);
   Layout l = search.layout();
   Slots slots = pack_nodes(load, l, S, W);
@@ -582,7 +616,7 @@ void local_terms(const double* load, int E, int W, int N, const Slots& slots, do
 }
 
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight) {
-  return local_plan(load, E, S, N, W, rdma_weight, home_layout(E, N));
+  return local_plan(load, E, S, N, W, rdma_weight);
 }
 
 void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
@@ -593,9 +627,9 @@ void keep_local(const double* load, int L, int E, int W, int N, int S, const int
     const double* ld = load + static_cast<size_t>(layer) * E;
     const int64_t* prev = previous + static_cast<size_t>(layer) * S;
     Layout l = layout_of(target ? target + static_cast<size_t>(layer) * S : prev, E, S, N);
-    if (!keep_layout && !target) {
+    if (!keep_layout && !target) {  // the refit's own layout: the short lists only (fewer changes)
       NodeSearch search(ld, E, N, G, C, rdma_weight, std::move(l));
-      search.run(4 * E);
+      search.run(4 * E, false);
       l = search.layout();
     }
     bool ok = true;
