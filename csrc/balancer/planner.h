@@ -29,7 +29,9 @@ std::vector<int> replica_counts(const double* load, int E, int S, int cap);
 // copies, and of copies that split only the few heaviest experts), EPLB's plan and greedy
 // longest-processing-time packing, each followed by swaps at the most loaded rank;
 // then (onto_nodes) ranks ordered onto nodes so an expert's copies share nodes (group_nodes).
-Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes = true);
+// alternatives=false: balanced differencing and its swaps only (the node-aware plan packs
+// every node of every layer this way: the alternatives cost more than they gain there).
+Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes = true, bool alternatives = true);
 
 // Ranks reordered so ranks sharing experts sit on one node: a permutation of whole ranks,
 // so every rank's load and the peak keep their bits. The refit needs only the fresh plan's

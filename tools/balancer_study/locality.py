@@ -258,7 +258,7 @@ def _reading(group: list[dict]) -> list[str]:
            + (": " + "; ".join(worse) if worse else "") + ".", ""]
     if any(c.get("off_home_for_today") for c in group if c["new"]["imbalance"] > c["today"]["imbalance"] + 1e-3):
         out[-1:] = ["Without spare slots a plan only permutes experts: evening nodes whose own loads differ "
-                    "moves routes off their home node, and the node-aware plan spends at most about 1% of "
+                    "moves routes off their home node, and the node-aware plan spends at most 1% of "
                     "them (its RDMA budget, docs/balancer.md), so where today's imbalance needs more it stays "
                     "above it.", ""]
     return out
