@@ -249,8 +249,9 @@ def _reading(group: list[dict]) -> list[str]:
     worse = [f"{name(c)} {c['new']['imbalance']:.3f} (today {c['today']['imbalance']:.3f}{needed(c)})" for c in group
              if not (c["num_slots"] > E and c["today"]["imbalance"] <= 0.02)
              and c["new"]["imbalance"] > c["today"]["imbalance"] + 1e-3]
+    top = max(group, key=lambda c: c["rdma_ratio"])
     out = [f"Rows above 1.02x the default placement's RDMA bytes: {len(over)} of {len(group)}"
-           + (": " + "; ".join(over) if over else "") + ".",
+           + (": " + "; ".join(over) if over else f" (the largest: {name(top)} {top['rdma_ratio']:.3f}x)") + ".",
            f"Rows with spare slots where today's plan is at most 0.02 imbalanced and the new one is not: "
            f"{len(short)} of {sum(c['today']['imbalance'] <= 0.02 for c in spare)}" + (": " + "; ".join(short) if short
                                                                                       else "") + ".",
