@@ -82,8 +82,12 @@ def test_node_bound_holds_unless_the_report_names_the_expert(W, N, S, exponent):
     by a route to an expert that metrics.off_home (the report's list) names."""
     routing = group_limited(W, N, 300, exponent, seed=W + N)
     load = counts(routing)
-    for weight in (0.0, DEFAULT_RDMA_WEIGHT, 4.0):
-        p = plan_placement(load, S, N, W, rdma_weight=weight)
+    earlier = load * np.random.default_rng(W).uniform(0.5, 1.5, load.shape)  # a previous plan's load
+    plans = [plan_placement(load, S, N, W, rdma_weight=w) for w in (0.0, DEFAULT_RDMA_WEIGHT, 4.0)]
+    plans += [plan_placement(load, S, N, W, rdma_weight=w, tolerance=t,
+                             previous=plan_placement(earlier, S, N, W, rdma_weight=w))
+              for w in (0.0, DEFAULT_RDMA_WEIGHT) for t in (0.0, 0.05)]
+    for weight, p in enumerate(plans):
         named = set(torch.nonzero(off_home(load, p, N)[0] > 0).flatten().tolist())
         slots = slot_routings(routing, p.slot_to_expert[0], W, N)
         for r, (experts, s) in enumerate(zip(routing, slots)):
@@ -220,8 +224,12 @@ def test_balance_cli_names_the_experts_off_their_node_and_reports_traffic(tmp_pa
     text = capsys.readouterr().out
     p = Placement(torch.from_numpy(np.zeros((2, 80), dtype=np.int64)), W, N, E)  # shapes only
     away = off_home(load, plan_placement(load, p.num_slots, N, W, rdma_weight=0.0), N)
+    assert (away > 0).any()
     for layer, expert in zip(*np.nonzero(away.numpy() > 0)):
-        assert f"layer {(3, 5)[layer]} expert {expert} (home node {expert // (E // N)})" in text
+        routes = float(away[layer, expert])
+        per_token = routes / (load[layer].sum() / K) * 128 * 2  # at most one bf16 row of 128 per route
+        assert (f"layer {(3, 5)[layer]} expert {expert} (home node {expert // (E // N)}): {routes:.0f} routes, "
+                f"<= {per_token:,.0f} B per token") in text
     assert "traffic (group-limited routing" in text and "mean RDMA bytes per token: plan" in text
     assert balance_main(["plan", "--stats", stats, "--slots-per-rank", "5", "--out", out, "--rdma-weight", "-1"]) == 2
     assert "--rdma-weight: must be a finite number >= 0" in capsys.readouterr().err
