@@ -49,6 +49,12 @@ class HybridEPOptions:
     balancer_move_budget: the most slots per layer one rebalance migrates, as a fraction of the
     layer's slots (None: no cap); where it binds, the imbalance may stay above the tolerance
     until later rebalances move the rest.
+    balancer_rdma_weight: None (the default) plans for the spreading replica choice, copies on
+    any node; a number turns on the node-aware plan and the replica choice by locality across
+    nodes (experts stay on their group's node unless moving one pays for itself at this weight:
+    imbalance given up per fraction of routes served off their home node;
+    hybrid_ep.balancer.knobs.DEFAULT_RDMA_WEIGHT, 0.5, is the measured choice). For
+    node-limited routing (--moe-router-num-groups = nodes).
     balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
     start from.
     balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
@@ -68,6 +74,7 @@ class HybridEPOptions:
     balancer_min_gain: float = 0.0
     balancer_tolerance: float | None = None
     balancer_move_budget: float | None = None
+    balancer_rdma_weight: float | None = None
     balancer_placement: str | None = None
     balancer_report_dir: str | None = None
 
@@ -115,6 +122,11 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option balancer_move_budget must be {knobs.MOVE_BUDGET_RULE} or None, got {budget!r}"
             )
+        weight = self.balancer_rdma_weight
+        if weight is not None and not knobs.valid_rdma_weight(weight):
+            raise ValueError(
+                f"hybrid_ep option balancer_rdma_weight must be {knobs.RDMA_WEIGHT_RULE} or None, got {weight!r}"
+            )
         from hybrid_ep.backends import BACKEND_NAMES  # here too, for the same reason
 
         if self.backend not in BACKEND_NAMES:
@@ -138,6 +150,7 @@ FLAGS = {
     "--hybrid-ep-balancer-min-gain": ("balancer_min_gain", float),
     "--hybrid-ep-balancer-tolerance": ("balancer_tolerance", float),
     "--hybrid-ep-balancer-move-budget": ("balancer_move_budget", float),
+    "--hybrid-ep-balancer-rdma-weight": ("balancer_rdma_weight", float),
     "--hybrid-ep-balancer-placement": ("balancer_placement", str),
     "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
 }
@@ -164,6 +177,9 @@ _HELP = {
     "balancer_move_budget": "expert balancer: most slots per layer one rebalance migrates, as a fraction of the "
                             "slots; where it binds the imbalance may stay above the tolerance until later "
                             "rebalances (default: no cap)",
+    "balancer_rdma_weight": "expert balancer: the node-aware plan and replica choice by locality, for node-limited "
+                            "routing: imbalance given up per fraction of routes served off their home node (0.5 "
+                            "is the measured choice; default: none, the node-agnostic plan)",
     "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
     "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
 }

@@ -82,8 +82,12 @@ def test_node_bound_holds_unless_the_report_names_the_expert(W, N, S, exponent):
     by a route to an expert that metrics.off_home (the report's list) names."""
     routing = group_limited(W, N, 300, exponent, seed=W + N)
     load = counts(routing)
-    for weight in (0.0, DEFAULT_RDMA_WEIGHT, 4.0):
-        p = plan_placement(load, S, N, W, rdma_weight=weight)
+    earlier = load * np.random.default_rng(W).uniform(0.5, 1.5, load.shape)  # a previous plan's load
+    plans = [plan_placement(load, S, N, W, rdma_weight=w) for w in (0.0, DEFAULT_RDMA_WEIGHT, 4.0)]
+    plans += [plan_placement(load, S, N, W, rdma_weight=w, tolerance=t,
+                             previous=plan_placement(earlier, S, N, W, rdma_weight=w))
+              for w in (0.0, DEFAULT_RDMA_WEIGHT) for t in (0.0, 0.05)]
+    for weight, p in enumerate(plans):
         named = set(torch.nonzero(off_home(load, p, N)[0] > 0).flatten().tolist())
         slots = slot_routings(routing, p.slot_to_expert[0], W, N)
         for r, (experts, s) in enumerate(zip(routing, slots)):
@@ -110,6 +114,35 @@ def test_node_aware_plan_keeps_the_node_bound_where_moves_cost_more():
     imb_free, _ = objective(load[None], free.slot_to_expert.numpy(), N, W, 0.0)
     imb_high, _ = objective(load[None], high.slot_to_expert.numpy(), N, W, 0.0)
     assert imb_free[0] <= imb_high[0] + 1e-12
+
+
+def rdma_per_token(routing, row, W: int, N: int, locality: bool) -> float:
+    """Mean RDMA bytes a rank sends per token in dispatch (hierarchical scheme, bf16 rows of 64)."""
+    t = placement_traffic(routing, row, Layout(W, W // N, len(row), 64), locality=locality)
+    return t["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"]
+
+
+@pytest.mark.parametrize("W, N, hot", [(16, 4, 2.0), (16, 8, 2.0), (32, 8, 3.0), (16, 4, 1.0)])
+def test_permutation_plan_adds_at_most_2_percent_rdma(W, N, hot):
+    """No spare slots (S = E): the plan only permutes experts, and an expert off its home node
+    costs RDMA rows. Group-limited routing with one node's experts `hot` times as popular (the
+    nodes' loads uneven, so balancing them tempts moves): the node-aware plan sends at most
+    1.02x the default layout's RDMA bytes per token, where the node-agnostic plan, which
+    evens the nodes, sends more than that; and it is no more imbalanced than the default."""
+    gen = torch.Generator().manual_seed(W + N)
+    pop = zipf_popularity(E, 0.6, gen)
+    pop[: E // N] *= hot
+    routing = [sample_topk(400, E, K, gen, popularity=pop, num_groups=N, topk_groups=2) for _ in range(W)]
+    load = counts(routing)
+    identity = Placement.identity(1, E, E, W, N).slot_to_expert[0]
+    default = rdma_per_token(routing, identity, W, N, locality=False)
+    for weight in (0.0, DEFAULT_RDMA_WEIGHT, 4.0):
+        row = plan_placement(load, E, N, W, rdma_weight=weight).slot_to_expert[0]
+        assert rdma_per_token(routing, row, W, N, locality=True) <= 1.02 * default, weight
+        imbalance = float(imbalance_ratio(rank_loads(load, row, W, nodes=N)))
+        assert imbalance <= float(imbalance_ratio(rank_loads(load, identity, W))) + 1e-12
+    agnostic = plan_placement(load, E, N, W).slot_to_expert[0]
+    assert rdma_per_token(routing, agnostic, W, N, locality=False) > 1.02 * default
 
 
 def test_node_aware_plan_is_valid_deterministic_and_node_agnostic_on_one_node():
@@ -191,8 +224,12 @@ def test_balance_cli_names_the_experts_off_their_node_and_reports_traffic(tmp_pa
     text = capsys.readouterr().out
     p = Placement(torch.from_numpy(np.zeros((2, 80), dtype=np.int64)), W, N, E)  # shapes only
     away = off_home(load, plan_placement(load, p.num_slots, N, W, rdma_weight=0.0), N)
+    assert (away > 0).any()
     for layer, expert in zip(*np.nonzero(away.numpy() > 0)):
-        assert f"layer {(3, 5)[layer]} expert {expert} (home node {expert // (E // N)})" in text
+        routes = float(away[layer, expert])
+        per_token = routes / (load[layer].sum() / K) * 128 * 2  # at most one bf16 row of 128 per route
+        assert (f"layer {(3, 5)[layer]} expert {expert} (home node {expert // (E // N)}): {routes:.0f} routes, "
+                f"<= {per_token:,.0f} B per token") in text
     assert "traffic (group-limited routing" in text and "mean RDMA bytes per token: plan" in text
     assert balance_main(["plan", "--stats", stats, "--slots-per-rank", "5", "--out", out, "--rdma-weight", "-1"]) == 2
     assert "--rdma-weight: must be a finite number >= 0" in capsys.readouterr().err

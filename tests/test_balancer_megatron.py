@@ -38,6 +38,10 @@ def runs(pool_for, new_checkpoint_dir):
     out["tolerance"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     run = TrainRun(INTERVAL, INTERVAL, SLOTS_PER_RANK, "torch", move_budget=0.0)
     out["move_budget"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
+    # two nodes of two ranks: the node-aware plan and the replica choice by locality
+    out["nodes", "plain"] = pool.run(train_moe_layer, [(CASE, TrainRun(STEPS, ranks_per_node=2))] * W, timeout_s=600)
+    run = TrainRun(STEPS, INTERVAL, SLOTS_PER_RANK, "torch", rdma_weight=0.5, ranks_per_node=2)
+    out["nodes", "balanced"] = pool.run(train_moe_layer, [(CASE, run)] * W, timeout_s=600)
     return out
 
 
@@ -143,6 +147,24 @@ def test_attach_passes_the_tolerance(runs):
     assert not kept["applied"] and kept["slots_changed"] == 0
     assert kept["imbalance_rank_before"] == first["imbalance_rank_before"]  # the same load
     assert first["imbalance_rank_after"] < kept["imbalance_rank_before"] <= first["imbalance_rank_after"] + 0.25
+
+
+def test_rdma_weight_plans_for_nodes_and_keeps_the_losses(runs):
+    """HybridEPOptions.balancer_rdma_weight reaches the ExpertBalancer on 2 nodes of 2 ranks: it
+    plans node-aware and routes by locality (routing_nodes 2), migrates, and the losses and
+    gradient norms stay those of the unbalanced run on the same nodes."""
+    plain, balanced = runs["nodes", "plain"][0], runs["nodes", "balanced"][0]
+    assert [r["rdma_weight"] for r in runs["nodes", "balanced"]] == [0.5] * W
+    assert [r["routing_nodes"] for r in runs["nodes", "balanced"]] == [2] * W
+    assert [r["routing_nodes"] for r in runs["torch", "balanced"]] == [1] * W  # without it: the spreading rule
+    applied = [e for e in balanced["events"] if e["applied"]]
+    assert applied and sum(e["slots_changed"] for e in applied) > 0
+    assert len(plain["losses"]) == len(balanced["losses"]) == STEPS
+    assert rel_diff(plain["losses"], balanced["losses"]) <= 1e-5
+    assert rel_diff(runs["torch", "plain"][0]["losses"], plain["losses"]) <= 1e-5  # nodes change no result
+    for rank_result in runs["nodes", "balanced"]:
+        for probe in rank_result["around_migration"]:
+            torch.testing.assert_close(probe["after"], probe["before"], rtol=0, atol=1e-6)
 
 
 def test_attach_passes_the_move_budget(runs):
@@ -303,7 +325,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
             "--hybrid-ep-balancer-interval", "50", "--hybrid-ep-balancer-slots-per-rank", "5",
             "--hybrid-ep-balancer-window", "4", "--hybrid-ep-balancer-min-gain", "0.02",
             "--hybrid-ep-balancer-tolerance", "0.03", "--hybrid-ep-balancer-move-budget", "0.1",
-            "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
+            "--hybrid-ep-balancer-rdma-weight", "0.5", "--hybrid-ep-balancer-report-dir", "/tmp/reports"]
     monkeypatch.setattr("sys.argv", argv)
     args = arguments.parse_args(megatron_patches.extra_args_provider)
     arguments.validate_args(args)
@@ -312,7 +334,7 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     opts = options.options_for(config)
     assert opts.balancer_enabled and opts.balancer_interval == 50 and opts.balancer_slots_per_rank == 5
     assert opts.balancer_window == 4 and opts.balancer_min_gain == 0.02 and opts.balancer_tolerance == 0.03
-    assert opts.balancer_move_budget == 0.1
+    assert opts.balancer_move_budget == 0.1 and opts.balancer_rdma_weight == 0.5
     assert opts.balancer_report_dir == "/tmp/reports" and opts.balancer_decay is None
 
 
@@ -330,6 +352,9 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     ("balancer_move_budget", 1.5, "balancer_move_budget"),
     ("balancer_move_budget", float("nan"), "balancer_move_budget"),
     ("balancer_move_budget", "0.1", "balancer_move_budget"),
+    ("balancer_rdma_weight", -0.5, "balancer_rdma_weight"),
+    ("balancer_rdma_weight", float("inf"), "balancer_rdma_weight"),
+    ("balancer_rdma_weight", "0.5", "balancer_rdma_weight"),
 ])
 def test_balancer_options_name_the_field(field, value, needle):
     from megatron_patches.options import HybridEPOptions
@@ -376,6 +401,35 @@ def test_balancer_move_budget_flag_and_defaults():
             options.from_args(parser.parse_args([flag, bad]))
     assert KINDS["pretrain"]["balancer"]["move_budget"] == ("float?", None)
     assert ExpertBalancer.__init__.__kwdefaults__["move_budget"] is None
+
+
+def test_balancer_rdma_weight_flag_and_defaults():
+    """--hybrid-ep-balancer-rdma-weight through the flags' own parser, the recipe key and the
+    Megatron arguments a recipe makes; without it None everywhere: the node-agnostic plan."""
+    import argparse
+
+    from hybrid_ep.balancer import ExpertBalancer
+    from hybrid_ep.balancer.knobs import DEFAULT_RDMA_WEIGHT
+    from megatron_patches import options
+    from megatron_patches.slurm.megatron_args import dispatcher_args
+    from megatron_patches.slurm.schema import KINDS
+
+    parser = options.add_arguments(argparse.ArgumentParser())
+    flag = "--hybrid-ep-balancer-rdma-weight"
+    assert options.from_args(parser.parse_args([flag, str(DEFAULT_RDMA_WEIGHT)])).balancer_rdma_weight == 0.5
+    assert options.from_args(parser.parse_args([flag, "0"])).balancer_rdma_weight == 0.0
+    assert options.from_args(parser.parse_args([])).balancer_rdma_weight is None
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ValueError, match="balancer_rdma_weight"):
+            options.from_args(parser.parse_args([flag, bad]))
+    assert KINDS["pretrain"]["balancer"]["rdma_weight"] == ("float?", None)
+    assert ExpertBalancer.__init__.__kwdefaults__["rdma_weight"] is None
+    dispatcher = {"type": "hybrid_ep", "pad_multiple": 1, "num_sms_dispatch": None, "num_sms_combine": None,
+                  "static_size_factor": None, "max_tokens_per_rank": None, "backend": "auto"}
+    balancer = {key: default for key, (_, default) in KINDS["pretrain"]["balancer"].items()} | {"interval": 10}
+    assert flag not in dispatcher_args(dispatcher, balancer)
+    args = dispatcher_args(dispatcher, balancer | {"rdma_weight": 0.25})
+    assert args[args.index(flag) + 1] == "0.25"
 
 
 def test_too_few_slots_is_refused():

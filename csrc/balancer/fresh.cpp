@@ -155,7 +155,7 @@ double lower_bound(const double* load, int E, int S, int W) {
   return copies_bound(load, sorted_copies(load, replicate(std::vector<double>(load, load + E), S)), W);
 }
 
-Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes) {
+Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes, bool alternatives) {
   // the uncapped copies (each spare slot to the largest load / copies) give the lower bound and
   // the greedy plan; the plan itself keeps at most cap copies (one per rank)
   const int cap = std::max(W, (S + E - 1) / E);
@@ -173,7 +173,7 @@ Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes
   Slots best = main.slots();
   double best_peak = main.peak();
   auto finish = [&](Slots&& plan) { return onto_nodes ? group_nodes(plan, E, N, W) : std::move(plan); };
-  if (best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return finish(std::move(best));
+  if (!alternatives || best_peak <= copies_bound(load, free, W) * (1 + 1e-12)) return finish(std::move(best));
   // copy counts that split only the j heaviest experts, every other expert single: then the
   // singles are the fine filler that evens out ranks of near-equal experts, where a rule that
   // splits every expert alike (EPLB's, and the counts above) leaves only coarse copies; j from

@@ -11,7 +11,7 @@
 //
 // Moves at the node level, from the most loaded node h (node load: the larger of its demand
 // per rank and its heaviest copy, once its spare slots split its largest demands, plus the
-// lightest copy for each other slot of that rank; bounds the packing cannot beat):
+// P - 1 lightest copies for the other slots of that rank; bounds the packing cannot beat):
 //   satellite: a copy of an expert whose primary is h on a node m without one; it takes m's
 //     own routes (load / N) off h and crosses no link (a route served on its own node);
 //     where m has no free slot, m's coldest single-node expert moves to h in the same step;
@@ -20,7 +20,9 @@
 // Objective: the 16-norm of the node loads over the mean rank load (a smooth maximum: a move
 // that lowers one of several nodes at the peak counts) plus rdma_weight x (routes served
 // off their home node, the shares of the nodes without a copy of an expert whose primary
-// is not its home) / (all routes). Steepest descent, one move per step: satellites alone
+// is not its home) / (all routes), subject to the RDMA budget (below: a move or swap that
+// would spend more than it allows is not taken, so without spare slots a permutation moves
+// experts off their node only within it). Steepest descent, one move per step: satellites alone
 // first (they cost nothing), then every kind; after a satellite, more of the same expert on
 // the lightest nodes while each lowers the objective. Then the nodes are packed, and
 // single-copy experts of the peak rank swap with lighter ones of other nodes while that
@@ -43,7 +45,25 @@ namespace {
 
 constexpr int kExpertsTried = 8;    // of the peak node, per kind of move
 constexpr int kTargetsTried = 4;    // lightest nodes a step moves load to
+// Steps with every expert and node once the lists above stop: on the locality study's 8 x 8
+// rows with a spare slot per rank, 2 took the largest node from 1.026 to 1.016 of the mean
+// (zipf 0.8) and 1.018 to 1.014 (the training statistics) for 1-2 ms of the 61-layer plan;
+// more cost 1 ms each and did not lower those further.
+constexpr int kWideSteps = 2;
 constexpr double kMinGain = 1e-12;  // relative: below it a step is rounding
+
+// The RDMA budget (planner.h: plan_local): routes served off their home node, less
+// kSatelliteCredit x the routes satellites serve on their own node, at most kOffHomeBudget of
+// all routes. An off-home route adds at most one RDMA row (none where its token reaches that
+// node anyway) and a satellite's route saves one where its token needs its home node for no
+// other route. A token of the DeepSeek-V3-like layer of docs/benchmarks/balancer_locality.md
+// sends 3.5 RDMA rows for its 8 routes on 8 nodes (2.3 on 4), so an off-home share f adds at
+// most 2.3 f (8 x 8) to 3.4 f (4 x 8) of its bytes; measured, 0.9-1.9 f (the moved experts'
+// tokens mostly reach their new node anyway), and satellites saved 0.4-0.7x their share: at
+// 1% that layer's plans stayed within 1.017x the home layout's bytes. 0.8% (1.012x) left
+// three of its eight rows without spare slots more imbalanced than the node-agnostic plan.
+constexpr double kOffHomeBudget = 0.01;
+constexpr double kSatelliteCredit = 0.3;
 
 double pow16(double x) {  // the smooth maximum's power
   x *= x;
@@ -94,6 +114,14 @@ double off_home(const double* load, const Layout& l, int e) {
   return l.primary[e] == home_of(e, l.E, N) ? 0.0 : load[e] * (N - l.nodes_held[e]) / N;
 }
 
+// Routes of e its satellites serve on their own nodes.
+double satellite_routes(const double* load, const Layout& l, int e) { return load[e] * (l.nodes_held[e] - 1) / l.N; }
+
+// The budget's measure of a plan's added RDMA rows, a fraction of all routes.
+double rdma_spend(double off, double satellites, double total) {
+  return total > 0 ? (off - kSatelliteCredit * satellites) / total : 0.0;
+}
+
 // Node demand of e on n.
 double demand(const double* load, const Layout& l, int e, int n) {
   if (!l.at(e, n)) return 0.0;
@@ -112,6 +140,7 @@ class NodeSearch {
       for (int n = 0; n < N_; ++n)
         if (l_.at(e, n)) items_[n].push_back(e);
       off_ += off_home(load_, l_, e);
+      sat_ += satellite_routes(load_, l_, e);
     }
     for (int n = 0; n < N_; ++n) refresh(n);
   }
@@ -120,13 +149,17 @@ class NodeSearch {
 
   // Satellites first (they cross no link), then every kind of move: a move sheds more in one
   // step, so a search that takes the largest step first moves experts a satellite would relieve.
-  void run(int max_steps) {
+  void run(int max_steps, bool wide = true) {
     if (total_ <= 0 || N_ == 1) return;
     int steps = 0;
     for (bool moves : {false, true}) {
       moves_ = moves;
       while (steps < max_steps && step()) ++steps;
     }
+    // then kWideSteps steps with every expert of the peak node to every node: the short lists
+    // stop where the step that evens the last nodes needs a lighter expert or a node further up
+    experts_tried_ = E_, targets_tried_ = N_;
+    for (int k = 0; wide && k < kWideSteps && steps < max_steps && step(); ++k) ++steps;
   }
 
  private:
@@ -137,7 +170,7 @@ class NodeSearch {
 
   // node bound: demand per rank, and the heaviest copy once the spare slots go to the largest
   // demand per copy (at most G copies of one expert: one per rank), as plan_fresh spreads them,
-  // with the P - 1 other slots of its rank at least the lightest copy each
+  // with the P - 1 other slots of its rank at least the P - 1 lightest copies
   double bound(double demand, double heaviest) const { return std::max(demand / G_, heaviest); }
 
   // That heaviest copy's rank bound for node n with one change: `skip`'s demand replaced by
@@ -147,19 +180,22 @@ class NodeSearch {
     if (spare < 0) return kInf;
     const auto& v = sorted_[n];
     const size_t k = static_cast<size_t>(spare) + 1;
-    // lightest item left (the list is heaviest first)
-    double lightest = kInf;
-    for (size_t i = v.size(); i-- > 0;)
-      if (v[i].second != skip) {
-        lightest = v[i].first;
-        break;
-      }
+    // the P - 1 lightest items left (the list is heaviest first), lightest first
+    const size_t others = static_cast<size_t>(C_ / G_ - 1);
+    light_.clear();
+    for (size_t i = v.size(); i-- > 0 && light_.size() < others;)
+      if (v[i].second != skip) light_.push_back(v[i].first);
+    auto lighter = [&](double d) {  // d among the lightest, in place
+      if (others == 0 || (light_.size() == others && d >= light_.back())) return;
+      if (light_.size() == others) light_.pop_back();
+      light_.insert(std::upper_bound(light_.begin(), light_.end(), d), d);
+    };
     buf_.clear();
     for (size_t i = 0; i < v.size() && buf_.size() < k; ++i)
       if (v[i].second != skip) buf_.push_back(v[i].first);
     for (double d : {replaced, added}) {  // into place, heaviest first, at most k kept
       if (d < 0) continue;
-      lightest = std::min(lightest, d);
+      lighter(d);
       if (buf_.size() == k && d <= buf_.back()) continue;
       if (buf_.size() == k) buf_.pop_back();
       buf_.insert(std::upper_bound(buf_.begin(), buf_.end(), d, std::greater<>()), d);
@@ -168,7 +204,7 @@ class NodeSearch {
     double heaviest;
     if (static_cast<size_t>(spare) >= (G_ - 1) * buf_.size()) {  // every one of them split G ways
       heaviest = buf_.front() / G_;
-      lightest = std::min(lightest, buf_.back() / G_);
+      lighter(buf_.back() / G_);
     } else {
       // each spare slot to the largest demand per copy (a heap of (per copy, item))
       copies_.assign(buf_.size(), 1);
@@ -185,29 +221,39 @@ class NodeSearch {
       heaviest = 0.0;
       for (size_t i = 0; i < buf_.size(); ++i) {
         heaviest = std::max(heaviest, buf_[i] / copies_[i]);
-        lightest = std::min(lightest, buf_[i] / copies_[i]);
+        if (copies_[i] > 1) lighter(buf_[i] / copies_[i]);
       }
     }
-    return heaviest + (C_ / G_ - 1) * lightest;
+    return heaviest + std::accumulate(light_.begin(), light_.end(), 0.0);
   }
 
   double term(double lb) const { return pow16(lb / mean_); }
   double key(double sum_terms, double off) const {  // the 16th root as four square roots
     return std::sqrt(std::sqrt(std::sqrt(std::sqrt(sum_terms / N_)))) + weight_ * off / total_;
   }
+  // key(sum_terms, off) >= k, without the roots (the candidates' pre-checks, many per step)
+  bool not_below(double sum_terms, double off, double k) const {
+    const double norm = k - weight_ * off / total_;
+    return norm <= 0 || sum_terms / N_ >= pow16(norm);
+  }
 
   void refresh(int n) {
-    double d = 0.0;
+    // the list as it was, its demands updated, the experts gone dropped and the new ones (the
+    // last of items_[n]: a node's experts are only erased or appended) added, then put in
+    // order by insertion: a step changes a few demands, so the list is nearly in order
     auto& v = sorted_[n];
-    v.clear();
-    for (int e : items_[n]) {
-      const double x = demand(load_, l_, e, n);
-      d += x;
-      v.emplace_back(x, e);
-    }
-    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+    size_t kept = 0;
+    for (const auto& [x, e] : v)
+      if (l_.at(e, n)) v[kept++] = {demand(load_, l_, e, n), e};
+    v.resize(kept);
+    for (size_t i = kept; i < items_[n].size(); ++i) v.emplace_back(demand(load_, l_, items_[n][i], n), items_[n][i]);
+    auto before = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
       return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
+    };
+    for (size_t i = 1; i < v.size(); ++i)
+      for (size_t j = i; j > 0 && before(v[j], v[j - 1]); --j) std::swap(v[j], v[j - 1]);
+    double d = 0.0;
+    for (const auto& item : v) d += item.first;
     demand_[n] = d;
     const int spare = C_ - static_cast<int>(items_[n].size());
     lb_[n] = bound(d, split(n, -1, -1.0, -1.0, spare));
@@ -236,65 +282,86 @@ class NodeSearch {
     std::iota(targets.begin(), targets.end(), 0);
     std::stable_sort(targets.begin(), targets.end(), [&](int a, int b) { return lb_[a] < lb_[b]; });
     targets.erase(std::remove(targets.begin(), targets.end(), h), targets.end());
-    if (static_cast<int>(targets.size()) > kTargetsTried) targets.resize(kTargetsTried);
-    // experts with primary h: heaviest demand on h first (satellites shed from these)
+    if (static_cast<int>(targets.size()) > targets_tried_) targets.resize(targets_tried_);
+    // experts with primary h: heaviest demand on h first (satellites shed from these), the
+    // first experts_tried_ of each kind from h's list by demand
     std::vector<int> own, single;
-    for (int e : items_[h])
-      if (l_.primary[e] == h) {
-        own.push_back(e);
-        if (l_.nodes_held[e] == 1) single.push_back(e);
-      }
-    auto heavier = [&](int a, int b) {
-      const double da = demand(load_, l_, a, h), db = demand(load_, l_, b, h);
-      return da > db || (da == db && a < b);
-    };
-    auto first = [&](std::vector<int>& v) {
-      const size_t k = std::min(v.size(), static_cast<size_t>(kExpertsTried));
-      std::partial_sort(v.begin(), v.begin() + k, v.end(), heavier);
-      v.resize(k);
-    };
-    first(own);
-    first(single);
+    const size_t tried = static_cast<size_t>(experts_tried_);
+    for (const auto& [d, e] : sorted_[h]) {
+      if (l_.primary[e] != h) continue;
+      if (own.size() < tried) own.push_back(e);
+      if (l_.nodes_held[e] == 1 && single.size() < tried) single.push_back(e);
+      if (own.size() == tried && single.size() == tried) break;
+    }
     const double base_terms = sum_terms();
     const double base = key(base_terms, off_);
     Candidate best{base * (1 - kMinGain), -1, -1, -1, -1};
+    // within the RDMA budget, or lowering what is spent where a start is over it
+    const double spent = rdma_spend(off_, sat_, total_);
+    auto affordable = [&](double off, double sat) {
+      const double after = rdma_spend(off, sat, total_);
+      return after <= kOffHomeBudget || after <= spent;
+    };
     auto consider = [&](int kind, int e, int m, int f, double lb_h, double lb_m, double off) {
-      const double k = key(base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m), off);
+      const double terms = base_terms - term_[h] - term_[m] + term(lb_h) + term(lb_m);
+      if (not_below(terms, off, best.key) || !affordable(off, sat_ + (kind == 0 ? load_[e] / N_ : 0.0))) return;
+      const double k = key(terms, off);
       if (k < best.key) best = {k, kind, e, m, f};
     };
     // a move that only adds load to m cannot beat the best with m's bound where it is now
     auto hopeless = [&](int m, double lb_h, double off) {
-      return key(base_terms - term_[h] + term(lb_h), off) >= best.key;
+      return not_below(base_terms - term_[h] + term(lb_h), off, best.key);
+    };
+    // nor one whose new demands per rank alone (each a lower bound of its node's bound) do not
+    // beat it, nor one the budget refuses: both checked before the bounds' spare-slot splits
+    auto out = [&](int m, double lb_h, double demand_m, double off, double sat) {
+      return not_below(base_terms - term_[h] - term_[m] + term(lb_h) + term(demand_m / G_), off, best.key) ||
+             !affordable(off, sat);
     };
     const int items_h = static_cast<int>(items_[h].size());
-    // h's side of a satellite and of a move does not depend on the target: once per expert
-    std::vector<double> sat_h(own.size()), move_h(single.size());
+    // h's side of a satellite and of a move does not depend on the target: once per expert,
+    // on first use (a candidate whose demands alone cannot beat the best never needs it)
+    std::vector<double> sat_h(own.size(), -1.0), move_h(single.size(), -1.0);
+    auto sat_side = [&](size_t i) {
+      if (sat_h[i] < 0) {
+        const int e = own[i];
+        const double share = load_[e] / N_;
+        sat_h[i] = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
+      }
+      return sat_h[i];
+    };
+    auto move_side = [&](size_t i) {
+      if (move_h[i] < 0)
+        move_h[i] = bound(demand_[h] - load_[single[i]], split(h, single[i], -1.0, -1.0, C_ - items_h + 1));
+      return move_h[i];
+    };
     std::vector<std::pair<double, int>> partners;
-    for (size_t i = 0; i < own.size(); ++i) {
-      const int e = own[i];
-      const double share = load_[e] / N_;
-      sat_h[i] = bound(demand_[h] - share, split(h, e, demand(load_, l_, e, h) - share, -1.0, C_ - items_h));
-    }
-    for (size_t i = 0; i < single.size() && moves_; ++i)
-      move_h[i] = bound(demand_[h] - load_[single[i]], split(h, single[i], -1.0, -1.0, C_ - items_h + 1));
     for (int m : targets) {
       const int items_m = static_cast<int>(items_[m].size());
       const int evict = items_m >= C_ ? coldest(m) : -1;
-      partners.clear();  // m's single-node experts by load, for swaps
+      partners.clear();  // m's single-node experts by load (their demand), lightest first, for swaps
       if (moves_)
-        for (int x : items_[m])
-          if (l_.nodes_held[x] == 1) partners.emplace_back(load_[x], x);
-      std::sort(partners.begin(), partners.end());
+        for (auto it = sorted_[m].rbegin(); it != sorted_[m].rend(); ++it)
+          if (l_.nodes_held[it->second] == 1) partners.emplace_back(load_[it->second], it->second);
       for (size_t i = 0; i < own.size(); ++i) {  // satellites
         const int e = own[i];
-        if (l_.at(e, m)) continue;
+        // of experts at home only: the replica choice takes an expert's primary by its copies
+        // (home, else the node with most), which for a moved expert with satellites can be
+        // another node than the search's
+        if (l_.at(e, m) || h != home_of(e, E_, N_)) continue;
         const double share = load_[e] / N_;
         const double off = off_ - (l_.primary[e] == home_of(e, E_, N_) ? 0.0 : share);
         if (items_m < C_) {
-          if (hopeless(m, sat_h[i], off)) continue;
-          consider(0, e, m, -1, sat_h[i], bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)), off);
+          if (out(m, (demand_[h] - share) / G_, demand_[m] + share, off, sat_ + share) ||
+              hopeless(m, sat_side(i), off) || out(m, sat_side(i), demand_[m] + share, off, sat_ + share))
+            continue;
+          consider(0, e, m, -1, sat_side(i), bound(demand_[m] + share, split(m, -1, -1.0, share, C_ - items_m - 1)),
+                   off);
         } else if (evict >= 0 && items_h < C_) {  // m's coldest single-node expert goes to h
           const double lf = load_[evict];
+          if (out(m, (demand_[h] - share + lf) / G_, demand_[m] - lf + share, off + off_change(evict, m, h),
+                  sat_ + share))
+            continue;
           const double lb_h =
               bound(demand_[h] - share + lf, split(h, e, demand(load_, l_, e, h) - share, lf, C_ - items_h - 1));
           consider(0, e, m, evict, lb_h, bound(demand_[m] - lf + share, split(m, evict, -1.0, share, C_ - items_m)),
@@ -304,8 +371,10 @@ class NodeSearch {
       for (size_t i = 0; i < single.size() && moves_; ++i) {  // moves and swaps of single-node experts
         const int e = single[i];
         const double le = load_[e];
-        if (items_m < C_ && items_h > 1 && !hopeless(m, move_h[i], off_ + off_change(e, h, m)))
-          consider(1, e, m, -1, move_h[i], bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
+        const double moved_off = off_ + off_change(e, h, m);
+        if (items_m < C_ && items_h > 1 && !out(m, (demand_[h] - le) / G_, demand_[m] + le, moved_off, sat_) &&
+            !hopeless(m, move_side(i), moved_off) && !out(m, move_side(i), demand_[m] + le, moved_off, sat_))
+          consider(1, e, m, -1, move_side(i), bound(demand_[m] + le, split(m, -1, -1.0, le, C_ - items_m - 1)),
                    off_ + off_change(e, h, m));
         // swap partner: the single-node expert of m lighter than e closest to what evens the pair
         const double want = le - (demand_[h] - demand_[m]) / 2;
@@ -317,6 +386,9 @@ class NodeSearch {
         }
         const int f = near->second;
         const double lf = load_[f];
+        if (out(m, (demand_[h] - le + lf) / G_, demand_[m] - lf + le, off_ + off_change(e, h, m) + off_change(f, m, h),
+                sat_))
+          continue;
         consider(2, e, m, f, bound(demand_[h] - le + lf, split(h, e, -1.0, lf, C_ - items_h)),
                  bound(demand_[m] - lf + le, split(m, f, -1.0, le, C_ - items_m)),
                  off_ + off_change(e, h, m) + off_change(f, m, h));
@@ -362,10 +434,12 @@ class NodeSearch {
     if (c.kind == 0) {
       if (c.f >= 0) move_single(c.f, c.m, h);
       off_ -= off_home(load_, l_, c.e);
+      sat_ -= satellite_routes(load_, l_, c.e);
       l_.holds[static_cast<size_t>(c.e) * N_ + c.m] = 1;
       l_.nodes_held[c.e] += 1;
       items_[c.m].push_back(c.e);
       off_ += off_home(load_, l_, c.e);
+      sat_ += satellite_routes(load_, l_, c.e);
     } else {
       move_single(c.e, h, c.m);
       if (c.kind == 2) move_single(c.f, c.m, h);
@@ -377,12 +451,14 @@ class NodeSearch {
   const double* load_;
   int E_, N_, G_, C_;
   double weight_, total_ = 0.0, mean_ = 0.0, off_ = 0.0;
+  double sat_ = 0.0;   // routes satellites serve on their own nodes
   bool moves_ = true;  // moves and swaps tried too, besides satellites
+  int experts_tried_ = kExpertsTried, targets_tried_ = kTargetsTried;
   Layout l_;
   std::vector<std::vector<int>> items_;                      // [N] experts with a copy on each node
   std::vector<double> demand_;                               // [N]
   std::vector<std::vector<std::pair<double, int>>> sorted_;  // [N] (demand, expert), heaviest first
-  mutable std::vector<double> buf_;                          // split's scratch
+  mutable std::vector<double> buf_, light_;                  // split's scratch
   mutable std::vector<int> copies_;
   mutable std::vector<std::pair<double, int>> heap_;
   std::vector<double> lb_, term_;  // [N] node bound, its term of the norm
@@ -403,7 +479,7 @@ Slots pack_nodes(const double* load, const Layout& l, int S, int W) {
   std::vector<double> d;
   for (int n = 0; n < N; ++n) {
     node_items(load, l, n, experts, d);
-    const Slots local = plan_fresh(d.data(), static_cast<int>(experts.size()), C, 1, G, false);
+    const Slots local = plan_fresh(d.data(), static_cast<int>(experts.size()), C, 1, G, false, false);
     for (int j = 0; j < C; ++j) out[static_cast<size_t>(n) * C + j] = experts[local[j]];
   }
   return out;
@@ -433,6 +509,8 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
   std::vector<int> copies(E, 0);
   for (int64_t e : slots) copies[e] += 1;
   std::vector<double> rank = rank_loads(load, l, slots, W);
+  double away = 0.0, sat = 0.0;  // off-home and satellite routes (the swaps keep the satellites)
+  for (int e = 0; e < E; ++e) away += off_home(load, l, e), sat += satellite_routes(load, l, e);
   std::vector<int> order(W);
   for (int step = 0; step < S; ++step) {
     std::iota(order.begin(), order.end(), 0);
@@ -440,7 +518,7 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
     std::partial_sort(order.begin(), order.begin() + top, order.end(),
                       [&](int a, int b) { return rank[a] > rank[b] || (rank[a] == rank[b] && a < b); });
     const int p = order[0];
-    double best_gain = kMinGain;
+    double best_gain = kMinGain, best_off = 0.0;
     int bs = -1, bt = -1;
     for (int s = p * P; s < (p + 1) * P; ++s) {
       const int e = static_cast<int>(slots[s]);
@@ -460,10 +538,12 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
         const double off = ((s / C == he) - (t / C == he)) * load[e] * (N - 1) / N +
                            ((t / C == hf) - (s / C == hf)) * load[f] * (N - 1) / N;
         const double gain = (rank[p] - after) / mean - weight * off / total;
-        if (gain > best_gain) best_gain = gain, bs = s, bt = t;
+        if (gain > best_gain && (off <= 0 || rdma_spend(away + off, sat, total) <= kOffHomeBudget))
+          best_gain = gain, bs = s, bt = t, best_off = off;
       }
     }
     if (bs < 0) return;
+    away += best_off;
     const int e = static_cast<int>(slots[bs]), f = static_cast<int>(slots[bt]);
     const int p2 = bs / P, q = bt / P;
     rank[p2] += load[f] - load[e];
@@ -476,9 +556,9 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
   }
 }
 
-Slots local_plan(const double* load, int E, int S, int N, int W, double weight, Layout start) {
+Slots local_plan(const double* load, int E, int S, int N, int W, double weight) {
   const int G = W / N;
-  NodeSearch search(load, E, N, G, S / N, weight, std::move(start));
+  NodeSearch search(load, E, N, G, S / N, weight, home_layout(E, N));
   search.run(4 * E);
   Layout l = search.layout();
   Slots slots = pack_nodes(load, l, S, W);
@@ -539,7 +619,7 @@ void local_terms(const double* load, int E, int W, int N, const Slots& slots, do
 }
 
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight) {
-  return local_plan(load, E, S, N, W, rdma_weight, home_layout(E, N));
+  return local_plan(load, E, S, N, W, rdma_weight);
 }
 
 void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
@@ -550,9 +630,9 @@ void keep_local(const double* load, int L, int E, int W, int N, int S, const int
     const double* ld = load + static_cast<size_t>(layer) * E;
     const int64_t* prev = previous + static_cast<size_t>(layer) * S;
     Layout l = layout_of(target ? target + static_cast<size_t>(layer) * S : prev, E, S, N);
-    if (!keep_layout && !target) {
+    if (!keep_layout && !target) {  // the refit's own layout: the short lists only (fewer changes)
       NodeSearch search(ld, E, N, G, C, rdma_weight, std::move(l));
-      search.run(4 * E);
+      search.run(4 * E, false);
       l = search.layout();
     }
     bool ok = true;
@@ -562,17 +642,75 @@ void keep_local(const double* load, int L, int E, int W, int N, int S, const int
       node_items(ld, l, n, experts, d);
       const int k = static_cast<int>(experts.size());
       const Slots start = node_start(prev + static_cast<size_t>(n) * C, C, experts, d);
-      const Slots fresh = plan_fresh(d.data(), k, C, 1, G, false);
+      // the refit takes only the copy counts of its `fresh` (where it falls back to them):
+      // replica_counts' own, at a small part of a fresh plan's cost
+      const std::vector<int> counts = replica_counts(d.data(), k, C, std::max(G, (C + k - 1) / k));
+      Slots fresh;
+      fresh.reserve(C);
+      for (int j = 0; j < k; ++j) fresh.insert(fresh.end(), counts[j], j);
       Slots local(C);
       bool node_ok = false;
       keep_previous(d.data(), 1, k, G, C, start.data(), fresh.data(), allowed_peak + layer, max_moves, local.data(),
-                    &node_ok);
+                    &node_ok, false);
       ok = ok && node_ok;
       for (int j = 0; j < C; ++j)
         slots[static_cast<size_t>(layer) * S + static_cast<size_t>(n) * C + j] = experts[local[j]];
     }
     reached[layer] = ok;
   }
+}
+
+Slots align_within_nodes(const Slots& plan, const Slots& previous, int E, int N, int W) {
+  const int S = static_cast<int>(plan.size()), P = S / W, G = W / N;
+  // overlap[a][b] of the ranks a (plan) and b (previous) of one node: pairs of copies of one
+  // expert on them; greedy matching, the largest entry first (ties: lowest a, then b)
+  const SlotsByExpert old = slots_by_expert(previous, E);
+  std::vector<int> overlap(static_cast<size_t>(G) * G), dest(W);
+  std::vector<char> row_free(G), col_free(G);
+  for (int n = 0; n < N; ++n) {
+    std::fill(overlap.begin(), overlap.end(), 0);
+    for (int a = 0; a < G; ++a)
+      for (int s = (n * G + a) * P; s < (n * G + a + 1) * P; ++s)
+        for (int i = old.at[plan[s]]; i < old.at[plan[s] + 1]; ++i) {
+          const int b = old.slots[i] / P - n * G;
+          if (b >= 0 && b < G) overlap[static_cast<size_t>(a) * G + b] += 1;
+        }
+    std::fill(row_free.begin(), row_free.end(), 1);
+    std::fill(col_free.begin(), col_free.end(), 1);
+    for (int k = 0; k < G; ++k) {
+      int best = -1;
+      for (int a = 0; a < G; ++a)
+        for (int b = 0; b < G; ++b)
+          if (row_free[a] && col_free[b] && (best < 0 || overlap[static_cast<size_t>(a) * G + b] > overlap[best]))
+            best = a * G + b;
+      row_free[best / G] = col_free[best % G] = 0;
+      dest[n * G + best / G] = n * G + best % G;
+    }
+  }
+  // within each matched rank, every expert the old rank held in its old slot, the rest in
+  // order into the free slots in order
+  Slots out(S, -1);
+  std::vector<char> used(P);
+  for (int r = 0; r < W; ++r) {
+    const int64_t* from = plan.data() + static_cast<size_t>(r) * P;
+    const int to = dest[r];
+    int64_t* into = out.data() + static_cast<size_t>(to) * P;
+    const int64_t* was = previous.data() + static_cast<size_t>(to) * P;
+    std::fill(used.begin(), used.end(), 0);
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i < P; ++i)
+        if (!used[i] && from[i] == was[j]) {
+          into[j] = from[i], used[i] = 1;
+          break;
+        }
+    int j = 0;
+    for (int i = 0; i < P; ++i) {
+      if (used[i]) continue;
+      while (into[j] >= 0) ++j;
+      into[j] = from[i];
+    }
+  }
+  return out;
 }
 
 }  // namespace hybrid_ep::balancer

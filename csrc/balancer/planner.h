@@ -29,7 +29,9 @@ std::vector<int> replica_counts(const double* load, int E, int S, int cap);
 // copies, and of copies that split only the few heaviest experts), EPLB's plan and greedy
 // longest-processing-time packing, each followed by swaps at the most loaded rank;
 // then (onto_nodes) ranks ordered onto nodes so an expert's copies share nodes (group_nodes).
-Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes = true);
+// alternatives=false: balanced differencing and its swaps only (the node-aware plan packs
+// every node of every layer this way: the alternatives cost more than they gain there).
+Slots plan_fresh(const double* load, int E, int S, int N, int W, bool onto_nodes = true, bool alternatives = true);
 
 // Ranks reordered so ranks sharing experts sit on one node: a permutation of whole ranks,
 // so every rank's load and the peak keep their bits. The refit needs only the fresh plan's
@@ -50,9 +52,11 @@ Slots group_nodes(const Slots& slots, int E, int N, int W);
 // changed slots wins). reached[l] is false (slots then hold the best reached) when none gets
 // there: no move lowers that rank any more, or the next would change more than max_moves
 // slots. A layer's slots never differ from previous in more than max_moves slots (the move
-// budget's candidates rely on it).
+// budget's candidates rely on it). searches=false: the search from previous and from fresh's
+// copy counts only, no restarts, count shifts or exchanges (keep_local's node refits, one
+// call per node, where those searches cost more than the whole plan may take).
 void keep_previous(const double* load, int L, int E, int W, int S, const int64_t* previous, const int64_t* fresh,
-                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached);
+                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached, bool searches = true);
 
 // start (a plan within allowed_peak) turned back toward previous slot by slot, every rank
 // staying within allowed_peak: swaps with a copy of previous's expert on another rank, or a
@@ -64,8 +68,10 @@ Slots walk_back_to(const double* load, int E, int W, const Slots& previous, cons
 // route takes the copies on its own node, else its expert's primary node's): per expert, the
 // nodes holding copies and the primary (its home node e / (E / N) unless moving it pays for
 // itself), searched against the node loads plus rdma_weight x the routes served off their
-// home node as a fraction of all; then each node's S / N slots packed by plan_fresh (N = 1),
-// and swaps of single-copy experts between the peak rank and other nodes (nodes.cpp).
+// home node as a fraction of all, within an RDMA budget (off-home routes less a credit for
+// the routes satellites keep on their node: at most 1% of all routes, nodes.cpp); then each
+// node's S / N slots packed by plan_fresh (N = 1), and swaps of single-copy experts between
+// the peak rank and other nodes within the same budget (nodes.cpp).
 Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_weight);
 
 // A plan's two terms under the replica choice by locality: rank imbalance (max - mean) / mean
@@ -82,6 +88,12 @@ void local_terms(const double* load, int E, int W, int N, const Slots& slots, do
 void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,
                 double rdma_weight, bool keep_layout, const double* allowed_peak, int max_moves, int64_t* slots,
                 bool* reached);
+
+// plan with the ranks of each node and the slots of each rank permuted to match previous
+// (every expert stays on its node, so the node-aware plan's copies keep serving their nodes):
+// ranks of a node matched greedily by the copies they share, then each expert the old rank
+// held put back in its old slot. The balance is unchanged (a permutation within nodes).
+Slots align_within_nodes(const Slots& plan, const Slots& previous, int E, int N, int W);
 
 // EPLB's hierarchical policy (one expert per group; N = 1 is its global policy).
 Slots eplb_hierarchical(const double* load, int E, int S, int N, int W);

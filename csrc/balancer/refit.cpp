@@ -515,7 +515,7 @@ struct Refit {
 // The search from previous, then (where it gets stuck or costly) from fresh's copy counts
 // and the restarts.
 Refit refit_layer(const double* load, int E, int W, const Slots& previous, const Slots& fresh, double allowed_peak,
-                  int max_moves) {
+                  int max_moves, bool searches) {
   const int S = static_cast<int>(previous.size());
   Packing pk(load, E, W, previous);
   Refit r{{}, S + 1, refit_search(pk, previous, allowed_peak, max_moves)};
@@ -531,7 +531,7 @@ Refit refit_layer(const double* load, int E, int W, const Slots& previous, const
   }
   // still stuck or above kRestartAbove of the slots: restarts, each stopped once it changes as
   // many slots as the best
-  for (unsigned seed = 1; seed <= kRestarts && r.best > S * kRestartAbove; ++seed) {
+  for (unsigned seed = 1; searches && seed <= kRestarts && r.best > S * kRestartAbove; ++seed) {
     std::minstd_rand order(seed);
     Packing again(load, E, W, previous);
     r.keep(refit_search(again, previous, allowed_peak, std::min(max_moves, r.best - 1), &order), again, previous,
@@ -571,7 +571,7 @@ void refine_layer(const double* load, int E, int W, const Slots& previous, doubl
 }  // namespace
 
 void keep_previous(const double* load, int L, int E, int W, int S, const int64_t* previous, const int64_t* fresh,
-                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached) {
+                   const double* allowed_peak, int max_moves, int64_t* slots, bool* reached, bool searches) {
   auto layer = [S](const int64_t* plans, int l) {
     return Slots(plans + static_cast<size_t>(l) * S, plans + static_cast<size_t>(l + 1) * S);
   };
@@ -579,7 +579,7 @@ void keep_previous(const double* load, int L, int E, int W, int S, const int64_t
   refits.reserve(L);
   for (int l = 0; l < L; ++l)
     refits.push_back(refit_layer(load + static_cast<size_t>(l) * E, E, W, layer(previous, l), layer(fresh, l),
-                                 allowed_peak[l], max_moves));
+                                 allowed_peak[l], max_moves, searches));
   // the exchanges, within the call's budget: layers over the move target first, nearest to
   // it first (where they can still bring it under), then those just under it
   std::vector<int> order;
@@ -587,7 +587,7 @@ void keep_previous(const double* load, int L, int E, int W, int S, const int64_t
     if (exchanges_wanted(refits[l], S) > 0) order.push_back(l);
   auto rank = [&](int l) { return std::make_pair(refits[l].best <= S * kExchangeAbove, refits[l].best); };
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rank(a) < rank(b); });
-  int budget = std::max(kExchangesPerCall, static_cast<int>(std::ceil(kExchangesPerLayer * L)));
+  int budget = searches ? std::max(kExchangesPerCall, static_cast<int>(std::ceil(kExchangesPerLayer * L))) : 0;
   for (int l : order) {
     const int cost = exchanges_wanted(refits[l], S);
     if (cost > budget) continue;

@@ -163,6 +163,32 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("max_moves"),
         "(slots [L, S], reached [L]): previous re-fitted node by node toward allowed_peak (planner.h)");
   m.def(
+      "align_within_nodes",
+      [](const Plan& plan, const Plan& previous, int E, int N, int W) {
+        require(plan.ndim() == 2 && previous.ndim() == 2 && plan.shape(0) == previous.shape(0) &&
+                    plan.shape(1) == previous.shape(1) && E >= 1,
+                "plan and previous must be [layers, num_slots] alike and num_experts >= 1");
+        const auto L = plan.shape(0), S = plan.shape(1);
+        require(W >= 1 && N >= 1 && W % N == 0 && S % W == 0,
+                "num_ranks must divide the slots and be a multiple of num_nodes");
+        check_ids(plan, E, "plan");
+        check_ids(previous, E, "previous");
+        const int64_t* p = plan.data();
+        const int64_t* q = previous.data();
+        Plan out({L, S});
+        {
+          py::gil_scoped_release release;
+          for (py::ssize_t l = 0; l < L; ++l) {
+            const hb::Slots aligned = hb::align_within_nodes(hb::Slots(p + l * S, p + (l + 1) * S),
+                                                             hb::Slots(q + l * S, q + (l + 1) * S), E, N, W);
+            std::memcpy(out.mutable_data() + l * S, aligned.data(), sizeof(int64_t) * S);
+          }
+        }
+        return out;
+      },
+      py::arg("plan"), py::arg("previous"), py::arg("num_experts"), py::arg("num_nodes"), py::arg("num_ranks"),
+      "[L, S]: plan with ranks within each node and slots within each rank matched onto previous (planner.h)");
+  m.def(
       "group_nodes",
       [](const Plan& plan, int E, int N, int W) {
         require(plan.ndim() == 2 && E >= 1, "plan must be [layers, num_slots] and num_experts >= 1");

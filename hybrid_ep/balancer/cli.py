@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rdma-weight", type=rdma_weight, default=None,
                       help="plan for the replica choice by locality (routes take the copies on their own node): "
                            "experts stay on their home node unless moving one lowers the imbalance by more than "
-                           "this x the share of routes it then serves off its node (recommended for node-limited "
+                           "this x the share of routes it then serves off its node, within an RDMA budget of about "
+                           "1%% of the routes off their node (docs/balancer.md; recommended for node-limited "
                            f"routing: {DEFAULT_RDMA_WEIGHT}; default: copies on any node, routes spread over them)")
     plan.add_argument("--traffic", choices=ROUTINGS,
                       help="also report RDMA and NVLink bytes per token of every layer, on this routing drawn from "

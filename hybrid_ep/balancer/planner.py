@@ -139,58 +139,53 @@ def _within(load_LE, s2e_LS, N, W, rdma_weight, goal) -> np.ndarray:
 
 def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement | None, tolerance: float,
                 move_budget: float | None, rdma_weight: float) -> Placement:
-    """The node-aware plan (plan_placement's rdma_weight). With previous, per layer the first
-    of: previous unchanged, where its imbalance and its cost of off-home routes are each within
-    tolerance of the fresh plan's; else, whichever changes fewer slots among those within
-    tolerance, previous re-fitted node by node (each node's slots by the refit of the
-    node-agnostic plan) in its own node layout searched on (where that is not within, in the
-    fresh plan's layout), or the fresh plan with the ranks of each node and the slots of each
-    rank matched onto previous (always within). With
-    move_budget, a layer changing more is re-fitted within previous's node layout, each node
-    stopped at the budget's share of its slots."""
+    """The node-aware plan (plan_placement's rdma_weight). With previous, the reference plan is
+    the same search started from previous's node layout instead of the home layout (a local
+    search either way; from previous it changes few nodes where the load changed little), and
+    per layer the first of: previous unchanged, where its imbalance and its cost of off-home
+    routes are each within tolerance of the reference's; else previous re-fitted node by node
+    in the reference's layout (each node's slots by the refit of the node-agnostic plan) where
+    that is within tolerance and changes at most a quarter of the slots, else whichever of it
+    (if within) and the reference with the ranks of each node and the slots of each rank
+    matched onto previous (always within) changes fewer slots. With move_budget, a layer
+    changing more is re-fitted within previous's node layout, each node stopped at the
+    budget's share of its slots."""
     E = load_LE.shape[1]
-    fresh_LS = _planner.plan_local(load_LE, S, N, W, rdma_weight)
     if previous is None:
-        return Placement(torch.from_numpy(fresh_LS), W, N, E).validate()
+        return Placement(torch.from_numpy(_planner.plan_local(load_LE, S, N, W, rdma_weight)), W, N, E).validate()
     _check_previous(previous, load_LE.shape[0], E, S, N, W)
     prev_LS = previous.slot_to_expert.numpy()
-    goal = tuple(term + tolerance + 1e-9 for term in objective(load_LE, fresh_LS, N, W, rdma_weight))
+    fresh_LS = _planner.plan_local(load_LE, S, N, W, rdma_weight)
+    imbalance, cost = objective(load_LE, fresh_LS, N, W, rdma_weight)
+    mean_L = load_LE.sum(1) / W
+    goal = (imbalance + tolerance + 1e-9, cost + tolerance + 1e-9)
     keep_L = _within(load_LE, prev_LS, N, W, rdma_weight, goal)
     if keep_L.all():
         return previous
     todo = np.flatnonzero(~keep_L)
-    mean_L = load_LE[todo].sum(1) / W
-    allowed_L = peak_local(load_LE[todo], fresh_LS[todo], N, W) + (tolerance + 1e-9) * mean_L
+    allowed_L = (1 + imbalance[todo] + tolerance + 1e-9) * mean_L[todo]  # the reference's peak + tolerance
     out_LS = prev_LS.copy()
-    out_LS[todo] = _align(fresh_LS[todo], prev_LS[todo], N, W, E, fixed_nodes=True)  # always within
-    # previous re-fitted in its own node layout searched on; where that is not within
-    # tolerance, in the fresh plan's layout
-    refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], None, N, W, rdma_weight, False, allowed_L, S)
+    refit, _ = _planner.keep_local(load_LE[todo], prev_LS[todo], fresh_LS[todo], N, W, rdma_weight, False, allowed_L,
+                                   S)
     within = _within(load_LE[todo], refit, N, W, rdma_weight, (goal[0][todo], goal[1][todo]))
-    short = np.flatnonzero(~within)
-    if short.size:
-        again, _ = _planner.keep_local(load_LE[todo[short]], prev_LS[todo[short]], fresh_LS[todo[short]], N, W,
-                                       rdma_weight, False, allowed_L[short], S)
-        refit[short] = again
-        within[short] = _within(load_LE[todo[short]], again, N, W, rdma_weight,
-                                (goal[0][todo[short]], goal[1][todo[short]]))
-    better = within & ((refit != prev_LS[todo]).sum(1) < (out_LS[todo] != prev_LS[todo]).sum(1))
-    out_LS[todo[better]] = refit[better]
+    # the reference matched onto previous where the refit is not within, or changes more than
+    # a quarter of the slots (where matching may change fewer; a refit within that changes
+    # less rarely loses to it)
+    moved = (refit != prev_LS[todo]).sum(1)
+    match = np.flatnonzero(~within | (moved > S // 4))
+    out_LS[todo] = refit
+    if match.size:
+        aligned = _planner.align_within_nodes(fresh_LS[todo[match]], prev_LS[todo[match]], E, N, W)
+        worse = ~within[match] | ((aligned != prev_LS[todo[match]]).sum(1) <= moved[match])
+        out_LS[todo[match[worse]]] = aligned[worse]
     if move_budget is not None:
         cap = int(np.floor(move_budget * S / N + 1e-9))  # per node
         over = todo[(out_LS[todo] != prev_LS[todo]).reshape(len(todo), N, S // N).sum(2).max(1) > cap]
         if over.size:
-            mean_over = load_LE[over].sum(1) / W
-            allowed_over = peak_local(load_LE[over], fresh_LS[over], N, W) + (tolerance + 1e-9) * mean_over
+            allowed_over = (1 + imbalance[over] + tolerance + 1e-9) * mean_L[over]
             out_LS[over] = _planner.keep_local(load_LE[over], prev_LS[over], None, N, W, rdma_weight, True,
                                                allowed_over, cap)[0]
     return Placement(torch.from_numpy(np.ascontiguousarray(out_LS)), W, N, E).validate()
-
-
-def peak_local(load_LE: np.ndarray, s2e_LS: np.ndarray, N: int, W: int) -> np.ndarray:
-    """[L] largest rank load under the replica choice by locality over N nodes."""
-    imbalance, _ = _planner.local_terms(load_LE, np.ascontiguousarray(s2e_LS), N, W)
-    return (1 + imbalance) * load_LE.sum(1) / W
 
 
 # ----------------------------------------------------------------------------- checks
@@ -289,18 +284,18 @@ def _fit_budget(load_LE: np.ndarray, prev_LS: np.ndarray, fresh_LS: np.ndarray, 
     return best_LS
 
 
-def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int, fixed_nodes: bool = False) -> np.ndarray:
+def _align(new_LS: np.ndarray, prev_LS: np.ndarray, N: int, W: int, E: int) -> np.ndarray:
     """new_LS with nodes, ranks within a node and slots within a rank permuted to match prev_LS.
 
-    Greedy matching: node pairs by shared experts (fixed_nodes: every node stays, as the
-    node-aware plan's copies are placed for their nodes), then rank pairs within matched
-    nodes, then slots. Rank loads are only permuted, so the balance is unchanged.
+    Greedy matching: node pairs by shared experts, then rank pairs within matched nodes, then
+    slots. Rank loads are only permuted, so the balance is unchanged. (The node-aware plan,
+    whose copies are placed for their nodes, keeps every node: _planner.align_within_nodes.)
     """
     L, S = new_LS.shape
     G, P = W // N, S // W
     overlap = _rank_overlap(new_LS, prev_LS, W, E)  # [L, Wnew, Wold]
     node_ov = overlap.reshape(L, N, G, N, G).sum(axis=(2, 4))
-    node_map = np.tile(np.arange(N), (L, 1)) if fixed_nodes else _greedy_match(node_ov)  # [L, N] old node of each
+    node_map = _greedy_match(node_ov)  # [L, N] old node of each
     rank_ov = overlap.reshape(L, N, G, N, G)
     rank_ov = np.take_along_axis(rank_ov, node_map[:, :, None, None, None], axis=3)[:, :, :, 0, :]  # [L, N, G, G]
     rank_map = _greedy_match(rank_ov.reshape(L * N, G, G)).reshape(L, N, G)

@@ -86,6 +86,7 @@ def dispatcher_args(d: dict, b: dict) -> list[str]:
         _flag(a, "--hybrid-ep-balancer-min-gain", b["min_gain"] if b["min_gain"] else None)
         _flag(a, "--hybrid-ep-balancer-tolerance", b["tolerance"])
         _flag(a, "--hybrid-ep-balancer-move-budget", b["move_budget"])
+        _flag(a, "--hybrid-ep-balancer-rdma-weight", b["rdma_weight"])
         _flag(a, "--hybrid-ep-balancer-report-dir", b["report_dir"])
     return a
 

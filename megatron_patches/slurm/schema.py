@@ -108,6 +108,7 @@ _PRETRAIN = {
         "min_gain": ("float", 0.0),
         "tolerance": ("float?", None),  # None: the planner's default
         "move_budget": ("float?", None),  # None: no cap on the slots one rebalance moves
+        "rdma_weight": ("float?", None),  # None: the node-agnostic plan (no replica choice by locality)
         "report_dir": ("str?", None),
     },
     "precision": ("str", "bf16"),

@@ -40,7 +40,14 @@ import re
 import torch
 
 from hybrid_ep.backends import BACKEND_NAMES
-from hybrid_ep.balancer.knobs import MOVE_BUDGET_RULE, TOLERANCE_RULE, valid_move_budget, valid_tolerance
+from hybrid_ep.balancer.knobs import (
+    MOVE_BUDGET_RULE,
+    RDMA_WEIGHT_RULE,
+    TOLERANCE_RULE,
+    valid_move_budget,
+    valid_rdma_weight,
+    valid_tolerance,
+)
 from hybrid_ep.bench.spec import BENCH_BACKENDS, ROUTINGS, BenchArgError, BenchSpec
 from hybrid_ep.bench.spec import DTYPES as BENCH_DTYPES
 from hybrid_ep.config import FP8_BLOCK
@@ -315,6 +322,9 @@ def _balancer(recipe, problems):
     move_budget = recipe[b + "move_budget"]
     if move_budget is not None and not valid_move_budget(move_budget):
         problems.append((b + "move_budget", f"must be {MOVE_BUDGET_RULE} or null, got {move_budget}"))
+    rdma_weight = recipe[b + "rdma_weight"]
+    if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
+        problems.append((b + "rdma_weight", f"must be {RDMA_WEIGHT_RULE} or null, got {rdma_weight}"))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on

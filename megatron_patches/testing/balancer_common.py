@@ -36,6 +36,8 @@ class TrainRun:
     window: int = 1                 # reductions summed into the planning load
     tolerance: float | None = None  # the planner's (HybridEPOptions.balancer_tolerance; None: its default)
     move_budget: float | None = None  # HybridEPOptions.balancer_move_budget (None: no cap)
+    rdma_weight: float | None = None  # HybridEPOptions.balancer_rdma_weight (None: the node-agnostic plan)
+    ranks_per_node: int | None = None  # HybridEPOptions.ranks_per_node (None: from the launch)
     frozen: str | None = None       # parameters whose name contains this get requires_grad=False
 
     def __post_init__(self):
@@ -72,8 +74,9 @@ def build_layer(case: LayerCase, run: TrainRun):
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     options = megatron_patches.HybridEPOptions(
         balancer_interval=run.interval, balancer_slots_per_rank=run.slots_per_rank, balancer_window=run.window,
-        balancer_tolerance=run.tolerance, balancer_move_budget=run.move_budget,
-    ) if run.interval else megatron_patches.HybridEPOptions()
+        balancer_tolerance=run.tolerance, balancer_move_budget=run.move_budget, balancer_rdma_weight=run.rdma_weight,
+        ranks_per_node=run.ranks_per_node,
+    ) if run.interval else megatron_patches.HybridEPOptions(ranks_per_node=run.ranks_per_node)
     layer = build_moe_layer(case, bf16=run.bf16, params_dtype=dtype, hybrid_ep_options=options,
                             gradient_accumulation_fusion=run.gradient_accumulation_fusion)
     layer._hybrid_ep_case = case

@@ -147,6 +147,8 @@ def train_moe_layer(case: LayerCase, run: TrainRun) -> dict:
         "placement": None if bal is None else bal.placement_rows(),
         "tolerance": None if bal is None else bal.tolerance,
         "move_budget": None if bal is None else bal.move_budget,
+        "rdma_weight": None if bal is None else bal.rdma_weight,
+        "routing_nodes": None if bal is None else bal.routing_nodes,
         "placements": placements,
         "experts": expert_weights(layer, bal),
         "ep_rank": ep_rank(),
