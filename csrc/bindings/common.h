@@ -281,6 +281,8 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_STAGES") = kMaxStages;
   m.attr("MAX_STORE_GROUPS") = kMaxStoreGroups;
   m.attr("PULL_PIPELINES") = kPullPipelines;
+  m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;
+  m.attr("CHUNK_META_HEADER") = kChunkMetaHeader;
   m.attr("COUNT_ROW_TAIL") = kCountRowTail;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);

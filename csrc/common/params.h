@@ -21,6 +21,8 @@ constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine 
 constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
 constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
 constexpr int kPullPipelines = 2;   // pipelines of a combine-pull block, sharing its dynamic shared memory
+constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
+constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
 constexpr int kCountRowTail = 4;    // a count row's last ints: the source's tokens, its first bad token (-1:
                                     // none) and that route's expert id (low, high word)
 

@@ -73,7 +73,7 @@ namespace dispatch_direct_impl {  // kernels/direct.cu and kernels_nvshmem.cu in
 
 // Warp roles (kDirectThreads = 192: 6 warps); with several nodes warp 4 is the RDMA warp.
 enum class DirectRole { kLoad, kTable, kStore, kRdma, kPad };
-constexpr int kStoreWarps = 2, kPadWarps = 2;
+constexpr int kStoreWarps = kDirectStoreWarps, kPadWarps = 2;
 constexpr int kDirectThreads = 6 * 32;
 __host__ __device__ constexpr RoleTable<DirectRole, 5> direct_warps(bool multi) {
   const int rdma = multi ? 1 : 0;

@@ -14,7 +14,6 @@
 
 namespace hybrid_ep {
 
-constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
 
 template <typename Rdma>
 struct Hierarchy {

@@ -166,7 +166,7 @@ def direct_store_groups(stages: int, stage_bytes: int, override: int | None = No
     return min(groups, (stages - 1) // DIRECT_STORE_THREADS, MAX_STORE_GROUPS)
 
 
-DIRECT_STORE_THREADS = 2  # csrc dispatch_direct.cuh kStoreWarps: the store threads of a direct dispatch block
+DIRECT_STORE_THREADS: int = compiled.DIRECT_STORE_THREADS  # the store threads of a direct dispatch block
 
 
 @dataclasses.dataclass(frozen=True)

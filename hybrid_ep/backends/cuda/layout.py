@@ -45,9 +45,7 @@ PEER_TENSORS_BYTES: int = compiled.PEER_TENSORS_BYTES  # a rank's published tens
 COUNT_ROW_TAIL: int = compiled.COUNT_ROW_TAIL  # a count row's source tokens and first bad route
 ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorRecord's words the host polls
 ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
-# csrc/kernels/hierarchy.cuh kChunkMetaHeader: a staged chunk's routing starts with its row count. A
-# constant of a kernel header, which the bindings (host code) do not include, so no module exports it.
-CHUNK_META_HEADER = 16
+CHUNK_META_HEADER: int = compiled.CHUNK_META_HEADER  # a staged chunk's routing starts with its row count
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype (this plan's choice)
 BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
 
@@ -56,7 +54,8 @@ BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its fir
 COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS", "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
                       "COUNT_ROW_TAIL", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
-                      "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES")
+                      "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES", "CHUNK_META_HEADER",
+                      "DIRECT_STORE_THREADS")
 
 
 def _round_up(value: int, multiple: int) -> int:
