@@ -11,7 +11,9 @@
 //               its expert's rank (the first row of this source's rows of that expert, from the
 //               destination's layout kernel, plus the route's ordinal; -1 where num_out_tokens
 //               clipped it), kept in the handle for combine, and writes each route's routing
-//               weight and fp8 scales into the destination's tensors;
+//               weight and fp8 scales into the destination's tensors: the scales by one bulk
+//               store per route from the chunk's scales, bulk-loaded into a tile at the end of
+//               the FIFO's memory (ScaleTiles), where a row's scales are whole 16-byte units;
 //   warps 2-3   bulk-store each stage once per route, the two warps taking alternate stages,
 //               store_groups groups in flight each, then release the stage (1 arrival);
 //   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh).
@@ -51,11 +53,38 @@ struct RouteTable {
 struct DirectDispatchShared {
   uint64_t full[kMaxStages], empty[kMaxStages];
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
+  uint64_t scales_full[kTableSlots];  // a table slot's tile of fp8 scales has landed (ScaleTiles)
   RouteTable tables[kTableSlots];
   uint64_t rows[kMaxRanks], probs[kMaxRanks], scales[kMaxRanks];  // each destination's, this process's addresses
   int64_t num_rows[kMaxRanks];
   int32_t first_row[kMaxExperts];  // [destination][its local expert]: this source's first output row there
   BlockControl ctl;
+};
+
+// The fp8 scales of a table slot's chunk in shared memory, for the route table's lanes to
+// bulk-store each route's scales (scale_cols floats, contiguous at its output row) instead of
+// one 4-byte store per scale and route: a write request carries a 32-byte sector on the SM's
+// path to the crossbar, which the rows' bulk stores take as well (at H = 7168, 56 requests of
+// 4 bytes per route become 7 whole sectors). The tiles take the last FIFO stages of the
+// dynamic shared memory. None (slot_bytes 0) without scales, where a row's scales are not
+// whole 16-byte units or the input's scales not 16-byte aligned (bulk copies need both), or
+// where the FIFO would keep fewer than 3 stages: then each scale is stored by its lane.
+struct ScaleTiles {
+  uint32_t slot_bytes = 0;  // a chunk's scales: chunk x scale_cols x 4
+  int stages = 0;           // FIFO stages they take
+
+  __device__ static ScaleTiles of(const LaunchArgs& args, const RankArgs& a) {
+    ScaleTiles t;
+    const uint32_t row = static_cast<uint32_t>(args.scale_cols) * 4u;
+    if (row == 0 || row % 16 != 0 || a.x_scales % 16 != 0) return t;
+    const uint32_t slot = static_cast<uint32_t>(args.chunk_tokens) * row;
+    const uint32_t stage = static_cast<uint32_t>(args.stage_bytes);
+    const int stages = static_cast<int>((kTableSlots * slot + stage - 1) / stage);
+    if (args.fifo_stages - stages < 3) return t;
+    t.slot_bytes = slot;
+    t.stages = stages;
+    return t;
+  }
 };
 
 // What every role of a block needs to know about the call.
@@ -66,16 +95,22 @@ struct DirectDispatch : KernelCall {
   RowBatches batches;
   const int64_t* info;
   DirectDispatchShared& sh;
+  ScaleTiles tiles;
   StageRing fifo;
   Ring table_ring;
+  StageRing scale_tiles;  // the tiles' ring: table slot s's tile, its full barrier
 
   __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
       : KernelCall(k), il(k.geo.info), W(k.geo.world_size), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk),
-        scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens), stages(k.args.fifo_stages),
+        scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens),
+        stages(k.args.fifo_stages - ScaleTiles::of(k.args, k.a).stages),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
+        tiles(ScaleTiles::of(k.args, k.a)),
         fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},
-        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)) {}
+        table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)),
+        scale_tiles{k.ring(shared.scales_full, shared.scales_full, kTableSlots, kSiteDirectTables),
+                    smem + static_cast<size_t>(stages) * k.args.stage_bytes, static_cast<int>(tiles.slot_bytes)} {}
 
   __device__ int chunks() const { return (T + chunk - 1) / chunk; }
 };
@@ -99,7 +134,9 @@ __device__ inline void load_rows(const DirectDispatch& d) {
 }
 
 // Warp 1: each chunk's route table (lane i: token t0 + i), the handle's route rows, and the
-// routing weights and fp8 scales at each route's output row.
+// routing weights and fp8 scales at each route's output row. With scale tiles, each lane
+// commits one bulk group of scale stores per chunk, so the chunk before last's (the slot's
+// previous tile) has been read once all but its newest group have.
 __device__ inline void route_table(const DirectDispatch& d, int lane) {
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
   const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
@@ -117,6 +154,22 @@ __device__ inline void route_table(const DirectDispatch& d, int lane) {
     d.table_ring.observe_empty(slot, lane);  // every lane writes after both store warps released the slot
     RouteTable& tab = d.sh.tables[slot.stage];
     const int64_t t = static_cast<int64_t>(c) * d.chunk + lane;
+    const uint8_t* tile = d.scale_tiles.slot(slot);
+    if (d.tiles.slot_bytes > 0) {  // this chunk's scales into the slot's tile, once its last stores read it
+      dev::bulk_wait_read<1>();
+      __syncwarp();
+      if (lane == 0) {
+        const int64_t t0 = static_cast<int64_t>(c) * d.chunk, n = min(static_cast<int64_t>(d.chunk), d.T - t0);
+        d.scale_tiles.load(slot, x_scales + t0 * d.scale_cols, static_cast<uint32_t>(n * d.scale_cols * 4));
+        ok = d.scale_tiles.ring.consumer_wait(d.args, slot);
+        if (!ok) mbar_drain(d.args, &d.sh.scales_full[slot.stage], slot.phase, d.a.rank, d.epoch, kSiteDirectTables);
+      }
+      if (!warp_uniform(ok)) {
+        d.stop();
+        break;
+      }
+      d.scale_tiles.ring.observe_full(slot, lane);
+    }
     if (lane < d.chunk && t < d.T) {
       for (int k = 0; k < d.K; ++k) {
         const int64_t e = idx[t * d.K + k];  // checked by the layout kernel: -1 or a valid expert
@@ -127,18 +180,26 @@ __device__ inline void route_table(const DirectDispatch& d, int lane) {
           const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
           if (p < d.sh.num_rows[dst]) {
             row = static_cast<int32_t>(p);
-            reinterpret_cast<float*>(d.sh.probs[dst])[p] = weights[t * d.K + k];
-            for (int i = 0; i < d.scale_cols; ++i)
-              reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = x_scales[t * d.scale_cols + i];
+            dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weights[t * d.K + k]);
+            auto* out_scales = reinterpret_cast<float*>(d.sh.scales[dst]) + p * d.scale_cols;
+            if (d.tiles.slot_bytes > 0)
+              dev::bulk_s2g(out_scales, tile + static_cast<size_t>(lane) * d.scale_cols * 4, d.scale_cols * 4);
+            else
+              for (int i = 0; i < d.scale_cols; ++i) dev::st(out_scales + i, x_scales[t * d.scale_cols + i]);
           }
         }
         tab.row[lane][k] = row;
         tab.dest[lane][k] = static_cast<uint8_t>(dst);
-        route_rows[t * d.K + k] = row;
+        dev::st(route_rows + t * d.K + k, row);
       }
     }
+    if (d.tiles.slot_bytes > 0) dev::bulk_commit();
     __syncwarp();
     if (lane == 0) d.table_ring.producer_commit(slot);
+  }
+  if (d.tiles.slot_bytes > 0) {  // the scales landed before the rank's done signal (after the block barrier)
+    dev::bulk_wait_all();
+    dev::fence_proxy_async();
   }
 }
 
@@ -202,6 +263,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
   init_block(d, [&] {
     d.fifo.ring.init(1, 1);  // a stage's one store thread releases it
     d.table_ring.init(1, kStoreWarps);
+    for (int s = 0; s < kTableSlots; ++s) dev::mbar_init(&sh.scales_full[s], 1);  // a tile's one bulk load
   });
   if (d.b == 0 && tid == 32)
     publish_tensors(d.view, a, kDirectDispatch, d.epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
