@@ -216,8 +216,21 @@ run_bench() {
         --topk 8 --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench_nodes" > "$results/bench_nodes.log" 2>&1
     rc_nodes=$?
     show_tail 12 "$results/bench_nodes.log"
+    # The shape users run: a DeepSeek-V3-like layer (H=7168, 256 experts, top-8), W=8 direct path,
+    # 4096 and 1024 tokens per rank, bf16 and fp8, 1 and 2 SMs per rank, default settings.
+    local dtype tokens rc_dsv3=0
+    for dtype in bf16 fp8; do
+        for tokens in 4096 1024; do
+            say "emulated benchmark, DeepSeek-V3-like, W=8, $tokens tokens per rank, $dtype (bench_dsv3_${dtype}_$tokens/)"
+            HYBRID_EP_DATA_PATH=direct bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 8 --hidden 7168 \
+                --tokens "$tokens" --topk 8 --experts 256 --dtype "$dtype" --sms 1 2 \
+                --out "$results/bench_dsv3_${dtype}_$tokens" > "$results/bench_dsv3_${dtype}_$tokens.log" 2>&1 || rc_dsv3=$?
+            show_tail 6 "$results/bench_dsv3_${dtype}_$tokens.log"
+        done
+    done
     [ "$rc" -ne 0 ] && return "$rc"
-    return "$rc_nodes"
+    [ "$rc_nodes" -ne 0 ] && return "$rc_nodes"
+    return "$rc_dsv3"
 }
 
 # The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
@@ -302,11 +315,22 @@ run_micro() {
 # per rank (the headline; 94.9% on the 2026-11-26 H200 at W=8, 8 SMs per rank, while its stores
 # ran at half the microbenchmarks' rate) and the receive path's at W=8 on 8 (the one measured
 # on 2026-11-24), then the microbenchmark's copy patterns (tma-profile: store-only, one load
-# with two stores and one load with eight stores per stage).
+# with two stores and one load with eight stores per stage). Beside the rates, the counts: the
+# request path's busy cycles and bytes, the plain global stores, loads, reductions and atomics
+# (requests and sectors), the duration and the SM clock, so that a kernel's request cycles per
+# token are counted by kind (docs/dev/request_path.md), and the fp8 dispatch, whose scales the
+# route table stores.
 l1tex_metrics="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active"
 l1tex_metrics+=",l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active"
+l1tex_metrics+=",l1tex__m_l1tex2xbar_req_cycles_active.sum,l1tex__m_l1tex2xbar_write_bytes.sum"
+l1tex_metrics+=",l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__cycles_active.sum"
+for op in st ld red atom; do
+    l1tex_metrics+=",l1tex__t_requests_pipe_lsu_mem_global_op_$op.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_$op.sum"
+done
+l1tex_metrics+=",gpu__time_duration.sum,sm__cycles_elapsed.max"
 l1tex_dispatches=(
     "direct_w8_1sm|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096"
+    "direct_w8_1sm_fp8|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096 --dtype fp8"
     "direct_w2_1sm|direct|dispatch_direct_kernel|-w 2 --sms 1 --tokens 2048"
     "w8_8sm|receive|dispatch_kernel|-w 8 --sms 8 --tokens 4096"
 )
