@@ -153,6 +153,10 @@ MUTATIONS = (
              "csrc/kernels/dispatch_direct.cuh",
              "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];",
              "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k] + (lane == 5);"),
+    Mutation("direct-scale-of-the-next-token", "an off-by-one position (a route's fp8 scales taken from the next "
+             "token's in the tile)", "csrc/kernels/dispatch_direct.cuh",
+             "tile + static_cast<size_t>(lane) * d.scale_cols * 4",
+             "tile + static_cast<size_t>(lane + (lane == 3)) * d.scale_cols * 4"),
     Mutation("store-queue-ends-before-stores-land", "a missing bulk-group wait (a store thread ends, and the "
              "direct dispatch signals done, with stores in flight)", "csrc/kernels/pipeline.cuh",
              "    dev::bulk_wait_all();      // the stores landed", "    // the stores landed"),
