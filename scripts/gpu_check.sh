@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh sanitize RESULTS [TOOL ...]   # (b) compute-sanitizer on small
 #                                                #     emulated cases (memcheck racecheck synccheck)
 #   bash scripts/gpu_check.sh bench    RESULTS   # (c) the emulated benchmark sweep
+#   bash scripts/gpu_check.sh bench-dsv3 RESULTS # (c') the DeepSeek-V3-like layer, W=8 direct path:
+#                                                #     4096 and 1024 tokens per rank, bf16 and fp8
 #   bash scripts/gpu_check.sh ncu      RESULTS   # (d) ncu on dispatch and combine, seed shape
 #   bash scripts/gpu_check.sh nvshmem  RESULTS   # (e) NVSHMEM transport, 2 and 4 PEs on the GPU,
 #                                                #     without and with MPS (summary: nvshmem_summary.txt)
@@ -44,7 +46,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -216,21 +218,25 @@ run_bench() {
         --topk 8 --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench_nodes" > "$results/bench_nodes.log" 2>&1
     rc_nodes=$?
     show_tail 12 "$results/bench_nodes.log"
-    # The shape users run: a DeepSeek-V3-like layer (H=7168, 256 experts, top-8), W=8 direct path,
-    # 4096 and 1024 tokens per rank, bf16 and fp8, 1 and 2 SMs per rank, default settings.
-    local dtype tokens rc_dsv3=0
+    [ "$rc" -ne 0 ] && return "$rc"
+    return "$rc_nodes"
+}
+
+# The shape users run: a DeepSeek-V3-like layer (H=7168, 256 experts, top-8), W=8 on the direct
+# path, 4096 and 1024 tokens per rank, bf16 and fp8, 1 and 2 SMs per rank, default settings.
+run_bench_dsv3() {
+    local dtype tokens name rc=0
     for dtype in bf16 fp8; do
         for tokens in 4096 1024; do
-            say "emulated benchmark, DeepSeek-V3-like, W=8, $tokens tokens per rank, $dtype (bench_dsv3_${dtype}_$tokens/)"
+            name=bench_dsv3_${dtype}_$tokens
+            say "emulated benchmark, DeepSeek-V3-like, W=8, $tokens tokens per rank, $dtype (log: $name.log, results: $name/)"
             HYBRID_EP_DATA_PATH=direct bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 8 --hidden 7168 \
                 --tokens "$tokens" --topk 8 --experts 256 --dtype "$dtype" --sms 1 2 \
-                --out "$results/bench_dsv3_${dtype}_$tokens" > "$results/bench_dsv3_${dtype}_$tokens.log" 2>&1 || rc_dsv3=$?
-            show_tail 6 "$results/bench_dsv3_${dtype}_$tokens.log"
+                --out "$results/$name" > "$results/$name.log" 2>&1 || rc=$?
+            show_tail 6 "$results/$name.log"
         done
     done
-    [ "$rc" -ne 0 ] && return "$rc"
-    [ "$rc_nodes" -ne 0 ] && return "$rc_nodes"
-    return "$rc_dsv3"
+    return "$rc"
 }
 
 # The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
@@ -521,6 +527,7 @@ for stage in "${stages[@]}"; do
         test) run_tests; rc=$? ;;
         sanitize) run_sanitizer "$@"; rc=$? ;;
         bench) run_bench; rc=$? ;;
+        bench-dsv3) run_bench_dsv3; rc=$? ;;
         ncu) run_ncu; rc=$? ;;
         nvshmem) run_nvshmem; rc=$? ;;
         nvshmem-ep) run_nvshmem_cases; rc=$? ;;

@@ -301,11 +301,14 @@ def test_bench_and_ncu_stages(machine):
     nodes = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][1]
     assert "--emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in nodes
     assert f"--out {results}/bench_nodes" in nodes
-    dsv3 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2:]
-    assert len(dsv3) == 4  # bf16 and fp8, 4096 and 1024 tokens per rank
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench" in line]) == 2
+    proc, calls = run("bench-dsv3", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dsv3 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2:]  # after the bench stage's
+    assert len(dsv3) == 4  # bf16 and fp8, 4096 and 1024 tokens per rank, on the direct path
     for line, (dtype, tokens) in zip(dsv3, [("bf16", 4096), ("bf16", 1024), ("fp8", 4096), ("fp8", 1024)]):
         assert f"--emulate 8 --hidden 7168 --tokens {tokens} --topk 8 --experts 256 --dtype {dtype} --sms 1 2" in line
-        assert f"--out {results}/bench_dsv3_{dtype}_{tokens}" in line
+        assert f"--out {results}/bench_dsv3_{dtype}_{tokens}" in line and "DATA_PATH=direct" in line
     proc, calls = run("ncu", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
