@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh sanitize RESULTS [TOOL ...]   # (b) compute-sanitizer on small
 #                                                #     emulated cases (memcheck racecheck synccheck)
 #   bash scripts/gpu_check.sh bench    RESULTS   # (c) the emulated benchmark sweep
+#   bash scripts/gpu_check.sh bench-dsv3 RESULTS # (c') the DeepSeek-V3-like layer, W=8 direct path:
+#                                                #     4096 and 1024 tokens per rank, bf16 and fp8
 #   bash scripts/gpu_check.sh ncu      RESULTS   # (d) ncu on dispatch and combine, seed shape
 #   bash scripts/gpu_check.sh nvshmem  RESULTS   # (e) NVSHMEM transport, 2 and 4 PEs on the GPU,
 #                                                #     without and with MPS (summary: nvshmem_summary.txt)
@@ -44,7 +46,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -220,6 +222,23 @@ run_bench() {
     return "$rc_nodes"
 }
 
+# The shape users run: a DeepSeek-V3-like layer (H=7168, 256 experts, top-8), W=8 on the direct
+# path, 4096 and 1024 tokens per rank, bf16 and fp8, 1 and 2 SMs per rank, default settings.
+run_bench_dsv3() {
+    local dtype tokens name rc=0
+    for dtype in bf16 fp8; do
+        for tokens in 4096 1024; do
+            name=bench_dsv3_${dtype}_$tokens
+            say "emulated benchmark, DeepSeek-V3-like, W=8, $tokens tokens per rank, $dtype (log: $name.log, results: $name/)"
+            HYBRID_EP_DATA_PATH=direct bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 8 --hidden 7168 \
+                --tokens "$tokens" --topk 8 --experts 256 --dtype "$dtype" --sms 1 2 \
+                --out "$results/$name" > "$results/$name.log" 2>&1 || rc=$?
+            show_tail 6 "$results/$name.log"
+        done
+    done
+    return "$rc"
+}
+
 # The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
 # told otherwise).
 ncu_path=${HYBRID_EP_DATA_PATH:-direct}
@@ -302,11 +321,22 @@ run_micro() {
 # per rank (the headline; 94.9% on the 2026-11-26 H200 at W=8, 8 SMs per rank, while its stores
 # ran at half the microbenchmarks' rate) and the receive path's at W=8 on 8 (the one measured
 # on 2026-11-24), then the microbenchmark's copy patterns (tma-profile: store-only, one load
-# with two stores and one load with eight stores per stage).
+# with two stores and one load with eight stores per stage). Beside the rates, the counts: the
+# request path's busy cycles and bytes, the plain global stores, loads, reductions and atomics
+# (requests and sectors), the duration and the SM clock, so that a kernel's request cycles per
+# token are counted by kind (docs/dev/request_path.md), and the fp8 dispatch, whose scales the
+# route table stores.
 l1tex_metrics="breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active"
 l1tex_metrics+=",l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active"
+l1tex_metrics+=",l1tex__m_l1tex2xbar_req_cycles_active.sum,l1tex__m_l1tex2xbar_write_bytes.sum"
+l1tex_metrics+=",l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__cycles_active.sum"
+for op in st ld red atom; do
+    l1tex_metrics+=",l1tex__t_requests_pipe_lsu_mem_global_op_$op.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_$op.sum"
+done
+l1tex_metrics+=",gpu__time_duration.sum,sm__cycles_elapsed.max"
 l1tex_dispatches=(
     "direct_w8_1sm|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096"
+    "direct_w8_1sm_fp8|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096 --dtype fp8"
     "direct_w2_1sm|direct|dispatch_direct_kernel|-w 2 --sms 1 --tokens 2048"
     "w8_8sm|receive|dispatch_kernel|-w 8 --sms 8 --tokens 4096"
 )
@@ -497,6 +527,7 @@ for stage in "${stages[@]}"; do
         test) run_tests; rc=$? ;;
         sanitize) run_sanitizer "$@"; rc=$? ;;
         bench) run_bench; rc=$? ;;
+        bench-dsv3) run_bench_dsv3; rc=$? ;;
         ncu) run_ncu; rc=$? ;;
         nvshmem) run_nvshmem; rc=$? ;;
         nvshmem-ep) run_nvshmem_cases; rc=$? ;;

@@ -301,6 +301,14 @@ def test_bench_and_ncu_stages(machine):
     nodes = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][1]
     assert "--emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in nodes
     assert f"--out {results}/bench_nodes" in nodes
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench" in line]) == 2
+    proc, calls = run("bench-dsv3", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    dsv3 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2:]  # after the bench stage's
+    assert len(dsv3) == 4  # bf16 and fp8, 4096 and 1024 tokens per rank, on the direct path
+    for line, (dtype, tokens) in zip(dsv3, [("bf16", 4096), ("bf16", 1024), ("fp8", 4096), ("fp8", 1024)]):
+        assert f"--emulate 8 --hidden 7168 --tokens {tokens} --topk 8 --experts 256 --dtype {dtype} --sms 1 2" in line
+        assert f"--out {results}/bench_dsv3_{dtype}_{tokens}" in line and "DATA_PATH=direct" in line
     proc, calls = run("ncu", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
@@ -484,20 +492,26 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     proc, calls = run("ncu-l1tex", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
-    assert len(ncu) == 4
+    assert len(ncu) == 5
     metrics = ("--metrics breakdown:l1tex__throughput.avg.pct_of_peak_sustained_active,"
                "l1tex__m_l1tex2xbar_write_bytes.sum.per_cycle_active,l1tex__m_xbar2l1tex_read_bytes.sum.per_cycle_active")
     assert all(metrics in line for line in ncu)
+    # the counts by kind: request cycles, plain global stores (requests and sectors), duration, clock
+    for counted in ("l1tex__m_l1tex2xbar_req_cycles_active.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum",
+                    "l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum", "gpu__time_duration.sum",
+                    "sm__cycles_elapsed.max"):
+        assert all(counted in line for line in ncu), counted
     expected = (("dispatch_direct_kernel", "direct", "-w 8 --sms 1 --tokens 4096"),
+                ("dispatch_direct_kernel", "direct", "-w 8 --sms 1 --tokens 4096 --dtype fp8"),
                 ("dispatch_direct_kernel", "direct", "-w 2 --sms 1 --tokens 2048"),
                 ("dispatch_kernel", "receive", "-w 8 --sms 8 --tokens 4096"))  # the last: 2026-11-24's path
     for line, (kernel, path, shape) in zip(ncu, expected):
         assert f"--kernel-name regex:{kernel} --launch-skip 2 --launch-count 1" in line
         assert line.endswith(f"PATH_ENV={path}")
         assert f"-m hybrid_ep.testing.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
-    assert "--kernel-name regex:tma_kernel" in ncu[3] and "hybrid_ep_microbench tma-profile |" in ncu[3]
-    for name in ("ncu_l1tex_dispatch_direct_w8_1sm.txt", "ncu_l1tex_dispatch_direct_w2_1sm.txt",
-                 "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
+    assert "--kernel-name regex:tma_kernel" in ncu[4] and "hybrid_ep_microbench tma-profile |" in ncu[4]
+    for name in ("ncu_l1tex_dispatch_direct_w8_1sm.txt", "ncu_l1tex_dispatch_direct_w8_1sm_fp8.txt",
+                 "ncu_l1tex_dispatch_direct_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
         assert "==PROF== Disconnected" in (results / name).read_text()
 
 

@@ -75,6 +75,8 @@ CASES = [
     _case(2, dtype=torch.float16, tokens=(17, 33)),
     _case(4, num_experts=32, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
     _case(3, hidden=128, dtype=FP8_DTYPE, tokens=(17, 64, 1), pad_multiple=16),
+    # fp8 whose rows' scales are whole 16-byte units (H % 512 == 0): the direct dispatch bulk-stores them
+    _case(4, num_experts=16, hidden=512, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
     # rows longer than one FIFO stage (48 KiB: two segments per row)
     _case(2, hidden=12288, dtype=torch.float32, tokens=(3, 2)),
     # routing shapes: dropped routes, one hot expert, skew
@@ -95,6 +97,7 @@ CASES = [
     _case(3, num_out_tokens=200, pad_multiple=16, tokens=(64, 17, 0)),
     _case(2, num_out_tokens=0, tokens=(8, 8)),
     _case(4, num_experts=16, num_out_tokens=37, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0)),
+    _case(4, num_experts=16, num_out_tokens=37, hidden=512, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0)),
 ]
 
 

@@ -61,7 +61,8 @@ def test_named_barrier_kernel_passes_its_rounds(model_check):
 # Destination rows written: 12 copies per pipeline, sequential rows, per block and destination.
 WRITTEN = {"tma load": 0, "tma load 4 pipelines random": 0, "tma store depth 0": 12,
            "tma store depth 7, 2 pipelines": 2 * 2 * 12, "tma mix k=1 depth 3": 12, "tma mix k=2 depth 0": 2 * 2 * 12,
-           "tma mix k=2 depth 7, 4 pipelines": 4 * 12 * 2}
+           "tma mix k=2 depth 7, 4 pipelines": 4 * 12 * 2, "tma mix k=8 depth 1, 2 store threads": 12 * 8,
+           "tma mix k=8 depth 1, route table": 2 * 12 * 8}
 
 
 def test_tma_pipelines_move_every_row_to_its_place(model_check):
@@ -73,6 +74,9 @@ def test_tma_pipelines_move_every_row_to_its_place(model_check):
             assert r["written"] == WRITTEN[name], r
     random = rs["tma mix k=4 depth 1 random, 2 pipelines"]  # 24 copies to 4 destinations, rows may repeat
     assert 4 * 12 <= random["written"] <= 4 * 24
+    # random rows through the route table: each copy's 8 routes still land in their regions' rows
+    both = rs["tma mix k=8 depth 1, 2 store threads, route table"]
+    assert 8 * 6 <= both["written"] <= 8 * 12
 
 
 def test_a_pipeline_that_cannot_progress_ends_with_its_abort_flag(model_check):

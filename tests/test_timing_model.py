@@ -106,6 +106,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
          "s2g_write_latency_ns": 1019.0, "engine_load_bytes_per_ns": 40.0, "engine_store_bytes_per_ns": 29.0,
+         "request_ns": 0.0,
          "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
          "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "layout_tile_instructions": 101.0,
@@ -297,6 +298,22 @@ def test_plain_accesses_are_counted_by_memory_class_and_costed_by_batch(n):
     assert r["plain"] == {"global": {"loads": n, "stores": 0, "load_bytes": 16 * n, "store_bytes": 0},
                           "shared": {"loads": n, "stores": n, "load_bytes": 16 * n, "store_bytes": 16 * n}}
     assert r["chains"] == 1
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_a_lanes_plain_global_stores_take_the_request_path_ahead_of_its_bulk_store(n):
+    """n plain global stores, then a bulk store from the same thread: the stores' n write
+    requests (request_ns each) go through the SM's copy engine as one piece from the bulk
+    store's issue on (settled there), so the bulk store's bytes start after them, not after its
+    own issue; with request_ns 0 the stores take no engine time."""
+    c = COSTS
+    nbytes = 512
+    quiet = timed_selftest("requests_then_store", 1, n, nbytes)
+    costs = {**COSTS, "request_ns": 7.0}
+    busy = timed_selftest("requests_then_store", 1, n, nbytes, costs=costs)
+    assert busy["time_ns"] - quiet["time_ns"] == pytest.approx(n * 7.0 - c["issue_ns"], rel=1e-9)
+    assert busy["plain"]["global"]["stores"] == n and busy["copies"] == quiet["copies"] == 1
+    assert busy["engine_busy_ns"] - quiet["engine_busy_ns"] == pytest.approx(n * 7.0, rel=1e-9)
 
 
 def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
@@ -519,7 +536,7 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
     unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12,
                 "access_instructions": 0.0,
                 "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
-                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0}
+                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0, "request_ns": 0.0}
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
 
 

@@ -9,6 +9,7 @@ accepts a payload-free run's outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -55,6 +56,27 @@ def test_payload_free_runs_give_the_same_timing_reports(path, monkeypatch):
             main = run[kernel]["launches"][-1]
             assert main["copies"] > 0 and main["copy_bytes"] >= main["copies"] * 16  # bytes costed, not moved
             assert main["time_ns"] > 0
+
+
+def test_fp8_jobs_dispatch_fp8_rows_with_their_scales(monkeypatch):
+    """A job with "dtype": "fp8" (predict --dtype fp8) dispatches float8 rows and their scales,
+    with payload and without, to the same reports: at H = 512 the direct dispatch's rows carry
+    half the bytes in half the loads (a chunk's 32 rows of 512 bytes fill one 16 KiB stage,
+    bf16's 1024-byte rows two), and its route table stores each route's scales by plain stores,
+    not copies."""
+    monkeypatch.setenv("HYBRID_EP_DATA_PATH", "direct")
+    fp8 = dataclasses.replace(SHAPE, dtype="fp8")
+    tables = [constants.load_table(constants.H200).costs()]
+    job = predict.job(fp8, fp8.tokens, [1], tables)
+    assert job["dtype"] == "fp8" and "dtype" not in predict.job(SHAPE, SHAPE.tokens, [1], tables)
+    with_rows = driver.run_job(job)
+    without = driver.run_job(predict.job(fp8, fp8.tokens, [1], tables, payload=False))
+    bf16 = driver.run_job(predict.job(SHAPE, SHAPE.tokens, [1], tables))
+    main = [r["dispatch"]["launches"][-1] for r in (with_rows["runs"][0], without["runs"][0], bf16["runs"][0])]
+    assert main[0] == main[1]
+    chunks = SHAPE.world_size * -(-SHAPE.tokens // 32)
+    assert main[0]["copies"] == main[2]["copies"] - chunks
+    assert main[0]["copy_bytes"] == main[2]["copy_bytes"] // 2
 
 
 def _calls(path: str, payload: bool):

@@ -229,15 +229,15 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
         const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
         if (p < d.sh.num_rows[dst]) {
           row = static_cast<int32_t>(p);
-          reinterpret_cast<float*>(d.sh.probs[dst])[p] = weights[t * d.K + k];
+          dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weights[t * d.K + k]);
           for (int i = 0; i < d.scale_cols; ++i)
-            reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = x_scales[t * d.scale_cols + i];
+            dev::st(reinterpret_cast<float*>(d.sh.scales[dst]) + p * d.scale_cols + i, x_scales[t * d.scale_cols + i]);
           tab.row[lane][n] = row;
           tab.dest[lane][n] = static_cast<uint8_t>(dst);
           ++n;
         }
       }
-      route_rows[t * d.K + k] = row;
+      dev::st(route_rows + t * d.K + k, row);
     }
   }
   for (int m = 0; d.h.multi() && m < d.h.topo.N; ++m) {
@@ -280,9 +280,9 @@ __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, 
       const int g = h.topo.local(dst);
       const int64_t p = static_cast<int64_t>(d.sh.first_row[(m * d.G + g) * d.L + e % d.L]) + dev::ld(&tm->ordinal[k]);
       if (p >= d.sh.num_rows[dst]) continue;  // clipped by num_out_tokens
-      reinterpret_cast<float*>(d.sh.probs[dst])[p] = dev::ld(&tm->weight[k]);
+      dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, dev::ld(&tm->weight[k]));
       for (int i = 0; i < d.scale_cols; ++i)
-        reinterpret_cast<float*>(d.sh.scales[dst])[p * d.scale_cols + i] = dev::ld(&scales[i]);
+        dev::st(reinterpret_cast<float*>(d.sh.scales[dst]) + p * d.scale_cols + i, dev::ld(&scales[i]));
       tab.row[lane][n] = static_cast<int32_t>(p);
       tab.dest[lane][n] = static_cast<uint8_t>(dst);
       kept[n] = static_cast<int32_t>(p * kMaxRanks + g);

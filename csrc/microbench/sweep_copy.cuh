@@ -28,6 +28,8 @@ struct TmaCase {
   int pipelines;
   bool random_rows;
   bool l2_source;
+  int store_threads = 1;  // kMix: store threads taking alternate stages (1 or 2)
+  bool table = false;     // kMix: destinations read from a route table in shared memory
 };
 
 inline const char* tma_mode_name(TmaMode m) {
@@ -49,6 +51,8 @@ inline TmaArgs tma_args(const Bench& b, const TmaCase& c) {
   a.pipelines = c.pipelines;
   a.stages = c.stages;
   a.depth = c.depth;
+  a.store_threads = c.store_threads;
+  a.table = c.table ? 1 : 0;
   a.random_rows = c.random_rows;
   a.copy_bytes = c.copy_bytes;
   const size_t per_copy = static_cast<size_t>(c.copy_bytes) * (c.mode == TmaMode::kMix ? 1 + c.fanout : 1);
@@ -62,7 +66,9 @@ inline TmaArgs tma_args(const Bench& b, const TmaCase& c) {
 
 inline size_t tma_smem(const TmaCase& c) { return static_cast<size_t>(c.pipelines) * c.stages * c.copy_bytes; }
 
-inline int tma_threads(const TmaCase& c) { return 32 * c.pipelines * (c.mode == TmaMode::kMix ? 2 : 1); }
+inline int tma_threads(const TmaCase& c) {
+  return 32 * c.pipelines * (c.mode == TmaMode::kMix ? 1 + c.store_threads : 1);
+}
 
 struct TmaRun {
   bool ok;
@@ -113,6 +119,8 @@ inline void print_tma(const TmaCase& c, const TmaArgs& a, const TmaRun& r, int r
       .add("stages", c.stages)
       .add("depth", c.mode == TmaMode::kLoad ? -1 : c.depth)
       .add("pipelines", c.pipelines)
+      .add("store_threads", c.store_threads)
+      .add("table", c.table)
       .add("rows", c.random_rows ? "random" : "sequential")
       .add("source", c.l2_source ? "l2" : "hbm")
       .add("copies_per_pipeline", a.copies)
@@ -215,6 +223,19 @@ inline std::vector<TmaCase> tma_cases(const Bench& b) {
       c.l2_source = l2;
       cases.push_back(c);
     }
+  // The direct dispatch's store side (kernels/dispatch_direct.cuh): one load and eight stores per
+  // stage on its 13 stages, one group left reading per store thread; one store thread or two
+  // taking alternate stages, destinations computed or read from a route table in shared memory
+  // (docs/dev/request_path.md: which of these costs the kernel its stores' rate).
+  for (int threads : {1, 2})
+    for (bool table : {false, true}) {
+      TmaCase c = with("kernel", Kind{TmaMode::kMix, 8});
+      c.stages = static_cast<int>(std::min<size_t>(13, budget / c.copy_bytes));
+      c.depth = 1;
+      c.store_threads = threads;
+      c.table = table;
+      cases.push_back(c);
+    }
   return cases;
 }
 
@@ -228,15 +249,16 @@ inline void measure_tma(Bench& b) {
 }
 
 // For ncu (M8, `gpu_check.sh ncu-l1tex`): single launches of the base point, store-only, one load with two stores
-// and one load with eight stores per stage (the direct dispatch's pattern at top-8), with nothing else launched (no
-// warm-up, no L2 flush kernel).
+// and one load with eight stores per stage (the direct dispatch's pattern at top-8), and that pattern as the direct
+// dispatch's store side runs it (C_direct_2_table), with nothing else launched (no warm-up, no L2 flush kernel).
 inline void measure_tma_profile(Bench& b) {
   cudaEvent_t e0, e1;
   MICRO_CHECK(cudaEventCreate(&e0));
   MICRO_CHECK(cudaEventCreate(&e1));
   for (const TmaCase& c : {TmaCase{"profile", TmaMode::kStore, 1, 1, 16384, 8, 4, 1, false, false},
                            TmaCase{"profile", TmaMode::kMix, 2, 1, 16384, 8, 4, 1, false, false},
-                           TmaCase{"profile", TmaMode::kMix, 8, 1, 16384, 8, 4, 1, false, false}}) {
+                           TmaCase{"profile", TmaMode::kMix, 8, 1, 16384, 8, 4, 1, false, false},
+                           TmaCase{"profile", TmaMode::kMix, 8, 1, 16384, 13, 1, 1, false, false, 2, true}}) {
     const TmaArgs a = tma_args(b, c);
     const TmaRun r = run_tma(b, c, a, e0, e1, false);
     print_tma(c, a, r, 1, "tma-profile");

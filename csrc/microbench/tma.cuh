@@ -8,7 +8,11 @@
 //     groups still read (wait_group.read depth), then waits for every write;
 //   - kMix: dispatch's send: a load thread fills the stages, a store thread stores each stage
 //     to `fanout` destinations (one group), keeps `depth` groups reading and releases the
-//     older stages to the loads (depth <= stages - 1), then waits for every write.
+//     older stages to the loads (depth <= stages - 1), then waits for every write. As the
+//     direct dispatch's store warps: `store_threads` = 2 store threads take alternate stages,
+//     each keeping `depth` of its own groups reading (depth <= (stages - 1) / 2); with `table`
+//     each store's destination is read from a route table in shared memory (the row, then the
+//     destination, then that destination's base: three dependent loads before the store).
 // Copy i of a pipeline reads row i (sequential) or a hashed row (random: a new page nearly
 // every copy) of the block's source region, and writes the same row of each destination's
 // region. The host times the launch and reads each block's span.
@@ -24,7 +28,10 @@ namespace hybrid_ep::micro {
 enum class TmaMode : int { kLoad = 0, kStore = 1, kMix = 2 };
 
 constexpr int kTmaMaxPipelines = 4;
-constexpr int kTmaThreads = 32 * 2 * kTmaMaxPipelines;  // kMix: a load warp and a store warp per pipeline
+constexpr int kTmaMaxStoreThreads = 2;
+constexpr int kTmaThreads = 32 * (1 + kTmaMaxStoreThreads) * kTmaMaxPipelines;  // kMix: a load warp, store warps
+constexpr int kTmaTableRows = 32;  // the route table's rows (a chunk's tokens in the direct dispatch)
+constexpr int kTmaMaxFanout = 8;   // destinations a route table holds
 
 struct TmaArgs {
   LaunchArgs la;  // the project's bounded waits read its abort flag, bound and error record
@@ -34,6 +41,8 @@ struct TmaArgs {
   int pipelines;  // 1 .. kTmaMaxPipelines
   int stages;     // per pipeline, 2 .. kMaxStages
   int depth;      // store groups left reading: 0 .. 7
+  int store_threads;  // kMix: 1, or 2 taking alternate stages
+  int table;          // kMix: destinations read from a route table in shared memory (fanout <= 8)
   int random_rows;
   uint32_t copy_bytes;  // a multiple of 16
   uint32_t copies;      // per pipeline: loads (kLoad, kMix) or stores (kStore)
@@ -47,6 +56,11 @@ struct TmaArgs {
 struct TmaShared {
   uint64_t full[kTmaMaxPipelines][kMaxStages];
   uint64_t empty[kTmaMaxPipelines][kMaxStages];
+  // The route table (table): a copy's row modulo kTmaTableRows -> per route its row there and its
+  // destination, and each destination's region.
+  int32_t row[kTmaTableRows][kTmaMaxFanout];
+  uint8_t dest[kTmaTableRows][kTmaMaxFanout];
+  uint8_t* base[kTmaMaxFanout];
 };
 
 // The row copy i of pipeline `pipe` touches, among `rows` (a power of two).
@@ -100,15 +114,38 @@ __device__ __forceinline__ void tma_mix_load(const TmaArgs& a, const StageRing& 
   ring.drain(a.la, PipeState{}, p);
 }
 
-__device__ __forceinline__ void tma_mix_store(const TmaArgs& a, const StageRing& ring, int pipe) {
+__device__ __forceinline__ int tma_store_threads(const TmaArgs& a) {
+  return a.store_threads == kTmaMaxStoreThreads ? kTmaMaxStoreThreads : 1;
+}
+
+// Route j of copy i through the route table, as the direct dispatch finds a route's output row.
+__device__ __forceinline__ uint8_t* tma_table_dst(const TmaArgs& a, const TmaShared& sh, int pipe, uint32_t i, int j) {
+  const uint64_t r = tma_row(a, pipe, i, a.dst_rows);
+  const int k = static_cast<int>(r % kTmaTableRows);
+  return sh.base[sh.dest[k][j]] + (r - k + static_cast<uint64_t>(sh.row[k][j])) * a.copy_bytes;
+}
+
+// Store thread `which` of a.store_threads: copies which, which + store_threads, ...
+__device__ __forceinline__ void tma_mix_store(const TmaArgs& a, const TmaShared& sh, const StageRing& ring, int pipe,
+                                              int which) {
+  const int every = tma_store_threads(a);
   PipeState p, released;
-  for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
+  for (int s = 0; s < which; ++s) {
+    p.advance(a.stages);
+    released.advance(a.stages);
+  }
+  for (uint32_t i = which; i < a.copies; i += every) {
     if (!ring.ring.consumer_wait(a.la, p)) break;
-    for (int j = 0; j < a.fanout; ++j) dev::bulk_s2g(tma_dst(a, pipe, i, j), ring.slot(p), a.copy_bytes);
+    for (int j = 0; j < a.fanout; ++j)
+      dev::bulk_s2g(a.table ? tma_table_dst(a, sh, pipe, i, j) : tma_dst(a, pipe, i, j), ring.slot(p), a.copy_bytes);
     dev::bulk_commit();
     bulk_wait_read_except(a.depth);
-    // every group but the newest `depth` has read its stage: hand those stages to the loads
-    for (; released.count + a.depth <= p.count; released.advance(a.stages)) ring.ring.consumer_release(released);
+    // every own group but the newest `depth` has read its stage: hand those stages to the loads
+    while (released.count + a.depth * every <= p.count) {
+      ring.ring.consumer_release(released);
+      for (int s = 0; s < every; ++s) released.advance(a.stages);
+    }
+    for (int s = 0; s < every; ++s) p.advance(a.stages);
   }
   dev::bulk_wait_all();
 }
@@ -125,6 +162,15 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
       }
     dev::mbar_fence_init();
   }
+  if (a.table && threadIdx.x == 0) {  // routes of row k: row k of each destination's region, as tma_dst
+    for (int k = 0; k < kTmaTableRows; ++k)
+      for (int j = 0; j < kTmaMaxFanout; ++j) {
+        sh.row[k][j] = k;
+        sh.dest[k][j] = static_cast<uint8_t>(j);
+      }
+    for (int j = 0; j < a.fanout && j < kTmaMaxFanout; ++j)
+      sh.base[j] = a.dst + (static_cast<uint64_t>(blockIdx.x) * a.fanout + j) * a.dst_rows * a.copy_bytes;
+  }
   if (a.mode == static_cast<int>(TmaMode::kStore)) {  // what the stores carry: each word its offset + 1
     const uint32_t words = static_cast<uint32_t>(a.pipelines * a.stages) * (a.copy_bytes / 4);
     for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) reinterpret_cast<uint32_t*>(smem)[w] = w + 1;
@@ -133,7 +179,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   __syncthreads();
   const SpanClock clock = SpanClock::start();
   const bool mix = a.mode == static_cast<int>(TmaMode::kMix);
-  const int pipe = mix ? warp / 2 : warp;
+  const int per_pipe = mix ? 1 + tma_store_threads(a) : 1;  // kMix: the load warp, then the store warps
+  const int pipe = warp / per_pipe;
   if (lane == 0 && pipe < a.pipelines) {
     const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0, kSiteNone},
                          smem + static_cast<size_t>(pipe) * a.stages * a.copy_bytes, static_cast<int>(a.copy_bytes)};
@@ -141,10 +188,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
       tma_load_only(a, ring, pipe);
     } else if (!mix) {
       tma_store_only(a, ring, pipe);
-    } else if (warp % 2 == 0) {
+    } else if (warp % per_pipe == 0) {
       tma_mix_load(a, ring, pipe);
     } else {
-      tma_mix_store(a, ring, pipe);
+      tma_mix_store(a, sh, ring, pipe, warp % per_pipe - 1);
     }
   }
   __syncthreads();

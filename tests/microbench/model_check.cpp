@@ -105,7 +105,7 @@ void run_barrier() {
 
 // One TMA run at a model's size: 256-byte copies, rows numbered in their first word.
 void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipelines, int stages, int depth,
-         bool random) {
+         bool random, int store_threads = 1, bool table = false) {
   constexpr uint32_t kBytes = 256;
   constexpr uint64_t kRows = 64;  // per block and region, a power of two
   Env env;
@@ -121,6 +121,8 @@ void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipe
   a.pipelines = pipelines;
   a.stages = stages;
   a.depth = depth;
+  a.store_threads = store_threads;
+  a.table = table ? 1 : 0;
   a.random_rows = random;
   a.copy_bytes = kBytes;
   a.copies = 12;
@@ -128,7 +130,7 @@ void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipe
   a.src_rows = kRows;
   a.dst = dst.p;
   a.dst_rows = kRows;
-  const int threads = 32 * pipelines * (mode == TmaMode::kMix ? 2 : 1);
+  const int threads = 32 * pipelines * (mode == TmaMode::kMix ? 1 + store_threads : 1);
   const char* err = dev::launch_cooperative(tma_kernel, blocks, threads, size_t(pipelines) * stages * kBytes, 0, a);
   // Every destination row holds its source row (kMix), its stage's words (kStore), or nothing.
   uint64_t written = 0, wrong = 0;
@@ -158,6 +160,10 @@ void run_tma() {
   tma("tma mix k=2 depth 0", TmaMode::kMix, 2, 2, 1, 2, 0, false);
   tma("tma mix k=4 depth 1 random, 2 pipelines", TmaMode::kMix, 4, 1, 2, 2, 1, true);
   tma("tma mix k=2 depth 7, 4 pipelines", TmaMode::kMix, 2, 1, 4, 8, 7, false);
+  // the direct dispatch's store side: two store threads on alternate stages, the route table
+  tma("tma mix k=8 depth 1, 2 store threads", TmaMode::kMix, 8, 1, 1, 5, 1, false, 2, false);
+  tma("tma mix k=8 depth 1, route table", TmaMode::kMix, 8, 2, 1, 3, 1, false, 1, true);
+  tma("tma mix k=8 depth 1, 2 store threads, route table", TmaMode::kMix, 8, 1, 1, 5, 1, true, 2, true);
 }
 
 // depth = stages: the store thread never releases the stage the next load needs.

@@ -28,6 +28,14 @@ def _tma(name, what, **where):
                     ("bytes_per_clk_per_sm", "B/clk"))
 
 
+def _direct(name, what, threads, table):
+    """The direct dispatch's store side: 1 load + 8 stores per stage on 13 stages, one group left
+    reading per store thread (sweep "kernel")."""
+    return Constant(name, "M2", what, "GB/s/SM",
+                    {**_BASE, "sweep": "kernel", "mode": "mix", "fanout": 8, "sms": 1, "store_threads": threads,
+                     "table": table}, "gbps_per_sm", ("bytes_per_clk_per_sm", "B/clk"))
+
+
 CONSTANTS = (
     _tma("C_load", "bulk loads only, 16 KiB, 8 stages, 1 SM", mode="load", sms=1),
     _tma("C_store", "bulk stores only, 16 KiB, 4 groups reading, 1 SM", mode="store", sms=1),
@@ -36,6 +44,10 @@ CONSTANTS = (
     _tma("C_mix4", "1 load + 4 stores per stage, 1 SM", mode="mix", fanout=4, sms=1),
     _tma("C_mix8", "1 load + 8 stores per stage, 1 SM", mode="mix", fanout=8, sms=1),
     _tma("C_mix1_32sm", "1 load + 1 store per stage, each of 32 SMs", mode="mix", fanout=1, sms=32),
+    _direct("C_direct_1", "1 load + 8 stores per stage, 13 stages, 1 group reading, 1 store thread", 1, False),
+    _direct("C_direct_2", "the same, 2 store threads taking alternate stages", 2, False),
+    _direct("C_direct_1_table", "1 store thread, destinations from a route table in shared memory", 1, True),
+    _direct("C_direct_2_table", "2 store threads and the route table: the direct dispatch's store side", 2, True),
     Constant("L_load_l2", "M3", "16 KiB bulk load, issue to mbarrier complete, L2-hot (median)", "ns",
              {"copy": "load", "copy_bytes": 16384, "source": "l2", "queue": "none"}, "complete_ns_median"),
     Constant("L_load_hbm", "M3", "16 KiB bulk load from HBM (median)", "ns",

@@ -64,7 +64,7 @@ def _predict(args) -> int:
     with mock.patch.dict(os.environ, {launch.DATA_PATH_ENV: path}):
         rows = _predicted_rows(args, table, path, nodes, worlds, experts)
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
-              "topk": args.topk, "experts": experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
+              "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
@@ -106,6 +106,11 @@ def _checkout_commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def _row_bytes(hidden: int, dtype: str) -> int:
+    """A dispatched row's bytes, as the bench counts them: bf16, or fp8 with its fp32 scales."""
+    return 2 * hidden if dtype == "bf16" else hidden + hidden // 128 * 4
+
+
 def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
     """One row per world size and SMs per rank: the model's runs at the smaller token counts,
     read off at the bench's."""
@@ -128,7 +133,7 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
         out_rows = int(sum(int((i >= 0).sum()) for i in idxs))
         for sms in args.sms:
             row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][0] / 1e6, ns[(sms, "combine")][0] / 1e6,
-                                       recv, out_rows, 2 * args.hidden, 2 * args.hidden)
+                                       recv, out_rows, _row_bytes(args.hidden, args.dtype), 2 * args.hidden)
             row["kernels_ms"] = report.kernels_ms(ns, sms)
             row["model_tokens"] = list(model_tokens)
             row["data_path"] = path
@@ -183,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--payload-free", action="store_true",
                     help="the model's bulk copies move no bytes (the same predicted times; the bench's 4096 tokens "
                          "per rank fit this machine)")
+    pr.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the dispatched rows' dtype (fp8: with fp32 scales per 128 columns; combines in bf16)")
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
                     help="the kernels' data path (default: the bench's, direct)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")

@@ -7,7 +7,9 @@ belong to older commits. It uses only what every such checkout has: EmulatedGrou
 CPU, the bench's synthetic routing and inputs, and hybrid_ep._model.
 
 A job is a dict: world_size, nodes, hidden, tokens, topk, experts, seed, sms (a list), and
-costs (the timing model's constants, or None for the functional model alone). Per SM count
+costs (the timing model's constants, or None for the functional model alone); "dtype": "fp8"
+dispatches float8_e4m3fn rows with their fp32 scales (the bench's --dtype fp8; its combines
+take bf16 rows), else bf16. Per SM count
 the first dispatch + combine pair warms the buffers (the benchmark times calls after
 warm-up); the second is measured: the model's statistics (scheduling rounds, switches,
 copies) of each, and with costs the timing report of every launch.
@@ -46,11 +48,20 @@ def _inputs(job: dict):
 
     W, T, H = job["world_size"], job["tokens"], job["hidden"]
     idxs = list(iter_rank_routings("uniform", [T] * W, job["experts"], job["topk"], job["seed"]))
+    fp8 = job.get("dtype", "bf16") == "fp8"
     if not job.get("payload", True):  # rows nobody reads: pages left untouched
-        return idxs, [torch.empty(T, H, dtype=torch.bfloat16) for _ in range(W)]
+        if fp8:
+            return idxs, [torch.empty(T, H, dtype=torch.float8_e4m3fn) for _ in range(W)], \
+                [torch.empty(T, H // 128, dtype=torch.float32) for _ in range(W)]
+        return idxs, [torch.empty(T, H, dtype=torch.bfloat16) for _ in range(W)], None
     gen = torch.Generator().manual_seed(job["seed"])
-    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
-    return idxs, xs
+    x32 = [torch.randn(T, H, generator=gen) for _ in range(W)]
+    if fp8:
+        from hybrid_ep.fp8 import quantize_fp8
+
+        pairs = [quantize_fp8(x) for x in x32]
+        return idxs, [p[0] for p in pairs], [p[1] for p in pairs]
+    return idxs, [x.to(torch.bfloat16) for x in x32], None
 
 
 def _expert_outs(job: dict, results: list):
@@ -60,6 +71,8 @@ def _expert_outs(job: dict, results: list):
     import torch
 
     if not job.get("payload", True):
+        if job.get("dtype", "bf16") == "fp8":  # bf16 rows for the combine: new, untouched pages
+            return [torch.empty(r.tokens.shape[0], job["hidden"], dtype=torch.bfloat16) for r in results]
         return [r.tokens for r in results]
     gen = torch.Generator().manual_seed(job["seed"] + 1)
     return [torch.randn(r.tokens.shape[0], job["hidden"], generator=gen).to(torch.bfloat16) for r in results]
@@ -107,17 +120,17 @@ def run_job(job: dict) -> dict:
         ext.set_timing(costs)
     runs = []
     try:
-        idxs, xs = _inputs(job)
+        idxs, xs, scales = _inputs(job)
         for sms in job["sms"]:
             ext.set_seed(job.get("model_seed", 0))
             if job.get("dispatch_only"):
                 def call(sms=sms):
-                    group.dispatch(xs, idxs, num_sms=sms)
+                    group.dispatch(xs, idxs, scales=scales, num_sms=sms)
                     group.synchronize()
 
                 runs.append({"sms": sms, "dispatch": _measured(ext, costs, call), "peak_rss_mb": _peak_rss_mb()})
                 continue
-            first = group.dispatch(xs, idxs, num_sms=sms)
+            first = group.dispatch(xs, idxs, scales=scales, num_sms=sms)
             outs = _expert_outs(job, first)
             group.combine(outs, [r.handle for r in first], num_sms=sms)
             group.synchronize()
@@ -130,7 +143,7 @@ def run_job(job: dict) -> dict:
                     ext.timing_reports()  # drop the warm-up call's reports
                 before, t0 = ext.stats(), time.perf_counter()
                 if kind == "dispatch":
-                    res = group.dispatch(xs, idxs, num_sms=sms)
+                    res = group.dispatch(xs, idxs, scales=scales, num_sms=sms)
                     if not payload:
                         outs = _expert_outs(job, res)
                 else:

@@ -17,6 +17,7 @@ import json
 from . import constants
 
 ROW_BYTES = 16384  # the microbenchmarks' copies and reduced rows: 16 KiB
+REQUEST_BYTES = 32  # a write request on the L1TEX-to-crossbar path: one sector
 
 
 def _values(doc: dict) -> tuple[dict, dict]:
@@ -68,6 +69,12 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         put("g2s_l2_latency_ns", g("L_load_l2", 0) - ROW_BYTES / v["C_load"],
             f"L_load_l2 {g('L_load_l2', 0):.1f} (a 16 KiB bulk load, L2-hot) less its bytes through the engine at "
             f"C_load {v['C_load']:.2f} bytes/ns", "L_load_l2")
+    if "C_store" in v:
+        put("request_ns", REQUEST_BYTES / v["C_store"],
+            f"a write request's share of C_store {v['C_store']:.2f} bytes/ns (stores alone, one SM): the stores "
+            f"move one {REQUEST_BYTES}-byte sector per request cycle of the L1TEX-to-crossbar path (ncu: that path "
+            "busy 96.5 % of the store-only run's cycles at 31.9 bytes per SM cycle), which a lane's plain global "
+            "store takes whole", "C_store")
     put("sm_clock_ghz", clock / 1000.0,
         "the clock of its lines (clock64 against %globaltimer); the bench ran at it, ncu at 1.50")
     put("hbm_bytes_per_ns", 2 * g("E_alone", 0),

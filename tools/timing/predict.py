@@ -29,12 +29,13 @@ class Shape:
     topk: int
     experts: int
     seed: int = 0
+    dtype: str = "bf16"  # the rows' dtype: "bf16", or "fp8" (float8_e4m3fn with fp32 scales per 128)
 
     @classmethod
     def from_args(cls, args, world_size: int, nodes: int, experts: int | None = None) -> "Shape":
         """The shape of add_shape_arguments' options (experts: where the command derives it)."""
         return cls(world_size, nodes, args.hidden, args.tokens, args.topk,
-                   args.experts if experts is None else experts, args.seed)
+                   args.experts if experts is None else experts, args.seed, getattr(args, "dtype", "bf16"))
 
 
 def add_shape_arguments(parser, *, tokens: int, experts: int | None = 16, experts_help: str | None = None) -> None:
@@ -56,6 +57,8 @@ def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, mo
            "costs": tables, "model_seed": model_seed}
     if not payload:  # older checkouts' drivers (calibration builds) know no such key
         out["payload"] = False
+    if shape.dtype != "bf16":  # nor this one
+        out["dtype"] = shape.dtype
     return out
 
 

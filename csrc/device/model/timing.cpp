@@ -265,7 +265,25 @@ void Timer::settle(int th, bool end_spin) {
     advance(th, c.loads);
     c.loads = 0;
   }
+  if (c.requests > 0) flush_requests(th);
   if (end_spin) spin_end(th);
+}
+
+// A lane's plain global stores in a row (between two of its other operations) go through its
+// SM's request path together: one piece of the copy engine's calendar, request_ns each, placed
+// by its issue time among the bulk copies (the stores do not wait for it: they are posted).
+void Timer::flush_requests(int th) {
+  Clock& c = clocks_[th];
+  const double n = c.requests;
+  c.requests = 0;
+  if (c_.request_ns <= 0) return;
+  const size_t id = next_request_++;
+  CopyTime& ct = copies_[id];
+  ct.issued = Origin{c.t, c.t, 0, role(th), -1};
+  ct.duration = n * c_.request_ns;
+  ct.g2s = false;
+  ct.block = th / threads_;
+  engines_[ct.block].open.push_back(id);
 }
 
 // ---- issue slots ------------------------------------------------------------------------------
@@ -406,9 +424,17 @@ void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, 
   } else {
     ++a.stores;
     a.store_bytes += bytes;
-    settle(th);  // what it stores comes from the loads before it
+    Clock& c = clocks_[th];
+    if (c.loads > 0) {  // what it stores comes from the loads before it
+      advance(th, c.loads);
+      c.loads = 0;
+    }
     issue(th, c_.access_instructions);
     if (!shared) {
+      // Its write requests: a store under 16 bytes takes a sector of its own (the kernels' scalar
+      // stores are scattered: a row's weight, a route's row); a 16-byte vector, half of one (a
+      // warp's lanes store whole sectors together).
+      c.requests += bytes < 16 ? 1.0 : bytes / 32.0;
       mark_written(at, bytes);
       hbm_.take(clocks_[th].t, bytes, c_.hbm_bytes_per_ns, [](size_t) { return 0.0; });
       hbm_bytes_ += bytes;

@@ -25,7 +25,10 @@
 //     in a row overlap: they form a batch that costs the latency of its slowest memory class
 //     (shared, L2 or device memory), paid when the batch ends: at the thread's next store, at a
 //     dev::chain() (the loads after it depend on those before), or at its next operation of
-//     any other kind above (a synchronisation, a copy, a fence, its exit);
+//     any other kind above (a synchronisation, a copy, a fence, its exit). A plain global store
+//     also takes its SM's request path to the crossbar: its write requests (request_ns each),
+//     a lane's stores in a row as one piece of the copy engine's calendar, placed at the lane's
+//     next other operation by its time there (the lane does not wait for it);
 //   - global reads (plain and bulk loads) by traffic class, per 64-byte unit: written in the
 //     launch (rows a peer just stored), read before in the launch (re-reads), neither (input
 //     rows streamed in); each class hits in L2 with its fraction, which sets a load's latency
@@ -103,6 +106,10 @@ namespace hybrid_ep::model::timing {
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
   X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")          \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")        \
+  X(request_ns,                                                                                                     \
+    "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "     \
+    "bulk copies' bytes take as well (the copy engine's calendar): one per store under 16 bytes, half per 16-byte " \
+    "vector")                                                                                                       \
   X(pair_instruction_ns,                                                                                            \
     "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "       \
     "thread beside its issue slot: the loop's dependent latency, so a loop of fewer instructions costs less")       \
@@ -349,6 +356,7 @@ class Timer {
   struct Clock {
     double t = 0, busy = 0, end = 0;
     double loads = 0;  // the latency of the batch of plain loads not yet paid (0: none)
+    double requests = 0;  // plain global stores not yet put on the SM's request path
     double count = 0;  // warp instructions this lane has issued (issue slots)
     bool spinning = false;
     double spin_from = 0, spin_rate = 0;  // since when it spins, warp instructions per cycle
@@ -391,6 +399,7 @@ class Timer {
   void mark_written(const void* p, uint32_t bytes);
   void set(Origin& dst, const Origin& src);
   void place(size_t copy, Origin* read, Origin* write);  // folds its times into read and write
+  void flush_requests(int th);  // the thread's plain global stores since its last operation, on its engine
   void fold_group(Group& g);
   void keep_max(Origin& dst, const Origin& src);
   void resolve(int th, double own, const Origin& dep, double latency, int32_t wait_what, uint32_t* shared_node);
@@ -427,6 +436,10 @@ class Timer {
   std::unordered_map<size_t, CopyTime> copies_;  // issued, not yet placed
   double last_write_ = 0;                        // the latest write of any copy
   uint64_t copy_count_ = 0, copy_bytes_ = 0;
+  // Plain global stores' write requests, placed on the engine's calendar as copies of their own
+  // (ids from kRequestCopies up, apart from the runtime's copy indices).
+  static constexpr size_t kRequestCopies = size_t(1) << 62;
+  size_t next_request_ = kRequestCopies;
   Report::Accesses plain_[2];
   uint64_t chains_ = 0;
   std::unordered_map<const void*, MbarTime> mbars_;

@@ -51,7 +51,8 @@ enum Which {
   kPlainAccesses,
   kIssueWarps,
   kSpinBeside,
-  kDivergedWait
+  kDivergedWait,
+  kRequestsThenStore
 };
 
 // n pairs widened by one thread; the sum keeps them.
@@ -164,16 +165,32 @@ __global__ void timing_kernel(const Args a) {
         __syncwarp();
       }
       break;
+    case kRequestsThenStore:  // n plain global stores (write requests of one lane), then a bulk store
+      if (tid == 0) {
+        auto* words = reinterpret_cast<int*>(a.global);
+        for (int i = 0; i < a.n; ++i) dev::st(words + i, i);
+        dev::bulk_s2g(a.global + kGlobalBytes / 2, smem, a.bytes);
+        dev::bulk_commit();
+        dev::bulk_wait_all();
+      }
+      break;
     default: break;
   }
 }
 
 const std::map<std::string, int>& names() {
   static const std::map<std::string, int> n = {
-      {"handoff_chain", kHandoffChain},   {"load_stream", kLoadStream},     {"store_stream", kStoreStream},
-      {"flag_chain", kFlagChain},         {"named_barrier", kNamedBarrier}, {"plain_pairs", kPlainPairs},
-      {"plain_accesses", kPlainAccesses}, {"issue_warps", kIssueWarps},     {"spin_beside", kSpinBeside},
+      {"handoff_chain", kHandoffChain},
+      {"load_stream", kLoadStream},
+      {"store_stream", kStoreStream},
+      {"flag_chain", kFlagChain},
+      {"named_barrier", kNamedBarrier},
+      {"plain_pairs", kPlainPairs},
+      {"plain_accesses", kPlainAccesses},
+      {"issue_warps", kIssueWarps},
+      {"spin_beside", kSpinBeside},
       {"diverged_wait", kDivergedWait},
+      {"requests_then_store", kRequestsThenStore},
   };
   return n;
 }
