@@ -206,7 +206,7 @@ run_sanitizer() {
 
 run_bench() {
     say "emulated benchmark: W=2 and W=8, 1 2 4 SMs per rank (log: bench.log, results: bench/)"
-    local rc rc_nodes
+    local rc rc_nodes rc_nodes4
     bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 2 8 --hidden 8192 --tokens 4096 --topk 8 \
         --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench" > "$results/bench.log" 2>&1
     rc=$?
@@ -218,6 +218,13 @@ run_bench() {
         --topk 8 --experts 16 --dtype bf16 --sms 1 2 4 --out "$results/bench_nodes" > "$results/bench_nodes.log" 2>&1
     rc_nodes=$?
     show_tail 12 "$results/bench_nodes.log"
+    # And as 4 nodes of 2, where more of the traffic crosses nodes (RDMA bytes per SM).
+    say "emulated benchmark, W=8 as 4 nodes (log: bench_nodes4.log, results: bench_nodes4/)"
+    bounded "$(left)" "$py" -m hybrid_ep.bench --emulate 8 --emulate-nodes 4 --hidden 8192 --tokens 4096 \
+        --topk 8 --experts 16 --dtype bf16 --sms 1 2 --out "$results/bench_nodes4" > "$results/bench_nodes4.log" 2>&1
+    rc_nodes4=$?
+    [ "$rc_nodes" -eq 0 ] && rc_nodes=$rc_nodes4
+    show_tail 8 "$results/bench_nodes4.log"
     [ "$rc" -ne 0 ] && return "$rc"
     return "$rc_nodes"
 }

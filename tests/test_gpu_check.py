@@ -301,10 +301,13 @@ def test_bench_and_ncu_stages(machine):
     nodes = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][1]
     assert "--emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in nodes
     assert f"--out {results}/bench_nodes" in nodes
-    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench" in line]) == 2
+    nodes4 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2]
+    assert "--emulate 8 --emulate-nodes 4 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2" in nodes4
+    assert f"--out {results}/bench_nodes4" in nodes4
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench" in line]) == 3
     proc, calls = run("bench-dsv3", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    dsv3 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2:]  # after the bench stage's
+    dsv3 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][3:]  # after the bench stage's
     assert len(dsv3) == 4  # bf16 and fp8, 4096 and 1024 tokens per rank, on the direct path
     for line, (dtype, tokens) in zip(dsv3, [("bf16", 4096), ("bf16", 1024), ("fp8", 4096), ("fp8", 1024)]):
         assert f"--emulate 8 --hidden 7168 --tokens {tokens} --topk 8 --experts 256 --dtype {dtype} --sms 1 2" in line
@@ -575,11 +578,12 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the bench stage's two sweeps, the receive sweep, fp8, and the DeepSeek-V3-like layer on each path
-    assert len(benches) == 6, benches
-    assert "--dtype fp8 --sms 1 2" in benches[3] and "--emulate 8 " in benches[3]
-    assert benches[2].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
-    for line, path in zip(benches[4:], ("direct", "receive")):
+    # the bench stage's three sweeps (one node, 2 and 4 nodes), the receive sweep, fp8, and the
+    # DeepSeek-V3-like layer on each path
+    assert len(benches) == 7, benches
+    assert "--dtype fp8 --sms 1 2" in benches[4] and "--emulate 8 " in benches[4]
+    assert benches[3].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
+    for line, path in zip(benches[5:], ("direct", "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
