@@ -302,7 +302,8 @@ def test_bench_and_ncu_stages(machine):
     assert "--emulate 8 --emulate-nodes 2 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in nodes
     assert f"--out {results}/bench_nodes" in nodes
     nodes4 = [line for line in calls.splitlines() if "-m hybrid_ep.bench" in line][2]
-    assert "--emulate 8 --emulate-nodes 4 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2" in nodes4
+    assert "--emulate 8 --emulate-nodes 4 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 2" \
+        in nodes4
     assert f"--out {results}/bench_nodes4" in nodes4
     assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench" in line]) == 3
     proc, calls = run("bench-dsv3", str(results))

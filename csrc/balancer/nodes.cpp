@@ -43,8 +43,8 @@ using namespace detail;
 
 namespace {
 
-constexpr int kExpertsTried = 8;    // of the peak node, per kind of move
-constexpr int kTargetsTried = 4;    // lightest nodes a step moves load to
+constexpr int kExpertsTried = 8;  // of the peak node, per kind of move
+constexpr int kTargetsTried = 4;  // lightest nodes a step moves load to
 // Steps with every expert and node once the lists above stop: on the locality study's 8 x 8
 // rows with a spare slot per rank, 2 took the largest node from 1.026 to 1.016 of the mean
 // (zipf 0.8) and 1.018 to 1.014 (the training statistics) for 1-2 ms of the 61-layer plan;

@@ -19,12 +19,12 @@ constexpr int kChunkTokens = 32;          // tokens per chunk: the unit of signa
 constexpr int kPrepareThreads = 1024;     // threads of the one layout block per rank
 constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
 constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
-constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
-constexpr int kPullPipelines = 2;   // pipelines of a combine-pull block, sharing its dynamic shared memory
+constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
+constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
-constexpr int kCountRowTail = 4;    // a count row's last ints: the source's tokens, its first bad token (-1:
-                                    // none) and that route's expert id (low, high word)
+constexpr int kCountRowTail = 4;           // a count row's last ints: the source's tokens, its first bad token (-1:
+                                           // none) and that route's expert id (low, high word)
 
 // The codes below are the one definition of each: the bindings export them to Python by the
 // names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES, PIPE_SITES;

@@ -112,9 +112,9 @@ struct PullShared {
 template <typename Rdma>
 struct CombinePull : KernelCall {
   int L, T, K, C, seg_cols, segments, chunk, stages;
-  int ring_slots;                   // chunk slots of the node-partial rings (comb_ring)
-  uint32_t in_bytes, wire_bytes;    // element sizes
-  uint32_t stage_bytes;             // a stage holds a segment of either
+  int ring_slots;                 // chunk slots of the node-partial rings (comb_ring)
+  uint32_t in_bytes, wire_bytes;  // element sizes
+  uint32_t stage_bytes;           // a stage holds a segment of either
   PullShared& sh;
   uint8_t* data;  // [kPipelines][stages][stage_bytes] segments
   Hierarchy<Rdma> h;
@@ -237,9 +237,9 @@ __device__ bool forwarded_parts(const CombinePull<Rdma>& d, PullTable& tab, int 
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
   if (lane == 0 && c >= d.ring_slots)
-    ok = !d.stopped() && wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0),
-                                       ring_tag(d.epoch, c - d.ring_slots), kPhaseNodePartRing, d.a.rank,
-                                       h.rail_peer(n), d.epoch);
+    ok = !d.stopped() &&
+         wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0), ring_tag(d.epoch, c - d.ring_slots),
+                       kPhaseNodePartRing, d.a.rank, h.rail_peer(n), d.epoch);
   if (!warp_uniform(ok)) return false;
   rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
   const int width = fwd_route_width(d.geo);
@@ -339,7 +339,8 @@ __device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring
       if (h.multi() && it.slot == kChunkEnd && gt == 0) {
         const int c = it.row / d.chunk;
         for (int n = 0; n < h.topo.N; ++n)
-          if (n != h.node) h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), ring_tag(d.epoch, c));
+          if (n != h.node)
+            h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), ring_tag(d.epoch, c));
         credited = true;
       }
       continue;
@@ -436,8 +437,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __g
     switch (role.role) {
       case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
       case PullRole::kReduce:
-        pull_reduce<Rdma, Elem, Wire>(d, pipeline, ring, role.thread_index(tid - pipeline * kPipelineWarps * 32),
-                                      lane);
+        pull_reduce<Rdma, Elem, Wire>(d, pipeline, ring, role.thread_index(tid - pipeline * kPipelineWarps * 32), lane);
         break;
     }
   }

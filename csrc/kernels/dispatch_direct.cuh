@@ -378,8 +378,8 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
         if (n == d.h.node) continue;
         const uint64_t* credit = d.h.flag(d.staged_credit_off(n, c), 0);
         if (pending && dev::ld_relaxed_sys(credit) < d.tag(c - d.ring)) ok = arrive_pending(true);
-        ok = ok && wait_at_least(d.args, credit, d.tag(c - d.ring), kPhaseStagedRing, d.a.rank, d.h.rail_peer(n),
-                                 d.epoch);
+        ok = ok &&
+             wait_at_least(d.args, credit, d.tag(c - d.ring), kPhaseStagedRing, d.a.rank, d.h.rail_peer(n), d.epoch);
       }
       if (!ok) break;
       dev::fence_proxy_async();  // the credits, before the bulk stores into the slots

@@ -14,7 +14,6 @@
 
 namespace hybrid_ep {
 
-
 template <typename Rdma>
 struct Hierarchy {
   Rdma rdma;

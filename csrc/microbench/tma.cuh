@@ -36,11 +36,11 @@ constexpr int kTmaMaxFanout = 8;   // destinations a route table holds
 struct TmaArgs {
   LaunchArgs la;  // the project's bounded waits read its abort flag, bound and error record
   Common c;
-  int mode;       // TmaMode
-  int fanout;     // kMix: destinations per stage
-  int pipelines;  // 1 .. kTmaMaxPipelines
-  int stages;     // per pipeline, 2 .. kMaxStages
-  int depth;      // store groups left reading: 0 .. 7
+  int mode;           // TmaMode
+  int fanout;         // kMix: destinations per stage
+  int pipelines;      // 1 .. kTmaMaxPipelines
+  int stages;         // per pipeline, 2 .. kMaxStages
+  int depth;          // store groups left reading: 0 .. 7
   int store_threads;  // kMix: 1, or 2 taking alternate stages
   int table;          // kMix: destinations read from a route table in shared memory (fanout <= 8)
   int random_rows;

@@ -355,9 +355,9 @@ class Timer {
   };
   struct Clock {
     double t = 0, busy = 0, end = 0;
-    double loads = 0;  // the latency of the batch of plain loads not yet paid (0: none)
+    double loads = 0;     // the latency of the batch of plain loads not yet paid (0: none)
     double requests = 0;  // plain global stores not yet put on the SM's request path
-    double count = 0;  // warp instructions this lane has issued (issue slots)
+    double count = 0;     // warp instructions this lane has issued (issue slots)
     bool spinning = false;
     double spin_from = 0, spin_rate = 0;  // since when it spins, warp instructions per cycle
     uint32_t node = 0;                    // the path node of the last wait another thread's event decided
