@@ -236,7 +236,7 @@ struct Dispatch : KernelCall {
   }
   __device__ bool slot_item(const SendUnit& su, int i) const { return i < G || i - G != h.node; }
   __device__ const uint64_t* slot_credit(const SendUnit& su, int i) const {
-    return i < G ? recv_credit(a.rank, unit_node(su), i, su.chunk) : h.flag(staged_credit_off(i - G, su.chunk), 0);
+    return i < G ? recv_credit(a.rank, unit_node(su), i, su.chunk) : h.flag(h.staged_credit_off(i - G, su.chunk), 0);
   }
   // Whether the unit's slots are free (slot_items), without waiting: each lane polls its items
   // once. Warp-collective, the same answer in every lane.
@@ -269,21 +269,9 @@ struct Dispatch : KernelCall {
     return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
            static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
   }
-  // The staging rings in the RDMA region: chunk c staged for (or from) node n takes chunk slot
-  // c % ring of node n's ring; byte offsets of its row q, of its routing, and of the credit of
-  // the slot (the rail peer on node n forwarded chunk c from it).
-  __device__ uint64_t staged_off(uint64_t area, int n, int c, int q) const {
-    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
-  }
-  __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
-    return area + static_cast<uint64_t>(n * ring + c % ring) * h.R.chunk_meta_bytes;
-  }
-  __device__ uint64_t staged_credit_off(int n, int c) const {
-    return h.R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
-  }
   // Staged row q of own chunk c for node n, in this rank's RDMA region.
   __device__ uint8_t* staged_row(int n, int c, int q) const {
-    return h.rdma.local(staged_off(h.R.disp_rows_out, n, c, q));
+    return h.rdma.local(h.staged_off(h.R.disp_rows_out, n, c, q, row_bytes));
   }
   // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
   // there is its ordinal among them. Every lane calls it.
@@ -305,7 +293,7 @@ struct Dispatch : KernelCall {
   __device__ int unit_items(const SendUnit& su) const { return max(1, batches.items(su.u0, su.u1)); }
   // A forwarded chunk's routing, in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
-    return h.rdma.local(staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+    return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
   }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
@@ -329,7 +317,7 @@ struct Dispatch : KernelCall {
   // Row i of a unit (u0 <= i < u1).
   __device__ const uint8_t* unit_row(const SendUnit& su, int i) const {
     if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
-    return h.rdma.local(staged_off(h.R.disp_rows_in, su.node, su.chunk, i));
+    return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, su.chunk, i, row_bytes));
   }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
 };
@@ -524,7 +512,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       dev::st_release_sys(&sig->epoch, d.epoch);
     }
     if (pending_node >= 0)
-      d.h.rdma.signal(pending_source, d.staged_credit_off(d.h.node, pending_chunk), d.tag(pending_chunk));
+      d.h.rdma.signal(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.tag(pending_chunk));
     if (pending_staged) {
       if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
       d.staged_ring.producer_commit(staged);
@@ -830,13 +818,13 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     // once the rail peer forwarded chunk c - ring from it.
     bool ok = true;
     if (lane == 0 && c >= d.ring)
-      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.staged_credit_off(n, c), 0), d.tag(c - d.ring),
+      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.tag(c - d.ring),
                                          kPhaseStagedRing, d.a.rank, peer, d.epoch);
     if (!warp_uniform(ok)) {
       d.stop();
       break;
     }
-    uint8_t* meta = h.rdma.local(d.staged_meta_off(h.R.disp_meta_out, n, c));
+    uint8_t* meta = h.rdma.local(d.h.staged_meta_off(h.R.disp_meta_out, n, c));
     if ((mask >> lane) & 1u) {
       TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
       for (int k = 0; k < kMaxTopK; ++k) {
@@ -863,12 +851,12 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     __syncwarp();
     if (lane == 0) d.staged_ring.consumer_release(st);  // one of the chunk's N - 1 nodes
     if (rows > 0) {
-      h.rdma.put(lane, peer, d.staged_off(h.R.disp_rows_in, h.node, c, 0), d.staged_row(n, c, 0),
+      h.rdma.put(lane, peer, d.h.staged_off(h.R.disp_rows_in, h.node, c, 0, d.row_bytes), d.staged_row(n, c, 0),
                  static_cast<uint64_t>(rows) * d.row_bytes);
       if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
       __syncwarp();
     }
-    h.rdma.put_signal(lane, peer, d.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
+    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
                       kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
                       h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
   }

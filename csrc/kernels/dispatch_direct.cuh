@@ -144,20 +144,9 @@ struct DirectDispatch : KernelCall {
   __device__ int fwd_lag() const { return ring / 2; }  // DirectUnits
   // A staging credit's value: chunk c of this call was read. Tags only grow (the call in the high word).
   __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
-  // The staging rings in the RDMA region: chunk c staged for (or from) node n takes chunk slot
-  // c % ring of node n's ring; byte offsets of its row q, of its routing, of the slot's credit.
-  __device__ uint64_t staged_off(uint64_t area, int n, int c, int q) const {
-    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
-  }
-  __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
-    return area + static_cast<uint64_t>(n * ring + c % ring) * h.R.chunk_meta_bytes;
-  }
-  __device__ uint64_t staged_credit_off(int n, int c) const {
-    return h.R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
-  }
   __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
   // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
-  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(staged_meta_off(h.R.disp_meta_in, m, c)); }
+  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
     if (!wait_at_least(args, arrival(m, c), epoch, kPhaseRdmaRows, a.rank, h.rail_peer(m), epoch)) return false;
@@ -193,7 +182,7 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
         break;
       }
       dev::fence_proxy_async();
-      rows = d.h.rdma.local(d.staged_off(d.h.R.disp_rows_in, m, c, 0));
+      rows = d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_in, m, c, 0, d.row_bytes));
     }
     for (int k = 0; k < d.batches.items(u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(u0, u1, k);
@@ -376,7 +365,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
     if (staged && c >= d.ring) {  // the chunk's slot of every other node's staging ring is free
       for (int n = 0; n < d.h.topo.N && ok; ++n) {
         if (n == d.h.node) continue;
-        const uint64_t* credit = d.h.flag(d.staged_credit_off(n, c), 0);
+        const uint64_t* credit = d.h.flag(d.h.staged_credit_off(n, c), 0);
         if (pending && dev::ld_relaxed_sys(credit) < d.tag(c - d.ring)) ok = arrive_pending(true);
         ok = ok &&
              wait_at_least(d.args, credit, d.tag(c - d.ring), kPhaseStagedRing, d.a.rank, d.h.rail_peer(n), d.epoch);
@@ -395,9 +384,10 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
         const int i = it.first + r - u0;
         for (int q = 0; q < tab.targets[i]; ++q) {
           const int p = tab.row[i][q], dst = tab.dest[i][q];
-          uint8_t* to = dst >= kStagedTarget
-                            ? d.h.rdma.local(d.staged_off(d.h.R.disp_rows_out, dst - kStagedTarget, c, p))
-                            : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
+          uint8_t* to =
+              dst >= kStagedTarget
+                  ? d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
+                  : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
           dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
@@ -452,7 +442,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
     __syncwarp();
     if (lane == 0) d.done_ring.consumer_release(done);
     if (m >= 0) {  // the forwarded chunk was read whole: its slot is free at both ends
-      if (lane == 0) h.rdma.signal(h.rail_peer(m), d.staged_credit_off(h.node, c), d.tag(c));
+      if (lane == 0) h.rdma.signal(h.rail_peer(m), d.h.staged_credit_off(h.node, c), d.tag(c));
       continue;
     }
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -460,7 +450,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
       if (n == h.node) continue;
       const unsigned mask = __ballot_sync(0xffffffffu, d.reaches(t, t1, n));
       const int rows = __popc(mask);
-      uint8_t* meta = h.rdma.local(d.staged_meta_off(h.R.disp_meta_out, n, c));
+      uint8_t* meta = h.rdma.local(d.h.staged_meta_off(h.R.disp_meta_out, n, c));
       if ((mask >> lane) & 1u) {
         TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
         for (int k = 0; k < kMaxTopK; ++k) {
@@ -477,12 +467,13 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
       __syncwarp();
       const int peer = h.rail_peer(n);
       if (rows > 0) {
-        h.rdma.put(lane, peer, d.staged_off(h.R.disp_rows_in, h.node, c, 0),
-                   h.rdma.local(d.staged_off(h.R.disp_rows_out, n, c, 0)), static_cast<uint64_t>(rows) * d.row_bytes);
+        h.rdma.put(lane, peer, d.h.staged_off(h.R.disp_rows_in, h.node, c, 0, d.row_bytes),
+                   h.rdma.local(d.h.staged_off(h.R.disp_rows_out, n, c, 0, d.row_bytes)),
+                   static_cast<uint64_t>(rows) * d.row_bytes);
         if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
         __syncwarp();
       }
-      h.rdma.put_signal(lane, peer, d.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
+      h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
                         kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
                         h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
     }

@@ -21,6 +21,7 @@ struct Hierarchy {
   Topology topo;
   int rank, node;
   int64_t max_chunks, staged;  // chunks per source, staged slots per source node
+  int ring;                    // chunk slots of a staging ring (BufferConfig.ring_chunks)
 
   __device__ bool multi() const { return topo.N > 1; }
   __device__ int first_local() const { return node * topo.G; }  // ranks of this node: first_local() + g
@@ -28,15 +29,24 @@ struct Hierarchy {
   __device__ uint64_t* flag(uint64_t offset, int64_t index) const {
     return reinterpret_cast<uint64_t*>(rdma.local(offset)) + index;
   }
-  // Byte offsets of (source node n, chunk c) in the per-chunk areas, and of staged slot i.
+  // Byte offsets of (source node n, chunk c) in the per-chunk areas.
   __device__ uint64_t chunk_flag_off(uint64_t area, int n, int c) const {
     return area + static_cast<uint64_t>(n * max_chunks + c) * 8;
   }
   __device__ uint64_t chunk_meta_off(uint64_t area, int n, int c) const {
     return area + static_cast<uint64_t>(n * max_chunks + c) * R.chunk_meta_bytes;
   }
-  __device__ uint64_t staged_off(uint64_t area, int n, int64_t slot, uint32_t row_bytes) const {
-    return area + static_cast<uint64_t>(n * staged + slot) * row_bytes;
+  // The staging rings in the RDMA region (both dispatch kernels): chunk c staged for (or from)
+  // node n takes chunk slot c % ring of node n's ring; byte offsets of its row q, of its
+  // routing, and of the slot's credit (the rail peer on node n forwarded chunk c from it).
+  __device__ uint64_t staged_off(uint64_t area, int n, int c, int q, uint32_t row_bytes) const {
+    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
+  }
+  __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
+    return area + static_cast<uint64_t>(n * ring + c % ring) * R.chunk_meta_bytes;
+  }
+  __device__ uint64_t staged_credit_off(int n, int c) const {
+    return R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
   }
   // One staged token's record in a chunk's routing: TokenMeta, G receive slots, scales.
   __device__ static TokenMeta* token_meta(uint8_t* chunk_meta, int q, uint64_t token_bytes) {
@@ -50,8 +60,14 @@ template <typename Rdma>
 __device__ Hierarchy<Rdma> make_hierarchy(const Geometry& geo, const RankArgs& a) {
   const Topology topo{geo.world_size, geo.ranks_per_node, geo.num_nodes};
   const int64_t max_chunks = static_cast<int64_t>(geo.reg.max_chunks);
-  return Hierarchy<Rdma>{make_transport<Rdma>(a),  geo.rdma, topo, a.rank, topo.node(a.rank), max_chunks,
-                         max_chunks * kChunkTokens};
+  return Hierarchy<Rdma>{make_transport<Rdma>(a),
+                         geo.rdma,
+                         topo,
+                         a.rank,
+                         topo.node(a.rank),
+                         max_chunks,
+                         max_chunks * kChunkTokens,
+                         static_cast<int>(geo.reg.ring_chunks)};
 }
 
 // Forwarded chunks a rank handles: every chunk of the rail peer on every other node, in node
