@@ -757,11 +757,7 @@ LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
 
 template <typename Rdma>
 LaunchStatus launch_combine_with(const LaunchArgs& args, uint64_t stream) {
-  if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
-    return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kMaxSegCols)";
-  if (args.seg_cols % vector_cols(args.dtype) != 0 || args.row_elems % vector_cols(args.dtype) != 0)
-    return "combine: seg_cols and the row's columns must be whole 16-byte vectors (multiples of 8 for bf16 / fp16, "
-           "4 for fp32)";
+  if (const char* bad = check_segment_cols(args)) return bad;
   const bool fp32_wire = args.wire_dtype == kFloat32;
   switch (args.dtype) {
     case kFloat32: return launch_combine_typed<Rdma, float, float>(args, stream);

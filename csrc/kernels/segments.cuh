@@ -118,6 +118,17 @@ struct Vec16<__half> : Vec16Half<HalfConv> {};
 // must hold whole vectors (the launchers check; rows are whole 16-byte multiples anyway).
 __host__ __device__ constexpr int vector_cols(int32_t dtype) { return dtype == kFloat32 ? 4 : 8; }
 
+// Both combine launchers' check of the segment width the host chose: nullptr if it holds, else
+// the error's text.
+inline const char* check_segment_cols(const LaunchArgs& args) {
+  if (args.seg_cols <= 0 || args.seg_cols > kCombineMaxSegCols || args.seg_cols % 4 != 0)
+    return "combine: seg_cols must be a positive multiple of 4 up to 8192 (kCombineMaxSegCols)";
+  if (args.seg_cols % vector_cols(args.dtype) != 0 || args.row_elems % vector_cols(args.dtype) != 0)
+    return "combine: seg_cols and the row's columns must be whole 16-byte vectors (multiples of 8 for bf16 / fp16, "
+           "4 for fp32)";
+  return nullptr;
+}
+
 // kCols columns of fp32 rounded once to Out at p: one 16-byte store where they fill one, else
 // a store per quad (a 16-bit segment written as fp32, or the reverse).
 template <typename Out, int kCols>
