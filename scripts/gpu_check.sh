@@ -4,7 +4,8 @@
 # command runs one stage or several (comma-separated, in order, building once) and ends
 # inside GPU_CHECK_BUDGET_S seconds, build included; its logs go into RESULTS.
 #
-#   bash scripts/gpu_check.sh build    RESULTS   # hybrid_ep._C in place, sm_90a only
+#   bash scripts/gpu_check.sh build    RESULTS   # hybrid_ep._C in place, sm_90a only (or the
+#                                                #     carried one: scripts/prebuild_gpu.sh)
 #   bash scripts/gpu_check.sh test     RESULTS   # (a) build + every GPU test
 #   bash scripts/gpu_check.sh sanitize RESULTS [TOOL ...]   # (b) compute-sanitizer on small
 #                                                #     emulated cases (memcheck racecheck synccheck)
@@ -22,6 +23,8 @@
 #                                                #     microbenchmark copy patterns
 #   bash scripts/gpu_check.sh racecheck-probe RESULTS  # (i) each case of csrc/tools/racecheck_probe.cu alone
 #                                                #     under racecheck; needs no hybrid_ep._C, builds none
+#   bash scripts/gpu_check.sh deepep   RESULTS   # (j) DeepEP beside hybrid-ep: 8 processes on the GPU
+#                                                #     under MPS (the carried wheel, build/deepep/)
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -32,11 +35,12 @@
 # RESULTS/logs_<stages>.tgz beside RESULTS/gpu_check_summary.txt: for machines that return only
 # a few files); GPU_CHECK_COMMIT (the commit being checked, for machine.txt; default: read
 # from .git when the checkout has one); GPU_CHECK_MICRO (what the micro stage runs: the
-# microbenchmark's arguments, default "all").
+# microbenchmark's arguments, default "all"); GPU_CHECK_PREBUILT (the carried build, default
+# build/gpu-prebuilt); GPU_CHECK_DEEPEP_WHEEL (default build/deepep/deep_ep-*.whl).
 set -uo pipefail
 
 usage() {
-    sed -n '7,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -46,7 +50,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -95,7 +99,7 @@ commit_of_checkout() {
 
 on_exit() {
     local rc=$?
-    if [ -n "$mps_started" ]; then echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; fi
+    mps_stop
     if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
         local name files
         name="logs_$(IFS=-; echo "${stages[*]}").tgz"
@@ -138,9 +142,34 @@ extension_is_fresh() {
         ! -path 'csrc/tools/*' 2>/dev/null | head -1)" ]
 }
 
+# A build made ahead on another machine (scripts/prebuild_gpu.sh; GPU_CHECK_PREBUILT, default
+# build/gpu-prebuilt) is used when its stamp fits this checkout and this machine's Python,
+# torch and NVSHMEM (scripts/gpu_prebuilt.py check) and its extensions import; otherwise its
+# files are taken away again and the extension is built here. build.log says which.
+prebuilt=${GPU_CHECK_PREBUILT:-build/gpu-prebuilt}
+use_prebuilt() {
+    [ -d "$prebuilt" ] || { say "no carried build at $prebuilt: building here"; return 1; }
+    local fits why so
+    if ! fits=$("$py" scripts/gpu_prebuilt.py check "$prebuilt" --archs "$HYBRID_EP_CUDA_ARCHS" 2>&1); then
+        say "the carried build at $prebuilt does not fit: ${fits##*$'\n'}; building here"
+        return 1
+    fi
+    cp "$prebuilt"/hybrid_ep/*.so hybrid_ep/ || { say "copying the carried build failed: building here"; return 1; }
+    if ! why=$("$py" -c 'import hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner' 2>&1); then
+        say "the carried extensions do not load: ${why##*$'\n'}; building here"
+        for so in "$prebuilt"/hybrid_ep/*.so; do rm -f "hybrid_ep/$(basename "$so")"; done
+        return 1
+    fi
+    say "using the carried build ($prebuilt), not building: $fits"
+    { echo "carried build from $prebuilt:"; cat "$prebuilt/stamp" "$prebuilt/build.log" 2>/dev/null; } > "$results/build.log"
+    mkdir -p "$(dirname "$archs_stamp")" && echo "$HYBRID_EP_CUDA_ARCHS" > "$archs_stamp"
+}
+
 build() {
     if extension_is_fresh; then
         say "hybrid_ep._C is newer than its sources and built for sm_$HYBRID_EP_CUDA_ARCHS: not rebuilt"
+    elif use_prebuilt; then
+        :
     else
         local start=$SECONDS
         say "building hybrid_ep._C in place for sm_${HYBRID_EP_CUDA_ARCHS//;/, sm_} (log: build.log)"
@@ -445,6 +474,25 @@ run_racecheck_probe() {
     return "$worst"
 }
 
+# The MPS daemon, for processes that share the GPU and wait on each other's kernels. Its pipe
+# folder is in /tmp (the daemon's socket path must stay short: a Unix socket name) and the same
+# for its clients; its logs go under RESULTS/mps/.
+mps_folders() {
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/hybrid-ep-mps.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
+    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+}
+# Start the daemon (mps_folders first); fails with its output in RESULTS/mps/start.log.
+mps_start() {
+    nvidia-cuda-mps-control -d > "$results/mps/start.log" 2>&1 || return 1
+    mps_started=1
+    sleep 1
+}
+mps_stop() {
+    if [ -n "$mps_started" ]; then echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; fi
+    mps_started=""
+}
+
 # Several processes on the one GPU, each one NVSHMEM PE (hybrid_ep.testing.nvshmem_selftest):
 # without MPS (NVSHMEM's limited support of several PEs per GPU) and with the MPS daemon
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
@@ -456,19 +504,12 @@ run_nvshmem() {
     local todo=8 per_run mps vmm procs rc name worked2="" worked4=""
     local nv_summary="$results/nvshmem_summary.txt"
     : > "$nv_summary"
-    # The daemon's socket path must stay short (a Unix socket name): its pipe folder is in /tmp.
-    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/hybrid-ep-mps.XXXXXX)
-    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
-    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+    mps_folders
     for mps in off on; do
-        if [ "$mps" = on ]; then
-            if ! nvidia-cuda-mps-control -d > "$results/mps/start.log" 2>&1; then
-                echo "mps=on: nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")" \
-                    | tee -a "$nv_summary" "$summary"
-                break
-            fi
-            mps_started=1
-            sleep 1
+        if [ "$mps" = on ] && ! mps_start; then
+            echo "mps=on: nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")" \
+                | tee -a "$nv_summary" "$summary"
+            break
         fi
         for vmm in default off; do
             for procs in 2 4; do
@@ -490,10 +531,7 @@ run_nvshmem() {
             done
         done
         unset NVSHMEM_DISABLE_CUDA_VMM
-        if [ "$mps" = on ]; then
-            echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
-            mps_started=""
-        fi
+        mps_stop
     done
     rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
     say "worked with 2 PEs (mps/vmm):${worked2:- none}; with 4 PEs:${worked4:- none}"
@@ -510,6 +548,36 @@ run_nvshmem_cases() {
         --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/nvshmem_cases.log" 2>&1
     local rc=$?
     say "exit $rc: $(tail -1 "$results/nvshmem_cases.log")"
+    return "$rc"
+}
+
+# DeepEP beside hybrid-ep (docs/benchmarks/README.md, "DeepEP beside hybrid-ep"): the bench's
+# W = 8 ranks as 8 processes on the one GPU under the MPS daemon, hybrid-ep's cuda backend (its
+# path for one process per rank) and DeepEP's intranode kernels at the seed shape on 2 and 8 SMs
+# per rank, in one table and results.json (bench_deepep/). DeepEP is the carried wheel
+# (scripts/build_deepep_wheel.sh; GPU_CHECK_DEEPEP_WHEEL, default build/deepep/deep_ep-*.whl),
+# unpacked into a temporary folder on PYTHONPATH; without it the bench runs hybrid-ep alone and
+# says why DeepEP did not run.
+run_deepep() {
+    local wheel unpacked rc
+    wheel=$(ls ${GPU_CHECK_DEEPEP_WHEEL:-build/deepep/deep_ep-*.whl} 2>/dev/null | head -1)
+    unpacked=$(mktemp -d)
+    if [ -n "$wheel" ] && "$py" -m zipfile -e "$wheel" "$unpacked"; then
+        say "DeepEP from $wheel"
+    else
+        say "no DeepEP wheel at ${GPU_CHECK_DEEPEP_WHEEL:-build/deepep/deep_ep-*.whl}: hybrid-ep alone"
+    fi
+    mps_folders
+    mps_start || { say "nvidia-cuda-mps-control -d failed: $(tail -1 "$results/mps/start.log")"; return 1; }
+    say "8 processes on the GPU under MPS, cuda and deepep (log: bench_deepep.log, at most $(left) s)"
+    PYTHONPATH="$unpacked:$PYTHONPATH" bounded "$(left)" "$py" -m hybrid_ep.bench --device cuda -w 8 \
+        --backends cuda deepep --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 2 8 \
+        --warmup 5 --iters 20 --out "$results/bench_deepep" > "$results/bench_deepep.log" 2>&1
+    rc=$?
+    mps_stop
+    rm -rf "$unpacked" "$CUDA_MPS_PIPE_DIRECTORY"
+    say "exit $rc$(grep -m1 -oE 'deepep: not run: .*' "$results/bench_deepep.log" | sed 's/^/; /')"
+    show_tail 3 "$results/bench_deepep.log" > /dev/null
     return "$rc"
 }
 
@@ -541,6 +609,7 @@ for stage in "${stages[@]}"; do
         micro) run_micro; rc=$? ;;
         ncu-l1tex) run_ncu_l1tex; rc=$? ;;
         racecheck-probe) run_racecheck_probe; rc=$? ;;
+        deepep) run_deepep; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

@@ -1,5 +1,5 @@
 """One list of backend names (hybrid_ep.backends): every place that takes a backend name accepts
-exactly that list, and the benchmark exactly its implementations."""
+exactly that list, and the benchmark exactly its implementations and its baselines (other libraries)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from helpers import REPO
 from hybrid_ep.backends import BACKEND_NAMES, BACKENDS
-from hybrid_ep.bench.spec import BENCH_BACKENDS
+from hybrid_ep.bench.spec import BASELINES, BENCH_BACKENDS
 from megatron_patches import options
 from megatron_patches.slurm import recipe as recipe_mod
 from megatron_patches.slurm import validate
@@ -22,7 +22,7 @@ NOT_BACKENDS = ["deepep", "nccl", "AUTO", ""]
 
 def test_the_names_are_auto_and_the_implementations():
     assert BACKEND_NAMES == ("auto", *BACKENDS)
-    assert BENCH_BACKENDS == BACKENDS
+    assert BENCH_BACKENDS == (*BACKENDS, *BASELINES) and not set(BASELINES) & set(BACKEND_NAMES)
 
 
 def test_the_megatron_flag_offers_exactly_the_backend_names():

@@ -39,7 +39,7 @@ def machine(tmp_path):
     (repo / "hybrid_ep").mkdir()
     shutil.copy(SCRIPT, repo / "scripts" / "gpu_check.sh")
     shutil.copy(Path(REPO, "scripts", "gpu_short_lease.sh"), repo / "scripts" / "gpu_short_lease.sh")
-    for script in ("build_microbench.sh", "build_racecheck_probe.sh"):
+    for script in ("build_microbench.sh", "build_racecheck_probe.sh", "gpu_prebuilt.py"):
         shutil.copy(Path(REPO, "scripts", script), repo / "scripts" / script)
     (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
     (repo / "csrc" / "microbench").mkdir()
@@ -65,6 +65,10 @@ case "$*" in
     echo "=== 40 passed in 100.00s ==="; exit "${PYTEST_RC:-0}" ;;
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
   *"-m tools.microbench"*) PYTHONPATH="$REAL_REPO" exec "$REAL_PYTHON" "$@" ;;  # the real post-processor
+  "scripts/gpu_prebuilt.py "*) exec "$REAL_PYTHON" "$@" ;;  # the real stamp check
+  "-c import hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner")  # carried extensions that do not load here
+    if [ -n "${CARRIED_DOES_NOT_LOAD:-}" ] && grep -qs carried hybrid_ep/_C*.so; then
+      echo "Traceback (most recent call last):"; echo "ImportError: undefined symbol: _ZN3c104cuda"; exit 1; fi ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
   *"-m hybrid_ep.testing.nvshmem_cases"*)
@@ -203,6 +207,82 @@ def test_fresh_extension_is_not_rebuilt_and_a_changed_source_is(machine):
     assert calls.count("setup.py build_ext") == 2
 
 
+def _carry(repo: Path, archs: str = "90a") -> Path:
+    """A build made ahead, as scripts/prebuild_gpu.sh leaves it in build/gpu-prebuilt: the three
+    extensions, its log and its stamp (the real helper's, for this checkout and this torch)."""
+    folder = repo / "build" / "gpu-prebuilt"
+    (folder / "hybrid_ep").mkdir(parents=True)
+    for name in ("_C", "_model", "_planner"):
+        (folder / "hybrid_ep" / f"{name}.cpython-312-x86_64-linux-gnu.so").write_text("carried\n")
+    (folder / "build.log").write_text("hybrid-ep: building the CUDA extension hybrid_ep._C for 90a\n")
+    subprocess.run([sys.executable, str(repo / "scripts" / "gpu_prebuilt.py"), "write", str(folder), "--archs", archs,
+                    "--build-s", "310"], check=True, capture_output=True)
+    return folder
+
+
+def test_a_carried_build_that_fits_is_used_and_not_built(machine):
+    repo, results, run = machine
+    _carry(repo)
+    proc, calls = run("build", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "setup.py build_ext" not in calls
+    assert "using the carried build (build/gpu-prebuilt), not building: matches: built " in proc.stdout
+    assert ", sm_90a, sources " in proc.stdout
+    assert all((repo / "hybrid_ep" / f"{n}.cpython-312-x86_64-linux-gnu.so").read_text() == "carried\n"
+               for n in ("_C", "_model", "_planner"))
+    log = (results / "build.log").read_text()
+    assert log.startswith("carried build from build/gpu-prebuilt:") and "build_s=310" in log and "for 90a" in log
+    proc, calls = run("build", str(results))  # now in place and newer than its sources
+    assert "not rebuilt" in proc.stdout and "setup.py build_ext" not in calls
+
+
+def test_a_carried_build_of_other_sources_or_archs_is_not_used(machine):
+    repo, results, run = machine
+    _carry(repo)
+    (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel, changed since the build\n")
+    proc, calls = run("build", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the carried build at build/gpu-prebuilt does not fit: built for inputs " in proc.stdout
+    assert "; building here" in proc.stdout and calls.count("setup.py build_ext") == 1
+    assert (repo / "hybrid_ep" / "_C.cpython-312-x86_64-linux-gnu.so").read_text() == ""  # built here
+    proc, calls = run("build", str(results / "b"), HYBRID_EP_CUDA_ARCHS="100a")
+    assert "does not fit: built for inputs" in proc.stdout and "archs 90a (here 100a)" in proc.stdout
+
+
+def test_a_carried_build_that_does_not_load_is_taken_away_and_built_here(machine):
+    repo, results, run = machine
+    _carry(repo)
+    proc, calls = run("build", str(results), CARRIED_DOES_NOT_LOAD="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("the carried extensions do not load: ImportError: undefined symbol: _ZN3c104cuda; building here"
+            in proc.stdout)
+    assert calls.count("setup.py build_ext") == 1
+    assert not (repo / "hybrid_ep" / "_model.cpython-312-x86_64-linux-gnu.so").exists()  # its files taken away
+    assert (repo / "hybrid_ep" / "_C.cpython-312-x86_64-linux-gnu.so").read_text() == ""
+
+
+def test_the_stamp_names_every_difference_and_reads_sources_by_content(tmp_path):
+    helper = _script("gpu_prebuilt")
+    for path in ("csrc/kernels/a.cu", "csrc/microbench/main.cu", "csrc/tools/probe.cu", "setup.py", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(path)
+    assert [p.relative_to(tmp_path).as_posix() for p in helper.input_files(tmp_path)] == ["csrc/kernels/a.cu",
+                                                                                          "setup.py"]
+    before = helper.inputs_digest(tmp_path)
+    for ignored in ("csrc/microbench/main.cu", "README.md"):
+        (tmp_path / ignored).write_text("changed")
+    later = time.time() + 5
+    os.utime(tmp_path / "setup.py", (later, later))  # a copy's dates say nothing
+    assert helper.inputs_digest(tmp_path) == before
+    (tmp_path / "csrc" / "kernels" / "b.cuh").write_text("")
+    assert helper.inputs_digest(tmp_path) != before
+    here = {"inputs": "a1", "archs": "90a", "python": "3.12", "torch": "2.11.0", "cuda": "13.0", "nvshmem": "3.4.5"}
+    assert helper.mismatch(dict(here, built="2026-12-01"), here) is None
+    assert helper.mismatch({}, here) == "it has no stamp"
+    assert helper.mismatch(dict(here, torch="2.14.1", nvshmem="3.3.9"), here) == (
+        "built for torch 2.14.1 (here 2.11.0), nvshmem 3.3.9 (here 3.4.5)")
+
+
 def test_build_again_for_other_archs(machine):
     _, results, run = machine
     run("build", str(results))
@@ -326,8 +406,9 @@ def test_bench_and_ncu_stages(machine):
         assert any("scripts/ncu_lines.py" in line for line in calls.splitlines() if line.startswith("python3"))
 
 
-def _ncu_lines():
-    spec = importlib.util.spec_from_file_location("ncu_lines", Path(REPO, "scripts", "ncu_lines.py"))
+def _script(name: str):
+    """scripts/<name>.py, imported by path (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(REPO, "scripts", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -346,7 +427,7 @@ def test_ncu_lines_sums_stall_samples_per_source_line(tmp_path):
         '"File Path","/src/csrc/kernels/combine.cuh"', cols,
         '"564","__syncthreads();","0x40","EXIT","140","140","0"',
     ]) + "\n")
-    lines = _ncu_lines().summarize(str(table), top=2).splitlines()
+    lines = _script("ncu_lines").summarize(str(table), top=2).splitlines()
     assert lines[0] == "combine_kernel: 200 warp samples"
     assert lines[1].split()[:2] == ["70.0%", "combine.cuh:564"] and "[barrier 100%]" in lines[1]
     assert lines[2].split()[:2] == ["20.0%", "state.cuh:100"] and "[long_sb 70%]" in lines[2]
@@ -360,7 +441,7 @@ def test_ncu_lines_reads_the_kernel_name_row_of_ncu_2025(tmp_path):
     table.write_text("\n".join(['"Kernel Name","void dispatch_kernel<Loopback>(LaunchArgs)",',
                                 '"File Path","/src/csrc/kernels/dispatch.cuh"', cols,
                                 '"686","if (sh.abort) return;","0x10","EXIT","5"']) + "\n")
-    lines = _ncu_lines().summarize(str(table)).splitlines()
+    lines = _script("ncu_lines").summarize(str(table)).splitlines()
     assert lines[0] == "void dispatch_kernel<Loopback>(LaunchArgs): 5 warp samples"
 
 
@@ -368,15 +449,15 @@ def test_ncu_lines_names_a_table_without_stall_samples(tmp_path):
     table = tmp_path / "sass_only.csv"
     table.write_text('"Line No","Source","Instructions Executed"\n"1","x","5"\n')
     with pytest.raises(ValueError, match="SourceCounters"):
-        _ncu_lines().summarize(str(table))
-    assert _ncu_lines().main([str(tmp_path / "missing.csv")]) == 1
+        _script("ncu_lines").summarize(str(table))
+    assert _script("ncu_lines").main([str(tmp_path / "missing.csv")]) == 1
 
 
 def test_ncu_lines_rejects_a_top_below_one(tmp_path, capsys):
     with pytest.raises(ValueError, match="top must be a positive integer"):
-        _ncu_lines().summarize(str(tmp_path / "t.csv"), top=0)
+        _script("ncu_lines").summarize(str(tmp_path / "t.csv"), top=0)
     with pytest.raises(SystemExit):
-        _ncu_lines().main([str(tmp_path / "t.csv"), "--top", "-3"])
+        _script("ncu_lines").main([str(tmp_path / "t.csv"), "--top", "-3"])
     assert "--top: must be a positive integer, got '-3'" in capsys.readouterr().err
 
 
@@ -570,8 +651,9 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8 and the
-    DeepSeek-V3-like layer on both paths, then the racecheck probe; logs packed for the device."""
+    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8, the
+    DeepSeek-V3-like layer on both paths, DeepEP beside hybrid-ep, then the racecheck probe;
+    logs packed for the device."""
     import tarfile
 
     _, results, run = machine
@@ -579,9 +661,9 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the bench stage's three sweeps (one node, 2 and 4 nodes), the receive sweep, fp8, and the
-    # DeepSeek-V3-like layer on each path
-    assert len(benches) == 7, benches
+    # the bench stage's three sweeps (one node, 2 and 4 nodes), the receive sweep, fp8, the
+    # DeepSeek-V3-like layer on each path, and hybrid-ep beside DeepEP
+    assert len(benches) == 8, benches
     assert "--dtype fp8 --sms 1 2" in benches[4] and "--emulate 8 " in benches[4]
     assert benches[3].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     for line, path in zip(benches[5:], ("direct", "receive")):
@@ -590,10 +672,30 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "bench exit", "bench receive exit", "bench fp8 exit",
-             "bench dsv3 direct exit", "bench dsv3 receive exit", "racecheck probe exit"]
+             "bench dsv3 direct exit", "bench dsv3 receive exit", "deepep exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
+    assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
+    [deepep] = [line for line in benches if "--backends cuda deepep" in line]  # 8 processes on the GPU, MPS
+    assert "--device cuda -w 8 --backends cuda deepep --hidden 8192 --tokens 4096 --topk 8 --experts 16" in deepep
+    assert "--sms 2 8" in deepep and "mps-control -d" in calls and "mps-control quit" in calls
+    assert "deepep exit 0: no DeepEP wheel at build/deepep/deep_ep-*.whl: hybrid-ep alone" in summary
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
-    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt"):
+    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
+                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt"):
         assert log in names, names
+
+
+def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
+    """A test stage that hangs takes what is left; the parts after it are not run, and said so."""
+    _, results, run = machine
+    results.mkdir()
+    start = time.monotonic()
+    proc, calls = run(str(results), script="gpu_short_lease.sh", SHORT_LEASE_END_S="50", PYTEST_HANGS="1")
+    assert time.monotonic() - start < 50
+    summary = (results / "summary.txt").read_text()
+    assert "test exit 137" in summary or "test not run" in summary  # (on a loaded machine the first parts are slow)
+    for part in ("bench", "bench receive", "bench fp8", "bench dsv3 direct", "deepep", "racecheck probe"):
+        assert f"{part} not run: " in summary and " s left of 50" in summary, part
+    assert "-m hybrid_ep.bench" not in calls

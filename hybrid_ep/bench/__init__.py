@@ -2,7 +2,8 @@
 
 Modules, one job each: spec (validated configuration), cli (flags and the order of a run),
 launch (starting the ranks), worker (what each rank runs), timing (one timed call),
-metrics (times and bandwidths, docs/benchmarks/README.md), report (tables, results.json), plot (PNGs).
+metrics (times and bandwidths, docs/benchmarks/README.md), report (tables, results.json), plot (PNGs),
+deepep (DeepEP's kernels as the baseline of --backends deepep).
 """
 
 

@@ -26,7 +26,15 @@ from .launch import open_launcher, under_torchrun
 from .metrics import build_run
 from .plot import write_plots
 from .report import UNITS, format_report, write_json
-from .spec import BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, DTYPES, MIN_RECOMMENDED_ITERS, BenchArgError, BenchSpec
+from .spec import (
+    BACKENDS_WITHOUT_SMS,
+    BASELINES,
+    BENCH_BACKENDS,
+    DTYPES,
+    MIN_RECOMMENDED_ITERS,
+    BenchArgError,
+    BenchSpec,
+)
 
 PROG = "hybrid-ep-bench"
 CPU_WORLD_SIZE = 4
@@ -102,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "routing), this many calls (gloo on the CPU: minutes at the GPU shape); 0 skips it "
                         "(default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
-                   help="cuda: nccl, one GPU per rank; cpu: gloo; auto: cuda when there is a GPU per rank "
+                   help="cuda: nccl, one GPU per rank (more ranks than GPUs share them, gloo); cpu: gloo; auto: cuda "
+                        "when there is a GPU per rank "
                         "(default auto; not with --emulate)")
     return p
 
@@ -156,8 +165,9 @@ def _resolve_world(args) -> tuple[str, int, int | None]:
         W = args.world_size if args.world_size is not None else gpus
         if gpus == 0:
             raise BenchArgError("--device", "cuda was asked for but no CUDA device is visible")
-        if gpus < W:
-            raise BenchArgError("--device", f"cuda needs one GPU per rank: --world-size {W}, {gpus} GPUs visible")
+        if gpus < W:  # W processes share the GPUs (BenchSpec.shared_gpu)
+            _note(f"{plural(W, 'rank')} on {plural(gpus, 'GPU')}: processes share each GPU in a gloo group; kernels "
+                  "that wait on their peers need the MPS daemon (docs/benchmarks/README.md)")
         return "cuda", W, None
     if asked == "cpu":
         return "cpu", _spawned_world(args.world_size if args.world_size is not None else CPU_WORLD_SIZE), None
@@ -216,6 +226,7 @@ def resolve(args) -> tuple[BenchSpec, str]:
         warmup=args.warmup if args.warmup is not None else d["warmup"],
         iters=args.iters if args.iters is not None else d["iters"],
         seed=args.seed, device=device, zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
+        shared_gpu=device == "cuda" and not under_torchrun() and W > torch.cuda.device_count(),
     ).validate()
     if args.topk is None and topk < DEFAULT_TOPK:
         _note(f"--topk defaults to {topk}: there are only {plural(experts, 'expert')}")
@@ -224,15 +235,21 @@ def resolve(args) -> tuple[BenchSpec, str]:
     return spec, out
 
 
-def _pick_backends(spec: BenchSpec, probes: list[dict]) -> list[str]:
+def _pick_backends(spec: BenchSpec, probes: list[dict]) -> tuple[list[str], dict[str, str]]:
+    """(backends to run, {baseline: why it is skipped}). By default hybrid-ep's backends that every
+    rank can use; a named backend that cannot run is an error, a named baseline is skipped with
+    its reason (the other backends' figures are still worth the run) unless nothing else is left."""
     usable = [b for b in probes[0]["backends"] if all(b in p["backends"] for p in probes)]
     if not spec.backends:
-        return usable
-    for name in spec.backends:
-        if name not in usable:
-            reason = probes[0]["unavailable"].get(name) or "not available on every rank"
+        return [b for b in usable if b not in BASELINES], {}
+    unusable = {name: probes[0]["unavailable"].get(name) or "not available on every rank"
+                for name in spec.backends if name not in usable}
+    run = [name for name in spec.backends if name not in unusable]
+    for name, reason in unusable.items():
+        if name not in BASELINES or not run:
             raise BenchArgError("--backends", f"{name!r} is not available here: {reason}")
-    return list(spec.backends)
+        _note(f"{name}: not run: {reason}")
+    return run, unusable
 
 
 def _sms_note(spec: BenchSpec, backend: str) -> str:
@@ -244,7 +261,7 @@ def _sms_note(spec: BenchSpec, backend: str) -> str:
 def _label(spec: BenchSpec, probes: list[dict]) -> str:
     if spec.device == "cpu":
         return "CPU numbers (gloo): they say nothing about GPU performance"
-    return f"GPU numbers ({probes[0]['device']}, nccl)"
+    return f"GPU numbers ({probes[0]['device']}, {spec.transport})"
 
 
 def _document(spec: BenchSpec, probes: list[dict], runs: list[dict], launcher_name: str) -> dict:
@@ -278,7 +295,7 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
     try:
         _note(f"ranks ready after {time.monotonic() - started:.1f} s")
         probes = launcher.run(worker.probe, spec)
-        backends = _pick_backends(spec, probes)
+        backends, skipped = _pick_backends(spec, probes)
         runs = []
         for backend in backends:
             if spec.sms and backend in BACKENDS_WITHOUT_SMS:
@@ -291,7 +308,7 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
         launcher.close()
     if not launcher.is_reporter:
         return 0
-    doc = _document(spec, probes, runs, launcher.name)
+    doc = _document(spec, probes, runs, launcher.name) | {"skipped": skipped}
     print(format_report(doc), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     plots = write_plots(doc, out_dir)

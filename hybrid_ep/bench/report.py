@@ -1,7 +1,8 @@
 """Text tables and results.json from the results document the CLI assembles.
 
 The document: {"metadata" (hybrid_ep.metadata: device, versions, date, config, units),
-"label", "machine" (hosts, logical nodes, launcher), "runs": [run, ...], "files"}; a run is
+"label", "machine" (hosts, logical nodes, launcher), "runs": [run, ...], "skipped" ({baseline:
+why it did not run}), "files"}; a run is
 metrics.build_run's dict (one backend at one SM count, one entry per rank).
 """
 
@@ -105,6 +106,7 @@ def links_note(doc: dict) -> str | None:
 
 def format_report(doc: dict) -> str:
     parts = [format_table(doc, run) for run in doc["runs"]]
+    parts += [f"== {name}: not run: {why}" for name, why in doc.get("skipped", {}).items()]
     notes = [LEGEND]
     note = links_note(doc)
     if note:

@@ -21,7 +21,9 @@ from ..dtypes import combine_dtype_for
 from ..rows import row_bytes_rule
 from ..synthetic import ROUTINGS, default_group_limit, seed_problem
 
-BENCH_BACKENDS = BACKENDS  # every implementation ("auto" is none of its own)
+# Baselines: other libraries timed beside hybrid-ep's backends (bench/deepep.py), not backends of a buffer.
+BASELINES = ("deepep",)
+BENCH_BACKENDS = (*BACKENDS, *BASELINES)  # every implementation ("auto" is none of its own), then the baselines
 # Backends built on torch.distributed collectives have no SM count to set: run them once.
 BACKENDS_WITHOUT_SMS = frozenset({"reference"})
 # Evict L2 before each timed GPU call by writing this many bytes (docs/benchmarks/README.md).
@@ -53,9 +55,12 @@ class BenchSpec:
     warmup: int
     iters: int
     seed: int
-    device: str  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank)
+    device: str  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank; gloo where ranks share GPUs)
     zipf_exponent: float = 1.2
     group_limit: int | None = None  # None: synthetic.default_group_limit(nodes)
+    # More ranks than GPUs (device "cuda"): processes share each GPU and their group is gloo
+    # (NCCL takes one rank per GPU); kernels that wait on their peers need the MPS daemon.
+    shared_gpu: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -71,7 +76,7 @@ class BenchSpec:
 
     @property
     def transport(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
+        return "nccl" if self.device == "cuda" and not self.shared_gpu else "gloo"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,11 +131,17 @@ class BenchSpec:
         for name in self.backends:
             if name not in BENCH_BACKENDS:
                 raise BenchArgError("--backends", f"must be among {', '.join(BENCH_BACKENDS)}, got {name!r}")
+        if "deepep" in self.backends:
+            from .deepep import check_spec
+
+            check_spec(self)
         problem = seed_problem(self.seed)
         if problem:
             raise BenchArgError("--seed", problem)
         if self.device not in ("cpu", "cuda"):
             raise BenchArgError("--device", f"must be cpu or cuda once resolved, got {self.device!r}")
+        if self.shared_gpu and self.device != "cuda":
+            raise BenchArgError("--device", "ranks share GPUs only with cuda")
         return self
 
 

@@ -17,12 +17,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..backends import available_backends, cuda_unavailable_reason
+from ..backends import cuda_unavailable_reason
 from ..buffer import HybridEPBuffer
 from ..fp8 import dequantize_fp8, quantize_fp8
 from ..metadata import describe_device, gpu_driver
 from ..synthetic import derived_seed, iter_rank_routings, random_weights
-from .spec import BACKENDS_WITHOUT_SMS, BenchSpec
+from . import deepep
+from .spec import BACKENDS_WITHOUT_SMS, BENCH_BACKENDS, BenchSpec
 from .timing import make_timer
 
 
@@ -30,27 +31,34 @@ def probe(spec: BenchSpec) -> dict:
     """This rank's host and device, and which backends its EP group can use."""
     group = dist.group.WORLD
     info = {"rank": dist.get_rank(group), "host": socket.gethostname()}
+    if spec.shared_gpu:  # the pool sets a device per rank for NCCL groups only
+        torch.cuda.set_device(info["rank"] % torch.cuda.device_count())
     if spec.device == "cuda":
         info |= {"device": describe_device("cuda"), "device_index": torch.cuda.current_device(),
                  "driver": gpu_driver()}
     else:
         info |= {"device": describe_device("cpu"), "driver": None}
-    info["backends"] = available_backends(group)
-    info["unavailable"] = {"cuda": cuda_unavailable_reason(group)}
+    # ranks sharing a GPU form a gloo group on purpose (NCCL takes one rank per GPU)
+    unavailable = {"cuda": cuda_unavailable_reason(group, explicit=spec.shared_gpu),
+                   deepep.NAME: deepep.unavailable_reason(spec.device)}
+    info["backends"] = [name for name in BENCH_BACKENDS if unavailable.get(name) is None]
+    info["unavailable"] = unavailable
     return info
 
 
-def make_inputs(spec: BenchSpec, rank: int, device: torch.device):
-    """x [T, H], fp8 scales [T, H/128] or None, topk_idx [T, K], topk_weights [T, K].
-
-    Routings of all ranks come from one generator in rank order (Zipf popularity drawn once,
-    shared by all ranks), as `python -m hybrid_ep.traffic` draws them for the same seed.
-    """
+def rank_routings(spec: BenchSpec, count: int) -> list[torch.Tensor]:
+    """topk_idx [T, K] of ranks 0 .. count - 1: routings of all ranks come from one generator
+    in rank order (Zipf popularity drawn once, shared by all ranks), as `python -m
+    hybrid_ep.traffic` draws them for the same seed."""
     groups = (dict(num_groups=spec.num_nodes, topk_groups=spec.topk_groups)
               if spec.routing == "group-limited" else {})
-    routings = iter_rank_routings(spec.routing, [spec.tokens] * (rank + 1), spec.experts, spec.topk, spec.seed,
-                                  spec.zipf_exponent, **groups)
-    topk_idx = list(routings)[rank]
+    return list(iter_rank_routings(spec.routing, [spec.tokens] * count, spec.experts, spec.topk, spec.seed,
+                                   spec.zipf_exponent, **groups))
+
+
+def make_inputs(spec: BenchSpec, rank: int, device: torch.device):
+    """x [T, H], fp8 scales [T, H/128] or None, topk_idx [T, K] (rank_routings), topk_weights [T, K]."""
+    topk_idx = rank_routings(spec, rank + 1)[rank]
     own = torch.Generator().manual_seed(derived_seed(spec.seed * 1_000_003 + rank + 1))
     topk_weights = random_weights(topk_idx, own)
     x = torch.randn(spec.tokens, spec.hidden, generator=own)
@@ -63,7 +71,7 @@ def make_inputs(spec: BenchSpec, rank: int, device: torch.device):
     return x.to(device), scales, topk_idx.to(device), topk_weights.to(device)
 
 
-class _Progress:
+class Progress:
     """Rank 0's progress on stderr: overwritten in place on a terminal, a few lines otherwise."""
 
     def __init__(self, enabled: bool, label: str, total: int):
@@ -81,12 +89,15 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _traffic(t) -> dict:
+def traffic_fields(t) -> dict:
+    """A Traffic as the results' dict: its fields and its algorithm bytes."""
     return dataclasses.asdict(t) | {"algorithm_bytes": t.algorithm_bytes}
 
 
 def run_backend(spec: BenchSpec, backend: str) -> list[dict]:
     """One buffer for `backend`; per SM count: warm-up, then timed dispatch and combine pairs."""
+    if backend == deepep.NAME:
+        return deepep.run_backend(spec)
     group = dist.group.WORLD
     rank = dist.get_rank(group)
     buf = HybridEPBuffer(group, spec.hidden, spec.tokens, spec.experts,
@@ -102,7 +113,7 @@ def run_backend(spec: BenchSpec, backend: str) -> list[dict]:
             sms_label = "no SM setting"
         else:
             sms_label = f"{num_sms} SMs" if num_sms is not None else "default SMs"
-        progress = _Progress(rank == 0, f"{backend} ({sms_label})", spec.iters)
+        progress = Progress(rank == 0, f"{backend} ({sms_label})", spec.iters)
         keys = (f"dispatch/{num_sms}", f"combine/{num_sms}")
         for phase, n in (("warm-up", spec.warmup), ("timed", spec.iters)):
             for i in range(n):
@@ -120,7 +131,7 @@ def run_backend(spec: BenchSpec, backend: str) -> list[dict]:
             "rank": rank,
             "num_sms": num_sms,
             "timing": timer.method,
-            "dispatch": {"samples_ms": timer.samples_ms(keys[0]), "traffic": _traffic(dispatch_traffic)},
-            "combine": {"samples_ms": timer.samples_ms(keys[1]), "traffic": _traffic(combine_traffic)},
+            "dispatch": {"samples_ms": timer.samples_ms(keys[0]), "traffic": traffic_fields(dispatch_traffic)},
+            "combine": {"samples_ms": timer.samples_ms(keys[1]), "traffic": traffic_fields(combine_traffic)},
         })
     return results
