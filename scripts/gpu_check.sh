@@ -25,6 +25,8 @@
 #                                                #     under racecheck; needs no hybrid_ep._C, builds none
 #   bash scripts/gpu_check.sh deepep   RESULTS   # (j) DeepEP beside hybrid-ep: 8 processes on the GPU
 #                                                #     under MPS (the carried wheel, build/deepep/)
+#   bash scripts/gpu_check.sh soak     RESULTS   # (k) 2000 pairs W=8 direct, 2000 receive, 500 as 2 nodes
+#                                                #     of 4, oracle every 50 calls, memory recorded
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -40,7 +42,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '7,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -50,7 +52,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep|soak) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -581,6 +583,27 @@ run_deepep() {
     return "$rc"
 }
 
+# Many calls on one emulated group (hybrid_ep.testing.soak): fresh routing every call, the oracle
+# every 50 calls, device memory and host RSS at each check; W=8 on the direct and the receive
+# path, then W=8 as 2 nodes of 4 (direct across nodes). Each run gets its share of what is left
+# and stops itself 10 s before it (exit 3: fewer calls than asked, recorded in its soak.json).
+run_soak() {
+    local spec path per_node calls share rc worst_soak=0 runs_left=3
+    for spec in "direct 8 2000" "receive 8 2000" "direct 4 500"; do
+        read -r path per_node calls <<< "$spec"
+        share=$(( $(left) / runs_left )); runs_left=$((runs_left - 1))
+        local name="soak_${path}_g${per_node}"
+        say "W=8, $per_node ranks per node, $path path, $calls calls (log: $name.log, at most $share s)"
+        bounded "$share" "$py" -m hybrid_ep.testing.soak -w 8 --ranks-per-node "$per_node" --data-path "$path" \
+            --calls "$calls" --check-every 50 --budget-s $((share > 20 ? share - 10 : share)) \
+            --out "$results/$name" > "$results/$name.log" 2>&1
+        rc=$?
+        say "exit $rc: $(tail -1 "$results/$name.log")"
+        [ "$rc" -gt "$worst_soak" ] && worst_soak=$rc
+    done
+    return "$worst_soak"
+}
+
 machine_facts
 stage=build
 needs_extension=""
@@ -610,6 +633,7 @@ for stage in "${stages[@]}"; do
         ncu-l1tex) run_ncu_l1tex; rc=$? ;;
         racecheck-probe) run_racecheck_probe; rc=$? ;;
         deepep) run_deepep; rc=$? ;;
+        soak) run_soak; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

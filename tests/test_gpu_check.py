@@ -70,6 +70,10 @@ case "$*" in
     if [ -n "${CARRIED_DOES_NOT_LOAD:-}" ] && grep -qs carried hybrid_ep/_C*.so; then
       echo "Traceback (most recent call last):"; echo "ImportError: undefined symbol: _ZN3c104cuda"; exit 1; fi ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
+  *"-m hybrid_ep.testing.soak"*)
+    if [ -n "${SOAK_FAILS:-}" ] && [[ "$*" == *receive* ]]; then
+      echo "soak: 700 calls ({'receive': 700}), 14 oracle checks: FAILED: call 700: rank 3: row 5"; exit 1; fi
+    echo "soak: 2000 calls, 40 oracle checks: passed"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
   *"-m hybrid_ep.testing.nvshmem_cases"*)
     if [ -n "${CASES_RC:-}" ]; then echo "nvshmem_cases: 11 of 12 cases match the oracle"; exit "$CASES_RC"; fi
@@ -520,6 +524,21 @@ def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(ma
     proc, calls = run("nvshmem-ep", str(results), HAS_NVSHMEM_RC="1")
     assert proc.returncode == 1 and "built without NVSHMEM" in proc.stdout
     assert "nvshmem_cases --out" not in calls.split("has_nvshmem")[-1]
+
+
+def test_soak_stage_runs_both_paths_and_two_nodes_within_the_budget(machine):
+    _, results, run = machine
+    proc, calls = run("soak", str(results), GPU_CHECK_BUDGET_S="300")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]
+    assert [(r.split("--data-path ")[1].split()[0], r.split("--ranks-per-node ")[1].split()[0],
+             r.split("--calls ")[1].split()[0]) for r in runs] == [
+        ("direct", "8", "2000"), ("receive", "8", "2000"), ("direct", "4", "500")]
+    budgets = [int(r.split("--budget-s ")[1].split()[0]) for r in runs]
+    assert all(0 < b < 300 for b in budgets) and budgets[0] < 100  # a third of what is left, less 10 s
+    assert all(f"--out {results}/soak_" in r and "--check-every 50" in r for r in runs)
+    proc, _ = run("soak", str(results), SOAK_FAILS="1")
+    assert proc.returncode == 1 and "FAILED: call 700" in proc.stdout
 
 
 def test_micro_stage_builds_and_runs_the_microbenchmarks_without_the_extension(machine):
