@@ -7,6 +7,10 @@ release installed, after the megatron tests pass on it; never edited by hand.
 
 RECORDED = {
     '0.19.2': {
+        'megatron.core.datasets.utils:compile_helpers': (
+            '()',
+            None,
+        ),
         'megatron.core.models.common.utils:should_free_input': (
             '(name, is_moe, config, num_local_experts)',
             'f41d93b5c5b3569a',
@@ -69,8 +73,12 @@ RECORDED = {
             ' vp_stage=None, is_mtp_layer=False, add_layer_offset=True, pp_layer_offset=None, name=None)',
             '38e6d6c471b31b0e',
         ),
-        'megatron.training.arguments:parse_and_validate_args': (
-            '(extra_args_provider=None, ignore_unknown_args=False, args_defaults={})',
+        'megatron.training.arguments:add_megatron_arguments': (
+            '(parser)',
+            None,
+        ),
+        'megatron.training.initialize:_warmup_jit_function': (
+            '(tp_size=None)',
             None,
         ),
         'megatron.training.training:calc_params_l2_norm': (

@@ -162,11 +162,13 @@ PATCHES = (
         installed_by="the `MoELayer.__init__` patch, on each layer built with the balancer", body=True,
     ),
     Patch(
-        target="megatron.training.arguments:parse_and_validate_args",
+        target="megatron.training.arguments:add_megatron_arguments",
         replacement="pretrain_gpt.py",
-        does="chains `megatron_patches.extra_args_provider` after the script's own `extra_args_provider`",
-        reason="pretrain_gpt.py passes its own provider (ModelOpt's or none) and takes no other; this is "
-               "the one call that receives Megatron's extension point for arguments",
+        does="every parser of Megatron-LM's arguments also gets `megatron_patches.extra_args_provider`'s choice "
+             "and flags (before the caller's own provider runs)",
+        reason="pretrain_gpt.py passes its own provider (ModelOpt's or none) and takes no other, and the in-process "
+               "restart and fault-tolerance set-ups parse the command line with no provider; every parse builds "
+               "its parser here",
         installed_by=LAUNCHER,
     ),
     Patch(
@@ -202,6 +204,21 @@ PATCHES = (
         replacement="local/cpu_compat.py",
         does="as above",
         reason="as above",
+        installed_by=CPU_COMPAT,
+    ),
+    Patch(
+        target="megatron.training.initialize:_warmup_jit_function",
+        replacement="local/cpu_training.py",
+        does="nothing (Megatron-LM's training loop on the host)",
+        reason="it compiles the fused bias-GeLU and bias-dropout-add for the GPU on `device=\"cuda\"` inputs",
+        installed_by=CPU_COMPAT,
+    ),
+    Patch(
+        target="megatron.core.datasets.utils:compile_helpers",
+        replacement="local/cpu_training.py",
+        does="nothing where the megatron-core wheel's built dataset helpers import and no Makefile is beside them",
+        reason="`initialize_megatron` runs `make` in megatron/core/datasets, which the wheel ships built and "
+               "without the Makefile",
         installed_by=CPU_COMPAT,
     ),
     Patch(

@@ -13,10 +13,13 @@ The script's folder goes first on sys.path before anything imports megatron, so 
 checkout's own megatron package (modified or not) is the one that runs, not an installed
 megatron-core; one line on rank 0 names the script and the Megatron-Core it runs (version and
 folder). Then megatron_patches.apply(), and the script runs as `__main__` with sys.argv set to
-the remaining arguments, exactly as `python pretrain_gpt.py ...` would, except that the
-arguments it parses include hybrid_ep's: while it runs, Megatron-LM's `parse_and_validate_args`
-chains `megatron_patches.extra_args_provider` after the script's own `extra_args_provider`
-(`hybrid_ep_arguments`; megatron_patches/patches.py lists it with the other patches).
+the remaining arguments, exactly as `python pretrain_gpt.py ...` would, except that every
+parse of Megatron-LM's arguments in the process includes hybrid_ep's: while it runs, the
+function that builds Megatron-LM's parser (`add_megatron_arguments`, which `parse_args` calls
+for every caller: `parse_and_validate_args` with the script's own provider, and the in-process
+restart and fault-tolerance set-ups, which parse with no provider) also applies
+`megatron_patches.extra_args_provider` (`hybrid_ep_arguments`; megatron_patches/patches.py
+lists it with the other patches).
 torchrun works the same way: `torchrun ... -m megatron_patches.pretrain_gpt ...`.
 """
 
@@ -82,35 +85,26 @@ def checkout_megatron_check(checkout: str, imported_folder: str) -> None:
         )
 
 
-def with_hybrid_ep_arguments(provider):
-    """An extra_args_provider that runs `provider` (None: nothing) and then adds hybrid_ep's."""
-    from .options import extra_args_provider
-
-    def both(parser):
-        if provider is not None:
-            parser = provider(parser)
-        return extra_args_provider(parser)
-
-    return both
-
-
 @contextlib.contextmanager
 def hybrid_ep_arguments():
-    """Inside: Megatron-LM's parse_and_validate_args (what pretrain_gpt.py calls, with its own
-    extra_args_provider) also adds hybrid_ep's arguments. Restored after."""
+    """Inside: every parser of Megatron-LM's arguments (built by megatron.training.arguments'
+    add_megatron_arguments, whoever parses and whatever provider it passes) also has hybrid_ep's
+    choice and flags; a provider of the caller's runs after, on that parser. Restored after."""
     from megatron.training import arguments
 
-    original = arguments.parse_and_validate_args
+    from .options import extra_args_provider
+
+    original = arguments.add_megatron_arguments
 
     @functools.wraps(original)
-    def parse_and_validate_args(extra_args_provider=None, *args, **kwargs):
-        return original(with_hybrid_ep_arguments(extra_args_provider), *args, **kwargs)
+    def add_megatron_arguments(parser, *args, **kwargs):
+        return extra_args_provider(original(parser, *args, **kwargs))
 
-    arguments.parse_and_validate_args = parse_and_validate_args
+    arguments.add_megatron_arguments = add_megatron_arguments
     try:
         yield
     finally:
-        arguments.parse_and_validate_args = original
+        arguments.add_megatron_arguments = original
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
 import megatron_patches  # noqa: E402
 from helpers import REPO, checkout_env  # noqa: E402
 from megatron_patches import patches  # noqa: E402
-from megatron_patches.local import cpu_compat  # noqa: E402
+from megatron_patches.local import cpu_compat, cpu_training  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -229,7 +229,8 @@ def test_cpu_stand_ins_when_asked_through_the_environment():
         "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
         "megatron.core.optimizer.grad_scaler", "megatron.core.utils", "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings",
-        "megatron.core.pipeline_parallel.schedules", "megatron.training.utils.common_utils")} | {
+        "megatron.core.pipeline_parallel.schedules", "megatron.training.utils.common_utils",
+        *cpu_training.MODULES)} | {
         "megatron.core.tensor_parallel.random:_CUDA_RNG_STATE_TRACKER",
         "megatron.core.tensor_parallel.random:_CUDA_RNG_STATE_TRACKER_INITIALIZED",
         "megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
@@ -264,34 +265,6 @@ def test_apply_leaves_megatron_parser_alone(monkeypatch, capsys):
     provider = megatron_patches.extra_args_provider
     twice = arguments.parse_args(lambda parser: provider(provider(parser)))
     assert vars(twice) == vars(args)
-
-
-def test_launcher_chains_the_scripts_own_provider(monkeypatch):
-    arguments = pytest.importorskip("megatron.training.arguments")
-    from megatron_patches.pretrain_gpt import hybrid_ep_arguments
-
-    seen = []
-
-    def fake_parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
-        import argparse
-
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--moe-token-dispatcher-type", choices=["alltoall"])
-        seen.append(args_defaults)
-        return extra_args_provider(parser)
-
-    def own(parser):
-        parser.add_argument("--own-flag")
-        return parser
-
-    monkeypatch.setattr(arguments, "parse_and_validate_args", fake_parse_and_validate_args)
-    with hybrid_ep_arguments():
-        parser = arguments.parse_and_validate_args(extra_args_provider=own, args_defaults={"a": 1})
-    assert arguments.parse_and_validate_args is fake_parse_and_validate_args  # restored
-    ns = parser.parse_args(["--own-flag", "x", "--moe-token-dispatcher-type", "hybrid_ep",
-                            "--hybrid-ep-backend", "cuda"])
-    assert (ns.own_flag, ns.moe_token_dispatcher_type, ns.hybrid_ep_backend) == ("x", "hybrid_ep", "cuda")
-    assert seen == [{"a": 1}]
 
 
 # -- docs/megatron.md ---------------------------------------------------------------------------

@@ -77,6 +77,23 @@ def test_rendered_pretrain_script_sets_the_environment():
     assert "--hidden 7168" in bench and "--experts 256" in bench and "--topk 8" in bench
 
 
+def test_calibration_runs_first_on_one_ep_group_and_training_follows_it():
+    """dispatcher.calibrate: hybrid-ep-bench --calibrate on one EP group's ranks at the buffer's
+    shape, into the job's evidence file, which the training step's auto reads."""
+    plain = render.render(cli.load_checked(path_of("deepseek_v3"), []))
+    assert "--calibrate" not in plain and "HYBRID_EP_AUTO_EVIDENCE" not in plain
+    text = render.render(cli.load_checked(path_of("deepseek_v3"), ["dispatcher.calibrate=true"]))
+    export = 'export HYBRID_EP_AUTO_EVIDENCE="$OUT_DIR/auto-evidence.json"'
+    calibrate = text.index("-m hybrid_ep.bench --calibrate")
+    assert text.index(export) < calibrate < text.index("-m megatron_patches.pretrain_gpt")
+    step = text[text.rindex("srun ", 0, calibrate):text.index("\n\n", calibrate)]
+    assert step.startswith("srun --nodes=8 --ntasks-per-node=8 ")  # EP 64 = 8 nodes x 8
+    assert step.endswith("--hidden 7168 --tokens 4096 --experts 320 --topk 8 --dtype bf16 --ranks-per-node 8 "
+                         "--device cuda")  # 320: 5 balancer slots per rank x EP 64
+    tiny = render.render(cli.load_checked(path_of("tiny_moe"), ["dispatcher.calibrate=true"]))
+    assert "srun --nodes=1 --ntasks-per-node=2 " in tiny[tiny.index(export):]  # EP 2 on one node
+
+
 def test_container_fields_are_optional_and_rendered(capsys):
     assert cli.main([path_of("tiny_moe"), "--set", "container.image=nvcr.io/nvidia/pytorch:25.04-py3",
                      "--set", "container.mounts=[/data:/data,/ckpt:/ckpt]"]) == 0
@@ -362,6 +379,10 @@ INVALID = [
     ("bench_dispatch", ["--set", "bench.experts=100"], "bench.experts", "not divisible"),
     ("bench_dispatch", ["--set", "bench.node_counts=[1,8]"], "bench.node_counts", "must be in"),
     ("tiny_moe", ["--set", "train.recompute=sometimes"], "train.recompute", "must be one of"),
+    ("tiny_moe", ["--set", "dispatcher.calibrate=true", "--set", "dispatcher.backend=cuda"], "dispatcher.calibrate",
+     "with backend auto"),
+    ("tiny_moe", ["--set", "dispatcher.calibrate=true", "--set", "dispatcher.type=alltoall"], "dispatcher.calibrate",
+     "only applies to the hybrid_ep dispatcher"),
 ]
 
 

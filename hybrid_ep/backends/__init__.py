@@ -5,10 +5,12 @@ Megatron's --hybrid-ep-backend and the recipe validator all take theirs from her
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 import torch.distributed as dist
 
+from . import evidence
 from .base import Backend
 from .choice import AUTO_RULES, BackendChoice, choose_auto, log_choice
 from .reference import ReferenceBackend
@@ -52,12 +54,45 @@ def _cuda_geometry_reason(config, group) -> str | None:
     return None
 
 
+_warned: set[str] = set()
+
+
+def _auto_evidence(config, group):
+    """The user's measurement for this group (evidence.py), or None; what was ignored in the
+    evidence file is logged once per process."""
+    on_gpu = torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)).lower()
+    found, warnings = evidence.find(config.num_nodes, config.ranks_per_node,
+                                    evidence.identity_here("cuda" if on_gpu else "cpu"))
+    for line in warnings:
+        if line not in _warned:
+            _warned.add(line)
+            logging.getLogger("hybrid_ep").warning("hybrid_ep: auto's evidence %s", line)
+    return found
+
+
+def _agreed(choice: BackendChoice, group) -> BackendChoice:
+    """auto's choice where every rank of the group made the same one (they read their own
+    evidence files), else reference, which runs anywhere."""
+    if dist.get_world_size(group) == 1:
+        return choice
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, choice.name, group=group)
+    if len(set(names)) == 1:
+        return choice
+    picks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+    return BackendChoice("reference", "auto", f"the ranks' evidence disagrees ({picks}); {evidence.ENV} should "
+                                              "name one file that every rank reads")
+
+
 def choose_backend(name: str, config, group) -> BackendChoice:
-    """The backend a buffer of `config` on `group` runs for the name asked (auto: AUTO_RULES)."""
+    """The backend a buffer of `config` on `group` runs for the name asked (auto: the user's
+    measurement where there is one, else AUTO_RULES)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name == "auto":
-        return choose_auto(config.num_nodes, lambda: _cuda_geometry_reason(config, group))
+        choice = choose_auto(config.num_nodes, lambda: _cuda_geometry_reason(config, group),
+                             _auto_evidence(config, group))
+        return _agreed(choice, group)
     return BackendChoice(name, name, "asked for by name")
 
 

@@ -10,6 +10,10 @@ measurements that decide the question (docs/benchmarks/) are made once per hardw
 `AUTO_RULES` is the one home of the rule: a new measurement flips an entry here, with the
 measurement it rests on, and docs/architecture.md's "What runs where" table follows it (a
 test compares the two).
+
+A user's own measurement comes first: where `hybrid-ep-bench --calibrate` has timed both
+backends at the group's topology on the same device and versions (evidence.py), auto follows
+it, cuda only where it was faster, and its log line names the measurement.
 """
 
 from __future__ import annotations
@@ -68,9 +72,18 @@ class BackendChoice:
         return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for EP {shape}: {self.reason}"
 
 
-def choose_auto(num_nodes: int, cuda_runs_here) -> BackendChoice:
+def choose_auto(num_nodes: int, cuda_runs_here, evidence=None) -> BackendChoice:
     """auto's pick for a group of `num_nodes` nodes. cuda_runs_here() -> None when the cuda
-    backend can run this group, else why not; it is asked only where the rule picks cuda."""
+    backend can run this group, else why not; it is asked only where cuda would be picked.
+    evidence: the user's measurement for this group (an evidence.Measurement), or None (the rule)."""
+    if evidence is not None:
+        if evidence.faster != "cuda":
+            return BackendChoice("reference", "auto", f"measured here: {evidence.summary()}")
+        reason = cuda_runs_here()
+        if reason is None:
+            return BackendChoice("cuda", "auto", f"measured faster here: {evidence.summary()}")
+        return BackendChoice("reference", "auto", f"cuda cannot run here ({reason}), though measured faster: "
+                                                  f"{evidence.summary()}")
     rule = AUTO_RULES[topology_of(num_nodes)]
     if rule.picks == "cuda":
         reason = cuda_runs_here()

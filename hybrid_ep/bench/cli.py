@@ -4,6 +4,8 @@ Start the ranks, ask them which backends they can use, run every backend (and SM
 then print one table per run and write results.json and PNG plots into --out.
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank
 and rank 0 reports; otherwise --world-size processes are spawned on this machine.
+`--calibrate` times reference against cuda instead and writes the evidence `backend="auto"`
+follows (calibrate.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..metadata import metadata
 from ..paths import output_problem
 from ..synthetic import ROUTINGS
 from ..wording import plural
-from . import worker
+from . import calibrate, worker
 from .launch import open_launcher, under_torchrun
 from .metrics import build_run
 from .plot import write_plots
@@ -113,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: nccl, one GPU per rank (more ranks than GPUs share them, gloo); cpu: gloo; auto: cuda "
                         "when there is a GPU per rank "
                         "(default auto; not with --emulate)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time reference against cuda at this shape and topology (launch it as the job: torchrun or "
+                        "srun, one process per GPU) and add the result to the evidence file backend='auto' follows "
+                        "(docs/architecture.md#what-runs-where)")
+    p.add_argument("--evidence", default=None, metavar="FILE",
+                   help="with --calibrate: the evidence file (default $HYBRID_EP_AUTO_EVIDENCE, else "
+                        "~/.cache/hybrid-ep/auto-evidence.json)")
     return p
 
 
@@ -360,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         check_flag_combinations(args)
+        calibrate.check_flags(args)
+        if args.calibrate:
+            evidence = calibrate.evidence_file(args)
+            return calibrate.run(resolve(args)[0], evidence, _note)
         if args.emulate is not None:
             return _emulate(args)
         spec, results_dir = resolve(args)

@@ -435,5 +435,11 @@ def enable() -> bool:
         _install_cpu_optimizer()
     except ImportError:
         pass  # Megatron not installed: the torch stand-ins are all there is to do
+    try:
+        from . import cpu_training
+
+        cpu_training.enable(_CpuFactoryTorch)
+    except ImportError:
+        pass  # Megatron-Core without megatron.training
     _ENABLED = True
     return True

@@ -150,10 +150,11 @@ def _environment(recipe) -> list[str]:
     return lines
 
 
-def _srun_prefix(recipe, nodes: int) -> str:
+def _srun_prefix(recipe, nodes: int, tasks_per_node: int | None = None) -> str:
     # --relative=0: a step on fewer nodes than the allocation starts at its first node, the
     # MASTER_ADDR of the script.
-    parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={recipe['cluster.gpus_per_node']}",
+    tasks = tasks_per_node or recipe["cluster.gpus_per_node"]
+    parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
              "--relative=0", "--kill-on-bad-exit=1"]
     image, mounts = recipe["container.image"], recipe["container.mounts"]
     if not image:
@@ -222,6 +223,33 @@ def _job_report_dir(args: list[str]) -> tuple[list[str], str | None]:
     return args[:i] + args[i + 2:], args[i + 1]
 
 
+EVIDENCE_FILE = "$OUT_DIR/auto-evidence.json"
+
+
+def calibration(recipe) -> list[str]:
+    """With dispatcher.calibrate: a first step that times reference against cuda on one EP
+    group's ranks at the buffer's shape (hybrid-ep-bench --calibrate) into the job's evidence
+    file, which the training step's auto then follows (HYBRID_EP_AUTO_EVIDENCE)."""
+    if not recipe["dispatcher.calibrate"]:
+        return []
+    from .dispatcher_memory import buffer_config
+
+    config = buffer_config(recipe)
+    bench = ["--hidden", config.hidden_dim, "--tokens", config.max_tokens_per_rank,
+             "--experts", config.num_experts, "--topk", recipe["model.moe_router_topk"],
+             "--dtype", "fp8" if recipe["precision"].startswith("fp8") else "bf16",
+             "--ranks-per-node", config.ranks_per_node, "--device", "cuda"]
+    return [
+        "# auto's evidence (dispatcher.calibrate): reference against cuda on one EP group's ranks at the",
+        "# dispatcher's shape; the training step's backend auto follows it (docs/architecture.md#what-runs-where)",
+        f'export HYBRID_EP_AUTO_EVIDENCE="{EVIDENCE_FILE}"',
+        f"{_srun_prefix(recipe, config.num_nodes, config.ranks_per_node)} bash -c \\",
+        f"  '{_RANK_ENV}; exec \"$0\" -m hybrid_ep.bench --calibrate \"$@\"' \\",
+        f"  {_q(python_of(recipe))} {' '.join(_q(v) for v in bench)}",
+        "",
+    ]
+
+
 def render_pretrain(recipe) -> str:
     c = recipe["cluster"]
     lines = _header(recipe, c["nodes"], c["job_name"] or f"hybrid-ep-{recipe.name}")
@@ -243,6 +271,7 @@ def render_pretrain(recipe) -> str:
     if report_dir is not None:
         lines.append(f'ARGS+=(--hybrid-ep-balancer-report-dir "$OUT_DIR"/{_q(report_dir)})')
     lines.append("")
+    lines += calibration(recipe)
     py = _q(python_of(recipe))
     lines += [
         f"{_srun_prefix(recipe, c['nodes'])} bash -c \\",

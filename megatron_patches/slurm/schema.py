@@ -99,6 +99,7 @@ _PRETRAIN = {
         "static_size_factor": ("float?", None),
         "max_tokens_per_rank": ("int?", None),
         "backend": ("str", "auto"),
+        "calibrate": ("bool", False),  # time reference against cuda first; auto follows it (render.calibration)
     },
     "balancer": {
         "interval": ("int", 0),

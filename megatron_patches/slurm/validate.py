@@ -284,6 +284,9 @@ def _dispatcher(recipe, problems):
     factor = recipe["dispatcher.static_size_factor"]
     if factor is not None and not factor > 0:
         problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
+    if recipe["dispatcher.calibrate"] and (kind != "hybrid_ep" or recipe["dispatcher.backend"] != "auto"):
+        problems.append(("dispatcher.calibrate", "only applies to the hybrid_ep dispatcher with backend auto "
+                                                 "(the measurement is what auto follows)"))
 
 
 def _dispatcher_group(recipe, problems):
