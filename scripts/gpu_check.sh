@@ -22,6 +22,10 @@
 #                                                #     microbenchmark copy patterns
 #   bash scripts/gpu_check.sh racecheck-probe RESULTS  # (i) each case of csrc/tools/racecheck_probe.cu alone
 #                                                #     under racecheck; needs no hybrid_ep._C, builds none
+#   bash scripts/gpu_check.sh processes RESULTS  # (j) W=8 ranks as 8 processes under MPS, no arena_bytes:
+#                                                #     oracle, data path per call, GB/s/SM beside the
+#                                                #     emulation's, growth time, held bytes; one node of 8
+#                                                #     and two of 4 (NVSHMEM), ~90 s (predicted)
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -36,7 +40,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '7,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -46,7 +50,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|processes) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -513,6 +517,37 @@ run_nvshmem_cases() {
     return "$rc"
 }
 
+# One process per rank on the GPU, under the MPS daemon started here (the processes' kernels then
+# run side by side): hybrid_ep.testing.process_bench, one node of 8 and two nodes of 4 (NVSHMEM
+# between them where the build has it).
+run_processes() {
+    local nodes="1" rc
+    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' && nodes="1 2"
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/hybrid-ep-mps.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY="$results/mps/log"
+    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d > "$results/mps_start.log" 2>&1; then
+        mps_started=1
+        sleep 1
+    else
+        say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps_start.log")): the processes take turns"
+        unset CUDA_MPS_PIPE_DIRECTORY
+    fi
+    say "8 processes, nodes: $nodes (log: processes.log, JSON: processes/process_bench.json)"
+    # shellcheck disable=SC2086
+    bounded "$(left)" "$py" -m hybrid_ep.testing.process_bench --out "$results/processes" --nodes $nodes \
+        --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/processes.log" 2>&1
+    rc=$?
+    grep '^process_bench' "$results/processes.log" | tee -a "$summary"
+    if [ -n "${mps_started:-}" ]; then
+        echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+        mps_started=""
+    fi
+    rm -rf "${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}"
+    say "exit $rc"
+    return "$rc"
+}
+
 machine_facts
 stage=build
 needs_extension=""
@@ -541,6 +576,7 @@ for stage in "${stages[@]}"; do
         micro) run_micro; rc=$? ;;
         ncu-l1tex) run_ncu_l1tex; rc=$? ;;
         racecheck-probe) run_racecheck_probe; rc=$? ;;
+        processes) run_processes; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

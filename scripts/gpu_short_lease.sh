@@ -5,7 +5,9 @@
 # receive path's single-node sweep, fp8 dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8
 # must reach bf16's tokens/s), the shape users run (a DeepSeek-V3-like layer: E=256, top-8,
 # H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive path, with the
-# bytes each rank's buffer holds in its JSON), and last the racecheck probe (docs/benchmarks/racecheck.md; its
+# bytes each rank's buffer holds in its JSON), W=8 ranks as 8 processes under MPS with no
+# arena_bytes (gpu_check.sh processes: oracle, path per call, GB/s/SM beside the emulation's), and
+# last the racecheck probe (docs/benchmarks/racecheck.md; its
 # table is copied into the summary). Every part is bounded; the logs of all parts are packed
 # into OUT/logs_short_lease.tgz beside OUT/summary.txt (the device returns at most 8 files).
 #
@@ -13,7 +15,7 @@
 #
 # Budgets (seconds) per part: SHORT_LEASE_MICRO_S (150), SHORT_LEASE_TEST_S (150),
 # SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90), SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S
-# (45 for each of the two paths), SHORT_LEASE_PROBE_S (60, and never past 580 s from the start,
+# (45 for each of the two paths), SHORT_LEASE_PROCESSES_S (90), SHORT_LEASE_PROBE_S (60, and never past 580 s from the start,
 # so the command ends inside the device's 10 minutes).
 set -u
 out=${1:?usage: scripts/gpu_short_lease.sh OUT}
@@ -57,6 +59,15 @@ for path in direct receive; do  # the shape users run, default settings (no aren
         --out "$r/bench_dsv3_$path" > "$r/bench_dsv3_$path.log" 2>&1
     note "bench dsv3 $path exit $?"
 done
+proc_s=$((520 - SECONDS))  # never past 520 s: the probe keeps its minute inside the 10
+[ "$proc_s" -gt "${SHORT_LEASE_PROCESSES_S:-90}" ] && proc_s=${SHORT_LEASE_PROCESSES_S:-90}
+if [ "$proc_s" -ge 45 ]; then
+    GPU_CHECK_BUDGET_S=$proc_s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
+    note "processes exit $? (processes/processes.log):"
+    grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
+else
+    note "processes not run: $proc_s s left of 520"
+fi
 probe_s=$((580 - SECONDS))
 [ "$probe_s" -gt "${SHORT_LEASE_PROBE_S:-60}" ] && probe_s=${SHORT_LEASE_PROBE_S:-60}
 if [ "$probe_s" -ge 30 ]; then

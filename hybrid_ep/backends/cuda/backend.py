@@ -49,11 +49,13 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
                             "with an arena (opt-in): where a direct combine copies an expert_out from outside "
                             "the arena, fp32 rows as many as a bf16 call in the arena"))
     specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
-                            "opt-in (BufferConfig.arena_bytes): dispatch outputs peers in other processes write, "
-                            "each kept output taking arena.call_bytes"))
+                            "opt-in (BufferConfig.arena_bytes): peer memory pre-sized for dispatch outputs peers "
+                            "in other processes write, each kept output taking arena.call_bytes"))
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                            "expert-major output from PyTorch's allocator, fp32 worst case"))
+                            "expert-major output of one call, fp32 worst case: with one process per GPU on the "
+                            "direct path in peer memory (it grows to the peak of live outputs, plus one fp32 "
+                            "combine staging block; arena_bytes pre-sizes it), else from PyTorch's allocator"))
     return MemoryPlan(name, tuple(specs))
 
 
