@@ -27,6 +27,10 @@
 #                                                #     under MPS (the carried wheel, build/deepep/)
 #   bash scripts/gpu_check.sh soak     RESULTS   # (k) 2000 pairs W=8 direct, 2000 receive, 500 as 2 nodes
 #                                                #     of 4, oracle every 50 calls, memory recorded
+#   bash scripts/gpu_check.sh processes RESULTS  # (l) W=8 ranks as 8 processes under MPS, no arena_bytes:
+#                                                #     oracle, data path per call, GB/s/SM beside the
+#                                                #     emulation's, growth time, held bytes; one node of 8
+#                                                #     and two of 4 (NVSHMEM); not yet timed
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -42,7 +46,7 @@
 set -uo pipefail
 
 usage() {
-    sed -n '7,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '7,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -52,7 +56,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep|soak) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep|soak|processes) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -604,6 +608,29 @@ run_soak() {
     return "$worst_soak"
 }
 
+# One process per rank on the GPU, under the MPS daemon started here (the processes' kernels then
+# run side by side): hybrid_ep.testing.process_bench, one node of 8 and two nodes of 4 (NVSHMEM
+# between them where the build has it).
+run_processes() {
+    local nodes="1" rc
+    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' && nodes="1 2"
+    mps_folders
+    if ! mps_start; then
+        say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps/start.log")): the processes take turns"
+        unset CUDA_MPS_PIPE_DIRECTORY
+    fi
+    say "8 processes, nodes: $nodes (log: processes.log, JSON: processes/process_bench.json)"
+    # shellcheck disable=SC2086
+    bounded "$(left)" "$py" -m hybrid_ep.testing.process_bench --out "$results/processes" --nodes $nodes \
+        --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/processes.log" 2>&1
+    rc=$?
+    grep '^process_bench' "$results/processes.log" | tee -a "$summary"
+    mps_stop
+    rm -rf "${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}"
+    say "exit $rc"
+    return "$rc"
+}
+
 machine_facts
 stage=build
 needs_extension=""
@@ -634,6 +661,7 @@ for stage in "${stages[@]}"; do
         racecheck-probe) run_racecheck_probe; rc=$? ;;
         deepep) run_deepep; rc=$? ;;
         soak) run_soak; rc=$? ;;
+        processes) run_processes; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

@@ -7,7 +7,9 @@
 # as 2 and 4 nodes), the receive path's single-node sweep, fp8 dispatch at W=8 (direct path, 1
 # and 2 SMs per rank: fp8 must reach bf16's tokens/s), the shape users run (a DeepSeek-V3-like
 # layer: E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then
-# receive path, with the bytes each rank's buffer holds in its JSON), DeepEP beside hybrid-ep (8
+# receive path, with the bytes each rank's buffer holds in its JSON), W=8 ranks as 8 processes under
+# MPS with no arena_bytes (gpu_check.sh processes: oracle, path per call, GB/s/SM beside the
+# emulation's), DeepEP beside hybrid-ep (8
 # processes on the GPU under MPS, the carried DeepEP wheel), and last the racecheck probe
 # (docs/benchmarks/racecheck.md; its table is copied into the summary). Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
@@ -20,8 +22,8 @@
 # "A lease of 15 device-minutes"): SHORT_LEASE_BUILD_S (240; the carried build about 10, a build
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (150; 89-91
 # measured), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
-# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_DEEPEP_S
-# (90), SHORT_LEASE_PROBE_S (60).
+# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_PROCESSES_S
+# (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60).
 set -u
 out=${1:?usage: scripts/gpu_short_lease.sh OUT}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -86,6 +88,11 @@ for path in direct receive; do  # the shape users run, default settings (no aren
     bench "bench dsv3 $path" "${SHORT_LEASE_DSV3_S:-45}" "bench_dsv3_$path" HYBRID_EP_DATA_PATH=$path -- \
         --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
 done
+if fits processes "${SHORT_LEASE_PROCESSES_S:-90}"; then
+    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
+    note "processes exit $? (processes/processes.log):"
+    grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
+fi
 if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
     note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"

@@ -19,7 +19,7 @@ import logging
 import pytest
 import torch
 
-from hybrid_ep.backends.cuda import engine as engine_mod
+from hybrid_ep.backends.cuda import paths as path_choice
 from hybrid_ep.backends.cuda.arena import call_bytes, expected_rows, training_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.staging import StreamOrder, staging_bytes
@@ -50,7 +50,7 @@ def _group(case: Case, **kw):
 @pytest.fixture
 def fresh_log(monkeypatch, caplog):
     """The once-per-process fallback line, as if no call had fallen back yet in this process."""
-    monkeypatch.setattr(engine_mod, "_fallbacks_logged", set())
+    monkeypatch.setattr(path_choice, "_fallbacks_logged", set())
     caplog.set_level(logging.WARNING, logger="hybrid_ep")
     return caplog
 

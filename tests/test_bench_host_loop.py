@@ -19,10 +19,10 @@ def cpu_sweep(monkeypatch):
     """emulated._sweep_one_world with its GPU-only parts replaced: groups on the CPU model,
     each timed callable run once, no SM clock or index_select baseline."""
     pytest.importorskip("hybrid_ep._model")
-    from hybrid_ep.backends.cuda import emulation, engine
+    from hybrid_ep.backends.cuda import emulation, paths
 
     monkeypatch.setattr(emulation, "EmulatedGroup", functools.partial(emulation.EmulatedGroup, device="cpu"))
-    monkeypatch.setattr(engine, "_fallbacks_logged", set())  # the fallback line is logged once per process
+    monkeypatch.setattr(paths, "_fallbacks_logged", set())  # the fallback line is logged once per process
 
     def once(fn, warmup, iters, flush):
         fn()

@@ -1,8 +1,8 @@
 """The codes csrc defines once (common/params.h: dtypes, transports, error phases, pipeline
 sites) reach Python only through the bindings (csrc/bindings/common.h: DTYPE_CODES, TRANSPORTS,
 PHASES, PIPE_SITES, as {name: code}). Both modules export the same tables, the Python tables
-keyed by those names (launch.ELEM_BYTES, the RDMA region kinds, engine.PHASE_TEXT,
-engine.PIPE_SITE_TEXT) name the same codes, and check_extension refuses a module whose tables
+keyed by those names (launch.ELEM_BYTES, the RDMA region kinds, errors.PHASE_TEXT,
+errors.PIPE_SITE_TEXT) name the same codes, and check_extension refuses a module whose tables
 differ."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.engine import PHASE_TEXT, PIPE_SITE_TEXT, RoutingError, check_extension
+from hybrid_ep.backends.cuda.engine import check_extension
+from hybrid_ep.backends.cuda.errors import PHASE_TEXT, PIPE_SITE_TEXT, RoutingError
 from hybrid_ep.backends.cuda.registered import LoopbackRegions, NvshmemRegions
 
 pytestmark = pytest.mark.unit
@@ -68,11 +69,11 @@ def _copy_of(ext, **changes):
 def test_check_extension_refuses_codes_python_does_not_name():
     model = _module("hybrid_ep._model")
     check_extension(_copy_of(model))
-    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PHASES names .*'new_wait'.* but engine\.PHASE_TEXT "
+    with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PHASES names .*'new_wait'.* but errors\.PHASE_TEXT "
                                            r"names .*; rebuild the extension .*, or name the new code there"):
         check_extension(_copy_of(model, PHASES={**model.PHASES, "new_wait": len(model.PHASES)}))
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.PIPE_SITES names .*'new_ring'.* but "
-                                           r"engine\.PIPE_SITE_TEXT names"):
+                                           r"errors\.PIPE_SITE_TEXT names"):
         check_extension(_copy_of(model, PIPE_SITES={**model.PIPE_SITES, "new_ring": len(model.PIPE_SITES)}))
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake\.DTYPE_CODES names .* but launch\.ELEM_BYTES"):
         check_extension(_copy_of(model, DTYPE_CODES={"float32": 0}))
@@ -132,7 +133,7 @@ def test_a_bad_route_record_being_written_is_left_to_the_next_call():
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
         record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
-        group.engine._bad_route_raised = 7  # a route was raised before; the kernel zeroed the epoch
+        group.engine.errors.bad_route_raised = 7  # a route was raised before; the kernel zeroed the epoch
         record.phase, record.rank, record.peer, record.expected, record.observed = (
             group.ext.PHASES["bad_routing"], 0, 2, 4, 4)
         group.engine.raise_if_failed()  # returns: nothing complete to raise

@@ -14,6 +14,7 @@ from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
+    AGREE_WORDS,
     ALIGN,
     MAX_TOPK,
     check_geometry,
@@ -115,13 +116,14 @@ def test_info_offsets_are_contiguous():
     W, N, L = 6, 1, 6
     sizes = {"tokens_per_expert": L, "expert_start": L, "expert_rows": L, "src_prefix": W * L, "recv_count": W,
              "src_tokens": W,
-             "recv_offset": W, "send_count": W, "needed": 1, "bad_route": 3, "dropped": 1, "num_recv": 1,
-             "count_matrix": W * W, "node_counts": W * N}
+             "recv_offset": W, "send_count": W, "needed": 1, "bad_route": 3, "agreement": W * (1 + AGREE_WORDS),
+             "dropped": 1, "num_recv": 1, "count_matrix": W * W, "node_counts": W * N}
     assert sum(sizes.values()) == total
     for name, start in fields.items():
         assert start + sizes[name] <= total
     assert sorted(fields.values()) == sorted(set(fields.values()))
     assert il.bad_route == il.needed + 1  # a dynamic-size dispatch reads both in one slice
+    assert il.agreement == il.bad_route + 3  # and every rank's agreement words in the same
 
 
 @pytest.mark.parametrize("kwargs,match", [

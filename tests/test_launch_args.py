@@ -1,4 +1,4 @@
-"""The launch arguments of each kind of launch (engine._KIND_SETTINGS), field by field, on the
+"""The launch arguments of each kind of launch (launch.KIND_SETTINGS), field by field, on the
 CPU model: what every kind sets, then the kind's pipeline as launch.py shapes it, and nothing
 else (every other field keeps LaunchArgs' default)."""
 

@@ -60,26 +60,80 @@ inline constexpr const char* kCapsuleName = "dltensor";
 inline constexpr const char* kUsedCapsuleName = "used_dltensor";
 }  // namespace dlpack
 
-// First fit over [0, capacity) bytes; offsets from the arena's base.
+// First fit over [0, capacity) bytes; offsets from the arena's base. The capacity grows as
+// peer memory is mapped at the arena's end (grow) and shrinks when a free tail is retired
+// (shrink); take may be held below a limit (the part every peer has mapped).
 class ArenaRanges {
  public:
   explicit ArenaRanges(int64_t capacity) : capacity_(capacity) {
     if (capacity > 0) free_[0] = Range{capacity, 0, false};
   }
 
-  // The offset of a new block of nbytes on `stream`, or -1 when no free range fits.
-  int64_t take(int64_t nbytes, uint64_t stream) {
+  // The offset of a new block of nbytes on `stream` ending at or below `limit` (-1: the
+  // capacity), or -1 when no free range fits.
+  int64_t take(int64_t nbytes, uint64_t stream, int64_t limit = -1) {
     std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t end = limit < 0 ? capacity_ : limit;
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       Range r = it->second;
-      if (r.size < nbytes || (r.used && r.stream != stream)) continue;
       const int64_t offset = it->first;
+      if (offset + nbytes > end || r.size < nbytes || (r.used && r.stream != stream)) continue;
       free_.erase(it);
       if (r.size > nbytes) free_[offset + nbytes] = Range{r.size - nbytes, r.stream, r.used};
       used_ += nbytes;
       return offset;
     }
     return -1;
+  }
+
+  // [capacity, new_capacity) added as a never-used range, merged with a free range ending at
+  // the old capacity.
+  void grow(int64_t new_capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (new_capacity <= capacity_) return;
+    auto it = free_.emplace(capacity_, Range{new_capacity - capacity_, 0, false}).first;
+    capacity_ = new_capacity;
+    if (it != free_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + prev->second.size == it->first) merge(prev, it);
+    }
+  }
+
+  // The capacity cut to new_capacity if [new_capacity, capacity) is free (of any stream);
+  // false, nothing changed, otherwise.
+  bool shrink(int64_t new_capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (new_capacity >= capacity_) return new_capacity == capacity_;
+    if (free_.empty()) return false;
+    auto last = std::prev(free_.end());
+    if (last->first + last->second.size != capacity_ || last->first > new_capacity) return false;
+    if (last->first == new_capacity) free_.erase(last);
+    else last->second.size = new_capacity - last->first;
+    capacity_ = new_capacity;
+    return true;
+  }
+
+  // The largest free range on `stream` that ends at or below `limit` (-1: the capacity), the
+  // part of a range below the limit counting.
+  int64_t largest_free_below(uint64_t stream, int64_t limit) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t end = limit < 0 ? capacity_ : limit;
+    int64_t best = 0;
+    for (const auto& [offset, r] : free_) {
+      if (r.used && r.stream != stream) continue;
+      const int64_t size = std::min(r.size, end - offset);
+      if (size > best) best = size;
+    }
+    return best;
+  }
+
+  // The free range that ends at the capacity, on `stream` (0 if none).
+  int64_t tail_free(uint64_t stream) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.empty()) return 0;
+    const auto& [offset, r] = *std::prev(free_.end());
+    if (offset + r.size != capacity_ || (r.used && r.stream != stream)) return 0;
+    return r.size;
   }
 
   // A block's range back, merged with its neighbours of the same stream or never used (which
@@ -118,7 +172,10 @@ class ArenaRanges {
     std::lock_guard<std::mutex> lock(mutex_);
     return kept_;
   }
-  int64_t capacity() const { return capacity_; }
+  int64_t capacity() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return capacity_;
+  }
 
  private:
   struct Range {
@@ -135,7 +192,7 @@ class ArenaRanges {
     free_.erase(b);
   }
 
-  const int64_t capacity_;
+  int64_t capacity_;
   mutable std::mutex mutex_;
   std::map<int64_t, Range> free_;  // by offset
   int64_t used_ = 0;               // bytes in blocks that are taken (kept ones included)
@@ -221,9 +278,9 @@ class __attribute__((visibility("hidden"))) Arena {
     if (capacity < 0) throw py::value_error("arena capacity must be >= 0");
   }
 
-  // A block of nbytes, or nullptr when no free range fits.
-  std::shared_ptr<ArenaBlock> take(int64_t nbytes, uint64_t stream) {
-    const int64_t offset = ranges_->take(nbytes, stream);
+  // A block of nbytes below `limit` (-1: anywhere), or nullptr when no free range fits.
+  std::shared_ptr<ArenaBlock> take(int64_t nbytes, uint64_t stream, int64_t limit = -1) {
+    const int64_t offset = ranges_->take(nbytes, stream, limit);
     if (offset < 0) return nullptr;
     return std::shared_ptr<ArenaBlock>(new ArenaBlock{ranges_, offset, nbytes, stream, false});
   }
@@ -294,15 +351,16 @@ class __attribute__((visibility("hidden"))) ArenaTaken {
   // rows[i] rows of `layout` on arenas[i]. The index of the first arena that could not hold
   // its block is `failed` (then no block stays taken); -1 when every arena holds its block.
   ArenaTaken(const std::vector<py::object>& arenas, py::object layout, const std::vector<int64_t>& rows,
-             uint64_t stream, bool kept)
+             uint64_t stream, bool kept, const std::vector<int64_t>& limits = {})
       : arenas_(arenas), layout_(std::move(layout)), rows_(rows), kept_(kept) {
+    if (!limits.empty() && limits.size() != arenas.size()) throw py::value_error("arena_take: one limit per arena");
     if (arenas.size() != rows.size()) throw py::value_error("arena_take: one row count per arena");
     const auto* l = layout_.cast<const ArenaLayout*>();
     int64_t at[ArenaLayout::kMaxViews];
     blocks_.reserve(arenas.size());
     for (size_t i = 0; i < arenas.size(); ++i) {
       if (rows[i] < 0) throw py::value_error("arena_take: rows must be >= 0");
-      auto b = arenas[i].cast<Arena*>()->take(l->place(rows[i], at), stream);
+      auto b = arenas[i].cast<Arena*>()->take(l->place(rows[i], at), stream, limits.empty() ? -1 : limits[i]);
       if (!b) {
         failed_ = static_cast<int64_t>(i);
         blocks_.clear();  // the blocks taken so far return here
@@ -379,15 +437,28 @@ inline void bind_arena(py::module_& m) {
       .def("block", &Arena::block, py::arg("layout"), py::arg("rows"), py::arg("stream"), py::arg("kept"),
            "one block of layout with rows rows and its tensors, or None when no free range fits")
       .def("largest_free", [](const Arena& a, uint64_t stream) { return a.ranges()->largest_free(stream); })
+      .def(
+          "largest_free_below",
+          [](const Arena& a, uint64_t stream, int64_t limit) { return a.ranges()->largest_free_below(stream, limit); },
+          py::arg("stream"), py::arg("limit"))
+      .def("tail_free", [](const Arena& a, uint64_t stream) { return a.ranges()->tail_free(stream); })
+      .def(
+          "grow", [](Arena& a, int64_t capacity) { a.ranges()->grow(capacity); }, py::arg("capacity"),
+          "more memory mapped at the end: the capacity raised to `capacity`")
+      .def(
+          "shrink", [](Arena& a, int64_t capacity) { return a.ranges()->shrink(capacity); }, py::arg("capacity"),
+          "the free tail past `capacity` retired (True), or nothing when it is not free (False)")
       .def_property_readonly("used", [](const Arena& a) { return a.ranges()->used(); })
       .def_property_readonly("kept", [](const Arena& a) { return a.ranges()->kept(); })
       .def_property_readonly("capacity", [](const Arena& a) { return a.ranges()->capacity(); })
       .def_property_readonly("base", &Arena::base);
   py::class_<ArenaTaken>(m, "ArenaTaken", py::module_local())
-      .def(py::init<const std::vector<py::object>&, py::object, const std::vector<int64_t>&, uint64_t, bool>(),
+      .def(py::init<const std::vector<py::object>&, py::object, const std::vector<int64_t>&, uint64_t, bool,
+                    const std::vector<int64_t>&>(),
            py::arg("arenas"), py::arg("layout"), py::arg("rows"), py::arg("stream"), py::arg("kept"),
-           "one block per arena (ext.Arena) of layout (ext.ArenaLayout) and its rows; failed: the first that can "
-           "not")
+           py::arg("limits") = std::vector<int64_t>{},
+           "one block per arena (ext.Arena) of layout (ext.ArenaLayout) and its rows, each below its limit (none: "
+           "anywhere); failed: the first that can not")
       .def_property_readonly("failed", &ArenaTaken::failed)
       .def("addresses", &ArenaTaken::addresses)
       .def("tensors", &ArenaTaken::tensors);

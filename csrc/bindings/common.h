@@ -117,14 +117,85 @@ inline uint64_t at_offset(uint64_t part, int64_t offset) {
   return offset < 0 ? 0 : part + static_cast<uint64_t>(offset);
 }
 
-// Per rank of a dispatch: (num_tokens, topk, x, x_scales, topk_idx, topk_weights).
-using DispatchInput = std::tuple<int32_t, int32_t, uint64_t, uint64_t, uint64_t, uint64_t>;
-// Per rank of a dispatch's second kernel: (num_out_rows, out, out_scales, out_probs).
-using DispatchOutput = std::tuple<int64_t, uint64_t, uint64_t, uint64_t>;
-// Per rank of a combine: (num_tokens, topk, the handle's workspace part, its layout, topk_idx
-// (direct path, else 0), expert_out, probs, y, num_out_rows).
-using CombineInput =
-    std::tuple<int32_t, int32_t, uint64_t, CallLayout, uint64_t, uint64_t, uint64_t, uint64_t, int64_t>;
+// What Python passes per rank and call (hybrid_ep/backends/cuda/engine.py: the NamedTuples of
+// the same names and fields, in this order). Python hands over tuples, which cost no
+// construction per call; the casters at the end of this file read them into these structs.
+// Addresses are data_ptr() integers; 0 where a call has no such tensor.
+struct DispatchInput {
+  int32_t num_tokens, topk;
+  uint64_t x, x_scales, topk_idx, topk_weights;
+};
+// A dispatch's second kernel: where the rank's outputs go.
+struct DispatchOutput {
+  int64_t num_rows;
+  uint64_t rows, scales, probs;
+};
+// A combine: the dispatch handle's part of its workspace and that workspace's layout, the
+// routing's experts (direct path, else 0), the expert outputs, their probs and y.
+struct CombineInput {
+  int32_t num_tokens, topk;
+  uint64_t part;
+  CallLayout layout;
+  uint64_t topk_idx, expert_out, probs, y;
+  int64_t num_rows;
+};
+
+}  // namespace hybrid_ep::bindings
+
+// The per-call structs from Python tuples (a NamedTuple is one), field by field in declaration
+// order: a wrong length or type is a TypeError naming the struct.
+namespace pybind11::detail {
+
+// Calls load(t) on a tuple of N items; false (pybind11 then raises a TypeError) otherwise.
+template <size_t N, typename Load>
+bool load_tuple_fields(handle src, Load&& load) {
+  if (!isinstance<tuple>(src)) return false;
+  const auto t = reinterpret_borrow<tuple>(src);
+  if (t.size() != N) return false;
+  try {
+    load(t);
+  } catch (const cast_error&) { return false; }
+  return true;
+}
+
+template <>
+struct type_caster<hybrid_ep::bindings::DispatchInput> {
+  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::DispatchInput, const_name("DispatchInput"));
+  bool load(handle src, bool) {
+    return load_tuple_fields<6>(src, [this](const tuple& t) {
+      value = {t[0].cast<int32_t>(),  t[1].cast<int32_t>(),  t[2].cast<uint64_t>(),
+               t[3].cast<uint64_t>(), t[4].cast<uint64_t>(), t[5].cast<uint64_t>()};
+    });
+  }
+};
+
+template <>
+struct type_caster<hybrid_ep::bindings::DispatchOutput> {
+  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::DispatchOutput, const_name("DispatchOutput"));
+  bool load(handle src, bool) {
+    return load_tuple_fields<4>(src, [this](const tuple& t) {
+      value = {t[0].cast<int64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(), t[3].cast<uint64_t>()};
+    });
+  }
+};
+
+template <>
+struct type_caster<hybrid_ep::bindings::CombineInput> {
+  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::CombineInput, const_name("CombineInput"));
+  bool load(handle src, bool) {
+    return load_tuple_fields<9>(src, [this](const tuple& t) {
+      value = {t[0].cast<int32_t>(),  t[1].cast<int32_t>(),
+               t[2].cast<uint64_t>(), t[3].cast<hybrid_ep::bindings::CallLayout>(),
+               t[4].cast<uint64_t>(), t[5].cast<uint64_t>(),
+               t[6].cast<uint64_t>(), t[7].cast<uint64_t>(),
+               t[8].cast<int64_t>()};
+    });
+  }
+};
+
+}  // namespace pybind11::detail
+
+namespace hybrid_ep::bindings {
 
 // The per-call host path of one engine: the ranks it drives with what stays fixed per rank
 // (rank, peer table, transport, arena bases), and per kernel sequence one call that fills
@@ -133,9 +204,18 @@ using CombineInput =
 // per launch shape; the launchers copy them when they launch.
 class HostPath {
  public:
-  HostPath(const std::vector<RankArgs>& ranks, uint64_t arena_bases) : fixed_(ranks), arena_bases_(arena_bases) {
+  // Each rank's arena_bases (its own table: a virtual rank of the emulation may see its peers'
+  // memory at other addresses than another does) is in ranks[i].
+  explicit HostPath(const std::vector<RankArgs>& ranks) : fixed_(ranks) {
     if (ranks.empty() || ranks.size() > static_cast<size_t>(kMaxLaunchRanks))
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
+  }
+
+  // Rank i's words of the data-path agreement for the next layout kernels (RankArgs::agree).
+  void set_agree(size_t i, const std::vector<int32_t>& words) {
+    if (i >= fixed_.size() || words.size() != static_cast<size_t>(kAgreeWords))
+      throw py::value_error("set_agree: a driven rank and " + std::to_string(kAgreeWords) + " words");
+    std::copy(words.begin(), words.end(), fixed_[i].agree);
   }
 
   // The layout kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
@@ -148,15 +228,15 @@ class HostPath {
     a.layout_read = read ? 1 : 0;
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
-      const auto& [T, K, x, x_scales, topk_idx, topk_weights] = in[i];
+      const DispatchInput& d = in[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       r.absent = static_cast<int32_t>((absent >> i) & 1);
-      r.num_tokens = T;
-      r.topk = K;
-      r.x = x;
-      r.x_scales = x_scales;
-      r.topk_idx = topk_idx;
-      r.topk_weights = topk_weights;
+      r.num_tokens = d.num_tokens;
+      r.topk = d.topk;
+      r.x = d.x;
+      r.x_scales = d.x_scales;
+      r.topk_idx = d.topk_idx;
+      r.topk_weights = d.topk_weights;
       r.send_slot = at_offset(part, l.send_slot);
       r.entry_ord = at_offset(part, l.entry_ord);
       r.info = at_offset(part, l.info);
@@ -172,7 +252,6 @@ class HostPath {
   void set_row_tables(RankArgs& r, bool direct, uint64_t part, const CallLayout& l) const {
     if (direct) {
       r.route_rows = at_offset(part, l.route_rows);
-      r.arena_bases = arena_bases_;
       r.fwd_routes = at_offset(part, l.fwd_routes);
     } else {
       r.row_pos = at_offset(part, l.row_pos);
@@ -192,13 +271,13 @@ class HostPath {
       throw py::value_error("dispatch_rows: one output per rank of the layout kernel");
     for (size_t i = 0; i < out.size(); ++i) {
       RankArgs& r = a.ranks[i];
-      const auto& [rows, o, o_scales, o_probs] = out[i];
+      const DispatchOutput& o = out[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       set_row_tables(r, direct, part, l);
-      r.out = o;
-      r.out_probs = o_probs;
-      r.out_scales = o_scales;
-      r.num_out_rows = rows;
+      r.out = o.rows;
+      r.out_probs = o.probs;
+      r.out_scales = o.scales;
+      r.num_out_rows = o.num_rows;
       r.absent = static_cast<int32_t>((absent >> i) & 1);
     }
     if (direct) launch_checked(&launch_dispatch_direct, a, stream, "dispatch_direct");
@@ -228,7 +307,7 @@ class HostPath {
     for (size_t i = 0; i < in.size(); ++i) {
       uint64_t at[ArenaLayout::kMaxViews];
       const int64_t block_rows = taken.block_addresses(i, at);
-      out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};
+      out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};  // rows, scales, probs
     }
     dispatch(a, true, stream, workspace, l, rows, in, out, absent, absent_after_layout);
     return taken.tensors();
@@ -239,18 +318,19 @@ class HostPath {
     check_count(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
-      const auto& [T, K, part, l, topk_idx, expert_out, probs, y, rows] = in[i];
+      const CombineInput& c = in[i];
       r.absent = static_cast<int32_t>((absent >> i) & 1);
-      r.num_tokens = T;
-      r.topk = K;
-      r.send_slot = at_offset(part, l.send_slot);
-      r.info = at_offset(part, l.info);
-      if (direct) r.topk_idx = topk_idx;
-      set_row_tables(r, direct, part, l);
-      r.expert_out = expert_out;
-      r.probs = probs;
-      r.y = y;
-      r.num_out_rows = rows;
+      r.num_tokens = c.num_tokens;
+      r.topk = c.topk;
+      r.send_slot = at_offset(c.part, c.layout.send_slot);
+      r.info = at_offset(c.part, c.layout.info);
+      if (direct) r.topk_idx = c.topk_idx;
+      else r.arena_bases = 0;
+      set_row_tables(r, direct, c.part, c.layout);
+      r.expert_out = c.expert_out;
+      r.probs = c.probs;
+      r.y = c.y;
+      r.num_out_rows = c.num_rows;
       a.ranks[i] = r;
     }
     a.num_ranks = static_cast<int32_t>(in.size());
@@ -265,8 +345,7 @@ class HostPath {
                             std::to_string(n));
   }
 
-  std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes; the rest zero
-  uint64_t arena_bases_;         // direct path: device u64 [W]
+  std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, arena_bases, agree; the rest zero
 };
 
 // Classes are module-local: _C and _model bind the same C++ types and may both be imported.
@@ -284,6 +363,7 @@ inline void bind_common(py::module_& m) {
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;
   m.attr("CHUNK_META_HEADER") = kChunkMetaHeader;
   m.attr("COUNT_ROW_TAIL") = kCountRowTail;
+  m.attr("AGREE_WORDS") = kAgreeWords;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
@@ -320,9 +400,9 @@ inline void bind_common(py::module_& m) {
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens) RW(InfoLayout, recv_offset)
-              RW(InfoLayout, send_count) RW(InfoLayout, needed) RW(InfoLayout, bad_route) RW(InfoLayout, dropped)
-                  RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix) RW(InfoLayout, node_counts)
-                      RW(InfoLayout, total);
+              RW(InfoLayout, send_count) RW(InfoLayout, needed) RW(InfoLayout, bad_route) RW(InfoLayout, agreement)
+                  RW(InfoLayout, dropped) RW(InfoLayout, num_recv) RW(InfoLayout, count_matrix)
+                      RW(InfoLayout, node_counts) RW(InfoLayout, total);
   py::class_<Geometry>(m, "Geometry", py::module_local())
       .def(py::init<>()) RW(Geometry, world_size) RW(Geometry, ranks_per_node) RW(Geometry, num_nodes)
           RW(Geometry, num_experts) RW(Geometry, local_experts) RW(Geometry, max_tokens) RW(Geometry, hidden)
@@ -336,7 +416,14 @@ inline void bind_common(py::module_& m) {
                       RW(RankArgs, recv_spans) RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
                           RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes) RW(RankArgs, num_out_rows)
                               RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y) RW(RankArgs, route_rows)
-                                  RW(RankArgs, arena_bases) RW(RankArgs, fwd_routes);
+                                  RW(RankArgs, arena_bases) RW(RankArgs, fwd_routes)
+      .def_property(
+          "agree", [](const RankArgs& r) { return std::vector<int32_t>(r.agree, r.agree + kAgreeWords); },
+          [](RankArgs& r, const std::vector<int32_t>& v) {
+            if (v.size() != static_cast<size_t>(kAgreeWords))
+              throw py::value_error("agree: " + std::to_string(kAgreeWords) + " words");
+            std::copy(v.begin(), v.end(), r.agree);
+          });
   py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype)
           RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs)
@@ -374,7 +461,8 @@ inline void bind_common(py::module_& m) {
         py::arg("receive"), "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
   m.attr("CALL_ALIGN") = kCallAlign;
   py::class_<HostPath>(m, "HostPath", py::module_local())
-      .def(py::init<const std::vector<RankArgs>&, uint64_t>(), py::arg("ranks"), py::arg("arena_bases"))
+      .def(py::init<const std::vector<RankArgs>&>(), py::arg("ranks"))
+      .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
       .def("dispatch_layout", &HostPath::dispatch_layout)
       .def("dispatch_rows", &HostPath::dispatch_rows)
       .def("dispatch", &HostPath::dispatch)

@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "bindings/common.h"
+#include "bindings/peer_memory_bindings.h"
+#include "transport/peer_memory.h"
 #include "transport/registered_memory.h"
 #ifdef HYBRID_EP_WITH_NVSHMEM
 #include "bindings/nvshmem_bindings.h"
@@ -41,6 +43,18 @@ class ErrorRecordHost {
  private:
   ErrorRecord* host_ = nullptr;
   uint64_t device_ = 0;
+};
+
+// The device's peer memory calls (transport/peer_memory.h), for bind_peer_memory.
+struct DevicePeerMemory {
+  static constexpr auto granularity = &peer_memory::granularity;
+  static constexpr auto reserve = &peer_memory::reserve;
+  static constexpr auto free_reservation = &peer_memory::free_reservation;
+  static constexpr auto create = &peer_memory::create;
+  static constexpr auto import_fd = &peer_memory::import_fd;
+  static constexpr auto map = &peer_memory::map;
+  static constexpr auto unmap = &peer_memory::unmap;
+  static constexpr auto release = &peer_memory::release;
 };
 
 // (multiprocessors, shared memory per block with opt-in): what the launch plan needs.
@@ -82,6 +96,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("close_peer",
         [](uint64_t ptr, size_t bytes, int kind) { close_peer(ptr, bytes, static_cast<HandleKind>(kind)); });
+  bindings::bind_peer_memory<DevicePeerMemory>(m);
 
   // The inter-node transport: built only where setup.py found NVSHMEM.
 #ifdef HYBRID_EP_WITH_NVSHMEM

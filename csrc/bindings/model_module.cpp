@@ -9,6 +9,8 @@
 #include <new>
 
 #include "bindings/common.h"
+#include "bindings/model_peer_memory.h"
+#include "bindings/peer_memory_bindings.h"
 #include "device/model/builtins.h"
 #include "device/model/runtime.h"
 #include "device/model/selftest.h"
@@ -145,6 +147,7 @@ PYBIND11_MODULE(_model, m) {
   m.def("allocate_registered", &allocate_registered);
   m.def("free_registered", &free_registered);
   m.def("fabric_probe", [](int) { return std::string("the CPU model has no fabric handles"); });
+  bindings::bind_peer_memory<bindings::ModelPeerMemory>(m);
   m.def("note_launch_tensors", &model::declare_allocations,
         "[(data_ptr, bytes)] of the tensors the next launches read and write: a bulk copy outside them and "
         "the registered buffers is an error");

@@ -23,8 +23,11 @@ constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_g
 constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
-constexpr int kCountRowTail = 4;           // a count row's last ints: the source's tokens, its first bad token (-1:
-                                           // none) and that route's expert id (low, high word)
+constexpr int kAgreeWords = 5;             // a rank's words of the data-path agreement (RankArgs::agree)
+constexpr int kCountRowTail = 4 + kAgreeWords;  // a count row's ints after its per-expert counts: the source's
+                                                // tokens, its first bad token (-1: none) and that route's expert
+                                                // id (low, high word), then its agreement words; W ints of its
+                                                // routes to each rank follow
 
 // The codes below are the one definition of each: the bindings export them to Python by the
 // names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES, PIPE_SITES;
@@ -168,7 +171,8 @@ struct RegLayout {
   uint64_t state;           // LocalState (only this rank touches it)
   uint64_t count_in;        // i32 [W][count_row_ints]: counts written by source s
   uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
-                            // + kCountRowTail (the source's tokens, its first bad route)
+                            // + kCountRowTail (the source's tokens, its first bad route, its agreement
+                            // words) + W (its routes to each rank)
   // The receive ring: chunk c of source s lands in chunk slot c % ring_chunks of s's ring, its rows
   // for this rank (at most kChunkTokens, receive slots [first, first + rows) of the ChunkSignal) in
   // rows 0 .. rows - 1 of the slot. Written by s (by its rail peer on this node, the forwarder, for a
@@ -281,6 +285,9 @@ struct InfoLayout {
   int64_t needed;             // [1] rows the unclipped layout needs
   int64_t bad_route;          // [3] the lowest rank with a bad route, its first bad token and expert id,
                               // the same on every rank (rank -1: none); right after needed, for one read
+  int64_t agreement;          // [W][1 + kAgreeWords] per rank d: the routes every source sends to d (its
+                              // output rows before padding), then d's agreement words; the same on every
+                              // rank, right after bad_route, for the same read
   int64_t dropped;            // [1] routed entries that did not fit num_out_tokens
   int64_t num_recv;           // [1] rows received in total
   int64_t count_matrix;       // [W][W] rows sent from s to d (all ranks)
@@ -352,6 +359,9 @@ struct RankArgs {
   uint64_t fwd_routes;    // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
                           // the routes to this node of each token forwarded for the rail peer on node n,
                           // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
+  int32_t agree[kAgreeWords];  // the layout kernel hands these to every rank in its count rows
+                               // (info.agreement): the peer memory's state the data path is agreed on
+                               // (hybrid_ep/backends/cuda/agreement.py)
 };
 
 // Routes to one node a forwarded token can have on the direct path (fwd_routes' width): at most

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   const int row_ints = static_cast<int>(geo.reg.count_row_ints);
   const int row_stride = static_cast<int>(round_up(row_ints, 4));  // RDMA copies: whole 16-byte vectors
   const uint64_t parity_rows = (epoch & 1) * W;
-  const int tail = W + N + L;  // kCountRowTail ints from here
+  const int tail = W + N + L;  // kCountRowTail ints from here, then W ints of routes to each rank
   const bool bad = sh.bad_token != kNoBadToken;
   for (int u = tid; u < W * row_ints; u += blockDim.x) {
     const int d = u / row_ints, c = u % row_ints;
@@ -246,7 +246,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
     else if (c < tail) value = carry[d * L + (c - W - N)];    // rows for each expert of d
     else if (c == tail) value = T;                            // this rank's tokens
     else if (c == tail + 1) value = bad ? sh.bad_token : -1;  // its first bad token
-    else value = static_cast<int32_t>(static_cast<uint64_t>(sh.bad_id) >> (c == tail + 2 ? 0 : 32));  // its id
+    else if (c < tail + 4)
+      value = static_cast<int32_t>(static_cast<uint64_t>(sh.bad_id) >> (c == tail + 2 ? 0 : 32));  // its id
+    else if (c < tail + kCountRowTail) value = a.agree[c - tail - 4];  // the path agreement's words
+    else {  // routes to rank c - tail - kCountRowTail: its experts' counts
+      const int r = c - tail - kCountRowTail;
+      value = 0;
+      for (int j = 0; j < L; ++j) value += carry[r * L + j];
+    }
     int32_t* row = h.topo.same_node(d, a.rank)
                        ? reinterpret_cast<int32_t*>(view.base(d) + geo.reg.count_in) + a.rank * row_ints
                        : reinterpret_cast<int32_t*>(h.rdma.local(geo.rdma.count_out)) + d * row_stride;  // staged
@@ -301,6 +308,15 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   for (int u = tid; u < W * N; u += blockDim.x) info[il.node_counts + u] = ld_count(count_row(u / N) + W + (u % N));
   for (int d = tid; d < W; d += blockDim.x) info[il.send_count + d] = carry[E + d];
   for (int s = tid; s < W; s += blockDim.x) info[il.src_tokens + s] = ld_count(count_row(s) + W + N + L);
+  // Every rank's routes in and agreement words, from the same rows on every rank.
+  for (int u = tid; u < W * (1 + kAgreeWords); u += blockDim.x) {
+    const int d = u / (1 + kAgreeWords), w = u % (1 + kAgreeWords);
+    int64_t v = 0;
+    if (w == 0)
+      for (int s = 0; s < W; ++s) v += ld_count(count_row(s) + tail + kCountRowTail + d);
+    else v = ld_count(count_row(d) + tail + 3 + w);
+    info[il.agreement + u] = v;
+  }
   __syncthreads();
   if (tid == 0) {
     int64_t start = 0;

@@ -2,10 +2,13 @@
 transport between nodes (docs/architecture.md, "cuda backend"; csrc/README.md).
 
 - layout.py: byte layout of the registered buffer, the RDMA region and the per-call info tensor
-- launch.py: SM counts, FIFO shape, co-residency
+- launch.py: SM counts, FIFO shape, co-residency, the launch arguments of each kind of launch
 - registered.py: registered buffers (CUDA IPC / fabric handles) and RDMA regions (loopback, NVSHMEM)
 - nvshmem.py: NVSHMEM's one initialisation per process and its symmetric heap
 - engine.py: the call sequence (layout kernel, dispatch kernel, combine kernel)
+- workspace.py: the per-call workspace of a dispatch and the handle's views of it
+- errors.py: what a kernel recorded when it failed, as the text the host raises
+- paths.py: which data path a dispatch takes, and the log line when it leaves the direct path
 - backend.py: the Backend used by HybridEPBuffer, one rank per process
 - emulation.py: W = N x G virtual ranks on one GPU (or on the CPU model), for tests and benchmarks
 

@@ -1,96 +1,265 @@
-"""PathVote: the ranks of one node, one process each, agree on every dispatch's data path.
+"""Every rank of every node takes the same data path on every dispatch, with peer memory that
+grows on demand, agreed on the count exchange the layout kernel already makes.
 
-The direct path's kernels on every rank wait for every peer's published tensors, and the
-receive path's for every peer's rows: a call runs only if every rank chose the same path. A
-rank whose arena can not hold its output of a call (arena.py) must take every rank with it
-to the receive path, so each dispatch that prefers the direct path votes: each rank writes
-(call number, can go direct) into a word of host shared memory that the node's processes
-map, then reads every rank's word of that call; the call goes direct only if all can.
+The direct path's kernels on every rank wait for every peer's published tensors, the receive
+path's for every peer's rows: a call runs only if every rank chose the same path, and a rank
+may write a peer's output only into memory it has mapped. Before each dispatch every rank puts
+`AGREE_WORDS` words about its peer memory into its count rows (RankArgs.agree): whether it has
+mapped what its node peers announced (ready), its largest free range in the memory every node
+peer has confirmed mapping (free_acked), its largest free range in all its memory (free_all),
+its free tail and its extent. The layout kernel hands every rank every rank's words and the
+routes every rank receives (InfoLayout.agreement), read with the output size in the call's one
+host read. From the same numbers every rank decides the same thing, with no barrier of its own
+and across nodes as within one:
 
-Two rows of words, by the parity of the call number, suffice: a rank writes call n + 2's
-word only after every rank wrote call n + 1's, which each did only after reading call n's.
-The wait is bounded by HYBRID_EP_TIMEOUT_S, like every wait of the backend. A vote is a host
-barrier of the node's processes per dispatch, where a dynamic-size dispatch already waits
-for every rank (its layout kernel exchanges counts before the host reads the output size).
+- the rows each rank's block needs are bounded by the routes it receives plus the padding
+  bound (exact without padding), and a rank may use free_all only where every rank of its node
+  is ready, else free_acked; the call goes direct only if every rank's block (and, the first
+  time a rank needs it, its combine staging block) fits what it may use;
+- a rank short of memory grows by a rule every rank computes alike (its extent plus what its
+  free tail lacks, in CHUNK steps): that call takes the receive path, the rank maps a new chunk
+  at once, its node peers fetch and map it before their next call (PeerViews.sync), and from
+  the next call on (every peer ready) the memory is used;
+- a growth or an import that fails costs that call the receive path and one log line: the
+  owner's extent word tells every rank that it did not grow, a peer that could not import says
+  it is not ready, and the next call tries again;
+- between two reads (a static size, a reused handle's sizes: no host read) every rank keeps the
+  same ledger of what each rank may still take (what it could use at the last read, less the
+  blocks taken since): a call the ledger holds goes direct, one it does not hold reads (outside
+  graph capture: the static call then waits for its layout kernel once), or, while a CUDA graph
+  is being captured, takes the receive path (nothing grows inside a capture);
+- release_unused() retires each rank's free tail: that call takes the receive path, peers unmap
+  before their next call, and the owner releases the chunks once every peer is ready again.
 
-Where the node's processes can not share host memory (an NVLink domain spanning several
-hosts), `PathVote.create` returns None on every rank and the buffer takes the receive path.
+Every rank must make the same sequence of calls with the same kind of size (num_out_tokens on
+all ranks or on none), as the kernels already need.
 """
 
 from __future__ import annotations
 
-import time
-from multiprocessing import resource_tracker, shared_memory
+import dataclasses
+import logging
 
-import torch.distributed as dist
+import torch
 
-from ...config import timeout_seconds
+from .arena import _layout, aligned, call_bytes
+from .layout import AGREE_WORDS
+from .peer_memory import CHUNK, OwnMemory, PeerViews, round_up
+
+UNIT = 4096  # the agreement's words count bytes in these units (int32 words: up to 8 TiB)
+READY, FREE_ACKED, FREE_ALL, TAIL, EXTENT = range(AGREE_WORDS)
+_log = logging.getLogger("hybrid_ep")
+_logged: set[str] = set()
 
 
-class PathVote:
-    def __init__(self, words: memoryview, shm: shared_memory.SharedMemory, rank: int, world_size: int,
-                 timeout_s: float):
-        self._words, self._shm, self.rank, self.world_size = words, shm, rank, world_size
-        self.timeout_s = timeout_s
-        self.calls = 0
+def log_once(what: str, reason: str) -> None:
+    """One log line per kind of event and process: a growth or an import that failed."""
+    if what not in _logged:
+        _logged.add(what)
+        _log.warning("hybrid_ep: %s (%s); that call took the receive path. Logged once per process", what, reason)
 
-    @classmethod
-    def create(cls, group, rank: int) -> "PathVote | None":
-        """Collective over `group` (every rank of one node): rank 0 makes the shared words,
-        the others map them; None on every rank where some rank could not."""
-        W = dist.get_world_size(group)
-        shm, error = None, None
-        if rank == 0:
-            shm = shared_memory.SharedMemory(create=True, size=2 * W * 8)
-            shm.buf[:] = bytes(2 * W * 8)
-        names = [None] * W
-        dist.all_gather_object(names, shm.name if shm is not None else None, group=group)
-        if rank != 0:
-            try:
-                shm = shared_memory.SharedMemory(name=names[0])
-                # The creator unlinks it; without this, this process's resource tracker would
-                # unlink it a second time at exit and warn.
-                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-            except OSError as e:  # another host: not in this machine's shared memory
-                error = f"rank {rank}: {e}"
-        errors = [None] * W
-        dist.all_gather_object(errors, error, group=group)
-        if rank == 0:
-            shm.unlink()  # every rank mapped it (or failed to): the name is no longer needed
-        if any(errors):
-            if shm is not None:
-                shm.close()
-            return None
-        return cls(shm.buf.cast("q"), shm, rank, W, timeout_seconds())
 
-    def __call__(self, ok: bool) -> bool:
-        """Whether every rank can go direct on this call (every rank calls once per dispatch
-        that prefers the direct path)."""
-        self.calls += 1
-        n, W = self.calls, self.world_size
-        row = (n % 2) * W
-        self._words[row + self.rank] = 2 * n + int(ok)
-        deadline, pause, agreed = None, 0.0, True
-        for peer in range(W):
-            while True:
-                word = self._words[row + peer]
-                if word >> 1 == n:
-                    agreed &= bool(word & 1)
-                    break
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.timeout_s
-                elif now > deadline:
-                    raise RuntimeError(
-                        f"hybrid_ep cuda backend: rank {self.rank} gave up after {self.timeout_s:g} s "
-                        f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {peer} to vote on the data path of "
-                        f"dispatch {n}: a peer did not make the same call")
-                time.sleep(pause)
-                pause = min(2 * pause + 1e-6, 1e-4)
-        return agreed
+def staging_bytes(rows: int, hidden: int) -> int:
+    """A combine staging block for rows of an expert_out outside peer memory: fp32 rows of hidden
+    values and their fp32 probs."""
+    return aligned(rows * hidden * 4) + aligned(max(rows, 1) * 4)
 
-    def close(self) -> None:
-        if self._shm is not None:
-            self._words.release()
-            self._shm.close()
-            self._shm = None
+
+def staging_layout(ext):
+    """The extension's layout of a staging block: bytes."""
+    got = _STAGING_LAYOUTS.get(ext)
+    if got is None:
+        got = _STAGING_LAYOUTS[ext] = _layout([(0, torch.uint8)], ext)
+    return got
+
+
+_STAGING_LAYOUTS: dict = {}
+
+
+def peer_bases(agreement: "Agreement", rank: int) -> list[int]:
+    """Where driven rank `rank` sees every rank's peer memory: its own base, its views of its node
+    peers (other addresses than their owners'), 0 for ranks of other nodes."""
+    i = agreement.ranks.index(rank)
+    views = agreement.views[i]
+    out = []
+    for d in range(agreement.W):
+        if d == rank:
+            out.append(agreement.own[i].base)
+        elif views is not None and d in views.bases:
+            out.append(views.bases[d])
+        else:
+            out.append(0)
+    return out
+
+
+@dataclasses.dataclass
+class RankState:
+    """What every rank of a node knows alike about one rank's peer memory."""
+
+    target: int = 0  # the extent every node peer maps before its next call
+    acked: int = 0  # the extent every node peer confirmed mapping
+    staged: int = 0  # bytes of its combine staging block (0: none yet)
+    retiring: bool = False  # a retired tail is still mapped somewhere
+
+
+@dataclasses.dataclass
+class Decision:
+    direct: bool
+    limits: list[int]  # per driven rank: its block ends within this many bytes of its base
+    new_staging: list[int]  # per driven rank: bytes of a new staging block to take, 0: keep
+
+
+class Agreement:
+    """The data-path agreement of the ranks one engine drives (one per process; all W in the
+    emulation of separate processes), with their own memory and their views of their peers'."""
+
+    def __init__(self, config, ranks: list[int], own: list[OwnMemory], views: list[PeerViews],
+                 stage_combines: bool = True):
+        self.config, self.ranks, self.own, self.views = config, ranks, own, views
+        self.G, self.W = config.ranks_per_node, config.world_size
+        self.state = [RankState() for _ in range(self.W)]
+        self.stage_combines = stage_combines
+        self.ledger: list[int] | None = None  # bytes each rank may still take; None: read first
+        self.limit = [0] * self.W  # where each rank's blocks may end since the last read
+        self.trim_requested = False
+        self.reads = self.directs = 0  # reads decided, of them direct (tests, bench)
+
+    # -- before the layout kernel ------------------------------------------------------
+
+    def words(self, stream: int) -> list[list[int]]:
+        """Each driven rank's words for this call's count rows, after mapping what its node peers
+        announced at the last read."""
+        out = []
+        for i, r in enumerate(self.ranks):
+            ready = 1
+            views = self.views[i]
+            if views is not None:
+                for p in views.bases:
+                    why = views.sync(p, self.state[p].target)
+                    if why is not None:
+                        ready = 0
+                        log_once("a rank could not map a peer's new memory", why)
+            mem = self.own[i]
+            a = mem.arena
+            st = self.state[r]
+            out.append([ready, a.largest_free_below(stream, min(st.acked, mem.extent)) // UNIT,
+                        a.largest_free_below(stream, mem.extent) // UNIT, a.tail_free(stream) // UNIT,
+                        mem.extent // UNIT])
+        return out
+
+    # -- after the read ----------------------------------------------------------------
+
+    def need_bytes(self, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, staged: int) -> tuple[int, int]:
+        """(bytes one rank's call of `rows` output rows takes, of them a new staging block)."""
+        out = call_bytes(rows, hidden, dtype, fp8)
+        stage = staging_bytes(rows, hidden) if self.stage_combines else 0
+        new_stage = stage if stage > staged else 0
+        return out + new_stage, new_stage
+
+    def bounds(self, read_row: list[int]) -> list[int]:
+        """Output rows each rank's block is sized for, from the routes it receives."""
+        c = self.config
+        pad = c.experts_per_rank * (c.min_rows_per_expert + c.pad_multiple - 1)
+        width = 1 + AGREE_WORDS
+        return [read_row[d * width] + pad for d in range(self.W)]
+
+    def decide_read(self, read_row: list[int], rows: list[int] | None, dtype, fp8: bool) -> Decision:
+        """The path of a call whose layout kernel's agreement words were read (`read_row`: one
+        rank's info from `agreement` on, the same on every rank), and the growth and retiring it
+        implies. rows: a static size's rows of every rank, None to size by the routes."""
+        width = 1 + AGREE_WORDS
+        H, W, G = self.config.hidden_dim, self.W, self.G
+        words = [read_row[d * width + 1:(d + 1) * width] for d in range(W)]
+        bounds = rows if rows is not None else self.bounds(read_row)
+        self.reads += 1
+        node_ready = [all(words[d][READY] for d in range(n * G, (n + 1) * G)) for n in range(W // G)]
+        usable, limits, needs, stages = [], [], [], []
+        for d in range(W):
+            st, w = self.state[d], words[d]
+            extent = w[EXTENT] * UNIT
+            if node_ready[d // G]:
+                st.acked = extent if not st.retiring else min(st.acked, extent)
+                usable.append(w[FREE_ALL] * UNIT)
+                limits.append(extent)
+            else:
+                usable.append(w[FREE_ACKED] * UNIT)
+                limits.append(min(st.acked, extent))
+            need, new_stage = self.need_bytes(bounds[d], H, dtype, fp8, st.staged)
+            needs.append(need)
+            stages.append(new_stage)
+        trim = self.trim_requested
+        self.trim_requested = False
+        direct = not trim and all(n <= u for n, u in zip(needs, usable))
+        for d in range(W):
+            st, w = self.state[d], words[d]
+            extent = w[EXTENT] * UNIT
+            if st.retiring and node_ready[d // G]:
+                st.retiring = False  # every peer unmapped the retired tail
+                if d in self.ranks:
+                    self.own[self.ranks.index(d)].release_retired()
+            st.target = extent
+            if trim:
+                st.target = self._trim_target(d, extent, w[TAIL] * UNIT)
+                st.retiring = st.target < extent
+            elif not direct and needs[d] > w[FREE_ALL] * UNIT and not st.retiring:
+                st.target = extent + round_up(needs[d] - w[TAIL] * UNIT, CHUNK)
+        if direct:
+            self.directs += 1
+            for d in range(W):
+                self.state[d].staged = max(self.state[d].staged, stages[d])  # a new block replaces the old
+            self.ledger = [u - n for u, n in zip(usable, needs)]
+        else:
+            self.ledger = [u if not trim else 0 for u in usable]
+            stages = [0] * W
+        self.limit = limits
+        self._apply_own(trim)
+        return Decision(direct, [limits[r] for r in self.ranks], [stages[r] for r in self.ranks])
+
+    def _trim_target(self, d: int, extent: int, tail: int) -> int:
+        """Where rank d's memory ends once its free tail is retired: the first of its chunk
+        boundaries at or past extent - tail, as its owner and its node peers know them (a rank of
+        another node maps none of it, and keeps the extent)."""
+        if d in self.ranks:
+            chunks = self.own[self.ranks.index(d)].chunks
+        else:
+            chunks = next((v.chunks[d] for v in self.views if v is not None and d in v.chunks), [])
+        ends = [0] + [c.offset + c.nbytes for c in chunks]
+        return min((b for b in ends if b >= extent - tail), default=extent)
+
+    def _apply_own(self, trim: bool) -> None:
+        """The driven ranks grow to (or retire down to) the targets every rank computed."""
+        for i, r in enumerate(self.ranks):
+            mem, st = self.own[i], self.state[r]
+            if trim and st.retiring:
+                if not mem.retire_to(st.target):
+                    st.target = mem.extent  # its words at the next call tell every peer
+                    st.retiring = False
+            elif st.target > mem.extent:
+                why = mem.grow_to(st.target)
+                if why is not None:
+                    log_once("a rank could not grow its peer memory", why)
+
+    def decide_ledger(self, rows: list[int], dtype, fp8: bool, capturing: bool) -> Decision | None:
+        """The path of a call without a read, from the ledger every rank keeps alike: direct when
+        every rank's block fits what it may still take, receive while capturing a graph, else
+        None (the call reads)."""
+        H, W = self.config.hidden_dim, self.W
+        if self.ledger is None or self.trim_requested:
+            return Decision(False, [], []) if capturing else None
+        needs, stages = [], []
+        for d in range(W):
+            need, new_stage = self.need_bytes(rows[d], H, dtype, fp8, self.state[d].staged)
+            needs.append(need)
+            stages.append(new_stage)
+        if all(n <= left for n, left in zip(needs, self.ledger)):
+            self.ledger = [left - n for left, n in zip(self.ledger, needs)]
+            for d in range(W):
+                self.state[d].staged = max(self.state[d].staged, stages[d])  # a new block replaces the old
+            self.directs += 1
+            return Decision(True, [self.limit[r] for r in self.ranks], [stages[r] for r in self.ranks])
+        return Decision(False, [], []) if capturing else None
+
+    def held(self) -> int:
+        """Bytes of peer memory the driven ranks hold."""
+        return sum(m.mapped for m in self.own)
+

@@ -99,11 +99,13 @@ class Arena:
             raise ValueError(f"arena base {base:#x} is not {ALIGN}-byte aligned")
         from . import load_extension
 
-        self.base, self.capacity, self.device = base, capacity // ALIGN * ALIGN, torch.device(device)
+        self.base, self.device = base, torch.device(device)
+        capacity = capacity // ALIGN * ALIGN
         self.ext = load_extension(self.device)
         index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else 0)
-        self.core = self.ext.Arena(base, self.capacity, _DLPACK_DEVICES[self.device.type], index, _from_dlpack())
+        self.core = self.ext.Arena(base, capacity, _DLPACK_DEVICES[self.device.type], index, _from_dlpack())
+        self.capacity = capacity  # grows and shrinks with the peer memory under it (grow, shrink)
         self._layouts: dict = {}  # (columns, dtype) -> ext.ArenaLayout of Arena.empty
         self._on_cuda = self.device.type == "cuda"
 
@@ -132,6 +134,27 @@ class Arena:
 
     def largest_free(self, stream: int = 0) -> int:
         return self.core.largest_free(stream)
+
+    def largest_free_below(self, stream: int, limit: int) -> int:
+        """The largest free range on `stream` below `limit` bytes from the base (the part of a
+        range below it counting)."""
+        return self.core.largest_free_below(stream, limit)
+
+    def tail_free(self, stream: int = 0) -> int:
+        """Bytes of the free range that ends at the capacity, on `stream` (0: none)."""
+        return self.core.tail_free(stream)
+
+    def grow(self, capacity: int) -> None:
+        """More memory mapped at the end: the capacity raised to `capacity` bytes."""
+        self.core.grow(capacity)
+        self.capacity = max(self.capacity, capacity)
+
+    def shrink(self, capacity: int) -> bool:
+        """The free tail past `capacity` retired; False, nothing changed, when it is not free."""
+        done = self.core.shrink(capacity)
+        if done:
+            self.capacity = capacity
+        return done
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, stream: int = 0) -> torch.Tensor | None:
         """A new, uninitialised tensor (1 or 2 dimensions) in the arena, or None when no free
@@ -222,14 +245,15 @@ def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: 
 
 
 def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
-               stream: int = 0):
+               stream: int = 0, limits: list[int] | None = None):
     """The blocks of call_tensors on every arena (rows[i] output rows on arenas[i]), taken in
     one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
     `addresses()` give each block's (rows, probs[, scales]) addresses for a launch and whose
     `tensors()` make the tensors after it; its `failed` is the index of the first arena that
-    can not hold its block (then none is taken), else -1."""
+    can not hold its block (then none is taken), else -1. limits: per arena, the bytes from its
+    base its block must end within (the part every peer has mapped), else anywhere."""
     return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
-                                    stream, arenas[0].capturing())
+                                    stream, arenas[0].capturing(), limits or [])
 
 
 def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,

@@ -8,14 +8,15 @@ import torch
 from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
-from ...routing import max_output_rows
+from ...routing import Routing, max_output_rows
 from ..base import Backend
 from . import arena, load_extension, staging
-from .agreement import PathVote
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
 from .nvshmem import heap_spec
+from .peer_setup import close_peer_memory, process_agreement
 from .registered import NvshmemRegions, RegisteredBuffers
+from .workspace import CudaRecvLayout, CudaSendLayout
 
 # The registered regions of layout.RegisteredLayout, grouped as memory_plan() reports them:
 # (line, regions, what it holds). Every region is in exactly one line (tests/test_cuda_plan.py).
@@ -48,11 +49,13 @@ def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
                             "with an arena (opt-in): where a direct combine copies an expert_out from outside "
                             "the arena, fp32 rows as many as a bf16 call in the arena"))
     specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
-                            "opt-in (BufferConfig.arena_bytes): dispatch outputs peers in other processes write, "
-                            "each kept output taking arena.call_bytes"))
+                            "opt-in (BufferConfig.arena_bytes): peer memory pre-sized for dispatch outputs peers "
+                            "in other processes write, each kept output taking arena.call_bytes"))
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
     specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                            "expert-major output from PyTorch's allocator, fp32 worst case"))
+                            "expert-major output of one call, fp32 worst case: with one process per GPU on the "
+                            "direct path in peer memory (it grows to the peak of live outputs, plus one fp32 "
+                            "combine staging block; arena_bytes pre-sizes it), else from PyTorch's allocator"))
     return MemoryPlan(name, tuple(specs))
 
 
@@ -67,15 +70,15 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
-        arena_bytes = staging.direct_region_bytes(config)
         self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
-                                                    config.ranks_per_node, arena_bytes)
+                                                    config.ranks_per_node)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
-        # One process per rank: the ranks agree on each dispatch's path (agreement.PathVote).
-        self._vote = PathVote.create(group, rank) if arena_bytes else None
-        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma,
-                              arenas=self._buffers, vote=self._vote)
+        # One process per rank: the direct path's outputs in growable peer memory, every call's
+        # path agreed on the layout kernel's count exchange (agreement.py), pre-sized by
+        # arena_bytes where given.
+        self._peer = process_agreement(ext, config, group, rank, self._device)
+        self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma, peer=self._peer)
 
     @classmethod
     def on_engine(cls, config: BufferConfig, rank: int, owner: int, engine: Engine) -> "CudaBackend":
@@ -85,6 +88,7 @@ class CudaBackend(Backend):
         self = cls.__new__(cls)
         Backend.__init__(self, config, None, rank, owner)
         self._device, self._buffers, self._rdma, self._engine = engine.device, None, None, engine
+        self._peer = None
         return self
 
     @property
@@ -100,7 +104,8 @@ class CudaBackend(Backend):
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
             known = [handle.num_rows]
         [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
-                                      kernel_config.num_sms_dispatch, known)
+                                      kernel_config.num_sms_dispatch, known,
+                                      handle.dest.bounds if handle is not None else None)
         # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
         # are views of the call's workspace, read from dest when asked for.
         new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,
@@ -112,6 +117,70 @@ class CudaBackend(Backend):
                                    kernel_config.num_sms_combine, kernel_config.wire_dtype_for(rows_RH.dtype))
         return y
 
+    def release_unused(self) -> None:
+        """Retire the free tail of this rank's peer memory at the next dispatch (every rank must
+        ask before the same call: agreement.py)."""
+        if self._peer is not None:
+            self._peer.trim_requested = True
+
+    def peer_memory_held(self) -> int:
+        """Bytes of peer memory this rank holds (its own chunks)."""
+        return self._peer.held() if self._peer is not None else 0
+
+    def close(self) -> None:
+        if getattr(self, "_peer", None) is not None:
+            close_peer_memory(self._peer)
+            self._peer = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
     def return_row_values(self, values_R, handle):
-        [out] = self._engine.return_row_values([values_R], [handle.routing], [handle.source], [handle.dest])
+        [out] = return_row_values(self._engine, [values_R], [handle.routing], [handle.source], [handle.dest])
         return out
+
+
+def return_row_values(engine: Engine, values: list[torch.Tensor], routings: list[Routing],
+                      sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+                      num_sms: int | None = None) -> list[torch.Tensor]:
+    """One fp32 value per output row back to its routing slot, [T, K] per rank.
+
+    Each row's value is placed in the column of its global expert, so a combine over
+    expert columns brings every value back unsummed; columns are sent in slices of at
+    most hidden_dim so the registered partial buffers suffice.
+    """
+    c = engine.config
+    E, L = c.num_experts, c.experts_per_rank
+    width_all = (E + 3) // 4 * 4
+    step = c.hidden_dim // 4 * 4
+    mats, cols_of = [], []
+    for r, v, recv in zip(engine.ranks, values, recvs):
+        R = recv.num_rows
+        pos = torch.arange(R, device=engine.device)
+        j = torch.searchsorted(recv.expert_start_L, pos, right=True) - 1
+        j = j.clamp(min=0)
+        real = (pos - recv.expert_start_L[j]) < recv.expert_rows_L[j]
+        mats.append(torch.where(real, v.detach().to(torch.float32), 0.0))
+        cols_of.append(r * L + j)
+    full = [torch.zeros(s.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=engine.device) for s in sends]
+    ones = [torch.ones(recv.num_rows, dtype=torch.float32, device=engine.device) for recv in recvs]
+    for c0 in range(0, width_all, step):
+        width = min(step, width_all - c0)
+        slices = []
+        for vals, cols in zip(mats, cols_of):
+            m = torch.zeros(vals.shape[0], width, dtype=torch.float32, device=engine.device)
+            inside = (cols >= c0) & (cols < c0 + width)
+            m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
+            slices.append(m)
+        got = engine.combine(slices, sends, recvs, ones, False, num_sms, torch.float32)
+        for f, g in zip(full, got):
+            f[:, c0:c0 + width] = g
+    out = []
+    for f, routing in zip(full, routings):
+        idx = routing.topk_idx_TK
+        vals = f.gather(1, idx.clamp(min=0))
+        out.append(torch.where(idx >= 0, vals, 0.0))
+    return out

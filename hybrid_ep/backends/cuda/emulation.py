@@ -12,6 +12,13 @@ kernel sources on the CPU model of the device layer (hybrid_ep._model), on CPU t
 With ranks_per_node < world_size the virtual ranks form several nodes: NVLink peer tables
 reach only a rank's own node, and everything between nodes goes through the loopback
 transport, exactly where a cluster uses NVSHMEM.
+
+separate_processes=True emulates what a job of one process per GPU does instead: each virtual
+rank gets its own growable peer memory and maps its node peers' at addresses of its own
+(peer_memory.py, over the same sockets and file descriptors as separate processes), every
+dispatch is agreed on the layout kernel's count exchange (agreement.py), and the direct path's
+kernels translate every published offset with the rank's own table of bases, as separate
+processes do.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from ...config import BufferConfig, KernelConfig
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
 from . import load_extension
+from .backend import return_row_values
 from .engine import Engine
 from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
+from .peer_setup import close_peer_memory, peer_agreement
 from .registered import LoopbackRegions, RegisteredBuffers
 from .staging import direct_region_bytes
 
@@ -40,7 +49,8 @@ class EmulatedGroup:
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
                  ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
-                 ring_chunks: int = BufferConfig.ring_chunks):
+                 ring_chunks: int = BufferConfig.ring_chunks, separate_processes: bool = False,
+                 stage_combines: bool = True, peer_reserve: int = 1 << 30):
         if not 1 <= world_size <= MAX_LAUNCH_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_LAUNCH_RANKS}] for emulation, got {world_size}")
         self.config = BufferConfig(hidden_dim=hidden_dim, max_tokens_per_rank=max_tokens_per_rank,
@@ -62,8 +72,10 @@ class EmulatedGroup:
                                                   direct_region_bytes(self.config))
         self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
                      if self.config.num_nodes > 1 else None)
+        self.peer = (peer_agreement(ext, self.config, self.device, peer_reserve, stage_combines)
+                     if separate_processes else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
-                             data_path, arenas=self.buffers)
+                             data_path, arenas=None if separate_processes else self.buffers, peer=self.peer)
         self.owner = next(_owner_ids)
 
     @property
@@ -77,6 +89,9 @@ class EmulatedGroup:
         self.engine.raise_if_failed()
 
     def close(self) -> None:
+        if self.peer is not None:
+            close_peer_memory(self.peer)
+            self.peer = None
         self.buffers.close()
         if self.rdma is not None:
             self.rdma.close()
@@ -84,7 +99,10 @@ class EmulatedGroup:
     def in_arena(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """t copied into virtual rank i's arena, where an expert computation that allocates there
         would leave its expert_out (a direct combine then reads it in place instead of copying
-        it in); t itself where the group has no arena or it has no room."""
+        it in); t itself where the group has no arena or it has no room. With separate processes
+        emulated: t copied into the rank's combine staging block (HybridEPBuffer.empty_expert_out)."""
+        if self.peer is not None:
+            return self.engine.expert_out_view(i, t.shape, t.dtype, like=t)
         if not self.engine.arenas:
             return t
         got = self.engine.arenas[i].empty(tuple(t.shape), t.dtype)
@@ -108,10 +126,11 @@ class EmulatedGroup:
                                               topk_weights=w, check_values=False))  # the engine checks
         return self._dispatch(xs, scales, routings, num_out_tokens, num_sms, None)
 
-    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows):
+    def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, known_bounds=None):
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_dispatch
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows)
+        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows,
+                                        known_bounds)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
@@ -136,7 +155,7 @@ class EmulatedGroup:
             inputs.check_dispatch_input(x, sc, self.config, self.device)
             inputs.check_reused_handle(h, x.shape[0], None)
         return self._dispatch(xs, scales, [h.routing for h in handles], handles[0].num_out_tokens,
-                              num_sms, [h.num_rows for h in handles])
+                              num_sms, [h.num_rows for h in handles], handles[0].dest.bounds)
 
     def combine(self, expert_outs, handles, *, apply_probs=False, num_sms=None,
                 wire_dtype=None) -> list[torch.Tensor]:
@@ -150,8 +169,9 @@ class EmulatedGroup:
                                    [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
-        return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],
-                                             [h.dest for h in handles], self.kernel_config.num_sms_combine)
+        return return_row_values(self.engine, list(values), [h.routing for h in handles],
+                                 [h.source for h in handles], [h.dest for h in handles],
+                                 self.kernel_config.num_sms_combine)
 
     # -- autograd ---------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Launch configuration: SM counts, FIFO shape, chunk size and the co-residency check.
+"""Launch configuration: SM counts, FIFO shape, chunk size, the co-residency check, and the
+launch arguments of each kind of launch (LaunchSettings).
 
 Everything here is plain arithmetic on the device's properties, so it is tested on CPU.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Callable
 
+from ...config import FP8_BLOCK
 from .layout import CHUNK_TOKENS, compiled
 
 # SMs per rank of a call that names none (num_sms None: the API's num_sms_dispatch /
@@ -265,3 +268,130 @@ def check_coresident(name: str, sms_per_rank: int, ranks_in_launch: int, device_
             f"{name}={sms_per_rank} x {ranks_in_launch} rank(s) in one launch needs {need} co-resident blocks, "
             f"but the device holds {capacity} ({device_sms} SMs x {blocks_per_sm} block(s) per SM)"
         )
+
+
+# The launch settings of each kind of launch: its pipeline (a function that sets the kind's
+# pipeline fields of a LaunchArgs for rows of row_elems values, from the device's shared memory
+# per block and store-queue override, and returns the blocks per SM the kernel's shared memory
+# leaves room for), the LaunchArgs field with its pipeline depth (launch_shapes) and its role:
+# "dispatch" (fp8 rows carry their scales) or "combine", as the SM count's errors name it.
+
+
+def _dispatch_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The receive path's dispatch: a send and an expand FIFO of row stages."""
+    fifo = fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block,
+                             pipelines=DISPATCH_PIPELINES)
+    a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+    a.store_groups = store_groups(fifo.stages, s.store_groups_override)
+    smem = DISPATCH_PIPELINES * fifo.smem_bytes
+    return s.ext.dispatch_max_blocks_per_sm(smem)
+
+
+def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The direct path's dispatch: one FIFO of row stages, each stored once per route."""
+    fifo = fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block,
+                             max_stages=MAX_STAGES)
+    a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
+    a.store_groups = direct_store_groups(fifo.stages, fifo.stage_bytes, s.store_groups_override)
+    return s.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
+
+
+def _combine_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The receive path's combine: the expert host's input and output rings, the source's ring,
+    partial sums of wire_name on the wire."""
+    shape = combine_shape(row_elems, ELEM_BYTES[dtype_name], ELEM_BYTES[wire_name],
+                                 s.smem_per_block)
+    a.wire_dtype = s.ext.DTYPE_CODES[wire_name]
+    a.seg_cols, a.host_stages, a.src_stages = shape.seg_cols, shape.host_stages, shape.src_stages
+    a.host_out_stages = shape.out_stages
+    a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
+    a.store_groups = combine_store_groups(shape.out_stages, s.store_groups_override)
+    return s.ext.combine_max_blocks_per_sm(shape.smem_bytes)
+
+
+def _combine_pull_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+    """The direct path's combine: each route's expert-output segments pulled into two rings
+    (several nodes: a stage holds a node partial in the wire dtype too)."""
+    wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
+    a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
+    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block)
+    a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
+    return s.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSettings:
+    pipeline: Callable[..., int]  # (engine, args, row_elems, dtype_name, wire_name) -> blocks per SM
+    stages: str  # the LaunchArgs field with the pipeline's depth
+    role: str  # "dispatch" or "combine"
+
+
+KIND_SETTINGS = {
+    "dispatch": KindSettings(_dispatch_pipeline, "fifo_stages", "dispatch"),
+    "dispatch_direct": KindSettings(_dispatch_direct_pipeline, "fifo_stages", "dispatch"),
+    "combine": KindSettings(_combine_pipeline, "host_out_stages", "combine"),
+    "combine_pull": KindSettings(_combine_pull_pipeline, "src_stages", "combine"),
+}
+
+
+class LaunchSettings:
+    """The LaunchArgs of one engine per kind of launch (KIND_SETTINGS), SMs per rank, dtype, row
+    width, wire dtype and apply_probs: built and checked once per key, then only the per-rank
+    part changes (the launchers copy the struct when they launch)."""
+
+    def __init__(self, ext, geo, num_ranks: int, kd: int, num_nodes: int, device_sms: int, smem_per_block: int,
+                 timeout_ns: int, abort_flag: int, error: int, bad_route: int):
+        self.ext, self.geo, self.num_ranks, self.kd, self.num_nodes = ext, geo, num_ranks, kd, num_nodes
+        self.device_sms, self.smem_per_block = device_sms, smem_per_block
+        self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
+        self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
+        self.cache: dict[tuple, object] = {}
+
+    def shapes(self, num_sms: int) -> dict:
+        """The pipeline shape each kernel launched with at num_sms SMs per rank ({kind: {stages,
+        store_groups}}), for benchmark records: the store queue is chosen per """
+        shapes = {}
+        for (kind, launched_sms, *_), a in self.cache.items():
+            if launched_sms == num_sms:
+                stages = getattr(a, KIND_SETTINGS[kind].stages)
+                shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
+        return shapes
+
+    def args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None,
+             apply_probs: bool = False):
+        """The LaunchArgs of a kind of launch at num_sms SMs per rank, rows of row_elems values of
+        dtype_name (combine: partial sums of wire_name between ranks, apply_probs): what every
+        kind sets, then the kind's pipeline; the callers look the key up in `cache` first."""
+        key = (kind, num_sms, dtype_name, row_elems, wire_name, apply_probs)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        settings = KIND_SETTINGS[kind]
+        a = self.ext.LaunchArgs()
+        a.geo = self.geo
+        a.num_ranks = self.num_ranks
+        a.num_sms = num_sms
+        a.dtype = self.ext.DTYPE_CODES[dtype_name]
+        a.row_elems = row_elems
+        a.kd = self.kd
+        a.chunk_tokens = CHUNK_TOKENS
+        if settings.role == "dispatch" and dtype_name == "float8_e4m3fn":
+            a.scale_cols = row_elems // FP8_BLOCK  # fp8 rows carry their scales
+        a.apply_probs = int(apply_probs)
+        a.timeout_ns = self.timeout_ns
+        a.abort_flag = self.abort_flag
+        a.error = self.error
+        a.bad_route = self.bad_route
+        per_sm = settings.pipeline(self, a, row_elems, dtype_name, wire_name)
+        check_coresident(f"num_sms ({settings.role})", num_sms, self.num_ranks, self.device_sms, per_sm)
+        self.cache[key] = a
+        return a
+
+    def receive_args(self, laid, num_sms: int, dtype_name: str, H: int):
+        """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
+        args = self.args(num_sms, dtype_name, H, "dispatch")
+        for i in range(laid.num_ranks):
+            args.set_rank(i, laid.get_rank(i))
+        args.num_ranks = laid.num_ranks
+        args.scale_cols = laid.scale_cols
+        return args

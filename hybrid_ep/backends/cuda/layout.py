@@ -47,13 +47,14 @@ ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorReco
 ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
 CHUNK_META_HEADER: int = compiled.CHUNK_META_HEADER  # a staged chunk's routing starts with its row count
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype (this plan's choice)
+AGREE_WORDS: int = compiled.AGREE_WORDS  # a rank's words of the data-path agreement (RankArgs.agree)
 BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
 
 # The names `compiled` and every loaded module must give the same values (engine.check_extension):
 # a module built from other sources than the one this plan read is stale.
 COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS", "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
-                      "COUNT_ROW_TAIL", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
+                      "COUNT_ROW_TAIL", "AGREE_WORDS", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
                       "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES", "CHUNK_META_HEADER",
                       "DIRECT_STORE_THREADS")
 
@@ -135,7 +136,7 @@ def registered_layout(config: BufferConfig) -> RegisteredLayout:
     fields["done_dispatch"] = take(8)
     fields["done_combine"] = take(8)
     fields["state"] = take(LOCAL_STATE_BYTES)
-    fields["count_row_ints"] = W + N + L + COUNT_ROW_TAIL
+    fields["count_row_ints"] = W + N + L + COUNT_ROW_TAIL + W  # then W ints: the source's routes to each rank
     fields["count_in"] = take(4 * W * fields["count_row_ints"])
     # The receive ring: ring_chunks chunk slots of CHUNK_TOKENS rows per source, whatever the
     # routing (a call that sends a rank more waits for it to free slots), and the credit words
@@ -256,6 +257,7 @@ class InfoLayout:
     send_count: int
     needed: int
     bad_route: int
+    agreement: int
     dropped: int
     num_recv: int
     count_matrix: int
@@ -269,7 +271,7 @@ def info_layout(config: BufferConfig) -> InfoLayout:
     sizes = [
         ("tokens_per_expert", L), ("expert_start", L), ("expert_rows", L), ("src_prefix", W * L),
         ("recv_count", W), ("src_tokens", W), ("recv_offset", W), ("send_count", W), ("needed", 1),
-        ("bad_route", BAD_ROUTE_WORDS), ("dropped", 1),
+        ("bad_route", BAD_ROUTE_WORDS), ("agreement", W * (1 + AGREE_WORDS)), ("dropped", 1),
         ("num_recv", 1), ("count_matrix", W * W), ("node_counts", W * N),
     ]
     fields, offset = {}, 0

@@ -1,0 +1,225 @@
+"""Growable peer-mapped memory: where the direct path's outputs live when ranks are in separate
+processes.
+
+Each rank reserves a range of virtual addresses for its own memory (OwnMemory) and one for each
+peer of its node (PeerViews); the reservations cost no memory. When a call needs more than the
+rank holds, the rank creates a chunk, maps it at the end of its own range, extends its arena
+(arena.py: the first-fit sub-allocator the outputs are carved from) and exports the chunk as a
+file descriptor that its peers fetch over a Unix socket (chunk_channel.py) and map at the same
+offset of their range for that rank. A free tail can be retired again (shrinking). When which
+chunk is mapped where, and which call may use it, is agreement.py's.
+
+The memory calls are the extension's (`ext.peer_*`): CUDA virtual memory management on the GPU
+(csrc/transport/peer_memory.cpp: cuMemAddressReserve, cuMemCreate with POSIX file descriptors,
+cuMemMap, cuMemSetAccess), memfd chunks mapped shared at fixed addresses on the CPU model
+(csrc/bindings/model_peer_memory.h), so this module and agreement.py run unchanged on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from .arena import Arena
+from .chunk_channel import ChunkServer, fetch_chunk
+
+CHUNK = 2 << 20  # growth quantum: a multiple of both backends' granularity (the GPU's is 2 MiB)
+CPU_RESERVATION = 1 << 36  # bytes of address space per reservation on the CPU model
+_log = logging.getLogger("hybrid_ep")
+
+
+def round_up(n: int, q: int) -> int:
+    return (n + q - 1) // q * q
+
+
+def reservation_bytes(device: torch.device) -> int:
+    """Address space for one rank's memory: the device's memory (no rank can hold more)."""
+    if device.type == "cuda":
+        return round_up(torch.cuda.get_device_properties(device).total_memory, CHUNK)
+    return CPU_RESERVATION
+
+
+@dataclasses.dataclass
+class Chunk:
+    offset: int
+    nbytes: int
+    handle: int
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "out of memory" in text or "curesult 2)" in text or "cannot allocate" in text
+
+
+class OwnMemory:
+    """One rank's peer-mapped memory: the reservation, its chunks (mapped from offset 0 on, without
+    gaps), the arena over them, and the server that hands the chunks to the node's peers."""
+
+    def __init__(self, ext, device: torch.device, server: ChunkServer | None, reserve: int | None = None):
+        self.ext, self.device, self.server = ext, torch.device(device), server
+        self.index = self.device.index or 0
+        self.reserved = reserve or reservation_bytes(self.device)
+        self.base = ext.peer_reserve(self.reserved)
+        self.arena = Arena(self.base, 0, self.device)
+        self.chunks: list[Chunk] = []
+        self.retiring: list[Chunk] = []  # out of the arena, still mapped until every peer unmapped them
+        self.grown = 0  # growths that succeeded (tests, the startup line)
+        self.failed_growths = 0
+
+    @property
+    def mapped(self) -> int:
+        """Bytes mapped from the base on, retiring chunks included."""
+        chunks = self.chunks + self.retiring
+        return max((c.offset + c.nbytes for c in chunks), default=0)
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the arena: the chunks not retiring."""
+        return self.chunks[-1].offset + self.chunks[-1].nbytes if self.chunks else 0
+
+    def grow_to(self, extent: int) -> str | None:
+        """One chunk mapped at the end so that the arena holds `extent` bytes; None, or why not (the
+        caller logs it). Out of memory, PyTorch's cached blocks are returned to the driver and
+        the chunk is tried once more."""
+        nbytes = extent - self.extent
+        if nbytes <= 0:
+            return None
+        if extent > self.reserved:
+            return f"{extent} bytes asked for, the reservation holds {self.reserved}"
+        offset = self.extent
+        try:
+            handle, fd = self._create(nbytes)
+        except (RuntimeError, MemoryError, OSError) as e:
+            self.failed_growths += 1
+            return f"could not create a chunk of {nbytes} bytes: {e}"
+        try:
+            self.ext.peer_map(self.base + offset, nbytes, handle, self.index)
+        except (RuntimeError, OSError) as e:
+            os.close(fd)
+            self.ext.peer_release(handle)
+            self.failed_growths += 1
+            return f"could not map a chunk of {nbytes} bytes: {e}"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.chunks.append(Chunk(offset, nbytes, handle))
+        if self.server is not None:
+            self.server.publish(offset, nbytes, fd)
+        else:
+            os.close(fd)
+        self.arena.grow(extent)
+        self.grown += 1
+        return None
+
+    def _create(self, nbytes: int):
+        try:
+            return self.ext.peer_create(nbytes, self.index)
+        except (RuntimeError, MemoryError) as first:
+            if not _out_of_memory(first) or self.device.type != "cuda":
+                raise
+            torch.cuda.empty_cache()
+            return self.ext.peer_create(nbytes, self.index)
+
+    def retire_to(self, extent: int) -> bool:
+        """The free tail past the chunk boundary `extent` taken out of the arena (its chunks stay
+        mapped until release_retired); False when that tail is not free."""
+        if extent not in {0} | {c.offset + c.nbytes for c in self.chunks}:
+            return False
+        keep = [c for c in self.chunks if c.offset < extent]
+        if not self.arena.shrink(extent):
+            return False
+        self.retiring += [c for c in self.chunks if c.offset >= extent]
+        self.chunks = keep
+        for c in self.retiring:
+            if self.server is not None:
+                self.server.withdraw(c.offset)
+        return True
+
+    def release_retired(self) -> int:
+        """Unmaps and releases the retiring chunks (every peer has unmapped them); their bytes."""
+        freed = 0
+        for c in reversed(self.retiring):
+            self.ext.peer_unmap(self.base + c.offset, c.nbytes)
+            self.ext.peer_release(c.handle)
+            freed += c.nbytes
+        self.retiring = []
+        return freed
+
+    def close(self) -> None:
+        if self.base is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for c in reversed(self.chunks + self.retiring):
+            if self.server is not None:
+                self.server.withdraw(c.offset)
+            self.ext.peer_unmap(self.base + c.offset, c.nbytes)
+            self.ext.peer_release(c.handle)
+        self.chunks, self.retiring = [], []
+        self.ext.peer_free_reservation(self.base, self.reserved)
+        self.base = None
+
+
+class PeerViews:
+    """This rank's mappings of its node peers' memory, each at the same offsets as its owner's,
+    in a reservation of its own (so at another address than the owner's)."""
+
+    def __init__(self, ext, device: torch.device, token: str, peers: list[int], reserve: int, timeout_s: float):
+        self.ext, self.device, self.token, self.timeout_s = ext, torch.device(device), token, timeout_s
+        self.index = self.device.index or 0
+        self.reserved = reserve
+        self.bases = {p: ext.peer_reserve(reserve) for p in peers}
+        self.chunks: dict[int, list[Chunk]] = {p: [] for p in peers}
+        self.imports = 0  # chunks imported (tests)
+        self.failed_imports = 0
+
+    def mapped(self, peer: int) -> int:
+        chunks = self.chunks[peer]
+        return chunks[-1].offset + chunks[-1].nbytes if chunks else 0
+
+    def sync(self, peer: int, extent: int) -> str | None:
+        """Maps the peer's chunks up to `extent`, or unmaps those past it; None once the mapping
+        reaches exactly `extent`, else why not (the peer has not made the chunk, or is gone)."""
+        chunks = self.chunks[peer]
+        while chunks and chunks[-1].offset >= extent:
+            c = chunks.pop()
+            self.ext.peer_unmap(self.bases[peer] + c.offset, c.nbytes)
+            self.ext.peer_release(c.handle)
+        while self.mapped(peer) < extent:
+            offset = self.mapped(peer)
+            got = fetch_chunk(self.token, peer, offset, self.timeout_s)
+            if got is None:
+                self.failed_imports += 1
+                return f"rank {peer} did not hand over its chunk at offset {offset}"
+            nbytes, fd = got
+            try:
+                handle = self.ext.peer_import(fd, self.index)
+            except (RuntimeError, OSError) as e:
+                self.failed_imports += 1
+                return f"could not import rank {peer}'s chunk at offset {offset}: {e}"
+            finally:
+                os.close(fd)
+            try:
+                self.ext.peer_map(self.bases[peer] + offset, nbytes, handle, self.index)
+            except (RuntimeError, OSError) as e:
+                self.ext.peer_release(handle)
+                self.failed_imports += 1
+                return f"could not map rank {peer}'s chunk at offset {offset}: {e}"
+            chunks.append(Chunk(offset, nbytes, handle))
+            self.imports += 1
+        if self.mapped(peer) != extent:
+            return f"rank {peer}'s chunks end at {self.mapped(peer)}, not at {extent}"
+        return None
+
+    def close(self) -> None:
+        if self.device.type == "cuda" and any(self.chunks.values()):
+            torch.cuda.synchronize(self.device)
+        for peer, base in self.bases.items():
+            for c in reversed(self.chunks[peer]):
+                self.ext.peer_unmap(base + c.offset, c.nbytes)
+                self.ext.peer_release(c.handle)
+            self.chunks[peer] = []
+            self.ext.peer_free_reservation(base, self.reserved)
+        self.bases = {}

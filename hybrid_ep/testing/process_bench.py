@@ -1,0 +1,181 @@
+"""One process per rank on one GPU, as a training job runs the cuda backend: correctness against
+the oracle, the data path of every call, and the direct path's speed beside the emulation's.
+
+`python -m hybrid_ep.testing.process_bench --out DIR` starts W=8 processes on GPU 0 (run it under
+MPS, `nvidia-cuda-mps-control -d`, so that the processes' kernels run side by side), each one
+rank of HybridEPBuffer(backend="cuda") with no arena_bytes: peer memory grows on demand
+(hybrid_ep/backends/cuda/agreement.py). For each layout (one node of 8; two nodes of 4 joined by
+NVSHMEM, where the build has it) it checks a case against the dense oracle
+(hybrid_ep.testing.cases.check_case), then times the seed shape (H=8192, 4096 tokens per rank,
+top-8 of 16 experts, bf16) and the DeepSeek-V3-like shape (H=7168, 256 experts, top-8) at 1 and 2
+SMs per rank: per call its data path, the first call's time (it grows the peer memory) and the
+later calls' median dispatch and combine kernel times (CUDA events), the bytes of peer memory
+each rank holds. Then, with the processes gone, the same shapes in the single-process emulation,
+so the two are compared in the same run. Writes DIR/process_bench.json; prints one line per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"seed": dict(hidden=8192, experts=16, topk=8, tokens=4096),
+          "dsv3": dict(hidden=7168, experts=256, topk=8, tokens=4096)}
+
+
+def _inputs(shape: dict, rank: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    T, H, E, K = shape["tokens"], shape["hidden"], shape["experts"], shape["topk"]
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous()
+    w = torch.rand(T, K, generator=gen)
+    return x, idx, w
+
+
+def _time(fn, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def time_on_rank(name: str, ranks_per_node: int, sms: list[int], iters: int) -> dict:
+    """Runs on every rank: the shape's calls, their paths and times, the memory held."""
+    import torch.distributed as dist
+
+    from ..buffer import HybridEPBuffer
+
+    shape = SHAPES[name]
+    rank, W = dist.get_rank(), dist.get_world_size()
+    buf = HybridEPBuffer(None, shape["hidden"], shape["tokens"], shape["experts"], ranks_per_node=ranks_per_node,
+                         backend="cuda")
+    x, idx, w = (t.cuda() for t in _inputs(shape, rank))
+    paths, points = [], []
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    res = buf.dispatch(x, topk_idx=idx, topk_weights=w)  # the first call: grows the peer memory
+    y = buf.combine(res.tokens, res.handle)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - started) * 1e3
+    paths.append(res.handle.data_path)
+    del res, y
+    for n in sms:
+        res = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_sms=n)
+        paths.append(res.handle.data_path)
+        rows = res.tokens.shape[0]
+        dispatch_ms = _time(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_sms=n), iters)
+        combine_ms = _time(lambda r=res: buf.combine(r.tokens, r.handle, num_sms=n), iters)
+        again = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+        paths.append(again.handle.data_path)
+        row_bytes = shape["hidden"] * 2
+        points.append({"sms": n, "rows": rows, "dispatch_ms": statistics.median(dispatch_ms),
+                       "combine_ms": statistics.median(combine_ms),
+                       "dispatch_gbps_per_sm": rows * row_bytes / (statistics.median(dispatch_ms) * 1e6) / n,
+                       "combine_gbps_per_sm": rows * row_bytes / (statistics.median(combine_ms) * 1e6) / n})
+        del res, again
+    held = buf._backend.peer_memory_held() if hasattr(buf._backend, "peer_memory_held") else 0
+    return {"rank": rank, "world_size": W, "pid": os.getpid(), "paths": paths, "first_call_ms": first_ms,
+            "points": points, "peer_memory_held": held, "memory_plan": str(buf.memory_plan())}
+
+
+def emulated_points(name: str, ranks_per_node: int, sms: list[int], iters: int) -> list[dict]:
+    """The same shape in the single-process emulation (8 virtual ranks, one launch)."""
+    from ..backends.cuda.emulation import EmulatedGroup
+
+    shape = SHAPES[name]
+    group = EmulatedGroup(8, shape["hidden"], shape["tokens"], shape["experts"], ranks_per_node=ranks_per_node)
+    xs, idx, ws = zip(*[(t.cuda() for t in _inputs(shape, r)) for r in range(8)])
+    out = []
+    try:
+        for n in sms:
+            res = group.dispatch(list(xs), list(idx), list(ws), num_sms=n)
+            rows = res[0].tokens.shape[0]
+            d = _time(lambda: group.dispatch(list(xs), list(idx), list(ws), num_sms=n), iters)
+            c = _time(lambda rs=res: group.combine([r.tokens for r in rs], [r.handle for r in rs], num_sms=n), iters)
+            row_bytes = shape["hidden"] * 2
+            out.append({"sms": n, "rows_rank0": rows, "dispatch_ms": statistics.median(d),
+                        "combine_ms": statistics.median(c),
+                        "dispatch_gbps_per_sm": sum(r.tokens.shape[0] for r in res) / 8 * row_bytes
+                        / (statistics.median(d) * 1e6) / n,
+                        "combine_gbps_per_sm": sum(r.tokens.shape[0] for r in res) / 8 * row_bytes
+                        / (statistics.median(c) * 1e6) / n,
+                        "data_path": res[0].handle.data_path})
+            del res
+    finally:
+        group.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2], help="1: one node of 8; 2: two of 4")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--sms", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=20.0, help="HYBRID_EP_TIMEOUT_S of the ranks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("process_bench: needs a CUDA device", file=sys.stderr)
+        return 2
+    from ..spawn import ProcessGroupPool
+    from .cases import Case, check_case
+    from .nvshmem_cases import pool_env
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"separate_processes": True, "world_size": 8, "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+              "device": torch.cuda.get_device_name(0), "layouts": []}
+    worst = 0
+    for nodes in args.nodes:
+        G = 8 // nodes
+        layout = {"nodes": nodes, "ranks_per_node": G, "shapes": {}}
+        env = pool_env(8, args.timeout) if nodes > 1 else {"HYBRID_EP_TIMEOUT_S": str(args.timeout)}
+        try:
+            with ProcessGroupPool(8, "gloo", env=env) as pool:
+                case = Case(world_size=8, ranks_per_node=G, num_experts=16, hidden=2048,
+                            tokens=(64, 17, 0, 5, 33, 1, 40, 9), topk=4, dtype=torch.bfloat16, backend="cuda")
+                first = check_case(pool, case)
+                second = check_case(pool, case)
+                layout["oracle"] = {"ok": True, "paths": [[r["data_path"] for r in first],
+                                                          [r["data_path"] for r in second]]}
+                for name in args.shapes:
+                    got = pool.run(time_on_rank, [(name, G, args.sms, args.iters)] * 8, timeout_s=120)
+                    layout["shapes"][name] = {"processes": got}
+                    pids = {g["pid"] for g in got}
+                    print(f"process_bench nodes={nodes} {name}: {len(pids)} processes, paths rank 0 {got[0]['paths']}, "
+                          f"first call {got[0]['first_call_ms']:.1f} ms, held {got[0]['peer_memory_held']} B, "
+                          + ", ".join(f"{p['sms']} SM: {p['dispatch_gbps_per_sm']:.1f}/{p['combine_gbps_per_sm']:.1f}"
+                                      f" GB/s/SM" for p in got[0]["points"]))
+        except (AssertionError, RuntimeError) as exc:
+            layout["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+            print(f"process_bench nodes={nodes}: FAILED {layout['error'][:600]}")
+            worst = 1
+        for name in args.shapes:
+            try:
+                layout["shapes"].setdefault(name, {})["emulation"] = emulated_points(name, G, args.sms, args.iters)
+                e = layout["shapes"][name]["emulation"]
+                print(f"process_bench nodes={nodes} {name} emulation: "
+                      + ", ".join(f"{p['sms']} SM: {p['dispatch_gbps_per_sm']:.1f}/{p['combine_gbps_per_sm']:.1f} "
+                                  f"GB/s/SM" for p in e))
+            except (AssertionError, RuntimeError) as exc:
+                layout["shapes"][name]["emulation_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                worst = 1
+        record["layouts"].append(layout)
+        (args.out / "process_bench.json").write_text(json.dumps(record, indent=1))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

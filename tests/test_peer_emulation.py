@@ -1,0 +1,111 @@
+"""The kernels on the CPU model as ranks in separate processes run them: every virtual rank has
+its own growable peer memory and maps its node peers' at addresses of its own, so the direct
+kernels translate every published offset through a table that differs per rank; every call's
+path is agreed on the layout kernel's count exchange. Against the oracle, one node and two."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid_ep.backends.cuda import chunk_channel
+from hybrid_ep.testing.cases import Case
+from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
+
+pytestmark = pytest.mark.model
+
+
+def _group(case: Case, **kw):
+    return emulated_group_for(case, "cpu", separate_processes=True, num_sms_dispatch=1, num_sms_combine=1, **kw)
+
+
+def _bases_differ(group) -> None:
+    """Every rank sees each node peer's memory at another address than the owner and than the
+    other ranks of the node."""
+    G, W = group.config.ranks_per_node, group.world_size
+    tables = [t.tolist() for t in group.engine.bases_tables]
+    for d in range(W):
+        seen = [tables[r][d] for r in range(W) if r // G == d // G]
+        assert len(set(seen)) == len(seen) and all(seen), (d, seen)
+
+
+@pytest.mark.parametrize("W,G", [(4, 2), (3, 3)])
+def test_rising_sizes_go_direct_from_the_call_after_each_growth(W, G):
+    case = Case(world_size=W, ranks_per_node=G, num_experts=2 * W, hidden=2048, tokens=(7, 0, 9, 5)[:W], topk=2,
+                backend="cuda")
+    group = _group(dataclasses.replace(case, tokens=(160,) * W))  # fp32 rows of 8 KiB: 2 MiB hold ~128 rows
+    try:
+        _bases_differ(group)
+        paths, extents = [], []
+        big = (100, 160, 120, 150)[:W]
+        for n, tokens in enumerate([case.tokens, case.tokens, big, big]):
+            res = check_emulated(group, dataclasses.replace(case, tokens=tokens, seed=n // 2))  # each size twice
+            paths.append(res[0].handle.data_path)
+            extents.append([m.extent for m in group.peer.own])
+        assert paths == ["receive", "direct", "receive", "direct"]
+        assert all(e > 0 for e in extents[0]) and any(b > a for a, b in zip(extents[1], extents[2]))
+        # (check_emulated's re-dispatch keeps a second output alive: it may grow again for it)
+    finally:
+        group.close()
+
+
+def test_a_static_size_goes_direct_on_the_ledger_without_reading():
+    case = Case(world_size=3, ranks_per_node=3, num_experts=6, hidden=128, tokens=(9, 4, 0), topk=2,
+                num_out_tokens=24, backend="cuda")
+    group = _group(case)
+    try:
+        paths = [check_emulated(group, dataclasses.replace(case, seed=n))[0].handle.data_path for n in range(4)]
+        # The first call reads (the ledger is empty) and grows; the second reads and goes direct;
+        # from then on the ledger holds the calls (reads counted per call that read).
+        assert paths == ["receive", "direct", "direct", "direct"]
+        assert group.peer.reads < 2 * 4  # each check makes a dispatch and a re-dispatch
+    finally:
+        group.close()
+
+
+def test_a_failed_import_costs_one_call_and_the_oracle_still_matches(monkeypatch):
+    small = Case(world_size=3, ranks_per_node=3, num_experts=6, hidden=2048, tokens=(9, 4, 7), topk=2, backend="cuda")
+    big = dataclasses.replace(small, tokens=(100, 160, 120))  # more than the first chunk holds
+    group = _group(big)
+    try:
+        xs = lambda c: [torch.randn(t, 2048, generator=torch.Generator().manual_seed(t)) for t in c.tokens]  # noqa: E731
+        idx = lambda c: [torch.argsort(torch.rand(t, 6, generator=torch.Generator().manual_seed(t + 1)),  # noqa: E731
+                                       dim=1)[:, :2].contiguous() for t in c.tokens]
+        paths = [group.dispatch(xs(small), idx(small))[0].handle.data_path for _ in range(2)]
+        paths.append(group.dispatch(xs(big), idx(big))[0].handle.data_path)  # grows
+        monkeypatch.setattr("hybrid_ep.backends.cuda.peer_memory.fetch_chunk", lambda *a, **k: None)
+        paths.append(group.dispatch(xs(big), idx(big))[0].handle.data_path)  # no rank can import: receive
+        assert all(v.failed_imports > 0 for v in group.peer.views)
+        monkeypatch.setattr("hybrid_ep.backends.cuda.peer_memory.fetch_chunk", chunk_channel.fetch_chunk)
+        paths.append(group.dispatch(xs(big), idx(big))[0].handle.data_path)  # imports, goes direct
+        assert paths == ["receive", "direct", "receive", "receive", "direct"]
+        check_emulated(group, big)  # and the buffer still matches the oracle
+    finally:
+        group.close()
+
+
+def test_an_expert_out_in_the_staging_block_is_read_in_place():
+    case = Case(world_size=2, ranks_per_node=2, num_experts=4, hidden=128, tokens=(8, 6), topk=2, backend="cuda")
+    group = _group(case)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(t, 128, generator=gen) for t in case.tokens]
+        idx = [torch.argsort(torch.rand(t, 4, generator=gen), dim=1)[:, :2].contiguous() for t in case.tokens]
+        for _ in range(2):
+            res = group.dispatch(xs, idx)
+        assert res[0].handle.data_path == "direct"
+        outs = [group.in_arena(i, r.tokens.float() * 2) for i, r in enumerate(res)]
+        assert all(group.peer.own[i].arena.contains(o) for i, o in enumerate(outs))
+        before = group.engine.peer_staged_combines
+        ys = group.combine(outs, [r.handle for r in res])
+        assert group.engine.peer_staged_combines == before  # read in place: nothing copied
+        ys_copied = group.combine([o.clone() for o in outs], [r.handle for r in res])
+        assert group.engine.peer_staged_combines == before + 1  # from outside peer memory: one staging copy
+        for a, b in zip(ys, ys_copied):
+            torch.testing.assert_close(a, b)
+        for y, x, i in zip(ys, xs, idx):
+            torch.testing.assert_close(y, 2 * x * (i >= 0).sum(1, keepdim=True).float())
+    finally:
+        group.close()
