@@ -31,7 +31,7 @@ def _bases_differ(group) -> None:
         assert len(set(seen)) == len(seen) and all(seen), (d, seen)
 
 
-@pytest.mark.parametrize("W,G", [(4, 2), (3, 3)])
+@pytest.mark.parametrize("W,G", [(3, 3), (4, 2)])  # in this order the odd FIFO of 13 stages read rows unloaded
 def test_rising_sizes_go_direct_from_the_call_after_each_growth(W, G):
     case = Case(world_size=W, ranks_per_node=G, num_experts=2 * W, hidden=2048, tokens=(7, 0, 9, 5)[:W], topk=2,
                 backend="cuda")
