@@ -12,6 +12,7 @@ import torch
 
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
+from hybrid_ep.backends.cuda.agreement import staging_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
@@ -23,6 +24,7 @@ from hybrid_ep.backends.cuda.layout import (
     rdma_layout,
     registered_layout,
 )
+from hybrid_ep.backends.cuda.peer_memory import CHUNK
 from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -76,15 +78,25 @@ def test_memory_plan_lines_cover_every_registered_region_once():
         assert sum(plan[line] for line, _, _ in REGISTERED_LINES) == registered_layout(cfg).total
 
 
-def test_outputs_are_not_held_and_the_arena_is_opt_in():
-    """Nothing a call returns is held by the buffer: the dispatch output is a per-call line (from
-    PyTorch's allocator); the arena and its staging region hold bytes only when asked for."""
+def test_outputs_are_not_held_and_peer_memory_starts_empty():
+    """One process per rank: peer memory holds nothing until a call needs it (arena_bytes
+    pre-sizes it, rounded up to a chunk); what a call can make it grow by is the per-call part:
+    its output, a combine staging block and the rounding of a growth. The emulation's arena and
+    staging region are registered regions held only when asked for."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
-    assert sizes["arena"] == sizes["combine_staging"] == 0
+    assert sizes["peer_memory"] == 0 and "arena" not in sizes
     out = next(b for b in plan.buffers if b.name == "dispatch_out")
-    assert not out.registered and out.nbytes == 8 * 4096 * 2 * 8192 * 4  # every route of every rank, fp32
+    worst = 8 * 4096 * 2  # every route of every rank
+    assert not out.registered and out.nbytes == worst * 8192 * 4  # fp32
+    assert sizes["peer_staging"] == staging_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
+    assert plan.workspace_bytes == out.nbytes + staging_bytes(worst, 8192) + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
+    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, arena_bytes=CHUNK + 1).validate())
+    assert presized.as_dict()["peer_memory"] == 2 * CHUNK
+    assert memory_plan(_cfg(), peer_held=3 * CHUNK).as_dict()["peer_memory"] == 3 * CHUNK
+    emulated = memory_plan(_cfg(), one_process_per_rank=False).as_dict()
+    assert emulated["arena"] == emulated["combine_staging"] == 0 and "peer_memory" not in emulated
 
 
 @pytest.mark.parametrize("ring", [2, 8])
