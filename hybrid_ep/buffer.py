@@ -162,6 +162,12 @@ class HybridEPBuffer:
     def memory_plan(self) -> MemoryPlan:
         return self._backend.memory_plan()
 
+    def release_unused(self) -> None:
+        """Give back the free tail of the memory the buffer grew for its outputs (the cuda
+        backend's peer memory with one process per GPU; nothing elsewhere). Collective: every
+        rank calls it before the same dispatch, which takes the receive path."""
+        self._backend.release_unused()
+
     def _kernel_config(self, num_sms_dispatch=None, num_sms_combine=None, wire_dtype=None) -> KernelConfig:
         """The buffer's KernelConfig with a call's num_sms (of a dispatch or a combine) and
         wire_dtype, each checked under the name the call takes it by."""

@@ -21,6 +21,9 @@ class BufferSpec:
 class MemoryPlan:
     backend: str
     buffers: tuple[BufferSpec, ...]
+    # Which data path the buffer's calls take, and why where it matters (the cuda backend's;
+    # "" for a plan made before a buffer exists, or a backend with one way only).
+    data_path: str = ""
 
     @property
     def registered_bytes(self) -> int:
@@ -28,8 +31,8 @@ class MemoryPlan:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes per GPU the buffer holds for its whole life (its registered regions): what a
-        user plans a job's memory by. Outputs come from PyTorch's allocator per call."""
+        """Bytes per GPU the buffer holds (its registered regions, and peer memory as held
+        now): what a user plans a job's memory by, with the per-call part (workspace_bytes)."""
         return self.registered_bytes
 
     def held_by_region(self) -> dict[str, int]:
@@ -56,7 +59,8 @@ class MemoryPlan:
             kind = "registered" if b.registered else "per call"
             lines.append(f"  {b.name:<16} {b.nbytes / 2**20:12.2f} MiB  {kind:<10}  {b.purpose}")
         lines.append(
-            f"  held for the buffer's life {self.held_bytes / 2**20:.2f} MiB, "
-            f"per-call worst case (PyTorch's allocator) {self.workspace_bytes / 2**20:.2f} MiB"
+            f"  held {self.held_bytes / 2**20:.2f} MiB, per-call worst case {self.workspace_bytes / 2**20:.2f} MiB"
         )
+        if self.data_path:
+            lines.append(f"  data path: {self.data_path}")
         return "\n".join(lines)

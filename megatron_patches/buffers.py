@@ -41,13 +41,15 @@ def size(nbytes: float) -> str:
 
 
 def memory_line(plan: hybrid_ep.MemoryPlan, config) -> str:
-    """One line (at most LINE_LIMIT characters): the buffer's shape, the bytes it holds per GPU
-    for its life (registered regions, largest first; the smallest are counted as "+N more"
+    """One line (at most LINE_LIMIT characters): the buffer's shape, the data path its calls
+    take and on what (the plan's data_path: the cuda backend's), the bytes it holds per GPU
+    (registered regions and peer memory, largest first; the smallest are counted as "+N more"
     where the line would run over) and its per-call worst case."""
     nodes = config.world_size // config.ranks_per_node
+    path = f", {plan.data_path}" if plan.data_path else ""
     head = (f"hybrid_ep dispatcher: {plan.backend} buffer for EP {config.world_size} "
             f"({nodes} node{'s' if nodes > 1 else ''} x {config.ranks_per_node}), "
-            f"{config.max_tokens_per_rank} tokens/rank, holds {size(plan.registered_bytes)} per GPU")
+            f"{config.max_tokens_per_rank} tokens/rank{path}, holds {size(plan.registered_bytes)} per GPU")
     tail = f"; per call <= {size(plan.workspace_bytes)}"
     held = sorted((b for b in plan.buffers if b.registered and b.nbytes), key=lambda b: -b.nbytes)
     for shown in range(len(held), -1, -1):
@@ -150,6 +152,10 @@ class BufferCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def buffers(self) -> list[hybrid_ep.HybridEPBuffer]:
+        """The cached buffers (one per key)."""
+        return [buf for _, buf in self._entries.values()]
 
     def __len__(self) -> int:
         return len(self._entries)

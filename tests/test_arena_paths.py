@@ -319,11 +319,13 @@ def test_without_an_arena_ranks_in_separate_processes_take_the_receive_path():
 
 
 def test_memory_plan_reports_the_arena_and_the_staging_region():
+    """The emulation's plan (ranks in one process): the arena and the staging region are
+    registered regions, held when asked for."""
     one_node = BufferConfig(512, 64, 8, 4, 4).validate()
-    plan = memory_plan(one_node).as_dict()
+    plan = memory_plan(one_node, one_process_per_rank=False).as_dict()
     assert plan["arena"] == plan["combine_staging"] == 0  # opt-in: none by default
     sized_config = dataclasses.replace(one_node, arena_bytes=1 << 20)
-    sized = memory_plan(sized_config).as_dict()
+    sized = memory_plan(sized_config, one_process_per_rank=False).as_dict()
     # the staging region holds fp32 rows of as many rows as a bf16 call in the arena: 1 MiB /
     # (512 x 2 + 4) = 1020, fewer than the 512 rows of the largest call (every token of every
     # rank to both local experts), so 512
@@ -332,7 +334,8 @@ def test_memory_plan_reports_the_arena_and_the_staging_region():
     assert sized["combine_staging"] == staging_bytes(sized_config) == rows * 512 * 4 + rows * 4
     small_config = dataclasses.replace(one_node, arena_bytes=100 * (512 * 2 + 4))
     assert staging_bytes(small_config) == 100 * 512 * 4 + 512  # 100 rows, probs aligned to 256 bytes
-    two_nodes = memory_plan(BufferConfig(512, 64, 8, 4, 2, arena_bytes=1 << 20).validate()).as_dict()
+    two_nodes = memory_plan(BufferConfig(512, 64, 8, 4, 2, arena_bytes=1 << 20).validate(),
+                            one_process_per_rank=False).as_dict()
     assert two_nodes["arena"] == two_nodes["combine_staging"] == 0
 
 

@@ -12,6 +12,7 @@ import torch
 
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
+from hybrid_ep.backends.cuda.agreement import staging_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
@@ -23,6 +24,7 @@ from hybrid_ep.backends.cuda.layout import (
     rdma_layout,
     registered_layout,
 )
+from hybrid_ep.backends.cuda.peer_memory import CHUNK
 from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
@@ -76,15 +78,25 @@ def test_memory_plan_lines_cover_every_registered_region_once():
         assert sum(plan[line] for line, _, _ in REGISTERED_LINES) == registered_layout(cfg).total
 
 
-def test_outputs_are_not_held_and_the_arena_is_opt_in():
-    """Nothing a call returns is held by the buffer: the dispatch output is a per-call line (from
-    PyTorch's allocator); the arena and its staging region hold bytes only when asked for."""
+def test_outputs_are_not_held_and_peer_memory_starts_empty():
+    """One process per rank: peer memory holds nothing until a call needs it (arena_bytes
+    pre-sizes it, rounded up to a chunk); what a call can make it grow by is the per-call part:
+    its output, a combine staging block and the rounding of a growth. The emulation's arena and
+    staging region are registered regions held only when asked for."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
-    assert sizes["arena"] == sizes["combine_staging"] == 0
+    assert sizes["peer_memory"] == 0 and "arena" not in sizes
     out = next(b for b in plan.buffers if b.name == "dispatch_out")
-    assert not out.registered and out.nbytes == 8 * 4096 * 2 * 8192 * 4  # every route of every rank, fp32
+    worst = 8 * 4096 * 2  # every route of every rank
+    assert not out.registered and out.nbytes == worst * 8192 * 4  # fp32
+    assert sizes["peer_staging"] == staging_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
+    assert plan.workspace_bytes == out.nbytes + staging_bytes(worst, 8192) + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
+    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, arena_bytes=CHUNK + 1).validate())
+    assert presized.as_dict()["peer_memory"] == 2 * CHUNK
+    assert memory_plan(_cfg(), peer_held=3 * CHUNK).as_dict()["peer_memory"] == 3 * CHUNK
+    emulated = memory_plan(_cfg(), one_process_per_rank=False).as_dict()
+    assert emulated["arena"] == emulated["combine_staging"] == 0 and "peer_memory" not in emulated
 
 
 @pytest.mark.parametrize("ring", [2, 8])
@@ -457,11 +469,11 @@ def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
 
 def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_stages():
     # Little's law with the H200's C_store (63.17 B/ns) and L_store_read (317.4 ns): about 20 KB
-    # in flight over the two store threads, one group of a 16 KiB stage each; 13 stages of a
+    # in flight over the two store threads, one group of a 16 KiB stage each; 12 stages of a
     # 16 KiB row at the seed shape, so the stores hold 4 (2 x (1 + the one being stored)).
-    direct = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, max_stages=launch.MAX_STAGES)
-    assert (direct.stages, direct.stage_bytes) == (13, 16384)
-    assert launch.direct_store_groups(13, 16384) == 1
+    direct = launch.direct_fifo_shape(8192 * 2, H100_SMEM_OPTIN)
+    assert (direct.stages, direct.stage_bytes) == (12, 16384)
+    assert launch.direct_store_groups(12, 16384) == 1
     assert [launch.direct_store_groups(13, b) for b in (32768, 8192, 4096, 2048, 512)] == [1, 2, 3, 5, 6]
     # the threads' groups and the stages being stored leave the loads at least one stage
     assert [launch.direct_store_groups(n, 512) for n in (2, 3, 4, 5, 16)] == [0, 1, 1, 2, 7]
@@ -470,6 +482,20 @@ def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_
         launch.direct_store_groups(1, 16384)
     with pytest.raises(ValueError, match="stage_bytes must be positive"):
         launch.direct_store_groups(13, 0)
+
+
+@pytest.mark.parametrize("smem", [H100_SMEM_OPTIN, 100 * 1024])
+def test_the_direct_dispatch_fifo_has_a_stage_count_its_store_threads_share_evenly(smem):
+    """The direct dispatch's store threads take alternate stages: an even count gives every
+    stage one consumer (csrc/kernels/dispatch_direct.cuh, direct_fifo_stages), fifo_shape's
+    stage size and rows otherwise."""
+    assert launch.DIRECT_STORE_THREADS == 2
+    for row_bytes in (256, 4096, 8192, 14336, 16384, 24576, 32768, 65536):
+        plain = launch.fifo_shape(row_bytes, smem, max_stages=launch.MAX_STAGES)
+        direct = launch.direct_fifo_shape(row_bytes, smem)
+        assert direct.stages % launch.DIRECT_STORE_THREADS == 0 and direct.stages >= 2, (row_bytes, direct)
+        assert plain.stages - launch.DIRECT_STORE_THREADS < direct.stages <= plain.stages
+        assert (direct.stage_bytes, direct.rows_per_stage) == (plain.stage_bytes, plain.rows_per_stage)
 
 
 def test_pull_combine_rings_split_the_shared_memory_between_two_pipelines():

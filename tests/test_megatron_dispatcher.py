@@ -240,6 +240,36 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
         assert c["buffer_tokens"] == 8 and c["buffer_arena"] is None
 
 
+def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(pool_for):
+    """--hybrid-ep-backend cuda, one process per rank on one node, no arena_bytes: the buffer's
+    startup line names the direct path and the peer memory it holds (none yet); the first
+    forward dispatch grows the peer memory and takes the receive path, every later one goes
+    direct; the results equal Megatron's alltoall. The cuda backend's host code runs as in a
+    job (peer memory between the processes, the agreement on each call's path, the engine);
+    its kernels are faked (hybrid_ep.testing.faked_kernels: a direct call's rows move through
+    each process's mappings of its peers' memory)."""
+    from megatron_patches.testing.moe_layer import run_moe_layer_calls_on_faked_cuda
+
+    pool = pool_for(2)
+    case = LayerCase(world_size=2, topk=2)
+    seqs = [[4, 4]] * 3
+    ours = pool.run(run_moe_layer_calls_on_faked_cuda, [(case, seqs)] * 2, timeout_s=180)
+    stock = _run_calls(pool, dataclasses.replace(case, dispatcher="alltoall"), seqs, {})
+    _assert_calls_match([r["calls"] for r in ours], stock, "hybrid_ep (cuda, faked kernels) vs alltoall")
+    for rank, got in enumerate(ours):
+        calls = got["calls"]
+        assert [c["data_path"] for c in calls] == ["receive", "direct", "direct"], rank
+        assert [c["buffer_arena"] for c in calls] == [None] * 3
+        # the first call grew it by one chunk (2 MiB), which holds every later call's block
+        assert [c["peer_memory"] for c in calls] == [2 << 20] * 3
+        [launched] = got["launched"]
+        assert launched["dispatch"] == 1 and launched["dispatch_direct"] >= 2 and launched["combine_pull"] >= 2
+    [line] = ours[0]["startup"]
+    assert line.startswith("hybrid_ep dispatcher: cuda buffer for EP 2 (1 node x 2), 8 tokens/rank, direct path, "
+                           "peer memory 0 B now, holds "), line
+    assert ours[1]["startup"] == []  # rank 0 logs it
+
+
 def test_retired_arena_flags_stop_the_parse_with_the_reason(capsys):
     """--hybrid-ep-arena-layers and --hybrid-ep-arena-imbalance no longer exist: a job script
     that still passes them is told why and what to do, not just "unrecognized arguments"."""

@@ -345,6 +345,14 @@ def test_startup_line_reports_held_bytes_by_region():
     assert [value for _, value in shown] == [size(b.nbytes) for b in held[:len(shown)]]
     assert f"+{len(held) - len(shown)} more" in line
     assert line.endswith(f"; per call <= {size(plan.workspace_bytes)}")
+    # a buffer's plan names its data path, and what peer memory holds, after the shape
+    import dataclasses
+
+    live = dataclasses.replace(memory_plan(config, peer_held=6 << 20), data_path="direct path, peer memory 6.0 MiB now")
+    line = memory_line(live, config)
+    assert len(line) <= LINE_LIMIT and line.startswith(
+        "hybrid_ep dispatcher: cuda buffer for EP 64 (8 nodes x 8), 4096 tokens/rank, direct path, peer memory "
+        f"6.0 MiB now, holds {size(plan.registered_bytes + (6 << 20))} per GPU ("), line
 
 
 def test_buffer_creation_logs_the_line(single_rank_group, caplog):

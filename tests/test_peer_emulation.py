@@ -31,7 +31,7 @@ def _bases_differ(group) -> None:
         assert len(set(seen)) == len(seen) and all(seen), (d, seen)
 
 
-@pytest.mark.parametrize("W,G", [(4, 2), (3, 3)])
+@pytest.mark.parametrize("W,G", [(3, 3), (4, 2)])  # in this order the odd FIFO of 13 stages read rows unloaded
 def test_rising_sizes_go_direct_from_the_call_after_each_growth(W, G):
     case = Case(world_size=W, ranks_per_node=G, num_experts=2 * W, hidden=2048, tokens=(7, 0, 9, 5)[:W], topk=2,
                 backend="cuda")
@@ -107,5 +107,49 @@ def test_an_expert_out_in_the_staging_block_is_read_in_place():
             torch.testing.assert_close(a, b)
         for y, x, i in zip(ys, xs, idx):
             torch.testing.assert_close(y, 2 * x * (i >= 0).sum(1, keepdim=True).float())
+    finally:
+        group.close()
+
+
+def test_captured_pairs_go_direct_after_a_warm_up_and_keep_their_blocks(monkeypatch):
+    """CUDA graphs, with the capture faked where the backend asks (capture.capturing): after
+    warm-up calls outside a capture, static-size dispatch + combine pairs captured go direct on
+    the ledger, read nothing back and grow nothing; a captured call the ledger cannot hold
+    takes the receive path, still growing nothing; the blocks taken inside the capture stay
+    taken (every replay writes them), and a later release_unused retires no memory under them."""
+    from hybrid_ep.backends.cuda import capture
+
+    case = Case(world_size=3, ranks_per_node=3, num_experts=6, hidden=128, tokens=(9, 4, 7), topk=2,
+                num_out_tokens=24, backend="cuda")
+    group = _group(case)
+    try:
+        warm = [check_emulated(group, dataclasses.replace(case, seed=n))[0].handle.data_path for n in range(2)]
+        assert warm == ["receive", "direct"]
+        own = group.peer.own
+        extents, reads = [m.extent for m in own], group.peer.reads
+        assert all(m.arena.kept == 0 for m in own)
+        monkeypatch.setattr(capture, "capturing", lambda device: True)
+        captured = [check_emulated(group, dataclasses.replace(case, seed=n)) for n in range(2, 5)]
+        assert [res[0].handle.data_path for res in captured] == ["direct"] * 3
+        assert group.peer.reads == reads and [m.extent for m in own] == extents  # no read, no growth
+        assert all(m.arena.kept > 0 for m in own)
+        kept = [m.arena.kept for m in own]
+        big = dataclasses.replace(case, num_out_tokens=8192, seed=5)  # 4 MiB of rows: more than the ledger holds
+        assert check_emulated(group, big)[0].handle.data_path == "receive"
+        assert group.peer.reads == reads and [m.extent for m in own] == extents
+        monkeypatch.setattr(capture, "capturing", lambda device: False)
+        blocks = [(r.tokens.data_ptr(), r.tokens.numel() * r.tokens.element_size()) for res in captured for r in res]
+        del captured
+        assert [check_emulated(group, big)[0].handle.data_path for _ in range(2)] == ["receive", "direct"]
+        grown = [m.extent for m in own]
+        assert all(g > e for g, e in zip(grown, extents))  # outside the capture the big call grew
+        group.peer.trim_requested = True
+        check_emulated(group, dataclasses.replace(case, seed=6))  # the trimming call
+        check_emulated(group, dataclasses.replace(case, seed=7))  # peers unmapped: the tail goes
+        assert all(m.extent < g for m, g in zip(own, grown))  # a free tail was retired
+        assert [m.arena.kept for m in own] == kept
+        for i, m in enumerate(own):
+            for ptr, nbytes in blocks[i::3]:
+                assert m.base <= ptr and ptr + nbytes <= m.base + m.extent, (i, ptr, nbytes, m.extent)
     finally:
         group.close()

@@ -14,8 +14,8 @@
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
 //   warps 2-3   bulk-store each stage once per target of its rows, the two warps taking
-//               alternate stages, store_groups groups in flight each, then release the stage
-//               (1 arrival);
+//               alternate stages (of an even number: direct_fifo_stages), store_groups groups
+//               in flight each, then release the stage (1 arrival);
 //   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh); with several nodes
 //               warp 4 is the RDMA warp (below) and warp 5 writes the padding.
 // At the start block 0 publishes this rank's output tensors and every block reads those of every
@@ -114,6 +114,15 @@ struct DirectDispatchShared {
   BlockControl ctl;
 };
 
+// The FIFO's stages: a multiple of kStoreWarps. The store warps take alternate items, so every
+// stage has one consumer, which waits on its rounds in order. With an odd count a stage's
+// rounds alternate between the warps: a warp could wait on round r + 1 of a slot whose round r
+// (the other warp's) had not landed, and a parity wait on a phase one ahead of the barrier's
+// passes at once (it reads as the completed phase before): the stores read the slot before
+// its load. The host sizes the FIFO alike (launch.py, _dispatch_direct_pipeline).
+__host__ __device__ constexpr int direct_fifo_stages(int stages) { return stages - stages % kStoreWarps; }
+static_assert(direct_fifo_stages(13) == 12 && direct_fifo_stages(2) == 2, "the store warps' stages");
+
 // What every role of a block needs to know about the call.
 template <typename Rdma>
 struct DirectDispatch : KernelCall {
@@ -130,7 +139,7 @@ struct DirectDispatch : KernelCall {
   __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
       : KernelCall(k), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node), L(k.geo.local_experts),
         T(k.a.num_tokens), K(k.a.topk), scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens),
-        stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
+        stages(direct_fifo_stages(k.args.fifo_stages)), ring(static_cast<int>(k.geo.reg.ring_chunks)),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},

@@ -71,3 +71,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def memory_plan(self) -> MemoryPlan:
         ...
+
+    def release_unused(self) -> None:
+        """Give back memory grown for outputs that no output uses any more (HybridEPBuffer.release_unused);
+        nothing to give back by default."""

@@ -95,13 +95,50 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
             results.append({"error": f"{type(err).__name__}: {err}"})
             break
         buf = getattr(layer.token_dispatcher, "_buffer", None)
+        record = getattr(layer.token_dispatcher, "last_dispatch_call", None)
         results.append({
             "out": out.detach(), "grad_x": x.grad, "grad_router": layer.router.weight.grad.clone(),
             "buffers": len(BUFFERS), "buffer_tokens": None if buf is None else buf.config.max_tokens_per_rank,
             "buffer_arena": None if buf is None else buf.config.arena_bytes,
             "buffer_pad": None if buf is None else buf.config.pad_multiple,
+            "data_path": None if record is None else record.handle.data_path,  # the forward dispatch's
+            "peer_memory": None if buf is None else buf.memory_plan().as_dict().get("peer_memory"),  # cuda
         })
     return results
+
+
+def run_moe_layer_calls_on_faked_cuda(case: LayerCase, seqs: list[list[int]],
+                                      config_overrides: dict | None = None) -> dict:
+    """run_moe_layer_calls with --hybrid-ep-backend cuda in this CPU process, the cuda backend's
+    kernels faked (hybrid_ep.testing.faked_kernels: its peer memory, agreement and engine are
+    the real ones): the calls, the dispatcher's startup lines, and the kernels launched."""
+    import logging
+
+    from hybrid_ep.testing import faked_kernels
+
+    from .. import buffers
+    from ..options import HybridEPOptions
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger(buffers.__name__)
+    handler, level = Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    overrides = {"hybrid_ep_options": HybridEPOptions(backend="cuda"), **(config_overrides or {})}
+    try:
+        with faked_kernels.installed():
+            calls = run_moe_layer_calls(case, seqs, overrides)
+            launched = [dict(buf._backend._engine.host.launched) for buf in buffers.BUFFERS.buffers()]
+            buffers.BUFFERS.clear()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return {"calls": calls, "startup": lines, "launched": launched}
 
 
 def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) -> dict:

@@ -29,7 +29,7 @@ def _tma(name, what, **where):
 
 
 def _direct(name, what, threads, table):
-    """The direct dispatch's store side: 1 load + 8 stores per stage on 13 stages, one group left
+    """The direct dispatch's store side: 1 load + 8 stores per stage on 12 stages, one group left
     reading per store thread (sweep "kernel")."""
     return Constant(name, "M2", what, "GB/s/SM",
                     {**_BASE, "sweep": "kernel", "mode": "mix", "fanout": 8, "sms": 1, "store_threads": threads,
@@ -44,7 +44,7 @@ CONSTANTS = (
     _tma("C_mix4", "1 load + 4 stores per stage, 1 SM", mode="mix", fanout=4, sms=1),
     _tma("C_mix8", "1 load + 8 stores per stage, 1 SM", mode="mix", fanout=8, sms=1),
     _tma("C_mix1_32sm", "1 load + 1 store per stage, each of 32 SMs", mode="mix", fanout=1, sms=32),
-    _direct("C_direct_1", "1 load + 8 stores per stage, 13 stages, 1 group reading, 1 store thread", 1, False),
+    _direct("C_direct_1", "1 load + 8 stores per stage, 12 stages, 1 group reading, 1 store thread", 1, False),
     _direct("C_direct_2", "the same, 2 store threads taking alternate stages", 2, False),
     _direct("C_direct_1_table", "1 store thread, destinations from a route table in shared memory", 1, True),
     _direct("C_direct_2_table", "2 store threads and the route table: the direct dispatch's store side", 2, True),

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ...config import FP8_BLOCK
+from . import capture
 
 ALIGN = 256  # bytes; every block starts on this boundary (the kernels need 16, TMA likes 128)
 
@@ -107,7 +108,6 @@ class Arena:
         self.core = self.ext.Arena(base, capacity, _DLPACK_DEVICES[self.device.type], index, _from_dlpack())
         self.capacity = capacity  # grows and shrinks with the peer memory under it (grow, shrink)
         self._layouts: dict = {}  # (columns, dtype) -> ext.ArenaLayout of Arena.empty
-        self._on_cuda = self.device.type == "cuda"
 
     @property
     def used(self) -> int:
@@ -121,7 +121,7 @@ class Arena:
 
     def capturing(self) -> bool:
         """Whether blocks taken now stay taken: a CUDA graph capture replays into them."""
-        return self._on_cuda and torch.cuda.is_current_stream_capturing()
+        return capture.capturing(self.device)
 
     def contains(self, t: torch.Tensor) -> bool:
         """Whether all of t's memory lies inside the arena (t contiguous, as the kernels take it)."""

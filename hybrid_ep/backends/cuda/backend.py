@@ -3,6 +3,8 @@ node, NVSHMEM between nodes (when the build has it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...config import BufferConfig, KernelConfig
@@ -10,11 +12,12 @@ from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import Routing, max_output_rows
 from ..base import Backend
-from . import arena, load_extension, staging
+from . import agreement, arena, launch, load_extension, staging
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
 from .nvshmem import heap_spec
-from .peer_setup import close_peer_memory, process_agreement
+from .peer_memory import CHUNK, round_up
+from .peer_setup import agreement_failure, close_peer_memory, process_agreement
 from .registered import NvshmemRegions, RegisteredBuffers
 from .workspace import CudaRecvLayout, CudaSendLayout
 
@@ -35,28 +38,55 @@ REGISTERED_LINES = (
 )
 
 
-def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
-    """Bytes each rank holds for the buffer's life (registered regions, the NVSHMEM heap, an
-    opt-in arena), known before allocation; the outputs of a call come from PyTorch's
-    allocator at the call's size (the per-call line: the worst case)."""
+def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None,
+                one_process_per_rank: bool = True) -> MemoryPlan:
+    """Bytes each rank holds (registered regions, the NVSHMEM heap, peer memory) and needs per
+    call, known before allocation.
+
+    One process per rank (every real job): the direct path's outputs live in peer memory,
+    which holds `peer_held` bytes now (None: what it starts with, arena_bytes rounded up to
+    peer_memory.CHUNK) and grows to the peak of live direct outputs plus one combine staging
+    block, in CHUNK steps. The per-call part says by how much a call can make it grow: its
+    output (dispatch_out, the worst case), the staging block of an expert_out from outside peer
+    memory (peer_staging) and the rounding of a growth (peer_rounding, less than a CHUNK).
+    one_process_per_rank=False: the single-GPU emulation, whose opt-in arena and staging region
+    are registered regions (staging.py) and whose outputs otherwise come from PyTorch's
+    allocator."""
     regions = registered_layout(config).region_bytes()
     specs = [BufferSpec(line, sum(regions[r] for r in names), True, purpose)
              for line, names, purpose in REGISTERED_LINES]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
+    worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
+    if one_process_per_rank:
+        held = round_up(config.arena_bytes or 0, CHUNK) if peer_held is None else peer_held
+        specs.append(BufferSpec("peer_memory", held, True,
+                                "held now: peer-mapped memory of the direct path's outputs, grown on demand to the "
+                                "peak of live outputs plus one combine staging block (arena_bytes pre-sizes it, "
+                                "release_unused() returns a free tail)"))
+        specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
+                                "expert-major output of one call, fp32 worst case: a block of peer memory while the "
+                                "output or its handle lives (the receive path's: from PyTorch's allocator)"))
+        specs.append(BufferSpec("peer_staging", agreement.staging_bytes(worst_rows, config.hidden_dim), False,
+                                "one per rank, sized by the largest direct call so far: a direct combine's fp32 copy "
+                                "of an expert_out from outside peer memory"))
+        specs.append(BufferSpec("peer_rounding", CHUNK, False,
+                                "peer memory grows in steps of this size: at most this much above the rest"))
+        return MemoryPlan(name, tuple(specs))
     one_node = config.num_nodes == 1
     specs.append(BufferSpec("combine_staging", staging.staging_bytes(config) if one_node else 0, True,
                             "with an arena (opt-in): where a direct combine copies an expert_out from outside "
                             "the arena, fp32 rows as many as a bf16 call in the arena"))
     specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
-                            "opt-in (BufferConfig.arena_bytes): peer memory pre-sized for dispatch outputs peers "
-                            "in other processes write, each kept output taking arena.call_bytes"))
-    worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
+                            "opt-in (BufferConfig.arena_bytes): memory pre-sized for dispatch outputs"))
     specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                            "expert-major output of one call, fp32 worst case: with one process per GPU on the "
-                            "direct path in peer memory (it grows to the peak of live outputs, plus one fp32 "
-                            "combine staging block; arena_bytes pre-sizes it), else from PyTorch's allocator"))
+                            "expert-major output of one call, fp32 worst case: in the arena, or from PyTorch's "
+                            "allocator"))
     return MemoryPlan(name, tuple(specs))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes else "0 B"
 
 
 class CudaBackend(Backend):
@@ -96,7 +126,21 @@ class CudaBackend(Backend):
         return self._device
 
     def memory_plan(self) -> MemoryPlan:
-        return memory_plan(self.config)
+        """The plan with the peer memory this rank holds now and the path its calls take."""
+        plan = memory_plan(self.config, peer_held=self.peer_memory_held() if self._peer is not None else None)
+        return dataclasses.replace(plan, data_path=self._data_path_note())
+
+    def _data_path_note(self) -> str:
+        """Which path the buffer's calls take, on what (peer memory held now), or why the
+        receive path."""
+        engine = self._engine
+        if engine.data_path == "direct" and self._peer is not None:
+            return f"direct path, peer memory {_size(self.peer_memory_held())} now"
+        if engine.data_path == "direct":
+            return "direct path"
+        if self._peer is None:
+            return f"receive path: no peer memory ({agreement_failure[0] or 'not set up'})"
+        return f"receive path: {launch.DATA_PATH_ENV}=receive"
 
     def dispatch(self, x_TH, scales_TB, routing, handle, num_out_tokens, kernel_config: KernelConfig):
         known = None

@@ -35,7 +35,7 @@ import torch
 
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing, bad_route_text
-from . import launch
+from . import capture, launch
 from .agreement import Agreement, peer_bases, staging_layout
 from .arena import Arena, aligned, arena_take
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError
@@ -540,7 +540,7 @@ class Engine:
             self.host.set_agree(i, words)
         rows_all = [static_rows] * W if static_rows >= 0 else known_bounds
         if rows_all is not None:
-            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            capturing = capture.capturing(self.device)
             decision = peer.decide_ledger(rows_all, dtype, fp8, capturing)
             if decision is not None:
                 rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)

@@ -172,6 +172,17 @@ def direct_store_groups(stages: int, stage_bytes: int, override: int | None = No
 DIRECT_STORE_THREADS: int = compiled.DIRECT_STORE_THREADS  # the store threads of a direct dispatch block
 
 
+def direct_fifo_shape(row_bytes: int, smem_per_block: int) -> FifoShape:
+    """The direct dispatch's FIFO: fifo_shape's, its stages rounded down to a multiple of
+    DIRECT_STORE_THREADS. The store threads take alternate stages, so each stage has one
+    consumer that waits on its rounds in order; with an odd count a thread could wait on the
+    next round of a stage whose current one (the other thread's) had not landed, and a parity
+    wait one phase ahead passes at once. The kernel rounds alike (direct_fifo_stages in
+    csrc/kernels/dispatch_direct.cuh), so the shared memory holds no stage it leaves unused."""
+    fifo = fifo_shape(row_bytes, smem_per_block, max_stages=MAX_STAGES)
+    return dataclasses.replace(fifo, stages=fifo.stages - fifo.stages % DIRECT_STORE_THREADS)
+
+
 @dataclasses.dataclass(frozen=True)
 class PullShape:
     seg_cols: int  # columns per stage (as combine_shape's)
@@ -289,8 +300,7 @@ def _dispatch_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, 
 
 def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
     """The direct path's dispatch: one FIFO of row stages, each stored once per route."""
-    fifo = fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block,
-                             max_stages=MAX_STAGES)
+    fifo = direct_fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block)
     a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
     a.store_groups = direct_store_groups(fifo.stages, fifo.stage_bytes, s.store_groups_override)
     return s.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)

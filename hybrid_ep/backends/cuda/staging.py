@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ...routing import max_output_rows
+from . import capture
 from .arena import aligned, arena_bytes, memory_tensor
 from .layout import MAX_TOPK
 
@@ -96,7 +97,7 @@ class StreamOrder:
         return record, wait
 
     def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return capture.capturing(self.device)
 
     def before(self, stream: int) -> None:
         """Before this stream's user touches the region."""
