@@ -455,10 +455,13 @@ def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
 
 def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_stages():
     # Little's law with the H200's C_store (63.17 B/ns) and L_store_read (317.4 ns): about 20 KB
-    # in flight over the two store threads, one group of a 16 KiB stage each; 13 stages of a
-    # 16 KiB row at the seed shape, so the stores hold 4 (2 x (1 + the one being stored)).
-    direct = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, max_stages=launch.MAX_STAGES)
-    assert (direct.stages, direct.stage_bytes) == (13, 16384)
+    # in flight over the two store threads, one group of a 16 KiB stage each; 12 stages of a
+    # 16 KiB row at the seed shape (13 fit; the store threads take the items in turn, so the
+    # count is even), so the stores hold 4 (2 x (1 + the one being stored)).
+    direct = launch.fifo_shape(8192 * 2, H100_SMEM_OPTIN, max_stages=launch.MAX_STAGES,
+                               stage_multiple=launch.DIRECT_STORE_THREADS)
+    assert (direct.stages, direct.stage_bytes) == (12, 16384)
+    assert launch.direct_store_groups(12, 16384) == 1
     assert launch.direct_store_groups(13, 16384) == 1
     assert [launch.direct_store_groups(13, b) for b in (32768, 8192, 4096, 2048, 512)] == [1, 2, 3, 5, 6]
     # the threads' groups and the stages being stored leave the loads at least one stage

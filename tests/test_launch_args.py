@@ -43,7 +43,8 @@ def _expected(e, kind: str, num_sms: int, dtype_name: str, cols: int, wire_name,
         want.update(fifo_stages=fifo.stages, stage_bytes=fifo.stage_bytes, rows_per_stage=fifo.rows_per_stage,
                     store_groups=launch.store_groups(fifo.stages))
     elif kind == "dispatch_direct":
-        fifo = launch.fifo_shape(row_bytes, smem, max_stages=launch.MAX_STAGES)
+        fifo = launch.fifo_shape(row_bytes, smem, max_stages=launch.MAX_STAGES,
+                                 stage_multiple=launch.DIRECT_STORE_THREADS)
         want.update(fifo_stages=fifo.stages, stage_bytes=fifo.stage_bytes, rows_per_stage=fifo.rows_per_stage,
                     store_groups=launch.direct_store_groups(fifo.stages, fifo.stage_bytes))
     elif kind == "combine_pull":  # one node: a stage holds expert outputs only, whatever the wire dtype

@@ -113,6 +113,8 @@ struct DirectDispatchShared {
   int32_t first_row[kMaxExperts];
   BlockControl ctl;
 };
+static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
+              "the dispatch_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
@@ -149,7 +151,7 @@ struct DirectDispatch : KernelCall {
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
-    if (!wait_at_least(args, arrival(m, c), epoch, kPhaseRdmaRows, a.rank, h.rail_peer(m), epoch)) return false;
+    if (!h.wait_delivered(args, arrival(m, c), epoch, kPhaseRdmaRows, h.rail_peer(m), epoch)) return false;
     rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
     return true;
   }
@@ -539,6 +541,14 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
 
 template <typename Rdma>
 LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream) {
+  // The store threads take the FIFO's items in turn (item % kStoreWarps): with a stage count that
+  // is not a multiple of theirs, a thread takes a stage every other round, at the same parity, so
+  // its wait may pass on the phase it consumed two rounds before while the round in between is
+  // still loading, and it would store that stage's old rows.
+  if (args.fifo_stages % kStoreWarps != 0)
+    return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
+           "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
+           "it already consumed";
   return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kDirectThreads,
                                  static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
                                  args, "dispatch_direct");

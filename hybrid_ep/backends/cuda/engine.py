@@ -454,7 +454,7 @@ def _dispatch_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wir
 def _dispatch_direct_pipeline(engine: "Engine", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
     """The direct path's dispatch: one FIFO of row stages, each stored once per route."""
     fifo = launch.fifo_shape(launch.row_bytes_of(row_elems, dtype_name), engine.smem_per_block,
-                             max_stages=launch.MAX_STAGES)
+                             max_stages=launch.MAX_STAGES, stage_multiple=launch.DIRECT_STORE_THREADS)
     a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
     a.store_groups = launch.direct_store_groups(fifo.stages, fifo.stage_bytes, engine.store_groups_override)
     return engine.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
