@@ -44,6 +44,9 @@ class Mutation:
 # The combine's ring tests (many turns of two-slot rings), one node and several.
 RINGS_ONE_NODE = "tests/test_combine_rings_model.py::test_one_node_calls_many_times_a_ring_match_the_oracle"
 RINGS_NODES = "tests/test_combine_rings_model.py::test_several_nodes_calls_many_times_a_ring_match_the_oracle"
+# The hazards the weakened model reproduces (tests/test_hazards_model.py).
+HAZARD_CREDITS = "tests/test_hazards_model.py::test_the_combines_last_credits_land_before_the_next_call"
+HAZARD_STAGES = "tests/test_hazards_model.py::test_the_direct_dispatch_keeps_an_even_stage_count"
 # The direct path on several nodes: calls that wrap its staging and node-partial rings many times.
 DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle"
 
@@ -240,6 +243,30 @@ MUTATIONS = (
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/layout.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),
+    # Defects only the weakened model shows (docs/dev/cpu_model.md, "Weakened"): one per weakening
+    # or check, and one per hazard of the kernels it reproduced.
+    Mutation("combine-credits-not-quieted", "a remote signal not quieted before the kernel ends (late delivery: "
+             "the source's last node-partial credits land in a later call, over that call's)",
+             "csrc/kernels/combine.cuh", "  if (d.h.multi()) d.h.rdma.quiet();\n}", "}", tests=HAZARD_CREDITS),
+    Mutation("rows-signalled-without-their-fence", "remote puts out of order (late delivery: a chunk's routing "
+             "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch.cuh",
+             "      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal\n"
+             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(",
+             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(", tests=RING_TESTS),
+    Mutation("wait-without-its-fence", "a relaxed poll not followed by its fence (the flag's wait returns on the "
+             "relaxed load alone)", "csrc/common/state.cuh", "      dev::fence_acq_rel_sys();\n      return true;",
+             "      return true;"),
+    Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
+             "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch.cuh",
+             "      dev::fence_proxy_async();                                     // read by bulk loads below\n",
+             ""),
+    Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "
+             "plan gives every byte to the dynamic stages)", "hybrid_ep/backends/cuda/launch.py",
+             "    budget = (smem_per_block - STATIC_SMEM_RESERVE) // pipelines",
+             "    budget = smem_per_block // pipelines"),
+    Mutation("direct-dispatch-odd-stage-count", "store threads taking a FIFO's items in turn over an odd stage "
+             "count (a stale mbarrier parity; the launcher refuses it)", "hybrid_ep/backends/cuda/launch.py",
+             "budget // stage) // stage_multiple * stage_multiple", "budget // stage)", tests=HAZARD_STAGES),
 )
 
 

@@ -176,3 +176,17 @@ def _slow_work_first(items) -> None:
 
     slow_groups = set().union(*(groups(i) for i in items if i.get_closest_marker("slow")))
     items.sort(key=lambda i: not (i.get_closest_marker("slow") or groups(i) & slow_groups))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test of the model tier names the CPU model's seed and weakenings as they were when it
+    failed (the tests set the seed; a weakening draws from it), so the failure can be run again."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "model" in item.keywords:
+        try:
+            import hybrid_ep._model as model
+        except ImportError:
+            return
+        report.sections.append(("CPU model", f"seed {model.seed()}, weakenings {model.weakenings()}"))

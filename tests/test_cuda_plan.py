@@ -470,10 +470,12 @@ def test_data_path_direct_where_ranks_address_each_other(monkeypatch):
 def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_stages():
     # Little's law with the H200's C_store (63.17 B/ns) and L_store_read (317.4 ns): about 20 KB
     # in flight over the two store threads, one group of a 16 KiB stage each; 12 stages of a
-    # 16 KiB row at the seed shape, so the stores hold 4 (2 x (1 + the one being stored)).
+    # 16 KiB row at the seed shape (13 fit; the store threads take the items in turn, so the
+    # count is even), so the stores hold 4 (2 x (1 + the one being stored)).
     direct = launch.direct_fifo_shape(8192 * 2, H100_SMEM_OPTIN)
     assert (direct.stages, direct.stage_bytes) == (12, 16384)
     assert launch.direct_store_groups(12, 16384) == 1
+    assert launch.direct_store_groups(13, 16384) == 1
     assert [launch.direct_store_groups(13, b) for b in (32768, 8192, 4096, 2048, 512)] == [1, 2, 3, 5, 6]
     # the threads' groups and the stages being stored leave the loads at least one stage
     assert [launch.direct_store_groups(n, 512) for n in (2, 3, 4, 5, 16)] == [0, 1, 1, 2, 7]
@@ -487,7 +489,7 @@ def test_direct_store_queue_covers_the_stores_latency_and_leaves_the_loads_most_
 @pytest.mark.parametrize("smem", [H100_SMEM_OPTIN, 100 * 1024])
 def test_the_direct_dispatch_fifo_has_a_stage_count_its_store_threads_share_evenly(smem):
     """The direct dispatch's store threads take alternate stages: an even count gives every
-    stage one consumer (csrc/kernels/dispatch_direct.cuh, direct_fifo_stages), fifo_shape's
+    stage one consumer (csrc/kernels/dispatch_direct.cuh's launcher refuses another count), fifo_shape's
     stage size and rows otherwise."""
     assert launch.DIRECT_STORE_THREADS == 2
     for row_bytes in (256, 4096, 8192, 14336, 16384, 24576, 32768, 65536):

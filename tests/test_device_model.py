@@ -45,8 +45,14 @@ CAUGHT = {
     "stack_overflow": AT + r"stack overflow of the thread's fiber \((65536|262144) bytes\)",  # 4x under ASan
     "deadlock": r"CPU model: run_selftest kernel: deadlock: no thread can run .* __syncwarp \(selftest\.cpp:\d+\) "
                 r"of warp 0, lanes \{0\} never came",
+    "relaxed_poll_unfenced": AT + r"bulk load \(selftest\.cpp:\d+\) of 64 bytes after the relaxed poll at "
+                                  r"selftest\.cpp:\d+ with no fence\.acq_rel since",
+    "acquire_without_proxy_fence": AT + r"bulk load \(selftest\.cpp:\d+\) of 64 bytes from registered memory after "
+                                        r"the acquire at selftest\.cpp:\d+ with no fence\.proxy\.async since",
+    "static_plus_dynamic_smem": AT + r"static shared memory \(\d+ bytes so far\) plus the launch's 230400 bytes of "
+                                     r"dynamic shared memory: over the 232448 a block may have",
 }
-NOT_ERRORS = {"clean", "missing_wait", "timeout", "shared_without_barrier"}
+NOT_ERRORS = {"clean", "missing_wait", "timeout", "shared_without_barrier", "torn_row"}
 
 
 def test_every_selftest_has_an_expectation():
@@ -78,6 +84,31 @@ def test_a_missing_wait_reads_garbage_not_the_data(seed):
     error, out = model.run_selftest("missing_wait")
     assert error is None
     assert out[0] == 0xAB and out[0] != 3
+
+
+@pytest.mark.parametrize("torn", [True, False])
+def test_a_reader_that_skips_its_wait_sees_a_torn_row(torn):
+    """A bulk load lands in pieces at their own rounds (the weakening torn_copies, on by default):
+    a reader that polls the row's first word instead of the mbarrier sees its end unwritten on
+    some seeds. With whole copies it never does: the row lands at once."""
+    seen = set()
+    try:
+        model.set_weakening("torn_copies", torn)
+        for seed in range(16):
+            model.set_seed(seed)
+            error, out = model.run_selftest("torn_row")
+            assert error is None
+            seen.add(out[0])
+    finally:
+        model.set_weakening("torn_copies", True)
+    whole = (255 * 7 + 3) & 0xFF
+    assert seen == ({whole, 0xAB} if torn else {whole})
+
+
+def test_the_weakenings_are_on_by_default():
+    assert model.weakenings() == {"remote_late": True, "torn_copies": True}
+    with pytest.raises(ValueError, match="no weakening named 'stronger'"):
+        model.set_weakening("stronger", False)
 
 
 def test_a_read_without_a_barrier_sees_either_value():

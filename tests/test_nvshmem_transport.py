@@ -40,8 +40,9 @@ def test_every_pe_receives_the_previous_pes_pattern(built, procs, tmp_path):
     for rank in range(procs):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["stage"] == "done" and result["pes"] == list(range(procs))
-        assert [(r["epoch"], r["mismatches"], r["first_bad"], r["timed_out"], r["signal_put"], r["signal_fenced"])
-                for r in result["runs"]] == [(e, 0, -1, False, e, e) for e in range(1, calls + 1)]
+        got = [(r["epoch"], r["mismatches"], r["first_bad"], r["timed_out"], r["signal_put"], r["signal_fenced"],
+                r["signal_empty"]) for r in result["runs"]]
+        assert got == [(e, 0, -1, False, e, e, e) for e in range(1, calls + 1)]
         region = built.nvshmem_selftest_region_bytes(nbytes)
         assert region == 128 + 2 * nbytes
         assert result["heap_bytes"] >= region
@@ -63,17 +64,17 @@ def _result(**runs_and_fields):
 
 def _run(epoch, **fields):
     return {"epoch": epoch, "mismatches": 0, "first_bad": -1, "timed_out": False, "signal_put": epoch,
-            "signal_fenced": epoch, "seconds": 0.5 * epoch, **fields}
+            "signal_fenced": epoch, "signal_empty": epoch, "seconds": 0.5 * epoch, **fields}
 
 
 def test_reports_name_the_rank_the_sender_and_what_went_wrong():
     good = _result(runs=[_run(1), _run(2)])
     assert nvshmem_selftest.describe(good) == (
         "rank 1/4: 2 calls of 64 bytes correct, initialised, heap 33554432 bytes, slowest call 1.0000 s")
-    late = _result(ok=False, runs=[_run(1), _run(2, timed_out=True, signal_put=1, signal_fenced=2)])
+    late = _result(ok=False, runs=[_run(1), _run(2, timed_out=True, signal_put=1, signal_fenced=2, signal_empty=1)])
     assert nvshmem_selftest.describe(late) == (
         "rank 1/4: call 2: the signals from rank 0 did not arrive in time (put_signal word 1, fenced word 2, "
-        "expected 2)")
+        "0-byte put_signal word 1, expected 2)")
     wrong = _result(ok=False, runs=[_run(1, mismatches=3, first_bad=7)])
     assert nvshmem_selftest.describe(wrong) == "rank 1/4: call 1: 3 words from rank 0 differ, first at word 7"
     failed = _result(rank=0, ok=False, stage="nvshmem init", error="NvshmemInitError: boom")

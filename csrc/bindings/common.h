@@ -358,6 +358,7 @@ inline void bind_common(py::module_& m) {
   m.attr("CHUNK_TOKENS") = kChunkTokens;
   m.attr("COMBINE_MAX_SEG_COLS") = kCombineMaxSegCols;
   m.attr("MAX_STAGES") = kMaxStages;
+  m.attr("STATIC_SMEM_RESERVE") = kStaticSmemReserve;
   m.attr("MAX_STORE_GROUPS") = kMaxStoreGroups;
   m.attr("PULL_PIPELINES") = kPullPipelines;
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;

@@ -159,6 +159,27 @@ PYBIND11_MODULE(_model, m) {
         "results are not the kernels' (never check them); True, the default, moves every byte");
   m.def("payload", &model::payload, "False in payload-free mode (set_payload)");
   m.def(
+      "set_weakening",
+      [](const std::string& name, bool on) {
+        for (int i = 0; i < static_cast<int>(model::Weak::kCount); ++i)
+          if (name == model::weak_name(static_cast<model::Weak>(i)))
+            return model::set_weak(static_cast<model::Weak>(i), on);
+        throw py::value_error("set_weakening: no weakening named '" + name + "' (weakenings() lists them)");
+      },
+      py::arg("name"), py::arg("on"),
+      "turn one of the model's weakenings on or off (each is on by default; docs/dev/cpu_model.md): remote_late "
+      "(the loopback transport's puts and signals land late and out of order), torn_copies (bulk copies land in "
+      "pieces)");
+  m.def(
+      "weakenings",
+      [] {
+        py::dict d;
+        for (int i = 0; i < static_cast<int>(model::Weak::kCount); ++i)
+          d[model::weak_name(static_cast<model::Weak>(i))] = model::weak(static_cast<model::Weak>(i));
+        return d;
+      },
+      "{name: on} of the model's weakenings");
+  m.def(
       "round_to_16bit",
       [](const std::vector<float>& values, const std::string& kind) {
         std::vector<uint16_t> out;
@@ -230,6 +251,10 @@ PYBIND11_MODULE(_model, m) {
     d["copies"] = s.copies;
     d["idle_rounds"] = s.idle_rounds;
     d["virtual_ns"] = s.virtual_ns;
+    d["remote_ops"] = s.remote_ops;
+    d["remote_carried"] = s.remote_carried;
+    d["remote_reordered"] = s.remote_reordered;
+    d["torn_copies"] = s.torn_copies;
     return d;
   });
 }

@@ -42,6 +42,7 @@ void bind_nvshmem(py::module_& m) {
     d["timed_out"] = r.timed_out != 0;
     d["signal_put"] = r.signal_put;
     d["signal_fenced"] = r.signal_fenced;
+    d["signal_empty"] = r.signal_empty;
     return d;
   });
 }

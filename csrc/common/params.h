@@ -19,6 +19,9 @@ constexpr int kChunkTokens = 32;          // tokens per chunk: the unit of signa
 constexpr int kPrepareThreads = 1024;     // threads of the one layout block per rank
 constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
 constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
+constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memory at most: each kernel's shared
+                                               // struct is checked against it, and the launch plans leave it out of
+                                               // the dynamic shared memory (static + dynamic share one limit)
 constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
 constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)

@@ -155,6 +155,8 @@ struct CombineShared {
   SrcTable src_table;
   BlockControl ctl;
 };
+static_assert(sizeof(CombineShared) <= kStaticSmemReserve,
+              "the combine kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
@@ -494,8 +496,8 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                          d.epoch);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
-        ok = wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0), tag, kPhaseRdmaPartials, d.a.rank,
-                           h.rail_peer(n), d.epoch);
+        ok = h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0), tag, kPhaseRdmaPartials,
+                              h.rail_peer(n), d.epoch);
   }
   if (!warp_uniform(ok)) return false;
   const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -625,6 +627,9 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok, credits.landed);
   // every load landed (finish_loads waited for them): the last chunks' credits
   for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits.pending[i]);
+  // The node-partial credits it signalled (non-blocking over RDMA) land before the kernel ends: a
+  // late credit of this call would overwrite one of the next in the same slot's word.
+  if (d.h.multi()) d.h.rdma.quiet();
 }
 
 // Warps 7-10: each row's partials summed in registers. An own token's output row is written

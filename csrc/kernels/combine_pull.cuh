@@ -107,6 +107,8 @@ struct PullShared {
   uint64_t rows[kMaxRanks], probs[kMaxRanks];  // each expert host's expert_out and probs, this process's addresses
   BlockControl ctl;
 };
+static_assert(sizeof(PullShared) <= kStaticSmemReserve,
+              "the combine_pull kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
@@ -199,8 +201,8 @@ __device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int
   bool ok = true;
   for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
     if (n != h.node)
-      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
-                                         ring_tag(d.epoch, c), kPhaseRdmaPartials, d.a.rank, h.rail_peer(n), d.epoch);
+      ok = !d.stopped() && h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
+                                            ring_tag(d.epoch, c), kPhaseRdmaPartials, h.rail_peer(n), d.epoch);
   if (!warp_uniform(ok)) return false;
   int n = 0;
   if (t < t1) {

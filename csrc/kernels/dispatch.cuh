@@ -158,6 +158,8 @@ struct DispatchShared {
   ExpandTable tables[kTableSlots];
   BlockControl ctl;
 };
+static_assert(sizeof(DispatchShared) <= kStaticSmemReserve,
+              "the dispatch kernel's static shared memory outgrew the launch plans' reserve");
 
 // One unit of the send warps: a chunk of this rank's tokens, or a chunk of a source on
 // another node that arrived by RDMA and is forwarded to the ranks of this node.
@@ -303,7 +305,7 @@ struct Dispatch : KernelCall {
   __device__ bool arrive(SendUnit& su) const {
     if (su.node < 0) return true;
     const uint64_t* sig = h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
-    if (!wait_at_least(args, sig, epoch, kPhaseRdmaRows, a.rank, su.source, epoch)) return false;
+    if (!h.wait_delivered(args, sig, epoch, kPhaseRdmaRows, su.source, epoch)) return false;
     su.u1 = *reinterpret_cast<const volatile int32_t*>(fwd_meta(su));
     return true;
   }
@@ -807,7 +809,8 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const int G = h.topo.G, N = h.topo.N, W = d.W, K = d.K;
   const uint64_t token_bytes = h.R.token_meta_bytes;
   const int own = (d.send_chunks() - d.b + d.nb - 1) / d.nb;  // this block's own chunks
-  for (int p = w; p < own * (N - 1) && !d.stopped(); p += kRdmaWarps) {
+  // the block's abort word read once per warp (warp_uniform): the body's ballots and puts are warp-wide
+  for (int p = w; p < own * (N - 1) && !warp_uniform(d.stopped()); p += kRdmaWarps) {
     const int j = p / (N - 1), c = d.b + j * d.nb;  // the block's j-th own chunk
     const int n = p % (N - 1) < h.node ? p % (N - 1) : p % (N - 1) + 1;
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;

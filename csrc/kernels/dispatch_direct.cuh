@@ -14,7 +14,7 @@
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
 //   warps 2-3   bulk-store each stage once per target of its rows, the two warps taking
-//               alternate stages (of an even number: direct_fifo_stages), store_groups groups
+//               alternate stages (of an even number: the launcher refuses another), store_groups groups
 //               in flight each, then release the stage (1 arrival);
 //   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh); with several nodes
 //               warp 4 is the RDMA warp (below) and warp 5 writes the padding.
@@ -113,15 +113,9 @@ struct DirectDispatchShared {
   int32_t first_row[kMaxExperts];
   BlockControl ctl;
 };
+static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
+              "the dispatch_direct kernel's static shared memory outgrew the launch plans' reserve");
 
-// The FIFO's stages: a multiple of kStoreWarps. The store warps take alternate items, so every
-// stage has one consumer, which waits on its rounds in order. With an odd count a stage's
-// rounds alternate between the warps: a warp could wait on round r + 1 of a slot whose round r
-// (the other warp's) had not landed, and a parity wait on a phase one ahead of the barrier's
-// passes at once (it reads as the completed phase before): the stores read the slot before
-// its load. The host sizes the FIFO alike (launch.py, _dispatch_direct_pipeline).
-__host__ __device__ constexpr int direct_fifo_stages(int stages) { return stages - stages % kStoreWarps; }
-static_assert(direct_fifo_stages(13) == 12 && direct_fifo_stages(2) == 2, "the store warps' stages");
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
@@ -139,7 +133,7 @@ struct DirectDispatch : KernelCall {
   __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
       : KernelCall(k), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node), L(k.geo.local_experts),
         T(k.a.num_tokens), K(k.a.topk), scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens),
-        stages(direct_fifo_stages(k.args.fifo_stages)), ring(static_cast<int>(k.geo.reg.ring_chunks)),
+        stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},
@@ -158,7 +152,7 @@ struct DirectDispatch : KernelCall {
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
-    if (!wait_at_least(args, arrival(m, c), epoch, kPhaseRdmaRows, a.rank, h.rail_peer(m), epoch)) return false;
+    if (!h.wait_delivered(args, arrival(m, c), epoch, kPhaseRdmaRows, h.rail_peer(m), epoch)) return false;
     rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
     return true;
   }
@@ -548,6 +542,14 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
 
 template <typename Rdma>
 LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream) {
+  // The store threads take the FIFO's items in turn (item % kStoreWarps): with a stage count that
+  // is not a multiple of theirs, a thread takes a stage every other round, at the same parity, so
+  // its wait may pass on the phase it consumed two rounds before while the round in between is
+  // still loading, and it would store that stage's old rows.
+  if (args.fifo_stages % kStoreWarps != 0)
+    return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
+           "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
+           "it already consumed";
   return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kDirectThreads,
                                  static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
                                  args, "dispatch_direct");

@@ -29,6 +29,15 @@ struct Hierarchy {
   __device__ uint64_t* flag(uint64_t offset, int64_t index) const {
     return reinterpret_cast<uint64_t*>(rdma.local(offset)) + index;
   }
+  // Until a signal word that puts deliver is >= target (wait_at_least), then the transport's
+  // consistency step: the data those puts wrote is visible to this thread's later reads also
+  // through a proxy transport (rdma.cuh, delivered). False when this or another wait gave up.
+  __device__ bool wait_delivered(const LaunchArgs& args, const uint64_t* word, uint64_t target, int phase, int peer,
+                                 uint64_t epoch) const {
+    if (!wait_at_least(args, word, target, phase, rank, peer, epoch)) return false;
+    rdma.delivered(word, target);
+    return true;
+  }
   // Byte offsets of (source node n, chunk c) in the per-chunk areas.
   __device__ uint64_t chunk_flag_off(uint64_t area, int n, int c) const {
     return area + static_cast<uint64_t>(n * max_chunks + c) * 8;

@@ -55,6 +55,8 @@ struct LayoutShared {
   int bad_token;     // this rank's first token with a bad route (kNoBadToken: none), then that rank's
   int fail;
 };
+static_assert(sizeof(LayoutShared) <= kStaticSmemReserve,
+              "the layout kernel's static shared memory outgrew the launch plans' reserve");
 
 // The expert id of a token's first bad route in route order, by the tile loop's rule: out of
 // [-1, E), or a second route to an expert an earlier route of the token took.
@@ -277,9 +279,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 
   if (tid < W) {
     const bool local = h.topo.same_node(tid, a.rank);
-    if (!wait_at_least(args, local ? view.flag(a.rank, geo.reg.count_epoch, tid) : h.flag(geo.rdma.count_epoch, tid),
-                       epoch, local ? kPhaseCounts : kPhaseRdmaCounts, a.rank, tid, epoch))
-      dev::st_relaxed(&sh.fail, 1);
+    const bool ok =
+        local
+            ? wait_at_least(args, view.flag(a.rank, geo.reg.count_epoch, tid), epoch, kPhaseCounts, a.rank, tid, epoch)
+            : h.wait_delivered(args, h.flag(geo.rdma.count_epoch, tid), epoch, kPhaseRdmaCounts, tid, epoch);
+    if (!ok) dev::st_relaxed(&sh.fail, 1);
   }
   __syncthreads();
   if (sh.fail) return;

@@ -1,7 +1,10 @@
 // Loopback transport: puts between the virtual ranks of one process (single-GPU emulation, CPU
-// model) through plain peer pointers to their RDMA regions. Stores of the warp, then a
-// system-scope fence and a release of the signal word: the same ordering NVSHMEM gives a put
-// with signal, with nothing outstanding after a put returns.
+// model) through plain peer pointers to their RDMA regions. On a GPU: stores of the warp, then
+// a system-scope fence and a release of the signal word: the same ordering NVSHMEM gives a put
+// with signal, with nothing outstanding after a put returns. On the CPU model (while its
+// weakening kRemoteLate is on, dev::remote_deferred) each put and signal is queued and lands
+// later, out of order, as over a NIC: only a fence orders a thread's ops to a rank, only its
+// quiet completes them, and the source is read when the op lands (model/runtime.h, remote_put).
 #pragma once
 #include "transport/rdma.cuh"
 
@@ -18,6 +21,7 @@ struct LoopbackTransport {
   // them are in flight per lane than one load-then-store at a time.
   static constexpr int kPutBatch = 8;
   __device__ void put(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes) const {
+    if (dev::remote_deferred()) return queued(lane, dst, dst_off, src, bytes, nullptr, 0);
     auto* to = reinterpret_cast<int4*>(regions[dst] + dst_off);
     const auto* from = reinterpret_cast<const int4*>(src);
     const uint64_t n = bytes / 16;
@@ -35,6 +39,8 @@ struct LoopbackTransport {
   __device__ void put_signal(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,
                              uint64_t value) const {
     dev::hold_point(rank);  // tests stall a rank's puts here (CPU model); nothing on a GPU
+    if (dev::remote_deferred())
+      return queued(lane, dst, dst_off, src, bytes, reinterpret_cast<uint64_t*>(regions[dst] + sig_off), value);
     put(lane, dst, dst_off, src, bytes);
     if (lane == 0) {
       __threadfence_system();  // every lane's stores were ordered before lane 0's by __syncwarp
@@ -43,10 +49,30 @@ struct LoopbackTransport {
     __syncwarp();
   }
   __device__ void signal(int dst, uint64_t sig_off, uint64_t value) const {
-    dev::st_release_sys(reinterpret_cast<uint64_t*>(regions[dst] + sig_off), value);
+    auto* sig = reinterpret_cast<uint64_t*>(regions[dst] + sig_off);
+    if (dev::remote_deferred()) return dev::remote_put(dst, nullptr, nullptr, 0, sig, value);
+    dev::st_release_sys(sig, value);
   }
-  __device__ void fence() const { __threadfence_system(); }
-  __device__ void quiet() const { __threadfence_system(); }
+  __device__ void fence() const {
+    __threadfence_system();
+    if (dev::remote_deferred()) dev::remote_fence();
+  }
+  __device__ void quiet() const {
+    __threadfence_system();
+    if (dev::remote_deferred()) dev::remote_quiet();
+  }
+  // The poll's own acquire made the peer's stores visible: nothing more.
+  __device__ void delivered(const uint64_t*, uint64_t) const {}
+
+ private:
+  // The CPU model's queued put (warp-collective as put is): one op, issued by lane 0 once every
+  // lane reached it.
+  __device__ void queued(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t* sig,
+                         uint64_t value) const {
+    __syncwarp();
+    if (lane == 0) dev::remote_put(dst, regions[dst] + dst_off, src, bytes, sig, value);
+    __syncwarp();
+  }
 };
 
 }  // namespace hybrid_ep

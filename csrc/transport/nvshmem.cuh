@@ -31,6 +31,14 @@ struct NvshmemTransport {
   }
   __device__ void fence() const { nvshmem_fence(); }
   __device__ void quiet() const { nvshmem_quiet(); }
+  // NVSHMEM's own test on the signal runs the step its waits run after seeing a value: over a
+  // proxy transport that enforces consistency at the target (InfiniBand without IBGDA), an
+  // operation that makes the NIC's writes before the signal visible; with IBGDA a fence. The
+  // kernels poll the word themselves first (a relaxed poll, then a fence), so the test sees the
+  // value at once.
+  __device__ void delivered(const uint64_t* sig, uint64_t value) const {
+    nvshmem_uint64_test(const_cast<uint64_t*>(sig), NVSHMEM_CMP_GE, value);
+  }
 };
 
 }  // namespace hybrid_ep

@@ -1,6 +1,7 @@
 // A self-test of the NVSHMEM transport (transport/nvshmem.cuh) between real processes: each
 // PE sends a known pattern to the next PE (rank + 1 mod n) through the transport contract,
-// half with put_signal, half with put + fence + signal, then waits for its own two signals
+// half with put_signal, half with put + fence + signal, and a put_signal of 0 bytes (a signal
+// alone, as the kernels send for a chunk without rows), then waits for its own three signals
 // with a bounded wait and checks the bytes it received from the previous PE.
 #pragma once
 #include <cstdint>
@@ -15,6 +16,7 @@ struct Result {
   int32_t pad;
   uint64_t signal_put;     // observed value of the put_signal word
   uint64_t signal_fenced;  // observed value of the put + fence + signal word
+  uint64_t signal_empty;   // observed value of the 0-byte put_signal's word
 };
 
 // Bytes of the symmetric region one call needs for `bytes` of pattern (a multiple of 32).

@@ -1,6 +1,6 @@
 // The NVSHMEM transport's self-test kernel and its host launcher (see nvshmem_selftest.h).
-// Region layout: the put_signal word at 0, the fenced signal word at 64, the pattern this PE
-// sends at 128, the pattern it receives right after.
+// Region layout: the put_signal word at 0, the 0-byte put_signal's word at 32, the fenced signal
+// word at 64, the pattern this PE sends at 128, the pattern it receives right after.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -15,6 +15,7 @@ namespace hybrid_ep::nvshmem_selftest {
 namespace {
 
 constexpr uint64_t kSignalPut = 0;
+constexpr uint64_t kSignalEmpty = 32;  // a put of 0 bytes with its signal (the kernels' chunks without rows)
 constexpr uint64_t kSignalFenced = 64;
 constexpr uint64_t kPayload = 128;
 constexpr int kThreads = 256;
@@ -60,11 +61,15 @@ __global__ void __launch_bounds__(kThreads)
       t.signal(dst, kSignalFenced, epoch);
       t.quiet();
     }
+  } else if (warp == 2) {
+    t.put_signal(lane, dst, recv, t.local(send), 0, kSignalEmpty, epoch);
+    if (lane == 0) t.quiet();
   }
   if (threadIdx.x == 0) {
     bool late = false;
     out->signal_put = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalPut)), epoch, timeout_ns, &late);
     out->signal_fenced = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalFenced)), epoch, timeout_ns, &late);
+    out->signal_empty = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalEmpty)), epoch, timeout_ns, &late);
     out->timed_out = late ? 1 : 0;
     timed_out = late;
   }
@@ -106,7 +111,7 @@ Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t 
   auto s = reinterpret_cast<cudaStream_t>(stream);
   int32_t* d_pes = nullptr;
   Result* d_out = nullptr;
-  Result init{0, 0x7fffffff, 0, 0, 0, 0};
+  Result init{0, 0x7fffffff, 0, 0, 0, 0, 0};
   check(cudaMalloc(&d_pes, sizeof(int32_t) * n), "cudaMalloc");
   check(cudaMalloc(&d_out, sizeof(Result)), "cudaMalloc");
   Result res{};

@@ -21,6 +21,11 @@
 //                                           delivered before its later ones
 //   quiet()                                 one thread: every put it issued has completed, so
 //                                           the source bytes may be overwritten
+//   delivered(sig, value)                   one thread, after its poll of local(sig_off) saw
+//                                           `value`: what the puts before that signal wrote is
+//                                           visible to its later reads (a proxy transport's
+//                                           consistency step; kernels wait through
+//                                           Hierarchy::wait_delivered)
 // Signals carry the call's epoch and are set, never added: epochs only grow, so a wait is the
 // same `>= epoch` test as for NVLink flags, and a signal that is set twice is harmless. The
 // receiver waits on local(sig_off) with the bounded wait of common/state.cuh.

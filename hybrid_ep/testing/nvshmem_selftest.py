@@ -104,7 +104,7 @@ def _worker(rank: int, procs: int, store: str, nbytes: int, calls: int, timeout_
 
 def _run_ok(run: dict) -> bool:
     return not run["timed_out"] and run["mismatches"] == 0 and run["signal_put"] == run["epoch"] \
-        and run["signal_fenced"] == run["epoch"]
+        and run["signal_fenced"] == run["epoch"] and run["signal_empty"] == run["epoch"]
 
 
 def describe(result: dict) -> str:
@@ -119,7 +119,8 @@ def describe(result: dict) -> str:
         src = (rank - 1) % procs
         if r["timed_out"]:
             return (f"{head}: call {r['epoch']}: the signals from rank {src} did not arrive in time "
-                    f"(put_signal word {r['signal_put']}, fenced word {r['signal_fenced']}, expected {r['epoch']})")
+                    f"(put_signal word {r['signal_put']}, fenced word {r['signal_fenced']}, 0-byte put_signal word "
+                    f"{r['signal_empty']}, expected {r['epoch']})")
         return (f"{head}: call {r['epoch']}: {r['mismatches']} words from rank {src} differ, "
                 f"first at word {r['first_bad']}")
     if not result.get("ok"):

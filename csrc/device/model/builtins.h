@@ -212,5 +212,9 @@ inline int atomicCAS(int* p, int compare, int value, const char* file = __builti
   hybrid_ep::model::note_atomic(p, {file, line});
   return compare;  // the value found: `compare` when the swap happened
 }
-inline void __threadfence() { hybrid_ep::model::note_fence(hybrid_ep::model::Fence::kGpu); }
-inline void __threadfence_system() { hybrid_ep::model::note_fence(hybrid_ep::model::Fence::kSystem); }
+inline void __threadfence(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  hybrid_ep::model::fence_acquire(hybrid_ep::model::Fence::kGpu, {file, line});
+}
+inline void __threadfence_system(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  hybrid_ep::model::fence_acquire(hybrid_ep::model::Fence::kSystem, {file, line});
+}

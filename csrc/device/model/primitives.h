@@ -53,7 +53,7 @@ inline void bulk_wait(HYBRID_EP_SITE) {
   model::bulk_wait(false, N, {file, line});
 }
 inline void bulk_wait_all(HYBRID_EP_SITE) { model::bulk_wait(false, 0, {file, line}); }
-inline void fence_proxy_async() { model::note_fence(model::Fence::kProxyAsync); }
+inline void fence_proxy_async(HYBRID_EP_SITE) { model::fence_proxy({file, line}); }
 
 inline uint64_t ld_acquire_sys(const uint64_t* p, HYBRID_EP_SITE) { return model::poll(p, 8, {file, line}); }
 inline void st_release_sys(uint64_t* p, uint64_t v, HYBRID_EP_SITE) {
@@ -69,7 +69,9 @@ inline void st_relaxed(volatile int* p, int v, HYBRID_EP_SITE) {
   __atomic_store_n(const_cast<int*>(p), v, __ATOMIC_RELAXED);
   model::note_flag_write(p, {file, line});
 }
-inline int ld_volatile(const int* p, HYBRID_EP_SITE) { return static_cast<int>(model::poll(p, 4, {file, line})); }
+inline int ld_volatile(const int* p, HYBRID_EP_SITE) {
+  return static_cast<int>(model::poll(p, 4, {file, line}, model::PollKind::kVolatile));
+}
 inline int4 ld_volatile_v4(const void* p) {
   const auto* v = static_cast<const volatile int*>(p);
   return make_int4(v[0], v[1], v[2], v[3]);
@@ -89,12 +91,15 @@ inline bool mbar_try_wait_hint(uint64_t* bar, uint32_t parity, uint32_t /*suspen
                                const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   return model::mbar_try_wait(bar, parity, {file, line});
 }
-// A poll; like every poll here it acquires, so the model cannot show a missing
-// fence_acq_rel_sys (fences order nothing here; the timing model costs them).
+// A poll that orders nothing: the thread's next fence acquires what it read (the race check's
+// edge), and a bulk copy or remote put the thread issues before that fence is an error
+// (runtime.h, fence_acquire).
 inline uint64_t ld_relaxed_sys(const uint64_t* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
-  return model::poll(p, 8, {file, line});
+  return model::poll(p, 8, {file, line}, model::PollKind::kRelaxed);
 }
-inline void fence_acq_rel_sys() { model::note_fence(model::Fence::kSystem); }
+inline void fence_acq_rel_sys(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::fence_acquire(model::Fence::kSystem, {file, line});
+}
 
 // A warp collective over `mask`; the lowest lane is the one elected.
 inline bool elect_one(uint32_t mask = 0xffffffffu, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
@@ -137,6 +142,20 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
 }
 
 inline void sleep_ns(uint32_t) {}  // polls give way to the other threads anyway
+
+// The loopback transport on the model (transport/loopback.cuh): puts and signals queued and
+// delivered late, out of order (runtime.h, remote_put), while the weakening is on.
+inline bool remote_deferred() { return model::remote_deferred(); }
+inline void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value,
+                       const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::remote_put(dst_rank, dst, src, bytes, sig, value, {file, line});
+}
+inline void remote_fence(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::remote_fence({file, line});
+}
+inline void remote_quiet(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::remote_quiet({file, line});
+}
 
 // A point where a test may hold the calling thread, as a stalled warp (runtime.h, hold_at).
 inline void hold_point(int key, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {

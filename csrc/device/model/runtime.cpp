@@ -60,6 +60,11 @@ struct Thread {
   uint64_t value = 0, result = 0;
   int src = 0;
   char bulk_key = 0;  // happens_before.h: its bulk stores' reads and writes release here
+  // The fence checks (runtime.h, fence_acquire / fence_proxy): the latest relaxed poll with no
+  // acquire fence since, and the latest acquire with no proxy fence since (file nullptr: none).
+  Site unfenced{nullptr, 0}, unproxied{nullptr, 0};
+  std::vector<const volatile void*> relaxed_reads;  // the race check: what its next fence acquires
+  uint32_t remote_fences = 0;                       // remote_fence calls: the ops' order groups
 };
 
 struct Mbar {
@@ -113,6 +118,14 @@ struct Copy {
   int64_t read_round = 0, write_round = 0;
   bool read = false, written = false;
   std::vector<unsigned char> data;  // what a bulk store read from shared memory
+  // The pieces its bytes land in (kTornCopies: up to four, each at its own round; else one):
+  // a load's pieces land from read_round on, a store's from write_round on.
+  struct Piece {
+    uint32_t offset, bytes;
+    int64_t round;
+    bool done;
+  };
+  std::vector<Piece> pieces;
 };
 
 struct Launch {
@@ -137,6 +150,8 @@ struct Launch {
   char start_key = 0, end_key = 0;  // happens_before.h: the host's work before, after the launch
   int* inject_flag = nullptr;       // inject_abort: raised when round inject_round begins
   int64_t inject_round = -1;
+  uint64_t serial = 0;                     // launches before this one (the remote ops' clock across launches)
+  bool remote_late = false, torn = false;  // the weakenings in force (runtime.h, Weak)
   int hold_key = -1;    // hold_at: the key dev::hold_point holds at in this launch, -1 none
   int held = 0;         // threads held there now
   bool payload = true;  // set_payload when the launch began: bulk copies move their bytes
@@ -147,6 +162,7 @@ struct Launch {
 thread_local Launch* g_launch = nullptr;
 uint64_t g_seed = 0;
 bool g_payload = true;               // set_payload
+bool g_weak[static_cast<int>(Weak::kCount)] = {true, true};  // set_weak
 uint64_t g_launches_since_seed = 0;  // with the seed, picks each launch's schedule
 Stats g_stats;
 std::string g_message;
@@ -309,6 +325,16 @@ std::string smem_text(const Block* b, const void* p) {
   return hex(reinterpret_cast<uint64_t>(p));
 }
 
+// Registered buffers and the error record: memory other threads and ranks write during a launch
+// (a call's own tensors are declared per call).
+bool registered(const void* p) {
+  const auto a = reinterpret_cast<uint64_t>(p);
+  auto it = g_persistent.upper_bound(a);
+  if (it == g_persistent.begin()) return false;
+  --it;
+  return a >= it->first && a < it->first + it->second;
+}
+
 bool in_global(const void* p, size_t n) {
   const auto a = reinterpret_cast<uint64_t>(p);
   auto it = g_persistent.upper_bound(a);
@@ -409,13 +435,14 @@ void* engine_fiber(const Copy& c) { return hb::kEnabled ? c.block->engine_fibers
 // One step of a bulk copy, told to the race check: its reads (of src) and writes (of dst),
 // made by the issuing warp's copy engine at the issue site, after what the issuer had done
 // when it issued the copy and before `done` (a load's mbarrier, a store's bulk-group wait).
-void race_copy_step(const Launch& L, const Copy& c, bool reads, bool writes, const void* done) {
+void race_copy_step(const Launch& L, const Copy& c, const Copy::Piece& piece, bool reads, bool writes,
+                    const void* done) {
   if (!hb::kEnabled) return;
   hb::enter(engine_fiber(c));
   hb::acquire(c.issued);
   hb::frame_begin(c.issue_pc);
-  if (reads) hb::reads(c.src, c.bytes);
-  if (writes) hb::writes(c.dst, c.bytes);
+  if (reads) hb::reads(c.src + piece.offset, piece.bytes);
+  if (writes) hb::writes(c.dst + piece.offset, piece.bytes);
   hb::frame_end();
   hb::release(done);
   hb::enter(L.scheduler.race_fiber);
@@ -436,31 +463,49 @@ bool advance_copies(Launch& L) {
   for (size_t i : L.pending) {
     Copy& c = L.copies[i];
     if (c.g2s) {
-      if (L.round >= c.write_round) {
-        race_copy_step(L, c, true, true, c.bar);
-        if (moves_bytes(L, c)) std::memcpy(c.dst, c.src, c.bytes);
-        c.read = c.written = true;
-        ++g_stats.copies;
+      int64_t landed = 0;  // bytes that land this round: their complete_tx
+      bool all = true;
+      for (Copy::Piece& piece : c.pieces) {
+        if (!piece.done && L.round >= piece.round) {
+          race_copy_step(L, c, piece, true, true, c.bar);
+          if (moves_bytes(L, c)) std::memcpy(c.dst + piece.offset, c.src + piece.offset, piece.bytes);
+          piece.done = true;
+          landed += piece.bytes;
+        }
+        all &= piece.done;
+      }
+      if (landed > 0) {
         auto it = c.block->mbars.find(c.bar);
         if (it == c.block->mbars.end()) {
           fail("a bulk load completed on an mbarrier that no longer exists", c.owner);
           return true;
         }
-        it->second.tx -= c.bytes;
-        for (auto& timer : L.timers) timer->copy_lands(i, c.bar);
+        it->second.tx -= landed;
+        if (all) {
+          c.read = c.written = true;
+          ++g_stats.copies;
+          for (auto& timer : L.timers) timer->copy_lands(i, c.bar);
+        }
         mbar_settle(c.block, c.bar, it->second, c.owner);
         if (!L.error.empty()) return true;
-        continue;
       }
+      if (all) continue;
     } else {
       if (!c.read && L.round >= c.read_round) {
-        race_copy_step(L, c, true, false, &c.owner->bulk_key);
+        race_copy_step(L, c, Copy::Piece{0, c.bytes, 0, false}, true, false, &c.owner->bulk_key);
         if (moves_bytes(L, c)) c.data.assign(c.src, c.src + c.bytes);
         c.read = true;
       }
-      if (c.read && L.round >= c.write_round) {
-        race_copy_step(L, c, false, true, &c.owner->bulk_key);
-        if (moves_bytes(L, c)) std::memcpy(c.dst, c.data.data(), c.bytes);
+      bool all = c.read;
+      for (Copy::Piece& piece : c.pieces) {
+        if (c.read && !piece.done && L.round >= piece.round) {
+          race_copy_step(L, c, piece, false, true, &c.owner->bulk_key);
+          if (moves_bytes(L, c)) std::memcpy(c.dst + piece.offset, c.data.data() + piece.offset, piece.bytes);
+          piece.done = true;
+        }
+        all &= piece.done;
+      }
+      if (all) {
         std::vector<unsigned char>().swap(c.data);
         c.written = true;
         ++g_stats.copies;
@@ -471,6 +516,166 @@ bool advance_copies(Launch& L) {
   }
   L.pending.swap(still);
   return true;
+}
+
+// ---- remote operations (runtime.h, remote_put) ----------------------------------------------
+
+constexpr int kRemoteLaunches = 8;        // a queued op lands within this many launches after its own
+constexpr int64_t kCarriedRounds = 2048;  // ... at a round below this of the launch it is due in
+
+struct RemoteOp {
+  uint64_t seq = 0;
+  uint64_t issuer = 0;             // launch serial << 24 | thread index
+  const Thread* thread = nullptr;  // the issuing thread while its launch runs (quiet), then nullptr
+  int dst_rank = 0;
+  uint32_t fences = 0;  // the issuer's remote_fence count when it was issued
+  unsigned char* dst = nullptr;
+  const unsigned char* src = nullptr;
+  uint64_t bytes = 0;
+  uint64_t* sig = nullptr;
+  uint64_t value = 0;
+  uint64_t due_launch = 0;   // lands in that launch at round due_round (or at its end, or later:
+  int64_t due_round = 0;     // see after_write)
+  bool after_write = false;  // carried: lands right after the next op that writes its signal word
+  Site site{"", 0};
+  const char* issued = nullptr;  // happens_before.h: what its issuing thread had done by then
+};
+std::deque<RemoteOp> g_remote;   // queued, in issue order
+std::deque<char> g_remote_keys;  // RemoteOp::issued
+uint64_t g_remote_seq = 0;
+void* g_remote_fiber = nullptr;  // happens_before.h: the deliveries' accesses
+
+bool overlaps(const void* a, uint64_t an, const void* b, uint64_t bn) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bn && y < x + an;
+}
+
+// An op may land once every op its issuer put before a remote_fence, to the same rank, landed.
+bool orderable(const RemoteOp& op) {
+  for (const RemoteOp& o : g_remote) {
+    if (o.seq >= op.seq) break;
+    if (o.issuer == op.issuer && o.dst_rank == op.dst_rank && o.fences < op.fences) return false;
+  }
+  return true;
+}
+
+bool in_global(const void* p, size_t n);
+
+// Writes the op's data, then its signal, as the transport's engine (the race check's fiber).
+// An op whose memory was freed meanwhile (its buffer destroyed) is dropped.
+void land(const Launch& L, RemoteOp op) {
+  const bool alive = (op.bytes == 0 || (in_global(op.dst, op.bytes) && in_global(op.src, op.bytes))) &&
+                     (op.sig == nullptr || in_global(op.sig, 8));
+  if (!alive) return;
+  if (hb::kEnabled) {
+    if (g_remote_fiber == nullptr) {
+      g_remote_fiber = hb::new_fiber();
+      hb::name(g_remote_fiber, "the loopback transport's deliveries");
+    }
+    hb::enter(g_remote_fiber);
+    hb::acquire(op.issued);
+    if (op.bytes > 0) {
+      hb::reads(op.src, op.bytes);
+      hb::writes(op.dst, op.bytes);
+    }
+  }
+  if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
+  if (op.sig != nullptr) {
+    hb::release(op.sig);
+    __atomic_store_n(op.sig, op.value, __ATOMIC_RELEASE);
+  }
+  if (hb::kEnabled) hb::enter(L.scheduler.race_fiber);
+}
+
+// Delivers g_remote[i] and then the carried ops waiting for a write to the same words.
+void deliver_remote(const Launch& L, size_t i) {
+  const RemoteOp op = g_remote[i];
+  g_remote.erase(g_remote.begin() + static_cast<std::ptrdiff_t>(i));
+  land(L, op);
+  for (size_t j = 0; j < g_remote.size();) {
+    const RemoteOp& o = g_remote[j];
+    const bool same = o.after_write && ((o.sig != nullptr && op.sig != nullptr && o.sig == op.sig) ||
+                                        (o.bytes > 0 && op.bytes > 0 && overlaps(o.dst, o.bytes, op.dst, op.bytes)));
+    if (same && orderable(o)) {
+      const RemoteOp late = o;
+      g_remote.erase(g_remote.begin() + static_cast<std::ptrdiff_t>(j));
+      land(L, late);
+      ++g_stats.remote_reordered;
+      continue;
+    }
+    ++j;
+  }
+}
+
+bool due(const Launch& L, const RemoteOp& op) {
+  if (op.after_write) return L.serial >= op.due_launch + kRemoteLaunches;  // only at the end (below)
+  return L.serial > op.due_launch || (L.serial == op.due_launch && L.round >= op.due_round);
+}
+
+// One round of the queued ops: those due land. `idle`: no thread made progress this round, so
+// one op that is not due lands all the same (the earliest due of this launch, else the oldest
+// carried one): ops lag behind the threads while they work, and a waiter is never starved into
+// a timeout by the queue. True when an op landed.
+bool advance_remote(Launch& L, bool idle) {
+  bool landed = false;
+  for (size_t i = 0; i < g_remote.size();) {
+    if (!g_remote[i].after_write && due(L, g_remote[i]) && orderable(g_remote[i])) {
+      deliver_remote(L, i);
+      landed = true;
+      continue;
+    }
+    ++i;
+  }
+  if (idle && !landed) {
+    // a carried op is forced only when a thread spins on its words (it may wait for nothing else)
+    auto awaited = [&](const RemoteOp& op) {
+      for (const Thread& t : L.threads)
+        if (t.state == State::kReady)
+          for (const auto& m : t.memo)
+            if (m.addr != nullptr && ((op.sig != nullptr && m.addr == op.sig) ||
+                                      (op.bytes > 0 && overlaps(const_cast<const void*>(m.addr), 1, op.dst, op.bytes))))
+              return true;
+      return false;
+    };
+    size_t pick = g_remote.size();
+    for (size_t i = 0; i < g_remote.size(); ++i) {
+      const RemoteOp& op = g_remote[i];
+      if (!orderable(op)) continue;
+      if (op.thread != nullptr) {
+        if (pick == g_remote.size() || g_remote[pick].thread == nullptr || op.due_round < g_remote[pick].due_round)
+          pick = i;
+      } else if (pick == g_remote.size() && awaited(op)) {
+        pick = i;
+      }
+    }
+    if (pick < g_remote.size()) {
+      deliver_remote(L, pick);
+      landed = true;
+    }
+  }
+  return landed;
+}
+
+// At the end of a launch: the ops due by now land; those of this launch's threads are carried
+// into the next launches (drawn from the seed: a round of one of them, or after the next write
+// of the same words).
+void carry_remote(Launch& L) {
+  for (size_t i = 0; i < g_remote.size();) {
+    RemoteOp& op = g_remote[i];
+    if (op.thread == nullptr && L.serial >= op.due_launch + (op.after_write ? kRemoteLaunches : 0) && orderable(op)) {
+      deliver_remote(L, i);
+      continue;
+    }
+    if (op.thread != nullptr) {
+      const uint64_t r = splitmix(L.rng);
+      ++g_stats.remote_carried;
+      op.thread = nullptr;
+      op.after_write = (r & 1) != 0;
+      op.due_launch = L.serial + (op.after_write ? 0 : 1 + (r >> 8) % kRemoteLaunches);
+      op.due_round = static_cast<int64_t>((r >> 16) % kCarriedRounds);
+    }
+    ++i;
+  }
 }
 
 std::string deadlock_report(Launch& L) {
@@ -524,8 +729,10 @@ void schedule(Launch& L) {
       progress |= !t->idle;
     }
     progress |= advance_copies(L);
+    if (L.remote_late) progress = advance_remote(L, !progress) || progress;
     if (!L.error.empty() || L.live == 0) return;
     bool runnable = !L.pending.empty();
+    for (const RemoteOp& op : g_remote) runnable |= op.thread != nullptr;
     for (Thread& t : L.threads) runnable |= t.state == State::kReady;
     if (!runnable) {
       L.error = where(L, nullptr) + deadlock_report(L);
@@ -748,7 +955,7 @@ uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Sit
   return t->result;
 }
 
-uint64_t poll(const volatile void* p, size_t bytes, Site site) {
+uint64_t poll(const volatile void* p, size_t bytes, Site site, PollKind kind) {
   Thread* t = cur();
   yield_at_poll(t, site);
   uint64_t v = 0;
@@ -763,8 +970,113 @@ uint64_t poll(const volatile void* p, size_t bytes, Site site) {
     const bool shared = in_smem(t->block, const_cast<const void*>(p), bytes);
     for (auto& timer : L.timers) timer->poll(thread_index(L, t), p, !t->last_poll_unchanged, shared, site);
   }
+  if (kind == PollKind::kRelaxed) {  // ordered by the thread's next fence (fence_acquire)
+    t->unfenced = site;
+    if (hb::kEnabled && std::find(t->relaxed_reads.begin(), t->relaxed_reads.end(), p) == t->relaxed_reads.end())
+      t->relaxed_reads.push_back(p);
+    return v;
+  }
+  if (kind == PollKind::kAcquire && !in_smem(t->block, const_cast<const void*>(p), bytes)) t->unproxied = site;
   hb::acquire(const_cast<const void*>(p));
   return v;
+}
+
+void fence_acquire(Fence kind, Site site) {
+  note_fence(kind);
+  Launch* L = g_launch;
+  if (L == nullptr || L->current == nullptr) return;
+  Thread* t = L->current;
+  if (t->unfenced.file != nullptr) t->unproxied = site;  // the generic proxy acquired what the polls saw
+  t->unfenced = Site{nullptr, 0};
+  for (const volatile void* p : t->relaxed_reads) hb::acquire(const_cast<const void*>(p));
+  t->relaxed_reads.clear();
+}
+
+void fence_proxy(Site) {
+  note_fence(Fence::kProxyAsync);
+  Launch* L = g_launch;
+  if (L == nullptr || L->current == nullptr) return;
+  L->current->unproxied = Site{nullptr, 0};
+}
+
+bool remote_deferred() {
+  const Launch* L = g_launch;
+  return L != nullptr && L->remote_late;
+}
+
+// Rounds until a queued remote op lands: half of them soon, a quarter up to 256 rounds later, and
+// one in eight only when no thread can make progress without it (advance_remote), its issuer
+// quiets, or the launch ends (then it is carried into the next launches).
+static int64_t remote_delay(uint64_t& rng) {
+  const uint64_t r = splitmix(rng);
+  if ((r & 7) == 0) return kMaxRounds;
+  return static_cast<int64_t>((r & 7) < 4 ? (r >> 8) % 4 : (r >> 8) % 257);
+}
+
+// An unfenced relaxed poll, before `what` (a bulk copy or a put) that may read what it guarded.
+static void check_fenced(const Thread* t, const std::string& what) {
+  if (t->unfenced.file != nullptr)
+    fail(what + " after the relaxed poll at " + site_text(t->unfenced) +
+         " with no fence.acq_rel since: what the flag guards may not be visible yet (a relaxed poll orders nothing)");
+}
+
+void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value, Site site) {
+  if (bytes == 0 && sig == nullptr) return;
+  Thread* t = cur();
+  Launch& L = launch_state();
+  t->busy = true;
+  const std::string at = std::string(sig != nullptr ? "put with signal (" : "put (") + site_text(site) + ") of " +
+                         std::to_string(bytes) + " bytes to rank " + std::to_string(dst_rank);
+  if (bytes > 0) check_fenced(t, at);  // a signal alone reads nothing
+  if (bytes % 16 != 0) fail(at + ": the size must be a multiple of 16");
+  if (bytes > 0 && !in_global(dst, bytes)) fail(at + ": the destination is not inside one registered buffer");
+  if (bytes > 0 && !in_global(src, bytes)) fail(at + ": the source is not inside one registered buffer");
+  if (sig != nullptr && (reinterpret_cast<uintptr_t>(sig) % 8 != 0 || !in_global(sig, 8)))
+    fail(at + ": the signal word is not an aligned u64 of a registered buffer");
+  RemoteOp op;
+  op.seq = ++g_remote_seq;
+  op.issuer = L.serial << 24 | static_cast<uint64_t>(thread_index(L, t));
+  op.thread = t;
+  op.dst_rank = dst_rank;
+  op.fences = t->remote_fences;
+  op.dst = static_cast<unsigned char*>(dst);
+  op.src = static_cast<const unsigned char*>(src);
+  op.bytes = bytes;
+  op.sig = sig;
+  op.value = value;
+  op.due_launch = L.serial;
+  op.due_round = L.round + remote_delay(L.rng);
+  op.site = site;
+  if (hb::kEnabled) {
+    g_remote_keys.push_back(0);
+    op.issued = &g_remote_keys.back();
+    hb::release(op.issued);
+  }
+  g_remote.push_back(op);
+  ++g_stats.remote_ops;
+}
+
+void remote_fence(Site) {
+  Thread* t = cur();
+  t->busy = true;
+  ++t->remote_fences;
+}
+
+void remote_quiet(Site site) {
+  Thread* t = cur();
+  Launch& L = launch_state();
+  ++t->remote_fences;
+  for (;;) {
+    bool mine = false;
+    for (RemoteOp& op : g_remote)
+      if (op.thread == t) {
+        mine = true;
+        op.due_round = std::min(op.due_round, L.round);  // quiet completes them
+      }
+    if (!mine) break;
+    t->busy = true;  // ops in flight: the round is not idle
+    yield_at_poll(t, site);
+  }
 }
 
 uint64_t timer_ns() { return launch_state().now; }
@@ -779,6 +1091,19 @@ void* block_shared(const void* tag, size_t bytes, size_t align) {
     fail("static shared memory of the block over the model's " + std::to_string(kArenaBytes) + " bytes");
   b->slots.emplace_back(tag, offset);
   b->arena_used = offset + bytes;
+  // As on the GPU, where the kernel's static shared memory and the launch's dynamic size share
+  // the block's opt-in limit, and a cooperative launch needs every block resident at once.
+  const Launch& L = launch_state();
+  if (b->arena_used + L.smem > kSmemPerBlockOptin)
+    fail("static shared memory (" + std::to_string(b->arena_used) + " bytes so far) plus the launch's " +
+         std::to_string(L.smem) + " bytes of dynamic shared memory: over the " + std::to_string(kSmemPerBlockOptin) +
+         " a block may have");
+  const size_t per_sm = 228 * 1024;  // an H100's shared memory per SM, 1 KiB of it reserved per block
+  const size_t resident = per_sm / (b->arena_used + L.smem + 1024);
+  if (static_cast<size_t>(L.grid.x) > resident * kDeviceSms)
+    fail("a cooperative launch of " + std::to_string(L.grid.x) + " blocks, while only " + std::to_string(resident) +
+         " per SM fit with " + std::to_string(b->arena_used + L.smem) + " bytes of shared memory each (" +
+         std::to_string(kDeviceSms) + " SMs)");
   return b->arena + offset;
 }
 
@@ -854,6 +1179,11 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
     fail(at + (g2s ? " into " : " from ") + smem_text(b, smem) + ": past the block's shared memory");
   if (!in_global(gmem, bytes)) fail(at + (g2s ? " from " : " to ") + global + ": not inside one declared allocation");
   if (g2s) mbar_of(b, bar, "a bulk load's complete_tx");
+  check_fenced(t, at);
+  if (t->unproxied.file != nullptr && registered(gmem))
+    fail(at + (g2s ? " from " : " to ") + "registered memory after the acquire at " + site_text(t->unproxied) +
+         " with no fence.proxy.async since: the bulk copy engine (the async proxy) may not see what that acquire "
+         "made visible");
   Copy c;
   c.g2s = g2s;
   c.dst = static_cast<unsigned char*>(g2s ? smem : const_cast<void*>(gmem));
@@ -871,6 +1201,19 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   }
   c.read_round = L.round + copy_delay(L.rng);
   c.write_round = g2s ? c.read_round : c.read_round + copy_delay(L.rng);  // a load lands as it reads
+  c.pieces.push_back(Copy::Piece{0, bytes, c.write_round, false});
+  if (L.torn && bytes >= 32) {  // up to four pieces of 16-byte multiples, each landing at its own round
+    const uint64_t r = splitmix(L.rng);
+    const uint32_t n = std::min<uint32_t>(1 + r % 4, bytes / 16);
+    c.pieces.clear();
+    g_stats.torn_copies += n > 1;
+    uint32_t at_byte = 0;
+    for (uint32_t k = 0; k < n; ++k) {
+      const uint32_t end = k + 1 == n ? bytes : (bytes / 16 * (k + 1) / n) * 16;
+      c.pieces.push_back(Copy::Piece{at_byte, end - at_byte, c.write_round + copy_delay(L.rng), false});
+      at_byte = end;
+    }
+  }
   L.copies.push_back(std::move(c));
   L.pending.push_back(L.copies.size() - 1);
   for (auto& timer : L.timers)
@@ -962,6 +1305,10 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   L->block_dim.x = static_cast<unsigned>(threads);
   L->smem = smem;
   L->payload = g_payload;
+  L->serial = g_stats.launches;
+  const bool timing_on = !timing::configured().empty();  // it times the GPU emulation's behaviour
+  L->remote_late = g_weak[static_cast<int>(Weak::kRemoteLate)] && !timing_on;
+  L->torn = g_weak[static_cast<int>(Weak::kTornCopies)] && !timing_on;
   uint64_t mix = g_seed ^ (0x51ed270b27ull * ++g_launches_since_seed);
   L->rng = splitmix(mix);
   L->threads.resize(static_cast<size_t>(blocks) * threads);
@@ -1009,6 +1356,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
     schedule(*L);
   }
   L->running = false;
+  carry_remote(*L);
   if (hb::kEnabled) {  // the host's next work is ordered after everything the launch did
     for (Thread& t : L->threads) {
       hb::enter(t.ctx.race_fiber);
@@ -1136,7 +1484,29 @@ bool payload() { return g_payload; }
 
 void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) { g_declared = ranges; }
 void add_allocation(uint64_t ptr, uint64_t bytes) { g_persistent[ptr] = bytes; }
-void remove_allocation(uint64_t ptr) { g_persistent.erase(ptr); }
+void remove_allocation(uint64_t ptr) {
+  auto it = g_persistent.find(ptr);
+  if (it == g_persistent.end()) return;
+  const auto* base = reinterpret_cast<const void*>(ptr);
+  const uint64_t bytes = it->second;
+  auto freed = [&](const RemoteOp& op) {  // queued ops into or out of a freed buffer: never land
+    return (op.bytes > 0 && (overlaps(op.dst, op.bytes, base, bytes) || overlaps(op.src, op.bytes, base, bytes))) ||
+           (op.sig != nullptr && overlaps(op.sig, 8, base, bytes));
+  };
+  g_remote.erase(std::remove_if(g_remote.begin(), g_remote.end(), freed), g_remote.end());
+  g_persistent.erase(it);
+}
+
+const char* weak_name(Weak w) {
+  switch (w) {
+    case Weak::kRemoteLate: return "remote_late";
+    case Weak::kTornCopies: return "torn_copies";
+    case Weak::kCount: break;
+  }
+  return "?";
+}
+void set_weak(Weak w, bool on) { g_weak[static_cast<int>(w)] = on; }
+bool weak(Weak w) { return g_weak[static_cast<int>(w)]; }
 
 Stats stats() { return g_stats; }
 

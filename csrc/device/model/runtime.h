@@ -34,6 +34,8 @@
 
 namespace hybrid_ep::model {
 
+enum class Fence : int { kGpu = 0, kSystem = 1, kProxyAsync = 2 };
+
 struct Dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
@@ -62,8 +64,21 @@ uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Sit
 const char* collective_name(Collective kind);
 
 // ---- polls (the only places a spinning thread gives way) -------------------------------
-uint64_t poll(const volatile void* p, size_t bytes, Site site);
+// `acquire`: the poll orders the writer's earlier accesses before the caller's later ones (the
+// race check's edge). A relaxed poll (ld.relaxed.sys) does not: the thread's next fence does
+// (fence_acquire), and a bulk copy or remote put it issues before that fence is reported.
+enum class PollKind : int { kAcquire = 0, kRelaxed = 1, kVolatile = 2 };
+uint64_t poll(const volatile void* p, size_t bytes, Site site, PollKind kind = PollKind::kAcquire);
 uint64_t timer_ns();
+
+// ---- fences -------------------------------------------------------------------------------
+// Checked, not only timed: fence.acq_rel / fence.sc (gpu or system scope) acquires what the
+// thread's relaxed polls read since its last fence, and a bulk copy or remote put issued after
+// a relaxed poll with no such fence since is an error; fence.proxy.async orders what the
+// thread acquired before its later bulk copies, and a bulk copy of registered memory issued
+// after an acquire (a flag another thread released) with no proxy fence since is an error.
+void fence_acquire(Fence kind, Site site);
+void fence_proxy(Site site);
 
 // ---- what only the timing model reads (timing.h): writes that polls wait for, fences ------
 // Each does nothing unless timing is on. The flag's store itself stays in the caller, as a
@@ -71,7 +86,6 @@ uint64_t timer_ns();
 void note_flag_write(const volatile void* p, Site site);  // release stores, reductions, relaxed stores
 void note_flag_seen(const volatile void* p, Site site);   // a value read without a poll (no yield)
 void note_atomic(const volatile void* p, Site site);
-enum class Fence : int { kGpu = 0, kSystem = 1, kProxyAsync = 2 };
 void note_fence(Fence kind);
 // A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every
 // element they load and store, so the count stands for the plain code around it; the kind
@@ -102,6 +116,22 @@ void bulk_commit(Site site);
 // shared memory (reads_only) or completed its writes.
 void bulk_wait(bool reads_only, int except_newest, Site site);
 
+// ---- remote operations: the loopback transport between the model's ranks ------------------
+// A put (with a signal, or a signal alone: bytes 0) is queued and delivered a few scheduling
+// rounds later, sometimes many; ops are unordered, except that the signal of a put comes after
+// its data and remote_fence orders the thread's earlier ops to a rank before its later ones.
+// The source is read when the op is delivered, so it may not change before remote_quiet, which
+// waits until every op of the calling thread was delivered. Ops still queued when the launch
+// ends stay queued into the next launches (no kernel boundary completes them): each lands at a
+// random round of one of the next three launches, or right after the next op that writes the
+// same words (out of order), at the latest at the end of the third launch. Whether the
+// loopback transport queues (the weakening kRemoteLate) or stores at once as on a GPU:
+// remote_deferred().
+bool remote_deferred();
+void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value, Site site);
+void remote_fence(Site site);
+void remote_quiet(Site site);
+
 // ---- launches ---------------------------------------------------------------------------
 // Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the
 // message of the first check that failed (valid until the next launch).
@@ -113,6 +143,15 @@ constexpr int kDeviceSms = 132;                    // an H100 SXM's, so launch p
 constexpr size_t kSmemPerBlockOptin = 227 * 1024;  // its opt-in shared memory per block
 void set_seed(uint64_t seed);
 uint64_t seed();
+// Where the model is made no stronger than an H100 in what it does (docs/dev/cpu_model.md,
+// "Weakened"): each is on unless turned off, drawn from the seed; the timing model turns both
+// off while it times (it times the GPU emulation's loopback and whole copies).
+//   kRemoteLate  the loopback transport's puts and signals are queued (remote_put above);
+//   kTornCopies  a bulk copy lands in up to four pieces, each at its own round.
+enum class Weak : int { kRemoteLate = 0, kTornCopies = 1, kCount = 2 };
+const char* weak_name(Weak w);
+void set_weak(Weak w, bool on);
+bool weak(Weak w);
 // Payload-free mode, for timing runs at shapes whose rows do not fit this machine's memory:
 // bulk copies are checked, scheduled and timed as always (the same bytes through the copy
 // engine, the same mbarrier completions) but move no bytes, so the tensors they would read and
@@ -148,6 +187,9 @@ void hold_point(int key, Site site);
 struct Stats {
   uint64_t launches = 0, rounds = 0, switches = 0, copies = 0, idle_rounds = 0;
   uint64_t virtual_ns = 0;  // %globaltimer time the launches took, summed
+  // the weakenings at work: remote ops queued, those carried past their launch's end, those that
+  // landed right after a later write of the same words, bulk copies that landed in pieces
+  uint64_t remote_ops = 0, remote_carried = 0, remote_reordered = 0, torn_copies = 0;
 };
 Stats stats();
 

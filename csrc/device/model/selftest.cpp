@@ -46,7 +46,18 @@ enum Which {
   kTimeout,
   kStackOverflow,
   kSharedWithoutBarrier,
+  kTornRow,
+  kRelaxedPollUnfenced,
+  kAcquireWithoutProxyFence,
+  kStaticPlusDynamicSmem,
 };
+
+// Static shared memory that, with the launch's dynamic size for kStaticPlusDynamicSmem, is over
+// the block's limit (kSmemPerBlockOptin).
+struct BigShared {
+  unsigned char bytes[4096];
+};
+constexpr size_t kNearLimitSmem = kSmemPerBlockOptin - 2048;
 
 // Deep enough to run past a fiber's stack (64 KiB, kStackScale times that under ASan).
 __device__ int deep(int n) {
@@ -182,6 +193,36 @@ __global__ void selftest_kernel(const Args args) {
       if (tid == 0) smem[0] = 1;             // both run in the round after the barrier above, in the
       if (tid == 32) args.out[0] = smem[0];  // round's seeded order
       break;
+    case kTornRow:  // a reader that polls the row's first word instead of waiting for the load:
+      // with torn copies (the default) the row's end may not have landed yet
+      if (tid == 0) {
+        std::memset(smem, 0xAB, 256);
+        dev::mbar_arrive_expect_tx(&sh.bar[0], 256);
+        dev::bulk_g2s(smem, args.global, 256, &sh.bar[0]);
+        while (dev::ld_volatile(reinterpret_cast<const int*>(smem)) == static_cast<int>(0xABABABABu)) {}
+        args.out[0] = smem[255];
+        wait_bounded(&sh.bar[0], 0);
+      }
+      break;
+    case kRelaxedPollUnfenced:  // a relaxed poll, then a bulk load of what the flag guards, no fence
+      if (tid == 0) {
+        (void)dev::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(args.global + 512));
+        dev::mbar_arrive_expect_tx(&sh.bar[0], 64);
+        dev::bulk_g2s(smem, args.global, 64, &sh.bar[0]);
+        wait_bounded(&sh.bar[0], 0);
+      }
+      break;
+    case kAcquireWithoutProxyFence:  // an acquire of a registered word, then a bulk load, no proxy fence
+      if (tid == 0) {
+        (void)dev::ld_acquire_sys(reinterpret_cast<const uint64_t*>(args.global + 512));
+        dev::mbar_arrive_expect_tx(&sh.bar[0], 64);
+        dev::bulk_g2s(smem, args.global, 64, &sh.bar[0]);
+        wait_bounded(&sh.bar[0], 0);
+      }
+      break;
+    case kStaticPlusDynamicSmem:
+      if (tid == 0) dev::block_shared<BigShared>().bytes[0] = 1;
+      break;
     default: break;
   }
 }
@@ -207,6 +248,10 @@ const std::map<std::string, int>& names() {
       {"timeout", kTimeout},
       {"stack_overflow", kStackOverflow},
       {"shared_without_barrier", kSharedWithoutBarrier},
+      {"torn_row", kTornRow},
+      {"relaxed_poll_unfenced", kRelaxedPollUnfenced},
+      {"acquire_without_proxy_fence", kAcquireWithoutProxyFence},
+      {"static_plus_dynamic_smem", kStaticPlusDynamicSmem},
   };
   return n;
 }
@@ -228,7 +273,8 @@ SelftestResult run_selftest(const std::string& name) {
   std::vector<int> out(32, 0);
   add_allocation(reinterpret_cast<uint64_t>(global), sizeof(global));
   Args args{global, undeclared, out.data(), it->second};
-  const char* err = dev::launch_cooperative(selftest_kernel, 1, 128, 256, 0, args);
+  const size_t smem = it->second == kStaticPlusDynamicSmem ? kNearLimitSmem : 256;
+  const char* err = dev::launch_cooperative(selftest_kernel, 1, 128, smem, 0, args);
   remove_allocation(reinterpret_cast<uint64_t>(global));
   return {err == nullptr ? "" : err, out};
 }

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 
 namespace hybrid_ep::dev {
 
@@ -14,6 +15,22 @@ namespace hybrid_ep::dev {
 template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
                                const Args& args, const char* /*name*/ = nullptr) {
+  // Static and dynamic shared memory share the block's opt-in limit: refuse with both numbers
+  // rather than with cudaFuncSetAttribute's "invalid argument" (read once per instantiation).
+  static const size_t static_bytes = [&] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess ? attr.sharedSizeBytes : size_t{0};
+  }();
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+      static_bytes + smem > static_cast<size_t>(optin)) {
+    static thread_local char message[160];
+    std::snprintf(message, sizeof(message),
+                  "%zu bytes of static plus %zu of dynamic shared memory, over the %d a block may have", static_bytes,
+                  smem, optin);
+    return message;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err == cudaSuccess) {
     void* params[] = {const_cast<Args*>(&args)};

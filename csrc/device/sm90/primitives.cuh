@@ -131,7 +131,8 @@ __device__ __forceinline__ int4 ld_volatile_v4(const void* p) {
   int4 v;
   asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "l"(p)
+               : "memory");
   return v;
 }
 
@@ -188,6 +189,13 @@ __device__ __forceinline__ void sleep_ns(uint32_t ns) { __nanosleep(ns); }
 
 // A test hook of the CPU model (model/runtime.h, hold_at): nothing on a GPU.
 __device__ __forceinline__ void hold_point(int /*key*/) {}
+
+// The CPU model's queued remote operations (model/runtime.h, remote_put): never on a GPU, where
+// the loopback transport stores at once.
+__device__ __forceinline__ constexpr bool remote_deferred() { return false; }
+__device__ __forceinline__ void remote_put(int, void*, const void*, uint64_t, uint64_t*, uint64_t) {}
+__device__ __forceinline__ void remote_fence() {}
+__device__ __forceinline__ void remote_quiet() {}
 
 // ---- plain accesses of the hot loops ----------------------------------------------------------
 // ld / st are the plain load and store they wrap (the compiler sees the same access, so the

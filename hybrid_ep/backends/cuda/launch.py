@@ -23,7 +23,7 @@ MAX_STAGES: int = compiled.MAX_STAGES  # slots of one pipeline's ring
 MAX_STAGE_BYTES = 32 * 1024  # a row larger than this is moved in segments of this size
 TARGET_STAGE_BYTES = 16 * 1024  # smaller rows are batched up to about this many bytes per stage
 MAX_BATCH_ROWS = CHUNK_TOKENS  # whole rows in one stage: a chunk's
-STATIC_SMEM_RESERVE = 16 * 1024  # the kernels' static shared memory (tables, barriers), with headroom
+STATIC_SMEM_RESERVE: int = compiled.STATIC_SMEM_RESERVE  # the kernels' static shared memory (tables, barriers) at most
 DISPATCH_PIPELINES = 2  # dispatch's send and expand FIFOs share the dynamic shared memory
 
 # The dtypes the kernels move, by torch's name; their codes are csrc's (ext.DTYPE_CODES, checked
@@ -43,12 +43,14 @@ class FifoShape:
 
 
 def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
-               chunk_tokens: int = CHUNK_TOKENS, pipelines: int = 1) -> FifoShape:
+               chunk_tokens: int = CHUNK_TOKENS, pipelines: int = 1, stage_multiple: int = 1) -> FifoShape:
     """Stages sized in bytes: rows of up to TARGET_STAGE_BYTES are batched, as many whole rows
     as fit (at most a chunk's, MAX_BATCH_ROWS), so small rows still move in large copies; a
     row up to MAX_STAGE_BYTES fills one stage; a larger row is cut into segments of
     MAX_STAGE_BYTES. As many stages as `pipelines` FIFOs of this shape leave in the shared
-    memory, up to max_stages each (dispatch runs two: send and expand)."""
+    memory, up to max_stages each (dispatch runs two: send and expand), a multiple of
+    `stage_multiple` (the direct dispatch's store threads take the items in turn, and its
+    launcher refuses another count)."""
     if row_bytes <= 0 or row_bytes % 16 != 0:
         raise ValueError(f"row bytes must be a positive multiple of 16, got {row_bytes}")
     if row_bytes > MAX_STAGE_BYTES:
@@ -57,7 +59,7 @@ def fifo_shape(row_bytes: int, smem_per_block: int, max_stages: int = 8,
         rows = max(1, min(MAX_BATCH_ROWS, chunk_tokens, TARGET_STAGE_BYTES // row_bytes))
         stage = rows * row_bytes
     budget = (smem_per_block - STATIC_SMEM_RESERVE) // pipelines
-    stages = min(max_stages, MAX_STAGES, budget // stage)
+    stages = min(max_stages, MAX_STAGES, budget // stage) // stage_multiple * stage_multiple
     if stages < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 FIFO stages of {stage} B")
     return FifoShape(stages=stages, stage_bytes=stage, rows_per_stage=rows)
@@ -173,14 +175,13 @@ DIRECT_STORE_THREADS: int = compiled.DIRECT_STORE_THREADS  # the store threads o
 
 
 def direct_fifo_shape(row_bytes: int, smem_per_block: int) -> FifoShape:
-    """The direct dispatch's FIFO: fifo_shape's, its stages rounded down to a multiple of
-    DIRECT_STORE_THREADS. The store threads take alternate stages, so each stage has one
-    consumer that waits on its rounds in order; with an odd count a thread could wait on the
-    next round of a stage whose current one (the other thread's) had not landed, and a parity
-    wait one phase ahead passes at once. The kernel rounds alike (direct_fifo_stages in
-    csrc/kernels/dispatch_direct.cuh), so the shared memory holds no stage it leaves unused."""
-    fifo = fifo_shape(row_bytes, smem_per_block, max_stages=MAX_STAGES)
-    return dataclasses.replace(fifo, stages=fifo.stages - fifo.stages % DIRECT_STORE_THREADS)
+    """The direct dispatch's FIFO: fifo_shape's, its stages a multiple of DIRECT_STORE_THREADS.
+    The store threads take alternate stages, so each stage has one consumer that waits on its
+    rounds in order; with an odd count a thread could wait on the next round of a stage whose
+    current one (the other thread's) had not landed, and a parity wait one phase ahead passes at
+    once. The kernel's launcher refuses another count (launch_dispatch_direct_with in
+    csrc/kernels/dispatch_direct.cuh)."""
+    return fifo_shape(row_bytes, smem_per_block, max_stages=MAX_STAGES, stage_multiple=DIRECT_STORE_THREADS)
 
 
 @dataclasses.dataclass(frozen=True)
