@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.backends.cuda.layout import ring_tag
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import GroupCache, check_emulated
@@ -148,7 +149,7 @@ def _dispatch_to_an_absent_rank(ranks_per_node: int) -> str:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
     """One node: rank 0's writers fill the two slots of rank 1's ring for rank 0 and wait for
-    rank 1 to free chunk 0's slot (its credit in call 1: 2^32 + 1): the record names the ring,
+    rank 1 to free chunk 0's slot (its credit in call 1, ring_tag(1, 0)): the record names the ring,
     rank 1 and that chunk. Rank 0's expansion waits too, for its own chunk 2, which its stalled
     writers never signal; a wait on a rank's own signal has twice the bound, so the ring's wait
     reports first whatever the schedule."""
@@ -157,7 +158,7 @@ def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
     message = _dispatch_to_an_absent_rank(ranks_per_node=2)
     assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 in the dispatch's "
                      r"receive ring \(waiting for the peer to read a chunk and free its slot.*"
-                     r"\(call 1, expected 4294967297, saw 0\)", message), message
+                     rf"\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -170,4 +171,4 @@ def test_a_rail_peer_that_never_forwards_is_named(monkeypatch, seed):
     message = _dispatch_to_an_absent_rank(ranks_per_node=1)
     assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 on node 1 in the "
                      r"dispatch's staging for that node \(waiting for the rail peer to forward a chunk and free its "
-                     r"slot.*\(call 1, expected 4294967297, saw 0\)", message), message
+                     rf"slot.*\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message

@@ -24,7 +24,8 @@ rows and their RDMA staging moved into rings freed by credits and the send units
 by chunk index; and when a block's setup ended with a barrier, plain global stores came to take
 the SM's request path (request_ns) and the direct dispatch went templated over the transport
 (the direct dispatches +1.4 to +1.7 %, the receive ones +0.04 to +2.8 %, the combines within
-0.3 %; see the commit that last replaced the file).
+0.3 %); and when the rings between ranks got one type, PeerRing (sites' lines only, every time
+to the bit; see the commit that last replaced the file).
 A change that means to change the times replaces the file and says so in its commit.
 """
 

@@ -284,6 +284,7 @@ inline void bind_common(py::module_& m) {
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;
   m.attr("CHUNK_META_HEADER") = kChunkMetaHeader;
   m.attr("COUNT_ROW_TAIL") = kCountRowTail;
+  m.attr("RING_TAG_CHUNK_BITS") = kRingTagChunkBits;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);

@@ -23,6 +23,10 @@ constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_g
 constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
+// A ring between ranks tags its slots with the call in the high bits and chunk + 1 in the low
+// kRingTagChunkBits (kernels/peer_ring.cuh, PeerRing::tag): max_chunks stays below 2^24 - 1, and
+// the call field of 40 bits is not reached (2^40 calls: 35 years at 1000 calls a second).
+constexpr int kRingTagChunkBits = 24;
 constexpr int kCountRowTail = 4;           // a count row's last ints: the source's tokens, its first bad token (-1:
                                            // none) and that route's expert id (low, high word)
 
@@ -162,7 +166,7 @@ struct RegLayout {
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
   uint64_t ring_chunks;     // chunk slots per peer of every ring of rows between ranks (BufferConfig.ring_chunks)
   uint64_t combine_signal;  // u64 [W][comb ring]: expert host d wrote the partials of chunk c into slot
-                            // c % ring (ring_tag(epoch, c))
+                            // c's slot (its tag: kernels/peer_ring.cuh)
   uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
   uint64_t state;           // LocalState (only this rank touches it)
@@ -181,7 +185,7 @@ struct RegLayout {
   uint64_t recv_scales;   // f32 [W][ring_chunks][kChunkTokens][scale_stride / 4]
   uint64_t scale_stride;
   uint64_t recv_credit;      // u64 [N][G][ring_chunks], written by the readers of the rings this rank writes:
-                             // [source node n][rank g of this node][slot] = (epoch << 32) | (c + 1) once rank g
+                             // [source node n][rank g of this node][slot] = the tag of chunk c once rank g
                              // read chunk c of the source on node n that this rank sent it (its own, or forwarded)
   uint64_t comb_rows;        // partial sums, a ring per expert host d: [W][comb ring][kChunkTokens] rows, each
                              // the call's row in the wire dtype (packed); chunk c in slot c % ring, row q the
@@ -191,9 +195,9 @@ struct RegLayout {
                              // when this rank is the source's rail peer here: a ring per (source node,
                              // writer g): [N][G][comb ring][kChunkTokens] rows in the wire dtype (packed),
                              // chunk c in slot c % ring, row q the q-th of the chunk's receive slots at g
-  uint64_t comb_fwd_signal;  // u64 [N][G][comb ring]: writer g stored its partials of chunk c (ring_tag)
+  uint64_t comb_fwd_signal;  // u64 [N][G][comb ring]: writer g stored its partials of chunk c (its tag)
   uint64_t comb_credit;      // u64 [W][comb ring]: the reader of this rank's partial ring for source s (s, or
-                             // its rail peer on this node) has read chunk c from slot c % ring (ring_tag)
+                             // its rail peer on this node) has read chunk c from its slot (its tag)
   // The direct path (a single node whose ranks can address each other's tensors: sources write
   // output rows straight into their final row, and read expert outputs straight from their row).
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
@@ -202,18 +206,6 @@ struct RegLayout {
                             // expert_out [1] in that call (epoch)
   uint64_t total;
 };
-
-// The chunk slots of each combine ring (comb_rows, comb_fwd, the RDMA node partials): ring_chunks,
-// or fewer where no source has that many chunks (hybrid_ep/backends/cuda/layout.py comb_ring).
-inline constexpr uint64_t comb_ring(const RegLayout& reg) {
-  return reg.ring_chunks < reg.max_chunks ? reg.ring_chunks : reg.max_chunks;
-}
-
-// What a combine ring's signal and credit words hold: the call and the chunk, so that a wait is
-// `>=` across calls and chunks alike (the chunks of one slot come in order: c, c + ring, ...).
-inline constexpr uint64_t ring_tag(uint64_t epoch, int64_t chunk) {
-  return (epoch << 32) | static_cast<uint64_t>(chunk + 1);
-}
 
 // A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
 // the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with
@@ -248,10 +240,10 @@ struct RdmaLayout {
   uint64_t disp_rows_out;     // [N][ring_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
   uint64_t disp_rows_in;      // [N][ring_chunks * kChunkTokens] rows from the rail peer on node n
   uint64_t disp_credit;       // u64 [N][ring_chunks]: the rail peer on node n forwarded this rank's staged chunk c
-                              // from the slot, (epoch << 32) | (c + 1): both ends of the slot are free again
-  uint64_t comb_signal;       // u64 [N][comb ring]: the node partials of chunk c from node n arrived (ring_tag)
+                              // from the slot (its tag): both ends of the slot are free again
+  uint64_t comb_signal;       // u64 [N][comb ring]: the node partials of chunk c from node n arrived (its tag)
   uint64_t comb_credit;       // u64 [N][comb ring]: the source on node n read the node partials of chunk c
-                              // this rank put it (ring_tag): slot c % ring is free here and there
+                              // this rank put it (its tag): the slot is free here and there
   uint64_t comb_rows_out;     // [N][comb ring * kChunkTokens] node partials staged for the source on node n:
                               // chunk c at slots (c % ring) * kChunkTokens + q, q the token's ordinal among
                               // the chunk's tokens for this node

@@ -46,6 +46,7 @@ COUNT_ROW_TAIL: int = compiled.COUNT_ROW_TAIL  # a count row's source tokens and
 ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorRecord's words the host polls
 ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
 CHUNK_META_HEADER: int = compiled.CHUNK_META_HEADER  # a staged chunk's routing starts with its row count
+RING_TAG_CHUNK_BITS: int = compiled.RING_TAG_CHUNK_BITS  # a ring slot's tag: the call above chunk + 1
 MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype (this plan's choice)
 BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
 
@@ -55,7 +56,13 @@ COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS"
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
                       "COUNT_ROW_TAIL", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
                       "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES", "CHUNK_META_HEADER",
-                      "DIRECT_STORE_THREADS")
+                      "DIRECT_STORE_THREADS", "RING_TAG_CHUNK_BITS")
+
+
+def ring_tag(call: int, chunk: int) -> int:
+    """What a ring slot's signal and credit words hold for chunk `chunk` of call `call`
+    (csrc/kernels/peer_ring.cuh, PeerRing::tag): what a timeout record of a ring's wait shows."""
+    return call << RING_TAG_CHUNK_BITS | (chunk + 1)
 
 
 def _round_up(value: int, multiple: int) -> int:
