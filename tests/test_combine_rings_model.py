@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.layout import comb_ring, registered_layout, ring_tag
+from hybrid_ep.backends.cuda.layout import registered_layout, registered_regions, ring_tag
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.emulated import GroupCache, check_emulated, on_device
 from hybrid_ep.testing.faults import ranks_absent
@@ -119,9 +119,10 @@ def test_the_partial_ring_is_its_slots_whatever_max_tokens():
     """Memory for partials: ring x 32 fp32 rows per expert host, not max_tokens rows."""
     group = group_for(ONE_NODE[0])
     reg, cfg = registered_layout(group.config), group.config
-    assert comb_ring(cfg) == RING
-    assert reg.region_bytes()["comb_rows"] == cfg.world_size * RING * 32 * cfg.hidden_dim * 4
-    assert reg.region_bytes()["comb_rows"] * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
+    comb_rows = {r.name: r.bytes for r in registered_regions(cfg)}["comb_rows"]
+    assert reg.partial.slots == RING and reg.partial.rings == cfg.ranks_per_node
+    assert comb_rows == cfg.ranks_per_node * RING * 32 * cfg.hidden_dim * 4
+    assert comb_rows * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
 
 
 def test_a_source_that_never_reads_its_partials_is_named_by_its_expert_host(monkeypatch):

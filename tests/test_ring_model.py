@@ -98,20 +98,21 @@ def test_calls_that_wrap_the_ring_many_times_match_the_oracle(case):
 def test_a_call_that_wraps_the_ring_needs_no_more_memory():
     """The dispatch's rings do not grow with max_tokens_per_rank: the receive ring's regions
     and, with several nodes, the staging rings' are the same for 64 and 4096 tokens per rank."""
-    from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
+    from hybrid_ep.backends.cuda.layout import rdma_regions, registered_layout, registered_regions
 
     def config(tokens):
         return dataclasses.replace(hierarchy_case(2, 2, tokens=(tokens,) * 4).config, ring_chunks=RING)
 
     small, large = config(64), config(4096)
-    a, b = registered_layout(small).region_bytes(), registered_layout(large).region_bytes()
-    for region in ("recv_rows", "recv_meta", "recv_credit"):
+    a, b = ({r.name: r.bytes for r in registered_regions(c)} for c in (small, large))
+    for region in ("recv_rows", "recv_meta"):
         assert a[region] == b[region] > 0, region
-    assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x ring x 32 rows of H fp32 values
-    a, b = rdma_layout(small).region_bytes(), rdma_layout(large).region_bytes()
-    for region in ("disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit"):
+    assert registered_layout(small).recv.slots == RING  # the least a ring turns over with
+    assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x slots x 32 rows of H fp32 values
+    a, b = ({r.name: r.bytes for r in rdma_regions(c)} for c in (small, large))
+    for region in ("disp_meta", "disp_rows"):
         assert a[region] == b[region] > 0, region
-    assert a["disp_rows_in"] == 2 * RING * 32 * 128 * 4  # N x ring x 32 rows of H fp32 values
+    assert a["disp_rows"] == 2 * 2 * RING * 32 * 128 * 4  # out and in: N x slots x 32 rows of H fp32 values
 
 
 def test_back_to_back_calls_wrap_the_ring_with_other_shapes():

@@ -180,16 +180,18 @@ struct Combine : KernelCall {
   // source on another node its forward ring at s's rail peer on this node.
   __device__ const PeerRing& host_ring(int s) const { return h.topo.same_node(s, a.rank) ? partial : forward; }
   // The partial of source s at row q (the q-th of the chunk's rows at the host) of chunk c of
-  // expert host `host`'s ring, in s's buffer, and the slot's signal word.
+  // expert host `host`'s ring (a host of s's node), in s's buffer, and the slot's signal word.
   __device__ uint8_t* partial_row(int s, int host, int c, int q) const {
-    return view.base(s) + reg.comb_rows + partial.row(host, c, q) * C * wire_bytes;
+    return view.base(s) + reg.comb_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
   }
   __device__ uint64_t* comb_signal(int s, int host, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + partial.word(host, c);
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + partial.word(h.topo.local(host), c);
   }
   // Writer w's credit word (in w's buffer) of the slot of chunk c of its ring for source s.
   __device__ uint64_t* credit(int w, int s, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(w) + reg.comb_credit) + host_ring(s).word(s, c);
+    if (h.topo.same_node(s, w))
+      return reinterpret_cast<uint64_t*>(view.base(w) + reg.partial_credit) + partial.word(h.topo.local(s), c);
+    return reinterpret_cast<uint64_t*>(view.base(w) + reg.forward_credit) + forward.word(s, c);
   }
   // Partials for a source on another node go to its rail peer f on this node: the ring of writer
   // (source node, local index of the writer) in f's comb_fwd area.

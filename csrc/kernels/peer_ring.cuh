@@ -144,21 +144,14 @@ struct RingReleases {
   __device__ ~RingReleases() { quiet(); }
 };
 
-// The rings of a call, from its layout (common/params.h).
+// The rings of a call, from its layout (common/params.h; sized by csrc/bindings/buffer_layout.h).
 namespace peer_rings {
-__device__ inline PeerRing recv(const Geometry& g) {
-  return PeerRing{static_cast<int>(g.reg.ring_chunks), kPhaseRecvRing};
-}
-__device__ inline PeerRing staged(const Geometry& g) {
-  return PeerRing{static_cast<int>(g.reg.ring_chunks), kPhaseStagedRing};
-}
-// The combine's rings: ring_chunks slots, or fewer where no source has that many chunks.
-__device__ inline int comb_slots(const Geometry& g) {
-  return static_cast<int>(g.reg.ring_chunks < g.reg.max_chunks ? g.reg.ring_chunks : g.reg.max_chunks);
-}
-__device__ inline PeerRing partial(const Geometry& g) { return PeerRing{comb_slots(g), kPhasePartialRing}; }
-__device__ inline PeerRing forward(const Geometry& g) { return PeerRing{comb_slots(g), kPhaseForwardRing}; }
-__device__ inline PeerRing node_part(const Geometry& g) { return PeerRing{comb_slots(g), kPhaseNodePartRing}; }
+__device__ inline PeerRing of(const RingLayout& r, Phase phase) { return PeerRing{static_cast<int>(r.slots), phase}; }
+__device__ inline PeerRing recv(const Geometry& g) { return of(g.reg.recv, kPhaseRecvRing); }
+__device__ inline PeerRing staged(const Geometry& g) { return of(g.rdma.staged, kPhaseStagedRing); }
+__device__ inline PeerRing partial(const Geometry& g) { return of(g.reg.partial, kPhasePartialRing); }
+__device__ inline PeerRing forward(const Geometry& g) { return of(g.reg.forward, kPhaseForwardRing); }
+__device__ inline PeerRing node_part(const Geometry& g) { return of(g.rdma.node_part, kPhaseNodePartRing); }
 }  // namespace peer_rings
 
 }  // namespace hybrid_ep

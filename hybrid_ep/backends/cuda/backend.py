@@ -13,34 +13,17 @@ from ..base import Backend
 from . import arena, load_extension, staging
 from .agreement import PathVote
 from .engine import Engine
-from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
+from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
 from .nvshmem import heap_spec
 from .registered import NvshmemRegions, RegisteredBuffers
-
-# The registered regions of layout.RegisteredLayout, grouped as memory_plan() reports them:
-# (line, regions, what it holds). Every region is in exactly one line (tests/test_cuda_plan.py).
-REGISTERED_LINES = (
-    ("flags+counts", ("count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                      "count_in", "recv_credit", "comb_credit", "direct_tensors", "direct_first",
-                      "direct_done"),
-     "monotonic signals, per-rank state, exchanged counts, ring credits, the direct path's tables"),
-    ("recv_meta", ("recv_meta",), "routing entries of received rows: a ring of ring_chunks chunks per source"),
-    ("recv_rows", ("recv_rows",), "received rows, sized for fp32: a ring of ring_chunks chunks per source"),
-    ("recv_scales", ("recv_scales",), "fp8 scales of received rows, the same ring"),
-    ("comb_rows", ("comb_rows",), "partial sums pushed back by expert hosts, sized for an fp32 wire: a ring of "
-                                  "ring_chunks chunks per expert host"),
-    ("comb_fwd", ("comb_fwd", "comb_fwd_signal"), "several nodes: partials of this node's ranks for sources on "
-                                                  "other nodes, at their rail peer, in rings likewise"),
-)
 
 
 def memory_plan(config: BufferConfig, name: str = "cuda") -> MemoryPlan:
     """Bytes each rank holds for the buffer's life (registered regions, the NVSHMEM heap, an
     opt-in arena), known before allocation; the outputs of a call come from PyTorch's
     allocator at the call's size (the per-call line: the worst case)."""
-    regions = registered_layout(config).region_bytes()
-    specs = [BufferSpec(line, sum(regions[r] for r in names), True, purpose)
-             for line, names, purpose in REGISTERED_LINES]
+    # the registered buffer's regions as csrc builds them (layout.registered_regions)
+    specs = [BufferSpec(r.name, r.bytes, True, r.purpose) for r in registered_regions(config)]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     one_node = config.num_nodes == 1

@@ -48,10 +48,9 @@ from .layout import (
     ERROR_RECORD_EPOCH_OFFSET,
     ERROR_RECORD_PHASE_OFFSET,
     MAX_TOPK,
+    buffer_layouts,
     compiled,
     info_layout,
-    rdma_layout,
-    registered_layout,
 )
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging
@@ -513,10 +512,10 @@ class Engine:
         if config.num_nodes > 1 and rdma is None:
             raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
         self.rdma = rdma
-        self.reg = registered_layout(config)
-        self.rdma_layout = rdma_layout(config)
-        self.info = info_layout(config)
         check_extension(ext)
+        layouts = buffer_layouts(config, ext)  # built by this module, so its Geometry takes them
+        self.reg, self.rdma_layout = layouts.reg, layouts.rdma
+        self.info = info_layout(config)
         self.geo = self._geometry()
         self.error = ext.ErrorRecord()
         # Its phase word (common/params.h ErrorRecord; 0 while no kernel failed), in host memory:
@@ -591,12 +590,9 @@ class Engine:
         g.max_tokens, g.hidden = c.max_tokens_per_rank, c.hidden_dim
         g.pad_multiple = c.pad_multiple
         g.min_rows_per_expert = c.min_rows_per_expert
-        for name, value in dataclasses.asdict(self.reg).items():
-            setattr(g.reg, name, value)
+        g.reg, g.rdma = self.reg, self.rdma_layout
         for name, value in dataclasses.asdict(self.info).items():
             setattr(g.info, name, value)
-        for name, value in dataclasses.asdict(self.rdma_layout).items():
-            setattr(g.rdma, name, value)
         g.transport = self.ext.TRANSPORTS[self.rdma.kind if self.rdma is not None else "loopback"]
         return g
 
