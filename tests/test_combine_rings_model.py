@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.layout import comb_ring, registered_layout
+from hybrid_ep.backends.cuda.layout import registered_layout, registered_regions, ring_tag
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.emulated import GroupCache, check_emulated, on_device
 from hybrid_ep.testing.faults import ranks_absent
@@ -119,9 +119,10 @@ def test_the_partial_ring_is_its_slots_whatever_max_tokens():
     """Memory for partials: ring x 32 fp32 rows per expert host, not max_tokens rows."""
     group = group_for(ONE_NODE[0])
     reg, cfg = registered_layout(group.config), group.config
-    assert comb_ring(cfg) == RING
-    assert reg.region_bytes()["comb_rows"] == cfg.world_size * RING * 32 * cfg.hidden_dim * 4
-    assert reg.region_bytes()["comb_rows"] * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
+    comb_rows = {r.name: r.bytes for r in registered_regions(cfg)}["comb_rows"]
+    assert reg.partial.slots == RING and reg.partial.rings == cfg.ranks_per_node
+    assert comb_rows == cfg.ranks_per_node * RING * 32 * cfg.hidden_dim * 4
+    assert comb_rows * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
 
 
 def test_a_source_that_never_reads_its_partials_is_named_by_its_expert_host(monkeypatch):
@@ -142,7 +143,7 @@ def test_a_source_that_never_reads_its_partials_is_named_by_its_expert_host(monk
             group.combine([r.tokens for r in res], [r.handle for r in res])
         with pytest.raises(RuntimeError, match=r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer "
                                                r"rank 1 in the combine's partial-sum ring .*\(call 1, expected "
-                                               rf"{(1 << 32) | 1}, saw 0\)"):
+                                               rf"{ring_tag(1, 0)}, saw 0\)"):
             group.synchronize()
     finally:
         group.close()
@@ -176,7 +177,7 @@ def test_a_forwarder_that_never_reads_is_named_by_the_expert_host(monkeypatch):
     empty = torch.zeros(0, 2, dtype=torch.int64)
     message = _combine_with_absent(4, 2, 256, [torch.tensor([[6, 7]] * 256), empty, empty, empty], {0, 1, 2})
     assert re.search(r"rank 3 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 2 on node 1 in the "
-                     rf"combine's forwarding ring .*\(call 1, expected {(1 << 32) | 1}, saw 0\)", message), message
+                     rf"combine's forwarding ring .*\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message
 
 
 def test_a_source_that_never_reads_its_node_partials_is_named_by_its_forwarder(monkeypatch):
@@ -187,4 +188,4 @@ def test_a_source_that_never_reads_its_node_partials_is_named_by_its_forwarder(m
     message = _combine_with_absent(2, 1, 256, [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)],
                                    {0})
     assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 0 on node 0 in the "
-                     rf"combine's node-partial ring .*\(call 1, expected {(1 << 32) | 1}, saw 0\)", message), message
+                     rf"combine's node-partial ring .*\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message

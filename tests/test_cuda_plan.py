@@ -16,13 +16,14 @@ from hybrid_ep.backends.cuda.agreement import staging_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
-    ALIGN,
     MAX_TOPK,
+    buffer_layouts,
     check_geometry,
-    comb_ring,
     info_layout,
     rdma_layout,
+    rdma_regions,
     registered_layout,
+    registered_regions,
 )
 from hybrid_ep.backends.cuda.peer_memory import CHUNK
 from hybrid_ep.backends.cuda.staging import direct_region_bytes
@@ -39,43 +40,64 @@ def _cfg(W=8, E=16, H=8192, T=4096, G=None, pad=1, min_rows=0):
     return BufferConfig(H, T, E, W, G or W, pad, min_rows).validate()
 
 
+def _regions(regions) -> dict[str, int]:
+    return {r.name: r.bytes for r in regions}
+
+
 @pytest.mark.parametrize("cfg", [_cfg(), _cfg(W=1, E=1, H=128, T=0), _cfg(W=6, E=36, H=7168, T=17),
-                                 _cfg(W=8, E=256, H=7168, T=4096)])
-def test_registered_regions_are_aligned_disjoint_and_sized(cfg):
-    reg = registered_layout(cfg)
-    W, N, L, T, H = cfg.world_size, cfg.num_nodes, cfg.experts_per_rank, cfg.max_tokens_per_rank, cfg.hidden_dim
-    sizes = reg.region_bytes()
-    starts = {name: getattr(reg, name) for name in sizes}
-    assert all(start % ALIGN == 0 for start in starts.values())
-    ordered = sorted(starts.items(), key=lambda kv: kv[1])
-    for (name, start), (_, nxt) in zip(ordered, ordered[1:] + [("end", reg.total)]):
-        assert start + sizes[name] == nxt
-    ring_rows = W * cfg.ring_chunks * 32  # the receive ring: ring_chunks chunks of 32 rows per source
+                                 _cfg(W=8, E=256, H=7168, T=4096), _cfg(W=64, E=256, H=7168, T=4096, G=8)])
+def test_registered_regions_are_aligned_contiguous_and_sized(cfg):
+    reg, regions = registered_layout(cfg), registered_regions(cfg)
+    W, G, N, L, T, H = (cfg.world_size, cfg.ranks_per_node, cfg.num_nodes, cfg.experts_per_rank,
+                        cfg.max_tokens_per_rank, cfg.hidden_dim)
+    assert regions[0].offset == 0 and all(r.offset % 128 == 0 for r in regions)
+    for r, nxt in zip(regions, regions[1:]):
+        assert r.offset + r.bytes == nxt.offset
+    assert regions[-1].offset + regions[-1].bytes == reg.total
+    sizes = _regions(regions)
+    # the receive rings: a ring per source, each writer's ring_chunks shared among its N sources
+    assert reg.recv.rings == W and reg.recv.slots == max(2, cfg.ring_chunks // N)
+    ring_rows = W * reg.recv.slots * 32
     assert sizes["recv_rows"] == ring_rows * reg.row_stride and reg.row_stride >= H * 4
-    ring = min(cfg.ring_chunks, max(1, -(-T // 32)))  # chunk slots of each combine ring
-    assert reg.ring_chunks == cfg.ring_chunks and comb_ring(cfg) == ring
-    assert sizes["comb_rows"] == W * ring * 32 * ((H * 4 + 15) // 16 * 16)  # a ring per expert host, fp32 rows
-    assert sizes["combine_signal"] >= 8 * W * ring and sizes["comb_credit"] >= 8 * W * ring
-    assert sizes["count_in"] >= 4 * W * (W + N + L)
-    assert reg.meta_entries == min(L, MAX_TOPK)
-    assert sizes["recv_meta"] == 16 * ring_rows * reg.meta_entries
+    assert sizes["recv_meta"] == 16 * ring_rows * reg.meta_entries and reg.meta_entries == min(L, MAX_TOPK)
     assert sizes["recv_scales"] == ring_rows * reg.scale_stride
-    assert sizes["recv_credit"] >= 8 * W * cfg.ring_chunks
     assert reg.scale_stride == (((H // 128) * 4 + 15) // 16 * 16 if H % 128 == 0 else 0)
-    assert memory_plan(cfg).registered_bytes == reg.total + direct_region_bytes(cfg)  # staging and arena follow
+    # the partial rings: one per expert host of the node, ring_chunks slots or the largest source's chunks
+    comb = min(cfg.ring_chunks, max(1, -(-T // 32)))
+    assert (reg.partial.rings, reg.partial.slots) == (G, comb)
+    assert sizes["comb_rows"] == G * comb * 32 * ((H * 4 + 15) // 16 * 16)
+    assert sizes["comb_fwd"] == (N * G * reg.forward.slots * 32 * reg.comb_stride if N > 1 else 0)
+    assert sizes["flags+counts"] >= 8 * (N * G * reg.recv.slots + 2 * G * comb) + 4 * W * (W + N + L)
+    heap = memory_plan(cfg).as_dict().get("nvshmem_heap", 0)  # several nodes: the RDMA region's
+    assert memory_plan(cfg).registered_bytes == reg.total + heap + direct_region_bytes(cfg)  # staging, arena follow
 
 
-def test_memory_plan_lines_cover_every_registered_region_once():
-    """memory_plan()'s registered lines add up to the registered layout: a region added to or
-    renamed in layout.py without a line here fails, instead of going unreported."""
-    from hybrid_ep.backends.cuda.backend import REGISTERED_LINES
-
-    named = [r for _, regions, _ in REGISTERED_LINES for r in regions]
-    assert len(named) == len(set(named))
+def test_memory_plan_lines_are_the_registered_regions():
+    """memory_plan()'s registered lines are the regions csrc builds (name, bytes, purpose), in order."""
     for cfg in (_cfg(), _cfg(W=8, E=256, H=7168, T=4096, G=4)):
-        assert set(named) == set(registered_layout(cfg).region_bytes())
-        plan = memory_plan(cfg).as_dict()
-        assert sum(plan[line] for line, _, _ in REGISTERED_LINES) == registered_layout(cfg).total
+        regions = registered_regions(cfg)
+        lines = memory_plan(cfg).buffers[:len(regions)]
+        assert [(b.name, b.nbytes, b.purpose) for b in lines] == [(r.name, r.bytes, r.purpose) for r in regions]
+        assert sum(b.nbytes for b in lines) == registered_layout(cfg).total
+
+
+@pytest.mark.parametrize(("world_size", "held"), [(64, 0.7e9), (8, 0.12e9)])
+def test_a_deepseek_v3_like_layer_holds_rings_sized_by_their_writers(world_size, held):
+    """E 256, top-8, H 7168, 4096 tokens per rank (a bf16 model's layer): EP 64 as 8 nodes of 8
+    holds at most 0.7 GB per GPU, EP 8 at most 0.12 GB. Each ring region is sized by the peers
+    that write it (node peers over NVLink, rail peers over RDMA), not by the EP size."""
+    cfg = BufferConfig(7168, 4096, 256, world_size, 8).validate()
+    plan = memory_plan(cfg)
+    assert plan.held_bytes <= held, str(plan)
+    reg, row, lines = registered_layout(cfg), 7168 * 4, plan.as_dict()
+    # NVLink: the partial rings one per expert host of the node (G), ring_chunks slots each
+    assert lines["comb_rows"] == 8 * 8 * 32 * row
+    if world_size == 8:
+        assert lines["recv_rows"] == 8 * 8 * 32 * row  # a ring per source, all of this node
+    else:  # a writer's 8 slots shared among its 8 sources, but no fewer than 2 each
+        assert reg.recv.slots == reg.forward.slots == 2
+        assert lines["recv_rows"] == 64 * 2 * 32 * row and lines["comb_fwd"] == 8 * 8 * 2 * 32 * row
+        assert _regions(rdma_regions(cfg))["disp_rows"] == 2 * 8 * 8 * 32 * row  # RDMA: N rings, out and in
 
 
 def test_outputs_are_not_held_and_peer_memory_starts_empty():
@@ -102,21 +124,20 @@ def test_outputs_are_not_held_and_peer_memory_starts_empty():
 @pytest.mark.parametrize("ring", [2, 8])
 def test_combine_rings_are_their_slots_whatever_max_tokens(ring):
     """Several nodes: every combine ring (partials, forwarded partials, node partials out and in)
-    holds ring x 32 fp32 rows per peer, with a signal and a credit word per slot; 4096 or
+    holds its slots x 32 fp32 rows per writer, with a signal and a credit word per slot; 4096 or
     65536 tokens per rank take the same bytes."""
     sizes = []
     for T in (4096, 65536):
         cfg = BufferConfig(7168, T, 256, 64, 8, ring_chunks=ring).validate()
         reg, rdma = registered_layout(cfg), rdma_layout(cfg)
-        row, W, N = 7168 * 4, 64, 8
-        regs, rd = reg.region_bytes(), rdma.region_bytes()
-        assert regs["comb_rows"] == regs["comb_fwd"] == W * ring * 32 * row
-        assert regs["comb_fwd_signal"] >= 8 * W * ring and regs["comb_credit"] >= 8 * W * ring
-        assert rd["comb_rows_out"] == rd["comb_rows_in"] == N * ring * 32 * row
-        assert rd["comb_signal"] >= 8 * N * ring and rd["comb_credit"] >= 8 * N * ring
-        sizes.append({k: regs[k] for k in ("comb_rows", "comb_fwd", "comb_fwd_signal", "comb_credit",
-                                           "combine_signal")} | {k: rd[k] for k in ("comb_rows_out", "comb_rows_in",
-                                                                                   "comb_signal", "comb_credit")})
+        row, G, N = 7168 * 4, 8, 8
+        regs, rd = _regions(registered_regions(cfg)), _regions(rdma_regions(cfg))
+        assert regs["comb_rows"] == G * ring * 32 * row
+        assert regs["comb_fwd"] == N * G * max(2, ring // (N - 1)) * 32 * row
+        assert rd["node_partials"] == 2 * N * ring * 32 * row
+        assert (rdma.node_part.rings, rdma.node_part.slots) == (N, ring)
+        sizes.append((regs["comb_rows"], regs["comb_fwd"], rd["node_partials"], reg.partial.slots,
+                      reg.forward.slots))
     assert sizes[0] == sizes[1]
 
 
@@ -253,12 +274,10 @@ def test_compiled_structs_match_the_python_plan(module):
     with pytest.raises(IndexError):
         args.set_rank(ext.MAX_LAUNCH_RANKS, r)
     geo = ext.Geometry()
-    for name, value in dataclasses.asdict(registered_layout(_cfg())).items():
-        setattr(geo.reg, name, value)
-    assert geo.reg.total == registered_layout(_cfg()).total
+    geo.reg = buffer_layouts(_cfg(), ext).reg
+    assert geo.reg.total == registered_layout(_cfg()).total and geo.reg.recv.slots == 8
     several = BufferConfig(128, 64, 8, 4, 2).validate()
-    for name, value in dataclasses.asdict(rdma_layout(several)).items():
-        setattr(geo.rdma, name, value)
+    geo.rdma = buffer_layouts(several, ext).rdma
     assert geo.rdma.total == rdma_layout(several).total > 0
 
 

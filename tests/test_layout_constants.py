@@ -105,3 +105,16 @@ def test_the_error_record_offsets_the_engine_polls_are_csrcs():
     record = model.ErrorRecord()
     epoch = ctypes.c_uint64.from_address(record.host_ptr + layout.ERROR_RECORD_EPOCH_OFFSET)
     assert epoch.value == 0 and record.read() is None
+
+
+def test_the_buffer_layouts_come_from_the_extension():
+    """The registered buffer's and the RDMA region's offsets are built by csrc (bindings/
+    buffer_layout.h) and only read in Python: layout.py places no region itself."""
+    from hybrid_ep.config import BufferConfig
+
+    cfg = BufferConfig(256, 64, 8, 4, 2).validate()
+    assert isinstance(layout.registered_layout(cfg), layout.compiled.RegLayout)
+    assert isinstance(layout.rdma_layout(cfg), layout.compiled.RdmaLayout)
+    assert [r.name for r in layout.registered_regions(cfg)][:2] == ["flags+counts", "recv_meta"]
+    source = (CUDA_BACKEND / "layout.py").read_text()
+    assert "def take(" not in source and "region_bytes" not in source

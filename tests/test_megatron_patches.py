@@ -341,7 +341,7 @@ def test_startup_line_reports_held_bytes_by_region():
                            f"holds {size(plan.registered_bytes)} per GPU (")
     held = sorted((b for b in plan.buffers if b.registered and b.nbytes), key=lambda b: -b.nbytes)
     shown = re.findall(r"(\w[\w+]*) (\d+\.\d\d [KMGT]iB)", line.split(" per GPU (")[1].split(")")[0])
-    assert [name for name, _ in shown] == [b.name for b in held[:len(shown)]] and len(shown) >= 3
+    assert [name for name, _ in shown] == [b.name for b in held[:len(shown)]] and len(shown) >= 2
     assert [value for _, value in shown] == [size(b.nbytes) for b in held[:len(shown)]]
     assert f"+{len(held) - len(shown)} more" in line
     assert line.endswith(f"; per call <= {size(plan.workspace_bytes)}")

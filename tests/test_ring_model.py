@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.backends.cuda.layout import ring_tag
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import GroupCache, check_emulated
@@ -97,20 +98,21 @@ def test_calls_that_wrap_the_ring_many_times_match_the_oracle(case):
 def test_a_call_that_wraps_the_ring_needs_no_more_memory():
     """The dispatch's rings do not grow with max_tokens_per_rank: the receive ring's regions
     and, with several nodes, the staging rings' are the same for 64 and 4096 tokens per rank."""
-    from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
+    from hybrid_ep.backends.cuda.layout import rdma_regions, registered_layout, registered_regions
 
     def config(tokens):
         return dataclasses.replace(hierarchy_case(2, 2, tokens=(tokens,) * 4).config, ring_chunks=RING)
 
     small, large = config(64), config(4096)
-    a, b = registered_layout(small).region_bytes(), registered_layout(large).region_bytes()
-    for region in ("recv_rows", "recv_meta", "recv_credit"):
+    a, b = ({r.name: r.bytes for r in registered_regions(c)} for c in (small, large))
+    for region in ("recv_rows", "recv_meta"):
         assert a[region] == b[region] > 0, region
-    assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x ring x 32 rows of H fp32 values
-    a, b = rdma_layout(small).region_bytes(), rdma_layout(large).region_bytes()
-    for region in ("disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit"):
+    assert registered_layout(small).recv.slots == RING  # the least a ring turns over with
+    assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x slots x 32 rows of H fp32 values
+    a, b = ({r.name: r.bytes for r in rdma_regions(c)} for c in (small, large))
+    for region in ("disp_meta", "disp_rows"):
         assert a[region] == b[region] > 0, region
-    assert a["disp_rows_in"] == 2 * RING * 32 * 128 * 4  # N x ring x 32 rows of H fp32 values
+    assert a["disp_rows"] == 2 * 2 * RING * 32 * 128 * 4  # out and in: N x slots x 32 rows of H fp32 values
 
 
 def test_back_to_back_calls_wrap_the_ring_with_other_shapes():
@@ -148,7 +150,7 @@ def _dispatch_to_an_absent_rank(ranks_per_node: int) -> str:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
     """One node: rank 0's writers fill the two slots of rank 1's ring for rank 0 and wait for
-    rank 1 to free chunk 0's slot (its credit in call 1: 2^32 + 1): the record names the ring,
+    rank 1 to free chunk 0's slot (its credit in call 1, ring_tag(1, 0)): the record names the ring,
     rank 1 and that chunk. Rank 0's expansion waits too, for its own chunk 2, which its stalled
     writers never signal; a wait on a rank's own signal has twice the bound, so the ring's wait
     reports first whatever the schedule."""
@@ -157,7 +159,7 @@ def test_a_reader_that_never_frees_its_ring_is_named(monkeypatch, seed):
     message = _dispatch_to_an_absent_rank(ranks_per_node=2)
     assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 in the dispatch's "
                      r"receive ring \(waiting for the peer to read a chunk and free its slot.*"
-                     r"\(call 1, expected 4294967297, saw 0\)", message), message
+                     rf"\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -170,4 +172,4 @@ def test_a_rail_peer_that_never_forwards_is_named(monkeypatch, seed):
     message = _dispatch_to_an_absent_rank(ranks_per_node=1)
     assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 on node 1 in the "
                      r"dispatch's staging for that node \(waiting for the rail peer to forward a chunk and free its "
-                     r"slot.*\(call 1, expected 4294967297, saw 0\)", message), message
+                     rf"slot.*\(call 1, expected {ring_tag(1, 0)}, saw 0\)", message), message

@@ -24,9 +24,10 @@ rows and their RDMA staging moved into rings freed by credits and the send units
 by chunk index; and when a block's setup ended with a barrier, plain global stores came to take
 the SM's request path (request_ns) and the direct dispatch went templated over the transport
 (the direct dispatches +1.4 to +1.7 %, the receive ones +0.04 to +2.8 %, the combines within
-0.3 %; see the commit that last replaced the file); and when the two-node dispatch's RDMA warps
-came to read the block's abort word once per warp (warp_uniform) in their loop condition (that
-dispatch -2.80 %, every other launch to the bit; the kernels' sites moved).
+0.3 %); when the two-node dispatch's RDMA warps came to read the block's abort word once per
+warp (warp_uniform) in their loop condition (that dispatch -2.80 %, every other launch to the
+bit); and when the rings between ranks got one type, PeerRing (sites' lines only, every time to
+the bit; see the commit that last replaced the file).
 A change that means to change the times replaces the file and says so in its commit.
 """
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bindings/arena.h"
+#include "bindings/buffer_layout.h"
 #include "common/params.h"
 #include "kernels/launch.h"
 
@@ -365,6 +366,7 @@ inline void bind_common(py::module_& m) {
   m.attr("CHUNK_META_HEADER") = kChunkMetaHeader;
   m.attr("COUNT_ROW_TAIL") = kCountRowTail;
   m.attr("AGREE_WORDS") = kAgreeWords;
+  m.attr("RING_TAG_CHUNK_BITS") = kRingTagChunkBits;
   m.attr("CHUNK_SIGNAL_BYTES") = sizeof(ChunkSignal);
   m.attr("LOCAL_STATE_BYTES") = sizeof(LocalState);
   m.attr("META_ENTRY_BYTES") = sizeof(MetaEntry);
@@ -381,23 +383,47 @@ inline void bind_common(py::module_& m) {
   m.attr("PIPE_SITES") = code_dict(kPipeSiteNames);
 
 #define RW(cls, field) .def_readwrite(#field, &cls::field)
+  py::class_<RingLayout>(m, "RingLayout", py::module_local())
+      .def(py::init<>()) RW(RingLayout, rings) RW(RingLayout, slots);
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
       .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
-          RW(RegLayout, ring_chunks) RW(RegLayout, combine_signal) RW(RegLayout, done_dispatch)
-              RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in) RW(RegLayout, count_row_ints)
-                  RW(RegLayout, recv_meta) RW(RegLayout, meta_entries) RW(RegLayout, recv_rows)
-                      RW(RegLayout, row_stride) RW(RegLayout, recv_scales) RW(RegLayout, scale_stride)
-                          RW(RegLayout, recv_credit) RW(RegLayout, comb_rows) RW(RegLayout, comb_stride)
-                              RW(RegLayout, comb_fwd) RW(RegLayout, comb_fwd_signal) RW(RegLayout, comb_credit)
-                                  RW(RegLayout, direct_tensors) RW(RegLayout, direct_first) RW(RegLayout, direct_done)
-                                      RW(RegLayout, total);
+          RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
+              RW(RegLayout, count_row_ints) RW(RegLayout, recv) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
+                  RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
+                      RW(RegLayout, scale_stride) RW(RegLayout, recv_credit) RW(RegLayout, partial)
+                          RW(RegLayout, forward) RW(RegLayout, combine_signal) RW(RegLayout, partial_credit)
+                              RW(RegLayout, comb_rows) RW(RegLayout, comb_stride) RW(RegLayout, comb_fwd)
+                                  RW(RegLayout, comb_fwd_signal) RW(RegLayout, forward_credit)
+                                      RW(RegLayout, direct_tensors) RW(RegLayout, direct_first)
+                                          RW(RegLayout, direct_done) RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
-      .def(py::init<>()) RW(RdmaLayout, count_epoch) RW(RdmaLayout, count_out) RW(RdmaLayout, count_in)
-          RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine) RW(RdmaLayout, disp_signal)
-              RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes) RW(RdmaLayout, disp_meta_out)
-                  RW(RdmaLayout, disp_meta_in) RW(RdmaLayout, disp_rows_out) RW(RdmaLayout, disp_rows_in)
-                      RW(RdmaLayout, disp_credit) RW(RdmaLayout, comb_signal) RW(RdmaLayout, comb_credit)
-                          RW(RdmaLayout, comb_rows_out) RW(RdmaLayout, comb_rows_in) RW(RdmaLayout, total);
+      .def(py::init<>()) RW(RdmaLayout, staged) RW(RdmaLayout, node_part) RW(RdmaLayout, count_epoch)
+          RW(RdmaLayout, count_out) RW(RdmaLayout, count_in) RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine)
+              RW(RdmaLayout, disp_signal) RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes)
+                  RW(RdmaLayout, disp_meta_out) RW(RdmaLayout, disp_meta_in) RW(RdmaLayout, disp_rows_out)
+                      RW(RdmaLayout, disp_rows_in) RW(RdmaLayout, disp_credit) RW(RdmaLayout, comb_signal)
+                          RW(RdmaLayout, comb_credit) RW(RdmaLayout, comb_rows_out) RW(RdmaLayout, comb_rows_in)
+                              RW(RdmaLayout, total);
+  // The layouts of the registered buffer and the RDMA region, built from the list of rings
+  // (bindings/buffer_layout.h), with their regions: hybrid_ep/backends/cuda/layout.py reads them.
+  py::class_<BufferShape>(m, "BufferShape", py::module_local())
+      .def(py::init<>()) RW(BufferShape, world_size) RW(BufferShape, ranks_per_node) RW(BufferShape, local_experts)
+          RW(BufferShape, max_tokens) RW(BufferShape, hidden) RW(BufferShape, ring_chunks) RW(BufferShape, scale_cols);
+  py::class_<Region>(m, "Region", py::module_local())
+      .def_readonly("name", &Region::name)
+      .def_readonly("offset", &Region::offset)
+      .def_readonly("bytes", &Region::bytes)
+      .def_readonly("purpose", &Region::purpose)
+      .def("__repr__", [](const Region& r) {
+        return "Region(" + r.name + ", offset=" + std::to_string(r.offset) + ", bytes=" + std::to_string(r.bytes) + ")";
+      });
+  py::class_<BufferLayouts>(m, "BufferLayouts", py::module_local())
+      .def_readonly("reg", &BufferLayouts::reg)
+      .def_readonly("rdma", &BufferLayouts::rdma)
+      .def_readonly("registered", &BufferLayouts::registered)
+      .def_readonly("rdma_regions", &BufferLayouts::rdma_regions);
+  m.def("buffer_layouts", &buffer_layouts, py::arg("shape"),
+        "the registered buffer's and the RDMA region's layouts and regions, from the rings between ranks");
   py::class_<InfoLayout>(m, "InfoLayout", py::module_local())
       .def(py::init<>()) RW(InfoLayout, tokens_per_expert) RW(InfoLayout, expert_start) RW(InfoLayout, expert_rows)
           RW(InfoLayout, src_prefix) RW(InfoLayout, recv_count) RW(InfoLayout, src_tokens) RW(InfoLayout, recv_offset)

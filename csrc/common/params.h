@@ -2,8 +2,9 @@
 //
 // Every pointer is carried as uint64_t so pybind11 can fill the fields from Python
 // (tensor.data_ptr()) and the same struct is passed by value to a kernel. The offsets of
-// the registered buffer and of the per-call info tensor are planned in Python
-// (hybrid_ep/backends/cuda/layout.py) so memory_plan() knows them before allocation.
+// the registered buffer and the RDMA region are built by csrc/bindings/buffer_layout.h, those
+// of the per-call info tensor are planned in Python (hybrid_ep/backends/cuda/layout.py), so
+// memory_plan() knows them before allocation.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +27,10 @@ constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_g
 constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
+// A ring between ranks tags its slots with the call in the high bits and chunk + 1 in the low
+// kRingTagChunkBits (kernels/peer_ring.cuh, PeerRing::tag): max_chunks stays below 2^24 - 1, and
+// the call field of 40 bits is not reached (2^40 calls: 35 years at 1000 calls a second).
+constexpr int kRingTagChunkBits = 24;
 constexpr int kAgreeWords = 5;             // a rank's words of the data-path agreement (RankArgs::agree)
 constexpr int kCountRowTail = 4 + kAgreeWords;  // a count row's ints after its per-expert counts: the source's
                                                 // tokens, its first bad token (-1: none) and that route's expert
@@ -161,14 +166,19 @@ static_assert(names_every_code(kDTypeNames, kNumDTypes), "kDTypeNames must name 
 static_assert(names_every_code(kPhaseNames, kNumPhases), "kPhaseNames must name every Phase");
 static_assert(names_every_code(kPipeSiteNames, kNumPipeSites), "kPipeSiteNames must name every PipeSite");
 
-// Offsets (bytes) inside one rank's registered buffer. Peers write into it.
+// One family of rings between ranks in a buffer (kernels/peer_ring.cuh): `rings` rings of
+// `slots` chunk slots each (csrc/bindings/buffer_layout.h sizes them).
+struct RingLayout {
+  uint64_t rings;
+  uint64_t slots;
+};
+
+// Offsets (bytes) inside one rank's registered buffer. Peers write into it. Built by
+// csrc/bindings/buffer_layout.h (its regions: the memory plan's lines).
 struct RegLayout {
   uint64_t count_epoch;     // u64 [W]: epoch of the counts source s wrote
   uint64_t chunk_signal;    // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
-  uint64_t ring_chunks;     // chunk slots per peer of every ring of rows between ranks (BufferConfig.ring_chunks)
-  uint64_t combine_signal;  // u64 [W][comb ring]: expert host d wrote the partials of chunk c into slot
-                            // c % ring (ring_tag(epoch, c))
   uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
   uint64_t state;           // LocalState (only this rank touches it)
@@ -176,31 +186,31 @@ struct RegLayout {
   uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
                             // + kCountRowTail (the source's tokens, its first bad route, its agreement
                             // words) + W (its routes to each rank)
-  // The receive ring: chunk c of source s lands in chunk slot c % ring_chunks of s's ring, its rows
-  // for this rank (at most kChunkTokens, receive slots [first, first + rows) of the ChunkSignal) in
-  // rows 0 .. rows - 1 of the slot. Written by s (by its rail peer on this node, the forwarder, for a
-  // source on another node), freed by this rank's credit once it read the chunk (recv_credit).
-  uint64_t recv_meta;     // MetaEntry [W][ring_chunks][kChunkTokens][meta_entries]
+  // The receive rings (recv: a ring per source s, slot rows for the chunk's rows to this rank):
+  // written by s, or for a source on another node by its rail peer on this node (the forwarder).
+  RingLayout recv;
+  uint64_t recv_meta;     // MetaEntry [W][slots][kChunkTokens][meta_entries]
   uint64_t meta_entries;  // entries per received row: min(L, kMaxTopK)
-  uint64_t recv_rows;     // rows [W][ring_chunks][kChunkTokens], each the call's row bytes (packed: a chunk's
+  uint64_t recv_rows;     // rows [W][slots][kChunkTokens], each the call's row bytes (packed: a chunk's
                           // rows are contiguous); sized for fp32 rows
   uint64_t row_stride;    // bytes per row at the widest dtype (fp32): the region's size
-  uint64_t recv_scales;   // f32 [W][ring_chunks][kChunkTokens][scale_stride / 4]
+  uint64_t recv_scales;   // f32 [W][slots][kChunkTokens][scale_stride / 4]
   uint64_t scale_stride;
-  uint64_t recv_credit;      // u64 [N][G][ring_chunks], written by the readers of the rings this rank writes:
-                             // [source node n][rank g of this node][slot] = (epoch << 32) | (c + 1) once rank g
-                             // read chunk c of the source on node n that this rank sent it (its own, or forwarded)
-  uint64_t comb_rows;        // partial sums, a ring per expert host d: [W][comb ring][kChunkTokens] rows, each
-                             // the call's row in the wire dtype (packed); chunk c in slot c % ring, row q the
-                             // q-th of the chunk's receive slots at d; sized for fp32 rows
+  uint64_t recv_credit;  // u64 [N][G][recv slots], the credits of the receive rings this rank writes:
+                         // [source node n][reader g of this node][slot]
+  // The partial-sum rings (partial: a ring per expert host g of this node, written by g) and, with
+  // several nodes, the forward rings (forward: partials for a source on another node whose rail
+  // peer this rank is, a ring per (source node, writer g of this node)).
+  RingLayout partial, forward;
+  uint64_t combine_signal;   // u64 [G][partial slots]: host g stored its partials of the slot's chunk
+  uint64_t partial_credit;   // u64 [G][partial slots]: source g of this node read this rank's partials
+  uint64_t comb_rows;        // [G][partial slots][kChunkTokens] rows, each the call's row in the wire dtype
+                             // (packed); row q the q-th of the chunk's receive slots at the host; sized for fp32
   uint64_t comb_stride;      // bytes per row at the widest wire dtype (fp32): the region's size
-  uint64_t comb_fwd;         // partial sums for sources on other nodes, written by the ranks of this node
-                             // when this rank is the source's rail peer here: a ring per (source node,
-                             // writer g): [N][G][comb ring][kChunkTokens] rows in the wire dtype (packed),
-                             // chunk c in slot c % ring, row q the q-th of the chunk's receive slots at g
-  uint64_t comb_fwd_signal;  // u64 [N][G][comb ring]: writer g stored its partials of chunk c (ring_tag)
-  uint64_t comb_credit;      // u64 [W][comb ring]: the reader of this rank's partial ring for source s (s, or
-                             // its rail peer on this node) has read chunk c from slot c % ring (ring_tag)
+  uint64_t comb_fwd;         // [N][G][forward slots][kChunkTokens] rows in the wire dtype (packed), row q
+                             // the q-th of the chunk's receive slots at writer g
+  uint64_t comb_fwd_signal;  // u64 [N][G][forward slots]: writer g stored its partials of the slot's chunk
+  uint64_t forward_credit;   // u64 [W][forward slots]: the rail peer of source s read this rank's partials
   // The direct path (a single node whose ranks can address each other's tensors: sources write
   // output rows straight into their final row, and read expert outputs straight from their row).
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
@@ -209,18 +219,6 @@ struct RegLayout {
                             // expert_out [1] in that call (epoch)
   uint64_t total;
 };
-
-// The chunk slots of each combine ring (comb_rows, comb_fwd, the RDMA node partials): ring_chunks,
-// or fewer where no source has that many chunks (hybrid_ep/backends/cuda/layout.py comb_ring).
-inline constexpr uint64_t comb_ring(const RegLayout& reg) {
-  return reg.ring_chunks < reg.max_chunks ? reg.ring_chunks : reg.max_chunks;
-}
-
-// What a combine ring's signal and credit words hold: the call and the chunk, so that a wait is
-// `>=` across calls and chunks alike (the chunks of one slot come in order: c, c + ring, ...).
-inline constexpr uint64_t ring_tag(uint64_t epoch, int64_t chunk) {
-  return (epoch << 32) | static_cast<uint64_t>(chunk + 1);
-}
 
 // A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
 // the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with
@@ -235,12 +233,12 @@ struct PeerTensors {
 };
 
 // Offsets (bytes) inside one rank's RDMA region (the symmetric heap on clusters: the same
-// offsets on every rank). Only ranks on other nodes write into it, through the transport.
-// The dispatch's staging is a ring of ring_chunks chunk slots per node: staged chunk c takes
-// slot c % ring_chunks, its rows (c % ring_chunks) * kChunkTokens + q, q the token's ordinal
-// among the chunk's tokens that go to the node. The combine's areas are indexed
-// c * kChunkTokens + q.
+// offsets on every rank). Only ranks on other nodes write into it, through the transport. Built
+// by csrc/bindings/buffer_layout.h. The staging rings (staged) and node-partial rings
+// (node_part): a ring per node n (this rank's own node's stays unused, which keeps every offset
+// the same on every rank), row q of a chunk's slot the chunk's q-th token for that node.
 struct RdmaLayout {
+  RingLayout staged, node_part;
   uint64_t count_epoch;       // u64 [W]: a source on another node wrote its counts (epoch)
   uint64_t count_out;         // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
   uint64_t count_in;          // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
@@ -250,19 +248,16 @@ struct RdmaLayout {
   uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
   uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
   uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
-  uint64_t disp_meta_out;     // [N][ring_chunks] chunk routing staged for node n's rail peer
-  uint64_t disp_meta_in;      // [N][ring_chunks] chunk routing from the rail peer on node n
-  uint64_t disp_rows_out;     // [N][ring_chunks * kChunkTokens] rows staged for node n (packed, call's row size)
-  uint64_t disp_rows_in;      // [N][ring_chunks * kChunkTokens] rows from the rail peer on node n
-  uint64_t disp_credit;       // u64 [N][ring_chunks]: the rail peer on node n forwarded this rank's staged chunk c
-                              // from the slot, (epoch << 32) | (c + 1): both ends of the slot are free again
-  uint64_t comb_signal;       // u64 [N][comb ring]: the node partials of chunk c from node n arrived (ring_tag)
-  uint64_t comb_credit;       // u64 [N][comb ring]: the source on node n read the node partials of chunk c
-                              // this rank put it (ring_tag): slot c % ring is free here and there
-  uint64_t comb_rows_out;     // [N][comb ring * kChunkTokens] node partials staged for the source on node n:
-                              // chunk c at slots (c % ring) * kChunkTokens + q, q the token's ordinal among
-                              // the chunk's tokens for this node
-  uint64_t comb_rows_in;      // [N][comb ring * kChunkTokens] node partials from node n (wire dtype, packed)
+  uint64_t disp_meta_out;     // [N][staged slots] chunk routing staged for node n's rail peer
+  uint64_t disp_meta_in;      // [N][staged slots] chunk routing from the rail peer on node n
+  uint64_t disp_rows_out;     // [N][staged slots][kChunkTokens] rows staged for node n (packed, call's row size)
+  uint64_t disp_rows_in;      // [N][staged slots][kChunkTokens] rows from the rail peer on node n
+  uint64_t disp_credit;       // u64 [N][staged slots]: the rail peer on node n forwarded this rank's staged chunk
+  uint64_t comb_signal;       // u64 [N][node_part slots]: the node partials of the slot's chunk from node n arrived
+  uint64_t comb_credit;       // u64 [N][node_part slots]: the source on node n read the node partials this rank
+                              // put it: the slot is free here and there
+  uint64_t comb_rows_out;     // [N][node_part slots][kChunkTokens] node partials staged for the source on node n
+  uint64_t comb_rows_in;      // [N][node_part slots][kChunkTokens] node partials from node n (wire dtype, packed)
   uint64_t total;
 };
 

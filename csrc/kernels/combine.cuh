@@ -41,35 +41,16 @@
 // a bf16 combine rounds once per hop. The last block to finish publishes done_combine, which
 // lets peers write the next combine's partials.
 //
-// Rings. Partials go through bounded rings of R = comb_ring chunk slots (BufferConfig.
-// ring_chunks, at most the largest source's chunks), whatever max_tokens and the routing: an
-// expert host's partials of chunk c of source s to slot c % R of the ring it fills for s (row q:
-// the q-th of the chunk's receive slots at the host), in s's comb_rows or, for a source on
-// another node, in s's rail peer's comb_fwd; the forwarder's node partials of chunk c to slot
-// c % R of its comb_rows_out, and by the put to the same slot of the source's comb_rows_in. A
-// slot's signal word and credit word hold ring_tag(epoch, c) of its latest chunk. The reader of a
-// ring (a source's or forwarder's load warp), once the bulk loads of a chunk landed in shared
-// memory, stores the chunk's tag into the credit word in the writer's memory (NVLink: a
-// system-scope release through the peer pointer; RDMA: the transport's signal), and the writer of
-// chunk c >= R first waits until its credit word holds the tag of chunk c - R (kPhasePartialRing,
-// kPhaseForwardRing; the forwarder's load warp, before the chunk whose node partials its
-// reducers will write: kPhaseNodePartRing). Chunks c < R wait for nothing: the call's flow
-// control (done_combine) freed every slot. Every chunk waits, rows or none, so a slot's chunks
-// follow each other in order (write c - R, signal, read, credit, write c, ...) and its words only
-// grow. One credit of the source frees a node-partial slot at both ends: its comb_rows_in (it
-// read the node partials) and the forwarder's comb_rows_out (the put that delivered them had
-// read them).
-//
-// No cycle of waits (R >= 2 where a ring turns over; the tests run R = 2). Number the events of
-// chunk k: host(k) = 3k (an expert host stores and signals its partials of chunk k), fwd(k) =
-// 3k + 1 (a forwarder reads a forwarded chunk's partials, sums and puts them), own(k) =
-// 3(k + lag) + 2 (the source reads and sums chunk k), lag = min(blocks, R - 1): own chunk k
-// comes after the forwarded chunks up to k + lag (SourceSideChunks). Each event waits only for
-// lower numbers: host(k) for the credit of own(k - R) = 3(k - R + lag) + 2 <= 3k - 1 or of
-// fwd(k - R) = 3k - 3R + 1; fwd(k) for host(k) and for the credit of own(k - R) <= 3k - 1; own(k)
-// for host(k) and fwd(k). Each warp's work list is monotone in that number: the host warps walk
-// (source, chunk) chunk-major, the source load warp forwarded chunk k before own chunk k - lag.
-// And no warp holds back what a lower number needs while it waits: the host store warp signals
+// Rings between ranks (kernels/peer_ring.cuh: their invariant, and why no wait closes a
+// cycle). Partials go through bounded rings whatever max_tokens and the routing: an expert
+// host's partials of chunk c of source s to its slot of the ring it fills for s (row q: the q-th
+// of the chunk's receive slots at the host), in s's comb_rows (partial) or, for a source on
+// another node, in s's rail peer's comb_fwd (forward); the forwarder's node partials of chunk c
+// to its slot of its comb_rows_out, and by the put to the same slot of the source's
+// comb_rows_in (node_part). The reader of a ring (a source's or forwarder's load warp) releases
+// a chunk once its bulk loads landed in shared memory; the host store warp acquires a slot
+// before the chunk's stores, and the forwarder's load warp before the chunk whose node partials
+// its reducers will write. Every chunk takes its slot, rows or none. The host store warp signals
 // every chunk it stored before it waits for a credit, the source load warp sends the credits of
 // the chunks it loaded (after they landed, which needs no peer) before it waits for a peer, and
 // the reducers and the put warp wait only inside the block.
@@ -77,6 +58,7 @@
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
+#include "kernels/peer_ring.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/segments.cuh"
 #include "kernels/skeleton.cuh"
@@ -101,9 +83,10 @@ constexpr int kPutStages = 4;         // forwarded chunks written by the reducer
 
 // ---- stages and tables ----------------------------------------------------------------------
 
-// One output stage of the expert host: a partial, to be stored at (source, slot).
+// One output stage of the expert host: a partial, to be stored for `source` as row
+// chunk_row % kChunkTokens of chunk chunk_row / kChunkTokens.
 struct OutItem {
-  int32_t source, slot, col0, cols;
+  int32_t source, chunk_row, col0, cols;
 };
 
 // A received chunk's routes, read by the host load warp (a lane per row).
@@ -164,7 +147,7 @@ struct Combine : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
   int W, Tmax, T, kd, C, seg_cols, segments, chunk;
-  int ring_slots;                 // chunk slots of each combine ring (comb_ring)
+  PeerRing partial, forward, node_part;  // the rings of partial sums it writes and reads (kernels/peer_ring.cuh)
   uint32_t in_bytes, wire_bytes;  // element sizes
   const int64_t* info;
   CombineShared& sh;
@@ -177,8 +160,9 @@ struct Combine : KernelCall {
   __device__ Combine(const KernelCall& k, CombineShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
       : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), Tmax(k.geo.max_tokens), T(k.a.num_tokens),
         kd(k.args.kd), C(k.args.row_elems), seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols),
-        chunk(k.args.chunk_tokens), ring_slots(static_cast<int>(comb_ring(k.geo.reg))), in_bytes(elem_size),
-        wire_bytes(wire_size), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared), host_in(smem),
+        chunk(k.args.chunk_tokens), partial(peer_rings::partial(k.geo)), forward(peer_rings::forward(k.geo)),
+        node_part(peer_rings::node_part(k.geo)), in_bytes(elem_size), wire_bytes(wire_size),
+        info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared), host_in(smem),
         host_out(host_in + static_cast<size_t>(k.args.host_stages) * k.args.host_stage_bytes),
         src_in(host_out + static_cast<size_t>(k.args.host_out_stages) * k.args.src_stage_bytes),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
@@ -191,49 +175,54 @@ struct Combine : KernelCall {
     first = spans[i];
     rows = spans[i + 1];
   }
-  // Row q (the q-th of a chunk's rows at the writer) of chunk c in a ring: its index in the ring.
-  __device__ int32_t ring_row(int c, int q) const { return (c % ring_slots) * kChunkTokens + q; }
-  // The partial of source s at `row` of expert host `host`'s ring, in s's buffer.
-  __device__ uint8_t* partial(int s, int host, int64_t row) const {
-    return view.base(s) + reg.comb_rows +
-           (static_cast<int64_t>(host) * ring_slots * kChunkTokens + row) * C * wire_bytes;
+  // A source-side chunk's place after the forwarded chunks (SourceSideChunks), below the slots
+  // of the rings its waits point at (kernels/peer_ring.cuh).
+  __device__ int own_lag() const { return min(nb, min(partial.slots, node_part.slots) - 1); }
+  // The ring this rank, as expert host, fills for source s: its partial ring at s, or for a
+  // source on another node its forward ring at s's rail peer on this node.
+  __device__ const PeerRing& host_ring(int s) const { return h.topo.same_node(s, a.rank) ? partial : forward; }
+  // The partial of source s at row q (the q-th of the chunk's rows at the host) of chunk c of
+  // expert host `host`'s ring (a host of s's node), in s's buffer, and the slot's signal word.
+  __device__ uint8_t* partial_row(int s, int host, int c, int q) const {
+    return view.base(s) + reg.comb_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
   }
   __device__ uint64_t* comb_signal(int s, int host, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + static_cast<int64_t>(host) * ring_slots +
-           c % ring_slots;
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + partial.word(h.topo.local(host), c);
   }
   // Writer w's credit word (in w's buffer) of the slot of chunk c of its ring for source s.
   __device__ uint64_t* credit(int w, int s, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(w) + reg.comb_credit) + static_cast<int64_t>(s) * ring_slots +
-           c % ring_slots;
+    if (h.topo.same_node(s, w))
+      return reinterpret_cast<uint64_t*>(view.base(w) + reg.partial_credit) + partial.word(h.topo.local(s), c);
+    return reinterpret_cast<uint64_t*>(view.base(w) + reg.forward_credit) + forward.word(s, c);
   }
   // Partials for a source on another node go to its rail peer f on this node: the ring of writer
   // (source node, local index of the writer) in f's comb_fwd area.
   __device__ int64_t fwd_writer(int s, int writer) const {
     return static_cast<int64_t>(h.topo.node(s)) * h.topo.G + h.topo.local(writer);
   }
-  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int64_t row) const {
-    return view.base(f) + reg.comb_fwd + (writer_index * ring_slots * kChunkTokens + row) * C * wire_bytes;
+  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int c, int q) const {
+    return view.base(f) + reg.comb_fwd + forward.row(writer_index, c, q) * C * wire_bytes;
   }
   __device__ uint64_t* fwd_signal(int f, int64_t writer_index, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) + writer_index * ring_slots + c % ring_slots;
+    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) + forward.word(writer_index, c);
   }
-  // Where this rank, as expert host, stores its partial of (source s, ring row) and signals chunk c.
-  __device__ uint8_t* host_target(int s, int64_t row) const {
-    if (h.topo.same_node(s, a.rank)) return partial(s, a.rank, row);
-    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), row);
+  // Where this rank, as expert host, stores its partial of row q of chunk c of source s, and
+  // signals chunk c.
+  __device__ uint8_t* host_target(int s, int c, int q) const {
+    if (h.topo.same_node(s, a.rank)) return partial_row(s, a.rank, c, q);
+    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c, q);
   }
   __device__ uint64_t* host_signal(int s, int c) const {
     if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
     return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
   }
   // The RDMA region's node-partial rings: the word of chunk c of node n's ring (signal, credit),
-  // and the byte offset of its ring row.
+  // and the byte offset of its row q.
   __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
-    return area + (static_cast<uint64_t>(n) * ring_slots + c % ring_slots) * 8;
+    return area + static_cast<uint64_t>(node_part.word(n, c)) * 8;
   }
-  __device__ uint64_t node_row_off(uint64_t area, int n, int64_t row) const {
-    return area + (static_cast<uint64_t>(n) * ring_slots * kChunkTokens + row) * C * wire_bytes;
+  __device__ uint64_t node_row_off(uint64_t area, int n, int c, int q) const {
+    return area + static_cast<uint64_t>(node_part.row(n, c, q)) * C * wire_bytes;
   }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
@@ -278,7 +267,7 @@ __device__ void host_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
     __syncwarp();
     for (int r = 0; r < rows && ok && lane == 0; ++r) {
       const int n = tab.routes[r];
-      const int32_t to = d.ring_row(c, r);  // row r of the chunk's slot of the ring this rank fills for s
+      const int32_t to = c * kChunkTokens + r;  // row r of chunk c (OutItem::chunk_row)
       for (int g = 0; g < d.segments && ok; ++g) {
         const int col0 = g * d.seg_cols;
         const PartItem head{s, to, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
@@ -309,24 +298,6 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
   });
 }
 
-// The expert host's store thread, before chunk c >= ring of source s: until the reader of the
-// ring this rank fills for s (s itself, or its rail peer on this node) has read chunk c - ring
-// from the slot chunk c takes (its credit). flush() first signals the chunks already stored
-// when the credit is not there yet: the reader may need them before it reads chunk c - ring.
-// Bounded; false on a stop.
-template <typename Rdma, typename Flush>
-__device__ bool host_slot_free(const Combine<Rdma>& d, int s, int c, Flush flush) {
-  const uint64_t* word = d.credit(d.a.rank, s, c);
-  const uint64_t need = ring_tag(d.epoch, c - d.ring_slots);
-  if (dev::ld_relaxed_sys(word) < need) flush();
-  const bool local = d.h.topo.same_node(s, d.a.rank);
-  if (!wait_at_least(d.args, word, need, local ? kPhasePartialRing : kPhaseForwardRing, d.a.rank,
-                     local ? s : d.h.topo.rail_peer(s, d.h.node), d.epoch))
-    return false;
-  dev::fence_proxy_async();  // the reader's loads before this thread's bulk stores into the slot
-  return true;
-}
-
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
 // completed (checked at each commit, so a chunk is not drained before the next is stored).
 template <typename Rdma>
@@ -346,7 +317,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     int kept = 0;
     for (int i = 0; i < npend; ++i) {
       if (pend_g[i] <= upto_group) {
-        dev::st_release_sys(d.host_signal(pend_s[i], pend_c[i]), ring_tag(d.epoch, pend_c[i]));
+        PeerRing::publish(d.host_signal(pend_s[i], pend_c[i]), d.epoch, pend_c[i]);
       } else {
         pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
         ++kept;
@@ -359,9 +330,13 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
   while (chunks.next(s, c) && !d.stopped()) {
     int first, rows;
     d.span(s, c, first, rows);
-    // every chunk, rows or none, waits for its slot: the slot's signal and credit words then
-    // take the chunks c - ring, c, c + ring, ... in order
-    if (c >= d.ring_slots && !host_slot_free(d, s, c, [&] { signal_through(queue.groups(), 0); })) {
+    // every chunk, rows or none, acquires its slot from the slot's reader (s, or its rail peer
+    // on this node), first signalling the chunks already stored: the reader may need them
+    const int reader = d.h.topo.same_node(s, d.a.rank) ? s : d.h.topo.rail_peer(s, d.h.node);
+    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c, d.a.rank, reader, [&] {
+          signal_through(queue.groups(), 0);
+          return true;
+        })) {
       d.stop();
       break;
     }
@@ -372,7 +347,8 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
         break;
       }
       const OutItem& it = d.sh.out_items[consumed.stage];
-      dev::bulk_s2g(d.host_target(it.source, it.slot) + static_cast<int64_t>(it.col0) * d.wire_bytes,
+      dev::bulk_s2g(d.host_target(it.source, it.chunk_row / kChunkTokens, it.chunk_row % kChunkTokens) +
+                        static_cast<int64_t>(it.col0) * d.wire_bytes,
                     d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
       queue.commit();
       signal_through(queue.groups() - 1, 1);  // chunks complete with an older group; this one stays in flight
@@ -397,7 +373,9 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
 // the chunk's ring slots). A load has landed when its stage's full barrier completed that
 // round; this lane observes each round at most once (`landed`: the items before it are known to
 // have landed), and an item whose stage it has acquired again has landed anyway (its consumers
-// released it).
+// released it). The node-partial credits go over the transport (releases: quieted when the
+// lane leaves its role).
+template <typename Rdma>
 struct SourceCredits {
   struct Chunk {
     int node;      // this rank's node for an own chunk, else the node of the source it forwarded
@@ -407,30 +385,35 @@ struct SourceCredits {
   Chunk pending[kMaxPendingChunks];
   int count = 0;
   uint32_t landed = 0;
+  RingReleases<Rdma> releases;
+
+  __device__ explicit SourceCredits(const Rdma& rdma) : releases(rdma) {}
 };
 
 // The credits of a chunk whose loads landed: an own chunk's to every expert host of this node,
 // a forwarded chunk's to every rank of this node that wrote partials of it (into its credit
 // word for the forwarded chunk's source).
 template <typename Rdma>
-__device__ void send_credits(const Combine<Rdma>& d, const SourceCredits::Chunk& k) {
+__device__ void send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
+                             const typename SourceCredits<Rdma>::Chunk& k) {
   const Hierarchy<Rdma>& h = d.h;
-  const uint64_t tag = ring_tag(d.epoch, k.chunk);
   const int first = h.first_local();
   const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
-  for (int g = 0; g < h.topo.G; ++g) dev::st_release_sys(d.credit(first + g, source, k.chunk), tag);
+  const PeerRing& ring = d.host_ring(source);
+  for (int g = 0; g < h.topo.G; ++g) ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);
   if (k.node != h.node) return;
   // and an own chunk's node partials to the rail peer of every other node, whose staged slot is
   // free too (the put that delivered them has read them)
   for (int n = 0; n < h.topo.N; ++n)
-    if (n != h.node) h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), tag);
+    if (n != h.node)
+      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), d.epoch, k.chunk);
 }
 
 // Sends the credits of the pending chunks, oldest first, whose loads landed: those already seen
 // to, or with `block`, after waiting (bounded) for each. False on a stop.
 template <typename Rdma>
-__device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr, const PipeState& produced,
-                              bool block) {
+__device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
+                              const PipeState& produced, bool block) {
   const uint32_t stages = static_cast<uint32_t>(ring.stages);
   if (produced.count > stages) cr.landed = max(cr.landed, produced.count - stages);  // acquired again
   int sent = 0;
@@ -444,7 +427,7 @@ __device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCr
         break;
     }
     if (cr.landed < end) break;
-    send_credits(d, cr.pending[sent]);
+    send_credits(d, cr, cr.pending[sent]);
   }
   for (int i = sent; i < cr.count; ++i) cr.pending[i - sent] = cr.pending[i];
   cr.count -= sent;
@@ -453,10 +436,10 @@ __device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCr
 
 // After the chunk's loads: its credits wait for them to land (a full list is flushed first).
 template <typename Rdma>
-__device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr, const PipeState& produced,
-                             int node, int c) {
+__device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
+                             const PipeState& produced, int node, int c) {
   if (cr.count == kMaxPendingChunks && !flush_credits(d, ring, cr, produced, true)) return false;
-  cr.pending[cr.count++] = SourceCredits::Chunk{node, c, produced.count};
+  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};
   return true;
 }
 
@@ -464,7 +447,7 @@ __device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCre
 // loaded are sent first where `arrived` (the wait would pass at once) is false, after their
 // loads landed (no peer is needed for that), since the peer may be waiting for them.
 template <typename Rdma, typename Arrived>
-__device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring, SourceCredits& cr,
+__device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                                        const PipeState& produced, Arrived arrived) {
   if (!flush_credits(d, ring, cr, produced, false)) return false;
   return cr.count == 0 || arrived() || flush_credits(d, ring, cr, produced, true);
@@ -475,13 +458,13 @@ __device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring,
 // loads them, token by token and segment by segment, and notes the chunk's credits. Warp-uniform;
 // false on a stop.
 template <typename Rdma>
-__device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced, SourceCredits& credits,
-                             int c, int lane) {
+__device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced,
+                             SourceCredits<Rdma>& credits, int c, int lane) {
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
-  const uint64_t tag = ring_tag(d.epoch, c);
+  const uint64_t tag = PeerRing::tag(d.epoch, c);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
@@ -504,7 +487,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   // Token t's partials: one per expert host of this node (at row q of the chunk's slot of that
   // host's ring, q its ordinal among the chunk's tokens for that host: the chunk's receive slots
   // there are consecutive), one per other node it reached (at row q of the chunk's slot of that
-  // node's ring, q its ordinal among the chunk's tokens for that node).
+  // node's ring, q its ordinal among the chunk's tokens for that node). The table keeps q.
   int parts = 0;
   const bool mine = t < t1;
   const int32_t* slots = send_slot + static_cast<int64_t>(mine ? t : t0) * d.W;
@@ -513,7 +496,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
       tab.from[lane][parts] = static_cast<int8_t>(g);
-      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+      tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }
   for (int n = 0; n < N; ++n) {
@@ -523,7 +506,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
       tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
-      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+      tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }
   if (t < t1) tab.parts[lane] = parts;
@@ -536,9 +519,9 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
       const PartItem head{t0 + i, 0, col0, min(d.seg_cols, d.C - col0), 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, tab.parts[i],
                       [&](int j, float&) -> const uint8_t* {
-                        const int from = tab.from[i][j], slot = tab.slot[i][j];
-                        if (from < kNodePart) return d.partial(d.a.rank, first + from, slot);
-                        return h.rdma.local(d.node_row_off(h.R.comb_rows_in, from - kNodePart, slot));
+                        const int from = tab.from[i][j], q = tab.slot[i][j];
+                        if (from < kNodePart) return d.partial_row(d.a.rank, first + from, c, q);
+                        return h.rdma.local(d.node_row_off(h.R.comb_rows_in, from - kNodePart, c, q));
                       });
     }
   }
@@ -555,24 +538,23 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
 // so that its signal is put too. Warp-uniform; false on a stop.
 template <typename Rdma>
 __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, PipeState& produced,
-                                   SourceCredits& credits, int n, int c, int lane) {
+                                   SourceCredits<Rdma>& credits, int n, int c, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
-  const uint64_t tag = ring_tag(d.epoch, c);
-  // chunk c >= ring takes the node-partial slot of chunk c - ring: the source must have read that
-  // one (its credit), before the reducers write this chunk's node partials there
-  const uint64_t* credit = c >= d.ring_slots ? h.flag(d.node_word_off(h.R.comb_credit, n, c), 0) : nullptr;
-  const uint64_t freed = ring_tag(d.epoch, c - d.ring_slots);
+  const uint64_t tag = PeerRing::tag(d.epoch, c);
+  // the chunk's node-partial slot: the source must have read its previous chunk (its credit),
+  // before the reducers write this chunk's node partials there
+  const uint64_t* credit = h.flag(d.node_word_off(h.R.comb_credit, n, c), 0);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
-      if (credit && dev::ld_relaxed_sys(credit) < freed) return false;
+      if (!d.node_part.is_free(credit, d.epoch, c)) return false;
       for (int g = 0; g < G; ++g)
         if (dev::ld_relaxed_sys(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c)) < tag) return false;
       return true;
     });
-    if (ok && credit) ok = wait_at_least(d.args, credit, freed, kPhaseNodePartRing, d.a.rank, h.rail_peer(n), d.epoch);
+    if (ok) ok = d.node_part.wait_free(d.args, credit, d.epoch, c, d.a.rank, h.rail_peer(n));
     for (int g = 0; g < G && ok; ++g)
       ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), tag, kPhaseNodePartials,
                          d.a.rank, first + g, d.epoch);
@@ -591,7 +573,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
       tab.from[lane][parts] = static_cast<int8_t>(g);
-      tab.slot[lane][parts++] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+      tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }
   if (lane < rows) tab.parts[lane] = parts;
@@ -604,7 +586,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
       const PartItem head{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, rows > 0 ? tab.parts[q] : 0,
                       [&](int j, float&) -> const uint8_t* {
-                        return d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], tab.slot[q][j]);
+                        return d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], c, tab.slot[q][j]);
                       });
     }
   }
@@ -617,7 +599,7 @@ template <typename Rdma>
 __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   SourceSideChunks<Combine<Rdma>> work(d);
   PipeState produced;
-  SourceCredits credits;  // lane 0's
+  SourceCredits<Rdma> credits(d.h.rdma);  // lane 0's
   bool ok = true, forwarded;
   int n, c;
   while (ok && work.next(forwarded, n, c))
@@ -625,11 +607,9 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
                    : src_load_own(d, ring, produced, credits, c, lane);
   if (lane != 0) return;
   finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok, credits.landed);
-  // every load landed (finish_loads waited for them): the last chunks' credits
-  for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits.pending[i]);
-  // The node-partial credits it signalled (non-blocking over RDMA) land before the kernel ends: a
-  // late credit of this call would overwrite one of the next in the same slot's word.
-  if (d.h.multi()) d.h.rdma.quiet();
+  // every load landed (finish_loads waited for them): the last chunks' credits (the node-partial
+  // ones quieted as `credits` goes)
+  for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits, credits.pending[i]);
 }
 
 // Warps 7-10: each row's partials summed in registers. An own token's output row is written
@@ -648,7 +628,7 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
     }
     const FwdTag f = FwdTag::of(it.slot);
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, d.ring_row(it.row, f.q))) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, it.row, f.q)) +
                                    static_cast<int64_t>(it.col0) * d.wire_bytes,
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) return true;
@@ -677,11 +657,10 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
     const FwdPut it = d.sh.put_items[p.stage];
     __syncwarp();
     if (lane == 0) put.consumer_release(p);
-    const int64_t row0 = d.ring_row(it.chunk, 0);
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, row0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)),
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk, 0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
                       static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk),
-                      ring_tag(d.epoch, it.chunk));
+                      PeerRing::tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }

@@ -32,16 +32,15 @@
 //                     ring for n (comb_rows_out), and once the chunk's last one is written,
 //   warp 10           puts the chunk's node partials, with its signal, into the same slot of the
 //                     source (one put per chunk, also for no rows).
-// Before a forwarded chunk c >= ring takes its slot, the load warp waits until the source read
-// chunk c - ring from it (its credit, kPhaseNodePartRing); chunks below ring find it free (the
-// source's done_combine of the previous call, waited for at the start). No cycle of waits, as in
-// kernels/combine.cuh: forwarded chunk k waits for the source's own chunk k - ring, own chunk k
-// for the forwarded chunks k, each block's units come in that order, and the reducers and the
-// put warp wait only inside the block.
+// The node-partial rings are rings between ranks (kernels/peer_ring.cuh: their invariant, and
+// why no wait closes a cycle): before a forwarded chunk takes its slot, the load warp acquires it
+// from the source (kPhaseNodePartRing); each block's units come in SourceSideChunks' order, and
+// the reducers and the put warp wait only inside the block.
 #include "common/state.cuh"
 #include "kernels/direct.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
+#include "kernels/peer_ring.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/segments.cuh"
 #include "kernels/skeleton.cuh"
@@ -84,7 +83,7 @@ struct FwdTag {
 static_assert(kChunkTokens < 256, "a forwarded row's ordinal and its chunk's rows fit FwdTag's bytes");
 
 // A unit's parts, per token: the expert host of each route (kNodePart + n: node n's partial) and
-// its row there (the ring row of the node partial), and its weight.
+// its row there (for a node partial its row in the chunk's slot), and its weight.
 constexpr int kNodePart = kMaxRanks;
 struct PullTable {
   int32_t parts[kChunkTokens];
@@ -114,7 +113,7 @@ static_assert(sizeof(PullShared) <= kStaticSmemReserve,
 template <typename Rdma>
 struct CombinePull : KernelCall {
   int L, T, K, C, seg_cols, segments, chunk, stages;
-  int ring_slots;                 // chunk slots of the node-partial rings (comb_ring)
+  PeerRing node_part;             // the node-partial rings (kernels/peer_ring.cuh)
   uint32_t in_bytes, wire_bytes;  // element sizes
   uint32_t stage_bytes;           // a stage holds a segment of either
   PullShared& sh;
@@ -124,9 +123,9 @@ struct CombinePull : KernelCall {
   __device__ CombinePull(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
       : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
         seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
-        stages(k.args.src_stages), ring_slots(static_cast<int>(comb_ring(k.geo.reg))), in_bytes(elem_size),
-        wire_bytes(wire_size), stage_bytes(static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)), sh(shared),
-        data(smem), h(make_hierarchy<Rdma>(k.geo, k.a)) {}
+        stages(k.args.src_stages), node_part(peer_rings::node_part(k.geo)), in_bytes(elem_size), wire_bytes(wire_size),
+        stage_bytes(static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)), sh(shared), data(smem),
+        h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   __device__ int source_chunks(int s) const {
@@ -139,13 +138,15 @@ struct CombinePull : KernelCall {
   // Pipeline p's ring, and its put ring (several nodes).
   __device__ Ring pipeline_ring(int p) const { return ring(sh.full[p], sh.empty[p], stages, kSitePullRoutes); }
   __device__ Ring put_ring(int p) const { return ring(sh.put_full[p], sh.put_empty[p], kPutStages, kSitePullPuts); }
-  // Row q of chunk c in a node-partial ring, and the byte offsets of a ring row and of a slot's word.
-  __device__ int32_t ring_row(int c, int q) const { return (c % ring_slots) * kChunkTokens + q; }
-  __device__ uint64_t node_row_off(uint64_t area, int n, int64_t row) const {
-    return area + (static_cast<uint64_t>(n) * ring_slots * kChunkTokens + row) * C * wire_bytes;
+  // A source-side chunk's place after the forwarded chunks (SourceSideChunks; kernels/peer_ring.cuh).
+  __device__ int own_lag() const { return min(nb, node_part.slots - 1); }
+  // The node-partial rings: the byte offsets of row q of chunk c's slot of node n's ring, and of
+  // the slot's word (signal, credit).
+  __device__ uint64_t node_row_off(uint64_t area, int n, int c, int q) const {
+    return area + static_cast<uint64_t>(node_part.row(n, c, q)) * C * wire_bytes;
   }
   __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
-    return area + (static_cast<uint64_t>(n) * ring_slots + c % ring_slots) * 8;
+    return area + static_cast<uint64_t>(node_part.word(n, c)) * 8;
   }
   // Whether token t (t < t1) of this rank has a route to node n. Every lane calls it.
   __device__ bool reaches(int64_t t, int t1, int n) const {
@@ -202,7 +203,7 @@ __device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int
   for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
     if (n != h.node)
       ok = !d.stopped() && h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
-                                            ring_tag(d.epoch, c), kPhaseRdmaPartials, h.rail_peer(n), d.epoch);
+                                            PeerRing::tag(d.epoch, c), kPhaseRdmaPartials, h.rail_peer(n), d.epoch);
   if (!warp_uniform(ok)) return false;
   int n = 0;
   if (t < t1) {
@@ -221,7 +222,7 @@ __device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int
     const bool goes = d.reaches(t, t1, m);
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
-      tab.row[lane][n] = d.ring_row(c, __popc(mask & ((1u << lane) - 1u)));
+      tab.row[lane][n] = __popc(mask & ((1u << lane) - 1u));
       tab.host[lane][n] = static_cast<uint8_t>(kNodePart + m);
       tab.weight[lane][n] = 1.f;
       ++n;
@@ -238,10 +239,9 @@ template <typename Rdma>
 __device__ bool forwarded_parts(const CombinePull<Rdma>& d, PullTable& tab, int n, int c, int lane, int& rows) {
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
-  if (lane == 0 && c >= d.ring_slots)
-    ok = !d.stopped() &&
-         wait_at_least(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0), ring_tag(d.epoch, c - d.ring_slots),
-                       kPhaseNodePartRing, d.a.rank, h.rail_peer(n), d.epoch);
+  if (lane == 0)
+    ok = !d.stopped() && d.node_part.wait_free(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0), d.epoch, c,
+                                               d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
   const int width = fwd_route_width(d.geo);
@@ -292,7 +292,7 @@ __device__ void pull_load(const CombinePull<Rdma>& d, int pipeline, const Ring& 
                           const int host = tab.host[q][j];
                           if (host >= kNodePart) {
                             wire = true;
-                            return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, tab.row[q][j]));
+                            return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, c, tab.row[q][j]));
                           }
                           return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
                                  static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
@@ -320,7 +320,7 @@ __device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring
   const Ring put = d.put_ring(pipeline);
   PipeState produced;
   SegmentAcc<Elem> acc;
-  bool credited = false;  // this thread sent credits (quiet at the end)
+  RingReleases<Rdma> releases(h.rdma);  // this thread's node-partial credits (quieted as it goes)
   for (PipeState p;; p.advance(ring.stages)) {
     if (!warp_consumer_wait(d, ring, p, lane)) break;
     const PartItem it = items[p.stage];
@@ -342,14 +342,13 @@ __device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring
         const int c = it.row / d.chunk;
         for (int n = 0; n < h.topo.N; ++n)
           if (n != h.node)
-            h.rdma.signal(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), ring_tag(d.epoch, c));
-        credited = true;
+            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), d.epoch, c);
       }
       continue;
     }
     const FwdTag f = FwdTag::of(it.slot);
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, d.ring_row(it.row, f.q))) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, it.row, f.q)) +
                                    static_cast<int64_t>(it.col0) * sizeof(Wire),
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) continue;
@@ -360,7 +359,6 @@ __device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring
     if (lane == 0) put.producer_commit(produced);
     produced.advance(put.stages);
   }
-  if (credited) h.rdma.quiet();  // the credits, before the rank's done signals
 }
 
 // Warp 10 with several nodes: each chunk this block forwards, once a pipeline's reducers wrote
@@ -384,10 +382,9 @@ __device__ void forward_put(const CombinePull<Rdma>& d, int lane) {
     __syncwarp();
     if (lane == 0) put.consumer_release(p[pipeline]);
     p[pipeline].advance(put.stages);
-    const int64_t row0 = d.ring_row(it.chunk, 0);
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, row0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)), it.rows * row_b,
-                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk, 0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
+                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }

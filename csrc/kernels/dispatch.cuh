@@ -22,48 +22,26 @@
 // Warps 8-15 write the zero padding rows. The last block to finish publishes done_dispatch,
 // which lets peers reuse every ring slot in the next call.
 //
-// The receive ring (common/params.h RegLayout): chunk c of source s lands in chunk slot
-// c % ring_chunks of the destination's ring for s (rows, entries, scales), row q of the slot
-// for the chunk's q-th row to that destination; the chunk signal says which receive slots
-// [first, first + rows) those rows are (the handle's tables stay indexed by receive slot).
-// The ring's writer is s, or for a source on another node its rail peer on the destination's
-// node (the forwarder). Once the destination has read chunk c (warp 5, above), it stores the
-// credit tag(c) = (epoch << 32) | (c + 1) into the writer's credit word of the slot (release).
-// Before the writer puts anything of chunk c >= ring_chunks into a slot, it waits (bounded,
-// kPhaseRecvRing) until the credit word of the slot reached tag(c - ring_chunks), for every
-// rank of its node (also one the chunk sends no rows: then the destination's credits stay in
-// chunk order, since it reads chunk c + ring_chunks only after the writer waited for c). The
-// store warp waits before its stores, the entry warps before their entries (they run up to
-// kMetaSlots chunks ahead). Chunks below ring_chunks need no wait: the layout kernel waited
-// for every peer's done_dispatch of the previous call. A call that sends a rank more than a
-// ring holds costs time (the writer waits for the reader), never memory.
-//
-// With several nodes the staging in the RDMA region is a ring per node too (RdmaLayout): own
-// chunk c staged for node n takes chunk slot c % ring_chunks of the source's staging ring for
-// n (rows by the store warp, routing by the RDMA warps) and is put into the same slot of the
-// rail peer's ring for the source's node. The forwarder, once it read forwarded chunk c
-// whole (its store warp signalled it: loads completed, routing read), signals the credit
-// tag(c) into the source's disp_credit word of the slot: the put of chunk c had arrived, so
-// both ends of the slot are free. Before staging chunk c >= ring_chunks for node n, the store
-// warp and the RDMA warps wait (kPhaseStagedRing) for tag(c - ring_chunks) there, for every
-// other node, whether or not the chunk sends it rows (every chunk's routing is put).
-//
-// Why the waits end (no deadlock). Give each unit a writer produces (a chunk's rows, entries
-// and signal) a key: an own chunk c has key c, a forwarded chunk c the key c + L, L =
-// ring_chunks / 2 (SendUnits; L < ring_chunks is all the argument needs). A reader reads
-// chunk index j of every source once the units of keys up to j + L are produced: its expand
-// warps take (source, chunk) pairs in chunk order, each waiting only for its chunk's signal.
-// By induction on the key K, suppose every unit of a key below K was produced; then every
-// chunk index up to K - L - 1 was read, and the waits of a unit of key K end: a credit wait
-// for chunk c (c <= K) waits for the reading of chunk c - ring_chunks, by the destinations
-// (an index up to K - L - 1) or, for the staging, by the forwarder's unit of key
-// c - ring_chunks + L < K; a forwarded chunk's arrival (key c + L) waits for its source's own chunk c (key c < K); the
-// send warps of a block take their units in key order, so the units before one have lower
-// keys; the block's rings (FIFO, entries, staged rows) are freed by its own warps' progress
-// on earlier units (the RDMA warps free a staged stage after their credit wait, which points
-// lower). And the store warp signals its pending unit before any wait that may block (the
-// pending signal would otherwise wait for the next unit's first stores), so no reader waits
-// for a chunk whose writer holds its signal while it waits.
+// The rings between ranks (kernels/peer_ring.cuh: their invariant, and why no wait closes a
+// cycle). The receive ring: chunk c of source s lands in its slot of the destination's ring for
+// s (rows, entries, scales), row q of the slot for the chunk's q-th row to that destination; the
+// chunk signal says which receive slots [first, first + rows) those rows are (the handle's
+// tables stay indexed by receive slot). Its writer is s, or for a source on another node its
+// rail peer on the destination's node (the forwarder); its reader's expand store warp releases
+// the slot once the chunk's loads completed. The writer acquires the slot from every rank of its
+// node (also one the chunk sends no rows: then the destination's credits stay in chunk order):
+// the store warp before its stores, the entry warps before their entries (they run up to
+// kMetaSlots chunks ahead). A call that sends a rank more than a ring holds costs time (the
+// writer waits for the reader), never memory. With several nodes the staging in the RDMA
+// region is a ring per node too (RdmaLayout): own chunk c staged for node n takes its slot of
+// the source's staging ring for n (rows by the store warp, routing by the RDMA warps) and is put
+// into the same slot of the rail peer's ring for the source's node; the forwarder releases it
+// once it read the chunk whole (its store warp signalled it: loads completed, routing read). The
+// store warp and the RDMA warps acquire it from every other node, whether or not the chunk sends
+// it rows (every chunk's routing is put). The send units come in key order (SendUnits: own chunk
+// c, then forwarded chunk c - fwd_lag()), and the store warp signals its pending unit before any
+// wait that may block (the pending signal would otherwise wait for the next unit's first
+// stores), so no reader waits for a chunk whose writer holds its signal while it waits.
 //
 // With several nodes (kernels/hierarchy.cuh) the send warps serve only this node's ranks:
 //   warp 1      also bulk-stores each row of an own chunk into the staging area of every
@@ -87,6 +65,7 @@
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
+#include "kernels/peer_ring.cuh"
 #include "kernels/pipeline.cuh"
 #include "kernels/skeleton.cuh"
 
@@ -175,7 +154,8 @@ template <typename Rdma>
 struct Dispatch : KernelCall {
   const RegLayout& reg;
   const InfoLayout& il;
-  int W, G, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages, ring;
+  int W, G, L, Tmax, T, K, kd, meta_entries, scale_cols, chunk, stages;
+  PeerRing recv;  // the receive rings it writes and reads (the staging rings: h.staging)
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
@@ -189,7 +169,7 @@ struct Dispatch : KernelCall {
       : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node),
         L(k.geo.local_experts), Tmax(k.geo.max_tokens), T(k.a.num_tokens), K(k.a.topk), kd(k.args.kd),
         meta_entries(static_cast<int>(k.geo.reg.meta_entries)), scale_cols(k.args.scale_cols),
-        chunk(k.args.chunk_tokens), stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
+        chunk(k.args.chunk_tokens), stages(k.args.fifo_stages), recv(peer_rings::recv(k.geo)),
         row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         send_fifo{k.ring(shared.send_full, shared.send_empty, stages, kSiteSendFifo), smem, k.args.stage_bytes},
@@ -200,12 +180,9 @@ struct Dispatch : KernelCall {
         staged_ring(k.ring(shared.staged_full, shared.staged_empty, kStagedSlots, kSiteStagedRows)),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
-  // Row q of chunk c of `source` in rank r's receive ring: chunk slot c % ring, row q of it (q
-  // counts the chunk's rows for r). Rows are packed at the call's row size, so a batch of a
-  // chunk's rows is one bulk copy.
-  __device__ int64_t ring_row(int source, int c, int q) const {
-    return (static_cast<int64_t>(source) * ring + c % ring) * kChunkTokens + q;
-  }
+  // Row q of chunk c of `source` in rank r's receive ring (q counts the chunk's rows for r).
+  // Rows are packed at the call's row size, so a batch of a chunk's rows is one bulk copy.
+  __device__ int64_t ring_row(int source, int c, int q) const { return recv.row(source, c, q); }
   __device__ uint8_t* recv_row(int r, int source, int c, int q) const {
     return view.base(r) + reg.recv_rows + ring_row(source, c, q) * row_bytes;
   }
@@ -218,51 +195,46 @@ struct Dispatch : KernelCall {
   // The credit of rank g of this node for the chunk slot of chunk c of the source on node sn,
   // in the buffer of the rank that writes that ring (w: the source, or its rail peer here).
   __device__ uint64_t* recv_credit(int w, int sn, int g, int c) const {
-    return view.flag(w, reg.recv_credit, (sn * G + g) * ring + c % ring);
+    return view.flag(w, reg.recv_credit, recv.word(sn * G + g, c));
   }
   // The rank that writes this rank's ring for `source` (and signals its chunks here): the source,
   // or for a source on another node its rail peer on this node, which forwards its chunks.
   __device__ int ring_writer(int source) const {
     return h.topo.same_node(source, a.rank) ? source : h.first_local() + h.topo.local(source);
   }
-  // A credit's value: chunk c of this call was read. Tags only grow (the call in the high word).
-  __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
   // The node of a unit's source (this rank's for an own chunk).
   __device__ int unit_node(const SendUnit& su) const { return su.node < 0 ? h.node : su.node; }
   // The ring slots a unit writes: chunk su.chunk's slot in the receive ring of each rank g of
   // this node (item g) and, with `staged`, for an own chunk with several nodes, its slot in
   // the staging ring for each other node n (item G + n). Item i's credit word, in this rank's
   // memory.
-  __device__ int slot_items(const SendUnit& su, bool staged) const {
-    return G + (staged && su.node < 0 && h.multi() ? h.topo.N : 0);
+  __device__ int slot_items(const SendUnit& su, bool with_staged) const {
+    return G + (with_staged && su.node < 0 && h.multi() ? h.topo.N : 0);
   }
   __device__ bool slot_item(const SendUnit& su, int i) const { return i < G || i - G != h.node; }
   __device__ const uint64_t* slot_credit(const SendUnit& su, int i) const {
     return i < G ? recv_credit(a.rank, unit_node(su), i, su.chunk) : h.flag(h.staged_credit_off(i - G, su.chunk), 0);
   }
+  __device__ const PeerRing& slot_ring(int i) const { return i < G ? recv : h.staging; }
   // Whether the unit's slots are free (slot_items), without waiting: each lane polls its items
   // once. Warp-collective, the same answer in every lane.
-  __device__ bool slots_ready(const SendUnit& su, int lane, bool staged) const {
+  __device__ bool slots_ready(const SendUnit& su, int lane, bool with_staged) const {
     bool ready = true;
-    if (su.chunk >= ring)
-      for (int i = lane; i < slot_items(su, staged); i += 32)
-        ready &= !slot_item(su, i) || dev::ld_relaxed_sys(slot_credit(su, i)) >= tag(su.chunk - ring);
+    for (int i = lane; i < slot_items(su, with_staged); i += 32)
+      ready &= !slot_item(su, i) || slot_ring(i).is_free(slot_credit(su, i), epoch, su.chunk);
     return __ballot_sync(0xffffffffu, !ready) == 0u;
   }
-  // Until every reader of the unit's slots freed them: it read chunk su.chunk - ring from there
-  // (bounded: kPhaseRecvRing names the rank of this node, kPhaseStagedRing the rail peer on the
-  // other node; chunks below ring have their slots free at the call's start). Each lane waits
-  // for its items; warp-collective, true in every lane when all did.
-  __device__ bool slots_free(const SendUnit& su, int lane, bool staged) const {
+  // Until every reader of the unit's slots freed them (PeerRing::wait_free: the rank of this
+  // node, or the rail peer on the other node). Each lane waits for its items; warp-collective,
+  // true in every lane when all did. The store warp's lane 0 fences before its bulk stores.
+  __device__ bool slots_free(const SendUnit& su, int lane, bool with_staged) const {
     bool ok = !stopped();
-    if (su.chunk >= ring)
-      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {
-        if (!slot_item(su, i)) continue;
-        const bool nvlink = i < G;
-        const int reader = nvlink ? h.first_local() + i : h.rail_peer(i - G);
-        ok = wait_at_least(args, slot_credit(su, i), tag(su.chunk - ring), nvlink ? kPhaseRecvRing : kPhaseStagedRing,
-                           a.rank, reader, epoch, reader == a.rank ? 2 : 1);  // its own ring: its own progress
-      }
+    for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {
+      if (!slot_item(su, i)) continue;
+      const int reader = i < G ? h.first_local() + i : h.rail_peer(i - G);
+      ok = slot_ring(i).wait_free(args, slot_credit(su, i), epoch, su.chunk, a.rank, reader,
+                                  reader == a.rank ? 2 : 1);  // its own ring: its own progress
+    }
     __syncwarp();  // every lane's acquire, before any lane's writes into the slots
     return __ballot_sync(0xffffffffu, !ok) == 0u;
   }
@@ -286,8 +258,9 @@ struct Dispatch : KernelCall {
     return __ballot_sync(0xffffffffu, goes);
   }
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
-  // How many chunk indices a forwarded chunk comes after the own chunk of its index (SendUnits).
-  __device__ int fwd_lag() const { return ring / 2; }
+  // How many chunk indices a forwarded chunk comes after the own chunk of its index (SendUnits;
+  // below the slots of every ring it writes: kernels/peer_ring.cuh).
+  __device__ int fwd_lag() const { return min(recv.slots, h.staging.slots) / 2; }
   // Own chunk c of this rank.
   __device__ SendUnit own_unit(int c) const { return SendUnit{a.rank, -1, c, c * chunk, min(T, c * chunk + chunk)}; }
   // The FIFO items of a unit: its stages, or one stage without bytes for a forwarded chunk
@@ -331,10 +304,10 @@ using ExpandChunks = ReceivedChunks<Dispatch<Rdma>>;  // the (source, chunk) pai
 // several nodes, its forwarded chunks (every chunk of the rail peer on each other node,
 // numbered chunk by chunk: chunk 0 of each node in node order, then chunk 1, ...; units b,
 // b + nb, ...), merged by a key: an own chunk c has key c, a forwarded chunk c key
-// c + fwd_lag() and comes after the own chunk of that key. The lag (ring_chunks / 2) lets a
-// source's chunk c arrive while the forwarder sends its own chunks up to c + lag, and is
-// below ring_chunks, which keeps every wait pointing at a lower key (the kernel's header: why
-// that keeps the rings free of deadlock). Every send role walks it alike, and the RDMA warps
+// c + fwd_lag() and comes after the own chunk of that key. The lag (half a ring) lets a
+// source's chunk c arrive while the forwarder sends its own chunks up to c + lag, and is below
+// the slots of its rings, which keeps every wait pointing at a lower key (kernels/peer_ring.cuh:
+// why that keeps the rings free of deadlock). Every send role walks it alike, and the RDMA warps
 // take the block's own chunks in the same order.
 template <typename Rdma>
 struct SendUnits {
@@ -487,6 +460,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   const unsigned below = (1u << lane) - 1u;
   StoreQueue queue(d.send_fifo.ring, store_groups_in_flight(d.args, d.stages));  // lane 0's
   PipeState consumed, meta, staged;                                              // lane 0's
+  RingReleases<Rdma> releases(d.h.rdma);  // lane 0's credits of forwarded chunks' staging slots
   uint32_t pending_group = 0;
   int pending_chunk = -1, pending_source = 0, pending_span = 0;
   int pending_node = -1;        // a forwarded chunk: its source's node (its staging slot here is read)
@@ -514,7 +488,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       dev::st_release_sys(&sig->epoch, d.epoch);
     }
     if (pending_node >= 0)
-      d.h.rdma.signal(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.tag(pending_chunk));
+      releases.reader_release(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.epoch, pending_chunk);
     if (pending_staged) {
       if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
       d.staged_ring.producer_commit(staged);
@@ -592,7 +566,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
     if (su.node >= 0 && lane == 0) fwd_rows[static_cast<int64_t>(su.node) * d.h.max_chunks + su.chunk] = su.u1;
     __syncwarp();
     if (lane == 0) {
-      dev::fence_proxy_async();  // the slots' credits (slots_free), before the bulk stores into them
+      PeerRing::acquired();  // the slots' credits (slots_free), before the bulk stores into them
       for (int k = 0; k < d.unit_items(su) && ok; ++k, consumed.advance(d.stages)) {
         if (d.stopped() || !d.send_fifo.ring.consumer_wait(d.args, consumed)) {
           ok = false;
@@ -630,9 +604,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   if (lane == 0) {
     if (!d.stopped() && !signal_pending(0)) d.stop();
     queue.finish();
-    // The staging credits it signalled (non-blocking with NVSHMEM) land before the rank's done
-    // signal to the rail peers: a late credit of this call would overwrite one of the next.
-    if (multi) d.h.rdma.quiet();
+    releases.quiet();  // the staging credits, before the rank's done signal to the rail peers
   }
 }
 
@@ -781,7 +753,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
       d.stop();
       break;
     }
-    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), topo.local(d.a.rank), c), d.tag(c));
+    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), topo.local(d.a.rank), c), d.epoch, c);
     d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
     tables.table.advance(kTableSlots);
   }
@@ -794,10 +766,10 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 // region and, once warp 1 says the chunk's rows are staged there (the staged ring: its bulk
 // stores completed), put them to the rail peer there, into the same slot of its ring for this
 // node: the rows, then the routing with the chunk's signal. Lane i takes token t0 + i. A slot
-// is free for chunk c >= ring_chunks, at both ends, once the rail peer's credit says it
-// forwarded chunk c - ring_chunks (its put had arrived, so its source bytes were read); the
-// slots of the first ring_chunks chunks are free at the call's start (the layout kernel waited
-// until each rail peer had forwarded the previous call's rows).
+// is free, at both ends, once the rail peer's credit says it forwarded the slot's previous
+// chunk (its put had arrived, so its source bytes were read; kernels/peer_ring.cuh); the first
+// turn's slots are free at the call's start (the layout kernel waited until each rail peer had
+// forwarded the previous call's rows).
 template <typename Rdma>
 __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const Hierarchy<Rdma>& h = d.h;
@@ -818,11 +790,11 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     const int rows = __popc(mask);
     const int peer = h.rail_peer(n);
     // The chunk's slot of the staging ring for node n (here and at the rail peer there) is free
-    // once the rail peer forwarded chunk c - ring from it.
+    // once the rail peer forwarded the slot's previous chunk from it.
     bool ok = true;
-    if (lane == 0 && c >= d.ring)
-      ok = !d.stopped() && wait_at_least(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.tag(c - d.ring),
-                                         kPhaseStagedRing, d.a.rank, peer, d.epoch);
+    if (lane == 0)
+      ok = !d.stopped() &&
+           h.staging.wait_free(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank, peer);
     if (!warp_uniform(ok)) {
       d.stop();
       break;

@@ -26,7 +26,7 @@
 // With several nodes (kernels/hierarchy.cuh) a block's units are its own chunks and the chunks
 // that arrive from the rail peers on other nodes (DirectUnits, merged by key):
 //   own chunk c     routes to this node's ranks as above; for each other node n the chunk's
-//                   token reaches, one more target: row q of the chunk's slot c % ring_chunks of
+//                   token reaches, one more target: row q of the chunk's slot of
 //                   the staging ring for n in this rank's RDMA region (disp_rows_out), q the
 //                   token's ordinal among the chunk's tokens for n. Once both store warps'
 //                   stores of the chunk completed (the done ring: one arrival each), the RDMA
@@ -40,20 +40,12 @@
 //                   source's rows of the expert, + the route's ordinal), writes its weight and
 //                   scales there and keeps the routes in the handle (fwd_routes, fwd_rows) for
 //                   combine. Once both store warps waited for the chunk's loads (the table
-//                   warp read its routing before), the RDMA warp gives the slot's credit,
-//                   tag(c), back to the source (disp_credit): both ends of the slot are free.
-// Before a store warp stores own chunk c >= ring_chunks into the staging, it waits
-// (kPhaseStagedRing) until the credit of the slot reached tag(c - ring_chunks) for every other
-// node (the RDMA warp writes the routing into it for every node, rows or none); chunks below
-// ring_chunks find their slots free (the layout kernel waited for the rail peers' done_dispatch
-// of the previous call, which the last block sends them at the end).
-//
-// Why the waits end (no deadlock), as in kernels/dispatch.cuh: an own chunk c has key c, a
-// forwarded chunk c key c + L, L = ring_chunks / 2 < ring_chunks. A forwarded chunk's arrival
-// waits for its source's own chunk c (a lower key); own chunk c's credit wait for the rail
-// peer's forwarded chunk c - ring_chunks (key c - ring_chunks + L < c); every role of a block
-// takes its units in key order and waits otherwise only on the block's rings, which its own
-// roles free by their progress on earlier units. A store warp holds at most one unit whose
+//                   warp read its routing before), the RDMA warp releases the chunk's staging
+//                   slot to the source: both ends of the slot are free.
+// The staging rings are rings between ranks (kernels/peer_ring.cuh: their invariant, and why no
+// wait closes a cycle, with the units' keys of DirectUnits): before a store warp stores own chunk
+// c into the staging, it acquires the chunk's slot from every other node (the RDMA warp writes
+// the routing into it for every node, rows or none). A store warp holds at most one unit whose
 // done arrival is pending (its stores in flight) and makes it before any wait that may block,
 // and the RDMA warp waits only for the store warps, so no unit is held back by a later one.
 //
@@ -121,7 +113,7 @@ static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
 template <typename Rdma>
 struct DirectDispatch : KernelCall {
   const InfoLayout& il;
-  int W, G, L, T, K, scale_cols, chunk, stages, ring;
+  int W, G, L, T, K, scale_cols, chunk, stages;
   uint32_t row_bytes;
   RowBatches batches;
   const int64_t* info;
@@ -133,8 +125,7 @@ struct DirectDispatch : KernelCall {
   __device__ DirectDispatch(const KernelCall& k, DirectDispatchShared& shared, uint8_t* smem)
       : KernelCall(k), il(k.geo.info), W(k.geo.world_size), G(k.geo.ranks_per_node), L(k.geo.local_experts),
         T(k.a.num_tokens), K(k.a.topk), scale_cols(k.args.scale_cols), chunk(k.args.chunk_tokens),
-        stages(k.args.fifo_stages), ring(static_cast<int>(k.geo.reg.ring_chunks)),
-        row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
+        stages(k.args.fifo_stages), row_bytes(static_cast<uint32_t>(k.args.row_elems) * elem_bytes(k.args.dtype)),
         batches(RowBatches::of(row_bytes, k.args)), info(reinterpret_cast<const int64_t*>(k.a.info)), sh(shared),
         fifo{k.ring(shared.full, shared.empty, stages, kSiteDirectRows), smem, k.args.stage_bytes},
         table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteDirectTables)),
@@ -144,9 +135,7 @@ struct DirectDispatch : KernelCall {
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   __device__ int chunks() const { return send_chunks(); }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
-  __device__ int fwd_lag() const { return ring / 2; }  // DirectUnits
-  // A staging credit's value: chunk c of this call was read. Tags only grow (the call in the high word).
-  __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }
+  __device__ int fwd_lag() const { return h.staging.slots / 2; }  // DirectUnits (kernels/peer_ring.cuh)
   __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
   // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
@@ -365,16 +354,12 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
     const RouteTable& tab = d.sh.tables[table.stage];
     const int u0 = tab.u0, u1 = tab.u1;
     const bool staged = multi && m < 0;
-    if (staged && c >= d.ring) {  // the chunk's slot of every other node's staging ring is free
-      for (int n = 0; n < d.h.topo.N && ok; ++n) {
-        if (n == d.h.node) continue;
-        const uint64_t* credit = d.h.flag(d.h.staged_credit_off(n, c), 0);
-        if (pending && dev::ld_relaxed_sys(credit) < d.tag(c - d.ring)) ok = arrive_pending(true);
-        ok = ok &&
-             wait_at_least(d.args, credit, d.tag(c - d.ring), kPhaseStagedRing, d.a.rank, d.h.rail_peer(n), d.epoch);
-      }
+    if (staged) {  // the chunk's slot of every other node's staging ring is free
+      for (int n = 0; n < d.h.topo.N && ok; ++n)
+        if (n != d.h.node)
+          ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
+                                          d.h.rail_peer(n), [&] { return arrive_pending(true); });
       if (!ok) break;
-      dev::fence_proxy_async();  // the credits, before the bulk stores into the slots
     }
     for (int k = 0; k < d.batches.items(u0, u1); ++k, item.advance(d.stages)) {
       if (item.count % kStoreWarps != static_cast<uint32_t>(which)) continue;  // the other thread's
@@ -432,6 +417,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
   const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
   const uint64_t token_bytes = h.R.token_meta_bytes;
   DirectUnits<DirectDispatch<Rdma>> units(d);
+  RingReleases<Rdma> releases(h.rdma);  // lane 0's credits of forwarded chunks' staging slots
   PipeState done;
   int m, c;
   for (; units.next(m, c); done.advance(kDoneSlots)) {
@@ -445,7 +431,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
     __syncwarp();
     if (lane == 0) d.done_ring.consumer_release(done);
     if (m >= 0) {  // the forwarded chunk was read whole: its slot is free at both ends
-      if (lane == 0) h.rdma.signal(h.rail_peer(m), d.h.staged_credit_off(h.node, c), d.tag(c));
+      if (lane == 0) releases.reader_release(h.rail_peer(m), d.h.staged_credit_off(h.node, c), d.epoch, c);
       continue;
     }
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -481,7 +467,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
                         h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
     }
   }
-  if (lane == 0) h.rdma.quiet();  // the staging and the credits, before the rank's done signals
+  if (lane == 0) releases.quiet(true);  // the staging puts and the credits, before the rank's done signals
 }
 
 template <typename Rdma>

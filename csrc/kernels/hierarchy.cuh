@@ -10,6 +10,7 @@
 // one node partial per staged slot, put to the source.
 #pragma once
 #include "common/state.cuh"
+#include "kernels/peer_ring.cuh"
 #include "transport/select.cuh"
 
 namespace hybrid_ep {
@@ -21,7 +22,7 @@ struct Hierarchy {
   Topology topo;
   int rank, node;
   int64_t max_chunks, staged;  // chunks per source, staged slots per source node
-  int ring;                    // chunk slots of a staging ring (BufferConfig.ring_chunks)
+  PeerRing staging;            // the staging rings (a ring per node: kernels/peer_ring.cuh)
 
   __device__ bool multi() const { return topo.N > 1; }
   __device__ int first_local() const { return node * topo.G; }  // ranks of this node: first_local() + g
@@ -46,16 +47,16 @@ struct Hierarchy {
     return area + static_cast<uint64_t>(n * max_chunks + c) * R.chunk_meta_bytes;
   }
   // The staging rings in the RDMA region (both dispatch kernels): chunk c staged for (or from)
-  // node n takes chunk slot c % ring of node n's ring; byte offsets of its row q, of its
-  // routing, and of the slot's credit (the rail peer on node n forwarded chunk c from it).
+  // node n takes its slot of node n's ring; byte offsets of its row q, of its routing, and of
+  // the slot's credit (the rail peer on node n forwarded chunk c from it).
   __device__ uint64_t staged_off(uint64_t area, int n, int c, int q, uint32_t row_bytes) const {
-    return area + (static_cast<uint64_t>(n * ring + c % ring) * kChunkTokens + q) * row_bytes;
+    return area + static_cast<uint64_t>(staging.row(n, c, q)) * row_bytes;
   }
   __device__ uint64_t staged_meta_off(uint64_t area, int n, int c) const {
-    return area + static_cast<uint64_t>(n * ring + c % ring) * R.chunk_meta_bytes;
+    return area + static_cast<uint64_t>(staging.word(n, c)) * R.chunk_meta_bytes;
   }
   __device__ uint64_t staged_credit_off(int n, int c) const {
-    return R.disp_credit + static_cast<uint64_t>(n * ring + c % ring) * 8;
+    return R.disp_credit + static_cast<uint64_t>(staging.word(n, c)) * 8;
   }
   // One staged token's record in a chunk's routing: TokenMeta, G receive slots, scales.
   __device__ static TokenMeta* token_meta(uint8_t* chunk_meta, int q, uint64_t token_bytes) {
@@ -69,14 +70,9 @@ template <typename Rdma>
 __device__ Hierarchy<Rdma> make_hierarchy(const Geometry& geo, const RankArgs& a) {
   const Topology topo{geo.world_size, geo.ranks_per_node, geo.num_nodes};
   const int64_t max_chunks = static_cast<int64_t>(geo.reg.max_chunks);
-  return Hierarchy<Rdma>{make_transport<Rdma>(a),
-                         geo.rdma,
-                         topo,
-                         a.rank,
-                         topo.node(a.rank),
-                         max_chunks,
-                         max_chunks * kChunkTokens,
-                         static_cast<int>(geo.reg.ring_chunks)};
+  return Hierarchy<Rdma>{
+      make_transport<Rdma>(a), geo.rdma, topo, a.rank, topo.node(a.rank), max_chunks, max_chunks * kChunkTokens,
+      peer_rings::staged(geo)};
 }
 
 // Forwarded chunks a rank handles: every chunk of the rail peer on every other node, in node
@@ -107,9 +103,9 @@ __device__ void forwarded_chunk(const Call& call, int64_t k, int& n, int& c) {
 // arrive from the rail peer on every other node (every chunk of each, numbered chunk by chunk:
 // chunk 0 of each node in node order, then chunk 1, ...; units b, b + nb, ...), merged by a
 // key: an own chunk c has key c, a forwarded chunk c key c + fwd_lag() and comes after the
-// own chunk of that key. The lag (ring_chunks / 2) lets a source's chunk c arrive while the
-// rail peer stores its own chunks up to c + lag, and is below ring_chunks, which keeps every
-// wait pointing at a lower key (kernels/dispatch_direct.cuh: why the rings cannot deadlock).
+// own chunk of that key. The lag (half a ring) lets a source's chunk c arrive while the
+// rail peer stores its own chunks up to c + lag, and is below the ring's slots, which keeps every
+// wait pointing at a lower key (kernels/peer_ring.cuh: why the rings cannot deadlock).
 // Every role of the block walks it alike. Call: h, b, nb, send_chunks(), source_chunks(s),
 // fwd_lag().
 template <typename Call>
@@ -152,12 +148,10 @@ struct DirectUnits {
 // The chunks one block's source side takes in combine, in order: its own chunks (b, b + nb, ...
 // of send_chunks()) and, with several nodes, the forwarded chunks whose node partials it sends
 // back (forwarded_chunks' units b, b + nb, ...), merged by chunk index, with an own chunk c
-// after the forwarded chunks up to c + lag, lag = min(nb, ring - 1): about one block step
-// later, so that the rail peers' forwarding of chunk c, at the same step of their own order, is
-// likely done when c is waited for; less than a turn of the combine's rings, which the
-// argument of kernels/combine.cuh (no cycle of waits) needs: a forwarded chunk c waits for its
-// source to have read own chunk c - ring, which that source's block takes after forwarded
-// chunks up to c - ring + lag < c only. Call: h, b, nb, ring_slots, send_chunks() and source_chunks(s).
+// after the forwarded chunks up to c + lag (own_lag(): about one block step, so that the rail
+// peers' forwarding of chunk c, at the same step of their own order, is likely done when c is
+// waited for; less than a turn of the combine's rings, which kernels/peer_ring.cuh's argument
+// needs). Call: h, b, nb, own_lag(), send_chunks() and source_chunks(s).
 template <typename Call>
 struct SourceSideChunks {
   const Call& call;
@@ -168,7 +162,7 @@ struct SourceSideChunks {
   int last;           // the last key with work
 
   __device__ explicit SourceSideChunks(const Call& c)
-      : call(c), lag(min(c.nb, c.ring_slots - 1)), last(c.send_chunks() - 1 + min(c.nb, c.ring_slots - 1)) {
+      : call(c), lag(c.own_lag()), last(c.send_chunks() - 1 + c.own_lag()) {
     for (int n = 0; n < call.h.topo.N; ++n)
       if (n != call.h.node) last = max(last, call.source_chunks(call.h.rail_peer(n)) - 1);
   }

@@ -5,7 +5,7 @@
 // a kernel reaches them only through a transport `Rdma`, which every kernel takes as a
 // template parameter. Each rank owns an RDMA region (on clusters, a block of NVSHMEM's
 // symmetric heap: the same offsets on every rank); the kernels address it by byte offsets
-// planned in hybrid_ep/backends/cuda/layout.py (RdmaLayout).
+// built by csrc/bindings/buffer_layout.h (RdmaLayout).
 //
 // A transport provides (all offsets are bytes into the RDMA region, all sizes multiples of 16):
 //   uint8_t* local(offset)                  this rank's region: staging areas and the signal

@@ -14,28 +14,12 @@ from ...routing import Routing, max_output_rows
 from ..base import Backend
 from . import agreement, arena, launch, load_extension, staging
 from .engine import Engine
-from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout
+from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
 from .nvshmem import heap_spec
 from .peer_memory import CHUNK, round_up
 from .peer_setup import agreement_failure, close_peer_memory, process_agreement
 from .registered import NvshmemRegions, RegisteredBuffers
 from .workspace import CudaRecvLayout, CudaSendLayout
-
-# The registered regions of layout.RegisteredLayout, grouped as memory_plan() reports them:
-# (line, regions, what it holds). Every region is in exactly one line (tests/test_cuda_plan.py).
-REGISTERED_LINES = (
-    ("flags+counts", ("count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                      "count_in", "recv_credit", "comb_credit", "direct_tensors", "direct_first",
-                      "direct_done"),
-     "monotonic signals, per-rank state, exchanged counts, ring credits, the direct path's tables"),
-    ("recv_meta", ("recv_meta",), "routing entries of received rows: a ring of ring_chunks chunks per source"),
-    ("recv_rows", ("recv_rows",), "received rows, sized for fp32: a ring of ring_chunks chunks per source"),
-    ("recv_scales", ("recv_scales",), "fp8 scales of received rows, the same ring"),
-    ("comb_rows", ("comb_rows",), "partial sums pushed back by expert hosts, sized for an fp32 wire: a ring of "
-                                  "ring_chunks chunks per expert host"),
-    ("comb_fwd", ("comb_fwd", "comb_fwd_signal"), "several nodes: partials of this node's ranks for sources on "
-                                                  "other nodes, at their rail peer, in rings likewise"),
-)
 
 
 def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None,
@@ -52,9 +36,8 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
     one_process_per_rank=False: the single-GPU emulation, whose opt-in arena and staging region
     are registered regions (staging.py) and whose outputs otherwise come from PyTorch's
     allocator."""
-    regions = registered_layout(config).region_bytes()
-    specs = [BufferSpec(line, sum(regions[r] for r in names), True, purpose)
-             for line, names, purpose in REGISTERED_LINES]
+    # the registered buffer's regions as csrc builds them (layout.registered_regions)
+    specs = [BufferSpec(r.name, r.bytes, True, r.purpose) for r in registered_regions(config)]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))

@@ -39,7 +39,7 @@ from . import capture, launch
 from .agreement import Agreement, peer_bases, staging_layout
 from .arena import Arena, aligned, arena_take
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError
-from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, compiled, info_layout, rdma_layout, registered_layout
+from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
 from .paths import choose_path
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import CombineStaging, StreamOrder
@@ -199,10 +199,10 @@ class Engine:
         if config.num_nodes > 1 and rdma is None:
             raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
         self.rdma = rdma
-        self.reg = registered_layout(config)
-        self.rdma_layout = rdma_layout(config)
-        self.info = info_layout(config)
         check_extension(ext)
+        layouts = buffer_layouts(config, ext)  # built by this module, so its Geometry takes them
+        self.reg, self.rdma_layout = layouts.reg, layouts.rdma
+        self.info = info_layout(config)
         self.geo = self._geometry()
         self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
         self.errors = KernelErrors(ext, self.timeout_ns, config.ranks_per_node, config.num_nodes)
@@ -280,12 +280,9 @@ class Engine:
         g.max_tokens, g.hidden = c.max_tokens_per_rank, c.hidden_dim
         g.pad_multiple = c.pad_multiple
         g.min_rows_per_expert = c.min_rows_per_expert
-        for name, value in dataclasses.asdict(self.reg).items():
-            setattr(g.reg, name, value)
+        g.reg, g.rdma = self.reg, self.rdma_layout
         for name, value in dataclasses.asdict(self.info).items():
             setattr(g.info, name, value)
-        for name, value in dataclasses.asdict(self.rdma_layout).items():
-            setattr(g.rdma, name, value)
         g.transport = self.ext.TRANSPORTS[self.rdma.kind if self.rdma is not None else "loopback"]
         return g
 

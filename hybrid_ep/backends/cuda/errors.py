@@ -37,17 +37,17 @@ PHASE_TEXT = {
     "direct_tensors": "the direct path (waiting for the peer to publish its tensors of the call)",
     "direct_rows": "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
+    # the rings between ranks (csrc/kernels/peer_ring.cuh): a wait's expected and saw are slot tags
     "recv_ring": "the dispatch's receive ring (waiting for the peer to read a chunk and free its slot; expected and "
-                 "saw are call x 2^32 + the last chunk read + 1)",
+                 "saw are slot tags, the call and the chunk read there: csrc/kernels/peer_ring.cuh)",
     "partial_ring": "the combine's partial-sum ring (waiting for the source to free the chunk slot its next partials "
-                    "go to; expected and saw: call << 32 | chunk + 1 of the chunk read there)",
+                    "go to; expected and saw are slot tags, as for recv_ring)",
     "forward_ring": "the combine's forwarding ring (waiting for the source's rail peer on this node to free the chunk "
-                    "slot its next partials go to; expected and saw: call << 32 | chunk + 1 of the chunk read there)",
+                    "slot its next partials go to; expected and saw are slot tags, as for recv_ring)",
     "node_part_ring": "the combine's node-partial ring (waiting for the source on that node to free the chunk slot "
-                      "its next node partials go to, by RDMA; expected and saw: call << 32 | chunk + 1 of the chunk "
-                      "read there)",
+                      "its next node partials go to, by RDMA; expected and saw are slot tags, as for recv_ring)",
     "staged_ring": "the dispatch's staging for that node (waiting for the rail peer to forward a chunk and free its "
-                   "slot; expected and saw are call x 2^32 + the last chunk forwarded + 1)",
+                   "slot; expected and saw are slot tags, as for recv_ring)",
 }
 
 # The rings of a block's shared memory a pipeline wait names (ErrorRecord.site; the codes and

@@ -1,9 +1,12 @@
-"""Byte layout of one rank's registered buffer and of the per-call info tensor.
+"""Byte layouts of one rank's registered buffer, its RDMA region and the per-call info tensor.
 
-Planned here, in Python, so memory_plan() can say how much a buffer needs before anything is
-allocated; the kernels receive these offsets (csrc/common/params.h: RegLayout, InfoLayout).
-The sizes of csrc's structs and its limits come from the compiled module (`compiled`: both
-builds export them, csrc/bindings/common.h); none is written here a second time.
+The registered buffer's and the RDMA region's layouts are built in C++ from the list of rings
+between ranks (csrc/bindings/buffer_layout.h) and read here, with their regions, so
+memory_plan() can say how much a buffer needs before anything is allocated; the info tensor's
+is planned here. The kernels receive these offsets (csrc/common/params.h: RegLayout,
+RdmaLayout, InfoLayout). The sizes of csrc's structs and its limits come from the compiled
+module (`compiled`: both builds export them, csrc/bindings/common.h); none is written here a
+second time.
 
 Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 """
@@ -11,6 +14,7 @@ Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 from ...config import FP8_BLOCK, BufferConfig
@@ -31,7 +35,6 @@ def _compiled():
 
 
 compiled = _compiled()
-ALIGN = 128  # every region starts on its own 128-byte line (a choice of this plan, passed down as offsets)
 MAX_TOPK: int = compiled.MAX_TOPK  # routes per token
 MAX_RANKS: int = compiled.MAX_RANKS
 MAX_EXPERTS: int = compiled.MAX_EXPERTS
@@ -46,8 +49,8 @@ COUNT_ROW_TAIL: int = compiled.COUNT_ROW_TAIL  # a count row's source tokens and
 ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorRecord's words the host polls
 ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
 CHUNK_META_HEADER: int = compiled.CHUNK_META_HEADER  # a staged chunk's routing starts with its row count
-MAX_ROW_ELEM_BYTES = 4  # receive rows are sized for fp32, the widest dispatch dtype (this plan's choice)
 AGREE_WORDS: int = compiled.AGREE_WORDS  # a rank's words of the data-path agreement (RankArgs.agree)
+RING_TAG_CHUNK_BITS: int = compiled.RING_TAG_CHUNK_BITS  # a ring slot's tag: the call above chunk + 1
 BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its first bad token, that route's id
 
 # The names `compiled` and every loaded module must give the same values (engine.check_extension):
@@ -56,191 +59,51 @@ COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS"
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
                       "COUNT_ROW_TAIL", "AGREE_WORDS", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
                       "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES", "CHUNK_META_HEADER",
-                      "DIRECT_STORE_THREADS", "STATIC_SMEM_RESERVE")
+                      "DIRECT_STORE_THREADS", "STATIC_SMEM_RESERVE", "RING_TAG_CHUNK_BITS")
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+def ring_tag(call: int, chunk: int) -> int:
+    """What a ring slot's signal and credit words hold for chunk `chunk` of call `call`
+    (csrc/kernels/peer_ring.cuh, PeerRing::tag): what a timeout record of a ring's wait shows."""
+    return call << RING_TAG_CHUNK_BITS | (chunk + 1)
 
 
-class _Regions:
-    """Consecutive regions of a buffer, each starting on its own ALIGN-byte line."""
-
-    def __init__(self):
-        self.offset = 0
-
-    def take(self, nbytes: int) -> int:
-        start = self.offset
-        self.offset = _round_up(self.offset + nbytes, ALIGN)
-        return start
+@functools.lru_cache(maxsize=64)
+def _layouts(module, config: BufferConfig):
+    shape = module.BufferShape()
+    shape.world_size, shape.ranks_per_node = config.world_size, config.ranks_per_node
+    shape.local_experts, shape.max_tokens = config.experts_per_rank, config.max_tokens_per_rank
+    shape.hidden, shape.ring_chunks = config.hidden_dim, config.ring_chunks
+    shape.scale_cols = config.hidden_dim // FP8_BLOCK if config.hidden_dim % FP8_BLOCK == 0 else 0
+    return module.buffer_layouts(shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class RegisteredLayout:
-    """Offsets (bytes) of one rank's registered buffer; field names match csrc RegLayout."""
-
-    count_epoch: int
-    chunk_signal: int
-    max_chunks: int
-    ring_chunks: int
-    combine_signal: int
-    done_dispatch: int
-    done_combine: int
-    state: int
-    count_in: int
-    count_row_ints: int
-    recv_meta: int
-    meta_entries: int
-    recv_rows: int
-    row_stride: int
-    recv_scales: int
-    scale_stride: int
-    recv_credit: int
-    comb_rows: int
-    comb_stride: int
-    comb_fwd: int
-    comb_fwd_signal: int
-    comb_credit: int
-    direct_tensors: int
-    direct_first: int
-    direct_done: int
-    total: int
-
-    def region_bytes(self) -> dict[str, int]:
-        """Size of each region, for the memory plan."""
-        order = ["count_epoch", "chunk_signal", "combine_signal", "done_dispatch", "done_combine", "state",
-                 "count_in", "recv_meta", "recv_rows", "recv_scales", "recv_credit", "comb_rows", "comb_fwd",
-                 "comb_fwd_signal", "comb_credit", "direct_tensors", "direct_first", "direct_done"]
-        starts = [getattr(self, name) for name in order] + [self.total]
-        return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
+def buffer_layouts(config: BufferConfig, module=None):
+    """The layouts of one rank's registered buffer and RDMA region (module.BufferLayouts: reg,
+    rdma, and their regions), built by csrc/bindings/buffer_layout.h from the list of rings
+    between ranks. `module`: the extension whose Geometry takes them (default `compiled`)."""
+    return _layouts(module or compiled, config)
 
 
-def comb_ring(config: BufferConfig) -> int:
-    """Chunk slots of each combine ring (csrc comb_ring): ring_chunks, or the chunks of the
-    largest source where that is fewer."""
-    return min(config.ring_chunks, max(1, -(-config.max_tokens_per_rank // CHUNK_TOKENS)))
+def registered_layout(config: BufferConfig):
+    """Offsets (bytes) of one rank's registered buffer (csrc RegLayout)."""
+    return buffer_layouts(config).reg
 
 
-def registered_layout(config: BufferConfig) -> RegisteredLayout:
-    W, N, L = config.world_size, config.num_nodes, config.experts_per_rank
-    Tmax, H = config.max_tokens_per_rank, config.hidden_dim
-    take = _Regions().take
-
-    fields = {}
-    fields["count_epoch"] = take(8 * W)
-    fields["max_chunks"] = max(1, -(-Tmax // CHUNK_TOKENS))
-    fields["ring_chunks"] = config.ring_chunks
-    fields["chunk_signal"] = take(CHUNK_SIGNAL_BYTES * W * fields["max_chunks"])
-    ring = comb_ring(config)
-    fields["combine_signal"] = take(8 * W * ring)
-    fields["done_dispatch"] = take(8)
-    fields["done_combine"] = take(8)
-    fields["state"] = take(LOCAL_STATE_BYTES)
-    fields["count_row_ints"] = W + N + L + COUNT_ROW_TAIL + W  # then W ints: the source's routes to each rank
-    fields["count_in"] = take(4 * W * fields["count_row_ints"])
-    # The receive ring: ring_chunks chunk slots of CHUNK_TOKENS rows per source, whatever the
-    # routing (a call that sends a rank more waits for it to free slots), and the credit words
-    # its readers free them with, [N source node][G reader][ring_chunks] in the writer's buffer.
-    ring_rows = W * config.ring_chunks * CHUNK_TOKENS
-    fields["meta_entries"] = min(L, MAX_TOPK)
-    fields["recv_meta"] = take(META_ENTRY_BYTES * ring_rows * fields["meta_entries"])
-    fields["row_stride"] = _round_up(H * MAX_ROW_ELEM_BYTES, 16)
-    fields["recv_rows"] = take(ring_rows * fields["row_stride"])
-    fields["scale_stride"] = _round_up(H // FP8_BLOCK * 4, 16) if H % FP8_BLOCK == 0 else 0
-    fields["recv_scales"] = take(ring_rows * fields["scale_stride"])
-    fields["recv_credit"] = take(8 * W * config.ring_chunks)
-    fields["comb_stride"] = _round_up(H * 4, 16)
-    # Partial sums: a ring of `ring` chunk slots per expert host (the reader frees a slot with a
-    # credit in the writer's comb_credit), whatever max_tokens and the routing.
-    fields["comb_rows"] = take(W * ring * CHUNK_TOKENS * fields["comb_stride"])
-    # With several nodes: partials of sources on other nodes, from this node's ranks, when this
-    # rank is the source's rail peer here (a ring per source node and writer: [N][G][ring] chunk
-    # slots), and their signals.
-    forwarding = N > 1
-    fields["comb_fwd"] = take(W * ring * CHUNK_TOKENS * fields["comb_stride"] if forwarding else 0)
-    fields["comb_fwd_signal"] = take(8 * W * ring if forwarding else 0)
-    fields["comb_credit"] = take(8 * W * ring)
-    # The direct path: this rank's published tensors of a dispatch and a combine, the first
-    # output row of each (source, local expert), and each source's completion per kernel.
-    fields["direct_tensors"] = take(2 * PEER_TENSORS_BYTES)
-    fields["direct_first"] = take(4 * W * L)
-    fields["direct_done"] = take(8 * 2 * W)
-    fields["total"] = take(0)
-    return RegisteredLayout(**fields)
+def rdma_layout(config: BufferConfig):
+    """Offsets (bytes) of one rank's RDMA region, the symmetric heap on clusters (csrc
+    RdmaLayout); total 0 for a single node."""
+    return buffer_layouts(config).rdma
 
 
-@dataclasses.dataclass(frozen=True)
-class RdmaLayout:
-    """Offsets (bytes) of one rank's RDMA region (the symmetric heap on clusters); names match
-    csrc RdmaLayout. Empty (total 0) for a single node."""
-
-    count_epoch: int
-    count_out: int
-    count_in: int
-    done_dispatch: int
-    done_combine: int
-    disp_signal: int
-    token_meta_bytes: int
-    chunk_meta_bytes: int
-    disp_meta_out: int
-    disp_meta_in: int
-    disp_rows_out: int
-    disp_rows_in: int
-    disp_credit: int
-    comb_signal: int
-    comb_credit: int
-    comb_rows_out: int
-    comb_rows_in: int
-    total: int
-
-    def region_bytes(self) -> dict[str, int]:
-        order = ["count_epoch", "count_out", "count_in", "done_dispatch", "done_combine", "disp_signal",
-                 "disp_meta_out", "disp_meta_in", "disp_rows_out", "disp_rows_in", "disp_credit", "comb_signal",
-                 "comb_credit",
-                 "comb_rows_out", "comb_rows_in"]
-        starts = [getattr(self, name) for name in order] + [self.total]
-        return {name: starts[i + 1] - starts[i] for i, name in enumerate(order)}
+def registered_regions(config: BufferConfig) -> list:
+    """The registered buffer's regions in order (name, offset, bytes, purpose): memory_plan()'s lines."""
+    return list(buffer_layouts(config).registered)
 
 
-def rdma_layout(config: BufferConfig) -> RdmaLayout:
-    """The dispatch's staging is a ring per node, [node][ring_chunks] chunk slots of
-    CHUNK_TOKENS rows and a chunk's routing, and its credit words; the combine's node partials a
-    ring per node too, [node][(chunk % ring) * CHUNK_TOKENS + q], with a signal and a credit word
-    per slot; whatever the routing. The areas for this rank's own node stay unused, which keeps
-    every offset the same on every rank."""
-    W, N, G = config.world_size, config.num_nodes, config.ranks_per_node
-    H = config.hidden_dim
-    reg = registered_layout(config)
-    if N == 1:
-        return RdmaLayout(**{f.name: 0 for f in dataclasses.fields(RdmaLayout)})
-    chunks = reg.max_chunks
-    row_ints = _round_up(reg.count_row_ints, 4)
-    scale_cols = H // FP8_BLOCK if H % FP8_BLOCK == 0 else 0
-    take = _Regions().take
-
-    f = {}
-    f["count_epoch"] = take(8 * W)
-    f["count_out"] = take(4 * W * row_ints)
-    f["count_in"] = take(4 * 2 * W * row_ints)
-    f["done_dispatch"] = take(8 * N)
-    f["done_combine"] = take(8 * N)
-    f["disp_signal"] = take(8 * N * chunks)
-    f["token_meta_bytes"] = _round_up(TOKEN_META_BYTES + 4 * G + 4 * scale_cols, 16)
-    f["chunk_meta_bytes"] = CHUNK_META_HEADER + CHUNK_TOKENS * f["token_meta_bytes"]
-    ring = config.ring_chunks
-    f["disp_meta_out"] = take(N * ring * f["chunk_meta_bytes"])
-    f["disp_meta_in"] = take(N * ring * f["chunk_meta_bytes"])
-    f["disp_rows_out"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
-    f["disp_rows_in"] = take(N * ring * CHUNK_TOKENS * reg.row_stride)
-    f["disp_credit"] = take(8 * N * ring)
-    # Node partials: a ring of `ring` chunk slots per node, freed by the source's credits.
-    ring = comb_ring(config)
-    f["comb_signal"] = take(8 * N * ring)
-    f["comb_credit"] = take(8 * N * ring)
-    f["comb_rows_out"] = take(N * ring * CHUNK_TOKENS * reg.comb_stride)
-    f["comb_rows_in"] = take(N * ring * CHUNK_TOKENS * reg.comb_stride)
-    f["total"] = take(0)
-    return RdmaLayout(**f)
+def rdma_regions(config: BufferConfig) -> list:
+    """The RDMA region's regions in order (name, offset, bytes, purpose); none for a single node."""
+    return list(buffer_layouts(config).rdma_regions)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,196 @@
+// The byte layouts of one rank's registered buffer (RegLayout) and RDMA region (RdmaLayout),
+// built here from the list of rings between ranks (kernels/peer_ring.cuh) and bound to Python
+// with a table of their regions (name, offset, bytes, purpose): hybrid_ep/backends/cuda/layout.py
+// reads them, and memory_plan() reports the registered table's lines as they are.
+//
+// Each ring family holds a ring per (writer, source) pair it serves, and its slots are the
+// writer's: a writer holds ring_chunks chunk slots (BufferConfig.ring_chunks) in a reader's
+// buffer, shared among the sources it writes for. A rank writes a node peer's receive rings for
+// its own chunks and, as their forwarder, for its rail peers on the N - 1 other nodes: N
+// sources, ring_chunks / N slots each; an expert host writes the forward rings of a forwarder for
+// the N - 1 source nodes. Never fewer than kMinRingSlots, the least a ring between ranks turns
+// over with (kernels/peer_ring.cuh: a forwarded chunk comes half a ring after its index), and no
+// more than the chunks of the largest source where a combine ring holds a chunk's partials. So
+// the memory a rank holds grows with the peers that write into it (G node peers over NVLink, N
+// rail peers over RDMA), not with the EP size.
+//
+// Host code only (the bindings); the kernels receive the offsets in Geometry.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/params.h"
+
+namespace hybrid_ep {
+
+constexpr uint64_t kRegionAlign = 128;  // every region starts on its own 128-byte line
+constexpr uint64_t kMinRingSlots = 2;
+constexpr uint64_t kMaxRowElemBytes = 4;  // rows between ranks are sized for fp32, the widest dtype
+
+// What a buffer's layout depends on (BufferConfig; scale_cols: the fp32 scales of an fp8 row of
+// `hidden` columns, 0 where fp8 rows cannot have that width).
+struct BufferShape {
+  int64_t world_size = 0, ranks_per_node = 0, local_experts = 0, max_tokens = 0, hidden = 0, ring_chunks = 0;
+  int64_t scale_cols = 0;
+};
+
+// One region of a layout: [offset, offset + bytes), and what it holds (memory_plan()'s line).
+struct Region {
+  std::string name;
+  uint64_t offset = 0, bytes = 0;
+  std::string purpose;
+};
+
+struct BufferLayouts {
+  RegLayout reg{};
+  RdmaLayout rdma{};
+  std::vector<Region> registered, rdma_regions;
+};
+
+namespace layout_detail {
+
+inline uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
+
+// Consecutive fields of a buffer, each on its own kRegionAlign line, grouped into regions.
+class Planner {
+ public:
+  explicit Planner(std::vector<Region>& regions) : regions_(regions) {}
+  // A field of `bytes`: its offset.
+  uint64_t take(uint64_t bytes) {
+    const uint64_t start = at_;
+    at_ = round_up(at_ + bytes, kRegionAlign);
+    return start;
+  }
+  // The fields taken since the last region make up region `name`.
+  void region(const char* name, const char* purpose) {
+    regions_.push_back(Region{name, start_, at_ - start_, purpose});
+    start_ = at_;
+  }
+  uint64_t total() const { return at_; }
+
+ private:
+  std::vector<Region>& regions_;
+  uint64_t at_ = 0, start_ = 0;
+};
+
+}  // namespace layout_detail
+
+// The slots of a ring whose writer serves `sources` sources in one reader's buffer: its share of
+// ring_chunks, at least kMinRingSlots.
+inline uint64_t shared_slots(uint64_t ring_chunks, uint64_t sources) {
+  const uint64_t share = ring_chunks / (sources > 0 ? sources : 1);
+  return share > kMinRingSlots ? share : kMinRingSlots;
+}
+
+inline BufferLayouts buffer_layouts(const BufferShape& s) {
+  using layout_detail::Planner;
+  using layout_detail::round_up;
+  if (s.world_size < 1 || s.ranks_per_node < 1 || s.world_size % s.ranks_per_node != 0)
+    throw std::invalid_argument("buffer_layouts: ranks_per_node must divide world_size");
+  if (s.local_experts < 1 || s.max_tokens < 0 || s.hidden < 1 || s.scale_cols < 0)
+    throw std::invalid_argument("buffer_layouts: local_experts and hidden must be >= 1, max_tokens, scale_cols >= 0");
+  if (s.ring_chunks < static_cast<int64_t>(kMinRingSlots))
+    throw std::invalid_argument("ring_chunks must be >= " + std::to_string(kMinRingSlots) + ", got " +
+                                std::to_string(s.ring_chunks));
+  const uint64_t W = s.world_size, G = s.ranks_per_node, N = W / G, L = s.local_experts, H = s.hidden;
+  const uint64_t max_chunks = s.max_tokens > 0 ? (s.max_tokens + kChunkTokens - 1) / kChunkTokens : 1;
+  if (max_chunks + 1 >= (uint64_t{1} << kRingTagChunkBits))
+    throw std::invalid_argument("max_tokens_per_rank must be below " +
+                                std::to_string(((uint64_t{1} << kRingTagChunkBits) - 2) * kChunkTokens) +
+                                " (a ring slot's tag holds the chunk index in " + std::to_string(kRingTagChunkBits) +
+                                " bits), got " + std::to_string(s.max_tokens));
+  const uint64_t R = s.ring_chunks;
+  const uint64_t comb_slots = R < max_chunks ? R : max_chunks;  // no more than the largest source's chunks
+  const auto comb_share = [&](uint64_t sources) {
+    const uint64_t share = shared_slots(R, sources);
+    return share < comb_slots ? share : comb_slots;
+  };
+
+  BufferLayouts out;
+  RegLayout& r = out.reg;
+  r.max_chunks = max_chunks;
+  // The rings of the registered buffer (NVLink): rings per reader, slots each.
+  r.recv = RingLayout{W, shared_slots(R, N)};                    // a ring per source, its writer serving N sources
+  r.partial = RingLayout{G, comb_slots};                         // a ring per expert host of the source's node
+  r.forward = RingLayout{N > 1 ? N * G : 0, comb_share(N - 1)};  // per (source node, writer), writers serve N - 1
+  r.meta_entries = L < static_cast<uint64_t>(kMaxTopK) ? L : kMaxTopK;
+  r.count_row_ints = W + N + L + kCountRowTail + W;  // then W ints: the source's routes to each rank
+  r.row_stride = round_up(H * kMaxRowElemBytes, 16);
+  r.scale_stride = s.scale_cols > 0 ? round_up(4 * s.scale_cols, 16) : 0;
+  r.comb_stride = round_up(H * 4, 16);
+
+  Planner reg(out.registered);
+  r.count_epoch = reg.take(8 * W);
+  r.chunk_signal = reg.take(sizeof(ChunkSignal) * W * max_chunks);
+  r.done_dispatch = reg.take(8);
+  r.done_combine = reg.take(8);
+  r.state = reg.take(sizeof(LocalState));
+  r.count_in = reg.take(4 * W * r.count_row_ints);
+  // each ring's words: the writer's signals in the reader's buffer, the readers' credits in the
+  // writer's ([source node][reader g] for the receive rings a rank writes; a partial and a
+  // forward ring's credits by their source)
+  r.recv_credit = reg.take(8 * N * G * r.recv.slots);
+  r.combine_signal = reg.take(8 * r.partial.rings * r.partial.slots);
+  r.partial_credit = reg.take(8 * G * r.partial.slots);
+  r.comb_fwd_signal = reg.take(8 * r.forward.rings * r.forward.slots);
+  r.forward_credit = reg.take(8 * (N > 1 ? W : 0) * r.forward.slots);
+  // the direct path: this rank's published tensors of a dispatch and a combine, the first output
+  // row of each (source, local expert), and each source's completion per kernel
+  r.direct_tensors = reg.take(2 * sizeof(PeerTensors));
+  r.direct_first = reg.take(4 * W * L);
+  r.direct_done = reg.take(8 * 2 * W);
+  reg.region("flags+counts",
+             "monotonic signals, per-rank state, exchanged counts, ring credits, the direct path's tables");
+  const uint64_t recv_rows = r.recv.rings * r.recv.slots * kChunkTokens;
+  r.recv_meta = reg.take(sizeof(MetaEntry) * recv_rows * r.meta_entries);
+  reg.region("recv_meta", "routing entries of received rows, in the receive rings");
+  r.recv_rows = reg.take(recv_rows * r.row_stride);
+  reg.region("recv_rows",
+             "received rows, sized for fp32: a ring per source, ring_chunks slots per writer of this node shared "
+             "among the sources it writes for (its own chunks, and its rail peers' on other nodes)");
+  r.recv_scales = reg.take(recv_rows * r.scale_stride);
+  reg.region("recv_scales", "fp8 scales of received rows, in the receive rings");
+  r.comb_rows = reg.take(r.partial.rings * r.partial.slots * kChunkTokens * r.comb_stride);
+  reg.region("comb_rows", "partial sums of this node's expert hosts, sized for an fp32 wire: a ring per host");
+  r.comb_fwd = reg.take(r.forward.rings * r.forward.slots * kChunkTokens * r.comb_stride);
+  reg.region("comb_fwd",
+             "several nodes: partials of this node's ranks for sources on other nodes whose rail peer "
+             "this rank is, a ring per (source node, writer), its writer's slots shared among the nodes");
+  r.total = reg.total();
+
+  RdmaLayout& d = out.rdma;
+  d.staged = RingLayout{N, R};              // a ring per node, written by this rank or its rail peer there
+  d.node_part = RingLayout{N, comb_slots};  // likewise, for the node partial sums
+  if (N == 1) return out;                   // no RDMA region
+  const uint64_t row_ints = round_up(r.count_row_ints, 4);
+  d.token_meta_bytes = round_up(sizeof(TokenMeta) + 4 * G + 4 * static_cast<uint64_t>(s.scale_cols), 16);
+  d.chunk_meta_bytes = kChunkMetaHeader + kChunkTokens * d.token_meta_bytes;
+  Planner rd(out.rdma_regions);
+  d.count_epoch = rd.take(8 * W);
+  d.count_out = rd.take(4 * W * row_ints);
+  d.count_in = rd.take(4 * 2 * W * row_ints);
+  d.done_dispatch = rd.take(8 * N);
+  d.done_combine = rd.take(8 * N);
+  d.disp_signal = rd.take(8 * N * max_chunks);
+  d.disp_credit = rd.take(8 * N * d.staged.slots);
+  d.comb_signal = rd.take(8 * N * d.node_part.slots);
+  d.comb_credit = rd.take(8 * N * d.node_part.slots);
+  rd.region("rdma_flags+counts", "counts and flags of the inter-node path, the staging rings' signals and credits");
+  const uint64_t staged_rows = N * d.staged.slots * kChunkTokens;
+  d.disp_meta_out = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
+  d.disp_meta_in = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
+  rd.region("disp_meta", "a staged chunk's routing, out to the rail peer on each node and in from it");
+  d.disp_rows_out = rd.take(staged_rows * r.row_stride);
+  d.disp_rows_in = rd.take(staged_rows * r.row_stride);
+  rd.region("disp_rows", "staged rows, sized for fp32: a ring per node, out and in");
+  const uint64_t node_rows = N * d.node_part.slots * kChunkTokens;
+  d.comb_rows_out = rd.take(node_rows * r.comb_stride);
+  d.comb_rows_in = rd.take(node_rows * r.comb_stride);
+  rd.region("node_partials", "node partial sums, sized for an fp32 wire: a ring per node, out and in");
+  d.total = rd.total();
+  return out;
+}
+
+}  // namespace hybrid_ep
