@@ -87,25 +87,25 @@ MUTATIONS = (
              tests="tests/test_hierarchy_model.py"),
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
-             "csrc/kernels/combine.cuh", "  cr.pending[cr.count++] = SourceCredits::Chunk{node, c, produced.count};",
-             "  send_credits(d, SourceCredits::Chunk{node, c, produced.count});",
+             "csrc/kernels/combine.cuh", "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
+             "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c, produced.count});",
              tests=RINGS_ONE_NODE),
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
              "the writers wait for a credit that never comes, and the call times out)", "csrc/kernels/combine.cuh",
-             "  const uint64_t tag = ring_tag(d.epoch, k.chunk);",
-             "  const uint64_t tag = ring_tag(d.epoch, k.chunk - 1);", tests=RINGS_ONE_NODE),
+             "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);",
+             "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk - 1);", tests=RINGS_ONE_NODE),
     Mutation("host-skips-the-credit-wait", "a missing wait for a ring slot (an expert host writes chunk c over "
              "chunk c - ring before its reader read it)", "csrc/kernels/combine.cuh",
-             "    if (c >= d.ring_slots && !host_slot_free(d, s, c,",
-             "    if (false && !host_slot_free(d, s, c,", tests=RINGS_ONE_NODE),
+             "    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
+             "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,", tests=RINGS_ONE_NODE),
     Mutation("node-partial-forwarded-twice", "a chunk counted twice (a forwarder puts a chunk's node partials "
              "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine.cuh",
-             "                      ring_tag(d.epoch, it.chunk));\n  }",
-             """                      ring_tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, d.ring_row(it.chunk + 1, 0)),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)),
+             "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
+             """                      PeerRing::tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
                       static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1),
-                      ring_tag(d.epoch, it.chunk + 1));
+                      PeerRing::tag(d.epoch, it.chunk + 1));
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
              "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch.cuh",
@@ -185,12 +185,12 @@ MUTATIONS = (
              "    const int rows = tab.rows;\n    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), "
              "topo.local(d.a.rank), c), d.tag(c));\n    bool ok = true;\n", tests=RING_TESTS),
     Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
-             "csrc/kernels/dispatch.cuh", "topo.local(d.a.rank), c), d.tag(c));",
-             "topo.local(d.a.rank), c), d.tag(c) - 1);", tests=RING_TESTS),
+             "csrc/kernels/dispatch.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
+             "topo.local(d.a.rank), c), d.epoch, c - 1);", tests=RING_TESTS),
     Mutation("ring-writer-skips-the-credit-wait", "a writer that skips the credit wait (a chunk written into a ring "
              "slot whose previous chunk its reader may not have read)", "csrc/kernels/dispatch.cuh",
-             "    if (su.chunk >= ring)\n      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {",
-             "    if (false)\n      for (int i = lane; i < slot_items(su, staged) && ok; i += 32) {",
+             "    for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {",
+             "    for (int i = lane; false && i < slot_items(su, with_staged) && ok; i += 32) {",
              tests=RING_TESTS),
     Mutation("staging-freed-before-forwarded", "a staging slot freed before its forwarder read it (the credit sent "
              "when the forwarded chunk arrived)", "csrc/kernels/dispatch.cuh",
@@ -217,12 +217,12 @@ MUTATIONS = (
     # The direct path on several nodes (dispatch_direct.cuh, combine_pull.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_pull.cuh",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));\n"
+             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
-             """                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), ring_tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, d.ring_row(it.chunk + 1, 0)),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, row0)), it.rows * row_b,
-                      d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), ring_tag(d.epoch, it.chunk + 1));
+             """                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
+                      d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), PeerRing::tag(d.epoch, it.chunk + 1));
   }
   if (lane == 0) h.rdma.quiet();""", tests=DIRECT_NODES),
     Mutation("direct-staged-rows-loaded-before-their-put", "a staged row expanded before its RDMA put landed (the "

@@ -11,15 +11,15 @@
 
 namespace hybrid_ep {
 
-constexpr int kMaxRanks = 64;             // EP group size the kernels index with 64-bit masks
-constexpr int kMaxLaunchRanks = 16;       // virtual ranks one emulated launch can hold (4 nodes x 4)
-constexpr int kMaxTopK = 16;              // routes per token (register arrays in the layout kernel)
-constexpr int kMaxExperts = 1024;         // layout kernel keeps [32 warps][E] counters in smem
-constexpr int kThreads = 512;             // threads per dispatch / combine block
-constexpr int kChunkTokens = 32;          // tokens per chunk: the unit of signalling between ranks
-constexpr int kPrepareThreads = 1024;     // threads of the one layout block per rank
-constexpr int kCombineMaxSegCols = 8192;  // columns of a row segment a combine reducer group holds in registers
-constexpr int kMaxStages = 16;            // slots of one pipeline's ring (mbarrier arrays are sized by it)
+constexpr int kMaxRanks = 64;                  // EP group size the kernels index with 64-bit masks
+constexpr int kMaxLaunchRanks = 16;            // virtual ranks one emulated launch can hold (4 nodes x 4)
+constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the layout kernel)
+constexpr int kMaxExperts = 1024;              // layout kernel keeps [32 warps][E] counters in smem
+constexpr int kThreads = 512;                  // threads per dispatch / combine block
+constexpr int kChunkTokens = 32;               // tokens per chunk: the unit of signalling between ranks
+constexpr int kPrepareThreads = 1024;          // threads of the one layout block per rank
+constexpr int kCombineMaxSegCols = 8192;       // columns of a row segment a combine reducer group holds in registers
+constexpr int kMaxStages = 16;                 // slots of one pipeline's ring (mbarrier arrays are sized by it)
 constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memory at most: each kernel's shared
                                                // struct is checked against it, and the launch plans leave it out of
                                                // the dynamic shared memory (static + dynamic share one limit)
@@ -31,7 +31,7 @@ constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts wi
 // kRingTagChunkBits (kernels/peer_ring.cuh, PeerRing::tag): max_chunks stays below 2^24 - 1, and
 // the call field of 40 bits is not reached (2^40 calls: 35 years at 1000 calls a second).
 constexpr int kRingTagChunkBits = 24;
-constexpr int kAgreeWords = 5;             // a rank's words of the data-path agreement (RankArgs::agree)
+constexpr int kAgreeWords = 5;                  // a rank's words of the data-path agreement (RankArgs::agree)
 constexpr int kCountRowTail = 4 + kAgreeWords;  // a count row's ints after its per-expert counts: the source's
                                                 // tokens, its first bad token (-1: none) and that route's expert
                                                 // id (low, high word), then its agreement words; W ints of its
@@ -323,40 +323,40 @@ struct ErrorRecord {
 // emulation puts every virtual rank of the group into one launch.
 struct RankArgs {
   int32_t rank;
-  int32_t absent;         // test hook: this virtual rank never arrives
-  int32_t num_tokens;     // T on this rank
-  int32_t topk;           // K
-  uint64_t peers;         // device array of W registered-buffer base pointers (own included)
-  uint64_t x;             // [T, H] rows
-  uint64_t x_scales;      // [T, H/128] f32 (fp8 only)
-  uint64_t topk_idx;      // [T, K] i64
-  uint64_t topk_weights;  // [T, K] f32
-  uint64_t send_slot;     // [T, W] i32: position of token t in the rows sent to d, -1 if none
-  uint64_t entry_ord;     // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
-  uint64_t info;          // InfoLayout tensor (i64)
-  uint64_t out;           // [R, H] dispatch output
-  uint64_t out_scales;    // [R, H/128] f32
-  uint64_t out_probs;     // [R] f32
-  uint64_t row_pos;       // [W, max_tokens, kd] i32 output row of each entry of a received row
-  uint64_t recv_spans;    // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
-                          // writes it, combine reads it: the handle's, not the registered buffer's)
-  uint64_t fwd_slots;     // [N, max_chunks * kChunkTokens, G] i32: receive slot at each rank of this node
-                          // of each token forwarded for the rail peer on node n, -1 if none (handle's)
-  uint64_t fwd_rows;      // [N, max_chunks] i32: tokens of each forwarded chunk (handle's)
-  uint64_t rdma_regions;  // loopback: device array [W] of every rank's RDMA-region base
-  uint64_t rdma_base;     // NVSHMEM: this PE's address of the symmetric RDMA region
-  uint64_t rdma_pes;      // NVSHMEM: device i32 [W], the PE of each rank
-  int64_t num_out_rows;   // R, or -1 before it is known (layout kernel, dynamic mode)
-  uint64_t expert_out;    // [R, C] combine input
-  uint64_t probs;         // [R] f32 routing weight of each output row (apply_probs)
-  uint64_t y;             // [T, C] combine output
-  uint64_t route_rows;    // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
-                          // (dispatch writes it, combine reads it: the handle's)
-  uint64_t arena_bases;   // direct path: device u64 [W], where each rank's arena starts in this process
-                          // (every published tensor offset is relative to it; 0 in single-process emulation)
-  uint64_t fwd_routes;    // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
-                          // the routes to this node of each token forwarded for the rail peer on node n,
-                          // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
+  int32_t absent;              // test hook: this virtual rank never arrives
+  int32_t num_tokens;          // T on this rank
+  int32_t topk;                // K
+  uint64_t peers;              // device array of W registered-buffer base pointers (own included)
+  uint64_t x;                  // [T, H] rows
+  uint64_t x_scales;           // [T, H/128] f32 (fp8 only)
+  uint64_t topk_idx;           // [T, K] i64
+  uint64_t topk_weights;       // [T, K] f32
+  uint64_t send_slot;          // [T, W] i32: position of token t in the rows sent to d, -1 if none
+  uint64_t entry_ord;          // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
+  uint64_t info;               // InfoLayout tensor (i64)
+  uint64_t out;                // [R, H] dispatch output
+  uint64_t out_scales;         // [R, H/128] f32
+  uint64_t out_probs;          // [R] f32
+  uint64_t row_pos;            // [W, max_tokens, kd] i32 output row of each entry of a received row
+  uint64_t recv_spans;         // [W, max_chunks, 2] i32 (first slot, rows) of each chunk received (dispatch
+                               // writes it, combine reads it: the handle's, not the registered buffer's)
+  uint64_t fwd_slots;          // [N, max_chunks * kChunkTokens, G] i32: receive slot at each rank of this node
+                               // of each token forwarded for the rail peer on node n, -1 if none (handle's)
+  uint64_t fwd_rows;           // [N, max_chunks] i32: tokens of each forwarded chunk (handle's)
+  uint64_t rdma_regions;       // loopback: device array [W] of every rank's RDMA-region base
+  uint64_t rdma_base;          // NVSHMEM: this PE's address of the symmetric RDMA region
+  uint64_t rdma_pes;           // NVSHMEM: device i32 [W], the PE of each rank
+  int64_t num_out_rows;        // R, or -1 before it is known (layout kernel, dynamic mode)
+  uint64_t expert_out;         // [R, C] combine input
+  uint64_t probs;              // [R] f32 routing weight of each output row (apply_probs)
+  uint64_t y;                  // [T, C] combine output
+  uint64_t route_rows;         // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
+                               // (dispatch writes it, combine reads it: the handle's)
+  uint64_t arena_bases;        // direct path: device u64 [W], where each rank's arena starts in this process
+                               // (every published tensor offset is relative to it; 0 in single-process emulation)
+  uint64_t fwd_routes;         // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
+                               // the routes to this node of each token forwarded for the rail peer on node n,
+                               // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
   int32_t agree[kAgreeWords];  // the layout kernel hands these to every rank in its count rows
                                // (info.agreement): the peer memory's state the data path is agreed on
                                // (hybrid_ep/backends/cuda/agreement.py)

@@ -148,7 +148,7 @@ struct Combine : KernelCall {
   const InfoLayout& il;
   int W, Tmax, T, kd, C, seg_cols, segments, chunk;
   PeerRing partial, forward, node_part;  // the rings of partial sums it writes and reads (kernels/peer_ring.cuh)
-  uint32_t in_bytes, wire_bytes;  // element sizes
+  uint32_t in_bytes, wire_bytes;         // element sizes
   const int64_t* info;
   CombineShared& sh;
   uint8_t* host_in;   // [host_stages][seg_cols] expert output segments

@@ -108,7 +108,6 @@ struct DirectDispatchShared {
 static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
               "the dispatch_direct kernel's static shared memory outgrew the launch plans' reserve");
 
-
 // What every role of a block needs to know about the call.
 template <typename Rdma>
 struct DirectDispatch : KernelCall {

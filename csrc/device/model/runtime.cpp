@@ -152,18 +152,18 @@ struct Launch {
   int64_t inject_round = -1;
   uint64_t serial = 0;                     // launches before this one (the remote ops' clock across launches)
   bool remote_late = false, torn = false;  // the weakenings in force (runtime.h, Weak)
-  int hold_key = -1;    // hold_at: the key dev::hold_point holds at in this launch, -1 none
-  int held = 0;         // threads held there now
-  bool payload = true;  // set_payload when the launch began: bulk copies move their bytes
+  int hold_key = -1;                       // hold_at: the key dev::hold_point holds at in this launch, -1 none
+  int held = 0;                            // threads held there now
+  bool payload = true;                     // set_payload when the launch began: bulk copies move their bytes
   std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
   sigjmp_buf jump;
 };
 
 thread_local Launch* g_launch = nullptr;
 uint64_t g_seed = 0;
-bool g_payload = true;               // set_payload
+bool g_payload = true;                                       // set_payload
 bool g_weak[static_cast<int>(Weak::kCount)] = {true, true};  // set_weak
-uint64_t g_launches_since_seed = 0;  // with the seed, picks each launch's schedule
+uint64_t g_launches_since_seed = 0;                          // with the seed, picks each launch's schedule
 Stats g_stats;
 std::string g_message;
 std::map<uint64_t, uint64_t> g_persistent;              // ptr -> bytes
