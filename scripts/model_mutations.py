@@ -87,7 +87,8 @@ MUTATIONS = (
              tests="tests/test_hierarchy_model.py"),
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
-             "csrc/kernels/combine.cuh", "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
+             "csrc/kernels/combine.cuh",
+             "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
              "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c, produced.count});",
              tests=RINGS_ONE_NODE),
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
@@ -97,7 +98,8 @@ MUTATIONS = (
     Mutation("host-skips-the-credit-wait", "a missing wait for a ring slot (an expert host writes chunk c over "
              "chunk c - ring before its reader read it)", "csrc/kernels/combine.cuh",
              "    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
-             "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,", tests=RINGS_ONE_NODE),
+             "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
+             tests=RINGS_ONE_NODE),
     Mutation("node-partial-forwarded-twice", "a chunk counted twice (a forwarder puts a chunk's node partials "
              "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine.cuh",
              "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
@@ -217,9 +219,11 @@ MUTATIONS = (
     # The direct path on several nodes (dispatch_direct.cuh, combine_pull.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_pull.cuh",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));\n"
+             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             "PeerRing::tag(d.epoch, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
-             """                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
+             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             """PeerRing::tag(d.epoch, it.chunk));
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
                       h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
                       d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), PeerRing::tag(d.epoch, it.chunk + 1));
@@ -247,7 +251,8 @@ MUTATIONS = (
     # or check, and one per hazard of the kernels it reproduced.
     Mutation("combine-credits-not-quieted", "a remote signal not quieted before the kernel ends (late delivery: "
              "the source's last node-partial credits land in a later call, over that call's)",
-             "csrc/kernels/combine.cuh", "  if (d.h.multi()) d.h.rdma.quiet();\n}", "}", tests=HAZARD_CREDITS),
+             "csrc/kernels/peer_ring.cuh", "  __device__ ~RingReleases() { quiet(); }",
+             "  __device__ ~RingReleases() {}", tests=HAZARD_CREDITS),
     Mutation("rows-signalled-without-their-fence", "remote puts out of order (late delivery: a chunk's routing "
              "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch.cuh",
              "      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal\n"
