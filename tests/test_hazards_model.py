@@ -1,7 +1,6 @@
 """The kernels' hazards on a GPU that the CPU model shows once it is no stronger than the
 hardware (docs/dev/cpu_model.md, "Weakened"): each test here failed on the kernels before their
-fix under the weakened model, and passes after it (the tag's wrap, whose fix belongs to the
-rings' own type, is expected to fail until then).
+fix under the weakened model, and passes after it.
 
 - The receive path's combine sends its last node-partial credits over RDMA at the end of its
   source load warp: without a quiet they may land after the next call's credit in the same slot
@@ -98,11 +97,12 @@ def _start_calls_at(group, calls: int) -> None:
                 set_u64(region + rdma.done_combine + 8 * n, calls)
 
 
-@pytest.mark.xfail(strict=True, reason="tag call field wraps: fixed by the ring type")
 def test_calls_past_the_tags_wrap_point_match_the_oracle():
-    """A buffer that served 2^32 - 2 calls: its next calls are 2^32 - 1, 2^32 and 2^32 + 1. The
-    ring tags (epoch << 32 | chunk + 1) of call 2^32 are those of call 0, below every word the
-    previous calls left, so the credit and signal waits pass at once on stale slots."""
+    """A buffer that served 2^32 - 2 calls: its next calls are 2^32 - 1, 2^32 and 2^32 + 1. With
+    the call in the tag's low 32 bits (epoch << 32 | chunk + 1) the tags of call 2^32 were those
+    of call 0, below every word the previous calls left, so the credit and signal waits passed at
+    once on stale slots; PeerRing::tag keeps 40 bits of call (common/params.h,
+    kRingTagChunkBits), so the calls past that point match the oracle."""
     case = Case(world_size=2, ranks_per_node=2, num_experts=4, hidden=128, topk=2, dtype=torch.bfloat16,
                 tokens=(256, 256), backend="cuda")
     group = _cached(case, num_sms_dispatch=1, num_sms_combine=1, data_path="receive", ring_chunks=RING)
