@@ -350,8 +350,8 @@ def test_seed_outside_the_generator_range_is_refused_before_the_run(tmp_path, ca
 def test_every_seed_in_range_makes_the_inputs_of_every_rank(seed):
     """A rank's own generator is seeded with seed x 1000003 + rank + 1, folded into 64 bits: it
     overflowed for --seed 20000000000000 on every rank."""
+    from hybrid_ep.bench.inputs import make_inputs
     from hybrid_ep.bench.spec import BenchSpec
-    from hybrid_ep.bench.worker import make_inputs
 
     spec = BenchSpec(world_size=2, ranks_per_node=2, hidden=64, tokens=4, topk=2, experts=4, dtype="bf16",
                      routing="uniform", sms=(), backends=(), warmup=0, iters=1, seed=seed, device="cpu").validate()

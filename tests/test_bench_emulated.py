@@ -244,8 +244,8 @@ def test_emulate_refuses_a_bad_out_before_the_run(make, capsys, tmp_path, monkey
 def test_emulated_inputs_route_as_the_bench_ranks_do(routing, flags):
     """--emulate draws the routing hybrid-ep-bench's ranks draw for the same flags (it ignored
     --zipf-exponent and --group-limit)."""
+    from hybrid_ep.bench.inputs import make_inputs
     from hybrid_ep.bench.spec import BenchSpec
-    from hybrid_ep.bench.worker import make_inputs
 
     args = _emulate_args("4", "--routing", routing, "--experts", "16", "--tokens", "64", "--hidden", "128", *flags)
     s = emulated.settings(args)
@@ -275,7 +275,7 @@ def test_reference_run_has_the_emulated_nodes_and_routing(tmp_path, monkeypatch)
     """--reference-iters timed the reference backend on one node (ranks_per_node = W): a valid
     --group-limit 2 on 2 emulated nodes was refused, and --group-limit 1 routed otherwise."""
     from hybrid_ep.bench import cli
-    from hybrid_ep.bench.worker import make_inputs
+    from hybrid_ep.bench.inputs import make_inputs
 
     ran = []
     monkeypatch.setattr(emulated, "run", lambda args: 0)

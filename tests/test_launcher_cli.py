@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from helpers import REPO
+from hybrid_ep.bench.spec import BENCH_BACKENDS
 from megatron_patches.slurm import cli, local
 from megatron_patches.slurm import recipe as recipe_mod
 
@@ -274,7 +275,7 @@ def test_env_and_extra_args_keep_the_text_as_written(capsys, tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ("bench.routing=foo", "error: bench.routing: must be one of uniform, zipf, group-limited, got 'foo'"),
-    ("bench.backends=[cuda,foo]", "error: bench.backends: must be among cuda, reference, got 'foo'"),
+    ("bench.backends=[cuda,foo]", f"error: bench.backends: must be among {', '.join(BENCH_BACKENDS)}, got 'foo'"),
     ("bench.sms=[16,0]", "error: bench.sms: SM counts must be >= 1, got 0"),
     ("bench.warmup=-1", "error: bench.warmup: must be >= 0, got -1"),
     ("bench.node_counts=[1,2,1]", "error: bench.node_counts: 1 listed more than once"),

@@ -23,7 +23,7 @@ from ..metadata import metadata
 from ..paths import output_problem
 from ..synthetic import ROUTINGS
 from ..wording import plural
-from . import calibrate, worker
+from . import calibrate, deepep, worker
 from .launch import open_launcher, under_torchrun
 from .metrics import build_run
 from .plot import write_plots
@@ -237,6 +237,8 @@ def resolve(args) -> tuple[BenchSpec, str]:
         seed=args.seed, device=device, zipf_exponent=args.zipf_exponent, group_limit=args.group_limit,
         shared_gpu=device == "cuda" and not under_torchrun() and W > torch.cuda.device_count(),
     ).validate()
+    if deepep.NAME in spec.backends:
+        deepep.check_spec(spec)  # what DeepEP's intranode kernels cannot run, by its flag
     if args.topk is None and topk < DEFAULT_TOPK:
         _note(f"--topk defaults to {topk}: there are only {plural(experts, 'expert')}")
     out = results_folder(args, "bench")

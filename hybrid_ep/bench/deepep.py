@@ -1,7 +1,7 @@
 """DeepEP's intranode (normal-mode) dispatch and combine as a benchmark backend: the baseline users
 compare hybrid-ep with, in the same table and results.json (`hybrid-ep-bench --backends deepep`).
 
-Each rank times `deep_ep.Buffer` at the bench's shape with the bench's own inputs (worker.make_inputs:
+Each rank times `deep_ep.Buffer` at the bench's shape with the bench's own inputs (inputs.make_inputs:
 the same routing, x, fp8 scales and weights as hybrid-ep's backends get) and the same byte
 accounting (hybrid_ep.traffic: one row per token and destination rank, fp8 rows with their
 scales; combine sends the rows back at bf16), so algbw means the same for both. A timed dispatch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..fp8 import dequantize_fp8
 from ..traffic import combine_row_bytes, dispatch_row_bytes, rank_traffic, routing_row_counts
+from .inputs import Progress, make_inputs, rank_routings, traffic_fields
 from .spec import BenchArgError, BenchSpec
 
 NAME = "deepep"
@@ -68,7 +69,6 @@ def traffic(spec: BenchSpec, rank: int) -> dict[str, dict]:
     """The bytes `rank` moves in a dispatch and in a combine, as worker.run_backend reports
     HybridEPBuffer's: from every rank's routing, which each rank draws alike (the seed)."""
     from ..config import BufferConfig
-    from .worker import rank_routings, traffic_fields
 
     config = BufferConfig(hidden_dim=spec.hidden, max_tokens_per_rank=spec.tokens, num_experts=spec.experts,
                           world_size=spec.world_size, ranks_per_node=spec.ranks_per_node).validate()
@@ -85,7 +85,6 @@ def run_backend(spec: BenchSpec) -> list[dict]:
     import deep_ep
 
     from .timing import make_timer
-    from .worker import Progress, make_inputs
 
     group = dist.group.WORLD
     rank, W = dist.get_rank(group), spec.world_size

@@ -131,10 +131,6 @@ class BenchSpec:
         for name in self.backends:
             if name not in BENCH_BACKENDS:
                 raise BenchArgError("--backends", f"must be among {', '.join(BENCH_BACKENDS)}, got {name!r}")
-        if "deepep" in self.backends:
-            from .deepep import check_spec
-
-            check_spec(self)
         problem = seed_problem(self.seed)
         if problem:
             raise BenchArgError("--seed", problem)
