@@ -467,13 +467,17 @@ def test_bench_host_mode_writes_its_json(tmp_path):
     from hybrid_ep.bench import host
 
     out = tmp_path / "host.json"
-    assert host.main(["--worlds", "1", "2", "--paths", "direct", "--iters", "3", "--warmup", "1",
+    assert host.main(["--worlds", "1", "2", "--paths", "direct", "peer", "--iters", "3", "--warmup", "1",
                       "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "not a GPU number" in doc["what"]
     assert doc["cpu_heap"].startswith(("glibc mallopt", "default ("))
-    assert [p["world_size"] for p in doc["points"]] == [1, 2]
+    assert [(p["world_size"], p["data_path"]) for p in doc["points"]] == [(1, "direct"), (1, "peer"), (2, "direct"),
+                                                                         (2, "peer")]
     for p in doc["points"]:
+        if p["data_path"] == "peer":  # every pair on peer memory, on the ledger: direct, no host read
+            levels = 5 if p["world_size"] == 1 else 2
+            assert p["peer_pairs"] == levels * 4 == p["peer_direct_dispatches"] and p["peer_reads"] == 0
         levels = ("engine", "group") + (("buffer", "autograd", "training") if p["world_size"] == 1 else ())
         assert [k for k in host.LEVELS if k in p] == list(levels)
         for level in levels:
@@ -485,12 +489,12 @@ def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
     from hybrid_ep.bench import host
 
     out = tmp_path / "dynamic.json"
-    assert host.main(["--dynamic", "--worlds", "2", "--paths", "direct", "receive", "--iters", "2", "--warmup", "1",
-                      "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
+    assert host.main(["--dynamic", "--worlds", "2", "--paths", "direct", "receive", "peer", "--iters", "2",
+                      "--warmup", "1", "--hidden", "128", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "dynamic-size dispatch" in doc["what"] and doc["metadata"]["config"]["dynamic"] is True
     assert [(p["world_size"], p["data_path"], p["num_out_tokens"]) for p in doc["points"]] == [
-        (2, "direct", None), (2, "receive", None)]
+        (2, "direct", None), (2, "receive", None), (2, "peer", None)]
     for p in doc["points"]:
         for window in ("before_layout", "after_read"):
             q = p[window]

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -60,8 +61,26 @@ inline bool& launches_enabled() {
   return on;
 }
 
+// The kernel launches the HostPath calls made, per kernel, counted with launches on or off:
+// tests/test_launch_count.py asserts how many each call makes. One table per module.
+struct LaunchCount {
+  const char* kernel;
+  uint64_t count;
+};
+inline LaunchCount (&launch_counts())[5] {
+  static LaunchCount counts[5] = {
+      {"layout", 0}, {"dispatch", 0}, {"dispatch_direct", 0}, {"combine", 0}, {"combine_pull", 0}};
+  return counts;
+}
+
 inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), const LaunchArgs& a, uint64_t stream,
                            const char* what) {
+  for (LaunchCount& c : launch_counts()) {
+    if (c.kernel == what || std::string_view(c.kernel) == what) {
+      ++c.count;
+      break;
+    }
+  }
   if (launches_enabled()) check_launch(launcher(a, stream), what);
 }
 
@@ -499,6 +518,14 @@ inline void bind_common(py::module_& m) {
       "set_launches_enabled", [](bool on) { launches_enabled() = on; },
       "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");
   m.def("launches_enabled", [] { return launches_enabled(); });
+  m.def(
+      "launch_counts",
+      [] {
+        py::dict d;
+        for (const LaunchCount& c : launch_counts()) d[c.kernel] = c.count;
+        return d;
+      },
+      "the kernel launches HostPath calls made so far, per kernel (with launches off too)");
   bind_arena(m);
 #undef RW
 

@@ -17,6 +17,16 @@ no graph to record, as in evaluation) and `training` (the same with x, topk_weig
 expert_out asking for gradients: Megatron's training forward, which records the graph; the
 graph is freed after each pair, its backward is not timed).
 
+Paths: `receive`, `direct` (ranks in one process: outputs from PyTorch's allocator, combine
+reads expert_out where it lies) and `peer`: the direct path as ranks in separate processes
+take it (EmulatedGroup(separate_processes=True): each rank's peer memory of memfd chunks
+mapped at addresses of its own, the agreement's words set per call, blocks taken from peer
+memory, expert_out in the rank's combine staging block). Peer memory is pre-sized
+(PEER_BYTES) and the pairs are the static calls the agreement's ledger holds, which launch
+both dispatch kernels in one call without a host read; the ledger is set back before each
+pair, outside the timing, since with launches off no read can refresh it (a call the ledger
+does not hold reads once: tests/test_launch_count.py counts both).
+
 The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
 (steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while
 glibc's default mmap threshold moves with what was freed before, so a point's time depended
@@ -54,7 +64,9 @@ from ..metadata import metadata
 from ..routing import normalize_routing
 
 LEVELS = ("engine", "group", "buffer", "autograd", "training")  # the last three at W = 1 only
-DEFAULTS = dict(worlds=(1, 2, 8), paths=("receive", "direct"), hidden=1024, tokens=256, topk=8, warmup=50,
+PATHS = ("receive", "direct", "peer")
+PEER_BYTES = 64 << 20  # the peer path's pre-sized peer memory per rank: the bench's calls with room to spare
+DEFAULTS = dict(worlds=(1, 2, 8), paths=PATHS, hidden=1024, tokens=256, topk=8, warmup=50,
                 iters=500)
 
 
@@ -110,17 +122,47 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
 
     W, H, T, K = world_size, hidden, tokens, topk
     E = max(2 * W, K)
-    group = EmulatedGroup(W, H, T, E, device="cpu", data_path=data_path, num_sms_dispatch=1, num_sms_combine=1)
+    peer = data_path == "peer"
+    group = EmulatedGroup(W, H, T, E, device="cpu", data_path="direct" if peer else data_path, num_sms_dispatch=1,
+                          num_sms_combine=1, separate_processes=peer, arena_bytes=PEER_BYTES if peer else None)
     ext = group.ext
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
     idx, w = _routing(W, T, E, K, gen)
     static = T * K
-    # In the arena on the direct path, as the GPU benchmark has them (else combine copies them in).
-    expert_outs = [group.in_arena(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=v, check_values=False)
                 for x, i, v in zip(xs, idx, w)]
-    engine = group.engine
+    ext.set_launches_enabled(False)
+    stack = contextlib.ExitStack()
+    try:
+        return _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmup, iters)
+    finally:
+        ext.set_launches_enabled(True)
+        group.close()
+        stack.close()
+
+
+def _peer_ledger(group, xs, routings, static):
+    """The peer path's start: a first direct call takes each rank's combine staging block (where
+    expert_out then lies); returns what sets the agreement's ledger back to where it is after it."""
+    W = group.world_size
+    group.engine.dispatch(xs, [None] * W, routings, static, 1)
+    ledger = list(group.peer.ledger)
+
+    def between():
+        group.peer.ledger = list(ledger)
+
+    return between
+
+
+def _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmup, iters) -> dict:
+    """measure's levels on `group`, launches off (`stack` holds what a level at W = 1 opens)."""
+    W, engine, (T, H), K, E = group.world_size, group.engine, xs[0].shape, idx[0].shape[1], group.config.num_experts
+    peer = data_path == "peer"
+    between = _peer_ledger(group, xs, routings, static) if peer else None
+    # In the arena (with separate processes, the combine staging block) on the direct path, as
+    # the GPU benchmark has them (else combine copies them in).
+    expert_outs = [group.in_arena(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
 
     def group_pair():
         res = group.dispatch(xs, idx, w, num_out_tokens=static)
@@ -147,24 +189,22 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     point = {"world_size": W, "data_path": data_path, "hidden": H, "tokens": T, "topk": K, "experts": E,
              "num_out_tokens": static, "iters": iters}
     levels = [("engine", engine_pair), ("group", group_pair)]
-    stack = contextlib.ExitStack()
     if W == 1:
         stack.enter_context(_world_of_one())
         buf = _single_rank_buffer(group)
         levels += [("buffer", buffer_pair), ("autograd", autograd_pair), ("training", training_pair)]
-    ext.set_launches_enabled(False)
-    try:
-        for level, pair in levels:
-            wall, cpu = _time(pair, warmup, iters)
-            wall_us, cpu_us = statistics.median(wall), statistics.median(cpu)
-            deciles = statistics.quantiles(wall, n=10)
-            point[level] = {"wall_us_per_pair": wall_us, "wall_us_per_pair_per_rank": wall_us / W,
-                            "cpu_us_per_pair": cpu_us, "cpu_us_per_pair_per_rank": cpu_us / W,
-                            "wall_us_p10_p90": [deciles[0], deciles[-1]]}
-    finally:
-        ext.set_launches_enabled(True)
-        group.close()
-        stack.close()
+    reads, directs = (group.peer.reads, group.peer.directs) if peer else (0, 0)
+    for level, pair in levels:
+        wall, cpu = _time(pair, warmup, iters, between)
+        wall_us, cpu_us = statistics.median(wall), statistics.median(cpu)
+        deciles = statistics.quantiles(wall, n=10)
+        point[level] = {"wall_us_per_pair": wall_us, "wall_us_per_pair_per_rank": wall_us / W,
+                        "cpu_us_per_pair": cpu_us, "cpu_us_per_pair_per_rank": cpu_us / W,
+                        "wall_us_p10_p90": [deciles[0], deciles[-1]]}
+    if peer:  # every pair on the ledger: no host read, every dispatch direct
+        point["peer_pairs"] = len(levels) * (warmup + iters)
+        point["peer_reads"] = group.peer.reads - reads
+        point["peer_direct_dispatches"] = group.peer.directs - directs
     return point
 
 
@@ -197,7 +237,9 @@ def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int
 
     W, H, T, K = world_size, hidden, tokens, topk
     E = max(2 * W, K)
-    group = EmulatedGroup(W, H, T, E, device="cpu", data_path=data_path, num_sms_dispatch=1, num_sms_combine=1)
+    peer = data_path == "peer"
+    group = EmulatedGroup(W, H, T, E, device="cpu", data_path="direct" if peer else data_path, num_sms_dispatch=1,
+                          num_sms_combine=1, separate_processes=peer)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
     idx, w = _routing(W, T, E, K, gen)
@@ -212,7 +254,7 @@ def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int
                 m = clock.marks
                 before.append((m["layout_launch"] - t0) / 1e3)
                 after.append((m["rows_launch"] - m["layout_done"]) / 1e3)
-        path = group.engine.data_path
+        path = "peer" if peer and group.engine.data_path == "direct" else group.engine.data_path
     finally:
         group.close()
     b, a = statistics.median(before), statistics.median(after)
@@ -222,9 +264,12 @@ def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int
             "after_read": {"cpu_us_per_call": a, "cpu_us_per_rank": a / W}}
 
 
-def _time(pair, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+def _time(pair, warmup: int, iters: int, between=None) -> tuple[list[float], list[float]]:
+    """Wall and thread CPU time of each timed call of `pair`; `between` (untimed) before each."""
     wall, cpu = [], []
     for i in range(warmup + iters):
+        if between is not None:
+            between()
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         pair()
         t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
@@ -237,7 +282,7 @@ def _time(pair, warmup: int, iters: int) -> tuple[list[float], list[float]]:
 def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m hybrid_ep.bench.host", description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]))
-    parser.add_argument("--paths", nargs="+", choices=("receive", "direct"), default=list(DEFAULTS["paths"]))
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(DEFAULTS["paths"]))
     for name in ("hidden", "tokens", "topk", "warmup", "iters"):
         parser.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
     parser.add_argument("--dynamic", action="store_true",
