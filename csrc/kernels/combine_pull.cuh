@@ -449,6 +449,7 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __g
     // The node partials the rail peers on other nodes put here are read: they may put the next.
     for (int n = 0; multi && n < d.h.topo.N; ++n)
       if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_combine + 8 * d.h.node, d.epoch);
+    if (multi) d.h.rdma.quiet();  // delivered before the kernel ends: a late one would overwrite the next call's
   }
 }
 
