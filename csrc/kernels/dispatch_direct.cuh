@@ -40,8 +40,9 @@
 //                   source's rows of the expert, + the route's ordinal), writes its weight and
 //                   scales there and keeps the routes in the handle (fwd_routes, fwd_rows) for
 //                   combine. Once both store warps waited for the chunk's loads (the table
-//                   warp read its routing before), the RDMA warp releases the chunk's staging
-//                   slot to the source: both ends of the slot are free.
+//                   warp read its routing before; a chunk without rows takes one stage without
+//                   bytes, which says the load warp read its header), the RDMA warp releases
+//                   the chunk's staging slot to the source: both ends of the slot are free.
 // The staging rings are rings between ranks (kernels/peer_ring.cuh: their invariant, and why no
 // wait closes a cycle, with the units' keys of DirectUnits): before a store warp stores own chunk
 // c into the staging, it acquires the chunk's slot from every other node (the RDMA warp writes
@@ -135,6 +136,12 @@ struct DirectDispatch : KernelCall {
   __device__ int chunks() const { return send_chunks(); }
   __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
   __device__ int fwd_lag() const { return h.staging.slots / 2; }  // DirectUnits (kernels/peer_ring.cuh)
+  // The FIFO items of a unit (m: its source node, -1 for an own chunk): its stages, or one stage
+  // without bytes for a forwarded chunk without rows, so the store warps' done arrival, and
+  // with it the chunk's staging credit, comes after the load warp read the chunk's header.
+  __device__ int unit_items(int m, int u0, int u1) const {
+    return m >= 0 ? max(1, batches.items(u0, u1)) : batches.items(u0, u1);
+  }
   __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
   // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
@@ -175,12 +182,16 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
       dev::fence_proxy_async();
       rows = d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_in, m, c, 0, d.row_bytes));
     }
-    for (int k = 0; k < d.batches.items(u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
-      const RowBatches::Item it = d.batches.item(u0, u1, k);
+    for (int k = 0; k < d.unit_items(m, u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
       if (!d.fifo.ring.producer_acquire(d.args, produced)) {
         d.stop();
         break;
       }
+      if (u1 == u0) {  // a forwarded chunk without rows: the stage says its header was read
+        d.fifo.ring.producer_commit(produced);
+        continue;
+      }
+      const RowBatches::Item it = d.batches.item(u0, u1, k);
       d.fifo.load(produced, rows + static_cast<int64_t>(it.first) * d.row_bytes + it.offset, it.rows * it.bytes);
     }
   }
@@ -360,9 +371,9 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
                                           d.h.rail_peer(n), [&] { return arrive_pending(true); });
       if (!ok) break;
     }
-    for (int k = 0; k < d.batches.items(u0, u1); ++k, item.advance(d.stages)) {
+    for (int k = 0; k < d.unit_items(m, u0, u1); ++k, item.advance(d.stages)) {
       if (item.count % kStoreWarps != static_cast<uint32_t>(which)) continue;  // the other thread's
-      const RowBatches::Item it = d.batches.item(u0, u1, k);
+      const RowBatches::Item it = u1 > u0 ? d.batches.item(u0, u1, k) : RowBatches::Item{0, 0, 0u, 0u};
       if (!wait_for(d.fifo.ring, item)) {
         ok = false;
         break;
