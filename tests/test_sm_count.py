@@ -1,6 +1,6 @@
 """The SM count goes by one name, num_sms, from the API to the launch: HybridEPBuffer's
 num_sms_dispatch / num_sms_combine (per call: num_sms), KernelConfig's fields, the engine's
-num_sms and the launch arguments' num_sms (csrc LaunchArgs::blocks_per_rank, one block per SM);
+num_sms and the launch arguments' num_sms (csrc LaunchArgs::num_sms, one block per SM);
 a call that names none gets launch.DEFAULT_NUM_SMS_*, applied in the engine alone. On the CPU
 model."""
 

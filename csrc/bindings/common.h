@@ -459,11 +459,7 @@ inline void bind_common(py::module_& m) {
                       RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
                           RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
                               RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
-                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
-      // SMs per rank, the API's name (num_sms): one block per SM.
-      .def_property(
-          "num_sms", [](const LaunchArgs& self) { return self.blocks_per_rank; },
-          [](LaunchArgs& self, int32_t n) { self.blocks_per_rank = n; })
+                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

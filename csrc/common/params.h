@@ -370,8 +370,8 @@ inline constexpr int fwd_route_width(const Geometry& g) {
 
 struct LaunchArgs {
   Geometry geo;
-  int32_t num_ranks;  // RankArgs in this launch (1 in production)
-  int32_t blocks_per_rank;
+  int32_t num_ranks;   // RankArgs in this launch (1 in production)
+  int32_t num_sms;     // blocks per rank, one per SM
   int32_t dtype;       // DType of the rows (dispatch input / combine input)
   int32_t row_elems;   // elements per row moved by this call (combine may use < hidden)
   int32_t scale_cols;  // f32 scales per row (fp8 dispatch), else 0

@@ -34,8 +34,7 @@ struct BlockPlace {
 };
 
 __device__ __forceinline__ BlockPlace block_place(const LaunchArgs& args) {
-  return {args.ranks[blockIdx.x / args.blocks_per_rank], static_cast<int>(blockIdx.x % args.blocks_per_rank),
-          args.blocks_per_rank};
+  return {args.ranks[blockIdx.x / args.num_sms], static_cast<int>(blockIdx.x % args.num_sms), args.num_sms};
 }
 
 __device__ __forceinline__ RankView rank_view(const Geometry& geo, const RankArgs& a) {

@@ -735,8 +735,8 @@ __host__ __device__ inline size_t combine_stage_bytes(const LaunchArgs& args) {
 
 template <typename Rdma, typename Elem, typename Wire>
 LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
-                                 kCombineThreads, combine_stage_bytes(args), stream, args, "combine");
+  return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.num_sms, kCombineThreads,
+                                 combine_stage_bytes(args), stream, args, "combine");
 }
 
 template <typename Rdma>

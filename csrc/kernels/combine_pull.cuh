@@ -459,8 +459,8 @@ __host__ __device__ inline size_t combine_pull_stage_bytes(const LaunchArgs& arg
 
 template <typename Rdma, typename Elem, typename Wire>
 LaunchStatus launch_combine_pull_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_pull_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
-                                 kPullThreads, combine_pull_stage_bytes(args), stream, args, "combine_pull");
+  return dev::launch_cooperative(combine_pull_kernel<Rdma, Elem, Wire>, args.num_ranks * args.num_sms, kPullThreads,
+                                 combine_pull_stage_bytes(args), stream, args, "combine_pull");
 }
 
 template <typename Rdma>

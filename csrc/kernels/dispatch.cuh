@@ -885,7 +885,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 
 template <typename Rdma>
 LaunchStatus launch_dispatch_with(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(dispatch_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kThreads,
+  return dev::launch_cooperative(dispatch_kernel<Rdma>, args.num_ranks * args.num_sms, kThreads,
                                  2 * static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes),
                                  stream, args, "dispatch");
 }

@@ -535,7 +535,7 @@ LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream
     return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
            "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
            "it already consumed";
-  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kDirectThreads,
+  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.num_sms, kDirectThreads,
                                  static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
                                  args, "dispatch_direct");
 }

@@ -38,7 +38,7 @@
 // has read before it waits for a peer). Then by induction every unit with a lower number is
 // done when a unit waits, and its waits end. The numbers:
 //   dispatch (receive path) and dispatch_direct: an own chunk c has key c, a forwarded chunk c
-//     key c + L, L = ring_chunks / 2 < slots (SendUnits, DirectUnits: the send roles take units
+//     key c + L, L = slots / 2 of its rings < slots (SendUnits, DirectUnits: the send roles take units
 //     in key order). A reader reads chunk index j of every source once the units of keys up to
 //     j + L are produced (its expand warps take (source, chunk) pairs chunk-major), so a credit
 //     wait for chunk c >= slots waits for the reading of chunk c - slots by the destinations
