@@ -71,7 +71,7 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
   }
 }
 
-// A bad route of a call that moved no rows, where no host read the layout before the dispatch
+// A bad route of a call that moved no rows, where no host read the counts before the dispatch
 // kernel (a static size): a report for the host's next call, not a failure (no abort flag, so
 // the buffer stays usable). Every rank writes the same route. The epoch is zeroed before the
 // fields and written after them, so a host that reads the same non-zero epoch before and

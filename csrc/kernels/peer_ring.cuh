@@ -44,7 +44,7 @@
 //     wait for chunk c >= slots waits for the reading of chunk c - slots by the destinations
 //     (keys up to c - slots + L < c) or, for staged, for the forwarder's unit of key
 //     c - slots + L < c; a forwarded chunk's arrival waits for its source's own chunk c (key c).
-//   combine (receive path) and combine_pull: host(k) = 3k (an expert host stores and signals
+//   combine (receive path) and combine_direct: host(k) = 3k (an expert host stores and signals
 //     its partials of chunk k), fwd(k) = 3k + 1 (a forwarder reads a forwarded chunk's
 //     partials, sums and puts them), own(k) = 3(k + lag) + 2 (the source reads and sums chunk
 //     k), lag = min(blocks, slots - 1): own chunk k comes after the forwarded chunks up to k + lag
