@@ -89,8 +89,8 @@ def _twice(token: int) -> str:
 
 
 def bad_route_text(num_experts: int, rank: int, token: int, expert: int) -> str:
-    """The error of a bad route the device found (the layout kernel's first bad route of the
-    lowest bad rank, csrc/kernels/layout.cuh): an expert id in [-1, num_experts) can only be
+    """The error of a bad route the device found (the count kernel's first bad route of the
+    lowest bad rank, csrc/kernels/count.cuh): an expert id in [-1, num_experts) can only be
     bad as a token's second route to that expert."""
     if -1 <= expert < num_experts:
         return f"{_twice(token)} on rank {rank}: expert {expert}"
@@ -134,7 +134,7 @@ def normalize_routing(
     The gather from probs[T, E] to weights[T, K] is differentiable, so routing-weight
     gradients reach Megatron's probs when this runs inside autograd.
     check_values=False skips the checks that read values (they synchronise with the host):
-    for a backend that checks the ids on the device (the cuda backend's layout kernel).
+    for a backend that checks the ids on the device (the cuda backend's count kernel).
     """
     if topk_idx is not None and routing_map is not None:
         raise ValueError("pass either topk_idx (with topk_weights) or routing_map (with probs), not both")

@@ -284,8 +284,8 @@ run_bench_dsv3() {
 # The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
 # told otherwise).
 ncu_path=${HYBRID_EP_DATA_PATH:-direct}
-if [ "$ncu_path" = receive ]; then ncu_kernels=(dispatch_kernel combine_kernel)
-else ncu_kernels=(dispatch_direct_kernel combine_pull_kernel); fi
+if [ "$ncu_path" = receive ]; then ncu_kernels=(dispatch_receive_kernel combine_receive_kernel)
+else ncu_kernels=(dispatch_direct_kernel combine_direct_kernel); fi
 
 run_ncu() {
     # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
@@ -380,7 +380,7 @@ l1tex_dispatches=(
     "direct_w8_1sm|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096"
     "direct_w8_1sm_fp8|direct|dispatch_direct_kernel|-w 8 --sms 1 --tokens 4096 --dtype fp8"
     "direct_w2_1sm|direct|dispatch_direct_kernel|-w 2 --sms 1 --tokens 2048"
-    "w8_8sm|receive|dispatch_kernel|-w 8 --sms 8 --tokens 4096"
+    "w8_8sm|receive|dispatch_receive_kernel|-w 8 --sms 8 --tokens 4096"
 )
 run_ncu_l1tex() {
     local rc=0 one entry name path kernel shape

@@ -51,18 +51,18 @@ HAZARD_STAGES = "tests/test_hazards_model.py::test_the_direct_dispatch_keeps_an_
 DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle"
 
 MUTATIONS = (
-    Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch.cuh",
+    Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch_receive.cuh",
              "dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed)",
              "dev::bulk_s2g(to + it.offset + 8, d.send_fifo.slot(consumed)"),
-    Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch.cuh",
+    Mutation("missing-mbarrier-wait", "a missing mbarrier wait", "csrc/kernels/dispatch_receive.cuh",
              "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
              "if (d.stopped()) {"),
-    Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch.cuh",
+    Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch_receive.cuh",
              "    bulk_wait_write_except(writes_in_flight);\n    if (!d.meta_ring", "    if (!d.meta_ring"),
-    Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch.cuh",
+    Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch_receive.cuh",
              "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
     Mutation("staged-before-stores-land", "a missing bulk-group wait (rows put to another node before staged)",
-             "csrc/kernels/dispatch.cuh", """    if (pending_chunk < 0) return true;
+             "csrc/kernels/dispatch_receive.cuh", """    if (pending_chunk < 0) return true;
     bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
     if (pending_staged) {
       if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
@@ -72,36 +72,38 @@ MUTATIONS = (
     }
     bulk_wait_write_except(writes_in_flight);""", tests="tests/test_hierarchy_model.py"),
     Mutation("staged-slot-off-by-one", "an off-by-one position (a token's staged slot for another node)",
-             "csrc/kernels/dispatch.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
+             "csrc/kernels/dispatch_receive.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
              "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
              tests="tests/test_hierarchy_model.py"),
     Mutation("forwarder-drops-a-partial", "a lost term (a node partial summed without one rank's partial)",
-             "csrc/kernels/combine.cuh", "    const bool goes = lane < rows && slots[g] >= 0;",
+             "csrc/kernels/combine_receive.cuh", "    const bool goes = lane < rows && slots[g] >= 0;",
              "    const bool goes = lane < rows && slots[g] >= 0 && g != 1;", tests="tests/test_hierarchy_model.py"),
     Mutation("forwarded-stage-freed-by-one-warp", "a stage released before every consumer read it (the source "
-             "side's ring, forwarded partials too)", "csrc/kernels/combine.cuh", "    src.init(1, kGroupWarps);",
+             "side's ring, forwarded partials too)", "csrc/kernels/combine_receive.cuh",
+             "    src.init(1, kGroupWarps);",
              "    src.init(1, 1);", tests="tests/test_hierarchy_model.py"),
     Mutation("forwarded-chunk-put-after-its-first-row", "a hand-off before the data is written (a forwarded "
-             "chunk put before its later rows' node partials)", "csrc/kernels/combine.cuh",
+             "chunk put before its later rows' node partials)", "csrc/kernels/combine_receive.cuh",
              "return rows == 0 || (q == rows - 1 && end == C); }", "return rows == 0 || (q == 0 && end == C); }",
              tests="tests/test_hierarchy_model.py"),
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
-             "csrc/kernels/combine.cuh",
+             "csrc/kernels/combine_receive.cuh",
              "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
              "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c, produced.count});",
              tests=RINGS_ONE_NODE),
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
-             "the writers wait for a credit that never comes, and the call times out)", "csrc/kernels/combine.cuh",
+             "the writers wait for a credit that never comes, and the call times out)",
+             "csrc/kernels/combine_receive.cuh",
              "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);",
              "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk - 1);", tests=RINGS_ONE_NODE),
     Mutation("host-skips-the-credit-wait", "a missing wait for a ring slot (an expert host writes chunk c over "
-             "chunk c - ring before its reader read it)", "csrc/kernels/combine.cuh",
+             "chunk c - ring before its reader read it)", "csrc/kernels/combine_receive.cuh",
              "    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
              "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
              tests=RINGS_ONE_NODE),
     Mutation("node-partial-forwarded-twice", "a chunk counted twice (a forwarder puts a chunk's node partials "
-             "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine.cuh",
+             "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_receive.cuh",
              "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
              """                      PeerRing::tag(d.epoch, it.chunk));
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
@@ -110,7 +112,7 @@ MUTATIONS = (
                       PeerRing::tag(d.epoch, it.chunk + 1));
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
-             "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch.cuh",
+             "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch_receive.cuh",
              "wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows",
              "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
@@ -124,13 +126,13 @@ MUTATIONS = (
              "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch,",
              "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch - 1,",
              tests="tests/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
-    Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/layout.cuh",
+    Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/count.cuh",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
-    Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch.cuh",
+    Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch_receive.cuh",
              "  d.expand_fifo.drain(d.args, PipeState{}, produced);\n", "\n"),
     Mutation("lanes-skip-the-acquire", "lanes reading a peer's data before lane 0's acquire",
-             "csrc/kernels/dispatch.cuh", """    if (!warp_uniform(ok)) {
+             "csrc/kernels/dispatch_receive.cuh", """    if (!warp_uniform(ok)) {
       d.stop();
       break;
     }
@@ -140,15 +142,15 @@ MUTATIONS = (
     }
     d.table_ring.observe_empty(slot, lane);"""),
     Mutation("syncwarp-in-a-lane-branch", "a warp collective not reached by every lane of its mask",
-             "csrc/kernels/dispatch.cuh", """    if (lane < rows) tab.ndest[lane] = n;
+             "csrc/kernels/dispatch_receive.cuh", """    if (lane < rows) tab.ndest[lane] = n;
     // Several nodes""", """    if (lane < rows) {
       tab.ndest[lane] = n;
       __syncwarp();
     }
     // Several nodes"""),
     Mutation("combine-stage-freed-by-one-warp", "a stage released before every consumer read it",
-             "csrc/kernels/combine.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
-    Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine.cuh",
+             "csrc/kernels/combine_receive.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
+    Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine_receive.cuh",
              "    bulk_wait_write_except(writes_in_flight);\n    dev::fence_proxy_async();",
              "    dev::fence_proxy_async();"),
     Mutation("combine-partial-after-first-route", "an item flag off by one (a row emitted before its last part)",
@@ -171,54 +173,54 @@ MUTATIONS = (
              "finished blocks is not reset, so the next call's last block never publishes done)",
              "csrc/kernels/skeleton.cuh", "  *blocks_done = 0;\n", ""),
     Mutation("pull-weight-dropped", "a route summed without its routing weight (apply_probs)",
-             "csrc/kernels/combine_pull.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
+             "csrc/kernels/combine_direct.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
     Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "
-             "before every lane read it)", "csrc/kernels/layout.cuh",
+             "before every lane read it)", "csrc/kernels/count.cuh",
              "    __syncwarp();  // every lane has read the masks before they become counts\n", ""),
-    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/layout.cuh",
+    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/count.cuh",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }
     __syncthreads();""",
              """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
     }"""),
     Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
-             "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch.cuh",
+             "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",
              "    const int rows = tab.rows;\n    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), "
              "topo.local(d.a.rank), c), d.tag(c));\n    bool ok = true;\n", tests=RING_TESTS),
     Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
-             "csrc/kernels/dispatch.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
+             "csrc/kernels/dispatch_receive.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
              "topo.local(d.a.rank), c), d.epoch, c - 1);", tests=RING_TESTS),
     Mutation("ring-writer-skips-the-credit-wait", "a writer that skips the credit wait (a chunk written into a ring "
-             "slot whose previous chunk its reader may not have read)", "csrc/kernels/dispatch.cuh",
+             "slot whose previous chunk its reader may not have read)", "csrc/kernels/dispatch_receive.cuh",
              "    for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {",
              "    for (int i = lane; false && i < slot_items(su, with_staged) && ok; i += 32) {",
              tests=RING_TESTS),
     Mutation("staging-freed-before-forwarded", "a staging slot freed before its forwarder read it (the credit sent "
-             "when the forwarded chunk arrived)", "csrc/kernels/dispatch.cuh",
+             "when the forwarded chunk arrived)", "csrc/kernels/dispatch_receive.cuh",
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);",
              "    if (lane == 0 && su.node >= 0)\n"
              "      d.h.rdma.signal(su.source, d.staged_credit_off(d.h.node, su.chunk), d.tag(su.chunk));\n"
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);", tests=RING_TESTS),
     Mutation("staged-rows-forwarded-before-their-signal", "a staged row forwarded before its RDMA put landed (the "
              "forwarder's load warp reads a chunk's row count and rows without waiting for its signal)",
-             "csrc/kernels/dispatch.cuh", "    if (!d.arrive(su)) {\n      d.stop();\n      break;\n    }\n",
+             "csrc/kernels/dispatch_receive.cuh", "    if (!d.arrive(su)) {\n      d.stop();\n      break;\n    }\n",
              "    if (su.node >= 0) su.u1 = *reinterpret_cast<const volatile int32_t*>(d.fwd_meta(su));\n",
              tests=RING_TESTS),
     Mutation("bad-routing-call-left-open", "a completion never published (a call with a bad route, whose "
-             "dispatch kernel moves nothing, is not completed by the layout kernel)", "csrc/kernels/layout.cuh",
+             "dispatch kernel moves nothing, is not completed by the count kernel)", "csrc/kernels/count.cuh",
              "  complete_unmoved(view, h, epoch);\n", "", tests="tests/test_routing_device.py"),
-    Mutation("static-bad-route-unrecorded", "a bad route of a static-size call never reported (the layout kernel "
-             "records no route for the host)", "csrc/kernels/layout.cuh",
-             "  if (!args.layout_read) record_bad_route(", "  if (false) record_bad_route(",
+    Mutation("static-bad-route-unrecorded", "a bad route of a static-size call never reported (the count kernel "
+             "records no route for the host)", "csrc/kernels/count.cuh",
+             "  if (!args.info_read) record_bad_route(", "  if (false) record_bad_route(",
              tests="tests/test_routing_device.py"),
-    Mutation("refused-direct-dispatch-runs", "a dispatch kernel run on a call its layout kernel refused (the direct "
+    Mutation("refused-direct-dispatch-runs", "a dispatch kernel run on a call its count kernel refused (the direct "
              "path's kernel does not return on the info's bad-route word)", "csrc/kernels/dispatch_direct.cuh",
              "  if (place.rank.absent || call_refused(args.geo, place.rank)) return;",
              "  if (place.rank.absent) return;", tests="tests/test_routing_device.py"),
-    # The direct path on several nodes (dispatch_direct.cuh, combine_pull.cuh through the rail peers)
+    # The direct path on several nodes (dispatch_direct.cuh, combine_direct.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
-             "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_pull.cuh",
+             "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_direct.cuh",
              "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
              "PeerRing::tag(d.epoch, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
@@ -245,7 +247,7 @@ MUTATIONS = (
              "row on the rail peer's node)", "csrc/kernels/dispatch_direct.cuh",
              "+ dev::ld(&tm->ordinal[k]);", "+ dev::ld(&tm->ordinal[k]) + (lane == 3);", tests=DIRECT_NODES),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
-             "csrc/kernels/layout.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
+             "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),
     # Defects only the weakened model shows (docs/dev/cpu_model.md, "Weakened"): one per weakening
     # or check, and one per hazard of the kernels it reproduced.
@@ -254,7 +256,7 @@ MUTATIONS = (
              "csrc/kernels/peer_ring.cuh", "  __device__ ~RingReleases() { quiet(); }",
              "  __device__ ~RingReleases() {}", tests=HAZARD_CREDITS),
     Mutation("rows-signalled-without-their-fence", "remote puts out of order (late delivery: a chunk's routing "
-             "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch.cuh",
+             "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch_receive.cuh",
              "      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal\n"
              "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(",
              "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(", tests=RING_TESTS),
@@ -262,7 +264,7 @@ MUTATIONS = (
              "relaxed load alone)", "csrc/common/state.cuh", "      dev::fence_acq_rel_sys();\n      return true;",
              "      return true;"),
     Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
-             "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch.cuh",
+             "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch_receive.cuh",
              "      dev::fence_proxy_async();                                     // read by bulk loads below\n",
              ""),
     Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "

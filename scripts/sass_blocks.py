@@ -6,7 +6,7 @@ no GPU can profile it (a straight-line block runs every instruction it lists).
     nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I csrc -gencode=arch=compute_90a,code=sm_90a \\
         -c csrc/kernels/direct.cu -o /tmp/direct.o
     cuobjdump -sass /tmp/direct.o > /tmp/direct.sass
-    python scripts/sass_blocks.py /tmp/direct.sass combine_pull_kernelI13__nv_bfloat16 --with LDS.128 --min 100
+    python scripts/sass_blocks.py /tmp/direct.sass combine_direct_kernelI13__nv_bfloat16 --with LDS.128 --min 100
 
 A block starts at the function's first instruction, at every branch target and after every
 branch or exit. An opcode is the instruction's first word without its predicate (`@P0`).

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""The layout kernel's predicted time at the bench's points, for this checkout or a commit.
+"""The count kernel's predicted time at the bench's points, for this checkout or a commit.
 
     python scripts/timing_layout.py --emulate 2 8 --tokens 4096 --constants tools/timing/h200.json \\
         --payload-free --out layout.json [--commit c714646] [--emulate-nodes 2]
 
-The layout kernel runs on one SM per rank whatever the bench's SMs per rank, so one dispatch
+The count kernel runs on one SM per rank whatever the bench's SMs per rank, so one dispatch
 call per world size (driver.py's "dispatch_only" job) gives its time at every point. The rows
-are those of `python -m tools.timing predict` with only the layout kernel's time
-(kernels_ms: {"dispatch": {"layout_kernel": ms}}), one per SM count of --sms, so that
+are those of `python -m tools.timing predict` with only the count kernel's time
+(kernels_ms: {"dispatch": {"count_kernel": ms}}), one per SM count of --sms, so that
 `python -m tools.timing validate` scores them against the bench's kernels_ms. With
 --commit the commit's kernels run on today's model (tools/timing/builds.py: its tree, today's
 device layer and its accessors/<commit>.patch). PREDICTED: what the timing model says, not a
@@ -28,8 +28,8 @@ sys.path.insert(0, REPO)
 
 
 def layout_ms(result: dict) -> float:
-    """The layout launch's predicted ms of a dispatch_only driver result (the first SM count's)."""
-    (launch,) = [x for x in result["runs"][0]["dispatch"]["launches"] if x["kernel"] == "layout"]
+    """The count launch's predicted ms of a dispatch_only driver result (the first SM count's)."""
+    (launch,) = [x for x in result["runs"][0]["dispatch"]["launches"] if x["kernel"] == "count"]
     return launch["time_ns"] / 1e6
 
 
@@ -70,10 +70,10 @@ def main(argv=None) -> int:
         job = predict.job(shape, args.tokens, [1], [table.costs()], payload=not args.payload_free)
         job["dispatch_only"] = True
         ms = layout_ms(run_job(job))
-        print(f"[timing_layout] W={W}, {nodes} node(s): layout kernel {ms:.4f} ms (predicted)", file=sys.stderr,
+        print(f"[timing_layout] W={W}, {nodes} node(s): count kernel {ms:.4f} ms (predicted)", file=sys.stderr,
               flush=True)
         rows += [{"world_size": W, "nodes": nodes, "sms_per_rank": s, "total_sms": W * s, "data_path": path,
-                  "kernels_ms": {"dispatch": {"layout_kernel": ms}}, "model_tokens": [args.tokens]} for s in args.sms]
+                  "kernels_ms": {"dispatch": {"count_kernel": ms}}, "model_tokens": [args.tokens]} for s in args.sms]
     kernels = args.commit or _checkout_commit()
     config = {"world_sizes": args.emulate, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": args.experts, "dtype": "bf16", "routing": "uniform", "seed": args.seed,
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
            "elapsed_s": time.monotonic() - started}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"PREDICTED layout kernel ms ({kernels}'s kernels, constants {config['constants_file']}): "
-          + ", ".join(f"W={r['world_size']}: {r['kernels_ms']['dispatch']['layout_kernel']:.4f}"
+    print(f"PREDICTED count kernel ms ({kernels}'s kernels, constants {config['constants_file']}): "
+          + ", ".join(f"W={r['world_size']}: {r['kernels_ms']['dispatch']['count_kernel']:.4f}"
                       for r in rows if r["sms_per_rank"] == args.sms[0]))
     return 0
 

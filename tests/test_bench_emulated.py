@@ -104,8 +104,8 @@ def test_rdma_rows_of_the_kernels_equal_the_traffic_model(capsys):
     one_node.close()
 
 
-@pytest.mark.parametrize("path, kinds", [("direct", {"dispatch_direct", "combine_pull"}),
-                                         ("receive", {"dispatch", "combine"})])
+@pytest.mark.parametrize("path, kinds", [("direct", {"dispatch_direct", "combine_direct"}),
+                                         ("receive", {"dispatch_receive", "combine_receive"})])
 def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, path, kinds):
     """The bench's rows name the stages and store groups of each launch (the default is chosen
     per launch from the stages, so the override alone does not say what ran), for the kernels
@@ -118,8 +118,8 @@ def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, 
         return launch.direct_store_groups(stages, launch.fifo_shape(2048, smem, max_stages=stages).stage_bytes,
                                           override)
 
-    rule = {"dispatch": launch.store_groups, "combine": launch.combine_store_groups,
-            "dispatch_direct": direct, "combine_pull": lambda stages, override: 0}
+    rule = {"dispatch_receive": launch.store_groups, "combine_receive": launch.combine_store_groups,
+            "dispatch_direct": direct, "combine_direct": lambda stages, override: 0}
     tokens = [9, 4]
     idx = list(iter_rank_routings("uniform", tokens, 4, 2, seed=1))
     xs = [torch.randn(t, 1024).to(torch.bfloat16) for t in tokens]

@@ -32,7 +32,7 @@ def cpu_sweep(monkeypatch):
 
     def kernels(fn, calls, before):  # the profiler's CUDA activity: here the kernels' names only
         fn()
-        return CallKernels({"layout_kernel": 0.25, "dispatch_direct_kernel": 0.5}, 3.0, 0.125)
+        return CallKernels({"count_kernel": 0.25, "dispatch_direct_kernel": 0.5}, 3.0, 0.125)
 
     monkeypatch.setattr(emulated, "profiled_kernels", kernels)
     monkeypatch.setattr(emulated, "gpu_sm_clock_mhz", lambda: None)

@@ -1,5 +1,5 @@
 """The emulated bench's per-kernel times: which profiled kernels are hybrid_ep's, their GPU time
-per call, and the time a call spends outside them (the layout-to-dispatch host gap that kept
+per call, and the time a call spends outside them (the count-to-dispatch host gap that kept
 about 2-3 ms of every dynamic-size dispatch on the 2026-11-26 H200 run from shrinking with SMs)."""
 
 import pytest
@@ -9,24 +9,24 @@ from hybrid_ep.bench.kernel_times import CallKernels, kernel_name, other_kernels
 
 pytestmark = pytest.mark.unit
 
-LAYOUT = "void hybrid_ep::layout_impl::layout_kernel<hybrid_ep::LoopbackTransport>(hybrid_ep::LaunchArgs)"
+LAYOUT = "void hybrid_ep::count_impl::count_kernel<hybrid_ep::LoopbackTransport>(hybrid_ep::LaunchArgs)"
 DIRECT = "dispatch_direct_impl::dispatch_direct_kernel(LaunchArgs)"
-PULL = "void combine_pull_impl::combine_pull_kernel<__nv_bfloat16>(LaunchArgs)"
+PULL = "void combine_direct_impl::combine_direct_kernel<__nv_bfloat16>(LaunchArgs)"
 FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>, "
         "std::array<char*, 1ul>>(int, at::native::FillFunctor<unsigned char>, std::array<char*, 1ul>)")
 COPY = "Memcpy DtoH (Device -> Pinned)"
 
 
 def test_kernel_name_keeps_hybrid_ep_kernels_only():
-    assert kernel_name(LAYOUT) == "layout_kernel"
+    assert kernel_name(LAYOUT) == "count_kernel"
     assert kernel_name(DIRECT) == "dispatch_direct_kernel"
-    assert kernel_name(PULL) == "combine_pull_kernel"
+    assert kernel_name(PULL) == "combine_direct_kernel"
     assert kernel_name(FILL) is None
 
 
 def test_per_call_ms_sums_each_kernel_over_the_calls():
     events = [(FILL, 50.0), (LAYOUT, 400.0), (DIRECT, 2000.0), (FILL, 50.0), (LAYOUT, 600.0), (DIRECT, 3000.0)]
-    assert per_call_ms(events, 2) == {"dispatch_direct_kernel": pytest.approx(2.5), "layout_kernel": pytest.approx(0.5)}
+    assert per_call_ms(events, 2) == {"dispatch_direct_kernel": pytest.approx(2.5), "count_kernel": pytest.approx(0.5)}
     assert per_call_ms([(FILL, 1.0)], 1) == {}
     with pytest.raises(ValueError, match="calls"):
         per_call_ms(events, 0)
@@ -50,7 +50,7 @@ def test_profiled_kernels_leave_the_flush_out(monkeypatch):
 
     monkeypatch.setattr(kernel_times, "_cuda_events", fake_events)
     got = kernel_times.profiled_kernels(call, 4, flush)
-    assert got.ours == {"layout_kernel": pytest.approx(0.4)}
+    assert got.ours == {"count_kernel": pytest.approx(0.4)}
     assert got.other_launches == pytest.approx(2.0)
     assert got.other_ms == pytest.approx(0.06)
     monkeypatch.setattr(kernel_times, "_cuda_events", lambda fn, calls, before: [])
@@ -58,20 +58,20 @@ def test_profiled_kernels_leave_the_flush_out(monkeypatch):
 
 
 def test_kernel_rows_give_the_time_outside_the_kernels():
-    row = emulated.kernel_rows({"dispatch": CallKernels({"layout_kernel": 0.5, "dispatch_direct_kernel": 2.5}, 12.0,
+    row = emulated.kernel_rows({"dispatch": CallKernels({"count_kernel": 0.5, "dispatch_direct_kernel": 2.5}, 12.0,
                                                         0.75),
-                                "combine": CallKernels({"combine_pull_kernel": 3.0}, 0.0, 0.0)}, 5.0, 3.25)
-    assert row["kernels_ms"]["dispatch"] == {"layout_kernel": 0.5, "dispatch_direct_kernel": 2.5}
+                                "combine": CallKernels({"combine_direct_kernel": 3.0}, 0.0, 0.0)}, 5.0, 3.25)
+    assert row["kernels_ms"]["dispatch"] == {"count_kernel": 0.5, "dispatch_direct_kernel": 2.5}
     assert row["dispatch_outside_kernels_ms"] == pytest.approx(2.0)
     assert row["dispatch_other_kernels_ms"] == pytest.approx(0.75) and row["dispatch_other_launches"] == 12.0
     assert row["combine_outside_kernels_ms"] == pytest.approx(0.25)
     assert [k for k in row if k not in emulated.UNITS] == []
     text = emulated.kernel_summary(row)
-    assert "layout_kernel 0.500" in text and "outside 2.000 ms (other kernels 0.750 ms in 12 launches)" in text
+    assert "count_kernel 0.500" in text and "outside 2.000 ms (other kernels 0.750 ms in 12 launches)" in text
 
 
 def test_no_profiler_data_is_said_not_invented():
-    row = emulated.kernel_rows({"dispatch": None, "combine": CallKernels({"combine_pull_kernel": 1.0}, 1.0, 0.1)},
+    row = emulated.kernel_rows({"dispatch": None, "combine": CallKernels({"combine_direct_kernel": 1.0}, 1.0, 0.1)},
                                5.0, 1.5)
     assert row["kernels_ms"]["dispatch"] is None
     assert "dispatch_outside_kernels_ms" not in row and "dispatch_other_kernels_ms" not in row

@@ -117,7 +117,7 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
         record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
         record.phase, record.rank, record.peer, record.expected, record.observed = (
             group.ext.PHASES["bad_routing"], 1, 5, 4, 9)
-        record.epoch = 1  # written last, as the layout kernel does
+        record.epoch = 1  # written last, as the count kernel does
         with pytest.raises(RoutingError, match=re.escape("topk_idx values must be in [-1, 3] (num_experts=4), got 9 "
                                                          "at token 5 on rank 1")):
             group.engine.raise_if_failed()
@@ -129,7 +129,7 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
 
 def test_a_bad_route_record_being_written_is_left_to_the_next_call():
     """The host reads the record without waiting: a record whose epoch word is still 0 (a
-    layout kernel between its writes) raises nothing now and the whole route later."""
+    count kernel between its writes) raises nothing now and the whole route later."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
         record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)

@@ -1,7 +1,7 @@
 """The combine's bounded rings on the CPU model: calls that send many times what a ring holds.
 
 The receive path's combine moves partial sums through rings of BufferConfig.ring_chunks chunk
-slots per peer (csrc/kernels/combine.cuh): an expert host writes chunk c of a source into slot
+slots per peer (csrc/kernels/combine_receive.cuh): an expert host writes chunk c of a source into slot
 c % ring (of the source's ring, or of its rail peer's forwarding ring), a forwarder the node
 partials of chunk c into slot c % ring of the node-partial ring, and each, from the second turn
 on, first waits until the reader of that ring has read chunk c - ring there (its credit). Here

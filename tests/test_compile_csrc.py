@@ -98,5 +98,5 @@ def test_every_source_is_compiled_here_or_by_setup_py():
     assert sorted(left) == sorted(_sanitize_sources("planner") + _sanitize_sources("model"))
     every = sorted(str(p.relative_to(REPO)) for ext in ("cu", "cpp") for p in Path(REPO, "csrc").rglob(f"*.{ext}"))
     assert sorted(compiled + left) == every
-    assert {"csrc/kernels/dispatch.cu", "csrc/kernels/combine.cu", "csrc/bindings/cuda_module.cpp",
+    assert {"csrc/kernels/dispatch_receive.cu", "csrc/kernels/combine_receive.cu", "csrc/bindings/cuda_module.cpp",
             "csrc/microbench/main.cu"} <= set(compiled)

@@ -248,7 +248,7 @@ def test_bad_expert_index_in_static_mode_is_reported_and_leaves_the_buffer_usabl
 
 
 def test_bad_expert_index_in_dynamic_mode_leaves_the_buffer_usable(monkeypatch):
-    """The CPU model's tests/test_routing_device.py on the GPU: the layout kernel's bad route
+    """The CPU model's tests/test_routing_device.py on the GPU: the count kernel's bad route
     raised by the dynamic dispatch's host read, then the next call on the buffer."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "5")
     case = Case(3, 3, 6, 256, (17, 40, 33), 3, torch.bfloat16, drop_fraction=0.2, backend="cuda")

@@ -294,11 +294,11 @@ def test_backend_selection_without_a_gpu(single_rank_group):
         create_backend("cuda", cfg, single_rank_group, 0, 1)
 
 
-# -- the layout arithmetic of csrc/kernels/layout.cu and dispatch.cu ------------------------
+# -- the counts' arithmetic of csrc/kernels/count.cu and dispatch_receive.cu ----------------
 
 
 def _kernel_positions(cfg, topk_idx):
-    """What the layout and dispatch kernels compute, written with the kernels' own formulas:
+    """What the count and dispatch kernels compute, written with the kernels' own formulas:
     ordinal of (t, e) among a rank's tokens, per-source prefixes of expert counts, padded
     starts, then pos = start_j + src_prefix[s][j] + ordinal for each kept entry."""
     W, L, E, pad, mn = cfg.world_size, cfg.experts_per_rank, cfg.num_experts, cfg.pad_multiple, cfg.min_rows_per_expert

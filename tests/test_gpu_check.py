@@ -41,7 +41,7 @@ def machine(tmp_path):
     shutil.copy(Path(REPO, "scripts", "gpu_short_lease.sh"), repo / "scripts" / "gpu_short_lease.sh")
     for script in ("build_microbench.sh", "build_racecheck_probe.sh", "gpu_prebuilt.py"):
         shutil.copy(Path(REPO, "scripts", script), repo / "scripts" / script)
-    (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel\n")
+    (repo / "csrc" / "kernels" / "dispatch_receive.cu").write_text("// kernel\n")
     (repo / "csrc" / "microbench").mkdir()
     (repo / "csrc" / "microbench" / "main.cu").write_text("// microbenchmarks\n")
     (repo / "csrc" / "tools").mkdir()
@@ -204,7 +204,7 @@ def test_fresh_extension_is_not_rebuilt_and_a_changed_source_is(machine):
     assert proc.returncode == 0
     assert calls.count("setup.py build_ext") == 1 and "not rebuilt" in proc.stdout
     time.sleep(0.01)
-    src = repo / "csrc" / "kernels" / "dispatch.cu"
+    src = repo / "csrc" / "kernels" / "dispatch_receive.cu"
     later = time.time() + 5
     os.utime(src, (later, later))
     _, calls = run("build", str(results))
@@ -243,7 +243,7 @@ def test_a_carried_build_that_fits_is_used_and_not_built(machine):
 def test_a_carried_build_of_other_sources_or_archs_is_not_used(machine):
     repo, results, run = machine
     _carry(repo)
-    (repo / "csrc" / "kernels" / "dispatch.cu").write_text("// kernel, changed since the build\n")
+    (repo / "csrc" / "kernels" / "dispatch_receive.cu").write_text("// kernel, changed since the build\n")
     proc, calls = run("build", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the carried build at build/gpu-prebuilt does not fit: built for inputs " in proc.stdout
@@ -400,12 +400,13 @@ def test_bench_and_ncu_stages(machine):
     proc, calls = run("ncu", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ncu = [line for line in calls.splitlines() if line.startswith("ncu ")]
-    assert "regex:dispatch_direct_kernel|combine_pull_kernel" in ncu[0] and "--launch-skip 3 --launch-count 2" in ncu[0]
+    assert "regex:dispatch_direct_kernel|combine_direct_kernel" in ncu[0]
+    assert "--launch-skip 3 --launch-count 2" in ncu[0]
     assert ncu[0].endswith("PATH_ENV=direct")  # the emulation's own path, said out loud
     assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in ncu[0]
     assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
     assert "--section SourceCounters" in ncu[0]
-    for kernel in ("dispatch_direct_kernel", "combine_pull_kernel"):
+    for kernel in ("dispatch_direct_kernel", "combine_direct_kernel"):
         assert any(f"--print-source cuda,sass --kernel-name regex:{kernel}" in line for line in ncu)
         assert any("scripts/ncu_lines.py" in line for line in calls.splitlines() if line.startswith("python3"))
 
@@ -423,17 +424,17 @@ def test_ncu_lines_sums_stall_samples_per_source_line(tmp_path):
     cols = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_long_sb"'
     table = tmp_path / "t.csv"
     table.write_text("\n".join([
-        '"Function Name","combine_kernel"',
+        '"Function Name","combine_receive_kernel"',
         '"File Path","/src/csrc/kernels/state.cuh"', cols,
         '"100","if (try_wait) return true;","0x10","LDS R1","30","0","27"',
         '"100","","0x20","BRA","10","0","1"',
         '"101","spin","0x30","NOP","20","0","0"',
-        '"File Path","/src/csrc/kernels/combine.cuh"', cols,
+        '"File Path","/src/csrc/kernels/combine_receive.cuh"', cols,
         '"564","__syncthreads();","0x40","EXIT","140","140","0"',
     ]) + "\n")
     lines = _script("ncu_lines").summarize(str(table), top=2).splitlines()
-    assert lines[0] == "combine_kernel: 200 warp samples"
-    assert lines[1].split()[:2] == ["70.0%", "combine.cuh:564"] and "[barrier 100%]" in lines[1]
+    assert lines[0] == "combine_receive_kernel: 200 warp samples"
+    assert lines[1].split()[:2] == ["70.0%", "combine_receive.cuh:564"] and "[barrier 100%]" in lines[1]
     assert lines[2].split()[:2] == ["20.0%", "state.cuh:100"] and "[long_sb 70%]" in lines[2]
     assert len(lines) == 3
 
@@ -442,11 +443,11 @@ def test_ncu_lines_reads_the_kernel_name_row_of_ncu_2025(tmp_path):
     # ncu 2025.3 heads the table with "Kernel Name" (benchmarks/results/2026-11-24-h100's sass export)
     cols = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)"'
     table = tmp_path / "t.csv"
-    table.write_text("\n".join(['"Kernel Name","void dispatch_kernel<Loopback>(LaunchArgs)",',
-                                '"File Path","/src/csrc/kernels/dispatch.cuh"', cols,
+    table.write_text("\n".join(['"Kernel Name","void dispatch_receive_kernel<Loopback>(LaunchArgs)",',
+                                '"File Path","/src/csrc/kernels/dispatch_receive.cuh"', cols,
                                 '"686","if (sh.abort) return;","0x10","EXIT","5"']) + "\n")
     lines = _script("ncu_lines").summarize(str(table)).splitlines()
-    assert lines[0] == "void dispatch_kernel<Loopback>(LaunchArgs): 5 warp samples"
+    assert lines[0] == "void dispatch_receive_kernel<Loopback>(LaunchArgs): 5 warp samples"
 
 
 def test_ncu_lines_names_a_table_without_stall_samples(tmp_path):
@@ -608,7 +609,7 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     expected = (("dispatch_direct_kernel", "direct", "-w 8 --sms 1 --tokens 4096"),
                 ("dispatch_direct_kernel", "direct", "-w 8 --sms 1 --tokens 4096 --dtype fp8"),
                 ("dispatch_direct_kernel", "direct", "-w 2 --sms 1 --tokens 2048"),
-                ("dispatch_kernel", "receive", "-w 8 --sms 8 --tokens 4096"))  # the last: 2026-11-24's path
+                ("dispatch_receive_kernel", "receive", "-w 8 --sms 8 --tokens 4096"))  # the last: 2026-11-24's path
     for line, (kernel, path, shape) in zip(ncu, expected):
         assert f"--kernel-name regex:{kernel} --launch-skip 2 --launch-count 1" in line
         assert line.endswith(f"PATH_ENV={path}")

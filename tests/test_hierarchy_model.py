@@ -130,7 +130,7 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch, path):
 
 
 def _forwarded_combine(held_rank: int, absent=()):
-    """The receive path's forwarder (combine.cuh's put ring). Two nodes of one rank; rank 0's 256
+    """The receive path's forwarder (combine_receive.cuh's put ring). Two nodes of one rank; rank 0's 256
     tokens all go to rank 1's experts, so rank 1 forwards 8 chunks of node partials back to
     rank 0 in the combine, more than its put ring holds (kPutStages, 4); rank 1 has no tokens.
     The combine runs with the loopback puts of `held_rank` stalled (model.hold_at) and the
@@ -143,7 +143,7 @@ def _forwarded_combine(held_rank: int, absent=()):
         idx = [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)]
         res = group.dispatch(xs, idx, num_out_tokens=512)
         group.synchronize()
-        model.hold_at(held_rank, "combine")
+        model.hold_at(held_rank, "combine_receive")
         before = model.stats()["virtual_ns"]
         with ranks_absent(group, absent):
             ys = group.combine([r.tokens for r in res], [r.handle for r in res])

@@ -323,14 +323,14 @@ READ_BACK = {"slice": 1}  # call.i64[:, needed:] with bad_route: one gather; .cp
 
 
 class _AfterRead:
-    """A proxy of the engine's HostPath that has `mode` count only between the layout kernel's
+    """A proxy of the engine's HostPath that has `mode` count only between the count kernel's
     return (the host read follows) and the dispatch launch: on a GPU the GPU idles there."""
 
     def __init__(self, host, mode: _Ops):
         self.host, self.mode, self.launches = host, mode, 0
 
-    def dispatch_layout(self, *args):
-        self.host.dispatch_layout(*args)
+    def dispatch_count(self, *args):
+        self.host.dispatch_count(*args)
         self.mode.counting = True
 
     def dispatch_rows(self, *args):
@@ -414,7 +414,7 @@ def test_launches_off_runs_no_kernel(group):
 
 def test_host_path_checks_its_rank_count(group):
     e = group.engine
-    args = e._launch_args(1, "float32", H, "combine", "float32")
+    args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
         e.host.combine(args, False, 0, [(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True), 0, 0, 0, 0, 0)], 0)
 
@@ -496,7 +496,7 @@ def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
     assert [(p["world_size"], p["data_path"], p["num_out_tokens"]) for p in doc["points"]] == [
         (2, "direct", None), (2, "receive", None), (2, "peer", None)]
     for p in doc["points"]:
-        for window in ("before_layout", "after_read"):
+        for window in ("before_count", "after_read"):
             q = p[window]
             assert q["cpu_us_per_call"] > 0
             assert q["cpu_us_per_rank"] == pytest.approx(q["cpu_us_per_call"] / 2)

@@ -170,7 +170,7 @@ def _routing_checks_on_emulated_cuda():
 
 def test_routing_checks_read_the_device_once(pool_for):
     """A dynamic-size dispatch checks topk_idx on the host (the cuda backend's static size leaves
-    it to the layout kernel); each read waits for the GPU's queue and leaves it idle while the
+    it to the count kernel); each read waits for the GPU's queue and leaves it idle while the
     host works on, so min, max and the duplicate test are one read (they were three)."""
     with pool_for(1) as pool:
         found = pool.run(_routing_checks_on_emulated_cuda)[0]

@@ -68,7 +68,7 @@ CASES = [
     _case(3, num_experts=9, hidden=128, tokens=(64, 0, 17), topk=8, dtype=torch.float32),
     _case(4, num_experts=16, tokens=(1, 17, 0, 64), topk=8),
     _case(8, num_experts=16, tokens=(64, 17, 0, 33, 1, 64, 5, 9), topk=8),  # a full NVLink node
-    # more tokens than the layout kernel's 1024 threads: counts carried across tiles
+    # more tokens than the count kernel's 1024 threads: counts carried across tiles
     _case(2, hidden=128, dtype=torch.float32, tokens=(1100, 1030), num_experts=6),
     # dtypes: fp32, fp16, fp8 with its scales
     _case(4, hidden=128, dtype=torch.float32, tokens=(17, 1, 0, 33)),
@@ -337,7 +337,7 @@ def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, see
     group = EmulatedGroup(3, 2048, 64, 6, num_sms_dispatch=2, num_sms_combine=2, device="cpu", data_path=path)
     try:
         xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
-        with ranks_absent(group, after_layout={2}):
+        with ranks_absent(group, after_count={2}):
             group.dispatch(xs, idx, weights, num_out_tokens=256)
         with pytest.raises(RuntimeError, match=rf"rank [01] gave up after 1 s .* waiting for peer rank 2 in "
                                                rf"{MISSING_PHASE['dispatch'][path]}.* \(call 1,"):
@@ -347,8 +347,8 @@ def test_a_peer_lost_between_layout_and_dispatch_aborts_cleanly(monkeypatch, see
 
 
 # The kernel names fault injection goes by (each launcher names its kernel).
-KERNEL_NAMES = {"dispatch": {"receive": "dispatch", "direct": "dispatch_direct"},
-                "combine": {"receive": "combine", "direct": "combine_pull"}}
+KERNEL_NAMES = {"dispatch": {"receive": "dispatch_receive", "direct": "dispatch_direct"},
+                "combine": {"receive": "combine_receive", "direct": "combine_direct"}}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -360,7 +360,7 @@ def test_an_abort_at_any_point_leaves_every_block_cleanly(kernel, path):
     launch otherwise), and the next call must refuse the buffer only if an error was
     recorded (an injected abort records none). The injections must fire: the first always
     (every launch has a first round), and at least a quarter of them (the measured rounds
-    include the layout kernel's, and each run has its own schedule)."""
+    include the count kernel's, and each run has its own schedule)."""
     case = _case(2, hidden=2048, tokens=(64, 48), topk=2)
     xs, idx, weights, _ = on_device(make_rank_inputs(case), "cpu")
     # How many scheduling rounds the launch takes undisturbed, then aborts spread over them.
@@ -505,12 +505,13 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
                 check_emulated(group, dataclasses.replace(case, seed=seed))
             kinds = {key[0]: a for key, a in group.engine._launch_cache.items()}
             if path == "receive":
-                assert kinds["dispatch"].store_groups == min(int(groups), kinds["dispatch"].fifo_stages - 1)
-                assert kinds["combine"].store_groups == min(int(groups), kinds["combine"].host_out_stages - 1)
+                receive_dispatch, receive_combine = kinds["dispatch_receive"], kinds["combine_receive"]
+                assert receive_dispatch.store_groups == min(int(groups), receive_dispatch.fifo_stages - 1)
+                assert receive_combine.store_groups == min(int(groups), receive_combine.host_out_stages - 1)
             else:
                 direct = kinds["dispatch_direct"]
                 assert direct.store_groups == min(int(groups), (direct.fifo_stages - 1) // 2)  # two store threads
-                assert set(kinds) == {"dispatch_direct", "combine_pull"}
+                assert set(kinds) == {"dispatch_direct", "combine_direct"}
         finally:
             group.close()
 

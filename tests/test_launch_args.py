@@ -38,7 +38,7 @@ def _expected(e, kind: str, num_sms: int, dtype_name: str, cols: int, wire_name,
     smem, row_bytes = e.smem_per_block, launch.row_bytes_of(cols, dtype_name)
     if kind.startswith("dispatch") and dtype_name == "float8_e4m3fn":
         want["scale_cols"] = cols // FP8_BLOCK
-    if kind == "dispatch":
+    if kind == "dispatch_receive":
         fifo = launch.fifo_shape(row_bytes, smem, pipelines=launch.DISPATCH_PIPELINES)
         want.update(fifo_stages=fifo.stages, stage_bytes=fifo.stage_bytes, rows_per_stage=fifo.rows_per_stage,
                     store_groups=launch.store_groups(fifo.stages))
@@ -46,7 +46,7 @@ def _expected(e, kind: str, num_sms: int, dtype_name: str, cols: int, wire_name,
         fifo = launch.direct_fifo_shape(row_bytes, smem)
         want.update(fifo_stages=fifo.stages, stage_bytes=fifo.stage_bytes, rows_per_stage=fifo.rows_per_stage,
                     store_groups=launch.direct_store_groups(fifo.stages, fifo.stage_bytes))
-    elif kind == "combine_pull":  # one node: a stage holds expert outputs only, whatever the wire dtype
+    elif kind == "combine_direct":  # one node: a stage holds expert outputs only, whatever the wire dtype
         pull = launch.pull_shape(cols, launch.ELEM_BYTES[dtype_name], smem)
         want.update(wire_dtype=e.ext.DTYPE_CODES[wire_name or dtype_name], seg_cols=pull.seg_cols,
                     src_stages=pull.stages, src_stage_bytes=pull.stage_bytes)
@@ -60,16 +60,16 @@ def _expected(e, kind: str, num_sms: int, dtype_name: str, cols: int, wire_name,
 
 
 CASES = [
-    ("dispatch", 1, "bfloat16", 7168, None, False),
-    ("dispatch", 2, "float8_e4m3fn", 7168, None, False),
+    ("dispatch_receive", 1, "bfloat16", 7168, None, False),
+    ("dispatch_receive", 2, "float8_e4m3fn", 7168, None, False),
     ("dispatch_direct", 1, "bfloat16", 7168, None, False),
     ("dispatch_direct", 3, "float8_e4m3fn", 1024, None, False),
     ("dispatch_direct", 1, "float32", 256, None, False),
-    ("combine", 1, "bfloat16", 7168, "bfloat16", False),
-    ("combine", 2, "bfloat16", 7168, "float32", True),
-    ("combine", 1, "float32", 64, "float32", False),
-    ("combine_pull", 1, "bfloat16", 7168, "bfloat16", True),
-    ("combine_pull", 2, "float32", 1024, "float32", False),
+    ("combine_receive", 1, "bfloat16", 7168, "bfloat16", False),
+    ("combine_receive", 2, "bfloat16", 7168, "float32", True),
+    ("combine_receive", 1, "float32", 64, "float32", False),
+    ("combine_direct", 1, "bfloat16", 7168, "bfloat16", True),
+    ("combine_direct", 2, "float32", 1024, "float32", False),
 ]
 
 
@@ -83,22 +83,23 @@ def test_each_kind_sets_its_pipeline_and_nothing_else(engine, kind, num_sms, dty
     assert (args.geo.world_size, args.geo.hidden) == (W, 7168)
     # Built once per key; the pipeline depth launch_shapes reports is the kind's own field.
     assert engine._launch_args(num_sms, dtype_name, cols, kind, wire_name, apply_probs) is args
-    stages = {"dispatch": args.fifo_stages, "dispatch_direct": args.fifo_stages, "combine": args.host_out_stages,
-              "combine_pull": args.src_stages}[kind]
+    stages = {"dispatch_receive": args.fifo_stages, "dispatch_direct": args.fifo_stages,
+              "combine_receive": args.host_out_stages,
+              "combine_direct": args.src_stages}[kind]
     assert engine.launch_shapes(num_sms)[kind]["stages"] == stages > 1
 
 
 def test_a_combine_with_and_without_probs_launches_with_its_own_flag(engine):
     """apply_probs is part of the launch arguments' key: a combine never sees the flag of the
     combine before it."""
-    on = engine._launch_args(1, "bfloat16", 512, "combine", "bfloat16", True)
-    off = engine._launch_args(1, "bfloat16", 512, "combine", "bfloat16", False)
+    on = engine._launch_args(1, "bfloat16", 512, "combine_receive", "bfloat16", True)
+    off = engine._launch_args(1, "bfloat16", 512, "combine_receive", "bfloat16", False)
     assert (on.apply_probs, off.apply_probs) == (1, 0)
 
 
 def test_the_sm_count_error_names_the_role(engine):
     with pytest.raises(ValueError, match=r"^num_sms \(combine\) must be >= 1, got 0$"):
-        engine._launch_args(0, "bfloat16", 512, "combine_pull", "bfloat16")
+        engine._launch_args(0, "bfloat16", 512, "combine_direct", "bfloat16")
     with pytest.raises(ValueError, match=r"^num_sms \(dispatch\) must be >= 1, got 0$"):
         engine._launch_args(0, "bfloat16", 512, "dispatch_direct")
 
@@ -110,7 +111,7 @@ def test_a_direct_combine_on_several_nodes_sizes_its_stages_for_the_wire_dtype()
     try:
         e = group.engine
         for wire in ("float32", "bfloat16"):
-            args = e._launch_args(1, "bfloat16", 7168, "combine_pull", wire, False)
+            args = e._launch_args(1, "bfloat16", 7168, "combine_direct", wire, False)
             pull = launch.pull_shape(7168, launch.ELEM_BYTES[wire], e.smem_per_block)
             assert (args.wire_dtype, args.seg_cols, args.src_stages, args.src_stage_bytes) == (
                 e.ext.DTYPE_CODES[wire], pull.seg_cols, pull.stages, pull.stage_bytes)

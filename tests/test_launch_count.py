@@ -1,7 +1,7 @@
 """How many kernel launches, calls into the extension's host path and host reads each call of
 the cuda backend makes, on the CPU model, against the designed numbers (docs/architecture.md,
 "The host path per call"): a dispatch of known size (num_out_tokens, or a handle's) launches
-its two kernels in one call and reads nothing back; a dynamic-size dispatch launches the layout
+its two kernels in one call and reads nothing back; a dynamic-size dispatch launches the count
 kernel, reads the output sizes once, then launches the dispatch kernel; a combine is one call
 and one kernel. With peer memory (ranks in separate processes) every dispatch first sets each
 driven rank's agreement words (no launch), and a call of known size that the agreement's ledger
@@ -30,8 +30,8 @@ W, H, T, E, K = 2, 256, 16, 4, 2
 STATIC = W * T * K
 PATHS = ("receive", "direct", "arena", "peer")
 KERNELS = {  # path -> (dispatch kernel, combine kernel)
-    "receive": ("dispatch", "combine"), "direct": ("dispatch_direct", "combine_pull"),
-    "arena": ("dispatch_direct", "combine_pull"), "peer": ("dispatch_direct", "combine_pull")}
+    "receive": ("dispatch_receive", "combine_receive"), "direct": ("dispatch_direct", "combine_direct"),
+    "arena": ("dispatch_direct", "combine_direct"), "peer": ("dispatch_direct", "combine_direct")}
 
 
 def _group(path: str, world_size: int = W) -> EmulatedGroup:
@@ -124,7 +124,7 @@ def _redispatch_is_known(group, path, xs, res, monkeypatch) -> None:
     with counting(group.engine, monkeypatch) as again:
         out = group.redispatch(xs, [r.handle for r in res])
     assert (again.launches, again.host_calls, again.reads) == \
-        ({"layout": 1, KERNELS[path][0]: 1}, _known(path), {})
+        ({"count": 1, KERNELS[path][0]: 1}, _known(path), {})
     group.synchronize()
     for a, b in zip(out, res):
         assert torch.equal(a.tokens, b.tokens)
@@ -143,7 +143,7 @@ def test_static_dispatch_and_combine_launch_two_kernels_then_one_and_read_nothin
         with counting(group.engine, monkeypatch) as dispatched:
             res = group.dispatch(xs, idx, ws, num_out_tokens=STATIC)
         assert res[0].handle.data_path == ("receive" if path == "receive" else "direct")
-        assert dispatched.launches == {"layout": 1, dispatch_kernel: 1}
+        assert dispatched.launches == {"count": 1, dispatch_kernel: 1}
         assert dispatched.host_calls == _known(path)
         assert dispatched.reads == {}
         with counting(group.engine, monkeypatch) as combined:
@@ -168,8 +168,8 @@ def test_dynamic_dispatch_reads_once_between_its_two_launches(path, monkeypatch)
         with counting(group.engine, monkeypatch) as dispatched:
             res = group.dispatch(xs, idx, ws)
         assert res[0].handle.data_path == ("receive" if path == "receive" else "direct")
-        assert dispatched.launches == {"layout": 1, dispatch_kernel: 1}
-        calls = {"dispatch_layout": 1, "dispatch_rows": 1}
+        assert dispatched.launches == {"count": 1, dispatch_kernel: 1}
+        calls = {"dispatch_count": 1, "dispatch_rows": 1}
         assert dispatched.host_calls == ({"set_agree": W, **calls} if path == "peer" else calls)
         assert dispatched.reads == {"tolist": 1}  # the sizes (and the agreement's words) in one read
         with counting(group.engine, monkeypatch) as combined:
@@ -183,7 +183,7 @@ def test_dynamic_dispatch_reads_once_between_its_two_launches(path, monkeypatch)
 
 def test_a_static_call_the_ledger_does_not_hold_reads_once(monkeypatch):
     """Peer memory, a fresh buffer: its first static call has no ledger to decide from, so it
-    launches the layout kernel, reads the agreement's words, then the dispatch kernel (the
+    launches the count kernel, reads the agreement's words, then the dispatch kernel (the
     receive path while the memory grows); the next calls go direct without reading."""
     group = _group("peer")
     try:
@@ -196,9 +196,9 @@ def test_a_static_call_the_ledger_does_not_hold_reads_once(monkeypatch):
             ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
             _oracle(group, xs, ws, ys)
             del res
-        assert seen == [("receive", {"layout": 1, "dispatch": 1}, {"tolist": 1}),
-                        ("direct", {"layout": 1, "dispatch_direct": 1}, {"tolist": 1}),
-                        ("direct", {"layout": 1, "dispatch_direct": 1}, {})]
+        assert seen == [("receive", {"count": 1, "dispatch_receive": 1}, {"tolist": 1}),
+                        ("direct", {"count": 1, "dispatch_direct": 1}, {"tolist": 1}),
+                        ("direct", {"count": 1, "dispatch_direct": 1}, {})]
     finally:
         group.close()
 
@@ -228,7 +228,7 @@ def test_buffer_pair_of_one_rank_per_process(path, monkeypatch):
                 y = hep.combine(buf, res.tokens, res.handle, apply_probs=True)
             assert res.handle.data_path == ("receive" if path == "receive" else "direct")
             assert (dispatched.launches, dispatched.host_calls, dispatched.reads) == \
-                ({"layout": 1, dispatch_kernel: 1}, _known(path, 1), {})
+                ({"count": 1, dispatch_kernel: 1}, _known(path, 1), {})
             assert (combined.launches, combined.host_calls, combined.reads) == ({combine_kernel: 1}, {"combine": 1}, {})
             _oracle(group, [x.detach()], [w.detach()], [y.detach()])
     finally:

@@ -34,8 +34,8 @@ def test_each_defect_plants_into_todays_kernels(mutation):
 
 def test_every_kernel_file_has_a_defect():
     paths = {m.path for m in _mutations()}
-    assert {"csrc/kernels/dispatch.cuh", "csrc/kernels/combine.cuh", "csrc/kernels/layout.cuh",
-            "csrc/kernels/dispatch_direct.cuh", "csrc/kernels/combine_pull.cuh", "csrc/kernels/segments.cuh",
+    assert {"csrc/kernels/dispatch_receive.cuh", "csrc/kernels/combine_receive.cuh", "csrc/kernels/count.cuh",
+            "csrc/kernels/dispatch_direct.cuh", "csrc/kernels/combine_direct.cuh", "csrc/kernels/segments.cuh",
             "csrc/kernels/direct.cuh", "csrc/kernels/pipeline.cuh", "csrc/kernels/skeleton.cuh"} <= paths
 
 
@@ -43,4 +43,5 @@ def test_a_completion_count_of_the_wrong_epoch_is_planted_on_both_data_paths():
     """Issue 60's list of defects of the new kind: a completion count of the wrong epoch, on the
     receive path's chunk signals and on the direct path's per-call counts."""
     wrong_epoch = {m.path for m in _mutations() if m.kind.startswith("a completion count of the wrong epoch")}
-    assert {"csrc/kernels/dispatch.cuh", "csrc/kernels/dispatch_direct.cuh", "csrc/kernels/direct.cuh"} <= wrong_epoch
+    assert {"csrc/kernels/dispatch_receive.cuh", "csrc/kernels/dispatch_direct.cuh",
+            "csrc/kernels/direct.cuh"} <= wrong_epoch

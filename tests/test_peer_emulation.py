@@ -1,7 +1,7 @@
 """The kernels on the CPU model as ranks in separate processes run them: every virtual rank has
 its own growable peer memory and maps its node peers' at addresses of its own, so the direct
 kernels translate every published offset through a table that differs per rank; every call's
-path is agreed on the layout kernel's count exchange. Against the oracle, one node and two."""
+path is agreed on the count kernel's count exchange. Against the oracle, one node and two."""
 
 from __future__ import annotations
 

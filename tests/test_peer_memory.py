@@ -1,6 +1,6 @@
 """The peer-memory protocol between gloo processes, with real shared mappings (memfd chunks,
 mapped at each process's own addresses, file descriptors over a Unix socket) standing in for
-device memory; the layout kernel's count exchange stood in for by an all-gather of the same
+device memory; the count kernel's count exchange stood in for by an all-gather of the same
 numbers (hybrid_ep/testing/peer_cases.py). The code under test is the cuda backend's own
 (agreement.py, peer_memory.py, chunk_channel.py, peer_setup.py)."""
 

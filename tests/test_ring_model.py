@@ -3,7 +3,7 @@
 A buffer holds ring_chunks chunk slots per peer for the rows it receives (and, with several
 nodes, for the rows it stages for and receives from other nodes), whatever the routing; a call
 that sends a rank more takes more turns of the ring, the writer waiting for the reader's credit
-of each slot (csrc/kernels/dispatch.cuh). Here the smallest ring (2 chunks) runs the oracle
+of each slot (csrc/kernels/dispatch_receive.cuh). Here the smallest ring (2 chunks) runs the oracle
 matrix of the single-node and several-node tests, and calls that wrap it many times: every
 token of every rank to one expert, every token to one rank, odd and zero token counts, fp8,
 dropped routes, 2-4 nodes. The model's waits are real, so a deadlock of the rings fails as a
@@ -131,14 +131,14 @@ def test_back_to_back_calls_wrap_the_ring_with_other_shapes():
 
 def _dispatch_to_an_absent_rank(ranks_per_node: int) -> str:
     """Rank 0 sends its 256 tokens (8 chunks) to rank 1's experts through 2-chunk rings; rank 1
-    has no tokens and runs its layout kernel but not its dispatch kernel. Returns the error the
+    has no tokens and runs its count kernel but not its dispatch kernel. Returns the error the
     group raised."""
     group = EmulatedGroup(2, 128, 256, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="receive",
                           ranks_per_node=ranks_per_node, ring_chunks=RING)
     try:
         xs = [torch.randn(256, 128).to(torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
         idx = [torch.tensor([[2, 3]] * 256), torch.zeros(0, 2, dtype=torch.int64)]
-        with ranks_absent(group, after_layout={1}):
+        with ranks_absent(group, after_count={1}):
             group.dispatch(xs, idx, num_out_tokens=512)
         with pytest.raises(RuntimeError) as err:
             group.synchronize()

@@ -1,13 +1,13 @@
-"""Bad expert ids found by the layout kernel (csrc/kernels/layout.cuh), on the CPU model.
+"""Bad expert ids found by the count kernel (csrc/kernels/count.cuh), on the CPU model.
 
 A dynamic-size dispatch (num_out_tokens=None) makes no host check of topk_idx on the cuda
-backend: the layout kernel counts a bad route (an id outside [-1, E), or a token's second
+backend: the count kernel counts a bad route (an id outside [-1, E), or a token's second
 route to one expert) as not routed, completes the count exchange on every rank and publishes
 its first bad token in its count row; the host reads the lowest bad rank's route with the
-output sizes and raises on every rank alike, and the call's epoch still completes (the layout
+output sizes and raises on every rank alike, and the call's epoch still completes (the count
 kernel publishes the done flags), so the next call on the same buffer runs. With a static
 size the dispatch kernel follows unread and returns at its start on the info's word; the
-layout kernel records the route, which the next call or synchronize() raises on every rank
+count kernel records the route, which the next call or synchronize() raises on every rank
 alike, and the buffer stays usable.
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.model
 TIMEOUT_S = 2  # a rank that waited for a peer's counts or rows would give up and say so
 
 # (world size, ranks per node, data path): one node of 3 and of 4 ranks on both paths, and
-# 4 ranks as 2 nodes (the hierarchical path shares the layout kernel; the direct path needs
+# 4 ranks as 2 nodes (the hierarchical path shares the count kernel; the direct path needs
 # one node).
 TOPOLOGIES = [(3, 3, "receive"), (3, 3, "direct"), (4, 4, "receive"), (4, 4, "direct"), (4, 2, "receive")]
 
@@ -136,8 +136,8 @@ def _static_group(monkeypatch, W: int, G: int, path: str):
 
 @pytest.mark.parametrize("W,G,path", TOPOLOGIES, ids=[f"W{w}G{g}-{p}" for w, g, p in TOPOLOGIES])
 def test_a_static_call_with_a_bad_route_is_raised_next_and_the_buffer_stays_usable(monkeypatch, W, G, path):
-    """num_out_tokens given: nothing reads the layout before the dispatch kernel, so the call
-    returns; its layout kernel completed it and its dispatch kernel moved nothing. The next
+    """num_out_tokens given: nothing reads the counts before the dispatch kernel, so the call
+    returns; its count kernel completed it and its dispatch kernel moved nothing. The next
     call (it launches nothing), or synchronize(), raises the route's ValueError once for every
     rank, no wait ran out, and the call after it, good routing on the same buffer, matches the
     oracle; also after two refused calls back to back (the even kinds then the odd ones)."""
@@ -168,7 +168,7 @@ COMBINE_TOPOLOGIES = [(3, 3, "receive"), (3, 3, "direct"), (4, 2, "receive")]
 @pytest.mark.parametrize("W,G,path", COMBINE_TOPOLOGIES, ids=[f"W{w}G{g}-{p}" for w, g, p in COMBINE_TOPOLOGIES])
 def test_a_combine_on_a_refused_calls_handle_moves_nothing(monkeypatch, W, G, path):
     """The host raises the route before it launches a combine on the refused call's handle.
-    Where it could not know yet (on a GPU the layout kernel may not have run when the host
+    Where it could not know yet (on a GPU the count kernel may not have run when the host
     polls; here the poll is skipped), the combine kernels return at their start on every rank
     alike: no wait runs out, and the buffer's next calls match the oracle."""
     case, group, xs, idx, weights = _static_group(monkeypatch, W, G, path)

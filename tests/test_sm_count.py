@@ -1,6 +1,6 @@
 """The SM count goes by one name, num_sms, from the API to the launch: HybridEPBuffer's
 num_sms_dispatch / num_sms_combine (per call: num_sms), KernelConfig's fields, the engine's
-num_sms and the launch arguments' num_sms (csrc LaunchArgs::blocks_per_rank, one block per SM);
+num_sms and the launch arguments' num_sms (csrc LaunchArgs::num_sms, one block per SM);
 a call that names none gets launch.DEFAULT_NUM_SMS_*, applied in the engine alone. On the CPU
 model."""
 
@@ -48,10 +48,10 @@ def test_the_buffers_counts_reach_the_launch(single_rank_group):
         (x,), (idx,) = _inputs(1)
         res = buf.dispatch(x, idx)
         buf.combine(res.tokens, res.handle)
-        assert _launched(g.engine) == {"dispatch": {3}, "combine": {2}}
+        assert _launched(g.engine) == {"dispatch_receive": {3}, "combine_receive": {2}}
         res = buf.dispatch(x, idx, num_sms=1)  # per call, the same name
         buf.combine(res.tokens, res.handle, num_sms=4)
-        assert _launched(g.engine) == {"dispatch": {3, 1}, "combine": {2, 4}}
+        assert _launched(g.engine) == {"dispatch_receive": {3, 1}, "combine_receive": {2, 4}}
         # A bad per-call count is named as the caller passed it, not as the buffer's setting.
         with pytest.raises(ValueError, match=r"^num_sms must be >= 1, got 0$"):
             buf.dispatch(x, idx, num_sms=0)
@@ -68,11 +68,11 @@ def test_a_call_without_a_count_gets_the_one_default():
         xs, idx = _inputs(2)
         res = g.dispatch(xs, idx)
         g.combine([r.tokens for r in res], [r.handle for r in res])
-        assert _launched(g.engine) == {"dispatch": {launch.DEFAULT_NUM_SMS_DISPATCH},
-                                       "combine": {launch.DEFAULT_NUM_SMS_COMBINE}}
+        assert _launched(g.engine) == {"dispatch_receive": {launch.DEFAULT_NUM_SMS_DISPATCH},
+                                       "combine_receive": {launch.DEFAULT_NUM_SMS_COMBINE}}
         res = g.dispatch(xs, idx, num_sms=2)
-        assert _launched(g.engine)["dispatch"] == {launch.DEFAULT_NUM_SMS_DISPATCH, 2}
-        assert set(g.engine.launch_shapes(2)) == {"dispatch"}
+        assert _launched(g.engine)["dispatch_receive"] == {launch.DEFAULT_NUM_SMS_DISPATCH, 2}
+        assert set(g.engine.launch_shapes(2)) == {"dispatch_receive"}
         g.synchronize()
     finally:
         g.close()

@@ -109,9 +109,9 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "request_ns": 0.0,
          "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
-         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "layout_tile_instructions": 101.0,
-         "layout_route_instructions": 7.0, "layout_route_pair_instructions": 3.0, "layout_dest_instructions": 5.0,
-         "layout_node_instructions": 11.0, "layout_scan_column_instructions": 13.0, "spin_instructions": 0.0,
+         "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "count_tile_instructions": 101.0,
+         "count_route_instructions": 7.0, "count_route_pair_instructions": 3.0, "count_dest_instructions": 5.0,
+         "count_node_instructions": 11.0, "count_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
          "l2_hit_stream": 0.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
@@ -506,7 +506,7 @@ def test_timing_changes_nothing_the_model_does(small_group):
     assert timed_counts == plain_counts  # the same schedule, round for round
     for a, b in zip(plain, timed):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert [r["table"] for r in reports] == [0, 1] * 3  # layout, dispatch, combine: a report per table
+    assert [r["table"] for r in reports] == [0, 1] * 3  # count, dispatch, combine: a report per table
     assert model.timing_reports() == []
     # The hot loops' accessors, counted alike under both tables: the source side of combine
     # writes every token's row of y (bf16) to global memory through them, the expert host's and
@@ -603,39 +603,42 @@ def test_predict_reads_each_table_off_the_line_through_its_runs(concurrent):
 def test_a_prediction_says_each_kernel_and_validate_scores_each():
     """A call's time is its launches'; each kernel's part is kept under the bench's kernel names,
     and validate scores the dispatch kernel alone where the measured row has kernels_ms."""
-    result = {"runs": [{"sms": 2, "dispatch": {"launches": [{"table": 0, "kernel": "layout", "time_ns": 3e5},
-                                                            {"table": 0, "kernel": "dispatch", "time_ns": 5e6}]},
-                        "combine": {"launches": [{"table": 0, "kernel": "combine", "time_ns": 7e6}]}}]}
+    result = {"runs": [{"sms": 2, "dispatch": {"launches": [
+                            {"table": 0, "kernel": "count", "time_ns": 3e5},
+                            {"table": 0, "kernel": "dispatch_receive", "time_ns": 5e6}]},
+                        "combine": {"launches": [{"table": 0, "kernel": "combine_receive", "time_ns": 7e6}]}}]}
     ns = predict.call_times(result, 1)
-    assert ns[(2, "dispatch")] == [5.3e6] and ns[(2, "dispatch", "layout")] == [3e5]
+    assert ns[(2, "dispatch")] == [5.3e6] and ns[(2, "dispatch", "count")] == [3e5]
     kernels = report.kernels_ms(ns, 2)
-    assert kernels == {"combine": {"combine_kernel": 7.0}, "dispatch": {"dispatch_kernel": 5.0, "layout_kernel": 0.3}}
+    assert kernels == {"combine": {"combine_receive_kernel": 7.0},
+                       "dispatch": {"dispatch_receive_kernel": 5.0, "count_kernel": 0.3}}
     row = {"world_size": 8, "nodes": 1, "sms_per_rank": 2, "data_path": "receive", "dispatch_ms": 5.3,
            "combine_ms": 7.0, "kernels_ms": kernels}
+    # a record measured before the kernels were named for their path keeps the names it ran with
     measured = {"metadata": {"config": {"nodes": 1}},
                 "runs": [{"world_size": 8, "nodes": 1, "sms_per_rank": 2, "dispatch_ms": 10.6, "combine_ms": 7.0,
                           "kernels_ms": {"dispatch": {"layout_kernel": 0.6, "dispatch_kernel": 5.0}}}]}
     rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [row]}, measured)
     ratios = {r["kernel"]: r["ratio"] for r in rows}
-    assert ratios == {"dispatch": pytest.approx(0.5), "combine": 1.0, "dispatch_kernel": 1.0,
-                      "layout_kernel": pytest.approx(0.5)}
-    layout_only = {k: v for k, v in row.items() if k not in ("dispatch_ms", "combine_ms")}  # timing_layout.py's rows
-    rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [layout_only]}, measured)
-    assert [r["kernel"] for r in rows] == ["dispatch_kernel", "layout_kernel"]
+    assert ratios == {"dispatch": pytest.approx(0.5), "combine": 1.0, "dispatch_receive_kernel": 1.0,
+                      "count_kernel": pytest.approx(0.5)}
+    count_only = {k: v for k, v in row.items() if k not in ("dispatch_ms", "combine_ms")}  # timing_layout.py's rows
+    rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [count_only]}, measured)
+    assert [r["kernel"] for r in rows] == ["count_kernel", "dispatch_receive_kernel"]
 
 
-def _layout_instructions(t: dict, K: int, W: int, N: int, blocks: int) -> float:
-    """The layout kernel's warp instructions at one tile per block: per warp the tile's blocks of
+def _count_instructions(t: dict, K: int, W: int, N: int, blocks: int) -> float:
+    """The count kernel's warp instructions at one tile per block: per warp the tile's blocks of
     plain code (dev::plain_code) with the table's counts, and one pass of the scan (its E + W + N
     columns, at most 32, on lanes of warp 0)."""
-    per_warp = (t["layout_tile_instructions"] + K * t["layout_route_instructions"]
-                + K * (K - 1) // 2 * t["layout_route_pair_instructions"] + W * t["layout_dest_instructions"]
-                + N * t["layout_node_instructions"])
-    return blocks * (32 * per_warp + t["layout_scan_column_instructions"])
+    per_warp = (t["count_tile_instructions"] + K * t["count_route_instructions"]
+                + K * (K - 1) // 2 * t["count_route_pair_instructions"] + W * t["count_dest_instructions"]
+                + N * t["count_node_instructions"])
+    return blocks * (32 * per_warp + t["count_scan_column_instructions"])
 
 
-def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
-    """scripts/timing_layout.py's one dispatch: the layout launch takes the time it takes in the
+def test_a_dispatch_only_job_times_the_count_kernel_as_the_full_job_does():
+    """scripts/timing_layout.py's one dispatch: the count launch takes the time it takes in the
     measured dispatch of a full job (its flow control waits for nothing the model costs; the
     waits by site follow the schedule, which differs), and it counts the tile loop's
     instructions: the counts of the SASS in the table, and the table's whatever they are (a
@@ -644,24 +647,24 @@ def test_a_dispatch_only_job_times_the_layout_kernel_as_the_full_job_does():
 
     shape = predict.Shape(world_size=2, nodes=1, hidden=256, tokens=96, topk=4, experts=8)
     table = constants.load_table(constants.H200).costs()
-    other = {**table, "layout_tile_instructions": 1000.0, "layout_route_instructions": 10.0,
-             "layout_route_pair_instructions": 1.0, "layout_dest_instructions": 100.0,
-             "layout_node_instructions": 10000.0, "layout_scan_column_instructions": 7.0}
+    other = {**table, "count_tile_instructions": 1000.0, "count_route_instructions": 10.0,
+             "count_route_pair_instructions": 1.0, "count_dest_instructions": 100.0,
+             "count_node_instructions": 10000.0, "count_scan_column_instructions": 7.0}
     full = driver.run_job(predict.job(shape, shape.tokens, [1], [table], payload=False))
     only = driver.run_job({**predict.job(shape, shape.tokens, [1], [table, other], payload=False),
                            "dispatch_only": True})
     (run,) = only["runs"]
     assert set(run) == {"sms", "dispatch", "peak_rss_mb"}
-    layout, layout_other = sorted((x for x in run["dispatch"]["launches"] if x["kernel"] == "layout"),
-                                  key=lambda x: x["table"])
-    (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "layout"]
-    assert (layout["time_ns"], layout["instructions"]) == (want["time_ns"], want["instructions"])
+    count, count_other = sorted((x for x in run["dispatch"]["launches"] if x["kernel"] == "count"),
+                                key=lambda x: x["table"])
+    (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "count"]
+    assert (count["time_ns"], count["instructions"]) == (want["time_ns"], want["instructions"])
     # one tile (96 tokens) on each of 2 blocks of 32 warps, K = 4, W = 2, N = 1: with the SASS counts
     # 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per warp, and 136 for the scan's pass
-    assert [table[f"layout_{n}_instructions"] for n in ("tile", "route", "route_pair", "dest", "node", "scan_column")] \
+    assert [table[f"count_{n}_instructions"] for n in ("tile", "route", "route_pair", "dest", "node", "scan_column")] \
         == [477, 104, 5, 31, 9, 136]
-    assert layout["instructions"] == _layout_instructions(table, 4, 2, 1, blocks=2) == 2 * (32 * 994 + 136)
-    assert layout_other["instructions"] == _layout_instructions(other, 4, 2, 1, blocks=2) == 2 * (32 * 11246 + 7)
+    assert count["instructions"] == _count_instructions(table, 4, 2, 1, blocks=2) == 2 * (32 * 994 + 136)
+    assert count_other["instructions"] == _count_instructions(other, 4, 2, 1, blocks=2) == 2 * (32 * 11246 + 7)
 
 
 def test_predict_then_validate(tmp_path, capsys):
@@ -728,8 +731,8 @@ def test_predict_runs_the_direct_path_across_nodes_by_default(tmp_path):
         (run,) = doc["runs"]
         assert run["data_path"] == path and run["dispatch_ms"] > 0 and run["combine_ms"] > 0
         kernels[path] = set(run["kernels_ms"]["dispatch"]) | set(run["kernels_ms"]["combine"])
-    assert kernels["direct"] == {"layout_kernel", "dispatch_direct_kernel", "combine_pull_kernel"}
-    assert {"dispatch_kernel", "combine_kernel"} <= kernels["receive"]
+    assert kernels["direct"] == {"count_kernel", "dispatch_direct_kernel", "combine_direct_kernel"}
+    assert {"dispatch_receive_kernel", "combine_receive_kernel"} <= kernels["receive"]
 
 
 def test_the_fit_finds_the_constants_of_a_linear_model():

@@ -49,7 +49,8 @@ def test_payload_free_runs_give_the_same_timing_reports(path, monkeypatch):
             assert a[kernel]["stats"] == b[kernel]["stats"]  # the same schedule, round for round
             assert a[kernel]["launches"] == b[kernel]["launches"]  # every report, to the nanosecond
     launches = [r["kernel"] for run in without["runs"] for k in ("dispatch", "combine") for r in run[k]["launches"]]
-    want = ["layout", "dispatch_direct", "combine_pull"] if path == "direct" else ["layout", "dispatch", "combine"]
+    want = ["count", "dispatch_direct", "combine_direct"] if path == "direct" else [
+        "count", "dispatch_receive", "combine_receive"]
     assert launches == want * 2
     for run in without["runs"]:
         for kernel in ("dispatch", "combine"):

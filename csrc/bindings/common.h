@@ -69,7 +69,7 @@ struct LaunchCount {
 };
 inline LaunchCount (&launch_counts())[5] {
   static LaunchCount counts[5] = {
-      {"layout", 0}, {"dispatch", 0}, {"dispatch_direct", 0}, {"combine", 0}, {"combine_pull", 0}};
+      {"count", 0}, {"dispatch_receive", 0}, {"dispatch_direct", 0}, {"combine_receive", 0}, {"combine_direct", 0}};
   return counts;
 }
 
@@ -231,21 +231,21 @@ class HostPath {
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
   }
 
-  // Rank i's words of the data-path agreement for the next layout kernels (RankArgs::agree).
+  // Rank i's words of the data-path agreement for the next count kernels (RankArgs::agree).
   void set_agree(size_t i, const std::vector<int32_t>& words) {
     if (i >= fixed_.size() || words.size() != static_cast<size_t>(kAgreeWords))
       throw py::value_error("set_agree: a driven rank and " + std::to_string(kAgreeWords) + " words");
     std::copy(words.begin(), words.end(), fixed_[i].agree);
   }
 
-  // The layout kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
-  // is the static output size, or -1 (the layout kernel computes it). read: the caller reads
+  // The count kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
+  // is the static output size, or -1 (the count kernel computes it). read: the caller reads
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
-  // routing itself (LaunchArgs::layout_read).
-  void dispatch_layout(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                       const std::vector<DispatchInput>& in, uint64_t absent, bool read) {
+  // routing itself (LaunchArgs::info_read).
+  void dispatch_count(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+                      const std::vector<DispatchInput>& in, uint64_t absent, bool read) {
     check_count(in.size());
-    a.layout_read = read ? 1 : 0;
+    a.info_read = read ? 1 : 0;
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
       const DispatchInput& d = in[i];
@@ -264,7 +264,7 @@ class HostPath {
       a.ranks[i] = r;
     }
     a.num_ranks = static_cast<int32_t>(in.size());
-    launch_checked(&launch_layout, a, stream, "layout");
+    launch_checked(&launch_count, a, stream, "count");
   }
 
   // The row tables dispatch wrote into a rank's part of the workspace and combine reads back:
@@ -281,14 +281,14 @@ class HostPath {
     r.fwd_rows = at_offset(part, l.fwd_rows);
   }
 
-  // The dispatch kernel, after dispatch_layout on the same arguments: every rank's outputs
+  // The dispatch kernel, after dispatch_count on the same arguments: every rank's outputs
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes).
   void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
                      const std::vector<DispatchOutput>& out, uint64_t absent) {
     check_count(out.size());
     if (static_cast<int32_t>(out.size()) != a.num_ranks)
-      throw py::value_error("dispatch_rows: one output per rank of the layout kernel");
+      throw py::value_error("dispatch_rows: one output per rank of the count kernel");
     for (size_t i = 0; i < out.size(); ++i) {
       RankArgs& r = a.ranks[i];
       const DispatchOutput& o = out[i];
@@ -301,17 +301,17 @@ class HostPath {
       r.absent = static_cast<int32_t>((absent >> i) & 1);
     }
     if (direct) launch_checked(&launch_dispatch_direct, a, stream, "dispatch_direct");
-    else launch_checked(&launch_dispatch, a, stream, "dispatch");
+    else launch_checked(&launch_dispatch_receive, a, stream, "dispatch_receive");
   }
 
-  // A dispatch whose output size is known before the layout kernel (static size, or a
+  // A dispatch whose output size is known before the count kernel (static size, or a
   // handle's): both kernels in one call.
   void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                 const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out, uint64_t absent,
-                uint64_t absent_after_layout) {
+                uint64_t absent_after_count) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
-    dispatch_layout(a, stream, workspace, l, rows, in, absent, false);
-    dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_layout);
+    dispatch_count(a, stream, workspace, l, rows, in, absent, false);
+    dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_count);
   }
 
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
@@ -321,7 +321,7 @@ class HostPath {
   // tensors one by one.
   py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                          const std::vector<DispatchInput>& in, ArenaTaken& taken, uint64_t absent,
-                         uint64_t absent_after_layout) {
+                         uint64_t absent_after_count) {
     if (taken.size() != in.size()) throw py::value_error("dispatch_into: one arena block per input");
     std::vector<DispatchOutput> out(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
@@ -329,7 +329,7 @@ class HostPath {
       const int64_t block_rows = taken.block_addresses(i, at);
       out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};  // rows, scales, probs
     }
-    dispatch(a, true, stream, workspace, l, rows, in, out, absent, absent_after_layout);
+    dispatch(a, true, stream, workspace, l, rows, in, out, absent, absent_after_count);
     return taken.tensors();
   }
 
@@ -354,8 +354,8 @@ class HostPath {
       a.ranks[i] = r;
     }
     a.num_ranks = static_cast<int32_t>(in.size());
-    if (direct) launch_checked(&launch_combine_pull, a, stream, "combine_pull");
-    else launch_checked(&launch_combine, a, stream, "combine");
+    if (direct) launch_checked(&launch_combine_direct, a, stream, "combine_direct");
+    else launch_checked(&launch_combine_receive, a, stream, "combine_receive");
   }
 
  private:
@@ -477,12 +477,8 @@ inline void bind_common(py::module_& m) {
                   RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype)
                       RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
                           RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
-                              RW(LaunchArgs, layout_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
-                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
-      // SMs per rank, the API's name (num_sms): one block per SM.
-      .def_property(
-          "num_sms", [](const LaunchArgs& self) { return self.blocks_per_rank; },
-          [](LaunchArgs& self, int32_t n) { self.blocks_per_rank = n; })
+                              RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
@@ -509,7 +505,7 @@ inline void bind_common(py::module_& m) {
   py::class_<HostPath>(m, "HostPath", py::module_local())
       .def(py::init<const std::vector<RankArgs>&>(), py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
-      .def("dispatch_layout", &HostPath::dispatch_layout)
+      .def("dispatch_count", &HostPath::dispatch_count)
       .def("dispatch_rows", &HostPath::dispatch_rows)
       .def("dispatch", &HostPath::dispatch)
       .def("dispatch_into", &HostPath::dispatch_into)
@@ -529,27 +525,28 @@ inline void bind_common(py::module_& m) {
   bind_arena(m);
 #undef RW
 
-  m.def("launch_layout",
-        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_layout(a, stream), "layout"); });
-  m.def("launch_dispatch",
-        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_dispatch(a, stream), "dispatch"); });
-  m.def("launch_combine",
-        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine(a, stream), "combine"); });
+  m.def("launch_count", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_count(a, stream), "count"); });
+  m.def("launch_dispatch_receive", [](const LaunchArgs& a, uint64_t stream) {
+    check_launch(launch_dispatch_receive(a, stream), "dispatch_receive");
+  });
+  m.def("launch_combine_receive", [](const LaunchArgs& a, uint64_t stream) {
+    check_launch(launch_combine_receive(a, stream), "combine_receive");
+  });
   m.def("launch_dispatch_direct", [](const LaunchArgs& a, uint64_t stream) {
     check_launch(launch_dispatch_direct(a, stream), "dispatch_direct");
   });
-  m.def("launch_combine_pull",
-        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine_pull(a, stream), "combine_pull"); });
-  m.def("layout_smem_bytes", &layout_smem_bytes);
-  m.def("dispatch_smem_bytes", &dispatch_smem_bytes);
-  m.def("combine_smem_bytes", &combine_smem_bytes);
+  m.def("launch_combine_direct",
+        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine_direct(a, stream), "combine_direct"); });
+  m.def("count_smem_bytes", &count_smem_bytes);
+  m.def("dispatch_receive_smem_bytes", &dispatch_receive_smem_bytes);
+  m.def("combine_receive_smem_bytes", &combine_receive_smem_bytes);
   m.def("dispatch_direct_smem_bytes", &dispatch_direct_smem_bytes);
-  m.def("combine_pull_smem_bytes", &combine_pull_smem_bytes);
-  m.def("layout_max_blocks_per_sm", &layout_max_blocks_per_sm);
-  m.def("dispatch_max_blocks_per_sm", &dispatch_max_blocks_per_sm);
-  m.def("combine_max_blocks_per_sm", &combine_max_blocks_per_sm);
+  m.def("combine_direct_smem_bytes", &combine_direct_smem_bytes);
+  m.def("count_max_blocks_per_sm", &count_max_blocks_per_sm);
+  m.def("dispatch_receive_max_blocks_per_sm", &dispatch_receive_max_blocks_per_sm);
+  m.def("combine_receive_max_blocks_per_sm", &combine_receive_max_blocks_per_sm);
   m.def("dispatch_direct_max_blocks_per_sm", &dispatch_direct_max_blocks_per_sm);
-  m.def("combine_pull_max_blocks_per_sm", &combine_pull_max_blocks_per_sm);
+  m.def("combine_direct_max_blocks_per_sm", &combine_direct_max_blocks_per_sm);
 }
 
 }  // namespace hybrid_ep::bindings

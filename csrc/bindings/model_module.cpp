@@ -192,8 +192,8 @@ PYBIND11_MODULE(_model, m) {
       },
       "the model's float -> 16-bit conversion (round to nearest even), as bit patterns");
   m.def("inject_abort", &model::inject_abort, py::arg("flag"), py::arg("round"), py::arg("kernel"),
-        "in the next launch of `kernel` (layout, dispatch, combine), raise the int abort flag at `flag` when "
-        "scheduling round `round` begins");
+        "in the next launch of `kernel` (count, dispatch_receive, dispatch_direct, combine_receive, combine_direct), "
+        "raise the int abort flag at `flag` when scheduling round `round` begins");
   m.def("hold_at", &model::hold_at, py::arg("key"), py::arg("kernel"),
         "in the next launch of `kernel`, hold every thread that reaches dev::hold_point(key) until no other thread "
         "can run (the loopback transport's puts hold at key = the putting rank, block b's bulk stores at "

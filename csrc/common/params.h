@@ -13,18 +13,18 @@ namespace hybrid_ep {
 
 constexpr int kMaxRanks = 64;                  // EP group size the kernels index with 64-bit masks
 constexpr int kMaxLaunchRanks = 16;            // virtual ranks one emulated launch can hold (4 nodes x 4)
-constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the layout kernel)
-constexpr int kMaxExperts = 1024;              // layout kernel keeps [32 warps][E] counters in smem
+constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the count kernel)
+constexpr int kMaxExperts = 1024;              // count kernel keeps [32 warps][E] counters in smem
 constexpr int kThreads = 512;                  // threads per dispatch / combine block
 constexpr int kChunkTokens = 32;               // tokens per chunk: the unit of signalling between ranks
-constexpr int kPrepareThreads = 1024;          // threads of the one layout block per rank
+constexpr int kCountThreads = 1024;            // threads of the one count block per rank
 constexpr int kCombineMaxSegCols = 8192;       // columns of a row segment a combine reducer group holds in registers
 constexpr int kMaxStages = 16;                 // slots of one pipeline's ring (mbarrier arrays are sized by it)
 constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memory at most: each kernel's shared
                                                // struct is checked against it, and the launch plans leave it out of
                                                // the dynamic shared memory (static + dynamic share one limit)
 constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
-constexpr int kPullPipelines = 2;     // pipelines of a combine-pull block, sharing its dynamic shared memory
+constexpr int kPullPipelines = 2;     // pipelines of a combine_direct block, sharing its dynamic shared memory
 constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
 // A ring between ranks tags its slots with the call in the high bits and chunk + 1 in the low
@@ -90,9 +90,9 @@ enum PipeSite : int32_t {
   kSiteForwardPuts = 9,    // combine, several nodes: node partials of the source reducers, put by the put warp
   kSiteDirectRows = 10,    // dispatch_direct: token rows, bulk-loaded by the load warp, stored by the store warps
   kSiteDirectTables = 11,  // dispatch_direct: a chunk's route table (table warp) for the store warps
-  kSitePullRoutes = 12,    // combine_pull: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
+  kSitePullRoutes = 12,    // combine_direct: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
   kSiteDirectDone = 13,    // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
-  kSitePullPuts = 14,      // combine_pull, several nodes: node partials of the reducers, put by the put warp
+  kSitePullPuts = 14,      // combine_direct, several nodes: node partials of the reducers, put by the put warp
   kNumPipeSites
 };
 
@@ -214,7 +214,7 @@ struct RegLayout {
   // The direct path (a single node whose ranks can address each other's tensors: sources write
   // output rows straight into their final row, and read expert outputs straight from their row).
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
-  uint64_t direct_first;    // i32 [W][L]: first output row of source s's rows of local expert j (layout kernel)
+  uint64_t direct_first;    // i32 [W][L]: first output row of source s's rows of local expert j (count kernel)
   uint64_t direct_done;     // u64 [2][W]: source s finished writing this rank's output rows [0] / reading its
                             // expert_out [1] in that call (epoch)
   uint64_t total;
@@ -270,7 +270,7 @@ struct TokenMeta {
   float weight[kMaxTopK];
 };
 
-// Offsets (int64 elements) inside the per-call info tensor the layout kernel fills.
+// Offsets (int64 elements) inside the per-call info tensor the count kernel fills.
 struct InfoLayout {
   int64_t tokens_per_expert;  // [L] output rows per local expert, padding included, clipped at R
   int64_t expert_start;       // [L] first output row of each local expert
@@ -346,7 +346,7 @@ struct RankArgs {
   uint64_t rdma_regions;       // loopback: device array [W] of every rank's RDMA-region base
   uint64_t rdma_base;          // NVSHMEM: this PE's address of the symmetric RDMA region
   uint64_t rdma_pes;           // NVSHMEM: device i32 [W], the PE of each rank
-  int64_t num_out_rows;        // R, or -1 before it is known (layout kernel, dynamic mode)
+  int64_t num_out_rows;        // R, or -1 before it is known (count kernel, dynamic mode)
   uint64_t expert_out;         // [R, C] combine input
   uint64_t probs;              // [R] f32 routing weight of each output row (apply_probs)
   uint64_t y;                  // [T, C] combine output
@@ -357,7 +357,7 @@ struct RankArgs {
   uint64_t fwd_routes;         // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
                                // the routes to this node of each token forwarded for the rail peer on node n,
                                // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
-  int32_t agree[kAgreeWords];  // the layout kernel hands these to every rank in its count rows
+  int32_t agree[kAgreeWords];  // the count kernel hands these to every rank in its count rows
                                // (info.agreement): the peer memory's state the data path is agreed on
                                // (hybrid_ep/backends/cuda/agreement.py)
 };
@@ -370,8 +370,8 @@ inline constexpr int fwd_route_width(const Geometry& g) {
 
 struct LaunchArgs {
   Geometry geo;
-  int32_t num_ranks;  // RankArgs in this launch (1 in production)
-  int32_t blocks_per_rank;
+  int32_t num_ranks;   // RankArgs in this launch (1 in production)
+  int32_t num_sms;     // blocks per rank, one per SM
   int32_t dtype;       // DType of the rows (dispatch input / combine input)
   int32_t row_elems;   // elements per row moved by this call (combine may use < hidden)
   int32_t scale_cols;  // f32 scales per row (fp8 dispatch), else 0
@@ -390,19 +390,19 @@ struct LaunchArgs {
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
-  int32_t layout_read;  // layout: the host reads its info before it launches the dispatch kernel
-                        // (dynamic size): a bad route is reported there, not in bad_route
+  int32_t info_read;  // count: the host reads its info before it launches the dispatch kernel
+                      // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory
-  uint64_t bad_route;   // ErrorRecord* (mapped pinned host memory) of the last bad route a layout kernel
+  uint64_t bad_route;   // ErrorRecord* (mapped pinned host memory) of the last bad route a count kernel
                         // found without a host read (a static size): reported, not a failure (no abort)
   RankArgs ranks[kMaxLaunchRanks];
 };
 
 // Per-rank device state in the registered buffer; only the owning rank touches it.
 struct LocalState {
-  uint64_t dispatch_epoch;        // dispatch calls started (the layout kernel bumps it)
+  uint64_t dispatch_epoch;        // dispatch calls started (the count kernel bumps it)
   uint64_t combine_epoch;         // combine calls finished
   uint32_t blocks_done_dispatch;  // blocks of the running dispatch that finished
   uint32_t blocks_done_combine;

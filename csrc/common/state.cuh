@@ -34,8 +34,7 @@ struct BlockPlace {
 };
 
 __device__ __forceinline__ BlockPlace block_place(const LaunchArgs& args) {
-  return {args.ranks[blockIdx.x / args.blocks_per_rank], static_cast<int>(blockIdx.x % args.blocks_per_rank),
-          args.blocks_per_rank};
+  return {args.ranks[blockIdx.x / args.num_sms], static_cast<int>(blockIdx.x % args.num_sms), args.num_sms};
 }
 
 __device__ __forceinline__ RankView rank_view(const Geometry& geo, const RankArgs& a) {
@@ -72,7 +71,7 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
   }
 }
 
-// A bad route of a call that moved no rows, where no host read the layout before the dispatch
+// A bad route of a call that moved no rows, where no host read the counts before the dispatch
 // kernel (a static size): a report for the host's next call, not a failure (no abort flag, so
 // the buffer stays usable). Every rank writes the same route. The epoch is zeroed before the
 // fields and written after them, so a host that reads the same non-zero epoch before and

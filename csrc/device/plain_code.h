@@ -12,12 +12,12 @@ namespace hybrid_ep::dev {
 
 // One per block; the timing model's constant of each is named in its comment.
 enum class PlainCode : int {
-  kLayoutTile = 0,    // layout_tile_instructions: a tile of the layout kernel, once
-  kLayoutRoute,       // layout_route_instructions: per route of the tile's token
-  kLayoutRoutePair,   // layout_route_pair_instructions: per pair of the token's routes
-  kLayoutDest,        // layout_dest_instructions: per destination rank
-  kLayoutNode,        // layout_node_instructions: per destination node
-  kLayoutScanColumn,  // layout_scan_column_instructions: per counter column a lane scans
+  kCountTile = 0,    // count_tile_instructions: a tile of the count kernel, once
+  kCountRoute,       // count_route_instructions: per route of the tile's token
+  kCountRoutePair,   // count_route_pair_instructions: per pair of the token's routes
+  kCountDest,        // count_dest_instructions: per destination rank
+  kCountNode,        // count_node_instructions: per destination node
+  kCountScanColumn,  // count_scan_column_instructions: per counter column a lane scans
 };
 
 // A block of plain code and how many times it ran.

@@ -8,7 +8,7 @@
 // source by source, the hosts reached the last source's chunks only at the end of the call,
 // so that source's whole reduction waited for the end. Chunks forwarded from other nodes come
 // in chunk order too, a bounded lag behind the forwarder's own (SendUnits,
-// kernels/dispatch.cuh). With bounded receive rings the walk must be monotone in
+// kernels/dispatch_receive.cuh). With bounded receive rings the walk must be monotone in
 // the chunk index: a writer waits for a slot's previous chunk to be read before it writes the
 // next (kernels/peer_ring.cuh).
 #pragma once

@@ -2,7 +2,7 @@
 // dispatch that writes each route's final row and the combine that pulls each route's
 // expert output, their loopback instantiations (one node, emulation, CPU model), launchers,
 // shared memory and occupancy. The NVSHMEM instantiations are kernels_nvshmem.cu.
-#include "kernels/combine_pull.cuh"
+#include "kernels/combine_direct.cuh"
 #include "kernels/dispatch_direct.cuh"
 
 namespace hybrid_ep {
@@ -21,16 +21,19 @@ int dispatch_direct_max_blocks_per_sm(size_t smem) {
                                 dispatch_direct_impl::kDirectThreads, smem);
 }
 
-size_t combine_pull_smem_bytes(const LaunchArgs& args) { return combine_pull_impl::combine_pull_stage_bytes(args); }
-
-LaunchStatus launch_combine_pull(const LaunchArgs& args, uint64_t stream) {
-  if (uses_nvshmem(args)) return launch_combine_pull_nvshmem(args, stream);
-  return combine_pull_impl::launch_combine_pull_with<LoopbackTransport>(args, stream);
+size_t combine_direct_smem_bytes(const LaunchArgs& args) {
+  return combine_direct_impl::combine_direct_stage_bytes(args);
 }
 
-int combine_pull_max_blocks_per_sm(size_t smem) {
-  return dev::max_active_blocks(combine_pull_impl::combine_pull_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16>,
-                                combine_pull_impl::kPullThreads, smem);
+LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream) {
+  if (uses_nvshmem(args)) return launch_combine_direct_nvshmem(args, stream);
+  return combine_direct_impl::launch_combine_direct_with<LoopbackTransport>(args, stream);
+}
+
+int combine_direct_max_blocks_per_sm(size_t smem) {
+  return dev::max_active_blocks(
+      combine_direct_impl::combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16>,
+      combine_direct_impl::kDirectCombineThreads, smem);
 }
 
 }  // namespace hybrid_ep

@@ -1,4 +1,4 @@
-// What the direct path's kernels share (kernels/dispatch_direct.cuh, kernels/combine_pull.cuh):
+// What the direct path's kernels share (kernels/dispatch_direct.cuh, kernels/combine_direct.cuh):
 // each rank publishes its tensors of the call (output rows, or expert outputs) in its
 // registered buffer with the call's epoch; its peers read them, write or read the rows
 // themselves, and tell the rank when they are done, so that no kernel returns while a peer
@@ -42,7 +42,7 @@ __device__ inline void publish_tensors(const RankView& view, const RankArgs& a, 
   t->probs = probs - base;
   t->scales = scales - base;
   t->num_rows = num_rows;
-  __threadfence_system();  // the fields, and what the layout kernel wrote before this kernel
+  __threadfence_system();  // the fields, and what the count kernel wrote before this kernel
   dev::st_release_sys(&t->epoch, epoch);
 }
 

@@ -10,7 +10,7 @@
 //               larger than a stage in segments);
 //   warp 1      builds the unit's route table, a lane per token: each route's output row at
 //               its expert's rank (the first row of the source's rows of that expert, from the
-//               destination's layout kernel, plus the route's ordinal; -1 where num_out_tokens
+//               destination's count kernel, plus the route's ordinal; -1 where num_out_tokens
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
 //   warps 2-3   bulk-store each stage once per target of its rows, the two warps taking
@@ -213,7 +213,7 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
   int n = 0;
   if (lane < d.chunk && t < t1) {
     for (int k = 0; k < d.K; ++k) {
-      const int64_t e = idx[t * d.K + k];  // checked by the layout kernel: -1 or a valid expert
+      const int64_t e = idx[t * d.K + k];  // checked by the count kernel: -1 or a valid expert
       int32_t row = -1;
       const int dst = e >= 0 ? static_cast<int>(e / d.L) : 0;
       if (e >= 0 && d.h.topo.same_node(dst, d.a.rank)) {  // another node's routes: its rail peer's
@@ -547,7 +547,7 @@ LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream
     return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
            "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
            "it already consumed";
-  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kDirectThreads,
+  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.num_sms, kDirectThreads,
                                  static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
                                  args, "dispatch_direct");
 }

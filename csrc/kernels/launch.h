@@ -12,22 +12,22 @@ namespace hybrid_ep {
 
 using LaunchStatus = const char*;  // nullptr on success, else the error's text
 
-// Per-rank layout: counts, send slots, ordinals, count exchange, expert-major offsets.
+// Per-rank counts: send slots, ordinals, count exchange, expert-major offsets.
 // One block per rank (args.num_ranks blocks).
-LaunchStatus launch_layout(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_count(const LaunchArgs& args, uint64_t stream);
 
 // Rows to every destination rank, then expansion into the expert-major output.
-LaunchStatus launch_dispatch(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_dispatch_receive(const LaunchArgs& args, uint64_t stream);
 
 // Per-rank reduction of local expert rows, push of partials, fp32 sum on the source.
-LaunchStatus launch_combine(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_receive(const LaunchArgs& args, uint64_t stream);
 
 // The direct path (the ranks of each node address each other's tensors: emulation, or an arena
 // every rank maps): rows stored straight into their final row at every route's rank of the
 // node, expert outputs read straight from theirs; with several nodes through the rail peers'
-// RDMA staging (kernels/dispatch_direct.cuh, combine_pull.cuh).
+// RDMA staging (kernels/dispatch_direct.cuh, combine_direct.cuh).
 LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_pull(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream);
 
 // The NVSHMEM instantiations (kernels_nvshmem.cu, built only where the build found NVSHMEM).
 // Every other launch uses the loopback transport, which a single node never calls.
@@ -35,33 +35,33 @@ inline bool uses_nvshmem(const LaunchArgs& args) {
   return args.geo.num_nodes > 1 && args.geo.transport == kTransportNvshmem;
 }
 #ifdef HYBRID_EP_WITH_NVSHMEM
-LaunchStatus launch_layout_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_dispatch_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_count_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_pull_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
 #else
 constexpr LaunchStatus kNoNvshmem =
     "this build of hybrid_ep has no NVSHMEM transport (rebuild with the nvidia-nvshmem wheel installed)";
-inline LaunchStatus launch_layout_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
-inline LaunchStatus launch_dispatch_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
-inline LaunchStatus launch_combine_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_count_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
-inline LaunchStatus launch_combine_pull_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 #endif
 
 // Shared memory (bytes) each kernel asks for with these arguments.
-size_t layout_smem_bytes(const Geometry& geo);
-size_t dispatch_smem_bytes(const LaunchArgs& args);
-size_t combine_smem_bytes(const LaunchArgs& args);
+size_t count_smem_bytes(const Geometry& geo);
+size_t dispatch_receive_smem_bytes(const LaunchArgs& args);
+size_t combine_receive_smem_bytes(const LaunchArgs& args);
 size_t dispatch_direct_smem_bytes(const LaunchArgs& args);
-size_t combine_pull_smem_bytes(const LaunchArgs& args);
+size_t combine_direct_smem_bytes(const LaunchArgs& args);
 
 // How many blocks of each kernel fit on one SM with that shared memory.
-int layout_max_blocks_per_sm(size_t smem);
-int dispatch_max_blocks_per_sm(size_t smem);
-int combine_max_blocks_per_sm(size_t smem);
+int count_max_blocks_per_sm(size_t smem);
+int dispatch_receive_max_blocks_per_sm(size_t smem);
+int combine_receive_max_blocks_per_sm(size_t smem);
 int dispatch_direct_max_blocks_per_sm(size_t smem);
-int combine_pull_max_blocks_per_sm(size_t smem);
+int combine_direct_max_blocks_per_sm(size_t smem);
 
 }  // namespace hybrid_ep

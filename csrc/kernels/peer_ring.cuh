@@ -38,13 +38,13 @@
 // has read before it waits for a peer). Then by induction every unit with a lower number is
 // done when a unit waits, and its waits end. The numbers:
 //   dispatch (receive path) and dispatch_direct: an own chunk c has key c, a forwarded chunk c
-//     key c + L, L = ring_chunks / 2 < slots (SendUnits, DirectUnits: the send roles take units
+//     key c + L, L = slots / 2 of its rings < slots (SendUnits, DirectUnits: the send roles take units
 //     in key order). A reader reads chunk index j of every source once the units of keys up to
 //     j + L are produced (its expand warps take (source, chunk) pairs chunk-major), so a credit
 //     wait for chunk c >= slots waits for the reading of chunk c - slots by the destinations
 //     (keys up to c - slots + L < c) or, for staged, for the forwarder's unit of key
 //     c - slots + L < c; a forwarded chunk's arrival waits for its source's own chunk c (key c).
-//   combine (receive path) and combine_pull: host(k) = 3k (an expert host stores and signals
+//   combine (receive path) and combine_direct: host(k) = 3k (an expert host stores and signals
 //     its partials of chunk k), fwd(k) = 3k + 1 (a forwarder reads a forwarded chunk's
 //     partials, sums and puts them), own(k) = 3(k + lag) + 2 (the source reads and sums chunk
 //     k), lag = min(blocks, slots - 1): own chunk k comes after the forwarded chunks up to k + lag

@@ -1,5 +1,5 @@
 // Row segments through a shared-memory ring into a reducer group's registers: the skeleton
-// both sides of combine (kernels/combine.cuh) and the pull combine (kernels/combine_pull.cuh)
+// both sides of combine (kernels/combine_receive.cuh) and the direct path's combine (kernels/combine_direct.cuh)
 // share. A load thread puts the parts of one row segment (a route's expert output, a partial)
 // into stages of their own; a group of kGroupWarps warps holds the segment in fp32 registers
 // (thread i of the group: 16-byte vectors i, i + kGroupThreads, ...), adds each part as it arrives and

@@ -1,5 +1,5 @@
-// What the four data kernels (dispatch, combine, and the direct path's dispatch_direct and
-// combine_pull) share around their warp roles:
+// What the four data kernels (the receive path's dispatch_receive and combine_receive, the
+// direct path's dispatch_direct and combine_direct) share around their warp roles:
 //
 //   kernel_call   the call context every role reads (launch, rank, view, block place, epoch,
 //                 the block's control words), built once per block; each kernel's own context
@@ -38,7 +38,7 @@ struct BlockControl {
   ControlWord abort;
 };
 
-// Which of the rank's call counters a kernel serves: the layout kernel started the dispatch's
+// Which of the rank's call counters a kernel serves: the count kernel started the dispatch's
 // call (its epoch is already in the state); a combine's call is the one after the last combine.
 enum CallKind : int { kDispatchCall = 0, kCombineCall = 1 };
 
@@ -69,9 +69,9 @@ __device__ inline KernelCall kernel_call(const LaunchArgs& args, const BlockPlac
   return KernelCall{args, place.rank, args.geo, view, place.block, place.blocks, epoch, ctl};
 }
 
-// The layout kernel of the rank's call found a bad route (InfoLayout::bad_route: the same word
-// on every rank, written by this rank's layout kernel before this kernel in stream order). The
-// call moves no rows and the layout kernel completed its epoch, so a dispatch kernel of the
+// The count kernel of the rank's call found a bad route (InfoLayout::bad_route: the same word
+// on every rank, written by this rank's count kernel before this kernel in stream order). The
+// call moves no rows and the count kernel completed its epoch, so a dispatch kernel of the
 // call, and a combine on its handle, return before they touch a flag or a peer.
 __device__ __forceinline__ bool call_refused(const Geometry& geo, const RankArgs& a) {
   return reinterpret_cast<const int64_t*>(a.info)[geo.info.bad_route] >= 0;

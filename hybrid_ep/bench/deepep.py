@@ -5,7 +5,7 @@ Each rank times `deep_ep.Buffer` at the bench's shape with the bench's own input
 the same routing, x, fp8 scales and weights as hybrid-ep's backends get) and the same byte
 accounting (hybrid_ep.traffic: one row per token and destination rank, fp8 rows with their
 scales; combine sends the rows back at bf16), so algbw means the same for both. A timed dispatch
-is DeepEP's layout kernel plus its dispatch (HybridEPBuffer.dispatch also starts from topk_idx);
+is DeepEP's count kernel plus its dispatch (HybridEPBuffer.dispatch also starts from topk_idx);
 a timed combine is its combine of the dispatched rows (bf16; fp8 dequantised first, as
 worker.run_backend does). DeepEP is no dependency: where `deep_ep` does not import, the backend is
 unavailable and the probe says why (scripts/build_deepep_wheel.sh builds it for the GPU run).

@@ -203,7 +203,7 @@ def kernel_rows(calls: dict, d_ms: float, c_ms: float) -> dict:
 
 
 def kernel_summary(row: dict) -> str:
-    """One line of a row's per-kernel times: "layout_kernel 0.412 + dispatch_direct_kernel ...
+    """One line of a row's per-kernel times: "count_kernel 0.412 + dispatch_direct_kernel ...
     ms, outside 1.5 ms" per op."""
     parts = []
     for op in ("dispatch", "combine"):

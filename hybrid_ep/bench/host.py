@@ -33,9 +33,9 @@ glibc's default mmap threshold moves with what was freed before, so a point's ti
 on the points run before it (two modes, 8-10 us per rank apart).
 
 `--dynamic` measures the dynamic-size dispatch instead (num_out_tokens=None, Megatron's
-default), with the launches on (the layout kernel must compute the output size): a proxy
+default), with the launches on (the count kernel must compute the output size): a proxy
 around the engine's HostPath records the thread's CPU time from the call's start to the
-layout launch, and from the layout kernel's return (its one host read follows) to the
+count launch, and from the count kernel's return (its one host read follows) to the
 dispatch launch. On a GPU the second part runs while the GPU idles after the read.
 
 These are CPU measurements of the host path with stubbed launches, not GPU numbers: the
@@ -215,10 +215,10 @@ class _HostClock:
     def __init__(self, host):
         self._host, self.marks = host, {}
 
-    def dispatch_layout(self, *args):
-        self.marks["layout_launch"] = time.thread_time_ns()
-        self._host.dispatch_layout(*args)
-        self.marks["layout_done"] = time.thread_time_ns()
+    def dispatch_count(self, *args):
+        self.marks["count_launch"] = time.thread_time_ns()
+        self._host.dispatch_count(*args)
+        self.marks["count_done"] = time.thread_time_ns()
 
     def dispatch_rows(self, *args):
         self.marks["rows_launch"] = time.thread_time_ns()
@@ -231,8 +231,8 @@ class _HostClock:
 def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: int, warmup: int,
                     iters: int) -> dict:
     """One point of the dynamic-size dispatch (EmulatedGroup.dispatch, num_out_tokens=None) on
-    the CPU model with launches on: the median CPU time before the layout launch and between
-    the layout kernel's return and the dispatch launch, per call and per rank."""
+    the CPU model with launches on: the median CPU time before the count launch and between
+    the count kernel's return and the dispatch launch, per call and per rank."""
     from ..backends.cuda.emulation import EmulatedGroup
 
     W, H, T, K = world_size, hidden, tokens, topk
@@ -252,15 +252,15 @@ def measure_dynamic(world_size: int, data_path: str, *, hidden: int, tokens: int
             del res
             if i >= warmup:
                 m = clock.marks
-                before.append((m["layout_launch"] - t0) / 1e3)
-                after.append((m["rows_launch"] - m["layout_done"]) / 1e3)
+                before.append((m["count_launch"] - t0) / 1e3)
+                after.append((m["rows_launch"] - m["count_done"]) / 1e3)
         path = "peer" if peer and group.engine.data_path == "direct" else group.engine.data_path
     finally:
         group.close()
     b, a = statistics.median(before), statistics.median(after)
     return {"world_size": W, "data_path": path, "hidden": H, "tokens": T, "topk": K, "experts": E,
             "num_out_tokens": None, "iters": iters,
-            "before_layout": {"cpu_us_per_call": b, "cpu_us_per_rank": b / W},
+            "before_count": {"cpu_us_per_call": b, "cpu_us_per_rank": b / W},
             "after_read": {"cpu_us_per_call": a, "cpu_us_per_rank": a / W}}
 
 
@@ -298,8 +298,8 @@ def main(argv=None) -> int:
                 p = measure_dynamic(W, path, hidden=args.hidden, tokens=args.tokens, topk=args.topk,
                                     warmup=args.warmup, iters=args.iters)
                 points.append(p)
-                print(f"W={W} {path} dynamic: before the layout launch {p['before_layout']['cpu_us_per_call']:.1f} us "
-                      f"CPU per call ({p['before_layout']['cpu_us_per_rank']:.1f} per rank); from the layout "
+                print(f"W={W} {path} dynamic: before the count launch {p['before_count']['cpu_us_per_call']:.1f} us "
+                      f"CPU per call ({p['before_count']['cpu_us_per_rank']:.1f} per rank); from the layout "
                       f"kernel's return to the dispatch launch {p['after_read']['cpu_us_per_call']:.1f} "
                       f"({p['after_read']['cpu_us_per_rank']:.1f} per rank)", flush=True)
                 continue
@@ -323,8 +323,8 @@ def main(argv=None) -> int:
              "cpu_us_per_pair_per_rank": "microseconds of CPU time (median / W)",
              "wall_us_p10_p90": "microseconds (10th and 90th percentile)"}
     if args.dynamic:
-        units = {"before_layout": "from EmulatedGroup.dispatch's start to the layout launch",
-                 "after_read": "from the layout kernel's return (the host read follows) to the dispatch launch",
+        units = {"before_count": "from EmulatedGroup.dispatch's start to the count launch",
+                 "after_read": "from the count kernel's return (the host read follows) to the dispatch launch",
                  "cpu_us_per_call": "microseconds of this thread's CPU time (median)",
                  "cpu_us_per_rank": "microseconds of CPU time (median / W)"}
     config = {k: getattr(args, k) for k in ("worlds", "paths", "hidden", "tokens", "topk", "warmup", "iters",

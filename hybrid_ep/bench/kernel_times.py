@@ -1,11 +1,11 @@
 """GPU time of each hybrid-ep kernel inside a timed call, from torch.profiler's CUDA activity.
 
 A call's CUDA-event time holds its kernels and whatever keeps the GPU idle between them: a
-dynamic-size dispatch launches the layout kernel, reads the output size on the host, then
+dynamic-size dispatch launches the count kernel, reads the output size on the host, then
 launches the dispatch kernel, so the host's work between the two (in the single-GPU emulation:
 every virtual rank's, one after another) lies inside the timed interval. The per-kernel times
 say which part shrinks with SMs (the dispatch and combine kernels) and which does not (the
-layout kernel, the host gap). The other kernels a call runs (torch's own, memsets, copies) are
+count kernel, the host gap). The other kernels a call runs (torch's own, memsets, copies) are
 counted apart, so the time outside the hybrid_ep kernels splits into GPU work and idle gaps.
 """
 
@@ -25,7 +25,7 @@ _KERNEL = re.compile(r"\b\w+_impl::(\w+_kernel)\b")
 
 
 def kernel_name(demangled: str) -> str | None:
-    """The short name of a hybrid_ep kernel ("layout_kernel", "dispatch_direct_kernel", ...),
+    """The short name of a hybrid_ep kernel ("count_kernel", "dispatch_direct_kernel", ...),
     None for any other kernel."""
     m = _KERNEL.search(demangled)
     return m.group(1) if m else None

@@ -7,7 +7,7 @@ socket: peer_memory.py), the agreement on every call's path (agreement.py), the 
 path choice, its blocks in peer memory and its handles (engine.py). Only `ext.HostPath`, the
 launcher of the kernels, is replaced by `GlooKernels`, which computes what the kernels would:
 
-- the layout kernel: every rank's routing and agreement words are all-gathered over the group
+- the count kernel: every rank's routing and agreement words are all-gathered over the group
   (the numbers the count exchange hands every rank) and the call's info (rows per expert,
   counts, the agreement rows) is written into the workspace where the engine reads it;
 - the dispatch kernel: on the direct path every source writes each route's row and weight
@@ -47,7 +47,7 @@ def _view(ptr: int, count: int, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Call:
-    """What the layout of one call computed, for its dispatch and combine (keyed by workspace)."""
+    """What the count kernel of one call computed, for its dispatch and combine (keyed by workspace)."""
 
     idx: list[torch.Tensor]  # every rank's topk_idx
     weights: list[torch.Tensor]  # every rank's routing weights
@@ -67,7 +67,8 @@ class GlooKernels:
         self.codes = {code: name for name, code in engine.ext.DTYPE_CODES.items()}
         self.agree = [0] * AGREE_WORDS
         self.calls: dict[int, _Call] = {}
-        self.launched = {"layout": 0, "dispatch_direct": 0, "dispatch": 0, "combine_pull": 0, "combine": 0}
+        self.launched = {"count": 0, "dispatch_direct": 0, "dispatch_receive": 0, "combine_direct": 0,
+                         "combine_receive": 0}
 
     def _dtype(self, args) -> torch.dtype:
         return getattr(torch, self.codes[args.dtype])
@@ -84,13 +85,13 @@ class GlooKernels:
     def set_agree(self, i: int, words) -> None:
         self.agree = [int(w) for w in words]
 
-    # -- the layout kernel ------------------------------------------------------------------
+    # -- the count kernel ------------------------------------------------------------------
 
-    def dispatch_layout(self, args, stream, ptr, layout, static_rows, inputs, absent, *_):
+    def dispatch_count(self, args, stream, ptr, layout, static_rows, inputs, absent, *_):
         self._layout(args, ptr, layout, static_rows, inputs[0])
 
     def _layout(self, args, ptr: int, layout, static_rows: int, inp) -> None:
-        self.launched["layout"] += 1
+        self.launched["count"] += 1
         c, H = self.config, self.config.hidden_dim
         W, L, N = c.world_size, c.experts_per_rank, c.num_nodes
         if inp.x_scales:
@@ -100,7 +101,7 @@ class GlooKernels:
                 _view(inp.topk_weights, T * K, torch.float32).view(T, K).clone(),
                 _view(inp.x, T * H, self._dtype(args)).view(T, H).clone(), list(self.agree))
         idx, weights, xs, words = zip(*self._gather(mine))
-        # Every rank's expert-major layout, as the layout kernels of all ranks compute it.
+        # Every rank's expert-major layout, as the count kernels of all ranks compute it.
         starts, needed, rows = [], [], []
         for d in range(W):
             per_expert = [sum(int((i == d * L + j).any(1).sum()) for i in idx) for j in range(L)]
@@ -158,12 +159,12 @@ class GlooKernels:
     def dispatch_rows(self, args, direct, stream, ptr, layout, outputs, absent):
         self._rows(args, direct, ptr, outputs[0])
 
-    def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs, absent, after_layout):
+    def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs, absent, after_count):
         self._layout(args, ptr, layout, static_rows, inputs[0])
         self._rows(args, direct, ptr, outputs[0])
 
     def _rows(self, args, direct: bool, ptr: int, out) -> None:
-        self.launched["dispatch_direct" if direct else "dispatch"] += 1
+        self.launched["dispatch_direct" if direct else "dispatch_receive"] += 1
         call, H, r = self.calls[ptr], self.config.hidden_dim, self.rank
         dtype = self._dtype(args)
         R = out.num_rows
@@ -198,7 +199,7 @@ class GlooKernels:
     # -- the combine kernel -----------------------------------------------------------------
 
     def combine(self, args, direct, stream, inputs, absent):
-        self.launched["combine_pull" if direct else "combine"] += 1
+        self.launched["combine_direct" if direct else "combine_receive"] += 1
         inp, r = inputs[0], self.rank
         call = self.calls[inp.part]
         dtype, C, L = self._dtype(args), args.row_elems, self.config.experts_per_rank

@@ -4,7 +4,7 @@
 holder of an Engine) launch none of their kernels inside the block, as a crashed peer would;
 their peers then give up after HYBRID_EP_TIMEOUT_S and the error names the rank and the phase
 (read it with `group.synchronize()`, inside the block or after it: the kernels were launched
-with the ranks absent either way). `after_layout` ranks launch a dispatch's layout kernel, so
+with the ranks absent either way). `after_count` ranks launch a dispatch's count kernel, so
 their counts are exchanged, but not its dispatch kernel: a peer lost between the two.
 
 This is the only place that sets Engine.absent; no public call takes the ranks.
@@ -19,10 +19,10 @@ from ..backends.cuda.engine import AbsentRanks
 
 
 @contextlib.contextmanager
-def ranks_absent(group, ranks: Iterable[int] = (), *, after_layout: Iterable[int] = ()) -> Iterator[None]:
+def ranks_absent(group, ranks: Iterable[int] = (), *, after_count: Iterable[int] = ()) -> Iterator[None]:
     engine = getattr(group, "engine", group)
     before = engine.absent
-    engine.absent = AbsentRanks(frozenset(ranks), frozenset(after_layout))
+    engine.absent = AbsentRanks(frozenset(ranks), frozenset(after_count))
     try:
         yield
     finally:

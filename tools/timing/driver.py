@@ -15,7 +15,7 @@ warm-up); the second is measured: the model's statistics (scheduling rounds, swi
 copies) of each, and with costs the timing report of every launch.
 
 With "dispatch_only": True each SM count makes one dispatch call, measured, and nothing else:
-the layout kernel's time at a shape without the cost of the combines (the layout kernel waits
+the count kernel's time at a shape without the cost of the combines (the count kernel waits
 for nothing the call before it wrote that the model costs: its flow control reads flags
 written before its launch).
 

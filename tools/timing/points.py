@@ -46,7 +46,7 @@ class Point:
     world_size: int
     nodes: int
     sms_per_rank: int
-    kernel: str  # "dispatch" (layout kernel, host read of the row count and dispatch kernel) or "combine"
+    kernel: str  # "dispatch" (count kernel, host read of the row count and dispatch kernel) or "combine"
     ms: float
     recv_rows: int
     out_rows: int

@@ -3,7 +3,7 @@
 The model runs the kernels at one or two token counts per rank (the bench's 4096 does not fit
 every shape in this machine's memory, and the model's time grows linearly in the tokens); a
 prediction at the bench's count is read off the line through the two (or is the run itself
-when the counts are equal). A call's time is the sum of its launches': dispatch is the layout
+when the counts are equal). A call's time is the sum of its launches': dispatch is the count
 kernel and the dispatch kernel, combine its one kernel; each launch's own time is kept too, so a
 prediction can be scored against the bench's per-kernel GPU times (kernels_ms) as well as its
 call times. The host's work between them (the dispatch reads one count back to size its output)
@@ -65,7 +65,7 @@ def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, mo
 def call_times(result: dict, tables: int) -> dict:
     """{(sms, call): [ns of the measured call per table]} from a driver result, and per kernel
     the call launched {(sms, call, kernel): [ns of its launches per table]} (kernel: the model's
-    launch name, "layout", "dispatch_direct", ...)."""
+    launch name, "count", "dispatch_direct", ...)."""
     out = {}
     for run in result["runs"]:
         for call in KERNELS:

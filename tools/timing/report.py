@@ -12,12 +12,12 @@ import math
 RECEIVE = "receive"  # the data path of a row that names none: the only one before the direct path
 
 UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_sms": "SMs (all ranks of the launch)",
-         "dispatch_ms": "ms, predicted by the timing model (layout + dispatch kernels; no host time)",
+         "dispatch_ms": "ms, predicted by the timing model (count + dispatch kernels; no host time)",
          "combine_ms": "ms, predicted by the timing model (combine kernel)",
          "recv_rows": "rows all ranks receive in the dispatch (one per token and destination rank), counted",
          "out_rows": "rows all ranks hand to their experts (one per token and routed expert), counted",
          "kernels_ms": "ms per call, predicted by the timing model: each kernel of a call ({call: {kernel: ms}}, "
-                       "named as the bench's kernels_ms names them), the layout kernel apart from the dispatch kernel",
+                       "named as the bench's kernels_ms names them), the count kernel apart from the dispatch kernel",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "data_path": "the kernels' data path: direct (rows straight to their final row) or receive",
@@ -59,16 +59,16 @@ def format_predicted(doc: dict) -> str:
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
              f" | {c.get('data_path', RECEIVE)} path"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
-             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'layout ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
+             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
              f"{'GB/s/SM':>8}"]
     for r in doc["runs"]:
-        layout = r.get("kernels_ms", {}).get("dispatch", {}).get("layout_kernel")
+        count = r.get("kernels_ms", {}).get("dispatch", {}).get("count_kernel")
         lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
-                     + (f"{layout:>9.3f} " if layout is not None else f"{'-':>9} ")
+                     + (f"{count:>9.3f} " if count is not None else f"{'-':>9} ")
                      + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
                      f"{r['combine_dest_gbps_per_sm']:>8.1f}")
-    lines.append("predicted ms: kernel time only (dispatch: the layout and dispatch kernels, without the host's read "
-                 "of the row count between them; layout ms: its layout kernel's part); GB/s/SM: rows received x "
+    lines.append("predicted ms: kernel time only (dispatch: the count and dispatch kernels, without the host's read "
+                 "of the row count between them; count ms: its count kernel's part); GB/s/SM: rows received x "
                  "row bytes / predicted time / all SMs")
     return "\n".join(lines)
 
@@ -84,10 +84,16 @@ def shape_differences(predicted: dict, measured: dict) -> list[str]:
             if p.get(k) != m.get(k, 0 if k == "seed" else None)]
 
 
+# The GPU's kernel names in records measured before the kernels were named for their path
+# (a record keeps the names it ran with): what each is called now.
+EARLIER_KERNEL_NAMES = {"layout_kernel": "count_kernel", "dispatch_kernel": "dispatch_receive_kernel",
+                        "combine_kernel": "combine_receive_kernel", "combine_pull_kernel": "combine_direct_kernel"}
+
+
 def compare(predicted: dict, measured: dict) -> list[dict]:
     """Per point both files have (world size, nodes, SMs per rank and data path): predicted and
     measured ms and their ratio, per call (dispatch, combine) and per kernel where both files
-    time each kernel (kernels_ms: the dispatch kernel alone, the layout kernel alone)."""
+    time each kernel (kernels_ms: the dispatch kernel alone, the count kernel alone)."""
     nodes_p = predicted["metadata"]["config"]["nodes"]
     nodes_m = measured["metadata"]["config"].get("nodes", 1)
     want = {(r["world_size"], r.get("nodes", nodes_m), r["sms_per_rank"], r.get("data_path", RECEIVE)): r
@@ -100,7 +106,8 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
         pairs = [(call, r[f"{call}_ms"], m[f"{call}_ms"]) for call in ("dispatch", "combine") if f"{call}_ms" in r]
         # each kernel alone, where both say it (a measured row: the bench's torch.profiler times)
         for call, kernels in r.get("kernels_ms", {}).items():
-            measured_kernels = (m.get("kernels_ms") or {}).get(call) or {}
+            measured_kernels = {EARLIER_KERNEL_NAMES.get(name, name): ms
+                                for name, ms in ((m.get("kernels_ms") or {}).get(call) or {}).items()}
             pairs += [(kernel, ms, measured_kernels[kernel]) for kernel, ms in kernels.items()
                       if measured_kernels.get(kernel)]
         for kernel, p_ms, m_ms in pairs:

@@ -100,7 +100,7 @@ def read_ncu_lines(text: str) -> list[tuple[float, str, int, str, str]]:
         if m:
             out.append((float(m.group(1)) / 100, m.group(2), int(m.group(3)), m.group(4), m.group(5) or ""))
     if not out:
-        raise ValueError("no stall-sample lines (like '  44.7%  combine.cuh:564  ...') in the ncu file")
+        raise ValueError("no stall-sample lines (like '  44.7%  combine_receive.cuh:564  ...') in the ncu file")
     return out
 
 

@@ -169,7 +169,7 @@ void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& range
 void add_allocation(uint64_t ptr, uint64_t bytes);
 void remove_allocation(uint64_t ptr);
 // Fault injection: in the next launch of the kernel named `kernel` (its launcher's name
-// without "launch_", e.g. "dispatch"), write 1 to the int at `flag` when scheduling round
+// without "launch_", e.g. "dispatch_receive"), write 1 to the int at `flag` when scheduling round
 // `round` begins, as a peer's failure would raise the abort flag in the middle of the
 // pipeline. Tests check that every block then leaves cleanly.
 void inject_abort(uint64_t flag, int64_t round, const std::string& kernel);

@@ -448,12 +448,12 @@ void Timer::plain_code(int th, const dev::PlainRun* runs, int n) {
   double count = 0;
   for (int i = 0; i < n; ++i) {
     const dev::PlainCode code = runs[i].code;
-    const double each = code == dev::PlainCode::kLayoutTile        ? c_.layout_tile_instructions
-                        : code == dev::PlainCode::kLayoutRoute     ? c_.layout_route_instructions
-                        : code == dev::PlainCode::kLayoutRoutePair ? c_.layout_route_pair_instructions
-                        : code == dev::PlainCode::kLayoutDest      ? c_.layout_dest_instructions
-                        : code == dev::PlainCode::kLayoutNode      ? c_.layout_node_instructions
-                                                                   : c_.layout_scan_column_instructions;
+    const double each = code == dev::PlainCode::kCountTile        ? c_.count_tile_instructions
+                        : code == dev::PlainCode::kCountRoute     ? c_.count_route_instructions
+                        : code == dev::PlainCode::kCountRoutePair ? c_.count_route_pair_instructions
+                        : code == dev::PlainCode::kCountDest      ? c_.count_dest_instructions
+                        : code == dev::PlainCode::kCountNode      ? c_.count_node_instructions
+                                                                  : c_.count_scan_column_instructions;
     count += each * runs[i].times;
   }
   issue(th, count);

@@ -13,7 +13,7 @@
 //     pair (its kind's count, below), and where the hot loops load and store through the
 //     device layer's accessors (dev::ld, dev::st);
 //   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
-//     kind of conversion, per block of plain code a kernel names (dev::plain_code: the layout
+//     kind of conversion, per block of plain code a kernel names (dev::plain_code: the count
 //     kernel's tile loop): counts from the kernels' SASS), issued on the SM's scheduler of its
 //     warp (warp w on scheduler w % 4), one instruction per cycle per scheduler and per warp.
 //     The lanes of a warp run the same instructions, so only a lane ahead of its warp's count
@@ -84,68 +84,67 @@ namespace hybrid_ep::model::timing {
 
 // The constants (name, what it is); each is in ns except the rates (*_bytes_per_ns, sm_clock_ghz), the instruction
 // counts and the fractions.
-#define HYBRID_EP_TIMING_COSTS(X)                                                                                   \
-  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                             \
-  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                             \
-  X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on")       \
-  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                            \
-  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                       \
-  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                       \
-  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                          \
-  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")              \
-  X(release_ns, "a release store or reduction to global memory, on the writing thread")                             \
-  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                                     \
-  X(fence_gpu_ns, "__threadfence")                                                                                  \
-  X(fence_sys_ns, "__threadfence_system")                                                                           \
-  X(fence_proxy_ns, "fence.proxy.async")                                                                            \
-  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                         \
-  X(commit_ns, "a bulk-group commit")                                                                               \
-  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                                \
-  X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier")       \
-  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")          \
-  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                           \
-  X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")          \
-  X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")        \
-  X(request_ns,                                                                                                     \
-    "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "     \
-    "bulk copies' bytes take as well (the copy engine's calendar): one per store under 16 bytes, half per 16-byte " \
-    "vector")                                                                                                       \
-  X(pair_instruction_ns,                                                                                            \
-    "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "       \
-    "thread beside its issue slot: the loop's dependent latency, so a loop of fewer instructions costs less")       \
-  X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                       \
-  X(gmem_load_ns, "a batch of plain loads with one from device memory (an L2 miss): issue -> the values are there") \
-  X(l2_load_ns, "a batch of plain global loads that all hit in L2: issue -> the values are there")                  \
-  X(g2s_l2_latency_ns, "bulk load from L2: its last byte through the copy engine -> complete on the mbarrier")      \
-  X(sm_clock_ghz, "SM cycles per ns: the issue slots' clock")                                                       \
-  X(access_instructions, "warp instructions per plain access of a hot loop (dev::ld, dev::st)")                     \
-  X(cvt_pair_instructions,                                                                                          \
-    "warp instructions per pair widened with the cvt builtins (__bfloat1622float2, __half22float2), with "          \
-    "the loop around it")                                                                                           \
-  X(shift_pair_instructions,                                                                                        \
-    "warp instructions per bf16 pair widened by shift and mask (dev::bf16x2_to_float2), "                           \
-    "with the loop around it")                                                                                      \
-  X(pack_pair_instructions, "warp instructions per pair narrowed (__float22bfloat162_rn, __float22half2_rn)")       \
-  X(layout_tile_instructions,                                                                                       \
-    "warp instructions per tile of the layout kernel (dev::PlainCode::kLayoutTile): zeroing, prefix popcs, the "    \
-    "loop's head and tail, the routes k >= K skipped")                                                              \
-  X(layout_route_instructions,                                                                                      \
-    "warp instructions per route of a tile's token (kLayoutRoute): its load, rank and node (two divisions), "       \
-    "atomicOr, ordinal")                                                                                            \
-  X(layout_route_pair_instructions,                                                                                 \
-    "warp instructions per pair of a token's routes (kLayoutRoutePair): the duplicate check")                       \
-  X(layout_dest_instructions,                                                                                       \
-    "warp instructions per destination rank of a tile (kLayoutDest): two ballots, its count, a send_slot store")    \
-  X(layout_node_instructions,                                                                                       \
-    "warp instructions per destination node of a tile (kLayoutNode): a ballot and its count")                       \
-  X(layout_scan_column_instructions,                                                                                \
-    "warp instructions per counter column a lane scans over the warps' counts (kLayoutScanColumn, 32 warps "        \
-    "unrolled)")                                                                                                    \
-  X(spin_instructions, "warp instructions per turn of a spinning wait (a failed poll or try_wait, its loop)")       \
-  X(spin_period_ns, "one turn of a warp spinning on an mbarrier (try_wait that fails and its loop)")                \
-  X(hbm_bytes_per_ns, "device memory: bytes per ns read and written, all SMs of the launch together")               \
-  X(l2_hit_written, "L2-hit fraction of global reads of lines written in the launch (rows a peer just wrote)")      \
-  X(l2_hit_reread, "L2-hit fraction of global reads of lines read before in the launch (re-reads)")                 \
+#define HYBRID_EP_TIMING_COSTS(X)                                                                                     \
+  X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                               \
+  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                               \
+  X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on")         \
+  X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                              \
+  X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                         \
+  X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                         \
+  X(poll_ns, "a flag load (acquire or volatile) that reads a value written in the launch")                            \
+  X(flag_latency_ns, "a flag's release store, reduction or atomic -> a poll on the same GPU reads it")                \
+  X(release_ns, "a release store or reduction to global memory, on the writing thread")                               \
+  X(atomic_ns, "a global-memory atomic (add, min, CAS), on the calling thread")                                       \
+  X(fence_gpu_ns, "__threadfence")                                                                                    \
+  X(fence_sys_ns, "__threadfence_system")                                                                             \
+  X(fence_proxy_ns, "fence.proxy.async")                                                                              \
+  X(issue_ns, "a bulk copy's issue, on the issuing thread")                                                           \
+  X(commit_ns, "a bulk-group commit")                                                                                 \
+  X(wait_group_ns, "a bulk wait_group whose groups are done, on the waiting thread")                                  \
+  X(g2s_latency_ns, "bulk load: its last byte through the copy engine -> its bytes complete on the mbarrier")         \
+  X(s2g_read_latency_ns, "bulk store: its last byte through the copy engine -> its shared memory is read")            \
+  X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                             \
+  X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")            \
+  X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")          \
+  X(request_ns,                                                                                                       \
+    "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
+    "bulk copies' bytes take as well (the copy engine's calendar): one per store under 16 bytes, half per 16-byte "   \
+    "vector")                                                                                                         \
+  X(pair_instruction_ns,                                                                                              \
+    "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "         \
+    "thread beside its issue slot: the loop's dependent latency, so a loop of fewer instructions costs less")         \
+  X(smem_load_ns, "a batch of plain loads from shared memory: issue -> the values are there")                         \
+  X(gmem_load_ns, "a batch of plain loads with one from device memory (an L2 miss): issue -> the values are there")   \
+  X(l2_load_ns, "a batch of plain global loads that all hit in L2: issue -> the values are there")                    \
+  X(g2s_l2_latency_ns, "bulk load from L2: its last byte through the copy engine -> complete on the mbarrier")        \
+  X(sm_clock_ghz, "SM cycles per ns: the issue slots' clock")                                                         \
+  X(access_instructions, "warp instructions per plain access of a hot loop (dev::ld, dev::st)")                       \
+  X(cvt_pair_instructions,                                                                                            \
+    "warp instructions per pair widened with the cvt builtins (__bfloat1622float2, __half22float2), with "            \
+    "the loop around it")                                                                                             \
+  X(shift_pair_instructions,                                                                                          \
+    "warp instructions per bf16 pair widened by shift and mask (dev::bf16x2_to_float2), "                             \
+    "with the loop around it")                                                                                        \
+  X(pack_pair_instructions, "warp instructions per pair narrowed (__float22bfloat162_rn, __float22half2_rn)")         \
+  X(count_tile_instructions,                                                                                          \
+    "warp instructions per tile of the count kernel (dev::PlainCode::kCountTile): zeroing, prefix popcs, the "        \
+    "loop's head and tail, the routes k >= K skipped")                                                                \
+  X(count_route_instructions,                                                                                         \
+    "warp instructions per route of a tile's token (kCountRoute): its load, rank and node (two divisions), "          \
+    "atomicOr, ordinal")                                                                                              \
+  X(count_route_pair_instructions,                                                                                    \
+    "warp instructions per pair of a token's routes (kCountRoutePair): the duplicate check")                          \
+  X(count_dest_instructions,                                                                                          \
+    "warp instructions per destination rank of a tile (kCountDest): two ballots, its count, a send_slot store")       \
+  X(count_node_instructions, "warp instructions per destination node of a tile (kCountNode): a ballot and its count") \
+  X(count_scan_column_instructions,                                                                                   \
+    "warp instructions per counter column a lane scans over the warps' counts (kCountScanColumn, 32 warps "           \
+    "unrolled)")                                                                                                      \
+  X(spin_instructions, "warp instructions per turn of a spinning wait (a failed poll or try_wait, its loop)")         \
+  X(spin_period_ns, "one turn of a warp spinning on an mbarrier (try_wait that fails and its loop)")                  \
+  X(hbm_bytes_per_ns, "device memory: bytes per ns read and written, all SMs of the launch together")                 \
+  X(l2_hit_written, "L2-hit fraction of global reads of lines written in the launch (rows a peer just wrote)")        \
+  X(l2_hit_reread, "L2-hit fraction of global reads of lines read before in the launch (re-reads)")                   \
   X(l2_hit_stream, "L2-hit fraction of global reads of lines not touched before in the launch (input rows)")
 
 struct Costs {

@@ -5,7 +5,7 @@ transport between nodes (docs/architecture.md, "cuda backend"; csrc/README.md).
 - launch.py: SM counts, FIFO shape, co-residency, the launch arguments of each kind of launch
 - registered.py: registered buffers (CUDA IPC / fabric handles) and RDMA regions (loopback, NVSHMEM)
 - nvshmem.py: NVSHMEM's one initialisation per process and its symmetric heap
-- engine.py: the call sequence (layout kernel, dispatch kernel, combine kernel)
+- engine.py: the call sequence (count kernel, dispatch kernel, combine kernel)
 - workspace.py: the per-call workspace of a dispatch and the handle's views of it
 - errors.py: what a kernel recorded when it failed, as the text the host raises
 - paths.py: which data path a dispatch takes, and the log line when it leaves the direct path

@@ -1,5 +1,5 @@
 """Every rank of every node takes the same data path on every dispatch, with peer memory that
-grows on demand, agreed on the count exchange the layout kernel already makes.
+grows on demand, agreed on the count exchange the count kernel already makes.
 
 The direct path's kernels on every rank wait for every peer's published tensors, the receive
 path's for every peer's rows: a call runs only if every rank chose the same path, and a rank
@@ -7,7 +7,7 @@ may write a peer's output only into memory it has mapped. Before each dispatch e
 `AGREE_WORDS` words about its peer memory into its count rows (RankArgs.agree): whether it has
 mapped what its node peers announced (ready), its largest free range in the memory every node
 peer has confirmed mapping (free_acked), its largest free range in all its memory (free_all),
-its free tail and its extent. The layout kernel hands every rank every rank's words and the
+its free tail and its extent. The count kernel hands every rank every rank's words and the
 routes every rank receives (InfoLayout.agreement), read with the output size in the call's one
 host read. From the same numbers every rank decides the same thing, with no barrier of its own
 and across nodes as within one:
@@ -26,7 +26,7 @@ and across nodes as within one:
 - between two reads (a static size, a reused handle's sizes: no host read) every rank keeps the
   same ledger of what each rank may still take (what it could use at the last read, less the
   blocks taken since): a call the ledger holds goes direct, one it does not hold reads (outside
-  graph capture: the static call then waits for its layout kernel once), or, while a CUDA graph
+  graph capture: the static call then waits for its count kernel once), or, while a CUDA graph
   is being captured, takes the receive path (nothing grows inside a capture);
 - release_unused() retires each rank's free tail: that call takes the receive path, peers unmap
   before their next call, and the owner releases the chunks once every peer is ready again.
@@ -124,7 +124,7 @@ class Agreement:
         self.trim_requested = False
         self.reads = self.directs = 0  # reads decided, of them direct (tests, bench)
 
-    # -- before the layout kernel ------------------------------------------------------
+    # -- before the count kernel ------------------------------------------------------
 
     def words(self, stream: int) -> list[list[int]]:
         """Each driven rank's words for this call's count rows, after mapping what its node peers
@@ -164,7 +164,7 @@ class Agreement:
         return [read_row[d * width] + pad for d in range(self.W)]
 
     def decide_read(self, read_row: list[int], rows: list[int] | None, dtype, fp8: bool) -> Decision:
-        """The path of a call whose layout kernel's agreement words were read (`read_row`: one
+        """The path of a call whose count kernel's agreement words were read (`read_row`: one
         rank's info from `agreement` on, the same on every rank), and the growth and retiring it
         implies. rows: a static size's rows of every rank, None to size by the routes."""
         width = 1 + AGREE_WORDS

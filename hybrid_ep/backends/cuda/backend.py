@@ -75,7 +75,7 @@ def _size(nbytes: int) -> str:
 class CudaBackend(Backend):
     name = "cuda"
     checks_routing_on_device = True
-    reports_dynamic_routing = True  # the layout kernel's bad route, read with `needed` (engine.dispatch)
+    reports_dynamic_routing = True  # the count kernel's bad route, read with `needed` (engine.dispatch)
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
@@ -88,7 +88,7 @@ class CudaBackend(Backend):
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
         # One process per rank: the direct path's outputs in growable peer memory, every call's
-        # path agreed on the layout kernel's count exchange (agreement.py), pre-sized by
+        # path agreed on the count kernel's count exchange (agreement.py), pre-sized by
         # arena_bytes where given.
         self._peer = process_agreement(ext, config, group, rank, self._device)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma, peer=self._peer)

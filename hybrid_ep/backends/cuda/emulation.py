@@ -16,7 +16,7 @@ transport, exactly where a cluster uses NVSHMEM.
 separate_processes=True emulates what a job of one process per GPU does instead: each virtual
 rank gets its own growable peer memory and maps its node peers' at addresses of its own
 (peer_memory.py, over the same sockets and file descriptors as separate processes), every
-dispatch is agreed on the layout kernel's count exchange (agreement.py), and the direct path's
+dispatch is agreed on the count kernel's count exchange (agreement.py), and the direct path's
 kernels translate every published offset with the rank's own table of bases, as separate
 processes do.
 """

@@ -4,7 +4,7 @@ Production drives one rank per process; the single-GPU emulation drives all W vi
 ranks of a group in one process. Both go through this class, and each kernel is one launch
 covering every rank it drives, so the kernels are the same and only the launcher differs.
 
-Per dispatch: the layout kernel (counts, send slots, ordinals, count exchange, offsets),
+Per dispatch: the count kernel (counts, send slots, ordinals, count exchange, offsets),
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
@@ -14,7 +14,7 @@ takes the receive path; combine's y; a direct combine's expert_out from outside 
 copied into the rank's staging region, staging.py) and one workspace for the call's per-rank tables
 (CallWorkspace, reused once nothing refers to it); one call into the extension
 (ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
-both dispatch kernels when the output size is known, else the layout kernel, the host read,
+both dispatch kernels when the output size is known, else the count kernel, the host read,
 then the dispatch kernel. Between that read and the dispatch launch (a GPU idles there) only
 what needs the output sizes runs: the path, the arena blocks' ranges or the receive path's
 outputs; the arena's tensors (made by the extension, arena.py) and the per-rank results are
@@ -53,11 +53,11 @@ __all__ = ["AbsentRanks", "CudaRecvLayout", "CudaSendLayout", "Engine", "RankDis
 class AbsentRanks:
     """Test hook (Engine.absent, set by hybrid_ep.testing.faults.ranks_absent): ranks whose
     kernels are launched with RankArgs.absent, so they never arrive, as a crashed peer would.
-    `ranks` launch none of a call's kernels; `after_layout` launch a dispatch's layout kernel
+    `ranks` launch none of a call's kernels; `after_count` launch a dispatch's count kernel
     (their counts are exchanged) but not its dispatch kernel."""
 
     ranks: frozenset[int] = frozenset()
-    after_layout: frozenset[int] = frozenset()
+    after_count: frozenset[int] = frozenset()
 
 
 def check_extension(ext) -> None:
@@ -355,9 +355,9 @@ class Engine:
                  num_out_tokens: int | None, num_sms: int | None,
                  known_rows: list[int] | None = None, known_bounds: list[int] | None = None) -> list[RankDispatch]:
         """Every driven rank's dispatch: the inputs checked and marshalled (_dispatch_inputs),
-        then the kernels. With the output size known before the layout kernel (num_out_tokens,
+        then the kernels. With the output size known before the count kernel (num_out_tokens,
         or known_rows: a handle's) both kernels go in one call (_dispatch_known); else the
-        layout kernel, the one host read of the sizes, and the dispatch kernel
+        count kernel, the one host read of the sizes, and the dispatch kernel
         (_dispatch_dynamic). Either chooses the data path where the sizes are known
         (paths.choose_path); with peer memory, _dispatch_peer. num_sms: SMs per rank (None:
         launch.DEFAULT_NUM_SMS_DISPATCH); known_bounds: with known_rows, every rank's rows the
@@ -449,13 +449,13 @@ class Engine:
     @property
     def absent(self) -> AbsentRanks:
         """The test hook (AbsentRanks); setting it computes the bit masks a call passes on once
-        (_absent_bits: absent, absent after the layout kernel)."""
+        (_absent_bits: absent, absent after the count kernel)."""
         return self._absent
 
     @absent.setter
     def absent(self, ranks: AbsentRanks) -> None:
         self._absent = ranks
-        self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_layout))
+        self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
 
     def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int) -> tuple:
         """Both kernels in one call into the extension, the output size known (rows per rank;
@@ -463,10 +463,10 @@ class Engine:
         output tensors per rank)."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
-        absent, after_layout = self._absent_bits
+        absent, after_count = self._absent_bits
         direct, taken = choose_path(self, rows, dtype, fp8, stream)
         call = self._workspace(topk, direct, not direct, stream)
-        kind = "dispatch_direct" if direct else "dispatch"
+        kind = "dispatch_direct" if direct else "dispatch_receive"
         H = self.config.hidden_dim
         args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None, False))
                 or self._launch_args(num_sms, dtype_name, H, kind))
@@ -478,23 +478,23 @@ class Engine:
                           self._output_spans(outputs, dtype))
         if taken is not None:  # the launch and the arena blocks' tensors in one call
             made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
-                                           absent, after_layout)
+                                           absent, after_count)
         else:
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs,
-                               absent, after_layout)
+                               absent, after_count)
         return call, rows, direct, made
 
     def _dispatch_dynamic(self, given: DispatchCall, num_sms: int) -> tuple:
-        """The layout kernel on a workspace with the tables of both paths, the one host read of
+        """The count kernel on a workspace with the tables of both paths, the one host read of
         the output sizes (and of a bad route, raised here), then the dispatch kernel on the path
         those sizes allow: (workspace, rows, direct, output tensors per rank)."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
-        absent, after_layout = self._absent_bits
+        absent, after_count = self._absent_bits
         prefer = self.data_path == "direct"
         H = self.config.hidden_dim
         call = self._workspace(topk, prefer, True, stream)
-        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch")
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
         first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
         declared = None
@@ -502,7 +502,7 @@ class Engine:
             declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
-        self.host.dispatch_layout(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
+        self.host.dispatch_count(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
         # From the host read to the dispatch launch the GPU idles: only what needs the
         # output sizes runs here (the outputs' memory, the path); the tensors over the
         # arena blocks and the results are made after the launch.
@@ -512,12 +512,12 @@ class Engine:
             raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
         rows = [r[0] for r in read]
         direct, taken = choose_path(self, rows, dtype, fp8, stream)
-        if prefer and not direct:  # the layout kernel's per-rank arguments, for the receive kernel
+        if prefer and not direct:  # the count kernel's per-rank arguments, for the receive kernel
             args = self.launches.receive_args(args, num_sms, dtype_name, H)
         outputs, made = self._outputs(rows, taken, dtype, fp8)
         if declared is not None:
             self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
+        self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_count)
         if made is None:
             made = taken.tensors()  # (rows, probs[, scales]) per rank
         return call, rows, direct, made
@@ -525,13 +525,13 @@ class Engine:
     def _dispatch_peer(self, given: DispatchCall, static_rows: int, known_rows: list[int] | None,
                        known_bounds: list[int] | None, num_sms: int) -> tuple:
         """Ranks in separate processes (agreement.py): every driven rank's agreement words into the
-        layout kernel's count rows; a call whose every rank's size is known (num_out_tokens, or a
+        count kernel's count rows; a call whose every rank's size is known (num_out_tokens, or a
         handle's bounds) and that the ledger holds launches both kernels at once; any other call
-        launches the layout kernel, reads the sizes and every rank's words in the one host read,
+        launches the count kernel, reads the sizes and every rank's words in the one host read,
         decides, then launches the dispatch kernel. (workspace, rows, direct, outputs, bounds)."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
-        absent, after_layout = self._absent_bits
+        absent, after_count = self._absent_bits
         peer, W, H = self.peer, self.config.world_size, self.config.hidden_dim
         for i, words in enumerate(peer.words(stream)):
             self.host.set_agree(i, words)
@@ -551,7 +551,7 @@ class Engine:
             declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
-        self.host.dispatch_layout(args, stream, call.ptr, call.layout, static_rows, inputs, absent, True)
+        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, absent, True)
         read = sizes.cpu().tolist()  # the one host sync
         self.raise_if_failed()
         if read[0][1] >= 0:
@@ -568,7 +568,7 @@ class Engine:
         outputs, made = self._outputs(rows, taken, dtype, fp8)
         if declared is not None:
             self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_layout)
+        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_count)
         if made is None:
             made = taken.tensors()
         return call, rows, decision.direct, made, rows_all or peer.bounds(agreed)
@@ -577,11 +577,11 @@ class Engine:
                       stream: int) -> tuple:
         """Both kernels in one call, on the path the ledger chose (_dispatch_peer)."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
-        absent, after_layout = self._absent_bits
+        absent, after_count = self._absent_bits
         taken = self._take_peer(rows, dtype, fp8, stream, decision)
         direct = decision.direct
         call = self._workspace(topk, direct, not direct, stream)
-        kind = "dispatch_direct" if direct else "dispatch"
+        kind = "dispatch_direct" if direct else "dispatch_receive"
         H = self.config.hidden_dim
         args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None, False))
                 or self._launch_args(num_sms, dtype_name, H, kind))
@@ -590,7 +590,7 @@ class Engine:
             self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
                           self._output_spans(outputs, dtype))
         self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs, absent,
-                           after_layout)
+                           after_count)
         if made is None:
             made = taken.tensors()
         return call, rows, direct, made
@@ -690,7 +690,7 @@ class Engine:
             self._check_rows("expert_out", C, dtype)
         if C > self.config.hidden_dim:
             raise ValueError(f"expert_out rows have {C} columns; the buffer holds {self.config.hidden_dim}")
-        kind = "combine_pull" if direct else "combine"
+        kind = "combine_direct" if direct else "combine_receive"
         return (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name, apply_probs))
                 or self._launch_args(num_sms, dtype_name, C, kind, wire_name, apply_probs))
 

@@ -104,7 +104,7 @@ class KernelErrors:
         # each call polls it here, without a call into the extension.
         self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr + ERROR_RECORD_PHASE_OFFSET)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
-        # The last bad route a layout kernel recorded without a host read (a static size): not a
+        # The last bad route a count kernel recorded without a host read (a static size): not a
         # failure; each call compares its epoch word with the last one raised, without a sync.
         self.bad_route = ext.ErrorRecord()
         self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + ERROR_RECORD_EPOCH_OFFSET)
@@ -140,7 +140,7 @@ class KernelErrors:
                 return
             rec = self.bad_route.read()
             if epoch == 0 or rec is None or rec["epoch"] != epoch or self._bad_route_epoch.value != epoch:
-                continue  # a layout kernel is writing it
+                continue  # a count kernel is writing it
             self.bad_route_raised = epoch
             expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
             raise RoutingError(bad_route_text(rec["expected"], rec["rank"], rec["peer"], expert))

@@ -195,7 +195,7 @@ class PullShape:
         return PULL_PIPELINES * self.stages * self.stage_bytes
 
 
-PULL_PIPELINES: int = compiled.PULL_PIPELINES  # pipelines of a combine-pull block
+PULL_PIPELINES: int = compiled.PULL_PIPELINES  # pipelines of a combine_direct block
 
 
 def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
@@ -289,14 +289,14 @@ def check_coresident(name: str, sms_per_rank: int, ranks_in_launch: int, device_
 # "dispatch" (fp8 rows carry their scales) or "combine", as the SM count's errors name it.
 
 
-def _dispatch_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+def _dispatch_receive_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
     """The receive path's dispatch: a send and an expand FIFO of row stages."""
     fifo = fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block,
                              pipelines=DISPATCH_PIPELINES)
     a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
     a.store_groups = store_groups(fifo.stages, s.store_groups_override)
     smem = DISPATCH_PIPELINES * fifo.smem_bytes
-    return s.ext.dispatch_max_blocks_per_sm(smem)
+    return s.ext.dispatch_receive_max_blocks_per_sm(smem)
 
 
 def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
@@ -307,7 +307,7 @@ def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name
     return s.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
 
 
-def _combine_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+def _combine_receive_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
     """The receive path's combine: the expert host's input and output rings, the source's ring,
     partial sums of wire_name on the wire."""
     shape = combine_shape(row_elems, ELEM_BYTES[dtype_name], ELEM_BYTES[wire_name],
@@ -317,17 +317,17 @@ def _combine_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, w
     a.host_out_stages = shape.out_stages
     a.host_stage_bytes, a.src_stage_bytes = shape.host_stage_bytes, shape.src_stage_bytes
     a.store_groups = combine_store_groups(shape.out_stages, s.store_groups_override)
-    return s.ext.combine_max_blocks_per_sm(shape.smem_bytes)
+    return s.ext.combine_receive_max_blocks_per_sm(shape.smem_bytes)
 
 
-def _combine_pull_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
+def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
     """The direct path's combine: each route's expert-output segments pulled into two rings
     (several nodes: a stage holds a node partial in the wire dtype too)."""
     wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
     a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
     pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
-    return s.ext.combine_pull_max_blocks_per_sm(pull.smem_bytes)
+    return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,10 +338,10 @@ class KindSettings:
 
 
 KIND_SETTINGS = {
-    "dispatch": KindSettings(_dispatch_pipeline, "fifo_stages", "dispatch"),
+    "dispatch_receive": KindSettings(_dispatch_receive_pipeline, "fifo_stages", "dispatch"),
     "dispatch_direct": KindSettings(_dispatch_direct_pipeline, "fifo_stages", "dispatch"),
-    "combine": KindSettings(_combine_pipeline, "host_out_stages", "combine"),
-    "combine_pull": KindSettings(_combine_pull_pipeline, "src_stages", "combine"),
+    "combine_receive": KindSettings(_combine_receive_pipeline, "host_out_stages", "combine"),
+    "combine_direct": KindSettings(_combine_direct_pipeline, "src_stages", "combine"),
 }
 
 
@@ -399,8 +399,8 @@ class LaunchSettings:
         return a
 
     def receive_args(self, laid, num_sms: int, dtype_name: str, H: int):
-        """The receive kernel's launch arguments with the per-rank part the layout kernel ran with."""
-        args = self.args(num_sms, dtype_name, H, "dispatch")
+        """The receive kernel's launch arguments with the per-rank part the count kernel ran with."""
+        args = self.args(num_sms, dtype_name, H, "dispatch_receive")
         for i in range(laid.num_ranks):
             args.set_rank(i, laid.get_rank(i))
         args.num_ranks = laid.num_ranks

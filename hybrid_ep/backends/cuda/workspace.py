@@ -1,6 +1,6 @@
 """The per-call workspace of a dispatch and the handle's views of it.
 
-A dispatch's layout and dispatch kernels write every driven rank's per-call tables (counts,
+A dispatch's count and dispatch kernels write every driven rank's per-call tables (counts,
 send slots, ordinals, row positions or route rows: csrc CallLayout) into one workspace
 allocation, rank i's part in row i. The handle keeps the workspace; its tables are views made
 when first read (CudaSendLayout, CudaRecvLayout). A workspace nothing refers to any more

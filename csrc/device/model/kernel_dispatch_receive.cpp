@@ -1,3 +1,3 @@
 // The dispatch kernel compiled by the host compiler for the CPU model: the very source nvcc
 // compiles, with csrc/device/device.cuh choosing the model's device layer.
-#include "kernels/dispatch.cu"
+#include "kernels/dispatch_receive.cu"

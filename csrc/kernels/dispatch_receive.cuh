@@ -70,7 +70,7 @@
 #include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
-namespace dispatch_impl {  // kernels/dispatch.cu and kernels_nvshmem.cu instantiate it
+namespace dispatch_receive_impl {  // kernels/dispatch_receive.cu and kernels_nvshmem.cu instantiate it
 
 constexpr int kMetaSlots = 4;   // send chunks whose entries may be written ahead
 constexpr int kTableSlots = 4;  // expand chunks whose position tables are ready ahead
@@ -768,7 +768,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 // node: the rows, then the routing with the chunk's signal. Lane i takes token t0 + i. A slot
 // is free, at both ends, once the rail peer's credit says it forwarded the slot's previous
 // chunk (its put had arrived, so its source bytes were read; kernels/peer_ring.cuh); the first
-// turn's slots are free at the call's start (the layout kernel waited until each rail peer had
+// turn's slots are free at the call's start (the count kernel waited until each rail peer had
 // forwarded the previous call's rows).
 template <typename Rdma>
 __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
@@ -839,7 +839,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
 }
 
 template <typename Rdma>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   DispatchShared& sh = dev::block_shared<DispatchShared>();
@@ -885,12 +885,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 }
 
 template <typename Rdma>
-LaunchStatus launch_dispatch_with(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(dispatch_kernel<Rdma>, args.num_ranks * args.blocks_per_rank, kThreads,
+LaunchStatus launch_dispatch_receive_with(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(dispatch_receive_kernel<Rdma>, args.num_ranks * args.num_sms, kThreads,
                                  2 * static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes),
-                                 stream, args, "dispatch");
+                                 stream, args, "dispatch_receive");
 }
 
-}  // namespace dispatch_impl
+}  // namespace dispatch_receive_impl
 
 }  // namespace hybrid_ep

@@ -64,7 +64,7 @@
 #include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
-namespace combine_impl {  // kernels/combine.cu and kernels_nvshmem.cu instantiate it
+namespace combine_receive_impl {  // kernels/combine_receive.cu and kernels_nvshmem.cu instantiate it
 
 // Warp roles (kCombineThreads = 384: 12 warps); the put warp works with several nodes only.
 enum class CombineRole { kHostLoad, kHostReduce, kHostStore, kSourceLoad, kSourceReduce, kForwardPut };
@@ -156,7 +156,7 @@ struct Combine : KernelCall {
   uint8_t* src_in;    // [src_stages][seg_cols] partials in the wire dtype
   Hierarchy<Rdma> h;
 
-  // smem: the three rings' stages (combine_stage_bytes), in the order above.
+  // smem: the three rings' stages (combine_receive_stage_bytes), in the order above.
   __device__ Combine(const KernelCall& k, CombineShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
       : KernelCall(k), reg(k.geo.reg), il(k.geo.info), W(k.geo.world_size), Tmax(k.geo.max_tokens), T(k.a.num_tokens),
         kd(k.args.kd), C(k.args.row_elems), seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols),
@@ -666,7 +666,7 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
 }
 
 template <typename Rdma, typename Elem, typename Wire>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_receive_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   CombineShared& sh = dev::block_shared<CombineShared>();
@@ -729,33 +729,33 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(const __gri
 }
 
 // Dynamic shared memory: the three rings' stages.
-__host__ __device__ inline size_t combine_stage_bytes(const LaunchArgs& args) {
+__host__ __device__ inline size_t combine_receive_stage_bytes(const LaunchArgs& args) {
   return static_cast<size_t>(args.host_stages) * args.host_stage_bytes +
          static_cast<size_t>(args.host_out_stages + args.src_stages) * args.src_stage_bytes;
 }
 
 template <typename Rdma, typename Elem, typename Wire>
-LaunchStatus launch_combine_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
-                                 kCombineThreads, combine_stage_bytes(args), stream, args, "combine");
+LaunchStatus launch_combine_receive_typed(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(combine_receive_kernel<Rdma, Elem, Wire>, args.num_ranks * args.num_sms,
+                                 kCombineThreads, combine_receive_stage_bytes(args), stream, args, "combine_receive");
 }
 
 template <typename Rdma>
-LaunchStatus launch_combine_with(const LaunchArgs& args, uint64_t stream) {
+LaunchStatus launch_combine_receive_with(const LaunchArgs& args, uint64_t stream) {
   if (const char* bad = check_segment_cols(args)) return bad;
   const bool fp32_wire = args.wire_dtype == kFloat32;
   switch (args.dtype) {
-    case kFloat32: return launch_combine_typed<Rdma, float, float>(args, stream);
+    case kFloat32: return launch_combine_receive_typed<Rdma, float, float>(args, stream);
     case kBFloat16:
-      return fp32_wire ? launch_combine_typed<Rdma, __nv_bfloat16, float>(args, stream)
-                       : launch_combine_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
+      return fp32_wire ? launch_combine_receive_typed<Rdma, __nv_bfloat16, float>(args, stream)
+                       : launch_combine_receive_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
     case kFloat16:
-      return fp32_wire ? launch_combine_typed<Rdma, __half, float>(args, stream)
-                       : launch_combine_typed<Rdma, __half, __half>(args, stream);
+      return fp32_wire ? launch_combine_receive_typed<Rdma, __half, float>(args, stream)
+                       : launch_combine_receive_typed<Rdma, __half, __half>(args, stream);
     default: return "combine: unsupported dtype code";
   }
 }
 
-}  // namespace combine_impl
+}  // namespace combine_receive_impl
 
 }  // namespace hybrid_ep

@@ -1,4 +1,4 @@
-// Layout kernel: from this rank's routing, everything the metadata module computes, on the
+// Count kernel: from this rank's routing, everything the metadata module computes, on the
 // device, with no host synchronisation.
 //
 // One block per rank walks its tokens in tiles of 1024 (one token per thread). Within a warp
@@ -18,7 +18,7 @@
 // after the exchange every rank holds every rank's and picks the same one, the lowest bad
 // rank's, for its info. The call then moves no rows: this kernel completes it in the dispatch
 // kernel's place (its done flags), so the next call proceeds. Where the host reads the info
-// before the dispatch launch (dynamic size, LaunchArgs::layout_read) it raises the error and
+// before the dispatch launch (dynamic size, LaunchArgs::info_read) it raises the error and
 // launches no dispatch kernel; where the dispatch kernel follows unread (a static size), that
 // kernel returns at its start on the info's word, and this one records the route
 // (LaunchArgs::bad_route) for the host to raise at its next call.
@@ -27,9 +27,9 @@
 #include "kernels/launch.h"
 
 namespace hybrid_ep {
-namespace layout_impl {  // kernels/layout.cu and kernels_nvshmem.cu instantiate it
+namespace count_impl {  // kernels/count.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kWarps = kPrepareThreads / 32;
+constexpr int kWarps = kCountThreads / 32;
 
 __device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
@@ -40,14 +40,14 @@ __device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterp
 __device__ __forceinline__ void tile_code(int K, int W, int N) {
   using dev::PlainCode;
   using dev::PlainRun;
-  dev::plain_code(PlainRun{PlainCode::kLayoutTile, 1}, PlainRun{PlainCode::kLayoutRoute, K},
-                  PlainRun{PlainCode::kLayoutRoutePair, K * (K - 1) / 2}, PlainRun{PlainCode::kLayoutDest, W},
-                  PlainRun{PlainCode::kLayoutNode, N});
+  dev::plain_code(PlainRun{PlainCode::kCountTile, 1}, PlainRun{PlainCode::kCountRoute, K},
+                  PlainRun{PlainCode::kCountRoutePair, K * (K - 1) / 2}, PlainRun{PlainCode::kCountDest, W},
+                  PlainRun{PlainCode::kCountNode, N});
 }
 
 constexpr int kNoBadToken = 0x7fffffff;
 
-struct LayoutShared {
+struct CountShared {
   uint64_t epoch;
   unsigned long long dropped;
   int64_t bad_id;    // the expert id of this rank's first bad route, then of the lowest bad rank's
@@ -55,8 +55,8 @@ struct LayoutShared {
   int bad_token;     // this rank's first token with a bad route (kNoBadToken: none), then that rank's
   int fail;
 };
-static_assert(sizeof(LayoutShared) <= kStaticSmemReserve,
-              "the layout kernel's static shared memory outgrew the launch plans' reserve");
+static_assert(sizeof(CountShared) <= kStaticSmemReserve,
+              "the count kernel's static shared memory outgrew the launch plans' reserve");
 
 // The expert id of a token's first bad route in route order, by the tile loop's rule: out of
 // [-1, E), or a second route to an expert an earlier route of the token took.
@@ -70,7 +70,7 @@ __device__ inline int64_t first_bad_id(const int64_t* routes, int K, int E) {
   return -1;  // not reached for a token the tile loop found bad
 }
 
-// A call with a bad route moves no rows: the layout kernel publishes the done flags the
+// A call with a bad route moves no rows: the count kernel publishes the done flags the
 // dispatch kernel would have, once it read every count row, so every peer's next call finds
 // this rank done with this one (thread 0).
 template <typename Rdma>
@@ -89,13 +89,13 @@ __device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rd
 // its start (call_refused). Thread 0.
 template <typename Rdma>
 __device__ inline void refuse_call(const LaunchArgs& args, const RankView& view, const Hierarchy<Rdma>& h,
-                                   const LayoutShared& sh, uint64_t epoch, int E) {
+                                   const CountShared& sh, uint64_t epoch, int E) {
   complete_unmoved(view, h, epoch);
-  if (!args.layout_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E, sh.bad_id);
+  if (!args.info_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E, sh.bad_id);
 }
 
 template <typename Rdma>
-__global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_constant__ LaunchArgs args) {
   const Geometry& geo = args.geo;
   const RankArgs& a = args.ranks[blockIdx.x];
   if (a.absent) return;
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   int32_t* smem = dev::dynamic_smem<int32_t>();
   int32_t* warp_cnt = smem;               // [kWarps][cols], scanned in place to per-warp bases
   int32_t* carry = smem + kWarps * cols;  // [cols] totals of the tiles before
-  LayoutShared& sh = dev::block_shared<LayoutShared>();
+  CountShared& sh = dev::block_shared<CountShared>();
 
   if (tid == 0) {
     sh.epoch = view.state()->dispatch_epoch + 1;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
   const unsigned full = 0xffffffffu;
   const unsigned lt_mask = (1u << lane) - 1u;
 
-  for (int tile = 0; tile < T; tile += kPrepareThreads) {
+  for (int tile = 0; tile < T; tile += kCountThreads) {
     const int t = tile + tid;
     const bool valid = t < T;
     tile_code(K, W, N);
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 
     // Scan over warps (tile order), carried across tiles.
     for (int c = tid; c < cols; c += blockDim.x) {
-      dev::plain_code(dev::PlainRun{dev::PlainCode::kLayoutScanColumn, 1});
+      dev::plain_code(dev::PlainRun{dev::PlainCode::kCountScanColumn, 1});
       int32_t run = carry[c];
       for (int w = 0; w < kWarps; ++w) {
         const int32_t v = warp_cnt[w * cols + c];
@@ -381,12 +381,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 1) layout_kernel(const __grid
 }
 
 template <typename Rdma>
-LaunchStatus launch_layout_with(const LaunchArgs& args, uint64_t stream) {
+LaunchStatus launch_count_with(const LaunchArgs& args, uint64_t stream) {
   const size_t cols = args.geo.num_experts + args.geo.world_size + args.geo.num_nodes;
-  return dev::launch_cooperative(layout_kernel<Rdma>, args.num_ranks, kPrepareThreads,
-                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args, "layout");
+  return dev::launch_cooperative(count_kernel<Rdma>, args.num_ranks, kCountThreads,
+                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args, "count");
 }
 
-}  // namespace layout_impl
+}  // namespace count_impl
 
 }  // namespace hybrid_ep

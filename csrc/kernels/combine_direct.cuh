@@ -46,13 +46,13 @@
 #include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
-namespace combine_pull_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
+namespace combine_direct_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
 
 constexpr int kPipelines = kPullPipelines, kPipelineWarps = 1 + kGroupWarps;
-constexpr int kPullThreads = (kPipelines * kPipelineWarps + 1) * 32;  // and the put warp
+constexpr int kDirectCombineThreads = (kPipelines * kPipelineWarps + 1) * 32;  // and the put warp
 constexpr int kPutWarp = kPipelines * kPipelineWarps;
 constexpr int kPutStages = 4;  // forwarded chunks written by a pipeline's reducers, not yet put
-static_assert(kPullThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
+static_assert(kDirectCombineThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
 
 // Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
 enum class PullRole { kLoad, kReduce };
@@ -107,11 +107,11 @@ struct PullShared {
   BlockControl ctl;
 };
 static_assert(sizeof(PullShared) <= kStaticSmemReserve,
-              "the combine_pull kernel's static shared memory outgrew the launch plans' reserve");
+              "the combine_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
 template <typename Rdma>
-struct CombinePull : KernelCall {
+struct DirectCombine : KernelCall {
   int L, T, K, C, seg_cols, segments, chunk, stages;
   PeerRing node_part;             // the node-partial rings (kernels/peer_ring.cuh)
   uint32_t in_bytes, wire_bytes;  // element sizes
@@ -120,7 +120,8 @@ struct CombinePull : KernelCall {
   uint8_t* data;  // [kPipelines][stages][stage_bytes] segments
   Hierarchy<Rdma> h;
 
-  __device__ CombinePull(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size, uint32_t wire_size)
+  __device__ DirectCombine(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size,
+                           uint32_t wire_size)
       : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
         seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
         stages(k.args.src_stages), node_part(peer_rings::node_part(k.geo)), in_bytes(elem_size), wire_bytes(wire_size),
@@ -165,7 +166,7 @@ struct CombinePull : KernelCall {
 // it is in the wire dtype). A row without parts gets one stage without bytes: the reducers
 // write a zero segment. False on a stop.
 template <typename Rdma, typename Part>
-__device__ bool pull_parts(const CombinePull<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
+__device__ bool pull_parts(const DirectCombine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
                            PipeState& produced, PartItem head, int n, Part part) {
   for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
     if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
@@ -193,7 +194,7 @@ __device__ bool pull_parts(const CombinePull<Rdma>& d, const Ring& ring, PartIte
 // An own chunk c (lane i: token t0 + i): its routes on this node and, with several nodes, one
 // node partial per other node it reaches, once each of those nodes' rail peers put the chunk.
 template <typename Rdma>
-__device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int lane) {
+__device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, int lane) {
   const auto* route_rows = reinterpret_cast<const int32_t*>(d.a.route_rows);
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
   const Hierarchy<Rdma>& h = d.h;
@@ -236,7 +237,7 @@ __device__ bool own_parts(const CombinePull<Rdma>& d, PullTable& tab, int c, int
 // its routes on this node, from the dispatch's handle, once the source freed the chunk's slot of
 // the node-partial ring (from the ring's second turn on). Returns its rows.
 template <typename Rdma>
-__device__ bool forwarded_parts(const CombinePull<Rdma>& d, PullTable& tab, int n, int c, int lane, int& rows) {
+__device__ bool forwarded_parts(const DirectCombine<Rdma>& d, PullTable& tab, int n, int c, int lane, int& rows) {
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
   if (lane == 0)
@@ -263,13 +264,13 @@ __device__ bool forwarded_parts(const CombinePull<Rdma>& d, PullTable& tab, int 
 // A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, lane 0
 // loads them, token by token and segment by segment.
 template <typename Rdma>
-__device__ void pull_load(const CombinePull<Rdma>& d, int pipeline, const Ring& ring, int lane) {
+__device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int lane) {
   PullTable& tab = d.sh.tables[pipeline];
   PartItem* items = d.sh.items[pipeline];
   uint8_t* data = d.stage_data(pipeline);
   const Hierarchy<Rdma>& h = d.h;
   PipeState produced;
-  SourceSideChunks<CombinePull<Rdma>> work(d);
+  SourceSideChunks<DirectCombine<Rdma>> work(d);
   bool ok = true, forwarded;
   int n, c;
   for (int i = 0; ok && work.next(forwarded, n, c); ++i) {
@@ -312,7 +313,7 @@ __device__ void pull_load(const CombinePull<Rdma>& d, int pipeline, const Ring& 
 // row each warp fences its stores and hands the chunk to the put warp (one of the put ring's
 // kGroupWarps arrivals).
 template <typename Rdma, typename Elem, typename Wire>
-__device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
+__device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
   const Hierarchy<Rdma>& h = d.h;
   const PartItem* items = d.sh.items[pipeline];
@@ -366,10 +367,10 @@ __device__ void pull_reduce(const CombinePull<Rdma>& d, int pipeline, const Ring
 // chunk's tokens for this node), put to the same slot of the source on the other node with the
 // chunk's signal (also for no rows). The block's units alternate between the pipelines.
 template <typename Rdma>
-__device__ void forward_put(const CombinePull<Rdma>& d, int lane) {
+__device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const uint64_t row_b = static_cast<uint64_t>(d.C) * d.wire_bytes;
-  SourceSideChunks<CombinePull<Rdma>> work(d);
+  SourceSideChunks<DirectCombine<Rdma>> work(d);
   PipeState p[kPipelines];
   bool forwarded;
   int n, c;
@@ -390,12 +391,13 @@ __device__ void forward_put(const CombinePull<Rdma>& d, int lane) {
 }
 
 template <typename Rdma, typename Elem, typename Wire>
-__global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kDirectCombineThreads, 1)
+    combine_direct_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   PullShared& sh = dev::block_shared<PullShared>();
-  const CombinePull<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
-                            static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
+  const DirectCombine<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
+                              static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
   const RankArgs& a = d.a;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pipeline = warp / kPipelineWarps;
@@ -454,33 +456,34 @@ __global__ void __launch_bounds__(kPullThreads, 1) combine_pull_kernel(const __g
 }
 
 // Dynamic shared memory: each pipeline's stages, each a segment of expert_out or of the wire.
-__host__ __device__ inline size_t combine_pull_stage_bytes(const LaunchArgs& args) {
+__host__ __device__ inline size_t combine_direct_stage_bytes(const LaunchArgs& args) {
   return static_cast<size_t>(kPipelines) * args.src_stages * args.src_stage_bytes;
 }
 
 template <typename Rdma, typename Elem, typename Wire>
-LaunchStatus launch_combine_pull_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_pull_kernel<Rdma, Elem, Wire>, args.num_ranks * args.blocks_per_rank,
-                                 kPullThreads, combine_pull_stage_bytes(args), stream, args, "combine_pull");
+LaunchStatus launch_combine_direct_typed(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(combine_direct_kernel<Rdma, Elem, Wire>, args.num_ranks * args.num_sms,
+                                 kDirectCombineThreads, combine_direct_stage_bytes(args), stream, args,
+                                 "combine_direct");
 }
 
 template <typename Rdma>
-LaunchStatus launch_combine_pull_with(const LaunchArgs& args, uint64_t stream) {
+LaunchStatus launch_combine_direct_with(const LaunchArgs& args, uint64_t stream) {
   if (const char* bad = check_segment_cols(args)) return bad;
   // The node partials' dtype matters only with several nodes: one node instantiates the pair once.
   const bool fp32_wire = args.geo.num_nodes > 1 && args.wire_dtype == kFloat32;
   switch (args.dtype) {
-    case kFloat32: return launch_combine_pull_typed<Rdma, float, float>(args, stream);
+    case kFloat32: return launch_combine_direct_typed<Rdma, float, float>(args, stream);
     case kBFloat16:
-      return fp32_wire ? launch_combine_pull_typed<Rdma, __nv_bfloat16, float>(args, stream)
-                       : launch_combine_pull_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
+      return fp32_wire ? launch_combine_direct_typed<Rdma, __nv_bfloat16, float>(args, stream)
+                       : launch_combine_direct_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
     case kFloat16:
-      return fp32_wire ? launch_combine_pull_typed<Rdma, __half, float>(args, stream)
-                       : launch_combine_pull_typed<Rdma, __half, __half>(args, stream);
+      return fp32_wire ? launch_combine_direct_typed<Rdma, __half, float>(args, stream)
+                       : launch_combine_direct_typed<Rdma, __half, __half>(args, stream);
     default: return "combine: unsupported dtype code";
   }
 }
 
-}  // namespace combine_pull_impl
+}  // namespace combine_direct_impl
 
 }  // namespace hybrid_ep

@@ -1,3 +1,0 @@
-// The layout kernel compiled by the host compiler for the CPU model: the very source nvcc
-// compiles, with csrc/device/device.cuh choosing the model's device layer.
-#include "kernels/layout.cu"
