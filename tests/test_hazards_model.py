@@ -54,7 +54,8 @@ def test_the_combines_last_credits_land_before_the_next_call(seed):
         raise
     after = model.stats()
     assert after["remote_ops"] > before["remote_ops"]  # the transport's ops were queued
-    assert after["remote_carried"] > before["remote_carried"]  # some outlived their launch
+    # none outlived its launch: every kernel quiets what it sent (ring releases, done signals)
+    assert after["remote_carried"] == before["remote_carried"]
 
 
 def test_the_direct_dispatch_keeps_an_even_stage_count(monkeypatch):
