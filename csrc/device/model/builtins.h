@@ -183,7 +183,8 @@ inline unsigned __ballot_sync(unsigned mask, int predicate, const char* file = _
 
 // ---- atomics and fences: one OS thread runs every fiber, so any read-modify-write is
 // atomic here; they are the compiler's atomics so that the race check (happens_before.h)
-// sees them as such, acquire-release because the fences they pair with are not modelled.
+// sees them as such, acquire-release (the race check credits a fence only to the relaxed
+// polls before it: happens_before.h).
 
 // The timing model is told of each atomic (a write a poll may wait for) and fence (a cost).
 
