@@ -449,9 +449,7 @@ __global__ void __launch_bounds__(kDirectCombineThreads, 1)
     st->combine_epoch = d.epoch;  // every block of this rank has read the epoch: all reported done
     publish_done(d, d.geo.reg.done_combine);
     // The node partials the rail peers on other nodes put here are read: they may put the next.
-    for (int n = 0; multi && n < d.h.topo.N; ++n)
-      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_combine + 8 * d.h.node, d.epoch);
-    if (multi) d.h.rdma.quiet();  // delivered before the kernel ends: a late one would overwrite the next call's
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_combine, d.epoch);
   }
 }
 

@@ -78,9 +78,7 @@ __device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rd
   const Geometry& geo = view.geo;
   __threadfence_system();
   dev::st_release_sys(view.flag(view.rank, geo.reg.done_dispatch, 0), epoch);
-  for (int n = 0; h.multi() && n < h.topo.N; ++n)
-    if (n != h.node) h.rdma.signal(h.rail_peer(n), geo.rdma.done_dispatch + 8 * h.node, epoch);
-  if (h.multi()) h.rdma.quiet();  // delivered before the kernel ends (kernels/peer_ring.cuh's invariant)
+  h.signal_done_to_rail_peers(geo.rdma.done_dispatch, epoch);
 }
 
 // A call with a bad route moves no rows on any rank (each holds the same word in its info):

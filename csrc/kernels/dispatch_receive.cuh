@@ -878,9 +878,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(const __g
   if (tid == 0 && last_block(d, &d.view.state()->blocks_done_dispatch)) {
     publish_done(d, d.geo.reg.done_dispatch);
     // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
-    for (int n = 0; multi && n < d.h.topo.N; ++n)
-      if (n != d.h.node) d.h.rdma.signal(d.h.rail_peer(n), d.geo.rdma.done_dispatch + 8 * d.h.node, d.epoch);
-    if (multi) d.h.rdma.quiet();  // delivered before the kernel ends: a late one would overwrite the next call's
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_dispatch, d.epoch);
   }
 }
 

@@ -27,6 +27,15 @@ struct Hierarchy {
   __device__ bool multi() const { return topo.N > 1; }
   __device__ int first_local() const { return node * topo.G; }  // ranks of this node: first_local() + g
   __device__ int rail_peer(int n) const { return topo.rail_peer(rank, n); }
+  // This call's done flag (`done_off`: done_dispatch or done_combine of the RDMA region) to
+  // the rail peer on every other node, quieted before the kernel ends: a late one would land
+  // over the next call's (kernels/peer_ring.cuh's invariant). One thread.
+  __device__ void signal_done_to_rail_peers(uint64_t done_off, uint64_t epoch) const {
+    if (!multi()) return;
+    for (int n = 0; n < topo.N; ++n)
+      if (n != node) rdma.signal(rail_peer(n), done_off + 8 * node, epoch);
+    rdma.quiet();
+  }
   __device__ uint64_t* flag(uint64_t offset, int64_t index) const {
     return reinterpret_cast<uint64_t*>(rdma.local(offset)) + index;
   }
