@@ -67,5 +67,11 @@ void make_context(Context& ctx, const FiberStack& stack, void (*entry)(void*), v
 // Saves the running context into `from` and resumes `to`.
 void switch_context(Context& from, Context& to);
 void free_context(Context& ctx);
+// A fault handler's siglongjmp out of a fiber into `to` leaves the fiber for good: called
+// before the jump and, on `to`'s stack, after it lands, they tell AddressSanitizer of that
+// switch too (no-ops without it). Untold, it keeps the fiber's stack bounds for `to`'s stack,
+// and its next noreturn call (a throw) finds the stack it unpoisons gigabytes long.
+void before_jump_out_of_fiber(const Context& to);
+void after_jump_out_of_fiber();
 
 }  // namespace hybrid_ep::model

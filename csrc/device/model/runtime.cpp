@@ -156,7 +156,8 @@ struct Launch {
   int held = 0;                            // threads held there now
   bool payload = true;                     // set_payload when the launch began: bulk copies move their bytes
   std::vector<std::unique_ptr<timing::Timer>> timers;  // with timing on: the clocks per cost table (timing.h)
-  sigjmp_buf jump;
+  sigjmp_buf jump;                                     // on_fault jumps back into the scheduler
+  bool jumped_from_fiber = false;                      // ... from a fiber's stack (fiber.h, before_jump_out_of_fiber)
 };
 
 thread_local Launch* g_launch = nullptr;
@@ -775,6 +776,8 @@ void on_fault(int sig, siginfo_t* info, void*) {
       what = "stack overflow of the thread's fiber (" + std::to_string(kStackBytes) + " bytes)";
   }
   if (L->error.empty()) L->error = where(*L, L->current) + what;
+  L->jumped_from_fiber = L->current != nullptr;
+  if (L->jumped_from_fiber) before_jump_out_of_fiber(L->scheduler);
   siglongjmp(L->jump, 1);
 }
 
@@ -1354,6 +1357,8 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   if (sigsetjmp(L->jump, 1) == 0) {
     L->running = true;
     schedule(*L);
+  } else if (L->jumped_from_fiber) {
+    after_jump_out_of_fiber();
   }
   L->running = false;
   carry_remote(*L);
