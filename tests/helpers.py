@@ -58,3 +58,20 @@ def static_reference_round_trip(window):
     with window():
         res, y = round_trip()
     return buf.backend, res.tokens.shape[0], int(res.handle.num_dropped), torch.equal(y, 2 * x)
+
+
+def assert_migration_kept_output(before, after, bf16: bool) -> None:
+    """A layer's output just before and after a balancer migration (the same input): equal
+    up to rounding. Not bit for bit: a migration changes how many rows an expert's batch
+    has and where a token's row sits in it, so fp32 sums come out in another order (1e-6),
+    and in bf16 an expert's output moves by one ulp now and then (PyTorch's CPU elementwise
+    kernels compute an element in the vectorised body of the loop or in its scalar tail,
+    whose GELU can differ in the last bit; GPU GEMMs tile by the batch likewise). A wrong or
+    stale weight or optimizer state moves outputs by far more than these bounds."""
+    import torch
+
+    if bf16:
+        ulp = 2.0**-7  # bf16's 8 significant bits: an ulp is at most 2**-7 of the value
+        torch.testing.assert_close(after, before, rtol=ulp, atol=ulp * float(before.abs().max()))
+    else:
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
