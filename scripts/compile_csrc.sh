@@ -16,6 +16,13 @@
 # The files compile in parallel, HYBRID_EP_COMPILE_JOBS at a time (default: the number of CPUs),
 # and each file's lines are printed in the sources' order once all have finished.
 #
+# A check that passed leaves a stamp named by a digest of everything it read (every file under
+# csrc/, these scripts, the compiler's version, the archs, the host includes, NVSHMEM's source)
+# in HYBRID_EP_COMPILE_CACHE (default ~/.cache/hybrid-ep/compile-check, kept by CI as it keeps
+# the virtualenv); a run that finds its stamp compiles nothing and says so. The full check takes
+# about 6 minutes (9 CPU-minutes) on 2 cores, so a CI run without a change under csrc/ skips it.
+# HYBRID_EP_COMPILE_CACHE=off always compiles.
+#
 # The NVSHMEM transport's sources (file names containing "nvshmem") are compiled with
 # relocatable device code against NVSHMEM as setup.py finds it (scripts/find_nvshmem.py: the
 # nvidia-nvshmem wheel or NVSHMEM_HOME), and the transport's self-test with the host bootstrap
@@ -146,6 +153,23 @@ fi
 
 todo=("${sources[@]}" $microbench)
 if [ "${#todo[@]}" -eq 0 ]; then echo "compile_csrc: no CUDA sources under csrc/, nothing to compile"; exit 0; fi
+cache=${HYBRID_EP_COMPILE_CACHE:-$HOME/.cache/hybrid-ep/compile-check}
+stamp=""
+if [ "$cache" != off ]; then
+    stamp="$cache/$( {
+        echo "$archs|$host_includes|$NVSHMEM_FOUND|${NVSHMEM_SOURCE:-}|${NVSHMEM_INCLUDE:-}|${NVSHMEM_LIB:-}"
+        "$nvcc" --version
+        cd "$repo"
+        for f in scripts/compile_csrc.sh scripts/build_microbench.sh scripts/build_racecheck_probe.sh \
+            scripts/find_nvshmem.py; do [ ! -f "$f" ] || sha256sum "$f"; done
+        find csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
+    } | sha256sum | cut -c1-20)"
+    if [ -f "$stamp" ]; then
+        echo "compile_csrc: nothing changed since the check that passed on $(head -1 "$stamp") (stamp $stamp;" \
+            "HYBRID_EP_COMPILE_CACHE=off compiles anyway)"
+        exit 0
+    fi
+fi
 # Each file in a background job of its own ($jobs at once), its lines and status kept in $out.
 for i in "${!todo[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
@@ -167,3 +191,7 @@ fi
 if [ "$NVSHMEM_FOUND" = 1 ]; then nvshmem_link "$out"; fi
 echo "compile_csrc: $compiled file(s) compiled with $("$nvcc" --version | tail -1), $jobs at a time;" \
     "the planner's and the CPU model's sources are built by setup.py"
+if [ -n "$stamp" ]; then
+    mkdir -p "$cache" && { date -u +%Y-%m-%dT%H:%M:%SZ; echo "$compiled file(s), archs $archs"; } > "$stamp.tmp.$$" \
+        && mv "$stamp.tmp.$$" "$stamp"
+fi

@@ -39,7 +39,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 def _compile(root: Path, jobs: int) -> subprocess.CompletedProcess:
     # sm_90a alone, and no NVSHMEM: the files here need neither the second arch nor the transport
     env = {**os.environ, "PYTHON": sys.executable, "HYBRID_EP_CUDA_ARCHS": "90a", "HYBRID_EP_COMPILE_JOBS": str(jobs),
-           "NVSHMEM_HOME": str(root / "no-nvshmem")}
+           "NVSHMEM_HOME": str(root / "no-nvshmem"), "HYBRID_EP_COMPILE_CACHE": str(root / "stamps")}
     return subprocess.run(["bash", str(root / "scripts" / "compile_csrc.sh")], env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -71,6 +71,25 @@ def test_clean_files_compile_several_at_once_and_are_counted(tmp_path):
     assert lines == ["compile_csrc: csrc/kernels/k0.cu (sm 90a)", "compile_csrc: csrc/kernels/k1.cu (sm 90a)",
                      "compile_csrc: csrc/kernels/k2.cu (sm 90a)", "compile_csrc: csrc/transport/host.cpp"]
     assert "compile_csrc: 4 file(s) compiled with " in run.stdout and ", 2 at a time;" in run.stdout
+
+
+@needs_nvcc
+def test_a_passed_check_is_not_repeated_until_a_source_changes(tmp_path):
+    """The stamp of a check that passed: the same tree again compiles nothing and says so; a
+    changed source compiles everything again; a failed check leaves no stamp."""
+    root = _tree(tmp_path, {"csrc/kernels/k0.cu": GOOD_CU})
+    first, again = _compile(root, jobs=1), _compile(root, jobs=1)
+    assert first.returncode == again.returncode == 0, first.stdout + first.stderr + again.stderr
+    assert "compile_csrc: 1 file(s) compiled with " in first.stdout
+    assert "compile_csrc: nothing changed since the check that passed" in again.stdout
+    assert "file(s) compiled with" not in again.stdout
+    (root / "csrc/kernels/k0.cu").write_text(GOOD_CU + "// changed\n")
+    changed = _compile(root, jobs=1)
+    assert "compile_csrc: 1 file(s) compiled with " in changed.stdout, changed.stdout + changed.stderr
+    (root / "csrc/kernels/k1.cu").write_text(BAD_CU)
+    failed, still = _compile(root, jobs=1), _compile(root, jobs=1)
+    assert failed.returncode == still.returncode == 1
+    assert "nothing changed" not in still.stdout and "failed to compile: csrc/kernels/k1.cu" in still.stderr
 
 
 def test_a_bad_job_count_is_refused(tmp_path):
