@@ -232,8 +232,7 @@ struct Dispatch : KernelCall {
     for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {
       if (!slot_item(su, i)) continue;
       const int reader = i < G ? h.first_local() + i : h.rail_peer(i - G);
-      ok = slot_ring(i).wait_free(args, slot_credit(su, i), epoch, su.chunk, a.rank, reader,
-                                  reader == a.rank ? 2 : 1);  // its own ring: its own progress
+      ok = slot_ring(i).wait_free(args, slot_credit(su, i), epoch, su.chunk, a.rank, reader);
     }
     __syncwarp();  // every lane's acquire, before any lane's writes into the slots
     return __ballot_sync(0xffffffffu, !ok) == 0u;

@@ -87,10 +87,14 @@ struct PeerRing {
     return c < slots || dev::ld_relaxed_sys(credit) >= freed(call, c);
   }
   // The writer: until this reader's credit frees chunk c's slot (bounded; names the reader in a
-  // timeout record). `bounds` 2 where this rank reads its own ring. No fence: a writer that
-  // waits for several readers fences once after them (acquired()).
+  // timeout record). Where this rank reads its own ring (its rail peer on its own node is
+  // itself), the wait has twice the bound: the credit follows the rank's own progress, so the
+  // wait that stalls that progress on another rank times out first and names the rank that is
+  // missing. No fence: a writer that waits for several readers fences once after them
+  // (acquired()).
   __device__ bool wait_free(const LaunchArgs& args, const uint64_t* credit, uint64_t call, int64_t c, int rank,
-                            int reader, uint32_t bounds = 1) const {
+                            int reader) const {
+    const uint32_t bounds = reader == rank ? 2 : 1;
     return c < slots || wait_at_least(args, credit, freed(call, c), phase, rank, reader, call, bounds);
   }
   // The writer, once every reader's credit was waited for: the readers' loads, before this
