@@ -2,12 +2,21 @@
 # The test command (README, CI): environment, lint of the whole tree (scripts/lint.sh --all), nvcc
 # compile check of csrc/, then pytest with the 25 slowest tests listed at the end.
 # Extra arguments go to pytest (e.g. -m unit: CONTRIBUTING.md lists the tiers).
+# Without a -m of its own, pytest runs the CI tier, -m "not slow": every test but those that
+# run for tens of seconds each (training loops, sanitized builds, long searches), which CI's 15
+# minutes on 2 cores do not hold. --full (first argument) runs them too: before landing a change
+# under csrc/ or the balancer, and before a GPU lease (CONTRIBUTING.md).
 # pytest runs on HYBRID_EP_TEST_WORKERS processes (pytest-xdist; default: the CPUs, at most 4,
 # since each worker starts process-group pools of its own; 1 where a GPU is visible, as the GPU
 # tests share the devices); 1 runs the tests in the one pytest process.
 # "No tests collected" (pytest exit 5) is a failure.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tier=(-m "not slow") tier_name="the CI tier (-m 'not slow'; --full runs every test)"
+if [ "${1:-}" = --full ]; then shift; tier=() tier_name="the full suite"; fi
+for arg in "$@"; do
+    case "$arg" in -m | -m*) tier=() tier_name="the tests of the -m given" ;; esac
+done
 if nvidia-smi -L >/dev/null 2>&1; then default_workers=1; else default_workers=$(nproc 2>/dev/null || echo 1); fi
 workers=${HYBRID_EP_TEST_WORKERS:-$default_workers}
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
@@ -29,8 +38,9 @@ xdist=()
 # loadgroup: the tests that share a file's fixtures or pools run on one worker (tests/conftest.py
 # marks them, and puts the slow ones first, an order --no-loadscope-reorder keeps)
 if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder); fi
+echo "test.sh: $tier_name" >&2
 set +e
-"$py" -m pytest --timeout=600 --durations=25 "${xdist[@]}" "$@"
+"$py" -m pytest --timeout=600 --durations=25 "${xdist[@]}" "${tier[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests; that is a failure" >&2; exit 1; fi

@@ -205,7 +205,7 @@ _CASES = [(16, 2, 288), (64, 8, 320), (32, 4, 256), (128, 16, 384)]
 
 
 @pytest.mark.parametrize("pattern", ["zipf-0.6", "zipf-1.0", "zipf-1.4", "lognormal-2.0", "two-hot", "hot-block",
-                                     "topk-zipf-1.0"])
+                                     pytest.param("topk-zipf-1.0", marks=pytest.mark.slow)])  # slow: the full tier
 def test_never_worse_than_eplb_or_greedy(pattern):
     for W, N, S in _CASES:
         load = sample_load(pattern, 2, 256, 8, 2048 * W, seed=W).numpy()
@@ -444,6 +444,7 @@ def _benchmark_refit(pattern, seed, W, S):
     return prev, new_load, fresh, allowed, kept
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a long search
 def test_restarts_reach_where_the_most_loaded_first_refit_is_stuck():
     # the quality benchmark's topk-zipf-1.2 case at W 64, S 320: in layer 0 the search that
     # always fixes the most loaded rank stops short of the allowed peak (35 slots changed) and
@@ -502,6 +503,7 @@ def test_sparing_cover_finds_an_exchange_where_the_greedy_cover_falls_short():
     _assert_one_slot_exchange(prev, kept, [0], W, S)
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a long search
 def test_count_shift_then_exchange_reaches_the_move_target_where_counts_kept_do_not():
     # the quality benchmark's topk-zipf-1.2 case at W 64, S 320: the refit changes 31 + 54
     # slots (13.3%), copy counts kept. One copy moved from a cool replicated expert to a hot
@@ -802,6 +804,7 @@ def test_refit_bound_with_copy_counts_kept():
     assert refit_lower_bound(load, prev, 6, 4.0, keep_counts=True).tolist() == [5]
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): an exact search
 def test_refit_bound_is_below_the_exact_fewest_changes_and_the_planner_meets_it():
     # tiny layouts solved by enumerating every placement: bound <= exact <= planner's moves, and
     # without spare slots (where the bound counts ranks that must change) the planner is exact

@@ -435,7 +435,7 @@ def _overlapping(extents) -> list:
     return [(a, b) for a, b in zip(extents, extents[1:]) if a.x1 > b.x0 + 0.5]
 
 
-@pytest.mark.parametrize("W", [4, 16, 64, 256])
+@pytest.mark.parametrize("W", [4, 16, 64, pytest.param(256, marks=pytest.mark.slow)])  # slow: the full tier
 def test_per_rank_plot_stays_readable_for_many_ranks_and_runs(figures, W):
     """At W >= 16 the rank labels overlapped, and with several runs the legend covered rank 0's bars."""
     runs = [("reference", None), ("cuda", 8), ("cuda", 16), ("cuda", 32)]

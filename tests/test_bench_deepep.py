@@ -71,7 +71,7 @@ def test_deep_ep_on_the_cpu_says_it_needs_cuda(monkeypatch):
     assert deepep.unavailable_reason("cuda") in (None, "no CUDA device is visible")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp8", marks=pytest.mark.slow)])  # slow: the full tier
 def test_its_bytes_are_hybrid_eps_bytes_for_the_same_routing(tmp_path, capsys, dtype):
     out = tmp_path / "run"
     flags = ["-w", "4", "--experts", "8", "--dtype", dtype, "--backends", "reference", "--out", str(out)]

@@ -40,6 +40,7 @@ def cpu_sweep(monkeypatch):
     return emulated._sweep_one_world
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a timed host loop
 def test_host_loop_times_the_direct_path(cpu_sweep, capsys, caplog):
     W, H, T, E, K = 2, 256, 64, 16, 8
     args = types.SimpleNamespace(routing="uniform", seed=0, zipf_exponent=1.0, group_limit=None)

@@ -36,10 +36,10 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def _compile(root: Path, jobs: int) -> subprocess.CompletedProcess:
+def _compile(root: Path, jobs: int, **extra: str) -> subprocess.CompletedProcess:
     # sm_90a alone, and no NVSHMEM: the files here need neither the second arch nor the transport
     env = {**os.environ, "PYTHON": sys.executable, "HYBRID_EP_CUDA_ARCHS": "90a", "HYBRID_EP_COMPILE_JOBS": str(jobs),
-           "NVSHMEM_HOME": str(root / "no-nvshmem"), "HYBRID_EP_COMPILE_CACHE": str(root / "stamps")}
+           "NVSHMEM_HOME": str(root / "no-nvshmem"), "HYBRID_EP_COMPILE_CACHE": str(root / "stamps"), **extra}
     return subprocess.run(["bash", str(root / "scripts" / "compile_csrc.sh")], env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -73,21 +73,35 @@ def test_clean_files_compile_several_at_once_and_are_counted(tmp_path):
     assert "compile_csrc: 4 file(s) compiled with " in run.stdout and ", 2 at a time;" in run.stdout
 
 
-@needs_nvcc
+# A compiler that fails on a source naming `missing_name`, else writes the object: the stamp's
+# rules need no real compile.
+STUB_NVCC = """#!/usr/bin/env bash
+[ "$1" = --version ] && { echo "stub nvcc 1.0"; exit 0; }
+src="" obj=""
+while [ $# -gt 0 ]; do case "$1" in -c) src=$2; shift;; -o) obj=$2; shift;; esac; shift; done
+if grep -q missing_name "$src"; then echo "$src: missing_name undeclared"; exit 1; fi
+touch "$obj"
+"""
+
+
 def test_a_passed_check_is_not_repeated_until_a_source_changes(tmp_path):
     """The stamp of a check that passed: the same tree again compiles nothing and says so; a
     changed source compiles everything again; a failed check leaves no stamp."""
-    root = _tree(tmp_path, {"csrc/kernels/k0.cu": GOOD_CU})
-    first, again = _compile(root, jobs=1), _compile(root, jobs=1)
+    root = _tree(tmp_path / "tree", {"csrc/kernels/k0.cu": GOOD_CU})
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(STUB_NVCC)
+    nvcc.chmod(0o755)
+    stub = {"NVCC": str(nvcc), "PYTHON": "false"}  # no Python: no host includes, no NVSHMEM lookup
+    first, again = _compile(root, 1, **stub), _compile(root, 1, **stub)
     assert first.returncode == again.returncode == 0, first.stdout + first.stderr + again.stderr
-    assert "compile_csrc: 1 file(s) compiled with " in first.stdout
+    assert "compile_csrc: 1 file(s) compiled with stub nvcc 1.0" in first.stdout
     assert "compile_csrc: nothing changed since the check that passed" in again.stdout
     assert "file(s) compiled with" not in again.stdout
     (root / "csrc/kernels/k0.cu").write_text(GOOD_CU + "// changed\n")
-    changed = _compile(root, jobs=1)
+    changed = _compile(root, 1, **stub)
     assert "compile_csrc: 1 file(s) compiled with " in changed.stdout, changed.stdout + changed.stderr
     (root / "csrc/kernels/k1.cu").write_text(BAD_CU)
-    failed, still = _compile(root, jobs=1), _compile(root, jobs=1)
+    failed, still = _compile(root, 1, **stub), _compile(root, 1, **stub)
     assert failed.returncode == still.returncode == 1
     assert "nothing changed" not in still.stdout and "failed to compile: csrc/kernels/k1.cu" in still.stderr
 

@@ -240,6 +240,7 @@ def test_a_carried_build_that_fits_is_used_and_not_built(machine):
     assert "not rebuilt" in proc.stdout and "setup.py build_ext" not in calls
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): builds twice
 def test_a_carried_build_of_other_sources_or_archs_is_not_used(machine):
     repo, results, run = machine
     _carry(repo)
@@ -317,6 +318,7 @@ def test_several_stages_in_one_command_build_once_and_record_the_commit(machine)
     assert proc.returncode == 2 and "only the sanitize stage takes further arguments" in proc.stderr
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
 def test_a_hung_stage_is_killed_inside_the_budget_and_later_stages_are_skipped(machine):
     _, results, run = machine
     start = time.monotonic()
@@ -542,6 +544,7 @@ def test_soak_stage_runs_both_paths_and_two_nodes_within_the_budget(machine):
     assert proc.returncode == 1 and "FAILED: call 700" in proc.stdout
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): an nvcc build
 def test_micro_stage_builds_and_runs_the_microbenchmarks_without_the_extension(machine):
     repo, results, run = machine
     proc, calls = run("micro", str(results), GPU_CHECK_COMMIT="abc1234")
@@ -670,6 +673,7 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
     assert not any(v.startswith("FAILED") for v in others)
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8, the
     DeepSeek-V3-like layer on both paths, DeepEP beside hybrid-ep, then the racecheck probe;
@@ -707,6 +711,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
         assert log in names, names
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
 def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
     """A test stage that hangs takes what is left; the parts after it are not run, and said so."""
     _, results, run = machine

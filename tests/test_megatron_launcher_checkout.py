@@ -77,6 +77,7 @@ def test_the_checkouts_megatron_runs_and_the_first_line_names_it(tmp_path):
                    "version": STAND_IN_VERSION, "patched": True}
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a second Megatron run
 def test_a_checkout_without_megatron_runs_the_installed_one_and_says_so(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron.core import package_info

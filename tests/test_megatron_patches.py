@@ -218,6 +218,7 @@ def test_apply_replaces_exactly_the_listed_functions():
     assert got["applied"] == dict.fromkeys(keys, True) | {"cpu_compat": False}
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): every Megatron CPU test runs the stand-ins
 def test_cpu_stand_ins_when_asked_through_the_environment():
     got = run_snapshot(HYBRID_EP_CPU_COMPAT="1")
     assert got["applied"]["cpu_compat"] is True

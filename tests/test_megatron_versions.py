@@ -44,6 +44,7 @@ def test_apply_refuses_an_older_imported_megatron(monkeypatch):
         megatron_patches.apply()
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): scripts/test.sh prints the line each run
 def test_ci_states_the_version_it_ran():
     pytest.importorskip("megatron.core")
     from megatron.core import package_info

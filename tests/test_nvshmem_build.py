@@ -111,6 +111,7 @@ def _setup_lines(env_extra: dict[str, str]) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): two setup.py runs
 def test_setup_prints_one_line_without_nvshmem_and_one_with_it(tmp_path):
     missing = tmp_path / "no_nvshmem"
     lines = [line for line in _setup_lines({"NVSHMEM_HOME": str(missing)}) if "NVSHMEM" in line]
@@ -122,6 +123,7 @@ def test_setup_prints_one_line_without_nvshmem_and_one_with_it(tmp_path):
 
 # ---- it compiles and links ------------------------------------------------------------------
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): compile_csrc.sh links it too
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.skipif(_wheel_version() is None, reason="no nvidia-nvshmem wheel matching torch's CUDA")
 def test_the_selftest_links_into_a_shared_object_against_the_wheel(tmp_path):

@@ -527,6 +527,7 @@ def _kernel_times(group, xs, idxs, seed: int, costs: dict) -> list[float]:
         model.set_timing(None)
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): every seed of a timed job
 def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_group):
     """Which phase, flag value, bulk group or earlier atomic ends each wait is the kernels'
     program order, not the schedule's; only an SM's copy engine places a copy among the ones
