@@ -30,7 +30,7 @@ from megatron_patches.local.layer import LayerCase  # noqa: E402
 from megatron_patches.testing.balancer_checkpoints import load_other_ep  # noqa: E402
 from megatron_patches.testing.balancer_runs import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # training runs behind every test: the full tier
 
 E, STEPS, INTERVAL = 8, 20, 5
 EP2 = LayerCase(world_size=2, num_experts=E, topk=2, hidden=16, ffn=12, seq=8, batch=4)
