@@ -344,6 +344,7 @@ def test_replan_before_the_first_reduction_plans_on_the_carry(single_rank_group)
     np.testing.assert_array_equal(planned[1], [[40, 1, 1, 1]])
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a training run resumed
 def test_resumed_run_keeps_the_whole_run_history(single_rank_group, tmp_path):
     """A checkpoint carries the statistics window, not the history: a run resumed into the same
     report dir keeps the earlier run's reductions before its own first one in statistics.npz

@@ -494,6 +494,7 @@ def test_cli_previous_shape_mismatch(tmp_path, capsys):
     assert rc == 2 and "--previous" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): the report's CLI in a child process
 def test_module_entry_point(tmp_path):
     stats, _ = _stats(tmp_path, intervals=2)
     out = str(tmp_path / "p.yaml")

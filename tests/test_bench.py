@@ -270,6 +270,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): four launcher processes
 def test_srun_style_ranks_all_exit_on_a_bad_out(tmp_path):
     """Two ranks started as srun starts them, with an --out that is a file: both exit 2 (no rank
     is left waiting in init_process_group for a rank that refused the flags)."""

@@ -48,7 +48,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not f
 
 
 @needs_nvcc
-@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("jobs", [pytest.param(1, marks=pytest.mark.slow), 2])  # slow: the full tier
 def test_a_compile_error_in_any_file_fails_the_run_and_names_it(tmp_path, jobs):
     """A kernel (.cu) with an undeclared name and a host file (.cpp) with a syntax error, beside
     a file that compiles: the run fails and names both, and the good file still compiles."""

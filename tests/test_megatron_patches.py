@@ -208,6 +208,7 @@ def run_snapshot(**env) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow  # the full tier (scripts/test.sh --full): a Megatron snapshot in a child process
 def test_apply_replaces_exactly_the_listed_functions():
     """On a machine without a GPU and without asking for the CPU stand-ins: apply() replaces the
     functions PATCHES marks `apply()`, and nothing else (no parser function among them)."""
