@@ -1,4 +1,5 @@
-"""The native modules' tests on sanitized builds (scripts/sanitize.py), a subset sized for CI.
+"""The native modules' tests on sanitized builds (scripts/sanitize.py), subsets sized for
+the full tier (scripts/test.sh --full: every test here is slow).
 
 A read past a table seldom crashes: in the planner it picks a wrong slot and the balancer
 migrates experts to a placement nobody planned; in the kernels' CPU model it is an index that
