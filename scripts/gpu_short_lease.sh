@@ -23,8 +23,9 @@
 # ends SHORT_LEASE_END_S, default 240, seconds after it starts): the extension again (the
 # carried build), then what the first could not fit, by value: dispatch + combine across NVSHMEM
 # processes against the oracle (gpu_check.sh nvshmem-ep), the NVSHMEM transport's self-test with
-# its 0-byte put-with-signal case (nvshmem), the soak (soak: both paths at W=8 and 2 nodes of 4,
-# what is left shared among them), and ncu's request counts by kind (ncu-l1tex) if time is left.
+# its 0-byte put-with-signal case (nvshmem), the direct dispatch's store plans side by side
+# (store-sweep), ncu's request counts by kind (ncu-l1tex), and the soak (soak: both paths at W=8
+# and 2 nodes of 4, what is left shared among them) if time is left.
 # Its logs go to OUT/logs_second_call.tgz beside OUT/summary.txt.
 #
 # Budgets (seconds) per part, and what each took or is expected to take (docs/benchmarks/cuda.md,
@@ -33,8 +34,8 @@
 # measured), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_PROCESSES_S
 # (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60); the second call's:
-# SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (60), SHORT_LEASE_SOAK_S (120),
-# SHORT_LEASE_L1TEX_S (90).
+# SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (60), SHORT_LEASE_STORE_SWEEP_S
+# (90), SHORT_LEASE_L1TEX_S (90), SHORT_LEASE_SOAK_S (120).
 set -u
 call=first
 if [ "${1:-}" = --second ]; then call=second; shift; fi
@@ -88,8 +89,9 @@ if [ "$call" = second ]; then
         "$r/build_stage.out")"
     stage "nvshmem-ep" "${SHORT_LEASE_NVSHMEM_EP_S:-60}" nvshmem-ep
     stage nvshmem "${SHORT_LEASE_NVSHMEM_S:-60}" nvshmem
-    stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
+    stage "store-sweep" "${SHORT_LEASE_STORE_SWEEP_S:-90}" store-sweep
     stage "ncu-l1tex" "${SHORT_LEASE_L1TEX_S:-90}" ncu-l1tex
+    stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
     exit 0
 fi
 note "extension build in the background, microbenchmarks in front"

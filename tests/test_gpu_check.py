@@ -727,8 +727,8 @@ def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
 
 
 def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive(machine):
-    """gpu_short_lease.sh --second: the NVSHMEM cases, the NVSHMEM self-test, the soak, then ncu's
-    request counts, each bounded by what is left of its 240 s."""
+    """gpu_short_lease.sh --second: the NVSHMEM cases, the NVSHMEM self-test, the store plans'
+    sweep, ncu's request counts, then the soak, each bounded by what is left of its 240 s."""
     import tarfile
 
     _, results, run = machine
@@ -736,12 +736,13 @@ def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive
     proc, calls = run("--second", str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (results / "summary.txt").read_text()
-    order = ["build exit", "nvshmem-ep exit", "nvshmem exit", "soak exit", "ncu-l1tex exit"]
+    order = ["build exit", "nvshmem-ep exit", "nvshmem exit", "store-sweep exit", "ncu-l1tex exit", "soak exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "nvshmem-ep exit 0: " in summary and "12 of 12 cases" in summary
     assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
-    assert "-m hybrid_ep.bench" not in calls and "-m pytest" not in calls  # the first call's parts
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench.store_sweep --out" in line]) == 1
+    assert "-m hybrid_ep.bench --" not in calls and "-m pytest" not in calls  # the first call's parts
     with tarfile.open(results / "logs_second_call.tgz") as packed:
         names = packed.getnames()
     assert "./soak/soak_direct_g8.log" in names and "./nvshmem-ep/nvshmem_cases.log" in names, names

@@ -106,7 +106,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
          "s2g_write_latency_ns": 1019.0, "engine_load_bytes_per_ns": 40.0, "engine_store_bytes_per_ns": 29.0,
-         "request_ns": 0.0,
+         "request_ns": 0.0, "store_copy_ns": 0.0,
          "pair_instruction_ns": 0.5, "smem_load_ns": 41.0, "gmem_load_ns": 613.0, "l2_load_ns": 257.0,
          "g2s_l2_latency_ns": 83.0, "sm_clock_ghz": 2.0, "access_instructions": 4.0, "cvt_pair_instructions": 6.0,
          "shift_pair_instructions": 10.0, "pack_pair_instructions": 14.0, "count_tile_instructions": 101.0,
@@ -131,10 +131,11 @@ def timed_selftest(name: str, blocks: int, n: int, nbytes: int, costs: dict = CO
 
 def engine_stream(starts: list[float], nbytes: int, c: dict, rate: str = "engine_load_bytes_per_ns") -> list[float]:
     """When each copy's last byte leaves the engine: copies issued at `starts`, one engine, each
-    at the engine's `rate` (loads' or stores')."""
+    at the engine's `rate` (loads' or stores'; a store also takes its fixed store_copy_ns)."""
+    fixed = c["store_copy_ns"] if rate == "engine_store_bytes_per_ns" else 0.0
     done, free = [], 0.0
     for s in starts:
-        free = max(s, free) + nbytes / c[rate]
+        free = max(s, free) + fixed + nbytes / c[rate]
         done.append(free)
     return done
 
@@ -250,14 +251,17 @@ def test_the_engine_calendar_keeps_a_piece_placed_where_a_zero_length_one_starts
     assert model.calendar_fit([(5.0, 5.0)], 0.0, 8.0) == (8.0, [(0.0, 5.0), (5.0, 8.0)])
 
 
-def test_bulk_store_groups_are_read_then_written():
-    c, n, nbytes = COSTS, 5, 2048
+@pytest.mark.parametrize("store_copy_ns", [0.0, 150.0])
+def test_bulk_store_groups_are_read_then_written(store_copy_ns):
+    """Five stores in a stream: each through the engine at its rate, after its fixed time (the
+    per-store reading of docs/dev/request_path.md), then read, then written."""
+    c, n, nbytes = {**COSTS, "store_copy_ns": store_copy_ns}, 5, 2048
     starts = [c["barrier_ns"] + i * (c["issue_ns"] + c["commit_ns"]) + c["issue_ns"] for i in range(n)]
     through = engine_stream(starts, nbytes, c, "engine_store_bytes_per_ns")[-1]  # a store's rate, not a load's
     t = c["barrier_ns"] + n * (c["issue_ns"] + c["commit_ns"])
     t = max(t + c["wait_group_ns"], through + c["s2g_read_latency_ns"])
     t = max(t + c["wait_group_ns"], through + c["s2g_read_latency_ns"] + c["s2g_write_latency_ns"])
-    r = timed_selftest("store_stream", 1, n, nbytes)
+    r = timed_selftest("store_stream", 1, n, nbytes, costs=c)
     assert r["time_ns"] == pytest.approx(t + c["launch_ns"], rel=1e-12)
 
 

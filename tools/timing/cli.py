@@ -38,7 +38,7 @@ def _predict(args) -> int:
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.metadata import metadata
 
-    from . import constants, report
+    from . import constants, readings, report
 
     problem = output_problem(args.out, folder=True)
     if problem:
@@ -61,12 +61,17 @@ def _predict(args) -> int:
     constants.check_against_model(table, model)
     started = time.monotonic()
     # the driver's emulated group reads the variable (it runs older commits' kernels too)
-    with mock.patch.dict(os.environ, {launch.DATA_PATH_ENV: path}):
-        rows = _predicted_rows(args, table, path, nodes, worlds, experts)
+    tables = {"table": table} | {name: table.with_values(**values)
+                                 for name, values in (readings.READINGS.items() if args.readings else ())}
+    env = {launch.DATA_PATH_ENV: path} | ({launch.STORE_PLAN_ENV: args.store_plan} if args.store_plan else {})
+    with mock.patch.dict(os.environ, env):
+        rows = _predicted_rows(args, tables, path, nodes, worlds, experts)
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
+              "store_plan": args.store_plan or launch.DEFAULT_STORE_PLAN,
+              "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": _checkout_commit()}
     doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
@@ -111,9 +116,10 @@ def _row_bytes(hidden: int, dtype: str) -> int:
     return 2 * hidden if dtype == "bf16" else hidden + hidden // 128 * 4
 
 
-def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
+def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
     """One row per world size and SMs per rank: the model's runs at the smaller token counts,
-    read off at the bench's."""
+    read off at the bench's, with the first of `tables` ({name: Table}); each other table's
+    prediction of the same runs goes into the row's "readings"."""
     from hybrid_ep.config import BufferConfig
     from hybrid_ep.synthetic import iter_rank_routings
     from hybrid_ep.traffic.model import count_tables
@@ -124,7 +130,7 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
     for W in worlds:
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
         shape = predict.Shape.from_args(args, W, nodes, experts)
-        ns = predict.predict(driver.run_job, shape, args.sms, [table.costs()], model_tokens,
+        ns = predict.predict(driver.run_job, shape, args.sms, [t.costs() for t in tables.values()], model_tokens,
                              payload=not args.payload_free)
         idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
         cfg = BufferConfig(hidden_dim=args.hidden, max_tokens_per_rank=args.tokens, num_experts=experts,
@@ -132,9 +138,16 @@ def _predicted_rows(args, table, path: str, nodes: int, worlds: list[int], exper
         recv = int(count_tables(idxs, cfg)[0].sum())
         out_rows = int(sum(int((i >= 0).sum()) for i in idxs))
         for sms in args.sms:
-            row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][0] / 1e6, ns[(sms, "combine")][0] / 1e6,
-                                       recv, out_rows, _row_bytes(args.hidden, args.dtype), 2 * args.hidden)
-            row["kernels_ms"] = report.kernels_ms(ns, sms)
+            def row_of(i: int, sms=sms) -> dict:
+                row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][i] / 1e6,
+                                           ns[(sms, "combine")][i] / 1e6, recv, out_rows,
+                                           _row_bytes(args.hidden, args.dtype), 2 * args.hidden)
+                row["kernels_ms"] = report.kernels_ms(ns, sms, table=i)
+                return row
+
+            row = row_of(0)
+            if len(tables) > 1:
+                row["readings"] = {name: row_of(i) for i, name in enumerate(tables) if i > 0}
             row["model_tokens"] = list(model_tokens)
             row["data_path"] = path
             rows.append(row)
@@ -173,6 +186,8 @@ def _validate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybrid_ep.backends.cuda import launch
+
     from . import constants, predict
 
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -193,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
                     help="the kernels' data path (default: the bench's, direct)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
+    pr.add_argument("--store-plan", choices=sorted(launch.STORE_PLANS), default=None,
+                    help="the direct dispatch's store plan, as HYBRID_EP_DIRECT_STORES picks it for the bench "
+                         f"(default {launch.DEFAULT_STORE_PLAN})")
+    pr.add_argument("--readings", action="store_true",
+                    help="also predict under each reading of the store cost (tools/timing/readings.py), from the "
+                         "same runs of the model")
     pr.add_argument("--out", required=True, help="folder for predicted.json")
     va = sub.add_parser("validate", help="predicted / measured per point, the worst last")
     va.add_argument("predicted", help="predicted.json of the predict command")

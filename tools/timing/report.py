@@ -22,7 +22,9 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "data_path": "the kernels' data path: direct (rows straight to their final row) or receive",
          "model_tokens": "tokens per rank the CPU model ran at (the prediction is on the line through them)",
-         "constants": "the timing table the prediction used: value, unit, source per constant"}
+         "constants": "the timing table the prediction used: value, unit, source per constant",
+         "readings": "per reading of the store cost (tools/timing/readings.py: its values in place of the "
+                     "table's), the same fields predicted from the same runs of the model"}
 
 
 def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: float, recv_rows: int,
@@ -35,14 +37,14 @@ def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: 
     return row
 
 
-def kernels_ms(ns: dict, sms: int) -> dict:
-    """{call: {kernel: predicted ms}} of a point from predict's per-kernel times (table 0),
-    with the GPU's kernel names (the model's launch name + "_kernel", as the bench's
-    kernels_ms has them)."""
+def kernels_ms(ns: dict, sms: int, table: int = 0) -> dict:
+    """{call: {kernel: predicted ms}} of a point from predict's per-kernel times (of the
+    `table`-th cost table), with the GPU's kernel names (the model's launch name + "_kernel",
+    as the bench's kernels_ms has them)."""
     out: dict[str, dict[str, float]] = {}
     for key, values in ns.items():
         if len(key) == 3 and key[0] == sms:
-            out.setdefault(key[1], {})[f"{key[2]}_kernel"] = values[0] / 1e6
+            out.setdefault(key[1], {})[f"{key[2]}_kernel"] = values[table] / 1e6
     return {call: dict(sorted(kernels.items())) for call, kernels in sorted(out.items())}
 
 
@@ -58,7 +60,8 @@ def format_predicted(doc: dict) -> str:
              f"{', '.join(map(str, c['world_sizes']))} virtual ranks{where} on one {c['device_modelled']} | "
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
              f" | {c.get('data_path', RECEIVE)} path"
-             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
+             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
+             + ("" if c.get("store_plan") is None else f" | store plan {c['store_plan']}"),
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
              f"{'GB/s/SM':>8}"]
     for r in doc["runs"]:
@@ -67,6 +70,10 @@ def format_predicted(doc: dict) -> str:
                      + (f"{count:>9.3f} " if count is not None else f"{'-':>9} ")
                      + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
                      f"{r['combine_dest_gbps_per_sm']:>8.1f}")
+        for name, alt in r.get("readings", {}).items():  # the same runs under a reading of the store cost
+            lines.append(f"{'':>3} {'':>8} {'':>5} {alt['dispatch_ms']:>9.3f} {'':>9} "
+                         f"{alt['dispatch_dest_gbps_per_sm']:>8.1f} {alt['combine_ms']:>9.3f} "
+                         f"{alt['combine_dest_gbps_per_sm']:>8.1f}  reading {name}")
     lines.append("predicted ms: kernel time only (dispatch: the count and dispatch kernels, without the host's read "
                  "of the row count between them; count ms: its count kernel's part); GB/s/SM: rows received x "
                  "row bytes / predicted time / all SMs")

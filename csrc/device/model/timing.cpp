@@ -599,7 +599,7 @@ void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gme
   advance(th, c_.issue_ns);
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
-  ct.duration = bytes / (g2s ? c_.engine_load_bytes_per_ns : c_.engine_store_bytes_per_ns);
+  ct.duration = g2s ? bytes / c_.engine_load_bytes_per_ns : c_.store_copy_ns + bytes / c_.engine_store_bytes_per_ns;
   if (g2s) {
     const double hit = read_hit(gmem, bytes);
     ct.latency = hit * c_.g2s_l2_latency_ns + (1 - hit) * c_.g2s_latency_ns;

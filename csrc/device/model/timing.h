@@ -106,6 +106,7 @@ namespace hybrid_ep::model::timing {
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                             \
   X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")            \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")          \
+  X(store_copy_ns, "a bulk store's fixed time on its SM's copy engine beside its bytes (docs/dev/request_path.md)")   \
   X(request_ns,                                                                                                       \
     "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
     "bulk copies' bytes take as well (the copy engine's calendar): one per store under 16 bytes, half per 16-byte "   \
