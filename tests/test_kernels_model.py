@@ -241,11 +241,12 @@ def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
 def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, ranks_per_node):
     """Flow control, the count kernel's peers warp: a call overwrites a peer's count row (and, in
     the dispatch kernel, its receive rows) only once that peer is done with the previous call.
-    With rank 1's word of call 1 taken back to 0, as if rank 1 still read that call (on one node
-    its done flag, across nodes its RDMA done word in rank 0's region), call 2 gives up after
-    HYBRID_EP_TIMEOUT_S naming rank 1 in the flow control's phase, and not before: the tally
-    warps count meanwhile and the whole block returns (a peers warp that skips its wait passes
-    at once: scripts/model_mutations.py, count-peers-skip-flow-control)."""
+    With the words of call 1 taken back to 0, as if the peer still read that call (on one node
+    rank 1's done flag, which both ranks wait on; across nodes each rank's RDMA done word of the
+    other, so that no rank waits for a count row instead), call 2 gives up after
+    HYBRID_EP_TIMEOUT_S in the flow control's phase, and not before: the tally warps count
+    meanwhile and the whole block returns (a peers warp that skips its wait passes at once:
+    scripts/model_mutations.py, count-peers-skip-flow-control)."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     group = EmulatedGroup(2, 128, 64, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
                           ranks_per_node=ranks_per_node)
@@ -255,21 +256,25 @@ def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, rank
         group.dispatch(xs, idx, num_out_tokens=128)
         group.synchronize()
         if ranks_per_node == 2:
-            word, phase = group.buffers._owned[1][0] + registered_layout(group.config).done_dispatch, "dispatch flow"
-        else:
-            word, phase = group.rdma._owned[0][0] + rdma_layout(group.config).done_dispatch + 8, "inter-node flow"
-        done = ctypes.c_uint64.from_address(word)
-        assert done.value == 1  # rank 1 finished call 1
-        done.value = 0
+            words, phase = [group.buffers._owned[1][0] + registered_layout(group.config).done_dispatch], "dispatch flow"
+        else:  # rank r's region holds the other node's word at 8 * node
+            done_dispatch = rdma_layout(group.config).done_dispatch
+            words = [group.rdma._owned[r][0] + done_dispatch + 8 * (1 - r) for r in range(2)]
+            phase = "inter-node flow"
+        for word in words:
+            done = ctypes.c_uint64.from_address(word)
+            assert done.value == 1  # the peer finished call 1
+            done.value = 0
         before = model.stats()["virtual_ns"]
         with pytest.raises(RuntimeError) as err:
-            group.dispatch(xs, idx, num_out_tokens=128)
+            group.dispatch(xs, idx)  # a dynamic size: the host's read raises, no dispatch kernel runs
             group.synchronize()
         took_s = (model.stats()["virtual_ns"] - before) / 1e9
     finally:
         group.close()
-    assert re.search(rf"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 (on node 1 )?in "
-                     rf"{phase} control .*\(call 2, expected 1, saw 0\)", str(err.value)), str(err.value)
+    peer = "rank 1" if ranks_per_node == 2 else "rank [01] on node [01]"
+    assert re.search(rf"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer {peer} in {phase} "
+                     rf"control .*\(call 2, expected 1, saw 0\)", str(err.value)), str(err.value)
     assert 1.0 <= took_s < 2.0, took_s
 
 
