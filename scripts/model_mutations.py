@@ -131,8 +131,8 @@ MUTATIONS = (
              "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch - 1,",
              tests="tests/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/count.cuh",
-             "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;",
-             "e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] + (lane == 31) : -1;"),
+             "e[k] >= 0 ? lanes_of[e[k]] + prefix[k] : -1;",
+             "e[k] >= 0 ? lanes_of[e[k]] + prefix[k] + (lane == 31) : -1;"),
     Mutation("no-drain-after-abort", "a block exiting with bulk loads in flight", "csrc/kernels/dispatch_receive.cuh",
              "  d.expand_fifo.drain(d.args, PipeState{}, produced);\n", "\n"),
     Mutation("lanes-skip-the-acquire", "lanes reading a peer's data before lane 0's acquire",
@@ -191,12 +191,19 @@ MUTATIONS = (
     Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "
              "before every lane read it)", "csrc/kernels/count.cuh",
              "    __syncwarp();  // every lane has read the masks before they become counts\n", ""),
-    Mutation("skipped-syncthreads", "a skipped __syncthreads", "csrc/kernels/count.cuh",
-             """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
+    Mutation("skipped-syncthreads", "a skipped __syncthreads (the tally warps' named barrier before the scan)",
+             "csrc/kernels/count.cuh", """        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+      }
     }
-    __syncthreads();""",
-             """      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
+    dev::named_barrier_sync(kTallyBarrier, kTallyThreads);""",
+             """        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+      }
     }"""),
+    Mutation("count-peers-skip-flow-control", "a missing wait (the count kernel's peers warp does not wait for its "
+             "peers to finish the previous call before the block overwrites their count rows)",
+             "csrc/kernels/count.cuh", "  for (int r = lane; r < c.W && ok; r += 32) {",
+             "  for (int r = lane; false && r < c.W && ok; r += 32) {",
+             tests="tests/test_kernels_model.py::test_a_call_waits_for_its_peers_to_finish_the_previous_one"),
     Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
              "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",

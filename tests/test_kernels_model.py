@@ -11,6 +11,7 @@ data). The model shows logic, not speed or the memory model (docs/dev/cpu_model.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import re
@@ -21,6 +22,7 @@ import torch
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.engine import RoutingError
+from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
@@ -232,6 +234,47 @@ def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
     message, took_s = _direct_dispatch_with_a_stall(model.START_OF_BLOCK + 0)
     assert re.search(r"rank 1 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 0 in the direct path "
                      r"\(waiting for the peer to publish its tensors of the call\) \(call 1,", message), message
+    assert 1.0 <= took_s < 2.0, took_s
+
+
+@pytest.mark.parametrize("ranks_per_node", [2, 1], ids=["one-node", "two-nodes"])
+def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, ranks_per_node):
+    """Flow control, the count kernel's peers warp: a call overwrites a peer's count row (and, in
+    the dispatch kernel, its receive rows) only once that peer is done with the previous call.
+    With the words of call 1 taken back to 0, as if the peer still read that call (on one node
+    rank 1's done flag, which both ranks wait on; across nodes each rank's RDMA done word of the
+    other, so that no rank waits for a count row instead), call 2 gives up after
+    HYBRID_EP_TIMEOUT_S in the flow control's phase, and not before: the tally warps count
+    meanwhile and the whole block returns (a peers warp that skips its wait passes at once:
+    scripts/model_mutations.py, count-peers-skip-flow-control)."""
+    monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
+    group = EmulatedGroup(2, 128, 64, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
+                          ranks_per_node=ranks_per_node)
+    try:
+        xs = [torch.randn(64, 128).to(torch.bfloat16) for _ in range(2)]
+        idx = [torch.tensor([[0, 3]] * 64) for _ in range(2)]
+        group.dispatch(xs, idx, num_out_tokens=128)
+        group.synchronize()
+        if ranks_per_node == 2:
+            words, phase = [group.buffers._owned[1][0] + registered_layout(group.config).done_dispatch], "dispatch flow"
+        else:  # rank r's region holds the other node's word at 8 * node
+            done_dispatch = rdma_layout(group.config).done_dispatch
+            words = [group.rdma._owned[r][0] + done_dispatch + 8 * (1 - r) for r in range(2)]
+            phase = "inter-node flow"
+        for word in words:
+            done = ctypes.c_uint64.from_address(word)
+            assert done.value == 1  # the peer finished call 1
+            done.value = 0
+        before = model.stats()["virtual_ns"]
+        with pytest.raises(RuntimeError) as err:
+            group.dispatch(xs, idx)  # a dynamic size: the host's read raises, no dispatch kernel runs
+            group.synchronize()
+        took_s = (model.stats()["virtual_ns"] - before) / 1e9
+    finally:
+        group.close()
+    peer = "rank 1" if ranks_per_node == 2 else "rank [01] on node [01]"
+    assert re.search(rf"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer {peer} in {phase} "
+                     rf"control .*\(call 2, expected 1, saw 0\)", str(err.value)), str(err.value)
     assert 1.0 <= took_s < 2.0, took_s
 
 

@@ -632,14 +632,18 @@ def test_a_prediction_says_each_kernel_and_validate_scores_each():
     assert [r["kernel"] for r in rows] == ["count_kernel", "dispatch_receive_kernel"]
 
 
-def _count_instructions(t: dict, K: int, W: int, N: int, blocks: int) -> float:
-    """The count kernel's warp instructions at one tile per block: per warp the tile's blocks of
-    plain code (dev::plain_code) with the table's counts, and one pass of the scan (its E + W + N
-    columns, at most 32, on lanes of warp 0)."""
+def _count_instructions(t: dict, K: int, W: int, N: int, tokens: int, blocks: int) -> float:
+    """The count kernel's warp instructions, `tokens` tokens on each block: per tile of the tally
+    warps (COUNT_TALLY_WARPS, 32 tokens each) every warp that holds a token issues the tile's
+    blocks of plain code (dev::plain_code) with the table's counts, and the scan one pass (its
+    E + W + N columns, at most 32, on lanes of warp 0)."""
     per_warp = (t["count_tile_instructions"] + K * t["count_route_instructions"]
                 + K * (K - 1) // 2 * t["count_route_pair_instructions"] + W * t["count_dest_instructions"]
                 + N * t["count_node_instructions"])
-    return blocks * (32 * per_warp + t["count_scan_column_instructions"])
+    tile = 32 * model.COUNT_TALLY_WARPS
+    starts = range(0, tokens, tile)
+    warps = sum(min(model.COUNT_TALLY_WARPS, -(-(tokens - start) // 32)) for start in starts)
+    return blocks * (warps * per_warp + len(starts) * t["count_scan_column_instructions"])
 
 
 def test_a_dispatch_only_job_times_the_count_kernel_as_the_full_job_does():
@@ -664,12 +668,12 @@ def test_a_dispatch_only_job_times_the_count_kernel_as_the_full_job_does():
                                 key=lambda x: x["table"])
     (want,) = [x for x in full["runs"][0]["dispatch"]["launches"] if x["kernel"] == "count"]
     assert (count["time_ns"], count["instructions"]) == (want["time_ns"], want["instructions"])
-    # one tile (96 tokens) on each of 2 blocks of 32 warps, K = 4, W = 2, N = 1: with the SASS counts
-    # 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per warp, and 136 for the scan's pass
+    # one tile (96 tokens: 3 of the tally warps hold tokens) on each of 2 blocks, K = 4, W = 2, N = 1:
+    # with the SASS counts 477 + 104 K + 5 K (K - 1) / 2 + 31 W + 9 N per warp, and 131 for the scan's pass
     assert [table[f"count_{n}_instructions"] for n in ("tile", "route", "route_pair", "dest", "node", "scan_column")] \
-        == [477, 104, 5, 31, 9, 136]
-    assert count["instructions"] == _count_instructions(table, 4, 2, 1, blocks=2) == 2 * (32 * 994 + 136)
-    assert count_other["instructions"] == _count_instructions(other, 4, 2, 1, blocks=2) == 2 * (32 * 11246 + 7)
+        == [477, 104, 5, 31, 9, 131]
+    assert count["instructions"] == _count_instructions(table, 4, 2, 1, 96, blocks=2) == 2 * (3 * 994 + 131)
+    assert count_other["instructions"] == _count_instructions(other, 4, 2, 1, 96, blocks=2) == 2 * (3 * 11246 + 7)
 
 
 def test_predict_then_validate(tmp_path, capsys):

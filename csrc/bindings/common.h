@@ -376,6 +376,7 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("THREADS") = kThreads;
   m.attr("CHUNK_TOKENS") = kChunkTokens;
+  m.attr("COUNT_TALLY_WARPS") = kCountTallyWarps;
   m.attr("COMBINE_MAX_SEG_COLS") = kCombineMaxSegCols;
   m.attr("MAX_STAGES") = kMaxStages;
   m.attr("STATIC_SMEM_RESERVE") = kStaticSmemReserve;

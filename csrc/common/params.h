@@ -14,10 +14,11 @@ namespace hybrid_ep {
 constexpr int kMaxRanks = 64;                  // EP group size the kernels index with 64-bit masks
 constexpr int kMaxLaunchRanks = 16;            // virtual ranks one emulated launch can hold (4 nodes x 4)
 constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the count kernel)
-constexpr int kMaxExperts = 1024;              // count kernel keeps [32 warps][E] counters in smem
+constexpr int kMaxExperts = 1024;              // count kernel keeps [tally warps][E] counters in smem
 constexpr int kThreads = 512;                  // threads per dispatch / combine block
 constexpr int kChunkTokens = 32;               // tokens per chunk: the unit of signalling between ranks
 constexpr int kCountThreads = 1024;            // threads of the one count block per rank
+constexpr int kCountTallyWarps = 31;           // its warps that count tokens (kernels/count.cuh: one waits for peers)
 constexpr int kCombineMaxSegCols = 8192;       // columns of a row segment a combine reducer group holds in registers
 constexpr int kMaxStages = 16;                 // slots of one pipeline's ring (mbarrier arrays are sized by it)
 constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memory at most: each kernel's shared

@@ -6,9 +6,10 @@ namespace hybrid_ep {
 
 using namespace count_impl;
 
+// The tally warps' counters and the totals carried across tiles (count_kernel's warp_cnt, carry).
 size_t count_smem_bytes(const Geometry& geo) {
   const size_t cols = geo.num_experts + geo.world_size + geo.num_nodes;
-  return (kWarps + 1) * cols * sizeof(int32_t);
+  return (kCountTallyWarps + 1) * cols * sizeof(int32_t);
 }
 
 LaunchStatus launch_count(const LaunchArgs& args, uint64_t stream) {

@@ -1,17 +1,24 @@
 // Count kernel: from this rank's routing, everything the metadata module computes, on the
 // device, with no host synchronisation.
 //
-// One block per rank walks its tokens in tiles of 1024 (one token per thread). Within a warp
-// the order of tokens is the lane order, so a (token, expert) ordinal is the number of
+// One block per rank, its warps in two roles (count_warps): the tally warps walk the rank's
+// tokens in tiles of one token per tally thread, while the peers warp waits for every peer to
+// be done with the previous call (flow control), so that wait overlaps the counting. Within a
+// warp the order of tokens is the lane order, so a (token, expert) ordinal is the number of
 // earlier lanes routed to the same expert plus a per-warp base from a scan over warps and
 // tiles. The same scan gives each token's slot in the rows sent to each destination rank.
-// The block then writes its count row into every peer's registered buffer, signals with
-// the call's epoch, waits for every peer's row and computes the expert-major offsets.
+// The block then joins: it writes its count row into every peer's registered buffer, signals
+// with the call's epoch, waits for every peer's row and computes the expert-major offsets.
 // Ranks on other nodes get their rows through the transport, into a copy per call parity:
 // a rank can only start call e + 2 after it read every rank's counts of call e + 1, which
 // each rank writes after it read those of call e, so the copy of call e is never overwritten
 // while it is read. Flow control waits for the peers of this node (their receive buffers) and
 // for the rail peers on other nodes (their staging areas).
+//
+// This kernel starts the dispatch's call: it takes the call's epoch (dispatch_epoch + 1) and
+// publishes it in the rank's state at its end, so the skeleton's kernel_call (which reads the
+// epoch already started) and its control words (init_block, roles_done: rings, the launch's
+// abort flag) do not fit it; its RoleTable does.
 //
 // A bad route (an id outside [-1, E), or a token's second route to one expert) is counted as
 // not routed, and the block's first bad token goes into its count row beside the counts, so
@@ -25,18 +32,29 @@
 #include "common/state.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
+#include "kernels/skeleton.cuh"
 
 namespace hybrid_ep {
 namespace count_impl {  // kernels/count.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kWarps = kCountThreads / 32;
+// Warp roles: kCountTallyWarps tally warps (common/params.h: the timing model's tests read it
+// from the extension), then the peers warp. The tally warps keep in step by a named barrier of
+// their own, so the peers warp's wait holds none of them; the block joins after both roles.
+enum class CountRole { kTally, kPeers };
+constexpr int kBlockWarps = kCountThreads / 32;
+constexpr int kTallyThreads = kCountTallyWarps * 32;  // tokens per tile
+constexpr uint32_t kTallyBarrier = 1;                 // the tally warps' named barrier (0: __syncthreads')
+__host__ __device__ constexpr RoleTable<CountRole, 2> count_warps() {
+  return {{{CountRole::kTally, 0, kCountTallyWarps}, {CountRole::kPeers, kCountTallyWarps, 1}}};
+}
+static_assert(count_warps().tiles(kBlockWarps), "the count kernel's roles tile its block");
 
 __device__ __forceinline__ int32_t ld_count(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
 // The tile loop's plain code per lane, for the CPU model's timing (dev::plain_code: nothing on the
 // GPU; the model issues each block's instructions, a constant of the timing model counted on this
-// kernel's SASS, on the warp's scheduler, 8 warps to a scheduler here): the blocks a valid routing
-// runs, each by what repeats it. The scan's passes are named where they run.
+// kernel's SASS, on the warp's scheduler, up to 8 tally warps to a scheduler here): the blocks a
+// valid routing runs, each by what repeats it. The scan's passes are named where they run.
 __device__ __forceinline__ void tile_code(int K, int W, int N) {
   using dev::PlainCode;
   using dev::PlainRun;
@@ -92,44 +110,44 @@ __device__ inline void refuse_call(const LaunchArgs& args, const RankView& view,
   if (!args.info_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E, sh.bad_id);
 }
 
+// What both roles read: the call, the rank's routing and the block's shared memory.
 template <typename Rdma>
-__global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_constant__ LaunchArgs args) {
-  const Geometry& geo = args.geo;
-  const RankArgs& a = args.ranks[blockIdx.x];
-  if (a.absent) return;
-  const RankView view = rank_view(geo, a);
-  const Hierarchy<Rdma> h = make_hierarchy<Rdma>(geo, a);
-  const int W = geo.world_size, E = geo.num_experts, L = geo.local_experts, N = geo.num_nodes;
-  const int G = geo.ranks_per_node, T = a.num_tokens, K = a.topk;
-  const int cols = E + W + N;  // counters: experts, destination ranks, destination nodes
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
-  auto* send_slot = reinterpret_cast<int32_t*>(a.send_slot);
-  auto* entry_ord = reinterpret_cast<int32_t*>(a.entry_ord);
-  auto* info = reinterpret_cast<int64_t*>(a.info);
+struct CountCall {
+  const LaunchArgs& args;
+  const RankArgs& a;
+  const Geometry& geo;
+  RankView view;
+  Hierarchy<Rdma> h;
+  int W, E, L, N, G, T, K;
+  int cols;  // counters: experts, destination ranks, destination nodes
+  uint64_t epoch;
+  int32_t* warp_cnt;  // [kCountTallyWarps][cols], scanned in place to per-warp bases
+  int32_t* carry;     // [cols] totals of the tiles before
+  CountShared& sh;
+};
 
-  int32_t* smem = dev::dynamic_smem<int32_t>();
-  int32_t* warp_cnt = smem;               // [kWarps][cols], scanned in place to per-warp bases
-  int32_t* carry = smem + kWarps * cols;  // [cols] totals of the tiles before
-  CountShared& sh = dev::block_shared<CountShared>();
-
-  if (tid == 0) {
-    sh.epoch = view.state()->dispatch_epoch + 1;
-    sh.fail = 0;
-    sh.dropped = 0;
-    sh.bad_token = kNoBadToken;
-    sh.bad_id = 0;
-  }
-  for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
-  __syncthreads();
-  const uint64_t epoch = sh.epoch;
+// The tally warps (thread `tid` of kTallyThreads): the rank's tokens in tiles of kTallyThreads,
+// each token's (token, expert) ordinals and slots in the rows to each rank, the totals in
+// `carry`; then the first bad route's id, for the count row (thread 0). A warp whose tokens of
+// the tile all lie past the last (the last tile's) counts nothing: its counters stay 0.
+template <typename Rdma>
+__device__ void tally(const CountCall<Rdma>& c, int tid) {
+  const int W = c.W, E = c.E, L = c.L, N = c.N, G = c.G, T = c.T, K = c.K, cols = c.cols;
+  const int lane = tid & 31, warp = tid >> 5;
+  const auto* idx = reinterpret_cast<const int64_t*>(c.a.topk_idx);
+  auto* send_slot = reinterpret_cast<int32_t*>(c.a.send_slot);
+  auto* entry_ord = reinterpret_cast<int32_t*>(c.a.entry_ord);
+  int32_t* warp_cnt = c.warp_cnt;
+  int32_t* carry = c.carry;
+  CountShared& sh = c.sh;
   const unsigned full = 0xffffffffu;
   const unsigned lt_mask = (1u << lane) - 1u;
 
-  for (int tile = 0; tile < T; tile += kCountThreads) {
+  for (int tile = 0; tile < T; tile += kTallyThreads) {
     const int t = tile + tid;
     const bool valid = t < T;
-    tile_code(K, W, N);
+    const bool counts = tile + warp * 32 < T;  // the warp holds a token (warp-uniform)
+    if (counts) tile_code(K, W, N);
     int e[kMaxTopK];  // expert ids fit 32 bits (E <= kMaxExperts); -1 = not routed
     uint64_t dmask = 0, nmask = 0;
 #pragma unroll
@@ -163,75 +181,122 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
     // lane, where comparing every lane's K routes with every other lane's took about 1000
     // instructions per lane and per source lane (32 x K x K compares, 2026-11-26 SASS).
     int32_t* lanes_of = warp_cnt + warp * cols;
-    for (int c = lane; c < cols; c += 32) lanes_of[c] = 0;
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k)
-      if (k < K && e[k] >= 0) atomicOr(&lanes_of[e[k]], static_cast<int32_t>(1u << lane));
-    __syncwarp();
+    for (int col = lane; col < cols; col += 32) lanes_of[col] = 0;
     int prefix[kMaxTopK];
+    if (counts) {
+      __syncwarp();
 #pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k)
-      prefix[k] = k < K && e[k] >= 0 ? __popc(static_cast<unsigned>(lanes_of[e[k]]) & lt_mask) : 0;
-    __syncwarp();  // every lane has read the masks before they become counts
-    for (int c = lane; c < E; c += 32) lanes_of[c] = __popc(static_cast<unsigned>(lanes_of[c]));
-    for (int d = 0; d < W; ++d) {
-      const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
-      if (lane == 0) warp_cnt[warp * cols + E + d] = __popc(bal);
+      for (int k = 0; k < kMaxTopK; ++k)
+        if (k < K && e[k] >= 0) atomicOr(&lanes_of[e[k]], static_cast<int32_t>(1u << lane));
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k)
+        prefix[k] = k < K && e[k] >= 0 ? __popc(static_cast<unsigned>(lanes_of[e[k]]) & lt_mask) : 0;
+      __syncwarp();  // every lane has read the masks before they become counts
+      for (int col = lane; col < E; col += 32) lanes_of[col] = __popc(static_cast<unsigned>(lanes_of[col]));
+      for (int d = 0; d < W; ++d) {
+        const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
+        if (lane == 0) lanes_of[E + d] = __popc(bal);
+      }
+      for (int n = 0; n < N; ++n) {
+        const unsigned bal = __ballot_sync(full, (nmask >> n) & 1);
+        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+      }
     }
-    for (int n = 0; n < N; ++n) {
-      const unsigned bal = __ballot_sync(full, (nmask >> n) & 1);
-      if (lane == 0) warp_cnt[warp * cols + E + W + n] = __popc(bal);
-    }
-    __syncthreads();
+    dev::named_barrier_sync(kTallyBarrier, kTallyThreads);
 
     // Scan over warps (tile order), carried across tiles.
-    for (int c = tid; c < cols; c += blockDim.x) {
+    for (int col = tid; col < cols; col += kTallyThreads) {
       dev::plain_code(dev::PlainRun{dev::PlainCode::kCountScanColumn, 1});
-      int32_t run = carry[c];
-      for (int w = 0; w < kWarps; ++w) {
-        const int32_t v = warp_cnt[w * cols + c];
-        warp_cnt[w * cols + c] = run;
+      int32_t run = carry[col];
+      for (int w = 0; w < kCountTallyWarps; ++w) {
+        const int32_t v = warp_cnt[w * cols + col];
+        warp_cnt[w * cols + col] = run;
         run += v;
       }
-      carry[c] = run;
+      carry[col] = run;
     }
-    __syncthreads();
+    dev::named_barrier_sync(kTallyBarrier, kTallyThreads);
 
-    if (valid) {
+    if (counts) {
+      if (valid) {
 #pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K) break;
-        entry_ord[static_cast<int64_t>(t) * K + k] = e[k] >= 0 ? warp_cnt[warp * cols + e[k]] + prefix[k] : -1;
+        for (int k = 0; k < kMaxTopK; ++k) {
+          if (k >= K) break;
+          entry_ord[static_cast<int64_t>(t) * K + k] = e[k] >= 0 ? lanes_of[e[k]] + prefix[k] : -1;
+        }
+      }
+      for (int d = 0; d < W; ++d) {
+        const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
+        if (valid)
+          send_slot[static_cast<int64_t>(t) * W + d] =
+              ((dmask >> d) & 1) ? lanes_of[E + d] + __popc(bal & lt_mask) : -1;
       }
     }
-    for (int d = 0; d < W; ++d) {
-      const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
-      if (valid)
-        send_slot[static_cast<int64_t>(t) * W + d] =
-            ((dmask >> d) & 1) ? warp_cnt[warp * cols + E + d] + __popc(bal & lt_mask) : -1;
-    }
-    __syncthreads();
+    dev::named_barrier_sync(kTallyBarrier, kTallyThreads);  // the bases read before the next tile's counts
   }
-  // The first bad route's id, for the count row (the barrier after the waits below orders it).
   if (tid == 0 && sh.bad_token != kNoBadToken)
     sh.bad_id = first_bad_id(idx + static_cast<int64_t>(sh.bad_token) * K, K, E);
+}
 
-  // Flow control: a peer must have read everything of the previous dispatch before this
-  // rank overwrites its count row (and, in the dispatch kernel, its receive rows by bulk
-  // stores: hence the proxy fence after the acquire).
-  if (tid < W) {
-    bool ok = true;
-    if (h.topo.same_node(tid, a.rank))
-      ok = wait_at_least(args, view.flag(tid, geo.reg.done_dispatch, 0), epoch - 1, kPhaseDispatchFlow, a.rank, tid,
-                         epoch);
-    else if (tid == h.rail_peer(h.topo.node(tid)))
-      ok = wait_at_least(args, h.flag(geo.rdma.done_dispatch, h.topo.node(tid)), epoch - 1, kPhaseRdmaFlow, a.rank, tid,
-                         epoch);
-    if (ok) dev::fence_proxy_async();
-    else dev::st_relaxed(&sh.fail, 1);  // several threads may raise it
+// The peers warp: flow control. A peer must have read everything of the previous dispatch
+// before this rank overwrites its count row (and, in the dispatch kernel, its receive rows by
+// bulk stores: hence the proxy fence after the acquires). The ranks of this node by their done
+// flags, the rail peers on other nodes by their RDMA done words; a peer per lane, lane-strided
+// (two a lane at kMaxRanks). A wait that gave up raises sh.fail (the launch's abort flag,
+// raised with its record, ends the other lanes' waits).
+template <typename Rdma>
+__device__ void wait_for_peers(const CountCall<Rdma>& c, int lane) {
+  const Hierarchy<Rdma>& h = c.h;
+  const int rank = c.a.rank;
+  bool ok = true;
+  for (int r = lane; r < c.W && ok; r += 32) {
+    if (h.topo.same_node(r, rank))
+      ok = wait_at_least(c.args, c.view.flag(r, c.geo.reg.done_dispatch, 0), c.epoch - 1, kPhaseDispatchFlow, rank, r,
+                         c.epoch);
+    else if (r == h.rail_peer(h.topo.node(r)))
+      ok = wait_at_least(c.args, h.flag(c.geo.rdma.done_dispatch, h.topo.node(r)), c.epoch - 1, kPhaseRdmaFlow, rank, r,
+                         c.epoch);
   }
+  if (ok) dev::fence_proxy_async();
+  else dev::st_relaxed(&c.sh.fail, 1);  // several lanes may raise it
+}
+
+template <typename Rdma>
+__global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_constant__ LaunchArgs args) {
+  const Geometry& geo = args.geo;
+  const RankArgs& a = args.ranks[blockIdx.x];
+  if (a.absent) return;
+  const RankView view = rank_view(geo, a);
+  const Hierarchy<Rdma> h = make_hierarchy<Rdma>(geo, a);
+  const int W = geo.world_size, E = geo.num_experts, L = geo.local_experts, N = geo.num_nodes;
+  const int G = geo.ranks_per_node, T = a.num_tokens, K = a.topk;
+  const int cols = E + W + N;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  auto* info = reinterpret_cast<int64_t*>(a.info);
+
+  int32_t* smem = dev::dynamic_smem<int32_t>();
+  int32_t* warp_cnt = smem;
+  int32_t* carry = smem + kCountTallyWarps * cols;
+  CountShared& sh = dev::block_shared<CountShared>();
+
+  if (tid == 0) {
+    sh.epoch = view.state()->dispatch_epoch + 1;
+    sh.fail = 0;
+    sh.dropped = 0;
+    sh.bad_token = kNoBadToken;
+    sh.bad_id = 0;
+  }
+  for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
   __syncthreads();
+  const uint64_t epoch = sh.epoch;
+  const CountCall<Rdma> call{args, a, geo, view, h, W, E, L, N, G, T, K, cols, epoch, warp_cnt, carry, sh};
+  const RoleSpan<CountRole> role = count_warps().of(warp);
+  switch (role.role) {
+    case CountRole::kTally: tally(call, role.thread_index(tid)); break;
+    case CountRole::kPeers: wait_for_peers(call, lane); break;
+  }
+  __syncthreads();  // the roles joined: the counts, the first bad route and the flow control's verdict
   if (sh.fail) return;
 
   const int row_ints = static_cast<int>(geo.reg.count_row_ints);
@@ -267,7 +332,7 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
     dev::st_release_sys(view.flag(tid, geo.reg.count_epoch, a.rank), epoch);
   }
   if (h.multi()) {
-    for (int d = warp; d < W; d += kWarps) {
+    for (int d = warp; d < W; d += kBlockWarps) {
       if (h.topo.same_node(d, a.rank)) continue;
       h.rdma.put_signal(lane, d, geo.rdma.count_in + (parity_rows + a.rank) * row_stride * 4,
                         h.rdma.local(geo.rdma.count_out + static_cast<uint64_t>(d) * row_stride * 4),
@@ -380,9 +445,8 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
 
 template <typename Rdma>
 LaunchStatus launch_count_with(const LaunchArgs& args, uint64_t stream) {
-  const size_t cols = args.geo.num_experts + args.geo.world_size + args.geo.num_nodes;
-  return dev::launch_cooperative(count_kernel<Rdma>, args.num_ranks, kCountThreads,
-                                 (kWarps + 1) * cols * sizeof(int32_t), stream, args, "count");
+  return dev::launch_cooperative(count_kernel<Rdma>, args.num_ranks, kCountThreads, count_smem_bytes(args.geo), stream,
+                                 args, "count");
 }
 
 }  // namespace count_impl

@@ -5,7 +5,8 @@
 //                 the block's control words), built once per block; each kernel's own context
 //                 derives from it and names its fields in its constructor;
 //   RoleTable     the warp layout as a table of (role, first warp, warps), checked at compile
-//                 time to tile the block, and the role of a warp;
+//                 time to tile the block, and the role of a warp (the count kernel's too, which
+//                 starts the call and so builds no kernel_call: kernels/count.cuh);
 //   init_block    thread 0 initialises the block's rings and takes the launch's abort flag;
 //   block_ready   the block agrees that its setup (rings, flow control, peers' tensors) held;
 //   roles_done    the block agrees, once every role returned, whether the call was aborted;

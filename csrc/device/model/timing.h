@@ -139,7 +139,7 @@ namespace hybrid_ep::model::timing {
     "warp instructions per destination rank of a tile (kCountDest): two ballots, its count, a send_slot store")       \
   X(count_node_instructions, "warp instructions per destination node of a tile (kCountNode): a ballot and its count") \
   X(count_scan_column_instructions,                                                                                   \
-    "warp instructions per counter column a lane scans over the warps' counts (kCountScanColumn, 32 warps "           \
+    "warp instructions per counter column a lane scans over the warps' counts (kCountScanColumn, the tally warps "    \
     "unrolled)")                                                                                                      \
   X(spin_instructions, "warp instructions per turn of a spinning wait (a failed poll or try_wait, its loop)")         \
   X(spin_period_ns, "one turn of a warp spinning on an mbarrier (try_wait that fails and its loop)")                  \
