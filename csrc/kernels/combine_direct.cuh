@@ -409,10 +409,12 @@ __global__ void __launch_bounds__(kDirectCombineThreads, 1)
       if (multi) d.put_ring(p).init(kGroupWarps, 1);
     }
   });
-  if (d.b == 0 && tid == 32)
+  // An aborted launch neither publishes nor reads tensors (as the direct dispatch's setup).
+  const bool setup = !d.stopped();
+  if (setup && d.b == 0 && tid == 32)
     publish_tensors(d.view, a, kDirectCombine, d.epoch, a.expert_out, a.probs, a.probs, a.num_out_rows);
   const int G = d.geo.ranks_per_node;
-  if (tid < G) {  // every expert host's expert_out and probs on this node
+  if (setup && tid < G) {  // every expert host's expert_out and probs on this node
     const int host = d.h.first_local() + tid;
     PeerView pv;
     if (read_tensors(args, d.view, a, host, kDirectCombine, d.epoch, pv)) {
@@ -421,7 +423,7 @@ __global__ void __launch_bounds__(kDirectCombineThreads, 1)
     } else {
       sh.ctl.fail = 1;
     }
-  } else if (multi && tid >= kMaxRanks && tid - kMaxRanks < d.h.topo.N && tid - kMaxRanks != d.h.node) {
+  } else if (setup && multi && tid >= kMaxRanks && tid - kMaxRanks < d.h.topo.N && tid - kMaxRanks != d.h.node) {
     // the source on node n has read the node partials of the previous combine this rank put it
     const int n = tid - kMaxRanks;
     if (!wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, n), d.epoch - 1, kPhaseRdmaFlow, a.rank,

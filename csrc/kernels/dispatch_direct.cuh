@@ -544,9 +544,13 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
     d.table_ring.init(1, kStoreWarps);
     if (multi) d.done_ring.init(kStoreWarps, 1);
   });
-  if (d.b == 0 && tid == 32)
+  // An aborted launch (a count kernel that gave up left the epoch at the previous call's) neither
+  // publishes nor reads tensors: a peer's read would pass on that call's epoch and race with the
+  // publish of this one.
+  const bool setup = !d.stopped();
+  if (setup && d.b == 0 && tid == 32)
     publish_tensors(d.view, a, kDirectDispatch, d.epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
-  if (tid < d.G) {  // every destination's tensors, and where the rows this rank sends of its experts start
+  if (setup && tid < d.G) {  // every destination's tensors, and where the rows this rank sends of its experts start
     const int dst = d.h.first_local() + tid;
     PeerView pv;
     if (read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)) {
