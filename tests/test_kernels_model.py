@@ -237,8 +237,9 @@ def test_a_source_waits_for_a_late_destination_to_publish(monkeypatch):
     assert 1.0 <= took_s < 2.0, took_s
 
 
+@pytest.mark.parametrize("size", ["dynamic", "static"])
 @pytest.mark.parametrize("ranks_per_node", [2, 1], ids=["one-node", "two-nodes"])
-def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, ranks_per_node):
+def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, ranks_per_node, size):
     """Flow control, the count kernel's peers warp: a call overwrites a peer's count row (and, in
     the dispatch kernel, its receive rows) only once that peer is done with the previous call.
     With the words of call 1 taken back to 0, as if the peer still read that call (on one node
@@ -246,7 +247,10 @@ def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, rank
     other, so that no rank waits for a count row instead), call 2 gives up after
     HYBRID_EP_TIMEOUT_S in the flow control's phase, and not before: the tally warps count
     meanwhile and the whole block returns (a peers warp that skips its wait passes at once:
-    scripts/model_mutations.py, count-peers-skip-flow-control)."""
+    scripts/model_mutations.py, count-peers-skip-flow-control). With a dynamic size the host's
+    read raises and no dispatch kernel runs; with a static one the dispatch kernel runs in the
+    aborted launch and must return without publishing or reading tensors (the race check showed
+    a peer's read of them racing with their publish when it did)."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     group = EmulatedGroup(2, 128, 64, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
                           ranks_per_node=ranks_per_node)
@@ -267,7 +271,7 @@ def test_a_call_waits_for_its_peers_to_finish_the_previous_one(monkeypatch, rank
             done.value = 0
         before = model.stats()["virtual_ns"]
         with pytest.raises(RuntimeError) as err:
-            group.dispatch(xs, idx)  # a dynamic size: the host's read raises, no dispatch kernel runs
+            group.dispatch(xs, idx, num_out_tokens=None if size == "dynamic" else 128)
             group.synchronize()
         took_s = (model.stats()["virtual_ns"] - before) / 1e9
     finally:
