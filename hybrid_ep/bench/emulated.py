@@ -60,7 +60,7 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "held_by_region": "bytes per rank by region (memory_plan().held_by_region())",
          "kernels_ms": "ms per call: GPU time of each hybrid_ep kernel in a timed call, per op (torch.profiler's "
                        "CUDA activity, mean of KERNEL_CALLS calls after the timed ones; null: no profiler data)",
-         "dispatch_outside_kernels_ms": "ms: dispatch_ms minus its kernels' time (host work between the layout "
+         "dispatch_outside_kernels_ms": "ms: dispatch_ms minus its kernels' time (host work between the count "
                                         "and dispatch kernels of a dynamic-size call, launch gaps)",
          "combine_outside_kernels_ms": "ms: combine_ms minus its kernel's time",
          "dispatch_other_kernels_ms": "ms per call: GPU time of the call's other kernels (torch's own, memsets, "
