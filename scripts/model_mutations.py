@@ -52,7 +52,8 @@ DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_r
 
 # The direct dispatch's store plans other than the default, on one node (test_store_plans_model.py).
 STORE_PLANS_ONE_NODE = "tests/test_store_plans_model.py::test_every_store_plan_matches_the_oracle_on_one_node"
-STORE_PLANS_RELEASE = "tests/test_store_plans_model.py::test_a_store_plan_releases_a_stage_only_after_its_stores_read_it"
+STORE_PLANS_RELEASE = ("tests/test_store_plans_model.py::"
+                       "test_a_store_plan_releases_a_stage_only_after_its_stores_read_it")
 
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch_receive.cuh",

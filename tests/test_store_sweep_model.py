@@ -13,9 +13,9 @@ import os
 
 import pytest
 
+from helpers import REPO
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.bench import store_sweep
-from helpers import REPO
 
 pytestmark = pytest.mark.model
 
