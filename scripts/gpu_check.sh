@@ -165,7 +165,7 @@ use_prebuilt() {
         return 1
     fi
     cp "$prebuilt"/hybrid_ep/*.so hybrid_ep/ || { say "copying the carried build failed: building here"; return 1; }
-    if ! why=$("$py" -c 'import hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner' 2>&1); then
+    if ! why=$("$py" -c 'import torch, hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner' 2>&1); then
         say "the carried extensions do not load: ${why##*$'\n'}; building here"
         for so in "$prebuilt"/hybrid_ep/*.so; do rm -f "hybrid_ep/$(basename "$so")"; done
         return 1
@@ -191,7 +191,7 @@ build() {
         mkdir -p "$(dirname "$archs_stamp")" && echo "$HYBRID_EP_CUDA_ARCHS" > "$archs_stamp"
         say "built in $((SECONDS - start)) s"
     fi
-    "$py" -c 'import hybrid_ep._C' || { say "hybrid_ep._C does not import"; exit 1; }
+    "$py" -c 'import torch, hybrid_ep._C' || { say "hybrid_ep._C does not import"; exit 1; }
 }
 
 run_tests() {
@@ -521,7 +521,7 @@ mps_stop() {
 # NVSHMEM_DISABLE_CUDA_VMM=1. Every combination is logged; the stage passes when some
 # combination works for both 2 and 4 PEs.
 run_nvshmem() {
-    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     local todo=8 per_run mps vmm procs rc name worked2="" worked4=""
     local nv_summary="$results/nvshmem_summary.txt"
@@ -563,7 +563,7 @@ run_nvshmem() {
 # The cuda backend across real processes: each one rank, nodes of one or two ranks joined by
 # the NVSHMEM transport (hybrid_ep.testing.nvshmem_cases), every case against the oracle.
 run_nvshmem_cases() {
-    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     say "dispatch + combine across NVSHMEM processes on the GPU (log: nvshmem_cases.log)"
     bounded "$(left)" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
@@ -629,7 +629,7 @@ run_soak() {
 # between them where the build has it).
 run_processes() {
     local nodes="1" rc
-    "$py" -c 'import hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' && nodes="1 2"
+    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' && nodes="1 2"
     mps_folders
     if ! mps_start; then
         say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps/start.log")): the processes take turns"

@@ -66,7 +66,7 @@ case "$*" in
   *"-m hybrid_ep.bench"*) echo "table"; exit 0 ;;
   *"-m tools.microbench"*) PYTHONPATH="$REAL_REPO" exec "$REAL_PYTHON" "$@" ;;  # the real post-processor
   "scripts/gpu_prebuilt.py "*) exec "$REAL_PYTHON" "$@" ;;  # the real stamp check
-  "-c import hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner")  # carried extensions that do not load here
+  "-c import torch, hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner")  # carried extensions that do not load here
     if [ -n "${CARRIED_DOES_NOT_LOAD:-}" ] && grep -qs carried hybrid_ep/_C*.so; then
       echo "Traceback (most recent call last):"; echo "ImportError: undefined symbol: _ZN3c104cuda"; exit 1; fi ;;
   *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
@@ -755,3 +755,17 @@ def test_second_call_ends_in_its_time(machine):
     proc, _ = run("--second", str(results), script="gpu_short_lease.sh", SHORT_LEASE_END_S="35")
     summary = (results / "summary.txt").read_text()
     assert "ncu-l1tex not run: " in summary and " s left of 35" in summary
+
+
+def test_every_extension_import_check_loads_torch_first():
+    """hybrid_ep._C needs libc10 and libtorch already loaded (its NEEDED entries resolve to the
+    ones `import torch` brought in), and `import hybrid_ep` no longer imports torch: a bare
+    `import hybrid_ep._C` fails on the GPU machine with "libc10.so: cannot open shared object
+    file", which made the 2026-11-27 run's first call rebuild, then skip every stage needing it."""
+    import re
+
+    text = (Path(REPO) / "scripts" / "gpu_check.sh").read_text()
+    checks = re.findall(r"-c '(import [^']*hybrid_ep\._C[^']*)'", text)
+    assert len(checks) >= 5, checks
+    for code in checks:
+        assert code.startswith("import torch, "), code
