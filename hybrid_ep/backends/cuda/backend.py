@@ -155,6 +155,8 @@ class CudaBackend(Backend):
         return self._peer.held() if self._peer is not None else 0
 
     def close(self) -> None:
+        if getattr(self, "_engine", None) is not None:
+            self._engine.release_in_flight()
         if getattr(self, "_peer", None) is not None:
             close_peer_memory(self._peer)
             self._peer = None

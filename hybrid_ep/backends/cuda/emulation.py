@@ -86,9 +86,11 @@ class EmulatedGroup:
         """Wait for the device and raise what a kernel recorded (timeouts, bad routing)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.engine.release_in_flight()  # every launch has finished
         self.engine.raise_if_failed()
 
     def close(self) -> None:
+        self.engine.release_in_flight()
         if self.peer is not None:
             close_peer_memory(self.peer)
             self.peer = None

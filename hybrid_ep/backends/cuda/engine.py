@@ -298,6 +298,12 @@ class Engine:
     def raise_if_failed(self) -> None:
         self.errors.raise_if_failed()
 
+    def release_in_flight(self) -> None:
+        """Drop what the last launches read (_in_flight): call it once the device has finished
+        them (a device-wide synchronize) or when the buffer closes. Until then the last combine's
+        expert_out stays alive: at the DeepSeek-V3 layer on EP=8 in one process that is 4.2 GB."""
+        self._in_flight.clear()
+
     @property
     def failure(self) -> str | None:
         """The first failure a kernel recorded, once the host read it (errors.KernelErrors)."""
