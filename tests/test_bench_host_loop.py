@@ -57,3 +57,17 @@ def test_host_loop_times_the_direct_path(cpu_sweep, capsys, caplog):
     # the host time by function: the package's own host path among the top entries
     assert len(host["profile"]) == 15 and any("hybrid_ep/" in p["function"] for p in host["profile"])
     assert "host time by function" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the full tier: a timed host loop, as above
+def test_the_sweep_across_nodes_takes_the_direct_path(cpu_sweep, capsys):
+    """The bench's sweep as 2 nodes of 2 measures the direct path across nodes (the default
+    where it can run): the H200 run of 2026-11-27 measured the receive path there because the
+    sweep asked for the direct path only on one node."""
+    W, H, T, E, K = 4, 256, 32, 16, 4
+    args = types.SimpleNamespace(routing="uniform", seed=0, zipf_exponent=1.0, group_limit=None)
+    props = types.SimpleNamespace(multi_processor_count=132)
+    rows, host, _ = cpu_sweep(W, args, H, T, E, K, torch.bfloat16, [1], 1, 1, None, 1e12, torch.device("cpu"),
+                              props, nodes=2)
+    assert [r["data_path"] for r in rows] == ["direct"]
+    assert host["data_path"] == "direct", capsys.readouterr().err
