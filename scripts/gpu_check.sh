@@ -520,6 +520,7 @@ mps_stop() {
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
 # NVSHMEM_DISABLE_CUDA_VMM=1. Every combination is logged; the stage passes when some
 # combination works for both 2 and 4 PEs.
+NVSHMEM_RUN_MIN_S=${NVSHMEM_RUN_MIN_S:-20}  # the least one self-test run gets
 run_nvshmem() {
     "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
@@ -536,8 +537,18 @@ run_nvshmem() {
         for vmm in default off; do
             for procs in 2 4; do
                 name="mps-${mps}_vmm-${vmm}_p${procs}"
+                # each run its share, but never under NVSHMEM_RUN_MIN_S (a process start and
+                # NVSHMEM's init take seconds; the 2026-11-27 run's 60 s gave 8 runs 2-3 s each,
+                # and none finished): the later ones are not run instead
                 per_run=$(( $(left) / todo ))
                 todo=$((todo - 1))
+                if [ "$per_run" -lt "$NVSHMEM_RUN_MIN_S" ]; then
+                    if [ "$(left)" -lt "$NVSHMEM_RUN_MIN_S" ]; then
+                        echo "mps=$mps vmm=$vmm procs=$procs: not run ($(left) s left)" | tee -a "$nv_summary" "$summary"
+                        continue
+                    fi
+                    per_run=$NVSHMEM_RUN_MIN_S
+                fi
                 say "NVSHMEM self-test, $procs PEs, MPS $mps, CUDA VMM heap $vmm (log: nvshmem_$name.log, at most $per_run s)"
                 if [ "$vmm" = off ]; then export NVSHMEM_DISABLE_CUDA_VMM=1; else unset NVSHMEM_DISABLE_CUDA_VMM; fi
                 bounded "$per_run" "$py" -m hybrid_ep.testing.nvshmem_selftest --procs "$procs" \

@@ -496,6 +496,22 @@ def test_nvshmem_stage_tries_each_combination_without_and_with_mps(machine):
     assert "worked with 2 PEs (mps/vmm): on/default on/off; with 4 PEs: on/default on/off" in proc.stdout
 
 
+def test_nvshmem_stage_gives_each_run_a_floor_and_skips_what_does_not_fit(machine):
+    """A short budget does not cut every self-test run to a few seconds (the 2026-11-27 run's
+    60 s gave each of the 8 runs 2-3 s, and none finished): each run gets NVSHMEM_RUN_MIN_S,
+    and with less than that left the rest are named as not run."""
+    _, results, run = machine
+    proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="always", GPU_CHECK_BUDGET_S="60")
+    runner = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    assert len(runner) == 8 and all(int(line.split("--deadline ")[1].split()[0]) >= 15 for line in runner), runner
+    proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="always", GPU_CHECK_BUDGET_S="35")
+    again = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    assert again == runner  # the calls log holds both commands' calls: the second made none
+    summary = (results / "nvshmem_summary.txt").read_text().splitlines()
+    assert len(summary) == 8 and all("not run (" in line for line in summary), summary
+    assert proc.returncode != 0
+
+
 def test_nvshmem_stage_fails_when_nothing_works_or_nvshmem_is_not_built(machine):
     _, results, run = machine
     proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="never")
