@@ -6,9 +6,12 @@
 #
 #   bash scripts/build_deepep_wheel.sh SRC [OUT]     # OUT default build/deepep
 #
-# SRC must be a DeepEP whose setup.py can leave NVSHMEM out (the intranode kernels alone):
-# commits up to 567632d (2026-02-03) can, when neither NVSHMEM_DIR nor the nvidia.nvshmem module
-# is found; from b306af0 (EPv2) on, setup.py always builds NVSHMEM and NCCL in. The build
+# SRC must be a DeepEP whose setup.py can leave NVSHMEM out (the intranode kernels alone) and
+# whose bindings then call only what that build defines: commits before c475ec6 (elastic
+# buffers; e.g. da6ca24). Up to 567632d setup.py leaves NVSHMEM out when neither NVSHMEM_DIR nor
+# the nvidia.nvshmem module is found, but from c475ec6 on the bindings call three mask kernels
+# of internode_ll.cu, left out with NVSHMEM (the check after the build refuses such a wheel);
+# from b306af0 (EPv2) on, setup.py always builds NVSHMEM and NCCL in. The build
 # environment is scripts/prebuild_gpu.sh's (HYBRID_EP_GPU_BUILD_VENV), where nvidia-nvshmem
 # is installed for hybrid_ep._C: this script hides that module from DeepEP's setup.py alone.
 # DeepEP links the CUDA driver (-lcuda), which this machine lacks: a stub with the driver's
@@ -67,4 +70,14 @@ wheel=$(ls "$out"/deep_ep-*.whl)
 bash "$repo/scripts/check_linkage.sh" \
     '^(libc10(_cuda)?|libtorch(_cpu|_cuda|_python)?|libcudart\.so\.13|libcuda\.so\.1|libstdc\+\+|libgcc_s|libm|libc|ld-linux-x86-64)(\.so.*)?$' \
     "$work"/unpacked/*.so
+# A DeepEP whose bindings call a kernel the NVSHMEM-free build leaves out links, and then fails
+# to import on the GPU machine (567632d: internode_ll::query_mask_buffer, from the elastic
+# buffer's mask functions of c475ec6): refuse it here, where nm sees the undefined symbol.
+missing=$(nm -D --undefined-only -C "$work"/unpacked/*.so | grep -o 'deep_ep::[A-Za-z_:]*' | sort -u || true)
+if [ -n "$missing" ]; then
+    log "error: the extension calls DeepEP functions it does not define (it will not import): $missing"
+    log "DeepEP before c475ec6 (e.g. da6ca24) builds its intranode kernels alone"
+    rm -f "$wheel"
+    exit 1
+fi
 log "built $(basename "$wheel") in $((SECONDS - start)) s: $(du -k "$wheel" | cut -f1) KiB"
