@@ -2,11 +2,15 @@
 # Check that built extensions load on the GPU machine as they are: each FILE may need only
 # libraries whose names match PATTERN (an extended regular expression; what torch, the CUDA
 # runtime and the driver provide there) and has no run path (no path of the machine that built
-# it). Prints each file's size and needs; exits 1 at the first file that fails.
+# it). With --own PREFIX, no C++ function whose name starts with PREFIX may be left undefined
+# (a build that leaves some of its own sources out links, then fails to import). Prints each
+# file's size and needs; exits 1 at the first file that fails.
 #
-#   bash scripts/check_linkage.sh PATTERN FILE...     # used by prebuild_gpu.sh, build_deepep_wheel.sh
+#   bash scripts/check_linkage.sh [--own PREFIX] PATTERN FILE...   # prebuild_gpu.sh, build_deepep_wheel.sh
 set -euo pipefail
-[ $# -ge 2 ] || { echo "usage: bash scripts/check_linkage.sh PATTERN FILE..." >&2; exit 2; }
+own=""
+if [ "${1:-}" = --own ]; then own=${2:?--own takes a prefix, e.g. deep_ep::}; shift 2; fi
+[ $# -ge 2 ] || { echo "usage: bash scripts/check_linkage.sh [--own PREFIX] PATTERN FILE..." >&2; exit 2; }
 pattern=$1
 shift
 for so in "$@"; do
@@ -18,5 +22,12 @@ for so in "$@"; do
     if readelf -d "$so" | grep -qE '\((RPATH|RUNPATH)\)'; then
         echo "[check_linkage] error: $(basename "$so") has a run path: $(readelf -d "$so" | grep -E 'RPATH|RUNPATH')" >&2
         exit 1
+    fi
+    if [ -n "$own" ]; then
+        missing=$(nm -D --undefined-only -C "$so" | sed -n 's/^ *U //p' | grep -F "$own" | sed 's/(.*//' | sort -u | tr '\n' ' ' || true)
+        if [ -n "$missing" ]; then
+            echo "[check_linkage] error: $(basename "$so") calls its own functions it does not define (it will not import): $missing" >&2
+            exit 1
+        fi
     fi
 done
