@@ -520,9 +520,11 @@ mps_stop() {
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
 # NVSHMEM_DISABLE_CUDA_VMM=1. Every combination is logged; the stage passes when some
 # combination works for both 2 and 4 PEs.
+# Whether hybrid_ep._C was built with the NVSHMEM transport (torch first: the extension needs it).
+has_nvshmem() { "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)'; }
 NVSHMEM_RUN_MIN_S=${NVSHMEM_RUN_MIN_S:-20}  # the least one self-test run gets
 run_nvshmem() {
-    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+    has_nvshmem || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     local todo=8 per_run mps vmm procs rc name worked2="" worked4=""
     local nv_summary="$results/nvshmem_summary.txt"
@@ -574,7 +576,7 @@ run_nvshmem() {
 # The cuda backend across real processes: each one rank, nodes of one or two ranks joined by
 # the NVSHMEM transport (hybrid_ep.testing.nvshmem_cases), every case against the oracle.
 run_nvshmem_cases() {
-    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' || {
+    has_nvshmem || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     say "dispatch + combine across NVSHMEM processes on the GPU (log: nvshmem_cases.log)"
     bounded "$(left)" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
@@ -640,7 +642,7 @@ run_soak() {
 # between them where the build has it).
 run_processes() {
     local nodes="1" rc
-    "$py" -c 'import torch, hybrid_ep._C as c, sys; sys.exit(0 if c.has_nvshmem() else 1)' && nodes="1 2"
+    has_nvshmem && nodes="1 2"
     mps_folders
     if ! mps_start; then
         say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps/start.log")): the processes take turns"

@@ -782,6 +782,6 @@ def test_every_extension_import_check_loads_torch_first():
 
     text = (Path(REPO) / "scripts" / "gpu_check.sh").read_text()
     checks = re.findall(r"-c '(import [^']*hybrid_ep\._C[^']*)'", text)
-    assert len(checks) >= 5, checks
+    assert len(checks) >= 3, checks  # the two load checks and has_nvshmem
     for code in checks:
         assert code.startswith("import torch, "), code

@@ -221,8 +221,9 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     """Timed calls of one emulated group: (rows of the table, host time, plain-PyTorch baseline)."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    # emulation can always go direct: one process, and the loopback transport across nodes
-    group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes, data_path=launch.data_path(True))
+    # the engine picks the path (HYBRID_EP_DATA_PATH, else direct: one process, and across nodes
+    # the loopback transport)
+    group = EmulatedGroup(W, H, T, E, ranks_per_node=W // nodes)
     plan = memory_plan(group.config)
     _note(f"W={W}: {plan.summary()}")
     idxs, xs, scales = _inputs(W, T, H, E, K, dtype, args.routing, args.seed, dev, args.zipf_exponent, nodes,

@@ -17,11 +17,11 @@ stderr, one line per point.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -78,21 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tokens < 1 or args.warmup < 0 or args.iters < 1:
         p.error("--tokens and --iters must be >= 1, --warmup >= 0")
     return args
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """The variables a buffer reads when it is made, set for its making only."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _load_costs(path: str | None) -> dict | None:
@@ -162,7 +147,8 @@ def sweep(args) -> dict:
     first_outputs, points = None, []
     for plan in args.plans:
         for groups in args.store_groups:
-            with _environment(**{launch.STORE_PLAN_ENV: plan, launch.STORE_GROUPS_ENV: str(groups)}):
+            # the variables a buffer reads when it is made, set for its making only
+            with mock.patch.dict(os.environ, {launch.STORE_PLAN_ENV: plan, launch.STORE_GROUPS_ENV: str(groups)}):
                 group = EmulatedGroup(W, H, T, E, data_path="direct", device=device)
             try:
                 res = group.dispatch(xs, idxs, scales=scales)
