@@ -27,9 +27,6 @@
 #                                                #     under MPS (the carried wheel, build/deepep/)
 #   bash scripts/gpu_check.sh soak     RESULTS   # (k) 2000 pairs W=8 direct, 2000 receive, 500 as 2 nodes
 #                                                #     of 4, oracle every 50 calls, memory recorded
-#   bash scripts/gpu_check.sh store-sweep RESULTS  # (m) the direct dispatch's store plans side by side,
-#                                                #     seed shape, W=8, 1 and 2 SMs, 0-2 store groups
-#                                                #     (store_sweep/store_sweep.json and .png)
 #   bash scripts/gpu_check.sh processes RESULTS  # (l) W=8 ranks as 8 processes under MPS, no arena_bytes:
 #                                                #     oracle, data path per call, GB/s/SM beside the
 #                                                #     emulation's, growth time, held bytes; one node of 8
@@ -59,8 +56,7 @@ shift 2
 [ ${#stages[@]} -gt 0 ] || usage
 for s in "${stages[@]}"; do
     case "$s" in
-        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep|soak|processes|\
-            store-sweep) ;;
+        build|test|sanitize|bench|bench-dsv3|ncu|nvshmem|nvshmem-ep|micro|ncu-l1tex|racecheck-probe|deepep|soak|processes) ;;
         *) echo "gpu_check: unknown stage '$s'" >&2; usage ;;
     esac
 done
@@ -282,18 +278,6 @@ run_bench_dsv3() {
             show_tail 6 "$results/$name.log"
         done
     done
-    return "$rc"
-}
-
-# The direct dispatch's store plans (HYBRID_EP_DIRECT_STORES) at the seed shape, W=8, 1 and 2 SMs
-# per rank, 0-2 store groups: every plan's rows checked against the first's, one JSON and one plot
-# (docs/benchmarks/cuda.md, "Store plans").
-run_store_sweep() {
-    say "store plans of the direct dispatch, seed shape, W=8 (log: store_sweep.log, results: store_sweep/)"
-    bounded "$(left)" "$py" -m hybrid_ep.bench.store_sweep --out "$results/store_sweep" \
-        > "$results/store_sweep.log" 2>&1
-    local rc=$?
-    show_tail 20 "$results/store_sweep.log"
     return "$rc"
 }
 
@@ -691,7 +675,6 @@ for stage in "${stages[@]}"; do
         deepep) run_deepep; rc=$? ;;
         soak) run_soak; rc=$? ;;
         processes) run_processes; rc=$? ;;
-        store-sweep) run_store_sweep; rc=$? ;;
     esac
     [ "$rc" -gt "$worst" ] && worst=$rc
 done

@@ -4,14 +4,14 @@
 # minutes; the machine's start is outside it): the extension builds in the background while the
 # microbenchmarks run (the carried build of scripts/prebuild_gpu.sh in seconds when it fits the
 # checkout and loads, else a build here), then the GPU tests, the benchmark (direct path + W=8
-# as 2 and 4 nodes), the receive path's single-node sweep, fp8 dispatch at W=8 (direct path, 1
-# and 2 SMs per rank: fp8 must reach bf16's tokens/s), the shape users run (a DeepSeek-V3-like
-# layer: E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then
-# receive path, with the bytes each rank's buffer holds in its JSON), W=8 ranks as 8 processes under
-# MPS with no arena_bytes (gpu_check.sh processes: oracle, path per call, GB/s/SM beside the
-# emulation's), DeepEP beside hybrid-ep (8
-# processes on the GPU under MPS, the carried DeepEP wheel), and last the racecheck probe
-# (docs/benchmarks/racecheck.md; its table is copied into the summary). Every part is bounded by
+# as 2 and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
+# wheel), the soak (soak: both paths at W=8 and 2 nodes of 4, its budget shared among them), W=8 ranks as 8 processes under MPS with no arena_bytes (gpu_check.sh processes: oracle,
+# path per call, GB/s/SM beside the emulation's), the shape users run (a DeepSeek-V3-like layer:
+# E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive
+# path, with the bytes each rank's buffer holds in its JSON), fp8 dispatch at W=8 (direct path, 1
+# and 2 SMs per rank: fp8 must reach bf16's tokens/s), the receive path's single-node sweep, and
+# last the racecheck probe (docs/benchmarks/racecheck.md; its table is copied into the summary).
+# Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
 # summary says so); the logs of all parts are packed into OUT/logs_short_lease.tgz beside
 # OUT/summary.txt (the device returns at most 8 files).
@@ -19,13 +19,13 @@
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh "$OUT"
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh --second "$OUT"
 #
-# --second: the lease's second call, about 4 minutes on the machine the first call warmed (it
-# ends SHORT_LEASE_END_S, default 240, seconds after it starts): the extension again (the
+# --second: the lease's second call, about 4.5 minutes on the machine the first call warmed (it
+# ends SHORT_LEASE_END_S, default 270, seconds after it starts): the extension again (the
 # carried build), then what the first could not fit, by value: dispatch + combine across NVSHMEM
 # processes against the oracle (gpu_check.sh nvshmem-ep), the NVSHMEM transport's self-test with
-# its 0-byte put-with-signal case (nvshmem), the direct dispatch's store plans side by side
-# (store-sweep), ncu's request counts by kind (ncu-l1tex), and the soak (soak: both paths at W=8
-# and 2 nodes of 4, what is left shared among them) if time is left.
+# its 0-byte put-with-signal case (nvshmem: 8 runs of at least 20 s each), and compute-sanitizer's
+# memcheck and synccheck on the small case of both paths (sanitize; racecheck is the first call's
+# probe) if time is left.
 # Its logs go to OUT/logs_second_call.tgz beside OUT/summary.txt.
 #
 # Budgets (seconds) per part, and what each took or is expected to take (docs/benchmarks/cuda.md,
@@ -33,9 +33,9 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_PROCESSES_S
-# (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60); the second call's:
-# SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (60), SHORT_LEASE_STORE_SWEEP_S
-# (90), SHORT_LEASE_L1TEX_S (90), SHORT_LEASE_SOAK_S (120).
+# (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_PROBE_S (60); the second
+# call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (170),
+# SHORT_LEASE_SANITIZE_S (90).
 set -u
 call=first
 if [ "${1:-}" = --second ]; then call=second; shift; fi
@@ -43,7 +43,7 @@ out=${1:?usage: scripts/gpu_short_lease.sh [--second] OUT}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 r=$(mktemp -d)
-if [ "$call" = second ]; then end=${SHORT_LEASE_END_S:-240}; else end=${SHORT_LEASE_END_S:-540}; fi
+if [ "$call" = second ]; then end=${SHORT_LEASE_END_S:-270}; else end=${SHORT_LEASE_END_S:-540}; fi
 export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a} PYTHONUNBUFFERED=1
 export HYBRID_EP_TIMEOUT_S=${HYBRID_EP_TIMEOUT_S:-20}
 note() { echo "short_lease [$call call, $(date +%T), ${SECONDS} s]: $*" | tee -a "$r/summary.txt"; }
@@ -76,10 +76,11 @@ bench() {
     note "$part exit $?"
 }
 
-# stage PART BUDGET STAGE: one gpu_check.sh stage into $r/STAGE/, its exit in the summary
+# stage PART BUDGET STAGE [ARG ...]: one gpu_check.sh stage into $r/STAGE/ (its ARGs after the
+# folder), its exit in the summary
 stage() {
     fits "$1" "$2" || return 0
-    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh "$3" "$r/$3" > "$r/$3_stage.out" 2>&1
+    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh "$3" "$r/$3" "${@:4}" > "$r/$3_stage.out" 2>&1
     note "$1 exit $?: $(grep -v '^gpu_check \[build\]' "$r/$3/gpu_check_summary.txt" 2>/dev/null | tail -1)"
 }
 
@@ -88,10 +89,8 @@ if [ "$call" = second ]; then
     note "build exit $?: $(grep -m1 -oE '(using the carried build|building hybrid_ep|the carried|no carried).*' \
         "$r/build_stage.out")"
     stage "nvshmem-ep" "${SHORT_LEASE_NVSHMEM_EP_S:-60}" nvshmem-ep
-    stage nvshmem "${SHORT_LEASE_NVSHMEM_S:-60}" nvshmem
-    stage "store-sweep" "${SHORT_LEASE_STORE_SWEEP_S:-90}" store-sweep
-    stage "ncu-l1tex" "${SHORT_LEASE_L1TEX_S:-90}" ncu-l1tex
-    stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
+    stage nvshmem "${SHORT_LEASE_NVSHMEM_S:-170}" nvshmem
+    stage sanitize "${SHORT_LEASE_SANITIZE_S:-90}" sanitize memcheck synccheck
     exit 0
 fi
 note "extension build in the background, microbenchmarks in front"
@@ -110,26 +109,27 @@ if fits bench "${SHORT_LEASE_BENCH_S:-170}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh bench "$r/bench" > "$r/bench_stage.out" 2>&1
     note "bench exit $?"
 fi
-shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
-note "receive path, one node (bench_receive/)"
-bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
-    --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4
-note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
-bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
-for path in direct receive; do  # the shape users run, default settings (no arena, default rings)
-    note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, $path path, 1 and 2 SMs per rank (bench_dsv3_$path/)"
-    bench "bench dsv3 $path" "${SHORT_LEASE_DSV3_S:-45}" "bench_dsv3_$path" HYBRID_EP_DATA_PATH=$path -- \
-        --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
-done
+if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
+    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
+    note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
+fi
+stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
 if fits processes "${SHORT_LEASE_PROCESSES_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
     note "processes exit $? (processes/processes.log):"
     grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
-if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
-    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
-    note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
-fi
+for path in direct receive; do  # the shape users run, default settings (no arena, default rings)
+    note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, $path path, 1 and 2 SMs per rank (bench_dsv3_$path/)"
+    bench "bench dsv3 $path" "${SHORT_LEASE_DSV3_S:-45}" "bench_dsv3_$path" HYBRID_EP_DATA_PATH=$path -- \
+        --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
+done
+shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
+note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
+bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+note "receive path, one node (bench_receive/)"
+bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
+    --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4
 if fits "racecheck probe" "${SHORT_LEASE_PROBE_S:-60}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh racecheck-probe "$r/racecheck_probe" \
         > "$r/racecheck_probe_stage.out" 2>&1

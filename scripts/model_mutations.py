@@ -50,11 +50,6 @@ HAZARD_STAGES = "tests/test_hazards_model.py::test_the_direct_dispatch_keeps_an_
 # The direct path on several nodes: calls that wrap its staging and node-partial rings many times.
 DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle"
 
-# The direct dispatch's store plans other than the default, on one node (test_store_plans_model.py).
-STORE_PLANS_ONE_NODE = "tests/test_store_plans_model.py::test_every_store_plan_matches_the_oracle_on_one_node"
-STORE_PLANS_RELEASE = ("tests/test_store_plans_model.py::"
-                       "test_a_store_plan_releases_a_stage_only_after_its_stores_read_it")
-
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch_receive.cuh",
              "dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed)",
@@ -174,16 +169,6 @@ MUTATIONS = (
     Mutation("store-queue-frees-before-read", "a stage released before its stores read it (every store queue)",
              "csrc/kernels/pipeline.cuh",
              "    bulk_wait_read_except(in_flight);  // release the oldest stages only\n", ""),
-    Mutation("store-lanes-only-lane-0-stores", "a lost row (the lanes store plan: targets past the first "
-             "never stored, lane 0 alone issuing)", "csrc/kernels/dispatch_direct.cuh",
-             "return !kWarpWide || target % 32 == lane;", "return !kWarpWide || (target % 32 == lane && lane == 0);",
-             tests=STORE_PLANS_ONE_NODE),
-    Mutation("store-lanes-release-before-every-lane-read", "a stage released before every consumer read it (the "
-             "lanes store plan: lane 0 frees a stage while other lanes' stores still read it)",
-             "csrc/kernels/pipeline.cuh",
-             "    bulk_wait_read_except(in_flight);  // release the oldest stages only\n"
-             "    if (warp_wide) __syncwarp();\n",
-             "    bulk_wait_read_except(in_flight);  // release the oldest stages only\n", tests=STORE_PLANS_RELEASE),
     Mutation("block-counter-kept-across-calls", "a completion count of the wrong epoch (the rank's count of "
              "finished blocks is not reset, so the next call's last block never publishes done)",
              "csrc/kernels/skeleton.cuh", "  *blocks_done = 0;\n", ""),

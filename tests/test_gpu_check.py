@@ -691,9 +691,9 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then fp8, the
-    DeepSeek-V3-like layer on both paths, DeepEP beside hybrid-ep, then the racecheck probe;
-    logs packed for the device."""
+    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then DeepEP beside
+    hybrid-ep, the soak, the processes, the DeepSeek-V3-like layer on both paths, fp8, the
+    receive sweep, then the racecheck probe; logs packed for the device."""
     import tarfile
 
     _, results, run = machine
@@ -701,18 +701,20 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the bench stage's three sweeps (one node, 2 and 4 nodes), the receive sweep, fp8, the
-    # DeepSeek-V3-like layer on each path, and hybrid-ep beside DeepEP
+    # the bench stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep beside DeepEP, the
+    # DeepSeek-V3-like layer on each path, fp8 and the receive sweep
     assert len(benches) == 8, benches
-    assert "--dtype fp8 --sms 1 2" in benches[4] and "--emulate 8 " in benches[4]
-    assert benches[3].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
-    for line, path in zip(benches[5:], ("direct", "receive")):
+    assert "--backends cuda deepep" in benches[3]
+    for line, path in zip(benches[4:6], ("direct", "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
+    assert "--dtype fp8 --sms 1 2" in benches[6] and "--emulate 8 " in benches[6]
+    assert benches[7].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
-    order = ["micro exit", "build exit", "test exit", "bench exit", "bench receive exit", "bench fp8 exit",
-             "bench dsv3 direct exit", "bench dsv3 receive exit", "deepep exit", "racecheck probe exit"]
+    order = ["micro exit", "build exit", "test exit", "bench exit", "deepep exit", "soak exit", "processes exit",
+             "bench dsv3 direct exit", "bench dsv3 receive exit", "bench fp8 exit", "bench receive exit",
+             "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
@@ -723,8 +725,9 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
     for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
-                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt"):
+                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./soak/soak_direct_g8.log"):
         assert log in names, names
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
 
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
@@ -743,8 +746,8 @@ def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
 
 
 def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive(machine):
-    """gpu_short_lease.sh --second: the NVSHMEM cases, the NVSHMEM self-test, the store plans'
-    sweep, ncu's request counts, then the soak, each bounded by what is left of its 240 s."""
+    """gpu_short_lease.sh --second: the NVSHMEM cases, the NVSHMEM self-test, then memcheck and
+    synccheck, each bounded by what is left of its 270 s."""
     import tarfile
 
     _, results, run = machine
@@ -752,16 +755,17 @@ def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive
     proc, calls = run("--second", str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (results / "summary.txt").read_text()
-    order = ["build exit", "nvshmem-ep exit", "nvshmem exit", "store-sweep exit", "ncu-l1tex exit", "soak exit"]
+    order = ["build exit", "nvshmem-ep exit", "nvshmem exit", "sanitize exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "nvshmem-ep exit 0: " in summary and "12 of 12 cases" in summary
-    assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
-    assert len([line for line in calls.splitlines() if "-m hybrid_ep.bench.store_sweep --out" in line]) == 1
+    assert "-m hybrid_ep.testing.soak" not in calls  # the first call's
+    tools = [line.split()[2] for line in calls.splitlines() if line.startswith("compute-sanitizer --tool")]
+    assert tools == ["memcheck", "memcheck", "synccheck", "synccheck"], tools  # each on both paths
     assert "-m hybrid_ep.bench --" not in calls and "-m pytest" not in calls  # the first call's parts
     with tarfile.open(results / "logs_second_call.tgz") as packed:
         names = packed.getnames()
-    assert "./soak/soak_direct_g8.log" in names and "./nvshmem-ep/nvshmem_cases.log" in names, names
+    assert "./sanitize/sanitizer_summary.txt" in names and "./nvshmem-ep/nvshmem_cases.log" in names, names
     assert not (results / "logs_short_lease.tgz").exists()
 
 
@@ -770,7 +774,7 @@ def test_second_call_ends_in_its_time(machine):
     results.mkdir()
     proc, _ = run("--second", str(results), script="gpu_short_lease.sh", SHORT_LEASE_END_S="35")
     summary = (results / "summary.txt").read_text()
-    assert "ncu-l1tex not run: " in summary and " s left of 35" in summary
+    assert "sanitize not run: " in summary and " s left of 35" in summary
 
 
 def test_every_extension_import_check_loads_torch_first():

@@ -395,11 +395,10 @@ inline void bind_common(py::module_& m) {
   // Where the host polls the error records (pinned host memory) without a call into the module.
   m.attr("ERROR_RECORD_PHASE_OFFSET") = offsetof(ErrorRecord, phase);
   m.attr("ERROR_RECORD_EPOCH_OFFSET") = offsetof(ErrorRecord, epoch);
-  // The codes Python passes (LaunchArgs::dtype, wire_dtype, store_plan, Geometry::transport) and reads
+  // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
   // (the error record's phase and pipeline site), by name: the one definition is common/params.h.
   m.attr("DTYPE_CODES") = code_dict(kDTypeNames);
   m.attr("TRANSPORTS") = code_dict(kTransportNames);
-  m.attr("STORE_PLANS") = code_dict(kStorePlanNames);
   m.attr("PHASES") = code_dict(kPhaseNames);
   m.attr("PIPE_SITES") = code_dict(kPipeSiteNames);
 
@@ -476,12 +475,11 @@ inline void bind_common(py::module_& m) {
       .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype)
           RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs)
               RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages) RW(LaunchArgs, stage_bytes)
-                  RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, store_plan)
-                      RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages)
-                          RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages)
-                              RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns)
-                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
-                                      RW(LaunchArgs, num_sms)
+                  RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype)
+                      RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
+                          RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
+                              RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                                  RW(LaunchArgs, error) RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

@@ -39,7 +39,7 @@ constexpr int kCountRowTail = 4 + kAgreeWords;  // a count row's ints after its 
                                                 // routes to each rank follow
 
 // The codes below are the one definition of each: the bindings export them to Python by the
-// names in the tables after them (TRANSPORTS, DTYPE_CODES, STORE_PLANS, PHASES, PIPE_SITES;
+// names in the tables after them (TRANSPORTS, DTYPE_CODES, PHASES, PIPE_SITES;
 // csrc/bindings/common.h),
 // and hybrid_ep/backends/cuda/engine.py reads them from the loaded module. Each enum ends with
 // its count, which is not a code.
@@ -48,16 +48,6 @@ constexpr int kCountRowTail = 4 + kAgreeWords;  // a count row's ints after its 
 enum TransportKind : int32_t { kTransportLoopback = 0, kTransportNvshmem = 1, kNumTransports };
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8 = 3, kNumDTypes };
-
-// How the direct dispatch's store warps issue a stage's bulk stores (LaunchArgs::store_plan), one
-// kernel instantiation each (kernels/dispatch_direct.cuh, StoreCrew): the candidates of its store
-// path, chosen per buffer (HYBRID_EP_DIRECT_STORES) and timed side by side by the store sweep.
-enum StorePlan : int32_t {
-  kStoresAlternate = 0,  // lane 0 of each store warp, the warps taking alternate stages
-  kStoresSingle = 1,     // lane 0 of the first store warp, every stage
-  kStoresLanes = 2,      // every lane of each store warp, a row's targets spread over the lanes
-  kNumStorePlans
-};
 
 enum Phase : int32_t {
   kPhaseNone = 0,
@@ -122,9 +112,6 @@ inline constexpr CodeName kTransportNames[] = {{kTransportLoopback, "loopback"},
 inline constexpr CodeName kDTypeNames[] = {
     {kFloat32, "float32"}, {kBFloat16, "bfloat16"}, {kFloat16, "float16"}, {kFloat8, "float8_e4m3fn"}};
 
-inline constexpr CodeName kStorePlanNames[] = {
-    {kStoresAlternate, "alternate"}, {kStoresSingle, "single"}, {kStoresLanes, "lanes"}};
-
 inline constexpr CodeName kPhaseNames[] = {
     {kPhaseNone, "none"},
     {kPhaseBadRouting, "bad_routing"},
@@ -177,7 +164,6 @@ constexpr bool names_every_code(const CodeName (&names)[N], int count) {
 }
 static_assert(names_every_code(kTransportNames, kNumTransports), "kTransportNames must name every TransportKind");
 static_assert(names_every_code(kDTypeNames, kNumDTypes), "kDTypeNames must name every DType");
-static_assert(names_every_code(kStorePlanNames, kNumStorePlans), "kStorePlanNames must name every StorePlan");
 static_assert(names_every_code(kPhaseNames, kNumPhases), "kPhaseNames must name every Phase");
 static_assert(names_every_code(kPipeSiteNames, kNumPipeSites), "kPipeSiteNames must name every PipeSite");
 
@@ -398,7 +384,6 @@ struct LaunchArgs {
   int32_t rows_per_stage;  // whole rows batched in one stage (1: a row fills a stage or more)
   int32_t store_groups;    // bulk-store groups whose stages stay held while they read (every FIFO
                            // with stores: dispatch send and expand, combine expert host)
-  int32_t store_plan;      // dispatch_direct: StorePlan of its store warps
   int32_t wire_dtype;      // combine: DType of the partial sums between ranks (kFloat32 or dtype)
   int32_t seg_cols;        // combine: columns per stage (the whole row up to 8192, else a multiple of 8)
   int32_t host_stages;     // combine: stages of expert-output segments (seg_cols of dtype each), and their bytes

@@ -2,8 +2,6 @@
 // dispatch that writes each route's final row and the combine that pulls each route's
 // expert output, their loopback instantiations (one node, emulation, CPU model), launchers,
 // shared memory and occupancy. The NVSHMEM instantiations are kernels_nvshmem.cu.
-#include <algorithm>
-
 #include "kernels/combine_direct.cuh"
 #include "kernels/dispatch_direct.cuh"
 
@@ -18,16 +16,9 @@ LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream) {
   return dispatch_direct_impl::launch_dispatch_direct_with<LoopbackTransport>(args, stream);
 }
 
-// The fewest of any store plan's instantiation (a buffer may launch any of them).
 int dispatch_direct_max_blocks_per_sm(size_t smem) {
-  using namespace dispatch_direct_impl;
-  const int alternate =
-      dev::max_active_blocks(dispatch_direct_kernel<LoopbackTransport, kStoresAlternate>, kDirectThreads, smem);
-  const int single =
-      dev::max_active_blocks(dispatch_direct_kernel<LoopbackTransport, kStoresSingle>, kDirectThreads, smem);
-  const int lanes =
-      dev::max_active_blocks(dispatch_direct_kernel<LoopbackTransport, kStoresLanes>, kDirectThreads, smem);
-  return std::min({alternate, single, lanes});
+  return dev::max_active_blocks(dispatch_direct_impl::dispatch_direct_kernel<LoopbackTransport>,
+                                dispatch_direct_impl::kDirectThreads, smem);
 }
 
 size_t combine_direct_smem_bytes(const LaunchArgs& args) {

@@ -13,10 +13,8 @@
 //               destination's count kernel, plus the route's ordinal; -1 where num_out_tokens
 //               clipped it), kept in the handle for combine, and writes each route's routing
 //               weight and fp8 scales into the destination's tensors;
-//   warps 2-3   bulk-store each stage once per target of its rows, by the launch's StorePlan
-//               (StoreCrew): lane 0 of each warp, the two warps taking alternate stages (of an
-//               even number: the launcher refuses another); lane 0 of warp 2 alone; or every
-//               lane of each warp, a row's targets spread over the lanes; store_groups groups
+//   warps 2-3   bulk-store each stage once per target of its rows, the two warps taking
+//               alternate stages (of an even number: the launcher refuses another), store_groups groups
 //               in flight each, then release the stage (1 arrival);
 //   warps 4-5   write this rank's zero padding rows (kernels/padding.cuh); with several nodes
 //               warp 4 is the RDMA warp (below) and warp 5 writes the padding.
@@ -317,52 +315,24 @@ __device__ void route_table(const DirectDispatch<Rdma>& d, int lane) {
   }
 }
 
-// Who issues a store warp's bulk stores, by StorePlan (LaunchArgs::store_plan; each plan is an
-// instantiation of the kernel): lane 0 alone (alternate: the two warps take alternate stages;
-// single: the first warp takes every stage and the second only follows the units, for the
-// table ring's and the done ring's arrivals), or every lane (lanes: lane q issues target q of
-// each row, so a row's K stores go out from K lanes at once instead of one after the other
-// from one lane). Bulk groups are per thread: each member commits once per stage it takes,
-// stores or not, so every member's group count is the same; the leader (lane 0) makes the
-// crew's waits, releases and arrivals once every member's groups allow them, and tells the
-// others (agree) what came of them.
-template <StorePlan Plan>
-struct StoreCrew {
-  static constexpr bool kWarpWide = Plan == kStoresLanes;
-  static constexpr int kStoringWarps = Plan == kStoresSingle ? 1 : kStoreWarps;  // warps that take stages
-  int lane;
-
-  __device__ bool leader() const { return lane == 0; }
-  __device__ bool issues(int target) const { return !kWarpWide || target % 32 == lane; }
-  __device__ void sync() const {
-    if (kWarpWide) __syncwarp();
-  }
-  // The leader's value, for every member.
-  __device__ bool agree(bool v) const { return kWarpWide ? warp_uniform(v) : v; }
-};
-
-// The store groups a store thread lets still read their stages. The storing threads' newest
-// groups hold kStoringWarps x that many stages of the one ring; with the stage being stored
-// they leave the loads at least one, or a load would wait for a release that waits for a later
-// load.
-template <StorePlan Plan>
+// The store groups a store thread lets still read their stages. The two threads' newest
+// groups hold kStoreWarps x that many stages of the one ring; with the stage being stored they
+// leave the loads at least one, or a load would wait for a release that waits for a later load.
 __device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& args, int stages) {
-  return min(store_groups_in_flight(args, stages), (stages - 1) / StoreCrew<Plan>::kStoringWarps);
+  return min(store_groups_in_flight(args, stages), (stages - 1) / kStoreWarps);
 }
 
-// Warps 2-3, by the crew of StorePlan: every kStoringWarps-th stage each (the FIFO's items
-// which, which + kStoringWarps, ...), stored once per target of its rows, then released once its
-// stores have read it. The crew stores all of a stage's targets, as the microbenchmarks' 1 load
-// + 8 stores per stage does, so a stage waits for one warp's stores. With several nodes each
-// warp tells the RDMA warp when it is done with a unit (the done ring): an own chunk once its
-// staged stores completed, a forwarded chunk once its loads were waited for. That arrival stays
-// pending while the next unit's stores go out, and is made before any wait that may block.
-template <typename Rdma, StorePlan Plan>
-__device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane) {
-  using Crew = StoreCrew<Plan>;
-  const Crew crew{lane};
-  StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight<Plan>(d.args, d.stages), which, Crew::kStoringWarps,
-                   Crew::kWarpWide);
+// Warps 2-3 (lane 0): every other stage each (the FIFO's items which, which + kStoreWarps,
+// ...), stored once per target of its rows, then released once its stores have read it. A
+// thread stores all of a stage's targets, as the microbenchmarks' 1 load + 8 stores per stage
+// does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
+// stages. With several nodes each thread tells the RDMA warp when it is done with a unit (the
+// done ring): an own chunk once its staged stores completed, a forwarded chunk once its loads
+// were waited for. That arrival stays pending while the next unit's stores go out, and is made
+// before any wait that may block.
+template <typename Rdma>
+__device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
+  StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
   const bool multi = d.h.multi();
   PipeState item, table, done;  // item: every item of the FIFO
   bool pending = false;         // a unit's done arrival, once its groups up to pending_group completed
@@ -371,27 +341,17 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane)
     if (!pending) return true;
     bulk_wait_write_except(all ? 0 : static_cast<int>(queue.groups() - pending_group));
     dev::fence_proxy_async();  // the staged rows, before the RDMA warp's generic reads
-    crew.sync();               // every member's stores of the unit completed
-    bool ok = true;
-    if (crew.leader()) {
-      ok = d.done_ring.producer_acquire(d.args, done);
-      if (ok) d.done_ring.producer_commit(done);
-    }
-    if (!crew.agree(ok)) return false;
+    if (!d.done_ring.producer_acquire(d.args, done)) return false;
+    d.done_ring.producer_commit(done);
     done.advance(kDoneSlots);
     pending = false;
     return true;
   };
   // A consumer wait on `ring` that may block: the pending arrival first, unless it passes at once.
   auto wait_for = [&](const Ring& ring, const PipeState& p) {
-    if (crew.agree(d.stopped())) return false;
-    bool ready = pending && crew.agree(crew.leader() && dev::mbar_try_wait(&ring.full[p.stage], p.phase));
-    if (!ready) {
-      if (!arrive_pending(true)) return false;
-      ready = crew.agree(crew.leader() && ring.consumer_wait(d.args, p));
-    }
-    if (ready) ring.observe_full(p, lane);
-    return ready;
+    if (d.stopped()) return false;
+    if (pending && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
+    return arrive_pending(true) && ring.consumer_wait(d.args, p);
   };
   DirectUnits<DirectDispatch<Rdma>> units(d);
   int m, c;
@@ -405,21 +365,14 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane)
     const int u0 = tab.u0, u1 = tab.u1;
     const bool staged = multi && m < 0;
     if (staged) {  // the chunk's slot of every other node's staging ring is free
-      // A warp-wide crew makes its pending arrival first (every member's groups), as the
-      // writer's acquire would before it blocks.
-      if (Crew::kWarpWide) ok = arrive_pending(true);
       for (int n = 0; n < d.h.topo.N && ok; ++n)
-        if (n != d.h.node) {
-          if (crew.leader())
-            ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
-                                            d.h.rail_peer(n), [&] { return arrive_pending(true); });
-          ok = crew.agree(ok);
-        }
+        if (n != d.h.node)
+          ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
+                                          d.h.rail_peer(n), [&] { return arrive_pending(true); });
       if (!ok) break;
-      if (!crew.leader()) dev::fence_proxy_async();  // this member's stores after the leader's acquire
     }
     for (int k = 0; k < d.unit_items(m, u0, u1); ++k, item.advance(d.stages)) {
-      if (item.count % Crew::kStoringWarps != static_cast<uint32_t>(which)) continue;  // another warp's
+      if (item.count % kStoreWarps != static_cast<uint32_t>(which)) continue;  // the other thread's
       const RowBatches::Item it = u1 > u0 ? d.batches.item(u0, u1, k) : RowBatches::Item{0, 0, 0u, 0u};
       if (!wait_for(d.fifo.ring, item)) {
         ok = false;
@@ -428,7 +381,6 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane)
       for (int r = 0; r < it.rows; ++r) {
         const int i = it.first + r - u0;
         for (int q = 0; q < tab.targets[i]; ++q) {
-          if (!crew.issues(q)) continue;
           const int p = tab.row[i][q], dst = tab.dest[i][q];
           uint8_t* to =
               dst >= kStagedTarget
@@ -445,8 +397,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane)
       queue.release_read();
     }
     if (!ok) break;
-    crew.sync();  // every member read the table when it issued its stores
-    if (crew.leader()) d.table_ring.consumer_release(table);
+    d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
     if (multi) {
       if (pending && !arrive_pending(true)) {
         ok = false;
@@ -456,7 +407,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which, int lane)
       pending_group = queue.groups();
     }
   }
-  if (ok && !crew.agree(d.stopped()) && !arrive_pending(true)) ok = false;
+  if (ok && !d.stopped() && !arrive_pending(true)) ok = false;
   if (!ok) d.stop();
   queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }
@@ -529,7 +480,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
   if (lane == 0) releases.quiet(true);  // the staging puts and the credits, before the rank's done signals
 }
 
-template <typename Rdma, StorePlan Plan>
+template <typename Rdma>
 __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(const __grid_constant__ LaunchArgs args) {
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
@@ -574,7 +525,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
       break;
     case DirectRole::kTable: route_table(d, lane); break;
     case DirectRole::kStore:
-      if (StoreCrew<Plan>::kWarpWide || lane == 0) store_routes<Rdma, Plan>(d, role.warp_index(tid >> 5), lane);
+      if (lane == 0) store_routes(d, role.warp_index(tid >> 5));
       break;
     case DirectRole::kRdma: rdma_send(d, lane); break;
     case DirectRole::kPad: zero_padding(d, role.warp_index(tid >> 5), role.warps, lane); break;
@@ -588,29 +539,19 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
   }
 }
 
-template <typename Rdma, StorePlan Plan>
-LaunchStatus launch_store_plan(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(dispatch_direct_kernel<Rdma, Plan>, args.num_ranks * args.num_sms, kDirectThreads,
-                                 static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
-                                 args, "dispatch_direct");
-}
-
 template <typename Rdma>
 LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream) {
-  // The store warps take the FIFO's items in turn (item % kStoringWarps): with a stage count that
-  // is not a multiple of theirs, a warp takes a stage every other round, at the same parity, so
+  // The store threads take the FIFO's items in turn (item % kStoreWarps): with a stage count that
+  // is not a multiple of theirs, a thread takes a stage every other round, at the same parity, so
   // its wait may pass on the phase it consumed two rounds before while the round in between is
-  // still loading, and it would store that stage's old rows. (One count serves every plan.)
+  // still loading, and it would store that stage's old rows.
   if (args.fifo_stages % kStoreWarps != 0)
     return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
            "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
            "it already consumed";
-  switch (args.store_plan) {
-    case kStoresAlternate: return launch_store_plan<Rdma, kStoresAlternate>(args, stream);
-    case kStoresSingle: return launch_store_plan<Rdma, kStoresSingle>(args, stream);
-    case kStoresLanes: return launch_store_plan<Rdma, kStoresLanes>(args, stream);
-    default: return "dispatch_direct: store_plan must be a StorePlan code (STORE_PLANS)";
-  }
+  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.num_sms, kDirectThreads,
+                                 static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
+                                 args, "dispatch_direct");
 }
 
 }  // namespace dispatch_direct_impl

@@ -145,19 +145,16 @@ __device__ __forceinline__ void bulk_wait_write_except(int in_flight) {
 // thread's newest groups still read their stages and releases its older stages, oldest first;
 // finish() waits until every store landed (and orders them before the thread's later generic
 // accesses) and releases the rest. A thread that takes every `stride`-th stage of the ring
-// from `first` on (store threads alternating stages) releases only its own. A warp-wide queue
-// (every lane stores: the direct dispatch's lanes plan) is kept by each lane for its own groups;
-// lane 0 releases once every lane's wait returned.
+// from `first` on (store threads alternating stages) releases only its own.
 struct StoreQueue {
   const Ring& ring;
   int in_flight, stride;
-  bool warp_wide;          // every lane of the warp stores (StoreCrew): lane 0 releases once all read
   PipeState next;          // the thread's oldest stage not yet released
   uint32_t committed = 0;  // groups (one per stage stored)
   uint32_t released = 0;
 
-  __device__ StoreQueue(const Ring& r, int in_flight_groups, int first = 0, int every = 1, bool lanes = false)
-      : ring(r), in_flight(in_flight_groups), stride(every), warp_wide(lanes) {
+  __device__ StoreQueue(const Ring& r, int in_flight_groups, int first = 0, int every = 1)
+      : ring(r), in_flight(in_flight_groups), stride(every) {
     for (int s = 0; s < first; ++s) next.advance(ring.stages);
   }
   __device__ uint32_t groups() const { return committed; }
@@ -167,19 +164,17 @@ struct StoreQueue {
   }
   __device__ void release_read() {
     bulk_wait_read_except(in_flight);  // release the oldest stages only
-    if (warp_wide) __syncwarp();
     while (released + in_flight < committed) release_next();
   }
   __device__ void finish() {
     dev::bulk_wait_all();      // the stores landed (a signal or the block's end comes next)
     dev::fence_proxy_async();  // and are ordered before this thread's later generic accesses
-    if (warp_wide) __syncwarp();
     while (released < committed) release_next();
   }
 
  private:
   __device__ void release_next() {
-    if (!warp_wide || (threadIdx.x & 31u) == 0) ring.consumer_release(next);
+    ring.consumer_release(next);
     ++released;
     for (int s = 0; s < stride; ++s) next.advance(ring.stages);
   }

@@ -63,14 +63,12 @@ def _predict(args) -> int:
     # the driver's emulated group reads the variable (it runs older commits' kernels too)
     tables = {"table": table} | {name: table.with_values(**values)
                                  for name, values in (readings.READINGS.items() if args.readings else ())}
-    env = {launch.DATA_PATH_ENV: path} | ({launch.STORE_PLAN_ENV: args.store_plan} if args.store_plan else {})
-    with mock.patch.dict(os.environ, env):
+    with mock.patch.dict(os.environ, {launch.DATA_PATH_ENV: path}):
         rows = _predicted_rows(args, tables, path, nodes, worlds, experts)
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
-              "store_plan": args.store_plan or launch.DEFAULT_STORE_PLAN,
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": _checkout_commit()}
@@ -186,8 +184,6 @@ def _validate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybrid_ep.backends.cuda import launch
-
     from . import constants, predict
 
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -208,9 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
                     help="the kernels' data path (default: the bench's, direct)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
-    pr.add_argument("--store-plan", choices=sorted(launch.STORE_PLANS), default=None,
-                    help="the direct dispatch's store plan, as HYBRID_EP_DIRECT_STORES picks it for the bench "
-                         f"(default {launch.DEFAULT_STORE_PLAN})")
     pr.add_argument("--readings", action="store_true",
                     help="also predict under each reading of the store cost (tools/timing/readings.py), from the "
                          "same runs of the model")

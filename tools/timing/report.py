@@ -60,8 +60,7 @@ def format_predicted(doc: dict) -> str:
              f"{', '.join(map(str, c['world_sizes']))} virtual ranks{where} on one {c['device_modelled']} | "
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
              f" | {c.get('data_path', RECEIVE)} path"
-             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
-             + ("" if c.get("store_plan") is None else f" | store plan {c['store_plan']}"),
+             + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
              f"{'GB/s/SM':>8}"]
     for r in doc["runs"]:

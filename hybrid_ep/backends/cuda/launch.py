@@ -173,22 +173,6 @@ def direct_store_groups(stages: int, stage_bytes: int, override: int | None = No
 
 DIRECT_STORE_THREADS: int = compiled.DIRECT_STORE_THREADS  # the store threads of a direct dispatch block
 
-# How the direct dispatch's store warps issue their bulk stores, by name (csrc's StorePlan codes):
-# candidates of the store path, one kernel instantiation each, chosen per buffer by the variable
-# and timed side by side by `python -m hybrid_ep.bench.store_sweep` (docs/benchmarks/cuda.md).
-STORE_PLANS: dict[str, int] = dict(compiled.STORE_PLANS)
-DEFAULT_STORE_PLAN = "alternate"
-STORE_PLAN_ENV = "HYBRID_EP_DIRECT_STORES"
-
-
-def store_plan(environ=None) -> str:
-    """HYBRID_EP_DIRECT_STORES: the direct dispatch's store plan (DEFAULT_STORE_PLAN when unset)."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(STORE_PLAN_ENV) or DEFAULT_STORE_PLAN
-    if raw not in STORE_PLANS:
-        raise ValueError(f"{STORE_PLAN_ENV} must be one of {sorted(STORE_PLANS)}, got {raw!r}")
-    return raw
-
 
 def direct_fifo_shape(row_bytes: int, smem_per_block: int) -> FifoShape:
     """The direct dispatch's FIFO: fifo_shape's, its stages a multiple of DIRECT_STORE_THREADS.
@@ -320,7 +304,6 @@ def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name
     fifo = direct_fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block)
     a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
     a.store_groups = direct_store_groups(fifo.stages, fifo.stage_bytes, s.store_groups_override)
-    a.store_plan = STORE_PLANS[s.store_plan]
     return s.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
 
 
@@ -373,20 +356,16 @@ class LaunchSettings:
         self.device_sms, self.smem_per_block = device_sms, smem_per_block
         self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
-        self.store_plan = store_plan()  # HYBRID_EP_DIRECT_STORES, read once per buffer
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:
         """The pipeline shape each kernel launched with at num_sms SMs per rank ({kind: {stages,
-        store_groups}}, the direct dispatch's store_plan too), for benchmark records: the store
-        queue is chosen per launch."""
+        store_groups}}), for benchmark records: the store queue is chosen per launch."""
         shapes = {}
         for (kind, launched_sms, *_), a in self.cache.items():
             if launched_sms == num_sms:
                 stages = getattr(a, KIND_SETTINGS[kind].stages)
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
-                if kind == "dispatch_direct":
-                    shapes[kind]["store_plan"] = self.store_plan
         return shapes
 
     def args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None,
