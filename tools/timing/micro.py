@@ -69,6 +69,16 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         put("g2s_l2_latency_ns", g("L_load_l2", 0) - ROW_BYTES / v["C_load"],
             f"L_load_l2 {g('L_load_l2', 0):.1f} (a 16 KiB bulk load, L2-hot) less its bytes through the engine at "
             f"C_load {v['C_load']:.2f} bytes/ns", "L_load_l2")
+    # The engine's two directions run side by side (timing.h, "bulk copies"): each at its rate
+    # alone. One load + 2, 4, 8 stores per stage (C_mix2/4/8, bytes loaded and stored) then take
+    # the stores' time at C_store, 3-13 % under the measured; one calendar for both would be
+    # 7-24 % over it (the 2026-11-27 H200 run).
+    put("engine_load_bytes_per_ns", g("C_load", 0),
+        f"C_load {g('C_load', 0):.2f} GB/s, bulk loads alone (16 KiB, 8 stages, one SM): the engine's load "
+        "direction", "C_load")
+    put("engine_store_bytes_per_ns", g("C_store", 0),
+        f"C_store {g('C_store', 0):.2f} GB/s, bulk stores alone (16 KiB, 4 groups reading, one SM): the engine's "
+        "store direction, which plain store requests take too", "C_store")
     if "C_store" in v:
         put("request_ns", REQUEST_BYTES / v["C_store"],
             f"a write request's share of C_store {v['C_store']:.2f} bytes/ns (stores alone, one SM): the stores "

@@ -270,7 +270,7 @@ void Timer::settle(int th, bool end_spin) {
 }
 
 // A lane's plain global stores in a row (between two of its other operations) go through its
-// SM's request path together: one piece of the copy engine's calendar, request_ns each, placed
+// SM's request path together: one piece of the copy engine's store calendar, request_ns each, placed
 // by its issue time among the bulk copies (the stores do not wait for it: they are posted).
 void Timer::flush_requests(int th) {
   Clock& c = clocks_[th];
@@ -627,19 +627,21 @@ void Timer::place(size_t copy, Origin* read, Origin* write) {
     const CopyTime& x = copies_.at(a);
     return x.issued.t < ct.issued.t || (x.issued.t == ct.issued.t && a < copy);
   };
-  std::vector<std::pair<double, size_t>> ahead;
+  std::vector<std::pair<double, size_t>> ahead;  // the open copies of its direction issued before it
   for (size_t other : e.open)
-    if (other != copy && before(other)) ahead.emplace_back(copies_.at(other).issued.t, other);
+    if (other != copy && copies_.at(other).g2s == ct.g2s && before(other))
+      ahead.emplace_back(copies_.at(other).issued.t, other);
   std::sort(ahead.begin(), ahead.end());
+  Calendar& placed = e.of(ct.g2s);
   Calendar tentative;
   Calendar::Pieces pieces, mine;
   for (const auto& [t, other] : ahead) {
     pieces.clear();
-    e.placed.fit(t, copies_.at(other).duration, tentative, pieces);
+    placed.fit(t, copies_.at(other).duration, tentative, pieces);
     for (const auto& [a, b] : pieces) tentative.add(a, b);
   }
-  double through = e.placed.fit(ct.issued.t, ct.duration, tentative, mine);
-  for (const auto& [a, b] : mine) e.placed.insert(a, b);
+  double through = placed.fit(ct.issued.t, ct.duration, tentative, mine);
+  for (const auto& [a, b] : mine) placed.insert(a, b);
   e.open.erase(std::find(e.open.begin(), e.open.end(), copy));
   // Its device-memory bytes from its start through the engine on, beside every other SM's.
   const double start = mine.empty() ? ct.issued.t : mine.front().first;
@@ -824,7 +826,8 @@ Report Timer::finish() {
   std::sort(r.critical_path.begin(), r.critical_path.end(),
             [](const auto& a, const auto& b) { return a.second > b.second; });
 
-  for (const Engine& e : engines_) r.engine_busy_ns += e.placed.busy_ns() / std::max(blocks_, 1);
+  for (const Engine& e : engines_)  // its busier direction
+    r.engine_busy_ns += std::max(e.loads.busy_ns(), e.stores.busy_ns()) / std::max(blocks_, 1);
   return r;
 }
 

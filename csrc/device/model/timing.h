@@ -27,7 +27,7 @@
 //     dev::chain() (the loads after it depend on those before), or at its next operation of
 //     any other kind above (a synchronisation, a copy, a fence, its exit). A plain global store
 //     also takes its SM's request path to the crossbar: its write requests (request_ns each),
-//     a lane's stores in a row as one piece of the copy engine's calendar, placed at the lane's
+//     a lane's stores in a row as one piece of the copy engine's store calendar, placed at the lane's
 //     next other operation by its time there (the lane does not wait for it);
 //   - global reads (plain and bulk loads) by traffic class, per 64-byte unit: written in the
 //     launch (rows a peer just stored), read before in the launch (re-reads), neither (input
@@ -48,7 +48,9 @@
 //     ends at that time plus the flag latency; polls of values from before the launch cost
 //     the thread nothing; a global atomic also runs after the atomics before it at its address;
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
-//     engine, one calendar for loads and stores, first come (by issue time) first served, a
+//     engine, one calendar per direction (loads come in from the crossbar, stores and plain
+//     store requests go out to it: the two run side by side, as the microbenchmarks' mixes of
+//     one load and 2-8 stores show), first come (by issue time) first served, a
 //     load's at the engine's load rate and a store's at its store rate; a load completes its bytes on the mbarrier
 //     after its last byte plus the load latency, a store has read its shared memory after its last byte plus the read
 //     latency and written after the write latency; a bulk wait ends at the latest read or write of the groups it
@@ -109,7 +111,7 @@ namespace hybrid_ep::model::timing {
   X(store_copy_ns, "a bulk store's fixed time on its SM's copy engine beside its bytes (docs/dev/request_path.md)")   \
   X(request_ns,                                                                                                       \
     "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
-    "bulk copies' bytes take as well (the copy engine's calendar): one per store under 16 bytes, half per 16-byte "   \
+    "bulk stores take as well (the copy engine's store calendar): one per store under 16 bytes, half per 16-byte "    \
     "vector")                                                                                                         \
   X(pair_instruction_ns,                                                                                              \
     "per warp instruction of a converted pair (16-bit floats to or from fp32), what it costs the converting "         \
@@ -185,7 +187,7 @@ struct Report {
   std::vector<RoleTime> roles;
   std::vector<std::pair<std::string, double>> critical_path;  // what -> ns on the path, largest first
   std::vector<double> block_end_ns;                           // when each block's last thread ended
-  double engine_busy_ns = 0;                                  // the copy engine's busy time, mean over the blocks
+  double engine_busy_ns = 0;  // the copy engine's busy time (its busier direction), mean over the blocks
   uint64_t copies = 0, copy_bytes = 0;
   // The plain accesses of the hot loops (dev::ld / dev::st), every thread's together, by
   // memory class: [kShared], [kGlobal].
@@ -375,8 +377,9 @@ class Timer {
     int block = 0;
   };
   struct Engine {
-    Calendar placed;
+    Calendar loads, stores;    // the two directions: bulk loads in; bulk stores and write requests out
     std::vector<size_t> open;  // copies issued, not yet placed
+    Calendar& of(bool g2s) { return g2s ? loads : stores; }
   };
   struct MbarTime {
     Origin phase;  // the current phase's latest arrival or landed load

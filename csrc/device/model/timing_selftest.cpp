@@ -15,7 +15,10 @@
 //   - spin_beside: warp 0 of block 0 widens n pairs (a __syncwarp every 8), then releases a
 //     flag; the warp whose first thread is `bytes` (0: none) polls that flag meanwhile;
 //   - diverged_wait: thread 0 fences n times, then arrives on an mbarrier; lane 0 of warp 1 waits
-//     for that phase while the warp's other lanes wait at the __syncwarp after it (two paths).
+//     for that phase while the warp's other lanes wait at the __syncwarp after it (two paths);
+//   - requests_then_store: thread 0 stores n words (plain global stores), then bulk-stores `bytes`;
+//   - load_and_store: thread 0 bulk-loads n copies of `bytes` and bulk-stores n others, a load
+//     then a store (one group each), then waits for both: the engine's two directions.
 #include "device/model/timing_selftest.h"
 
 #include <map>
@@ -52,7 +55,8 @@ enum Which {
   kIssueWarps,
   kSpinBeside,
   kDivergedWait,
-  kRequestsThenStore
+  kRequestsThenStore,
+  kLoadAndStore
 };
 
 // n pairs widened by one thread; the sum keeps them.
@@ -174,6 +178,18 @@ __global__ void timing_kernel(const Args a) {
         dev::bulk_wait_all();
       }
       break;
+    case kLoadAndStore:  // loads into the first half of the stages, stores from the second
+      if (tid == 0) {
+        dev::mbar_arrive_expect_tx(&sh.bar[0], static_cast<uint32_t>(a.n) * a.bytes);
+        for (int i = 0; i < a.n; ++i) {
+          dev::bulk_g2s(smem + i * a.bytes, a.global + i * a.bytes, a.bytes, &sh.bar[0]);
+          dev::bulk_s2g(a.global + kGlobalBytes / 2 + i * a.bytes, smem + (a.n + i) * a.bytes, a.bytes);
+          dev::bulk_commit();
+        }
+        wait_phase(&sh.bar[0], 0);
+        dev::bulk_wait_all();
+      }
+      break;
     default: break;
   }
 }
@@ -191,6 +207,7 @@ const std::map<std::string, int>& names() {
       {"spin_beside", kSpinBeside},
       {"diverged_wait", kDivergedWait},
       {"requests_then_store", kRequestsThenStore},
+      {"load_and_store", kLoadAndStore},
   };
   return n;
 }
@@ -207,15 +224,16 @@ std::string run_timing_selftest(const std::string& name, int blocks, int n, uint
   auto it = names().find(name);
   if (it == names().end()) return "no such timing self-test: " + name;
   const bool counts = it->second == kIssueWarps || it->second == kSpinBeside;  // bytes is no size there
-  if (n < 0 || (!counts && static_cast<uint64_t>(n) * bytes > kGlobalBytes))
-    return "n x bytes must be within " + std::to_string(kGlobalBytes);
+  const uint64_t copies = it->second == kLoadAndStore ? 2 : 1;  // load_and_store: loads and stores, half each
+  if (n < 0 || (!counts && copies * n * bytes > kGlobalBytes))
+    return "n x bytes must be within " + std::to_string(kGlobalBytes / copies);
   if (threads < 64 || threads > 1024 || threads % 32 != 0) return "threads must be a multiple of 32 in [64, 1024]";
   alignas(128) static unsigned char global[kGlobalBytes];  // whole 128-byte lines (L2 classes)
   alignas(8) static uint64_t flags[2];
   flags[0] = flags[1] = 0;
   add_allocation(reinterpret_cast<uint64_t>(global), sizeof(global));
   Args args{global, flags, it->second, n, bytes};
-  const size_t smem = counts ? 16 : std::max<size_t>(static_cast<size_t>(n) * bytes, 16);
+  const size_t smem = counts ? 16 : std::max<size_t>(copies * n * bytes, 16);
   const char* err = dev::launch_cooperative(timing_kernel, blocks, threads, smem, 0, args);
   remove_allocation(reinterpret_cast<uint64_t>(global));
   return err == nullptr ? "" : err;
