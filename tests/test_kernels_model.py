@@ -79,6 +79,9 @@ CASES = [
     _case(3, hidden=128, dtype=FP8_DTYPE, tokens=(17, 64, 1), pad_multiple=16),
     # fp8 whose rows' scales are whole 16-byte units (H % 512 == 0): the direct dispatch bulk-stores them
     _case(4, num_experts=16, hidden=512, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
+    # the reducers' unrolled widths (a multiple of 1024 bf16 columns: 7 vectors per thread, the
+    # DeepSeek-V3 width) with weights, beside the bounded loop of the other widths
+    _case(2, hidden=7168, apply_probs=True, tokens=(5, 3)),
     # rows longer than one FIFO stage (48 KiB: two segments per row)
     _case(2, hidden=12288, dtype=torch.float32, tokens=(3, 2)),
     # routing shapes: dropped routes, one hot expert, skew
