@@ -253,6 +253,9 @@ MUTATIONS = (
     Mutation("direct-forwarded-route-off-by-one", "an off-by-one position (a forwarded route written to the wrong "
              "row on the rail peer's node)", "csrc/kernels/dispatch_direct.cuh",
              "+ dev::ld(&tm->ordinal[k]);", "+ dev::ld(&tm->ordinal[k]) + (lane == 3);", tests=DIRECT_NODES),
+    Mutation("direct-scales-before-the-table", "a warp reading its lanes' shared rows without a __syncwarp "
+             "(the route table's fp8 scale copies, a route per warp, before every lane wrote its routes)",
+             "csrc/kernels/dispatch_direct.cuh", "  __syncwarp();  // every lane's routes in the table\n", ""),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),

@@ -110,6 +110,21 @@ static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
               "the dispatch_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
+// One route's n fp8 scales, copied by a whole warp: lane l takes the row's consecutive 16-byte
+// vectors l, l + 32, ... where both rows allow them (n a multiple of 4, 16-byte aligned: H a
+// multiple of 512 and the input's scales aligned), else its scales l, l + 32, ..., so a route's
+// scales take a few whole sectors (8 at H = 8192). A lane per token storing each scale alone
+// took a sector, and a load, per scale (ncu on the H200: about 2.9 ns each, 64 per route at
+// H = 8192, which left the fp8 dispatch slower than bf16's).
+__device__ __forceinline__ void copy_route_scales(float* dst, const float* src, int n, int lane) {
+  if (n % 4 == 0 && ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    for (int i = 4 * lane; i < n; i += 4 * 32)
+      dev::st(reinterpret_cast<float4*>(dst + i), dev::ld(reinterpret_cast<const float4*>(src + i)));
+    return;
+  }
+  for (int i = lane; i < n; i += 32) dev::st(dst + i, dev::ld(src + i));
+}
+
 template <typename Rdma>
 struct DirectDispatch : KernelCall {
   const InfoLayout& il;
@@ -198,8 +213,27 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
   d.fifo.drain(d.args, PipeState{}, produced);
 }
 
+// Warp 1, once a unit's table is written: each of its tokens' fp8 scales (scales(j): token j's)
+// to each of its routes' rows on this node, the warp copying one route at a time
+// (copy_route_scales). Another node's targets get theirs from the RDMA warp.
+template <typename Rdma, typename Scales>
+__device__ void route_scales(const DirectDispatch<Rdma>& d, const RouteTable& tab, int tokens, int lane,
+                             Scales scales) {
+  if (d.scale_cols == 0) return;
+  __syncwarp();  // every lane's routes in the table
+  for (int j = 0; j < tokens; ++j) {
+    const float* src = scales(j);
+    for (int r = 0; r < tab.targets[j]; ++r) {
+      const int dst = tab.dest[j][r];
+      if (dst >= kStagedTarget) continue;
+      copy_route_scales(reinterpret_cast<float*>(d.sh.scales[dst]) + static_cast<int64_t>(tab.row[j][r]) * d.scale_cols,
+                        src, d.scale_cols, lane);
+    }
+  }
+}
+
 // Warp 1, an own chunk (lane i: token t0 + i): each route to a rank of this node, the handle's
-// route rows, the routing weights and fp8 scales at each route's output row, and with several
+// route rows, the routing weights and (route_scales) fp8 scales at each route's output row, and with several
 // nodes one target per other node the token reaches (its row in that node's staging slot).
 template <typename Rdma>
 __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c, int lane) {
@@ -221,8 +255,6 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
         if (p < d.sh.num_rows[dst]) {
           row = static_cast<int32_t>(p);
           dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weights[t * d.K + k]);
-          for (int i = 0; i < d.scale_cols; ++i)
-            dev::st(reinterpret_cast<float*>(d.sh.scales[dst]) + p * d.scale_cols + i, x_scales[t * d.scale_cols + i]);
           tab.row[lane][n] = row;
           tab.dest[lane][n] = static_cast<uint8_t>(dst);
           ++n;
@@ -243,6 +275,7 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
   }
   if (lane < d.chunk && t < t1) tab.targets[lane] = n;
   if (lane == 0) tab.u0 = t0, tab.u1 = t1;
+  route_scales(d, tab, t1 - t0, lane, [&](int j) { return x_scales + static_cast<int64_t>(t0 + j) * d.scale_cols; });
 }
 
 // Warp 1, chunk c of the rail peer on node m (several nodes; lane q: its staged row q): each
@@ -263,7 +296,6 @@ __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, 
   int n = 0;
   if (lane < rows) {
     TokenMeta* tm = h.token_meta(d.fwd_meta(m, c), lane, h.R.token_meta_bytes);
-    const float* scales = h.token_scales(tm);
     for (int k = 0; k < kMaxTopK; ++k) {
       const int e = dev::ld(&tm->expert[k]);
       const int dst = e >= 0 ? e / d.L : 0;
@@ -272,8 +304,6 @@ __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, 
       const int64_t p = static_cast<int64_t>(d.sh.first_row[(m * d.G + g) * d.L + e % d.L]) + dev::ld(&tm->ordinal[k]);
       if (p >= d.sh.num_rows[dst]) continue;  // clipped by num_out_tokens
       dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, dev::ld(&tm->weight[k]));
-      for (int i = 0; i < d.scale_cols; ++i)
-        dev::st(reinterpret_cast<float*>(d.sh.scales[dst]) + p * d.scale_cols + i, dev::ld(&scales[i]));
       tab.row[lane][n] = static_cast<int32_t>(p);
       tab.dest[lane][n] = static_cast<uint8_t>(dst);
       kept[n] = static_cast<int32_t>(p * kMaxRanks + g);
@@ -286,6 +316,9 @@ __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, 
     tab.u0 = 0, tab.u1 = rows;
     reinterpret_cast<int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(m) * h.max_chunks + c] = rows;
   }
+  route_scales(d, tab, rows, lane, [&](int j) -> const float* {
+    return h.token_scales(h.token_meta(d.fwd_meta(m, c), j, h.R.token_meta_bytes));
+  });
   return true;
 }
 
