@@ -9,7 +9,8 @@
 # path per call, GB/s/SM beside the emulation's), the shape users run (a DeepSeek-V3-like layer:
 # E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive
 # path, with the bytes each rank's buffer holds in its JSON), fp8 dispatch at W=8 (direct path, 1
-# and 2 SMs per rank: fp8 must reach bf16's tokens/s), the receive path's single-node sweep, and
+# and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp samples by source line of the
+# direct dispatch and combine (gpu_check.sh ncu), the receive path's single-node sweep, and
 # last the racecheck probe (docs/benchmarks/racecheck.md; its table is copied into the summary).
 # Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
@@ -32,7 +33,8 @@
 # "A lease of 15 device-minutes"): SHORT_LEASE_BUILD_S (240; the carried build about 10, a build
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
-# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_PROCESSES_S
+# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (75; the
+# profiled call about 20 s inside ncu), SHORT_LEASE_PROCESSES_S
 # (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_PROBE_S (60); the second
 # call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
@@ -127,6 +129,10 @@ done
 shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
 note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
 bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt):
+# its reducers run at a third of the microbenchmark's reduction rate, and which of their
+# instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
+stage ncu "${SHORT_LEASE_NCU_S:-75}" ncu
 note "receive path, one node (bench_receive/)"
 bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4

@@ -692,8 +692,9 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then DeepEP beside
-    hybrid-ep, the soak, the processes, the DeepSeek-V3-like layer on both paths, fp8, the
-    receive sweep, then the racecheck probe; logs packed for the device."""
+    hybrid-ep, the soak, the processes, the DeepSeek-V3-like layer on both paths, fp8, ncu's
+    lines of the direct kernels, the receive sweep, then the racecheck probe; logs packed for
+    the device."""
     import tarfile
 
     _, results, run = machine
@@ -713,8 +714,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "bench exit", "deepep exit", "soak exit", "processes exit",
-             "bench dsv3 direct exit", "bench dsv3 receive exit", "bench fp8 exit", "bench receive exit",
-             "racecheck probe exit"]
+             "bench dsv3 direct exit", "bench dsv3 receive exit", "bench fp8 exit", "ncu exit",
+             "bench receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
@@ -728,6 +729,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
                 "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./soak/soak_direct_g8.log"):
         assert log in names, names
     assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
+    [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
+    assert "regex:dispatch_direct_kernel|combine_direct_kernel" in profiled and "SourceCounters" in profiled
 
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
