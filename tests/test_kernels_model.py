@@ -77,7 +77,10 @@ CASES = [
     _case(2, dtype=torch.float16, tokens=(17, 33)),
     _case(4, num_experts=32, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
     _case(3, hidden=128, dtype=FP8_DTYPE, tokens=(17, 64, 1), pad_multiple=16),
-    # fp8 whose rows' scales are whole 16-byte units (H % 512 == 0): the direct dispatch copies them 16 bytes a lane
+    # fp8 whose rows' scales are whole 16-byte units (H % 512 == 0): the direct dispatch copies them 16 bytes a lane;
+    # 6 scales a row (a lane's 4 and another's 2, rows 24 bytes apart) and 132 (two passes of the warp)
+    _case(2, num_experts=4, hidden=768, dtype=FP8_DTYPE, tokens=(17, 5)),
+    _case(2, hidden=16896, dtype=FP8_DTYPE, tokens=(3, 2)),
     _case(4, num_experts=16, hidden=512, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
     # the reducers' unrolled widths (a multiple of 1024 bf16 columns: 7 vectors per thread, the
     # DeepSeek-V3 width) with weights, beside the bounded loop of the other widths

@@ -110,21 +110,6 @@ static_assert(sizeof(DirectDispatchShared) <= kStaticSmemReserve,
               "the dispatch_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
-// One route's n fp8 scales, copied by a whole warp: lane l takes the row's consecutive 16-byte
-// vectors l, l + 32, ... where both rows allow them (n a multiple of 4, 16-byte aligned: H a
-// multiple of 512 and the input's scales aligned), else its scales l, l + 32, ..., so a route's
-// scales take a few whole sectors (8 at H = 8192). A lane per token storing each scale alone
-// took a sector, and a load, per scale (ncu on the H200: about 2.9 ns each, 64 per route at
-// H = 8192, which left the fp8 dispatch slower than bf16's).
-__device__ __forceinline__ void copy_route_scales(float* dst, const float* src, int n, int lane) {
-  if (n % 4 == 0 && ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    for (int i = 4 * lane; i < n; i += 4 * 32)
-      dev::st(reinterpret_cast<float4*>(dst + i), dev::ld(reinterpret_cast<const float4*>(src + i)));
-    return;
-  }
-  for (int i = lane; i < n; i += 32) dev::st(dst + i, dev::ld(src + i));
-}
-
 template <typename Rdma>
 struct DirectDispatch : KernelCall {
   const InfoLayout& il;
@@ -214,20 +199,45 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
 }
 
 // Warp 1, once a unit's table is written: each of its tokens' fp8 scales (scales(j): token j's)
-// to each of its routes' rows on this node, the warp copying one route at a time
-// (copy_route_scales). Another node's targets get theirs from the RDMA warp.
+// to each of its routes' rows on this node (another node's targets get theirs from the RDMA warp).
+// The whole warp copies one token at a time: lane l holds the token's scales 4 l .. 4 l + 3 of
+// each pass of 128 (one 16-byte load where the input's row allows it), loaded once and stored
+// to every route's row (16 bytes where the row is aligned, else 4 at a time), so a route's scales
+// go as whole sectors (8 at H = 8192, 7 at 7168). A lane per token storing each scale alone took
+// a sector, and a load, per scale and route (ncu on the H200: about 2.9 ns each, 64 per route at
+// H = 8192, which left the fp8 dispatch slower than bf16's).
 template <typename Rdma, typename Scales>
 __device__ void route_scales(const DirectDispatch<Rdma>& d, const RouteTable& tab, int tokens, int lane,
                              Scales scales) {
-  if (d.scale_cols == 0) return;
+  const int S = d.scale_cols;
+  if (S == 0) return;
   __syncwarp();  // every lane's routes in the table
+  const auto aligned = [](const float* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   for (int j = 0; j < tokens; ++j) {
     const float* src = scales(j);
-    for (int r = 0; r < tab.targets[j]; ++r) {
-      const int dst = tab.dest[j][r];
-      if (dst >= kStagedTarget) continue;
-      copy_route_scales(reinterpret_cast<float*>(d.sh.scales[dst]) + static_cast<int64_t>(tab.row[j][r]) * d.scale_cols,
-                        src, d.scale_cols, lane);
+    for (int base = 0; base < S; base += 4 * 32) {
+      const int c = base + 4 * lane, mine = max(0, min(4, S - c));  // this lane's scales of the pass
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (mine == 4 && aligned(src + c)) {
+        const float4 q = dev::ld(reinterpret_cast<const float4*>(src + c));
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (e < mine) v[e] = dev::ld(src + c + e);
+      }
+      for (int r = 0; r < tab.targets[j] && mine > 0; ++r) {
+        const int dst = tab.dest[j][r];
+        if (dst >= kStagedTarget) continue;
+        float* to = reinterpret_cast<float*>(d.sh.scales[dst]) + static_cast<int64_t>(tab.row[j][r]) * S + c;
+        if (mine == 4 && aligned(to)) {
+          dev::st(reinterpret_cast<float4*>(to), make_float4(v[0], v[1], v[2], v[3]));
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (e < mine) dev::st(to + e, v[e]);
+        }
+      }
     }
   }
 }
