@@ -55,7 +55,7 @@ WRAPS = [
     hierarchy_case(2, 2, num_experts=16, topk=8, tokens=(300, 1, 64, 97), wire_dtype=torch.float32),
     hierarchy_case(3, 2, dtype=torch.float16, apply_probs=True, tokens=(130, 257, 5, 0, 64, 33),
                    wire_dtype=torch.float32),
-    # fp32 node partials into bf16 rows at an unrolled width (1024 columns: a vector per thread)
+    # fp32 node partials into bf16 rows of 1024 columns (a vector per reducer thread)
     hierarchy_case(2, 2, 1024, num_experts=8, topk=4, tokens=(70, 1, 33, 0), wire_dtype=torch.float32),
     # dropped routes (-1), and a static size that clips routed rows (num_out_tokens)
     hierarchy_case(2, 2, num_experts=16, topk=8, drop_fraction=0.25, num_out_tokens=200, tokens=(190, 0, 130, 67)),

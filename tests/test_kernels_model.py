@@ -82,9 +82,10 @@ CASES = [
     _case(2, num_experts=4, hidden=768, dtype=FP8_DTYPE, tokens=(17, 5)),
     _case(2, hidden=16896, dtype=FP8_DTYPE, tokens=(3, 2)),
     _case(4, num_experts=16, hidden=512, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
-    # the reducers' unrolled widths (a multiple of 1024 bf16 columns: 7 vectors per thread, the
-    # DeepSeek-V3 width) with weights, beside the bounded loop of the other widths
+    # the reducers' straight block for the widest segments, its last vector clamped: 7 whole
+    # vectors a thread (H = 7168, with weights) and 7 or 8 (H = 7200: the last round partial)
     _case(2, hidden=7168, apply_probs=True, tokens=(5, 3)),
+    _case(2, hidden=7200, tokens=(3, 2)),
     # rows longer than one FIFO stage (48 KiB: two segments per row)
     _case(2, hidden=12288, dtype=torch.float32, tokens=(3, 2)),
     # routing shapes: dropped routes, one hot expert, skew

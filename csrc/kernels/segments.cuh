@@ -194,11 +194,13 @@ __device__ __forceinline__ bool warp_producer_acquire(const Call& d, const Ring&
 // registers. Each part is added element by element in fp32 in the order the parts come, the
 // product with the weight rounded before the sum (no fused multiply-add), as the oracle sums.
 //
-// A segment whose vectors spread evenly over the group (a multiple of 1024 columns of a 16-bit
-// dtype: 4096, 7168 and 8192 alike) runs a loop of a vector count fixed at compile time, one
-// straight block per part; any other width takes the bounded loop, whose per-vector branches
-// cost about 1.4x the instructions (SASS of combine_direct_kernel<bf16>: 35 against 25 per
-// weighted vector), which made the H = 7168 combine 1.36x slower per row than H = 8192's.
+// A part of the widest segments (7 or 8 vectors a thread: 7168 to 8192 bf16 columns) is added in
+// one straight block, 8 vectors a thread with the last one clamped; narrower ones take a bounded
+// loop with a branch around each vector's load, about 1.5 times the instructions per vector
+// (SASS of combine_direct_kernel<bf16>: 26 against 17.25 per plain vector), which made the H =
+// 7168 combine 1.36 times slower per row than H = 8192's on the H200. A loop for every vector
+// count (one instantiation each) took registers the kernel does not have (it runs at its cap of
+// 168 and spilled).
 template <typename In>
 struct SegmentAcc {
   using V = Vec16<In>;
@@ -232,10 +234,12 @@ struct SegmentAcc {
       add(in, cols, gt, w, first);
     } else {
       blank = false;
-      const int whole = cols / kCols;
-      const auto add_vector = [&](int i, int j) {
+      const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (i >= rounds) continue;
         float x[kCols];
-        const uint8_t* p = in + static_cast<size_t>(j) * kCols * sizeof(From);
+        const uint8_t* p = in + static_cast<size_t>(min(gt + i * kGroupThreads, whole - 1)) * kCols * sizeof(From);
 #pragma unroll
         for (int q = 0; q < kCols / 4; ++q) Quad<From>::load(p + q * 4 * sizeof(From), x + 4 * q);
         if (first) {
@@ -245,16 +249,7 @@ struct SegmentAcc {
         } else {
           add_to<kWeighted>(v[i], x, w);
         }
-      };
-      if (even(whole, [&](auto n) {
-#pragma unroll
-            for (int i = 0; i < decltype(n)::value; ++i) add_vector(i, gt + i * kGroupThreads);
-          }))
-        return;
-      const int rounds = (whole + kGroupThreads - 1) / kGroupThreads;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i)
-        if (i < rounds) add_vector(i, min(gt + i * kGroupThreads, whole - 1));
+      }
     }
   }
   // A segment without parts (a row with nothing to add): zero.
@@ -272,38 +267,15 @@ struct SegmentAcc {
  private:
   enum Kind { kFirst, kPlain, kWeighted };
 
-  // A segment of `whole` vectors that spreads evenly over the group: f(std::integral_constant<int,
-  // N>) with N the vectors per thread (1..kVecs), a loop bound the compiler unrolls. False, and f
-  // not called, for any other width.
-  template <int kN = kVecs, typename F>
-  __device__ __forceinline__ static bool even(int whole, F&& f) {
-    if constexpr (kN == 0) {
-      return false;
-    } else {
-      if (whole == kN * kGroupThreads) {
-        f(std::integral_constant<int, kN>{});
-        return true;
-      }
-      return even<kN - 1>(whole, f);
-    }
-  }
-
   template <typename Out, bool kBlank>
   __device__ __forceinline__ void store_as(uint8_t* out, int cols, int gt) const {
     const float zeros[kCols] = {};
     const int whole = cols / kCols;
-    const auto store_vector = [&](int i, int j) {
-      store_cols<Out, kCols>(out + static_cast<size_t>(j) * kCols * sizeof(Out), kBlank ? zeros : v[i]);
-    };
-    if (even(whole, [&](auto n) {
-#pragma unroll
-          for (int i = 0; i < decltype(n)::value; ++i) store_vector(i, gt + i * kGroupThreads);
-        }))
-      return;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int j = gt + i * kGroupThreads;
-      if (j < whole) store_vector(i, j);
+      if (cols == kCombineMaxSegCols || j < whole)
+        store_cols<Out, kCols>(out + static_cast<size_t>(j) * kCols * sizeof(Out), kBlank ? zeros : v[i]);
     }
   }
 
@@ -321,14 +293,17 @@ struct SegmentAcc {
   __device__ __forceinline__ void add_as(const uint8_t* in, int cols, int gt, float w) {
     float x[kVecs][kCols];
     const int whole = cols / kCols;
-    if (even(whole, [&](auto n) {  // every vector whole, no bounds: the loads, then the adds
-          constexpr int kN = decltype(n)::value;
+    if (whole >= (kVecs - 1) * kGroupThreads) {  // the widest segments: one straight block
+      // every thread's vectors but the last are whole; the last is clamped to the segment's last
+      // vector (a copy added to columns never stored) where the segment ends before it
+      const int last = min(gt + (kVecs - 1) * kGroupThreads, whole - 1);
 #pragma unroll
-          for (int i = 0; i < kN; ++i) V::load(in + static_cast<size_t>(gt + i * kGroupThreads) * 16, x[i]);
+      for (int i = 0; i < kVecs; ++i)
+        V::load(in + static_cast<size_t>(i + 1 < kVecs ? gt + i * kGroupThreads : last) * 16, x[i]);
 #pragma unroll
-          for (int i = 0; i < kN; ++i) add_to<kKind>(v[i], x[i], w);
-        }))
+      for (int i = 0; i < kVecs; ++i) add_to<kKind>(v[i], x[i], w);
       return;
+    }
     // `rounds` vectors per thread (the same in every thread: uniform branches); a vector past the
     // end adds a copy of the last one to columns that are never stored (store() bounds them), so
     // no divergent branch per vector
