@@ -34,7 +34,7 @@
 # "A lease of 15 device-minutes"): SHORT_LEASE_BUILD_S (240; the carried build about 10, a build
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
-# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (75; the
+# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
 # profiled call about 20 s inside ncu), SHORT_LEASE_PULL_S (45), SHORT_LEASE_PROCESSES_S
 # (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_PROBE_S (60); the second
 # call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (170),
@@ -133,7 +133,7 @@ bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@
 # where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt):
 # its reducers run at a third of the microbenchmark's reduction rate, and which of their
 # instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
-stage ncu "${SHORT_LEASE_NCU_S:-75}" ncu
+stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 # the same combine with 4 KiB stages (4 hand-offs per row where the default has 1, the same
 # instructions per byte): slower in proportion if the reducers pay per stage, equal if per
 # instruction (docs/benchmarks/cuda.md, HYBRID_EP_PULL_SEGMENT_BYTES)
