@@ -10,8 +10,7 @@
 # E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive
 # path, with the bytes each rank's buffer holds in its JSON), fp8 dispatch at W=8 (direct path, 1
 # and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp samples by source line of the
-# direct dispatch and combine (gpu_check.sh ncu), the direct combine again with 4 KiB stages
-# (HYBRID_EP_PULL_SEGMENT_BYTES=4096), the receive path's single-node sweep, and
+# direct dispatch and combine (gpu_check.sh ncu), the receive path's single-node sweep, and
 # last the racecheck probe (docs/benchmarks/racecheck.md; its table is copied into the summary).
 # Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
@@ -35,7 +34,7 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_PULL_S (45), SHORT_LEASE_PROCESSES_S
+# profiled call about 20 s inside ncu), SHORT_LEASE_PROCESSES_S
 # (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_PROBE_S (60); the second
 # call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
@@ -134,12 +133,6 @@ bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@
 # its reducers run at a third of the microbenchmark's reduction rate, and which of their
 # instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
-# the same combine with 4 KiB stages (4 hand-offs per row where the default has 1, the same
-# instructions per byte): slower in proportion if the reducers pay per stage, equal if per
-# instruction (docs/benchmarks/cuda.md, HYBRID_EP_PULL_SEGMENT_BYTES)
-note "direct combine with 4 KiB pull stages, W=8, 1 and 2 SMs per rank (bench_pull4k/)"
-bench "bench pull 4k" "${SHORT_LEASE_PULL_S:-45}" bench_pull4k HYBRID_EP_PULL_SEGMENT_BYTES=4096 -- \
-    --emulate 8 "${shape[@]}" --dtype bf16 --sms 1 2
 note "receive path, one node (bench_receive/)"
 bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4

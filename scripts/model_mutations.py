@@ -254,7 +254,8 @@ MUTATIONS = (
              "row on the rail peer's node)", "csrc/kernels/dispatch_direct.cuh",
              "+ dev::ld(&tm->ordinal[k]);", "+ dev::ld(&tm->ordinal[k]) + (lane == 3);", tests=DIRECT_NODES),
     Mutation("direct-scales-before-the-table", "a warp reading its lanes' shared rows without a __syncwarp "
-             "(the route table's fp8 scale copies, a route per warp, before every lane wrote its routes)",
+             "(the route table's fp8 scale copies, a token at a time by the whole warp, before every lane "
+             "wrote its routes)",
              "csrc/kernels/dispatch_direct.cuh", "  __syncwarp();  // every lane's routes in the table\n", ""),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",

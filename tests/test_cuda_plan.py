@@ -233,25 +233,16 @@ def test_combine_rings_hold_whole_rows_in_segments_a_group_can_hold():
         launch.combine_shape(8192, 4, 4, 48 * 1024)
 
 
-# The measurement knobs read when a buffer is made: variable -> its reader.
-OVERRIDES = {launch.STORE_GROUPS_ENV: launch.store_groups_override,
-             launch.PULL_SEGMENT_ENV: launch.pull_segment_override}
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("0", 0), ("4", 4), ("7", 7)])
+def test_store_groups_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.STORE_GROUPS_ENV: raw}
+    assert launch.store_groups_override(env) == want
 
 
-@pytest.mark.parametrize("env, raw, want", [
-    *((launch.STORE_GROUPS_ENV, raw, want) for raw, want in [(None, None), ("", None), ("0", 0), ("4", 4), ("7", 7)]),
-    *((launch.PULL_SEGMENT_ENV, raw, want) for raw, want in [(None, None), ("", None), ("2048", 2048),
-                                                              ("8192", 8192), ("16384", 16384)])])
-def test_measurement_overrides_read_their_variables(env, raw, want):
-    assert OVERRIDES[env]({} if raw is None else {env: raw}) == want
-
-
-@pytest.mark.parametrize("env, raw, allowed", [
-    *((launch.STORE_GROUPS_ENV, raw, "an integer from 0 to 7") for raw in ["8", "-1", "two", "1.5"]),
-    *((launch.PULL_SEGMENT_ENV, raw, "one of 2048, 4096, 8192, 16384") for raw in ["1000", "32768", "8k", "-4096"])])
-def test_measurement_overrides_out_of_range_name_the_variable(env, raw, allowed):
-    with pytest.raises(ValueError, match=f"{env} must be {allowed}, got '{raw}'"):
-        OVERRIDES[env]({env: raw})
+@pytest.mark.parametrize("raw", ["8", "-1", "two", "1.5"])
+def test_store_groups_override_out_of_range_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"HYBRID_EP_STORE_GROUPS must be an integer from 0 to 7, got '{raw}'"):
+        launch.store_groups_override({launch.STORE_GROUPS_ENV: raw})
 
 
 def test_row_bytes_and_coresidency_errors():
@@ -534,11 +525,6 @@ def test_pull_combine_rings_split_the_shared_memory_between_two_pipelines():
     assert seed.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
     assert launch.pull_shape(8192, 4, H100_SMEM_OPTIN).seg_cols == 4096  # fp32: 16 KiB stages
     assert launch.pull_shape(256, 2, H100_SMEM_OPTIN).stages == launch.MAX_STAGES
-    # half the segment: twice the stages per row, as many bytes in the rings (up to MAX_STAGES)
-    half = launch.pull_shape(8192, 2, H100_SMEM_OPTIN, segment_bytes=8192)
-    assert (half.seg_cols, half.stage_bytes) == (4096, 8192)
-    assert min(launch.MAX_STAGES, 2 * seed.stages) <= half.stages <= launch.MAX_STAGES
-    assert half.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
     with pytest.raises(ValueError, match="multiple of 4 columns"):
         launch.pull_shape(6, 2, H100_SMEM_OPTIN)
     with pytest.raises(ValueError, match="fewer than 2 pull stages"):

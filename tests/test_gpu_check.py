@@ -54,7 +54,7 @@ def machine(tmp_path):
     # python3: a build creates the extension; pytest / the bench exit with $PYTEST_RC; any
     # `-m pip` is a network call.
     _stub(bin_dir / "python3", r'''
-echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH PULL=${HYBRID_EP_PULL_SEGMENT_BYTES:-}" \
+echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" \
      "DATA_PATH=${HYBRID_EP_DATA_PATH:-} STORE_GROUPS=${HYBRID_EP_STORE_GROUPS:-}" >> "$CALLS"
 case "$*" in
   *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
@@ -703,21 +703,19 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
     # the bench stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep beside DeepEP, the
-    # DeepSeek-V3-like layer on each path, fp8, the combine with 4 KiB stages and the receive sweep
-    assert len(benches) == 9, benches
+    # DeepSeek-V3-like layer on each path, fp8 and the receive sweep
+    assert len(benches) == 8, benches
     assert "--backends cuda deepep" in benches[3]
     for line, path in zip(benches[4:6], ("direct", "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert "--dtype fp8 --sms 1 2" in benches[6] and "--emulate 8 " in benches[6]
-    assert "--emulate 8 " in benches[7] and "bench_pull4k" in benches[7] and " PULL=4096 DATA_PATH= " in benches[7]
-    assert benches[8].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
-    assert sum(" PULL= " in line for line in benches) == 8  # the default stages everywhere else
+    assert benches[7].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "bench exit", "deepep exit", "soak exit", "processes exit",
              "bench dsv3 direct exit", "bench dsv3 receive exit", "bench fp8 exit", "ncu exit",
-             "bench pull 4k exit", "bench receive exit", "racecheck probe exit"]
+             "bench receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary

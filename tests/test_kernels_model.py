@@ -153,25 +153,6 @@ def test_twenty_four_calls_on_one_buffer(path):
     assert group_for(first, path=path) is group
 
 
-@pytest.mark.parametrize("segment_bytes", ["2048", "8192"])
-def test_direct_combine_with_a_smaller_pull_segment_matches_the_oracle(segment_bytes, monkeypatch):
-    """HYBRID_EP_PULL_SEGMENT_BYTES (a measurement knob) cuts each route's row into more, smaller
-    stages: 8 or 2 segments of an 8192-column row (an even width), 3 of a 2568-column one (the
-    bounded loop) or the whole row."""
-    monkeypatch.setenv(launch.PULL_SEGMENT_ENV, segment_bytes)
-    for case in (_case(3, hidden=8192, apply_probs=True, tokens=(5, 0, 3)),
-                 _case(2, hidden=2568, tokens=(7, 4))):
-        group = emulated_group_for(case, "cpu", num_sms_dispatch=MODEL_SMS, num_sms_combine=MODEL_SMS,
-                                   data_path="direct")
-        try:
-            model.set_seed(1)
-            check_emulated(group, case)
-            seg_cols = group.engine.launch_shapes(MODEL_SMS)["combine_direct"]["seg_cols"]
-            assert seg_cols == min(case.hidden, int(segment_bytes) // 2)  # bf16: 2 bytes a column
-        finally:
-            group.close()
-
-
 def test_missing_rank_times_out_in_dispatch_naming_rank_peer_phase_and_call(monkeypatch):
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     group = EmulatedGroup(4, 256, 64, 8, num_sms_dispatch=2, num_sms_combine=2, device="cpu")

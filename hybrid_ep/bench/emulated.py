@@ -397,7 +397,6 @@ def run_config(args, s: dict) -> dict:
             "group_limit": spec.topk_groups if args.routing == "group-limited" else None,
             "seed": args.seed, "sms_per_rank": s["sms"], "warmup": s["warmup"], "iters": s["iters"],
             "store_groups": launch.store_groups_override(),  # None: the default (each run's pipelines)
-            "pull_segment_bytes": launch.pull_segment_override(),  # None: the default (seg_cols in pipelines)
             "data_path_override": os.environ.get(launch.DATA_PATH_ENV) or None}  # None: direct where it runs
 
 

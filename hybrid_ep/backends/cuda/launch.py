@@ -198,15 +198,13 @@ class PullShape:
 PULL_PIPELINES: int = compiled.PULL_PIPELINES  # pipelines of a combine_direct block
 
 
-def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES,
-               segment_bytes: int | None = None) -> PullShape:
+def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
     """The pull combine's rings: one expert-output segment per stage (the whole row up to
-    COMBINE_MAX_SEG_COLS columns and segment_bytes, TARGET_COMBINE_SEGMENT_BYTES unless
-    HYBRID_EP_PULL_SEGMENT_BYTES says otherwise), as many stages as the shared memory holds,
-    split between its two pipelines."""
+    COMBINE_MAX_SEG_COLS columns and TARGET_COMBINE_SEGMENT_BYTES), as many stages as the
+    shared memory holds, split between its two pipelines."""
     if cols <= 0 or cols % 4 != 0:
         raise ValueError(f"expert_out rows must have a positive multiple of 4 columns, got {cols}")
-    seg = min(COMBINE_MAX_SEG_COLS, (segment_bytes or TARGET_COMBINE_SEGMENT_BYTES) // in_bytes)
+    seg = min(COMBINE_MAX_SEG_COLS, TARGET_COMBINE_SEGMENT_BYTES // in_bytes)
     seg = cols if seg >= cols else max(8, seg // 8 * 8)
     stage = seg * in_bytes
     stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (PULL_PIPELINES * stage))
@@ -214,23 +212,6 @@ def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = 
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 pull stages of {stage} B "
                          f"per pipeline")
     return PullShape(seg_cols=seg, stages=stages, stage_bytes=stage)
-
-
-PULL_SEGMENT_ENV = "HYBRID_EP_PULL_SEGMENT_BYTES"
-PULL_SEGMENT_CHOICES = (2048, 4096, 8192, 16384)
-
-
-def pull_segment_override(environ=None) -> int | None:
-    """HYBRID_EP_PULL_SEGMENT_BYTES, for measuring what the direct combine's reducers pay per
-    stage (docs/benchmarks/cuda.md): a stage of half the bytes doubles the stage hand-offs per
-    byte and leaves the instructions per byte as they were. None when unset."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(PULL_SEGMENT_ENV)
-    if raw is None or raw == "":
-        return None
-    if raw not in {str(c) for c in PULL_SEGMENT_CHOICES}:
-        raise ValueError(f"{PULL_SEGMENT_ENV} must be one of {', '.join(map(str, PULL_SEGMENT_CHOICES))}, got {raw!r}")
-    return int(raw)
 
 
 STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
@@ -344,8 +325,7 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
     (several nodes: a stage holds a node partial in the wire dtype too)."""
     wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
     a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
-    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
-                      segment_bytes=s.pull_segment_override)
+    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
     return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes)
 
@@ -376,20 +356,16 @@ class LaunchSettings:
         self.device_sms, self.smem_per_block = device_sms, smem_per_block
         self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
-        self.pull_segment_override = pull_segment_override()  # HYBRID_EP_PULL_SEGMENT_BYTES, likewise
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:
         """The pipeline shape each kernel launched with at num_sms SMs per rank ({kind: {stages,
-        store_groups}}, and the combines' seg_cols), for benchmark records: the store queue is
-        chosen per launch."""
+        store_groups}}), for benchmark records: the store queue is chosen per launch."""
         shapes = {}
         for (kind, launched_sms, *_), a in self.cache.items():
             if launched_sms == num_sms:
                 stages = getattr(a, KIND_SETTINGS[kind].stages)
                 shapes[kind] = {"stages": int(stages), "store_groups": int(a.store_groups)}
-                if KIND_SETTINGS[kind].role == "combine":
-                    shapes[kind]["seg_cols"] = int(a.seg_cols)
         return shapes
 
     def args(self, num_sms: int, dtype_name: str, row_elems: int, kind: str, wire_name: str | None = None,
