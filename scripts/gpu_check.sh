@@ -29,8 +29,8 @@
 #                                                #     of 4, oracle every 50 calls, memory recorded
 #   bash scripts/gpu_check.sh processes RESULTS  # (l) W=8 ranks as 8 processes under MPS, no arena_bytes:
 #                                                #     oracle, data path per call, GB/s/SM beside the
-#                                                #     emulation's, growth time, held bytes; one node of 8
-#                                                #     and two of 4 (NVSHMEM); not yet timed
+#                                                #     emulation's (plain and through peer memory), growth
+#                                                #     time, held bytes; one node of 8 and two of 4 (NVSHMEM)
 #   bash scripts/gpu_check.sh test,sanitize RESULTS   # several stages in one command
 #
 # Environment: PYTHON (default python3); HYBRID_EP_CUDA_ARCHS (default 90a);
@@ -623,7 +623,8 @@ run_soak() {
 
 # One process per rank on the GPU, under the MPS daemon started here (the processes' kernels then
 # run side by side): hybrid_ep.testing.process_bench, one node of 8 and two nodes of 4 (NVSHMEM
-# between them where the build has it).
+# between them where the build has it), then the emulation of the same shapes, plain and through
+# peer memory.
 run_processes() {
     local nodes="1" rc
     has_nvshmem && nodes="1 2"

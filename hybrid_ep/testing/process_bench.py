@@ -11,7 +11,12 @@ top-8 of 16 experts, bf16) and the DeepSeek-V3-like shape (H=7168, 256 experts, 
 SMs per rank: per call its data path, the first call's time (it grows the peer memory) and the
 later calls' median dispatch and combine kernel times (CUDA events), the bytes of peer memory
 each rank holds. Then, with the processes gone, the same shapes in the single-process emulation,
-so the two are compared in the same run. Writes DIR/process_bench.json; prints one line per point.
+twice: the ranks addressing each other's tensors as they are (`emulation`), and each rank with
+peer memory of its own mapped by the others at addresses of theirs, as separate processes map it
+(`emulation_peer`, EmulatedGroup(separate_processes=True)). So a gap between the processes and the
+emulation is placed in the same run: on the memory and its mappings (the peer emulation has it
+too) or on the processes sharing the GPU (it has not). Writes DIR/process_bench.json; prints one
+line per point.
 """
 
 from __future__ import annotations
@@ -39,9 +44,15 @@ def _inputs(shape: dict, rank: int, seed: int = 0):
     return x, idx, w
 
 
-def _time(fn, iters: int) -> list[float]:
+def _time(fn, iters: int, device: str = "cuda") -> list[float]:
+    """Milliseconds of each of `iters` calls: CUDA events on a GPU, the wall clock on the CPU model."""
     out = []
     for _ in range(iters):
+        if device != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -90,20 +101,35 @@ def time_on_rank(name: str, ranks_per_node: int, sms: list[int], iters: int) -> 
             "points": points, "peer_memory_held": held, "memory_plan": str(buf.memory_plan())}
 
 
-def emulated_points(name: str, ranks_per_node: int, sms: list[int], iters: int) -> list[dict]:
-    """The same shape in the single-process emulation (8 virtual ranks, one launch)."""
+# Address space each virtual rank reserves for its peer memory in the peer emulation: room for the
+# largest shape's growth (about 2.2 GB per rank at the seed shape), a reservation only.
+PEER_RESERVE_BYTES = 8 << 30
+
+
+def emulated_points(shape: dict, ranks_per_node: int, sms: list[int], iters: int, *, peer: bool = False,
+                    device: str = "cuda") -> list[dict]:
+    """The same shape in the single-process emulation (8 virtual ranks, one launch). peer: each
+    rank with peer memory of its own that the others map at addresses of theirs, as separate
+    processes do (its first pair grows the memory and takes the receive path; untimed)."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    shape = SHAPES[name]
-    group = EmulatedGroup(8, shape["hidden"], shape["tokens"], shape["experts"], ranks_per_node=ranks_per_node)
-    xs, idx, ws = zip(*[(t.cuda() for t in _inputs(shape, r)) for r in range(8)])
+    extra = dict(separate_processes=True, peer_reserve=PEER_RESERVE_BYTES) if peer else {}
+    group = EmulatedGroup(8, shape["hidden"], shape["tokens"], shape["experts"], ranks_per_node=ranks_per_node,
+                          device=torch.device(device), **extra)
+    xs, idx, ws = zip(*[(t.to(device) for t in _inputs(shape, r)) for r in range(8)])
     out = []
     try:
+        if peer:
+            first = group.dispatch(list(xs), list(idx), list(ws))
+            group.combine([r.tokens for r in first], [r.handle for r in first])
+            group.synchronize()
+            del first
         for n in sms:
             res = group.dispatch(list(xs), list(idx), list(ws), num_sms=n)
             rows = res[0].tokens.shape[0]
-            d = _time(lambda: group.dispatch(list(xs), list(idx), list(ws), num_sms=n), iters)
-            c = _time(lambda rs=res: group.combine([r.tokens for r in rs], [r.handle for r in rs], num_sms=n), iters)
+            d = _time(lambda: group.dispatch(list(xs), list(idx), list(ws), num_sms=n), iters, device)
+            c = _time(lambda rs=res: group.combine([r.tokens for r in rs], [r.handle for r in rs], num_sms=n), iters,
+                      device)
             row_bytes = shape["hidden"] * 2
             out.append({"sms": n, "rows_rank0": rows, "dispatch_ms": statistics.median(d),
                         "combine_ms": statistics.median(c),
@@ -163,15 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"process_bench nodes={nodes}: FAILED {layout['error'][:600]}")
             worst = 1
         for name in args.shapes:
-            try:
-                layout["shapes"].setdefault(name, {})["emulation"] = emulated_points(name, G, args.sms, args.iters)
-                e = layout["shapes"][name]["emulation"]
-                print(f"process_bench nodes={nodes} {name} emulation: "
-                      + ", ".join(f"{p['sms']} SM: {p['dispatch_gbps_per_sm']:.1f}/{p['combine_gbps_per_sm']:.1f} "
-                                  f"GB/s/SM" for p in e))
-            except (AssertionError, RuntimeError) as exc:
-                layout["shapes"][name]["emulation_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-                worst = 1
+            for key, peer in (("emulation", False), ("emulation_peer", True)):
+                try:
+                    e = emulated_points(SHAPES[name], G, args.sms, args.iters, peer=peer)
+                    layout["shapes"].setdefault(name, {})[key] = e
+                    print(f"process_bench nodes={nodes} {name} {key}: "
+                          + ", ".join(f"{p['sms']} SM: {p['dispatch_gbps_per_sm']:.1f}/{p['combine_gbps_per_sm']:.1f} "
+                                      f"GB/s/SM ({p['data_path']})" for p in e))
+                except (AssertionError, RuntimeError, MemoryError) as exc:
+                    layout["shapes"].setdefault(name, {})[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                    print(f"process_bench nodes={nodes} {name} {key}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
+                    worst = 1
         record["layouts"].append(layout)
         (args.out / "process_bench.json").write_text(json.dumps(record, indent=1))
     return worst
