@@ -3,15 +3,17 @@
 # (540) seconds after it starts, the build included (the device runs one command for at most 10
 # minutes; the machine's start is outside it): the extension builds in the background while the
 # microbenchmarks run (the carried build of scripts/prebuild_gpu.sh in seconds when it fits the
-# checkout and loads, else a build here), then the GPU tests, the benchmark (direct path + W=8
-# as 2 and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
-# wheel), the soak (soak: both paths at W=8 and 2 nodes of 4, its budget shared among them), W=8 ranks as 8 processes under MPS with no arena_bytes (gpu_check.sh processes: oracle,
-# path per call, GB/s/SM beside the emulation's), the shape users run (a DeepSeek-V3-like layer:
-# E=256, top-8, H=7168, 4096 tokens per rank, W=8, default settings; direct path, then receive
-# path, with the bytes each rank's buffer holds in its JSON), fp8 dispatch at W=8 (direct path, 1
-# and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp samples by source line of the
-# direct dispatch and combine (gpu_check.sh ncu), the receive path's single-node sweep, and
-# last the racecheck probe (docs/benchmarks/racecheck.md; its table is copied into the summary).
+# checkout and loads, else a build here), then the GPU tests, then what no run has measured on
+# today's kernels: the DeepSeek-V3-like layer on the direct path (E=256, top-8, H=7168, 4096 tokens
+# per rank, W=8, default settings, with the bytes each rank's buffer holds in its JSON), fp8
+# dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp
+# samples by source line of the direct dispatch and combine (gpu_check.sh ncu), W=8 ranks as 8
+# processes under MPS with no arena_bytes beside the emulation, plain and through peer memory
+# (gpu_check.sh processes: oracle, path per call, GB/s/SM), the benchmark (direct path + W=8 as 2
+# and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
+# wheel); then what the last run measured: the DeepSeek-V3-like layer on the receive path, the
+# receive path's single-node sweep, and last the racecheck probe (docs/benchmarks/racecheck.md;
+# its table is copied into the summary).
 # Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
 # summary says so); the logs of all parts are packed into OUT/logs_short_lease.tgz beside
@@ -23,7 +25,8 @@
 # --second: the lease's second call, about 4.5 minutes on the machine the first call warmed (it
 # ends SHORT_LEASE_END_S, default 270, seconds after it starts): the extension again (the
 # carried build), then what the first could not fit, by value: dispatch + combine across NVSHMEM
-# processes against the oracle (gpu_check.sh nvshmem-ep), the NVSHMEM transport's self-test with
+# processes against the oracle (gpu_check.sh nvshmem-ep), the soak (both paths at W=8 and 2 nodes
+# of 4, its budget shared among them), the NVSHMEM transport's self-test with
 # its 0-byte put-with-signal case (nvshmem: 8 runs of at least 20 s each), and compute-sanitizer's
 # memcheck and synccheck on the small case of both paths (sanitize; racecheck is the first call's
 # probe) if time is left.
@@ -35,8 +38,8 @@
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
 # profiled call about 20 s inside ncu), SHORT_LEASE_PROCESSES_S
-# (90), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_PROBE_S (60); the second
-# call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_NVSHMEM_S (170),
+# (110), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60); the second
+# call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
 set -u
 call=first
@@ -91,6 +94,7 @@ if [ "$call" = second ]; then
     note "build exit $?: $(grep -m1 -oE '(using the carried build|building hybrid_ep|the carried|no carried).*' \
         "$r/build_stage.out")"
     stage "nvshmem-ep" "${SHORT_LEASE_NVSHMEM_EP_S:-60}" nvshmem-ep
+    stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
     stage nvshmem "${SHORT_LEASE_NVSHMEM_S:-170}" nvshmem
     stage sanitize "${SHORT_LEASE_SANITIZE_S:-90}" sanitize memcheck synccheck
     exit 0
@@ -107,6 +111,23 @@ if fits test "${SHORT_LEASE_TEST_S:-180}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
 fi
+# what no run has measured on today's kernels first: the DeepSeek-V3-like direct combine and
+# fp8's scale copy (predictions in tools/timing/predicted/), then where the combine waits
+note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
+bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-45}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
+shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
+note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
+bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt):
+# its reducers run at a third of the microbenchmark's reduction rate, and which of their
+# instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
+stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
+if fits processes "${SHORT_LEASE_PROCESSES_S:-110}"; then
+    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
+    note "processes exit $? (processes/processes.log):"
+    grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
+fi
 if fits bench "${SHORT_LEASE_BENCH_S:-170}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh bench "$r/bench" > "$r/bench_stage.out" 2>&1
     note "bench exit $?"
@@ -115,24 +136,9 @@ if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
     note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
 fi
-stage soak "${SHORT_LEASE_SOAK_S:-120}" soak
-if fits processes "${SHORT_LEASE_PROCESSES_S:-90}"; then
-    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
-    note "processes exit $? (processes/processes.log):"
-    grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
-fi
-for path in direct receive; do  # the shape users run, default settings (no arena, default rings)
-    note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, $path path, 1 and 2 SMs per rank (bench_dsv3_$path/)"
-    bench "bench dsv3 $path" "${SHORT_LEASE_DSV3_S:-45}" "bench_dsv3_$path" HYBRID_EP_DATA_PATH=$path -- \
-        --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
-done
-shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
-note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
-bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
-# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt):
-# its reducers run at a third of the microbenchmark's reduction rate, and which of their
-# instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
-stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
+note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, receive path, 1 and 2 SMs per rank (bench_dsv3_receive/)"
+bench "bench dsv3 receive" "${SHORT_LEASE_DSV3_S:-45}" bench_dsv3_receive HYBRID_EP_DATA_PATH=receive -- \
+    --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
 note "receive path, one node (bench_receive/)"
 bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4

@@ -691,10 +691,11 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh: the runbook's first calls in one command, then DeepEP beside
-    hybrid-ep, the soak, the processes, the DeepSeek-V3-like layer on both paths, fp8, ncu's
-    lines of the direct kernels, the receive sweep, then the racecheck probe; logs packed for
-    the device."""
+    """scripts/gpu_short_lease.sh: the tests, then what no run measured on today's kernels (the
+    DeepSeek-V3-like layer on the direct path, fp8, ncu's lines of the direct kernels, the
+    processes, the benchmark's sweeps, DeepEP beside hybrid-ep), then what the last run measured
+    (the DeepSeek-V3-like layer on the receive path, the receive sweep, the racecheck probe); logs
+    packed for the device."""
     import tarfile
 
     _, results, run = machine
@@ -702,20 +703,21 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the bench stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep beside DeepEP, the
-    # DeepSeek-V3-like layer on each path, fp8 and the receive sweep
+    # the DeepSeek-V3-like layer on the direct path, fp8, the bench stage's three sweeps (one node,
+    # 2 and 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like layer on the receive path and
+    # the receive sweep
     assert len(benches) == 8, benches
-    assert "--backends cuda deepep" in benches[3]
-    for line, path in zip(benches[4:6], ("direct", "receive")):
+    assert "--backends cuda deepep" in benches[5]
+    for line, path in ((benches[0], "direct"), (benches[6], "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
-    assert "--dtype fp8 --sms 1 2" in benches[6] and "--emulate 8 " in benches[6]
+    assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
     assert benches[7].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
-    order = ["micro exit", "build exit", "test exit", "bench exit", "deepep exit", "soak exit", "processes exit",
-             "bench dsv3 direct exit", "bench dsv3 receive exit", "bench fp8 exit", "ncu exit",
-             "bench receive exit", "racecheck probe exit"]
+    order = ["micro exit", "build exit", "test exit", "bench dsv3 direct exit", "bench fp8 exit", "ncu exit",
+             "processes exit", "bench exit", "deepep exit", "bench dsv3 receive exit", "bench receive exit",
+             "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
@@ -726,9 +728,9 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
     for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
-                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./soak/soak_direct_g8.log"):
+                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt"):
         assert log in names, names
-    assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
+    assert "-m hybrid_ep.testing.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
     assert "regex:dispatch_direct_kernel|combine_direct_kernel" in profiled and "SourceCounters" in profiled
 
@@ -749,8 +751,8 @@ def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
 
 
 def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive(machine):
-    """gpu_short_lease.sh --second: the NVSHMEM cases, the NVSHMEM self-test, then memcheck and
-    synccheck, each bounded by what is left of its 270 s."""
+    """gpu_short_lease.sh --second: the NVSHMEM cases, the soak, the NVSHMEM self-test, then
+    memcheck and synccheck, each bounded by what is left of its 270 s."""
     import tarfile
 
     _, results, run = machine
@@ -758,17 +760,18 @@ def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive
     proc, calls = run("--second", str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (results / "summary.txt").read_text()
-    order = ["build exit", "nvshmem-ep exit", "nvshmem exit", "sanitize exit"]
+    order = ["build exit", "nvshmem-ep exit", "soak exit", "nvshmem exit", "sanitize exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "nvshmem-ep exit 0: " in summary and "12 of 12 cases" in summary
-    assert "-m hybrid_ep.testing.soak" not in calls  # the first call's
+    assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
     tools = [line.split()[2] for line in calls.splitlines() if line.startswith("compute-sanitizer --tool")]
     assert tools == ["memcheck", "memcheck", "synccheck", "synccheck"], tools  # each on both paths
     assert "-m hybrid_ep.bench --" not in calls and "-m pytest" not in calls  # the first call's parts
     with tarfile.open(results / "logs_second_call.tgz") as packed:
         names = packed.getnames()
     assert "./sanitize/sanitizer_summary.txt" in names and "./nvshmem-ep/nvshmem_cases.log" in names, names
+    assert "./soak/soak_direct_g8.log" in names, names
     assert not (results / "logs_short_lease.tgz").exists()
 
 
