@@ -245,6 +245,18 @@ def test_store_groups_override_out_of_range_names_the_variable(raw):
         launch.store_groups_override({launch.STORE_GROUPS_ENV: raw})
 
 
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("2", 2), ("16", 16)])
+def test_pull_stages_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.PULL_STAGES_ENV: raw}
+    assert launch.pull_stages_override(env) == want
+
+
+@pytest.mark.parametrize("raw", ["1", "17", "six"])
+def test_pull_stages_override_out_of_range_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"HYBRID_EP_PULL_STAGES must be an integer from 2 to 16, got '{raw}'"):
+        launch.pull_stages_override({launch.PULL_STAGES_ENV: raw})
+
+
 def test_row_bytes_and_coresidency_errors():
     assert launch.check_row_bytes("x", 7168, "float8_e4m3fn") == 7168
     with pytest.raises(ValueError, match=r"x: .*multiple of 8 for bfloat16"):

@@ -570,6 +570,25 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
             group.close()
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("stages", ["2", "3"])
+def test_the_direct_combine_at_fewer_stages_gives_the_oracle_result(monkeypatch, stages, nodes):
+    """HYBRID_EP_PULL_STAGES cuts the direct combine's rings to a few stages per pipeline (the
+    lease's depth sweep): the fewest (2) and an odd count, so each ring wraps many times per
+    token, with node partials in the stages across nodes; every launch takes the count asked."""
+    monkeypatch.setenv(launch.PULL_STAGES_ENV, stages)
+    case = _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes)
+    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
+    try:
+        for seed in SEEDS:
+            model.set_seed(seed)
+            check_emulated(group, dataclasses.replace(case, seed=seed))
+        combines = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
+        assert combines and all(a.src_stages == int(stages) for a in combines)
+    finally:
+        group.close()
+
+
 @pytest.mark.parametrize("stages", [3, 5])
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_the_direct_dispatch_refuses_an_odd_fifo_stage_count(monkeypatch, stages, nodes):

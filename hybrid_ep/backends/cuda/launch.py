@@ -218,20 +218,36 @@ STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
 MAX_STORE_GROUPS: int = compiled.MAX_STORE_GROUPS  # cp.async.bulk.wait_group takes an immediate
 
 
-def store_groups_override(environ=None) -> int | None:
-    """HYBRID_EP_STORE_GROUPS, for measuring the store queue's depth (docs/benchmarks/cuda.md);
-    None when unset."""
+def _int_from_env(name: str, low: int, high: int, environ=None) -> int | None:
+    """The integer a measurement variable holds, in [low, high]; None when it is unset or empty."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(STORE_GROUPS_ENV)
+    raw = environ.get(name)
     if raw is None or raw == "":
         return None
     try:
         value = int(raw)
     except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_STORE_GROUPS:
-        raise ValueError(f"{STORE_GROUPS_ENV} must be an integer from 0 to {MAX_STORE_GROUPS}, got {raw!r}")
+        value = low - 1
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {raw!r}")
     return value
+
+
+def store_groups_override(environ=None) -> int | None:
+    """HYBRID_EP_STORE_GROUPS, for measuring the store queue's depth (docs/benchmarks/cuda.md);
+    None when unset."""
+    return _int_from_env(STORE_GROUPS_ENV, 0, MAX_STORE_GROUPS, environ)
+
+
+PULL_STAGES_ENV = "HYBRID_EP_PULL_STAGES"
+
+
+def pull_stages_override(environ=None) -> int | None:
+    """HYBRID_EP_PULL_STAGES: the direct combine's stages per pipeline, at most what the shared
+    memory holds (pull_shape); None when unset. For measuring how the combine's rate follows
+    the bytes its loads have in flight, at the same stage size and reducer code
+    (docs/benchmarks/cuda.md)."""
+    return _int_from_env(PULL_STAGES_ENV, 2, MAX_STAGES, environ)
 
 
 def store_groups(stages: int, override: int | None = None) -> int:
@@ -325,7 +341,8 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
     (several nodes: a stage holds a node partial in the wire dtype too)."""
     wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
     a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
-    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block)
+    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
+                      max_stages=s.pull_stages_override or MAX_STAGES)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
     return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes)
 
@@ -356,6 +373,7 @@ class LaunchSettings:
         self.device_sms, self.smem_per_block = device_sms, smem_per_block
         self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
+        self.pull_stages_override = pull_stages_override()  # HYBRID_EP_PULL_STAGES, the same
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:
