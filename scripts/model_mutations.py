@@ -257,6 +257,13 @@ MUTATIONS = (
              "(the route table's fp8 scale copies, a token at a time by the whole warp, before every lane "
              "wrote its routes)",
              "csrc/kernels/dispatch_direct.cuh", "  __syncwarp();  // every lane's routes in the table\n", ""),
+    Mutation("elected-reducers-without-the-agreement", "lanes reading a stage that only their lane 0 waited "
+             "for, with no __syncwarp after its wait (the direct combine's elected stage waits, "
+             "HYBRID_EP_REDUCER_WAIT=elect)",
+             "csrc/kernels/segments.cuh", "  if (!warp_uniform(ok)) {\n    d.stop();\n    return false;\n  }\n"
+             "  if (each_lane_observes)", "  if (each_lane_observes ? !warp_uniform(ok) : !ok) {\n    d.stop();\n"
+             "    return false;\n  }\n  if (each_lane_observes)",
+             tests="tests/test_kernels_model.py::test_the_direct_combine_variants_give_the_oracle_result"),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),

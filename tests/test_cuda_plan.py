@@ -257,6 +257,18 @@ def test_pull_stages_override_out_of_range_names_the_variable(raw):
         launch.pull_stages_override({launch.PULL_STAGES_ENV: raw})
 
 
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("observe", "observe"), ("elect", "elect")])
+def test_reducer_wait_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.REDUCER_WAIT_ENV: raw}
+    assert launch.reducer_wait_override(env) == want
+
+
+def test_reducer_wait_override_names_the_variable_and_its_choices():
+    with pytest.raises(ValueError, match="HYBRID_EP_REDUCER_WAIT must be one of observe, elect, got 'lane'"):
+        launch.reducer_wait_override({launch.REDUCER_WAIT_ENV: "lane"})
+    assert sorted(launch.REDUCER_WAITS.values()) == [0, 1]  # params.h's codes, distinct
+
+
 def test_row_bytes_and_coresidency_errors():
     assert launch.check_row_bytes("x", 7168, "float8_e4m3fn") == 7168
     with pytest.raises(ValueError, match=r"x: .*multiple of 8 for bfloat16"):

@@ -571,12 +571,18 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("stages", ["2", "3"])
-def test_the_direct_combine_at_fewer_stages_gives_the_oracle_result(monkeypatch, stages, nodes):
-    """HYBRID_EP_PULL_STAGES cuts the direct combine's rings to a few stages per pipeline (the
-    lease's depth sweep): the fewest (2) and an odd count, so each ring wraps many times per
-    token, with node partials in the stages across nodes; every launch takes the count asked."""
-    monkeypatch.setenv(launch.PULL_STAGES_ENV, stages)
+@pytest.mark.parametrize("stages, wait", [("2", None), ("3", None), (None, "elect"), ("2", "elect")])
+def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages, wait, nodes):
+    """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_PULL_STAGES cuts its
+    rings to a few stages per pipeline, the fewest (2) and an odd count, so each ring wraps many
+    times per token, with node partials in the stages across nodes; HYBRID_EP_REDUCER_WAIT=elect
+    leaves the other lanes' observation of each stage to the agreement's __syncwarp. Every
+    launch takes what was asked."""
+    for name, value in ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     case = _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes)
     group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
     try:
@@ -584,7 +590,10 @@ def test_the_direct_combine_at_fewer_stages_gives_the_oracle_result(monkeypatch,
             model.set_seed(seed)
             check_emulated(group, dataclasses.replace(case, seed=seed))
         combines = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
-        assert combines and all(a.src_stages == int(stages) for a in combines)
+        assert combines
+        for a in combines:
+            assert stages is None or a.src_stages == int(stages)
+            assert a.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
     finally:
         group.close()
 

@@ -322,8 +322,9 @@ __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ri
   PipeState produced;
   SegmentAcc<Elem> acc;
   RingReleases<Rdma> releases(h.rdma);  // this thread's node-partial credits (quieted as it goes)
+  const bool each_lane_observes = d.args.reducer_wait != kReducerWaitElect;
   for (PipeState p;; p.advance(ring.stages)) {
-    if (!warp_consumer_wait(d, ring, p, lane)) break;
+    if (!warp_consumer_wait(d, ring, p, lane, each_lane_observes)) break;
     const PartItem it = items[p.stage];
     if (it.flags & kEndOfWork) break;
     const uint8_t* in = data + static_cast<size_t>(p.stage) * d.stage_bytes;

@@ -162,16 +162,19 @@ struct PartItem {
 
 // A reducer warp: lane 0 waits (bounded) until the stage is full, the warp agrees on the
 // answer, and every other lane observes the completed phase itself (its own acquire of the
-// stage's bytes and header).
+// stage's bytes and header). Without `each_lane_observes` (the direct combine's
+// kReducerWaitElect) the agreement's __syncwarp alone orders lane 0's acquire before the other
+// lanes' reads.
 template <typename Call>
-__device__ __forceinline__ bool warp_consumer_wait(const Call& d, const Ring& ring, const PipeState& p, int lane) {
+__device__ __forceinline__ bool warp_consumer_wait(const Call& d, const Ring& ring, const PipeState& p, int lane,
+                                                   bool each_lane_observes = true) {
   bool ok = true;
   if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
   if (!warp_uniform(ok)) {
     d.stop();
     return false;
   }
-  ring.observe_full(p, lane);
+  if (each_lane_observes) ring.observe_full(p, lane);
   return true;
 }
 

@@ -69,7 +69,7 @@ def _predict(args) -> int:
               "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
-              "pull_stages": launch.pull_stages_override(),
+              "pull_stages": launch.pull_stages_override(), "reducer_wait": launch.reducer_wait_override(),
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": _checkout_commit()}

@@ -250,6 +250,28 @@ def pull_stages_override(environ=None) -> int | None:
     return _int_from_env(PULL_STAGES_ENV, 2, MAX_STAGES, environ)
 
 
+REDUCER_WAIT_ENV = "HYBRID_EP_REDUCER_WAIT"
+# How a direct-combine reducer warp learns that a stage is full (csrc/common/params.h): lane 0
+# waits and the warp agrees, then the other lanes observe the phase themselves ("observe", the
+# default) or rely on the agreement's __syncwarp ("elect").
+REDUCER_WAIT_OBSERVE: int = compiled.REDUCER_WAIT_OBSERVE
+REDUCER_WAIT_ELECT: int = compiled.REDUCER_WAIT_ELECT
+REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT}
+
+
+def reducer_wait_override(environ=None) -> str | None:
+    """HYBRID_EP_REDUCER_WAIT: "observe" or "elect", for timing the direct combine's reducers
+    with and without every lane's own observation of each stage (docs/benchmarks/cuda.md); None
+    when unset."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(REDUCER_WAIT_ENV)
+    if raw is None or raw == "":
+        return None
+    if raw not in REDUCER_WAITS:
+        raise ValueError(f"{REDUCER_WAIT_ENV} must be one of {', '.join(REDUCER_WAITS)}, got {raw!r}")
+    return raw
+
+
 def store_groups(stages: int, override: int | None = None) -> int:
     """Bulk-store groups a store thread lets still read their stages when it releases the
     older ones. Each holds a stage the loads cannot refill: at the 5 or 6 stages of 16-32 KiB
@@ -344,6 +366,7 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
     pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
                       max_stages=s.pull_stages_override or MAX_STAGES)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
+    a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or "observe"]
     return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes)
 
 
@@ -374,6 +397,7 @@ class LaunchSettings:
         self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
         self.pull_stages_override = pull_stages_override()  # HYBRID_EP_PULL_STAGES, the same
+        self.reducer_wait_override = reducer_wait_override()  # HYBRID_EP_REDUCER_WAIT, the same
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:
