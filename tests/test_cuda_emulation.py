@@ -81,6 +81,51 @@ def test_sm_count_per_call_gives_identical_results(num_sms, path):
     run_and_check(_case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129)), num_sms=num_sms, path=path)
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("stages, wait", [("2", None), (None, "elect")])
+def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, nodes):
+    """The direct combine's measurement knobs the lease times without checking outputs
+    (HYBRID_EP_PULL_STAGES: the fewest stages; HYBRID_EP_REDUCER_WAIT=elect: lane 0's wait and
+    the warp's __syncwarp alone) give the oracle's sums on the GPU, one node and two; rows of
+    7168 bf16 columns, top-8, so each token's parts wrap the rings."""
+    from hybrid_ep.backends.cuda import launch
+    from hybrid_ep.testing.emulated import emulated_group_for
+
+    for name, value in ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    case = _case(4, hidden=7168, topk=8, num_experts=16, tokens=(500, 17, 0, 129), ranks_per_node=4 // nodes)
+    group = emulated_group_for(case, "cuda", data_path="direct")  # a buffer of its own: knobs are read at its making
+    try:
+        for seed in (0, 1):
+            check_emulated(group, dataclasses.replace(case, seed=seed), num_sms=1)
+        [args] = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
+        assert stages is None or args.src_stages == int(stages)
+        assert args.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_ranks_through_peer_memory_match_the_oracle(nodes):
+    """The emulation of separate processes (each rank's peer memory, mapped by the others at
+    addresses of their own) on the GPU, as the process bench's `emulation_peer` times it: the
+    first call grows the memory and takes the receive path, and the same call again goes direct
+    once the peers mapped what it grew (each check's re-dispatch keeps a second output alive,
+    which may grow the memory once more; tests/test_peer_emulation.py has the rule)."""
+    from hybrid_ep.testing.emulated import emulated_group_for
+
+    case = _case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129), ranks_per_node=4 // nodes)
+    group = emulated_group_for(case, "cuda", separate_processes=True, peer_reserve=1 << 30)
+    try:
+        paths = [check_emulated(group, case)[0].handle.data_path for _ in range(3)]
+        assert paths[0] == "receive" and paths[-1] == "direct", paths
+    finally:
+        group.close()
+
+
 def test_back_to_back_calls_on_one_buffer():
     """Monotonic flags: 24 calls in a row on one buffer, other routings and token counts each
     time (never above the buffer's max tokens), no reset in between."""
