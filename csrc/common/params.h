@@ -24,8 +24,8 @@ constexpr int kMaxStages = 16;                 // slots of one pipeline's ring (
 constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memory at most: each kernel's shared
                                                // struct is checked against it, and the launch plans leave it out of
                                                // the dynamic shared memory (static + dynamic share one limit)
-constexpr int kMaxStoreGroups = 7;    // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
-constexpr int kPullPipelines = 2;     // pipelines of a combine_direct block, sharing its dynamic shared memory
+constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
+constexpr int kPullPipelines = 2;   // pipelines of a combine_direct block, sharing its dynamic shared memory
 // How a direct-combine reducer warp learns that a stage is full (LaunchArgs::reducer_wait; the
 // host picks it from HYBRID_EP_REDUCER_WAIT, a measurement knob): lane 0 waits (bounded) and the
 // warp agrees on the verdict in both; with kReducerWaitObserve the other 31 lanes then observe
@@ -33,7 +33,7 @@ constexpr int kPullPipelines = 2;     // pipelines of a combine_direct block, sh
 // which orders lane 0's acquire before their reads.
 constexpr int kReducerWaitObserve = 0;
 constexpr int kReducerWaitElect = 1;
-constexpr int kDirectStoreWarps = 2;  // store warps of a direct dispatch block (one store thread each)
+constexpr int kDirectStoreWarps = 2;       // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
 // A ring between ranks tags its slots with the call in the high bits and chunk + 1 in the low
 // kRingTagChunkBits (kernels/peer_ring.cuh, PeerRing::tag): max_chunks stays below 2^24 - 1, and
@@ -399,8 +399,8 @@ struct LaunchArgs {
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
   int32_t reducer_wait;  // combine_direct: kReducerWaitObserve or kReducerWaitElect
-  int32_t info_read;  // count: the host reads its info before it launches the dispatch kernel
-                      // (dynamic size): a bad route is reported there, not in bad_route
+  int32_t info_read;     // count: the host reads its info before it launches the dispatch kernel
+                         // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory
