@@ -218,11 +218,16 @@ STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
 MAX_STORE_GROUPS: int = compiled.MAX_STORE_GROUPS  # cp.async.bulk.wait_group takes an immediate
 
 
+def _env_raw(name: str, environ=None) -> str | None:
+    """What a measurement variable holds; None when it is unset or empty."""
+    raw = (os.environ if environ is None else environ).get(name)
+    return raw or None
+
+
 def _int_from_env(name: str, low: int, high: int, environ=None) -> int | None:
     """The integer a measurement variable holds, in [low, high]; None when it is unset or empty."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(name)
-    if raw is None or raw == "":
+    raw = _env_raw(name, environ)
+    if raw is None:
         return None
     try:
         value = int(raw)
@@ -263,11 +268,8 @@ def reducer_wait_override(environ=None) -> str | None:
     """HYBRID_EP_REDUCER_WAIT: "observe" or "elect", for timing the direct combine's reducers
     with and without every lane's own observation of each stage (docs/benchmarks/cuda.md); None
     when unset."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(REDUCER_WAIT_ENV)
-    if raw is None or raw == "":
-        return None
-    if raw not in REDUCER_WAITS:
+    raw = _env_raw(REDUCER_WAIT_ENV, environ)
+    if raw is not None and raw not in REDUCER_WAITS:
         raise ValueError(f"{REDUCER_WAIT_ENV} must be one of {', '.join(REDUCER_WAITS)}, got {raw!r}")
     return raw
 
