@@ -3,9 +3,10 @@ the cuda backend makes, on the CPU model, against the designed numbers (docs/arc
 "The host path per call"): a dispatch of known size (num_out_tokens, or a handle's) launches
 its two kernels in one call and reads nothing back; a dynamic-size dispatch launches the count
 kernel, reads the output sizes once, then launches the dispatch kernel; a combine is one call
-and one kernel. With peer memory (ranks in separate processes) every dispatch first sets each
-driven rank's agreement words (no launch), and a call of known size that the agreement's ledger
-does not hold takes the dynamic sequence (one read).
+and one kernel. With peer memory (ranks in separate processes) a call of known size that the
+agreement's ledger holds launches both kernels and makes its blocks' tensors in one call, and
+sets no agreement words; a dispatch that reads first sets each driven rank's words (no launch),
+and a call of known size that the ledger does not hold takes the dynamic sequence (one read).
 
 Counted: kernel launches by the extension's own table (ext.launch_counts: what the HostPath
 calls launched, per kernel), calls into ext.HostPath by a proxy, and host reads of tensor
@@ -105,11 +106,11 @@ def counting(engine, monkeypatch):
     got.host_calls, got.reads = dict(calls), dict(reads)
 
 
-def _known(path: str, world_size: int = W) -> dict:
-    """calls into HostPath of a dispatch of known size that launches both kernels at once."""
-    if path == "peer":
-        return {"set_agree": world_size, "dispatch": 1}
-    return {"dispatch_into" if path == "arena" else "dispatch": 1}
+def _known(path: str) -> dict:
+    """calls into HostPath of a dispatch of known size that launches both kernels at once: with
+    blocks of the arena or of peer memory, their tensors in the same call; with peer memory no
+    agreement words (the ledger holds the call, so no rank reads them)."""
+    return {"dispatch_into" if path in ("arena", "peer") else "dispatch": 1}
 
 
 def _oracle(group, xs, ws, ys) -> None:
@@ -228,7 +229,7 @@ def test_buffer_pair_of_one_rank_per_process(path, monkeypatch):
                 y = hep.combine(buf, res.tokens, res.handle, apply_probs=True)
             assert res.handle.data_path == ("receive" if path == "receive" else "direct")
             assert (dispatched.launches, dispatched.host_calls, dispatched.reads) == \
-                ({"count": 1, dispatch_kernel: 1}, _known(path, 1), {})
+                ({"count": 1, dispatch_kernel: 1}, _known(path), {})
             assert (combined.launches, combined.host_calls, combined.reads) == ({combine_kernel: 1}, {"combine": 1}, {})
             _oracle(group, [x.detach()], [w.detach()], [y.detach()])
     finally:

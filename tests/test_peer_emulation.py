@@ -65,6 +65,53 @@ def test_a_static_size_goes_direct_on_the_ledger_without_reading():
         group.close()
 
 
+def test_calls_the_ledger_holds_map_nothing_and_the_next_read_maps_the_growth():
+    """A held call sets no agreement words (no rank reads them) and maps nothing: after a growth,
+    node peers map the new chunks at the next call that reads, and that call goes direct into
+    them. Static sizes on one node of 3, the oracle after every call."""
+    W, H, T, K, E = 3, 2048, 8, 2, 6
+    small, big = W * T * K, 300  # fp32 rows of 8 KiB: 300 rows and their staging block need 3 chunks
+    group = emulated_group_for(Case(world_size=W, ranks_per_node=W, num_experts=E, hidden=H, tokens=(T,) * W,
+                                    topk=K, backend="cuda"), "cpu", separate_processes=True, num_sms_dispatch=1,
+                               num_sms_combine=1)
+    set_words = []
+    host = group.engine.host
+
+    class Host:  # counts the agreement words set per call
+        def __getattr__(self, name):
+            if name == "set_agree":
+                set_words.append(1)
+            return getattr(host, name)
+
+    group.engine.host = Host()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(T, H, generator=gen) for _ in range(W)]
+        idx = [torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous() for _ in range(W)]
+        ws = [torch.rand(T, K, generator=gen) for _ in range(W)]
+        seen = []
+        for rows in (small, small, big, small, big):
+            set_words.clear()
+            reads = group.peer.reads
+            res = group.dispatch(xs, idx, ws, num_out_tokens=rows)
+            ys = group.combine([r.tokens for r in res], [r.handle for r in res], apply_probs=True)
+            group.synchronize()
+            for y, x, w in zip(ys, xs, ws):
+                torch.testing.assert_close(y, (w[:, :, None] * x[:, None, :]).sum(1), rtol=1e-5, atol=1e-5)
+            mapped = [v.mapped(p) for v in group.peer.views for p in v.bases]
+            seen.append((res[0].handle.data_path, group.peer.reads - reads, len(set_words),
+                         min(mapped) == max(m.extent for m in group.peer.own)))
+            del res, ys
+        assert seen == [("receive", 1, W, False),  # no ledger yet: reads, grows (peers map at the next read)
+                        ("direct", 1, W, True),  # reads: every peer mapped, direct
+                        ("receive", 1, W, False),  # the ledger does not hold it: reads, grows
+                        ("direct", 0, 0, False),  # held within the last read's limits: no words, nothing mapped
+                        ("direct", 1, W, True)]  # reads: peers map the growth, direct into it
+    finally:
+        group.engine.host = host
+        group.close()
+
+
 def test_a_failed_import_costs_one_call_and_the_oracle_still_matches(monkeypatch):
     small = Case(world_size=3, ranks_per_node=3, num_experts=6, hidden=2048, tokens=(9, 4, 7), topk=2, backend="cuda")
     big = dataclasses.replace(small, tokens=(100, 160, 120))  # more than the first chunk holds

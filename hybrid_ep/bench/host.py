@@ -20,7 +20,7 @@ graph is freed after each pair, its backward is not timed).
 Paths: `receive`, `direct` (ranks in one process: outputs from PyTorch's allocator, combine
 reads expert_out where it lies) and `peer`: the direct path as ranks in separate processes
 take it (EmulatedGroup(separate_processes=True): each rank's peer memory of memfd chunks
-mapped at addresses of its own, the agreement's words set per call, blocks taken from peer
+mapped at addresses of its own, the agreement's words set on calls that read, blocks taken from peer
 memory, expert_out in the rank's combine staging block). Peer memory is pre-sized
 (PEER_BYTES) and the pairs are the static calls the agreement's ledger holds, which launch
 both dispatch kernels in one call without a host read; the ledger is set back before each

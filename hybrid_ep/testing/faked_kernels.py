@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..backends.base import Backend
 from ..backends.cuda.arena import memory_tensor
 from ..backends.cuda.backend import CudaBackend
+from ..backends.cuda.engine import DispatchOutput
 from ..backends.cuda.layout import AGREE_WORDS, BAD_ROUTE_WORDS
 
 _CPU = torch.device("cpu")
@@ -162,6 +163,14 @@ class GlooKernels:
     def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs, absent, after_count):
         self._layout(args, ptr, layout, static_rows, inputs[0])
         self._rows(args, direct, ptr, outputs[0])
+
+    def dispatch_into(self, args, stream, ptr, layout, static_rows, inputs, taken, absent, after_count):
+        """A direct call into the blocks `taken` holds (arena.arena_take): both kernels, then the
+        blocks' tensors, as the extension's HostPath.dispatch_into."""
+        self._layout(args, ptr, layout, static_rows, inputs[0])
+        rows, probs = taken.addresses()[0][:2]
+        self._rows(args, True, ptr, DispatchOutput(self.calls[ptr].rows[self.rank], rows, 0, probs))
+        return taken.tensors()
 
     def _rows(self, args, direct: bool, ptr: int, out) -> None:
         self.launched["dispatch_direct" if direct else "dispatch_receive"] += 1

@@ -3,11 +3,11 @@ grows on demand, agreed on the count exchange the count kernel already makes.
 
 The direct path's kernels on every rank wait for every peer's published tensors, the receive
 path's for every peer's rows: a call runs only if every rank chose the same path, and a rank
-may write a peer's output only into memory it has mapped. Before each dispatch every rank puts
-`AGREE_WORDS` words about its peer memory into its count rows (RankArgs.agree): whether it has
-mapped what its node peers announced (ready), its largest free range in the memory every node
-peer has confirmed mapping (free_acked), its largest free range in all its memory (free_all),
-its free tail and its extent. The count kernel hands every rank every rank's words and the
+may write a peer's output only into memory it has mapped. Before each dispatch that reads
+(below) every rank puts `AGREE_WORDS` words about its peer memory into its count rows
+(RankArgs.agree): whether it has mapped what its node peers announced (ready), its largest free
+range in the memory every node peer has confirmed mapping (free_acked), its largest free range
+in all its memory (free_all), its free tail and its extent. The count kernel hands every rank every rank's words and the
 routes every rank receives (InfoLayout.agreement), read with the output size in the call's one
 host read. From the same numbers every rank decides the same thing, with no barrier of its own
 and across nodes as within one:
@@ -18,8 +18,8 @@ and across nodes as within one:
   time a rank needs it, its combine staging block) fits what it may use;
 - a rank short of memory grows by a rule every rank computes alike (its extent plus what its
   free tail lacks, in CHUNK steps): that call takes the receive path, the rank maps a new chunk
-  at once, its node peers fetch and map it before their next call (PeerViews.sync), and from
-  the next call on (every peer ready) the memory is used;
+  at once, its node peers fetch and map it before their next call that reads (PeerViews.sync, as
+  they make its words), and from that call on (every peer ready) the memory is used;
 - a growth or an import that fails costs that call the receive path and one log line: the
   owner's extent word tells every rank that it did not grow, a peer that could not import says
   it is not ready, and the next call tries again;
@@ -27,9 +27,12 @@ and across nodes as within one:
   same ledger of what each rank may still take (what it could use at the last read, less the
   blocks taken since): a call the ledger holds goes direct, one it does not hold reads (outside
   graph capture: the static call then waits for its count kernel once), or, while a CUDA graph
-  is being captured, takes the receive path (nothing grows inside a capture);
+  is being captured, takes the receive path (nothing grows inside a capture); a call the ledger
+  holds sets no words (no rank reads them) and maps nothing: its blocks end within the limits
+  of the last read, in memory every peer had mapped then;
 - release_unused() retires each rank's free tail: that call takes the receive path, peers unmap
-  before their next call, and the owner releases the chunks once every peer is ready again.
+  before their next call that reads, and the owner releases the chunks once every peer is ready
+  again.
 
 Every rank must make the same sequence of calls with the same kind of size (num_out_tokens on
 all ranks or on none), as the kernels already need.
@@ -47,6 +50,7 @@ from .layout import AGREE_WORDS
 from .peer_memory import CHUNK, OwnMemory, PeerViews, round_up
 
 UNIT = 4096  # the agreement's words count bytes in these units (int32 words: up to 8 TiB)
+_SIZES_KEPT = 256  # need_bytes' remembered row counts (a static size or a few handles' in training)
 READY, FREE_ACKED, FREE_ALL, TAIL, EXTENT = range(AGREE_WORDS)
 _log = logging.getLogger("hybrid_ep")
 _logged: set[str] = set()
@@ -96,14 +100,16 @@ def peer_bases(agreement: "Agreement", rank: int) -> list[int]:
 class RankState:
     """What every rank of a node knows alike about one rank's peer memory."""
 
-    target: int = 0  # the extent every node peer maps before its next call
+    target: int = 0  # the extent every node peer maps before its next call that reads
     acked: int = 0  # the extent every node peer confirmed mapping
     staged: int = 0  # bytes of its combine staging block (0: none yet)
     retiring: bool = False  # a retired tail is still mapped somewhere
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Decision:
+    """A call's path and what it takes; kept and handed out again for held calls: never changed."""
+
     direct: bool
     limits: list[int]  # per driven rank: its block ends within this many bytes of its base
     new_staging: list[int]  # per driven rank: bytes of a new staging block to take, 0: keep
@@ -123,6 +129,9 @@ class Agreement:
         self.limit = [0] * self.W  # where each rank's blocks may end since the last read
         self.trim_requested = False
         self.reads = self.directs = 0  # reads decided, of them direct (tests, bench)
+        self._sizes: dict = {}  # (rows, dtype, fp8) -> (block bytes, staging block bytes): need_bytes
+        # A held call's decision when it takes no staging block, with the `limit` list it was made from
+        self._ledger_decision: tuple[list[int], Decision] | None = None
 
     # -- before the count kernel ------------------------------------------------------
 
@@ -149,10 +158,17 @@ class Agreement:
 
     # -- after the read ----------------------------------------------------------------
 
-    def need_bytes(self, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, staged: int) -> tuple[int, int]:
+    def need_bytes(self, rows: int, dtype: torch.dtype, fp8: bool, staged: int) -> tuple[int, int]:
         """(bytes one rank's call of `rows` output rows takes, of them a new staging block)."""
-        out = call_bytes(rows, hidden, dtype, fp8)
-        stage = staging_bytes(rows, hidden) if self.stage_combines else 0
+        key = (rows, dtype, fp8)
+        sizes = self._sizes.get(key)
+        if sizes is None:  # (its block, the staging block a call of its rows needs)
+            H = self.config.hidden_dim
+            if len(self._sizes) >= _SIZES_KEPT:
+                self._sizes.clear()
+            sizes = self._sizes[key] = (call_bytes(rows, H, dtype, fp8),
+                                        staging_bytes(rows, H) if self.stage_combines else 0)
+        out, stage = sizes
         new_stage = stage if stage > staged else 0
         return out + new_stage, new_stage
 
@@ -168,7 +184,7 @@ class Agreement:
         rank's info from `agreement` on, the same on every rank), and the growth and retiring it
         implies. rows: a static size's rows of every rank, None to size by the routes."""
         width = 1 + AGREE_WORDS
-        H, W, G = self.config.hidden_dim, self.W, self.G
+        W, G = self.W, self.G
         words = [read_row[d * width + 1:(d + 1) * width] for d in range(W)]
         bounds = rows if rows is not None else self.bounds(read_row)
         self.reads += 1
@@ -184,7 +200,7 @@ class Agreement:
             else:
                 usable.append(w[FREE_ACKED] * UNIT)
                 limits.append(min(st.acked, extent))
-            need, new_stage = self.need_bytes(bounds[d], H, dtype, fp8, st.staged)
+            need, new_stage = self.need_bytes(bounds[d], dtype, fp8, st.staged)
             needs.append(need)
             stages.append(new_stage)
         trim = self.trim_requested
@@ -242,22 +258,31 @@ class Agreement:
     def decide_ledger(self, rows: list[int], dtype, fp8: bool, capturing: bool) -> Decision | None:
         """The path of a call without a read, from the ledger every rank keeps alike: direct when
         every rank's block fits what it may still take, receive while capturing a graph, else
-        None (the call reads)."""
-        H, W = self.config.hidden_dim, self.W
-        if self.ledger is None or self.trim_requested:
+        None (the call reads). On the host path of every static call: one pass over the ranks."""
+        ledger = self.ledger
+        if ledger is None or self.trim_requested:
             return Decision(False, [], []) if capturing else None
-        needs, stages = [], []
-        for d in range(W):
-            need, new_stage = self.need_bytes(rows[d], H, dtype, fp8, self.state[d].staged)
-            needs.append(need)
-            stages.append(new_stage)
-        if all(n <= left for n, left in zip(needs, self.ledger)):
-            self.ledger = [left - n for left, n in zip(self.ledger, needs)]
-            for d in range(W):
-                self.state[d].staged = max(self.state[d].staged, stages[d])  # a new block replaces the old
-            self.directs += 1
-            return Decision(True, [self.limit[r] for r in self.ranks], [stages[r] for r in self.ranks])
-        return Decision(False, [], []) if capturing else None
+        left, stages, state = [], None, self.state
+        for d, r in enumerate(rows):
+            need, new_stage = self.need_bytes(r, dtype, fp8, state[d].staged)
+            if need > ledger[d]:
+                return Decision(False, [], []) if capturing else None
+            left.append(ledger[d] - need)
+            if new_stage:
+                stages = stages or [0] * self.W
+                stages[d] = new_stage
+        self.ledger = left
+        self.directs += 1
+        if stages is None:  # no staging block: one decision per setting of the limits
+            kept = self._ledger_decision
+            if kept is None or kept[0] is not self.limit:
+                kept = self._ledger_decision = (self.limit, Decision(True, [self.limit[r] for r in self.ranks],
+                                                                     [0] * len(self.ranks)))
+            return kept[1]
+        for d, nbytes in enumerate(stages):
+            if nbytes:
+                state[d].staged = nbytes  # larger than the block it replaces (need_bytes)
+        return Decision(True, [self.limit[r] for r in self.ranks], [stages[r] for r in self.ranks])
 
     def held(self) -> int:
         """Bytes of peer memory the driven ranks hold."""

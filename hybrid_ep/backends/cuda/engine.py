@@ -465,12 +465,19 @@ class Engine:
 
     def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int) -> tuple:
         """Both kernels in one call into the extension, the output size known (rows per rank;
-        static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
-        output tensors per rank)."""
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
+        static_rows: num_out_tokens, or -1 for a handle's sizes), on the path choose_path takes:
+        (workspace, rows, direct, output tensors per rank)."""
         stream = self._stream()
+        direct, taken = choose_path(self, rows, given.dtype, given.fp8, stream)
+        return self._launch_known(given, rows, static_rows, num_sms, direct, taken, stream)
+
+    def _launch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int, direct: bool,
+                      taken, stream: int) -> tuple:
+        """Both kernels in one call on a chosen path (_dispatch_known, or the ledger's in
+        _dispatch_peer); taken: a direct call's blocks (arena or peer memory, arena.arena_take),
+        whose tensors the same call makes, else None (outputs from PyTorch's allocator)."""
+        dtype, dtype_name, fp8, topk, inputs, tensors = given
         absent, after_count = self._absent_bits
-        direct, taken = choose_path(self, rows, dtype, fp8, stream)
         call = self._workspace(topk, direct, not direct, stream)
         kind = "dispatch_direct" if direct else "dispatch_receive"
         H = self.config.hidden_dim
@@ -482,7 +489,7 @@ class Engine:
         if declaring:
             self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
                           self._output_spans(outputs, dtype))
-        if taken is not None:  # the launch and the arena blocks' tensors in one call
+        if taken is not None:  # the launch and the blocks' tensors in one call
             made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
                                            absent, after_count)
         else:
@@ -530,24 +537,28 @@ class Engine:
 
     def _dispatch_peer(self, given: DispatchCall, static_rows: int, known_rows: list[int] | None,
                        known_bounds: list[int] | None, num_sms: int) -> tuple:
-        """Ranks in separate processes (agreement.py): every driven rank's agreement words into the
-        count kernel's count rows; a call whose every rank's size is known (num_out_tokens, or a
-        handle's bounds) and that the ledger holds launches both kernels at once; any other call
-        launches the count kernel, reads the sizes and every rank's words in the one host read,
-        decides, then launches the dispatch kernel. (workspace, rows, direct, outputs, bounds)."""
+        """Ranks in separate processes (agreement.py): a call whose every rank's size is known
+        (num_out_tokens, or a handle's bounds) and that the ledger holds launches both kernels at
+        once; any other call puts every driven rank's agreement words into the count kernel's
+        count rows, launches it, reads the sizes and every rank's words in the one host read,
+        decides, then launches the dispatch kernel. Only a read call's words are read, so a call
+        the ledger holds sets none (every rank knows alike which calls read).
+        (workspace, rows, direct, outputs, bounds)."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         stream = self._stream()
         absent, after_count = self._absent_bits
         peer, W, H = self.peer, self.config.world_size, self.config.hidden_dim
-        for i, words in enumerate(peer.words(stream)):
-            self.host.set_agree(i, words)
         rows_all = [static_rows] * W if static_rows >= 0 else known_bounds
         if rows_all is not None:
             capturing = capture.capturing(self.device)
             decision = peer.decide_ledger(rows_all, dtype, fp8, capturing)
             if decision is not None:
                 rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
-                return self._launch_known(given, rows, static_rows, num_sms, decision, stream) + (rows_all,)
+                taken = self._take_peer(rows, dtype, fp8, stream, decision)
+                return self._launch_known(given, rows, static_rows, num_sms, decision.direct, taken, stream) + \
+                    (rows_all,)
+        for i, words in enumerate(peer.words(stream)):
+            self.host.set_agree(i, words)
         call = self._workspace(topk, True, True, stream)
         args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct")
         first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then every rank's words: one read
@@ -578,28 +589,6 @@ class Engine:
         if made is None:
             made = taken.tensors()
         return call, rows, decision.direct, made, rows_all or peer.bounds(agreed)
-
-    def _launch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int, decision,
-                      stream: int) -> tuple:
-        """Both kernels in one call, on the path the ledger chose (_dispatch_peer)."""
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
-        absent, after_count = self._absent_bits
-        taken = self._take_peer(rows, dtype, fp8, stream, decision)
-        direct = decision.direct
-        call = self._workspace(topk, direct, not direct, stream)
-        kind = "dispatch_direct" if direct else "dispatch_receive"
-        H = self.config.hidden_dim
-        args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None, False))
-                or self._launch_args(num_sms, dtype_name, H, kind))
-        outputs, made = self._outputs(rows, taken, dtype, fp8)
-        if self._declaring():
-            self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
-                          self._output_spans(outputs, dtype))
-        self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs, absent,
-                           after_count)
-        if made is None:
-            made = taken.tensors()
-        return call, rows, direct, made
 
     def _take_peer(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int, decision):
         """A direct call's blocks in peer memory (and new combine staging blocks), each below the
