@@ -182,23 +182,25 @@ class Agreement:
     def decide_read(self, read_row: list[int], rows: list[int] | None, dtype, fp8: bool) -> Decision:
         """The path of a call whose count kernel's agreement words were read (`read_row`: one
         rank's info from `agreement` on, the same on every rank), and the growth and retiring it
-        implies. rows: a static size's rows of every rank, None to size by the routes."""
+        implies. rows: a static size's rows of every rank, None to size by the routes. It runs
+        between the read and the dispatch launch, while a GPU idles: one pass per rank, rank d's
+        words read in place (read_row[d * width + 1 + word])."""
         width = 1 + AGREE_WORDS
-        W, G = self.W, self.G
-        words = [read_row[d * width + 1:(d + 1) * width] for d in range(W)]
+        W, G, state = self.W, self.G, self.state
         bounds = rows if rows is not None else self.bounds(read_row)
         self.reads += 1
-        node_ready = [all(words[d][READY] for d in range(n * G, (n + 1) * G)) for n in range(W // G)]
-        usable, limits, needs, stages = [], [], [], []
+        node_ready = [all(read_row[d * width + 1 + READY] for d in range(n * G, (n + 1) * G)) for n in range(W // G)]
+        extents, usable, limits, needs, stages = [], [], [], [], []
         for d in range(W):
-            st, w = self.state[d], words[d]
-            extent = w[EXTENT] * UNIT
+            st, at = state[d], d * width + 1
+            extent = read_row[at + EXTENT] * UNIT
+            extents.append(extent)
             if node_ready[d // G]:
                 st.acked = extent if not st.retiring else min(st.acked, extent)
-                usable.append(w[FREE_ALL] * UNIT)
+                usable.append(read_row[at + FREE_ALL] * UNIT)
                 limits.append(extent)
             else:
-                usable.append(w[FREE_ACKED] * UNIT)
+                usable.append(read_row[at + FREE_ACKED] * UNIT)
                 limits.append(min(st.acked, extent))
             need, new_stage = self.need_bytes(bounds[d], dtype, fp8, st.staged)
             needs.append(need)
@@ -207,22 +209,22 @@ class Agreement:
         self.trim_requested = False
         direct = not trim and all(n <= u for n, u in zip(needs, usable))
         for d in range(W):
-            st, w = self.state[d], words[d]
-            extent = w[EXTENT] * UNIT
+            st, at, extent = state[d], d * width + 1, extents[d]
             if st.retiring and node_ready[d // G]:
                 st.retiring = False  # every peer unmapped the retired tail
                 if d in self.ranks:
                     self.own[self.ranks.index(d)].release_retired()
             st.target = extent
             if trim:
-                st.target = self._trim_target(d, extent, w[TAIL] * UNIT)
+                st.target = self._trim_target(d, extent, read_row[at + TAIL] * UNIT)
                 st.retiring = st.target < extent
-            elif not direct and needs[d] > w[FREE_ALL] * UNIT and not st.retiring:
-                st.target = extent + round_up(needs[d] - w[TAIL] * UNIT, CHUNK)
+            elif not direct and needs[d] > read_row[at + FREE_ALL] * UNIT and not st.retiring:
+                st.target = extent + round_up(needs[d] - read_row[at + TAIL] * UNIT, CHUNK)
         if direct:
             self.directs += 1
-            for d in range(W):
-                self.state[d].staged = max(self.state[d].staged, stages[d])  # a new block replaces the old
+            for d, nbytes in enumerate(stages):
+                if nbytes:
+                    state[d].staged = nbytes  # larger than the block it replaces (need_bytes)
             self.ledger = [u - n for u, n in zip(usable, needs)]
         else:
             self.ledger = [u if not trim else 0 for u in usable]
