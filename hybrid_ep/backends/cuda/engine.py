@@ -463,19 +463,19 @@ class Engine:
         self._absent = ranks
         self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
 
-    def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int) -> tuple:
+    def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int,
+                        chosen: tuple | None = None, stream: int | None = None) -> tuple:
         """Both kernels in one call into the extension, the output size known (rows per rank;
-        static_rows: num_out_tokens, or -1 for a handle's sizes), on the path choose_path takes:
-        (workspace, rows, direct, output tensors per rank)."""
-        stream = self._stream()
-        direct, taken = choose_path(self, rows, given.dtype, given.fp8, stream)
-        return self._launch_known(given, rows, static_rows, num_sms, direct, taken, stream)
-
-    def _launch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int, direct: bool,
-                      taken, stream: int) -> tuple:
-        """Both kernels in one call on a chosen path (_dispatch_known, or the ledger's in
-        _dispatch_peer); taken: a direct call's blocks (arena or peer memory, arena.arena_take),
-        whose tensors the same call makes, else None (outputs from PyTorch's allocator)."""
+        static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
+        output tensors per rank). The path is choose_path's, or `chosen` (the ledger's in
+        _dispatch_peer, on `stream`): (direct, taken), taken a direct call's blocks (arena or peer
+        memory, arena.arena_take), whose tensors the same call makes, else None (outputs from
+        PyTorch's allocator)."""
+        if chosen is None:
+            stream = self._stream()
+            direct, taken = choose_path(self, rows, given.dtype, given.fp8, stream)
+        else:
+            direct, taken = chosen
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         absent, after_count = self._absent_bits
         call = self._workspace(topk, direct, not direct, stream)
@@ -554,9 +554,8 @@ class Engine:
             decision = peer.decide_ledger(rows_all, dtype, fp8, capturing)
             if decision is not None:
                 rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
-                taken = self._take_peer(rows, dtype, fp8, stream, decision)
-                return self._launch_known(given, rows, static_rows, num_sms, decision.direct, taken, stream) + \
-                    (rows_all,)
+                chosen = decision.direct, self._take_peer(rows, dtype, fp8, stream, decision)
+                return self._dispatch_known(given, rows, static_rows, num_sms, chosen, stream) + (rows_all,)
         for i, words in enumerate(peer.words(stream)):
             self.host.set_agree(i, words)
         call = self._workspace(topk, True, True, stream)
