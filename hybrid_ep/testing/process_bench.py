@@ -9,8 +9,9 @@ NVSHMEM, where the build has it) it checks a case against the dense oracle
 (hybrid_ep.testing.cases.check_case), then times the seed shape (H=8192, 4096 tokens per rank,
 top-8 of 16 experts, bf16) and the DeepSeek-V3-like shape (H=7168, 256 experts, top-8) at 1 and 2
 SMs per rank: per call its data path, the first call's time (it grows the peer memory) and the
-later calls' median dispatch and combine kernel times (CUDA events), the bytes of peer memory
-each rank holds. Then, with the processes gone, the same shapes in the single-process emulation,
+later calls' median dispatch and combine kernel times (CUDA events), the host's CPU time per
+static-size pair with nothing synchronised (host_pairs), the bytes of peer memory each rank
+holds. Then, with the processes gone, the same shapes in the single-process emulation,
 twice: the ranks addressing each other's tensors as they are (`emulation`), and each rank with
 peer memory of its own mapped by the others at addresses of theirs, as separate processes map it
 (`emulation_peer`, EmulatedGroup(separate_processes=True)). So a gap between the processes and the
@@ -62,6 +63,42 @@ def _time(fn, iters: int, device: str = "cuda") -> list[float]:
     return out
 
 
+HOST_WARMUP = 5  # host_pairs: untimed pairs first
+HOST_PAIRS = 40  # and timed ones, per rank and shape (the default SMs per rank)
+
+
+def host_pairs(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pairs: int, device: str = "cuda") -> dict:
+    """The host's CPU time per static-size dispatch + combine pair on this rank, launches on and
+    nothing synchronised, as a training step issues them: the median over the pairs that read
+    nothing back. With peer memory a pair the agreement's ledger does not hold reads its count
+    kernel's output (a host synchronisation, which would time the kernels queued before it): such
+    pairs are counted, not timed. The static size is the largest rank's rows of this routing (one
+    size on every rank, as the agreement needs)."""
+    import torch.distributed as dist
+
+    rows = torch.tensor([buf.dispatch(x, topk_idx=idx, topk_weights=w).tokens.shape[0]])
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    static = int(rows)
+    peer = buf._backend._engine.peer
+    times, read_pairs = [], 0
+    for i in range(HOST_WARMUP + pairs):
+        reads = peer.reads if peer is not None else 0
+        t0 = time.thread_time_ns()
+        res = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_out_tokens=static)
+        y = buf.combine(res.tokens, res.handle)
+        t1 = time.thread_time_ns()
+        read = peer is not None and peer.reads > reads
+        del res, y
+        if i >= HOST_WARMUP:
+            read_pairs += read
+            if not read:
+                times.append((t1 - t0) / 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"static_rows": static, "pairs": pairs, "pairs_that_read": read_pairs, "pairs_timed": len(times),
+            "host_us_per_pair": statistics.median(times) if times else None}
+
+
 def time_on_rank(name: str, ranks_per_node: int, sms: list[int], iters: int) -> dict:
     """Runs on every rank: the shape's calls, their paths and times, the memory held."""
     import torch.distributed as dist
@@ -96,9 +133,10 @@ def time_on_rank(name: str, ranks_per_node: int, sms: list[int], iters: int) -> 
                        "dispatch_gbps_per_sm": rows * row_bytes / (statistics.median(dispatch_ms) * 1e6) / n,
                        "combine_gbps_per_sm": rows * row_bytes / (statistics.median(combine_ms) * 1e6) / n})
         del res, again
+    host = host_pairs(buf, x, idx, w, HOST_PAIRS)
     held = buf._backend.peer_memory_held() if hasattr(buf._backend, "peer_memory_held") else 0
     return {"rank": rank, "world_size": W, "pid": os.getpid(), "paths": paths, "first_call_ms": first_ms,
-            "points": points, "peer_memory_held": held, "memory_plan": str(buf.memory_plan())}
+            "points": points, "host": host, "peer_memory_held": held, "memory_plan": str(buf.memory_plan())}
 
 
 # Address space each virtual rank reserves for its peer memory in the peer emulation: room for the
@@ -144,6 +182,13 @@ def emulated_points(shape: dict, ranks_per_node: int, sms: list[int], iters: int
     return out
 
 
+def _host_text(got: list[dict]) -> str:
+    """The log line's host time: every rank's median CPU us per pair, and the pairs that read."""
+    times = [g["host"]["host_us_per_pair"] for g in got]
+    shown = "/".join("-" if t is None else f"{t:.0f}" for t in times)
+    return f"{shown} us per pair by rank, {sum(g['host']['pairs_that_read'] for g in got)} pairs read"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -183,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"process_bench nodes={nodes} {name}: {len(pids)} processes, paths rank 0 {got[0]['paths']}, "
                           f"first call {got[0]['first_call_ms']:.1f} ms, held {got[0]['peer_memory_held']} B, "
                           + ", ".join(f"{p['sms']} SM: {p['dispatch_gbps_per_sm']:.1f}/{p['combine_gbps_per_sm']:.1f}"
-                                      f" GB/s/SM" for p in got[0]["points"]))
+                                      f" GB/s/SM" for p in got[0]["points"])
+                          + f"; host {_host_text(got)}")
         except (AssertionError, RuntimeError) as exc:
             layout["error"] = f"{type(exc).__name__}: {exc}"[:4000]
             print(f"process_bench nodes={nodes}: FAILED {layout['error'][:600]}")
