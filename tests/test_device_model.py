@@ -51,6 +51,8 @@ CAUGHT = {
                                         r"the acquire at selftest\.cpp:\d+ with no fence\.proxy\.async since",
     "static_plus_dynamic_smem": AT + r"static shared memory \(\d+ bytes so far\) plus the launch's 230400 bytes of "
                                      r"dynamic shared memory: over the 232448 a block may have",
+    "assume_shared_global": AT + r"assume_shared \(selftest\.cpp:\d+\): 0x[0-9a-f]+ is not in the block's shared "
+                                 r"memory",
 }
 NOT_ERRORS = {"clean", "missing_wait", "timeout", "shared_without_barrier", "torn_row"}
 

@@ -39,6 +39,7 @@
 #include "common/state.cuh"
 #include "kernels/direct.cuh"
 #include "kernels/hierarchy.cuh"
+#include "kernels/index_math.cuh"
 #include "kernels/launch.h"
 #include "kernels/peer_ring.cuh"
 #include "kernels/pipeline.cuh"
@@ -131,7 +132,7 @@ struct DirectCombine : KernelCall {
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   __device__ int source_chunks(int s) const {
     const auto* info = reinterpret_cast<const int64_t*>(a.info);
-    return static_cast<int>((info[geo.info.src_tokens + s] + chunk - 1) / chunk);
+    return chunks_of(info[geo.info.src_tokens + s], chunk);
   }
   __device__ uint8_t* stage_data(int pipeline) const {
     return data + static_cast<size_t>(pipeline) * stages * stage_bytes;
@@ -155,7 +156,7 @@ struct DirectCombine : KernelCall {
     bool goes = false;
     for (int k = 0; t < t1 && k < K; ++k) {
       const int64_t e = idx[t * K + k];
-      goes |= e >= 0 && h.topo.node(static_cast<int>(e / L)) == n;
+      goes |= e >= 0 && h.topo.node(expert_rank(e, L)) == n;
     }
     return goes;
   }
@@ -211,7 +212,7 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, i
     for (int k = 0; k < d.K; ++k) {
       const int row = route_rows[t * d.K + k];
       if (row < 0) continue;  // none, clipped, or on another node
-      const int host = static_cast<int>(idx[t * d.K + k] / d.L);
+      const int host = expert_rank(idx[t * d.K + k], d.L);
       tab.row[lane][n] = row;
       tab.host[lane][n] = static_cast<uint8_t>(host);
       tab.weight[lane][n] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;

@@ -57,6 +57,7 @@
 #include "common/state.cuh"
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
+#include "kernels/index_math.cuh"
 #include "kernels/launch.h"
 #include "kernels/peer_ring.cuh"
 #include "kernels/pipeline.cuh"
@@ -168,7 +169,7 @@ struct Combine : KernelCall {
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
-  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ int source_chunks(int s) const { return chunks_of(info[il.src_tokens + s], chunk); }
   __device__ void span(int s, int c, int& first, int& rows) const {
     const auto* spans = reinterpret_cast<const int32_t*>(a.recv_spans);
     const int64_t i = (static_cast<int64_t>(s) * static_cast<int64_t>(reg.max_chunks) + c) * 2;

@@ -56,6 +56,7 @@
 #include "common/state.cuh"
 #include "kernels/direct.cuh"
 #include "kernels/hierarchy.cuh"
+#include "kernels/index_math.cuh"
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
 #include "kernels/pipeline.cuh"
@@ -134,7 +135,7 @@ struct DirectDispatch : KernelCall {
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
   __device__ int chunks() const { return send_chunks(); }
-  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ int source_chunks(int s) const { return chunks_of(info[il.src_tokens + s], chunk); }
   __device__ int fwd_lag() const { return h.staging.slots / 2; }  // DirectUnits (kernels/peer_ring.cuh)
   // The FIFO items of a unit (m: its source node, -1 for an own chunk): its stages, or one stage
   // without bytes for a forwarded chunk without rows, so the store warps' done arrival, and
@@ -157,7 +158,7 @@ struct DirectDispatch : KernelCall {
     bool goes = false;
     for (int k = 0; t < t1 && k < K; ++k) {
       const int64_t e = idx[static_cast<int64_t>(t) * K + k];
-      goes |= e >= 0 && h.topo.node(static_cast<int>(e / L)) == n;
+      goes |= e >= 0 && h.topo.node(expert_rank(e, L)) == n;
     }
     return goes;
   }
@@ -259,7 +260,7 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
     for (int k = 0; k < d.K; ++k) {
       const int64_t e = idx[t * d.K + k];  // checked by the count kernel: -1 or a valid expert
       int32_t row = -1;
-      const int dst = e >= 0 ? static_cast<int>(e / d.L) : 0;
+      const int dst = e >= 0 ? expert_rank(e, d.L) : 0;
       if (e >= 0 && d.h.topo.same_node(dst, d.a.rank)) {  // another node's routes: its rail peer's
         const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
         if (p < d.sh.num_rows[dst]) {

@@ -63,6 +63,7 @@
 #include "common/state.cuh"
 #include "kernels/chunks.cuh"
 #include "kernels/hierarchy.cuh"
+#include "kernels/index_math.cuh"
 #include "kernels/launch.h"
 #include "kernels/padding.cuh"
 #include "kernels/peer_ring.cuh"
@@ -293,7 +294,7 @@ struct Dispatch : KernelCall {
     if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
     return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, su.chunk, i, row_bytes));
   }
-  __device__ int source_chunks(int s) const { return static_cast<int>((info[il.src_tokens + s] + chunk - 1) / chunk); }
+  __device__ int source_chunks(int s) const { return chunks_of(info[il.src_tokens + s], chunk); }
 };
 
 template <typename Rdma>
@@ -382,8 +383,8 @@ __device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int 
   int q = 0;
   for (int k = 0; k < routes; ++k) {
     const int64_t e = expert[k];
-    if (e < 0 || e / d.L != dst) continue;
-    store_entry(meta + q, static_cast<int>(e % d.L), ordinal[k], weight[k]);
+    if (e < 0 || expert_rank(e, d.L) != dst) continue;
+    store_entry(meta + q, local_expert(e, d.L), ordinal[k], weight[k]);
     ++q;
   }
   for (; q < d.kd; ++q) store_entry(meta + q, -1, 0, 0.f);

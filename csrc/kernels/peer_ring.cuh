@@ -69,7 +69,11 @@ struct PeerRing {
   int slots;
   int phase;  // Phase of the writer's wait for a free slot (the timeout record's)
 
-  __host__ __device__ int slot(int64_t c) const { return static_cast<int>(c % slots); }
+  // A chunk index is below 2^24 (kRingTagChunkBits): a 32-bit remainder, where a 64-bit one is a
+  // call to a division routine (and the spills around it) at every ring access.
+  __host__ __device__ int slot(int64_t c) const {
+    return static_cast<int>(static_cast<uint32_t>(c) % static_cast<uint32_t>(slots));
+  }
   // Ring i's word of chunk c among the [rings][slots] words of a region, and row q of the
   // chunk's slot among its [rings][slots][kChunkTokens] rows.
   __host__ __device__ int64_t word(int64_t i, int64_t c) const { return i * slots + slot(c); }

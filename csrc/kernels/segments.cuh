@@ -373,6 +373,7 @@ template <typename In, typename Call, typename Emit>
 __device__ void reduce_parts(const Call& d, const Ring& ring, const PartItem* items, const uint8_t* data, int gt,
                              int lane, Emit emit) {
   SegmentAcc<In> acc;
+  dev::assume_shared(data);  // the stages (a pointer of a struct the compiler may keep in local memory)
   for (PipeState p;; p.advance(ring.stages)) {
     if (!warp_consumer_wait(d, ring, p, lane)) return;
     const PartItem it = items[p.stage];

@@ -169,6 +169,10 @@ inline void hold_point(int key, const char* file = __builtin_FILE(), int line = 
 }
 
 // ---- plain accesses of the hot loops (sm90/primitives.cuh) -------------------------------------
+// What the GPU's compiler is told (that p points into the block's shared memory), checked.
+inline void assume_shared(const void* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  model::check_shared(p, {file, line});
+}
 // The same plain access as on the GPU (the race check sees it as before), counted by the timing
 // model by memory class and bytes when timing is on (timing.h says what it costs).
 template <typename T>

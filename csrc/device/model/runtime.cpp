@@ -1455,6 +1455,12 @@ void note_access(const volatile void* p, uint32_t bytes, bool load) {
   for (auto& timer : L->timers) timer->access(thread_index(*L, L->current), p, shared, bytes, load);
 }
 
+void check_shared(const void* p, Site site) {
+  const Block* b = cur()->block;
+  if (!in_smem(b, p, 1))
+    fail("assume_shared (" + site_text(site) + "): " + smem_text(b, p) + " is not in the block's shared memory");
+}
+
 void note_chain() {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

@@ -96,6 +96,8 @@ void note_plain_pair(Pair kind);
 // loads after it depend on those before it (dev::chain).
 void note_access(const volatile void* p, uint32_t bytes, bool load);
 void note_chain();
+// dev::assume_shared: fails the launch unless p points into the calling block's shared memory.
+void check_shared(const void* p, Site site);
 // Blocks of plain code the kernel ran (dev::plain_code), `n` of them, costed by the timing model's
 // constants; `n` warp instructions of plain code written out (dev::plain_instructions).
 void note_plain_code(const dev::PlainRun* runs, int n);

@@ -50,6 +50,7 @@ enum Which {
   kRelaxedPollUnfenced,
   kAcquireWithoutProxyFence,
   kStaticPlusDynamicSmem,
+  kAssumeSharedGlobal,
 };
 
 // Static shared memory that, with the launch's dynamic size for kStaticPlusDynamicSmem, is over
@@ -223,6 +224,10 @@ __global__ void selftest_kernel(const Args args) {
     case kStaticPlusDynamicSmem:
       if (tid == 0) dev::block_shared<BigShared>().bytes[0] = 1;
       break;
+    case kAssumeSharedGlobal:  // a global pointer said to be shared: the GPU would load it as shared
+      dev::assume_shared(smem);
+      if (tid == 0) dev::assume_shared(args.global);
+      break;
     default: break;
   }
 }
@@ -252,6 +257,7 @@ const std::map<std::string, int>& names() {
       {"relaxed_poll_unfenced", kRelaxedPollUnfenced},
       {"acquire_without_proxy_fence", kAcquireWithoutProxyFence},
       {"static_plus_dynamic_smem", kStaticPlusDynamicSmem},
+      {"assume_shared_global", kAssumeSharedGlobal},
   };
   return n;
 }

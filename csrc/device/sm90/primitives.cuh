@@ -198,6 +198,10 @@ __device__ __forceinline__ void remote_fence() {}
 __device__ __forceinline__ void remote_quiet() {}
 
 // ---- plain accesses of the hot loops ----------------------------------------------------------
+// That p points into the block's shared memory: where a pointer reaches a loop through a struct
+// the compiler keeps in local memory, it no longer knows the address space and loads through
+// the generic path (LD.E, not LDS); said here, it does. The CPU model checks it.
+__device__ __forceinline__ void assume_shared(const void* p) { __builtin_assume(__isShared(p)); }
 // ld / st are the plain load and store they wrap (the compiler sees the same access, so the
 // code generated is the one of `*p` and `*p = v`); chain() is nothing. On the CPU model
 // (device/model/primitives.h) they tell the timing model what plain code the loops run: each
