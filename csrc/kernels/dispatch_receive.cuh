@@ -335,7 +335,7 @@ struct SendUnits {
       while (d.h.multi() && c >= 0 && node < d.h.topo.N) {
         const int m = node++;
         if (m == d.h.node || c >= d.source_chunks(d.h.rail_peer(m))) continue;
-        if (forwarded++ % d.nb == d.b) {
+        if (block_takes(forwarded++, d.nb, d.b)) {
           su = SendUnit{d.h.rail_peer(m), m, c, 0, 0};
           return true;
         }

@@ -10,6 +10,7 @@
 // one node partial per staged slot, put to the source.
 #pragma once
 #include "common/state.cuh"
+#include "kernels/index_math.cuh"
 #include "kernels/peer_ring.cuh"
 #include "transport/select.cuh"
 
@@ -144,7 +145,7 @@ struct DirectUnits {
       while (call.h.multi() && fc >= 0 && node < call.h.topo.N) {
         const int m = node++;
         if (m == call.h.node || fc >= call.source_chunks(call.h.rail_peer(m))) continue;
-        if (forwarded++ % call.nb == call.b) {
+        if (block_takes(forwarded++, call.nb, call.b)) {
           n = m, c = fc;
           return true;
         }
@@ -186,7 +187,7 @@ struct SourceSideChunks {
         const int chunks = call.source_chunks(call.h.rail_peer(m));
         const int64_t unit = unit0 + key;
         unit0 += chunks;
-        if (key < chunks && unit % call.nb == call.b) {
+        if (key < chunks && block_takes(unit, call.nb, call.b)) {
           forwarded = true, n = m, c = key;
           return true;
         }

@@ -22,4 +22,10 @@ __host__ __device__ inline int local_expert(int64_t e, int L) {
   return static_cast<int>(static_cast<uint32_t>(e) % static_cast<uint32_t>(L));
 }
 
+// Whether unit `unit` (>= 0: a chunk numbered across the nodes, below 2^32) falls to block b of
+// nb taking every nb-th.
+__host__ __device__ inline bool block_takes(int64_t unit, int nb, int b) {
+  return static_cast<uint32_t>(unit) % static_cast<uint32_t>(nb) == static_cast<uint32_t>(b);
+}
+
 }  // namespace hybrid_ep
