@@ -301,7 +301,9 @@ def profile(args) -> int:
         folder = builds.build_commit(args.commit, args.work)
         table = constants.load_table(args.constants)
         shape = predict.Shape.from_args(args, args.world_size, args.nodes)
-        result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()]))
+        result = builds.run_in_build(folder, predict.job(shape, args.tokens, [args.sms], [table.costs()],
+                                                         payload=not args.payload_free,
+                                                         posted_puts=args.posted_puts))
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(result, f)
@@ -403,6 +405,11 @@ def main(argv=None) -> int:
     pr.add_argument("--count", choices=(shares.SAMPLED, shares.BUSIEST), default=shares.SAMPLED,
                     help="how a warp counts: its paths alike, as ncu's warp sampling sees a diverged warp "
                          "(default), or its busiest lane alone (tools/timing/shares.py)")
+    pr.add_argument("--payload-free", action="store_true",
+                    help="the model's bulk copies move no bytes (the same times in far less memory)")
+    pr.add_argument("--posted-puts", action="store_true",
+                    help="with --nodes > 1: the puts between nodes priced as a cluster's NIC does (the table's nic_* "
+                         "constants), not as the emulation's copy by a warp's lanes")
     pr.add_argument("--save", default=None, metavar="JSON", help="keep the model run's reports")
     pr.add_argument("--load", default=None, metavar="JSON",
                     help="the reports of an earlier run (--save) instead of a model run; the shape is the run's")

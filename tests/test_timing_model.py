@@ -122,7 +122,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "count_route_instructions": 7.0, "count_route_pair_instructions": 3.0, "count_dest_instructions": 5.0,
          "count_node_instructions": 11.0, "count_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
-         "l2_hit_stream": 0.0}
+         "l2_hit_stream": 0.0, "nic_post_ns": 1511.0, "nic_bytes_per_ns": 4.0, "nic_latency_ns": 2003.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
 
 
@@ -301,6 +301,41 @@ def test_a_flag_passed_between_blocks_takes_the_release_and_its_latency(n):
     r = timed_selftest("flag_chain", 2, n, 16)
     assert r["time_ns"] == pytest.approx(c["barrier_ns"] + n * (c["release_ns"] + c["flag_latency_ns"]) +
                                          c["launch_ns"], rel=1e-12)
+
+
+@pytest.mark.parametrize("n,nbytes,costs", [
+    (3, 4096, COSTS),  # each put's bytes through the NIC before the next is posted: bound by the posts
+    (4, 8192, dict(COSTS, nic_post_ns=101.0, nic_bytes_per_ns=2.0)),  # bound by the NIC
+])
+def test_posted_puts_take_the_post_the_nic_and_the_network_latency(n, nbytes, costs):
+    """A cluster's put (set_posted_puts): the warp pays the post, the bytes go through the NIC at
+    its rate from the post on, one after another, and the signal is seen the network latency after
+    the last byte; the quiet waits for the acknowledgement, another latency."""
+    c = costs
+    model.set_posted_puts(True)
+    try:
+        r = timed_selftest("nic_puts", 2, n, nbytes, costs=c)
+    finally:
+        model.set_posted_puts(False)
+    t = free = c["barrier_ns"]
+    for _ in range(n):
+        t += c["nic_post_ns"]
+        free = max(t, free) + nbytes / c["nic_bytes_per_ns"]
+    seen = free + c["nic_latency_ns"]
+    assert r["block_end_ns"][0] == pytest.approx(seen + c["nic_latency_ns"], rel=1e-12)  # the quiet
+    assert r["block_end_ns"][1] == pytest.approx(seen + c["flag_latency_ns"], rel=1e-12)  # the poll of the signal
+    assert r["time_ns"] == pytest.approx(seen + c["nic_latency_ns"] + c["launch_ns"], rel=1e-12)
+    assert r["nic_bytes"] == n * nbytes
+    assert any(what.startswith("nic put") for what, _ in r["critical_path"])
+
+
+def test_puts_are_posted_only_when_asked():
+    assert not model.posted_puts()
+    model.set_timing(COSTS)
+    try:
+        assert "needs posted puts" in model.run_timing_selftest("nic_puts", 2, 1, 16, 64)
+    finally:
+        model.set_timing(None)
 
 
 def test_a_named_barrier_waits_for_its_latest_arrival():

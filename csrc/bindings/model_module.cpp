@@ -109,6 +109,7 @@ py::dict report_dict(const model::timing::Report& r) {
     reads[kinds[k]] = py::dict(py::arg("bytes") = r.reads[k].bytes, py::arg("l2_bytes") = r.reads[k].l2_bytes);
   d["reads"] = reads;
   d["hbm_bytes"] = r.hbm_bytes;
+  d["nic_bytes"] = r.nic_bytes;
   return d;
 }
 
@@ -158,6 +159,11 @@ PYBIND11_MODULE(_model, m) {
         "checked, scheduled and timed as always but move no bytes, so the rows they carry stay untouched and the "
         "results are not the kernels' (never check them); True, the default, moves every byte");
   m.def("payload", &model::payload, "False in payload-free mode (set_payload)");
+  m.def("set_posted_puts", &model::set_posted_puts, py::arg("on"),
+        "posted puts with True: the loopback transport's puts and signals land at once, one op each, and the "
+        "timing model prices them as a cluster's NIC does (the nic_* constants), not as the single-GPU "
+        "emulation's copy by the warp's lanes; from the next launch");
+  m.def("posted_puts", &model::posted_puts, "True while puts are posted (set_posted_puts)");
   m.def(
       "set_weakening",
       [](const std::string& name, bool on) {

@@ -5,6 +5,8 @@
 // weakening kRemoteLate is on, dev::remote_deferred) each put and signal is queued and lands
 // later, out of order, as over a NIC: only a fence orders a thread's ops to a rank, only its
 // quiet completes them, and the source is read when the op lands (model/runtime.h, remote_put).
+// While the timing model prices a cluster (model/runtime.h, set_posted_puts) the same queued
+// path posts each op as a NIC would: the warp's lanes copy nothing.
 #pragma once
 #include "transport/rdma.cuh"
 
@@ -50,7 +52,7 @@ struct LoopbackTransport {
   }
   __device__ void signal(int dst, uint64_t sig_off, uint64_t value) const {
     auto* sig = reinterpret_cast<uint64_t*>(regions[dst] + sig_off);
-    if (dev::remote_deferred()) return dev::remote_put(dst, nullptr, nullptr, 0, sig, value);
+    if (dev::remote_deferred()) return dev::remote_put(rank, dst, nullptr, nullptr, 0, sig, value);
     dev::st_release_sys(sig, value);
   }
   __device__ void fence() const {
@@ -70,7 +72,7 @@ struct LoopbackTransport {
   __device__ void queued(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t* sig,
                          uint64_t value) const {
     __syncwarp();
-    if (lane == 0) dev::remote_put(dst, regions[dst] + dst_off, src, bytes, sig, value);
+    if (lane == 0) dev::remote_put(rank, dst, regions[dst] + dst_off, src, bytes, sig, value);
     __syncwarp();
   }
 };

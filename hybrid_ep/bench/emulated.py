@@ -182,9 +182,15 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
         row[f"{op}_moved_gbps_per_sm"] = row[f"{op}_rw_gbps"] / (W * sms)
         row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
     if nodes > 1:
-        row["dispatch_rdma_gbps_per_sm"] = rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
-        row["combine_rdma_gbps_per_sm"] = rdma * comb_bytes / (c_ms * 1e-3) / (W * sms) / 1e9
+        row.update(rdma_fields(W, sms, d_ms, c_ms, rdma, row_bytes, comb_bytes))
     return row
+
+
+def rdma_fields(W, sms, d_ms, c_ms, rdma, row_bytes, comb_bytes) -> dict:
+    """GB/s per SM of the rows crossing nodes (`rdma` per direction): a row's bytes each in the
+    dispatch, a node partial's in the combine."""
+    return {"dispatch_rdma_gbps_per_sm": rdma * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9,
+            "combine_rdma_gbps_per_sm": rdma * comb_bytes / (c_ms * 1e-3) / (W * sms) / 1e9}
 
 
 def kernel_rows(calls: dict, d_ms: float, c_ms: float) -> dict:

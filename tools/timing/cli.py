@@ -12,7 +12,9 @@ combine ms of each, labelled as predictions. The model runs at one or two smalle
 counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
 prediction is read off the line through them (--model-tokens 4096: the run itself; with
 --payload-free the model's bulk copies move no bytes, the same times in far less memory, so
-the bench's own count fits at W = 8). --data-path picks the kernels as
+the bench's own count fits at W = 8; --posted-puts prices the puts between nodes as a
+cluster's NIC does, the nic_* constants, where the emulated bench copies them with a warp's
+lanes: a cluster's prediction, which no emulated run scores). --data-path picks the kernels as
 HYBRID_EP_DATA_PATH does for the bench; HYBRID_EP_STORE_GROUPS is honoured as by the bench.
 `validate` prints predicted / measured per point of a measured emulated.json (points of the
 same data path; a measured point naming none ran the receive path), the worst last. Exit
@@ -54,6 +56,10 @@ def _predict(args) -> int:
         print(f"{PROG} predict: --experts {experts} must be a multiple of every world size and >= --topk "
               f"{args.topk} >= 1", file=sys.stderr)
         return 2
+    if args.posted_puts and nodes == 1:
+        print(f"{PROG} predict: --posted-puts prices the puts between nodes: it needs --emulate-nodes > 1",
+              file=sys.stderr)
+        return 2
     path = args.data_path or launch.data_path(True, environ={})
     table = constants.load_table(args.constants)
     import hybrid_ep._model as model
@@ -68,7 +74,8 @@ def _predict(args) -> int:
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
-              "payload_free": args.payload_free, "data_path": path, "store_groups": launch.store_groups_override(),
+              "payload_free": args.payload_free, "posted_puts": args.posted_puts, "data_path": path,
+              "store_groups": launch.store_groups_override(),
               "pull_stages": launch.pull_stages_override(), "reducer_wait": launch.reducer_wait_override(),
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
@@ -121,7 +128,7 @@ def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int]
     prediction of the same runs goes into the row's "readings"."""
     from hybrid_ep.config import BufferConfig
     from hybrid_ep.synthetic import iter_rank_routings
-    from hybrid_ep.traffic.model import count_tables
+    from hybrid_ep.traffic.model import count_tables, row_counts
 
     from . import driver, predict, report
 
@@ -130,17 +137,19 @@ def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int]
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
         shape = predict.Shape.from_args(args, W, nodes, experts)
         ns = predict.predict(driver.run_job, shape, args.sms, [t.costs() for t in tables.values()], model_tokens,
-                             payload=not args.payload_free)
+                             payload=not args.payload_free, posted_puts=args.posted_puts)
         idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
         cfg = BufferConfig(hidden_dim=args.hidden, max_tokens_per_rank=args.tokens, num_experts=experts,
                            world_size=W, ranks_per_node=W // nodes)
-        recv = int(count_tables(idxs, cfg)[0].sum())
+        count_WW, node_counts_WN = count_tables(idxs, cfg)
+        recv = int(count_WW.sum())
+        rdma = int(row_counts(count_WW, node_counts_WN, W // nodes).combine_rdma.sum()) if nodes > 1 else None
         out_rows = int(sum(int((i >= 0).sum()) for i in idxs))
         for sms in args.sms:
             def row_of(i: int, sms=sms) -> dict:
                 row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][i] / 1e6,
                                            ns[(sms, "combine")][i] / 1e6, recv, out_rows,
-                                           _row_bytes(args.hidden, args.dtype), 2 * args.hidden)
+                                           _row_bytes(args.hidden, args.dtype), 2 * args.hidden, rdma)
                 row["kernels_ms"] = report.kernels_ms(ns, sms, table=i)
                 return row
 
@@ -168,6 +177,10 @@ def _validate(args) -> int:
             return 2
     if not docs[0].get("predicted"):
         print(f"{PROG} validate: {args.predicted} is not a file of predictions ({PROG} predict)", file=sys.stderr)
+        return 2
+    if docs[0]["metadata"]["config"].get("posted_puts"):
+        print(f"{PROG} validate: {args.predicted} predicts a cluster (--posted-puts): an emulated run copies its puts "
+              "with a warp's lanes and does not score it", file=sys.stderr)
         return 2
     if docs[1].get("predicted"):
         print(f"{PROG} validate: {args.measured} holds predictions, not measurements", file=sys.stderr)
@@ -200,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--payload-free", action="store_true",
                     help="the model's bulk copies move no bytes (the same predicted times; the bench's 4096 tokens "
                          "per rank fit this machine)")
+    pr.add_argument("--posted-puts", action="store_true",
+                    help="price the puts between nodes as a cluster's NIC does (the table's nic_* constants), not as "
+                         "the emulation's copy by a warp's lanes: a cluster's prediction")
     pr.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                     help="the dispatched rows' dtype (fp8: with fp32 scales per 128 columns; combines in bf16)")
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,

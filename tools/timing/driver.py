@@ -19,6 +19,10 @@ the count kernel's time at a shape without the cost of the combines (the count k
 for nothing the call before it wrote that the model costs: its flow control reads flags
 written before its launch).
 
+With "posted_puts": True the puts between nodes are posted (hybrid_ep._model.set_posted_puts):
+the timing model prices them as a cluster's NIC does, not as the emulation's copy by a warp's
+lanes; the results are the same.
+
 With "payload": False the model runs payload-free (hybrid_ep._model.set_payload): the bulk
 copies are timed but move no bytes, the inputs are made without touching their pages
 (torch.empty) and each combine takes its dispatch's output rows as expert_out, so the
@@ -85,6 +89,13 @@ def _set_payload(ext, moves: bool) -> None:
     ext.set_payload(moves)
 
 
+def _set_posted_puts(ext, on: bool) -> None:
+    if not hasattr(ext, "set_posted_puts"):
+        raise RuntimeError("this checkout's hybrid_ep._model cannot post puts (set_posted_puts): run the job "
+                           "without posted_puts")
+    ext.set_posted_puts(on)
+
+
 def _peak_rss_mb() -> float:
     """The process's peak resident memory so far (ru_maxrss: KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -116,6 +127,9 @@ def run_job(job: dict) -> dict:
     payload = job.get("payload", True)
     if not payload:
         _set_payload(ext, False)
+    posted = job.get("posted_puts", False)
+    if posted:
+        _set_posted_puts(ext, True)
     if costs is not None:
         ext.set_timing(costs)
     runs = []
@@ -159,6 +173,8 @@ def run_job(job: dict) -> dict:
             ext.set_timing(None)
         if not payload:
             ext.set_payload(True)
+        if posted:
+            ext.set_posted_puts(False)
         group.close()
     return {"job": job, "runs": runs}
 

@@ -49,9 +49,10 @@ def add_shape_arguments(parser, *, tokens: int, experts: int | None = 16, expert
 
 
 def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, model_seed: int = 0,
-        payload: bool = True) -> dict:
+        payload: bool = True, posted_puts: bool = False) -> dict:
     """A driver.py job for `shape` at `tokens` per rank, timed with each cost table; without
-    payload the model's bulk copies move no bytes (the same times, far less memory)."""
+    payload the model's bulk copies move no bytes (the same times, far less memory); with
+    posted_puts the puts between nodes are priced as a cluster's NIC does (driver.py)."""
     out = {"world_size": shape.world_size, "nodes": shape.nodes, "hidden": shape.hidden, "tokens": tokens,
            "topk": shape.topk, "experts": shape.experts, "seed": shape.seed, "sms": list(sms),
            "costs": tables, "model_seed": model_seed}
@@ -59,6 +60,8 @@ def job(shape: Shape, tokens: int, sms: list[int], tables: list[dict] | None, mo
         out["payload"] = False
     if shape.dtype != "bf16":  # nor this one
         out["dtype"] = shape.dtype
+    if posted_puts:  # nor this one
+        out["posted_puts"] = True
     return out
 
 
@@ -87,14 +90,14 @@ def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
 
 
 def predict(run_job, shape: Shape, sms: list[int], tables: list[dict], model_tokens: tuple[int, ...],
-            concurrent: bool = False, payload: bool = True) -> dict:
+            concurrent: bool = False, payload: bool = True, posted_puts: bool = False) -> dict:
     """{(sms, call): [predicted ns at shape.tokens per table]}, and {(sms, call, kernel): [...]}
     for each kernel of the call (call_times); run_job(job) -> driver result.
     With `concurrent`, the runs at the token counts are made at once (for a run_job that runs
     each job in its own process: the model in this process is one per process)."""
     if not 1 <= len(model_tokens) <= 2:
         raise ValueError(f"model_tokens takes one or two token counts, got {model_tokens}")
-    jobs = [job(shape, t, sms, tables, payload=payload) for t in model_tokens]
+    jobs = [job(shape, t, sms, tables, payload=payload, posted_puts=posted_puts) for t in model_tokens]
     if concurrent:
         with concurrent_futures.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(run_job, jobs))

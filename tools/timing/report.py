@@ -28,12 +28,19 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
 
 
 def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: float, recv_rows: int,
-                  out_rows: int, row_bytes: int, comb_bytes: int) -> dict:
+                  out_rows: int, row_bytes: int, comb_bytes: int, rdma_rows: int | None = None) -> dict:
+    """A predicted point as the bench's row has it; with several nodes the rows crossing them
+    (`rdma_rows`, the traffic model's) and their GB/s per SM, the bench's RDMA measure."""
+    from hybrid_ep.bench.emulated import rdma_fields
+
     row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": W * sms, "dispatch_ms": dispatch_ms,
            "combine_ms": combine_ms, "recv_rows": recv_rows, "out_rows": out_rows}
     for op, ms, dest in (("dispatch", dispatch_ms, recv_rows * row_bytes), ("combine", combine_ms,
                                                                                recv_rows * comb_bytes)):
         row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
+    if nodes > 1 and rdma_rows is not None:
+        row["rdma_rows"] = rdma_rows
+        row.update(rdma_fields(W, sms, dispatch_ms, combine_ms, rdma_rows, row_bytes, comb_bytes))
     return row
 
 
@@ -51,7 +58,8 @@ def kernels_ms(ns: dict, sms: int, table: int = 0) -> dict:
 def format_predicted(doc: dict) -> str:
     c = doc["metadata"]["config"]
     nodes = c["nodes"]
-    where = "" if nodes == 1 else f" as {nodes} nodes (loopback transport between them)"
+    where = "" if nodes == 1 else (f" as {nodes} nodes (puts posted as a cluster's NIC: nic_* constants)"
+                                   if c.get("posted_puts") else f" as {nodes} nodes (loopback transport between them)")
     model_tokens = c["model_tokens"]  # a list, or the rule by world size when none was given
     if not isinstance(model_tokens, str):
         model_tokens = "/".join(map(str, model_tokens))
@@ -62,13 +70,15 @@ def format_predicted(doc: dict) -> str:
              f" | {c.get('data_path', RECEIVE)} path"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
              f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
-             f"{'GB/s/SM':>8}"]
+             f"{'GB/s/SM':>8}" + ("" if nodes == 1 else f" {'RDMA GB/s/SM disp / comb':>25}")]
     for r in doc["runs"]:
         count = r.get("kernels_ms", {}).get("dispatch", {}).get("count_kernel")
+        rdma = ("" if "dispatch_rdma_gbps_per_sm" not in r else
+                f" {r['dispatch_rdma_gbps_per_sm']:>15.1f} / {r['combine_rdma_gbps_per_sm']:>6.1f}")
         lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
                      + (f"{count:>9.3f} " if count is not None else f"{'-':>9} ")
                      + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
-                     f"{r['combine_dest_gbps_per_sm']:>8.1f}")
+                     f"{r['combine_dest_gbps_per_sm']:>8.1f}" + rdma)
         for name, alt in r.get("readings", {}).items():  # the same runs under a reading of the store cost
             lines.append(f"{'':>3} {'':>8} {'':>5} {alt['dispatch_ms']:>9.3f} {'':>9} "
                          f"{alt['dispatch_dest_gbps_per_sm']:>8.1f} {alt['combine_ms']:>9.3f} "

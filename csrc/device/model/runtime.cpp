@@ -152,6 +152,7 @@ struct Launch {
   int64_t inject_round = -1;
   uint64_t serial = 0;                     // launches before this one (the remote ops' clock across launches)
   bool remote_late = false, torn = false;  // the weakenings in force (runtime.h, Weak)
+  bool posted = false;                     // posted puts (runtime.h, set_posted_puts)
   int hold_key = -1;                       // hold_at: the key dev::hold_point holds at in this launch, -1 none
   int held = 0;                            // threads held there now
   bool payload = true;                     // set_payload when the launch began: bulk copies move their bytes
@@ -164,6 +165,7 @@ thread_local Launch* g_launch = nullptr;
 uint64_t g_seed = 0;
 bool g_payload = true;                                       // set_payload
 bool g_weak[static_cast<int>(Weak::kCount)] = {true, true};  // set_weak
+bool g_posted = false;                                       // set_posted_puts
 uint64_t g_launches_since_seed = 0;                          // with the seed, picks each launch's schedule
 Stats g_stats;
 std::string g_message;
@@ -1004,7 +1006,7 @@ void fence_proxy(Site) {
 
 bool remote_deferred() {
   const Launch* L = g_launch;
-  return L != nullptr && L->remote_late;
+  return L != nullptr && (L->remote_late || L->posted);
 }
 
 // Rounds until a queued remote op lands: half of them soon, a quarter up to 256 rounds later, and
@@ -1023,7 +1025,24 @@ static void check_fenced(const Thread* t, const std::string& what) {
          " with no fence.acq_rel since: what the flag guards may not be visible yet (a relaxed poll orders nothing)");
 }
 
-void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value, Site site) {
+// A posted put (set_posted_puts) lands at once, written by its issuing thread; the timing model
+// prices it as the putting rank's NIC would (timing.h, nic_put).
+static void post_now(Launch& L, Thread* t, int src_rank, int dst_rank, void* dst, const void* src, uint64_t bytes,
+                     uint64_t* sig, uint64_t value, Site site) {
+  if (bytes > 0) {
+    hb::reads(src, bytes);
+    hb::writes(dst, bytes);
+    std::memmove(dst, src, bytes);
+  }
+  if (sig != nullptr) {
+    hb::release(sig);
+    __atomic_store_n(sig, value, __ATOMIC_RELEASE);
+  }
+  for (auto& timer : L.timers) timer->nic_put(thread_index(L, t), src_rank, dst_rank, bytes, sig, site);
+}
+
+void remote_put(int src_rank, int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value,
+                Site site) {
   if (bytes == 0 && sig == nullptr) return;
   Thread* t = cur();
   Launch& L = launch_state();
@@ -1036,6 +1055,7 @@ void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64
   if (bytes > 0 && !in_global(src, bytes)) fail(at + ": the source is not inside one registered buffer");
   if (sig != nullptr && (reinterpret_cast<uintptr_t>(sig) % 8 != 0 || !in_global(sig, 8)))
     fail(at + ": the signal word is not an aligned u64 of a registered buffer");
+  if (L.posted) return post_now(L, t, src_rank, dst_rank, dst, src, bytes, sig, value, site);
   RemoteOp op;
   op.seq = ++g_remote_seq;
   op.issuer = L.serial << 24 | static_cast<uint64_t>(thread_index(L, t));
@@ -1069,6 +1089,10 @@ void remote_quiet(Site site) {
   Thread* t = cur();
   Launch& L = launch_state();
   ++t->remote_fences;
+  if (L.posted) {  // every op landed when it was posted: the quiet waits for their acknowledgements
+    for (auto& timer : L.timers) timer->nic_quiet(thread_index(L, t), site);
+    return;
+  }
   for (;;) {
     bool mine = false;
     for (RemoteOp& op : g_remote)
@@ -1312,6 +1336,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   const bool timing_on = !timing::configured().empty();  // it times the GPU emulation's behaviour
   L->remote_late = g_weak[static_cast<int>(Weak::kRemoteLate)] && !timing_on;
   L->torn = g_weak[static_cast<int>(Weak::kTornCopies)] && !timing_on;
+  L->posted = g_posted;
   uint64_t mix = g_seed ^ (0x51ed270b27ull * ++g_launches_since_seed);
   L->rng = splitmix(mix);
   L->threads.resize(static_cast<size_t>(blocks) * threads);
@@ -1491,6 +1516,8 @@ void set_seed(uint64_t seed) {
 }
 uint64_t seed() { return g_seed; }
 void set_payload(bool moves) { g_payload = moves; }
+void set_posted_puts(bool on) { g_posted = on; }
+bool posted_puts() { return g_posted; }
 bool payload() { return g_payload; }
 
 void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) { g_declared = ranges; }

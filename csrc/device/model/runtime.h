@@ -129,10 +129,21 @@ void bulk_wait(bool reads_only, int except_newest, Site site);
 // same words (out of order), at the latest at the end of the third launch. Whether the
 // loopback transport queues (the weakening kRemoteLate) or stores at once as on a GPU:
 // remote_deferred().
+// The putting rank is `src_rank` (the NIC whose bytes a posted put takes, below).
 bool remote_deferred();
-void remote_put(int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value, Site site);
+void remote_put(int src_rank, int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value,
+                Site site);
 void remote_fence(Site site);
 void remote_quiet(Site site);
+// Posted puts, for timing the kernels as a cluster runs them: with it on, the loopback
+// transport's puts and signals (remote_deferred() is true) land at once, written by the issuing
+// thread as one op, and the timing model prices each as a NIC does (timing.h, nic_put): the
+// warp posts it, its bytes take the putting rank's NIC and the receiving rank's at the NIC's
+// rate, its signal is seen a network latency after its last byte. Off (the default), the
+// loopback transport copies with the warp's lanes, as the single-GPU emulation on a GPU does,
+// which is what an emulated bench measures. Takes effect at the next launch.
+void set_posted_puts(bool on);
+bool posted_puts();
 
 // ---- launches ---------------------------------------------------------------------------
 // Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the

@@ -38,7 +38,7 @@ bool costs_from(const std::map<std::string, double>& table, Costs& out, std::str
       return false;
     }
     const bool rate = name == "engine_load_bytes_per_ns" || name == "engine_store_bytes_per_ns" ||
-                      name == "sm_clock_ghz" || name == "hbm_bytes_per_ns";
+                      name == "sm_clock_ghz" || name == "hbm_bytes_per_ns" || name == "nic_bytes_per_ns";
     const bool fraction = name.rfind("l2_hit_", 0) == 0;
     if (!std::isfinite(value) || value < 0 || (rate && value <= 0) || (fraction && value > 1)) {
       message = "timing constant " + name + " must be finite and " +
@@ -221,6 +221,7 @@ void Timer::release_all() {
     c.groups.clear();
     drop(c.open.read);
     drop(c.open.write);
+    drop(c.nic_acked);
   }
   for (auto& [i, ct] : copies_) drop(ct.issued);
   for (auto& [bar, m] : mbars_) {
@@ -594,6 +595,37 @@ void Timer::fence(int th, Fence kind) {
   advance(th, kind == Fence::kGpu ? c_.fence_gpu_ns : kind == Fence::kSystem ? c_.fence_sys_ns : c_.fence_proxy_ns);
 }
 
+void Timer::nic_put(int th, int src_rank, int dst_rank, uint64_t bytes, const volatile void* sig, Site site) {
+  settle(th);
+  advance(th, c_.nic_post_ns);
+  Clock& c = clocks_[th];
+  double end = c.t;
+  if (bytes > 0) {
+    auto nic = [&](int key) -> Buckets& {
+      return nics_.try_emplace(key, kBucketCycles / c_.sm_clock_ghz, false).first->second;
+    };
+    const auto none = [](size_t) { return 0.0; };
+    const double amount = static_cast<double>(bytes);
+    end = std::max(nic(2 * src_rank).take(c.t, amount, c_.nic_bytes_per_ns, none),
+                   nic(2 * dst_rank + 1).take(c.t, amount, c_.nic_bytes_per_ns, none));
+    nic_bytes_ += amount;
+  }
+  auto last = std::find_if(c.nic_seen.begin(), c.nic_seen.end(), [&](const auto& e) { return e.first == dst_rank; });
+  if (last == c.nic_seen.end()) last = c.nic_seen.insert(c.nic_seen.end(), {dst_rank, kNever});
+  last->second = std::max(end + c_.nic_latency_ns, last->second);
+  Origin seen = here(th, category("nic put", site));
+  seen.t = last->second;
+  if (sig != nullptr) keep_max(flags_[sig], seen);
+  seen.t += c_.nic_latency_ns;
+  keep_max(c.nic_acked, seen);
+}
+
+void Timer::nic_quiet(int th, Site site) {
+  settle(th);
+  const Origin acked = clocks_[th].nic_acked;
+  resolve(th, clocks_[th].t, acked, 0, category("nic quiet", site), nullptr);
+}
+
 void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site) {
   settle(th);
   advance(th, c_.issue_ns);
@@ -773,6 +805,7 @@ Report Timer::finish() {
   r.spin_instructions = spin_instructions_;
   for (int k = 0; k < 3; ++k) r.reads[k] = reads_[k];
   r.hbm_bytes = hbm_bytes_;
+  r.nic_bytes = nic_bytes_;
   r.time_ns = end + c_.launch_ns;
 
   r.block_end_ns.assign(blocks_, 0);

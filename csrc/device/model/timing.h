@@ -47,6 +47,14 @@
 //     (the latest, for several writes); a poll that reads a value written in the launch
 //     ends at that time plus the flag latency; polls of values from before the launch cost
 //     the thread nothing; a global atomic also runs after the atomics before it at its address;
+//   - posted puts (runtime.h, set_posted_puts: a cluster's NIC, not the emulation's copy by the
+//     warp's lanes): the issuing thread pays the post; the bytes go through the putting rank's
+//     NIC and the receiving rank's, one calendar each per direction, at the NIC's rate, first come
+//     (in the schedule) first served, from the post on; the op is seen on the other node the
+//     network latency after its last byte, and no earlier than the thread's previous op to that
+//     rank (one queue pair per peer delivers in order); its signal is stamped then; a quiet ends
+//     when the acknowledgement of the thread's last op is back (another latency). The NIC's
+//     reads and writes of device memory are not put on its calendar;
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
 //     engine, one calendar per direction (loads come in from the crossbar, stores and plain
 //     store requests go out to it: the two run side by side, as the microbenchmarks' mixes of
@@ -148,7 +156,14 @@ namespace hybrid_ep::model::timing {
   X(hbm_bytes_per_ns, "device memory: bytes per ns read and written, all SMs of the launch together")                 \
   X(l2_hit_written, "L2-hit fraction of global reads of lines written in the launch (rows a peer just wrote)")        \
   X(l2_hit_reread, "L2-hit fraction of global reads of lines read before in the launch (re-reads)")                   \
-  X(l2_hit_stream, "L2-hit fraction of global reads of lines not touched before in the launch (input rows)")
+  X(l2_hit_stream, "L2-hit fraction of global reads of lines not touched before in the launch (input rows)")          \
+  X(nic_post_ns,                                                                                                      \
+    "a posted put or signal (runtime.h, set_posted_puts), on the issuing thread: building and posting its work "      \
+    "request")                                                                                                        \
+  X(nic_bytes_per_ns, "a rank's NIC: bytes per ns of posted puts, out of it and into it, each direction apart")       \
+  X(nic_latency_ns,                                                                                                   \
+    "a posted put's last byte through the NIC -> its signal is seen on the other node; the same again for its "       \
+    "acknowledgement (a quiet)")
 
 struct Costs {
 #define HYBRID_EP_TIMING_FIELD(name, what) double name = 0;
@@ -209,6 +224,7 @@ struct Report {
   static constexpr int kWritten = 0, kReread = 1, kStream = 2;
   Reads reads[3];
   double hbm_bytes = 0;
+  double nic_bytes = 0;  // bytes of posted puts, every rank's together (runtime.h, set_posted_puts)
 };
 
 // The cost tables of the next launches (none: timing off, the model as it is without it), and
@@ -342,6 +358,10 @@ class Timer {
   void chain(int th);
   void plain_code(int th, const dev::PlainRun* runs, int n);  // blocks of plain code (dev::plain_code)
   void instructions(int th, int n);  // plain code counted from SASS, written out (dev::plain_instructions)
+  // A posted put of `bytes` (0: a signal alone) from rank src to rank dst, its signal word `sig`
+  // (nullptr: none); a quiet of the thread's posted puts.
+  void nic_put(int th, int src_rank, int dst_rank, uint64_t bytes, const volatile void* sig, Site site);
+  void nic_quiet(int th, Site site);
   void copy_issue(int th, size_t copy, int block, bool g2s, const void* gmem, uint32_t bytes, Site site);
   void copy_lands(size_t copy, const void* bar);  // a bulk load completed its bytes on `bar`
   void store_in_group(int th, size_t copy);
@@ -367,6 +387,8 @@ class Timer {
     std::vector<int32_t> sites;  // the synchronisation sites it passed, waited at or not, sorted
     std::deque<Group> groups;    // committed bulk-store groups a wait may still cover
     Group open;
+    std::vector<std::pair<int, double>> nic_seen;  // per rank put to: when its last posted op is seen there
+    Origin nic_acked;                              // when the acknowledgement of its last posted op is back
   };
   struct CopyTime {
     Origin issued;  // t: when its bytes may start through the engine; where it came from
@@ -433,6 +455,9 @@ class Timer {
   // Device memory: one calendar for the launch, and the global lines touched, by 64-byte unit
   // (a host tensor is 64-byte aligned: no unit holds two tensors, whatever their placement).
   Buckets hbm_;
+  // The ranks' NICs: key 2 * rank (out of it) and 2 * rank + 1 (into it), bytes per ns.
+  std::unordered_map<int, Buckets> nics_;
+  double nic_bytes_ = 0;
   std::unordered_map<uint64_t, uint8_t> lines_;
   Report::Reads reads_[3];
   double hbm_bytes_ = 0;

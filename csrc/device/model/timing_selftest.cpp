@@ -19,6 +19,9 @@
 //   - requests_then_store: thread 0 stores n words (plain global stores), then bulk-stores `bytes`;
 //   - load_and_store: thread 0 bulk-loads n copies of `bytes` and bulk-stores n others, a load
 //     then a store (one group each), then waits for both: the engine's two directions.
+//   - nic_puts: thread 0 of block 0 posts n puts of `bytes` as rank 0 to rank 1 (the first half
+//     of global to its second), each with the signal flags[0] := its ordinal + 1, then quiets;
+//     thread 0 of block 1 polls flags[0] until n (posted puts only: runtime.h, set_posted_puts).
 #include "device/model/timing_selftest.h"
 
 #include <map>
@@ -56,7 +59,8 @@ enum Which {
   kSpinBeside,
   kDivergedWait,
   kRequestsThenStore,
-  kLoadAndStore
+  kLoadAndStore,
+  kNicPuts
 };
 
 // n pairs widened by one thread; the sum keeps them.
@@ -190,6 +194,17 @@ __global__ void timing_kernel(const Args a) {
         dev::bulk_wait_all();
       }
       break;
+    case kNicPuts:
+      if (!dev::remote_deferred() || tid != 0) break;  // run_timing_selftest refuses it without posted puts
+      if (blockIdx.x == 0) {
+        for (int i = 0; i < a.n; ++i)
+          dev::remote_put(0, 1, a.global + kGlobalBytes / 2 + i * a.bytes, a.global + i * a.bytes, a.bytes, &a.flags[0],
+                          static_cast<uint64_t>(i) + 1);
+        dev::remote_quiet();
+      } else if (blockIdx.x == 1) {
+        while (dev::ld_acquire_sys(&a.flags[0]) < static_cast<uint64_t>(a.n)) {}
+      }
+      break;
     default: break;
   }
 }
@@ -208,6 +223,7 @@ const std::map<std::string, int>& names() {
       {"diverged_wait", kDivergedWait},
       {"requests_then_store", kRequestsThenStore},
       {"load_and_store", kLoadAndStore},
+      {"nic_puts", kNicPuts},
   };
   return n;
 }
@@ -224,7 +240,9 @@ std::string run_timing_selftest(const std::string& name, int blocks, int n, uint
   auto it = names().find(name);
   if (it == names().end()) return "no such timing self-test: " + name;
   const bool counts = it->second == kIssueWarps || it->second == kSpinBeside;  // bytes is no size there
-  const uint64_t copies = it->second == kLoadAndStore ? 2 : 1;  // load_and_store: loads and stores, half each
+  // load_and_store: loads and stores, half each; nic_puts: sources and destinations
+  const uint64_t copies = it->second == kLoadAndStore || it->second == kNicPuts ? 2 : 1;
+  if (it->second == kNicPuts && !posted_puts()) return "nic_puts needs posted puts (set_posted_puts)";
   if (n < 0 || (!counts && copies * n * bytes > kGlobalBytes))
     return "n x bytes must be within " + std::to_string(kGlobalBytes / copies);
   if (threads < 64 || threads > 1024 || threads % 32 != 0) return "threads must be a multiple of 32 in [64, 1024]";
@@ -232,10 +250,12 @@ std::string run_timing_selftest(const std::string& name, int blocks, int n, uint
   alignas(8) static uint64_t flags[2];
   flags[0] = flags[1] = 0;
   add_allocation(reinterpret_cast<uint64_t>(global), sizeof(global));
+  add_allocation(reinterpret_cast<uint64_t>(flags), sizeof(flags));  // a signal word of nic_puts
   Args args{global, flags, it->second, n, bytes};
   const size_t smem = counts ? 16 : std::max<size_t>(copies * n * bytes, 16);
   const char* err = dev::launch_cooperative(timing_kernel, blocks, threads, smem, 0, args);
   remove_allocation(reinterpret_cast<uint64_t>(global));
+  remove_allocation(reinterpret_cast<uint64_t>(flags));
   return err == nullptr ? "" : err;
 }
 

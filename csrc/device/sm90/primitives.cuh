@@ -193,7 +193,7 @@ __device__ __forceinline__ void hold_point(int /*key*/) {}
 // The CPU model's queued remote operations (model/runtime.h, remote_put): never on a GPU, where
 // the loopback transport stores at once.
 __device__ __forceinline__ constexpr bool remote_deferred() { return false; }
-__device__ __forceinline__ void remote_put(int, void*, const void*, uint64_t, uint64_t*, uint64_t) {}
+__device__ __forceinline__ void remote_put(int, int, void*, const void*, uint64_t, uint64_t*, uint64_t) {}
 __device__ __forceinline__ void remote_fence() {}
 __device__ __forceinline__ void remote_quiet() {}
 
