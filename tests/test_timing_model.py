@@ -809,6 +809,28 @@ def test_predict_runs_the_direct_path_across_nodes_by_default(tmp_path):
     assert {"dispatch_receive_kernel", "combine_receive_kernel"} <= kernels["receive"]
 
 
+def test_predict_with_posted_puts_is_a_clusters_prediction(tmp_path, capsys):
+    """--posted-puts prices the puts between nodes as NICs do: the rows carry the RDMA rows and
+    their GB/s per SM, and no emulated run (whose lanes copy the puts) scores it."""
+    shape = ["--emulate", "4", "--hidden", "256", "--tokens", "128", "--topk", "2", "--experts", "8", "--sms", "1",
+             "--model-tokens", "32", "64", "--posted-puts"]
+    assert timing_cli.main(["predict", *shape, "--out", str(tmp_path / "one")]) == 2
+    assert "--emulate-nodes > 1" in capsys.readouterr().err
+    out = tmp_path / "two"
+    assert timing_cli.main(["predict", *shape, "--emulate-nodes", "2", "--out", str(out)]) == 0
+    assert "puts posted as a cluster's NIC" in capsys.readouterr().out
+    doc = json.loads((out / "predicted.json").read_text())
+    assert doc["metadata"]["config"]["posted_puts"] is True
+    (run,) = doc["runs"]
+    assert run["rdma_rows"] > 0
+    assert run["dispatch_rdma_gbps_per_sm"] == pytest.approx(
+        run["rdma_rows"] * 2 * 256 / (run["dispatch_ms"] * 1e-3) / 4 / 1e9)
+    measured = {"metadata": {"config": dict(doc["metadata"]["config"])}, "runs": [dict(run)]}
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
+    assert "predicts a cluster" in capsys.readouterr().err
+
+
 def test_the_fit_finds_the_constants_of_a_linear_model():
     """Predicted times are piecewise linear in the constants; on a linear stand-in for the
     model the fit must come back to the values that made the measurements."""
