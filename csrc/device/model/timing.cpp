@@ -284,7 +284,7 @@ void Timer::flush_requests(int th) {
   ct.duration = n * c_.request_ns;
   ct.g2s = false;
   ct.block = th / threads_;
-  engines_[ct.block].open.push_back(id);
+  engines_[ct.block].open.push_back({id, c.t, false});
 }
 
 // ---- issue slots ------------------------------------------------------------------------------
@@ -643,7 +643,7 @@ void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gme
   }
   ct.g2s = g2s;
   ct.block = block;
-  engines_[block].open.push_back(copy);
+  engines_[block].open.push_back({copy, ct.issued.t, g2s});
   ++copy_count_;
   copy_bytes_ += bytes;
 }
@@ -655,14 +655,10 @@ void Timer::place(size_t copy, Origin* read, Origin* write) {
   if (it == copies_.end()) return;
   const CopyTime& ct = it->second;
   Engine& e = engines_[ct.block];
-  auto before = [&](size_t a) {
-    const CopyTime& x = copies_.at(a);
-    return x.issued.t < ct.issued.t || (x.issued.t == ct.issued.t && a < copy);
-  };
   std::vector<std::pair<double, size_t>> ahead;  // the open copies of its direction issued before it
-  for (size_t other : e.open)
-    if (other != copy && copies_.at(other).g2s == ct.g2s && before(other))
-      ahead.emplace_back(copies_.at(other).issued.t, other);
+  for (const Engine::Open& o : e.open)
+    if (o.copy != copy && o.g2s == ct.g2s && (o.t < ct.issued.t || (o.t == ct.issued.t && o.copy < copy)))
+      ahead.emplace_back(o.t, o.copy);
   std::sort(ahead.begin(), ahead.end());
   Calendar& placed = e.of(ct.g2s);
   Calendar tentative;
@@ -674,7 +670,8 @@ void Timer::place(size_t copy, Origin* read, Origin* write) {
   }
   double through = placed.fit(ct.issued.t, ct.duration, tentative, mine);
   for (const auto& [a, b] : mine) placed.insert(a, b);
-  e.open.erase(std::find(e.open.begin(), e.open.end(), copy));
+  auto listed = std::find_if(e.open.begin(), e.open.end(), [&](const Engine::Open& o) { return o.copy == copy; });
+  if (listed != e.open.end()) e.open.erase(listed);  // finish() takes them off first
   // Its device-memory bytes from its start through the engine on, beside every other SM's.
   const double start = mine.empty() ? ct.issued.t : mine.front().first;
   through = std::max(through, hbm_.take(start, ct.hbm_bytes, c_.hbm_bytes_per_ns, [](size_t) { return 0.0; }));
@@ -788,13 +785,23 @@ Report Timer::finish() {
   int last = 0;
   for (size_t th = 0; th < clocks_.size(); ++th)
     if (clocks_[th].end > clocks_[last].end) last = static_cast<int>(th);
-  for (Engine& e : engines_)  // copies nothing waited for still take their time
-    while (!e.open.empty()) {
+  // Copies nothing waited for still take their time: placed in the order of their issue times,
+  // each after those issued before it (what place() would fit ahead of each tentatively), so
+  // none has another to fit ahead of it (write requests pile up here: a scan of the others per
+  // copy would take time quadratic in them).
+  for (Engine& e : engines_) {
+    std::vector<Engine::Open> pending;
+    pending.swap(e.open);
+    std::sort(pending.begin(), pending.end(), [](const Engine::Open& a, const Engine::Open& b) {
+      return a.t < b.t || (a.t == b.t && a.copy < b.copy);
+    });
+    for (const Engine::Open& o : pending) {
       Origin read, write;
-      place(e.open.front(), &read, &write);
+      place(o.copy, &read, &write);
       set(read, Origin{});
       set(write, Origin{});
     }
+  }
   const double end = std::max(clocks_.empty() ? 0 : clocks_[last].end, last_write_);
   r.copies = copy_count_;
   r.copy_bytes = copy_bytes_;

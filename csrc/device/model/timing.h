@@ -399,8 +399,15 @@ class Timer {
     int block = 0;
   };
   struct Engine {
-    Calendar loads, stores;    // the two directions: bulk loads in; bulk stores and write requests out
-    std::vector<size_t> open;  // copies issued, not yet placed
+    Calendar loads, stores;  // the two directions: bulk loads in; bulk stores and write requests out
+    // Copies issued, not yet placed, with what placing another copy reads of them (kept here, not
+    // looked up in copies_: write requests nobody waits for stay open until the launch ends).
+    struct Open {
+      size_t copy;
+      double t;  // its issue time (CopyTime::issued.t)
+      bool g2s;
+    };
+    std::vector<Open> open;
     Calendar& of(bool g2s) { return g2s ? loads : stores; }
   };
   struct MbarTime {
