@@ -276,7 +276,9 @@ def _cached_host_builds(build_ext):
                                 os.path.basename(target))
             if os.path.isfile(kept):
                 os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-                shutil.copy2(kept, target)
+                # A copy of its own time: the in-place copy after it skips a target that is newer
+                # (setuptools' update check), which a module built since from other sources is.
+                shutil.copy(kept, target)
                 print(f"hybrid-ep: {ext.name} taken from the build cache ({kept}): its sources, flags and "
                       "compiler are those it was built from", file=sys.stderr)
                 return None
