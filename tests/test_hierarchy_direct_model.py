@@ -132,3 +132,24 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
                          str(err.value)), str(err.value)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 2)])
+def test_the_combine_pipelines_share_own_and_forwarded_chunks(nodes, per_node):
+    """A block's own and forwarded chunks cost differently; each kind goes to the two pipelines
+    in turn (combine_direct.cuh, UnitPipelines), so at one block per rank their reducers are
+    about equally busy in the timing model (taken alternately regardless of kind, one pipeline
+    had every forwarded chunk on 2 nodes, and the busier reducers 1.16x / 1.46x the other's time
+    on 2 / 4 nodes at the seed shape)."""
+    from tools.timing import constants, driver, predict
+
+    shape = predict.Shape(world_size=nodes * per_node, nodes=nodes, hidden=1024, tokens=256, topk=4, experts=16)
+    job = predict.job(shape, shape.tokens, [1], [constants.load_table(constants.H200).costs()], payload=False,
+                      posted_puts=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYBRID_EP_DATA_PATH", "direct")
+        result = driver.run_job(job)
+    (launch,) = [x for x in result["runs"][0]["combine"]["launches"] if x["kernel"] == "combine_direct"]
+    busy = {r["warp"]: r["busy_ns"] for r in launch["roles"]}
+    first, second = sum(busy[w] for w in range(1, 5)), sum(busy[w] for w in range(6, 10))  # the reducers
+    assert max(first, second) / min(first, second) < 1.08

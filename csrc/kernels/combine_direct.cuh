@@ -5,7 +5,8 @@
 // sums between the ranks of a node. A rank's work as an expert host is to publish its expert_out
 // and wait until every rank of its node has read it.
 //
-// Two pipelines per block (kernels/segments.cuh), taking alternate units of the block's share:
+// Two pipelines per block (kernels/segments.cuh), taking units of the block's share in turn
+// (UnitPipelines: with several nodes, each kind of unit in turn):
 //   warps 0 and 5     read a unit's parts into a table, a lane per token (each route's row at
 //                     its expert's rank, which the dispatch kept in the handle, and with
 //                     apply_probs its routing weight there), then bulk-load every part's
@@ -54,6 +55,19 @@ constexpr int kDirectCombineThreads = (kPipelines * kPipelineWarps + 1) * 32;  /
 constexpr int kPutWarp = kPipelines * kPipelineWarps;
 constexpr int kPutStages = 4;  // forwarded chunks written by a pipeline's reducers, not yet put
 static_assert(kDirectCombineThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
+
+// Which pipeline takes each of a block's units, in SourceSideChunks' order: own and forwarded
+// chunks each in turn between the pipelines. Their costs differ (an own chunk's tokens add their
+// routes on this node and a node partial per other node; a forwarded chunk's tokens their routes
+// here, rounded to the wire), and taken alternately regardless of kind the order gave one
+// pipeline every forwarded chunk on 2 nodes at one block per rank, two of every 3 on 4 nodes:
+// the timing model put that pipeline's reducers 1.16x (2 nodes) and 1.46x (4 nodes) the other's
+// busy time, the kernel's end. One node: every unit is own, in turn as before. Every role that
+// walks the units (the load warps, the put warp) asks in the same order, so they agree.
+struct UnitPipelines {
+  int turns[2] = {0, 0};  // units of each kind so far: [own, forwarded]
+  __device__ int of(bool forwarded) { return turns[forwarded ? 1 : 0]++ % kPipelines; }
+};
 
 // Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
 enum class PullRole { kLoad, kReduce };
@@ -272,10 +286,11 @@ __device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring
   const Hierarchy<Rdma>& h = d.h;
   PipeState produced;
   SourceSideChunks<DirectCombine<Rdma>> work(d);
+  UnitPipelines pipelines;
   bool ok = true, forwarded;
   int n, c;
-  for (int i = 0; ok && work.next(forwarded, n, c); ++i) {
-    if (i % kPipelines != pipeline) continue;
+  while (ok && work.next(forwarded, n, c)) {
+    if (pipelines.of(forwarded) != pipeline) continue;
     int rows = 0;
     ok = forwarded ? forwarded_parts(d, tab, n, c, lane, rows) : own_parts(d, tab, c, lane);
     if (!ok) break;
@@ -367,18 +382,19 @@ __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ri
 // Warp 10 with several nodes: each chunk this block forwards, once a pipeline's reducers wrote
 // its node partials into the chunk's slot of the node-partial ring (row q: the q-th of the
 // chunk's tokens for this node), put to the same slot of the source on the other node with the
-// chunk's signal (also for no rows). The block's units alternate between the pipelines.
+// chunk's signal (also for no rows). The block's units are the pipelines' (UnitPipelines).
 template <typename Rdma>
 __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const uint64_t row_b = static_cast<uint64_t>(d.C) * d.wire_bytes;
   SourceSideChunks<DirectCombine<Rdma>> work(d);
+  UnitPipelines pipelines;
   PipeState p[kPipelines];
   bool forwarded;
   int n, c;
-  for (int i = 0; work.next(forwarded, n, c); ++i) {
+  while (work.next(forwarded, n, c)) {
+    const int pipeline = pipelines.of(forwarded);
     if (!forwarded) continue;
-    const int pipeline = i % kPipelines;
     const Ring put = d.put_ring(pipeline);
     if (!warp_consumer_wait(d, put, p[pipeline], lane)) break;
     const FwdPut it = d.sh.puts[pipeline][p[pipeline].stage];
