@@ -153,3 +153,19 @@ def test_the_combine_pipelines_share_own_and_forwarded_chunks(nodes, per_node):
     busy = {r["warp"]: r["busy_ns"] for r in launch["roles"]}
     first, second = sum(busy[w] for w in range(1, 5)), sum(busy[w] for w in range(6, 10))  # the reducers
     assert max(first, second) / min(first, second) < 1.08
+
+
+LAGGED = [hierarchy_case(2, 4, num_experts=16, topk=8, tokens=(600, 0, 97, 1, 330, 64, 33, 513)),
+          hierarchy_case(2, 2, num_experts=8, topk=4, tokens=(600, 0, 330, 513))]
+
+
+@pytest.mark.parametrize("sms", [1, 2, 3])
+@pytest.mark.parametrize("case", LAGGED, ids=str)
+def test_own_chunks_lag_two_block_steps_on_the_default_ring(case, sms):
+    """At the default ring (8 slots) an own chunk comes two block steps after the forwarded
+    chunks of its index (DirectCombine::own_lag: 2, 4 and 6 here, where the 2-slot rings above
+    allow 1); the calls must still match the oracle and complete."""
+    model.set_seed(sms)
+    group = _cached(case, num_sms_dispatch=sms, num_sms_combine=sms, data_path="direct")
+    assert group.config.ring_chunks == 8
+    check_emulated(group, dataclasses.replace(case, seed=sms))

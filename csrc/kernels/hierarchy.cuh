@@ -158,7 +158,7 @@ struct DirectUnits {
 // The chunks one block's source side takes in combine, in order: its own chunks (b, b + nb, ...
 // of send_chunks()) and, with several nodes, the forwarded chunks whose node partials it sends
 // back (forwarded_chunks' units b, b + nb, ...), merged by chunk index, with an own chunk c
-// after the forwarded chunks up to c + lag (own_lag(): about one block step, so that the rail
+// after the forwarded chunks up to c + lag (own_lag(): a block step or two, so that the rail
 // peers' forwarding of chunk c, at the same step of their own order, is likely done when c is
 // waited for; less than a turn of the combine's rings, which kernels/peer_ring.cuh's argument
 // needs). Call: h, b, nb, own_lag(), send_chunks() and source_chunks(s).
