@@ -294,6 +294,10 @@ def score_grid(args) -> int:
 
 
 def profile(args) -> int:
+    if args.posted_puts and (args.load or args.nodes < 2):
+        print("timing_calibration.py profile: --posted-puts prices the puts between nodes of a model run: it needs "
+              "--nodes > 1 and no --load", file=sys.stderr)
+        return 2
     if args.load:
         with open(args.load) as f:
             result = json.load(f)

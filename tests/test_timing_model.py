@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -831,6 +832,13 @@ def test_predict_with_posted_puts_is_a_clusters_prediction(tmp_path, capsys):
     assert "predicts a cluster" in capsys.readouterr().err
 
 
+def test_profile_refuses_posted_puts_without_nodes():
+    script = os.path.join(REPO, "scripts", "timing_calibration.py")
+    done = subprocess.run([sys.executable, script, "profile", "HEAD", "--posted-puts"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert done.returncode == 2 and "--nodes > 1" in done.stderr
+
+
 def test_the_fit_finds_the_constants_of_a_linear_model():
     """Predicted times are piecewise linear in the constants; on a linear stand-in for the
     model the fit must come back to the values that made the measurements."""
@@ -978,7 +986,6 @@ def test_fit_grid_fits_the_grids_of_two_data_paths_as_one(tmp_path):
     """scripts/timing_calibration.py fit-grid with one saved grid per data path: the points of
     both are fitted together, each named by its path; grids of other tables are refused."""
     import itertools
-    import sys
 
     truth = {"wake_ns": 300.0, "pair_instruction_ns": 20.0}
 
