@@ -8,8 +8,8 @@
 # per rank, W=8, default settings, with the bytes each rank's buffer holds in its JSON), fp8
 # dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp
 # samples by source line of the direct dispatch and combine (gpu_check.sh ncu), the direct
-# combine at 2, 3, 4 and 6 stages per pipeline (HYBRID_EP_PULL_STAGES) and at 6 with elected stage
-# waits (HYBRID_EP_REDUCER_WAIT=elect), W=8 ranks as 8
+# combine at 2, 3, 4 and 6 stages per pipeline (HYBRID_EP_PULL_STAGES), at 6 with elected stage
+# waits (HYBRID_EP_REDUCER_WAIT=elect) and at 6 with 8 reducer warps (HYBRID_EP_REDUCER_WARPS=8), W=8 ranks as 8
 # processes under MPS with no arena_bytes beside the emulation, plain and through peer memory
 # (gpu_check.sh processes: oracle, path per call, GB/s/SM), the benchmark (direct path + W=8 as 2
 # and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
@@ -39,7 +39,7 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_PULL_S (30 for each of the 5 points, the least a part is run with), SHORT_LEASE_PROCESSES_S
+# profiled call about 20 s inside ncu), SHORT_LEASE_PULL_S (30 for each of the 6 points, the least a part is run with), SHORT_LEASE_PROCESSES_S
 # (110), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60); the second
 # call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
@@ -128,13 +128,17 @@ stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 # the direct combine's rate against its ring's depth (HYBRID_EP_PULL_STAGES; 6 is the default at
 # this shape): falling with fewer stages, it waits on its loads; flat, on its reducers. Then at the
 # default depth with elected stage waits (HYBRID_EP_REDUCER_WAIT=elect): what every lane's own
-# observation of each stage costs the reducers
-for point in 2:observe 3:observe 4:observe 6:observe 6:elect; do
-    n=${point%%:*} wait=${point##*:}
-    note "direct combine, $n stages per pipeline, $wait waits, seed shape, W=8, 1 SM per rank (bench_pull_${n}_$wait/)"
-    bench "bench pull $n $wait" "${SHORT_LEASE_PULL_S:-30}" "bench_pull_${n}_$wait" HYBRID_EP_PULL_STAGES=$n \
-        HYBRID_EP_REDUCER_WAIT=$wait -- --emulate 8 "${shape[@]}" --dtype bf16 --sms 1
-    grep -E '^ +8 +direct ' "$r/bench_pull_${n}_$wait.log" >> "$r/summary.txt" 2>/dev/null
+# observation of each stage costs the reducers; and with 8 reducer warps per pipeline
+# (HYBRID_EP_REDUCER_WARPS=8, folder suffix _w8): each stage's parts added by twice the threads
+for point in 2:observe:4 3:observe:4 4:observe:4 6:observe:4 6:elect:4 6:observe:8; do
+    IFS=: read -r n wait warps <<< "$point"
+    folder=bench_pull_${n}_$wait
+    [ "$warps" = 4 ] || folder+=_w$warps
+    note "direct combine, $n stages per pipeline, $wait waits, $warps reducer warps, seed shape, W=8, 1 SM per rank" \
+        "($folder/)"
+    bench "bench pull $n $wait $warps" "${SHORT_LEASE_PULL_S:-30}" "$folder" HYBRID_EP_PULL_STAGES=$n \
+        HYBRID_EP_REDUCER_WAIT=$wait HYBRID_EP_REDUCER_WARPS=$warps -- --emulate 8 "${shape[@]}" --dtype bf16 --sms 1
+    grep -E '^ +8 +direct ' "$r/$folder.log" >> "$r/summary.txt" 2>/dev/null
 done
 if fits processes "${SHORT_LEASE_PROCESSES_S:-110}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1

@@ -264,6 +264,12 @@ MUTATIONS = (
              "  if (each_lane_observes)", "  if (each_lane_observes ? !warp_uniform(ok) : !ok) {\n    d.stop();\n"
              "    return false;\n  }\n  if (each_lane_observes)",
              tests="tests/test_kernels_model.py::test_the_direct_combine_variants_give_the_oracle_result"),
+    Mutation("wide-reducers-release-at-four", "a stage freed before every reader is done with it (the direct "
+             "combine's ring counting 4 reducer arrivals where HYBRID_EP_REDUCER_WARPS=8 has 8 warps read "
+             "each stage)",
+             "csrc/kernels/combine_direct.cuh", "      d.pipeline_ring(p).init(1, R);",
+             "      d.pipeline_ring(p).init(1, kReducerWarpsNarrow);",
+             tests="tests/test_kernels_model.py::test_eight_reducer_warps_add_the_widest_segments"),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),

@@ -269,6 +269,18 @@ def test_reducer_wait_override_names_the_variable_and_its_choices():
     assert sorted(launch.REDUCER_WAITS.values()) == [0, 1]  # params.h's codes, distinct
 
 
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("4", 4), ("8", 8)])
+def test_reducer_warps_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.REDUCER_WARPS_ENV: raw}
+    assert launch.reducer_warps_override(env) == want
+
+
+@pytest.mark.parametrize("raw", ["6", "16", "eight"])
+def test_reducer_warps_override_names_the_variable_and_its_choices(raw):
+    with pytest.raises(ValueError, match=f"HYBRID_EP_REDUCER_WARPS must be one of 4, 8, got {raw!r}"):
+        launch.reducer_warps_override({launch.REDUCER_WARPS_ENV: raw})
+
+
 def test_row_bytes_and_coresidency_errors():
     assert launch.check_row_bytes("x", 7168, "float8_e4m3fn") == 7168
     with pytest.raises(ValueError, match=r"x: .*multiple of 8 for bfloat16"):

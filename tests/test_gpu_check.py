@@ -55,7 +55,7 @@ def machine(tmp_path):
     # `-m pip` is a network call.
     _stub(bin_dir / "python3", r'''
 echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH PULL_STAGES=${HYBRID_EP_PULL_STAGES:-}" \
-     "REDUCER_WAIT=${HYBRID_EP_REDUCER_WAIT:-}" \
+     "REDUCER_WAIT=${HYBRID_EP_REDUCER_WAIT:-} REDUCER_WARPS=${HYBRID_EP_REDUCER_WARPS:-}" \
      "DATA_PATH=${HYBRID_EP_DATA_PATH:-} STORE_GROUPS=${HYBRID_EP_STORE_GROUPS:-}" >> "$CALLS"
 case "$*" in
   *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
@@ -704,26 +704,30 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the DeepSeek-V3-like layer on the direct path, fp8, the direct combine at 4 ring depths and
-    # with elected waits, the bench stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep
-    # beside DeepEP, the DeepSeek-V3-like layer on the receive path and the receive sweep
-    assert len(benches) == 13, benches
-    assert "--backends cuda deepep" in benches[10]
-    for line, path in ((benches[0], "direct"), (benches[11], "receive")):
+    # the DeepSeek-V3-like layer on the direct path, fp8, the direct combine at 4 ring depths,
+    # with elected waits and with 8 reducer warps, the bench stage's three sweeps (one node, 2 and
+    # 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like layer on the receive path and the
+    # receive sweep
+    assert len(benches) == 14, benches
+    assert "--backends cuda deepep" in benches[11]
+    for line, path in ((benches[0], "direct"), (benches[12], "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
-    points = (("2", "observe"), ("3", "observe"), ("4", "observe"), ("6", "observe"), ("6", "elect"))
-    for line, (stages, wait) in zip(benches[2:7], points):
+    points = (("2", "observe", "4", ""), ("3", "observe", "4", ""), ("4", "observe", "4", ""),
+              ("6", "observe", "4", ""), ("6", "elect", "4", ""), ("6", "observe", "8", "_w8"))
+    for line, (stages, wait, warps, suffix) in zip(benches[2:8], points):
         assert "--emulate 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 " in line
-        assert f"bench_pull_{stages}_{wait}" in line and f"PULL_STAGES={stages} REDUCER_WAIT={wait} " in line
-    for line in benches[:2] + benches[7:]:  # the defaults elsewhere
-        assert "PULL_STAGES= REDUCER_WAIT= " in line, line
-    assert benches[12].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
+        assert f"/bench_pull_{stages}_{wait}{suffix} |" in line, line
+        assert f"PULL_STAGES={stages} REDUCER_WAIT={wait} REDUCER_WARPS={warps} " in line, line
+    for line in benches[:2] + benches[8:]:  # the defaults elsewhere
+        assert "PULL_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
+    assert benches[13].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "bench dsv3 direct exit", "bench fp8 exit", "ncu exit",
-             "bench pull 2 observe exit", "bench pull 6 elect exit", "processes exit", "bench exit", "deepep exit",
+             "bench pull 2 observe 4 exit", "bench pull 6 elect 4 exit", "bench pull 6 observe 8 exit",
+             "processes exit", "bench exit", "deepep exit",
              "bench dsv3 receive exit", "bench receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary

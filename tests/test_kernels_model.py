@@ -570,19 +570,26 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
             group.close()
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("stages, wait", [("2", None), ("3", None), (None, "elect"), ("2", "elect")])
-def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages, wait, nodes):
-    """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_PULL_STAGES cuts its
-    rings to a few stages per pipeline, the fewest (2) and an odd count, so each ring wraps many
-    times per token, with node partials in the stages across nodes; HYBRID_EP_REDUCER_WAIT=elect
-    leaves the other lanes' observation of each stage to the agreement's __syncwarp. Every
-    launch takes what was asked."""
-    for name, value in ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait)):
+def _set_knobs(monkeypatch, knobs):
+    for name, value in knobs:
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("stages, wait, warps", [("2", None, None), ("3", None, None), (None, "elect", None),
+                                                 ("2", "elect", None), (None, None, "8"), ("3", "elect", "8")])
+def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages, wait, warps, nodes):
+    """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_PULL_STAGES cuts its
+    rings to a few stages per pipeline, the fewest (2) and an odd count, so each ring wraps many
+    times per token, with node partials in the stages across nodes; HYBRID_EP_REDUCER_WAIT=elect
+    leaves the other lanes' observation of each stage to the agreement's __syncwarp;
+    HYBRID_EP_REDUCER_WARPS=8 spreads each segment over 8 reducer warps (a vector a thread here:
+    the bounded loop). Every launch takes what was asked."""
+    _set_knobs(monkeypatch, ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
+                             (launch.REDUCER_WARPS_ENV, warps)))
     case = _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes)
     group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
     try:
@@ -594,6 +601,33 @@ def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages,
         for a in combines:
             assert stages is None or a.src_stages == int(stages)
             assert a.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
+            assert a.reducer_warps == int(warps or launch.REDUCER_WARPS_NARROW)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("hidden, dtype, wire, probs", [(7168, torch.bfloat16, None, False),
+                                                        (8192, torch.float32, None, False),
+                                                        (6144, torch.bfloat16, torch.float32, True)])
+def test_eight_reducer_warps_add_the_widest_segments(monkeypatch, hidden, dtype, wire, probs, nodes):
+    """HYBRID_EP_REDUCER_WARPS=8 at the segments its straight block adds (every vector of a
+    thread but the last whole: 6144 to 8192 bf16 columns at 8 warps): 7168 clamps the last vector
+    of half the threads, 6144 fills exactly 3 of the 4 (one node: each row one segment); fp32
+    stages hold 4096 columns, 4 of a thread's 8 vectors of 4 columns; weighted parts
+    (apply_probs), and across nodes an fp32 wire adds node partials of another dtype (add_from)."""
+    _set_knobs(monkeypatch, ((launch.PULL_STAGES_ENV, None), (launch.REDUCER_WAIT_ENV, None),
+                             (launch.REDUCER_WARPS_ENV, "8")))
+    case = _case(4, hidden=hidden, dtype=dtype, tokens=(5, 0, 9, 3), topk=3, ranks_per_node=4 // nodes,
+                 wire_dtype=wire, apply_probs=probs)
+    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
+    try:
+        model.set_seed(0)
+        check_emulated(group, case)
+        [a] = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
+        assert a.reducer_warps == launch.REDUCER_WARPS_WIDE
+        stage_elem = 4 if dtype == torch.float32 or (wire == torch.float32 and nodes > 1) else 2
+        assert a.seg_cols == min(hidden, 16384 // stage_elem)  # stages of 16 KiB
     finally:
         group.close()
 

@@ -384,6 +384,8 @@ inline void bind_common(py::module_& m) {
   m.attr("PULL_PIPELINES") = kPullPipelines;
   m.attr("REDUCER_WAIT_OBSERVE") = kReducerWaitObserve;
   m.attr("REDUCER_WAIT_ELECT") = kReducerWaitElect;
+  m.attr("REDUCER_WARPS_NARROW") = kReducerWarpsNarrow;
+  m.attr("REDUCER_WARPS_WIDE") = kReducerWarpsWide;
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;
   m.attr("CHUNK_META_HEADER") = kChunkMetaHeader;
   m.attr("COUNT_ROW_TAIL") = kCountRowTail;
@@ -480,9 +482,9 @@ inline void bind_common(py::module_& m) {
                   RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype)
                       RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
                           RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
-                              RW(LaunchArgs, reducer_wait) RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns)
-                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
-                                      RW(LaunchArgs, num_sms)
+                              RW(LaunchArgs, reducer_wait) RW(LaunchArgs, reducer_warps) RW(LaunchArgs, info_read)
+                                  RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag) RW(LaunchArgs, error)
+                                      RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
       .def("set_rank",
            [](LaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

@@ -33,6 +33,13 @@ constexpr int kPullPipelines = 2;   // pipelines of a combine_direct block, shar
 // which orders lane 0's acquire before their reads.
 constexpr int kReducerWaitObserve = 0;
 constexpr int kReducerWaitElect = 1;
+// Reducer warps per pipeline of a combine_direct block (LaunchArgs::reducer_warps; the host picks
+// it from HYBRID_EP_REDUCER_WARPS, a design under measurement): a segment of up to
+// kCombineMaxSegCols columns spread over 4 warps (8 vectors a thread, the registers' cap of 168)
+// or over 8 (4 vectors a thread, 96 registers): each of a stage's parts added by twice the
+// threads, each adding half the vectors.
+constexpr int kReducerWarpsNarrow = 4;
+constexpr int kReducerWarpsWide = 8;
 constexpr int kDirectStoreWarps = 2;       // store warps of a direct dispatch block (one store thread each)
 constexpr uint32_t kChunkMetaHeader = 16;  // a staged chunk's routing starts with {int32 rows, pad}
 // A ring between ranks tags its slots with the call in the high bits and chunk + 1 in the low
@@ -398,9 +405,10 @@ struct LaunchArgs {
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
-  int32_t reducer_wait;  // combine_direct: kReducerWaitObserve or kReducerWaitElect
-  int32_t info_read;     // count: the host reads its info before it launches the dispatch kernel
-                         // (dynamic size): a bad route is reported there, not in bad_route
+  int32_t reducer_wait;                         // combine_direct: kReducerWaitObserve or kReducerWaitElect
+  int32_t reducer_warps = kReducerWarpsNarrow;  // combine_direct: kReducerWarpsNarrow or kReducerWarpsWide
+  int32_t info_read;                            // count: the host reads its info before it launches the dispatch kernel
+                                                // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory

@@ -6,12 +6,13 @@
 // and wait until every rank of its node has read it.
 //
 // Two pipelines per block (kernels/segments.cuh), taking units of the block's share in turn
-// (UnitPipelines: with several nodes, each kind of unit in turn):
-//   warps 0 and 5     read a unit's parts into a table, a lane per token (each route's row at
+// (UnitPipelines: with several nodes, each kind of unit in turn), each of a load warp and R
+// reducer warps (LaunchArgs::reducer_warps, 4 or 8: PullBlock):
+//   warps 0 and R + 1 read a unit's parts into a table, a lane per token (each route's row at
 //                     its expert's rank, which the dispatch kept in the handle, and with
 //                     apply_probs its routing weight there), then bulk-load every part's
 //                     segment into the pipeline's ring;
-//   warps 1-4, 6-9    add a token's parts in fp32 registers and write its row, rounded once.
+//   the others        add a token's parts in fp32 registers and write its row, rounded once.
 // At the start block 0 publishes this rank's expert_out and probs and every block reads those of
 // every rank of its node (bounded waits); at the end the last block of this rank tells every
 // rank of its node that its reads ended, and block 0 waits until every one said so (only then
@@ -31,7 +32,7 @@
 //                     dispatch kept them, fwd_routes); the reducers write its node partial, rounded
 //                     once to the wire dtype, into row q of the chunk's slot of the node-partial
 //                     ring for n (comb_rows_out), and once the chunk's last one is written,
-//   warp 10           puts the chunk's node partials, with its signal, into the same slot of the
+//   warp 2 R + 2      puts the chunk's node partials, with its signal, into the same slot of the
 //                     source (one put per chunk, also for no rows).
 // The node-partial rings are rings between ranks (kernels/peer_ring.cuh: their invariant, and
 // why no wait closes a cycle): before a forwarded chunk takes its slot, the load warp acquires it
@@ -50,11 +51,8 @@
 namespace hybrid_ep {
 namespace combine_direct_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kPipelines = kPullPipelines, kPipelineWarps = 1 + kGroupWarps;
-constexpr int kDirectCombineThreads = (kPipelines * kPipelineWarps + 1) * 32;  // and the put warp
-constexpr int kPutWarp = kPipelines * kPipelineWarps;
+constexpr int kPipelines = kPullPipelines;
 constexpr int kPutStages = 4;  // forwarded chunks written by a pipeline's reducers, not yet put
-static_assert(kDirectCombineThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
 
 // Which pipeline takes each of a block's units, in SourceSideChunks' order: own and forwarded
 // chunks each in turn between the pipelines. Their costs differ (an own chunk's tokens add their
@@ -71,10 +69,21 @@ struct UnitPipelines {
 
 // Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
 enum class PullRole { kLoad, kReduce };
-__host__ __device__ constexpr RoleTable<PullRole, 2> pull_warps() {
-  return {{{PullRole::kLoad, 0, 1}, {PullRole::kReduce, 1, kGroupWarps}}};
-}
-static_assert(pull_warps().tiles(kPipelineWarps), "a pull pipeline's roles tile its warps");
+
+// A block's warps with R reducer warps per pipeline (LaunchArgs::reducer_warps: each segment's
+// columns spread over R warps, kernels/segments.cuh): per pipeline a load warp and the reducers,
+// then the put warp. The kernel is instantiated for each R the host may pick.
+template <int R>
+struct PullBlock {
+  static constexpr int kPipelineWarps = 1 + R;
+  static constexpr int kPutWarp = kPipelines * kPipelineWarps;
+  static constexpr int kThreads = (kPutWarp + 1) * 32;
+  static_assert(kThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
+  __host__ __device__ static constexpr RoleTable<PullRole, 2> roles() {
+    return {{{PullRole::kLoad, 0, 1}, {PullRole::kReduce, 1, R}}};
+  }
+  static_assert(roles().tiles(kPipelineWarps), "a pull pipeline's roles tile its warps");
+};
 
 // A part of a token in the wire dtype (a node partial), not the dtype of expert_out.
 constexpr int32_t kWirePart = 16;
@@ -331,9 +340,9 @@ __device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring
 // segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers
 // (this warp waited for every load of the chunk: they landed). A forwarded row's node partial is
 // written, rounded once to the wire dtype, into the node-partial ring, and after its chunk's last
-// row each warp fences its stores and hands the chunk to the put warp (one of the put ring's
-// kGroupWarps arrivals).
-template <typename Rdma, typename Elem, typename Wire>
+// row each warp fences its stores and hands the chunk to the put warp (one of the put ring's R
+// arrivals).
+template <typename Rdma, typename Elem, typename Wire, int R>
 __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
   const Hierarchy<Rdma>& h = d.h;
@@ -341,7 +350,7 @@ __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ri
   const uint8_t* data = d.stage_data(pipeline);
   const Ring put = d.put_ring(pipeline);
   PipeState produced;
-  SegmentAcc<Elem> acc;
+  SegmentAcc<Elem, R> acc;
   RingReleases<Rdma> releases(h.rdma);  // this thread's node-partial credits (quieted as it goes)
   const bool each_lane_observes = d.args.reducer_wait != kReducerWaitElect;
   for (PipeState p;; p.advance(ring.stages)) {
@@ -357,7 +366,7 @@ __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ri
       acc.add(in, it.cols, gt, it.weight, (it.flags & kFirstPart) != 0);
     }
     __syncwarp();
-    if (lane == 0) ring.consumer_release(p);  // one of the group's kGroupWarps arrivals
+    if (lane == 0) ring.consumer_release(p);  // one of the group's R arrivals
     if (!(it.flags & kLastPart)) continue;
     if (!FwdTag::is(it.slot)) {
       acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Elem), it.cols, gt);
@@ -384,7 +393,7 @@ __device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ri
   }
 }
 
-// Warp 10 with several nodes: each chunk this block forwards, once a pipeline's reducers wrote
+// The put warp with several nodes: each chunk this block forwards, once a pipeline's reducers wrote
 // its node partials into the chunk's slot of the node-partial ring (row q: the q-th of the
 // chunk's tokens for this node), put to the same slot of the source on the other node with the
 // chunk's signal (also for no rows). The block's units are the pipelines' (UnitPipelines).
@@ -413,9 +422,10 @@ __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
   if (lane == 0) h.rdma.quiet();
 }
 
-template <typename Rdma, typename Elem, typename Wire>
-__global__ void __launch_bounds__(kDirectCombineThreads, 1)
+template <typename Rdma, typename Elem, typename Wire, int R>
+__global__ void __launch_bounds__(PullBlock<R>::kThreads, 1)
     combine_direct_kernel(const __grid_constant__ LaunchArgs args) {
+  using B = PullBlock<R>;
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
   PullShared& sh = dev::block_shared<PullShared>();
@@ -423,13 +433,13 @@ __global__ void __launch_bounds__(kDirectCombineThreads, 1)
                               static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
   const RankArgs& a = d.a;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int pipeline = warp / kPipelineWarps;
+  const int pipeline = warp / B::kPipelineWarps;
   const bool multi = d.h.multi();
 
   init_block(d, [&] {
     for (int p = 0; p < kPipelines; ++p) {
-      d.pipeline_ring(p).init(1, kGroupWarps);
-      if (multi) d.put_ring(p).init(kGroupWarps, 1);
+      d.pipeline_ring(p).init(1, R);
+      if (multi) d.put_ring(p).init(R, 1);
     }
   });
   // An aborted launch neither publishes nor reads tensors (as the direct dispatch's setup).
@@ -455,15 +465,16 @@ __global__ void __launch_bounds__(kDirectCombineThreads, 1)
   }
   if (!block_ready(d)) return;
 
-  if (warp == kPutWarp) {
+  if (warp == B::kPutWarp) {
     if (multi) forward_put(d, lane);
   } else {
     const Ring ring = d.pipeline_ring(pipeline);
-    const RoleSpan<PullRole> role = pull_warps().of(warp % kPipelineWarps);
+    const RoleSpan<PullRole> role = B::roles().of(warp % B::kPipelineWarps);
     switch (role.role) {
       case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
       case PullRole::kReduce:
-        pull_reduce<Rdma, Elem, Wire>(d, pipeline, ring, role.thread_index(tid - pipeline * kPipelineWarps * 32), lane);
+        pull_reduce<Rdma, Elem, Wire, R>(d, pipeline, ring, role.thread_index(tid - pipeline * B::kPipelineWarps * 32),
+                                         lane);
         break;
     }
   }
@@ -483,16 +494,32 @@ __host__ __device__ inline size_t combine_direct_stage_bytes(const LaunchArgs& a
   return static_cast<size_t>(kPipelines) * args.src_stages * args.src_stage_bytes;
 }
 
+template <typename Rdma, typename Elem, typename Wire, int R>
+LaunchStatus launch_combine_direct_warps(const LaunchArgs& args, uint64_t stream) {
+  return dev::launch_cooperative(combine_direct_kernel<Rdma, Elem, Wire, R>, args.num_ranks * args.num_sms,
+                                 PullBlock<R>::kThreads, combine_direct_stage_bytes(args), stream, args,
+                                 "combine_direct");
+}
+
 template <typename Rdma, typename Elem, typename Wire>
 LaunchStatus launch_combine_direct_typed(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_direct_kernel<Rdma, Elem, Wire>, args.num_ranks * args.num_sms,
-                                 kDirectCombineThreads, combine_direct_stage_bytes(args), stream, args,
-                                 "combine_direct");
+  return args.reducer_warps == kReducerWarpsWide
+             ? launch_combine_direct_warps<Rdma, Elem, Wire, kReducerWarpsWide>(args, stream)
+             : launch_combine_direct_warps<Rdma, Elem, Wire, kReducerWarpsNarrow>(args, stream);
+}
+
+// The launchers' check of the reducer warps the host chose: nullptr if they are an instantiated
+// count, else the error's text.
+inline const char* check_reducer_warps(const LaunchArgs& args) {
+  if (args.reducer_warps != kReducerWarpsNarrow && args.reducer_warps != kReducerWarpsWide)
+    return "combine: reducer_warps must be 4 or 8 (kReducerWarpsNarrow, kReducerWarpsWide)";
+  return nullptr;
 }
 
 template <typename Rdma>
 LaunchStatus launch_combine_direct_with(const LaunchArgs& args, uint64_t stream) {
   if (const char* bad = check_segment_cols(args)) return bad;
+  if (const char* bad = check_reducer_warps(args)) return bad;
   // The node partials' dtype matters only with several nodes: one node instantiates the pair once.
   const bool fp32_wire = args.geo.num_nodes > 1 && args.wire_dtype == kFloat32;
   switch (args.dtype) {

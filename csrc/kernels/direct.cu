@@ -30,10 +30,15 @@ LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream) {
   return combine_direct_impl::launch_combine_direct_with<LoopbackTransport>(args, stream);
 }
 
-int combine_direct_max_blocks_per_sm(size_t smem) {
+int combine_direct_max_blocks_per_sm(size_t smem, int reducer_warps) {
+  using namespace combine_direct_impl;
+  if (reducer_warps == kReducerWarpsWide)
+    return dev::max_active_blocks(
+        combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsWide>,
+        PullBlock<kReducerWarpsWide>::kThreads, smem);
   return dev::max_active_blocks(
-      combine_direct_impl::combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16>,
-      combine_direct_impl::kDirectCombineThreads, smem);
+      combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsNarrow>,
+      PullBlock<kReducerWarpsNarrow>::kThreads, smem);
 }
 
 }  // namespace hybrid_ep

@@ -62,6 +62,6 @@ int count_max_blocks_per_sm(size_t smem);
 int dispatch_receive_max_blocks_per_sm(size_t smem);
 int combine_receive_max_blocks_per_sm(size_t smem);
 int dispatch_direct_max_blocks_per_sm(size_t smem);
-int combine_direct_max_blocks_per_sm(size_t smem);
+int combine_direct_max_blocks_per_sm(size_t smem, int reducer_warps);  // kReducerWarpsNarrow or Wide
 
 }  // namespace hybrid_ep

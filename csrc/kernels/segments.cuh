@@ -191,25 +191,27 @@ __device__ __forceinline__ bool warp_producer_acquire(const Call& d, const Ring&
   return true;
 }
 
-// One row segment in fp32, spread over a reducer group: thread gt holds the 16-byte vectors
-// (of In, the parts' dtype) gt, gt + kGroupThreads, ... (consecutive threads touch consecutive
-// bytes, in shared and in global memory). The loops are unrolled, so the accumulator stays in
-// registers. Each part is added element by element in fp32 in the order the parts come, the
-// product with the weight rounded before the sum (no fused multiply-add), as the oracle sums.
+// One row segment in fp32, spread over a reducer group of kWarps warps (kGroupWarps, or the
+// direct combine's LaunchArgs::reducer_warps): thread gt holds the 16-byte vectors (of In, the
+// parts' dtype) gt, gt + kThreads, ... (consecutive threads touch consecutive bytes, in shared and
+// in global memory). The loops are unrolled, so the accumulator stays in registers. Each part is
+// added element by element in fp32 in the order the parts come, the product with the weight
+// rounded before the sum (no fused multiply-add), as the oracle sums.
 //
-// A part of the widest segments (7 or 8 vectors a thread: 7168 to 8192 bf16 columns) is added in
-// one straight block, 8 vectors a thread with the last one clamped; narrower ones take a bounded
-// loop with a branch around each vector's load, about 1.5 times the instructions per vector
-// (SASS of combine_direct_kernel<bf16>: 26 against 17.25 per plain vector), which made the H =
-// 7168 combine 1.36 times slower per row than H = 8192's on the H200. A loop for every vector
-// count (one instantiation each) took registers the kernel does not have (it runs at its cap of
-// 168 and spilled).
-template <typename In>
+// A part of the widest segments (every vector of a thread but its last whole: 7168 to 8192 bf16
+// columns at 4 warps, 6144 to 8192 at 8) is added in one straight block, kVecs vectors a thread
+// with the last one clamped; narrower ones take a bounded loop with a branch around each vector's
+// load, about 1.5 times the instructions per vector (SASS of combine_direct_kernel<bf16> at 4
+// warps: 26 against 17.25 per plain vector), which made the H = 7168 combine 1.36 times slower
+// per row than H = 8192's on the H200. A loop for every vector count (one instantiation each) took
+// registers the kernel does not have (at 4 warps it runs at its cap of 168 and spilled).
+template <typename In, int kWarps = kGroupWarps>
 struct SegmentAcc {
+  static constexpr int kThreads = kWarps * 32;
   using V = Vec16<In>;
-  static constexpr int kCols = V::kCols;                                      // per vector
-  static constexpr int kVecs = kCombineMaxSegCols / (kCols * kGroupThreads);  // per thread
-  static_assert(kVecs * kCols * kGroupThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
+  static constexpr int kCols = V::kCols;                                 // per vector
+  static constexpr int kVecs = kCombineMaxSegCols / (kCols * kThreads);  // per thread
+  static_assert(kVecs * kCols * kThreads == kCombineMaxSegCols, "a segment spreads evenly over a group");
   static_assert(kCols == vector_cols(std::is_same<In, float>::value ? kFloat32 : kBFloat16), "vector_cols");
 
   float v[kVecs][kCols];
@@ -237,12 +239,12 @@ struct SegmentAcc {
       add(in, cols, gt, w, first);
     } else {
       blank = false;
-      const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;
+      const int whole = cols / kCols, rounds = (whole + kThreads - 1) / kThreads;
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (i >= rounds) continue;
         float x[kCols];
-        const uint8_t* p = in + static_cast<size_t>(min(gt + i * kGroupThreads, whole - 1)) * kCols * sizeof(From);
+        const uint8_t* p = in + static_cast<size_t>(min(gt + i * kThreads, whole - 1)) * kCols * sizeof(From);
 #pragma unroll
         for (int q = 0; q < kCols / 4; ++q) Quad<From>::load(p + q * 4 * sizeof(From), x + 4 * q);
         if (first) {
@@ -276,7 +278,7 @@ struct SegmentAcc {
     const int whole = cols / kCols;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int j = gt + i * kGroupThreads;
+      const int j = gt + i * kThreads;
       if (cols == kCombineMaxSegCols || j < whole)
         store_cols<Out, kCols>(out + static_cast<size_t>(j) * kCols * sizeof(Out), kBlank ? zeros : v[i]);
     }
@@ -296,13 +298,13 @@ struct SegmentAcc {
   __device__ __forceinline__ void add_as(const uint8_t* in, int cols, int gt, float w) {
     float x[kVecs][kCols];
     const int whole = cols / kCols;
-    if (whole >= (kVecs - 1) * kGroupThreads) {  // the widest segments: one straight block
+    if (whole >= (kVecs - 1) * kThreads) {  // the widest segments: one straight block
       // every thread's vectors but the last are whole; the last is clamped to the segment's last
       // vector (a copy added to columns never stored) where the segment ends before it
-      const int last = min(gt + (kVecs - 1) * kGroupThreads, whole - 1);
+      const int last = min(gt + (kVecs - 1) * kThreads, whole - 1);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i)
-        V::load(in + static_cast<size_t>(i + 1 < kVecs ? gt + i * kGroupThreads : last) * 16, x[i]);
+        V::load(in + static_cast<size_t>(i + 1 < kVecs ? gt + i * kThreads : last) * 16, x[i]);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) add_to<kKind>(v[i], x[i], w);
       return;
@@ -310,10 +312,10 @@ struct SegmentAcc {
     // `rounds` vectors per thread (the same in every thread: uniform branches); a vector past the
     // end adds a copy of the last one to columns that are never stored (store() bounds them), so
     // no divergent branch per vector
-    const int rounds = (whole + kGroupThreads - 1) / kGroupThreads;
+    const int rounds = (whole + kThreads - 1) / kThreads;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i)
-      if (i < rounds) V::load(in + static_cast<size_t>(min(gt + i * kGroupThreads, whole - 1)) * 16, x[i]);
+      if (i < rounds) V::load(in + static_cast<size_t>(min(gt + i * kThreads, whole - 1)) * 16, x[i]);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i)
       if (i < rounds) add_to<kKind>(v[i], x[i], w);

@@ -405,6 +405,7 @@ def run_config(args, s: dict) -> dict:
             "store_groups": launch.store_groups_override(),  # None: the default (each run's pipelines)
             "pull_stages": launch.pull_stages_override(),  # None: as many as the shared memory holds
             "reducer_wait": launch.reducer_wait_override(),  # None: "observe"
+            "reducer_warps": launch.reducer_warps_override(),  # None: 4
             "data_path_override": os.environ.get(launch.DATA_PATH_ENV) or None}  # None: direct where it runs
 
 
@@ -471,6 +472,7 @@ def format_table(doc: dict) -> str:
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
              + ("" if c.get("pull_stages") is None else f" | HYBRID_EP_PULL_STAGES={c['pull_stages']}")
              + ("" if c.get("reducer_wait") is None else f" | HYBRID_EP_REDUCER_WAIT={c['reducer_wait']}")
+             + ("" if c.get("reducer_warps") is None else f" | HYBRID_EP_REDUCER_WARPS={c['reducer_warps']}")
              + ("" if c.get("data_path_override") is None else f" | HYBRID_EP_DATA_PATH={c['data_path_override']}"),
              f"{'W':>3} {'path':>7} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} "
              f"{'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} {'of copy':>8} {'held GiB':>8}"

@@ -274,6 +274,24 @@ def reducer_wait_override(environ=None) -> str | None:
     return raw
 
 
+REDUCER_WARPS_ENV = "HYBRID_EP_REDUCER_WARPS"
+# Reducer warps per pipeline of the direct combine (csrc/common/params.h): the kernel is
+# instantiated for each; 4 is the default until a GPU run's sweep decides.
+REDUCER_WARPS_NARROW: int = compiled.REDUCER_WARPS_NARROW
+REDUCER_WARPS_WIDE: int = compiled.REDUCER_WARPS_WIDE
+REDUCER_WARPS = (REDUCER_WARPS_NARROW, REDUCER_WARPS_WIDE)
+
+
+def reducer_warps_override(environ=None) -> int | None:
+    """HYBRID_EP_REDUCER_WARPS: 4 or 8 reducer warps per pipeline of the direct combine, for
+    timing a segment's parts added by twice the threads at half the vectors each
+    (docs/benchmarks/cuda.md); None when unset."""
+    raw = _env_raw(REDUCER_WARPS_ENV, environ)
+    if raw is not None and raw not in {str(w) for w in REDUCER_WARPS}:
+        raise ValueError(f"{REDUCER_WARPS_ENV} must be one of {', '.join(map(str, REDUCER_WARPS))}, got {raw!r}")
+    return None if raw is None else int(raw)
+
+
 def store_groups(stages: int, override: int | None = None) -> int:
     """Bulk-store groups a store thread lets still read their stages when it releases the
     older ones. Each holds a stage the loads cannot refill: at the 5 or 6 stages of 16-32 KiB
@@ -369,7 +387,8 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
                       max_stages=s.pull_stages_override or MAX_STAGES)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
     a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or "observe"]
-    return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes)
+    a.reducer_warps = s.reducer_warps_override or REDUCER_WARPS_NARROW
+    return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes, a.reducer_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +419,7 @@ class LaunchSettings:
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
         self.pull_stages_override = pull_stages_override()  # HYBRID_EP_PULL_STAGES, the same
         self.reducer_wait_override = reducer_wait_override()  # HYBRID_EP_REDUCER_WAIT, the same
+        self.reducer_warps_override = reducer_warps_override()  # HYBRID_EP_REDUCER_WARPS, the same
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:
