@@ -779,6 +779,15 @@ def test_predict_then_validate(tmp_path, capsys):
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
     assert "hidden 1024 against 8192" in capsys.readouterr().err
+    # nor a run of another variant of the kernels (HYBRID_EP_REDUCER_WARPS=8 against the default);
+    # a variant named as the default is the default
+    measured["metadata"]["config"].update(hidden=1024, reducer_warps=8)
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
+    assert "reducer_warps 4 against 8" in capsys.readouterr().err
+    measured["metadata"]["config"].update(reducer_warps=4, reducer_wait="observe")
+    (tmp_path / "emulated.json").write_text(json.dumps(measured))
+    assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 0
 
 
 def test_the_table_names_the_model_tokens_given_or_the_default_rule():

@@ -90,14 +90,20 @@ def format_predicted(doc: dict) -> str:
 
 
 SHAPE_KEYS = ("hidden", "tokens_per_rank", "topk", "experts", "dtype", "routing", "seed")
-
-
 def shape_differences(predicted: dict, measured: dict) -> list[str]:
     """The settings in which the two runs differ (a measured file without a seed ran the
-    bench's default, 0)."""
+    bench's default, 0), and the kernel variants (a file that names none ran the default one):
+    a prediction of one variant does not score a run of another."""
+    from hybrid_ep.backends.cuda import launch
+
     p, m = predicted["metadata"]["config"], measured["metadata"]["config"]
-    return [f"{k} {p.get(k)} against {m.get(k, 0 if k == 'seed' else None)}" for k in SHAPE_KEYS
-            if p.get(k) != m.get(k, 0 if k == "seed" else None)]
+    differ = [f"{k} {p.get(k)} against {m.get(k, 0 if k == 'seed' else None)}" for k in SHAPE_KEYS
+              if p.get(k) != m.get(k, 0 if k == "seed" else None)]
+    for k, default in (("reducer_wait", launch.REDUCER_WAIT_DEFAULT), ("reducer_warps", launch.REDUCER_WARPS_NARROW)):
+        a, b = p.get(k) or default, m.get(k) or default
+        if a != b:
+            differ.append(f"{k} {a} against {b}")
+    return differ
 
 
 # The GPU's kernel names in records measured before the kernels were named for their path

@@ -262,6 +262,7 @@ REDUCER_WAIT_ENV = "HYBRID_EP_REDUCER_WAIT"
 REDUCER_WAIT_OBSERVE: int = compiled.REDUCER_WAIT_OBSERVE
 REDUCER_WAIT_ELECT: int = compiled.REDUCER_WAIT_ELECT
 REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT}
+REDUCER_WAIT_DEFAULT = "observe"
 
 
 def reducer_wait_override(environ=None) -> str | None:
@@ -386,7 +387,7 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
     pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
                       max_stages=s.pull_stages_override or MAX_STAGES)
     a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
-    a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or "observe"]
+    a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or REDUCER_WAIT_DEFAULT]
     a.reducer_warps = s.reducer_warps_override or REDUCER_WARPS_NARROW
     return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes, a.reducer_warps)
 
