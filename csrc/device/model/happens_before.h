@@ -30,6 +30,8 @@ extern "C" void __tsan_read_range(void* addr, unsigned long size);  // the runti
 extern "C" void __tsan_write_range(void* addr, unsigned long size);
 extern "C" void __tsan_func_entry(void* call_pc);
 extern "C" void __tsan_func_exit();
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
 #endif
 
 namespace hybrid_ep::model::hb {
@@ -49,6 +51,11 @@ inline void writes(void* p, size_t n) { __tsan_write_range(p, n); }
 inline void frame_begin(void* pc) { __tsan_func_entry(pc); }
 inline void frame_end() { __tsan_func_exit(); }
 inline void name(void* fiber, const char* text) { __tsan_set_fiber_name(fiber, text); }
+// The model's own bookkeeping done on a fiber's behalf (the timing model's clocks): none of its
+// accesses are checked, those of library templates included, whose instrumented copies in the
+// kernels' units the linker may have taken for the uninstrumented units too.
+inline void ignore_begin() { __tsan_ignore_thread_begin(); }
+inline void ignore_end() { __tsan_ignore_thread_end(); }
 inline constexpr bool kEnabled = true;
 #else
 inline void release(const void*) {}
@@ -61,7 +68,17 @@ inline void writes(void*, size_t) {}
 inline void frame_begin(void*) {}
 inline void frame_end() {}
 inline void name(void*, const char*) {}
+inline void ignore_begin() {}
+inline void ignore_end() {}
 inline constexpr bool kEnabled = false;
 #endif
+
+// A scope whose accesses the race check does not see (ignore_begin / ignore_end).
+struct Unobserved {
+  Unobserved() { ignore_begin(); }
+  ~Unobserved() { ignore_end(); }
+  Unobserved(const Unobserved&) = delete;
+  Unobserved& operator=(const Unobserved&) = delete;
+};
 
 }  // namespace hybrid_ep::model::hb

@@ -161,6 +161,15 @@ struct Launch {
   bool jumped_from_fiber = false;                      // ... from a fiber's stack (fiber.h, before_jump_out_of_fiber)
 };
 
+// Each of a launch's timers, called outside the race check (hb::Unobserved): the timing model's
+// clocks are the model's bookkeeping, shared by every fiber on purpose, as the scheduler's is.
+template <typename Call>
+void each_timer(std::vector<std::unique_ptr<timing::Timer>>& timers, Call&& call) {
+  if (timers.empty()) return;
+  hb::Unobserved unobserved;
+  for (auto& timer : timers) call(*timer);
+}
+
 thread_local Launch* g_launch = nullptr;
 uint64_t g_seed = 0;
 bool g_payload = true;                                       // set_payload
@@ -367,7 +376,7 @@ void mbar_settle(Block* b, const uint64_t* bar, Mbar& m, const Thread* about) {
   if (m.pending == 0 && m.tx == 0) {
     ++m.phase;
     m.pending = m.count;
-    for (auto& timer : launch_state().timers) timer->phase_complete(bar);
+    each_timer(launch_state().timers, [&](timing::Timer& timer) { timer.phase_complete(bar); });
   }
 }
 
@@ -410,7 +419,7 @@ void thread_exit(Thread* t) {
     fail("exits while " + std::to_string(b->at_barrier) + " thread(s) of its block wait at __syncthreads (" +
          site_text(b->barrier_site) + ")");
   b->warp_gone[t->warp] |= 1u << t->lane;
-  for (auto& timer : L.timers) timer->exit(thread_index(L, t));
+  each_timer(L.timers, [&](timing::Timer& timer) { timer.exit(thread_index(L, t)); });
   --b->live;
   ++b->exited;
   --L.live;
@@ -487,7 +496,7 @@ bool advance_copies(Launch& L) {
         if (all) {
           c.read = c.written = true;
           ++g_stats.copies;
-          for (auto& timer : L.timers) timer->copy_lands(i, c.bar);
+          each_timer(L.timers, [&](timing::Timer& timer) { timer.copy_lands(i, c.bar); });
         }
         mbar_settle(c.block, c.bar, it->second, c.owner);
         if (!L.error.empty()) return true;
@@ -879,7 +888,7 @@ void syncthreads(Site site) {
       std::vector<int> at{thread_index(L, t)};
       for (Thread* u : b->threads)
         if (u->state == State::kBarrier) at.push_back(thread_index(L, u));
-      for (auto& timer : L.timers) timer->barrier(at, site);
+      each_timer(L.timers, [&](timing::Timer& timer) { timer.barrier(at, site); });
     }
     for (Thread* u : b->threads)
       if (u->state == State::kBarrier) u->state = State::kReady;
@@ -937,7 +946,7 @@ uint64_t collective(Collective kind, unsigned mask, uint64_t value, int src, Sit
     std::vector<int> lanes;
     for (int l = 0; l < 32; ++l)
       if ((mask >> l) & 1u) lanes.push_back(thread_index(L, &lane_thread(b, t->warp, l)));
-    for (auto& timer : L.timers) timer->collective(lanes, kind, site);
+    each_timer(L.timers, [&](timing::Timer& timer) { timer.collective(lanes, kind, site); });
   }
   uint64_t ballot = 0;
   for (int l = 0; l < 32; ++l)
@@ -973,7 +982,8 @@ uint64_t poll(const volatile void* p, size_t bytes, Site site, PollKind kind) {
   Launch& L = launch_state();
   if (!L.timers.empty()) {
     const bool shared = in_smem(t->block, const_cast<const void*>(p), bytes);
-    for (auto& timer : L.timers) timer->poll(thread_index(L, t), p, !t->last_poll_unchanged, shared, site);
+    each_timer(L.timers,
+               [&](timing::Timer& timer) { timer.poll(thread_index(L, t), p, !t->last_poll_unchanged, shared, site); });
   }
   if (kind == PollKind::kRelaxed) {  // ordered by the thread's next fence (fence_acquire)
     t->unfenced = site;
@@ -1038,7 +1048,8 @@ static void post_now(Launch& L, Thread* t, int src_rank, int dst_rank, void* dst
     hb::release(sig);
     __atomic_store_n(sig, value, __ATOMIC_RELEASE);
   }
-  for (auto& timer : L.timers) timer->nic_put(thread_index(L, t), src_rank, dst_rank, bytes, sig, site);
+  each_timer(L.timers,
+             [&](timing::Timer& timer) { timer.nic_put(thread_index(L, t), src_rank, dst_rank, bytes, sig, site); });
 }
 
 void remote_put(int src_rank, int dst_rank, void* dst, const void* src, uint64_t bytes, uint64_t* sig, uint64_t value,
@@ -1090,7 +1101,7 @@ void remote_quiet(Site site) {
   Launch& L = launch_state();
   ++t->remote_fences;
   if (L.posted) {  // every op landed when it was posted: the quiet waits for their acknowledgements
-    for (auto& timer : L.timers) timer->nic_quiet(thread_index(L, t), site);
+    each_timer(L.timers, [&](timing::Timer& timer) { timer.nic_quiet(thread_index(L, t), site); });
     return;
   }
   for (;;) {
@@ -1147,7 +1158,7 @@ void mbar_init(uint64_t* bar, uint32_t count, Site site) {
   m.count = count;
   m.pending = count;
   b->mbars[bar] = m;
-  for (auto& timer : launch_state().timers) timer->mbar_init(bar);
+  each_timer(launch_state().timers, [&](timing::Timer& timer) { timer.mbar_init(bar); });
 }
 
 void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site site) {
@@ -1157,7 +1168,7 @@ void mbar_arrive(uint64_t* bar, uint32_t expect_tx_bytes, Site site) {
   Mbar& m = mbar_of(b, bar, "arrive");
   hb::release(bar);
   Launch& L = launch_state();
-  for (auto& timer : L.timers) timer->arrive(thread_index(L, t), bar, site);
+  each_timer(L.timers, [&](timing::Timer& timer) { timer.arrive(thread_index(L, t), bar, site); });
   m.tx += expect_tx_bytes;
   --m.pending;
   mbar_settle(b, bar, m, t);
@@ -1171,7 +1182,7 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
   const bool done = static_cast<uint32_t>(m.phase & 1) != (parity & 1u);
   t->last_poll_unchanged = !remember(t, bar, static_cast<uint64_t>(m.phase));
   if (!done) {
-    for (auto& timer : launch_state().timers) timer->spinning(thread_index(launch_state(), t));
+    each_timer(launch_state().timers, [&](timing::Timer& timer) { timer.spinning(thread_index(launch_state(), t)); });
     return false;
   }
   const int64_t phase = m.phase - 1;  // the latest completed phase of that parity (-1: before the first)
@@ -1186,7 +1197,7 @@ bool mbar_try_wait(uint64_t* bar, uint32_t parity, Site site) {
   }
   hb::acquire(bar);
   Launch& L = launch_state();
-  for (auto& timer : L.timers) timer->wait_done(thread_index(L, t), bar, site);
+  each_timer(L.timers, [&](timing::Timer& timer) { timer.wait_done(thread_index(L, t), bar, site); });
   return true;
 }
 
@@ -1243,8 +1254,9 @@ size_t enqueue_copy(bool g2s, void* smem, const void* gmem, uint32_t bytes, uint
   }
   L.copies.push_back(std::move(c));
   L.pending.push_back(L.copies.size() - 1);
-  for (auto& timer : L.timers)
-    timer->copy_issue(thread_index(L, t), L.copies.size() - 1, b->index, g2s, gmem, bytes, site);
+  each_timer(L.timers, [&](timing::Timer& timer) {
+    timer.copy_issue(thread_index(L, t), L.copies.size() - 1, b->index, g2s, gmem, bytes, site);
+  });
   return L.copies.size() - 1;
 }
 
@@ -1259,7 +1271,7 @@ void bulk_s2g(void* gmem_dst, const void* smem_src, uint32_t bytes, Site site) {
   Thread* t = cur();
   t->open_group.push_back(id);
   Launch& L = launch_state();
-  for (auto& timer : L.timers) timer->store_in_group(thread_index(L, t), id);
+  each_timer(L.timers, [&](timing::Timer& timer) { timer.store_in_group(thread_index(L, t), id); });
 }
 
 void bulk_commit(Site) {
@@ -1268,7 +1280,7 @@ void bulk_commit(Site) {
   t->groups.push_back(std::move(t->open_group));
   t->open_group.clear();
   Launch& L = launch_state();
-  for (auto& timer : L.timers) timer->commit(thread_index(L, t));
+  each_timer(L.timers, [&](timing::Timer& timer) { timer.commit(thread_index(L, t)); });
 }
 
 void bulk_wait(bool reads_only, int except_newest, Site site) {
@@ -1284,7 +1296,8 @@ void bulk_wait(bool reads_only, int except_newest, Site site) {
     yield_at_poll(t, site);
   }
   hb::acquire(&t->bulk_key);
-  for (auto& timer : L.timers) timer->bulk_wait(thread_index(L, t), reads_only, except_newest, site);
+  each_timer(L.timers,
+             [&](timing::Timer& timer) { timer.bulk_wait(thread_index(L, t), reads_only, except_newest, site); });
   // Groups whose writes completed, oldest first, need no further wait.
   size_t complete = 0;
   while (complete < t->groups.size()) {
@@ -1410,8 +1423,7 @@ const char* launch(void (*body)(const void*), const void* ctx, int blocks, int t
   for (auto& b : L->blocks) munmap(b->mapping, b->mapping_bytes);
   ++g_stats.launches;
   g_stats.virtual_ns += L->now - started_ns;
-  if (L->error.empty())
-    for (auto& timer : L->timers) timing::add_report(timer->finish());
+  if (L->error.empty()) each_timer(L->timers, [&](timing::Timer& timer) { timing::add_report(timer.finish()); });
   if (!L->error.empty()) {
     g_message = "CPU model: " + L->error;
     return g_message.c_str();
@@ -1450,34 +1462,35 @@ void note_flag_write(const volatile void* p, Site site) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
   const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
-  for (auto& timer : L->timers) timer->flag_write(thread_index(*L, L->current), p, shared, site);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.flag_write(thread_index(*L, L->current), p, shared, site); });
 }
 
 void note_flag_seen(const volatile void* p, Site site) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
   const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
-  for (auto& timer : L->timers) timer->poll(thread_index(*L, L->current), p, true, shared, site);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.poll(thread_index(*L, L->current), p, true, shared, site); });
 }
 
 void note_atomic(const volatile void* p, Site site) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
   const bool shared = in_smem(L->current->block, const_cast<const void*>(p), 1);
-  for (auto& timer : L->timers) timer->atomic(thread_index(*L, L->current), p, shared, site);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.atomic(thread_index(*L, L->current), p, shared, site); });
 }
 
 void note_plain_pair(Pair kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->plain_pair(thread_index(*L, L->current), kind);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.plain_pair(thread_index(*L, L->current), kind); });
 }
 
 void note_access(const volatile void* p, uint32_t bytes, bool load) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
   const bool shared = in_smem(L->current->block, const_cast<const void*>(p), bytes);
-  for (auto& timer : L->timers) timer->access(thread_index(*L, L->current), p, shared, bytes, load);
+  each_timer(L->timers,
+             [&](timing::Timer& timer) { timer.access(thread_index(*L, L->current), p, shared, bytes, load); });
 }
 
 void check_shared(const void* p, Site site) {
@@ -1489,25 +1502,25 @@ void check_shared(const void* p, Site site) {
 void note_chain() {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->chain(thread_index(*L, L->current));
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.chain(thread_index(*L, L->current)); });
 }
 
 void note_plain_code(const dev::PlainRun* runs, int n) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->plain_code(thread_index(*L, L->current), runs, n);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.plain_code(thread_index(*L, L->current), runs, n); });
 }
 
 void note_instructions(int n) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->instructions(thread_index(*L, L->current), n);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.instructions(thread_index(*L, L->current), n); });
 }
 
 void note_fence(Fence kind) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
-  for (auto& timer : L->timers) timer->fence(thread_index(*L, L->current), kind);
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.fence(thread_index(*L, L->current), kind); });
 }
 
 void set_seed(uint64_t seed) {
