@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from hybrid_ep.backends.cuda import launch as launch_plan
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.bench import emulated
 from hybrid_ep.fp8 import FP8_DTYPE
@@ -151,7 +152,10 @@ def test_the_combine_pipelines_share_own_and_forwarded_chunks(nodes, per_node):
         result = driver.run_job(job)
     (launch,) = [x for x in result["runs"][0]["combine"]["launches"] if x["kernel"] == "combine_direct"]
     busy = {r["warp"]: r["busy_ns"] for r in launch["roles"]}
-    first, second = sum(busy[w] for w in range(1, 5)), sum(busy[w] for w in range(6, 10))  # the reducers
+    # each pipeline a load warp, then its reducers (HYBRID_EP_REDUCER_WARPS, default 4), then the put warp
+    reducers = launch_plan.reducer_warps_override() or launch_plan.REDUCER_WARPS_NARROW
+    first, second = (sum(busy[p * (reducers + 1) + 1 + w] for w in range(reducers)) for p in (0, 1))
+    assert len(busy) == 2 * (reducers + 1) + 1
     assert max(first, second) / min(first, second) < 1.08
 
 

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from hybrid_ep.backends.cuda import launch
 from tools.timing import cli as timing_cli
 from tools.timing import constants, fit, points, predict, report
 
@@ -759,7 +760,7 @@ def test_predict_then_validate(tmp_path, capsys):
     assert doc["metadata"]["config"]["commit"] == (head or None)
     assert doc["constants"]["wake_ns"]["source"] == constants.load_table().constants["wake_ns"].source
     shape = {k: doc["metadata"]["config"][k] for k in ("hidden", "tokens_per_rank", "topk", "experts", "dtype",
-                                                        "routing")}
+                                                        "routing", "reducer_warps")}  # the variant run
     measured = {"metadata": {"config": {"nodes": 1, **shape}},
                 "runs": [{"world_size": 2, "nodes": 1, "sms_per_rank": 1, "dispatch_ms": row["dispatch_ms"] * 2,
                           "combine_ms": row["combine_ms"] / 4}]}
@@ -779,13 +780,15 @@ def test_predict_then_validate(tmp_path, capsys):
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
     assert "hidden 1024 against 8192" in capsys.readouterr().err
-    # nor a run of another variant of the kernels (HYBRID_EP_REDUCER_WARPS=8 against the default);
-    # a variant named as the default is the default
-    measured["metadata"]["config"].update(hidden=1024, reducer_warps=8)
+    # nor a run of another variant of the kernels (HYBRID_EP_REDUCER_WARPS); a variant named as
+    # the default is the default
+    made = shape["reducer_warps"] or launch.REDUCER_WARPS_NARROW  # None: the default
+    other = next(w for w in launch.REDUCER_WARPS if w != made)
+    measured["metadata"]["config"].update(hidden=1024, reducer_warps=other)
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 2
-    assert "reducer_warps 4 against 8" in capsys.readouterr().err
-    measured["metadata"]["config"].update(reducer_warps=4, reducer_wait="observe")
+    assert f"reducer_warps {made} against {other}" in capsys.readouterr().err
+    measured["metadata"]["config"].update(reducer_warps=made, reducer_wait="observe")
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 0
 
