@@ -485,6 +485,26 @@ def test_bench_host_mode_writes_its_json(tmp_path):
             assert q["cpu_us_per_pair_per_rank"] == pytest.approx(q["cpu_us_per_pair"] / p["world_size"])
 
 
+def test_bench_host_mode_times_fp8_rows_with_their_scales(tmp_path):
+    """--dtype fp8: the same pairs with fp8 rows and their scales (no training level: fp8 rows
+    are not differentiable); the scales' output is made each call, so fp8 does more host work."""
+    from hybrid_ep.bench import host
+
+    out = tmp_path / "fp8.json"
+    assert host.main(["--dtype", "fp8", "--worlds", "1", "2", "--paths", "direct", "peer", "--iters", "3",
+                      "--warmup", "1", "--hidden", "256", "--tokens", "8", "--topk", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["metadata"]["config"]["dtype"] == "fp8"
+    for p in doc["points"]:
+        assert p["dtype"] == "fp8"
+        levels = ("engine", "group") + (("buffer", "autograd") if p["world_size"] == 1 else ())
+        assert [k for k in host.LEVELS if k in p] == list(levels)
+        if p["data_path"] == "peer":  # fp8 on the ledger too: every pair direct, no host read
+            assert p["peer_pairs"] == len(levels) * 4 == p["peer_direct_dispatches"] and p["peer_reads"] == 0
+    with pytest.raises(SystemExit):
+        host.main(["--dtype", "fp8", "--dynamic", "--worlds", "1"])
+
+
 def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
     from hybrid_ep.bench import host
 

@@ -15,7 +15,9 @@ in production: the public API's path, on the same engine, in a torch.distributed
 one), `autograd` (hybrid_ep.dispatch + combine on that buffer, inputs without gradients:
 no graph to record, as in evaluation) and `training` (the same with x, topk_weights and
 expert_out asking for gradients: Megatron's training forward, which records the graph; the
-graph is freed after each pair, its backward is not timed).
+graph is freed after each pair, its backward is not timed). `--dtype fp8` dispatches fp8 rows
+with their fp32 scales (the scales' checks and output on top; no `training` level: fp8 rows
+are not differentiable).
 
 Paths: `receive`, `direct` (ranks in one process: outputs from PyTorch's allocator, combine
 reads expert_out where it lies) and `peer`: the direct path as ranks in separate processes
@@ -60,11 +62,14 @@ import torch.distributed as dist
 from ..autograd import combine as hep_combine
 from ..autograd import dispatch as hep_dispatch
 from ..cli_parser import ArgumentParser
+from ..config import FP8_BLOCK
+from ..fp8 import FP8_DTYPE
 from ..metadata import metadata
 from ..routing import normalize_routing
 
 LEVELS = ("engine", "group", "buffer", "autograd", "training")  # the last three at W = 1 only
 PATHS = ("receive", "direct", "peer")
+DTYPES = ("bf16", "fp8")  # the dispatch's rows; fp8 with its fp32 scales (combine: bf16 either way)
 PEER_BYTES = 64 << 20  # the peer path's pre-sized peer memory per rank: the bench's calls with room to spare
 DEFAULTS = dict(worlds=(1, 2, 8), paths=PATHS, hidden=1024, tokens=256, topk=8, warmup=50,
                 iters=500)
@@ -115,8 +120,17 @@ def _single_rank_buffer(group):
     return buf
 
 
+def _inputs(W: int, T: int, H: int, dtype: str, gen: torch.Generator):
+    """Each rank's rows in the dispatch's dtype, and their scales (fp8: one fp32 per 128 columns;
+    bf16: None)."""
+    xs = [torch.randn(T, H, generator=gen) for _ in range(W)]
+    if dtype == "fp8":
+        return [x.to(FP8_DTYPE) for x in xs], [torch.rand(T, H // FP8_BLOCK, generator=gen) + 0.5 for _ in range(W)]
+    return [x.to(torch.bfloat16) for x in xs], [None] * W
+
+
 def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: int, warmup: int,
-            iters: int) -> dict:
+            iters: int, dtype: str = "bf16") -> dict:
     """One point: EmulatedGroup on the CPU model, launches off, static size T x K rows."""
     from ..backends.cuda.emulation import EmulatedGroup
 
@@ -127,7 +141,7 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
                           num_sms_combine=1, separate_processes=peer, arena_bytes=PEER_BYTES if peer else None)
     ext = group.ext
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]
+    xs, scales = _inputs(W, T, H, dtype, gen)
     idx, w = _routing(W, T, E, K, gen)
     static = T * K
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=v, check_values=False)
@@ -135,18 +149,19 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     ext.set_launches_enabled(False)
     stack = contextlib.ExitStack()
     try:
-        return _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmup, iters)
+        point = _measure_levels(group, stack, data_path, xs, scales, idx, w, routings, static, warmup, iters)
+        point["dtype"] = dtype
+        return point
     finally:
         ext.set_launches_enabled(True)
         group.close()
         stack.close()
 
 
-def _peer_ledger(group, xs, routings, static):
+def _peer_ledger(group, xs, scales, routings, static):
     """The peer path's start: a first direct call takes each rank's combine staging block (where
     expert_out then lies); returns what sets the agreement's ledger back to where it is after it."""
-    W = group.world_size
-    group.engine.dispatch(xs, [None] * W, routings, static, 1)
+    group.engine.dispatch(xs, scales, routings, static, 1)
     ledger = list(group.peer.ledger)
 
     def between():
@@ -155,25 +170,29 @@ def _peer_ledger(group, xs, routings, static):
     return between
 
 
-def _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmup, iters) -> dict:
-    """measure's levels on `group`, launches off (`stack` holds what a level at W = 1 opens)."""
+def _measure_levels(group, stack, data_path, xs, scales, idx, w, routings, static, warmup, iters) -> dict:
+    """measure's levels on `group`, launches off (`stack` holds what a level at W = 1 opens); fp8
+    rows (scales given) are not differentiable, so they have no `training` level."""
     W, engine, (T, H), K, E = group.world_size, group.engine, xs[0].shape, idx[0].shape[1], group.config.num_experts
     peer = data_path == "peer"
-    between = _peer_ledger(group, xs, routings, static) if peer else None
+    fp8 = scales[0] is not None
+    between = _peer_ledger(group, xs, scales, routings, static) if peer else None
     # In the arena (with separate processes, the combine staging block) on the direct path, as
     # the GPU benchmark has them (else combine copies them in).
     expert_outs = [group.in_arena(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
 
+    group_scales = scales if fp8 else None
+
     def group_pair():
-        res = group.dispatch(xs, idx, w, num_out_tokens=static)
+        res = group.dispatch(xs, idx, w, scales=group_scales, num_out_tokens=static)
         group.combine(expert_outs, [r.handle for r in res])
 
     def buffer_pair():
-        res = buf.dispatch(xs[0], idx[0], w[0], num_out_tokens=static)
+        res = buf.dispatch(xs[0], idx[0], w[0], scales=scales[0], num_out_tokens=static)
         buf.combine(expert_outs[0], res.handle)
 
     def autograd_pair():
-        res = hep_dispatch(buf, xs[0], idx[0], w[0], num_out_tokens=static)
+        res = hep_dispatch(buf, xs[0], idx[0], w[0], scales=scales[0], num_out_tokens=static)
         hep_combine(buf, expert_outs[0], res.handle)
 
     leaves = [t.detach().requires_grad_() for t in (xs[0], w[0], expert_outs[0])]  # views, no copies
@@ -183,7 +202,7 @@ def _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmu
         hep_combine(buf, leaves[2], res.handle)  # its graph and res's die on return
 
     def engine_pair():
-        res = engine.dispatch(xs, [None] * W, routings, static, 1)
+        res = engine.dispatch(xs, scales, routings, static, 1)
         engine.combine(expert_outs, [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res], False, 1)
 
     point = {"world_size": W, "data_path": data_path, "hidden": H, "tokens": T, "topk": K, "experts": E,
@@ -192,7 +211,9 @@ def _measure_levels(group, stack, data_path, xs, idx, w, routings, static, warmu
     if W == 1:
         stack.enter_context(_world_of_one())
         buf = _single_rank_buffer(group)
-        levels += [("buffer", buffer_pair), ("autograd", autograd_pair), ("training", training_pair)]
+        levels += [("buffer", buffer_pair), ("autograd", autograd_pair)]
+        if not fp8:
+            levels.append(("training", training_pair))
     reads, directs = (group.peer.reads, group.peer.directs) if peer else (0, 0)
     for level, pair in levels:
         wall, cpu = _time(pair, warmup, iters, between)
@@ -283,12 +304,16 @@ def main(argv=None) -> int:
     parser = ArgumentParser(prog="python -m hybrid_ep.bench.host", description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=list(DEFAULTS["worlds"]))
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(DEFAULTS["paths"]))
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
+                        help="the dispatch's rows: bf16, or fp8 with its fp32 scales (static size only)")
     for name in ("hidden", "tokens", "topk", "warmup", "iters"):
         parser.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
     parser.add_argument("--dynamic", action="store_true",
                         help="the dynamic-size dispatch's host time around its host read, launches on")
     parser.add_argument("--out", help="JSON file to write")
     args = parser.parse_args(argv)
+    if args.dynamic and args.dtype != "bf16":
+        parser.error("--dtype fp8 times the static-size pairs; --dynamic takes bf16 rows")
     torch.set_num_threads(1)  # the host path is single-threaded; no pool threads in the timings
     heap = steady_cpu_heap()
     points = []
@@ -304,7 +329,7 @@ def main(argv=None) -> int:
                       f"({p['after_read']['cpu_us_per_rank']:.1f} per rank)", flush=True)
                 continue
             p = measure(W, path, hidden=args.hidden, tokens=args.tokens, topk=args.topk, warmup=args.warmup,
-                        iters=args.iters)
+                        iters=args.iters, dtype=args.dtype)
             points.append(p)
             for level in LEVELS:
                 if level not in p:
@@ -327,8 +352,8 @@ def main(argv=None) -> int:
                  "after_read": "from the count kernel's return (the host read follows) to the dispatch launch",
                  "cpu_us_per_call": "microseconds of this thread's CPU time (median)",
                  "cpu_us_per_rank": "microseconds of CPU time (median / W)"}
-    config = {k: getattr(args, k) for k in ("worlds", "paths", "hidden", "tokens", "topk", "warmup", "iters",
-                                            "dynamic")}
+    config = {k: getattr(args, k) for k in ("worlds", "paths", "dtype", "hidden", "tokens", "topk", "warmup",
+                                            "iters", "dynamic")}
     doc = {"metadata": metadata("python -m hybrid_ep.bench.host", device_type="cpu", config=config, units=units,
                                 backends=("cuda",)),
            "what": ("host time of the dynamic-size dispatch around its host read, cuda backend on the CPU model "
