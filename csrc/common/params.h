@@ -35,7 +35,7 @@ constexpr int kReducerWaitObserve = 0;
 constexpr int kReducerWaitElect = 1;
 // Reducer warps per pipeline of a combine_direct block (LaunchArgs::reducer_warps; the host picks
 // it from HYBRID_EP_REDUCER_WARPS, a design under measurement): a segment of up to
-// kCombineMaxSegCols columns spread over 4 warps (8 vectors a thread, the registers' cap of 168)
+// kCombineMaxSegCols columns spread over 4 warps (8 vectors a thread, 162 registers)
 // or over 8 (4 vectors a thread, 96 registers): each of a stage's parts added by twice the
 // threads, each adding half the vectors.
 constexpr int kReducerWarpsNarrow = 4;
