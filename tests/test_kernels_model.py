@@ -653,6 +653,20 @@ def test_the_direct_dispatch_refuses_an_odd_fifo_stage_count(monkeypatch, stages
         group.close()
 
 
+def test_the_direct_combine_refuses_a_reducer_warp_count_it_was_not_built_for(monkeypatch):
+    """The kernel is instantiated for 4 and 8 reducer warps per pipeline; a plan that asked for
+    another count (the variable's check bypassed) is refused by the launcher with the reason,
+    not run as one of the two."""
+    monkeypatch.setattr(launch, "reducer_warps_override", lambda environ=None: 6)
+    case = _case(2, hidden=2048, tokens=(9, 4))
+    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
+    try:
+        with pytest.raises(RuntimeError, match=r"reducer_warps must be 4 or 8"):
+            check_emulated(group, case)
+    finally:
+        group.close()
+
+
 def test_wire_dtype_must_be_the_rows_dtype_or_fp32():
     case = _case(2, tokens=(9, 4))
     group = group_for(case)
