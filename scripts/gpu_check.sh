@@ -622,7 +622,7 @@ run_soak() {
 }
 
 # One process per rank on the GPU, under the MPS daemon started here (the processes' kernels then
-# run side by side): hybrid_ep.testing.process_bench, one node of 8 and two nodes of 4 (NVSHMEM
+# run side by side): hybrid_ep.bench.processes, one node of 8 and two nodes of 4 (NVSHMEM
 # between them where the build has it), then the emulation of the same shapes, plain and through
 # peer memory.
 run_processes() {
@@ -633,12 +633,12 @@ run_processes() {
         say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps/start.log")): the processes take turns"
         unset CUDA_MPS_PIPE_DIRECTORY
     fi
-    say "8 processes, nodes: $nodes (log: processes.log, JSON: processes/process_bench.json)"
+    say "8 processes, nodes: $nodes (log: processes.log, JSON: processes/processes.json)"
     # shellcheck disable=SC2086
-    bounded "$(left)" "$py" -m hybrid_ep.testing.process_bench --out "$results/processes" --nodes $nodes \
+    bounded "$(left)" "$py" -m hybrid_ep.bench.processes --out "$results/processes" --nodes $nodes --dtypes bf16 fp8 \
         --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/processes.log" 2>&1
     rc=$?
-    grep '^process_bench' "$results/processes.log" | tee -a "$summary"
+    grep '^processes ' "$results/processes.log" | tee -a "$summary"
     mps_stop
     rm -rf "${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}"
     say "exit $rc"

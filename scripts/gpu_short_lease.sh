@@ -143,7 +143,7 @@ done
 if fits processes "${SHORT_LEASE_PROCESSES_S:-110}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
     note "processes exit $? (processes/processes.log):"
-    grep '^process_bench' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
+    grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
 if fits bench "${SHORT_LEASE_BENCH_S:-170}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh bench "$r/bench" > "$r/bench_stage.out" 2>&1

@@ -1,32 +1,81 @@
-"""The process bench's emulation points on the CPU model: the plain emulation and the peer
-emulation (each rank's peer memory mapped by the others, as separate processes map it) both time
-direct-path calls of the shape asked for, one node and two. Its host time per pair times only the
-pairs that read nothing back."""
+"""The processes bench on the CPU model: its emulation points (plain, and each rank's peer memory
+mapped by the others as separate processes map it) time direct-path calls in the emulation
+bench's unit (one row per token and destination rank), keep every timed call's time and path,
+and count fp8's scales; the processes' rows take the slowest rank's median; host time per pair
+times only the pairs that read nothing back; the JSON's metadata block is valid."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from hybrid_ep.bench import processes
 from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
-from hybrid_ep.testing.process_bench import emulated_points, host_pairs
+from hybrid_ep.bench.processes import TOOL, UNITS, emulated_points, host_pairs, process_rows, row_bytes, timed_calls
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.metadata import metadata, validate
 
 pytestmark = pytest.mark.model
 
 TINY = dict(hidden=256, experts=16, topk=2, tokens=12)
 
 
+def _dest_rows(shape: dict, W: int = 8) -> int:
+    """Rows all ranks receive: one per (token, destination rank) of the inputs the bench draws."""
+    L = shape["experts"] // W
+    idxs = [processes._inputs(shape, r, torch.bfloat16)[2] for r in range(W)]
+    return sum(len({int(e) // L for e in row}) for idx in idxs for row in idx)
+
+
 @pytest.mark.parametrize("ranks_per_node", [8, 4])
 @pytest.mark.parametrize("peer", [False, True], ids=["emulation", "emulation_peer"])
-def test_emulation_points_time_direct_calls(peer, ranks_per_node):
-    points = emulated_points(TINY, ranks_per_node, [1, 2], 1, peer=peer, device="cpu")
-    assert [p["sms"] for p in points] == [1, 2]
+def test_emulation_points_time_direct_calls_in_the_bench_unit(peer, ranks_per_node):
+    points = emulated_points(TINY, ranks_per_node, [1, 2], 3, peer=peer, device="cpu")
+    assert [p["sms_per_rank"] for p in points] == [1, 2]
+    recv = _dest_rows(TINY)
     for p in points:
+        assert p["mode"] == ("emulation_peer" if peer else "emulation")
         assert p["data_path"] == "direct", p  # the peer emulation's growth happened in its untimed first pair
-        assert 0 < p["rows_rank0"] <= 8 * TINY["tokens"] * TINY["topk"]  # routes from every rank
-        assert p["dispatch_ms"] > 0 and p["combine_ms"] > 0
-        # both rates count the same destination bytes
-        assert p["dispatch_gbps_per_sm"] * p["dispatch_ms"] == pytest.approx(p["combine_gbps_per_sm"] * p["combine_ms"])
+        assert p["dispatch"]["paths"] == ["direct"] * 3 and len(p["combine"]["samples_ms"]) == 3
+        assert p["recv_rows"] == recv < p["out_rows"]  # the bench's unit, not the expert rows
+        assert p["dispatch_ms"] == pytest.approx(sorted(p["dispatch"]["samples_ms"])[1])
+        dest_gbps = recv * TINY["hidden"] * 2 / (p["dispatch_ms"] * 1e6)
+        assert p["dispatch_dest_gbps_per_sm"] == pytest.approx(dest_gbps / (8 * p["sms_per_rank"]))
+        assert set(p) - {"mode", "dispatch", "combine"} <= set(UNITS)
+
+
+def test_fp8_points_count_the_scales():
+    assert row_bytes(256, FP8_DTYPE) == 256 + 2 * 4 and row_bytes(256, torch.bfloat16) == 512
+    (p,) = emulated_points(TINY, 8, [1], 1, device="cpu", dtype=FP8_DTYPE)
+    assert p["row_bytes"] == 264 and p["combine_row_bytes"] == 512 and p["data_path"] == "direct"
+    assert p["dispatch_dest_gbps_per_sm"] == pytest.approx(p["recv_rows"] * 264 / (p["dispatch_ms"] * 1e6) / 8)
+
+
+def test_process_rows_take_the_slowest_rank_and_all_destination_rows():
+    def op(ms):
+        return {"median_ms": ms, "samples_ms": [ms], "paths": ["direct"]}
+
+    got = [{"rank": r, "pid": 100 + r, "points": [{"sms": 2, "recv_rows": 10 * (r + 1), "out_rows": 10 * (r + 1) + 1,
+                                                    "dispatch": op(1.0 + r), "combine": op(2.0 + 2 * r)}]}
+           for r in range(8)]
+    (row,) = process_rows(got[::-1], "seed", "bf16", 1)
+    assert row["dispatch_ms"] == 8.0 and row["combine_ms"] == 16.0
+    assert row["recv_rows"] == 360 and row["out_rows"] == 368
+    assert row["dispatch_dest_gbps_per_sm"] == pytest.approx(360 * 8192 * 2 / 8e6 / 16)
+    assert [r["rank"] for r in row["ranks"]] == list(range(8)) and row["data_path"] == "direct"
+
+
+def test_timed_calls_keep_each_call_and_its_result():
+    calls = []
+    got = timed_calls(lambda: calls.append(1) or len(calls), 4, device="cpu", warmup=2)
+    assert [value for _, value in got] == [3, 4, 5, 6] and all(ms >= 0 for ms, _ in got)
+
+
+def test_the_json_block_is_valid_and_names_every_unit():
+    block = metadata(TOOL, device_type="cpu", config={}, units=UNITS, backends=["cuda"])
+    assert validate(json.loads(json.dumps(block)))["units"]["recv_rows"].startswith("rows the ranks received")
 
 
 def _one_rank_peer_group():
