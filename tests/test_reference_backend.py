@@ -51,6 +51,14 @@ def test_matches_oracle(pool_for, case):
     check_case(pool_for(case.world_size), case)
 
 
+def test_every_call_on_one_buffer_is_checked(pool_for):
+    """check_case(calls=3): each rank runs the case three times on one buffer; every call is held
+    against the oracle and its data path reported."""
+    results = check_case(pool_for(3), Case(3, 3, 6, 128, (5, 0, 7), 2, torch.bfloat16, seed=31), calls=3)
+    assert [len(r["call_paths"]) for r in results] == [3] * 3
+    assert {p for r in results for p in r["call_paths"]} == {results[0]["data_path"]}
+
+
 @pytest.mark.parametrize("topk", range(1, 9))
 def test_every_topk(pool_for, topk):
     case = Case(4, 2, 8, 256, (9, 4, 0, 13), topk, torch.bfloat16, seed=100 + topk)

@@ -285,13 +285,16 @@ def _host_text(got: list[dict]) -> str:
 
 
 def _processes(pool, layout: dict, nodes: int, G: int, args) -> None:
-    """The oracle case twice, then every shape and dtype's timed points, in the pool's processes."""
+    """The oracle case three times on each rank's buffer (the direct path from the second call),
+    then every shape and dtype's timed points, in the pool's processes."""
     from ..testing.cases import Case, check_case
 
     case = Case(world_size=8, ranks_per_node=G, num_experts=16, hidden=2048, tokens=(64, 17, 0, 5, 33, 1, 40, 9),
                 topk=4, dtype=torch.bfloat16, backend="cuda")
-    first, second = check_case(pool, case), check_case(pool, case)
-    layout["oracle"] = {"ok": True, "paths": [[r["data_path"] for r in first], [r["data_path"] for r in second]]}
+    got = check_case(pool, case, calls=3)  # the first call grows peer memory, the later ones go direct
+    layout["oracle"] = {"ok": True, "call_paths": [r["call_paths"] for r in got]}
+    print(f"processes nodes={nodes} oracle: every call of every rank matches, paths of rank 0 by call "
+          f"{got[0]['call_paths']}", flush=True)
     for name in args.shapes:
         for dtype_name in args.dtypes:
             got = pool.run(time_on_rank, [(name, dtype_name, G, args.sms, args.iters)] * 8, timeout_s=180)

@@ -108,8 +108,10 @@ def _routing_kwargs(case: Case, inputs: dict) -> dict:
     return {"routing_map": routing_map[:, :-1].contiguous(), "probs": probs[:, :-1].contiguous()}
 
 
-def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict:
-    """Runs on one rank of the pool."""
+def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor, calls: int = 1) -> list[dict]:
+    """Runs on one rank of the pool: the case `calls` times on one buffer (a later call finds the
+    peer memory the first one grew, so it takes the direct path where one process per rank can),
+    each call's results."""
     from ..buffer import HybridEPBuffer
 
     cfg = case.config
@@ -121,9 +123,13 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
     x = inputs["x"].to(device)
     scales = inputs["scales"].to(device) if inputs["scales"] is not None else None
     routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}
+    return [_one_call(buf, case, x, scales, routing, expert_out.to(device)) for _ in range(calls)]
+
+
+def _one_call(buf, case: Case, x, scales, routing: dict, expert_out: torch.Tensor) -> dict:
     res = buf.dispatch(x, scales=scales, num_out_tokens=case.num_out_tokens, **routing)
     dispatch_traffic = buf.last_traffic
-    y = buf.combine(expert_out.to(device), res.handle, apply_probs=case.apply_probs, wire_dtype=case.wire_dtype)
+    y = buf.combine(expert_out, res.handle, apply_probs=case.apply_probs, wire_dtype=case.wire_dtype)
     combine_traffic = buf.last_traffic
     again = buf.dispatch(x, scales=scales, handle=res.handle)
     reuse_equal = torch.equal(again.tokens.view(torch.uint8), res.tokens.view(torch.uint8))
@@ -141,8 +147,10 @@ def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor) -> dict
     }
 
 
-def check_case(pool, case: Case) -> list[dict]:
-    """Run `case` on the pool's ranks and assert every rank against the oracle."""
+def check_case(pool, case: Case, calls: int = 1) -> list[dict]:
+    """Run `case` on the pool's ranks `calls` times, each rank on one buffer, and assert every
+    call of every rank against the oracle; the last call's results, each with `call_paths`, the
+    data path of every call."""
     cfg = case.config
     inputs = make_rank_inputs(case)
     run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
@@ -152,18 +160,20 @@ def check_case(pool, case: Case) -> list[dict]:
     gen = torch.Generator().manual_seed(case.seed + 1)
     expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
                    for r in run.ranks]
-    results = pool.run(run_case_on_rank, [(case, inputs[r], expert_outs[r]) for r in range(case.world_size)])
-    paths = {got["data_path"] for got in results}
-    assert len(paths) == 1, f"{case}: the ranks took different data paths {paths}"
-    want_y = combine_hops_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs,
-                                 case.wire_dtype, direct=paths == {"direct"})
-    for r, got in enumerate(results):
-        where = f"{case} rank {r}"
-        assert_dispatch_matches(got, run.ranks[r], where)
-        assert got["num_needed_rows"] == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
-        assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
-        assert_combine_within(got["y"], want_y[r], where)
-    return results
+    per_rank = pool.run(run_case_on_rank, [(case, inputs[r], expert_outs[r], calls) for r in range(case.world_size)])
+    for c in range(calls):
+        results = [got[c] for got in per_rank]
+        paths = {got["data_path"] for got in results}
+        assert len(paths) == 1, f"{case} call {c}: the ranks took different data paths {paths}"
+        want_y = combine_hops_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs,
+                                     case.wire_dtype, direct=paths == {"direct"})
+        for r, got in enumerate(results):
+            where = f"{case} rank {r}" + (f" call {c}" if calls > 1 else "")
+            assert_dispatch_matches(got, run.ranks[r], where)
+            assert got["num_needed_rows"] == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
+            assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
+            assert_combine_within(got["y"], want_y[r], where)
+    return [dict(got[-1], call_paths=[call["data_path"] for call in got]) for got in per_rank]
 
 
 # -- autograd -----------------------------------------------------------------------------
