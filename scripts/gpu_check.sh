@@ -600,24 +600,33 @@ run_deepep() {
     return "$rc"
 }
 
-# Many calls on one emulated group (hybrid_ep.testing.soak): fresh routing every call, the oracle
-# every 50 calls, device memory and host RSS at each check; W=8 on the direct and the receive
-# path, then W=8 as 2 nodes of 4 (direct across nodes). Each run gets its share of what is left
-# and stops itself 10 s before it (exit 3: fewer calls than asked, recorded in its soak.json).
+# Many calls (hybrid_ep.testing.soak): fresh routing every call, the oracle every 50 calls, device
+# memory and host RSS at each check. First W=8 as 8 processes under MPS, each one rank with its
+# buffer kept for the whole soak, as a training job runs (the direct path after peer memory grew);
+# then on one emulated group, W=8 on the receive path and as 2 nodes of 4 (direct across nodes).
+# Each run gets its share of what is left, the processes half of it, and stops itself 10 s before
+# its share ends (exit 3: fewer calls than asked, recorded in its soak.json).
 run_soak() {
-    local spec path per_node calls share rc worst_soak=0 runs_left=3
-    for spec in "direct 8 2000" "receive 8 2000" "direct 4 500"; do
+    local spec path per_node calls share rc worst_soak=0 runs_left=3 mode
+    mps_folders
+    mps_start || { say "nvidia-cuda-mps-control -d failed: the processes take turns"; unset CUDA_MPS_PIPE_DIRECTORY; }
+    for spec in "processes 8 2000" "receive 8 2000" "direct 4 500"; do
         read -r path per_node calls <<< "$spec"
         share=$(( $(left) / runs_left )); runs_left=$((runs_left - 1))
+        [ "$path" = processes ] && share=$(( $(left) / 2 ))
         local name="soak_${path}_g${per_node}"
-        say "W=8, $per_node ranks per node, $path path, $calls calls (log: $name.log, at most $share s)"
-        bounded "$share" "$py" -m hybrid_ep.testing.soak -w 8 --ranks-per-node "$per_node" --data-path "$path" \
+        mode=(--data-path "$path")
+        [ "$path" = processes ] && mode=(--processes --timeout-s "$HYBRID_EP_TIMEOUT_S")
+        say "W=8, $per_node ranks per node, $path, $calls calls (log: $name.log, at most $share s)"
+        bounded "$share" "$py" -m hybrid_ep.testing.soak -w 8 --ranks-per-node "$per_node" "${mode[@]}" \
             --calls "$calls" --check-every 50 --budget-s $((share > 20 ? share - 10 : share)) \
             --out "$results/$name" > "$results/$name.log" 2>&1
         rc=$?
         say "exit $rc: $(tail -1 "$results/$name.log")"
         [ "$rc" -gt "$worst_soak" ] && worst_soak=$rc
     done
+    mps_stop
+    rm -rf "${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}"
     return "$worst_soak"
 }
 

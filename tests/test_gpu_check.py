@@ -546,16 +546,20 @@ def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(ma
     assert "nvshmem_cases --out" not in calls.split("has_nvshmem")[-1]
 
 
-def test_soak_stage_runs_both_paths_and_two_nodes_within_the_budget(machine):
+def test_soak_stage_runs_processes_the_receive_path_and_two_nodes_within_the_budget(machine):
     _, results, run = machine
     proc, calls = run("soak", str(results), GPU_CHECK_BUDGET_S="300")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = [line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]
-    assert [(r.split("--data-path ")[1].split()[0], r.split("--ranks-per-node ")[1].split()[0],
-             r.split("--calls ")[1].split()[0]) for r in runs] == [
-        ("direct", "8", "2000"), ("receive", "8", "2000"), ("direct", "4", "500")]
+
+    def mode(r):
+        return "processes" if "--processes" in r else r.split("--data-path ")[1].split()[0]
+
+    assert [(mode(r), r.split("--ranks-per-node ")[1].split()[0], r.split("--calls ")[1].split()[0]) for r in runs] == [
+        ("processes", "8", "2000"), ("receive", "8", "2000"), ("direct", "4", "500")]
+    assert "--data-path" not in runs[0] and "--timeout-s " in runs[0]
     budgets = [int(r.split("--budget-s ")[1].split()[0]) for r in runs]
-    assert all(0 < b < 300 for b in budgets) and budgets[0] < 100  # a third of what is left, less 10 s
+    assert all(0 < b < 300 for b in budgets) and 100 < budgets[0] < 150  # half of what is left, less 10 s
     assert all(f"--out {results}/soak_" in r and "--check-every 50" in r for r in runs)
     proc, _ = run("soak", str(results), SOAK_FAILS="1")
     assert proc.returncode == 1 and "FAILED: call 700" in proc.stdout

@@ -110,3 +110,34 @@ def test_bad_arguments_are_named(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         soak.main(["--device", "cpu", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _process_soak(tmp_path, *extra: str):
+    status = soak.main(["--processes", "--backend", "reference", "--device", "cpu", "-w", "3", "--hidden", "128",
+                        "--tokens", "12", "--topk", "2", "--calls", "6", "--check-every", "3", "--timeout-s", "30",
+                        "--out", str(tmp_path), *extra])
+    return status, json.loads((tmp_path / "soak.json").read_text())
+
+
+def test_the_process_soak_keeps_one_buffer_per_rank_and_matches_the_oracle(tmp_path):
+    status, record = _process_soak(tmp_path)
+    assert status == 0, record["failure"]
+    assert record["processes"] == 3 and record["calls_done"] == 6 and record["checks_passed"] == 2
+    assert sum(record["data_paths"].values()) == 6  # every call of rank 0, checked or not
+    assert [len(rank) for rank in record["samples"]] == [2, 2, 2] and record["memory"]["flat"] is True
+
+
+def test_a_wrong_row_from_a_process_fails_the_soak_at_its_call(tmp_path, monkeypatch):
+    from hybrid_ep.testing import soak_processes
+
+    check = soak_processes.Expected.check_call
+
+    def corrupted(self, results, label=""):
+        if label == " call 5":
+            results[1]["y"] = results[1]["y"] + 1  # rank 1's combine, one off in every value
+        return check(self, results, label)
+
+    monkeypatch.setattr(soak_processes.Expected, "check_call", corrupted)
+    status, record = _process_soak(tmp_path)
+    assert status == 1 and record["checks_passed"] == 1 and record["calls_done"] == 5
+    assert record["failure"].startswith("call 5") and "rank 1" in record["failure"]

@@ -108,28 +108,34 @@ def _routing_kwargs(case: Case, inputs: dict) -> dict:
     return {"routing_map": routing_map[:, :-1].contiguous(), "probs": probs[:, :-1].contiguous()}
 
 
+def case_buffer(case: Case):
+    """A buffer of the case's configuration on this rank (its process group: the default one)."""
+    from ..buffer import HybridEPBuffer
+
+    cfg = case.config
+    return HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
+                          ranks_per_node=cfg.ranks_per_node, backend=case.backend, pad_multiple=cfg.pad_multiple,
+                          min_rows_per_expert=cfg.min_rows_per_expert, arena_bytes=cfg.arena_bytes)
+
+
 def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor, calls: int = 1) -> list[dict]:
     """Runs on one rank of the pool: the case `calls` times on one buffer (a later call finds the
     peer memory the first one grew, so it takes the direct path where one process per rank can),
     each call's results."""
-    from ..buffer import HybridEPBuffer
+    buf = case_buffer(case)
+    return [run_call(buf, case, inputs, expert_out) for _ in range(calls)]
 
-    cfg = case.config
-    buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
-                         ranks_per_node=cfg.ranks_per_node, backend=case.backend,
-                         pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert,
-                         arena_bytes=cfg.arena_bytes)
+
+def run_call(buf, case: Case, inputs: dict, expert_out: torch.Tensor) -> dict:
+    """One dispatch + combine of the case on `buf` (and a dispatch that reuses the handle): what
+    check_call compares with the oracle."""
     device = buf.device
     x = inputs["x"].to(device)
     scales = inputs["scales"].to(device) if inputs["scales"] is not None else None
     routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}
-    return [_one_call(buf, case, x, scales, routing, expert_out.to(device)) for _ in range(calls)]
-
-
-def _one_call(buf, case: Case, x, scales, routing: dict, expert_out: torch.Tensor) -> dict:
     res = buf.dispatch(x, scales=scales, num_out_tokens=case.num_out_tokens, **routing)
     dispatch_traffic = buf.last_traffic
-    y = buf.combine(expert_out, res.handle, apply_probs=case.apply_probs, wire_dtype=case.wire_dtype)
+    y = buf.combine(expert_out.to(device), res.handle, apply_probs=case.apply_probs, wire_dtype=case.wire_dtype)
     combine_traffic = buf.last_traffic
     again = buf.dispatch(x, scales=scales, handle=res.handle)
     reuse_equal = torch.equal(again.tokens.view(torch.uint8), res.tokens.view(torch.uint8))
@@ -147,32 +153,53 @@ def _one_call(buf, case: Case, x, scales, routing: dict, expert_out: torch.Tenso
     }
 
 
+@dataclasses.dataclass
+class Expected:
+    """What the oracle says of a case: every rank's inputs, the dispatch oracle's run, and the
+    experts' outputs the ranks combine (drawn here, one per rank)."""
+
+    case: Case
+    inputs: list[dict]
+    run: object
+    expert_outs: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, case: Case) -> Expected:
+        cfg = case.config
+        inputs = make_rank_inputs(case)
+        run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                              [i["topk_weights"] for i in inputs],
+                              [i["scales"] for i in inputs] if case.dtype == FP8_DTYPE else None,
+                              case.num_out_tokens)
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
+                       for r in run.ranks]
+        return cls(case, inputs, run, expert_outs)
+
+    def check_call(self, results: list[dict], label: str = "") -> None:
+        """Assert one call's results of every rank (in rank order) against the oracle."""
+        case = self.case
+        paths = {got["data_path"] for got in results}
+        assert len(paths) == 1, f"{case}{label}: the ranks took different data paths {paths}"
+        want_y = combine_hops_oracle(case.config, self.run, self.expert_outs, [i["topk_idx"] for i in self.inputs],
+                                     case.apply_probs, case.wire_dtype, direct=paths == {"direct"})
+        for r, got in enumerate(results):
+            where = f"{case} rank {r}{label}"
+            assert_dispatch_matches(got, self.run.ranks[r], where)
+            assert got["num_needed_rows"] == self.run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
+            assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
+            assert_combine_within(got["y"], want_y[r], where)
+
+
 def check_case(pool, case: Case, calls: int = 1) -> list[dict]:
     """Run `case` on the pool's ranks `calls` times, each rank on one buffer, and assert every
     call of every rank against the oracle; the last call's results, each with `call_paths`, the
     data path of every call."""
-    cfg = case.config
-    inputs = make_rank_inputs(case)
-    run = dispatch_oracle(cfg, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
-                          [i["topk_weights"] for i in inputs],
-                          [i["scales"] for i in inputs] if case.dtype == FP8_DTYPE else None,
-                          case.num_out_tokens)
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    expert_outs = [torch.randn(r.tokens.shape[0], cfg.hidden_dim, generator=gen).to(case.combine_dtype)
-                   for r in run.ranks]
-    per_rank = pool.run(run_case_on_rank, [(case, inputs[r], expert_outs[r], calls) for r in range(case.world_size)])
+    want = Expected.of(case)
+    per_rank = pool.run(run_case_on_rank, [(case, want.inputs[r], want.expert_outs[r], calls)
+                                           for r in range(case.world_size)])
     for c in range(calls):
-        results = [got[c] for got in per_rank]
-        paths = {got["data_path"] for got in results}
-        assert len(paths) == 1, f"{case} call {c}: the ranks took different data paths {paths}"
-        want_y = combine_hops_oracle(cfg, run, expert_outs, [i["topk_idx"] for i in inputs], case.apply_probs,
-                                     case.wire_dtype, direct=paths == {"direct"})
-        for r, got in enumerate(results):
-            where = f"{case} rank {r}" + (f" call {c}" if calls > 1 else "")
-            assert_dispatch_matches(got, run.ranks[r], where)
-            assert got["num_needed_rows"] == run.ranks[r].num_needed_rows, f"{where}: num_needed_rows"
-            assert got["reuse_equal"], f"{where}: dispatch with a reused handle gave different rows"
-            assert_combine_within(got["y"], want_y[r], where)
+        want.check_call([got[c] for got in per_rank], f" call {c}" if calls > 1 else "")
     return [dict(got[-1], call_paths=[call["data_path"] for call in got]) for got in per_rank]
 
 

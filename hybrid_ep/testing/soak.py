@@ -6,6 +6,11 @@ not (docs/dev/testing.md, "On one GPU").
     python -m hybrid_ep.testing.soak -w 8 --calls 2000 --data-path direct --out soak_direct
     python -m hybrid_ep.testing.soak -w 8 --ranks-per-node 4 --calls 500 --out soak_2x4
     python -m hybrid_ep.testing.soak --device cpu -w 4 --hidden 128 --tokens 24 --calls 40
+    python -m hybrid_ep.testing.soak --processes -w 8 --calls 2000 --out soak_processes
+
+--processes runs W processes, each one rank of a HybridEPBuffer kept for the whole soak, as a
+training job runs (soak_processes.py; under MPS on one GPU); with --backend reference and
+--device cpu they are gloo processes on the CPU.
 
 Every call draws its own case from a rotation (ROTATION): uniform, Zipf, all tokens' first choice
 on one expert, a quarter of the ranks without tokens, each with dynamic and with static output
@@ -137,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-mib", type=float, default=16.0,
                    help="most growth of the second half's memory peak over the first half's, MiB")
     p.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds (exit 3)")
+    p.add_argument("--processes", action="store_true",
+                   help="one process per rank, each with its own buffer for the whole soak (soak_processes.py)")
+    p.add_argument("--backend", choices=("cuda", "reference"), default="cuda",
+                   help="--processes: the buffers' backend (reference: torch.distributed, e.g. gloo on the CPU)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="--processes: HYBRID_EP_TIMEOUT_S of the ranks (a block of calls may take ten times it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for soak.json")
     return p
@@ -154,6 +165,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--experts ({args.experts}) must be a multiple of --world-size ({args.world_size})")
     if args.topk > args.experts:
         parser.error(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
+    if args.data_path is not None and args.processes:
+        parser.error("--data-path is the emulation's: with --processes every call takes the buffer's own path")
+    if args.backend != "cuda" and not args.processes:
+        parser.error("--backend reference needs --processes (the emulation runs the cuda kernels)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device (use --device cpu for the CPU model)")
 
@@ -208,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    status, record = run(args)
+    if args.processes:
+        from . import soak_processes
+
+        status, record = soak_processes.run(args)
+    else:
+        status, record = run(args)
     record["status"] = status
     if args.out:
         os.makedirs(args.out, exist_ok=True)
