@@ -1,6 +1,6 @@
 """The wheel (`pip wheel .`): the library, its extensions and the user CLIs, and none of the
 development tools beside it (tools/: the timing model with its tables and accessor patches, the
-microbenchmarks' driver) nor the studies (study/ subpackages). pip builds in the source folder,
+microbenchmarks' driver). pip builds in the source folder,
 so the wheel is built from a copy of this tree with the venv's pip, without build isolation (the
 installed setuptools and torch), the CUDA extension skipped as on a machine without a GPU, and
 the CPU model too (hybrid_ep._model: the same setup.py path as the planner's, minutes more on 2
@@ -32,13 +32,11 @@ _IGNORED = shutil.ignore_patterns(".git", ".pytest_cache", ".mypy_cache", ".ruff
 
 
 def _library_modules(tree: str) -> list[str]:
-    """The packages' modules in the tree, relative to it, the study/ subpackages left out."""
+    """The packages' modules in the tree, relative to it."""
     found = []
     for package in PACKAGES:
         for path in glob.glob(f"{tree}/{package}/**/*.py", recursive=True):
-            rel = os.path.relpath(path, tree)
-            if "study" not in rel.split(os.sep)[:-1]:
-                found.append(rel.replace(os.sep, "/"))
+            found.append(os.path.relpath(path, tree).replace(os.sep, "/"))
     return sorted(found)
 
 
@@ -58,12 +56,12 @@ def wheel(tmp_path_factory):
     return names, path, str(tree)
 
 
-def test_wheel_holds_no_development_tool_nor_study(wheel):
+def test_wheel_holds_no_development_tool(wheel):
     names, _, tree = wheel
     assert os.path.isdir(os.path.join(tree, "tools", "timing"))  # the tree it came from has them
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == set(PACKAGES), tops
-    unwanted = [n for n in names if n.endswith(".patch") or "/study/" in n or "/timing/" in n
+    unwanted = [n for n in names if n.endswith(".patch") or "/timing/" in n
                 or "/microbench/" in n or n.endswith(("h100.json", "h200.json", "points.json"))]
     assert not unwanted, unwanted
 
