@@ -63,6 +63,9 @@ UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
 TSAN_OPTIONS = "halt_on_error=0:suppress_equal_addresses=0:ignore_interceptors_accesses=1"
 FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
          "thread": ["-DHYBRID_EP_MODEL_TSAN=1", "-fsanitize=thread"]}
+# The model's scheduler, one file per job (csrc/device/model/state.h lists them).
+MODEL_RUNTIME = ("state.cpp", "scheduler.cpp", "sync.cpp", "bulk_copies.cpp", "remote_ops.cpp", "injection.cpp",
+                 "faults.cpp", "timing_notes.cpp")
 # Sources compiled without the sanitizer: the model's pybind11 glue, which only passes pointers
 # and values on (instrumented, it took longer to compile than the model itself), and, under
 # ThreadSanitizer, the model's scheduler (happens_before.h) and the timing model's clocks
@@ -71,7 +74,7 @@ FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=unde
 # reports' handling of the Timer's own accesses (gdb: HandleRace in Timer::place and
 # Timer::advance), none of them the kernels'.
 UNINSTRUMENTED = {"address": ("model_module.cpp",),
-                  "thread": ("model_module.cpp", "runtime.cpp", "fiber.cpp", "timing.cpp")}
+                  "thread": ("model_module.cpp", "fiber.cpp", "timing.cpp", *MODEL_RUNTIME)}
 # The pybind11 glue at -O0: a third of the time to compile at -O1, and nothing in it runs long.
 GLUE = ("model_module.cpp", "planner_module.cpp")
 STAMP = "stamp"  # in a build's folder once it is complete

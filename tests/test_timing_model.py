@@ -557,7 +557,7 @@ def small_group():
 
 
 def test_timing_changes_nothing_the_model_does(small_group):
-    """Timing runs the model unweakened (runtime.cpp: the times are the GPU's behaviour, which
+    """Timing runs the model unweakened (scheduler.cpp: the times are the GPU's behaviour, which
     the weakenings only sample), so the plain pair it is compared with runs unweakened too."""
     group, xs, idxs = small_group
     weakenings = model.weakenings()
