@@ -26,14 +26,14 @@ ThreadSanitizer's runtime stops at 8128 threads and fibers, so a launch that nee
 refused and its test counted as skipped, with the reason printed.
 
     python scripts/sanitize.py                           # both modules, their default tests
-    python scripts/sanitize.py --module planner          # tests/test_balancer_planner.py
-    python scripts/sanitize.py --module model -q tests/test_kernels_model.py -k combine
+    python scripts/sanitize.py --module planner          # tests/unit/hybrid_ep/balancer/test_planner.py
+    python scripts/sanitize.py --module model -q tests/model/test_kernels_model.py -k combine
     python scripts/sanitize.py --module model --sanitizer thread   # data races in the kernels
     python scripts/sanitize.py --all                     # the two full runs above, for csrc changes
 
 With --build-dir the sanitized modules stay there, in a folder per csrc/ state and compile
 command, and are built again only when a file under csrc/ or the command changed: runs of any
-checkout (tests/test_sanitized.py's, CI's with ~/.cache/hybrid-ep/sanitized) build each once.
+checkout (tests/sanitizer/test_sanitized.py's, CI's with ~/.cache/hybrid-ep/sanitized) build each once.
 
 Needs a C++ compiler with the sanitizer runtimes (g++ or clang++; CXX picks one) and pybind11.
 Exit 3 when they are missing, so callers can tell "cannot check here" from "found a bug".
@@ -91,12 +91,13 @@ def _sources(module: str) -> list[str]:
 
 
 DEFAULT_TESTS = {
-    "planner": ["tests/test_balancer_planner.py"],
-    "model": ["tests/test_device_model.py", "tests/test_kernels_model.py", "tests/test_hierarchy_model.py"],
+    "planner": ["tests/unit/hybrid_ep/balancer/test_planner.py"],
+    "model": ["tests/model/test_device_model.py", "tests/model/test_kernels_model.py",
+              "tests/model/test_hierarchy_model.py"],
 }
 # The model's own tests run broken kernels on purpose (races among them), so the race check
 # runs the real kernels' tests.
-RACE_TESTS = ["tests/test_kernels_model.py", "tests/test_hierarchy_model.py"]
+RACE_TESTS = ["tests/model/test_kernels_model.py", "tests/model/test_hierarchy_model.py"]
 
 
 def _runtime(cxx: str, name: str) -> str | None:
