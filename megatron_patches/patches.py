@@ -8,7 +8,7 @@ once: `apply()` installs the ones marked `apply()` by walking PATCHES, docs/mega
 patch table is `markdown_table()` (a test compares the two), and each target's signature,
 and where the wrapper depends on the function's body a hash of its source, is recorded per
 tested Megatron-Core release in `fingerprints.py`; `check()` compares them with the
-installed Megatron-Core and names every function that changed (tests/test_megatron_patches.py).
+installed Megatron-Core and names every function that changed (tests/megatron/test_patches.py).
 
     python -m megatron_patches.patches            # the table docs/megatron.md carries
     python -m megatron_patches.patches --check    # the installed Megatron-Core against the record

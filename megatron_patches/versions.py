@@ -1,10 +1,10 @@
 """The Megatron-Core versions megatron_patches is tested with, and the check of the one imported.
 
 MEGATRON_CORE_FLOOR is the oldest release CI runs (docs/megatron.md#versions); pyproject.toml's
-`megatron` extra names the same floor, and tests/test_megatron_versions.py checks that the two
+`megatron` extra names the same floor, and tests/megatron/test_versions.py checks that the two
 agree. Older releases are refused
 by `apply()` with the version found, where they would fail in obscure places (with 0.16.1,
-22 of 23 tests in tests/test_megatron_dispatcher.py failed); 0.17 and 0.18 are not tested.
+22 of 23 tests in tests/megatron/test_dispatcher.py failed); 0.17 and 0.18 are not tested.
 
 Which release each patched Megatron function was checked on, and what changed since: patches.py
 (its fingerprints per release in fingerprints.py).

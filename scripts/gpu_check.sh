@@ -194,8 +194,9 @@ run_tests() {
     say "GPU tests (log: gpu_tests.log, at most $(left) s)"
     bounded "$(left)" "$py" -m pytest -m "gpu or multigpu" -v -rfEs -p no:cacheprovider --timeout=120 \
         --maxfail=10 --junitxml="$results/gpu_tests.xml" \
-        tests/test_cuda_emulation.py tests/test_reference_nccl.py tests/test_balancer_loop.py \
-        tests/test_nvshmem_transport.py tests/test_oracle.py tests/test_cuda_plan.py tests/test_cuda_arena.py \
+        tests/gpu/test_cuda_emulation.py tests/gpu/test_reference_nccl.py tests/unit/hybrid_ep/balancer/test_loop.py \
+        tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py tests/unit/hybrid_ep/testing/test_oracle.py \
+        tests/unit/hybrid_ep/backends/cuda/test_cuda_plan.py tests/gpu/test_cuda_arena.py \
         > "$results/gpu_tests.log" 2>&1
     local rc=$?
     say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Calls that wrap the dispatch's rings (2 chunks) many times, on one node and on 2-4 nodes.
-RING_TESTS = "tests/test_ring_model.py::test_calls_that_wrap_the_ring_many_times_match_the_oracle"
+RING_TESTS = "tests/model/test_ring_model.py::test_calls_that_wrap_the_ring_many_times_match_the_oracle"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +38,18 @@ class Mutation:
     path: str
     old: str
     new: str
-    tests: str = "tests/test_kernels_model.py"  # the model tests that should catch it
+    tests: str = "tests/model/test_kernels_model.py"  # the model tests that should catch it
 
 
 # The combine's ring tests (many turns of two-slot rings), one node and several.
-RINGS_ONE_NODE = "tests/test_combine_rings_model.py::test_one_node_calls_many_times_a_ring_match_the_oracle"
-RINGS_NODES = "tests/test_combine_rings_model.py::test_several_nodes_calls_many_times_a_ring_match_the_oracle"
-# The hazards the weakened model reproduces (tests/test_hazards_model.py).
-HAZARD_CREDITS = "tests/test_hazards_model.py::test_the_combines_last_credits_land_before_the_next_call"
-HAZARD_STAGES = "tests/test_hazards_model.py::test_the_direct_dispatch_keeps_an_even_stage_count"
+RINGS_ONE_NODE = "tests/model/test_combine_rings_model.py::test_one_node_calls_many_times_a_ring_match_the_oracle"
+RINGS_NODES = "tests/model/test_combine_rings_model.py::test_several_nodes_calls_many_times_a_ring_match_the_oracle"
+# The hazards the weakened model reproduces (tests/model/test_hazards_model.py).
+HAZARD_CREDITS = "tests/model/test_hazards_model.py::test_the_combines_last_credits_land_before_the_next_call"
+HAZARD_STAGES = "tests/model/test_hazards_model.py::test_the_direct_dispatch_keeps_an_even_stage_count"
 # The direct path on several nodes: calls that wrap its staging and node-partial rings many times.
-DIRECT_NODES = "tests/test_hierarchy_direct_model.py::test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle"
+DIRECT_NODES = ("tests/model/test_hierarchy_direct_model.py::"
+                "test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle")
 
 MUTATIONS = (
     Mutation("misaligned-bulk-store", "a misaligned bulk copy", "csrc/kernels/dispatch_receive.cuh",
@@ -70,22 +71,23 @@ MUTATIONS = (
       staged.advance(kStagedSlots);
       pending_staged = false;
     }
-    bulk_wait_write_except(writes_in_flight);""", tests="tests/test_hierarchy_model.py"),
+    bulk_wait_write_except(writes_in_flight);""", tests="tests/model/test_hierarchy_model.py"),
     Mutation("staged-slot-off-by-one", "an off-by-one position (a token's staged slot for another node)",
              "csrc/kernels/dispatch_receive.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
              "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
-             tests="tests/test_hierarchy_model.py"),
+             tests="tests/model/test_hierarchy_model.py"),
     Mutation("forwarder-drops-a-partial", "a lost term (a node partial summed without one rank's partial)",
              "csrc/kernels/combine_receive.cuh", "    const bool goes = lane < rows && slots[g] >= 0;",
-             "    const bool goes = lane < rows && slots[g] >= 0 && g != 1;", tests="tests/test_hierarchy_model.py"),
+             "    const bool goes = lane < rows && slots[g] >= 0 && g != 1;",
+             tests="tests/model/test_hierarchy_model.py"),
     Mutation("forwarded-stage-freed-by-one-warp", "a stage released before every consumer read it (the source "
              "side's ring, forwarded partials too)", "csrc/kernels/combine_receive.cuh",
              "    src.init(1, kGroupWarps);",
-             "    src.init(1, 1);", tests="tests/test_hierarchy_model.py"),
+             "    src.init(1, 1);", tests="tests/model/test_hierarchy_model.py"),
     Mutation("forwarded-chunk-put-after-its-first-row", "a hand-off before the data is written (a forwarded "
              "chunk put before its later rows' node partials)", "csrc/kernels/combine_receive.cuh",
              "return rows == 0 || (q == rows - 1 && end == C); }", "return rows == 0 || (q == 0 && end == C); }",
-             tests="tests/test_hierarchy_model.py"),
+             tests="tests/model/test_hierarchy_model.py"),
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
              "csrc/kernels/combine_receive.cuh",
@@ -119,13 +121,13 @@ MUTATIONS = (
              "takes a destination's tensors published by the previous call, epoch - 1)",
              "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)",
              "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch - 1, pv)",
-             tests="tests/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
+             tests="tests/model/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
     Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
              "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "
              "peer still writes its rows)", "csrc/kernels/direct.cuh",
              "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch,",
              "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch - 1,",
-             tests="tests/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
+             tests="tests/model/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/count.cuh",
              "e[k] >= 0 ? lanes_of[e[k]] + prefix[k] : -1;",
              "e[k] >= 0 ? lanes_of[e[k]] + prefix[k] + (lane == 31) : -1;"),
@@ -189,7 +191,7 @@ MUTATIONS = (
              "peers to finish the previous call before the block overwrites their count rows)",
              "csrc/kernels/count.cuh", "  for (int r = lane; r < c.W && ok; r += 32) {",
              "  for (int r = lane; false && r < c.W && ok; r += 32) {",
-             tests="tests/test_kernels_model.py::test_a_call_waits_for_its_peers_to_finish_the_previous_one"),
+             tests="tests/model/test_kernels_model.py::test_a_call_waits_for_its_peers_to_finish_the_previous_one"),
     Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
              "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",
@@ -216,15 +218,15 @@ MUTATIONS = (
              tests=RING_TESTS),
     Mutation("bad-routing-call-left-open", "a completion never published (a call with a bad route, whose "
              "dispatch kernel moves nothing, is not completed by the count kernel)", "csrc/kernels/count.cuh",
-             "  complete_unmoved(view, h, epoch);\n", "", tests="tests/test_routing_device.py"),
+             "  complete_unmoved(view, h, epoch);\n", "", tests="tests/model/test_routing_device.py"),
     Mutation("static-bad-route-unrecorded", "a bad route of a static-size call never reported (the count kernel "
              "records no route for the host)", "csrc/kernels/count.cuh",
              "  if (!args.info_read) record_bad_route(", "  if (false) record_bad_route(",
-             tests="tests/test_routing_device.py"),
+             tests="tests/model/test_routing_device.py"),
     Mutation("refused-direct-dispatch-runs", "a dispatch kernel run on a call its count kernel refused (the direct "
              "path's kernel does not return on the info's bad-route word)", "csrc/kernels/dispatch_direct.cuh",
              "  if (place.rank.absent || call_refused(args.geo, place.rank)) return;",
-             "  if (place.rank.absent) return;", tests="tests/test_routing_device.py"),
+             "  if (place.rank.absent) return;", tests="tests/model/test_routing_device.py"),
     # The direct path on several nodes (dispatch_direct.cuh, combine_direct.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_direct.cuh",
@@ -263,16 +265,16 @@ MUTATIONS = (
              "csrc/kernels/segments.cuh", "  if (!warp_uniform(ok)) {\n    d.stop();\n    return false;\n  }\n"
              "  if (each_lane_observes)", "  if (each_lane_observes ? !warp_uniform(ok) : !ok) {\n    d.stop();\n"
              "    return false;\n  }\n  if (each_lane_observes)",
-             tests="tests/test_kernels_model.py::test_the_direct_combine_variants_give_the_oracle_result"),
+             tests="tests/model/test_kernels_model.py::test_the_direct_combine_variants_give_the_oracle_result"),
     Mutation("wide-reducers-release-at-four", "a stage freed before every reader is done with it (the direct "
              "combine's ring counting 4 reducer arrivals where HYBRID_EP_REDUCER_WARPS=8 has 8 warps read "
              "each stage)",
              "csrc/kernels/combine_direct.cuh", "      d.pipeline_ring(p).init(1, R);",
              "      d.pipeline_ring(p).init(1, kReducerWarpsNarrow);",
-             tests="tests/test_kernels_model.py::test_eight_reducer_warps_add_the_widest_segments"),
+             tests="tests/model/test_kernels_model.py::test_eight_reducer_warps_add_the_widest_segments"),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
-             "for (int s = 0; s < W; ++s) {", tests="tests/test_routing_device.py"),
+             "for (int s = 0; s < W; ++s) {", tests="tests/model/test_routing_device.py"),
     # Defects only the weakened model shows (docs/dev/cpu_model.md, "Weakened"): one per weakening
     # or check, and one per hazard of the kernels it reproduced.
     Mutation("combine-credits-not-quieted", "a remote signal not quieted before the kernel ends (late delivery: "

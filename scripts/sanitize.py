@@ -26,14 +26,14 @@ ThreadSanitizer's runtime stops at 8128 threads and fibers, so a launch that nee
 refused and its test counted as skipped, with the reason printed.
 
     python scripts/sanitize.py                           # both modules, their default tests
-    python scripts/sanitize.py --module planner          # tests/test_balancer_planner.py
-    python scripts/sanitize.py --module model -q tests/test_kernels_model.py -k combine
+    python scripts/sanitize.py --module planner          # tests/unit/hybrid_ep/balancer/test_planner.py
+    python scripts/sanitize.py --module model -q tests/model/test_kernels_model.py -k combine
     python scripts/sanitize.py --module model --sanitizer thread   # data races in the kernels
     python scripts/sanitize.py --all                     # the two full runs above, for csrc changes
 
 With --build-dir the sanitized modules stay there, in a folder per csrc/ state and compile
 command, and are built again only when a file under csrc/ or the command changed: runs of any
-checkout (tests/test_sanitized.py's, CI's with ~/.cache/hybrid-ep/sanitized) build each once.
+checkout (tests/sanitizer/test_sanitized.py's, CI's with ~/.cache/hybrid-ep/sanitized) build each once.
 
 Needs a C++ compiler with the sanitizer runtimes (g++ or clang++; CXX picks one) and pybind11.
 Exit 3 when they are missing, so callers can tell "cannot check here" from "found a bug".
@@ -63,6 +63,9 @@ UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
 TSAN_OPTIONS = "halt_on_error=0:suppress_equal_addresses=0:ignore_interceptors_accesses=1"
 FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
          "thread": ["-DHYBRID_EP_MODEL_TSAN=1", "-fsanitize=thread"]}
+# The model's scheduler, one file per job (csrc/device/model/state.h lists them).
+MODEL_RUNTIME = ("state.cpp", "scheduler.cpp", "sync.cpp", "bulk_copies.cpp", "remote_ops.cpp", "injection.cpp",
+                 "faults.cpp", "timing_notes.cpp")
 # Sources compiled without the sanitizer: the model's pybind11 glue, which only passes pointers
 # and values on (instrumented, it took longer to compile than the model itself), and, under
 # ThreadSanitizer, the model's scheduler (happens_before.h) and the timing model's clocks
@@ -71,7 +74,7 @@ FLAGS = {"address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=unde
 # reports' handling of the Timer's own accesses (gdb: HandleRace in Timer::place and
 # Timer::advance), none of them the kernels'.
 UNINSTRUMENTED = {"address": ("model_module.cpp",),
-                  "thread": ("model_module.cpp", "runtime.cpp", "fiber.cpp", "timing.cpp")}
+                  "thread": ("model_module.cpp", "fiber.cpp", "timing.cpp", *MODEL_RUNTIME)}
 # The pybind11 glue at -O0: a third of the time to compile at -O1, and nothing in it runs long.
 GLUE = ("model_module.cpp", "planner_module.cpp")
 STAMP = "stamp"  # in a build's folder once it is complete
@@ -88,12 +91,13 @@ def _sources(module: str) -> list[str]:
 
 
 DEFAULT_TESTS = {
-    "planner": ["tests/test_balancer_planner.py"],
-    "model": ["tests/test_device_model.py", "tests/test_kernels_model.py", "tests/test_hierarchy_model.py"],
+    "planner": ["tests/unit/hybrid_ep/balancer/test_planner.py"],
+    "model": ["tests/model/test_device_model.py", "tests/model/test_kernels_model.py",
+              "tests/model/test_hierarchy_model.py"],
 }
 # The model's own tests run broken kernels on purpose (races among them), so the race check
 # runs the real kernels' tests.
-RACE_TESTS = ["tests/test_kernels_model.py", "tests/test_hierarchy_model.py"]
+RACE_TESTS = ["tests/model/test_kernels_model.py", "tests/model/test_hierarchy_model.py"]
 
 
 def _runtime(cxx: str, name: str) -> str | None:

@@ -229,7 +229,7 @@ inline void arena_capsule_destructor(PyObject* capsule) {
 // The tensors of one kind of block, for any number of rows: per tensor, its bytes per row,
 // DLPack type and columns (0: a 1-D tensor of `rows` elements). Each tensor starts on the
 // next `align` boundary of the block, the rule of arena.py's _call_layout (which sizes the
-// blocks for memory plans without the extension; tests/test_arena.py holds the two equal).
+// blocks for memory plans without the extension; tests/model/test_arena.py holds the two equal).
 // Built once per kind of call (arena.py caches it per hidden and dtype), so a call of any
 // output size converts no lists.
 struct ArenaLayout {

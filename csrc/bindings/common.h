@@ -62,7 +62,7 @@ inline bool& launches_enabled() {
 }
 
 // The kernel launches the HostPath calls made, per kernel, counted with launches on or off:
-// tests/test_launch_count.py asserts how many each call makes. One table per module.
+// tests/model/test_launch_count.py asserts how many each call makes. One table per module.
 struct LaunchCount {
   const char* kernel;
   uint64_t count;

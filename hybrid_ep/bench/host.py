@@ -27,7 +27,7 @@ memory, expert_out in the rank's combine staging block). Peer memory is pre-size
 (PEER_BYTES) and the pairs are the static calls the agreement's ledger holds, which launch
 both dispatch kernels in one call without a host read; the ledger is set back before each
 pair, outside the timing, since with launches off no read can refresh it (a call the ledger
-does not hold reads once: tests/test_launch_count.py counts both).
+does not hold reads once: tests/model/test_launch_count.py counts both).
 
 The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
 (steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while

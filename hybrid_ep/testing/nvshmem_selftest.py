@@ -7,7 +7,7 @@ self-test kernel (csrc/transport/nvshmem_selftest_nvshmem.cu): every PE sends a 
 next with put_signal and with put + fence + signal, waits for its own signals (bounded) and
 checks the bytes. Each process writes its result as JSON and its log (NVSHMEM's messages
 included) into --out; the summary says which PE failed and how. Used by
-tests/test_nvshmem_transport.py and by `scripts/gpu_check.sh nvshmem`.
+tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py and by `scripts/gpu_check.sh nvshmem`.
 
 Several processes on one GPU: NVSHMEM gives full support when the MPS daemon runs and the
 processes' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE add up to at most 100 (set here to 100 / procs),

@@ -1,7 +1,7 @@
 """The peer-memory protocol between processes, on the CPU model's memory (memfd chunks, mapped
 shared at each process's own addresses, handed over as file descriptors on a Unix socket).
 
-Run on every rank of a gloo pool (tests/test_peer_memory.py). The count kernel's count exchange
+Run on every rank of a gloo pool (tests/model/test_peer_memory.py). The count kernel's count exchange
 is the one part stood in for: the agreement words and each rank's rows are all-gathered over
 gloo, exactly the numbers the kernel hands every rank. Everything else is the code the cuda
 backend runs: agreement.Agreement decides, peer_memory grows, exports, imports, maps and

@@ -1,8 +1,7 @@
 """Test harnesses of the Megatron integration: what runs on every rank of a test's process pool.
 
 They live in a package so that the pool's spawned workers can import them (hybrid_ep.spawn
-sends functions by module and name). Used by tests/test_megatron_*.py and
-tests/test_balancer_{megatron,distributed_optimizer}.py; no production module imports them.
+sends functions by module and name). Used by tests/megatron/; no production module imports them.
 
 `moe_layer` (one MoELayer on W ranks, and the same layer computed densely), `contracts`
 (Megatron's dispatcher contracts per rank), `overlap` (one training step of a tiny GPT through

@@ -1,6 +1,6 @@
 """A Megatron MoELayer on W ranks, and the same layer computed densely in one process.
 
-Used by tests/test_megatron_*.py: `run_moe_layer_case` runs on every rank of a
+Used by tests/megatron/: `run_moe_layer_case` runs on every rank of a
 hybrid_ep.spawn.ProcessGroupPool (forward + backward of one MoELayer built from a
 TransformerConfig with the given dispatcher type) and `dense_moe_layer` computes the same
 outputs and gradients for all ranks at once, in float64, straight from the definition:

@@ -15,7 +15,7 @@
 //     issuing warp's copy engine (its own fiber), and releases to the mbarrier (a load) or
 //     to the issuing thread's bulk-group wait (a store);
 //   - flags: a release store or reduction releases, an acquire poll that reads the flag
-//     acquires; a relaxed poll acquires only at the thread's next fence (runtime.cpp,
+//     acquires; a relaxed poll acquires only at the thread's next fence (sync.cpp,
 //     fence_acquire); atomics are acquire-release.
 // Sync objects are keyed by address and accumulate every release made on them, so a wait
 // may be credited with a later phase's arrivals than CUDA would: the check can miss such a

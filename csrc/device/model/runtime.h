@@ -1,4 +1,5 @@
-// The CPU model of the device layer: what builtins.h, primitives.h and launch.h call.
+// The CPU model of the device layer: what builtins.h, primitives.h and launch.h call (one file
+// per job implements it: state.h lists them).
 //
 // A launch runs every thread of every block as a fiber on one OS thread. Threads switch only
 // at the device layer's synchronisation points (barriers, warp collectives, polls of flags
@@ -168,7 +169,7 @@ bool weak(Weak w);
 // Payload-free mode, for timing runs at shapes whose rows do not fit this machine's memory:
 // bulk copies are checked, scheduled and timed as always (the same bytes through the copy
 // engine, the same mbarrier completions) but move no bytes, so the tensors they would read and
-// write are never touched. Which data is payload is decided in one place (runtime.cpp,
+// write are never touched. Which data is payload is decided in one place (bulk_copies.cpp,
 // moves_bytes): the kernels move rows, scales and partial sums by bulk copy, and everything
 // they decide by (counts, tables, route rows, flags, stage headers) by plain code, which
 // still runs. The results of a launch in this mode are not the kernels' results. Off (the

@@ -1,5 +1,5 @@
 // Small kernels that break one rule of the device layer each, so the tests can show that the
-// CPU model catches every class of defect it claims to (tests/test_device_model.py). They
+// CPU model catches every class of defect it claims to (tests/model/test_device_model.py). They
 // are written against the same device layer as the real kernels and run only on the model.
 #include "device/model/selftest.h"
 

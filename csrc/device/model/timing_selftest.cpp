@@ -1,5 +1,5 @@
 // Small kernels with a known critical path, written against the same device layer as the real
-// kernels, so that tests/test_timing_model.py can check the timing model's clocks exactly:
+// kernels, so that tests/tools/test_timing_model.py can check the timing model's clocks exactly:
 //   - handoff_chain: threads 0 and 32 pass the turn n times through two mbarriers;
 //   - load_stream: thread 0 bulk-loads n copies of `bytes` into one stage's mbarrier;
 //   - store_stream: thread 0 bulk-stores n copies of `bytes`, one group each, then waits;
