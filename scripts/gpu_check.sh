@@ -42,7 +42,9 @@
 # a few files); GPU_CHECK_COMMIT (the commit being checked, for machine.txt; default: read
 # from .git when the checkout has one); GPU_CHECK_MICRO (what the micro stage runs: the
 # microbenchmark's arguments, default "all"); GPU_CHECK_PREBUILT (the carried build, default
-# build/gpu-prebuilt); GPU_CHECK_DEEPEP_WHEEL (default build/deepep/deep_ep-*.whl).
+# build/gpu-prebuilt); GPU_CHECK_DEEPEP_WHEEL (default build/deepep/deep_ep-*.whl);
+# GPU_CHECK_PROCESSES_ARGS (the processes stage's points as hybrid_ep.bench.processes flags; default
+# every layout the build serves, bf16 and fp8).
 set -uo pipefail
 
 usage() {
@@ -643,9 +645,12 @@ run_processes() {
         say "nvidia-cuda-mps-control -d failed ($(tail -1 "$results/mps/start.log")): the processes take turns"
         unset CUDA_MPS_PIPE_DIRECTORY
     fi
-    say "8 processes, nodes: $nodes (log: processes.log, JSON: processes/processes.json)"
+    # the points: GPU_CHECK_PROCESSES_ARGS (the bench's flags) where given, else every layout, bf16 and fp8
+    local points="--nodes $nodes --dtypes bf16 fp8"
+    [ -n "${GPU_CHECK_PROCESSES_ARGS:-}" ] && points=$GPU_CHECK_PROCESSES_ARGS
+    say "8 processes, $points (log: processes.log, JSON: processes/processes.json)"
     # shellcheck disable=SC2086
-    bounded "$(left)" "$py" -m hybrid_ep.bench.processes --out "$results/processes" --nodes $nodes --dtypes bf16 fp8 \
+    bounded "$(left)" "$py" -m hybrid_ep.bench.processes --out "$results/processes" $points \
         --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/processes.log" 2>&1
     rc=$?
     grep '^processes ' "$results/processes.log" | tee -a "$summary"

@@ -109,43 +109,36 @@ note "micro exit $?"
 wait "$build_pid"
 note "build exit $?: $(grep -m1 -oE '(using the carried build|building hybrid_ep|the carried|no carried).*' \
     "$r/build_stage.out")"
-if fits test "${SHORT_LEASE_TEST_S:-180}"; then
+if fits test "${SHORT_LEASE_TEST_S:-200}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
 fi
-# what no run has measured on today's kernels first: the DeepSeek-V3-like direct combine and
-# fp8's scale copy (predictions in tools/timing/predicted/), then where the combine waits
-note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
-bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-45}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
-    --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
-shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
-note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
-bench "bench fp8" "${SHORT_LEASE_FP8_S:-60}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
-# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt):
-# its reducers run at a third of the microbenchmark's reduction rate, and which of their
-# instructions or waits holds them decides the combine's next design (docs/dev/request_path.md)
-stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
-# the direct combine's rate against its ring's depth (HYBRID_EP_PULL_STAGES; 6 is the default at
-# this shape): falling with fewer stages, it waits on its loads; flat, on its reducers. Then at the
-# default depth with elected stage waits (HYBRID_EP_REDUCER_WAIT=elect): what every lane's own
-# observation of each stage costs the reducers; and with 8 reducer warps per pipeline
-# (HYBRID_EP_REDUCER_WARPS=8, folder suffix _w8): each stage's parts added by twice the threads
-for point in 2:observe:4 3:observe:4 4:observe:4 6:observe:4 6:elect:4 6:observe:8; do
-    IFS=: read -r n wait warps <<< "$point"
-    folder=bench_pull_${n}_$wait
-    [ "$warps" = 4 ] || folder+=_w$warps
-    note "direct combine, $n stages per pipeline, $wait waits, $warps reducer warps, seed shape, W=8, 1 SM per rank" \
-        "($folder/)"
-    bench "bench pull $n $wait $warps" "${SHORT_LEASE_PULL_S:-30}" "$folder" HYBRID_EP_PULL_STAGES=$n \
-        HYBRID_EP_REDUCER_WAIT=$wait HYBRID_EP_REDUCER_WARPS=$warps -- --emulate 8 "${shape[@]}" --dtype bf16 --sms 1
-    grep -E '^ +8 +direct ' "$r/$folder.log" >> "$r/summary.txt" 2>/dev/null
-done
-if fits processes "${SHORT_LEASE_PROCESSES_S:-110}"; then
-    GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh processes "$r/processes" > "$r/processes_stage.out" 2>&1
+# In the order of what a lease must settle: correctness (the tests above; the oracle on the direct
+# path between processes, in the processes stage), then why the combine slows down as 8 processes
+# (processes: 8 processes under MPS beside the emulation, plain and through peer memory, bf16 and
+# fp8, every timed call's path kept; then the same seed point with fewer direct-combine stages: a
+# combine that slows with fewer stages waits on its loads), then the speed the committed
+# predictions score (the DeepSeek-V3-like layer, fp8, the bench across nodes), DeepEP beside it,
+# and what earlier runs measured if time is left.
+if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
+    GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
+        > "$r/processes_stage.out" 2>&1
     note "processes exit $? (processes/processes.log):"
     grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
-if fits bench "${SHORT_LEASE_BENCH_S:-170}"; then
+if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-40}"; then
+    HYBRID_EP_PULL_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
+        bash scripts/gpu_check.sh processes "$r/processes_3_stages" > "$r/processes_3_stages_stage.out" 2>&1
+    note "processes, 3 combine stages exit $? (processes_3_stages/processes.log):"
+    grep '^processes ' "$r/processes_3_stages/processes.log" >> "$r/summary.txt" 2>/dev/null
+fi
+note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
+bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
+shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
+note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
+bench "bench fp8" "${SHORT_LEASE_FP8_S:-30}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+if fits bench "${SHORT_LEASE_BENCH_S:-100}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh bench "$r/bench" > "$r/bench_stage.out" 2>&1
     note "bench exit $?"
 fi
@@ -153,12 +146,11 @@ if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
     note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
 fi
+# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt)
+stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, receive path, 1 and 2 SMs per rank (bench_dsv3_receive/)"
-bench "bench dsv3 receive" "${SHORT_LEASE_DSV3_S:-45}" bench_dsv3_receive HYBRID_EP_DATA_PATH=receive -- \
+bench "bench dsv3 receive" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
-note "receive path, one node (bench_receive/)"
-bench "bench receive" "${SHORT_LEASE_RECEIVE_S:-90}" bench_receive HYBRID_EP_DATA_PATH=receive -- \
-    --emulate 2 8 "${shape[@]}" --dtype bf16 --sms 1 2 4
 if fits "racecheck probe" "${SHORT_LEASE_PROBE_S:-60}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh racecheck-probe "$r/racecheck_probe" \
         > "$r/racecheck_probe_stage.out" 2>&1

@@ -698,10 +698,11 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh: the tests, then what no run measured on today's kernels (the
-    DeepSeek-V3-like layer on the direct path, fp8, ncu's lines of the direct kernels, the
-    processes, the benchmark's sweeps, DeepEP beside hybrid-ep), then what the last run measured
-    (the DeepSeek-V3-like layer on the receive path, the receive sweep, the racecheck probe); logs
+    """scripts/gpu_short_lease.sh in the order of what a lease must settle: the tests, the processes
+    (8 processes beside the emulation, every layout, bf16 and fp8; then the seed point with 3
+    direct-combine stages), the speed the predictions score (the DeepSeek-V3-like layer on the
+    direct path, fp8, the bench's sweeps), DeepEP beside hybrid-ep, then what earlier runs measured
+    (ncu's lines, the DeepSeek-V3-like layer on the receive path, the racecheck probe); logs
     packed for the device."""
     import tarfile
 
@@ -709,32 +710,27 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     results.mkdir()
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    benches = [line for line in calls.splitlines() if line.startswith("python3 -m hybrid_ep.bench")]
-    # the DeepSeek-V3-like layer on the direct path, fp8, the direct combine at 4 ring depths,
-    # with elected waits and with 8 reducer warps, the bench stage's three sweeps (one node, 2 and
-    # 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like layer on the receive path and the
-    # receive sweep
-    assert len(benches) == 14, benches
-    assert "--backends cuda deepep" in benches[11]
-    for line, path in ((benches[0], "direct"), (benches[12], "receive")):
+    processes = [line for line in calls.splitlines() if "-m hybrid_ep.bench.processes" in line]
+    assert len(processes) == 2, processes
+    assert "--dtypes bf16 fp8" in processes[0] and "--nodes 1 --shapes seed --sms 1" in processes[1]
+    assert "PULL_STAGES=3 " in processes[1] and "PULL_STAGES= " in processes[0]
+    benches = [line for line in calls.splitlines()
+               if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
+    # the DeepSeek-V3-like layer on the direct path, fp8, the bench stage's three sweeps (one node,
+    # 2 and 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like layer on the receive path
+    assert len(benches) == 7, benches
+    assert "--backends cuda deepep" in benches[5]
+    for line, path in ((benches[0], "direct"), (benches[6], "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
-    points = (("2", "observe", "4", ""), ("3", "observe", "4", ""), ("4", "observe", "4", ""),
-              ("6", "observe", "4", ""), ("6", "elect", "4", ""), ("6", "observe", "8", "_w8"))
-    for line, (stages, wait, warps, suffix) in zip(benches[2:8], points):
-        assert "--emulate 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16 --sms 1 " in line
-        assert f"/bench_pull_{stages}_{wait}{suffix} |" in line, line
-        assert f"PULL_STAGES={stages} REDUCER_WAIT={wait} REDUCER_WARPS={warps} " in line, line
-    for line in benches[:2] + benches[8:]:  # the defaults elsewhere
+    for line in benches:  # the defaults everywhere
         assert "PULL_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
-    assert benches[13].split(" | ")[1].endswith("DATA_PATH=receive STORE_GROUPS=")
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
-    order = ["micro exit", "build exit", "test exit", "bench dsv3 direct exit", "bench fp8 exit", "ncu exit",
-             "bench pull 2 observe 4 exit", "bench pull 6 elect 4 exit", "bench pull 6 observe 8 exit",
-             "processes exit", "bench exit", "deepep exit",
-             "bench dsv3 receive exit", "bench receive exit", "racecheck probe exit"]
+    order = ["micro exit", "build exit", "test exit", "processes exit", "processes, 3 combine stages exit",
+             "bench dsv3 direct exit", "bench fp8 exit", "bench exit", "deepep exit", "ncu exit",
+             "bench dsv3 receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
@@ -745,7 +741,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
     for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
-                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt"):
+                "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./processes/processes.log",
+                "./processes_3_stages/processes.log"):
         assert log in names, names
     assert "-m hybrid_ep.testing.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
@@ -762,7 +759,7 @@ def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
     assert time.monotonic() - start < 50
     summary = (results / "summary.txt").read_text()
     assert "test exit 137" in summary or "test not run" in summary  # (on a loaded machine the first parts are slow)
-    for part in ("bench", "bench receive", "bench fp8", "bench dsv3 direct", "deepep", "racecheck probe"):
+    for part in ("processes", "bench", "bench fp8", "bench dsv3 direct", "deepep", "racecheck probe"):
         assert f"{part} not run: " in summary and " s left of 50" in summary, part
     assert "-m hybrid_ep.bench" not in calls
 
@@ -788,7 +785,7 @@ def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive
     with tarfile.open(results / "logs_second_call.tgz") as packed:
         names = packed.getnames()
     assert "./sanitize/sanitizer_summary.txt" in names and "./nvshmem-ep/nvshmem_cases.log" in names, names
-    assert "./soak/soak_direct_g8.log" in names, names
+    assert "./soak/soak_processes_g8.log" in names, names
     assert not (results / "logs_short_lease.tgz").exists()
 
 
