@@ -82,8 +82,8 @@ class HybridEPBuffer:
     twice the bytes, rounded once); combine(wire_dtype=...) overrides it per call.
     ring_chunks: cuda backend: chunks of 32 tokens one rank may have in each peer's rings before
     it waits for the peer to free one (memory against slack; default 8).
-    arena_bytes: cuda backend, opt-in: a peer-mapped arena of dispatch outputs per rank, so that
-    ranks in separate processes take the direct path (None: none, the receive path there).
+    arena_bytes: cuda backend, optional: bytes of peer memory each rank holds from the start for
+    the direct path's outputs (None: it starts empty and grows on demand).
     """
 
     def __init__(

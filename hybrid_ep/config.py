@@ -30,12 +30,11 @@ class BufferConfig:
     # Every local expert gets at least this many rows (zero rows past its real ones), so a
     # grouped GEMM never sees an empty group; the block is then rounded up to pad_multiple.
     min_rows_per_expert: int = 0
-    # The cuda backend's arena (backends/cuda/arena.py), opt-in: bytes per rank of peer-mapped
-    # memory the direct path allocates its dispatch outputs from when ranks are in separate
-    # processes, each kept output (a training layer in flight) its rows, probs and fp8 scales
-    # (arena.call_bytes; a training step: arena.training_bytes); None or 0: no arena (ranks in
-    # one process take the direct path on PyTorch's outputs, ranks in separate processes the
-    # receive path). The combine staging region (staging.py) comes on top of it.
+    # The cuda backend's peer memory at construction, optional: bytes per rank (rounded up to
+    # 2 MiB) of the memory the direct path takes its dispatch outputs from when ranks are in
+    # separate processes (peer_memory.py), each kept output (a training layer in flight) its
+    # rows, probs and fp8 scales (arena.call_bytes; a training step: arena.training_bytes), plus
+    # one expert-out block. None or 0: it starts empty and grows on demand.
     arena_bytes: int | None = None
     # Chunks (of kChunkTokens tokens) one rank may have in a peer's ring before it waits for the
     # peer to free one: every ring of rows between ranks (receive rows, partial sums, RDMA

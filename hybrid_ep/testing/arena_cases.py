@@ -1,6 +1,7 @@
 """Rank-side functions of the GPU tests of the direct path with one process per rank (several
-processes on one GPU, CUDA IPC between them): a rank whose arena is full sends every rank of
-the group to the receive path for that call (the vote), and the results stay the oracle's."""
+processes on one GPU, CUDA IPC between them): a rank whose peer memory is full sends every rank
+of the group to the receive path for that call (the agreement), and the results stay the
+oracle's."""
 
 from __future__ import annotations
 
