@@ -104,7 +104,7 @@ def test_combines_on_another_stream_wait_for_the_last_user_of_the_expert_out_blo
     the last copying combine's kernel, before its copy; a combine whose expert_out is in the
     block already copies nothing and neither waits nor records. Every combine matches the
     oracle."""
-    case = _case(arena_bytes=PEER_BYTES)
+    case = _case(peer_memory_bytes=PEER_BYTES)
     group = _group(case, separate_processes=True)
     engine = group.engine
     try:
@@ -161,7 +161,7 @@ def _one_rank_direct_buffer():
     from hybrid_ep.bench.host import _single_rank_buffer, _world_of_one
 
     g = EmulatedGroup(1, H1, T1, E1, device="cpu", data_path="direct", num_sms_dispatch=1, num_sms_combine=1,
-                      arena_bytes=ONE_CALL, separate_processes=True)
+                      peer_memory_bytes=ONE_CALL, separate_processes=True)
     try:
         with _world_of_one():
             gen = torch.Generator().manual_seed(0)

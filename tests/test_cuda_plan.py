@@ -100,7 +100,7 @@ def test_a_deepseek_v3_like_layer_holds_rings_sized_by_their_writers(world_size,
 
 
 def test_outputs_are_not_held_and_peer_memory_starts_empty():
-    """One process per rank: peer memory holds nothing until a call needs it (arena_bytes
+    """One process per rank: peer memory holds nothing until a call needs it (peer_memory_bytes
     pre-sizes it, rounded up to a chunk); what a call can make it grow by is the per-call part:
     its output, an expert-out block and the rounding of a growth."""
     plan = memory_plan(_cfg())
@@ -112,7 +112,7 @@ def test_outputs_are_not_held_and_peer_memory_starts_empty():
     assert sizes["peer_staging"] == expert_out_block_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
     assert plan.workspace_bytes == out.nbytes + expert_out_block_bytes(worst, 8192) + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
-    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, arena_bytes=CHUNK + 1).validate())
+    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, peer_memory_bytes=CHUNK + 1).validate())
     assert presized.as_dict()["peer_memory"] == 2 * CHUNK
     assert memory_plan(_cfg(), peer_held=3 * CHUNK).as_dict()["peer_memory"] == 3 * CHUNK
 

@@ -61,7 +61,7 @@ def group(request):
     process); the direct path in peer memory (ranks in separate processes, emulated)."""
     peer = request.param == "peer"
     g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
-                      data_path="direct" if peer else request.param, arena_bytes=PEER_BYTES if peer else None,
+                      data_path="direct" if peer else request.param, peer_memory_bytes=PEER_BYTES if peer else None,
                       separate_processes=peer)
     yield g
     g.close()

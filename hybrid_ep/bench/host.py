@@ -138,7 +138,7 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     E = max(2 * W, K)
     peer = data_path == "peer"
     group = EmulatedGroup(W, H, T, E, device="cpu", data_path="direct" if peer else data_path, num_sms_dispatch=1,
-                          num_sms_combine=1, separate_processes=peer, arena_bytes=PEER_BYTES if peer else None)
+                          num_sms_combine=1, separate_processes=peer, peer_memory_bytes=PEER_BYTES if peer else None)
     ext = group.ext
     gen = torch.Generator().manual_seed(0)
     xs, scales = _inputs(W, T, H, dtype, gen)

@@ -20,11 +20,11 @@ from .oracle import combine_hops_oracle, combine_oracle, dispatch_oracle
 
 
 def emulated_group_for(case: Case, device, **kwargs):
-    """The case's buffer shape on `device`, its peer memory pre-sized by `case.arena_bytes` (with
+    """The case's buffer shape on `device`, its peer memory pre-sized by `case.peer_memory_bytes` (with
     separate_processes) unless kwargs name a size."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    kwargs.setdefault("arena_bytes", case.arena_bytes)
+    kwargs.setdefault("peer_memory_bytes", case.peer_memory_bytes)
     return EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
                          pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
                          device=device, ranks_per_node=case.ranks_per_node, **kwargs)
@@ -33,7 +33,7 @@ def emulated_group_for(case: Case, device, **kwargs):
 def buffer_key(case: Case) -> tuple:
     """Cases with equal keys can share one EmulatedGroup."""
     return (case.world_size, case.ranks_per_node, case.hidden, max(max(case.tokens), 1), case.num_experts,
-            case.pad_multiple, case.min_rows_per_expert, case.arena_bytes)
+            case.pad_multiple, case.min_rows_per_expert, case.peer_memory_bytes)
 
 
 class GroupCache:

@@ -3,7 +3,7 @@ the oracle, the data path of every call, and the direct path's speed beside the 
 
 `python -m hybrid_ep.testing.process_bench --out DIR` starts W=8 processes on GPU 0 (run it under
 MPS, `nvidia-cuda-mps-control -d`, so that the processes' kernels run side by side), each one
-rank of HybridEPBuffer(backend="cuda") with no arena_bytes: peer memory grows on demand
+rank of HybridEPBuffer(backend="cuda") with no peer_memory_bytes: peer memory grows on demand
 (hybrid_ep/backends/cuda/agreement.py). For each layout (one node of 8; two nodes of 4 joined by
 NVSHMEM, where the build has it) it checks a case against the dense oracle
 (hybrid_ep.testing.cases.check_case), then times the seed shape (H=8192, 4096 tokens per rank,

@@ -27,7 +27,7 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
     call, known before allocation.
 
     The direct path's outputs live in peer memory, which holds `peer_held` bytes now (None: what
-    it starts with, arena_bytes rounded up to peer_memory.CHUNK) and grows to the peak of live
+    it starts with, peer_memory_bytes rounded up to peer_memory.CHUNK) and grows to the peak of live
     direct outputs plus one expert-out block, in CHUNK steps. The per-call part says by how much
     a call can make it grow: its output (dispatch_out, the worst case), the expert-out block of
     an expert_out from outside peer memory (peer_staging) and the rounding of a growth
@@ -37,10 +37,10 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
-    held = round_up(config.arena_bytes or 0, CHUNK) if peer_held is None else peer_held
+    held = round_up(config.peer_memory_bytes or 0, CHUNK) if peer_held is None else peer_held
     specs.append(BufferSpec("peer_memory", held, True,
                             "held now: peer-mapped memory of the direct path's outputs, grown on demand to the "
-                            "peak of live outputs plus one expert-out block (arena_bytes pre-sizes it, "
+                            "peak of live outputs plus one expert-out block (peer_memory_bytes pre-sizes it, "
                             "release_unused() returns a free tail)"))
     specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
                             "expert-major output of one call, fp32 worst case: a block of peer memory while the "
@@ -74,7 +74,7 @@ class CudaBackend(Backend):
                       else None)
         # One process per rank: the direct path's outputs in growable peer memory, every call's
         # path agreed on the count kernel's count exchange (agreement.py), pre-sized by
-        # arena_bytes where given.
+        # peer_memory_bytes where given.
         self._peer = process_agreement(ext, config, group, rank, self._device)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma, peer=self._peer)
 

@@ -19,7 +19,7 @@ rank gets its own growable peer memory and maps its node peers' at addresses of 
 (peer_memory.py, over the same sockets and file descriptors as separate processes), every
 dispatch is agreed on the count kernel's count exchange (agreement.py), and the direct path's
 kernels translate every published offset with the rank's own table of bases, as separate
-processes do. arena_bytes pre-sizes that peer memory (without separate_processes it is unused).
+processes do. peer_memory_bytes pre-sizes that peer memory (without separate_processes it is unused).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class EmulatedGroup:
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
-                 ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
+                 ranks_per_node: int | None = None, data_path: str | None = None, peer_memory_bytes: int | None = None,
                  ring_chunks: int = BufferConfig.ring_chunks, separate_processes: bool = False,
                  stage_combines: bool = True, peer_reserve: int = 1 << 30):
         if not 1 <= world_size <= MAX_LAUNCH_RANKS:
@@ -57,7 +57,7 @@ class EmulatedGroup:
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert,
-                                   arena_bytes=arena_bytes, ring_chunks=ring_chunks).validate()
+                                   peer_memory_bytes=peer_memory_bytes, ring_chunks=ring_chunks).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config, inter_node=True)
         if device is None:

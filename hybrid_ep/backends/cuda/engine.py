@@ -1,24 +1,26 @@
 """The call sequence of the cuda backend for the ranks one process drives.
 
-Production drives one rank per process; the single-GPU emulation drives all W virtual
-ranks of a group in one process. Both go through this class, and each kernel is one launch
-covering every rank it drives, so the kernels are the same and only the launcher differs.
+Production drives one rank per process (Engine.dispatch, Engine.combine: one rank's tensors);
+the single-GPU emulation drives all W virtual ranks of a group in one process
+(dispatch_ranks, combine_ranks: lists). Both go through the same code, and each kernel is one
+launch covering every rank it drives, so the kernels are the same and only the launcher differs.
 
 Per dispatch: the count kernel (counts, send slots, ordinals, count exchange, offsets),
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales: on the direct path from each rank's arena, arena.py, or the call
-takes the receive path; combine's y; a direct combine's expert_out from outside the arena is
-copied into the rank's staging region, staging.py) and one workspace for the call's per-rank tables
-(CallWorkspace, reused once nothing refers to it); one call into the extension
-(ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
-both dispatch kernels when the output size is known, else the count kernel, the host read,
-then the dispatch kernel. Between that read and the dispatch launch (a GPU idles there) only
-what needs the output sizes runs: the path, the arena blocks' ranges or the receive path's
-outputs; the arena's tensors (made by the extension, arena.py) and the per-rank results are
-made after the launch. The handle's tensors are views of the workspace made when read.
+(output rows, probs, scales: where paths.py puts them, blocks of peer memory on a direct call
+of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
+expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
+one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
+one call into the extension (ext.HostPath) then fills every rank's launch arguments and
+launches the kernel sequence: both dispatch kernels when the output size and path are known,
+else the count kernel, the host read, then the dispatch kernel (_launch_dispatch). Between that
+read and the dispatch launch (a GPU idles there) only what needs the output sizes runs: the
+path, the peer memory blocks' ranges or the receive path's outputs; the blocks' tensors (made
+by the extension, arena.py) and the per-rank results are made after the launch. The handle's
+tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
@@ -373,26 +375,25 @@ class Engine:
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing, num_out_tokens: int | None,
                  num_sms: int | None, known_rows: int | None = None,
                  known_bounds: list[int] | None = None) -> RankDispatch:
-        """The dispatch of the one rank this engine drives (one process per GPU): dispatch_ranks
-        with one rank."""
-        return self.dispatch_ranks([x], [scales], [routing], num_out_tokens, num_sms,
-                                   None if known_rows is None else [known_rows], known_bounds)[0]
+        """The dispatch of the one rank this engine drives (one process per GPU): its inputs
+        checked and marshalled (_dispatch_inputs), then the kernels (_launch_dispatch).
+        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH); known_rows: a handle's
+        output rows, known_bounds: every rank's rows the agreement sized the handle's call for
+        (CudaReceiveTable.bounds)."""
+        return self._launch_dispatch(self._dispatch_inputs([x], [scales], [routing]), num_out_tokens, num_sms,
+                                     None if known_rows is None else [known_rows], known_bounds)[0]
 
     def dispatch_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                        num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
                        known_bounds: list[int] | None = None) -> list[RankDispatch]:
-        """Every driven rank's dispatch (the emulation's W ranks, or the one of production): the
-        inputs checked and marshalled (_dispatch_inputs), then the kernels (_launch_dispatch).
-        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH); known_rows: a handle's
-        output rows per driven rank, known_bounds: every rank's rows the agreement sized the
-        handle's call for (CudaReceiveTable.bounds)."""
-        if self._reported():
-            self.raise_if_failed()
-        if num_sms is None:
-            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
-        given = self._dispatch_inputs(xs, scales, routings)
-        static = num_out_tokens if num_out_tokens is not None else -1
-        call, rows, direct, made, bounds = self._launch_dispatch(given, static, known_rows, known_bounds, num_sms)
+        """dispatch for every rank this engine drives (the emulation's W ranks in one launch):
+        lists of their tensors and of their handles' rows, one RankDispatch per rank."""
+        return self._launch_dispatch(self._dispatch_inputs(xs, scales, routings), num_out_tokens, num_sms, known_rows,
+                                     known_bounds)
+
+    def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made: list,
+                 bounds: list[int] | None) -> list[RankDispatch]:
+        """Each driven rank's outputs and its tables in the call's workspace."""
         self._in_flight["dispatch"] = given.tensors
         shape = self._shape
         return [RankDispatch(out.rows, out.scales, out.probs,
@@ -472,8 +473,8 @@ class Engine:
         self._absent = ranks
         self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
 
-    def _launch_dispatch(self, given: DispatchCall, static_rows: int, known_rows: list[int] | None,
-                         known_bounds: list[int] | None, num_sms: int) -> tuple:
+    def _launch_dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
+                         known_rows: list[int] | None, known_bounds: list[int] | None) -> list[RankDispatch]:
         """The kernels of a dispatch, on the path the engine's outputs (paths.py) decide. A call
         whose sizes are known before the count kernel (static_rows >= 0: num_out_tokens, or a
         handle's known_rows) and whose path is decided without a read launches both kernels in
@@ -482,15 +483,21 @@ class Engine:
         words in the one host read, decides, then launches the dispatch kernel. From that read to
         the dispatch launch the GPU idles: only what needs the sizes runs there (the path, the
         output blocks' ranges); the blocks' tensors and the results are made after the launch.
-        (workspace, rows, direct, DispatchOutputs per rank, bounds)."""
+        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
+        if self._reported():
+            self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
+        static_rows = num_out_tokens if num_out_tokens is not None else -1
         place = self.outputs
         stream = self._stream()
         if static_rows >= 0 or known_rows is not None:
             decision = place.decide_known(static_rows, known_bounds, given.dtype, given.fp8)
             if decision is not None:
                 rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
-                return self._dispatch_known(given, rows, static_rows, num_sms, decision, stream) + (
-                    place.bounds(static_rows, known_bounds, None),)
+                call, made = self._dispatch_known(given, rows, static_rows, num_sms, decision, stream)
+                return self._results(given, call, rows, decision.direct, made,
+                                     place.bounds(static_rows, known_bounds, None))
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         absent, after_count = self._absent_bits
         H = self.config.hidden_dim
@@ -525,13 +532,13 @@ class Engine:
         self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_count)
         if made is None:
             made = _made(taken.tensors(), fp8)
-        return call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words)
+        return self._results(given, call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words))
 
     def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int,
                         decision, stream: int) -> tuple:
         """Both kernels in one call into the extension, the output size known (rows per rank;
         static_rows: num_out_tokens, or -1 for a handle's sizes) and the path decided:
-        (workspace, rows, direct, DispatchOutputs per rank). A direct call's blocks in peer memory
+        (workspace, DispatchOutputs per rank). A direct call's blocks in peer memory
         (arena.arena_take) have their tensors made by the same call, else the outputs come from
         PyTorch's allocator."""
         dtype, dtype_name, fp8, topk, inputs, tensors = given
@@ -555,7 +562,7 @@ class Engine:
         else:
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs,
                                absent, after_count)
-        return call, rows, direct, made
+        return call, made
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
         """The launcher's output tuple per rank, and the tensors per rank (DispatchOutputs): with
