@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 import weakref
 
 import torch
@@ -66,6 +67,17 @@ class CallRecord:
         return rank_traffic(self.kind, self.rank, self.counts.row_counts, self.row_bytes)
 
 
+def _renamed_peer_memory_bytes(peer_memory_bytes: int | None, arena_bytes: int | None) -> int | None:
+    """peer_memory_bytes, or the deprecated arena_bytes it replaced (with a DeprecationWarning)."""
+    if arena_bytes is None:
+        return peer_memory_bytes
+    if peer_memory_bytes is not None:
+        raise ValueError("pass peer_memory_bytes only: arena_bytes is its deprecated former name")
+    warnings.warn("HybridEPBuffer(arena_bytes=...) is deprecated: it is peer memory's initial size, now "
+                  "peer_memory_bytes=...", DeprecationWarning, stacklevel=3)
+    return arena_bytes
+
+
 class HybridEPBuffer:
     """Dispatch and combine for one EP group. The memory it holds for its life is bounded
     independently of the routing (memory_plan() says how much, by region, before allocating);
@@ -82,8 +94,9 @@ class HybridEPBuffer:
     twice the bytes, rounded once); combine(wire_dtype=...) overrides it per call.
     ring_chunks: cuda backend: chunks of 32 tokens one rank may have in each peer's rings before
     it waits for the peer to free one (memory against slack; default 8).
-    arena_bytes: cuda backend, opt-in: a peer-mapped arena of dispatch outputs per rank, so that
-    ranks in separate processes take the direct path (None: none, the receive path there).
+    peer_memory_bytes: cuda backend, optional: bytes of peer memory each rank holds from the start for
+    the direct path's outputs (None: it starts empty and grows on demand). arena_bytes: its former
+    name, deprecated.
     """
 
     def __init__(
@@ -99,10 +112,12 @@ class HybridEPBuffer:
         min_rows_per_expert: int = 0,
         num_sms_dispatch: int | None = None,
         num_sms_combine: int | None = None,
-        arena_bytes: int | None = None,
+        peer_memory_bytes: int | None = None,
         combine_wire_dtype: torch.dtype | None = None,
         ring_chunks: int = BufferConfig.ring_chunks,
+        arena_bytes: int | None = None,
     ):
+        peer_memory_bytes = _renamed_peer_memory_bytes(peer_memory_bytes, arena_bytes)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("HybridEPBuffer needs torch.distributed to be initialised (init_process_group)")
         if group is None:
@@ -124,7 +139,7 @@ class HybridEPBuffer:
             ranks_per_node=ranks_per_node,
             pad_multiple=pad_multiple,
             min_rows_per_expert=min_rows_per_expert,
-            arena_bytes=arena_bytes,
+            peer_memory_bytes=peer_memory_bytes,
             ring_chunks=ring_chunks,
         ).validate()
         check_hidden_dim(hidden_dim)

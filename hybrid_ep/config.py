@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 
@@ -30,18 +31,24 @@ class BufferConfig:
     # Every local expert gets at least this many rows (zero rows past its real ones), so a
     # grouped GEMM never sees an empty group; the block is then rounded up to pad_multiple.
     min_rows_per_expert: int = 0
-    # The cuda backend's arena (backends/cuda/arena.py), opt-in: bytes per rank of peer-mapped
-    # memory the direct path allocates its dispatch outputs from when ranks are in separate
-    # processes, each kept output (a training layer in flight) its rows, probs and fp8 scales
-    # (arena.call_bytes; a training step: arena.training_bytes); None or 0: no arena (ranks in
-    # one process take the direct path on PyTorch's outputs, ranks in separate processes the
-    # receive path). The combine staging region (staging.py) comes on top of it.
-    arena_bytes: int | None = None
+    # The cuda backend's peer memory at construction, optional: bytes per rank (rounded up to
+    # 2 MiB) of the memory the direct path takes its dispatch outputs from when ranks are in
+    # separate processes (peer_memory.py), each kept output (a training layer in flight) its
+    # rows, probs and fp8 scales (arena.call_bytes; a training step: arena.training_bytes), plus
+    # one expert-out block. None or 0: it starts empty and grows on demand.
+    peer_memory_bytes: int | None = None
     # Chunks (of kChunkTokens tokens) one rank may have in a peer's ring before it waits for the
     # peer to free one: every ring of rows between ranks (receive rows, partial sums, RDMA
     # staging) holds this many chunks per peer, so the memory held is bounded independently of
     # the routing, and a call that routes more rows to one rank takes more turns of its ring.
     ring_chunks: int = 8
+
+    @property
+    def arena_bytes(self) -> int | None:
+        """Deprecated: peer_memory_bytes (peer memory's initial size)."""
+        warnings.warn("BufferConfig.arena_bytes is deprecated: read peer_memory_bytes", DeprecationWarning,
+                      stacklevel=2)
+        return self.peer_memory_bytes
 
     def validate(self) -> "BufferConfig":
         require_int("hidden_dim", self.hidden_dim, 1)
@@ -51,8 +58,8 @@ class BufferConfig:
         require_int("ranks_per_node", self.ranks_per_node, 1)
         require_int("pad_multiple", self.pad_multiple, 1)
         require_int("min_rows_per_expert", self.min_rows_per_expert, 0)
-        if self.arena_bytes is not None:
-            require_int("arena_bytes", self.arena_bytes, 0)
+        if self.peer_memory_bytes is not None:
+            require_int("peer_memory_bytes", self.peer_memory_bytes, 0)
         require_int("ring_chunks", self.ring_chunks, 2)
         if self.num_experts % self.world_size != 0:
             raise ValueError(

@@ -249,9 +249,9 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     out_rows = sum(int((r.probs != 0).sum()) for r in first)  # routed (row, expert) entries
     total_rows = sum(r.tokens.shape[0] for r in first)
     gen = torch.Generator(device=dev).manual_seed(derived_seed(args.seed + 1))
-    # With an arena (opt-in), expert_out lies in it, as an expert computation allocating there
-    # leaves it (else combine copies it in first); without one, where it is.
-    expert_outs = [group.in_arena(i, torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype))
+    # With separate processes emulated, expert_out lies in the expert-out block, as an expert
+    # computation allocating there leaves it (else combine copies it in first); else where it is.
+    expert_outs = [group.in_peer_memory(i, torch.randn(r.tokens.shape[0], H, device=dev, generator=gen).to(comb_dtype))
                    for i, r in enumerate(first)]
     handles = [r.handle for r in first]
     # Bytes the kernels touch. Receive path: dispatch reads each token once and writes each
@@ -298,7 +298,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
               f"kernels {kernel_summary(row)}")
 
     # Host time per dispatch + combine pair, static size (no host sync inside the pair). The
-    # timed points' first call and expert_outs die first: with an arena they hold its blocks.
+    # timed points' first call and expert_outs die first: with peer memory they hold its blocks.
     first = handles = expert_outs = None
     static = max(total_rows // W, 1) * 2
     for _ in range(5):  # each call's outputs die before the next
@@ -306,7 +306,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         group.combine([torch.zeros_like(r.tokens, dtype=comb_dtype) for r in res], [r.handle for r in res])
         res = None
     group.synchronize()
-    outs = [group.in_arena(i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
+    outs = [group.in_peer_memory(i, torch.zeros(static, H, dtype=comb_dtype, device=dev)) for i in range(W)]
     samples, host_paths = [], set()
     res = None  # each pair's outputs die before the next pair
     for _ in range(50):

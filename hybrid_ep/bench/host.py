@@ -138,7 +138,7 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
     E = max(2 * W, K)
     peer = data_path == "peer"
     group = EmulatedGroup(W, H, T, E, device="cpu", data_path="direct" if peer else data_path, num_sms_dispatch=1,
-                          num_sms_combine=1, separate_processes=peer, arena_bytes=PEER_BYTES if peer else None)
+                          num_sms_combine=1, separate_processes=peer, peer_memory_bytes=PEER_BYTES if peer else None)
     ext = group.ext
     gen = torch.Generator().manual_seed(0)
     xs, scales = _inputs(W, T, H, dtype, gen)
@@ -159,9 +159,9 @@ def measure(world_size: int, data_path: str, *, hidden: int, tokens: int, topk: 
 
 
 def _peer_ledger(group, xs, scales, routings, static):
-    """The peer path's start: a first direct call takes each rank's combine staging block (where
+    """The peer path's start: a first direct call takes each rank's expert-out block (where
     expert_out then lies); returns what sets the agreement's ledger back to where it is after it."""
-    group.engine.dispatch(xs, scales, routings, static, 1)
+    group.engine.dispatch_ranks(xs, scales, routings, static, 1)
     ledger = list(group.peer.ledger)
 
     def between():
@@ -177,9 +177,9 @@ def _measure_levels(group, stack, data_path, xs, scales, idx, w, routings, stati
     peer = data_path == "peer"
     fp8 = scales[0] is not None
     between = _peer_ledger(group, xs, scales, routings, static) if peer else None
-    # In the arena (with separate processes, the combine staging block) on the direct path, as
-    # the GPU benchmark has them (else combine copies them in).
-    expert_outs = [group.in_arena(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
+    # With separate processes, in the expert-out block on the direct path, as the GPU benchmark
+    # has them (else combine copies them in).
+    expert_outs = [group.in_peer_memory(i, torch.zeros(static, H, dtype=torch.bfloat16)) for i in range(W)]
 
     group_scales = scales if fp8 else None
 
@@ -202,8 +202,9 @@ def _measure_levels(group, stack, data_path, xs, scales, idx, w, routings, stati
         hep_combine(buf, leaves[2], res.handle)  # its graph and res's die on return
 
     def engine_pair():
-        res = engine.dispatch(xs, scales, routings, static, 1)
-        engine.combine(expert_outs, [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res], False, 1)
+        res = engine.dispatch_ranks(xs, scales, routings, static, 1)
+        engine.combine_ranks(expert_outs, [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res],
+                             False, 1)
 
     point = {"world_size": W, "data_path": data_path, "hidden": H, "tokens": T, "topk": K, "experts": E,
              "num_out_tokens": static, "iters": iters}

@@ -1,6 +1,7 @@
 """Rank-side functions of the GPU tests of the direct path with one process per rank (several
-processes on one GPU, CUDA IPC between them): a rank whose arena is full sends every rank of
-the group to the receive path for that call (the vote), and the results stay the oracle's."""
+processes on one GPU, CUDA IPC between them): a rank whose peer memory is full sends every rank
+of the group to the receive path for that call (the agreement), and the results stay the
+oracle's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def run_uneven_arena_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor,
     cfg = case.config
     one_call = call_bytes(case.num_out_tokens, cfg.hidden_dim, case.dtype, fp8=False)
     buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
-                         ranks_per_node=cfg.ranks_per_node, backend="cuda", arena_bytes=one_call)
+                         ranks_per_node=cfg.ranks_per_node, backend="cuda", peer_memory_bytes=one_call)
     device = buf.device
     x = inputs["x"].to(device)
     routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}

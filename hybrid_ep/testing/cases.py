@@ -40,13 +40,13 @@ class Case:
     routing_map: bool = False  # pass Megatron's routing_map / probs instead of topk
     backend: str = "reference"
     seed: int = 0
-    arena_bytes: int | None = None  # the cuda backend's arena (None: its default)
+    peer_memory_bytes: int | None = None  # the cuda backend's arena (None: its default)
 
     @property
     def config(self) -> BufferConfig:
         return BufferConfig(self.hidden, max(self.tokens), self.num_experts, self.world_size,
                             self.ranks_per_node, self.pad_multiple, self.min_rows_per_expert,
-                            self.arena_bytes).validate()
+                            self.peer_memory_bytes).validate()
 
     @property
     def combine_dtype(self) -> torch.dtype:
@@ -58,7 +58,7 @@ class Case:
                 f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
                 f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}"
                 + ("" if self.wire_dtype is None else f" wire {str(self.wire_dtype).replace('torch.', '')}")
-                + ("" if self.arena_bytes is None else f" arena {self.arena_bytes}"))
+                + ("" if self.peer_memory_bytes is None else f" arena {self.peer_memory_bytes}"))
 
 
 def make_rank_inputs(case: Case) -> list[dict]:
@@ -115,7 +115,7 @@ def case_buffer(case: Case):
     cfg = case.config
     return HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
                           ranks_per_node=cfg.ranks_per_node, backend=case.backend, pad_multiple=cfg.pad_multiple,
-                          min_rows_per_expert=cfg.min_rows_per_expert, arena_bytes=cfg.arena_bytes)
+                          min_rows_per_expert=cfg.min_rows_per_expert, peer_memory_bytes=cfg.peer_memory_bytes)
 
 
 def run_case_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor, calls: int = 1) -> list[dict]:

@@ -20,10 +20,11 @@ from .oracle import combine_hops_oracle, combine_oracle, dispatch_oracle
 
 
 def emulated_group_for(case: Case, device, **kwargs):
-    """The case's buffer shape on `device`, its arena `case.arena_bytes` unless kwargs name one."""
+    """The case's buffer shape on `device`, its peer memory pre-sized by `case.peer_memory_bytes` (with
+    separate_processes) unless kwargs name a size."""
     from ..backends.cuda.emulation import EmulatedGroup
 
-    kwargs.setdefault("arena_bytes", case.arena_bytes)
+    kwargs.setdefault("peer_memory_bytes", case.peer_memory_bytes)
     return EmulatedGroup(case.world_size, case.hidden, max(max(case.tokens), 1), case.num_experts,
                          pad_multiple=case.pad_multiple, min_rows_per_expert=case.min_rows_per_expert,
                          device=device, ranks_per_node=case.ranks_per_node, **kwargs)
@@ -32,7 +33,7 @@ def emulated_group_for(case: Case, device, **kwargs):
 def buffer_key(case: Case) -> tuple:
     """Cases with equal keys can share one EmulatedGroup."""
     return (case.world_size, case.ranks_per_node, case.hidden, max(max(case.tokens), 1), case.num_experts,
-            case.pad_multiple, case.min_rows_per_expert, case.arena_bytes)
+            case.pad_multiple, case.min_rows_per_expert, case.peer_memory_bytes)
 
 
 class GroupCache:
@@ -87,16 +88,16 @@ def check_emulated(group, case: Case, num_sms: int | None = None, check: bool = 
     run = dispatch_oracle(cfg, xs, idx, weights, scales if case.dtype == FP8_DTYPE else None, case.num_out_tokens,
                           device=dev)
     want_y, magnitude = combine_oracle(cfg, run, expert_outs, idx, case.apply_probs)
-    direct = res[0].handle.data_path == "direct"  # the call's path: the buffer's, or receive where its
-    # arenas could not hold the outputs (every rank the same)
+    direct = res[0].handle.data_path == "direct"  # the call's path: the buffer's, or receive where the
+    # agreement sent it there (every rank the same)
     assert {r.handle.data_path for r in res} == {res[0].handle.data_path}, f"{case}: ranks took different paths"
-    if group.engine.data_path == "direct" and not group.engine.arenas:
-        # ranks in one process without an arena: outputs from PyTorch's allocator serve any call
-        assert direct, f"{case}: the buffer's direct path fell back to the receive path without an arena"
+    if group.engine.data_path == "direct" and group.engine.peer is None:
+        # ranks in one process: outputs from PyTorch's allocator serve any call
+        assert direct, f"{case}: the buffer's direct path fell back to the receive path in one process"
     if direct:
         for r, arena in enumerate(group.engine.arenas):
             assert arena.contains(res[r].tokens) and arena.contains(res[r].probs), (
-                f"{case} rank {r}: a direct dispatch's output outside its arena")
+                f"{case} rank {r}: a direct dispatch's output outside its peer memory")
     hops = combine_hops_oracle(cfg, run, expert_outs, idx, case.apply_probs, case.wire_dtype, direct=direct)
     want_rows, want_nodes = count_tables([i.cpu() for i in idx], cfg)  # what the traffic model counts
     for r in range(case.world_size):

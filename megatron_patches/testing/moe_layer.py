@@ -72,7 +72,7 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
     """On every rank: one layer (fresh buffer cache), forward + backward for each call c with
     seqs[c][rank] sequence positions (input and output gradient drawn from the seed, call
     and rank). Per call: out, grad_x, grad_router, the buffers cached and this dispatcher's
-    buffer size in tokens per rank, arena_bytes and pad_multiple; a call that raises gives
+    buffer size in tokens per rank, peer_memory_bytes and pad_multiple; a call that raises gives
     {"error": "Type: message"} and ends the run on that rank."""
     import torch.distributed as dist
 
@@ -99,7 +99,7 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
         results.append({
             "out": out.detach(), "grad_x": x.grad, "grad_router": layer.router.weight.grad.clone(),
             "buffers": len(BUFFERS), "buffer_tokens": None if buf is None else buf.config.max_tokens_per_rank,
-            "buffer_arena": None if buf is None else buf.config.arena_bytes,
+            "buffer_arena": None if buf is None else buf.config.peer_memory_bytes,
             "buffer_pad": None if buf is None else buf.config.pad_multiple,
             "data_path": None if record is None else record.handle.data_path,  # the forward dispatch's
             "peer_memory": None if buf is None else buf.memory_plan().as_dict().get("peer_memory"),  # cuda

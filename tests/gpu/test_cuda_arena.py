@@ -1,9 +1,9 @@
 """The direct path with one process per rank (needs a GPU): several processes on one GPU, a
-gloo group between them, registered buffers and arenas (opt-in: arena_bytes) opened through
+gloo group between them, registered buffers and arenas (opt-in: peer_memory_bytes) opened through
 CUDA IPC. Every rank's dispatch output comes from its arena and every peer writes and reads it
 there; without an arena the processes take the receive path; a rank whose arena is full
 takes the whole group to the receive path for that call; combines on two streams take the
-combine staging region in turn (one process). Against the oracle."""
+expert-out block in turn (one process). Against the oracle."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ ARENA = 64 << 20  # holds every call below many times over
 def _cases() -> list[Case]:
     tokens = (37, 0, 21)
     return [
-        Case(W, W, 2 * W, 2048, tokens, 2, torch.bfloat16, pad_multiple=8, backend="cuda", arena_bytes=ARENA),
-        Case(W, W, 2 * W, 1024, tokens, 3, FP8_DTYPE, drop_fraction=0.2, backend="cuda", arena_bytes=ARENA),
+        Case(W, W, 2 * W, 2048, tokens, 2, torch.bfloat16, pad_multiple=8, backend="cuda", peer_memory_bytes=ARENA),
+        Case(W, W, 2 * W, 1024, tokens, 3, FP8_DTYPE, drop_fraction=0.2, backend="cuda", peer_memory_bytes=ARENA),
         Case(W, W, 2 * W, 256, tokens, 2, torch.float32, num_out_tokens=24, apply_probs=True, backend="cuda",
-             arena_bytes=ARENA),
+             peer_memory_bytes=ARENA),
     ]
 
 
@@ -57,13 +57,13 @@ def test_processes_on_one_gpu_take_the_direct_path(pool, case):
 def test_processes_without_an_arena_take_the_receive_path(pool):
     """A process's peers reach its tensors only in an arena they mapped: without one (the
     default) every rank takes the receive path, whose rings hold bounded memory."""
-    case = dataclasses.replace(_cases()[0], arena_bytes=None)
+    case = dataclasses.replace(_cases()[0], peer_memory_bytes=None)
     results = check_case(pool, case)
     assert [r["data_path"] for r in results] == ["receive"] * W
 
 
 def test_an_arena_too_small_for_the_call_takes_every_process_to_the_receive_path(pool):
-    case = dataclasses.replace(_cases()[0], arena_bytes=4096)
+    case = dataclasses.replace(_cases()[0], peer_memory_bytes=4096)
     results = check_case(pool, case)
     assert [r["data_path"] for r in results] == ["receive"] * W
 
@@ -84,11 +84,12 @@ def test_one_full_arena_sends_the_whole_group_to_the_receive_path(pool):
         assert_combine_within(g["y"], want_y[r], f"rank {r}")
 
 
-def test_combines_on_two_streams_take_the_staging_region_in_turn():
-    """One process, two virtual ranks: two combines of one direct dispatch's handles, with
-    expert_outs outside the arena, on two streams issued back to back. Both stage into each
-    rank's one staging region; the second stream waits on the device for an event recorded
-    after the first's kernel (staging.StreamOrder), so the second copy never overwrites rows
+def test_combines_on_two_streams_take_the_expert_out_block_in_turn():
+    """One process, two virtual ranks (separate processes emulated): two combines of one direct
+    dispatch's handles, with expert_outs outside peer memory, on two streams issued back to
+    back. Both copy into each rank's one expert-out block; the second stream waits on the device
+    for an event recorded after the first's kernel (staging.StreamOrder), so the second copy never
+    overwrites rows
     the first kernel's peers still read, and the kernels' call numbers stay in order. The
     first combine is made long (1 SM, 2048 tokens of H=4096 per rank) so that without that
     wait the second could overlap it. Both match the oracle."""
@@ -100,8 +101,8 @@ def test_combines_on_two_streams_take_the_staging_region_in_turn():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     built_cuda_extension()
-    case = Case(2, 2, 4, 4096, (2048, 1999), 2, torch.bfloat16, backend="cuda", arena_bytes=256 << 20)
-    group = emulated_group_for(case, "cuda", num_sms_dispatch=2, num_sms_combine=1)
+    case = Case(2, 2, 4, 4096, (2048, 1999), 2, torch.bfloat16, backend="cuda", peer_memory_bytes=256 << 20)
+    group = emulated_group_for(case, "cuda", num_sms_dispatch=2, num_sms_combine=1, separate_processes=True)
     try:
         dev = group.device
         xs, idx, w, _ = on_device(make_rank_inputs(case), dev)
@@ -122,8 +123,8 @@ def test_combines_on_two_streams_take_the_staging_region_in_turn():
         for s in streams:
             main.wait_stream(s)
         group.synchronize()
-        staging = group.engine.staging
-        assert staging.uses == 2 and staging.order.waits == 1
+        engine = group.engine
+        assert engine.expert_out_copies == 2 and engine.expert_out_order.waits == 1
         for k, (y, o) in enumerate(zip(ys, outs)):
             want, magnitude = combine_oracle(group.config, run, o, idx, False)
             for r in range(2):

@@ -241,7 +241,7 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
 
 
 def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(pool_for):
-    """--hybrid-ep-backend cuda, one process per rank on one node, no arena_bytes: the buffer's
+    """--hybrid-ep-backend cuda, one process per rank on one node, no peer_memory_bytes: the buffer's
     startup line names the direct path and the peer memory it holds (none yet); the first
     forward dispatch grows the peer memory and takes the receive path, every later one goes
     direct; the results equal Megatron's alltoall. The cuda backend's host code runs as in a

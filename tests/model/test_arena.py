@@ -148,16 +148,12 @@ def test_fp8_calls_carry_their_scales_in_the_block(region):
     assert a.used == 4 * ALIGN
 
 
-def test_no_arena_unless_asked_for_and_the_knob_wins():
+def test_a_calls_bytes_are_its_rows_and_probs_and_the_presize_is_checked():
     cfg = BufferConfig(512, 64, 8, 4, 4).validate()
-    assert arena_mod.arena_bytes(cfg) == 0
-    assert arena_mod.arena_bytes(BufferConfig(512, 64, 8, 4, 4, arena_bytes=0).validate()) == 0
     rows = max_output_rows(cfg, 2)
     assert call_bytes(rows, 512, torch.float32) == rows * 512 * 4 + rows * 4  # 256-byte multiples here
-    sized = BufferConfig(512, 64, 8, 4, 4, arena_bytes=1000).validate()
-    assert arena_mod.arena_bytes(sized) == 4 * ALIGN
-    with pytest.raises(ValueError, match="arena_bytes"):
-        BufferConfig(512, 64, 8, 4, 4, arena_bytes=-1).validate()
+    with pytest.raises(ValueError, match="peer_memory_bytes"):
+        BufferConfig(512, 64, 8, 4, 4, peer_memory_bytes=-1).validate()
 
 
 def test_a_training_step_holds_one_call_per_layer_in_flight_and_one_gradient_dispatch():

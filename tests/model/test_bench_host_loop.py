@@ -19,10 +19,10 @@ def cpu_sweep(monkeypatch):
     """emulated._sweep_one_world with its GPU-only parts replaced: groups on the CPU model,
     each timed callable run once, no SM clock or index_select baseline."""
     pytest.importorskip("hybrid_ep._model")
-    from hybrid_ep.backends.cuda import emulation, paths
+    from hybrid_ep.backends.cuda import agreement, emulation
 
     monkeypatch.setattr(emulation, "EmulatedGroup", functools.partial(emulation.EmulatedGroup, device="cpu"))
-    monkeypatch.setattr(paths, "_fallbacks_logged", set())  # the fallback line is logged once per process
+    monkeypatch.setattr(agreement, "_logged", set())  # the receive path lines are logged once per process
 
     def once(fn, warmup, iters, flush):
         fn()

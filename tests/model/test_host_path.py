@@ -52,25 +52,26 @@ def _inputs(seed=0):
     return xs, idx, ws
 
 
-ARENA = 1 << 20  # an opt-in arena (what ranks in separate processes need for the direct path)
+PEER_BYTES = 1 << 20  # peer memory pre-sized for every call here (ranks in separate processes, emulated)
 
 
-@pytest.fixture(params=["receive", "direct", "arena"])
+@pytest.fixture(params=["receive", "direct", "peer"])
 def group(request):
     """The receive path; the direct path on outputs from PyTorch's allocator (ranks in one
-    process); the direct path on an arena the caller asked for."""
-    path, arena = ("direct", ARENA) if request.param == "arena" else (request.param, None)
-    g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path=path,
-                      arena_bytes=arena)
+    process); the direct path in peer memory (ranks in separate processes, emulated)."""
+    peer = request.param == "peer"
+    g = EmulatedGroup(W, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
+                      data_path="direct" if peer else request.param, peer_memory_bytes=PEER_BYTES if peer else None,
+                      separate_processes=peer)
     yield g
     g.close()
 
 
 def _assert_outputs_only(mode, group, receive_ops: dict, ranks: int = W) -> None:
     """The operations of the receive path are `receive_ops`, its out rows and probs among the
-    empties; so are the direct path's on outputs from PyTorch's allocator. With an arena those
-    two are the tensors of one arena block per rank, which the extension makes (DLPack, no
-    tensor operation): the same minus those empties."""
+    empties; so are the direct path's on outputs from PyTorch's allocator. In peer memory those
+    two are the tensors of one block per rank, which the extension makes (DLPack, no tensor
+    operation): the same minus those empties."""
     ops = dict(mode.ops)
     if group.engine.arenas:
         receive_ops = dict(receive_ops, empty=receive_ops["empty"] - 2 * ranks)
@@ -80,8 +81,8 @@ def _assert_outputs_only(mode, group, receive_ops: dict, ranks: int = W) -> None
 
 def _engine_pair(group, xs, routings):
     e = group.engine
-    res = e.dispatch(xs, [None] * W, routings, STATIC, 1)
-    ys = e.combine([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
+    res = e.dispatch_ranks(xs, [None] * W, routings, STATIC, 1)
+    ys = e.combine_ranks([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
                    [r.probs_R for r in res], True, 1)
     return res, ys
 
@@ -224,8 +225,8 @@ class _Calls:
 
 
 def test_static_dispatch_is_one_call_into_the_host_path(group):
-    """A static-size dispatch is one call into the extension's host path: with an arena
-    dispatch_into launches both kernels and returns the arena blocks' tensors."""
+    """A static-size dispatch is one call into the extension's host path: in peer memory
+    dispatch_into launches both kernels and returns the blocks' tensors."""
     xs, idx, ws = _inputs()
     e = group.engine
     e.host = proxy = _Calls(e.host)
@@ -234,7 +235,7 @@ def test_static_dispatch_is_one_call_into_the_host_path(group):
     finally:
         e.host = proxy.host
     arena = bool(e.arenas)
-    assert arena == (group.config.arena_bytes is not None)
+    assert arena == (e.peer is not None)
     assert proxy.calls == ["dispatch_into" if arena else "dispatch"]
     for i, r in enumerate(res):
         assert r.tokens.shape == (STATIC, H) and r.probs.shape == (STATIC,)
@@ -312,9 +313,9 @@ def test_handle_and_result_are_read_only(group):
 def test_dynamic_dispatch_reads_back_once(group):
     xs, idx, ws = _inputs()
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
-    group.engine.dispatch(xs, [None] * W, routings, None, 1)
+    group.engine.dispatch_ranks(xs, [None] * W, routings, None, 1)
     with _Ops() as mode:
-        group.engine.dispatch(xs, [None] * W, routings, None, 1)
+        group.engine.dispatch_ranks(xs, [None] * W, routings, None, 1)
     # out rows + probs per rank, and the needed rows and bad route of every rank read in one gather
     _assert_outputs_only(mode, group, {"empty": 2 * W, **READ_BACK})
 
@@ -338,27 +339,30 @@ class _AfterRead:
         self.launches += 1
         self.host.dispatch_rows(*args)
 
+    def set_agree(self, *args):  # before the count kernel (peer memory)
+        self.host.set_agree(*args)
+
 
 def test_dynamic_dispatch_makes_only_its_outputs_after_the_read(group):
     """Between the host read and the dispatch launch a dynamic-size dispatch makes its
-    outputs and nothing else: rows and probs per rank, nothing with an arena (its tensors
+    outputs and nothing else: rows and probs per rank, nothing in peer memory (its tensors
     come from the extension); the gather of the output
     sizes and the results are made before and after."""
     xs, idx, ws = _inputs()
     e = group.engine
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
-    e.dispatch(xs, [None] * W, routings, None, 1)
+    e.dispatch_ranks(xs, [None] * W, routings, None, 1)
     mode = _Ops(counting=False)
     host = e.host
     e.host = proxy = _AfterRead(host, mode)
     try:
         with mode:
-            res = e.dispatch(xs, [None] * W, routings, None, 1)
+            res = e.dispatch_ranks(xs, [None] * W, routings, None, 1)
     finally:
         e.host = host
     assert proxy.launches == 1 and res[0].send.data_path == e.data_path
     assert dict(mode.ops) == ({} if e.arenas else {"empty": 2 * W}), mode.ops
-    ys = e.combine([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
+    ys = e.combine_ranks([r.rows_RH for r in res], [r.send for r in res], [r.recv for r in res],
                    [r.probs_R for r in res], True, 1)
     group.synchronize()
     for r in range(W):
@@ -426,39 +430,39 @@ def test_bad_argument_messages_are_unchanged(group):
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
     wide = normalize_routing(T, 32, xs[0].device, topk_idx=torch.arange(17).repeat(T, 1), check_values=False)
     with pytest.raises(ValueError) as err:
-        e.dispatch(xs, [None] * W, [wide, routings[1]], STATIC, 1)
+        e.dispatch_ranks(xs, [None] * W, [wide, routings[1]], STATIC, 1)
     assert str(err.value) == "topk_idx has 17 routes per token on rank 0; the cuda backend supports up to 16"
     with pytest.raises(TypeError) as err:
-        e.dispatch([xs[0], xs[1].to(torch.bfloat16)], [None] * W, routings, STATIC, 1)
+        e.dispatch_ranks([xs[0], xs[1].to(torch.bfloat16)], [None] * W, routings, STATIC, 1)
     assert str(err.value) == "x on rank 1 is torch.bfloat16 but rank 0's is torch.float32; one call moves one dtype"
     fp8 = [x.to(torch.float8_e4m3fn) for x in xs]
     with pytest.raises(ValueError) as err:
-        e.dispatch(fp8, [None] * W, routings, STATIC, 1)
+        e.dispatch_ranks(fp8, [None] * W, routings, STATIC, 1)
     assert str(err.value) == ("scales: fp8 x on rank 0 needs its float32 scales [num_tokens, hidden_dim / 128] "
                               "(a re-dispatch with a reused handle too)")
     with pytest.raises(ValueError) as err:
-        e.dispatch(fp8, [torch.ones(T, 1)] * W, routings, STATIC, 1)
+        e.dispatch_ranks(fp8, [torch.ones(T, 1)] * W, routings, STATIC, 1)
     assert str(err.value) == "scales on rank 0 must have shape [16, 2], got [16, 1]"
     with pytest.raises(ValueError) as err:
-        e.dispatch(xs, [None] * W, routings, STATIC, 10_000)
+        e.dispatch_ranks(xs, [None] * W, routings, STATIC, 10_000)
     assert str(err.value).startswith("num_sms (dispatch)=10000 x 2 rank(s) in one launch needs 20000 co-resident "
                                      "blocks, but the device holds ")
 
-    res = e.dispatch(xs, [None] * W, routings, STATIC, 1)
+    res = e.dispatch_ranks(xs, [None] * W, routings, STATIC, 1)
     sends, recvs, probs = [r.send for r in res], [r.recv for r in res], [r.probs_R for r in res]
     rows = [r.rows_RH for r in res]
     with pytest.raises(ValueError) as err:
-        e.combine(rows, sends, recvs, probs, False, 1, torch.bfloat16)
+        e.combine_ranks(rows, sends, recvs, probs, False, 1, torch.bfloat16)
     assert str(err.value) == "wire_dtype must be the dtype of expert_out (float32) or float32, got bfloat16"
     with pytest.raises(ValueError) as err:
-        e.combine([torch.zeros(STATIC, 2 * H)] * W, sends, recvs, probs, False, 1)
+        e.combine_ranks([torch.zeros(STATIC, 2 * H)] * W, sends, recvs, probs, False, 1)
     assert str(err.value) == "expert_out rows have 512 columns; the buffer holds 256"
     with pytest.raises(ValueError) as err:
-        e.combine([rows[0], rows[1][:, :128].contiguous()], sends, recvs, probs, False, 1)
+        e.combine_ranks([rows[0], rows[1][:, :128].contiguous()], sends, recvs, probs, False, 1)
     assert str(err.value) == ("expert_out on rank 1 is torch.float32 [128 columns] but rank 0's is torch.float32 "
                               "[256]; one call moves one dtype and width")
     with pytest.raises(ValueError) as err:
-        e.combine(rows, sends, recvs, probs, False, 0)
+        e.combine_ranks(rows, sends, recvs, probs, False, 0)
     assert str(err.value) == "num_sms (combine) must be >= 1, got 0"
     group.synchronize()  # nothing of the refused calls reached a kernel
 

@@ -29,18 +29,18 @@ pytestmark = pytest.mark.model
 
 W, H, T, E, K = 2, 256, 16, 4, 2
 STATIC = W * T * K
-PATHS = ("receive", "direct", "arena", "peer")
+PATHS = ("receive", "direct", "peer")
 KERNELS = {  # path -> (dispatch kernel, combine kernel)
     "receive": ("dispatch_receive", "combine_receive"), "direct": ("dispatch_direct", "combine_direct"),
-    "arena": ("dispatch_direct", "combine_direct"), "peer": ("dispatch_direct", "combine_direct")}
+    "peer": ("dispatch_direct", "combine_direct")}
 
 
 def _group(path: str, world_size: int = W) -> EmulatedGroup:
     """The receive path; the direct path of ranks in one process (outputs from PyTorch's
-    allocator), with an arena, and of ranks in separate processes (peer memory)."""
+    allocator), and of ranks in separate processes (peer memory)."""
     return EmulatedGroup(world_size, H, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
                          data_path="receive" if path == "receive" else "direct",
-                         arena_bytes=1 << 20 if path == "arena" else None, separate_processes=path == "peer")
+                         separate_processes=path == "peer")
 
 
 def _inputs(world_size: int = W, seed: int = 0):
@@ -108,9 +108,9 @@ def counting(engine, monkeypatch):
 
 def _known(path: str) -> dict:
     """calls into HostPath of a dispatch of known size that launches both kernels at once: with
-    blocks of the arena or of peer memory, their tensors in the same call; with peer memory no
+    blocks of peer memory, their tensors in the same call; with peer memory no
     agreement words (the ledger holds the call, so no rank reads them)."""
-    return {"dispatch_into" if path in ("arena", "peer") else "dispatch": 1}
+    return {"dispatch_into" if path == "peer" else "dispatch": 1}
 
 
 def _oracle(group, xs, ws, ys) -> None:

@@ -70,7 +70,7 @@ def test_calls_the_ledger_holds_map_nothing_and_the_next_read_maps_the_growth():
     node peers map the new chunks at the next call that reads, and that call goes direct into
     them. Static sizes on one node of 3, the oracle after every call."""
     W, H, T, K, E = 3, 2048, 8, 2, 6
-    small, big = W * T * K, 300  # fp32 rows of 8 KiB: 300 rows and their staging block need 3 chunks
+    small, big = W * T * K, 300  # fp32 rows of 8 KiB: 300 rows and their expert-out block need 3 chunks
     group = emulated_group_for(Case(world_size=W, ranks_per_node=W, num_experts=E, hidden=H, tokens=(T,) * W,
                                     topk=K, backend="cuda"), "cpu", separate_processes=True, num_sms_dispatch=1,
                                num_sms_combine=1)
@@ -133,7 +133,7 @@ def test_a_failed_import_costs_one_call_and_the_oracle_still_matches(monkeypatch
         group.close()
 
 
-def test_an_expert_out_in_the_staging_block_is_read_in_place():
+def test_an_expert_out_in_the_expert_out_block_is_read_in_place():
     case = Case(world_size=2, ranks_per_node=2, num_experts=4, hidden=128, tokens=(8, 6), topk=2, backend="cuda")
     group = _group(case)
     try:
@@ -143,13 +143,13 @@ def test_an_expert_out_in_the_staging_block_is_read_in_place():
         for _ in range(2):
             res = group.dispatch(xs, idx)
         assert res[0].handle.data_path == "direct"
-        outs = [group.in_arena(i, r.tokens.float() * 2) for i, r in enumerate(res)]
+        outs = [group.in_peer_memory(i, r.tokens.float() * 2) for i, r in enumerate(res)]
         assert all(group.peer.own[i].arena.contains(o) for i, o in enumerate(outs))
-        before = group.engine.peer_staged_combines
+        before = group.engine.expert_out_copies
         ys = group.combine(outs, [r.handle for r in res])
-        assert group.engine.peer_staged_combines == before  # read in place: nothing copied
+        assert group.engine.expert_out_copies == before  # read in place: nothing copied
         ys_copied = group.combine([o.clone() for o in outs], [r.handle for r in res])
-        assert group.engine.peer_staged_combines == before + 1  # from outside peer memory: one staging copy
+        assert group.engine.expert_out_copies == before + 1  # from outside peer memory: one copy
         for a, b in zip(ys, ys_copied):
             torch.testing.assert_close(a, b)
         for y, x, i in zip(ys, xs, idx):

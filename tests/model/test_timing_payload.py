@@ -85,10 +85,12 @@ def _calls(path: str, payload: bool):
     from hybrid_ep.synthetic import iter_rank_routings
 
     W, T, H = SHAPE.world_size, SHAPE.tokens, SHAPE.hidden
-    # The direct path on an arena (opt-in): fresh zeroed memory, so a payload-free run's rows
-    # show that no bulk store wrote them (outputs from PyTorch's allocator start as anything).
-    arena = 1 << 22 if path == "direct" else None
-    group = EmulatedGroup(W, H, T, SHAPE.experts, device=torch.device("cpu"), data_path=path, arena_bytes=arena)
+    # The direct path in peer memory (separate processes emulated): fresh zeroed memory, so a
+    # payload-free run's rows show that no bulk store wrote them (outputs from PyTorch's
+    # allocator start as anything).
+    peer = path == "direct"
+    group = EmulatedGroup(W, H, T, SHAPE.experts, device=torch.device("cpu"), data_path=path,
+                          peer_memory_bytes=1 << 22 if peer else None, separate_processes=peer)
     idxs = list(iter_rank_routings("uniform", [T] * W, SHAPE.experts, SHAPE.topk, 0))
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(T, H, generator=gen).to(torch.bfloat16) for _ in range(W)]

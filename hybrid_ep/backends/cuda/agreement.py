@@ -15,7 +15,7 @@ and across nodes as within one:
 - the rows each rank's block needs are bounded by the routes it receives plus the padding
   bound (exact without padding), and a rank may use free_all only where every rank of its node
   is ready, else free_acked; the call goes direct only if every rank's block (and, the first
-  time a rank needs it, its combine staging block) fits what it may use;
+  time a rank needs it, its expert-out block) fits what it may use;
 - a rank short of memory grows by a rule every rank computes alike (its extent plus what its
   free tail lacks, in CHUNK steps): that call takes the receive path, the rank maps a new chunk
   at once, its node peers fetch and map it before their next call that reads (PeerViews.sync, as
@@ -63,21 +63,21 @@ def log_once(what: str, reason: str) -> None:
         _log.warning("hybrid_ep: %s (%s); that call took the receive path. Logged once per process", what, reason)
 
 
-def staging_bytes(rows: int, hidden: int) -> int:
-    """A combine staging block for rows of an expert_out outside peer memory: fp32 rows of hidden
+def expert_out_block_bytes(rows: int, hidden: int) -> int:
+    """A expert-out block for rows of an expert_out outside peer memory: fp32 rows of hidden
     values and their fp32 probs."""
     return aligned(rows * hidden * 4) + aligned(max(rows, 1) * 4)
 
 
-def staging_layout(ext):
-    """The extension's layout of a staging block: bytes."""
-    got = _STAGING_LAYOUTS.get(ext)
+def expert_out_block_layout(ext):
+    """The extension's layout of an expert-out block: bytes."""
+    got = _EXPERT_OUT_LAYOUTS.get(ext)
     if got is None:
-        got = _STAGING_LAYOUTS[ext] = _layout([(0, torch.uint8)], ext)
+        got = _EXPERT_OUT_LAYOUTS[ext] = _layout([(0, torch.uint8)], ext)
     return got
 
 
-_STAGING_LAYOUTS: dict = {}
+_EXPERT_OUT_LAYOUTS: dict = {}
 
 
 def peer_bases(agreement: "Agreement", rank: int) -> list[int]:
@@ -102,7 +102,7 @@ class RankState:
 
     target: int = 0  # the extent every node peer maps before its next call that reads
     acked: int = 0  # the extent every node peer confirmed mapping
-    staged: int = 0  # bytes of its combine staging block (0: none yet)
+    expert_out_bytes: int = 0  # bytes of its expert-out block (0: none yet)
     retiring: bool = False  # a retired tail is still mapped somewhere
 
 
@@ -112,7 +112,7 @@ class Decision:
 
     direct: bool
     limits: list[int]  # per driven rank: its block ends within this many bytes of its base
-    new_staging: list[int]  # per driven rank: bytes of a new staging block to take, 0: keep
+    new_expert_out_blocks: list[int]  # per driven rank: bytes of a new expert-out block to take, 0: keep
 
 
 class Agreement:
@@ -129,8 +129,8 @@ class Agreement:
         self.limit = [0] * self.W  # where each rank's blocks may end since the last read
         self.trim_requested = False
         self.reads = self.directs = 0  # reads decided, of them direct (tests, bench)
-        self._sizes: dict = {}  # (rows, dtype, fp8) -> (block bytes, staging block bytes): need_bytes
-        # A held call's decision when it takes no staging block, with the `limit` list it was made from
+        self._sizes: dict = {}  # (rows, dtype, fp8) -> (block bytes, expert-out block bytes): need_bytes
+        # A held call's decision when it takes no expert-out block, with the `limit` list it was made from
         self._ledger_decision: tuple[list[int], Decision] | None = None
 
     # -- before the count kernel ------------------------------------------------------
@@ -158,18 +158,18 @@ class Agreement:
 
     # -- after the read ----------------------------------------------------------------
 
-    def need_bytes(self, rows: int, dtype: torch.dtype, fp8: bool, staged: int) -> tuple[int, int]:
-        """(bytes one rank's call of `rows` output rows takes, of them a new staging block)."""
+    def need_bytes(self, rows: int, dtype: torch.dtype, fp8: bool, held: int) -> tuple[int, int]:
+        """(bytes one rank's call of `rows` output rows takes, of them a new expert-out block)."""
         key = (rows, dtype, fp8)
         sizes = self._sizes.get(key)
-        if sizes is None:  # (its block, the staging block a call of its rows needs)
+        if sizes is None:  # (its block, the expert-out block a call of its rows needs)
             H = self.config.hidden_dim
             if len(self._sizes) >= _SIZES_KEPT:
                 self._sizes.clear()
             sizes = self._sizes[key] = (call_bytes(rows, H, dtype, fp8),
-                                        staging_bytes(rows, H) if self.stage_combines else 0)
+                                        expert_out_block_bytes(rows, H) if self.stage_combines else 0)
         out, stage = sizes
-        new_stage = stage if stage > staged else 0
+        new_stage = stage if stage > held else 0
         return out + new_stage, new_stage
 
     def bounds(self, read_row: list[int]) -> list[int]:
@@ -202,7 +202,7 @@ class Agreement:
             else:
                 usable.append(read_row[at + FREE_ACKED] * UNIT)
                 limits.append(min(st.acked, extent))
-            need, new_stage = self.need_bytes(bounds[d], dtype, fp8, st.staged)
+            need, new_stage = self.need_bytes(bounds[d], dtype, fp8, st.expert_out_bytes)
             needs.append(need)
             stages.append(new_stage)
         trim = self.trim_requested
@@ -224,7 +224,7 @@ class Agreement:
             self.directs += 1
             for d, nbytes in enumerate(stages):
                 if nbytes:
-                    state[d].staged = nbytes  # larger than the block it replaces (need_bytes)
+                    state[d].expert_out_bytes = nbytes  # larger than the block it replaces (need_bytes)
             self.ledger = [u - n for u, n in zip(usable, needs)]
         else:
             self.ledger = [u if not trim else 0 for u in usable]
@@ -266,7 +266,7 @@ class Agreement:
             return Decision(False, [], []) if capturing else None
         left, stages, state = [], None, self.state
         for d, r in enumerate(rows):
-            need, new_stage = self.need_bytes(r, dtype, fp8, state[d].staged)
+            need, new_stage = self.need_bytes(r, dtype, fp8, state[d].expert_out_bytes)
             if need > ledger[d]:
                 return Decision(False, [], []) if capturing else None
             left.append(ledger[d] - need)
@@ -275,7 +275,7 @@ class Agreement:
                 stages[d] = new_stage
         self.ledger = left
         self.directs += 1
-        if stages is None:  # no staging block: one decision per setting of the limits
+        if stages is None:  # no expert-out block: one decision per setting of the limits
             kept = self._ledger_decision
             if kept is None or kept[0] is not self.limit:
                 kept = self._ledger_decision = (self.limit, Decision(True, [self.limit[r] for r in self.ranks],
@@ -283,7 +283,7 @@ class Agreement:
             return kept[1]
         for d, nbytes in enumerate(stages):
             if nbytes:
-                state[d].staged = nbytes  # larger than the block it replaces (need_bytes)
+                state[d].expert_out_bytes = nbytes  # larger than the block it replaces (need_bytes)
         return Decision(True, [self.limit[r] for r in self.ranks], [stages[r] for r in self.ranks])
 
     def held(self) -> int:

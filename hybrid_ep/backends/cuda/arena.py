@@ -1,11 +1,11 @@
-"""The arena: a fixed, peer-mapped region of a rank's registered memory that the direct data
-path allocates its tensors from.
+"""The arena: the sub-allocator over a rank's peer memory (peer_memory.py) that the direct
+data path allocates its tensors from.
 
 The direct path's kernels publish a rank's tensors to its peers as offsets from the rank's
-arena base (csrc kernels/direct.cuh), and every peer adds its own mapping of that base: a
-tensor a peer writes or reads must lie inside the arena. The arena is one region mapped once
-at construction (the registered buffer's tail, opened by every peer with the same handles),
-so the tensors are carved out of it here rather than by torch's allocator: a torch MemPool
+peer memory base (csrc kernels/direct.cuh), and every peer adds its own mapping of that base:
+a tensor a peer writes or reads must lie inside it. Peer memory is mapped by every peer as it
+grows (agreement.py), not per tensor, so the tensors are carved out of it here rather than by
+torch's allocator: a torch MemPool
 over a pluggable allocator would still need this sub-allocator for its segments, and a
 symmetric-memory tensor per call would need a collective rendezvous per call.
 
@@ -20,8 +20,8 @@ A block is returned to the arena when the last tensor viewing it dies. Blocks ar
 the order of the stream they were allocated on (as torch's caching allocator reuses its
 blocks): a free range remembers that stream, and only a call on the same stream takes it
 again. Blocks allocated while a CUDA graph is being captured stay taken for the arena's life,
-because every replay of the graph writes into them. Exhaustion returns None: the engine then
-takes the receive path for the call.
+because every replay of the graph writes into them. Exhaustion returns None (the agreement
+sizes every call to fit, so the engine raises it as a broken invariant).
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ class _Memory:
 
 
 def memory_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over [ptr, ptr + nbytes) that owns nothing (the combine staging region:
-    staging.py); the memory must outlive it."""
+    """A uint8 tensor over [ptr, ptr + nbytes) that owns nothing; the memory must outlive it."""
     memory = _Memory(ptr, nbytes, device)
     if device.type == "cuda":
         return torch.as_tensor(memory, device=device)
@@ -179,8 +178,8 @@ class Arena:
 def _call_specs(rows: int, hidden: int, dtype: torch.dtype, fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The arena tensors of one direct dispatch of `rows` output rows on one rank: the rows,
     their probs and the fp8 scales. What a layer in flight keeps in the arena until its
-    backward; its combine copies an expert_out from outside the arena into the buffer's one
-    staging region (staging.py), not into room of its own."""
+    backward; its combine copies an expert_out from outside peer memory into the rank's one
+    expert-out block (staging.py), not into room of its own."""
     specs = [((rows, hidden), dtype), ((rows,), torch.float32)]
     if fp8:
         specs.append(((rows, hidden // FP8_BLOCK), torch.float32))
@@ -263,12 +262,3 @@ def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch
     if taken.failed >= 0:
         return taken.failed
     return [(t[0], t[1], t[2] if fp8 else None) for t in taken.tensors()]
-
-
-def arena_bytes(config) -> int:
-    """Bytes of each rank's arena for dispatch outputs: BufferConfig.arena_bytes, 0 unless a
-    caller asks for one. Without an arena a group whose ranks share one process (the
-    single-GPU emulation) writes its outputs straight into tensors from PyTorch's allocator,
-    and a group of one rank per process takes the receive path, whose rings hold bounded
-    memory (docs/architecture.md, "Memory")."""
-    return aligned(config.arena_bytes or 0)

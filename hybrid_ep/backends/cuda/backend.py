@@ -12,59 +12,44 @@ from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import Routing, max_output_rows
 from ..base import Backend
-from . import agreement, arena, launch, load_extension, staging
+from . import agreement, launch, load_extension
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
 from .nvshmem import heap_spec
 from .peer_memory import CHUNK, round_up
 from .peer_setup import agreement_failure, close_peer_memory, process_agreement
 from .registered import NvshmemRegions, RegisteredBuffers
-from .workspace import CudaRecvLayout, CudaSendLayout
+from .workspace import CudaReceiveTable, CudaSendTable
 
 
-def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None,
-                one_process_per_rank: bool = True) -> MemoryPlan:
+def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None) -> MemoryPlan:
     """Bytes each rank holds (registered regions, the NVSHMEM heap, peer memory) and needs per
     call, known before allocation.
 
-    One process per rank (every real job): the direct path's outputs live in peer memory,
-    which holds `peer_held` bytes now (None: what it starts with, arena_bytes rounded up to
-    peer_memory.CHUNK) and grows to the peak of live direct outputs plus one combine staging
-    block, in CHUNK steps. The per-call part says by how much a call can make it grow: its
-    output (dispatch_out, the worst case), the staging block of an expert_out from outside peer
-    memory (peer_staging) and the rounding of a growth (peer_rounding, less than a CHUNK).
-    one_process_per_rank=False: the single-GPU emulation, whose opt-in arena and staging region
-    are registered regions (staging.py) and whose outputs otherwise come from PyTorch's
-    allocator."""
+    The direct path's outputs live in peer memory, which holds `peer_held` bytes now (None: what
+    it starts with, peer_memory_bytes rounded up to peer_memory.CHUNK) and grows to the peak of live
+    direct outputs plus one expert-out block, in CHUNK steps. The per-call part says by how much
+    a call can make it grow: its output (dispatch_out, the worst case), the expert-out block of
+    an expert_out from outside peer memory (peer_staging) and the rounding of a growth
+    (peer_rounding, less than a CHUNK)."""
     # the registered buffer's regions as csrc builds them (layout.registered_regions)
     specs = [BufferSpec(r.name, r.bytes, True, r.purpose) for r in registered_regions(config)]
     if config.num_nodes > 1:
         specs.append(heap_spec(rdma_layout(config).total))  # NVSHMEM_SYMMETRIC_SIZE, set before init
     worst_rows = max_output_rows(config, min(config.experts_per_rank, MAX_TOPK))
-    if one_process_per_rank:
-        held = round_up(config.arena_bytes or 0, CHUNK) if peer_held is None else peer_held
-        specs.append(BufferSpec("peer_memory", held, True,
-                                "held now: peer-mapped memory of the direct path's outputs, grown on demand to the "
-                                "peak of live outputs plus one combine staging block (arena_bytes pre-sizes it, "
-                                "release_unused() returns a free tail)"))
-        specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                                "expert-major output of one call, fp32 worst case: a block of peer memory while the "
-                                "output or its handle lives (the receive path's: from PyTorch's allocator)"))
-        specs.append(BufferSpec("peer_staging", agreement.staging_bytes(worst_rows, config.hidden_dim), False,
-                                "one per rank, sized by the largest direct call so far: a direct combine's fp32 copy "
-                                "of an expert_out from outside peer memory"))
-        specs.append(BufferSpec("peer_rounding", CHUNK, False,
-                                "peer memory grows in steps of this size: at most this much above the rest"))
-        return MemoryPlan(name, tuple(specs))
-    one_node = config.num_nodes == 1
-    specs.append(BufferSpec("combine_staging", staging.staging_bytes(config) if one_node else 0, True,
-                            "with an arena (opt-in): where a direct combine copies an expert_out from outside "
-                            "the arena, fp32 rows as many as a bf16 call in the arena"))
-    specs.append(BufferSpec("arena", arena.arena_bytes(config) if one_node else 0, True,
-                            "opt-in (BufferConfig.arena_bytes): memory pre-sized for dispatch outputs"))
+    held = round_up(config.peer_memory_bytes or 0, CHUNK) if peer_held is None else peer_held
+    specs.append(BufferSpec("peer_memory", held, True,
+                            "held now: peer-mapped memory of the direct path's outputs, grown on demand to the "
+                            "peak of live outputs plus one expert-out block (peer_memory_bytes pre-sizes it, "
+                            "release_unused() returns a free tail)"))
     specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                            "expert-major output of one call, fp32 worst case: in the arena, or from PyTorch's "
-                            "allocator"))
+                            "expert-major output of one call, fp32 worst case: a block of peer memory while the "
+                            "output or its handle lives (the receive path's: from PyTorch's allocator)"))
+    specs.append(BufferSpec("peer_staging", agreement.expert_out_block_bytes(worst_rows, config.hidden_dim), False,
+                            "one per rank, sized by the largest direct call so far: the expert-out block, a direct "
+                            "combine's fp32 copy of an expert_out from outside peer memory"))
+    specs.append(BufferSpec("peer_rounding", CHUNK, False,
+                            "peer memory grows in steps of this size: at most this much above the rest"))
     return MemoryPlan(name, tuple(specs))
 
 
@@ -89,7 +74,7 @@ class CudaBackend(Backend):
                       else None)
         # One process per rank: the direct path's outputs in growable peer memory, every call's
         # path agreed on the count kernel's count exchange (agreement.py), pre-sized by
-        # arena_bytes where given.
+        # peer_memory_bytes where given.
         self._peer = process_agreement(ext, config, group, rank, self._device)
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma, peer=self._peer)
 
@@ -129,10 +114,9 @@ class CudaBackend(Backend):
         known = None
         if handle is not None:
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
-            known = [handle.num_rows]
-        [res] = self._engine.dispatch([x_TH], [scales_TB], [routing], num_out_tokens,
-                                      kernel_config.num_sms_dispatch, known,
-                                      handle.dest.bounds if handle is not None else None)
+            known = handle.num_rows
+        res = self._engine.dispatch(x_TH, scales_TB, routing, num_out_tokens, kernel_config.num_sms_dispatch, known,
+                                    handle.dest.bounds if handle is not None else None)
         # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
         # are views of the call's workspace, read from dest when asked for.
         new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,
@@ -140,9 +124,8 @@ class CudaBackend(Backend):
         return res.rows_RH, res.scales_RB, new
 
     def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):
-        [y] = self._engine.combine([rows_RH], [handle.source], [handle.dest], [handle.probs_R], apply_probs,
-                                   kernel_config.num_sms_combine, kernel_config.wire_dtype_for(rows_RH.dtype))
-        return y
+        return self._engine.combine(rows_RH, handle.source, handle.dest, handle.probs_R, apply_probs,
+                                    kernel_config.num_sms_combine, kernel_config.wire_dtype_for(rows_RH.dtype))
 
     def release_unused(self) -> None:
         """Retire the free tail of this rank's peer memory at the next dispatch (every rank must
@@ -173,7 +156,7 @@ class CudaBackend(Backend):
 
 
 def return_row_values(engine: Engine, values: list[torch.Tensor], routings: list[Routing],
-                      sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+                      sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
                       num_sms: int | None = None) -> list[torch.Tensor]:
     """One fp32 value per output row back to its routing slot, [T, K] per rank.
 
@@ -204,7 +187,7 @@ def return_row_values(engine: Engine, values: list[torch.Tensor], routings: list
             inside = (cols >= c0) & (cols < c0 + width)
             m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
             slices.append(m)
-        got = engine.combine(slices, sends, recvs, ones, False, num_sms, torch.float32)
+        got = engine.combine_ranks(slices, sends, recvs, ones, False, num_sms, torch.float32)
         for f, g in zip(full, got):
             f[:, c0:c0 + width] = g
     out = []

@@ -1,11 +1,12 @@
 """Single-GPU emulation: W = N x G virtual ranks of one EP group in one process (tests, benchmarks).
 
-Each virtual rank has its own registered buffer and a peer table pointing at the others', and,
-with one node, its own arena (the buffer's tail) that the direct path's outputs come from,
-behind its combine staging region (staging.py).
-Every call launches each kernel once for all W ranks (W x SMs-per-rank blocks, cooperative,
-so all are resident together); the kernels are exactly the production ones. Results come
-back as one list entry per rank, with handles like HybridEPBuffer's.
+Each virtual rank has its own registered buffer and a peer table pointing at the others'; the
+ranks address each other's tensors as they are, so the direct path's outputs come from
+PyTorch's allocator (paths.AllocatorOutputs). Every call launches each kernel once for all W
+ranks (W x SMs-per-rank blocks, cooperative, so all are resident together) through the
+engine's dispatch_ranks / combine_ranks, which hand HostPath the list of ranks; the kernels are
+exactly the production ones. Results come back as one list entry per rank, with handles like
+HybridEPBuffer's.
 
 device="cuda" runs the kernels on the GPU (hybrid_ep._C); device="cpu" runs the same
 kernel sources on the CPU model of the device layer (hybrid_ep._model), on CPU tensors.
@@ -18,7 +19,7 @@ rank gets its own growable peer memory and maps its node peers' at addresses of 
 (peer_memory.py, over the same sockets and file descriptors as separate processes), every
 dispatch is agreed on the count kernel's count exchange (agreement.py), and the direct path's
 kernels translate every published offset with the rank's own table of bases, as separate
-processes do.
+processes do. peer_memory_bytes pre-sizes that peer memory (without separate_processes it is unused).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from .engine import Engine
 from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
 from .peer_setup import close_peer_memory, peer_agreement
 from .registered import LoopbackRegions, RegisteredBuffers
-from .staging import direct_region_bytes
 
 _owner_ids = itertools.count(1_000_000)
 
@@ -48,7 +48,7 @@ class EmulatedGroup:
     def __init__(self, world_size: int, hidden_dim: int, max_tokens_per_rank: int, num_experts: int, *,
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
-                 ranks_per_node: int | None = None, data_path: str | None = None, arena_bytes: int | None = None,
+                 ranks_per_node: int | None = None, data_path: str | None = None, peer_memory_bytes: int | None = None,
                  ring_chunks: int = BufferConfig.ring_chunks, separate_processes: bool = False,
                  stage_combines: bool = True, peer_reserve: int = 1 << 30):
         if not 1 <= world_size <= MAX_LAUNCH_RANKS:
@@ -57,7 +57,7 @@ class EmulatedGroup:
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert,
-                                   arena_bytes=arena_bytes, ring_chunks=ring_chunks).validate()
+                                   peer_memory_bytes=peer_memory_bytes, ring_chunks=ring_chunks).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config, inter_node=True)
         if device is None:
@@ -68,14 +68,13 @@ class EmulatedGroup:
         ext = load_extension(self.device)
         self.ext = ext
         G = self.config.ranks_per_node
-        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G,
-                                                  direct_region_bytes(self.config))
+        self.buffers = RegisteredBuffers.emulated(ext, registered_layout(self.config).total, world_size, self.device, G)
         self.rdma = (LoopbackRegions(ext, rdma_layout(self.config).total, world_size, self.device)
                      if self.config.num_nodes > 1 else None)
         self.peer = (peer_agreement(ext, self.config, self.device, peer_reserve, stage_combines)
                      if separate_processes else None)
         self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
-                             data_path, arenas=None if separate_processes else self.buffers, peer=self.peer)
+                             data_path, peer=self.peer)
         self.owner = next(_owner_ids)
 
     @property
@@ -98,17 +97,14 @@ class EmulatedGroup:
         if self.rdma is not None:
             self.rdma.close()
 
-    def in_arena(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        """t copied into virtual rank i's arena, where an expert computation that allocates there
-        would leave its expert_out (a direct combine then reads it in place instead of copying
-        it in); t itself where the group has no arena or it has no room. With separate processes
-        emulated: t copied into the rank's combine staging block (HybridEPBuffer.empty_expert_out)."""
+    def in_peer_memory(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """t copied into virtual rank i's expert-out block, where an expert computation would
+        leave its expert_out (HybridEPBuffer.empty_expert_out: a direct combine then reads it in
+        place instead of copying it in); t itself where the group has no peer memory (ranks in
+        one process read it where it lies) or the block no room."""
         if self.peer is not None:
             return self.engine.expert_out_view(i, t.shape, t.dtype, like=t)
-        if not self.engine.arenas:
-            return t
-        got = self.engine.arenas[i].empty(tuple(t.shape), t.dtype)
-        return t if got is None else got.copy_(t)
+        return t
 
     # -- plain calls ------------------------------------------------------------------------
 
@@ -131,8 +127,8 @@ class EmulatedGroup:
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, known_bounds=None):
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_dispatch
-        per_rank = self.engine.dispatch(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows,
-                                        known_bounds)
+        per_rank = self.engine.dispatch_ranks(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows,
+                                              known_bounds)
         out = []
         for r, (res, routing) in enumerate(zip(per_rank, routings)):
             # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
@@ -167,8 +163,8 @@ class EmulatedGroup:
             inputs.check_combine_input(out, h, self.config)
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_combine
-        return self.engine.combine(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
-                                   [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
+        return self.engine.combine_ranks(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
+                                         [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
         return return_row_values(self.engine, list(values), [h.routing for h in handles],

@@ -1,24 +1,26 @@
 """The call sequence of the cuda backend for the ranks one process drives.
 
-Production drives one rank per process; the single-GPU emulation drives all W virtual
-ranks of a group in one process. Both go through this class, and each kernel is one launch
-covering every rank it drives, so the kernels are the same and only the launcher differs.
+Production drives one rank per process (Engine.dispatch, Engine.combine: one rank's tensors);
+the single-GPU emulation drives all W virtual ranks of a group in one process
+(dispatch_ranks, combine_ranks: lists). Both go through the same code, and each kernel is one
+launch covering every rank it drives, so the kernels are the same and only the launcher differs.
 
 Per dispatch: the count kernel (counts, send slots, ordinals, count exchange, offsets),
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales: on the direct path from each rank's arena, arena.py, or the call
-takes the receive path; combine's y; a direct combine's expert_out from outside the arena is
-copied into the rank's staging region, staging.py) and one workspace for the call's per-rank tables
-(CallWorkspace, reused once nothing refers to it); one call into the extension
-(ext.HostPath) then fills every rank's launch arguments and launches the kernel sequence:
-both dispatch kernels when the output size is known, else the count kernel, the host read,
-then the dispatch kernel. Between that read and the dispatch launch (a GPU idles there) only
-what needs the output sizes runs: the path, the arena blocks' ranges or the receive path's
-outputs; the arena's tensors (made by the extension, arena.py) and the per-rank results are
-made after the launch. The handle's tensors are views of the workspace made when read.
+(output rows, probs, scales: where paths.py puts them, blocks of peer memory on a direct call
+of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
+expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
+one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
+one call into the extension (ext.HostPath) then fills every rank's launch arguments and
+launches the kernel sequence: both dispatch kernels when the output size and path are known,
+else the count kernel, the host read, then the dispatch kernel (_launch_dispatch). Between that
+read and the dispatch launch (a GPU idles there) only what needs the output sizes runs: the
+path, the peer memory blocks' ranges or the receive path's outputs; the blocks' tensors (made
+by the extension, arena.py) and the per-rank results are made after the launch. The handle's
+tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
@@ -35,17 +37,17 @@ import torch
 
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing, bad_route_text
-from . import capture, launch
-from .agreement import Agreement, peer_bases, staging_layout
-from .arena import Arena, aligned, arena_take
+from . import launch
+from .agreement import Agreement, peer_bases
+from .arena import aligned
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError
 from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
-from .paths import choose_path
+from .paths import AllocatorOutputs, PeerOutputs
 from .registered import LoopbackRegions, NvshmemRegions
-from .staging import CombineStaging, StreamOrder
-from .workspace import CallWorkspace, CudaRecvLayout, CudaSendLayout, EngineShape, RankDispatch, WorkspacePool
+from .staging import StreamOrder
+from .workspace import CallWorkspace, CudaReceiveTable, CudaSendTable, EngineShape, RankDispatch, WorkspacePool
 
-__all__ = ["AbsentRanks", "CudaRecvLayout", "CudaSendLayout", "Engine", "RankDispatch", "RoutingError",
+__all__ = ["AbsentRanks", "CudaReceiveTable", "CudaSendTable", "Engine", "RankDispatch", "RoutingError",
            "check_extension"]
 
 
@@ -177,24 +179,43 @@ class DispatchCall(NamedTuple):
     fp8: bool
     topk: int  # the most routes per token of any driven rank, which sizes the workspace's tables
     inputs: list  # per rank, DispatchInput
-    tensors: list  # per rank, the tensors behind those addresses (x, scales, topk_idx, weights)
+    tensors: list  # per rank, KeptInputs: the tensors behind those addresses
 
+
+class KeptInputs(NamedTuple):
+    """One rank's tensors behind its DispatchInput, kept until the next dispatch's launch."""
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    topk_idx: torch.Tensor
+    weights: torch.Tensor
+
+
+class DispatchOutputs(NamedTuple):
+    """One rank's output tensors of a dispatch; the one order of rows, scales and probs."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None  # fp8 only
+    probs: torch.Tensor
+
+
+def _made(blocks: list, fp8: bool) -> list[DispatchOutputs]:
+    """DispatchOutputs per rank from the peer memory blocks' tensors (rows, probs[, scales])."""
+    if fp8:
+        return [DispatchOutputs(rows, scales, probs) for rows, probs, scales in blocks]
+    return [DispatchOutputs(rows, None, probs) for rows, probs in blocks]
 
 
 class Engine:
     """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
 
     def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
-                 device: torch.device, rdma=None, data_path: str | None = None, arenas=None, vote=None,
-                 peer: Agreement | None = None):
+                 device: torch.device, rdma=None, data_path: str | None = None, peer: Agreement | None = None):
         """rdma: the inter-node transport's regions (registered.LoopbackRegions, or NVSHMEM's),
         for groups of several nodes. data_path: "direct" or "receive" (launch.data_path; None:
-        HYBRID_EP_DATA_PATH, else direct wherever it can run). arenas: the registered
-        buffers' arenas (registered.RegisteredBuffers: arena_bases, own, arena_bytes); vote:
-        where this process drives only some ranks of the group, the agreement of every rank
-        on each dispatch's path, else None. peer: ranks in separate processes (or their
-        emulation): their growable peer memory and the agreement on each call's path
-        (agreement.Agreement), which replaces arenas and vote."""
+        HYBRID_EP_DATA_PATH, else direct wherever it can run). peer: ranks in separate processes
+        (or their emulation): their growable peer memory and the agreement on each call's path
+        (agreement.Agreement); None where this process drives every rank of the group."""
         self.ext, self.config, self.ranks, self.tables, self.device = ext, config, ranks, tables, device
         if config.num_nodes > 1 and rdma is None:
             raise ValueError(f"a group of {config.num_nodes} nodes needs an inter-node transport (rdma)")
@@ -208,38 +229,27 @@ class Engine:
         self.errors = KernelErrors(ext, self.timeout_ns, config.ranks_per_node, config.num_nodes)
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
-        self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         # The direct path writes a rank's outputs and reads its expert_out from every rank of
         # the node, and every rank must choose the same path per call. Ranks that share this
-        # process (the single-GPU emulation) address each other's tensors as they are: outputs
-        # come from PyTorch's allocator at the call's size, and combine reads expert_out where
-        # it lies, so the direct path holds no memory. Ranks in other processes reach a rank's
-        # tensors only in an arena their peers mapped (BufferConfig.arena_bytes, opt-in), with
-        # a vote per call; without one the buffer takes the receive path, whose rings are
-        # bounded. Published tensors are offsets from each rank's arena base (0 in one process).
-        arena = arenas is not None and arenas.arena_bytes > 0 and all(arenas.arena_bases)
+        # process (the single-GPU emulation) address each other's tensors as they are
+        # (paths.AllocatorOutputs); ranks in separate processes reach a rank's tensors only in
+        # its peer memory, with the path agreed per call (paths.PeerOutputs). Published tensors
+        # are offsets from each rank's table of peer memory bases (all 0 in one process).
         in_process = len(ranks) == config.world_size and peer is None
-        self.vote, self.peer = vote, peer
         self.data_path = launch.data_path((config.num_nodes == 1 or rdma is not None)
-                                          and (in_process or peer is not None or (arena and vote is not None)),
-                                          data_path)
-        if self.data_path != "direct":
-            self.peer = peer = None
-        direct_ok = self.data_path == "direct" and arena and peer is None
-        self.arena_bases = torch.tensor(arenas.arena_bases if direct_ok else [0] * config.world_size,
-                                        dtype=torch.int64, device=device)
-        # With peer memory each rank has its own table: where it maps every rank of its node.
-        self.bases_tables = ([torch.tensor(peer_bases(peer, r), dtype=torch.int64, device=device) for r in ranks]
-                             if peer is not None else [self.arena_bases] * len(ranks))
-        self.peer_staging: list[torch.Tensor | None] = [None] * len(ranks)  # combine staging blocks
-        self.peer_order = StreamOrder(device)
-        self.peer_staged_combines = 0  # combines that copied into a staging block (tests)
-        # With an arena, each rank's peer-mapped tail: the combine staging region, then the arena.
-        self.staging = CombineStaging(config, arenas.own, device) if direct_ok else None
-        split = self.staging.nbytes if direct_ok else 0
-        self.arenas = [Arena(b + split, arenas.arena_bytes - split, device) for b in arenas.own] if direct_ok else []
-        if peer is not None:
-            self.arenas = [m.arena for m in peer.own]
+                                          and (in_process or peer is not None), data_path)
+        self.peer = peer if self.data_path == "direct" else None
+        if self.peer is not None:
+            self.outputs = PeerOutputs(self.peer, ext, config, ranks, device,
+                                       self.info.dropped - self.info.agreement)
+            self.bases_tables = [torch.tensor(peer_bases(self.peer, r), dtype=torch.int64, device=device)
+                                 for r in ranks]
+        else:
+            self.outputs = AllocatorOutputs(self.data_path == "direct")
+            self.bases_tables = [torch.zeros(config.world_size, dtype=torch.int64, device=device)] * len(ranks)
+        self.expert_out_order = StreamOrder(device)  # users of the expert-out blocks (staging.py)
+        self.expert_out_copies = 0  # combines that copied into an expert-out block (tests)
+        self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         # Launch arguments per (kind, SMs, dtype, width, wire dtype, apply_probs): built and checked
         # once, then only the per-rank part changes (the launchers copy the struct when they launch).
         self.launches = launch.LaunchSettings(ext, self.geo, len(ranks), int(self.reg.meta_entries), config.num_nodes,
@@ -357,40 +367,40 @@ class Engine:
 
     # -- dispatch --------------------------------------------------------------------------
 
-    def dispatch(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
-                 num_out_tokens: int | None, num_sms: int | None,
-                 known_rows: list[int] | None = None, known_bounds: list[int] | None = None) -> list[RankDispatch]:
-        """Every driven rank's dispatch: the inputs checked and marshalled (_dispatch_inputs),
-        then the kernels. With the output size known before the count kernel (num_out_tokens,
-        or known_rows: a handle's) both kernels go in one call (_dispatch_known); else the
-        count kernel, the one host read of the sizes, and the dispatch kernel
-        (_dispatch_dynamic). Either chooses the data path where the sizes are known
-        (paths.choose_path); with peer memory, _dispatch_peer. num_sms: SMs per rank (None:
-        launch.DEFAULT_NUM_SMS_DISPATCH); known_bounds: with known_rows, every rank's rows the
-        agreement sized the handle's call for (CudaRecvLayout.bounds)."""
-        if self._reported():
-            self.raise_if_failed()
-        if num_sms is None:
-            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
-        given = self._dispatch_inputs(xs, scales, routings)
-        if self.peer is not None:
-            static = num_out_tokens if num_out_tokens is not None else -1
-            launched = self._dispatch_peer(given, static, known_rows, known_bounds, num_sms)
-        elif num_out_tokens is not None:
-            launched = self._dispatch_known(given, [num_out_tokens] * len(self.ranks), num_out_tokens, num_sms)
-        elif known_rows is not None:
-            launched = self._dispatch_known(given, list(known_rows), -1, num_sms)
-        else:
-            launched = self._dispatch_dynamic(given, num_sms)
-        _, _, fp8, _, inputs, tensors = given
-        self._in_flight["dispatch"] = tensors
-        call, rows, direct, made = launched[:4]
-        bounds = launched[4] if len(launched) > 4 else None
+    @property
+    def arenas(self) -> list:
+        """Each driven rank's allocator over its peer memory (arena.Arena); none in one process."""
+        return self.outputs.arenas if self.peer is not None else []
+
+    def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing, num_out_tokens: int | None,
+                 num_sms: int | None, known_rows: int | None = None,
+                 known_bounds: list[int] | None = None) -> RankDispatch:
+        """The dispatch of the one rank this engine drives (one process per GPU): its inputs
+        checked and marshalled (_dispatch_inputs), then the kernels (_launch_dispatch).
+        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH); known_rows: a handle's
+        output rows, known_bounds: every rank's rows the agreement sized the handle's call for
+        (CudaReceiveTable.bounds)."""
+        return self._launch_dispatch(self._dispatch_inputs([x], [scales], [routing]), num_out_tokens, num_sms,
+                                     None if known_rows is None else [known_rows], known_bounds)[0]
+
+    def dispatch_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
+                       num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
+                       known_bounds: list[int] | None = None) -> list[RankDispatch]:
+        """dispatch for every rank this engine drives (the emulation's W ranks in one launch):
+        lists of their tensors and of their handles' rows, one RankDispatch per rank."""
+        return self._launch_dispatch(self._dispatch_inputs(xs, scales, routings), num_out_tokens, num_sms, known_rows,
+                                     known_bounds)
+
+    def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made: list,
+                 bounds: list[int] | None) -> list[RankDispatch]:
+        """Each driven rank's outputs and its tables in the call's workspace."""
+        self._in_flight["dispatch"] = given.tensors
         shape = self._shape
-        return [RankDispatch(t[0], t[2] if fp8 else None, t[1],
-                             CudaSendLayout(call, i, inp[0], inp[1], shape.W, k[2] if direct else None),
-                             CudaRecvLayout(call, i, shape, R, bounds))
-                for i, (R, inp, k, t) in enumerate(zip(rows, inputs, tensors, made))]
+        return [RankDispatch(out.rows, out.scales, out.probs,
+                             CudaSendTable(call, i, inp.num_tokens, inp.topk, shape.W,
+                                           kept.topk_idx if direct else None),
+                             CudaReceiveTable(call, i, shape, R, bounds))
+                for i, (R, inp, kept, out) in enumerate(zip(rows, given.inputs, given.tensors, made))]
 
     def _dispatch_inputs(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
                          routings: list[Routing]) -> DispatchCall:
@@ -440,7 +450,7 @@ class Engine:
             if x_ptr % 16:
                 x, x_ptr = _aligned(x)
             inputs.append(DispatchInput(T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))
-            keep.append((x, sc, idx, w))
+            keep.append(KeptInputs(x, sc, idx, w))
         return DispatchCall(dtype, dtype_name, fp8, topk, inputs, keep)
 
     def _unit_weights(self, count: int) -> torch.Tensor:
@@ -463,20 +473,77 @@ class Engine:
         self._absent = ranks
         self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
 
-    def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int,
-                        chosen: tuple | None = None, stream: int | None = None) -> tuple:
-        """Both kernels in one call into the extension, the output size known (rows per rank;
-        static_rows: num_out_tokens, or -1 for a handle's sizes): (workspace, rows, direct,
-        output tensors per rank). The path is choose_path's, or `chosen` (the ledger's in
-        _dispatch_peer, on `stream`): (direct, taken), taken a direct call's blocks (arena or peer
-        memory, arena.arena_take), whose tensors the same call makes, else None (outputs from
-        PyTorch's allocator)."""
-        if chosen is None:
-            stream = self._stream()
-            direct, taken = choose_path(self, rows, given.dtype, given.fp8, stream)
-        else:
-            direct, taken = chosen
+    def _launch_dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
+                         known_rows: list[int] | None, known_bounds: list[int] | None) -> list[RankDispatch]:
+        """The kernels of a dispatch, on the path the engine's outputs (paths.py) decide. A call
+        whose sizes are known before the count kernel (static_rows >= 0: num_out_tokens, or a
+        handle's known_rows) and whose path is decided without a read launches both kernels in
+        one call (_dispatch_known). Any other call launches the count kernel (with the agreement
+        words, where ranks are in separate processes), reads the sizes, a bad route and those
+        words in the one host read, decides, then launches the dispatch kernel. From that read to
+        the dispatch launch the GPU idles: only what needs the sizes runs there (the path, the
+        output blocks' ranges); the blocks' tensors and the results are made after the launch.
+        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH)."""
+        if self._reported():
+            self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_DISPATCH
+        static_rows = num_out_tokens if num_out_tokens is not None else -1
+        place = self.outputs
+        stream = self._stream()
+        if static_rows >= 0 or known_rows is not None:
+            decision = place.decide_known(static_rows, known_bounds, given.dtype, given.fp8)
+            if decision is not None:
+                rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
+                call, made = self._dispatch_known(given, rows, static_rows, num_sms, decision, stream)
+                return self._results(given, call, rows, decision.direct, made,
+                                     place.bounds(static_rows, known_bounds, None))
         dtype, dtype_name, fp8, topk, inputs, tensors = given
+        absent, after_count = self._absent_bits
+        H = self.config.hidden_dim
+        place.before_count(self.host, stream)
+        prefer = self.data_path == "direct"
+        call = self._workspace(topk, prefer, True, stream)
+        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
+        first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then the agreement words: one read
+        sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + place.words]
+        declared = None
+        if self._declaring():  # the outputs are added after the read
+            declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+                        self._fixed_spans())
+            self.ext.note_launch_tensors(declared)
+        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, absent, True)
+        read = sizes.cpu().tolist()  # the one host sync
+        self.raise_if_failed()
+        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
+            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:1 + BAD_ROUTE_WORDS]))
+        if static_rows >= 0:
+            rows = [static_rows] * len(self.ranks)
+        else:
+            rows = list(known_rows) if known_rows is not None else [r[0] for r in read]
+        words = read[0][1 + BAD_ROUTE_WORDS:]
+        decision = place.decide_read(words, static_rows, dtype, fp8)
+        taken = place.take(rows, dtype, fp8, stream, decision)
+        if prefer and not decision.direct:  # the count kernel's per-rank arguments, for the receive kernel
+            args = self.launches.receive_args(args, num_sms, dtype_name, H)
+        outputs, made = self._outputs(rows, taken, dtype, fp8)
+        if declared is not None:
+            self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
+        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_count)
+        if made is None:
+            made = _made(taken.tensors(), fp8)
+        return self._results(given, call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words))
+
+    def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int,
+                        decision, stream: int) -> tuple:
+        """Both kernels in one call into the extension, the output size known (rows per rank;
+        static_rows: num_out_tokens, or -1 for a handle's sizes) and the path decided:
+        (workspace, DispatchOutputs per rank). A direct call's blocks in peer memory
+        (arena.arena_take) have their tensors made by the same call, else the outputs come from
+        PyTorch's allocator."""
+        dtype, dtype_name, fp8, topk, inputs, tensors = given
+        direct = decision.direct
+        taken = self.outputs.take(rows, dtype, fp8, stream, decision)
         absent, after_count = self._absent_bits
         call = self._workspace(topk, direct, not direct, stream)
         kind = "dispatch_direct" if direct else "dispatch_receive"
@@ -490,139 +557,27 @@ class Engine:
             self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
                           self._output_spans(outputs, dtype))
         if taken is not None:  # the launch and the blocks' tensors in one call
-            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
-                                           absent, after_count)
+            made = _made(self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
+                                                 absent, after_count), fp8)
         else:
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs,
                                absent, after_count)
-        return call, rows, direct, made
-
-    def _dispatch_dynamic(self, given: DispatchCall, num_sms: int) -> tuple:
-        """The count kernel on a workspace with the tables of both paths, the one host read of
-        the output sizes (and of a bad route, raised here), then the dispatch kernel on the path
-        those sizes allow: (workspace, rows, direct, output tensors per rank)."""
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
-        stream = self._stream()
-        absent, after_count = self._absent_bits
-        prefer = self.data_path == "direct"
-        H = self.config.hidden_dim
-        call = self._workspace(topk, prefer, True, stream)
-        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
-        first = call.layout.info // 8 + self.info.needed  # needed, then bad_route: one read
-        sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS]
-        declared = None
-        if self._declaring():  # the outputs are added after the read
-            declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
-                        self._fixed_spans())
-            self.ext.note_launch_tensors(declared)
-        self.host.dispatch_count(args, stream, call.ptr, call.layout, -1, inputs, absent, True)
-        # From the host read to the dispatch launch the GPU idles: only what needs the
-        # output sizes runs here (the outputs' memory, the path); the tensors over the
-        # arena blocks and the results are made after the launch.
-        read = sizes.cpu().tolist()  # the one host sync
-        self.raise_if_failed()
-        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
-            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:]))
-        rows = [r[0] for r in read]
-        direct, taken = choose_path(self, rows, dtype, fp8, stream)
-        if prefer and not direct:  # the count kernel's per-rank arguments, for the receive kernel
-            args = self.launches.receive_args(args, num_sms, dtype_name, H)
-        outputs, made = self._outputs(rows, taken, dtype, fp8)
-        if declared is not None:
-            self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, direct, stream, call.ptr, call.layout, outputs, absent | after_count)
-        if made is None:
-            made = taken.tensors()  # (rows, probs[, scales]) per rank
-        return call, rows, direct, made
-
-    def _dispatch_peer(self, given: DispatchCall, static_rows: int, known_rows: list[int] | None,
-                       known_bounds: list[int] | None, num_sms: int) -> tuple:
-        """Ranks in separate processes (agreement.py): a call whose every rank's size is known
-        (num_out_tokens, or a handle's bounds) and that the ledger holds launches both kernels at
-        once; any other call puts every driven rank's agreement words into the count kernel's
-        count rows, launches it, reads the sizes and every rank's words in the one host read,
-        decides, then launches the dispatch kernel. Only a read call's words are read, so a call
-        the ledger holds sets none (every rank knows alike which calls read).
-        (workspace, rows, direct, outputs, bounds)."""
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
-        stream = self._stream()
-        absent, after_count = self._absent_bits
-        peer, W, H = self.peer, self.config.world_size, self.config.hidden_dim
-        rows_all = [static_rows] * W if static_rows >= 0 else known_bounds
-        if rows_all is not None:
-            capturing = capture.capturing(self.device)
-            decision = peer.decide_ledger(rows_all, dtype, fp8, capturing)
-            if decision is not None:
-                rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
-                chosen = decision.direct, self._take_peer(rows, dtype, fp8, stream, decision)
-                return self._dispatch_known(given, rows, static_rows, num_sms, chosen, stream) + (rows_all,)
-        for i, words in enumerate(peer.words(stream)):
-            self.host.set_agree(i, words)
-        call = self._workspace(topk, True, True, stream)
-        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct")
-        first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then every rank's words: one read
-        sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + (self.info.dropped - self.info.agreement)]
-        declared = None
-        if self._declaring():
-            declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
-                        self._fixed_spans())
-            self.ext.note_launch_tensors(declared)
-        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, absent, True)
-        read = sizes.cpu().tolist()  # the one host sync
-        self.raise_if_failed()
-        if read[0][1] >= 0:
-            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:1 + BAD_ROUTE_WORDS]))
-        if static_rows >= 0:
-            rows = [static_rows] * len(self.ranks)
-        else:
-            rows = list(known_rows) if known_rows is not None else [r[0] for r in read]
-        agreed = read[0][1 + BAD_ROUTE_WORDS:]
-        decision = peer.decide_read(agreed, rows_all if static_rows >= 0 else None, dtype, fp8)
-        taken = self._take_peer(rows, dtype, fp8, stream, decision)
-        if not decision.direct:
-            args = self.launches.receive_args(args, num_sms, dtype_name, H)
-        outputs, made = self._outputs(rows, taken, dtype, fp8)
-        if declared is not None:
-            self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_count)
-        if made is None:
-            made = taken.tensors()
-        return call, rows, decision.direct, made, rows_all or peer.bounds(agreed)
-
-    def _take_peer(self, rows: list[int], dtype: torch.dtype, fp8: bool, stream: int, decision):
-        """A direct call's blocks in peer memory (and new combine staging blocks), each below the
-        limit the agreement set; None on the receive path. Every rank decided from the same
-        numbers that they fit, so a block that does not is a broken invariant, raised as such."""
-        if not decision.direct:
-            return None
-        taken = arena_take(self.arenas, rows, self.config.hidden_dim, dtype, fp8, stream, decision.limits)
-        if taken.failed >= 0:
-            raise RuntimeError(f"hybrid_ep: rank {self.ranks[taken.failed]}'s peer memory could not hold the block "
-                               f"every rank agreed it holds ({rows[taken.failed]} rows); please report this")
-        for i, nbytes in enumerate(decision.new_staging):
-            if nbytes:
-                arena = self.arenas[i]
-                got = self.ext.ArenaTaken([arena.core], staging_layout(self.ext), [nbytes], stream, arena.capturing(),
-                                          [decision.limits[i]])
-                if got.failed >= 0:
-                    raise RuntimeError(f"hybrid_ep: rank {self.ranks[i]}'s peer memory could not hold the combine "
-                                       f"staging block every rank agreed it holds ({nbytes} bytes); please report this")
-                self.peer_staging[i] = got.tensors()[0][0]
-        return taken
+        return call, made
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
-        """The launcher's output tuple per rank, and the tensors (rows, probs, scales) per rank:
-        with arena blocks their addresses now and None (the tensors are made after the launch:
+        """The launcher's output tuple per rank, and the tensors per rank (DispatchOutputs): with
+        peer memory blocks their addresses now and None (the tensors are made after the launch:
         taken.tensors()), else new tensors from PyTorch's allocator."""
         if taken is not None:
             if fp8:
                 return [DispatchOutput(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
             return [DispatchOutput(R, out, 0, probs) for R, (out, probs) in zip(rows, taken.addresses())], None
         H, dev = self.config.hidden_dim, self.device
-        made = [(torch.empty(R, H, dtype=dtype, device=dev), torch.empty(R, dtype=torch.float32, device=dev),
-                 torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None) for R in rows]
-        return [DispatchOutput(R, out.data_ptr(), sc.data_ptr() if fp8 else 0, probs.data_ptr())
-                for R, (out, probs, sc) in zip(rows, made)], made
+        made = [DispatchOutputs(torch.empty(R, H, dtype=dtype, device=dev),
+                                torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None,
+                                torch.empty(R, dtype=torch.float32, device=dev)) for R in rows]
+        return [DispatchOutput(R, m.rows.data_ptr(), m.scales.data_ptr() if fp8 else 0, m.probs.data_ptr())
+                for R, m in zip(rows, made)], made
 
     def _dispatch_tensors(self, keep) -> list[torch.Tensor]:
         return [t for k in keep for t in k] + list(self.bases_tables)
@@ -640,9 +595,15 @@ class Engine:
 
     # -- combine ---------------------------------------------------------------------------
 
-    def combine(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
-                probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
-                wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def combine(self, rows: torch.Tensor, send: CudaSendTable, recv: CudaReceiveTable, probs: torch.Tensor,
+                apply_probs: bool, num_sms: int | None, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The combine of the one rank this engine drives (one process per GPU): combine_ranks
+        with one rank."""
+        return self.combine_ranks([rows], [send], [recv], [probs], apply_probs, num_sms, wire_dtype)[0]
+
+    def combine_ranks(self, rows: list[torch.Tensor], sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
+                      probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
+                      wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Every driven rank's combine: the call's dtype, width and launch arguments
         (_combine_args), each rank's inputs marshalled (_combine_inputs), then the kernel in one
         call into the extension. num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_COMBINE);
@@ -654,19 +615,16 @@ class Engine:
         direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
         args = self._combine_args(rows[0], direct, num_sms, wire_dtype, apply_probs)
         stream = self._stream()
-        inputs, outs, keep, staged, order = self._combine_inputs(rows, sends, recvs, probs, apply_probs, direct,
-                                                                 stream)
+        inputs, outs, keep, in_peer, copied = self._combine_inputs(rows, sends, recvs, probs, apply_probs, direct,
+                                                                   stream)
         self._in_flight["combine"] = keep
         if self._declaring():
-            self._declare(keep + staged + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
+            self._declare(keep + in_peer + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
         self.host.combine(args, direct, stream, inputs, self._absent_bits[0])
-        if order is not None:
-            order.after(stream)
-            if order is self.peer_order:
-                self.peer_staged_combines += 1
-            else:
-                self.staging.uses += 1
+        if copied:
+            self.expert_out_order.after(stream)
+            self.expert_out_copies += 1
         return outs
 
     def _combine_args(self, first: torch.Tensor, direct: bool, num_sms: int, wire_dtype: torch.dtype | None,
@@ -688,16 +646,16 @@ class Engine:
         return (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name, apply_probs))
                 or self._launch_args(num_sms, dtype_name, C, kind, wire_name, apply_probs))
 
-    def _combine_inputs(self, rows: list[torch.Tensor], sends: list[CudaSendLayout], recvs: list[CudaRecvLayout],
+    def _combine_inputs(self, rows: list[torch.Tensor], sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
                         probs: list[torch.Tensor], apply_probs: bool, direct: bool, stream: int):
         """Validation and marshalling: one dtype and width on every rank; each rank's expert_out
         and probs as the kernels read them (contiguous, 16-byte aligned, fp32 probs), on the
-        direct path with an arena copied into the staging region where they lie outside the
-        arena; its y. Returns (CombineInput per rank, y per rank, tensors to keep until the next
-        combine, staged tensors, the staging's StreamOrder when something was staged)."""
+        direct path with peer memory copied into the rank's expert-out block where they lie
+        outside peer memory; its y. Returns (CombineInput per rank, y per rank, tensors to keep
+        until the next combine, tensors in peer memory, whether something was copied)."""
         first = rows[0]
         dtype, C = first.dtype, first.shape[1]
-        inputs, keep, outs, staged, order = [], [], [], [], None
+        inputs, keep, outs, in_peer, copied = [], [], [], [], False
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
             if x is not first and (x.dtype != dtype or x.shape[1] != C):
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
@@ -707,24 +665,21 @@ class Engine:
                 x, x_ptr = _aligned(x)
             if p.dtype is not torch.float32 or not p.is_contiguous():
                 p = _fp32(p)
-            if direct and self.arenas:
-                # Arena tensors stay out of _in_flight: the arena reuses a block only on the
-                # stream it was used on, and one kept here would split the arena until the next
-                # combine. What lies outside the arena is copied into the staging region.
-                arena = self.arenas[len(outs)]
+            if direct and self.peer is not None:
+                # Peer memory tensors stay out of _in_flight: the arena reuses a block only on the
+                # stream it was used on, and one kept here would split it until the next combine.
+                # What lies outside peer memory is copied into the rank's expert-out block.
+                arena = self.outputs.arenas[len(outs)]
                 x_out = not arena.contains(x)
                 p_out = apply_probs and not arena.contains(p)  # probs are read only then
                 if x_out or p_out:
                     keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
-                    if order is None:
-                        order = self.peer_order if self.peer is not None else self.staging.order
-                        order.before(stream)
-                    if self.peer is not None:
-                        x, p = self._stage_peer(len(outs), x, p, x_out, p_out)
-                    else:
-                        x, p = self.staging.stage(len(outs), x, p, x_out, p_out)
+                    if not copied:
+                        self.expert_out_order.before(stream)
+                        copied = True
+                    x, p = self._into_expert_out_block(len(outs), x, p, x_out, p_out)
                     x_ptr = x.data_ptr()
-                staged += (x, p)
+                in_peer += (x, p)
             else:
                 keep += (x, p)
             T = send.num_tokens
@@ -734,14 +689,14 @@ class Engine:
                                        send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(),
                                        y.data_ptr(), recv.num_rows))
             outs.append(y)
-        return inputs, outs, keep, staged, order
+        return inputs, outs, keep, in_peer, copied
 
     def expert_out_view(self, i: int, shape, dtype: torch.dtype, like: torch.Tensor | None = None):
-        """A tensor of `shape` in driven rank i's combine staging block, where the experts can
-        leave their output so that a direct combine reads it in place (peer memory only; one
-        such tensor at a time per rank: the next combine's expert_out); `like` copied in. None
-        where the rank has no staging block that large."""
-        block = self.peer_staging[i] if self.peer is not None else None
+        """A tensor of `shape` in driven rank i's expert-out block, where the experts can leave
+        their output so that a direct combine reads it in place (peer memory only; one such
+        tensor at a time per rank: the next combine's expert_out); `like` copied in. None where
+        the rank has no expert-out block that large."""
+        block = self.outputs.expert_out_blocks[i] if self.peer is not None else None
         nbytes = dtype.itemsize
         for n in shape:
             nbytes *= n
@@ -750,13 +705,13 @@ class Engine:
         t = block[:nbytes].view(dtype).view(tuple(shape))
         return t.copy_(like) if like is not None else t
 
-    def _stage_peer(self, i: int, x: torch.Tensor, p: torch.Tensor, copy_x: bool, copy_p: bool):
-        """(x, p), each copied into driven rank i's combine staging block in peer memory where
-        asked (x at its start, p after it)."""
-        block = self.peer_staging[i]
+    def _into_expert_out_block(self, i: int, x: torch.Tensor, p: torch.Tensor, copy_x: bool, copy_p: bool):
+        """(x, p), each copied into driven rank i's expert-out block in peer memory where asked
+        (x at its start, p after it)."""
+        block = self.outputs.expert_out_blocks[i]
         x_bytes = x.numel() * x.element_size()
         if copy_x and block is not None and x.data_ptr() == block.data_ptr():
-            copy_x = False  # the experts wrote it into the staging block (expert_out_view)
+            copy_x = False  # the experts wrote it into the block (expert_out_view)
         if block is None:
             raise ValueError(f"expert_out on rank {self.ranks[i]} lies outside the buffer's peer memory and the "
                              f"buffer stages no combines (stage_combines=False): allocate it with "

@@ -113,14 +113,14 @@ DATA_PATHS = ("direct", "receive")
 
 def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -> str:
     """Which data path a buffer's kernels take. "direct": sources store each route's row
-    straight into its final row at the expert's rank and combine pulls each route's expert
-    output straight from there (1 + K row moves per token; needs the ranks of each node to
-    address each other's tensors: ranks sharing one process, or ranks in separate processes
-    with an arena each (arena_bytes > 0) and a vote per call; across nodes each token goes
+    straight into its final row at the expert's rank and the direct combine reads each route's
+    expert output straight from there (1 + K row moves per token; needs the ranks of each node
+    to address each other's tensors: ranks sharing one process, or ranks in separate processes
+    with peer memory, the path agreed per call (agreement.py); across nodes each token goes
     once per other node to the rail peer there, which writes its rows on that node and sends
     one node partial back). "receive": rows go through a bounded receive ring once per
     destination rank and are expanded there, partial sums are pushed back the same way
-    (separate processes without an arena, and any call the arena can not serve).
+    (separate processes without peer memory, and any call the agreement sends there).
     HYBRID_EP_DATA_PATH picks one for measurements; unset, direct wherever it can run.
     `requested` (an argument, for tests and benchmarks) wins over the variable."""
     environ = os.environ if environ is None else environ
@@ -130,8 +130,7 @@ def data_path(can_go_direct: bool, requested: str | None = None, environ=None) -
         raise ValueError(f"{name} must be one of {', '.join(DATA_PATHS)}, got {raw!r}")
     if raw == "direct" and not can_go_direct:
         raise ValueError(f"{name}=direct needs one node whose ranks address each other's tensors: ranks in one "
-                         f"process, or an arena per rank (arena_bytes > 0) and a vote per call; this buffer's ranks "
-                         f"can not")
+                         f"process, or ranks in separate processes with peer memory; this buffer's ranks can not")
     if raw is not None:
         return raw
     return "direct" if can_go_direct else "receive"

@@ -65,15 +65,15 @@ def _presized(agreement: Agreement, nbytes: int) -> None:
 
 def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combines: bool = True) -> Agreement:
     """All W virtual ranks of an emulation, each with memory of its own and views of its node
-    peers' at other addresses, pre-sized by config.arena_bytes."""
+    peers' at other addresses, pre-sized by config.peer_memory_bytes."""
     agreement = _make(ext, config, list(range(config.world_size)), device, new_token(), reserve, stage_combines)
-    presize = round_up(config.arena_bytes or 0, CHUNK)
+    presize = round_up(config.peer_memory_bytes or 0, CHUNK)
     if presize:
         for m in agreement.own:
             why = m.grow_to(presize)
             if why is not None:
                 close_peer_memory(agreement)
-                raise MemoryError(f"hybrid_ep: could not pre-size peer memory (arena_bytes): {why}")
+                raise MemoryError(f"hybrid_ep: could not pre-size peer memory (peer_memory_bytes): {why}")
         for r, v in enumerate(agreement.views):
             for p in (v.bases if v is not None else ()):
                 why = v.sync(p, presize)
@@ -87,7 +87,7 @@ def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combin
 def process_agreement(ext, config, group, rank: int, device: torch.device,
                       stage_combines: bool = True) -> Agreement | None:
     """This process's rank: a token the group shares (collective), its memory and its views of its
-    node peers', pre-sized by config.arena_bytes (collective). None on every rank where some
+    node peers', pre-sized by config.peer_memory_bytes (collective). None on every rank where some
     rank could not set up (no Unix sockets, no POSIX file descriptor handles): the buffer then
     takes the receive path, as today's receive-only jobs do."""
     W = dist.get_world_size(group)
@@ -98,7 +98,7 @@ def process_agreement(ext, config, group, rank: int, device: torch.device,
         agreement = _make(ext, config, [rank], device, tokens[0], reservation_bytes(device), stage_combines)
     except (RuntimeError, OSError) as e:
         error = f"rank {rank}: {e}"
-    presize = round_up(config.arena_bytes or 0, CHUNK)
+    presize = round_up(config.peer_memory_bytes or 0, CHUNK)
     if agreement is not None and presize:
         error = agreement.own[0].grow_to(presize)
     errors = [None] * W

@@ -4,10 +4,7 @@ Production: each process allocates its own buffer and the handles travel over
 torch.distributed (all_gather_object); peers open them as CUDA IPC or fabric handles.
 Emulation: one process allocates the buffers of all its virtual ranks on one GPU (or in the
 CPU model's host memory) and every virtual rank's peer table points straight at them.
-
-Each allocation ends with the direct path's tail past the kernels' regions, from ARENA_ALIGN
-on, mapped by the peers with the same handles as the rest: the rank's combine staging region
-(staging.py), then its arena (arena.py). `arena_bytes` here is that whole tail.
+The direct path's outputs are not here: they live in peer memory (peer_memory.py).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 IPC, FABRIC = 0, 1
-ARENA_ALIGN = 4096  # where the arena starts in a registered allocation
 _log = logging.getLogger("hybrid_ep")
 _logged_choices: set[tuple[str, str]] = set()  # (kind, reason) already logged by this process
 
@@ -94,39 +90,28 @@ def allocate(ext, nbytes: int, kind: int, device: torch.device, region: str):
             ) from second
 
 
-def arena_offset(nbytes: int) -> int:
-    """Where the arena starts in a registered allocation whose kernel regions take nbytes."""
-    return (nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
-
-
 class RegisteredBuffers:
-    """Own buffers and peer mappings; `tables[i]` is local rank i's [W] table of base pointers.
-    `arena_bases` [W]: where every rank's arena starts in this process (0: not mapped here,
-    a rank on another node); `own` the bases of the ranks this process drives."""
+    """Own buffers and peer mappings; `tables[i]` is local rank i's [W] table of base pointers
+    (0: not mapped here, a rank on another node)."""
 
-    def __init__(self, ext, nbytes: int, device: torch.device, arena_bytes: int = 0):
-        self.ext, self.nbytes, self.device, self.arena_bytes = ext, nbytes, device, arena_bytes
+    def __init__(self, ext, nbytes: int, device: torch.device):
+        self.ext, self.nbytes, self.device = ext, nbytes, device
         self._owned: list[tuple[int, int, int]] = []  # (ptr, bytes, kind) to free
         self._opened: list[tuple[int, int, int]] = []  # (ptr, bytes, kind) to close
         self.tables: list[torch.Tensor] = []
-        self.arena_bases: list[int] = []
-        self.own: list[int] = []
 
     @property
     def allocation_bytes(self) -> int:
-        """Bytes of each rank's allocation: the kernels' regions, then the arena."""
-        return arena_offset(self.nbytes) + self.arena_bytes if self.arena_bytes else self.nbytes
-
-    def _arena_of(self, base: int) -> int:
-        return base + arena_offset(self.nbytes) if base and self.arena_bytes else 0
+        """Bytes of each rank's allocation: the kernels' regions."""
+        return self.nbytes
 
     @classmethod
     def emulated(cls, ext, nbytes: int, world_size: int, device: torch.device,
-                 ranks_per_node: int | None = None, arena_bytes: int = 0) -> "RegisteredBuffers":
+                 ranks_per_node: int | None = None) -> "RegisteredBuffers":
         """Each virtual rank's table holds only the ranks of its own node (0 for the others),
         as NVLink would: a kernel that reached across nodes without the transport would
         fault instead of passing."""
-        self = cls(ext, nbytes, device, arena_bytes)
+        self = cls(ext, nbytes, device)
         G = ranks_per_node or world_size
         bases = []
         with self._freed_on_failure():
@@ -138,17 +123,15 @@ class RegisteredBuffers:
             _synchronize(device)
         self.tables = [torch.tensor([b if p // G == r // G else 0 for p, b in enumerate(bases)], dtype=torch.int64,
                                     device=device) for r in range(world_size)]
-        self.arena_bases = [self._arena_of(b) for b in bases]
-        self.own = list(self.arena_bases)
         return self
 
     @classmethod
     def exchanged(cls, ext, nbytes: int, group, rank: int, device: torch.device,
-                  ranks_per_node: int | None = None, arena_bytes: int = 0) -> "RegisteredBuffers":
+                  ranks_per_node: int | None = None) -> "RegisteredBuffers":
         """Every rank's handle goes round the group; only those of this rank's node are opened
         (the others are 0 in the table): a handle from another machine cannot be opened, and
         ranks on other nodes are reached through the RDMA transport alone."""
-        self = cls(ext, nbytes, device, arena_bytes)
+        self = cls(ext, nbytes, device)
         G = ranks_per_node or dist.get_world_size(group)
         kind = _handle_kind(ext, group, device.index)
         with self._freed_on_failure():
@@ -169,8 +152,6 @@ class RegisteredBuffers:
                 self._opened.append((peer_ptr, peer_size, kind))
                 bases.append(peer_ptr)
         self.tables = [torch.tensor(bases, dtype=torch.int64, device=device)]
-        self.arena_bases = [self._arena_of(b) for b in bases]
-        self.own = [self.arena_bases[rank]]
         dist.barrier(group=group)  # every peer mapped before the first kernel writes
         return self
 
@@ -193,7 +174,7 @@ class RegisteredBuffers:
             self.ext.close_peer(ptr, size, kind)
         for ptr, size, kind in self._owned:
             self.ext.free_registered(ptr, size, kind)
-        self._owned, self._opened, self.tables, self.arena_bases, self.own = [], [], [], [], []
+        self._owned, self._opened, self.tables = [], [], []
 
     def __del__(self):
         try:

@@ -1,21 +1,17 @@
-"""The combine staging region: one per rank and buffer, in front of the arena, where a direct
-combine copies an expert_out (and probs) that lies outside the arena, so that its peers can
-read it.
+"""The order of the users of a rank's expert-out block: the block of its peer memory where a
+direct combine copies an expert_out (and probs) that lies outside peer memory, so that its
+peers can read it (Engine._into_expert_out_block; the agreement sizes it, agreement.py).
 
-Why one shared region and not room in every dispatch's arena block: a training step keeps
+Why one block per rank and not room in every dispatch's output block: a training step keeps
 each MoE layer's dispatch output and handle alive until that layer's backward, and room for
-an fp32 expert_out per dispatch tripled what a layer in flight pinned in the arena. A
-combine needs the copy only while its kernel runs, so one region serves every combine of the
-buffer in turn. It holds fp32 rows of hidden_dim and their probs, as many as the arena holds rows of a
-bf16 call (never more than the largest call the buffer can make), allocated with the arena
-and listed by memory_plan() (`combine_staging`): a combine of a direct dispatch never needs
-memory it can not get. A dispatch whose rows it can not hold takes the receive path
-(engine.py, Engine._choose_path).
+an fp32 expert_out per dispatch tripled what a layer in flight pinned in peer memory. A
+combine needs the copy only while its kernel runs, so one block serves every combine of the
+buffer in turn.
 
-When the region is free again. A combine kernel publishes its expert_out to the peers once it
+When the block is free again. A combine kernel publishes its expert_out to the peers once it
 runs, after the copy in front of it on its stream; a peer reads it only after that, and the
 kernel returns only once every peer said it is done reading (csrc kernels/direct.cuh,
-finish_direct). So the region is free when the last combine kernel that staged there has
+finish_direct). So the block is free when the last combine kernel that copied there has
 completed: on the same stream, stream order gives that; a combine on another stream (the EP
 overlap schedule's communication stream, a backward on another stream) first makes its
 stream wait on the device for an event recorded after the previous user's kernel
@@ -30,36 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...routing import max_output_rows
 from . import capture
-from .arena import aligned, arena_bytes, memory_tensor
-from .layout import MAX_TOPK
-
-
-def staging_rows(config) -> int:
-    """fp32 rows the region holds: the rows of a bf16 call the arena holds, at most the
-    largest dispatch output the buffer can make (dynamic size); 0 without an arena."""
-    bf16_rows = arena_bytes(config) // (config.hidden_dim * 2 + 4)
-    return min(bf16_rows, max_output_rows(config, min(config.experts_per_rank, MAX_TOPK)))
-
-
-def _probs_at(config) -> int:
-    return aligned(staging_rows(config) * config.hidden_dim * 4)
-
-
-def staging_bytes(config) -> int:
-    """Bytes of each rank's staging region: staging_rows fp32 rows and their probs (0
-    without an arena)."""
-    if staging_rows(config) == 0:
-        return 0
-    return _probs_at(config) + aligned(staging_rows(config) * 4)
-
-
-def direct_region_bytes(config) -> int:
-    """Bytes of the peer-mapped tail of each rank's registered allocation: the staging
-    region, then the arena; none with several nodes (the direct path runs inside one node)."""
-    n = arena_bytes(config)
-    return staging_bytes(config) + n if n and config.num_nodes == 1 else 0
 
 
 class StreamOrder:
@@ -112,31 +79,3 @@ class StreamOrder:
             return
         self._marker = self._record()
         self.last_stream = stream
-
-
-class CombineStaging:
-    """Every driven rank's staging region (a uint8 tensor over the start of the rank's
-    peer-mapped tail) and the order of their users: one combine launch covers all the ranks
-    this process drives, so they share one StreamOrder."""
-
-    def __init__(self, config, bases: list[int], device: torch.device):
-        self.rows = staging_rows(config)
-        self.nbytes = staging_bytes(config)
-        self._probs_at = _probs_at(config)
-        self.regions = [memory_tensor(b, self.nbytes, device) for b in bases]
-        self.order = StreamOrder(device)
-        self.uses = 0  # combines that copied into the regions (tests)
-
-    def holds(self, rows: int) -> bool:
-        """Whether a direct dispatch of `rows` output rows can have its combine staged here."""
-        return rows <= self.rows
-
-    def stage(self, i: int, x: torch.Tensor, p: torch.Tensor, copy_x: bool, copy_p: bool):
-        """(x, p), each copied into rank i's region where asked (x at its start, p at the end);
-        the caller orders the copies (order.before) and records its kernel after (order.after)."""
-        region = self.regions[i]
-        if copy_x:
-            x = region[:x.numel() * x.element_size()].view(x.dtype).view(x.shape).copy_(x)
-        if copy_p:
-            p = region[self._probs_at:self._probs_at + p.numel() * 4].view(torch.float32).copy_(p)
-        return x, p

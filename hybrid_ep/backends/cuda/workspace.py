@@ -3,7 +3,7 @@
 A dispatch's count and dispatch kernels write every driven rank's per-call tables (counts,
 send slots, ordinals, row positions or route rows: csrc CallLayout) into one workspace
 allocation, rank i's part in row i. The handle keeps the workspace; its tables are views made
-when first read (CudaSendLayout, CudaRecvLayout). A workspace nothing refers to any more
+when first read (CudaSendTable, CudaReceiveTable). A workspace nothing refers to any more
 serves a later call of the same layout (WorkspacePool).
 """
 
@@ -74,7 +74,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class CudaSendLayout:
+class CudaSendTable:
     """What the source side of a dispatch computed on the device: rank `part`'s part of the
     call's workspace; its tensors are views made when first read."""
 
@@ -106,9 +106,9 @@ class CudaSendLayout:
         return self.call.int32(self.part, self.call.layout.route_rows, (self.num_tokens, self.topk))
 
 
-class CudaRecvLayout:
+class CudaReceiveTable:
     """The device-side layout of a dispatch output, in the same part of the call's workspace
-    as its CudaSendLayout; names follow routing.DestLayout. Views made when first read."""
+    as its CudaSendTable; names follow routing.DestLayout. Views made when first read."""
 
     def __init__(self, call: CallWorkspace, part: int, engine_shape: EngineShape, num_rows: int,
                  bounds: list[int] | None = None):
@@ -199,7 +199,7 @@ class RankDispatch:
 
     __slots__ = ("rows_RH", "scales_RB", "probs_R", "send", "recv")
 
-    def __init__(self, rows_RH, scales_RB, probs_R, send: CudaSendLayout, recv: CudaRecvLayout):
+    def __init__(self, rows_RH, scales_RB, probs_R, send: CudaSendTable, recv: CudaReceiveTable):
         self.rows_RH, self.scales_RB, self.probs_R, self.send, self.recv = rows_RH, scales_RB, probs_R, send, recv
 
     @property

@@ -55,3 +55,15 @@ def test_result_fields_memory_plan_and_traffic(single_rank_group):
     y32 = buf.combine(res.tokens, res.handle, wire_dtype=torch.float32)
     assert torch.equal(y32, y)  # two exact bf16 terms: either wire gives the same sum
     assert buf.last_traffic.row_bytes == 512  # twice the bytes on the wire
+
+
+def test_arena_bytes_is_the_deprecated_name_of_peer_memory_bytes(single_rank_group):
+    """peer_memory_bytes is peer memory's initial size; arena_bytes, its former name, still sets
+    it with a DeprecationWarning, and both at once is an error naming them."""
+    with pytest.warns(DeprecationWarning, match="peer_memory_bytes"):
+        buf = hep.HybridEPBuffer(single_rank_group, 128, 64, 4, backend="reference", arena_bytes=4096)
+    assert buf.config.peer_memory_bytes == 4096
+    with pytest.warns(DeprecationWarning, match="peer_memory_bytes"):
+        assert buf.config.arena_bytes == 4096
+    with pytest.raises(ValueError, match="pass peer_memory_bytes only: arena_bytes"):
+        hep.HybridEPBuffer(single_rank_group, 128, 64, 4, backend="reference", peer_memory_bytes=1, arena_bytes=1)

@@ -12,7 +12,7 @@ import torch
 
 from helpers import built_cuda_extension
 from hybrid_ep.backends.cuda import launch
-from hybrid_ep.backends.cuda.agreement import staging_bytes
+from hybrid_ep.backends.cuda.agreement import expert_out_block_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
@@ -26,7 +26,6 @@ from hybrid_ep.backends.cuda.layout import (
     registered_regions,
 )
 from hybrid_ep.backends.cuda.peer_memory import CHUNK
-from hybrid_ep.backends.cuda.staging import direct_region_bytes
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
@@ -69,7 +68,7 @@ def test_registered_regions_are_aligned_contiguous_and_sized(cfg):
     assert sizes["comb_fwd"] == (N * G * reg.forward.slots * 32 * reg.comb_stride if N > 1 else 0)
     assert sizes["flags+counts"] >= 8 * (N * G * reg.recv.slots + 2 * G * comb) + 4 * W * (W + N + L)
     heap = memory_plan(cfg).as_dict().get("nvshmem_heap", 0)  # several nodes: the RDMA region's
-    assert memory_plan(cfg).registered_bytes == reg.total + heap + direct_region_bytes(cfg)  # staging, arena follow
+    assert memory_plan(cfg).registered_bytes == reg.total + heap  # peer memory starts empty
 
 
 def test_memory_plan_lines_are_the_registered_regions():
@@ -101,24 +100,21 @@ def test_a_deepseek_v3_like_layer_holds_rings_sized_by_their_writers(world_size,
 
 
 def test_outputs_are_not_held_and_peer_memory_starts_empty():
-    """One process per rank: peer memory holds nothing until a call needs it (arena_bytes
+    """One process per rank: peer memory holds nothing until a call needs it (peer_memory_bytes
     pre-sizes it, rounded up to a chunk); what a call can make it grow by is the per-call part:
-    its output, a combine staging block and the rounding of a growth. The emulation's arena and
-    staging region are registered regions held only when asked for."""
+    its output, an expert-out block and the rounding of a growth."""
     plan = memory_plan(_cfg())
     sizes = plan.as_dict()
     assert sizes["peer_memory"] == 0 and "arena" not in sizes
     out = next(b for b in plan.buffers if b.name == "dispatch_out")
     worst = 8 * 4096 * 2  # every route of every rank
     assert not out.registered and out.nbytes == worst * 8192 * 4  # fp32
-    assert sizes["peer_staging"] == staging_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
-    assert plan.workspace_bytes == out.nbytes + staging_bytes(worst, 8192) + CHUNK
+    assert sizes["peer_staging"] == expert_out_block_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
+    assert plan.workspace_bytes == out.nbytes + expert_out_block_bytes(worst, 8192) + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
-    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, arena_bytes=CHUNK + 1).validate())
+    presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, peer_memory_bytes=CHUNK + 1).validate())
     assert presized.as_dict()["peer_memory"] == 2 * CHUNK
     assert memory_plan(_cfg(), peer_held=3 * CHUNK).as_dict()["peer_memory"] == 3 * CHUNK
-    emulated = memory_plan(_cfg(), one_process_per_rank=False).as_dict()
-    assert emulated["arena"] == emulated["combine_staging"] == 0 and "peer_memory" not in emulated
 
 
 @pytest.mark.parametrize("ring", [2, 8])

@@ -36,8 +36,8 @@ class FailingExt:
 def test_emulated_buffers_free_the_ranks_allocated_before_one_fails(allowed):
     ext = FailingExt(allowed)
     with pytest.raises(RegisteredAllocationError, match=f"registered buffer of virtual rank {allowed} "
-                                                        r"\(2097152 bytes; on cpu") as failure:
-        RegisteredBuffers.emulated(ext, 1 << 20, 6, torch.device("cpu"), arena_bytes=1 << 20)
+                                                        r"\(1048576 bytes; on cpu") as failure:
+        RegisteredBuffers.emulated(ext, 1 << 20, 6, torch.device("cpu"))
     assert "out of memory" in str(failure.value) and "memory_plan()" in str(failure.value)
     assert ext.calls == allowed + 2  # the failing allocation was tried twice
     # the traceback (held here, as pytest holds a failed test's) keeps the half-built object
@@ -47,8 +47,8 @@ def test_emulated_buffers_free_the_ranks_allocated_before_one_fails(allowed):
 
 def test_emulated_buffers_keep_every_rank_when_all_fit():
     ext = FailingExt(6)
-    buffers = RegisteredBuffers.emulated(ext, 1 << 20, 6, torch.device("cpu"), arena_bytes=1 << 20)
-    assert len(ext.live) == 6 and len(buffers.arena_bases) == 6
+    buffers = RegisteredBuffers.emulated(ext, 1 << 20, 6, torch.device("cpu"))
+    assert len(ext.live) == 6 and len(buffers.tables) == 6
     buffers.close()
     assert ext.live == {}
 
