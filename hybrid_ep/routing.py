@@ -1,4 +1,4 @@
-"""Routing metadata: the one place that turns routing into a data layout.
+"""Routing metadata: the one place that turns routing into the send and receive tables.
 
 Every backend uses these functions; backends only move bytes.
 
@@ -210,7 +210,7 @@ def _from_routing_map(num_tokens, num_experts, device, routing_map, probs) -> Ro
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceLayout:
+class SendTable:
     """What this rank sends: one row per (token, destination rank), ordered by rank then token."""
 
     send_token_idx_S: torch.Tensor  # int64 token of each sent row
@@ -226,7 +226,7 @@ class SourceLayout:
         return self.send_token_idx_S.shape[0]
 
 
-def source_layout(routing: Routing, config: BufferConfig) -> SourceLayout:
+def send_table(routing: Routing, config: BufferConfig) -> SendTable:
     idx = routing.topk_idx_TK
     T, K = idx.shape
     W, L, N, G = config.world_size, config.experts_per_rank, config.num_nodes, config.ranks_per_node
@@ -257,11 +257,11 @@ def source_layout(routing: Routing, config: BufferConfig) -> SourceLayout:
     probs_SL[rows, cols] = routing.topk_weights_TK.detach()[valid]
 
     node_counts = dest_mask_TW.view(T, N, G).any(dim=2).sum(dim=0, dtype=torch.int64)
-    return SourceLayout(send_token_idx, send_counts, node_counts, mask_SL, probs_SL, slot_send_row, slot_local)
+    return SendTable(send_token_idx, send_counts, node_counts, mask_SL, probs_SL, slot_send_row, slot_local)
 
 
 @dataclasses.dataclass(frozen=True)
-class DestLayout:
+class ReceiveTable:
     """Where each received row lands in the expert-major output of this rank."""
 
     out_pos_M: torch.Tensor  # int64 output row of each kept (received row, local expert) entry
@@ -269,7 +269,7 @@ class DestLayout:
     out_expert_M: torch.Tensor  # int64 local expert of that entry
     tokens_per_expert_L: torch.Tensor  # int64 output rows per local expert, padding included
     num_rows: int  # R
-    num_needed_rows: torch.Tensor  # int64 scalar: rows the full layout needs
+    num_needed_rows: torch.Tensor  # int64 scalar: rows the full output needs
     num_dropped: torch.Tensor  # int64 scalar: routed entries that did not fit num_out_tokens
 
 
@@ -282,13 +282,13 @@ def max_output_rows(config: BufferConfig, entries_per_row: int) -> int:
     return real + L * (config.min_rows_per_expert + config.pad_multiple - 1)
 
 
-def dest_layout(
+def receive_table(
     recv_expert_mask_VL: torch.Tensor,
     pad_multiple: int,
     num_out_tokens: int | None,
     min_rows_per_expert: int = 0,
-) -> DestLayout:
-    """Expert-major layout: expert j's rows in received order (source rank, then token), padded.
+) -> ReceiveTable:
+    """Expert-major order: expert j's rows in received order (source rank, then token), padded.
 
     Expert j's block has roundup(max(n_j, min_rows_per_expert), pad_multiple) rows; the rows
     past its n_j real ones are zero padding (min_rows_per_expert > 0 keeps grouped GEMMs
@@ -318,4 +318,4 @@ def dest_layout(
         dropped = (~keep).sum()
         src, expert, pos = src[keep], expert[keep], pos[keep]
         tokens_per_expert = ends_L.clamp(max=num_rows) - starts_L.clamp(max=num_rows)
-    return DestLayout(pos, src, expert, tokens_per_expert, num_rows, needed, dropped)
+    return ReceiveTable(pos, src, expert, tokens_per_expert, num_rows, needed, dropped)
