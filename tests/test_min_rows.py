@@ -164,7 +164,7 @@ def test_min_rows_gradients(pool_for):
     grad_ys = [torch.randn(i["x"].shape, generator=gen) for i in inputs]
     run = dispatch_oracle(case.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                           [i["topk_weights"] for i in inputs])
-    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_route)
     got = pool_for(3).run(run_autograd_on_rank, [(case, inputs[r], weights, grad_ys[r], True) for r in range(3)])
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g["y"].double(), w["y"], rtol=1e-5, atol=1e-6, msg=f"rank {s} y")

@@ -29,7 +29,7 @@ def test_send_table_hand_built():
     assert src.send_token_idx_S.tolist() == [0, 2, 0, 1]
     assert src.send_counts_W.tolist() == [2, 2]
     assert src.node_counts_N.tolist() == [2, 2]  # t0 reaches both nodes, t1 node 1, t2 node 0
-    assert src.slot_send_row_TK.tolist() == [[0, 2], [3, -1], [1, 1]]
+    assert src.route_send_row_TK.tolist() == [[0, 2], [3, -1], [1, 1]]
     assert src.row_expert_mask_SL.tolist() == [[False, True], [True, True], [True, False], [False, True]]
     # Weights of -1 slots are zeroed, not sent.
     assert src.row_probs_SL.tolist() == [[0.0, 0.5], [0.75, 0.125], [0.25, 0.0], [0.0, 1.0]]

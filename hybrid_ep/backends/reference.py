@@ -255,7 +255,7 @@ class ReferenceBackend(Backend):
 
     def _send_back(self, handle: DispatchHandle, rows_RH, values_R, apply_probs: bool, wire: torch.dtype):
         """The way back in one exchange: combine (rows_RH: [T, H] sums) and / or the probs
-        backward (values_R: one fp32 value per output row back to its routing slot, [T, K]).
+        backward (values_R: one fp32 value per output row back to its route, [T, K]).
 
         Combine reduces a token's local experts first: one fp32 partial row per received row,
         sent back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
@@ -320,8 +320,8 @@ class ReferenceBackend(Backend):
             none = (recv.shape[0] - 1) * F  # the receive's zero row: the value of a slot not routed
             at_slot = self._memo(source, ("value slots", tuple(starts), header_rows, F, tuple(recv_W), none),
                                  lambda: self._msg.value_slots(starts, list(source.block_rows_W), header_rows, before,
-                                                               F, L, none)[source.slot_row_TK.clamp(max=S)]
-                                 + source.slot_local_TK)
+                                                               F, L, none)[source.route_row_TK.clamp(max=S)]
+                                 + source.route_local_TK)
             out_TK = recv.view(-1).view(torch.float32)[at_slot]
         return y_TH, out_TK
 

@@ -10,7 +10,7 @@ Two orders of send rows (one row per (token, destination rank)):
 - static: rank d's block has rows_per_rank rows, row d * rows_per_rank + t for token t, so
   every rank sends and receives the same number of rows whatever the routing.
 A dummy index past the end (num_rows_max for rows, T for tokens, V for received rows) stands
-for "none" wherever a fixed-size tensor has fewer real entries than slots.
+for "none" wherever a fixed-size tensor has fewer real entries than places.
 
 Legend: T tokens, K routes per token, E experts, W ranks, N nodes, G ranks per node,
 L = E / W local experts, S send rows, V received rows, R output rows.
@@ -35,16 +35,16 @@ class ReferenceSendTable:
     send_counts_W: torch.Tensor  # int64 real rows to each rank
     node_counts_N: torch.Tensor  # int64 tokens that reach each node (one RDMA row per node)
     expert_counts_E: torch.Tensor  # int64 routes to each expert
-    slot_row_TK: torch.Tensor  # int64 send row of each routing slot, num_rows_max where not routed
-    slot_local_TK: torch.Tensor  # int64 local expert of each slot at its destination (0 where not routed)
-    slot_weight_TK: torch.Tensor  # float32 routing weight of each slot, 0 where not routed
+    route_row_TK: torch.Tensor  # int64 send row of each route, num_rows_max where not routed
+    route_local_TK: torch.Tensor  # int64 local expert of each route at its destination (0 where not routed)
+    route_weight_TK: torch.Tensor  # float32 routing weight of each route, 0 where not routed
     token_of_row: torch.Tensor  # [num_rows_max + 1] int64 token of each send row, T where none
     block_rows_W: tuple[int, ...] = ()  # rows of each rank's block on the host, once known
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # indices derived per call kind
 
     @property
     def num_tokens(self) -> int:
-        return self.slot_row_TK.shape[0]
+        return self.route_row_TK.shape[0]
 
 
 def send_table(routing: Routing, config: BufferConfig, rows_per_rank: int | None = None) -> ReferenceSendTable:
@@ -70,7 +70,7 @@ def send_table(routing: Routing, config: BufferConfig, rows_per_rank: int | None
         row_WT = (torch.arange(W, device=device)[:, None] * rows_per_rank
                   + torch.arange(T, device=device)[None, :])
     row_TW = torch.where(mask_TW, row_WT.t(), num_rows_max)
-    slot_row = torch.where(valid, row_TW.gather(1, rank_TK.clamp(max=W - 1)), num_rows_max)
+    route_row = torch.where(valid, row_TW.gather(1, rank_TK.clamp(max=W - 1)), num_rows_max)
     flat = row_TW.reshape(-1)
     token_of_row = torch.full((num_rows_max + 1,), T, dtype=torch.int64, device=device)
     token_of_row.scatter_(0, flat, torch.arange(T, device=device)[:, None].expand(T, W).reshape(-1))
@@ -78,7 +78,7 @@ def send_table(routing: Routing, config: BufferConfig, rows_per_rank: int | None
     # on a GPU that copies the number from a CPU tensor to the device (a host sync).
     token_of_row[num_rows_max].fill_(T)
     return ReferenceSendTable(
-        rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], slot_row,
+        rows_per_rank, num_rows_max, send_counts, node_counts, expert_counts[:E], route_row,
         torch.where(valid, idx % L, 0), routing.topk_weights_TK.detach().float(), token_of_row,
     )
 
@@ -97,13 +97,13 @@ def assert_routing_on_device(routing: Routing, num_experts: int) -> None:
 
 def routes_per_row(table: ReferenceSendTable, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[num_rows_max + 1, L] float32 routing weights and uint8 marks of each send row's local
-    experts at its destination (the dummy row collects the slots that are not routed)."""
+    experts at its destination (the dummy row collects the unused routes)."""
     rows = table.num_rows_max + 1
-    device = table.slot_row_TK.device
+    device = table.route_row_TK.device
     probs_SL = torch.zeros(rows, num_local, dtype=torch.float32, device=device)
     mask_SL = torch.zeros(rows, num_local, dtype=torch.uint8, device=device)
-    where = (table.slot_row_TK.reshape(-1), table.slot_local_TK.reshape(-1))
-    probs_SL.index_put_(where, table.slot_weight_TK.reshape(-1))
+    where = (table.route_row_TK.reshape(-1), table.route_local_TK.reshape(-1))
+    probs_SL.index_put_(where, table.route_weight_TK.reshape(-1))
     mask_SL.index_put_(where, torch.ones((), dtype=torch.uint8, device=device))
     return probs_SL, mask_SL
 

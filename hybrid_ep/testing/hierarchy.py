@@ -51,7 +51,7 @@ def send_slots(table: SendTable, world_size: int) -> torch.Tensor:
     rows = table.send_token_idx_S
     dest = torch.repeat_interleave(torch.arange(world_size, device=rows.device), table.send_counts_W)
     first = table.send_counts_W.cumsum(0) - table.send_counts_W
-    num_tokens = table.slot_send_row_TK.shape[0]
+    num_tokens = table.route_send_row_TK.shape[0]
     slots = torch.full((num_tokens, world_size), -1, dtype=torch.int64, device=rows.device)
     slots[rows, dest] = torch.arange(rows.shape[0], device=rows.device) - first[dest]
     return slots
