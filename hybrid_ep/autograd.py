@@ -1,7 +1,7 @@
 """Differentiable dispatch and combine.
 
 Backward of dispatch is combine of the row gradients (plus the probs gradients sent back to
-their routing slots); backward of combine is dispatch of the output gradient with the same
+their routes); backward of combine is dispatch of the output gradient with the same
 handle. All ranks of the EP group must run backward for the same calls, in the same order.
 
 Legend: T tokens, K routes per token, H hidden, R output rows.
@@ -121,7 +121,7 @@ def dispatch(
         return DispatchResult(rows, scales_out, handle.probs_R, handle)
     box: list = []
     if routing is not None:
-        # The weights as given: the gradient of an unrouted slot is 0 (return_row_values), so
+        # The weights as given: the gradient of an unused route is 0 (return_row_values), so
         # no masked copy is made for autograd either.
         rows, probs_R = _Dispatch.apply(x, routing.weights_as_given_TK,
                                         (buffer, routing, None, scales, num_out_tokens, num_sms, box))

@@ -47,7 +47,7 @@ class _CountTables:
 
     @read_only
     def dest(self) -> Any:
-        """routing.DestLayout, or the backend's own layout of the same rows (with the fields
+        """routing.ReceiveTable, or the backend's own table of the same rows (with the fields
         the properties here read)."""
         return self._dest
 
@@ -83,7 +83,7 @@ class _CountTables:
 
 class CallCounts(_CountTables):
     """A handle's count tables without the handle: what a record of a call keeps to report its
-    traffic later. Not the handle itself, whose send layout may hold memory a later call needs
+    traffic later. Not the handle itself, whose send table may hold memory a later call needs
     (the cuda backend's direct path: the arena block of the dispatch's probs)."""
 
     __slots__ = ()
@@ -156,7 +156,7 @@ class DispatchHandle(_CountTables):
 
     @read_only
     def source(self) -> Any:
-        """routing.SourceLayout, or the backend's own layout of the same rows."""
+        """routing.SendTable, or the backend's own table of the same rows."""
         return self._source
 
     @read_only

@@ -1,4 +1,4 @@
-"""Routing metadata: the one place that turns routing into a data layout.
+"""Routing metadata: the one place that turns routing into the send and receive tables.
 
 Every backend uses these functions; backends only move bytes.
 
@@ -21,11 +21,11 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 class Routing:
-    """Normalised routing of one rank: K slots per token, -1 where a slot is not routed.
+    """Normalised routing of one rank: K routes per token, -1 where there is no route.
 
-    topk_weights_TK is float32 with 0 where a slot is not routed. Made from the caller's
+    topk_weights_TK is float32 with 0 where there is no route. Made from the caller's
     weights (`given`), it is masked when first read, not per call: the cuda kernels never read
-    an unrouted slot's weight, so they take the weights as given (weights_as_given_TK) and a
+    an unused route's weight, so they take the weights as given (weights_as_given_TK) and a
     static-size call runs no tensor operation for its routing; nor does autograd's dispatch,
     whose gradient there is 0 by return_row_values' contract. Read-only, like the frozen
     objects around it."""
@@ -36,12 +36,12 @@ class Routing:
                  given: torch.Tensor | None = None):
         """topk_idx_TK: int64, -1 = not routed. Either topk_weights_TK (float32, 0 where not
         routed) or `given`: floating [T, K] as the caller passed them, or None for 1.0 per
-        routed slot; either way unrouted slots read as 0 through topk_weights_TK."""
+        route; either way unused routes read as 0 through topk_weights_TK."""
         self._idx, self._weights, self._given = topk_idx_TK, topk_weights_TK, given
 
     @property
     def topk_idx_TK(self) -> torch.Tensor:
-        """int64 [T, K] expert of each slot, -1 = not routed."""
+        """int64 [T, K] expert of each route, -1 = no route."""
         return self._idx
 
     @property
@@ -56,15 +56,15 @@ class Routing:
 
     @property
     def weights_as_given_TK(self) -> torch.Tensor:
-        """[T, K] weights for readers that skip unrouted slots (the cuda kernels, autograd): the
-        caller's as given where there are some (any floating dtype, unrouted slots as passed),
+        """[T, K] weights for readers that skip unused routes (the cuda kernels, autograd): the
+        caller's as given where there are some (any floating dtype, unused routes as passed),
         else topk_weights_TK."""
         return self._given if self._given is not None else self.topk_weights_TK
 
     @property
     def given_weights_TK(self) -> torch.Tensor | None:
         """weights_as_given_TK where there are weights, None where the caller gave none (1.0 per
-        routed slot) and none were made yet: the cuda engine then reads ones it keeps, with no
+        route) and none were made yet: the cuda engine then reads ones it keeps, with no
         tensor operation per call."""
         return self._given if self._given is not None else self._weights
 
@@ -99,8 +99,8 @@ def bad_route_text(num_experts: int, rank: int, token: int, expert: int) -> str:
 
 def check_topk_values(idx: torch.Tensor, num_experts: int) -> None:
     """Expert ids [T, K] in [-1, num_experts) and no token routed to one expert twice (host
-    reads). Also before a balancer maps ids to slots: there two routes to one replicated
-    expert would become two distinct slots, past any later check."""
+    reads). Also before a balancer maps ids to expert slots: there two routes to one replicated
+    expert would become two distinct expert slots, past any later check."""
     if idx.numel() == 0:
         return
     # One host read for all three facts: on a GPU each read waits for every kernel queued
@@ -210,7 +210,7 @@ def _from_routing_map(num_tokens, num_experts, device, routing_map, probs) -> Ro
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceLayout:
+class SendTable:
     """What this rank sends: one row per (token, destination rank), ordered by rank then token."""
 
     send_token_idx_S: torch.Tensor  # int64 token of each sent row
@@ -218,15 +218,15 @@ class SourceLayout:
     node_counts_N: torch.Tensor  # int64 tokens that reach each node (one RDMA row per node)
     row_expert_mask_SL: torch.Tensor  # bool: row goes to these local experts of its destination
     row_probs_SL: torch.Tensor  # float32 routing weight per local expert of the row
-    slot_send_row_TK: torch.Tensor  # int64 sent row of each routing slot, -1 if not routed
-    slot_local_expert_TK: torch.Tensor  # int64 local expert index of each slot (valid where routed)
+    route_send_row_TK: torch.Tensor  # int64 sent row of each route, -1 if not routed
+    route_local_expert_TK: torch.Tensor  # int64 local expert index of each route (valid where routed)
 
     @property
     def num_rows(self) -> int:
         return self.send_token_idx_S.shape[0]
 
 
-def source_layout(routing: Routing, config: BufferConfig) -> SourceLayout:
+def send_table(routing: Routing, config: BufferConfig) -> SendTable:
     idx = routing.topk_idx_TK
     T, K = idx.shape
     W, L, N, G = config.world_size, config.experts_per_rank, config.num_nodes, config.ranks_per_node
@@ -245,23 +245,23 @@ def source_layout(routing: Routing, config: BufferConfig) -> SourceLayout:
     row_of_TW = torch.full((T, W), -1, dtype=torch.int64, device=device)
     row_of_TW[pairs[:, 1], pairs[:, 0]] = torch.arange(S, device=device)
 
-    slot_rank = torch.where(valid, dest_rank_TK, 0)
-    slot_send_row = torch.where(valid, row_of_TW.gather(1, slot_rank), -1)
-    slot_local = torch.where(valid, idx % L, 0)
+    route_rank = torch.where(valid, dest_rank_TK, 0)
+    route_send_row = torch.where(valid, row_of_TW.gather(1, route_rank), -1)
+    route_local = torch.where(valid, idx % L, 0)
 
     mask_SL = torch.zeros(S, L, dtype=torch.bool, device=device)
     probs_SL = torch.zeros(S, L, dtype=torch.float32, device=device)
-    rows = slot_send_row[valid]
-    cols = slot_local[valid]
+    rows = route_send_row[valid]
+    cols = route_local[valid]
     mask_SL[rows, cols] = True
     probs_SL[rows, cols] = routing.topk_weights_TK.detach()[valid]
 
     node_counts = dest_mask_TW.view(T, N, G).any(dim=2).sum(dim=0, dtype=torch.int64)
-    return SourceLayout(send_token_idx, send_counts, node_counts, mask_SL, probs_SL, slot_send_row, slot_local)
+    return SendTable(send_token_idx, send_counts, node_counts, mask_SL, probs_SL, route_send_row, route_local)
 
 
 @dataclasses.dataclass(frozen=True)
-class DestLayout:
+class ReceiveTable:
     """Where each received row lands in the expert-major output of this rank."""
 
     out_pos_M: torch.Tensor  # int64 output row of each kept (received row, local expert) entry
@@ -269,7 +269,7 @@ class DestLayout:
     out_expert_M: torch.Tensor  # int64 local expert of that entry
     tokens_per_expert_L: torch.Tensor  # int64 output rows per local expert, padding included
     num_rows: int  # R
-    num_needed_rows: torch.Tensor  # int64 scalar: rows the full layout needs
+    num_needed_rows: torch.Tensor  # int64 scalar: rows the full output needs
     num_dropped: torch.Tensor  # int64 scalar: routed entries that did not fit num_out_tokens
 
 
@@ -282,13 +282,13 @@ def max_output_rows(config: BufferConfig, entries_per_row: int) -> int:
     return real + L * (config.min_rows_per_expert + config.pad_multiple - 1)
 
 
-def dest_layout(
+def receive_table(
     recv_expert_mask_VL: torch.Tensor,
     pad_multiple: int,
     num_out_tokens: int | None,
     min_rows_per_expert: int = 0,
-) -> DestLayout:
-    """Expert-major layout: expert j's rows in received order (source rank, then token), padded.
+) -> ReceiveTable:
+    """Expert-major order: expert j's rows in received order (source rank, then token), padded.
 
     Expert j's block has roundup(max(n_j, min_rows_per_expert), pad_multiple) rows; the rows
     past its n_j real ones are zero padding (min_rows_per_expert > 0 keeps grouped GEMMs
@@ -318,4 +318,4 @@ def dest_layout(
         dropped = (~keep).sum()
         src, expert, pos = src[keep], expert[keep], pos[keep]
         tokens_per_expert = ends_L.clamp(max=num_rows) - starts_L.clamp(max=num_rows)
-    return DestLayout(pos, src, expert, tokens_per_expert, num_rows, needed, dropped)
+    return ReceiveTable(pos, src, expert, tokens_per_expert, num_rows, needed, dropped)

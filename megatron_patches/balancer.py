@@ -328,7 +328,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
 
     Returns None when the model has no balanced MoE layer. The first placement is the one a
     loaded checkpoint holds, else `initial_placement` ([L, S] or a YAML path), else
-    --hybrid-ep-balancer-placement, else the identity layout with replicas in spare slots.
+    --hybrid-ep-balancer-placement, else the identity placement with replicas in spare slots.
     """
     layers = balanced_layers(model_chunks)
     if not layers:

@@ -108,11 +108,11 @@ def alignment_for_config(config) -> int:
     return ALIGNMENT_ROWS["bf16"]
 
 
-# -- the zero-safe layout ------------------------------------------------------------------
+# -- the zero-safe groups ------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupLayout:
+class GemmGroups:
     """How R caller rows map onto the rows a grouped kernel sees (every group non-empty).
 
     Group g's n_g real rows (consecutive, in order) land at the start of a block of
@@ -137,8 +137,8 @@ class GroupLayout:
 
 
 def plan_groups(counts, num_rows: int, empty_rows: int, multiple: int = 1,
-                device: torch.device | str = "cpu") -> GroupLayout:
-    """Layout for groups of `counts` rows (list or tensor) within a tensor of num_rows rows."""
+                device: torch.device | str = "cpu") -> GemmGroups:
+    """The kernel rows of groups of `counts` rows (list or tensor) within a tensor of num_rows rows."""
     counts = tuple(int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts))
     if any(c < 0 for c in counts):
         raise ValueError(f"tokens_per_expert must be >= 0, got {list(counts)}")
@@ -148,30 +148,30 @@ def plan_groups(counts, num_rows: int, empty_rows: int, multiple: int = 1,
         raise ValueError(f"empty_rows and multiple must be >= 1, got {empty_rows} and {multiple}")
     kernel = tuple(math.ceil((c or empty_rows) / multiple) * multiple for c in counts)
     if kernel == counts and sum(counts) == num_rows:
-        return GroupLayout(counts, kernel, num_rows, None)
+        return GemmGroups(counts, kernel, num_rows, None)
     n = torch.tensor(counts, dtype=torch.int64, device=device)
     k = torch.tensor(kernel, dtype=torch.int64, device=device)
     group = torch.repeat_interleave(torch.arange(len(counts), device=device), n)
     shift = (k.cumsum(0) - k) - (n.cumsum(0) - n)  # kernel start - real start, per group
     pos = torch.arange(int(n.sum()), device=device) + shift[group]
-    return GroupLayout(counts, kernel, num_rows, pos)
+    return GemmGroups(counts, kernel, num_rows, pos)
 
 
-def to_kernel_rows(x: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+def to_kernel_rows(x: torch.Tensor, groups: GemmGroups) -> torch.Tensor:
     """[R, ...] caller rows -> [P, ...] kernel rows (padding zero). Differentiable."""
-    if layout.identity:
+    if groups.identity:
         return x
-    real = x[: layout.num_real_rows]
-    out = x.new_zeros((sum(layout.kernel_counts),) + tuple(x.shape[1:]))
-    return out.index_copy(0, layout.kernel_pos, real)
+    real = x[: groups.num_real_rows]
+    out = x.new_zeros((sum(groups.kernel_counts),) + tuple(x.shape[1:]))
+    return out.index_copy(0, groups.kernel_pos, real)
 
 
-def from_kernel_rows(y: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+def from_kernel_rows(y: torch.Tensor, groups: GemmGroups) -> torch.Tensor:
     """[P, ...] kernel rows -> [R, ...] caller rows; rows past the last group are zero."""
-    if layout.identity:
+    if groups.identity:
         return y
-    real = y.index_select(0, layout.kernel_pos)
-    tail = y.new_zeros((layout.num_rows - layout.num_real_rows,) + tuple(y.shape[1:]))
+    real = y.index_select(0, groups.kernel_pos)
+    tail = y.new_zeros((groups.num_rows - groups.num_real_rows,) + tuple(y.shape[1:]))
     return torch.cat([real, tail])
 
 
@@ -208,12 +208,12 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts, align: int | Non
     _check_feature_strides(x_RK, w_GKN)
     if align is None:
         align = default_alignment(x_RK.dtype)
-    layout = plan_groups(counts, x_RK.shape[0], align, align, x_RK.device)
-    if len(layout.counts) != w_GKN.shape[0]:
-        raise ValueError(f"{len(layout.counts)} group sizes for {w_GKN.shape[0]} weight groups")
-    offs = torch.tensor(layout.kernel_counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_RK.device)
-    y = torch._grouped_mm(to_kernel_rows(x_RK, layout), w_GKN, offs=offs)
-    return from_kernel_rows(y, layout)
+    groups = plan_groups(counts, x_RK.shape[0], align, align, x_RK.device)
+    if len(groups.counts) != w_GKN.shape[0]:
+        raise ValueError(f"{len(groups.counts)} group sizes for {w_GKN.shape[0]} weight groups")
+    offs = torch.tensor(groups.kernel_counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_RK.device)
+    y = torch._grouped_mm(to_kernel_rows(x_RK, groups), w_GKN, offs=offs)
+    return from_kernel_rows(y, groups)
 
 
 # -- Megatron-Core: grouped linear on torch._grouped_mm -------------------------------------
@@ -331,17 +331,17 @@ def zero_token_safe(forward):
         if getattr(self, "_with_fused_impl", False):
             return forward(self, hidden, tokens_per_expert, probs, *args, **kwargs)
         align = alignment_for_config(self.config)
-        layout = plan_groups(tokens_per_expert, hidden.shape[0], align, 1, hidden.device)
-        if layout.identity:
+        groups = plan_groups(tokens_per_expert, hidden.shape[0], align, 1, hidden.device)
+        if groups.identity:
             return forward(self, hidden, tokens_per_expert, probs, *args, **kwargs)
         if isinstance(tokens_per_expert, torch.Tensor):
-            kernel_counts = torch.tensor(layout.kernel_counts, dtype=tokens_per_expert.dtype,
+            kernel_counts = torch.tensor(groups.kernel_counts, dtype=tokens_per_expert.dtype,
                                          device=tokens_per_expert.device)
         else:
-            kernel_counts = list(layout.kernel_counts)
-        out, bias = forward(self, to_kernel_rows(hidden, layout), kernel_counts,
-                            to_kernel_rows(probs, layout), *args, **kwargs)
-        return from_kernel_rows(out, layout), bias
+            kernel_counts = list(groups.kernel_counts)
+        out, bias = forward(self, to_kernel_rows(hidden, groups), kernel_counts,
+                            to_kernel_rows(probs, groups), *args, **kwargs)
+        return from_kernel_rows(out, groups), bias
 
     setattr(safe_forward, _PATCHED, True)
     return safe_forward

@@ -60,7 +60,7 @@ constexpr double kMinGain = 1e-12;  // relative: below it a step is rounding
 // sends 3.5 RDMA rows for its 8 routes on 8 nodes (2.3 on 4), so an off-home share f adds at
 // most 2.3 f (8 x 8) to 3.4 f (4 x 8) of its bytes; measured, 0.9-1.9 f (the moved experts'
 // tokens mostly reach their new node anyway), and satellites saved 0.4-0.7x their share: at
-// 1% that layer's plans stayed within 1.017x the home layout's bytes. 0.8% (1.012x) left
+// 1% that layer's plans stayed within 1.017x the home placement's bytes. 0.8% (1.012x) left
 // three of its eight rows without spare slots more imbalanced than the node-agnostic plan.
 constexpr double kOffHomeBudget = 0.01;
 constexpr double kSatelliteCredit = 0.3;
@@ -73,7 +73,7 @@ double pow16(double x) {  // the smooth maximum's power
 }
 
 // Which nodes hold copies of each expert, and its primary node.
-struct Layout {
+struct NodePlacement {
   int E = 0, N = 0;
   std::vector<int> primary;     // [E]
   std::vector<uint8_t> holds;   // [E][N]
@@ -83,8 +83,9 @@ struct Layout {
 
 int home_of(int e, int E, int N) { return e / (E / N); }
 
-Layout home_layout(int E, int N) {
-  Layout l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0), std::vector<int>(E, 1)};
+NodePlacement home_placement(int E, int N) {
+  NodePlacement l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0),
+                  std::vector<int>(E, 1)};
   for (int e = 0; e < E; ++e) {
     l.primary[e] = home_of(e, E, N);
     l.holds[static_cast<size_t>(e) * N + l.primary[e]] = 1;
@@ -92,9 +93,10 @@ Layout home_layout(int E, int N) {
   return l;
 }
 
-// The layout of a placement: copies per node, primary by placement.primary_nodes' rule.
-Layout layout_of(const int64_t* slots, int E, int S, int N) {
-  Layout l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0), std::vector<int>(E, 0)};
+// The node placement of a slot placement: copies per node, primary by placement.primary_nodes' rule.
+NodePlacement node_placement_of(const int64_t* slots, int E, int S, int N) {
+  NodePlacement l{E, N, std::vector<int>(E), std::vector<uint8_t>(static_cast<size_t>(E) * N, 0),
+                  std::vector<int>(E, 0)};
   std::vector<int> count(static_cast<size_t>(E) * N, 0);
   for (int s = 0; s < S; ++s) count[static_cast<size_t>(slots[s]) * N + s / (S / N)] += 1;
   for (int e = 0; e < E; ++e) {
@@ -109,13 +111,15 @@ Layout layout_of(const int64_t* slots, int E, int S, int N) {
 
 // Routes of e served off its home node: the shares of the nodes without a copy, where they go
 // to a primary that is not its home.
-double off_home(const double* load, const Layout& l, int e) {
+double off_home(const double* load, const NodePlacement& l, int e) {
   const int N = l.N;
   return l.primary[e] == home_of(e, l.E, N) ? 0.0 : load[e] * (N - l.nodes_held[e]) / N;
 }
 
 // Routes of e its satellites serve on their own nodes.
-double satellite_routes(const double* load, const Layout& l, int e) { return load[e] * (l.nodes_held[e] - 1) / l.N; }
+double satellite_routes(const double* load, const NodePlacement& l, int e) {
+  return load[e] * (l.nodes_held[e] - 1) / l.N;
+}
 
 // The budget's measure of a plan's added RDMA rows, a fraction of all routes.
 double rdma_spend(double off, double satellites, double total) {
@@ -123,7 +127,7 @@ double rdma_spend(double off, double satellites, double total) {
 }
 
 // Node demand of e on n.
-double demand(const double* load, const Layout& l, int e, int n) {
+double demand(const double* load, const NodePlacement& l, int e, int n) {
   if (!l.at(e, n)) return 0.0;
   const double share = load[e] / l.N;
   return n == l.primary[e] ? share * (l.N - l.nodes_held[e] + 1) : share;
@@ -131,7 +135,7 @@ double demand(const double* load, const Layout& l, int e, int n) {
 
 class NodeSearch {
  public:
-  NodeSearch(const double* load, int E, int N, int G, int C, double weight, Layout start)
+  NodeSearch(const double* load, int E, int N, int G, int C, double weight, NodePlacement start)
       : load_(load), E_(E), N_(N), G_(G), C_(C), weight_(weight), l_(std::move(start)), items_(N), demand_(N, 0.0),
         sorted_(N), lb_(N), term_(N) {
     total_ = std::accumulate(load, load + E, 0.0);
@@ -145,7 +149,7 @@ class NodeSearch {
     for (int n = 0; n < N_; ++n) refresh(n);
   }
 
-  const Layout& layout() const { return l_; }
+  const NodePlacement& placement() const { return l_; }
 
   // Satellites first (they cross no link), then every kind of move: a move sheds more in one
   // step, so a search that takes the largest step first moves experts a satellite would relieve.
@@ -454,7 +458,7 @@ class NodeSearch {
   double sat_ = 0.0;   // routes satellites serve on their own nodes
   bool moves_ = true;  // moves and swaps tried too, besides satellites
   int experts_tried_ = kExpertsTried, targets_tried_ = kTargetsTried;
-  Layout l_;
+  NodePlacement l_;
   std::vector<std::vector<int>> items_;                      // [N] experts with a copy on each node
   std::vector<double> demand_;                               // [N]
   std::vector<std::vector<std::pair<double, int>>> sorted_;  // [N] (demand, expert), heaviest first
@@ -465,14 +469,14 @@ class NodeSearch {
 };
 
 // The experts with a copy on node n, ascending, and their demands there.
-void node_items(const double* load, const Layout& l, int n, std::vector<int>& experts, std::vector<double>& d) {
+void node_items(const double* load, const NodePlacement& l, int n, std::vector<int>& experts, std::vector<double>& d) {
   experts.clear(), d.clear();
   for (int e = 0; e < l.E; ++e)
     if (l.at(e, n)) experts.push_back(e), d.push_back(demand(load, l, e, n));
 }
 
 // Every node packed on its own: its experts' demands over its C slots and G ranks.
-Slots pack_nodes(const double* load, const Layout& l, int S, int W) {
+Slots pack_nodes(const double* load, const NodePlacement& l, int S, int W) {
   const int N = l.N, C = S / N, G = W / N;
   Slots out(S);
   std::vector<int> experts;
@@ -486,7 +490,7 @@ Slots pack_nodes(const double* load, const Layout& l, int S, int W) {
 }
 
 // Rank loads of a plan under the replica choice by locality (metrics.slot_loads, nodes=N).
-std::vector<double> rank_loads(const double* load, const Layout& l, const Slots& slots, int W) {
+std::vector<double> rank_loads(const double* load, const NodePlacement& l, const Slots& slots, int W) {
   const int S = static_cast<int>(slots.size()), N = l.N, C = S / N, P = S / W;
   std::vector<int> copies(static_cast<size_t>(l.E) * N, 0);
   for (int s = 0; s < S; ++s) copies[static_cast<size_t>(slots[s]) * N + s / C] += 1;
@@ -501,7 +505,7 @@ std::vector<double> rank_loads(const double* load, const Layout& l, const Slots&
 // Swaps of single-copy experts between the peak rank and ranks of other nodes while they lower
 // the objective (largest rank over the mean + weight x off-home routes / all routes): where a
 // node's ranks are even but its peak rank's lightest experts are heavier than other nodes'.
-void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
+void polish(const double* load, NodePlacement& l, Slots& slots, int W, double weight) {
   const int S = static_cast<int>(slots.size()), N = l.N, C = S / N, P = S / W, E = l.E;
   const double total = std::accumulate(load, load + E, 0.0);
   if (N == 1 || total <= 0) return;
@@ -558,9 +562,9 @@ void polish(const double* load, Layout& l, Slots& slots, int W, double weight) {
 
 Slots local_plan(const double* load, int E, int S, int N, int W, double weight) {
   const int G = W / N;
-  NodeSearch search(load, E, N, G, S / N, weight, home_layout(E, N));
+  NodeSearch search(load, E, N, G, S / N, weight, home_placement(E, N));
   search.run(4 * E);
-  Layout l = search.layout();
+  NodePlacement l = search.placement();
   Slots slots = pack_nodes(load, l, S, W);
   polish(load, l, slots, W, weight);
   return slots;
@@ -608,7 +612,7 @@ Slots node_start(const int64_t* previous, int C, const std::vector<int>& experts
 }  // namespace
 
 void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off) {
-  const Layout l = layout_of(slots.data(), E, static_cast<int>(slots.size()), N);
+  const NodePlacement l = node_placement_of(slots.data(), E, static_cast<int>(slots.size()), N);
   const std::vector<double> rank = rank_loads(load, l, slots, W);
   const double total = std::accumulate(load, load + E, 0.0);
   const double peak = *std::max_element(rank.begin(), rank.end()), mean = total / W;
@@ -629,11 +633,11 @@ void keep_local(const double* load, int L, int E, int W, int N, int S, const int
   for (int layer = 0; layer < L; ++layer) {
     const double* ld = load + static_cast<size_t>(layer) * E;
     const int64_t* prev = previous + static_cast<size_t>(layer) * S;
-    Layout l = layout_of(target ? target + static_cast<size_t>(layer) * S : prev, E, S, N);
-    if (!keep_layout && !target) {  // the refit's own layout: the short lists only (fewer changes)
+    NodePlacement l = node_placement_of(target ? target + static_cast<size_t>(layer) * S : prev, E, S, N);
+    if (!keep_layout && !target) {  // the refit's own node placement: the short lists only (fewer changes)
       NodeSearch search(ld, E, N, G, C, rdma_weight, std::move(l));
       search.run(4 * E, false);
-      l = search.layout();
+      l = search.placement();
     }
     bool ok = true;
     std::vector<int> experts;

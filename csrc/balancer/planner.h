@@ -80,9 +80,9 @@ Slots plan_local(const double* load, int E, int S, int N, int W, double rdma_wei
 void local_terms(const double* load, int E, int W, int N, const Slots& slots, double* imbalance, double* off);
 
 // previous re-fitted node by node (load [L, E], previous, target and slots [L, S],
-// allowed_peak and reached [L]): a node layout (which nodes hold each expert) that of target
+// allowed_peak and reached [L]): a node placement (which nodes hold each expert) that of target
 // where given (not null), else previous's searched on as plan_local searches from the home
-// layout (kept as it is with keep_layout); then each node's slots re-fitted by keep_previous
+// placement (kept as it is with keep_layout); then each node's slots re-fitted by keep_previous
 // from previous's slots of that node toward allowed_peak, at most max_moves changed slots per
 // node. reached[l]: every node of layer l got there.
 void keep_local(const double* load, int L, int E, int W, int N, int S, const int64_t* previous, const int64_t* target,

@@ -56,7 +56,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def return_row_values(self, values_R: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Send one fp32 value per output row back to its routing slot: [T, K], 0 where none.
+        """Send one fp32 value per output row back to its route: [T, K], 0 where none.
 
         This is the backward of the probs that dispatch hands out.
         """

@@ -9,7 +9,7 @@ exchanges its counts once (the agreement header rides with them, reference_agree
 reads them on the host once, then its rows; a dispatch with a handle, a combine and the
 probs backward exchange their rows only, with the header in front. With a static output
 size (num_out_tokens) every rank's block has max_tokens_per_rank rows, so the counts ride
-with the rows and nothing is read on the host (reference_layout, reference_exchange).
+with the rows and nothing is read on the host (reference_tables, reference_exchange).
 
 Legend: T tokens, K routes per token, H hidden, L local experts, W ranks, N nodes,
 S rows sent, V rows received, R output rows, P rows of a message (blocks with headers).
@@ -31,15 +31,15 @@ from ..rows import from_byte_rows as _from_bytes
 from . import reference_agreement as agreement
 from .base import Backend
 from .reference_exchange import ReferenceExchange
-from .reference_layout import (
-    SendLayout,
+from .reference_message import Messages, block_starts, message_rows
+from .reference_tables import (
+    ReferenceSendTable,
     assert_routing_on_device,
     padded_row_count,
-    receive_layout,
+    receive_table,
     routes_per_row,
-    send_layout,
+    send_table,
 )
-from .reference_message import Messages, block_starts, message_rows
 
 _HW = agreement.HEADER_WORDS
 
@@ -66,12 +66,12 @@ class ReferenceBackend(Backend):
         return self._device
 
     @staticmethod
-    def _memo(layout, key, make):
-        """An index tensor derived from a handle's layout, made once per call kind (a handle
+    def _memo(table, key, make):
+        """An index tensor derived from a handle's table, made once per call kind (a handle
         serves a dispatch, a combine and the backward: the same indices every time)."""
-        found = layout.memo.get(key)
+        found = table.memo.get(key)
         if found is None:
-            found = layout.memo[key] = make()
+            found = table.memo[key] = make()
         return found
 
     def _check(self, table_WH: torch.Tensor, call: int, fields: dict) -> None:
@@ -112,13 +112,13 @@ class ReferenceBackend(Backend):
         return self._dispatch_counted(x_TH, payload, routing, fields)
 
     @staticmethod
-    def _tokens_at(layout: SendLayout, row_of_pos: torch.Tensor | None) -> torch.Tensor:
+    def _tokens_at(table: ReferenceSendTable, row_of_pos: torch.Tensor | None) -> torch.Tensor:
         """Message row -> its token (row_of_pos: message row -> send row; None: the same row).
         Rows of no token read token 0 (T - 1 at most): they are headers or never read."""
-        gathered = layout.token_of_row if row_of_pos is None else layout.token_of_row[row_of_pos]
-        return gathered.clamp(max=max(layout.num_tokens - 1, 0))
+        gathered = table.token_of_row if row_of_pos is None else table.token_of_row[row_of_pos]
+        return gathered.clamp(max=max(table.num_tokens - 1, 0))
 
-    def _pack(self, payload, layout: SendLayout, token_of_pos: torch.Tensor, routes_of_pos=None):
+    def _pack(self, payload, table: ReferenceSendTable, token_of_pos: torch.Tensor, routes_of_pos=None):
         """Message rows: row p carries the payload of token token_of_pos[p], then, for a new
         routing, routes_of_pos = (routes_per_row, row_of_pos or None for the same order): each
         row's local-expert weights and marks. Whole-row gathers straight into the message's
@@ -128,7 +128,7 @@ class ReferenceBackend(Backend):
         message = self._exchange.message(token_of_pos.shape[0], sum(widths) + meta)
         col = 0
         for part, width in zip(payload, widths):
-            if layout.num_tokens:
+            if table.num_tokens:
                 torch.index_select(part, 0, token_of_pos, out=message[:, col:col + width])
             col += width
         if routes_of_pos is not None:
@@ -145,29 +145,29 @@ class ReferenceBackend(Backend):
         read, overlapped with packing the rows, then the rows."""
         cfg, rank = self.config, self.rank
         W, N, L = cfg.world_size, cfg.num_nodes, cfg.experts_per_rank
-        layout = send_layout(routing, cfg)
+        table = send_table(routing, cfg)
         node_counts = torch.zeros(W, dtype=torch.int64, device=self._device)
-        node_counts[:N] = layout.node_counts_N
+        node_counts[:N] = table.node_counts_N
         words = self._message(agreement.NEW_ROUTING, fields, None,
-                              (layout.send_counts_W, node_counts, layout.expert_counts_E))
+                              (table.send_counts_W, node_counts, table.expert_counts_E))
         M = words.numel()
         recv, starts = self._exchange.all_to_all(words.view(torch.uint8).view(1, M, 8).expand(W, M, 8).reshape(-1, 8),
                                                  [M] * W, [M] * W, _HW, "dispatch (counts)")
         copy = self._exchange.start_host_copy(self._msg.read_headers(recv, starts, M))
-        message = self._pack(payload, layout, self._tokens_at(layout, None), (routes_per_row(layout, L), None))
-        table = self._exchange.finish_host_copy(copy, "dispatch (counts)")
-        rows = table.tolist()  # the routing's one host read (on the CPU a list of the table)
+        message = self._pack(payload, table, self._tokens_at(table, None), (routes_per_row(table, L), None))
+        host_words = self._exchange.finish_host_copy(copy, "dispatch (counts)")
+        rows = host_words.tolist()  # the routing's one host read (on the CPU a list of the table)
         if W > 1:
             agreement.check(agreement.NEW_ROUTING, fields, [r[:_HW] for r in rows])
         self._num_dispatches += 1  # numbered once every rank has agreed, so the ranks count alike
-        count_WW, node_WN = table[:, _HW:_HW + W], table[:, _HW + W:_HW + W + N]
+        count_WW, node_WN = host_words[:, _HW:_HW + W], host_words[:, _HW + W:_HW + W + N]
         first = _HW + 2 * W + rank * L
         num_rows = sum(padded_row_count(sum(r[first + j] for r in rows), cfg.pad_multiple, cfg.min_rows_per_expert)
                        for j in range(L))
         send_W, recv_W = rows[rank][_HW:_HW + W], [r[_HW + rank] for r in rows]
-        layout = _with_blocks(layout, send_W)
+        table = _with_blocks(table, send_W)
         recv, starts = self._exchange.all_to_all(message, send_W, recv_W, 0, "dispatch")
-        return self._unpack_new(x_TH, payload, routing, layout, recv, starts, recv_W, 0, num_rows, None,
+        return self._unpack_new(x_TH, payload, routing, table, recv, starts, recv_W, 0, num_rows, None,
                                 count_WW, node_WN, agreement.checksum(count_WW))
 
     def _dispatch_static(self, x_TH, payload, routing, num_out_tokens, fields):
@@ -177,40 +177,40 @@ class ReferenceBackend(Backend):
         W, N, per_rank = cfg.world_size, cfg.num_nodes, cfg.max_tokens_per_rank
         if self.checks_routing_on_device:
             assert_routing_on_device(routing, cfg.num_experts)
-        layout = _with_blocks(send_layout(routing, cfg, per_rank), [per_rank] * W)
+        table = _with_blocks(send_table(routing, cfg, per_rank), [per_rank] * W)
         node_counts = torch.zeros(W, dtype=torch.int64, device=self._device)
-        node_counts[:N] = layout.node_counts_N
-        words = self._message(agreement.NEW_ROUTING, fields, None, (layout.send_counts_W, node_counts))
+        node_counts[:N] = table.node_counts_N
+        words = self._message(agreement.NEW_ROUTING, fields, None, (table.send_counts_W, node_counts))
         B = sum(p.shape[1] for p in payload) + 5 * cfg.experts_per_rank
         header_rows = -(-words.numel() * 8 // B)
-        _, starts, row_of_pos = self._msg.blocks(list(layout.block_rows_W), header_rows, layout.num_rows_max)
-        message = self._pack(payload, layout, self._tokens_at(layout, row_of_pos),
-                             (routes_per_row(layout, cfg.experts_per_rank), row_of_pos))
+        _, starts, row_of_pos = self._msg.blocks(list(table.block_rows_W), header_rows, table.num_rows_max)
+        message = self._pack(payload, table, self._tokens_at(table, row_of_pos),
+                             (routes_per_row(table, cfg.experts_per_rank), row_of_pos))
         self._msg.put_headers(message, words, starts, header_rows)
         blocks = [header_rows + per_rank] * W
         recv, starts = self._exchange.all_to_all(message, blocks, blocks, header_rows, "dispatch")
-        table = self._msg.read_headers(recv, starts, words.numel())
-        self._check(table, agreement.NEW_ROUTING, fields)
+        headers = self._msg.read_headers(recv, starts, words.numel())
+        self._check(headers, agreement.NEW_ROUTING, fields)
         self._num_dispatches += 1
-        count_WW, node_WN = table[:, _HW:_HW + W], table[:, _HW + W:_HW + W + N]
+        count_WW, node_WN = headers[:, _HW:_HW + W], headers[:, _HW + W:_HW + W + N]
         checksum = agreement.checksum(count_WW) if self._device.type == "cpu" else 0
-        return self._unpack_new(x_TH, payload, routing, layout, recv, starts, [per_rank] * W, header_rows,
+        return self._unpack_new(x_TH, payload, routing, table, recv, starts, [per_rank] * W, header_rows,
                                 num_out_tokens, num_out_tokens, count_WW, node_WN, checksum)
 
-    def _unpack_new(self, x_TH, payload, routing, layout, recv, starts, recv_W, header_rows, num_rows,
+    def _unpack_new(self, x_TH, payload, routing, table, recv, starts, recv_W, header_rows, num_rows,
                     num_out_tokens, count_WW, node_WN, checksum):
-        """Rows of a new routing: the layout from the received marks, then the expert-major rows."""
+        """Rows of a new routing: the table from the received marks, then the expert-major rows."""
         cfg, L = self.config, self.config.experts_per_rank
         V = sum(recv_W)
         rows_of = self._msg.row_map(starts, recv_W, header_rows, V, recv.shape[0] - 1)
         col = sum(p.shape[1] for p in payload)
         meta = recv[:, col:].index_select(0, rows_of[:V])
         probs_VL = _from_bytes(meta[:, :4 * L], torch.float32)
-        dest = receive_layout(meta[:, 4 * L:], num_rows, cfg.pad_multiple, cfg.min_rows_per_expert, tuple(recv_W))
+        dest = receive_table(meta[:, 4 * L:], num_rows, cfg.pad_multiple, cfg.min_rows_per_expert, tuple(recv_W))
         probs_R = torch.cat([probs_VL, probs_VL.new_zeros(1, L)])[dest.src_of_row_R, dest.expert_of_row_R]
         recv_counts = count_WW[:, self.rank] if count_WW.device == self._device else self._msg.ints(recv_W)
         handle = DispatchHandle(
-            owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=layout, dest=dest,
+            owner=self.owner, config=cfg, rank=self.rank, routing=routing, source=table, dest=dest,
             recv_counts_W=recv_counts, num_recv_rows=V, count_matrix_WW=count_WW, node_counts_WN=node_WN,
             probs_R=probs_R, num_out_tokens=num_out_tokens, serial=self._num_dispatches, checksum=checksum,
         )
@@ -255,7 +255,7 @@ class ReferenceBackend(Backend):
 
     def _send_back(self, handle: DispatchHandle, rows_RH, values_R, apply_probs: bool, wire: torch.dtype):
         """The way back in one exchange: combine (rows_RH: [T, H] sums) and / or the probs
-        backward (values_R: one fp32 value per output row back to its routing slot, [T, K]).
+        backward (values_R: one fp32 value per output row back to its route, [T, K]).
 
         Combine reduces a token's local experts first: one fp32 partial row per received row,
         sent back in the wire dtype (rounded on this hop), summed in fp32 at the source after the
@@ -320,12 +320,12 @@ class ReferenceBackend(Backend):
             none = (recv.shape[0] - 1) * F  # the receive's zero row: the value of a slot not routed
             at_slot = self._memo(source, ("value slots", tuple(starts), header_rows, F, tuple(recv_W), none),
                                  lambda: self._msg.value_slots(starts, list(source.block_rows_W), header_rows, before,
-                                                               F, L, none)[source.slot_row_TK.clamp(max=S)]
-                                 + source.slot_local_TK)
+                                                               F, L, none)[source.route_row_TK.clamp(max=S)]
+                                 + source.route_local_TK)
             out_TK = recv.view(-1).view(torch.float32)[at_slot]
         return y_TH, out_TK
 
-    def _sum_partials(self, recv_SH: torch.Tensor, starts: list[int], header_rows: int, source: SendLayout,
+    def _sum_partials(self, recv_SH: torch.Tensor, starts: list[int], header_rows: int, source: ReferenceSendTable,
                       wire: torch.dtype) -> torch.Tensor:
         """The source's fp32 sum of the partials, with the hierarchical path's roundings: the
         partials of a remote node are summed (fp32) and rounded to the wire once more, as that
@@ -354,8 +354,8 @@ class ReferenceBackend(Backend):
         return memory_plan(self.config, self._device.type)
 
 
-def _tokens_of_blocks(source: SendLayout) -> list[torch.Tensor]:
-    """The token of each row of each rank's block of a send layout (its rows in packed order)."""
+def _tokens_of_blocks(source: ReferenceSendTable) -> list[torch.Tensor]:
+    """The token of each row of each rank's block of a send table (its rows in packed order)."""
     out, first = [], 0
     for rows in source.block_rows_W:
         out.append(source.token_of_row[first:first + rows])
@@ -370,8 +370,8 @@ def _back_blocks(block_rows_W, width: int, values_R, row_bytes: int, num_local: 
             for c in block_rows_W]
 
 
-def _with_blocks(layout: SendLayout, block_rows_W: list[int]) -> SendLayout:
-    return dataclasses.replace(layout, block_rows_W=tuple(block_rows_W))
+def _with_blocks(table: ReferenceSendTable, block_rows_W: list[int]) -> ReferenceSendTable:
+    return dataclasses.replace(table, block_rows_W=tuple(block_rows_W))
 
 
 def memory_plan(config, device_type: str = "cuda") -> MemoryPlan:

@@ -35,7 +35,7 @@ from .knobs import (
     valid_rdma_weight,
     valid_tolerance,
 )
-from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_layout, sum_replica_grads_
+from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_placement, sum_replica_grads_
 from .slots import SlotTable
 from .state import OptimizerView, grad_tensors, mark_replica, movable_tensors
 from .stats import LoadStatistics
@@ -129,7 +129,7 @@ class ExpertBalancer:
         # nodes the replica choice spreads by locality over (1: the spreading rule)
         self.routing_nodes = num_nodes if self.rdma_weight is not None else 1
         for layer in self.layers:
-            layer.table.set_layout(self.num_ranks, self.routing_nodes)
+            layer.table.set_shape(self.num_ranks, self.routing_nodes)
         self.interval = interval
         self.min_gain = min_gain
         # plan_placement's; None: its default (the planner loads at the first rebalance)
@@ -151,7 +151,7 @@ class ExpertBalancer:
             raise ValueError(f"layer_numbers has {len(self.layer_numbers)} entries for {len(self.layers)} MoE layers")
         self.steps = 0
         self._rows_LS = None  # host mirror of the tables: reading them per step would sync
-        self._replicas = None  # replica-gradient layout of the placement in _rows_LS
+        self._replicas = None  # which replicas each gradient sum covers, for the placement in _rows_LS
         self.refresh_from_tables()
         self.last_summary: dict | None = None
         self.events: list[dict] = []
@@ -258,7 +258,7 @@ class ExpertBalancer:
     def setup(self, initial_LS: torch.Tensor | None = None) -> dict:
         """Install the first placement over freshly built experts (collective over EP).
 
-        initial_LS: [L, S] (default: Placement.identity: the usual layout, spare slots
+        initial_LS: [L, S] (default: Placement.identity: the usual placement, spare slots
         holding replicas).
         """
         from .placement import Placement
@@ -279,9 +279,9 @@ class ExpertBalancer:
         if self.num_slots == self.num_experts:
             return 0
         if self._replicas is None:
-            self._replicas = replica_layout(self._rows_LS, rank=self.rank, num_ranks=self.num_ranks)
+            self._replicas = replica_placement(self._rows_LS, rank=self.rank, num_ranks=self.num_ranks)
         return sum_replica_grads_(None, self._slot_grads, rank=self.rank, num_ranks=self.num_ranks,
-                                  group=self.ep_group, layout=self._replicas,
+                                  group=self.ep_group, replicas=self._replicas,
                                   shard_group=self.view.shard_group if self.view.sharded else None)
 
     def after_optimizer_step(self, iteration: int | None = None) -> dict | None:

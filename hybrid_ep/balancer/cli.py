@@ -8,13 +8,13 @@
 Reads the statistics file that training writes (report.py), or one per pipeline stage joined
 by their layer numbers, plans (planner.py), writes the placement YAML (placement_file.py)
 with the statistics' layer numbers, prints imbalance per layer before (the previous
-placement, or the identity layout) and after, and optionally a report folder: JSON summary,
+placement, or the identity placement) and after, and optionally a report folder: JSON summary,
 imbalance bars and, when the statistics have a history, heatmaps of tokens per rank over
 intervals under both placements. With --params-per-slot the table and the report also give
 the bytes the moved slots carry, so the cost of applying a plan is known before it is
 applied. With --rdma-weight the plan is node-aware (routes by locality) and the table names
 every expert served off its home node; with --traffic it also gives RDMA and NVLink bytes per
-token of each layer for the identity layout, the placement before and the plan, on a routing
+token of each layer for the identity placement, the placement before and the plan, on a routing
 drawn from the layer's tokens per expert (hybrid_ep.traffic.placement). Bad input (a flag, or a
 statistics file's field, or more than 64 slots per expert): a message naming the flag or the
 field, exit code 2.
@@ -388,12 +388,12 @@ def _print_breaks(breaks: list[dict]) -> None:
 
 def _traffic(load_LE, previous, placement: Placement, args, groups: int, local: bool) -> dict:
     """Per layer: RDMA and NVLink bytes per token (dispatch, mean over ranks) of the identity
-    layout, the placement before (with --previous) and the plan, on a routing drawn from the
+    placement, the placement before (with --previous) and the plan, on a routing drawn from the
     layer's load; the plan's routes by locality when it is node-aware."""
-    from ..traffic.placement import Layout, placement_traffic, routing_from_load
+    from ..traffic.placement import PlacementShape, placement_traffic, routing_from_load
 
     W, N = placement.num_ranks, placement.num_nodes
-    layout = Layout(W, W // N, placement.num_slots, args.hidden)
+    shape = PlacementShape(W, W // N, placement.num_slots, args.hidden)
     identity = Placement.identity(placement.num_layers, placement.num_experts, placement.num_slots, W, N)
     names = [("identity", identity, False)] + ([("previous", previous, local)] if previous is not None else []) \
         + [("plan", placement, local)]
@@ -407,7 +407,7 @@ def _traffic(load_LE, previous, placement: Placement, args, groups: int, local: 
         routing = routing_from_load(load_LE[layer], W, args.traffic_tokens, args.topk, seed=layer,
                                     routing=args.traffic, num_groups=groups, group_limit=args.group_limit)
         for name, p, by_locality in names:
-            t = placement_traffic(routing, p.slot_to_expert[layer], layout, locality=by_locality)
+            t = placement_traffic(routing, p.slot_to_expert[layer], shape, locality=by_locality)
             out[name]["rdma_bytes_per_token"].append(t["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"])
             out[name]["nvlink_bytes_per_token"].append(t["bytes_per_token"]["dispatch"]["hierarchical_nvlink"]["mean"])
     return {"routing": args.traffic, "tokens_per_rank": args.traffic_tokens, "topk": args.topk, "hidden": args.hidden,
@@ -424,7 +424,7 @@ def _print_traffic(traffic: dict, has_previous: bool) -> None:
         print(f"{i + 1:>6} " + " ".join(f"{traffic[n]['rdma_bytes_per_token'][i]:>15,.0f} "
                                        f"{traffic[n]['nvlink_bytes_per_token'][i]:>15,.0f}" for n in names))
     plan, ident = (np.mean(traffic[n]["rdma_bytes_per_token"]) for n in ("plan", "identity"))
-    print(f"mean RDMA bytes per token: plan {plan:,.0f}, identity layout {ident:,.0f} "
+    print(f"mean RDMA bytes per token: plan {plan:,.0f}, identity placement {ident:,.0f} "
           f"({plan / ident if ident else float('nan'):.3f}x)")
 
 

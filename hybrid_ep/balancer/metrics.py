@@ -136,8 +136,8 @@ def default_rank_loads(load, num_ranks: int) -> torch.Tensor:
 def summarize(load, placement_before: Placement | None, placement_after: Placement, *, nodes: int = 1) -> dict:
     """Per-layer balance before and after, as plain lists (JSON-ready), plus the sizes.
 
-    placement_before None means the identity layout of the same shape (what a run starts
-    with, Placement.identity; without spare slots that is the default layout). nodes: the
+    placement_before None means the identity placement of the same shape (what a run starts
+    with, Placement.identity; without spare slots that is the default placement). nodes: the
     nodes the replica choice spreads by locality over (slot_loads; 1: the spreading rule).
     """
     after = placement_after

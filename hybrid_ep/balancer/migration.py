@@ -243,14 +243,14 @@ def migrate_shards_(slot_slices, transfers: list[Transfer], *, rank: int, num_ra
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
+class ReplicaPlacement:
     """Which (layer, expert) rows a replica-gradient sum covers, and this rank's slots in each."""
 
     rows: tuple[tuple[int, int], ...]                          # replicated (layer, expert), same on all ranks
     holders: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (row, ((layer, local slot), ...)) here
 
 
-def replica_layout(placement_LS: torch.Tensor, *, rank: int, num_ranks: int) -> ReplicaLayout:
+def replica_placement(placement_LS: torch.Tensor, *, rank: int, num_ranks: int) -> ReplicaPlacement:
     """Computed once per placement (the balancer caches it), not per step."""
     placement_LS = torch.as_tensor(placement_LS).to("cpu", torch.int64)
     L, S = placement_LS.shape
@@ -266,7 +266,7 @@ def replica_layout(placement_LS: torch.Tensor, *, rank: int, num_ranks: int) -> 
             e = int(placement_LS[layer, rank * P + j])
             if (layer, e) in index:
                 holders.setdefault(index[(layer, e)], []).append((layer, j))
-    return ReplicaLayout(tuple(rows), tuple((row, tuple(slots)) for row, slots in sorted(holders.items())))
+    return ReplicaPlacement(tuple(rows), tuple((row, tuple(slots)) for row, slots in sorted(holders.items())))
 
 
 def _grad_pieces(items) -> list[tuple[torch.Tensor, int, int]]:
@@ -275,7 +275,7 @@ def _grad_pieces(items) -> list[tuple[torch.Tensor, int, int]]:
 
 
 def sum_replica_grads_(placement_LS: torch.Tensor | None, slot_grads, *, rank: int, num_ranks: int,
-                       group=None, layout: ReplicaLayout | None = None, shard_group=None,
+                       group=None, replicas: ReplicaPlacement | None = None, shard_group=None,
                        max_bytes: int = 256 << 20) -> int:
     """Make every replica's gradient the sum over all replicas of its expert (in place).
 
@@ -286,11 +286,11 @@ def sum_replica_grads_(placement_LS: torch.Tensor | None, slot_grads, *, rank: i
     `shard_group` (the members holding the other pieces), and every holder reads its piece
     back: all holders read the same sums, so replicas stay bit-identical. Rows go in batches
     of at most `max_bytes` (one all_reduce per group, dtype and batch). Pass the placement,
-    or its precomputed `layout`. Returns the number of (layer, expert) pairs summed.
+    or its precomputed `replicas`. Returns the number of (layer, expert) pairs summed.
     """
-    if layout is None:
-        layout = replica_layout(placement_LS, rank=rank, num_ranks=num_ranks)
-    rows = layout.rows
+    if replicas is None:
+        replicas = replica_placement(placement_LS, rank=rank, num_ranks=num_ranks)
+    rows = replicas.rows
     if not rows:
         return 0
     example = {}
@@ -303,7 +303,7 @@ def sum_replica_grads_(placement_LS: torch.Tensor | None, slot_grads, *, rank: i
             if g.dtype not in dtypes:
                 dtypes.append(g.dtype)
     device = next(iter(example.values()))[0][0].device
-    holders = dict(layout.holders)
+    holders = dict(replicas.holders)
     for dtype in dtypes:
         sizes = [sum(n for g, _, n in example[layer] if g.dtype == dtype) for layer, _ in rows]
         for batch in _batches(sizes, max_bytes // max(1, torch.empty(0, dtype=dtype).element_size())):

@@ -88,7 +88,7 @@ class Placement:
     @staticmethod
     def identity(num_layers: int, num_experts: int, num_slots: int, num_ranks: int,
                  num_nodes: int) -> "Placement":
-        """The layout before any statistics: expert e in slot r*P + e % (E/W) of rank r = e // (E/W).
+        """The placement before any statistics: expert e in slot r*P + e % (E/W) of rank r = e // (E/W).
 
         Spare slots (S > E) hold one more copy of experts of other ranks, round robin over
         ranks, so no rank holds an expert twice (while that is possible) and copies spread.
@@ -96,7 +96,7 @@ class Placement:
         check_sizes(num_experts, num_slots, num_ranks, num_nodes)
         if num_experts % num_ranks != 0:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks ({num_ranks}) "
-                             "for the identity layout")
+                             "for the identity placement")
         per_rank, slots_pr = num_experts // num_ranks, num_slots // num_ranks
         rank_W = np.arange(num_ranks)[:, None]
         own_WP = rank_W * per_rank + np.arange(per_rank)[None, :]
@@ -104,8 +104,8 @@ class Placement:
         others = max(num_ranks - 1, 1)
         src_rank = (rank_W + 1 + spare % others) % num_ranks
         local = (rank_W + spare // others) % per_rank
-        layout_S = np.concatenate([own_WP, src_rank * per_rank + local], axis=1).reshape(-1)
-        s2e = torch.from_numpy(np.tile(layout_S, (num_layers, 1)))
+        identity_S = np.concatenate([own_WP, src_rank * per_rank + local], axis=1).reshape(-1)
+        s2e = torch.from_numpy(np.tile(identity_S, (num_layers, 1)))
         return Placement(s2e.to(torch.int64), num_ranks, num_nodes, num_experts).validate()
 
 

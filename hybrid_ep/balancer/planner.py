@@ -69,7 +69,7 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
 
     rdma_weight (None: the node-agnostic plan above, for the spreading rule, where copies go to
     any node): with a number and num_nodes > 1, the node-aware plan for the replica choice by
-    locality (SlotTable.set_layout, slots.py): experts stay on their home node e // (E / N), the
+    locality (SlotTable.set_shape, slots.py): experts stay on their home node e // (E / N), the
     node their group maps to under node-limited routing, and get satellite copies that serve
     other nodes' own routes; an expert moves to another node only where the drop in imbalance
     is above rdma_weight x the routes it then serves off its home node (a fraction of all
@@ -140,15 +140,15 @@ def _within(load_LE, s2e_LS, N, W, rdma_weight, goal) -> np.ndarray:
 def _plan_local(load_LE: np.ndarray, S: int, N: int, W: int, previous: Placement | None, tolerance: float,
                 move_budget: float | None, rdma_weight: float) -> Placement:
     """The node-aware plan (plan_placement's rdma_weight). With previous, the reference plan is
-    the same search started from previous's node layout instead of the home layout (a local
+    the same search started from previous's node placement instead of the home placement (a local
     search either way; from previous it changes few nodes where the load changed little), and
     per layer the first of: previous unchanged, where its imbalance and its cost of off-home
     routes are each within tolerance of the reference's; else previous re-fitted node by node
-    in the reference's layout (each node's slots by the refit of the node-agnostic plan) where
+    in the reference's placement (each node's slots by the refit of the node-agnostic plan) where
     that is within tolerance and changes at most a quarter of the slots, else whichever of it
     (if within) and the reference with the ranks of each node and the slots of each rank
     matched onto previous (always within) changes fewer slots. With move_budget, a layer
-    changing more is re-fitted within previous's node layout, each node stopped at the
+    changing more is re-fitted within previous's node placement, each node stopped at the
     budget's share of its slots."""
     E = load_LE.shape[1]
     if previous is None:

@@ -43,9 +43,9 @@ class SlotTable:
         self.expert_slots_ER = torch.zeros(num_experts, self.max_replicas, dtype=torch.int64, device=device)
         # set by load_ (host flag, no device read): until then every expert maps to slot 0
         self.installed = False
-        self.set_layout(1, 1)
+        self.set_shape(1, 1)
 
-    def set_layout(self, num_ranks: int, num_nodes: int) -> "SlotTable":
+    def set_shape(self, num_ranks: int, num_nodes: int) -> "SlotTable":
         """The EP ranks and nodes the slots are spread over (slot s on rank s // (S / W), node
         s // (S / N)), for the replica choice by locality; before any routing (it allocates the
         per-node tables). One node, the default: every copy is local."""
@@ -126,7 +126,7 @@ class SlotTable:
         if self.num_nodes == 1:
             return 0
         if not is_int(rank, 0) or rank >= self.num_ranks:
-            raise ValueError(f"rank must be in [0, {self.num_ranks}) (the EP ranks of set_layout), got {rank!r}")
+            raise ValueError(f"rank must be in [0, {self.num_ranks}) (the EP ranks of set_shape), got {rank!r}")
         return rank // (self.num_ranks // self.num_nodes)
 
     def check_installed(self) -> None:

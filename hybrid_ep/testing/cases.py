@@ -242,7 +242,7 @@ def run_autograd_on_rank(case: Case, inputs: dict, weights_EHH: torch.Tensor, gr
 
 
 def dense_autograd_oracle(case: Case, inputs: list[dict], weights_EHH: torch.Tensor,
-                          grad_ys: list[torch.Tensor], row_of_slot: list[torch.Tensor]) -> list[dict]:
+                          grad_ys: list[torch.Tensor], row_of_route: list[torch.Tensor]) -> list[dict]:
     """float64: y[t] = sum_k w[t,k] f_e(x[t]) over kept slots; grads by torch autograd."""
     out = []
     W64 = weights_EHH.double()
@@ -250,7 +250,7 @@ def dense_autograd_oracle(case: Case, inputs: list[dict], weights_EHH: torch.Ten
         x = inp["x"].double().requires_grad_(True)
         w = inp["topk_weights"].double().requires_grad_(True)
         idx = inp["topk_idx"]
-        kept = row_of_slot[s] >= 0
+        kept = row_of_route[s] >= 0
         y = torch.zeros_like(x)
         for k in range(idx.shape[1]):
             for e in idx[:, k][kept[:, k]].unique().tolist():

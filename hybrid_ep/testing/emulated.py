@@ -176,7 +176,7 @@ def check_emulated_autograd(group, case: Case) -> None:
         outs.append(out * probs[r][:, None])
     ys = group.combine_autograd(outs, probs, handles)
     sum((y * g.to(dev)).sum() for y, g in zip(ys, grad_ys)).backward()
-    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_route)
     for r in range(case.world_size):
         torch.testing.assert_close(ys[r].detach().cpu().double(), want[r]["y"], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(xs[r].grad.cpu().double(), want[r]["grad_x"], rtol=1e-4, atol=1e-5)

@@ -7,7 +7,7 @@ routes reach a remote node n once, to its rail peer f = n * G + s % G. In f's st
 for source node node(s), chunk c of s (chunk_tokens consecutive tokens) occupies slots
 c * chunk_tokens + q, q the token's ordinal among the chunk's tokens for node n. f forwards
 the row to every rank d of its node the token is routed to, into d's receive slot for s: the
-token's ordinal among the tokens s sends to d (the single-node receive layout).
+token's ordinal among the tokens s sends to d (the single-node receive order).
 
 Legend: T tokens of a source, N nodes, G ranks per node, C chunks per source
 (ceil(max_tokens_per_rank / chunk_tokens), at least 1), Q = C x chunk_tokens staging slots.
@@ -21,7 +21,7 @@ import torch
 
 from ..checks import require_int
 from ..config import BufferConfig
-from ..routing import SourceLayout, normalize_routing, source_layout
+from ..routing import SendTable, normalize_routing, send_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +44,14 @@ class ForwardPlan:
     send_slot: list[torch.Tensor]  # per source: int64 [T, W] receive slot at rank d, -1 if not sent there
 
 
-def send_slots(layout: SourceLayout, world_size: int) -> torch.Tensor:
+def send_slots(table: SendTable, world_size: int) -> torch.Tensor:
     """int64 [T, W]: the ordinal of token t among the rows the source sends to rank d, -1 if
-    none: the layout's rows are in (rank, token) order, so a row's slot is its index minus the
+    none: the table's rows are in (rank, token) order, so a row's slot is its index minus the
     first row of its rank."""
-    rows = layout.send_token_idx_S
-    dest = torch.repeat_interleave(torch.arange(world_size, device=rows.device), layout.send_counts_W)
-    first = layout.send_counts_W.cumsum(0) - layout.send_counts_W
-    num_tokens = layout.slot_send_row_TK.shape[0]
+    rows = table.send_token_idx_S
+    dest = torch.repeat_interleave(torch.arange(world_size, device=rows.device), table.send_counts_W)
+    first = table.send_counts_W.cumsum(0) - table.send_counts_W
+    num_tokens = table.route_send_row_TK.shape[0]
     slots = torch.full((num_tokens, world_size), -1, dtype=torch.int64, device=rows.device)
     slots[rows, dest] = torch.arange(rows.shape[0], device=rows.device) - first[dest]
     return slots
@@ -93,7 +93,7 @@ def forward_plan(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig, ch
     for s, idx in enumerate(topk_idx_per_rank):
         idx = idx.cpu()
         routing = normalize_routing(idx.shape[0], E, idx.device, topk_idx=idx)
-        send_slot = send_slots(source_layout(routing, config), W)
+        send_slot = send_slots(send_table(routing, config), W)
         to_node = (send_slot >= 0).view(-1, N, G).any(dim=2)
         to_node[:, config.node_of(s)] = False  # the source's own node is reached over NVLink directly
         slot_TN = _staging_slots(to_node, C, chunk_tokens)

@@ -35,8 +35,8 @@ class OracleDispatch:
 @dataclasses.dataclass
 class OracleRun:
     ranks: list[OracleDispatch]
-    # row_of_slot[s][t, k]: output row (on rank topk_idx[s][t, k] // L) of that slot, -1 if none
-    row_of_slot: list[torch.Tensor]
+    # row_of_route[s][t, k]: output row (on rank topk_idx[s][t, k] // L) of that route, -1 if none
+    row_of_route: list[torch.Tensor]
 
 
 def _copy_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def dispatch_oracle(
         topk_weights = [(i >= 0).to(torch.float32) for i in topk_idx]
     topk_weights = [w.to(dev) for w in topk_weights]
     scales = None if scales is None else [sc.to(dev) for sc in scales]
-    row_of_slot = [torch.full(i.shape, -1, dtype=torch.int64, device=dev) for i in topk_idx]
+    row_of_route = [torch.full(i.shape, -1, dtype=torch.int64, device=dev) for i in topk_idx]
     ranks = []
     for r in range(W):
         pieces, scale_pieces, prob_pieces, counts = [], [], [], []
@@ -79,7 +79,7 @@ def dispatch_oracle(
                 if scales is not None:
                     scale_pieces.append(scales[s][tokens])
                 prob_pieces.append(topk_weights[s].float()[tokens, slots])
-                row_of_slot[s][tokens, slots] = torch.arange(pos, pos + n, device=dev)
+                row_of_route[s][tokens, slots] = torch.arange(pos, pos + n, device=dev)
                 pos += n
             # At least min_rows rows per expert (zero rows past the real ones), then up to a
             # multiple of pad.
@@ -104,9 +104,9 @@ def dispatch_oracle(
             R = num_out_tokens
             for s in range(W):
                 on_r = (topk_idx[s] >= 0) & (topk_idx[s] // L == r)
-                lost = on_r & (row_of_slot[s] >= R)
+                lost = on_r & (row_of_route[s] >= R)
                 dropped += int(lost.sum())
-                row_of_slot[s][lost] = -1
+                row_of_route[s][lost] = -1
             if needed >= R:
                 tokens_RH, probs_R = tokens_RH[:R], probs_R[:R]
                 scales_R = scales_R[:R] if scales_R is not None else None
@@ -120,7 +120,7 @@ def dispatch_oracle(
         else:
             counts_L = ends - starts
         ranks.append(OracleDispatch(tokens_RH, scales_R, probs_R, counts_L, dropped, needed))
-    return OracleRun(ranks, row_of_slot)
+    return OracleRun(ranks, row_of_route)
 
 
 def combine_oracle(
@@ -134,8 +134,8 @@ def combine_oracle(
 
     Computed on the device of run (the dispatch oracle's)."""
     L = config.experts_per_rank
-    dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
-    outs = [e.to(dev) for e in expert_outs]  # in their dtype: float64 only the rows a slot gathers
+    dev = run.row_of_route[0].device if run.row_of_route else torch.device("cpu")
+    outs = [e.to(dev) for e in expert_outs]  # in their dtype: float64 only the rows a route gathers
     sums, magnitudes = [], []
     for s, idx in enumerate(topk_idx):
         idx = idx.to(dev)
@@ -152,12 +152,12 @@ def combine_oracle(
 
 
 def _rank_terms(run: OracleRun, s: int, d: int, idx: torch.Tensor, out: torch.Tensor, L: int, apply_probs: bool):
-    """Rank d's expert outputs for the tokens of source s, one routing slot k at a time:
+    """Rank d's expert outputs for the tokens of source s, one route k at a time:
     (tokens [T] bool, their rows [n, H] float64, times the routing weight with apply_probs).
     Only the gathered rows become float64 (exactly): a float64 copy of every rank's expert_out
     took 17 GB at the seed shape (W = 8, 4096 x 8192), past an 80 GB GPU beside the buffers."""
     for k in range(idx.shape[1]):
-        rows = run.row_of_slot[s][:, k]
+        rows = run.row_of_route[s][:, k]
         sel = (rows >= 0) & (idx[:, k] // L == d)
         if not bool(sel.any()):
             continue
@@ -206,7 +206,7 @@ def combine_hops_oracle(
     rail peer on each other node does the same for that node's routes, and its sum crosses
     rounded once to the wire (hops 1)."""
     L, G, N = config.experts_per_rank, config.ranks_per_node, config.num_nodes
-    dev = run.row_of_slot[0].device if run.row_of_slot else torch.device("cpu")
+    dev = run.row_of_route[0].device if run.row_of_route else torch.device("cpu")
     wire = expert_outs[0].dtype if wire_dtype is None else wire_dtype
     outs = [e.to(dev) for e in expert_outs]
     bounds = []

@@ -7,7 +7,7 @@ The numbers come from the traffic model (`model.py`); this module only builds th
 calls the model and aggregates over ranks. Computed, not measured. With --placement the
 routes go through an expert placement of the balancer (one layer of its YAML: router ids to
 slots by the replica choice, `placement.py`), and the line after the table compares its RDMA
-bytes with the layout without one.
+bytes with those of the routing without one.
 
 Legend: W ranks = N nodes x G ranks per node, E experts, K routes per token,
 T tokens per rank, H hidden size.
@@ -217,11 +217,11 @@ def compute(scenario: Scenario) -> dict:
     if scenario.placement is None:
         report = summarize(routings, scenario.buffer_config(), *dtypes)
     else:
-        from .placement import Layout, placement_traffic
+        from .placement import PlacementShape, placement_traffic
 
         row = _placement_row(scenario)
-        layout = Layout(scenario.world_size, scenario.ranks_per_node, row.numel(), scenario.hidden)
-        report = placement_traffic(routings, row, layout, *dtypes, locality=scenario.replica_choice == "locality")
+        shape = PlacementShape(scenario.world_size, scenario.ranks_per_node, row.numel(), scenario.hidden)
+        report = placement_traffic(routings, row, shape, *dtypes, locality=scenario.replica_choice == "locality")
         without = summarize(routings, scenario.buffer_config(), *dtypes)
         report["without_placement"] = {"bytes_per_token": without["bytes_per_token"]}
     report["scenario"] = dataclasses.asdict(scenario) | {

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from ..config import BufferConfig
-from ..routing import normalize_routing, source_layout
+from ..routing import normalize_routing, send_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +134,9 @@ def count_tables(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig) ->
     rows, nodes = [], []
     for idx in topk_idx_per_rank:
         routing = normalize_routing(idx.shape[0], config.num_experts, idx.device, topk_idx=idx)
-        layout = source_layout(routing, config)
-        rows.append(layout.send_counts_W)
-        nodes.append(layout.node_counts_N)
+        table = send_table(routing, config)
+        rows.append(table.send_counts_W)
+        nodes.append(table.node_counts_N)
     return torch.stack(rows), torch.stack(nodes)
 
 

@@ -4,7 +4,7 @@ A placement (hybrid_ep.balancer) puts S slots on W ranks, slot s on rank s // (S
 router's expert ids become slot ids by the balancer's replica choice (the spreading rule, or
 the choice by locality: hybrid_ep.balancer.slots), and the traffic model counts those rows
 as it counts experts (a slot is an expert of its rank). So RDMA and NVLink bytes per token
-come out for the default layout and for any plan, on any routing.
+come out for the default placement and for any plan, on any routing.
 
 Legend: T tokens, K routes per token, E experts, S slots, W ranks, N nodes.
 """
@@ -35,12 +35,12 @@ def slot_routings(topk_idx_per_rank: list[torch.Tensor], slot_to_expert_S, num_r
     if len(topk_idx_per_rank) != num_ranks:
         raise ValueError(f"topk_idx_per_rank has {len(topk_idx_per_rank)} entries, expected num_ranks={num_ranks}")
     num_experts = int(row.max()) + 1 if row.numel() else 0
-    table = SlotTable(num_experts, row.numel()).set_layout(num_ranks, num_nodes if locality else 1).load_(row)
+    table = SlotTable(num_experts, row.numel()).set_shape(num_ranks, num_nodes if locality else 1).load_(row)
     return [route_topk_to_slots(idx.to(torch.int64), table, rank=r) for r, idx in enumerate(topk_idx_per_rank)]
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PlacementShape:
     """Where the slots of a placement live: W ranks, G per node, S slots (slot s on rank s // (S / W))."""
 
     num_ranks: int
@@ -55,20 +55,20 @@ class Layout:
                             ranks_per_node=self.ranks_per_node).validate()
 
 
-def placement_traffic(topk_idx_per_rank: list[torch.Tensor], slot_to_expert_S, layout: Layout,
+def placement_traffic(topk_idx_per_rank: list[torch.Tensor], slot_to_expert_S, shape: PlacementShape,
                       dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.bfloat16,
                       locality: bool = True) -> dict:
     """hybrid_ep.traffic.cli.summarize of the routing through the placement row, plus
     `tokens_per_rank_routed`: routes each rank receives (the load the balancer evens out)."""
-    nodes = layout.num_ranks // layout.ranks_per_node
-    slots = slot_routings(topk_idx_per_rank, slot_to_expert_S, layout.num_ranks, nodes, locality)
-    config = layout.buffer_config(max(int(s.shape[0]) for s in slots))
+    nodes = shape.num_ranks // shape.ranks_per_node
+    slots = slot_routings(topk_idx_per_rank, slot_to_expert_S, shape.num_ranks, nodes, locality)
+    config = shape.buffer_config(max(int(s.shape[0]) for s in slots))
     report = summarize(slots, config, dispatch_dtype, combine_dtype,
-                       tables=destination_counts(slots, layout.num_slots, layout.num_ranks, layout.ranks_per_node))
-    per_rank = layout.num_slots // layout.num_ranks
+                       tables=destination_counts(slots, shape.num_slots, shape.num_ranks, shape.ranks_per_node))
+    per_rank = shape.num_slots // shape.num_ranks
     routed = torch.cat([s.reshape(-1) for s in slots])
     routed = routed[routed >= 0]
-    report["routes_per_rank"] = torch.bincount(routed // per_rank, minlength=layout.num_ranks).tolist()
+    report["routes_per_rank"] = torch.bincount(routed // per_rank, minlength=shape.num_ranks).tolist()
     return report
 
 
@@ -76,7 +76,7 @@ def destination_counts(idx_per_rank: list[torch.Tensor], num_experts: int, num_r
                        ranks_per_node: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(count_WW, node_counts_WN) of model.count_tables, counted straight from the ids (expert x
     on rank x // (num_experts / W)): tokens of each source rank with a route to each rank and
-    to each node. count_tables builds every rank's whole dispatch layout to get them, which at
+    to each node. count_tables builds every rank's whole send table to get them, which at
     64 ranks of thousands of tokens takes seconds per routing."""
     W, N = num_ranks, num_ranks // ranks_per_node
     per_rank = num_experts // W

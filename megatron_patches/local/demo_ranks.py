@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.routing import normalize_routing, source_layout
+from hybrid_ep.routing import normalize_routing, send_table
 from hybrid_ep.traffic import dispatch_row_bytes, row_counts
 
 from .common import PLAIN_FP32_CONFIG, counting_batch, init_megatron, quiet_libraries
@@ -160,8 +160,8 @@ def routing_counts(routing_map_TE: torch.Tensor, config: BufferConfig) -> torch.
     node for one routing (the two count tables a dispatch exchanges, hybrid_ep.traffic)."""
     T, E = routing_map_TE.shape
     routing = normalize_routing(T, E, routing_map_TE.device, routing_map=routing_map_TE)
-    layout = source_layout(routing, config)
-    return torch.cat([layout.send_counts_W, layout.node_counts_N])
+    table = send_table(routing, config)
+    return torch.cat([table.send_counts_W, table.node_counts_N])
 
 
 def modelled_dispatch_bytes(counts_RLC: torch.Tensor, config: BufferConfig, row_bytes: int) -> dict:

@@ -36,7 +36,7 @@ import tempfile
 from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
-from . import layout, memory, render, site_fields, validate
+from . import memory, render, shape, site_fields, validate
 from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
@@ -103,7 +103,7 @@ def report(recipe, on_cpu: bool = False) -> None:
     runs the ranks as CPU processes, so there is no GPU to count or to compare memory with."""
     if recipe.kind != "pretrain":
         return
-    print(f"{PROG}: {recipe.name}: {layout.layout_of(recipe).describe(on_cpu)}", file=sys.stderr)
+    print(f"{PROG}: {recipe.name}: {shape.shape_of(recipe).describe(on_cpu)}", file=sys.stderr)
     est = memory.estimate(recipe)
     print(est.table(on_cpu), file=sys.stderr)
     if est.over and not on_cpu:

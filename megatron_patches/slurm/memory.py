@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import layout as L
 from .dispatcher_memory import DispatcherMemory, dispatcher_memory
+from .shape import shape_of, stage_layers
 
 GIB = 1024**3
 
@@ -202,22 +202,22 @@ def model_params(recipe) -> float:
     return total
 
 
-def _activation_bytes(recipe, lay, stage: int, dense_layers: int, moe_layers: int) -> float:
+def _activation_bytes(recipe, shape, stage: int, dense_layers: int, moe_layers: int) -> float:
     m, t_cfg = recipe["model"], recipe["train"]
     H, k, Fe, F = m["hidden_size"], m["moe_router_topk"], m["moe_ffn_hidden_size"], m["ffn_hidden_size"]
-    tokens = m["seq_length"] * t_cfg["micro_batch_size"] / lay.cp
+    tokens = m["seq_length"] * t_cfg["micro_batch_size"] / shape.cp
     mods = set(t_cfg["recompute_modules"]) if t_cfg["recompute"] == "selective" else set()
-    attention = (8 if "layernorm" in mods else 10) * H / lay.tp
-    dense_mlp = (H if "mlp" in mods else H + 3 * F) / lay.tp
+    attention = (8 if "layernorm" in mods else 10) * H / shape.tp
+    dense_mlp = (H if "mlp" in mods else H + 3 * F) / shape.tp
     if "moe" in mods:
-        moe_mlp = H / lay.tp
+        moe_mlp = H / shape.tp
     else:
-        moe_mlp = k * (H + (2 if "moe_act" in mods else 3) * Fe) / lay.etp
+        moe_mlp = k * (H + (2 if "moe_act" in mods else 3) * Fe) / shape.etp
     per_dense, per_moe = attention + dense_mlp, attention + moe_mlp
-    micro_batches = max(1, t_cfg["global_batch_size"] // max(1, t_cfg["micro_batch_size"] * lay.dp))
-    in_flight = min(lay.pp - stage, micro_batches)  # 1F1B: stage s holds PP - s micro-batches
+    micro_batches = max(1, t_cfg["global_batch_size"] // max(1, t_cfg["micro_batch_size"] * shape.dp))
+    in_flight = min(shape.pp - stage, micro_batches)  # 1F1B: stage s holds PP - s micro-batches
     if t_cfg["recompute"] == "full":
-        kept = (dense_layers + moe_layers) * H / lay.tp * in_flight  # layer inputs only
+        kept = (dense_layers + moe_layers) * H / shape.tp * in_flight  # layer inputs only
         return 2 * tokens * (kept + max(per_dense if dense_layers else 0, per_moe if moe_layers else 0))
     return 2 * tokens * (dense_layers * per_dense + moe_layers * per_moe) * in_flight
 
@@ -235,8 +235,8 @@ def estimate(recipe) -> MemoryEstimate:
 
 def stage_estimates(recipe) -> list[MemoryEstimate]:
     """Bytes per GPU of each pipeline stage."""
-    m, lay = recipe["model"], L.layout_of(recipe)
-    stages = L.stage_layers(recipe)
+    m, shape = recipe["model"], shape_of(recipe)
+    stages = stage_layers(recipe)
     weight_b = 4 if recipe["precision"] == "fp32" else 2
     grad_b = grad_bytes(recipe["precision"])
     opt_b = 8 if recipe["precision"] == "fp32" else 12
@@ -244,7 +244,7 @@ def stage_estimates(recipe) -> list[MemoryEstimate]:
     slots = recipe["balancer.slots_per_rank"] if recipe["balancer.interval"] > 0 else None
     disp = dispatcher_memory(recipe)
     cuda = dispatcher_memory(recipe, "cuda") if disp is not None and not disp.held_bytes else None
-    experts_per_rank = slots or m["num_experts"] // lay.ep
+    experts_per_rank = slots or m["num_experts"] // shape.ep
     per_stage, start = [], 0
     for s, n in enumerate(stages):
         n_dense = min(max(m["dense_layers"] - start, 0), n)  # layers start .. start + n - 1 below dense_layers
@@ -256,19 +256,19 @@ def stage_estimates(recipe) -> list[MemoryEstimate]:
             dense += m["vocab_size"] * m["hidden_size"]
         if s == len(stages) - 1:
             dense += m["hidden_size"] + (m["vocab_size"] * m["hidden_size"] if m["untie_embeddings"] else 0)
-        dense /= lay.tp
-        experts = experts_full / m["num_experts"] * experts_per_rank / lay.etp
-        spare = experts_full / m["num_experts"] * (experts_per_rank - m["num_experts"] // lay.ep) / lay.etp
-        opt_dense = dense * opt_b / (lay.dp * lay.cp if dist_opt else 1)
-        opt_exp = experts * opt_b / (lay.edp if dist_opt else 1)
-        act = _activation_bytes(recipe, lay, s, n_dense, n_moe)
+        dense /= shape.tp
+        experts = experts_full / m["num_experts"] * experts_per_rank / shape.etp
+        spare = experts_full / m["num_experts"] * (experts_per_rank - m["num_experts"] // shape.ep) / shape.etp
+        opt_dense = dense * opt_b / (shape.dp * shape.cp if dist_opt else 1)
+        opt_exp = experts * opt_b / (shape.edp if dist_opt else 1)
+        act = _activation_bytes(recipe, shape, s, n_dense, n_moe)
         per_stage.append(MemoryEstimate(
             stage=s, dense_params=dense, expert_params=experts,
             weights_gb=(dense + experts) * weight_b / GIB, grads_gb=(dense + experts) * grad_b / GIB,
             optimizer_gb=(opt_dense + opt_exp) / GIB, activations_gb=act / GIB,
             gpu_gb=GPU_MEMORY_GB.get(recipe["cluster.gpu_type"], 0), total_params_model=model_params(recipe),
             grads_dtype="fp16" if grad_b == 2 else "fp32",
-            spare_slots_gb=spare * (weight_b + grad_b + opt_b / (lay.edp if dist_opt else 1)) / GIB,
+            spare_slots_gb=spare * (weight_b + grad_b + opt_b / (shape.edp if dist_opt else 1)) / GIB,
             dispatcher=disp, dispatcher_gb=disp.held_bytes / GIB if disp is not None and n_moe else 0.0,
             cuda_dispatcher=cuda))
     return per_stage

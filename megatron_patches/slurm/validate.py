@@ -6,7 +6,7 @@ The rules are the ones Megatron-LM (arguments.py, TransformerConfig) and hybrid_
 otherwise enforce on the cluster, after the queue wait:
 
 - world size = TP x PP x CP x DP (DP a whole number);
-- experts divisible by EP; EP x ETP divides W / PP (expert data parallelism, see layout);
+- experts divisible by EP; EP x ETP divides W / PP (expert data parallelism, see shape.py);
 - layers split over PP (x VPP), with the uneven first/last stage when given;
 - global batch divisible by micro batch x DP;
 - heads and query groups divisible by TP; MoE with TP > 1 and EP > 1 needs sequence
@@ -54,10 +54,10 @@ from hybrid_ep.config import FP8_BLOCK
 from hybrid_ep.rows import row_bytes_rule
 from hybrid_ep.wording import plural
 
-from . import layout as L
 from . import site_fields
 from .memory import GPU_MEMORY_GB
 from .recipe import RecipeError
+from .shape import shape_of, stage_layers
 
 DISPATCHERS = ("hybrid_ep", "alltoall", "allgather", "flex")
 PRECISIONS = ("bf16", "fp8", "fp16", "fp32")
@@ -196,51 +196,51 @@ def _parallel(recipe, problems):
     _positive(recipe, [p + k for k in ("tp", "pp", "vpp", "cp", "ep", "etp")], problems)
     if problems:
         return
-    lay = L.layout_of(recipe)
-    model_size = lay.tp * lay.pp * lay.cp
-    if lay.world % model_size:
+    shape = shape_of(recipe)
+    model_size = shape.tp * shape.pp * shape.cp
+    if shape.world % model_size:
         problems.append(("cluster.nodes", f"{plural(recipe['cluster.nodes'], 'node')} x "
-                         f"{plural(recipe['cluster.gpus_per_node'], 'GPU')} = {lay.world} is not divisible by "
+                         f"{plural(recipe['cluster.gpus_per_node'], 'GPU')} = {shape.world} is not divisible by "
                          f"TP x PP x CP = {model_size} "
                          "(world size = TP x PP x CP x DP)"))
         return
     E = recipe["model.num_experts"]
-    if E % lay.ep:
-        problems.append(("parallelism.ep", f"model.num_experts {E} is not divisible by EP {lay.ep}"))
-    per_stage = lay.world // lay.pp
-    if per_stage % (lay.ep * lay.etp):
-        problems.append(("parallelism.ep", f"EP x ETP = {lay.ep} x {lay.etp} must divide world / PP = "
+    if E % shape.ep:
+        problems.append(("parallelism.ep", f"model.num_experts {E} is not divisible by EP {shape.ep}"))
+    per_stage = shape.world // shape.pp
+    if per_stage % (shape.ep * shape.etp):
+        problems.append(("parallelism.ep", f"EP x ETP = {shape.ep} x {shape.etp} must divide world / PP = "
                          f"TP x CP x DP = {per_stage} (Megatron's expert layout: W = PP x EP x ETP x EDP)"))
-    if lay.vpp > 1 and lay.pp == 1:
+    if shape.vpp > 1 and shape.pp == 1:
         problems.append(("parallelism.vpp", "virtual pipeline stages need parallelism.pp > 1"))
     try:
-        L.stage_layers(recipe)
+        stage_layers(recipe)
     except ValueError as err:
         problems.append(("parallelism.pp", f"model.num_layers {recipe['model.num_layers']} do not split over "
-                         f"PP {lay.pp} x VPP {lay.vpp} (first/last stage layers "
+                         f"PP {shape.pp} x VPP {shape.vpp} (first/last stage layers "
                          f"{recipe['parallelism.first_stage_layers']}/{recipe['parallelism.last_stage_layers']}): "
                          f"{err}"))
     for field in ("parallelism.first_stage_layers", "parallelism.last_stage_layers"):
         value = recipe[field]
-        if value is not None and lay.vpp > 1 and value % lay.vpp:
-            problems.append((field, f"{value} must be divisible by VPP {lay.vpp}"))
+        if value is not None and shape.vpp > 1 and value % shape.vpp:
+            problems.append((field, f"{value} must be divisible by VPP {shape.vpp}"))
     mbs, gbs = recipe["train.micro_batch_size"], recipe["train.global_batch_size"]
-    if mbs >= 1 and gbs % (mbs * lay.dp):
+    if mbs >= 1 and gbs % (mbs * shape.dp):
         problems.append(("train.global_batch_size", f"{gbs} is not divisible by micro batch x DP = "
-                         f"{mbs} x {lay.dp} = {mbs * lay.dp}"))
+                         f"{mbs} x {shape.dp} = {mbs * shape.dp}"))
     heads, groups = recipe["model.num_attention_heads"], recipe["model.num_query_groups"]
-    if heads % lay.tp:
-        problems.append(("model.num_attention_heads", f"{heads} is not divisible by TP {lay.tp}"))
-    if groups is not None and groups % lay.tp:
-        problems.append(("model.num_query_groups", f"{groups} is not divisible by TP {lay.tp}"))
+    if heads % shape.tp:
+        problems.append(("model.num_attention_heads", f"{heads} is not divisible by TP {shape.tp}"))
+    if groups is not None and groups % shape.tp:
+        problems.append(("model.num_query_groups", f"{groups} is not divisible by TP {shape.tp}"))
     if groups is not None and heads % groups:
         problems.append(("model.num_query_groups", f"{groups} must divide num_attention_heads {heads}"))
-    if lay.tp > 1 and lay.ep > 1 and not recipe["parallelism.sequence_parallel"]:
+    if shape.tp > 1 and shape.ep > 1 and not recipe["parallelism.sequence_parallel"]:
         problems.append(("parallelism.sequence_parallel", "MoE with TP > 1 and EP > 1 needs sequence "
                                                           "parallelism (Megatron TransformerConfig)"))
-    if lay.cp > 1 and recipe["model.seq_length"] % (2 * lay.cp):
+    if shape.cp > 1 and recipe["model.seq_length"] % (2 * shape.cp):
         problems.append(("model.seq_length",
-                         f"{recipe['model.seq_length']} must be divisible by 2 x CP = {2 * lay.cp}"))
+                         f"{recipe['model.seq_length']} must be divisible by 2 x CP = {2 * shape.cp}"))
 
 
 def _model(recipe, problems):

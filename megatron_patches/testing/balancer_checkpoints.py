@@ -40,7 +40,7 @@ from .balancer_common import (
     train_steps,
 )
 
-# Megatron-LM's default layout of the distributed optimizer's state in torch_dist checkpoints.
+# Megatron-LM's default placement of the distributed optimizer's state in torch_dist checkpoints.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

@@ -126,15 +126,15 @@ def test_bf16_grouped_mm_zero_groups():
     torch.testing.assert_close(y[:13].float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_plan_groups_layout():
-    lay = gg.plan_groups([0, 3, 0, 9], 14, 8, 8)
-    assert lay.kernel_counts == (8, 8, 8, 16)
-    assert lay.kernel_pos.tolist() == [8, 9, 10] + list(range(24, 33))
+def test_plan_groups():
+    groups = gg.plan_groups([0, 3, 0, 9], 14, 8, 8)
+    assert groups.kernel_counts == (8, 8, 8, 16)
+    assert groups.kernel_pos.tolist() == [8, 9, 10] + list(range(24, 33))
     assert gg.plan_groups([8, 16], 24, 8, 8).identity
     assert not gg.plan_groups([8, 16], 25, 8, 8).identity  # a row past the last group
     assert gg.plan_groups([3, 5], 8, 1, 1).identity
     x = torch.arange(14.0)[:, None]
-    back = gg.from_kernel_rows(gg.to_kernel_rows(x, lay), lay)
+    back = gg.from_kernel_rows(gg.to_kernel_rows(x, groups), groups)
     assert back[:12, 0].tolist() == list(range(12)) and back[12:].eq(0).all()
     with pytest.raises(ValueError, match="sums to 13"):
         gg.plan_groups([4, 9], 12, 1)

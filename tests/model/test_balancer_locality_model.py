@@ -28,7 +28,7 @@ W, G, E, T, H = 4, 2, 4, 24, 64
 
 
 def _dispatch(num_nodes: int):
-    table = SlotTable(E, len(ROW)).set_layout(W, num_nodes).load_(torch.tensor(ROW))
+    table = SlotTable(E, len(ROW)).set_shape(W, num_nodes).load_(torch.tensor(ROW))
     g = torch.Generator().manual_seed(1)
     idx = [torch.stack([torch.zeros(T, dtype=torch.int64), 1 + torch.randint(0, 3, (T,), generator=g)], dim=1)
            for _ in range(W)]  # every token routes to expert 0 and one other expert

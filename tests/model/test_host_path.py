@@ -3,7 +3,7 @@
 In static-size mode a dispatch + combine pair allocates only what the caller gets (output
 rows and probs, combine's y), runs no other tensor operation and reads nothing back, in the
 engine and through the API (EmulatedGroup, and HybridEPBuffer over the cuda backend: the
-routing is not masked per call, since the kernels never read an unrouted slot's weight); the
+routing is not masked per call, since the kernels never read an unused route's weight); the
 per-call tables reuse the engine's workspace once nothing refers to them, and never while a
 handle or a view of them lives. A dynamic-size dispatch makes only its outputs between its host
 read and the dispatch launch. The error messages of bad arguments are the engine's own,
@@ -248,7 +248,7 @@ def test_static_dispatch_is_one_call_into_the_host_path(group):
 
 
 def test_unrouted_weights_are_never_read(group):
-    """The weights reach the kernels as given: an unrouted slot's weight, nan here, changes
+    """The weights reach the kernels as given: an unused route's weight, nan here, changes
     nothing; the routing's own topk_weights_TK still reads 0 there."""
     xs, idx, ws = _inputs(4)
     idx = [i.clone() for i in idx]

@@ -1,5 +1,5 @@
 """How many kernel launches, calls into the extension's host path and host reads each call of
-the cuda backend makes, on the CPU model, against the designed numbers (docs/architecture.md,
+the cuda backend makes, on the CPU model, against the designed numbers (docs/dev/cuda_host.md,
 "The host path per call"): a dispatch of known size (num_out_tokens, or a handle's) launches
 its two kernels in one call and reads nothing back; a dynamic-size dispatch launches the count
 kernel, reads the output sizes once, then launches the dispatch kernel; a combine is one call

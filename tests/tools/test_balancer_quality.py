@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    # hot-block at W 32, S = E: 8 slots per rank, no spare slot; its three node layouts all move
+    # hot-block at W 32, S = E: 8 slots per rank, no spare slot; its three node placement all move
     # more than 10% at the default tolerance
     out = tmp_path_factory.mktemp("quality")
     argv = ["--ranks", "32", "--ratios", "1.0", "--patterns", "hot-block", "--time-layers", "4",

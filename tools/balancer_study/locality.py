@@ -6,7 +6,7 @@ popularities (exponents --zipf, a random order of the experts per seed) and, wit
 the tokens per expert of a training run's statistics file (one layer, its counts as the
 popularity). Per case the routing is drawn (--tokens-per-rank tokens on every rank), its
 counts are the planner's load, and three placements route it:
-  default: the identity layout the balancer starts from (expert e on rank e // (E / W); with
+  default: the identity placement the balancer starts from (expert e on rank e // (E / W); with
     spare slots each rank's spare a copy of an expert of the next rank), routes spread over
     copies;
   today: plan_placement without rdma_weight (copies on any node), routes spread over copies;
@@ -46,7 +46,7 @@ from hybrid_ep.balancer.placement import Placement
 from hybrid_ep.balancer.planner import plan_placement
 from hybrid_ep.paths import output_problem
 from hybrid_ep.synthetic import sample_topk, zipf_popularity
-from hybrid_ep.traffic.placement import Layout, placement_traffic
+from hybrid_ep.traffic.placement import PlacementShape, placement_traffic
 
 from .pages import write_page
 
@@ -79,7 +79,7 @@ def placements(load_E: np.ndarray, S: int, N: int, W: int, weights: list[float])
 def measure(routing: list[torch.Tensor], row: np.ndarray, N: int, G: int, hidden: int, locality: bool,
             load_E: np.ndarray) -> dict:
     W, S = N * G, len(row)
-    t = placement_traffic(routing, torch.from_numpy(row), Layout(W, G, S, hidden), locality=locality)
+    t = placement_traffic(routing, torch.from_numpy(row), PlacementShape(W, G, S, hidden), locality=locality)
     per_token = t["bytes_per_token"]["dispatch"]
     away = off_home(load_E, torch.from_numpy(row), N)[0] if locality else torch.zeros(E, dtype=torch.float64)
     breaks = [{"expert": int(e), "home_node": int(e) // (E // N), "routes_off_home": float(away[e])}
@@ -178,7 +178,7 @@ def markdown(doc: dict) -> str:
         "routing's own counts; every placement routes the same tokens. Imbalance: (max - mean) / mean of the "
         "routes each rank receives. RDMA and NVLink: bytes a rank sends per token of its own in dispatch, "
         "hierarchical scheme, bf16 rows of H = 7168 (the traffic model; combine sends as many back). "
-        "default: the identity layout (spare slots: a copy of an expert of the next rank), routes spread over "
+        "default: the identity placement (spare slots: a copy of an expert of the next rank), routes spread over "
         "copies; today: `plan_placement` without `rdma_weight`, routes spread over copies; new: "
         f"`plan_placement(rdma_weight={w:g})` (its RDMA budget: routes off their home node, less 0.3 x those "
         "its satellites keep on their own node, at most 1% of all routes), routes by locality. Slots S = E (8/8) "
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zipf", type=float, nargs="+", default=[0.8, 1.2, 1.6], help="Zipf exponents")
     p.add_argument("--stats", default=None, help="a training run's statistics file (hybrid-ep-balance plan --stats)")
     p.add_argument("--stats-layer", type=int, default=None,
-                   help="its layer number to take (default: the one the identity layout balances worst)")
+                   help="its layer number to take (default: the one the identity placement balances worst)")
     p.add_argument("--stats-description", default="", help="how the statistics were made (for the page)")
     p.add_argument("--tokens-per-rank", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)

@@ -108,7 +108,7 @@ class CudaSendTable:
 
 class CudaReceiveTable:
     """The device-side layout of a dispatch output, in the same part of the call's workspace
-    as its CudaSendTable; names follow routing.DestLayout. Views made when first read."""
+    as its CudaSendTable; names follow routing.ReceiveTable. Views made when first read."""
 
     def __init__(self, call: CallWorkspace, part: int, engine_shape: EngineShape, num_rows: int,
                  bounds: list[int] | None = None):

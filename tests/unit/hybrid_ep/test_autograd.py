@@ -32,13 +32,13 @@ def test_gradients_match_dense_oracle(pool_for, case, probs_in_expert):
     grad_ys = [torch.randn(i["x"].shape, generator=gen) for i in inputs]
     run = dispatch_oracle(case.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                           [i["topk_weights"] for i in inputs], None, case.num_out_tokens)
-    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_route)
     got = pool_for(case.world_size).run(
         run_autograd_on_rank,
         [(case, inputs[r], weights, grad_ys[r], probs_in_expert) for r in range(case.world_size)],
     )
     if case.num_out_tokens is not None and case.num_out_tokens < 20:  # the case that drops
-        assert sum(int((r < 0).sum() - (i["topk_idx"] < 0).sum()) for r, i in zip(run.row_of_slot, inputs)) > 0
+        assert sum(int((r < 0).sum() - (i["topk_idx"] < 0).sum()) for r, i in zip(run.row_of_route, inputs)) > 0
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g["y"].double(), w["y"], rtol=1e-5, atol=1e-6, msg=f"rank {s} y")
         torch.testing.assert_close(g["grad_x"].double(), w["grad_x"], rtol=1e-5, atol=1e-6, msg=f"rank {s} grad x")

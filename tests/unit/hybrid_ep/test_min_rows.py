@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.routing import dest_layout
+from hybrid_ep.routing import receive_table
 from hybrid_ep.testing import Case, check_case, combine_oracle, dispatch_oracle, make_rank_inputs
 from hybrid_ep.testing.cases import dense_autograd_oracle, run_autograd_on_rank
 
@@ -35,8 +35,8 @@ MASK = torch.tensor([[True, False, False], [True, False, True]])
         (1, 1, 6, [0, 1, 3], [2, 1, 1], 6),  # R = 6 > 4 needed: rows 4, 5 belong to no expert
     ],
 )
-def test_dest_layout_min_rows_hand_built(min_rows, pad, num_out, pos, tpe, rows):
-    d = dest_layout(MASK, pad, num_out, min_rows)
+def test_receive_table_min_rows_hand_built(min_rows, pad, num_out, pos, tpe, rows):
+    d = receive_table(MASK, pad, num_out, min_rows)
     assert d.out_pos_M.tolist() == pos
     assert d.tokens_per_expert_L.tolist() == tpe
     assert d.num_rows == rows
@@ -45,8 +45,8 @@ def test_dest_layout_min_rows_hand_built(min_rows, pad, num_out, pos, tpe, rows)
     assert int(d.num_dropped) == 3 - len(pos)
 
 
-def test_dest_layout_min_rows_without_received_rows():
-    d = dest_layout(torch.zeros(0, 3, dtype=torch.bool), 4, None, 5)
+def test_receive_table_min_rows_without_received_rows():
+    d = receive_table(torch.zeros(0, 3, dtype=torch.bool), 4, None, 5)
     assert d.num_rows == 24 and d.tokens_per_expert_L.tolist() == [8, 8, 8]
     assert d.out_pos_M.numel() == 0
 
@@ -164,7 +164,7 @@ def test_min_rows_gradients(pool_for):
     grad_ys = [torch.randn(i["x"].shape, generator=gen) for i in inputs]
     run = dispatch_oracle(case.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                           [i["topk_weights"] for i in inputs])
-    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_slot)
+    want = dense_autograd_oracle(case, inputs, weights, grad_ys, run.row_of_route)
     got = pool_for(3).run(run_autograd_on_rank, [(case, inputs[r], weights, grad_ys[r], True) for r in range(3)])
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g["y"].double(), w["y"], rtol=1e-5, atol=1e-6, msg=f"rank {s} y")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.routing import dest_layout, normalize_routing, source_layout
+from hybrid_ep.routing import normalize_routing, receive_table, send_table
 
 pytestmark = pytest.mark.unit
 
@@ -19,17 +19,17 @@ def _config(**kw):
     return BufferConfig(**args).validate()
 
 
-def test_source_layout_hand_built():
+def test_send_table_hand_built():
     # W=2 (two nodes of one rank), E=4, L=2. Rank-0 tokens:
     #   t0 -> experts 1, 2 (ranks 0, 1); t1 -> expert 3 (rank 1) and a dropped slot; t2 -> 0, 1 (rank 0)
     idx = torch.tensor([[1, 2], [3, -1], [0, 1]])
     w = torch.tensor([[0.5, 0.25], [1.0, 9.0], [0.75, 0.125]])
-    src = source_layout(normalize_routing(3, 4, CPU, topk_idx=idx, topk_weights=w), _config())
+    src = send_table(normalize_routing(3, 4, CPU, topk_idx=idx, topk_weights=w), _config())
     # Rows in (rank, token) order: (r0,t0) (r0,t2) (r1,t0) (r1,t1)
     assert src.send_token_idx_S.tolist() == [0, 2, 0, 1]
     assert src.send_counts_W.tolist() == [2, 2]
     assert src.node_counts_N.tolist() == [2, 2]  # t0 reaches both nodes, t1 node 1, t2 node 0
-    assert src.slot_send_row_TK.tolist() == [[0, 2], [3, -1], [1, 1]]
+    assert src.route_send_row_TK.tolist() == [[0, 2], [3, -1], [1, 1]]
     assert src.row_expert_mask_SL.tolist() == [[False, True], [True, True], [True, False], [False, True]]
     # Weights of -1 slots are zeroed, not sent.
     assert src.row_probs_SL.tolist() == [[0.0, 0.5], [0.75, 0.125], [0.25, 0.0], [0.0, 1.0]]
@@ -49,8 +49,8 @@ MASK = torch.tensor([[False, True], [True, True], [True, False]])
         (2, 0, [], [0, 0], 0, 4),
     ],
 )
-def test_dest_layout_hand_built(pad, num_out, pos, tpe, rows, dropped):
-    d = dest_layout(MASK, pad, num_out)
+def test_receive_table_hand_built(pad, num_out, pos, tpe, rows, dropped):
+    d = receive_table(MASK, pad, num_out)
     assert d.out_pos_M.tolist() == pos
     assert d.tokens_per_expert_L.tolist() == tpe
     assert d.num_rows == rows
@@ -58,8 +58,8 @@ def test_dest_layout_hand_built(pad, num_out, pos, tpe, rows, dropped):
     assert int(d.num_needed_rows) == {1: 4, 2: 4, 4: 8}[pad]
 
 
-def test_dest_layout_empty():
-    d = dest_layout(torch.zeros(0, 3, dtype=torch.bool), 8, None)
+def test_receive_table_empty():
+    d = receive_table(torch.zeros(0, 3, dtype=torch.bool), 8, None)
     assert d.num_rows == 0 and d.tokens_per_expert_L.tolist() == [0, 0, 0]
 
 

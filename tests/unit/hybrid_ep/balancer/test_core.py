@@ -271,7 +271,7 @@ def test_optimizer_views_list_what_moves():
 
 def two_node_table(row, E, W=4):
     """Slots of `row` over W ranks on 2 nodes (node 0: the first half of the slots)."""
-    return SlotTable(E, len(row)).set_layout(W, 2).load_(torch.tensor(row))
+    return SlotTable(E, len(row)).set_shape(W, 2).load_(torch.tensor(row))
 
 
 def test_route_takes_the_copy_on_the_tokens_own_node():
@@ -333,7 +333,7 @@ def test_route_is_the_spreading_rule_where_locality_leaves_no_choice(nodes_row):
     slots are those of the rule before locality, in both forms (topk ids and routing map)."""
     N, row = nodes_row
     E, g = 8, torch.Generator().manual_seed(5)
-    t = SlotTable(E, len(row)).set_layout(4, N).load_(torch.tensor(row))
+    t = SlotTable(E, len(row)).set_shape(4, N).load_(torch.tensor(row))
     idx = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(60)])
     idx[::5, 2] = -1
     for rank in range(4):
@@ -369,10 +369,10 @@ def test_routing_map_and_topk_forms_agree_across_nodes():
 def test_layout_is_checked_and_kept_across_loads():
     t = SlotTable(4, 8)
     with pytest.raises(ValueError, match="num_ranks .* multiple of num_nodes"):
-        t.set_layout(4, 3)
+        t.set_shape(4, 3)
     with pytest.raises(ValueError, match="num_ranks .* divide the 8 slots"):
-        t.set_layout(3, 1)
-    t.load_(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])).set_layout(4, 2)  # re-derives the tables of the row in place
+        t.set_shape(3, 1)
+    t.load_(torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])).set_shape(4, 2)  # re-derives the tables of the row in place
     assert t.route_count_NE.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
         route_topk_to_slots(torch.tensor([[0]]), t, rank=4)
@@ -385,7 +385,7 @@ def _locality_routes_on_emulated_cuda():
     g = torch.Generator().manual_seed(0)
     rm, probs = torch.rand(64, 8, generator=g) > 0.6, torch.rand(64, 8, generator=g)
     with emulated_cuda() as recorder:
-        t = SlotTable(8, 12, device=dev).set_layout(4, 2).load_(torch.tensor([0, 1, 2, 3, 0, 0, 4, 5, 6, 7, 0, 2]))
+        t = SlotTable(8, 12, device=dev).set_shape(4, 2).load_(torch.tensor([0, 1, 2, 3, 0, 0, 4, 5, 6, 7, 0, 2]))
         rm_d, probs_d = rm.to(dev), probs.to(dev).requires_grad_()
         with recorder.record():
             map_TS, probs_TS = route_to_slots(rm_d, probs_d, t, rank=3)

@@ -19,7 +19,7 @@ from hybrid_ep.balancer.planner import objective, plan_placement
 from hybrid_ep.balancer.report import save_statistics
 from hybrid_ep.synthetic import sample_topk, zipf_popularity
 from hybrid_ep.traffic.cli import main as traffic_main
-from hybrid_ep.traffic.placement import Layout, placement_traffic, routing_from_load, slot_routings
+from hybrid_ep.traffic.placement import PlacementShape, placement_traffic, routing_from_load, slot_routings
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_the_locality_model_is_what_routing_measures():
 
 @pytest.mark.parametrize("W, N, S, exponent", [(8, 4, 72, 1.2), (16, 4, 80, 0.8), (16, 8, 64, 1.6)])
 def test_node_bound_holds_unless_the_report_names_the_expert(W, N, S, exponent):
-    """Groups = nodes, a token's routes in its 2 best groups: under the default layout it reaches
+    """Groups = nodes, a token's routes in its 2 best groups: under the default placement it reaches
     at most 2 nodes. Through any node-aware plan, routed by locality, a token reaches more only
     by a route to an expert that metrics.off_home (the report's list) names."""
     routing = group_limited(W, N, 300, exponent, seed=W + N)
@@ -101,7 +101,7 @@ def test_node_bound_holds_unless_the_report_names_the_expert(W, N, S, exponent):
 
 def test_node_aware_plan_keeps_the_node_bound_where_moves_cost_more():
     """A high weight keeps every expert's primary at home (no route leaves its node bound) and
-    still lowers the imbalance below the default layout's with satellites; weight 0 moves
+    still lowers the imbalance below the default placement's with satellites; weight 0 moves
     experts where that evens the nodes."""
     W, N, S = 16, 4, 80
     load = counts(group_limited(W, N, 400, 1.2, seed=1))
@@ -118,7 +118,7 @@ def test_node_aware_plan_keeps_the_node_bound_where_moves_cost_more():
 
 def rdma_per_token(routing, row, W: int, N: int, locality: bool) -> float:
     """Mean RDMA bytes a rank sends per token in dispatch (hierarchical scheme, bf16 rows of 64)."""
-    t = placement_traffic(routing, row, Layout(W, W // N, len(row), 64), locality=locality)
+    t = placement_traffic(routing, row, PlacementShape(W, W // N, len(row), 64), locality=locality)
     return t["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"]
 
 
@@ -127,7 +127,7 @@ def test_permutation_plan_adds_at_most_2_percent_rdma(W, N, hot):
     """No spare slots (S = E): the plan only permutes experts, and an expert off its home node
     costs RDMA rows. Group-limited routing with one node's experts `hot` times as popular (the
     nodes' loads uneven, so balancing them tempts moves): the node-aware plan sends at most
-    1.02x the default layout's RDMA bytes per token, where the node-agnostic plan, which
+    1.02x the default placement's RDMA bytes per token, where the node-agnostic plan, which
     evens the nodes, sends more than that; and it is no more imbalanced than the default."""
     gen = torch.Generator().manual_seed(W + N)
     pop = zipf_popularity(E, 0.6, gen)
@@ -176,14 +176,14 @@ def test_node_aware_plan_with_previous_keeps_it_and_stays_within_tolerance():
 
 
 def test_traffic_through_the_identity_placement_equals_the_model_without_one():
-    """With S = E the identity placement is the layout without a balancer: same bytes."""
+    """With S = E the identity placement is the placement without a balancer: same bytes."""
     from hybrid_ep.config import BufferConfig
     from hybrid_ep.traffic.cli import summarize
 
     W, N = 8, 2
     routing = group_limited(W, N, 50, 1.0, seed=4)
     ident = Placement.identity(1, E, E, W, N).slot_to_expert[0]
-    t = placement_traffic(routing, ident, Layout(W, W // N, E, 256))
+    t = placement_traffic(routing, ident, PlacementShape(W, W // N, E, 256))
     plain = summarize(routing, BufferConfig(256, 50, E, W, W // N).validate(), torch.bfloat16, torch.bfloat16)
     assert t["bytes_per_token"] == plain["bytes_per_token"]
     assert t["routes_per_rank"] == torch.bincount(torch.cat(routing).reshape(-1) // (E // W), minlength=W).tolist()
@@ -195,9 +195,9 @@ def test_locality_takes_rdma_rows_off_a_replicated_expert():
     W, N, S = 4, 2, 2 * E
     row = torch.cat([torch.arange(E), torch.arange(E)])  # every expert twice: once per node
     idx = [torch.zeros(30, 1, dtype=torch.int64)] * W
-    layout = Layout(W, W // N, S, 128)
-    local = placement_traffic(idx, row, layout, locality=True)
-    spread = placement_traffic(idx, row, layout, locality=False)
+    shape = PlacementShape(W, W // N, S, 128)
+    local = placement_traffic(idx, row, shape, locality=True)
+    spread = placement_traffic(idx, row, shape, locality=False)
     assert local["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"] == 0
     assert spread["bytes_per_token"]["dispatch"]["hierarchical_rdma"]["mean"] > 0
 

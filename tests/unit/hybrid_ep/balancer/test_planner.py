@@ -727,7 +727,7 @@ def test_metrics_hand_checked():
 def test_summarize_and_scalars():
     load = np.array([[10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     after = plan_placement(load, 8, 1, 4)
-    s = summarize(load, None, after)  # before: identity = default layout (S == E)
+    s = summarize(load, None, after)  # before: identity = default placement (S == E)
     # 17 tokens on 4 ranks: mean 4.25; 10 shares its rank with a 1 either way
     assert s["imbalance_rank_before"] == pytest.approx([(11 - 4.25) / 4.25])
     assert s["imbalance_rank_after"] == pytest.approx([(11 - 4.25) / 4.25])

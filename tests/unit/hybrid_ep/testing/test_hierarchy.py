@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.routing import dest_layout, normalize_routing, source_layout
+from hybrid_ep.routing import normalize_routing, receive_table, send_table
 from hybrid_ep.testing import Case, check_case, dispatch_oracle, make_rank_inputs
 from hybrid_ep.testing.hierarchy import forward_plan, forwarded_rows
 from hybrid_ep.traffic import routing_row_counts
@@ -67,9 +67,9 @@ def _simulate_dispatch(cfg: BufferConfig, plan, xs, idx) -> list[torch.Tensor]:
     """Expert-major rows of every rank when rows from another node arrive only through the
     plan's staging and forwarding, and rows from the own node directly."""
     W, G, L = cfg.world_size, cfg.ranks_per_node, cfg.experts_per_rank
-    layouts = [source_layout(normalize_routing(i.shape[0], cfg.num_experts, i.device, topk_idx=i), cfg) for i in idx]
+    tables = [send_table(normalize_routing(i.shape[0], cfg.num_experts, i.device, topk_idx=i), cfg) for i in idx]
     # recv[d][s][slot] = token of s in d's receive slot, filled once each.
-    recv = [[torch.full((int(layouts[s].send_counts_W[d]),), -1, dtype=torch.int64) for s in range(W)]
+    recv = [[torch.full((int(tables[s].send_counts_W[d]),), -1, dtype=torch.int64) for s in range(W)]
             for d in range(W)]
 
     def put(d, s, slot, token):
@@ -92,11 +92,11 @@ def _simulate_dispatch(cfg: BufferConfig, plan, xs, idx) -> list[torch.Tensor]:
     outs = []
     for d in range(W):
         assert all(bool((r >= 0).all()) for r in recv[d]), f"rank {d}: a receive slot was never written"
-        first = [layouts[s].send_counts_W.cumsum(0)[d] - layouts[s].send_counts_W[d] for s in range(W)]
+        first = [tables[s].send_counts_W.cumsum(0)[d] - tables[s].send_counts_W[d] for s in range(W)]
         rows = torch.cat([xs[s][recv[d][s]] for s in range(W)])
-        mask = torch.cat([layouts[s].row_expert_mask_SL[first[s] + torch.arange(recv[d][s].numel())]
+        mask = torch.cat([tables[s].row_expert_mask_SL[first[s] + torch.arange(recv[d][s].numel())]
                           for s in range(W)]) if W else torch.zeros(0, L, dtype=torch.bool)
-        dest = dest_layout(mask, cfg.pad_multiple, None, cfg.min_rows_per_expert)
+        dest = receive_table(mask, cfg.pad_multiple, None, cfg.min_rows_per_expert)
         out = torch.zeros(dest.num_rows, cfg.hidden_dim, dtype=rows.dtype)
         out[dest.out_pos_M] = rows[dest.out_src_M]
         outs.append(out)

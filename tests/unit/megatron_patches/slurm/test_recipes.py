@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from helpers import REPO, checkout_env
-from megatron_patches.slurm import cli, layout, memory, render
+from megatron_patches.slurm import cli, memory, render, shape
 from megatron_patches.slurm import recipe as recipe_mod
 
 pytestmark = pytest.mark.unit
@@ -104,13 +104,13 @@ def test_container_fields_are_optional_and_rendered(capsys):
 # Runs in a fresh interpreter: megatron_patches.apply() patches Megatron globally.
 PARSE_ALL = textwrap.dedent('''
     import contextlib, io, json, sys
-    from megatron_patches.slurm import cli, layout, megatron_args, megatron_parse
+    from megatron_patches.slurm import cli, megatron_args, megatron_parse, shape
     out = {}
     for path in sys.argv[1:]:
         r = cli.load_checked(path, [])
         notes = []
         with contextlib.redirect_stdout(io.StringIO()):   # validate_args prints every argument
-            args, config = megatron_parse.parse(megatron_args.megatron_args(r), layout.layout_of(r).world,
+            args, config = megatron_parse.parse(megatron_args.megatron_args(r), shape.shape_of(r).world,
                                                 gpu_type=r["cluster.gpu_type"], env=r["env"], notes=notes)
         out[r.name] = {
             "config": type(config).__name__, "layers": config.num_layers, "experts": config.num_moe_experts,
@@ -141,11 +141,11 @@ def test_every_pretrain_recipe_parses_with_megatrons_parser():
     assert sorted(got) == sorted(PRETRAIN)
     for name in PRETRAIN:
         r = recipe_mod.load(path_of(name))
-        lay = layout.layout_of(r)
+        parallel = shape.shape_of(r)
         g = got[name]
         assert g["layers"] == r["model.num_layers"] and g["experts"] == r["model.num_experts"]
         assert g["topk"] == r["model.moe_router_topk"] and g["dispatcher"] == "hybrid_ep"
-        assert (g["tp"], g["pp"], g["ep"], g["dp"]) == (lay.tp, lay.pp, lay.ep, lay.dp), name
+        assert (g["tp"], g["pp"], g["ep"], g["dp"]) == (parallel.tp, parallel.pp, parallel.ep, parallel.dp), name
         assert g["balancer_interval"] == r["balancer.interval"] and g["pad_multiple"] == r["dispatcher.pad_multiple"]
         assert g["mla"] == r["model.mla.enabled"]
     assert got["deepseek_v3"]["config"] == "MLATransformerConfig"
@@ -296,7 +296,7 @@ def test_nodes_rescales_data_parallelism(capsys):
     captured = capsys.readouterr()
     assert "#SBATCH --nodes=8" in captured.out
     assert "64 GPUs = TP 1 x PP 2 x CP 1 x DP 32" in captured.err
-    assert layout.layout_of(cli.load_checked(path_of("deepseek_v3_proxy"), [], nodes=8)).edp == 2
+    assert shape.shape_of(cli.load_checked(path_of("deepseek_v3_proxy"), [], nodes=8)).edp == 2
 
 
 # EP x ETP with the balancer off: (recipe, overrides, layout line). The hybrid_ep dispatcher runs

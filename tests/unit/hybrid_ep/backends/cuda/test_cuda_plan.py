@@ -377,12 +377,12 @@ def test_kernel_layout_arithmetic_matches_the_oracle(W, E, K, tokens, pad, mn, d
             for k in range(K):
                 e = int(idx[s][t, k])
                 if e < 0:
-                    assert int(run.row_of_slot[s][t, k]) == -1
+                    assert int(run.row_of_route[s][t, k]) == -1
                     continue
                 d, j = divmod(e, L)
                 start, src_prefix, _ = layouts[d]
                 pos = int(start[j] + src_prefix[s, j] + ordinal[s][t, k])
-                assert pos == int(run.row_of_slot[s][t, k]), (s, t, k)
+                assert pos == int(run.row_of_route[s][t, k]), (s, t, k)
     for d in range(W):
         start, _, rows = layouts[d]
         assert torch.equal(rows, run.ranks[d].tokens_per_expert)

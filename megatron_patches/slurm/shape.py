@@ -20,7 +20,7 @@ from hybrid_ep.wording import plural
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ParallelShape:
     world: int
     tp: int
     pp: int
@@ -40,12 +40,12 @@ class Layout:
                 + (f"; VPP {self.vpp}" if self.vpp > 1 else ""))
 
 
-def layout_of(recipe) -> Layout:
+def shape_of(recipe) -> ParallelShape:
     """Sizes from the recipe; DP and EDP are rounded down (validate() checks they divide)."""
     p = recipe["parallelism"]
     world = recipe["cluster.nodes"] * recipe["cluster.gpus_per_node"]
     tp, pp, cp, ep, etp = (max(1, p[k]) for k in ("tp", "pp", "cp", "ep", "etp"))
-    return Layout(world=world, tp=tp, pp=pp, vpp=p["vpp"] or 1, cp=cp, dp=world // (tp * pp * cp),
+    return ParallelShape(world=world, tp=tp, pp=pp, vpp=p["vpp"] or 1, cp=cp, dp=world // (tp * pp * cp),
                   ep=ep, etp=etp, edp=world // (pp * ep * etp))
 
 
