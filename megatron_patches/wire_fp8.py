@@ -154,3 +154,43 @@ def combine(buffer, rows_RH, handle, quantizer, *, num_sms=None):
     if torch.is_grad_enabled() and rows_RH.requires_grad:
         return _CombineFp8Grad.apply(rows_RH, (buffer, handle, quantizer, num_sms))
     return buffer.combine(rows_RH, handle, num_sms=num_sms)
+
+
+class _QuantizeRows(torch.autograd.Function):
+    """Forward: rows quantized and dequantized; backward: the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, quantizer):
+        return dequantize_fp8(*quantizer(rows_RH.contiguous()), rows_RH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        return grad_RH, None
+
+
+class _QuantizeGrad(torch.autograd.Function):
+    """Forward: the rows as they are; backward: their gradient quantized and dequantized."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, quantizer):
+        ctx.quantizer = quantizer
+        return rows_RH.clone()
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        return dequantize_fp8(*ctx.quantizer(grad_RH.contiguous()), grad_RH.dtype), None
+
+
+def quantize_expert_rows(experts, quantizer) -> None:
+    """Make a Megatron experts module quantize its input rows and its output's gradient with
+    `quantizer`, dequantized: what fp8 on the wire does to them, for a dispatcher that sends
+    its rows unquantized (the reference the fp8 dispatcher is compared with)."""
+
+    def quantize_input(module, args):
+        return (_QuantizeRows.apply(args[0], quantizer), *args[1:])
+
+    def quantize_output_grad(module, args, output):
+        return (_QuantizeGrad.apply(output[0], quantizer), *output[1:])
+
+    experts.register_forward_pre_hook(quantize_input)
+    experts.register_forward_hook(quantize_output_grad)
