@@ -88,3 +88,28 @@ def check_wire_case(pool, case: Case) -> list[dict]:
         assert torch.equal(got["grad_x"], got["grad_x16"]), f"{where}: the dispatch's backward to x"
         assert torch.equal(got["grad_w"], got["grad_w16"]), f"{where}: the dispatch's backward to the weights"
     return results
+
+
+def run_fp8_layer_with_slots(case, config_overrides: dict) -> dict:
+    """On every rank: the seeded MoELayer with the expert balancer's slots (one per expert, in
+    expert order: the placement a fresh balancer starts from) and fp8 on the wire; forward +
+    backward. Returns out, grad_x, grad_router, grad_fc1, grad_fc2 as run_moe_layer_case."""
+    import torch.distributed as dist
+
+    from ..local.common import init_megatron
+    from ..local.layer import case_tensors, seeded_layer
+
+    init_megatron(case.world_size)
+    rank = dist.get_rank()
+    _, _, _, x_all, grad_out = case_tensors(case)
+    layer = seeded_layer(case, rank, config_overrides)
+    layer.token_dispatcher.slot_table.load_(torch.arange(case.num_experts))
+    x = x_all[rank].float().clone().requires_grad_()
+    out, _ = layer(x)
+    (out * grad_out[rank].float()).sum().backward()
+    return {
+        "dispatcher": type(layer.token_dispatcher).__name__, "out": out.detach(), "grad_x": x.grad,
+        "grad_router": layer.router.weight.grad,
+        "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
+        "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
+    }
