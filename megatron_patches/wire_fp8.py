@@ -96,10 +96,12 @@ class BlockwiseQuantizer:
         T, H = x_TH.shape
         qt = self._te(x_TH.contiguous())
         q_TH = qt._rowwise_data.view(FP8_DTYPE)
+        # The quantizer is built for GEMMs (not for all-gather): its rowwise scales come in TE's
+        # GEMM-ready form, transposed, the token dimension padded to a multiple of 4.
         scale_inv = qt._rowwise_scale_inv
-        if tuple(scale_inv.shape) == (T, H // 128):  # TE's compact form
-            return q_TH, scale_inv.to(torch.float32)
-        # TE's GEMM-ready form: transposed, the token dimension padded to a multiple of 4.
+        if tuple(scale_inv.shape) != (H // 128, (T + 3) // 4 * 4):
+            raise RuntimeError(f"Transformer Engine's 1x128 rowwise scales for [{T}, {H}] rows came as "
+                               f"{list(scale_inv.shape)}, not the GEMM-ready [{H // 128}, {(T + 3) // 4 * 4}]")
         return q_TH, scale_inv[:, :T].t().contiguous().to(torch.float32)
 
 
