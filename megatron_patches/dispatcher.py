@@ -25,7 +25,7 @@ import torch
 
 import hybrid_ep as hep
 
-from . import buffers, expert_rows
+from . import buffers, expert_rows, wire_fp8
 from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
@@ -149,7 +149,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         # Megatron-Core 0.16's base class sets ep_size but not ep_rank.
         self.ep_rank = self.ep_group.rank()
         self.options: HybridEPOptions = options_for(config)
-        refuse(unsupported_reasons(config, self.tp_size, self.options.balancer_enabled))
+        refuse(unsupported_reasons(config, self.tp_size, self.options.balancer_enabled)
+               + wire_fp8.unsupported_reasons(config, self.options))
+        # fp8 on the wire (options.dispatch_fp8 / combine_grad_fp8): rows quantized once, here.
+        self.wire_quantizer = (wire_fp8.BlockwiseQuantizer()
+                               if self.options.dispatch_fp8 or self.options.combine_grad_fp8 else None)
         if config.num_moe_experts is None or config.num_moe_experts % self.ep_size != 0:
             raise ValueError(
                 f"num_moe_experts ({config.num_moe_experts}) must be a multiple of the EP size ({self.ep_size})"
@@ -355,7 +359,13 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             routing = dict(routing_map=self.routing_map, probs=probs)
         else:  # static shapes: routes per token known on the host, no device read
             routing = dict(zip(("topk_idx", "topk_weights"), self._routes(self.routing_map, probs)))
-        res = hep.dispatch(buf, x_TH, num_out_tokens=num_out_tokens, num_sms=self.options.num_sms_dispatch, **routing)
+        if self.options.dispatch_fp8:
+            res, rows = wire_fp8.dispatch(buf, x_TH, self.wire_quantizer, num_out_tokens=num_out_tokens,
+                                          num_sms=self.options.num_sms_dispatch, **routing)
+        else:
+            res = hep.dispatch(buf, x_TH, num_out_tokens=num_out_tokens, num_sms=self.options.num_sms_dispatch,
+                               **routing)
+            rows = res.tokens
         self.handle, self._handle_buffer = res.handle, buf
         self.last_dispatch_call = buf.last_call
         if self.drop_and_pad:
@@ -367,15 +377,15 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self._over_budget = dropped if self._over_budget is None else self._over_budget | dropped
             # Static size: rows past the last expert are zero. Give them to the last expert so
             # that the per-expert splits cover every row (combine ignores those rows).
-            slack = res.tokens.shape[0] - res.tokens_per_expert.sum()
+            slack = rows.shape[0] - res.tokens_per_expert.sum()
             tokens_per_expert = res.tokens_per_expert.clone()
             tokens_per_expert[-1] += slack
         else:
             tokens_per_expert = res.tokens_per_expert
         self.tokens_per_expert = tokens_per_expert
         if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(res.tokens)
-        return res.tokens, res.probs.to(probs.dtype)
+            self.shared_experts.linear_fc1_forward_and_act(rows)
+        return rows, res.probs.to(probs.dtype)
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Rows are already expert-major: return them with rows per local expert."""
@@ -395,7 +405,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("HybridEPTokenDispatcher.token_combine called without a preceding token_dispatch")
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
+        if self.options.combine_grad_fp8:
+            out = wire_fp8.combine(buf, hidden_states, handle, self.wire_quantizer,
+                                   num_sms=self.options.num_sms_combine)
+        else:
+            out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
         self._tokens_per_expert_in_use = None
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)

@@ -58,6 +58,12 @@ class HybridEPOptions:
     balancer_placement: YAML placement file (from `python -m hybrid_ep.balancer plan`) to
     start from.
     balancer_report_dir: folder for per-rebalance JSON reports and heatmap PNGs (rank 0).
+
+    fp8 on the wire (docs/megatron.md; `wire_fp8` checks the run can carry it):
+    dispatch_fp8: the forward dispatch sends rows as fp8 with the scales of the run's
+    --fp8-recipe (blockwise: 1x128 fp32), quantized once before the dispatch.
+    combine_grad_fp8: the combine's backward (a dispatch of the output gradient) likewise.
+    The dispatch's backward (a sum) stays in the rows' dtype.
     """
 
     num_sms_dispatch: int | None = None
@@ -77,6 +83,8 @@ class HybridEPOptions:
     balancer_rdma_weight: float | None = None
     balancer_placement: str | None = None
     balancer_report_dir: str | None = None
+    dispatch_fp8: bool = False
+    combine_grad_fp8: bool = False
 
     @property
     def balancer_enabled(self) -> bool:
@@ -127,6 +135,9 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option balancer_rdma_weight must be {knobs.RDMA_WEIGHT_RULE} or None, got {weight!r}"
             )
+        for name in ("dispatch_fp8", "combine_grad_fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"hybrid_ep option {name} must be a bool, got {getattr(self, name)!r}")
         from hybrid_ep.backends import BACKEND_NAMES  # here too, for the same reason
 
         if self.backend not in BACKEND_NAMES:
@@ -153,6 +164,8 @@ FLAGS = {
     "--hybrid-ep-balancer-rdma-weight": ("balancer_rdma_weight", float),
     "--hybrid-ep-balancer-placement": ("balancer_placement", str),
     "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
+    "--hybrid-ep-dispatch-fp8": ("dispatch_fp8", bool),
+    "--hybrid-ep-combine-grad-fp8": ("combine_grad_fp8", bool),
 }
 
 _HELP = {
@@ -182,6 +195,9 @@ _HELP = {
                             "is the measured choice; default: none, the node-agnostic plan)",
     "balancer_placement": "expert balancer: initial placement YAML (python -m hybrid_ep.balancer plan)",
     "balancer_report_dir": "expert balancer: folder for JSON reports and heatmap PNGs",
+    "dispatch_fp8": "send the forward dispatch's rows in fp8 with the scales of --fp8-recipe (blockwise only: "
+                    "1x128 fp32 scales); default: the rows' own dtype",
+    "combine_grad_fp8": "send the combine's backward (the output gradient to the expert rows) in fp8 likewise",
 }
 
 
@@ -206,6 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="hybrid_ep token dispatcher")
     for flag, (field, kind) in FLAGS.items():
         kwargs = {"type": kind, "default": getattr(defaults, field), "help": _HELP[field]}
+        if kind is bool:  # a switch: given, on
+            kwargs = {"action": "store_true", "default": getattr(defaults, field), "help": _HELP[field]}
         if field == "backend":
             from hybrid_ep.backends import BACKEND_NAMES  # not at import: `import megatron_patches` stays free of torch
 

@@ -23,7 +23,12 @@ under the same load of the machine, and neither always goes first. The run ends 
 summary: the largest relative difference of the first two loss curves, their tokens/s
 (medians over steps 3 to the last, their ratio, and the median of the per-step ratios), and
 the modelled NVLink and RDMA bytes of the first curve's forward dispatches under the
-hierarchical scheme against a flat all-to-all for the same routing. Each step's line is
+hierarchical scheme against a flat all-to-all for the same routing. fp8 on the wire
+(--fp8-recipe blockwise): `hybrid_ep_fp8` sends the forward dispatch and the combine's backward
+as fp8 rows (docs/megatron.md), `alltoall_fp8` is the alltoall dispatcher whose experts quantize
+their input rows and their output's gradient the same way, and with `hybrid_ep` beside them the
+JSON holds the per-step relative loss difference of fp8 against fp32 rows (fp8_rel_loss_diff);
+their modelled bytes are those of fp8 rows with their scales. Each step's line is
 printed as the step ends (rank 0 appends its record to a file this process reads while the
 ranks train). Results go to --out as moe_train.json, with the project's metadata block
 (hybrid_ep.metadata), and moe_train.png, both dispatchers' loss and tokens/s curves.
@@ -66,6 +71,7 @@ UNITS = {
     "flat_rdma_bytes": "bytes, modelled: a flat all-to-all's RDMA bytes for the same routing",
     "ended_at": "seconds since the epoch when the step ended (rank 0's clock)",
     "max_rel_loss_diff": "largest |a - b| / |b| over the steps of the first two loss curves",
+    "fp8_rel_loss_diff": "(fp8 - plain) / |plain| per step: hybrid_ep_fp8's loss against hybrid_ep's (rows in fp32)",
     "summary": "the first two curves' max_rel_loss_diff and speed, and the first curve's modelled bytes summed "
                "over its steps",
     "median_tokens_per_s": "tokens per second, all ranks together: median over steps speed_steps of the first two "
@@ -195,7 +201,7 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     results = {"metadata": None, "curves": {}}
     try:
         hep_backend = pool.run(probe_backend, [(ranks_per_node,)] * pool.world_size)[0] \
-            if "hybrid_ep" in dispatchers else None
+            if any(name.startswith("hybrid_ep") for name in dispatchers) else None
         results["metadata"] = metadata(TOOL, device_type=device_type, config=config, units=UNITS,
                                        backends=[hep_backend] if hep_backend else [])
         echo(where_line(backend, pool.world_size, results["metadata"]["device"], hep_backend))
@@ -215,6 +221,9 @@ def run(dispatchers, steps=30, world_size=4, ranks_per_node=2, micro_batch=4, se
     if len(names) >= 2:
         a, b = ([r["loss"] for r in results["curves"][n]] for n in names[:2])
         results["max_rel_loss_diff"] = max_relative_difference(a, b)
+    if "hybrid_ep_fp8" in names and "hybrid_ep" in names:
+        fp8, plain = ([r["loss"] for r in results["curves"][n]] for n in ("hybrid_ep_fp8", "hybrid_ep"))
+        results["fp8_rel_loss_diff"] = [(a - b) / abs(b) for a, b in zip(fp8, plain)]
     if names:
         results["summary"] = summary(results)
     return results
@@ -300,7 +309,9 @@ def plot(results: dict, path: str) -> str:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--dispatchers", nargs="+", default=["hybrid_ep", "alltoall"],
-                        choices=["hybrid_ep", "alltoall", "allgather"])
+                        choices=["hybrid_ep", "alltoall", "allgather", "hybrid_ep_fp8", "alltoall_fp8"],
+                        help="curves to train; hybrid_ep_fp8: fp8 rows on the wire (--fp8-recipe blockwise), "
+                             "alltoall_fp8: alltoall whose experts quantize their rows and output gradient alike")
     parser.add_argument("--steps", type=positive_int, default=30, help="training steps (>= 1)")
     parser.add_argument("--world-size", type=positive_int, default=4)
     parser.add_argument("--ranks-per-node", type=positive_int, default=2)

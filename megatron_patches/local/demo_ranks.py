@@ -18,8 +18,20 @@ from hybrid_ep.traffic import dispatch_row_bytes, row_counts
 from .common import PLAIN_FP32_CONFIG, counting_batch, init_megatron, quiet_libraries
 from .demo_shape import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
 
+# The demo's curves that are not a Megatron dispatcher type: fp8 rows on the wire (blockwise
+# recipe), from hybrid_ep's dispatcher with both fp8 options on, and from the alltoall
+# dispatcher whose experts quantize their input rows and their output's gradient themselves.
+FP8_CURVES = {"hybrid_ep_fp8": "hybrid_ep", "alltoall_fp8": "alltoall"}
 
-def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
+
+def wire_dtype(curve: str) -> torch.dtype:
+    """The dtype of the dispatched rows: the model's, or fp8 (whose bytes include the scales)."""
+    from hybrid_ep.fp8 import FP8_DTYPE
+
+    return FP8_DTYPE if curve in FP8_CURVES else torch.float32
+
+
+def build_model(curve: str, world_size: int, seq: int, ranks_per_node: int, seed: int, device):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -27,6 +39,8 @@ def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int,
 
     from ..options import HybridEPOptions
 
+    dispatcher = FP8_CURVES.get(curve, curve)
+    fp8 = curve in FP8_CURVES
     config = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -43,8 +57,10 @@ def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
+        **({"fp8_recipe": "blockwise"} if fp8 else {}),
     )
-    config.hybrid_ep_options = HybridEPOptions(ranks_per_node=ranks_per_node)
+    config.hybrid_ep_options = HybridEPOptions(ranks_per_node=ranks_per_node, dispatch_fp8=fp8,
+                                               combine_grad_fp8=fp8)
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=seq)
@@ -54,6 +70,12 @@ def build_model(dispatcher: str, world_size: int, seq: int, ranks_per_node: int,
         for p in model.parameters():
             if not getattr(p, "allreduce", True):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    if fp8 and dispatcher != "hybrid_ep":
+        from ..wire_fp8 import BlockwiseQuantizer, quantize_expert_rows
+
+        quantizer = BlockwiseQuantizer()
+        for layer in moe_layers(model):
+            quantize_expert_rows(layer.experts, quantizer)
     return model.to(device)
 
 
@@ -90,7 +112,7 @@ def train_rank(dispatchers: list[str], steps: int, micro_batch: int, seq: int, l
         turn = step % len(dispatchers)
         for name in dispatchers[turn:] + dispatchers[:turn]:
             rec = train_step(*runs[name], step, rank, world, micro_batch, seq, seed, mask, position_ids,
-                             traffic_config, device)
+                             traffic_config, device, wire_dtype(name))
             if rec is not None:
                 records[name].append(rec)
                 if progress is not None:
@@ -115,7 +137,7 @@ def keep_routing(model) -> list:
 
 
 def train_step(model, routed, opt, step, rank, world, micro_batch, seq, seed, mask, position_ids,
-               traffic_config, device) -> dict:
+               traffic_config, device, rows_dtype=torch.float32) -> dict:
     """One training step of one model; its record on rank 0 (the numbers it prints), None elsewhere."""
     t0 = time.perf_counter()
     batch = counting_batch(step, rank, micro_batch, seq, VOCAB, seed).to(device)
@@ -151,7 +173,7 @@ def train_step(model, routed, opt, step, rank, world, micro_batch, seq, seed, ma
         "tokens_per_s": world * micro_batch * seq / elapsed,
         "imbalance": ((load.max(dim=1).values - mean) / mean).tolist(),
         **modelled_dispatch_bytes(torch.stack(gathered).cpu(), traffic_config,
-                                  dispatch_row_bytes(HIDDEN, torch.float32)),
+                                  dispatch_row_bytes(HIDDEN, rows_dtype)),
     }
 
 

@@ -141,8 +141,10 @@ def run_moe_layer_calls_on_faked_cuda(case: LayerCase, seqs: list[list[int]],
     return {"calls": calls, "startup": lines, "launched": launched}
 
 
-def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) -> dict:
+def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, quantizing_experts: bool = False) -> dict:
     """On every rank: build the layer, load the seeded weights, forward + backward.
+    quantizing_experts: the experts quantize their input rows and their output's gradient as
+    fp8 on the wire does (megatron_patches.wire_fp8.quantize_expert_rows).
 
     Returns this rank's out, grad_x, grad_router, grad_fc1 [L, F, H], grad_fc2 [L, H, F]
     (float32), the dispatcher's class name and its routed-per-expert counts.
@@ -153,6 +155,10 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None) ->
     rank = dist.get_rank()
     _, _, _, x_all, grad_out = case_tensors(case)
     layer = seeded_layer(case, rank, config_overrides)
+    if quantizing_experts:
+        from ..wire_fp8 import BlockwiseQuantizer, quantize_expert_rows
+
+        quantize_expert_rows(layer.experts, BlockwiseQuantizer())
     router_out = {}
     hook = layer.router.register_forward_hook(lambda m, i, out: router_out.update(probs=out[0], map=out[1]))
     x = x_all[rank].float().clone().requires_grad_()

@@ -36,6 +36,8 @@ class GPTCase:
     micro_batch_size: int = 2
     seq: int = 16
     seed: int = 5
+    hidden: int = 32
+    fp8_wire: bool = False  # hybrid_ep's dispatch and combine backward in fp8 (needs hidden % 128 == 0)
 
 
 def _config(case: GPTCase):
@@ -43,8 +45,8 @@ def _config(case: GPTCase):
 
     shared = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=case.shared_expert_overlap) \
         if case.shared_expert else {}
-    return TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, moe_ffn_hidden_size=32,
+    config = TransformerConfig(
+        num_layers=2, hidden_size=case.hidden, num_attention_heads=4, ffn_hidden_size=64, moe_ffn_hidden_size=32,
         num_moe_experts=8, moe_router_topk=2, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type=case.dispatcher, expert_model_parallel_size=case.world_size // case.pipeline,
         pipeline_model_parallel_size=case.pipeline, virtual_pipeline_model_parallel_size=case.virtual_pipeline,
@@ -54,7 +56,13 @@ def _config(case: GPTCase):
         add_bias_linear=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
         **shared,
+        **({"fp8_recipe": "blockwise"} if case.fp8_wire else {}),
     )
+    if case.fp8_wire:
+        from ..options import HybridEPOptions
+
+        config.hybrid_ep_options = HybridEPOptions(dispatch_fp8=True, combine_grad_fp8=True)
+    return config
 
 
 def _batch(case: GPTCase, rank: int, index: int) -> dict:

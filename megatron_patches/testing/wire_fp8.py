@@ -1,0 +1,115 @@
+"""fp8 on the wire against the oracle: what each rank of a pool runs, and the check.
+
+`check_wire_case(pool, case)` quantizes every rank's bf16 tokens by the blockwise rule, runs
+the fp8 dispatch and the combine with an fp8 backward of `megatron_patches.wire_fp8` on each
+rank, and asserts, bit for bit: the received fp8 rows and scales against the dense oracle of
+the quantized tokens; the combine's backward (the expert rows' gradient) against the oracle's
+dispatch of the quantized output gradient, dequantized; the dispatch's backward (to x and to
+the routing weights) against the same calls in bf16 through hybrid_ep's own autograd.
+
+Legend: T tokens, K routes per token, H hidden, R dispatched rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_ep.fp8 import dequantize_fp8, quantize_blockwise
+from hybrid_ep.testing.cases import Case, make_rank_inputs
+from hybrid_ep.testing.compare import assert_dispatch_matches
+from hybrid_ep.testing.oracle import dispatch_oracle
+
+
+def _buffer(case: Case):
+    from hybrid_ep.buffer import HybridEPBuffer
+
+    cfg = case.config
+    return HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
+                          ranks_per_node=cfg.ranks_per_node, backend=case.backend,
+                          pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert)
+
+
+def wire_on_rank(case: Case, inputs: dict, grad_rows: torch.Tensor, grad_probs: torch.Tensor,
+                 grad_y: torch.Tensor) -> dict:
+    """Runs on one rank: the fp8 path and, for the gradients, the same calls in bf16."""
+    import hybrid_ep as hep
+
+    from .. import wire_fp8
+
+    buf = _buffer(case)
+    quantizer = wire_fp8.BlockwiseQuantizer(use_te=False)
+    routed = dict(num_out_tokens=case.num_out_tokens, topk_idx=inputs["topk_idx"])
+    x = inputs["x"].clone().requires_grad_()
+    w = inputs["topk_weights"].clone().requires_grad_()
+    res, rows = wire_fp8.dispatch(buf, x, quantizer, topk_weights=w, **routed)
+    ((rows.float() * grad_rows).sum() + (res.probs * grad_probs).sum()).backward()
+    expert_out = torch.zeros(rows.shape, dtype=rows.dtype, requires_grad=True)
+    wire_fp8.combine(buf, expert_out, res.handle, quantizer).backward(grad_y)
+    # The same in bf16 through hybrid_ep's autograd: the gradients the fp8 path must equal.
+    x16 = inputs["x"].clone().requires_grad_()
+    w16 = inputs["topk_weights"].clone().requires_grad_()
+    res16 = hep.dispatch(buf, x16, topk_weights=w16, **routed)
+    ((res16.tokens.float() * grad_rows).sum() + (res16.probs * grad_probs).sum()).backward()
+    return {
+        "tokens": res.tokens, "scales": res.scales, "probs": res.probs.detach(),
+        "tokens_per_expert": res.tokens_per_expert, "num_dropped": int(res.handle.num_dropped),
+        "rows": rows.detach(), "grad_x": x.grad, "grad_w": w.grad, "grad_x16": x16.grad, "grad_w16": w16.grad,
+        "grad_expert_out": expert_out.grad,
+    }
+
+
+def check_wire_case(pool, case: Case) -> list[dict]:
+    """Run `case` (bf16 tokens) with fp8 on the wire on the pool's ranks; assert every rank."""
+    if case.dtype != torch.bfloat16:
+        raise ValueError(f"case.dtype must be torch.bfloat16 (the rows fp8 travels for), got {case.dtype}")
+    cfg = case.config
+    inputs = make_rank_inputs(case)
+    wire = [quantize_blockwise(i["x"]) for i in inputs]
+    idx = [i["topk_idx"] for i in inputs]
+    run = dispatch_oracle(cfg, [q for q, _ in wire], idx, [i["topk_weights"] for i in inputs],
+                          [s for _, s in wire], case.num_out_tokens)
+    gen = torch.Generator().manual_seed(case.seed + 7)
+    grad_rows = [torch.randn(r.tokens.shape, generator=gen) for r in run.ranks]
+    grad_probs = [torch.randn(r.probs.shape, generator=gen) for r in run.ranks]
+    grad_y = [torch.randn(i["x"].shape, generator=gen).to(torch.bfloat16) for i in inputs]
+    # The combine's backward: the oracle's dispatch of the quantized output gradient.
+    wire_grad = [quantize_blockwise(g) for g in grad_y]
+    grad_run = dispatch_oracle(cfg, [q for q, _ in wire_grad], idx, None, [s for _, s in wire_grad],
+                               case.num_out_tokens)
+    args = [(case, inputs[r], grad_rows[r], grad_probs[r], grad_y[r]) for r in range(case.world_size)]
+    results = pool.run(wire_on_rank, args)
+    for r, got in enumerate(results):
+        where = f"{case} rank {r}"
+        want = run.ranks[r]
+        assert_dispatch_matches(got, want, where)
+        assert torch.equal(got["rows"], dequantize_fp8(want.tokens, want.scales, torch.bfloat16)), where
+        want_grad = dequantize_fp8(grad_run.ranks[r].tokens, grad_run.ranks[r].scales, torch.bfloat16)
+        assert torch.equal(got["grad_expert_out"], want_grad), f"{where}: the combine's fp8 backward"
+        assert torch.equal(got["grad_x"], got["grad_x16"]), f"{where}: the dispatch's backward to x"
+        assert torch.equal(got["grad_w"], got["grad_w16"]), f"{where}: the dispatch's backward to the weights"
+    return results
+
+
+def run_fp8_layer_with_slots(case, config_overrides: dict) -> dict:
+    """On every rank: the seeded MoELayer with the expert balancer's slots (one per expert, in
+    expert order: the placement a fresh balancer starts from) and fp8 on the wire; forward +
+    backward. Returns out, grad_x, grad_router, grad_fc1, grad_fc2 as run_moe_layer_case."""
+    import torch.distributed as dist
+
+    from ..local.common import init_megatron
+    from ..local.layer import case_tensors, seeded_layer
+
+    init_megatron(case.world_size)
+    rank = dist.get_rank()
+    _, _, _, x_all, grad_out = case_tensors(case)
+    layer = seeded_layer(case, rank, config_overrides)
+    layer.token_dispatcher.slot_table.load_(torch.arange(case.num_experts))
+    x = x_all[rank].float().clone().requires_grad_()
+    out, _ = layer(x)
+    (out * grad_out[rank].float()).sum().backward()
+    return {
+        "dispatcher": type(layer.token_dispatcher).__name__, "out": out.detach(), "grad_x": x.grad,
+        "grad_router": layer.router.weight.grad,
+        "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
+        "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
+    }
