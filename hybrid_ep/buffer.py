@@ -223,7 +223,9 @@ class HybridEPBuffer:
         """
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
-        rows, scales_out, handle = self._run_dispatch(x, scales, routing, handle, num_out_tokens, num_sms)
+        kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
+        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
+        self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         return DispatchResult(rows, scales_out, handle.probs_R, handle)  # tokens_per_expert: the handle's, when read
 
     def combine(
@@ -275,6 +277,8 @@ class HybridEPBuffer:
                             f"apply_probs must be a Python bool, got {kind.__qualname__}")
 
     def _run_dispatch(self, x, scales, routing, handle, num_out_tokens, num_sms):
+        """dispatch's calls past its checks, for autograd (dispatch makes them itself: one frame
+        less between the API and the launch)."""
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
         rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)

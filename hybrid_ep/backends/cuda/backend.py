@@ -115,8 +115,9 @@ class CudaBackend(Backend):
         if handle is not None:
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
             known = handle.num_rows
-        res = self._engine.dispatch(x_TH, scales_TB, routing, num_out_tokens, kernel_config.num_sms_dispatch, known,
-                                    handle.dest.bounds if handle is not None else None)
+        engine = self._engine
+        [res] = engine.dispatch(engine.inputs(x_TH, scales_TB, routing), num_out_tokens, kernel_config.num_sms_dispatch,
+                                None if known is None else [known], handle.dest.bounds if handle is not None else None)
         # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
         # are views of the call's workspace, read from dest when asked for.
         new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,

@@ -16,7 +16,7 @@ expert_out from outside peer memory is copied into the rank's expert-out block, 
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
 one call into the extension (ext.HostPath) then fills every rank's launch arguments and
 launches the kernel sequence: both dispatch kernels when the output size and path are known,
-else the count kernel, the host read, then the dispatch kernel (_launch_dispatch). Between that
+else the count kernel, the host read, then the dispatch kernel (Engine.dispatch). Between that
 read and the dispatch launch (a GPU idles there) only what needs the output sizes runs: the
 path, the peer memory blocks' ranges or the receive path's outputs; the blocks' tensors (made
 by the extension, arena.py) and the per-rank results are made after the launch. The handle's
@@ -172,7 +172,7 @@ class CombineInput(NamedTuple):
 
 
 class DispatchCall(NamedTuple):
-    """A dispatch's inputs as Engine._dispatch_inputs checked and marshalled them."""
+    """A dispatch's inputs as Engine.inputs_of_ranks checked and marshalled them."""
 
     dtype: torch.dtype
     dtype_name: str
@@ -372,24 +372,13 @@ class Engine:
         """Each driven rank's allocator over its peer memory (arena.Arena); none in one process."""
         return self.outputs.arenas if self.peer is not None else []
 
-    def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing, num_out_tokens: int | None,
-                 num_sms: int | None, known_rows: int | None = None,
-                 known_bounds: list[int] | None = None) -> RankDispatch:
-        """The dispatch of the one rank this engine drives (one process per GPU): its inputs
-        checked and marshalled (_dispatch_inputs), then the kernels (_launch_dispatch).
-        num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_DISPATCH); known_rows: a handle's
-        output rows, known_bounds: every rank's rows the agreement sized the handle's call for
-        (CudaReceiveTable.bounds)."""
-        return self._launch_dispatch(self._dispatch_inputs([x], [scales], [routing]), num_out_tokens, num_sms,
-                                     None if known_rows is None else [known_rows], known_bounds)[0]
-
     def dispatch_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
                        num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
                        known_bounds: list[int] | None = None) -> list[RankDispatch]:
         """dispatch for every rank this engine drives (the emulation's W ranks in one launch):
         lists of their tensors and of their handles' rows, one RankDispatch per rank."""
-        return self._launch_dispatch(self._dispatch_inputs(xs, scales, routings), num_out_tokens, num_sms, known_rows,
-                                     known_bounds)
+        return self.dispatch(self.inputs_of_ranks(xs, scales, routings), num_out_tokens, num_sms, known_rows,
+                             known_bounds)
 
     def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made: list,
                  bounds: list[int] | None) -> list[RankDispatch]:
@@ -402,8 +391,13 @@ class Engine:
                              CudaReceiveTable(call, i, shape, R, bounds))
                 for i, (R, inp, kept, out) in enumerate(zip(rows, given.inputs, given.tensors, made))]
 
-    def _dispatch_inputs(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
-                         routings: list[Routing]) -> DispatchCall:
+    def inputs(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing) -> DispatchCall:
+        """The one rank's dispatch inputs (one process per GPU), checked and marshalled for
+        dispatch (inputs_of_ranks)."""
+        return self.inputs_of_ranks([x], [scales], [routing])
+
+    def inputs_of_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
+                        routings: list[Routing]) -> DispatchCall:
         """Validation and marshalling: one dtype and K <= MAX_TOPK on every rank, fp8 scales of
         the right shape; each rank's tensors as the kernels read them (contiguous, 16-byte
         aligned, fp32 scales and weights) and their addresses."""
@@ -473,9 +467,12 @@ class Engine:
         self._absent = ranks
         self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
 
-    def _launch_dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
-                         known_rows: list[int] | None, known_bounds: list[int] | None) -> list[RankDispatch]:
-        """The kernels of a dispatch, on the path the engine's outputs (paths.py) decide. A call
+    def dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
+                 known_rows: list[int] | None = None, known_bounds: list[int] | None = None) -> list[RankDispatch]:
+        """The kernels of a dispatch of the inputs (`inputs`: one rank per process; `inputs_of_ranks`:
+        the emulation's), one RankDispatch per driven rank, on the path the engine's outputs
+        (paths.py) decide. known_rows: a handle's output rows per rank, known_bounds: every rank's
+        rows the agreement sized the handle's call for (CudaReceiveTable.bounds). A call
         whose sizes are known before the count kernel (static_rows >= 0: num_out_tokens, or a
         handle's known_rows) and whose path is decided without a read launches both kernels in
         one call (_dispatch_known). Any other call launches the count kernel (with the agreement
