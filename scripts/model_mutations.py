@@ -113,8 +113,8 @@ MUTATIONS = (
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
              "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch_receive.cuh",
-             "wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows",
-             "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
+             "d.recv.reader_wait(d.args, &sig->tag, d.epoch, c,",
+             "d.recv.reader_wait(d.args, &sig->tag, d.epoch - 1, c,"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
              "takes a destination's tensors published by the previous call, epoch - 1)",
              "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)",
@@ -289,7 +289,7 @@ MUTATIONS = (
              "      return true;"),
     Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
              "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch_receive.cuh",
-             "      dev::fence_proxy_async();                                     // read by bulk loads below\n",
+             "      dev::fence_proxy_async();                                        // read by bulk loads below\n",
              ""),
     Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "
              "plan gives every byte to the dynamic stages)", "hybrid_ep/backends/cuda/launch.py",

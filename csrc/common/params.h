@@ -260,7 +260,7 @@ struct RdmaLayout {
   uint64_t done_dispatch;     // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
   uint64_t done_combine;      // u64 [N]: the rail peer on node n finished reading the node partials
                               // this rank sent it (epoch)
-  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
+  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (its tag)
   uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
   uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
   uint64_t disp_meta_out;     // [N][staged slots] chunk routing staged for node n's rail peer
@@ -426,10 +426,10 @@ struct LocalState {
 };
 
 // Chunk c of source s has arrived at this rank: its rows are slots [first, first + rows) of
-// the source's receive area. Written by the source (first, rows, then epoch with release)
-// for every chunk and destination, also with rows = 0.
+// the source's receive area. Written by the source (first, rows, then the chunk's ring tag with
+// release: kernels/peer_ring.cuh) for every chunk and destination, also with rows = 0.
 struct ChunkSignal {
-  uint64_t epoch;
+  uint64_t tag;
   int32_t first;
   int32_t rows;
 };

@@ -178,6 +178,10 @@ struct DirectCombine : KernelCall {
   __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
     return area + static_cast<uint64_t>(node_part.word(n, c)) * 8;
   }
+  // The signal word of chunk c of node n's ring, in this rank's RDMA region.
+  __device__ const uint64_t* node_part_signal(int n, int c) const {
+    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
+  }
   // Whether token t (t < t1) of this rank has a route to node n. Every lane calls it.
   __device__ bool reaches(int64_t t, int t1, int n) const {
     const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
@@ -232,8 +236,8 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, i
   bool ok = true;
   for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
     if (n != h.node)
-      ok = !d.stopped() && h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
-                                            PeerRing::tag(d.epoch, c), kPhaseRdmaPartials, h.rail_peer(n), d.epoch);
+      ok = !d.stopped() && d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c,
+                                                             d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   int n = 0;
   if (t < t1) {

@@ -148,7 +148,7 @@ struct DirectDispatch : KernelCall {
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
-    if (!h.wait_delivered(args, arrival(m, c), epoch, kPhaseRdmaRows, h.rail_peer(m), epoch)) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), epoch, c, a.rank, h.rail_peer(m))) return false;
     rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
     return true;
   }
@@ -518,7 +518,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
       }
       h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
                         kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
-                        h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+                        h.chunk_flag_off(h.R.disp_signal, h.node, c), PeerRing::tag(d.epoch, c));
     }
   }
   if (lane == 0) releases.quiet(true);  // the staging puts and the credits, before the rank's done signals

@@ -270,15 +270,18 @@ struct Dispatch : KernelCall {
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
     return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
   }
+  // A forwarded chunk's signal word (the staging ring's), in this rank's RDMA region.
+  __device__ const uint64_t* arrival(const SendUnit& su) const {
+    return h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
+  }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
-    return su.node < 0 || dev::ld_relaxed_sys(h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0)) >= epoch;
+    return su.node < 0 || PeerRing::is_published(arrival(su), epoch, su.chunk);
   }
   // Lane 0: wait until a forwarded chunk arrived, then read its row count. Own chunks are ready.
   __device__ bool arrive(SendUnit& su) const {
     if (su.node < 0) return true;
-    const uint64_t* sig = h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
-    if (!h.wait_delivered(args, sig, epoch, kPhaseRdmaRows, su.source, epoch)) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(su), epoch, su.chunk, a.rank, su.source)) return false;
     su.u1 = *reinterpret_cast<const volatile int32_t*>(fwd_meta(su));
     return true;
   }
@@ -485,7 +488,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       const int rows = tab.span_rows[pending_span][g];
       sig->first = rows > 0 ? tab.span_first[pending_span][g] : 0;
       sig->rows = rows;
-      dev::st_release_sys(&sig->epoch, d.epoch);
+      PeerRing::publish(&sig->tag, d.epoch, pending_chunk);
     }
     if (pending_node >= 0)
       releases.reader_release(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.epoch, pending_chunk);
@@ -627,8 +630,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
     if (lane == 0)
-      ok = !d.stopped() &&
-           wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch, bounds) &&
+      ok = !d.stopped() && d.recv.reader_wait(d.args, &sig->tag, d.epoch, c, d.a.rank, s, bounds) &&
            d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -699,8 +701,8 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
     const int rows = tab->rows;
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
-      dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
-      dev::fence_proxy_async();                                     // read by bulk loads below
+      PeerRing::reader_acquire(&d.chunk_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
+      dev::fence_proxy_async();                                        // read by bulk loads below
     }
     for (int k = 0; k < d.batches.items(0, rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(0, rows, k);  // rows of the chunk's slot in the ring
@@ -833,7 +835,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     }
     h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
                       kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
-                      h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+                      h.chunk_flag_off(h.R.disp_signal, h.node, c), PeerRing::tag(d.epoch, c));
   }
   if (lane == 0) h.rdma.quiet();
 }
