@@ -65,8 +65,8 @@ MUTATIONS = (
              "csrc/kernels/dispatch_receive.cuh", """    if (pending_chunk < 0) return true;
     bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
     if (pending_staged) {
-      if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
-      d.staged_ring.producer_commit(staged);
+      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
+      d.staged_fifo.producer_commit(staged);
       staged.advance(kStagedSlots);
       pending_staged = false;
     }
@@ -280,10 +280,10 @@ MUTATIONS = (
              "csrc/kernels/peer_ring.cuh", "  __device__ ~RingReleases() { quiet(); }",
              "  __device__ ~RingReleases() {}", tests=HAZARD_CREDITS),
     Mutation("rows-signalled-without-their-fence", "remote puts out of order (late delivery: a chunk's routing "
-             "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch_receive.cuh",
-             "      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal\n"
-             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(",
-             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(", tests=RING_TESTS),
+             "and signal land before its rows, put without the fence between)", "csrc/kernels/hierarchy.cuh",
+             "      if (lane == 0) rdma.fence();  // the rows are delivered before the routing's signal\n"
+             "      __syncwarp();\n    }\n    rdma.put_signal(lane, peer, staged_meta_off(",
+             "      __syncwarp();\n    }\n    rdma.put_signal(lane, peer, staged_meta_off(", tests=RING_TESTS),
     Mutation("wait-without-its-fence", "a relaxed poll not followed by its fence (the flag's wait returns on the "
              "relaxed load alone)", "csrc/common/state.cuh", "      dev::fence_acq_rel_sys();\n      return true;",
              "      return true;"),

@@ -105,9 +105,10 @@ enum PipeSite : int32_t {
   kSiteForwardPuts = 9,    // combine, several nodes: node partials of the source reducers, put by the put warp
   kSiteDirectRows = 10,    // dispatch_direct: token rows, bulk-loaded by the load warp, stored by the store warps
   kSiteDirectTables = 11,  // dispatch_direct: a chunk's route table (table warp) for the store warps
-  kSitePullRoutes = 12,    // combine_direct: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
-  kSiteDirectDone = 13,    // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
-  kSitePullPuts = 14,      // combine_direct, several nodes: node partials of the reducers, put by the put warp
+  kSiteDirectCombineRoutes =
+      12,                // combine_direct: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
+  kSiteDirectDone = 13,  // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
+  kSiteDirectCombinePuts = 14,  // combine_direct, several nodes: node partials of the reducers, put by the put warp
   kNumPipeSites
 };
 
@@ -163,9 +164,9 @@ inline constexpr CodeName kPipeSiteNames[] = {
     {kSiteForwardPuts, "forward_puts"},
     {kSiteDirectRows, "direct_rows"},
     {kSiteDirectTables, "direct_tables"},
-    {kSitePullRoutes, "pull_routes"},
+    {kSiteDirectCombineRoutes, "direct_combine_routes"},
     {kSiteDirectDone, "direct_done"},
-    {kSitePullPuts, "pull_puts"},
+    {kSiteDirectCombinePuts, "direct_combine_puts"},
 };
 
 // Every code named once, in order: a code added to an enum without a name does not compile.

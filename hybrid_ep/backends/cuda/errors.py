@@ -80,11 +80,11 @@ PIPE_SITE_TEXT = {
                     "the store warps writing each route's row"),
     "direct_tables": ("the direct dispatch's route-table ring", "the warp building a chunk's route table",
                       "the store warps"),
-    "pull_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
+    "direct_combine_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
                     "the reducers"),
     "direct_done": ("the direct dispatch's done ring", "the store warps finishing a chunk",
                     "the RDMA warp putting staged rows to other nodes"),
-    "pull_puts": ("the direct combine's node-partial put ring", "the reducers of the node partials",
+    "direct_combine_puts": ("the direct combine's node-partial put ring", "the reducers of the node partials",
                   "the warp putting node partials to other nodes"),
 }
 
