@@ -66,8 +66,8 @@ MUTATIONS = (
              "csrc/kernels/dispatch_receive.cuh", """    if (pending_chunk < 0) return true;
     bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
     if (pending_staged) {
-      if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
-      d.staged_ring.producer_commit(staged);
+      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
+      d.staged_fifo.producer_commit(staged);
       staged.advance(kStagedSlots);
       pending_staged = false;
     }
@@ -115,8 +115,8 @@ MUTATIONS = (
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
              "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch_receive.cuh",
-             "wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows",
-             "wait_at_least(d.args, &sig->epoch, d.epoch - 1, kPhaseDispatchRows"),
+             "d.recv.reader_wait(d.args, &sig->tag, d.epoch, c,",
+             "d.recv.reader_wait(d.args, &sig->tag, d.epoch - 1, c,"),
     Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
              "takes a destination's tensors published by the previous call, epoch - 1)",
              "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)",
@@ -282,16 +282,16 @@ MUTATIONS = (
              "csrc/kernels/peer_ring.cuh", "  __device__ ~RingReleases() { quiet(); }",
              "  __device__ ~RingReleases() {}", tests=HAZARD_CREDITS),
     Mutation("rows-signalled-without-their-fence", "remote puts out of order (late delivery: a chunk's routing "
-             "and signal land before its rows, put without the fence between)", "csrc/kernels/dispatch_receive.cuh",
-             "      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal\n"
-             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(",
-             "      __syncwarp();\n    }\n    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(", tests=RING_TESTS),
+             "and signal land before its rows, put without the fence between)", "csrc/kernels/hierarchy.cuh",
+             "      if (lane == 0) rdma.fence();  // the rows are delivered before the routing's signal\n"
+             "      __syncwarp();\n    }\n    rdma.put_signal(lane, peer, staged_meta_off(",
+             "      __syncwarp();\n    }\n    rdma.put_signal(lane, peer, staged_meta_off(", tests=RING_TESTS),
     Mutation("wait-without-its-fence", "a relaxed poll not followed by its fence (the flag's wait returns on the "
              "relaxed load alone)", "csrc/common/state.cuh", "      dev::fence_acq_rel_sys();\n      return true;",
              "      return true;"),
     Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
              "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch_receive.cuh",
-             "      dev::fence_proxy_async();                                     // read by bulk loads below\n",
+             "      dev::fence_proxy_async();                                        // read by bulk loads below\n",
              ""),
     Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "
              "plan gives every byte to the dynamic stages)", "hybrid_ep/backends/cuda/launch.py",

@@ -105,9 +105,10 @@ enum PipeSite : int32_t {
   kSiteForwardPuts = 9,    // combine, several nodes: node partials of the source reducers, put by the put warp
   kSiteDirectRows = 10,    // dispatch_direct: token rows, bulk-loaded by the load warp, stored by the store warps
   kSiteDirectTables = 11,  // dispatch_direct: a chunk's route table (table warp) for the store warps
-  kSitePullRoutes = 12,    // combine_direct: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
-  kSiteDirectDone = 13,    // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
-  kSitePullPuts = 14,      // combine_direct, several nodes: node partials of the reducers, put by the put warp
+  kSiteDirectCombineRoutes =
+      12,                // combine_direct: routes' expert outputs, bulk-loaded by a load warp, summed by its reducers
+  kSiteDirectDone = 13,  // dispatch_direct, several nodes: units the store warps are done with, for the RDMA warp
+  kSiteDirectCombinePuts = 14,  // combine_direct, several nodes: node partials of the reducers, put by the put warp
   kNumPipeSites
 };
 
@@ -163,9 +164,9 @@ inline constexpr CodeName kPipeSiteNames[] = {
     {kSiteForwardPuts, "forward_puts"},
     {kSiteDirectRows, "direct_rows"},
     {kSiteDirectTables, "direct_tables"},
-    {kSitePullRoutes, "pull_routes"},
+    {kSiteDirectCombineRoutes, "direct_combine_routes"},
     {kSiteDirectDone, "direct_done"},
-    {kSitePullPuts, "pull_puts"},
+    {kSiteDirectCombinePuts, "direct_combine_puts"},
 };
 
 // Every code named once, in order: a code added to an enum without a name does not compile.
@@ -260,7 +261,7 @@ struct RdmaLayout {
   uint64_t done_dispatch;     // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
   uint64_t done_combine;      // u64 [N]: the rail peer on node n finished reading the node partials
                               // this rank sent it (epoch)
-  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (epoch)
+  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (its tag)
   uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
   uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
   uint64_t disp_meta_out;     // [N][staged slots] chunk routing staged for node n's rail peer
@@ -426,10 +427,10 @@ struct LocalState {
 };
 
 // Chunk c of source s has arrived at this rank: its rows are slots [first, first + rows) of
-// the source's receive area. Written by the source (first, rows, then epoch with release)
-// for every chunk and destination, also with rows = 0.
+// the source's receive area. Written by the source (first, rows, then the chunk's ring tag with
+// release: kernels/peer_ring.cuh) for every chunk and destination, also with rows = 0.
 struct ChunkSignal {
-  uint64_t epoch;
+  uint64_t tag;
   int32_t first;
   int32_t rows;
 };

@@ -7,7 +7,7 @@
 //
 // Two pipelines per block (kernels/segments.cuh), taking units of the block's share in turn
 // (UnitPipelines: with several nodes, each kind of unit in turn), each of a load warp and R
-// reducer warps (LaunchArgs::reducer_warps, 4 or 8: PullBlock):
+// reducer warps (LaunchArgs::reducer_warps, 4 or 8: DirectCombineBlock):
 //   warps 0 and R + 1 read a unit's parts into a table, a lane per token (each route's row at
 //                     its expert's rank, which the dispatch kept in the handle, and with
 //                     apply_probs its routing weight there), then bulk-load every part's
@@ -68,21 +68,21 @@ struct UnitPipelines {
 };
 
 // Warp roles, per pipeline (its warps p * kPipelineWarps + ...).
-enum class PullRole { kLoad, kReduce };
+enum class DirectCombineRole { kLoad, kReduce };
 
 // A block's warps with R reducer warps per pipeline (LaunchArgs::reducer_warps: each segment's
 // columns spread over R warps, kernels/segments.cuh): per pipeline a load warp and the reducers,
 // then the put warp. The kernel is instantiated for each R the host may pick.
 template <int R>
-struct PullBlock {
+struct DirectCombineBlock {
   static constexpr int kPipelineWarps = 1 + R;
   static constexpr int kPutWarp = kPipelines * kPipelineWarps;
   static constexpr int kThreads = (kPutWarp + 1) * 32;
   static_assert(kThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
-  __host__ __device__ static constexpr RoleTable<PullRole, 2> roles() {
-    return {{{PullRole::kLoad, 0, 1}, {PullRole::kReduce, 1, R}}};
+  __host__ __device__ static constexpr RoleTable<DirectCombineRole, 2> roles() {
+    return {{{DirectCombineRole::kLoad, 0, 1}, {DirectCombineRole::kReduce, 1, R}}};
   }
-  static_assert(roles().tiles(kPipelineWarps), "a pull pipeline's roles tile its warps");
+  static_assert(roles().tiles(kPipelineWarps), "a direct combine pipeline's roles tile its warps");
 };
 
 // A part of a token in the wire dtype (a node partial), not the dtype of expert_out.
@@ -109,7 +109,7 @@ static_assert(kChunkTokens < 256, "a forwarded row's ordinal and its chunk's row
 // A unit's parts, per token: the expert host of each route (kNodePart + n: node n's partial) and
 // its row there (for a node partial its row in the chunk's slot), and its weight.
 constexpr int kNodePart = kMaxRanks;
-struct PullTable {
+struct DirectCombineTable {
   int32_t parts[kChunkTokens];
   int32_t row[kChunkTokens][kMaxTopK];
   uint8_t host[kChunkTokens][kMaxTopK];
@@ -121,16 +121,16 @@ struct FwdPut {
   int32_t node, chunk, rows;
 };
 
-struct PullShared {
+struct DirectCombineShared {
   uint64_t full[kPipelines][kMaxStages], empty[kPipelines][kMaxStages];
   uint64_t put_full[kPipelines][kPutStages], put_empty[kPipelines][kPutStages];
   PartItem items[kPipelines][kMaxStages];
   FwdPut puts[kPipelines][kPutStages];
-  PullTable tables[kPipelines];
+  DirectCombineTable tables[kPipelines];
   uint64_t rows[kMaxRanks], probs[kMaxRanks];  // each expert host's expert_out and probs, this process's addresses
   BlockControl ctl;
 };
-static_assert(sizeof(PullShared) <= kStaticSmemReserve,
+static_assert(sizeof(DirectCombineShared) <= kStaticSmemReserve,
               "the combine_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
@@ -140,11 +140,11 @@ struct DirectCombine : KernelCall {
   PeerRing node_part;             // the node-partial rings (kernels/peer_ring.cuh)
   uint32_t in_bytes, wire_bytes;  // element sizes
   uint32_t stage_bytes;           // a stage holds a segment of either
-  PullShared& sh;
+  DirectCombineShared& sh;
   uint8_t* data;  // [kPipelines][stages][stage_bytes] segments
   Hierarchy<Rdma> h;
 
-  __device__ DirectCombine(const KernelCall& k, PullShared& shared, uint8_t* smem, uint32_t elem_size,
+  __device__ DirectCombine(const KernelCall& k, DirectCombineShared& shared, uint8_t* smem, uint32_t elem_size,
                            uint32_t wire_size)
       : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
         seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
@@ -161,8 +161,10 @@ struct DirectCombine : KernelCall {
     return data + static_cast<size_t>(pipeline) * stages * stage_bytes;
   }
   // Pipeline p's ring, and its put ring (several nodes).
-  __device__ Ring pipeline_ring(int p) const { return ring(sh.full[p], sh.empty[p], stages, kSitePullRoutes); }
-  __device__ Ring put_ring(int p) const { return ring(sh.put_full[p], sh.put_empty[p], kPutStages, kSitePullPuts); }
+  __device__ Ring pipeline_ring(int p) const { return ring(sh.full[p], sh.empty[p], stages, kSiteDirectCombineRoutes); }
+  __device__ Ring put_ring(int p) const {
+    return ring(sh.put_full[p], sh.put_empty[p], kPutStages, kSiteDirectCombinePuts);
+  }
   // A source-side chunk's place after the forwarded chunks (SourceSideChunks; kernels/peer_ring.cuh):
   // two block steps, less than a turn of the node-partial ring. With the kinds of unit dealt to
   // both pipelines (UnitPipelines) a forwarded chunk may wait behind an own chunk that waits for
@@ -177,6 +179,10 @@ struct DirectCombine : KernelCall {
   }
   __device__ uint64_t node_word_off(uint64_t area, int n, int c) const {
     return area + static_cast<uint64_t>(node_part.word(n, c)) * 8;
+  }
+  // The signal word of chunk c of node n's ring, in this rank's RDMA region.
+  __device__ const uint64_t* node_part_signal(int n, int c) const {
+    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
   }
   // Whether token t (t < t1) of this rank has a route to node n. Every lane calls it.
   __device__ bool reaches(int64_t t, int t1, int n) const {
@@ -195,8 +201,8 @@ struct DirectCombine : KernelCall {
 // it is in the wire dtype). A row without parts gets one stage without bytes: the reducers
 // write a zero segment. False on a stop.
 template <typename Rdma, typename Part>
-__device__ bool pull_parts(const DirectCombine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
-                           PipeState& produced, PartItem head, int n, Part part) {
+__device__ bool direct_combine_parts(const DirectCombine<Rdma>& d, const Ring& ring, PartItem* items, uint8_t* data,
+                                     PipeState& produced, PartItem head, int n, Part part) {
   for (int i = 0; i < max(n, 1); ++i, produced.advance(ring.stages)) {
     if (d.stopped() || !ring.producer_acquire(d.args, produced)) return false;
     PartItem& it = items[produced.stage];
@@ -223,7 +229,7 @@ __device__ bool pull_parts(const DirectCombine<Rdma>& d, const Ring& ring, PartI
 // An own chunk c (lane i: token t0 + i): its routes on this node and, with several nodes, one
 // node partial per other node it reaches, once each of those nodes' rail peers put the chunk.
 template <typename Rdma>
-__device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, int lane) {
+__device__ bool own_parts(const DirectCombine<Rdma>& d, DirectCombineTable& tab, int c, int lane) {
   const auto* route_rows = reinterpret_cast<const int32_t*>(d.a.route_rows);
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
   const Hierarchy<Rdma>& h = d.h;
@@ -232,8 +238,8 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, i
   bool ok = true;
   for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
     if (n != h.node)
-      ok = !d.stopped() && h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0),
-                                            PeerRing::tag(d.epoch, c), kPhaseRdmaPartials, h.rail_peer(n), d.epoch);
+      ok = !d.stopped() && d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c,
+                                                             d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   int n = 0;
   if (t < t1) {
@@ -266,7 +272,8 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, PullTable& tab, int c, i
 // its routes on this node, from the dispatch's handle, once the source freed the chunk's slot of
 // the node-partial ring (from the ring's second turn on). Returns its rows.
 template <typename Rdma>
-__device__ bool forwarded_parts(const DirectCombine<Rdma>& d, PullTable& tab, int n, int c, int lane, int& rows) {
+__device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable& tab, int n, int c, int lane,
+                                int& rows) {
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
   if (lane == 0)
@@ -293,8 +300,8 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, PullTable& tab, in
 // A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, lane 0
 // loads them, token by token and segment by segment.
 template <typename Rdma>
-__device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int lane) {
-  PullTable& tab = d.sh.tables[pipeline];
+__device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int lane) {
+  DirectCombineTable& tab = d.sh.tables[pipeline];
   PartItem* items = d.sh.items[pipeline];
   uint8_t* data = d.stage_data(pipeline);
   const Hierarchy<Rdma>& h = d.h;
@@ -317,17 +324,18 @@ __device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring
         const bool end = q == tokens - 1 && g == d.segments - 1;
         const PartItem head = forwarded ? PartItem{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f}
                                         : PartItem{t0 + q, end ? kChunkEnd : 0, col0, cols, 0, 1.f};
-        ok = pull_parts(d, ring, items, data, produced, head, forwarded && rows == 0 ? 0 : tab.parts[q],
-                        [&](int j, float& weight, bool& wire) -> const uint8_t* {
-                          weight = tab.weight[q][j];
-                          const int host = tab.host[q][j];
-                          if (host >= kNodePart) {
-                            wire = true;
-                            return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, c, tab.row[q][j]));
-                          }
-                          return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
-                                 static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
-                        });
+        ok = direct_combine_parts(
+            d, ring, items, data, produced, head, forwarded && rows == 0 ? 0 : tab.parts[q],
+            [&](int j, float& weight, bool& wire) -> const uint8_t* {
+              weight = tab.weight[q][j];
+              const int host = tab.host[q][j];
+              if (host >= kNodePart) {
+                wire = true;
+                return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, c, tab.row[q][j]));
+              }
+              return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
+                     static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
+            });
       }
     }
     ok = warp_uniform(ok);  // the table is rewritten for the next unit only after lane 0 read it
@@ -343,7 +351,7 @@ __device__ void pull_load(const DirectCombine<Rdma>& d, int pipeline, const Ring
 // row each warp fences its stores and hands the chunk to the put warp (one of the put ring's R
 // arrivals).
 template <typename Rdma, typename Elem, typename Wire, int R>
-__device__ void pull_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
+__device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
   auto* y = reinterpret_cast<uint8_t*>(d.a.y);
   const Hierarchy<Rdma>& h = d.h;
   const PartItem* items = d.sh.items[pipeline];
@@ -423,12 +431,12 @@ __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
 }
 
 template <typename Rdma, typename Elem, typename Wire, int R>
-__global__ void __launch_bounds__(PullBlock<R>::kThreads, 1)
+__global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
     combine_direct_kernel(const __grid_constant__ LaunchArgs args) {
-  using B = PullBlock<R>;
+  using B = DirectCombineBlock<R>;
   const BlockPlace place = block_place(args);
   if (place.rank.absent || call_refused(args.geo, place.rank)) return;
-  PullShared& sh = dev::block_shared<PullShared>();
+  DirectCombineShared& sh = dev::block_shared<DirectCombineShared>();
   const DirectCombine<Rdma> d(kernel_call(args, place, kCombineCall, sh.ctl), sh, dev::dynamic_smem<uint8_t>(),
                               static_cast<uint32_t>(sizeof(Elem)), static_cast<uint32_t>(sizeof(Wire)));
   const RankArgs& a = d.a;
@@ -469,12 +477,12 @@ __global__ void __launch_bounds__(PullBlock<R>::kThreads, 1)
     if (multi) forward_put(d, lane);
   } else {
     const Ring ring = d.pipeline_ring(pipeline);
-    const RoleSpan<PullRole> role = B::roles().of(warp % B::kPipelineWarps);
+    const RoleSpan<DirectCombineRole> role = B::roles().of(warp % B::kPipelineWarps);
     switch (role.role) {
-      case PullRole::kLoad: pull_load(d, pipeline, ring, lane); break;
-      case PullRole::kReduce:
-        pull_reduce<Rdma, Elem, Wire, R>(d, pipeline, ring, role.thread_index(tid - pipeline * B::kPipelineWarps * 32),
-                                         lane);
+      case DirectCombineRole::kLoad: direct_combine_load(d, pipeline, ring, lane); break;
+      case DirectCombineRole::kReduce:
+        direct_combine_reduce<Rdma, Elem, Wire, R>(d, pipeline, ring,
+                                                   role.thread_index(tid - pipeline * B::kPipelineWarps * 32), lane);
         break;
     }
   }
@@ -497,7 +505,7 @@ __host__ __device__ inline size_t combine_direct_stage_bytes(const LaunchArgs& a
 template <typename Rdma, typename Elem, typename Wire, int R>
 LaunchStatus launch_combine_direct_warps(const LaunchArgs& args, uint64_t stream) {
   return dev::launch_cooperative(combine_direct_kernel<Rdma, Elem, Wire, R>, args.num_ranks * args.num_sms,
-                                 PullBlock<R>::kThreads, combine_direct_stage_bytes(args), stream, args,
+                                 DirectCombineBlock<R>::kThreads, combine_direct_stage_bytes(args), stream, args,
                                  "combine_direct");
 }
 

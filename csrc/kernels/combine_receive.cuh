@@ -225,6 +225,10 @@ struct Combine : KernelCall {
   __device__ uint64_t node_row_off(uint64_t area, int n, int c, int q) const {
     return area + static_cast<uint64_t>(node_part.row(n, c, q)) * C * wire_bytes;
   }
+  // The signal word of chunk c of node n's ring, in this rank's RDMA region.
+  __device__ const uint64_t* node_part_signal(int n, int c) const {
+    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
+  }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
   }
@@ -465,23 +469,21 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
-  const uint64_t tag = PeerRing::tag(d.epoch, c);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       for (int g = 0; g < G; ++g)
-        if (dev::ld_relaxed_sys(d.comb_signal(d.a.rank, first + g, c)) < tag) return false;
+        if (!PeerRing::is_published(d.comb_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
       for (int n = 0; n < N; ++n)
-        if (n != h.node && dev::ld_relaxed_sys(h.flag(d.node_word_off(h.R.comb_signal, n, c), 0)) < tag) return false;
+        if (n != h.node && !PeerRing::is_published(d.node_part_signal(n, c), d.epoch, c)) return false;
       return true;
     });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = wait_at_least(d.args, d.comb_signal(d.a.rank, first + g, c), tag, kPhaseCombineRows, d.a.rank, first + g,
-                         d.epoch);
+      ok = d.partial.reader_wait(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
-        ok = h.wait_delivered(d.args, h.flag(d.node_word_off(h.R.comb_signal, n, c), 0), tag, kPhaseRdmaPartials,
-                              h.rail_peer(n), d.epoch);
+        ok = d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c, d.a.rank,
+                                               h.rail_peer(n));
   }
   if (!warp_uniform(ok)) return false;
   const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -543,7 +545,6 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
-  const uint64_t tag = PeerRing::tag(d.epoch, c);
   // the chunk's node-partial slot: the source must have read its previous chunk (its credit),
   // before the reducers write this chunk's node partials there
   const uint64_t* credit = h.flag(d.node_word_off(h.R.comb_credit, n, c), 0);
@@ -552,13 +553,14 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       if (!d.node_part.is_free(credit, d.epoch, c)) return false;
       for (int g = 0; g < G; ++g)
-        if (dev::ld_relaxed_sys(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c)) < tag) return false;
+        if (!PeerRing::is_published(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
+          return false;
       return true;
     });
     if (ok) ok = d.node_part.wait_free(d.args, credit, d.epoch, c, d.a.rank, h.rail_peer(n));
     for (int g = 0; g < G && ok; ++g)
-      ok = wait_at_least(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), tag, kPhaseNodePartials,
-                         d.a.rank, first + g, d.epoch);
+      ok = d.forward.reader_wait(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
+                                 d.a.rank, first + g);
   }
   if (!warp_uniform(ok)) return false;
   const int rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];

@@ -35,10 +35,10 @@ int combine_direct_max_blocks_per_sm(size_t smem, int reducer_warps) {
   if (reducer_warps == kReducerWarpsWide)
     return dev::max_active_blocks(
         combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsWide>,
-        PullBlock<kReducerWarpsWide>::kThreads, smem);
+        DirectCombineBlock<kReducerWarpsWide>::kThreads, smem);
   return dev::max_active_blocks(
       combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsNarrow>,
-      PullBlock<kReducerWarpsNarrow>::kThreads, smem);
+      DirectCombineBlock<kReducerWarpsNarrow>::kThreads, smem);
 }
 
 }  // namespace hybrid_ep

@@ -148,7 +148,7 @@ struct DirectDispatch : KernelCall {
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
-    if (!h.wait_delivered(args, arrival(m, c), epoch, kPhaseRdmaRows, h.rail_peer(m), epoch)) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), epoch, c, a.rank, h.rail_peer(m))) return false;
     rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
     return true;
   }
@@ -465,11 +465,6 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
 template <typename Rdma>
 __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
   const Hierarchy<Rdma>& h = d.h;
-  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
-  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
-  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
-  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
-  const uint64_t token_bytes = h.R.token_meta_bytes;
   DirectUnits<DirectDispatch<Rdma>> units(d);
   RingReleases<Rdma> releases(h.rdma);  // lane 0's credits of forwarded chunks' staging slots
   PipeState done;
@@ -492,33 +487,10 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
     for (int n = 0; n < h.topo.N; ++n) {
       if (n == h.node) continue;
       const unsigned mask = __ballot_sync(0xffffffffu, d.reaches(t, t1, n));
-      const int rows = __popc(mask);
-      uint8_t* meta = h.rdma.local(d.h.staged_meta_off(h.R.disp_meta_out, n, c));
-      if ((mask >> lane) & 1u) {
-        TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
-        for (int k = 0; k < kMaxTopK; ++k) {
-          const bool real = k < d.K;
-          tm->expert[k] = real ? static_cast<int32_t>(idx[static_cast<int64_t>(t) * d.K + k]) : -1;
-          tm->ordinal[k] = real ? ords[static_cast<int64_t>(t) * d.K + k] : 0;
-          tm->weight[k] = real ? weights[static_cast<int64_t>(t) * d.K + k] : 0.f;
-        }
-        float* scales = h.token_scales(tm);
-        for (int i = 0; i < d.scale_cols; ++i) scales[i] = x_scales[static_cast<int64_t>(t) * d.scale_cols + i];
-      }
-      if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
+      h.stage_routing(d.a, d.K, d.scale_cols, n, c, mask, lane, t, nullptr);
       __threadfence();  // the routing and the staged rows, before the transport reads them
       __syncwarp();
-      const int peer = h.rail_peer(n);
-      if (rows > 0) {
-        h.rdma.put(lane, peer, d.h.staged_off(h.R.disp_rows_in, h.node, c, 0, d.row_bytes),
-                   h.rdma.local(d.h.staged_off(h.R.disp_rows_out, n, c, 0, d.row_bytes)),
-                   static_cast<uint64_t>(rows) * d.row_bytes);
-        if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
-        __syncwarp();
-      }
-      h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
-                        kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
-                        h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+      h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.epoch);
     }
   }
   if (lane == 0) releases.quiet(true);  // the staging puts and the credits, before the rank's done signals

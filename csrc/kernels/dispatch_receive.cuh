@@ -47,7 +47,7 @@
 //   warp 1      also bulk-stores each row of an own chunk into the staging area of every
 //               other node that hosts one of its routes (one more store target of the stage
 //               already in shared memory) and, once those stores completed, hands the chunk
-//               to the RDMA warps through the staged ring;
+//               to the RDMA warps through the staged fifo;
 //   warps 8-11  (RDMA) write each chunk's routing once per remote node that hosts one of its
 //               routes and put the staged rows and the routing to the rail peer there
 //               (transport `Rdma`);
@@ -162,7 +162,7 @@ struct Dispatch : KernelCall {
   const int64_t* info;
   DispatchShared& sh;
   StageRing send_fifo, expand_fifo;
-  Ring meta_ring, table_ring, staged_ring;
+  Ring meta_ring, table_ring, staged_fifo;
   Hierarchy<Rdma> h;
 
   // smem: the two FIFOs' stages, the send FIFO's first.
@@ -178,7 +178,7 @@ struct Dispatch : KernelCall {
                     smem + static_cast<size_t>(stages) * k.args.stage_bytes, k.args.stage_bytes},
         meta_ring(k.ring(shared.meta_full, shared.meta_empty, kMetaSlots, kSiteSendEntries)),
         table_ring(k.ring(shared.table_full, shared.table_empty, kTableSlots, kSiteExpandTables)),
-        staged_ring(k.ring(shared.staged_full, shared.staged_empty, kStagedSlots, kSiteStagedRows)),
+        staged_fifo(k.ring(shared.staged_full, shared.staged_empty, kStagedSlots, kSiteStagedRows)),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   // Row q of chunk c of `source` in rank r's receive ring (q counts the chunk's rows for r).
@@ -270,15 +270,18 @@ struct Dispatch : KernelCall {
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
     return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
   }
+  // A forwarded chunk's signal word (the staging ring's), in this rank's RDMA region.
+  __device__ const uint64_t* arrival(const SendUnit& su) const {
+    return h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
+  }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
-    return su.node < 0 || dev::ld_relaxed_sys(h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0)) >= epoch;
+    return su.node < 0 || PeerRing::is_published(arrival(su), epoch, su.chunk);
   }
   // Lane 0: wait until a forwarded chunk arrived, then read its row count. Own chunks are ready.
   __device__ bool arrive(SendUnit& su) const {
     if (su.node < 0) return true;
-    const uint64_t* sig = h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
-    if (!h.wait_delivered(args, sig, epoch, kPhaseRdmaRows, su.source, epoch)) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(su), epoch, su.chunk, a.rank, su.source)) return false;
     su.u1 = *reinterpret_cast<const volatile int32_t*>(fwd_meta(su));
     return true;
   }
@@ -485,13 +488,13 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       const int rows = tab.span_rows[pending_span][g];
       sig->first = rows > 0 ? tab.span_first[pending_span][g] : 0;
       sig->rows = rows;
-      dev::st_release_sys(&sig->epoch, d.epoch);
+      PeerRing::publish(&sig->tag, d.epoch, pending_chunk);
     }
     if (pending_node >= 0)
       releases.reader_release(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.epoch, pending_chunk);
     if (pending_staged) {
-      if (!d.staged_ring.producer_acquire(d.args, staged)) return false;
-      d.staged_ring.producer_commit(staged);
+      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
+      d.staged_fifo.producer_commit(staged);
       staged.advance(kStagedSlots);
       pending_staged = false;
     }
@@ -627,8 +630,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
     if (lane == 0)
-      ok = !d.stopped() &&
-           wait_at_least(d.args, &sig->epoch, d.epoch, kPhaseDispatchRows, d.a.rank, s, d.epoch, bounds) &&
+      ok = !d.stopped() && d.recv.reader_wait(d.args, &sig->tag, d.epoch, c, d.a.rank, s, bounds) &&
            d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -699,8 +701,8 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
     const int rows = tab->rows;
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
-      dev::ld_acquire_sys(&d.chunk_signal(d.a.rank, s, c)->epoch);  // set: this thread's acquire of the rows
-      dev::fence_proxy_async();                                     // read by bulk loads below
+      PeerRing::reader_acquire(&d.chunk_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
+      dev::fence_proxy_async();                                        // read by bulk loads below
     }
     for (int k = 0; k < d.batches.items(0, rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(0, rows, k);  // rows of the chunk's slot in the ring
@@ -763,7 +765,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 // Warps 8-11 with several nodes: for each of this block's own chunks and each other node
 // (also one no route of the chunk reaches: every chunk is signalled), write the routing of the
 // chunk's tokens for that node into the chunk's slot of the staging ring in this rank's RDMA
-// region and, once warp 1 says the chunk's rows are staged there (the staged ring: its bulk
+// region and, once warp 1 says the chunk's rows are staged there (the staged fifo: its bulk
 // stores completed), put them to the rail peer there, into the same slot of its ring for this
 // node: the rows, then the routing with the chunk's signal. Lane i takes token t0 + i. A slot
 // is free, at both ends, once the rail peer's credit says it forwarded the slot's previous
@@ -774,66 +776,37 @@ template <typename Rdma>
 __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const Hierarchy<Rdma>& h = d.h;
   const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
-  const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
-  const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
-  const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
-  const auto* x_scales = reinterpret_cast<const float*>(d.a.x_scales);
-  const int G = h.topo.G, N = h.topo.N, W = d.W, K = d.K;
-  const uint64_t token_bytes = h.R.token_meta_bytes;
+  const int N = h.topo.N;
   const int own = (d.send_chunks() - d.b + d.nb - 1) / d.nb;  // this block's own chunks
   // the block's abort word read once per warp (warp_uniform): the body's ballots and puts are warp-wide
   for (int p = w; p < own * (N - 1) && !warp_uniform(d.stopped()); p += kRdmaWarps) {
     const int j = p / (N - 1), c = d.b + j * d.nb;  // the block's j-th own chunk
     const int n = p % (N - 1) < h.node ? p % (N - 1) : p % (N - 1) + 1;
-    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
+    const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk);
     const unsigned mask = d.staged_mask(t0, t1, n, lane);
-    const int rows = __popc(mask);
-    const int peer = h.rail_peer(n);
     // The chunk's slot of the staging ring for node n (here and at the rail peer there) is free
     // once the rail peer forwarded the slot's previous chunk from it.
     bool ok = true;
     if (lane == 0)
       ok = !d.stopped() &&
-           h.staging.wait_free(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank, peer);
+           h.staging.wait_free(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank, h.rail_peer(n));
     if (!warp_uniform(ok)) {
       d.stop();
       break;
     }
-    uint8_t* meta = h.rdma.local(d.h.staged_meta_off(h.R.disp_meta_out, n, c));
-    if ((mask >> lane) & 1u) {
-      TokenMeta* tm = h.token_meta(meta, __popc(mask & ((1u << lane) - 1u)), token_bytes);
-      for (int k = 0; k < kMaxTopK; ++k) {
-        const bool real = k < K;
-        tm->expert[k] = real ? static_cast<int32_t>(idx[static_cast<int64_t>(t) * K + k]) : -1;
-        tm->ordinal[k] = real ? ords[static_cast<int64_t>(t) * K + k] : 0;
-        tm->weight[k] = real ? weights[static_cast<int64_t>(t) * K + k] : 0.f;
-      }
-      int32_t* slots = h.token_slots(tm);
-      for (int g = 0; g < G; ++g) slots[g] = send_slot[static_cast<int64_t>(t) * W + n * G + g];
-      float* scales = h.token_scales(tm);
-      for (int i = 0; i < d.scale_cols; ++i) scales[i] = x_scales[static_cast<int64_t>(t) * d.scale_cols + i];
-    }
-    if (lane == 0) *reinterpret_cast<int32_t*>(meta) = rows;
+    h.stage_routing(d.a, d.K, d.scale_cols, n, c, mask, lane, static_cast<int64_t>(t0) + lane, send_slot);
     // The chunk's rows are staged for every node once warp 1 committed it: round j / slots.
     const PipeState st{j % kStagedSlots, static_cast<uint32_t>(j / kStagedSlots) & 1u, static_cast<uint32_t>(j)};
-    if (lane == 0) ok = !d.stopped() && d.staged_ring.consumer_wait(d.args, st);
+    if (lane == 0) ok = !d.stopped() && d.staged_fifo.consumer_wait(d.args, st);
     if (!warp_uniform(ok)) {
       d.stop();
       break;
     }
-    d.staged_ring.observe_full(st, lane);  // every lane's transport copy reads the staged rows
+    d.staged_fifo.observe_full(st, lane);  // every lane's transport copy reads the staged rows
     __threadfence();                       // the routing and the staged bytes, before the transport reads them
     __syncwarp();
-    if (lane == 0) d.staged_ring.consumer_release(st);  // one of the chunk's N - 1 nodes
-    if (rows > 0) {
-      h.rdma.put(lane, peer, d.h.staged_off(h.R.disp_rows_in, h.node, c, 0, d.row_bytes), d.staged_row(n, c, 0),
-                 static_cast<uint64_t>(rows) * d.row_bytes);
-      if (lane == 0) h.rdma.fence();  // the rows are delivered before the routing's signal
-      __syncwarp();
-    }
-    h.rdma.put_signal(lane, peer, d.h.staged_meta_off(h.R.disp_meta_in, h.node, c), meta,
-                      kChunkMetaHeader + static_cast<uint64_t>(rows) * token_bytes,
-                      h.chunk_flag_off(h.R.disp_signal, h.node, c), d.epoch);
+    if (lane == 0) d.staged_fifo.consumer_release(st);  // one of the chunk's N - 1 nodes
+    h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.epoch);
   }
   if (lane == 0) h.rdma.quiet();
 }
@@ -852,7 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(const __g
     d.expand_fifo.ring.init(1, 1);
     d.meta_ring.init(kMetaWarps, 1);
     d.table_ring.init(kMetaWarps, 2);                  // both expand warps read each table
-    if (multi) d.staged_ring.init(1, d.h.topo.N - 1);  // each of the chunk's other nodes releases it
+    if (multi) d.staged_fifo.init(1, d.h.topo.N - 1);  // each of the chunk's other nodes releases it
   });
   if (!block_ready(d)) return;
 

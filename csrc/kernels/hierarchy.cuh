@@ -74,6 +74,53 @@ struct Hierarchy {
   }
   __device__ int32_t* token_slots(TokenMeta* m) const { return reinterpret_cast<int32_t*>(m + 1); }
   __device__ float* token_scales(TokenMeta* m) const { return reinterpret_cast<float*>(token_slots(m) + topo.G); }
+
+  // The staging ring's writer (both dispatches; its slot acquired by the caller). One warp, lane i
+  // with token t of this rank's chunk c, `mask` the lanes whose token goes to node n: each such
+  // token's routing at its ordinal among them in the chunk's slot of node n's ring (with
+  // `send_slot`, [T, W], also its receive slot at each rank there; the direct path has none),
+  // and the chunk's row count in the header. Returns the chunk's routing.
+  __device__ uint8_t* stage_routing(const RankArgs& a, int K, int scale_cols, int n, int c, unsigned mask, int lane,
+                                    int64_t t, const int32_t* send_slot) const {
+    const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+    const auto* weights = reinterpret_cast<const float*>(a.topk_weights);
+    const auto* ords = reinterpret_cast<const int32_t*>(a.entry_ord);
+    const auto* x_scales = reinterpret_cast<const float*>(a.x_scales);
+    uint8_t* meta = rdma.local(staged_meta_off(R.disp_meta_out, n, c));
+    if ((mask >> lane) & 1u) {
+      TokenMeta* tm = token_meta(meta, __popc(mask & ((1u << lane) - 1u)), R.token_meta_bytes);
+      for (int k = 0; k < kMaxTopK; ++k) {
+        const bool real = k < K;
+        tm->expert[k] = real ? static_cast<int32_t>(idx[t * K + k]) : -1;
+        tm->ordinal[k] = real ? ords[t * K + k] : 0;
+        tm->weight[k] = real ? weights[t * K + k] : 0.f;
+      }
+      if (send_slot != nullptr) {
+        int32_t* slots = token_slots(tm);
+        for (int g = 0; g < topo.G; ++g) slots[g] = send_slot[t * topo.W + n * topo.G + g];
+      }
+      float* scales = token_scales(tm);
+      for (int i = 0; i < scale_cols; ++i) scales[i] = x_scales[t * scale_cols + i];
+    }
+    if (lane == 0) *reinterpret_cast<int32_t*>(meta) = __popc(mask);
+    return meta;
+  }
+  // Then, once the chunk's rows are staged and the warp fenced them and the routing: its rows,
+  // and its routing with the chunk's signal (the tag: kernels/peer_ring.cuh), put into the same
+  // slot of the ring for this node at the rail peer on node n. Every lane calls it.
+  __device__ void put_staged(int lane, int n, int c, int rows, uint32_t row_bytes, uint64_t call) const {
+    const int peer = rail_peer(n);
+    if (rows > 0) {
+      rdma.put(lane, peer, staged_off(R.disp_rows_in, node, c, 0, row_bytes),
+               rdma.local(staged_off(R.disp_rows_out, n, c, 0, row_bytes)), static_cast<uint64_t>(rows) * row_bytes);
+      if (lane == 0) rdma.fence();  // the rows are delivered before the routing's signal
+      __syncwarp();
+    }
+    rdma.put_signal(lane, peer, staged_meta_off(R.disp_meta_in, node, c),
+                    rdma.local(staged_meta_off(R.disp_meta_out, n, c)),
+                    kChunkMetaHeader + static_cast<uint64_t>(rows) * R.token_meta_bytes,
+                    chunk_flag_off(R.disp_signal, node, c), PeerRing::tag(call, c));
+  }
 };
 
 template <typename Rdma>

@@ -2,7 +2,9 @@
 // one rank to another goes through a ring of chunk slots that its reader frees with a credit.
 // PeerRing is their one type, as PipeState / Ring (kernels/pipeline.cuh) is for the rings between
 // the warps of a block: a kernel asks it for a chunk's slot, the words that tag the chunk, the
-// writer's acquire of a slot and the reader's release, and never writes those out itself.
+// writer's acquire of a slot and its publish, the reader's wait for a chunk (each side's wait
+// names the ring's phase for that side in a timeout record) and its release, and never writes
+// those out itself (tests/unit/csrc/kernels/test_peer_ring_waits.py keeps it so).
 //
 // The rings (their memory: csrc/bindings/buffer_layout.h builds it from this list):
 //   recv        dispatch, receive path: a source's rows, routing entries and fp8 scales in each
@@ -17,9 +19,11 @@
 //   node_part   both combines, several nodes: the forwarder's node partial sums of a chunk, put
 //               into the same slot of the source on the other node (RDMA).
 //
-// The invariant. Chunk c of a ring takes slot(c) = c % slots. The words that speak of a slot
-// hold tag(call, c), which grows with the call and, within a call, with the chunk; the chunks of
-// one slot come in order (c, c + slots, ...), so every word only grows and every wait is `>=`.
+// The invariant. Chunk c of a ring takes slot(c) = c % slots. Every signal and credit word holds
+// tag(call, c), one encoding for the five rings (the recv and staged rings' signals have a word
+// per chunk, the others a word per slot), which grows with the call and, within a call, with the
+// chunk; the chunks of one slot come in order (c, c + slots, ...), so every word only grows and
+// every wait is `>=`.
 // Before the writer puts anything of chunk c >= slots into its slot (writer_acquire), its
 // credit word, in the writer's memory, holds tag(call, c - slots) from every reader of the slot:
 // the reader released chunk c - slots (reader_release) once it had read it whole. Chunks
@@ -67,7 +71,8 @@ constexpr int64_t kTagMaxChunks = (int64_t{1} << kRingTagChunkBits) - 2;  // the
 // One ring family: a ring per (writer, reader) pair, `slots` chunk slots each.
 struct PeerRing {
   int slots;
-  int phase;  // Phase of the writer's wait for a free slot (the timeout record's)
+  int phase;       // Phase of the writer's wait for a free slot (the timeout record's)
+  int read_phase;  // Phase of the reader's wait for a chunk's signal
 
   // A chunk index is below 2^24 (kRingTagChunkBits): a 32-bit remainder, where a 64-bit one is a
   // call to a division routine (and the spills around it) at every ring access.
@@ -122,6 +127,32 @@ struct PeerRing {
     dev::st_release_sys(signal, tag(call, c));
   }
 
+  // The reader: whether chunk c's signal word says the writer published it, without waiting.
+  __device__ static bool is_published(const uint64_t* signal, uint64_t call, int64_t c) {
+    return dev::ld_relaxed_sys(signal) >= tag(call, c);
+  }
+  // The reader: until chunk c's signal word says the writer published it (bounded; names the
+  // writer in a timeout record), then this thread has acquired what the writer released. Where
+  // this rank writes the ring itself (bounds = 2), the wait that stalls that progress on another
+  // rank times out first, as for wait_free. False on a stop.
+  __device__ bool reader_wait(const LaunchArgs& args, const uint64_t* signal, uint64_t call, int64_t c, int rank,
+                              int writer, uint32_t bounds = 1) const {
+    return wait_at_least(args, signal, tag(call, c), read_phase, rank, writer, call, bounds);
+  }
+  // The same for a signal that puts deliver (staged, node_part), then the transport's
+  // consistency step: what the puts before it wrote is visible to this thread's later reads
+  // also through a proxy transport (transport/rdma.cuh, delivered).
+  template <typename Rdma>
+  __device__ bool reader_wait_delivered(const Rdma& rdma, const LaunchArgs& args, const uint64_t* signal, uint64_t call,
+                                        int64_t c, int rank, int writer) const {
+    if (!reader_wait(args, signal, call, c, rank, writer)) return false;
+    rdma.delivered(signal, tag(call, c));
+    return true;
+  }
+  // Another thread of the reader's, after the waiting thread saw chunk c published: its own
+  // acquire of what the writer released.
+  __device__ static void reader_acquire(const uint64_t* signal) { dev::ld_acquire_sys(signal); }
+
   // The reader, once it read chunk c whole (its loads landed): frees the slot through a peer
   // pointer (the writer's credit word, NVLink: a system-scope release).
   __device__ void reader_release(uint64_t* credit, uint64_t call, int64_t c) const {
@@ -154,12 +185,21 @@ struct RingReleases {
 
 // The rings of a call, from its layout (common/params.h; sized by csrc/bindings/buffer_layout.h).
 namespace peer_rings {
-__device__ inline PeerRing of(const RingLayout& r, Phase phase) { return PeerRing{static_cast<int>(r.slots), phase}; }
-__device__ inline PeerRing recv(const Geometry& g) { return of(g.reg.recv, kPhaseRecvRing); }
-__device__ inline PeerRing staged(const Geometry& g) { return of(g.rdma.staged, kPhaseStagedRing); }
-__device__ inline PeerRing partial(const Geometry& g) { return of(g.reg.partial, kPhasePartialRing); }
-__device__ inline PeerRing forward(const Geometry& g) { return of(g.reg.forward, kPhaseForwardRing); }
-__device__ inline PeerRing node_part(const Geometry& g) { return of(g.rdma.node_part, kPhaseNodePartRing); }
+// A ring's two phases: the writer's wait for a free slot, the reader's for a chunk's signal.
+__device__ inline PeerRing of(const RingLayout& r, Phase write, Phase read) {
+  return PeerRing{static_cast<int>(r.slots), write, read};
+}
+__device__ inline PeerRing recv(const Geometry& g) { return of(g.reg.recv, kPhaseRecvRing, kPhaseDispatchRows); }
+__device__ inline PeerRing staged(const Geometry& g) { return of(g.rdma.staged, kPhaseStagedRing, kPhaseRdmaRows); }
+__device__ inline PeerRing partial(const Geometry& g) {
+  return of(g.reg.partial, kPhasePartialRing, kPhaseCombineRows);
+}
+__device__ inline PeerRing forward(const Geometry& g) {
+  return of(g.reg.forward, kPhaseForwardRing, kPhaseNodePartials);
+}
+__device__ inline PeerRing node_part(const Geometry& g) {
+  return of(g.rdma.node_part, kPhaseNodePartRing, kPhaseRdmaPartials);
+}
 }  // namespace peer_rings
 
 }  // namespace hybrid_ep

@@ -25,10 +25,12 @@
 //                                           `value`: what the puts before that signal wrote is
 //                                           visible to its later reads (a proxy transport's
 //                                           consistency step; kernels wait through
+//                                           PeerRing::reader_wait_delivered and
 //                                           Hierarchy::wait_delivered)
-// Signals carry the call's epoch and are set, never added: epochs only grow, so a wait is the
-// same `>= epoch` test as for NVLink flags, and a signal that is set twice is harmless. The
-// receiver waits on local(sig_off) with the bounded wait of common/state.cuh.
+// Signals carry the call (a ring's: the tag of the call and the chunk, kernels/peer_ring.cuh)
+// and are set, never added: both only grow, so a wait is the same `>=` test as for NVLink
+// flags, and a signal that is set twice is harmless. The receiver waits on local(sig_off) with the bounded wait of
+// common/state.cuh.
 //
 // Transports: LoopbackTransport (transport/loopback.cuh: the NVLink mechanism standing in for
 // RDMA between the virtual nodes of the single-GPU emulation and of the CPU model) and

@@ -488,7 +488,7 @@ def test_a_pipeline_timeout_names_the_ring_the_side_and_the_call():
         assert data.startswith("hybrid_ep cuda backend: rank 1 gave up after")
         assert ("waiting in its shared-memory pipeline for data in the dispatch's send FIFO (call 5): the bulk "
                 "loads of this rank's token rows stopped making progress") in data, data
-        free = group.engine._describe({**record, "site": group.ext.PIPE_SITES["pull_routes"], "observed": 1})
+        free = group.engine._describe({**record, "site": group.ext.PIPE_SITES["direct_combine_routes"], "observed": 1})
         assert ("waiting in its shared-memory pipeline for a free stage of the direct combine's route ring "
                 "(call 5): the reducers stopped making progress") in free, free
         assert "peer rank" not in data + free

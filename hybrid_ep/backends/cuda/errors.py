@@ -24,20 +24,24 @@ PHASE_TEXT = {
     "bad_routing": "routing check",
     "dispatch_flow": "dispatch flow control (waiting for the peer to finish reading the previous dispatch)",
     "counts": "dispatch count exchange",
-    "dispatch_rows": "dispatch rows",
+    "dispatch_rows": "dispatch rows (waiting for the peer's chunk in the receive ring; expected and saw are slot "
+                     "tags, the call and the chunk written there: csrc/kernels/peer_ring.cuh)",
     "combine_flow": "combine flow control (waiting for the peer to finish reading the previous combine)",
-    "combine_rows": "combine partial sums",
+    "combine_rows": "combine partial sums (waiting for the expert host's chunk in the partial-sum ring; expected "
+                    "and saw are slot tags, as for dispatch_rows)",
     "pipeline": "its shared-memory pipeline",
     "rdma_flow": "inter-node flow control (waiting for its rail peer on that node to finish reading the previous call)",
     "rdma_counts": "inter-node count exchange",
-    "rdma_rows": "forwarding (waiting for the rail peer's rows from that node, by RDMA)",
+    "rdma_rows": "forwarding (waiting for the rail peer's rows from that node in the staging ring, by RDMA; expected "
+                 "and saw are slot tags, as for dispatch_rows)",
     "node_partials": "the node partial sums (waiting for a rank of its own node to store its partials of a forwarded "
-                     "chunk)",
-    "rdma_partials": "combine node partials (waiting for the rail peer on that node, by RDMA)",
+                     "chunk in the forwarding ring; expected and saw are slot tags, as for dispatch_rows)",
+    "rdma_partials": "combine node partials (waiting for the rail peer on that node in the node-partial ring, by "
+                     "RDMA; expected and saw are slot tags, as for dispatch_rows)",
     "direct_tensors": "the direct path (waiting for the peer to publish its tensors of the call)",
     "direct_rows": "the direct path's dispatch (waiting for the peer to finish writing this rank's rows)",
     "direct_reads": "the direct path's combine (waiting for the peer to finish reading this rank's expert_out)",
-    # the rings between ranks (csrc/kernels/peer_ring.cuh): a wait's expected and saw are slot tags
+    # the writers' waits of the rings between ranks (csrc/kernels/peer_ring.cuh; the readers' are above)
     "recv_ring": "the dispatch's receive ring (waiting for the peer to read a chunk and free its slot; expected and "
                  "saw are slot tags, the call and the chunk read there: csrc/kernels/peer_ring.cuh)",
     "partial_ring": "the combine's partial-sum ring (waiting for the source to free the chunk slot its next partials "
@@ -76,11 +80,11 @@ PIPE_SITE_TEXT = {
                     "the store warps writing each route's row"),
     "direct_tables": ("the direct dispatch's route-table ring", "the warp building a chunk's route table",
                       "the store warps"),
-    "pull_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
+    "direct_combine_routes": ("the direct combine's route ring", "the bulk loads of the routes' expert outputs",
                     "the reducers"),
     "direct_done": ("the direct dispatch's done ring", "the store warps finishing a chunk",
                     "the RDMA warp putting staged rows to other nodes"),
-    "pull_puts": ("the direct combine's node-partial put ring", "the reducers of the node partials",
+    "direct_combine_puts": ("the direct combine's node-partial put ring", "the reducers of the node partials",
                   "the warp putting node partials to other nodes"),
 }
 
