@@ -231,6 +231,15 @@ class HostPath {
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
   }
 
+  // The test hook (hybrid_ep.testing.faults.ranks_absent), set once, not passed per call: bit i
+  // of `absent` launches driven rank i's kernels with RankArgs::absent (it never arrives, as a
+  // crashed peer would); bit i of `after_count` does so for a dispatch kernel only (its counts
+  // are exchanged). Both 0: every rank arrives.
+  void set_absent(uint64_t absent, uint64_t after_count) {
+    absent_ = absent;
+    absent_after_count_ = after_count;
+  }
+
   // Rank i's words of the data-path agreement for the next count kernels (RankArgs::agree).
   void set_agree(size_t i, const std::vector<int32_t>& words) {
     if (i >= fixed_.size() || words.size() != static_cast<size_t>(kAgreeWords))
@@ -243,14 +252,14 @@ class HostPath {
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
   // routing itself (LaunchArgs::info_read).
   void dispatch_count(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                      const std::vector<DispatchInput>& in, uint64_t absent, bool read) {
+                      const std::vector<DispatchInput>& in, bool read) {
     check_count(in.size());
     a.info_read = read ? 1 : 0;
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
       const DispatchInput& d = in[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
-      r.absent = static_cast<int32_t>((absent >> i) & 1);
+      r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = d.num_tokens;
       r.topk = d.topk;
       r.x = d.x;
@@ -285,7 +294,8 @@ class HostPath {
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes).
   void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
-                     const std::vector<DispatchOutput>& out, uint64_t absent) {
+                     const std::vector<DispatchOutput>& out) {
+    const uint64_t absent = absent_ | absent_after_count_;
     check_count(out.size());
     if (static_cast<int32_t>(out.size()) != a.num_ranks)
       throw py::value_error("dispatch_rows: one output per rank of the count kernel");
@@ -307,11 +317,10 @@ class HostPath {
   // A dispatch whose output size is known before the count kernel (static size, or a
   // handle's): both kernels in one call.
   void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out, uint64_t absent,
-                uint64_t absent_after_count) {
+                const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
-    dispatch_count(a, stream, workspace, l, rows, in, absent, false);
-    dispatch_rows(a, direct, stream, workspace, l, out, absent | absent_after_count);
+    dispatch_count(a, stream, workspace, l, rows, in, false);
+    dispatch_rows(a, direct, stream, workspace, l, out);
   }
 
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
@@ -320,8 +329,7 @@ class HostPath {
   // scales (arena.py, _call_specs). One call instead of the addresses, the launch and the
   // tensors one by one.
   py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                         const std::vector<DispatchInput>& in, ArenaTaken& taken, uint64_t absent,
-                         uint64_t absent_after_count) {
+                         const std::vector<DispatchInput>& in, ArenaTaken& taken) {
     if (taken.size() != in.size()) throw py::value_error("dispatch_into: one arena block per input");
     std::vector<DispatchOutput> out(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
@@ -329,17 +337,17 @@ class HostPath {
       const int64_t block_rows = taken.block_addresses(i, at);
       out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};  // rows, scales, probs
     }
-    dispatch(a, true, stream, workspace, l, rows, in, out, absent, absent_after_count);
+    dispatch(a, true, stream, workspace, l, rows, in, out);
     return taken.tensors();
   }
 
   // A combine on the parts of the dispatch handles' workspaces.
-  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInput>& in, uint64_t absent) {
+  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInput>& in) {
     check_count(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
       const CombineInput& c = in[i];
-      r.absent = static_cast<int32_t>((absent >> i) & 1);
+      r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = c.num_tokens;
       r.topk = c.topk;
       r.send_slot = at_offset(c.part, c.layout.send_slot);
@@ -366,6 +374,7 @@ class HostPath {
   }
 
   std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, arena_bases, agree; the rest zero
+  uint64_t absent_ = 0, absent_after_count_ = 0;  // set_absent
 };
 
 // Classes are module-local: _C and _model bind the same C++ types and may both be imported.
@@ -511,11 +520,16 @@ inline void bind_common(py::module_& m) {
   py::class_<HostPath>(m, "HostPath", py::module_local())
       .def(py::init<const std::vector<RankArgs>&>(), py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
-      .def("dispatch_count", &HostPath::dispatch_count)
-      .def("dispatch_rows", &HostPath::dispatch_rows)
-      .def("dispatch", &HostPath::dispatch)
-      .def("dispatch_into", &HostPath::dispatch_into)
-      .def("combine", &HostPath::combine);
+      .def("set_absent", &HostPath::set_absent, py::arg("absent"), py::arg("after_count"))
+      .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
+           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"))
+      .def("dispatch_rows", &HostPath::dispatch_rows, py::arg("args"), py::arg("direct"), py::arg("stream"),
+           py::arg("workspace"), py::arg("layout"), py::arg("outputs"))
+      .def("dispatch", &HostPath::dispatch, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("workspace"),
+           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("outputs"))
+      .def("dispatch_into", &HostPath::dispatch_into, py::arg("args"), py::arg("stream"), py::arg("workspace"),
+           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("taken"))
+      .def("combine", &HostPath::combine, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("inputs"));
   m.def(
       "set_launches_enabled", [](bool on) { launches_enabled() = on; },
       "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");

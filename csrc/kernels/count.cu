@@ -1,5 +1,5 @@
 // Count kernel's host side: the loopback instantiation and the launcher that picks the
-// transport (kernels_nvshmem.cu holds the NVSHMEM one).
+// transport's kernel (kernels_nvshmem.cu holds the NVSHMEM one) and launches it.
 #include "kernels/count.cuh"
 
 namespace hybrid_ep {
@@ -13,8 +13,10 @@ size_t count_smem_bytes(const Geometry& geo) {
 }
 
 LaunchStatus launch_count(const LaunchArgs& args, uint64_t stream) {
-  if (uses_nvshmem(args)) return launch_count_nvshmem(args, stream);
-  return launch_count_with<LoopbackTransport>(args, stream);
+  const KernelFn kernel = uses_nvshmem(args) ? count_kernel_nvshmem() : &count_kernel<LoopbackTransport>;
+  if (kernel == nullptr) return kNoNvshmem;
+  return dev::launch_cooperative(kernel, args.num_ranks, kCountThreads, count_smem_bytes(args.geo), stream, args,
+                                 "count");
 }
 
 int count_max_blocks_per_sm(size_t smem) {

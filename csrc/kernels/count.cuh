@@ -443,12 +443,6 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   }
 }
 
-template <typename Rdma>
-LaunchStatus launch_count_with(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(count_kernel<Rdma>, args.num_ranks, kCountThreads, count_smem_bytes(args.geo), stream,
-                                 args, "count");
-}
-
 }  // namespace count_impl
 
 }  // namespace hybrid_ep

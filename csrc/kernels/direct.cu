@@ -12,8 +12,13 @@ size_t dispatch_direct_smem_bytes(const LaunchArgs& args) {
 }
 
 LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream) {
-  if (uses_nvshmem(args)) return launch_dispatch_direct_nvshmem(args, stream);
-  return dispatch_direct_impl::launch_dispatch_direct_with<LoopbackTransport>(args, stream);
+  using namespace dispatch_direct_impl;
+  if (LaunchStatus refused = fifo_stages_refusal(args)) return refused;
+  const KernelFn kernel =
+      uses_nvshmem(args) ? dispatch_direct_kernel_nvshmem() : &dispatch_direct_kernel<LoopbackTransport>;
+  if (kernel == nullptr) return kNoNvshmem;
+  return dev::launch_cooperative(kernel, args.num_ranks * args.num_sms, kDirectThreads,
+                                 dispatch_direct_smem_bytes(args), stream, args, "dispatch_direct");
 }
 
 int dispatch_direct_max_blocks_per_sm(size_t smem) {

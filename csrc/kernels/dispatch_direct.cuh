@@ -555,19 +555,15 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
   }
 }
 
-template <typename Rdma>
-LaunchStatus launch_dispatch_direct_with(const LaunchArgs& args, uint64_t stream) {
-  // The store threads take the FIFO's items in turn (item % kStoreWarps): with a stage count that
-  // is not a multiple of theirs, a thread takes a stage every other round, at the same parity, so
-  // its wait may pass on the phase it consumed two rounds before while the round in between is
-  // still loading, and it would store that stage's old rows.
-  if (args.fifo_stages % kStoreWarps != 0)
-    return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
-           "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
-           "it already consumed";
-  return dev::launch_cooperative(dispatch_direct_kernel<Rdma>, args.num_ranks * args.num_sms, kDirectThreads,
-                                 static_cast<size_t>(args.fifo_stages) * static_cast<size_t>(args.stage_bytes), stream,
-                                 args, "dispatch_direct");
+// The store threads take the FIFO's items in turn (item % kStoreWarps): with a stage count that
+// is not a multiple of theirs, a thread takes a stage every other round, at the same parity, so
+// its wait may pass on the phase it consumed two rounds before while the round in between is
+// still loading, and it would store that stage's old rows. The launch's refusal, else nullptr.
+inline LaunchStatus fifo_stages_refusal(const LaunchArgs& args) {
+  if (args.fifo_stages % kStoreWarps == 0) return nullptr;
+  return "dispatch_direct: fifo_stages must be a multiple of the block's store threads (DIRECT_STORE_THREADS): they "
+         "take the FIFO's items in turn, and with another count a store thread's mbarrier wait may pass on a phase "
+         "it already consumed";
 }
 
 }  // namespace dispatch_direct_impl

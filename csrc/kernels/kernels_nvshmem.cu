@@ -9,9 +9,7 @@
 
 namespace hybrid_ep {
 
-LaunchStatus launch_count_nvshmem(const LaunchArgs& args, uint64_t stream) {
-  return count_impl::launch_count_with<NvshmemTransport>(args, stream);
-}
+KernelFn count_kernel_nvshmem() { return &count_impl::count_kernel<NvshmemTransport>; }
 
 LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs& args, uint64_t stream) {
   return dispatch_receive_impl::launch_dispatch_receive_with<NvshmemTransport>(args, stream);
@@ -21,9 +19,7 @@ LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t str
   return combine_receive_impl::launch_combine_receive_with<NvshmemTransport>(args, stream);
 }
 
-LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs& args, uint64_t stream) {
-  return dispatch_direct_impl::launch_dispatch_direct_with<NvshmemTransport>(args, stream);
-}
+KernelFn dispatch_direct_kernel_nvshmem() { return &dispatch_direct_impl::dispatch_direct_kernel<NvshmemTransport>; }
 
 LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream) {
   return combine_direct_impl::launch_combine_direct_with<NvshmemTransport>(args, stream);

@@ -30,23 +30,26 @@ LaunchStatus launch_dispatch_direct(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream);
 
 // The NVSHMEM instantiations (kernels_nvshmem.cu, built only where the build found NVSHMEM).
-// Every other launch uses the loopback transport, which a single node never calls.
+// Every other launch uses the loopback transport, which a single node never calls. The count and
+// direct dispatch launchers, which start every production dispatch, take the NVSHMEM kernel itself
+// (its address from kernels_nvshmem.cu) and launch it in one frame; the others call its launcher.
 inline bool uses_nvshmem(const LaunchArgs& args) {
   return args.geo.num_nodes > 1 && args.geo.transport == kTransportNvshmem;
 }
-#ifdef HYBRID_EP_WITH_NVSHMEM
-LaunchStatus launch_count_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
-#else
+using KernelFn = void (*)(LaunchArgs);
 constexpr LaunchStatus kNoNvshmem =
     "this build of hybrid_ep has no NVSHMEM transport (rebuild with the nvidia-nvshmem wheel installed)";
-inline LaunchStatus launch_count_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+#ifdef HYBRID_EP_WITH_NVSHMEM
+KernelFn count_kernel_nvshmem();
+KernelFn dispatch_direct_kernel_nvshmem();
+LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
+LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
+#else
+inline KernelFn count_kernel_nvshmem() { return nullptr; }
+inline KernelFn dispatch_direct_kernel_nvshmem() { return nullptr; }
 inline LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
-inline LaunchStatus launch_dispatch_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 #endif
 

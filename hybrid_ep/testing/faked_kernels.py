@@ -86,9 +86,13 @@ class GlooKernels:
     def set_agree(self, i: int, words) -> None:
         self.agree = [int(w) for w in words]
 
+    def set_absent(self, absent: int, after_count: int) -> None:
+        if absent or after_count:
+            raise NotImplementedError("faked kernels have no absent ranks")
+
     # -- the count kernel ------------------------------------------------------------------
 
-    def dispatch_count(self, args, stream, ptr, layout, static_rows, inputs, absent, *_):
+    def dispatch_count(self, args, stream, ptr, layout, static_rows, inputs, read):
         self._layout(args, ptr, layout, static_rows, inputs[0])
 
     def _layout(self, args, ptr: int, layout, static_rows: int, inp) -> None:
@@ -157,14 +161,14 @@ class GlooKernels:
 
     # -- the dispatch kernel ----------------------------------------------------------------
 
-    def dispatch_rows(self, args, direct, stream, ptr, layout, outputs, absent):
+    def dispatch_rows(self, args, direct, stream, ptr, layout, outputs):
         self._rows(args, direct, ptr, outputs[0])
 
-    def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs, absent, after_count):
+    def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs):
         self._layout(args, ptr, layout, static_rows, inputs[0])
         self._rows(args, direct, ptr, outputs[0])
 
-    def dispatch_into(self, args, stream, ptr, layout, static_rows, inputs, taken, absent, after_count):
+    def dispatch_into(self, args, stream, ptr, layout, static_rows, inputs, taken):
         """A direct call into the blocks `taken` holds (arena.arena_take): both kernels, then the
         blocks' tensors, as the extension's HostPath.dispatch_into."""
         self._layout(args, ptr, layout, static_rows, inputs[0])
@@ -207,7 +211,7 @@ class GlooKernels:
 
     # -- the combine kernel -----------------------------------------------------------------
 
-    def combine(self, args, direct, stream, inputs, absent):
+    def combine(self, args, direct, stream, inputs):
         self.launched["combine_direct" if direct else "combine_receive"] += 1
         inp, r = inputs[0], self.rank
         call = self.calls[inp.part]

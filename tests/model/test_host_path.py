@@ -420,7 +420,7 @@ def test_host_path_checks_its_rank_count(group):
     e = group.engine
     args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
-        e.host.combine(args, False, 0, [(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True), 0, 0, 0, 0, 0)], 0)
+        e.host.combine(args, False, 0, [(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True), 0, 0, 0, 0, 0)])
 
 
 # The engine's messages for bad arguments, word for word as before the host path moved.

@@ -7,8 +7,24 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <mutex>
+#include <unordered_map>
 
 namespace hybrid_ep::dev {
+
+// The static shared memory of `kernel`, read once per kernel: every kernel takes the same
+// argument type, so a cache per instantiation of launch_cooperative would hold the first one's.
+inline size_t static_smem_bytes(const void* kernel) {
+  static std::mutex mutex;
+  static std::unordered_map<const void*, size_t> bytes;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = bytes.find(kernel);
+  if (it == bytes.end()) {
+    cudaFuncAttributes attr{};
+    it = bytes.emplace(kernel, cudaFuncGetAttributes(&attr, kernel) == cudaSuccess ? attr.sharedSizeBytes : 0).first;
+  }
+  return it->second;
+}
 
 // nullptr on success, else the CUDA error's text. `name` is the kernel's for the CPU model
 // (its fault injection and messages); unused here.
@@ -16,11 +32,8 @@ template <typename Args>
 const char* launch_cooperative(void (*kernel)(Args), int blocks, int threads, size_t smem, uint64_t stream,
                                const Args& args, const char* /*name*/ = nullptr) {
   // Static and dynamic shared memory share the block's opt-in limit: refuse with both numbers
-  // rather than with cudaFuncSetAttribute's "invalid argument" (read once per instantiation).
-  static const size_t static_bytes = [&] {
-    cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess ? attr.sharedSizeBytes : size_t{0};
-  }();
+  // rather than with cudaFuncSetAttribute's "invalid argument".
+  const size_t static_bytes = static_smem_bytes(reinterpret_cast<const void*>(kernel));
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) == cudaSuccess &&
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&

@@ -273,6 +273,7 @@ class Engine:
             self._set_transport(ra, i)
             fixed.append(ra)
         self.host = ext.HostPath(fixed)
+        self.host.set_absent(*self._absent_bits)
         self._stream = _stream_getter(device)
         self._shape = EngineShape(W=config.world_size, N=config.num_nodes, G=config.ranks_per_node,
                                   L=config.experts_per_rank, max_tokens=config.max_tokens_per_rank,
@@ -458,14 +459,17 @@ class Engine:
 
     @property
     def absent(self) -> AbsentRanks:
-        """The test hook (AbsentRanks); setting it computes the bit masks a call passes on once
-        (_absent_bits: absent, absent after the count kernel)."""
+        """The test hook (AbsentRanks); setting it sets the host path's bit masks once
+        (HostPath.set_absent: absent, absent after the count kernel), not passed per call."""
         return self._absent
 
     @absent.setter
     def absent(self, ranks: AbsentRanks) -> None:
         self._absent = ranks
         self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
+        host = getattr(self, "host", None)
+        if host is not None:
+            host.set_absent(*self._absent_bits)
 
     def dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
                  known_rows: list[int] | None = None, known_bounds: list[int] | None = None) -> list[RankDispatch]:
@@ -496,7 +500,6 @@ class Engine:
                 return self._results(given, call, rows, decision.direct, made,
                                      place.bounds(static_rows, known_bounds, None))
         dtype, dtype_name, fp8, topk, inputs, tensors = given
-        absent, after_count = self._absent_bits
         H = self.config.hidden_dim
         place.before_count(self.host, stream)
         prefer = self.data_path == "direct"
@@ -509,7 +512,7 @@ class Engine:
             declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
-        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, absent, True)
+        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, True)
         read = sizes.cpu().tolist()  # the one host sync
         self.raise_if_failed()
         if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
@@ -526,7 +529,7 @@ class Engine:
         outputs, made = self._outputs(rows, taken, dtype, fp8)
         if declared is not None:
             self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs, absent | after_count)
+        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs)
         if made is None:
             made = _made(taken.tensors(), fp8)
         return self._results(given, call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words))
@@ -541,7 +544,6 @@ class Engine:
         dtype, dtype_name, fp8, topk, inputs, tensors = given
         direct = decision.direct
         taken = self.outputs.take(rows, dtype, fp8, stream, decision)
-        absent, after_count = self._absent_bits
         call = self._workspace(topk, direct, not direct, stream)
         kind = "dispatch_direct" if direct else "dispatch_receive"
         H = self.config.hidden_dim
@@ -554,11 +556,9 @@ class Engine:
             self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
                           self._output_spans(outputs, dtype))
         if taken is not None:  # the launch and the blocks' tensors in one call
-            made = _made(self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken,
-                                                 absent, after_count), fp8)
+            made = _made(self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken), fp8)
         else:
-            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs,
-                               absent, after_count)
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs)
         return call, made
 
     def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
@@ -618,7 +618,7 @@ class Engine:
         if self._declaring():
             self._declare(keep + in_peer + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
-        self.host.combine(args, direct, stream, inputs, self._absent_bits[0])
+        self.host.combine(args, direct, stream, inputs)
         if copied:
             self.expert_out_order.after(stream)
             self.expert_out_copies += 1

@@ -178,7 +178,7 @@ def direct_fifo_shape(row_bytes: int, smem_per_block: int) -> FifoShape:
     The store threads take alternate stages, so each stage has one consumer that waits on its
     rounds in order; with an odd count a thread could wait on the next round of a stage whose
     current one (the other thread's) had not landed, and a parity wait one phase ahead passes at
-    once. The kernel's launcher refuses another count (launch_dispatch_direct_with in
+    once. The kernel's launcher refuses another count (launch_dispatch_direct in
     csrc/kernels/dispatch_direct.cuh)."""
     return fifo_shape(row_bytes, smem_per_block, max_stages=MAX_STAGES, stage_multiple=DIRECT_STORE_THREADS)
 
