@@ -114,7 +114,7 @@ if fits test "${SHORT_LEASE_TEST_S:-180}"; then
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
 fi
 # what no run has measured on today's kernels first: the DeepSeek-V3-like direct combine and
-# fp8's scale copy (predictions in tools/timing/predicted/), then where the combine waits
+# fp8's scale copy (predictions in benchmarks/results/), then where the combine waits
 note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
 bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-45}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
     --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2

@@ -76,37 +76,6 @@ def test_every_run_names_a_commit_of_the_repository():
         assert done.returncode == 0, f"{run.name}: {run.commit} is not a commit"
 
 
-def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
-    """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
-    loops, or dev::plain_instructions where the SASS of plain code was counted
-    (tools/timing/builds.py): it applies to that commit's files, and every line it changes
-    only wraps an access in an accessor or adds such a count."""
-    from tools.timing import builds
-
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
-                             text=True)
-    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
-        pytest.skip("needs the repository's whole history")
-    patches = sorted(f for f in os.listdir(builds.ACCESSORS) if f.endswith(".patch"))
-    assert patches
-    for name in patches:
-        commit = builds.resolve_commit(name[:-len(".patch")])
-        assert builds.accessor_patch(commit) == os.path.join(builds.ACCESSORS, name)
-        with open(os.path.join(builds.ACCESSORS, name)) as f:
-            text = f.read()
-        files = [line[len("+++ b/"):].strip() for line in text.splitlines() if line.startswith("+++ b/")]
-        for rel in files:
-            os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
-            (tmp_path / rel).write_bytes(subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=REPO,
-                                                        capture_output=True, check=True).stdout)
-        done = subprocess.run(["patch", "-p1", "--dry-run", "-i", os.path.join(builds.ACCESSORS, name)],
-                              cwd=tmp_path, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
-        added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line
-                             or line.lstrip().startswith("dev::plain_instructions(") for line in added)
-
-
 # ---- the clocks -----------------------------------------------------------------------------
 
 model = importlib.import_module("hybrid_ep._model")
