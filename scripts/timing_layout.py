@@ -10,7 +10,7 @@ are those of `python -m tools.timing predict` with only the count kernel's time
 (kernels_ms: {"dispatch": {"count_kernel": ms}}), one per SM count of --sms, so that
 `python -m tools.timing validate` scores them against the bench's kernels_ms. With
 --commit the commit's kernels run on today's model (tools/timing/builds.py: its tree, today's
-device layer and its accessors/<commit>.patch). PREDICTED: what the timing model says, not a
+device layer). PREDICTED: what the timing model says, not a
 measurement.
 """
 

@@ -100,7 +100,7 @@ def test_sdist_carries_scripts_recipes_docs_and_tests(sdist):
     assert not missing, f"the sdist lacks: {missing}"
     for needed in ("LICENSE", "tests/conftest.py", "tests/helpers.py", "recipes/tiny_moe/recipe.yaml",
                    "recipes/bench_dispatch/recipe.yaml", "docs/slurm.md", "scripts/launch_slurm.py", "MANIFEST.in",
-                   "tools/timing/h100.json", "tools/timing/accessors/c714646.patch", "tools/microbench/__main__.py"):
+                   "tools/timing/h100.json", "tools/timing/README.md", "tools/microbench/__main__.py"):
         assert needed in names, needed
 
 

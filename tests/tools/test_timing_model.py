@@ -76,37 +76,6 @@ def test_every_run_names_a_commit_of_the_repository():
         assert done.returncode == 0, f"{run.name}: {run.commit} is not a commit"
 
 
-def test_accessor_patches_apply_to_their_commits_and_only_wrap_accesses(tmp_path):
-    """accessors/<commit>.patch puts dev::ld / dev::st / dev::chain into a measured commit's
-    loops, or dev::plain_instructions where the SASS of plain code was counted
-    (tools/timing/builds.py): it applies to that commit's files, and every line it changes
-    only wraps an access in an accessor or adds such a count."""
-    from tools.timing import builds
-
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
-                             text=True)
-    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
-        pytest.skip("needs the repository's whole history")
-    patches = sorted(f for f in os.listdir(builds.ACCESSORS) if f.endswith(".patch"))
-    assert patches
-    for name in patches:
-        commit = builds.resolve_commit(name[:-len(".patch")])
-        assert builds.accessor_patch(commit) == os.path.join(builds.ACCESSORS, name)
-        with open(os.path.join(builds.ACCESSORS, name)) as f:
-            text = f.read()
-        files = [line[len("+++ b/"):].strip() for line in text.splitlines() if line.startswith("+++ b/")]
-        for rel in files:
-            os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
-            (tmp_path / rel).write_bytes(subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=REPO,
-                                                        capture_output=True, check=True).stdout)
-        done = subprocess.run(["patch", "-p1", "--dry-run", "-i", os.path.join(builds.ACCESSORS, name)],
-                              cwd=tmp_path, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
-        added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        assert added and all("dev::ld(" in line or "dev::st(" in line or "dev::chain()" in line
-                             or line.lstrip().startswith("dev::plain_instructions(") for line in added)
-
-
 # ---- the clocks -----------------------------------------------------------------------------
 
 model = importlib.import_module("hybrid_ep._model")
@@ -124,7 +93,8 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "count_route_instructions": 7.0, "count_route_pair_instructions": 3.0, "count_dest_instructions": 5.0,
          "count_node_instructions": 11.0, "count_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
-         "l2_hit_stream": 0.0, "nic_post_ns": 1511.0, "nic_bytes_per_ns": 4.0, "nic_latency_ns": 2003.0}
+         "l2_hit_stream": 0.0, "nic_post_ns": 1511.0, "nic_bytes_per_ns": 4.0, "nic_latency_ns": 2003.0,
+         "translation_pages": 0.0, "translation_page_bytes": 2097152.0, "translation_ns": 0.0, "plain_code_cycles": 1.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
 
 
@@ -247,6 +217,27 @@ def test_a_stream_of_bulk_loads_goes_through_the_engine_at_its_capacity(n, nbyte
         assert r["engine_busy_ns"] == pytest.approx(n * nbytes / c["engine_load_bytes_per_ns"], rel=1e-12)
     # Each SM has its own engine: blocks side by side take the time of one.
     assert timed_selftest("load_stream", 3, n, nbytes)["time_ns"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("n,nbytes", [(6, 1024), (4, 256)])
+def test_a_bulk_load_of_a_page_without_its_translation_first_takes_translation_ns(n, nbytes):
+    """The engine keeps one translation (translation_pages 1): with pages of one copy's bytes every
+    load of the stream is of a new page and takes translation_ns of the engine before its bytes;
+    with one page for all, only the first does."""
+    c = {**COSTS, "translation_pages": 1.0, "translation_page_bytes": float(nbytes), "translation_ns": 97.0}
+    issued = c["barrier_ns"] + c["arrive_ns"]
+    starts = [issued + (i + 1) * c["issue_ns"] for i in range(n)]
+
+    def want(misses: int) -> float:
+        free = 0.0
+        for i, s in enumerate(starts):
+            free = max(s, free) + (c["translation_ns"] if i < misses else 0.0) + nbytes / c["engine_load_bytes_per_ns"]
+        return max(starts[-1] + c["try_wait_ns"], free + c["g2s_latency_ns"] + c["wake_ns"]) + c["launch_ns"]
+
+    assert timed_selftest("load_stream", 1, n, nbytes, c)["time_ns"] == pytest.approx(want(n), rel=1e-12)
+    one_page = {**c, "translation_page_bytes": float(1 << 40)}
+    assert timed_selftest("load_stream", 1, n, nbytes, one_page)["time_ns"] == pytest.approx(want(1), rel=1e-12)
+    assert want(n) > want(1) > timed_selftest("load_stream", 1, n, nbytes)["time_ns"]  # COSTS: none costed
 
 
 def test_the_engine_calendar_keeps_a_piece_placed_where_a_zero_length_one_starts():
@@ -613,11 +604,12 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
     for kernel in range(3):
         times = [t[kernel] for t in by_seed]
         assert max(times) <= 1.05 * min(times), times
-    # Nothing queues (no engine, no issue slots, no spinning) and every traffic class alike.
+    # Nothing queues (no engine, no issue slots, no spinning, no translations) and every traffic class alike.
     unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12,
                 "access_instructions": 0.0,
                 "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
-                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0, "request_ns": 0.0}
+                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0, "request_ns": 0.0,
+                "translation_pages": 0.0}  # which load of a page misses follows the schedule, as a traffic class
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
 
 
@@ -686,10 +678,9 @@ def test_a_prediction_says_each_kernel_and_validate_scores_each():
                        "dispatch": {"dispatch_receive_kernel": 5.0, "count_kernel": 0.3}}
     row = {"world_size": 8, "nodes": 1, "sms_per_rank": 2, "data_path": "receive", "dispatch_ms": 5.3,
            "combine_ms": 7.0, "kernels_ms": kernels}
-    # a record measured before the kernels were named for their path keeps the names it ran with
     measured = {"metadata": {"config": {"nodes": 1}},
                 "runs": [{"world_size": 8, "nodes": 1, "sms_per_rank": 2, "dispatch_ms": 10.6, "combine_ms": 7.0,
-                          "kernels_ms": {"dispatch": {"layout_kernel": 0.6, "dispatch_kernel": 5.0}}}]}
+                          "kernels_ms": {"dispatch": {"count_kernel": 0.6, "dispatch_receive_kernel": 5.0}}}]}
     rows = report.compare({"metadata": {"config": {"nodes": 1}}, "runs": [row]}, measured)
     ratios = {r["kernel"]: r["ratio"] for r in rows}
     assert ratios == {"dispatch": pytest.approx(0.5), "combine": 1.0, "dispatch_receive_kernel": 1.0,

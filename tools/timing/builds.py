@@ -8,14 +8,8 @@ driver.py with that folder's package on PYTHONPATH. A build is reused while the 
 it was made with is unchanged.
 
 The hot loops' plain loads and stores are costed where the kernels name them through the device
-layer's accessors (dev::ld, dev::st, dev::chain). Commits older than those accessors get them from
-a patch, accessors/<commit>.patch, applied over the extracted tree: it replaces the plain accesses
-of the same loops by the accessors and changes nothing else (on the GPU an accessor is the plain
-access it wraps), so the measured kernels run as they were, with their plain code costed. A patch
-may also add dev::plain_instructions (nothing on the GPU, a count written out) where plain code
-was counted on the commit's SASS: c714646's layout kernel, whose compare loop 010bbe2 replaced.
-Today's kernels name their blocks of plain code instead (dev::plain_code), whose counts are the
-timing table's; the device layer keeps plain_instructions for the commits measured before.
+layer's accessors (dev::ld, dev::st, dev::chain): a commit older than those accessors runs
+without its plain code costed.
 """
 
 from __future__ import annotations
@@ -47,16 +41,6 @@ def _overlay_files(repo: str) -> list[str]:
         out += [os.path.relpath(f, repo) for f in files if not os.path.relpath(f, repo).startswith(KEEP)]
     return out
 DRIVER = os.path.join(os.path.dirname(__file__), "driver.py")
-ACCESSORS = os.path.join(os.path.dirname(__file__), "accessors")
-
-
-def accessor_patch(full: str) -> str | None:
-    """The accessor patch of commit `full` (accessors/<prefix of it>.patch), or None."""
-    if not os.path.isdir(ACCESSORS):
-        return None
-    found = [os.path.join(ACCESSORS, f) for f in sorted(os.listdir(ACCESSORS))
-             if f.endswith(".patch") and full.startswith(f[:-len(".patch")])]
-    return found[0] if found else None
 
 
 def overlay_digest(repo: str = REPO) -> str:
@@ -83,10 +67,6 @@ def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sy
     folder = os.path.join(work, full[:12])
     stamp = os.path.join(folder, ".timing-build")
     digest = overlay_digest(repo)
-    patch = accessor_patch(full)
-    if patch is not None:
-        with open(patch, "rb") as fh:
-            digest += "+" + hashlib.sha256(fh.read()).hexdigest()[:16]
     if os.path.exists(stamp):
         with open(stamp) as f:
             if f.read().strip() == digest:
@@ -103,13 +83,7 @@ def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sy
     for rel in _overlay_files(repo):
         os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
         shutil.copy2(os.path.join(repo, rel), os.path.join(folder, rel))
-    if patch is not None:
-        done = subprocess.run(["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-i", patch], cwd=folder,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{patch} does not apply to {full[:12]}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    print(f"timing: building the model of {full[:12]} with today's device layer in {folder}"
-          + (f" and {os.path.basename(patch)}" if patch else ""), file=log, flush=True)
+    print(f"timing: building the model of {full[:12]} with today's device layer in {folder}", file=log, flush=True)
     env = dict(os.environ, HYBRID_EP_SKIP_CUDA_BUILD="1")
     done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, env=env,
                           capture_output=True, text=True)

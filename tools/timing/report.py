@@ -106,11 +106,6 @@ def shape_differences(predicted: dict, measured: dict) -> list[str]:
     return differ
 
 
-# The GPU's kernel names in records measured before the kernels were named for their path
-# (a record keeps the names it ran with): what each is called now.
-EARLIER_KERNEL_NAMES = {"layout_kernel": "count_kernel", "dispatch_kernel": "dispatch_receive_kernel",
-                        "combine_kernel": "combine_receive_kernel", "combine_pull_kernel": "combine_direct_kernel"}
-
 
 def compare(predicted: dict, measured: dict) -> list[dict]:
     """Per point both files have (world size, nodes, SMs per rank and data path): predicted and
@@ -128,8 +123,7 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
         pairs = [(call, r[f"{call}_ms"], m[f"{call}_ms"]) for call in ("dispatch", "combine") if f"{call}_ms" in r]
         # each kernel alone, where both say it (a measured row: the bench's torch.profiler times)
         for call, kernels in r.get("kernels_ms", {}).items():
-            measured_kernels = {EARLIER_KERNEL_NAMES.get(name, name): ms
-                                for name, ms in ((m.get("kernels_ms") or {}).get(call) or {}).items()}
+            measured_kernels = (m.get("kernels_ms") or {}).get(call) or {}
             pairs += [(kernel, ms, measured_kernels[kernel]) for kernel, ms in kernels.items()
                       if measured_kernels.get(kernel)]
         for kernel, p_ms, m_ms in pairs:

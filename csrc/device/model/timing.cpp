@@ -292,18 +292,19 @@ void Timer::flush_requests(int th) {
 // The lanes of a warp run the same instructions: the lane ahead of its warp's count takes the
 // slots for the instructions past it, from its scheduler's calendar; a lane behind runs on no
 // earlier than its warp issued the same instruction.
-void Timer::issue(int th, double instructions) {
+void Timer::issue(int th, double instructions, double cycles) {
   spin_end(th);
   if (!(instructions > 0)) return;
   Clock& c = clocks_[th];
   Warp& w = warp_state_[warp_of(th)];
-  const double clock = c_.sm_clock_ghz, n = c.count + instructions;
+  const double clock = c_.sm_clock_ghz / cycles, n = c.count + instructions;
   double t;
   if (n > w.count) {
     const double behind = std::max(w.count - c.count, 0.0);
     const double from = behind > 0 ? std::max(c.t + behind / clock, w.t) : c.t;
     const int self = warp_of(th), sched = scheduler_of(th);
-    t = schedulers_[sched].take(from, n - w.count, clock, [&](size_t b) { return spinners(sched, self, b); });
+    t = schedulers_[sched].take(from, (n - w.count) * cycles, c_.sm_clock_ghz,
+                                [&](size_t b) { return spinners(sched, self, b); });
     instructions_ += n - w.count;
     w.count = n;
     w.t = t;
@@ -457,7 +458,17 @@ void Timer::plain_code(int th, const dev::PlainRun* runs, int n) {
                                                                   : c_.count_scan_column_instructions;
     count += each * runs[i].times;
   }
-  issue(th, count);
+  issue(th, count, c_.plain_code_cycles);
+}
+
+bool Timer::Engine::translated(const void* gmem, uint64_t page_bytes, size_t keep) {
+  const uint64_t page = reinterpret_cast<uintptr_t>(gmem) / std::max<uint64_t>(page_bytes, 1);
+  auto it = std::find(pages.begin(), pages.end(), page);
+  const bool kept = it != pages.end();
+  if (kept) pages.erase(it);
+  pages.push_back(page);
+  if (pages.size() > keep) pages.erase(pages.begin());
+  return kept;
 }
 
 // Plain code whose count the kernel wrote out: issue slots only.
@@ -632,6 +643,10 @@ void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gme
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
   ct.duration = g2s ? bytes / c_.engine_load_bytes_per_ns : c_.store_copy_ns + bytes / c_.engine_store_bytes_per_ns;
+  if (g2s && c_.translation_pages >= 1 &&
+      !engines_[block].translated(gmem, static_cast<uint64_t>(c_.translation_page_bytes),
+                                  static_cast<size_t>(c_.translation_pages)))
+    ct.duration += c_.translation_ns;
   if (g2s) {
     const double hit = read_hit(gmem, bytes);
     ct.latency = hit * c_.g2s_l2_latency_ns + (1 - hit) * c_.g2s_latency_ns;

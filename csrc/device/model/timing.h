@@ -55,6 +55,12 @@
 //     rank (one queue pair per peer delivers in order); its signal is stamped then; a quiet ends
 //     when the acknowledgement of the thread's last op is back (another latency). The NIC's
 //     reads and writes of device memory are not put on its calendar;
+//   - address translation (bulk loads only): an SM's copy engine keeps the translations of the last
+//     translation_pages pages its bulk loads read; a load of another page first spends translation_ns on
+//     the engine's load direction (in the order of the schedule, as the traffic classes). Rows read
+//     from many places at once (the direct combine of a shape with many experts per rank) miss; rows
+//     read in order do not. Bulk stores are not costed for it: the direct dispatch stores rows as
+//     scattered without a cost beyond their bytes (2026-11-27 H200 run);
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
 //     engine, one calendar per direction (loads come in from the crossbar, stores and plain
 //     store requests go out to it: the two run side by side, as the microbenchmarks' mixes of
@@ -116,6 +122,12 @@ namespace hybrid_ep::model::timing {
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                             \
   X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")            \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")          \
+  X(translation_pages,                                                                                                \
+    "address translations an SM's copy engine keeps for its bulk loads (the most recent pages; 0: none costed)")      \
+  X(translation_page_bytes, "bytes of global memory one address translation covers (a page)")                         \
+  X(translation_ns,                                                                                                   \
+    "a bulk load whose page is not among the engine's kept translations: time on the engine's load direction "        \
+    "before its bytes")                                                                                               \
   X(store_copy_ns, "a bulk store's fixed time on its SM's copy engine beside its bytes (docs/dev/request_path.md)")   \
   X(request_ns,                                                                                                       \
     "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
@@ -137,6 +149,9 @@ namespace hybrid_ep::model::timing {
     "warp instructions per bf16 pair widened by shift and mask (dev::bf16x2_to_float2), "                             \
     "with the loop around it")                                                                                        \
   X(pack_pair_instructions, "warp instructions per pair narrowed (__float22bfloat162_rn, __float22half2_rn)")         \
+  X(plain_code_cycles,                                                                                                \
+    "SM cycles of its scheduler per warp instruction of named plain code (dev::plain_code: the count kernel's "       \
+    "blocks), for a mix whose pipes issue slower than one instruction per cycle")                                     \
   X(count_tile_instructions,                                                                                          \
     "warp instructions per tile of the count kernel (dev::PlainCode::kCountTile): zeroing, prefix popcs, the "        \
     "loop's head and tail, the routes k >= K skipped")                                                                \
@@ -408,7 +423,11 @@ class Timer {
       bool g2s;
     };
     std::vector<Open> open;
+    std::vector<uint64_t> pages;  // the kept translations of its bulk loads' pages, the most recent last
     Calendar& of(bool g2s) { return g2s ? loads : stores; }
+    // Whether the page of `gmem` was kept (then it becomes the most recent), else it is kept now,
+    // dropping the least recent beyond `keep`.
+    bool translated(const void* gmem, uint64_t page_bytes, size_t keep);
   };
   struct MbarTime {
     Origin phase;  // the current phase's latest arrival or landed load
@@ -423,7 +442,8 @@ class Timer {
   void advance(int th, double ns);
   // Pays the batch of plain loads in flight and, unless told not to, ends the thread's spinning.
   void settle(int th, bool end_spin = true);
-  void issue(int th, double instructions);  // on its SM's scheduler (issue slots)
+  // On its SM's scheduler (issue slots), `cycles` of them per instruction.
+  void issue(int th, double instructions, double cycles = 1);
   void spin_begin(int th, double period_ns);
   void spin_end(int th);
   double spinners(int scheduler, int self, size_t bucket) const;  // cycles of a bucket spinning warps take
