@@ -129,7 +129,8 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
         with pytest.raises(RuntimeError) as err:
             group.synchronize()
         assert re.search(r"rank [01] gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank [23] on node 1 "
-                         r"in combine node partials \(waiting for the rail peer on that node in the node-partial ring, by RDMA",
+                         r"in combine node partials \(waiting for the rail peer on that node in the node-partial "
+                         r"ring, by RDMA",
                          str(err.value)), str(err.value)
     finally:
         group.close()
