@@ -65,6 +65,7 @@ def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: in
 
         ps.destroy_model_parallel()
         BUFFERS.clear()  # their groups are gone
+        _destroy_subgroups()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
@@ -81,6 +82,18 @@ def init_megatron(expert_parallel: int, seed: int = 1234, *, tensor_parallel: in
         )
     model_parallel_cuda_manual_seed(seed)
     reset_moe_globals()
+
+
+def _destroy_subgroups() -> None:
+    """Destroys every process group but the world: Megatron's destroy_model_parallel drops its
+    references only, and torch keeps each gloo group with its own polling thread, so a process
+    that re-initialises many layouts (a test pool's ranks) would accumulate hundreds of them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 def reset_moe_globals() -> None:
