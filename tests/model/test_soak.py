@@ -128,16 +128,14 @@ def test_the_process_soak_keeps_one_buffer_per_rank_and_matches_the_oracle(tmp_p
 
 
 def test_a_wrong_row_from_a_process_fails_the_soak_at_its_call(tmp_path, monkeypatch):
-    from hybrid_ep.testing import soak_processes
-
-    check = soak_processes.Expected.check_call
+    check = soak.Expected.check_call
 
     def corrupted(self, results, label=""):
         if label == " call 5":
             results[1]["y"] = results[1]["y"] + 1  # rank 1's combine, one off in every value
         return check(self, results, label)
 
-    monkeypatch.setattr(soak_processes.Expected, "check_call", corrupted)
+    monkeypatch.setattr(soak.Expected, "check_call", corrupted)
     status, record = _process_soak(tmp_path)
     assert status == 1 and record["checks_passed"] == 1 and record["calls_done"] == 5
     assert record["failure"].startswith("call 5") and "rank 1" in record["failure"]
