@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-KERNELS = Path(__file__).resolve().parents[4] / "csrc" / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "csrc" / "kernels"
 RING_FILE = "peer_ring.cuh"
 
 # Loads of a word another rank raises: a wait or a peek written out by hand.
