@@ -164,7 +164,8 @@ def test_a_stalled_forwarder_put_is_reported_by_the_source_it_starves(monkeypatc
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     message, took_s, _, _ = _forwarded_combine(held_rank=1)
     assert re.search(r"rank 0 gave up after 1 s \(HYBRID_EP_TIMEOUT_S\) waiting for peer rank 1 on node 1 in "
-                     r"combine node partials \(waiting for the rail peer on that node, by RDMA\) \(call 1,",
+                     r"combine node partials \(waiting for the rail peer on that node in the node-partial ring, by "
+                     r"RDMA; expected and saw are slot tags, as for dispatch_rows\) \(call 1,",
                      message or ""), message
     assert 1.0 <= took_s < 2.0, took_s
 
