@@ -174,8 +174,22 @@ class HybridEPBuffer:
     def device(self) -> torch.device:
         return self._backend.device
 
-    def memory_plan(self) -> MemoryPlan:
-        return self._backend.memory_plan()
+    def memory_plan(self, dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
+        """The bytes the buffer holds, by region, and what a call may add, for calls that
+        dispatch `dtype` rows (bf16 by default, as in training; fp8 rows combine in bf16)."""
+        return self._backend.memory_plan(dtype)
+
+    def expert_out_view(self, handle: DispatchHandle, columns: int | None = None,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised [handle's rows, columns (hidden_dim)] tensor of `dtype` (bf16, the
+        experts' output after bf16 and fp8 dispatches) for the experts to write the next
+        combine's expert_out into. On the cuda backend's direct path with one process per GPU
+        it lies in the rank's expert-out block, so the combine reads it in place instead of
+        copying it there; elsewhere it is a plain tensor. Valid for that one combine, taken
+        after the handle's dispatch and any dispatch after it."""
+        inputs.check_handle(handle, self._owner)
+        shape = (handle.num_rows, self.config.hidden_dim if columns is None else columns)
+        return self._backend.expert_out_view(handle, shape, torch.bfloat16 if dtype is None else dtype)
 
     def release_unused(self) -> None:
         """Give back the free tail of the memory the buffer grew for its outputs (the cuda

@@ -47,6 +47,9 @@ def memory_line(plan: hybrid_ep.MemoryPlan, config) -> str:
     where the line would run over) and its per-call worst case."""
     nodes = config.world_size // config.ranks_per_node
     path = f", {plan.data_path}" if plan.data_path else ""
+    if plan.data_path and plan.data_path.startswith("direct path, peer memory"):
+        # Megatron's experts allocate their output outside peer memory: each combine copies it
+        path += ", expert output copied"
     head = (f"hybrid_ep dispatcher: {plan.backend} buffer for EP {config.world_size} "
             f"({nodes} node{'s' if nodes > 1 else ''} x {config.ranks_per_node}), "
             f"{config.max_tokens_per_rank} tokens/rank{path}, holds {size(plan.registered_bytes)} per GPU")
@@ -101,14 +104,15 @@ class BufferCache:
 
     def get(self, group, key: BufferKey, num_tokens: int, max_tokens_per_rank: int | None,
             device: torch.device, *, min_rows_per_expert: int = 0,
-            group_tokens: int | None = None) -> hybrid_ep.HybridEPBuffer:
+            group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> hybrid_ep.HybridEPBuffer:
         """The buffer for `key` with `min_rows_per_expert` that holds `num_tokens` tokens.
 
         group_tokens: the group's largest token count when the caller agreed it on every rank
         (then a buffer that is too small is replaced, or the same error raised, on every rank
         together). Without it, only a new min_rows_per_expert (the same on every rank: the
         capacity of drop-and-pad) replaces the buffer; more tokens than its size is an error
-        raised by this rank alone, before any collective.
+        raised by this rank alone, before any collective. dtype: of the rows dispatched, for
+        the startup line's figures (memory_plan).
         """
         entry = self._entries.get(key)
         buf = None if entry is None else entry[1]
@@ -147,7 +151,7 @@ class BufferCache:
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)
         if buf.rank == 0:
-            _log.info("%s", memory_line(buf.memory_plan(), buf.config))
+            _log.info("%s", memory_line(buf.memory_plan(dtype), buf.config))
         return buf
 
     def clear(self) -> None:

@@ -24,6 +24,7 @@ import math
 import torch
 
 import hybrid_ep as hep
+from hybrid_ep.fp8 import FP8_DTYPE
 
 from . import buffers, expert_rows, wire_fp8
 from .options import HybridEPOptions, options_for, static_size_factor
@@ -244,10 +245,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     # -- buffer -----------------------------------------------------------------------------
 
     def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int,
-               group_tokens: int | None = None) -> hep.HybridEPBuffer:
+               group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> hep.HybridEPBuffer:
         """The shared buffer for this group, shape and padding (created on the first call;
         looked up on every call so that all layers follow one replaced buffer).
-        group_tokens: the group's largest token count, when agreed on this call."""
+        group_tokens: the group's largest token count, when agreed on this call. dtype: of the
+        rows dispatched (the startup line's memory figures)."""
         opts = self.options
         key = buffers.BufferKey(
             group_id=id(self.comm_group),
@@ -260,7 +262,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             num_sms_combine=opts.num_sms_combine,
         )
         self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
-                                           min_rows_per_expert=min_rows, group_tokens=group_tokens)
+                                           min_rows_per_expert=min_rows, group_tokens=group_tokens, dtype=dtype)
         return self._buffer
 
     def _agrees_tokens_per_call(self) -> bool:
@@ -353,7 +355,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         group_tokens = None
         if self._agrees_tokens_per_call():
             group_tokens = buffers.group_max_tokens(self.comm_group, x_TH.shape[0], x_TH.device)
-        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens)
+        buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens,
+                          FP8_DTYPE if self.options.dispatch_fp8 else x_TH.dtype)
         num_out_tokens = self._num_out_tokens(x_TH.shape[0])
         if num_out_tokens is None:
             routing = dict(routing_map=self.routing_map, probs=probs)

@@ -69,8 +69,13 @@ class Backend(abc.ABC):
         return self.combine(rows_RH, handle, False, kernel_config), self.return_row_values(values_R, handle)
 
     @abc.abstractmethod
-    def memory_plan(self) -> MemoryPlan:
-        ...
+    def memory_plan(self, dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
+        """What the buffer holds and needs per call, for calls that dispatch `dtype` rows."""
+
+    def expert_out_view(self, handle: DispatchHandle, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """HybridEPBuffer.expert_out_view: a plain tensor unless the backend's combine can read
+        one of its own memory in place."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def release_unused(self) -> None:
         """Give back memory grown for outputs that no output uses any more (HybridEPBuffer.release_unused);

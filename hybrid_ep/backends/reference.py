@@ -350,8 +350,8 @@ class ReferenceBackend(Backend):
         assert y is not None  # num_nodes >= 1
         return y[:T]
 
-    def memory_plan(self) -> MemoryPlan:
-        return memory_plan(self.config, self._device.type)
+    def memory_plan(self, dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
+        return memory_plan(self.config, self._device.type)  # sized for fp32 rows, whatever dtype
 
 
 def _tokens_of_blocks(source: ReferenceSendTable) -> list[torch.Tensor]:

@@ -68,6 +68,15 @@ def dense_moe_layer(case: LayerCase) -> list[dict]:
     return results
 
 
+def _expert_out_copies(buf) -> dict:
+    engine = getattr(getattr(buf, "_backend", None), "_engine", None)
+    if engine is None or engine.peer is None:
+        return {"expert_out_copied": None, "expert_out_block": None}
+    block = engine.outputs.expert_out_blocks[0]
+    return {"expert_out_copied": engine.expert_out_copied_bytes, "expert_out_block": block.numel() if block is not None
+            else 0}
+
+
 def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides: dict | None = None) -> list[dict]:
     """On every rank: one layer (fresh buffer cache), forward + backward for each call c with
     seqs[c][rank] sequence positions (input and output gradient drawn from the seed, call
@@ -103,6 +112,10 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
             "buffer_pad": None if buf is None else buf.config.pad_multiple,
             "data_path": None if record is None else record.handle.data_path,  # the forward dispatch's
             "peer_memory": None if buf is None else buf.memory_plan().as_dict().get("peer_memory"),  # cuda
+            # the cuda backend's engine: the bytes its combines copied into the expert-out block so
+            # far, and the block's bytes
+            **_expert_out_copies(buf),
+            "rows": None if record is None else record.handle.num_rows,
         })
     return results
 

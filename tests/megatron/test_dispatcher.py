@@ -262,12 +262,22 @@ def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(p
         assert [c["buffer_arena"] for c in calls] == [None] * 3
         # the first call grew it by one chunk (2 MiB), which holds every later call's block
         assert [c["peer_memory"] for c in calls] == [2 << 20] * 3
+        # Megatron's experts write their output outside peer memory: a direct step copies into the
+        # expert-out block the experts' output [rows, hidden] (forward combine), the dispatched
+        # rows' gradient [rows, hidden] and the routing weights' gradients [rows, experts]
+        # (backward), each in its dtype (fp32 here); the block holds the largest call's rows
+        copied = [c["expert_out_copied"] for c in calls]
+        H, E = case.hidden, case.num_experts
+        for before, after, call in zip(copied, copied[1:], calls[1:]):
+            assert after - before == call["rows"] * (H * 4 + H * 4 + E * 4), (copied, call["rows"])
+        block = [c["expert_out_block"] for c in calls]  # sized by each call's row bound: its routes
+        assert all(c["rows"] * H * 4 <= b for c, b in zip(calls, block)) and block == sorted(block), block
         [launched] = got["launched"]
         assert launched["dispatch_receive"] == 1
         assert launched["dispatch_direct"] >= 2 and launched["combine_direct"] >= 2
     [line] = ours[0]["startup"]
     assert line.startswith("hybrid_ep dispatcher: cuda buffer for EP 2 (1 node x 2), 8 tokens/rank, direct path, "
-                           "peer memory 0 B now, holds "), line
+                           "peer memory 0 B now, expert output copied, holds "), line
     assert ours[1]["startup"] == []  # rank 0 logs it
 
 

@@ -354,7 +354,8 @@ def test_startup_line_reports_held_bytes_by_region():
     line = memory_line(live, config)
     assert len(line) <= LINE_LIMIT and line.startswith(
         "hybrid_ep dispatcher: cuda buffer for EP 64 (8 nodes x 8), 4096 tokens/rank, direct path, peer memory "
-        f"6.0 MiB now, holds {size(plan.registered_bytes + (6 << 20))} per GPU ("), line
+        f"6.0 MiB now, expert output copied, holds {size(plan.registered_bytes + (6 << 20))} per "
+        "GPU ("), line
 
 
 def test_buffer_creation_logs_the_line(single_rank_group, caplog):

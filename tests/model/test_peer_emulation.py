@@ -200,3 +200,68 @@ def test_captured_pairs_go_direct_after_a_warm_up_and_keep_their_blocks(monkeypa
                 assert m.base <= ptr and ptr + nbytes <= m.base + m.extent, (i, ptr, nbytes, m.extent)
     finally:
         group.close()
+
+
+def _bf16_calls(group, case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, case.hidden, generator=gen).bfloat16() for t in case.tokens]
+    idx = [torch.argsort(torch.rand(t, case.num_experts, generator=gen), dim=1)[:, :2].contiguous()
+           for t in case.tokens]
+    return xs, idx
+
+
+def test_a_bf16_call_copies_its_expert_out_into_a_bf16_block():
+    """After bf16 dispatches the expert-out block holds bf16 rows (half an fp32 block): a
+    combine of an expert_out from outside peer memory copies exactly its bytes there, and an
+    fp32 expert_out, which the block was not sized for, is refused naming the dtype."""
+    case = Case(world_size=2, ranks_per_node=2, num_experts=4, hidden=128, tokens=(8, 6), topk=2, backend="cuda")
+    group = _group(case)
+    try:
+        xs, idx = _bf16_calls(group, case)
+        for _ in range(2):
+            res = group.dispatch(xs, idx)
+        assert res[0].handle.data_path == "direct"
+        rows = [r.tokens.shape[0] for r in res]
+        blocks = group.engine.outputs.expert_out_blocks
+        assert [b.numel() for b in blocks] == [-(-R * 128 * 2 // 128) * 128 for R in rows]  # bf16, 128-byte aligned
+        before = group.engine.expert_out_copied_bytes
+        ys = group.combine([r.tokens * 2 for r in res], [r.handle for r in res])
+        assert group.engine.expert_out_copied_bytes - before == sum(R * 128 * 2 for R in rows)
+        for y, x, i in zip(ys, xs, idx):
+            assert y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.float(), 2 * x.float() * (i >= 0).sum(1, keepdim=True).float())
+        with pytest.raises(ValueError, match=r"expert_out on rank 0 is torch.float32 \[128 columns\], outside peer "
+                                             r"memory.*2-byte values"):
+            group.combine([r.tokens.float() for r in res], [r.handle for r in res])
+    finally:
+        group.close()
+
+
+def test_an_expert_out_view_of_a_replaced_block_is_refused():
+    """A view of the expert-out block taken before a larger dispatch replaced the block would be
+    read from freed peer memory: its combine is refused; a view taken after it is read in place."""
+    case = Case(world_size=2, ranks_per_node=2, num_experts=4, hidden=128, tokens=(8, 6), topk=2, backend="cuda")
+    big = dataclasses.replace(case, tokens=(40, 30))
+    group = _group(big)
+    try:
+        xs, idx = _bf16_calls(group, case)
+        for _ in range(2):
+            res = group.dispatch(xs, idx)
+        views = [group.engine.expert_out_view(i, r.tokens.shape, torch.bfloat16, like=r.tokens)
+                 for i, r in enumerate(res)]
+        xs_big, idx_big = _bf16_calls(group, big, seed=1)
+        for _ in range(2):
+            res_big = group.dispatch(xs_big, idx_big)  # larger: a new expert-out block
+        assert res_big[0].handle.data_path == "direct"
+        with pytest.raises(ValueError, match="an expert_out_view of an expert-out block that a later dispatch "
+                                             "replaced"):
+            group.combine(views, [r.handle for r in res])
+        before = group.engine.expert_out_copies
+        fresh = [group.engine.expert_out_view(i, r.tokens.shape, torch.bfloat16, like=r.tokens)
+                 for i, r in enumerate(res_big)]
+        ys = group.combine(fresh, [r.handle for r in res_big])
+        assert group.engine.expert_out_copies == before
+        for y, x, i in zip(ys, xs_big, idx_big):
+            torch.testing.assert_close(y.float(), x.float() * (i >= 0).sum(1, keepdim=True).float())
+    finally:
+        group.close()

@@ -45,6 +45,8 @@ import logging
 
 import torch
 
+from ...dtypes import combine_dtype_for
+from ...fp8 import FP8_DTYPE
 from .arena import _layout, aligned, call_bytes
 from .layout import AGREE_WORDS
 from .peer_memory import CHUNK, OwnMemory, PeerViews, round_up
@@ -63,10 +65,18 @@ def log_once(what: str, reason: str) -> None:
         _log.warning("hybrid_ep: %s (%s); that call took the receive path. Logged once per process", what, reason)
 
 
-def expert_out_block_bytes(rows: int, hidden: int) -> int:
-    """A expert-out block for rows of an expert_out outside peer memory: fp32 rows of hidden
-    values and their fp32 probs."""
-    return aligned(rows * hidden * 4) + aligned(max(rows, 1) * 4)
+def expert_out_width(dtype: torch.dtype, fp8: bool) -> int:
+    """Bytes per value of the expert_out a dispatch of `dtype` rows is combined from
+    (dtypes.combine_dtype_for: bf16 for fp8 rows)."""
+    return combine_dtype_for(FP8_DTYPE if fp8 else dtype).itemsize
+
+
+def expert_out_block_bytes(rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
+    """An expert-out block for the expert_out of a dispatch of `rows` rows of `dtype`, copied
+    there from outside peer memory: rows of hidden values at expert_out_width. The routing
+    weights need no room: a combine reads its handle's, which a direct dispatch left in peer
+    memory."""
+    return aligned(rows * hidden * expert_out_width(dtype, fp8))
 
 
 def expert_out_block_layout(ext):
@@ -167,7 +177,7 @@ class Agreement:
             if len(self._sizes) >= _SIZES_KEPT:
                 self._sizes.clear()
             sizes = self._sizes[key] = (call_bytes(rows, H, dtype, fp8),
-                                        expert_out_block_bytes(rows, H) if self.stage_combines else 0)
+                                        expert_out_block_bytes(rows, H, dtype, fp8) if self.stage_combines else 0)
         out, stage = sizes
         new_stage = stage if stage > held else 0
         return out + new_stage, new_stage

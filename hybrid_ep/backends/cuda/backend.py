@@ -8,11 +8,14 @@ import dataclasses
 import torch
 
 from ...config import BufferConfig, KernelConfig
+from ...dtypes import combine_dtype_for
+from ...fp8 import is_fp8
 from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
 from ...routing import Routing, max_output_rows
 from ..base import Backend
 from . import agreement, launch, load_extension
+from .arena import call_bytes
 from .engine import Engine
 from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
 from .nvshmem import heap_spec
@@ -22,7 +25,8 @@ from .registered import NvshmemRegions, RegisteredBuffers
 from .workspace import CudaReceiveTable, CudaSendTable
 
 
-def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None) -> MemoryPlan:
+def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
     """Bytes each rank holds (registered regions, the NVSHMEM heap, peer memory) and needs per
     call, known before allocation.
 
@@ -31,7 +35,10 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
     direct outputs plus one expert-out block, in CHUNK steps. The per-call part says by how much
     a call can make it grow: its output (dispatch_out, the worst case), the expert-out block of
     an expert_out from outside peer memory (peer_staging) and the rounding of a growth
-    (peer_rounding, less than a CHUNK)."""
+    (peer_rounding, less than a CHUNK). dtype: of the rows dispatched (x's; bf16 as in training),
+    which sizes a call's output and, at the width of the expert output (bf16 for fp8 rows), its
+    expert-out block."""
+    fp8 = is_fp8(dtype)
     # the registered buffer's regions as csrc builds them (layout.registered_regions)
     specs = [BufferSpec(r.name, r.bytes, True, r.purpose) for r in registered_regions(config)]
     if config.num_nodes > 1:
@@ -42,12 +49,16 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
                             "held now: peer-mapped memory of the direct path's outputs, grown on demand to the "
                             "peak of live outputs plus one expert-out block (peer_memory_bytes pre-sizes it, "
                             "release_unused() returns a free tail)"))
-    specs.append(BufferSpec("dispatch_out", worst_rows * config.hidden_dim * 4, False,
-                            "expert-major output of one call, fp32 worst case: a block of peer memory while the "
-                            "output or its handle lives (the receive path's: from PyTorch's allocator)"))
-    specs.append(BufferSpec("peer_staging", agreement.expert_out_block_bytes(worst_rows, config.hidden_dim), False,
-                            "one per rank, sized by the largest direct call so far: the expert-out block, a direct "
-                            "combine's fp32 copy of an expert_out from outside peer memory"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    specs.append(BufferSpec("dispatch_out", call_bytes(worst_rows, config.hidden_dim, dtype, fp8), False,
+                            f"expert-major output of one call of {dtype_name} rows, the worst case: a block of peer "
+                            "memory while the output or its handle lives (the receive path's: from PyTorch's "
+                            "allocator)"))
+    width = str(combine_dtype_for(dtype)).removeprefix("torch.")
+    specs.append(BufferSpec("peer_staging", agreement.expert_out_block_bytes(worst_rows, config.hidden_dim, dtype, fp8),
+                            False, f"one per rank, sized by the largest direct call so far, held from then on: the "
+                            f"expert-out block, where a direct combine copies a {width} expert_out that lies "
+                            "outside peer memory (in training: the experts' output)"))
     specs.append(BufferSpec("peer_rounding", CHUNK, False,
                             "peer memory grows in steps of this size: at most this much above the rest"))
     return MemoryPlan(name, tuple(specs))
@@ -93,9 +104,10 @@ class CudaBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
-    def memory_plan(self) -> MemoryPlan:
+    def memory_plan(self, dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
         """The plan with the peer memory this rank holds now and the path its calls take."""
-        plan = memory_plan(self.config, peer_held=self.peer_memory_held() if self._peer is not None else None)
+        plan = memory_plan(self.config, peer_held=self.peer_memory_held() if self._peer is not None else None,
+                           dtype=dtype)
         return dataclasses.replace(plan, data_path=self._data_path_note())
 
     def _data_path_note(self) -> str:
@@ -127,6 +139,15 @@ class CudaBackend(Backend):
     def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):
         return self._engine.combine(rows_RH, handle.source, handle.dest, handle.probs_R, apply_probs,
                                     kernel_config.num_sms_combine, kernel_config.wire_dtype_for(rows_RH.dtype))
+
+    def expert_out_view(self, handle, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """In the rank's expert-out block where the handle's combine takes the direct path
+        through peer memory and the block holds it, else a plain tensor."""
+        if handle.source.data_path == "direct" and self._peer is not None:
+            view = self._engine.expert_out_view(0, shape, dtype)
+            if view is not None:
+                return view
+        return super().expert_out_view(handle, shape, dtype)
 
     def release_unused(self) -> None:
         """Retire the free tail of this rank's peer memory at the next dispatch (every rank must

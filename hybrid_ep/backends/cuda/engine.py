@@ -38,7 +38,7 @@ import torch
 from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
 from ...routing import Routing, bad_route_text
 from . import launch
-from .agreement import Agreement, peer_bases
+from .agreement import Agreement, expert_out_width, peer_bases
 from .arena import aligned
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError
 from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
@@ -249,6 +249,9 @@ class Engine:
             self.bases_tables = [torch.zeros(config.world_size, dtype=torch.int64, device=device)] * len(ranks)
         self.expert_out_order = StreamOrder(device)  # users of the expert-out blocks (staging.py)
         self.expert_out_copies = 0  # combines that copied into an expert-out block (tests)
+        self.expert_out_copied_bytes = 0  # the bytes those copies moved
+        # per driven rank: (tensor, block) addresses of the expert_out_view lent for its next combine
+        self._lent_views: list[tuple[int, int] | None] = [None] * len(ranks)
         self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         # Launch arguments per (kind, SMs, dtype, width, wire dtype, apply_probs): built and checked
         # once, then only the per-rank part changes (the launchers copy the struct when they launch).
@@ -386,9 +389,10 @@ class Engine:
         """Each driven rank's outputs and its tables in the call's workspace."""
         self._in_flight["dispatch"] = given.tensors
         shape = self._shape
+        width = expert_out_width(given.dtype, given.fp8)
         return [RankDispatch(out.rows, out.scales, out.probs,
                              CudaSendTable(call, i, inp.num_tokens, inp.topk, shape.W,
-                                           kept.topk_idx if direct else None),
+                                           kept.topk_idx if direct else None, width),
                              CudaReceiveTable(call, i, shape, R, bounds))
                 for i, (R, inp, kept, out) in enumerate(zip(rows, given.inputs, given.tensors, made))]
 
@@ -662,6 +666,12 @@ class Engine:
                 x, x_ptr = _aligned(x)
             if p.dtype is not torch.float32 or not p.is_contiguous():
                 p = _fp32(p)
+            lent, self._lent_views[len(outs)] = self._lent_views[len(outs)], None
+            if lent is not None and lent[0] == x_ptr and self.outputs.expert_out_blocks[len(outs)] is not None \
+                    and lent[1] != self.outputs.expert_out_blocks[len(outs)].data_ptr():
+                raise ValueError(f"expert_out on rank {r} is an expert_out_view of an expert-out block that a later "
+                                 f"dispatch replaced (a larger call): take the view after the last dispatch before "
+                                 f"its combine")
             if direct and self.peer is not None:
                 # Peer memory tensors stay out of _in_flight: the arena reuses a block only on the
                 # stream it was used on, and one kept here would split it until the next combine.
@@ -669,6 +679,12 @@ class Engine:
                 arena = self.outputs.arenas[len(outs)]
                 x_out = not arena.contains(x)
                 p_out = apply_probs and not arena.contains(p)  # probs are read only then
+                if x_out and C * x.element_size() > self.config.hidden_dim * send.expert_out_width:
+                    raise ValueError(f"expert_out on rank {r} is {dtype} [{C} columns], outside peer memory, and "
+                                     f"its dispatch sized the expert-out block it is copied into for "
+                                     f"{send.expert_out_width}-byte values of {self.config.hidden_dim} columns (the "
+                                     f"dispatch's dtype, bf16 for fp8 rows): combine rows of that dtype, or write "
+                                     f"them into HybridEPBuffer.expert_out_view(handle)")
                 if x_out or p_out:
                     keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
                     if not copied:
@@ -700,6 +716,7 @@ class Engine:
         if block is None or nbytes > block.numel():
             return like
         t = block[:nbytes].view(dtype).view(tuple(shape))
+        self._lent_views[i] = (t.data_ptr(), block.data_ptr())
         return t.copy_(like) if like is not None else t
 
     def _into_expert_out_block(self, i: int, x: torch.Tensor, p: torch.Tensor, copy_x: bool, copy_p: bool):
@@ -711,11 +728,20 @@ class Engine:
             copy_x = False  # the experts wrote it into the block (expert_out_view)
         if block is None:
             raise ValueError(f"expert_out on rank {self.ranks[i]} lies outside the buffer's peer memory and the "
-                             f"buffer stages no combines (stage_combines=False): allocate it with "
-                             f"HybridEPBuffer.empty_expert_out, or leave stage_combines on")
+                             f"buffer stages no combines (stage_combines=False): write it into "
+                             f"HybridEPBuffer.expert_out_view(handle), or leave stage_combines on")
+        # probs after x where x is (or goes) in the block
+        at = aligned(x_bytes) if copy_x or x.data_ptr() == block.data_ptr() else 0
+        need = max(x_bytes if copy_x else 0, at + p.numel() * 4 if copy_p else 0)
+        if need > block.numel():
+            raise ValueError(f"expert_out on rank {self.ranks[i]} ({x.dtype}, {x_bytes} bytes, and its probs: "
+                             f"{p.numel() * 4 if copy_p else 0} bytes) does not fit the rank's expert-out block "
+                             f"of {block.numel()} bytes, sized at the dispatch for rows of the dispatch's dtype "
+                             f"(bf16 for fp8 rows): combine rows of that dtype, or write them into "
+                             f"HybridEPBuffer.expert_out_view(handle)")
         if copy_x:
             x = block[:x_bytes].view(x.dtype).view(x.shape).copy_(x)
         if copy_p:
-            at = aligned(x_bytes)
             p = block[at:at + p.numel() * 4].view(torch.float32).copy_(p)
+        self.expert_out_copied_bytes += (x_bytes if copy_x else 0) + (p.numel() * 4 if copy_p else 0)
         return x, p

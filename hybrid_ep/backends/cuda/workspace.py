@@ -79,9 +79,12 @@ class CudaSendTable:
     call's workspace; its tensors are views made when first read."""
 
     def __init__(self, call: CallWorkspace, part: int, num_tokens: int, topk: int, world_size: int,
-                 topk_idx_TK: torch.Tensor | None):
+                 topk_idx_TK: torch.Tensor | None, expert_out_width: int = 4):
         self.call, self.part, self.num_tokens, self.topk, self.world_size = call, part, num_tokens, topk, world_size
         self.topk_idx_TK = topk_idx_TK  # direct path: the routing's experts (int64), combine reads them
+        # bytes a value of the expert_out its combine may copy into the expert-out block
+        # (agreement.expert_out_width: the dispatch's dtype, bf16 for fp8)
+        self.expert_out_width = expert_out_width
 
     @property
     def data_path(self) -> str:

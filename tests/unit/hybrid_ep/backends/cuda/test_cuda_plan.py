@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import pytest
 import torch
 
-from helpers import built_cuda_extension
+from helpers import REPO, built_cuda_extension
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.agreement import expert_out_block_bytes
+from hybrid_ep.backends.cuda.arena import call_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
@@ -27,6 +29,8 @@ from hybrid_ep.backends.cuda.layout import (
 )
 from hybrid_ep.backends.cuda.peer_memory import CHUNK
 from hybrid_ep.config import BufferConfig
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.routing import max_output_rows
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
 from hybrid_ep.testing.oracle import dispatch_oracle
 
@@ -108,13 +112,43 @@ def test_outputs_are_not_held_and_peer_memory_starts_empty():
     assert sizes["peer_memory"] == 0 and "arena" not in sizes
     out = next(b for b in plan.buffers if b.name == "dispatch_out")
     worst = 8 * 4096 * 2  # every route of every rank
-    assert not out.registered and out.nbytes == worst * 8192 * 4  # fp32
-    assert sizes["peer_staging"] == expert_out_block_bytes(worst, 8192) and sizes["peer_rounding"] == CHUNK
-    assert plan.workspace_bytes == out.nbytes + expert_out_block_bytes(worst, 8192) + CHUNK
+    # bf16 rows by default: the rows, their fp32 probs, alignment
+    assert not out.registered and out.nbytes == call_bytes(worst, 8192, torch.bfloat16)
+    assert worst * (8192 * 2 + 4) <= out.nbytes < worst * (8192 * 2 + 4) + 1024
+    assert sizes["peer_staging"] == worst * 8192 * 2 and sizes["peer_rounding"] == CHUNK  # bf16 expert_out rows
+    assert plan.workspace_bytes == out.nbytes + worst * 8192 * 2 + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
     presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, peer_memory_bytes=CHUNK + 1).validate())
     assert presized.as_dict()["peer_memory"] == 2 * CHUNK
     assert memory_plan(_cfg(), peer_held=3 * CHUNK).as_dict()["peer_memory"] == 3 * CHUNK
+
+
+@pytest.mark.parametrize("dtype, value_bytes", [(torch.float32, 4), (torch.bfloat16, 2), (FP8_DTYPE, 2)])
+def test_the_expert_out_block_is_sized_for_the_expert_output_of_the_rows_dispatched(dtype, value_bytes):
+    """The expert-out block holds the dispatch's expert output: fp32 rows after fp32, bf16 after
+    bf16 and fp8 (the experts compute in bf16); the output block, the rows as dispatched."""
+    sizes = memory_plan(_cfg(), dtype=dtype).as_dict()
+    worst = 8 * 4096 * 2
+    assert sizes["peer_staging"] == expert_out_block_bytes(worst, 8192, dtype) == worst * 8192 * value_bytes
+    assert sizes["dispatch_out"] >= worst * 8192 * dtype.itemsize
+
+
+def test_the_expert_out_block_at_deepseek_v3s_shape_is_half_the_fp32_one():
+    """At the DeepSeek-V3-like shape (hidden 7168, 4096 tokens per rank, 256 experts on 8
+    ranks, top-8), training's bf16 expert-out block is at most half of an fp32 block with room
+    for its probs: in memory_plan() (the worst case: every route of every rank) and for a
+    balanced call (4096 x 8 rows: 0.47 GB, not 0.94)."""
+    cfg = BufferConfig(7168, 4096, 256, 8, 8).validate()
+    worst = max_output_rows(cfg, min(cfg.experts_per_rank, MAX_TOPK))  # the plan's worst case
+    bf16 = memory_plan(cfg).as_dict()["peer_staging"]
+    assert bf16 == worst * 7168 * 2 and bf16 <= (worst * 7168 * 4 + worst * 4) / 2
+    balanced = 4096 * 8
+    assert expert_out_block_bytes(balanced, 7168) == balanced * 7168 * 2 == 469_762_048
+    figure = f"{expert_out_block_bytes(balanced, 7168) / 1e9:.2f} GB"  # what the user pages say
+    for page in ("README.md", "docs/megatron.md"):
+        with open(os.path.join(REPO, page)) as f:
+            text = " ".join(f.read().split())
+        assert any(f"{figure} for {a}4096 tokens x top-8" in text for a in ("a call of ", "")), page
 
 
 @pytest.mark.parametrize("ring", [2, 8])
