@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 # line's argument check, hybrid_ep.cli_parser) loads no torch until one of them is asked for.
 _EXPORTS = {
     "combine": ".autograd", "dispatch": ".autograd", "HybridEPBuffer": ".buffer", "BufferConfig": ".config",
-    "KernelConfig": ".config", "dequantize_fp8": ".fp8", "quantize_fp8": ".fp8", "DispatchHandle": ".handle",
+    "KernelConfig": ".config", "dequantize_fp8": ".fp8", "quantize_fp8": ".fp8", "dequantize_mxfp8": ".fp8",
+    "quantize_mxfp8": ".fp8", "DispatchHandle": ".handle",
     "DispatchResult": ".handle", "MemoryPlan": ".memory", "Traffic": ".traffic",
 }
 
@@ -45,6 +46,8 @@ __all__ = [
     "Traffic",
     "combine",
     "dequantize_fp8",
+    "dequantize_mxfp8",
     "dispatch",
     "quantize_fp8",
+    "quantize_mxfp8",
 ]

@@ -18,6 +18,7 @@ from . import inputs
 from .backends import choose_backend, create_backend
 from .checks import require_int
 from .config import BufferConfig, KernelConfig, check_wire_dtype
+from .fp8 import scales_from_wire, wire_scales
 from .handle import CallCounts, DispatchHandle, DispatchResult
 from .memory import MemoryPlan
 from .routing import normalize_routing
@@ -229,7 +230,8 @@ class HybridEPBuffer:
     ) -> DispatchResult:
         """Send each token to the ranks of its experts; rows come back expert-major.
 
-        x: [T, H] bf16 / fp16 / fp32 / float8_e4m3fn (then scales [T, H/128] fp32).
+        x: [T, H] bf16 / fp16 / fp32 / float8_e4m3fn (then scales: [T, H/128] fp32, blockwise,
+        or [T, H/32] uint8 / float8_e8m0fnu, MXFP8; they come back in the same format).
         Routing: topk_idx [T, K] int (-1 = not routed) with topk_weights [T, K] (None: 1.0),
         or routing_map [T, E] bool with probs [T, E], or handle= from an earlier dispatch of
         the same routing. num_out_tokens: static number of output rows (overflow dropped and
@@ -238,9 +240,11 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
+        rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
+                                                          kernel_config)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
-        return DispatchResult(rows, scales_out, handle.probs_R, handle)  # tokens_per_expert: the handle's, when read
+        # tokens_per_expert: the handle's, when read
+        return DispatchResult(rows, scales_from_wire(scales_out, scales), handle.probs_R, handle)
 
     def combine(
         self,
@@ -294,9 +298,10 @@ class HybridEPBuffer:
         """dispatch's calls past its checks, for autograd (dispatch makes them itself: one frame
         less between the API and the launch)."""
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, scales, routing, handle, num_out_tokens, kernel_config)
+        rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
+                                                          kernel_config)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
-        return rows, scales_out, handle
+        return rows, scales_from_wire(scales_out, scales), handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
         kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else

@@ -9,7 +9,7 @@ import torch
 
 from .checks import require_int
 from .config import FP8_BLOCK, BufferConfig
-from .fp8 import is_fp8, num_scale_blocks
+from .fp8 import MX_BLOCK, MX_SCALE_DTYPES, is_fp8, num_scale_blocks
 from .handle import DispatchHandle
 from .rows import row_bytes_rule
 
@@ -43,15 +43,17 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
     if is_fp8(dtype):
         if H % FP8_BLOCK != 0:
             raise ValueError(f"fp8 x needs hidden_dim to be a multiple of {FP8_BLOCK}, got {H}")
+        formats = (f"float32 [num_tokens, hidden_dim / {FP8_BLOCK}] (blockwise) or uint8 / float8_e8m0fnu "
+                   f"[num_tokens, hidden_dim / {MX_BLOCK}] (MXFP8)")
         if scales is None:
-            raise ValueError("fp8 x needs scales: a float32 tensor [num_tokens, hidden_dim / 128]")
+            raise ValueError(f"fp8 x needs scales: {formats}")
         if not isinstance(scales, torch.Tensor):
             raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
-        expected = (T, num_scale_blocks(H))
+        if scales.dtype != torch.float32 and scales.dtype not in MX_SCALE_DTYPES:
+            raise TypeError(f"scales must be {formats}, got {scales.dtype}")
+        expected = (T, num_scale_blocks(H) if scales.dtype == torch.float32 else H // MX_BLOCK)
         if tuple(scales.shape) != expected:
-            raise ValueError(f"scales must have shape {list(expected)}, got {list(scales.shape)}")
-        if scales.dtype != torch.float32:
-            raise TypeError(f"scales must be float32, got {scales.dtype}")
+            raise ValueError(f"{scales.dtype} scales must have shape {list(expected)}, got {list(scales.shape)}")
         if scales.device != device:
             raise ValueError(f"scales is on {scales.device} but x is on {device}")
     elif scales is not None:

@@ -153,7 +153,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         refuse(unsupported_reasons(config, self.tp_size, self.options.balancer_enabled)
                + wire_fp8.unsupported_reasons(config, self.options))
         # fp8 on the wire (options.dispatch_fp8 / combine_grad_fp8): rows quantized once, here.
-        self.wire_quantizer = (wire_fp8.BlockwiseQuantizer()
+        self.wire_quantizer = (wire_fp8.quantizer_for(config)
                                if self.options.dispatch_fp8 or self.options.combine_grad_fp8 else None)
         if config.num_moe_experts is None or config.num_moe_experts % self.ep_size != 0:
             raise ValueError(

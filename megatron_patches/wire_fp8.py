@@ -1,18 +1,19 @@
 """fp8 on the wire for the hybrid_ep dispatcher: which runs can carry it, the quantizer, and
 the differentiable dispatch and combine around fp8 exchanges.
 
-Rows are quantized once, on the rank that makes them, by Transformer Engine's 1x128 blockwise
-rule (--fp8-recipe blockwise): with TE importable and the rows on a GPU by TE's own
-Float8BlockQuantizer, otherwise by `hybrid_ep.fp8.quantize_blockwise`, which rounds the same
-way. The receiving rank dequantizes them for the experts. The recipe's power-of-two scales
-make that lossless for the experts' own quantization: a dequantized block quantizes again to
-the same values, so TE's GEMMs compute on exactly what was sent.
+Rows are quantized once, on the rank that makes them, by the run's recipe: Transformer
+Engine's 1x128 blockwise rule (--fp8-recipe blockwise: fp32 scales) or its MXFP8 rule
+(--fp8-recipe mxfp8: 1x32 E8M0 scales); with TE importable and the rows on a GPU by TE's own
+quantizer, otherwise by `hybrid_ep.fp8.quantize_blockwise` / `quantize_mxfp8`, which round the
+same way. The receiving rank dequantizes them for the experts. Both recipes' power-of-two
+scales make that lossless for the experts' own quantization: a dequantized block quantizes
+again to the same values, so TE's GEMMs compute on exactly what was sent.
 
 Gradients pass straight through the quantization: the dispatch's backward sums the row
 gradients in their own dtype (hybrid_ep's combine); the combine's backward sends the output
 gradient to the expert rows as fp8 (combine_grad_fp8).
 
-Legend: T tokens, H hidden, B = H / 128 scale blocks, R dispatched rows.
+Legend: T tokens, H hidden, B = H / 128 (blockwise) or H / 32 (MXFP8) scale blocks, R dispatched rows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import torch
 
 import hybrid_ep as hep
-from hybrid_ep.fp8 import FP8_DTYPE, dequantize_fp8, quantize_blockwise
+from hybrid_ep.fp8 import FP8_DTYPE, MX_BLOCK, dequantize_rows, quantize_blockwise, quantize_mxfp8
 
 DISPATCH_FLAG = "--hybrid-ep-dispatch-fp8"
 COMBINE_GRAD_FLAG = "--hybrid-ep-combine-grad-fp8"
@@ -42,19 +43,15 @@ def unsupported_reasons(config, options) -> list[str]:
     reasons = []
     recipe = _recipe(config)
     for flag in flags:
-        if recipe == "mxfp8":
+        if recipe not in QUANTIZERS:
             reasons.append(
-                f"{flag} with --fp8-recipe mxfp8: its 1x32 E8M0 scales do not travel through hybrid_ep's "
-                f"kernels; use --fp8-recipe blockwise (1x128 fp32 scales) or drop {flag}"
-            )
-        elif recipe != "blockwise":
-            reasons.append(
-                f"{flag} needs --fp8-recipe blockwise (1x128 fp32 scales, the only fp8 rows hybrid_ep "
-                f"carries), got fp8_recipe={recipe!r}; set --fp8-recipe blockwise or drop {flag}"
+                f"{flag} needs --fp8-recipe blockwise (1x128 fp32 scales) or mxfp8 (1x32 E8M0 scales), the fp8 "
+                f"rows hybrid_ep carries, got fp8_recipe={recipe!r}; set one of them or drop {flag}"
             )
         hidden = getattr(config, "hidden_size", None)
         if hidden is not None and hidden % 128 != 0:
-            reasons.append(f"{flag} needs hidden_size a multiple of 128 (one scale per 128 values), got {hidden}")
+            reasons.append(f"{flag} needs hidden_size a multiple of 128 (a row's scales travel in 4-byte words of "
+                           f"128 values), got {hidden}")
     if options.combine_grad_fp8 and getattr(config, "fp8", None) == "hybrid":
         reasons.append(
             f"{COMBINE_GRAD_FLAG} with --fp8-format hybrid: Transformer Engine then quantizes gradients "
@@ -105,6 +102,51 @@ class BlockwiseQuantizer:
         return q_TH, scale_inv[:, :T].t().contiguous().to(torch.float32)
 
 
+def _te_mx_quantizer():
+    """TE's rowwise MXFP8 quantizer, or None where TE is not importable."""
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+    except ImportError:
+        return None
+    return MXFP8Quantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False)
+
+
+class MXFP8Quantizer:
+    """x [T, H] -> (e4m3 [T, H], E8M0 scales [T, H/32] uint8) by the MXFP8 recipe; x ~= q * 2^(e - 127)."""
+
+    def __init__(self, use_te: bool = True):
+        self._te = _te_mx_quantizer() if use_te else None
+
+    @property
+    def uses_te(self) -> bool:
+        return self._te is not None
+
+    def __call__(self, x_TH):
+        if self._te is None or not x_TH.is_cuda or x_TH.shape[0] == 0:
+            return quantize_mxfp8(x_TH)
+        T, H = x_TH.shape
+        qt = self._te(x_TH.contiguous())
+        q_TH = qt._rowwise_data.view(FP8_DTYPE)
+        # TE pads its rowwise E8M0 scales to [128 rows, 4 columns] tiles (unswizzled: the GEMM
+        # swizzles them itself); the rows' own are the top-left [T, H/32].
+        scale_inv = qt._rowwise_scale_inv
+        M = H // MX_BLOCK
+        if scale_inv.dim() != 2 or scale_inv.shape[0] < T or scale_inv.shape[1] < M:
+            raise RuntimeError(f"Transformer Engine's MXFP8 rowwise scales for [{T}, {H}] rows came as "
+                               f"{list(scale_inv.shape)}, not at least [{T}, {M}]")
+        return q_TH, scale_inv[:T, :M].contiguous().view(torch.uint8)
+
+
+# The quantizer of each --fp8-recipe whose rows hybrid_ep carries
+QUANTIZERS = {"blockwise": BlockwiseQuantizer, "mxfp8": MXFP8Quantizer}
+
+
+def quantizer_for(config, use_te: bool = True):
+    """The run's quantizer (unsupported_reasons refuses other recipes first)."""
+    return QUANTIZERS[_recipe(config)](use_te=use_te)
+
+
 class _DequantizeRows(torch.autograd.Function):
     """Forward: the received fp8 rows dequantized to x's dtype. Backward: the dispatch's own,
     the row gradients summed back to their tokens (hybrid_ep's combine)."""
@@ -112,7 +154,7 @@ class _DequantizeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, rows_RH, scales_RB, call):
         ctx.buffer, ctx.handle = call
-        return dequantize_fp8(rows_RH, scales_RB, x_TH.dtype)
+        return dequantize_rows(rows_RH, scales_RB, x_TH.dtype)
 
     @staticmethod
     def backward(ctx, grad_rows_RH):
@@ -133,7 +175,7 @@ class _CombineFp8Grad(torch.autograd.Function):
     def backward(ctx, grad_y_TH):
         q_TH, scales_TB = ctx.quantizer(grad_y_TH.contiguous())
         res = ctx.buffer.dispatch(q_TH, scales=scales_TB, handle=ctx.handle)
-        return dequantize_fp8(res.tokens, res.scales, ctx.dtype), None
+        return dequantize_rows(res.tokens, res.scales, ctx.dtype), None
 
 
 def dispatch(buffer, x_TH, quantizer, *, num_out_tokens=None, num_sms=None, **routing):
@@ -147,7 +189,7 @@ def dispatch(buffer, x_TH, quantizer, *, num_out_tokens=None, num_sms=None, **ro
     if torch.is_grad_enabled() and x_TH.requires_grad:
         rows = _DequantizeRows.apply(x_TH, res.tokens, res.scales, (buffer, res.handle))
     else:
-        rows = dequantize_fp8(res.tokens, res.scales, x_TH.dtype)
+        rows = dequantize_rows(res.tokens, res.scales, x_TH.dtype)
     return res, rows
 
 
@@ -163,7 +205,7 @@ class _QuantizeRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows_RH, quantizer):
-        return dequantize_fp8(*quantizer(rows_RH.contiguous()), rows_RH.dtype)
+        return dequantize_rows(*quantizer(rows_RH.contiguous()), rows_RH.dtype)
 
     @staticmethod
     def backward(ctx, grad_RH):
@@ -180,7 +222,7 @@ class _QuantizeGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RH):
-        return dequantize_fp8(*ctx.quantizer(grad_RH.contiguous()), grad_RH.dtype), None
+        return dequantize_rows(*ctx.quantizer(grad_RH.contiguous()), grad_RH.dtype), None
 
 
 def quantize_expert_rows(experts, quantizer) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..config import BufferConfig
 from ..dtypes import combine_dtype_for
-from ..fp8 import FP8_DTYPE, quantize_fp8
+from ..fp8 import FP8_DTYPE, quantize_fp8, quantize_mxfp8
 from ..synthetic import drop_routes, iter_rank_routings, random_weights
 from .compare import assert_combine_within, assert_dispatch_matches
 from .oracle import combine_hops_oracle, dispatch_oracle
@@ -41,6 +41,7 @@ class Case:
     backend: str = "reference"
     seed: int = 0
     peer_memory_bytes: int | None = None  # the cuda backend's arena (None: its default)
+    scale_format: str = "blockwise"  # fp8 rows' scales: "blockwise" (1x128 fp32) or "mxfp8" (1x32 E8M0)
 
     @property
     def config(self) -> BufferConfig:
@@ -58,7 +59,8 @@ class Case:
                 f"T{list(self.tokens)} K{self.topk} {dt} {self.routing} drop{self.drop_fraction} "
                 f"pad{self.pad_multiple} min{self.min_rows_per_expert} out{self.num_out_tokens}"
                 + ("" if self.wire_dtype is None else f" wire {str(self.wire_dtype).replace('torch.', '')}")
-                + ("" if self.peer_memory_bytes is None else f" arena {self.peer_memory_bytes}"))
+                + ("" if self.peer_memory_bytes is None else f" arena {self.peer_memory_bytes}")
+                + ("" if self.scale_format == "blockwise" else f" {self.scale_format}"))
 
 
 def make_rank_inputs(case: Case) -> list[dict]:
@@ -88,7 +90,8 @@ def make_rank_inputs(case: Case) -> list[dict]:
         x32 = torch.randn(T, case.hidden, generator=gen)
         inputs = {"topk_idx": idx, "topk_weights": weights}
         if case.dtype == FP8_DTYPE:
-            inputs["x"], inputs["scales"] = quantize_fp8(x32)
+            quantize = quantize_mxfp8 if case.scale_format == "mxfp8" else quantize_fp8
+            inputs["x"], inputs["scales"] = quantize(x32)
         else:
             inputs["x"], inputs["scales"] = x32.to(case.dtype), None
         ranks.append(inputs)

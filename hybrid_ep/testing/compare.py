@@ -47,7 +47,12 @@ def assert_dispatch_matches(got: dict, want: OracleDispatch, where: str = "") ->
     if want.scales is None:
         assert got["scales"] is None, f"{tag}scales should be None"
     else:
-        assert torch.equal(_bytes(got["scales"], want.scales), _bytes(want.scales, want.scales)), (
+        scales = got["scales"]
+        form = (want.scales.dtype, tuple(want.scales.shape))
+        assert scales is not None and (scales.dtype, tuple(scales.shape)) == form, (
+            f"{tag}scales {None if scales is None else (scales.dtype, tuple(scales.shape))} are not in the "
+            f"oracle's format {form}")
+        assert torch.equal(_bytes(scales, want.scales), _bytes(want.scales, want.scales)), (
             f"{tag}scales differ from the oracle")
     assert torch.equal(got["probs"].to(want.probs.device), want.probs), f"{tag}probs differ from the oracle"
     assert torch.equal(got["tokens_per_expert"].to(want.tokens_per_expert.device), want.tokens_per_expert), (

@@ -25,7 +25,7 @@ class OracleDispatch:
     """Expected dispatch result of one rank."""
 
     tokens: torch.Tensor  # [R, H] dtype of x
-    scales: torch.Tensor | None  # [R, H/128] float32
+    scales: torch.Tensor | None  # [R, H/128] float32, or MXFP8's [R, H/32] E8M0 bytes
     probs: torch.Tensor  # [R] float32
     tokens_per_expert: torch.Tensor  # [L] int64
     num_dropped: int
@@ -89,7 +89,7 @@ def dispatch_oracle(
             extra = block - real
             pieces.append(torch.zeros(extra, H, dtype=xs[0].dtype, device=dev))
             if scales is not None:
-                scale_pieces.append(torch.zeros(extra, H // 128, dtype=torch.float32, device=dev))
+                scale_pieces.append(scales[0].new_zeros((extra,) + scales[0].shape[1:]))  # either format
             prob_pieces.append(torch.zeros(extra, dtype=torch.float32, device=dev))
             pos += extra
             counts.append(pos - start)
@@ -115,7 +115,7 @@ def dispatch_oracle(
                 tokens_RH = torch.cat([tokens_RH, torch.zeros(grow, H, dtype=tokens_RH.dtype, device=dev)])
                 probs_R = torch.cat([probs_R, torch.zeros(grow, device=dev)])
                 if scales_R is not None:
-                    scales_R = torch.cat([scales_R, torch.zeros(grow, H // 128, device=dev)])
+                    scales_R = torch.cat([scales_R, scales_R.new_zeros((grow,) + scales_R.shape[1:])])
             counts_L = ends.clamp(max=R) - starts.clamp(max=R)
         else:
             counts_L = ends - starts

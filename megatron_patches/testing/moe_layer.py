@@ -169,9 +169,9 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, qu
     _, _, _, x_all, grad_out = case_tensors(case)
     layer = seeded_layer(case, rank, config_overrides)
     if quantizing_experts:
-        from ..wire_fp8 import BlockwiseQuantizer, quantize_expert_rows
+        from ..wire_fp8 import QUANTIZERS, quantize_expert_rows
 
-        quantize_expert_rows(layer.experts, BlockwiseQuantizer())
+        quantize_expert_rows(layer.experts, QUANTIZERS[(config_overrides or {}).get("fp8_recipe", "blockwise")]())
     router_out = {}
     hook = layer.router.register_forward_hook(lambda m, i, out: router_out.update(probs=out[0], map=out[1]))
     x = x_all[rank].float().clone().requires_grad_()

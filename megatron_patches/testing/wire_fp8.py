@@ -1,6 +1,7 @@
 """fp8 on the wire against the oracle: what each rank of a pool runs, and the check.
 
-`check_wire_case(pool, case)` quantizes every rank's bf16 tokens by the blockwise rule, runs
+`check_wire_case(pool, case)` quantizes every rank's bf16 tokens by the blockwise rule (or the
+MXFP8 rule: case.scale_format), runs
 the fp8 dispatch and the combine with an fp8 backward of `megatron_patches.wire_fp8` on each
 rank, and asserts, bit for bit: the received fp8 rows and scales against the dense oracle of
 the quantized tokens; the combine's backward (the expert rows' gradient) against the oracle's
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_ep.fp8 import dequantize_fp8, quantize_blockwise
+from hybrid_ep.fp8 import dequantize_rows, quantize_blockwise, quantize_mxfp8
 from hybrid_ep.testing.cases import Case, make_rank_inputs
 from hybrid_ep.testing.compare import assert_dispatch_matches
 from hybrid_ep.testing.oracle import dispatch_oracle
@@ -37,7 +38,7 @@ def wire_on_rank(case: Case, inputs: dict, grad_rows: torch.Tensor, grad_probs: 
     from .. import wire_fp8
 
     buf = _buffer(case)
-    quantizer = wire_fp8.BlockwiseQuantizer(use_te=False)
+    quantizer = wire_fp8.QUANTIZERS[case.scale_format](use_te=False)
     routed = dict(num_out_tokens=case.num_out_tokens, topk_idx=inputs["topk_idx"])
     x = inputs["x"].clone().requires_grad_()
     w = inputs["topk_weights"].clone().requires_grad_()
@@ -64,7 +65,8 @@ def check_wire_case(pool, case: Case) -> list[dict]:
         raise ValueError(f"case.dtype must be torch.bfloat16 (the rows fp8 travels for), got {case.dtype}")
     cfg = case.config
     inputs = make_rank_inputs(case)
-    wire = [quantize_blockwise(i["x"]) for i in inputs]
+    quantize = quantize_mxfp8 if case.scale_format == "mxfp8" else quantize_blockwise
+    wire = [quantize(i["x"]) for i in inputs]
     idx = [i["topk_idx"] for i in inputs]
     run = dispatch_oracle(cfg, [q for q, _ in wire], idx, [i["topk_weights"] for i in inputs],
                           [s for _, s in wire], case.num_out_tokens)
@@ -73,7 +75,7 @@ def check_wire_case(pool, case: Case) -> list[dict]:
     grad_probs = [torch.randn(r.probs.shape, generator=gen) for r in run.ranks]
     grad_y = [torch.randn(i["x"].shape, generator=gen).to(torch.bfloat16) for i in inputs]
     # The combine's backward: the oracle's dispatch of the quantized output gradient.
-    wire_grad = [quantize_blockwise(g) for g in grad_y]
+    wire_grad = [quantize(g) for g in grad_y]
     grad_run = dispatch_oracle(cfg, [q for q, _ in wire_grad], idx, None, [s for _, s in wire_grad],
                                case.num_out_tokens)
     args = [(case, inputs[r], grad_rows[r], grad_probs[r], grad_y[r]) for r in range(case.world_size)]
@@ -82,8 +84,8 @@ def check_wire_case(pool, case: Case) -> list[dict]:
         where = f"{case} rank {r}"
         want = run.ranks[r]
         assert_dispatch_matches(got, want, where)
-        assert torch.equal(got["rows"], dequantize_fp8(want.tokens, want.scales, torch.bfloat16)), where
-        want_grad = dequantize_fp8(grad_run.ranks[r].tokens, grad_run.ranks[r].scales, torch.bfloat16)
+        assert torch.equal(got["rows"], dequantize_rows(want.tokens, want.scales, torch.bfloat16)), where
+        want_grad = dequantize_rows(grad_run.ranks[r].tokens, grad_run.ranks[r].scales, torch.bfloat16)
         assert torch.equal(got["grad_expert_out"], want_grad), f"{where}: the combine's fp8 backward"
         assert torch.equal(got["grad_x"], got["grad_x16"]), f"{where}: the dispatch's backward to x"
         assert torch.equal(got["grad_w"], got["grad_w16"]), f"{where}: the dispatch's backward to the weights"

@@ -30,6 +30,7 @@ CASES = {
     "router_padding_for_quantization": (dict(topk=3), {}, {"moe_router_padding_for_quantization": True,
                                                             "fp8": "e4m3"}),
     "balancer_slots": (dict(topk=2), dict(balancer_interval=1), {}),
+    "mxfp8": (dict(topk=2), {}, {"fp8_recipe": "mxfp8"}),
 }
 
 
@@ -38,7 +39,8 @@ def test_fp8_wire_layer_equals_alltoall_with_quantizing_experts(pool_for, name):
     shape, options, overrides = CASES[name]
     case = LayerCase(world_size=2, hidden=128, ffn=32, **shape)
     pool = pool_for(2)
-    ours_overrides = {"fp8_recipe": "blockwise", "hybrid_ep_options": HybridEPOptions(**FP8, **options), **overrides}
+    ours_overrides = {"fp8_recipe": "blockwise", "hybrid_ep_options": HybridEPOptions(**FP8, **options),
+                      **overrides}
     run = run_fp8_layer_with_slots if options.get("balancer_interval") else run_moe_layer_case
     ours = pool.run(run, [(case, ours_overrides)] * 2)
     stock = pool.run(run_moe_layer_case, [(LayerCase(world_size=2, hidden=128, ffn=32, dispatcher="alltoall",

@@ -52,6 +52,8 @@ WRAPS = [
     # every token to one expert; fp8 rows and scales
     hierarchy_case(2, 2, routing="one-expert", topk=1, tokens=(300,) * 4),
     hierarchy_case(4, 2, num_experts=16, topk=8, dtype=FP8_DTYPE, tokens=(128, 0, 97, 65, 33, 1, 160, 96)),
+    hierarchy_case(4, 2, num_experts=16, topk=8, dtype=FP8_DTYPE, tokens=(5, 0, 97, 65, 33, 1, 16, 9),
+                   scale_format="mxfp8"),
     # a bf16 wire (the default) and an fp32 wire for bf16 and fp16 rows
     hierarchy_case(2, 2, num_experts=16, topk=8, tokens=(300, 1, 64, 97), wire_dtype=torch.float32),
     hierarchy_case(3, 2, dtype=torch.float16, apply_probs=True, tokens=(130, 257, 5, 0, 64, 33),

@@ -82,6 +82,9 @@ CASES = [
     _case(2, num_experts=4, hidden=768, dtype=FP8_DTYPE, tokens=(17, 5)),
     _case(2, hidden=16896, dtype=FP8_DTYPE, tokens=(3, 2)),
     _case(4, num_experts=16, hidden=512, dtype=FP8_DTYPE, tokens=(64, 17, 1, 0), topk=8),
+    # MXFP8's 1x32 E8M0 scales: the same bytes a row as 1x128 fp32 ones (fp8.wire_scales)
+    _case(3, hidden=128, dtype=FP8_DTYPE, tokens=(17, 64, 0), pad_multiple=16, scale_format="mxfp8"),
+    _case(2, hidden=16896, dtype=FP8_DTYPE, tokens=(3, 2), scale_format="mxfp8"),
     # the reducers' straight block for the widest segments, its last vector clamped: 7 whole
     # vectors a thread (H = 7168, with weights) and 7 or 8 (H = 7200: the last round partial)
     _case(2, hidden=7168, apply_probs=True, tokens=(5, 3)),
@@ -107,6 +110,8 @@ CASES = [
     _case(2, num_out_tokens=0, tokens=(8, 8)),
     _case(4, num_experts=16, num_out_tokens=37, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0)),
     _case(4, num_experts=16, num_out_tokens=37, hidden=512, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0)),
+    _case(4, num_experts=16, num_out_tokens=37, hidden=512, dtype=FP8_DTYPE, topk=8, tokens=(64, 17, 1, 0),
+          scale_format="mxfp8"),
 ]
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ... import inputs
 from ...config import BufferConfig, KernelConfig
+from ...fp8 import scales_from_wire, wire_scales
 from ...handle import DispatchHandle, DispatchResult
 from ...routing import normalize_routing
 from . import load_extension
@@ -127,16 +128,16 @@ class EmulatedGroup:
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, known_bounds=None):
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_dispatch
-        per_rank = self.engine.dispatch_ranks(list(xs), list(scales), routings, num_out_tokens, num_sms, known_rows,
-                                              known_bounds)
+        per_rank = self.engine.dispatch_ranks(list(xs), [wire_scales(s) for s in scales], routings, num_out_tokens,
+                                              num_sms, known_rows, known_bounds)
         out = []
-        for r, (res, routing) in enumerate(zip(per_rank, routings)):
+        for r, (res, routing, given) in enumerate(zip(per_rank, routings, scales)):
             # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
             # are views of the call's workspace, read from dest when asked for; tokens_per_expert
             # likewise, from the handle.
             handle = DispatchHandle(self.owner, self.config, r, routing, res.send, res.recv, res.probs_R,
                                     num_out_tokens)
-            out.append(DispatchResult(res.rows_RH, res.scales_RB, res.probs_R, handle))
+            out.append(DispatchResult(res.rows_RH, scales_from_wire(res.scales_RB, given), res.probs_R, handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.fp8 import FP8_DTYPE, dequantize_fp8, quantize_blockwise
+from hybrid_ep.fp8 import FP8_DTYPE, dequantize_fp8, dequantize_rows, quantize_blockwise, quantize_mxfp8
 from hybrid_ep.testing.cases import Case
 from megatron_patches import wire_fp8
 from megatron_patches.options import HybridEPOptions, add_arguments, from_args
@@ -83,6 +83,10 @@ WIRE_CASES = [
     # static size (drop-and-pad / rank capacity): overflow dropped, trailing zero rows
     Case(4, 2, 8, 256, (31, 7, 1, 0), 4, torch.bfloat16, num_out_tokens=40, seed=3),
     Case(4, 2, 8, 128, (3, 0, 2, 5), 2, torch.bfloat16, num_out_tokens=64, seed=4),
+    # MXFP8's 1x32 E8M0 scales, one node and 2 nodes x 2, odd and zero token counts
+    Case(4, 4, 8, 256, (17, 0, 5, 33), 3, torch.bfloat16, seed=5, scale_format="mxfp8"),
+    Case(4, 2, 8, 384, (9, 23, 0, 1), 2, torch.bfloat16, drop_fraction=0.2, pad_multiple=8, seed=6,
+         scale_format="mxfp8"),
 ]
 
 
@@ -114,17 +118,33 @@ def test_runs_it_cannot_serve_are_refused_naming_the_option():
     both = HybridEPOptions(dispatch_fp8=True, combine_grad_fp8=True)
     assert wire_fp8.unsupported_reasons(_config(), both) == []
     assert wire_fp8.unsupported_reasons(_config(fp8_recipe="delayed"), HybridEPOptions()) == []
-    mx = wire_fp8.unsupported_reasons(_config(fp8_recipe="mxfp8"), HybridEPOptions(dispatch_fp8=True))
-    assert mx == ["--hybrid-ep-dispatch-fp8 with --fp8-recipe mxfp8: its 1x32 E8M0 scales do not travel "
-                  "through hybrid_ep's kernels; use --fp8-recipe blockwise (1x128 fp32 scales) or drop "
-                  "--hybrid-ep-dispatch-fp8"]
+    assert wire_fp8.unsupported_reasons(_config(fp8_recipe="mxfp8"), both) == []
     delayed = wire_fp8.unsupported_reasons(_config(fp8_recipe="delayed"), HybridEPOptions(combine_grad_fp8=True))
-    assert len(delayed) == 1 and delayed[0].startswith("--hybrid-ep-combine-grad-fp8 needs --fp8-recipe blockwise")
-    assert "got fp8_recipe='delayed'" in delayed[0]
+    assert delayed == ["--hybrid-ep-combine-grad-fp8 needs --fp8-recipe blockwise (1x128 fp32 scales) or mxfp8 "
+                       "(1x32 E8M0 scales), the fp8 rows hybrid_ep carries, got fp8_recipe='delayed'; set one of "
+                       "them or drop --hybrid-ep-combine-grad-fp8"]
     odd = wire_fp8.unsupported_reasons(_config(hidden_size=200), HybridEPOptions(dispatch_fp8=True))
-    assert odd == ["--hybrid-ep-dispatch-fp8 needs hidden_size a multiple of 128 (one scale per 128 values), got 200"]
+    assert odd == ["--hybrid-ep-dispatch-fp8 needs hidden_size a multiple of 128 (a row's scales travel in 4-byte "
+                   "words of 128 values), got 200"]
     hybrid = wire_fp8.unsupported_reasons(_config(fp8="hybrid"), both)
     assert len(hybrid) == 1 and hybrid[0].startswith("--hybrid-ep-combine-grad-fp8 with --fp8-format hybrid")
+
+
+def test_each_recipe_gets_its_quantizer():
+    """--fp8-recipe picks the rule: blockwise's fp32 [T, H/128] scales, mxfp8's E8M0 [T, H/32]
+    bytes; without Transformer Engine (here) each is the torch rule of hybrid_ep.fp8."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    blockwise = wire_fp8.quantizer_for(_config(), use_te=False)
+    mx = wire_fp8.quantizer_for(_config(fp8_recipe="mxfp8"), use_te=False)
+    q, s = blockwise(x)
+    assert s.dtype == torch.float32 and s.shape == (5, 2) and torch.equal(s, quantize_blockwise(x)[1])
+    q, e = mx(x)
+    want_q, want_e = quantize_mxfp8(x)
+    assert e.dtype == torch.uint8 and e.shape == (5, 8) and torch.equal(e, want_e)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # power-of-two scales: the experts' own MXFP8 quantization of the dequantized rows gives them back
+    d = dequantize_rows(q, e, torch.bfloat16)
+    assert torch.equal(dequantize_rows(*quantize_mxfp8(d), torch.bfloat16), d)
 
 
 def test_fp8_bytes_by_the_traffic_model():

@@ -36,6 +36,7 @@ def _cases():
             dict(topk=min(3, E), dtype=torch.bfloat16, routing="one-expert", pad_multiple=64),
             dict(topk=min(4, E), dtype=torch.float32, num_out_tokens=3, drop_fraction=0.1),
             dict(topk=min(5, E), dtype=FP8, num_out_tokens=500, pad_multiple=8, routing_map=True),
+            dict(topk=min(3, E), dtype=FP8, num_out_tokens=5, pad_multiple=8, scale_format="mxfp8"),
             dict(topk=max_k, dtype=torch.float32, routing="zipf", routing_map=True, apply_probs=True),
         ]
         for v in variants:
