@@ -78,6 +78,7 @@ def dispatcher_args(d: dict, b: dict) -> list[str]:
     _flag(a, "--hybrid-ep-static-size-factor", d["static_size_factor"])
     _flag(a, "--hybrid-ep-max-tokens-per-rank", d["max_tokens_per_rank"])
     _flag(a, "--hybrid-ep-backend", d["backend"] if d["backend"] != "auto" else None)
+    _flag(a, "--hybrid-ep-dispatch-fp8", d["dispatch_fp8"])
     if b["interval"] > 0:
         _flag(a, "--hybrid-ep-balancer-interval", b["interval"])
         _flag(a, "--hybrid-ep-balancer-slots-per-rank", b["slots_per_rank"])

@@ -100,6 +100,7 @@ _PRETRAIN = {
         "max_tokens_per_rank": ("int?", None),
         "backend": ("str", "auto"),
         "calibrate": ("bool", False),  # time reference against cuda first; auto follows it (render.calibration)
+        "dispatch_fp8": ("bool", False),  # fp8 rows on the forward dispatch (precision fp8 only; not measured yet)
     },
     "balancer": {
         "interval": ("int", 0),

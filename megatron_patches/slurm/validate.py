@@ -284,6 +284,9 @@ def _dispatcher(recipe, problems):
     factor = recipe["dispatcher.static_size_factor"]
     if factor is not None and not factor > 0:
         problems.append(("dispatcher.static_size_factor", f"must be > 0 or null, got {factor}"))
+    if recipe["dispatcher.dispatch_fp8"] and (kind != "hybrid_ep" or recipe["precision"] != "fp8"):
+        problems.append(("dispatcher.dispatch_fp8", "needs the hybrid_ep dispatcher and precision fp8 (the rows are "
+                                                    "quantized by the run's fp8 recipe, blockwise)"))
     if recipe["dispatcher.calibrate"] and (kind != "hybrid_ep" or recipe["dispatcher.backend"] != "auto"):
         problems.append(("dispatcher.calibrate", "only applies to the hybrid_ep dispatcher with backend auto "
                                                  "(the measurement is what auto follows)"))

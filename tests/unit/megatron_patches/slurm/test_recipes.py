@@ -383,7 +383,17 @@ INVALID = [
      "with backend auto"),
     ("tiny_moe", ["--set", "dispatcher.calibrate=true", "--set", "dispatcher.type=alltoall"], "dispatcher.calibrate",
      "only applies to the hybrid_ep dispatcher"),
+    ("tiny_moe", ["--set", "dispatcher.dispatch_fp8=true"], "dispatcher.dispatch_fp8", "precision fp8"),
 ]
+
+
+def test_fp8_dispatch_is_a_recipe_field_off_by_default():
+    """dispatcher.dispatch_fp8 with precision fp8 renders --hybrid-ep-dispatch-fp8 beside the
+    recipe's TE flags; no recipe turns it on (not measured faster yet)."""
+    for name in ("deepseek_v3", "deepseek_v3_proxy", "mixtral_8x7b", "qwen3_30b_a3b", "tiny_moe"):
+        assert "--hybrid-ep-dispatch-fp8" not in render.render(cli.load_checked(path_of(name), [])), name
+    text = render.render(cli.load_checked(path_of("deepseek_v3"), ["precision=fp8", "dispatcher.dispatch_fp8=true"]))
+    assert "--hybrid-ep-dispatch-fp8" in text and "--fp8-recipe blockwise" in text
 
 
 @pytest.mark.parametrize("name,args,field,rule", INVALID, ids=[f"{c[0]}:{c[2]}" for c in INVALID])
