@@ -48,6 +48,7 @@ CASES = [
     _case(4, hidden=7168, dtype=FP8_DTYPE, tokens=(4095, 17, 1, 0), topk=8, num_experts=32),
     _case(2, hidden=8192, dtype=torch.float32, tokens=(4096, 4095)),
     _case(8, hidden=128, dtype=FP8_DTYPE, tokens=(0, 1, 17, 4095, 4096, 5, 0, 9), topk=8, num_experts=64),
+    _case(4, hidden=7168, dtype=FP8_DTYPE, tokens=(4095, 17, 1, 0), topk=8, num_experts=32, scale_format="mxfp8"),
     # routing shapes: dropped routes, one hot expert
     _case(4, drop_fraction=0.3, topk=8, num_experts=16, tokens=(200, 17, 0, 129)),
     _case(8, routing="one-expert", topk=2, tokens=(333,) * 8),
