@@ -264,13 +264,18 @@ def fabric_refusal(device_index: int) -> str | None:
     return ext.fabric_probe(device_index) or None
 
 
+def local_host(global_rank: int) -> tuple[str, int | None]:
+    """This process's host as members compare it (Place.host_key): host name and launcher node."""
+    lws = launcher_local_world_size()
+    return this_host(), global_rank // lws if lws else None
+
+
 def local_place(global_rank: int) -> Place:
     """Where this process runs; the GPU fabric is looked at only with a CUDA device (the current one)."""
-    lws = launcher_local_world_size()
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     cluster, clique, no_clique = fabric_clique(device)
     fabric = fabric_refusal(device) if cluster and device is not None else None
-    return Place(this_host(), global_rank // lws if lws else None, cluster, clique, fabric, no_clique)
+    return Place(*local_host(global_rank), cluster, clique, fabric, no_clique)
 
 
 def _log_once(level: int, line: str) -> None:
@@ -309,4 +314,4 @@ def resolve_ranks_per_node(global_ranks: list[int], requested, local_world_size:
 
 
 __all__ = ["MAX_DOMAIN_RANKS", "Domain", "Place", "contiguous_ranks_per_node", "decide_domain", "group_domain",
-           "group_ranks_per_node", "local_place", "resolve_ranks_per_node"]
+           "group_ranks_per_node", "local_host", "local_place", "resolve_ranks_per_node"]

@@ -83,7 +83,7 @@ def _refused(places: list[Place], rank: int, why: str) -> list[Place]:
     return [dataclasses.replace(p, fabric=why) if r == rank else p for r, p in enumerate(places)]
 
 
-NO_IMEX = "cuMemCreate (fabric) failed (CUresult 401): no IMEX channel is open to this process"
+NO_IMEX = "cuMemCreate (fabric) failed (CUresult 800): no IMEX channel is open to this process"
 
 # (case, places, ranks_per_node asked, (G, unit, spans hosts) or the ValueError's words)
 DOMAIN_TABLE = [
