@@ -478,8 +478,9 @@ def test_a_node_across_hosts_without_fabric_handles_is_refused_by_name(monkeypat
         out[:] = [(refused if r == 3 else "", hosts[r]) for r in range(4)]
 
     monkeypatch.setattr(registered.dist, "all_gather_object", gather)
-    with pytest.raises(RuntimeError, match=r"EP ranks 0..3 \(ranks_per_node=4\) share an NVLink domain across 2 hosts, "
-                                           r"which only fabric handles cross, but they do not work on rank 3: cuMemCreate"):
+    with pytest.raises(RuntimeError, match=r"EP ranks 0..3 \(ranks_per_node=4\) share an NVLink domain across 2 "
+                                           r"hosts, which only fabric handles cross, but they do not work on rank 3: "
+                                           r"cuMemCreate"):
         registered._handle_kind(_FabricExt(""), None, 0, 4)
     assert registered._handle_kind(_FabricExt(""), None, 0, 2) == registered.IPC  # ranks 0 and 1: one host
 
