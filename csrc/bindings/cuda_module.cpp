@@ -52,6 +52,8 @@ struct DevicePeerMemory {
   static constexpr auto free_reservation = &peer_memory::free_reservation;
   static constexpr auto create = &peer_memory::create;
   static constexpr auto import_fd = &peer_memory::import_fd;
+  static constexpr auto export_fabric = &peer_memory::export_fabric;
+  static constexpr auto import_fabric = &peer_memory::import_fabric;
   static constexpr auto map = &peer_memory::map;
   static constexpr auto unmap = &peer_memory::unmap;
   static constexpr auto release = &peer_memory::release;

@@ -5,6 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <string>
+
 namespace hybrid_ep::bindings {
 
 namespace py = pybind11;
@@ -16,10 +19,20 @@ void bind_peer_memory(py::module_& m) {
         "bytes every chunk and mapping of peer memory is a multiple of");
   m.def("peer_reserve", Backend::reserve, py::arg("nbytes"), "a range of virtual addresses, no memory behind it");
   m.def("peer_free_reservation", Backend::free_reservation, py::arg("va"), py::arg("nbytes"));
-  m.def("peer_create", Backend::create, py::arg("nbytes"), py::arg("device"),
-        "a new chunk: (handle, a file descriptor sharing it, the caller's to close)");
+  m.def("peer_create", Backend::create, py::arg("nbytes"), py::arg("device"), py::arg("fabric") = false,
+        "a new chunk: (handle, a file descriptor sharing it, the caller's to close); fabric: also exportable "
+        "as a fabric handle");
   m.def("peer_import", Backend::import_fd, py::arg("fd"), py::arg("device"),
         "a peer's chunk from its file descriptor (which stays the caller's to close): its handle");
+  m.def(
+      "peer_export_fabric", [](uint64_t handle) { return py::bytes(Backend::export_fabric(handle)); },
+      py::arg("handle"), "a chunk made with fabric=True as a fabric handle: 64 opaque bytes, no file descriptor");
+  m.def(
+      "peer_import_fabric",
+      [](const py::bytes& fabric_handle, int device) {
+        return Backend::import_fabric(std::string(fabric_handle), device);
+      },
+      py::arg("fabric_handle"), py::arg("device"), "a peer's chunk from the fabric handle it published: its handle");
   m.def("peer_map", Backend::map, py::arg("va"), py::arg("nbytes"), py::arg("handle"), py::arg("device"));
   m.def("peer_unmap", Backend::unmap, py::arg("va"), py::arg("nbytes"));
   m.def("peer_release", Backend::release, py::arg("handle"));

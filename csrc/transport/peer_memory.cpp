@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "transport/driver.h"
 
@@ -12,8 +14,18 @@ namespace {
 
 using driver::check;
 
-CUmemAllocationProp chunk_prop(int device) {
-  return driver::device_memory(device, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+CUmemAllocationProp chunk_prop(int device, bool fabric = false) {
+  const auto types = static_cast<CUmemAllocationHandleType>(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR |
+                                                            (fabric ? CU_MEM_HANDLE_TYPE_FABRIC : 0));
+  return driver::device_memory(device, types);
+}
+
+// check(), with the likely cause of a refused fabric handle named.
+void check_fabric(CUresult res, const char* what) {
+  if (res == CUDA_ERROR_NOT_PERMITTED)
+    throw std::runtime_error(std::string("hybrid_ep: ") + what + " failed (CUresult " +
+                             std::to_string(static_cast<int>(res)) + "): no IMEX channel is open to this process");
+  check(res, what);
 }
 
 }  // namespace
@@ -36,12 +48,13 @@ void free_reservation(uint64_t va, size_t bytes) {
   check(driver::get().address_free(static_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree (peer memory)");
 }
 
-std::pair<uint64_t, int> create(size_t bytes, int device) {
+std::pair<uint64_t, int> create(size_t bytes, int device, bool fabric) {
   check(cudaSetDevice(device), "cudaSetDevice");
   const driver::Driver& d = driver::get();
-  CUmemAllocationProp prop = chunk_prop(device);
+  CUmemAllocationProp prop = chunk_prop(device, fabric);
   CUmemGenericAllocationHandle handle;
-  check(d.create(&handle, bytes, &prop, 0), "cuMemCreate (peer memory)");
+  if (fabric) check_fabric(d.create(&handle, bytes, &prop, 0), "cuMemCreate (peer memory, fabric)");
+  else check(d.create(&handle, bytes, &prop, 0), "cuMemCreate (peer memory)");
   int fd = -1;
   const CUresult res = d.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
   if (res != CUDA_SUCCESS) {
@@ -57,6 +70,28 @@ uint64_t import_fd(int fd, int device) {
   check(driver::get().import_handle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
         "cuMemImportFromShareableHandle (peer memory)");
+  return static_cast<uint64_t>(handle);
+}
+
+std::string export_fabric(uint64_t handle) {
+  CUmemFabricHandle fh;
+  check_fabric(
+      driver::get().export_handle(&fh, static_cast<CUmemGenericAllocationHandle>(handle), CU_MEM_HANDLE_TYPE_FABRIC, 0),
+      "cuMemExportToShareableHandle (peer memory, fabric)");
+  return std::string(reinterpret_cast<const char*>(&fh), sizeof(fh));
+}
+
+uint64_t import_fabric(const std::string& fabric_handle, int device) {
+  if (fabric_handle.size() != sizeof(CUmemFabricHandle))
+    throw std::invalid_argument("hybrid_ep: peer memory: a fabric handle is " +
+                                std::to_string(sizeof(CUmemFabricHandle)) + " bytes, got " +
+                                std::to_string(fabric_handle.size()));
+  check(cudaSetDevice(device), "cudaSetDevice");
+  CUmemFabricHandle fh;
+  std::memcpy(&fh, fabric_handle.data(), sizeof(fh));
+  CUmemGenericAllocationHandle handle;
+  check_fabric(driver::get().import_handle(&handle, &fh, CU_MEM_HANDLE_TYPE_FABRIC),
+               "cuMemImportFromShareableHandle (peer memory, fabric)");
   return static_cast<uint64_t>(handle);
 }
 

@@ -1,5 +1,7 @@
 """The peer-memory protocol between processes, on the CPU model's memory (memfd chunks, mapped
-shared at each process's own addresses, handed over as file descriptors on a Unix socket).
+shared at each process's own addresses, handed over as file descriptors on a Unix socket, or,
+between ranks given different hosts, as the model's stand-in for fabric handles published in the
+group's store).
 
 Run on every rank of a gloo pool (tests/model/test_peer_memory.py). The count kernel's count exchange
 is the one part stood in for: the agreement words and each rank's rows are all-gathered over
@@ -12,14 +14,17 @@ marks through its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from .. import topology
 from ..backends.cuda import peer_memory
 from ..backends.cuda.arena import arena_take, memory_tensor
+from ..backends.cuda.fabric_channel import FabricBoard, group_store
 from ..config import BufferConfig
 
 H = 1024  # fp32 rows of 4 KiB: a few hundred rows take more than one CHUNK
@@ -34,19 +39,70 @@ def _chunk_mappings() -> int:
         return sum("hybrid_ep_peer_chunk" in line for line in f)
 
 
+NO_IMEX = "failed (CUresult 800): no IMEX channel is open to this process"
+
+
+class RefusingExtension:
+    """The extension, with its fabric-handle calls refused while `refused` names them ("export",
+    "import"), as the driver refuses them without an IMEX channel."""
+
+    def __init__(self, ext):
+        self._ext, self.refused = ext, set()
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def peer_export_fabric(self, handle):
+        if "export" in self.refused:
+            raise RuntimeError(f"hybrid_ep: cuMemExportToShareableHandle (peer memory, fabric) {NO_IMEX}")
+        return self._ext.peer_export_fabric(handle)
+
+    def peer_import_fabric(self, fabric_handle, device):
+        if "import" in self.refused:
+            raise RuntimeError(f"hybrid_ep: cuMemImportFromShareableHandle (peer memory, fabric) {NO_IMEX}")
+        return self._ext.peer_import_fabric(fabric_handle, device)
+
+
+@contextlib.contextmanager
+def on_host(name: str | None):
+    """This process's host name, as the members compare it, is `name` (None: the real one)."""
+    real = topology.this_host
+    if name is not None:
+        topology.this_host = lambda: name
+    try:
+        yield
+    finally:
+        topology.this_host = real
+
+
+def _records_left(token: str, rank: int, offsets: list[int]) -> int:
+    """This rank's chunk records still in the group's store."""
+    board = FabricBoard(group_store(), token, rank)
+    return sum(board.store.check([f"{rank}/{o}"]) for o in offsets)
+
+
 def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[int]], fail_import: tuple | None,
-                         trim_at: int | None, release_before_trim: bool) -> dict:
+                         trim_at: int | None, release_before_trim: bool, hosts: list[str] | None = None,
+                         refuse: tuple | None = None) -> dict:
     """calls[n][d]: rank d's rows in call n. fail_import: (call, rank) whose fetches fail in that
-    call. trim_at: the call before which every rank asks to release unused memory."""
+    call. trim_at: the call before which every rank asks to release unused memory. hosts: each
+    rank's host name (None: the machine's). refuse: (call, rank, "export" or "import"): the
+    fabric-handle call refused on that rank in that call."""
+    with on_host(None if hosts is None else hosts[dist.get_rank()]):
+        return _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse)
+
+
+def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse) -> dict:
     from ..backends.cuda import load_extension
     from ..backends.cuda.peer_setup import close_peer_memory, process_agreement
 
     rank = dist.get_rank()
     fds_before, maps_before = _open_fds(), _chunk_mappings()
-    ext = load_extension("cpu")
+    ext = RefusingExtension(load_extension("cpu"))
     config = BufferConfig(H, 4096, 2 * world_size, world_size, ranks_per_node).validate()
     agreement = process_agreement(ext, config, dist.group.WORLD, rank, torch.device("cpu"))
     own, views = agreement.own[0], agreement.views[0]
+    token = views.token if views is not None else None
     G = ranks_per_node
     node = range(rank // G * G, rank // G * G + G)
     out = {"paths": [], "extents": [], "marks_ok": [], "mapped": []}
@@ -59,6 +115,8 @@ def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[
             agreement.trim_requested = True
         if fail_import is not None and fail_import == (n, rank):
             peer_memory.fetch_chunk = lambda *a, **k: None
+        if refuse is not None and refuse[:2] == (n, rank):
+            ext.refused.add(refuse[2])
         words = agreement.words(0)[0]
         peer_memory.fetch_chunk = real_fetch
         gathered = [None] * world_size
@@ -66,7 +124,8 @@ def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[
         read_row = []
         for d in range(world_size):
             read_row += [rows[d]] + list(gathered[d])
-        decision = agreement.decide_read(read_row, None, torch.float32, False)
+        decision = agreement.decide_read(read_row, None, torch.float32, False)  # grows (or cannot export)
+        ext.refused.clear()
         out["paths"].append("direct" if decision.direct else "receive")
         offset = -1
         if decision.direct:
@@ -88,18 +147,30 @@ def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[
         out["mapped"].append(own.mapped)
         dist.barrier()
     out["grown"], out["imports"], out["failed_imports"] = own.grown, views.imports, views.failed_imports
+    out["fabric_imports"], out["failed_growths"] = views.fabric_imports, own.failed_growths
+    out["published"] = own.board.published if own.board is not None else 0
+    out["served"] = agreement.servers[0].served
     out["reads"], out["directs"] = agreement.reads, agreement.directs
+    offsets = [c.offset for c in own.chunks + own.retiring]
     live.clear()
     close_peer_memory(agreement)
     out["fds_leaked"] = _open_fds() - fds_before
     out["mappings_left"] = _chunk_mappings() - maps_before
+    out["records_left"] = _records_left(token, rank, offsets) if token is not None else 0
     return out
 
 
-def run_dead_peer_on_rank(world_size: int) -> dict:
+def run_dead_peer_on_rank(world_size: int, hosts: list[str] | None = None, crash: bool = False) -> dict:
     """The last rank goes away (its memory and its server closed, as a crash would) after every
     rank agreed that it grows: the others' fetches of its chunk fail at once, they say they are
-    not ready, and nothing waits."""
+    not ready, and nothing waits. hosts: each rank's host name. crash: the last rank grew first
+    and leaves its records in the store (a process that exited): its peers on other hosts read
+    them and their imports are refused."""
+    with on_host(None if hosts is None else hosts[dist.get_rank()]):
+        return _dead_peer(world_size, crash)
+
+
+def _dead_peer(world_size: int, crash: bool) -> dict:
     from ..backends.cuda import load_extension
     from ..backends.cuda.peer_setup import close_peer_memory, process_agreement
 
@@ -110,13 +181,23 @@ def run_dead_peer_on_rank(world_size: int) -> dict:
     gone = world_size - 1
     dist.barrier()
     if rank == gone:
+        boards = agreement.boards
+        if crash:  # grown and published, then gone without withdrawing
+            assert agreement.own[0].grow_to(peer_memory.CHUNK) is None
+            agreement.own[0].board, agreement.boards = None, []
         close_peer_memory(agreement)
         dist.barrier()
-        return {"ready": None, "seconds": 0.0}
+        dist.barrier()
+        for board in boards:  # the store's records of the crashed rank, cleared for the next test
+            board._published.add(0)
+            board.close()
+        return {"ready": None, "seconds": 0.0, "failed_imports": 0}
     dist.barrier()
     agreement.state[gone].target = peer_memory.CHUNK  # every rank agreed it grows
     start = time.monotonic()
     words = agreement.words(0)[0]
     seconds = time.monotonic() - start
+    failed = agreement.views[0].failed_imports
     close_peer_memory(agreement)
-    return {"ready": words[0], "seconds": seconds}
+    dist.barrier()
+    return {"ready": words[0], "seconds": seconds, "failed_imports": failed}

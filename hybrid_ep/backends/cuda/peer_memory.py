@@ -2,16 +2,19 @@
 processes.
 
 Each rank reserves a range of virtual addresses for its own memory (OwnMemory) and one for each
-peer of its node (PeerViews); the reservations cost no memory. When a call needs more than the
-rank holds, the rank creates a chunk, maps it at the end of its own range, extends its arena
-(arena.py: the first-fit sub-allocator the outputs are carved from) and exports the chunk as a
-file descriptor that its peers fetch over a Unix socket (chunk_channel.py) and map at the same
-offset of their range for that rank. A free tail can be retired again (shrinking). When which
-chunk is mapped where, and which call may use it, is agreement.py's.
+peer of its node, its NVLink domain (PeerViews); the reservations cost no memory. When a call
+needs more than the rank holds, the rank creates a chunk, maps it at the end of its own range,
+extends its arena (arena.py: the first-fit sub-allocator the outputs are carved from) and
+exports the chunk: as a file descriptor that its peers on the same host fetch over a Unix socket
+(chunk_channel.py) and, where the domain spans hosts, as a fabric handle that its peers on other
+hosts read from the group's store (fabric_channel.py); each peer maps it at the same offset of
+its range for that rank. A free tail can be retired again (shrinking). When which chunk is
+mapped where, and which call may use it, is agreement.py's.
 
 The memory calls are the extension's (`ext.peer_*`): CUDA virtual memory management on the GPU
-(csrc/transport/peer_memory.cpp: cuMemAddressReserve, cuMemCreate with POSIX file descriptors,
-cuMemMap, cuMemSetAccess), memfd chunks mapped shared at fixed addresses on the CPU model
+(csrc/transport/peer_memory.cpp: cuMemAddressReserve, cuMemCreate with POSIX file descriptors
+and, across hosts, fabric handles, cuMemMap, cuMemSetAccess), memfd chunks mapped shared at
+fixed addresses on the CPU model, with a stand-in for fabric handles that is no file descriptor
 (csrc/bindings/model_peer_memory.h), so this module and agreement.py run unchanged on both.
 """
 
@@ -25,6 +28,7 @@ import torch
 
 from .arena import Arena
 from .chunk_channel import ChunkServer, fetch_chunk
+from .fabric_channel import FabricBoard
 
 CHUNK = 2 << 20  # growth quantum: a multiple of both backends' granularity (the GPU's is 2 MiB)
 CPU_RESERVATION = 1 << 36  # bytes of address space per reservation on the CPU model
@@ -56,10 +60,12 @@ def _out_of_memory(error: BaseException) -> bool:
 
 class OwnMemory:
     """One rank's peer-mapped memory: the reservation, its chunks (mapped from offset 0 on, without
-    gaps), the arena over them, and the server that hands the chunks to the node's peers."""
+    gaps), the arena over them, the server that hands the chunks to the node's peers on this host,
+    and, where some are on other hosts, the board that publishes them as fabric handles."""
 
-    def __init__(self, ext, device: torch.device, server: ChunkServer | None, reserve: int | None = None):
-        self.ext, self.device, self.server = ext, torch.device(device), server
+    def __init__(self, ext, device: torch.device, server: ChunkServer | None, reserve: int | None = None,
+                 board: FabricBoard | None = None):
+        self.ext, self.device, self.server, self.board = ext, torch.device(device), server, board
         self.index = self.device.index or 0
         self.reserved = reserve or reservation_bytes(self.device)
         self.base = ext.peer_reserve(self.reserved)
@@ -102,6 +108,15 @@ class OwnMemory:
             self.ext.peer_release(handle)
             self.failed_growths += 1
             return f"could not map a chunk of {nbytes} bytes: {e}"
+        if self.board is not None:  # peers on other hosts: the chunk's fabric handle in the store
+            try:
+                self.board.publish(offset, nbytes, self.ext.peer_export_fabric(handle))
+            except (RuntimeError, OSError, ValueError) as e:
+                os.close(fd)
+                self.ext.peer_unmap(self.base + offset, nbytes)
+                self.ext.peer_release(handle)
+                self.failed_growths += 1
+                return f"could not hand a chunk of {nbytes} bytes to peers on other hosts (fabric handle): {e}"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.chunks.append(Chunk(offset, nbytes, handle))
@@ -114,13 +129,20 @@ class OwnMemory:
         return None
 
     def _create(self, nbytes: int):
+        fabric = self.board is not None
         try:
-            return self.ext.peer_create(nbytes, self.index)
+            return self.ext.peer_create(nbytes, self.index, fabric)
         except (RuntimeError, MemoryError) as first:
             if not _out_of_memory(first) or self.device.type != "cuda":
                 raise
             torch.cuda.empty_cache()
-            return self.ext.peer_create(nbytes, self.index)
+            return self.ext.peer_create(nbytes, self.index, fabric)
+
+    def _withdraw(self, offset: int) -> None:
+        if self.server is not None:
+            self.server.withdraw(offset)
+        if self.board is not None:
+            self.board.withdraw(offset)
 
     def retire_to(self, extent: int) -> bool:
         """The free tail past the chunk boundary `extent` taken out of the arena (its chunks stay
@@ -133,8 +155,7 @@ class OwnMemory:
         self.retiring += [c for c in self.chunks if c.offset >= extent]
         self.chunks = keep
         for c in self.retiring:
-            if self.server is not None:
-                self.server.withdraw(c.offset)
+            self._withdraw(c.offset)
         return True
 
     def release_retired(self) -> int:
@@ -153,8 +174,7 @@ class OwnMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for c in reversed(self.chunks + self.retiring):
-            if self.server is not None:
-                self.server.withdraw(c.offset)
+            self._withdraw(c.offset)
             self.ext.peer_unmap(self.base + c.offset, c.nbytes)
             self.ext.peer_release(c.handle)
         self.chunks, self.retiring = [], []
@@ -164,15 +184,22 @@ class OwnMemory:
 
 class PeerViews:
     """This rank's mappings of its node peers' memory, each at the same offsets as its owner's,
-    in a reservation of its own (so at another address than the owner's)."""
+    in a reservation of its own (so at another address than the owner's). Peers in `remote` are on
+    other hosts: their chunks come as fabric handles from the board, the others' as file
+    descriptors over their Unix sockets."""
 
-    def __init__(self, ext, device: torch.device, token: str, peers: list[int], reserve: int, timeout_s: float):
+    def __init__(self, ext, device: torch.device, token: str, peers: list[int], reserve: int, timeout_s: float,
+                 remote: frozenset[int] = frozenset(), board: FabricBoard | None = None):
+        if remote and board is None:
+            raise ValueError("peers on other hosts need a board to read their chunks' fabric handles from")
         self.ext, self.device, self.token, self.timeout_s = ext, torch.device(device), token, timeout_s
+        self.remote, self.board = frozenset(remote), board
         self.index = self.device.index or 0
         self.reserved = reserve
         self.bases = {p: ext.peer_reserve(reserve) for p in peers}
         self.chunks: dict[int, list[Chunk]] = {p: [] for p in peers}
         self.imports = 0  # chunks imported (tests)
+        self.fabric_imports = 0  # of them from peers on other hosts, as fabric handles
         self.failed_imports = 0
 
     def mapped(self, peer: int) -> int:
@@ -189,18 +216,11 @@ class PeerViews:
             self.ext.peer_release(c.handle)
         while self.mapped(peer) < extent:
             offset = self.mapped(peer)
-            got = fetch_chunk(self.token, peer, offset, self.timeout_s)
-            if got is None:
+            got = self._import(peer, offset)
+            if isinstance(got, str):
                 self.failed_imports += 1
-                return f"rank {peer} did not hand over its chunk at offset {offset}"
-            nbytes, fd = got
-            try:
-                handle = self.ext.peer_import(fd, self.index)
-            except (RuntimeError, OSError) as e:
-                self.failed_imports += 1
-                return f"could not import rank {peer}'s chunk at offset {offset}: {e}"
-            finally:
-                os.close(fd)
+                return got
+            nbytes, handle = got
             try:
                 self.ext.peer_map(self.bases[peer] + offset, nbytes, handle, self.index)
             except (RuntimeError, OSError) as e:
@@ -212,6 +232,31 @@ class PeerViews:
         if self.mapped(peer) != extent:
             return f"rank {peer}'s chunks end at {self.mapped(peer)}, not at {extent}"
         return None
+
+    def _import(self, peer: int, offset: int) -> tuple[int, int] | str:
+        """(bytes, handle) of the peer's chunk at `offset`, imported, or why not."""
+        if peer in self.remote:
+            assert self.board is not None
+            published = self.board.fetch(peer, offset)
+            if published is None:
+                return f"rank {peer} (another host) did not publish its chunk at offset {offset}"
+            nbytes, fabric_handle = published
+            try:
+                handle = self.ext.peer_import_fabric(fabric_handle, self.index)
+            except (RuntimeError, OSError, ValueError) as e:
+                return f"could not import rank {peer}'s chunk at offset {offset} (another host, fabric handle): {e}"
+            self.fabric_imports += 1
+            return nbytes, handle
+        got = fetch_chunk(self.token, peer, offset, self.timeout_s)
+        if got is None:
+            return f"rank {peer} did not hand over its chunk at offset {offset}"
+        nbytes, fd = got
+        try:
+            return nbytes, self.ext.peer_import(fd, self.index)
+        except (RuntimeError, OSError) as e:
+            return f"could not import rank {peer}'s chunk at offset {offset}: {e}"
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self.device.type == "cuda" and any(self.chunks.values()):

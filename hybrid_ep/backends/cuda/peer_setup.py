@@ -1,6 +1,11 @@
 """Making and closing the peer memory of a buffer (peer_memory.py) and its agreement
 (agreement.py): one rank per process (CudaBackend), or every virtual rank of an emulation of
-separate processes in one (EmulatedGroup(separate_processes=True)), with the same objects."""
+separate processes in one (EmulatedGroup(separate_processes=True)), with the same objects.
+
+Each rank's chunks go to its node peers on the same host as file descriptors (chunk_channel.py)
+and, where its node (its NVLink domain) spans hosts, to those on other hosts as fabric handles
+in the group's store (fabric_channel.py): which peer is on which host comes with the one
+exchange setting up already makes (the buffer's token)."""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ...config import timeout_seconds
+from ...topology import local_host
 from .agreement import Agreement
 from .chunk_channel import ChunkServer, new_token
+from .fabric_channel import FabricBoard, group_store
 from .peer_memory import CHUNK, OwnMemory, PeerViews, reservation_bytes, round_up
 
 
@@ -20,24 +27,31 @@ def _node_peers(config, rank: int) -> list[int]:
 
 
 def _make(ext, config, ranks: list[int], device: torch.device, token: str, reserve: int,
-          stage_combines: bool) -> Agreement:
-    own, views, servers = [], [], []
+          stage_combines: bool, hosts: list | None = None, store=None) -> Agreement:
+    """hosts: each rank's host (None: all on one); store: where fabric handles are published, needed
+    where some node spans hosts."""
+    own, views, servers, boards = [], [], [], []
     try:
         for r in ranks:
             server = ChunkServer(token, r)
             servers.append(server)
-            own.append(OwnMemory(ext, device, server, reserve))
             peers = _node_peers(config, r)
-            views.append(PeerViews(ext, device, token, peers, reserve, timeout_seconds()) if peers else None)
+            remote = frozenset(p for p in peers if hosts is not None and hosts[p] != hosts[r])
+            board = FabricBoard(store, token, r) if remote else None
+            if board is not None:
+                boards.append(board)
+            own.append(OwnMemory(ext, device, server, reserve, board))
+            views.append(PeerViews(ext, device, token, peers, reserve, timeout_seconds(), remote, board)
+                         if peers else None)
     except BaseException:
-        _close(own, views, servers)
+        _close(own, views, servers, boards)
         raise
     agreement = Agreement(config, ranks, own, views, stage_combines)
-    agreement.servers = servers
+    agreement.servers, agreement.boards = servers, boards
     return agreement
 
 
-def _close(own, views, servers) -> None:
+def _close(own, views, servers, boards) -> None:
     for v in views:
         if v is not None:
             v.close()
@@ -45,13 +59,16 @@ def _close(own, views, servers) -> None:
         m.close()
     for s in servers:
         s.close()
+    for b in boards:
+        b.close()
 
 
 def close_peer_memory(agreement: Agreement) -> None:
-    """Unmaps every view, releases every chunk and reservation, stops the servers: nothing of the
-    buffer's peer memory is left (descriptors, mappings, sockets)."""
-    _close(agreement.own, agreement.views, getattr(agreement, "servers", []))
-    agreement.own, agreement.views, agreement.servers = [], [], []
+    """Unmaps every view, releases every chunk and reservation, stops the servers and deletes the
+    store's records: nothing of the buffer's peer memory is left (descriptors, mappings, sockets,
+    records)."""
+    _close(agreement.own, agreement.views, getattr(agreement, "servers", []), getattr(agreement, "boards", []))
+    agreement.own, agreement.views, agreement.servers, agreement.boards = [], [], [], []
 
 
 def _presized(agreement: Agreement, nbytes: int) -> None:
@@ -63,10 +80,14 @@ def _presized(agreement: Agreement, nbytes: int) -> None:
     agreement.ledger = [nbytes] * agreement.W
 
 
-def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combines: bool = True) -> Agreement:
+def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combines: bool = True,
+                   hosts: list | None = None) -> Agreement:
     """All W virtual ranks of an emulation, each with memory of its own and views of its node
-    peers' at other addresses, pre-sized by config.peer_memory_bytes."""
-    agreement = _make(ext, config, list(range(config.world_size)), device, new_token(), reserve, stage_combines)
+    peers' at other addresses, pre-sized by config.peer_memory_bytes. hosts: each virtual rank's
+    host, to hand chunks between "hosts" as fabric handles (in a store of this process)."""
+    store = dist.HashStore() if hosts is not None else None
+    agreement = _make(ext, config, list(range(config.world_size)), device, new_token(), reserve, stage_combines,
+                      hosts, store)
     presize = round_up(config.peer_memory_bytes or 0, CHUNK)
     if presize:
         for m in agreement.own:
@@ -86,16 +107,21 @@ def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combin
 
 def process_agreement(ext, config, group, rank: int, device: torch.device,
                       stage_combines: bool = True) -> Agreement | None:
-    """This process's rank: a token the group shares (collective), its memory and its views of its
-    node peers', pre-sized by config.peer_memory_bytes (collective). None on every rank where some
-    rank could not set up (no Unix sockets, no POSIX file descriptor handles): the buffer then
-    takes the receive path, as today's receive-only jobs do."""
+    """This process's rank: a token the group shares and every rank's host (collective), its memory
+    and its views of its node peers', pre-sized by config.peer_memory_bytes (collective). None on
+    every rank where some rank could not set up (no Unix sockets, no POSIX file descriptor
+    handles, no store for peers on other hosts): the buffer then takes the receive path, as
+    today's receive-only jobs do."""
     W = dist.get_world_size(group)
-    tokens = [None] * W
-    dist.all_gather_object(tokens, new_token() if rank == 0 else None, group=group)
+    gathered: list = [None] * W
+    dist.all_gather_object(gathered, (new_token() if rank == 0 else None, local_host(dist.get_rank())), group=group)
+    token, hosts = gathered[0][0], [host for _, host in gathered]
     agreement, error = None, None
     try:
-        agreement = _make(ext, config, [rank], device, tokens[0], reservation_bytes(device), stage_combines)
+        G = config.ranks_per_node
+        spans = any(hosts[p] != hosts[rank] for p in range(rank // G * G, rank // G * G + G))
+        agreement = _make(ext, config, [rank], device, token, reservation_bytes(device), stage_combines, hosts,
+                          group_store() if spans else None)
     except (RuntimeError, OSError) as e:
         error = f"rank {rank}: {e}"
     presize = round_up(config.peer_memory_bytes or 0, CHUNK)

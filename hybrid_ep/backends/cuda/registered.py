@@ -16,6 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ...topology import TROUBLESHOOTING, local_host
+
 IPC, FABRIC = 0, 1
 _log = logging.getLogger("hybrid_ep")
 _logged_choices: set[tuple[str, str]] = set()  # (kind, reason) already logged by this process
@@ -27,22 +29,34 @@ def _log_once(kind: str, reason: str) -> None:
         _log.info("hybrid_ep: registered buffers use %s handles (%s)", kind, reason)
 
 
-def _handle_kind(ext, group, device_index: int) -> int:
+def _handle_kind(ext, group, device_index: int, ranks_per_node: int | None = None) -> int:
     """Fabric handles when they work on every rank (a probe allocation, not the attribute
-    alone: without an IMEX channel the driver refuses them), else CUDA IPC. The choice is
-    logged once per process."""
+    alone: without an IMEX channel the driver refuses them), else CUDA IPC, which cannot leave a
+    host: a node (NVLink domain) that spans hosts without fabric handles is refused by name
+    (hybrid_ep/topology.py limits the domain it finds to the host in that case; this catches a
+    probe that changed its answer since). The choice is logged once per process."""
     wanted = os.environ.get("HYBRID_EP_HANDLE", "auto")
     if wanted not in ("auto", "ipc", "fabric"):
         raise ValueError(f"HYBRID_EP_HANDLE must be auto, ipc or fabric, got {wanted!r}")
     why_not = "HYBRID_EP_HANDLE=ipc" if wanted == "ipc" else ext.fabric_probe(device_index)
-    answers = [None] * dist.get_world_size(group)
-    dist.all_gather_object(answers, why_not, group=group)
-    refused = [(r, a) for r, a in enumerate(answers) if a]
+    W = dist.get_world_size(group)
+    answers: list = [None] * W
+    dist.all_gather_object(answers, (why_not, local_host(dist.get_rank())), group=group)
+    refused = [(r, a) for r, (a, _) in enumerate(answers) if a]
     if wanted == "fabric" and refused:
         rank, why = refused[0]
         raise RuntimeError(f"HYBRID_EP_HANDLE=fabric, but fabric handles do not work on rank {rank}: {why}")
     if refused:
         rank, why = refused[0]
+        me, G = dist.get_rank(group), ranks_per_node or W
+        first = me // G * G
+        hosts = {answers[p][1] for p in range(first, min(first + G, W))}
+        if len(hosts) > 1:
+            raise RuntimeError(
+                f"hybrid_ep: EP ranks {first}..{first + G - 1} (ranks_per_node={G}) share an NVLink domain across "
+                f"{len(hosts)} hosts, which only fabric handles cross, but they do not work on rank {rank}: {why}. "
+                f"Open an IMEX channel to every process, or pass ranks_per_node as the ranks of one host "
+                f"({TROUBLESHOOTING})")
         _log_once("CUDA IPC", f"fabric handles unavailable on rank {rank}: {why}")
         return IPC
     _log_once("fabric", "a fabric allocation was created and exported on every rank")
@@ -133,7 +147,7 @@ class RegisteredBuffers:
         ranks on other nodes are reached through the RDMA transport alone."""
         self = cls(ext, nbytes, device)
         G = ranks_per_node or dist.get_world_size(group)
-        kind = _handle_kind(ext, group, device.index)
+        kind = _handle_kind(ext, group, device.index, G)
         with self._freed_on_failure():
             ptr, size, handle = allocate(ext, self.allocation_bytes, kind, device, f"registered buffer of rank {rank}")
             self._owned.append((ptr, size, kind))

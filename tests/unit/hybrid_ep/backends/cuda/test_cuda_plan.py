@@ -462,6 +462,29 @@ def test_fabric_handles_only_after_a_successful_probe(single_rank_group, monkeyp
         registered._handle_kind(never, single_rank_group, 0)
 
 
+def test_a_node_across_hosts_without_fabric_handles_is_refused_by_name(monkeypatch):
+    """CUDA IPC cannot leave a host: a node (NVLink domain) of ranks on two hosts whose fabric
+    probe fails on some rank is refused, naming the ranks, the refusal and the way out; a node
+    within one host falls back to IPC as before."""
+    from hybrid_ep.backends.cuda import registered
+
+    refused = "cuMemCreate (fabric) failed (CUresult 800): no IMEX channel is open to this process"
+    hosts = [("a", None), ("a", None), ("b", None), ("b", None)]
+    monkeypatch.delenv("HYBRID_EP_HANDLE", raising=False)
+    monkeypatch.setattr(registered.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(registered.dist, "get_rank", lambda group=None: 0)
+
+    def gather(out, mine, group=None):
+        out[:] = [(refused if r == 3 else "", hosts[r]) for r in range(4)]
+
+    monkeypatch.setattr(registered.dist, "all_gather_object", gather)
+    with pytest.raises(RuntimeError, match=r"EP ranks 0..3 \(ranks_per_node=4\) share an NVLink domain across 2 "
+                                           r"hosts, which only fabric handles cross, but they do not work on rank 3: "
+                                           r"cuMemCreate"):
+        registered._handle_kind(_FabricExt(""), None, 0, 4)
+    assert registered._handle_kind(_FabricExt(""), None, 0, 2) == registered.IPC  # ranks 0 and 1: one host
+
+
 class _HandleExt:
     """Stands in for hybrid_ep._C's registered-memory calls: a handle names its owner, and
     opening one records whose it was."""
