@@ -13,17 +13,20 @@ from .cases import Case, _routing_kwargs
 
 
 def run_uneven_arena_on_rank(case: Case, inputs: dict, expert_out: torch.Tensor, hold: bool) -> dict:
-    """Arena sized for one call of case.num_out_tokens rows. A first dispatch goes direct on
-    every rank; a rank with `hold` keeps its output, so its arena can not hold the second
-    dispatch, which therefore takes the receive path on every rank; the second dispatch and
+    """Peer memory pre-sized for one call of case.num_out_tokens rows and its expert-out block.
+    A first dispatch goes direct on every rank; a rank with `hold` keeps its output, so its
+    memory can not hold the second dispatch (where the rounding to peer_memory.CHUNK leaves less
+    than a call), which therefore takes the receive path on every rank; the second dispatch and
     its combine are returned for the oracle check, with both calls' paths."""
+    from ..backends.cuda.agreement import expert_out_block_bytes
     from ..backends.cuda.arena import call_bytes
     from ..buffer import HybridEPBuffer
 
     cfg = case.config
     one_call = call_bytes(case.num_out_tokens, cfg.hidden_dim, case.dtype, fp8=False)
+    block = expert_out_block_bytes(case.num_out_tokens, cfg.hidden_dim, case.dtype)
     buf = HybridEPBuffer(None, cfg.hidden_dim, cfg.max_tokens_per_rank, cfg.num_experts,
-                         ranks_per_node=cfg.ranks_per_node, backend="cuda", peer_memory_bytes=one_call)
+                         ranks_per_node=cfg.ranks_per_node, backend="cuda", peer_memory_bytes=one_call + block)
     device = buf.device
     x = inputs["x"].to(device)
     routing = {k: v.to(device) for k, v in _routing_kwargs(case, inputs).items()}

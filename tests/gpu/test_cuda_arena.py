@@ -1,9 +1,9 @@
 """The direct path with one process per rank (needs a GPU): several processes on one GPU, a
-gloo group between them, registered buffers and arenas (opt-in: peer_memory_bytes) opened through
-CUDA IPC. Every rank's dispatch output comes from its arena and every peer writes and reads it
-there; without an arena the processes take the receive path; a rank whose arena is full
-takes the whole group to the receive path for that call; combines on two streams take the
-expert-out block in turn (one process). Against the oracle."""
+gloo group between them, registered buffers opened through CUDA IPC and peer memory that grows
+on demand (peer_memory_bytes pre-sizes it). Every rank's direct dispatch output comes from its
+peer memory and every peer writes and reads it there; a call that the memory can not hold, on
+any rank, takes the whole group to the receive path while it grows; combines on two streams
+take the expert-out block in turn (one process). Against the oracle."""
 
 from __future__ import annotations
 
@@ -54,23 +54,28 @@ def test_processes_on_one_gpu_take_the_direct_path(pool, case):
     assert [r["data_path"] for r in results] == ["direct"] * W
 
 
-def test_processes_without_an_arena_take_the_receive_path(pool):
-    """A process's peers reach its tensors only in an arena they mapped: without one (the
-    default) every rank takes the receive path, whose rings hold bounded memory."""
+def test_the_first_call_without_pre_sizing_takes_the_receive_path(pool):
+    """Without peer_memory_bytes (the default) peer memory starts empty: the first call takes the
+    receive path, whose rings hold bounded memory, while every rank's memory grows."""
     case = dataclasses.replace(_cases()[0], peer_memory_bytes=None)
     results = check_case(pool, case)
     assert [r["data_path"] for r in results] == ["receive"] * W
 
 
-def test_an_arena_too_small_for_the_call_takes_every_process_to_the_receive_path(pool):
-    case = dataclasses.replace(_cases()[0], peer_memory_bytes=4096)
-    results = check_case(pool, case)
-    assert [r["data_path"] for r in results] == ["receive"] * W
+def test_a_call_larger_than_the_peer_memory_takes_every_process_to_the_receive_path_once(pool):
+    """Peer memory pre-sized to one 2 MiB chunk (peer_memory_bytes=4096, rounded up) can not
+    hold a call of about 4.8 MB of rows: every process takes the receive path while the memory
+    grows, and the next call goes direct."""
+    case = dataclasses.replace(_cases()[0], tokens=(370, 0, 210), peer_memory_bytes=4096)
+    results = check_case(pool, case, calls=2)
+    assert [r["call_paths"] for r in results] == [["receive", "direct"]] * W
 
 
-def test_one_full_arena_sends_the_whole_group_to_the_receive_path(pool):
-    """Only rank 1 keeps its first output: its vote takes all three to the receive path."""
-    case = Case(W, W, 2 * W, 512, (30, 12, 25), 2, torch.bfloat16, num_out_tokens=48, backend="cuda")
+def test_one_full_peer_memory_sends_the_whole_group_to_the_receive_path(pool):
+    """Peer memory pre-sized for one call and its expert-out block (rounded up to 4 MiB, which
+    holds no second call of 1.6 MB): only rank 1 keeps its first output, so only its memory can
+    not hold the second call, and the whole group takes the receive path for it."""
+    case = Case(W, W, 2 * W, 4096, (30, 12, 25), 2, torch.bfloat16, num_out_tokens=200, backend="cuda")
     inputs = make_rank_inputs(case)
     run = dispatch_oracle(case.config, [i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                           [i["topk_weights"] for i in inputs], None, case.num_out_tokens)
