@@ -195,8 +195,8 @@ MUTATIONS = (
     Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
              "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",
-             "    const int rows = tab.rows;\n    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), "
-             "topo.local(d.a.rank), c), d.tag(c));\n    bool ok = true;\n", tests=RING_TESTS),
+             "    const int rows = tab.rows;\n    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), "
+             "topo.local(d.a.rank), c), d.epoch, c);\n    bool ok = true;\n", tests=RING_TESTS),
     Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
              "csrc/kernels/dispatch_receive.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
              "topo.local(d.a.rank), c), d.epoch, c - 1);", tests=RING_TESTS),
@@ -209,7 +209,7 @@ MUTATIONS = (
              "when the forwarded chunk arrived)", "csrc/kernels/dispatch_receive.cuh",
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);",
              "    if (lane == 0 && su.node >= 0)\n"
-             "      d.h.rdma.signal(su.source, d.staged_credit_off(d.h.node, su.chunk), d.tag(su.chunk));\n"
+             "      releases.reader_release(su.source, d.h.staged_credit_off(d.h.node, su.chunk), d.epoch, su.chunk);\n"
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);", tests=RING_TESTS),
     Mutation("staged-rows-forwarded-before-their-signal", "a staged row forwarded before its RDMA put landed (the "
              "forwarder's load warp reads a chunk's row count and rows without waiting for its signal)",
@@ -249,7 +249,8 @@ MUTATIONS = (
              "rail peer credits a forwarded chunk before the store warps waited for its loads)",
              "csrc/kernels/dispatch_direct.cuh",
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
-             "    if (m >= 0 && lane == 0) h.rdma.signal(h.rail_peer(m), d.staged_credit_off(h.node, c), d.tag(c));\n"
+             "    if (m >= 0 && lane == 0)\n"
+             "      releases.reader_release(h.rail_peer(m), h.staged_credit_off(h.node, c), d.epoch, c);\n"
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
              tests=DIRECT_NODES),
     Mutation("direct-forwarded-route-off-by-one", "an off-by-one position (a forwarded route written to the wrong "
