@@ -59,19 +59,20 @@ MUTATIONS = (
              "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
              "if (d.stopped()) {"),
     Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch_receive.cuh",
-             "    bulk_wait_write_except(writes_in_flight);\n    if (!d.meta_ring", "    if (!d.meta_ring"),
+             "      const Landing l = stores(mark);\n      if (l != Landing::kLanded) return l;\n",
+             "      if (mark + in_flight > queue.groups()) return Landing::kInFlight;\n"
+             "      dev::fence_proxy_async();\n"),
     Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch_receive.cuh",
              "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
     Mutation("staged-before-stores-land", "a missing bulk-group wait (rows put to another node before staged)",
-             "csrc/kernels/dispatch_receive.cuh", """    if (pending_chunk < 0) return true;
-    bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
-    if (pending_staged) {
-      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
-      d.staged_fifo.producer_commit(staged);
-      staged.advance(kStagedSlots);
-      pending_staged = false;
-    }
-    bulk_wait_write_except(writes_in_flight);""", tests="tests/model/test_hierarchy_model.py"),
+             "csrc/kernels/dispatch_receive.cuh", "      const Landing l = stores(mark);\n",
+             """      if (pending.item[0].staged) {
+        if (!d.staged_fifo.producer_acquire(d.args, staged)) return Landing::kStopped;
+        d.staged_fifo.producer_commit(staged);
+        staged.advance(kStagedSlots);
+        pending.item[0].staged = false;
+      }
+      const Landing l = stores(mark);\n""", tests="tests/model/test_hierarchy_model.py"),
     Mutation("staged-slot-off-by-one", "an off-by-one position (a token's staged slot for another node)",
              "csrc/kernels/dispatch_receive.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
              "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
@@ -91,8 +92,8 @@ MUTATIONS = (
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
              "csrc/kernels/combine_receive.cuh",
-             "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
-             "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c, produced.count});",
+             "  cr.pending.note(typename SourceCredits<Rdma>::Chunk{node, c}, produced.count);",
+             "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c});",
              tests=RINGS_ONE_NODE),
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
              "the writers wait for a credit that never comes, and the call times out)",
@@ -153,8 +154,13 @@ MUTATIONS = (
     Mutation("combine-stage-freed-by-one-warp", "a stage released before every consumer read it",
              "csrc/kernels/combine_receive.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
     Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine_receive.cuh",
-             "    bulk_wait_write_except(writes_in_flight);\n    dev::fence_proxy_async();",
-             "    dev::fence_proxy_async();"),
+             "    stored.flush(StoresLanded(queue, in_flight, true), [&](const Stored& k) {",
+             """    stored.flush([&](uint32_t mark) {
+      if (mark + in_flight > queue.groups()) return Landing::kInFlight;
+      dev::fence_proxy_async();
+      __threadfence_system();
+      return Landing::kLanded;
+    }, [&](const Stored& k) {"""),
     Mutation("combine-partial-after-first-route", "an item flag off by one (a row emitted before its last part)",
              "csrc/kernels/segments.cuh", "if ((it.flags & kLastPart) && !emit(acc, it)) return;",
              "if ((it.flags & kFirstPart) && !emit(acc, it)) return;"),

@@ -345,8 +345,10 @@ __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, 
 
 // A pipeline's reducer warp: each row's parts summed in fp32 registers (node partials read in the
 // wire dtype). An own token's row is written to y, rounded once, and after its chunk's last
-// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers
-// (this warp waited for every load of the chunk: they landed). A forwarded row's node partial is
+// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers:
+// this warp waited for every load of the chunk on its stage's full barrier, so they landed and
+// the release is due at once (the receive path's load warp, which does not wait for its loads,
+// defers it: DeferredReleases, kernels/pipeline.cuh). A forwarded row's node partial is
 // written, rounded once to the wire dtype, into the node-partial ring, and after its chunk's last
 // row each warp fences its stores and hands the chunk to the put warp (one of the put ring's R
 // arrivals).

@@ -79,7 +79,7 @@ __host__ __device__ constexpr RoleTable<CombineRole, 6> combine_warps() {
            {CombineRole::kForwardPut, 3 + 2 * kGroupWarps, 1}}};
 }
 static_assert(combine_warps().tiles(kCombineThreads / 32), "the combine's roles tile its block");
-constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
+constexpr int kMaxPendingChunks = 8;  // chunks held for their releases (stored, not signalled; loaded, not credited)
 constexpr int kPutStages = 4;         // forwarded chunks written by the reducers, not yet put
 
 // ---- stages and tables ----------------------------------------------------------------------
@@ -304,31 +304,23 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
 }
 
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
-// completed (checked at each commit, so a chunk is not drained before the next is stored).
+// landed (DeferredReleases: checked at each commit, so a chunk is not drained before the next
+// is stored).
 template <typename Rdma>
 __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
   StoreQueue queue(out, store_groups_in_flight(d.args, out.stages));
   HostChunks<Rdma> chunks(d);
   PipeState consumed;
-  // Chunks stored but not yet signalled: (source, chunk, the group that completes it).
-  int pend_s[kMaxPendingChunks] = {}, pend_c[kMaxPendingChunks] = {};
-  uint32_t pend_g[kMaxPendingChunks] = {};
-  int npend = 0;
-  auto signal_through = [&](uint32_t upto_group, int writes_in_flight) {
-    if (npend == 0 || pend_g[0] > upto_group) return;
-    bulk_wait_write_except(writes_in_flight);
-    dev::fence_proxy_async();  // the bulk writes, before the generic releases below
-    __threadfence_system();
-    int kept = 0;
-    for (int i = 0; i < npend; ++i) {
-      if (pend_g[i] <= upto_group) {
-        PeerRing::publish(d.host_signal(pend_s[i], pend_c[i]), d.epoch, pend_c[i]);
-      } else {
-        pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
-        ++kept;
-      }
-    }
-    npend = kept;
+  struct Stored {
+    int source, chunk;
+  };
+  DeferredReleases<Stored, kMaxPendingChunks> stored;  // chunks stored, not yet signalled
+  // The chunks whose stores landed but for the newest `in_flight` groups: their signals.
+  auto signal_landed = [&](int in_flight) {
+    stored.flush(StoresLanded(queue, in_flight, true), [&](const Stored& k) {
+      PeerRing::publish(d.host_signal(k.source, k.chunk), d.epoch, k.chunk);
+      return true;
+    });
   };
 
   int s, c;
@@ -339,7 +331,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     // on this node), first signalling the chunks already stored: the reader may need them
     const int reader = d.h.topo.same_node(s, d.a.rank) ? s : d.h.topo.rail_peer(s, d.h.node);
     if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c, d.a.rank, reader, [&] {
-          signal_through(queue.groups(), 0);
+          signal_landed(0);
           return true;
         })) {
       d.stop();
@@ -356,40 +348,35 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
                         static_cast<int64_t>(it.col0) * d.wire_bytes,
                     d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
       queue.commit();
-      signal_through(queue.groups() - 1, 1);  // chunks complete with an older group; this one stays in flight
+      signal_landed(1);  // chunks complete with an older group; this one stays in flight
       queue.release_read();
     }
     if (!ok) {
       d.stop();
       break;
     }
-    if (npend == kMaxPendingChunks) signal_through(queue.groups(), 0);
-    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = queue.groups();
-    ++npend;
+    if (stored.full()) signal_landed(0);
+    stored.note(Stored{s, c}, queue.groups());
   }
-  if (!d.stopped()) signal_through(queue.groups(), 0);
+  if (!d.stopped()) signal_landed(0);
   queue.finish();
 }
 
 // ---- source ---------------------------------------------------------------------------------
 
 // Lane 0 of the source load warp: the chunks whose partials it has loaded, each credited to its
-// writers once every bulk load of it has landed in shared memory (then the writers may reuse
-// the chunk's ring slots). A load has landed when its stage's full barrier completed that
-// round; this lane observes each round at most once (`landed`: the items before it are known to
-// have landed), and an item whose stage it has acquired again has landed anyway (its consumers
-// released it). The node-partial credits go over the transport (releases: quieted when the
-// lane leaves its role).
+// writers once every bulk load of it has landed in shared memory (DeferredReleases, marked by
+// the items produced after the chunk's last load; LoadsLanded), then the writers may reuse the
+// chunk's ring slots. The node-partial credits go over the transport (releases: quieted when
+// the lane leaves its role).
 template <typename Rdma>
 struct SourceCredits {
   struct Chunk {
-    int node;      // this rank's node for an own chunk, else the node of the source it forwarded
-    int chunk;     //
-    uint32_t end;  // the items (PipeState::count) up to the chunk's last load
+    int node;   // this rank's node for an own chunk, else the node of the source it forwarded
+    int chunk;  //
   };
-  Chunk pending[kMaxPendingChunks];
-  int count = 0;
-  uint32_t landed = 0;
+  DeferredReleases<Chunk, kMaxPendingChunks> pending;
+  uint32_t landed = 0;  // the items whose loads are known to have landed (LoadsLanded)
   RingReleases<Rdma> releases;
 
   __device__ explicit SourceCredits(const Rdma& rdma) : releases(rdma) {}
@@ -399,19 +386,20 @@ struct SourceCredits {
 // a forwarded chunk's to every rank of this node that wrote partials of it (into its credit
 // word for the forwarded chunk's source).
 template <typename Rdma>
-__device__ void send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
+__device__ bool send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
                              const typename SourceCredits<Rdma>::Chunk& k) {
   const Hierarchy<Rdma>& h = d.h;
   const int first = h.first_local();
   const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
   const PeerRing& ring = d.host_ring(source);
   for (int g = 0; g < h.topo.G; ++g) ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);
-  if (k.node != h.node) return;
+  if (k.node != h.node) return true;
   // and an own chunk's node partials to the rail peer of every other node, whose staged slot is
   // free too (the put that delivered them has read them)
   for (int n = 0; n < h.topo.N; ++n)
     if (n != h.node)
       cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), d.epoch, k.chunk);
+  return true;
 }
 
 // Sends the credits of the pending chunks, oldest first, whose loads landed: those already seen
@@ -419,32 +407,16 @@ __device__ void send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
 template <typename Rdma>
 __device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                               const PipeState& produced, bool block) {
-  const uint32_t stages = static_cast<uint32_t>(ring.stages);
-  if (produced.count > stages) cr.landed = max(cr.landed, produced.count - stages);  // acquired again
-  int sent = 0;
-  for (; sent < cr.count; ++sent) {
-    const uint32_t end = cr.pending[sent].end;
-    for (; cr.landed < end; ++cr.landed) {
-      uint64_t* full = &ring.full[cr.landed % stages];
-      const uint32_t parity = (cr.landed / stages) & 1u;
-      if (!block ? !dev::mbar_try_wait(full, parity)
-                 : !mbar_wait(d.args, full, parity, ring.rank, ring.epoch, ring.site, kWaitedForData))
-        break;
-    }
-    if (cr.landed < end) break;
-    send_credits(d, cr, cr.pending[sent]);
-  }
-  for (int i = sent; i < cr.count; ++i) cr.pending[i - sent] = cr.pending[i];
-  cr.count -= sent;
-  return !block || cr.count == 0;
+  return cr.pending.flush(LoadsLanded(d.args, ring, produced, cr.landed, block),
+                          [&](const typename SourceCredits<Rdma>::Chunk& k) { return send_credits(d, cr, k); });
 }
 
 // After the chunk's loads: its credits wait for them to land (a full list is flushed first).
 template <typename Rdma>
 __device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                              const PipeState& produced, int node, int c) {
-  if (cr.count == kMaxPendingChunks && !flush_credits(d, ring, cr, produced, true)) return false;
-  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};
+  if (cr.pending.full() && !flush_credits(d, ring, cr, produced, true)) return false;
+  cr.pending.note(typename SourceCredits<Rdma>::Chunk{node, c}, produced.count);
   return true;
 }
 
@@ -455,7 +427,7 @@ template <typename Rdma, typename Arrived>
 __device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                                        const PipeState& produced, Arrived arrived) {
   if (!flush_credits(d, ring, cr, produced, false)) return false;
-  return cr.count == 0 || arrived() || flush_credits(d, ring, cr, produced, true);
+  return cr.pending.empty() || arrived() || flush_credits(d, ring, cr, produced, true);
 }
 
 // Warp 6, an own chunk c: lane 0 waits until every expert host of this node and every other
@@ -612,7 +584,9 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok, credits.landed);
   // every load landed (finish_loads waited for them): the last chunks' credits (the node-partial
   // ones quieted as `credits` goes)
-  for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits, credits.pending[i]);
+  if (ok)
+    credits.pending.release_all(
+        [&](const typename SourceCredits<Rdma>::Chunk& k) { return send_credits(d, credits, k); });
 }
 
 // Warps 7-10: each row's partials summed in registers. An own token's output row is written

@@ -378,24 +378,24 @@ template <typename Rdma>
 __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
   StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
   const bool multi = d.h.multi();
-  PipeState item, table, done;  // item: every item of the FIFO
-  bool pending = false;         // a unit's done arrival, once its groups up to pending_group completed
-  uint32_t pending_group = 0;
-  auto arrive_pending = [&](bool all) -> bool {
-    if (!pending) return true;
-    bulk_wait_write_except(all ? 0 : static_cast<int>(queue.groups() - pending_group));
-    dev::fence_proxy_async();  // the staged rows, before the RDMA warp's generic reads
-    if (!d.done_ring.producer_acquire(d.args, done)) return false;
-    d.done_ring.producer_commit(done);
-    done.advance(kDoneSlots);
-    pending = false;
-    return true;
+  PipeState item, table, done;        // item: every item of the FIFO
+  struct Unit {};                     // the done ring's arrivals come in unit order
+  DeferredReleases<Unit, 1> pending;  // a unit's done arrival, once its store groups landed
+  // The arrival once the pending unit's groups landed, but for the newest `in_flight` (the
+  // staged rows, before the RDMA warp's generic reads).
+  auto arrive_pending = [&](int in_flight) -> bool {
+    return pending.flush(StoresLanded(queue, in_flight), [&](Unit) {
+      if (!d.done_ring.producer_acquire(d.args, done)) return false;
+      d.done_ring.producer_commit(done);
+      done.advance(kDoneSlots);
+      return true;
+    });
   };
   // A consumer wait on `ring` that may block: the pending arrival first, unless it passes at once.
   auto wait_for = [&](const Ring& ring, const PipeState& p) {
     if (d.stopped()) return false;
-    if (pending && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
-    return arrive_pending(true) && ring.consumer_wait(d.args, p);
+    if (!pending.empty() && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
+    return arrive_pending(0) && ring.consumer_wait(d.args, p);
   };
   DirectUnits<DirectDispatch<Rdma>> units(d);
   int m, c;
@@ -412,7 +412,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
       for (int n = 0; n < d.h.topo.N && ok; ++n)
         if (n != d.h.node)
           ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
-                                          d.h.rail_peer(n), [&] { return arrive_pending(true); });
+                                          d.h.rail_peer(n), [&] { return arrive_pending(0); });
       if (!ok) break;
     }
     for (int k = 0; k < d.unit_items(m, u0, u1); ++k, item.advance(d.stages)) {
@@ -434,24 +434,21 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
         }
       }
       queue.commit();
-      // the pending unit's groups completed but the newest in_flight (the next unit's)
-      if (pending && queue.groups() - pending_group >= static_cast<uint32_t>(max(1, queue.in_flight)) &&
-          !arrive_pending(false))
-        ok = false;
+      // once the pending unit's groups are older than the newest in_flight (the next unit's)
+      if (!arrive_pending(max(1, queue.in_flight))) ok = false;
       queue.release_read();
     }
     if (!ok) break;
     d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
     if (multi) {
-      if (pending && !arrive_pending(true)) {
+      if (!arrive_pending(0)) {
         ok = false;
         break;
       }
-      pending = true;
-      pending_group = queue.groups();
+      pending.note(Unit{}, queue.groups());
     }
   }
-  if (ok && !d.stopped() && !arrive_pending(true)) ok = false;
+  if (ok && !d.stopped() && !arrive_pending(0)) ok = false;
   if (!ok) d.stop();
   queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }
