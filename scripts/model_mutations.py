@@ -109,9 +109,10 @@ MUTATIONS = (
              "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_receive.cuh",
              "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
              """                      PeerRing::tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
-                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1),
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
+                      static_cast<uint64_t>(it.rows) * row_b,
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
                       PeerRing::tag(d.epoch, it.chunk + 1));
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
@@ -236,14 +237,15 @@ MUTATIONS = (
     # The direct path on several nodes (dispatch_direct.cuh, combine_direct.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_direct.cuh",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
              "PeerRing::tag(d.epoch, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
              """PeerRing::tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
-                      d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), PeerRing::tag(d.epoch, it.chunk + 1));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
+                      PeerRing::tag(d.epoch, it.chunk + 1));
   }
   if (lane == 0) h.rdma.quiet();""", tests=DIRECT_NODES),
     Mutation("direct-staged-rows-loaded-before-their-put", "a staged row expanded before its RDMA put landed (the "
@@ -298,7 +300,7 @@ MUTATIONS = (
              "      return true;"),
     Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
              "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch_receive.cuh",
-             "      dev::fence_proxy_async();                                        // read by bulk loads below\n",
+             "      dev::fence_proxy_async();                                       // read by bulk loads below\n",
              ""),
     Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "
              "plan gives every byte to the dynamic stages)", "hybrid_ep/backends/cuda/launch.py",

@@ -44,13 +44,13 @@
 // Rings between ranks (kernels/peer_ring.cuh: their invariant, and why no wait closes a
 // cycle). Partials go through bounded rings whatever max_tokens and the routing: an expert
 // host's partials of chunk c of source s to its slot of the ring it fills for s (row q: the q-th
-// of the chunk's receive slots at the host), in s's comb_rows (partial) or, for a source on
-// another node, in s's rail peer's comb_fwd (forward); the forwarder's node partials of chunk c
-// to its slot of its comb_rows_out, and by the put to the same slot of the source's
-// comb_rows_in (node_part). The reader of a ring (a source's or forwarder's load warp) releases
-// a chunk once its bulk loads landed in shared memory; the host store warp acquires a slot
-// before the chunk's stores, and the forwarder's load warp before the chunk whose node partials
-// its reducers will write. Every chunk takes its slot, rows or none. The host store warp signals
+// of the chunk's receive slots at the host), in s's partial_rows (partial) or, for a source on
+// another node, in s's rail peer's forward_rows (forward); the forwarder's node partials of
+// chunk c to its slot of its node_part_rows_out, and by the put to the same slot of the source's
+// node_part_rows_in (node_part). The reader of a ring (a source's or forwarder's load warp)
+// releases a chunk once its bulk loads landed in shared memory; the host store warp acquires a
+// slot before the chunk's stores, and the forwarder's load warp before the chunk whose node
+// partials its reducers will write. Every chunk takes its slot, rows or none. The host store warp signals
 // every chunk it stored before it waits for a credit, the source load warp sends the credits of
 // the chunks it loaded (after they landed, which needs no peer) before it waits for a peer, and
 // the reducers and the put warp wait only inside the block.
@@ -185,10 +185,10 @@ struct Combine : KernelCall {
   // The partial of source s at row q (the q-th of the chunk's rows at the host) of chunk c of
   // expert host `host`'s ring (a host of s's node), in s's buffer, and the slot's signal word.
   __device__ uint8_t* partial_row(int s, int host, int c, int q) const {
-    return view.base(s) + reg.comb_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
+    return view.base(s) + reg.partial_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
   }
-  __device__ uint64_t* comb_signal(int s, int host, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + partial.word(h.topo.local(host), c);
+  __device__ uint64_t* partial_signal(int s, int host, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.partial_signal) + partial.word(h.topo.local(host), c);
   }
   // Writer w's credit word (in w's buffer) of the slot of chunk c of its ring for source s.
   __device__ uint64_t* credit(int w, int s, int c) const {
@@ -197,25 +197,25 @@ struct Combine : KernelCall {
     return reinterpret_cast<uint64_t*>(view.base(w) + reg.forward_credit) + forward.word(s, c);
   }
   // Partials for a source on another node go to its rail peer f on this node: the ring of writer
-  // (source node, local index of the writer) in f's comb_fwd area.
+  // (source node, local index of the writer) in f's forward_rows area.
   __device__ int64_t fwd_writer(int s, int writer) const {
     return static_cast<int64_t>(h.topo.node(s)) * h.topo.G + h.topo.local(writer);
   }
-  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int c, int q) const {
-    return view.base(f) + reg.comb_fwd + forward.row(writer_index, c, q) * C * wire_bytes;
+  __device__ uint8_t* forward_row(int f, int64_t writer_index, int c, int q) const {
+    return view.base(f) + reg.forward_rows + forward.row(writer_index, c, q) * C * wire_bytes;
   }
-  __device__ uint64_t* fwd_signal(int f, int64_t writer_index, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) + forward.word(writer_index, c);
+  __device__ uint64_t* forward_signal(int f, int64_t writer_index, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(f) + reg.forward_signal) + forward.word(writer_index, c);
   }
   // Where this rank, as expert host, stores its partial of row q of chunk c of source s, and
   // signals chunk c.
   __device__ uint8_t* host_target(int s, int c, int q) const {
     if (h.topo.same_node(s, a.rank)) return partial_row(s, a.rank, c, q);
-    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c, q);
+    return forward_row(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c, q);
   }
   __device__ uint64_t* host_signal(int s, int c) const {
-    if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
-    return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
+    if (h.topo.same_node(s, a.rank)) return partial_signal(s, a.rank, c);
+    return forward_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
   }
   // The RDMA region's node-partial rings: the word of chunk c of node n's ring (signal, credit),
   // and the byte offset of its row q.
@@ -227,7 +227,7 @@ struct Combine : KernelCall {
   }
   // The signal word of chunk c of node n's ring, in this rank's RDMA region.
   __device__ const uint64_t* node_part_signal(int n, int c) const {
-    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
+    return h.flag(node_word_off(h.R.node_part_signal, n, c), 0);
   }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
@@ -398,7 +398,8 @@ __device__ bool send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
   // free too (the put that delivered them has read them)
   for (int n = 0; n < h.topo.N; ++n)
     if (n != h.node)
-      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), d.epoch, k.chunk);
+      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, k.chunk), d.epoch,
+                                 k.chunk);
   return true;
 }
 
@@ -445,13 +446,13 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.comb_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
+        if (!PeerRing::is_published(d.partial_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
       for (int n = 0; n < N; ++n)
         if (n != h.node && !PeerRing::is_published(d.node_part_signal(n, c), d.epoch, c)) return false;
       return true;
     });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = d.partial.reader_wait(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
+      ok = d.partial.reader_wait(d.args, d.partial_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
         ok = d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c, d.a.rank,
@@ -496,7 +497,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                       [&](int j, float&) -> const uint8_t* {
                         const int from = tab.from[i][j], q = tab.slot[i][j];
                         if (from < kNodePart) return d.partial_row(d.a.rank, first + from, c, q);
-                        return h.rdma.local(d.node_row_off(h.R.comb_rows_in, from - kNodePart, c, q));
+                        return h.rdma.local(d.node_row_off(h.R.node_part_rows_in, from - kNodePart, c, q));
                       });
     }
   }
@@ -519,19 +520,19 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
   SrcTable& tab = d.sh.src_table;
   // the chunk's node-partial slot: the source must have read its previous chunk (its credit),
   // before the reducers write this chunk's node partials there
-  const uint64_t* credit = h.flag(d.node_word_off(h.R.comb_credit, n, c), 0);
+  const uint64_t* credit = h.flag(d.node_word_off(h.R.node_part_credit, n, c), 0);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       if (!d.node_part.is_free(credit, d.epoch, c)) return false;
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
+        if (!PeerRing::is_published(d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
           return false;
       return true;
     });
     if (ok) ok = d.node_part.wait_free(d.args, credit, d.epoch, c, d.a.rank, h.rail_peer(n));
     for (int g = 0; g < G && ok; ++g)
-      ok = d.forward.reader_wait(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
+      ok = d.forward.reader_wait(d.args, d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
                                  d.a.rank, first + g);
   }
   if (!warp_uniform(ok)) return false;
@@ -561,7 +562,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
       const PartItem head{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, rows > 0 ? tab.parts[q] : 0,
                       [&](int j, float&) -> const uint8_t* {
-                        return d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], c, tab.slot[q][j]);
+                        return d.forward_row(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], c, tab.slot[q][j]);
                       });
     }
   }
@@ -605,7 +606,7 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
     }
     const FwdTag f = FwdTag::of(it.slot);
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, it.row, f.q)) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.node_part_rows_out, f.node, it.row, f.q)) +
                                    static_cast<int64_t>(it.col0) * d.wire_bytes,
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) return true;
@@ -634,9 +635,9 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
     const FwdPut it = d.sh.put_items[p.stage];
     __syncwarp();
     if (lane == 0) put.consumer_release(p);
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
-                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk),
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
+                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.node_part_signal, h.node, it.chunk),
                       PeerRing::tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();

@@ -27,14 +27,14 @@
 // that arrive from the rail peers on other nodes (DirectUnits, merged by key):
 //   own chunk c     routes to this node's ranks as above; for each other node n the chunk's
 //                   token reaches, one more target: row q of the chunk's slot of
-//                   the staging ring for n in this rank's RDMA region (disp_rows_out), q the
+//                   the staging ring for n in this rank's RDMA region (staged_rows_out), q the
 //                   token's ordinal among the chunk's tokens for n. Once both store warps'
 //                   stores of the chunk completed (the done ring: one arrival each), the RDMA
 //                   warp writes each token's routing for n (TokenMeta: every route's expert,
 //                   ordinal and weight, then its fp8 scales) and puts the rows and the routing,
 //                   with the chunk's signal, into the same slot of the rail peer on n;
 //   forwarded chunk c of the rail peer on node m: the load warp and the table warp wait for
-//                   its signal (kPhaseRdmaRows); the rows are loaded from disp_rows_in into the
+//                   its signal (kPhaseRdmaRows); the rows are loaded from staged_rows_in into the
 //                   FIFO as an own chunk's are, and the table warp computes each route to a rank
 //                   of this node from the published layout (that rank's first row of the
 //                   source's rows of the expert, + the route's ordinal), writes its weight and
@@ -143,9 +143,11 @@ struct DirectDispatch : KernelCall {
   __device__ int unit_items(int m, int u0, int u1) const {
     return m >= 0 ? max(1, batches.items(u0, u1)) : batches.items(u0, u1);
   }
-  __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
+  __device__ const uint64_t* arrival(int m, int c) const {
+    return h.flag(h.chunk_flag_off(h.R.staged_signal, m, c), 0);
+  }
   // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
-  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
+  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.staged_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
     if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), epoch, c, a.rank, h.rail_peer(m))) return false;
@@ -181,7 +183,7 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
         break;
       }
       dev::fence_proxy_async();
-      rows = d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_in, m, c, 0, d.row_bytes));
+      rows = d.h.rdma.local(d.h.staged_off(d.h.R.staged_rows_in, m, c, 0, d.row_bytes));
     }
     for (int k = 0; k < d.unit_items(m, u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
       if (!d.fifo.ring.producer_acquire(d.args, produced)) {
@@ -428,7 +430,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
           const int p = tab.row[i][q], dst = tab.dest[i][q];
           uint8_t* to =
               dst >= kStagedTarget
-                  ? d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
+                  ? d.h.rdma.local(d.h.staged_off(d.h.R.staged_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
                   : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
           dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, it.bytes);
         }

@@ -239,13 +239,13 @@ struct Dispatch : KernelCall {
     return __ballot_sync(0xffffffffu, !ok) == 0u;
   }
   // Chunk c of `source`, as signalled to rank d.
-  __device__ ChunkSignal* chunk_signal(int d, int source, int c) const {
-    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
+  __device__ ChunkSignal* recv_signal(int d, int source, int c) const {
+    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.recv_signal) +
            static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
   }
   // Staged row q of own chunk c for node n, in this rank's RDMA region.
   __device__ uint8_t* staged_row(int n, int c, int q) const {
-    return h.rdma.local(h.staged_off(h.R.disp_rows_out, n, c, q, row_bytes));
+    return h.rdma.local(h.staged_off(h.R.staged_rows_out, n, c, q, row_bytes));
   }
   // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
   // there is its ordinal among them. Every lane calls it.
@@ -268,11 +268,11 @@ struct Dispatch : KernelCall {
   __device__ int unit_items(const SendUnit& su) const { return max(1, batches.items(su.u0, su.u1)); }
   // A forwarded chunk's routing, in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
-    return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+    return h.rdma.local(h.staged_meta_off(h.R.staged_meta_in, su.node, su.chunk));
   }
   // A forwarded chunk's signal word (the staging ring's), in this rank's RDMA region.
   __device__ const uint64_t* arrival(const SendUnit& su) const {
-    return h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
+    return h.flag(h.chunk_flag_off(h.R.staged_signal, su.node, su.chunk), 0);
   }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
@@ -295,7 +295,7 @@ struct Dispatch : KernelCall {
   // Row i of a unit (u0 <= i < u1).
   __device__ const uint8_t* unit_row(const SendUnit& su, int i) const {
     if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
-    return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, su.chunk, i, row_bytes));
+    return h.rdma.local(h.staged_off(h.R.staged_rows_in, su.node, su.chunk, i, row_bytes));
   }
   __device__ int source_chunks(int s) const { return chunks_of(info[il.src_tokens + s], chunk); }
 };
@@ -492,7 +492,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
     };
     return pending.flush(landed, [&](const Stored& u) {
       for (int g = 0; g < G; ++g) {
-        ChunkSignal* sig = d.chunk_signal(first + g, u.source, u.chunk);
+        ChunkSignal* sig = d.recv_signal(first + g, u.source, u.chunk);
         const int rows = tab.span_rows[u.span][g];
         sig->first = rows > 0 ? tab.span_first[u.span][g] : 0;
         sig->rows = rows;
@@ -624,7 +624,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   PipeState slot;
   int s, c;
   while (chunks.next(s, c)) {
-    const ChunkSignal* sig = d.chunk_signal(d.a.rank, s, c);
+    const ChunkSignal* sig = d.recv_signal(d.a.rank, s, c);
     // This rank signals its own chunks and those it forwards: a wait on its own progress.
     const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
@@ -700,8 +700,8 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
     const int rows = tab->rows;
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
-      PeerRing::reader_acquire(&d.chunk_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
-      dev::fence_proxy_async();                                        // read by bulk loads below
+      PeerRing::reader_acquire(&d.recv_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
+      dev::fence_proxy_async();                                       // read by bulk loads below
     }
     for (int k = 0; k < d.batches.items(0, rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(0, rows, k);  // rows of the chunk's slot in the ring
