@@ -59,19 +59,20 @@ MUTATIONS = (
              "if (d.stopped() || !d.expand_fifo.ring.consumer_wait(d.args, consumed)) {",
              "if (d.stopped()) {"),
     Mutation("signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/dispatch_receive.cuh",
-             "    bulk_wait_write_except(writes_in_flight);\n    if (!d.meta_ring", "    if (!d.meta_ring"),
+             "      const Landing l = stores(mark);\n      if (l != Landing::kLanded) return l;\n",
+             "      if (mark + in_flight > queue.groups()) return Landing::kInFlight;\n"
+             "      dev::fence_proxy_async();\n"),
     Mutation("signal-one-row-short", "a wrong signal count", "csrc/kernels/dispatch_receive.cuh",
              "      sig->rows = rows;", "      sig->rows = rows > 0 ? rows - 1 : 0;"),
     Mutation("staged-before-stores-land", "a missing bulk-group wait (rows put to another node before staged)",
-             "csrc/kernels/dispatch_receive.cuh", """    if (pending_chunk < 0) return true;
-    bulk_wait_write_except(writes_in_flight);""", """    if (pending_chunk < 0) return true;
-    if (pending_staged) {
-      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
-      d.staged_fifo.producer_commit(staged);
-      staged.advance(kStagedSlots);
-      pending_staged = false;
-    }
-    bulk_wait_write_except(writes_in_flight);""", tests="tests/model/test_hierarchy_model.py"),
+             "csrc/kernels/dispatch_receive.cuh", "      const Landing l = stores(mark);\n",
+             """      if (pending.item[0].staged) {
+        if (!d.staged_fifo.producer_acquire(d.args, staged)) return Landing::kStopped;
+        d.staged_fifo.producer_commit(staged);
+        staged.advance(kStagedSlots);
+        pending.item[0].staged = false;
+      }
+      const Landing l = stores(mark);\n""", tests="tests/model/test_hierarchy_model.py"),
     Mutation("staged-slot-off-by-one", "an off-by-one position (a token's staged slot for another node)",
              "csrc/kernels/dispatch_receive.cuh", "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u));",
              "tab.dest_slot[lane][n] = __popc(mask & ((1u << lane) - 1u)) + (lane == 1);",
@@ -91,8 +92,8 @@ MUTATIONS = (
     Mutation("source-frees-a-slot-before-its-loads-land", "a ring slot freed before its reads completed (a "
              "source credits a chunk's partial-ring slots as soon as it issued the chunk's bulk loads)",
              "csrc/kernels/combine_receive.cuh",
-             "  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};",
-             "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c, produced.count});",
+             "  cr.pending.note(typename SourceCredits<Rdma>::Chunk{node, c}, produced.count);",
+             "  send_credits(d, cr, typename SourceCredits<Rdma>::Chunk{node, c});",
              tests=RINGS_ONE_NODE),
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
              "the writers wait for a credit that never comes, and the call times out)",
@@ -108,9 +109,10 @@ MUTATIONS = (
              "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_receive.cuh",
              "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
              """                      PeerRing::tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
-                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1),
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
+                      static_cast<uint64_t>(it.rows) * row_b,
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
                       PeerRing::tag(d.epoch, it.chunk + 1));
   }""", tests=RINGS_NODES),
     Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
@@ -153,8 +155,13 @@ MUTATIONS = (
     Mutation("combine-stage-freed-by-one-warp", "a stage released before every consumer read it",
              "csrc/kernels/combine_receive.cuh", "    host_in.init(1, kGroupWarps);", "    host_in.init(1, 1);"),
     Mutation("combine-signal-before-stores-land", "a missing bulk-group wait", "csrc/kernels/combine_receive.cuh",
-             "    bulk_wait_write_except(writes_in_flight);\n    dev::fence_proxy_async();",
-             "    dev::fence_proxy_async();"),
+             "    stored.flush(StoresLanded(queue, in_flight, true), [&](const Stored& k) {",
+             """    stored.flush([&](uint32_t mark) {
+      if (mark + in_flight > queue.groups()) return Landing::kInFlight;
+      dev::fence_proxy_async();
+      __threadfence_system();
+      return Landing::kLanded;
+    }, [&](const Stored& k) {"""),
     Mutation("combine-partial-after-first-route", "an item flag off by one (a row emitted before its last part)",
              "csrc/kernels/segments.cuh", "if ((it.flags & kLastPart) && !emit(acc, it)) return;",
              "if ((it.flags & kFirstPart) && !emit(acc, it)) return;"),
@@ -195,8 +202,8 @@ MUTATIONS = (
     Mutation("ring-freed-before-loads-land", "a ring slot freed before its reader's loads completed (the receive "
              "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",
-             "    const int rows = tab.rows;\n    dev::st_release_sys(d.recv_credit(d.ring_writer(s), topo.node(s), "
-             "topo.local(d.a.rank), c), d.tag(c));\n    bool ok = true;\n", tests=RING_TESTS),
+             "    const int rows = tab.rows;\n    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), "
+             "topo.local(d.a.rank), c), d.epoch, c);\n    bool ok = true;\n", tests=RING_TESTS),
     Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
              "csrc/kernels/dispatch_receive.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
              "topo.local(d.a.rank), c), d.epoch, c - 1);", tests=RING_TESTS),
@@ -209,7 +216,7 @@ MUTATIONS = (
              "when the forwarded chunk arrived)", "csrc/kernels/dispatch_receive.cuh",
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);",
              "    if (lane == 0 && su.node >= 0)\n"
-             "      d.h.rdma.signal(su.source, d.staged_credit_off(d.h.node, su.chunk), d.tag(su.chunk));\n"
+             "      releases.reader_release(su.source, d.h.staged_credit_off(d.h.node, su.chunk), d.epoch, su.chunk);\n"
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);", tests=RING_TESTS),
     Mutation("staged-rows-forwarded-before-their-signal", "a staged row forwarded before its RDMA put landed (the "
              "forwarder's load warp reads a chunk's row count and rows without waiting for its signal)",
@@ -230,14 +237,15 @@ MUTATIONS = (
     # The direct path on several nodes (dispatch_direct.cuh, combine_direct.cuh through the rail peers)
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_direct.cuh",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
              "PeerRing::tag(d.epoch, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
-             "                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), "
+             "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
              """PeerRing::tag(d.epoch, it.chunk));
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk + 1, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
-                      d.node_word_off(h.R.comb_signal, h.node, it.chunk + 1), PeerRing::tag(d.epoch, it.chunk + 1));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
+                      PeerRing::tag(d.epoch, it.chunk + 1));
   }
   if (lane == 0) h.rdma.quiet();""", tests=DIRECT_NODES),
     Mutation("direct-staged-rows-loaded-before-their-put", "a staged row expanded before its RDMA put landed (the "
@@ -249,7 +257,8 @@ MUTATIONS = (
              "rail peer credits a forwarded chunk before the store warps waited for its loads)",
              "csrc/kernels/dispatch_direct.cuh",
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
-             "    if (m >= 0 && lane == 0) h.rdma.signal(h.rail_peer(m), d.staged_credit_off(h.node, c), d.tag(c));\n"
+             "    if (m >= 0 && lane == 0)\n"
+             "      releases.reader_release(h.rail_peer(m), h.staged_credit_off(h.node, c), d.epoch, c);\n"
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
              tests=DIRECT_NODES),
     Mutation("direct-forwarded-route-off-by-one", "an off-by-one position (a forwarded route written to the wrong "
@@ -291,7 +300,7 @@ MUTATIONS = (
              "      return true;"),
     Mutation("bulk-load-after-acquire-without-proxy-fence", "a missing proxy fence (the expand warp's bulk loads "
              "of the rows a peer stored, after its acquire of their signal)", "csrc/kernels/dispatch_receive.cuh",
-             "      dev::fence_proxy_async();                                        // read by bulk loads below\n",
+             "      dev::fence_proxy_async();                                       // read by bulk loads below\n",
              ""),
     Mutation("plan-forgets-static-smem", "static plus dynamic shared memory over the block's limit (the FIFO "
              "plan gives every byte to the dynamic stages)", "hybrid_ep/backends/cuda/launch.py",

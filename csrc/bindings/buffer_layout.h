@@ -119,11 +119,11 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   r.count_row_ints = W + N + L + kCountRowTail + W;  // then W ints: the source's routes to each rank
   r.row_stride = round_up(H * kMaxRowElemBytes, 16);
   r.scale_stride = s.scale_cols > 0 ? round_up(4 * s.scale_cols, 16) : 0;
-  r.comb_stride = round_up(H * 4, 16);
+  r.wire_stride = round_up(H * 4, 16);
 
   Planner reg(out.registered);
   r.count_epoch = reg.take(8 * W);
-  r.chunk_signal = reg.take(sizeof(ChunkSignal) * W * max_chunks);
+  r.recv_signal = reg.take(sizeof(ChunkSignal) * W * max_chunks);
   r.done_dispatch = reg.take(8);
   r.done_combine = reg.take(8);
   r.state = reg.take(sizeof(LocalState));
@@ -132,9 +132,9 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   // writer's ([source node][reader g] for the receive rings a rank writes; a partial and a
   // forward ring's credits by their source)
   r.recv_credit = reg.take(8 * N * G * r.recv.slots);
-  r.combine_signal = reg.take(8 * r.partial.rings * r.partial.slots);
+  r.partial_signal = reg.take(8 * r.partial.rings * r.partial.slots);
   r.partial_credit = reg.take(8 * G * r.partial.slots);
-  r.comb_fwd_signal = reg.take(8 * r.forward.rings * r.forward.slots);
+  r.forward_signal = reg.take(8 * r.forward.rings * r.forward.slots);
   r.forward_credit = reg.take(8 * (N > 1 ? W : 0) * r.forward.slots);
   // the direct path: this rank's published tensors of a dispatch and a combine, the first output
   // row of each (source, local expert), and each source's completion per kernel
@@ -152,10 +152,10 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
              "among the sources it writes for (its own chunks, and its rail peers' on other nodes)");
   r.recv_scales = reg.take(recv_rows * r.scale_stride);
   reg.region("recv_scales", "fp8 scales of received rows, in the receive rings");
-  r.comb_rows = reg.take(r.partial.rings * r.partial.slots * kChunkTokens * r.comb_stride);
-  reg.region("comb_rows", "partial sums of this node's expert hosts, sized for an fp32 wire: a ring per host");
-  r.comb_fwd = reg.take(r.forward.rings * r.forward.slots * kChunkTokens * r.comb_stride);
-  reg.region("comb_fwd",
+  r.partial_rows = reg.take(r.partial.rings * r.partial.slots * kChunkTokens * r.wire_stride);
+  reg.region("partial_rows", "partial sums of this node's expert hosts, sized for an fp32 wire: a ring per host");
+  r.forward_rows = reg.take(r.forward.rings * r.forward.slots * kChunkTokens * r.wire_stride);
+  reg.region("forward_rows",
              "several nodes: partials of this node's ranks for sources on other nodes whose rail peer "
              "this rank is, a ring per (source node, writer), its writer's slots shared among the nodes");
   r.total = reg.total();
@@ -173,22 +173,22 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   d.count_in = rd.take(4 * 2 * W * row_ints);
   d.done_dispatch = rd.take(8 * N);
   d.done_combine = rd.take(8 * N);
-  d.disp_signal = rd.take(8 * N * max_chunks);
-  d.disp_credit = rd.take(8 * N * d.staged.slots);
-  d.comb_signal = rd.take(8 * N * d.node_part.slots);
-  d.comb_credit = rd.take(8 * N * d.node_part.slots);
+  d.staged_signal = rd.take(8 * N * max_chunks);
+  d.staged_credit = rd.take(8 * N * d.staged.slots);
+  d.node_part_signal = rd.take(8 * N * d.node_part.slots);
+  d.node_part_credit = rd.take(8 * N * d.node_part.slots);
   rd.region("rdma_flags+counts", "counts and flags of the inter-node path, the staging rings' signals and credits");
   const uint64_t staged_rows = N * d.staged.slots * kChunkTokens;
-  d.disp_meta_out = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
-  d.disp_meta_in = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
-  rd.region("disp_meta", "a staged chunk's routing, out to the rail peer on each node and in from it");
-  d.disp_rows_out = rd.take(staged_rows * r.row_stride);
-  d.disp_rows_in = rd.take(staged_rows * r.row_stride);
-  rd.region("disp_rows", "staged rows, sized for fp32: a ring per node, out and in");
+  d.staged_meta_out = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
+  d.staged_meta_in = rd.take(N * d.staged.slots * d.chunk_meta_bytes);
+  rd.region("staged_meta", "a staged chunk's routing, out to the rail peer on each node and in from it");
+  d.staged_rows_out = rd.take(staged_rows * r.row_stride);
+  d.staged_rows_in = rd.take(staged_rows * r.row_stride);
+  rd.region("staged_rows", "staged rows, sized for fp32: a ring per node, out and in");
   const uint64_t node_rows = N * d.node_part.slots * kChunkTokens;
-  d.comb_rows_out = rd.take(node_rows * r.comb_stride);
-  d.comb_rows_in = rd.take(node_rows * r.comb_stride);
-  rd.region("node_partials", "node partial sums, sized for an fp32 wire: a ring per node, out and in");
+  d.node_part_rows_out = rd.take(node_rows * r.wire_stride);
+  d.node_part_rows_in = rd.take(node_rows * r.wire_stride);
+  rd.region("node_part_rows", "node partial sums, sized for an fp32 wire: a ring per node, out and in");
   d.total = rd.total();
   return out;
 }

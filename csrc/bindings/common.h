@@ -419,24 +419,24 @@ inline void bind_common(py::module_& m) {
   py::class_<RingLayout>(m, "RingLayout", py::module_local())
       .def(py::init<>()) RW(RingLayout, rings) RW(RingLayout, slots);
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
-      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, chunk_signal) RW(RegLayout, max_chunks)
+      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, recv_signal) RW(RegLayout, max_chunks)
           RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
               RW(RegLayout, count_row_ints) RW(RegLayout, recv) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
                       RW(RegLayout, scale_stride) RW(RegLayout, recv_credit) RW(RegLayout, partial)
-                          RW(RegLayout, forward) RW(RegLayout, combine_signal) RW(RegLayout, partial_credit)
-                              RW(RegLayout, comb_rows) RW(RegLayout, comb_stride) RW(RegLayout, comb_fwd)
-                                  RW(RegLayout, comb_fwd_signal) RW(RegLayout, forward_credit)
+                          RW(RegLayout, forward) RW(RegLayout, partial_signal) RW(RegLayout, partial_credit)
+                              RW(RegLayout, partial_rows) RW(RegLayout, wire_stride) RW(RegLayout, forward_rows)
+                                  RW(RegLayout, forward_signal) RW(RegLayout, forward_credit)
                                       RW(RegLayout, direct_tensors) RW(RegLayout, direct_first)
                                           RW(RegLayout, direct_done) RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
       .def(py::init<>()) RW(RdmaLayout, staged) RW(RdmaLayout, node_part) RW(RdmaLayout, count_epoch)
           RW(RdmaLayout, count_out) RW(RdmaLayout, count_in) RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine)
-              RW(RdmaLayout, disp_signal) RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes)
-                  RW(RdmaLayout, disp_meta_out) RW(RdmaLayout, disp_meta_in) RW(RdmaLayout, disp_rows_out)
-                      RW(RdmaLayout, disp_rows_in) RW(RdmaLayout, disp_credit) RW(RdmaLayout, comb_signal)
-                          RW(RdmaLayout, comb_credit) RW(RdmaLayout, comb_rows_out) RW(RdmaLayout, comb_rows_in)
-                              RW(RdmaLayout, total);
+              RW(RdmaLayout, staged_signal) RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes)
+                  RW(RdmaLayout, staged_meta_out) RW(RdmaLayout, staged_meta_in) RW(RdmaLayout, staged_rows_out)
+                      RW(RdmaLayout, staged_rows_in) RW(RdmaLayout, staged_credit) RW(RdmaLayout, node_part_signal)
+                          RW(RdmaLayout, node_part_credit) RW(RdmaLayout, node_part_rows_out)
+                              RW(RdmaLayout, node_part_rows_in) RW(RdmaLayout, total);
   // The layouts of the registered buffer and the RDMA region, built from the list of rings
   // (bindings/buffer_layout.h), with their regions: hybrid_ep/backends/cuda/layout.py reads them.
   py::class_<BufferShape>(m, "BufferShape", py::module_local())

@@ -83,7 +83,7 @@ enum Phase : int32_t {
   kPhaseRecvRing = 16,       // dispatch: waiting for a rank of this node to free a chunk slot of its receive ring
   kPhasePartialRing = 17,    // expert host: waiting for source P to free a chunk slot of its partial-sum ring
   kPhaseForwardRing = 18,    // expert host: waiting for rail peer P (forwarding for a source on another node)
-                             // to free a chunk slot of its comb_fwd ring
+                             // to free a chunk slot of its forward ring
   kPhaseNodePartRing = 19,   // forwarder: waiting for source P on another node to free a chunk slot of its
                              // node-partial ring (RDMA)
   kPhaseStagedRing = 20,     // dispatch: waiting for a rail peer on another node to free a chunk slot of its staging
@@ -193,7 +193,7 @@ struct RingLayout {
 // csrc/bindings/buffer_layout.h (its regions: the memory plan's lines).
 struct RegLayout {
   uint64_t count_epoch;     // u64 [W]: epoch of the counts source s wrote
-  uint64_t chunk_signal;    // ChunkSignal [W][max_chunks]: chunk c of source s arrived
+  uint64_t recv_signal;     // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
   uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
   uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
@@ -218,15 +218,16 @@ struct RegLayout {
   // several nodes, the forward rings (forward: partials for a source on another node whose rail
   // peer this rank is, a ring per (source node, writer g of this node)).
   RingLayout partial, forward;
-  uint64_t combine_signal;   // u64 [G][partial slots]: host g stored its partials of the slot's chunk
-  uint64_t partial_credit;   // u64 [G][partial slots]: source g of this node read this rank's partials
-  uint64_t comb_rows;        // [G][partial slots][kChunkTokens] rows, each the call's row in the wire dtype
-                             // (packed); row q the q-th of the chunk's receive slots at the host; sized for fp32
-  uint64_t comb_stride;      // bytes per row at the widest wire dtype (fp32): the region's size
-  uint64_t comb_fwd;         // [N][G][forward slots][kChunkTokens] rows in the wire dtype (packed), row q
-                             // the q-th of the chunk's receive slots at writer g
-  uint64_t comb_fwd_signal;  // u64 [N][G][forward slots]: writer g stored its partials of the slot's chunk
-  uint64_t forward_credit;   // u64 [W][forward slots]: the rail peer of source s read this rank's partials
+  uint64_t partial_signal;  // u64 [G][partial slots]: host g stored its partials of the slot's chunk
+  uint64_t partial_credit;  // u64 [G][partial slots]: source g of this node read this rank's partials
+  uint64_t partial_rows;    // [G][partial slots][kChunkTokens] rows, each the call's row in the wire dtype
+                            // (packed); row q the q-th of the chunk's receive slots at the host; sized for fp32
+  uint64_t wire_stride;     // bytes per partial-sum row (partial, forward, node_part rings) at the widest
+                            // wire dtype (fp32): the regions' size
+  uint64_t forward_rows;    // [N][G][forward slots][kChunkTokens] rows in the wire dtype (packed), row q
+                            // the q-th of the chunk's receive slots at writer g
+  uint64_t forward_signal;  // u64 [N][G][forward slots]: writer g stored its partials of the slot's chunk
+  uint64_t forward_credit;  // u64 [W][forward slots]: the rail peer of source s read this rank's partials
   // The direct path (a single node whose ranks can address each other's tensors: sources write
   // output rows straight into their final row, and read expert outputs straight from their row).
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
@@ -255,25 +256,25 @@ struct PeerTensors {
 // the same on every rank), row q of a chunk's slot the chunk's q-th token for that node.
 struct RdmaLayout {
   RingLayout staged, node_part;
-  uint64_t count_epoch;       // u64 [W]: a source on another node wrote its counts (epoch)
-  uint64_t count_out;         // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
-  uint64_t count_in;          // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
-  uint64_t done_dispatch;     // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
-  uint64_t done_combine;      // u64 [N]: the rail peer on node n finished reading the node partials
-                              // this rank sent it (epoch)
-  uint64_t disp_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (its tag)
-  uint64_t token_meta_bytes;  // bytes of one staged token's routing (TokenMeta + scales)
-  uint64_t chunk_meta_bytes;  // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
-  uint64_t disp_meta_out;     // [N][staged slots] chunk routing staged for node n's rail peer
-  uint64_t disp_meta_in;      // [N][staged slots] chunk routing from the rail peer on node n
-  uint64_t disp_rows_out;     // [N][staged slots][kChunkTokens] rows staged for node n (packed, call's row size)
-  uint64_t disp_rows_in;      // [N][staged slots][kChunkTokens] rows from the rail peer on node n
-  uint64_t disp_credit;       // u64 [N][staged slots]: the rail peer on node n forwarded this rank's staged chunk
-  uint64_t comb_signal;       // u64 [N][node_part slots]: the node partials of the slot's chunk from node n arrived
-  uint64_t comb_credit;       // u64 [N][node_part slots]: the source on node n read the node partials this rank
-                              // put it: the slot is free here and there
-  uint64_t comb_rows_out;     // [N][node_part slots][kChunkTokens] node partials staged for the source on node n
-  uint64_t comb_rows_in;      // [N][node_part slots][kChunkTokens] node partials from node n (wire dtype, packed)
+  uint64_t count_epoch;         // u64 [W]: a source on another node wrote its counts (epoch)
+  uint64_t count_out;           // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
+  uint64_t count_in;            // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
+  uint64_t done_dispatch;       // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
+  uint64_t done_combine;        // u64 [N]: the rail peer on node n finished reading the node partials
+                                // this rank sent it (epoch)
+  uint64_t staged_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (its tag)
+  uint64_t token_meta_bytes;    // bytes of one staged token's routing (TokenMeta + scales)
+  uint64_t chunk_meta_bytes;    // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
+  uint64_t staged_meta_out;     // [N][staged slots] chunk routing staged for node n's rail peer
+  uint64_t staged_meta_in;      // [N][staged slots] chunk routing from the rail peer on node n
+  uint64_t staged_rows_out;     // [N][staged slots][kChunkTokens] rows staged for node n (packed, call's row size)
+  uint64_t staged_rows_in;      // [N][staged slots][kChunkTokens] rows from the rail peer on node n
+  uint64_t staged_credit;       // u64 [N][staged slots]: the rail peer on node n forwarded this rank's staged chunk
+  uint64_t node_part_signal;    // u64 [N][node_part slots]: the node partials of the slot's chunk from node n arrived
+  uint64_t node_part_credit;    // u64 [N][node_part slots]: the source on node n read the node partials this rank
+                                // put it: the slot is free here and there
+  uint64_t node_part_rows_out;  // [N][node_part slots][kChunkTokens] node partials staged for the source on node n
+  uint64_t node_part_rows_in;   // [N][node_part slots][kChunkTokens] node partials from node n (wire dtype, packed)
   uint64_t total;
 };
 

@@ -23,15 +23,16 @@
 // block step ahead of it):
 //   own chunk c       a token's parts are its routes on this node and one node partial per other
 //                     node it reaches, at row q of the chunk's slot of that node's ring in this
-//                     rank's RDMA region (comb_rows_in; q its ordinal among the chunk's tokens for
-//                     that node), once the rail peer there put the chunk (kPhaseRdmaPartials);
+//                     rank's RDMA region (node_part_rows_in; q its ordinal among the chunk's
+//                     tokens for that node), once the rail peer there put the chunk
+//                     (kPhaseRdmaPartials);
 //                     the reducers add them (node partials in the wire dtype) and, after the
 //                     chunk's last segment, give its slots' credits back to those rail peers
 //                     (every load of the chunk landed: the reducers waited for each);
 //   forwarded chunk c of the rail peer on node n: a token's parts are its routes on this node (the
 //                     dispatch kept them, fwd_routes); the reducers write its node partial, rounded
 //                     once to the wire dtype, into row q of the chunk's slot of the node-partial
-//                     ring for n (comb_rows_out), and once the chunk's last one is written,
+//                     ring for n (node_part_rows_out), and once the chunk's last one is written,
 //   warp 2 R + 2      puts the chunk's node partials, with its signal, into the same slot of the
 //                     source (one put per chunk, also for no rows).
 // The node-partial rings are rings between ranks (kernels/peer_ring.cuh: their invariant, and
@@ -182,7 +183,7 @@ struct DirectCombine : KernelCall {
   }
   // The signal word of chunk c of node n's ring, in this rank's RDMA region.
   __device__ const uint64_t* node_part_signal(int n, int c) const {
-    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
+    return h.flag(node_word_off(h.R.node_part_signal, n, c), 0);
   }
   // Whether token t (t < t1) of this rank has a route to node n. Every lane calls it.
   __device__ bool reaches(int64_t t, int t1, int n) const {
@@ -277,8 +278,8 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
   if (lane == 0)
-    ok = !d.stopped() && d.node_part.wait_free(d.args, h.flag(d.node_word_off(h.R.comb_credit, n, c), 0), d.epoch, c,
-                                               d.a.rank, h.rail_peer(n));
+    ok = !d.stopped() && d.node_part.wait_free(d.args, h.flag(d.node_word_off(h.R.node_part_credit, n, c), 0), d.epoch,
+                                               c, d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
   const int width = fwd_route_width(d.geo);
@@ -331,7 +332,7 @@ __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, 
               const int host = tab.host[q][j];
               if (host >= kNodePart) {
                 wire = true;
-                return h.rdma.local(d.node_row_off(h.R.comb_rows_in, host - kNodePart, c, tab.row[q][j]));
+                return h.rdma.local(d.node_row_off(h.R.node_part_rows_in, host - kNodePart, c, tab.row[q][j]));
               }
               return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
                      static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
@@ -345,8 +346,10 @@ __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, 
 
 // A pipeline's reducer warp: each row's parts summed in fp32 registers (node partials read in the
 // wire dtype). An own token's row is written to y, rounded once, and after its chunk's last
-// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers
-// (this warp waited for every load of the chunk: they landed). A forwarded row's node partial is
+// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers:
+// this warp waited for every load of the chunk on its stage's full barrier, so they landed and
+// the release is due at once (the receive path's load warp, which does not wait for its loads,
+// defers it: DeferredReleases, kernels/pipeline.cuh). A forwarded row's node partial is
 // written, rounded once to the wire dtype, into the node-partial ring, and after its chunk's last
 // row each warp fences its stores and hands the chunk to the put warp (one of the put ring's R
 // arrivals).
@@ -382,13 +385,13 @@ __device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline
         const int c = it.row / d.chunk;
         for (int n = 0; n < h.topo.N; ++n)
           if (n != h.node)
-            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, c), d.epoch, c);
+            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, c), d.epoch, c);
       }
       continue;
     }
     const FwdTag f = FwdTag::of(it.slot);
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, it.row, f.q)) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.node_part_rows_out, f.node, it.row, f.q)) +
                                    static_cast<int64_t>(it.col0) * sizeof(Wire),
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) continue;
@@ -423,9 +426,9 @@ __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
     __syncwarp();
     if (lane == 0) put.consumer_release(p[pipeline]);
     p[pipeline].advance(put.stages);
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
-                      d.node_word_off(h.R.comb_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }

@@ -44,13 +44,13 @@
 // Rings between ranks (kernels/peer_ring.cuh: their invariant, and why no wait closes a
 // cycle). Partials go through bounded rings whatever max_tokens and the routing: an expert
 // host's partials of chunk c of source s to its slot of the ring it fills for s (row q: the q-th
-// of the chunk's receive slots at the host), in s's comb_rows (partial) or, for a source on
-// another node, in s's rail peer's comb_fwd (forward); the forwarder's node partials of chunk c
-// to its slot of its comb_rows_out, and by the put to the same slot of the source's
-// comb_rows_in (node_part). The reader of a ring (a source's or forwarder's load warp) releases
-// a chunk once its bulk loads landed in shared memory; the host store warp acquires a slot
-// before the chunk's stores, and the forwarder's load warp before the chunk whose node partials
-// its reducers will write. Every chunk takes its slot, rows or none. The host store warp signals
+// of the chunk's receive slots at the host), in s's partial_rows (partial) or, for a source on
+// another node, in s's rail peer's forward_rows (forward); the forwarder's node partials of
+// chunk c to its slot of its node_part_rows_out, and by the put to the same slot of the source's
+// node_part_rows_in (node_part). The reader of a ring (a source's or forwarder's load warp)
+// releases a chunk once its bulk loads landed in shared memory; the host store warp acquires a
+// slot before the chunk's stores, and the forwarder's load warp before the chunk whose node
+// partials its reducers will write. Every chunk takes its slot, rows or none. The host store warp signals
 // every chunk it stored before it waits for a credit, the source load warp sends the credits of
 // the chunks it loaded (after they landed, which needs no peer) before it waits for a peer, and
 // the reducers and the put warp wait only inside the block.
@@ -79,7 +79,7 @@ __host__ __device__ constexpr RoleTable<CombineRole, 6> combine_warps() {
            {CombineRole::kForwardPut, 3 + 2 * kGroupWarps, 1}}};
 }
 static_assert(combine_warps().tiles(kCombineThreads / 32), "the combine's roles tile its block");
-constexpr int kMaxPendingChunks = 8;  // chunks whose partials are stored but not yet signalled
+constexpr int kMaxPendingChunks = 8;  // chunks held for their releases (stored, not signalled; loaded, not credited)
 constexpr int kPutStages = 4;         // forwarded chunks written by the reducers, not yet put
 
 // ---- stages and tables ----------------------------------------------------------------------
@@ -185,10 +185,10 @@ struct Combine : KernelCall {
   // The partial of source s at row q (the q-th of the chunk's rows at the host) of chunk c of
   // expert host `host`'s ring (a host of s's node), in s's buffer, and the slot's signal word.
   __device__ uint8_t* partial_row(int s, int host, int c, int q) const {
-    return view.base(s) + reg.comb_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
+    return view.base(s) + reg.partial_rows + partial.row(h.topo.local(host), c, q) * C * wire_bytes;
   }
-  __device__ uint64_t* comb_signal(int s, int host, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(s) + reg.combine_signal) + partial.word(h.topo.local(host), c);
+  __device__ uint64_t* partial_signal(int s, int host, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(s) + reg.partial_signal) + partial.word(h.topo.local(host), c);
   }
   // Writer w's credit word (in w's buffer) of the slot of chunk c of its ring for source s.
   __device__ uint64_t* credit(int w, int s, int c) const {
@@ -197,25 +197,25 @@ struct Combine : KernelCall {
     return reinterpret_cast<uint64_t*>(view.base(w) + reg.forward_credit) + forward.word(s, c);
   }
   // Partials for a source on another node go to its rail peer f on this node: the ring of writer
-  // (source node, local index of the writer) in f's comb_fwd area.
+  // (source node, local index of the writer) in f's forward_rows area.
   __device__ int64_t fwd_writer(int s, int writer) const {
     return static_cast<int64_t>(h.topo.node(s)) * h.topo.G + h.topo.local(writer);
   }
-  __device__ uint8_t* fwd_partial(int f, int64_t writer_index, int c, int q) const {
-    return view.base(f) + reg.comb_fwd + forward.row(writer_index, c, q) * C * wire_bytes;
+  __device__ uint8_t* forward_row(int f, int64_t writer_index, int c, int q) const {
+    return view.base(f) + reg.forward_rows + forward.row(writer_index, c, q) * C * wire_bytes;
   }
-  __device__ uint64_t* fwd_signal(int f, int64_t writer_index, int c) const {
-    return reinterpret_cast<uint64_t*>(view.base(f) + reg.comb_fwd_signal) + forward.word(writer_index, c);
+  __device__ uint64_t* forward_signal(int f, int64_t writer_index, int c) const {
+    return reinterpret_cast<uint64_t*>(view.base(f) + reg.forward_signal) + forward.word(writer_index, c);
   }
   // Where this rank, as expert host, stores its partial of row q of chunk c of source s, and
   // signals chunk c.
   __device__ uint8_t* host_target(int s, int c, int q) const {
     if (h.topo.same_node(s, a.rank)) return partial_row(s, a.rank, c, q);
-    return fwd_partial(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c, q);
+    return forward_row(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c, q);
   }
   __device__ uint64_t* host_signal(int s, int c) const {
-    if (h.topo.same_node(s, a.rank)) return comb_signal(s, a.rank, c);
-    return fwd_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
+    if (h.topo.same_node(s, a.rank)) return partial_signal(s, a.rank, c);
+    return forward_signal(h.topo.rail_peer(s, h.node), fwd_writer(s, a.rank), c);
   }
   // The RDMA region's node-partial rings: the word of chunk c of node n's ring (signal, credit),
   // and the byte offset of its row q.
@@ -227,7 +227,7 @@ struct Combine : KernelCall {
   }
   // The signal word of chunk c of node n's ring, in this rank's RDMA region.
   __device__ const uint64_t* node_part_signal(int n, int c) const {
-    return h.flag(node_word_off(h.R.comb_signal, n, c), 0);
+    return h.flag(node_word_off(h.R.node_part_signal, n, c), 0);
   }
   __device__ uint8_t* host_in_stage(int stage) const {
     return host_in + static_cast<size_t>(stage) * seg_cols * in_bytes;
@@ -304,31 +304,23 @@ __device__ void host_reduce(const Combine<Rdma>& d, const Ring& in, const Ring& 
 }
 
 // Warp 5 (lane 0): each partial stored to the source, chunks signalled once their stores
-// completed (checked at each commit, so a chunk is not drained before the next is stored).
+// landed (DeferredReleases: checked at each commit, so a chunk is not drained before the next
+// is stored).
 template <typename Rdma>
 __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
   StoreQueue queue(out, store_groups_in_flight(d.args, out.stages));
   HostChunks<Rdma> chunks(d);
   PipeState consumed;
-  // Chunks stored but not yet signalled: (source, chunk, the group that completes it).
-  int pend_s[kMaxPendingChunks] = {}, pend_c[kMaxPendingChunks] = {};
-  uint32_t pend_g[kMaxPendingChunks] = {};
-  int npend = 0;
-  auto signal_through = [&](uint32_t upto_group, int writes_in_flight) {
-    if (npend == 0 || pend_g[0] > upto_group) return;
-    bulk_wait_write_except(writes_in_flight);
-    dev::fence_proxy_async();  // the bulk writes, before the generic releases below
-    __threadfence_system();
-    int kept = 0;
-    for (int i = 0; i < npend; ++i) {
-      if (pend_g[i] <= upto_group) {
-        PeerRing::publish(d.host_signal(pend_s[i], pend_c[i]), d.epoch, pend_c[i]);
-      } else {
-        pend_s[kept] = pend_s[i], pend_c[kept] = pend_c[i], pend_g[kept] = pend_g[i];
-        ++kept;
-      }
-    }
-    npend = kept;
+  struct Stored {
+    int source, chunk;
+  };
+  DeferredReleases<Stored, kMaxPendingChunks> stored;  // chunks stored, not yet signalled
+  // The chunks whose stores landed but for the newest `in_flight` groups: their signals.
+  auto signal_landed = [&](int in_flight) {
+    stored.flush(StoresLanded(queue, in_flight, true), [&](const Stored& k) {
+      PeerRing::publish(d.host_signal(k.source, k.chunk), d.epoch, k.chunk);
+      return true;
+    });
   };
 
   int s, c;
@@ -339,7 +331,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     // on this node), first signalling the chunks already stored: the reader may need them
     const int reader = d.h.topo.same_node(s, d.a.rank) ? s : d.h.topo.rail_peer(s, d.h.node);
     if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c, d.a.rank, reader, [&] {
-          signal_through(queue.groups(), 0);
+          signal_landed(0);
           return true;
         })) {
       d.stop();
@@ -356,40 +348,35 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
                         static_cast<int64_t>(it.col0) * d.wire_bytes,
                     d.host_out_stage(consumed.stage), it.cols * d.wire_bytes);
       queue.commit();
-      signal_through(queue.groups() - 1, 1);  // chunks complete with an older group; this one stays in flight
+      signal_landed(1);  // chunks complete with an older group; this one stays in flight
       queue.release_read();
     }
     if (!ok) {
       d.stop();
       break;
     }
-    if (npend == kMaxPendingChunks) signal_through(queue.groups(), 0);
-    pend_s[npend] = s, pend_c[npend] = c, pend_g[npend] = queue.groups();
-    ++npend;
+    if (stored.full()) signal_landed(0);
+    stored.note(Stored{s, c}, queue.groups());
   }
-  if (!d.stopped()) signal_through(queue.groups(), 0);
+  if (!d.stopped()) signal_landed(0);
   queue.finish();
 }
 
 // ---- source ---------------------------------------------------------------------------------
 
 // Lane 0 of the source load warp: the chunks whose partials it has loaded, each credited to its
-// writers once every bulk load of it has landed in shared memory (then the writers may reuse
-// the chunk's ring slots). A load has landed when its stage's full barrier completed that
-// round; this lane observes each round at most once (`landed`: the items before it are known to
-// have landed), and an item whose stage it has acquired again has landed anyway (its consumers
-// released it). The node-partial credits go over the transport (releases: quieted when the
-// lane leaves its role).
+// writers once every bulk load of it has landed in shared memory (DeferredReleases, marked by
+// the items produced after the chunk's last load; LoadsLanded), then the writers may reuse the
+// chunk's ring slots. The node-partial credits go over the transport (releases: quieted when
+// the lane leaves its role).
 template <typename Rdma>
 struct SourceCredits {
   struct Chunk {
-    int node;      // this rank's node for an own chunk, else the node of the source it forwarded
-    int chunk;     //
-    uint32_t end;  // the items (PipeState::count) up to the chunk's last load
+    int node;   // this rank's node for an own chunk, else the node of the source it forwarded
+    int chunk;  //
   };
-  Chunk pending[kMaxPendingChunks];
-  int count = 0;
-  uint32_t landed = 0;
+  DeferredReleases<Chunk, kMaxPendingChunks> pending;
+  uint32_t landed = 0;  // the items whose loads are known to have landed (LoadsLanded)
   RingReleases<Rdma> releases;
 
   __device__ explicit SourceCredits(const Rdma& rdma) : releases(rdma) {}
@@ -399,19 +386,21 @@ struct SourceCredits {
 // a forwarded chunk's to every rank of this node that wrote partials of it (into its credit
 // word for the forwarded chunk's source).
 template <typename Rdma>
-__device__ void send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
+__device__ bool send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
                              const typename SourceCredits<Rdma>::Chunk& k) {
   const Hierarchy<Rdma>& h = d.h;
   const int first = h.first_local();
   const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
   const PeerRing& ring = d.host_ring(source);
   for (int g = 0; g < h.topo.G; ++g) ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);
-  if (k.node != h.node) return;
+  if (k.node != h.node) return true;
   // and an own chunk's node partials to the rail peer of every other node, whose staged slot is
   // free too (the put that delivered them has read them)
   for (int n = 0; n < h.topo.N; ++n)
     if (n != h.node)
-      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.comb_credit, h.node, k.chunk), d.epoch, k.chunk);
+      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, k.chunk), d.epoch,
+                                 k.chunk);
+  return true;
 }
 
 // Sends the credits of the pending chunks, oldest first, whose loads landed: those already seen
@@ -419,32 +408,16 @@ __device__ void send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
 template <typename Rdma>
 __device__ bool flush_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                               const PipeState& produced, bool block) {
-  const uint32_t stages = static_cast<uint32_t>(ring.stages);
-  if (produced.count > stages) cr.landed = max(cr.landed, produced.count - stages);  // acquired again
-  int sent = 0;
-  for (; sent < cr.count; ++sent) {
-    const uint32_t end = cr.pending[sent].end;
-    for (; cr.landed < end; ++cr.landed) {
-      uint64_t* full = &ring.full[cr.landed % stages];
-      const uint32_t parity = (cr.landed / stages) & 1u;
-      if (!block ? !dev::mbar_try_wait(full, parity)
-                 : !mbar_wait(d.args, full, parity, ring.rank, ring.epoch, ring.site, kWaitedForData))
-        break;
-    }
-    if (cr.landed < end) break;
-    send_credits(d, cr, cr.pending[sent]);
-  }
-  for (int i = sent; i < cr.count; ++i) cr.pending[i - sent] = cr.pending[i];
-  cr.count -= sent;
-  return !block || cr.count == 0;
+  return cr.pending.flush(LoadsLanded(d.args, ring, produced, cr.landed, block),
+                          [&](const typename SourceCredits<Rdma>::Chunk& k) { return send_credits(d, cr, k); });
 }
 
 // After the chunk's loads: its credits wait for them to land (a full list is flushed first).
 template <typename Rdma>
 __device__ bool note_credits(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                              const PipeState& produced, int node, int c) {
-  if (cr.count == kMaxPendingChunks && !flush_credits(d, ring, cr, produced, true)) return false;
-  cr.pending[cr.count++] = typename SourceCredits<Rdma>::Chunk{node, c, produced.count};
+  if (cr.pending.full() && !flush_credits(d, ring, cr, produced, true)) return false;
+  cr.pending.note(typename SourceCredits<Rdma>::Chunk{node, c}, produced.count);
   return true;
 }
 
@@ -455,7 +428,7 @@ template <typename Rdma, typename Arrived>
 __device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring, SourceCredits<Rdma>& cr,
                                        const PipeState& produced, Arrived arrived) {
   if (!flush_credits(d, ring, cr, produced, false)) return false;
-  return cr.count == 0 || arrived() || flush_credits(d, ring, cr, produced, true);
+  return cr.pending.empty() || arrived() || flush_credits(d, ring, cr, produced, true);
 }
 
 // Warp 6, an own chunk c: lane 0 waits until every expert host of this node and every other
@@ -473,13 +446,13 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.comb_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
+        if (!PeerRing::is_published(d.partial_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
       for (int n = 0; n < N; ++n)
         if (n != h.node && !PeerRing::is_published(d.node_part_signal(n, c), d.epoch, c)) return false;
       return true;
     });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = d.partial.reader_wait(d.args, d.comb_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
+      ok = d.partial.reader_wait(d.args, d.partial_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
         ok = d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c, d.a.rank,
@@ -524,7 +497,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
                       [&](int j, float&) -> const uint8_t* {
                         const int from = tab.from[i][j], q = tab.slot[i][j];
                         if (from < kNodePart) return d.partial_row(d.a.rank, first + from, c, q);
-                        return h.rdma.local(d.node_row_off(h.R.comb_rows_in, from - kNodePart, c, q));
+                        return h.rdma.local(d.node_row_off(h.R.node_part_rows_in, from - kNodePart, c, q));
                       });
     }
   }
@@ -547,19 +520,19 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
   SrcTable& tab = d.sh.src_table;
   // the chunk's node-partial slot: the source must have read its previous chunk (its credit),
   // before the reducers write this chunk's node partials there
-  const uint64_t* credit = h.flag(d.node_word_off(h.R.comb_credit, n, c), 0);
+  const uint64_t* credit = h.flag(d.node_word_off(h.R.node_part_credit, n, c), 0);
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       if (!d.node_part.is_free(credit, d.epoch, c)) return false;
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
+        if (!PeerRing::is_published(d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
           return false;
       return true;
     });
     if (ok) ok = d.node_part.wait_free(d.args, credit, d.epoch, c, d.a.rank, h.rail_peer(n));
     for (int g = 0; g < G && ok; ++g)
-      ok = d.forward.reader_wait(d.args, d.fwd_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
+      ok = d.forward.reader_wait(d.args, d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
                                  d.a.rank, first + g);
   }
   if (!warp_uniform(ok)) return false;
@@ -589,7 +562,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
       const PartItem head{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f};
       ok = load_parts(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, head, rows > 0 ? tab.parts[q] : 0,
                       [&](int j, float&) -> const uint8_t* {
-                        return d.fwd_partial(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], c, tab.slot[q][j]);
+                        return d.forward_row(d.a.rank, static_cast<int64_t>(n) * G + tab.from[q][j], c, tab.slot[q][j]);
                       });
     }
   }
@@ -612,7 +585,9 @@ __device__ void src_load(const Combine<Rdma>& d, const Ring& ring, int lane) {
   finish_loads(d, ring, d.sh.src_items, d.src_in, d.wire_bytes, produced, ok, credits.landed);
   // every load landed (finish_loads waited for them): the last chunks' credits (the node-partial
   // ones quieted as `credits` goes)
-  for (int i = 0; ok && i < credits.count; ++i) send_credits(d, credits, credits.pending[i]);
+  if (ok)
+    credits.pending.release_all(
+        [&](const typename SourceCredits<Rdma>::Chunk& k) { return send_credits(d, credits, k); });
 }
 
 // Warps 7-10: each row's partials summed in registers. An own token's output row is written
@@ -631,7 +606,7 @@ __device__ void src_reduce(const Combine<Rdma>& d, const Ring& ring, const Ring&
     }
     const FwdTag f = FwdTag::of(it.slot);
     if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.comb_rows_out, f.node, it.row, f.q)) +
+      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.node_part_rows_out, f.node, it.row, f.q)) +
                                    static_cast<int64_t>(it.col0) * d.wire_bytes,
                                it.cols, gt);
     if (!f.completes(it.col0 + it.cols, d.C)) return true;
@@ -660,9 +635,9 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
     const FwdPut it = d.sh.put_items[p.stage];
     __syncwarp();
     if (lane == 0) put.consumer_release(p);
-    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.comb_rows_in, h.node, it.chunk, 0),
-                      h.rdma.local(d.node_row_off(h.R.comb_rows_out, it.node, it.chunk, 0)),
-                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.comb_signal, h.node, it.chunk),
+    h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk, 0),
+                      h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
+                      static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.node_part_signal, h.node, it.chunk),
                       PeerRing::tag(d.epoch, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();

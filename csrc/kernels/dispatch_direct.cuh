@@ -27,14 +27,14 @@
 // that arrive from the rail peers on other nodes (DirectUnits, merged by key):
 //   own chunk c     routes to this node's ranks as above; for each other node n the chunk's
 //                   token reaches, one more target: row q of the chunk's slot of
-//                   the staging ring for n in this rank's RDMA region (disp_rows_out), q the
+//                   the staging ring for n in this rank's RDMA region (staged_rows_out), q the
 //                   token's ordinal among the chunk's tokens for n. Once both store warps'
 //                   stores of the chunk completed (the done ring: one arrival each), the RDMA
 //                   warp writes each token's routing for n (TokenMeta: every route's expert,
 //                   ordinal and weight, then its fp8 scales) and puts the rows and the routing,
 //                   with the chunk's signal, into the same slot of the rail peer on n;
 //   forwarded chunk c of the rail peer on node m: the load warp and the table warp wait for
-//                   its signal (kPhaseRdmaRows); the rows are loaded from disp_rows_in into the
+//                   its signal (kPhaseRdmaRows); the rows are loaded from staged_rows_in into the
 //                   FIFO as an own chunk's are, and the table warp computes each route to a rank
 //                   of this node from the published layout (that rank's first row of the
 //                   source's rows of the expert, + the route's ordinal), writes its weight and
@@ -143,9 +143,11 @@ struct DirectDispatch : KernelCall {
   __device__ int unit_items(int m, int u0, int u1) const {
     return m >= 0 ? max(1, batches.items(u0, u1)) : batches.items(u0, u1);
   }
-  __device__ const uint64_t* arrival(int m, int c) const { return h.flag(h.chunk_flag_off(h.R.disp_signal, m, c), 0); }
+  __device__ const uint64_t* arrival(int m, int c) const {
+    return h.flag(h.chunk_flag_off(h.R.staged_signal, m, c), 0);
+  }
   // A forwarded chunk's routing (its header holds its rows), in this rank's RDMA region.
-  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, m, c)); }
+  __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.staged_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
     if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), epoch, c, a.rank, h.rail_peer(m))) return false;
@@ -181,7 +183,7 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
         break;
       }
       dev::fence_proxy_async();
-      rows = d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_in, m, c, 0, d.row_bytes));
+      rows = d.h.rdma.local(d.h.staged_off(d.h.R.staged_rows_in, m, c, 0, d.row_bytes));
     }
     for (int k = 0; k < d.unit_items(m, u0, u1) && !d.stopped(); ++k, produced.advance(d.stages)) {
       if (!d.fifo.ring.producer_acquire(d.args, produced)) {
@@ -378,24 +380,24 @@ template <typename Rdma>
 __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
   StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
   const bool multi = d.h.multi();
-  PipeState item, table, done;  // item: every item of the FIFO
-  bool pending = false;         // a unit's done arrival, once its groups up to pending_group completed
-  uint32_t pending_group = 0;
-  auto arrive_pending = [&](bool all) -> bool {
-    if (!pending) return true;
-    bulk_wait_write_except(all ? 0 : static_cast<int>(queue.groups() - pending_group));
-    dev::fence_proxy_async();  // the staged rows, before the RDMA warp's generic reads
-    if (!d.done_ring.producer_acquire(d.args, done)) return false;
-    d.done_ring.producer_commit(done);
-    done.advance(kDoneSlots);
-    pending = false;
-    return true;
+  PipeState item, table, done;        // item: every item of the FIFO
+  struct Unit {};                     // the done ring's arrivals come in unit order
+  DeferredReleases<Unit, 1> pending;  // a unit's done arrival, once its store groups landed
+  // The arrival once the pending unit's groups landed, but for the newest `in_flight` (the
+  // staged rows, before the RDMA warp's generic reads).
+  auto arrive_pending = [&](int in_flight) -> bool {
+    return pending.flush(StoresLanded(queue, in_flight), [&](Unit) {
+      if (!d.done_ring.producer_acquire(d.args, done)) return false;
+      d.done_ring.producer_commit(done);
+      done.advance(kDoneSlots);
+      return true;
+    });
   };
   // A consumer wait on `ring` that may block: the pending arrival first, unless it passes at once.
   auto wait_for = [&](const Ring& ring, const PipeState& p) {
     if (d.stopped()) return false;
-    if (pending && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
-    return arrive_pending(true) && ring.consumer_wait(d.args, p);
+    if (!pending.empty() && dev::mbar_try_wait(&ring.full[p.stage], p.phase)) return true;
+    return arrive_pending(0) && ring.consumer_wait(d.args, p);
   };
   DirectUnits<DirectDispatch<Rdma>> units(d);
   int m, c;
@@ -412,7 +414,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
       for (int n = 0; n < d.h.topo.N && ok; ++n)
         if (n != d.h.node)
           ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
-                                          d.h.rail_peer(n), [&] { return arrive_pending(true); });
+                                          d.h.rail_peer(n), [&] { return arrive_pending(0); });
       if (!ok) break;
     }
     for (int k = 0; k < d.unit_items(m, u0, u1); ++k, item.advance(d.stages)) {
@@ -428,30 +430,27 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
           const int p = tab.row[i][q], dst = tab.dest[i][q];
           uint8_t* to =
               dst >= kStagedTarget
-                  ? d.h.rdma.local(d.h.staged_off(d.h.R.disp_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
+                  ? d.h.rdma.local(d.h.staged_off(d.h.R.staged_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
                   : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
           dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, it.bytes);
         }
       }
       queue.commit();
-      // the pending unit's groups completed but the newest in_flight (the next unit's)
-      if (pending && queue.groups() - pending_group >= static_cast<uint32_t>(max(1, queue.in_flight)) &&
-          !arrive_pending(false))
-        ok = false;
+      // once the pending unit's groups are older than the newest in_flight (the next unit's)
+      if (!arrive_pending(max(1, queue.in_flight))) ok = false;
       queue.release_read();
     }
     if (!ok) break;
     d.table_ring.consumer_release(table);  // the rows were read when the stores were issued
     if (multi) {
-      if (pending && !arrive_pending(true)) {
+      if (!arrive_pending(0)) {
         ok = false;
         break;
       }
-      pending = true;
-      pending_group = queue.groups();
+      pending.note(Unit{}, queue.groups());
     }
   }
-  if (ok && !d.stopped() && !arrive_pending(true)) ok = false;
+  if (ok && !d.stopped() && !arrive_pending(0)) ok = false;
   if (!ok) d.stop();
   queue.finish();  // the rows landed before the last block's release (after the block barrier)
 }

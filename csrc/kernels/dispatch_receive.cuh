@@ -239,13 +239,13 @@ struct Dispatch : KernelCall {
     return __ballot_sync(0xffffffffu, !ok) == 0u;
   }
   // Chunk c of `source`, as signalled to rank d.
-  __device__ ChunkSignal* chunk_signal(int d, int source, int c) const {
-    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.chunk_signal) +
+  __device__ ChunkSignal* recv_signal(int d, int source, int c) const {
+    return reinterpret_cast<ChunkSignal*>(view.base(d) + reg.recv_signal) +
            static_cast<int64_t>(source) * static_cast<int64_t>(reg.max_chunks) + c;
   }
   // Staged row q of own chunk c for node n, in this rank's RDMA region.
   __device__ uint8_t* staged_row(int n, int c, int q) const {
-    return h.rdma.local(h.staged_off(h.R.disp_rows_out, n, c, q, row_bytes));
+    return h.rdma.local(h.staged_off(h.R.staged_rows_out, n, c, q, row_bytes));
   }
   // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
   // there is its ordinal among them. Every lane calls it.
@@ -268,11 +268,11 @@ struct Dispatch : KernelCall {
   __device__ int unit_items(const SendUnit& su) const { return max(1, batches.items(su.u0, su.u1)); }
   // A forwarded chunk's routing, in this rank's RDMA region.
   __device__ uint8_t* fwd_meta(const SendUnit& su) const {
-    return h.rdma.local(h.staged_meta_off(h.R.disp_meta_in, su.node, su.chunk));
+    return h.rdma.local(h.staged_meta_off(h.R.staged_meta_in, su.node, su.chunk));
   }
   // A forwarded chunk's signal word (the staging ring's), in this rank's RDMA region.
   __device__ const uint64_t* arrival(const SendUnit& su) const {
-    return h.flag(h.chunk_flag_off(h.R.disp_signal, su.node, su.chunk), 0);
+    return h.flag(h.chunk_flag_off(h.R.staged_signal, su.node, su.chunk), 0);
   }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
@@ -295,7 +295,7 @@ struct Dispatch : KernelCall {
   // Row i of a unit (u0 <= i < u1).
   __device__ const uint8_t* unit_row(const SendUnit& su, int i) const {
     if (su.node < 0) return reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(i) * row_bytes;
-    return h.rdma.local(h.staged_off(h.R.disp_rows_in, su.node, su.chunk, i, row_bytes));
+    return h.rdma.local(h.staged_off(h.R.staged_rows_in, su.node, su.chunk, i, row_bytes));
   }
   __device__ int source_chunks(int s) const { return chunks_of(info[il.src_tokens + s], chunk); }
 };
@@ -464,42 +464,48 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
   StoreQueue queue(d.send_fifo.ring, store_groups_in_flight(d.args, d.stages));  // lane 0's
   PipeState consumed, meta, staged;                                              // lane 0's
   RingReleases<Rdma> releases(d.h.rdma);  // lane 0's credits of forwarded chunks' staging slots
-  uint32_t pending_group = 0;
-  int pending_chunk = -1, pending_source = 0, pending_span = 0;
-  int pending_node = -1;        // a forwarded chunk: its source's node (its staging slot here is read)
-  bool pending_staged = false;  // an own chunk with several nodes: its staged rows go to the RDMA warps
+  struct Stored {
+    int chunk, source, span;
+    int node;     // a forwarded chunk: its source's node (its staging slot here is read), else -1
+    bool staged;  // an own chunk with several nodes: its staged rows go to the RDMA warps
+  };
+  // The unit stored last, until its stores landed (DeferredReleases): the next unit's first
+  // commit flushes it (every unit commits a group), or before that a wait that may block.
+  DeferredReleases<Stored, 1> pending;
 
-  // Lane 0: once the pending unit's stores completed (all but the newest `writes_in_flight`
-  // groups) and its entries are written, tell every destination of this node where its rows are,
-  // and the RDMA warps that the unit's staged rows are there. A forwarded unit was read whole by
-  // then (its rows' loads completed, the entry warps read its routing; a chunk without rows had
-  // its empty stage): its slot in the staging ring is free, on this rank and, since its put
+  // Lane 0: once the pending unit's stores landed (all but the newest `in_flight` groups) and
+  // its entries are written, tell every destination of this node where its rows are, and the
+  // RDMA warps that the unit's staged rows are there. A forwarded unit was read whole by then
+  // (its rows' loads completed, the entry warps read its routing; a chunk without rows had its
+  // empty stage): its slot in the staging ring is free, on this rank and, since its put
   // arrived, on the source, which the credit tells.
-  auto signal_pending = [&](int writes_in_flight) -> bool {
-    if (pending_chunk < 0) return true;
-    bulk_wait_write_except(writes_in_flight);
-    if (!d.meta_ring.consumer_wait(d.args, meta)) return false;
-    d.meta_ring.consumer_release(meta);
-    meta.advance(kMetaSlots);
-    dev::fence_proxy_async();  // the bulk writes, before the generic release below
-    __threadfence_system();    // the entries other warps wrote (their arrival ordered them before)
-    for (int g = 0; g < G; ++g) {
-      ChunkSignal* sig = d.chunk_signal(first + g, pending_source, pending_chunk);
-      const int rows = tab.span_rows[pending_span][g];
-      sig->first = rows > 0 ? tab.span_first[pending_span][g] : 0;
-      sig->rows = rows;
-      PeerRing::publish(&sig->tag, d.epoch, pending_chunk);
-    }
-    if (pending_node >= 0)
-      releases.reader_release(pending_source, d.h.staged_credit_off(d.h.node, pending_chunk), d.epoch, pending_chunk);
-    if (pending_staged) {
-      if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
-      d.staged_fifo.producer_commit(staged);
-      staged.advance(kStagedSlots);
-      pending_staged = false;
-    }
-    pending_chunk = -1;
-    return true;
+  auto signal_pending = [&](int in_flight) -> bool {
+    StoresLanded stores(queue, in_flight);
+    auto landed = [&](uint32_t mark) {
+      const Landing l = stores(mark);
+      if (l != Landing::kLanded) return l;
+      if (!d.meta_ring.consumer_wait(d.args, meta)) return Landing::kStopped;
+      d.meta_ring.consumer_release(meta);
+      meta.advance(kMetaSlots);
+      __threadfence_system();  // the entries other warps wrote (their arrival ordered them before)
+      return Landing::kLanded;
+    };
+    return pending.flush(landed, [&](const Stored& u) {
+      for (int g = 0; g < G; ++g) {
+        ChunkSignal* sig = d.recv_signal(first + g, u.source, u.chunk);
+        const int rows = tab.span_rows[u.span][g];
+        sig->first = rows > 0 ? tab.span_first[u.span][g] : 0;
+        sig->rows = rows;
+        PeerRing::publish(&sig->tag, d.epoch, u.chunk);
+      }
+      if (u.node >= 0) releases.reader_release(u.source, d.h.staged_credit_off(d.h.node, u.chunk), d.epoch, u.chunk);
+      if (u.staged) {
+        if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
+        d.staged_fifo.producer_commit(staged);
+        staged.advance(kStagedSlots);
+      }
+      return true;
+    });
   };
 
   int local = 0;
@@ -511,7 +517,8 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
     // pending own chunk's staged rows go to the RDMA warps before any forwarded unit: the other
     // nodes' forwarders wait for them.
     bool ok = true;
-    if (lane == 0 && su.node >= 0 && (pending_staged || !d.arrived(su))) ok = signal_pending(0);
+    const bool staged_pending = pending.full() && pending.item[0].staged;  // lane 0's
+    if (lane == 0 && su.node >= 0 && (staged_pending || !d.arrived(su))) ok = signal_pending(0);
     if (!warp_uniform(ok) || !d.arrive_warp(su, lane)) {
       d.stop();
       break;
@@ -586,18 +593,10 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
           }
         }
         queue.commit();
-        if (pending_chunk >= 0 && pending_group < queue.groups())
-          ok = signal_pending(static_cast<int>(queue.groups() - pending_group));
+        ok = signal_pending(1);  // the pending unit's groups (older than this one) landed
         queue.release_read();
       }
-      if (ok) {
-        pending_chunk = su.chunk;
-        pending_source = su.source;
-        pending_node = su.node;
-        pending_span = span;
-        pending_group = queue.groups();
-        pending_staged = multi && su.node < 0;
-      }
+      if (ok) pending.note(Stored{su.chunk, su.source, span, su.node, multi && su.node < 0}, queue.groups());
     }
     if (!warp_uniform(ok)) {
       d.stop();
@@ -625,7 +624,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
   PipeState slot;
   int s, c;
   while (chunks.next(s, c)) {
-    const ChunkSignal* sig = d.chunk_signal(d.a.rank, s, c);
+    const ChunkSignal* sig = d.recv_signal(d.a.rank, s, c);
     // This rank signals its own chunks and those it forwards: a wait on its own progress.
     const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
@@ -701,8 +700,8 @@ __device__ void expand_load(const Dispatch<Rdma>& d) {
     const int rows = tab->rows;
     d.table_ring.consumer_release(tables.table);  // one of two releases: the store warp still reads it
     if (rows > 0) {
-      PeerRing::reader_acquire(&d.chunk_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
-      dev::fence_proxy_async();                                        // read by bulk loads below
+      PeerRing::reader_acquire(&d.recv_signal(d.a.rank, s, c)->tag);  // set: this thread's acquire of the rows
+      dev::fence_proxy_async();                                       // read by bulk loads below
     }
     for (int k = 0; k < d.batches.items(0, rows) && !d.stopped(); ++k, produced.advance(d.stages)) {
       const RowBatches::Item it = d.batches.item(0, rows, k);  // rows of the chunk's slot in the ring

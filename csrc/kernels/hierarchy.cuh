@@ -66,7 +66,7 @@ struct Hierarchy {
     return area + static_cast<uint64_t>(staging.word(n, c)) * R.chunk_meta_bytes;
   }
   __device__ uint64_t staged_credit_off(int n, int c) const {
-    return R.disp_credit + static_cast<uint64_t>(staging.word(n, c)) * 8;
+    return R.staged_credit + static_cast<uint64_t>(staging.word(n, c)) * 8;
   }
   // One staged token's record in a chunk's routing: TokenMeta, G receive slots, scales.
   __device__ static TokenMeta* token_meta(uint8_t* chunk_meta, int q, uint64_t token_bytes) {
@@ -86,7 +86,7 @@ struct Hierarchy {
     const auto* weights = reinterpret_cast<const float*>(a.topk_weights);
     const auto* ords = reinterpret_cast<const int32_t*>(a.entry_ord);
     const auto* x_scales = reinterpret_cast<const float*>(a.x_scales);
-    uint8_t* meta = rdma.local(staged_meta_off(R.disp_meta_out, n, c));
+    uint8_t* meta = rdma.local(staged_meta_off(R.staged_meta_out, n, c));
     if ((mask >> lane) & 1u) {
       TokenMeta* tm = token_meta(meta, __popc(mask & ((1u << lane) - 1u)), R.token_meta_bytes);
       for (int k = 0; k < kMaxTopK; ++k) {
@@ -111,15 +111,15 @@ struct Hierarchy {
   __device__ void put_staged(int lane, int n, int c, int rows, uint32_t row_bytes, uint64_t call) const {
     const int peer = rail_peer(n);
     if (rows > 0) {
-      rdma.put(lane, peer, staged_off(R.disp_rows_in, node, c, 0, row_bytes),
-               rdma.local(staged_off(R.disp_rows_out, n, c, 0, row_bytes)), static_cast<uint64_t>(rows) * row_bytes);
+      rdma.put(lane, peer, staged_off(R.staged_rows_in, node, c, 0, row_bytes),
+               rdma.local(staged_off(R.staged_rows_out, n, c, 0, row_bytes)), static_cast<uint64_t>(rows) * row_bytes);
       if (lane == 0) rdma.fence();  // the rows are delivered before the routing's signal
       __syncwarp();
     }
-    rdma.put_signal(lane, peer, staged_meta_off(R.disp_meta_in, node, c),
-                    rdma.local(staged_meta_off(R.disp_meta_out, n, c)),
+    rdma.put_signal(lane, peer, staged_meta_off(R.staged_meta_in, node, c),
+                    rdma.local(staged_meta_off(R.staged_meta_out, n, c)),
                     kChunkMetaHeader + static_cast<uint64_t>(rows) * R.token_meta_bytes,
-                    chunk_flag_off(R.disp_signal, node, c), PeerRing::tag(call, c));
+                    chunk_flag_off(R.staged_signal, node, c), PeerRing::tag(call, c));
   }
 };
 

@@ -26,14 +26,15 @@
 // every wait is `>=`.
 // Before the writer puts anything of chunk c >= slots into its slot (writer_acquire), its
 // credit word, in the writer's memory, holds tag(call, c - slots) from every reader of the slot:
-// the reader released chunk c - slots (reader_release) once it had read it whole. Chunks
-// c < slots wait for nothing: the call's flow control (done_dispatch, done_combine, waited for
-// before a kernel writes a peer's ring) freed every slot. Every chunk takes its slot, rows or
-// none, so a slot's words keep that order. One release of a staged or node_part slot frees it at
+// the reader released chunk c - slots (reader_release) once it had read it whole: once its
+// copies of it landed, not when it issued them (DeferredReleases, kernels/pipeline.cuh, holds
+// the releases until then, and says why each lands before the kernel ends). Chunks c < slots
+// wait for nothing: the call's flow control (done_dispatch, done_combine, waited for before a
+// kernel writes a peer's ring) freed every slot. Every chunk takes its slot, rows or none, so a
+// slot's words keep that order. One release of a staged or node_part slot frees it at
 // both ends: the reader read its copy, and the put that delivered it had read the writer's.
-// Over the transport a release is a non-blocking signal (NVSHMEM), so the reader quiets its
-// releases before it ends (RingReleases): a late credit of this call would overwrite the next
-// call's in the same slot, and the writer's wait would never see its own.
+// Over the transport a release is a non-blocking signal (NVSHMEM), which the reader quiets
+// before it ends (RingReleases).
 //
 // Why the waits end (no deadlock). Give every unit of work a number such that each wait of a
 // unit points at a lower number, each role takes its units in increasing order, and no role
@@ -122,7 +123,7 @@ struct PeerRing {
     return true;
   }
 
-  // The writer, once chunk c's bytes in the slot completed: its signal word (NVLink), a release.
+  // The writer, once chunk c's bytes in the slot landed: its signal word (NVLink), a release.
   __device__ static void publish(uint64_t* signal, uint64_t call, int64_t c) {
     dev::st_release_sys(signal, tag(call, c));
   }
@@ -161,7 +162,8 @@ struct PeerRing {
 };
 
 // The releases one reader thread sends over the transport (the staged and node_part rings):
-// non-blocking with NVSHMEM, so the thread quiets them before it ends (the invariant above).
+// non-blocking with NVSHMEM, so the thread quiets them before it ends (DeferredReleases says
+// why).
 template <typename Rdma>
 struct RingReleases {
   const Rdma& rdma;

@@ -6,6 +6,9 @@
 // bytes on the full barrier (TMA), and emptied by bulk stores (the consumer releases a slot
 // once the stores that read it have read it). A plain Ring carries no data: its slots hold
 // whatever the two sides agree on (a chunk's table), the producer arrives on full itself.
+//
+// DeferredReleases holds what a role releases to others (a ring slot's credit, a chunk's signal)
+// until the bulk copies that read or wrote the chunk landed (StoresLanded, LoadsLanded).
 #pragma once
 #include "common/state.cuh"
 
@@ -177,6 +180,135 @@ struct StoreQueue {
     ring.consumer_release(next);
     ++released;
     for (int s = 0; s < stride; ++s) next.advance(ring.stages);
+  }
+};
+
+// Whether the copies of a noted item have landed (DeferredReleases): yes, not yet (the caller
+// did not ask to wait for them), or a bounded wait for them gave up (a stop).
+enum class Landing { kLanded, kInFlight, kStopped };
+
+// The releases a role owes once the bulk copies that read or wrote a chunk have landed: a ring
+// slot's credit once the reader's bulk loads of the chunk landed in shared memory, a chunk's
+// signal (or its hand-off to another warp of the block) once the writer's bulk stores of it
+// landed in the destination's memory.
+//
+// A bulk copy is asynchronous: issuing it does not complete it, and only the full barrier of
+// its stage (loads, LoadsLanded) or the thread's bulk-group wait (stores, StoresLanded) says
+// it completed. A slot released once its loads were issued could take the writer's next chunk
+// while the loads still read the previous one; a chunk signalled once its stores were issued
+// could be read before its rows are there. Waiting right after the copies would stall the
+// role's pipeline, so the role notes the chunk with a mark (where its last copy stands in the
+// role's sequence of copies), goes on with the next chunk's copies, and flushes: releases,
+// oldest first, the chunks whose copies landed, without waiting while its copies go out, and
+// waiting for them (bounded) where the list is full or before a wait that may block, since the
+// peer may need a release first (kernels/peer_ring.cuh, "Why the waits end").
+//
+// The releases must land before the kernel ends. A role sends what it still holds once it
+// waited for every copy (the stores finished, the loads drained): a signal or hand-off it kept
+// would leave its reader waiting until the call times out. A release over the transport is also
+// quieted before the role ends (RingReleases): one landing late, in the next call, would
+// overwrite that call's in the same word, and its writer's wait would never see its own.
+template <typename Item, int kMax>
+struct DeferredReleases {
+  Item item[kMax];
+  uint32_t mark[kMax];
+  int count = 0;
+
+  __device__ bool empty() const { return count == 0; }
+  __device__ bool full() const { return count == kMax; }
+  // An item whose copies end at `mark`: the caller flushed a full list first.
+  __device__ void note(const Item& it, uint32_t m) {
+    item[count] = it;
+    mark[count] = m;
+    ++count;
+  }
+  // Releases the items, oldest first, for which landed(mark) says their copies landed (waiting
+  // for them where it was built to), up to the first that has not. False where landed or
+  // release(item) gave up (a stop).
+  template <typename Landed, typename Release>
+  __device__ bool flush(Landed&& landed, Release&& release) {
+    int done = 0;
+    bool ok = true;
+    for (; done < count; ++done) {
+      const Landing l = landed(mark[done]);
+      if (l != Landing::kLanded) {
+        ok = l == Landing::kInFlight;
+        break;
+      }
+      if (!release(item[done])) {
+        ok = false;
+        break;
+      }
+    }
+    for (int i = done; i < count; ++i) {
+      item[i - done] = item[i];
+      mark[i - done] = mark[i];
+    }
+    count -= done;
+    return ok;
+  }
+  // Every item, once the role waited for all its copies (its end).
+  template <typename Release>
+  __device__ bool release_all(Release&& release) {
+    return flush([](uint32_t) { return Landing::kLanded; }, release);
+  }
+};
+
+// Whether a thread's bulk stores landed, by its groups (StoreQueue): an item's mark is the
+// groups the thread had committed after the item's stores (StoreQueue::groups()). A flush that
+// lets the newest `in_flight` groups still be in flight takes the items older than them: the
+// first such item waits for their groups (all but the newest `in_flight`), then orders their
+// writes before this thread's generic accesses that follow (its releases), and with
+// `system_fence` also at system scope.
+struct StoresLanded {
+  uint32_t committed;
+  int in_flight;
+  bool system_fence;
+  bool waited = false;
+
+  __device__ StoresLanded(const StoreQueue& queue, int in_flight_groups, bool system = false)
+      : committed(queue.groups()), in_flight(in_flight_groups), system_fence(system) {}
+  __device__ Landing operator()(uint32_t mark) {
+    if (mark + static_cast<uint32_t>(in_flight) > committed) return Landing::kInFlight;
+    if (!waited) {
+      bulk_wait_write_except(in_flight);
+      dev::fence_proxy_async();  // the bulk writes, before the generic releases
+      if (system_fence) __threadfence_system();
+      waited = true;
+    }
+    return Landing::kLanded;
+  }
+};
+
+// Whether a producer's bulk loads into a ring's stages landed, by the stages' full barriers: an
+// item's mark is the items the producer had produced after the item's loads (PipeState::count).
+// A load landed when its stage's full barrier completed that round. `observed` counts the
+// items known to have landed (the producer's thread observes each round at most once); it
+// first takes every item whose stage the producer has acquired again (its consumers released
+// it, so it landed). Without `block` a round is tested without waiting; with it, waited for
+// (bounded).
+struct LoadsLanded {
+  const LaunchArgs& args;
+  const Ring& ring;
+  uint32_t& observed;
+  bool block;
+
+  __device__ LoadsLanded(const LaunchArgs& launch, const Ring& r, const PipeState& produced, uint32_t& seen,
+                         bool blocking)
+      : args(launch), ring(r), observed(seen), block(blocking) {
+    const uint32_t stages = static_cast<uint32_t>(ring.stages);
+    if (produced.count > stages) observed = max(observed, produced.count - stages);  // acquired again
+  }
+  __device__ Landing operator()(uint32_t mark) const {
+    const uint32_t stages = static_cast<uint32_t>(ring.stages);
+    for (; observed < mark; ++observed) {
+      uint64_t* full = &ring.full[observed % stages];
+      const uint32_t parity = (observed / stages) & 1u;
+      if (!block && !dev::mbar_try_wait(full, parity)) return Landing::kInFlight;
+      if (block && !mbar_wait(args, full, parity, ring.rank, ring.epoch, ring.site, kWaitedForData))
+        return Landing::kStopped;
+    }
+    return Landing::kLanded;
   }
 };
 

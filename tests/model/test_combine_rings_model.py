@@ -119,10 +119,10 @@ def test_the_partial_ring_is_its_slots_whatever_max_tokens():
     """Memory for partials: ring x 32 fp32 rows per expert host, not max_tokens rows."""
     group = group_for(ONE_NODE[0])
     reg, cfg = registered_layout(group.config), group.config
-    comb_rows = {r.name: r.bytes for r in registered_regions(cfg)}["comb_rows"]
+    partial_rows = {r.name: r.bytes for r in registered_regions(cfg)}["partial_rows"]
     assert reg.partial.slots == RING and reg.partial.rings == cfg.ranks_per_node
-    assert comb_rows == cfg.ranks_per_node * RING * 32 * cfg.hidden_dim * 4
-    assert comb_rows * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
+    assert partial_rows == cfg.ranks_per_node * RING * 32 * cfg.hidden_dim * 4
+    assert partial_rows * 8 == cfg.world_size * cfg.max_tokens_per_rank * cfg.hidden_dim * 4
 
 
 def test_a_source_that_never_reads_its_partials_is_named_by_its_expert_host(monkeypatch):

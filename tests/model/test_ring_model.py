@@ -110,9 +110,9 @@ def test_a_call_that_wraps_the_ring_needs_no_more_memory():
     assert registered_layout(small).recv.slots == RING  # the least a ring turns over with
     assert a["recv_rows"] == 4 * RING * 32 * 128 * 4  # W x slots x 32 rows of H fp32 values
     a, b = ({r.name: r.bytes for r in rdma_regions(c)} for c in (small, large))
-    for region in ("disp_meta", "disp_rows"):
+    for region in ("staged_meta", "staged_rows"):
         assert a[region] == b[region] > 0, region
-    assert a["disp_rows"] == 2 * 2 * RING * 32 * 128 * 4  # out and in: N x slots x 32 rows of H fp32 values
+    assert a["staged_rows"] == 2 * 2 * RING * 32 * 128 * 4  # out and in: N x slots x 32 rows of H fp32 values
 
 
 def test_back_to_back_calls_wrap_the_ring_with_other_shapes():

@@ -43,8 +43,8 @@ def test_deepseek_v3_with_the_cuda_backend_counts_memory_plans_held_bytes():
     assert f"{est.total_gb:.1f} GiB of 80 GiB" in total and est.total_gb > without.total_gb
     # by region: every held region of the plan, in its order, under the buffer's row
     regions = [(b.name, b.nbytes) for b in want.buffers if b.registered and b.nbytes]
-    assert [name for name, _ in regions] == ["flags+counts", "recv_meta", "recv_rows", "recv_scales", "comb_rows",
-                                             "comb_fwd", "nvshmem_heap"]
+    assert [name for name, _ in regions] == ["flags+counts", "recv_meta", "recv_rows", "recv_scales", "partial_rows",
+                                             "forward_rows", "nvshmem_heap"]
     start = rows.index(row) + 1
     assert [r.split()[0] for r in rows[start:start + len(regions)]] == [name for name, _ in regions]
     assert sum(n for _, n in regions) == held

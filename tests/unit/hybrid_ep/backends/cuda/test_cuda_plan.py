@@ -68,8 +68,8 @@ def test_registered_regions_are_aligned_contiguous_and_sized(cfg):
     # the partial rings: one per expert host of the node, ring_chunks slots or the largest source's chunks
     comb = min(cfg.ring_chunks, max(1, -(-T // 32)))
     assert (reg.partial.rings, reg.partial.slots) == (G, comb)
-    assert sizes["comb_rows"] == G * comb * 32 * ((H * 4 + 15) // 16 * 16)
-    assert sizes["comb_fwd"] == (N * G * reg.forward.slots * 32 * reg.comb_stride if N > 1 else 0)
+    assert sizes["partial_rows"] == G * comb * 32 * ((H * 4 + 15) // 16 * 16)
+    assert sizes["forward_rows"] == (N * G * reg.forward.slots * 32 * reg.wire_stride if N > 1 else 0)
     assert sizes["flags+counts"] >= 8 * (N * G * reg.recv.slots + 2 * G * comb) + 4 * W * (W + N + L)
     heap = memory_plan(cfg).as_dict().get("nvshmem_heap", 0)  # several nodes: the RDMA region's
     assert memory_plan(cfg).registered_bytes == reg.total + heap  # peer memory starts empty
@@ -94,13 +94,13 @@ def test_a_deepseek_v3_like_layer_holds_rings_sized_by_their_writers(world_size,
     assert plan.held_bytes <= held, str(plan)
     reg, row, lines = registered_layout(cfg), 7168 * 4, plan.as_dict()
     # NVLink: the partial rings one per expert host of the node (G), ring_chunks slots each
-    assert lines["comb_rows"] == 8 * 8 * 32 * row
+    assert lines["partial_rows"] == 8 * 8 * 32 * row
     if world_size == 8:
         assert lines["recv_rows"] == 8 * 8 * 32 * row  # a ring per source, all of this node
     else:  # a writer's 8 slots shared among its 8 sources, but no fewer than 2 each
         assert reg.recv.slots == reg.forward.slots == 2
-        assert lines["recv_rows"] == 64 * 2 * 32 * row and lines["comb_fwd"] == 8 * 8 * 2 * 32 * row
-        assert _regions(rdma_regions(cfg))["disp_rows"] == 2 * 8 * 8 * 32 * row  # RDMA: N rings, out and in
+        assert lines["recv_rows"] == 64 * 2 * 32 * row and lines["forward_rows"] == 8 * 8 * 2 * 32 * row
+        assert _regions(rdma_regions(cfg))["staged_rows"] == 2 * 8 * 8 * 32 * row  # RDMA: N rings, out and in
 
 
 def test_outputs_are_not_held_and_peer_memory_starts_empty():
@@ -162,11 +162,11 @@ def test_combine_rings_are_their_slots_whatever_max_tokens(ring):
         reg, rdma = registered_layout(cfg), rdma_layout(cfg)
         row, G, N = 7168 * 4, 8, 8
         regs, rd = _regions(registered_regions(cfg)), _regions(rdma_regions(cfg))
-        assert regs["comb_rows"] == G * ring * 32 * row
-        assert regs["comb_fwd"] == N * G * max(2, ring // (N - 1)) * 32 * row
-        assert rd["node_partials"] == 2 * N * ring * 32 * row
+        assert regs["partial_rows"] == G * ring * 32 * row
+        assert regs["forward_rows"] == N * G * max(2, ring // (N - 1)) * 32 * row
+        assert rd["node_part_rows"] == 2 * N * ring * 32 * row
         assert (rdma.node_part.rings, rdma.node_part.slots) == (N, ring)
-        sizes.append((regs["comb_rows"], regs["comb_fwd"], rd["node_partials"], reg.partial.slots,
+        sizes.append((regs["partial_rows"], regs["forward_rows"], rd["node_part_rows"], reg.partial.slots,
                       reg.forward.slots))
     assert sizes[0] == sizes[1]
 

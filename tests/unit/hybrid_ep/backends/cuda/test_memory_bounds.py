@@ -42,7 +42,7 @@ def test_more_tokens_per_rank_cost_rings_no_more_memory(world_size, ranks_per_no
     """Sixteen times the tokens per rank: only the per-chunk signal words grow (16 bytes per
     chunk of 32 tokens and peer), never a row region."""
     small, large = (_plan(world_size, ranks_per_node, tokens=t) for t in (4096, 65536))
-    rows = {"recv_rows", "comb_rows", "comb_fwd", "recv_meta", "recv_scales"}
+    rows = {"recv_rows", "partial_rows", "forward_rows", "recv_meta", "recv_scales"}
     for line in rows:
         assert large.as_dict()[line] == small.as_dict()[line], line
     assert large.held_bytes - small.held_bytes < 64 * 2**20
