@@ -325,8 +325,8 @@ class HostPath {
 
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
   // engine's arena_take): both kernels, then the blocks' tensors, per rank the tuple of
-  // ArenaTaken::tensors. The block's tensors are, in order, the rows, their probs and the fp8
-  // scales (arena.py, _call_specs). One call instead of the addresses, the launch and the
+  // ArenaTaken::tensors. The block's tensors are, in order, the rows, the fp8 scales and the
+  // probs (arena.py, _call_specs). One call instead of the addresses, the launch and the
   // tensors one by one.
   py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                          const std::vector<DispatchInput>& in, ArenaTaken& taken) {
@@ -335,7 +335,7 @@ class HostPath {
     for (size_t i = 0; i < in.size(); ++i) {
       uint64_t at[ArenaLayout::kMaxViews];
       const int64_t block_rows = taken.block_addresses(i, at);
-      out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};  // rows, scales, probs
+      out[i] = DispatchOutput{block_rows, at[0], at[1], at[2]};  // rows, scales, probs
     }
     dispatch(a, true, stream, workspace, l, rows, in, out);
     return taken.tensors();

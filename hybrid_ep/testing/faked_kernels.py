@@ -172,7 +172,7 @@ class GlooKernels:
         """A direct call into the blocks `taken` holds (arena.arena_take): both kernels, then the
         blocks' tensors, as the extension's HostPath.dispatch_into."""
         self._layout(args, ptr, layout, static_rows, inputs[0])
-        rows, probs = taken.addresses()[0][:2]
+        rows, _, probs = taken.addresses()[0]
         self._rows(args, True, ptr, DispatchOutput(self.calls[ptr].rows[self.rank], rows, 0, probs))
         return taken.tensors()
 

@@ -200,10 +200,8 @@ class DispatchOutputs(NamedTuple):
 
 
 def _made(blocks: list, fp8: bool) -> list[DispatchOutputs]:
-    """DispatchOutputs per rank from the peer memory blocks' tensors (rows, probs[, scales])."""
-    if fp8:
-        return [DispatchOutputs(rows, scales, probs) for rows, probs, scales in blocks]
-    return [DispatchOutputs(rows, None, probs) for rows, probs in blocks]
+    """DispatchOutputs per rank from the peer memory blocks' tensors (rows, scales, probs)."""
+    return [DispatchOutputs(rows, scales, probs) for rows, scales, probs in blocks]
 
 
 class Engine:
@@ -565,10 +563,8 @@ class Engine:
         """The launcher's output tuple per rank, and the tensors per rank (DispatchOutputs): with
         peer memory blocks their addresses now and None (the tensors are made after the launch:
         taken.tensors()), else new tensors from PyTorch's allocator."""
-        if taken is not None:
-            if fp8:
-                return [DispatchOutput(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
-            return [DispatchOutput(R, out, 0, probs) for R, (out, probs) in zip(rows, taken.addresses())], None
+        if taken is not None:  # the blocks' rows, scales (0 without fp8), probs
+            return [DispatchOutput(R, out, sc, probs) for R, (out, sc, probs) in zip(rows, taken.addresses())], None
         H, dev = self.config.hidden_dim, self.device
         made = [DispatchOutputs(torch.empty(R, H, dtype=dtype, device=dev),
                                 torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None,
