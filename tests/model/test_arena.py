@@ -150,8 +150,8 @@ def test_fp8_calls_carry_their_scales_in_the_block(region):
 
 @pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float8_e4m3fn, True)])
 def test_a_blocks_addresses_and_tensors_are_rows_scales_probs(region, dtype, fp8):
-    """A direct dispatch's block in the one order of a dispatch's outputs: its addresses and
-    its tensors, the scales absent (0, None) without fp8."""
+    """A direct dispatch's block in the one order of a dispatch's outputs (ext.DispatchOutputs,
+    ext.OutputTensors): its addresses and its tensors, the scales absent (0, None) without fp8."""
     _, a = region
     R, H = 2, 256
     taken = arena_mod.arena_take([a], [R], H, dtype, fp8)
@@ -164,6 +164,12 @@ def test_a_blocks_addresses_and_tensors_are_rows_scales_probs(region, dtype, fp8
         assert rows_at < scales_at < probs_at
     else:
         assert scales is None and scales_at == 0
+    ext = a.ext
+    assert ext.OutputTensors.__match_args__ == ("rows", "scales", "probs")
+    made = ext.OutputTensors((rows, scales, probs))
+    assert (made.rows, made.scales, made.probs) == (rows, scales, probs)
+    out = ext.DispatchOutputs(R, rows_at, scales_at, probs_at)
+    assert (out.num_rows, out.rows, out.scales, out.probs) == (R, rows_at, scales_at, probs_at)
 
 
 def test_a_calls_bytes_are_its_rows_and_probs_and_the_presize_is_checked():

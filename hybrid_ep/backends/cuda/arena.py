@@ -184,9 +184,9 @@ def _call_specs(rows: int, hidden: int, dtype: torch.dtype,
                 fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
     """The arena tensors of one direct dispatch of `rows` output rows on one rank, in the one
     order of a dispatch's outputs: the rows, the fp8 scales (None, absent, without fp8) and the
-    probs. What a layer in flight keeps in the arena until its backward; its combine copies an
-    expert_out from outside peer memory into the rank's one expert-out block (staging.py), not
-    into room of its own."""
+    probs (ext.OutputTensors' fields). What a layer in flight keeps in the arena until its
+    backward; its combine copies an expert_out from outside peer memory into the rank's one
+    expert-out block (staging.py), not into room of its own."""
     return [((rows, hidden), dtype), ((rows, hidden // FP8_BLOCK), torch.float32) if fp8 else None,
             ((rows,), torch.float32)]
 
@@ -254,9 +254,10 @@ def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.d
     one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
     `addresses()` give each block's (rows, scales, probs) addresses (scales 0 without fp8) and
     whose `tensors()` make its (rows, scales, probs) tensors (scales None without fp8) after
-    the launch; its `failed` is the index of the first arena that can not hold its block (then
-    none is taken), else -1. limits: per arena, the bytes from its base its block must end
-    within (the part every peer has mapped), else anywhere."""
+    the launch (the engine has HostPath.dispatch_into or dispatch_rows do both, the tensors as
+    ext.OutputTensors); its `failed` is the index of the first arena that can not hold its
+    block (then none is taken), else -1. limits: per arena, the bytes from its base its block
+    must end within (the part every peer has mapped), else anywhere."""
     return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
                                     stream, arenas[0].capturing(), limits or [])
 
