@@ -10,7 +10,7 @@ then, in dynamic mode only, one host read of the output size, then the dispatch 
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales: where paths.py puts them, blocks of peer memory on a direct call
+(output rows, scales, probs: where paths.py puts them, blocks of peer memory on a direct call
 of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
 expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
