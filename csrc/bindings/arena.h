@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -227,39 +228,55 @@ inline void arena_capsule_destructor(PyObject* capsule) {
 }
 
 // The tensors of one kind of block, for any number of rows: per tensor, its bytes per row,
-// DLPack type and columns (0: a 1-D tensor of `rows` elements). Each tensor starts on the
-// next `align` boundary of the block, the rule of arena.py's _call_layout (which sizes the
-// blocks for memory plans without the extension; tests/model/test_arena.py holds the two equal).
-// Built once per kind of call (arena.py caches it per hidden and dtype), so a call of any
-// output size converts no lists.
+// DLPack type and columns (0: a 1-D tensor of `rows` elements), or none (an absent tensor: no
+// bytes, a None tensor and a 0 address, so that every kind of call of one layout has its
+// tensors at the same positions: a dispatch's rows, scales, probs, the scales absent without
+// fp8). Each tensor starts on the next `align` boundary of the block, the rule of arena.py's
+// _call_layout (which sizes the blocks for memory plans without the extension;
+// tests/model/test_arena.py holds the two equal). Built once per kind of call (arena.py caches
+// it per hidden and dtype), so a call of any output size converts no lists.
 struct ArenaLayout {
   struct View {
     int64_t row_bytes;
     dlpack::DataType dtype;
     int64_t cols;
+    bool present;
   };
+  using Spec = std::optional<std::tuple<int64_t, int, int, int64_t>>;
   std::vector<View> views;
   int64_t align;
 
-  ArenaLayout(const std::vector<std::tuple<int64_t, int, int, int64_t>>& specs, int64_t align_bytes)
-      : align(align_bytes) {
+  ArenaLayout(const std::vector<Spec>& specs, int64_t align_bytes) : align(align_bytes) {
     if (align <= 0) throw py::value_error("arena layout: align must be > 0");
     if (specs.empty() || specs.size() > kMaxViews) throw py::value_error("arena layout: 1 to 3 tensors per block");
-    for (const auto& [row_bytes, code, bits, cols] : specs) {
+    bool any = false;
+    for (const Spec& spec : specs) {
+      if (!spec) {
+        views.push_back(View{0, dlpack::DataType{0, 0, 0}, 0, false});
+        continue;
+      }
+      const auto& [row_bytes, code, bits, cols] = *spec;
       if (row_bytes < 0 || cols < 0) throw py::value_error("arena layout: sizes must not be negative");
       views.push_back(
-          View{row_bytes, dlpack::DataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1}, cols});
+          View{row_bytes, dlpack::DataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1}, cols, true});
+      any = true;
     }
+    if (!any) throw py::value_error("arena layout: 1 to 3 tensors per block");
   }
 
   static constexpr size_t kMaxViews = 3;
 
   int64_t aligned(int64_t bytes) const { return (std::max<int64_t>(bytes, 1) + align - 1) / align * align; }
 
-  // The byte offset of each tensor in a block of `rows` rows; returns the block's bytes.
+  // The byte offset of each tensor in a block of `rows` rows (-1: absent); returns the block's
+  // bytes.
   int64_t place(int64_t rows, int64_t* at) const {
     int64_t end = 0;
     for (size_t v = 0; v < views.size(); ++v) {
+      if (!views[v].present) {
+        at[v] = -1;
+        continue;
+      }
       at[v] = end;
       end += aligned(rows * views[v].row_bytes);
     }
@@ -285,18 +302,27 @@ class __attribute__((visibility("hidden"))) Arena {
     return std::shared_ptr<ArenaBlock>(new ArenaBlock{ranges_, offset, nbytes, stream, false});
   }
 
-  // The tensors of `layout` with `rows` rows over `block`, as a tuple; kept: the block never
-  // returns.
-  py::tuple tensors(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout& layout, int64_t rows,
-                    bool kept) const {
+  // The tensors of `layout` with `rows` rows over `block` into out[0, views) (None for an
+  // absent one); kept: the block never returns.
+  void make_tensors(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout& layout, int64_t rows, bool kept,
+                    py::object* out) const {
     if (kept) {
       block->kept = true;
       ranges_->keep(block->nbytes);
     }
     int64_t at[ArenaLayout::kMaxViews];
     layout.place(rows, at);
+    for (size_t i = 0; i < layout.views.size(); ++i)
+      out[i] = layout.views[i].present ? tensor(block, layout.views[i], rows, at[i]) : py::none();
+  }
+
+  // The same as a tuple.
+  py::tuple tensors(const std::shared_ptr<ArenaBlock>& block, const ArenaLayout& layout, int64_t rows,
+                    bool kept) const {
+    py::object views[ArenaLayout::kMaxViews];
+    make_tensors(block, layout, rows, kept, views);
     py::tuple out(layout.views.size());
-    for (size_t i = 0; i < layout.views.size(); ++i) out[i] = tensor(block, layout.views[i], rows, at[i]);
+    for (size_t i = 0; i < layout.views.size(); ++i) out[i] = std::move(views[i]);
     return out;
   }
 
@@ -372,49 +398,68 @@ class __attribute__((visibility("hidden"))) ArenaTaken {
 
   int64_t failed() const { return failed_; }
 
-  // Per arena, the address of each tensor of the layout (an empty list when failed).
+  // Per arena, the address of each tensor of the layout (0: absent; an empty list when failed).
   py::list addresses() const {
     const auto* l = layout_.cast<const ArenaLayout*>();
-    int64_t at[ArenaLayout::kMaxViews];
+    uint64_t at[ArenaLayout::kMaxViews];
     py::list out(blocks_.size());
     for (size_t i = 0; i < blocks_.size(); ++i) {
-      const uint64_t start = arenas_[i].cast<const Arena*>()->base() + static_cast<uint64_t>(blocks_[i]->offset);
-      l->place(rows_[i], at);
+      place(i, *l, at);
       py::tuple addr(l->views.size());
-      for (size_t v = 0; v < l->views.size(); ++v) addr[v] = py::int_(start + static_cast<uint64_t>(at[v]));
+      for (size_t v = 0; v < l->views.size(); ++v) addr[v] = py::int_(at[v]);
       out[i] = addr;
     }
     return out;
   }
 
   // Per arena, its rows and the address of each tensor of the layout (`at` holds
-  // ArenaLayout::kMaxViews; 0 past the layout's tensors). Throws when failed.
+  // ArenaLayout::kMaxViews; 0 where absent and past the layout's tensors). Throws when failed.
   int64_t block_addresses(size_t i, uint64_t* at) const {
     if (failed_ >= 0 || made_ || i >= blocks_.size()) throw py::value_error("arena_take: no such block");
-    const auto* l = layout_.cast<const ArenaLayout*>();
-    int64_t offsets[ArenaLayout::kMaxViews];
-    l->place(rows_[i], offsets);
-    const uint64_t start = arenas_[i].cast<const Arena*>()->base() + static_cast<uint64_t>(blocks_[i]->offset);
-    for (size_t v = 0; v < ArenaLayout::kMaxViews; ++v)
-      at[v] = v < l->views.size() ? start + static_cast<uint64_t>(offsets[v]) : 0;
+    place(i, *layout_.cast<const ArenaLayout*>(), at);
     return rows_[i];
   }
 
   size_t size() const { return blocks_.size(); }
+  const ArenaLayout& layout() const { return *layout_.cast<const ArenaLayout*>(); }
 
-  // Per arena, the tuple of the layout's tensors; from then on they alone hold the blocks.
-  py::list tensors() {
+  // Per arena, make(views): the object made of the layout's tensors (`views` holds one per
+  // tensor of the layout, None where absent); from then on the tensors alone hold the blocks.
+  template <typename Make>
+  py::list tensors_as(Make&& make) {
     if (failed_ >= 0 || made_) throw py::value_error("arena_take: no blocks to make tensors of");
     const auto* l = layout_.cast<const ArenaLayout*>();
     py::list out(blocks_.size());
-    for (size_t i = 0; i < blocks_.size(); ++i)
-      out[i] = arenas_[i].cast<const Arena*>()->tensors(blocks_[i], *l, rows_[i], kept_);
+    py::object views[ArenaLayout::kMaxViews];
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      arenas_[i].cast<const Arena*>()->make_tensors(blocks_[i], *l, rows_[i], kept_, views);
+      out[i] = make(views);
+    }
     blocks_.clear();
     made_ = true;
     return out;
   }
 
+  // Per arena, the tuple of the layout's tensors.
+  py::list tensors() {
+    const size_t n = layout().views.size();
+    return tensors_as([n](py::object* views) {
+      py::tuple t(n);
+      for (size_t v = 0; v < n; ++v) t[v] = std::move(views[v]);
+      return t;
+    });
+  }
+
  private:
+  // Block i's address of each tensor of l into at[0, kMaxViews) (0: absent or past l's tensors).
+  void place(size_t i, const ArenaLayout& l, uint64_t* at) const {
+    int64_t offsets[ArenaLayout::kMaxViews];
+    l.place(rows_[i], offsets);
+    const uint64_t start = arenas_[i].cast<const Arena*>()->base() + static_cast<uint64_t>(blocks_[i]->offset);
+    for (size_t v = 0; v < ArenaLayout::kMaxViews; ++v)
+      at[v] = v < l.views.size() && offsets[v] >= 0 ? start + static_cast<uint64_t>(offsets[v]) : 0;
+  }
+
   std::vector<py::object> arenas_;
   py::object layout_;
   std::vector<int64_t> rows_;
@@ -425,8 +470,8 @@ class __attribute__((visibility("hidden"))) ArenaTaken {
 
 inline void bind_arena(py::module_& m) {
   py::class_<ArenaLayout>(m, "ArenaLayout", py::module_local())
-      .def(py::init<const std::vector<std::tuple<int64_t, int, int, int64_t>>&, int64_t>(), py::arg("views"),
-           py::arg("align"), "views: per tensor (bytes per row, DLPack code, bits, columns or 0 for 1-D)")
+      .def(py::init<const std::vector<ArenaLayout::Spec>&, int64_t>(), py::arg("views"), py::arg("align"),
+           "views: per tensor (bytes per row, DLPack code, bits, columns or 0 for 1-D), or None: absent")
       .def("nbytes", [](const ArenaLayout& l, int64_t rows) {
         int64_t at[ArenaLayout::kMaxViews];
         return l.place(rows, at);

@@ -15,7 +15,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
 #include "bindings/arena.h"
@@ -137,22 +136,30 @@ inline uint64_t at_offset(uint64_t part, int64_t offset) {
   return offset < 0 ? 0 : part + static_cast<uint64_t>(offset);
 }
 
-// What Python passes per rank and call (hybrid_ep/backends/cuda/engine.py: the NamedTuples of
-// the same names and fields, in this order). Python hands over tuples, which cost no
-// construction per call; the casters at the end of this file read them into these structs.
-// Addresses are data_ptr() integers; 0 where a call has no such tensor.
-struct DispatchInput {
+// What crosses between Python and the extension per call and rank (the seam: Python builds
+// the inputs in hybrid_ep/backends/cuda/engine.py and reads the outputs). Addresses are
+// data_ptr() integers; 0 where a call has no such tensor. A dispatch's outputs are in one
+// order in every form: rows, scales, probs (DispatchOutputs, OutputTensors, the arena's block
+// of a direct dispatch, RankArgs::out, out_scales, out_probs), as are its inputs (x,
+// x_scales, then topk_weights). What Python passes are pybind11 classes (bind_common:
+// ext.DispatchInputs, ext.DispatchOutputs, ext.CombineInputs; the engine builds them with
+// positional arguments in the order of the fields, the cheap call), which the host path reads
+// as pointers, with no conversion per field.
+
+// One rank's inputs of a dispatch: the tensors the kernels read.
+struct DispatchInputs {
   int32_t num_tokens, topk;
-  uint64_t x, x_scales, topk_idx, topk_weights;
+  uint64_t x, x_scales, topk_idx, topk_weights;  // x_scales: fp8 only
 };
-// A dispatch's second kernel: where the rank's outputs go.
-struct DispatchOutput {
+// One rank's outputs of a dispatch: where its second kernel writes them.
+struct DispatchOutputs {
   int64_t num_rows;
-  uint64_t rows, scales, probs;
+  uint64_t rows, scales, probs;  // scales: fp8 only
 };
-// A combine: the dispatch handle's part of its workspace and that workspace's layout, the
-// routing's experts (direct path, else 0), the expert outputs, their probs and y.
-struct CombineInput {
+// One rank's part of a combine: the dispatch handle's part of its workspace and that
+// workspace's layout, the routing's experts (direct path, else 0), the expert outputs, their
+// probs and y.
+struct CombineInputs {
   int32_t num_tokens, topk;
   uint64_t part;
   CallLayout layout;
@@ -160,73 +167,53 @@ struct CombineInput {
   int64_t num_rows;
 };
 
-}  // namespace hybrid_ep::bindings
-
-// The per-call structs from Python tuples (a NamedTuple is one), field by field in declaration
-// order: a wrong length or type is a TypeError naming the struct.
-namespace pybind11::detail {
-
-// Calls load(t) on a tuple of N items; false (pybind11 then raises a TypeError) otherwise.
-template <size_t N, typename Load>
-bool load_tuple_fields(handle src, Load&& load) {
-  if (!isinstance<tuple>(src)) return false;
-  const auto t = reinterpret_borrow<tuple>(src);
-  if (t.size() != N) return false;
-  try {
-    load(t);
-  } catch (const cast_error&) { return false; }
-  return true;
-}
-
-template <>
-struct type_caster<hybrid_ep::bindings::DispatchInput> {
-  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::DispatchInput, const_name("DispatchInput"));
-  bool load(handle src, bool) {
-    return load_tuple_fields<6>(src, [this](const tuple& t) {
-      value = {t[0].cast<int32_t>(),  t[1].cast<int32_t>(),  t[2].cast<uint64_t>(),
-               t[3].cast<uint64_t>(), t[4].cast<uint64_t>(), t[5].cast<uint64_t>()};
-    });
+// The output tensors of one rank's dispatch, as Python reads them: rows, scales (None without
+// fp8), probs. The extension makes them for blocks of the arena (HostPath.dispatch_into,
+// dispatch_rows on arena blocks), the engine on PyTorch's allocator
+// (ext.OutputTensors((rows, scales, probs))). A struct sequence, the C API's named tuple (as
+// os.stat_result): made without a call into Python, and read by name at the cost of a tuple's
+// item, where a pybind11 class's field costs a call per read (about 0.2 us).
+class __attribute__((visibility("hidden"))) OutputTensorsType {
+ public:
+  // The type, named after module `m` (its name lives as long as the type: for good).
+  explicit OutputTensorsType(const py::module_& m) {
+    static PyStructSequence_Field fields[] = {{"rows", "[R, H] the output rows, expert-major"},
+                                              {"scales", "[R, H / 128] float32 scales of fp8 rows, else None"},
+                                              {"probs", "[R] float32 routing weight of each row"},
+                                              {nullptr, nullptr}};
+    const auto* name = new std::string(m.attr("__name__").cast<std::string>() + ".OutputTensors");
+    PyStructSequence_Desc desc{name->c_str(), "One rank's output tensors of a dispatch: rows, scales, probs.", fields,
+                               3};
+    PyTypeObject* t = PyStructSequence_NewType(&desc);
+    if (t == nullptr) throw py::error_already_set();
+    type_ = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(t));
   }
-};
 
-template <>
-struct type_caster<hybrid_ep::bindings::DispatchOutput> {
-  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::DispatchOutput, const_name("DispatchOutput"));
-  bool load(handle src, bool) {
-    return load_tuple_fields<4>(src, [this](const tuple& t) {
-      value = {t[0].cast<int64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(), t[3].cast<uint64_t>()};
-    });
+  const py::object& type() const { return type_; }
+
+  // One of views[0, 3): rows, scales, probs (the references move into it).
+  py::object make(py::object* views) const {
+    PyObject* t = PyStructSequence_New(reinterpret_cast<PyTypeObject*>(type_.ptr()));
+    if (t == nullptr) throw py::error_already_set();
+    for (Py_ssize_t i = 0; i < 3; ++i) PyStructSequence_SetItem(t, i, views[i].release().ptr());
+    return py::reinterpret_steal<py::object>(t);
   }
+
+ private:
+  py::object type_;
 };
-
-template <>
-struct type_caster<hybrid_ep::bindings::CombineInput> {
-  PYBIND11_TYPE_CASTER(hybrid_ep::bindings::CombineInput, const_name("CombineInput"));
-  bool load(handle src, bool) {
-    return load_tuple_fields<9>(src, [this](const tuple& t) {
-      value = {t[0].cast<int32_t>(),  t[1].cast<int32_t>(),
-               t[2].cast<uint64_t>(), t[3].cast<hybrid_ep::bindings::CallLayout>(),
-               t[4].cast<uint64_t>(), t[5].cast<uint64_t>(),
-               t[6].cast<uint64_t>(), t[7].cast<uint64_t>(),
-               t[8].cast<int64_t>()};
-    });
-  }
-};
-
-}  // namespace pybind11::detail
-
-namespace hybrid_ep::bindings {
 
 // The per-call host path of one engine: the ranks it drives with what stays fixed per rank
 // (rank, peer table, transport, arena bases), and per kernel sequence one call that fills
 // every rank slot of the launch arguments, each from a zeroed RankArgs as a fresh one would
 // be, and launches. The launch arguments (geometry, pipeline shape) are the engine's, cached
 // per launch shape; the launchers copy them when they launch.
-class HostPath {
+class __attribute__((visibility("hidden"))) HostPath {
  public:
   // Each rank's arena_bases (its own table: a virtual rank of the emulation may see its peers'
-  // memory at other addresses than another does) is in ranks[i].
-  explicit HostPath(const std::vector<RankArgs>& ranks) : fixed_(ranks) {
+  // memory at other addresses than another does) is in ranks[i]. outputs: the module's
+  // OutputTensors, which the calls on arena blocks return.
+  HostPath(const std::vector<RankArgs>& ranks, const OutputTensorsType* outputs) : fixed_(ranks), outputs_(outputs) {
     if (ranks.empty() || ranks.size() > static_cast<size_t>(kMaxLaunchRanks))
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
   }
@@ -252,12 +239,12 @@ class HostPath {
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
   // routing itself (LaunchArgs::info_read).
   void dispatch_count(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                      const std::vector<DispatchInput>& in, bool read) {
+                      const std::vector<DispatchInputs>& in, bool read) {
     check_count(in.size());
     a.info_read = read ? 1 : 0;
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
-      const DispatchInput& d = in[i];
+      const DispatchInputs& d = in[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = d.num_tokens;
@@ -294,19 +281,19 @@ class HostPath {
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes).
   void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
-                     const std::vector<DispatchOutput>& out) {
+                     const std::vector<DispatchOutputs>& out) {
     const uint64_t absent = absent_ | absent_after_count_;
     check_count(out.size());
     if (static_cast<int32_t>(out.size()) != a.num_ranks)
       throw py::value_error("dispatch_rows: one output per rank of the count kernel");
     for (size_t i = 0; i < out.size(); ++i) {
       RankArgs& r = a.ranks[i];
-      const DispatchOutput& o = out[i];
+      const DispatchOutputs& o = out[i];
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       set_row_tables(r, direct, part, l);
       r.out = o.rows;
-      r.out_probs = o.probs;
       r.out_scales = o.scales;
+      r.out_probs = o.probs;
       r.num_out_rows = o.num_rows;
       r.absent = static_cast<int32_t>((absent >> i) & 1);
     }
@@ -314,39 +301,39 @@ class HostPath {
     else launch_checked(&launch_dispatch_receive, a, stream, "dispatch_receive");
   }
 
+  // The same into the arena blocks `taken` holds, one per rank (the engine's arena_take; the
+  // direct path only), then the blocks' tensors: one OutputTensors per rank.
+  py::list dispatch_rows_into(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
+                              ArenaTaken& taken) {
+    if (!direct) throw py::value_error("dispatch_rows: arena blocks take the direct path");
+    dispatch_rows(a, true, stream, workspace, l, block_outputs(taken, taken.size()));
+    return output_tensors(taken);
+  }
+
   // A dispatch whose output size is known before the count kernel (static size, or a
   // handle's): both kernels in one call.
   void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                const std::vector<DispatchInput>& in, const std::vector<DispatchOutput>& out) {
+                const std::vector<DispatchInputs>& in, const std::vector<DispatchOutputs>& out) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
     dispatch_count(a, stream, workspace, l, rows, in, false);
     dispatch_rows(a, direct, stream, workspace, l, out);
   }
 
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
-  // engine's arena_take): both kernels, then the blocks' tensors, per rank the tuple of
-  // ArenaTaken::tensors. The block's tensors are, in order, the rows, their probs and the fp8
-  // scales (arena.py, _call_specs). One call instead of the addresses, the launch and the
-  // tensors one by one.
+  // engine's arena_take): both kernels, then the blocks' tensors, one OutputTensors per rank.
+  // One call instead of the addresses, the launch and the tensors one by one.
   py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                         const std::vector<DispatchInput>& in, ArenaTaken& taken) {
-    if (taken.size() != in.size()) throw py::value_error("dispatch_into: one arena block per input");
-    std::vector<DispatchOutput> out(in.size());
-    for (size_t i = 0; i < in.size(); ++i) {
-      uint64_t at[ArenaLayout::kMaxViews];
-      const int64_t block_rows = taken.block_addresses(i, at);
-      out[i] = DispatchOutput{block_rows, at[0], at[2], at[1]};  // rows, scales, probs
-    }
-    dispatch(a, true, stream, workspace, l, rows, in, out);
-    return taken.tensors();
+                         const std::vector<DispatchInputs>& in, ArenaTaken& taken) {
+    dispatch(a, true, stream, workspace, l, rows, in, block_outputs(taken, in.size()));
+    return output_tensors(taken);
   }
 
   // A combine on the parts of the dispatch handles' workspaces.
-  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInput>& in) {
+  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInputs>& in) {
     check_count(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
       RankArgs r = fixed_[i];
-      const CombineInput& c = in[i];
+      const CombineInputs& c = in[i];
       r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = c.num_tokens;
       r.topk = c.topk;
@@ -373,7 +360,26 @@ class HostPath {
                             std::to_string(n));
   }
 
+  // Each block's outputs: a direct dispatch's block holds rows, scales, probs in that order
+  // (arena.py, _call_specs), the scales absent (address 0) without fp8.
+  static std::vector<DispatchOutputs> block_outputs(const ArenaTaken& taken, size_t ranks) {
+    if (taken.size() != ranks) throw py::value_error("dispatch: one arena block per rank");
+    if (taken.layout().views.size() != 3) throw py::value_error("dispatch: arena blocks of rows, scales, probs");
+    std::vector<DispatchOutputs> out(ranks);
+    uint64_t at[ArenaLayout::kMaxViews];
+    for (size_t i = 0; i < ranks; ++i) {
+      const int64_t rows = taken.block_addresses(i, at);
+      out[i] = DispatchOutputs{rows, at[0], at[1], at[2]};
+    }
+    return out;
+  }
+
+  py::list output_tensors(ArenaTaken& taken) const {
+    return taken.tensors_as([this](py::object* views) { return outputs_->make(views); });
+  }
+
   std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, arena_bases, agree; the rest zero
+  const OutputTensorsType* outputs_;              // the module's, alive for good
   uint64_t absent_ = 0, absent_after_count_ = 0;  // set_absent
 };
 
@@ -517,14 +523,38 @@ inline void bind_common(py::module_& m) {
   m.def("call_layout", &call_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
         py::arg("receive"), "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
   m.attr("CALL_ALIGN") = kCallAlign;
+  // The seam's structs (above): positional arguments in the order of the fields are the cheap
+  // call; the keywords name them.
+  py::class_<DispatchInputs>(m, "DispatchInputs", py::module_local())
+      .def(py::init<int32_t, int32_t, uint64_t, uint64_t, uint64_t, uint64_t>(), py::arg("num_tokens"), py::arg("topk"),
+           py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"))
+          RW(DispatchInputs, num_tokens) RW(DispatchInputs, topk) RW(DispatchInputs, x) RW(DispatchInputs, x_scales)
+              RW(DispatchInputs, topk_idx) RW(DispatchInputs, topk_weights);
+  py::class_<DispatchOutputs>(m, "DispatchOutputs", py::module_local())
+      .def(py::init<int64_t, uint64_t, uint64_t, uint64_t>(), py::arg("num_rows"), py::arg("rows"), py::arg("scales"),
+           py::arg("probs")) RW(DispatchOutputs, num_rows) RW(DispatchOutputs, rows) RW(DispatchOutputs, scales)
+          RW(DispatchOutputs, probs);
+  py::class_<CombineInputs>(m, "CombineInputs", py::module_local())
+      .def(py::init<int32_t, int32_t, uint64_t, const CallLayout&, uint64_t, uint64_t, uint64_t, uint64_t, int64_t>(),
+           py::arg("num_tokens"), py::arg("topk"), py::arg("part"), py::arg("layout"), py::arg("topk_idx"),
+           py::arg("expert_out"), py::arg("probs"), py::arg("y"), py::arg("num_rows")) RW(CombineInputs, num_tokens)
+          RW(CombineInputs, topk) RW(CombineInputs, part) RW(CombineInputs, layout) RW(CombineInputs, topk_idx)
+              RW(CombineInputs, expert_out) RW(CombineInputs, probs) RW(CombineInputs, y) RW(CombineInputs, num_rows);
+  const auto* outputs = new OutputTensorsType(m);  // for good: every HostPath of the module makes them
+  m.attr("OutputTensors") = outputs->type();
   py::class_<HostPath>(m, "HostPath", py::module_local())
-      .def(py::init<const std::vector<RankArgs>&>(), py::arg("ranks"))
+      .def(py::init([outputs](const std::vector<RankArgs>& ranks) { return new HostPath(ranks, outputs); }),
+           py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
       .def("set_absent", &HostPath::set_absent, py::arg("absent"), py::arg("after_count"))
       .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"))
       .def("dispatch_rows", &HostPath::dispatch_rows, py::arg("args"), py::arg("direct"), py::arg("stream"),
            py::arg("workspace"), py::arg("layout"), py::arg("outputs"))
+      .def("dispatch_rows", &HostPath::dispatch_rows_into, py::arg("args"), py::arg("direct"), py::arg("stream"),
+           py::arg("workspace"), py::arg("layout"), py::arg("outputs"),
+           "outputs: one DispatchOutputs per rank, or the arena blocks an ArenaTaken holds (direct only; then "
+           "returns their OutputTensors)")
       .def("dispatch", &HostPath::dispatch, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("outputs"))
       .def("dispatch_into", &HostPath::dispatch_into, py::arg("args"), py::arg("stream"), py::arg("workspace"),

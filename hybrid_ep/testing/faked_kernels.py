@@ -33,7 +33,6 @@ import torch.distributed as dist
 from ..backends.base import Backend
 from ..backends.cuda.arena import memory_tensor
 from ..backends.cuda.backend import CudaBackend
-from ..backends.cuda.engine import DispatchOutput
 from ..backends.cuda.layout import AGREE_WORDS, BAD_ROUTE_WORDS
 
 _CPU = torch.device("cpu")
@@ -162,7 +161,12 @@ class GlooKernels:
     # -- the dispatch kernel ----------------------------------------------------------------
 
     def dispatch_rows(self, args, direct, stream, ptr, layout, outputs):
-        self._rows(args, direct, ptr, outputs[0])
+        """outputs: one ext.DispatchOutputs per rank, or the arena blocks an ext.ArenaTaken holds
+        (then their ext.OutputTensors come back), as the extension's HostPath.dispatch_rows."""
+        if isinstance(outputs, list):
+            self._rows(args, direct, ptr, outputs[0])
+            return None
+        return self._rows_into(args, ptr, outputs)
 
     def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs):
         self._layout(args, ptr, layout, static_rows, inputs[0])
@@ -172,9 +176,12 @@ class GlooKernels:
         """A direct call into the blocks `taken` holds (arena.arena_take): both kernels, then the
         blocks' tensors, as the extension's HostPath.dispatch_into."""
         self._layout(args, ptr, layout, static_rows, inputs[0])
-        rows, probs = taken.addresses()[0][:2]
-        self._rows(args, True, ptr, DispatchOutput(self.calls[ptr].rows[self.rank], rows, 0, probs))
-        return taken.tensors()
+        return self._rows_into(args, ptr, taken)
+
+    def _rows_into(self, args, ptr: int, taken) -> list:
+        ext = self.engine.ext
+        self._rows(args, True, ptr, ext.DispatchOutputs(self.calls[ptr].rows[self.rank], *taken.addresses()[0]))
+        return [ext.OutputTensors(t) for t in taken.tensors()]
 
     def _rows(self, args, direct: bool, ptr: int, out) -> None:
         self.launched["dispatch_direct" if direct else "dispatch_receive"] += 1

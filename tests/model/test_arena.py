@@ -95,7 +95,7 @@ def test_call_tensors_take_call_bytes_or_nothing(region):
     R, H = 3, 128
     need = call_bytes(R, H, torch.bfloat16, fp8=False)
     assert need == 3 * ALIGN + ALIGN  # rows 768 bytes, probs 12: no combine room any more (staging.py)
-    out, probs, scales = call_tensors(a, R, H, torch.bfloat16, False)
+    out, scales, probs = call_tensors(a, R, H, torch.bfloat16, False)
     assert out.shape == (R, H) and probs.shape == (R,) and scales is None
     assert probs.data_ptr() == out.data_ptr() + 3 * ALIGN
     assert a.used == need
@@ -114,7 +114,7 @@ def test_every_ranks_block_in_one_call_or_none_taken():
     small = Arena(backing.data_ptr() + skip + 16 * ALIGN, 8 * ALIGN, CPU)
     R, H = 8, 128  # 8 blocks of rows, 1 of probs
     got = arena_blocks([big, small], [R, 4], H, torch.bfloat16, False)
-    (out0, probs0, sc0), (out1, probs1, sc1) = got
+    (out0, sc0, probs0), (out1, sc1, probs1) = got
     assert out0.shape == (R, H) and out0.dtype == torch.bfloat16 and probs0.shape == (R,) and sc0 is None
     assert out1.shape == (4, H) and probs1.dtype == torch.float32 and sc1 is None
     assert out0.data_ptr() == big.base and out1.data_ptr() == small.base
@@ -141,11 +141,35 @@ def test_the_extensions_block_layout_is_call_bytes_for_any_rows(dtype, fp8):
 def test_fp8_calls_carry_their_scales_in_the_block(region):
     _, a = region
     R, H = 2, 256
-    assert call_bytes(R, H, torch.float8_e4m3fn, fp8=True) == 2 * ALIGN + ALIGN + ALIGN  # rows 512, probs, scales 16
-    out, probs, scales = call_tensors(a, R, H, torch.float8_e4m3fn, True)
+    assert call_bytes(R, H, torch.float8_e4m3fn, fp8=True) == 2 * ALIGN + ALIGN + ALIGN  # rows 512, scales 16, probs
+    out, scales, probs = call_tensors(a, R, H, torch.float8_e4m3fn, True)
     assert scales.shape == (R, 2) and scales.dtype == torch.float32
-    assert scales.data_ptr() == out.data_ptr() + 3 * ALIGN
+    assert scales.data_ptr() == out.data_ptr() + 2 * ALIGN and probs.data_ptr() == out.data_ptr() + 3 * ALIGN
     assert a.used == 4 * ALIGN
+
+
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float8_e4m3fn, True)])
+def test_a_blocks_addresses_and_tensors_are_rows_scales_probs(region, dtype, fp8):
+    """A direct dispatch's block in the one order of a dispatch's outputs (ext.DispatchOutputs,
+    ext.OutputTensors): its addresses and its tensors, the scales absent (0, None) without fp8."""
+    _, a = region
+    R, H = 2, 256
+    taken = arena_mod.arena_take([a], [R], H, dtype, fp8)
+    [(rows_at, scales_at, probs_at)] = taken.addresses()
+    [(rows, scales, probs)] = taken.tensors()
+    assert rows.data_ptr() == rows_at == a.base and rows.shape == (R, H) and rows.dtype == dtype
+    assert probs.data_ptr() == probs_at and probs.shape == (R,) and probs.dtype == torch.float32
+    if fp8:
+        assert scales.data_ptr() == scales_at and scales.shape == (R, 2)
+        assert rows_at < scales_at < probs_at
+    else:
+        assert scales is None and scales_at == 0
+    ext = a.ext
+    assert ext.OutputTensors.__match_args__ == ("rows", "scales", "probs")
+    made = ext.OutputTensors((rows, scales, probs))
+    assert (made.rows, made.scales, made.probs) == (rows, scales, probs)
+    out = ext.DispatchOutputs(R, rows_at, scales_at, probs_at)
+    assert (out.num_rows, out.rows, out.scales, out.probs) == (R, rows_at, scales_at, probs_at)
 
 
 def test_a_calls_bytes_are_its_rows_and_probs_and_the_presize_is_checked():

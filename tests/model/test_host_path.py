@@ -337,7 +337,7 @@ class _AfterRead:
     def dispatch_rows(self, *args):
         self.mode.counting = False
         self.launches += 1
-        self.host.dispatch_rows(*args)
+        return self.host.dispatch_rows(*args)  # blocks of peer memory: their tensors
 
     def set_agree(self, *args):  # before the count kernel (peer memory)
         self.host.set_agree(*args)
@@ -420,7 +420,23 @@ def test_host_path_checks_its_rank_count(group):
     e = group.engine
     args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
-        e.host.combine(args, False, 0, [(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True), 0, 0, 0, 0, 0)])
+        e.host.combine(args, False, 0, [e.ext.CombineInputs(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True),
+                                                            0, 0, 0, 0, 0)])
+
+
+def test_the_host_path_takes_its_named_structs_only(group):
+    """What crosses into the host path per rank is the extension's named struct
+    (bindings/common.h), not a tuple of its fields; keywords name the fields."""
+    e = group.engine
+    layout = e.ext.call_layout(e.geo, 2, K, False, True)
+    args = e._launch_args(1, "float32", H, "combine_receive", "float32")
+    with pytest.raises(TypeError):
+        e.host.combine(args, False, 0, [(T, K, 0, layout, 0, 0, 0, 0, 0)] * W)
+    c = e.ext.CombineInputs(num_tokens=T, topk=K, part=1, layout=layout, topk_idx=2, expert_out=3, probs=4, y=5,
+                            num_rows=6)
+    assert (c.part, c.topk_idx, c.expert_out, c.probs, c.y, c.num_rows) == (1, 2, 3, 4, 5, 6)
+    d = e.ext.DispatchInputs(T, K, 1, 2, 3, 4)
+    assert (d.num_tokens, d.topk, d.x, d.x_scales, d.topk_idx, d.topk_weights) == (T, K, 1, 2, 3, 4)
 
 
 # The engine's messages for bad arguments, word for word as before the host path moved.
@@ -524,3 +540,34 @@ def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
             q = p[window]
             assert q["cpu_us_per_call"] > 0
             assert q["cpu_us_per_rank"] == pytest.approx(q["cpu_us_per_call"] / 2)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_fp8_outputs_in_peer_memory_are_the_receive_paths(static):
+    """fp8 rows, their scales and probs in blocks of peer memory (the one order of a
+    dispatch's outputs: HostPath.dispatch_into, or dispatch_rows on the blocks after the read)
+    hold what the receive path's outputs from PyTorch's allocator hold."""
+    from hybrid_ep.fp8 import quantize_fp8
+
+    Hq = 512  # fp8 scales of whole 16-byte units
+    gen = torch.Generator().manual_seed(3)
+    q = [quantize_fp8(torch.randn(T, Hq, generator=gen)) for _ in range(W)]
+    idx = [torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K].contiguous() for _ in range(W)]
+    ws = [torch.rand(T, K, generator=gen) for _ in range(W)]
+    got = {}
+    for path in ("receive", "peer"):
+        peer = path == "peer"
+        g = EmulatedGroup(W, Hq, T, E, num_sms_dispatch=1, num_sms_combine=1, device="cpu",
+                          data_path="direct" if peer else path, peer_memory_bytes=PEER_BYTES if peer else None,
+                          separate_processes=peer)
+        try:
+            res = g.dispatch([x for x, _ in q], idx, ws, scales=[s for _, s in q],
+                             num_out_tokens=STATIC if static else None)
+            g.synchronize()
+            assert bool(g.engine.arenas) == peer
+            assert all(not peer or g.engine.arenas[i].contains(r.scales) for i, r in enumerate(res))
+            got[path] = [(r.tokens.view(torch.uint8).clone(), r.scales.clone(), r.probs.clone()) for r in res]
+        finally:
+            g.close()
+    for (rows, scales, probs), (rows_p, scales_p, probs_p) in zip(got["receive"], got["peer"]):
+        assert torch.equal(rows, rows_p) and torch.equal(scales, scales_p) and torch.equal(probs, probs_p)

@@ -76,11 +76,16 @@ def _from_dlpack():
     return getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
 
 
-def _layout(views: list[tuple[int, torch.dtype]], ext):
-    """The extension's ArenaLayout of tensors (columns, 0 for 1-D; dtype) of any number of
-    rows on one block, each starting on the next ALIGN boundary (as _call_layout places them)."""
-    specs = []
-    for cols, dt in views:
+def _layout(views: list[tuple[int, torch.dtype] | None], ext):
+    """The extension's ArenaLayout of tensors (columns, 0 for 1-D; dtype; None: absent, no
+    bytes and a None tensor) of any number of rows on one block, each starting on the next
+    ALIGN boundary (as _call_layout places them)."""
+    specs: list[tuple[int, int, int, int] | None] = []
+    for view in views:
+        if view is None:
+            specs.append(None)
+            continue
+        cols, dt = view
         if dt not in DLPACK_DTYPES:
             raise TypeError(f"the arena makes no {dt} tensors; it makes {sorted(map(str, DLPACK_DTYPES))}")
         code, bits = DLPACK_DTYPES[dt]
@@ -175,22 +180,25 @@ class Arena:
         return self.empty((used,), torch.uint8, stream)
 
 
-def _call_specs(rows: int, hidden: int, dtype: torch.dtype, fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The arena tensors of one direct dispatch of `rows` output rows on one rank: the rows,
-    their probs and the fp8 scales. What a layer in flight keeps in the arena until its
+def _call_specs(rows: int, hidden: int, dtype: torch.dtype,
+                fp8: bool) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+    """The arena tensors of one direct dispatch of `rows` output rows on one rank, in the one
+    order of a dispatch's outputs: the rows, the fp8 scales (None, absent, without fp8) and the
+    probs (ext.OutputTensors' fields). What a layer in flight keeps in the arena until its
     backward; its combine copies an expert_out from outside peer memory into the rank's one
     expert-out block (staging.py), not into room of its own."""
-    specs = [((rows, hidden), dtype), ((rows,), torch.float32)]
-    if fp8:
-        specs.append(((rows, hidden // FP8_BLOCK), torch.float32))
-    return specs
+    return [((rows, hidden), dtype), ((rows, hidden // FP8_BLOCK), torch.float32) if fp8 else None,
+            ((rows,), torch.float32)]
 
 
 @functools.lru_cache(maxsize=64)
 def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
     """Byte offset of each of _call_specs' tensors in the call's one block, and its bytes."""
     at, places = 0, []
-    for shape, dt in _call_specs(rows, hidden, dtype, fp8):
+    for spec in _call_specs(rows, hidden, dtype, fp8):
+        if spec is None:
+            continue
+        shape, dt = spec
         numel = 1
         for n in shape:
             numel *= n
@@ -203,8 +211,8 @@ def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
 def call_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
     """The extension's ArenaLayout of one direct dispatch's block (_call_specs, for any
     number of rows), made once per (hidden, dtype): a call hands it to ext.ArenaTaken as it is."""
-    return _layout([(shape[1] if len(shape) == 2 else 0, dt) for shape, dt in _call_specs(1, hidden, dtype, fp8)],
-                   ext)
+    return _layout([None if spec is None else (spec[0][1] if len(spec[0]) == 2 else 0, spec[1])
+                    for spec in _call_specs(1, hidden, dtype, fp8)], ext)
 
 
 def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
@@ -234,31 +242,30 @@ def training_bytes(layers_in_flight: int, rows: int, hidden: int, dtype: torch.d
 
 
 def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: bool, stream: int = 0):
-    """(rows [R, H], probs [R], scales [R, H / 128] or None) of one direct dispatch, on one
+    """(rows [R, H], scales [R, H / 128] or None, probs [R]) of one direct dispatch, on one
     arena block, or None when it does not fit. The block returns when the last of them dies.
     The engine takes every rank's block in one call instead (arena_take)."""
-    got = arena.core.block(call_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
-    if got is None:
-        return None
-    return got[0], got[1], got[2] if fp8 else None
+    return arena.core.block(call_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
 
 
 def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
                stream: int = 0, limits: list[int] | None = None):
     """The blocks of call_tensors on every arena (rows[i] output rows on arenas[i]), taken in
     one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
-    `addresses()` give each block's (rows, probs[, scales]) addresses for a launch and whose
-    `tensors()` make the tensors after it; its `failed` is the index of the first arena that
-    can not hold its block (then none is taken), else -1. limits: per arena, the bytes from its
-    base its block must end within (the part every peer has mapped), else anywhere."""
+    `addresses()` give each block's (rows, scales, probs) addresses (scales 0 without fp8) and
+    whose `tensors()` make its (rows, scales, probs) tensors (scales None without fp8) after
+    the launch (the engine has HostPath.dispatch_into or dispatch_rows do both, the tensors as
+    ext.OutputTensors); its `failed` is the index of the first arena that can not hold its
+    block (then none is taken), else -1. limits: per arena, the bytes from its base its block
+    must end within (the part every peer has mapped), else anywhere."""
     return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
                                     stream, arenas[0].capturing(), limits or [])
 
 
 def arena_blocks(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
                  stream: int = 0) -> list | int:
-    """arena_take's tensors: a list of (rows, probs, scales or None), or the failed index."""
+    """arena_take's tensors: a list of (rows, scales or None, probs), or the failed index."""
     taken = arena_take(arenas, rows, hidden, dtype, fp8, stream)
     if taken.failed >= 0:
         return taken.failed
-    return [(t[0], t[1], t[2] if fp8 else None) for t in taken.tensors()]
+    return taken.tensors()

@@ -10,16 +10,18 @@ then, in dynamic mode only, one host read of the output size, then the dispatch 
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 
 The host path per call: Python checks the arguments and allocates what the caller gets
-(output rows, probs, scales: where paths.py puts them, blocks of peer memory on a direct call
+(output rows, scales, probs: where paths.py puts them, blocks of peer memory on a direct call
 of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
 expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
-one call into the extension (ext.HostPath) then fills every rank's launch arguments and
+one call into the extension (ext.HostPath, each rank's part a named struct of the extension's:
+ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills every rank's launch arguments and
 launches the kernel sequence: both dispatch kernels when the output size and path are known,
 else the count kernel, the host read, then the dispatch kernel (Engine.dispatch). Between that
 read and the dispatch launch (a GPU idles there) only what needs the output sizes runs: the
 path, the peer memory blocks' ranges or the receive path's outputs; the blocks' tensors (made
-by the extension, arena.py) and the per-rank results are made after the launch. The handle's
+by the extension, arena.py, as ext.OutputTensors: rows, scales, probs, the one order of a
+dispatch's outputs) and the per-rank results are made after the launch. The handle's
 tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
@@ -67,6 +69,9 @@ def check_extension(ext) -> None:
     must agree (a module built from other sources is stale), and the Python tables keyed by
     the names of csrc's codes (dtypes, transports, phases) must name the same codes."""
     rebuild = "rebuild the extension (pip install --no-build-isolation -e .)"
+    for name in SEAM:
+        if not hasattr(ext, name):
+            raise RuntimeError(f"{ext.__name__} has no {name}; {rebuild}")
     for name in COMPILED_CONSTANTS:
         value = getattr(compiled, name)
         if not hasattr(ext, name):
@@ -134,41 +139,23 @@ def _spans(tensors) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
 
 
+# What crosses into the extension per call and rank are its structs (csrc/bindings/common.h):
+# ext.DispatchInputs, ext.DispatchOutputs and ext.CombineInputs, built positionally in the order
+# of their fields, and back from it ext.OutputTensors. A dispatch's outputs are in one order
+# everywhere: rows, scales, probs. check_extension refuses a module without them.
+SEAM = ("DispatchInputs", "DispatchOutputs", "CombineInputs", "OutputTensors")
 
 
-class DispatchInput(NamedTuple):
-    """One rank's inputs of a dispatch as the extension takes them (csrc bindings/common.h,
-    DispatchInput): addresses of tensors the kernels read."""
-
-    num_tokens: int
-    topk: int
-    x: int
-    x_scales: int  # 0 unless fp8
-    topk_idx: int
-    topk_weights: int
-
-
-class DispatchOutput(NamedTuple):
-    """One rank's outputs of a dispatch as the extension takes them (DispatchOutput)."""
-
-    num_rows: int
-    rows: int
-    scales: int  # 0 unless fp8
-    probs: int
-
-
-class CombineInput(NamedTuple):
-    """One rank's part of a combine as the extension takes them (CombineInput)."""
+class InputTensors(NamedTuple):
+    """One rank's dispatch inputs as tensors: ext.DispatchInputs' fields, the tensors behind its
+    addresses, kept until the next dispatch's launch."""
 
     num_tokens: int
     topk: int
-    part: int  # the dispatch handle's part of its workspace
-    layout: object  # its ext.CallLayout
-    topk_idx: int  # direct path, else 0
-    expert_out: int
-    probs: int
-    y: int
-    num_rows: int
+    x: torch.Tensor
+    x_scales: torch.Tensor | None  # fp8 only
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class DispatchCall(NamedTuple):
@@ -178,32 +165,8 @@ class DispatchCall(NamedTuple):
     dtype_name: str
     fp8: bool
     topk: int  # the most routes per token of any driven rank, which sizes the workspace's tables
-    inputs: list  # per rank, DispatchInput
-    tensors: list  # per rank, KeptInputs: the tensors behind those addresses
-
-
-class KeptInputs(NamedTuple):
-    """One rank's tensors behind its DispatchInput, kept until the next dispatch's launch."""
-
-    x: torch.Tensor
-    scales: torch.Tensor | None
-    topk_idx: torch.Tensor
-    weights: torch.Tensor
-
-
-class DispatchOutputs(NamedTuple):
-    """One rank's output tensors of a dispatch; the one order of rows, scales and probs."""
-
-    rows: torch.Tensor
-    scales: torch.Tensor | None  # fp8 only
-    probs: torch.Tensor
-
-
-def _made(blocks: list, fp8: bool) -> list[DispatchOutputs]:
-    """DispatchOutputs per rank from the peer memory blocks' tensors (rows, probs[, scales])."""
-    if fp8:
-        return [DispatchOutputs(rows, scales, probs) for rows, probs, scales in blocks]
-    return [DispatchOutputs(rows, None, probs) for rows, probs in blocks]
+    inputs: list  # per rank, ext.DispatchInputs
+    tensors: list[InputTensors]  # per rank, the tensors behind those addresses
 
 
 class Engine:
@@ -386,15 +349,16 @@ class Engine:
 
     def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made: list,
                  bounds: list[int] | None) -> list[RankDispatch]:
-        """Each driven rank's outputs and its tables in the call's workspace."""
+        """Each driven rank's outputs (made: ext.OutputTensors per rank) and its tables in the
+        call's workspace."""
         self._in_flight["dispatch"] = given.tensors
         shape = self._shape
         width = expert_out_width(given.dtype, given.fp8)
         return [RankDispatch(out.rows, out.scales, out.probs,
-                             CudaSendTable(call, i, inp.num_tokens, inp.topk, shape.W,
+                             CudaSendTable(call, i, kept.num_tokens, kept.topk, shape.W,
                                            kept.topk_idx if direct else None, width),
                              CudaReceiveTable(call, i, shape, R, bounds))
-                for i, (R, inp, kept, out) in enumerate(zip(rows, given.inputs, given.tensors, made))]
+                for i, (R, kept, out) in enumerate(zip(rows, given.tensors, made))]
 
     def inputs(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing) -> DispatchCall:
         """The one rank's dispatch inputs (one process per GPU), checked and marshalled for
@@ -412,6 +376,7 @@ class Engine:
         dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
         fp8 = dtype_name == "float8_e4m3fn"
         inputs, keep, topk = [], [], 0
+        make = self.ext.DispatchInputs
         for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
             idx = routing.topk_idx_TK
             T, K = idx.shape
@@ -448,8 +413,8 @@ class Engine:
             x_ptr = x.data_ptr()
             if x_ptr % 16:
                 x, x_ptr = _aligned(x)
-            inputs.append(DispatchInput(T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))
-            keep.append(KeptInputs(x, sc, idx, w))
+            inputs.append(make(T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))  # DispatchInputs' fields, in order
+            keep.append(InputTensors(T, K, x, sc, idx, w))
         return DispatchCall(dtype, dtype_name, fp8, topk, inputs, keep)
 
     def _unit_weights(self, count: int) -> torch.Tensor:
@@ -503,20 +468,20 @@ class Engine:
                 call, made = self._dispatch_known(given, rows, static_rows, num_sms, decision, stream)
                 return self._results(given, call, rows, decision.direct, made,
                                      place.bounds(static_rows, known_bounds, None))
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
+        dtype, dtype_name, fp8 = given.dtype, given.dtype_name, given.fp8
         H = self.config.hidden_dim
         place.before_count(self.host, stream)
         prefer = self.data_path == "direct"
-        call = self._workspace(topk, prefer, True, stream)
+        call = self._workspace(given.topk, prefer, True, stream)
         args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
         first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then the agreement words: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + place.words]
         declared = None
         if self._declaring():  # the outputs are added after the read
-            declared = (_spans(self._dispatch_tensors(tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+            declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
-        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, inputs, True)
+        self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, given.inputs, True)
         read = sizes.cpu().tolist()  # the one host sync
         self.raise_if_failed()
         if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
@@ -530,68 +495,76 @@ class Engine:
         taken = place.take(rows, dtype, fp8, stream, decision)
         if prefer and not decision.direct:  # the count kernel's per-rank arguments, for the receive kernel
             args = self.launches.receive_args(args, num_sms, dtype_name, H)
-        outputs, made = self._outputs(rows, taken, dtype, fp8)
-        if declared is not None:
-            self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
-        self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs)
-        if made is None:
-            made = _made(taken.tensors(), fp8)
+        if taken is not None:  # the launch, then the blocks' tensors, in one call
+            if declared is not None:
+                self.ext.note_launch_tensors(declared + self._output_spans(self._block_outputs(rows, taken), dtype))
+            made = self.host.dispatch_rows(args, True, stream, call.ptr, call.layout, taken)
+        else:
+            outputs, made = self._outputs(rows, dtype, fp8)
+            if declared is not None:
+                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
+            self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs)
         return self._results(given, call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words))
 
     def _dispatch_known(self, given: DispatchCall, rows: list[int], static_rows: int, num_sms: int,
                         decision, stream: int) -> tuple:
         """Both kernels in one call into the extension, the output size known (rows per rank;
         static_rows: num_out_tokens, or -1 for a handle's sizes) and the path decided:
-        (workspace, DispatchOutputs per rank). A direct call's blocks in peer memory
+        (workspace, ext.OutputTensors per rank). A direct call's blocks in peer memory
         (arena.arena_take) have their tensors made by the same call, else the outputs come from
         PyTorch's allocator."""
-        dtype, dtype_name, fp8, topk, inputs, tensors = given
+        dtype, dtype_name, fp8 = given.dtype, given.dtype_name, given.fp8
         direct = decision.direct
         taken = self.outputs.take(rows, dtype, fp8, stream, decision)
-        call = self._workspace(topk, direct, not direct, stream)
+        call = self._workspace(given.topk, direct, not direct, stream)
         kind = "dispatch_direct" if direct else "dispatch_receive"
         H = self.config.hidden_dim
         args = (self._launch_cache.get((kind, num_sms, dtype_name, H, None, False))
                 or self._launch_args(num_sms, dtype_name, H, kind))
-        declaring = self._declaring()
-        if declaring or taken is None:
-            outputs, made = self._outputs(rows, taken, dtype, fp8)
-        if declaring:
-            self._declare(self._dispatch_tensors(tensors), [(call.ptr, call.i64.numel() * 8)] +
-                          self._output_spans(outputs, dtype))
+        if taken is None:
+            outputs, made = self._outputs(rows, dtype, fp8)
+        if self._declaring():
+            self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
+                          self._output_spans(outputs if taken is None else self._block_outputs(rows, taken), dtype))
         if taken is not None:  # the launch and the blocks' tensors in one call
-            made = _made(self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, inputs, taken), fp8)
+            made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, given.inputs, taken)
         else:
-            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, inputs, outputs)
+            self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, given.inputs, outputs)
         return call, made
 
-    def _outputs(self, rows: list[int], taken, dtype: torch.dtype, fp8: bool) -> tuple[list, list | None]:
-        """The launcher's output tuple per rank, and the tensors per rank (DispatchOutputs): with
-        peer memory blocks their addresses now and None (the tensors are made after the launch:
-        taken.tensors()), else new tensors from PyTorch's allocator."""
-        if taken is not None:
-            if fp8:
-                return [DispatchOutput(R, out, sc, probs) for R, (out, probs, sc) in zip(rows, taken.addresses())], None
-            return [DispatchOutput(R, out, 0, probs) for R, (out, probs) in zip(rows, taken.addresses())], None
+    def _outputs(self, rows: list[int], dtype: torch.dtype, fp8: bool) -> tuple[list, list]:
+        """New output tensors per rank from PyTorch's allocator: ext.DispatchOutputs (their
+        addresses, for the launch) and ext.OutputTensors per rank."""
         H, dev = self.config.hidden_dim, self.device
-        made = [DispatchOutputs(torch.empty(R, H, dtype=dtype, device=dev),
-                                torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None,
-                                torch.empty(R, dtype=torch.float32, device=dev)) for R in rows]
-        return [DispatchOutput(R, m.rows.data_ptr(), m.scales.data_ptr() if fp8 else 0, m.probs.data_ptr())
-                for R, m in zip(rows, made)], made
+        addresses, tensors = self.ext.DispatchOutputs, self.ext.OutputTensors
+        outputs, made = [], []
+        for R in rows:
+            out = torch.empty(R, H, dtype=dtype, device=dev)
+            sc = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
+            probs = torch.empty(R, dtype=torch.float32, device=dev)
+            outputs.append(addresses(R, out.data_ptr(), sc.data_ptr() if sc is not None else 0, probs.data_ptr()))
+            made.append(tensors((out, sc, probs)))
+        return outputs, made
 
-    def _dispatch_tensors(self, keep) -> list[torch.Tensor]:
-        return [t for k in keep for t in k] + list(self.bases_tables)
+    def _block_outputs(self, rows: list[int], taken) -> list:
+        """ext.DispatchOutputs per rank of the blocks `taken` holds (the CPU model's
+        declarations; the extension reads the blocks' addresses itself)."""
+        return [self.ext.DispatchOutputs(R, *at) for R, at in zip(rows, taken.addresses())]
 
-    def _output_spans(self, outputs: list[tuple], dtype: torch.dtype) -> list[tuple[int, int]]:
-        """(address, bytes) of the outputs of a dispatch, from the launcher's output tuples."""
+    def _dispatch_tensors(self, keep: list[InputTensors]) -> list[torch.Tensor]:
+        return ([t for k in keep for t in (k.x, k.x_scales, k.topk_idx, k.topk_weights) if t is not None] +
+                list(self.bases_tables))
+
+    def _output_spans(self, outputs: list, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(address, bytes) of the outputs of a dispatch, from its ext.DispatchOutputs per rank."""
         H = self.config.hidden_dim
         spans = []
-        for R, out, sc, probs in outputs:
+        for o in outputs:
+            R = o.num_rows
             if R > 0:
-                spans += [(out, R * H * dtype.itemsize), (probs, R * 4)]
-                if sc:
-                    spans.append((sc, R * (H // FP8_BLOCK) * 4))
+                spans += [(o.rows, R * H * dtype.itemsize), (o.probs, R * 4)]
+                if o.scales:
+                    spans.append((o.scales, R * (H // FP8_BLOCK) * 4))
         return spans
 
     # -- combine ---------------------------------------------------------------------------
@@ -652,11 +625,12 @@ class Engine:
         """Validation and marshalling: one dtype and width on every rank; each rank's expert_out
         and probs as the kernels read them (contiguous, 16-byte aligned, fp32 probs), on the
         direct path with peer memory copied into the rank's expert-out block where they lie
-        outside peer memory; its y. Returns (CombineInput per rank, y per rank, tensors to keep
+        outside peer memory; its y. Returns (ext.CombineInputs per rank, y per rank, tensors to keep
         until the next combine, tensors in peer memory, whether something was copied)."""
         first = rows[0]
         dtype, C = first.dtype, first.shape[1]
         inputs, keep, outs, in_peer, copied = [], [], [], [], False
+        make = self.ext.CombineInputs
         for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
             if x is not first and (x.dtype != dtype or x.shape[1] != C):
                 raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
@@ -698,9 +672,9 @@ class Engine:
             T = send.num_tokens
             y = torch.empty(T, C, dtype=dtype, device=self.device)
             call = send.call
-            inputs.append(CombineInput(T, send.topk, call.part(send.part), call.layout,
-                                       send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(),
-                                       y.data_ptr(), recv.num_rows))
+            inputs.append(make(T, send.topk, call.part(send.part), call.layout,  # CombineInputs' fields, in order
+                               send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
+                               recv.num_rows))
             outs.append(y)
         return inputs, outs, keep, in_peer, copied
 

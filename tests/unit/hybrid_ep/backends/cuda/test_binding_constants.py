@@ -16,7 +16,7 @@ import pytest
 
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.engine import check_extension
+from hybrid_ep.backends.cuda.engine import SEAM, check_extension
 from hybrid_ep.backends.cuda.errors import PHASE_TEXT, PIPE_SITE_TEXT, RoutingError
 from hybrid_ep.backends.cuda.registered import LoopbackRegions, NvshmemRegions
 
@@ -56,7 +56,7 @@ def test_both_modules_export_the_same_codes():
 
 
 def _copy_of(ext, **changes):
-    fake = types.SimpleNamespace(**{n: getattr(ext, n) for n in dir(ext) if n.isupper()})
+    fake = types.SimpleNamespace(**{n: getattr(ext, n) for n in dir(ext) if n.isupper() or n in SEAM})
     fake.__name__ = "hybrid_ep._fake"
     for name, value in changes.items():
         if value is None:
@@ -79,6 +79,14 @@ def test_check_extension_refuses_codes_python_does_not_name():
         check_extension(_copy_of(model, DTYPE_CODES={"float32": 0}))
     with pytest.raises(RuntimeError, match=r"hybrid_ep\._fake has no TRANSPORTS; rebuild the extension"):
         check_extension(_copy_of(model, TRANSPORTS=None))
+
+
+@pytest.mark.parametrize("name", SEAM)
+def test_check_extension_refuses_a_module_without_the_per_call_structs(name):
+    """The structs that cross into the host path per call (bindings/common.h): a module built
+    before them is stale."""
+    with pytest.raises(RuntimeError, match=rf"hybrid_ep\._fake has no {name}; rebuild the extension"):
+        check_extension(_copy_of(_module("hybrid_ep._model"), **{name: None}))
 
 
 @pytest.mark.parametrize("name, python_value", [("MAX_STAGES", launch.MAX_STAGES),
