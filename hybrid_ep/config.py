@@ -34,7 +34,7 @@ class BufferConfig:
     # The cuda backend's peer memory at construction, optional: bytes per rank (rounded up to
     # 2 MiB) of the memory the direct path takes its dispatch outputs from when ranks are in
     # separate processes (peer_memory.py), each kept output (a training layer in flight) its
-    # rows, probs and fp8 scales (arena.call_bytes; a training step: arena.training_bytes), plus
+    # rows, fp8 scales and probs (arena.call_bytes; a training step: arena.training_bytes), plus
     # one expert-out block. None or 0: it starts empty and grows on demand.
     peer_memory_bytes: int | None = None
     # Chunks (of kChunkTokens tokens) one rank may have in a peer's ring before it waits for the
