@@ -430,7 +430,7 @@ def test_balancer_rdma_weight_flag_and_defaults():
     assert KINDS["pretrain"]["balancer"]["rdma_weight"] == ("float?", None)
     assert ExpertBalancer.__init__.__kwdefaults__["rdma_weight"] is None
     dispatcher = {"type": "hybrid_ep", "pad_multiple": 1, "num_sms_dispatch": None, "num_sms_combine": None,
-                  "static_size_factor": None, "max_tokens_per_rank": None, "backend": "auto"}
+                  "static_size_factor": None, "max_tokens_per_rank": None, "backend": "auto", "dispatch_fp8": False}
     balancer = {key: default for key, (_, default) in KINDS["pretrain"]["balancer"].items()} | {"interval": 10}
     assert flag not in dispatcher_args(dispatcher, balancer)
     args = dispatcher_args(dispatcher, balancer | {"rdma_weight": 0.25})
