@@ -98,9 +98,10 @@ def _predict(args) -> int:
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": commit}
-    if args.commit:  # the kernels of another commit than the checkout's (builds.py)
+    if args.commit:  # the kernels of another commit than the checkout's (builds.py), on its model
         config["kernels_built_from"] = commit
         config["annotations"] = annotations
+        config["model_commit"] = _checkout_commit()
     doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
            "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
            "constants": {n: vars(c) for n, c in table.constants.items()},
