@@ -18,6 +18,10 @@ enum class PlainCode : int {
   kCountDest,        // count_dest_instructions: per destination rank
   kCountNode,        // count_node_instructions: per destination node
   kCountScanColumn,  // count_scan_column_instructions: per counter column a lane scans
+  // bounded_vector_instructions and bounded_vector_ns: per vector a reducer thread adds in a loop
+  // with a uniform branch around each vector's load and one around its add (a part narrower than
+  // the straight block takes, kernels/segments.cuh), beyond the vector's accesses and pairs
+  kBoundedVector,
 };
 
 // A block of plain code and how many times it ran.

@@ -94,7 +94,7 @@ COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive
          "count_node_instructions": 11.0, "count_scan_column_instructions": 13.0, "spin_instructions": 0.0,
          "spin_period_ns": 53.0, "hbm_bytes_per_ns": 1e6, "l2_hit_written": 0.0, "l2_hit_reread": 0.0,
          "l2_hit_stream": 0.0, "nic_post_ns": 1511.0, "nic_bytes_per_ns": 4.0, "nic_latency_ns": 2003.0,
-         "translation_pages": 0.0, "translation_page_bytes": 2097152.0, "translation_ns": 0.0, "plain_code_cycles": 1.0}
+         "plain_code_cycles": 1.0, "bounded_vector_instructions": 3.0, "bounded_vector_ns": 43.0}
 ACCESS_NS = COSTS["access_instructions"] / COSTS["sm_clock_ghz"]  # one access alone on its scheduler
 
 
@@ -217,27 +217,6 @@ def test_a_stream_of_bulk_loads_goes_through_the_engine_at_its_capacity(n, nbyte
         assert r["engine_busy_ns"] == pytest.approx(n * nbytes / c["engine_load_bytes_per_ns"], rel=1e-12)
     # Each SM has its own engine: blocks side by side take the time of one.
     assert timed_selftest("load_stream", 3, n, nbytes)["time_ns"] == pytest.approx(want, rel=1e-12)
-
-
-@pytest.mark.parametrize("n,nbytes", [(6, 1024), (4, 256)])
-def test_a_bulk_load_of_a_page_without_its_translation_first_takes_translation_ns(n, nbytes):
-    """The engine keeps one translation (translation_pages 1): with pages of one copy's bytes every
-    load of the stream is of a new page and takes translation_ns of the engine before its bytes;
-    with one page for all, only the first does."""
-    c = {**COSTS, "translation_pages": 1.0, "translation_page_bytes": float(nbytes), "translation_ns": 97.0}
-    issued = c["barrier_ns"] + c["arrive_ns"]
-    starts = [issued + (i + 1) * c["issue_ns"] for i in range(n)]
-
-    def want(misses: int) -> float:
-        free = 0.0
-        for i, s in enumerate(starts):
-            free = max(s, free) + (c["translation_ns"] if i < misses else 0.0) + nbytes / c["engine_load_bytes_per_ns"]
-        return max(starts[-1] + c["try_wait_ns"], free + c["g2s_latency_ns"] + c["wake_ns"]) + c["launch_ns"]
-
-    assert timed_selftest("load_stream", 1, n, nbytes, c)["time_ns"] == pytest.approx(want(n), rel=1e-12)
-    one_page = {**c, "translation_page_bytes": float(1 << 40)}
-    assert timed_selftest("load_stream", 1, n, nbytes, one_page)["time_ns"] == pytest.approx(want(1), rel=1e-12)
-    assert want(n) > want(1) > timed_selftest("load_stream", 1, n, nbytes)["time_ns"]  # COSTS: none costed
 
 
 def test_the_engine_calendar_keeps_a_piece_placed_where_a_zero_length_one_starts():
@@ -407,6 +386,40 @@ def test_warps_bound_by_issue_share_their_schedulers(warps):
     busiest = -(-warps // 4)  # warps on scheduler 0
     assert r["time_ns"] == pytest.approx(busiest * per_warp / c["sm_clock_ghz"] + c["launch_ns"], rel=1e-12)
     assert r["instructions"] == warps * per_warp  # a warp's lanes issue together: counted once
+
+
+@pytest.mark.parametrize("warps,n", [(1, 7), (5, 6)])
+def test_a_bounded_loops_vectors_cost_their_branches_latency_and_issue_slots(warps, n):
+    """Every lane of `warps` warps names n vectors of a bounded loop (dev::PlainCode::kBoundedVector):
+    each costs bounded_vector_ns on the thread, then its bounded_vector_instructions on the issue
+    slots, a warp's lanes once; warps 0 and 4 share scheduler 0 and take their turns there."""
+    c = ISSUE
+    r = timed_selftest("bounded_vectors", 1, n, warps, c, threads=256)
+    per_warp = n * c["bounded_vector_instructions"] / c["sm_clock_ghz"]
+    busiest = -(-warps // 4)  # warps on scheduler 0
+    if busiest == 1:
+        want = n * (c["bounded_vector_ns"] + c["bounded_vector_instructions"] / c["sm_clock_ghz"])
+        assert r["time_ns"] == pytest.approx(want + c["launch_ns"], rel=1e-12)
+    else:  # the other warp's vectors take the same slots: later by at most all of its instructions
+        alone = n * (c["bounded_vector_ns"] + c["bounded_vector_instructions"] / c["sm_clock_ghz"])
+        assert alone <= r["time_ns"] - c["launch_ns"] <= alone + per_warp + 1e-9
+    assert r["instructions"] == pytest.approx(warps * n * c["bounded_vector_instructions"], rel=1e-12)
+    # without the constants a bounded loop's vectors cost nothing beyond their accesses and pairs
+    none = {**c, "bounded_vector_ns": 0.0, "bounded_vector_instructions": 0.0}
+    assert timed_selftest("bounded_vectors", 1, n, warps, none, threads=256)["time_ns"] == c["launch_ns"]
+
+
+@pytest.mark.parametrize("m", [1, 2, 10, 50])
+def test_a_lane_behind_its_warp_waits_for_the_warps_issue_not_for_its_latency_again(m):
+    """Every lane of one warp widens m pairs, each pair its dependent latency (pair_instruction_ns
+    per instruction) and then its issue slots: the lanes run side by side, m times one pair's
+    latency and issue. A lane the schedule runs after the leading one waits for the warp's issue
+    of each instruction, not for the leading lane's latency as well (it was 1.65 times that)."""
+    c = {**ISSUE, "pair_instruction_ns": 1.0}
+    r = timed_selftest("issue_warps", 1, m, 1, c, threads=256)
+    per_pair = c["shift_pair_instructions"] * (c["pair_instruction_ns"] + 1 / c["sm_clock_ghz"])
+    assert r["time_ns"] == pytest.approx(m * per_pair + c["launch_ns"], rel=1e-12)
+    assert r["instructions"] == m * c["shift_pair_instructions"]
 
 
 def _worker_end(spinner_thread: int, seed: int, costs: dict) -> float:
@@ -604,12 +617,11 @@ def test_clocks_are_the_same_per_seed_and_nearly_the_same_for_every_seed(small_g
     for kernel in range(3):
         times = [t[kernel] for t in by_seed]
         assert max(times) <= 1.05 * min(times), times
-    # Nothing queues (no engine, no issue slots, no spinning, no translations) and every traffic class alike.
+    # Nothing queues (no engine, no issue slots, no spinning) and every traffic class alike.
     unqueued = {**costs, "engine_load_bytes_per_ns": 1e9, "engine_store_bytes_per_ns": 1e9, "hbm_bytes_per_ns": 1e12,
                 "access_instructions": 0.0,
                 "cvt_pair_instructions": 0.0, "shift_pair_instructions": 0.0, "pack_pair_instructions": 0.0,
-                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0, "request_ns": 0.0,
-                "translation_pages": 0.0}  # which load of a page misses follows the schedule, as a traffic class
+                "spin_instructions": 0.0, "l2_hit_written": 0.0, "l2_hit_reread": 0.0, "request_ns": 0.0}
     assert len({tuple(_kernel_times(group, xs, idxs, seed, unqueued)) for seed in (0, 1, 2, 3)}) == 1
 
 
@@ -662,6 +674,68 @@ def test_predict_reads_each_table_off_the_line_through_its_runs(concurrent):
     ns = predict.predict(run_job, shape, [1, 2], [{}, {}], (512, 1024), concurrent=concurrent)
     assert ns[(1, "dispatch")] == pytest.approx([4096.0, 8192.0])
     assert ns[(2, "combine")] == pytest.approx([2049.0, 4097.0])
+
+
+def test_the_count_kernel_from_a_run_at_the_benchs_tokens_replaces_the_lines():
+    """--count-run: one dispatch call at the bench's tokens (one SM per rank, dispatch only) gives
+    the count kernel's time per table; it replaces the line's in every SM count, and each dispatch
+    call's time moves by the difference."""
+    jobs = []
+
+    def run_job(job):
+        jobs.append(job)
+        return {"runs": [{"sms": 1, "dispatch": {"launches": [
+            {"kernel": "count", "table": i, "time_ns": 100.0 + i} for i in range(len(job["costs"]))] + [
+            {"kernel": "dispatch_direct", "table": i, "time_ns": 5e6} for i in range(len(job["costs"]))]}}]}
+
+    shape = predict.Shape(8, 1, 7168, 4096, 8, 256)
+    count = predict.count_run(run_job, shape, [{}, {}], payload=False)
+    assert count == [100.0, 101.0]
+    assert jobs[0]["tokens"] == 4096 and jobs[0]["sms"] == [1] and jobs[0]["dispatch_only"] is True
+    assert jobs[0]["payload"] is False
+    line = {(s, "dispatch"): [90.0 + 1000 * s, 95.0 + 1000 * s] for s in (1, 2)}
+    line |= {(s, "dispatch", "count"): [90.0, 95.0] for s in (1, 2)}
+    line |= {(s, "dispatch", "dispatch_direct"): [1000.0 * s] * 2 for s in (1, 2)}
+    line |= {(s, "combine"): [7.0, 7.0] for s in (1, 2)}
+    got = predict.with_count(line, count)
+    assert got[(2, "dispatch", "count")] == [100.0, 101.0]
+    assert got[(2, "dispatch")] == pytest.approx([2100.0, 2101.0])
+    assert got[(1, "dispatch", "dispatch_direct")] == [1000.0, 1000.0] and got[(1, "combine")] == [7.0, 7.0]
+
+
+def test_builds_name_what_a_commits_kernels_ran_in_the_commits_own_text(tmp_path):
+    """An annotation replaces its text where a tree holds it once, and names what it applied;
+    a tree without it is left as it is; a text found twice is an error, not a guess."""
+    from tools.timing import builds
+
+    a = builds.Annotation("x load", "k/a.cuh", "v = p[i];", "v = dev::ld(&p[i]);", ("0000000",))
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "a.cuh").write_text("int f() {\n  v = p[i];\n}\n")
+    assert builds.annotate(str(tmp_path), (a,)) == ["x load"]
+    assert (tmp_path / "k" / "a.cuh").read_text() == "int f() {\n  v = dev::ld(&p[i]);\n}\n"
+    assert builds.annotate(str(tmp_path), (a,)) == []  # named already: nothing left to name
+    (tmp_path / "k" / "a.cuh").write_text("v = p[i]; v = p[i];")
+    with pytest.raises(ValueError, match="2 times"):
+        builds.annotate(str(tmp_path), (a,))
+
+
+def test_each_annotation_names_the_text_of_the_commits_it_was_written_for():
+    """Each annotation's text is, once, in the file of every commit it names (8568e22: the kernels
+    the 2026-11-27 H200 run measured; 1ab8f84: the bounded loop as the kernels have it since
+    ee97d05), so a build of those commits prices what they ran."""
+    from tools.timing import builds
+
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
+                             text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("needs the repository's whole history")
+    assert {a.name for a in builds.ANNOTATIONS} >= {"fp8 scale loads", "bounded loop's vectors"}
+    for a in builds.ANNOTATIONS:
+        for commit in a.seen_in:
+            text = subprocess.run(["git", "show", f"{commit}:{a.path}"], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout
+            assert text.count(a.old) == 1, (a.name, commit)
+            assert a.new.count("dev::") > a.old.count("dev::"), a.name  # it names, through the device layer
 
 
 def test_a_prediction_says_each_kernel_and_validate_scores_each():

@@ -9,11 +9,15 @@ it was made with is unchanged.
 
 The hot loops' plain loads and stores are costed where the kernels name them through the device
 layer's accessors (dev::ld, dev::st, dev::chain): a commit older than those accessors runs
-without its plain code costed.
+without its plain code costed. Where a commit's kernels ran plain code that today's kernels
+name and its own sources did not, the build names it the same way (ANNOTATIONS): the text is
+the commit's, with the name put around or beside it, which is the same code on the GPU (dev::ld
+is a plain load there, dev::plain_code nothing), so the model times what ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,14 +47,95 @@ def _overlay_files(repo: str) -> list[str]:
 DRIVER = os.path.join(os.path.dirname(__file__), "driver.py")
 
 
+@dataclasses.dataclass(frozen=True)
+class Annotation:
+    """Plain code of a commit's kernels named for the timing model: in `path`, the text `old`
+    (found once) becomes `new`; `seen_in` names commits whose file holds `old`."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    seen_in: tuple[str, ...]
+
+
+_BOUNDED = "    dev::plain_code(dev::PlainRun{dev::PlainCode::kBoundedVector, rounds});\n"
+ANNOTATIONS = (
+    # 8568e22's own_table read each fp8 scale of a route with a plain load and stored it at once:
+    # the store waits for the load (ncu on the H200, 2026-11-27: a sector loaded and one stored
+    # per scale and route). Today's route_scales reads them through dev::ld.
+    Annotation("fp8 scale loads", "csrc/kernels/dispatch_direct.cuh",
+               "p * d.scale_cols + i, x_scales[t * d.scale_cols + i]);",
+               "p * d.scale_cols + i, dev::ld(&x_scales[t * d.scale_cols + i]));",
+               ("8568e22",)),
+    # SegmentAcc's bounded loop (a part narrower than the straight block: before d653338 every
+    # part under 8192 columns, since then under 7 vectors a thread): a uniform branch around each
+    # vector's load and around its add, which no accessor shows (dev::PlainCode::kBoundedVector).
+    Annotation("bounded loop's vectors", "csrc/kernels/segments.cuh",
+               "    const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;\n"
+               "#pragma unroll\n"
+               "    for (int i = 0; i < kVecs; ++i)\n"
+               "      if (i < rounds) V::load(",
+               "    const int whole = cols / kCols, rounds = (whole + kGroupThreads - 1) / kGroupThreads;\n"
+               + _BOUNDED +
+               "#pragma unroll\n"
+               "    for (int i = 0; i < kVecs; ++i)\n"
+               "      if (i < rounds) V::load(",
+               ("8568e22",)),
+    Annotation("bounded loop's vectors (reducer warps R)", "csrc/kernels/segments.cuh",
+               "    const int rounds = (whole + kThreads - 1) / kThreads;\n"
+               "#pragma unroll\n"
+               "    for (int i = 0; i < kVecs; ++i)\n"
+               "      if (i < rounds) V::load(",
+               "    const int rounds = (whole + kThreads - 1) / kThreads;\n"
+               + _BOUNDED +
+               "#pragma unroll\n"
+               "    for (int i = 0; i < kVecs; ++i)\n"
+               "      if (i < rounds) V::load(",
+               ("1ab8f84",)),
+)
+
+
+def annotate(folder: str, annotations=ANNOTATIONS) -> list[str]:
+    """Applies each annotation whose text the tree in `folder` holds; returns their names. A text
+    found more than once is an error (the annotation would be ambiguous)."""
+    applied = []
+    for a in annotations:
+        path = os.path.join(folder, a.path)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        found = text.count(a.old)
+        if found == 0:
+            continue
+        if found > 1:
+            raise ValueError(f"annotation {a.name!r}: its text occurs {found} times in {a.path}")
+        with open(path, "w") as f:
+            f.write(text.replace(a.old, a.new))
+        applied.append(a.name)
+    return applied
+
+
 def overlay_digest(repo: str = REPO) -> str:
-    """A hash of the overlaid files' contents: a build made with other contents is redone."""
+    """A hash of the overlaid files' contents and of the annotations: a build made with other
+    contents is redone."""
     h = hashlib.sha256()
     for rel in _overlay_files(repo):
         h.update(rel.encode())
         with open(os.path.join(repo, rel), "rb") as fh:
             h.update(fh.read())
+    h.update(repr(ANNOTATIONS).encode())
     return h.hexdigest()[:16]
+
+
+def annotations_of(folder: str) -> list[str]:
+    """The annotations a build applied (build_commit records them)."""
+    try:
+        with open(os.path.join(folder, ".timing-annotations")) as f:
+            return json.load(f)
+    except OSError:
+        return []
 
 
 def resolve_commit(commit: str, repo: str = REPO) -> str:
@@ -83,7 +168,11 @@ def build_commit(commit: str, work: str = DEFAULT_WORK, repo: str = REPO, log=sy
     for rel in _overlay_files(repo):
         os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
         shutil.copy2(os.path.join(repo, rel), os.path.join(folder, rel))
-    print(f"timing: building the model of {full[:12]} with today's device layer in {folder}", file=log, flush=True)
+    applied = annotate(folder)
+    with open(os.path.join(folder, ".timing-annotations"), "w") as f:
+        json.dump(applied, f)
+    print(f"timing: building the model of {full[:12]} with today's device layer in {folder}"
+          + (f" (annotated: {', '.join(applied)})" if applied else ""), file=log, flush=True)
     env = dict(os.environ, HYBRID_EP_SKIP_CUDA_BUILD="1")
     done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=folder, env=env,
                           capture_output=True, text=True)

@@ -12,10 +12,14 @@ combine ms of each, labelled as predictions. The model runs at one or two smalle
 counts per rank (--model-tokens; the bench's 4096 does not fit this machine at W=8) and the
 prediction is read off the line through them (--model-tokens 4096: the run itself; with
 --payload-free the model's bulk copies move no bytes, the same times in far less memory, so
-the bench's own count fits at W = 8; --posted-puts prices the puts between nodes as a
+the bench's own count fits at W = 8; --count-run times the count kernel by one dispatch call at
+the bench's count instead, as the line misses its 992-token tiles; --posted-puts prices the puts between nodes as a
 cluster's NIC does, the nic_* constants, where the emulated bench copies them with a warp's
 lanes: a cluster's prediction, which no emulated run scores). --data-path picks the kernels as
 HYBRID_EP_DATA_PATH does for the bench; HYBRID_EP_STORE_GROUPS is honoured as by the bench.
+--commit runs that commit's kernels instead, built with today's device layer and its plain code
+named where the commit did not name it (tools/timing/builds.py), as a measured run of them is
+scored.
 `validate` prints predicted / measured per point of a measured emulated.json (points of the
 same data path; a measured point naming none ran the receive path), the worst last. Exit
 status 2 for bad arguments.
@@ -69,18 +73,35 @@ def _predict(args) -> int:
     # the driver's emulated group reads the variable (it runs older commits' kernels too)
     tables = {"table": table} | {name: table.with_values(**values)
                                  for name, values in (readings.READINGS.items() if args.readings else ())}
+    run_job, commit, annotations = None, _checkout_commit(), None
+    if args.commit:
+        from . import builds
+
+        try:
+            folder = builds.build_commit(args.commit)
+        except (ValueError, RuntimeError) as err:
+            print(f"{PROG} predict: --commit: {err}", file=sys.stderr)
+            return 2
+        annotations = builds.annotations_of(folder)
+        commit = builds.resolve_commit(args.commit)[:7]
+        run_job = lambda job: builds.run_in_build(folder, job)  # noqa: E731
     with mock.patch.dict(os.environ, {launch.DATA_PATH_ENV: path}):
-        rows = _predicted_rows(args, tables, path, nodes, worlds, experts)
+        rows = _predicted_rows(args, tables, path, nodes, worlds, experts, run_job)
     config = {"world_sizes": worlds, "nodes": nodes, "hidden": args.hidden, "tokens_per_rank": args.tokens,
               "topk": args.topk, "experts": experts, "dtype": args.dtype, "routing": "uniform", "seed": args.seed,
               "sms_per_rank": args.sms, "model_tokens": args.model_tokens or "256/512 for W > 4, else 512/1024",
               "payload_free": args.payload_free, "posted_puts": args.posted_puts, "data_path": path,
+              "count_run": args.count_run,
               "store_groups": launch.store_groups_override(),
               "pull_stages": launch.pull_stages_override(), "reducer_wait": launch.reducer_wait_override(),
               "reducer_warps": launch.reducer_warps_override(),
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
-              "commit": _checkout_commit()}
+              "commit": commit}
+    if args.commit:  # the kernels of another commit than the checkout's (builds.py), on its model
+        config["kernels_built_from"] = commit
+        config["annotations"] = annotations
+        config["model_commit"] = _checkout_commit()
     doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
            "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
            "constants": {n: vars(c) for n, c in table.constants.items()},
@@ -123,10 +144,12 @@ def _row_bytes(hidden: int, dtype: str) -> int:
     return 2 * hidden if dtype == "bf16" else hidden + hidden // 128 * 4
 
 
-def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int], experts: int) -> list[dict]:
+def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int], experts: int,
+                    run_job=None) -> list[dict]:
     """One row per world size and SMs per rank: the model's runs at the smaller token counts,
     read off at the bench's, with the first of `tables` ({name: Table}); each other table's
-    prediction of the same runs goes into the row's "readings"."""
+    prediction of the same runs goes into the row's "readings". run_job(job) runs the model
+    (default: this checkout's, driver.run_job)."""
     from hybrid_ep.config import BufferConfig
     from hybrid_ep.synthetic import iter_rank_routings
     from hybrid_ep.traffic.model import count_tables, row_counts
@@ -137,8 +160,12 @@ def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int]
     for W in worlds:
         model_tokens = tuple(args.model_tokens or ((256, 512) if W > 4 else (512, 1024)))
         shape = predict.Shape.from_args(args, W, nodes, experts)
-        ns = predict.predict(driver.run_job, shape, args.sms, [t.costs() for t in tables.values()], model_tokens,
+        costs = [t.costs() for t in tables.values()]
+        ns = predict.predict(run_job or driver.run_job, shape, args.sms, costs, model_tokens,
                              payload=not args.payload_free, posted_puts=args.posted_puts)
+        if args.count_run:
+            ns = predict.with_count(ns, predict.count_run(run_job or driver.run_job, shape, costs,
+                                                          payload=not args.payload_free))
         idxs = list(iter_rank_routings("uniform", [args.tokens] * W, experts, args.topk, args.seed))
         cfg = BufferConfig(hidden_dim=args.hidden, max_tokens_per_rank=args.tokens, num_experts=experts,
                            world_size=W, ranks_per_node=W // nodes)
@@ -158,6 +185,8 @@ def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int]
             if len(tables) > 1:
                 row["readings"] = {name: row_of(i) for i, name in enumerate(tables) if i > 0}
             row["model_tokens"] = list(model_tokens)
+            if args.count_run:
+                row["count_tokens"] = args.tokens
             row["data_path"] = path
             rows.append(row)
             print(f"[{PROG} predict] W={W}, SMs/rank {sms}: dispatch {row['dispatch_ms']:.3f} ms, combine "
@@ -217,11 +246,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--posted-puts", action="store_true",
                     help="price the puts between nodes as a cluster's NIC does (the table's nic_* constants), not as "
                          "the emulation's copy by a warp's lanes: a cluster's prediction")
+    pr.add_argument("--count-run", action="store_true",
+                    help="the count kernel's time from one dispatch call at --tokens (with --payload-free, none of "
+                         "its bytes), not from the line through --model-tokens: its 992-token tiles")
     pr.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                     help="the dispatched rows' dtype (fp8: with fp32 scales per 128 columns; combines in bf16)")
     pr.add_argument("--data-path", choices=("direct", "receive"), default=None,
                     help="the kernels' data path (default: the bench's, direct)")
     pr.add_argument("--constants", default=constants.H100, help="the timing table (default h100.json)")
+    pr.add_argument("--commit", default=None,
+                    help="predict this commit's kernels (built with today's device layer, tools/timing/builds.py), "
+                         "not the checkout's")
     pr.add_argument("--readings", action="store_true",
                     help="also predict under each reading of the store cost (tools/timing/readings.py), from the "
                          "same runs of the model")

@@ -82,6 +82,31 @@ def call_times(result: dict, tables: int) -> dict:
     return out
 
 
+def count_run(run_job, shape: Shape, tables: list[dict], payload: bool = True) -> list[float]:
+    """The count kernel's ns per table at shape.tokens, from one dispatch call there (driver.py's
+    dispatch_only job, one SM per rank: the count kernel runs on one block per rank whatever the
+    SMs). Its tally warps take 992 tokens a tile, so a line through runs at fewer tokens misses
+    the tiles' fixed work (2026-11-27 H200, W = 2: 0.0899 ms through 128 / 256, 0.0945 at 4096)."""
+    j = job(shape, shape.tokens, [1], tables, payload=payload)
+    j["dispatch_only"] = True
+    ns = [0.0] * len(tables)
+    for launch in run_job(j)["runs"][0]["dispatch"]["launches"]:
+        if launch.get("kernel") == "count":
+            ns[launch["table"]] += launch["time_ns"]
+    return ns
+
+
+def with_count(ns: dict, count_ns: list[float]) -> dict:
+    """predict's times with the count kernel's replaced by `count_ns` (per table), each dispatch
+    call's time moved by the same amount."""
+    out = dict(ns)
+    for key in [k for k in ns if len(k) == 3 and k[1] == "dispatch" and k[2] == "count"]:
+        sms = key[0]
+        out[(sms, "dispatch")] = [d - c + n for d, c, n in zip(ns[(sms, "dispatch")], ns[key], count_ns)]
+        out[key] = list(count_ns)
+    return out
+
+
 def extrapolate(t1: int, ns1: float, t2: int, ns2: float, t: int) -> float:
     """The value at t on the line through (t1, ns1) and (t2, ns2)."""
     if t1 == t2:

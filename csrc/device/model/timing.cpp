@@ -291,28 +291,60 @@ void Timer::flush_requests(int th) {
 
 // The lanes of a warp run the same instructions: the lane ahead of its warp's count takes the
 // slots for the instructions past it, from its scheduler's calendar; a lane behind runs on no
-// earlier than its warp issued the same instruction.
+// earlier than its warp issued the same instruction: when the leading lane issued it, which the
+// warp keeps (the leading lane's own latencies between its issues, a pair's or a load's, are not
+// the lane behind's to wait for again: it pays its own).
 void Timer::issue(int th, double instructions, double cycles) {
   spin_end(th);
   if (!(instructions > 0)) return;
   Clock& c = clocks_[th];
-  Warp& w = warp_state_[warp_of(th)];
+  const int self = warp_of(th);
+  Warp& w = warp_state_[self];
   const double clock = c_.sm_clock_ghz / cycles, n = c.count + instructions;
   double t;
   if (n > w.count) {
     const double behind = std::max(w.count - c.count, 0.0);
     const double from = behind > 0 ? std::max(c.t + behind / clock, w.t) : c.t;
-    const int self = warp_of(th), sched = scheduler_of(th);
+    const int sched = scheduler_of(th);
     t = schedulers_[sched].take(from, (n - w.count) * cycles, c_.sm_clock_ghz,
                                 [&](size_t b) { return spinners(sched, self, b); });
     instructions_ += n - w.count;
+    w.issued.push_back(Issued{w.count, n, from, t});
     w.count = n;
     w.t = t;
   } else {
-    t = std::max(c.t + instructions / clock, w.t - (w.count - n) / clock);
+    t = std::max(c.t + instructions / clock, issued_at(w, self, n));
   }
   c.count = n;
   advance(th, t - c.t);
+}
+
+// The time of instruction n of warp `warp` (its index in the launch): within the leading lane's
+// issue that took it, as far into that issue's time as n is into its instructions. Issues every
+// lane of the warp is past are forgotten once many are kept, and the oldest beyond kMost (a lane
+// far behind runs other code meanwhile: it is not held to them).
+double Timer::issued_at(Warp& w, int warp, double n) {
+  constexpr size_t kKeep = 1024, kMost = 4096;
+  if (w.issued.size() > kKeep) {
+    const int role = warp % warps_, first = warp / warps_ * threads_ + role * 32;
+    double least = w.count;
+    for (int lane = 0; lane < 32 && role * 32 + lane < threads_; ++lane)
+      least = std::min(least, clocks_[first + lane].count);
+    while (w.issued.size() > 1 && w.issued.front().to <= least) {
+      w.forgotten = w.issued.front().to;
+      w.issued.pop_front();
+    }
+    while (w.issued.size() > kMost) {
+      w.forgotten = w.issued.front().to;
+      w.issued.pop_front();
+    }
+  }
+  if (n <= w.forgotten || w.issued.empty()) return kNever;
+  auto it =
+      std::lower_bound(w.issued.begin(), w.issued.end(), n, [](const Issued& i, double count) { return i.to < count; });
+  if (it == w.issued.end()) return w.t;
+  const double span = it->to - it->from;
+  return span > 0 ? it->start + (it->end - it->start) * std::max(n - it->from, 0.0) / span : it->end;
 }
 
 // Cycles of bucket b that the other warps spinning on the scheduler take (those still spinning;
@@ -444,12 +476,18 @@ void Timer::access(int th, const volatile void* p, bool shared, uint32_t bytes, 
   }
 }
 
-// Blocks of plain code a kernel named: their instructions, this table's counts, in one issue; issue
-// slots only (as the pairs' instructions).
+// Blocks of plain code a kernel named: their instructions, this table's counts. The count
+// kernel's blocks take issue slots only, plain_code_cycles each (its mix of divisions, ballots
+// and shared atomics); a bounded loop's vectors (kBoundedVector) cost as the pairs do: their
+// branches' latency on the thread (bounded_vector_ns) and an issue slot per instruction.
 void Timer::plain_code(int th, const dev::PlainRun* runs, int n) {
-  double count = 0;
+  double count = 0, bounded = 0;
   for (int i = 0; i < n; ++i) {
     const dev::PlainCode code = runs[i].code;
+    if (code == dev::PlainCode::kBoundedVector) {
+      bounded += runs[i].times;
+      continue;
+    }
     const double each = code == dev::PlainCode::kCountTile        ? c_.count_tile_instructions
                         : code == dev::PlainCode::kCountRoute     ? c_.count_route_instructions
                         : code == dev::PlainCode::kCountRoutePair ? c_.count_route_pair_instructions
@@ -458,17 +496,11 @@ void Timer::plain_code(int th, const dev::PlainRun* runs, int n) {
                                                                   : c_.count_scan_column_instructions;
     count += each * runs[i].times;
   }
-  issue(th, count, c_.plain_code_cycles);
-}
-
-bool Timer::Engine::translated(const void* gmem, uint64_t page_bytes, size_t keep) {
-  const uint64_t page = reinterpret_cast<uintptr_t>(gmem) / std::max<uint64_t>(page_bytes, 1);
-  auto it = std::find(pages.begin(), pages.end(), page);
-  const bool kept = it != pages.end();
-  if (kept) pages.erase(it);
-  pages.push_back(page);
-  if (pages.size() > keep) pages.erase(pages.begin());
-  return kept;
+  if (count > 0) issue(th, count, c_.plain_code_cycles);
+  if (bounded > 0) {
+    advance(th, bounded * c_.bounded_vector_ns);
+    issue(th, bounded * c_.bounded_vector_instructions);
+  }
 }
 
 // Plain code whose count the kernel wrote out: issue slots only.
@@ -643,10 +675,6 @@ void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gme
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
   ct.duration = g2s ? bytes / c_.engine_load_bytes_per_ns : c_.store_copy_ns + bytes / c_.engine_store_bytes_per_ns;
-  if (g2s && c_.translation_pages >= 1 &&
-      !engines_[block].translated(gmem, static_cast<uint64_t>(c_.translation_page_bytes),
-                                  static_cast<size_t>(c_.translation_pages)))
-    ct.duration += c_.translation_ns;
   if (g2s) {
     const double hit = read_hit(gmem, bytes);
     ct.latency = hit * c_.g2s_l2_latency_ns + (1 - hit) * c_.g2s_latency_ns;

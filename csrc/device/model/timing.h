@@ -10,8 +10,10 @@
 //
 //   - own work: each operation costs its constant on the thread that runs it; plain code
 //     between them where it converts 16-bit floats (the reductions), per instruction of a
-//     pair (its kind's count, below), and where the hot loops load and store through the
-//     device layer's accessors (dev::ld, dev::st);
+//     pair (its kind's count, below), where the hot loops load and store through the
+//     device layer's accessors (dev::ld, dev::st), and per vector a reducer adds in a loop
+//     with a branch around each vector's load and add (dev::PlainCode::kBoundedVector: the
+//     branches' latency, bounded_vector_ns);
 //   - issue slots: plain code is also counted in warp instructions (per access, per pair by the
 //     kind of conversion, per block of plain code a kernel names (dev::plain_code: the count
 //     kernel's tile loop): counts from the kernels' SASS), issued on the SM's scheduler of its
@@ -55,12 +57,6 @@
 //     rank (one queue pair per peer delivers in order); its signal is stamped then; a quiet ends
 //     when the acknowledgement of the thread's last op is back (another latency). The NIC's
 //     reads and writes of device memory are not put on its calendar;
-//   - address translation (bulk loads only): an SM's copy engine keeps the translations of the last
-//     translation_pages pages its bulk loads read; a load of another page first spends translation_ns on
-//     the engine's load direction (in the order of the schedule, as the traffic classes). Rows read
-//     from many places at once (the direct combine of a shape with many experts per rank) miss; rows
-//     read in order do not. Bulk stores are not costed for it: the direct dispatch stores rows as
-//     scattered without a cost beyond their bytes (2026-11-27 H200 run);
 //   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
 //     engine, one calendar per direction (loads come in from the crossbar, stores and plain
 //     store requests go out to it: the two run side by side, as the microbenchmarks' mixes of
@@ -122,12 +118,6 @@ namespace hybrid_ep::model::timing {
   X(s2g_write_latency_ns, "bulk store: its shared memory read -> its writes are visible")                             \
   X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")            \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")          \
-  X(translation_pages,                                                                                                \
-    "address translations an SM's copy engine keeps for its bulk loads (the most recent pages; 0: none costed)")      \
-  X(translation_page_bytes, "bytes of global memory one address translation covers (a page)")                         \
-  X(translation_ns,                                                                                                   \
-    "a bulk load whose page is not among the engine's kept translations: time on the engine's load direction "        \
-    "before its bytes")                                                                                               \
   X(store_copy_ns, "a bulk store's fixed time on its SM's copy engine beside its bytes (docs/dev/request_path.md)")   \
   X(request_ns,                                                                                                       \
     "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
@@ -152,6 +142,12 @@ namespace hybrid_ep::model::timing {
   X(plain_code_cycles,                                                                                                \
     "SM cycles of its scheduler per warp instruction of named plain code (dev::plain_code: the count kernel's "       \
     "blocks), for a mix whose pipes issue slower than one instruction per cycle")                                     \
+  X(bounded_vector_instructions,                                                                                      \
+    "warp instructions per vector a reducer thread adds in a bounded loop (dev::PlainCode::kBoundedVector: a "        \
+    "branch around its load and one around its add) beyond the same vector in a straight block")                      \
+  X(bounded_vector_ns,                                                                                                \
+    "per vector of a bounded loop (kBoundedVector), the reducer thread's time beside those instructions' issue "      \
+    "slots: the branches' dependent latency")                                                                         \
   X(count_tile_instructions,                                                                                          \
     "warp instructions per tile of the count kernel (dev::PlainCode::kCountTile): zeroing, prefix popcs, the "        \
     "loop's head and tail, the routes k >= K skipped")                                                                \
@@ -423,11 +419,7 @@ class Timer {
       bool g2s;
     };
     std::vector<Open> open;
-    std::vector<uint64_t> pages;  // the kept translations of its bulk loads' pages, the most recent last
     Calendar& of(bool g2s) { return g2s ? loads : stores; }
-    // Whether the page of `gmem` was kept (then it becomes the most recent), else it is kept now,
-    // dropping the least recent beyond `keep`.
-    bool translated(const void* gmem, uint64_t page_bytes, size_t keep);
   };
   struct MbarTime {
     Origin phase;  // the current phase's latest arrival or landed load
@@ -467,13 +459,21 @@ class Timer {
   // Issue slots: one calendar per SM scheduler (warp w of a block issues on its scheduler w % 4),
   // in warp instructions per cycle; per warp, its leading lane's count and when it issued the
   // last of them (lanes run the same instructions: only a lane ahead of its warp takes slots),
-  // and the lanes spinning in it.
+  // the leading lane's issues (which instructions it issued when: a lane behind runs on no
+  // earlier than the warp issued the same instruction), and the lanes spinning in it.
   static constexpr double kBucketCycles = 64;
+  struct Issued {
+    double from, to;    // its instructions: the warp's count before and after
+    double start, end;  // when the first of them took its slot, and the last
+  };
   struct Warp {
     double count = 0, t = 0;
-    int spinning = 0;  // lanes spinning
+    std::deque<Issued> issued;  // the leading lane's issues a lane may still be behind
+    double forgotten = 0;       // the instructions before the oldest issue kept
+    int spinning = 0;           // lanes spinning
     double spin_from = 0, spin_rate = 0, spun_until = kNever;
   };
+  double issued_at(Warp& w, int warp, double n);  // when warp `warp` issued its instruction n
   int warps_;
   std::vector<Warp> warp_state_;
   std::vector<Buckets> schedulers_;

@@ -19,6 +19,8 @@
 //   - requests_then_store: thread 0 stores n words (plain global stores), then bulk-stores `bytes`;
 //   - load_and_store: thread 0 bulk-loads n copies of `bytes` and bulk-stores n others, a load
 //     then a store (one group each), then waits for both: the engine's two directions.
+//   - bounded_vectors: every lane of the first `bytes` warps names n vectors of a bounded loop
+//     (dev::PlainCode::kBoundedVector), one plain_code call per vector;
 //   - nic_puts: thread 0 of block 0 posts n puts of `bytes` as rank 0 to rank 1 (the first half
 //     of global to its second), each with the signal flags[0] := its ordinal + 1, then quiets;
 //     thread 0 of block 1 polls flags[0] until n (posted puts only: runtime.h, set_posted_puts).
@@ -60,7 +62,8 @@ enum Which {
   kDivergedWait,
   kRequestsThenStore,
   kLoadAndStore,
-  kNicPuts
+  kNicPuts,
+  kBoundedVectors
 };
 
 // n pairs widened by one thread; the sum keeps them.
@@ -194,6 +197,10 @@ __global__ void timing_kernel(const Args a) {
         dev::bulk_wait_all();
       }
       break;
+    case kBoundedVectors:
+      if (tid < static_cast<int>(a.bytes) * 32)
+        for (int i = 0; i < a.n; ++i) dev::plain_code(dev::PlainRun{dev::PlainCode::kBoundedVector, 1});
+      break;
     case kNicPuts:
       if (!dev::remote_deferred() || tid != 0) break;  // run_timing_selftest refuses it without posted puts
       if (blockIdx.x == 0) {
@@ -224,6 +231,7 @@ const std::map<std::string, int>& names() {
       {"requests_then_store", kRequestsThenStore},
       {"load_and_store", kLoadAndStore},
       {"nic_puts", kNicPuts},
+      {"bounded_vectors", kBoundedVectors},
   };
   return n;
 }
@@ -239,7 +247,8 @@ std::vector<std::string> timing_selftest_names() {
 std::string run_timing_selftest(const std::string& name, int blocks, int n, uint32_t bytes, int threads) {
   auto it = names().find(name);
   if (it == names().end()) return "no such timing self-test: " + name;
-  const bool counts = it->second == kIssueWarps || it->second == kSpinBeside;  // bytes is no size there
+  // bytes is no size there
+  const bool counts = it->second == kIssueWarps || it->second == kSpinBeside || it->second == kBoundedVectors;
   // load_and_store: loads and stores, half each; nic_puts: sources and destinations
   const uint64_t copies = it->second == kLoadAndStore || it->second == kNicPuts ? 2 : 1;
   if (it->second == kNicPuts && !posted_puts()) return "nic_puts needs posted puts (set_posted_puts)";
