@@ -301,6 +301,10 @@ if model_ext is not None:
     ext_modules = ext_modules + [model_ext]
 else:
     print(f"hybrid-ep: building without the CPU model hybrid_ep._model: {model_skipped}", file=sys.stderr)
-ext_modules = ext_modules + [_planner_extension()]
+if os.environ.get("HYBRID_EP_SKIP_PLANNER_BUILD") == "1":  # scripts/model_mutations.py: the checkout's is copied
+    print("hybrid-ep: building without the balancer's planner hybrid_ep._planner: HYBRID_EP_SKIP_PLANNER_BUILD=1",
+          file=sys.stderr)
+else:
+    ext_modules = ext_modules + [_planner_extension()]
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
