@@ -240,11 +240,15 @@ class HybridEPBuffer:
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
                                                handle, num_out_tokens)
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
-                                                          kernel_config)
+        if scales is None:  # bf16 rows: no scales to convert (two calls less on every call's host path)
+            rows, scales_out, handle = self._backend.dispatch(x, None, routing, handle, num_out_tokens, kernel_config)
+        else:
+            rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
+                                                              kernel_config)
+            scales_out = scales_from_wire(scales_out, scales)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
         # tokens_per_expert: the handle's, when read
-        return DispatchResult(rows, scales_from_wire(scales_out, scales), handle.probs_R, handle)
+        return DispatchResult(rows, scales_out, handle.probs_R, handle)
 
     def combine(
         self,
@@ -298,10 +302,14 @@ class HybridEPBuffer:
         """dispatch's calls past its checks, for autograd (dispatch makes them itself: one frame
         less between the API and the launch)."""
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
-        rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
-                                                          kernel_config)
+        if scales is None:
+            rows, scales_out, handle = self._backend.dispatch(x, None, routing, handle, num_out_tokens, kernel_config)
+        else:
+            rows, scales_out, handle = self._backend.dispatch(x, wire_scales(scales), routing, handle, num_out_tokens,
+                                                              kernel_config)
+            scales_out = scales_from_wire(scales_out, scales)
         self._last = ("dispatch", weakref.ref(handle), CallCounts.note(handle), x.dtype)
-        return rows, scales_from_wire(scales_out, scales), handle
+        return rows, scales_out, handle
 
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
         kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else

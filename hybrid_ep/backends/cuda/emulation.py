@@ -128,8 +128,9 @@ class EmulatedGroup:
     def _dispatch(self, xs, scales, routings, num_out_tokens, num_sms, known_rows, known_bounds=None):
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_dispatch
-        per_rank = self.engine.dispatch_ranks(list(xs), [wire_scales(s) for s in scales], routings, num_out_tokens,
-                                              num_sms, known_rows, known_bounds)
+        fp8 = scales.count(None) < len(scales)  # else no scales to convert (no call per rank)
+        per_rank = self.engine.dispatch_ranks(list(xs), [wire_scales(s) for s in scales] if fp8 else scales, routings,
+                                              num_out_tokens, num_sms, known_rows, known_bounds)
         out = []
         for r, (res, routing, given) in enumerate(zip(per_rank, routings, scales)):
             # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
@@ -137,7 +138,8 @@ class EmulatedGroup:
             # likewise, from the handle.
             handle = DispatchHandle(self.owner, self.config, r, routing, res.send, res.recv, res.probs_R,
                                     num_out_tokens)
-            out.append(DispatchResult(res.rows_RH, scales_from_wire(res.scales_RB, given), res.probs_R, handle))
+            out.append(DispatchResult(res.rows_RH, scales_from_wire(res.scales_RB, given) if fp8 else res.scales_RB,
+                                      res.probs_R, handle))
         return out
 
     def redispatch(self, xs, handles, *, scales=None, num_sms=None) -> list[DispatchResult]:

@@ -229,7 +229,9 @@ class Engine:
         # outlive the kernels also when the caller moves on to another stream.
         self._in_flight: dict[str, list[torch.Tensor]] = {}
         # The CPU model checks every bulk copy against the tensors of the launch; on a GPU
-        # that is compute-sanitizer's job and the call is skipped.
+        # that is compute-sanitizer's job and the call is skipped. Launches declare their tensors
+        # on the CPU model with launches on: callers ask this and ext.launches_enabled() first,
+        # so that neither a GPU nor the launches-off host bench builds the lists.
         self._declares_tensors = bool(getattr(ext, "IS_MODEL", False))
         # The per-call host path: what stays fixed per rank is set once here.
         fixed = []
@@ -248,6 +250,7 @@ class Engine:
         self._workspaces = self.workspaces.kept
         # (dtype, columns) -> dtype name, for row widths already checked (_check_rows)
         self._row_dtypes: dict[tuple[torch.dtype, int], str] = {}
+        self._widths: dict[tuple[torch.dtype, bool], int] = {}  # expert_out_width per (dtype, fp8), once
         self._ones: torch.Tensor | None = None  # _unit_weights
 
     def _geometry(self):
@@ -303,11 +306,6 @@ class Engine:
         """launch.LaunchSettings.shapes: the pipeline shape of each kernel at num_sms SMs per rank."""
         return self.launches.shapes(num_sms)
 
-    def _declaring(self) -> bool:
-        """Whether the next launches declare their tensors: on the CPU model, launches on. The
-        callers ask first, so that neither a GPU nor the launches-off host bench builds the lists."""
-        return self._declares_tensors and self.ext.launches_enabled()
-
     def _declare(self, tensors, regions=()) -> None:
         """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
         self.ext.note_launch_tensors(_spans(tensors) + list(regions) + self._fixed_spans())
@@ -353,7 +351,9 @@ class Engine:
         call's workspace."""
         self._in_flight["dispatch"] = given.tensors
         shape = self._shape
-        width = expert_out_width(given.dtype, given.fp8)
+        width = self._widths.get((given.dtype, given.fp8))
+        if width is None:
+            width = self._widths[(given.dtype, given.fp8)] = expert_out_width(given.dtype, given.fp8)
         return [RankDispatch(out.rows, out.scales, out.probs,
                              CudaSendTable(call, i, kept.num_tokens, kept.topk, shape.W,
                                            kept.topk_idx if direct else None, width),
@@ -477,7 +477,7 @@ class Engine:
         first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then the agreement words: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + place.words]
         declared = None
-        if self._declaring():  # the outputs are added after the read
+        if self._declares_tensors and self.ext.launches_enabled():  # the outputs are added after the read
             declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
                         self._fixed_spans())
             self.ext.note_launch_tensors(declared)
@@ -523,7 +523,7 @@ class Engine:
                 or self._launch_args(num_sms, dtype_name, H, kind))
         if taken is None:
             outputs, made = self._outputs(rows, dtype, fp8)
-        if self._declaring():
+        if self._declares_tensors and self.ext.launches_enabled():
             self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
                           self._output_spans(outputs if taken is None else self._block_outputs(rows, taken), dtype))
         if taken is not None:  # the launch and the blocks' tensors in one call
@@ -592,7 +592,7 @@ class Engine:
         inputs, outs, keep, in_peer, copied = self._combine_inputs(rows, sends, recvs, probs, apply_probs, direct,
                                                                    stream)
         self._in_flight["combine"] = keep
-        if self._declaring():
+        if self._declares_tensors and self.ext.launches_enabled():
             self._declare(keep + in_peer + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
                           [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
         self.host.combine(args, direct, stream, inputs)
