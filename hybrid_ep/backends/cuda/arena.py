@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ...config import FP8_BLOCK
+from . import capture
 
 ALIGN = 256  # bytes; every block starts on this boundary (the kernels need 16, TMA likes 128)
 
@@ -104,7 +105,6 @@ class Arena:
         from . import load_extension
 
         self.base, self.device = base, torch.device(device)
-        self._on_cuda = self.device.type == "cuda"  # capturing() on every take: no call to ask it
         capacity = capacity // ALIGN * ALIGN
         self.ext = load_extension(self.device)
         index = self.device.index if self.device.index is not None else (
@@ -124,9 +124,8 @@ class Arena:
         return self.core.kept
 
     def capturing(self) -> bool:
-        """Whether blocks taken now stay taken: a CUDA graph capture replays into them
-        (capture.capturing, without its call)."""
-        return self._on_cuda and torch.cuda.is_current_stream_capturing()
+        """Whether blocks taken now stay taken: a CUDA graph capture replays into them."""
+        return capture.capturing(self.device)
 
     def contains(self, t: torch.Tensor) -> bool:
         """Whether all of t's memory lies inside the arena (t contiguous, as the kernels take it)."""
