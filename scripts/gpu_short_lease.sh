@@ -7,12 +7,11 @@
 # today's kernels: the DeepSeek-V3-like layer on the direct path (E=256, top-8, H=7168, 4096 tokens
 # per rank, W=8, default settings, with the bytes each rank's buffer holds in its JSON), fp8
 # dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp
-# samples by source line of the direct dispatch and combine (gpu_check.sh ncu), the direct
-# combine at 2, 3, 4 and 6 stages per pipeline (HYBRID_EP_PULL_STAGES), at 6 with elected stage
-# waits (HYBRID_EP_REDUCER_WAIT=elect) and at 6 with 8 reducer warps (HYBRID_EP_REDUCER_WARPS=8), W=8 ranks as 8
+# samples by source line of the direct dispatch and combine (gpu_check.sh ncu), W=8 ranks as 8
 # processes under MPS with no arena_bytes beside the emulation, plain and through peer memory
-# (gpu_check.sh processes: oracle, path per call, GB/s/SM), the benchmark (direct path + W=8 as 2
-# and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
+# (gpu_check.sh processes: oracle, path per call, GB/s/SM), and its seed point again with 3
+# direct-combine stages per pipeline (HYBRID_EP_DIRECT_COMBINE_STAGES=3), the benchmark (direct
+# path + W=8 as 2 and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
 # wheel); then what the last run measured: the DeepSeek-V3-like layer on the receive path, the
 # receive path's single-node sweep, and last the racecheck probe (docs/benchmarks/racecheck.md;
 # its table is copied into the summary).
@@ -39,9 +38,9 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_PULL_S (30 for each of the 6 points, the least a part is run with), SHORT_LEASE_PROCESSES_S
-# (110), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S (60); the second
-# call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
+# profiled call about 20 s inside ncu), SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (40;
+# the processes point at 3 direct-combine stages), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S
+# (60); the second call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
 set -u
 call=first
@@ -127,7 +126,7 @@ if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
     grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
 if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-40}"; then
-    HYBRID_EP_PULL_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
+    HYBRID_EP_DIRECT_COMBINE_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
         bash scripts/gpu_check.sh processes "$r/processes_3_stages" > "$r/processes_3_stages_stage.out" 2>&1
     note "processes, 3 combine stages exit $? (processes_3_stages/processes.log):"
     grep '^processes ' "$r/processes_3_stages/processes.log" >> "$r/summary.txt" 2>/dev/null

@@ -99,37 +99,37 @@ MUTATIONS = (
     Mutation("credit-tag-a-chunk-behind", "an off-by-one position (a credit names the chunk before the one read: "
              "the writers wait for a credit that never comes, and the call times out)",
              "csrc/kernels/combine_receive.cuh",
-             "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);",
-             "ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk - 1);", tests=RINGS_ONE_NODE),
+             "ring.reader_release(d.credit(first + g, source, k.chunk), d.call, k.chunk);",
+             "ring.reader_release(d.credit(first + g, source, k.chunk), d.call, k.chunk - 1);", tests=RINGS_ONE_NODE),
     Mutation("host-skips-the-credit-wait", "a missing wait for a ring slot (an expert host writes chunk c over "
              "chunk c - ring before its reader read it)", "csrc/kernels/combine_receive.cuh",
-             "    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
-             "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c,",
+             "    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.call, c,",
+             "    if (false && !d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.call, c,",
              tests=RINGS_ONE_NODE),
     Mutation("node-partial-forwarded-twice", "a chunk counted twice (a forwarder puts a chunk's node partials "
              "again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_receive.cuh",
-             "                      PeerRing::tag(d.epoch, it.chunk));\n  }",
-             """                      PeerRing::tag(d.epoch, it.chunk));
+             "                      PeerRing::tag(d.call, it.chunk));\n  }",
+             """                      PeerRing::tag(d.call, it.chunk));
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
                       h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
                       static_cast<uint64_t>(it.rows) * row_b,
                       d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
-                      PeerRing::tag(d.epoch, it.chunk + 1));
+                      PeerRing::tag(d.call, it.chunk + 1));
   }""", tests=RINGS_NODES),
-    Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong epoch (the expand warps take "
-             "a chunk's signal of the previous call, epoch - 1, for this call's)", "csrc/kernels/dispatch_receive.cuh",
-             "d.recv.reader_wait(d.args, &sig->tag, d.epoch, c,",
-             "d.recv.reader_wait(d.args, &sig->tag, d.epoch - 1, c,"),
-    Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong epoch (a direct dispatch "
-             "takes a destination's tensors published by the previous call, epoch - 1)",
-             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)",
-             "read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch - 1, pv)",
+    Mutation("chunk-signal-of-the-previous-call", "a completion count of the wrong call (the expand warps take "
+             "a chunk's signal of the previous call, call - 1, for this call's)", "csrc/kernels/dispatch_receive.cuh",
+             "d.recv.reader_wait(d.args, &sig->tag, d.call, c,",
+             "d.recv.reader_wait(d.args, &sig->tag, d.call - 1, c,"),
+    Mutation("direct-tensors-of-the-previous-call", "a completion count of the wrong call (a direct dispatch "
+             "takes a destination's tensors published by the previous call, call - 1)",
+             "csrc/kernels/dispatch_direct.cuh", "read_tensors(args, d.view, a, dst, kDirectDispatch, d.call, pv)",
+             "read_tensors(args, d.view, a, dst, kDirectDispatch, d.call - 1, pv)",
              tests="tests/model/test_kernels_model.py::test_a_source_waits_for_a_late_destination_to_publish"),
-    Mutation("direct-done-of-the-previous-call", "a completion count of the wrong epoch (a rank takes its "
-             "sources' done count of the previous call, epoch - 1, for this call's: its kernel may end while a "
+    Mutation("direct-done-of-the-previous-call", "a completion count of the wrong call (a rank takes its "
+             "sources' done count of the previous call, call - 1, for this call's: its kernel may end while a "
              "peer still writes its rows)", "csrc/kernels/direct.cuh",
-             "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch,",
-             "return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch - 1,",
+             "return wait_at_least(args, direct_done(view, a.rank, kind, r), call,",
+             "return wait_at_least(args, direct_done(view, a.rank, kind, r), call - 1,",
              tests="tests/model/test_kernels_model.py::test_a_destination_waits_for_its_direct_writers"),
     Mutation("ordinal-off-by-one", "an off-by-one position", "csrc/kernels/count.cuh",
              "e[k] >= 0 ? lanes_of[e[k]] + prefix[k] : -1;",
@@ -179,10 +179,10 @@ MUTATIONS = (
     Mutation("store-queue-frees-before-read", "a stage released before its stores read it (every store queue)",
              "csrc/kernels/pipeline.cuh",
              "    bulk_wait_read_except(in_flight);  // release the oldest stages only\n", ""),
-    Mutation("block-counter-kept-across-calls", "a completion count of the wrong epoch (the rank's count of "
+    Mutation("block-counter-kept-across-calls", "a completion count of the wrong call (the rank's count of "
              "finished blocks is not reset, so the next call's last block never publishes done)",
              "csrc/kernels/skeleton.cuh", "  *blocks_done = 0;\n", ""),
-    Mutation("pull-weight-dropped", "a route summed without its routing weight (apply_probs)",
+    Mutation("direct-combine-weight-dropped", "a route summed without its routing weight (apply_probs)",
              "csrc/kernels/combine_direct.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
     Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "
              "before every lane read it)", "csrc/kernels/count.cuh",
@@ -204,10 +204,10 @@ MUTATIONS = (
              "ring's credit sent when the chunk's table is ready)", "csrc/kernels/dispatch_receive.cuh",
              "    const int rows = tab.rows;\n    bool ok = true;\n",
              "    const int rows = tab.rows;\n    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), "
-             "topo.local(d.a.rank), c), d.epoch, c);\n    bool ok = true;\n", tests=RING_TESTS),
-    Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((epoch << 32) | c for chunk c, not c + 1)",
-             "csrc/kernels/dispatch_receive.cuh", "topo.local(d.a.rank), c), d.epoch, c);",
-             "topo.local(d.a.rank), c), d.epoch, c - 1);", tests=RING_TESTS),
+             "topo.local(d.a.rank), c), d.call, c);\n    bool ok = true;\n", tests=RING_TESTS),
+    Mutation("ring-credit-one-chunk-short", "a credit tag off by one chunk ((call << 32) | c for chunk c, not c + 1)",
+             "csrc/kernels/dispatch_receive.cuh", "topo.local(d.a.rank), c), d.call, c);",
+             "topo.local(d.a.rank), c), d.call, c - 1);", tests=RING_TESTS),
     Mutation("ring-writer-skips-the-credit-wait", "a writer that skips the credit wait (a chunk written into a ring "
              "slot whose previous chunk its reader may not have read)", "csrc/kernels/dispatch_receive.cuh",
              "    for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {",
@@ -217,7 +217,7 @@ MUTATIONS = (
              "when the forwarded chunk arrived)", "csrc/kernels/dispatch_receive.cuh",
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);",
              "    if (lane == 0 && su.node >= 0)\n"
-             "      releases.reader_release(su.source, d.h.staged_credit_off(d.h.node, su.chunk), d.epoch, su.chunk);\n"
+             "      releases.reader_release(su.source, d.h.staged_credit_off(d.h.node, su.chunk), d.call, su.chunk);\n"
              "    if (!d.slots_ready(su, lane, true) && lane == 0) ok = signal_pending(0);", tests=RING_TESTS),
     Mutation("staged-rows-forwarded-before-their-signal", "a staged row forwarded before its RDMA put landed (the "
              "forwarder's load warp reads a chunk's row count and rows without waiting for its signal)",
@@ -226,7 +226,7 @@ MUTATIONS = (
              tests=RING_TESTS),
     Mutation("bad-routing-call-left-open", "a completion never published (a call with a bad route, whose "
              "dispatch kernel moves nothing, is not completed by the count kernel)", "csrc/kernels/count.cuh",
-             "  complete_unmoved(view, h, epoch);\n", "", tests="tests/model/test_routing_device.py"),
+             "  complete_unmoved(view, h, call);\n", "", tests="tests/model/test_routing_device.py"),
     Mutation("static-bad-route-unrecorded", "a bad route of a static-size call never reported (the count kernel "
              "records no route for the host)", "csrc/kernels/count.cuh",
              "  if (!args.info_read) record_bad_route(", "  if (false) record_bad_route(",
@@ -239,14 +239,14 @@ MUTATIONS = (
     Mutation("direct-node-partial-forwarded-twice", "a chunk counted twice (a rail peer puts a forwarded chunk's "
              "node partials again as the next chunk's, with that chunk's signal)", "csrc/kernels/combine_direct.cuh",
              "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
-             "PeerRing::tag(d.epoch, it.chunk));\n"
+             "PeerRing::tag(d.call, it.chunk));\n"
              "  }\n  if (lane == 0) h.rdma.quiet();",
              "                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), "
-             """PeerRing::tag(d.epoch, it.chunk));
+             """PeerRing::tag(d.call, it.chunk));
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk + 1, 0),
                       h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
                       d.node_word_off(h.R.node_part_signal, h.node, it.chunk + 1),
-                      PeerRing::tag(d.epoch, it.chunk + 1));
+                      PeerRing::tag(d.call, it.chunk + 1));
   }
   if (lane == 0) h.rdma.quiet();""", tests=DIRECT_NODES),
     Mutation("direct-staged-rows-loaded-before-their-put", "a staged row expanded before its RDMA put landed (the "
@@ -259,7 +259,7 @@ MUTATIONS = (
              "csrc/kernels/dispatch_direct.cuh",
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
              "    if (m >= 0 && lane == 0)\n"
-             "      releases.reader_release(h.rail_peer(m), h.staged_credit_off(h.node, c), d.epoch, c);\n"
+             "      releases.reader_release(h.rail_peer(m), h.staged_credit_off(h.node, c), d.call, c);\n"
              "    bool ok = true;\n    if (lane == 0) ok = !d.stopped() && d.done_ring.consumer_wait(d.args, done);",
              tests=DIRECT_NODES),
     Mutation("direct-forwarded-route-off-by-one", "an off-by-one position (a forwarded route written to the wrong "

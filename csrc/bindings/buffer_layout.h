@@ -122,7 +122,7 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   r.wire_stride = round_up(H * 4, 16);
 
   Planner reg(out.registered);
-  r.count_epoch = reg.take(8 * W);
+  r.count_call = reg.take(8 * W);
   r.recv_signal = reg.take(sizeof(ChunkSignal) * W * max_chunks);
   r.done_dispatch = reg.take(8);
   r.done_combine = reg.take(8);
@@ -168,7 +168,7 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   d.token_meta_bytes = round_up(sizeof(TokenMeta) + 4 * G + 4 * static_cast<uint64_t>(s.scale_cols), 16);
   d.chunk_meta_bytes = kChunkMetaHeader + kChunkTokens * d.token_meta_bytes;
   Planner rd(out.rdma_regions);
-  d.count_epoch = rd.take(8 * W);
+  d.count_call = rd.take(8 * W);
   d.count_out = rd.take(4 * W * row_ints);
   d.count_in = rd.take(4 * 2 * W * row_ints);
   d.done_dispatch = rd.take(8 * N);

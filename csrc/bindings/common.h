@@ -39,7 +39,7 @@ inline py::object error_record_dict(const volatile ErrorRecord* r) {
   d["rank"] = static_cast<int>(r->rank);
   d["peer"] = static_cast<int>(r->peer);
   d["site"] = static_cast<int>(r->site);
-  d["epoch"] = static_cast<uint64_t>(r->epoch);
+  d["call"] = static_cast<uint64_t>(r->call);
   d["expected"] = static_cast<uint64_t>(r->expected);
   d["observed"] = static_cast<uint64_t>(r->observed);
   return d;
@@ -396,7 +396,7 @@ inline void bind_common(py::module_& m) {
   m.attr("MAX_STAGES") = kMaxStages;
   m.attr("STATIC_SMEM_RESERVE") = kStaticSmemReserve;
   m.attr("MAX_STORE_GROUPS") = kMaxStoreGroups;
-  m.attr("PULL_PIPELINES") = kPullPipelines;
+  m.attr("DIRECT_COMBINE_PIPELINES") = kDirectCombinePipelines;
   m.attr("REDUCER_WAIT_OBSERVE") = kReducerWaitObserve;
   m.attr("REDUCER_WAIT_ELECT") = kReducerWaitElect;
   m.attr("REDUCER_WARPS_NARROW") = kReducerWarpsNarrow;
@@ -413,7 +413,7 @@ inline void bind_common(py::module_& m) {
   m.attr("PEER_TENSORS_BYTES") = sizeof(PeerTensors);
   // Where the host polls the error records (pinned host memory) without a call into the module.
   m.attr("ERROR_RECORD_PHASE_OFFSET") = offsetof(ErrorRecord, phase);
-  m.attr("ERROR_RECORD_EPOCH_OFFSET") = offsetof(ErrorRecord, epoch);
+  m.attr("ERROR_RECORD_CALL_OFFSET") = offsetof(ErrorRecord, call);
   // The codes Python passes (LaunchArgs::dtype, wire_dtype, Geometry::transport) and reads
   // (the error record's phase and pipeline site), by name: the one definition is common/params.h.
   m.attr("DTYPE_CODES") = code_dict(kDTypeNames);
@@ -425,7 +425,7 @@ inline void bind_common(py::module_& m) {
   py::class_<RingLayout>(m, "RingLayout", py::module_local())
       .def(py::init<>()) RW(RingLayout, rings) RW(RingLayout, slots);
   py::class_<RegLayout>(m, "RegLayout", py::module_local())
-      .def(py::init<>()) RW(RegLayout, count_epoch) RW(RegLayout, recv_signal) RW(RegLayout, max_chunks)
+      .def(py::init<>()) RW(RegLayout, count_call) RW(RegLayout, recv_signal) RW(RegLayout, max_chunks)
           RW(RegLayout, done_dispatch) RW(RegLayout, done_combine) RW(RegLayout, state) RW(RegLayout, count_in)
               RW(RegLayout, count_row_ints) RW(RegLayout, recv) RW(RegLayout, recv_meta) RW(RegLayout, meta_entries)
                   RW(RegLayout, recv_rows) RW(RegLayout, row_stride) RW(RegLayout, recv_scales)
@@ -436,7 +436,7 @@ inline void bind_common(py::module_& m) {
                                       RW(RegLayout, direct_tensors) RW(RegLayout, direct_first)
                                           RW(RegLayout, direct_done) RW(RegLayout, total);
   py::class_<RdmaLayout>(m, "RdmaLayout", py::module_local())
-      .def(py::init<>()) RW(RdmaLayout, staged) RW(RdmaLayout, node_part) RW(RdmaLayout, count_epoch)
+      .def(py::init<>()) RW(RdmaLayout, staged) RW(RdmaLayout, node_part) RW(RdmaLayout, count_call)
           RW(RdmaLayout, count_out) RW(RdmaLayout, count_in) RW(RdmaLayout, done_dispatch) RW(RdmaLayout, done_combine)
               RW(RdmaLayout, staged_signal) RW(RdmaLayout, token_meta_bytes) RW(RdmaLayout, chunk_meta_bytes)
                   RW(RdmaLayout, staged_meta_out) RW(RdmaLayout, staged_meta_in) RW(RdmaLayout, staged_rows_out)

@@ -30,11 +30,11 @@ void bind_nvshmem(py::module_& m) {
   m.def("nvshmem_selftest_region_bytes", &nvshmem_selftest::region_bytes);
   m.def("nvshmem_selftest_clear", &nvshmem_selftest::clear, py::call_guard<py::gil_scoped_release>());
   m.def("nvshmem_selftest", [](uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes,
-                               uint64_t epoch, uint64_t timeout_ns, uint64_t stream) {
+                               uint64_t call, uint64_t timeout_ns, uint64_t stream) {
     nvshmem_selftest::Result r;
     {
       py::gil_scoped_release release;
-      r = nvshmem_selftest::run(region, pes, rank, bytes, epoch, timeout_ns, stream);
+      r = nvshmem_selftest::run(region, pes, rank, bytes, call, timeout_ns, stream);
     }
     py::dict d;
     d["mismatches"] = r.mismatches;

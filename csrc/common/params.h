@@ -25,7 +25,7 @@ constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memor
                                                // struct is checked against it, and the launch plans leave it out of
                                                // the dynamic shared memory (static + dynamic share one limit)
 constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
-constexpr int kPullPipelines = 2;   // pipelines of a combine_direct block, sharing its dynamic shared memory
+constexpr int kDirectCombinePipelines = 2;  // pipelines of a combine_direct block, sharing its dynamic shared memory
 // How a direct-combine reducer warp learns that a stage is full (LaunchArgs::reducer_wait; the
 // host picks it from HYBRID_EP_REDUCER_WAIT, a measurement knob): lane 0 waits (bounded) and the
 // warp agrees on the verdict in both; with kReducerWaitObserve the other 31 lanes then observe
@@ -192,11 +192,11 @@ struct RingLayout {
 // Offsets (bytes) inside one rank's registered buffer. Peers write into it. Built by
 // csrc/bindings/buffer_layout.h (its regions: the memory plan's lines).
 struct RegLayout {
-  uint64_t count_epoch;     // u64 [W]: epoch of the counts source s wrote
+  uint64_t count_call;      // u64 [W]: the call whose counts source s wrote
   uint64_t recv_signal;     // ChunkSignal [W][max_chunks]: chunk c of source s arrived
   uint64_t max_chunks;      // ceil(max_tokens / kChunkTokens)
-  uint64_t done_dispatch;   // u64: last dispatch epoch whose receive buffers were fully read
-  uint64_t done_combine;    // u64: last combine epoch whose partial buffers were fully read
+  uint64_t done_dispatch;   // u64: last dispatch call whose receive buffers were fully read
+  uint64_t done_combine;    // u64: last combine call whose partial buffers were fully read
   uint64_t state;           // LocalState (only this rank touches it)
   uint64_t count_in;        // i32 [W][count_row_ints]: counts written by source s
   uint64_t count_row_ints;  // W (rows to each rank) + N (tokens to each node) + L (rows per my expert)
@@ -233,15 +233,15 @@ struct RegLayout {
   uint64_t direct_tensors;  // PeerTensors [2]: this rank's tensors of the running dispatch [0] / combine [1]
   uint64_t direct_first;    // i32 [W][L]: first output row of source s's rows of local expert j (count kernel)
   uint64_t direct_done;     // u64 [2][W]: source s finished writing this rank's output rows [0] / reading its
-                            // expert_out [1] in that call (epoch)
+                            // expert_out [1] in that call (the call)
   uint64_t total;
 };
 
 // A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
 // the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with
-// the call's epoch once the tensors exist.
+// the call once the tensors exist.
 struct PeerTensors {
-  uint64_t epoch;
+  uint64_t call;
   uint64_t rows;     // dispatch: the output rows [R, H]; combine: expert_out [R, C]
   uint64_t probs;    // [R] f32 routing weight of each output row
   uint64_t scales;   // dispatch with fp8 rows: [R, H/128] f32
@@ -256,12 +256,12 @@ struct PeerTensors {
 // the same on every rank), row q of a chunk's slot the chunk's q-th token for that node.
 struct RdmaLayout {
   RingLayout staged, node_part;
-  uint64_t count_epoch;         // u64 [W]: a source on another node wrote its counts (epoch)
+  uint64_t count_call;          // u64 [W]: a source on another node wrote its counts (the call)
   uint64_t count_out;           // i32 [W][count_row_ints]: this rank's count rows, staged for the puts
   uint64_t count_in;            // i32 [2][W][count_row_ints]: counts from sources on other nodes, by call parity
-  uint64_t done_dispatch;       // u64 [N]: the rail peer on node n finished forwarding this rank's rows (epoch)
+  uint64_t done_dispatch;       // u64 [N]: the rail peer on node n finished forwarding this rank's rows (the call)
   uint64_t done_combine;        // u64 [N]: the rail peer on node n finished reading the node partials
-                                // this rank sent it (epoch)
+                                // this rank sent it (the call)
   uint64_t staged_signal;       // u64 [N][max_chunks]: chunk c of the rail peer on node n arrived (its tag)
   uint64_t token_meta_bytes;    // bytes of one staged token's routing (TokenMeta + scales)
   uint64_t chunk_meta_bytes;    // bytes of one staged chunk's routing: a 16-byte header + kChunkTokens tokens
@@ -331,7 +331,7 @@ struct ErrorRecord {
   int32_t rank;
   int32_t peer;
   int32_t site;  // PipeSite of a pipeline wait, else kSiteNone
-  uint64_t epoch;
+  uint64_t call;
   uint64_t expected;
   uint64_t observed;
 };
@@ -421,8 +421,8 @@ struct LaunchArgs {
 
 // Per-rank device state in the registered buffer; only the owning rank touches it.
 struct LocalState {
-  uint64_t dispatch_epoch;        // dispatch calls started (the count kernel bumps it)
-  uint64_t combine_epoch;         // combine calls finished
+  uint64_t dispatch_calls;        // dispatch calls started (the count kernel bumps it)
+  uint64_t combine_calls;         // combine calls finished
   uint32_t blocks_done_dispatch;  // blocks of the running dispatch that finished
   uint32_t blocks_done_combine;
 };

@@ -1,6 +1,6 @@
 // Per-rank device state kept in the registered buffer, and bounded waits.
 //
-// Flags are monotonic: epochs and row counters only grow, so consecutive calls need no
+// Flags are monotonic: call numbers and row counters only grow, so consecutive calls need no
 // reset and no extra barrier. Every wait reads the launch's abort flag and the global timer;
 // the first wait that runs out of time records rank, peer, phase and call in the
 // host-visible ErrorRecord and raises the abort flag so every other wait of every rank
@@ -54,14 +54,14 @@ __device__ __forceinline__ bool warp_uniform(bool value) {
   return __shfl_sync(0xffffffffu, static_cast<int>(value), 0) != 0;
 }
 
-__device__ inline void record_error(const LaunchArgs& args, int phase, int rank, int peer, uint64_t epoch,
+__device__ inline void record_error(const LaunchArgs& args, int phase, int rank, int peer, uint64_t call,
                                     uint64_t expected, uint64_t observed, int site = kSiteNone) {
   int* flag = reinterpret_cast<int*>(args.abort_flag);
   if (atomicCAS(flag, 0, phase) == 0) {
     auto* rec = reinterpret_cast<volatile ErrorRecord*>(args.error);
     rec->rank = rank;
     rec->peer = peer;
-    rec->epoch = epoch;
+    rec->call = call;
     rec->expected = expected;
     rec->observed = observed;
     rec->site = site;
@@ -73,13 +73,13 @@ __device__ inline void record_error(const LaunchArgs& args, int phase, int rank,
 
 // A bad route of a call that moved no rows, where no host read the counts before the dispatch
 // kernel (a static size): a report for the host's next call, not a failure (no abort flag, so
-// the buffer stays usable). Every rank writes the same route. The epoch is zeroed before the
-// fields and written after them, so a host that reads the same non-zero epoch before and
+// the buffer stays usable). Every rank writes the same route. The call is zeroed before the
+// fields and written after them, so a host that reads the same non-zero call before and
 // after the fields read one call's route.
-__device__ inline void record_bad_route(const LaunchArgs& args, int rank, int token, uint64_t epoch, int num_experts,
+__device__ inline void record_bad_route(const LaunchArgs& args, int rank, int token, uint64_t call, int num_experts,
                                         int64_t id) {
   auto* rec = reinterpret_cast<volatile ErrorRecord*>(args.bad_route);
-  rec->epoch = 0;
+  rec->call = 0;
   __threadfence_system();
   rec->phase = kPhaseBadRouting;
   rec->rank = rank;
@@ -88,7 +88,7 @@ __device__ inline void record_bad_route(const LaunchArgs& args, int rank, int to
   rec->expected = static_cast<uint64_t>(num_experts);
   rec->observed = static_cast<uint64_t>(id);
   __threadfence_system();
-  rec->epoch = epoch;
+  rec->call = call;
   __threadfence_system();
 }
 
@@ -107,7 +107,7 @@ constexpr uint32_t kPollsPerCheck = 16;    // polls between two reads of the abo
 // to itself) gets `bounds` = 2 bounds, like a wait inside a block: the wait that stalls its
 // writer on another rank reports first.
 __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase, int rank,
-                                     int peer, uint64_t epoch, uint32_t bounds = 1) {
+                                     int peer, uint64_t call, uint32_t bounds = 1) {
   uint64_t start = 0;
   for (uint32_t poll = 0;; ++poll) {
     const uint64_t v = dev::ld_relaxed_sys(flag);
@@ -120,7 +120,7 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
       const uint64_t now = dev::global_timer_ns();
       if (start == 0) start = now;
       if (now - start > bounds * args.timeout_ns) {
-        record_error(args, phase, rank, peer, epoch, target, v);
+        record_error(args, phase, rank, peer, call, target, v);
         return false;
       }
     }
@@ -136,7 +136,7 @@ __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* fla
 // every probe: the hardware may end a suspension early, and each reading is a load from
 // global memory (ld.volatile: ncu put 5.2 % of the direct dispatch's warp samples there on
 // 2026-11-26) during which the thread does not see the phase complete.
-__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch,
+__device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t call,
                                  int site, int side) {
   if (dev::mbar_try_wait(bar, parity)) return true;
   const uint64_t start = dev::global_timer_ns();
@@ -148,7 +148,7 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
     checked = now;
     if (aborted(args)) return false;
     if (now - start > 2 * args.timeout_ns) {
-      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, side, site);
+      record_error(args, kPhasePipeline, rank, kNoPeer, call, parity, side, site);
       return false;
     }
   }
@@ -157,13 +157,13 @@ __device__ inline bool mbar_wait(const LaunchArgs& args, uint64_t* bar, uint32_t
 // Wait for a phase even after an abort: bulk loads that were issued still land in this
 // block's shared memory, so the block may not exit before they did. Bounded by the timeout
 // all the same (a load that never completes is a hardware fault, not a peer's).
-__device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t epoch,
+__device__ inline void mbar_drain(const LaunchArgs& args, uint64_t* bar, uint32_t parity, int rank, uint64_t call,
                                   int site) {
   if (dev::mbar_try_wait(bar, parity)) return;
   const uint64_t start = dev::global_timer_ns();
   while (!dev::mbar_try_wait_hint(bar, parity, kSuspendHintNs)) {
     if (dev::global_timer_ns() - start > args.timeout_ns) {
-      record_error(args, kPhasePipeline, rank, kNoPeer, epoch, parity, kWaitedForData, site);
+      record_error(args, kPhasePipeline, rank, kNoPeer, call, parity, kWaitedForData, site);
       return;
     }
   }

@@ -52,7 +52,7 @@
 namespace hybrid_ep {
 namespace combine_direct_impl {  // kernels/direct.cu and kernels_nvshmem.cu instantiate it
 
-constexpr int kPipelines = kPullPipelines;
+constexpr int kPipelines = kDirectCombinePipelines;
 constexpr int kPutStages = 4;  // forwarded chunks written by a pipeline's reducers, not yet put
 
 // Which pipeline takes each of a block's units, in SourceSideChunks' order: own and forwarded
@@ -239,7 +239,7 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, DirectCombineTable& tab,
   bool ok = true;
   for (int n = 0; h.multi() && n < h.topo.N && ok && lane == 0; ++n)  // every other node put its node partials
     if (n != h.node)
-      ok = !d.stopped() && d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c,
+      ok = !d.stopped() && d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.call, c,
                                                              d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   int n = 0;
@@ -278,7 +278,7 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable
   const Hierarchy<Rdma>& h = d.h;
   bool ok = true;
   if (lane == 0)
-    ok = !d.stopped() && d.node_part.wait_free(d.args, h.flag(d.node_word_off(h.R.node_part_credit, n, c), 0), d.epoch,
+    ok = !d.stopped() && d.node_part.wait_free(d.args, h.flag(d.node_word_off(h.R.node_part_credit, n, c), 0), d.call,
                                                c, d.a.rank, h.rail_peer(n));
   if (!warp_uniform(ok)) return false;
   rows = reinterpret_cast<const int32_t*>(d.a.fwd_rows)[static_cast<int64_t>(n) * h.max_chunks + c];
@@ -385,7 +385,7 @@ __device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline
         const int c = it.row / d.chunk;
         for (int n = 0; n < h.topo.N; ++n)
           if (n != h.node)
-            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, c), d.epoch, c);
+            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, c), d.call, c);
       }
       continue;
     }
@@ -428,7 +428,7 @@ __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
     p[pipeline].advance(put.stages);
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk, 0),
                       h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)), it.rows * row_b,
-                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), PeerRing::tag(d.epoch, it.chunk));
+                      d.node_word_off(h.R.node_part_signal, h.node, it.chunk), PeerRing::tag(d.call, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }
@@ -456,12 +456,12 @@ __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
   // An aborted launch neither publishes nor reads tensors (as the direct dispatch's setup).
   const bool setup = !d.stopped();
   if (setup && d.b == 0 && tid == 32)
-    publish_tensors(d.view, a, kDirectCombine, d.epoch, a.expert_out, a.probs, a.probs, a.num_out_rows);
+    publish_tensors(d.view, a, kDirectCombine, d.call, a.expert_out, a.probs, a.probs, a.num_out_rows);
   const int G = d.geo.ranks_per_node;
   if (setup && tid < G) {  // every expert host's expert_out and probs on this node
     const int host = d.h.first_local() + tid;
     PeerView pv;
-    if (read_tensors(args, d.view, a, host, kDirectCombine, d.epoch, pv)) {
+    if (read_tensors(args, d.view, a, host, kDirectCombine, d.call, pv)) {
       sh.rows[host] = pv.rows;
       sh.probs[host] = pv.probs;
     } else {
@@ -470,8 +470,8 @@ __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
   } else if (setup && multi && tid >= kMaxRanks && tid - kMaxRanks < d.h.topo.N && tid - kMaxRanks != d.h.node) {
     // the source on node n has read the node partials of the previous combine this rank put it
     const int n = tid - kMaxRanks;
-    if (!wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, n), d.epoch - 1, kPhaseRdmaFlow, a.rank,
-                       d.h.rail_peer(n), d.epoch))
+    if (!wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, n), d.call - 1, kPhaseRdmaFlow, a.rank, d.h.rail_peer(n),
+                       d.call))
       sh.ctl.fail = 1;
   }
   if (!block_ready(d)) return;
@@ -493,10 +493,10 @@ __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
 
   LocalState* st = d.view.state();
   if (finish_direct(d, kDirectCombine, &st->blocks_done_combine)) {
-    st->combine_epoch = d.epoch;  // every block of this rank has read the epoch: all reported done
+    st->combine_calls = d.call;  // every block of this rank has read the call: all reported done
     publish_done(d, d.geo.reg.done_combine);
     // The node partials the rail peers on other nodes put here are read: they may put the next.
-    d.h.signal_done_to_rail_peers(d.geo.rdma.done_combine, d.epoch);
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_combine, d.call);
   }
 }
 

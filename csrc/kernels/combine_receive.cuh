@@ -318,7 +318,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
   // The chunks whose stores landed but for the newest `in_flight` groups: their signals.
   auto signal_landed = [&](int in_flight) {
     stored.flush(StoresLanded(queue, in_flight, true), [&](const Stored& k) {
-      PeerRing::publish(d.host_signal(k.source, k.chunk), d.epoch, k.chunk);
+      PeerRing::publish(d.host_signal(k.source, k.chunk), d.call, k.chunk);
       return true;
     });
   };
@@ -330,7 +330,7 @@ __device__ void host_store(const Combine<Rdma>& d, const Ring& out) {
     // every chunk, rows or none, acquires its slot from the slot's reader (s, or its rail peer
     // on this node), first signalling the chunks already stored: the reader may need them
     const int reader = d.h.topo.same_node(s, d.a.rank) ? s : d.h.topo.rail_peer(s, d.h.node);
-    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.epoch, c, d.a.rank, reader, [&] {
+    if (!d.host_ring(s).writer_acquire(d.args, d.credit(d.a.rank, s, c), d.call, c, d.a.rank, reader, [&] {
           signal_landed(0);
           return true;
         })) {
@@ -392,13 +392,13 @@ __device__ bool send_credits(const Combine<Rdma>& d, SourceCredits<Rdma>& cr,
   const int first = h.first_local();
   const int source = k.node == h.node ? d.a.rank : h.rail_peer(k.node);
   const PeerRing& ring = d.host_ring(source);
-  for (int g = 0; g < h.topo.G; ++g) ring.reader_release(d.credit(first + g, source, k.chunk), d.epoch, k.chunk);
+  for (int g = 0; g < h.topo.G; ++g) ring.reader_release(d.credit(first + g, source, k.chunk), d.call, k.chunk);
   if (k.node != h.node) return true;
   // and an own chunk's node partials to the rail peer of every other node, whose staged slot is
   // free too (the put that delivered them has read them)
   for (int n = 0; n < h.topo.N; ++n)
     if (n != h.node)
-      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, k.chunk), d.epoch,
+      cr.releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, k.chunk), d.call,
                                  k.chunk);
   return true;
 }
@@ -446,16 +446,16 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.partial_signal(d.a.rank, first + g, c), d.epoch, c)) return false;
+        if (!PeerRing::is_published(d.partial_signal(d.a.rank, first + g, c), d.call, c)) return false;
       for (int n = 0; n < N; ++n)
-        if (n != h.node && !PeerRing::is_published(d.node_part_signal(n, c), d.epoch, c)) return false;
+        if (n != h.node && !PeerRing::is_published(d.node_part_signal(n, c), d.call, c)) return false;
       return true;
     });
     for (int g = 0; g < G && ok; ++g)  // every expert host of this node stored its partials of chunk c
-      ok = d.partial.reader_wait(d.args, d.partial_signal(d.a.rank, first + g, c), d.epoch, c, d.a.rank, first + g);
+      ok = d.partial.reader_wait(d.args, d.partial_signal(d.a.rank, first + g, c), d.call, c, d.a.rank, first + g);
     for (int n = 0; n < N && ok; ++n)  // and every other node's rail peer put its node partials
       if (n != h.node)
-        ok = d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.epoch, c, d.a.rank,
+        ok = d.node_part.reader_wait_delivered(h.rdma, d.args, d.node_part_signal(n, c), d.call, c, d.a.rank,
                                                h.rail_peer(n));
   }
   if (!warp_uniform(ok)) return false;
@@ -524,15 +524,15 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
   bool ok = true;
   if (lane == 0) {
     ok = !d.stopped() && credits_before_waiting(d, ring, credits, produced, [&] {
-      if (!d.node_part.is_free(credit, d.epoch, c)) return false;
+      if (!d.node_part.is_free(credit, d.call, c)) return false;
       for (int g = 0; g < G; ++g)
-        if (!PeerRing::is_published(d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c))
+        if (!PeerRing::is_published(d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.call, c))
           return false;
       return true;
     });
-    if (ok) ok = d.node_part.wait_free(d.args, credit, d.epoch, c, d.a.rank, h.rail_peer(n));
+    if (ok) ok = d.node_part.wait_free(d.args, credit, d.call, c, d.a.rank, h.rail_peer(n));
     for (int g = 0; g < G && ok; ++g)
-      ok = d.forward.reader_wait(d.args, d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.epoch, c,
+      ok = d.forward.reader_wait(d.args, d.forward_signal(d.a.rank, static_cast<int64_t>(n) * G + g, c), d.call, c,
                                  d.a.rank, first + g);
   }
   if (!warp_uniform(ok)) return false;
@@ -638,7 +638,7 @@ __device__ void forward_put(const Combine<Rdma>& d, const Ring& put, int lane) {
     h.rdma.put_signal(lane, h.rail_peer(it.node), d.node_row_off(h.R.node_part_rows_in, h.node, it.chunk, 0),
                       h.rdma.local(d.node_row_off(h.R.node_part_rows_out, it.node, it.chunk, 0)),
                       static_cast<uint64_t>(it.rows) * row_b, d.node_word_off(h.R.node_part_signal, h.node, it.chunk),
-                      PeerRing::tag(d.epoch, it.chunk));
+                      PeerRing::tag(d.call, it.chunk));
   }
   if (lane == 0) h.rdma.quiet();
 }
@@ -670,11 +670,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_receive_kernel(con
   if (tid < d.W) {
     bool ok = true;
     if (d.h.topo.same_node(tid, a.rank))
-      ok = wait_at_least(args, d.view.flag(tid, d.reg.done_combine, 0), d.epoch - 1, kPhaseCombineFlow, a.rank, tid,
-                         d.epoch);
+      ok = wait_at_least(args, d.view.flag(tid, d.reg.done_combine, 0), d.call - 1, kPhaseCombineFlow, a.rank, tid,
+                         d.call);
     else if (tid == d.h.rail_peer(d.h.topo.node(tid)))
-      ok = wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, d.h.topo.node(tid)), d.epoch - 1, kPhaseRdmaFlow,
-                         a.rank, tid, d.epoch);
+      ok = wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, d.h.topo.node(tid)), d.call - 1, kPhaseRdmaFlow,
+                         a.rank, tid, d.call);
     if (!ok) sh.ctl.fail = 1;
   }
   if (!block_ready(d)) return;
@@ -697,10 +697,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_receive_kernel(con
   if (!roles_done(d)) return;
 
   if (tid == 0 && last_block(d, &d.view.state()->blocks_done_combine)) {
-    d.view.state()->combine_epoch = d.epoch;
+    d.view.state()->combine_calls = d.call;
     publish_done(d, d.reg.done_combine);
     // The node partials the rail peers on other nodes put here are read: they may put the next.
-    d.h.signal_done_to_rail_peers(d.geo.rdma.done_combine, d.epoch);
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_combine, d.call);
   }
 }
 

@@ -8,16 +8,16 @@
 // earlier lanes routed to the same expert plus a per-warp base from a scan over warps and
 // tiles. The same scan gives each token's slot in the rows sent to each destination rank.
 // The block then joins: it writes its count row into every peer's registered buffer, signals
-// with the call's epoch, waits for every peer's row and computes the expert-major offsets.
+// with the call's number, waits for every peer's row and computes the expert-major offsets.
 // Ranks on other nodes get their rows through the transport, into a copy per call parity:
 // a rank can only start call e + 2 after it read every rank's counts of call e + 1, which
 // each rank writes after it read those of call e, so the copy of call e is never overwritten
 // while it is read. Flow control waits for the peers of this node (their receive buffers) and
 // for the rail peers on other nodes (their staging areas).
 //
-// This kernel starts the dispatch's call: it takes the call's epoch (dispatch_epoch + 1) and
+// This kernel starts the dispatch's call: it takes the call's number (dispatch_calls + 1) and
 // publishes it in the rank's state at its end, so the skeleton's kernel_call (which reads the
-// epoch already started) and its control words (init_block, roles_done: rings, the launch's
+// call already started) and its control words (init_block, roles_done: rings, the launch's
 // abort flag) do not fit it; its RoleTable does.
 //
 // A bad route (an id outside [-1, E), or a token's second route to one expert) is counted as
@@ -66,7 +66,7 @@ __device__ __forceinline__ void tile_code(int K, int W, int N) {
 constexpr int kNoBadToken = 0x7fffffff;
 
 struct CountShared {
-  uint64_t epoch;
+  uint64_t call;
   unsigned long long dropped;
   int64_t bad_id;    // the expert id of this rank's first bad route, then of the lowest bad rank's
   int64_t bad_rank;  // the lowest rank with a bad route, -1: none (the same on every rank)
@@ -92,11 +92,11 @@ __device__ inline int64_t first_bad_id(const int64_t* routes, int K, int E) {
 // dispatch kernel would have, once it read every count row, so every peer's next call finds
 // this rank done with this one (thread 0).
 template <typename Rdma>
-__device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rdma>& h, uint64_t epoch) {
+__device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rdma>& h, uint64_t call) {
   const Geometry& geo = view.geo;
   __threadfence_system();
-  dev::st_release_sys(view.flag(view.rank, geo.reg.done_dispatch, 0), epoch);
-  h.signal_done_to_rail_peers(geo.rdma.done_dispatch, epoch);
+  dev::st_release_sys(view.flag(view.rank, geo.reg.done_dispatch, 0), call);
+  h.signal_done_to_rail_peers(geo.rdma.done_dispatch, call);
 }
 
 // A call with a bad route moves no rows on any rank (each holds the same word in its info):
@@ -105,9 +105,9 @@ __device__ inline void complete_unmoved(const RankView& view, const Hierarchy<Rd
 // its start (call_refused). Thread 0.
 template <typename Rdma>
 __device__ inline void refuse_call(const LaunchArgs& args, const RankView& view, const Hierarchy<Rdma>& h,
-                                   const CountShared& sh, uint64_t epoch, int E) {
-  complete_unmoved(view, h, epoch);
-  if (!args.info_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, epoch, E, sh.bad_id);
+                                   const CountShared& sh, uint64_t call, int E) {
+  complete_unmoved(view, h, call);
+  if (!args.info_read) record_bad_route(args, static_cast<int>(sh.bad_rank), sh.bad_token, call, E, sh.bad_id);
 }
 
 // What both roles read: the call, the rank's routing and the block's shared memory.
@@ -120,7 +120,7 @@ struct CountCall {
   Hierarchy<Rdma> h;
   int W, E, L, N, G, T, K;
   int cols;  // counters: experts, destination ranks, destination nodes
-  uint64_t epoch;
+  uint64_t call;
   int32_t* warp_cnt;  // [kCountTallyWarps][cols], scanned in place to per-warp bases
   int32_t* carry;     // [cols] totals of the tiles before
   CountShared& sh;
@@ -252,11 +252,11 @@ __device__ void wait_for_peers(const CountCall<Rdma>& c, int lane) {
   bool ok = true;
   for (int r = lane; r < c.W && ok; r += 32) {
     if (h.topo.same_node(r, rank))
-      ok = wait_at_least(c.args, c.view.flag(r, c.geo.reg.done_dispatch, 0), c.epoch - 1, kPhaseDispatchFlow, rank, r,
-                         c.epoch);
+      ok = wait_at_least(c.args, c.view.flag(r, c.geo.reg.done_dispatch, 0), c.call - 1, kPhaseDispatchFlow, rank, r,
+                         c.call);
     else if (r == h.rail_peer(h.topo.node(r)))
-      ok = wait_at_least(c.args, h.flag(c.geo.rdma.done_dispatch, h.topo.node(r)), c.epoch - 1, kPhaseRdmaFlow, rank, r,
-                         c.epoch);
+      ok = wait_at_least(c.args, h.flag(c.geo.rdma.done_dispatch, h.topo.node(r)), c.call - 1, kPhaseRdmaFlow, rank, r,
+                         c.call);
   }
   if (ok) dev::fence_proxy_async();
   else dev::st_relaxed(&c.sh.fail, 1);  // several lanes may raise it
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   CountShared& sh = dev::block_shared<CountShared>();
 
   if (tid == 0) {
-    sh.epoch = view.state()->dispatch_epoch + 1;
+    sh.call = view.state()->dispatch_calls + 1;
     sh.fail = 0;
     sh.dropped = 0;
     sh.bad_token = kNoBadToken;
@@ -289,19 +289,19 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   }
   for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
   __syncthreads();
-  const uint64_t epoch = sh.epoch;
-  const CountCall<Rdma> call{args, a, geo, view, h, W, E, L, N, G, T, K, cols, epoch, warp_cnt, carry, sh};
+  const uint64_t call = sh.call;
+  const CountCall<Rdma> counting{args, a, geo, view, h, W, E, L, N, G, T, K, cols, call, warp_cnt, carry, sh};
   const RoleSpan<CountRole> role = count_warps().of(warp);
   switch (role.role) {
-    case CountRole::kTally: tally(call, role.thread_index(tid)); break;
-    case CountRole::kPeers: wait_for_peers(call, lane); break;
+    case CountRole::kTally: tally(counting, role.thread_index(tid)); break;
+    case CountRole::kPeers: wait_for_peers(counting, lane); break;
   }
   __syncthreads();  // the roles joined: the counts, the first bad route and the flow control's verdict
   if (sh.fail) return;
 
   const int row_ints = static_cast<int>(geo.reg.count_row_ints);
   const int row_stride = static_cast<int>(round_up(row_ints, 4));  // RDMA copies: whole 16-byte vectors
-  const uint64_t parity_rows = (epoch & 1) * W;
+  const uint64_t parity_rows = (call & 1) * W;
   const int tail = W + N + L;  // kCountRowTail ints from here, then W ints of routes to each rank
   const bool bad = sh.bad_token != kNoBadToken;
   for (int u = tid; u < W * row_ints; u += blockDim.x) {
@@ -329,14 +329,14 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   __syncthreads();  // every count written before the releases below (they are cumulative)
   if (tid < W && h.topo.same_node(tid, a.rank)) {
     __threadfence_system();
-    dev::st_release_sys(view.flag(tid, geo.reg.count_epoch, a.rank), epoch);
+    dev::st_release_sys(view.flag(tid, geo.reg.count_call, a.rank), call);
   }
   if (h.multi()) {
     for (int d = warp; d < W; d += kBlockWarps) {
       if (h.topo.same_node(d, a.rank)) continue;
       h.rdma.put_signal(lane, d, geo.rdma.count_in + (parity_rows + a.rank) * row_stride * 4,
                         h.rdma.local(geo.rdma.count_out + static_cast<uint64_t>(d) * row_stride * 4),
-                        static_cast<uint64_t>(row_stride) * 4, geo.rdma.count_epoch + 8 * a.rank, epoch);
+                        static_cast<uint64_t>(row_stride) * 4, geo.rdma.count_call + 8 * a.rank, call);
     }
     if (lane == 0) h.rdma.quiet();  // count_out may be staged again in the next call
   }
@@ -344,9 +344,8 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   if (tid < W) {
     const bool local = h.topo.same_node(tid, a.rank);
     const bool ok =
-        local
-            ? wait_at_least(args, view.flag(a.rank, geo.reg.count_epoch, tid), epoch, kPhaseCounts, a.rank, tid, epoch)
-            : h.wait_delivered(args, h.flag(geo.rdma.count_epoch, tid), epoch, kPhaseRdmaCounts, tid, epoch);
+        local ? wait_at_least(args, view.flag(a.rank, geo.reg.count_call, tid), call, kPhaseCounts, a.rank, tid, call)
+              : h.wait_delivered(args, h.flag(geo.rdma.count_call, tid), call, kPhaseRdmaCounts, tid, call);
     if (!ok) dev::st_relaxed(&sh.fail, 1);
   }
   __syncthreads();
@@ -438,8 +437,8 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   __syncthreads();
   if (tid == 0) {
     info[il.dropped] = static_cast<int64_t>(sh.dropped);
-    view.state()->dispatch_epoch = epoch;
-    if (sh.bad_rank >= 0) refuse_call(args, view, h, sh, epoch, E);
+    view.state()->dispatch_calls = call;
+    if (sh.bad_rank >= 0) refuse_call(args, view, h, sh, call, E);
   }
 }
 

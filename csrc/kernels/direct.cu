@@ -1,6 +1,6 @@
 // The direct path's host side (the ranks of each node address each other's tensors): the
-// dispatch that writes each route's final row and the combine that pulls each route's
-// expert output, their loopback instantiations (one node, emulation, CPU model), launchers,
+// dispatch that writes each route's final row and the combine that reads each route's
+// expert output from its host, their loopback instantiations (one node, emulation, CPU model), launchers,
 // shared memory and occupancy. The NVSHMEM instantiations are kernels_nvshmem.cu.
 #include "kernels/combine_direct.cuh"
 #include "kernels/dispatch_direct.cuh"

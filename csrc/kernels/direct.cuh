@@ -1,6 +1,6 @@
 // What the direct path's kernels share (kernels/dispatch_direct.cuh, kernels/combine_direct.cuh):
 // each rank publishes its tensors of the call (output rows, or expert outputs) in its
-// registered buffer with the call's epoch; its peers read them, write or read the rows
+// registered buffer with the call's number; its peers read them, write or read the rows
 // themselves, and tell the rank when they are done, so that no kernel returns while a peer
 // still touches its tensors.
 //
@@ -34,7 +34,7 @@ __device__ __forceinline__ uint64_t* direct_done(const RankView& view, int r, in
 
 // One thread of block 0: this rank's tensors of the call, for its peers (scales only where
 // the call has them).
-__device__ inline void publish_tensors(const RankView& view, const RankArgs& a, int kind, uint64_t epoch, uint64_t rows,
+__device__ inline void publish_tensors(const RankView& view, const RankArgs& a, int kind, uint64_t call, uint64_t rows,
                                        uint64_t probs, uint64_t scales, int64_t num_rows) {
   const uint64_t base = arena_base(a, a.rank);
   PeerTensors* t = peer_tensors(view, a.rank, kind);
@@ -43,15 +43,15 @@ __device__ inline void publish_tensors(const RankView& view, const RankArgs& a, 
   t->scales = scales - base;
   t->num_rows = num_rows;
   __threadfence_system();  // the fields, and what the count kernel wrote before this kernel
-  dev::st_release_sys(&t->epoch, epoch);
+  dev::st_release_sys(&t->call, call);
 }
 
 // Peer r's tensors of the call, once published (bounded). The fields were written in this
 // call: read past L1.
 __device__ inline bool read_tensors(const LaunchArgs& args, const RankView& view, const RankArgs& a, int r, int kind,
-                                    uint64_t epoch, PeerView& out) {
+                                    uint64_t call, PeerView& out) {
   PeerTensors* t = peer_tensors(view, r, kind);
-  if (!wait_at_least(args, &t->epoch, epoch, kPhaseDirectTensors, a.rank, r, epoch)) return false;
+  if (!wait_at_least(args, &t->call, call, kPhaseDirectTensors, a.rank, r, call)) return false;
   const volatile PeerTensors* v = t;
   const uint64_t base = arena_base(a, r);
   out.rows = base + v->rows;
@@ -70,18 +70,18 @@ __device__ __forceinline__ int node_first(const RankView& view) {
 
 // The last block of this rank to finish: every peer of its node learns that this rank is done
 // with its tensors of the call; what this rank's blocks wrote or read before is released with it.
-__device__ inline void signal_done(const RankView& view, const RankArgs& a, int kind, uint64_t epoch) {
+__device__ inline void signal_done(const RankView& view, const RankArgs& a, int kind, uint64_t call) {
   __threadfence_system();
   const int first = node_first(view);
   for (int g = 0; g < view.geo.ranks_per_node; ++g)
-    dev::st_release_sys(direct_done(view, first + g, kind, a.rank), epoch);
+    dev::st_release_sys(direct_done(view, first + g, kind, a.rank), call);
 }
 
 // Until peer r is done with this rank's tensors of the call (bounded).
 __device__ inline bool wait_done(const LaunchArgs& args, const RankView& view, const RankArgs& a, int r, int kind,
-                                 uint64_t epoch) {
-  return wait_at_least(args, direct_done(view, a.rank, kind, r), epoch,
-                       kind == kDirectDispatch ? kPhaseDirectRows : kPhaseDirectReads, a.rank, r, epoch);
+                                 uint64_t call) {
+  return wait_at_least(args, direct_done(view, a.rank, kind, r), call,
+                       kind == kDirectDispatch ? kPhaseDirectRows : kPhaseDirectReads, a.rank, r, call);
 }
 
 // The end of a direct kernel, once every role of the block is done and the block agreed it
@@ -92,9 +92,9 @@ __device__ inline bool wait_done(const LaunchArgs& args, const RankView& view, c
 // state.
 __device__ inline bool finish_direct(const KernelCall& k, int kind, uint32_t* blocks_done) {
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid == 0 && last_block(k, blocks_done)) signal_done(k.view, k.a, kind, k.epoch);
+  if (tid == 0 && last_block(k, blocks_done)) signal_done(k.view, k.a, kind, k.call);
   if (k.b != 0) return false;
-  if (tid < k.geo.ranks_per_node && !wait_done(k.args, k.view, k.a, node_first(k.view) + tid, kind, k.epoch))
+  if (tid < k.geo.ranks_per_node && !wait_done(k.args, k.view, k.a, node_first(k.view) + tid, kind, k.call))
     k.ctl.fail = 1;
   __syncthreads();
   return tid == 0 && !k.ctl.fail;

@@ -150,7 +150,7 @@ struct DirectDispatch : KernelCall {
   __device__ uint8_t* fwd_meta(int m, int c) const { return h.rdma.local(h.staged_meta_off(h.R.staged_meta_in, m, c)); }
   // Lane 0: until forwarded chunk c of the rail peer on node m arrived (bounded); its rows.
   __device__ bool arrive(int m, int c, int& rows) const {
-    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), epoch, c, a.rank, h.rail_peer(m))) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(m, c), call, c, a.rank, h.rail_peer(m))) return false;
     rows = *reinterpret_cast<const volatile int32_t*>(fwd_meta(m, c));
     return true;
   }
@@ -413,7 +413,7 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
     if (staged) {  // the chunk's slot of every other node's staging ring is free
       for (int n = 0; n < d.h.topo.N && ok; ++n)
         if (n != d.h.node)
-          ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank,
+          ok = d.h.staging.writer_acquire(d.args, d.h.flag(d.h.staged_credit_off(n, c), 0), d.call, c, d.a.rank,
                                           d.h.rail_peer(n), [&] { return arrive_pending(0); });
       if (!ok) break;
     }
@@ -479,7 +479,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
     __syncwarp();
     if (lane == 0) d.done_ring.consumer_release(done);
     if (m >= 0) {  // the forwarded chunk was read whole: its slot is free at both ends
-      if (lane == 0) releases.reader_release(h.rail_peer(m), d.h.staged_credit_off(h.node, c), d.epoch, c);
+      if (lane == 0) releases.reader_release(h.rail_peer(m), d.h.staged_credit_off(h.node, c), d.call, c);
       continue;
     }
     const int t0 = c * d.chunk, t1 = min(d.T, t0 + d.chunk), t = t0 + lane;
@@ -489,7 +489,7 @@ __device__ void rdma_send(const DirectDispatch<Rdma>& d, int lane) {
       h.stage_routing(d.a, d.K, d.scale_cols, n, c, mask, lane, t, nullptr);
       __threadfence();  // the routing and the staged rows, before the transport reads them
       __syncwarp();
-      h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.epoch);
+      h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.call);
     }
   }
   if (lane == 0) releases.quiet(true);  // the staging puts and the credits, before the rank's done signals
@@ -510,16 +510,16 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
     d.table_ring.init(1, kStoreWarps);
     if (multi) d.done_ring.init(kStoreWarps, 1);
   });
-  // An aborted launch (a count kernel that gave up left the epoch at the previous call's) neither
-  // publishes nor reads tensors: a peer's read would pass on that call's epoch and race with the
+  // An aborted launch (a count kernel that gave up left dispatch_calls at the previous call) neither
+  // publishes nor reads tensors: a peer's read would pass on that call's number and race with the
   // publish of this one.
   const bool setup = !d.stopped();
   if (setup && d.b == 0 && tid == 32)
-    publish_tensors(d.view, a, kDirectDispatch, d.epoch, a.out, a.out_probs, a.out_scales, a.num_out_rows);
+    publish_tensors(d.view, a, kDirectDispatch, d.call, a.out, a.out_probs, a.out_scales, a.num_out_rows);
   if (setup && tid < d.G) {  // every destination's tensors, and where the rows this rank sends of its experts start
     const int dst = d.h.first_local() + tid;
     PeerView pv;
-    if (read_tensors(args, d.view, a, dst, kDirectDispatch, d.epoch, pv)) {
+    if (read_tensors(args, d.view, a, dst, kDirectDispatch, d.call, pv)) {
       sh.rows[dst] = pv.rows;
       sh.probs[dst] = pv.probs;
       sh.scales[dst] = pv.scales;
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
   if (finish_direct(d, kDirectDispatch, &d.view.state()->blocks_done_dispatch)) {
     publish_done(d, d.geo.reg.done_dispatch);
     // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
-    d.h.signal_done_to_rail_peers(d.geo.rdma.done_dispatch, d.epoch);
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_dispatch, d.call);
   }
 }
 

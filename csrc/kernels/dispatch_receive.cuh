@@ -222,7 +222,7 @@ struct Dispatch : KernelCall {
   __device__ bool slots_ready(const SendUnit& su, int lane, bool with_staged) const {
     bool ready = true;
     for (int i = lane; i < slot_items(su, with_staged); i += 32)
-      ready &= !slot_item(su, i) || slot_ring(i).is_free(slot_credit(su, i), epoch, su.chunk);
+      ready &= !slot_item(su, i) || slot_ring(i).is_free(slot_credit(su, i), call, su.chunk);
     return __ballot_sync(0xffffffffu, !ready) == 0u;
   }
   // Until every reader of the unit's slots freed them (PeerRing::wait_free: the rank of this
@@ -233,7 +233,7 @@ struct Dispatch : KernelCall {
     for (int i = lane; i < slot_items(su, with_staged) && ok; i += 32) {
       if (!slot_item(su, i)) continue;
       const int reader = i < G ? h.first_local() + i : h.rail_peer(i - G);
-      ok = slot_ring(i).wait_free(args, slot_credit(su, i), epoch, su.chunk, a.rank, reader);
+      ok = slot_ring(i).wait_free(args, slot_credit(su, i), call, su.chunk, a.rank, reader);
     }
     __syncwarp();  // every lane's acquire, before any lane's writes into the slots
     return __ballot_sync(0xffffffffu, !ok) == 0u;
@@ -276,12 +276,12 @@ struct Dispatch : KernelCall {
   }
   // Lane 0: whether a forwarded chunk arrived, without waiting. Own chunks are there.
   __device__ bool arrived(const SendUnit& su) const {
-    return su.node < 0 || PeerRing::is_published(arrival(su), epoch, su.chunk);
+    return su.node < 0 || PeerRing::is_published(arrival(su), call, su.chunk);
   }
   // Lane 0: wait until a forwarded chunk arrived, then read its row count. Own chunks are ready.
   __device__ bool arrive(SendUnit& su) const {
     if (su.node < 0) return true;
-    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(su), epoch, su.chunk, a.rank, su.source)) return false;
+    if (!h.staging.reader_wait_delivered(h.rdma, args, arrival(su), call, su.chunk, a.rank, su.source)) return false;
     su.u1 = *reinterpret_cast<const volatile int32_t*>(fwd_meta(su));
     return true;
   }
@@ -496,9 +496,9 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
         const int rows = tab.span_rows[u.span][g];
         sig->first = rows > 0 ? tab.span_first[u.span][g] : 0;
         sig->rows = rows;
-        PeerRing::publish(&sig->tag, d.epoch, u.chunk);
+        PeerRing::publish(&sig->tag, d.call, u.chunk);
       }
-      if (u.node >= 0) releases.reader_release(u.source, d.h.staged_credit_off(d.h.node, u.chunk), d.epoch, u.chunk);
+      if (u.node >= 0) releases.reader_release(u.source, d.h.staged_credit_off(d.h.node, u.chunk), d.call, u.chunk);
       if (u.staged) {
         if (!d.staged_fifo.producer_acquire(d.args, staged)) return false;
         d.staged_fifo.producer_commit(staged);
@@ -629,7 +629,7 @@ __device__ void expand_meta(const Dispatch<Rdma>& d, int tw, int lane) {
     const uint32_t bounds = d.ring_writer(s) == d.a.rank ? 2 : 1;
     bool ok = true;
     if (lane == 0)
-      ok = !d.stopped() && d.recv.reader_wait(d.args, &sig->tag, d.epoch, c, d.a.rank, s, bounds) &&
+      ok = !d.stopped() && d.recv.reader_wait(d.args, &sig->tag, d.call, c, d.a.rank, s, bounds) &&
            d.table_ring.producer_acquire(d.args, slot);
     if (!warp_uniform(ok)) {
       d.stop();
@@ -754,7 +754,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
       d.stop();
       break;
     }
-    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), topo.local(d.a.rank), c), d.epoch, c);
+    d.recv.reader_release(d.recv_credit(d.ring_writer(s), topo.node(s), topo.local(d.a.rank), c), d.call, c);
     d.table_ring.consumer_release(tables.table);  // positions were read when the stores were issued
     tables.table.advance(kTableSlots);
   }
@@ -788,7 +788,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     bool ok = true;
     if (lane == 0)
       ok = !d.stopped() &&
-           h.staging.wait_free(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.epoch, c, d.a.rank, h.rail_peer(n));
+           h.staging.wait_free(d.args, h.flag(d.h.staged_credit_off(n, c), 0), d.call, c, d.a.rank, h.rail_peer(n));
     if (!warp_uniform(ok)) {
       d.stop();
       break;
@@ -805,7 +805,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
     __threadfence();                       // the routing and the staged bytes, before the transport reads them
     __syncwarp();
     if (lane == 0) d.staged_fifo.consumer_release(st);  // one of the chunk's N - 1 nodes
-    h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.epoch);
+    h.put_staged(lane, n, c, __popc(mask), d.row_bytes, d.call);
   }
   if (lane == 0) h.rdma.quiet();
 }
@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(const __g
   if (tid == 0 && last_block(d, &d.view.state()->blocks_done_dispatch)) {
     publish_done(d, d.geo.reg.done_dispatch);
     // The rows the rail peers on other nodes staged here are forwarded: they may send the next.
-    d.h.signal_done_to_rail_peers(d.geo.rdma.done_dispatch, d.epoch);
+    d.h.signal_done_to_rail_peers(d.geo.rdma.done_dispatch, d.call);
   }
 }
 

@@ -31,10 +31,10 @@ struct Hierarchy {
   // This call's done flag (`done_off`: done_dispatch or done_combine of the RDMA region) to
   // the rail peer on every other node, quieted before the kernel ends: a late one would land
   // over the next call's (kernels/peer_ring.cuh's invariant). One thread.
-  __device__ void signal_done_to_rail_peers(uint64_t done_off, uint64_t epoch) const {
+  __device__ void signal_done_to_rail_peers(uint64_t done_off, uint64_t call) const {
     if (!multi()) return;
     for (int n = 0; n < topo.N; ++n)
-      if (n != node) rdma.signal(rail_peer(n), done_off + 8 * node, epoch);
+      if (n != node) rdma.signal(rail_peer(n), done_off + 8 * node, call);
     rdma.quiet();
   }
   __device__ uint64_t* flag(uint64_t offset, int64_t index) const {
@@ -44,8 +44,8 @@ struct Hierarchy {
   // consistency step: the data those puts wrote is visible to this thread's later reads also
   // through a proxy transport (rdma.cuh, delivered). False when this or another wait gave up.
   __device__ bool wait_delivered(const LaunchArgs& args, const uint64_t* word, uint64_t target, int phase, int peer,
-                                 uint64_t epoch) const {
-    if (!wait_at_least(args, word, target, phase, rank, peer, epoch)) return false;
+                                 uint64_t call) const {
+    if (!wait_at_least(args, word, target, phase, rank, peer, call)) return false;
     rdma.delivered(word, target);
     return true;
   }

@@ -41,7 +41,7 @@ struct Ring {
   uint64_t* empty;
   int stages;
   int rank;        // for the timeout record
-  uint64_t epoch;  // the call, for the timeout record
+  uint64_t call;   // the call, for the timeout record
   int site;        // PipeSite: which ring, for the timeout record
 
   // One thread initialises; `arrivals` are the full barrier's arrivals per round (1 for TMA).
@@ -55,14 +55,14 @@ struct Ring {
   // Producer: wait until the slot is free. The first round passes at once (a fresh barrier
   // has completed the phase before its first).
   __device__ bool producer_acquire(const LaunchArgs& args, const PipeState& p) const {
-    return mbar_wait(args, &empty[p.stage], p.phase ^ 1u, rank, epoch, site, kWaitedForFreeSlot);
+    return mbar_wait(args, &empty[p.stage], p.phase ^ 1u, rank, call, site, kWaitedForFreeSlot);
   }
   // Producer of a data-less ring: the slot's content is written; one of `full_arrivals`.
   __device__ void producer_commit(const PipeState& p) const { dev::mbar_arrive(&full[p.stage]); }
 
   // Consumer: wait until the slot holds the item.
   __device__ bool consumer_wait(const LaunchArgs& args, const PipeState& p) const {
-    return mbar_wait(args, &full[p.stage], p.phase, rank, epoch, site, kWaitedForData);
+    return mbar_wait(args, &full[p.stage], p.phase, rank, call, site, kWaitedForData);
   }
   // After lane 0 of a warp waited (bounded) and the warp agreed it succeeded: every other
   // lane observes the completed phase itself, its own acquire of the slot (the producer's
@@ -101,7 +101,7 @@ struct StageRing {
     const int stages = ring.stages;
     while (to.count - from.count > static_cast<uint32_t>(stages)) from.advance(stages);
     for (; from.count < to.count; from.advance(stages))
-      mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.epoch, ring.site);
+      mbar_drain(args, &ring.full[from.stage], from.phase, ring.rank, ring.call, ring.site);
   }
 };
 
@@ -305,7 +305,7 @@ struct LoadsLanded {
       uint64_t* full = &ring.full[observed % stages];
       const uint32_t parity = (observed / stages) & 1u;
       if (!block && !dev::mbar_try_wait(full, parity)) return Landing::kInFlight;
-      if (block && !mbar_wait(args, full, parity, ring.rank, ring.epoch, ring.site, kWaitedForData))
+      if (block && !mbar_wait(args, full, parity, ring.rank, ring.call, ring.site, kWaitedForData))
         return Landing::kStopped;
     }
     return Landing::kLanded;

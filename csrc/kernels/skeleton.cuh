@@ -1,7 +1,7 @@
 // What the four data kernels (the receive path's dispatch_receive and combine_receive, the
 // direct path's dispatch_direct and combine_direct) share around their warp roles:
 //
-//   kernel_call   the call context every role reads (launch, rank, view, block place, epoch,
+//   kernel_call   the call context every role reads (launch, rank, view, block place, call,
 //                 the block's control words), built once per block; each kernel's own context
 //                 derives from it and names its fields in its constructor;
 //   RoleTable     the warp layout as a table of (role, first warp, warps), checked at compile
@@ -40,7 +40,7 @@ struct BlockControl {
 };
 
 // Which of the rank's call counters a kernel serves: the count kernel started the dispatch's
-// call (its epoch is already in the state); a combine's call is the one after the last combine.
+// call (its number is already in the state); a combine's call is the one after the last combine.
 enum CallKind : int { kDispatchCall = 0, kCombineCall = 1 };
 
 // What every role of a block needs to know about the call.
@@ -50,14 +50,14 @@ struct KernelCall {
   const Geometry& geo;
   RankView view;
   int b, nb;  // this block among its rank's blocks
-  uint64_t epoch;
+  uint64_t call;
   BlockControl& ctl;
 
   __device__ void stop() const { ctl.abort = 1; }
   __device__ bool stopped() const { return ctl.abort != 0; }
   // A ring of the block's shared memory, named for the timeout record.
   __device__ Ring ring(uint64_t* full, uint64_t* empty, int stages, PipeSite site) const {
-    return Ring{full, empty, stages, a.rank, epoch, site};
+    return Ring{full, empty, stages, a.rank, call, site};
   }
 };
 
@@ -66,13 +66,13 @@ __device__ inline KernelCall kernel_call(const LaunchArgs& args, const BlockPlac
                                          BlockControl& ctl) {
   const RankView view = rank_view(args.geo, place.rank);
   const LocalState* st = view.state();
-  const uint64_t epoch = kind == kDispatchCall ? st->dispatch_epoch : st->combine_epoch + 1;
-  return KernelCall{args, place.rank, args.geo, view, place.block, place.blocks, epoch, ctl};
+  const uint64_t call = kind == kDispatchCall ? st->dispatch_calls : st->combine_calls + 1;
+  return KernelCall{args, place.rank, args.geo, view, place.block, place.blocks, call, ctl};
 }
 
 // The count kernel of the rank's call found a bad route (InfoLayout::bad_route: the same word
 // on every rank, written by this rank's count kernel before this kernel in stream order). The
-// call moves no rows and the count kernel completed its epoch, so a dispatch kernel of the
+// call moves no rows and the count kernel completed the call, so a dispatch kernel of the
 // call, and a combine on its handle, return before they touch a flag or a peer.
 __device__ __forceinline__ bool call_refused(const Geometry& geo, const RankArgs& a) {
   return reinterpret_cast<const int64_t*>(a.info)[geo.info.bad_route] >= 0;
@@ -155,7 +155,7 @@ __device__ inline bool last_block(const KernelCall& k, uint32_t* blocks_done) {
 // everything the rank's blocks wrote.
 __device__ inline void publish_done(const KernelCall& k, uint64_t offset) {
   __threadfence_system();
-  dev::st_release_sys(k.view.flag(k.a.rank, offset, 0), k.epoch);
+  dev::st_release_sys(k.view.flag(k.a.rank, offset, 0), k.call);
 }
 
 }  // namespace hybrid_ep

@@ -62,7 +62,7 @@ int n_pes() {
 
 uint64_t malloc(size_t bytes) {
   require_initialized("nvshmem_malloc");
-  // Zeroed: the transport's signal words must start below every call's epoch.
+  // Zeroed: the transport's signal words must start below every call's number.
   return reinterpret_cast<uint64_t>(nvshmem_calloc(bytes, 1));
 }
 

@@ -27,10 +27,10 @@ uint64_t region_bytes(uint64_t bytes);
 void clear(uint64_t region, uint64_t bytes, uint64_t stream);
 
 // Runs the exchange on `stream` and waits for it. `region` is this PE's address of a symmetric
-// allocation of region_bytes(bytes); `pes[r]` is the PE of rank r; `epoch` must grow from one
+// allocation of region_bytes(bytes); `pes[r]` is the PE of rank r; `call` must grow from one
 // call to the next and be the same on every PE; the PEs must not start call e + 1 before every
 // PE finished call e (the caller's barrier).
-Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes, uint64_t epoch,
+Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes, uint64_t call,
            uint64_t timeout_ns, uint64_t stream);
 
 }  // namespace hybrid_ep::nvshmem_selftest

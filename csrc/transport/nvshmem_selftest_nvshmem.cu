@@ -20,8 +20,8 @@ constexpr uint64_t kSignalFenced = 64;
 constexpr uint64_t kPayload = 128;
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint32_t pattern(int src, uint64_t epoch, uint64_t word) {
-  return (static_cast<uint32_t>(src) + 1u) * 0x9E3779B1u ^ static_cast<uint32_t>(epoch * 0x85EBCA77u) ^
+__device__ __forceinline__ uint32_t pattern(int src, uint64_t call, uint64_t word) {
+  return (static_cast<uint32_t>(src) + 1u) * 0x9E3779B1u ^ static_cast<uint32_t>(call * 0x85EBCA77u) ^
          static_cast<uint32_t>(word * 0xC2B2AE3Du);
 }
 
@@ -39,7 +39,7 @@ __device__ uint64_t bounded_wait(const uint64_t* flag, uint64_t target, uint64_t
 }
 
 __global__ void __launch_bounds__(kThreads)
-    selftest_kernel(NvshmemTransport t, int n, uint64_t bytes, uint64_t epoch, uint64_t timeout_ns, Result* out) {
+    selftest_kernel(NvshmemTransport t, int n, uint64_t bytes, uint64_t call, uint64_t timeout_ns, Result* out) {
   __shared__ bool timed_out;
   const uint64_t words = bytes / 4, half = bytes / 2;
   const uint64_t send = kPayload, recv = kPayload + bytes;
@@ -47,29 +47,29 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   auto* mine = reinterpret_cast<uint32_t*>(t.local(send));
-  for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) mine[w] = pattern(t.rank, epoch, w);
+  for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) mine[w] = pattern(t.rank, call, w);
   if (threadIdx.x == 0) timed_out = false;
   __syncthreads();
 
   if (warp == 0) {
-    t.put_signal(lane, dst, recv, t.local(send), half, kSignalPut, epoch);
+    t.put_signal(lane, dst, recv, t.local(send), half, kSignalPut, call);
     if (lane == 0) t.quiet();
   } else if (warp == 1) {
     t.put(lane, dst, recv + half, t.local(send + half), half);
     if (lane == 0) {
       t.fence();
-      t.signal(dst, kSignalFenced, epoch);
+      t.signal(dst, kSignalFenced, call);
       t.quiet();
     }
   } else if (warp == 2) {
-    t.put_signal(lane, dst, recv, t.local(send), 0, kSignalEmpty, epoch);
+    t.put_signal(lane, dst, recv, t.local(send), 0, kSignalEmpty, call);
     if (lane == 0) t.quiet();
   }
   if (threadIdx.x == 0) {
     bool late = false;
-    out->signal_put = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalPut)), epoch, timeout_ns, &late);
-    out->signal_fenced = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalFenced)), epoch, timeout_ns, &late);
-    out->signal_empty = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalEmpty)), epoch, timeout_ns, &late);
+    out->signal_put = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalPut)), call, timeout_ns, &late);
+    out->signal_fenced = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalFenced)), call, timeout_ns, &late);
+    out->signal_empty = bounded_wait(reinterpret_cast<uint64_t*>(t.local(kSignalEmpty)), call, timeout_ns, &late);
     out->timed_out = late ? 1 : 0;
     timed_out = late;
   }
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
   if (timed_out) return;
   const auto* got = reinterpret_cast<const uint32_t*>(t.local(recv));
   for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) {
-    if (got[w] != pattern(src, epoch, w)) {
+    if (got[w] != pattern(src, call, w)) {
       atomicAdd(&out->mismatches, 1);
       atomicMin(&out->first_bad, static_cast<int32_t>(w));
     }
@@ -99,7 +99,7 @@ void clear(uint64_t region, uint64_t bytes, uint64_t stream) {
   check(cudaStreamSynchronize(s), "clearing the region");
 }
 
-Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes, uint64_t epoch,
+Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t bytes, uint64_t call,
            uint64_t timeout_ns, uint64_t stream) {
   const int n = static_cast<int>(pes.size());
   if (n < 2 || rank < 0 || rank >= n)
@@ -107,7 +107,7 @@ Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t 
   if (bytes == 0 || bytes % 32 != 0 || bytes / 4 > 0x7fffffffu)
     throw std::invalid_argument("hybrid_ep: the NVSHMEM self-test's bytes must be a positive multiple of 32, got " +
                                 std::to_string(bytes));
-  if (epoch == 0) throw std::invalid_argument("hybrid_ep: the NVSHMEM self-test's epoch starts at 1");
+  if (call == 0) throw std::invalid_argument("hybrid_ep: the NVSHMEM self-test's calls count from 1");
   auto s = reinterpret_cast<cudaStream_t>(stream);
   int32_t* d_pes = nullptr;
   Result* d_out = nullptr;
@@ -119,7 +119,7 @@ Result run(uint64_t region, const std::vector<int32_t>& pes, int rank, uint64_t 
     check(cudaMemcpyAsync(d_pes, pes.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice, s), "copy of the PE table");
     check(cudaMemcpyAsync(d_out, &init, sizeof(Result), cudaMemcpyHostToDevice, s), "copy of the result");
     NvshmemTransport t{reinterpret_cast<uint8_t*>(region), d_pes, rank};
-    selftest_kernel<<<1, kThreads, 0, s>>>(t, n, bytes, epoch, timeout_ns, d_out);
+    selftest_kernel<<<1, kThreads, 0, s>>>(t, n, bytes, call, timeout_ns, d_out);
     check(cudaGetLastError(), "launch");
     check(cudaMemcpyAsync(&res, d_out, sizeof(Result), cudaMemcpyDeviceToHost, s), "copy back");
     check(cudaStreamSynchronize(s), "kernel");

@@ -403,7 +403,8 @@ def run_config(args, s: dict) -> dict:
             "group_limit": spec.topk_groups if args.routing == "group-limited" else None,
             "seed": args.seed, "sms_per_rank": s["sms"], "warmup": s["warmup"], "iters": s["iters"],
             "store_groups": launch.store_groups_override(),  # None: the default (each run's pipelines)
-            "pull_stages": launch.pull_stages_override(),  # None: as many as the shared memory holds
+            # None: as many stages as the shared memory holds
+            "direct_combine_stages": launch.direct_combine_stages_override(),
             "reducer_wait": launch.reducer_wait_override(),  # None: "observe"
             "reducer_warps": launch.reducer_warps_override(),  # None: 4
             "data_path_override": os.environ.get(launch.DATA_PATH_ENV) or None}  # None: direct where it runs
@@ -470,7 +471,8 @@ def format_table(doc: dict) -> str:
              f"({doc.get('device_sms', '?')} SMs) | H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} "
              f"E={c['experts']} {c['dtype']} {c['routing']} | copy {doc['copy_gbps']:.0f} GB/s"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}")
-             + ("" if c.get("pull_stages") is None else f" | HYBRID_EP_PULL_STAGES={c['pull_stages']}")
+             + ("" if c.get("direct_combine_stages") is None
+                else f" | HYBRID_EP_DIRECT_COMBINE_STAGES={c['direct_combine_stages']}")
              + ("" if c.get("reducer_wait") is None else f" | HYBRID_EP_REDUCER_WAIT={c['reducer_wait']}")
              + ("" if c.get("reducer_warps") is None else f" | HYBRID_EP_REDUCER_WARPS={c['reducer_warps']}")
              + ("" if c.get("data_path_override") is None else f" | HYBRID_EP_DATA_PATH={c['data_path_override']}"),

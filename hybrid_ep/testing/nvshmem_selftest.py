@@ -82,10 +82,10 @@ def _worker(rank: int, procs: int, store: str, nbytes: int, calls: int, timeout_
         stream = torch.cuda.current_stream().cuda_stream
         ext.nvshmem_selftest_clear(alloc.ptr, nbytes, stream)
         dist.barrier()  # every region is clear before any PE puts into it
-        for epoch in range(1, calls + 1):
+        for call in range(1, calls + 1):
             started = time.perf_counter()
-            run = ext.nvshmem_selftest(alloc.ptr, pes, rank, nbytes, epoch, int(timeout_s * 1e9), stream)
-            run.update(epoch=epoch, seconds=round(time.perf_counter() - started, 4))
+            run = ext.nvshmem_selftest(alloc.ptr, pes, rank, nbytes, call, int(timeout_s * 1e9), stream)
+            run.update(call=call, seconds=round(time.perf_counter() - started, 4))
             result["runs"].append(run)
             save()
             dist.barrier()  # nobody overwrites a receive area before its owner checked it
@@ -103,8 +103,8 @@ def _worker(rank: int, procs: int, store: str, nbytes: int, calls: int, timeout_
 
 
 def _run_ok(run: dict) -> bool:
-    return not run["timed_out"] and run["mismatches"] == 0 and run["signal_put"] == run["epoch"] \
-        and run["signal_fenced"] == run["epoch"] and run["signal_empty"] == run["epoch"]
+    return not run["timed_out"] and run["mismatches"] == 0 and run["signal_put"] == run["call"] \
+        and run["signal_fenced"] == run["call"] and run["signal_empty"] == run["call"]
 
 
 def describe(result: dict) -> str:
@@ -118,10 +118,10 @@ def describe(result: dict) -> str:
         r = bad[0]
         src = (rank - 1) % procs
         if r["timed_out"]:
-            return (f"{head}: call {r['epoch']}: the signals from rank {src} did not arrive in time "
+            return (f"{head}: call {r['call']}: the signals from rank {src} did not arrive in time "
                     f"(put_signal word {r['signal_put']}, fenced word {r['signal_fenced']}, 0-byte put_signal word "
-                    f"{r['signal_empty']}, expected {r['epoch']})")
-        return (f"{head}: call {r['epoch']}: {r['mismatches']} words from rank {src} differ, "
+                    f"{r['signal_empty']}, expected {r['call']})")
+        return (f"{head}: call {r['call']}: {r['mismatches']} words from rank {src} differ, "
                 f"first at word {r['first_bad']}")
     if not result.get("ok"):
         return f"{head}: stopped at {result['stage']}"

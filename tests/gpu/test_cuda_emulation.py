@@ -86,14 +86,14 @@ def test_sm_count_per_call_gives_identical_results(num_sms, path):
 @pytest.mark.parametrize("stages, wait, warps", [("2", None, None), (None, "elect", None), (None, None, "8")])
 def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, warps, nodes):
     """The direct combine's measurement knobs the lease times without checking outputs
-    (HYBRID_EP_PULL_STAGES: the fewest stages; HYBRID_EP_REDUCER_WAIT=elect: lane 0's wait and
-    the warp's __syncwarp alone; HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer warps)
-    give the oracle's sums on the GPU, one node and two; rows of 7168 bf16 columns, top-8, so
-    each token's parts wrap the rings."""
+    (HYBRID_EP_DIRECT_COMBINE_STAGES: the fewest stages; HYBRID_EP_REDUCER_WAIT=elect: lane 0's
+    wait and the warp's __syncwarp alone; HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer
+    warps) give the oracle's sums on the GPU, one node and two; rows of 7168 bf16 columns, top-8,
+    so each token's parts wrap the rings."""
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.testing.emulated import emulated_group_for
 
-    for name, value in ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
+    for name, value in ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
                         (launch.REDUCER_WARPS_ENV, warps)):
         if value is None:
             monkeypatch.delenv(name, raising=False)

@@ -76,7 +76,7 @@ def test_the_direct_dispatch_keeps_an_even_stage_count(monkeypatch):
 
 def _start_calls_at(group, calls: int) -> None:
     """Makes every rank's buffer look as if it had served `calls` dispatches and combines: the
-    counters the kernels take their epochs from, and the words the next call waits on for the
+    counters the kernels take their call numbers from, and the words the next call waits on for the
     previous one (done_dispatch, done_combine, here and in the RDMA regions)."""
     reg, rdma = registered_layout(group.config), rdma_layout(group.config)
     W, N = group.world_size, group.config.world_size // group.config.ranks_per_node
@@ -86,8 +86,8 @@ def _start_calls_at(group, calls: int) -> None:
 
     for r in range(W):
         base = group.buffers._owned[r][0]
-        set_u64(base + reg.state, calls)  # LocalState.dispatch_epoch
-        set_u64(base + reg.state + 8, calls)  # LocalState.combine_epoch
+        set_u64(base + reg.state, calls)  # LocalState.dispatch_calls
+        set_u64(base + reg.state + 8, calls)  # LocalState.combine_calls
         for s in range(W):
             set_u64(base + reg.done_dispatch + 8 * s, calls)
             set_u64(base + reg.done_combine + 8 * s, calls)
@@ -100,7 +100,7 @@ def _start_calls_at(group, calls: int) -> None:
 
 def test_calls_past_the_tags_wrap_point_match_the_oracle():
     """A buffer that served 2^32 - 2 calls: its next calls are 2^32 - 1, 2^32 and 2^32 + 1. With
-    the call in the tag's low 32 bits (epoch << 32 | chunk + 1) the tags of call 2^32 were those
+    the call in the tag's low 32 bits (call << 32 | chunk + 1) the tags of call 2^32 were those
     of call 0, below every word the previous calls left, so the credit and signal waits passed at
     once on stale slots; PeerRing::tag keeps 40 bits of call (common/params.h,
     kRingTagChunkBits), so the calls past that point match the oracle."""

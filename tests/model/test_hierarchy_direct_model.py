@@ -2,7 +2,7 @@
 
 A source stores each token straight into its final rows on its own node and once into the
 staging ring of each other node it reaches; the rail peer there forwards the chunk's rows into
-their final rows on its node (csrc/kernels/dispatch_direct.cuh). Combine pulls each node's
+their final rows on its node (csrc/kernels/dispatch_direct.cuh). Combine reads each node's
 routes on that node and sends one node partial per (token, other node) back
 (csrc/kernels/combine_direct.cuh). The staging and node-partial rings have 2 chunk slots here, the
 fewest allowed, and the calls up to 16 chunks per source, so every ring turns over many times;

@@ -227,7 +227,7 @@ def _direct_dispatch_with_a_stall(key: int) -> tuple[str, float]:
 def test_a_destination_waits_for_its_direct_writers(monkeypatch):
     """The direct dispatch's completion count: a rank's kernel ends only once every source has
     written its rows of the call. With rank 1's bulk stores stalled, rank 0 gives up after
-    HYBRID_EP_TIMEOUT_S naming rank 1, and not before (a count of the previous call's epoch
+    HYBRID_EP_TIMEOUT_S naming rank 1, and not before (a count of the previous call
     passes at once: scripts/model_mutations.py, direct-done-of-the-previous-call)."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "1")
     message, took_s = _direct_dispatch_with_a_stall(model.STORES_OF_BLOCK + 1)
@@ -488,7 +488,7 @@ def test_a_pipeline_timeout_names_the_ring_the_side_and_the_call():
     consumer."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
-        record = {"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "epoch": 5, "expected": 0}
+        record = {"phase": group.ext.PHASES["pipeline"], "rank": 1, "peer": -1, "call": 5, "expected": 0}
         data = group.engine._describe({**record, "site": group.ext.PIPE_SITES["send_fifo"], "observed": 0})
         assert data.startswith("hybrid_ep cuda backend: rank 1 gave up after")
         assert ("waiting in its shared-memory pipeline for data in the dispatch's send FIFO (call 5): the bulk "
@@ -587,13 +587,13 @@ def _set_knobs(monkeypatch, knobs):
 @pytest.mark.parametrize("stages, wait, warps", [("2", None, None), ("3", None, None), (None, "elect", None),
                                                  ("2", "elect", None), (None, None, "8"), ("3", "elect", "8")])
 def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages, wait, warps, nodes):
-    """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_PULL_STAGES cuts its
+    """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_DIRECT_COMBINE_STAGES cuts its
     rings to a few stages per pipeline, the fewest (2) and an odd count, so each ring wraps many
     times per token, with node partials in the stages across nodes; HYBRID_EP_REDUCER_WAIT=elect
     leaves the other lanes' observation of each stage to the agreement's __syncwarp;
     HYBRID_EP_REDUCER_WARPS=8 spreads each segment over 8 reducer warps (a vector a thread here:
     the bounded loop). Every launch takes what was asked."""
-    _set_knobs(monkeypatch, ((launch.PULL_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
+    _set_knobs(monkeypatch, ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
                              (launch.REDUCER_WARPS_ENV, warps)))
     case = _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes)
     group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
@@ -621,7 +621,7 @@ def test_eight_reducer_warps_add_the_widest_segments(monkeypatch, hidden, dtype,
     of half the threads, 6144 fills exactly 3 of the 4 (one node: each row one segment); fp32
     stages hold 4096 columns, 4 of a thread's 8 vectors of 4 columns; weighted parts
     (apply_probs), and across nodes an fp32 wire adds node partials of another dtype (add_from)."""
-    _set_knobs(monkeypatch, ((launch.PULL_STAGES_ENV, None), (launch.REDUCER_WAIT_ENV, None),
+    _set_knobs(monkeypatch, ((launch.DIRECT_COMBINE_STAGES_ENV, None), (launch.REDUCER_WAIT_ENV, None),
                              (launch.REDUCER_WARPS_ENV, "8")))
     case = _case(4, hidden=hidden, dtype=dtype, tokens=(5, 0, 9, 3), topk=3, ranks_per_node=4 // nodes,
                  wire_dtype=wire, apply_probs=probs)

@@ -47,9 +47,9 @@ def _expected(e, kind: str, num_sms: int, dtype_name: str, cols: int, wire_name,
         want.update(fifo_stages=fifo.stages, stage_bytes=fifo.stage_bytes, rows_per_stage=fifo.rows_per_stage,
                     store_groups=launch.direct_store_groups(fifo.stages, fifo.stage_bytes))
     elif kind == "combine_direct":  # one node: a stage holds expert outputs only, whatever the wire dtype
-        pull = launch.pull_shape(cols, launch.ELEM_BYTES[dtype_name], smem)
-        want.update(wire_dtype=e.ext.DTYPE_CODES[wire_name or dtype_name], seg_cols=pull.seg_cols,
-                    src_stages=pull.stages, src_stage_bytes=pull.stage_bytes)
+        shape = launch.direct_combine_shape(cols, launch.ELEM_BYTES[dtype_name], smem)
+        want.update(wire_dtype=e.ext.DTYPE_CODES[wire_name or dtype_name], seg_cols=shape.seg_cols,
+                    src_stages=shape.stages, src_stage_bytes=shape.stage_bytes)
     else:
         shape = launch.combine_shape(cols, launch.ELEM_BYTES[dtype_name], launch.ELEM_BYTES[wire_name], smem)
         want.update(wire_dtype=e.ext.DTYPE_CODES[wire_name], seg_cols=shape.seg_cols, host_stages=shape.host_stages,
@@ -105,16 +105,17 @@ def test_the_sm_count_error_names_the_role(engine):
 
 
 def test_a_direct_combine_on_several_nodes_sizes_its_stages_for_the_wire_dtype():
-    """On several nodes a pull stage also holds a node partial in the wire dtype: an fp32 wire
-    for bf16 rows takes stages of fp32 segments, a bf16 wire those of the rows."""
+    """On several nodes a direct-combine stage also holds a node partial in the wire dtype: an fp32
+    wire for bf16 rows takes stages of fp32 segments, a bf16 wire those of the rows."""
     group = EmulatedGroup(4, 7168, T, 8, device="cpu", ranks_per_node=2, num_sms_dispatch=1, num_sms_combine=1)
     try:
         e = group.engine
         for wire in ("float32", "bfloat16"):
             args = e._launch_args(1, "bfloat16", 7168, "combine_direct", wire, False)
-            pull = launch.pull_shape(7168, launch.ELEM_BYTES[wire], e.smem_per_block)
+            shape = launch.direct_combine_shape(7168, launch.ELEM_BYTES[wire], e.smem_per_block)
             assert (args.wire_dtype, args.seg_cols, args.src_stages, args.src_stage_bytes) == (
-                e.ext.DTYPE_CODES[wire], pull.seg_cols, pull.stages, pull.stage_bytes)
-        assert launch.pull_shape(7168, 4, e.smem_per_block) != launch.pull_shape(7168, 2, e.smem_per_block)
+                e.ext.DTYPE_CODES[wire], shape.seg_cols, shape.stages, shape.stage_bytes)
+        smem = e.smem_per_block
+        assert launch.direct_combine_shape(7168, 4, smem) != launch.direct_combine_shape(7168, 2, smem)
     finally:
         group.close()

@@ -4,7 +4,7 @@ A dynamic-size dispatch (num_out_tokens=None) makes no host check of topk_idx on
 backend: the count kernel counts a bad route (an id outside [-1, E), or a token's second
 route to one expert) as not routed, completes the count exchange on every rank and publishes
 its first bad token in its count row; the host reads the lowest bad rank's route with the
-output sizes and raises on every rank alike, and the call's epoch still completes (the count
+output sizes and raises on every rank alike, and the call still completes (the count
 kernel publishes the done flags), so the next call on the same buffer runs. With a static
 size the dispatch kernel follows unread and returns at its start on the info's word; the
 count kernel records the route, which the next call or synchronize() raises on every rank

@@ -54,7 +54,8 @@ def machine(tmp_path):
     # python3: a build creates the extension; pytest / the bench exit with $PYTEST_RC; any
     # `-m pip` is a network call.
     _stub(bin_dir / "python3", r'''
-echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH PULL_STAGES=${HYBRID_EP_PULL_STAGES:-}" \
+echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" \
+     "DIRECT_COMBINE_STAGES=${HYBRID_EP_DIRECT_COMBINE_STAGES:-}" \
      "REDUCER_WAIT=${HYBRID_EP_REDUCER_WAIT:-} REDUCER_WARPS=${HYBRID_EP_REDUCER_WARPS:-}" \
      "DATA_PATH=${HYBRID_EP_DATA_PATH:-} STORE_GROUPS=${HYBRID_EP_STORE_GROUPS:-}" >> "$CALLS"
 case "$*" in
@@ -713,7 +714,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     processes = [line for line in calls.splitlines() if "-m hybrid_ep.bench.processes" in line]
     assert len(processes) == 2, processes
     assert "--dtypes bf16 fp8" in processes[0] and "--nodes 1 --shapes seed --sms 1" in processes[1]
-    assert "PULL_STAGES=3 " in processes[1] and "PULL_STAGES= " in processes[0]
+    assert "DIRECT_COMBINE_STAGES=3 " in processes[1] and "DIRECT_COMBINE_STAGES= " in processes[0]
     benches = [line for line in calls.splitlines()
                if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
     # the DeepSeek-V3-like layer on the direct path, fp8, the bench stage's three sweeps (one node,
@@ -725,7 +726,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
     for line in benches:  # the defaults everywhere
-        assert "PULL_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
+        assert "DIRECT_COMBINE_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "processes exit", "processes, 3 combine stages exit",

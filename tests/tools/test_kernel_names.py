@@ -1,7 +1,9 @@
 """One vocabulary for the kernels, as tests/unit/hybrid_ep/backends/cuda/test_layout_constants.py
 keeps csrc's sizes in one home: the kernels are named by what they do and the path they serve
 (count, dispatch_receive, dispatch_direct, combine_receive, combine_direct), "layout" names memory
-offsets only, and the SM count is num_sms from the API to the launch. The names they had before are
+offsets only, the SM count is num_sms from the API to the launch, the buffer's call counter is the
+call (docs/architecture.md's glossary; it was the epoch) and the direct path's combine is the
+direct combine on the launch side too (it was the pull combine). The names they had before are
 gone from csrc/ and hybrid_ep/, so they do not come back."""
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ OLD_NAMES = {
     r"\bcombine_pull\w*|\bCombinePull\b|\bkPullThreads\b|[Cc]ombine[- ]pull\b":
         "the direct path's combine (kernels/combine_direct.cuh: combine_direct_kernel)",
     r"\bblocks_per_rank\b": "num_sms (LaunchArgs::num_sms, one block per SM)",
+    r"\w+_epoch\b|\w*EPOCH\w*|(?:\.|->)epoch\b|[\"']epoch[\"']|call's epoch\b":
+        "the call (the buffer's call counter: LocalState::dispatch_calls / combine_calls, count_call, "
+        "ErrorRecord::call, ERROR_RECORD_CALL_OFFSET, the kernels' d.call)",
+    r"\bPull[A-Z]\w*|\bpull_\w+|\bPULL_\w+|\bkPull\w*|\b[Pp]ull (?:combine|stages?)\b":
+        "the direct combine (DirectCombineShape, direct_combine_shape, DIRECT_COMBINE_PIPELINES, "
+        "kDirectCombinePipelines, HYBRID_EP_DIRECT_COMBINE_STAGES)",
 }
 
 
@@ -69,9 +77,18 @@ def test_the_pattern_finds_each_old_name():
     """The grep above would see each old name where it stood (a test that cannot fail proves nothing)."""
     lines = ["layout_kernel<Rdma>", "launch_layout_nvshmem(args, s)", "#include \"kernels/dispatch.cuh\"",
              "combine_kernel<Rdma, Elem, Wire>", "combine_pull_stage_bytes(args)", "args.blocks_per_rank",
-             "the layout kernel's count rows", "a.layout_read = 1"]
+             "the layout kernel's count rows", "a.layout_read = 1",
+             "sh.epoch = view.state()->dispatch_epoch + 1;", "st->combine_epoch = d.epoch;", "rec->epoch = 0;",
+             "m.attr(\"ERROR_RECORD_EPOCH_OFFSET\")", "self._bad_route_epoch.value", "rec[\"epoch\"]",
+             "signals with the call's epoch", "class PullShape:", "launch.pull_shape(cols, 2, smem)",
+             "constexpr int kPullPipelines = 2;", "compiled.PULL_PIPELINES", "launch.PULL_STAGES_ENV",
+             "s.pull_stages_override", "the pull combine's rings", "fewer than 2 pull stages"]
     for line in lines:
         assert any(re.search(p, line) for p in OLD_NAMES), line
     for line in ["RegLayout reg", "const InfoLayout& il", "call.layout.info", "launch_dispatch_direct(a, s)",
-                 "dispatch_receive_kernel", "combine_direct_kernel", "num_sms"]:
+                 "dispatch_receive_kernel", "combine_direct_kernel", "num_sms",
+                 "if (++epoch_ == 0) std::fill(done_.begin(), done_.end(), 0), epoch_ = 1;",  # the refit's own
+                 "sh.call = view.state()->dispatch_calls + 1;", "PeerRing::tag(d.call, it.chunk)",
+                 "ERROR_RECORD_CALL_OFFSET", "DirectCombineShape", "launch.direct_combine_shape(cols, 2, smem)",
+                 "kDirectCombinePipelines", 'OLD_DIRECT_COMBINE_STAGES_ENV = "HYBRID_EP_PULL_STAGES"']:
         assert not any(re.search(p, line) for p in OLD_NAMES), line

@@ -39,9 +39,9 @@ def test_every_kernel_file_has_a_defect():
             "csrc/kernels/direct.cuh", "csrc/kernels/pipeline.cuh", "csrc/kernels/skeleton.cuh"} <= paths
 
 
-def test_a_completion_count_of_the_wrong_epoch_is_planted_on_both_data_paths():
-    """Issue 60's list of defects of the new kind: a completion count of the wrong epoch, on the
+def test_a_completion_count_of_the_wrong_call_is_planted_on_both_data_paths():
+    """Issue 60's list of defects of the new kind: a completion count of the wrong call, on the
     receive path's chunk signals and on the direct path's per-call counts."""
-    wrong_epoch = {m.path for m in _mutations() if m.kind.startswith("a completion count of the wrong epoch")}
+    wrong_call = {m.path for m in _mutations() if m.kind.startswith("a completion count of the wrong call")}
     assert {"csrc/kernels/dispatch_receive.cuh", "csrc/kernels/dispatch_direct.cuh",
-            "csrc/kernels/direct.cuh"} <= wrong_epoch
+            "csrc/kernels/direct.cuh"} <= wrong_call

@@ -78,7 +78,7 @@ def test_the_ring_phases_are_named_by_the_ring_type_only():
 
 def test_the_scan_finds_a_wait_written_out_by_hand(tmp_path):
     code = "if (dev::ld_relaxed_sys(sig) < tag) return false;\n" \
-           "ok = wait_at_least(d.args, sig, tag, kPhaseCombineRows, d.a.rank, g, d.epoch);  // a ring's\n"
+           "ok = wait_at_least(d.args, sig, tag, kPhaseCombineRows, d.a.rank, g, d.call);  // a ring's\n"
     assert RAW_LOADS.findall(code)
     m = next(WAITS.finditer(code))
     assert set(re.findall(r"\bkPhase\w+", _call_args(code, m.end()))) == {"kPhaseCombineRows"}

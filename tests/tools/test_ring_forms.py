@@ -15,8 +15,8 @@ pytestmark = pytest.mark.unit
 
 CSRC = Path(REPO) / "csrc"
 HOME = CSRC / "kernels" / "peer_ring.cuh"
-# The forms each fact had before it had a home: a slot as `c % ring...`, a tag as `epoch << 32 | ...`
-# or `ring_tag(...)`, and a credit wait as a flag wait on a ring's phase.
+# The forms each fact had before it had a home: a slot as `c % ring...`, a tag as `call << 32 | ...`
+# (the call then named epoch) or `ring_tag(...)`, and a credit wait as a flag wait on a ring's phase.
 OLD_FORMS = {
     "slot": re.compile(r"%\s*(?:d\.|this->)?(?:ring|ring_slots|ring_chunks|comb_ring\b)"),
     "tag": re.compile(r"\b(?:epoch|call)\s*<<|\bring_tag\s*\(|\bcomb_ring\s*\("),
@@ -49,8 +49,8 @@ def test_the_check_finds_each_old_form():
     """The check above can fail: the forms the kernels had before PeerRing are found."""
     bad = CSRC / "kernels" / "bad.cuh"
     text = ("  return (static_cast<int64_t>(source) * ring + c % ring) * kChunkTokens + q;\n"
-            "  __device__ uint64_t tag(int c) const { return epoch << 32 | static_cast<uint64_t>(c + 1); }\n"
-            "  const uint64_t need = ring_tag(d.epoch, c - d.ring_slots);\n"
-            "  ok = wait_at_least(args, word, need, kPhasePartialRing, rank, s, epoch);\n"
+            "  __device__ uint64_t tag(int c) const { return call << 32 | static_cast<uint64_t>(c + 1); }\n"
+            "  const uint64_t need = ring_tag(d.call, c - d.ring_slots);\n"
+            "  ok = wait_at_least(args, word, need, kPhasePartialRing, rank, s, call);\n"
             "  // a comment may say c % ring\n")
     assert [hit.split(": ")[1] for hit in old_forms(bad, text)] == ["slot", "tag", "tag", "credit wait"]

@@ -93,8 +93,8 @@ def _predict(args) -> int:
               "payload_free": args.payload_free, "posted_puts": args.posted_puts, "data_path": path,
               "count_run": args.count_run,
               "store_groups": launch.store_groups_override(),
-              "pull_stages": launch.pull_stages_override(), "reducer_wait": launch.reducer_wait_override(),
-              "reducer_warps": launch.reducer_warps_override(),
+              "direct_combine_stages": launch.direct_combine_stages_override(),
+              "reducer_wait": launch.reducer_wait_override(), "reducer_warps": launch.reducer_warps_override(),
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": commit}

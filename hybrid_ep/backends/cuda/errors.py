@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 
 from ...routing import bad_route_text
-from .layout import ERROR_RECORD_EPOCH_OFFSET, ERROR_RECORD_PHASE_OFFSET
+from .layout import ERROR_RECORD_CALL_OFFSET, ERROR_RECORD_PHASE_OFFSET
 
 BAD_ROUTE_READS = 1000  # reads of a bad-route record being written before a call leaves it to the next
 
@@ -109,9 +109,9 @@ class KernelErrors:
         self._error_phase = ctypes.c_int32.from_address(self.error.host_ptr + ERROR_RECORD_PHASE_OFFSET)
         self._phase_names = {code: name for name, code in ext.PHASES.items()}
         # The last bad route a count kernel recorded without a host read (a static size): not a
-        # failure; each call compares its epoch word with the last one raised, without a sync.
+        # failure; each call compares its call word with the last one raised, without a sync.
         self.bad_route = ext.ErrorRecord()
-        self._bad_route_epoch = ctypes.c_uint64.from_address(self.bad_route.host_ptr + ERROR_RECORD_EPOCH_OFFSET)
+        self._bad_route_call = ctypes.c_uint64.from_address(self.bad_route.host_ptr + ERROR_RECORD_CALL_OFFSET)
         self.bad_route_raised = 0
         self._site_names = {code: name for name, code in ext.PIPE_SITES.items()}
         self.failure: str | None = None
@@ -119,7 +119,7 @@ class KernelErrors:
     def reported(self) -> bool:
         """Whether a kernel recorded something the host has not raised (pinned host memory)."""
         return (self.failure is not None or self._error_phase.value != 0
-                or self._bad_route_epoch.value != self.bad_route_raised)
+                or self._bad_route_call.value != self.bad_route_raised)
 
     def raise_if_failed(self) -> None:
         """Raise the first failure a kernel recorded, else a bad route of a static-size call not
@@ -134,18 +134,18 @@ class KernelErrors:
 
     def _raise_bad_route(self) -> None:
         """The route the last refused static-size call recorded, once: that call moved no rows and
-        completed on every rank, so the buffer stays usable. The device zeroes the epoch before
-        the fields and writes it after them: a read between two equal non-zero readings of the
-        epoch is one call's route. A record still being written after BAD_ROUTE_READS reads is
-        left to the next call: the host never waits on a kernel here."""
+        completed on every rank, so the buffer stays usable. The device zeroes the call word
+        before the fields and writes it after them: a read between two equal non-zero readings
+        of the call word is one call's route. A record still being written after BAD_ROUTE_READS
+        reads is left to the next call: the host never waits on a kernel here."""
         for _ in range(BAD_ROUTE_READS):
-            epoch = self._bad_route_epoch.value
-            if epoch == self.bad_route_raised:
+            call = self._bad_route_call.value
+            if call == self.bad_route_raised:
                 return
             rec = self.bad_route.read()
-            if epoch == 0 or rec is None or rec["epoch"] != epoch or self._bad_route_epoch.value != epoch:
+            if call == 0 or rec is None or rec["call"] != call or self._bad_route_call.value != call:
                 continue  # a count kernel is writing it
-            self.bad_route_raised = epoch
+            self.bad_route_raised = call
             expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
             raise RoutingError(bad_route_text(rec["expected"], rec["rank"], rec["peer"], expert))
 
@@ -158,7 +158,7 @@ class KernelErrors:
         where = f" on node {rec['peer'] // self.ranks_per_node}" if self.num_nodes > 1 else ""
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
                 f"(HYBRID_EP_TIMEOUT_S) waiting for peer rank {rec['peer']}{where} in "
-                f"{what} (call {rec['epoch']}, expected {rec['expected']}, "
+                f"{what} (call {rec['call']}, expected {rec['expected']}, "
                 f"saw {rec['observed']}): a peer did not make the same call. The buffer can not be used "
                 f"after this error; create a new one.")
 
@@ -170,7 +170,7 @@ class KernelErrors:
         waited = f"for a free stage of {ring}" if free_slot else f"for data in {ring}"
         stalled = frees if free_slot else fills
         return (f"hybrid_ep cuda backend: rank {rec['rank']} gave up after {self.timeout_ns / 1e9:g} s "
-                f"(HYBRID_EP_TIMEOUT_S) waiting in {what} {waited} (call {rec['epoch']}): {stalled} "
+                f"(HYBRID_EP_TIMEOUT_S) waiting in {what} {waited} (call {rec['call']}): {stalled} "
                 f"stopped making progress while no wait on another rank ran out (a bulk copy that never "
                 f"completed, or a warp of this block stalled). The buffer can not be used after this "
                 f"error; create a new one.")

@@ -184,21 +184,22 @@ def direct_fifo_shape(row_bytes: int, smem_per_block: int) -> FifoShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class PullShape:
+class DirectCombineShape:
     seg_cols: int  # columns per stage (as combine_shape's)
-    stages: int  # of each of the PULL_PIPELINES pipelines
+    stages: int  # of each of the DIRECT_COMBINE_PIPELINES pipelines
     stage_bytes: int
 
     @property
     def smem_bytes(self) -> int:
-        return PULL_PIPELINES * self.stages * self.stage_bytes
+        return DIRECT_COMBINE_PIPELINES * self.stages * self.stage_bytes
 
 
-PULL_PIPELINES: int = compiled.PULL_PIPELINES  # pipelines of a combine_direct block
+DIRECT_COMBINE_PIPELINES: int = compiled.DIRECT_COMBINE_PIPELINES  # pipelines of a combine_direct block
 
 
-def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = MAX_STAGES) -> PullShape:
-    """The pull combine's rings: one expert-output segment per stage (the whole row up to
+def direct_combine_shape(cols: int, in_bytes: int, smem_per_block: int,
+                         max_stages: int = MAX_STAGES) -> DirectCombineShape:
+    """The direct combine's rings: one expert-output segment per stage (the whole row up to
     COMBINE_MAX_SEG_COLS columns and TARGET_COMBINE_SEGMENT_BYTES), as many stages as the
     shared memory holds, split between its two pipelines."""
     if cols <= 0 or cols % 4 != 0:
@@ -206,11 +207,11 @@ def pull_shape(cols: int, in_bytes: int, smem_per_block: int, max_stages: int = 
     seg = min(COMBINE_MAX_SEG_COLS, TARGET_COMBINE_SEGMENT_BYTES // in_bytes)
     seg = cols if seg >= cols else max(8, seg // 8 * 8)
     stage = seg * in_bytes
-    stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (PULL_PIPELINES * stage))
+    stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (DIRECT_COMBINE_PIPELINES * stage))
     if stages < 2:
-        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 pull stages of {stage} B "
-                         f"per pipeline")
-    return PullShape(seg_cols=seg, stages=stages, stage_bytes=stage)
+        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 direct-combine stages "
+                         f"of {stage} B per pipeline")
+    return DirectCombineShape(seg_cols=seg, stages=stages, stage_bytes=stage)
 
 
 STORE_GROUPS_ENV = "HYBRID_EP_STORE_GROUPS"
@@ -243,15 +244,20 @@ def store_groups_override(environ=None) -> int | None:
     return _int_from_env(STORE_GROUPS_ENV, 0, MAX_STORE_GROUPS, environ)
 
 
-PULL_STAGES_ENV = "HYBRID_EP_PULL_STAGES"
+DIRECT_COMBINE_STAGES_ENV = "HYBRID_EP_DIRECT_COMBINE_STAGES"
+OLD_DIRECT_COMBINE_STAGES_ENV = "HYBRID_EP_PULL_STAGES"  # its old name: refused while set, never ignored
 
 
-def pull_stages_override(environ=None) -> int | None:
-    """HYBRID_EP_PULL_STAGES: the direct combine's stages per pipeline, at most what the shared
-    memory holds (pull_shape); None when unset. For measuring how the combine's rate follows
-    the bytes its loads have in flight, at the same stage size and reducer code
-    (docs/benchmarks/cuda.md)."""
-    return _int_from_env(PULL_STAGES_ENV, 2, MAX_STAGES, environ)
+def direct_combine_stages_override(environ=None) -> int | None:
+    """HYBRID_EP_DIRECT_COMBINE_STAGES: the direct combine's stages per pipeline, at most what
+    the shared memory holds (direct_combine_shape); None when unset. For measuring how the
+    combine's rate follows the bytes its loads have in flight, at the same stage size and reducer
+    code (docs/benchmarks/cuda.md). The old name set raises, so a run meant to measure fewer
+    stages does not measure the default."""
+    if _env_raw(OLD_DIRECT_COMBINE_STAGES_ENV, environ) is not None:
+        raise ValueError(f"{OLD_DIRECT_COMBINE_STAGES_ENV} was renamed {DIRECT_COMBINE_STAGES_ENV}: set "
+                         f"{DIRECT_COMBINE_STAGES_ENV} instead and unset {OLD_DIRECT_COMBINE_STAGES_ENV}")
+    return _int_from_env(DIRECT_COMBINE_STAGES_ENV, 2, MAX_STAGES, environ)
 
 
 REDUCER_WAIT_ENV = "HYBRID_EP_REDUCER_WAIT"
@@ -379,16 +385,16 @@ def _combine_receive_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name
 
 
 def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name: str, wire_name: str | None) -> int:
-    """The direct path's combine: each route's expert-output segments pulled into two rings
+    """The direct path's combine: each route's expert-output segments loaded into two rings
     (several nodes: a stage holds a node partial in the wire dtype too)."""
     wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
     a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
-    pull = pull_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
-                      max_stages=s.pull_stages_override or MAX_STAGES)
-    a.seg_cols, a.src_stages, a.src_stage_bytes = pull.seg_cols, pull.stages, pull.stage_bytes
+    shape = direct_combine_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
+                                 max_stages=s.direct_combine_stages_override or MAX_STAGES)
+    a.seg_cols, a.src_stages, a.src_stage_bytes = shape.seg_cols, shape.stages, shape.stage_bytes
     a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or REDUCER_WAIT_DEFAULT]
     a.reducer_warps = s.reducer_warps_override or REDUCER_WARPS_NARROW
-    return s.ext.combine_direct_max_blocks_per_sm(pull.smem_bytes, a.reducer_warps)
+    return s.ext.combine_direct_max_blocks_per_sm(shape.smem_bytes, a.reducer_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,7 +423,7 @@ class LaunchSettings:
         self.device_sms, self.smem_per_block = device_sms, smem_per_block
         self.timeout_ns, self.abort_flag, self.error, self.bad_route = timeout_ns, abort_flag, error, bad_route
         self.store_groups_override = store_groups_override()  # HYBRID_EP_STORE_GROUPS, read once per buffer
-        self.pull_stages_override = pull_stages_override()  # HYBRID_EP_PULL_STAGES, the same
+        self.direct_combine_stages_override = direct_combine_stages_override()  # HYBRID_EP_DIRECT_COMBINE_STAGES
         self.reducer_wait_override = reducer_wait_override()  # HYBRID_EP_REDUCER_WAIT, the same
         self.reducer_warps_override = reducer_warps_override()  # HYBRID_EP_REDUCER_WARPS, the same
         self.cache: dict[tuple, object] = {}

@@ -47,7 +47,7 @@ TOKEN_META_BYTES: int = compiled.TOKEN_META_BYTES  # expert, ordinal and weight 
 PEER_TENSORS_BYTES: int = compiled.PEER_TENSORS_BYTES  # a rank's published tensors of one call (direct path)
 COUNT_ROW_TAIL: int = compiled.COUNT_ROW_TAIL  # a count row's source tokens and first bad route
 ERROR_RECORD_PHASE_OFFSET: int = compiled.ERROR_RECORD_PHASE_OFFSET  # ErrorRecord's words the host polls
-ERROR_RECORD_EPOCH_OFFSET: int = compiled.ERROR_RECORD_EPOCH_OFFSET
+ERROR_RECORD_CALL_OFFSET: int = compiled.ERROR_RECORD_CALL_OFFSET  # its call word (a bad route's, polled)
 CHUNK_META_HEADER: int = compiled.CHUNK_META_HEADER  # a staged chunk's routing starts with its row count
 AGREE_WORDS: int = compiled.AGREE_WORDS  # a rank's words of the data-path agreement (RankArgs.agree)
 RING_TAG_CHUNK_BITS: int = compiled.RING_TAG_CHUNK_BITS  # a ring slot's tag: the call above chunk + 1
@@ -57,10 +57,10 @@ BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its fir
 # a module built from other sources than the one this plan read is stale.
 COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS", "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
-                      "COUNT_ROW_TAIL", "AGREE_WORDS", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_EPOCH_OFFSET",
-                      "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "PULL_PIPELINES", "CHUNK_META_HEADER",
-                      "DIRECT_STORE_THREADS", "STATIC_SMEM_RESERVE", "RING_TAG_CHUNK_BITS", "REDUCER_WAIT_OBSERVE",
-                      "REDUCER_WAIT_ELECT", "REDUCER_WARPS_NARROW", "REDUCER_WARPS_WIDE")
+                      "COUNT_ROW_TAIL", "AGREE_WORDS", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_CALL_OFFSET",
+                      "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "DIRECT_COMBINE_PIPELINES",
+                      "CHUNK_META_HEADER", "DIRECT_STORE_THREADS", "STATIC_SMEM_RESERVE", "RING_TAG_CHUNK_BITS",
+                      "REDUCER_WAIT_OBSERVE", "REDUCER_WAIT_ELECT", "REDUCER_WARPS_NARROW", "REDUCER_WARPS_WIDE")
 
 
 def ring_tag(call: int, chunk: int) -> int:

@@ -109,7 +109,7 @@ def test_rdma_rows_of_the_kernels_equal_the_traffic_model(capsys):
 def test_launch_shapes_record_the_store_queue_each_kernel_ran_with(monkeypatch, path, kinds):
     """The bench's rows name the stages and store groups of each launch (the default is chosen
     per launch from the stages, so the override alone does not say what ran), for the kernels
-    of each data path; the pull combine has no store queue."""
+    of each data path; the direct combine has no store queue."""
     pytest.importorskip("hybrid_ep._model")
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.backends.cuda.emulation import EmulatedGroup

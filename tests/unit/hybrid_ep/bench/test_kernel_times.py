@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 LAYOUT = "void hybrid_ep::count_impl::count_kernel<hybrid_ep::LoopbackTransport>(hybrid_ep::LaunchArgs)"
 DIRECT = "dispatch_direct_impl::dispatch_direct_kernel(LaunchArgs)"
-PULL = "void combine_direct_impl::combine_direct_kernel<__nv_bfloat16>(LaunchArgs)"
+DIRECT_COMBINE = "void combine_direct_impl::combine_direct_kernel<__nv_bfloat16>(LaunchArgs)"
 FILL = ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>, "
         "std::array<char*, 1ul>>(int, at::native::FillFunctor<unsigned char>, std::array<char*, 1ul>)")
 COPY = "Memcpy DtoH (Device -> Pinned)"
@@ -20,7 +20,7 @@ COPY = "Memcpy DtoH (Device -> Pinned)"
 def test_kernel_name_keeps_hybrid_ep_kernels_only():
     assert kernel_name(LAYOUT) == "count_kernel"
     assert kernel_name(DIRECT) == "dispatch_direct_kernel"
-    assert kernel_name(PULL) == "combine_direct_kernel"
+    assert kernel_name(DIRECT_COMBINE) == "combine_direct_kernel"
     assert kernel_name(FILL) is None
 
 

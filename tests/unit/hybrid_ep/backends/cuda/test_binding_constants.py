@@ -91,7 +91,7 @@ def test_check_extension_refuses_a_module_without_the_per_call_structs(name):
 
 @pytest.mark.parametrize("name, python_value", [("MAX_STAGES", launch.MAX_STAGES),
                                                  ("MAX_STORE_GROUPS", launch.MAX_STORE_GROUPS),
-                                                 ("PULL_PIPELINES", launch.PULL_PIPELINES)])
+                                                 ("DIRECT_COMBINE_PIPELINES", launch.DIRECT_COMBINE_PIPELINES)])
 def test_the_launch_limits_are_the_bindings(name, python_value):
     """launch.py sizes the FIFOs by these on CPU without a module; check_extension holds them to csrc's."""
     model = _module("hybrid_ep._model")
@@ -107,7 +107,7 @@ class ErrorRecordFields(ctypes.Structure):
     """common/params.h ErrorRecord, as the host maps it."""
 
     _fields_ = [("phase", ctypes.c_int32), ("rank", ctypes.c_int32), ("peer", ctypes.c_int32),
-                ("site", ctypes.c_int32), ("epoch", ctypes.c_uint64), ("expected", ctypes.c_uint64),
+                ("site", ctypes.c_int32), ("call", ctypes.c_uint64), ("expected", ctypes.c_uint64),
                 ("observed", ctypes.c_uint64)]
 
 
@@ -118,14 +118,14 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
         for name, code in group.ext.PHASES.items():
             if name in ("none", "bad_routing"):
                 continue
-            message = group.engine._describe({"phase": code, "rank": 0, "peer": 1, "epoch": 3, "expected": 3,
+            message = group.engine._describe({"phase": code, "rank": 0, "peer": 1, "call": 3, "expected": 3,
                                               "observed": 2})
             assert f"waiting for peer rank 1 in {PHASE_TEXT[name]} (call 3, expected 3, saw 2)" in message
         # a bad route is not a failure: its own record, raised once by the next call, by the module's code
         record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
         record.phase, record.rank, record.peer, record.expected, record.observed = (
             group.ext.PHASES["bad_routing"], 1, 5, 4, 9)
-        record.epoch = 1  # written last, as the count kernel does
+        record.call = 1  # written last, as the count kernel does
         with pytest.raises(RoutingError, match=re.escape("topk_idx values must be in [-1, 3] (num_experts=4), got 9 "
                                                          "at token 5 on rank 1")):
             group.engine.raise_if_failed()
@@ -136,16 +136,16 @@ def test_the_engine_describes_each_phase_by_the_modules_code():
 
 
 def test_a_bad_route_record_being_written_is_left_to_the_next_call():
-    """The host reads the record without waiting: a record whose epoch word is still 0 (a
+    """The host reads the record without waiting: a record whose call word is still 0 (a
     count kernel between its writes) raises nothing now and the whole route later."""
     group = EmulatedGroup(2, 256, 8, 4, num_sms_dispatch=1, num_sms_combine=1, device="cpu")
     try:
         record = ErrorRecordFields.from_address(group.engine.bad_route.host_ptr)
-        group.engine.errors.bad_route_raised = 7  # a route was raised before; the kernel zeroed the epoch
+        group.engine.errors.bad_route_raised = 7  # a route was raised before; the kernel zeroed the call word
         record.phase, record.rank, record.peer, record.expected, record.observed = (
             group.ext.PHASES["bad_routing"], 0, 2, 4, 4)
         group.engine.raise_if_failed()  # returns: nothing complete to raise
-        record.epoch = 8
+        record.call = 8
         with pytest.raises(RoutingError, match=re.escape("got 4 at token 2 on rank 0")):
             group.engine.raise_if_failed()
     finally:

@@ -276,15 +276,29 @@ def test_store_groups_override_out_of_range_names_the_variable(raw):
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("2", 2), ("16", 16)])
-def test_pull_stages_override_reads_its_variable(raw, want):
-    env = {} if raw is None else {launch.PULL_STAGES_ENV: raw}
-    assert launch.pull_stages_override(env) == want
+def test_direct_combine_stages_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.DIRECT_COMBINE_STAGES_ENV: raw}
+    assert launch.direct_combine_stages_override(env) == want
 
 
 @pytest.mark.parametrize("raw", ["1", "17", "six"])
-def test_pull_stages_override_out_of_range_names_the_variable(raw):
-    with pytest.raises(ValueError, match=f"HYBRID_EP_PULL_STAGES must be an integer from 2 to 16, got '{raw}'"):
-        launch.pull_stages_override({launch.PULL_STAGES_ENV: raw})
+def test_direct_combine_stages_override_out_of_range_names_the_variable(raw):
+    with pytest.raises(ValueError,
+                       match=f"HYBRID_EP_DIRECT_COMBINE_STAGES must be an integer from 2 to 16, got '{raw}'"):
+        launch.direct_combine_stages_override({launch.DIRECT_COMBINE_STAGES_ENV: raw})
+
+
+@pytest.mark.parametrize("new", [None, "3"])
+def test_direct_combine_stages_old_name_raises_naming_the_new_one(new):
+    """HYBRID_EP_PULL_STAGES, the knob's old name, is refused, alone or beside the new name, by an
+    error that names HYBRID_EP_DIRECT_COMBINE_STAGES: a sweep still setting it would otherwise
+    measure the default."""
+    env = {"HYBRID_EP_PULL_STAGES": "3"} | ({} if new is None else {launch.DIRECT_COMBINE_STAGES_ENV: new})
+    assert launch.OLD_DIRECT_COMBINE_STAGES_ENV == "HYBRID_EP_PULL_STAGES"
+    with pytest.raises(ValueError, match="HYBRID_EP_PULL_STAGES was renamed HYBRID_EP_DIRECT_COMBINE_STAGES: set "
+                                         "HYBRID_EP_DIRECT_COMBINE_STAGES instead"):
+        launch.direct_combine_stages_override(env)
+    assert launch.direct_combine_stages_override({"HYBRID_EP_PULL_STAGES": ""}) is None  # empty: unset
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("observe", "observe"), ("elect", "elect")])
@@ -608,13 +622,13 @@ def test_the_direct_dispatch_fifo_has_a_stage_count_its_store_threads_share_even
         assert (direct.stage_bytes, direct.rows_per_stage) == (plain.stage_bytes, plain.rows_per_stage)
 
 
-def test_pull_combine_rings_split_the_shared_memory_between_two_pipelines():
-    seed = launch.pull_shape(8192, 2, H100_SMEM_OPTIN)
+def test_direct_combine_rings_split_the_shared_memory_between_two_pipelines():
+    seed = launch.direct_combine_shape(8192, 2, H100_SMEM_OPTIN)
     assert (seed.seg_cols, seed.stages, seed.stage_bytes) == (8192, 6, 16384)
     assert seed.smem_bytes <= H100_SMEM_OPTIN - launch.STATIC_SMEM_RESERVE
-    assert launch.pull_shape(8192, 4, H100_SMEM_OPTIN).seg_cols == 4096  # fp32: 16 KiB stages
-    assert launch.pull_shape(256, 2, H100_SMEM_OPTIN).stages == launch.MAX_STAGES
+    assert launch.direct_combine_shape(8192, 4, H100_SMEM_OPTIN).seg_cols == 4096  # fp32: 16 KiB stages
+    assert launch.direct_combine_shape(256, 2, H100_SMEM_OPTIN).stages == launch.MAX_STAGES
     with pytest.raises(ValueError, match="multiple of 4 columns"):
-        launch.pull_shape(6, 2, H100_SMEM_OPTIN)
-    with pytest.raises(ValueError, match="fewer than 2 pull stages"):
-        launch.pull_shape(8192, 2, 48 * 1024)
+        launch.direct_combine_shape(6, 2, H100_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="fewer than 2 direct-combine stages"):
+        launch.direct_combine_shape(8192, 2, 48 * 1024)

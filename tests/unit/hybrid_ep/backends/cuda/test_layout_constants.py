@@ -58,7 +58,7 @@ def literal_constants(path: Path, exported: set[str]) -> list[str]:
 
 def test_no_module_of_the_cuda_backend_writes_a_csrc_number():
     exported = _exported_ints(layout.compiled)
-    assert {"LOCAL_STATE_BYTES", "CHUNK_SIGNAL_BYTES", "ERROR_RECORD_EPOCH_OFFSET", "MAX_TOPK"} <= exported
+    assert {"LOCAL_STATE_BYTES", "CHUNK_SIGNAL_BYTES", "ERROR_RECORD_CALL_OFFSET", "MAX_TOPK"} <= exported
     files = sorted(CUDA_BACKEND.glob("*.py"))
     assert len(files) >= 10
     found = [hit for path in files for hit in literal_constants(path, exported)]
@@ -71,7 +71,7 @@ def test_the_check_finds_a_literal_struct_size(tmp_path):
     exported = _exported_ints(layout.compiled)
     bad = tmp_path / "bad.py"
     bad.write_text("LOCAL_STATE_BYTES = 8 + 8 + 4 + 4\n"
-                   "RECORD_EPOCH_OFFSET = 16  # common/params.h ErrorRecord: csrc's four int32 words\n"
+                   "RECORD_CALL_OFFSET = 16  # common/params.h ErrorRecord: csrc's four int32 words\n"
                    "MAX_TOPK: int = 16\n"
                    "CHUNK_META_HEADER = 16  # csrc/kernels/hierarchy.cuh kChunkMetaHeader\n"
                    "ALIGN = 128  # this plan's own choice\n")
@@ -94,17 +94,17 @@ class _ErrorRecord(ctypes.Structure):
     """common/params.h ErrorRecord as the host maps it (a test's mirror, checked against the module)."""
 
     _fields_ = [("phase", ctypes.c_int32), ("rank", ctypes.c_int32), ("peer", ctypes.c_int32),
-                ("site", ctypes.c_int32), ("epoch", ctypes.c_uint64), ("expected", ctypes.c_uint64),
+                ("site", ctypes.c_int32), ("call", ctypes.c_uint64), ("expected", ctypes.c_uint64),
                 ("observed", ctypes.c_uint64)]
 
 
 def test_the_error_record_offsets_the_engine_polls_are_csrcs():
     model = layout.compiled
-    assert (model.ERROR_RECORD_PHASE_OFFSET, model.ERROR_RECORD_EPOCH_OFFSET) == (
-        _ErrorRecord.phase.offset, _ErrorRecord.epoch.offset)
+    assert (model.ERROR_RECORD_PHASE_OFFSET, model.ERROR_RECORD_CALL_OFFSET) == (
+        _ErrorRecord.phase.offset, _ErrorRecord.call.offset)
     record = model.ErrorRecord()
-    epoch = ctypes.c_uint64.from_address(record.host_ptr + layout.ERROR_RECORD_EPOCH_OFFSET)
-    assert epoch.value == 0 and record.read() is None
+    call = ctypes.c_uint64.from_address(record.host_ptr + layout.ERROR_RECORD_CALL_OFFSET)
+    assert call.value == 0 and record.read() is None
 
 
 def test_the_buffer_layouts_come_from_the_extension():

@@ -40,7 +40,7 @@ def test_every_pe_receives_the_previous_pes_pattern(built, procs, tmp_path):
     for rank in range(procs):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["stage"] == "done" and result["pes"] == list(range(procs))
-        got = [(r["epoch"], r["mismatches"], r["first_bad"], r["timed_out"], r["signal_put"], r["signal_fenced"],
+        got = [(r["call"], r["mismatches"], r["first_bad"], r["timed_out"], r["signal_put"], r["signal_fenced"],
                 r["signal_empty"]) for r in result["runs"]]
         assert got == [(e, 0, -1, False, e, e, e) for e in range(1, calls + 1)]
         region = built.nvshmem_selftest_region_bytes(nbytes)
@@ -62,9 +62,9 @@ def _result(**runs_and_fields):
     return {**base, **runs_and_fields}
 
 
-def _run(epoch, **fields):
-    return {"epoch": epoch, "mismatches": 0, "first_bad": -1, "timed_out": False, "signal_put": epoch,
-            "signal_fenced": epoch, "signal_empty": epoch, "seconds": 0.5 * epoch, **fields}
+def _run(call, **fields):
+    return {"call": call, "mismatches": 0, "first_bad": -1, "timed_out": False, "signal_put": call,
+            "signal_fenced": call, "signal_empty": call, "seconds": 0.5 * call, **fields}
 
 
 def test_reports_name_the_rank_the_sender_and_what_went_wrong():
