@@ -38,7 +38,8 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (40;
+# profiled call about 20 s inside ncu), SHORT_LEASE_FP8_ALONE_S (45; seed fp8's processes alone, launches
+# blocking), SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (40;
 # the processes point at 3 direct-combine stages), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S
 # (60); the second call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
@@ -119,6 +120,17 @@ fi
 # combine that slows with fewer stages waits on its loads), then the speed the committed
 # predictions score (the DeepSeek-V3-like layer, fp8, the bench across nodes), DeepEP beside it,
 # and what earlier runs measured if time is left.
+# The illegal memory access of the 2026-11-28 run (the process bench's plain emulation of seed fp8,
+# after seed bf16's emulation through peer memory in the same process; the CPU model runs that
+# sequence clean): seed fp8's points alone, in a process of their own, launches blocking so the
+# failing kernel is the one named.
+if fits "processes, fp8 alone" "${SHORT_LEASE_FP8_ALONE_S:-45}"; then
+    CUDA_LAUNCH_BLOCKING=1 GPU_CHECK_BUDGET_S=$s \
+        GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --dtypes fp8 --sms 1 --iters 5" \
+        bash scripts/gpu_check.sh processes "$r/processes_fp8_alone" > "$r/processes_fp8_alone_stage.out" 2>&1
+    note "processes, fp8 alone exit $? (processes_fp8_alone/processes.log):"
+    grep -E '^processes |Error|error' "$r/processes_fp8_alone/processes.log" 2>/dev/null | head -5 >> "$r/summary.txt"
+fi
 if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
     GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
         > "$r/processes_stage.out" 2>&1
