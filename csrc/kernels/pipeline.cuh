@@ -40,9 +40,9 @@ struct Ring {
   uint64_t* full;
   uint64_t* empty;
   int stages;
-  int rank;        // for the timeout record
-  uint64_t call;   // the call, for the timeout record
-  int site;        // PipeSite: which ring, for the timeout record
+  int rank;       // for the timeout record
+  uint64_t call;  // the call, for the timeout record
+  int site;       // PipeSite: which ring, for the timeout record
 
   // One thread initialises; `arrivals` are the full barrier's arrivals per round (1 for TMA).
   __device__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) const {

@@ -1,19 +1,46 @@
-import sys, collections
-def self_costs(path):
-    d = collections.Counter(); fn = None; skip = False; ob = ""
-    for line in open(path):
-        if line.startswith("fn="): fn = line[3:].strip() + "  [" + ob.rsplit("/",1)[-1] + "]"; continue
-        if line.startswith("ob="): ob = line[3:].strip(); continue
-        if line.startswith("calls="): skip = True; continue
-        if line and (line[0].isdigit() or line[0] in "+-*"):
-            if skip: skip = False; continue
-            parts = line.split()
-            if len(parts) >= 2 and fn: d[fn] += int(parts[1])
-    return d
-b = self_costs(sys.argv[1]); a = self_costs(sys.argv[2]); N = int(sys.argv[3])
-print("total self", sum(b.values())/N, sum(a.values())/N)
-keys = set(a)|set(b)
-diff = sorted(keys, key=lambda k: -(a[k]-b[k]))
-for k in diff[:30]: print(f"{(a[k]-b[k])/N:+8.0f} {b[k]/N:8.0f} {a[k]/N:8.0f} {k[:150]}")
-print("...")
-for k in diff[-15:]: print(f"{(a[k]-b[k])/N:+8.0f} {b[k]/N:8.0f} {a[k]/N:8.0f} {k[:150]}")
+"""Self cost by function of one measured block, before against after, per pair and rank.
+
+    python callgrind_self.py BEFORE_DUMP AFTER_DUMP DIVISOR   # DIVISOR: pairs x ranks
+
+Reads callgrind's uncompressed format (--compress-strings=no): the cost lines under each fn=,
+without the inclusive cost line that follows each calls= line."""
+
+import collections
+import sys
+
+
+def self_costs(path: str) -> collections.Counter:
+    costs: collections.Counter = collections.Counter()
+    fn, obj, after_call = None, "", False
+    with open(path) as lines:
+        for line in lines:
+            if line.startswith("ob="):
+                obj = line[3:].strip()
+            elif line.startswith("fn="):
+                fn = f"{line[3:].strip()}  [{obj.rsplit('/', 1)[-1]}]"
+            elif line.startswith("calls="):
+                after_call = True
+            elif line[:1].isdigit() or line[:1] in "+-*":
+                if after_call:
+                    after_call = False
+                    continue
+                parts = line.split()
+                if len(parts) >= 2 and fn:
+                    costs[fn] += int(parts[1])
+    return costs
+
+
+def main() -> None:
+    before, after, divisor = self_costs(sys.argv[1]), self_costs(sys.argv[2]), int(sys.argv[3])
+    print("total self", sum(before.values()) / divisor, sum(after.values()) / divisor)
+    names = sorted(set(before) | set(after), key=lambda k: -(after[k] - before[k]))
+    for name in names[:30] + ["..."] + names[-15:]:
+        if name == "...":
+            print("...")
+            continue
+        print(f"{(after[name] - before[name]) / divisor:+8.0f} {before[name] / divisor:8.0f} "
+              f"{after[name] / divisor:8.0f} {name[:150]}")
+
+
+if __name__ == "__main__":
+    main()
