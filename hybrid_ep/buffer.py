@@ -192,6 +192,11 @@ class HybridEPBuffer:
         shape = (handle.num_rows, self.config.hidden_dim if columns is None else columns)
         return self._backend.expert_out_view(handle, shape, torch.bfloat16 if dtype is None else dtype)
 
+    def is_in_peer_memory(self, t: torch.Tensor) -> bool:
+        """Whether t lies in this rank's peer memory, where a direct combine reads its expert_out
+        in place (an expert_out_view there does; one elsewhere is a plain tensor, copied)."""
+        return self._backend.is_in_peer_memory(t)
+
     def release_unused(self) -> None:
         """Give back the free tail of the memory the buffer grew for its outputs (the cuda
         backend's peer memory with one process per GPU; nothing elsewhere). Collective: every

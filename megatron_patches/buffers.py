@@ -40,16 +40,19 @@ def size(nbytes: float) -> str:
     return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes / scale:.2f} {unit}"
 
 
-def memory_line(plan: hybrid_ep.MemoryPlan, config) -> str:
+def memory_line(plan: hybrid_ep.MemoryPlan, config, expert_out_in_place: bool = False) -> str:
     """One line (at most LINE_LIMIT characters): the buffer's shape, the data path its calls
-    take and on what (the plan's data_path: the cuda backend's), the bytes it holds per GPU
-    (registered regions and peer memory, largest first; the smallest are counted as "+N more"
-    where the line would run over) and its per-call worst case."""
+    take and on what (the plan's data_path: the cuda backend's), whether the forward combine
+    reads the experts' output in place or copies it (direct path with peer memory:
+    expert_out_in_place, the dispatcher's experts have megatron_patches.expert_out installed),
+    the bytes it holds per GPU (registered regions and peer memory, largest first; the smallest
+    are counted as "+N more" where the line would run over) and its per-call worst case."""
     nodes = config.world_size // config.ranks_per_node
     path = f", {plan.data_path}" if plan.data_path else ""
     if plan.data_path and plan.data_path.startswith("direct path, peer memory"):
-        # Megatron's experts allocate their output outside peer memory: each combine copies it
-        path += ", expert output copied"
+        # Megatron's experts allocate their output outside peer memory: each combine copies it,
+        # unless fc2 writes it into the expert-out block (expert_out.py)
+        path += ", expert output in place" if expert_out_in_place else ", expert output copied"
     head = (f"hybrid_ep dispatcher: {plan.backend} buffer for EP {config.world_size} "
             f"({nodes} node{'s' if nodes > 1 else ''} x {config.ranks_per_node}), "
             f"{config.max_tokens_per_rank} tokens/rank{path}, holds {size(plan.registered_bytes)} per GPU")
@@ -104,7 +107,8 @@ class BufferCache:
 
     def get(self, group, key: BufferKey, num_tokens: int, max_tokens_per_rank: int | None,
             device: torch.device, *, min_rows_per_expert: int = 0,
-            group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> hybrid_ep.HybridEPBuffer:
+            group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
+            expert_out_in_place: bool = False) -> hybrid_ep.HybridEPBuffer:
         """The buffer for `key` with `min_rows_per_expert` that holds `num_tokens` tokens.
 
         group_tokens: the group's largest token count when the caller agreed it on every rank
@@ -112,7 +116,8 @@ class BufferCache:
         together). Without it, only a new min_rows_per_expert (the same on every rank: the
         capacity of drop-and-pad) replaces the buffer; more tokens than its size is an error
         raised by this rank alone, before any collective. dtype: of the rows dispatched, for
-        the startup line's figures (memory_plan).
+        the startup line's figures (memory_plan); expert_out_in_place: the caller's experts write
+        the forward combine's expert_out in place (the startup line says so).
         """
         entry = self._entries.get(key)
         buf = None if entry is None else entry[1]
@@ -151,7 +156,7 @@ class BufferCache:
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)
         if buf.rank == 0:
-            _log.info("%s", memory_line(buf.memory_plan(dtype), buf.config))
+            _log.info("%s", memory_line(buf.memory_plan(dtype), buf.config, expert_out_in_place))
         return buf
 
     def clear(self) -> None:

@@ -26,7 +26,7 @@ import torch
 import hybrid_ep as hep
 from hybrid_ep.fp8 import FP8_DTYPE
 
-from . import buffers, expert_rows, wire_fp8
+from . import buffers, expert_out, expert_rows, wire_fp8
 from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
@@ -134,6 +134,14 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     [T, E] routing is mapped to [T, S] slots through `slot_table`, and the local "experts"
     are this rank's S / EP slots.
 
+    The experts' output in place (megatron_patches.expert_out, --hybrid-ep-expert-out-in-place,
+    on by default): where `set_experts` finds a TEGroupedMLP whose fc2 allocates its output
+    with torch.empty (Transformer Engine's GroupedLinear), fc2's forward gets the buffer's
+    expert_out_view on the cuda backend's direct path, so the forward combine reads it in place
+    instead of copying it into the expert-out block (`expert_out_reason` says why not where it
+    is not installed). The backward's combine (dispatch's backward) still copies the dispatched
+    rows' gradient and the routing weights' gradient: autograd makes both, without a buffer.
+
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
     (NVLink / RDMA bytes of this rank, read from the device only when asked for) and
     `last_routed_per_expert` the [E] routed-token counts of this rank (real tokens: padding
@@ -191,6 +199,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.local_expert_indices = [self.ep_rank * P + j for j in range(P)]
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self.slot_table = SlotTable(self.num_experts, self.num_slots, device=device)
+        self.expert_out: expert_out.ExpertOutInPlace | None = None
         self.set_experts(None)
         self._buffer: hep.HybridEPBuffer | None = None
         self.handle = None
@@ -228,11 +237,18 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
 
     def set_experts(self, experts) -> None:
         """Pad rows only as far as `experts` (the module MoELayer built; None: not built yet)
-        needs; called by the MoELayer hook before the first dispatch."""
+        needs, and install the experts' output in place where it can serve them
+        (expert_out.install_reason); called by the MoELayer hook before the first dispatch."""
         pad, self.padding_reason = expert_rows.pad_multiple_for(experts, self.config)
         if getattr(self.config, "moe_router_padding_for_quantization", False):
             pad = math.lcm(pad, expert_rows.quantization_alignment(self.config))
         self.pad_multiple = math.lcm(self.options.pad_multiple, pad)
+        if self.expert_out is not None:
+            self.expert_out.remove()
+            self.expert_out = None
+        self.expert_out_reason = expert_out.install_reason(experts, self.config, self.options)
+        if self.expert_out_reason is None:
+            self.expert_out = expert_out.ExpertOutInPlace(self, experts)
 
     def set_shared_experts(self, shared_experts):
         """Megatron's hook for moe_shared_expert_overlap; the shared experts' tensors kept
@@ -262,7 +278,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             num_sms_combine=opts.num_sms_combine,
         )
         self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
-                                           min_rows_per_expert=min_rows, group_tokens=group_tokens, dtype=dtype)
+                                           min_rows_per_expert=min_rows, group_tokens=group_tokens, dtype=dtype,
+                                           expert_out_in_place=self.expert_out is not None)
         return self._buffer
 
     def _agrees_tokens_per_call(self) -> bool:
@@ -348,6 +365,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         x_TH = hidden_states
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
+        if self.expert_out is not None:
+            self.expert_out.forget()
         min_rows = 0
         if self.drop_and_pad:
             self.capacity = self._capacity(x_TH.shape[0])
@@ -408,6 +427,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             raise RuntimeError("HybridEPTokenDispatcher.token_combine called without a preceding token_dispatch")
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
+        if self.expert_out is not None:  # fc2's output in the expert-out block must be what is combined
+            self.expert_out.check_combine(hidden_states, buf)
         if self.options.combine_grad_fp8:
             out = wire_fp8.combine(buf, hidden_states, handle, self.wire_quantizer,
                                    num_sms=self.options.num_sms_combine)

@@ -58,6 +58,10 @@ FP4_ALIGNMENT_ROWS = 128
 OP_FUSER_ALIGNMENT_ROWS = 256
 
 _PATCHED = "_hybrid_ep_zero_token_safe"
+# Set on the experts module while zero_token_safe runs it on kernel rows (padded groups): its
+# output then reaches the caller as a new tensor (from_kernel_rows), not as fc2's output, and
+# megatron_patches.expert_out hands out no expert-out view in that forward.
+KERNEL_ROWS = "_hybrid_ep_on_kernel_rows"
 
 
 def _recipe_name(recipe) -> str:
@@ -226,7 +230,14 @@ class TorchGroupedLinear(torch.nn.Module):
     the same parameter names (weight0.., bias0.., each [out, in] / [out]), so TEGroupedMLP
     runs without Transformer Engine. Expert tensor parallelism, delayed weight gradients and
     distributed checkpoints are not supported and raise.
+
+    Unlike Transformer Engine's GroupedLinear, its output is allocated inside torch._grouped_mm
+    (C++), never by a torch.empty in Python, so megatron_patches.expert_out cannot place it in
+    the combine's expert-out block (OUTPUT_FROM_TORCH_EMPTY); a subclass whose forward
+    allocates its output with torch.empty([rows, out_features]) sets it True.
     """
+
+    OUTPUT_FROM_TORCH_EMPTY = False
 
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *, config, init_method,
                  bias: bool, skip_bias_add: bool, is_expert: bool = True, tp_comm_buffer_name=None,
@@ -339,8 +350,12 @@ def zero_token_safe(forward):
                                          device=tokens_per_expert.device)
         else:
             kernel_counts = list(groups.kernel_counts)
-        out, bias = forward(self, to_kernel_rows(hidden, groups), kernel_counts,
-                            to_kernel_rows(probs, groups), *args, **kwargs)
+        setattr(self, KERNEL_ROWS, True)  # for the duration of the call (expert_out.py)
+        try:
+            out, bias = forward(self, to_kernel_rows(hidden, groups), kernel_counts,
+                                to_kernel_rows(probs, groups), *args, **kwargs)
+        finally:
+            setattr(self, KERNEL_ROWS, False)
         return from_kernel_rows(out, groups), bias
 
     setattr(safe_forward, _PATCHED, True)

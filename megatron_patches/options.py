@@ -64,6 +64,11 @@ class HybridEPOptions:
     --fp8-recipe (blockwise: 1x128 fp32), quantized once before the dispatch.
     combine_grad_fp8: the combine's backward (a dispatch of the output gradient) likewise.
     The dispatch's backward (a sum) stays in the rows' dtype.
+
+    expert_out_in_place: on the cuda backend's direct path with one process per GPU, the
+    experts' last projection (TEGroupedMLP's linear_fc2, as Transformer Engine's GroupedLinear
+    allocates it) writes its output into the buffer's expert-out block, so the forward combine
+    reads it in place instead of copying it there (megatron_patches.expert_out); False: copied.
     """
 
     num_sms_dispatch: int | None = None
@@ -85,6 +90,7 @@ class HybridEPOptions:
     balancer_report_dir: str | None = None
     dispatch_fp8: bool = False
     combine_grad_fp8: bool = False
+    expert_out_in_place: bool = True
 
     @property
     def balancer_enabled(self) -> bool:
@@ -135,7 +141,7 @@ class HybridEPOptions:
             raise ValueError(
                 f"hybrid_ep option balancer_rdma_weight must be {knobs.RDMA_WEIGHT_RULE} or None, got {weight!r}"
             )
-        for name in ("dispatch_fp8", "combine_grad_fp8"):
+        for name in ("dispatch_fp8", "combine_grad_fp8", "expert_out_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"hybrid_ep option {name} must be a bool, got {getattr(self, name)!r}")
         from hybrid_ep.backends import BACKEND_NAMES  # here too, for the same reason
@@ -166,6 +172,7 @@ FLAGS = {
     "--hybrid-ep-balancer-report-dir": ("balancer_report_dir", str),
     "--hybrid-ep-dispatch-fp8": ("dispatch_fp8", bool),
     "--hybrid-ep-combine-grad-fp8": ("combine_grad_fp8", bool),
+    "--hybrid-ep-expert-out-in-place": ("expert_out_in_place", bool),
 }
 
 _HELP = {
@@ -198,6 +205,9 @@ _HELP = {
     "dispatch_fp8": "send the forward dispatch's rows in fp8 with the scales of --fp8-recipe (blockwise only: "
                     "1x128 fp32 scales); default: the rows' own dtype",
     "combine_grad_fp8": "send the combine's backward (the output gradient to the expert rows) in fp8 likewise",
+    "expert_out_in_place": "cuda backend, direct path: the experts' fc2 (TEGroupedMLP) writes its output where the "
+                           "forward combine reads it, not copied there (default: on; "
+                           "--no-hybrid-ep-expert-out-in-place: copied)",
 }
 
 
@@ -222,8 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="hybrid_ep token dispatcher")
     for flag, (field, kind) in FLAGS.items():
         kwargs = {"type": kind, "default": getattr(defaults, field), "help": _HELP[field]}
-        if kind is bool:  # a switch: given, on
-            kwargs = {"action": "store_true", "default": getattr(defaults, field), "help": _HELP[field]}
+        if kind is bool:  # a switch: given, on; one that defaults to on also takes --no-<flag>
+            action = argparse.BooleanOptionalAction if getattr(defaults, field) else "store_true"
+            kwargs = {"action": action, "default": getattr(defaults, field), "help": _HELP[field]}
         if field == "backend":
             from hybrid_ep.backends import BACKEND_NAMES  # not at import: `import megatron_patches` stays free of torch
 

@@ -77,6 +77,11 @@ class Backend(abc.ABC):
         one of its own memory in place."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def is_in_peer_memory(self, t: torch.Tensor) -> bool:
+        """HybridEPBuffer.is_in_peer_memory: whether t lies in memory the rank's peers read in
+        place; none by default."""
+        return False
+
     def release_unused(self) -> None:
         """Give back memory grown for outputs that no output uses any more (HybridEPBuffer.release_unused);
         nothing to give back by default."""

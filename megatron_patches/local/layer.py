@@ -3,14 +3,17 @@
 `LayerCase` says the layer's shape, dispatcher and seed; `case_tensors` draws router and
 expert weights, inputs and output gradients from the seed (float64), so every rank and a
 dense reference see the same numbers without shipping tensors around; `build_moe_layer`
-builds the layer (Megatron's local spec, SequentialMLP experts, fp32 on the host) and
-`seeded_layer` loads the drawn weights into it. Legend: S sequence, B batch, H hidden,
+builds the layer (Megatron's local spec, fp32 on the host; SequentialMLP experts, or a
+TEGroupedMLP on TorchGroupedLinear or on the Transformer-Engine-like
+PythonAllocatedGroupedLinear: `LayerCase.experts`) and `seeded_layer` loads the drawn
+weights into it. Legend: S sequence, B batch, H hidden,
 F expert ffn, E experts, K top-k, W EP ranks, L = E / W.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -31,6 +34,10 @@ class LayerCase:
     cold_experts: tuple[int, ...] = ()  # experts the router never picks
     static_size_factor: float | None = None
     seed: int = 1234
+    # "sequential": SequentialMLP; "grouped": TEGroupedMLP on TorchGroupedLinear (output allocated
+    # in torch._grouped_mm); "te_like": TEGroupedMLP on testing.te_like.PythonAllocatedGroupedLinear
+    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear)
+    experts: str = "sequential"
 
     @property
     def num_tokens(self) -> int:
@@ -88,13 +95,33 @@ def build_moe_layer(case: LayerCase, **config_overrides):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False)
+    spec = _with_experts(get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False),
+                         case.experts)
     config = moe_config(case)
     for name, value in config_overrides.items():
         setattr(config, name, value)
     if hasattr(spec, "submodules"):  # a ModuleSpec (Megatron-Core <= 0.16)
         return MoELayer(config, submodules=spec.submodules, layer_number=1)
     return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
+
+
+def _with_experts(spec, experts: str):
+    """The MoE spec with TEGroupedMLP experts on the grouped linears `experts` names (LayerCase.experts)."""
+    if experts == "sequential":
+        return spec
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from ..grouped_gemm import torch_grouped_mlp_submodules
+    from ..testing.te_like import te_like_grouped_mlp_submodules
+
+    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules}
+    if experts not in linears:
+        raise ValueError(f"LayerCase.experts must be 'sequential' or one of {sorted(linears)}, got {experts!r}")
+    if not isinstance(spec, functools.partial):
+        raise NotImplementedError("grouped experts need a Megatron-Core whose MoE spec is a partial of MoELayer")
+    submodules = dataclasses.replace(spec.keywords["submodules"],
+                                     experts=functools.partial(TEGroupedMLP, submodules=linears[experts]()))
+    return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
 
 
 def seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
@@ -104,7 +131,12 @@ def seeded_layer(case: LayerCase, rank: int, config_overrides: dict | None):
     layer = build_moe_layer(case, **(config_overrides or {}))
     with torch.no_grad():
         layer.router.weight.copy_(router)
-        for j, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(fc1[rank * L + j])
-            expert.linear_fc2.weight.copy_(fc2[rank * L + j])
+        if case.experts == "sequential":
+            for j, expert in enumerate(layer.experts.local_experts):
+                expert.linear_fc1.weight.copy_(fc1[rank * L + j])
+                expert.linear_fc2.weight.copy_(fc2[rank * L + j])
+        else:  # grouped linears: weight{j} [out, in] per local expert
+            for j in range(L):
+                getattr(layer.experts.linear_fc1, f"weight{j}").copy_(fc1[rank * L + j])
+                getattr(layer.experts.linear_fc2, f"weight{j}").copy_(fc2[rank * L + j])
     return layer

@@ -77,6 +77,11 @@ def _expert_out_copies(buf) -> dict:
             else 0}
 
 
+def _expert_out_views(dispatcher) -> int | None:
+    expert_out = getattr(dispatcher, "expert_out", None)
+    return None if expert_out is None else expert_out.views
+
+
 def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides: dict | None = None) -> list[dict]:
     """On every rank: one layer (fresh buffer cache), forward + backward for each call c with
     seqs[c][rank] sequence positions (input and output gradient drawn from the seed, call
@@ -115,6 +120,8 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
             # the cuda backend's engine: the bytes its combines copied into the expert-out block so
             # far, and the block's bytes
             **_expert_out_copies(buf),
+            # forwards whose fc2 wrote its output into the expert-out block (None: not installed)
+            "expert_out_views": _expert_out_views(layer.token_dispatcher),
             "rows": None if record is None else record.handle.num_rows,
         })
     return results

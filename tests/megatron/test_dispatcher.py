@@ -240,20 +240,37 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
         assert c["buffer_tokens"] == 8 and c["buffer_arena"] is None
 
 
-def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(pool_for):
+# Experts and option -> whether the forward combine reads the experts' output in place
+# (megatron_patches.expert_out): only where fc2 allocates it with torch.empty, as Transformer
+# Engine's GroupedLinear does (te_like), and the option is on.
+EXPERT_OUT_CASES = {
+    "sequential": ("sequential", True, False),  # SequentialMLP: per-expert outputs concatenated
+    "grouped": ("grouped", True, False),  # TorchGroupedLinear: output allocated in torch._grouped_mm
+    "te_like": ("te_like", True, True),
+    "te_like_option_off": ("te_like", False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPERT_OUT_CASES))
+def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(pool_for, name):
     """--hybrid-ep-backend cuda, one process per rank on one node, no peer_memory_bytes: the buffer's
     startup line names the direct path and the peer memory it holds (none yet); the first
     forward dispatch grows the peer memory and takes the receive path, every later one goes
     direct; the results equal Megatron's alltoall. The cuda backend's host code runs as in a
     job (peer memory between the processes, the agreement on each call's path, the engine);
     its kernels are faked (hybrid_ep.testing.faked_kernels: a direct call's rows move through
-    each process's mappings of its peers' memory)."""
+    each process's mappings of its peers' memory). Where fc2 allocates its output with
+    torch.empty (te_like, as Transformer Engine's GroupedLinear) and the option is on, fc2
+    writes it into the expert-out block and the forward combine copies nothing."""
+    import megatron_patches
     from megatron_patches.testing.moe_layer import run_moe_layer_calls_on_faked_cuda
 
+    experts, option, in_place = EXPERT_OUT_CASES[name]
     pool = pool_for(2)
-    case = LayerCase(world_size=2, topk=2)
+    case = LayerCase(world_size=2, topk=2, experts=experts)
     seqs = [[4, 4]] * 3
-    ours = pool.run(run_moe_layer_calls_on_faked_cuda, [(case, seqs)] * 2, timeout_s=180)
+    overrides = {"hybrid_ep_options": megatron_patches.HybridEPOptions(backend="cuda", expert_out_in_place=option)}
+    ours = pool.run(run_moe_layer_calls_on_faked_cuda, [(case, seqs, overrides)] * 2, timeout_s=180)
     stock = _run_calls(pool, dataclasses.replace(case, dispatcher="alltoall"), seqs, {})
     _assert_calls_match([r["calls"] for r in ours], stock, "hybrid_ep (cuda, faked kernels) vs alltoall")
     for rank, got in enumerate(ours):
@@ -262,22 +279,26 @@ def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(p
         assert [c["buffer_arena"] for c in calls] == [None] * 3
         # the first call grew it by one chunk (2 MiB), which holds every later call's block
         assert [c["peer_memory"] for c in calls] == [2 << 20] * 3
-        # Megatron's experts write their output outside peer memory: a direct step copies into the
-        # expert-out block the experts' output [rows, hidden] (forward combine), the dispatched
-        # rows' gradient [rows, hidden] and the routing weights' gradients [rows, experts]
-        # (backward), each in its dtype (fp32 here); the block holds the largest call's rows
+        # A direct step copies into the expert-out block the dispatched rows' gradient [rows, hidden]
+        # and the routing weights' gradients [rows, experts] (backward: made inside autograd), and,
+        # where the experts write their output outside peer memory, that output [rows, hidden]
+        # (forward combine), each in its dtype (fp32 here); the block holds the largest call's rows
         copied = [c["expert_out_copied"] for c in calls]
         H, E = case.hidden, case.num_experts
+        per_row = (0 if in_place else H * 4) + H * 4 + E * 4
         for before, after, call in zip(copied, copied[1:], calls[1:]):
-            assert after - before == call["rows"] * (H * 4 + H * 4 + E * 4), (copied, call["rows"])
+            assert call["rows"] > 0 and after - before == call["rows"] * per_row, (copied, call["rows"])
+        # fc2 wrote its output in place in each direct call's forward, and only there
+        assert [c["expert_out_views"] for c in calls] == ([0, 1, 2] if in_place else [None] * 3), calls
         block = [c["expert_out_block"] for c in calls]  # sized by each call's row bound: its routes
         assert all(c["rows"] * H * 4 <= b for c, b in zip(calls, block)) and block == sorted(block), block
         [launched] = got["launched"]
         assert launched["dispatch_receive"] == 1
         assert launched["dispatch_direct"] >= 2 and launched["combine_direct"] >= 2
     [line] = ours[0]["startup"]
+    said = "expert output in place" if in_place else "expert output copied"
     assert line.startswith("hybrid_ep dispatcher: cuda buffer for EP 2 (1 node x 2), 8 tokens/rank, direct path, "
-                           "peer memory 0 B now, expert output copied, holds "), line
+                           f"peer memory 0 B now, {said}, holds "), line
     assert ours[1]["startup"] == []  # rank 0 logs it
 
 

@@ -356,6 +356,13 @@ def test_startup_line_reports_held_bytes_by_region():
         "hybrid_ep dispatcher: cuda buffer for EP 64 (8 nodes x 8), 4096 tokens/rank, direct path, peer memory "
         f"6.0 MiB now, expert output copied, holds {size(plan.registered_bytes + (6 << 20))} per "
         "GPU ("), line
+    # where the dispatcher's experts write their output into the expert-out block (expert_out.py)
+    line = memory_line(live, config, expert_out_in_place=True)
+    assert len(line) <= LINE_LIMIT and line.startswith(
+        "hybrid_ep dispatcher: cuda buffer for EP 64 (8 nodes x 8), 4096 tokens/rank, direct path, peer memory "
+        f"6.0 MiB now, expert output in place, holds {size(plan.registered_bytes + (6 << 20))} per GPU ("), line
+    # the receive path copies nothing into an expert-out block: the line says neither
+    assert "expert output" not in memory_line(plan, config, expert_out_in_place=True)
 
 
 def test_buffer_creation_logs_the_line(single_rank_group, caplog):

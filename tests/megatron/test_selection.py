@@ -170,6 +170,22 @@ def test_options_validate_names_the_field():
         options.HybridEPOptions(backend="nope").validate()
 
 
+def test_expert_out_in_place_is_on_by_default_and_turned_off_by_its_no_flag():
+    """--hybrid-ep-expert-out-in-place defaults to on; --no-hybrid-ep-expert-out-in-place turns it
+    off; validate() refuses anything but a bool by name."""
+    import argparse
+
+    parser = options.add_arguments(argparse.ArgumentParser())
+    assert options.HybridEPOptions().expert_out_in_place is True
+    assert options.from_args(parser.parse_args([])).expert_out_in_place is True
+    assert options.from_args(parser.parse_args(["--hybrid-ep-expert-out-in-place"])).expert_out_in_place is True
+    off = options.from_args(parser.parse_args(["--no-hybrid-ep-expert-out-in-place"]))
+    assert off == options.HybridEPOptions(expert_out_in_place=False)
+    for value in (1, "false", None):
+        with pytest.raises(ValueError, match="hybrid_ep option expert_out_in_place must be a bool"):
+            options.HybridEPOptions(expert_out_in_place=value).validate()
+
+
 def test_flag_through_megatron_argument_parser(monkeypatch):
     """Megatron-LM's own parser accepts the type and knobs and builds the TransformerConfig."""
     arguments = pytest.importorskip("megatron.training.arguments")
@@ -179,7 +195,8 @@ def test_flag_through_megatron_argument_parser(monkeypatch):
     megatron_patches.apply()
     argv = ["pretrain_gpt.py", *MEGATRON_ARGS, "--moe-token-dispatcher-type", "hybrid_ep",
             "--hybrid-ep-pad-multiple", "4", "--hybrid-ep-num-sms-dispatch", "24",
-            "--hybrid-ep-num-sms-combine", "20", "--hybrid-ep-static-size-factor", "1.5"]
+            "--hybrid-ep-num-sms-combine", "20", "--hybrid-ep-static-size-factor", "1.5",
+            "--no-hybrid-ep-expert-out-in-place"]
     monkeypatch.setattr("sys.argv", argv)
     args = arguments.parse_args(megatron_patches.extra_args_provider)
     assert args.moe_token_dispatcher_type == "hybrid_ep"
@@ -190,7 +207,7 @@ def test_flag_through_megatron_argument_parser(monkeypatch):
     assert config.num_moe_experts == 8 and config.moe_router_topk == 2
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     assert options.options_for(config) == options.HybridEPOptions(
-        num_sms_dispatch=24, num_sms_combine=20, pad_multiple=4, static_size_factor=1.5
+        num_sms_dispatch=24, num_sms_combine=20, pad_multiple=4, static_size_factor=1.5, expert_out_in_place=False
     )
 
 

@@ -149,6 +149,12 @@ class CudaBackend(Backend):
                 return view
         return super().expert_out_view(handle, shape, dtype)
 
+    def is_in_peer_memory(self, t: torch.Tensor) -> bool:
+        """Whether t lies in this rank's peer memory (the test a direct combine makes before it
+        copies an expert_out into the expert-out block: Engine._combine_inputs)."""
+        engine = self._engine
+        return engine.peer is not None and engine.outputs.arenas[0].contains(t)
+
     def release_unused(self) -> None:
         """Retire the free tail of this rank's peer memory at the next dispatch (every rank must
         ask before the same call: agreement.py)."""

@@ -59,14 +59,15 @@ def test_result_fields_memory_plan_and_traffic(single_rank_group):
 
 def test_expert_out_view_is_a_tensor_the_combine_takes(single_rank_group):
     """Where the backend cannot read its own memory in place (here: the reference backend), the
-    view is a plain [rows, hidden] tensor of bf16 (or the dtype asked); a combine reads it as any
-    expert_out. A handle of another buffer is refused."""
+    view is a plain [rows, hidden] tensor of bf16 (or the dtype asked), not in peer memory; a
+    combine reads it as any expert_out. A handle of another buffer is refused."""
     buf = hep.HybridEPBuffer(single_rank_group, 128, 64, 4, backend="reference")
     x = torch.randn(10, 128, dtype=torch.bfloat16)
     idx = torch.tensor([[i % 4, (i + 1) % 4] for i in range(10)])
     res = buf.dispatch(x, idx, torch.full((10, 2), 0.5))
     out = buf.expert_out_view(res.handle)
     assert out.shape == res.tokens.shape == (20, 128) and out.dtype == torch.bfloat16
+    assert not buf.is_in_peer_memory(out) and not buf.is_in_peer_memory(res.tokens)
     assert buf.expert_out_view(res.handle, 64, torch.float32).shape == (20, 64)
     out.copy_(res.tokens * 3)
     assert torch.equal(buf.combine(out, res.handle), (x.float() * 6).to(torch.bfloat16))

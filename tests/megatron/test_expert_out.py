@@ -1,0 +1,122 @@
+"""megatron_patches.expert_out on Megatron's TEGroupedMLP: where the in-place path is installed
+(install_reason), and a TEGroupedMLP on the Transformer-Engine-like grouped linear writing its
+output into the view, except where zero_token_safe runs it on padded kernel rows. The layer on
+the cuda backend, end to end: tests/megatron/test_dispatcher.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+
+from megatron_patches import grouped_gemm as gg  # noqa: E402
+from megatron_patches.expert_out import ExpertOutInPlace, install_reason  # noqa: E402
+from megatron_patches.options import HybridEPOptions  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+H, FFN, L = 16, 24, 2
+
+
+def _config(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = dict(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=L, moe_ffn_hidden_size=FFN,
+                  ffn_hidden_size=FFN, moe_grouped_gemm=True, use_cpu_initialization=True, add_bias_linear=False,
+                  activation_func=F.gelu, bias_dropout_fusion=False, params_dtype=torch.float32)
+    values.update(fields)
+    return TransformerConfig(**values)
+
+
+def _experts(group, linears: str = "te_like", **fields):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from megatron_patches.testing.te_like import te_like_grouped_mlp_submodules
+
+    submodules = te_like_grouped_mlp_submodules() if linears == "te_like" else gg.torch_grouped_mlp_submodules()
+    pgs = ProcessGroupCollection(ep=group, expt_tp=group, expt_dp=group)
+    torch.manual_seed(1)
+    return TEGroupedMLP(L, _config(**fields), submodules, pg_collection=pgs)
+
+
+def test_where_the_in_place_path_is_installed(single_rank_group):
+    """Only on a TEGroupedMLP whose fc2 allocates its output with torch.empty, takes rows of
+    another width than it returns and adds no bias, outside the EP-overlap schedule and the op
+    fuser, with the option on; each refusal says why."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    on = HybridEPOptions()
+    te_like = _experts(single_rank_group)
+    assert install_reason(te_like, te_like.config, on) is None
+    assert install_reason(te_like, te_like.config, HybridEPOptions(expert_out_in_place=False)) == \
+        "turned off (--no-hybrid-ep-expert-out-in-place)"
+    assert install_reason(None, te_like.config, on) == "experts not built yet"
+    sequential = object.__new__(SequentialMLP)
+    assert install_reason(sequential, te_like.config, on) == "SequentialMLP: its output is not one projection's"
+    grouped = _experts(single_rank_group, "grouped")
+    assert install_reason(grouped, grouped.config, on) == "TorchGroupedLinear allocates its output outside Python"
+    square = _experts(single_rank_group, moe_ffn_hidden_size=H, ffn_hidden_size=H)
+    assert install_reason(square, square.config, on) == f"fc2 takes rows of its output's width ({H})"
+    overlap = dataclasses.replace(te_like.config)
+    overlap.overlap_moe_expert_parallel_comm = True  # set after validation (it needs bf16 and EP > 1)
+    assert install_reason(te_like, overlap, on).startswith("the EP-overlap schedule runs other calls")
+    biased = types.SimpleNamespace(**vars(te_like.config))
+    biased.add_bias_linear = True
+    assert install_reason(te_like, biased, on) == "fc2's bias is added into a new tensor"
+    te_like._with_fused_impl = True
+    assert install_reason(te_like, te_like.config, on).startswith("TEGroupedMLP on Transformer Engine's op fuser")
+
+
+class _Buffer:
+    """A stand-in HybridEPBuffer whose expert-out block lies in peer memory."""
+
+    def __init__(self, rows):
+        self.block = torch.zeros(rows * H * 4, dtype=torch.uint8)
+        self.config = types.SimpleNamespace(hidden_dim=H)
+        self.device = torch.device("cpu")
+        self.last_call = object()
+
+    def expert_out_view(self, handle, columns=None, dtype=None):
+        return self.block[:handle.num_rows * H * dtype.itemsize].view(dtype).view(handle.num_rows, H)
+
+    def is_in_peer_memory(self, t):
+        return self.block.data_ptr() <= t.data_ptr() < self.block.data_ptr() + self.block.numel()
+
+
+class _Dispatcher:
+    def __init__(self, buf, rows):
+        self.handle = types.SimpleNamespace(num_rows=rows, data_path="direct")
+        self._handle_buffer, self.last_dispatch_call = buf, buf.last_call
+
+
+@pytest.mark.parametrize("counts, in_place", [([3, 5], True), ([8, 0], False), ([3, 4], False)],
+                         ids=["every_row_in_a_group", "empty_group_padded", "row_past_the_groups"])
+def test_te_grouped_mlp_writes_its_output_into_the_view(single_rank_group, counts, in_place):
+    """TEGroupedMLP (zero_token_safe installed) on the TE-like linears: with every group non-empty
+    and every row in one, fc2's output is the view and the values are those of the module
+    without the hook; where zero_token_safe pads the groups its output is a new tensor, and no
+    view is handed out in that forward."""
+    gg.install()
+    rows = 8
+    experts = _experts(single_rank_group)
+    x = torch.randn(rows, H, requires_grad=True)
+    probs = torch.rand(rows)
+    tokens = torch.tensor(counts)
+    want, _ = experts(x, tokens, probs)
+    buf = _Buffer(rows)
+    dispatcher = _Dispatcher(buf, rows)  # the hooks keep only a weak reference, as to the layer's
+    hook = ExpertOutInPlace(dispatcher, experts)
+    got, _ = experts(x, tokens, probs)
+    assert hook.views == (1 if in_place else 0)
+    assert (got.data_ptr() == buf.block.data_ptr()) == in_place
+    assert not getattr(experts, gg.KERNEL_ROWS, False)  # the wrapper's flag lasts only for its call
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    hook.check_combine(got, buf)
+    got.sum().backward()  # the backward reads nothing of the output
+    assert x.grad is not None and torch.isfinite(x.grad).all()
