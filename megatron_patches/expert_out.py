@@ -33,6 +33,7 @@ are made inside autograd (the experts' backward, hybrid_ep's own), which takes n
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -41,6 +42,8 @@ from torch.overrides import TorchFunctionMode
 from .grouped_gemm import KERNEL_ROWS
 
 OFF_FLAG = "--no-hybrid-ep-expert-out-in-place (HybridEPOptions(expert_out_in_place=False))"
+
+_log = logging.getLogger(__name__)
 
 
 def _device(device) -> torch.device:
@@ -76,11 +79,13 @@ class ExpertOutMode(TorchFunctionMode):
         self.shape, self.dtype, self.device = tuple(shape), dtype, _device(device)
         self._take = take
         self.handed_out: torch.Tensor | None = None
+        self.matched = False  # a torch.empty matched (take() was asked, whatever it gave)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.empty and self._take is not None and self._matches(args, kwargs):
             take, self._take = self._take, None  # at most once
+            self.matched = True
             view = take()
             if view is not None:
                 self.handed_out = view
@@ -154,7 +159,8 @@ class ExpertOutInPlace:
     """The in-place path of one dispatcher's experts: hooks around fc2's forward that enter an
     ExpertOutMode for the current dispatch (pre-hook) and leave it (forward hook, also when the
     forward raises), and the check token_combine makes. `views`: forwards whose output was
-    handed the view (tests)."""
+    handed the view; `unmatched`: forwards whose fc2 made no matching torch.empty (the first
+    one logs a warning)."""
 
     def __init__(self, dispatcher, experts):
         self._dispatcher = weakref.ref(dispatcher)
@@ -163,6 +169,7 @@ class ExpertOutInPlace:
         self.handed_out: torch.Tensor | None = None  # the view fc2's output lies in, until token_combine
         self._handed_for = None  # the forward dispatch's CallRecord it belongs to
         self.views = 0
+        self.unmatched = 0  # forwards on the direct path whose fc2 made no matching torch.empty
         fc2 = experts.linear_fc2
         self._hooks = [fc2.register_forward_pre_hook(self._enter),
                        fc2.register_forward_hook(self._exit, always_call=True)]
@@ -208,8 +215,16 @@ class ExpertOutInPlace:
         if mode.handed_out is not None:
             self.handed_out = mode.handed_out
             self.views += 1
-        else:
-            self._handed_for = None
+            return
+        self._handed_for = None
+        if not mode.matched and output is not None and not self.unmatched:
+            # Installed, on the direct path, yet fc2 made its output another way than the
+            # torch.empty install_reason counts on (another Transformer Engine version?): the
+            # combine copies it, though the startup line says in place. Said once.
+            _log.warning("hybrid_ep dispatcher: the experts' fc2 made its output without a torch.empty of "
+                         "[%d, %d] %s: the combine copies it into the expert-out block (the startup line's "
+                         "'expert output in place' does not hold for this run)", *mode.shape, mode.dtype)
+        self.unmatched += 1
 
     def check_combine(self, hidden_states: torch.Tensor, buf) -> None:
         """Before token_combine's combine: where fc2 was handed the view, what reaches the

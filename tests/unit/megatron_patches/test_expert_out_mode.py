@@ -154,6 +154,34 @@ def test_nothing_is_handed_out_where_the_view_is_not_in_peer_memory():
     hook.check_combine(out.clone(), buf)  # nothing was handed out: any tensor may be combined
 
 
+class _Fc2Elsewhere(_Fc2):
+    """fc2 that makes its output inside an op (as torch._grouped_mm does), not with torch.empty."""
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_an_fc2_that_makes_no_matching_empty_is_said_once(caplog):
+    """Installed on the direct path, yet fc2 made its output another way: the combine copies
+    it, and one warning says so (not one per forward)."""
+    buf, _, experts, hook = _installed()
+    experts.linear_fc2 = _Fc2Elsewhere()
+    hook.remove()
+    dispatcher = _Dispatcher(buf)  # held: the hooks keep weak references
+    hook = ExpertOutInPlace(dispatcher, experts)
+    with caplog.at_level("WARNING", logger="megatron_patches.expert_out"):
+        for _ in range(3):
+            out = experts(torch.randn(R, F))
+    assert out.data_ptr() != buf.block.data_ptr() and hook.views == 0 and hook.unmatched == 3
+    warned = [r.getMessage() for r in caplog.records if "made its output without a torch.empty" in r.getMessage()]
+    assert len(warned) == 1 and f"[{R}, {H}] torch.float32" in warned[0], warned
+    # a matching fc2 warns nothing
+    caplog.clear()
+    buf, _, experts, hook = _installed()
+    experts(torch.randn(R, F))
+    assert hook.unmatched == 0 and not caplog.records
+
+
 def test_nothing_is_intercepted_on_the_receive_path():
     buf, _, experts, hook = _installed(data_path="receive")
     experts(torch.randn(R, F))
