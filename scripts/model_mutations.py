@@ -382,15 +382,22 @@ def main(argv=None) -> int:
         if m:
             _plant(root, m)
         _build(root, os.path.join(root, "build.log"))
-        rc, output = _run_tests(root, m.tests if m else Mutation.tests, args.timeout)
-        test, message = _first_failure(output) if rc != 0 else ("", "")
-        caught = rc != 0
-        good = caught if m else not caught
+        try:
+            rc, output = _run_tests(root, m.tests if m else Mutation.tests, args.timeout)
+        except subprocess.TimeoutExpired as e:  # no verdict: the run outlasted --timeout (a loaded machine)
+            rc, output = None, f"the tests ran past --timeout {args.timeout} s: {e}"
+        test, message = _first_failure(output) if rc else ("", "")
+        caught = bool(rc)
+        good = caught if m else rc == 0
         ok &= good
         row = {"defect": name, "class": m.kind if m else "", "file": m.path if m else "", "caught": caught,
-               "test": test, "message": message, "seconds": round(time.monotonic() - started, 1)}
+               "timed_out": rc is None, "test": test, "message": message,
+               "seconds": round(time.monotonic() - started, 1)}
         results.append(row)
-        verdict = ("caught" if caught else "NOT CAUGHT") if m else ("passes" if not caught else "FAILS")
+        if rc is None:
+            verdict = "TIMED OUT"
+        else:
+            verdict = ("caught" if caught else "NOT CAUGHT") if m else ("passes" if not caught else "FAILS")
         print(f"{name:<26} {verdict:<11} {test}\n{'':<26} {message}", flush=True)
         if not good:
             print(output[-3000:])
