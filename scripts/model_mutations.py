@@ -364,6 +364,18 @@ def _run_tests(root: str, tests: str, timeout_s: int) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def _document(results: list[dict], args) -> dict:
+    """The JSON the script writes: the project's metadata block, then one row per defect run."""
+    sys.path.insert(0, REPO)
+    from hybrid_ep.metadata import metadata
+
+    config = {"only": args.only, "timeout_s": args.timeout, "defects": len(results) - 1}
+    units = {"seconds": "wall seconds per defect: copy, build and the tests it names",
+             "caught": "a test failed with the defect planted (the control: with none)"}
+    return {"metadata": metadata("python scripts/model_mutations.py", device_type="cpu", config=config, units=units),
+            "results": results}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -407,7 +419,7 @@ def main(argv=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(_document(results, args), f, indent=2)
     return 0 if ok else 1
 
 

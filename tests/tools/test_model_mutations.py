@@ -75,7 +75,9 @@ def test_a_test_run_past_the_timeout_is_a_timeout_not_a_verdict(monkeypatch, tmp
     monkeypatch.setattr(script, "_run_tests", run_tests)
     out = tmp_path / "results.json"
     assert script.main(["--only", first, second, "--json", str(out), "--timeout", "7"]) == 1
-    rows = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert next(iter(doc)) == "metadata" and doc["metadata"]["config"]["timeout_s"] == 7
+    rows = doc["results"]
     assert [(r["defect"], r["caught"], r["timed_out"]) for r in rows] == [
         (first, False, True), (second, True, False), ("control (no defect)", False, False)]
     printed = capsys.readouterr().out
