@@ -43,9 +43,22 @@ echo 'void hybrid_ep_cuda_driver_stub(void) {}' > "$work/stub.c"
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$work/libcuda.so" "$work/stub.c"
 
 # DeepEP's setup.py looks NVSHMEM up with importlib.util.find_spec("nvidia.nvshmem"): answer None.
+# Without NVSHMEM it still compiles relocatable device code (-rdc=true) but asks for no device
+# link step, so the module's kernels are never registered: the wheel then fails to import on the
+# GPU machine (undefined __cudaRegisterLinkedBinary_*, the 2026-11-28 evening run). An
+# extension compiled with -rdc=true and no nvcc_dlink gets a device link step (-dlink; torch's
+# dlink=True would add -dlto, which nvlink refuses for objects compiled without it).
 hide_nvshmem='import importlib.util as u, runpy, sys
+import torch.utils.cpp_extension as ext
 real = u.find_spec
 u.find_spec = lambda name, *a, **k: None if name == "nvidia.nvshmem" else real(name, *a, **k)
+cuda_extension = ext.CUDAExtension
+def with_device_link(*args, **kwargs):
+    flags = kwargs.get("extra_compile_args", {})
+    if "-rdc=true" in flags.get("nvcc", []) and "nvcc_dlink" not in flags:
+        kwargs["extra_compile_args"] = {**flags, "nvcc_dlink": ["-dlink"]}  # not dlink=True: it adds -dlto
+    return cuda_extension(*args, **kwargs)
+ext.CUDAExtension = with_device_link
 sys.argv = ["setup.py", *sys.argv[1:]]
 runpy.run_path("setup.py", run_name="__main__")'
 # DeepEP includes ATen/cuda/CUDAContext.h, which needs the CUDA libraries' headers (cuSPARSE,
@@ -72,4 +85,8 @@ wheel=$(ls "$out"/deep_ep-*.whl)
 bash "$repo/scripts/check_linkage.sh" --own deep_ep:: \
     '^(libc10(_cuda)?|libtorch(_cpu|_cuda|_python)?|libcudart\.so\.13|libcuda\.so\.1|libstdc\+\+|libgcc_s|libm|libc|ld-linux-x86-64)(\.so.*)?$' \
     "$work"/unpacked/*.so || { rm -f "$wheel"; exit 1; }
+# Relocatable device code left unlinked leaves its registration undefined: refuse such a wheel
+# here rather than on the GPU machine.
+unlinked=$(nm -D --undefined-only "$work"/unpacked/*.so | grep -c __cudaRegisterLinkedBinary || true)
+[ "$unlinked" -eq 0 ] || { log "error: $unlinked device-code registrations undefined (no device link step)"; rm -f "$wheel"; exit 1; }
 log "built $(basename "$wheel") in $((SECONDS - start)) s: $(du -k "$wheel" | cut -f1) KiB"
