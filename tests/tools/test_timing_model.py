@@ -31,8 +31,9 @@ GPU_RUNS = os.path.join(REPO, "benchmarks", "results")
 def test_points_are_the_gpu_runs_numbers():
     runs, pts = points.load_points()
     # 2026-11-22: 12; 2026-11-24: 12 on one node, 6 on two; 2026-11-26, H200 and H100: 12 + 12 + 6 each;
-    # 2026-11-27 H200: 12 direct, 6 + 4 across nodes, 12 receive, 4 fp8, 4 + 4 DeepSeek-V3-like
-    assert len(pts) == 136
+    # 2026-11-27 H200: 12 direct, 6 + 4 across nodes, 12 receive, 4 fp8, 4 + 4 DeepSeek-V3-like;
+    # 2026-11-28 H200 (the kernels after the house): 12 direct, 6 + 4 across nodes (direct), 4 fp8, 4 + 4
+    assert len(pts) == 170
     for name, run in runs.items():
         with open(os.path.join(GPU_RUNS, name, "emulated.json")) as f:
             want_run, want = points.points_from_run(json.load(f), name, run.commit, run.commit_note)
@@ -48,7 +49,8 @@ def test_points_are_the_gpu_runs_numbers():
                           "2026-11-26-h100/bench": pytest.approx(10.375, abs=1e-3),
                           "2026-11-26-h100/bench_receive": pytest.approx(23.563, abs=1e-3),
                           "2026-11-27-h200/rerun/bench/bench": pytest.approx(11.816, abs=1e-3),
-                          "2026-11-27-h200/first_call/bench_receive": pytest.approx(30.132, abs=1e-3)}
+                          "2026-11-27-h200/first_call/bench_receive": pytest.approx(30.132, abs=1e-3),
+                          "2026-11-28-h200-house/first_call/bench/bench": pytest.approx(10.644, abs=1e-3)}
     # each point says which kernels ran: the H100 runs of 2026-11-22 and -24 predate the direct path
     paths = {(p.run, p.data_path) for p in pts}
     assert paths == {("2026-11-22-h100/bench", "receive"), ("2026-11-24-h100/bench", "receive"),
@@ -61,7 +63,10 @@ def test_points_are_the_gpu_runs_numbers():
                      ("2026-11-27-h200/first_call/bench_receive", "receive"),
                      ("2026-11-27-h200/first_call/bench_fp8", "direct"),
                      ("2026-11-27-h200/first_call/bench_dsv3_direct", "direct"),
-                     ("2026-11-27-h200/first_call/bench_dsv3_receive", "receive")}
+                     ("2026-11-27-h200/first_call/bench_dsv3_receive", "receive"),
+                     *((f"2026-11-28-h200-house/first_call/{r}", "direct")
+                       for r in ("bench/bench", "bench/bench_nodes", "bench/bench_nodes4", "bench_fp8", "bench_dsv3_direct")),
+                     ("2026-11-28-h200-house/first_call/bench_dsv3_receive", "receive")}
     assert {r.device for r in runs.values()} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
 
 
