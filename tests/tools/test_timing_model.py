@@ -65,7 +65,8 @@ def test_points_are_the_gpu_runs_numbers():
                      ("2026-11-27-h200/first_call/bench_dsv3_direct", "direct"),
                      ("2026-11-27-h200/first_call/bench_dsv3_receive", "receive"),
                      *((f"2026-11-28-h200-house/first_call/{r}", "direct")
-                       for r in ("bench/bench", "bench/bench_nodes", "bench/bench_nodes4", "bench_fp8", "bench_dsv3_direct")),
+                       for r in ("bench/bench", "bench/bench_nodes", "bench/bench_nodes4", "bench_fp8",
+                                 "bench_dsv3_direct")),
                      ("2026-11-28-h200-house/first_call/bench_dsv3_receive", "receive")}
     assert {r.device for r in runs.values()} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
 
