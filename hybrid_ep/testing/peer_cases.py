@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import torch
@@ -83,16 +84,20 @@ def _records_left(token: str, rank: int, offsets: list[int]) -> int:
 
 def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[int]], fail_import: tuple | None,
                          trim_at: int | None, release_before_trim: bool, hosts: list[str] | None = None,
-                         refuse: tuple | None = None) -> dict:
+                         refuse: tuple | None = None, slow: tuple | None = None) -> dict:
     """calls[n][d]: rank d's rows in call n. fail_import: (call, rank) whose fetches fail in that
     call. trim_at: the call before which every rank asks to release unused memory. hosts: each
     rank's host name (None: the machine's). refuse: (call, rank, "export" or "import"): the
-    fabric-handle call refused on that rank in that call."""
+    fabric-handle call refused on that rank in that call. slow: (call, rank, seconds, fail): that
+    rank's growth in that call lands that many seconds late (a thread of the test makes it, and
+    the rank waits for it before its next call), as on a host behind its peers: their next call
+    comes first; fail: the growth then fails."""
     with on_host(None if hosts is None else hosts[dist.get_rank()]):
-        return _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse)
+        return _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse,
+                             slow)
 
 
-def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse) -> dict:
+def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, release_before_trim, refuse, slow) -> dict:
     from ..backends.cuda import load_extension
     from ..backends.cuda.peer_setup import close_peer_memory, process_agreement
 
@@ -105,10 +110,14 @@ def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, relea
     token = views.token if views is not None else None
     G = ranks_per_node
     node = range(rank // G * G, rank // G * G + G)
-    out = {"paths": [], "extents": [], "marks_ok": [], "mapped": []}
+    out = {"paths": [], "extents": [], "marks_ok": [], "mapped": [], "words_s": []}
     live = []  # blocks of earlier calls kept alive (layers in flight)
     real_fetch = peer_memory.fetch_chunk
+    late: list[threading.Thread] = []  # a growth landing late (slow)
     for n, rows in enumerate(calls):
+        for t in late:
+            t.join()
+        late.clear()
         if trim_at == n:
             if release_before_trim:
                 del live[1:]  # the first call's block stays: its chunk is not free
@@ -117,14 +126,19 @@ def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, relea
             peer_memory.fetch_chunk = lambda *a, **k: None
         if refuse is not None and refuse[:2] == (n, rank):
             ext.refused.add(refuse[2])
+        started = time.monotonic()
         words = agreement.words(0)[0]
+        out["words_s"].append(time.monotonic() - started)  # how long mapping the peers' growth took
         peer_memory.fetch_chunk = real_fetch
         gathered = [None] * world_size
         dist.all_gather_object(gathered, words)  # what the count kernel's count rows carry
         read_row = []
         for d in range(world_size):
             read_row += [rows[d]] + list(gathered[d])
+        if slow is not None and slow[:2] == (n, rank):
+            own.grow_to = _late(own, ext, slow[2], slow[3], late)
         decision = agreement.decide_read(read_row, None, torch.float32, False)  # grows (or cannot export)
+        own.__dict__.pop("grow_to", None)
         ext.refused.clear()
         out["paths"].append("direct" if decision.direct else "receive")
         offset = -1
@@ -158,6 +172,31 @@ def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, relea
     out["mappings_left"] = _chunk_mappings() - maps_before
     out["records_left"] = _records_left(token, rank, offsets) if token is not None else 0
     return out
+
+
+def _late(own, ext, seconds: float, fail: bool, threads: list):
+    """own.grow_to, made `seconds` later by a thread (appended to `threads`); fail: it fails."""
+    real = type(own).grow_to
+
+    def grow(extent):
+        time.sleep(seconds)
+        if fail:
+            ext.peer_create = _refused_create
+        try:
+            real(own, extent)
+        finally:
+            ext.__dict__.pop("peer_create", None)
+
+    def start(extent):
+        threads.append(threading.Thread(target=grow, args=(extent,)))
+        threads[-1].start()
+        return None
+
+    return start
+
+
+def _refused_create(nbytes, device, fabric=False):
+    raise RuntimeError("hybrid_ep: cuMemCreate (peer memory) failed (CUresult 2): out of memory")
 
 
 def run_dead_peer_on_rank(world_size: int, hosts: list[str] | None = None, crash: bool = False) -> dict:

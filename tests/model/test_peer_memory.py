@@ -16,9 +16,10 @@ RISING = [[40] * 3, [40] * 3, [300, 40, 40], [300, 40, 40], [700, 300, 900], [70
           [1500, 40, 40]]
 
 
-def _run(pool_for, W, G, calls, fail_import=None, trim_at=None, release=False):
+def _run(pool_for, W, G, calls, fail_import=None, trim_at=None, release=False, slow=None):
     pool = pool_for(W)
-    return pool.run(run_protocol_on_rank, [(W, G, calls, fail_import, trim_at, release)] * W, timeout_s=240)
+    return pool.run(run_protocol_on_rank, [(W, G, calls, fail_import, trim_at, release, None, None, slow)] * W,
+                    timeout_s=240)
 
 
 def test_rising_sizes_grow_on_the_call_that_needs_it_and_go_direct_from_the_next(pool_for):
@@ -44,6 +45,31 @@ def test_a_failed_import_takes_that_call_to_the_receive_path_and_the_next_goes_d
     assert [g["paths"] for g in got] == [["receive", "receive", "receive", "direct"]] * 3
     assert got[1]["failed_imports"] >= 1 and got[0]["failed_imports"] == 0
     assert all(g["grown"] == 2 for g in got)  # calls 0 and 1; nobody grew again for the failed import
+    assert all(g["fds_leaked"] == 0 and g["mappings_left"] == 0 for g in got)
+
+
+def test_a_growth_that_lands_after_a_peers_next_call_began_is_waited_for(pool_for):
+    # Rank 0 grows in call 1, 1.5 s late: ranks 1 and 2 reach call 2 first and wait for its chunk
+    # (the H200's test of a call larger than the peer memory saw that call go receive).
+    calls = [[40] * 3, [300, 40, 40], [300, 40, 40]]
+    got = _run(pool_for, 3, 3, calls, slow=(1, 0, 1.5, False))
+    assert [g["paths"] for g in got] == [["receive", "receive", "direct"]] * 3
+    assert all(g["failed_imports"] == 0 for g in got)
+    assert all(g["words_s"][2] > 0.5 for g in got[1:])  # they waited for the chunk
+    assert all(all(g["marks_ok"]) for g in got)  # written through the views of the late chunk
+    assert all(g["fds_leaked"] == 0 and g["mappings_left"] == 0 for g in got)
+
+
+def test_a_late_growth_that_fails_is_refused_to_the_waiting_peers(pool_for):
+    calls = [[40] * 3, [300, 40, 40], [300, 40, 40], [300, 40, 40]]
+    got = _run(pool_for, 3, 3, calls, slow=(1, 0, 1.5, True))
+    # Call 2: rank 0 did not grow (its words say so) and its peers are not ready: receive, and
+    # rank 0 grows again; call 3 goes direct.
+    assert [g["paths"] for g in got] == [["receive", "receive", "receive", "direct"]] * 3
+    assert got[0]["failed_growths"] == 1
+    assert all(g["failed_imports"] == 1 for g in got[1:])
+    # They stopped at the refusal, not at the buffer's timeout (100 s).
+    assert all(1.0 < g["words_s"][2] < 30.0 for g in got[1:])
     assert all(g["fds_leaked"] == 0 and g["mappings_left"] == 0 for g in got)
 
 

@@ -19,7 +19,8 @@ and across nodes as within one:
 - a rank short of memory grows by a rule every rank computes alike (its extent plus what its
   free tail lacks, in CHUNK steps): that call takes the receive path, the rank maps a new chunk
   at once, its node peers fetch and map it before their next call that reads (PeerViews.sync, as
-  they make its words), and from that call on (every peer ready) the memory is used;
+  they make its words; a peer on its host that comes first waits for the chunk, up to the
+  buffer's timeout), and from that call on (every peer ready) the memory is used;
 - a growth or an import that fails costs that call the receive path and one log line: the
   owner's extent word tells every rank that it did not grow, a peer that could not import says
   it is not ready, and the next call tries again;

@@ -6,9 +6,12 @@ named by a random token the group shares when the buffer is made, so no earlier 
 can be joined and nothing is left in the file system or /dev/shm (an abstract socket goes
 with its process). Both ends check the other's credentials (SO_PEERCRED): only a process of
 the same user is served or trusted. A peer asks for the chunk at an offset of the owner's memory
-and gets its bytes and descriptor; a chunk the owner has not made yet, or has retired, is answered with
-bytes 0 and no descriptor, at once, so an importer never waits on a peer that is slow or
-gone beyond its own timeout.
+and gets its bytes and descriptor. A chunk the owner has not made yet is answered with bytes 0
+and no descriptor, at once; one whose growth failed (refused) with bytes -1. The owner grows
+after the same count read that tells its peers it will (agreement.py), and a peer's next call
+may come first: the importer then asks again until the chunk comes, the owner refuses it, or
+its wait ends (`wait_s`, the buffer's timeout). A peer that is gone answers nothing (its
+abstract socket went with its process): the importer stops at once.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import secrets
 import socket
 import struct
 import threading
+import time
 
 _REQUEST = struct.Struct("<q")  # the chunk's offset
-_REPLY = struct.Struct("<qq")  # offset, bytes (0: no such chunk)
+_REPLY = struct.Struct("<qq")  # offset, bytes (0: not made yet, REFUSED: its growth failed)
+REFUSED = -1
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -43,6 +48,7 @@ class ChunkServer:
     def __init__(self, token: str, rank: int):
         self.address = _address(token, rank)
         self._chunks: dict[int, tuple[int, int]] = {}  # offset -> (bytes, descriptor)
+        self._refused: set[int] = set()  # offsets whose growth failed: importers stop waiting
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.bind(self.address)
@@ -55,6 +61,13 @@ class ChunkServer:
         """The chunk at `offset` of the owner's memory; the server owns `fd` from now on."""
         with self._lock:
             self._chunks[offset] = (nbytes, fd)
+            self._refused.discard(offset)
+
+    def refuse(self, offset: int) -> None:
+        """The owner's growth at `offset` failed: importers waiting for it stop (until a later
+        growth publishes a chunk there)."""
+        with self._lock:
+            self._refused.add(offset)
 
     def withdraw(self, offset: int) -> None:
         with self._lock:
@@ -80,7 +93,7 @@ class ChunkServer:
                     with self._lock:
                         got = self._chunks.get(offset)
                         if got is None:
-                            conn.sendall(_REPLY.pack(offset, 0))
+                            conn.sendall(_REPLY.pack(offset, REFUSED if offset in self._refused else 0))
                             continue
                         nbytes, fd = got
                         socket.send_fds(conn, [_REPLY.pack(offset, nbytes)], [fd])
@@ -104,9 +117,26 @@ class ChunkServer:
             os.close(fd)
 
 
-def fetch_chunk(token: str, owner: int, offset: int, timeout_s: float) -> tuple[int, int] | None:
-    """(bytes, a descriptor the caller must close) of the owner's chunk at `offset`, or None
-    when the owner has no such chunk (yet), is gone, or is not this user's process."""
+def fetch_chunk(token: str, owner: int, offset: int, timeout_s: float,
+                wait_s: float = 0.0) -> tuple[int, int] | None:
+    """(bytes, a descriptor the caller must close) of the owner's chunk at `offset`, or None when
+    the owner refused it, is gone, is not this user's process, or has not made it within
+    `wait_s` seconds (asked again every few milliseconds meanwhile)."""
+    deadline = time.monotonic() + wait_s
+    pause = 2e-4
+    while True:
+        got = _ask(token, owner, offset, timeout_s)
+        if got != 0:
+            return got if isinstance(got, tuple) else None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 5e-3)
+
+
+def _ask(token: str, owner: int, offset: int, timeout_s: float) -> tuple[int, int] | int | None:
+    """One request: (bytes, descriptor), 0 (not made yet), or None (refused, gone, not ours)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout_s)
         try:
@@ -122,8 +152,8 @@ def fetch_chunk(token: str, owner: int, offset: int, timeout_s: float) -> tuple[
             os.close(fd)
         return None
     at, nbytes = _REPLY.unpack(msg)
-    if at != offset or nbytes == 0 or len(fds) != 1:
+    if at != offset or nbytes <= 0 or len(fds) != 1:
         for fd in fds:
             os.close(fd)
-        return None
+        return 0 if at == offset and nbytes == 0 and not fds else None
     return nbytes, fds[0]

@@ -88,8 +88,16 @@ class OwnMemory:
 
     def grow_to(self, extent: int) -> str | None:
         """One chunk mapped at the end so that the arena holds `extent` bytes; None, or why not (the
-        caller logs it). Out of memory, PyTorch's cached blocks are returned to the driver and
-        the chunk is tried once more."""
+        caller logs it; peers on this host waiting for the chunk are refused at once). Out of
+        memory, PyTorch's cached blocks are returned to the driver and the chunk is tried once
+        more."""
+        offset = self.extent
+        why = self._grow(extent)
+        if why is not None and self.server is not None:
+            self.server.refuse(offset)
+        return why
+
+    def _grow(self, extent: int) -> str | None:
         nbytes = extent - self.extent
         if nbytes <= 0:
             return None
@@ -238,7 +246,7 @@ class PeerViews:
         if peer in self.remote:
             assert self.board is not None
             published = self.board.fetch(peer, offset)
-            if published is None:
+            if published is None:  # not waited for: the store says nothing of a gone owner
                 return f"rank {peer} (another host) did not publish its chunk at offset {offset}"
             nbytes, fabric_handle = published
             try:
@@ -247,9 +255,11 @@ class PeerViews:
                 return f"could not import rank {peer}'s chunk at offset {offset} (another host, fabric handle): {e}"
             self.fabric_imports += 1
             return nbytes, handle
-        got = fetch_chunk(self.token, peer, offset, self.timeout_s)
+        # The owner grows after the read that told this rank it would: wait for it (bounded).
+        got = fetch_chunk(self.token, peer, offset, self.timeout_s, wait_s=self.timeout_s)
         if got is None:
-            return f"rank {peer} did not hand over its chunk at offset {offset}"
+            return (f"rank {peer} did not hand over its chunk at offset {offset} (its growth failed, it is gone, or "
+                    f"{self.timeout_s:g} s passed)")
         nbytes, fd = got
         try:
             return nbytes, self.ext.peer_import(fd, self.index)
