@@ -38,9 +38,10 @@
 # here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_FP8_ALONE_S (45; seed fp8's processes alone, launches
-# blocking), SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (40;
-# the processes point at 3 direct-combine stages), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S
+# profiled call about 20 s inside ncu), SHORT_LEASE_EMULATION_ALONE_S (100; the process
+# bench's emulation points alone, launches blocking, without and with MPS, then memcheck),
+# SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (60; the processes point at 3
+# direct-combine stages: 40 ran out before its first point), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S
 # (60); the second call's: SHORT_LEASE_NVSHMEM_EP_S (60; 43 measured), SHORT_LEASE_SOAK_S (120), SHORT_LEASE_NVSHMEM_S (170),
 # SHORT_LEASE_SANITIZE_S (90).
 set -u
@@ -120,16 +121,32 @@ fi
 # combine that slows with fewer stages waits on its loads), then the speed the committed
 # predictions score (the DeepSeek-V3-like layer, fp8, the bench across nodes), DeepEP beside it,
 # and what earlier runs measured if time is left.
-# The illegal memory access of the 2026-11-28 run (the process bench's plain emulation of seed fp8,
-# after seed bf16's emulation through peer memory in the same process; the CPU model runs that
-# sequence clean): seed fp8's points alone, in a process of their own, launches blocking so the
-# failing kernel is the one named.
-if fits "processes, fp8 alone" "${SHORT_LEASE_FP8_ALONE_S:-45}"; then
-    CUDA_LAUNCH_BLOCKING=1 GPU_CHECK_BUDGET_S=$s \
-        GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --dtypes fp8 --sms 1 --iters 5" \
-        bash scripts/gpu_check.sh processes "$r/processes_fp8_alone" > "$r/processes_fp8_alone_stage.out" 2>&1
-    note "processes, fp8 alone exit $? (processes_fp8_alone/processes.log):"
-    grep -E '^processes |Error|error' "$r/processes_fp8_alone/processes.log" 2>/dev/null | head -5 >> "$r/summary.txt"
+# The illegal memory access of both 2026-11-28 runs (the process bench's plain emulation of seed
+# fp8, right after seed bf16 through peer memory, in the bench's own process; the CPU model and a
+# fresh process of `bench --emulate 8 --dtype fp8` run clean): the emulation points alone, no
+# pool of processes, launches blocking (the failing launch is named), first without MPS, then
+# under MPS as the processes stage ran them, then under compute-sanitizer memcheck (no MPS: the
+# faulting access, its kernel and address) with what is left of the part's budget.
+if fits "emulation alone" "${SHORT_LEASE_EMULATION_ALONE_S:-100}"; then
+    alone=(--pool none --nodes 1 --shapes seed --dtypes bf16 fp8 --sms 1 --iters 3)
+    part_end=$((SECONDS + s))
+    mkdir -p "$r/emulation_alone"
+    CUDA_LAUNCH_BLOCKING=1 timeout -k 5 --signal=INT $((s / 4)) python3 -m hybrid_ep.bench.processes "${alone[@]}" \
+        --out "$r/emulation_alone/no_mps" > "$r/emulation_alone/no_mps.log" 2>&1
+    note "emulation alone, no MPS, launches blocking: exit $?"
+    grep -E '^processes |Error' "$r/emulation_alone/no_mps.log" | head -6 >> "$r/summary.txt"
+    CUDA_LAUNCH_BLOCKING=1 GPU_CHECK_BUDGET_S=$((s / 4 + 20)) GPU_CHECK_PROCESSES_ARGS="${alone[*]}" \
+        bash scripts/gpu_check.sh processes "$r/emulation_alone/mps" > "$r/emulation_alone/mps_stage.out" 2>&1
+    note "emulation alone, under MPS, launches blocking: exit $?"
+    grep -E '^processes |Error' "$r/emulation_alone/mps/processes.log" 2>/dev/null | head -6 >> "$r/summary.txt"
+    left=$((part_end - SECONDS))
+    if [ "$left" -ge 20 ]; then
+        timeout -k 5 --signal=INT "$left" compute-sanitizer --tool memcheck --print-limit 5 \
+            python3 -m hybrid_ep.bench.processes "${alone[@]}" --out "$r/emulation_alone/memcheck" \
+            > "$r/emulation_alone/memcheck.log" 2>&1
+        note "emulation alone, memcheck: exit $?"
+        grep -m8 -E 'Invalid|ERROR SUMMARY|^=+ +at |^processes ' "$r/emulation_alone/memcheck.log" >> "$r/summary.txt"
+    fi
 fi
 if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
     GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
@@ -137,7 +154,7 @@ if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
     note "processes exit $? (processes/processes.log):"
     grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
-if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-40}"; then
+if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-60}"; then
     HYBRID_EP_DIRECT_COMBINE_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
         bash scripts/gpu_check.sh processes "$r/processes_3_stages" > "$r/processes_3_stages_stage.out" 2>&1
     note "processes, 3 combine stages exit $? (processes_3_stages/processes.log):"

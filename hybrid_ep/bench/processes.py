@@ -328,7 +328,7 @@ def _emulations(layout: dict, nodes: int, G: int, args) -> int:
     return worst
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2], choices=[1, 2],
@@ -339,8 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--emulation", choices=["both", "none"], default="both",
                         help="also time the points in the single-process emulation, plain and through peer memory")
+    parser.add_argument("--pool", choices=["yes", "none"], default="yes",
+                        help="none: no processes, the emulation points alone (a fault there is then theirs)")
     parser.add_argument("--timeout", type=float, default=20.0, help="HYBRID_EP_TIMEOUT_S of the ranks")
     args = parser.parse_args(argv)
+    if args.pool == "none" and args.emulation == "none":
+        parser.error("--pool none with --emulation none leaves nothing to run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("processes: needs a CUDA device", file=sys.stderr)
         return 2
@@ -351,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     config = {"world_size": 8, "nodes": args.nodes, "shapes": {k: SHAPES[k] for k in args.shapes},
               "dtypes": args.dtypes, "sms_per_rank": args.sms, "iters": args.iters, "warmup": WARMUP,
-              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "pool": args.pool,
               "env": {k: v for k, v in os.environ.items() if k.startswith("HYBRID_EP_")}}
     record = {"metadata": metadata(TOOL, device_type="cuda", config=config, units=UNITS, backends=["cuda"]),
               "layouts": []}
@@ -361,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         layout = {"nodes": nodes, "ranks_per_node": G, "runs": [], "ranks": [], "errors": {}}
         env = pool_env(8, args.timeout) if nodes > 1 else {"HYBRID_EP_TIMEOUT_S": str(args.timeout)}
         try:
-            with ProcessGroupPool(8, "gloo", env=env) as pool:
-                _processes(pool, layout, nodes, G, args)
+            if args.pool == "yes":
+                with ProcessGroupPool(8, "gloo", env=env) as pool:
+                    _processes(pool, layout, nodes, G, args)
         except (AssertionError, RuntimeError) as exc:
             layout["errors"]["processes"] = f"{type(exc).__name__}: {exc}"[:4000]
             print(f"processes nodes={nodes}: FAILED {layout['errors']['processes'][:600]}", flush=True)

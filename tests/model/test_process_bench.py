@@ -109,3 +109,10 @@ def test_host_pairs_time_only_the_pairs_that_read_nothing(ledger_holds, monkeypa
         assert got["pairs_that_read"] == 0 and got["host_us_per_pair"] > 0
     else:
         assert got["pairs_timed"] == 0 and got["host_us_per_pair"] is None
+
+
+def test_the_emulation_points_can_run_without_the_processes():
+    assert processes.parse_args(["--out", "x", "--pool", "none"]).pool == "none"
+    assert processes.parse_args(["--out", "x"]).pool == "yes"
+    with pytest.raises(SystemExit):  # nothing left to run: argparse names both flags
+        processes.parse_args(["--out", "x", "--pool", "none", "--emulation", "none"])

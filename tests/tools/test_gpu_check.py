@@ -712,11 +712,15 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", GPU_CHECK_COMMIT="0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     processes = [line for line in calls.splitlines() if "-m hybrid_ep.bench.processes" in line]
-    assert len(processes) == 3, processes
-    # seed fp8 alone first (the last run's illegal memory access), then every point, then 3 stages
-    assert "--nodes 1 --shapes seed --dtypes fp8 --sms 1 --iters 5" in processes[0]
-    assert "--dtypes bf16 fp8" in processes[1] and "--nodes 1 --shapes seed --sms 1" in processes[2]
-    assert "DIRECT_COMBINE_STAGES=3 " in processes[2] and "DIRECT_COMBINE_STAGES= " in processes[1]
+    assert len(processes) == 5, processes
+    # the emulation points alone first (the last runs' illegal memory access): without MPS, under
+    # MPS, under memcheck; then every point, then 3 stages
+    alone = "--pool none --nodes 1 --shapes seed --dtypes bf16 fp8 --sms 1 --iters 3"
+    assert all(alone in line for line in processes[:3])
+    assert processes[2].startswith("compute-sanitizer --tool memcheck")
+    assert "--pool none" not in processes[3] and "--dtypes bf16 fp8" in processes[3]
+    assert "--nodes 1 --shapes seed --sms 1" in processes[4]
+    assert "DIRECT_COMBINE_STAGES=3 " in processes[4] and "DIRECT_COMBINE_STAGES= " in processes[3]
     benches = [line for line in calls.splitlines()
                if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
     # the DeepSeek-V3-like layer on the direct path, fp8, the bench stage's three sweeps (one node,
@@ -731,7 +735,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
         assert "DIRECT_COMBINE_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
-    order = ["micro exit", "build exit", "test exit", "processes, fp8 alone exit", "processes exit",
+    order = ["micro exit", "build exit", "test exit", "emulation alone, no MPS", "emulation alone, under MPS",
+             "emulation alone, memcheck", "processes exit",
              "processes, 3 combine stages exit",
              "bench dsv3 direct exit", "bench fp8 exit", "bench exit", "deepep exit", "ncu exit",
              "bench dsv3 receive exit", "racecheck probe exit"]
@@ -746,7 +751,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
         names = packed.getnames()
     for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
                 "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./processes/processes.log",
-                "./processes_3_stages/processes.log", "./processes_fp8_alone/processes.log"):
+                "./processes_3_stages/processes.log", "./emulation_alone/no_mps.log",
+                "./emulation_alone/mps/processes.log", "./emulation_alone/memcheck.log"):
         assert log in names, names
     assert "-m hybrid_ep.testing.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
