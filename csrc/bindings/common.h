@@ -80,7 +80,16 @@ inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t)
       break;
     }
   }
-  if (launches_enabled()) check_launch(launcher(a, stream), what);
+  if (!launches_enabled()) return;
+  // Without the GIL: a launch can block (a full launch queue, CUDA_LAUNCH_BLOCKING, the CPU
+  // model running the kernel) until a peer's kernel runs, and that peer may first need this
+  // process's Python threads (the chunk server of peer memory) to answer it.
+  LaunchStatus status;
+  {
+    py::gil_scoped_release unlocked;
+    status = launcher(a, stream);
+  }
+  check_launch(status, what);
 }
 
 // Where one rank's per-call tensors of a dispatch lie in its part of the call's workspace
