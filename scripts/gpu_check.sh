@@ -44,7 +44,8 @@
 # microbenchmark's arguments, default "all"); GPU_CHECK_PREBUILT (the carried build, default
 # build/gpu-prebuilt); GPU_CHECK_DEEPEP_WHEEL (default build/deepep/deep_ep-*.whl);
 # GPU_CHECK_PROCESSES_ARGS (the processes stage's points as hybrid_ep.bench.processes flags; default
-# every layout the build serves, bf16 and fp8).
+# every layout the build serves, bf16 and fp8); GPU_CHECK_NCU_DTYPE (the ncu stage's rows, bf16 or
+# fp8; default bf16).
 set -uo pipefail
 
 usage() {
@@ -287,20 +288,21 @@ run_bench_dsv3() {
 # The kernels of each data path (HYBRID_EP_DATA_PATH; emulation takes the direct path unless
 # told otherwise).
 ncu_path=${HYBRID_EP_DATA_PATH:-direct}
+ncu_dtype=${GPU_CHECK_NCU_DTYPE:-bf16}  # the dispatched rows' dtype (fp8: rows and their scales)
 if [ "$ncu_path" = receive ]; then ncu_kernels=(dispatch_receive_kernel combine_receive_kernel)
 else ncu_kernels=(dispatch_direct_kernel combine_direct_kernel); fi
 
 run_ncu() {
     # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
     # first call's three and profile the second call's dispatch and combine.
-    say "ncu on ${ncu_kernels[0]} and ${ncu_kernels[1]} ($ncu_path path), W=8 H=8192 T=4096 K=8 E=16 bf16 (log: ncu.log)"
+    say "ncu on ${ncu_kernels[0]} and ${ncu_kernels[1]} ($ncu_path path), W=8 H=8192 T=4096 K=8 E=16 $ncu_dtype (log: ncu.log)"
     HYBRID_EP_DATA_PATH=$ncu_path bounded "$(( $(left) - 40 > 30 ? $(left) - 40 : 30 ))" ncu --target-processes all \
         --kernel-name "regex:${ncu_kernels[0]}|${ncu_kernels[1]}" \
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section SourceCounters --export "$results/ncu" --force-overwrite \
         "$py" -m hybrid_ep.testing.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
-        --calls 2 --no-check > "$results/ncu.log" 2>&1
+        --dtype "$ncu_dtype" --calls 2 --no-check > "$results/ncu.log" 2>&1
     local rc=$?
     if [ -f "$results/ncu.ncu-rep" ]; then  # the post-processing has the 40 s kept above
         bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1

@@ -174,8 +174,10 @@ if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
     note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
 fi
-# where the direct combine's warps stall, by source line (ncu/ncu_lines_combine_direct_kernel.txt)
-stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
+# where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), with fp8 rows: the
+# timing model prices fp8's dispatch at 0.71-0.73 of its time and no ncu reading of it exists (two
+# runs read the bf16 kernels)
+GPU_CHECK_NCU_DTYPE=fp8 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, receive path, 1 and 2 SMs per rank (bench_dsv3_receive/)"
 bench "bench dsv3 receive" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2

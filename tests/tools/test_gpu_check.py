@@ -409,7 +409,7 @@ def test_bench_and_ncu_stages(machine):
     assert "regex:dispatch_direct_kernel|combine_direct_kernel" in ncu[0]
     assert "--launch-skip 3 --launch-count 2" in ncu[0]
     assert ncu[0].endswith("PATH_ENV=direct")  # the emulation's own path, said out loud
-    assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16" in ncu[0]
+    assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16" in ncu[0]  # the default rows
     assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
     assert "--section SourceCounters" in ncu[0]
     for kernel in ("dispatch_direct_kernel", "combine_direct_kernel"):
@@ -757,6 +757,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert "-m hybrid_ep.testing.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
     assert "regex:dispatch_direct_kernel|combine_direct_kernel" in profiled and "SourceCounters" in profiled
+    assert "--dtype fp8 " in profiled  # the lease reads fp8's dispatch, which no run has read
 
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
