@@ -150,10 +150,18 @@ inline uint64_t at_offset(uint64_t part, int64_t offset) {
 // data_ptr() integers; 0 where a call has no such tensor. A dispatch's outputs are in one
 // order in every form: rows, scales, probs (DispatchOutputs, OutputTensors, the arena's block
 // of a direct dispatch, RankArgs::out, out_scales, out_probs), as are its inputs (x,
-// x_scales, then topk_weights). What Python passes are pybind11 classes (bind_common:
-// ext.DispatchInputs, ext.DispatchOutputs, ext.CombineInputs; the engine builds them with
-// positional arguments in the order of the fields, the cheap call), which the host path reads
-// as pointers, with no conversion per field.
+// x_scales, then topk_weights). Each crosses as a struct sequence of the module (SeamTypes),
+// with these fields in this order, the one order of every form:
+//
+//   DispatchInputs   num_tokens, topk, x, x_scales, topk_idx, topk_weights
+//   DispatchOutputs  num_rows, rows, scales, probs
+//   CombineInputs    num_tokens, topk, part, layout (a CallLayout), topk_idx, expert_out,
+//                    probs, y, num_rows
+//   OutputTensors    rows, scales, probs (tensors; scales None without fp8)
+//
+// Python builds one from the tuple of its items, ext.DispatchInputs((num_tokens, topk, x,
+// x_scales, topk_idx, topk_weights)), one C call, and reads it by name (.rows) at a tuple
+// item's cost; the host path reads its items by index (SeamTypes) into the C++ structs below.
 
 // One rank's inputs of a dispatch: the tensors the kernels read.
 struct DispatchInputs {
@@ -176,40 +184,185 @@ struct CombineInputs {
   int64_t num_rows;
 };
 
-// The output tensors of one rank's dispatch, as Python reads them: rows, scales (None without
-// fp8), probs. The extension makes them for blocks of the arena (HostPath.dispatch_into,
-// dispatch_rows on arena blocks), the engine on PyTorch's allocator
-// (ext.OutputTensors((rows, scales, probs))). A struct sequence, the C API's named tuple (as
-// os.stat_result): made without a call into Python, and read by name at the cost of a tuple's
-// item, where a pybind11 class's field costs a call per read (about 0.2 us).
-class __attribute__((visibility("hidden"))) OutputTensorsType {
+template <typename Int>
+constexpr const char* int_name() {
+  if constexpr (std::is_same_v<Int, int32_t>) return "int32";
+  else if constexpr (std::is_same_v<Int, int64_t>) return "int64";
+  else return "uint64";
+}
+
+// A struct sequence type, the C API's named tuple (as os.stat_result), named
+// <module>.<name>: made from the tuple of its items (Type((a, b, ...)), a wrong length a
+// TypeError naming it) or in C++ (make), read by name in Python and by index here, each
+// at the cost of a tuple's item, where a pybind11 class costs an instance's allocation and
+// registration per object and a call per field read (about 0.2 us).
+class __attribute__((visibility("hidden"))) StructSeqType {
  public:
-  // The type, named after module `m` (its name lives as long as the type: for good).
-  explicit OutputTensorsType(const py::module_& m) {
-    static PyStructSequence_Field fields[] = {{"rows", "[R, H] the output rows, expert-major"},
-                                              {"scales", "[R, H / 128] float32 scales of fp8 rows, else None"},
-                                              {"probs", "[R] float32 routing weight of each row"},
-                                              {nullptr, nullptr}};
-    const auto* name = new std::string(m.attr("__name__").cast<std::string>() + ".OutputTensors");
-    PyStructSequence_Desc desc{name->c_str(), "One rank's output tensors of a dispatch: rows, scales, probs.", fields,
-                               3};
+  // fields: its fields in order, then {nullptr, nullptr}; static, as the type keeps them.
+  StructSeqType(const py::module_& m, const char* name, const char* doc, PyStructSequence_Field* fields)
+      : fields_(fields) {
+    while (fields[size_].name != nullptr) ++size_;
+    // The type's name lives as long as the type: for good.
+    const auto* full = new std::string(m.attr("__name__").cast<std::string>() + "." + name);
+    PyStructSequence_Desc desc{full->c_str(), doc, fields, static_cast<int>(size_)};
     PyTypeObject* t = PyStructSequence_NewType(&desc);
     if (t == nullptr) throw py::error_already_set();
     type_ = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(t));
   }
 
   const py::object& type() const { return type_; }
+  const char* name() const { return reinterpret_cast<PyTypeObject*>(type_.ptr())->tp_name; }
 
-  // One of views[0, 3): rows, scales, probs (the references move into it).
-  py::object make(py::object* views) const {
+  // One of items[0, size) (the references move into it).
+  py::object make(py::object* items) const {
     PyObject* t = PyStructSequence_New(reinterpret_cast<PyTypeObject*>(type_.ptr()));
     if (t == nullptr) throw py::error_already_set();
-    for (Py_ssize_t i = 0; i < 3; ++i) PyStructSequence_SetItem(t, i, views[i].release().ptr());
+    for (Py_ssize_t i = 0; i < size_; ++i) PyStructSequence_SetItem(t, i, items[i].release().ptr());
     return py::reinterpret_steal<py::object>(t);
   }
 
+  // `o`, item i of the list `what`, if it is one of this type; else a TypeError naming both.
+  PyObject* instance(PyObject* o, const char* what, size_t i) const {
+    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(type_.ptr()))
+      throw py::type_error(std::string(what) + "[" + std::to_string(i) + "]: a " + name() +
+                           " (its fields in order: " + field_names() + "), got " + Py_TYPE(o)->tp_name);
+    return o;
+  }
+
+  // Item i of instance `o` as an Int: a TypeError (not an int: a tensor is not its address)
+  // or an OverflowError (out of Int's range) naming the struct and field otherwise.
+  template <typename Int>
+  Int integer(PyObject* o, Py_ssize_t i) const {
+    static_assert(sizeof(Int) <= sizeof(long), "read through PyLong_AsLong / PyLong_AsUnsignedLong");
+    PyObject* v = PyStructSequence_GET_ITEM(o, i);
+    if (!PyLong_Check(v)) throw py::type_error(field(i) + ": an int, got " + Py_TYPE(v)->tp_name);
+    bool ok;
+    Int value;
+    if constexpr (std::is_signed_v<Int>) {
+      const long x = PyLong_AsLong(v);
+      ok = !(x == -1 && PyErr_Occurred()) && x >= std::numeric_limits<Int>::min() &&
+           x <= std::numeric_limits<Int>::max();
+      value = static_cast<Int>(x);
+    } else {
+      const unsigned long x = PyLong_AsUnsignedLong(v);
+      ok = !(x == static_cast<unsigned long>(-1) && PyErr_Occurred()) && x <= std::numeric_limits<Int>::max();
+      value = static_cast<Int>(x);
+    }
+    if (!ok) {
+      PyErr_Clear();
+      const std::string text =
+          field(i) + ": " + py::repr(v).cast<std::string>() + " is out of range of " + int_name<Int>();
+      PyErr_SetString(PyExc_OverflowError, text.c_str());
+      throw py::error_already_set();
+    }
+    return value;
+  }
+
+  // "<module>.<name>.<field i>", for messages.
+  std::string field(Py_ssize_t i) const { return std::string(name()) + "." + fields_[i].name; }
+
  private:
+  std::string field_names() const {
+    std::string s;
+    for (Py_ssize_t i = 0; i < size_; ++i) s += (i ? ", " : "") + std::string(fields_[i].name);
+    return s;
+  }
+
   py::object type_;
+  const PyStructSequence_Field* fields_;
+  Py_ssize_t size_ = 0;
+};
+
+// The module's four seam types (above), made once (bind_common) and kept for good: every
+// HostPath of the module reads and makes them.
+class __attribute__((visibility("hidden"))) SeamTypes {
+ public:
+  explicit SeamTypes(const py::module_& m)
+      : dispatch_inputs(m, "DispatchInputs", "One rank's inputs of a dispatch: the tensors the kernels read.",
+                        dispatch_inputs_fields()),
+        dispatch_outputs(m, "DispatchOutputs", "One rank's outputs of a dispatch: where its second kernel writes them.",
+                         dispatch_outputs_fields()),
+        combine_inputs(m, "CombineInputs",
+                       "One rank's part of a combine: its dispatch's workspace part and layout, the routing's "
+                       "experts (direct path, else 0), the expert outputs, their probs and y.",
+                       combine_inputs_fields()),
+        output_tensors(m, "OutputTensors", "One rank's output tensors of a dispatch: rows, scales, probs.",
+                       output_tensors_fields()) {}
+
+  const StructSeqType dispatch_inputs, dispatch_outputs, combine_inputs, output_tensors;
+
+  // Item i of `in` (a list of the Python structs), read into the C++ struct.
+  DispatchInputs read_dispatch_inputs(const py::list& in, size_t i) const {
+    const StructSeqType& s = dispatch_inputs;
+    PyObject* o = s.instance(PyList_GET_ITEM(in.ptr(), i), "inputs", i);
+    return {s.integer<int32_t>(o, 0),  s.integer<int32_t>(o, 1),  s.integer<uint64_t>(o, 2),
+            s.integer<uint64_t>(o, 3), s.integer<uint64_t>(o, 4), s.integer<uint64_t>(o, 5)};
+  }
+  DispatchOutputs read_dispatch_outputs(const py::list& out, size_t i) const {
+    const StructSeqType& s = dispatch_outputs;
+    PyObject* o = s.instance(PyList_GET_ITEM(out.ptr(), i), "outputs", i);
+    return {s.integer<int64_t>(o, 0), s.integer<uint64_t>(o, 1), s.integer<uint64_t>(o, 2), s.integer<uint64_t>(o, 3)};
+  }
+  CombineInputs read_combine_inputs(const py::list& in, size_t i) const {
+    const StructSeqType& s = combine_inputs;
+    PyObject* o = s.instance(PyList_GET_ITEM(in.ptr(), i), "inputs", i);
+    CombineInputs c;
+    c.num_tokens = s.integer<int32_t>(o, 0);
+    c.topk = s.integer<int32_t>(o, 1);
+    c.part = s.integer<uint64_t>(o, 2);
+    PyObject* layout = PyStructSequence_GET_ITEM(o, 3);
+    try {
+      c.layout = py::cast<const CallLayout&>(py::handle(layout));
+    } catch (const py::cast_error&) {
+      throw py::type_error(s.field(3) + ": a CallLayout (call_layout()), got " + Py_TYPE(layout)->tp_name);
+    }
+    c.topk_idx = s.integer<uint64_t>(o, 4);
+    c.expert_out = s.integer<uint64_t>(o, 5);
+    c.probs = s.integer<uint64_t>(o, 6);
+    c.y = s.integer<uint64_t>(o, 7);
+    c.num_rows = s.integer<int64_t>(o, 8);
+    return c;
+  }
+
+ private:
+  static PyStructSequence_Field* dispatch_inputs_fields() {
+    static PyStructSequence_Field f[] = {{"num_tokens", "T, the rank's tokens"},
+                                         {"topk", "K, its routes per token"},
+                                         {"x", "address of x [T, H]"},
+                                         {"x_scales", "address of x's float32 scales [T, H / 128] (fp8), else 0"},
+                                         {"topk_idx", "address of the routing's experts [T, K] int64"},
+                                         {"topk_weights", "address of the routing's float32 weights [T, K]"},
+                                         {nullptr, nullptr}};
+    return f;
+  }
+  static PyStructSequence_Field* dispatch_outputs_fields() {
+    static PyStructSequence_Field f[] = {{"num_rows", "R, the rank's output rows"},
+                                         {"rows", "address of the output rows [R, H]"},
+                                         {"scales", "address of their float32 scales [R, H / 128] (fp8), else 0"},
+                                         {"probs", "address of their float32 routing weights [R]"},
+                                         {nullptr, nullptr}};
+    return f;
+  }
+  static PyStructSequence_Field* combine_inputs_fields() {
+    static PyStructSequence_Field f[] = {{"num_tokens", "T, the rank's tokens"},
+                                         {"topk", "K, its routes per token"},
+                                         {"part", "address of the rank's part of its dispatch's workspace"},
+                                         {"layout", "that workspace's CallLayout"},
+                                         {"topk_idx", "address of the routing's experts [T, K] (direct path), else 0"},
+                                         {"expert_out", "address of the expert outputs [R, C]"},
+                                         {"probs", "address of their float32 routing weights [R]"},
+                                         {"y", "address of the combined tokens [T, C]"},
+                                         {"num_rows", "R, the rank's rows"},
+                                         {nullptr, nullptr}};
+    return f;
+  }
+  static PyStructSequence_Field* output_tensors_fields() {
+    static PyStructSequence_Field f[] = {{"rows", "[R, H] the output rows, expert-major"},
+                                         {"scales", "[R, H / 128] float32 scales of fp8 rows, else None"},
+                                         {"probs", "[R] float32 routing weight of each row"},
+                                         {nullptr, nullptr}};
+    return f;
+  }
 };
 
 // The per-call host path of one engine: the ranks it drives with what stays fixed per rank
@@ -220,9 +373,10 @@ class __attribute__((visibility("hidden"))) OutputTensorsType {
 class __attribute__((visibility("hidden"))) HostPath {
  public:
   // Each rank's arena_bases (its own table: a virtual rank of the emulation may see its peers'
-  // memory at other addresses than another does) is in ranks[i]. outputs: the module's
-  // OutputTensors, which the calls on arena blocks return.
-  HostPath(const std::vector<RankArgs>& ranks, const OutputTensorsType* outputs) : fixed_(ranks), outputs_(outputs) {
+  // memory at other addresses than another does) is in ranks[i]. seam: the module's seam
+  // types, which the calls read per rank (a list of one per rank) and make (OutputTensors, the
+  // calls on arena blocks).
+  HostPath(const std::vector<RankArgs>& ranks, const SeamTypes* seam) : fixed_(ranks), seam_(seam) {
     if (ranks.empty() || ranks.size() > static_cast<size_t>(kMaxLaunchRanks))
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
   }
@@ -246,14 +400,14 @@ class __attribute__((visibility("hidden"))) HostPath {
   // The count kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
   // is the static output size, or -1 (the count kernel computes it). read: the caller reads
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
-  // routing itself (LaunchArgs::info_read).
+  // routing itself (LaunchArgs::info_read). in: one DispatchInputs per rank.
   void dispatch_count(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                      const std::vector<DispatchInputs>& in, bool read) {
-    check_count(in.size());
+                      const py::list& in, bool read) {
+    const size_t n = check_count(in.size());
     a.info_read = read ? 1 : 0;
-    for (size_t i = 0; i < in.size(); ++i) {
+    for (size_t i = 0; i < n; ++i) {
       RankArgs r = fixed_[i];
-      const DispatchInputs& d = in[i];
+      const DispatchInputs d = seam_->read_dispatch_inputs(in, i);
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = d.num_tokens;
@@ -268,7 +422,7 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.num_out_rows = rows;
       a.ranks[i] = r;
     }
-    a.num_ranks = static_cast<int32_t>(in.size());
+    a.num_ranks = static_cast<int32_t>(n);
     launch_checked(&launch_count, a, stream, "count");
   }
 
@@ -288,26 +442,11 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The dispatch kernel, after dispatch_count on the same arguments: every rank's outputs
   // and the rest of its part (route rows on the direct path, else row positions and chunk
-  // spans; forwarded chunks with several nodes).
+  // spans; forwarded chunks with several nodes). out: one DispatchOutputs per rank.
   void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
-                     const std::vector<DispatchOutputs>& out) {
-    const uint64_t absent = absent_ | absent_after_count_;
-    check_count(out.size());
-    if (static_cast<int32_t>(out.size()) != a.num_ranks)
-      throw py::value_error("dispatch_rows: one output per rank of the count kernel");
-    for (size_t i = 0; i < out.size(); ++i) {
-      RankArgs& r = a.ranks[i];
-      const DispatchOutputs& o = out[i];
-      const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
-      set_row_tables(r, direct, part, l);
-      r.out = o.rows;
-      r.out_scales = o.scales;
-      r.out_probs = o.probs;
-      r.num_out_rows = o.num_rows;
-      r.absent = static_cast<int32_t>((absent >> i) & 1);
-    }
-    if (direct) launch_checked(&launch_dispatch_direct, a, stream, "dispatch_direct");
-    else launch_checked(&launch_dispatch_receive, a, stream, "dispatch_receive");
+                     const py::list& out) {
+    rows_of(a, direct, stream, workspace, l, out.size(),
+            [this, &out](size_t i) { return seam_->read_dispatch_outputs(out, i); });
   }
 
   // The same into the arena blocks `taken` holds, one per rank (the engine's arena_take; the
@@ -315,34 +454,41 @@ class __attribute__((visibility("hidden"))) HostPath {
   py::list dispatch_rows_into(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
                               ArenaTaken& taken) {
     if (!direct) throw py::value_error("dispatch_rows: arena blocks take the direct path");
-    dispatch_rows(a, true, stream, workspace, l, block_outputs(taken, taken.size()));
+    check_blocks(taken, taken.size());
+    rows_of(a, true, stream, workspace, l, taken.size(), [&taken](size_t i) { return block_outputs(taken, i); });
     return output_tensors(taken);
   }
 
   // A dispatch whose output size is known before the count kernel (static size, or a
-  // handle's): both kernels in one call.
+  // handle's): both kernels in one call. The outputs are read before the count kernel
+  // launches: a bad one launches neither.
   void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                const std::vector<DispatchInputs>& in, const std::vector<DispatchOutputs>& out) {
+                const py::list& in, const py::list& out) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
+    const size_t n = check_count(out.size());
+    DispatchOutputs outs[kMaxLaunchRanks];
+    for (size_t i = 0; i < n; ++i) outs[i] = seam_->read_dispatch_outputs(out, i);
     dispatch_count(a, stream, workspace, l, rows, in, false);
-    dispatch_rows(a, direct, stream, workspace, l, out);
+    rows_of(a, direct, stream, workspace, l, n, [&outs](size_t i) { return outs[i]; });
   }
 
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
   // engine's arena_take): both kernels, then the blocks' tensors, one OutputTensors per rank.
   // One call instead of the addresses, the launch and the tensors one by one.
   py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                         const std::vector<DispatchInputs>& in, ArenaTaken& taken) {
-    dispatch(a, true, stream, workspace, l, rows, in, block_outputs(taken, in.size()));
+                         const py::list& in, ArenaTaken& taken) {
+    check_blocks(taken, in.size());
+    dispatch_count(a, stream, workspace, l, rows, in, false);
+    rows_of(a, true, stream, workspace, l, taken.size(), [&taken](size_t i) { return block_outputs(taken, i); });
     return output_tensors(taken);
   }
 
-  // A combine on the parts of the dispatch handles' workspaces.
-  void combine(LaunchArgs& a, bool direct, uint64_t stream, const std::vector<CombineInputs>& in) {
-    check_count(in.size());
-    for (size_t i = 0; i < in.size(); ++i) {
+  // A combine on the parts of the dispatch handles' workspaces. in: one CombineInputs per rank.
+  void combine(LaunchArgs& a, bool direct, uint64_t stream, const py::list& in) {
+    const size_t n = check_count(in.size());
+    for (size_t i = 0; i < n; ++i) {
       RankArgs r = fixed_[i];
-      const CombineInputs& c = in[i];
+      const CombineInputs c = seam_->read_combine_inputs(in, i);
       r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = c.num_tokens;
       r.topk = c.topk;
@@ -357,38 +503,62 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.num_out_rows = c.num_rows;
       a.ranks[i] = r;
     }
-    a.num_ranks = static_cast<int32_t>(in.size());
+    a.num_ranks = static_cast<int32_t>(n);
     if (direct) launch_checked(&launch_combine_direct, a, stream, "combine_direct");
     else launch_checked(&launch_combine_receive, a, stream, "combine_receive");
   }
 
  private:
-  void check_count(size_t n) const {
+  size_t check_count(size_t n) const {
     if (n != fixed_.size())
       throw py::value_error("this host path drives " + std::to_string(fixed_.size()) + " rank(s), got " +
                             std::to_string(n));
+    return n;
   }
 
-  // Each block's outputs: a direct dispatch's block holds rows, scales, probs in that order
+  // The dispatch kernel on n ranks' outputs, rank i's from out(i) (a DispatchOutputs).
+  template <typename Out>
+  void rows_of(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, size_t n,
+               Out&& out) {
+    const uint64_t absent = absent_ | absent_after_count_;
+    check_count(n);
+    if (static_cast<int32_t>(n) != a.num_ranks)
+      throw py::value_error("dispatch_rows: one output per rank of the count kernel");
+    for (size_t i = 0; i < n; ++i) {
+      RankArgs& r = a.ranks[i];
+      const DispatchOutputs o = out(i);
+      const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
+      set_row_tables(r, direct, part, l);
+      r.out = o.rows;
+      r.out_scales = o.scales;
+      r.out_probs = o.probs;
+      r.num_out_rows = o.num_rows;
+      r.absent = static_cast<int32_t>((absent >> i) & 1);
+    }
+    if (direct) launch_checked(&launch_dispatch_direct, a, stream, "dispatch_direct");
+    else launch_checked(&launch_dispatch_receive, a, stream, "dispatch_receive");
+  }
+
+  // A direct dispatch's blocks, one per rank: each holds rows, scales, probs in that order
   // (arena.py, _call_specs), the scales absent (address 0) without fp8.
-  static std::vector<DispatchOutputs> block_outputs(const ArenaTaken& taken, size_t ranks) {
+  static void check_blocks(const ArenaTaken& taken, size_t ranks) {
     if (taken.size() != ranks) throw py::value_error("dispatch: one arena block per rank");
     if (taken.layout().views.size() != 3) throw py::value_error("dispatch: arena blocks of rows, scales, probs");
-    std::vector<DispatchOutputs> out(ranks);
+  }
+
+  // Block i's outputs (check_blocks first).
+  static DispatchOutputs block_outputs(const ArenaTaken& taken, size_t i) {
     uint64_t at[ArenaLayout::kMaxViews];
-    for (size_t i = 0; i < ranks; ++i) {
-      const int64_t rows = taken.block_addresses(i, at);
-      out[i] = DispatchOutputs{rows, at[0], at[1], at[2]};
-    }
-    return out;
+    const int64_t rows = taken.block_addresses(i, at);
+    return DispatchOutputs{rows, at[0], at[1], at[2]};
   }
 
   py::list output_tensors(ArenaTaken& taken) const {
-    return taken.tensors_as([this](py::object* views) { return outputs_->make(views); });
+    return taken.tensors_as([this](py::object* views) { return seam_->output_tensors.make(views); });
   }
 
   std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, arena_bases, agree; the rest zero
-  const OutputTensorsType* outputs_;              // the module's, alive for good
+  const SeamTypes* seam_;        // the module's, alive for good
   uint64_t absent_ = 0, absent_after_count_ = 0;  // set_absent
 };
 
@@ -532,43 +702,34 @@ inline void bind_common(py::module_& m) {
   m.def("call_layout", &call_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
         py::arg("receive"), "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
   m.attr("CALL_ALIGN") = kCallAlign;
-  // The seam's structs (above): positional arguments in the order of the fields are the cheap
-  // call; the keywords name them.
-  py::class_<DispatchInputs>(m, "DispatchInputs", py::module_local())
-      .def(py::init<int32_t, int32_t, uint64_t, uint64_t, uint64_t, uint64_t>(), py::arg("num_tokens"), py::arg("topk"),
-           py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"))
-          RW(DispatchInputs, num_tokens) RW(DispatchInputs, topk) RW(DispatchInputs, x) RW(DispatchInputs, x_scales)
-              RW(DispatchInputs, topk_idx) RW(DispatchInputs, topk_weights);
-  py::class_<DispatchOutputs>(m, "DispatchOutputs", py::module_local())
-      .def(py::init<int64_t, uint64_t, uint64_t, uint64_t>(), py::arg("num_rows"), py::arg("rows"), py::arg("scales"),
-           py::arg("probs")) RW(DispatchOutputs, num_rows) RW(DispatchOutputs, rows) RW(DispatchOutputs, scales)
-          RW(DispatchOutputs, probs);
-  py::class_<CombineInputs>(m, "CombineInputs", py::module_local())
-      .def(py::init<int32_t, int32_t, uint64_t, const CallLayout&, uint64_t, uint64_t, uint64_t, uint64_t, int64_t>(),
-           py::arg("num_tokens"), py::arg("topk"), py::arg("part"), py::arg("layout"), py::arg("topk_idx"),
-           py::arg("expert_out"), py::arg("probs"), py::arg("y"), py::arg("num_rows")) RW(CombineInputs, num_tokens)
-          RW(CombineInputs, topk) RW(CombineInputs, part) RW(CombineInputs, layout) RW(CombineInputs, topk_idx)
-              RW(CombineInputs, expert_out) RW(CombineInputs, probs) RW(CombineInputs, y) RW(CombineInputs, num_rows);
-  const auto* outputs = new OutputTensorsType(m);  // for good: every HostPath of the module makes them
-  m.attr("OutputTensors") = outputs->type();
+  // The seam's struct sequences (SeamTypes): ext.DispatchInputs((num_tokens, topk, ...)), the
+  // items in the order of the fields.
+  const auto* seam = new SeamTypes(m);  // for good: every HostPath of the module reads and makes them
+  m.attr("DispatchInputs") = seam->dispatch_inputs.type();
+  m.attr("DispatchOutputs") = seam->dispatch_outputs.type();
+  m.attr("CombineInputs") = seam->combine_inputs.type();
+  m.attr("OutputTensors") = seam->output_tensors.type();
   py::class_<HostPath>(m, "HostPath", py::module_local())
-      .def(py::init([outputs](const std::vector<RankArgs>& ranks) { return new HostPath(ranks, outputs); }),
-           py::arg("ranks"))
+      .def(py::init([seam](const std::vector<RankArgs>& ranks) { return new HostPath(ranks, seam); }), py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
       .def("set_absent", &HostPath::set_absent, py::arg("absent"), py::arg("after_count"))
       .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
-           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"))
+           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"),
+           "inputs: a list of one DispatchInputs per rank")
       .def("dispatch_rows", &HostPath::dispatch_rows, py::arg("args"), py::arg("direct"), py::arg("stream"),
            py::arg("workspace"), py::arg("layout"), py::arg("outputs"))
-      .def("dispatch_rows", &HostPath::dispatch_rows_into, py::arg("args"), py::arg("direct"), py::arg("stream"),
-           py::arg("workspace"), py::arg("layout"), py::arg("outputs"),
-           "outputs: one DispatchOutputs per rank, or the arena blocks an ArenaTaken holds (direct only; then "
-           "returns their OutputTensors)")
+      .def(
+          "dispatch_rows", &HostPath::dispatch_rows_into, py::arg("args"), py::arg("direct"), py::arg("stream"),
+          py::arg("workspace"), py::arg("layout"), py::arg("outputs"),
+          "outputs: a list of one DispatchOutputs per rank, or the arena blocks an ArenaTaken holds (direct only; then "
+          "returns their OutputTensors)")
       .def("dispatch", &HostPath::dispatch, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("workspace"),
-           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("outputs"))
+           py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("outputs"),
+           "inputs, outputs: lists of one DispatchInputs, one DispatchOutputs per rank")
       .def("dispatch_into", &HostPath::dispatch_into, py::arg("args"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("taken"))
-      .def("combine", &HostPath::combine, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("inputs"));
+      .def("combine", &HostPath::combine, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("inputs"),
+           "inputs: a list of one CombineInputs per rank");
   m.def(
       "set_launches_enabled", [](bool on) { launches_enabled() = on; },
       "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");

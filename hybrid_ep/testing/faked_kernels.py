@@ -180,7 +180,7 @@ class GlooKernels:
 
     def _rows_into(self, args, ptr: int, taken) -> list:
         ext = self.engine.ext
-        self._rows(args, True, ptr, ext.DispatchOutputs(self.calls[ptr].rows[self.rank], *taken.addresses()[0]))
+        self._rows(args, True, ptr, ext.DispatchOutputs((self.calls[ptr].rows[self.rank], *taken.addresses()[0])))
         return [ext.OutputTensors(t) for t in taken.tensors()]
 
     def _rows(self, args, direct: bool, ptr: int, out) -> None:

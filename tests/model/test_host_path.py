@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -420,23 +421,80 @@ def test_host_path_checks_its_rank_count(group):
     e = group.engine
     args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
-        e.host.combine(args, False, 0, [e.ext.CombineInputs(T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True),
-                                                            0, 0, 0, 0, 0)])
+        e.host.combine(args, False, 0, [e.ext.CombineInputs((T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True),
+                                                             0, 0, 0, 0, 0))])
 
 
-def test_the_host_path_takes_its_named_structs_only(group):
-    """What crosses into the host path per rank is the extension's named struct
-    (bindings/common.h), not a tuple of its fields; keywords name the fields."""
-    e = group.engine
-    layout = e.ext.call_layout(e.geo, 2, K, False, True)
-    args = e._launch_args(1, "float32", H, "combine_receive", "float32")
-    with pytest.raises(TypeError):
-        e.host.combine(args, False, 0, [(T, K, 0, layout, 0, 0, 0, 0, 0)] * W)
-    c = e.ext.CombineInputs(num_tokens=T, topk=K, part=1, layout=layout, topk_idx=2, expert_out=3, probs=4, y=5,
-                            num_rows=6)
-    assert (c.part, c.topk_idx, c.expert_out, c.probs, c.y, c.num_rows) == (1, 2, 3, 4, 5, 6)
-    d = e.ext.DispatchInputs(T, K, 1, 2, 3, 4)
-    assert (d.num_tokens, d.topk, d.x, d.x_scales, d.topk_idx, d.topk_weights) == (T, K, 1, 2, 3, 4)
+def test_the_seams_structs_are_struct_sequences_of_their_fields(group):
+    """What crosses into the host path per rank is one of the extension's struct sequences
+    (bindings/common.h, SeamTypes): built from the tuple of its fields in their one order and
+    read by name; the wrong length is an error naming the struct."""
+    ext = group.engine.ext
+    layout = ext.call_layout(group.engine.geo, 2, K, False, True)
+    assert ext.DispatchInputs.__match_args__ == ("num_tokens", "topk", "x", "x_scales", "topk_idx", "topk_weights")
+    assert ext.DispatchOutputs.__match_args__ == ("num_rows", "rows", "scales", "probs")
+    assert ext.CombineInputs.__match_args__ == ("num_tokens", "topk", "part", "layout", "topk_idx", "expert_out",
+                                                "probs", "y", "num_rows")
+    d = ext.DispatchInputs((T, K, 1, 2, 3, 4))
+    assert (d.num_tokens, d.topk, d.x, d.x_scales, d.topk_idx, d.topk_weights) == (T, K, 1, 2, 3, 4) == tuple(d)
+    o = ext.DispatchOutputs((5, 1, 0, 2))
+    assert (o.num_rows, o.rows, o.scales, o.probs) == (5, 1, 0, 2)
+    c = ext.CombineInputs((T, K, 1, layout, 2, 3, 4, 5, 6))
+    assert (c.num_tokens, c.topk, c.part, c.topk_idx, c.expert_out, c.probs, c.y, c.num_rows) == (T, K, 1, 2, 3, 4,
+                                                                                                  5, 6)
+    assert c.layout is layout
+    name = re.escape(ext.__name__)
+    with pytest.raises(TypeError, match=rf"{name}\.CombineInputs\(\) takes a 9-sequence \(8-sequence given\)"):
+        ext.CombineInputs((T, K, 1, layout, 2, 3, 4, 5))
+    with pytest.raises(TypeError, match=rf"{name}\.DispatchInputs\(\) takes a 6-sequence \(7-sequence given\)"):
+        ext.DispatchInputs((T, K, 1, 2, 3, 4, 5))
+
+
+def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
+    """A plain tuple or another struct where the host path reads one of its structs is a
+    TypeError naming the struct and its fields; a field of the wrong type a TypeError, one out of
+    its C++ type's range an OverflowError, each naming the struct and field. A dispatch whose
+    outputs are bad launches neither kernel."""
+    e, ext = group.engine, group.engine.ext
+    name = re.escape(ext.__name__)
+    layout = ext.call_layout(e.geo, 2, K, False, True)
+    combine = e._launch_args(1, "float32", H, "combine_receive", "float32")
+    dispatch = e._launch_args(1, "float32", H, "dispatch_receive")
+    good_in = ext.DispatchInputs((T, K, 64, 0, 128, 256))
+    good_out = ext.DispatchOutputs((T, 64, 0, 128))
+
+    def combine_inputs(**fields):
+        values = dict(zip(ext.CombineInputs.__match_args__, (T, K, 64, layout, 0, 128, 256, 512, 8)), **fields)
+        return ext.CombineInputs(tuple(values.values()))
+
+    ext.set_launches_enabled(False)  # nothing below may get as far as a launch; none runs if one did
+    before = ext.launch_counts()
+    try:
+        with pytest.raises(TypeError, match=rf"^inputs\[0\]: a {name}\.CombineInputs \(its fields in order: "
+                                            r"num_tokens, topk, part, layout, topk_idx, expert_out, probs, y, "
+                                            r"num_rows\), got tuple$"):
+            e.host.combine(combine, False, 0, [(T, K, 64, layout, 0, 128, 256, 512, 8)] * W)
+        with pytest.raises(TypeError, match=rf"^outputs\[1\]: a {name}\.DispatchOutputs .*, "
+                                            rf"got {name}\.DispatchInputs$"):
+            e.host.dispatch(dispatch, False, 0, 0, layout, STATIC, [good_in] * W, [good_out, good_in])
+        with pytest.raises(TypeError, match=rf"^{name}\.CombineInputs\.y: an int, got float$"):
+            e.host.combine(combine, False, 0, [combine_inputs(y=512.0)] * W)
+        with pytest.raises(TypeError, match=rf"^{name}\.CombineInputs\.layout: a CallLayout \(call_layout\(\)\), "
+                                            r"got int$"):
+            e.host.combine(combine, False, 0, [combine_inputs(layout=0)] * W)
+        with pytest.raises(TypeError, match=rf"^{name}\.DispatchInputs\.x: an int, got Tensor$"):
+            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [ext.DispatchInputs((T, K, torch.zeros(1), 0, 128,
+                                                                                       256))] * W, False)
+        with pytest.raises(OverflowError, match=rf"^{name}\.DispatchInputs\.num_tokens: 4294967296 is out of range "
+                                                r"of int32$"):
+            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [ext.DispatchInputs((1 << 32, K, 64, 0, 128, 256))]
+                                  * W, False)
+        with pytest.raises(OverflowError, match=rf"^{name}\.DispatchOutputs\.rows: -64 is out of range of uint64$"):
+            e.host.dispatch(dispatch, False, 0, 0, layout, STATIC, [good_in] * W,
+                            [good_out, ext.DispatchOutputs((T, -64, 0, 128))])
+        assert ext.launch_counts() == before
+    finally:
+        ext.set_launches_enabled(True)
 
 
 # The engine's messages for bad arguments, word for word as before the host path moved.

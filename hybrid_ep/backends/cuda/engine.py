@@ -14,15 +14,15 @@ The host path per call: Python checks the arguments and allocates what the calle
 of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
 expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
-one call into the extension (ext.HostPath, each rank's part a named struct of the extension's:
-ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills every rank's launch arguments and
-launches the kernel sequence: both dispatch kernels when the output size and path are known,
-else the count kernel, the host read, then the dispatch kernel (Engine.dispatch). Between that
-read and the dispatch launch (a GPU idles there) only what needs the output sizes runs: the
-path, the peer memory blocks' ranges or the receive path's outputs; the blocks' tensors (made
-by the extension, arena.py, as ext.OutputTensors: rows, scales, probs, the one order of a
-dispatch's outputs) and the per-rank results are made after the launch. The handle's
-tensors are views of the workspace made when read.
+one call into the extension (ext.HostPath, each rank's part a struct sequence, a named tuple, of
+the extension's: ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills every rank's
+launch arguments and launches the kernel sequence: both dispatch kernels when the output size
+and path are known, else the count kernel, the host read, then the dispatch kernel
+(Engine.dispatch). Between that read and the dispatch launch (a GPU idles there) only what
+needs the output sizes runs: the path, the peer memory blocks' ranges or the receive path's
+outputs; the blocks' tensors (made by the extension, arena.py, as ext.OutputTensors: rows,
+scales, probs, the one order of a dispatch's outputs) and the per-rank results are made after
+the launch. The handle's tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
@@ -139,10 +139,16 @@ def _spans(tensors) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
 
 
-# What crosses into the extension per call and rank are its structs (csrc/bindings/common.h):
-# ext.DispatchInputs, ext.DispatchOutputs and ext.CombineInputs, built positionally in the order
-# of their fields, and back from it ext.OutputTensors. A dispatch's outputs are in one order
-# everywhere: rows, scales, probs. check_extension refuses a module without them.
+# What crosses into the extension per call and rank are its struct sequences, the C API's named
+# tuples (csrc/bindings/common.h, SeamTypes), one list of one per rank: ext.DispatchInputs,
+# ext.DispatchOutputs and ext.CombineInputs, each built from the tuple of its fields in this order
+# (ext.DispatchInputs((T, K, x, ...)), one C call), and back from it ext.OutputTensors:
+#   DispatchInputs   num_tokens, topk, x, x_scales, topk_idx, topk_weights (addresses)
+#   DispatchOutputs  num_rows, rows, scales, probs
+#   CombineInputs    num_tokens, topk, part, layout, topk_idx, expert_out, probs, y, num_rows
+#   OutputTensors    rows, scales, probs (tensors)
+# A dispatch's outputs are in one order everywhere: rows, scales, probs. Each is read by name
+# (.rows) at a tuple item's cost. check_extension refuses a module without them.
 SEAM = ("DispatchInputs", "DispatchOutputs", "CombineInputs", "OutputTensors")
 
 
@@ -413,7 +419,7 @@ class Engine:
             x_ptr = x.data_ptr()
             if x_ptr % 16:
                 x, x_ptr = _aligned(x)
-            inputs.append(make(T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr))  # DispatchInputs' fields, in order
+            inputs.append(make((T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr)))  # DispatchInputs' fields, in order
             keep.append(InputTensors(T, K, x, sc, idx, w))
         return DispatchCall(dtype, dtype_name, fp8, topk, inputs, keep)
 
@@ -542,14 +548,15 @@ class Engine:
             out = torch.empty(R, H, dtype=dtype, device=dev)
             sc = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
             probs = torch.empty(R, dtype=torch.float32, device=dev)
-            outputs.append(addresses(R, out.data_ptr(), sc.data_ptr() if sc is not None else 0, probs.data_ptr()))
+            outputs.append(addresses((R, out.data_ptr(), sc.data_ptr() if sc is not None else 0, probs.data_ptr())))
             made.append(tensors((out, sc, probs)))
         return outputs, made
 
     def _block_outputs(self, rows: list[int], taken) -> list:
         """ext.DispatchOutputs per rank of the blocks `taken` holds (the CPU model's
         declarations; the extension reads the blocks' addresses itself)."""
-        return [self.ext.DispatchOutputs(R, *at) for R, at in zip(rows, taken.addresses())]
+        make = self.ext.DispatchOutputs
+        return [make((R, *at)) for R, at in zip(rows, taken.addresses())]
 
     def _dispatch_tensors(self, keep: list[InputTensors]) -> list[torch.Tensor]:
         return ([t for k in keep for t in (k.x, k.x_scales, k.topk_idx, k.topk_weights) if t is not None] +
@@ -672,9 +679,9 @@ class Engine:
             T = send.num_tokens
             y = torch.empty(T, C, dtype=dtype, device=self.device)
             call = send.call
-            inputs.append(make(T, send.topk, call.part(send.part), call.layout,  # CombineInputs' fields, in order
-                               send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
-                               recv.num_rows))
+            inputs.append(make((T, send.topk, call.part(send.part), call.layout,  # CombineInputs' fields, in order
+                                send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
+                                recv.num_rows)))
             outs.append(y)
         return inputs, outs, keep, in_peer, copied
 
