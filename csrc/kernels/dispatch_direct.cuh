@@ -201,14 +201,20 @@ __device__ void load_rows(const DirectDispatch<Rdma>& d) {
   d.fifo.drain(d.args, PipeState{}, produced);
 }
 
+// Tokens whose fp8 scales route_scales loads before storing any of them: their loads are in
+// flight together, so a chunk pays kScaleBatch-fold fewer load latencies (a token at a time, each
+// token's stores waited for its own load: 32 device-memory latencies per chunk on the table warp,
+// which the store warps wait for once the rows are half as wide as bf16's).
+constexpr int kScaleBatch = 8;
+
 // Warp 1, once a unit's table is written: each of its tokens' fp8 scales (scales(j): token j's)
 // to each of its routes' rows on this node (another node's targets get theirs from the RDMA warp).
-// The whole warp copies one token at a time: lane l holds the token's scales 4 l .. 4 l + 3 of
-// each pass of 128 (one 16-byte load where the input's row allows it), loaded once and stored
-// to every route's row (16 bytes where the row is aligned, else 4 at a time), so a route's scales
-// go as whole sectors (8 at H = 8192, 7 at 7168). A lane per token storing each scale alone took
-// a sector, and a load, per scale and route (ncu on the H200: about 2.9 ns each, 64 per route at
-// H = 8192, which left the fp8 dispatch slower than bf16's).
+// The whole warp copies kScaleBatch tokens at a time: lane l holds each token's scales 4 l .. 4 l + 3
+// of each pass of 128 (one 16-byte load where the input's row allows it), all the batch's loaded
+// before any is stored, then stored to every route's row (16 bytes where the row is aligned, else 4
+// at a time), so a route's scales go as whole sectors (8 at H = 8192, 7 at 7168). A lane per token
+// storing each scale alone took a sector, and a load, per scale and route (ncu on the H200: about
+// 2.9 ns each, 64 per route at H = 8192, which left the fp8 dispatch slower than bf16's).
 template <typename Rdma, typename Scales>
 __device__ void route_scales(const DirectDispatch<Rdma>& d, const RouteTable& tab, int tokens, int lane,
                              Scales scales) {
@@ -216,29 +222,38 @@ __device__ void route_scales(const DirectDispatch<Rdma>& d, const RouteTable& ta
   if (S == 0) return;
   __syncwarp();  // every lane's routes in the table
   const auto aligned = [](const float* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  for (int j = 0; j < tokens; ++j) {
-    const float* src = scales(j);
+  for (int j0 = 0; j0 < tokens; j0 += kScaleBatch) {
     for (int base = 0; base < S; base += 4 * 32) {
       const int c = base + 4 * lane, mine = max(0, min(4, S - c));  // this lane's scales of the pass
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      if (mine == 4 && aligned(src + c)) {
-        const float4 q = dev::ld(reinterpret_cast<const float4*>(src + c));
-        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-      } else {
+      float v[kScaleBatch][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (e < mine) v[e] = dev::ld(src + c + e);
-      }
-      for (int r = 0; r < tab.targets[j] && mine > 0; ++r) {
-        const int dst = tab.dest[j][r];
-        if (dst >= kStagedTarget) continue;
-        float* to = reinterpret_cast<float*>(d.sh.scales[dst]) + static_cast<int64_t>(tab.row[j][r]) * S + c;
-        if (mine == 4 && aligned(to)) {
-          dev::st(reinterpret_cast<float4*>(to), make_float4(v[0], v[1], v[2], v[3]));
+      for (int b = 0; b < kScaleBatch; ++b) {
+        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+        if (j0 + b >= tokens || mine == 0) continue;
+        const float* src = scales(j0 + b);
+        if (mine == 4 && aligned(src + c)) {
+          const float4 q = dev::ld(reinterpret_cast<const float4*>(src + c));
+          v[b][0] = q.x, v[b][1] = q.y, v[b][2] = q.z, v[b][3] = q.w;
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (e < mine) dev::st(to + e, v[e]);
+            if (e < mine) v[b][e] = dev::ld(src + c + e);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kScaleBatch; ++b) {
+        const int j = j0 + b;
+        for (int r = 0; j < tokens && r < tab.targets[j] && mine > 0; ++r) {
+          const int dst = tab.dest[j][r];
+          if (dst >= kStagedTarget) continue;
+          float* to = reinterpret_cast<float*>(d.sh.scales[dst]) + static_cast<int64_t>(tab.row[j][r]) * S + c;
+          if (mine == 4 && aligned(to)) {
+            dev::st(reinterpret_cast<float4*>(to), make_float4(v[b][0], v[b][1], v[b][2], v[b][3]));
+          } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (e < mine) dev::st(to + e, v[b][e]);
+          }
         }
       }
     }
@@ -259,15 +274,29 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
   const int64_t t = static_cast<int64_t>(t0) + lane;
   int n = 0;
   if (lane < d.chunk && t < t1) {
-    for (int k = 0; k < d.K; ++k) {
-      const int64_t e = idx[t * d.K + k];  // checked by the count kernel: -1 or a valid expert
+    // Every route's expert, ordinal and weight loaded before the first store, so their loads are
+    // in flight together (a store between them would order each route's loads after the last
+    // route's stores: a device-memory latency per route on the table warp).
+    int32_t expert[kMaxTopK], ord[kMaxTopK];
+    float weight[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k >= d.K) continue;
+      expert[k] = static_cast<int32_t>(dev::ld(&idx[t * d.K + k]));  // checked by the count kernel: -1 or valid
+      ord[k] = dev::ld(&ords[t * d.K + k]);
+      weight[k] = dev::ld(&weights[t * d.K + k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      if (k >= d.K) continue;
+      const int e = expert[k];
       int32_t row = -1;
       const int dst = e >= 0 ? expert_rank(e, d.L) : 0;
       if (e >= 0 && d.h.topo.same_node(dst, d.a.rank)) {  // another node's routes: its rail peer's
-        const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];
+        const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ord[k];
         if (p < d.sh.num_rows[dst]) {
           row = static_cast<int32_t>(p);
-          dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weights[t * d.K + k]);
+          dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weight[k]);
           tab.row[lane][n] = row;
           tab.dest[lane][n] = static_cast<uint8_t>(dst);
           ++n;
