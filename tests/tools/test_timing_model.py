@@ -87,7 +87,8 @@ def test_every_run_names_a_commit_of_the_repository():
 model = importlib.import_module("hybrid_ep._model")
 
 # Distinct values, so that a formula that adds the wrong constant cannot match by chance.
-COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "arrive_ns": 17.0, "try_wait_ns": 13.0,
+COSTS = {"launch_ns": 1009.0, "barrier_ns": 31.0, "collective_ns": 23.0, "reconverge_ns": 59.0, "arrive_ns": 17.0,
+         "try_wait_ns": 13.0,
          "wake_ns": 211.0, "poll_ns": 701.0, "flag_latency_ns": 997.0, "release_ns": 503.0, "atomic_ns": 601.0,
          "fence_gpu_ns": 307.0, "fence_sys_ns": 1013.0, "fence_proxy_ns": 29.0, "issue_ns": 37.0,
          "commit_ns": 11.0, "wait_group_ns": 19.0, "g2s_latency_ns": 709.0, "s2g_read_latency_ns": 401.0,
@@ -379,7 +380,7 @@ def test_plain_accesses_cost_nothing_and_count_nothing_with_timing_off():
 # ---- shared resources: issue slots, device memory, L2 ---------------------------------------
 
 # Work starts at t = 0 (no barrier cost), on a bucket's edge, so the issue calendar is exact.
-ISSUE = {**COSTS, "barrier_ns": 0.0, "collective_ns": 0.0, "pair_instruction_ns": 0.0}
+ISSUE = {**COSTS, "barrier_ns": 0.0, "collective_ns": 0.0, "reconverge_ns": 0.0, "pair_instruction_ns": 0.0}
 
 
 @pytest.mark.parametrize("warps", [1, 4, 5, 8])
@@ -452,7 +453,8 @@ def test_a_spinning_warp_slows_the_working_warp_of_its_scheduler_only(seed):
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
     """Thread 0 fences n times and arrives; lane 0 of warp 1 waits for that phase on the
-    mbarrier, the warp's other 31 lanes at the __syncwarp after it. The report groups warp 1's
+    mbarrier, the warp's other 31 lanes at the __syncwarp after it, where the warp reconverges
+    (reconverge_ns: one lane comes from a wait, the others not). The report groups warp 1's
     lanes by the sites they passed into those two paths, each with its exact times; ncu's warp
     sampling (shares.SAMPLED) counts the two paths alike, the busiest lane (shares.BUSIEST) only
     lane 0's mbarrier wait."""
@@ -462,7 +464,7 @@ def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
     r = timed_selftest("diverged_wait", 1, n, 16)
     arrived = c["barrier_ns"] + n * c["fence_gpu_ns"] + c["arrive_ns"]
     woken = arrived + c["wake_ns"]
-    assert r["time_ns"] == pytest.approx(woken + c["collective_ns"] + c["launch_ns"], rel=1e-12)
+    assert r["time_ns"] == pytest.approx(woken + c["reconverge_ns"] + c["launch_ns"], rel=1e-12)
     warp0, warp1 = r["roles"]
     assert [p["lanes"] for p in warp0["paths"]] == [32]  # one path: lane 0 works, the others are done
     assert warp0["paths"][0]["busy_ns"] == pytest.approx(arrived, rel=1e-12)
@@ -470,24 +472,39 @@ def test_a_diverged_warp_is_reported_by_its_paths_and_sampled_alike(n):
     assert sorted(paths) == [1, 31] and all(p["blocks"] == 1 for p in paths.values())
     spinner, others = paths[1], paths[31]
     mbar_wait = woken - c["barrier_ns"] - c["try_wait_ns"]
-    assert spinner["busy_ns"] == pytest.approx(c["barrier_ns"] + c["try_wait_ns"] + c["collective_ns"], rel=1e-12)
+    assert spinner["busy_ns"] == pytest.approx(c["barrier_ns"] + c["try_wait_ns"] + c["reconverge_ns"], rel=1e-12)
     assert [w.split(" (")[0] for w, _ in spinner["waits"]] == ["mbarrier wait"]
     assert spinner["waits"][0][1] == pytest.approx(mbar_wait, rel=1e-12)
-    assert others["busy_ns"] == pytest.approx(c["barrier_ns"] + c["collective_ns"], rel=1e-12)
+    assert others["busy_ns"] == pytest.approx(c["barrier_ns"] + c["reconverge_ns"], rel=1e-12)
     assert [w.split(" (")[0] for w, _ in others["waits"]] == ["__syncwarp"]
     assert others["waits"][0][1] == pytest.approx(woken - c["barrier_ns"], rel=1e-12)
     for p in paths.values():
-        assert p["end_ns"] == pytest.approx(woken + c["collective_ns"], rel=1e-12)
+        assert p["end_ns"] == pytest.approx(woken + c["reconverge_ns"], rel=1e-12)
     assert warp1["waits"] == spinner["waits"]  # the warp's busiest lane is lane 0
 
     total = 2 * r["time_ns"]
     sampled = shares.model_shares(r, shares.SAMPLED)
     assert sampled == pytest.approx({
-        "busy": (arrived + c["barrier_ns"] + c["collective_ns"] + c["try_wait_ns"] / 2) / total,
+        "busy": (arrived + c["barrier_ns"] + c["reconverge_ns"] + c["try_wait_ns"] / 2) / total,
         shares.MBARRIER: mbar_wait / 2 / total, shares.SYNCWARP: (woken - c["barrier_ns"]) / 2 / total}, rel=1e-12)
     busiest = shares.model_shares(r, shares.BUSIEST)
     assert busiest == pytest.approx({"busy": (arrived + spinner["busy_ns"]) / total,
                                      shares.MBARRIER: mbar_wait / total}, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_a_warp_whose_every_lane_waits_meets_at_a_plain_collective(n):
+    """The same phase waited for by every lane of warp 1 itself, then __syncwarp: the lanes come
+    from the same wait, so the collective costs collective_ns, not reconverge_ns, and the warp is
+    one path."""
+    c = COSTS
+    r = timed_selftest("converged_wait", 1, n, 16)
+    woken = c["barrier_ns"] + n * c["fence_gpu_ns"] + c["arrive_ns"] + c["wake_ns"]
+    assert r["time_ns"] == pytest.approx(woken + c["collective_ns"] + c["launch_ns"], rel=1e-12)
+    diverged = timed_selftest("diverged_wait", 1, n, 16)
+    assert diverged["time_ns"] - r["time_ns"] == pytest.approx(c["reconverge_ns"] - c["collective_ns"], rel=1e-9)
+    warp1 = r["roles"][1]
+    assert [p["lanes"] for p in warp1["paths"]] == [32]
 
 
 @pytest.mark.parametrize("blocks", [1, 4])

@@ -46,6 +46,13 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         f"{g('H_bare', 0):.1f}, hinted {g('H_hint', 0):.1f}). A whole warp's stage wait (mbar_wait, warp_uniform, "
         f"31 lanes observe) is H_warp_uniform {g('H_warp_uniform', 0):.1f}: in the model this wake-up, the warp "
         f"collective and the lanes' try_wait", "H_project")
+    reconverge = g("H_elect", 0) - g("H_bare", 0)
+    put("reconverge_ns", reconverge,
+        f"H_elect {g('H_elect', 0):.1f} (a whole warp's hand-off: an elected lane waits, bare try_wait, then "
+        f"__syncwarp) less H_bare {g('H_bare', 0):.1f} (the lane alone): the divergence of a lane's wait loop "
+        f"ended at a collective. The model's stage wait of a warp whose other lanes then observe the phase "
+        f"(two such collectives a stage) gives H_project + 2 x this, {g('H_project', 0) + 2 * reconverge:.1f}, "
+        f"against H_warp_uniform {g('H_warp_uniform', 0):.1f}", "H_elect", "H_bare")
     if "P_acquire" in v and mhz.get("P_acquire"):
         put("poll_ns", v["P_acquire"] * 1000.0 / mhz["P_acquire"],
             f"P_acquire, one ld.acquire.sys poll, {v['P_acquire']:.1f} cycles at {mhz['P_acquire']:.0f} MHz")

@@ -551,7 +551,10 @@ void Timer::resolve(int th, double own, const Origin& dep, double latency, int32
 }
 
 void Timer::barrier(const std::vector<int>& participants, Site site) {
-  for (int th : participants) settle(th);
+  for (int th : participants) {
+    settle(th);
+    clocks_[th].waited = false;
+  }
   int last = participants.front();
   for (int th : participants)
     if (clocks_[th].t > clocks_[last].t) last = th;
@@ -562,15 +565,26 @@ void Timer::barrier(const std::vector<int>& participants, Site site) {
   path_.release(shared);
 }
 
+// A collective whose lanes come from different paths, some from an mbarrier wait and some not,
+// ends a divergence: the waiting lane ran its loop while the others stood here, and the warp
+// reconverges (reconverge_ns, micro M1: an elected lane's wait and the __syncwarp after it against
+// a lane alone). Lanes that all waited (each its own wait, the warp converged) or none pay
+// collective_ns.
 void Timer::collective(const std::vector<int>& lanes, Collective kind, Site site) {
-  for (int th : lanes) settle(th);
+  size_t waited = 0;
+  for (int th : lanes) {
+    settle(th);
+    waited += clocks_[th].waited ? 1 : 0;
+    clocks_[th].waited = false;
+  }
+  const double cost = waited > 0 && waited < lanes.size() ? c_.reconverge_ns : c_.collective_ns;
   int last = lanes.front();
   for (int th : lanes)
     if (clocks_[th].t > clocks_[last].t) last = th;
   const int32_t what = category(collective_name(kind), site);
   const Origin dep = here(last, what);
   uint32_t shared = 0;
-  for (int th : lanes) resolve(th, clocks_[th].t + c_.collective_ns, dep, c_.collective_ns, what, &shared);
+  for (int th : lanes) resolve(th, clocks_[th].t + cost, dep, cost, what, &shared);
   path_.release(shared);
 }
 
@@ -594,6 +608,7 @@ void Timer::phase_complete(const void* bar) {
 
 void Timer::wait_done(int th, const void* bar, Site site) {
   settle(th, false);
+  clocks_[th].waited = true;
   const Origin dep = mbars_[bar].done;
   resolve(th, clocks_[th].t + c_.try_wait_ns, dep, c_.wake_ns, category("mbarrier wait", site), nullptr);
   spin_end(th);  // it spun until the phase it waited for

@@ -100,6 +100,9 @@ namespace hybrid_ep::model::timing {
   X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                               \
   X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                               \
   X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on")         \
+  X(reconverge_ns,                                                                                                    \
+    "a warp collective that some of its lanes, not all, reach from an mbarrier wait since the warp's last "           \
+    "collective (a lane in a wait loop while the others stand at the collective): the last lane -> all run on")       \
   X(arrive_ns, "an mbarrier arrive (with or without expect_tx), on the arriving thread")                              \
   X(try_wait_ns, "an mbarrier try_wait that finds its phase complete, on the waiting thread")                         \
   X(wake_ns, "an mbarrier phase completes -> a thread waiting on it runs on")                                         \
@@ -391,6 +394,7 @@ class Timer {
     double loads = 0;     // the latency of the batch of plain loads not yet paid (0: none)
     double requests = 0;  // plain global stores not yet put on the SM's request path
     double count = 0;     // warp instructions this lane has issued (issue slots)
+    bool waited = false;  // an mbarrier wait since its warp's last collective (or barrier)
     bool spinning = false;
     double spin_from = 0, spin_rate = 0;  // since when it spins, warp instructions per cycle
     uint32_t node = 0;                    // the path node of the last wait another thread's event decided

@@ -16,6 +16,7 @@
 //     flag; the warp whose first thread is `bytes` (0: none) polls that flag meanwhile;
 //   - diverged_wait: thread 0 fences n times, then arrives on an mbarrier; lane 0 of warp 1 waits
 //     for that phase while the warp's other lanes wait at the __syncwarp after it (two paths);
+//   - converged_wait: the same, but every lane of warp 1 waits for the phase itself (one path);
 //   - requests_then_store: thread 0 stores n words (plain global stores), then bulk-stores `bytes`;
 //   - load_and_store: thread 0 bulk-loads n copies of `bytes` and bulk-stores n others, a load
 //     then a store (one group each), then waits for both: the engine's two directions.
@@ -60,6 +61,7 @@ enum Which {
   kIssueWarps,
   kSpinBeside,
   kDivergedWait,
+  kConvergedWait,
   kRequestsThenStore,
   kLoadAndStore,
   kNicPuts,
@@ -176,6 +178,16 @@ __global__ void timing_kernel(const Args a) {
         __syncwarp();
       }
       break;
+    case kConvergedWait:
+      if (tid == 0) {
+        for (int i = 0; i < a.n; ++i) __threadfence();
+        dev::mbar_arrive(&sh.bar[0]);
+      }
+      if (tid >= 32 && tid < 64) {
+        wait_phase(&sh.bar[0], 0);
+        __syncwarp();
+      }
+      break;
     case kRequestsThenStore:  // n plain global stores (write requests of one lane), then a bulk store
       if (tid == 0) {
         auto* words = reinterpret_cast<int*>(a.global);
@@ -218,19 +230,13 @@ __global__ void timing_kernel(const Args a) {
 
 const std::map<std::string, int>& names() {
   static const std::map<std::string, int> n = {
-      {"handoff_chain", kHandoffChain},
-      {"load_stream", kLoadStream},
-      {"store_stream", kStoreStream},
-      {"flag_chain", kFlagChain},
-      {"named_barrier", kNamedBarrier},
-      {"plain_pairs", kPlainPairs},
-      {"plain_accesses", kPlainAccesses},
-      {"issue_warps", kIssueWarps},
-      {"spin_beside", kSpinBeside},
-      {"diverged_wait", kDivergedWait},
-      {"requests_then_store", kRequestsThenStore},
-      {"load_and_store", kLoadAndStore},
-      {"nic_puts", kNicPuts},
+      {"handoff_chain", kHandoffChain},     {"load_stream", kLoadStream},
+      {"store_stream", kStoreStream},       {"flag_chain", kFlagChain},
+      {"named_barrier", kNamedBarrier},     {"plain_pairs", kPlainPairs},
+      {"plain_accesses", kPlainAccesses},   {"issue_warps", kIssueWarps},
+      {"spin_beside", kSpinBeside},         {"diverged_wait", kDivergedWait},
+      {"converged_wait", kConvergedWait},   {"requests_then_store", kRequestsThenStore},
+      {"load_and_store", kLoadAndStore},    {"nic_puts", kNicPuts},
       {"bounded_vectors", kBoundedVectors},
   };
   return n;
