@@ -578,6 +578,7 @@ inline void bind_common(py::module_& m) {
   m.attr("DIRECT_COMBINE_PIPELINES") = kDirectCombinePipelines;
   m.attr("REDUCER_WAIT_OBSERVE") = kReducerWaitObserve;
   m.attr("REDUCER_WAIT_ELECT") = kReducerWaitElect;
+  m.attr("REDUCER_WAIT_CONVERGED") = kReducerWaitConverged;
   m.attr("REDUCER_WARPS_NARROW") = kReducerWarpsNarrow;
   m.attr("REDUCER_WARPS_WIDE") = kReducerWarpsWide;
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;

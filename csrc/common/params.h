@@ -27,12 +27,16 @@ constexpr int kStaticSmemReserve = 16 * 1024;  // a kernel's static shared memor
 constexpr int kMaxStoreGroups = 7;  // store groups left in flight: the wait_group switches of kernels/pipeline.cuh
 constexpr int kDirectCombinePipelines = 2;  // pipelines of a combine_direct block, sharing its dynamic shared memory
 // How a direct-combine reducer warp learns that a stage is full (LaunchArgs::reducer_wait; the
-// host picks it from HYBRID_EP_REDUCER_WAIT, a measurement knob): lane 0 waits (bounded) and the
-// warp agrees on the verdict in both; with kReducerWaitObserve the other 31 lanes then observe
-// the completed phase themselves, with kReducerWaitElect they rely on the agreement's __syncwarp,
-// which orders lane 0's acquire before their reads.
+// host picks it from HYBRID_EP_REDUCER_WAIT, a measurement knob): with kReducerWaitObserve and
+// kReducerWaitElect lane 0 waits (bounded) and the warp agrees on the verdict; with
+// kReducerWaitObserve the other 31 lanes then observe the completed phase themselves, with
+// kReducerWaitElect they rely on the agreement's __syncwarp, which orders lane 0's acquire before
+// their reads. With kReducerWaitConverged every lane waits (bounded) itself, the warp converged,
+// and a vote of lanes that arrive together gives the verdict: no lane runs a wait loop while the
+// others stand at a collective.
 constexpr int kReducerWaitObserve = 0;
 constexpr int kReducerWaitElect = 1;
+constexpr int kReducerWaitConverged = 2;
 // Reducer warps per pipeline of a combine_direct block (LaunchArgs::reducer_warps; the host picks
 // it from HYBRID_EP_REDUCER_WARPS, a design under measurement): a segment of up to
 // kCombineMaxSegCols columns spread over 4 warps (8 vectors a thread, 162 registers)
@@ -407,7 +411,7 @@ struct LaunchArgs {
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
-  int32_t reducer_wait;                         // combine_direct: kReducerWaitObserve or kReducerWaitElect
+  int32_t reducer_wait;                         // combine_direct: kReducerWait{Observe,Elect,Converged}
   int32_t reducer_warps = kReducerWarpsNarrow;  // combine_direct: kReducerWarpsNarrow or kReducerWarpsWide
   int32_t info_read;                            // count: the host reads its info before it launches the dispatch kernel
                                                 // (dynamic size): a bad route is reported there, not in bad_route

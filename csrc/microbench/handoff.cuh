@@ -27,6 +27,9 @@ enum class Agree : int {
   kWarpUniform = 1,  // lane 0 waits, warp_uniform, the other 31 lanes observe the phase
                      // (Ring::observe_full); the sender's warp __syncwarp's, lane 0 arrives
   kElect = 2,        // an elected lane waits, then __syncwarp; the sender's elected lane arrives
+  kConverged = 3,    // every lane waits itself, the warp converged, then a vote of lanes that
+                     // arrive together (the direct combine's kReducerWaitConverged); the
+                     // sender's warp __syncwarp's, lane 0 arrives
 };
 
 constexpr int kHandoffMaxSpinners = 8;
@@ -71,6 +74,9 @@ __device__ __forceinline__ bool receive(const HandoffArgs& a, uint64_t* bar, uin
     if (!warp_uniform(ok)) return false;
     while (lane != 0 && !dev::mbar_try_wait(bar, parity)) {}
     return true;
+  } else if constexpr (G == Agree::kConverged) {
+    const bool ok = wait_phase<W>(a, bar, parity);
+    return __ballot_sync(0xffffffffu, !ok) == 0;
   } else {
     bool ok = true;
     if (dev::elect_one()) ok = wait_phase<W>(a, bar, parity);
@@ -83,7 +89,7 @@ __device__ __forceinline__ bool receive(const HandoffArgs& a, uint64_t* bar, uin
 template <Agree G>
 __device__ __forceinline__ void send(HandoffShared& sh, uint64_t* bar, int lane, bool stamp) {
   bool sender = lane == 0;
-  if constexpr (G == Agree::kWarpUniform) __syncwarp();
+  if constexpr (G == Agree::kWarpUniform || G == Agree::kConverged) __syncwarp();
   if constexpr (G == Agree::kElect) sender = dev::elect_one();
   if (sender) {
     if (stamp) sh.sent_at = cycles();

@@ -31,7 +31,10 @@ struct HandoffCase {
 
 inline const char* wait_name(Wait w) { return w == Wait::kBare ? "bare" : w == Wait::kHint ? "hint" : "project"; }
 inline const char* agree_name(Agree g) {
-  return g == Agree::kLane ? "lane" : g == Agree::kWarpUniform ? "warp_uniform" : "elect";
+  return g == Agree::kLane          ? "lane"
+         : g == Agree::kWarpUniform ? "warp_uniform"
+         : g == Agree::kElect       ? "elect"
+                                    : "converged";
 }
 
 using HandoffKernel = void (*)(HandoffArgs);
@@ -40,7 +43,8 @@ template <Wait W>
 HandoffKernel handoff_kernel_for(Agree g) {
   return g == Agree::kLane          ? handoff_kernel<W, Agree::kLane>
          : g == Agree::kWarpUniform ? handoff_kernel<W, Agree::kWarpUniform>
-                                    : handoff_kernel<W, Agree::kElect>;
+         : g == Agree::kElect       ? handoff_kernel<W, Agree::kElect>
+                                    : handoff_kernel<W, Agree::kConverged>;
 }
 
 inline HandoffKernel handoff_kernel_for(Wait w, Agree g) {
@@ -74,7 +78,7 @@ inline void measure_handoff(Bench& b) {
                                                      {Wait::kProject, 0}};
   for (int spinners : quick ? std::vector<int>{0, 8} : std::vector<int>{0, 2, 8})
     for (const auto& [w, hint] : waits) cases.push_back({w, hint, Agree::kLane, spinners});
-  for (Agree g : {Agree::kWarpUniform, Agree::kElect})
+  for (Agree g : {Agree::kWarpUniform, Agree::kElect, Agree::kConverged})
     for (const auto& [w, hint] : {std::pair<Wait, uint32_t>{Wait::kBare, 0}, {Wait::kHint, 1000}, {Wait::kProject, 0}})
       cases.push_back({w, hint, g, 0});
   for (const HandoffCase& c : cases) {

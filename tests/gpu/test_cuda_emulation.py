@@ -83,13 +83,14 @@ def test_sm_count_per_call_gives_identical_results(num_sms, path):
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("stages, wait, warps", [("2", None, None), (None, "elect", None), (None, None, "8")])
+@pytest.mark.parametrize("stages, wait, warps", [("2", None, None), (None, "elect", None), (None, None, "8"),
+                                                 (None, "converged", None)])
 def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, warps, nodes):
     """The direct combine's measurement knobs the lease times without checking outputs
     (HYBRID_EP_DIRECT_COMBINE_STAGES: the fewest stages; HYBRID_EP_REDUCER_WAIT=elect: lane 0's
-    wait and the warp's __syncwarp alone; HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer
-    warps) give the oracle's sums on the GPU, one node and two; rows of 7168 bf16 columns, top-8,
-    so each token's parts wrap the rings."""
+    wait and the warp's __syncwarp alone, =converged: every lane's own wait;
+    HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer warps) give the oracle's sums on the
+    GPU, one node and two; rows of 7168 bf16 columns, top-8, so each token's parts wrap the rings."""
     from hybrid_ep.backends.cuda import launch
     from hybrid_ep.testing.emulated import emulated_group_for
 

@@ -585,12 +585,14 @@ def _set_knobs(monkeypatch, knobs):
 
 @pytest.mark.parametrize("nodes", [1, 2])
 @pytest.mark.parametrize("stages, wait, warps", [("2", None, None), ("3", None, None), (None, "elect", None),
-                                                 ("2", "elect", None), (None, None, "8"), ("3", "elect", "8")])
+                                                 ("2", "elect", None), (None, None, "8"), ("3", "elect", "8"),
+                                                 (None, "converged", None), ("2", "converged", "8")])
 def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages, wait, warps, nodes):
     """The direct combine's measurement knobs (the lease's sweep): HYBRID_EP_DIRECT_COMBINE_STAGES cuts its
     rings to a few stages per pipeline, the fewest (2) and an odd count, so each ring wraps many
     times per token, with node partials in the stages across nodes; HYBRID_EP_REDUCER_WAIT=elect
-    leaves the other lanes' observation of each stage to the agreement's __syncwarp;
+    leaves the other lanes' observation of each stage to the agreement's __syncwarp, =converged has
+    every lane wait for it itself;
     HYBRID_EP_REDUCER_WARPS=8 spreads each segment over 8 reducer warps (a vector a thread here:
     the bounded loop). Every launch takes what was asked."""
     _set_knobs(monkeypatch, ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),

@@ -66,11 +66,13 @@ MODEL_CASES = ("test_device_model"
 # The race check: fp8 rows with padding on one node of three ranks, and two nodes of one rank:
 # every warp role, and 1016 of the 1053 lines of csrc/kernels and csrc/transport that all the
 # oracle cases run (gcov, 2026-11-25); and the direct combine's other instantiation, 8 reducer
-# warps per pipeline (HYBRID_EP_REDUCER_WARPS=8), at 7168 columns on one node and two (20 s).
+# warps per pipeline (HYBRID_EP_REDUCER_WARPS=8), at 7168 columns on one node and two (20 s), and
+# its reducers' converged stage wait (HYBRID_EP_REDUCER_WAIT=converged: each lane's own acquire).
 RACE_FILES = MODEL_FILES[1:]
 RACE_CASES = ("(test_kernels_match_the_oracle and W3xG3 and float8_e4m3fn and pad16 and -0-) or "
               "(hierarchical_kernels_match_the_oracle and W2xG1 and H128) or "
-              "(eight_reducer_warps_add_the_widest_segments and 7168)")
+              "(eight_reducer_warps_add_the_widest_segments and 7168) or "
+              "(direct_combine_variants_give_the_oracle_result and converged)")
 
 
 def _start(build_dir: str, *args: str) -> subprocess.Popen:

@@ -723,22 +723,35 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert "DIRECT_COMBINE_STAGES=3 " in processes[4] and "DIRECT_COMBINE_STAGES= " in processes[3]
     benches = [line for line in calls.splitlines()
                if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
-    # the DeepSeek-V3-like layer on the direct path, fp8, the bench stage's three sweeps (one node,
-    # 2 and 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like layer on the receive path
-    assert len(benches) == 7, benches
+    # the DeepSeek-V3-like layer on the direct path, fp8, the combine's eight variants, the bench
+    # stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like
+    # layer on the receive path
+    assert len(benches) == 15, benches
+    variants, benches = benches[2:10], benches[:2] + benches[10:]
     assert "--backends cuda deepep" in benches[5]
     for line, path in ((benches[0], "direct"), (benches[6], "receive")):
         assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
         assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
     assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
-    for line in benches:  # the defaults everywhere
+    for line in benches:  # the defaults everywhere but in the variants
         assert "DIRECT_COMBINE_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
+    settings = {"converged": "REDUCER_WAIT=converged REDUCER_WARPS= ",
+                "r8": "REDUCER_WAIT= REDUCER_WARPS=8", "elect": "REDUCER_WAIT=elect REDUCER_WARPS= ",
+                "r8_elect": "REDUCER_WAIT=elect REDUCER_WARPS=8", "stages3": "DIRECT_COMBINE_STAGES=3 REDUCER_WAIT= "}
+    shapes = {"seed": "--hidden 8192 --tokens 4096 --topk 8 --experts 16",
+              "dsv3": "--hidden 7168 --tokens 4096 --topk 8 --experts 256"}
+    named = [("converged", "seed"), ("converged", "dsv3"), ("r8", "seed"), ("r8", "dsv3"), ("elect", "seed"),
+             ("r8_elect", "seed"), ("r8_elect", "dsv3"), ("stages3", "seed")]
+    for line, (name, shape) in zip(variants, named):  # one SM per rank, bf16, the direct path
+        assert f"combine_variants/{name}_{shape}" in line and settings[name] in line, line
+        assert f"--emulate 8 {shapes[shape]} --dtype bf16 --sms 1 " in line and "DATA_PATH=direct " in line, line
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "emulation alone, no MPS", "emulation alone, under MPS",
              "emulation alone, memcheck", "processes exit",
              "processes, 3 combine stages exit",
-             "bench dsv3 direct exit", "bench fp8 exit", "bench exit", "deepep exit", "ncu exit",
+             "bench dsv3 direct exit", "bench fp8 exit", "combine converged seed exit", "combine stages3 seed exit",
+             "bench exit", "deepep exit", "ncu exit",
              "bench dsv3 receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
@@ -749,7 +762,8 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert "deepep exit 0: no DeepEP wheel at build/deepep/deep_ep-*.whl: hybrid-ep alone" in summary
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
-    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./bench_dsv3_receive.log", "./summary.txt",
+    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./combine_variants/r8_dsv3.log",
+                "./bench_dsv3_receive.log", "./summary.txt",
                 "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./processes/processes.log",
                 "./processes_3_stages/processes.log", "./emulation_alone/no_mps.log",
                 "./emulation_alone/mps/processes.log", "./emulation_alone/memcheck.log"):

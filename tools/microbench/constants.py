@@ -28,12 +28,12 @@ def _tma(name, what, **where):
                     ("bytes_per_clk_per_sm", "B/clk"))
 
 
-def _direct(name, what, threads, table):
+def _direct(name, what, threads, table, copy_bytes=16384):
     """The direct dispatch's store side: 1 load + 8 stores per stage on 12 stages, one group left
-    reading per store thread (sweep "kernel")."""
+    reading per store thread (sweep "kernel"), rows of copy_bytes."""
     return Constant(name, "M2", what, "GB/s/SM",
                     {**_BASE, "sweep": "kernel", "mode": "mix", "fanout": 8, "sms": 1, "store_threads": threads,
-                     "table": table}, "gbps_per_sm", ("bytes_per_clk_per_sm", "B/clk"))
+                     "table": table, "copy_bytes": copy_bytes}, "gbps_per_sm", ("bytes_per_clk_per_sm", "B/clk"))
 
 
 CONSTANTS = (
@@ -48,6 +48,9 @@ CONSTANTS = (
     _direct("C_direct_2", "the same, 2 store threads taking alternate stages", 2, False),
     _direct("C_direct_1_table", "1 store thread, destinations from a route table in shared memory", 1, True),
     _direct("C_direct_2_table", "2 store threads and the route table: the direct dispatch's store side", 2, True),
+    _direct("C_direct_1_fp8", "1 store thread and the route table, fp8 rows (8 KiB copies)", 1, True, 8192),
+    _direct("C_direct_2_fp8", "2 store threads and the route table, fp8 rows: fp8's dispatch's store side", 2, True,
+            8192),
     Constant("L_load_l2", "M3", "16 KiB bulk load, issue to mbarrier complete, L2-hot (median)", "ns",
              {"copy": "load", "copy_bytes": 16384, "source": "l2", "queue": "none"}, "complete_ns_median"),
     Constant("L_load_hbm", "M3", "16 KiB bulk load from HBM (median)", "ns",
@@ -72,6 +75,8 @@ CONSTANTS = (
              "ns", {"test": "handoff", "wait": "project", "agree": "warp_uniform", "spinners": 0}, "one_way_ns"),
     Constant("H_elect", "M1", "whole warps: elected lane waits (bare), __syncwarp", "ns",
              {"test": "handoff", "wait": "bare", "agree": "elect", "spinners": 0}, "one_way_ns"),
+    Constant("H_converged", "M1", "whole warps: every lane waits (mbar_wait), converged, then a vote", "ns",
+             {"test": "handoff", "wait": "project", "agree": "converged", "spinners": 0}, "one_way_ns"),
     Constant("B_bar_sync4", "M1", "bar.sync among 4 warps", "ns", {"test": "bar.sync", "warps": 4}, "ns"),
     Constant("F_acquire", "M4", "flag between 2 SMs one way: st.release.sys, ld.acquire.sys polls", "ns",
              {"test": "flag", "poll": "ld.acquire.sys", "signal": "st.release.sys", "backoff_ns": 0}, "one_way_ns"),

@@ -263,17 +263,19 @@ def direct_combine_stages_override(environ=None) -> int | None:
 REDUCER_WAIT_ENV = "HYBRID_EP_REDUCER_WAIT"
 # How a direct-combine reducer warp learns that a stage is full (csrc/common/params.h): lane 0
 # waits and the warp agrees, then the other lanes observe the phase themselves ("observe", the
-# default) or rely on the agreement's __syncwarp ("elect").
+# default) or rely on the agreement's __syncwarp ("elect"); or every lane waits itself, the warp
+# converged, and a vote gives the verdict ("converged").
 REDUCER_WAIT_OBSERVE: int = compiled.REDUCER_WAIT_OBSERVE
 REDUCER_WAIT_ELECT: int = compiled.REDUCER_WAIT_ELECT
-REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT}
+REDUCER_WAIT_CONVERGED: int = compiled.REDUCER_WAIT_CONVERGED
+REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT, "converged": REDUCER_WAIT_CONVERGED}
 REDUCER_WAIT_DEFAULT = "observe"
 
 
 def reducer_wait_override(environ=None) -> str | None:
-    """HYBRID_EP_REDUCER_WAIT: "observe" or "elect", for timing the direct combine's reducers
-    with and without every lane's own observation of each stage (docs/benchmarks/cuda.md); None
-    when unset."""
+    """HYBRID_EP_REDUCER_WAIT: "observe", "elect" or "converged", for timing the direct combine's
+    reducers with and without every lane's own observation of each stage, and with every lane's
+    own wait (docs/benchmarks/cuda.md); None when unset."""
     raw = _env_raw(REDUCER_WAIT_ENV, environ)
     if raw is not None and raw not in REDUCER_WAITS:
         raise ValueError(f"{REDUCER_WAIT_ENV} must be one of {', '.join(REDUCER_WAITS)}, got {raw!r}")

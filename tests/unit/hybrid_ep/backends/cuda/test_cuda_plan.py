@@ -301,16 +301,17 @@ def test_direct_combine_stages_old_name_raises_naming_the_new_one(new):
     assert launch.direct_combine_stages_override({"HYBRID_EP_PULL_STAGES": ""}) is None  # empty: unset
 
 
-@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("observe", "observe"), ("elect", "elect")])
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("observe", "observe"), ("elect", "elect"),
+                                       ("converged", "converged")])
 def test_reducer_wait_override_reads_its_variable(raw, want):
     env = {} if raw is None else {launch.REDUCER_WAIT_ENV: raw}
     assert launch.reducer_wait_override(env) == want
 
 
 def test_reducer_wait_override_names_the_variable_and_its_choices():
-    with pytest.raises(ValueError, match="HYBRID_EP_REDUCER_WAIT must be one of observe, elect, got 'lane'"):
+    with pytest.raises(ValueError, match="HYBRID_EP_REDUCER_WAIT must be one of observe, elect, converged, got 'lane'"):
         launch.reducer_wait_override({launch.REDUCER_WAIT_ENV: "lane"})
-    assert sorted(launch.REDUCER_WAITS.values()) == [0, 1]  # params.h's codes, distinct
+    assert sorted(launch.REDUCER_WAITS.values()) == [0, 1, 2]  # params.h's codes, distinct
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("4", 4), ("8", 8)])
