@@ -4,15 +4,19 @@
 // reads them, and memory_plan() reports the registered table's lines as they are.
 //
 // Each ring family holds a ring per (writer, source) pair it serves, and its slots are the
-// writer's: a writer holds ring_chunks chunk slots (BufferConfig.ring_chunks) in a reader's
-// buffer, shared among the sources it writes for. A rank writes a node peer's receive rings for
-// its own chunks and, as their forwarder, for its rail peers on the N - 1 other nodes: N
-// sources, ring_chunks / N slots each; an expert host writes the forward rings of a forwarder for
-// the N - 1 source nodes. Never fewer than kMinRingSlots, the least a ring between ranks turns
-// over with (kernels/peer_ring.cuh: a forwarded chunk comes half a ring after its index), and no
-// more than the chunks of the largest source where a combine ring holds a chunk's partials. So
-// the memory a rank holds grows with the peers that write into it (G node peers over NVLink, N
-// rail peers over RDMA), not with the EP size.
+// writer's: a writer holds its depth in chunk slots in a reader's buffer, shared among the
+// sources it writes for. A rank writes a node peer's receive rings for its own chunks and, as
+// their forwarder, for its rail peers on the N - 1 other nodes: N sources, depth / N slots each;
+// an expert host writes the forward rings of a forwarder for the N - 1 source nodes. A writer's
+// depth is ring_chunks (BufferConfig.ring_chunks) while a reader has at most kFullDepthWriters
+// writers in the family (a host of 8 GPUs: the depth the kernels run at there); past that, each
+// writer gets its share of ring_chunks x kFullDepthWriters (writer_depth), so the bytes a reader
+// holds stop growing with the NVLink domain (36 or 72 ranks of a GB200 domain) until the floors
+// bind. Never fewer than kMinRingSlots slots a ring, the least a ring between ranks turns over
+// with (kernels/peer_ring.cuh: a forwarded chunk comes half a ring after its index), and no more
+// than the chunks of the largest source where a combine ring holds a chunk's partials. So the
+// memory a rank holds grows with the peers that write into it (G node peers over NVLink, N rail
+// peers over RDMA) up to kFullDepthWriters of them, not with the EP size.
 //
 // Host code only (the bindings); the kernels receive the offsets in Geometry.
 #pragma once
@@ -27,6 +31,7 @@ namespace hybrid_ep {
 
 constexpr uint64_t kRegionAlign = 128;  // every region starts on its own 128-byte line
 constexpr uint64_t kMinRingSlots = 2;
+constexpr uint64_t kFullDepthWriters = 8;  // writers of a reader's ring family that each get ring_chunks slots
 constexpr uint64_t kMaxRowElemBytes = 4;  // rows between ranks are sized for fp32, the widest dtype
 
 // What a buffer's layout depends on (BufferConfig; scale_cols: the fp32 scales of an fp8 row of
@@ -77,10 +82,19 @@ class Planner {
 
 }  // namespace layout_detail
 
-// The slots of a ring whose writer serves `sources` sources in one reader's buffer: its share of
-// ring_chunks, at least kMinRingSlots.
-inline uint64_t shared_slots(uint64_t ring_chunks, uint64_t sources) {
-  const uint64_t share = ring_chunks / (sources > 0 ? sources : 1);
+// The slots a writer holds in one reader's ring family of `writers` writers: ring_chunks up to
+// kFullDepthWriters writers, then its share of ring_chunks x kFullDepthWriters, at least
+// kMinRingSlots.
+inline uint64_t writer_depth(uint64_t ring_chunks, uint64_t writers) {
+  const uint64_t share = ring_chunks * kFullDepthWriters / (writers > 0 ? writers : 1);
+  const uint64_t depth = share < ring_chunks ? share : ring_chunks;
+  return depth > kMinRingSlots ? depth : kMinRingSlots;
+}
+
+// The slots of a ring whose writer holds `depth` slots in one reader's buffer, shared among the
+// `sources` sources it writes for: its share, at least kMinRingSlots.
+inline uint64_t shared_slots(uint64_t depth, uint64_t sources) {
+  const uint64_t share = depth / (sources > 0 ? sources : 1);
   return share > kMinRingSlots ? share : kMinRingSlots;
 }
 
@@ -102,19 +116,20 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
                                 " (a ring slot's tag holds the chunk index in " + std::to_string(kRingTagChunkBits) +
                                 " bits), got " + std::to_string(s.max_tokens));
   const uint64_t R = s.ring_chunks;
-  const uint64_t comb_slots = R < max_chunks ? R : max_chunks;  // no more than the largest source's chunks
-  const auto comb_share = [&](uint64_t sources) {
-    const uint64_t share = shared_slots(R, sources);
-    return share < comb_slots ? share : comb_slots;
+  const uint64_t node_depth = writer_depth(R, G);  // a writer's slots at a reader of its node (G writers, NVLink)
+  const uint64_t rail_depth = writer_depth(R, N);  // a rail peer's at a rank of another node (RDMA)
+  const auto comb_cap = [&](uint64_t slots) {      // no more than the largest source's chunks
+    return slots < max_chunks ? slots : max_chunks;
   };
 
   BufferLayouts out;
   RegLayout& r = out.reg;
   r.max_chunks = max_chunks;
   // The rings of the registered buffer (NVLink): rings per reader, slots each.
-  r.recv = RingLayout{W, shared_slots(R, N)};                    // a ring per source, its writer serving N sources
-  r.partial = RingLayout{G, comb_slots};                         // a ring per expert host of the source's node
-  r.forward = RingLayout{N > 1 ? N * G : 0, comb_share(N - 1)};  // per (source node, writer), writers serve N - 1
+  r.recv = RingLayout{W, shared_slots(node_depth, N)};  // a ring per source, its writer serving N sources
+  r.partial = RingLayout{G, comb_cap(node_depth)};      // a ring per expert host of the source's node
+  r.forward = RingLayout{N > 1 ? N * G : 0,             // per (source node, writer), writers serve N - 1
+                         comb_cap(shared_slots(node_depth, N - 1))};
   r.meta_entries = L < static_cast<uint64_t>(kMaxTopK) ? L : kMaxTopK;
   r.count_row_ints = W + N + L + kCountRowTail + W;  // then W ints: the source's routes to each rank
   r.row_stride = round_up(H * kMaxRowElemBytes, 16);
@@ -148,8 +163,9 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   reg.region("recv_meta", "routing entries of received rows, in the receive rings");
   r.recv_rows = reg.take(recv_rows * r.row_stride);
   reg.region("recv_rows",
-             "received rows, sized for fp32: a ring per source, ring_chunks slots per writer of this node shared "
-             "among the sources it writes for (its own chunks, and its rail peers' on other nodes)");
+             "received rows, sized for fp32: a ring per source, each writer of this node's slots (ring_chunks, "
+             "scaled down past 8 writers) shared among the sources it writes for (its own chunks, and its rail "
+             "peers' on other nodes)");
   r.recv_scales = reg.take(recv_rows * r.scale_stride);
   reg.region("recv_scales", "fp8 scales of received rows, in the receive rings");
   r.partial_rows = reg.take(r.partial.rings * r.partial.slots * kChunkTokens * r.wire_stride);
@@ -161,8 +177,8 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   r.total = reg.total();
 
   RdmaLayout& d = out.rdma;
-  d.staged = RingLayout{N, R};              // a ring per node, written by this rank or its rail peer there
-  d.node_part = RingLayout{N, comb_slots};  // likewise, for the node partial sums
+  d.staged = RingLayout{N, rail_depth};              // a ring per node, written by this rank or its rail peer there
+  d.node_part = RingLayout{N, comb_cap(rail_depth)};  // likewise, for the node partial sums
   if (N == 1) return out;                   // no RDMA region
   const uint64_t row_ints = round_up(r.count_row_ints, 4);
   d.token_meta_bytes = round_up(sizeof(TokenMeta) + 4 * G + 4 * static_cast<uint64_t>(s.scale_cols), 16);

@@ -103,6 +103,66 @@ def test_a_deepseek_v3_like_layer_holds_rings_sized_by_their_writers(world_size,
         assert _regions(rdma_regions(cfg))["staged_rows"] == 2 * 8 * 8 * 32 * row  # RDMA: N rings, out and in
 
 
+DSV3_ROW = 7168 * 4  # a DeepSeek-V3 row between ranks, sized for fp32
+
+
+def _dsv3(world_size: int, ranks_per_node: int, ring_chunks: int = 8) -> BufferConfig:
+    """DeepSeek-V3's layer (H 7168, 4096 tokens per rank, top-8) with 288 experts, which every
+    group below divides."""
+    return BufferConfig(7168, 4096, 288, world_size, ranks_per_node, ring_chunks=ring_chunks).validate()
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8, 16])
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+def test_up_to_eight_writers_each_keep_ring_chunks_slots(G, ring):
+    """A host of 8 GPUs or fewer: every writer keeps its ring_chunks slots in each ring family
+    (the depth the kernels run at there), whatever the nodes."""
+    for N in (1, 2):
+        reg = registered_layout(BufferConfig(7168, 4096, 8 * G * N, G * N, G, ring_chunks=ring).validate())
+        assert reg.partial.slots == ring and reg.recv.slots == max(2, ring // N)
+        if N > 1:
+            assert reg.forward.slots == max(2, ring // (N - 1))
+
+
+@pytest.mark.parametrize(("G", "slots"), [(9, 7), (12, 5), (16, 4), (32, 2), (36, 2), (72, 2)])
+def test_past_eight_writers_each_holds_its_share_of_eight_writers_slots(G, slots):
+    """A reader with G > 8 writers (a GB200 NVLink domain) gives each its share of
+    ring_chunks x 8 slots, never fewer than 2 (the least a ring between ranks turns over with):
+    the bytes a reader holds stop growing with the domain until that floor."""
+    cfg = _dsv3(G, G)
+    reg, lines = registered_layout(cfg), memory_plan(cfg).as_dict()
+    assert (reg.recv.rings, reg.recv.slots) == (G, slots) and (reg.partial.rings, reg.partial.slots) == (G, slots)
+    assert lines["recv_rows"] == lines["partial_rows"] == G * slots * 32 * DSV3_ROW
+    assert lines["recv_rows"] <= 8 * 8 * 32 * DSV3_ROW or slots == 2
+
+
+# held bytes per GPU at DeepSeek-V3's shape (E 288, bf16): the registered regions and, across
+# domains, the NVSHMEM heap; each the sum of the regions asserted in the test
+DSV3_HELD = {(8, 8): 118_445_440, (36, 36): 133_022_976, (72, 72): 265_768_192, (288, 72): 1_349_992_320}
+
+
+@pytest.mark.parametrize(("W", "G"), list(DSV3_HELD))
+def test_memory_plan_at_deepseek_v3s_shape_per_nvlink_domain(W, G):
+    """memory_plan() at 8, 36, 72 ranks in one NVLink domain and 288 as 4 domains of 72. One
+    domain of 36 or 72 holds at most 0.71 GB per GPU (DeepEP's figure at EP 64; it held 0.53 and
+    1.06 GB with a full depth per writer); 4 domains of 72 hold 1.35 GB (1.75 before): there the
+    receive and forward rings keep 2 slots per (writer, source), 288 of each."""
+    cfg = _dsv3(W, G)
+    plan, reg, N = memory_plan(cfg), registered_layout(cfg), W // G
+    lines = plan.as_dict()
+    slots = 8 if G <= 8 else 2
+    assert lines["recv_rows"] == W * max(2, slots // N) * 32 * DSV3_ROW
+    assert lines["partial_rows"] == G * slots * 32 * DSV3_ROW
+    assert lines["forward_rows"] == (W * 2 * 32 * DSV3_ROW if N > 1 else 0)
+    assert (reg.forward.slots if N > 1 else 2) == 2
+    if N > 1:  # RDMA: N <= 8 rail peers keep their ring_chunks slots, out and in
+        rd = _regions(rdma_regions(cfg))
+        assert rd["staged_rows"] == rd["node_part_rows"] == 2 * N * 8 * 32 * DSV3_ROW
+    assert plan.held_bytes == DSV3_HELD[(W, G)], str(plan)
+    if N == 1:
+        assert plan.held_bytes <= 0.71e9
+
+
 def test_outputs_are_not_held_and_peer_memory_starts_empty():
     """One process per rank: peer memory holds nothing until a call needs it (peer_memory_bytes
     pre-sizes it, rounded up to a chunk); what a call can make it grow by is the per-call part:
