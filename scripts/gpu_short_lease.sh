@@ -115,13 +115,14 @@ if fits test "${SHORT_LEASE_TEST_S:-200}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
 fi
-# In the order of what a lease must settle: correctness (the tests above; the oracle on the direct
-# path between processes, in the processes stage), then why the combine slows down as 8 processes
-# (processes: 8 processes under MPS beside the emulation, plain and through peer memory, bf16 and
-# fp8, every timed call's path kept; then the same seed point with fewer direct-combine stages: a
-# combine that slows with fewer stages waits on its loads), then the speed the committed
-# predictions score (the DeepSeek-V3-like layer, fp8, the bench across nodes), DeepEP beside it,
-# and what earlier runs measured if time is left.
+# In the order of what a lease must settle: correctness (the tests above; the process bench's
+# illegal memory access, below), then the speed the committed predictions score and the designs
+# they judge (the DeepSeek-V3-like layer, fp8, the direct combine's variants, ncu of fp8's
+# dispatch, the model's one miss among the direct kernels), then the processes (8 processes under
+# MPS beside the emulation, plain and through peer memory, bf16 and fp8, every timed call's path
+# kept, with the oracle on the direct path between processes; then the seed point with fewer
+# direct-combine stages), the bench across nodes, DeepEP beside it, and what earlier runs measured
+# if time is left.
 # The illegal memory access of both 2026-11-28 runs (the process bench's plain emulation of seed
 # fp8, right after seed bf16 through peer memory, in the bench's own process; the CPU model and a
 # fresh process of `bench --emulate 8 --dtype fp8` run clean): the emulation points alone, no
@@ -148,18 +149,6 @@ if fits "emulation alone" "${SHORT_LEASE_EMULATION_ALONE_S:-100}"; then
         note "emulation alone, memcheck: exit $?"
         grep -m8 -E 'Invalid|ERROR SUMMARY|^=+ +at |^processes ' "$r/emulation_alone/memcheck.log" >> "$r/summary.txt"
     fi
-fi
-if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
-    GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
-        > "$r/processes_stage.out" 2>&1
-    note "processes exit $? (processes/processes.log):"
-    grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
-fi
-if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-60}"; then
-    HYBRID_EP_DIRECT_COMBINE_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
-        bash scripts/gpu_check.sh processes "$r/processes_3_stages" > "$r/processes_3_stages_stage.out" 2>&1
-    note "processes, 3 combine stages exit $? (processes_3_stages/processes.log):"
-    grep '^processes ' "$r/processes_3_stages/processes.log" >> "$r/summary.txt" 2>/dev/null
 fi
 note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
 bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
@@ -189,6 +178,22 @@ for v in "${variants[@]}"; do
     bench "combine $name $on" "$((variants_end - SECONDS))" "combine_variants/${name}_$on" HYBRID_EP_DATA_PATH=direct \
         $settings -- --emulate 8 "${flags[@]}" --dtype bf16 --sms 1
 done
+# where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), with fp8 rows: the
+# timing model prices fp8's dispatch at 0.71-0.73 of its time and no ncu reading of it exists (two
+# runs read the bf16 kernels)
+GPU_CHECK_NCU_DTYPE=fp8 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
+if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
+    GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
+        > "$r/processes_stage.out" 2>&1
+    note "processes exit $? (processes/processes.log):"
+    grep '^processes ' "$r/processes/processes.log" >> "$r/summary.txt" 2>/dev/null
+fi
+if fits "processes, 3 combine stages" "${SHORT_LEASE_STAGES_S:-60}"; then
+    HYBRID_EP_DIRECT_COMBINE_STAGES=3 GPU_CHECK_BUDGET_S=$s GPU_CHECK_PROCESSES_ARGS="--nodes 1 --shapes seed --sms 1" \
+        bash scripts/gpu_check.sh processes "$r/processes_3_stages" > "$r/processes_3_stages_stage.out" 2>&1
+    note "processes, 3 combine stages exit $? (processes_3_stages/processes.log):"
+    grep '^processes ' "$r/processes_3_stages/processes.log" >> "$r/summary.txt" 2>/dev/null
+fi
 if fits bench "${SHORT_LEASE_BENCH_S:-100}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh bench "$r/bench" > "$r/bench_stage.out" 2>&1
     note "bench exit $?"
@@ -197,10 +202,6 @@ if fits deepep "${SHORT_LEASE_DEEPEP_S:-90}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh deepep "$r/deepep" > "$r/deepep_stage.out" 2>&1
     note "deepep exit $?: $(grep -m1 -oE '(DeepEP from|no DeepEP wheel).*' "$r/deepep_stage.out")"
 fi
-# where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), with fp8 rows: the
-# timing model prices fp8's dispatch at 0.71-0.73 of its time and no ncu reading of it exists (two
-# runs read the bf16 kernels)
-GPU_CHECK_NCU_DTYPE=fp8 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, receive path, 1 and 2 SMs per rank (bench_dsv3_receive/)"
 bench "bench dsv3 receive" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_receive HYBRID_EP_DATA_PATH=receive -- \
     --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2

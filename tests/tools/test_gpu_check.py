@@ -699,12 +699,13 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh in the order of what a lease must settle: the tests, the processes
-    (8 processes beside the emulation, every layout, bf16 and fp8; then the seed point with 3
-    direct-combine stages), the speed the predictions score (the DeepSeek-V3-like layer on the
-    direct path, fp8, the bench's sweeps), DeepEP beside hybrid-ep, then what earlier runs measured
-    (ncu's lines, the DeepSeek-V3-like layer on the receive path, the racecheck probe); logs
-    packed for the device."""
+    """scripts/gpu_short_lease.sh in the order of what a lease must settle: the tests, the process
+    bench's emulation points alone, the speed the predictions score and the designs they judge
+    (the DeepSeek-V3-like layer on the direct path, fp8, the direct combine's variants, ncu's lines
+    of fp8's dispatch), the processes (8 processes beside the emulation, every layout, bf16 and
+    fp8; then the seed point with 3 direct-combine stages), the bench's sweeps, DeepEP beside
+    hybrid-ep, then what earlier runs measured (the DeepSeek-V3-like layer on the receive path, the
+    racecheck probe); logs packed for the device."""
     import tarfile
 
     _, results, run = machine
@@ -748,10 +749,9 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
     summary = (results / "summary.txt").read_text()
     order = ["micro exit", "build exit", "test exit", "emulation alone, no MPS", "emulation alone, under MPS",
-             "emulation alone, memcheck", "processes exit",
-             "processes, 3 combine stages exit",
-             "bench dsv3 direct exit", "bench fp8 exit", "combine converged seed exit", "combine stages3 seed exit",
-             "bench exit", "deepep exit", "ncu exit",
+             "emulation alone, memcheck", "bench dsv3 direct exit", "bench fp8 exit", "combine converged seed exit",
+             "combine stages3 seed exit", "ncu exit", "processes exit", "processes, 3 combine stages exit",
+             "bench exit", "deepep exit",
              "bench dsv3 receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
