@@ -32,7 +32,7 @@ namespace hybrid_ep {
 constexpr uint64_t kRegionAlign = 128;  // every region starts on its own 128-byte line
 constexpr uint64_t kMinRingSlots = 2;
 constexpr uint64_t kFullDepthWriters = 8;  // writers of a reader's ring family that each get ring_chunks slots
-constexpr uint64_t kMaxRowElemBytes = 4;  // rows between ranks are sized for fp32, the widest dtype
+constexpr uint64_t kMaxRowElemBytes = 4;   // rows between ranks are sized for fp32, the widest dtype
 
 // What a buffer's layout depends on (BufferConfig; scale_cols: the fp32 scales of an fp8 row of
 // `hidden` columns, 0 where fp8 rows cannot have that width).
@@ -177,9 +177,9 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   r.total = reg.total();
 
   RdmaLayout& d = out.rdma;
-  d.staged = RingLayout{N, rail_depth};              // a ring per node, written by this rank or its rail peer there
+  d.staged = RingLayout{N, rail_depth};               // a ring per node, written by this rank or its rail peer there
   d.node_part = RingLayout{N, comb_cap(rail_depth)};  // likewise, for the node partial sums
-  if (N == 1) return out;                   // no RDMA region
+  if (N == 1) return out;                             // no RDMA region
   const uint64_t row_ints = round_up(r.count_row_ints, 4);
   d.token_meta_bytes = round_up(sizeof(TokenMeta) + 4 * G + 4 * static_cast<uint64_t>(s.scale_cols), 16);
   d.chunk_meta_bytes = kChunkMetaHeader + kChunkTokens * d.token_meta_bytes;
