@@ -171,8 +171,8 @@ MUTATIONS = (
              "add_as<kFirst>(in, cols, gt, w);\n    } else if (w > 0.f) {"),
     Mutation("direct-route-row-off-by-one", "an off-by-one position (a route's final row)",
              "csrc/kernels/dispatch_direct.cuh",
-             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k];",
-             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ords[t * d.K + k] + (lane == 5);"),
+             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ord[k];",
+             "const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ord[k] + (lane == 5);"),
     Mutation("store-queue-ends-before-stores-land", "a missing bulk-group wait (a store thread ends, and the "
              "direct dispatch signals done, with stores in flight)", "csrc/kernels/pipeline.cuh",
              "    dev::bulk_wait_all();      // the stores landed", "    // the stores landed"),
