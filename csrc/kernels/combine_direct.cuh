@@ -363,12 +363,8 @@ __device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline
   PipeState produced;
   SegmentAcc<Elem, R> acc;
   RingReleases<Rdma> releases(h.rdma);  // this thread's node-partial credits (quieted as it goes)
-  const bool converged = d.args.reducer_wait == kReducerWaitConverged;
-  const bool each_lane_observes = d.args.reducer_wait != kReducerWaitElect;
   for (PipeState p;; p.advance(ring.stages)) {
-    if (!(converged ? warp_consumer_wait_converged(d, ring, p)
-                    : warp_consumer_wait(d, ring, p, lane, each_lane_observes)))
-      break;
+    if (!warp_consumer_wait(d, ring, p, lane, d.args.reducer_wait)) break;
     const PartItem it = items[p.stage];
     if (it.flags & kEndOfWork) break;
     const uint8_t* in = data + static_cast<size_t>(p.stage) * d.stage_bytes;

@@ -160,36 +160,32 @@ struct PartItem {
 
 // ---- reducer groups ---------------------------------------------------------------------------
 
-// A reducer warp: lane 0 waits (bounded) until the stage is full, the warp agrees on the
-// answer, and every other lane observes the completed phase itself (its own acquire of the
-// stage's bytes and header). Without `each_lane_observes` (the direct combine's
-// kReducerWaitElect) the agreement's __syncwarp alone orders lane 0's acquire before the other
-// lanes' reads.
+// A reducer warp learns that a stage is full, in one of the ways of LaunchArgs::reducer_wait
+// (common/params.h). kReducerWaitObserve: lane 0 waits (bounded), the warp agrees on the answer,
+// and every other lane observes the completed phase itself (its own acquire of the stage's bytes
+// and header); kReducerWaitElect: the agreement's __syncwarp alone orders lane 0's acquire before
+// the other lanes' reads; kReducerWaitConverged: every lane waits (bounded) itself, the warp
+// converged, and a ballot of lanes that arrive together gives the verdict, so no lane runs a wait
+// loop while the others stand at a collective (micro M1's hand-offs on the H200, half a round
+// trip: 341 ns with lane 0 waiting and the others at its vote, 238 with an elected lane and a
+// __syncwarp, 93 for a lane alone).
 template <typename Call>
 __device__ __forceinline__ bool warp_consumer_wait(const Call& d, const Ring& ring, const PipeState& p, int lane,
-                                                   bool each_lane_observes = true) {
+                                                   int wait = kReducerWaitObserve) {
+  if (wait == kReducerWaitConverged) {
+    const bool ok = !d.stopped() && ring.consumer_wait(d.args, p);
+    if (__ballot_sync(0xffffffffu, !ok) == 0) return true;
+    d.stop();
+    return false;
+  }
   bool ok = true;
   if (lane == 0) ok = !d.stopped() && ring.consumer_wait(d.args, p);
   if (!warp_uniform(ok)) {
     d.stop();
     return false;
   }
-  if (each_lane_observes) ring.observe_full(p, lane);
+  if (wait == kReducerWaitObserve) ring.observe_full(p, lane);
   return true;
-}
-
-// A reducer warp whose every lane waits (bounded) for the stage itself, the warp converged, and
-// agrees on the verdict by a vote of lanes that arrive together (the direct combine's
-// kReducerWaitConverged): each lane's own wait is its acquire of the stage, and no lane runs a
-// wait loop while the others stand at a collective. On the H200 a whole warp's hand-off took
-// 341 ns with lane 0 waiting alone and the others at its vote, 238 with an elected lane and a
-// __syncwarp, 93 for a lane alone (micro M1, half a round trip: H_warp_uniform, H_elect, H_lane).
-template <typename Call>
-__device__ __forceinline__ bool warp_consumer_wait_converged(const Call& d, const Ring& ring, const PipeState& p) {
-  const bool ok = !d.stopped() && ring.consumer_wait(d.args, p);
-  if (__ballot_sync(0xffffffffu, !ok) == 0) return true;
-  d.stop();
-  return false;
 }
 
 // The same for a stage the warp is about to write (a producer of a data-less ring).
