@@ -273,8 +273,9 @@ MUTATIONS = (
              "for, with no __syncwarp after its wait (the direct combine's elected stage waits, "
              "HYBRID_EP_REDUCER_WAIT=elect)",
              "csrc/kernels/segments.cuh", "  if (!warp_uniform(ok)) {\n    d.stop();\n    return false;\n  }\n"
-             "  if (each_lane_observes)", "  if (each_lane_observes ? !warp_uniform(ok) : !ok) {\n    d.stop();\n"
-             "    return false;\n  }\n  if (each_lane_observes)",
+             "  if (wait == kReducerWaitObserve)",
+             "  if (wait == kReducerWaitObserve ? !warp_uniform(ok) : !ok) {\n    d.stop();\n"
+             "    return false;\n  }\n  if (wait == kReducerWaitObserve)",
              tests="tests/model/test_kernels_model.py::test_the_direct_combine_variants_give_the_oracle_result"),
     Mutation("wide-reducers-release-at-four", "a stage freed before every reader is done with it (the direct "
              "combine's ring counting 4 reducer arrivals where HYBRID_EP_REDUCER_WARPS=8 has 8 warps read "
