@@ -565,6 +565,8 @@ class __attribute__((visibility("hidden"))) HostPath {
 // Classes are module-local: _C and _model bind the same C++ types and may both be imported.
 inline void bind_common(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_DOMAIN_RANKS") = kMaxDomainRanks;
+  m.attr("MAX_NODES") = kMaxNodes;
   m.attr("MAX_LAUNCH_RANKS") = kMaxLaunchRanks;
   m.attr("MAX_TOPK") = kMaxTopK;
   m.attr("MAX_EXPERTS") = kMaxExperts;

@@ -11,8 +11,12 @@
 
 namespace hybrid_ep {
 
-constexpr int kMaxRanks = 64;                  // EP group size the kernels index with 64-bit masks
-constexpr int kMaxLaunchRanks = 16;            // virtual ranks one emulated launch can hold (4 nodes x 4)
+constexpr int kMaxRanks = 288;                 // EP group size: 4 NVLink domains of 72 (the count kernel counts
+                                               // ranks in windows of 64, and keeps a column per rank in smem)
+constexpr int kMaxDomainRanks = 72;            // ranks of one node, an NVLink domain (GB200 NVL72): the kernels'
+                                               // per-node arrays, node-local indices in uint8_t tables
+constexpr int kMaxNodes = 128;                 // nodes of an EP group: kStagedTarget + a node in uint8_t tables
+constexpr int kMaxLaunchRanks = 72;            // virtual ranks one emulated launch can hold (2 domains of 36)
 constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the count kernel)
 constexpr int kMaxExperts = 1024;              // count kernel keeps [tally warps][E] counters in smem
 constexpr int kThreads = 512;                  // threads per dispatch / combine block
@@ -377,7 +381,8 @@ struct RankArgs {
                                // (every published tensor offset is relative to it; 0 in single-process emulation)
   uint64_t fwd_routes;         // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
                                // the routes to this node of each token forwarded for the rail peer on node n,
-                               // output row * kMaxRanks + local index of its rank, -1 after the last (handle's)
+                               // output row * kMaxDomainRanks + local index of its rank, -1 after the last
+                               // (handle's)
   int32_t agree[kAgreeWords];  // the count kernel hands these to every rank in its count rows
                                // (info.agreement): the peer memory's state the data path is agreed on
                                // (hybrid_ep/backends/cuda/agreement.py)

@@ -79,7 +79,7 @@ struct DirectCombineBlock {
   static constexpr int kPipelineWarps = 1 + R;
   static constexpr int kPutWarp = kPipelines * kPipelineWarps;
   static constexpr int kThreads = (kPutWarp + 1) * 32;
-  static_assert(kThreads >= 2 * kMaxRanks, "the setup's threads: a rank of the node, a node each");
+  static_assert(kThreads >= kMaxDomainRanks + kMaxNodes, "the setup's threads: a rank of the node, a node each");
   __host__ __device__ static constexpr RoleTable<DirectCombineRole, 2> roles() {
     return {{{DirectCombineRole::kLoad, 0, 1}, {DirectCombineRole::kReduce, 1, R}}};
   }
@@ -109,7 +109,8 @@ static_assert(kChunkTokens < 256, "a forwarded row's ordinal and its chunk's row
 
 // A unit's parts, per token: the expert host of each route (kNodePart + n: node n's partial) and
 // its row there (for a node partial its row in the chunk's slot), and its weight.
-constexpr int kNodePart = kMaxRanks;
+constexpr int kNodePart = kMaxDomainRanks;
+static_assert(kNodePart + kMaxNodes <= 256, "DirectCombineTable::host is uint8_t");
 struct DirectCombineTable {
   int32_t parts[kChunkTokens];
   int32_t row[kChunkTokens][kMaxTopK];
@@ -128,7 +129,8 @@ struct DirectCombineShared {
   PartItem items[kPipelines][kMaxStages];
   FwdPut puts[kPipelines][kPutStages];
   DirectCombineTable tables[kPipelines];
-  uint64_t rows[kMaxRanks], probs[kMaxRanks];  // each expert host's expert_out and probs, this process's addresses
+  // each expert host's expert_out and probs (by local index on this node), this process's addresses
+  uint64_t rows[kMaxDomainRanks], probs[kMaxDomainRanks];
   BlockControl ctl;
 };
 static_assert(sizeof(DirectCombineShared) <= kStaticSmemReserve,
@@ -247,7 +249,7 @@ __device__ bool own_parts(const DirectCombine<Rdma>& d, DirectCombineTable& tab,
     for (int k = 0; k < d.K; ++k) {
       const int row = route_rows[t * d.K + k];
       if (row < 0) continue;  // none, clipped, or on another node
-      const int host = expert_rank(idx[t * d.K + k], d.L);
+      const int host = h.topo.local(expert_rank(idx[t * d.K + k], d.L));
       tab.row[lane][n] = row;
       tab.host[lane][n] = static_cast<uint8_t>(host);
       tab.weight[lane][n] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;
@@ -288,7 +290,7 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable
   if (lane < rows) {
     int parts = 0;
     for (; parts < width && kept[parts] >= 0; ++parts) {
-      const int row = kept[parts] / kMaxRanks, host = h.first_local() + kept[parts] % kMaxRanks;
+      const int row = kept[parts] / kMaxDomainRanks, host = kept[parts] % kMaxDomainRanks;
       tab.row[lane][parts] = row;
       tab.host[lane][parts] = static_cast<uint8_t>(host);
       tab.weight[lane][parts] = d.args.apply_probs ? reinterpret_cast<const float*>(d.sh.probs[host])[row] : 1.f;
@@ -461,14 +463,15 @@ __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
     const int host = d.h.first_local() + tid;
     PeerView pv;
     if (read_tensors(args, d.view, a, host, kDirectCombine, d.call, pv)) {
-      sh.rows[host] = pv.rows;
-      sh.probs[host] = pv.probs;
+      sh.rows[tid] = pv.rows;
+      sh.probs[tid] = pv.probs;
     } else {
       sh.ctl.fail = 1;
     }
-  } else if (setup && multi && tid >= kMaxRanks && tid - kMaxRanks < d.h.topo.N && tid - kMaxRanks != d.h.node) {
+  } else if (setup && multi && tid >= kMaxDomainRanks && tid - kMaxDomainRanks < d.h.topo.N &&
+             tid - kMaxDomainRanks != d.h.node) {
     // the source on node n has read the node partials of the previous combine this rank put it
-    const int n = tid - kMaxRanks;
+    const int n = tid - kMaxDomainRanks;
     if (!wait_at_least(args, d.h.flag(d.geo.rdma.done_combine, n), d.call - 1, kPhaseRdmaFlow, a.rank, d.h.rail_peer(n),
                        d.call))
       sh.ctl.fail = 1;

@@ -99,10 +99,11 @@ struct HostTable {
 
 // A source chunk's partials, read by the source load warp (a lane per token): the expert host
 // on this node (local index g) or the node (kNodePart + n) of each, and its slot there.
-constexpr int8_t kNodePart = 64;
+constexpr int kNodePart = kMaxDomainRanks;
+static_assert(kNodePart + kMaxNodes <= 256, "SrcTable::from is uint8_t");
 struct SrcTable {
   int32_t parts[kChunkTokens];
-  int8_t from[kChunkTokens][kMaxTopK];
+  uint8_t from[kChunkTokens][kMaxTopK];
   int32_t slot[kChunkTokens][kMaxTopK];
 };
 
@@ -471,7 +472,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
     const bool goes = mine && slots[first + g] >= 0;
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
-      tab.from[lane][parts] = static_cast<int8_t>(g);
+      tab.from[lane][parts] = static_cast<uint8_t>(g);
       tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }
@@ -481,7 +482,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
     for (int g = 0; g < G && t < t1; ++g) goes |= slots[n * G + g] >= 0;
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
-      tab.from[lane][parts] = static_cast<int8_t>(kNodePart + n);
+      tab.from[lane][parts] = static_cast<uint8_t>(kNodePart + n);
       tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }
@@ -548,7 +549,7 @@ __device__ bool src_load_forwarded(const Combine<Rdma>& d, const Ring& ring, Pip
     const bool goes = lane < rows && slots[g] >= 0;
     const unsigned mask = __ballot_sync(0xffffffffu, goes);
     if (goes) {
-      tab.from[lane][parts] = static_cast<int8_t>(g);
+      tab.from[lane][parts] = static_cast<uint8_t>(g);
       tab.slot[lane][parts++] = __popc(mask & ((1u << lane) - 1u));
     }
   }

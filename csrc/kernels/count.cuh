@@ -126,6 +126,21 @@ struct CountCall {
   CountShared& sh;
 };
 
+// Bit i of the ranks (per = L experts each) or nodes (per = G x L) base + i, i < 64, that a
+// token's routes reach: the kernels count W ranks and N nodes in windows of 64 (an EP group of up
+// to kMaxRanks), the first window kept in registers across the tally's passes.
+__device__ __forceinline__ uint64_t reach_mask(const int (&e)[kMaxTopK], int K, int per, int base) {
+  uint64_t m = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k) {
+    if (k < K && e[k] >= 0) {
+      const int i = e[k] / per - base;
+      if (i >= 0 && i < 64) m |= 1ull << i;
+    }
+  }
+  return m;
+}
+
 // The tally warps (thread `tid` of kTallyThreads): the rank's tokens in tiles of kTallyThreads,
 // each token's (token, expert) ordinals and slots in the rows to each rank, the totals in
 // `carry`; then the first bad route's id, for the count row (thread 0). A warp whose tokens of
@@ -149,7 +164,6 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
     const bool counts = tile + warp * 32 < T;  // the warp holds a token (warp-uniform)
     if (counts) tile_code(K, W, N);
     int e[kMaxTopK];  // expert ids fit 32 bits (E <= kMaxExperts); -1 = not routed
-    uint64_t dmask = 0, nmask = 0;
 #pragma unroll
     for (int k = 0; k < kMaxTopK; ++k) {
       e[k] = -1;
@@ -169,12 +183,9 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
           e[k] = -1;  // not routed
         }
       }
-      if (e[k] >= 0) {
-        const int d = e[k] / L;
-        dmask |= 1ull << d;
-        nmask |= 1ull << (d / G);
-      }
     }
+    // the ranks and nodes of the first window of 64 (every one where W <= 64), kept for both passes
+    const uint64_t dmask0 = reach_mask(e, K, L, 0), nmask0 = reach_mask(e, K, L * G, 0);
     // Each expert's counter word of this warp first holds the lanes routed to it, as a lane
     // mask (a token routes to an expert at most once), then their count: a route's ordinal
     // in the warp is the number of earlier lanes in its expert's mask. K shared atomics per
@@ -194,13 +205,19 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
         prefix[k] = k < K && e[k] >= 0 ? __popc(static_cast<unsigned>(lanes_of[e[k]]) & lt_mask) : 0;
       __syncwarp();  // every lane has read the masks before they become counts
       for (int col = lane; col < E; col += 32) lanes_of[col] = __popc(static_cast<unsigned>(lanes_of[col]));
-      for (int d = 0; d < W; ++d) {
-        const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
-        if (lane == 0) lanes_of[E + d] = __popc(bal);
+      for (int base = 0; base < W; base += 64) {
+        const uint64_t dmask = base == 0 ? dmask0 : reach_mask(e, K, L, base);
+        for (int d = base; d < min(W, base + 64); ++d) {
+          const unsigned bal = __ballot_sync(full, (dmask >> (d - base)) & 1);
+          if (lane == 0) lanes_of[E + d] = __popc(bal);
+        }
       }
-      for (int n = 0; n < N; ++n) {
-        const unsigned bal = __ballot_sync(full, (nmask >> n) & 1);
-        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+      for (int base = 0; base < N; base += 64) {
+        const uint64_t nmask = base == 0 ? nmask0 : reach_mask(e, K, L * G, base);
+        for (int n = base; n < min(N, base + 64); ++n) {
+          const unsigned bal = __ballot_sync(full, (nmask >> (n - base)) & 1);
+          if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+        }
       }
     }
     dev::named_barrier_sync(kTallyBarrier, kTallyThreads);
@@ -226,11 +243,13 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
           entry_ord[static_cast<int64_t>(t) * K + k] = e[k] >= 0 ? lanes_of[e[k]] + prefix[k] : -1;
         }
       }
-      for (int d = 0; d < W; ++d) {
-        const unsigned bal = __ballot_sync(full, (dmask >> d) & 1);
-        if (valid)
-          send_slot[static_cast<int64_t>(t) * W + d] =
-              ((dmask >> d) & 1) ? lanes_of[E + d] + __popc(bal & lt_mask) : -1;
+      for (int base = 0; base < W; base += 64) {
+        const uint64_t dmask = base == 0 ? dmask0 : reach_mask(e, K, L, base);
+        for (int d = base; d < min(W, base + 64); ++d) {
+          const bool goes = (dmask >> (d - base)) & 1;
+          const unsigned bal = __ballot_sync(full, goes);
+          if (valid) send_slot[static_cast<int64_t>(t) * W + d] = goes ? lanes_of[E + d] + __popc(bal & lt_mask) : -1;
+        }
       }
     }
     dev::named_barrier_sync(kTallyBarrier, kTallyThreads);  // the bases read before the next tile's counts
@@ -243,7 +262,7 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
 // before this rank overwrites its count row (and, in the dispatch kernel, its receive rows by
 // bulk stores: hence the proxy fence after the acquires). The ranks of this node by their done
 // flags, the rail peers on other nodes by their RDMA done words; a peer per lane, lane-strided
-// (two a lane at kMaxRanks). A wait that gave up raises sh.fail (the launch's abort flag,
+// (lane-strided over W ranks). A wait that gave up raises sh.fail (the launch's abort flag,
 // raised with its record, ends the other lanes' waits).
 template <typename Rdma>
 __device__ void wait_for_peers(const CountCall<Rdma>& c, int lane) {

@@ -83,11 +83,11 @@ constexpr int kTableSlots = 2;  // units whose route tables are ready ahead of t
 constexpr int kDoneSlots = 4;   // several nodes: units the store warps finished, for the RDMA warp
 // A route table's destination at or above this is node (value - kStagedTarget)'s staging ring.
 constexpr int kStagedTarget = 128;
-static_assert(kMaxRanks < kStagedTarget && kStagedTarget + kMaxRanks <= 256, "destinations are uint8_t");
+static_assert(kMaxDomainRanks <= kStagedTarget && kStagedTarget + kMaxNodes <= 256, "destinations are uint8_t");
 
 // A unit's targets, per row (at most K: a route to this node's ranks, or one per other node the
 // row reaches, which takes at least one of its routes): the output row at the target's rank (or
-// the row of the staging slot) and that rank (or kStagedTarget + node).
+// the row of the staging slot) and that rank's local index on this node (or kStagedTarget + node).
 struct RouteTable {
   int32_t u0, u1;  // the unit's rows: tokens [u0, u1) of x, or staged rows [0, u1) of a forwarded chunk
   int32_t targets[kChunkTokens];
@@ -100,8 +100,9 @@ struct DirectDispatchShared {
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
   uint64_t done_full[kDoneSlots], done_empty[kDoneSlots];  // several nodes: store warps -> RDMA warp
   RouteTable tables[kTableSlots];
-  uint64_t rows[kMaxRanks], probs[kMaxRanks], scales[kMaxRanks];  // each destination's, this process's addresses
-  int64_t num_rows[kMaxRanks];
+  // each destination's on this node (by local index), this process's addresses
+  uint64_t rows[kMaxDomainRanks], probs[kMaxDomainRanks], scales[kMaxDomainRanks];
+  int64_t num_rows[kMaxDomainRanks];
   // [source node m][rank g of this node][its local expert j]: the first output row there of the
   // rows of the source on node m that this rank serves (itself, or its rail peer on m)
   int32_t first_row[kMaxExperts];
@@ -294,11 +295,12 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
       const int dst = e >= 0 ? expert_rank(e, d.L) : 0;
       if (e >= 0 && d.h.topo.same_node(dst, d.a.rank)) {  // another node's routes: its rail peer's
         const int64_t p = static_cast<int64_t>(d.sh.first_row[e]) + ord[k];
-        if (p < d.sh.num_rows[dst]) {
+        const int g = d.h.topo.local(dst);
+        if (p < d.sh.num_rows[g]) {
           row = static_cast<int32_t>(p);
-          dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, weight[k]);
+          dev::st(reinterpret_cast<float*>(d.sh.probs[g]) + p, weight[k]);
           tab.row[lane][n] = row;
-          tab.dest[lane][n] = static_cast<uint8_t>(dst);
+          tab.dest[lane][n] = static_cast<uint8_t>(g);
           ++n;
         }
       }
@@ -323,7 +325,7 @@ __device__ void own_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int c,
 // Warp 1, chunk c of the rail peer on node m (several nodes; lane q: its staged row q): each
 // route to a rank of this node from the routing the source put with the rows, its weight and
 // scales at its output row there, and the routes in the handle (fwd_routes: output row x
-// kMaxRanks + local index, -1 for none; fwd_rows: the chunk's rows) for combine.
+// kMaxDomainRanks + local index, -1 for none; fwd_rows: the chunk's rows) for combine.
 template <typename Rdma>
 __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, int m, int c, int lane) {
   const Hierarchy<Rdma>& h = d.h;
@@ -344,11 +346,11 @@ __device__ bool forwarded_table(const DirectDispatch<Rdma>& d, RouteTable& tab, 
       if (e < 0 || !h.topo.same_node(dst, d.a.rank)) continue;
       const int g = h.topo.local(dst);
       const int64_t p = static_cast<int64_t>(d.sh.first_row[(m * d.G + g) * d.L + e % d.L]) + dev::ld(&tm->ordinal[k]);
-      if (p >= d.sh.num_rows[dst]) continue;  // clipped by num_out_tokens
-      dev::st(reinterpret_cast<float*>(d.sh.probs[dst]) + p, dev::ld(&tm->weight[k]));
+      if (p >= d.sh.num_rows[g]) continue;  // clipped by num_out_tokens
+      dev::st(reinterpret_cast<float*>(d.sh.probs[g]) + p, dev::ld(&tm->weight[k]));
       tab.row[lane][n] = static_cast<int32_t>(p);
-      tab.dest[lane][n] = static_cast<uint8_t>(dst);
-      kept[n] = static_cast<int32_t>(p * kMaxRanks + g);
+      tab.dest[lane][n] = static_cast<uint8_t>(g);
+      kept[n] = static_cast<int32_t>(p * kMaxDomainRanks + g);
       ++n;
     }
     for (int i = n; i < width; ++i) kept[i] = -1;
@@ -549,10 +551,10 @@ __global__ void __launch_bounds__(kDirectThreads, 1) dispatch_direct_kernel(cons
     const int dst = d.h.first_local() + tid;
     PeerView pv;
     if (read_tensors(args, d.view, a, dst, kDirectDispatch, d.call, pv)) {
-      sh.rows[dst] = pv.rows;
-      sh.probs[dst] = pv.probs;
-      sh.scales[dst] = pv.scales;
-      sh.num_rows[dst] = pv.num_rows;
+      sh.rows[tid] = pv.rows;
+      sh.probs[tid] = pv.probs;
+      sh.scales[tid] = pv.scales;
+      sh.num_rows[tid] = pv.num_rows;
       const auto* first = reinterpret_cast<const volatile int32_t*>(d.view.base(dst) + d.geo.reg.direct_first);
       for (int m = 0; m < d.h.topo.N; ++m)
         for (int j = 0; j < d.L; ++j) sh.first_row[(m * d.G + tid) * d.L + j] = first[d.h.rail_peer(m) * d.L + j];

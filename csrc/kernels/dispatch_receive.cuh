@@ -99,7 +99,8 @@ static_assert(dispatch_warps(false).tiles(kThreads / 32) && dispatch_warps(true)
 static_assert(kStagedSlots > kRdmaWarps, "an RDMA warp may run kRdmaWarps chunks ahead of another");
 // A send table's destination at or above this is node (value - kStagedTarget)'s staging area.
 constexpr int kStagedTarget = 128;
-static_assert(kMaxRanks < kStagedTarget && kStagedTarget + kMaxRanks <= 256, "destinations are uint8_t");
+static_assert(kMaxDomainRanks <= kStagedTarget && kStagedTarget + kMaxNodes <= 256,
+              "destinations are uint8_t: a rank's local index on this node, or kStagedTarget + a node");
 
 __device__ __forceinline__ MetaEntry load_entry(const MetaEntry* p) {
   const int4 v = dev::ld_volatile_v4(p);
@@ -110,16 +111,16 @@ __device__ __forceinline__ void store_entry(MetaEntry* p, int j, int ordinal, fl
   *reinterpret_cast<int4*>(p) = make_int4(j, ordinal, __float_as_int(prob), 0);
 }
 
-// A send chunk's destinations, built once by warp 1's lanes (one token each): the (rank,
-// slot) of each of its rows (with several nodes also (kStagedTarget + node, staged slot)
+// A send chunk's destinations, built once by warp 1's lanes (one token each): the (rank's local
+// index on this node, slot) of each of its rows (with several nodes also (kStagedTarget + node, staged slot)
 // of each other node it reaches: a token reaches at most K ranks, so at most K targets),
 // and per destination the chunk's slots [first, first + rows).
 struct SendTable {
   int32_t ndest[kChunkTokens];
   uint8_t dest_rank[kChunkTokens][kMaxTopK];
   int32_t dest_slot[kChunkTokens][kMaxTopK];
-  int32_t span_first[2][kMaxRanks];  // two chunks: the one being sent, the one awaiting its signal
-  int32_t span_rows[2][kMaxRanks];   // (indexed by the destination's local index on this node)
+  int32_t span_first[2][kMaxDomainRanks];  // two chunks: the one being sent, the one awaiting its signal
+  int32_t span_rows[2][kMaxDomainRanks];   // (indexed by the destination's local index on this node)
 };
 
 // An expand chunk's output rows, built by warps 6-7 for warps 4-5.
@@ -550,7 +551,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
       const unsigned goes = __ballot_sync(0xffffffffu, slot >= 0);
       const int first_slot = __shfl_sync(0xffffffffu, slot, goes ? __ffs(goes) - 1 : 0);
       if (slot >= 0) {
-        tab.dest_rank[lane][n] = static_cast<uint8_t>(first + g);
+        tab.dest_rank[lane][n] = static_cast<uint8_t>(g);
         tab.dest_slot[lane][n] = __popc(goes & below);
         ++n;
       }
@@ -588,7 +589,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
           for (int q = 0; q < tab.ndest[i]; ++q) {
             const int dst = tab.dest_rank[i][q], row = tab.dest_slot[i][q];
             uint8_t* to = dst >= kStagedTarget ? d.staged_row(dst - kStagedTarget, su.chunk, row)
-                                               : d.recv_row(dst, su.source, su.chunk, row);
+                                               : d.recv_row(first + dst, su.source, su.chunk, row);
             dev::bulk_s2g(to + it.offset, d.send_fifo.slot(consumed) + r * it.bytes, it.bytes);
           }
         }

@@ -36,7 +36,9 @@ def _compiled():
 
 compiled = _compiled()
 MAX_TOPK: int = compiled.MAX_TOPK  # routes per token
-MAX_RANKS: int = compiled.MAX_RANKS
+MAX_RANKS: int = compiled.MAX_RANKS  # ranks of an EP group
+MAX_DOMAIN_RANKS: int = compiled.MAX_DOMAIN_RANKS  # ranks of one node, an NVLink domain (ranks_per_node)
+MAX_NODES: int = compiled.MAX_NODES  # nodes of an EP group (world_size / ranks_per_node)
 MAX_EXPERTS: int = compiled.MAX_EXPERTS
 MAX_LAUNCH_RANKS: int = compiled.MAX_LAUNCH_RANKS  # virtual ranks one emulated launch holds
 LOCAL_STATE_BYTES: int = compiled.LOCAL_STATE_BYTES
@@ -55,7 +57,8 @@ BAD_ROUTE_WORDS = 3  # info's bad_route: the lowest bad rank (-1: none), its fir
 
 # The names `compiled` and every loaded module must give the same values (engine.check_extension):
 # a module built from other sources than the one this plan read is stale.
-COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_EXPERTS", "MAX_LAUNCH_RANKS", "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
+COMPILED_CONSTANTS = ("MAX_TOPK", "MAX_RANKS", "MAX_DOMAIN_RANKS", "MAX_NODES", "MAX_EXPERTS", "MAX_LAUNCH_RANKS",
+                      "LOCAL_STATE_BYTES", "CHUNK_TOKENS",
                       "CHUNK_SIGNAL_BYTES", "META_ENTRY_BYTES", "TOKEN_META_BYTES", "PEER_TENSORS_BYTES",
                       "COUNT_ROW_TAIL", "AGREE_WORDS", "ERROR_RECORD_PHASE_OFFSET", "ERROR_RECORD_CALL_OFFSET",
                       "COMBINE_MAX_SEG_COLS", "MAX_STAGES", "MAX_STORE_GROUPS", "DIRECT_COMBINE_PIPELINES",
@@ -151,7 +154,15 @@ def check_geometry(config: BufferConfig, inter_node: bool = False) -> None:
     """Limits of the kernels, as errors that name the argument. inter_node: the caller has an
     inter-node transport (the loopback of the emulation, or NVSHMEM)."""
     if config.world_size > MAX_RANKS:
-        raise ValueError(f"the cuda backend supports EP groups of up to {MAX_RANKS} ranks, got {config.world_size}")
+        raise ValueError(f"world_size: the cuda backend supports EP groups of up to {MAX_RANKS} ranks, got "
+                         f"{config.world_size}")
+    if config.ranks_per_node > MAX_DOMAIN_RANKS:
+        raise ValueError(f"ranks_per_node must be <= {MAX_DOMAIN_RANKS} for the cuda backend (the ranks of one "
+                         f"NVLink domain, GB200 NVL72), got {config.ranks_per_node}")
+    if config.num_nodes > MAX_NODES:
+        raise ValueError(f"ranks_per_node={config.ranks_per_node} makes {config.num_nodes} nodes of the "
+                         f"{config.world_size} ranks; the cuda backend supports up to {MAX_NODES}: pass a larger "
+                         "ranks_per_node")
     if config.num_experts > MAX_EXPERTS:
         raise ValueError(f"num_experts must be <= {MAX_EXPERTS} for the cuda backend, got {config.num_experts}")
     if config.num_nodes > 1 and not inter_node:
