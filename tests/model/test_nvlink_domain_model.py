@@ -11,7 +11,6 @@ counts, a rank without tokens and chunks that cross.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
