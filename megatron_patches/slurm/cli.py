@@ -36,7 +36,7 @@ import tempfile
 from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
-from . import memory, render, shape, site_fields, validate
+from . import domain, memory, render, shape, site_fields, validate
 from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
@@ -105,6 +105,9 @@ def report(recipe, on_cpu: bool = False) -> None:
         return
     print(f"{PROG}: {recipe.name}: {shape.shape_of(recipe).describe(on_cpu)}", file=sys.stderr)
     est = memory.estimate(recipe)
+    domains = domain.describe(recipe, est.dispatcher.config.ranks_per_node if est.dispatcher else None)
+    if domains:
+        print(f"{PROG}: {recipe.name}: {domains}", file=sys.stderr)
     print(est.table(on_cpu), file=sys.stderr)
     if est.over and not on_cpu:
         print(f"{PROG}: warning: estimated {est.total_gb:.1f} GiB per GPU exceeds the {est.gpu_gb:g} GiB of "

@@ -9,8 +9,10 @@ time from Megatron's config and the --hybrid-ep-* flags of the recipe's argument
                          rank: seq_length x micro_batch_size / CP (/ TP with sequence parallelism)
     num_experts          (balancer slots per rank x EP with the balancer on, else the experts) x ETP
     world_size           EP x ETP (the dispatcher's group: EP, or ETP x EP)
-    ranks_per_node       --hybrid-ep-ranks-per-node, else the group's members per node: Megatron
-                         numbers an ETP x EP group as consecutive ranks, srun fills nodes in order
+    ranks_per_node       --hybrid-ep-ranks-per-node, else the group's members per NVLink domain:
+                         Megatron numbers an ETP x EP group as consecutive ranks, srun fills
+                         hosts in order, and each of the job's domains holds its segment's
+                         hosts (domain.py; one host where cluster.nvlink_domain is unset)
     pad_multiple         --hybrid-ep-pad-multiple (the grouped GEMM's own alignment, added at run
                          time, changes the held bytes by rows of padding only)
 
@@ -31,6 +33,7 @@ from hybrid_ep.config import BufferConfig
 from hybrid_ep.memory import MemoryPlan
 
 from .. import options as options_mod
+from .domain import job_domain
 from .megatron_args import megatron_args
 
 
@@ -78,7 +81,8 @@ def buffer_config(recipe, opts: options_mod.HybridEPOptions | None = None) -> Bu
     if opts.balancer_enabled:
         experts = slots_per_rank(opts, experts, ep) * ep
     world = ep * etp
-    ranks_per_node = resolve_ranks_per_node(list(range(world)), opts.ranks_per_node, recipe["cluster.gpus_per_node"])
+    # The library's own decision, each launcher "node" one of the job's NVLink domains.
+    ranks_per_node = resolve_ranks_per_node(list(range(world)), opts.ranks_per_node, job_domain(recipe).used)
     return BufferConfig(hidden_dim=recipe["model.hidden_size"],
                         max_tokens_per_rank=opts.max_tokens_per_rank or tokens_per_rank(recipe),
                         num_experts=experts * etp, world_size=world, ranks_per_node=ranks_per_node,

@@ -5,7 +5,10 @@ variables Megatron reads (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER
 MASTER_PORT) from Slurm's and runs the command. Pretraining runs
 `python -m megatron_patches.pretrain_gpt <Megatron arguments>`; the benchmark recipe runs
 `python -m hybrid_ep.bench` once per node count in one allocation. Every value from the
-recipe is shell-quoted; `bash -n` accepts every rendered script (tested).
+recipe is shell-quoted; `bash -n` accepts every rendered script (tested). Where the job's NVLink
+domain spans hosts (cluster.nvlink_domain, domain.py) the header asks for `#SBATCH --segment`,
+and every task of a run whose hybrid_ep domain spans hosts first runs FABRIC_CHECK (an IMEX
+channel and pynvml).
 
 Where the files land. Slurm opens the job's log before the script runs and creates no
 folders, and `#SBATCH` lines expand no shell variables. So the log goes to `log_dir`, the
@@ -22,7 +25,7 @@ import os
 import re
 import shlex
 
-from . import site_fields
+from . import domain, site_fields
 from .megatron_args import CHECKPOINT_PATH_FLAGS, megatron_args
 
 _RANK_ENV = (
@@ -108,11 +111,13 @@ def _header(recipe, nodes: int, job_name: str) -> list[str]:
         "# Edit the recipe (or pass --set key=value), not this file.",
         *_where_comments(recipe),
         *_data_comments(recipe),
+        *domain.comment_lines(recipe),
         *site_fields.header_lines(recipe),
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={c['gpus_per_node']}",
         f"#SBATCH --gpus-per-node={c['gpus_per_node']}",
+        *_segment(recipe),
         f"#SBATCH --time={c['time']}",
     ]
     if c["workdir"]:
@@ -131,6 +136,31 @@ def _header(recipe, nodes: int, job_name: str) -> list[str]:
     return lines
 
 
+def _segment(recipe) -> list[str]:
+    """Slurm's block topology keeps each set of `segment` hosts inside one NVLink domain, where
+    the job's domains span hosts (domain.py); the node count is a multiple of it (validated)."""
+    job = domain.job_domain(recipe)
+    return [f"#SBATCH --segment={job.segment}"] if job.spans_hosts else []
+
+
+def _task(module: str, fabric: bool) -> str:
+    """The bash -c program of every task: the rank variables, FABRIC_CHECK where the run's
+    hybrid_ep domains span hosts (`fabric`, _fabric_check), then `python -m module "$@"`."""
+    check = 'eval "$FABRIC_CHECK"; ' if fabric else ""
+    return f"'{_RANK_ENV}; {check}exec \"$0\" -m {module} \"$@\"'"
+
+
+def _fabric_check(recipe) -> list[str]:
+    """FABRIC_CHECK, exported to every task (srun passes the environment, pyxis into the
+    container), where hybrid_ep's domains span hosts: one definition, read once, beside the
+    short srun lines that run it."""
+    if not domain.needs_fabric(recipe):
+        return []
+    return ["# NVLink domains across hosts: each task first checks for an IMEX channel and pynvml",
+            "# (docs/slurm.md#nvlink-domains-across-hosts-gb200-nvl72)",
+            f"export FABRIC_CHECK={_q(domain.fabric_check())}", ""]
+
+
 def _environment(recipe) -> list[str]:
     lines = ["# Communication and runtime environment (recipe field env)"]
     for key, value in recipe["env"].items():
@@ -147,7 +177,7 @@ def _environment(recipe) -> list[str]:
     ]
     out = recipe["output.dir"]  # from the job's working directory, as the log (#SBATCH --chdir)
     lines += [f'OUT_DIR="{out}"', 'mkdir -p "$OUT_DIR"', ""]
-    return lines
+    return lines + _fabric_check(recipe)
 
 
 def _srun_prefix(recipe, nodes: int, tasks_per_node: int | None = None) -> str:
@@ -235,6 +265,7 @@ def calibration(recipe) -> list[str]:
     from .dispatcher_memory import buffer_config
 
     config = buffer_config(recipe)
+    hosts, tasks = domain.group_hosts(recipe)
     bench = ["--hidden", config.hidden_dim, "--tokens", config.max_tokens_per_rank,
              "--experts", config.num_experts, "--topk", recipe["model.moe_router_topk"],
              "--dtype", "fp8" if recipe["precision"].startswith("fp8") else "bf16",
@@ -243,8 +274,8 @@ def calibration(recipe) -> list[str]:
         "# auto's evidence (dispatcher.calibrate): reference against cuda on one EP group's ranks at the",
         "# dispatcher's shape; the training step's backend auto follows it (docs/architecture.md#what-runs-where)",
         f'export HYBRID_EP_AUTO_EVIDENCE="{EVIDENCE_FILE}"',
-        f"{_srun_prefix(recipe, config.num_nodes, config.ranks_per_node)} bash -c \\",
-        f"  '{_RANK_ENV}; exec \"$0\" -m hybrid_ep.bench --calibrate \"$@\"' \\",
+        f"{_srun_prefix(recipe, hosts, tasks)} bash -c \\",
+        f"  {_task('hybrid_ep.bench --calibrate', domain.needs_fabric(recipe))} \\",
         f"  {_q(python_of(recipe))} {' '.join(_q(v) for v in bench)}",
         "",
     ]
@@ -275,7 +306,7 @@ def render_pretrain(recipe) -> str:
     py = _q(python_of(recipe))
     lines += [
         f"{_srun_prefix(recipe, c['nodes'])} bash -c \\",
-        f"  '{_RANK_ENV}; exec \"$0\" -m megatron_patches.pretrain_gpt \"$@\"' \\",
+        f"  {_task('megatron_patches.pretrain_gpt', domain.needs_fabric(recipe))} \\",
         f"  {py} \"${{ARGS[@]}}\"",
         "",
     ]
@@ -287,9 +318,11 @@ def render_benchmark(recipe) -> str:
     nodes = max(b["node_counts"])
     lines = _header(recipe, nodes, c["job_name"] or f"hybrid-ep-{recipe.name}")
     lines += _environment(recipe)
+    per_run = {n: domain.bench_ranks_per_node(recipe, n) for n in b["node_counts"]}
+    same = len(set(per_run.values())) == 1  # one --ranks-per-node for every run, else each run's own
     common = ["--hidden", b["hidden"], "--tokens", b["tokens"], "--experts", b["experts"], "--topk", b["topk"],
               "--dtype", b["dtype"], "--routing", b["routing"], "--warmup", b["warmup"], "--iters", b["iters"],
-              "--ranks-per-node", c["gpus_per_node"], "--device", "cuda"]
+              *(["--ranks-per-node", per_run[nodes]] if same else []), "--device", "cuda"]
     if b["backends"]:
         common += ["--backends", ",".join(b["backends"])]
     if b["sms"]:
@@ -298,10 +331,11 @@ def render_benchmark(recipe) -> str:
     lines += ["", "# One run per node count in this allocation; each writes results.json and PNG plots."]
     py = _q(python_of(recipe))
     for n in b["node_counts"]:
+        own = "" if same else f" --ranks-per-node {per_run[n]}"
         lines += [
             f"{_srun_prefix(recipe, n)} bash -c \\",
-            f"  '{_RANK_ENV}; exec \"$0\" -m hybrid_ep.bench \"$@\"' \\",
-            f"  {py} \"${{BENCH_ARGS[@]}}\" --out \"$OUT_DIR/nodes{n}\"",
+            f"  {_task('hybrid_ep.bench', per_run[n] > c['gpus_per_node'])} \\",
+            f"  {py} \"${{BENCH_ARGS[@]}}\"{own} --out \"$OUT_DIR/nodes{n}\"",
         ]
     lines += ['echo "results: $OUT_DIR/nodes*/results.json"', ""]
     return "\n".join(lines)

@@ -21,6 +21,8 @@ _COMMON = {
     "cluster": {
         "nodes": ("int", REQUIRED),
         "gpus_per_node": ("int", 8),
+        "nvlink_domain": ("int?", None),  # GPUs per NVLink domain; None: one host (gpus_per_node); domain.py
+        "segment": ("int?", None),  # hosts of each domain the job takes (#SBATCH --segment); None: derived
         "gpu_type": ("str", "H100"),
         "partition": ("str?", None),
         "account": ("str?", None),

@@ -18,6 +18,10 @@ otherwise enforce on the cluster, after the queue wait:
   known sets;
 - rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
   element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
+- cluster.nvlink_domain whole hosts, at most hybrid_ep.topology.MAX_DOMAIN_RANKS GPUs;
+  cluster.segment hosts of one domain; with hybrid_ep, each EP x ETP group inside one of the
+  job's NVLink domains or the same number of its ranks in each (domain.py, as
+  hybrid_ep/topology.py decides at run time); the node count a multiple of the segment;
 - cluster.time in one of Slurm's time formats;
 - cluster.workdir without shell variables, a leading ~ or a double quote (it is written as
   `#SBATCH --chdir`, which expands none, and the Slurm log and OUT_DIR resolve from it);
@@ -54,7 +58,7 @@ from hybrid_ep.config import FP8_BLOCK
 from hybrid_ep.rows import row_bytes_rule
 from hybrid_ep.wording import plural
 
-from . import site_fields
+from . import domain, site_fields
 from .memory import GPU_MEMORY_GB
 from .recipe import RecipeError
 from .shape import shape_of, stage_layers
@@ -78,6 +82,8 @@ def _positive(recipe, fields, problems):
 
 def _cluster(recipe, problems):
     _positive(recipe, ["cluster.nodes", "cluster.gpus_per_node"], problems)
+    if recipe["cluster.gpus_per_node"] >= 1:
+        problems += domain.field_problems(recipe)
     if recipe["cluster.gpu_type"] not in GPU_MEMORY_GB:
         problems.append(("cluster.gpu_type", f"must be one of {', '.join(GPU_MEMORY_GB)}, "
                                              f"got {recipe['cluster.gpu_type']!r}"))
@@ -293,16 +299,12 @@ def _dispatcher(recipe, problems):
 
 
 def _dispatcher_group(recipe, problems):
-    """The hybrid_ep dispatcher's groups of EP x ETP consecutive ranks must each come node by
-    node (hybrid_ep/topology.py refuses one that does not, at run time): their size a multiple
-    or a divisor of the GPUs per node."""
-    if recipe["dispatcher.type"] != "hybrid_ep":
-        return
-    size, gpus = recipe["parallelism.ep"] * recipe["parallelism.etp"], recipe["cluster.gpus_per_node"]
-    if size % gpus and gpus % size:
-        problems.append(("parallelism.ep", f"EP x ETP = {size} ranks per hybrid_ep group must be a multiple or a "
-                                           f"divisor of cluster.gpus_per_node {gpus}: a group's ranks on a node "
-                                           "share NVLink"))
+    """The hybrid_ep dispatcher's groups of EP x ETP consecutive ranks on the job's NVLink domains
+    (domain.py): each group inside one domain, or the same number of its ranks in each, as
+    hybrid_ep/topology.py requires at run time; then the buffer the library would build."""
+    layout = domain.pretrain_problems(recipe)
+    if layout or recipe["dispatcher.type"] != "hybrid_ep":
+        problems += layout
         return
     from .dispatcher_memory import buffer_config
 
@@ -405,6 +407,9 @@ def _bench(recipe, problems):
             problems.append((b + "sms", f"SM counts must be >= 1, got {n}"))
     if problems:
         return
+    problems += domain.bench_problems(recipe)
+    if problems:
+        return
     # Whatever else hybrid-ep-bench would refuse for one of the runs (e.g. top-k beyond the
     # experts group-limited routing reaches): its own check, named by the recipe field.
     for n in counts:
@@ -423,11 +428,11 @@ _BENCH_FLAG_FIELDS = {"--world-size": "bench.node_counts", "--ranks-per-node": "
 
 def _bench_spec(recipe, nodes: int) -> BenchSpec:
     """The BenchSpec the rendered `python -m hybrid_ep.bench` run on `nodes` nodes resolves to."""
-    b, G = recipe["bench"], recipe["cluster.gpus_per_node"]
-    return BenchSpec(world_size=nodes * G, ranks_per_node=G, hidden=b["hidden"], tokens=b["tokens"],
-                     topk=b["topk"], experts=b["experts"], dtype=b["dtype"], routing=b["routing"],
-                     sms=tuple(b["sms"]), backends=tuple(dict.fromkeys(b["backends"])), warmup=b["warmup"],
-                     iters=b["iters"], seed=0, device="cuda")
+    b, g = recipe["bench"], recipe["cluster.gpus_per_node"]
+    return BenchSpec(world_size=nodes * g, ranks_per_node=domain.bench_ranks_per_node(recipe, nodes),
+                     hidden=b["hidden"], tokens=b["tokens"], topk=b["topk"], experts=b["experts"], dtype=b["dtype"],
+                     routing=b["routing"], sms=tuple(b["sms"]), backends=tuple(dict.fromkeys(b["backends"])),
+                     warmup=b["warmup"], iters=b["iters"], seed=0, device="cuda")
 
 
 def validate(recipe) -> None:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 
 RECIPES_DIR = os.path.join(REPO, "recipes")
 ALL = sorted(d for d in os.listdir(RECIPES_DIR) if os.path.isfile(os.path.join(RECIPES_DIR, d, "recipe.yaml")))
-PRETRAIN = ["deepseek_v3", "deepseek_v3_proxy", "qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b",
+PRETRAIN = ["deepseek_v3", "deepseek_v3_gb200", "deepseek_v3_proxy", "qwen3_30b_a3b", "qwen3_235b_a22b", "mixtral_8x7b",
             "mixtral_8x22b", "tiny_moe"]
 
 
@@ -148,7 +148,7 @@ def test_every_pretrain_recipe_parses_with_megatrons_parser():
         assert (g["tp"], g["pp"], g["ep"], g["dp"]) == (parallel.tp, parallel.pp, parallel.ep, parallel.dp), name
         assert g["balancer_interval"] == r["balancer.interval"] and g["pad_multiple"] == r["dispatcher.pad_multiple"]
         assert g["mla"] == r["model.mla.enabled"]
-    assert got["deepseek_v3"]["config"] == "MLATransformerConfig"
+    assert got["deepseek_v3"]["config"] == got["deepseek_v3_gb200"]["config"] == "MLATransformerConfig"
 
 
 def test_alltoall_comparison_parses_too(capsys):

@@ -20,7 +20,7 @@ RECIPES_DIR = os.path.join(REPO, "recipes")
 ALL = recipe_mod.recipe_names(RECIPES_DIR)
 PRETRAIN = [n for n in ALL if n != "bench_dispatch"]
 # The recipes a cluster user submits as they are: their site fields are placeholders or nulls.
-CLUSTER = ["deepseek_v3", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b"]
+CLUSTER = ["deepseek_v3", "deepseek_v3_gb200", "qwen3_235b_a22b", "qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b"]
 
 SITE = ["cluster.partition=batch", "cluster.account=moe-team", "cluster.qos=high",
         "cluster.python=/opt/venv/bin/python",
