@@ -14,7 +14,8 @@
 # path + W=8 as 2 and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
 # wheel); then what the last run measured: the DeepSeek-V3-like layer on the receive path, the
 # receive path's single-node sweep, and last the racecheck probe (docs/benchmarks/racecheck.md;
-# its table is copied into the summary).
+# its table is copied into the summary). After ncu: one NVLink domain of 36 ranks emulated
+# (seed and DeepSeek-V3-like shapes, direct path).
 # Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
 # summary says so); the logs of all parts are packed into OUT/logs_short_lease.tgz beside
@@ -39,7 +40,8 @@
 # over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
 # SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_VARIANTS_S (110, the
 # combine's variants together), SHORT_LEASE_NCU_S (100; the
-# profiled call about 20 s inside ncu), SHORT_LEASE_EMULATION_ALONE_S (100; the process
+# profiled call about 20 s inside ncu), SHORT_LEASE_DOMAIN_S (30 for each shape of the 36-rank
+# domain), SHORT_LEASE_EMULATION_ALONE_S (100; the process
 # bench's emulation points alone, launches blocking, without and with MPS, then memcheck),
 # SHORT_LEASE_PROCESSES_S (110), SHORT_LEASE_STAGES_S (60; the processes point at 3
 # direct-combine stages: 40 ran out before its first point), SHORT_LEASE_DEEPEP_S (90), SHORT_LEASE_PROBE_S
@@ -182,6 +184,13 @@ done
 # timing model prices fp8's dispatch at 0.71-0.73 of its time and no ncu reading of it exists (two
 # runs read the bf16 kernels)
 GPU_CHECK_NCU_DTYPE=fp8 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
+# One NVLink domain of 36 ranks (a GB200 NVL36) emulated on this GPU, the direct path, seed shape
+# (E = 72) and DeepSeek-V3-like (E = 288), 1 and 2 SMs per rank: GB/s/SM beside the 8-rank points
+note "one domain of 36 ranks, direct path, 1 and 2 SMs per rank (bench_domain36_{seed,dsv3}/)"
+bench "bench domain36 seed" "${SHORT_LEASE_DOMAIN_S:-30}" bench_domain36_seed HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 36 --hidden 8192 --tokens 4096 --topk 8 --experts 72 --dtype bf16 --sms 1 2
+bench "bench domain36 dsv3" "${SHORT_LEASE_DOMAIN_S:-30}" bench_domain36_dsv3 HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 36 --hidden 7168 --tokens 4096 --topk 8 --experts 288 --dtype bf16 --sms 1 2
 if fits processes "${SHORT_LEASE_PROCESSES_S:-120}"; then
     GPU_CHECK_BUDGET_S=$s NVSHMEM_DEBUG=INFO bash scripts/gpu_check.sh processes "$r/processes" \
         > "$r/processes_stage.out" 2>&1

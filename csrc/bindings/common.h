@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 
 #include <cstddef>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -72,7 +73,47 @@ inline LaunchCount (&launch_counts())[5] {
   return counts;
 }
 
-inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), const LaunchArgs& a, uint64_t stream,
+// Where a launch's ranks past the inline ones go (LaunchArgs::more_ranks): device memory of
+// `bytes`, and a copy into it on the launch's stream, before the kernel. Each module sets its own
+// (cuda_module.cpp: cudaMalloc and cudaMemcpyAsync; model_module.cpp: host memory, copied at once,
+// the model's launches running inside the call).
+struct RankStaging {
+  std::shared_ptr<void> (*alloc)(size_t bytes) = nullptr;
+  void (*copy)(void* dst, const void* src, size_t bytes, uint64_t stream) = nullptr;
+};
+inline RankStaging& rank_staging() {
+  static RankStaging staging;
+  return staging;
+}
+
+// A launch's arguments as the host holds them: the kernel's LaunchArgs, its first
+// kInlineLaunchRanks ranks inline, and the ranks past those, staged in device memory when it
+// launches (an emulated launch of more than 16 ranks; a production launch holds one).
+struct HostLaunchArgs : LaunchArgs {
+  static constexpr int kMoreRanks = kMaxLaunchRanks - kInlineLaunchRanks;
+  RankArgs more[kMoreRanks] = {};
+  std::shared_ptr<void> staged;  // device RankArgs[kMoreRanks], allocated at the first launch that needs it
+
+  HostLaunchArgs() : LaunchArgs{} {}
+  RankArgs& rank(int i) { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
+  const RankArgs& rank(int i) const { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
+
+  // The kernel's arguments, the ranks past the inline ones copied on `stream` first.
+  const LaunchArgs& for_launch(uint64_t stream) {
+    const int extra = num_ranks - kInlineLaunchRanks;
+    if (extra <= 0) {
+      more_ranks = 0;
+      return *this;
+    }
+    const RankStaging& st = rank_staging();
+    if (!staged) staged = st.alloc(sizeof(more));
+    st.copy(staged.get(), more, sizeof(RankArgs) * static_cast<size_t>(extra), stream);
+    more_ranks = reinterpret_cast<uint64_t>(staged.get());
+    return *this;
+  }
+};
+
+inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), HostLaunchArgs& host, uint64_t stream,
                            const char* what) {
   for (LaunchCount& c : launch_counts()) {
     if (c.kernel == what || std::string_view(c.kernel) == what) {
@@ -81,6 +122,7 @@ inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t)
     }
   }
   if (!launches_enabled()) return;
+  const LaunchArgs& a = host.for_launch(stream);
   // Without the GIL: a launch can block (a full launch queue, CUDA_LAUNCH_BLOCKING, the CPU
   // model running the kernel) until a peer's kernel runs, and that peer may first need this
   // process's Python threads (the chunk server of peer memory) to answer it.
@@ -401,7 +443,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // is the static output size, or -1 (the count kernel computes it). read: the caller reads
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
   // routing itself (LaunchArgs::info_read). in: one DispatchInputs per rank.
-  void dispatch_count(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+  void dispatch_count(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                       const py::list& in, bool read) {
     const size_t n = check_count(in.size());
     a.info_read = read ? 1 : 0;
@@ -420,7 +462,7 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.entry_ord = at_offset(part, l.entry_ord);
       r.info = at_offset(part, l.info);
       r.num_out_rows = rows;
-      a.ranks[i] = r;
+      a.rank(static_cast<int>(i)) = r;
     }
     a.num_ranks = static_cast<int32_t>(n);
     launch_checked(&launch_count, a, stream, "count");
@@ -443,7 +485,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // The dispatch kernel, after dispatch_count on the same arguments: every rank's outputs
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes). out: one DispatchOutputs per rank.
-  void dispatch_rows(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
+  void dispatch_rows(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
                      const py::list& out) {
     rows_of(a, direct, stream, workspace, l, out.size(),
             [this, &out](size_t i) { return seam_->read_dispatch_outputs(out, i); });
@@ -451,7 +493,7 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The same into the arena blocks `taken` holds, one per rank (the engine's arena_take; the
   // direct path only), then the blocks' tensors: one OutputTensors per rank.
-  py::list dispatch_rows_into(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
+  py::list dispatch_rows_into(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
                               ArenaTaken& taken) {
     if (!direct) throw py::value_error("dispatch_rows: arena blocks take the direct path");
     check_blocks(taken, taken.size());
@@ -462,7 +504,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // A dispatch whose output size is known before the count kernel (static size, or a
   // handle's): both kernels in one call. The outputs are read before the count kernel
   // launches: a bad one launches neither.
-  void dispatch(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+  void dispatch(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                 const py::list& in, const py::list& out) {
     if (in.size() != out.size()) throw py::value_error("dispatch: one output per input");
     const size_t n = check_count(out.size());
@@ -475,7 +517,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
   // engine's arena_take): both kernels, then the blocks' tensors, one OutputTensors per rank.
   // One call instead of the addresses, the launch and the tensors one by one.
-  py::list dispatch_into(LaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+  py::list dispatch_into(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
                          const py::list& in, ArenaTaken& taken) {
     check_blocks(taken, in.size());
     dispatch_count(a, stream, workspace, l, rows, in, false);
@@ -484,7 +526,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   }
 
   // A combine on the parts of the dispatch handles' workspaces. in: one CombineInputs per rank.
-  void combine(LaunchArgs& a, bool direct, uint64_t stream, const py::list& in) {
+  void combine(HostLaunchArgs& a, bool direct, uint64_t stream, const py::list& in) {
     const size_t n = check_count(in.size());
     for (size_t i = 0; i < n; ++i) {
       RankArgs r = fixed_[i];
@@ -501,7 +543,7 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.probs = c.probs;
       r.y = c.y;
       r.num_out_rows = c.num_rows;
-      a.ranks[i] = r;
+      a.rank(static_cast<int>(i)) = r;
     }
     a.num_ranks = static_cast<int32_t>(n);
     if (direct) launch_checked(&launch_combine_direct, a, stream, "combine_direct");
@@ -518,14 +560,14 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The dispatch kernel on n ranks' outputs, rank i's from out(i) (a DispatchOutputs).
   template <typename Out>
-  void rows_of(LaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, size_t n,
+  void rows_of(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, size_t n,
                Out&& out) {
     const uint64_t absent = absent_ | absent_after_count_;
     check_count(n);
     if (static_cast<int32_t>(n) != a.num_ranks)
       throw py::value_error("dispatch_rows: one output per rank of the count kernel");
     for (size_t i = 0; i < n; ++i) {
-      RankArgs& r = a.ranks[i];
+      RankArgs& r = a.rank(static_cast<int>(i));
       const DispatchOutputs o = out(i);
       const uint64_t part = workspace + i * static_cast<uint64_t>(l.bytes);
       set_row_tables(r, direct, part, l);
@@ -672,24 +714,24 @@ inline void bind_common(py::module_& m) {
               throw py::value_error("agree: " + std::to_string(kAgreeWords) + " words");
             std::copy(v.begin(), v.end(), r.agree);
           });
-  py::class_<LaunchArgs>(m, "LaunchArgs", py::module_local())
-      .def(py::init([] { return LaunchArgs{}; })) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype)
-          RW(LaunchArgs, row_elems) RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs)
-              RW(LaunchArgs, chunk_tokens) RW(LaunchArgs, fifo_stages) RW(LaunchArgs, stage_bytes)
-                  RW(LaunchArgs, rows_per_stage) RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype)
-                      RW(LaunchArgs, seg_cols) RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes)
-                          RW(LaunchArgs, host_out_stages) RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes)
-                              RW(LaunchArgs, reducer_wait) RW(LaunchArgs, reducer_warps) RW(LaunchArgs, info_read)
-                                  RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag) RW(LaunchArgs, error)
-                                      RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
+  py::class_<HostLaunchArgs>(m, "LaunchArgs", py::module_local())
+      .def(py::init<>()) RW(LaunchArgs, geo) RW(LaunchArgs, num_ranks) RW(LaunchArgs, dtype) RW(LaunchArgs, row_elems)
+          RW(LaunchArgs, scale_cols) RW(LaunchArgs, kd) RW(LaunchArgs, apply_probs) RW(LaunchArgs, chunk_tokens)
+              RW(LaunchArgs, fifo_stages) RW(LaunchArgs, stage_bytes) RW(LaunchArgs, rows_per_stage)
+                  RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols)
+                      RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages)
+                          RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, reducer_wait)
+                              RW(LaunchArgs, reducer_warps) RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns)
+                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
+                                      RW(LaunchArgs, num_sms)
       .def("set_rank",
-           [](LaunchArgs& self, int i, const RankArgs& r) {
+           [](HostLaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
-             self.ranks[i] = r;
+             self.rank(i) = r;
            })
-      .def("get_rank", [](const LaunchArgs& self, int i) {
+      .def("get_rank", [](const HostLaunchArgs& self, int i) {
         if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
-        return self.ranks[i];
+        return self.rank(i);
       });
   py::class_<CallLayout>(m, "CallLayout", py::module_local())
       .def_readonly("info", &CallLayout::info)
@@ -748,18 +790,17 @@ inline void bind_common(py::module_& m) {
   bind_arena(m);
 #undef RW
 
-  m.def("launch_count", [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_count(a, stream), "count"); });
-  m.def("launch_dispatch_receive", [](const LaunchArgs& a, uint64_t stream) {
-    check_launch(launch_dispatch_receive(a, stream), "dispatch_receive");
-  });
-  m.def("launch_combine_receive", [](const LaunchArgs& a, uint64_t stream) {
-    check_launch(launch_combine_receive(a, stream), "combine_receive");
-  });
-  m.def("launch_dispatch_direct", [](const LaunchArgs& a, uint64_t stream) {
-    check_launch(launch_dispatch_direct(a, stream), "dispatch_direct");
-  });
-  m.def("launch_combine_direct",
-        [](const LaunchArgs& a, uint64_t stream) { check_launch(launch_combine_direct(a, stream), "combine_direct"); });
+  // One kernel launched on arguments set field by field (the HostPath calls launch these too).
+  const auto launcher = [&m](const char* name, LaunchStatus (*launch)(const LaunchArgs&, uint64_t), const char* what) {
+    m.def(name, [launch, what](HostLaunchArgs& a, uint64_t stream) {
+      check_launch(launch(a.for_launch(stream), stream), what);
+    });
+  };
+  launcher("launch_count", &launch_count, "count");
+  launcher("launch_dispatch_receive", &launch_dispatch_receive, "dispatch_receive");
+  launcher("launch_combine_receive", &launch_combine_receive, "combine_receive");
+  launcher("launch_dispatch_direct", &launch_dispatch_direct, "dispatch_direct");
+  launcher("launch_combine_direct", &launch_combine_direct, "combine_direct");
   m.def("count_smem_bytes", &count_smem_bytes);
   m.def("dispatch_receive_smem_bytes", &dispatch_receive_smem_bytes);
   m.def("combine_receive_smem_bytes", &combine_receive_smem_bytes);

@@ -67,10 +67,26 @@ py::tuple device_properties(int device) {
   return py::make_tuple(prop.multiProcessorCount, static_cast<int64_t>(prop.sharedMemPerBlockOptin));
 }
 
+// A launch's ranks past the inline ones: device memory, copied on the launch's stream (from
+// pageable memory: the copy has read the source when it returns).
+const bindings::RankStaging kDeviceRankStaging{
+    [](size_t bytes) {
+      void* p = nullptr;
+      if (cudaMalloc(&p, bytes) != cudaSuccess)
+        throw std::runtime_error("hybrid_ep: cudaMalloc of a launch's ranks past the inline ones failed");
+      return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+    },
+    [](void* dst, const void* src, size_t bytes, uint64_t stream) {
+      if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, reinterpret_cast<cudaStream_t>(stream)) !=
+          cudaSuccess)
+        throw std::runtime_error("hybrid_ep: the copy of a launch's ranks past the inline ones failed");
+    }};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hybrid-ep CUDA kernels and NVLink transport";
+  bindings::rank_staging() = kDeviceRankStaging;
   bindings::bind_common(m);
   m.attr("IS_MODEL") = false;
   m.def("device_properties", &device_properties);

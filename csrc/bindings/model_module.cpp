@@ -129,10 +129,17 @@ void set_timing(const py::object& costs) {
   model::timing::configure(std::move(tables));
 }
 
+// A launch's ranks past the inline ones: host memory, the model's device memory; the model's
+// launches run inside the call, so the copy is made at once.
+const bindings::RankStaging kModelRankStaging{
+    [](size_t bytes) { return std::shared_ptr<void>(::operator new(bytes), [](void* q) { ::operator delete(q); }); },
+    [](void* dst, const void* src, size_t bytes, uint64_t) { std::memcpy(dst, src, bytes); }};
+
 }  // namespace
 
 PYBIND11_MODULE(_model, m) {
   m.doc() = "hybrid-ep kernels on the CPU model of the device layer";
+  bindings::rank_staging() = kModelRankStaging;
   bindings::bind_common(m);
   m.attr("IS_MODEL") = true;
   m.def("device_properties",

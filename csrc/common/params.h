@@ -17,6 +17,8 @@ constexpr int kMaxDomainRanks = 72;            // ranks of one node, an NVLink d
                                                // per-node arrays, node-local indices in uint8_t tables
 constexpr int kMaxNodes = 128;                 // nodes of an EP group: kStagedTarget + a node in uint8_t tables
 constexpr int kMaxLaunchRanks = 72;            // virtual ranks one emulated launch can hold (2 domains of 36)
+constexpr int kInlineLaunchRanks = 16;         // of them in the kernel's parameters (LaunchArgs::ranks), the rest
+                                               // in device memory (LaunchArgs::more_ranks)
 constexpr int kMaxTopK = 16;                   // routes per token (register arrays in the count kernel)
 constexpr int kMaxExperts = 1024;              // count kernel keeps [tally warps][E] counters in smem
 constexpr int kThreads = 512;                  // threads per dispatch / combine block
@@ -425,7 +427,11 @@ struct LaunchArgs {
   uint64_t error;       // ErrorRecord* in mapped pinned host memory
   uint64_t bad_route;   // ErrorRecord* (mapped pinned host memory) of the last bad route a count kernel
                         // found without a host read (a static size): reported, not a failure (no abort)
-  RankArgs ranks[kMaxLaunchRanks];
+  // Ranks past kInlineLaunchRanks (an emulated launch of more ranks): device RankArgs[num_ranks -
+  // kInlineLaunchRanks] the host stages before the launch, else 0. A production launch holds one
+  // rank, so its parameters keep 16 ranks' size whatever the emulation's limit.
+  uint64_t more_ranks;
+  RankArgs ranks[kInlineLaunchRanks];
 };
 
 // Per-rank device state in the registered buffer; only the owning rank touches it.

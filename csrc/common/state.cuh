@@ -33,8 +33,14 @@ struct BlockPlace {
   int blocks;
 };
 
+// Rank i of the launch: in the parameters, or past kInlineLaunchRanks in device memory.
+__device__ __forceinline__ const RankArgs& launch_rank(const LaunchArgs& args, int i) {
+  return i < kInlineLaunchRanks ? args.ranks[i]
+                                : reinterpret_cast<const RankArgs*>(args.more_ranks)[i - kInlineLaunchRanks];
+}
+
 __device__ __forceinline__ BlockPlace block_place(const LaunchArgs& args) {
-  return {args.ranks[blockIdx.x / args.num_sms], static_cast<int>(blockIdx.x % args.num_sms), args.num_sms};
+  return {launch_rank(args, blockIdx.x / args.num_sms), static_cast<int>(blockIdx.x % args.num_sms), args.num_sms};
 }
 
 __device__ __forceinline__ RankView rank_view(const Geometry& geo, const RankArgs& a) {

@@ -284,7 +284,7 @@ __device__ void wait_for_peers(const CountCall<Rdma>& c, int lane) {
 template <typename Rdma>
 __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_constant__ LaunchArgs args) {
   const Geometry& geo = args.geo;
-  const RankArgs& a = args.ranks[blockIdx.x];
+  const RankArgs& a = launch_rank(args, blockIdx.x);
   if (a.absent) return;
   const RankView view = rank_view(geo, a);
   const Hierarchy<Rdma> h = make_hierarchy<Rdma>(geo, a);

@@ -19,24 +19,9 @@ struct LoopbackTransport {
 
   __device__ uint8_t* local(uint64_t offset) const { return regions[rank] + offset; }
 
-  // Each lane loads kPutBatch int4 before it stores any: the loads are independent, so more of
-  // them are in flight per lane than one load-then-store at a time.
-  static constexpr int kPutBatch = 8;
   __device__ void put(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes) const {
     if (dev::remote_deferred()) return queued(lane, dst, dst_off, src, bytes, nullptr, 0);
-    auto* to = reinterpret_cast<int4*>(regions[dst] + dst_off);
-    const auto* from = reinterpret_cast<const int4*>(src);
-    const uint64_t n = bytes / 16;
-    for (uint64_t v0 = lane; v0 < n; v0 += 32 * kPutBatch) {
-      int4 val[kPutBatch];
-#pragma unroll
-      for (int j = 0; j < kPutBatch; ++j)
-        if (v0 + 32 * j < n) val[j] = dev::ld(from + v0 + 32 * j);
-#pragma unroll
-      for (int j = 0; j < kPutBatch; ++j)
-        if (v0 + 32 * j < n) dev::st(to + v0 + 32 * j, val[j]);
-    }
-    __syncwarp();
+    warp_copy(lane, regions[dst] + dst_off, src, bytes);
   }
   __device__ void put_signal(int lane, int dst, uint64_t dst_off, const void* src, uint64_t bytes, uint64_t sig_off,
                              uint64_t value) const {

@@ -34,7 +34,8 @@
 //
 // Transports: LoopbackTransport (transport/loopback.cuh: the NVLink mechanism standing in for
 // RDMA between the virtual nodes of the single-GPU emulation and of the CPU model) and
-// NvshmemTransport (transport/nvshmem.cuh: nvshmemx_putmem_signal_nbi_warp; IBGDA on clusters).
+// NvshmemTransport (transport/nvshmem.cuh: the warp's own copy to a PE NVSHMEM maps for
+// load/store, else nvshmemx_putmem_signal_nbi_warp; IBGDA on clusters).
 #pragma once
 #include <cstdint>
 
@@ -42,6 +43,27 @@
 #include "device/device.cuh"
 
 namespace hybrid_ep {
+
+// A warp's copy of `bytes` (a multiple of 16) from `from` to `to`, through the lanes' registers:
+// each lane loads kPutBatch int4 before it stores any, independent loads, so more of them are in
+// flight per lane than one load-then-store at a time. The puts of transports whose destination
+// the warp can address (the loopback's peer pointers, an NVSHMEM peer mapped for load/store).
+constexpr int kPutBatch = 8;
+__device__ inline void warp_copy(int lane, uint8_t* to, const void* from, uint64_t bytes) {
+  auto* dst = reinterpret_cast<int4*>(to);
+  const auto* src = reinterpret_cast<const int4*>(from);
+  const uint64_t n = bytes / 16;
+  for (uint64_t v0 = lane; v0 < n; v0 += 32 * kPutBatch) {
+    int4 val[kPutBatch];
+#pragma unroll
+    for (int j = 0; j < kPutBatch; ++j)
+      if (v0 + 32 * j < n) val[j] = dev::ld(src + v0 + 32 * j);
+#pragma unroll
+    for (int j = 0; j < kPutBatch; ++j)
+      if (v0 + 32 * j < n) dev::st(dst + v0 + 32 * j, val[j]);
+  }
+  __syncwarp();
+}
 
 // Where each rank sits: rank r = (node r / G, local index r % G); ranks with the same local
 // index form a rail, and the rail peer of rank r on node n is n * G + r % G.

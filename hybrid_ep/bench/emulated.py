@@ -353,11 +353,11 @@ def settings(args) -> dict:
     worlds = list(args.emulate)
     nodes = getattr(args, "emulate_nodes", 1)
     nodes = 1 if nodes is None else nodes
-    top = 8 if nodes == 1 else MAX_LAUNCH_RANKS  # the virtual ranks one launch holds (EmulatedGroup's limit)
-    bad = [w for w in worlds if not 1 <= w <= top]
+    # the virtual ranks one launch holds (EmulatedGroup's limit): one NVLink domain of up to 72
+    # (GB200 NVL72) on one node
+    bad = [w for w in worlds if not 1 <= w <= MAX_LAUNCH_RANKS]
     if bad:
-        raise BenchArgError("--emulate", f"world sizes must be in [1, {top}]"
-                            + ("" if nodes == 1 else " with --emulate-nodes") + f", got {bad}")
+        raise BenchArgError("--emulate", f"world sizes must be in [1, {MAX_LAUNCH_RANKS}], got {bad}")
     if nodes < 1 or any(w % nodes for w in worlds):
         raise BenchArgError("--emulate-nodes",
                             f"{nodes} must be >= 1 and divide every emulated world size, got {worlds}")

@@ -50,19 +50,20 @@ def _run(case, data_path: str):
     return group
 
 
-def test_one_domain_of_12_ranks_on_the_direct_path_matches_the_oracle():
-    """The quick sibling of the 36-rank tests (the CI tier; 36 ranks take minutes here): a domain
-    of 12, past the 8 writers that keep ring_chunks slots each, on the direct path."""
-    group = _run(_case(1, 12), "direct")
-    assert registered_layout(group.config).recv.slots == 5  # 8 x 8 slots shared by 12 writers
-
-
-@pytest.mark.slow
 def test_one_domain_of_36_ranks_on_the_direct_path_matches_the_oracle():
     """36 ranks in one NVLink domain, the direct path: every route stored into its row at one of
-    36 ranks, every combine read from there."""
+    36 ranks, every combine read from there; the launch's ranks past the 16 its parameters hold
+    are read from device memory (LaunchArgs::more_ranks)."""
     group = _run(_case(1, 36), "direct")
     assert group.config.ranks_per_node == 36 and group.config.num_nodes == 1
+    assert registered_layout(group.config).recv.slots == 2  # 8 x 8 slots shared by 36 writers, at the floor
+
+
+def test_a_launch_past_its_inline_ranks_reads_the_rest_from_device_memory():
+    """2 domains of 9, 18 ranks in one emulated launch, whose parameters hold 16 ranks
+    (kInlineLaunchRanks): ranks 16 and 17, on the second domain, run from the copy in device memory
+    and forward and receive through their rail peers."""
+    _run(_case(2, 9), "direct")
 
 
 @pytest.mark.slow

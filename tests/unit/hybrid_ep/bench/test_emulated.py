@@ -148,13 +148,14 @@ def test_emulate_nodes_must_divide_every_world_size(capsys, tmp_path, monkeypatc
     assert emulated.run(args) == 2
     err = capsys.readouterr().err
     assert "argument --emulate-nodes: 4 must be >= 1 and divide every emulated world size, got [4, 6]" in err
-    args = build_parser().parse_args(["--emulate", "12", "--out", str(tmp_path)])
-    assert emulated.run(args) == 2 and "must be in [1, 8], got [12]" in capsys.readouterr().err
-    # With nodes, up to the virtual ranks one emulated launch holds (EmulatedGroup's limit, csrc's).
+    # Up to the virtual ranks one emulated launch holds (EmulatedGroup's limit, csrc's), on one
+    # node (an NVLink domain) or several.
     over = MAX_LAUNCH_RANKS + 4
-    args = build_parser().parse_args(["--emulate", str(over), "--emulate-nodes", "4", "--out", str(tmp_path)])
-    assert emulated.run(args) == 2
-    assert f"must be in [1, {MAX_LAUNCH_RANKS}] with --emulate-nodes, got [{over}]" in capsys.readouterr().err
+    for nodes in ([], ["--emulate-nodes", "4"]):
+        args = build_parser().parse_args(["--emulate", "36", str(over), *nodes, "--out", str(tmp_path)])
+        assert emulated.run(args) == 2
+        assert f"must be in [1, {MAX_LAUNCH_RANKS}], got [{over}]" in capsys.readouterr().err
+    assert emulated.settings(build_parser().parse_args(["--emulate", "36", "--out", str(tmp_path)]))["worlds"] == [36]
 
 
 def test_table_with_nodes_has_the_rdma_columns():
