@@ -94,7 +94,10 @@ class HybridEPBuffer:
     of combine's partial sums between ranks (None: the dtype of expert_out; torch.float32:
     twice the bytes, rounded once); combine(wire_dtype=...) overrides it per call.
     ring_chunks: cuda backend: chunks of 32 tokens one rank may have in each peer's rings before
-    it waits for the peer to free one (memory against slack; default 8).
+    it waits for the peer to free one (memory against slack; default 8). ring_dtype: the widest
+    value the rings carry, dispatched rows and combine's partial sums (torch.float32 by default;
+    torch.bfloat16 halves the rings, for runs that move bf16 or fp8 rows and combine in bf16; a
+    wider call is refused by name on every backend).
     peer_memory_bytes: cuda backend, optional: bytes of peer memory each rank holds from the start for
     the direct path's outputs (None: it starts empty and grows on demand). arena_bytes: its former
     name, deprecated.
@@ -116,6 +119,7 @@ class HybridEPBuffer:
         peer_memory_bytes: int | None = None,
         combine_wire_dtype: torch.dtype | None = None,
         ring_chunks: int = BufferConfig.ring_chunks,
+        ring_dtype: torch.dtype = BufferConfig.ring_dtype,
         arena_bytes: int | None = None,
     ):
         peer_memory_bytes = _renamed_peer_memory_bytes(peer_memory_bytes, arena_bytes)
@@ -142,9 +146,12 @@ class HybridEPBuffer:
             min_rows_per_expert=min_rows_per_expert,
             peer_memory_bytes=peer_memory_bytes,
             ring_chunks=ring_chunks,
+            ring_dtype=ring_dtype,
         ).validate()
         check_hidden_dim(hidden_dim)
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine, combine_wire_dtype).validate()
+        if combine_wire_dtype is not None:
+            inputs.check_wire_dtype_fits(combine_wire_dtype, "combine_wire_dtype", self.config)
         self.group = group
         self.rank = dist.get_rank(group)
         self._owner = next(_owner_ids)
@@ -319,6 +326,11 @@ class HybridEPBuffer:
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
         kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else
                          self._kernel_config(num_sms_combine=num_sms, wire_dtype=wire_dtype))
+        wire = kernel_config.wire_dtype_for(expert_out.dtype)
+        if wire.itemsize > self.config.ring_dtype.itemsize:  # named by the argument that chose it
+            name = ("wire_dtype" if wire_dtype is not None else
+                    "combine_wire_dtype" if self.kernel_config.combine_wire_dtype is not None else "expert_out")
+            inputs.check_wire_dtype_fits(wire, name, self.config)
         y = self._backend.combine(expert_out, handle, apply_probs, kernel_config)
         self._record_combine(handle, kernel_config, expert_out.dtype)
         return y

@@ -16,6 +16,8 @@ from .checks import require_int
 
 # Every fp8 row carries one fp32 scale per this many elements.
 FP8_BLOCK = 128
+# What a buffer's rings may be sized for (BufferConfig.ring_dtype): a value of 4 or 2 bytes.
+RING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class BufferConfig:
     # staging) holds this many chunks per peer, so the memory held is bounded independently of
     # the routing, and a call that routes more rows to one rank takes more turns of its ring.
     ring_chunks: int = 8
+    # The widest value the rings' rows carry: dispatched rows and the combine's partial sums between
+    # ranks. float32 carries every call; bfloat16 (or float16) halves the rings' memory and refuses
+    # float32 rows and a float32 wire by name (fp8 rows fit either).
+    ring_dtype: torch.dtype = torch.float32
 
     @property
     def arena_bytes(self) -> int | None:
@@ -61,6 +67,9 @@ class BufferConfig:
         if self.peer_memory_bytes is not None:
             require_int("peer_memory_bytes", self.peer_memory_bytes, 0)
         require_int("ring_chunks", self.ring_chunks, 2)
+        if self.ring_dtype not in RING_DTYPES:
+            raise ValueError(f"ring_dtype must be one of {', '.join(str(d) for d in RING_DTYPES)}, "
+                             f"got {self.ring_dtype!r}")
         if self.num_experts % self.world_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the EP world size "

@@ -58,6 +58,9 @@ def check_dispatch_input(x, scales, config: BufferConfig, device: torch.device) 
             raise ValueError(f"scales is on {scales.device} but x is on {device}")
     elif scales is not None:
         raise ValueError(f"scales are only for float8_e4m3fn x; x is {dtype}")
+    if x.element_size() > config.ring_dtype.itemsize:
+        raise ValueError(f"x: {dtype} rows are wider than the buffer's rings, sized for {config.ring_dtype} "
+                         "(ring_dtype): build the buffer with ring_dtype=torch.float32 to dispatch them")
     rule = row_bytes_rule(H, dtype)
     if rule:
         raise ValueError(f"x: {rule}")
@@ -111,3 +114,12 @@ def check_combine_input(expert_out, handle: DispatchHandle, config: BufferConfig
         raise ValueError(f"expert_out: {rule}")
     if expert_out.device != handle.probs_R.device:
         raise ValueError(f"expert_out is on {expert_out.device} but the dispatch ran on {handle.probs_R.device}")
+
+
+def check_wire_dtype_fits(wire_dtype: torch.dtype, name: str, config: BufferConfig) -> None:
+    """A combine's partial sums travel between ranks in wire_dtype, through rings sized for
+    config.ring_dtype: refuse a wider one (named `name`, the argument that set it)."""
+    if wire_dtype.itemsize > config.ring_dtype.itemsize:
+        raise ValueError(f"{name}: {wire_dtype} partial sums are wider than the buffer's rings, sized for "
+                         f"{config.ring_dtype} (ring_dtype): build the buffer with ring_dtype=torch.float32 to "
+                         "combine with them")

@@ -79,6 +79,14 @@ class BufferKey:
     backend: str
     num_sms_dispatch: int | None
     num_sms_combine: int | None
+    ring_dtype: torch.dtype = torch.float32
+
+
+def ring_dtype_for(hidden_dtype: torch.dtype) -> torch.dtype:
+    """The rings' width for a layer whose hidden states are `hidden_dtype`: every row and partial
+    sum between ranks has their width or less (fp8 dispatch, the combine of the experts' output,
+    both backward passes), so bf16 training holds rings of bf16 rows, half of fp32's."""
+    return hidden_dtype if hidden_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def group_max_tokens(group, num_tokens: int, device) -> int:
@@ -151,6 +159,7 @@ class BufferCache:
             num_sms_dispatch=key.num_sms_dispatch,
             num_sms_combine=key.num_sms_combine,
             min_rows_per_expert=min_rows_per_expert,
+            ring_dtype=key.ring_dtype,
         )
         self._entries.pop(key, None)  # the stale buffer lives on only while a handle uses it
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)

@@ -261,11 +261,13 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     # -- buffer -----------------------------------------------------------------------------
 
     def buffer(self, num_tokens: int, hidden_dim: int, device, min_rows: int,
-               group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> hep.HybridEPBuffer:
+               group_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16,
+               ring_dtype: torch.dtype = torch.float32) -> hep.HybridEPBuffer:
         """The shared buffer for this group, shape and padding (created on the first call;
         looked up on every call so that all layers follow one replaced buffer).
         group_tokens: the group's largest token count, when agreed on this call. dtype: of the
-        rows dispatched (the startup line's memory figures)."""
+        rows dispatched (the startup line's memory figures); ring_dtype: the widest value its
+        rings carry (buffers.ring_dtype_for the hidden states)."""
         opts = self.options
         key = buffers.BufferKey(
             group_id=id(self.comm_group),
@@ -276,6 +278,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             backend=opts.backend,
             num_sms_dispatch=opts.num_sms_dispatch,
             num_sms_combine=opts.num_sms_combine,
+            ring_dtype=ring_dtype,
         )
         self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
                                            min_rows_per_expert=min_rows, group_tokens=group_tokens, dtype=dtype,
@@ -375,7 +378,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         if self._agrees_tokens_per_call():
             group_tokens = buffers.group_max_tokens(self.comm_group, x_TH.shape[0], x_TH.device)
         buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens,
-                          FP8_DTYPE if self.options.dispatch_fp8 else x_TH.dtype)
+                          FP8_DTYPE if self.options.dispatch_fp8 else x_TH.dtype, buffers.ring_dtype_for(x_TH.dtype))
         num_out_tokens = self._num_out_tokens(x_TH.shape[0])
         if num_out_tokens is None:
             routing = dict(routing_map=self.routing_map, probs=probs)

@@ -32,13 +32,14 @@ namespace hybrid_ep {
 constexpr uint64_t kRegionAlign = 128;  // every region starts on its own 128-byte line
 constexpr uint64_t kMinRingSlots = 2;
 constexpr uint64_t kFullDepthWriters = 8;  // writers of a reader's ring family that each get ring_chunks slots
-constexpr uint64_t kMaxRowElemBytes = 4;   // rows between ranks are sized for fp32, the widest dtype
+constexpr uint64_t kMaxRowElemBytes = 4;   // the widest value rows between ranks carry (fp32)
 
 // What a buffer's layout depends on (BufferConfig; scale_cols: the fp32 scales of an fp8 row of
 // `hidden` columns, 0 where fp8 rows cannot have that width).
 struct BufferShape {
   int64_t world_size = 0, ranks_per_node = 0, local_experts = 0, max_tokens = 0, hidden = 0, ring_chunks = 0;
   int64_t scale_cols = 0;
+  int64_t ring_elem_bytes = kMaxRowElemBytes;  // bytes of a value in the rings' rows (BufferConfig.ring_dtype)
 };
 
 // One region of a layout: [offset, offset + bytes), and what it holds (memory_plan()'s line).
@@ -69,7 +70,7 @@ class Planner {
     return start;
   }
   // The fields taken since the last region make up region `name`.
-  void region(const char* name, const char* purpose) {
+  void region(const char* name, const std::string& purpose) {
     regions_.push_back(Region{name, start_, at_ - start_, purpose});
     start_ = at_;
   }
@@ -132,9 +133,14 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
                          comb_cap(shared_slots(node_depth, N - 1))};
   r.meta_entries = L < static_cast<uint64_t>(kMaxTopK) ? L : kMaxTopK;
   r.count_row_ints = W + N + L + kCountRowTail + W;  // then W ints: the source's routes to each rank
-  r.row_stride = round_up(H * kMaxRowElemBytes, 16);
+  if (s.ring_elem_bytes != 2 && s.ring_elem_bytes != 4)
+    throw std::invalid_argument("ring_dtype: rows between ranks of 2 or 4 bytes a value, got " +
+                                std::to_string(s.ring_elem_bytes));
+  const uint64_t elem = static_cast<uint64_t>(s.ring_elem_bytes);
+  const std::string width = elem == 4 ? "fp32" : "16-bit";  // the widest rows the rings carry (memory_plan's lines)
+  r.row_stride = round_up(H * elem, 16);
   r.scale_stride = s.scale_cols > 0 ? round_up(4 * s.scale_cols, 16) : 0;
-  r.wire_stride = round_up(H * 4, 16);
+  r.wire_stride = round_up(H * elem, 16);
 
   Planner reg(out.registered);
   r.count_call = reg.take(8 * W);
@@ -163,13 +169,15 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   reg.region("recv_meta", "routing entries of received rows, in the receive rings");
   r.recv_rows = reg.take(recv_rows * r.row_stride);
   reg.region("recv_rows",
-             "received rows, sized for fp32: a ring per source, each writer of this node's slots (ring_chunks, "
-             "scaled down past 8 writers) shared among the sources it writes for (its own chunks, and its rail "
-             "peers' on other nodes)");
+             "received rows, sized for " + width +
+                 ": a ring per source, each writer of this node's slots (ring_chunks, "
+                 "scaled down past 8 writers) shared among the sources it writes for (its own chunks, and its rail "
+                 "peers' on other nodes)");
   r.recv_scales = reg.take(recv_rows * r.scale_stride);
   reg.region("recv_scales", "fp8 scales of received rows, in the receive rings");
   r.partial_rows = reg.take(r.partial.rings * r.partial.slots * kChunkTokens * r.wire_stride);
-  reg.region("partial_rows", "partial sums of this node's expert hosts, sized for an fp32 wire: a ring per host");
+  reg.region("partial_rows",
+             "partial sums of this node's expert hosts, sized for an " + width + " wire: a ring per host");
   r.forward_rows = reg.take(r.forward.rings * r.forward.slots * kChunkTokens * r.wire_stride);
   reg.region("forward_rows",
              "several nodes: partials of this node's ranks for sources on other nodes whose rail peer "
@@ -200,11 +208,11 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   rd.region("staged_meta", "a staged chunk's routing, out to the rail peer on each node and in from it");
   d.staged_rows_out = rd.take(staged_rows * r.row_stride);
   d.staged_rows_in = rd.take(staged_rows * r.row_stride);
-  rd.region("staged_rows", "staged rows, sized for fp32: a ring per node, out and in");
+  rd.region("staged_rows", "staged rows, sized for " + width + ": a ring per node, out and in");
   const uint64_t node_rows = N * d.node_part.slots * kChunkTokens;
   d.node_part_rows_out = rd.take(node_rows * r.wire_stride);
   d.node_part_rows_in = rd.take(node_rows * r.wire_stride);
-  rd.region("node_part_rows", "node partial sums, sized for an fp32 wire: a ring per node, out and in");
+  rd.region("node_part_rows", "node partial sums, sized for an " + width + " wire: a ring per node, out and in");
   d.total = rd.total();
   return out;
 }

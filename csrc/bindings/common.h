@@ -671,7 +671,8 @@ inline void bind_common(py::module_& m) {
   // (bindings/buffer_layout.h), with their regions: hybrid_ep/backends/cuda/layout.py reads them.
   py::class_<BufferShape>(m, "BufferShape", py::module_local())
       .def(py::init<>()) RW(BufferShape, world_size) RW(BufferShape, ranks_per_node) RW(BufferShape, local_experts)
-          RW(BufferShape, max_tokens) RW(BufferShape, hidden) RW(BufferShape, ring_chunks) RW(BufferShape, scale_cols);
+          RW(BufferShape, max_tokens) RW(BufferShape, hidden) RW(BufferShape, ring_chunks) RW(BufferShape, scale_cols)
+              RW(BufferShape, ring_elem_bytes);
   py::class_<Region>(m, "Region", py::module_local())
       .def_readonly("name", &Region::name)
       .def_readonly("offset", &Region::offset)

@@ -218,8 +218,8 @@ struct RegLayout {
   uint64_t recv_meta;     // MetaEntry [W][slots][kChunkTokens][meta_entries]
   uint64_t meta_entries;  // entries per received row: min(L, kMaxTopK)
   uint64_t recv_rows;     // rows [W][slots][kChunkTokens], each the call's row bytes (packed: a chunk's
-                          // rows are contiguous); sized for fp32 rows
-  uint64_t row_stride;    // bytes per row at the widest dtype (fp32): the region's size
+                          // rows are contiguous); sized for rows of the buffer's ring dtype
+  uint64_t row_stride;    // bytes per row at the ring dtype (BufferConfig.ring_dtype): the region's size
   uint64_t recv_scales;   // f32 [W][slots][kChunkTokens][scale_stride / 4]
   uint64_t scale_stride;
   uint64_t recv_credit;  // u64 [N][G][recv slots], the credits of the receive rings this rank writes:
@@ -231,9 +231,9 @@ struct RegLayout {
   uint64_t partial_signal;  // u64 [G][partial slots]: host g stored its partials of the slot's chunk
   uint64_t partial_credit;  // u64 [G][partial slots]: source g of this node read this rank's partials
   uint64_t partial_rows;    // [G][partial slots][kChunkTokens] rows, each the call's row in the wire dtype
-                            // (packed); row q the q-th of the chunk's receive slots at the host; sized for fp32
-  uint64_t wire_stride;     // bytes per partial-sum row (partial, forward, node_part rings) at the widest
-                            // wire dtype (fp32): the regions' size
+                          // (packed); row q the q-th of the chunk's receive slots at the host; sized for the ring dtype
+  uint64_t wire_stride;     // bytes per partial-sum row (partial, forward, node_part rings) at the ring
+                            // dtype, the widest wire dtype they carry: the regions' size
   uint64_t forward_rows;    // [N][G][forward slots][kChunkTokens] rows in the wire dtype (packed), row q
                             // the q-th of the chunk's receive slots at writer g
   uint64_t forward_signal;  // u64 [N][G][forward slots]: writer g stored its partials of the slot's chunk

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.memory import MemoryPlan
 
@@ -86,7 +88,15 @@ def buffer_config(recipe, opts: options_mod.HybridEPOptions | None = None) -> Bu
     return BufferConfig(hidden_dim=recipe["model.hidden_size"],
                         max_tokens_per_rank=opts.max_tokens_per_rank or tokens_per_rank(recipe),
                         num_experts=experts * etp, world_size=world, ranks_per_node=ranks_per_node,
-                        pad_multiple=opts.pad_multiple).validate()
+                        pad_multiple=opts.pad_multiple, ring_dtype=ring_dtype(recipe)).validate()
+
+
+def ring_dtype(recipe) -> torch.dtype:
+    """The rings' width the dispatcher picks for the recipe's hidden states (buffers.ring_dtype_for):
+    bf16 under precision bf16 and fp8 (fp8 trains with --bf16), fp16 and fp32 as named."""
+    from ..buffers import ring_dtype_for
+
+    return ring_dtype_for({"fp16": torch.float16, "fp32": torch.float32}.get(recipe["precision"], torch.bfloat16))
 
 
 def library_plan(backend: str, config: BufferConfig) -> MemoryPlan:

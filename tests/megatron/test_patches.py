@@ -380,3 +380,23 @@ def test_buffer_creation_logs_the_line(single_rank_group, caplog):
     assert lines[0].startswith("hybrid_ep dispatcher: reference buffer for EP 1 (1 node x 1), 16 tokens/rank, "
                                "holds 0 B per GPU; per call <= ")
     assert len(lines[0]) < 200
+
+
+def test_the_dispatchers_rings_take_the_width_of_its_hidden_states(single_rank_group):
+    """bf16 (or fp16) training sizes the buffer's rings for 2-byte rows, half of fp32's: every row
+    and partial sum the layer moves is no wider (fp8 dispatch, the experts' bf16 output, both
+    backward passes); fp32 hidden states keep fp32 rings. One buffer per width."""
+    import torch
+
+    from megatron_patches import buffers
+
+    assert [buffers.ring_dtype_for(d) for d in (torch.bfloat16, torch.float16, torch.float32)] == [
+        torch.bfloat16, torch.float16, torch.float32]
+    cache = buffers.BufferCache()
+    made = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        key = buffers.BufferKey(group_id=id(single_rank_group), hidden_dim=64, num_experts=4, pad_multiple=1,
+                                ranks_per_node=None, backend="reference", num_sms_dispatch=None, num_sms_combine=None,
+                                ring_dtype=buffers.ring_dtype_for(dtype))
+        made[dtype] = cache.get(single_rank_group, key, 16, None, torch.device("cpu"))
+    assert [made[d].config.ring_dtype for d in made] == [torch.bfloat16, torch.float32] and len(cache) == 2

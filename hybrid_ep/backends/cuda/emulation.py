@@ -50,7 +50,8 @@ class EmulatedGroup:
                  pad_multiple: int = 1, min_rows_per_expert: int = 0, num_sms_dispatch: int | None = None,
                  num_sms_combine: int | None = None, device: torch.device | None = None,
                  ranks_per_node: int | None = None, data_path: str | None = None, peer_memory_bytes: int | None = None,
-                 ring_chunks: int = BufferConfig.ring_chunks, separate_processes: bool = False,
+                 ring_chunks: int = BufferConfig.ring_chunks, ring_dtype: torch.dtype = BufferConfig.ring_dtype,
+                 separate_processes: bool = False,
                  stage_combines: bool = True, peer_reserve: int = 1 << 30):
         if not 1 <= world_size <= MAX_LAUNCH_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_LAUNCH_RANKS}] for emulation, got {world_size}")
@@ -58,7 +59,8 @@ class EmulatedGroup:
                                    num_experts=num_experts, world_size=world_size,
                                    ranks_per_node=world_size if ranks_per_node is None else ranks_per_node,
                                    pad_multiple=pad_multiple, min_rows_per_expert=min_rows_per_expert,
-                                   peer_memory_bytes=peer_memory_bytes, ring_chunks=ring_chunks).validate()
+                                   peer_memory_bytes=peer_memory_bytes, ring_chunks=ring_chunks,
+                                   ring_dtype=ring_dtype).validate()
         self.kernel_config = KernelConfig(num_sms_dispatch, num_sms_combine).validate()
         check_geometry(self.config, inter_node=True)
         if device is None:
@@ -164,6 +166,9 @@ class EmulatedGroup:
             inputs.check_handle(h, self.owner)
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
+        if expert_outs:
+            inputs.check_wire_dtype_fits(expert_outs[0].dtype if wire_dtype is None else wire_dtype,
+                                         "expert_out" if wire_dtype is None else "wire_dtype", self.config)
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_combine
         return self.engine.combine_ranks(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],

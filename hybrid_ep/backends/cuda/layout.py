@@ -80,6 +80,7 @@ def _layouts(module, config: BufferConfig):
     shape.local_experts, shape.max_tokens = config.experts_per_rank, config.max_tokens_per_rank
     shape.hidden, shape.ring_chunks = config.hidden_dim, config.ring_chunks
     shape.scale_cols = config.hidden_dim // FP8_BLOCK if config.hidden_dim % FP8_BLOCK == 0 else 0
+    shape.ring_elem_bytes = config.ring_dtype.itemsize
     return module.buffer_layouts(shape)
 
 

@@ -174,7 +174,25 @@ CONSTRUCTOR_CASES = [
     ("num_sms_dispatch 0", dict(num_sms_dispatch=0), ValueError, "num_sms_dispatch must be >= 1"),
     ("combine_wire_dtype fp16", dict(combine_wire_dtype=torch.float16), ValueError,
      "combine_wire_dtype must be None (the dtype of expert_out) or torch.float32, got torch.float16"),
+    ("ring_dtype fp8", dict(ring_dtype=torch.float8_e4m3fn), ValueError,
+     "ring_dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float8_e4m3fn"),
+    ("fp32 wire through bf16 rings", dict(ring_dtype=torch.bfloat16, combine_wire_dtype=torch.float32), ValueError,
+     "combine_wire_dtype: torch.float32 partial sums are wider than the buffer's rings, sized for torch.bfloat16"),
 ]
+
+
+def test_half_rings_refuse_wider_calls_on_every_backend(single_rank_group):
+    """The reference backend has no rings, yet refuses what the cuda backend's bf16 rings could not
+    carry, by the same words: a run moves to the other backend unchanged."""
+    buf = hep.HybridEPBuffer(single_rank_group, H, 16, E, backend="reference", ring_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x: torch\.float32 rows are wider than the buffer's rings"):
+        buf.dispatch(_x(), topk_idx=_idx(), topk_weights=_w())
+    res = buf.dispatch(_x(dtype=torch.bfloat16), topk_idx=_idx(), topk_weights=_w())
+    with pytest.raises(ValueError, match=r"wire_dtype: torch\.float32 partial sums are wider"):
+        buf.combine(res.tokens, res.handle, wire_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"expert_out: torch\.float32 partial sums are wider"):
+        buf.combine(res.tokens.float(), res.handle)
+    assert buf.combine(res.tokens, res.handle).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("name,kwargs,exc,words", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from helpers import REPO
 from hybrid_ep.backends.choice import AUTO_RULES
@@ -25,10 +26,11 @@ def load(name, *sets):
 
 def test_deepseek_v3_with_the_cuda_backend_counts_memory_plans_held_bytes():
     """DeepSeek-V3's buffer: hidden 7168, 4096 tokens per rank (seq 4096 x micro-batch 1), 64
-    EP ranks as 8 nodes of 8, 5 balancer slots per rank (320 slots), pad 16."""
+    EP ranks as 8 nodes of 8, 5 balancer slots per rank (320 slots), pad 16, rings of the bf16
+    rows it trains with."""
     est = memory.estimate(load("deepseek_v3", "dispatcher.backend=cuda"))
     want = memory_plan(BufferConfig(hidden_dim=7168, max_tokens_per_rank=4096, num_experts=320, world_size=64,
-                                    ranks_per_node=8, pad_multiple=16).validate())
+                                    ranks_per_node=8, pad_multiple=16, ring_dtype=torch.bfloat16).validate())
     held = want.held_bytes
     assert 0 < held <= 4e9  # bounded by design: rings of a fixed size, whatever the tokens
     assert est.dispatcher.held_bytes == held and est.dispatcher_gb == held / GIB
