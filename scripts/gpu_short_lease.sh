@@ -113,6 +113,10 @@ note "micro exit $?"
 wait "$build_pid"
 note "build exit $?: $(grep -m1 -oE '(using the carried build|building hybrid_ep|the carried|no carried).*' \
     "$r/build_stage.out")"
+# whether this machine's GPU can make and export a fabric handle (what NVLink domains across
+# hosts need; registered.py's probe): the reason it cannot, or that it can
+note "fabric probe: $(python3 -c 'from hybrid_ep.backends.cuda.layout import compiled as ext
+print(ext.fabric_probe(0) or "a fabric allocation was created and exported")' 2>&1 | tail -1)"
 if fits test "${SHORT_LEASE_TEST_S:-200}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
