@@ -68,6 +68,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_same_layout(layout_bytes: list[int]) -> None:
+    """Every rank writes its peers' buffers at the offsets of its own layout: ranks that built
+    theirs from other shapes would write into each other's other regions. Raised on every rank
+    alike (each sees every rank's size), before any kernel."""
+    if len(set(layout_bytes)) > 1:
+        per_rank = ", ".join(f"rank {r}: {b} bytes" for r, b in enumerate(layout_bytes))
+        raise ValueError(f"HybridEPBuffer: the EP ranks disagree on the registered buffer's layout ({per_rank}); "
+                         "build it alike on every rank: hidden_dim, max_tokens_per_rank, num_experts, "
+                         "ranks_per_node, ring_chunks and ring_dtype shape it")
+
+
 class RegisteredAllocationError(MemoryError):
     """A registered buffer could not be allocated, even after PyTorch's cached blocks were
     returned to the driver."""
@@ -153,9 +164,10 @@ class RegisteredBuffers:
             self._owned.append((ptr, size, kind))
             _synchronize(device)  # zeroed before any peer can write into it
             entries = [None] * dist.get_world_size(group)
-            dist.all_gather_object(entries, (handle, size), group=group)
+            dist.all_gather_object(entries, (handle, size, nbytes), group=group)
+            check_same_layout([e[2] for e in entries])
             bases = []
-            for r, (peer_handle, peer_size) in enumerate(entries):
+            for r, (peer_handle, peer_size, _) in enumerate(entries):
                 if r == rank:
                     bases.append(ptr)
                     continue

@@ -72,3 +72,53 @@ def test_other_allocation_errors_are_not_retried():
     with pytest.raises(RuntimeError, match="invalid argument"):
         RegisteredBuffers.emulated(ext, 1 << 20, 2, torch.device("cpu"))
     assert ext.calls == 1
+
+
+class SharingExt(FailingExt):
+    """FailingExt whose peers open, as CUDA IPC handles on one machine would (the probe refuses
+    fabric handles, as a machine without an IMEX channel does)."""
+
+    def __init__(self):
+        super().__init__(allowed=4)
+        self.opened = []
+
+    def fabric_probe(self, device_index):
+        return "no fabric handles here"
+
+    def open_peer(self, handle, size, kind, device_index):
+        self.opened.append(size)
+        return 1 << 40
+
+    def close_peer(self, ptr, size, kind):
+        pass
+
+
+def _exchange_on_rank(ring_dtype_bytes):
+    import torch.distributed as dist
+
+    from hybrid_ep.backends.cuda.layout import registered_layout
+    from hybrid_ep.config import BufferConfig
+
+    rank = dist.get_rank()
+    ring = torch.bfloat16 if ring_dtype_bytes[rank] == 2 else torch.float32
+    nbytes = registered_layout(BufferConfig(256, 16, 4, 2, 2, ring_dtype=ring).validate()).total
+    ext = SharingExt()
+    try:
+        buffers = RegisteredBuffers.exchanged(ext, nbytes, dist.group.WORLD, rank, torch.device("cpu"))
+    except ValueError as err:
+        return str(err), ext.live, ext.opened
+    buffers.close()
+    return "built", ext.live, ext.opened
+
+
+def test_ranks_whose_layouts_differ_all_raise_before_opening_a_peer(pool_for):
+    """One rank with bf16 rings, the other with fp32 ones: each would write its peer's rings at
+    its own strides. Every rank raises, naming both sizes and what shapes the layout, frees what
+    it allocated and opens no peer; alike layouts open each other."""
+    got = pool_for(2).run(_exchange_on_rank, [((2, 4),)] * 2)
+    for message, live, opened in got:
+        assert message.startswith("HybridEPBuffer: the EP ranks disagree on the registered buffer's layout (rank 0: ")
+        assert "ring_chunks and ring_dtype shape it" in message and live == {} and opened == []
+    sizes = [int(part.split(": ")[1].split()[0]) for part in got[0][0].split("(")[1].split(")")[0].split(", ")]
+    assert sizes[0] < sizes[1]
+    assert [r[0] for r in pool_for(2).run(_exchange_on_rank, [((2, 2),)] * 2)] == ["built", "built"]
