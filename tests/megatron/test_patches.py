@@ -297,13 +297,15 @@ def _recipe_buffer_config():
     from hybrid_ep.config import BufferConfig
     from megatron_patches.slurm.recipe import load
 
+    from megatron_patches.slurm.dispatcher_memory import ring_dtype
+
     r = load(os.path.join(REPO, "recipes", "deepseek_v3"))
     ep = r["parallelism.ep"] * r["parallelism.etp"]
     experts = r["balancer.slots_per_rank"] * ep if r["balancer.interval"] > 0 else r["model.num_experts"]
     return BufferConfig(hidden_dim=r["model.hidden_size"],
                         max_tokens_per_rank=r["train.micro_batch_size"] * r["model.seq_length"],
                         num_experts=experts, world_size=ep, ranks_per_node=min(ep, r["cluster.gpus_per_node"]),
-                        pad_multiple=r["dispatcher.pad_multiple"]).validate()
+                        pad_multiple=r["dispatcher.pad_multiple"], ring_dtype=ring_dtype(r)).validate()
 
 
 def test_doc_memory_figure_is_the_recipes_memory_plan():
