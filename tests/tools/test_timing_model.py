@@ -1117,3 +1117,19 @@ def test_fit_grid_fits_the_grids_of_two_data_paths_as_one(tmp_path):
     files[1].write_text(json.dumps(other))
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert done.returncode != 0 and "its tables differ" in done.stderr
+
+
+def test_predict_takes_the_world_sizes_one_emulated_launch_holds(tmp_path, capsys):
+    """Up to MAX_LAUNCH_RANKS (an NVLink domain of 72 on one GPU), as hybrid-ep-bench --emulate;
+    past it, or a size the nodes do not divide, refused naming the flag before any model run."""
+    from hybrid_ep.backends.cuda.layout import MAX_LAUNCH_RANKS
+
+    shape = ["--hidden", "256", "--tokens", "64", "--topk", "2", "--sms", "1", "--model-tokens", "32", "64"]
+    over = MAX_LAUNCH_RANKS + 1
+    assert timing_cli.main(["predict", "--emulate", str(over), *shape, "--experts", str(over),
+                            "--out", str(tmp_path / "over")]) == 2
+    assert f"world sizes in [1, {MAX_LAUNCH_RANKS}] (the ranks one emulated launch holds)" in capsys.readouterr().err
+    out = tmp_path / "eighteen"
+    assert timing_cli.main(["predict", "--emulate", "18", *shape, "--experts", "36", "--out", str(out)]) == 0
+    (run,) = json.loads((out / "predicted.json").read_text())["runs"]
+    assert run["world_size"] == 18 and run["dispatch_ms"] > 0 and run["combine_ms"] > 0

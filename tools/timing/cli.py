@@ -50,10 +50,12 @@ def _predict(args) -> int:
     if problem:
         print(f"{PROG} predict: --out: {problem}", file=sys.stderr)
         return 2
+    from hybrid_ep.backends.cuda.layout import MAX_LAUNCH_RANKS
+
     worlds, nodes = args.emulate, args.emulate_nodes
-    if any(w < 1 or w > 16 or w % nodes for w in worlds):
-        print(f"{PROG} predict: --emulate: world sizes in [1, 16] that --emulate-nodes {nodes} divides, got {worlds}",
-              file=sys.stderr)
+    if any(w < 1 or w > MAX_LAUNCH_RANKS or w % nodes for w in worlds):
+        print(f"{PROG} predict: --emulate: world sizes in [1, {MAX_LAUNCH_RANKS}] (the ranks one emulated launch "
+              f"holds) that --emulate-nodes {nodes} divides, got {worlds}", file=sys.stderr)
         return 2
     experts = args.experts or 2 * max(worlds)
     if any(experts % w for w in worlds) or not 1 <= args.topk <= experts:
