@@ -188,11 +188,13 @@ MUTATIONS = (
              "before every lane read it)", "csrc/kernels/count.cuh",
              "    __syncwarp();  // every lane has read the masks before they become counts\n", ""),
     Mutation("skipped-syncthreads", "a skipped __syncthreads (the tally warps' named barrier before the scan)",
-             "csrc/kernels/count.cuh", """        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+             "csrc/kernels/count.cuh", """          if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+        }
       }
     }
     dev::named_barrier_sync(kTallyBarrier, kTallyThreads);""",
-             """        if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+             """          if (lane == 0) lanes_of[E + W + n] = __popc(bal);
+        }
       }
     }"""),
     Mutation("count-peers-skip-flow-control", "a missing wait (the count kernel's peers warp does not wait for its "
