@@ -295,9 +295,8 @@ def test_doc_first_screen():
 
 def _recipe_buffer_config():
     from hybrid_ep.config import BufferConfig
-    from megatron_patches.slurm.recipe import load
-
     from megatron_patches.slurm.dispatcher_memory import ring_dtype
+    from megatron_patches.slurm.recipe import load
 
     r = load(os.path.join(REPO, "recipes", "deepseek_v3"))
     ep = r["parallelism.ep"] * r["parallelism.etp"]
