@@ -26,11 +26,10 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from hybrid_ep.topology import MAX_DOMAIN_RANKS
+from hybrid_ep.topology import MAX_DOMAIN_RANKS, TROUBLESHOOTING
 from hybrid_ep.wording import plural
 
 IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"  # the driver's IMEX channel devices (channel0, ...)
-TROUBLESHOOTING = "docs/troubleshooting.md#nvlink-domains-across-hosts-imex"
 
 
 def domain_gpus(recipe) -> int:
