@@ -197,6 +197,13 @@ MUTATIONS = (
         }
       }
     }"""),
+    Mutation("launch-ranks-past-inline-misread", "a launch's ranks past the 16 its parameters hold read from "
+             "the wrong slot (the inline array again, not the device copy)", "csrc/common/state.cuh",
+             "                                : reinterpret_cast<const RankArgs*>(args.more_ranks)"
+             "[i - kInlineLaunchRanks];",
+             "                                : args.ranks[i - kInlineLaunchRanks];",
+             tests="tests/model/test_nvlink_domain_model.py::"
+                   "test_a_launch_past_its_inline_ranks_reads_the_rest_from_device_memory"),
     Mutation("count-peers-skip-flow-control", "a missing wait (the count kernel's peers warp does not wait for its "
              "peers to finish the previous call before the block overwrites their count rows)",
              "csrc/kernels/count.cuh", "  for (int r = lane; r < c.W && ok; r += 32) {",
