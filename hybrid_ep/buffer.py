@@ -326,11 +326,7 @@ class HybridEPBuffer:
     def _run_combine(self, expert_out, handle, apply_probs, num_sms, wire_dtype=None):
         kernel_config = (self.kernel_config if num_sms is None and wire_dtype is None else
                          self._kernel_config(num_sms_combine=num_sms, wire_dtype=wire_dtype))
-        wire = kernel_config.wire_dtype_for(expert_out.dtype)
-        if wire.itemsize > self.config.ring_dtype.itemsize:  # named by the argument that chose it
-            name = ("wire_dtype" if wire_dtype is not None else
-                    "combine_wire_dtype" if self.kernel_config.combine_wire_dtype is not None else "expert_out")
-            inputs.check_wire_dtype_fits(wire, name, self.config)
+        inputs.check_combine_wire(expert_out.dtype, wire_dtype, self.kernel_config.combine_wire_dtype, self.config)
         y = self._backend.combine(expert_out, handle, apply_probs, kernel_config)
         self._record_combine(handle, kernel_config, expert_out.dtype)
         return y

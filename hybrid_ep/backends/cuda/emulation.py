@@ -167,8 +167,7 @@ class EmulatedGroup:
         for out, h in zip(expert_outs, handles):
             inputs.check_combine_input(out, h, self.config)
         if expert_outs:
-            inputs.check_wire_dtype_fits(expert_outs[0].dtype if wire_dtype is None else wire_dtype,
-                                         "expert_out" if wire_dtype is None else "wire_dtype", self.config)
+            inputs.check_combine_wire(expert_outs[0].dtype, wire_dtype, None, self.config)
         if num_sms is None:
             num_sms = self.kernel_config.num_sms_combine
         return self.engine.combine_ranks(list(expert_outs), [h.source for h in handles], [h.dest for h in handles],
