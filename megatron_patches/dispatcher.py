@@ -26,7 +26,7 @@ import torch
 import hybrid_ep as hep
 from hybrid_ep.fp8 import FP8_DTYPE
 
-from . import buffers, expert_out, expert_rows, wire_fp8
+from . import buffers, expert_out, expert_rows, te_grouped_rows, wire_fp8
 from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
@@ -249,6 +249,21 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         self.expert_out_reason = expert_out.install_reason(experts, self.config, self.options)
         if self.expert_out_reason is None:
             self.expert_out = expert_out.ExpertOutInPlace(self, experts)
+        self._te_api, self.fp8_rows_reason = None, "no fp8 on the wire"
+        if self.wire_quantizer is not None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            self._te_api = te_grouped_rows.te_api()
+            self.fp8_rows_reason = te_grouped_rows.handoff_reason(experts, self.config, self.pad_multiple, device,
+                                                                  self._te_api)
+            if experts is not None and self.ep_rank == 0:
+                te_grouped_rows.announce(self.fp8_rows_reason)
+
+    def _fp8_rows_as(self, splits):
+        """How the experts take received fp8 rows split as `splits` per local expert: as TE's
+        GroupedTensor where fp8_rows_reason is None, else dequantized."""
+        if self.fp8_rows_reason is None:
+            return te_grouped_rows.GroupedRows(splits, self._te_api)
+        return wire_fp8.dequantized
 
     def set_shared_experts(self, shared_experts):
         """Megatron's hook for moe_shared_expert_overlap; the shared experts' tensors kept
@@ -385,12 +400,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         else:  # static shapes: routes per token known on the host, no device read
             routing = dict(zip(("topk_idx", "topk_weights"), self._routes(self.routing_map, probs)))
         if self.options.dispatch_fp8:
-            res, rows = wire_fp8.dispatch(buf, x_TH, self.wire_quantizer, num_out_tokens=num_out_tokens,
-                                          num_sms=self.options.num_sms_dispatch, **routing)
+            res = wire_fp8.send(buf, x_TH, self.wire_quantizer, num_out_tokens=num_out_tokens,
+                                num_sms=self.options.num_sms_dispatch, **routing)
         else:
             res = hep.dispatch(buf, x_TH, num_out_tokens=num_out_tokens, num_sms=self.options.num_sms_dispatch,
                                **routing)
-            rows = res.tokens
         self.handle, self._handle_buffer = res.handle, buf
         self.last_dispatch_call = buf.last_call
         if self.drop_and_pad:
@@ -402,12 +416,16 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self._over_budget = dropped if self._over_budget is None else self._over_budget | dropped
             # Static size: rows past the last expert are zero. Give them to the last expert so
             # that the per-expert splits cover every row (combine ignores those rows).
-            slack = rows.shape[0] - res.tokens_per_expert.sum()
+            slack = res.tokens.shape[0] - res.tokens_per_expert.sum()
             tokens_per_expert = res.tokens_per_expert.clone()
             tokens_per_expert[-1] += slack
         else:
             tokens_per_expert = res.tokens_per_expert
         self.tokens_per_expert = tokens_per_expert
+        if self.options.dispatch_fp8:
+            rows = wire_fp8.received_rows(buf, x_TH, res, self._fp8_rows_as(tokens_per_expert))
+        else:
+            rows = res.tokens
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(rows)
         return rows, res.probs.to(probs.dtype)
@@ -434,7 +452,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.expert_out.check_combine(hidden_states, buf)
         if self.options.combine_grad_fp8:
             out = wire_fp8.combine(buf, hidden_states, handle, self.wire_quantizer,
-                                   num_sms=self.options.num_sms_combine)
+                                   num_sms=self.options.num_sms_combine,
+                                   as_rows=self._fp8_rows_as(self._tokens_per_expert_in_use))
         else:
             out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
         self._tokens_per_expert_in_use = None

@@ -5,9 +5,10 @@ Rows are quantized once, on the rank that makes them, by the run's recipe: Trans
 Engine's 1x128 blockwise rule (--fp8-recipe blockwise: fp32 scales) or its MXFP8 rule
 (--fp8-recipe mxfp8: 1x32 E8M0 scales); with TE importable and the rows on a GPU by TE's own
 quantizer, otherwise by `hybrid_ep.fp8.quantize_blockwise` / `quantize_mxfp8`, which round the
-same way. The receiving rank dequantizes them for the experts. Both recipes' power-of-two
-scales make that lossless for the experts' own quantization: a dequantized block quantizes
-again to the same values, so TE's GEMMs compute on exactly what was sent.
+same way. The receiving rank hands them to the experts as TE's grouped GEMM takes them
+(`te_grouped_rows`, MXFP8 on TE's op fuser) or dequantized. Both recipes' power-of-two
+scales make dequantizing lossless for the experts' own quantization: a dequantized block
+quantizes again to the same values, so TE's GEMMs compute on exactly what was sent.
 
 Gradients pass straight through the quantization: the dispatch's backward sums the row
 gradients in their own dtype (hybrid_ep's combine); the combine's backward sends the output
@@ -147,56 +148,69 @@ def quantizer_for(config, use_te: bool = True):
     return QUANTIZERS[_recipe(config)](use_te=use_te)
 
 
-class _DequantizeRows(torch.autograd.Function):
-    """Forward: the received fp8 rows dequantized to x's dtype. Backward: the dispatch's own,
-    the row gradients summed back to their tokens (hybrid_ep's combine)."""
+def dequantized(rows_RH, scales_RB, dtype):
+    """The experts' rows where they cannot take fp8: the received rows dequantized to dtype."""
+    return dequantize_rows(rows_RH, scales_RB, dtype)
+
+
+class _ReceivedRows(torch.autograd.Function):
+    """Forward: the received fp8 rows as the experts take them (`as_rows`: dequantized, or
+    te_grouped_rows.GroupedRows). Backward: the dispatch's own, the row gradients summed back
+    to their tokens (hybrid_ep's combine)."""
 
     @staticmethod
-    def forward(ctx, x_TH, rows_RH, scales_RB, call):
+    def forward(ctx, x_TH, rows_RH, scales_RB, call, as_rows):
         ctx.buffer, ctx.handle = call
-        return dequantize_rows(rows_RH, scales_RB, x_TH.dtype)
+        return as_rows(rows_RH, scales_RB, x_TH.dtype)
 
     @staticmethod
     def backward(ctx, grad_rows_RH):
-        return ctx.buffer.combine(grad_rows_RH.contiguous(), ctx.handle), None, None, None
+        return ctx.buffer.combine(grad_rows_RH.contiguous(), ctx.handle), None, None, None, None
 
 
 class _CombineFp8Grad(torch.autograd.Function):
     """Forward: hybrid_ep's combine. Backward: the output gradient quantized per token and
-    dispatched as fp8 with the same handle, dequantized on the expert rows."""
+    dispatched as fp8 with the same handle, handed to the expert rows as `as_rows` makes them."""
 
     @staticmethod
     def forward(ctx, rows_RH, call):
-        buffer, handle, quantizer, num_sms = call
-        ctx.buffer, ctx.handle, ctx.quantizer, ctx.dtype = buffer, handle, quantizer, rows_RH.dtype
+        buffer, handle, quantizer, num_sms, as_rows = call
+        ctx.buffer, ctx.handle, ctx.quantizer, ctx.as_rows = buffer, handle, quantizer, as_rows
+        ctx.dtype = rows_RH.dtype
         return buffer.combine(rows_RH, handle, num_sms=num_sms)
 
     @staticmethod
     def backward(ctx, grad_y_TH):
         q_TH, scales_TB = ctx.quantizer(grad_y_TH.contiguous())
         res = ctx.buffer.dispatch(q_TH, scales=scales_TB, handle=ctx.handle)
-        return dequantize_rows(res.tokens, res.scales, ctx.dtype), None
+        return ctx.as_rows(res.tokens, res.scales, ctx.dtype), None
+
+
+def send(buffer, x_TH, quantizer, *, num_out_tokens=None, num_sms=None, **routing):
+    """hybrid_ep.dispatch of x's rows quantized by `quantizer`: the result as received
+    (result.tokens / result.scales the fp8 rows and scales; the routing weights keep their
+    gradients through result.probs, hybrid_ep's autograd). `received_rows` hands them on."""
+    q_TH, scales_TB = quantizer(x_TH.detach())
+    return hep.dispatch(buffer, q_TH, scales=scales_TB, num_out_tokens=num_out_tokens, num_sms=num_sms, **routing)
+
+
+def received_rows(buffer, x_TH, res, as_rows=dequantized):
+    """The rows of `send`'s result as the experts take them, differentiable towards x."""
+    if torch.is_grad_enabled() and x_TH.requires_grad:
+        return _ReceivedRows.apply(x_TH, res.tokens, res.scales, (buffer, res.handle), as_rows)
+    return as_rows(res.tokens, res.scales, x_TH.dtype)
 
 
 def dispatch(buffer, x_TH, quantizer, *, num_out_tokens=None, num_sms=None, **routing):
-    """hybrid_ep.dispatch with the rows sent as fp8: (result, rows [R, H] in x's dtype).
-
-    result.tokens / result.scales are the fp8 rows and scales as received; the routing
-    weights keep their gradients through result.probs (hybrid_ep's autograd), the rows theirs
-    through the returned dequantized rows."""
-    q_TH, scales_TB = quantizer(x_TH.detach())
-    res = hep.dispatch(buffer, q_TH, scales=scales_TB, num_out_tokens=num_out_tokens, num_sms=num_sms, **routing)
-    if torch.is_grad_enabled() and x_TH.requires_grad:
-        rows = _DequantizeRows.apply(x_TH, res.tokens, res.scales, (buffer, res.handle))
-    else:
-        rows = dequantize_rows(res.tokens, res.scales, x_TH.dtype)
-    return res, rows
+    """hybrid_ep.dispatch with the rows sent as fp8: (result, rows [R, H] dequantized to x's dtype)."""
+    res = send(buffer, x_TH, quantizer, num_out_tokens=num_out_tokens, num_sms=num_sms, **routing)
+    return res, received_rows(buffer, x_TH, res)
 
 
-def combine(buffer, rows_RH, handle, quantizer, *, num_sms=None):
+def combine(buffer, rows_RH, handle, quantizer, *, num_sms=None, as_rows=dequantized):
     """hybrid_ep.combine (apply_probs off) whose backward sends the output gradient as fp8."""
     if torch.is_grad_enabled() and rows_RH.requires_grad:
-        return _CombineFp8Grad.apply(rows_RH, (buffer, handle, quantizer, num_sms))
+        return _CombineFp8Grad.apply(rows_RH, (buffer, handle, quantizer, num_sms, as_rows))
     return buffer.combine(rows_RH, handle, num_sms=num_sms)
 
 

@@ -161,10 +161,12 @@ def run_moe_layer_calls_on_faked_cuda(case: LayerCase, seqs: list[list[int]],
     return {"calls": calls, "startup": lines, "launched": launched}
 
 
-def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, quantizing_experts: bool = False) -> dict:
+def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, quantizing_experts: bool = False,
+                       on_layer=None) -> dict:
     """On every rank: build the layer, load the seeded weights, forward + backward.
     quantizing_experts: the experts quantize their input rows and their output's gradient as
-    fp8 on the wire does (megatron_patches.wire_fp8.quantize_expert_rows).
+    fp8 on the wire does (megatron_patches.wire_fp8.quantize_expert_rows). on_layer: called
+    with the layer before its forward.
 
     Returns this rank's out, grad_x, grad_router, grad_fc1 [L, F, H], grad_fc2 [L, H, F]
     (float32), the dispatcher's class name and its routed-per-expert counts.
@@ -179,6 +181,8 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, qu
         from ..wire_fp8 import QUANTIZERS, quantize_expert_rows
 
         quantize_expert_rows(layer.experts, QUANTIZERS[(config_overrides or {}).get("fp8_recipe", "blockwise")]())
+    if on_layer is not None:
+        on_layer(layer)
     router_out = {}
     hook = layer.router.register_forward_hook(lambda m, i, out: router_out.update(probs=out[0], map=out[1]))
     x = x_all[rank].float().clone().requires_grad_()

@@ -15,7 +15,7 @@ from megatron_patches.local.layer import LayerCase  # noqa: E402
 from megatron_patches.options import HybridEPOptions  # noqa: E402
 from megatron_patches.testing.moe_layer import run_moe_layer_case  # noqa: E402
 from megatron_patches.testing.overlap import GPTCase, train_step  # noqa: E402
-from megatron_patches.testing.wire_fp8 import run_fp8_layer_with_slots  # noqa: E402
+from megatron_patches.testing.wire_fp8 import run_fp8_layer_grouped, run_fp8_layer_with_slots  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -69,3 +69,29 @@ def test_fp8_wire_under_the_ep_overlap_schedule_equals_the_plain_schedule(pool_f
             assert torch.equal(o["grads"][key], grad), f"rank {rank}, {key}"
         assert o["losses"] != w["losses"]  # the fp8 rows made a difference
         assert all(0 < x < 10 for x in o["losses"])
+
+
+def test_mxfp8_rows_handed_on_as_te_grouped_tensor_equal_the_dequantized_run(pool_for):
+    """The experts take the received MXFP8 rows as Transformer Engine's GroupedTensor (TE stood
+    in: megatron_patches.testing.te_grouped_stand_in): the layer's output and every gradient
+    equal, bit for bit, the run whose experts get the rows dequantized. They got one
+    GroupedTensor forward (fc1's input) and one backward (fc2's output gradient): rowwise,
+    compact scales, groups of multiples of 128 rows with element offsets, over all the rows."""
+    case = LayerCase(world_size=2, hidden=128, ffn=32, topk=2)
+    overrides = {"fp8_recipe": "mxfp8", "hybrid_ep_options": HybridEPOptions(**FP8, pad_multiple=128)}
+    pool = pool_for(2)
+    grouped = pool.run(run_fp8_layer_grouped, [(case, overrides)] * 2)
+    dequantized = pool.run(run_moe_layer_case, [(case, overrides)] * 2)
+    for rank, (g, d) in enumerate(zip(grouped, dequantized)):
+        for field in FIELDS:
+            assert torch.equal(g[field], d[field]), f"rank {rank}, {field}"
+        assert (g["grouped_inputs"], g["grouped_grads"]) == (1, 1), f"rank {rank}"
+        for t in g["grouped"]:
+            R, H = t["shape"]
+            splits = t["first_dims"]
+            assert t["num_tensors"] == len(splits) == case.num_experts // 2, f"rank {rank}: {splits}"
+            assert sum(splits) == R > 0 and all(n % 128 == 0 for n in splits), f"rank {rank}: {splits}"
+            assert t["tensor_offsets"] == [sum(splits[:e]) * H for e in range(len(splits) + 1)]
+            assert not t["swizzled"] and t["columnwise"] == (True, False)
+            assert t["data"].dtype == torch.uint8 and t["data"].numel() == R * H
+            assert t["scale_inv"].dtype == torch.uint8 and t["scale_inv"].numel() == R * H // 32

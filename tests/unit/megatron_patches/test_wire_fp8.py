@@ -97,6 +97,22 @@ def test_fp8_dispatch_and_combine_backward_match_the_oracle(pool_for, case):
     assert sum(r["tokens"].shape[0] for r in results) > 0
 
 
+GROUPED_CASES = [
+    # MXFP8 rows handed on as TE's GroupedTensor: groups of 128 rows, 1 node of 4 and 2 nodes x 2
+    Case(4, 4, 8, 256, (17, 0, 5, 33), 3, torch.bfloat16, pad_multiple=128, seed=8, scale_format="mxfp8"),
+    Case(4, 2, 8, 384, (9, 23, 0, 1), 2, torch.bfloat16, drop_fraction=0.2, pad_multiple=128, seed=9,
+         scale_format="mxfp8"),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=str)
+def test_rows_handed_on_as_grouped_tensor_match_the_oracle(pool_for, case):
+    """The same checks with the rows and the combine's fp8 backward handed on as TE's
+    GroupedTensor (stood in), read back as rows: bit for bit the dequantized oracle's."""
+    results = check_wire_case(pool_for(case.world_size), case, grouped=True)
+    assert all(r["tokens"].shape[0] % 128 == 0 for r in results)
+
+
 def _config(**kw):
     base = dict(fp8_recipe="blockwise", fp8=None, hidden_size=256)
     base.update(kw)
