@@ -121,11 +121,10 @@ def check_combine_wire(expert_out_dtype: torch.dtype, wire_dtype: torch.dtype | 
     """The wire a combine's partial sums take (the call's wire_dtype, else the buffer's
     combine_wire_dtype, else expert_out's dtype) fits the rings, or is refused naming whichever
     of the three chose it."""
-    wire = wire_dtype or buffer_wire_dtype or expert_out_dtype
-    if wire.itemsize > config.ring_dtype.itemsize:
-        name = ("wire_dtype" if wire_dtype is not None else
-                "combine_wire_dtype" if buffer_wire_dtype is not None else "expert_out")
-        check_wire_dtype_fits(wire, name, config)
+    wire, name = ((wire_dtype, "wire_dtype") if wire_dtype is not None else
+                  (buffer_wire_dtype, "combine_wire_dtype") if buffer_wire_dtype is not None else
+                  (expert_out_dtype, "expert_out"))
+    check_wire_dtype_fits(wire, name, config)
 
 
 def check_wire_dtype_fits(wire_dtype: torch.dtype, name: str, config: BufferConfig) -> None:

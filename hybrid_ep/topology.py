@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from .checks import is_int
+from .logs import log_once
 
 MAX_DOMAIN_RANKS = 72  # GB200 NVL72: the largest NVLink domain hybrid_ep lays out
 TROUBLESHOOTING = "docs/troubleshooting.md#nvlink-domains-across-hosts-imex"
 _log = logging.getLogger("hybrid_ep")
-_logged: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +278,6 @@ def local_place(global_rank: int) -> Place:
     return Place(*local_host(global_rank), cluster, clique, fabric, no_clique)
 
 
-def _log_once(level: int, line: str) -> None:
-    if line not in _logged:
-        _logged.add(line)
-        _log.log(level, "hybrid_ep: %s", line)
-
-
 def group_domain(group, requested=None) -> Domain:
     """The NVLink domain of a process group's members (None: the world): one all_gather_object of
     their places, then decide_domain. The group's rank 0 logs a clique that was limited to the
@@ -294,10 +288,10 @@ def group_domain(group, requested=None) -> Domain:
     domain = decide_domain(places, requested, local_world_size=launcher_local_world_size())
     if dist.get_rank(group) == 0:
         if domain.note:
-            _log_once(logging.WARNING, f"{domain.note} ({TROUBLESHOOTING})")
+            log_once(_log, logging.WARNING, f"hybrid_ep: {domain.note} ({TROUBLESHOOTING})")
         if domain.spans_hosts:
-            _log_once(logging.INFO, f"NVLink domains of {domain.ranks_per_node} ranks across hosts (the GPU fabric's "
-                                    "clique): peer memory between hosts as fabric handles")
+            log_once(_log, logging.INFO, f"hybrid_ep: NVLink domains of {domain.ranks_per_node} ranks across hosts "
+                                         "(the GPU fabric's clique): peer memory between hosts as fabric handles")
     return domain
 
 

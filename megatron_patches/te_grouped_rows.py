@@ -27,12 +27,12 @@ import types
 import torch
 
 from hybrid_ep.fp8 import FP8_DTYPE, MX_BLOCK
+from hybrid_ep.logs import log_once
 
 # Rows per group TE's grouped requantize needs (each group's scales start on a 128-row tile).
 GROUP_ROWS = 128
 
 _log = logging.getLogger(__name__)
-_announced: set[str] = set()
 
 
 def te_api():
@@ -130,7 +130,4 @@ def announcement(reason: str | None) -> str:
 
 def announce(reason: str | None) -> None:
     """Log announcement(reason) once per process (every MoE layer decides alike)."""
-    line = announcement(reason)
-    if line not in _announced:
-        _announced.add(line)
-        _log.info("%s", line)
+    log_once(_log, logging.INFO, announcement(reason))

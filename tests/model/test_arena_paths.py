@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from hybrid_ep.backends.cuda import agreement
+from hybrid_ep import logs
 from hybrid_ep.backends.cuda.arena import call_bytes
 from hybrid_ep.backends.cuda.staging import StreamOrder
 from hybrid_ep.testing.cases import Case, make_rank_inputs
@@ -44,7 +44,7 @@ def _group(case: Case, **kw):
 @pytest.fixture
 def fresh_log(monkeypatch, caplog):
     """The once-per-process receive path lines, as if no call had taken it yet in this process."""
-    monkeypatch.setattr(agreement, "_logged", set())
+    monkeypatch.setattr(logs, "_said", set())
     caplog.set_level(logging.WARNING, logger="hybrid_ep")
     return caplog
 

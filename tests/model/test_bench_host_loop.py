@@ -19,10 +19,11 @@ def cpu_sweep(monkeypatch):
     """emulated._sweep_one_world with its GPU-only parts replaced: groups on the CPU model,
     each timed callable run once, no SM clock or index_select baseline."""
     pytest.importorskip("hybrid_ep._model")
-    from hybrid_ep.backends.cuda import agreement, emulation
+    from hybrid_ep import logs
+    from hybrid_ep.backends.cuda import emulation
 
     monkeypatch.setattr(emulation, "EmulatedGroup", functools.partial(emulation.EmulatedGroup, device="cpu"))
-    monkeypatch.setattr(agreement, "_logged", set())  # the receive path lines are logged once per process
+    monkeypatch.setattr(logs, "_said", set())  # the receive path lines are logged once per process
 
     def once(fn, warmup, iters, flush):
         fn()

@@ -48,6 +48,7 @@ import torch
 
 from ...dtypes import combine_dtype_for
 from ...fp8 import FP8_DTYPE
+from ...logs import log_once
 from .arena import _layout, aligned, call_bytes
 from .layout import AGREE_WORDS
 from .peer_memory import CHUNK, OwnMemory, PeerViews, round_up
@@ -56,14 +57,13 @@ UNIT = 4096  # the agreement's words count bytes in these units (int32 words: up
 _SIZES_KEPT = 256  # need_bytes' remembered row counts (a static size or a few handles' in training)
 READY, FREE_ACKED, FREE_ALL, TAIL, EXTENT = range(AGREE_WORDS)
 _log = logging.getLogger("hybrid_ep")
-_logged: set[str] = set()
 
 
-def log_once(what: str, reason: str) -> None:
+def log_fallback(what: str, reason: str) -> None:
     """One log line per kind of event and process: a growth or an import that failed."""
-    if what not in _logged:
-        _logged.add(what)
-        _log.warning("hybrid_ep: %s (%s); that call took the receive path. Logged once per process", what, reason)
+    log_once(_log, logging.WARNING,
+             f"hybrid_ep: {what} ({reason}); that call took the receive path. Logged once per process",
+             key=("receive path", what))
 
 
 def expert_out_width(dtype: torch.dtype, fp8: bool) -> int:
@@ -158,7 +158,7 @@ class Agreement:
                     why = views.sync(p, self.state[p].target)
                     if why is not None:
                         ready = 0
-                        log_once("a rank could not map a peer's new memory", why)
+                        log_fallback("a rank could not map a peer's new memory", why)
             mem = self.own[i]
             a = mem.arena
             st = self.state[r]
@@ -266,7 +266,7 @@ class Agreement:
             elif st.target > mem.extent:
                 why = mem.grow_to(st.target)
                 if why is not None:
-                    log_once("a rank could not grow its peer memory", why)
+                    log_fallback("a rank could not grow its peer memory", why)
 
     def decide_ledger(self, rows: list[int], dtype, fp8: bool, capturing: bool) -> Decision | None:
         """The path of a call without a read, from the ledger every rank keeps alike: direct when

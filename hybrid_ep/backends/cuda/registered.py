@@ -16,17 +16,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from ...logs import log_once
 from ...topology import TROUBLESHOOTING, local_host
 
 IPC, FABRIC = 0, 1
 _log = logging.getLogger("hybrid_ep")
-_logged_choices: set[tuple[str, str]] = set()  # (kind, reason) already logged by this process
 
 
-def _log_once(kind: str, reason: str) -> None:
-    if (kind, reason) not in _logged_choices:
-        _logged_choices.add((kind, reason))
-        _log.info("hybrid_ep: registered buffers use %s handles (%s)", kind, reason)
+def _log_choice(kind: str, reason: str) -> None:
+    log_once(_log, logging.INFO, f"hybrid_ep: registered buffers use {kind} handles ({reason})")
 
 
 def _handle_kind(ext, group, device_index: int, ranks_per_node: int | None = None) -> int:
@@ -57,9 +55,9 @@ def _handle_kind(ext, group, device_index: int, ranks_per_node: int | None = Non
                 f"{len(hosts)} hosts, which only fabric handles cross, but they do not work on rank {rank}: {why}. "
                 f"Open an IMEX channel to every process, or pass ranks_per_node as the ranks of one host "
                 f"({TROUBLESHOOTING})")
-        _log_once("CUDA IPC", f"fabric handles unavailable on rank {rank}: {why}")
+        _log_choice("CUDA IPC", f"fabric handles unavailable on rank {rank}: {why}")
         return IPC
-    _log_once("fabric", "a fabric allocation was created and exported on every rank")
+    _log_choice("fabric", "a fabric allocation was created and exported on every rank")
     return FABRIC
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from hybrid_ep import topology
+from hybrid_ep import logs, topology
 from hybrid_ep.topology import MAX_DOMAIN_RANKS, Place, contiguous_ranks_per_node, decide_domain, resolve_ranks_per_node
 
 pytestmark = pytest.mark.unit
@@ -232,7 +232,7 @@ def test_group_domain_gathers_once_and_logs_a_refusal_once(single_rank_group, mo
     gathers = []
     real = topology.dist.all_gather_object
     monkeypatch.setattr(topology.dist, "all_gather_object", lambda *a, **k: (gathers.append(1), real(*a, **k)))
-    monkeypatch.setattr(topology, "_logged", set())
+    monkeypatch.setattr(logs, "_said", set())
     with caplog.at_level("INFO", logger="hybrid_ep"):
         assert topology.group_domain(single_rank_group).ranks_per_node == 1
         assert topology.group_ranks_per_node(single_rank_group) == 1

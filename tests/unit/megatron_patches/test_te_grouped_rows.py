@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from hybrid_ep import logs
 from hybrid_ep.fp8 import quantize_mxfp8
 from megatron_patches import te_grouped_rows
 from megatron_patches.testing import te_grouped_stand_in
@@ -84,8 +85,8 @@ def test_rows_it_cannot_wrap_are_refused_by_their_sizes():
         make(q, torch.ones(64, 2), torch.bfloat16)
 
 
-def test_the_startup_line_is_said_once(caplog):
-    te_grouped_rows._announced.clear()
+def test_the_startup_line_is_said_once(caplog, monkeypatch):
+    monkeypatch.setattr(logs, "_said", set())
     with caplog.at_level(logging.INFO, logger="megatron_patches.te_grouped_rows"):
         for _ in range(3):
             te_grouped_rows.announce("experts not built yet")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import REPO, built_cuda_extension
+from hybrid_ep import logs
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.agreement import expert_out_block_bytes
 from hybrid_ep.backends.cuda.arena import call_bytes
@@ -513,7 +514,7 @@ def test_fabric_handles_only_after_a_successful_probe(single_rank_group, monkeyp
     from hybrid_ep.backends.cuda import registered
 
     refused = "cuMemCreate (fabric) failed (CUresult 800): no IMEX channel is open to this process"
-    monkeypatch.setattr(registered, "_logged_choices", set())
+    monkeypatch.setattr(logs, "_said", set())
     caplog.set_level("INFO", logger="hybrid_ep")
     monkeypatch.delenv("HYBRID_EP_HANDLE", raising=False)
     ext = _FabricExt(refused)
