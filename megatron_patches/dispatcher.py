@@ -213,6 +213,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         self.cudagraph_attrs = ["routing_map", "last_routed_per_expert"]
         self.last_num_dropped = None
         self._over_budget = None
+        self._rows_as = None  # how this dispatch's experts take fp8 rows (te_grouped_rows.rows_as)
 
     def check_over_budget(self):
         """Megatron's flex-dispatcher interface: a [1] bool device tensor, True once a dispatch
@@ -251,19 +252,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.expert_out = expert_out.ExpertOutInPlace(self, experts)
         self._te_api, self.fp8_rows_reason = None, "no fp8 on the wire"
         if self.wire_quantizer is not None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self._te_api = te_grouped_rows.te_api()
-            self.fp8_rows_reason = te_grouped_rows.handoff_reason(experts, self.config, self.pad_multiple, device,
+            self.fp8_rows_reason = te_grouped_rows.handoff_reason(experts, self.config, self.pad_multiple,
                                                                   self._te_api)
             if experts is not None and self.ep_rank == 0:
-                te_grouped_rows.announce(self.fp8_rows_reason)
-
-    def _fp8_rows_as(self, splits):
-        """How the experts take received fp8 rows split as `splits` per local expert: as TE's
-        GroupedTensor where fp8_rows_reason is None, else dequantized."""
-        if self.fp8_rows_reason is None:
-            return te_grouped_rows.GroupedRows(splits, self._te_api)
-        return wire_fp8.dequantized
+                te_grouped_rows.announce(self.fp8_rows_reason, self._te_api)
 
     def set_shared_experts(self, shared_experts):
         """Megatron's hook for moe_shared_expert_overlap; the shared experts' tensors kept
@@ -422,8 +415,12 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         else:
             tokens_per_expert = res.tokens_per_expert
         self.tokens_per_expert = tokens_per_expert
+        if self.wire_quantizer is not None:  # how this layer's experts take fp8 rows, forward and backward
+            counts = tokens_per_expert if tokens_per_expert.device == x_TH.device else \
+                torch.full_like(tokens_per_expert, min_rows, device=x_TH.device)
+            self._rows_as = te_grouped_rows.rows_as(self.fp8_rows_reason, self._te_api, counts)
         if self.options.dispatch_fp8:
-            rows = wire_fp8.received_rows(buf, x_TH, res, self._fp8_rows_as(tokens_per_expert))
+            rows = wire_fp8.received_rows(buf, x_TH, res, self._rows_as)
         else:
             rows = res.tokens
         if self.shared_experts is not None:
@@ -453,10 +450,10 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         if self.options.combine_grad_fp8:
             out = wire_fp8.combine(buf, hidden_states, handle, self.wire_quantizer,
                                    num_sms=self.options.num_sms_combine,
-                                   as_rows=self._fp8_rows_as(self._tokens_per_expert_in_use))
+                                   as_rows=self._rows_as)
         else:
             out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
-        self._tokens_per_expert_in_use = None
+        self._tokens_per_expert_in_use = self._rows_as = None
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

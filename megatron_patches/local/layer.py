@@ -36,7 +36,8 @@ class LayerCase:
     seed: int = 1234
     # "sequential": SequentialMLP; "grouped": TEGroupedMLP on TorchGroupedLinear (output allocated
     # in torch._grouped_mm); "te_like": TEGroupedMLP on testing.te_like.PythonAllocatedGroupedLinear
-    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear)
+    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear); "te_op_fuser":
+    # TEGroupedMLP on Transformer Engine stood in (testing.te_stand_in, inside its installed())
     experts: str = "sequential"
 
     @property
@@ -113,8 +114,10 @@ def _with_experts(spec, experts: str):
 
     from ..grouped_gemm import torch_grouped_mlp_submodules
     from ..testing.te_like import te_like_grouped_mlp_submodules
+    from ..testing.te_stand_in import grouped_mlp_submodules
 
-    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules}
+    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules,
+               "te_op_fuser": grouped_mlp_submodules}
     if experts not in linears:
         raise ValueError(f"LayerCase.experts must be 'sequential' or one of {sorted(linears)}, got {experts!r}")
     if not isinstance(spec, functools.partial):
