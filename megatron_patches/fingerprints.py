@@ -11,10 +11,6 @@ RECORDED = {
             '()',
             None,
         ),
-        'megatron.core.models.common.utils:should_free_input': (
-            '(name, is_moe, config, num_local_experts)',
-            'f41d93b5c5b3569a',
-        ),
         'megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32': (
             '(parameters, max_norm, total_norm, use_decoupled_grad=False)',
             None,
@@ -47,10 +43,6 @@ RECORDED = {
             ' grad_input_buffer=None)',
             'db8242c4b9a2a880',
         ),
-        'megatron.core.transformer.moe.experts:skip_routed_expert_padding': (
-            '(config)',
-            None,
-        ),
         'megatron.core.transformer.moe.moe_layer:MoELayer.__init__': (
             '(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,'
             ' name=None)',
@@ -59,6 +51,10 @@ RECORDED = {
         'megatron.core.transformer.moe.moe_layer:MoELayer.sharded_state_dict': (
             "(self, prefix='', sharded_offsets=(), metadata=None)",
             'eaa410dbb4744eff',
+        ),
+        'megatron.core.transformer.moe.token_dispatcher:_HybridEPManager': (
+            '(group, num_local_experts, num_experts, config)',
+            'd553f4676fcf29f7',
         ),
         'megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu': (
             '(tensor, as_numpy=False, record_stream=False)',

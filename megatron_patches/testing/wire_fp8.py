@@ -144,17 +144,18 @@ def run_fp8_layer_with_slots(case, config_overrides: dict) -> dict:
 
     from ..local.common import init_megatron
     from ..local.layer import case_tensors, seeded_layer
+    from .moe_layer import dispatcher_of
 
     init_megatron(case.world_size)
     rank = dist.get_rank()
     _, _, _, x_all, grad_out = case_tensors(case)
     layer = seeded_layer(case, rank, config_overrides)
-    layer.token_dispatcher.slot_table.load_(torch.arange(case.num_experts))
+    dispatcher_of(layer).slot_table.load_(torch.arange(case.num_experts))
     x = x_all[rank].float().clone().requires_grad_()
     out, _ = layer(x)
     (out * grad_out[rank].float()).sum().backward()
     return {
-        "dispatcher": type(layer.token_dispatcher).__name__, "out": out.detach(), "grad_x": x.grad,
+        "dispatcher": type(dispatcher_of(layer)).__name__, "out": out.detach(), "grad_x": x.grad,
         "grad_router": layer.router.weight.grad,
         "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
         "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),

@@ -1,5 +1,5 @@
-"""A Megatron MoELayer through HybridEPTokenDispatcher equals the stock alltoall dispatcher
-and a dense single-process float64 reference: output and every gradient (input, router,
+"""A Megatron MoELayer through hybrid_ep (HybridEPManager under Megatron's flex dispatcher) equals
+the stock alltoall dispatcher and a dense single-process float64 reference: output and every gradient (input, router,
 expert weights), on 2 and 4 CPU ranks (gloo, fp32)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_moe_layer_matches_alltoall_and_dense(pool_for, world_size, name):
     pool = pool_for(world_size)
     case = LayerCase(world_size=world_size, **CASES[name])
     ours = run_case(pool, case)
-    assert all(r["dispatcher"] == "HybridEPTokenDispatcher" for r in ours)
+    assert all(r["dispatcher"] == "HybridEPManager" for r in ours)
     stock = run_case(pool, LayerCase(world_size=world_size, **dict(CASES[name], dispatcher="alltoall")))
     assert all(r["dispatcher"] == "MoEAlltoAllTokenDispatcher" for r in stock)
     dense = dense_moe_layer(case)
@@ -68,8 +68,10 @@ def test_moe_layer_matches_alltoall_and_dense(pool_for, world_size, name):
         assert torch.count_nonzero(ours[rank]["grad_fc1"][j]) == 0
         assert torch.count_nonzero(ours[rank]["grad_fc2"][j]) == 0
     # What a CUDA graph of moe_preprocess returns and sets again on replay: the routing that
-    # dispatch_preprocess leaves for token_dispatch (alltoall lists its own routing_map too).
-    assert all(r["cudagraph_tensors"] == ["routing_map", "last_routed_per_expert"] for r in ours)
+    # dispatch_preprocess leaves for token_dispatch (Megatron's flex dispatcher lists its manager's
+    # probs and map, the manager adds its routed counts; alltoall lists its own routing_map too).
+    assert all(r["cudagraph_tensors"] == ["_comm_manager.token_probs", "_comm_manager.routing_map",
+                                          "_comm_manager.last_routed_per_expert"] for r in ours)
     assert all("routing_map" in r["cudagraph_tensors"] for r in stock)
 
 

@@ -50,7 +50,7 @@ def test_fp8_wire_layer_equals_alltoall_with_quantizing_experts(pool_for, name):
     plain = pool.run(run, [(case, {**ours_overrides, "hybrid_ep_options": HybridEPOptions(**options)})]
                      * 2)
     for rank, (g, w, p) in enumerate(zip(ours, stock, plain)):
-        assert g["dispatcher"] == "HybridEPTokenDispatcher" and w["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+        assert g["dispatcher"] == "HybridEPManager" and w["dispatcher"] == "MoEAlltoAllTokenDispatcher"
         for field in FIELDS:
             torch.testing.assert_close(g[field], w[field], atol=1e-6, rtol=1e-5,
                                        msg=lambda m: f"{name}, rank {rank}, {field}: {m}")
