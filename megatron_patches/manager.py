@@ -130,7 +130,9 @@ class HybridEPManager(_DispatchManager):
     are this rank's S / EP slots.
 
     The experts' output in place (megatron_patches.expert_out, --hybrid-ep-expert-out-in-place,
-    on by default): see `attach` and expert_out's docstring.
+    on by default): on Transformer Engine's op fuser through Megatron's own output buffer
+    (`_zc_fwd_token_buf`), on TE's GroupedLinear module through fc2's torch.empty; expert_out's
+    docstring says where and when.
 
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
     (NVLink / RDMA bytes of this rank, read from the device only when asked for) and
@@ -206,6 +208,18 @@ class HybridEPManager(_DispatchManager):
         if self._over_budget is None:
             self._over_budget = torch.zeros(1, dtype=torch.bool, device=_device())
         return self._over_budget
+
+    @property
+    def _zc_fwd_token_buf(self) -> torch.Tensor | None:
+        """The experts' output buffer: the flex dispatcher's get_expert_zero_copy_buffers reads it
+        once per forward, after the dispatch, and MoELayer hands it to TEGroupedMLP on Transformer
+        Engine's op fuser as output_buffer. The current dispatch's view of the buffer's expert-out
+        block, which the combine then reads in place, where one can serve (expert_out), else None."""
+        return None if self.expert_out is None else self.expert_out.output_buffer()
+
+    # the experts' input-gradient buffer (the flex dispatcher's grad_input_buffer): none, the
+    # dispatch's backward is a combine that takes the gradient where autograd makes it
+    _zc_bwd_token_buf = None
 
     @property
     def last_dispatch_traffic(self):

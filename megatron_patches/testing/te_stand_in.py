@@ -18,11 +18,13 @@ touch, as TE defines it at release_v2.19 (b447576) and main (d0067d0), read from
   `maybe_dequantize(x).reshape(-1, in_features)`, which a GroupedTensor refuses; the
   split-quantize path refuses it by name), the same for the output gradient, the op's constructor
   keywords, and `validate_or_alloc_output` for the caller's output buffer (OUTPUT_BUFFER_KEY);
-- ops/basic/swiglu.py, ops/sequential.py: ScaledSwiGLU's keywords, Sequential's `op_kwargs`;
+- ops/basic/swiglu.py, ops/basic/activation.py, ops/sequential.py: ScaledSwiGLU's and
+  ScaledSReLU's keywords, Sequential's `op_kwargs`;
 - quantization.py, common/recipe: FP8GlobalStateManager, `autocast` / `fp8_autocast`, the MXFP8
   recipe; module/grouped_linear.py: the GroupedLinear module's constructor keywords and `out=`.
 
-The arithmetic is plain PyTorch on the host: a matmul per group, SwiGLU, the routing weights.
+The arithmetic is plain PyTorch on the host: a matmul per group, SwiGLU or squared ReLU, the
+routing weights.
 TE's quantized GEMMs are not modelled: an op computes on the values its input holds (a
 GroupedTensor's rows dequantized, which TE's requantize of MXFP8 rows keeps exactly), so a run
 whose experts get the rows as a GroupedTensor must equal, bit for bit, the run whose experts get
@@ -477,6 +479,19 @@ class ScaledSwiGLU(BasicOperation):
         return torch.nn.functional.silu(gate) * linear * scales.unsqueeze(-1).to(x.dtype)
 
 
+class ScaledSReLU(BasicOperation):
+    """te.ops.ScaledSReLU (ops/basic/activation.py): relu(x)^2 times a per-row scale."""
+
+    num_extra_inputs = 1  # the scales
+
+    def __init__(self, *, activation_recompute_in_mlp: bool = False) -> None:
+        super().__init__()
+        self.activation_recompute_in_mlp = activation_recompute_in_mlp
+
+    def compute(self, x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square() * scales.unsqueeze(-1).to(x.dtype)
+
+
 class _FusedMLP(torch.autograd.Function):
     """fc1, activation and fc2 of a Sequential: TE's checks of the input and of the output
     gradient, the caller's output buffer, and the arithmetic in plain PyTorch."""
@@ -530,7 +545,7 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class Sequential(torch.nn.Module):
-    """te.ops.Sequential of fc1 (GroupedLinear), ScaledSwiGLU and fc2 (GroupedLinear)."""
+    """te.ops.Sequential of fc1 (GroupedLinear), ScaledSwiGLU or ScaledSReLU, and fc2 (GroupedLinear)."""
 
     def __init__(self, *modules) -> None:
         super().__init__()
@@ -562,8 +577,10 @@ class Sequential(torch.nn.Module):
 
     def forward(self, input, *extra_inputs, op_kwargs=None):  # noqa: A002 (TE's name)
         ops = list(self._modules.values())
-        if [type(op) for op in ops] != [GroupedLinear, ScaledSwiGLU, GroupedLinear]:
-            raise NotImplementedError("the stand-in models Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)")
+        if len(ops) != 3 or not (isinstance(ops[0], GroupedLinear) and isinstance(ops[1], (ScaledSwiGLU, ScaledSReLU))
+                                 and isinstance(ops[2], GroupedLinear)):
+            raise NotImplementedError("the stand-in models Sequential(GroupedLinear, a scaled activation, "
+                                      "GroupedLinear)")
         kwargs = self._resolve_op_kwargs(op_kwargs)
         if kwargs[0].get(OUTPUT_BUFFER_KEY) is not None or any(k.get(GRAD_INPUT_BUFFER_KEY) is not None
                                                               for k in kwargs):
@@ -700,7 +717,7 @@ def _modules() -> dict[str, types.ModuleType]:
     basic = _module("transformer_engine.pytorch.ops.basic", grouped_linear=grouped_linear,
                     GroupedLinear=GroupedLinear, ScaledSwiGLU=ScaledSwiGLU)
     ops = _module("transformer_engine.pytorch.ops", basic=basic, Sequential=Sequential, GroupedLinear=GroupedLinear,
-                  ScaledSwiGLU=ScaledSwiGLU)
+                  ScaledSwiGLU=ScaledSwiGLU, ScaledSReLU=ScaledSReLU)
     cpu_offload = _module("transformer_engine.pytorch.cpu_offload", CPUOffloadEnabled=False)
     quantization = _module("transformer_engine.pytorch.quantization", FP8GlobalStateManager=FP8GlobalStateManager,
                            autocast=autocast, fp8_autocast=fp8_autocast)

@@ -243,13 +243,16 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
 
 
 # Experts and option -> whether the forward combine reads the experts' output in place
-# (megatron_patches.expert_out): only where fc2 allocates it with torch.empty, as Transformer
-# Engine's GroupedLinear does (te_like), and the option is on.
+# (megatron_patches.expert_out): on Transformer Engine's op fuser through Megatron's output_buffer
+# (te_op_fuser: TEGroupedMLP._fused_forward on TE stood in), on TE's GroupedLinear module where
+# fc2 allocates it with torch.empty (te_like), and only with the option on.
 EXPERT_OUT_CASES = {
     "sequential": ("sequential", True, False),  # SequentialMLP: per-expert outputs concatenated
     "grouped": ("grouped", True, False),  # TorchGroupedLinear: output allocated in torch._grouped_mm
     "te_like": ("te_like", True, True),
     "te_like_option_off": ("te_like", False, False),
+    "te_op_fuser": ("te_op_fuser", True, True),
+    "te_op_fuser_option_off": ("te_op_fuser", False, False),
 }
 
 
@@ -262,8 +265,9 @@ def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(p
     job (peer memory between the processes, the agreement on each call's path, the engine);
     its kernels are faked (hybrid_ep.testing.faked_kernels: a direct call's rows move through
     each process's mappings of its peers' memory). Where fc2 allocates its output with
-    torch.empty (te_like, as Transformer Engine's GroupedLinear) and the option is on, fc2
-    writes it into the expert-out block and the forward combine copies nothing."""
+    torch.empty (te_like, as Transformer Engine's GroupedLinear), or the experts run on TE's op
+    fuser (te_op_fuser), and the option is on, fc2 writes it into the expert-out block and the
+    forward combine copies nothing."""
     import megatron_patches
     from megatron_patches.testing.moe_layer import run_moe_layer_calls_on_faked_cuda
 
