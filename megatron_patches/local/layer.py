@@ -97,7 +97,8 @@ def _op_fuser_fields() -> dict:
     from megatron.core.activations import squared_relu
 
     return dict(use_transformer_engine_op_fuser=True, moe_grouped_gemm=True, gated_linear_unit=False,
-                activation_func=squared_relu, use_fused_weighted_squared_relu=True)
+                activation_func=squared_relu, use_fused_weighted_squared_relu=True,
+                moe_use_grouped_tensor=True)  # Megatron-Core main's op fuser requires it (0.19.x has no field)
 
 
 def build_moe_layer(case: LayerCase, **config_overrides):

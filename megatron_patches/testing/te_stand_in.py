@@ -21,7 +21,8 @@ touch, as TE defines it at release_v2.19 (b447576) and main (d0067d0), read from
 - ops/basic/swiglu.py, ops/basic/activation.py, ops/sequential.py: ScaledSwiGLU's and
   ScaledSReLU's keywords, Sequential's `op_kwargs`;
 - quantization.py, common/recipe: FP8GlobalStateManager, `autocast` / `fp8_autocast`, the MXFP8
-  recipe; module/grouped_linear.py: the GroupedLinear module's constructor keywords and `out=`.
+  recipe; module/grouped_linear.py: the GroupedLinear module's constructor keywords and `out=`;
+  module/fp8_padding.py: Fp8Padding and Fp8Unpadding (the experts' own padding copy).
 
 The arithmetic is plain PyTorch on the host: a matmul per group, SwiGLU or squared ReLU, the
 routing weights.
@@ -672,22 +673,41 @@ class MegatronGroupedLinear(GroupedLinearModule):
         return out if self.te_return_bias else (out, None)
 
 
-class _NotModelled:
-    """Built as Megatron builds it; called, it says it is not modelled."""
+class Fp8Padding(torch.nn.Module):
+    """te.pytorch.Fp8Padding (module/fp8_padding.py): each group's rows padded with zero rows to
+    a multiple of align_size (None: the autocast recipe's, 32 for MXFP8, 16 otherwise)."""
 
     def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
+        super().__init__()
         self.num_gemms, self.align_size = num_gemms, align_size
 
-    def __call__(self, *args, **kwargs):
-        raise NotImplementedError(f"the stand-in does not model {type(self).__name__}")
+    def _align(self) -> int:
+        if self.align_size is None:
+            self.align_size = 32 if FP8GlobalStateManager.get_fp8_recipe().mxfp8() else 16
+        return self.align_size
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]):
+        assert len(m_splits) == self.num_gemms, "Number of splits should match number of GEMMs."
+        align = self._align()
+        padded = [(m + align - 1) // align * align for m in m_splits]
+        if padded == list(m_splits):
+            return inp, m_splits
+        pieces = []
+        for rows, m, p in zip(torch.split(inp, list(m_splits)), m_splits, padded):
+            pieces += [rows, rows.new_zeros((p - m,) + tuple(rows.shape[1:]))]
+        return torch.cat(pieces), padded
 
 
-class Fp8Padding(_NotModelled):
-    pass
+class Fp8Unpadding(Fp8Padding):
+    """te.pytorch.Fp8Unpadding: the rows Fp8Padding added, taken out again."""
 
-
-class Fp8Unpadding(_NotModelled):
-    pass
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        assert len(m_splits) == self.num_gemms, "Number of splits should match number of GEMMs."
+        align = self._align()
+        padded = [(m + align - 1) // align * align for m in m_splits]
+        if padded == list(m_splits):
+            return inp
+        return torch.cat([rows[:m] for rows, m in zip(torch.split(inp, padded), m_splits)])
 
 
 def grouped_mlp_submodules():
@@ -722,7 +742,7 @@ def _modules() -> dict[str, types.ModuleType]:
     quantization = _module("transformer_engine.pytorch.quantization", FP8GlobalStateManager=FP8GlobalStateManager,
                            autocast=autocast, fp8_autocast=fp8_autocast)
     pytorch = _module("transformer_engine.pytorch", ops=ops, tensor=tensor_mod, quantization=quantization,
-                      cpu_offload=cpu_offload,
+                      cpu_offload=cpu_offload, Fp8Padding=Fp8Padding, Fp8Unpadding=Fp8Unpadding,
                       GroupedLinear=GroupedLinearModule, autocast=autocast, fp8_autocast=fp8_autocast)
     recipe = _module("transformer_engine.common.recipe", MXFP8BlockScaling=MXFP8BlockScaling,
                      Float8BlockScaling=Float8BlockScaling, Format=Format, Recipe=Recipe)

@@ -77,13 +77,18 @@ def test_where_the_in_place_path_is_installed(single_rank_group):
 
 
 def _op_fuser_experts(group, **fields):
-    """TEGroupedMLP on Transformer Engine's op fuser (its _fused_forward), TE stood in."""
+    """TEGroupedMLP on Transformer Engine's op fuser (its _fused_forward), TE stood in, with the
+    config a hybrid_ep layer runs with (Megatron's flex dispatcher with hybrid_ep's backend: the
+    experts skip their padding copy, the dispatcher aligned the rows)."""
     from megatron.core.activations import squared_relu
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+    from megatron_patches.selection import HYBRID_EP_BACKEND
+
     config = _config(use_transformer_engine_op_fuser=True, activation_func=squared_relu,
                      use_fused_weighted_squared_relu=True)
+    fields = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=HYBRID_EP_BACKEND, **fields)
     for name, value in fields.items():
         setattr(config, name, value)
     pgs = ProcessGroupCollection(ep=group, expt_tp=group, expt_dp=group)

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.megatron
 def _config(dispatcher="hybrid_ep", fp8=None, recipe=Fp8Recipe.tensorwise, fp4=None, fuser=False, grouped=True):
     return types.SimpleNamespace(moe_token_dispatcher_type=dispatcher, fp8=fp8, fp8_recipe=recipe, fp4=fp4,
                                  fp4_recipe=None, use_transformer_engine_op_fuser=fuser, moe_grouped_gemm=grouped,
-                                 moe_router_padding_for_quantization=False)
+                                 moe_router_padding_for_quantization=False,
+                                 moe_use_grouped_tensor=False)  # Megatron-Core main reads it
 
 
 def _te_grouped(fc1=None, fused=False):

@@ -88,7 +88,7 @@ def test_a_changed_flex_dispatcher_is_named_for_the_manager_it_builds():
 def test_a_release_without_a_record_is_named():
     problems = patches.check(version="0.99.0")
     assert len(problems) == 1
-    assert problems[0].startswith("Megatron-Core 0.99.0: no fingerprints recorded (checked: 0.19.2")
+    assert problems[0].startswith("Megatron-Core 0.99.0: no fingerprints recorded (checked: 0.19.1, 0.19.2, 0.20.0")
 
 
 def test_a_missing_function_and_a_stale_record_are_named(monkeypatch):
