@@ -92,12 +92,6 @@ def unsupported_reasons(config, tp_size: int, balancer: bool) -> list[str]:
     return reasons
 
 
-def manager_of(layer):
-    """The HybridEPManager of a MoELayer built for hybrid_ep (None for any other)."""
-    manager = getattr(getattr(layer, "token_dispatcher", None), "_comm_manager", None)
-    return manager if isinstance(manager, HybridEPManager) else None
-
-
 class HybridEPManager(_DispatchManager):
     """hybrid_ep as MoEFlexTokenDispatcher's backend (see module docstring).
 
