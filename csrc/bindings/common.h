@@ -439,6 +439,13 @@ class __attribute__((visibility("hidden"))) HostPath {
     std::copy(words.begin(), words.end(), fixed_[i].agree);
   }
 
+  // Rank i's refusal of its own input for the next count kernels (RankArgs::refused: 0 none,
+  // else the refused argument's code); the caller clears it after the call.
+  void set_refused(size_t i, int32_t code) {
+    if (i >= fixed_.size() || code < 0) throw py::value_error("set_refused: a driven rank and a code >= 0");
+    fixed_[i].refused = code;
+  }
+
   // The count kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
   // is the static output size, or -1 (the count kernel computes it). read: the caller reads
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
@@ -759,6 +766,7 @@ inline void bind_common(py::module_& m) {
       .def(py::init([seam](const std::vector<RankArgs>& ranks) { return new HostPath(ranks, seam); }), py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
       .def("set_absent", &HostPath::set_absent, py::arg("absent"), py::arg("after_count"))
+      .def("set_refused", &HostPath::set_refused, py::arg("i"), py::arg("code"))
       .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"),
            "inputs: a list of one DispatchInputs per rank")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
+from ...refusals import refused_by_peer
 from ...routing import bad_route_text
 from .layout import ERROR_RECORD_CALL_OFFSET, ERROR_RECORD_PHASE_OFFSET
 
@@ -96,13 +97,23 @@ class RoutingError(ValueError):
     pass
 
 
+def bad_route_error(num_experts: int, max_tokens: int, rank: int, token: int, value: int) -> ValueError:
+    """The error of the count kernel's bad-route words, the same on every rank: a route the
+    device found bad (RoutingError), or the input a rank refused (refusals.InputRefused: the
+    token max_tokens, which no route has, and the argument's code)."""
+    if token == max_tokens:
+        return refused_by_peer(rank, "dispatch", value)
+    return RoutingError(bad_route_text(num_experts, rank, token, value))
+
+
 class KernelErrors:
     """The two records one engine's kernels write: `error` (the first failure; the buffer is
     unusable after it) and `bad_route` (the last bad route of a static-size call, which
     moved no rows and left the buffer usable)."""
 
-    def __init__(self, ext, timeout_ns: int, ranks_per_node: int, num_nodes: int):
+    def __init__(self, ext, timeout_ns: int, ranks_per_node: int, num_nodes: int, max_tokens: int):
         self.timeout_ns, self.ranks_per_node, self.num_nodes = timeout_ns, ranks_per_node, num_nodes
+        self.max_tokens = max_tokens
         self.error = ext.ErrorRecord()
         # Its phase word (common/params.h ErrorRecord; 0 while no kernel failed), in host memory:
         # each call polls it here, without a call into the extension.
@@ -146,8 +157,8 @@ class KernelErrors:
             if call == 0 or rec is None or rec["call"] != call or self._bad_route_call.value != call:
                 continue  # a count kernel is writing it
             self.bad_route_raised = call
-            expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
-            raise RoutingError(bad_route_text(rec["expected"], rec["rank"], rec["peer"], expert))
+            value = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
+            raise bad_route_error(rec["expected"], self.max_tokens, rec["rank"], rec["peer"], value)
 
     def describe(self, rec: dict) -> str:
         code = rec["phase"]
