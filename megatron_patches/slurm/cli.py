@@ -36,7 +36,7 @@ import tempfile
 from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
-from . import domain, memory, render, shape, site_fields, validate
+from . import calibration, domain, memory, render, shape, site_fields, validate
 from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
@@ -109,6 +109,9 @@ def report(recipe, on_cpu: bool = False) -> None:
     if domains:
         print(f"{PROG}: {recipe.name}: {domains}", file=sys.stderr)
     print(est.table(on_cpu), file=sys.stderr)
+    measured = calibration.describe(recipe)
+    if measured:
+        print(f"{PROG}: {recipe.name}: {measured}", file=sys.stderr)
     if est.over and not on_cpu:
         print(f"{PROG}: warning: estimated {est.total_gb:.1f} GiB per GPU exceeds the {est.gpu_gb:g} GiB of "
               f"cluster.gpu_type {recipe['cluster.gpu_type']} (stage {est.stage}); more PP/EP, recomputation "
