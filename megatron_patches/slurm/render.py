@@ -27,6 +27,7 @@ import shlex
 
 from . import calibration as calibration_mod
 from . import domain, site_fields
+from . import recipe as recipe_mod
 from .megatron_args import CHECKPOINT_PATH_FLAGS, megatron_args
 
 _RANK_ENV = (
@@ -103,11 +104,18 @@ def _data_comments(recipe) -> list[str]:
     return [f"# Data: {d['path']} (data.path), tokenizer {d['tokenizer_type']}."]
 
 
+def _source(recipe) -> str:
+    """The recipe as the header names it: a shipped one by name (the same text from a clone and
+    from an installed wheel), any other by its path."""
+    name = recipe_mod.shipped_name(recipe.path)
+    return f"the recipe {name} shipped with hybrid-ep" if name else recipe.path
+
+
 def _header(recipe, nodes: int, job_name: str) -> list[str]:
     c = recipe["cluster"]
     lines = [
         "#!/bin/bash",
-        f"# Rendered by hybrid-ep-launch from {recipe.path}",
+        f"# Rendered by hybrid-ep-launch from {_source(recipe)}",
         f"# overrides: {' '.join(recipe.overrides) if recipe.overrides else 'none'}",
         "# Edit the recipe (or pass --set key=value), not this file.",
         *_where_comments(recipe),
