@@ -101,8 +101,9 @@ class Measurement:
 
     @property
     def faster(self) -> str:
-        measured = self.failure is None and self.cuda_ms is not None and self.reference_ms is not None
-        return "cuda" if measured and self.cuda_ms < self.reference_ms else "reference"
+        if self.failure is not None or self.cuda_ms is None or self.reference_ms is None:
+            return "reference"
+        return "cuda" if self.cuda_ms < self.reference_ms else "reference"
 
     def times(self) -> str:
         """Both backends' times in one clause, or what there is of them."""

@@ -245,5 +245,6 @@ def _outcome(entry: evidence.Measurement) -> str:
     groups = f"EP groups of {plural(entry.nodes, 'node')} x {entry.ranks_per_node} ranks"
     if entry.failure is not None:
         return f"the calibration failed: {entry.failure}; auto takes reference for {groups} here"
-    return (f"{entry.times()} at {evidence.describe_shape(entry.shape)} on {entry.identity.device}; "
+    unavailable = f" ({entry.cuda_unavailable})" if entry.cuda_ms is None and entry.cuda_unavailable else ""
+    return (f"{entry.times()}{unavailable} at {evidence.describe_shape(entry.shape)} on {entry.identity.device}; "
             f"auto takes {entry.faster} for {groups} here")
