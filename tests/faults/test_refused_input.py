@@ -53,17 +53,19 @@ def test_every_rank_raises_the_refusal_at_once_and_the_next_call_works(pool, kin
 CUDA = Case(world_size=4, ranks_per_node=4, num_experts=8, hidden=256, tokens=(6, 5, 7, 3), topk=2, backend="cuda")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("ranks_per_node", [4, 2], ids=["one_node", "two_nodes"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_the_count_exchange_carries_a_refusal_to_every_rank(ranks_per_node, static):
+def test_the_count_exchange_carries_a_refusal_to_every_rank(ranks_per_node, static, device):
     """Virtual rank 2 refuses (its count row says so, no tokens): the read of every rank holds
-    it (a static size: the next call raises it); the call after that matches the oracle."""
+    it (a static size: the next call raises it); the call after that matches the oracle. The
+    kernels on the CPU model, and on a GPU where there is one."""
     case = dataclasses.replace(CUDA, ranks_per_node=ranks_per_node)
-    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1)
+    group = emulated_group_for(case, device, num_sms_dispatch=1, num_sms_combine=1)
     try:
         want = Expected.of(case)
-        xs = [i["x"] for i in want.inputs]
-        idx = [i["topk_idx"] for i in want.inputs]
+        xs = [i["x"].to(group.device) for i in want.inputs]
+        idx = [i["topk_idx"].to(group.device) for i in want.inputs]
         xs[2], idx[2] = xs[2][:0], idx[2][:0]  # the refusing rank's call: no tokens
         group.engine.host.set_refused(2, code_of("scales"))
         try:
