@@ -73,15 +73,20 @@ def ring_tag(call: int, chunk: int) -> int:
     return call << RING_TAG_CHUNK_BITS | (chunk + 1)
 
 
-@functools.lru_cache(maxsize=64)
-def _layouts(module, config: BufferConfig):
+def _shape(module, config: BufferConfig):
+    """csrc's BufferShape of `config`: what its layouts are built from."""
     shape = module.BufferShape()
     shape.world_size, shape.ranks_per_node = config.world_size, config.ranks_per_node
     shape.local_experts, shape.max_tokens = config.experts_per_rank, config.max_tokens_per_rank
     shape.hidden, shape.ring_chunks = config.hidden_dim, config.ring_chunks
     shape.scale_cols = config.hidden_dim // FP8_BLOCK if config.hidden_dim % FP8_BLOCK == 0 else 0
     shape.ring_elem_bytes = config.ring_dtype.itemsize
-    return module.buffer_layouts(shape)
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(module, config: BufferConfig):
+    return module.buffer_layouts(_shape(module, config))
 
 
 def buffer_layouts(config: BufferConfig, module=None):
@@ -110,6 +115,36 @@ def registered_regions(config: BufferConfig) -> list:
 def rdma_regions(config: BufferConfig) -> list:
     """The RDMA region's regions in order (name, offset, bytes, purpose); none for a single node."""
     return list(buffer_layouts(config).rdma_regions)
+
+
+# BufferShape's fields (csrc/bindings/buffer_layout.h) by the argument of BufferConfig that sets each.
+SHAPE_ARGUMENTS = {"world_size": "world_size", "ranks_per_node": "ranks_per_node",
+                   "local_experts": "num_experts / world_size", "max_tokens": "max_tokens_per_rank",
+                   "hidden": "hidden_dim", "ring_chunks": "ring_chunks", "scale_cols": "hidden_dim",
+                   "ring_elem_bytes": "ring_dtype"}
+
+
+def _fields(prefix: str, value) -> list[tuple[str, int]]:
+    """A bound csrc struct's fields in csrc's order (pybind11 keeps the order they were bound in),
+    a nested one's as prefix.field.sub."""
+    out = []
+    for name, attr in type(value).__dict__.items():
+        if not isinstance(attr, property):
+            continue
+        item = getattr(value, name)
+        out += [(f"{prefix}.{name}", item)] if isinstance(item, int) else _fields(f"{prefix}.{name}", item)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def layout_fields(config: BufferConfig) -> tuple[tuple[str, int], ...]:
+    """Every field that places a region of the registered buffer or of the RDMA region, as (name,
+    value) in csrc's order: what the layout is built from (shape.*, BufferShape), then every offset,
+    stride and ring of the registered layout (reg.*, RegLayout) and of the RDMA layout (rdma.*,
+    RdmaLayout). Ranks whose fields differ would write into each other's other regions."""
+    layouts = buffer_layouts(config)
+    return tuple(_fields("shape", _shape(compiled, config)) + _fields("reg", layouts.reg) +
+                 _fields("rdma", layouts.rdma))
 
 
 @dataclasses.dataclass(frozen=True)
