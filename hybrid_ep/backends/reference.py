@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..config import KernelConfig
 from ..handle import DispatchHandle
+from ..limits import check_group
 from ..memory import BufferSpec, MemoryPlan
 from ..routing import Routing, max_output_rows
 from ..rows import as_byte_rows as _as_bytes
@@ -49,6 +50,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
+        check_group(config.world_size, config.ranks_per_node, config.num_experts)  # every backend's limits
         transport = str(dist.get_backend(group)).lower()
         if "nccl" in transport and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())

@@ -5,8 +5,8 @@ between ranks (csrc/bindings/buffer_layout.h) and read here, with their regions,
 memory_plan() can say how much a buffer needs before anything is allocated; the info tensor's
 is planned here. The kernels receive these offsets (csrc/common/params.h: RegLayout,
 RdmaLayout, InfoLayout). The sizes of csrc's structs and its limits come from the compiled
-module (`compiled`: both builds export them, csrc/bindings/common.h); none is written here a
-second time.
+module (`compiled`, loaded by hybrid_ep.limits: both builds export them,
+csrc/bindings/common.h); none is written here a second time.
 
 Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 """
@@ -15,31 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 from ...config import FP8_BLOCK, BufferConfig
+from ...limits import MAX_DOMAIN_RANKS as MAX_DOMAIN_RANKS  # hybrid_ep.limits' limits, as the cuda backend reads them
+from ...limits import MAX_EXPERTS as MAX_EXPERTS
+from ...limits import MAX_NODES as MAX_NODES
+from ...limits import MAX_RANKS as MAX_RANKS
+from ...limits import MAX_TOPK as MAX_TOPK
+from ...limits import check_group, compiled
 from ...rows import check_hidden_dim
 
-
-def _compiled():
-    """hybrid_ep._model (built by every install, loads without a GPU), else hybrid_ep._C: both
-    bind csrc/common/params.h's constants and struct sizes under the same names."""
-    errors = []
-    for name in ("hybrid_ep._model", "hybrid_ep._C"):
-        try:
-            return importlib.import_module(name)
-        except ImportError as err:
-            errors.append(f"{name}: {err}")
-    raise ImportError("the cuda backend's buffer layout takes csrc's struct sizes from a compiled module, and "
-                      "neither is installed (" + "; ".join(errors) + ")")
-
-
-compiled = _compiled()
-MAX_TOPK: int = compiled.MAX_TOPK  # routes per token
-MAX_RANKS: int = compiled.MAX_RANKS  # ranks of an EP group
-MAX_DOMAIN_RANKS: int = compiled.MAX_DOMAIN_RANKS  # ranks of one node, an NVLink domain (ranks_per_node)
-MAX_NODES: int = compiled.MAX_NODES  # nodes of an EP group (world_size / ranks_per_node)
-MAX_EXPERTS: int = compiled.MAX_EXPERTS
 MAX_LAUNCH_RANKS: int = compiled.MAX_LAUNCH_RANKS  # virtual ranks one emulated launch holds
 LOCAL_STATE_BYTES: int = compiled.LOCAL_STATE_BYTES
 CHUNK_TOKENS: int = compiled.CHUNK_TOKENS  # tokens per chunk, the unit of signalling between ranks
@@ -187,20 +172,10 @@ def info_layout(config: BufferConfig) -> InfoLayout:
 
 
 def check_geometry(config: BufferConfig, inter_node: bool = False) -> None:
-    """Limits of the kernels, as errors that name the argument. inter_node: the caller has an
-    inter-node transport (the loopback of the emulation, or NVSHMEM)."""
-    if config.world_size > MAX_RANKS:
-        raise ValueError(f"world_size: the cuda backend supports EP groups of up to {MAX_RANKS} ranks, got "
-                         f"{config.world_size}")
-    if config.ranks_per_node > MAX_DOMAIN_RANKS:
-        raise ValueError(f"ranks_per_node must be <= {MAX_DOMAIN_RANKS} for the cuda backend (the ranks of one "
-                         f"NVLink domain, GB200 NVL72), got {config.ranks_per_node}")
-    if config.num_nodes > MAX_NODES:
-        raise ValueError(f"ranks_per_node={config.ranks_per_node} makes {config.num_nodes} nodes of the "
-                         f"{config.world_size} ranks; the cuda backend supports up to {MAX_NODES}: pass a larger "
-                         "ranks_per_node")
-    if config.num_experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts must be <= {MAX_EXPERTS} for the cuda backend, got {config.num_experts}")
+    """Limits of the kernels, as errors that name the argument: the group's (hybrid_ep.limits, every
+    backend's), and the cuda backend's own. inter_node: the caller has an inter-node transport (the
+    loopback of the emulation, or NVSHMEM)."""
+    check_group(config.world_size, config.ranks_per_node, config.num_experts)
     if config.num_nodes > 1 and not inter_node:
         raise ValueError(
             f"ranks_per_node={config.ranks_per_node} < world size {config.world_size} needs the cuda backend's "
