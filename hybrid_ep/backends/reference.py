@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..config import KernelConfig
 from ..dtypes import combine_dtype_for
 from ..handle import DispatchHandle
+from ..limits import check_group
 from ..memory import BufferSpec, MemoryPlan
 from ..refusals import InputRefused, code_of, refused_here
 from ..routing import Routing, max_output_rows
@@ -51,6 +52,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
+        check_group(config.world_size, config.ranks_per_node, config.num_experts)  # every backend's limits
         transport = str(dist.get_backend(group)).lower()
         if "nccl" in transport and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())

@@ -19,7 +19,7 @@ from . import agreement, launch, load_extension
 from .arena import call_bytes
 from .engine import Engine
 from .errors import RoutingError
-from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
+from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_regions
 from .nvshmem import heap_spec
 from .peer_memory import CHUNK, round_up
 from .peer_setup import agreement_failure, close_peer_memory, process_agreement
@@ -81,8 +81,7 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
-        self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
-                                                    config.ranks_per_node)
+        self._buffers = RegisteredBuffers.exchanged(ext, config, group, rank, self._device)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
         # One process per rank: the direct path's outputs in growable peer memory, every call's

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ...config import FP8_BLOCK, BufferConfig, time_left, timeout_seconds
+from ...limits import check_topk
 from ...routing import Routing
 from . import launch
 from .agreement import Agreement, expert_out_width, peer_bases
@@ -407,8 +408,7 @@ class Engine:
             idx = routing.topk_idx_TK
             T, K = idx.shape
             if K > MAX_TOPK:
-                raise ValueError(f"topk_idx has {K} routes per token on rank {r}; "
-                                 f"the cuda backend supports up to {MAX_TOPK}")
+                check_topk("topk_idx", K)  # normalize_routing checked it already: a Routing made elsewhere
             if x is not first and x.dtype != dtype:
                 raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
                                 f"one call moves one dtype")
