@@ -17,7 +17,7 @@ import torch
 from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
 
-pytestmark = pytest.mark.model
+pytestmark = pytest.mark.faults
 
 model = importlib.import_module("hybrid_ep._model")
 CALLS = 12  # per thread

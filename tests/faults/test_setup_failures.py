@@ -20,7 +20,7 @@ from hybrid_ep.backends.cuda.layout import layout_fields, registered_layout
 from hybrid_ep.backends.cuda.registered import check_same_layout
 from hybrid_ep.config import BufferConfig
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.faults
 
 CONFIG = BufferConfig(256, 64, 8, 4, 4).validate()  # 4 ranks, one node: each opens its 3 peers
 NBYTES = registered_layout(CONFIG).total

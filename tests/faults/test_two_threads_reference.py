@@ -2,13 +2,13 @@
 of its own (two groups of the same two ranks), each thread its own buffer, many calls each, every
 combine the oracle's. A group's collectives must come in the same order on every rank, so two
 buffers of one group are driven from one thread (docs/architecture.md, Threads);
-tests/model/test_threads_model.py shows the cuda backend's kernels on the CPU model."""
+tests/faults/test_two_threads_model.py shows the cuda backend's kernels on the CPU model."""
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.faults
 
 CALLS = 20
 
