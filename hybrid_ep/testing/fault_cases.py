@@ -11,9 +11,6 @@ it, a rank whose input is bad or that exits in the middle of a call.
 
 from __future__ import annotations
 
-import os
-import socket
-import struct
 import time
 
 import torch
@@ -95,36 +92,43 @@ def stalled_owner_on_rank(timeout_s: float) -> dict:
     return out | _leaks(fds, maps)
 
 
-def outsider_asks(token: str, owner: int, offset: int) -> dict:
-    """A process outside the job (same user, no key) that read the token, asking the owner's
-    server for a chunk as the channel's first version took requests (the offset alone), then
-    with a made-up proof: what it got (descriptors, bytes)."""
-    got = {"fds": 0, "bytes": 0}
-    address = f"\0hybrid_ep/{token}/{owner}".encode()
-    for request in (struct.pack("<q", offset), struct.pack("<qq16s32s", offset, 0, b"\1" * 16, b"\2" * 32)):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(2.0)
-            try:
-                sock.connect(address)
-                sock.sendall(request)
-                msg, fds, _, _ = socket.recv_fds(sock, 64, 4)
-            except OSError:
-                continue
-            got["fds"] += len(fds)
-            got["bytes"] += len(msg)
-            for fd in fds:
-                os.close(fd)
-    return got
+# A process outside the job (same user, no key, empty environment) that read the token, asking
+# the owner's server for a chunk as the channel's first version took requests (the offset alone),
+# then with a made-up proof; it prints what it got (descriptors, bytes). Plain Python: run it
+# with `python -c OUTSIDER TOKEN OWNER OFFSET`.
+OUTSIDER = """
+import json, os, socket, struct, sys
+token, owner, offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+got = {"fds": 0, "bytes": 0}
+address = f"\\0hybrid_ep/{token}/{owner}".encode()
+for request in (struct.pack("<q", offset), struct.pack("<qq16s32s", offset, 0, b"\\1" * 16, b"\\2" * 32)):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(address)
+            sock.sendall(request)
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 4)
+        except OSError:
+            continue
+        got["fds"] += len(fds)
+        got["bytes"] += len(msg)
+        for fd in fds:
+            os.close(fd)
+print(json.dumps(got))
+"""
 
 
-def token_on_this_host(rank: int) -> str | None:
-    """What any user of the host reads in /proc/net/unix: the token of a rank's chunk socket."""
+def tokens_on_this_host() -> set[tuple[str, int]]:
+    """What any user of the host reads in /proc/net/unix: (token, rank) of every chunk socket."""
+    found = set()
     with open("/proc/net/unix") as f:
         for line in f:
-            name = line.split()[-1] if len(line.split()) > 7 else ""
-            if name.startswith("@hybrid_ep/") and name.endswith(f"/{rank}"):
-                return name.split("/")[1]
-    return None
+            fields = line.split()
+            name = fields[-1] if len(fields) > 7 else ""
+            if name.startswith("@hybrid_ep/"):
+                _, token, rank = name.split("/")
+                found.add((token, int(rank)))
+    return found
 
 
 def _spoiled(argument: str, inputs: dict, case) -> dict:

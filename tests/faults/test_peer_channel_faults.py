@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import checkout_env
 from hybrid_ep.backends.cuda import load_extension
 from hybrid_ep.backends.cuda.chunk_channel import ChunkServer, JobKey, fetch_chunk, new_token
 from hybrid_ep.backends.cuda.fabric_channel import FabricBoard
 from hybrid_ep.backends.cuda.peer_memory import CHUNK, PeerViews
 from hybrid_ep.spawn import ProcessGroupPool
-from hybrid_ep.testing.fault_cases import silent_peers_on_rank, stalled_owner_on_rank
+from hybrid_ep.testing.fault_cases import OUTSIDER, silent_peers_on_rank, stalled_owner_on_rank
 
 pytestmark = pytest.mark.faults
 
@@ -93,13 +92,11 @@ def test_a_process_outside_the_job_gets_no_chunk():
     handle, fd = ext.peer_create(CHUNK, 0, False)
     server.publish(0, CHUNK, fd)
     try:
-        from hybrid_ep.testing.fault_cases import token_on_this_host
+        from hybrid_ep.testing.fault_cases import tokens_on_this_host
 
-        assert token_on_this_host(0) == token  # what any user reads
-        code = ("import json, sys; from hybrid_ep.testing.fault_cases import outsider_asks; "
-                f"print(json.dumps(outsider_asks({token!r}, 0, 0)))")
-        env = {k: v for k, v in checkout_env().items() if k in ("PYTHONPATH", "PATH")}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert (token, 0) in tokens_on_this_host()  # what any user reads
+        out = subprocess.run([sys.executable, "-c", OUTSIDER, token, "0", "0"], capture_output=True, text=True,
+                             env={}, timeout=60)
         assert out.returncode == 0, out.stderr
         import json
 
