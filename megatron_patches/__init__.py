@@ -1,4 +1,4 @@
-"""Megatron-Core integration of hybrid-ep: token dispatcher, flags, launcher, grouped-GEMM fix.
+"""Megatron-Core integration of hybrid-ep: the flex dispatcher's backend, flags, launcher, grouped-GEMM fix.
 
     import megatron_patches
     megatron_patches.apply()     # then moe_token_dispatcher_type="hybrid_ep" works
@@ -39,12 +39,12 @@ def apply(*, cpu_compat: bool | None = None) -> dict:
 
 
 def __getattr__(name):
-    # Lazy: the dispatcher module imports Megatron-Core.
-    if name == "HybridEPTokenDispatcher":
-        from .dispatcher import HybridEPTokenDispatcher
+    # Lazy: the manager module imports Megatron-Core.
+    if name == "HybridEPManager":
+        from .manager import HybridEPManager
 
-        return HybridEPTokenDispatcher
+        return HybridEPManager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["HybridEPOptions", "HybridEPTokenDispatcher", "apply", "extra_args_provider"]
+__all__ = ["HybridEPManager", "HybridEPOptions", "apply", "extra_args_provider"]

@@ -79,7 +79,7 @@ def slot_experts_kwargs(args: tuple, kwargs: dict, num_slots_per_rank: int) -> t
 
 def finish_moe_layer(layer) -> None:
     """After MoELayer.__init__: slot bookkeeping, placement buffers and their load checks."""
-    dispatcher = layer.token_dispatcher
+    dispatcher = layer.token_dispatcher._comm_manager
     table: SlotTable = dispatcher.slot_table
     layer.num_local_experts = dispatcher.num_local_experts
     layer.local_expert_indices = list(dispatcher.local_expert_indices)
@@ -215,7 +215,7 @@ def _resize_saved_stats(state_dict, prefix, module) -> None:
 
 
 def _placement_loaded(module, incompatible_keys):
-    table = module.token_dispatcher.slot_table
+    table = module.token_dispatcher._comm_manager.slot_table
     row = table.slot_to_expert_S.clone()
     balancer = getattr(module, _MARK, None)
     if bool((row < 0).all()):  # saved before a placement was installed: attach installs one
@@ -336,7 +336,7 @@ def attach(model_chunks, optimizer, *, options: HybridEPOptions | None = None, s
     from .options import options_for
 
     options = options or options_for(layers[0].config)
-    dispatchers = [layer.token_dispatcher for layer in layers]
+    dispatchers = [layer.token_dispatcher._comm_manager for layer in layers]  # HybridEPManager
     first = dispatchers[0]
     view = MegatronOptimizerView(optimizer) if optimizer is not None and hasattr(optimizer, "get_parameters") \
         else _torch_view(optimizer)

@@ -4,26 +4,36 @@ On the cuda backend's direct path with one process per GPU, a combine reads each
 host's expert_out through peer memory, so an expert_out that lies outside peer memory is
 first copied into the rank's expert-out block (Engine._into_expert_out_block).
 `HybridEPBuffer.expert_out_view(handle)` is an uninitialised [rows, H] tensor in that block,
-which the combine reads in place. Megatron's experts take no output buffer, but the
-production ones, TEGroupedMLP on Transformer Engine's GroupedLinear, allocate fc2's output
-in Python inside the GroupedLinear Function's forward,
-`out = torch.empty([sum(m_splits), N], dtype=activation_dtype, device=...)`, and the grouped
-GEMM writes into it. So while fc2's forward runs, `ExpertOutMode` (a TorchFunctionMode)
-answers the first `torch.empty` of exactly [rows, H] of the current dispatch, in the view's
-dtype and on its device, with the view; every other call passes through unchanged.
+which the combine reads in place. The experts are given that view to write into, by one of
+two paths, whichever the experts MoELayer built run on:
 
-`install_reason` says where it is installed, and why not elsewhere: only on TEGroupedMLP
-(not on TE's fused op-fuser path) whose fc2 allocates its output with torch.empty (not
-TorchGroupedLinear, which allocates inside torch._grouped_mm) and takes rows of another
+- Transformer Engine's op fuser (TEGroupedMLP with `_with_fused_impl`, Megatron-Core 0.19 and
+  main, TE 2.18 and later): Megatron's own seam. `MoELayer.routed_experts_compute` asks the
+  dispatcher for `get_expert_zero_copy_buffers()`; the flex dispatcher reads its manager's
+  `_zc_fwd_token_buf`, which `ExpertOutInPlace.output_buffer` answers with the view, and
+  TEGroupedMLP hands it to TE's fused ops as fc2's output buffer (`OUTPUT_BUFFER_KEY`; TE checks
+  its shape, dtype, device and contiguity). The fp8 input hand-off (te_grouped_rows) runs alike.
+- TE's GroupedLinear module (TEGroupedMLP without the op fuser): Megatron's wrapper calls TE's
+  forward as `(x, m_splits)` only (0.19.x and main), so TE's own `out=` (TE 2.18 on) cannot be
+  reached without replacing Megatron's function; TE allocates fc2's output in Python inside the
+  GroupedLinear Function's forward, `out = torch.empty([sum(m_splits), N], dtype=activation_dtype,
+  device=...)`, and the grouped GEMM writes into it. So while fc2's forward runs, `ExpertOutMode`
+  (a TorchFunctionMode) answers the first `torch.empty` of exactly [rows, H] of the current
+  dispatch, in the view's dtype and on its device, with the view; every other call passes
+  through unchanged.
+
+`install_reason` says where it is installed, and why not elsewhere: on the op fuser where TE
+takes an output buffer; on the module path only where fc2 allocates its output with torch.empty
+(not TorchGroupedLinear, which allocates inside torch._grouped_mm) and takes rows of another
 width than it returns (so no input-side tensor has the output's shape), without fc2 bias
-(added into a new tensor) and outside the EP-overlap schedule (other calls on the buffer run
+(added into a new tensor); never under the EP-overlap schedule (other calls on the buffer run
 between a layer's experts and its combine). Per forward (`ExpertOutInPlace`), the view is
 handed out only when the dispatch took the direct path, no other call ran on the buffer since,
-zero_token_safe is not running the experts on padded kernel rows (its output is then a new
-tensor: grouped_gemm.KERNEL_ROWS) and the view lies in peer memory
-(`HybridEPBuffer.is_in_peer_memory`): the receive path, the reference backend and ranks in one
-process get no view, and nothing is intercepted there. A view handed out whose tensor is
-not what reaches token_combine, or a call on the buffer in between, raises a RuntimeError
+no CUDA graph is being captured, zero_token_safe is not running the experts on padded kernel
+rows (its output is then a new tensor: grouped_gemm.KERNEL_ROWS) and the view lies in peer
+memory (`HybridEPBuffer.is_in_peer_memory`): the receive path, the reference backend and ranks
+in one process get no view, and nothing is intercepted there. A view handed out whose tensor is
+not what reaches the combine, or a call on the buffer in between, raises a RuntimeError
 (`check_combine`) rather than let the combine copy over a tensor still in use.
 
 The backward still copies: the dispatched rows' gradient and the routing weights' gradient
@@ -121,8 +131,12 @@ def install_reason(experts, config, options) -> str | None:
 
     if not isinstance(experts, getattr(experts_module, "TEGroupedMLP", ())):
         return f"{type(experts).__name__}: its output is not one projection's"
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return "the EP-overlap schedule runs other calls on the buffer between the experts and the combine"
     if getattr(experts, "_with_fused_impl", False):
-        return "TEGroupedMLP on Transformer Engine's op fuser (fc1, activation and fc2 in one op)"
+        if getattr(experts_module, "OUTPUT_BUFFER_KEY", None) is None:
+            return "Transformer Engine's op fuser takes an output buffer from TE 2.18 on"
+        return None
     fc2 = getattr(experts, "linear_fc2", None)
     if fc2 is None:
         return "no linear_fc2"
@@ -133,8 +147,6 @@ def install_reason(experts, config, options) -> str | None:
     in_f, out_f = _features(fc2)
     if in_f is None or in_f == out_f:
         return f"fc2 takes rows of its output's width ({in_f})"
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        return "the EP-overlap schedule runs other calls on the buffer between the experts and the combine"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         skip = getattr(experts_module, "skip_routed_expert_padding", None)
         if skip is None or not skip(config):
@@ -155,12 +167,22 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _fused_output_dtype(experts, device: torch.device) -> torch.dtype:
+    """The dtype TE's op fuser gives fc2's output: the autocast dtype where autocast is on, else
+    its weights' (ops/basic/grouped_linear.py)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    fc2 = experts.linear_fc2
+    return (fc2.weight if getattr(fc2, "single_grouped_weight", False) else fc2.weight0).dtype
+
+
 class ExpertOutInPlace:
-    """The in-place path of one dispatcher's experts: hooks around fc2's forward that enter an
-    ExpertOutMode for the current dispatch (pre-hook) and leave it (forward hook, also when the
-    forward raises), and the check token_combine makes. `views`: forwards whose output was
-    handed the view; `unmatched`: forwards whose fc2 made no matching torch.empty (the first
-    one logs a warning)."""
+    """The in-place path of one dispatcher's experts: on the op fuser, `output_buffer` (what the
+    manager gives Megatron as the experts' output_buffer); on the module path, hooks around
+    fc2's forward that enter an ExpertOutMode for the current dispatch (pre-hook) and leave it
+    (forward hook, also when the forward raises); on both, the check the combine makes. `views`:
+    forwards whose output was handed the view; `unmatched`: module-path forwards whose fc2 made
+    no matching torch.empty (the first one logs a warning)."""
 
     def __init__(self, dispatcher, experts):
         self._dispatcher = weakref.ref(dispatcher)
@@ -170,9 +192,10 @@ class ExpertOutInPlace:
         self._handed_for = None  # the forward dispatch's CallRecord it belongs to
         self.views = 0
         self.unmatched = 0  # forwards on the direct path whose fc2 made no matching torch.empty
+        self.fused = bool(getattr(experts, "_with_fused_impl", False))
         fc2 = experts.linear_fc2
-        self._hooks = [fc2.register_forward_pre_hook(self._enter),
-                       fc2.register_forward_hook(self._exit, always_call=True)]
+        self._hooks = [] if self.fused else [fc2.register_forward_pre_hook(self._enter),
+                                             fc2.register_forward_hook(self._exit, always_call=True)]
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -183,20 +206,44 @@ class ExpertOutInPlace:
         """A new dispatch: nothing handed out for it yet."""
         self.handed_out = self._handed_for = None
 
+    def _direct_call(self):
+        """(dispatcher, experts, handle, buffer) of the current forward dispatch where a view can
+        be handed out for it (module docstring), else None."""
+        dispatcher, experts = self._dispatcher(), self._experts()
+        if dispatcher is None or experts is None or getattr(experts, KERNEL_ROWS, False):
+            return None
+        handle, buf = dispatcher.handle, dispatcher._handle_buffer
+        if handle is None or buf is None or handle.data_path != "direct" or _capturing(buf.device):
+            return None
+        if buf.last_call is not dispatcher.last_dispatch_call:
+            return None  # another call on the buffer since this layer's dispatch
+        return dispatcher, experts, handle, buf
+
+    def output_buffer(self) -> torch.Tensor | None:
+        """The op fuser's path: the view fc2's output goes to for the current dispatch (detached,
+        as Megatron's flex dispatcher hands its buffers on), or None; asked once per forward,
+        by MoELayer through get_expert_zero_copy_buffers."""
+        self.forget()
+        call = self._direct_call() if self.fused else None
+        if call is None:
+            return None
+        dispatcher, experts, handle, buf = call
+        view = buf.expert_out_view(handle, dtype=_fused_output_dtype(experts, buf.device))
+        if not buf.is_in_peer_memory(view):
+            return None
+        self.handed_out, self._handed_for = view, dispatcher.last_dispatch_call
+        self.views += 1
+        return view.detach()
+
     def _enter(self, module, args) -> None:
         if self._mode is not None:
             return  # re-entered: the outer forward holds the mode
         self.forget()
-        dispatcher, experts = self._dispatcher(), self._experts()
-        if dispatcher is None or experts is None or getattr(experts, KERNEL_ROWS, False):
+        call = self._direct_call()
+        if call is None or not args or not isinstance(args[0], torch.Tensor):
             return
-        handle, buf = dispatcher.handle, dispatcher._handle_buffer
-        if handle is None or buf is None or handle.data_path != "direct" or not args \
-                or not isinstance(args[0], torch.Tensor) or _capturing(buf.device):
-            return
+        dispatcher, _, handle, buf = call
         record = dispatcher.last_dispatch_call
-        if buf.last_call is not record:
-            return  # another call on the buffer since this layer's dispatch
         dtype = _output_dtype(args[0])
 
         def take():

@@ -11,21 +11,18 @@ aux-loss inputs, which come from the routing map, see only real tokens):
 | --- | --- | --- |
 | SequentialMLP | any | none (one GEMM per expert; it pads fp8/fp4 rows per expert itself) |
 | TEGroupedMLP | fp32 / bf16 / fp16 | none (no alignment needed; empty groups: the grouped-GEMM fix) |
-| TEGroupedMLP | fp8 / mxfp8 / fp4 | to the quantization alignment (16 / 32 / 128; 256 with TE's op fuser) [1] |
+| TEGroupedMLP | fp8 / mxfp8 / fp4 | to the quantization alignment (16 / 32 / 128) [1] |
+| TEGroupedMLP on Transformer Engine's op fuser | any | 256, the op fuser's group alignment [1] |
 | TEGroupedMLP on TorchGroupedLinear | any | none (torch._grouped_mm aligns inside `grouped_mm`) |
 
-[1] the module's own padding copy is then skipped.
+[1] the module's own padding copy is then skipped: Megatron's `skip_routed_expert_padding`
+says so for the flex dispatcher's `hybridep` backend, which hybrid_ep runs as.
 
 `--hybrid-ep-pad-multiple` (user padding) and drop-and-pad (`moe_pad_expert_input_to_capacity`)
 come on top; see docs/megatron.md for what Megatron receives in each case.
 """
 
 from __future__ import annotations
-
-import functools
-
-DISPATCHER_TYPE = "hybrid_ep"
-_MARK = "_hybrid_ep_patched"
 
 
 def quantized(config) -> bool:
@@ -62,30 +59,11 @@ def pad_multiple_for(experts, config) -> tuple[int, str]:
     if isinstance(experts, getattr(experts_module, "SequentialMLP", ())):
         return 1, "SequentialMLP: one GEMM per expert, pads quantized rows itself"
     if isinstance(experts, te_grouped) and not _is_torch_grouped(experts):
+        if getattr(experts, "_with_fused_impl", False):
+            from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+            return int(get_align_size_for_quantization(config)), "TEGroupedMLP on Transformer Engine's op fuser"
         if quantized(config):
             return quantization_alignment(config), "TEGroupedMLP with quantized GEMMs"
         return 1, "TEGroupedMLP in fp32/bf16/fp16: no row alignment needed"
     return 1, f"{type(experts).__name__}: no padding needed"
-
-
-def dispatcher_pads_for_quantization(config) -> bool:
-    """Whether hybrid_ep already aligned a TEGroupedMLP's rows (so the module skips its copy)."""
-    return getattr(config, "moe_token_dispatcher_type", None) == DISPATCHER_TYPE and quantized(config)
-
-
-def install() -> bool:
-    """TEGroupedMLP skips its own quantization padding when hybrid_ep already padded the rows
-    (as Megatron does for its flex/hybridep dispatcher). Idempotent; False if already done."""
-    from megatron.core.transformer.moe import experts
-
-    original = getattr(experts, "skip_routed_expert_padding", None)
-    if original is None or getattr(original, _MARK, False):
-        return False
-
-    @functools.wraps(original)
-    def skip_routed_expert_padding(config):
-        return dispatcher_pads_for_quantization(config) or original(config)
-
-    setattr(skip_routed_expert_padding, _MARK, True)
-    experts.skip_routed_expert_padding = skip_routed_expert_padding
-    return True

@@ -155,7 +155,7 @@ def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int,
                                      "output_bytes": steps[shape, name][-1]["output_bytes"],
                                      "first_step_peak_bytes": first[shape, name]["peak_bytes"]}
         if name == "hybrid_ep":
-            plan = args[0].token_dispatcher._buffer.memory_plan()
+            plan = args[0].token_dispatcher._comm_manager._buffer.memory_plan()
             memory[shape] = {"held_bytes": plan.held_bytes, "held_by_region": plan.held_by_region()}
     # Same weights, inputs and routing: the two layers must give the same output.
     diffs = torch.tensor([_output(runs[s, "hybrid_ep"]).sub(_output(runs[s, "alltoall"])).abs().max().item()
@@ -172,7 +172,7 @@ def time_rank(shapes: list[str], repeats: int, warmup: int, ranks_per_node: int,
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
     cpu /= world
-    backend = runs[shapes[0], "hybrid_ep"][0].token_dispatcher._buffer.backend
+    backend = runs[shapes[0], "hybrid_ep"][0].token_dispatcher._comm_manager._buffer.backend
     return {"backend": backend, "max_abs_diff": dict(zip(shapes, diffs.tolist())),
             "samples": {f"{s}/{n}": slowest[i].tolist() for i, (s, n) in enumerate(keys)},
             "cpu_samples": {f"{s}/{n}": cpu[i].tolist() for i, (s, n) in enumerate(keys)}, "memory": memory}

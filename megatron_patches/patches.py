@@ -1,8 +1,10 @@
 """Every Megatron function megatron_patches replaces, why, and the releases each was checked on.
 
-Megatron-Core has no registry of token dispatchers and few hooks around what a dispatcher
-changes (config validation, the EP-overlap schedule, the grouped experts, Megatron-LM's
-training loop), so the integration wraps a few of its functions. A wrapper that silently
+hybrid_ep runs as a backend of Megatron-Core's flex token dispatcher (megatron_patches.manager,
+megatron_patches.selection), so Megatron's own code answers for it in validation, the
+EP-overlap schedule and the experts' padding; what has no extension point (the name the flex
+dispatcher builds its backend by, validation of the name, the grouped experts, Megatron-LM's
+training loop) the integration wraps. A wrapper that silently
 stops matching a new release is how such an integration breaks, so each one is listed here,
 once: `apply()` installs the ones marked `apply()` by walking PATCHES, docs/megatron.md's
 patch table is `markdown_table()` (a test compares the two), and each target's signature,
@@ -46,7 +48,8 @@ class Patch:
     whose result apply() returns under `key`), LAUNCHER (python -m megatron_patches.pretrain_gpt,
     while pretrain_gpt.py runs), CPU_COMPAT (only when the CPU stand-ins are asked for), or
     the patch that installs it on each object it builds. body: the wrapper relies on what the
-    function does inside, not only on its signature, so its source is fingerprinted too.
+    function does inside, not only on its signature, so its source is fingerprinted too; that of
+    `body_of` where what it relies on is another function's (a replaced name: its caller).
     """
 
     target: str
@@ -57,6 +60,7 @@ class Patch:
     installer: str | None = None
     key: str | None = None
     body: bool = False
+    body_of: str | None = None
 
     @property
     def module(self) -> str:
@@ -74,20 +78,31 @@ PATCHES = (
     Patch(
         target=f"{_MOE_LAYER}:MoELayer.__init__",
         replacement="selection.py",
-        does="type `hybrid_ep`: runs the original with the type shown as `alltoall` and the module's "
-             "`MoEAlltoAllTokenDispatcher` bound to `HybridEPTokenDispatcher`, then tells it the experts built; "
-             "every type: experts built under generators of their own (`expert_init.py`), balancer slots",
-        reason="MoELayer picks its dispatcher with a fixed if/elif on the type string and raises for any "
-               "other; Megatron-Core has no dispatcher registry",
+        does="type `hybrid_ep`: turns the config into the flex dispatcher with hybrid_ep's `hybridep` backend, "
+             "runs the original with `_HybridEPManager` bound to `HybridEPManager` (next row), then gives the "
+             "manager the experts built; every type: experts built under generators of their own "
+             "(`expert_init.py`), balancer slots",
+        reason="the layer's config must say `flex` before Megatron reads it at run time; the experts are built "
+               "after the dispatcher, and MoELayer has no hook between",
         installer="selection:patch_moe_layer", key="moe_layer", body=True,
+    ),
+    Patch(
+        target="megatron.core.transformer.moe.token_dispatcher:_HybridEPManager",
+        replacement="manager.py",
+        does="while the `MoELayer.__init__` patch builds a hybrid_ep layer: the flex dispatcher's `hybridep` "
+             "backend is `HybridEPManager` (the same constructor keywords), not DeepEP's",
+        reason="`MoEFlexTokenDispatcher` builds its manager with a fixed if/elif on the backend name "
+               "(deepep, hybridep, ncclep) and validation accepts no other; Megatron-Core has no backend registry",
+        installed_by="the `MoELayer.__init__` patch, while it builds a hybrid_ep layer", body=True,
+        body_of="megatron.core.transformer.moe.token_dispatcher:MoEFlexTokenDispatcher",
     ),
     Patch(
         target="megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
         replacement="selection.py",
-        does="type `hybrid_ep`: validates with the type shown as `alltoall` and "
-             "`moe_expert_rank_capacity_factor` hidden (restored after); refuses `moe_paged_stash`",
-        reason="validation accepts the EP overlap, shared-expert overlap and the rank capacity factor only "
-               "for dispatcher types it names; a dispatcher cannot declare what it supports",
+        does="type `hybrid_ep`: validates as `flex` with backend `hybridep` and `moe_expert_rank_capacity_factor` "
+             "hidden (all restored after); refuses `moe_paged_stash`",
+        reason="validation knows only its own type names, and asks for Transformer Engine's op fuser with the "
+               "rank capacity factor and `hybridep`, which hybrid_ep does not need",
         installer="selection:patch_config_validation", key="config_validation", body=True,
     ),
     Patch(
@@ -97,23 +112,6 @@ PATCHES = (
              "seeds the experts)",
         reason="MoELayer gets its layer number only after its experts are built; no hook runs in between",
         installer="expert_init:install_layer_context", key="expert_init", body=True,
-    ),
-    Patch(
-        target="megatron.core.models.common.utils:should_free_input",
-        replacement="overlap.py",
-        does="type `hybrid_ep`: frees the node inputs the EP-overlap schedule frees for Megatron's hybridep "
-             "backend (`moe_combine`'s; `mlp`'s only with fp8/fp4), never `moe_dispatch`'s",
-        reason="the schedule decides from the dispatcher type which inputs to free and frees, for an "
-               "unknown type, tensors hybrid_ep's backward still needs",
-        installer="overlap:install", key="ep_overlap_schedule", body=True,
-    ),
-    Patch(
-        target="megatron.core.transformer.moe.experts:skip_routed_expert_padding",
-        replacement="expert_rows.py",
-        does="type `hybrid_ep` with fp8/fp4: true (the dispatcher already aligned the rows), so "
-             "`TEGroupedMLP` skips its padding copy",
-        reason="the answer is hard-coded for the router's padding and the flex dispatcher's backends",
-        installer="expert_rows:install", key="expert_padding",
     ),
     Patch(
         target="megatron.core.transformer.moe.experts:TEGroupedMLP.forward",
@@ -241,10 +239,9 @@ def by_target() -> dict[str, Patch]:
 def _installers() -> dict[str, object]:
     """The modules whose functions install the patches apply() makes (imported here, so that the
     import graph shows what apply() depends on)."""
-    from . import balancer, expert_init, expert_rows, grouped_gemm, overlap, selection
+    from . import balancer, expert_init, grouped_gemm, selection
 
-    return {"balancer": balancer, "expert_init": expert_init, "expert_rows": expert_rows,
-            "grouped_gemm": grouped_gemm, "overlap": overlap, "selection": selection}
+    return {"balancer": balancer, "expert_init": expert_init, "grouped_gemm": grouped_gemm, "selection": selection}
 
 
 def install() -> dict[str, object]:
@@ -306,7 +303,8 @@ def fingerprint(patch: Patch) -> tuple[str, str | None]:
     signature = signature_of(fn)
     if not patch.body:
         return signature, None
-    return signature, hashlib.sha256(normalized_source(fn).encode()).hexdigest()[:16]
+    body = fn if patch.body_of is None else _original(resolve(patch.body_of))
+    return signature, hashlib.sha256(normalized_source(body).encode()).hexdigest()[:16]
 
 
 def installed_version() -> str:
@@ -354,8 +352,9 @@ def check(version: str | None = None, record: dict | None = None) -> list[str]:
             problems.append(f"{patch.target}: signature is now {signature}, the patch was written for "
                             f"{want_signature} ({patch.replacement})")
         if source != want_source:
+            inside = "it does" if patch.body_of is None else f"{patch.body_of} does"
             problems.append(f"{patch.target}: source changed (hash {source}, recorded {want_source}); the patch "
-                            f"in {patch.replacement} relies on what it does inside")
+                            f"in {patch.replacement} relies on what {inside} inside")
     for target in sorted(set(expected) - set(by_target())):
         problems.append(f"{target}: recorded for Megatron-Core {version} but no longer listed in PATCHES")
     return problems
@@ -448,7 +447,8 @@ def markdown_table() -> str:
             "| --- | --- | --- | --- | --- | --- |"]
     for p in PATCHES:
         versions = ", ".join(tested_versions(p.target)) or "not yet"
-        suffix = " (signature + source)" if p.body else " (signature)"
+        source = "source" if p.body_of is None else f"`{p.body_of.split(':')[1]}`'s source"
+        suffix = f" (signature + {source})" if p.body else " (signature)"
         rows.append(f"| `{p.qualname}` (`{p.module}`) | `{p.replacement}` | {_cell(p.does)} | {_cell(p.reason)} | "
                     f"{p.installed_by} | {versions}{suffix} |")
     return "\n".join(rows)

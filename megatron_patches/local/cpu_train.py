@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"cpu_train: GPTModel {plural(args.num_layers, 'layer')}, hidden {args.hidden_size}, "
               f"{plural(args.num_experts, 'expert')} top-{args.moe_router_topk}, dispatcher "
-              f"{config.moe_token_dispatcher_type}, world {world} (DP {dp}; experts: EP "
+              f"{args.moe_token_dispatcher_type}, world {world} (DP {dp}; experts: EP "
               f"{parallel_state.get_expert_model_parallel_world_size()} x ETP "
               f"{parallel_state.get_expert_tensor_parallel_world_size()} x EDP "
               f"{parallel_state.get_expert_data_parallel_world_size()}), "

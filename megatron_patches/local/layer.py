@@ -36,7 +36,8 @@ class LayerCase:
     seed: int = 1234
     # "sequential": SequentialMLP; "grouped": TEGroupedMLP on TorchGroupedLinear (output allocated
     # in torch._grouped_mm); "te_like": TEGroupedMLP on testing.te_like.PythonAllocatedGroupedLinear
-    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear)
+    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear); "te_op_fuser":
+    # TEGroupedMLP on Transformer Engine stood in (testing.te_stand_in, inside its installed())
     experts: str = "sequential"
 
     @property
@@ -90,14 +91,28 @@ def moe_config(case: LayerCase):
     return config
 
 
+def _op_fuser_fields() -> dict:
+    """Config fields of experts on Transformer Engine's op fuser: TEGroupedMLP with the weighted
+    squared ReLU Megatron fuses (fc1 [F, H] as the other experts, so the seeded weights load)."""
+    from megatron.core.activations import squared_relu
+
+    return dict(use_transformer_engine_op_fuser=True, moe_grouped_gemm=True, gated_linear_unit=False,
+                activation_func=squared_relu, use_fused_weighted_squared_relu=True,
+                moe_use_grouped_tensor=True)  # Megatron-Core main's op fuser requires it (0.19.x has no field)
+
+
 def build_moe_layer(case: LayerCase, **config_overrides):
-    """The case's MoELayer (weights as Megatron initialises them); config_overrides are set after validation."""
+    """The case's MoELayer (weights as Megatron initialises them); config_overrides are set after
+    validation (experts "te_op_fuser": on top of the op fuser's fields, inside the TE stand-in's
+    installed())."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     spec = _with_experts(get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False),
                          case.experts)
     config = moe_config(case)
+    if case.experts == "te_op_fuser":
+        config_overrides = {**_op_fuser_fields(), **config_overrides}
     for name, value in config_overrides.items():
         setattr(config, name, value)
     if hasattr(spec, "submodules"):  # a ModuleSpec (Megatron-Core <= 0.16)
@@ -113,8 +128,10 @@ def _with_experts(spec, experts: str):
 
     from ..grouped_gemm import torch_grouped_mlp_submodules
     from ..testing.te_like import te_like_grouped_mlp_submodules
+    from ..testing.te_stand_in import grouped_mlp_submodules
 
-    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules}
+    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules,
+               "te_op_fuser": grouped_mlp_submodules}
     if experts not in linears:
         raise ValueError(f"LayerCase.experts must be 'sequential' or one of {sorted(linears)}, got {experts!r}")
     if not isinstance(spec, functools.partial):

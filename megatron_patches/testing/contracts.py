@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from .moe_layer import dispatcher_of
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -147,8 +149,8 @@ def dropless(case: ContractCase) -> dict:
     restored = _unpermute(layer.token_dispatcher, rows) / case.etp
     torch.autograd.backward(restored, x)
     return {"x": x.detach(), "restored": restored.detach(), "grad": x.grad, "rows": rows.shape[0],
-            "tokens_per_expert": counts, "dispatcher": type(layer.token_dispatcher).__name__,
-            "pad_multiple": getattr(layer.token_dispatcher, "pad_multiple", None),
+            "tokens_per_expert": counts, "dispatcher": type(dispatcher_of(layer)).__name__,
+            "pad_multiple": getattr(dispatcher_of(layer), "pad_multiple", None),
             "experts": type(layer.experts).__name__}
 
 

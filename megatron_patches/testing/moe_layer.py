@@ -68,6 +68,24 @@ def dense_moe_layer(case: LayerCase) -> list[dict]:
     return results
 
 
+def experts_installed(case: LayerCase):
+    """What the case's experts need around building and running them: Transformer Engine stood
+    in (te_stand_in) for experts on its op fuser, else nothing."""
+    import contextlib
+
+    if case.experts != "te_op_fuser":
+        return contextlib.nullcontext()
+    from .te_stand_in import installed
+
+    return installed()
+
+
+def dispatcher_of(layer):
+    """What dispatches a MoELayer's tokens: hybrid_ep's manager under Megatron's flex dispatcher,
+    else the layer's token dispatcher."""
+    return getattr(layer.token_dispatcher, "_comm_manager", layer.token_dispatcher)
+
+
 def _expert_out_copies(buf) -> dict:
     engine = getattr(getattr(buf, "_backend", None), "_engine", None)
     if engine is None or engine.peer is None:
@@ -94,8 +112,16 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
 
     init_megatron(case.world_size)
     BUFFERS.clear()  # sized from this run's first call, as a fresh job would
+    with experts_installed(case):
+        return _run_calls(case, seqs, seeded_layer(case, dist.get_rank(), config_overrides))
+
+
+def _run_calls(case: LayerCase, seqs: list[list[int]], layer) -> list[dict]:
+    import torch.distributed as dist
+
+    from ..buffers import BUFFERS
+
     rank = dist.get_rank()
-    layer = seeded_layer(case, rank, config_overrides)
     results = []
     for c, seq in enumerate(seqs):
         g = torch.Generator().manual_seed(case.seed + 1000 * c + rank)
@@ -108,8 +134,8 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
         except Exception as err:  # reported to the test, which compares the ranks' messages
             results.append({"error": f"{type(err).__name__}: {err}"})
             break
-        buf = getattr(layer.token_dispatcher, "_buffer", None)
-        record = getattr(layer.token_dispatcher, "last_dispatch_call", None)
+        buf = getattr(dispatcher_of(layer), "_buffer", None)
+        record = getattr(dispatcher_of(layer), "last_dispatch_call", None)
         results.append({
             "out": out.detach(), "grad_x": x.grad, "grad_router": layer.router.weight.grad.clone(),
             "buffers": len(BUFFERS), "buffer_tokens": None if buf is None else buf.config.max_tokens_per_rank,
@@ -121,7 +147,7 @@ def run_moe_layer_calls(case: LayerCase, seqs: list[list[int]], config_overrides
             # far, and the block's bytes
             **_expert_out_copies(buf),
             # forwards whose fc2 wrote its output into the expert-out block (None: not installed)
-            "expert_out_views": _expert_out_views(layer.token_dispatcher),
+            "expert_out_views": _expert_out_views(dispatcher_of(layer)),
             "rows": None if record is None else record.handle.num_rows,
         })
     return results
@@ -169,7 +195,7 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, qu
     with the layer before its forward.
 
     Returns this rank's out, grad_x, grad_router, grad_fc1 [L, F, H], grad_fc2 [L, H, F]
-    (float32), the dispatcher's class name and its routed-per-expert counts.
+    (float32), the dispatcher's class name (dispatcher_of) and its routed-per-expert counts.
     """
     import torch.distributed as dist
 
@@ -189,7 +215,7 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, qu
     out, _ = layer(x)
     hook.remove()
     (out * grad_out[rank].float()).sum().backward()
-    dispatcher = layer.token_dispatcher
+    dispatcher = dispatcher_of(layer)
     routed = getattr(dispatcher, "last_routed_per_expert", None)
     return {
         "dispatcher": type(dispatcher).__name__,
@@ -201,16 +227,16 @@ def run_moe_layer_case(case: LayerCase, config_overrides: dict | None = None, qu
         "routed_per_expert": None if routed is None else routed.clone(),
         # what a CUDA graph of moe_preprocess would return for the dispatcher (Megatron keeps
         # the names that resolve to tensors)
-        "cudagraph_tensors": [name for name in dispatcher.cudagraph_attrs
+        "cudagraph_tensors": [name for name in layer.token_dispatcher.cudagraph_attrs
                               if isinstance(functools.reduce(lambda o, a: getattr(o, a, None), name.split("."),
-                                                             dispatcher), torch.Tensor)],
+                                                             layer.token_dispatcher), torch.Tensor)],
         # The router's map per expert, and its routes of nonzero weight (real tokens).
         "router_map_per_expert": router_out["map"].sum(dim=0),
         "router_weighted_per_expert": (router_out["map"] & (router_out["probs"] != 0)).sum(dim=0),
         "pad_multiple": getattr(dispatcher, "pad_multiple", None),
         "static_size_factor": getattr(dispatcher, "static_size_factor", None),
-        "over_budget": None if getattr(dispatcher, "check_over_budget", lambda: None)() is None
-        else bool(dispatcher.check_over_budget()),
+        "over_budget": None if getattr(layer.token_dispatcher, "check_over_budget", lambda: None)() is None
+        else bool(layer.token_dispatcher.check_over_budget()),
         "rows": None if getattr(dispatcher, "last_dispatch_call", None) is None
         else dispatcher.last_dispatch_call.handle.num_rows,
     }
@@ -224,4 +250,4 @@ def try_build_moe_layer(case: LayerCase, config_overrides: dict) -> str:
         layer = build_moe_layer(case, **config_overrides)
     except Exception as err:  # reported to the test, which checks the type and message
         return f"{type(err).__name__}: {err}"
-    return type(layer.token_dispatcher).__name__
+    return type(dispatcher_of(layer)).__name__

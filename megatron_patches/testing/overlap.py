@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from .moe_layer import dispatcher_of
+
 VOCAB = 64
 
 
@@ -140,7 +142,7 @@ def train_step(case: GPTCase) -> dict:
     )
     model = chunks[0]
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    token_dispatcher = getattr(model, "module", model).decoder.layers[0].mlp.token_dispatcher
+    layer = getattr(model, "module", model).decoder.layers[0].mlp
     return {"losses": [float(x["lm loss"]) for x in losses], "grads": grads,
-            "dispatcher": type(token_dispatcher).__name__, "schedule_plans": _SCHEDULE_PLANS[0],
-            "cudagraph_attrs": list(token_dispatcher.cudagraph_attrs)}
+            "dispatcher": type(dispatcher_of(layer)).__name__, "schedule_plans": _SCHEDULE_PLANS[0],
+            "cudagraph_attrs": list(layer.token_dispatcher.cudagraph_attrs)}

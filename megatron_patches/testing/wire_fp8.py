@@ -30,15 +30,45 @@ def _buffer(case: Case):
                           pad_multiple=cfg.pad_multiple, min_rows_per_expert=cfg.min_rows_per_expert)
 
 
+class _FromGrouped(torch.autograd.Function):
+    """The rows a GroupedTensor holds, as the experts compute on them; their gradient leaves as a
+    plain tensor (what Transformer Engine's op fuser does with fc1's input)."""
+
+    @staticmethod
+    def forward(ctx, grouped):
+        return grouped.rows()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GradFromGrouped(torch.autograd.Function):
+    """y as it is; a GroupedTensor gradient arriving for it is read back as rows and counted
+    (what TE's op fuser does with fc2's output gradient)."""
+
+    @staticmethod
+    def forward(ctx, y, seen):
+        ctx.seen = seen
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if hasattr(grad, "rows"):
+            ctx.seen.append(grad)
+            grad = grad.rows()
+        return grad, None
+
+
 def wire_on_rank(case: Case, inputs: dict, grad_rows: torch.Tensor, grad_probs: torch.Tensor,
                  grad_y: torch.Tensor, grouped: bool = False) -> dict:
     """Runs on one rank: the fp8 path and, for the gradients, the same calls in bf16.
     grouped: the rows and the combine's backward handed on as TE's GroupedTensor
-    (te_grouped_rows, TE stood in), read back as rows."""
+    (te_grouped_rows; TE stood in by te_stand_in), read back as rows."""
     import hybrid_ep as hep
 
     from .. import te_grouped_rows, wire_fp8
-    from . import te_grouped_stand_in
+    from . import te_stand_in
 
     buf = _buffer(case)
     quantizer = wire_fp8.QUANTIZERS[case.scale_format](use_te=False)
@@ -48,14 +78,15 @@ def wire_on_rank(case: Case, inputs: dict, grad_rows: torch.Tensor, grad_probs: 
     res = wire_fp8.send(buf, x, quantizer, topk_weights=w, **routed)
     as_rows = wire_fp8.dequantized
     if grouped:
-        as_rows = te_grouped_rows.GroupedRows(res.tokens_per_expert, te_grouped_stand_in.api())
+        with te_stand_in.installed(megatron=False):
+            as_rows = te_grouped_rows.GroupedRows(res.tokens_per_expert, te_grouped_rows.te_api())
     rows = wire_fp8.received_rows(buf, x, res, as_rows)
     if grouped:
-        rows = te_grouped_stand_in.read_rows(rows)
+        rows = _FromGrouped.apply(rows)
     ((rows.float() * grad_rows).sum() + (res.probs * grad_probs).sum()).backward()
     expert_out = torch.zeros(rows.shape, dtype=rows.dtype, requires_grad=True)
     grouped_grads = []
-    out_rows = te_grouped_stand_in.grad_read_back(expert_out, grouped_grads) if grouped else expert_out
+    out_rows = _GradFromGrouped.apply(expert_out, grouped_grads) if grouped else expert_out
     wire_fp8.combine(buf, out_rows, res.handle, quantizer, as_rows=as_rows).backward(grad_y)
     # The same in bf16 through hybrid_ep's autograd: the gradients the fp8 path must equal.
     x16 = inputs["x"].clone().requires_grad_()
@@ -113,50 +144,97 @@ def run_fp8_layer_with_slots(case, config_overrides: dict) -> dict:
 
     from ..local.common import init_megatron
     from ..local.layer import case_tensors, seeded_layer
+    from .moe_layer import dispatcher_of
 
     init_megatron(case.world_size)
     rank = dist.get_rank()
     _, _, _, x_all, grad_out = case_tensors(case)
     layer = seeded_layer(case, rank, config_overrides)
-    layer.token_dispatcher.slot_table.load_(torch.arange(case.num_experts))
+    dispatcher_of(layer).slot_table.load_(torch.arange(case.num_experts))
     x = x_all[rank].float().clone().requires_grad_()
     out, _ = layer(x)
     (out * grad_out[rank].float()).sum().backward()
     return {
-        "dispatcher": type(layer.token_dispatcher).__name__, "out": out.detach(), "grad_x": x.grad,
+        "dispatcher": type(dispatcher_of(layer)).__name__, "out": out.detach(), "grad_x": x.grad,
         "grad_router": layer.router.weight.grad,
         "grad_fc1": torch.stack([e.linear_fc1.weight.grad for e in layer.experts.local_experts]),
         "grad_fc2": torch.stack([e.linear_fc2.weight.grad for e in layer.experts.local_experts]),
     }
 
 
-def run_fp8_layer_grouped(case, config_overrides: dict) -> dict:
-    """On every rank: the seeded MoELayer with fp8 on the wire whose experts take the received
-    rows as Transformer Engine's GroupedTensor (te_grouped_rows; TE stood in by
-    te_grouped_stand_in, the hand-off's conditions taken as met); forward + backward. Returns
-    run_moe_layer_case's fields and the GroupedTensors the experts got, forward and backward."""
-    from .. import te_grouped_rows
-    from . import te_grouped_stand_in
-    from .moe_layer import run_moe_layer_case
+def _load_gated_weights(layer, case, rank: int) -> None:
+    """The seeded router and expert weights (case_tensors) into a layer of SwiGLU experts: fc1's
+    gate rows are the case's fc1, its linear rows drawn from the seed too."""
+    from ..local.layer import case_tensors
 
-    seen = {}
+    L = case.num_experts // case.world_size
+    router, fc1, fc2, _, _ = case_tensors(case)
+    linear = torch.randn(fc1.shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64)
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        for j in range(L):
+            e = rank * L + j
+            getattr(layer.experts.linear_fc1, f"weight{j}").copy_(torch.cat([fc1[e], linear[e] / 2]))
+            getattr(layer.experts.linear_fc2, f"weight{j}").copy_(fc2[e])
 
-    def on_layer(layer):
-        seen.update(te_grouped_stand_in.take_grouped_rows(layer.experts))
 
-    kept = te_grouped_rows.te_api, te_grouped_rows.handoff_reason
-    te_grouped_rows.te_api, te_grouped_rows.handoff_reason = te_grouped_stand_in.api, lambda *args: None
-    try:
-        result = run_moe_layer_case(case, config_overrides, on_layer=on_layer)
-    finally:  # the pool's process runs other cases next
-        te_grouped_rows.te_api, te_grouped_rows.handoff_reason = kept
-    inputs, grads = seen["inputs"], seen["grads"]
-    result["grouped"] = [
-        {"shape": tuple(t.shape), "first_dims": t.fields["first_dims"].tolist(),
-         "tensor_offsets": t.fields["tensor_offsets"].tolist(), "num_tensors": t.fields["num_tensors"],
-         "swizzled": t.fields["with_gemm_swizzled_scales"], "data": t.fields["data"],
-         "scale_inv": t.fields["scale_inv"],
-         "columnwise": (t.fields["quantizer"].rowwise_usage, t.fields["quantizer"].columnwise_usage)}
-        for t in inputs + grads]
-    result["grouped_inputs"], result["grouped_grads"] = len(inputs), len(grads)
-    return result
+def _start_offloading_chunk(config) -> None:
+    """Megatron's fine-grained offloading handler for one micro-batch, as GPTModel's
+    preprocess_for_fine_grained_offloading starts it (pipeline stage 0, no virtual stages)."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
+
+    offload.FineGrainedActivationOffloadingInterface.init_chunk_handler(
+        pp_rank=0, vp_size=None, vp_stage=None, min_offloaded_tensor_size=config.min_offloaded_tensor_size,
+        delta_offload_bytes_across_pp_ranks=config.delta_offload_bytes_across_pp_ranks,
+        activation_offload_fraction=config.activation_offload_fraction)
+
+
+def run_fp8_layer_on_op_fuser(case, config_overrides: dict, capability: tuple[int, int] = (10, 0)) -> dict:
+    """On every rank: the seeded MoELayer in bf16 with fp8 on the wire whose experts are Megatron's
+    TEGroupedMLP on Transformer Engine's op fuser (SwiGLU; `TEGroupedMLP._fused_forward`), TE
+    stood in by te_stand_in as on a GPU of `capability`; forward under the fp8 autocast Megatron's
+    get_fp8_context gives the model's first layer (TE's MXFP8 autocast, or none where
+    is_first_last_bf16_layer says it runs in bf16) and backward.
+
+    Returns out, grad_x, grad_router, grad_fc1 [L, 2F, H], grad_fc2 [L, H, F] (float32), and the
+    types of what TE's fused ops got: fc1's input forward ("inputs") and fc2's output gradient
+    backward ("grads"); or {"error": "Type: message"} where the run raises."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    from ..local.common import init_megatron
+    from ..local.layer import build_moe_layer, case_tensors
+    from . import te_stand_in
+
+    init_megatron(case.world_size)
+    rank = dist.get_rank()
+    _, _, _, x_all, grad_out = case_tensors(case)
+    overrides = dict(use_transformer_engine_op_fuser=True, moe_grouped_gemm=True, gated_linear_unit=True,
+                     activation_func=F.silu, params_dtype=torch.bfloat16, bf16=True, fp8="e4m3",
+                     fp8_recipe="mxfp8", **config_overrides)
+    with te_stand_in.installed(capability=capability):
+        for seen in te_stand_in.SEEN.values():
+            seen.clear()
+        try:
+            layer = build_moe_layer(dataclasses.replace(case, experts="te_op_fuser"), **overrides)
+            _load_gated_weights(layer, case, rank)
+            x = x_all[rank].to(torch.bfloat16).requires_grad_()
+            if layer.config.fine_grained_activation_offloading:  # what GPTModel's forward does first
+                _start_offloading_chunk(layer.config)
+            fp8_layer = not is_first_last_bf16_layer(layer.config, layer.layer_number - 1)
+            with te_stand_in.autocast(enabled=fp8_layer, recipe=te_stand_in.MXFP8BlockScaling()):
+                out, _ = layer(x)
+            (out.float() * grad_out[rank].float()).sum().backward()
+        except Exception as err:  # reported to the test, which checks the type and message
+            return {"error": f"{type(err).__name__}: {err}"}
+        seen = {k: [type(t).__name__ for t in v] for k, v in te_stand_in.SEEN.items()}
+    L = case.num_experts // case.world_size
+    return {
+        "out": out.detach().float(), "grad_x": x.grad.float(), "grad_router": layer.router.weight.grad.float(),
+        "grad_fc1": torch.stack([getattr(layer.experts.linear_fc1, f"weight{j}").grad.float() for j in range(L)]),
+        "grad_fc2": torch.stack([getattr(layer.experts.linear_fc2, f"weight{j}").grad.float() for j in range(L)]),
+        **seen,
+    }

@@ -1,5 +1,5 @@
-"""A Megatron MoELayer through HybridEPTokenDispatcher equals the stock alltoall dispatcher
-and a dense single-process float64 reference: output and every gradient (input, router,
+"""A Megatron MoELayer through hybrid_ep (HybridEPManager under Megatron's flex dispatcher) equals
+the stock alltoall dispatcher and a dense single-process float64 reference: output and every gradient (input, router,
 expert weights), on 2 and 4 CPU ranks (gloo, fp32)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_moe_layer_matches_alltoall_and_dense(pool_for, world_size, name):
     pool = pool_for(world_size)
     case = LayerCase(world_size=world_size, **CASES[name])
     ours = run_case(pool, case)
-    assert all(r["dispatcher"] == "HybridEPTokenDispatcher" for r in ours)
+    assert all(r["dispatcher"] == "HybridEPManager" for r in ours)
     stock = run_case(pool, LayerCase(world_size=world_size, **dict(CASES[name], dispatcher="alltoall")))
     assert all(r["dispatcher"] == "MoEAlltoAllTokenDispatcher" for r in stock)
     dense = dense_moe_layer(case)
@@ -68,8 +68,10 @@ def test_moe_layer_matches_alltoall_and_dense(pool_for, world_size, name):
         assert torch.count_nonzero(ours[rank]["grad_fc1"][j]) == 0
         assert torch.count_nonzero(ours[rank]["grad_fc2"][j]) == 0
     # What a CUDA graph of moe_preprocess returns and sets again on replay: the routing that
-    # dispatch_preprocess leaves for token_dispatch (alltoall lists its own routing_map too).
-    assert all(r["cudagraph_tensors"] == ["routing_map", "last_routed_per_expert"] for r in ours)
+    # dispatch_preprocess leaves for token_dispatch (Megatron's flex dispatcher lists its manager's
+    # probs and map, the manager adds its routed counts; alltoall lists its own routing_map too).
+    assert all(r["cudagraph_tensors"] == ["_comm_manager.token_probs", "_comm_manager.routing_map",
+                                          "_comm_manager.last_routed_per_expert"] for r in ours)
     assert all("routing_map" in r["cudagraph_tensors"] for r in stock)
 
 
@@ -241,13 +243,16 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
 
 
 # Experts and option -> whether the forward combine reads the experts' output in place
-# (megatron_patches.expert_out): only where fc2 allocates it with torch.empty, as Transformer
-# Engine's GroupedLinear does (te_like), and the option is on.
+# (megatron_patches.expert_out): on Transformer Engine's op fuser through Megatron's output_buffer
+# (te_op_fuser: TEGroupedMLP._fused_forward on TE stood in), on TE's GroupedLinear module where
+# fc2 allocates it with torch.empty (te_like), and only with the option on.
 EXPERT_OUT_CASES = {
     "sequential": ("sequential", True, False),  # SequentialMLP: per-expert outputs concatenated
     "grouped": ("grouped", True, False),  # TorchGroupedLinear: output allocated in torch._grouped_mm
     "te_like": ("te_like", True, True),
     "te_like_option_off": ("te_like", False, False),
+    "te_op_fuser": ("te_op_fuser", True, True),
+    "te_op_fuser_option_off": ("te_op_fuser", False, False),
 }
 
 
@@ -260,8 +265,9 @@ def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(p
     job (peer memory between the processes, the agreement on each call's path, the engine);
     its kernels are faked (hybrid_ep.testing.faked_kernels: a direct call's rows move through
     each process's mappings of its peers' memory). Where fc2 allocates its output with
-    torch.empty (te_like, as Transformer Engine's GroupedLinear) and the option is on, fc2
-    writes it into the expert-out block and the forward combine copies nothing."""
+    torch.empty (te_like, as Transformer Engine's GroupedLinear), or the experts run on TE's op
+    fuser (te_op_fuser), and the option is on, fc2 writes it into the expert-out block and the
+    forward combine copies nothing."""
     import megatron_patches
     from megatron_patches.testing.moe_layer import run_moe_layer_calls_on_faked_cuda
 

@@ -1,6 +1,7 @@
 """megatron_patches.expert_out on Megatron's TEGroupedMLP: where the in-place path is installed
-(install_reason), and a TEGroupedMLP on the Transformer-Engine-like grouped linear writing its
-output into the view, except where zero_token_safe runs it on padded kernel rows. The layer on
+(install_reason), a TEGroupedMLP on the Transformer-Engine-like grouped linear writing its
+output into the view, except where zero_token_safe runs it on padded kernel rows, and on TE's
+op fuser (TE stood in) through Megatron's output_buffer. The layer on
 the cuda backend, end to end: tests/megatron/test_dispatcher.py."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ pytest.importorskip("megatron.core")
 from megatron_patches import grouped_gemm as gg  # noqa: E402
 from megatron_patches.expert_out import ExpertOutInPlace, install_reason  # noqa: E402
 from megatron_patches.options import HybridEPOptions  # noqa: E402
+from megatron_patches.testing import te_stand_in  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -69,8 +71,65 @@ def test_where_the_in_place_path_is_installed(single_rank_group):
     biased = types.SimpleNamespace(**vars(te_like.config))
     biased.add_bias_linear = True
     assert install_reason(te_like, biased, on) == "fc2's bias is added into a new tensor"
-    te_like._with_fused_impl = True
-    assert install_reason(te_like, te_like.config, on).startswith("TEGroupedMLP on Transformer Engine's op fuser")
+    te_like._with_fused_impl = True  # Megatron's experts module without TE: no output buffer key
+    assert install_reason(te_like, te_like.config, on) == \
+        "Transformer Engine's op fuser takes an output buffer from TE 2.18 on"
+
+
+def _op_fuser_experts(group, **fields):
+    """TEGroupedMLP on Transformer Engine's op fuser (its _fused_forward), TE stood in, with the
+    config a hybrid_ep layer runs with (Megatron's flex dispatcher with hybrid_ep's backend: the
+    experts skip their padding copy, the dispatcher aligned the rows)."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from megatron_patches.selection import HYBRID_EP_BACKEND
+
+    config = _config(use_transformer_engine_op_fuser=True, activation_func=squared_relu,
+                     use_fused_weighted_squared_relu=True)
+    fields = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=HYBRID_EP_BACKEND, **fields)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    pgs = ProcessGroupCollection(ep=group, expt_tp=group, expt_dp=group)
+    torch.manual_seed(1)
+    return TEGroupedMLP(L, config, te_stand_in.grouped_mlp_submodules(), pg_collection=pgs)
+
+
+def test_on_the_op_fuser_the_output_goes_through_megatrons_output_buffer(single_rank_group):
+    """On TE's op fuser the view reaches fc2 as Megatron's output_buffer (TEGroupedMLP._fused_forward
+    hands it to TE, which checks it): the output is the view, equal to the output TE allocates
+    itself; the combine takes it. Nothing is installed on fc2 (no hooks, no torch.empty mode),
+    and the fp8 input hand-off serves the same experts (the two no longer exclude each other)."""
+    from megatron_patches import te_grouped_rows
+
+    rows = 8
+    with te_stand_in.installed():
+        experts = _op_fuser_experts(single_rank_group)
+        assert install_reason(experts, experts.config, HybridEPOptions()) is None
+        mxfp8 = dataclasses.replace(experts.config)
+        mxfp8.fp8, mxfp8.fp8_recipe, mxfp8.params_dtype = "e4m3", "mxfp8", torch.bfloat16
+        assert te_grouped_rows.handoff_reason(experts, mxfp8, 256, te_grouped_rows.te_api()) is None
+        assert install_reason(experts, mxfp8, HybridEPOptions()) is None
+        x, probs, tokens = torch.randn(rows, H, requires_grad=True), torch.rand(rows), torch.tensor([3, 5])
+        want, _ = experts(x, tokens, probs)
+        buf = _Buffer(rows)
+        dispatcher = _Dispatcher(buf, rows)
+        hook = ExpertOutInPlace(dispatcher, experts)
+        assert not experts.linear_fc2._forward_pre_hooks and not experts.linear_fc2._forward_hooks
+        view = hook.output_buffer()
+        assert view is not None and not view.requires_grad and hook.views == 1
+        got, _ = experts(x, tokens, probs, output_buffer=view)
+        assert got.data_ptr() == buf.block.data_ptr()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        hook.check_combine(got, buf)
+        got.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        # the receive path, or another call on the buffer since the dispatch: no buffer handed out
+        dispatcher.handle.data_path = "receive"
+        assert hook.output_buffer() is None
+        dispatcher.handle.data_path, buf.last_call = "direct", object()
+        assert hook.output_buffer() is None and hook.views == 1
 
 
 class _Buffer:

@@ -2,7 +2,9 @@
 EP-overlap schedule: hybrid_ep's dispatcher with --hybrid-ep-dispatch-fp8 and
 --hybrid-ep-combine-grad-fp8 equals the alltoall dispatcher whose experts quantize their input
 rows and their output's gradient alike, with static sizes, drop-and-pad, router padding for
-quantization and the balancer's expert slots; the overlapped schedule equals the plain one."""
+quantization and the balancer's expert slots; the overlapped schedule equals the plain one.
+MXFP8 rows reach Megatron's TEGroupedMLP on Transformer Engine's op fuser (TE stood in) as TE's
+GroupedTensor where TE takes one, and dequantized in every run where TE or Megatron would refuse it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from megatron_patches.local.layer import LayerCase  # noqa: E402
 from megatron_patches.options import HybridEPOptions  # noqa: E402
 from megatron_patches.testing.moe_layer import run_moe_layer_case  # noqa: E402
 from megatron_patches.testing.overlap import GPTCase, train_step  # noqa: E402
-from megatron_patches.testing.wire_fp8 import run_fp8_layer_grouped, run_fp8_layer_with_slots  # noqa: E402
+from megatron_patches.testing.wire_fp8 import run_fp8_layer_on_op_fuser, run_fp8_layer_with_slots  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -48,7 +50,7 @@ def test_fp8_wire_layer_equals_alltoall_with_quantizing_experts(pool_for, name):
     plain = pool.run(run, [(case, {**ours_overrides, "hybrid_ep_options": HybridEPOptions(**options)})]
                      * 2)
     for rank, (g, w, p) in enumerate(zip(ours, stock, plain)):
-        assert g["dispatcher"] == "HybridEPTokenDispatcher" and w["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+        assert g["dispatcher"] == "HybridEPManager" and w["dispatcher"] == "MoEAlltoAllTokenDispatcher"
         for field in FIELDS:
             torch.testing.assert_close(g[field], w[field], atol=1e-6, rtol=1e-5,
                                        msg=lambda m: f"{name}, rank {rank}, {field}: {m}")
@@ -71,27 +73,46 @@ def test_fp8_wire_under_the_ep_overlap_schedule_equals_the_plain_schedule(pool_f
         assert all(0 < x < 10 for x in o["losses"])
 
 
-def test_mxfp8_rows_handed_on_as_te_grouped_tensor_equal_the_dequantized_run(pool_for):
-    """The experts take the received MXFP8 rows as Transformer Engine's GroupedTensor (TE stood
-    in: megatron_patches.testing.te_grouped_stand_in): the layer's output and every gradient
-    equal, bit for bit, the run whose experts get the rows dequantized. They got one
-    GroupedTensor forward (fc1's input) and one backward (fc2's output gradient): rowwise,
-    compact scales, groups of multiples of 128 rows with element offsets, over all the rows."""
-    case = LayerCase(world_size=2, hidden=128, ffn=32, topk=2)
-    overrides = {"fp8_recipe": "mxfp8", "hybrid_ep_options": HybridEPOptions(**FP8, pad_multiple=128)}
+OP_FUSER_CASE = LayerCase(world_size=2, hidden=128, ffn=32, topk=2)
+MXFP8_WIRE = {"hybrid_ep_options": HybridEPOptions(**FP8)}
+
+
+def test_mxfp8_rows_reach_tes_op_fuser_as_grouped_tensor_and_equal_the_dequantized_run(pool_for):
+    """Megatron's TEGroupedMLP on Transformer Engine's op fuser (its _fused_forward; TE stood
+    in: megatron_patches.testing.te_stand_in) takes the received MXFP8 rows as TE's GroupedTensor
+    forward (fc1's input) and backward (fc2's output gradient) under TE's MXFP8 autocast on a
+    Blackwell GPU; on Hopper TE's path predicate says no and they come dequantized. The layer's
+    output and every gradient are equal, bit for bit."""
     pool = pool_for(2)
-    grouped = pool.run(run_fp8_layer_grouped, [(case, overrides)] * 2)
-    dequantized = pool.run(run_moe_layer_case, [(case, overrides)] * 2)
-    for rank, (g, d) in enumerate(zip(grouped, dequantized)):
+    grouped = pool.run(run_fp8_layer_on_op_fuser, [(OP_FUSER_CASE, MXFP8_WIRE)] * 2)
+    hopper = pool.run(run_fp8_layer_on_op_fuser, [(OP_FUSER_CASE, MXFP8_WIRE, (9, 0))] * 2)
+    for rank, (g, d) in enumerate(zip(grouped, hopper)):
+        assert "error" not in g and "error" not in d, (g.get("error"), d.get("error"))
+        assert (g["inputs"], g["grads"]) == (["GroupedTensor"], ["GroupedTensor"]), f"rank {rank}"
+        assert (d["inputs"], d["grads"]) == (["Tensor"], ["Tensor"]), f"rank {rank}"
         for field in FIELDS:
             assert torch.equal(g[field], d[field]), f"rank {rank}, {field}"
-        assert (g["grouped_inputs"], g["grouped_grads"]) == (1, 1), f"rank {rank}"
-        for t in g["grouped"]:
-            R, H = t["shape"]
-            splits = t["first_dims"]
-            assert t["num_tensors"] == len(splits) == case.num_experts // 2, f"rank {rank}: {splits}"
-            assert sum(splits) == R > 0 and all(n % 128 == 0 for n in splits), f"rank {rank}: {splits}"
-            assert t["tensor_offsets"] == [sum(splits[:e]) * H for e in range(len(splits) + 1)]
-            assert not t["swizzled"] and t["columnwise"] == (True, False)
-            assert t["data"].dtype == torch.uint8 and t["data"].numel() == R * H
-            assert t["scale_inv"].dtype == torch.uint8 and t["scale_inv"].numel() == R * H // 32
+
+
+# Runs the hand-off crashed in (a TE or Megatron refusal of the GroupedTensor, before the fix:
+# "GroupedTensor only supports view(-1)"), now run with the rows dequantized: config fields
+FALLBACKS = {
+    # Megatron's get_fp8_context gives the first and last layers no fp8 autocast: TE reshapes its input
+    "first_last_layers_bf16": {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1},
+    # MoELayer wraps the experts' input in _RecordExpertDgradCompletion (view_as)
+    "overlap_dispatch_backward_with_experts_wgrad": {"overlap_dispatch_backward_with_experts_wgrad": True},
+    # TEGroupedMLP starts the offload group on the experts' input (an identity Function: view_as)
+    "offload_fused_group_mlp": {"fine_grained_activation_offloading": True, "offload_modules": ["fused_group_mlp"]},
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_runs_the_hand_off_cannot_serve_get_dequantized_rows_and_equal_the_grouped_run(pool_for, name):
+    pool = pool_for(2)
+    fallback = pool.run(run_fp8_layer_on_op_fuser, [(OP_FUSER_CASE, {**MXFP8_WIRE, **FALLBACKS[name]})] * 2)
+    grouped = pool.run(run_fp8_layer_on_op_fuser, [(OP_FUSER_CASE, MXFP8_WIRE)] * 2)
+    for rank, (f, g) in enumerate(zip(fallback, grouped)):
+        assert "error" not in f, f"{name}, rank {rank}: {f['error']}"
+        assert (f["inputs"], f["grads"]) == (["Tensor"], ["Tensor"]), f"{name}, rank {rank}"
+        for field in FIELDS:
+            assert torch.equal(f[field], g[field]), f"{name}, rank {rank}, {field}"

@@ -1,6 +1,7 @@
 """Padding rows only where the experts need them (megatron_patches.expert_rows): the decision
-per expert module and precision, TEGroupedMLP skipping its own padding copy after hybrid_ep
-aligned the rows, and Megatron's router-padding-for-fp8 contract through the dispatcher."""
+per expert module and precision (TEGroupedMLP skips its own padding copy after hybrid_ep aligned
+the rows: Megatron's own answer for the flex dispatcher's hybridep backend, tests/megatron/
+test_selection.py), and Megatron's router-padding-for-fp8 contract through the dispatcher."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ pytest.importorskip("megatron.core")
 from megatron.core.enums import Fp8Recipe  # noqa: E402
 from megatron.core.transformer.moe import experts as experts_module  # noqa: E402
 
-import megatron_patches  # noqa: E402
 from megatron_patches import expert_rows  # noqa: E402
 from megatron_patches.grouped_gemm import TorchGroupedLinear  # noqa: E402
 from megatron_patches.testing import contracts as ct  # noqa: E402
@@ -25,13 +25,15 @@ pytestmark = pytest.mark.megatron
 def _config(dispatcher="hybrid_ep", fp8=None, recipe=Fp8Recipe.tensorwise, fp4=None, fuser=False, grouped=True):
     return types.SimpleNamespace(moe_token_dispatcher_type=dispatcher, fp8=fp8, fp8_recipe=recipe, fp4=fp4,
                                  fp4_recipe=None, use_transformer_engine_op_fuser=fuser, moe_grouped_gemm=grouped,
-                                 moe_router_padding_for_quantization=False)
+                                 moe_router_padding_for_quantization=False,
+                                 moe_use_grouped_tensor=False)  # Megatron-Core main reads it
 
 
-def _te_grouped(fc1=None):
+def _te_grouped(fc1=None, fused=False):
     """A TEGroupedMLP as far as the padding decision looks at it (no Transformer Engine here)."""
     module = object.__new__(experts_module.TEGroupedMLP)
     module.__dict__["linear_fc1"] = fc1
+    module.__dict__["_with_fused_impl"] = fused
     return module
 
 
@@ -41,21 +43,14 @@ def _te_grouped(fc1=None):
     (_te_grouped(), _config(), 1),                                  # bf16/fp32 grouped GEMM: no alignment
     (_te_grouped(), _config(fp8="e4m3"), 16),
     (_te_grouped(), _config(fp8="e4m3", recipe=Fp8Recipe.mxfp8), 32),
-    (_te_grouped(), _config(fp8="e4m3", fuser=True), 256),
+    (_te_grouped(fused=True), _config(fp8="e4m3", fuser=True), 256),
+    (_te_grouped(fused=True), _config(fuser=True), 256),             # the op fuser's groups, in any precision
     (_te_grouped(object.__new__(TorchGroupedLinear)), _config(fp8="e4m3"), 1),  # grouped_mm aligns inside
     (None, _config(fp8="e4m3"), 16),                                # not built yet: from the config
     (None, _config(), 1),
 ])
 def test_pad_multiple_follows_the_experts_built(experts, config, pad):
     assert expert_rows.pad_multiple_for(experts, config)[0] == pad
-
-
-def test_grouped_mlp_skips_its_padding_only_after_hybrid_ep_padded():
-    megatron_patches.apply()
-    skip = experts_module.skip_routed_expert_padding
-    assert skip(_config(fp8="e4m3")) is True
-    assert skip(_config()) is False
-    assert skip(_config(dispatcher="alltoall", fp8="e4m3")) is False  # Megatron's answer for its own types
 
 
 @pytest.mark.parametrize("dispatcher", ["hybrid_ep", "alltoall"])

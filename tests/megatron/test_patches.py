@@ -45,15 +45,15 @@ def test_installed_megatron_core_matches_the_record():
 
 
 def test_a_changed_signature_is_named(monkeypatch):
-    from megatron.core.models.common import utils
+    from megatron.training import training
 
-    def should_free_input(name, is_moe, config):  # one parameter fewer than the patch was written for
-        return False
+    def calc_params_l2_norm(model):  # parameters fewer than the patch was written for
+        return 0.0
 
-    monkeypatch.setattr(utils, "should_free_input", should_free_input)
+    monkeypatch.setattr(training, "calc_params_l2_norm", calc_params_l2_norm)
     problems = patches.check()
-    target = "megatron.core.models.common.utils:should_free_input"
-    assert [line for line in problems if line.startswith(target + ": signature is now (name, is_moe, config)")]
+    target = "megatron.training.training:calc_params_l2_norm"
+    assert [line for line in problems if line.startswith(target + ": signature is now (model)")]
     assert [line for line in problems if line.startswith(target + ": source changed")]
     assert all(line.startswith(target) for line in problems), problems
 
@@ -70,10 +70,25 @@ def test_a_changed_body_is_named():
     assert "selection.py" in problems[0]
 
 
+def test_a_changed_flex_dispatcher_is_named_for_the_manager_it_builds():
+    """The replaced `_HybridEPManager` name is fingerprinted by its constructor's signature and
+    by the source of what drives the manager, MoEFlexTokenDispatcher: a change there names it."""
+    version = patches.installed_version()
+    record = {version: dict(patches.recorded()[version])}
+    target = "megatron.core.transformer.moe.token_dispatcher:_HybridEPManager"
+    signature, _ = record[version][target]
+    assert signature == "(group, num_local_experts, num_experts, config)"
+    record[version][target] = (signature, "0" * 16)
+    problems = patches.check(record=record)
+    assert len(problems) == 1 and problems[0].startswith(f"{target}: source changed"), problems
+    assert "relies on what megatron.core.transformer.moe.token_dispatcher:MoEFlexTokenDispatcher does" \
+        in problems[0]
+
+
 def test_a_release_without_a_record_is_named():
     problems = patches.check(version="0.99.0")
     assert len(problems) == 1
-    assert problems[0].startswith("Megatron-Core 0.99.0: no fingerprints recorded (checked: 0.19.2")
+    assert problems[0].startswith("Megatron-Core 0.99.0: no fingerprints recorded (checked: 0.19.1, 0.19.2, 0.20.0")
 
 
 def test_a_missing_function_and_a_stale_record_are_named(monkeypatch):

@@ -32,22 +32,75 @@ def test_apply_is_idempotent_and_wraps_once():
     assert selection.patch_moe_layer() is False
 
 
-def test_dispatcher_is_exported_lazily():
-    from megatron_patches.dispatcher import HybridEPTokenDispatcher
+def test_manager_is_exported_lazily():
+    from megatron_patches.manager import HybridEPManager
 
-    assert megatron_patches.HybridEPTokenDispatcher is HybridEPTokenDispatcher
-    assert HybridEPTokenDispatcher.__mro__[1].__name__ == "MoETokenDispatcher"
+    assert megatron_patches.HybridEPManager is HybridEPManager
+    assert HybridEPManager.__mro__[1].__name__ == "_DispatchManager"
 
 
 def test_config_type_selects_dispatcher_and_leaves_others_alone(pool_for):
     pool = pool_for(2)
     for dispatcher, expected in [
-        ("hybrid_ep", "HybridEPTokenDispatcher"),
+        ("hybrid_ep", "HybridEPManager"),
         ("alltoall", "MoEAlltoAllTokenDispatcher"),
         ("allgather", "MoEAllGatherTokenDispatcher"),
     ]:
         got = pool.run(try_build_moe_layer, [(LayerCase(world_size=2, dispatcher=dispatcher), {})] * 2)
         assert got == [expected, expected]
+
+
+def _built_config(single_rank_group, **fields):
+    """A hybrid_ep config after one MoELayer was built from it (EP 1 on this process)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_patches.local.common import PLAIN_FP32_CONFIG
+
+    megatron_patches.apply()
+    config = _config(expert_model_parallel_size=1, bf16=False, **PLAIN_FP32_CONFIG, **fields)
+    group = single_rank_group
+    pgs = ProcessGroupCollection(tp=group, cp=group, ep=group, expt_tp=group, expt_dp=group, tp_ep=group,
+                                 tp_cp=group, tp_dp_cp=group, dp=group, dp_cp=group, pp=group)
+    spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
+    layer = spec(config=config, layer_number=1, pg_collection=pgs)
+    return config, layer
+
+
+def test_a_hybrid_ep_layer_is_megatrons_flex_dispatcher_with_hybrid_eps_backend(single_rank_group):
+    """Validation keeps the type the user gave; building the layer makes it Megatron's flex
+    dispatcher over HybridEPManager, with a backend name Megatron reads as "hybridep" and the
+    patch tells apart from DeepEP's; DeepEP's manager is bound again right after."""
+    import dataclasses
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    deepep_manager = token_dispatcher._HybridEPManager
+    config, layer = _built_config(single_rank_group)
+    assert type(layer.token_dispatcher).__name__ == "MoEFlexTokenDispatcher"
+    assert type(layer.token_dispatcher._comm_manager) is megatron_patches.HybridEPManager
+    assert token_dispatcher._HybridEPManager is deepep_manager
+    assert config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep"
+    assert selection.selected(config) and selection.selected(dataclasses.replace(config))
+    deepep = dataclasses.replace(config, moe_flex_dispatcher_backend="hybridep")  # a user's own choice
+    assert not selection.selected(deepep) and deepep.moe_flex_dispatcher_backend == "hybridep"
+
+
+def test_megatrons_own_answers_for_hybridep_are_what_hybrid_ep_needs(single_rank_group):
+    """The EP-overlap schedule frees moe_combine's input, mlp's only with fp8/fp4, never
+    moe_dispatch's (the router and the experts keep those for backward), and the experts skip
+    their padding copy (the dispatcher aligned the rows): Megatron's own answers for the flex
+    dispatcher's hybridep backend, which hybrid_ep's patches of should_free_input and
+    skip_routed_expert_padding gave before."""
+    from megatron.core.models.common.utils import should_free_input
+    from megatron.core.transformer.moe.moe_utils import skip_routed_expert_padding
+
+    config, _ = _built_config(single_rank_group)
+    frees = {name: should_free_input(name, True, config, 4) for name in ("moe_dispatch", "mlp", "moe_combine")}
+    assert frees == {"moe_dispatch": False, "mlp": False, "moe_combine": True}
+    config.fp8 = "e4m3"
+    assert should_free_input("mlp", True, config, 4) is True
+    assert skip_routed_expert_padding(config) is True
 
 
 @pytest.mark.parametrize("overrides, needle, alternative", [
@@ -104,15 +157,16 @@ def test_config_validation_still_checks_the_rest_for_hybrid_ep():
 
 
 def test_paged_stash_is_refused_by_name_at_config_validation():
-    """Megatron's paged-stash runner drives the flex dispatcher's _comm_manager, which hybrid_ep
-    has not: refused naming the flag and why, not with Megatron's misleading "requires
-    moe_expert_rank_capacity_factor" (that factor is set here, only hidden from validation)."""
+    """Megatron's paged-stash runner reruns overflowing steps with the flex manager's rank
+    capacity factor off, which has not run with hybrid_ep: refused naming the flag and why, not
+    with Megatron's misleading "requires moe_expert_rank_capacity_factor" (that factor is set
+    here, only hidden from validation)."""
     megatron_patches.apply()
     with pytest.raises(ValueError) as err:
         _config(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.5)
     message = str(err.value)
     assert message.startswith("moe_token_dispatcher_type='hybrid_ep' does not support: moe_paged_stash=True")
-    assert "_comm_manager" in message and "turn moe_paged_stash off" in message
+    assert "rank capacity factor turned off" in message and "turn moe_paged_stash off" in message
     assert "requires moe_expert_rank_capacity_factor" not in message
     # Other dispatcher types still get Megatron's own paged-stash check.
     with pytest.raises(ValueError, match="moe_paged_stash requires moe_expert_rank_capacity_factor"):

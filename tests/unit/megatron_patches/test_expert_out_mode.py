@@ -93,7 +93,7 @@ class _Block:
 
 
 class _Dispatcher:
-    """What ExpertOutInPlace reads of HybridEPTokenDispatcher after a dispatch."""
+    """What ExpertOutInPlace reads of HybridEPManager after a dispatch."""
 
     def __init__(self, buf, data_path="direct"):
         self.handle = types.SimpleNamespace(num_rows=R, data_path=data_path)
@@ -218,14 +218,14 @@ def test_the_mode_is_left_when_the_forward_raises():
 
 def test_token_combine_refuses_another_tensor_than_the_view_handed_out():
     """The experts made a new tensor from fc2's output (a bias, a copy): combining it would copy it
-    over fc2's output in the expert-out block. token_combine raises, naming the option."""
-    from megatron_patches.dispatcher import HybridEPTokenDispatcher
+    over fc2's output in the expert-out block. The manager's combine raises, naming the option."""
+    from megatron_patches.manager import HybridEPManager
 
     buf, dispatcher, experts, hook = _installed()
     out = experts(torch.randn(R, F))
-    fake = types.SimpleNamespace(handle=dispatcher.handle, _handle_buffer=buf, shared_experts=None, expert_out=hook)
+    fake = types.SimpleNamespace(handle=dispatcher.handle, _handle_buffer=buf, expert_out=hook)
     with pytest.raises(RuntimeError, match=r"token_combine got another tensor .* --no-hybrid-ep-expert-out-in-place"):
-        HybridEPTokenDispatcher.token_combine(fake, out + 1)
+        HybridEPManager.combine(fake, out + 1)
     # a call on the buffer between the experts and the combine is refused as well
     out = experts(torch.randn(R, F))
     buf.last_call = object()

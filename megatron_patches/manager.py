@@ -1,20 +1,26 @@
-"""HybridEPTokenDispatcher: Megatron-Core's MoETokenDispatcher on top of hybrid_ep.
+"""HybridEPManager: hybrid_ep under Megatron-Core's flex token dispatcher, as one of its backends.
 
-hybrid_ep already returns what Megatron's experts want: rows grouped by local expert
-(expert-major, zero-padded), the routing weight of each row, and rows per local expert.
-So the six phases are thin:
+Megatron's `MoEFlexTokenDispatcher` drives a communication backend through `_DispatchManager`
+(token_dispatcher.py, Megatron-Core 0.19.x and main alike) and does the rest of a dispatcher's
+work itself: it flattens [S, B, H] to [T, H], expands the routing map over the expert-tensor-
+parallel ranks ([T, E] -> [T, EP x ETP, L]), runs the shared experts between the phases, asks
+`get_expert_zero_copy_buffers` for the experts' output buffer, and Megatron's EP-overlap
+schedule, its expert padding and its input frees treat `flex` + `hybridep` by name. hybrid_ep
+already returns what Megatron's experts want (rows grouped by local expert, zero-padded, the
+routing weight of each row, rows per local expert), so the manager's five methods are thin:
 
-  dispatch_preprocess   flatten [S, B, H] -> [T, H]; keep routing_map and probs [T, E]
-  token_dispatch        hep.dispatch (autograd): rows [R, H] and row probs [R]
-  dispatch_postprocess  hand rows, tokens_per_expert [L] and row probs to the experts
-  combine_preprocess    nothing to undo: expert outputs are already in row order
-  token_combine         hep.combine (autograd): [T, H], fp32 accumulation
-  combine_postprocess   reshape to the input shape
+  setup_metadata                      routing map and probs [T, C], C = ETP x E (or the balancer's slots)
+  dispatch                            hep.dispatch (autograd): rows [R, H], row probs [R] in dispatched_probs
+  get_permuted_hidden_states_by_experts   the rows as they are, with dispatched_probs
+  get_restored_hidden_states_by_experts   the experts' output as it is
+  combine                             hep.combine (autograd): [T, H], fp32 accumulation
 
 The experts multiply by the row probs (as with every Megatron dispatcher), so combine runs
-with apply_probs=False; router gradients flow back through the row probs to `probs` [T, E].
+with apply_probs=False; router gradients flow back through the row probs to `token_probs`.
+`megatron_patches.selection` makes `--moe-token-dispatcher-type hybrid_ep` build it.
 
-Legend: T tokens on this rank, E experts, L local experts, H hidden, R dispatched rows.
+Legend: T tokens on this rank, E experts, C routing columns, L local experts, H hidden,
+R dispatched rows.
 """
 
 from __future__ import annotations
@@ -30,17 +36,15 @@ from . import buffers, expert_out, expert_rows, te_grouped_rows, wire_fp8
 from .options import HybridEPOptions, options_for, static_size_factor
 
 try:
-    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 except ImportError as _err:  # keeps `import megatron_patches` working without Megatron
     _MEGATRON_IMPORT_ERROR = _err
 
-    class MoETokenDispatcher:  # type: ignore[no-redef]
+    class _DispatchManager:  # type: ignore[no-redef]
         def __init__(self, *args, **kwargs):
-            raise ImportError(f"HybridEPTokenDispatcher needs megatron-core: {_MEGATRON_IMPORT_ERROR}")
+            raise ImportError(f"HybridEPManager needs megatron-core: {_MEGATRON_IMPORT_ERROR}")
 
 DISPATCHER_TYPE = "hybrid_ep"
-
-
 REFUSAL = "moe_token_dispatcher_type='hybrid_ep' does not support: "
 
 
@@ -53,20 +57,16 @@ def config_unsupported_reasons(config) -> list[str]:
     """The refusals the config alone decides, also checked at config validation (selection.py),
     before Megatron's own checks could give a misleading message.
 
-    moe_paged_stash: Megatron's PagedStashRunner drives the flex dispatcher's `_comm_manager`;
-    to rerun a step that overflowed it turns the rank capacity factor off there, while
-    hybrid_ep fixes its static output size when the dispatcher is built. (The rank capacity
-    factor, hidden from validation for hybrid_ep, made Megatron's own check refuse it with
-    "requires moe_expert_rank_capacity_factor".)
-    """
+    moe_paged_stash: Megatron's PagedStashRunner reruns a step that overflowed with the flex
+    manager's rank capacity factor turned off; hybrid_ep's static size would follow it, but the
+    runner has not run with it (it needs Transformer Engine's op fuser)."""
     reasons = []
     if getattr(config, "moe_paged_stash", False):
         reasons.append(
             "moe_paged_stash=True (--moe-paged-stash): Megatron's paged-stash runner reruns "
-            "overflowing steps through the flex dispatcher's _comm_manager, and hybrid_ep fixes its "
-            "static size when the dispatcher is built; turn moe_paged_stash off "
-            "(moe_expert_rank_capacity_factor alone gives the static size; rows that do not fit are "
-            "dropped and flagged by check_over_budget())"
+            "overflowing steps with the rank capacity factor turned off, which has not been run with hybrid_ep; "
+            "turn moe_paged_stash off (moe_expert_rank_capacity_factor alone gives the static size; rows that "
+            "do not fit are dropped and flagged by check_over_budget())"
         )
     return reasons
 
@@ -92,27 +92,20 @@ def unsupported_reasons(config, tp_size: int, balancer: bool) -> list[str]:
     return reasons
 
 
-def expand_over_tensor_parallel(x_TE: torch.Tensor, ep: int, tp: int) -> torch.Tensor:
-    """[T, E] -> [T, E * TP]: each expert's column repeated for the TP ranks of its EP rank, in
-    the ETP x EP group's rank order (rank = ep_rank * TP + tp_rank), so every expert-TP rank
-    receives the same rows (as Megatron's flex dispatcher routes them)."""
-    T, E = x_TE.shape
-    L = E // ep
-    return x_TE.reshape(T, ep, 1, L).expand(T, ep, tp, L).reshape(T, ep * tp * L)
+class HybridEPManager(_DispatchManager):
+    """hybrid_ep as MoEFlexTokenDispatcher's backend (see module docstring).
 
-
-class HybridEPTokenDispatcher(MoETokenDispatcher):
-    """Token dispatcher for `moe_token_dispatcher_type="hybrid_ep"` (see module docstring).
-
-    Constructor signature of Megatron's stock dispatchers. Knobs come from
+    Built by MoEFlexTokenDispatcher with `_HybridEPManager`'s keywords: `group` is its TP x EP
+    group (rank = ep_rank x ETP + etp_rank), `num_experts` is ETP x E. Knobs come from
     `options.options_for(config)`; the buffer is shared per communication group and shape
-    (`buffers.BUFFERS`), created on the first dispatch.
+    (`buffers.BUFFERS`), created on the first dispatch. `attach(layer)`, called once MoELayer
+    built its experts (the MoELayer patch), pads rows only as far as those experts need.
 
-    Communication group: the EP group, or with expert tensor parallelism (ETP > 1) the
-    ETP x EP group, where each token goes to every expert-TP rank of its experts (as
-    Megatron's flex dispatcher does) and combine sums their partial outputs.
+    Communication group: with expert tensor parallelism (ETP > 1) each token goes to every
+    expert-TP rank of its experts (the flex dispatcher's expanded routing map) and combine sums
+    their partial outputs.
 
-    Padding rows: only what the experts built by MoELayer need (`set_experts`, decided by
+    Padding rows: only what the experts built by MoELayer need (`attach`, decided by
     `expert_rows.pad_multiple_for`), the user's --hybrid-ep-pad-multiple, router padding for
     quantization, and with moe_pad_expert_input_to_capacity `capacity x EP x ETP` rows per
     local expert (Megatron's count) rounded up to pad_multiple (`_drop_and_pad_rows`: the
@@ -126,62 +119,49 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
     shapes nothing is added; a rank that gets more tokens anyway raises alone, naming both
     settings, and its peers stop after HYBRID_EP_TIMEOUT_S.
 
-    Shared-expert overlap (moe_shared_expert_overlap): the shared experts run between the
-    phases as with Megatron's alltoall dispatcher (fc1 after dispatch, fc2 after combine) and
-    their output is added in combine_postprocess.
-
     With the expert balancer on (docs/balancer.md), rows go to expert slots: the router's
     [T, E] routing is mapped to [T, S] slots through `slot_table`, and the local "experts"
     are this rank's S / EP slots.
 
     The experts' output in place (megatron_patches.expert_out, --hybrid-ep-expert-out-in-place,
-    on by default): where `set_experts` finds a TEGroupedMLP whose fc2 allocates its output
-    with torch.empty (Transformer Engine's GroupedLinear), fc2's forward gets the buffer's
-    expert_out_view on the cuda backend's direct path, so the forward combine reads it in place
-    instead of copying it into the expert-out block (`expert_out_reason` says why not where it
-    is not installed). The backward's combine (dispatch's backward) still copies the dispatched
-    rows' gradient and the routing weights' gradient: autograd makes both, without a buffer.
+    on by default): on Transformer Engine's op fuser through Megatron's own output buffer
+    (`_zc_fwd_token_buf`), on TE's GroupedLinear module through fc2's torch.empty; expert_out's
+    docstring says where and when.
 
     After each forward dispatch, `last_dispatch_traffic` gives hybrid_ep's traffic record
     (NVLink / RDMA bytes of this rank, read from the device only when asked for) and
     `last_routed_per_expert` the [E] routed-token counts of this rank (real tokens: padding
     never appears there; under drop-and-pad the router's capacity fill, routes of weight 0,
-    is left out).
+    is left out). `over_budget` (static size only) is the [1] bool flag Megatron's
+    `check_over_budget()` returns: True once a dispatch dropped rows since the last reset.
     """
 
-    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
-        if pg_collection is None:
-            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-
-            pg_collection = get_default_pg_collection()
-        super().__init__(config=config, pg_collection=pg_collection)
-        # Megatron-Core 0.16's base class sets ep_size but not ep_rank.
-        self.ep_rank = self.ep_group.rank()
+    def __init__(self, group, num_local_experts: int, num_experts: int, config):
+        self.group = group
+        self.config = config
+        if config.num_moe_experts is None or num_experts % config.num_moe_experts:
+            raise ValueError(f"the flex dispatcher's {num_experts} routing columns are not a multiple of "
+                             f"num_moe_experts ({config.num_moe_experts})")
+        self.tp_size = num_experts // config.num_moe_experts
+        if group.size() % self.tp_size:
+            raise ValueError(f"the dispatch group of {group.size()} ranks is not a multiple of ETP {self.tp_size}")
+        self.ep_size = group.size() // self.tp_size
+        self.ep_rank, self.tp_rank = divmod(group.rank(), self.tp_size)
+        self.ep_group = None  # MoELayer's EP group, set by attach (the balancer reduces over it)
+        self._combined_in_place = False  # set by attach
         self.options: HybridEPOptions = options_for(config)
         refuse(unsupported_reasons(config, self.tp_size, self.options.balancer_enabled)
                + wire_fp8.unsupported_reasons(config, self.options))
         # fp8 on the wire (options.dispatch_fp8 / combine_grad_fp8): rows quantized once, here.
         self.wire_quantizer = (wire_fp8.quantizer_for(config)
                                if self.options.dispatch_fp8 or self.options.combine_grad_fp8 else None)
-        if config.num_moe_experts is None or config.num_moe_experts % self.ep_size != 0:
+        if config.num_moe_experts % self.ep_size != 0:
             raise ValueError(
                 f"num_moe_experts ({config.num_moe_experts}) must be a multiple of the EP size ({self.ep_size})"
             )
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
-        expected = [self.ep_rank * num_local_experts + j for j in range(num_local_experts)]
-        if self.local_expert_indices != expected:
-            raise ValueError(
-                f"local_expert_indices must be {expected} (experts r*L .. r*L+L-1 on EP rank r), "
-                f"got {self.local_expert_indices}"
-            )
-        self.comm_group = self.ep_group if self.tp_size == 1 else self.tp_ep_group
-        if self.tp_size > 1 and self.comm_group.rank() != self.ep_rank * self.tp_size + self.tp_rank:
-            raise RuntimeError(
-                f"the ETP x EP group orders ranks as {self.comm_group.rank()} for EP rank {self.ep_rank}, "
-                f"ETP rank {self.tp_rank}; hybrid_ep expects ep_rank * ETP + etp_rank"
-            )
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = [self.ep_rank * num_local_experts + j for j in range(num_local_experts)]
         self.static_size_factor = static_size_factor(config, self.options)
         self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
         # Expert balancer: P local slots instead of E / EP experts, router ids mapped to slots.
@@ -197,33 +177,43 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.num_slots = P * self.ep_size
             self.num_local_experts = P
             self.local_expert_indices = [self.ep_rank * P + j for j in range(P)]
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            self.slot_table = SlotTable(self.num_experts, self.num_slots, device=device)
+            self.slot_table = SlotTable(self.num_experts, self.num_slots, device=_device())
         self.expert_out: expert_out.ExpertOutInPlace | None = None
         self.set_experts(None)
         self._buffer: hep.HybridEPBuffer | None = None
         self.handle = None
         self._handle_buffer = None  # the buffer self.handle belongs to (combine must use it)
         self.capacity = None
+        self.routing_map = self.token_probs = self.dispatched_probs = None
+        self.tokens_per_expert = None  # kept until combine: the EP-overlap schedule reads it on another stream
         self.last_dispatch_call = None  # hybrid_ep.buffer.CallRecord of the forward dispatch
         self.last_routed_per_expert = None
-        # Tensors dispatch_preprocess leaves for token_dispatch: with cuda_graph_modules
-        # containing moe_preprocess, Megatron returns them from the captured graph and sets
-        # them again after each replay (its alltoall dispatcher lists its own the same way).
-        self.cudagraph_attrs = ["routing_map", "last_routed_per_expert"]
         self.last_num_dropped = None
         self._over_budget = None
+        self._rows_as = None  # how this dispatch's experts take fp8 rows (te_grouped_rows.rows_as)
 
-    def check_over_budget(self):
-        """Megatron's flex-dispatcher interface: a [1] bool device tensor, True once a dispatch
-        dropped rows that did not fit the static size since the last reset (None: no static
-        size, nothing is ever dropped), for a trainer that checks its budget (Megatron's paged
-        stash, which reads it, is refused with hybrid_ep)."""
+    @property
+    def over_budget(self) -> torch.Tensor:
+        """[1] bool: True once a dispatch dropped rows that did not fit the static size since the
+        last reset (Megatron's flex dispatcher reads and resets it). Absent (AttributeError)
+        without a static size: nothing is ever dropped."""
+        if self.static_size_factor is None:
+            raise AttributeError("over_budget: no static size (moe_expert_rank_capacity_factor), nothing is dropped")
+        if self._over_budget is None:
+            self._over_budget = torch.zeros(1, dtype=torch.bool, device=_device())
         return self._over_budget
 
-    def reset_over_budget(self) -> None:
-        if self._over_budget is not None:
-            self._over_budget.fill_(False)
+    @property
+    def _zc_fwd_token_buf(self) -> torch.Tensor | None:
+        """The experts' output buffer: the flex dispatcher's get_expert_zero_copy_buffers reads it
+        once per forward, after the dispatch, and MoELayer hands it to TEGroupedMLP on Transformer
+        Engine's op fuser as output_buffer. The current dispatch's view of the buffer's expert-out
+        block, which the combine then reads in place, where one can serve (expert_out), else None."""
+        return None if self.expert_out is None else self.expert_out.output_buffer()
+
+    # the experts' input-gradient buffer (the flex dispatcher's grad_input_buffer): none, the
+    # dispatch's backward is a combine that takes the gradient where autograd makes it
+    _zc_bwd_token_buf = None
 
     @property
     def last_dispatch_traffic(self):
@@ -235,10 +225,20 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         """Ranks that send rows to one local expert: EP x expert-TP."""
         return self.ep_size * self.tp_size
 
+    def attach(self, layer) -> None:
+        """After MoELayer built its experts: pad for them (set_experts), keep the layer's EP
+        group, and let a CUDA graph of moe_preprocess return the routed counts too."""
+        self.ep_group = layer.token_dispatcher.ep_group
+        # with shared-expert overlap the flex dispatcher adds the shared experts' output into the
+        # combine's output in place, which autograd forbids on a view a custom Function made
+        self._combined_in_place = layer.token_dispatcher.shared_experts is not None
+        self.set_experts(layer.experts)
+        layer.token_dispatcher.cudagraph_attrs.append("_comm_manager.last_routed_per_expert")
+
     def set_experts(self, experts) -> None:
         """Pad rows only as far as `experts` (the module MoELayer built; None: not built yet)
         needs, and install the experts' output in place where it can serve them
-        (expert_out.install_reason); called by the MoELayer hook before the first dispatch."""
+        (expert_out.install_reason)."""
         pad, self.padding_reason = expert_rows.pad_multiple_for(experts, self.config)
         if getattr(self.config, "moe_router_padding_for_quantization", False):
             pad = math.lcm(pad, expert_rows.quantization_alignment(self.config))
@@ -251,27 +251,11 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             self.expert_out = expert_out.ExpertOutInPlace(self, experts)
         self._te_api, self.fp8_rows_reason = None, "no fp8 on the wire"
         if self.wire_quantizer is not None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self._te_api = te_grouped_rows.te_api()
-            self.fp8_rows_reason = te_grouped_rows.handoff_reason(experts, self.config, self.pad_multiple, device,
+            self.fp8_rows_reason = te_grouped_rows.handoff_reason(experts, self.config, self.pad_multiple,
                                                                   self._te_api)
             if experts is not None and self.ep_rank == 0:
-                te_grouped_rows.announce(self.fp8_rows_reason)
-
-    def _fp8_rows_as(self, splits):
-        """How the experts take received fp8 rows split as `splits` per local expert: as TE's
-        GroupedTensor where fp8_rows_reason is None, else dequantized."""
-        if self.fp8_rows_reason is None:
-            return te_grouped_rows.GroupedRows(splits, self._te_api)
-        return wire_fp8.dequantized
-
-    def set_shared_experts(self, shared_experts):
-        """Megatron's hook for moe_shared_expert_overlap; the shared experts' tensors kept
-        between the phases are graph outputs too, as with the alltoall dispatcher."""
-        super().set_shared_experts(shared_experts)
-        if getattr(shared_experts, "use_shared_expert_gate", False):
-            self.cudagraph_attrs.append("shared_experts.gate_score")
-        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
+                te_grouped_rows.announce(self.fp8_rows_reason, self._te_api)
 
     # -- buffer -----------------------------------------------------------------------------
 
@@ -285,7 +269,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         rings carry (buffers.ring_dtype_for the hidden states)."""
         opts = self.options
         key = buffers.BufferKey(
-            group_id=id(self.comm_group),
+            group_id=id(self.group),
             hidden_dim=hidden_dim,
             num_experts=self.num_slots * self.tp_size,
             pad_multiple=self.pad_multiple,
@@ -295,16 +279,16 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             num_sms_combine=opts.num_sms_combine,
             ring_dtype=ring_dtype,
         )
-        self._buffer = buffers.BUFFERS.get(self.comm_group, key, num_tokens, opts.max_tokens_per_rank, device,
+        self._buffer = buffers.BUFFERS.get(self.group, key, num_tokens, opts.max_tokens_per_rank, device,
                                            min_rows_per_expert=min_rows, group_tokens=group_tokens, dtype=dtype,
                                            expert_out_in_place=self.expert_out is not None)
         return self._buffer
 
     def _agrees_tokens_per_call(self) -> bool:
-        """Whether token_dispatch all-reduces the token count first: only where micro-batches
-        may change their token count (Megatron's variable_seq_lengths). With fixed shapes the
-        first call's group maximum holds for every call, and one more collective per MoE layer
-        would be paid for nothing."""
+        """Whether dispatch all-reduces the token count first: only where micro-batches may
+        change their token count (Megatron's variable_seq_lengths). With fixed shapes the first
+        call's group maximum holds for every call, and one more collective per MoE layer would
+        be paid for nothing."""
         return bool(getattr(self.config, "variable_seq_lengths", False))
 
     def _capacity(self, num_tokens: int) -> int:
@@ -347,42 +331,41 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         weights = torch.where(valid, probs.gather(1, cols).float(), 0.0)
         return idx, weights
 
-    # -- the six phases ---------------------------------------------------------------------
+    # -- the five methods MoEFlexTokenDispatcher calls ----------------------------------------
 
-    def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """[S, B, H] -> [T, H]; keeps the routing for token_dispatch (no communication)."""
-        if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
-            raise ValueError(
-                f"routing_map must be a [tokens, experts] bool tensor, got {routing_map.dtype} "
-                f"of shape {tuple(routing_map.shape)}"
-            )
+    @torch.compiler.disable  # the flex dispatcher's dispatch_preprocess is compiled; this part is not its
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Keep the routing for dispatch (no communication): routing_map and probs [T, EP x ETP, L]
+        as the flex dispatcher expands them, kept as [T, C] (the balancer's slots: C = S)."""
+        T = routing_map.shape[0]
+        C = self.tp_size * self.num_experts
+        if routing_map.dtype != torch.bool or routing_map.numel() != T * C:
+            raise ValueError(f"routing_map must be a bool tensor of [tokens, {C}] routes, got {routing_map.dtype} "
+                             f"of shape {tuple(routing_map.shape)}")
         if probs.shape != routing_map.shape:
             raise ValueError(f"probs shape {tuple(probs.shape)} must equal routing_map shape "
                              f"{tuple(routing_map.shape)}")
-        self.hidden_shape = hidden_states.shape
-        routed = routing_map.detach()
+        routing_map, probs = routing_map.reshape(T, C), probs.reshape(T, C)
+        # the router's [T, E] routes: one expert-TP rank's columns of the expanded map
+        routed = routing_map.detach().reshape(T, self.ep_size, self.tp_size, -1)[:, :, 0].reshape(T, -1)
         if self.drop_and_pad:  # the router's capacity fill: routes of weight 0, not tokens
-            routed = routed & (probs.detach() != 0)
+            weights = probs.detach().reshape(T, self.ep_size, self.tp_size, -1)[:, :, 0].reshape(T, -1)
+            routed = routed & (weights != 0)
         self.last_routed_per_expert = routed.sum(dim=0)
-        if self.slot_table is not None:
+        if self.slot_table is not None:  # the balancer runs with ETP 1: the map is the router's [T, E]
             if self.load_recorder is not None and torch.is_grad_enabled():
                 self.load_recorder(self.last_routed_per_expert)
             from hybrid_ep.balancer import route_to_slots
 
             routing_map, probs = route_to_slots(routing_map, probs, self.slot_table, self.ep_rank)
-        if self.tp_size > 1:
-            routing_map = expand_over_tensor_parallel(routing_map, self.ep_size, self.tp_size)
-            probs = expand_over_tensor_parallel(probs, self.ep_size, self.tp_size)
-        self.routing_map = routing_map
-        if self.shared_experts is not None:
-            self.shared_experts.pre_forward_comm(hidden_states)
-        return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
+        self.routing_map, self.token_probs = routing_map, probs
 
-    def token_dispatch(self, hidden_states, probs):
-        """Send rows to the ranks of their experts: rows [R, H] and row probs [R]."""
-        x_TH = hidden_states
-        if self.shared_experts is not None:
-            self.shared_experts.wait_current_stream()
+    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                 allocate_on_comm_stream: bool = True) -> torch.Tensor:
+        """Send rows to the ranks of their experts: rows [R, H]; row probs [R] in dispatched_probs.
+        (hybrid_ep runs on the current stream: async_finish and allocate_on_comm_stream, the
+        DeepEP manager's, change nothing.)"""
+        x_TH, probs = hidden_states, self.token_probs
         if self.expert_out is not None:
             self.expert_out.forget()
         min_rows = 0
@@ -391,7 +374,7 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             min_rows = self._drop_and_pad_rows()
         group_tokens = None
         if self._agrees_tokens_per_call():
-            group_tokens = buffers.group_max_tokens(self.comm_group, x_TH.shape[0], x_TH.device)
+            group_tokens = buffers.group_max_tokens(self.group, x_TH.shape[0], x_TH.device)
         buf = self.buffer(x_TH.shape[0], x_TH.shape[1], x_TH.device, min_rows, group_tokens,
                           FP8_DTYPE if self.options.dispatch_fp8 else x_TH.dtype, buffers.ring_dtype_for(x_TH.dtype))
         num_out_tokens = self._num_out_tokens(x_TH.shape[0])
@@ -412,8 +395,8 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
             tokens_per_expert = torch.full((self.num_local_experts,), min_rows, dtype=torch.long)
         elif self.static_size_factor is not None:
             self.last_num_dropped = res.handle.num_dropped
-            dropped = (self.last_num_dropped > 0).reshape(1)
-            self._over_budget = dropped if self._over_budget is None else self._over_budget | dropped
+            flag = self.over_budget
+            flag |= (self.last_num_dropped > 0).reshape(1).to(flag.device)
             # Static size: rows past the last expert are zero. Give them to the last expert so
             # that the per-expert splits cover every row (combine ignores those rows).
             slack = res.tokens.shape[0] - res.tokens_per_expert.sum()
@@ -422,48 +405,47 @@ class HybridEPTokenDispatcher(MoETokenDispatcher):
         else:
             tokens_per_expert = res.tokens_per_expert
         self.tokens_per_expert = tokens_per_expert
+        if self.wire_quantizer is not None:  # how this layer's experts take fp8 rows, forward and backward
+            counts = tokens_per_expert if tokens_per_expert.device == x_TH.device else \
+                torch.full_like(tokens_per_expert, min_rows, device=x_TH.device)
+            self._rows_as = te_grouped_rows.rows_as(self.fp8_rows_reason, self._te_api, counts)
         if self.options.dispatch_fp8:
-            rows = wire_fp8.received_rows(buf, x_TH, res, self._fp8_rows_as(tokens_per_expert))
+            rows = wire_fp8.received_rows(buf, x_TH, res, self._rows_as)
         else:
             rows = res.tokens
-        if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(rows)
-        return rows, res.probs.to(probs.dtype)
+        self.dispatched_probs = res.probs.to(probs.dtype)
+        return rows
 
-    def dispatch_postprocess(self, hidden_states, probs):
-        """Rows are already expert-major: return them with rows per local expert."""
-        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
-        # Kept until combine: under the EP-overlap schedule the experts read it on another stream.
-        self._tokens_per_expert_in_use = tokens_per_expert
-        return hidden_states, tokens_per_expert, probs
+    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+        """Rows are already expert-major: the rows as they are, with their routing weights."""
+        return hidden_states, self.dispatched_probs
 
-    def combine_preprocess(self, hidden_states):
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states
 
-    def token_combine(self, hidden_states):
+    def combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                allocate_on_comm_stream: bool = True) -> torch.Tensor:
         """Sum each token's expert rows back on its source rank: [T, H]."""
         handle, self.handle = self.handle, None
         buf, self._handle_buffer = self._handle_buffer, None
         if handle is None:
-            raise RuntimeError("HybridEPTokenDispatcher.token_combine called without a preceding token_dispatch")
-        if self.shared_experts is not None:
-            self.shared_experts.wait_current_stream()
+            raise RuntimeError("HybridEPManager.combine called without a preceding dispatch")
         if self.expert_out is not None:  # fc2's output in the expert-out block must be what is combined
             self.expert_out.check_combine(hidden_states, buf)
         if self.options.combine_grad_fp8:
             out = wire_fp8.combine(buf, hidden_states, handle, self.wire_quantizer,
-                                   num_sms=self.options.num_sms_combine,
-                                   as_rows=self._fp8_rows_as(self._tokens_per_expert_in_use))
+                                   num_sms=self.options.num_sms_combine, as_rows=self._rows_as)
         else:
             out = hep.combine(buf, hidden_states, handle, num_sms=self.options.num_sms_combine)
-        self._tokens_per_expert_in_use = None
-        if self.shared_experts is not None:
-            self.shared_experts.linear_fc2_forward(out)
-            self.shared_experts.post_forward_comm()
+        self.tokens_per_expert = self.dispatched_probs = self._rows_as = None
+        if self._combined_in_place and out._is_view():
+            out = out.clone()
         return out
 
-    def combine_postprocess(self, hidden_states):
-        output = hidden_states.view(self.hidden_shape)
-        if self.shared_experts is not None:
-            output = output + self.shared_experts.get_output()
-        return output
+
+def _device() -> torch.device | None:
+    """Where the manager's own small tensors live: the current GPU, else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
