@@ -92,7 +92,7 @@ def test_several_nodes_calls_many_times_a_ring_match_the_oracle(case):
     check_emulated(group_for(case), dataclasses.replace(case, seed=case.world_size))
 
 
-@pytest.mark.parametrize("sms", [1, 3, 5])
+@pytest.mark.parametrize("sms", [1, 3, pytest.param(5, marks=pytest.mark.slow)])  # slow: the full tier
 def test_more_blocks_than_ring_slots(sms):
     """A rank's blocks take its chunks in turn, so with more blocks than slots one block's chunk
     waits for another block's (or rank's) credit; the forwarder's own chunks come less than a

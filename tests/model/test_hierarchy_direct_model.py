@@ -138,7 +138,7 @@ def test_a_node_missing_from_the_combine_times_out_naming_it(monkeypatch):
         group.close()
 
 
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])  # slow: the full tier
 def test_the_combine_pipelines_share_own_and_forwarded_chunks(nodes, per_node):
     """A block's own and forwarded chunks cost differently; each kind goes to the two pipelines
     in turn (combine_direct.cuh, UnitPipelines), so at one block per rank their reducers are
@@ -162,12 +162,15 @@ def test_the_combine_pipelines_share_own_and_forwarded_chunks(nodes, per_node):
     assert max(first, second) / min(first, second) < 1.08
 
 
-LAGGED = [hierarchy_case(2, 4, num_experts=16, topk=8, tokens=(600, 0, 97, 1, 330, 64, 33, 513)),
-          hierarchy_case(2, 2, num_experts=8, topk=4, tokens=(600, 0, 330, 513))]
+_WIDE_LAG = hierarchy_case(2, 4, num_experts=16, topk=8, tokens=(600, 0, 97, 1, 330, 64, 33, 513))
+_NARROW_LAG = hierarchy_case(2, 2, num_experts=8, topk=4, tokens=(600, 0, 330, 513))
+# every lag on the 4-rank case; the 8-rank case (20-30 s a point on the model) at 2 SMs in CI's
+# tier, at 1 and 3 in the full tier
+LAGGED = [pytest.param(_WIDE_LAG, sms, id=f"{_WIDE_LAG}-{sms}", marks=() if sms == 2 else pytest.mark.slow)
+          for sms in (1, 2, 3)] + [pytest.param(_NARROW_LAG, sms, id=f"{_NARROW_LAG}-{sms}") for sms in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("sms", [1, 2, 3])
-@pytest.mark.parametrize("case", LAGGED, ids=str)
+@pytest.mark.parametrize("case, sms", LAGGED)
 def test_own_chunks_lag_two_block_steps_on_the_default_ring(case, sms):
     """At the default ring (8 slots) an own chunk comes two block steps after the forwarded
     chunks of its index (DirectCombine::own_lag: 2, 4 and 6 here, where the 2-slot rings above

@@ -3,10 +3,11 @@
 A buffer holds ring_chunks chunk slots per peer for the rows it receives (and, with several
 nodes, for the rows it stages for and receives from other nodes), whatever the routing; a call
 that sends a rank more takes more turns of the ring, the writer waiting for the reader's credit
-of each slot (csrc/kernels/dispatch_receive.cuh). Here the smallest ring (2 chunks) runs the oracle
-matrix of the single-node and several-node tests, and calls that wrap it many times: every
-token of every rank to one expert, every token to one rank, odd and zero token counts, fp8,
-dropped routes, 2-4 nodes. The model's waits are real, so a deadlock of the rings fails as a
+of each slot (csrc/kernels/dispatch_receive.cuh). The oracle matrices run on the smallest ring
+(2 chunks) where they live (test_kernels_model.py::test_the_receive_path_on_two_slot_rings,
+test_hierarchy_model.py::test_hierarchical_kernels_on_two_slot_rings); here run calls that wrap
+it many times: every token of every rank to one expert, every token to one rank, odd and zero
+token counts, fp8, dropped routes, 2-4 nodes. The model's waits are real, so a deadlock of the rings fails as a
 timeout record. A missing reader is reported naming the ring, the peer and the chunk.
 """
 
@@ -18,7 +19,6 @@ import re
 
 import pytest
 import torch
-from test_kernels_model import CASES as SINGLE_NODE_CASES
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import ring_tag
@@ -26,7 +26,7 @@ from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.testing.cases import Case
 from hybrid_ep.testing.emulated import GroupCache, check_emulated
 from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
+from hybrid_ep.testing.hierarchy_cases import hierarchy_case
 
 pytestmark = pytest.mark.model
 
@@ -75,18 +75,6 @@ HIERARCHY_WRAPS = [
     # ring, so forwarded rows stay in the staging ring while the sources go on
     hierarchy_case(2, 2, 12288, dtype=torch.float32, routing="one-rank", topk=2, tokens=(97, 130, 0, 65)),
 ]
-
-
-@pytest.mark.parametrize("case", SINGLE_NODE_CASES, ids=str)
-def test_single_node_oracle_matrix_on_the_smallest_ring(case):
-    model.set_seed(0)
-    check_emulated(group_for(case), case)
-
-
-@pytest.mark.parametrize("case", topology_cases() + feature_cases(), ids=str)
-def test_hierarchy_oracle_matrix_on_the_smallest_ring(case):
-    model.set_seed(case.world_size)
-    check_emulated(group_for(case), case)
 
 
 @pytest.mark.parametrize("case", WRAPS + HIERARCHY_WRAPS, ids=str)

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from hybrid_ep.bench import deepep, main
+from hybrid_ep.bench import cli, deepep, main
 from hybrid_ep.bench.spec import BASELINES, BENCH_BACKENDS, BenchArgError, BenchSpec
 
 pytestmark = pytest.mark.unit
@@ -60,9 +60,12 @@ def test_without_deep_ep_the_baseline_is_skipped_with_its_reason(tmp_path, capsy
     # asked for alone, there is nothing to run: the reason is the error
     assert main([*TINY, "-w", "2", "--backends", "deepep", "--out", str(tmp_path / "alone")]) == 2
     assert "argument --backends: 'deepep' is not available here: deep_ep does not import" in capsys.readouterr().err
-    # and it is never run unasked
-    assert main([*TINY, "-w", "2", "--out", str(tmp_path / "default")]) == 0
-    assert json.loads((tmp_path / "default" / "results.json").read_text())["skipped"] == {}
+
+
+def test_deep_ep_is_never_run_unasked_even_where_every_rank_has_it():
+    usable = {"backends": ["reference", "cuda", "deepep"], "unavailable": {}}
+    assert cli._pick_backends(_spec(backends=[]), [usable, usable]) == (["reference", "cuda"], {})
+    assert cli._pick_backends(_spec(backends=["deepep"]), [usable, usable]) == (["deepep"], {})
 
 
 def test_deep_ep_on_the_cpu_says_it_needs_cuda(monkeypatch):
