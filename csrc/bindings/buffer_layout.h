@@ -18,7 +18,8 @@
 // memory a rank holds grows with the peers that write into it (G node peers over NVLink, N rail
 // peers over RDMA) up to kFullDepthWriters of them, not with the EP size.
 //
-// Host code only (the bindings); the kernels receive the offsets in Geometry.
+// Host code only (the bindings); the kernels receive the offsets in Geometry. Beside them, the
+// layout of a call's workspace (CallLayout): where one rank's per-call tensors lie in its part.
 #pragma once
 #include <cstdint>
 #include <stdexcept>
@@ -215,6 +216,60 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
   rd.region("node_part_rows", "node partial sums, sized for an " + width + " wire: a ring per node, out and in");
   d.total = rd.total();
   return out;
+}
+
+// Where one rank's per-call tensors of a dispatch lie in its part of the call's workspace
+// (bytes from the part's start; -1 where the data path has none). The part is sized for
+// max_tokens tokens and `topk` routes, so it depends only on the engine, K and the path:
+// rank i's part of a call starts at i * bytes. The handle keeps the part for the combine.
+struct CallLayout {
+  int64_t info = -1;        // InfoLayout tensor (i64)
+  int64_t send_slot = -1;   // [T, W] i32
+  int64_t row_pos = -1;     // receive path: [W, max_tokens, kd] i32
+  int64_t recv_spans = -1;  // receive path: [W, max_chunks, 2] i32
+  int64_t fwd_slots = -1;   // several nodes: [N, max_chunks * kChunkTokens, G] i32
+  int64_t fwd_rows = -1;    // several nodes: [N, max_chunks] i32
+  int64_t fwd_routes = -1;  // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32
+  int64_t entry_ord = -1;   // [T, K] i32
+  int64_t route_rows = -1;  // direct path: [T, K] i32
+  int64_t bytes = 0;        // the part, a multiple of kCallAlign
+};
+
+inline constexpr int64_t kCallAlign = 128;  // every tensor of a part starts on its own 128-byte line
+
+// direct: the direct path's route rows; receive: the receive path's row positions and
+// chunk spans. A layout with both serves a dispatch that chooses its path after the layout
+// kernel (the engine's per-call fallback when the arena can not hold the output).
+inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct, bool receive) {
+  if (topk < 0 || topk > kMaxTopK) throw std::invalid_argument("topk out of range for a call layout");
+  CallLayout l;
+  int64_t at = 0;
+  auto place = [&at](int64_t& field, int64_t bytes) {
+    field = at;
+    at += (bytes + kCallAlign - 1) / kCallAlign * kCallAlign;
+  };
+  const int64_t W = g.world_size, T = g.max_tokens, N = g.num_nodes, G = g.ranks_per_node;
+  const int64_t chunks = static_cast<int64_t>(g.reg.max_chunks);
+  place(l.info, g.info.total * 8);
+  place(l.send_slot, T * W * 4);
+  if (receive) {
+    place(l.row_pos, W * T * kd * 4);
+    place(l.recv_spans, W * chunks * 2 * 4);
+  }
+  if (N > 1) {
+    if (receive) place(l.fwd_slots, N * chunks * kChunkTokens * G * 4);
+    if (direct) place(l.fwd_routes, N * chunks * kChunkTokens * fwd_route_width(g) * 4);
+    place(l.fwd_rows, N * chunks * 4);
+  }
+  place(l.entry_ord, T * topk * 4);
+  if (direct) place(l.route_rows, T * topk * 4);
+  l.bytes = at < kCallAlign ? kCallAlign : at;
+  return l;
+}
+
+// The address of a tensor at `offset` in a part at `part` (0 where the layout has none).
+inline uint64_t at_offset(uint64_t part, int64_t offset) {
+  return offset < 0 ? 0 : part + static_cast<uint64_t>(offset);
 }
 
 }  // namespace hybrid_ep

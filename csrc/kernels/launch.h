@@ -1,4 +1,5 @@
-// Host-side launchers of the three kernels. Each takes a fully filled LaunchArgs and a
+// Host-side launchers of the five kernels (count, dispatch_receive, dispatch_direct,
+// combine_receive, combine_direct). Each takes a fully filled LaunchArgs and a
 // stream; all blocks of a launch are co-resident (a cooperative launch on a GPU, every block
 // as fibers in the CPU model), because blocks wait on rows that other blocks, of this or
 // another virtual rank, send.

@@ -109,14 +109,15 @@ def _world_of_one():
 
 
 def _single_rank_buffer(group):
-    """A HybridEPBuffer of one rank whose cuda backend drives `group`'s engine (W = 1)."""
+    """A HybridEPBuffer of one rank whose cuda backend drives `group`'s buffers with an Engine
+    of its own, as production's (W = 1)."""
     from ..backends.cuda.backend import CudaBackend
     from ..buffer import HybridEPBuffer
 
     c = group.config
     buf = HybridEPBuffer(None, c.hidden_dim, c.max_tokens_per_rank, c.num_experts, backend="reference",
                          num_sms_dispatch=1, num_sms_combine=1)
-    buf._backend = CudaBackend.on_engine(buf.config, buf.rank, buf._owner, group.engine)
+    buf._backend = CudaBackend.on_group(buf.config, buf.rank, buf._owner, group)
     return buf
 
 

@@ -93,7 +93,7 @@ class GlooKernels:
     # -- the count kernel ------------------------------------------------------------------
 
     def dispatch_count(self, args, stream, ptr, layout, static_rows, inputs, read):
-        self._layout(args, ptr, layout, static_rows, inputs[0])
+        self._layout(args, ptr, layout, static_rows, inputs)
 
     def _layout(self, args, ptr: int, layout, static_rows: int, inp) -> None:
         self.launched["count"] += 1
@@ -162,27 +162,30 @@ class GlooKernels:
     # -- the dispatch kernel ----------------------------------------------------------------
 
     def dispatch_rows(self, args, direct, stream, ptr, layout, outputs):
-        """outputs: one ext.DispatchOutputs per rank, or the arena blocks an ext.ArenaTaken holds
-        (then their ext.OutputTensors come back), as the extension's HostPath.dispatch_rows."""
-        if isinstance(outputs, list):
-            self._rows(args, direct, ptr, outputs[0])
+        """outputs: the rank's ext.DispatchOutputs, or the arena block an ext.ArenaTaken holds
+        (then its ext.OutputTensors come back), as the extension's HostPath.dispatch_rows."""
+        if isinstance(outputs, self.engine.ext.DispatchOutputs):
+            self._rows(args, direct, ptr, outputs)
             return None
         return self._rows_into(args, ptr, outputs)
 
     def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs):
-        self._layout(args, ptr, layout, static_rows, inputs[0])
-        self._rows(args, direct, ptr, outputs[0])
+        self._layout(args, ptr, layout, static_rows, inputs)
+        self._rows(args, direct, ptr, outputs)
 
     def dispatch_into(self, args, stream, ptr, layout, static_rows, inputs, taken):
         """A direct call into the blocks `taken` holds (arena.arena_take): both kernels, then the
         blocks' tensors, as the extension's HostPath.dispatch_into."""
-        self._layout(args, ptr, layout, static_rows, inputs[0])
+        self._layout(args, ptr, layout, static_rows, inputs)
         return self._rows_into(args, ptr, taken)
 
-    def _rows_into(self, args, ptr: int, taken) -> list:
+    def _rows_into(self, args, ptr: int, taken):
         ext = self.engine.ext
-        self._rows(args, True, ptr, ext.DispatchOutputs((self.calls[ptr].rows[self.rank], *taken.addresses()[0])))
-        return [ext.OutputTensors(t) for t in taken.tensors()]
+        rows_at, scales_at, probs_at = taken.addresses()[0]
+        self._rows(args, True, ptr, ext.DispatchOutputs(num_rows=self.calls[ptr].rows[self.rank], rows=rows_at,
+                                                        scales=scales_at, probs=probs_at))
+        rows, scales, probs = taken.tensors()[0]
+        return ext.OutputTensors(rows=rows, scales=scales, probs=probs)
 
     def _rows(self, args, direct: bool, ptr: int, out) -> None:
         self.launched["dispatch_direct" if direct else "dispatch_receive"] += 1
@@ -221,7 +224,7 @@ class GlooKernels:
 
     def combine(self, args, direct, stream, inputs):
         self.launched["combine_direct" if direct else "combine_receive"] += 1
-        inp, r = inputs[0], self.rank
+        inp, r = inputs, self.rank
         call = self.calls[inp.part]
         dtype, C, L = self._dtype(args), args.row_elems, self.config.experts_per_rank
         if direct:  # every route's expert_out row from its expert's rank, through this process's mapping
@@ -267,7 +270,7 @@ def faked_backend(config, group, rank: int, owner: int, kernels=GlooKernels):
     self._peer = process_agreement(ext, config, group, rank, _CPU)
     tables = [torch.zeros(config.world_size, dtype=torch.int64)]  # no registered buffers: no kernel reads them
     self._engine = Engine(ext, config, [rank], tables, _CPU, None, peer=self._peer)
-    self._engine.host = kernels(self._engine, group)
+    self._engine.host = self._engine.model.host = kernels(self._engine, group)
     return self
 
 

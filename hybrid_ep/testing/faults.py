@@ -7,7 +7,7 @@ their peers then give up after HYBRID_EP_TIMEOUT_S and the error names the rank 
 with the ranks absent either way). `after_count` ranks launch a dispatch's count kernel, so
 their counts are exchanged, but not its dispatch kernel: a peer lost between the two.
 
-This is the only place that sets Engine.absent; no public call takes the ranks.
+This is the only place that sets Engine.model.absent; no public call takes the ranks.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
-from ..backends.cuda.engine import AbsentRanks
+from ..backends.cuda.model_hooks import AbsentRanks
 
 
 @contextlib.contextmanager
 def ranks_absent(group, ranks: Iterable[int] = (), *, after_count: Iterable[int] = ()) -> Iterator[None]:
-    engine = getattr(group, "engine", group)
-    before = engine.absent
-    engine.absent = AbsentRanks(frozenset(ranks), frozenset(after_count))
+    model = getattr(group, "engine", group).model
+    before = model.absent
+    model.absent = AbsentRanks(frozenset(ranks), frozenset(after_count))
     try:
         yield
     finally:
-        engine.absent = before
+        model.absent = before

@@ -166,9 +166,9 @@ def test_a_blocks_addresses_and_tensors_are_rows_scales_probs(region, dtype, fp8
         assert scales is None and scales_at == 0
     ext = a.ext
     assert ext.OutputTensors.__match_args__ == ("rows", "scales", "probs")
-    made = ext.OutputTensors((rows, scales, probs))
+    made = ext.OutputTensors(rows=rows, scales=scales, probs=probs)
     assert (made.rows, made.scales, made.probs) == (rows, scales, probs)
-    out = ext.DispatchOutputs((R, rows_at, scales_at, probs_at))
+    out = ext.DispatchOutputs(num_rows=R, rows=rows_at, scales=scales_at, probs=probs_at)
     assert (out.num_rows, out.rows, out.scales, out.probs) == (R, rows_at, scales_at, probs_at)
 
 

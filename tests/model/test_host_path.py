@@ -421,33 +421,36 @@ def test_host_path_checks_its_rank_count(group):
     e = group.engine
     args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
-        e.host.combine(args, False, 0, [e.ext.CombineInputs((T, K, 0, e.ext.call_layout(e.geo, 2, K, False, True),
-                                                             0, 0, 0, 0, 0))])
+        e.host.combine(args, False, 0, [e.ext.CombineInputs(num_tokens=T, topk=K, part=0,
+                                                            layout=e.ext.call_layout(e.geo, 2, K, False, True),
+                                                            topk_idx=0, expert_out=0, probs=0, y=0, num_rows=0)])
 
 
-def test_the_seams_structs_are_struct_sequences_of_their_fields(group):
+def test_the_seams_structs_are_struct_sequences_built_by_name(group):
     """What crosses into the host path per rank is one of the extension's struct sequences
-    (bindings/common.h, SeamTypes): built from the tuple of its fields in their one order and
-    read by name; the wrong length is an error naming the struct."""
+    (bindings/seam.h): built by field name, in any order, and read by name; a field missing,
+    unknown or given by position is an error naming the struct and its fields."""
     ext = group.engine.ext
     layout = ext.call_layout(group.engine.geo, 2, K, False, True)
-    assert ext.DispatchInputs.__match_args__ == ("num_tokens", "topk", "x", "x_scales", "topk_idx", "topk_weights")
-    assert ext.DispatchOutputs.__match_args__ == ("num_rows", "rows", "scales", "probs")
-    assert ext.CombineInputs.__match_args__ == ("num_tokens", "topk", "part", "layout", "topk_idx", "expert_out",
-                                                "probs", "y", "num_rows")
-    d = ext.DispatchInputs((T, K, 1, 2, 3, 4))
-    assert (d.num_tokens, d.topk, d.x, d.x_scales, d.topk_idx, d.topk_weights) == (T, K, 1, 2, 3, 4) == tuple(d)
-    o = ext.DispatchOutputs((5, 1, 0, 2))
+    assert set(ext.DispatchInputs.__match_args__) == {"num_tokens", "topk", "x", "x_scales", "topk_idx",
+                                                      "topk_weights"}
+    d = ext.DispatchInputs(topk_weights=4, topk_idx=3, x_scales=2, x=1, topk=K, num_tokens=T)
+    assert (d.num_tokens, d.topk, d.x, d.x_scales, d.topk_idx, d.topk_weights) == (T, K, 1, 2, 3, 4)
+    o = ext.DispatchOutputs(probs=2, scales=0, rows=1, num_rows=5)
     assert (o.num_rows, o.rows, o.scales, o.probs) == (5, 1, 0, 2)
-    c = ext.CombineInputs((T, K, 1, layout, 2, 3, 4, 5, 6))
+    c = ext.CombineInputs(num_rows=6, y=5, probs=4, expert_out=3, topk_idx=2, layout=layout, part=1, topk=K,
+                          num_tokens=T)
     assert (c.num_tokens, c.topk, c.part, c.topk_idx, c.expert_out, c.probs, c.y, c.num_rows) == (T, K, 1, 2, 3, 4,
                                                                                                   5, 6)
     assert c.layout is layout
     name = re.escape(ext.__name__)
-    with pytest.raises(TypeError, match=rf"{name}\.CombineInputs\(\) takes a 9-sequence \(8-sequence given\)"):
-        ext.CombineInputs((T, K, 1, layout, 2, 3, 4, 5))
-    with pytest.raises(TypeError, match=rf"{name}\.DispatchInputs\(\) takes a 6-sequence \(7-sequence given\)"):
-        ext.DispatchInputs((T, K, 1, 2, 3, 4, 5))
+    fields = "num_rows, rows, scales, probs"
+    with pytest.raises(TypeError, match=rf"^{name}\.DispatchOutputs\(\) takes its fields by name: {fields}$"):
+        ext.DispatchOutputs(rows=1, scales=0, probs=2)  # num_rows missing
+    with pytest.raises(TypeError, match=rf"^{name}\.DispatchOutputs\(\) takes its fields by name: {fields}$"):
+        ext.DispatchOutputs((5, 1, 0, 2))
+    with pytest.raises(TypeError, match=rf"^{name}\.DispatchOutputs\(\) has no field row \(its fields: {fields}\)$"):
+        ext.DispatchOutputs(num_rows=5, row=1, scales=0, probs=2)
 
 
 def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
@@ -460,17 +463,22 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
     layout = ext.call_layout(e.geo, 2, K, False, True)
     combine = e._launch_args(1, "float32", H, "combine_receive", "float32")
     dispatch = e._launch_args(1, "float32", H, "dispatch_receive")
-    good_in = ext.DispatchInputs((T, K, 64, 0, 128, 256))
-    good_out = ext.DispatchOutputs((T, 64, 0, 128))
+    def dispatch_inputs(**fields):
+        return ext.DispatchInputs(**{**dict(num_tokens=T, topk=K, x=64, x_scales=0, topk_idx=128, topk_weights=256),
+                                     **fields})
+
+    good_in = dispatch_inputs()
+    good_out = ext.DispatchOutputs(num_rows=T, rows=64, scales=0, probs=128)
 
     def combine_inputs(**fields):
-        values = dict(zip(ext.CombineInputs.__match_args__, (T, K, 64, layout, 0, 128, 256, 512, 8)), **fields)
-        return ext.CombineInputs(tuple(values.values()))
+        values = dict(num_tokens=T, topk=K, part=64, layout=layout, topk_idx=0, expert_out=128, probs=256, y=512,
+                      num_rows=8)
+        return ext.CombineInputs(**{**values, **fields})
 
     ext.set_launches_enabled(False)  # nothing below may get as far as a launch; none runs if one did
     before = ext.launch_counts()
     try:
-        with pytest.raises(TypeError, match=rf"^inputs\[0\]: a {name}\.CombineInputs \(its fields in order: "
+        with pytest.raises(TypeError, match=rf"^inputs\[0\]: a {name}\.CombineInputs \("
                                             r"num_tokens, topk, part, layout, topk_idx, expert_out, probs, y, "
                                             r"num_rows\), got tuple$"):
             e.host.combine(combine, False, 0, [(T, K, 64, layout, 0, 128, 256, 512, 8)] * W)
@@ -483,15 +491,13 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
                                             r"got int$"):
             e.host.combine(combine, False, 0, [combine_inputs(layout=0)] * W)
         with pytest.raises(TypeError, match=rf"^{name}\.DispatchInputs\.x: an int, got Tensor$"):
-            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [ext.DispatchInputs((T, K, torch.zeros(1), 0, 128,
-                                                                                       256))] * W, False)
+            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [dispatch_inputs(x=torch.zeros(1))] * W, False)
         with pytest.raises(OverflowError, match=rf"^{name}\.DispatchInputs\.num_tokens: 4294967296 is out of range "
                                                 r"of int32$"):
-            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [ext.DispatchInputs((1 << 32, K, 64, 0, 128, 256))]
-                                  * W, False)
+            e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [dispatch_inputs(num_tokens=1 << 32)] * W, False)
         with pytest.raises(OverflowError, match=rf"^{name}\.DispatchOutputs\.rows: -64 is out of range of uint64$"):
             e.host.dispatch(dispatch, False, 0, 0, layout, STATIC, [good_in] * W,
-                            [good_out, ext.DispatchOutputs((T, -64, 0, 128))])
+                            [good_out, ext.DispatchOutputs(num_rows=T, rows=-64, scales=0, probs=128)])
         assert ext.launch_counts() == before
     finally:
         ext.set_launches_enabled(True)

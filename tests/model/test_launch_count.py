@@ -223,9 +223,9 @@ def test_buffer_pair_of_one_rank_per_process(path, monkeypatch):
                 hep.combine(buf, res.tokens, res.handle, apply_probs=True)
             del res
             dispatch_kernel, combine_kernel = KERNELS[path]
-            with counting(group.engine, monkeypatch) as dispatched:
+            with counting(buf._backend._engine, monkeypatch) as dispatched:
                 res = hep.dispatch(buf, x, idx[0], w, num_out_tokens=T * K)
-            with counting(group.engine, monkeypatch) as combined:
+            with counting(buf._backend._engine, monkeypatch) as combined:
                 y = hep.combine(buf, res.tokens, res.handle, apply_probs=True)
             assert res.handle.data_path == ("receive" if path == "receive" else "direct")
             assert (dispatched.launches, dispatched.host_calls, dispatched.reads) == \

@@ -44,14 +44,14 @@ def test_the_buffers_counts_reach_the_launch(single_rank_group):
     g = EmulatedGroup(1, H, T, E, device="cpu", data_path="receive")
     try:
         buf = HybridEPBuffer(None, H, T, E, backend="reference", num_sms_dispatch=3, num_sms_combine=2)
-        buf._backend = CudaBackend.on_engine(buf.config, buf.rank, buf._owner, g.engine)
+        buf._backend = CudaBackend.on_group(buf.config, buf.rank, buf._owner, g)
         (x,), (idx,) = _inputs(1)
         res = buf.dispatch(x, idx)
         buf.combine(res.tokens, res.handle)
-        assert _launched(g.engine) == {"dispatch_receive": {3}, "combine_receive": {2}}
+        assert _launched(buf._backend._engine) == {"dispatch_receive": {3}, "combine_receive": {2}}
         res = buf.dispatch(x, idx, num_sms=1)  # per call, the same name
         buf.combine(res.tokens, res.handle, num_sms=4)
-        assert _launched(g.engine) == {"dispatch_receive": {3, 1}, "combine_receive": {2, 4}}
+        assert _launched(buf._backend._engine) == {"dispatch_receive": {3, 1}, "combine_receive": {2, 4}}
         # A bad per-call count is named as the caller passed it, not as the buffer's setting.
         with pytest.raises(ValueError, match=r"^num_sms must be >= 1, got 0$"):
             buf.dispatch(x, idx, num_sms=0)

@@ -91,12 +91,17 @@ class CudaBackend(Backend):
         self._engine = Engine(ext, config, [rank], self._buffers.tables, self._device, self._rdma, peer=self._peer)
 
     @classmethod
-    def on_engine(cls, config: BufferConfig, rank: int, owner: int, engine: Engine) -> "CudaBackend":
-        """This backend over an engine built elsewhere, e.g. an EmulatedGroup's of one rank on
-        the CPU model: the host-time bench (hybrid_ep.bench.host) times the one-rank-per-process
-        API path with it, where no GPU and no peer processes are at hand."""
+    def on_group(cls, config: BufferConfig, rank: int, owner: int, group) -> "CudaBackend":
+        """This backend over the buffers of an EmulatedGroup of one rank (on the CPU model),
+        with an Engine of its own, as production's: the host-time bench (hybrid_ep.bench.host)
+        times the one-rank-per-process API path with it, where no GPU and no peer processes are
+        at hand."""
+        if group.world_size != 1:
+            raise ValueError(f"on_group: a group of one rank, got {group.world_size}")
         self = cls.__new__(cls)
         Backend.__init__(self, config, None, rank, owner)
+        engine = Engine(group.ext, group.config, [0], group.buffers.tables, group.device, group.rdma,
+                        group.engine.data_path, peer=group.peer)
         self._device, self._buffers, self._rdma, self._engine = engine.device, None, None, engine
         self._peer = None
         return self
@@ -136,8 +141,8 @@ class CudaBackend(Backend):
             if refused is error:
                 raise
             raise refused from error
-        [res] = engine.dispatch(given, num_out_tokens, kernel_config.num_sms_dispatch,
-                                None if known is None else [known], handle.dest.bounds if handle is not None else None)
+        res = engine.dispatch(given, num_out_tokens, kernel_config.num_sms_dispatch, known,
+                              handle.dest.bounds if handle is not None else None)
         # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
         # are views of the call's workspace, read from dest when asked for.
         new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,
@@ -156,7 +161,7 @@ class CudaBackend(Backend):
         ours = isinstance(handle, DispatchHandle) and handle.owner == self.owner and static is None
         try:
             self._engine.refuse(code_of(mine.argument), static if not ours else handle.num_out_tokens,
-                                kernel_config.num_sms_dispatch, [handle.num_rows] if ours else None,
+                                kernel_config.num_sms_dispatch, handle.num_rows if ours else None,
                                 handle.dest.bounds if ours else None)
         except (InputRefused, RoutingError):
             pass  # what every rank read: this rank's refusal, or a lower rank's
@@ -207,48 +212,52 @@ class CudaBackend(Backend):
             pass
 
     def return_row_values(self, values_R, handle):
-        [out] = return_row_values(self._engine, [values_R], [handle.routing], [handle.source], [handle.dest])
-        return out
+        return return_row_values(self._engine, values_R, handle.routing, handle.source, handle.dest)
 
 
-def return_row_values(engine: Engine, values: list[torch.Tensor], routings: list[Routing],
-                      sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
-                      num_sms: int | None = None) -> list[torch.Tensor]:
-    """One fp32 value per output row back to its routing slot, [T, K] per rank.
+def return_row_values(engine: Engine, values_R: torch.Tensor, routing: Routing, send: CudaSendTable,
+                      recv: CudaReceiveTable, num_sms: int | None = None) -> torch.Tensor:
+    """One fp32 value per output row back to its routing slot, [T, K].
 
     Each row's value is placed in the column of its global expert, so a combine over
     expert columns brings every value back unsummed; columns are sent in slices of at
-    most hidden_dim so the registered partial buffers suffice.
+    most hidden_dim so the registered partial buffers suffice (value_columns).
     """
-    c = engine.config
-    E, L = c.num_experts, c.experts_per_rank
-    width_all = (E + 3) // 4 * 4
-    step = c.hidden_dim // 4 * 4
-    mats, cols_of = [], []
-    for r, v, recv in zip(engine.ranks, values, recvs):
-        R = recv.num_rows
-        pos = torch.arange(R, device=engine.device)
-        j = torch.searchsorted(recv.expert_start_L, pos, right=True) - 1
-        j = j.clamp(min=0)
-        real = (pos - recv.expert_start_L[j]) < recv.expert_rows_L[j]
-        mats.append(torch.where(real, v.detach().to(torch.float32), 0.0))
-        cols_of.append(r * L + j)
-    full = [torch.zeros(s.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=engine.device) for s in sends]
-    ones = [torch.ones(recv.num_rows, dtype=torch.float32, device=engine.device) for recv in recvs]
+    width_all, step = value_columns(engine.config)
+    vals, cols = row_value_columns(engine, 0, values_R, recv)
+    full = torch.zeros(send.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=engine.device)
+    ones = torch.ones(recv.num_rows, dtype=torch.float32, device=engine.device)
     for c0 in range(0, width_all, step):
         width = min(step, width_all - c0)
-        slices = []
-        for vals, cols in zip(mats, cols_of):
-            m = torch.zeros(vals.shape[0], width, dtype=torch.float32, device=engine.device)
-            inside = (cols >= c0) & (cols < c0 + width)
-            m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
-            slices.append(m)
-        got = engine.combine_ranks(slices, sends, recvs, ones, False, num_sms, torch.float32)
-        for f, g in zip(full, got):
-            f[:, c0:c0 + width] = g
-    out = []
-    for f, routing in zip(full, routings):
-        idx = routing.topk_idx_TK
-        vals = f.gather(1, idx.clamp(min=0))
-        out.append(torch.where(idx >= 0, vals, 0.0))
-    return out
+        full[:, c0:c0 + width] = engine.combine(column_slice(vals, cols, c0, width), send, recv, ones, False, num_sms,
+                                                torch.float32)
+    return at_routes(full, routing)
+
+
+def value_columns(c: BufferConfig) -> tuple[int, int]:
+    """(columns of return_row_values' combine: one per global expert, rounded up to 4; the
+    most columns one combine moves)."""
+    return (c.num_experts + 3) // 4 * 4, c.hidden_dim // 4 * 4
+
+
+def row_value_columns(engine: Engine, i: int, values_R: torch.Tensor, recv: CudaReceiveTable) -> tuple:
+    """Driven rank i's row values as fp32, padding rows 0, and the global expert column of each."""
+    R, L = recv.num_rows, engine.config.experts_per_rank
+    pos = torch.arange(R, device=engine.device)
+    j = (torch.searchsorted(recv.expert_start_L, pos, right=True) - 1).clamp(min=0)
+    real = (pos - recv.expert_start_L[j]) < recv.expert_rows_L[j]
+    return torch.where(real, values_R.detach().to(torch.float32), 0.0), engine.ranks[i] * L + j
+
+
+def column_slice(vals: torch.Tensor, cols: torch.Tensor, c0: int, width: int) -> torch.Tensor:
+    """[R, width] rows with each value in its column, for the columns c0 .. c0 + width."""
+    m = torch.zeros(vals.shape[0], width, dtype=torch.float32, device=vals.device)
+    inside = (cols >= c0) & (cols < c0 + width)
+    m.scatter_(1, (cols - c0).clamp(0, width - 1)[:, None], torch.where(inside, vals, 0.0)[:, None])
+    return m
+
+
+def at_routes(full: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """[T, K]: each route's value from its expert's column of the combined [T, columns]."""
+    idx = routing.topk_idx_TK
+    return torch.where(idx >= 0, full.gather(1, idx.clamp(min=0)), 0.0)

@@ -3,10 +3,11 @@
 Each virtual rank has its own registered buffer and a peer table pointing at the others'; the
 ranks address each other's tensors as they are, so the direct path's outputs come from
 PyTorch's allocator (paths.AllocatorOutputs). Every call launches each kernel once for all W
-ranks (W x SMs-per-rank blocks, cooperative, so all are resident together) through the
-engine's dispatch_ranks / combine_ranks, which hand HostPath the list of ranks; the kernels are
-exactly the production ones. Results come back as one list entry per rank, with handles like
-HybridEPBuffer's.
+ranks (W x SMs-per-rank blocks, cooperative, so all are resident together) through
+EmulatedEngine: production's Engine (one rank per process) with the per-rank steps over lists
+of the W ranks (dispatch_ranks, combine_ranks, return_row_values), which hand HostPath a list
+of one struct per rank; the call sequence and the kernels are exactly the production ones.
+Results come back as one list entry per rank, with handles like HybridEPBuffer's.
 
 device="cuda" runs the kernels on the GPU (hybrid_ep._C); device="cpu" runs the same
 kernel sources on the CPU model of the device layer (hybrid_ep._model), on CPU tensors.
@@ -32,15 +33,110 @@ from ... import inputs
 from ...config import BufferConfig, KernelConfig
 from ...fp8 import scales_from_wire, wire_scales
 from ...handle import DispatchHandle, DispatchResult
-from ...routing import normalize_routing
+from ...routing import Routing, normalize_routing
 from . import load_extension
-from .backend import return_row_values
-from .engine import Engine
+from .backend import at_routes, column_slice, row_value_columns, value_columns
+from .engine import DispatchCall, Engine, input_tensors
 from .layout import MAX_LAUNCH_RANKS, check_geometry, rdma_layout, registered_layout
 from .peer_setup import close_peer_memory, peer_agreement
 from .registered import LoopbackRegions, RegisteredBuffers
+from .workspace import CudaReceiveTable, CudaSendTable, RankDispatch
 
 _owner_ids = itertools.count(1_000_000)
+
+
+class EmulatedEngine(Engine):
+    """Engine over the W virtual ranks of a group in one process: each call takes a list of one
+    entry per rank and launches every kernel once for all of them (HostPath of the ranks, a list
+    of one struct per rank per call). Only the per-rank steps differ from Engine's."""
+
+    def _host_path(self, fixed: list):
+        return self.ext.HostPath(fixed)
+
+    @staticmethod
+    def _per_rank(known_rows: list[int]) -> list[int]:
+        return list(known_rows)
+
+    def inputs_of_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
+                        routings: list[Routing]) -> DispatchCall:
+        """Every rank's inputs checked and marshalled (Engine._rank_inputs), in one dtype: the
+        first rank's x sets the call's."""
+        H = self.config.hidden_dim
+        first = xs[0]
+        dtype = first.dtype
+        dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
+        fp8 = dtype_name == "float8_e4m3fn"
+        inputs, kept, topk = [], [], 0
+        for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
+            if x is not first and x.dtype != dtype:
+                raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
+                                f"one call moves one dtype")
+            one, tensors = self._rank_inputs(r, x, sc, routing, fp8)
+            inputs.append(one)
+            kept.append(tensors)
+            if tensors.topk > topk:
+                topk = tensors.topk
+        return DispatchCall(dtype, dtype_name, fp8, topk, inputs, kept)
+
+    def dispatch_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
+                       num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
+                       known_bounds: list[int] | None = None) -> list[RankDispatch]:
+        """Engine.dispatch for every rank in one launch: lists of their tensors and of their
+        handles' rows, one RankDispatch per rank."""
+        return self.dispatch(self.inputs_of_ranks(xs, scales, routings), num_out_tokens, num_sms, known_rows,
+                             known_bounds)
+
+    def _results(self, given: DispatchCall, call, rows: list[int], direct: bool, made: list,
+                 bounds: list[int] | None) -> list[RankDispatch]:
+        self._in_flight["dispatch"] = given.tensors
+        return [self._rank_result(given, call, i, R, kept, out, direct, bounds)
+                for i, (R, kept, out) in enumerate(zip(rows, given.tensors, made))]
+
+    def _outputs(self, rows: list[int], dtype: torch.dtype, fp8: bool) -> tuple[list, list]:
+        addresses, tensors = [], []
+        for R in rows:
+            at, made = self._new_outputs(R, dtype, fp8)
+            addresses.append(at)
+            tensors.append(made)
+        return addresses, tensors
+
+    def _dispatch_tensors(self, kept: list) -> list[torch.Tensor]:
+        return [t for k in kept for t in input_tensors(k)] + list(self.bases_tables)
+
+    def combine_ranks(self, rows: list[torch.Tensor], sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
+                      probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
+                      wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Engine.combine for every rank in one launch, in one dtype and width (the first rank's)."""
+        first = rows[0]
+        args, direct, stream = self._combine_start(first, sends[0], num_sms, wire_dtype, apply_probs)
+        dtype, C = first.dtype, first.shape[1]
+        inputs, outs, keep, in_peer, copied = [], [], [], [], False
+        for i, (x, send, recv, p) in enumerate(zip(rows, sends, recvs, probs)):
+            if x is not first and (x.dtype != dtype or x.shape[1] != C):
+                raise ValueError(f"expert_out on rank {self.ranks[i]} is {x.dtype} [{x.shape[1]} columns] but rank "
+                                 f"{self.ranks[0]}'s is {dtype} [{C}]; one call moves one dtype and width")
+            one, y, kept, peer, copied = self._rank_combine(i, x, send, recv, p, apply_probs, direct, stream, copied)
+            inputs.append(one)
+            outs.append(y)
+            keep += kept
+            in_peer += peer
+        self._launch_combine(args, direct, stream, inputs, outs, sends, keep, in_peer, copied)
+        return outs
+
+    def return_row_values(self, values: list[torch.Tensor], routings: list[Routing], sends: list[CudaSendTable],
+                          recvs: list[CudaReceiveTable], num_sms: int | None = None) -> list[torch.Tensor]:
+        """backend.return_row_values for every rank, each column slice one combine of all."""
+        width_all, step = value_columns(self.config)
+        per_rank = [row_value_columns(self, i, v, recv) for i, (v, recv) in enumerate(zip(values, recvs))]
+        full = [torch.zeros(s.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=self.device) for s in sends]
+        ones = [torch.ones(recv.num_rows, dtype=torch.float32, device=self.device) for recv in recvs]
+        for c0 in range(0, width_all, step):
+            width = min(step, width_all - c0)
+            got = self.combine_ranks([column_slice(vals, cols, c0, width) for vals, cols in per_rank], sends, recvs,
+                                     ones, False, num_sms, torch.float32)
+            for f, g in zip(full, got):
+                f[:, c0:c0 + width] = g
+        return [at_routes(f, routing) for f, routing in zip(full, routings)]
 
 
 class EmulatedGroup:
@@ -76,8 +172,8 @@ class EmulatedGroup:
                      if self.config.num_nodes > 1 else None)
         self.peer = (peer_agreement(ext, self.config, self.device, peer_reserve, stage_combines)
                      if separate_processes else None)
-        self.engine = Engine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device, self.rdma,
-                             data_path, peer=self.peer)
+        self.engine = EmulatedEngine(ext, self.config, list(range(world_size)), self.buffers.tables, self.device,
+                                     self.rdma, data_path, peer=self.peer)
         self.owner = next(_owner_ids)
 
     @property
@@ -174,9 +270,8 @@ class EmulatedGroup:
                                          [h.probs_R for h in handles], apply_probs, num_sms, wire_dtype)
 
     def return_row_values(self, values, handles) -> list[torch.Tensor]:
-        return return_row_values(self.engine, list(values), [h.routing for h in handles],
-                                 [h.source for h in handles], [h.dest for h in handles],
-                                 self.kernel_config.num_sms_combine)
+        return self.engine.return_row_values(list(values), [h.routing for h in handles], [h.source for h in handles],
+                                             [h.dest for h in handles], self.kernel_config.num_sms_combine)
 
     # -- autograd ---------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The call sequence of the cuda backend for the ranks one process drives.
+"""The call sequence of the cuda backend for the one rank a process drives.
 
-Production drives one rank per process (Engine.dispatch, Engine.combine: one rank's tensors);
-the single-GPU emulation drives all W virtual ranks of a group in one process
-(dispatch_ranks, combine_ranks: lists). Both go through the same code, and each kernel is one
-launch covering every rank it drives, so the kernels are the same and only the launcher differs.
+Production drives one rank per process: Engine.inputs, Engine.dispatch and Engine.combine take
+one rank's tensors and hand ext.HostPath one struct per call. The single-GPU emulation drives
+all W virtual ranks of a group in one process and one launch (emulation.EmulatedEngine, a
+subclass that takes lists of the ranks' tensors and hands HostPath a list of structs). Both run
+the call sequence written here; only the per-rank steps (marshalling, outputs, results) differ.
 
 Per dispatch: the count kernel (counts, send slots, ordinals, count exchange, offsets),
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
@@ -14,18 +15,21 @@ The host path per call: Python checks the arguments and allocates what the calle
 of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
 expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
-one call into the extension (ext.HostPath, each rank's part a struct sequence, a named tuple, of
-the extension's: ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills every rank's
+one call into the extension (ext.HostPath, the rank's part a struct sequence, a named tuple, of
+the extension's: ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills the rank's
 launch arguments and launches the kernel sequence: both dispatch kernels when the output size
 and path are known, else the count kernel, the host read, then the dispatch kernel
 (Engine.dispatch). Between that read and the dispatch launch (a GPU idles there) only what
 needs the output sizes runs: the path, the peer memory blocks' ranges or the receive path's
 outputs; the blocks' tensors (made by the extension, arena.py, as ext.OutputTensors: rows,
-scales, probs, the one order of a dispatch's outputs) and the per-rank results are made after
-the launch. The handle's tensors are views of the workspace made when read.
+scales, probs, the one order of a dispatch's outputs) and the results are made after the
+launch. The handle's tensors are views of the workspace made when read.
 
 `ext` is hybrid_ep._C (the GPU) or hybrid_ep._model (the CPU model of the device layer, on
 CPU tensors); both expose the same launchers, so nothing here depends on which it is.
+
+The CPU model's declarations of each launch's tensors and the fault tests' absent ranks are
+behind Engine.model (model_hooks.ModelHooks).
 
 Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H hidden.
 """
@@ -46,24 +50,13 @@ from .agreement import Agreement, expert_out_width, peer_bases
 from .arena import aligned
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError, bad_route_error
 from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
+from .model_hooks import ModelHooks, spans
 from .paths import AllocatorOutputs, PeerOutputs
 from .registered import LoopbackRegions, NvshmemRegions
 from .staging import StreamOrder
 from .workspace import CallWorkspace, CudaReceiveTable, CudaSendTable, EngineShape, RankDispatch, WorkspacePool
 
-__all__ = ["AbsentRanks", "CudaReceiveTable", "CudaSendTable", "Engine", "RankDispatch", "RoutingError",
-           "check_extension"]
-
-
-@dataclasses.dataclass(frozen=True)
-class AbsentRanks:
-    """Test hook (Engine.absent, set by hybrid_ep.testing.faults.ranks_absent): ranks whose
-    kernels are launched with RankArgs.absent, so they never arrive, as a crashed peer would.
-    `ranks` launch none of a call's kernels; `after_count` launch a dispatch's count kernel
-    (their counts are exchanged) but not its dispatch kernel."""
-
-    ranks: frozenset[int] = frozenset()
-    after_count: frozenset[int] = frozenset()
+__all__ = ["CudaReceiveTable", "CudaSendTable", "Engine", "RankDispatch", "RoutingError", "check_extension"]
 
 
 def check_extension(ext) -> None:
@@ -124,6 +117,11 @@ def _aligned(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, ptr
 
 
+def input_tensors(kept: InputTensors) -> list[torch.Tensor]:
+    """A rank's dispatch inputs that are tensors (x_scales: fp8 only)."""
+    return [t for t in (kept.x, kept.x_scales, kept.topk_idx, kept.topk_weights) if t is not None]
+
+
 def _stream_getter(device: torch.device):
     """A function returning the device's current stream as an integer: torch's raw getter
     where this torch has it (well under a microsecond), else the Stream object's handle."""
@@ -136,21 +134,13 @@ def _stream_getter(device: torch.device):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
-def _spans(tensors) -> list[tuple[int, int]]:
-    """(address, bytes) of each tensor that has any (the CPU model's launch declarations)."""
-    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t is not None and t.numel() > 0]
-
-
 # What crosses into the extension per call and rank are its struct sequences, the C API's named
-# tuples (csrc/bindings/common.h, SeamTypes), one list of one per rank: ext.DispatchInputs,
-# ext.DispatchOutputs and ext.CombineInputs, each built from the tuple of its fields in this order
-# (ext.DispatchInputs((T, K, x, ...)), one C call), and back from it ext.OutputTensors:
-#   DispatchInputs   num_tokens, topk, x, x_scales, topk_idx, topk_weights (addresses)
-#   DispatchOutputs  num_rows, rows, scales, probs
-#   CombineInputs    num_tokens, topk, part, layout, topk_idx, expert_out, probs, y, num_rows
-#   OutputTensors    rows, scales, probs (tensors)
-# A dispatch's outputs are in one order everywhere: rows, scales, probs. Each is read by name
-# (.rows) at a tuple item's cost. check_extension refuses a module without them.
+# tuples (csrc/bindings/seam.h): ext.DispatchInputs, ext.DispatchOutputs and ext.CombineInputs,
+# each built by field name (ext.DispatchInputs(num_tokens=T, topk=K, x=..., ...), one C call;
+# the extension reads them by name too, so no order is shared), and back from it
+# ext.OutputTensors (rows, scales, probs). One struct per call in production, a list of one per
+# rank in the emulation. Each is read by name (.rows) at a tuple item's cost. check_extension
+# refuses a module without them.
 SEAM = ("DispatchInputs", "DispatchOutputs", "CombineInputs", "OutputTensors")
 
 
@@ -167,18 +157,20 @@ class InputTensors(NamedTuple):
 
 
 class DispatchCall(NamedTuple):
-    """A dispatch's inputs as Engine.inputs_of_ranks checked and marshalled them."""
+    """A dispatch's inputs as Engine.inputs checked and marshalled them (the emulation's
+    EmulatedEngine.inputs_of_ranks: `inputs` and `tensors` are lists of one per rank)."""
 
     dtype: torch.dtype
     dtype_name: str
     fp8: bool
     topk: int  # the most routes per token of any driven rank, which sizes the workspace's tables
-    inputs: list  # per rank, ext.DispatchInputs
-    tensors: list[InputTensors]  # per rank, the tensors behind those addresses
+    inputs: object  # ext.DispatchInputs
+    tensors: object  # InputTensors: the tensors behind those addresses
 
 
 class Engine:
-    """Kernels of one buffer for the ranks this process drives (`ranks`, with their tables)."""
+    """Kernels of one buffer for the one rank this process drives (`ranks`: [that rank], with
+    its table; emulation.EmulatedEngine drives several)."""
 
     def __init__(self, ext, config: BufferConfig, ranks: list[int], tables: list[torch.Tensor],
                  device: torch.device, rdma=None, data_path: str | None = None, peer: Agreement | None = None):
@@ -225,7 +217,6 @@ class Engine:
         self.expert_out_copied_bytes = 0  # the bytes those copies moved
         # per driven rank: (tensor, block) addresses of the expert_out_view lent for its next combine
         self._lent_views: list[tuple[int, int] | None] = [None] * len(ranks)
-        self.absent = AbsentRanks()  # every rank arrives, unless a test says otherwise
         # Launch arguments per (kind, SMs, dtype, width, wire dtype, apply_probs): built and checked
         # once, then only the per-rank part changes (the launchers copy the struct when they launch).
         self.launches = launch.LaunchSettings(ext, self.geo, len(ranks), int(self.reg.meta_entries), config.num_nodes,
@@ -238,11 +229,6 @@ class Engine:
         # or aligned copies, fp32 casts): kept until the next call of that kind, so they
         # outlive the kernels also when the caller moves on to another stream.
         self._in_flight: dict[str, list[torch.Tensor]] = {}
-        # The CPU model checks every bulk copy against the tensors of the launch; on a GPU
-        # that is compute-sanitizer's job and the call is skipped. Launches declare their tensors
-        # on the CPU model with launches on: callers ask this and ext.launches_enabled() first,
-        # so that neither a GPU nor the launches-off host bench builds the lists.
-        self._declares_tensors = bool(getattr(ext, "IS_MODEL", False))
         # The per-call host path: what stays fixed per rank is set once here.
         fixed = []
         for i, r in enumerate(ranks):
@@ -250,8 +236,8 @@ class Engine:
             ra.rank, ra.peers, ra.arena_bases = r, tables[i].data_ptr(), self.bases_tables[i].data_ptr()
             self._set_transport(ra, i)
             fixed.append(ra)
-        self.host = ext.HostPath(fixed)
-        self.host.set_absent(*self._absent_bits)
+        self.host = self._host_path(fixed)
+        self.model = ModelHooks(ext, ranks, self.host, tables, rdma, self.abort)
         self._stream = _stream_getter(device)
         self._shape = EngineShape(W=config.world_size, N=config.num_nodes, G=config.ranks_per_node,
                                   L=config.experts_per_rank, max_tokens=config.max_tokens_per_rank,
@@ -275,6 +261,12 @@ class Engine:
             setattr(g.info, name, value)
         g.transport = self.ext.TRANSPORTS[self.rdma.kind if self.rdma is not None else "loopback"]
         return g
+
+    def _host_path(self, fixed: list):
+        """ext.HostPath of the one rank: one struct per call."""
+        if len(fixed) != 1:
+            raise ValueError(f"an Engine drives one rank, got {len(fixed)} (emulation.EmulatedEngine drives several)")
+        return self.ext.HostPath(fixed[0])
 
     def _set_transport(self, ra, i: int) -> None:
         if self.rdma is not None:
@@ -316,16 +308,6 @@ class Engine:
         """launch.LaunchSettings.shapes: the pipeline shape of each kernel at num_sms SMs per rank."""
         return self.launches.shapes(num_sms)
 
-    def _declare(self, tensors, regions=()) -> None:
-        """The CPU model's check: the tensors and (address, bytes) regions of the next launches."""
-        self.ext.note_launch_tensors(_spans(tensors) + list(regions) + self._fixed_spans())
-
-    def _fixed_spans(self) -> list[tuple[int, int]]:
-        """What every launch may touch besides its call's tensors: peer tables, RDMA regions,
-        the abort flag."""
-        return ([(t.data_ptr(), t.numel() * t.element_size()) for t in self.tables] +
-                (self.rdma.declared() if self.rdma is not None else []) + [(self.abort.data_ptr(), 4)])
-
     def _workspace(self, topk: int, direct: bool, receive: bool, stream: int) -> CallWorkspace:
         return self.workspaces.get(topk, direct, receive, stream)
 
@@ -337,9 +319,6 @@ class Engine:
         self._row_dtypes[(dtype, cols)] = dtype_name
         return dtype_name
 
-    def _absent_mask(self, ranks) -> int:
-        return sum(1 << i for i, r in enumerate(self.ranks) if r in ranks) if ranks else 0
-
     # -- dispatch --------------------------------------------------------------------------
 
     @property
@@ -347,35 +326,33 @@ class Engine:
         """Each driven rank's allocator over its peer memory (arena.Arena); none in one process."""
         return self.outputs.arenas if self.peer is not None else []
 
-    def dispatch_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None], routings: list[Routing],
-                       num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
-                       known_bounds: list[int] | None = None) -> list[RankDispatch]:
-        """dispatch for every rank this engine drives (the emulation's W ranks in one launch):
-        lists of their tensors and of their handles' rows, one RankDispatch per rank."""
-        return self.dispatch(self.inputs_of_ranks(xs, scales, routings), num_out_tokens, num_sms, known_rows,
-                             known_bounds)
-
-    def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made: list,
-                 bounds: list[int] | None) -> list[RankDispatch]:
-        """Each driven rank's outputs (made: ext.OutputTensors per rank) and its tables in the
-        call's workspace."""
+    def _results(self, given: DispatchCall, call: CallWorkspace, rows: list[int], direct: bool, made,
+                 bounds: list[int] | None) -> RankDispatch:
+        """The rank's outputs (made: ext.OutputTensors) and its tables in the call's workspace."""
         self._in_flight["dispatch"] = given.tensors
-        shape = self._shape
+        return self._rank_result(given, call, 0, rows[0], given.tensors, made, direct, bounds)
+
+    def _rank_result(self, given: DispatchCall, call: CallWorkspace, i: int, R: int, kept: InputTensors, out,
+                     direct: bool, bounds: list[int] | None) -> RankDispatch:
+        """Driven rank i's RankDispatch: its outputs and its part of the call's workspace."""
         width = self._widths.get((given.dtype, given.fp8))
         if width is None:
             width = self._widths[(given.dtype, given.fp8)] = expert_out_width(given.dtype, given.fp8)
-        return [RankDispatch(out.rows, out.scales, out.probs,
-                             CudaSendTable(call, i, kept.num_tokens, kept.topk, shape.W,
-                                           kept.topk_idx if direct else None, width),
-                             CudaReceiveTable(call, i, shape, R, bounds))
-                for i, (R, kept, out) in enumerate(zip(rows, given.tensors, made))]
+        return RankDispatch(out.rows, out.scales, out.probs,
+                            CudaSendTable(call, i, kept.num_tokens, kept.topk, self._shape.W,
+                                          kept.topk_idx if direct else None, width),
+                            CudaReceiveTable(call, i, self._shape, R, bounds))
 
     def inputs(self, x: torch.Tensor, scales: torch.Tensor | None, routing: Routing) -> DispatchCall:
-        """The one rank's dispatch inputs (one process per GPU), checked and marshalled for
-        dispatch (inputs_of_ranks)."""
-        return self.inputs_of_ranks([x], [scales], [routing])
+        """The rank's dispatch inputs, checked and marshalled for dispatch (_rank_inputs)."""
+        H = self.config.hidden_dim
+        dtype = x.dtype
+        dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
+        fp8 = dtype_name == "float8_e4m3fn"
+        inputs, kept = self._rank_inputs(self.ranks[0], x, scales, routing, fp8)
+        return DispatchCall(dtype, dtype_name, fp8, kept.topk, inputs, kept)
 
-    def refuse(self, code: int, num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
+    def refuse(self, code: int, num_out_tokens: int | None, num_sms: int | None, known_rows: int | None = None,
                known_bounds: list[int] | None = None) -> None:
         """The one rank this engine drives refused its input (code: refusals.code_of): it makes the
         dispatch its peers make (the same kind of size, so every rank's agreement keeps the same
@@ -392,56 +369,45 @@ class Engine:
         finally:
             self.host.set_refused(0, 0)
 
-    def inputs_of_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
-                        routings: list[Routing]) -> DispatchCall:
-        """Validation and marshalling: one dtype and K <= MAX_TOPK on every rank, fp8 scales of
-        the right shape; each rank's tensors as the kernels read them (contiguous, 16-byte
-        aligned, fp32 scales and weights) and their addresses."""
+    @staticmethod
+    def _per_rank(known_rows: int) -> list[int]:
+        """A handle's rows as the rows per driven rank that paths.py and the workspace take."""
+        return [known_rows]
+
+    def _rank_inputs(self, r: int, x: torch.Tensor, sc: torch.Tensor | None, routing: Routing,
+                     fp8: bool) -> tuple:
+        """Rank r's inputs as the kernels read them (K <= MAX_TOPK, fp8 scales of the right shape;
+        contiguous, 16-byte aligned, fp32 scales and weights): (ext.DispatchInputs, InputTensors)."""
         H = self.config.hidden_dim
-        first = xs[0]  # the first rank's x sets the call's dtype
-        dtype = first.dtype
-        dtype_name = self._row_dtypes.get((dtype, H)) or self._check_rows("x", H, dtype)
-        fp8 = dtype_name == "float8_e4m3fn"
-        inputs, keep, topk = [], [], 0
-        make = self.ext.DispatchInputs
-        for r, routing, x, sc in zip(self.ranks, routings, xs, scales):
-            idx = routing.topk_idx_TK
-            T, K = idx.shape
-            if K > MAX_TOPK:
-                check_topk("topk_idx", K)  # normalize_routing checked it already: a Routing made elsewhere
-            if x is not first and x.dtype != dtype:
-                raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
-                                f"one call moves one dtype")
-            sc_ptr = 0
-            if fp8:
-                if sc is None:
-                    raise ValueError(f"scales: fp8 x on rank {r} needs its float32 scales [num_tokens, "
-                                     f"hidden_dim / {FP8_BLOCK}] (a re-dispatch with a reused handle too)")
-                if tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
-                    raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
-                                     f"got {list(sc.shape)}")
-                sc = _fp32(sc)
-                sc_ptr = sc.data_ptr()
-            if not idx.is_contiguous():
-                idx = idx.contiguous()
-            w = routing.given_weights_TK  # unrouted slots are never read
-            if w is None:  # 1.0 per route: the first T * K of the engine's ones, no tensor op
-                w = self._unit_weights(T * K)
-                w_ptr = w.data_ptr()
-            else:
-                if w.dtype != torch.float32 or not w.is_contiguous():
-                    w = _fp32(w)
-                w_ptr = w.data_ptr()
-            if K > topk:
-                topk = K
-            if not x.is_contiguous():
-                x = x.contiguous()
-            x_ptr = x.data_ptr()
-            if x_ptr % 16:
-                x, x_ptr = _aligned(x)
-            inputs.append(make((T, K, x_ptr, sc_ptr, idx.data_ptr(), w_ptr)))  # DispatchInputs' fields, in order
-            keep.append(InputTensors(T, K, x, sc, idx, w))
-        return DispatchCall(dtype, dtype_name, fp8, topk, inputs, keep)
+        idx = routing.topk_idx_TK
+        T, K = idx.shape
+        if K > MAX_TOPK:
+            check_topk("topk_idx", K)  # normalize_routing checked it already: a Routing made elsewhere
+        sc_ptr = 0
+        if fp8:
+            if sc is None:
+                raise ValueError(f"scales: fp8 x on rank {r} needs its float32 scales [num_tokens, "
+                                 f"hidden_dim / {FP8_BLOCK}] (a re-dispatch with a reused handle too)")
+            if tuple(sc.shape) != (x.shape[0], H // FP8_BLOCK):
+                raise ValueError(f"scales on rank {r} must have shape [{x.shape[0]}, {H // FP8_BLOCK}], "
+                                 f"got {list(sc.shape)}")
+            sc = _fp32(sc)
+            sc_ptr = sc.data_ptr()
+        if not idx.is_contiguous():
+            idx = idx.contiguous()
+        w = routing.given_weights_TK  # unrouted slots are never read
+        if w is None:  # 1.0 per route: the first T * K of the engine's ones, no tensor op
+            w = self._unit_weights(T * K)
+        elif w.dtype != torch.float32 or not w.is_contiguous():
+            w = _fp32(w)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        x_ptr = x.data_ptr()
+        if x_ptr % 16:
+            x, x_ptr = _aligned(x)
+        return (self.ext.DispatchInputs(num_tokens=T, topk=K, x=x_ptr, x_scales=sc_ptr, topk_idx=idx.data_ptr(),
+                                        topk_weights=w.data_ptr()),
+                InputTensors(T, K, x, sc, idx, w))
 
     def _unit_weights(self, count: int) -> torch.Tensor:
         """float32 ones, at least `count` (a dispatch whose caller gave no routing weights reads
@@ -452,26 +418,11 @@ class Engine:
             ones = self._ones = torch.ones(max(count, 1), dtype=torch.float32, device=self.device)
         return ones
 
-    @property
-    def absent(self) -> AbsentRanks:
-        """The test hook (AbsentRanks); setting it sets the host path's bit masks once
-        (HostPath.set_absent: absent, absent after the count kernel), not passed per call."""
-        return self._absent
-
-    @absent.setter
-    def absent(self, ranks: AbsentRanks) -> None:
-        self._absent = ranks
-        self._absent_bits = (self._absent_mask(ranks.ranks), self._absent_mask(ranks.after_count))
-        host = getattr(self, "host", None)
-        if host is not None:
-            host.set_absent(*self._absent_bits)
-
     def dispatch(self, given: DispatchCall, num_out_tokens: int | None, num_sms: int | None,
-                 known_rows: list[int] | None = None, known_bounds: list[int] | None = None) -> list[RankDispatch]:
-        """The kernels of a dispatch of the inputs (`inputs`: one rank per process; `inputs_of_ranks`:
-        the emulation's), one RankDispatch per driven rank, on the path the engine's outputs
-        (paths.py) decide. known_rows: a handle's output rows per rank, known_bounds: every rank's
-        rows the agreement sized the handle's call for (CudaReceiveTable.bounds). A call
+                 known_rows: int | None = None, known_bounds: list[int] | None = None) -> RankDispatch:
+        """The kernels of a dispatch of the inputs (`inputs`), the rank's RankDispatch, on the path
+        the engine's outputs (paths.py) decide. known_rows: a handle's output rows; known_bounds:
+        every rank's rows the agreement sized the handle's call for (CudaReceiveTable.bounds). A call
         whose sizes are known before the count kernel (static_rows >= 0: num_out_tokens, or a
         handle's known_rows) and whose path is decided without a read launches both kernels in
         one call (_dispatch_known). Any other call launches the count kernel (with the agreement
@@ -490,7 +441,7 @@ class Engine:
         if static_rows >= 0 or known_rows is not None:
             decision = place.decide_known(static_rows, known_bounds, given.dtype, given.fp8)
             if decision is not None:
-                rows = [static_rows] * len(self.ranks) if static_rows >= 0 else list(known_rows)
+                rows = [static_rows] * len(self.ranks) if static_rows >= 0 else self._per_rank(known_rows)
                 call, made = self._dispatch_known(given, rows, static_rows, num_sms, decision, stream)
                 return self._results(given, call, rows, decision.direct, made,
                                      place.bounds(static_rows, known_bounds, None))
@@ -509,8 +460,8 @@ class Engine:
             args.timeout_ns = self.timeout_ns
 
     def _dispatch_read(self, given: DispatchCall, args, call: CallWorkspace, place, stream: int, static_rows: int,
-                       num_sms: int, known_rows: list[int] | None, known_bounds: list[int] | None,
-                       prefer: bool) -> list[RankDispatch]:
+                       num_sms: int, known_rows, known_bounds: list[int] | None,
+                       prefer: bool):
         """A dispatch whose output size or path needs the count kernel's read (Engine.dispatch):
         the count kernel, the one host read, the decision, the dispatch kernel."""
         dtype, dtype_name, fp8 = given.dtype, given.dtype_name, given.fp8
@@ -518,10 +469,11 @@ class Engine:
         first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then the agreement words: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + place.words]
         declared = None
-        if self._declares_tensors and self.ext.launches_enabled():  # the outputs are added after the read
-            declared = (_spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
-                        self._fixed_spans())
-            self.ext.note_launch_tensors(declared)
+        model = self.model
+        if model.declaring():  # the outputs are added after the read
+            declared = (spans(self._dispatch_tensors(given.tensors)) + [(call.ptr, call.i64.numel() * 8)] +
+                        model.fixed_spans())
+            model.note(declared)
         self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, given.inputs, True)
         read = sizes.cpu().tolist()  # the one host sync
         self.raise_if_failed()
@@ -531,7 +483,7 @@ class Engine:
         if static_rows >= 0:
             rows = [static_rows] * len(self.ranks)
         else:
-            rows = list(known_rows) if known_rows is not None else [r[0] for r in read]
+            rows = self._per_rank(known_rows) if known_rows is not None else [r[0] for r in read]
         words = read[0][1 + BAD_ROUTE_WORDS:]
         decision = place.decide_read(words, static_rows, dtype, fp8)
         taken = place.take(rows, dtype, fp8, stream, decision)
@@ -539,12 +491,12 @@ class Engine:
             args = self.launches.receive_args(args, num_sms, dtype_name, H)
         if taken is not None:  # the launch, then the blocks' tensors, in one call
             if declared is not None:
-                self.ext.note_launch_tensors(declared + self._output_spans(self._block_outputs(rows, taken), dtype))
+                model.note(declared + self._output_spans(self._block_outputs(rows, taken), dtype))
             made = self.host.dispatch_rows(args, True, stream, call.ptr, call.layout, taken)
         else:
             outputs, made = self._outputs(rows, dtype, fp8)
             if declared is not None:
-                self.ext.note_launch_tensors(declared + self._output_spans(outputs, dtype))
+                model.note(declared + self._output_spans(outputs, dtype))
             self.host.dispatch_rows(args, decision.direct, stream, call.ptr, call.layout, outputs)
         return self._results(given, call, rows, decision.direct, made, place.bounds(static_rows, known_bounds, words))
 
@@ -565,88 +517,96 @@ class Engine:
                 or self._launch_args(num_sms, dtype_name, H, kind))
         if taken is None:
             outputs, made = self._outputs(rows, dtype, fp8)
-        if self._declares_tensors and self.ext.launches_enabled():
-            self._declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
-                          self._output_spans(outputs if taken is None else self._block_outputs(rows, taken), dtype))
+        if self.model.declaring():
+            self.model.declare(self._dispatch_tensors(given.tensors), [(call.ptr, call.i64.numel() * 8)] +
+                               self._output_spans(outputs if taken is None else self._block_outputs(rows, taken),
+                                                  dtype))
         if taken is not None:  # the launch and the blocks' tensors in one call
             made = self.host.dispatch_into(args, stream, call.ptr, call.layout, static_rows, given.inputs, taken)
         else:
             self.host.dispatch(args, direct, stream, call.ptr, call.layout, static_rows, given.inputs, outputs)
         return call, made
 
-    def _outputs(self, rows: list[int], dtype: torch.dtype, fp8: bool) -> tuple[list, list]:
-        """New output tensors per rank from PyTorch's allocator: ext.DispatchOutputs (their
-        addresses, for the launch) and ext.OutputTensors per rank."""
+    def _outputs(self, rows: list[int], dtype: torch.dtype, fp8: bool) -> tuple:
+        """The rank's new output tensors from PyTorch's allocator: (ext.DispatchOutputs, their
+        addresses for the launch; ext.OutputTensors)."""
+        return self._new_outputs(rows[0], dtype, fp8)
+
+    def _new_outputs(self, R: int, dtype: torch.dtype, fp8: bool) -> tuple:
+        """Output tensors of R rows: (ext.DispatchOutputs, ext.OutputTensors)."""
         H, dev = self.config.hidden_dim, self.device
-        addresses, tensors = self.ext.DispatchOutputs, self.ext.OutputTensors
-        outputs, made = [], []
-        for R in rows:
-            out = torch.empty(R, H, dtype=dtype, device=dev)
-            sc = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
-            probs = torch.empty(R, dtype=torch.float32, device=dev)
-            outputs.append(addresses((R, out.data_ptr(), sc.data_ptr() if sc is not None else 0, probs.data_ptr())))
-            made.append(tensors((out, sc, probs)))
-        return outputs, made
+        out = torch.empty(R, H, dtype=dtype, device=dev)
+        sc = torch.empty(R, H // FP8_BLOCK, dtype=torch.float32, device=dev) if fp8 else None
+        probs = torch.empty(R, dtype=torch.float32, device=dev)
+        return (self.ext.DispatchOutputs(num_rows=R, rows=out.data_ptr(), scales=sc.data_ptr() if sc is not None else 0,
+                                         probs=probs.data_ptr()),
+                self.ext.OutputTensors(rows=out, scales=sc, probs=probs))
 
     def _block_outputs(self, rows: list[int], taken) -> list:
-        """ext.DispatchOutputs per rank of the blocks `taken` holds (the CPU model's
+        """ext.DispatchOutputs per driven rank of the blocks `taken` holds (the CPU model's
         declarations; the extension reads the blocks' addresses itself)."""
         make = self.ext.DispatchOutputs
-        return [make((R, *at)) for R, at in zip(rows, taken.addresses())]
+        return [make(num_rows=R, rows=at[0], scales=at[1], probs=at[2]) for R, at in zip(rows, taken.addresses())]
 
-    def _dispatch_tensors(self, keep: list[InputTensors]) -> list[torch.Tensor]:
-        return ([t for k in keep for t in (k.x, k.x_scales, k.topk_idx, k.topk_weights) if t is not None] +
-                list(self.bases_tables))
+    def _dispatch_tensors(self, kept: InputTensors) -> list[torch.Tensor]:
+        """The tensors a dispatch's launches read (the CPU model's declarations)."""
+        return input_tensors(kept) + list(self.bases_tables)
 
-    def _output_spans(self, outputs: list, dtype: torch.dtype) -> list[tuple[int, int]]:
-        """(address, bytes) of the outputs of a dispatch, from its ext.DispatchOutputs per rank."""
+    def _output_spans(self, outputs, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(address, bytes) of the outputs of a dispatch, from its ext.DispatchOutputs (one, or a
+        list of one per driven rank)."""
         H = self.config.hidden_dim
-        spans = []
-        for o in outputs:
+        regions = []
+        for o in (outputs if isinstance(outputs, list) else [outputs]):
             R = o.num_rows
             if R > 0:
-                spans += [(o.rows, R * H * dtype.itemsize), (o.probs, R * 4)]
+                regions += [(o.rows, R * H * dtype.itemsize), (o.probs, R * 4)]
                 if o.scales:
-                    spans.append((o.scales, R * (H // FP8_BLOCK) * 4))
-        return spans
+                    regions.append((o.scales, R * (H // FP8_BLOCK) * 4))
+        return regions
 
     # -- combine ---------------------------------------------------------------------------
 
     def combine(self, rows: torch.Tensor, send: CudaSendTable, recv: CudaReceiveTable, probs: torch.Tensor,
                 apply_probs: bool, num_sms: int | None, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The combine of the one rank this engine drives (one process per GPU): combine_ranks
-        with one rank."""
-        return self.combine_ranks([rows], [send], [recv], [probs], apply_probs, num_sms, wire_dtype)[0]
+        """The rank's combine: the call's dtype, width and launch arguments (_combine_args), its
+        inputs marshalled (_rank_combine), then the kernel in one call into the extension.
+        num_sms: SMs (None: launch.DEFAULT_NUM_SMS_COMBINE); wire_dtype: of the partial sums
+        between ranks (None: the dtype of the rows)."""
+        args, direct, stream = self._combine_start(rows, send, num_sms, wire_dtype, apply_probs)
+        inputs, y, keep, in_peer, copied = self._rank_combine(0, rows, send, recv, probs, apply_probs, direct, stream,
+                                                              False)
+        self._launch_combine(args, direct, stream, inputs, [y], [send], keep, in_peer, copied)
+        return y
 
-    def combine_ranks(self, rows: list[torch.Tensor], sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
-                      probs: list[torch.Tensor], apply_probs: bool, num_sms: int | None,
-                      wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """Every driven rank's combine: the call's dtype, width and launch arguments
-        (_combine_args), each rank's inputs marshalled (_combine_inputs), then the kernel in one
-        call into the extension. num_sms: SMs per rank (None: launch.DEFAULT_NUM_SMS_COMBINE);
-        wire_dtype: of the partial sums between ranks (None: the dtype of the rows)."""
-        if self._reported():
-            self.raise_if_failed()
-        if num_sms is None:
-            num_sms = launch.DEFAULT_NUM_SMS_COMBINE
-        direct = sends[0].topk_idx_TK is not None  # the path of the dispatch that made the handles (data_path)
-        args = self._combine_args(rows[0], direct, num_sms, wire_dtype, apply_probs)
-        stream = self._stream()
-        inputs, outs, keep, in_peer, copied = self._combine_inputs(rows, sends, recvs, probs, apply_probs, direct,
-                                                                   stream)
+    def _launch_combine(self, args, direct: bool, stream: int, inputs, outs: list[torch.Tensor],
+                        sends: list[CudaSendTable], keep: list, in_peer: list, copied: bool) -> None:
+        """The combine kernel on marshalled inputs (one ext.CombineInputs, or a list of one per
+        driven rank); keep: tensors to hold until the next combine, in_peer: those in peer memory,
+        copied: whether an expert_out was copied into an expert-out block."""
         self._in_flight["combine"] = keep
-        if self._declares_tensors and self.ext.launches_enabled():
-            self._declare(keep + in_peer + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
-                          [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
+        if self.model.declaring():
+            self.model.declare(keep + in_peer + outs + list(self.bases_tables) + [s.topk_idx_TK for s in sends],
+                               [(s.call.part(s.part), s.call.layout.bytes) for s in sends])
         self.host.combine(args, direct, stream, inputs)
         if copied:
             self.expert_out_order.after(stream)
             self.expert_out_copies += 1
-        return outs
+
+    def _combine_start(self, first: torch.Tensor, send: CudaSendTable, num_sms: int | None,
+                       wire_dtype: torch.dtype | None, apply_probs: bool) -> tuple:
+        """A combine's start, from its (first rank's) rows and send table: a failure a kernel
+        recorded raised; (launch arguments, direct, stream)."""
+        if self._reported():
+            self.raise_if_failed()
+        if num_sms is None:
+            num_sms = launch.DEFAULT_NUM_SMS_COMBINE
+        direct = send.topk_idx_TK is not None  # the path of the dispatch that made the handle (data_path)
+        return self._combine_args(first, direct, num_sms, wire_dtype, apply_probs), direct, self._stream()
 
     def _combine_args(self, first: torch.Tensor, direct: bool, num_sms: int, wire_dtype: torch.dtype | None,
                       apply_probs: bool):
-        """The launch arguments of a combine whose first rank's rows are `first` (they set the
+        """The launch arguments of a combine whose (first rank's) rows are `first` (they set the
         call's dtype and width), checked: a wire dtype of the rows or fp32, rows that move in
         16-byte units and fit the buffer's hidden size."""
         dtype = first.dtype
@@ -663,63 +623,57 @@ class Engine:
         return (self._launch_cache.get((kind, num_sms, dtype_name, C, wire_name, apply_probs))
                 or self._launch_args(num_sms, dtype_name, C, kind, wire_name, apply_probs))
 
-    def _combine_inputs(self, rows: list[torch.Tensor], sends: list[CudaSendTable], recvs: list[CudaReceiveTable],
-                        probs: list[torch.Tensor], apply_probs: bool, direct: bool, stream: int):
-        """Validation and marshalling: one dtype and width on every rank; each rank's expert_out
-        and probs as the kernels read them (contiguous, 16-byte aligned, fp32 probs), on the
-        direct path with peer memory copied into the rank's expert-out block where they lie
-        outside peer memory; its y. Returns (ext.CombineInputs per rank, y per rank, tensors to keep
-        until the next combine, tensors in peer memory, whether something was copied)."""
-        first = rows[0]
-        dtype, C = first.dtype, first.shape[1]
-        inputs, keep, outs, in_peer, copied = [], [], [], [], False
-        make = self.ext.CombineInputs
-        for r, x, send, recv, p in zip(self.ranks, rows, sends, recvs, probs):
-            if x is not first and (x.dtype != dtype or x.shape[1] != C):
-                raise ValueError(f"expert_out on rank {r} is {x.dtype} [{x.shape[1]} columns] but rank "
-                                 f"{self.ranks[0]}'s is {dtype} [{C}]; one call moves one dtype and width")
-            x_ptr = x.data_ptr()
-            if x_ptr % 16 or not x.is_contiguous():
-                x, x_ptr = _aligned(x)
-            if p.dtype is not torch.float32 or not p.is_contiguous():
-                p = _fp32(p)
-            lent, self._lent_views[len(outs)] = self._lent_views[len(outs)], None
-            if lent is not None and lent[0] == x_ptr and self.outputs.expert_out_blocks[len(outs)] is not None \
-                    and lent[1] != self.outputs.expert_out_blocks[len(outs)].data_ptr():
-                raise ValueError(f"expert_out on rank {r} is an expert_out_view of an expert-out block that a later "
-                                 f"dispatch replaced (a larger call): take the view after the last dispatch before "
-                                 f"its combine")
-            if direct and self.peer is not None:
-                # Peer memory tensors stay out of _in_flight: the arena reuses a block only on the
-                # stream it was used on, and one kept here would split it until the next combine.
-                # What lies outside peer memory is copied into the rank's expert-out block.
-                arena = self.outputs.arenas[len(outs)]
-                x_out = not arena.contains(x)
-                p_out = apply_probs and not arena.contains(p)  # probs are read only then
-                if x_out and C * x.element_size() > self.config.hidden_dim * send.expert_out_width:
-                    raise ValueError(f"expert_out on rank {r} is {dtype} [{C} columns], outside peer memory, and "
-                                     f"its dispatch sized the expert-out block it is copied into for "
-                                     f"{send.expert_out_width}-byte values of {self.config.hidden_dim} columns (the "
-                                     f"dispatch's dtype, bf16 for fp8 rows): combine rows of that dtype, or write "
-                                     f"them into HybridEPBuffer.expert_out_view(handle)")
-                if x_out or p_out:
-                    keep += [t for t, out in ((x, x_out), (p, p_out)) if out]
-                    if not copied:
-                        self.expert_out_order.before(stream)
-                        copied = True
-                    x, p = self._into_expert_out_block(len(outs), x, p, x_out, p_out)
-                    x_ptr = x.data_ptr()
-                in_peer += (x, p)
-            else:
-                keep += (x, p)
-            T = send.num_tokens
-            y = torch.empty(T, C, dtype=dtype, device=self.device)
-            call = send.call
-            inputs.append(make((T, send.topk, call.part(send.part), call.layout,  # CombineInputs' fields, in order
-                                send.topk_idx_TK.data_ptr() if direct else 0, x_ptr, p.data_ptr(), y.data_ptr(),
-                                recv.num_rows)))
-            outs.append(y)
-        return inputs, outs, keep, in_peer, copied
+    def _rank_combine(self, i: int, x: torch.Tensor, send: CudaSendTable, recv: CudaReceiveTable, p: torch.Tensor,
+                      apply_probs: bool, direct: bool, stream: int, copied: bool) -> tuple:
+        """Validation and marshalling of driven rank i's combine: its expert_out and probs as the
+        kernels read them (contiguous, 16-byte aligned, fp32 probs), on the direct path with peer
+        memory copied into the rank's expert-out block where they lie outside peer memory; its y.
+        copied: whether an earlier rank of the call copied. Returns (ext.CombineInputs, y, tensors
+        to keep until the next combine, tensors in peer memory, whether something was copied)."""
+        r = self.ranks[i]
+        C = x.shape[1]
+        x_ptr = x.data_ptr()
+        if x_ptr % 16 or not x.is_contiguous():
+            x, x_ptr = _aligned(x)
+        if p.dtype is not torch.float32 or not p.is_contiguous():
+            p = _fp32(p)
+        lent, self._lent_views[i] = self._lent_views[i], None
+        if lent is not None and lent[0] == x_ptr and self.outputs.expert_out_blocks[i] is not None \
+                and lent[1] != self.outputs.expert_out_blocks[i].data_ptr():
+            raise ValueError(f"expert_out on rank {r} is an expert_out_view of an expert-out block that a later "
+                             f"dispatch replaced (a larger call): take the view after the last dispatch before "
+                             f"its combine")
+        keep, in_peer = [], []
+        if direct and self.peer is not None:
+            # Peer memory tensors stay out of _in_flight: the arena reuses a block only on the
+            # stream it was used on, and one kept here would split it until the next combine.
+            # What lies outside peer memory is copied into the rank's expert-out block.
+            arena = self.outputs.arenas[i]
+            x_out = not arena.contains(x)
+            p_out = apply_probs and not arena.contains(p)  # probs are read only then
+            if x_out and C * x.element_size() > self.config.hidden_dim * send.expert_out_width:
+                raise ValueError(f"expert_out on rank {r} is {x.dtype} [{C} columns], outside peer memory, and "
+                                 f"its dispatch sized the expert-out block it is copied into for "
+                                 f"{send.expert_out_width}-byte values of {self.config.hidden_dim} columns (the "
+                                 f"dispatch's dtype, bf16 for fp8 rows): combine rows of that dtype, or write "
+                                 f"them into HybridEPBuffer.expert_out_view(handle)")
+            if x_out or p_out:
+                keep = [t for t, out in ((x, x_out), (p, p_out)) if out]
+                if not copied:
+                    self.expert_out_order.before(stream)
+                    copied = True
+                x, p = self._into_expert_out_block(i, x, p, x_out, p_out)
+                x_ptr = x.data_ptr()
+            in_peer = [x, p]
+        else:
+            keep = [x, p]
+        T = send.num_tokens
+        y = torch.empty(T, C, dtype=x.dtype, device=self.device)
+        call = send.call
+        inputs = self.ext.CombineInputs(num_tokens=T, topk=send.topk, part=call.part(send.part), layout=call.layout,
+                                        topk_idx=send.topk_idx_TK.data_ptr() if direct else 0, expert_out=x_ptr,
+                                        probs=p.data_ptr(), y=y.data_ptr(), num_rows=recv.num_rows)
+        return inputs, y, keep, in_peer, copied
 
     def expert_out_view(self, i: int, shape, dtype: torch.dtype, like: torch.Tensor | None = None):
         """A tensor of `shape` in driven rank i's expert-out block, where the experts can leave

@@ -83,7 +83,7 @@ def test_check_extension_refuses_codes_python_does_not_name():
 
 @pytest.mark.parametrize("name", SEAM)
 def test_check_extension_refuses_a_module_without_the_per_call_structs(name):
-    """The structs that cross into the host path per call (bindings/common.h): a module built
+    """The structs that cross into the host path per call (bindings/seam.h): a module built
     before them is stale."""
     with pytest.raises(RuntimeError, match=rf"hybrid_ep\._fake has no {name}; rebuild the extension"):
         check_extension(_copy_of(_module("hybrid_ep._model"), **{name: None}))
