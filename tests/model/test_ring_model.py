@@ -20,13 +20,13 @@ import pytest
 import torch
 from test_kernels_model import CASES as SINGLE_NODE_CASES
 
+from harness.emulated import GroupCache, check_emulated
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import ring_tag
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 
