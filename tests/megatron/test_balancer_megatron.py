@@ -368,9 +368,10 @@ def test_balancer_options_name_the_field(field, value, needle):
         HybridEPOptions(**{field: value}).validate()
 
 
-def test_balancer_tolerance_flag_and_defaults():
-    """--hybrid-ep-balancer-tolerance through the flags' own parser; without it None everywhere:
-    the planner's DEFAULT_TOLERANCE, defined once."""
+def _assert_knob_flag(knob: str, good: dict[str, float], bad: tuple[str, ...]) -> str:
+    """--hybrid-ep-balancer-<knob> through the flags' own parser: each good value read as given,
+    each bad one refused by name; without it None in the options, the recipe schema and
+    ExpertBalancer. Returns the flag."""
     import argparse
 
     from hybrid_ep.balancer import ExpertBalancer
@@ -378,57 +379,38 @@ def test_balancer_tolerance_flag_and_defaults():
     from megatron_patches.slurm.schema import KINDS
 
     parser = options.add_arguments(argparse.ArgumentParser())
-    assert options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "0.05"])).balancer_tolerance == 0.05
-    assert options.from_args(parser.parse_args([])).balancer_tolerance is None
-    with pytest.raises(ValueError, match="balancer_tolerance"):
-        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "-0.1"]))
-    with pytest.raises(ValueError, match="balancer_tolerance"):
-        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "nan"]))
-    assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] is None
+    flag, field = "--hybrid-ep-balancer-" + knob.replace("_", "-"), "balancer_" + knob
+    for text, value in good.items():
+        assert getattr(options.from_args(parser.parse_args([flag, text])), field) == value
+    assert getattr(options.from_args(parser.parse_args([])), field) is None
+    for text in bad:
+        with pytest.raises(ValueError, match=field):
+            options.from_args(parser.parse_args([flag, text]))
+    assert KINDS["pretrain"]["balancer"][knob] == ("float?", None)
+    assert ExpertBalancer.__init__.__kwdefaults__[knob] is None
+    return flag
+
+
+def test_balancer_tolerance_flag_and_defaults():
+    """--hybrid-ep-balancer-tolerance; without it None everywhere: the planner's
+    DEFAULT_TOLERANCE, defined once."""
+    _assert_knob_flag("tolerance", {"0.05": 0.05}, ("-0.1", "nan"))
 
 
 def test_balancer_move_budget_flag_and_defaults():
-    """--hybrid-ep-balancer-move-budget through the flags' own parser; without it None
-    everywhere: no cap on the slots one rebalance moves."""
-    import argparse
-
-    from hybrid_ep.balancer import ExpertBalancer
-    from megatron_patches import options
-    from megatron_patches.slurm.schema import KINDS
-
-    parser = options.add_arguments(argparse.ArgumentParser())
-    flag = "--hybrid-ep-balancer-move-budget"
-    assert options.from_args(parser.parse_args([flag, "0.1"])).balancer_move_budget == 0.1
-    assert options.from_args(parser.parse_args([])).balancer_move_budget is None
-    for bad in ("-0.1", "1.5", "nan"):
-        with pytest.raises(ValueError, match="balancer_move_budget"):
-            options.from_args(parser.parse_args([flag, bad]))
-    assert KINDS["pretrain"]["balancer"]["move_budget"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["move_budget"] is None
+    """--hybrid-ep-balancer-move-budget; without it None everywhere: no cap on the slots one
+    rebalance moves."""
+    _assert_knob_flag("move_budget", {"0.1": 0.1}, ("-0.1", "1.5", "nan"))
 
 
 def test_balancer_rdma_weight_flag_and_defaults():
     """--hybrid-ep-balancer-rdma-weight through the flags' own parser, the recipe key and the
     Megatron arguments a recipe makes; without it None everywhere: the node-agnostic plan."""
-    import argparse
-
-    from hybrid_ep.balancer import ExpertBalancer
     from hybrid_ep.balancer.knobs import DEFAULT_RDMA_WEIGHT
-    from megatron_patches import options
     from megatron_patches.slurm.megatron_args import dispatcher_args
     from megatron_patches.slurm.schema import KINDS
 
-    parser = options.add_arguments(argparse.ArgumentParser())
-    flag = "--hybrid-ep-balancer-rdma-weight"
-    assert options.from_args(parser.parse_args([flag, str(DEFAULT_RDMA_WEIGHT)])).balancer_rdma_weight == 0.5
-    assert options.from_args(parser.parse_args([flag, "0"])).balancer_rdma_weight == 0.0
-    assert options.from_args(parser.parse_args([])).balancer_rdma_weight is None
-    for bad in ("-0.1", "nan", "inf"):
-        with pytest.raises(ValueError, match="balancer_rdma_weight"):
-            options.from_args(parser.parse_args([flag, bad]))
-    assert KINDS["pretrain"]["balancer"]["rdma_weight"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["rdma_weight"] is None
+    flag = _assert_knob_flag("rdma_weight", {str(DEFAULT_RDMA_WEIGHT): 0.5, "0": 0.0}, ("-0.1", "nan", "inf"))
     dispatcher = {"type": "hybrid_ep", "pad_multiple": 1, "num_sms_dispatch": None, "num_sms_combine": None,
                   "static_size_factor": None, "max_tokens_per_rank": None, "backend": "auto", "dispatch_fp8": False}
     balancer = {key: default for key, (_, default) in KINDS["pretrain"]["balancer"].items()} | {"interval": 10}
