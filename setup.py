@@ -5,8 +5,10 @@ Two extensions are compiled ahead of time from csrc/:
   present; otherwise the package installs without it (reference backend) and one line says why.
   With NVSHMEM (scripts/find_nvshmem.py: the nvidia-nvshmem wheel or NVSHMEM_HOME) it also holds
   the inter-node transport; without, one line says so;
-- hybrid_ep._model, the same kernel sources on the CPU model of the device layer, with the
-  host compiler alone (no CUDA toolkit), so the kernels' logic is tested on every machine.
+- hybrid_ep._model, the same kernel sources on the CPU model of the device layer with its timing
+  model, with the host compiler alone (no CUDA toolkit), so the kernels' logic is tested on
+  every machine: a development build only (HYBRID_EP_BUILD_MODEL=1, which scripts/env.sh sets),
+  so a wheel or a plain `pip install` holds neither.
 A third, hybrid_ep._planner (the expert balancer's placement planner, csrc/balancer/), is
 plain C++ and always built: the balancer needs it.
 
@@ -226,8 +228,8 @@ def _planner_extension() -> Extension:
 
 def _model_extension():
     """Return (extension or None, reason it was skipped or None)."""
-    if os.environ.get("HYBRID_EP_SKIP_MODEL_BUILD") == "1":
-        return None, "HYBRID_EP_SKIP_MODEL_BUILD=1"
+    if os.environ.get("HYBRID_EP_BUILD_MODEL") != "1":
+        return None, "a development build only (HYBRID_EP_BUILD_MODEL=1; scripts/env.sh sets it)"
     includes = _pybind11_includes()
     if includes is None:
         return None, "neither pybind11 nor PyTorch is importable at build time (for the pybind11 headers)"

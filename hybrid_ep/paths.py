@@ -35,6 +35,13 @@ def output_problem(path: str, *, folder: bool) -> str | None:
     return _cannot_write_in(existing, path)
 
 
+def refuse_output(parser, flag: str, path: str, *, folder: bool) -> None:
+    """parser.error("<flag>: <why>") (exit 2) where `path` cannot take the output (output_problem)."""
+    problem = output_problem(path, folder=folder)
+    if problem:
+        parser.error(f"{flag}: {problem}")
+
+
 def _cannot_write_in(folder: str, path: str) -> str | None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".hybrid-ep-check-", dir=folder))

@@ -82,6 +82,10 @@ class BufferKey:
     ring_dtype: torch.dtype = torch.float32
 
 
+# The key's fields HybridEPBuffer takes by keyword (the others: the group, and its positional arguments).
+_BUFFER_KEYWORDS = ("ranks_per_node", "backend", "pad_multiple", "num_sms_dispatch", "num_sms_combine", "ring_dtype")
+
+
 def ring_dtype_for(hidden_dtype: torch.dtype) -> torch.dtype:
     """The rings' width for a layer whose hidden states are `hidden_dtype`: every row and partial
     sum between ranks has their width or less (fp8 dispatch, the combine of the experts' output,
@@ -152,15 +156,7 @@ class BufferCache:
                 group_tokens = group_max_tokens(group, num_tokens, device)
             old = 0 if buf is None else buf.config.max_tokens_per_rank
             max_tokens_per_rank = max(1, group_tokens, old)  # never shrinks: no churn
-        kwargs = dict(
-            ranks_per_node=key.ranks_per_node,
-            backend=key.backend,
-            pad_multiple=key.pad_multiple,
-            num_sms_dispatch=key.num_sms_dispatch,
-            num_sms_combine=key.num_sms_combine,
-            min_rows_per_expert=min_rows_per_expert,
-            ring_dtype=key.ring_dtype,
-        )
+        kwargs = {name: getattr(key, name) for name in _BUFFER_KEYWORDS} | {"min_rows_per_expert": min_rows_per_expert}
         self._entries.pop(key, None)  # the stale buffer lives on only while a handle uses it
         buf = hybrid_ep.HybridEPBuffer(group, key.hidden_dim, max_tokens_per_rank, key.num_experts, **kwargs)
         self._entries[key] = (group, buf)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_ep.cli_parser import ArgumentParser
+from hybrid_ep.figures import plots_missing
 
 TOOL = "python -m megatron_patches.layer_bench"
 DISPATCHERS = ("hybrid_ep", "alltoall")
@@ -276,11 +277,10 @@ def _memory_panel(ax, rows: list[dict]) -> None:
 def plot(doc: dict, path: str) -> None:
     """Per shape, one bar per dispatcher with the ratio above each pair: the median wall time
     (left) and the median CPU time per rank (middle); the peaks of memory (right)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hybrid_ep.figures import new_figure, save_png
 
     rows, meta = doc["rows"], doc["metadata"]
-    fig = Figure(figsize=(18, 5.2), layout="constrained")
+    fig = new_figure(figsize=(18, 5.2), layout="constrained")
     xs = range(len(rows))
     panels = (("median_ms", "ratio", "ms, median forward + backward (slowest rank)"),
               ("median_cpu_ms", "cpu_ratio", "ms of CPU time per rank, median forward + backward"))
@@ -297,7 +297,7 @@ def plot(doc: dict, path: str) -> None:
         ax.legend()
     fig.suptitle(f"Megatron MoELayer, W={meta['config']['world_size']} gloo ranks ({meta['config']['nodes']} nodes "
                  f"for hybrid_ep): hybrid_ep (reference) vs alltoall\n{meta['device']} | {meta['date']}", fontsize=10)
-    FigureCanvasAgg(fig).print_png(path)
+    save_png(fig, path)
 
 
 def run(shapes: list[str], repeats: int, warmup: int, world_size: int, ranks_per_node: int, pool=None,
@@ -356,10 +356,13 @@ def main(argv=None) -> int:
     text = table(doc["rows"]) + "\n\n" + memory_table(doc["rows"])
     with open(os.path.join(a.out, "layer_bench.md"), "w") as f:
         f.write(text + "\n")
-    plot(doc, os.path.join(a.out, "layer_bench.png"))
+    missing = plots_missing()
+    if missing is None:
+        plot(doc, os.path.join(a.out, "layer_bench.png"))
     print(f"{doc['metadata']['device']} | {doc['metadata']['date']} | W={a.world_size} gloo "
           f"({a.world_size // a.ranks_per_node} nodes x {a.ranks_per_node} for hybrid_ep), "
-          f"{a.repeats} interleaved repeats\n{text}\nwrote {a.out}/layer_bench.json, .md, .png")
+          f"{a.repeats} interleaved repeats\n{text}\nwrote {a.out}/layer_bench.json, .md"
+          + (", .png" if missing is None else f"; no plot: {missing}"))
     return 0
 
 

@@ -126,21 +126,8 @@ class HybridEPOptions:
             )
         from hybrid_ep.balancer import knobs  # here: `import megatron_patches` stays free of torch
 
-        tolerance = self.balancer_tolerance
-        if tolerance is not None and not knobs.valid_tolerance(tolerance):
-            raise ValueError(
-                f"hybrid_ep option balancer_tolerance must be {knobs.TOLERANCE_RULE} or None, got {tolerance!r}"
-            )
-        budget = self.balancer_move_budget
-        if budget is not None and not knobs.valid_move_budget(budget):
-            raise ValueError(
-                f"hybrid_ep option balancer_move_budget must be {knobs.MOVE_BUDGET_RULE} or None, got {budget!r}"
-            )
-        weight = self.balancer_rdma_weight
-        if weight is not None and not knobs.valid_rdma_weight(weight):
-            raise ValueError(
-                f"hybrid_ep option balancer_rdma_weight must be {knobs.RDMA_WEIGHT_RULE} or None, got {weight!r}"
-            )
+        knobs.check_knobs("hybrid_ep option balancer_", tolerance=self.balancer_tolerance,
+                          move_budget=self.balancer_move_budget, rdma_weight=self.balancer_rdma_weight)
         for name in ("dispatch_fp8", "combine_grad_fp8", "expert_out_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"hybrid_ep option {name} must be a bool, got {getattr(self, name)!r}")

@@ -35,7 +35,8 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-# Built by setup.py in every install, with the host compiler (the planner and the CPU model).
+# Built by setup.py with the host compiler: the planner in every install, the CPU model in a
+# development build (HYBRID_EP_BUILD_MODEL=1).
 built_by_setup() {
     case "$1" in
         csrc/balancer/*.cpp | csrc/device/model/*.cpp | csrc/bindings/planner_module.cpp | csrc/bindings/model_module.cpp)

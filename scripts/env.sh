@@ -83,8 +83,8 @@ install_deps() {
     # this install runs without build isolation, before torch is there. The extensions are
     # built below, once torch is importable: none here.
     quiet_pip install -q --upgrade pip setuptools wheel pybind11 >&2
-    HYBRID_EP_SKIP_CUDA_BUILD=1 HYBRID_EP_SKIP_MODEL_BUILD=1 \
-        quiet_pip install -q --no-build-isolation -e "$repo[test,megatron]" >&2
+    HYBRID_EP_SKIP_CUDA_BUILD=1 \
+        quiet_pip install -q --no-build-isolation -e "$repo[test,megatron,plots]" >&2
 }
 
 stamp=$(cat "$repo/setup.py" "$repo/pyproject.toml" | sha256sum | cut -c1-16)
@@ -110,6 +110,9 @@ fi
 # (setup.py): a fresh clone of a tree built before, as CI makes, copies them instead of 2 to 3
 # minutes of compiling.
 build_env+=("HYBRID_EP_BUILD_CACHE=${HYBRID_EP_BUILD_CACHE:-$HOME/.cache/hybrid-ep/ext-builds}")
+# A development build: the CPU model of the kernels (hybrid_ep._model, with the timing model)
+# too, which a wheel leaves out.
+build_env+=(HYBRID_EP_BUILD_MODEL=1)
 
 # Point the editable install at this checkout. Re-run only when the checkout moved, its build
 # inputs changed or the CUDA decision did. csrc/microbench/ is in no extension

@@ -79,7 +79,7 @@ reserve=20  # seconds kept for the kill grace, the post-processing and packing
 export PYTHONUNBUFFERED=1
 export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a}
 export HYBRID_EP_TIMEOUT_S=${HYBRID_EP_TIMEOUT_S:-20}
-export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo:$repo/tests${PYTHONPATH:+:$PYTHONPATH}"  # tests/: the harnesses run as -m harness.<module>
 summary="$results/gpu_check_summary.txt"
 stamp=$(mktemp)  # files newer than this were written by this command
 stage=setup
@@ -198,7 +198,7 @@ run_tests() {
     bounded "$(left)" "$py" -m pytest -m "gpu or multigpu" -v -rfEs -p no:cacheprovider --timeout=120 \
         --maxfail=10 --junitxml="$results/gpu_tests.xml" \
         tests/gpu/test_cuda_emulation.py tests/gpu/test_reference_nccl.py tests/unit/hybrid_ep/balancer/test_loop.py \
-        tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py tests/unit/hybrid_ep/testing/test_oracle.py \
+        tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py tests/unit/hybrid_ep/verify/test_oracle.py \
         tests/unit/hybrid_ep/backends/cuda/test_cuda_plan.py tests/gpu/test_cuda_arena.py \
         > "$results/gpu_tests.log" 2>&1
     local rc=$?
@@ -231,7 +231,7 @@ run_sanitizer() {
             log=sanitizer_${tool}_$path.log
             say "compute-sanitizer --tool $tool, $path path (log: $log, at most $per_tool s)"
             HYBRID_EP_DATA_PATH=$path HYBRID_EP_TIMEOUT_S=60 bounded "$per_tool" compute-sanitizer --tool "$tool" \
-                --error-exitcode 99 --print-limit 50 "$py" -m hybrid_ep.testing.emulated_check --preset small \
+                --error-exitcode 99 --print-limit 50 "$py" -m harness.emulated_check --preset small \
                 --calls 1 > "$results/$log" 2>&1
             rc=$?
             # memcheck and synccheck end with "ERROR SUMMARY", racecheck with "RACECHECK SUMMARY"
@@ -301,7 +301,7 @@ run_ncu() {
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section SourceCounters --export "$results/ncu" --force-overwrite \
-        "$py" -m hybrid_ep.testing.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
+        "$py" -m harness.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
         --dtype "$ncu_dtype" --calls 2 --no-check > "$results/ncu.log" 2>&1
     local rc=$?
     if [ -f "$results/ncu.ncu-rep" ]; then  # the post-processing has the 40 s kept above
@@ -397,7 +397,7 @@ run_ncu_l1tex() {
         # shellcheck disable=SC2086
         HYBRID_EP_DATA_PATH=$path bounded "$(( $(left) / 4 > 30 ? $(left) / 4 : 30 ))" ncu --target-processes all \
             --kernel-name "regex:$kernel" --launch-skip 2 --launch-count 1 --metrics "$l1tex_metrics" \
-            "$py" -m hybrid_ep.testing.emulated_check $shape --hidden 8192 --topk 8 --experts 16 --calls 2 \
+            "$py" -m harness.emulated_check $shape --hidden 8192 --topk 8 --experts 16 --calls 2 \
             --no-check > "$results/ncu_l1tex_dispatch_$name.txt" 2>&1
         one=$?
         [ "$one" -gt "$rc" ] && rc=$one
@@ -504,7 +504,7 @@ mps_stop() {
     mps_started=""
 }
 
-# Several processes on the one GPU, each one NVSHMEM PE (hybrid_ep.testing.nvshmem_selftest):
+# Several processes on the one GPU, each one NVSHMEM PE (harness.nvshmem_selftest):
 # without MPS (NVSHMEM's limited support of several PEs per GPU) and with the MPS daemon
 # started here (full support), each with NVSHMEM's default CUDA VMM heap and with
 # NVSHMEM_DISABLE_CUDA_VMM=1. Every combination is logged; the stage passes when some
@@ -542,7 +542,7 @@ run_nvshmem() {
                 fi
                 say "NVSHMEM self-test, $procs PEs, MPS $mps, CUDA VMM heap $vmm (log: nvshmem_$name.log, at most $per_run s)"
                 if [ "$vmm" = off ]; then export NVSHMEM_DISABLE_CUDA_VMM=1; else unset NVSHMEM_DISABLE_CUDA_VMM; fi
-                bounded "$per_run" "$py" -m hybrid_ep.testing.nvshmem_selftest --procs "$procs" \
+                bounded "$per_run" "$py" -m harness.nvshmem_selftest --procs "$procs" \
                     --deadline $((per_run > 10 ? per_run - 5 : 5)) --out "$results/nvshmem/$name" \
                     > "$results/nvshmem_$name.log" 2>&1
                 rc=$?
@@ -563,12 +563,12 @@ run_nvshmem() {
 }
 
 # The cuda backend across real processes: each one rank, nodes of one or two ranks joined by
-# the NVSHMEM transport (hybrid_ep.testing.nvshmem_cases), every case against the oracle.
+# the NVSHMEM transport (harness.nvshmem_cases), every case against the oracle.
 run_nvshmem_cases() {
     has_nvshmem || {
         say "hybrid_ep._C was built without NVSHMEM (see build.log): nothing to run"; return 1; }
     say "dispatch + combine across NVSHMEM processes on the GPU (log: nvshmem_cases.log)"
-    bounded "$(left)" "$py" -m hybrid_ep.testing.nvshmem_cases --out "$results/nvshmem_cases" \
+    bounded "$(left)" "$py" -m harness.nvshmem_cases --out "$results/nvshmem_cases" \
         --timeout "$HYBRID_EP_TIMEOUT_S" > "$results/nvshmem_cases.log" 2>&1
     local rc=$?
     say "exit $rc: $(tail -1 "$results/nvshmem_cases.log")"
@@ -605,7 +605,7 @@ run_deepep() {
     return "$rc"
 }
 
-# Many calls (hybrid_ep.testing.soak): fresh routing every call, the oracle every 50 calls, device
+# Many calls (harness.soak): fresh routing every call, the oracle every 50 calls, device
 # memory and host RSS at each check. First W=8 as 8 processes under MPS, each one rank with its
 # buffer kept for the whole soak, as a training job runs (the direct path after peer memory grew);
 # then on one emulated group, W=8 on the receive path and as 2 nodes of 4 (direct across nodes).
@@ -623,7 +623,7 @@ run_soak() {
         mode=(--data-path "$path")
         [ "$path" = processes ] && mode=(--processes --timeout-s "$HYBRID_EP_TIMEOUT_S")
         say "W=8, $per_node ranks per node, $path, $calls calls (log: $name.log, at most $share s)"
-        bounded "$share" "$py" -m hybrid_ep.testing.soak -w 8 --ranks-per-node "$per_node" "${mode[@]}" \
+        bounded "$share" "$py" -m harness.soak -w 8 --ranks-per-node "$per_node" "${mode[@]}" \
             --calls "$calls" --check-every 50 --budget-s $((share > 20 ? share - 10 : share)) \
             --out "$results/$name" > "$results/$name.log" 2>&1
         rc=$?

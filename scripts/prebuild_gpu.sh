@@ -48,7 +48,7 @@ mkdir -p "$out/hybrid_ep" "$tmp"
 rm -f "$out/stamp" "$out"/hybrid_ep/*.so
 log "building for sm_$archs against torch $GPU_TORCH into $out (log: $out/build.log)"
 start=$SECONDS
-if ! HYBRID_EP_CUDA_ARCHS=$archs "$py" setup.py build_ext --build-lib "$tmp/lib" --build-temp "$tmp/obj" \
+if ! HYBRID_EP_BUILD_MODEL=1 HYBRID_EP_CUDA_ARCHS=$archs "$py" setup.py build_ext --build-lib "$tmp/lib" --build-temp "$tmp/obj" \
     > "$out/build.log" 2>&1; then
     tail -30 "$out/build.log" >&2
     log "error: the build failed"

@@ -18,7 +18,7 @@ _MAX_LIVE_POOLS = 2
 # What the pools' ranks import, imported once in the fork server they are forked from: a rank
 # starts in about a second instead of importing torch (and Megatron-Core) again, seconds of CPU
 # each. A module that does not import (no megatron-core) is skipped.
-_RANK_PRELOAD = ["torch", "hybrid_ep", "hybrid_ep.spawn", "hybrid_ep.testing", "megatron.core",
+_RANK_PRELOAD = ["torch", "hybrid_ep", "hybrid_ep.spawn", "hybrid_ep.verify", "harness", "megatron.core",
                  "megatron.core.transformer.moe.moe_layer", "megatron.core.optimizer", "megatron.core.distributed"]
 
 # Every test file names its tier (`pytestmark = pytest.mark.<tier>`), so `pytest -m <tier>` runs

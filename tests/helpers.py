@@ -9,8 +9,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def checkout_env(**extra: str) -> dict[str, str]:
-    """os.environ with this checkout first on PYTHONPATH, and `extra` on top."""
-    path = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    """os.environ with this checkout and its tests/ (the harnesses) first on PYTHONPATH, and
+    `extra` on top."""
+    path = os.pathsep.join([REPO, os.path.join(REPO, "tests")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 

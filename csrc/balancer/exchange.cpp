@@ -10,7 +10,7 @@
 // takes the fewest ranks kept: the slots that avoid levels few ranks with room reach, the
 // heaviest slots, and a first fit into the ranks with the most room (where an exact solve
 // shows the fewest changed slots, the over-loaded ranks release heavy copies and the ranks
-// with the most room take them, docs/balancer_notes.md). One pass of one-rank changes follows
+// with the most room take them, tools/balancer_study/NOTES.md). One pass of one-rank changes follows
 // where that start does not yet beat the refit. Where no start's greedy cover reaches every
 // level, a cover that spares the ranks whose other intervals levels ahead need rates them again.
 #include "balancer/exchange.h"

@@ -1,5 +1,5 @@
 // The one-slot exchange: a refit candidate that changes exactly one slot on each over-loaded
-// rank and on a few ranks with room, copy counts kept (docs/balancer_notes.md, "One slot per
+// rank and on a few ranks with room, copy counts kept (tools/balancer_study/NOTES.md, "One slot per
 // rank").
 // Internal to the planner (refit.cpp).
 #pragma once

@@ -304,20 +304,20 @@ constexpr double kRestartAbove = 0.2;
 // it reaches the target on loads where the search, which fixes one rank at a time, changes
 // several slots per rank. It replaced cycles from the ranks with the most room through the
 // over-loaded ranks, which cost as much and met the target on zipf-0.8 at W 64, S 320 only,
-// where the exchange meets it too (docs/balancer_notes.md).
+// where the exchange meets it too (tools/balancer_study/NOTES.md).
 constexpr double kExchangeAbove = 0.1;
 // Count shifts (shifts.h), each followed by the exchange, where the best refit changes more
 // than kShiftAbove of the slots: a plan's moved fraction sums its layers, and topk-zipf-1.2 at
 // W 64, S 320 gets within 10% only with its layer at 9.7% lowered too, by the second rated
 // shift. 0.05 lowers more layers, but the plan with previous then took 25.0-25.5 ms on the
-// timing load against the 25 ms limit (22.5-22.8 at 0.09; docs/balancer_notes.md, "Count shifts").
+// timing load against the 25 ms limit (22.5-22.8 at 0.09; tools/balancer_study/NOTES.md, "Count shifts").
 constexpr double kShiftAbove = 0.09;
 constexpr size_t kShifts = 2;
 // The exchanges above (count shifts included) cost about 0.15 ms each on average; on loads
 // where most layers move more than the target, running them on every layer took 25-37 ms per
 // plan with previous (61 x 256 x 64, S 320) against the 25 ms limit. So one call runs at most
 // max(kExchangesPerCall, kExchangesPerLayer x its layers) of them: 16 for 61 layers, every
-// one for the few layers of the quality benchmark's cases (docs/balancer_notes.md, "Exchange
+// one for the few layers of the quality benchmark's cases (tools/balancer_study/NOTES.md, "Exchange
 // budget").
 constexpr int kExchangesPerCall = 8;
 constexpr double kExchangesPerLayer = 0.25;

@@ -1,5 +1,5 @@
 // Count shifts: refit starts that move one copy from a cool replicated expert to a hot one
-// (docs/balancer_notes.md, "Shifts followed by the one-slot exchange"). The one-slot exchange
+// (tools/balancer_study/NOTES.md, "Count shifts"). The one-slot exchange
 // keeps copy counts; where the counts themselves hold a layer back, one shifted copy lets the
 // exchange bring it within with fewer changed slots.
 // Internal to the planner (refit.cpp).

@@ -161,7 +161,7 @@ class __attribute__((visibility("hidden"))) HostPath {
       throw py::value_error("a launch drives 1 to " + std::to_string(kMaxLaunchRanks) + " ranks");
   }
 
-  // The test hook (hybrid_ep.testing.faults.ranks_absent), set once, not passed per call: bit i
+  // The test hook (tests/harness/faults.py: ranks_absent), set once, not passed per call: bit i
   // of `absent` launches driven rank i's kernels with RankArgs::absent (it never arrives, as a
   // crashed peer would); bit i of `after_count` does so for a dispatch kernel only (its counts
   // are exchanged). Both 0: every rank arrives.

@@ -27,14 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import is_int
-from .knobs import (
-    MOVE_BUDGET_RULE,
-    RDMA_WEIGHT_RULE,
-    TOLERANCE_RULE,
-    valid_move_budget,
-    valid_rdma_weight,
-    valid_tolerance,
-)
+from .knobs import check_knobs
 from .migration import migrate_shards_, migrate_slots_, plan_transfers, replica_placement, sum_replica_grads_
 from .slots import SlotTable
 from .state import OptimizerView, grad_tensors, mark_replica, movable_tensors
@@ -116,12 +109,7 @@ class ExpertBalancer:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if not math.isfinite(min_gain):
             raise ValueError(f"min_gain must be a finite number, got {min_gain!r}")
-        if tolerance is not None and not valid_tolerance(tolerance):
-            raise ValueError(f"tolerance must be {TOLERANCE_RULE} or None, got {tolerance!r}")
-        if move_budget is not None and not valid_move_budget(move_budget):
-            raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
-        if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
-            raise ValueError(f"rdma_weight must be {RDMA_WEIGHT_RULE} or None, got {rdma_weight!r}")
+        check_knobs(tolerance=tolerance, move_budget=move_budget, rdma_weight=rdma_weight)
         self.num_nodes = num_nodes
         # plan_placement's: None the node-agnostic plan (routes spread over all copies), a number
         # the node-aware plan, whose routes take the copies on their own node (slots.py)

@@ -30,19 +30,11 @@ import sys
 import numpy as np
 import torch
 
-from ..cli_parser import ArgumentParser
+from ..cli_parser import ArgumentParser, positive_int
 from ..paths import output_problem
 from ..traffic.placement import ROUTINGS
 from ..wording import byte_unit, plural
-from .knobs import (
-    DEFAULT_RDMA_WEIGHT,
-    MOVE_BUDGET_RULE,
-    RDMA_WEIGHT_RULE,
-    TOLERANCE_RULE,
-    valid_move_budget,
-    valid_rdma_weight,
-    valid_tolerance,
-)
+from .knobs import DEFAULT_RDMA_WEIGHT, knob_type
 from .metrics import off_home, rank_loads, summarize
 from .placement import Placement
 from .placement_file import NumberedPlacement, layer_numbers_problem, load_placement_yaml, save_placement_yaml
@@ -58,41 +50,6 @@ class UsageError(Exception):
 # rank is the usual choice), and it bounds the planner's time (--num-slots 400000000 ran for
 # minutes) and keeps its native call's integer arguments in range.
 MAX_SLOTS_PER_EXPERT = 64
-
-
-def non_negative(text: str) -> float:
-    """argparse type of --tolerance: argparse's message then names the flag."""
-    value = float(text)
-    if not valid_tolerance(value):
-        raise argparse.ArgumentTypeError(f"must be {TOLERANCE_RULE}, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """argparse type of --move-budget."""
-    value = float(text)
-    if not valid_move_budget(value):
-        raise argparse.ArgumentTypeError(f"must be {MOVE_BUDGET_RULE}, got {text}")
-    return value
-
-
-def rdma_weight(text: str) -> float:
-    """argparse type of --rdma-weight."""
-    value = float(text)
-    if not valid_rdma_weight(value):
-        raise argparse.ArgumentTypeError(f"must be {RDMA_WEIGHT_RULE}, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type of --params-per-slot and --bytes-per-param."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(its rows for the statistics' layers, by layer number)")
     plan.add_argument("--out", required=True, help="placement YAML to write")
     plan.add_argument("--report-dir", help="folder for the JSON summary and PNG plots")
-    plan.add_argument("--tolerance", type=non_negative, default=None,
+    plan.add_argument("--tolerance", type=knob_type("tolerance"), default=None,
                       help="with --previous: accepted rise of the rank imbalance over a fresh plan to keep "
                            f"slots (default {DEFAULT_TOLERANCE})")
-    plan.add_argument("--move-budget", type=fraction, default=None,
+    plan.add_argument("--move-budget", type=knob_type("move_budget"), default=None,
                       help="with --previous: most slots per layer to change, as a fraction of the slots; "
                            "where it binds the imbalance may stay above the tolerance (default: no cap)")
     plan.add_argument("--params-per-slot", type=positive_int, default=None,
@@ -126,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--bytes-per-param", type=positive_int, default=None,
                       help="with --params-per-slot: bytes a moved slot carries per parameter (default "
                            f"{DEFAULT_BYTES_PER_PARAM}: bf16 weight, fp32 main weight, two fp32 Adam moments)")
-    plan.add_argument("--rdma-weight", type=rdma_weight, default=None,
+    plan.add_argument("--rdma-weight", type=knob_type("rdma_weight"), default=None,
                       help="plan for the replica choice by locality (routes take the copies on their own node): "
                            "experts stay on their home node unless moving one lowers the imbalance by more than "
                            "this x the share of routes it then serves off its node, within an RDMA budget of about "

@@ -8,7 +8,9 @@ each names the argument its user wrote in its own message.
 
 from __future__ import annotations
 
+import argparse
 import math
+from typing import Callable
 
 from ..checks import is_real
 
@@ -39,3 +41,43 @@ def valid_move_budget(value) -> bool:
 def valid_rdma_weight(value) -> bool:
     """Imbalance per fraction of routes served off their home node (RDMA_WEIGHT_RULE)."""
     return is_real(value) and 0.0 <= value < math.inf
+
+
+# name (as plan_placement and ExpertBalancer take it) -> (valid, the rule a value breaks)
+KNOBS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "tolerance": (valid_tolerance, TOLERANCE_RULE),
+    "move_budget": (valid_move_budget, MOVE_BUDGET_RULE),
+    "rdma_weight": (valid_rdma_weight, RDMA_WEIGHT_RULE),
+}
+
+
+def knob_problem(name: str, value, none: str | None = "None") -> str | None:
+    """None where `value` is a valid knob `name` (or None, where its user writes it as `none`:
+    "None", "null"; none=None: a value is required), else "must be <rule>..., got <value>"."""
+    valid, rule = KNOBS[name]
+    if (value is None and none is not None) or (value is not None and valid(value)):
+        return None
+    return f"must be {rule}" + (f" or {none}" if none is not None else "") + f", got {value!r}"
+
+
+def check_knobs(prefix: str = "", required: tuple[str, ...] = (), **values) -> None:
+    """ValueError "<prefix><name> must be ..." for the first knob of `values` that is not valid;
+    a knob in `required` may not be None."""
+    for name, value in values.items():
+        problem = knob_problem(name, value, None if name in required else "None")
+        if problem is not None:
+            raise ValueError(f"{prefix}{name} {problem}")
+
+
+def knob_type(name: str) -> Callable[[str], float]:
+    """The argparse type of a CLI flag for knob `name`: argparse's message then names the flag."""
+    valid, rule = KNOBS[name]
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value"
+    return parse

@@ -23,15 +23,7 @@ import numpy as np
 import torch
 
 from .. import _planner
-from .knobs import (
-    DEFAULT_TOLERANCE,
-    MOVE_BUDGET_RULE,
-    RDMA_WEIGHT_RULE,
-    TOLERANCE_RULE,
-    valid_move_budget,
-    valid_rdma_weight,
-    valid_tolerance,
-)
+from .knobs import DEFAULT_TOLERANCE, check_knobs
 from .metrics import rank_loads
 from .placement import Placement, check_sizes, expert_to_slots
 
@@ -77,12 +69,7 @@ def plan_placement(load, num_slots: int, num_nodes: int, num_ranks: int,
     and a kept plan must be within tolerance of the fresh plan's imbalance + rdma_weight x its
     off-home routes (docs/balancer.md, "Node-aware plans").
     """
-    if not valid_tolerance(tolerance):
-        raise ValueError(f"tolerance must be {TOLERANCE_RULE}, got {tolerance!r}")
-    if move_budget is not None and not valid_move_budget(move_budget):
-        raise ValueError(f"move_budget must be {MOVE_BUDGET_RULE} or None, got {move_budget!r}")
-    if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
-        raise ValueError(f"rdma_weight must be {RDMA_WEIGHT_RULE} or None, got {rdma_weight!r}")
+    check_knobs(required=("tolerance",), tolerance=tolerance, move_budget=move_budget, rdma_weight=rdma_weight)
     load_LE = _as_load(load)
     num_experts = load_LE.shape[1]
     check_sizes(num_experts, num_slots, num_ranks, num_nodes)

@@ -6,22 +6,22 @@ The statistics file is what training writes and the offline CLI reads (`.npz`):
   steps [T] int64           training step of each history row, one per row (optional)
   ep_size                   EP size at collection time, an integer >= 1 (optional scalar)
   layer_numbers [L] int64   model layer number of each MoE layer, >= 1 (optional)
-Plots use Figure + FigureCanvasAgg directly, so pyplot's global state is never touched.
+Plots are drawn on hybrid_ep.figures (matplotlib, the plots extra, imported when one is drawn).
 Legend: T intervals, L layers, E experts, W ranks.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import zipfile
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
+from ..figures import matplotlib_part, new_figure, plots_missing, save_png
+from ..logs import log_once
 from ..metadata import metadata
 from ..wording import byte_unit, plural
 from .metrics import SUMMARY_CONFIG_KEYS, SUMMARY_UNITS
@@ -198,7 +198,8 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
         raise ValueError(f"layer_names has {len(names)} entries, history has {L} layers")
     cols = min(_PANEL_COLUMNS, L)
     rows = math.ceil(L / cols)
-    fig = Figure(figsize=(2.6 * cols + 1.6, 2.2 * rows + 1.2))
+    fig = new_figure(figsize=(2.6 * cols + 1.6, 2.2 * rows + 1.2))
+    MaxNLocator = matplotlib_part("ticker").MaxNLocator
     top = vmax if vmax is not None else float(hist.max()) if hist.size else 1.0
     image = None
     for i in range(L):
@@ -221,7 +222,7 @@ def write_heatmap(history, path: str, layer_names=None, title: str = "tokens per
     bar = fig.colorbar(image, cax=cax)
     bar.set_label("tokens routed to the rank in one interval", fontsize=10)
     bar.ax.tick_params(labelsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = None) -> str:
@@ -234,7 +235,7 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
     numbers = [int(n) for n in summary.get("layer_numbers", x)]
     if len(numbers) != L:
         raise ValueError(f"summary['layer_numbers'] has {len(numbers)} entries for {L} layers")
-    fig = Figure(figsize=(max(7.0, 0.22 * L + 2.5), 8.5))
+    fig = new_figure(figsize=(max(7.0, 0.22 * L + 2.5), 8.5))
     for row, level in enumerate(("rank", "slot")):
         ax = fig.add_subplot(3, 1, row + 1)
         ax.bar(x - 0.2, summary[f"imbalance_{level}_before"], width=0.4, label="before", color="tab:red")
@@ -268,7 +269,7 @@ def write_imbalance_plot(summary: dict, path: str, bytes_per_slot: int | None = 
     fig.suptitle(f"balancer: {plural(summary['num_experts'], 'expert')} in {plural(summary['num_slots'], 'slot')} "
                  f"on {plural(summary['num_ranks'], 'rank')} ({plural(summary['num_nodes'], 'node')})", fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _from_zero(ax, top: float, least: float) -> None:
@@ -287,10 +288,10 @@ BYTES_UNITS = {
 def write_report(summary: dict, directory: str, history=None, step: int | None = None,
                  history_before=None, layer_names=None, bytes_per_slot: int | None = None) -> dict[str, str]:
     """Write summary JSON, the imbalance plot and, with history [T, L, W] tokens per rank
-    under the new placement (and history_before under the old one), heatmaps; return
-    {kind: path}. step, when given, is recorded and suffixes the file names.
-    bytes_per_slot (see slot_bytes): adds moved_bytes per layer and in total to the JSON
-    and the plot.
+    under the new placement (and history_before under the old one), heatmaps (the plots where
+    matplotlib is installed, else one logged line says so); return {kind: path}. step, when
+    given, is recorded and suffixes the file names. bytes_per_slot (see slot_bytes): adds
+    moved_bytes per layer and in total to the JSON and the plot.
     """
     if bytes_per_slot is not None and (int(bytes_per_slot) != bytes_per_slot or bytes_per_slot < 1):
         raise ValueError(f"bytes_per_slot must be a positive integer, got {bytes_per_slot!r}")
@@ -310,6 +311,10 @@ def write_report(summary: dict, directory: str, history=None, step: int | None =
     paths = {"summary": os.path.join(directory, f"balancer_summary{tag}.json")}
     with open(paths["summary"], "w") as f:
         json.dump(doc, f, indent=1)
+    missing = plots_missing()
+    if missing is not None:  # the JSON alone; the line once per process
+        log_once(logging.getLogger(__name__), logging.WARNING, f"hybrid_ep balancer report: no PNG plots: {missing}")
+        return paths
     paths["imbalance"] = write_imbalance_plot(summary, os.path.join(directory, f"imbalance{tag}.png"),
                                               bytes_per_slot=bytes_per_slot)
     hists = {"heatmap_after": history, "heatmap_before": history_before}
@@ -332,7 +337,3 @@ def _as_array(x, dtype, name: str) -> np.ndarray:
         raise ValueError(f"{name}: cannot convert to an array of {np.dtype(dtype).name} ({exc})") from exc
 
 
-def _save(fig: Figure, path: str) -> str:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=100)
-    return path

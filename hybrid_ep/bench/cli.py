@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..cli_parser import ArgumentParser
+from ..figures import plots_missing
 from ..metadata import metadata
 from ..paths import output_problem
 from ..synthetic import ROUTINGS
@@ -328,7 +329,10 @@ def _execute(spec: BenchSpec, out_dir: str) -> int:
     doc = _document(spec, probes, runs, launcher.name) | {"skipped": skipped}
     print(format_report(doc), flush=True)
     os.makedirs(out_dir, exist_ok=True)
-    plots = write_plots(doc, out_dir)
+    missing = plots_missing()
+    plots = write_plots(doc, out_dir) if missing is None else []
+    if missing is not None:
+        print(f"no plots: {missing}", flush=True)
     json_path = os.path.join(out_dir, "results.json")
     doc["files"] = {"json": json_path, "plots": plots}
     write_json(doc, json_path)

@@ -510,11 +510,10 @@ def format_table(doc: dict) -> str:
 
 
 def _plot(doc: dict, path: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+    from ..figures import matplotlib_part, new_figure, save_png
 
-    fig = Figure(figsize=(11, 4.2))
+    ticker = matplotlib_part("ticker")
+    fig = new_figure(figsize=(11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
     colors = {"dispatch": "tab:blue", "combine": "tab:orange"}
     styles = ["-", "--", ":", "-."]
@@ -536,14 +535,13 @@ def _plot(doc: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ticks = sorted({r[key] for r in doc["runs"]})
         if ticks:
-            ax.xaxis.set_major_locator(FixedLocator(ticks))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_major_locator(ticker.FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"hybrid-ep cuda kernels in single-GPU emulation on {doc['metadata']['device']} "
                  f"({doc['metadata']['date']})")
     fig.tight_layout()
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, 110)

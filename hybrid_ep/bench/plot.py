@@ -1,4 +1,4 @@
-"""PNG plots of a results document (matplotlib, Agg canvas; pyplot's global state is not used).
+"""PNG plots of a results document (hybrid_ep.figures: matplotlib, the plots extra).
 
 bandwidth_per_rank.png: for dispatch and combine, the algorithm bandwidth (algbw) and the
 NVLink / RDMA bus bandwidth (busbw) of each rank, one bar per run (backend, SM count); the
@@ -12,13 +12,16 @@ and the legend says so. Every panel names its quantity and unit; a footnote defi
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
+from ..figures import new_figure, save_png
 from .metrics import OPS
 from .report import config_line, links_note, run_title
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _METRICS = (("algbw_gbps", "algorithm bandwidth (algbw)"),
             ("nvlink_gbps", "NVLink bus bandwidth (busbw)"),
@@ -54,9 +57,9 @@ def _figure(figsize: tuple[float, float], h_pad: float | None = None) -> Figure:
     """A constrained-layout figure on any matplotlib setup.py allows (no version pinned):
     layout="constrained" and get_layout_engine are matplotlib 3.5 / 3.6."""
     try:
-        fig = Figure(figsize=figsize, layout="constrained")
+        fig = new_figure(figsize=figsize, layout="constrained")
     except TypeError:  # matplotlib < 3.5
-        fig = Figure(figsize=figsize, constrained_layout=True)
+        fig = new_figure(figsize=figsize, constrained_layout=True)
     if h_pad is not None:
         engine = getattr(fig, "get_layout_engine", None)
         if engine is not None:
@@ -64,12 +67,6 @@ def _figure(figsize: tuple[float, float], h_pad: float | None = None) -> Figure:
         else:  # matplotlib < 3.6
             fig.set_constrained_layout_pads(h_pad=h_pad)
     return fig
-
-
-def _save(fig: Figure, path: str) -> str:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=_DPI)
-    return path
 
 
 # Per-rank figure: up to _GRID_MAX_RANKS ranks the six panels form a grid (ops x metrics); beyond,
@@ -156,7 +153,7 @@ def plot_per_rank(doc: dict, path: str) -> str:
                      ncol=min(len(runs), _LEGEND_COLUMNS), frameon=False)
     fig.suptitle(_title(doc, "bandwidth per rank"), fontsize=_FONT["suptitle"])
     _footnote(fig, doc)
-    return _save(fig, path)
+    return save_png(fig, path, _DPI)
 
 
 def has_sm_sweep(doc: dict) -> bool:
@@ -196,7 +193,7 @@ def plot_vs_sms(doc: dict, path: str) -> str:
         ax.legend(fontsize=_FONT["legend"])
     fig.suptitle(_title(doc, "bandwidth vs SMs"), fontsize=_FONT["suptitle"])
     _footnote(fig, doc)
-    return _save(fig, path)
+    return save_png(fig, path, _DPI)
 
 
 def write_plots(doc: dict, out_dir: str) -> list[str]:

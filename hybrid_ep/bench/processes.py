@@ -5,7 +5,7 @@ It starts W=8 processes on GPU 0 (run it under MPS, `nvidia-cuda-mps-control -d`
 processes' kernels run side by side), each one rank of HybridEPBuffer(backend="cuda"): peer
 memory grows on demand (hybrid_ep/backends/cuda/agreement.py). For each layout (one node of 8;
 two nodes of 4 joined by NVSHMEM, where the build has it) it checks a case against the dense
-oracle (hybrid_ep.testing.cases.check_case), then times the seed shape (H=8192, 4096 tokens per
+oracle (hybrid_ep.verify.cases.check_case), then times the seed shape (H=8192, 4096 tokens per
 rank, top-8 of 16 experts) and the DeepSeek-V3-like shape (H=7168, 256 experts, top-8) at 1 and 2
 SMs per rank, bf16 and (--dtypes) fp8. Then, with the processes gone, the same points in the
 single-process emulation, twice: the ranks addressing each other's tensors as they are
@@ -287,7 +287,7 @@ def _host_text(got: list[dict]) -> str:
 def _processes(pool, layout: dict, nodes: int, G: int, args) -> None:
     """The oracle case three times on each rank's buffer (the direct path from the second call),
     then every shape and dtype's timed points, in the pool's processes."""
-    from ..testing.cases import Case, check_case
+    from ..verify.cases import Case, check_case
 
     case = Case(world_size=8, ranks_per_node=G, num_experts=16, hidden=2048, tokens=(64, 17, 0, 5, 33, 1, 40, 9),
                 topk=4, dtype=torch.bfloat16, backend="cuda")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print("processes: needs a CUDA device", file=sys.stderr)
         return 2
     from ..spawn import ProcessGroupPool
-    from ..testing.nvshmem_cases import pool_env
+    from .shared_gpu import pool_env
 
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

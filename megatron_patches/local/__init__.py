@@ -12,5 +12,5 @@ with each dispatcher and compares the loss curves; `demo_ranks`, what its ranks 
 `common` (what they share: quiet libraries, the counting batches and their seed, the fp32
 config, Megatron's parallel state), `layer` (one MoELayer with seeded weights: the layer
 benchmark's and the tests' case). The test harnesses
-(megatron_patches.testing) import from here, never the other way.
+(tests/harness/megatron) import from here, never the other way.
 """

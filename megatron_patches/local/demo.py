@@ -52,6 +52,7 @@ import tempfile
 import threading
 
 from hybrid_ep.cli_parser import ArgumentParser, positive_int, positive_number
+from hybrid_ep.figures import plots_missing
 
 from .demo_shape import BYTE_FIELDS, EXPERTS, HEADS, HIDDEN, LAYERS, TOPK, VOCAB
 
@@ -272,12 +273,11 @@ def plot(results: dict, path: str) -> str:
     """PNG of the curves: loss (left) and tokens/s (right) per step, one line per dispatcher
     (the second dashed: the loss curves lie on each other when the dispatchers agree), the
     tokens/s medians the summary gives as horizontal lines over the steps they cover."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from hybrid_ep.figures import new_figure, save_png
 
     meta, curves, summ = results["metadata"], results["curves"], results.get("summary", {})
     cfg = meta["config"]
-    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    fig = new_figure(figsize=(12, 4.8), layout="constrained")
     styles = [dict(linestyle="-", marker="o", markersize=4), dict(linestyle="--", marker="s", markersize=6,
                                                                    markerfacecolor="none")]
     for k, (field, label) in enumerate((("loss", "loss (nats per token, mean over ranks)"),
@@ -302,8 +302,7 @@ def plot(results: dict, path: str) -> str:
                  f"experts, top-{cfg['topk']}): EP={cfg['world_size']} as {cfg['nodes']} nodes x "
                  f"{cfg['ranks_per_node']} ranks over {cfg['transport']}; dispatchers trained in alternation\n"
                  f"{meta['device']} | {meta['date']}", fontsize=10)
-    FigureCanvasAgg(fig).print_png(path)
-    return path
+    return save_png(fig, path)
 
 
 def build_parser() -> ArgumentParser:
@@ -330,11 +329,9 @@ def main(argv=None) -> int:
         parser.error(f"--dispatchers must differ (each trains its own model), got {' '.join(a.dispatchers)}")
     if a.world_size % a.ranks_per_node or EXPERTS % a.world_size:
         parser.error(f"--world-size must be a multiple of --ranks-per-node and divide {EXPERTS} experts")
-    from hybrid_ep.paths import output_problem
+    from hybrid_ep.paths import refuse_output
 
-    problem = output_problem(a.out, folder=True)
-    if problem:
-        parser.error(f"--out: {problem}")
+    refuse_output(parser, "--out", a.out, folder=True)
     print(f"tiny MoE GPT (Megatron-Core): {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}, "
           f"vocab {VOCAB}, fp32; EP={a.world_size} as {a.world_size // a.ranks_per_node} nodes x "
           f"{a.ranks_per_node} ranks; {a.steps} steps of {a.micro_batch}x{a.seq} tokens per rank", flush=True)
@@ -349,7 +346,8 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")
-    print(f"wrote {plot(results, os.path.join(a.out, 'moe_train.png'))}")
+    missing = plots_missing()
+    print(f"wrote {plot(results, os.path.join(a.out, 'moe_train.png'))}" if missing is None else f"no plot: {missing}")
     bad = [n for n, recs in results["curves"].items() if not all(math.isfinite(r["loss"]) for r in recs)]
     return 1 if bad else 0
 

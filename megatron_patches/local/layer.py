@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import torch
 
@@ -35,10 +36,10 @@ class LayerCase:
     static_size_factor: float | None = None
     seed: int = 1234
     # "sequential": SequentialMLP; "grouped": TEGroupedMLP on TorchGroupedLinear (output allocated
-    # in torch._grouped_mm); "te_like": TEGroupedMLP on testing.te_like.PythonAllocatedGroupedLinear
-    # (output allocated with torch.empty, as Transformer Engine's GroupedLinear); "te_op_fuser":
-    # TEGroupedMLP on Transformer Engine stood in (testing.te_stand_in, inside its installed())
+    # in torch._grouped_mm); "module:function": TEGroupedMLP on the submodules that function
+    # returns (the tests name their Transformer Engine-like linears so, tests/harness/megatron)
     experts: str = "sequential"
+    op_fuser: bool = False  # the experts on Transformer Engine's op fuser (Megatron's op-fuser fields set)
 
     @property
     def num_tokens(self) -> int:
@@ -103,21 +104,18 @@ def _op_fuser_fields() -> dict:
 
 def build_moe_layer(case: LayerCase, **config_overrides):
     """The case's MoELayer (weights as Megatron initialises them); config_overrides are set after
-    validation (experts "te_op_fuser": on top of the op fuser's fields, inside the TE stand-in's
-    installed())."""
+    validation (with op_fuser: on top of the op fuser's fields, where Transformer Engine or a
+    stand-in of it is installed)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     spec = _with_experts(get_moe_module_spec(use_te=False, num_experts=case.num_experts, moe_grouped_gemm=False),
                          case.experts)
     config = moe_config(case)
-    if case.experts == "te_op_fuser":
+    if case.op_fuser:
         config_overrides = {**_op_fuser_fields(), **config_overrides}
     for name, value in config_overrides.items():
         setattr(config, name, value)
-    if hasattr(spec, "submodules"):  # a ModuleSpec (Megatron-Core <= 0.16)
-        return MoELayer(config, submodules=spec.submodules, layer_number=1)
-    return spec(config=config, layer_number=1)  # a partial of MoELayer (newer versions)
+    return spec(config=config, layer_number=1)  # a partial of MoELayer (Megatron-Core >= 0.19: versions.py)
 
 
 def _with_experts(spec, experts: str):
@@ -127,17 +125,18 @@ def _with_experts(spec, experts: str):
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
     from ..grouped_gemm import torch_grouped_mlp_submodules
-    from ..testing.te_like import te_like_grouped_mlp_submodules
-    from ..testing.te_stand_in import grouped_mlp_submodules
 
-    linears = {"grouped": torch_grouped_mlp_submodules, "te_like": te_like_grouped_mlp_submodules,
-               "te_op_fuser": grouped_mlp_submodules}
-    if experts not in linears:
-        raise ValueError(f"LayerCase.experts must be 'sequential' or one of {sorted(linears)}, got {experts!r}")
+    if experts == "grouped":
+        submodules_of = torch_grouped_mlp_submodules
+    elif experts.count(":") == 1:
+        module, function = experts.split(":")
+        submodules_of = getattr(importlib.import_module(module), function)
+    else:
+        raise ValueError(f"LayerCase.experts must be 'sequential', 'grouped' or 'module:function', got {experts!r}")
     if not isinstance(spec, functools.partial):
         raise NotImplementedError("grouped experts need a Megatron-Core whose MoE spec is a partial of MoELayer")
     submodules = dataclasses.replace(spec.keywords["submodules"],
-                                     experts=functools.partial(TEGroupedMLP, submodules=linears[experts]()))
+                                     experts=functools.partial(TEGroupedMLP, submodules=submodules_of()))
     return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
 
 

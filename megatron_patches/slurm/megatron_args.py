@@ -18,35 +18,28 @@ def _flag(args: list[str], name: str, value) -> None:
         args.append(str(value))
 
 
+def _flags(args: list[str], fields: dict, names: str, prefix: str = "--") -> None:
+    """_flag(prefix + the name with dashes, fields[name]) for each of the space-separated `names`, in order."""
+    for name in names.split():
+        _flag(args, prefix + name.replace("_", "-"), fields[name])
+
+
 def model_args(m: dict) -> list[str]:
     a: list[str] = []
-    _flag(a, "--num-layers", m["num_layers"])
-    _flag(a, "--hidden-size", m["hidden_size"])
-    _flag(a, "--ffn-hidden-size", m["ffn_hidden_size"])
-    _flag(a, "--num-attention-heads", m["num_attention_heads"])
+    _flags(a, m, "num_layers hidden_size ffn_hidden_size num_attention_heads")
     if m["num_query_groups"] is not None and m["num_query_groups"] != m["num_attention_heads"]:
         _flag(a, "--group-query-attention", True)
         _flag(a, "--num-query-groups", m["num_query_groups"])
-    _flag(a, "--kv-channels", m["kv_channels"])
-    _flag(a, "--seq-length", m["seq_length"])
-    _flag(a, "--max-position-embeddings", m["max_position_embeddings"])
+    _flags(a, m, "kv_channels seq_length max_position_embeddings")
     _flag(a, "--untie-embeddings-and-output-weights", m["untie_embeddings"])
-    _flag(a, "--swiglu", m["swiglu"])
-    _flag(a, "--num-experts", m["num_experts"])
-    _flag(a, "--moe-ffn-hidden-size", m["moe_ffn_hidden_size"])
-    _flag(a, "--moe-router-topk", m["moe_router_topk"])
-    _flag(a, "--moe-shared-expert-intermediate-size", m["moe_shared_expert_intermediate_size"])
+    _flags(a, m, "swiglu num_experts moe_ffn_hidden_size moe_router_topk moe_shared_expert_intermediate_size")
     if m["dense_layers"]:
         n, k = m["dense_layers"], m["num_layers"] - m["dense_layers"]
         _flag(a, "--moe-layer-freq", f"([0]*{n}+[1]*{k})")
     mla = m["mla"]
     if mla["enabled"]:
         _flag(a, "--multi-latent-attention", True)
-        _flag(a, "--q-lora-rank", mla["q_lora_rank"])
-        _flag(a, "--kv-lora-rank", mla["kv_lora_rank"])
-        _flag(a, "--qk-head-dim", mla["qk_head_dim"])
-        _flag(a, "--qk-pos-emb-head-dim", mla["qk_pos_emb_head_dim"])
-        _flag(a, "--v-head-dim", mla["v_head_dim"])
+        _flags(a, mla, "q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim")
     return a + list(m["extra_args"])
 
 
@@ -73,22 +66,15 @@ def dispatcher_args(d: dict, b: dict) -> list[str]:
     if d["type"] != "hybrid_ep":
         return a
     _flag(a, "--hybrid-ep-pad-multiple", d["pad_multiple"] if d["pad_multiple"] != 1 else None)
-    _flag(a, "--hybrid-ep-num-sms-dispatch", d["num_sms_dispatch"])
-    _flag(a, "--hybrid-ep-num-sms-combine", d["num_sms_combine"])
-    _flag(a, "--hybrid-ep-static-size-factor", d["static_size_factor"])
-    _flag(a, "--hybrid-ep-max-tokens-per-rank", d["max_tokens_per_rank"])
+    _flags(a, d, "num_sms_dispatch num_sms_combine static_size_factor max_tokens_per_rank", "--hybrid-ep-")
     _flag(a, "--hybrid-ep-backend", d["backend"] if d["backend"] != "auto" else None)
     _flag(a, "--hybrid-ep-dispatch-fp8", d["dispatch_fp8"])
     if b["interval"] > 0:
-        _flag(a, "--hybrid-ep-balancer-interval", b["interval"])
-        _flag(a, "--hybrid-ep-balancer-slots-per-rank", b["slots_per_rank"])
+        _flags(a, b, "interval slots_per_rank", "--hybrid-ep-balancer-")
         _flag(a, "--hybrid-ep-balancer-window", b["window"] if b["window"] != 1 else None)
         _flag(a, "--hybrid-ep-balancer-decay", b["decay"])
         _flag(a, "--hybrid-ep-balancer-min-gain", b["min_gain"] if b["min_gain"] else None)
-        _flag(a, "--hybrid-ep-balancer-tolerance", b["tolerance"])
-        _flag(a, "--hybrid-ep-balancer-move-budget", b["move_budget"])
-        _flag(a, "--hybrid-ep-balancer-rdma-weight", b["rdma_weight"])
-        _flag(a, "--hybrid-ep-balancer-report-dir", b["report_dir"])
+        _flags(a, b, "tolerance move_budget rdma_weight report_dir", "--hybrid-ep-balancer-")
     return a
 
 
@@ -99,11 +85,9 @@ def precision_args(precision: str) -> list[str]:
 
 def train_args(t: dict) -> list[str]:
     a: list[str] = []
-    _flag(a, "--micro-batch-size", t["micro_batch_size"])
-    _flag(a, "--global-batch-size", t["global_batch_size"])
+    _flags(a, t, "micro_batch_size global_batch_size")
     _flag(a, "--train-iters", t["steps"])
-    _flag(a, "--lr", t["lr"])
-    _flag(a, "--min-lr", t["min_lr"])
+    _flags(a, t, "lr min_lr")
     _flag(a, "--lr-warmup-iters", t["warmup_steps"])
     _flag(a, "--log-interval", t["log_interval"])
     if t["recompute"] == "selective":

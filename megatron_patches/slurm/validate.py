@@ -44,14 +44,7 @@ import re
 import torch
 
 from hybrid_ep.backends import BACKEND_NAMES
-from hybrid_ep.balancer.knobs import (
-    MOVE_BUDGET_RULE,
-    RDMA_WEIGHT_RULE,
-    TOLERANCE_RULE,
-    valid_move_budget,
-    valid_rdma_weight,
-    valid_tolerance,
-)
+from hybrid_ep.balancer.knobs import KNOBS, knob_problem
 from hybrid_ep.bench.spec import BENCH_BACKENDS, ROUTINGS, BenchArgError, BenchSpec
 from hybrid_ep.bench.spec import DTYPES as BENCH_DTYPES
 from hybrid_ep.config import FP8_BLOCK
@@ -325,15 +318,10 @@ def _balancer(recipe, problems):
         problems.append((b + "decay", f"must be in (0, 1) or null, got {decay}"))
     if recipe[b + "min_gain"] < 0:
         problems.append((b + "min_gain", f"must be >= 0, got {recipe[b + 'min_gain']}"))
-    tolerance = recipe[b + "tolerance"]
-    if tolerance is not None and not valid_tolerance(tolerance):
-        problems.append((b + "tolerance", f"must be {TOLERANCE_RULE} or null, got {tolerance}"))
-    move_budget = recipe[b + "move_budget"]
-    if move_budget is not None and not valid_move_budget(move_budget):
-        problems.append((b + "move_budget", f"must be {MOVE_BUDGET_RULE} or null, got {move_budget}"))
-    rdma_weight = recipe[b + "rdma_weight"]
-    if rdma_weight is not None and not valid_rdma_weight(rdma_weight):
-        problems.append((b + "rdma_weight", f"must be {RDMA_WEIGHT_RULE} or null, got {rdma_weight}"))
+    for knob in KNOBS:
+        problem = knob_problem(knob, recipe[b + knob], none="null")
+        if problem is not None:
+            problems.append((b + knob, problem))
     slots, ep = recipe[b + "slots_per_rank"], recipe["parallelism.ep"]
     E = recipe["model.num_experts"]
     if recipe[b + "interval"] > 0:  # slots exist only when the balancer is on

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.fault_cases import dies_in_a_call_on_rank
 from hybrid_ep.spawn import ProcessGroupPool
-from hybrid_ep.testing.fault_cases import dies_in_a_call_on_rank
 
 pytestmark = pytest.mark.faults
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.fault_cases import OUTSIDER, silent_peers_on_rank, stalled_owner_on_rank
 from hybrid_ep.backends.cuda import load_extension
 from hybrid_ep.backends.cuda.chunk_channel import ChunkServer, JobKey, fetch_chunk, new_token
 from hybrid_ep.backends.cuda.fabric_channel import FabricBoard
 from hybrid_ep.backends.cuda.peer_memory import CHUNK, PeerViews
 from hybrid_ep.spawn import ProcessGroupPool
-from hybrid_ep.testing.fault_cases import OUTSIDER, silent_peers_on_rank, stalled_owner_on_rank
 
 pytestmark = pytest.mark.faults
 
@@ -92,7 +92,7 @@ def test_a_process_outside_the_job_gets_no_chunk():
     handle, fd = ext.peer_create(CHUNK, 0, False)
     server.publish(0, CHUNK, fd)
     try:
-        from hybrid_ep.testing.fault_cases import tokens_on_this_host
+        from harness.fault_cases import tokens_on_this_host
 
         assert (token, 0) in tokens_on_this_host()  # what any user reads
         out = subprocess.run([sys.executable, "-c", OUTSIDER, token, "0", "0"], capture_output=True, text=True,

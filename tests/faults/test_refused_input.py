@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
+from harness.emulated import check_emulated, emulated_group_for
+from harness.fault_cases import refused_input_on_rank
 from hybrid_ep.refusals import InputRefused, code_of
 from hybrid_ep.spawn import ProcessGroupPool
-from hybrid_ep.testing.cases import Case, Expected
-from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
-from hybrid_ep.testing.fault_cases import refused_input_on_rank
+from hybrid_ep.verify.cases import Case, Expected
 
 pytestmark = pytest.mark.faults
 

@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
+from harness.emulated import check_emulated, emulated_group_for
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.faults
 

@@ -12,11 +12,11 @@ import dataclasses
 import pytest
 import torch
 
+from harness.arena_cases import run_uneven_arena_on_rank
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.arena_cases import run_uneven_arena_on_rank
-from hybrid_ep.testing.cases import Case, check_case, make_rank_inputs
-from hybrid_ep.testing.compare import assert_combine_within, assert_dispatch_matches
-from hybrid_ep.testing.oracle import combine_hops_oracle, dispatch_oracle
+from hybrid_ep.verify.cases import Case, check_case, make_rank_inputs
+from hybrid_ep.verify.compare import assert_combine_within, assert_dispatch_matches
+from hybrid_ep.verify.oracle import combine_hops_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -98,10 +98,10 @@ def test_combines_on_two_streams_take_the_expert_out_block_in_turn():
     the first kernel's peers still read, and the kernels' call numbers stay in order. The
     first combine is made long (1 SM, 2048 tokens of H=4096 per rank) so that without that
     wait the second could overlap it. Both match the oracle."""
+    from harness.emulated import emulated_group_for, on_device
     from helpers import built_cuda_extension
-    from hybrid_ep.testing.compare import assert_combine_close
-    from hybrid_ep.testing.emulated import emulated_group_for, on_device
-    from hybrid_ep.testing.oracle import combine_oracle
+    from hybrid_ep.verify.compare import assert_combine_close
+    from hybrid_ep.verify.oracle import combine_oracle
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

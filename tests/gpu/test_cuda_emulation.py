@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from harness.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import feature_cases, topology_cases
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.compare import assert_combine_close, assert_dispatch_matches
-from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import feature_cases, topology_cases
-from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
+from hybrid_ep.verify.cases import Case, make_rank_inputs
+from hybrid_ep.verify.compare import assert_combine_close, assert_dispatch_matches
+from hybrid_ep.verify.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -91,8 +91,8 @@ def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, war
     wait and the warp's __syncwarp alone, =converged: every lane's own wait;
     HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer warps) give the oracle's sums on the
     GPU, one node and two; rows of 7168 bf16 columns, top-8, so each token's parts wrap the rings."""
+    from harness.emulated import emulated_group_for
     from hybrid_ep.backends.cuda import launch
-    from hybrid_ep.testing.emulated import emulated_group_for
 
     for name, value in ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
                         (launch.REDUCER_WARPS_ENV, warps)):
@@ -120,7 +120,7 @@ def test_ranks_through_peer_memory_match_the_oracle(nodes):
     first call grows the memory and takes the receive path, and the same call again goes direct
     once the peers mapped what it grew (each check's re-dispatch keeps a second output alive,
     which may grow the memory once more; tests/model/test_peer_emulation.py has the rule)."""
-    from hybrid_ep.testing.emulated import emulated_group_for
+    from harness.emulated import emulated_group_for
 
     case = _case(4, topk=8, num_experts=16, tokens=(500, 17, 0, 129), ranks_per_node=4 // nodes)
     group = emulated_group_for(case, "cuda", separate_processes=True, peer_reserve=1 << 30)
@@ -279,7 +279,7 @@ def test_bad_expert_index_in_static_mode_is_reported_and_leaves_the_buffer_usabl
     the next calls on the buffer (static, then dynamic) match the oracle."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "5")
     case = Case(3, 3, 6, 256, (17, 40, 33), 3, torch.bfloat16, drop_fraction=0.2, backend="cuda", num_out_tokens=64)
-    from hybrid_ep.testing.emulated import emulated_group_for
+    from harness.emulated import emulated_group_for
 
     group = emulated_group_for(case, "cuda")
     try:
@@ -302,7 +302,7 @@ def test_bad_expert_index_in_dynamic_mode_leaves_the_buffer_usable(monkeypatch):
     raised by the dynamic dispatch's host read, then the next call on the buffer."""
     monkeypatch.setenv("HYBRID_EP_TIMEOUT_S", "5")
     case = Case(3, 3, 6, 256, (17, 40, 33), 3, torch.bfloat16, drop_fraction=0.2, backend="cuda")
-    from hybrid_ep.testing.emulated import emulated_group_for
+    from harness.emulated import emulated_group_for
 
     group = emulated_group_for(case, "cuda")
     try:
@@ -330,7 +330,7 @@ def _buffer_cases(world_size):
 def test_buffer_api_on_the_production_launcher():
     """HybridEPBuffer(backend='cuda'): one process per rank, registered buffers over CUDA IPC."""
     from hybrid_ep.spawn import ProcessGroupPool
-    from hybrid_ep.testing import check_case
+    from hybrid_ep.verify import check_case
 
     with ProcessGroupPool(1, backend="nccl") as pool:
         for case in _buffer_cases(1):
@@ -340,7 +340,7 @@ def test_buffer_api_on_the_production_launcher():
 @pytest.mark.multigpu
 def test_buffer_api_across_gpus_of_one_node():
     from hybrid_ep.spawn import ProcessGroupPool
-    from hybrid_ep.testing import check_case
+    from hybrid_ep.verify import check_case
 
     world = min(torch.cuda.device_count(), 8)
     with ProcessGroupPool(world, backend="nccl") as pool:

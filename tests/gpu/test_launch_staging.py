@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from hybrid_ep.testing.cases import make_rank_inputs
-from hybrid_ep.testing.emulated import GroupCache, check_emulated, on_device
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from harness.emulated import GroupCache, check_emulated, on_device
+from harness.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import make_rank_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import torch
 
 from helpers import static_reference_round_trip
 from hybrid_ep.spawn import ProcessGroupPool
-from hybrid_ep.testing import Case, check_case
+from hybrid_ep.verify import Case, check_case
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ def test_two_gpus_match_oracle():
 
 def _static_round_trip_without_host_sync():
     """The static round trip under torch.cuda.set_sync_debug_mode("error"): any host
-    synchronisation raises (tests/unit/hybrid_ep/testing/test_host_sync.py finds them all on the CPU)."""
+    synchronisation raises (tests/unit/harness/test_host_sync.py finds them all on the CPU)."""
 
     @contextlib.contextmanager
     def sync_is_an_error():

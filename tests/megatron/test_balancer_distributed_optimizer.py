@@ -26,9 +26,9 @@ from helpers import assert_migration_kept_output
 
 pytest.importorskip("megatron.core")
 
+from harness.megatron.balancer_checkpoints import load_other_ep  # noqa: E402
+from harness.megatron.balancer_runs import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
 from megatron_patches.local.layer import LayerCase  # noqa: E402
-from megatron_patches.testing.balancer_checkpoints import load_other_ep  # noqa: E402
-from megatron_patches.testing.balancer_runs import TrainRun, migrate_with_gather_in_flight, train_moe_layer  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # training runs behind every test: the full tier
 
@@ -245,12 +245,17 @@ def test_checkpoint_after_a_migration_resumes_bit_identically(request, fixture, 
         placements = [p for p in rank_result["placements"] if p[0] > step]
         assert [i for i, _ in resumed["placements"]] == [i for i, _ in placements] == [15, 20]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed["placements"], placements))
-        assert len(rank_result["slots"]) == len(resumed["slots"]) == (6 if fixture == "ep2" else 3)
-        for a, b in zip(rank_result["slots"], resumed["slots"]):
-            assert a["expert"] == b["expert"]
-            assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
-            for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
-                assert ra == rb and all(torch.equal(x, y) for x, y in zip(xa, xb))
+        _assert_same_slots(rank_result["slots"], resumed["slots"], 6 if fixture == "ep2" else 3)
+
+
+def _assert_same_slots(got: list[dict], want: list[dict], count: int) -> None:
+    """`count` slots each way, holding the same expert, tensors and optimizer pieces bit for bit."""
+    assert len(got) == len(want) == count
+    for a, b in zip(got, want):
+        assert a["expert"] == b["expert"]
+        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
+        for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
+            assert ra == rb and all(torch.equal(x, y) for x, y in zip(xa, xb))
 
 
 def test_checkpointed_run_is_the_uninterrupted_run(ep4):
@@ -260,12 +265,7 @@ def test_checkpointed_run_is_the_uninterrupted_run(ep4):
         assert saved["losses"] == plain["losses"] and saved["grad_norms"] == plain["grad_norms"]
         assert [_untimed(e) for e in saved["events"]] == [_untimed(e) for e in plain["events"]]
         assert all(i == j and torch.equal(a, b) for (i, a), (j, b) in zip(saved["placements"], plain["placements"]))
-        assert len(saved["slots"]) == len(plain["slots"]) == 3
-        for a, b in zip(saved["slots"], plain["slots"]):
-            assert a["expert"] == b["expert"]
-            assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
-            for (ra, xa), (rb, xb) in zip(a["pieces"], b["pieces"]):
-                assert ra == rb and all(torch.equal(x, y) for x, y in zip(xa, xb))
+        _assert_same_slots(saved["slots"], plain["slots"], 3)
 
 
 def test_torch_dist_checkpoint_loads_into_another_ep_size_and_replans(ep2):

@@ -15,8 +15,8 @@ from helpers import assert_migration_kept_output
 
 pytest.importorskip("megatron.core")
 
+from harness.megatron.balancer_runs import TrainRun, train_moe_layer  # noqa: E402
 from megatron_patches.local.layer import LayerCase  # noqa: E402
-from megatron_patches.testing.balancer_runs import TrainRun, train_moe_layer  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -194,9 +194,9 @@ def test_attach_takes_a_placement_file_planned_for_this_model(pool_for, tmp_path
     table shape (12 slots) is refused by name instead of loading as a plan for other ranks."""
     import numpy as np
 
+    from harness.megatron.balancer_runs import attach_placement_file
     from hybrid_ep.balancer import plan_placement
     from hybrid_ep.balancer.placement_file import save_placement_yaml
-    from megatron_patches.testing.balancer_runs import attach_placement_file
 
     load = np.random.default_rng(5).random((1, CASE.num_experts)) * 100
     good = plan_placement(load, W * SLOTS_PER_RANK, 1, W)
@@ -224,10 +224,10 @@ def test_attach_takes_the_rows_of_the_models_layer_numbers(pool_for, tmp_path):
     layer_numbers still loads in order when the counts agree."""
     import numpy as np
 
+    from harness.megatron.balancer_runs import attach_placement_file
     from hybrid_ep.balancer import plan_placement
     from hybrid_ep.balancer.placement_file import save_placement_yaml
     from hybrid_ep.balancer.planner import Placement
-    from megatron_patches.testing.balancer_runs import attach_placement_file
 
     plan = plan_placement(np.random.default_rng(6).random((3, CASE.num_experts)) * 100, W * SLOTS_PER_RANK, 1, W)
     rows = plan.slot_to_expert
@@ -321,8 +321,8 @@ def test_balancer_flags_through_megatron_argument_parser(monkeypatch):
     from megatron.training import global_vars, training
 
     import megatron_patches
+    from harness.megatron.moe_layer import TINY_GPT_ARGS
     from megatron_patches import options
-    from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
 
     applied = megatron_patches.apply()
     assert applied["balancer_hook"] and getattr(training.setup_model_and_optimizer, "_hybrid_ep_balancer", False)
@@ -368,9 +368,10 @@ def test_balancer_options_name_the_field(field, value, needle):
         HybridEPOptions(**{field: value}).validate()
 
 
-def test_balancer_tolerance_flag_and_defaults():
-    """--hybrid-ep-balancer-tolerance through the flags' own parser; without it None everywhere:
-    the planner's DEFAULT_TOLERANCE, defined once."""
+def _assert_knob_flag(knob: str, good: dict[str, float], bad: tuple[str, ...]) -> str:
+    """--hybrid-ep-balancer-<knob> through the flags' own parser: each good value read as given,
+    each bad one refused by name; without it None in the options, the recipe schema and
+    ExpertBalancer. Returns the flag."""
     import argparse
 
     from hybrid_ep.balancer import ExpertBalancer
@@ -378,57 +379,38 @@ def test_balancer_tolerance_flag_and_defaults():
     from megatron_patches.slurm.schema import KINDS
 
     parser = options.add_arguments(argparse.ArgumentParser())
-    assert options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "0.05"])).balancer_tolerance == 0.05
-    assert options.from_args(parser.parse_args([])).balancer_tolerance is None
-    with pytest.raises(ValueError, match="balancer_tolerance"):
-        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "-0.1"]))
-    with pytest.raises(ValueError, match="balancer_tolerance"):
-        options.from_args(parser.parse_args(["--hybrid-ep-balancer-tolerance", "nan"]))
-    assert KINDS["pretrain"]["balancer"]["tolerance"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["tolerance"] is None
+    flag, field = "--hybrid-ep-balancer-" + knob.replace("_", "-"), "balancer_" + knob
+    for text, value in good.items():
+        assert getattr(options.from_args(parser.parse_args([flag, text])), field) == value
+    assert getattr(options.from_args(parser.parse_args([])), field) is None
+    for text in bad:
+        with pytest.raises(ValueError, match=field):
+            options.from_args(parser.parse_args([flag, text]))
+    assert KINDS["pretrain"]["balancer"][knob] == ("float?", None)
+    assert ExpertBalancer.__init__.__kwdefaults__[knob] is None
+    return flag
+
+
+def test_balancer_tolerance_flag_and_defaults():
+    """--hybrid-ep-balancer-tolerance; without it None everywhere: the planner's
+    DEFAULT_TOLERANCE, defined once."""
+    _assert_knob_flag("tolerance", {"0.05": 0.05}, ("-0.1", "nan"))
 
 
 def test_balancer_move_budget_flag_and_defaults():
-    """--hybrid-ep-balancer-move-budget through the flags' own parser; without it None
-    everywhere: no cap on the slots one rebalance moves."""
-    import argparse
-
-    from hybrid_ep.balancer import ExpertBalancer
-    from megatron_patches import options
-    from megatron_patches.slurm.schema import KINDS
-
-    parser = options.add_arguments(argparse.ArgumentParser())
-    flag = "--hybrid-ep-balancer-move-budget"
-    assert options.from_args(parser.parse_args([flag, "0.1"])).balancer_move_budget == 0.1
-    assert options.from_args(parser.parse_args([])).balancer_move_budget is None
-    for bad in ("-0.1", "1.5", "nan"):
-        with pytest.raises(ValueError, match="balancer_move_budget"):
-            options.from_args(parser.parse_args([flag, bad]))
-    assert KINDS["pretrain"]["balancer"]["move_budget"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["move_budget"] is None
+    """--hybrid-ep-balancer-move-budget; without it None everywhere: no cap on the slots one
+    rebalance moves."""
+    _assert_knob_flag("move_budget", {"0.1": 0.1}, ("-0.1", "1.5", "nan"))
 
 
 def test_balancer_rdma_weight_flag_and_defaults():
     """--hybrid-ep-balancer-rdma-weight through the flags' own parser, the recipe key and the
     Megatron arguments a recipe makes; without it None everywhere: the node-agnostic plan."""
-    import argparse
-
-    from hybrid_ep.balancer import ExpertBalancer
     from hybrid_ep.balancer.knobs import DEFAULT_RDMA_WEIGHT
-    from megatron_patches import options
     from megatron_patches.slurm.megatron_args import dispatcher_args
     from megatron_patches.slurm.schema import KINDS
 
-    parser = options.add_arguments(argparse.ArgumentParser())
-    flag = "--hybrid-ep-balancer-rdma-weight"
-    assert options.from_args(parser.parse_args([flag, str(DEFAULT_RDMA_WEIGHT)])).balancer_rdma_weight == 0.5
-    assert options.from_args(parser.parse_args([flag, "0"])).balancer_rdma_weight == 0.0
-    assert options.from_args(parser.parse_args([])).balancer_rdma_weight is None
-    for bad in ("-0.1", "nan", "inf"):
-        with pytest.raises(ValueError, match="balancer_rdma_weight"):
-            options.from_args(parser.parse_args([flag, bad]))
-    assert KINDS["pretrain"]["balancer"]["rdma_weight"] == ("float?", None)
-    assert ExpertBalancer.__init__.__kwdefaults__["rdma_weight"] is None
+    flag = _assert_knob_flag("rdma_weight", {str(DEFAULT_RDMA_WEIGHT): 0.5, "0": 0.0}, ("-0.1", "nan", "inf"))
     dispatcher = {"type": "hybrid_ep", "pad_multiple": 1, "num_sms_dispatch": None, "num_sms_combine": None,
                   "static_size_factor": None, "max_tokens_per_rank": None, "backend": "auto", "dispatch_fp8": False}
     balancer = {key: default for key, (_, default) in KINDS["pretrain"]["balancer"].items()} | {"interval": 10}
@@ -499,7 +481,7 @@ def test_torch_dist_checkpoint_keeps_slot_order_apart_from_expert_order(pool_for
     rather than take slot s for expert s, and the reverse too. A run with another statistics
     window loads the saved statistics (dist_checkpointing checks shapes before the layer's
     hook could resize them, so they are saved as objects)."""
-    from megatron_patches.testing.balancer_checkpoints import load_elsewhere, save_placement_only
+    from harness.megatron.balancer_checkpoints import load_elsewhere, save_placement_only
 
     case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
     pool = pool_for(2)
@@ -524,8 +506,8 @@ def test_torch_dist_checkpoint_keeps_slot_order_apart_from_expert_order(pool_for
 
 
 def test_state_saved_before_a_placement_loads(pool_for):
+    from harness.megatron.balancer_checkpoints import load_unplaced
     from hybrid_ep.balancer import Placement
-    from megatron_patches.testing.balancer_checkpoints import load_unplaced
 
     case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
     for r in pool_for(2).run(load_unplaced, [(case, TrainRun(interval=INTERVAL, slots_per_rank=5))] * 2,
@@ -536,7 +518,7 @@ def test_state_saved_before_a_placement_loads(pool_for):
 
 
 def test_checkpoint_loaded_after_attach_restores_the_statistics(pool_for):
-    from megatron_patches.testing.balancer_checkpoints import reload_after_attach
+    from harness.megatron.balancer_checkpoints import reload_after_attach
 
     case = LayerCase(world_size=2, num_experts=8, topk=2, hidden=16, ffn=12, seq=8, batch=4)
     for r in pool_for(2).run(reload_after_attach, [(case, TrainRun(7, INTERVAL, 6))] * 2, timeout_s=600):
@@ -574,7 +556,7 @@ def test_torch_dist_checkpoint_of_a_block_of_moe_layers(pool_for, new_checkpoint
     """Every layer of a TransformerBlock has the same checkpoint key; before the balancer's
     objects took the block's offsets, dist_checkpointing refused the save (duplicate shard
     keys) on one rank while the others waited."""
-    from megatron_patches.testing.balancer_checkpoints import block_checkpoint
+    from harness.megatron.balancer_checkpoints import block_checkpoint
 
     directory = new_checkpoint_dir()
     results = pool_for(world).run(block_checkpoint, [(directory, pipeline, per_stage)] * world, timeout_s=600)
@@ -592,7 +574,7 @@ def test_torch_dist_checkpoint_of_a_block_of_moe_layers(pool_for, new_checkpoint
 def test_legacy_balancer_checkpoint_is_refused_by_layers_without_it(pool_for, slots_per_rank):
     """Megatron-LM retries a failed strict load with strict=False, which dropped the placement
     keys and loaded slot j as expert j (S = E) or dropped the spare slots (S > E), silently."""
-    from megatron_patches.testing.balancer_checkpoints import load_legacy_without_balancer
+    from harness.megatron.balancer_checkpoints import load_legacy_without_balancer
 
     run = TrainRun(7, INTERVAL, slots_per_rank, "torch")
     for r in pool_for(W).run(load_legacy_without_balancer, [(CASE, run)] * W, timeout_s=600):
@@ -627,7 +609,7 @@ def test_training_loops_iteration_sets_the_schedule_after_a_resume(pool_for):
     """Saved after 7 steps (rebalanced at 5): a library attach (None) and a resume at Megatron's
     iteration 7 go on at step 7 and rebalance at 10; --finetune starts Megatron at iteration 0,
     and the balancer with it (it kept the saved 7 and rebalanced at its step 10, Megatron's 3)."""
-    from megatron_patches.testing.balancer_checkpoints import resume_at_iteration
+    from harness.megatron.balancer_checkpoints import resume_at_iteration
 
     run = TrainRun(7, INTERVAL, SLOTS_PER_RANK, "torch")
     for r in pool_for(W).run(resume_at_iteration, [(CASE, run, [None, 7, 0])] * W, timeout_s=600):
@@ -639,7 +621,7 @@ def test_statistics_survive_megatrons_float16_module(pool_for):
     """Megatron-LM wraps every model chunk in Float16Module under --bf16 / --fp16, which casts
     floating-point buffers: float64 statistics came back rounded (1000003 -> 999424 in bf16,
     inf in fp16). Kept as int64 bits they go through the cast, a save and a load exactly."""
-    from megatron_patches.testing.balancer_checkpoints import stats_through_float16_module
+    from harness.megatron.balancer_checkpoints import stats_through_float16_module
 
     case = LayerCase(world_size=1, num_experts=4)
     for fp16 in (False, True):

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.transformer.moe.moe_utils import get_capacity  # noqa: E402
 
-from megatron_patches.testing import contracts as ct  # noqa: E402
+from harness.megatron import contracts as ct  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -12,8 +12,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from harness.megatron import te_like, te_stand_in  # noqa: E402
+from harness.megatron.moe_layer import dense_moe_layer, run_moe_layer_case  # noqa: E402
 from megatron_patches.local.layer import LayerCase  # noqa: E402
-from megatron_patches.testing.moe_layer import dense_moe_layer, run_moe_layer_case  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -131,7 +132,7 @@ def test_rank_capacity_overflow_is_flagged_as_over_budget(pool_for):
 
 
 def _run_calls(pool, case, seqs, overrides, timeout_s=120):
-    from megatron_patches.testing.moe_layer import run_moe_layer_calls
+    from harness.megatron.moe_layer import run_moe_layer_calls
 
     return pool.run(run_moe_layer_calls, [(case, seqs, overrides)] * case.world_size, timeout_s=timeout_s)
 
@@ -246,13 +247,14 @@ def test_the_dispatchers_buffer_has_no_arena_to_size(pool_for):
 # (megatron_patches.expert_out): on Transformer Engine's op fuser through Megatron's output_buffer
 # (te_op_fuser: TEGroupedMLP._fused_forward on TE stood in), on TE's GroupedLinear module where
 # fc2 allocates it with torch.empty (te_like), and only with the option on.
+_TE_LIKE = {"experts": te_like.EXPERTS}
 EXPERT_OUT_CASES = {
-    "sequential": ("sequential", True, False),  # SequentialMLP: per-expert outputs concatenated
-    "grouped": ("grouped", True, False),  # TorchGroupedLinear: output allocated in torch._grouped_mm
-    "te_like": ("te_like", True, True),
-    "te_like_option_off": ("te_like", False, False),
-    "te_op_fuser": ("te_op_fuser", True, True),
-    "te_op_fuser_option_off": ("te_op_fuser", False, False),
+    "sequential": ({"experts": "sequential"}, True, False),  # SequentialMLP: per-expert outputs concatenated
+    "grouped": ({"experts": "grouped"}, True, False),  # TorchGroupedLinear: output allocated in torch._grouped_mm
+    "te_like": (_TE_LIKE, True, True),
+    "te_like_option_off": (_TE_LIKE, False, False),
+    "te_op_fuser": (te_stand_in.OP_FUSER_CASE, True, True),
+    "te_op_fuser_option_off": (te_stand_in.OP_FUSER_CASE, False, False),
 }
 
 
@@ -263,17 +265,17 @@ def test_cuda_backend_with_a_process_per_rank_goes_direct_from_the_second_call(p
     forward dispatch grows the peer memory and takes the receive path, every later one goes
     direct; the results equal Megatron's alltoall. The cuda backend's host code runs as in a
     job (peer memory between the processes, the agreement on each call's path, the engine);
-    its kernels are faked (hybrid_ep.testing.faked_kernels: a direct call's rows move through
+    its kernels are faked (harness.faked_kernels: a direct call's rows move through
     each process's mappings of its peers' memory). Where fc2 allocates its output with
     torch.empty (te_like, as Transformer Engine's GroupedLinear), or the experts run on TE's op
     fuser (te_op_fuser), and the option is on, fc2 writes it into the expert-out block and the
     forward combine copies nothing."""
     import megatron_patches
-    from megatron_patches.testing.moe_layer import run_moe_layer_calls_on_faked_cuda
+    from harness.megatron.moe_layer import run_moe_layer_calls_on_faked_cuda
 
     experts, option, in_place = EXPERT_OUT_CASES[name]
     pool = pool_for(2)
-    case = LayerCase(world_size=2, topk=2, experts=experts)
+    case = LayerCase(world_size=2, topk=2, **experts)
     seqs = [[4, 4]] * 3
     overrides = {"hybrid_ep_options": megatron_patches.HybridEPOptions(backend="cuda", expert_out_in_place=option)}
     ours = pool.run(run_moe_layer_calls_on_faked_cuda, [(case, seqs, overrides)] * 2, timeout_s=180)

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
+from harness.megatron import te_stand_in  # noqa: E402
 from megatron_patches import grouped_gemm as gg  # noqa: E402
 from megatron_patches.expert_out import ExpertOutInPlace, install_reason  # noqa: E402
 from megatron_patches.options import HybridEPOptions  # noqa: E402
-from megatron_patches.testing import te_stand_in  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -39,7 +39,7 @@ def _experts(group, linears: str = "te_like", **fields):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from megatron_patches.testing.te_like import te_like_grouped_mlp_submodules
+    from harness.megatron.te_like import te_like_grouped_mlp_submodules
 
     submodules = te_like_grouped_mlp_submodules() if linears == "te_like" else gg.torch_grouped_mlp_submodules()
     pgs = ProcessGroupCollection(ep=group, expt_tp=group, expt_dp=group)

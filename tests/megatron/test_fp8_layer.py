@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from harness.megatron.moe_layer import run_moe_layer_case  # noqa: E402
+from harness.megatron.overlap import GPTCase, train_step  # noqa: E402
+from harness.megatron.wire_fp8 import run_fp8_layer_on_op_fuser, run_fp8_layer_with_slots  # noqa: E402
 from megatron_patches.local.layer import LayerCase  # noqa: E402
 from megatron_patches.options import HybridEPOptions  # noqa: E402
-from megatron_patches.testing.moe_layer import run_moe_layer_case  # noqa: E402
-from megatron_patches.testing.overlap import GPTCase, train_step  # noqa: E402
-from megatron_patches.testing.wire_fp8 import run_fp8_layer_on_op_fuser, run_fp8_layer_with_slots  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -79,7 +79,7 @@ MXFP8_WIRE = {"hybrid_ep_options": HybridEPOptions(**FP8)}
 
 def test_mxfp8_rows_reach_tes_op_fuser_as_grouped_tensor_and_equal_the_dequantized_run(pool_for):
     """Megatron's TEGroupedMLP on Transformer Engine's op fuser (its _fused_forward; TE stood
-    in: megatron_patches.testing.te_stand_in) takes the received MXFP8 rows as TE's GroupedTensor
+    in: harness.megatron.te_stand_in) takes the received MXFP8 rows as TE's GroupedTensor
     forward (fc1's input) and backward (fc2's output gradient) under TE's MXFP8 autocast on a
     Blackwell GPU; on Hopper TE's path predicate says no and they come dequantized. The layer's
     output and every gradient are equal, bit for bit."""

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
+from harness.megatron.moe_layer import TINY_GPT_ARGS
 from helpers import REPO
 from megatron_patches.pretrain_gpt import LauncherError, find_pretrain_script, split_launcher_args
-from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
 
 pytestmark = pytest.mark.megatron
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
+from harness.megatron.moe_layer import TINY_GPT_ARGS
 
 pytestmark = pytest.mark.megatron
 

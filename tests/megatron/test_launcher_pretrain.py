@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
+from harness.megatron.moe_layer import TINY_GPT_ARGS
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.testing.overlap import GPTCase, train_step  # noqa: E402
+from harness.megatron.overlap import GPTCase, train_step  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -15,9 +15,9 @@ pytest.importorskip("megatron.core")
 from megatron.core.enums import Fp8Recipe  # noqa: E402
 from megatron.core.transformer.moe import experts as experts_module  # noqa: E402
 
+from harness.megatron import contracts as ct  # noqa: E402
 from megatron_patches import expert_rows  # noqa: E402
 from megatron_patches.grouped_gemm import TorchGroupedLinear  # noqa: E402
-from megatron_patches.testing import contracts as ct  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -82,8 +82,8 @@ def test_drop_and_pad_with_padding_that_does_not_divide_capacity_x_ep(pool_for, 
     and the output was cut short: rows of the last experts were lost.)"""
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
+    from harness.megatron.moe_layer import run_moe_layer_case
     from megatron_patches.local.layer import LayerCase
-    from megatron_patches.testing.moe_layer import run_moe_layer_case
 
     dnp = {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True}
     case = LayerCase(world_size=world_size, topk=2, pad_multiple=pad)
@@ -118,8 +118,8 @@ def test_drop_and_pad_with_fp8_row_alignment(pool_for):
 def test_drop_and_pad_routed_counts_leave_out_the_capacity_fill(pool_for):
     """Under drop-and-pad the router fills each expert to capacity with routes of weight 0;
     last_routed_per_expert counts only the routes of nonzero weight (real tokens)."""
+    from harness.megatron.moe_layer import run_moe_layer_case
     from megatron_patches.local.layer import LayerCase
-    from megatron_patches.testing.moe_layer import run_moe_layer_case
 
     dnp = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
     case = LayerCase(world_size=2, topk=2)

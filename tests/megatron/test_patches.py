@@ -270,7 +270,7 @@ def test_a_bad_cpu_compat_request_is_refused_by_name(monkeypatch, value, error):
 def test_apply_leaves_megatron_parser_alone(monkeypatch, capsys):
     """The flags come through extra_args_provider; Megatron-LM's parser itself is not patched."""
     arguments = pytest.importorskip("megatron.training.arguments")
-    from megatron_patches.testing.moe_layer import TINY_GPT_ARGS
+    from harness.megatron.moe_layer import TINY_GPT_ARGS
 
     megatron_patches.apply()
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *TINY_GPT_ARGS, "--moe-token-dispatcher-type", "hybrid_ep"])

@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import megatron_patches  # noqa: E402
+from harness.megatron.moe_layer import TINY_GPT_ARGS as MEGATRON_ARGS  # noqa: E402
+from harness.megatron.moe_layer import try_build_moe_layer  # noqa: E402
 from megatron_patches import options, selection  # noqa: E402
 from megatron_patches.local.layer import LayerCase  # noqa: E402
-from megatron_patches.testing.moe_layer import TINY_GPT_ARGS as MEGATRON_ARGS  # noqa: E402
-from megatron_patches.testing.moe_layer import try_build_moe_layer  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

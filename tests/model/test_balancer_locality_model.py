@@ -11,11 +11,11 @@ import importlib
 import pytest
 import torch
 
+from harness.emulated import emulated_group_for
 from hybrid_ep.balancer import SlotTable, route_topk_to_slots
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.compare import assert_dispatch_matches
-from hybrid_ep.testing.emulated import emulated_group_for
-from hybrid_ep.testing.oracle import dispatch_oracle
+from hybrid_ep.verify.cases import Case
+from hybrid_ep.verify.compare import assert_dispatch_matches
+from hybrid_ep.verify.oracle import dispatch_oracle
 
 pytestmark = pytest.mark.model
 

@@ -21,12 +21,12 @@ import re
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated, on_device
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import registered_layout, registered_regions, ring_tag
-from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.emulated import GroupCache, check_emulated, on_device
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import Case, make_rank_inputs
 
 pytestmark = pytest.mark.model
 

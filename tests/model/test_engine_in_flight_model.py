@@ -12,9 +12,9 @@ import weakref
 import pytest
 import torch
 
-from hybrid_ep.testing import Case
-from hybrid_ep.testing.cases import make_rank_inputs
-from hybrid_ep.testing.emulated import GroupCache, on_device
+from harness.emulated import GroupCache, on_device
+from hybrid_ep.verify import Case
+from hybrid_ep.verify.cases import make_rank_inputs
 
 pytestmark = pytest.mark.model
 

@@ -22,11 +22,11 @@ import importlib
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 

@@ -20,14 +20,14 @@ import re
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda import launch as launch_plan
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.bench import emulated
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import make_rank_inputs
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import make_rank_inputs
 
 pytestmark = pytest.mark.model
 

@@ -6,7 +6,7 @@ nodes goes through the loopback transport, which the kernels use exactly where a
 uses NVSHMEM. Every rank's dispatch must equal the oracle bitwise, its combine must be
 within the bound of the hierarchy's roundings (rank partial, node partial), and what each
 rank forwarded must equal the forward plan and the traffic model's RDMA rows
-(hybrid_ep.testing.emulated.check_forwarding).
+(harness.emulated.check_forwarding).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import re
 import pytest
 import torch
 
+from harness.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import feature_cases, hierarchy_case, topology_cases
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 

@@ -19,14 +19,7 @@ import re
 import pytest
 import torch
 
-from hybrid_ep.backends.cuda import launch
-from hybrid_ep.backends.cuda.emulation import EmulatedGroup
-from hybrid_ep.backends.cuda.engine import RoutingError
-from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
-from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.compare import assert_combine_close, combine_tolerance
-from hybrid_ep.testing.emulated import (
+from harness.emulated import (
     GroupCache,
     buffer_key,
     check_emulated,
@@ -34,9 +27,16 @@ from hybrid_ep.testing.emulated import (
     emulated_group_for,
     on_device,
 )
-from hybrid_ep.testing.emulated_check import main as emulated_check_main
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
+from harness.emulated_check import main as emulated_check_main
+from harness.faults import ranks_absent
+from hybrid_ep.backends.cuda import launch
+from hybrid_ep.backends.cuda.emulation import EmulatedGroup
+from hybrid_ep.backends.cuda.engine import RoutingError
+from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
+from hybrid_ep.fp8 import FP8_DTYPE
+from hybrid_ep.verify.cases import Case, make_rank_inputs
+from hybrid_ep.verify.compare import assert_combine_close, combine_tolerance
+from hybrid_ep.verify.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.model
 

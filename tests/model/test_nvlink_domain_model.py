@@ -16,6 +16,8 @@ import importlib
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import (
     MAX_DOMAIN_RANKS,
@@ -26,8 +28,6 @@ from hybrid_ep.backends.cuda.layout import (
     registered_layout,
 )
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
 from hybrid_ep.topology import MAX_DOMAIN_RANKS as TOPOLOGY_DOMAIN_RANKS
 
 pytestmark = pytest.mark.model

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
+from harness.emulated import check_emulated, emulated_group_for
 from hybrid_ep.backends.cuda import chunk_channel
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 

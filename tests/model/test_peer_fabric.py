@@ -2,7 +2,7 @@
 gloo processes given different host names hand their chunks to peers on "other hosts" as the
 model's stand-in for fabric handles (64 opaque bytes, no file descriptor) published in the group's
 store (fabric_channel.py), and to peers on their own host as file descriptors, as before. The
-growth protocol is the one of tests/model/test_peer_memory.py (hybrid_ep/testing/peer_cases.py):
+growth protocol is the one of tests/model/test_peer_memory.py (tests/harness/peer_cases.py):
 announced on the count exchange, mapped before the next call that reads, no host collective of
 its own; here with a refused export and import (no IMEX channel) and a peer that goes away."""
 
@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
+from harness.emulated import check_emulated, emulated_group_for
+from harness.peer_cases import run_dead_peer_on_rank, run_protocol_on_rank
 from hybrid_ep.backends.cuda import load_extension
 from hybrid_ep.backends.cuda.fabric_channel import FabricBoard
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import check_emulated, emulated_group_for
-from hybrid_ep.testing.peer_cases import run_dead_peer_on_rank, run_protocol_on_rank
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 

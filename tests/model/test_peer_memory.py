@@ -1,14 +1,14 @@
 """The peer-memory protocol between gloo processes, with real shared mappings (memfd chunks,
 mapped at each process's own addresses, file descriptors over a Unix socket) standing in for
 device memory; the count kernel's count exchange stood in for by an all-gather of the same
-numbers (hybrid_ep/testing/peer_cases.py). The code under test is the cuda backend's own
+numbers (tests/harness/peer_cases.py). The code under test is the cuda backend's own
 (agreement.py, peer_memory.py, chunk_channel.py, peer_setup.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid_ep.testing.peer_cases import run_dead_peer_on_rank, run_protocol_on_rank
+from harness.peer_cases import run_dead_peer_on_rank, run_protocol_on_rank
 
 pytestmark = pytest.mark.model
 

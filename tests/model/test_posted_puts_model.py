@@ -13,10 +13,10 @@ import importlib
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.bench import emulated
-from hybrid_ep.testing.cases import make_rank_inputs
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import make_rank_inputs
 from tools.timing import constants
 
 pytestmark = pytest.mark.model

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import rdma_layout, registered_layout
 from hybrid_ep.config import BufferConfig
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
 
 pytestmark = pytest.mark.model
 

@@ -20,13 +20,13 @@ import re
 import pytest
 import torch
 
+from harness.emulated import GroupCache, check_emulated
+from harness.faults import ranks_absent
+from harness.hierarchy_cases import hierarchy_case
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.layout import ring_tag
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case
-from hybrid_ep.testing.emulated import GroupCache, check_emulated
-from hybrid_ep.testing.faults import ranks_absent
-from hybrid_ep.testing.hierarchy_cases import hierarchy_case
+from hybrid_ep.verify.cases import Case
 
 pytestmark = pytest.mark.model
 

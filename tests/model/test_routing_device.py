@@ -19,9 +19,9 @@ import dataclasses
 import pytest
 import torch
 
+from harness.emulated import check_emulated, emulated_group_for, on_device
 from hybrid_ep.backends.cuda.engine import RoutingError
-from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.emulated import check_emulated, emulated_group_for, on_device
+from hybrid_ep.verify.cases import Case, make_rank_inputs
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""The soak (hybrid_ep.testing.soak) on the CPU model at a small shape, and its verdicts.
+"""The soak (harness.soak) on the CPU model at a small shape, and its verdicts.
 
 The GPU run soaks thousands of calls (scripts/gpu_check.sh, stage `soak`); here a few calls of
 each kind show that the rotation runs every kind of call against the oracle on both data paths
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from hybrid_ep.testing import soak
+from harness import soak
 
 pytestmark = pytest.mark.model
 

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from hybrid_ep.testing import compare
+from harness import compare
 from tools.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
@@ -123,7 +123,7 @@ def test_payload_free_runs_keep_what_the_kernels_decide_by(path):
 
 
 def test_a_payload_free_runs_outputs_cannot_be_checked():
-    from hybrid_ep.testing.oracle import OracleDispatch
+    from hybrid_ep.verify.oracle import OracleDispatch
 
     want = OracleDispatch(tokens=torch.zeros(2, 16, dtype=torch.bfloat16), scales=None,
                           probs=torch.zeros(2), tokens_per_expert=torch.tensor([2]), num_dropped=0, num_needed_rows=2)

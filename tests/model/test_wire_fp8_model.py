@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.emulated import emulated_group_for
 from hybrid_ep.fp8 import FP8_DTYPE
-from hybrid_ep.testing.cases import Case, make_rank_inputs
-from hybrid_ep.testing.emulated import emulated_group_for
-from hybrid_ep.testing.oracle import dispatch_oracle
+from hybrid_ep.verify.cases import Case, make_rank_inputs
+from hybrid_ep.verify.oracle import dispatch_oracle
 from megatron_patches.wire_fp8 import BlockwiseQuantizer
 
 pytestmark = pytest.mark.model

@@ -21,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # Answers env.sh's questions the way a Python 3.12 with a CUDA 13 torch would; logs each call.
 PYTHON = textwrap.dedent('''\
     #!/usr/bin/env bash
-    echo "$* | cuda_skip=${HYBRID_EP_SKIP_CUDA_BUILD:-} model_skip=${HYBRID_EP_SKIP_MODEL_BUILD:-}\\
+    echo "$* | cuda_skip=${HYBRID_EP_SKIP_CUDA_BUILD:-} model_build=${HYBRID_EP_BUILD_MODEL:-}\\
      warnings=${PYTHONWARNINGS:-}" >> "$STUB_LOG"
     case "$*" in
         *"sys.version_info < (3, 10)"*) exit 0 ;;
@@ -115,8 +115,9 @@ def test_each_long_step_is_announced_with_its_usual_time_then_timed(scratch):
         assert announce < done
     # the dependency install builds nothing (the build step does, once torch is there) and
     # shows no setuptools warning box
-    [deps] = [c for c in calls if "[test,megatron]" in c]
-    assert "cuda_skip=1 model_skip=1 warnings=ignore" in deps
+    [deps] = [c for c in calls if "[test,megatron,plots]" in c]
+    assert "cuda_skip=1 model_build= warnings=ignore" in deps
+    assert "model_build=1" in _build_calls(calls)[0]  # the build step is a development build: the CPU model too
 
 
 def test_the_cuda_decision_is_part_of_the_build_stamp(scratch):

@@ -71,16 +71,16 @@ case "$*" in
   "-c import torch, hybrid_ep._C, hybrid_ep._model, hybrid_ep._planner")  # carried extensions that do not load here
     if [ -n "${CARRIED_DOES_NOT_LOAD:-}" ] && grep -qs carried hybrid_ep/_C*.so; then
       echo "Traceback (most recent call last):"; echo "ImportError: undefined symbol: _ZN3c104cuda"; exit 1; fi ;;
-  *"-m hybrid_ep.testing.emulated_check"*) echo "matches the oracle"; exit 0 ;;
-  *"-m hybrid_ep.testing.soak"*)
+  *"-m harness.emulated_check"*) echo "matches the oracle"; exit 0 ;;
+  *"-m harness.soak"*)
     if [ -n "${SOAK_FAILS:-}" ] && [[ "$*" == *receive* ]]; then
       echo "soak: 700 calls ({'receive': 700}), 14 oracle checks: FAILED: call 700: rank 3: row 5"; exit 1; fi
     echo "soak: 2000 calls, 40 oracle checks: passed"; exit 0 ;;
   *has_nvshmem*) exit "${HAS_NVSHMEM_RC:-0}" ;;
-  *"-m hybrid_ep.testing.nvshmem_cases"*)
+  *"-m harness.nvshmem_cases"*)
     if [ -n "${CASES_RC:-}" ]; then echo "nvshmem_cases: 11 of 12 cases match the oracle"; exit "$CASES_RC"; fi
     echo "nvshmem_cases: 12 of 12 cases match the oracle"; exit 0 ;;
-  *"-m hybrid_ep.testing.nvshmem_selftest"*)
+  *"-m harness.nvshmem_selftest"*)
     mps=off; [ -e "$HOME/mps_running" ] && mps=on
     echo "selftest mps=$mps vmm_disabled=${NVSHMEM_DISABLE_CUDA_VMM:-} pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$CALLS"
     case "${NVSHMEM_PASS_WHEN:-always}:$mps" in
@@ -192,7 +192,7 @@ def test_test_stage_builds_in_place_for_sm90a_then_runs_the_gpu_tests(machine):
     pytest_line = next(line for line in lines if "-m pytest" in line)
     for expected in ("-m gpu or multigpu", "tests/gpu/test_cuda_emulation.py", "tests/gpu/test_reference_nccl.py",
                      "tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py",
-                     "tests/unit/hybrid_ep/testing/test_oracle.py",
+                     "tests/unit/hybrid_ep/verify/test_oracle.py",
                      "tests/unit/hybrid_ep/backends/cuda/test_cuda_plan.py",
                      "-v", "--maxfail=10", "--timeout=120", f"--junitxml={results}/gpu_tests.xml"):
         assert expected in pytest_line
@@ -369,7 +369,7 @@ def test_sanitize_runs_each_tool_on_the_small_cases_of_both_paths(machine):
     runs = [line for line in calls.splitlines() if line.startswith("compute-sanitizer")]
     assert [(r.split()[2], r.split("PATH_ENV=")[1]) for r in runs] == [
         (tool, path) for tool in ("memcheck", "racecheck", "synccheck") for path in ("direct", "receive")]
-    assert all("-m hybrid_ep.testing.emulated_check --preset small" in r for r in runs)
+    assert all("-m harness.emulated_check --preset small" in r for r in runs)
     summary = (results / "sanitizer_summary.txt").read_text().splitlines()
     errors, hazards = "========= ERROR SUMMARY: 0 errors", "========= RACECHECK SUMMARY: 0 hazards displayed"
     assert summary == [f"memcheck (direct): exit 0; {errors}", f"memcheck (receive): exit 0; {errors}",
@@ -490,7 +490,7 @@ def test_nvshmem_stage_tries_each_combination_without_and_with_mps(machine):
     assert pipe.startswith("pipe=/tmp/hybrid-ep-mps.")  # a short socket path, the same for clients
     runs = [f"selftest mps={m} vmm_disabled={v} {pipe}" for m in ("off", "on") for v in ("", "1") for _ in (2, 4)]
     assert _selftests(calls) == runs[:4] + [f"mps-control -d {pipe}"] + runs[4:] + ["mps-control quit"]
-    runner = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    runner = [line for line in calls.splitlines() if "-m harness.nvshmem_selftest" in line]
     assert [line.split("--procs ")[1].split()[0] for line in runner] == ["2", "4"] * 4
     assert f"--out {results}/nvshmem/mps-on_vmm-off_p4" in runner[-1]
     summary = (results / "nvshmem_summary.txt").read_text().splitlines()
@@ -506,10 +506,10 @@ def test_nvshmem_stage_gives_each_run_a_floor_and_skips_what_does_not_fit(machin
     and with less than that left the rest are named as not run."""
     _, results, run = machine
     proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="always", GPU_CHECK_BUDGET_S="60")
-    runner = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    runner = [line for line in calls.splitlines() if "-m harness.nvshmem_selftest" in line]
     assert len(runner) == 8 and all(int(line.split("--deadline ")[1].split()[0]) >= 15 for line in runner), runner
     proc, calls = run("nvshmem", str(results), NVSHMEM_PASS_WHEN="always", GPU_CHECK_BUDGET_S="35")
-    again = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_selftest" in line]
+    again = [line for line in calls.splitlines() if "-m harness.nvshmem_selftest" in line]
     assert again == runner  # the calls log holds both commands' calls: the second made none
     summary = (results / "nvshmem_summary.txt").read_text().splitlines()
     assert len(summary) == 8 and all("not run (" in line for line in summary), summary
@@ -539,7 +539,7 @@ def test_nvshmem_ep_stage_runs_every_case_across_processes_and_fails_with_one(ma
     _, results, run = machine
     proc, calls = run("nvshmem-ep", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [runner] = [line for line in calls.splitlines() if "-m hybrid_ep.testing.nvshmem_cases" in line]
+    [runner] = [line for line in calls.splitlines() if "-m harness.nvshmem_cases" in line]
     assert f"--out {results}/nvshmem_cases --timeout 20" in runner
     assert "exit 0: nvshmem_cases: 12 of 12 cases match the oracle" in proc.stdout
     proc, _ = run("nvshmem-ep", str(results), CASES_RC="1")
@@ -553,7 +553,7 @@ def test_soak_stage_runs_processes_the_receive_path_and_two_nodes_within_the_bud
     _, results, run = machine
     proc, calls = run("soak", str(results), GPU_CHECK_BUDGET_S="300")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    runs = [line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]
+    runs = [line for line in calls.splitlines() if "-m harness.soak" in line]
 
     def mode(r):
         return "processes" if "--processes" in r else r.split("--data-path ")[1].split()[0]
@@ -640,7 +640,7 @@ def test_ncu_l1tex_stage_profiles_dispatch_and_the_copy_patterns(machine):
     for line, (kernel, path, shape) in zip(ncu, expected):
         assert f"--kernel-name regex:{kernel} --launch-skip 2 --launch-count 1" in line
         assert line.endswith(f"PATH_ENV={path}")
-        assert f"-m hybrid_ep.testing.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
+        assert f"-m harness.emulated_check {shape} --hidden 8192 --topk 8 --experts 16" in line
     assert "--kernel-name regex:tma_kernel" in ncu[4] and "hybrid_ep_microbench tma-profile |" in ncu[4]
     for name in ("ncu_l1tex_dispatch_direct_w8_1sm.txt", "ncu_l1tex_dispatch_direct_w8_1sm_fp8.txt",
                  "ncu_l1tex_dispatch_direct_w2_1sm.txt", "ncu_l1tex_dispatch_w8_8sm.txt", "ncu_l1tex_tma.txt"):
@@ -768,7 +768,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
                 "./processes_3_stages/processes.log", "./emulation_alone/no_mps.log",
                 "./emulation_alone/mps/processes.log", "./emulation_alone/memcheck.log"):
         assert log in names, names
-    assert "-m hybrid_ep.testing.soak" not in calls  # the second call's
+    assert "-m harness.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
     assert "regex:dispatch_direct_kernel|combine_direct_kernel" in profiled and "SourceCounters" in profiled
     assert "--dtype fp8 " in profiled  # the lease reads fp8's dispatch, which no run has read
@@ -803,7 +803,7 @@ def test_second_call_runs_what_the_first_left_in_order_and_packs_its_own_archive
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "nvshmem-ep exit 0: " in summary and "12 of 12 cases" in summary
-    assert len([line for line in calls.splitlines() if "-m hybrid_ep.testing.soak" in line]) == 3
+    assert len([line for line in calls.splitlines() if "-m harness.soak" in line]) == 3
     tools = [line.split()[2] for line in calls.splitlines() if line.startswith("compute-sanitizer --tool")]
     assert tools == ["memcheck", "memcheck", "synccheck", "synccheck"], tools  # each on both paths
     assert "-m hybrid_ep.bench --" not in calls and "-m pytest" not in calls  # the first call's parts

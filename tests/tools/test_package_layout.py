@@ -1,8 +1,9 @@
-"""The packages' layout: production modules import no test framework, and no import cycle exists.
+"""The packages' layout: production modules import no test framework and no test harness, and
+no import cycle exists.
 
-Test harnesses live in `testing` subpackages, studies in tools/ beside the packages, the CPU-only trainer, demo
-and stand-ins in `megatron_patches.local` (CONTRIBUTING.md, "Where code goes"); everything
-else is production code, read from the source with ast (nothing is imported).
+Test harnesses live in tests/harness/, studies in tools/ beside the packages, the CPU-only
+trainer, demo and stand-ins in `megatron_patches.local` (CONTRIBUTING.md, "Where code goes");
+everything else is production code, read from the source with ast (nothing is imported).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from helpers import REPO
 pytestmark = pytest.mark.unit
 
 PACKAGES = ("hybrid_ep", "megatron_patches")
-# Subpackages that may hold test and study code (pytest included).
-NOT_PRODUCTION = {"testing", "local"}
+# Subpackages that may hold local-run code (pytest included).
+NOT_PRODUCTION = {"local"}
 
 
 def _modules() -> dict[str, str]:
@@ -135,8 +136,21 @@ def test_production_modules_do_not_import_pytest():
             if any(n == "pytest" or n.startswith("pytest.") or n == "_pytest" or n.startswith("_pytest.")
                    for n in names):
                 offenders.append(f"{os.path.relpath(MODULES[module], REPO)}:{node.lineno}")
-    assert not offenders, ("production modules import pytest (test code goes to a `testing` subpackage, "
+    assert not offenders, ("production modules import pytest (test code goes to tests/harness/, "
                            f"studies to tools/): {offenders}")
+
+
+def test_no_package_module_imports_a_test_harness():
+    """An installed package has no tests/ beside it: local/ included, none imports `harness`."""
+    offenders = []
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{module}: {n}" for n in names if n.split(".")[0] in ("harness", "tests")]
+    assert "hybrid_ep.verify.cases" in MODULES and not offenders, offenders
 
 
 def test_no_import_cycles():

@@ -1,10 +1,11 @@
 """The wheel (`pip wheel .`): the library, its extensions and the user CLIs, and none of the
-development tools beside it (tools/: the timing model with its tables and accessor patches, the
-microbenchmarks' driver). pip builds in the source folder,
-so the wheel is built from a copy of this tree with the venv's pip, without build isolation (the
-installed setuptools and torch), the CUDA extension skipped as on a machine without a GPU, and
-the CPU model too (hybrid_ep._model: the same setup.py path as the planner's, minutes more on 2
-cores); the planner hybrid_ep._planner is always built, so the wheel holds one extension."""
+development tools and test harnesses beside it (tools/: the timing model with its tables and
+accessor patches, the microbenchmarks' driver; tests/harness/), nor the CPU model of the kernels
+with its timing model (hybrid_ep._model: a development build only); matplotlib is an extra. pip
+builds in the source folder, so the wheel is built from a copy of this tree with the venv's pip,
+without build isolation (the installed setuptools and torch) and the CUDA extension skipped as on
+a machine without a GPU; the planner hybrid_ep._planner is always built, so the wheel holds one
+extension."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from helpers import REPO
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 PACKAGES = ("hybrid_ep", "megatron_patches")
-NO_CUDA = {"HYBRID_EP_SKIP_CUDA_BUILD": "1", "HYBRID_EP_SKIP_MODEL_BUILD": "1", "PYTHONWARNINGS": "ignore",
-           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+NO_CUDA = {"HYBRID_EP_SKIP_CUDA_BUILD": "1", "PYTHONWARNINGS": "ignore", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+# What the benchmarks check the kernels with before they time them: the one part of the tests' oracle
+# and cases the library holds (the rest of the harnesses stay in tests/harness/).
+VERIFY = ["hybrid_ep/verify/__init__.py", "hybrid_ep/verify/cases.py", "hybrid_ep/verify/compare.py",
+          "hybrid_ep/verify/oracle.py", "hybrid_ep/verify/rounding.py"]
 _IGNORED = shutil.ignore_patterns(".git", ".pytest_cache", ".mypy_cache", ".ruff_cache", "__pycache__", "*.so", "*.o",
                                   "*.egg-info", "build", "dist", "results", ".before")
 
@@ -46,9 +50,9 @@ def wheel(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     tree = tmp / "tree"
     shutil.copytree(REPO, tree, ignore=_IGNORED)
+    env = {k: v for k, v in os.environ.items() if k != "HYBRID_EP_BUILD_MODEL"} | NO_CUDA  # a plain build
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "-w", str(tmp / "dist"), "--no-deps",
-                           "--no-build-isolation", "-q"], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, **NO_CUDA))
+                           "--no-build-isolation", "-q"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = glob.glob(str(tmp / "dist" / "hybrid_ep-*.whl"))
     with zipfile.ZipFile(path) as whl:
@@ -64,6 +68,25 @@ def test_wheel_holds_no_development_tool(wheel):
     unwanted = [n for n in names if n.endswith(".patch") or "/timing/" in n
                 or "/microbench/" in n or n.endswith(("h100.json", "h200.json", "points.json"))]
     assert not unwanted, unwanted
+
+
+def test_wheel_holds_no_test_harness_and_the_verify_module(wheel):
+    names, _, tree = wheel
+    assert os.path.isdir(os.path.join(tree, "tests", "harness"))  # the tree it came from has them
+    assert not [n for n in names if "/testing/" in n or "/harness/" in n or n.startswith("tests/")]
+    assert sorted(n for n in names if n.startswith("hybrid_ep/verify/")) == VERIFY
+
+
+def test_wheel_leaves_the_cpu_model_and_matplotlib_to_development_and_the_plots_extra(wheel):
+    """The CPU model with its timing model (hybrid_ep._model) is built only with
+    HYBRID_EP_BUILD_MODEL=1; matplotlib is required only by the plots extra."""
+    names, path, _ = wheel
+    assert not [n for n in names if n.startswith("hybrid_ep/_model")]
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(path) as whl:
+        requires = [line.split(":", 1)[1].strip() for line in whl.read(meta).decode().splitlines()
+                    if line.startswith("Requires-Dist:")]
+    assert [r for r in requires if r.startswith("matplotlib")] == ['matplotlib; extra == "plots"'], requires
 
 
 def test_wheel_holds_every_library_module_and_the_planner(wheel):
@@ -95,7 +118,8 @@ def test_wheel_names_the_user_clis_of_pyproject(wheel):
 
 
 def test_wheel_modules_import_no_tool(wheel):
-    """An installed hybrid_ep has no tools/ beside it: none of its modules may import one."""
+    """An installed hybrid_ep has no tools/ or tests/ beside it: none of its modules may import
+    a tool or a test harness."""
     names, path, _ = wheel
     offenders = []
     with zipfile.ZipFile(path) as whl:
@@ -103,7 +127,7 @@ def test_wheel_modules_import_no_tool(wheel):
             for node in ast.walk(ast.parse(whl.read(name))):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-                offenders += [f"{name}: {m}" for m in mods if m == "tools" or m.startswith("tools.")]
+                offenders += [f"{name}: {m}" for m in mods if m.split(".")[0] in ("tools", "harness", "tests")]
     assert not offenders, offenders
 
 

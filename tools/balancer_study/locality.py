@@ -44,7 +44,7 @@ from hybrid_ep.balancer.knobs import DEFAULT_RDMA_WEIGHT
 from hybrid_ep.balancer.metrics import imbalance_ratio, off_home
 from hybrid_ep.balancer.placement import Placement
 from hybrid_ep.balancer.planner import plan_placement
-from hybrid_ep.paths import output_problem
+from hybrid_ep.paths import refuse_output
 from hybrid_ep.synthetic import sample_topk, zipf_popularity
 from hybrid_ep.traffic.placement import PlacementShape, placement_traffic
 
@@ -355,9 +355,7 @@ def _stats_layer(path: str, layer: int | None) -> tuple[np.ndarray, dict]:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = output_problem(args.out, folder=True)
-    if problem:
-        parser.error(f"--out: {problem}")
+    refuse_output(parser, "--out", args.out, folder=True)
     if args.render:
         try:
             with open(args.render) as f:

@@ -45,7 +45,7 @@ from hybrid_ep.balancer.metrics import imbalance_ratio, rank_loads
 from hybrid_ep.balancer.placement import Placement
 from hybrid_ep.balancer.planner import DEFAULT_TOLERANCE, peak, plan_placement
 from hybrid_ep.cli_parser import ArgumentParser
-from hybrid_ep.paths import output_problem
+from hybrid_ep.paths import refuse_output
 from hybrid_ep.synthetic import sample_topk, zipf_popularity
 
 from .baselines import eplb, greedy
@@ -537,9 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = output_problem(args.out, folder=True)
-    if problem:
-        parser.error(f"--out: {problem}")
+    refuse_output(parser, "--out", args.out, folder=True)
     if not args.time_limit_ms > 0:
         parser.error(f"--time-limit-ms must be > 0, got {args.time_limit_ms}")
     for flag in ("experts", "topk", "tokens_per_rank", "layers", "time_layers", "time_ranks", "time_tokens",

@@ -14,7 +14,8 @@ transport between nodes (docs/architecture.md, "cuda backend"; csrc/README.md).
 
 The kernels come in two builds of the same sources: hybrid_ep._C for the GPU, and
 hybrid_ep._model, the CPU model of the device layer (csrc/device/model/), which runs them on
-CPU tensors and checks what the hardware would punish.
+CPU tensors and checks what the hardware would punish (a development build only:
+HYBRID_EP_BUILD_MODEL=1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ def load_extension(device: torch.device | str = "cuda"):
     if kind == "cuda":
         return importlib.import_module("hybrid_ep._C")
     if kind == "cpu":
-        return importlib.import_module("hybrid_ep._model")
+        try:
+            return importlib.import_module("hybrid_ep._model")
+        except ModuleNotFoundError as exc:
+            if exc.name != "hybrid_ep._model":
+                raise
+            raise ImportError("the kernels on the CPU (hybrid_ep._model, the CPU model) are in a development build "
+                              "only: HYBRID_EP_BUILD_MODEL=1 pip install --no-build-isolation -e <checkout> "
+                              "(scripts/env.sh does it)") from exc
     raise ValueError(f"the cuda kernels run on a CUDA device or on the CPU model, not on {kind!r}")
 
 

@@ -4,7 +4,7 @@ object (Engine.model), so that production's path reads past it in one line:
 - the declarations of each launch's tensors: the CPU model checks every bulk copy against the
   tensors of its launch (on a GPU that is compute-sanitizer's job, and nothing is declared);
 - the test hook that launches some ranks' kernels absent (AbsentRanks, set by
-  hybrid_ep.testing.faults.ranks_absent), as a crashed peer would be.
+  tests/harness/faults.py: ranks_absent), as a crashed peer would be.
 
 The launch counters the tests read are the extension's (ext.launch_counts)."""
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_ep.testing import Case, dispatch_oracle, make_rank_inputs
-from hybrid_ep.testing.cases import dense_autograd_oracle, run_autograd_on_rank
+from hybrid_ep.verify import Case, dispatch_oracle, make_rank_inputs
+from hybrid_ep.verify.cases import dense_autograd_oracle, run_autograd_on_rank
 
 pytestmark = pytest.mark.unit
 

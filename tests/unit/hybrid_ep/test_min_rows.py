@@ -12,8 +12,8 @@ import torch
 
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.routing import receive_table
-from hybrid_ep.testing import Case, check_case, combine_oracle, dispatch_oracle, make_rank_inputs
-from hybrid_ep.testing.cases import dense_autograd_oracle, run_autograd_on_rank
+from hybrid_ep.verify import Case, check_case, combine_oracle, dispatch_oracle, make_rank_inputs
+from hybrid_ep.verify.cases import dense_autograd_oracle, run_autograd_on_rank
 
 pytestmark = pytest.mark.unit
 

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
+from harness.megatron import te_stand_in
 from hybrid_ep import logs
 from hybrid_ep.fp8 import quantize_mxfp8
 from megatron_patches import te_grouped_rows, wire_fp8
-from megatron_patches.testing import te_stand_in
 
 pytestmark = pytest.mark.unit
 

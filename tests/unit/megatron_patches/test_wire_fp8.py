@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
+from harness.megatron.wire_fp8 import check_wire_case
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.fp8 import FP8_DTYPE, dequantize_fp8, dequantize_rows, quantize_blockwise, quantize_mxfp8
-from hybrid_ep.testing.cases import Case
+from hybrid_ep.verify.cases import Case
 from megatron_patches import wire_fp8
 from megatron_patches.options import HybridEPOptions, add_arguments, from_args
-from megatron_patches.testing.wire_fp8 import check_wire_case
 
 pytestmark = pytest.mark.unit
 

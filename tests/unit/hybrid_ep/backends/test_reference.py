@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from hybrid_ep.testing import Case, check_case
 from hybrid_ep.traffic import combine_row_bytes, count_tables, dispatch_row_bytes, rank_traffic, row_counts
+from hybrid_ep.verify import Case, check_case
 
 pytestmark = pytest.mark.unit
 
@@ -122,7 +122,7 @@ def test_large_hidden_and_tokens(pool_for):
 def test_last_traffic_matches_model(pool_for):
     case = Case(4, 2, 8, 256, (9, 4, 0, 13), 3, FP8, seed=16)
     results = check_case(pool_for(4), case)
-    from hybrid_ep.testing import make_rank_inputs
+    from hybrid_ep.verify import make_rank_inputs
 
     inputs = make_rank_inputs(case)
     counts = row_counts(*count_tables([i["topk_idx"] for i in inputs], case.config), 2)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness import migration as mig
 from hybrid_ep.balancer import (
     LoadStatistics,
     OptimizerView,
@@ -20,7 +21,6 @@ from hybrid_ep.balancer import (
 )
 from hybrid_ep.balancer.migration import migrate_slots_, sum_replica_grads_
 from hybrid_ep.balancer.state import MegatronOptimizerView, movable_tensors
-from hybrid_ep.testing import migration as mig
 
 pytestmark = pytest.mark.unit
 
@@ -379,7 +379,7 @@ def test_layout_is_checked_and_kept_across_loads():
 
 
 def _locality_routes_on_emulated_cuda():
-    from hybrid_ep.testing.host_sync import emulated_cuda
+    from harness.host_sync import emulated_cuda
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)

@@ -357,8 +357,8 @@ def test_cli_prints_tib(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--stats", "missing.npz"], "--stats: no such file"),
     (["--bytes-per-param", "6"], "--bytes-per-param needs --params-per-slot"),
-    (["--params-per-slot", "0"], "argument --params-per-slot: must be a positive integer, got 0"),
-    (["--params-per-slot", "1.5"], "argument --params-per-slot: must be a positive integer, got 1.5"),
+    (["--params-per-slot", "0"], "argument --params-per-slot: must be an integer >= 1, got 0"),
+    (["--params-per-slot", "1.5"], "argument --params-per-slot: must be an integer >= 1, got '1.5'"),
     (["--num-slots", "30"], "--num-slots gives 30 slots, fewer than the 32 experts"),
     (["--num-slots", "36"], "--num-slots: 36 slots do not split evenly over the statistics' ep_size 8 ranks"),
     (["--ep-size", "8", "--num-slots", "36"], "--num-slots: 36 slots do not split evenly over --ep-size 8 ranks"),

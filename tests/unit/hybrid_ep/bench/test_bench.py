@@ -93,6 +93,7 @@ def test_two_nodes_bf16(tmp_path, capsys, monkeypatch):
     # The plots on the matplotlib API before 3.5 (setup.py pins no version): set_xticks without
     # labels, no Figure(layout=...).
     import matplotlib.axes
+    import matplotlib.figure
     from matplotlib.figure import Figure
 
     set_xticks = matplotlib.axes.Axes.set_xticks
@@ -109,7 +110,7 @@ def test_two_nodes_bf16(tmp_path, capsys, monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", old_set_xticks)
-    monkeypatch.setattr(plot, "Figure", OldFigure)
+    monkeypatch.setattr(matplotlib.figure, "Figure", OldFigure)  # the class hybrid_ep.figures makes
     assert _is_png(plot_per_rank(doc, str(tmp_path / "old_per_rank.png")))
     assert _is_png(plot_vs_sms(swept, str(tmp_path / "old_sweep.png")))
 
@@ -397,12 +398,12 @@ def figures(monkeypatch):
 
     drawn = []
 
-    def keep(fig, path):
+    def keep(fig, path, dpi=None):
         FigureCanvasAgg(fig).draw()
         drawn.append(fig)
         return path
 
-    monkeypatch.setattr(plot, "_save", keep)
+    monkeypatch.setattr(plot, "save_png", keep)
     return drawn
 
 

@@ -1,20 +1,20 @@
 """`hybrid-ep-bench --calibrate` as a job runs it (torchrun, one process per rank, on the CPU):
-a calibration whose cuda kernels fault (faked at the kernels' launch, hybrid_ep.testing.
+a calibration whose cuda kernels fault (faked at the kernels' launch, harness.
 calibration_faults) or that runs past its bound records the failure in the evidence and never
 leaves auto following something it did not measure: the training that follows runs reference
 and its log line gives the reason. About 10 s per torchrun on 2 cores."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
+from harness import calibration_faults
+from helpers import checkout_env
 from hybrid_ep.backends import evidence
-from hybrid_ep.testing import calibration_faults
 
 pytestmark = pytest.mark.unit
 
@@ -30,12 +30,12 @@ def _torchrun(module: str, *args: str, timeout: float = 120) -> subprocess.Compl
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(port), "-m", module, *args],
                           capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+                          env=checkout_env(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
 
 
 def test_a_faulting_kernel_is_recorded_and_training_runs_reference(tmp_path, pool_for):
     path = str(tmp_path / "auto-evidence.json")
-    proc = _torchrun("hybrid_ep.testing.calibration_faults", "--calibrate", "--reuse", "--device", "cpu", *SHAPE,
+    proc = _torchrun("harness.calibration_faults", "--calibrate", "--reuse", "--device", "cpu", *SHAPE,
                      "--warmup", "1", "--iters", "2", "--evidence", path, "--time-limit", "100")
     assert proc.returncode != 0  # the calibration failed (the job's script goes on: tests/unit/.../test_recipes.py)
     fault = f"rank {calibration_faults.FAULT_RANK} failed: RuntimeError: {calibration_faults.FAULT} (timing cuda"

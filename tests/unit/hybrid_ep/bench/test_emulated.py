@@ -13,7 +13,7 @@ from hybrid_ep.bench.spec import BenchArgError
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.metadata import metadata
 from hybrid_ep.synthetic import iter_rank_routings
-from hybrid_ep.testing.oracle import combine_oracle, dispatch_oracle
+from hybrid_ep.verify.oracle import combine_oracle, dispatch_oracle
 
 pytestmark = pytest.mark.unit
 

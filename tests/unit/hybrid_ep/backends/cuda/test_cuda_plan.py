@@ -34,7 +34,7 @@ from hybrid_ep.config import BufferConfig
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.routing import max_output_rows
 from hybrid_ep.synthetic import drop_routes, iter_rank_routings, random_weights
-from hybrid_ep.testing.oracle import dispatch_oracle
+from hybrid_ep.verify.oracle import dispatch_oracle
 
 pytestmark = pytest.mark.unit
 

@@ -100,8 +100,9 @@ def test_without_wheel_or_home_the_reason_and_the_one_line(monkeypatch):
 
 
 def _setup_lines(env_extra: dict[str, str]) -> list[str]:
-    env = {**os.environ, "HYBRID_EP_SKIP_MODEL_BUILD": "1", **env_extra}
-    env.pop("HYBRID_EP_SKIP_CUDA_BUILD", None)
+    env = {**os.environ, **env_extra}
+    for name in ("HYBRID_EP_SKIP_CUDA_BUILD", "HYBRID_EP_BUILD_MODEL"):  # the CUDA extension's lines, no CPU model
+        env.pop(name, None)
     proc = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr

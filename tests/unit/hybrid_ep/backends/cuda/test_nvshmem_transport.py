@@ -1,7 +1,7 @@
 """The NVSHMEM transport between real processes: 2 and 4 PEs on the one GPU (NVSHMEM's
 several-PEs-per-GPU mode), initialised through hybrid_ep/backends/cuda/nvshmem.py, each
 sending a pattern to the next with put_signal and put + fence + signal
-(hybrid_ep/testing/nvshmem_selftest.py). Skips without CUDA or without NVSHMEM in the build;
+(tests/harness/nvshmem_selftest.py). Skips without CUDA or without NVSHMEM in the build;
 the runner's reports are checked on the CPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from hybrid_ep.testing import nvshmem_selftest
+from harness import nvshmem_selftest
 
 pytestmark = pytest.mark.unit
 
@@ -90,11 +90,11 @@ def test_pes_without_a_gpu_report_where_they_stopped(tmp_path):
     assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["stage"] == "cuda device" for r in (0, 1))
 
 
-# -- dispatch and combine across NVSHMEM processes (hybrid_ep.testing.nvshmem_cases) ---------
+# -- dispatch and combine across NVSHMEM processes (harness.nvshmem_cases) ---------
 
 def test_nvshmem_cases_span_several_nodes_and_the_features():
+    from harness import nvshmem_cases
     from hybrid_ep.fp8 import FP8_DTYPE
-    from hybrid_ep.testing import nvshmem_cases
 
     cases = nvshmem_cases.default_cases()
     for case in cases:
@@ -108,7 +108,7 @@ def test_nvshmem_cases_span_several_nodes_and_the_features():
 
 
 def test_nvshmem_cases_cli_refuses_without_a_device_or_a_matching_case(tmp_path, capsys):
-    from hybrid_ep.testing import nvshmem_cases
+    from harness import nvshmem_cases
 
     if torch.cuda.is_available():
         assert nvshmem_cases.main(["--out", str(tmp_path), "--only", "no such case"]) == 2
@@ -124,7 +124,7 @@ def test_dispatch_and_combine_across_nvshmem_processes_match_the_oracle(built, t
     """Processes on the one GPU, each one rank: 2 nodes of 1, 3 nodes with dropped routes,
     2 nodes of 2 with fp8 and with a static size that overflows; the NVSHMEM instantiation of
     the kernels, checked against the oracle like every backend."""
-    from hybrid_ep.testing import nvshmem_cases
+    from harness import nvshmem_cases
 
     wanted = ("W2xG1 E4 H2048", "W3xG1 E6 H2048 T[17, 0, 40] K6", "float8_e4m3fn", "out10")
     cases = [c for c in nvshmem_cases.default_cases() if any(w in str(c) for w in wanted)]
