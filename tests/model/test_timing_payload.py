@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from harness import compare
+from hybrid_ep.verify import compare
 from tools.timing import constants, driver, predict
 
 pytestmark = pytest.mark.model
