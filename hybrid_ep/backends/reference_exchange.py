@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import math
 import os
 import time
 
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import time_left, timeout_seconds
+
+_CLOCK_SLACK_S = 0.005  # a timed-out wait may end this much before its limit by the clocks' granularity
 
 
 @dataclasses.dataclass
@@ -79,13 +82,15 @@ class ReferenceExchange:
 
     def _wait(self, work, phase: str) -> None:
         """gloo: wait for the collective, within the call's deadline (HYBRID_EP_TIMEOUT_S from its start)."""
-        limit = self._limit()
+        # whole milliseconds, rounded up: the process group truncates a timeout to them, and a wait
+        # cut short by that truncation would read as a broken connection below
+        limit = math.ceil(self._limit() * 1000) / 1000
         start = time.monotonic()
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except RuntimeError as err:
             elapsed = time.monotonic() - start
-            if elapsed < limit:  # the transport failed first: a peer process exited or its link broke
+            if elapsed < limit - _CLOCK_SLACK_S:  # the transport failed first: a peer exited or its link broke
                 cause = (f"failed after {elapsed:.1f} s in {phase}: the connection to a peer rank broke "
                          f"(did a peer process exit or crash? check its log)")
             else:
