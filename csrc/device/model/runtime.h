@@ -86,6 +86,9 @@ void fence_proxy(Site site);
 // compiler atomic the race check sees.
 void note_flag_write(const volatile void* p, Site site);  // release stores, reductions, relaxed stores
 void note_flag_seen(const volatile void* p, Site site);   // a value read without a poll (no yield)
+// A named barrier passed: its generation's arrivals stamped `stamp` (note_flag_write); the thread
+// runs on after the latest of them plus the barrier's cost, its warp reconverged.
+void note_named_barrier(const volatile void* stamp, Site site);
 void note_atomic(const volatile void* p, Site site);
 void note_fence(Fence kind);
 // A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every
