@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+from helpers import LEASE_COMBINE_VARIANTS
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.engine import RoutingError
@@ -618,15 +619,10 @@ def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages,
         assert a.reducer_warps == int(warps or launch.REDUCER_WARPS_NARROW)
 
 
-# The direct combine's knob combinations the GPU lease times (scripts/gpu_short_lease.sh, its
-# combine variants): (HYBRID_EP_COMBINE_STAGE, HYBRID_EP_REDUCER_WAIT, HYBRID_EP_REDUCER_WARPS), None the default.
-# Each takes about 40 s on the model: CI runs the one with both new designs (token stages, the named
-# hand-off, 8 warps), --full every one.
-LEASE_COMBINE_VARIANTS = [("token", "named", "8")] + [
-    pytest.param(*v, marks=pytest.mark.slow)
-    for v in (("route", "converged", "8"), ("route", "elect", "8"), ("route", "named", None),
-              ("route", "named", "8"), ("token", None, None), ("token", "converged", None), ("token", "converged", "8"),
-              ("token", "elect", None), ("token", "elect", "8"), ("token", "named", None))]
+# Each combination the GPU lease times (helpers.LEASE_COMBINE_VARIANTS) takes about 40 s on the
+# model: CI runs the first (token stages, the named hand-off, 8 warps), --full every one.
+LEASE_VARIANTS = [LEASE_COMBINE_VARIANTS[0]] + [pytest.param(*v, marks=pytest.mark.slow)
+                                                 for v in LEASE_COMBINE_VARIANTS[1:]]
 # What each combination meets: odd token counts and a rank without tokens; routes clipped by
 # num_out_tokens with an fp8 dispatch at top-8; rows of 7168 columns (token stages of 2048, 2048,
 # 2048, 1024 columns at top-3) with routing weights applied and, across nodes, an fp32 wire.
@@ -640,7 +636,7 @@ LEASE_COMBINE_CASES = {
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("stage, wait, warps", LEASE_COMBINE_VARIANTS)
+@pytest.mark.parametrize("stage, wait, warps", LEASE_VARIANTS)
 def test_every_combination_the_lease_times_gives_the_oracle_result(monkeypatch, stage, wait, warps, nodes):
     """Each knob combination of the direct combine the GPU lease times, not only each knob alone:
     route or token stages, every hand-off (observe, converged, elect, one waiter and a named
