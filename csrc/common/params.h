@@ -433,8 +433,8 @@ struct LaunchArgs {
   int32_t combine_stage = kCombineStageRoute;   // combine_direct: kCombineStage{Route,Token}
   int32_t store_runs = 0;  // dispatch_direct: a stage's consecutive rows bound for consecutive rows of one
                            // destination leave as one bulk store (1), or every row alone (0)
-  int32_t info_read;                            // count: the host reads its info before it launches the dispatch kernel
-                                                // (dynamic size): a bad route is reported there, not in bad_route
+  int32_t info_read;       // count: the host reads its info before it launches the dispatch kernel
+                           // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory

@@ -95,11 +95,11 @@ struct RouteTable {
   uint8_t dest[kChunkTokens][kMaxTopK];
 };
 
-// Whether row i's route to row p of destination dst continues a run of row i - 1 (a chunk's
-// consecutive tokens of one expert take consecutive rows there: their ordinals follow each other).
-__device__ __forceinline__ bool continues_run(const RouteTable& tab, int i, int dst, int p) {
-  for (int q = 0; q < tab.targets[i - 1]; ++q)
-    if (tab.dest[i - 1][q] == dst && tab.row[i - 1][q] == p - 1) return true;
+// Whether row i of a unit has a route to row p of destination dst (a chunk's consecutive tokens
+// of one expert take consecutive rows there: their ordinals follow each other).
+__device__ __forceinline__ bool routes_to(const RouteTable& tab, int i, int dst, int p) {
+  for (int q = 0; q < tab.targets[i]; ++q)
+    if (tab.dest[i][q] == dst && tab.row[i][q] == p) return true;
   return false;
 }
 
@@ -423,9 +423,9 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
   StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
   const bool multi = d.h.multi();
   const bool runs = d.args.store_runs != 0;  // whole rows only: a segment's stage holds one row
-  PipeState item, table, done;        // item: every item of the FIFO
-  struct Unit {};                     // the done ring's arrivals come in unit order
-  DeferredReleases<Unit, 1> pending;  // a unit's done arrival, once its store groups landed
+  PipeState item, table, done;               // item: every item of the FIFO
+  struct Unit {};                            // the done ring's arrivals come in unit order
+  DeferredReleases<Unit, 1> pending;         // a unit's done arrival, once its store groups landed
   // The arrival once the pending unit's groups landed, but for the newest `in_flight` (the
   // staged rows, before the RDMA warp's generic reads).
   auto arrive_pending = [&](int in_flight) -> bool {
@@ -473,8 +473,8 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
           const int p = tab.row[i][q], dst = tab.dest[i][q];
           int run = 1;  // rows in this store
           if (runs && dst < kStagedTarget) {
-            if (r > 0 && continues_run(tab, i, dst, p)) continue;  // the store of the row before holds it
-            while (r + run < it.rows && continues_run(tab, i + run, dst, p + run)) ++run;
+            if (r > 0 && routes_to(tab, i - 1, dst, p - 1)) continue;  // the store of the row before holds it
+            while (r + run < it.rows && routes_to(tab, i + run, dst, p + run)) ++run;
           }
           uint8_t* to =
               dst >= kStagedTarget
