@@ -14,7 +14,7 @@ _EXPORTS = {
     "combine": ".autograd", "dispatch": ".autograd", "HybridEPBuffer": ".buffer", "BufferConfig": ".config",
     "KernelConfig": ".config", "dequantize_fp8": ".fp8", "quantize_fp8": ".fp8", "dequantize_mxfp8": ".fp8",
     "quantize_mxfp8": ".fp8", "DispatchHandle": ".handle",
-    "DispatchResult": ".handle", "MemoryPlan": ".memory", "Traffic": ".traffic",
+    "DispatchResult": ".handle", "InputRefused": ".refusals", "MemoryPlan": ".memory", "Traffic": ".traffic",
 }
 
 
@@ -41,6 +41,7 @@ __all__ = [
     "DispatchHandle",
     "DispatchResult",
     "HybridEPBuffer",
+    "InputRefused",
     "KernelConfig",
     "MemoryPlan",
     "Traffic",

@@ -111,7 +111,7 @@ def dispatch(
     """
     _check_buffer(buffer, "dispatch")
     routing, handle = buffer._check_dispatch(
-        x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens
+        x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens, num_sms
     )
     if not _records_graph(x, None if routing is None else routing.weights_as_given_TK):
         # Nothing to differentiate: the buffer's call without the Function's bookkeeping; the

@@ -250,7 +250,7 @@ class HybridEPBuffer:
         counted on handle.num_dropped).
         """
         routing, handle = self._check_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs,
-                                               handle, num_out_tokens)
+                                               handle, num_out_tokens, num_sms)
         kernel_config = self.kernel_config if num_sms is None else self._kernel_config(num_sms_dispatch=num_sms)
         if scales is None:  # bf16 rows: no scales to convert (two calls less on every call's host path)
             rows, scales_out, handle = self._backend.dispatch(x, None, routing, handle, num_out_tokens, kernel_config)
@@ -282,7 +282,23 @@ class HybridEPBuffer:
 
     # -- shared by the autograd functions ---------------------------------------------------
 
-    def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
+    def _check_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens,
+                        num_sms=None):
+        """(routing, handle) of a dispatch whose arguments pass the checks. Where they do not, the
+        peers already in the call hear of it through the call's exchange and every rank raises the
+        same refusals.InputRefused (Backend.refuse_dispatch)."""
+        try:
+            if num_sms is not None:
+                require_int("num_sms", num_sms, 1)
+            return self._checked_dispatch(x, scales, topk_idx, topk_weights, routing_map, probs, handle,
+                                          num_out_tokens)
+        except (ValueError, TypeError) as error:
+            refused = self._backend.refuse_dispatch(error, num_out_tokens, handle, self.kernel_config)
+            if refused is error:
+                raise
+            raise refused from error
+
+    def _checked_dispatch(self, x, scales, topk_idx, topk_weights, routing_map, probs, handle, num_out_tokens):
         backend = self._backend
         device = backend.device
         num_tokens = inputs.check_dispatch_input(x, scales, self.config, device)
@@ -302,6 +318,17 @@ class HybridEPBuffer:
         return routing, None
 
     def _check_combine(self, expert_out, handle, apply_probs) -> None:
+        """Raises for a combine this rank cannot make, after telling the peers where its backend
+        can (Backend.refuse_combine: every rank raises the same refusals.InputRefused)."""
+        try:
+            self._checked_combine(expert_out, handle, apply_probs)
+        except (ValueError, TypeError) as error:
+            refused = self._backend.refuse_combine(error, handle, apply_probs, self.kernel_config)
+            if refused is error:
+                raise
+            raise refused from error
+
+    def _checked_combine(self, expert_out, handle, apply_probs) -> None:
         inputs.check_handle(handle, self._owner)
         inputs.check_combine_input(expert_out, handle, self.config)
         if not isinstance(apply_probs, bool):

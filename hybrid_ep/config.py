@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 
 import torch
@@ -123,6 +124,19 @@ def check_wire_dtype(name: str, value) -> None:
     """The dtype of combine's partial sums between ranks: None (expert_out's) or torch.float32."""
     if value not in (None, torch.float32):
         raise ValueError(f"{name} must be None (the dtype of expert_out) or torch.float32, got {value}")
+
+
+DEADLINE_FLOOR = 0.1  # of HYBRID_EP_TIMEOUT_S, at most DEADLINE_FLOOR_MAX_S: what a call's last wait is given
+DEADLINE_FLOOR_MAX_S = 1.0
+
+
+def time_left(deadline: float, timeout_s: float) -> float:
+    """Seconds a call's next wait may take: what is left of its deadline (time.monotonic(), taken
+    at the call's start as now + HYBRID_EP_TIMEOUT_S), but at least a tenth of the timeout (at
+    most one second), so a call whose earlier waits took nearly all of it still makes its last
+    exchange. A slow, dead or stalled peer so costs a call at most HYBRID_EP_TIMEOUT_S plus that
+    floor, whatever the number of peers and waits (docs/troubleshooting.md)."""
+    return max(deadline - time.monotonic(), min(DEADLINE_FLOOR * timeout_s, DEADLINE_FLOOR_MAX_S))
 
 
 def timeout_seconds() -> float:

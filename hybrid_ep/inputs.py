@@ -1,4 +1,6 @@
-"""Checks of per-call arguments, run before any collective so bad input never hangs a peer.
+"""Checks of per-call arguments, run before the call's exchange. A rank whose arguments fail
+them still makes the exchange, with its refusal in it (refusals.py), so its peers raise the same
+InputRefused at once instead of waiting for it.
 
 Legend: T tokens, H hidden, B = H / 128 scale blocks, R output rows.
 """

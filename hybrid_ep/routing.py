@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from .config import BufferConfig
+from .limits import MAX_TOPK, check_topk
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -155,6 +156,7 @@ def normalize_routing(
         raise ValueError(
             f"topk_idx has {idx_shape[0]} rows but x has {num_tokens} tokens"
         )
+    check_topk("topk_idx", idx_shape[1])
     if topk_idx.device != device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but x is on {device}")
     idx = topk_idx if idx_dtype == torch.int64 else topk_idx.to(torch.int64)  # .to costs a microsecond
@@ -195,7 +197,11 @@ def _from_routing_map(num_tokens, num_experts, device, routing_map, probs) -> Ro
             )
         if probs.device != device:
             raise ValueError(f"probs is on {probs.device} but x is on {device}")
-    k = int(routing_map.sum(dim=1).max()) if num_tokens > 0 else 0
+    routes_T = routing_map.sum(dim=1)
+    k = int(routes_T.max()) if num_tokens > 0 else 0
+    if k > MAX_TOPK:
+        token = int((routes_T == k).nonzero()[0, 0])
+        check_topk("routing_map", k, token)
     k = max(k, 1)
     # Stable sort puts routed experts first, in expert order.
     order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)

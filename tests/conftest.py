@@ -28,6 +28,8 @@ TIERS = {
             "traffic model, benchmark and launcher CLIs",
     "model": "the CUDA kernels on the CPU model of the device layer (hybrid_ep._model), against the oracle",
     "megatron": "Megatron-Core integration on CPU gloo ranks (skipped without megatron-core)",
+    "faults": "faults injected between ranks (slow, stalled, dead or bad peers, processes outside the job): "
+              "every rank's error within the timeout, by name, nothing leaked",
     "sanitizer": "the native modules' tests on AddressSanitizer + UBSan and ThreadSanitizer builds",
 }
 # Markers beside the tier: a test file made only of GPU tests carries `gpu` in place of a tier.

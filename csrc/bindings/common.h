@@ -73,13 +73,15 @@ inline LaunchCount (&launch_counts())[5] {
   return counts;
 }
 
-// Where a launch's ranks past the inline ones go (LaunchArgs::more_ranks): device memory of
-// `bytes`, and a copy into it on the launch's stream, before the kernel. Each module sets its own
-// (cuda_module.cpp: cudaMalloc and cudaMemcpyAsync; model_module.cpp: host memory, copied at once,
-// the model's launches running inside the call).
+// Where a launch's ranks past the inline ones go (LaunchArgs::more_ranks): a block of device
+// memory for that one launch, holding `bytes` from `src` once the copy on the launch's stream has
+// landed, before the kernel. The block goes back when the last copy of the pointer returned is
+// dropped, which the launcher does once the kernel is queued: stream-ordered, after the kernel,
+// and no other launch shares it. Each module sets its own (cuda_module.cpp: cudaMallocAsync and
+// cudaFreeAsync on the launch's stream, refusing CUDA graph capture by name; model_module.cpp:
+// host memory, the model's launches running inside the call).
 struct RankStaging {
-  std::shared_ptr<void> (*alloc)(size_t bytes) = nullptr;
-  void (*copy)(void* dst, const void* src, size_t bytes, uint64_t stream) = nullptr;
+  std::shared_ptr<void> (*stage)(const void* src, size_t bytes, uint64_t stream) = nullptr;
 };
 inline RankStaging& rank_staging() {
   static RankStaging staging;
@@ -87,31 +89,45 @@ inline RankStaging& rank_staging() {
 }
 
 // A launch's arguments as the host holds them: the kernel's LaunchArgs, its first
-// kInlineLaunchRanks ranks inline, and the ranks past those, staged in device memory when it
-// launches (an emulated launch of more than 16 ranks; a production launch holds one).
+// kInlineLaunchRanks ranks inline, and the ranks past those, staged in device memory for each
+// launch (an emulated launch of more than 16 ranks; a production launch holds one).
 struct HostLaunchArgs : LaunchArgs {
   static constexpr int kMoreRanks = kMaxLaunchRanks - kInlineLaunchRanks;
   RankArgs more[kMoreRanks] = {};
-  std::shared_ptr<void> staged;  // device RankArgs[kMoreRanks], allocated at the first launch that needs it
 
   HostLaunchArgs() : LaunchArgs{} {}
   RankArgs& rank(int i) { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
   const RankArgs& rank(int i) const { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
 
-  // The kernel's arguments, the ranks past the inline ones copied on `stream` first.
-  const LaunchArgs& for_launch(uint64_t stream) {
+  // The ranks past the inline ones staged for one launch on `stream` (more_ranks points at
+  // them; null and 0 where the launch has none): the block lives while the pointer returned does.
+  std::shared_ptr<void> stage_more_ranks(uint64_t stream) {
     const int extra = num_ranks - kInlineLaunchRanks;
     if (extra <= 0) {
       more_ranks = 0;
-      return *this;
+      return nullptr;
     }
-    const RankStaging& st = rank_staging();
-    if (!staged) staged = st.alloc(sizeof(more));
-    st.copy(staged.get(), more, sizeof(RankArgs) * static_cast<size_t>(extra), stream);
-    more_ranks = reinterpret_cast<uint64_t>(staged.get());
-    return *this;
+    std::shared_ptr<void> block = rank_staging().stage(more, sizeof(RankArgs) * static_cast<size_t>(extra), stream);
+    more_ranks = reinterpret_cast<uint64_t>(block.get());
+    return block;
   }
 };
+
+// One launch on `a`, its ranks past the inline ones staged for it alone, without the GIL: a
+// launch can block (a full launch queue, CUDA_LAUNCH_BLOCKING, the CPU model running the kernel
+// and waiting for its lock while another thread's launch runs) until a peer's kernel runs, and
+// that peer may first need this process's Python threads (the chunk server of peer memory).
+inline LaunchStatus launch_staged(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), HostLaunchArgs& a,
+                                  uint64_t stream) {
+  const std::shared_ptr<void> more = a.stage_more_ranks(stream);
+  LaunchStatus status;
+  {
+    py::gil_scoped_release unlocked;
+    status = launcher(a, stream);
+  }
+  a.more_ranks = 0;  // the block goes back with `more`, the kernel queued
+  return status;
+}
 
 inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t), HostLaunchArgs& host, uint64_t stream,
                            const char* what) {
@@ -122,16 +138,7 @@ inline void launch_checked(LaunchStatus (*launcher)(const LaunchArgs&, uint64_t)
     }
   }
   if (!launches_enabled()) return;
-  const LaunchArgs& a = host.for_launch(stream);
-  // Without the GIL: a launch can block (a full launch queue, CUDA_LAUNCH_BLOCKING, the CPU
-  // model running the kernel) until a peer's kernel runs, and that peer may first need this
-  // process's Python threads (the chunk server of peer memory) to answer it.
-  LaunchStatus status;
-  {
-    py::gil_scoped_release unlocked;
-    status = launcher(a, stream);
-  }
-  check_launch(status, what);
+  check_launch(launch_staged(launcher, host, stream), what);
 }
 
 // Where one rank's per-call tensors of a dispatch lie in its part of the call's workspace
@@ -437,6 +444,13 @@ class __attribute__((visibility("hidden"))) HostPath {
     if (i >= fixed_.size() || words.size() != static_cast<size_t>(kAgreeWords))
       throw py::value_error("set_agree: a driven rank and " + std::to_string(kAgreeWords) + " words");
     std::copy(words.begin(), words.end(), fixed_[i].agree);
+  }
+
+  // Rank i's refusal of its own input for the next count kernels (RankArgs::refused: 0 none,
+  // else the refused argument's code); the caller clears it after the call.
+  void set_refused(size_t i, int32_t code) {
+    if (i >= fixed_.size() || code < 0) throw py::value_error("set_refused: a driven rank and a code >= 0");
+    fixed_[i].refused = code;
   }
 
   // The count kernel of a dispatch: every rank's inputs and its part of `workspace`; rows
@@ -762,6 +776,7 @@ inline void bind_common(py::module_& m) {
       .def(py::init([seam](const std::vector<RankArgs>& ranks) { return new HostPath(ranks, seam); }), py::arg("ranks"))
       .def("set_agree", &HostPath::set_agree, py::arg("i"), py::arg("words"))
       .def("set_absent", &HostPath::set_absent, py::arg("absent"), py::arg("after_count"))
+      .def("set_refused", &HostPath::set_refused, py::arg("i"), py::arg("code"))
       .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"),
            "inputs: a list of one DispatchInputs per rank")
@@ -796,9 +811,8 @@ inline void bind_common(py::module_& m) {
 
   // One kernel launched on arguments set field by field (the HostPath calls launch these too).
   const auto launcher = [&m](const char* name, LaunchStatus (*launch)(const LaunchArgs&, uint64_t), const char* what) {
-    m.def(name, [launch, what](HostLaunchArgs& a, uint64_t stream) {
-      check_launch(launch(a.for_launch(stream), stream), what);
-    });
+    m.def(name,
+          [launch, what](HostLaunchArgs& a, uint64_t stream) { check_launch(launch_staged(launch, a, stream), what); });
   };
   launcher("launch_count", &launch_count, "count");
   launcher("launch_dispatch_receive", &launch_dispatch_receive, "dispatch_receive");

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <memory>
+#include <string>
 
 #include "bindings/common.h"
 #include "bindings/peer_memory_bindings.h"
@@ -67,26 +69,39 @@ py::tuple device_properties(int device) {
   return py::make_tuple(prop.multiProcessorCount, static_cast<int64_t>(prop.sharedMemPerBlockOptin));
 }
 
-// A launch's ranks past the inline ones: device memory, copied on the launch's stream (from
-// pageable memory: the copy has read the source when it returns).
-const bindings::RankStaging kDeviceRankStaging{
-    [](size_t bytes) {
-      void* p = nullptr;
-      if (cudaMalloc(&p, bytes) != cudaSuccess)
-        throw std::runtime_error("hybrid_ep: cudaMalloc of a launch's ranks past the inline ones failed");
-      return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
-    },
-    [](void* dst, const void* src, size_t bytes, uint64_t stream) {
-      if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, reinterpret_cast<cudaStream_t>(stream)) !=
-          cudaSuccess)
-        throw std::runtime_error("hybrid_ep: the copy of a launch's ranks past the inline ones failed");
-    }};
+// A launch's ranks past the inline ones (the single-GPU emulation past 16 ranks): a block of the
+// CUDA runtime's stream-ordered allocator on the launch's stream, per launch, copied on that
+// stream (from pageable memory: the copy has read the source when it returns) and freed on that
+// stream after the kernel (cudaFreeAsync once it is queued): it lives exactly as long as the
+// launch in stream order, and a launch on another stream never shares it. A graph would replay
+// the copy from host memory it does not own, so a capture is refused by name.
+std::shared_ptr<void> stage_on_device(const void* src, size_t bytes, uint64_t stream_id) {
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t asked = cudaStreamIsCapturing(stream, &capture);
+  if (asked != cudaSuccess || capture != cudaStreamCaptureStatusNone)
+    throw std::runtime_error(
+        "hybrid_ep: a launch of more than " + std::to_string(kInlineLaunchRanks) +
+        " ranks (the single-GPU emulation of a larger group) cannot be captured in a CUDA graph: the ranks past " +
+        std::to_string(kInlineLaunchRanks) +
+        " are copied to device memory at each launch, which a graph would not repeat; run it outside the capture, "
+        "or capture an emulation of at most " +
+        std::to_string(kInlineLaunchRanks) + " ranks" +
+        (asked != cudaSuccess ? std::string(" (cudaStreamIsCapturing: ") + cudaGetErrorString(asked) + ")" : ""));
+  void* block = nullptr;
+  if (cudaMallocAsync(&block, bytes, stream) != cudaSuccess)
+    throw std::runtime_error("hybrid_ep: cudaMallocAsync of a launch's ranks past the inline ones failed");
+  std::shared_ptr<void> owned(block, [stream](void* p) { cudaFreeAsync(p, stream); });
+  if (cudaMemcpyAsync(block, src, bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess)
+    throw std::runtime_error("hybrid_ep: the copy of a launch's ranks past the inline ones failed");
+  return owned;
+}
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hybrid-ep CUDA kernels and NVLink transport";
-  bindings::rank_staging() = kDeviceRankStaging;
+  bindings::rank_staging() = bindings::RankStaging{&stage_on_device};
   bindings::bind_common(m);
   m.attr("IS_MODEL") = false;
   m.def("device_properties", &device_properties);

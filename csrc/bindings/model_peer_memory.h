@@ -5,9 +5,8 @@
 // nothing touches the file system. The mapped part of each reservation is one allocation of the
 // model (model::add_allocation), so the kernels' bulk copies may cross chunk boundaries.
 //
-// A fabric handle's stand-in is 64 opaque bytes, not a file descriptor, as the device's is: they
-// name the owner's memfd as the owner holds it (process id, descriptor, and the random name the
-// memfd was made with), and an importer opens it through /proc/<pid>/fd, checking the name, so a
+// A fabric handle's stand-in is 64 opaque bytes, not a file descriptor, as the device's is
+// (model_memfd.h: it names the owner's memfd, and an importer opens it checking the name), so a
 // handle of a chunk its owner released, or of an owner that exited, is refused as the driver
 // refuses a fabric handle it cannot import. Only a chunk made with fabric = true exports one.
 #pragma once
@@ -20,11 +19,11 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include "bindings/model_memfd.h"
 #include "device/model/runtime.h"
 
 namespace hybrid_ep::bindings {
@@ -50,13 +49,8 @@ struct ModelPeerMemory {
   }
 
   static std::pair<uint64_t, int> create(size_t bytes, int /*device*/, bool fabric) {
-    const std::string name = fabric ? std::string(kFabricName) + random_hex() : std::string("hybrid_ep_peer_chunk");
-    const int fd = static_cast<int>(memfd_create(name.c_str(), MFD_CLOEXEC));
-    if (fd < 0) throw failed("memfd_create");
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      close(fd);
-      throw failed("ftruncate");
-    }
+    const int fd =
+        fabric ? memfd::create(kFabricName, bytes, "peer memory") : memfd::create(kChunkName, bytes, "peer memory");
     const int shared = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (shared < 0) {
       close(fd);
@@ -72,39 +66,17 @@ struct ModelPeerMemory {
   }
 
   static std::string export_fabric(uint64_t handle) {
-    const std::string name = memfd_name(static_cast<int>(handle));
-    if (name.rfind(kFabricName, 0) != 0)
+    const std::string h = memfd::handle(static_cast<int>(handle), kMagic, kFabricName);
+    if (h.empty())
       throw std::runtime_error(
           "hybrid_ep: peer memory: cuMemExportToShareableHandle (fabric): the chunk was not made "
           "for fabric handles");
-    FabricStandIn h;
-    std::memset(&h, 0, sizeof(h));
-    std::memcpy(h.magic, kMagic, sizeof(h.magic));
-    h.pid = static_cast<uint64_t>(getpid());
-    h.fd = handle;
-    std::memcpy(h.name, name.data() + std::strlen(kFabricName), sizeof(h.name));
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+    return h;
   }
 
   static uint64_t import_fabric(const std::string& fabric_handle, int /*device*/) {
-    FabricStandIn h;
-    if (fabric_handle.size() != sizeof(h))
-      throw std::invalid_argument("hybrid_ep: peer memory: a fabric handle is 64 bytes, got " +
-                                  std::to_string(fabric_handle.size()));
-    std::memcpy(&h, fabric_handle.data(), sizeof(h));
-    if (std::memcmp(h.magic, kMagic, sizeof(h.magic)) != 0)
-      throw std::invalid_argument("hybrid_ep: peer memory: not a fabric handle of the CPU model");
-    const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
-    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) throw failed("cuMemImportFromShareableHandle (fabric): the chunk's owner no longer holds it");
-    const std::string want = std::string(kFabricName) + std::string(h.name, sizeof(h.name));
-    if (memfd_name(fd) != want) {
-      close(fd);
-      throw std::runtime_error(
-          "hybrid_ep: peer memory: cuMemImportFromShareableHandle (fabric): the chunk's owner "
-          "released it");
-    }
-    return static_cast<uint64_t>(fd);
+    return static_cast<uint64_t>(
+        memfd::open(fabric_handle, kMagic, kFabricName, "peer memory: cuMemImportFromShareableHandle (fabric)"));
   }
 
   static void map(uint64_t va, size_t bytes, uint64_t handle, int /*device*/) {
@@ -128,42 +100,8 @@ struct ModelPeerMemory {
 
  private:
   static constexpr const char* kFabricName = "hybrid_ep_peer_chunk.fabric.";
+  static constexpr const char* kChunkName = "hybrid_ep_peer_chunk.";
   static constexpr char kMagic[8] = {'h', 'e', 'p', 'f', 'a', 'b', 'r', '1'};
-
-  // The stand-in of a CUmemFabricHandle: 64 bytes.
-  struct FabricStandIn {
-    char magic[8];
-    uint64_t pid;
-    uint64_t fd;
-    char name[32];  // the memfd's random part, hex
-    char unused[8];
-  };
-  static_assert(sizeof(FabricStandIn) == 64, "a fabric handle is 64 bytes");
-
-  static std::string random_hex() {
-    static std::mutex m;
-    static std::random_device source;
-    std::lock_guard<std::mutex> guard(m);
-    static const char digits[] = "0123456789abcdef";
-    std::string out(32, '0');
-    for (char& c : out) c = digits[source() % 16];
-    return out;
-  }
-
-  // The name the memfd behind `fd` was made with ("" where it is not a memfd).
-  static std::string memfd_name(int fd) {
-    char link[512];
-    const std::string path = "/proc/self/fd/" + std::to_string(fd);
-    const ssize_t n = readlink(path.c_str(), link, sizeof(link) - 1);
-    if (n <= 0) return "";
-    std::string target(link, static_cast<size_t>(n));
-    const std::string prefix = "/memfd:", suffix = " (deleted)";
-    if (target.rfind(prefix, 0) != 0) return "";
-    target = target.substr(prefix.size());
-    if (target.size() >= suffix.size() && target.compare(target.size() - suffix.size(), suffix.size(), suffix) == 0)
-      target.resize(target.size() - suffix.size());
-    return target;
-  }
 
   // Mapped ranges, merged where they touch: start -> bytes, each one model allocation.
   static std::map<uint64_t, uint64_t>& mapped() {

@@ -18,7 +18,10 @@ void bind_peer_memory(py::module_& m) {
   m.def("peer_granularity", Backend::granularity, py::arg("device"),
         "bytes every chunk and mapping of peer memory is a multiple of");
   m.def("peer_reserve", Backend::reserve, py::arg("nbytes"), "a range of virtual addresses, no memory behind it");
-  m.def("peer_free_reservation", Backend::free_reservation, py::arg("va"), py::arg("nbytes"));
+  // Mapping and unmapping without the GIL: the CPU model's wait for its lock (its allocations),
+  // which a launch on another thread holds while it runs (csrc/device/model/runtime.h, threads).
+  using WithoutGil = py::call_guard<py::gil_scoped_release>;
+  m.def("peer_free_reservation", Backend::free_reservation, py::arg("va"), py::arg("nbytes"), WithoutGil());
   m.def("peer_create", Backend::create, py::arg("nbytes"), py::arg("device"), py::arg("fabric") = false,
         "a new chunk: (handle, a file descriptor sharing it, the caller's to close); fabric: also exportable "
         "as a fabric handle");
@@ -33,8 +36,8 @@ void bind_peer_memory(py::module_& m) {
         return Backend::import_fabric(std::string(fabric_handle), device);
       },
       py::arg("fabric_handle"), py::arg("device"), "a peer's chunk from the fabric handle it published: its handle");
-  m.def("peer_map", Backend::map, py::arg("va"), py::arg("nbytes"), py::arg("handle"), py::arg("device"));
-  m.def("peer_unmap", Backend::unmap, py::arg("va"), py::arg("nbytes"));
+  m.def("peer_map", Backend::map, py::arg("va"), py::arg("nbytes"), py::arg("handle"), py::arg("device"), WithoutGil());
+  m.def("peer_unmap", Backend::unmap, py::arg("va"), py::arg("nbytes"), WithoutGil());
   m.def("peer_release", Backend::release, py::arg("handle"));
 }
 

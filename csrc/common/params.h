@@ -398,6 +398,9 @@ struct RankArgs {
   int32_t agree[kAgreeWords];  // the count kernel hands these to every rank in its count rows
                                // (info.agreement): the peer memory's state the data path is agreed on
                                // (hybrid_ep/backends/cuda/agreement.py)
+  int32_t refused;             // 0, or the code of the argument this rank refused (no tokens then): the count
+                               // kernel hands every rank the refusal in its bad-route words, its token
+                               // geo.max_tokens (kernels/count.cuh; hybrid_ep/refusals.py names the codes)
 };
 
 // Routes to one node a forwarded token can have on the direct path (fwd_routes' width): at most

@@ -111,10 +111,12 @@ constexpr uint32_t kPollsPerCheck = 16;    // polls between two reads of the abo
 // Until *flag >= target (then this thread has acquired what the writer released). Returns
 // false when this or another wait gave up. A flag this rank itself raises (a chunk it signals
 // to itself) gets `bounds` = 2 bounds, like a wait inside a block: the wait that stalls its
-// writer on another rank reports first.
+// writer on another rank reports first. since: where the wait's clock starts (0: at its first
+// poll); the count kernel passes its own start, so its waits in a row draw on one bound, as the
+// host that reads its counts does.
 __device__ inline bool wait_at_least(const LaunchArgs& args, const uint64_t* flag, uint64_t target, int phase, int rank,
-                                     int peer, uint64_t call, uint32_t bounds = 1) {
-  uint64_t start = 0;
+                                     int peer, uint64_t call, uint32_t bounds = 1, uint64_t since = 0) {
+  uint64_t start = since;
   for (uint32_t poll = 0;; ++poll) {
     const uint64_t v = dev::ld_relaxed_sys(flag);
     if (v >= target) {

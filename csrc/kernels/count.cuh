@@ -29,6 +29,15 @@
 // launches no dispatch kernel; where the dispatch kernel follows unread (a static size), that
 // kernel returns at its start on the info's word, and this one records the route
 // (LaunchArgs::bad_route) for the host to raise at its next call.
+//
+// A rank that refused its own input (RankArgs::refused: an argument the host could not take)
+// makes the call with no tokens and puts the refusal in the same words: token geo.max_tokens,
+// which no route has, and the argument's code as the id; every rank then raises it by name
+// (hybrid_ep/refusals.py) and the group stays usable.
+//
+// The waits (flow control, then the count rows) draw on one bound from the kernel's start: the
+// host that reads the counts gave the launch what its call had left (HYBRID_EP_TIMEOUT_S from
+// the call's start), so a peer that is slow twice costs the call no more than that.
 #include "common/state.cuh"
 #include "kernels/hierarchy.cuh"
 #include "kernels/launch.h"
@@ -121,6 +130,7 @@ struct CountCall {
   int W, E, L, N, G, T, K;
   int cols;  // counters: experts, destination ranks, destination nodes
   uint64_t call;
+  uint64_t started;   // the kernel's start (global timer): every wait's bound runs from it
   int32_t* warp_cnt;  // [kCountTallyWarps][cols], scanned in place to per-warp bases
   int32_t* carry;     // [cols] totals of the tiles before
   CountShared& sh;
@@ -256,6 +266,10 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
   }
   if (tid == 0 && sh.bad_token != kNoBadToken)
     sh.bad_id = first_bad_id(idx + static_cast<int64_t>(sh.bad_token) * K, K, E);
+  if (tid == 0 && c.a.refused != 0) {  // no tokens: the refusal in the bad-route words
+    sh.bad_token = static_cast<int>(c.geo.max_tokens);
+    sh.bad_id = c.a.refused;
+  }
 }
 
 // The peers warp: flow control. A peer must have read everything of the previous dispatch
@@ -272,10 +286,10 @@ __device__ void wait_for_peers(const CountCall<Rdma>& c, int lane) {
   for (int r = lane; r < c.W && ok; r += 32) {
     if (h.topo.same_node(r, rank))
       ok = wait_at_least(c.args, c.view.flag(r, c.geo.reg.done_dispatch, 0), c.call - 1, kPhaseDispatchFlow, rank, r,
-                         c.call);
+                         c.call, 1, c.started);
     else if (r == h.rail_peer(h.topo.node(r)))
       ok = wait_at_least(c.args, h.flag(c.geo.rdma.done_dispatch, h.topo.node(r)), c.call - 1, kPhaseRdmaFlow, rank, r,
-                         c.call);
+                         c.call, 1, c.started);
   }
   if (ok) dev::fence_proxy_async();
   else dev::st_relaxed(&c.sh.fail, 1);  // several lanes may raise it
@@ -286,6 +300,7 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   const Geometry& geo = args.geo;
   const RankArgs& a = launch_rank(args, blockIdx.x);
   if (a.absent) return;
+  const uint64_t started = dev::global_timer_ns();
   const RankView view = rank_view(geo, a);
   const Hierarchy<Rdma> h = make_hierarchy<Rdma>(geo, a);
   const int W = geo.world_size, E = geo.num_experts, L = geo.local_experts, N = geo.num_nodes;
@@ -309,7 +324,7 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   for (int c = tid; c < cols; c += blockDim.x) carry[c] = 0;
   __syncthreads();
   const uint64_t call = sh.call;
-  const CountCall<Rdma> counting{args, a, geo, view, h, W, E, L, N, G, T, K, cols, call, warp_cnt, carry, sh};
+  const CountCall<Rdma> counting{args, a, geo, view, h, W, E, L, N, G, T, K, cols, call, started, warp_cnt, carry, sh};
   const RoleSpan<CountRole> role = count_warps().of(warp);
   switch (role.role) {
     case CountRole::kTally: tally(counting, role.thread_index(tid)); break;
@@ -363,8 +378,9 @@ __global__ void __launch_bounds__(kCountThreads, 1) count_kernel(const __grid_co
   if (tid < W) {
     const bool local = h.topo.same_node(tid, a.rank);
     const bool ok =
-        local ? wait_at_least(args, view.flag(a.rank, geo.reg.count_call, tid), call, kPhaseCounts, a.rank, tid, call)
-              : h.wait_delivered(args, h.flag(geo.rdma.count_call, tid), call, kPhaseRdmaCounts, tid, call);
+        local ? wait_at_least(args, view.flag(a.rank, geo.reg.count_call, tid), call, kPhaseCounts, a.rank, tid, call,
+                              1, started)
+              : h.wait_delivered(args, h.flag(geo.rdma.count_call, tid), call, kPhaseRdmaCounts, tid, call, started);
     if (!ok) dev::st_relaxed(&sh.fail, 1);
   }
   __syncthreads();

@@ -44,8 +44,8 @@ struct Hierarchy {
   // consistency step: the data those puts wrote is visible to this thread's later reads also
   // through a proxy transport (rdma.cuh, delivered). False when this or another wait gave up.
   __device__ bool wait_delivered(const LaunchArgs& args, const uint64_t* word, uint64_t target, int phase, int peer,
-                                 uint64_t call) const {
-    if (!wait_at_least(args, word, target, phase, rank, peer, call)) return false;
+                                 uint64_t call, uint64_t since = 0) const {
+    if (!wait_at_least(args, word, target, phase, rank, peer, call, 1, since)) return false;
     rdma.delivered(word, target);
     return true;
   }

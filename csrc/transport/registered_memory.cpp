@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <stdexcept>
+#include <utility>
 
 #include "transport/driver.h"
 
@@ -23,26 +26,52 @@ size_t fabric_size(size_t bytes, int device) {
   return (bytes + gran - 1) / gran * gran;
 }
 
+// Undoes a step when a later one throws: every failure path releases what the steps before it
+// made (an allocation, a handle, an address range, a mapping), so a failed setup leaks nothing.
+class Undo {
+ public:
+  explicit Undo(std::function<void()> undo) : undo_(std::move(undo)) {}
+  Undo(const Undo&) = delete;
+  Undo& operator=(const Undo&) = delete;
+  ~Undo() {
+    if (undo_) undo_();
+  }
+  void keep() { undo_ = nullptr; }
+
+ private:
+  std::function<void()> undo_;
+};
+
+// `handle` mapped read-write for `device` at a new address range; on failure the range is
+// freed (the handle stays the caller's).
 uint64_t map_handle(CUmemGenericAllocationHandle handle, size_t bytes, int device) {
   CUdeviceptr ptr = 0;
   check(drv().reserve(&ptr, bytes, 0, 0, 0), "cuMemAddressReserve");
+  Undo reserved([&] { drv().address_free(ptr, bytes); });
   check(drv().map(ptr, bytes, 0, handle, 0), "cuMemMap");
+  Undo mapped([&] { drv().unmap(ptr, bytes); });
   CUmemAccessDesc access;
   std::memset(&access, 0, sizeof(access));
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   check(drv().set_access(ptr, bytes, &access, 1), "cuMemSetAccess");
+  mapped.keep();
+  reserved.keep();
   return static_cast<uint64_t>(ptr);
 }
 
+// Unmaps, frees the range and releases the allocation behind it: every step runs even when one
+// fails (a step skipped would leak what it releases), then the first failure is raised.
 void unmap(uint64_t ptr, size_t bytes) {
   CUmemGenericAllocationHandle handle;
   check(drv().retain(&handle, reinterpret_cast<void*>(ptr)), "cuMemRetainAllocationHandle");
-  check(drv().unmap(static_cast<CUdeviceptr>(ptr), bytes), "cuMemUnmap");
-  check(drv().address_free(static_cast<CUdeviceptr>(ptr), bytes), "cuMemAddressFree");
-  check(drv().release(handle), "cuMemRelease");  // the retain above
-  check(drv().release(handle), "cuMemRelease");  // the create / import
+  const CUresult results[] = {drv().unmap(static_cast<CUdeviceptr>(ptr), bytes),
+                              drv().address_free(static_cast<CUdeviceptr>(ptr), bytes),
+                              drv().release(handle),   // the retain above
+                              drv().release(handle)};  // the create / import
+  const char* steps[] = {"cuMemUnmap", "cuMemAddressFree", "cuMemRelease", "cuMemRelease"};
+  for (size_t i = 0; i < std::size(results); ++i) check(results[i], steps[i]);
 }
 
 }  // namespace
@@ -87,9 +116,11 @@ Allocation allocate_registered(size_t bytes, HandleKind kind, int device) {
   if (kind == HandleKind::kIpc) {
     void* p = nullptr;
     check(cudaMalloc(&p, bytes), "cudaMalloc of the registered buffer");
+    Undo allocated([p] { cudaFree(p); });
     check(cudaMemset(p, 0, bytes), "cudaMemset of the registered buffer");
     cudaIpcMemHandle_t h;
     check(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle");
+    allocated.keep();
     out.ptr = reinterpret_cast<uint64_t>(p);
     out.bytes = bytes;
     out.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -99,12 +130,19 @@ Allocation allocate_registered(size_t bytes, HandleKind kind, int device) {
   CUmemAllocationProp prop = fabric_prop(device);
   CUmemGenericAllocationHandle handle;
   check(drv().create(&handle, size, &prop, 0), "cuMemCreate (fabric)");
+  Undo created([&] { drv().release(handle); });
   out.ptr = map_handle(handle, size, device);
+  Undo mapped([&] {
+    drv().unmap(static_cast<CUdeviceptr>(out.ptr), size);
+    drv().address_free(static_cast<CUdeviceptr>(out.ptr), size);
+  });
   out.bytes = size;
   check(cudaMemset(reinterpret_cast<void*>(out.ptr), 0, size), "cudaMemset of the registered buffer");
   CUmemFabricHandle fh;
   check(drv().export_handle(&fh, handle, CU_MEM_HANDLE_TYPE_FABRIC, 0), "cuMemExportToShareableHandle");
   out.handle.assign(reinterpret_cast<const char*>(&fh), sizeof(fh));
+  mapped.keep();
+  created.keep();
   return out;
 }
 
@@ -131,7 +169,10 @@ uint64_t open_peer(const std::string& handle, size_t bytes, HandleKind kind, int
   std::memcpy(&fh, handle.data(), sizeof(fh));
   CUmemGenericAllocationHandle h;
   check(drv().import_handle(&h, &fh, CU_MEM_HANDLE_TYPE_FABRIC), "cuMemImportFromShareableHandle");
-  return map_handle(h, bytes, device);
+  Undo imported([&] { drv().release(h); });
+  const uint64_t ptr = map_handle(h, bytes, device);
+  imported.keep();
+  return ptr;
 }
 
 void close_peer(uint64_t ptr, size_t bytes, HandleKind kind) {

@@ -6,6 +6,9 @@
 // spans hosts, e.g. GB200 NVL72). Driver entry points are resolved at run time through the
 // runtime API, so the extension does not link libcuda and imports on machines without a GPU.
 //
+// A call that fails releases what it made before it raised (an allocation, an imported handle,
+// an address range, a mapping): a setup that fails on one rank leaks nothing there.
+//
 // Transport seam: kernels only see a table of peer base pointers. Ranks outside the NVLink
 // domain need a put-with-signal transport (NVSHMEM/IBGDA, or the loopback of the single-GPU
 // emulation) that fills the same receive-buffer layout.

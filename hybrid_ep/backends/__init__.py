@@ -61,8 +61,10 @@ def _auto_evidence(config, group):
     """The user's measurement for this group (evidence.py), or None; what was ignored in the
     evidence file is logged once per process."""
     on_gpu = torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)).lower()
+    shape = {"hidden": config.hidden_dim, "tokens_per_rank": config.max_tokens_per_rank,
+             "experts": config.num_experts}
     found, warnings = evidence.find(config.num_nodes, config.ranks_per_node,
-                                    evidence.identity_here("cuda" if on_gpu else "cpu"))
+                                    evidence.identity_here("cuda" if on_gpu else "cpu"), shape=shape)
     for line in warnings:
         if line not in _warned:
             _warned.add(line)
@@ -96,11 +98,19 @@ def choose_backend(name: str, config, group) -> BackendChoice:
     return BackendChoice(name, name, "asked for by name")
 
 
+def _members(group) -> list[int] | None:
+    """The group's global ranks, for the log line (None for a group torch.distributed does not know)."""
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 def create_backend(name: str, config, group, rank: int, owner: int, choice: BackendChoice | None = None) -> Backend:
     """The backend for `name` (or an already made `choice`), its choice logged once on rank 0."""
     if choice is None:
         choice = choose_backend(name, config, group)
-    log_choice(choice, rank, config.num_nodes, config.ranks_per_node)
+    log_choice(choice, rank, config.num_nodes, config.ranks_per_node, _members(group))
     name = choice.name
     if name == "reference":
         return ReferenceBackend(config, group, rank, owner)

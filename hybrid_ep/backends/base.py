@@ -12,6 +12,7 @@ import torch
 from ..config import BufferConfig, KernelConfig
 from ..handle import DispatchHandle
 from ..memory import MemoryPlan
+from ..refusals import refused_here
 from ..routing import Routing
 
 
@@ -47,6 +48,19 @@ class Backend(abc.ABC):
         kernel_config: KernelConfig,
     ) -> tuple[torch.Tensor, torch.Tensor | None, DispatchHandle]:
         """Return (rows_RH, scales_RB or None, handle). Exactly one of routing / handle is given."""
+
+    def refuse_dispatch(self, error: BaseException, num_out_tokens, handle,
+                        kernel_config: KernelConfig) -> BaseException:
+        """This rank's dispatch input failed its checks (error): tell the peers, whose calls are
+        already in the exchange, through it, and return the error this rank raises
+        (refusals.InputRefused, refusals.py). In a group of one no peer waits: the check's own error."""
+        return error
+
+    def refuse_combine(self, error: BaseException, handle, apply_probs: bool,
+                       kernel_config: KernelConfig) -> BaseException:
+        """refuse_dispatch for a combine. Where the combine has no exchange to carry the refusal
+        (the cuda kernels), the peers' kernels give up after HYBRID_EP_TIMEOUT_S naming this rank."""
+        return error if self.config.world_size == 1 else refused_here(self.rank, "combine", error)
 
     @abc.abstractmethod
     def combine(

@@ -13,7 +13,8 @@ test compares the two).
 
 A user's own measurement comes first: where `hybrid-ep-bench --calibrate` has timed both
 backends at the group's topology on the same device and versions (evidence.py), auto follows
-it, cuda only where it was faster, and its log line names the measurement.
+it, cuda only where it was faster, and its log line names the measurement; where the
+calibration failed there, auto keeps reference and its line gives the failure.
 """
 
 from __future__ import annotations
@@ -67,9 +68,21 @@ class BackendChoice:
     asked: str
     reason: str
 
-    def describe(self, num_nodes: int, ranks_per_node: int) -> str:
+    def describe(self, num_nodes: int, ranks_per_node: int, members: list[int] | None = None) -> str:
+        """The log line; members: the group's global ranks (one line per EP group says which)."""
         shape = f"{num_nodes} node{'s' if num_nodes > 1 else ''} x {ranks_per_node} ranks"
-        return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for EP {shape}: {self.reason}"
+        group = f"EP group of ranks {ranks_text(members)} ({shape})" if members else f"EP {shape}"
+        return f"hybrid_ep: backend {self.name} (asked: {self.asked}) for {group}: {self.reason}"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """'0-7', '0-14 step 2' (an EP group inside TP x CP), else the first ones and the count."""
+    if len(ranks) == 1:
+        return str(ranks[0])
+    step = ranks[1] - ranks[0]
+    if step > 0 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"{ranks[0]}-{ranks[-1]}" + (f" step {step}" if step > 1 else "")
+    return f"{', '.join(map(str, ranks[:4]))}, ... ({len(ranks)})"
 
 
 def choose_auto(num_nodes: int, cuda_runs_here, evidence=None) -> BackendChoice:
@@ -77,6 +90,8 @@ def choose_auto(num_nodes: int, cuda_runs_here, evidence=None) -> BackendChoice:
     backend can run this group, else why not; it is asked only where cuda would be picked.
     evidence: the user's measurement for this group (an evidence.Measurement), or None (the rule)."""
     if evidence is not None:
+        if evidence.failure is not None:
+            return BackendChoice("reference", "auto", evidence.summary())
         if evidence.faster != "cuda":
             return BackendChoice("reference", "auto", f"measured here: {evidence.summary()}")
         reason = cuda_runs_here()
@@ -97,7 +112,8 @@ def choose_auto(num_nodes: int, cuda_runs_here, evidence=None) -> BackendChoice:
                          f"backend='cuda' to run it)")
 
 
-def log_choice(choice: BackendChoice, rank: int, num_nodes: int, ranks_per_node: int) -> None:
-    """One line per buffer, on the group's rank 0."""
+def log_choice(choice: BackendChoice, rank: int, num_nodes: int, ranks_per_node: int,
+               members: list[int] | None = None) -> None:
+    """One line per buffer, on the group's rank 0: per EP group of a job, which backend runs and why."""
     if rank == 0:
-        _log.info("%s", choice.describe(num_nodes, ranks_per_node))
+        _log.info("%s", choice.describe(num_nodes, ranks_per_node, members))

@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import KernelConfig
+from ..dtypes import combine_dtype_for
 from ..handle import DispatchHandle
+from ..limits import check_group
 from ..memory import BufferSpec, MemoryPlan
+from ..refusals import InputRefused, code_of, refused_here
 from ..routing import Routing, max_output_rows
 from ..rows import as_byte_rows as _as_bytes
 from ..rows import from_byte_rows as _from_bytes
@@ -49,6 +52,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, config, group, rank, owner):
         super().__init__(config, group, rank, owner)
+        check_group(config.world_size, config.ranks_per_node, config.num_experts)  # every backend's limits
         transport = str(dist.get_backend(group)).lower()
         if "nccl" in transport and torch.cuda.is_available():
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -60,6 +64,10 @@ class ReferenceBackend(Backend):
         self._exchange = ReferenceExchange(group, rank, config.world_size, self._device, _longest_message(config))
         self._num_dispatches = 0  # dispatches of a new routing so far: the serial number of their handles
         self._msg = Messages(self._device)
+        self._refusing = 0  # while this rank makes a call it refused: the argument's code (refusals.py)
+        # the last dispatch's x dtype and scales (dtype, columns): a refused call's rows are as wide
+        self._last_format: tuple = (torch.bfloat16, None)
+        self._last_combine_dtype: torch.dtype | None = None  # of the last combine's expert_out, the same
 
     @property
     def device(self) -> torch.device:
@@ -81,11 +89,13 @@ class ReferenceBackend(Backend):
     def _message(self, call: int, fields: dict, handle: DispatchHandle | None, extra=()) -> torch.Tensor:
         """The header words (then extra words) this rank sends every peer; a handle's are made once."""
         def make():
-            words = agreement.header(call, self.config.ranks_per_node, fields,
-                                     *((handle.serial, handle.checksum) if handle is not None else ()))
+            serial, checksum = (handle.serial, handle.checksum) if handle is not None else (0, 0)
+            words = agreement.header(call, self.config.ranks_per_node, fields, serial, checksum, self._refusing)
             return torch.cat([self._msg.ints(words), *extra]) if extra else self._msg.ints(words)
 
-        return make() if handle is None else self._memo(handle.dest, ("words", call, *fields.items()), make)
+        if handle is None or self._refusing:
+            return make()
+        return self._memo(handle.dest, ("words", call, *fields.items()), make)
 
     def _put_headers(self, message: torch.Tensor, call: int, fields: dict, handle: DispatchHandle,
                      starts: list[int], header_rows: int) -> None:
@@ -95,9 +105,56 @@ class ReferenceBackend(Backend):
 
     # -- dispatch ----------------------------------------------------------------------------
 
+    def refuse_dispatch(self, error, num_out_tokens, handle, kernel_config: KernelConfig):
+        """The call its peers make, with no rows of its own and the refusal in its header: every
+        rank raises the same refusals.InputRefused at the header check (for a static size on a
+        GPU, at the next call that reads, as every header check there). The rows are as wide as
+        the last dispatch's (the peers' message blocks have that size); a handle of this buffer
+        sets the blocks, else num_out_tokens the kind of size."""
+        if self.config.world_size == 1:
+            return error  # no peer waits
+        mine = refused_here(self.rank, "dispatch", error)
+        static = num_out_tokens if isinstance(num_out_tokens, int) and num_out_tokens >= 0 else None
+        ours = isinstance(handle, DispatchHandle) and handle.owner == self.owner
+        tokens = handle.routing.topk_idx_TK.shape[0] if ours else 0
+        dtype, scales_format = self._last_format
+        x = torch.zeros(tokens, self.config.hidden_dim, dtype=dtype, device=self._device)
+        scales = (torch.zeros(tokens, scales_format[1], dtype=scales_format[0], device=self._device)
+                  if scales_format is not None else None)
+        routing = None if ours else Routing(torch.empty(0, 1, dtype=torch.int64, device=self._device))
+        return self._refused_call(mine, lambda: self.dispatch(x, scales, routing, handle if ours else None, static,
+                                                              kernel_config))
+
+    def refuse_combine(self, error, handle, apply_probs, kernel_config: KernelConfig):
+        """The combine its peers make, with zero rows and the refusal in its header (refuse_dispatch)."""
+        if self.config.world_size == 1:
+            return error  # no peer waits
+        mine = refused_here(self.rank, "combine", error)
+        if not (isinstance(handle, DispatchHandle) and handle.owner == self.owner):
+            return mine  # without this buffer's handle the exchange's blocks are unknown: peers wait (bounded)
+        dtype = self._last_combine_dtype or combine_dtype_for(self._last_format[0])  # as wide as the peers' rows
+        rows = torch.zeros(handle.num_rows, self.config.hidden_dim, dtype=dtype, device=self._device)
+        return self._refused_call(mine, lambda: self.combine(rows, handle, False, kernel_config))
+
+    def _refused_call(self, mine, call):
+        """Makes `call` with this rank's refusal in its headers; returns `mine`, the error to raise."""
+        self._refusing = code_of(mine.argument)
+        try:
+            call()
+        except InputRefused:
+            pass  # what every rank read: this rank's refusal, or a lower rank's
+        except (RuntimeError, ValueError) as telling_failed:
+            mine.add_note(f"telling the peers failed: {telling_failed}")
+        finally:
+            self._refusing = 0
+        return mine
+
     def dispatch(self, x_TH, scales_TB, routing: Routing | None, handle: DispatchHandle | None,
                  num_out_tokens, kernel_config: KernelConfig):
         cfg = self.config
+        self._exchange.start_call()
+        if not self._refusing:
+            self._last_format = (x_TH.dtype, None if scales_TB is None else (scales_TB.dtype, scales_TB.shape[1]))
         payload = [_as_bytes(x_TH)] + ([_as_bytes(scales_TB)] if scales_TB is not None else [])
         static = (num_out_tokens if handle is None else handle.num_out_tokens) is not None
         fields = {"x dtype": x_TH.dtype, "x row bytes": payload[0].shape[1],
@@ -245,6 +302,8 @@ class ReferenceBackend(Backend):
     # -- the way back: combine and the probs backward ----------------------------------------
 
     def combine(self, rows_RH, handle: DispatchHandle, apply_probs: bool, kernel_config: KernelConfig):
+        if not self._refusing:
+            self._last_combine_dtype = rows_RH.dtype
         return self._send_back(handle, rows_RH, None, apply_probs, kernel_config.wire_dtype_for(rows_RH.dtype))[0]
 
     def return_row_values(self, values_R, handle: DispatchHandle):
@@ -266,6 +325,7 @@ class ReferenceBackend(Backend):
         packed densely in as many more rows as they take (the values alone: rows of L fp32).
         So the partials are dense rows on both sides: the sums are row adds, no strided copy."""
         dest, source, L = handle.dest, handle.source, self.config.experts_per_rank
+        self._exchange.start_call()
         if handle.num_out_tokens is not None:
             self._exchange.run_deferred_checks()
         width = 0 if rows_RH is None else rows_RH.shape[1] * wire.itemsize

@@ -9,8 +9,10 @@ completed, so the group stays usable. The header rides in the exchange the call 
 (the routing's count exchange, or the rows of a call with a handle): no extra message.
 
 Header words (int64): the call, ranks_per_node, the handle's serial number and count
-checksum (0, 0 for a new routing), then FORMAT row-format slots (zero where a call has fewer
-fields).
+checksum (0, 0 for a new routing), the refusal (0, or the code of the argument the rank refused:
+hybrid_ep/refusals.py; it then makes the call with no rows of its own), then FORMAT row-format
+slots (zero where a call has fewer fields). A refusal is checked first: every rank raises the
+lowest refusing rank's InputRefused, whatever else differs.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import zlib
 
 import torch
 
+from ..refusals import refused_by_peer
+
 # The collective calls, as the header numbers them and the errors name them.
 NEW_ROUTING, WITH_HANDLE, COMBINE, PROBS_BACKWARD = range(4)
 CALLS = ("dispatch with a routing", "dispatch with a handle", "combine", "probs backward")
 PHASES = ("dispatch", "dispatch", "combine", "probs backward")
-_HEAD = 4  # call, ranks_per_node, handle serial, handle count checksum
+_HEAD = 5  # call, ranks_per_node, handle serial, handle count checksum, refusal
+_REFUSAL = 4
 _FORMAT = 5  # row-format slots: the most fields of any call (dispatch's)
 HEADER_WORDS = _HEAD + _FORMAT
 
@@ -41,10 +46,12 @@ def _dtype_names() -> dict[int, str]:
     return {_dtype_code(d): str(d) for d in _DTYPES}
 
 
-def header(call: int, ranks_per_node: int, fields: dict, serial: int = 0, checksum: int = 0) -> list[int]:
-    """The HEADER_WORDS integers a rank sends every peer before the call's rows."""
+def header(call: int, ranks_per_node: int, fields: dict, serial: int = 0, checksum: int = 0,
+           refused: int = 0) -> list[int]:
+    """The HEADER_WORDS integers a rank sends every peer before the call's rows (refused: the
+    code of the argument this rank refused, refusals.code_of)."""
     values = [_dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in fields.values()]
-    return [call, ranks_per_node, serial, checksum] + values + [0] * (_FORMAT - len(values))
+    return [call, ranks_per_node, serial, checksum, refused] + values + [0] * (_FORMAT - len(values))
 
 
 def checksum(count_WW: torch.Tensor) -> int:
@@ -58,8 +65,13 @@ def check(call: int, fields: dict, table: list[list[int]]) -> None:
     """Raise the same ValueError on every rank when the ranks' headers (table: one row per rank)
     differ: the call first (in another call the other slots mean something else), then
     ranks_per_node, the handle and the row format fields."""
-    if all(row == table[0] for row in table):  # the usual case: nothing differs, nothing to name
+    if all(row == table[0] for row in table) and not table[0][_REFUSAL]:  # the usual case: nothing to name
         return
+    refusing = next((r for r, row in enumerate(table) if row[_REFUSAL]), None)
+    if refusing is not None:
+        own_call = table[refusing][0]
+        raise refused_by_peer(refusing, PHASES[own_call] if 0 <= own_call < len(PHASES) else "call",
+                              table[refusing][_REFUSAL])
 
     def differ(what: str, shown: list, rule: str, prefix: str = f"hybrid_ep {PHASES[call]}") -> None:
         if len(set(shown)) > 1:

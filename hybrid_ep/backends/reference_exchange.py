@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import timeout_seconds
+from ..config import time_left, timeout_seconds
 
 
 @dataclasses.dataclass
@@ -52,6 +52,18 @@ class ReferenceExchange:
         self._side_stream: torch.cuda.Stream | None = None  # NCCL: the stream of the counts' device-to-host copy
         self._in_flight: collections.deque = collections.deque()  # NCCL: (event, phase, start) per exchange
         self._deferred: list = []  # NCCL: (HostCopy, check) of headers not checked yet
+        self.timeout_s = timeout_seconds()  # HYBRID_EP_TIMEOUT_S, read once per buffer
+        self._deadline: float | None = None  # the current call's (start_call): every wait draws on it
+
+    def start_call(self) -> None:
+        """A call begins: its waits, however many, end by one deadline HYBRID_EP_TIMEOUT_S from now."""
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def _limit(self) -> float:
+        """Seconds the next wait may take: what is left of the call's deadline (config.time_left)."""
+        if self._deadline is None:
+            return self.timeout_s
+        return time_left(self._deadline, self.timeout_s)
 
     # -- bounds ----------------------------------------------------------------------------
 
@@ -66,8 +78,8 @@ class ReferenceExchange:
             set_timeout(datetime.timedelta(seconds=timeout_seconds()), group)
 
     def _wait(self, work, phase: str) -> None:
-        """gloo: wait for the collective, at most HYBRID_EP_TIMEOUT_S."""
-        limit = timeout_seconds()
+        """gloo: wait for the collective, within the call's deadline (HYBRID_EP_TIMEOUT_S from its start)."""
+        limit = self._limit()
         start = time.monotonic()
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
@@ -77,8 +89,8 @@ class ReferenceExchange:
                 cause = (f"failed after {elapsed:.1f} s in {phase}: the connection to a peer rank broke "
                          f"(did a peer process exit or crash? check its log)")
             else:
-                cause = (f"waited more than {limit:g} s (HYBRID_EP_TIMEOUT_S) in {phase}: a peer rank did "
-                         f"not make the same call")
+                cause = (f"gave up in {phase} after {elapsed:.1f} s, its call's deadline (HYBRID_EP_TIMEOUT_S="
+                         f"{self.timeout_s:g} s for all of a call's waits): a peer rank did not make the same call")
             raise RuntimeError(self._unusable(cause, err)) from err
 
     def _unusable(self, cause: str, err=None) -> str:
@@ -171,14 +183,15 @@ class ReferenceExchange:
         one host wait of a routing; the message names the oldest collective not finished)."""
         if copy.event is None:
             return copy.host
-        limit = timeout_seconds()
+        limit = self._limit()
         start = time.monotonic()
         while not copy.event.query():
             if time.monotonic() - start > limit:
                 late = [p for e, p, _ in self._in_flight if not e.query()]
                 raise RuntimeError(self._unusable(
-                    f"waited more than {limit:g} s (HYBRID_EP_TIMEOUT_S) in {late[0] if late else phase}: a peer "
-                    f"rank did not make the same call; the NCCL watchdog ends the process at the group's timeout"))
+                    f"gave up in {late[0] if late else phase} at its call's deadline (HYBRID_EP_TIMEOUT_S="
+                    f"{self.timeout_s:g} s for all of a call's waits): a peer rank did not make the same call; the "
+                    f"NCCL watchdog ends the process at the group's timeout"))
             time.sleep(0)
         self.run_deferred_checks()
         return copy.host

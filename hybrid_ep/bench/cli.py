@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evidence", default=None, metavar="FILE",
                    help="with --calibrate: the evidence file (default $HYBRID_EP_AUTO_EVIDENCE, else "
                         "~/.cache/hybrid-ep/auto-evidence.json)")
+    p.add_argument("--reuse", action="store_true",
+                   help="with --calibrate: measure nothing where the evidence file holds an entry of this device, "
+                        "versions, topology and shape (a failure too); print it and keep it")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="with --calibrate: the bound of the whole calibration in seconds; past it the calibration "
+                        "stops and records a failure (default: none)")
     return p
 
 
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrate.check_flags(args)
         if args.calibrate:
             evidence = calibrate.evidence_file(args)
-            return calibrate.run(resolve(args)[0], evidence, _note)
+            return calibrate.run(resolve(args)[0], evidence, _note, reuse=args.reuse, time_limit_s=args.time_limit)
         if args.emulate is not None:
             return _emulate(args)
         spec, results_dir = resolve(args)

@@ -1,7 +1,10 @@
 """How the ranks are started: W local processes, or this process as one rank of torchrun.
 
-Both give `run(fn, *args)`: call the module-level fn(*args) on every rank and return the
-list of per-rank results (to the spawning process, or to every torchrun rank).
+Both give `run(fn, *args, timeout_s=None)`: call the module-level fn(*args) on every rank and
+return the list of per-rank results (to the spawning process, or to every torchrun rank); the
+spawned ranks' wait is bounded by timeout_s (default _RUN_TIMEOUT_S), a torchrun rank's by its
+collectives (a calibration adds its own watch). `gather(value)`: every torchrun rank's value, or
+the spawning process's own.
 """
 
 from __future__ import annotations
@@ -36,8 +39,12 @@ class SpawnLauncher:
         self._pool = ProcessGroupPool(spec.world_size, backend=spec.transport,
                                       env={"HYBRID_EP_THREADS_PER_RANK": threads})
 
-    def run(self, fn, *args) -> list:
-        return self._pool.run(fn, [args] * self.world_size, timeout_s=_RUN_TIMEOUT_S)
+    def run(self, fn, *args, timeout_s: float | None = None) -> list:
+        wait = _RUN_TIMEOUT_S if timeout_s is None else timeout_s
+        return self._pool.run(fn, [args] * self.world_size, timeout_s=wait)
+
+    def gather(self, value) -> list:
+        return [value]
 
     def close(self) -> None:
         self._pool.close()
@@ -57,10 +64,12 @@ class TorchrunLauncher:
         self.world_size = dist.get_world_size()
         self.is_reporter = dist.get_rank() == 0
 
-    def run(self, fn, *args) -> list:
-        mine = fn(*args)
+    def run(self, fn, *args, timeout_s: float | None = None) -> list:
+        return self.gather(fn(*args))
+
+    def gather(self, value) -> list:
         out = [None] * self.world_size
-        dist.all_gather_object(out, mine)
+        dist.all_gather_object(out, value)
         return out
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..backends import cuda_unavailable_reason
+from .. import backends
 from ..buffer import HybridEPBuffer
 from ..fp8 import dequantize_fp8
 from ..metadata import describe_device, gpu_driver
@@ -37,7 +37,7 @@ def probe(spec: BenchSpec) -> dict:
     else:
         info |= {"device": describe_device("cpu"), "driver": None}
     # ranks sharing a GPU form a gloo group on purpose (NCCL takes one rank per GPU)
-    unavailable = {"cuda": cuda_unavailable_reason(group, explicit=spec.shared_gpu),
+    unavailable = {"cuda": backends.cuda_unavailable_reason(group, explicit=spec.shared_gpu),
                    deepep.NAME: deepep.unavailable_reason(spec.device)}
     info["backends"] = [name for name in BENCH_BACKENDS if unavailable.get(name) is None]
     info["unavailable"] = unavailable

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -252,9 +253,9 @@ class GlooKernels:
             dist.barrier(group=self.group)  # no source reads an expert_out its rank moved on from
 
 
-def faked_backend(config, group, rank: int, owner: int):
+def faked_backend(config, group, rank: int, owner: int, kernels=GlooKernels):
     """CudaBackend for this process's rank on the CPU: the real peer memory and agreement
-    (process_agreement over `group`) and engine, the kernels faked by GlooKernels."""
+    (process_agreement over `group`) and engine, the kernels faked by `kernels` (GlooKernels)."""
     from ..backends.cuda import load_extension
     from ..backends.cuda.engine import Engine
     from ..backends.cuda.peer_setup import process_agreement
@@ -266,15 +267,15 @@ def faked_backend(config, group, rank: int, owner: int):
     self._peer = process_agreement(ext, config, group, rank, _CPU)
     tables = [torch.zeros(config.world_size, dtype=torch.int64)]  # no registered buffers: no kernel reads them
     self._engine = Engine(ext, config, [rank], tables, _CPU, None, peer=self._peer)
-    self._engine.host = GlooKernels(self._engine, group)
+    self._engine.host = kernels(self._engine, group)
     return self
 
 
 @contextlib.contextmanager
-def installed():
-    """While open, backend="cuda" builds faked_backend in this process (a buffer made inside
-    keeps its faked kernels after), and the CPU model launches nothing (no launch tensors are
-    declared for kernels that never run)."""
+def installed(kernels=GlooKernels):
+    """While open, backend="cuda" builds faked_backend with `kernels` in this process (a buffer
+    made inside keeps its faked kernels after), and the CPU model launches nothing (no launch
+    tensors are declared for kernels that never run)."""
     import hybrid_ep.backends as backends
     from hybrid_ep.backends.cuda import backend as cuda_backend
     from hybrid_ep.backends.cuda import load_extension
@@ -282,7 +283,7 @@ def installed():
     ext = load_extension("cpu")
     saved = backends.cuda_unavailable_reason, cuda_backend.CudaBackend, ext.launches_enabled()
     backends.cuda_unavailable_reason = lambda group, explicit=False: None
-    cuda_backend.CudaBackend = faked_backend
+    cuda_backend.CudaBackend = functools.partial(faked_backend, kernels=kernels)
     ext.set_launches_enabled(False)
     try:
         yield

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from .. import topology
 from ..backends.cuda import peer_memory
 from ..backends.cuda.arena import arena_take, memory_tensor
-from ..backends.cuda.fabric_channel import FabricBoard, group_store
-from ..config import BufferConfig
+from ..backends.cuda.fabric_channel import group_store
+from ..config import BufferConfig, timeout_seconds
 
 H = 1024  # fp32 rows of 4 KiB: a few hundred rows take more than one CHUNK
 
@@ -78,8 +78,8 @@ def on_host(name: str | None):
 
 def _records_left(token: str, rank: int, offsets: list[int]) -> int:
     """This rank's chunk records still in the group's store."""
-    board = FabricBoard(group_store(), token, rank)
-    return sum(board.store.check([f"{rank}/{o}"]) for o in offsets)
+    store = dist.PrefixStore(f"hybrid_ep/{token}/", group_store())  # as FabricBoard keys them
+    return sum(store.check([f"{rank}/{o}"]) for o in offsets)
 
 
 def run_protocol_on_rank(world_size: int, ranks_per_node: int, calls: list[list[int]], fail_import: tuple | None,
@@ -123,11 +123,11 @@ def _run_protocol(world_size, ranks_per_node, calls, fail_import, trim_at, relea
                 del live[1:]  # the first call's block stays: its chunk is not free
             agreement.trim_requested = True
         if fail_import is not None and fail_import == (n, rank):
-            peer_memory.fetch_chunk = lambda *a, **k: None
+            peer_memory.fetch_chunk = lambda *a, **k: "its import fails in this call (test)"
         if refuse is not None and refuse[:2] == (n, rank):
             ext.refused.add(refuse[2])
         started = time.monotonic()
-        words = agreement.words(0)[0]
+        words = agreement.words(0, time.monotonic() + timeout_seconds())[0]
         out["words_s"].append(time.monotonic() - started)  # how long mapping the peers' growth took
         peer_memory.fetch_chunk = real_fetch
         gathered = [None] * world_size
@@ -178,17 +178,17 @@ def _late(own, ext, seconds: float, fail: bool, threads: list):
     """own.grow_to, made `seconds` later by a thread (appended to `threads`); fail: it fails."""
     real = type(own).grow_to
 
-    def grow(extent):
+    def grow(extent, read):
         time.sleep(seconds)
         if fail:
             ext.peer_create = _refused_create
         try:
-            real(own, extent)
+            real(own, extent, read)
         finally:
             ext.__dict__.pop("peer_create", None)
 
-    def start(extent):
-        threads.append(threading.Thread(target=grow, args=(extent,)))
+    def start(extent, read=0):
+        threads.append(threading.Thread(target=grow, args=(extent, read)))
         threads[-1].start()
         return None
 
@@ -234,7 +234,7 @@ def _dead_peer(world_size: int, crash: bool) -> dict:
     dist.barrier()
     agreement.state[gone].target = peer_memory.CHUNK  # every rank agreed it grows
     start = time.monotonic()
-    words = agreement.words(0)[0]
+    words = agreement.words(0, time.monotonic() + timeout_seconds())[0]
     seconds = time.monotonic() - start
     failed = agreement.views[0].failed_imports
     close_peer_memory(agreement)

@@ -2,7 +2,8 @@
 
     hybrid-ep-launch RECIPE [--set key=value ...] [--nodes N] [--dry-run | --submit | --local]
 
-RECIPE is a folder under recipes/ (or its recipe.yaml). The recipe is loaded, overridden,
+RECIPE is the name of a recipe shipped with the package (deepseek_v3, ...: the checkout's
+recipes/), or a folder holding a recipe.yaml (or the file). The recipe is loaded, overridden,
 validated (every failure names the field and the rule; exit status 2) and, for pretraining,
 its memory per GPU is estimated (a warning when it exceeds the GPU's memory). Then:
 
@@ -36,7 +37,7 @@ import tempfile
 from hybrid_ep.cli_parser import ArgumentParser
 from hybrid_ep.paths import output_problem
 
-from . import domain, memory, render, shape, site_fields, validate
+from . import calibration, domain, memory, render, shape, site_fields, validate
 from . import recipe as recipe_mod
 from .local import TRAINERS, choose, run_local
 
@@ -46,7 +47,7 @@ PROG = "hybrid-ep-launch"
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1], allow_abbrev=False,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipes/<name> or a recipe.yaml")
+    p.add_argument("recipe", help="a shipped recipe's name (deepseek_v3, ...), a recipe folder or a recipe.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field by its dotted name (repeatable), e.g. --set parallelism.ep=32")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes; rescales data parallelism")
@@ -109,6 +110,9 @@ def report(recipe, on_cpu: bool = False) -> None:
     if domains:
         print(f"{PROG}: {recipe.name}: {domains}", file=sys.stderr)
     print(est.table(on_cpu), file=sys.stderr)
+    measured = calibration.describe(recipe)
+    if measured:
+        print(f"{PROG}: {recipe.name}: {measured}", file=sys.stderr)
     if est.over and not on_cpu:
         print(f"{PROG}: warning: estimated {est.total_gb:.1f} GiB per GPU exceeds the {est.gpu_gb:g} GiB of "
               f"cluster.gpu_type {recipe['cluster.gpu_type']} (stage {est.stage}); more PP/EP, recomputation "

@@ -183,13 +183,20 @@ def group_hosts(recipe) -> tuple[int, int]:
     return group // tasks, tasks
 
 
-def calibration_problems(recipe) -> list[tuple[str, str]]:
-    """dispatcher.calibrate starts one group on hosts of its own: it must fill whole hosts or divide one."""
+def calibration_misfit(recipe) -> str | None:
+    """Why one dispatcher group cannot run on hosts of its own (the calibration step), or None:
+    it must fill whole hosts or divide one."""
     group, g = pretrain_group(recipe), recipe["cluster.gpus_per_node"]
-    if recipe["dispatcher.calibrate"] and group % g and g % group:
-        return [("dispatcher.calibrate", f"times one EP x ETP group of {group} ranks on hosts of its own, which must "
-                                         f"fill whole hosts of cluster.gpus_per_node {g} or divide one")]
-    return []
+    if group % g and g % group:
+        return (f"one EP x ETP group of {group} ranks cannot run on hosts of its own: it must fill whole hosts of "
+                f"cluster.gpus_per_node {g} or divide one")
+    return None
+
+
+def calibration_problems(recipe) -> list[tuple[str, str]]:
+    """dispatcher.calibrate true where one group cannot run on hosts of its own (null skips it there)."""
+    misfit = calibration_misfit(recipe)
+    return [("dispatcher.calibrate", misfit)] if recipe["dispatcher.calibrate"] and misfit else []
 
 
 def _split(group: int, job: JobDomain) -> str:

@@ -134,16 +134,22 @@ def data_args(d: dict, m: dict) -> list[str]:
     return a
 
 
-def checkpoint_dir(recipe) -> str:
-    """Where checkpoints go by default: checkpoints/ beside the job folders, so the next job
-    of the recipe resumes from the last one. The parent of output.dir when its last part
-    names the job (has a variable: results/x/${SLURM_JOB_ID} -> results/x/checkpoints), else
-    inside output.dir. May hold shell variables, as output.dir may (the script expands them)."""
+def beside_job_folders(recipe, name: str) -> str:
+    """`name` beside the job folders, where what the recipe's jobs share is kept (checkpoints,
+    the calibration's evidence): in the parent of output.dir when its last part names the job
+    (has a variable: results/x/${SLURM_JOB_ID} -> results/x/name), else inside output.dir. May
+    hold shell variables, as output.dir may (the script expands them)."""
     out = recipe["output.dir"].rstrip("/") or "."
     parent, _, last = out.rpartition("/")
     if "$" in last:
-        return f"{parent or '.'}/checkpoints"
-    return f"{out}/checkpoints"
+        return f"{parent or '.'}/{name}"
+    return f"{out}/{name}"
+
+
+def checkpoint_dir(recipe) -> str:
+    """Where checkpoints go by default: checkpoints/ beside the job folders, so the next job
+    of the recipe resumes from the last one."""
+    return beside_job_folders(recipe, "checkpoints")
 
 
 CHECKPOINT_PATH_FLAGS = ("--save", "--load")

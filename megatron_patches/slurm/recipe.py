@@ -1,6 +1,8 @@
 """Load a recipe (YAML) and apply `--set key=value` overrides, with type checks.
 
-A recipe is `recipes/<name>/recipe.yaml` (a folder or the file itself may be given). Its
+A recipe is a folder holding a recipe.yaml (the folder or the file may be given), or the
+name of one the package ships: RECIPES_DIR, the package's recipes/ (a link to the checkout's
+recipes/ in a clone, the same files copied there in a wheel: pyproject.toml's package data). Its
 fields are declared in `schema`: unknown fields, missing required fields and values of the
 wrong type fail here, each error naming the dotted field. `--set` values are read as YAML
 scalars or lists (`--set parallelism.ep=16`, `--set train.extra_args=[--foo,1]`,
@@ -83,8 +85,9 @@ class Recipe:
             return default
 
 
-# The checkout's recipes/ (a bare recipe name is looked up there).
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+# The recipes the package ships (a bare recipe name is looked up there): the checkout's recipes/
+# through a link in a clone, package data in a wheel.
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
 def recipe_names(folder: str) -> list[str]:
@@ -96,8 +99,16 @@ def recipe_names(folder: str) -> list[str]:
     return sorted(e for e in entries if os.path.isfile(os.path.join(folder, e, RECIPE_FILE)))
 
 
+def shipped_name(path: str) -> str | None:
+    """The name of the shipped recipe whose recipe.yaml `path` is (through any link), else None."""
+    folder = os.path.dirname(os.path.realpath(path))
+    if os.path.dirname(folder) == os.path.realpath(RECIPES_DIR):
+        return os.path.basename(folder)
+    return None
+
+
 def recipe_path(path: str) -> str:
-    """The recipe.yaml of a folder, a file, or a bare name of the checkout's recipes/."""
+    """The recipe.yaml of a folder, a file, or the name of a shipped recipe."""
     path = os.path.expanduser(path)
     if not os.path.exists(path) and "/" not in path.rstrip("/") and path in recipe_names(RECIPES_DIR):
         path = os.path.join(RECIPES_DIR, path)
@@ -117,7 +128,7 @@ def _missing(path: str) -> str:
     if not names:
         folder, names = "", recipe_names(RECIPES_DIR)
     if not names:
-        return f"{path} does not exist (give recipes/<name> or a recipe.yaml)"
+        return f"{path} does not exist (give a recipe's name, its folder or its recipe.yaml)"
     close = difflib.get_close_matches(os.path.basename(given), names, n=1)
     hint = f"; did you mean {os.path.join(folder, close[0])}?" if close else ""
     where = f"in {folder}" if folder else "by name"

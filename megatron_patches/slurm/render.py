@@ -25,7 +25,9 @@ import os
 import re
 import shlex
 
+from . import calibration as calibration_mod
 from . import domain, site_fields
+from . import recipe as recipe_mod
 from .megatron_args import CHECKPOINT_PATH_FLAGS, megatron_args
 
 _RANK_ENV = (
@@ -102,11 +104,18 @@ def _data_comments(recipe) -> list[str]:
     return [f"# Data: {d['path']} (data.path), tokenizer {d['tokenizer_type']}."]
 
 
+def _source(recipe) -> str:
+    """The recipe as the header names it: a shipped one by name (the same text from a clone and
+    from an installed wheel), any other by its path."""
+    name = recipe_mod.shipped_name(recipe.path)
+    return f"the recipe {name} shipped with hybrid-ep" if name else recipe.path
+
+
 def _header(recipe, nodes: int, job_name: str) -> list[str]:
     c = recipe["cluster"]
     lines = [
         "#!/bin/bash",
-        f"# Rendered by hybrid-ep-launch from {recipe.path}",
+        f"# Rendered by hybrid-ep-launch from {_source(recipe)}",
         f"# overrides: {' '.join(recipe.overrides) if recipe.overrides else 'none'}",
         "# Edit the recipe (or pass --set key=value), not this file.",
         *_where_comments(recipe),
@@ -180,12 +189,12 @@ def _environment(recipe) -> list[str]:
     return lines + _fabric_check(recipe)
 
 
-def _srun_prefix(recipe, nodes: int, tasks_per_node: int | None = None) -> str:
+def _srun_prefix(recipe, nodes: int, tasks_per_node: int | None = None, minutes: int | None = None) -> str:
     # --relative=0: a step on fewer nodes than the allocation starts at its first node, the
-    # MASTER_ADDR of the script.
+    # MASTER_ADDR of the script. minutes: the step's own time limit (srun --time).
     tasks = tasks_per_node or recipe["cluster.gpus_per_node"]
     parts = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={tasks}",
-             "--relative=0", "--kill-on-bad-exit=1"]
+             "--relative=0", "--kill-on-bad-exit=1", *([f"--time={minutes}"] if minutes else [])]
     image, mounts = recipe["container.image"], recipe["container.mounts"]
     if not image:
         return " ".join(parts)
@@ -253,30 +262,34 @@ def _job_report_dir(args: list[str]) -> tuple[list[str], str | None]:
     return args[:i] + args[i + 2:], args[i + 1]
 
 
-EVIDENCE_FILE = "$OUT_DIR/auto-evidence.json"
-
-
 def calibration(recipe) -> list[str]:
-    """With dispatcher.calibrate: a first step that times reference against cuda on one EP
-    group's ranks at the buffer's shape (hybrid-ep-bench --calibrate) into the job's evidence
-    file, which the training step's auto then follows (HYBRID_EP_AUTO_EVIDENCE)."""
-    if not recipe["dispatcher.calibrate"]:
+    """With the hybrid_ep dispatcher and backend auto: the recipe's evidence file, which the
+    training step's auto reads (HYBRID_EP_AUTO_EVIDENCE), then the calibration step where the
+    recipe runs one (calibration.py): one EP group's ranks on hosts of their own, bounded by the
+    calibration itself and by Slurm (srun --time), and never the end of the job: `|| echo` takes
+    its exit status, so `set -e` goes on to training."""
+    if recipe["dispatcher.type"] != "hybrid_ep" or recipe["dispatcher.backend"] != "auto":
         return []
-    from .dispatcher_memory import buffer_config
-
-    config = buffer_config(recipe)
+    export = f'export HYBRID_EP_AUTO_EVIDENCE="{calibration_mod.evidence_file(recipe)}"'
+    why = calibration_mod.skipped(recipe)
+    if why is not None:
+        return [f"# No calibration ({why}): auto follows the recipe's evidence where an earlier job left an entry.",
+                export, ""]
     hosts, tasks = domain.group_hosts(recipe)
-    bench = ["--hidden", config.hidden_dim, "--tokens", config.max_tokens_per_rank,
-             "--experts", config.num_experts, "--topk", recipe["model.moe_router_topk"],
-             "--dtype", "fp8" if recipe["precision"].startswith("fp8") else "bf16",
-             "--ranks-per-node", config.ranks_per_node, "--device", "cuda"]
+    limit = recipe["dispatcher.calibrate_time_limit_s"]
+    srun = _srun_prefix(recipe, hosts, tasks, minutes=calibration_mod.step_minutes(recipe))
     return [
-        "# auto's evidence (dispatcher.calibrate): reference against cuda on one EP group's ranks at the",
-        "# dispatcher's shape; the training step's backend auto follows it (docs/architecture.md#what-runs-where)",
-        f'export HYBRID_EP_AUTO_EVIDENCE="{EVIDENCE_FILE}"',
-        f"{_srun_prefix(recipe, hosts, tasks)} bash -c \\",
-        f"  {_task('hybrid_ep.bench --calibrate', domain.needs_fabric(recipe))} \\",
-        f"  {_q(python_of(recipe))} {' '.join(_q(v) for v in bench)}",
+        "# auto's evidence (dispatcher.calibrate; docs/slurm.md#calibration): one EP group's ranks time reference",
+        f"# against cuda at the dispatcher's shape, within {limit} s (Slurm ends the step "
+        f"{calibration_mod.STEP_MARGIN_MIN} min later at the most).",
+        "# An entry of this device, versions, topology and shape already in the file is reused. A failure never",
+        "# ends the job: it is recorded in the file, and the training step's auto takes reference there.",
+        export,
+        f"{srun} bash -c \\",
+        f"  {_task('hybrid_ep.bench', domain.needs_fabric(recipe))} \\",
+        f"  {_q(python_of(recipe))} {' '.join(_q(v) for v in calibration_mod.bench_args(recipe))} \\",
+        '  || echo "hybrid-ep: the calibration step ended with status $?; training starts, auto following '
+        '$HYBRID_EP_AUTO_EVIDENCE where it holds an entry (a failure keeps reference), else its rule"',
         "",
     ]
 

@@ -101,7 +101,9 @@ _PRETRAIN = {
         "static_size_factor": ("float?", None),
         "max_tokens_per_rank": ("int?", None),
         "backend": ("str", "auto"),
-        "calibrate": ("bool", False),  # time reference against cuda first; auto follows it (render.calibration)
+        # null: time reference against cuda first wherever it applies; auto follows it (calibration.py)
+        "calibrate": ("bool?", None),
+        "calibrate_time_limit_s": ("int", 300),  # the calibration's bound, printed with its result
         "dispatch_fp8": ("bool", False),  # fp8 rows on the forward dispatch (precision fp8 only; not measured yet)
     },
     "balancer": {

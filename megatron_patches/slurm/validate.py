@@ -280,7 +280,7 @@ def _dispatcher(recipe, problems):
         problems.append(("dispatcher.backend", f"must be one of {', '.join(BACKEND_NAMES)}, "
                                                f"got {recipe['dispatcher.backend']!r}"))
     _positive(recipe, ["dispatcher.pad_multiple", "dispatcher.num_sms_dispatch", "dispatcher.num_sms_combine",
-                       "dispatcher.max_tokens_per_rank"], problems)
+                       "dispatcher.max_tokens_per_rank", "dispatcher.calibrate_time_limit_s"], problems)
     dtype = _ROW_DTYPE.get(recipe["precision"])
     if kind == "hybrid_ep" and dtype is not None and recipe["model.hidden_size"] >= 1:
         rule = row_bytes_rule(recipe["model.hidden_size"], dtype)
@@ -294,8 +294,9 @@ def _dispatcher(recipe, problems):
         problems.append(("dispatcher.dispatch_fp8", "needs the hybrid_ep dispatcher and precision fp8 (the rows are "
                                                     "quantized by the run's fp8 recipe, blockwise)"))
     if recipe["dispatcher.calibrate"] and (kind != "hybrid_ep" or recipe["dispatcher.backend"] != "auto"):
-        problems.append(("dispatcher.calibrate", "only applies to the hybrid_ep dispatcher with backend auto "
-                                                 "(the measurement is what auto follows)"))
+        problems.append(("dispatcher.calibrate", "true only applies to the hybrid_ep dispatcher with backend auto "
+                                                 "(the measurement is what auto follows); null calibrates where it "
+                                                 "applies, false never"))
 
 
 def _dispatcher_group(recipe, problems):

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.handle import DispatchHandle
-from hybrid_ep.routing import normalize_routing
+from hybrid_ep.routing import Routing, normalize_routing
 
 pytestmark = pytest.mark.model
 
@@ -497,15 +497,15 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
         ext.set_launches_enabled(True)
 
 
-# The engine's messages for bad arguments, word for word as before the host path moved.
+# The engine's messages for bad arguments, word for word (the top-k limit's: hybrid_ep.limits').
 def test_bad_argument_messages_are_unchanged(group):
     e = group.engine
     xs, idx, ws = _inputs()
     routings = [normalize_routing(T, E, x.device, topk_idx=i, topk_weights=w) for x, i, w in zip(xs, idx, ws)]
-    wide = normalize_routing(T, 32, xs[0].device, topk_idx=torch.arange(17).repeat(T, 1), check_values=False)
+    wide = Routing(torch.arange(17).repeat(T, 1))  # past the limit normalize_routing keeps (hybrid_ep.limits)
     with pytest.raises(ValueError) as err:
         e.dispatch_ranks(xs, [None] * W, [wide, routings[1]], STATIC, 1)
-    assert str(err.value) == "topk_idx has 17 routes per token on rank 0; the cuda backend supports up to 16"
+    assert str(err.value) == "topk_idx has 17 routes per token; a token may have at most 16"  # hybrid_ep.limits' words
     with pytest.raises(TypeError) as err:
         e.dispatch_ranks([xs[0], xs[1].to(torch.bfloat16)], [None] * W, routings, STATIC, 1)
     assert str(err.value) == "x on rank 1 is torch.bfloat16 but rank 0's is torch.float32; one call moves one dtype"

@@ -122,7 +122,7 @@ def test_a_failed_import_costs_one_call_and_the_oracle_still_matches(monkeypatch
                                        dim=1)[:, :2].contiguous() for t in c.tokens]
         paths = [group.dispatch(xs(small), idx(small))[0].handle.data_path for _ in range(2)]
         paths.append(group.dispatch(xs(big), idx(big))[0].handle.data_path)  # grows
-        monkeypatch.setattr("hybrid_ep.backends.cuda.peer_memory.fetch_chunk", lambda *a, **k: None)
+        monkeypatch.setattr("hybrid_ep.backends.cuda.peer_memory.fetch_chunk", lambda *a, **k: "refused (test)")
         paths.append(group.dispatch(xs(big), idx(big))[0].handle.data_path)  # no rank can import: receive
         assert all(v.failed_imports > 0 for v in group.peer.views)
         monkeypatch.setattr("hybrid_ep.backends.cuda.peer_memory.fetch_chunk", chunk_channel.fetch_chunk)

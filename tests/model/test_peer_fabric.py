@@ -124,18 +124,21 @@ def test_store_records_are_read_without_waiting():
 
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    owner, reader = FabricBoard(store, "t", 0), FabricBoard(store, "t", 1)
+    from hybrid_ep.backends.cuda.chunk_channel import JobKey
+
+    store, key = dist.HashStore(), JobKey.new()
+    owner, reader = FabricBoard(store, "t", 0, key), FabricBoard(store, "t", 1, key)
     start = time.monotonic()
-    assert reader.fetch(0, 0) is None  # not published: at once, not after the store's timeout
+    assert "not published" in reader.fetch(0, 0)  # at once, not after the store's timeout
     owner.publish(0, 4096, b"h" * 64)
-    assert reader.fetch(0, 0) == (4096, b"h" * 64) and reader.fetch(0, 4096) is None
+    assert reader.fetch(0, 0) == (4096, b"h" * 64, 1) and "not published" in reader.fetch(0, 4096)
+    reader.taken(0, 1)
     owner.withdraw(0)
-    assert reader.fetch(0, 0) is None
-    owner.publish(0, 8192, b"g" * 64)  # the offset grown again after a retire
-    assert reader.fetch(0, 0) == (8192, b"g" * 64)
+    assert "not published" in reader.fetch(0, 0)
+    owner.publish(0, 8192, b"g" * 64)  # the offset grown again after a retire: a later serial
+    assert reader.fetch(0, 0) == (8192, b"g" * 64, 2)
     owner.close()
-    assert reader.fetch(0, 0) is None and not store.check(["hybrid_ep/t/0/0"])
+    assert "not published" in reader.fetch(0, 0) and not store.check(["hybrid_ep/t//0/0"])
     assert time.monotonic() - start < 1.0
 
 

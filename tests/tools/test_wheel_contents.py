@@ -105,3 +105,29 @@ def test_wheel_modules_import_no_tool(wheel):
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
                 offenders += [f"{name}: {m}" for m in mods if m == "tools" or m.startswith("tools.")]
     assert not offenders, offenders
+
+
+def test_the_installed_wheel_renders_a_recipe_by_name_from_any_folder(wheel, tmp_path):
+    """`pip install` of the wheel, then `hybrid-ep-launch deepseek_v3` from a folder outside the
+    checkout: the recipe ships with the package (package data) and renders as in the clone."""
+    names, path, tree = wheel
+    shipped = sorted({n.split("/")[3] for n in names if n.startswith("megatron_patches/slurm/recipes/")
+                      and n.endswith("/recipe.yaml")})
+    assert shipped == sorted(d for d in os.listdir(os.path.join(tree, "recipes"))
+                             if os.path.isfile(os.path.join(tree, "recipes", d, "recipe.yaml")))
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
+                           str(target), path], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, **NO_CUDA))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def render(cwd, recipe, **env):
+        out = subprocess.run([sys.executable, "-m", "megatron_patches.slurm.cli", recipe], cwd=cwd,
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONWARNINGS="ignore", **env))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert render(elsewhere, "deepseek_v3", PYTHONPATH=str(target)) == render(REPO, "recipes/deepseek_v3")

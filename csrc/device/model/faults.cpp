@@ -10,8 +10,8 @@
 namespace hybrid_ep::model::detail {
 namespace {
 
-struct sigaction g_old_segv, g_old_bus;
-std::vector<unsigned char> g_alt_stack;
+struct sigaction g_old_segv, g_old_bus;               // set and restored by one launch at a time (the model's lock)
+thread_local std::vector<unsigned char> g_alt_stack;  // sigaltstack is per thread
 
 void on_fault(int sig, siginfo_t* info, void*) {
   Launch* L = g_launch;

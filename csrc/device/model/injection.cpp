@@ -9,15 +9,18 @@ namespace hybrid_ep::model {
 namespace detail {
 namespace {
 
+// Each thread's own (runtime.h, threads): a test's injection goes to its own thread's launches.
 struct Injection {
   uint64_t flag = 0;
   int64_t round = -1;
   std::string kernel;
-} g_injection;
+};
+thread_local Injection g_injection;
 struct Hold {
   int key = -1;
   std::string kernel;
-} g_hold;
+};
+thread_local Hold g_hold;
 
 }  // namespace
 

@@ -121,7 +121,7 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
     uint32_t threads[16];   // the count the generation's first arrival named
   };
   NamedBarriers& b = block_shared<NamedBarriers>();
-  const uint64_t launch = 0x6e616d6564626172ull ^ model::stats().launches;
+  const uint64_t launch = 0x6e616d6564626172ull ^ model::launch_serial();
   if (__atomic_load_n(&b.launch, __ATOMIC_RELAXED) != launch) {
     for (int i = 0; i < 16; ++i) {
       __atomic_store_n(&b.arrived[i], 0u, __ATOMIC_RELAXED);

@@ -157,11 +157,23 @@ void remote_quiet(Site site);
 void set_posted_puts(bool on);
 bool posted_puts();
 
+// ---- threads ----------------------------------------------------------------------------
+// The model's state is the process's: the controls below, the persistent allocations, the remote
+// ops queued across launches, the pools a launch takes its fibers and stacks from, the timing
+// tables and reports. One lock guards it: a launch holds it from its start to its end and every
+// call below that reads or sets that state takes it, so OS threads that each launch (two buffers
+// driven from two threads) run their launches one after the other, each whole. What a thread
+// asks for its own next launches is that thread's: declare_allocations, inject_abort, hold_at,
+// and a launch's message. A caller that holds a lock a launch may wait for (Python's GIL: a
+// peer's kernel may need this process's chunk server) lets it go before it calls in.
+
 // ---- launches ---------------------------------------------------------------------------
 // Runs body(ctx) in every thread of `blocks` x `threads`; nullptr on success, else the
-// message of the first check that failed (valid until the next launch).
+// message of the first check that failed (valid until this thread's next launch).
 const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem, const char* name);
 int max_active_blocks(int threads, size_t smem);
+// The launches before the running one (inside a launch: stats().launches when it began).
+uint64_t launch_serial();
 
 // ---- configuration (the Python module's controls) ----------------------------------------
 constexpr int kDeviceSms = 132;                    // an H100 SXM's, so launch plans match
@@ -188,12 +200,14 @@ bool weak(Weak w);
 void set_payload(bool moves);
 bool payload();
 // Global memory a bulk copy may touch: [ptr, ptr + bytes). Persistent allocations (the
-// registered buffers, the error record) stay until removed; the tensors of the next launches
-// are declared per call and replace the previous call's.
+// registered buffers, the error record, mapped peer memory) stay until removed; the tensors of
+// the calling thread's next launches are declared per call and replace its previous call's.
+// allocations(): the persistent ones now (a test counts what setup left behind).
 void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
 void add_allocation(uint64_t ptr, uint64_t bytes);
 void remove_allocation(uint64_t ptr);
-// Fault injection: in the next launch of the kernel named `kernel` (its launcher's name
+std::vector<std::pair<uint64_t, uint64_t>> allocations();
+// Fault injection: in the calling thread's next launch of the kernel named `kernel` (its launcher's name
 // without "launch_", e.g. "dispatch_receive"), write 1 to the int at `flag` when scheduling round
 // `round` begins, as a peer's failure would raise the abort flag in the middle of the
 // pipeline. Tests check that every block then leaves cleanly.

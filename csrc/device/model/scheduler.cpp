@@ -15,7 +15,7 @@ namespace {
 
 constexpr uint64_t kRoundNs = 100;
 constexpr uint64_t kIdleRoundNs = 10'000'000;
-std::string g_message;  // the last launch's error (runtime.h, launch: valid until the next launch)
+thread_local std::string g_message;  // this thread's last launch's error (runtime.h, launch)
 
 // ThreadSanitizer's fibers (happens_before.h) cost about half a millisecond each to make, so
 // they are kept across launches: one per thread slot, one per warp's copy engine.
@@ -195,6 +195,7 @@ const Dim3& grid_dim() { return launch_state().grid; }
 uint64_t timer_ns() { return launch_state().now; }
 
 const char* launch(void (*body)(const void*), const void* ctx, int blocks, int threads, size_t smem, const char* name) {
+  Locked locked;  // one launch at a time, whole (runtime.h, threads)
   const char* short_name = std::strncmp(name, "launch_", 7) == 0 ? name + 7 : name;
   if (blocks < 1 || threads < 1 || threads > 1024) {
     g_message = std::string("CPU model: ") + short_name + " kernel: invalid launch configuration (" +

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <map>
+#include <mutex>
 
 namespace hybrid_ep::model {
 namespace detail {
@@ -17,9 +18,14 @@ uint64_t g_launches_since_seed = 0;                          // with the seed, p
 Stats g_stats;
 
 namespace {
-std::map<uint64_t, uint64_t> g_persistent;              // ptr -> bytes
-std::vector<std::pair<uint64_t, uint64_t>> g_declared;  // per call
+std::map<uint64_t, uint64_t> g_persistent;                           // ptr -> bytes
+thread_local std::vector<std::pair<uint64_t, uint64_t>> g_declared;  // per call, the launching thread's
 }  // namespace
+
+std::mutex& model_lock() {
+  static std::mutex lock;
+  return lock;
+}
 
 std::string hex(uint64_t v) {
   char buf[24];
@@ -91,15 +97,30 @@ std::string site_text(Site s) {
   return std::string(slash ? slash + 1 : s.file) + ":" + std::to_string(s.line);
 }
 
+namespace {
+// A control read or set between launches, under the model's lock.
+template <typename T>
+T locked_read(const T& control) {
+  Locked locked;
+  return control;
+}
+template <typename T>
+void locked_write(T& control, T value) {
+  Locked locked;
+  control = value;
+}
+}  // namespace
+
 void set_seed(uint64_t seed) {
+  Locked locked;
   g_seed = seed;
   g_launches_since_seed = 0;
 }
-uint64_t seed() { return g_seed; }
-void set_payload(bool moves) { g_payload = moves; }
-bool payload() { return g_payload; }
-void set_posted_puts(bool on) { g_posted = on; }
-bool posted_puts() { return g_posted; }
+uint64_t seed() { return locked_read(g_seed); }
+void set_payload(bool moves) { locked_write(g_payload, moves); }
+bool payload() { return locked_read(g_payload); }
+void set_posted_puts(bool on) { locked_write(g_posted, on); }
+bool posted_puts() { return locked_read(g_posted); }
 
 const char* weak_name(Weak w) {
   switch (w) {
@@ -109,12 +130,16 @@ const char* weak_name(Weak w) {
   }
   return "?";
 }
-void set_weak(Weak w, bool on) { g_weak[static_cast<int>(w)] = on; }
-bool weak(Weak w) { return g_weak[static_cast<int>(w)]; }
+void set_weak(Weak w, bool on) { locked_write(g_weak[static_cast<int>(w)], on); }
+bool weak(Weak w) { return locked_read(g_weak[static_cast<int>(w)]); }
 
 void declare_allocations(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) { g_declared = ranges; }
-void add_allocation(uint64_t ptr, uint64_t bytes) { g_persistent[ptr] = bytes; }
+void add_allocation(uint64_t ptr, uint64_t bytes) {
+  Locked locked;
+  g_persistent[ptr] = bytes;
+}
 void remove_allocation(uint64_t ptr) {
+  Locked locked;
   auto it = g_persistent.find(ptr);
   if (it == g_persistent.end()) return;
   const auto* base = reinterpret_cast<const void*>(ptr);
@@ -123,6 +148,13 @@ void remove_allocation(uint64_t ptr) {
   g_persistent.erase(it);
 }
 
-Stats stats() { return g_stats; }
+std::vector<std::pair<uint64_t, uint64_t>> allocations() {
+  Locked locked;
+  return {g_persistent.begin(), g_persistent.end()};
+}
+
+Stats stats() { return locked_read(g_stats); }
+
+uint64_t launch_serial() { return launch_state().serial; }
 
 }  // namespace hybrid_ep::model

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -175,6 +176,12 @@ void each_timer(std::vector<std::unique_ptr<timing::Timer>>& timers, Call&& call
 
 // The launch running on this OS thread (inline: every primitive reads it).
 inline thread_local Launch* g_launch = nullptr;
+// The model's lock (runtime.h, threads): a launch holds it from its start to its end, and every
+// control between launches takes it; never taken inside a launch.
+std::mutex& model_lock();
+struct Locked {
+  std::lock_guard<std::mutex> guard{model_lock()};
+};
 // The controls (runtime.h, configuration) as the next launch takes them.
 extern uint64_t g_seed;
 extern bool g_payload;                               // set_payload

@@ -6,6 +6,8 @@
 #include <iterator>
 #include <memory>
 
+#include "device/model/state.h"
+
 namespace hybrid_ep::model::timing {
 namespace {
 
@@ -64,10 +66,16 @@ std::vector<Costs> g_tables;
 std::vector<Report> g_reports;
 }  // namespace
 
-void configure(std::vector<Costs> tables) { g_tables = std::move(tables); }
-const std::vector<Costs>& configured() { return g_tables; }
+void configure(std::vector<Costs> tables) {
+  model::detail::Locked locked;
+  g_tables = std::move(tables);
+}
+const std::vector<Costs>& configured() { return g_tables; }  // inside a launch, which holds the lock
 void add_report(Report report) { g_reports.push_back(std::move(report)); }
-std::vector<Report> take_reports() { return std::exchange(g_reports, {}); }
+std::vector<Report> take_reports() {
+  model::detail::Locked locked;
+  return std::exchange(g_reports, {});
+}
 
 // ---- the critical path's tree ---------------------------------------------------------------
 

@@ -19,8 +19,9 @@ and across nodes as within one:
 - a rank short of memory grows by a rule every rank computes alike (its extent plus what its
   free tail lacks, in CHUNK steps): that call takes the receive path, the rank maps a new chunk
   at once, its node peers fetch and map it before their next call that reads (PeerViews.sync, as
-  they make its words; a peer on its host that comes first waits for the chunk, up to the
-  buffer's timeout), and from that call on (every peer ready) the memory is used;
+  they make its words; a peer on its host that comes first waits for the chunk, within the
+  call's deadline: one HYBRID_EP_TIMEOUT_S from the call's start for all its waits, whatever the
+  number of peers), and from that call on (every peer ready) the memory is used;
 - a growth or an import that fails costs that call the receive path and one log line: the
   owner's extent word tells every rank that it did not grow, a peer that could not import says
   it is not ready, and the next call tries again;
@@ -146,16 +147,17 @@ class Agreement:
 
     # -- before the count kernel ------------------------------------------------------
 
-    def words(self, stream: int) -> list[list[int]]:
+    def words(self, stream: int, deadline: float) -> list[list[int]]:
         """Each driven rank's words for this call's count rows, after mapping what its node peers
-        announced at the last read."""
+        announced at the last read; every wait for a peer's chunk ends by `deadline`
+        (time.monotonic(): the call's, one for all its waits)."""
         out = []
         for i, r in enumerate(self.ranks):
             ready = 1
             views = self.views[i]
             if views is not None:
                 for p in views.bases:
-                    why = views.sync(p, self.state[p].target)
+                    why = views.sync(p, self.state[p].target, deadline, self.reads)
                     if why is not None:
                         ready = 0
                         log_fallback("a rank could not map a peer's new memory", why)
@@ -264,7 +266,7 @@ class Agreement:
                     st.target = mem.extent  # its words at the next call tell every peer
                     st.retiring = False
             elif st.target > mem.extent:
-                why = mem.grow_to(st.target)
+                why = mem.grow_to(st.target, self.reads)
                 if why is not None:
                     log_fallback("a rank could not grow its peer memory", why)
 

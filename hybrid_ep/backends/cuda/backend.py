@@ -12,12 +12,14 @@ from ...dtypes import combine_dtype_for
 from ...fp8 import is_fp8
 from ...handle import DispatchHandle
 from ...memory import BufferSpec, MemoryPlan
+from ...refusals import InputRefused, code_of, refused_here
 from ...routing import Routing, max_output_rows
 from ..base import Backend
 from . import agreement, launch, load_extension
 from .arena import call_bytes
 from .engine import Engine
-from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_layout, registered_regions
+from .errors import RoutingError
+from .layout import MAX_TOPK, check_geometry, rdma_layout, registered_regions
 from .nvshmem import heap_spec
 from .peer_memory import CHUNK, round_up
 from .peer_setup import agreement_failure, close_peer_memory, process_agreement
@@ -79,8 +81,7 @@ class CudaBackend(Backend):
         several_nodes = config.num_nodes > 1
         check_geometry(config, inter_node=several_nodes and ext.has_nvshmem())
         self._device = torch.device("cuda", torch.cuda.current_device())
-        self._buffers = RegisteredBuffers.exchanged(ext, registered_layout(config).total, group, rank, self._device,
-                                                    config.ranks_per_node)
+        self._buffers = RegisteredBuffers.exchanged(ext, config, group, rank, self._device)
         self._rdma = (NvshmemRegions(ext, rdma_layout(config).total, group, self._device) if several_nodes
                       else None)
         # One process per rank: the direct path's outputs in growable peer memory, every call's
@@ -128,13 +129,40 @@ class CudaBackend(Backend):
             routing, num_out_tokens = handle.routing, handle.num_out_tokens
             known = handle.num_rows
         engine = self._engine
-        [res] = engine.dispatch(engine.inputs(x_TH, scales_TB, routing), num_out_tokens, kernel_config.num_sms_dispatch,
+        try:
+            given = engine.inputs(x_TH, scales_TB, routing)  # the kernels' own limits (MAX_TOPK, scales)
+        except (ValueError, TypeError) as error:
+            refused = self.refuse_dispatch(error, num_out_tokens, handle, kernel_config)
+            if refused is error:
+                raise
+            raise refused from error
+        [res] = engine.dispatch(given, num_out_tokens, kernel_config.num_sms_dispatch,
                                 None if known is None else [known], handle.dest.bounds if handle is not None else None)
         # owner, config, rank, routing, source, dest, probs_R, num_out_tokens; the count tables
         # are views of the call's workspace, read from dest when asked for.
         new = DispatchHandle(self.owner, self.config, self.rank, routing, res.send, res.recv, res.probs_R,
                              num_out_tokens)
         return res.rows_RH, res.scales_RB, new
+
+    def refuse_dispatch(self, error, num_out_tokens, handle, kernel_config: KernelConfig):
+        """The dispatch its peers make, with no tokens and the refusal in the count row (Engine.refuse):
+        theirs end at once with the same refusals.InputRefused. num_out_tokens and a handle of this
+        buffer set the kind of size as on the peers; where they are the refused argument, the call
+        reads (a dynamic size)."""
+        if self.config.world_size == 1:
+            return error  # no peer waits
+        mine = refused_here(self.rank, "dispatch", error)
+        static = num_out_tokens if isinstance(num_out_tokens, int) and num_out_tokens >= 0 else None
+        ours = isinstance(handle, DispatchHandle) and handle.owner == self.owner and static is None
+        try:
+            self._engine.refuse(code_of(mine.argument), static if not ours else handle.num_out_tokens,
+                                kernel_config.num_sms_dispatch, [handle.num_rows] if ours else None,
+                                handle.dest.bounds if ours else None)
+        except (InputRefused, RoutingError):
+            pass  # what every rank read: this rank's refusal, or a lower rank's
+        except RuntimeError as peers_failed:  # the exchange itself failed: say so beside the refusal
+            mine.add_note(f"telling the peers failed: {peers_failed}")
+        return mine
 
     def combine(self, rows_RH, handle, apply_probs, kernel_config: KernelConfig):
         return self._engine.combine(rows_RH, handle.source, handle.dest, handle.probs_R, apply_probs,

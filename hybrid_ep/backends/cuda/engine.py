@@ -33,16 +33,18 @@ Legend: T tokens, K routes per token, W ranks, L local experts, R output rows, H
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import NamedTuple
 
 import torch
 
-from ...config import FP8_BLOCK, BufferConfig, timeout_seconds
-from ...routing import Routing, bad_route_text
+from ...config import FP8_BLOCK, BufferConfig, time_left, timeout_seconds
+from ...limits import check_topk
+from ...routing import Routing
 from . import launch
 from .agreement import Agreement, expert_out_width, peer_bases
 from .arena import aligned
-from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError
+from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError, bad_route_error
 from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
 from .paths import AllocatorOutputs, PeerOutputs
 from .registered import LoopbackRegions, NvshmemRegions
@@ -194,8 +196,10 @@ class Engine:
         self.reg, self.rdma_layout = layouts.reg, layouts.rdma
         self.info = info_layout(config)
         self.geo = self._geometry()
-        self.timeout_ns = int(timeout_seconds() * 1e9)  # HYBRID_EP_TIMEOUT_S, read once per buffer
-        self.errors = KernelErrors(ext, self.timeout_ns, config.ranks_per_node, config.num_nodes)
+        self.timeout_s = timeout_seconds()  # HYBRID_EP_TIMEOUT_S, read once per buffer
+        self.timeout_ns = int(self.timeout_s * 1e9)
+        self.errors = KernelErrors(ext, self.timeout_ns, config.ranks_per_node, config.num_nodes,
+                                   config.max_tokens_per_rank)
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.device_sms, self.smem_per_block = ext.device_properties(device.index or 0)
         # The direct path writes a rank's outputs and reads its expert_out from every rank of
@@ -371,6 +375,23 @@ class Engine:
         dispatch (inputs_of_ranks)."""
         return self.inputs_of_ranks([x], [scales], [routing])
 
+    def refuse(self, code: int, num_out_tokens: int | None, num_sms: int | None, known_rows: list[int] | None = None,
+               known_bounds: list[int] | None = None) -> None:
+        """The one rank this engine drives refused its input (code: refusals.code_of): it makes the
+        dispatch its peers make (the same kind of size, so every rank's agreement keeps the same
+        ledger), with no tokens and the refusal in its count row, so theirs end at once with the
+        same refusals.InputRefused: at their count read, or, for a static size, at their next call.
+        Raises what the count exchange told (its own refusal, or a lower rank's bad route or
+        refusal) where the call reads; returns where it does not."""
+        dev = self.device
+        routing = Routing(torch.empty(0, 1, dtype=torch.int64, device=dev))
+        given = self.inputs(torch.empty(0, self.config.hidden_dim, dtype=torch.bfloat16, device=dev), None, routing)
+        self.host.set_refused(0, code)
+        try:
+            self.dispatch(given, num_out_tokens, num_sms, known_rows, known_bounds)
+        finally:
+            self.host.set_refused(0, 0)
+
     def inputs_of_ranks(self, xs: list[torch.Tensor], scales: list[torch.Tensor | None],
                         routings: list[Routing]) -> DispatchCall:
         """Validation and marshalling: one dtype and K <= MAX_TOPK on every rank, fp8 scales of
@@ -387,8 +408,7 @@ class Engine:
             idx = routing.topk_idx_TK
             T, K = idx.shape
             if K > MAX_TOPK:
-                raise ValueError(f"topk_idx has {K} routes per token on rank {r}; "
-                                 f"the cuda backend supports up to {MAX_TOPK}")
+                check_topk("topk_idx", K)  # normalize_routing checked it already: a Routing made elsewhere
             if x is not first and x.dtype != dtype:
                 raise TypeError(f"x on rank {r} is {x.dtype} but rank {self.ranks[0]}'s is {dtype}; "
                                 f"one call moves one dtype")
@@ -474,12 +494,27 @@ class Engine:
                 call, made = self._dispatch_known(given, rows, static_rows, num_sms, decision, stream)
                 return self._results(given, call, rows, decision.direct, made,
                                      place.bounds(static_rows, known_bounds, None))
-        dtype, dtype_name, fp8 = given.dtype, given.dtype_name, given.fp8
         H = self.config.hidden_dim
-        place.before_count(self.host, stream)
+        deadline = time.monotonic() + self.timeout_s  # the call's: every wait below draws on it
+        place.before_count(self.host, stream, deadline)
         prefer = self.data_path == "direct"
         call = self._workspace(given.topk, prefer, True, stream)
-        args = self._launch_args(num_sms, dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
+        args = self._launch_args(num_sms, given.dtype_name, H, "dispatch_direct" if prefer else "dispatch_receive")
+        try:
+            # the count kernel's waits and the host's read of its counts: what the call has left
+            args.timeout_ns = int(time_left(deadline, self.timeout_s) * 1e9)
+            return self._dispatch_read(given, args, call, place, stream, static_rows, num_sms, known_rows,
+                                       known_bounds, prefer)
+        finally:
+            args.timeout_ns = self.timeout_ns
+
+    def _dispatch_read(self, given: DispatchCall, args, call: CallWorkspace, place, stream: int, static_rows: int,
+                       num_sms: int, known_rows: list[int] | None, known_bounds: list[int] | None,
+                       prefer: bool) -> list[RankDispatch]:
+        """A dispatch whose output size or path needs the count kernel's read (Engine.dispatch):
+        the count kernel, the one host read, the decision, the dispatch kernel."""
+        dtype, dtype_name, fp8 = given.dtype, given.dtype_name, given.fp8
+        H = self.config.hidden_dim
         first = call.layout.info // 8 + self.info.needed  # needed, bad_route, then the agreement words: one read
         sizes = call.i64[:, first:first + 1 + BAD_ROUTE_WORDS + place.words]
         declared = None
@@ -490,8 +525,9 @@ class Engine:
         self.host.dispatch_count(args, stream, call.ptr, call.layout, static_rows, given.inputs, True)
         read = sizes.cpu().tolist()  # the one host sync
         self.raise_if_failed()
-        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route; no dispatch kernel follows
-            raise RoutingError(bad_route_text(self.config.num_experts, *read[0][1:1 + BAD_ROUTE_WORDS]))
+        if read[0][1] >= 0:  # every rank holds the lowest bad rank's route or refusal; no dispatch kernel follows
+            c = self.config
+            raise bad_route_error(c.num_experts, c.max_tokens_per_rank, *read[0][1:1 + BAD_ROUTE_WORDS])
         if static_rows >= 0:
             rows = [static_rows] * len(self.ranks)
         else:

@@ -1,4 +1,4 @@
-"""What a kernel recorded when it failed, as the text the host raises.
+"""The cuda backend's errors: what a kernel recorded when it failed, and a rank's failure in setup.
 
 Kernels record a failure (a bounded wait that ran out, a bad route) in pinned host memory
 (csrc common/params.h, ErrorRecord): the host polls the records' words per call without a
@@ -6,12 +6,20 @@ call into the extension and raises a RuntimeError naming the rank, the peer, the
 the call, or a RoutingError naming the bad route. The texts of the phases and of the
 shared-memory rings a wait names are here, keyed by csrc's names (ext.PHASES,
 ext.PIPE_SITES; engine.check_extension makes sure the two agree).
+
+Setting a buffer up takes steps every rank of the group takes together (SetupStep): a rank that
+fails in one (an allocation out of memory, a handle it can not open) tells the others in the
+collective that ends the step, and every rank raises the same SetupError naming it, instead of
+leaving them waiting in the next collective until the process group's timeout.
 """
 
 from __future__ import annotations
 
 import ctypes
 
+import torch.distributed as dist
+
+from ...refusals import refused_by_peer
 from ...routing import bad_route_text
 from .layout import ERROR_RECORD_CALL_OFFSET, ERROR_RECORD_PHASE_OFFSET
 
@@ -96,13 +104,78 @@ class RoutingError(ValueError):
     pass
 
 
+def bad_route_error(num_experts: int, max_tokens: int, rank: int, token: int, value: int) -> ValueError:
+    """The error of the count kernel's bad-route words, the same on every rank: a route the
+    device found bad (RoutingError), or the input a rank refused (refusals.InputRefused: the
+    token max_tokens, which no route has, and the argument's code)."""
+    if token == max_tokens:
+        return refused_by_peer(rank, "dispatch", value)
+    return RoutingError(bad_route_text(num_experts, rank, token, value))
+
+
+class SetupError(RuntimeError):
+    """A rank of the EP group failed while a buffer was set up: raised alike on every rank (the
+    lowest failed rank and its error first, then any other's), after each rank released what
+    it had allocated or opened for the buffer. `failures`: {rank: its error}."""
+
+    def __init__(self, step: str, failures: dict[int, str]):
+        self.step, self.failures = step, dict(failures)
+        self.rank = min(self.failures)
+        others = "".join(f"; rank {r}: {why}" for r, why in sorted(self.failures.items()) if r != self.rank)
+        super().__init__(f"hybrid_ep: rank {self.rank} failed {step}: {self.failures[self.rank]}{others}. Every "
+                         f"rank of the group raised this error and released what it had set up for the buffer; "
+                         f"fix the cause on that rank and create the buffer again")
+
+    def __reduce__(self):
+        return SetupError, (self.step, self.failures)
+
+
+class SetupStep:
+    """A step of a buffer's setup that every rank of `group` takes: the block runs on this rank,
+    then every rank's outcome, and what it shares (`share`), go round the group in one
+    all_gather_object. Where any rank's block raised an Exception, every rank raises the same
+    SetupError from the exit of the block (the caller's own handlers release what it set up);
+    else `shared` holds every rank's shared value, by rank. The gather is also a barrier: no
+    rank leaves the step before every rank finished its block.
+
+        with SetupStep(group, "opening the node peers' registered buffers") as step:
+            ...
+            step.share(value)
+        values = step.shared
+    """
+
+    def __init__(self, group, step: str):
+        self.group, self.step = group, step
+        self._mine = None
+        self.shared: list = []
+
+    def share(self, value) -> None:
+        self._mine = value
+
+    def __enter__(self) -> "SetupStep":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # KeyboardInterrupt, SystemExit: this process is leaving
+        why = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(outcomes, (why, self._mine), group=self.group)
+        failures = {r: w for r, (w, _) in enumerate(outcomes) if w is not None}
+        if failures:
+            raise SetupError(self.step, failures) from error
+        self.shared = [value for _, value in outcomes]
+        return False
+
+
 class KernelErrors:
     """The two records one engine's kernels write: `error` (the first failure; the buffer is
     unusable after it) and `bad_route` (the last bad route of a static-size call, which
     moved no rows and left the buffer usable)."""
 
-    def __init__(self, ext, timeout_ns: int, ranks_per_node: int, num_nodes: int):
+    def __init__(self, ext, timeout_ns: int, ranks_per_node: int, num_nodes: int, max_tokens: int):
         self.timeout_ns, self.ranks_per_node, self.num_nodes = timeout_ns, ranks_per_node, num_nodes
+        self.max_tokens = max_tokens
         self.error = ext.ErrorRecord()
         # Its phase word (common/params.h ErrorRecord; 0 while no kernel failed), in host memory:
         # each call polls it here, without a call into the extension.
@@ -146,8 +219,8 @@ class KernelErrors:
             if call == 0 or rec is None or rec["call"] != call or self._bad_route_call.value != call:
                 continue  # a count kernel is writing it
             self.bad_route_raised = call
-            expert = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
-            raise RoutingError(bad_route_text(rec["expected"], rec["rank"], rec["peer"], expert))
+            value = ctypes.c_int64(rec["observed"]).value  # the record holds it as u64
+            raise bad_route_error(rec["expected"], self.max_tokens, rec["rank"], rec["peer"], value)
 
     def describe(self, rec: dict) -> str:
         code = rec["phase"]

@@ -13,10 +13,18 @@ exchange that announces it), read by a peer before its next call that reads, and
 the owner retires the chunk or closes: the store carries a handful of records per growth, never
 one per call.
 
+The store is no secret: any process that reaches its port reads and writes it, and the key
+names the public token. So a record proves itself (docs/security.md): it carries the owner's
+serial number of the publication (rising with every record the owner writes) and an HMAC of
+owner, offset, bytes, serial and handle under the job's key (chunk_channel.JobKey); a reader
+refuses a record without the proof, one whose serial is not above the last it took from that
+owner (an old record written back), and peer_memory.py refuses one whose size does not fit the
+reservation and the growth every rank agreed on, before anything is imported or mapped.
+
 A read never waits: it asks with compare_set for a value no record has, which returns the record,
 or that value where there is none, at once (Store.get would wait for the key up to the store's
 timeout, which set_timeout would change for every user of the store). So a peer whose owner has
-not published yet, has withdrawn, or whose store is gone gets None, as with the socket.
+not published yet, has withdrawn, or whose store is gone is told why at once, as with the socket.
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ import struct
 
 import torch.distributed as dist
 
-_RECORD = struct.Struct("<qq")  # offset, bytes (0: withdrawn); the handle's bytes follow
+from .chunk_channel import JobKey
+
+_RECORD = struct.Struct("<qqq")  # offset, bytes (0: withdrawn), serial; the handle's bytes, then the proof, follow
+_PROOF = 32
+_FACTS = struct.Struct("<qqqq")  # owner, offset, bytes, serial: what a proof covers besides the handle
 _ABSENT = b"\0hybrid_ep: no record"  # what no record is: compare_set's answer where the key is absent
 _STORE_ERRORS = (RuntimeError, OSError, ValueError)  # DistStoreError and DistNetworkError are RuntimeErrors
 
@@ -42,21 +54,29 @@ def _key(owner: int, offset: int) -> str:
 class FabricBoard:
     """One rank's records of its chunks in the store, and its reads of its peers' records."""
 
-    def __init__(self, store, token: str, rank: int):
+    def __init__(self, store, token: str, rank: int, key: JobKey):
         self.store = dist.PrefixStore(f"hybrid_ep/{token}/", store)
-        self.rank = rank
+        self.rank, self._key = rank, key
         self._published: set[int] = set()
-        self.published = 0  # records written (tests)
+        self.published = 0  # records written (tests), also the serial of the last
+        self._taken: dict[int, int] = {}  # owner -> the serial of the last record taken from it
+        self.refused_records = 0  # records without the job's proof, or older than one taken (tests)
+
+    def _proof(self, owner: int, offset: int, nbytes: int, serial: int, handle: bytes) -> bytes:
+        return self._key.proof(b"record", _FACTS.pack(owner, offset, nbytes, serial), handle)
 
     def publish(self, offset: int, nbytes: int, handle: bytes) -> None:
         """The chunk at `offset` of this rank's memory, for peers on other hosts (a store error raises)."""
-        self.store.set(_key(self.rank, offset), _RECORD.pack(offset, nbytes) + bytes(handle))
+        serial = self.published + 1
+        handle = bytes(handle)
+        self.store.set(_key(self.rank, offset), _RECORD.pack(offset, nbytes, serial) + handle +
+                       self._proof(self.rank, offset, nbytes, serial, handle))
         self._published.add(offset)
-        self.published += 1
+        self.published = serial
 
     def withdraw(self, offset: int) -> None:
         """The record at `offset` deleted (marked withdrawn where the store cannot delete): peers
-        that read it get None."""
+        that read it are told it is withdrawn."""
         if offset in self._published:
             self._published.discard(offset)
             self._delete(offset)
@@ -67,23 +87,36 @@ class FabricBoard:
             self.store.delete_key(key)
         except _STORE_ERRORS:
             try:
-                self.store.set(key, _RECORD.pack(offset, 0))
+                self.store.set(key, _RECORD.pack(offset, 0, 0))
             except _STORE_ERRORS:
                 pass  # the store is gone with the job: nobody reads it any more
 
-    def fetch(self, owner: int, offset: int) -> tuple[int, bytes] | None:
-        """(bytes, fabric handle) of the owner's chunk at `offset`, or None at once where the owner
-        has not published it (yet), has withdrawn it, or the store does not answer."""
+    def fetch(self, owner: int, offset: int) -> tuple[int, bytes, int] | str:
+        """(bytes, fabric handle, serial) of the owner's chunk at `offset`, or at once why not: the owner
+        has not published it (yet) or has withdrawn it, the store does not answer, or the record
+        is not the job's (no proof, or older than one already taken from that owner)."""
         try:
             got = self.store.compare_set(_key(owner, offset), _ABSENT, _ABSENT)
-        except _STORE_ERRORS:
-            return None
-        if got == _ABSENT or len(got) <= _RECORD.size:
-            return None
-        at, nbytes = _RECORD.unpack_from(got)
+        except _STORE_ERRORS as e:
+            return f"the store did not answer ({e})"
+        if got == _ABSENT or len(got) <= _RECORD.size + _PROOF:
+            return "it has not published the chunk (or withdrew it)"
+        at, nbytes, serial = _RECORD.unpack_from(got)
+        handle, proof = bytes(got[_RECORD.size:-_PROOF]), bytes(got[-_PROOF:])
         if at != offset or nbytes <= 0:
-            return None
-        return nbytes, bytes(got[_RECORD.size:])
+            return "it has not published the chunk (or withdrew it)"
+        if not self._key.verify(proof, b"record", _FACTS.pack(owner, offset, nbytes, serial), handle):
+            self.refused_records += 1
+            return "its record in the store does not carry the job's proof (written by another process)"
+        if serial <= self._taken.get(owner, 0):
+            self.refused_records += 1
+            return f"its record in the store is older than one already taken (serial {serial}): written back"
+        return nbytes, handle, serial
+
+    def taken(self, owner: int, serial: int) -> None:
+        """The record `serial` of `owner` was imported and mapped: no record of that owner as old
+        is taken again."""
+        self._taken[owner] = max(serial, self._taken.get(owner, 0))
 
     def close(self) -> None:
         """Every record of this rank deleted from the store."""

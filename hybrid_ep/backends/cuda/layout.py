@@ -5,8 +5,8 @@ between ranks (csrc/bindings/buffer_layout.h) and read here, with their regions,
 memory_plan() can say how much a buffer needs before anything is allocated; the info tensor's
 is planned here. The kernels receive these offsets (csrc/common/params.h: RegLayout,
 RdmaLayout, InfoLayout). The sizes of csrc's structs and its limits come from the compiled
-module (`compiled`: both builds export them, csrc/bindings/common.h); none is written here a
-second time.
+module (`compiled`, loaded by hybrid_ep.limits: both builds export them,
+csrc/bindings/common.h); none is written here a second time.
 
 Legend: W ranks, N nodes, L local experts, Tmax = max_tokens_per_rank, H hidden.
 """
@@ -15,31 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 from ...config import FP8_BLOCK, BufferConfig
+from ...limits import MAX_DOMAIN_RANKS as MAX_DOMAIN_RANKS  # hybrid_ep.limits' limits, as the cuda backend reads them
+from ...limits import MAX_EXPERTS as MAX_EXPERTS
+from ...limits import MAX_NODES as MAX_NODES
+from ...limits import MAX_RANKS as MAX_RANKS
+from ...limits import MAX_TOPK as MAX_TOPK
+from ...limits import check_group, compiled
 from ...rows import check_hidden_dim
 
-
-def _compiled():
-    """hybrid_ep._model (built by every install, loads without a GPU), else hybrid_ep._C: both
-    bind csrc/common/params.h's constants and struct sizes under the same names."""
-    errors = []
-    for name in ("hybrid_ep._model", "hybrid_ep._C"):
-        try:
-            return importlib.import_module(name)
-        except ImportError as err:
-            errors.append(f"{name}: {err}")
-    raise ImportError("the cuda backend's buffer layout takes csrc's struct sizes from a compiled module, and "
-                      "neither is installed (" + "; ".join(errors) + ")")
-
-
-compiled = _compiled()
-MAX_TOPK: int = compiled.MAX_TOPK  # routes per token
-MAX_RANKS: int = compiled.MAX_RANKS  # ranks of an EP group
-MAX_DOMAIN_RANKS: int = compiled.MAX_DOMAIN_RANKS  # ranks of one node, an NVLink domain (ranks_per_node)
-MAX_NODES: int = compiled.MAX_NODES  # nodes of an EP group (world_size / ranks_per_node)
-MAX_EXPERTS: int = compiled.MAX_EXPERTS
 MAX_LAUNCH_RANKS: int = compiled.MAX_LAUNCH_RANKS  # virtual ranks one emulated launch holds
 LOCAL_STATE_BYTES: int = compiled.LOCAL_STATE_BYTES
 CHUNK_TOKENS: int = compiled.CHUNK_TOKENS  # tokens per chunk, the unit of signalling between ranks
@@ -73,15 +58,20 @@ def ring_tag(call: int, chunk: int) -> int:
     return call << RING_TAG_CHUNK_BITS | (chunk + 1)
 
 
-@functools.lru_cache(maxsize=64)
-def _layouts(module, config: BufferConfig):
+def _shape(module, config: BufferConfig):
+    """csrc's BufferShape of `config`: what its layouts are built from."""
     shape = module.BufferShape()
     shape.world_size, shape.ranks_per_node = config.world_size, config.ranks_per_node
     shape.local_experts, shape.max_tokens = config.experts_per_rank, config.max_tokens_per_rank
     shape.hidden, shape.ring_chunks = config.hidden_dim, config.ring_chunks
     shape.scale_cols = config.hidden_dim // FP8_BLOCK if config.hidden_dim % FP8_BLOCK == 0 else 0
     shape.ring_elem_bytes = config.ring_dtype.itemsize
-    return module.buffer_layouts(shape)
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(module, config: BufferConfig):
+    return module.buffer_layouts(_shape(module, config))
 
 
 def buffer_layouts(config: BufferConfig, module=None):
@@ -110,6 +100,36 @@ def registered_regions(config: BufferConfig) -> list:
 def rdma_regions(config: BufferConfig) -> list:
     """The RDMA region's regions in order (name, offset, bytes, purpose); none for a single node."""
     return list(buffer_layouts(config).rdma_regions)
+
+
+# BufferShape's fields (csrc/bindings/buffer_layout.h) by the argument of BufferConfig that sets each.
+SHAPE_ARGUMENTS = {"world_size": "world_size", "ranks_per_node": "ranks_per_node",
+                   "local_experts": "num_experts / world_size", "max_tokens": "max_tokens_per_rank",
+                   "hidden": "hidden_dim", "ring_chunks": "ring_chunks", "scale_cols": "hidden_dim",
+                   "ring_elem_bytes": "ring_dtype"}
+
+
+def _fields(prefix: str, value) -> list[tuple[str, int]]:
+    """A bound csrc struct's fields in csrc's order (pybind11 keeps the order they were bound in),
+    a nested one's as prefix.field.sub."""
+    out = []
+    for name, attr in type(value).__dict__.items():
+        if not isinstance(attr, property):
+            continue
+        item = getattr(value, name)
+        out += [(f"{prefix}.{name}", item)] if isinstance(item, int) else _fields(f"{prefix}.{name}", item)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def layout_fields(config: BufferConfig) -> tuple[tuple[str, int], ...]:
+    """Every field that places a region of the registered buffer or of the RDMA region, as (name,
+    value) in csrc's order: what the layout is built from (shape.*, BufferShape), then every offset,
+    stride and ring of the registered layout (reg.*, RegLayout) and of the RDMA layout (rdma.*,
+    RdmaLayout). Ranks whose fields differ would write into each other's other regions."""
+    layouts = buffer_layouts(config)
+    return tuple(_fields("shape", _shape(compiled, config)) + _fields("reg", layouts.reg) +
+                 _fields("rdma", layouts.rdma))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,20 +172,10 @@ def info_layout(config: BufferConfig) -> InfoLayout:
 
 
 def check_geometry(config: BufferConfig, inter_node: bool = False) -> None:
-    """Limits of the kernels, as errors that name the argument. inter_node: the caller has an
-    inter-node transport (the loopback of the emulation, or NVSHMEM)."""
-    if config.world_size > MAX_RANKS:
-        raise ValueError(f"world_size: the cuda backend supports EP groups of up to {MAX_RANKS} ranks, got "
-                         f"{config.world_size}")
-    if config.ranks_per_node > MAX_DOMAIN_RANKS:
-        raise ValueError(f"ranks_per_node must be <= {MAX_DOMAIN_RANKS} for the cuda backend (the ranks of one "
-                         f"NVLink domain, GB200 NVL72), got {config.ranks_per_node}")
-    if config.num_nodes > MAX_NODES:
-        raise ValueError(f"ranks_per_node={config.ranks_per_node} makes {config.num_nodes} nodes of the "
-                         f"{config.world_size} ranks; the cuda backend supports up to {MAX_NODES}: pass a larger "
-                         "ranks_per_node")
-    if config.num_experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts must be <= {MAX_EXPERTS} for the cuda backend, got {config.num_experts}")
+    """Limits of the kernels, as errors that name the argument: the group's (hybrid_ep.limits, every
+    backend's), and the cuda backend's own. inter_node: the caller has an inter-node transport (the
+    loopback of the emulation, or NVSHMEM)."""
+    check_group(config.world_size, config.ranks_per_node, config.num_experts)
     if config.num_nodes > 1 and not inter_node:
         raise ValueError(
             f"ranks_per_node={config.ranks_per_node} < world size {config.world_size} needs the cuda backend's "

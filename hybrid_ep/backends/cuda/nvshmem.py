@@ -136,10 +136,12 @@ def _src_rank(dist, group) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Session:
-    """Initialise NVSHMEM once in this process over the ranks of `group` (collective), with a
-    heap for `region_bytes` of symmetric allocations; later calls return the same session."""
-    global _session
+def prepare(region_bytes: int = 0, *, ext=None):
+    """What initialize checks on this rank alone before its collectives (no collective here): the
+    extension's NVSHMEM, the heap's size (NVSHMEM_SYMMETRIC_SIZE set, or refused), and a session
+    already made with too small a heap. (the extension, the session where there is one, the heap's
+    bytes). NvshmemRegions gathers every rank's outcome before any rank enters initialize's
+    collectives."""
     needed = symmetric_heap_bytes(region_bytes)
     if _session is not None:
         if needed > _session.heap_bytes:
@@ -147,7 +149,7 @@ def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Ses
                 f"NVSHMEM was initialised in this process with a {_session.heap_bytes}-byte heap; these buffers need "
                 f"{needed} bytes and NVSHMEM is initialised once per process: create the largest buffer first or "
                 f"set {HEAP_ENV} to at least {needed} before the first one")
-        return _session
+        return _session.ext, _session, _session.heap_bytes
     if _finalized:
         raise NvshmemInitError("NVSHMEM was finalised in this process and cannot be initialised again: "
                                "use one session for the life of the process")
@@ -156,8 +158,17 @@ def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Ses
 
         ext = load_extension("cuda")
     require_built(ext)
+    return ext, None, export_heap_size(needed)
+
+
+def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Session:
+    """Initialise NVSHMEM once in this process over the ranks of `group` (collective), with a
+    heap for `region_bytes` of symmetric allocations; later calls return the same session."""
+    global _session
+    ext, session, heap = prepare(region_bytes, ext=ext)
+    if session is not None:
+        return session
     dist = _dist() if dist is None else dist
-    heap = export_heap_size(needed)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     box = [ext.nvshmem_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(box, src=_src_rank(dist, group), group=group)
@@ -174,8 +185,9 @@ def initialize(group=None, region_bytes: int = 0, *, ext=None, dist=None) -> Ses
     return _session
 
 
-def allocate(nbytes: int) -> SymmetricAllocation:
-    """A zeroed symmetric allocation of `nbytes` (collective: every PE asks for the same size)."""
+def check_room(nbytes: int) -> Session:
+    """What allocate checks on this rank alone before its collective nvshmem_malloc: a session,
+    and room for `nbytes` in its heap beside what is allocated and NVSHMEM's own objects."""
     nbytes = require_int("nbytes", nbytes, 0, what="an int number of bytes")
     s = _session
     if s is None:
@@ -185,6 +197,12 @@ def allocate(nbytes: int) -> SymmetricAllocation:
             f"the symmetric heap has {s.heap_bytes} bytes, {s.allocated} allocated; {nbytes} more do not fit next to "
             f"NVSHMEM's own {HEAP_RESERVE}: initialise with the total (nvshmem.initialize(group, region_bytes)) or "
             f"raise {HEAP_ENV}")
+    return s
+
+
+def allocate(nbytes: int) -> SymmetricAllocation:
+    """A zeroed symmetric allocation of `nbytes` (collective: every PE asks for the same size)."""
+    s = check_room(nbytes)
     ptr = s.ext.nvshmem_malloc(nbytes)
     if ptr == 0:
         raise NvshmemHeapTooSmall(f"nvshmem_malloc({nbytes}) found no room in the {s.heap_bytes}-byte symmetric heap "

@@ -29,7 +29,7 @@ class AllocatorOutputs:
     def decide_known(self, static_rows: int, bounds: list[int] | None, dtype, fp8: bool) -> Decision:
         return self._decision
 
-    def before_count(self, host, stream: int) -> None:
+    def before_count(self, host, stream: int, deadline: float) -> None:
         """Nothing to tell the peers: every rank of the group takes the buffer's path."""
 
     def decide_read(self, words: list[int], static_rows: int, dtype, fp8: bool) -> Decision:
@@ -66,8 +66,10 @@ class PeerOutputs:
             return None
         return self.peer.decide_ledger(rows_all, dtype, fp8, capture.capturing(self.device))
 
-    def before_count(self, host, stream: int) -> None:
-        for i, words in enumerate(self.peer.words(stream)):
+    def before_count(self, host, stream: int, deadline: float) -> None:
+        """Every driven rank's agreement words, after mapping its peers' new chunks, every wait
+        ending by `deadline` (the call's)."""
+        for i, words in enumerate(self.peer.words(stream, deadline)):
             host.set_agree(i, words)
 
     def decide_read(self, words: list[int], static_rows: int, dtype, fp8: bool) -> Decision:

@@ -27,7 +27,7 @@ import os
 import torch
 
 from .arena import Arena
-from .chunk_channel import ChunkServer, fetch_chunk
+from .chunk_channel import ChunkServer, JobKey, fetch_chunk
 from .fabric_channel import FabricBoard
 
 CHUNK = 2 << 20  # growth quantum: a multiple of both backends' granularity (the GPU's is 2 MiB)
@@ -86,15 +86,16 @@ class OwnMemory:
         """Bytes of the arena: the chunks not retiring."""
         return self.chunks[-1].offset + self.chunks[-1].nbytes if self.chunks else 0
 
-    def grow_to(self, extent: int) -> str | None:
-        """One chunk mapped at the end so that the arena holds `extent` bytes; None, or why not (the
-        caller logs it; peers on this host waiting for the chunk are refused at once). Out of
-        memory, PyTorch's cached blocks are returned to the driver and the chunk is tried once
-        more."""
+    def grow_to(self, extent: int, read: int = 0) -> str | None:
+        """One chunk mapped at the end so that the arena holds `extent` bytes, the growth every
+        rank computed at agreement read `read`; None, or why not (the caller logs it; peers on
+        this host waiting for this growth are refused at once, those that expect a later retry
+        are not). Out of memory, PyTorch's cached blocks are returned to the driver and the chunk
+        is tried once more."""
         offset = self.extent
         why = self._grow(extent)
         if why is not None and self.server is not None:
-            self.server.refuse(offset)
+            self.server.refuse(offset, read)
         return why
 
     def _grow(self, extent: int) -> str | None:
@@ -196,11 +197,11 @@ class PeerViews:
     other hosts: their chunks come as fabric handles from the board, the others' as file
     descriptors over their Unix sockets."""
 
-    def __init__(self, ext, device: torch.device, token: str, peers: list[int], reserve: int, timeout_s: float,
+    def __init__(self, ext, device: torch.device, token: str, key: JobKey, peers: list[int], reserve: int,
                  remote: frozenset[int] = frozenset(), board: FabricBoard | None = None):
         if remote and board is None:
             raise ValueError("peers on other hosts need a board to read their chunks' fabric handles from")
-        self.ext, self.device, self.token, self.timeout_s = ext, torch.device(device), token, timeout_s
+        self.ext, self.device, self.token, self.key = ext, torch.device(device), token, key
         self.remote, self.board = frozenset(remote), board
         self.index = self.device.index or 0
         self.reserved = reserve
@@ -214,9 +215,11 @@ class PeerViews:
         chunks = self.chunks[peer]
         return chunks[-1].offset + chunks[-1].nbytes if chunks else 0
 
-    def sync(self, peer: int, extent: int) -> str | None:
-        """Maps the peer's chunks up to `extent`, or unmaps those past it; None once the mapping
-        reaches exactly `extent`, else why not (the peer has not made the chunk, or is gone)."""
+    def sync(self, peer: int, extent: int, deadline: float, read: int = 0) -> str | None:
+        """Maps the peer's chunks up to `extent` (the growth every rank computed at agreement read
+        `read`), or unmaps those past it; None once the mapping reaches exactly `extent`, else why
+        not (the peer has not made the chunk by `deadline`, time.monotonic(), refused it, is gone,
+        or handed over something that is not the job's or does not fit)."""
         chunks = self.chunks[peer]
         while chunks and chunks[-1].offset >= extent:
             c = chunks.pop()
@@ -224,45 +227,64 @@ class PeerViews:
             self.ext.peer_release(c.handle)
         while self.mapped(peer) < extent:
             offset = self.mapped(peer)
-            got = self._import(peer, offset)
+            got = self._import(peer, offset, extent, deadline, read)
             if isinstance(got, str):
                 self.failed_imports += 1
                 return got
-            nbytes, handle = got
+            nbytes, handle, serial = got
             try:
                 self.ext.peer_map(self.bases[peer] + offset, nbytes, handle, self.index)
             except (RuntimeError, OSError) as e:
                 self.ext.peer_release(handle)
                 self.failed_imports += 1
                 return f"could not map rank {peer}'s chunk at offset {offset}: {e}"
+            if serial:
+                self.board.taken(peer, serial)
             chunks.append(Chunk(offset, nbytes, handle))
             self.imports += 1
         if self.mapped(peer) != extent:
             return f"rank {peer}'s chunks end at {self.mapped(peer)}, not at {extent}"
         return None
 
-    def _import(self, peer: int, offset: int) -> tuple[int, int] | str:
-        """(bytes, handle) of the peer's chunk at `offset`, imported, or why not."""
+    def _misfit(self, peer: int, offset: int, nbytes: int, extent: int) -> str | None:
+        """Why a chunk of `nbytes` at `offset` does not fit the protocol (a growth is a whole
+        number of CHUNKs ending within the agreed extent) and this rank's reservation for the
+        peer, or None: checked before anything is imported or mapped."""
+        if nbytes <= 0 or nbytes % CHUNK:
+            return f"rank {peer}'s chunk at offset {offset} claims {nbytes} bytes, not a multiple of {CHUNK}: refused"
+        if offset + nbytes > min(extent, self.reserved):
+            return (f"rank {peer}'s chunk at offset {offset} claims {nbytes} bytes, past the {extent} bytes every rank "
+                    f"agreed it holds (reservation: {self.reserved}): refused")
+        return None
+
+    def _import(self, peer: int, offset: int, extent: int, deadline: float,
+                read: int) -> tuple[int, int, int] | str:
+        """(bytes, handle, the record's serial or 0) of the peer's chunk at `offset`, imported, or why not."""
         if peer in self.remote:
             assert self.board is not None
             published = self.board.fetch(peer, offset)
-            if published is None:  # not waited for: the store says nothing of a gone owner
-                return f"rank {peer} (another host) did not publish its chunk at offset {offset}"
-            nbytes, fabric_handle = published
+            if isinstance(published, str):  # not waited for: the store says nothing of a gone owner
+                return f"rank {peer} (another host), chunk at offset {offset}: {published}"
+            nbytes, fabric_handle, serial = published
+            why = self._misfit(peer, offset, nbytes, extent)
+            if why is not None:
+                return why
             try:
                 handle = self.ext.peer_import_fabric(fabric_handle, self.index)
             except (RuntimeError, OSError, ValueError) as e:
                 return f"could not import rank {peer}'s chunk at offset {offset} (another host, fabric handle): {e}"
             self.fabric_imports += 1
-            return nbytes, handle
-        # The owner grows after the read that told this rank it would: wait for it (bounded).
-        got = fetch_chunk(self.token, peer, offset, self.timeout_s, wait_s=self.timeout_s)
-        if got is None:
-            return (f"rank {peer} did not hand over its chunk at offset {offset} (its growth failed, it is gone, or "
-                    f"{self.timeout_s:g} s passed)")
+            return nbytes, handle, serial
+        # The owner grows after the read that told this rank it would: wait for it, within the call's deadline.
+        got = fetch_chunk(self.token, self.key, peer, offset, read, deadline)
+        if isinstance(got, str):
+            return f"rank {peer} did not hand over its chunk at offset {offset}: {got}"
         nbytes, fd = got
         try:
-            return nbytes, self.ext.peer_import(fd, self.index)
+            why = self._misfit(peer, offset, nbytes, extent)
+            if why is not None:
+                return why
+            return nbytes, self.ext.peer_import(fd, self.index), 0
         except (RuntimeError, OSError) as e:
             return f"could not import rank {peer}'s chunk at offset {offset}: {e}"
         finally:

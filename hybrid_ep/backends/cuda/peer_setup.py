@@ -9,13 +9,15 @@ exchange setting up already makes (the buffer's token)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from ...config import timeout_seconds
 from ...topology import local_host
 from .agreement import Agreement
-from .chunk_channel import ChunkServer, new_token
+from .chunk_channel import ChunkServer, JobKey, new_token
 from .fabric_channel import FabricBoard, group_store
 from .peer_memory import CHUNK, OwnMemory, PeerViews, reservation_bytes, round_up
 
@@ -26,23 +28,23 @@ def _node_peers(config, rank: int) -> list[int]:
     return [p for p in range(first, first + G) if p != rank]
 
 
-def _make(ext, config, ranks: list[int], device: torch.device, token: str, reserve: int,
+def _make(ext, config, ranks: list[int], device: torch.device, token: str, key: JobKey, reserve: int,
           stage_combines: bool, hosts: list | None = None, store=None) -> Agreement:
-    """hosts: each rank's host (None: all on one); store: where fabric handles are published, needed
-    where some node spans hosts."""
+    """token: the buffer's public name (sockets, store keys); key: the job's secret, which proves
+    requests, replies and records (chunk_channel.JobKey). hosts: each rank's host (None: all on
+    one); store: where fabric handles are published, needed where some node spans hosts."""
     own, views, servers, boards = [], [], [], []
     try:
         for r in ranks:
-            server = ChunkServer(token, r)
+            server = ChunkServer(token, r, key)
             servers.append(server)
             peers = _node_peers(config, r)
             remote = frozenset(p for p in peers if hosts is not None and hosts[p] != hosts[r])
-            board = FabricBoard(store, token, r) if remote else None
+            board = FabricBoard(store, token, r, key) if remote else None
             if board is not None:
                 boards.append(board)
             own.append(OwnMemory(ext, device, server, reserve, board))
-            views.append(PeerViews(ext, device, token, peers, reserve, timeout_seconds(), remote, board)
-                         if peers else None)
+            views.append(PeerViews(ext, device, token, key, peers, reserve, remote, board) if peers else None)
     except BaseException:
         _close(own, views, servers, boards)
         raise
@@ -86,8 +88,8 @@ def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combin
     peers' at other addresses, pre-sized by config.peer_memory_bytes. hosts: each virtual rank's
     host, to hand chunks between "hosts" as fabric handles (in a store of this process)."""
     store = dist.HashStore() if hosts is not None else None
-    agreement = _make(ext, config, list(range(config.world_size)), device, new_token(), reserve, stage_combines,
-                      hosts, store)
+    agreement = _make(ext, config, list(range(config.world_size)), device, new_token(), JobKey.new(), reserve,
+                      stage_combines, hosts, store)
     presize = round_up(config.peer_memory_bytes or 0, CHUNK)
     if presize:
         for m in agreement.own:
@@ -95,9 +97,10 @@ def peer_agreement(ext, config, device: torch.device, reserve: int, stage_combin
             if why is not None:
                 close_peer_memory(agreement)
                 raise MemoryError(f"hybrid_ep: could not pre-size peer memory (peer_memory_bytes): {why}")
+        deadline = time.monotonic() + timeout_seconds()
         for r, v in enumerate(agreement.views):
             for p in (v.bases if v is not None else ()):
-                why = v.sync(p, presize)
+                why = v.sync(p, presize, deadline)
                 if why is not None:
                     close_peer_memory(agreement)
                     raise RuntimeError(f"hybrid_ep: rank {r} could not map rank {p}'s peer memory: {why}")
@@ -114,14 +117,17 @@ def process_agreement(ext, config, group, rank: int, device: torch.device,
     today's receive-only jobs do."""
     W = dist.get_world_size(group)
     gathered: list = [None] * W
-    dist.all_gather_object(gathered, (new_token() if rank == 0 else None, local_host(dist.get_rank())), group=group)
-    token, hosts = gathered[0][0], [host for _, host in gathered]
+    # rank 0's token (a public name) and the job's key (a secret: it travels only through the
+    # process group), and every rank's host
+    first = (new_token(), JobKey.new().secret) if rank == 0 else (None, None)
+    dist.all_gather_object(gathered, (first, local_host(dist.get_rank())), group=group)
+    (token, secret), hosts = gathered[0][0], [host for _, host in gathered]
     agreement, error = None, None
     try:
         G = config.ranks_per_node
         spans = any(hosts[p] != hosts[rank] for p in range(rank // G * G, rank // G * G + G))
-        agreement = _make(ext, config, [rank], device, token, reservation_bytes(device), stage_combines, hosts,
-                          group_store() if spans else None)
+        agreement = _make(ext, config, [rank], device, token, JobKey(secret), reservation_bytes(device),
+                          stage_combines, hosts, group_store() if spans else None)
     except (RuntimeError, OSError) as e:
         error = f"rank {rank}: {e}"
     presize = round_up(config.peer_memory_bytes or 0, CHUNK)
@@ -131,8 +137,9 @@ def process_agreement(ext, config, group, rank: int, device: torch.device,
     dist.all_gather_object(errors, error, group=group)
     if agreement is not None and presize and not any(errors):
         views = agreement.views[0]
+        deadline = time.monotonic() + timeout_seconds()
         for p in (views.bases if views is not None else ()):
-            why = views.sync(p, presize)
+            why = views.sync(p, presize, deadline)
             if why is not None:
                 error = f"rank {rank} could not map rank {p}'s memory: {why}"
                 break

@@ -78,5 +78,14 @@ def test_the_choice_is_logged_once_per_buffer(single_rank_group, caplog):
         res = buf.dispatch(x, torch.tensor([[0], [1], [0]]))
         buf.combine(res.tokens, res.handle)
     lines = [r.getMessage() for r in caplog.records if "hybrid_ep: backend" in r.getMessage()]
-    assert lines == [buf.backend_choice.describe(1, 1)]
-    assert lines[0].startswith("hybrid_ep: backend reference (asked: auto) for EP 1 node x 1 ranks: ")
+    assert lines == [buf.backend_choice.describe(1, 1, [0])]
+    assert lines[0].startswith("hybrid_ep: backend reference (asked: auto) for EP group of ranks 0 (1 node x 1 "
+                               "ranks): ")
+
+
+@pytest.mark.parametrize("ranks, text", [([0], "0"), (list(range(8, 16)), "8-15"), ([1, 3, 5, 7], "1-7 step 2"),
+                                         ([0, 1, 5, 9, 10], "0, 1, 5, 9, ... (5)")])
+def test_the_line_names_the_groups_ranks(ranks, text):
+    """One line per EP group of a job: the ranks say which group (TP x CP strides an EP group)."""
+    line = choice_module.BackendChoice("reference", "auto", "why").describe(2, 4, ranks)
+    assert line == f"hybrid_ep: backend reference (asked: auto) for EP group of ranks {text} (2 nodes x 4 ranks): why"

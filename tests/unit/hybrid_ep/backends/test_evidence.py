@@ -54,18 +54,39 @@ def test_the_path_is_the_variable_else_the_cache(monkeypatch, tmp_path):
     assert evidence.evidence_path() == "/site/evidence.json"
 
 
-def test_calibrate_on_cpu_processes_records_reference_and_why_cuda_did_not_run(evidence_file, capsys):
-    rc = cli.main(["--calibrate", "-w", "2", "--hidden", "128", "--tokens", "32", "--topk", "2", "--experts", "4",
-                   "--warmup", "1", "--iters", "3"])
+CALIBRATE = ["--calibrate", "-w", "2", "--hidden", "128", "--tokens", "32", "--topk", "2", "--experts", "4",
+             "--warmup", "1", "--iters", "3"]
+
+
+def test_calibrate_on_cpu_processes_records_reference_and_a_later_run_reuses_it(evidence_file, capsys):
+    """What a CPU calibration records, then --reuse, as a recipe's next job runs it: nothing measured.
+    (A changed shape measures again: test_entries_are_kept_per_shape_and_the_buffers_shape_comes_first.)"""
+    rc = cli.main(CALIBRATE + ["--time-limit", "120"])
     assert rc == 0
     (m,) = evidence.read(str(evidence_file))
-    assert (m.nodes, m.ranks_per_node, m.cuda_ms, m.faster) == (1, 2, None, "reference")
+    assert (m.nodes, m.ranks_per_node, m.cuda_ms, m.faster, m.failure) == (1, 2, None, "reference", None)
     assert m.reference_ms > 0 and m.cuda_unavailable  # e.g. no hybrid_ep._C, or no CUDA device
     assert m.identity == evidence.identity_here("cpu") and m.identity.nccl is None
     assert m.shape == {"hidden": 128, "tokens_per_rank": 32, "topk": 2, "experts": 4, "dtype": "bf16",
                        "routing": "uniform"}
     assert m.date[:4].isdigit() and "versions" not in json.loads(evidence_file.read_text())  # one schema
-    assert f"written to {evidence_file}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("hybrid-ep calibration: measured in ") and " s of its 120 s bound: reference " in out
+    assert out.endswith(f"auto takes reference for EP groups of 1 node x 2 ranks here; written to {evidence_file}\n")
+    assert cli.main(CALIBRATE + ["--reuse"]) == 0
+    assert capsys.readouterr().out.startswith(f"hybrid-ep calibration: reused the entry of {m.date} in "
+                                              f"{evidence_file}: reference ")
+    assert evidence.read(str(evidence_file)) == [m]
+
+
+@pytest.mark.parametrize("flags, message", [(["--reuse"], "argument --reuse: only applies with --calibrate"),
+                                            (["--time-limit", "5"], "argument --time-limit: only applies with "
+                                                                    "--calibrate"),
+                                            (["--calibrate", "--time-limit", "0"], "argument --time-limit: must be > 0 "
+                                                                                   "seconds, got 0")])
+def test_the_calibrations_own_flags_are_checked(flags, message, capsys):
+    assert cli.main(flags) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [["--sms", "8"], ["--backends", "cuda"], ["--out", "x"]])
@@ -142,9 +163,9 @@ def test_the_buffer_logs_which_evidence_it_followed(evidence_file, single_rank_g
         buf = hep.HybridEPBuffer(single_rank_group, 128, 16, 2)
     assert buf.backend == "reference"
     lines = [r.getMessage() for r in caplog.records if "hybrid_ep: backend" in r.getMessage()]
-    assert lines == [f"hybrid_ep: backend reference (asked: auto) for EP 1 node x 1 ranks: measured here: reference "
-                     f"2 ms per dispatch + combine, cuda unavailable at H 7168, 4096 tokens/rank, top-8, bf16; "
-                     f"measured 2026-11-27T10:00:00+00:00 ({evidence_file})"]
+    assert lines == [f"hybrid_ep: backend reference (asked: auto) for EP group of ranks 0 (1 node x 1 ranks): "
+                     f"measured here: reference 2 ms per dispatch + combine, cuda unavailable at H 7168, 4096 "
+                     f"tokens/rank, top-8, bf16; measured 2026-11-27T10:00:00+00:00 ({evidence_file})"]
 
 
 def test_a_new_calibration_replaces_its_own_entry_only(evidence_file):
@@ -168,3 +189,54 @@ def test_ranks_that_disagree_run_reference(monkeypatch, single_rank_group):
     got = backends._agreed(cuda, single_rank_group)
     assert got.name == "reference" and "rank 0: cuda, rank 1: reference" in got.reason
     assert backends._agreed(backends.BackendChoice("reference", "auto", "x"), single_rank_group).name == "reference"
+
+
+def _failure(failure: str, **kw) -> evidence.Measurement:
+    return dataclasses.replace(_measurement(ranks_per_node=1, cuda_ms=None, **kw), cuda_unavailable=None,
+                               failure=failure)
+
+
+def test_a_failure_keeps_reference_and_says_why(evidence_file, single_rank_group, cuda_runs_everywhere, caplog):
+    evidence.write(str(evidence_file), _failure("rank 1 failed: RuntimeError: CUDA error (timing cuda, after 2.0 s)"))
+    with caplog.at_level(logging.INFO, logger="hybrid_ep"):
+        buf = hep.HybridEPBuffer(single_rank_group, 128, 16, 2)
+    assert buf.backend == "reference"
+    (line,) = [r.getMessage() for r in caplog.records if "hybrid_ep: backend" in r.getMessage()]
+    assert line == ("hybrid_ep: backend reference (asked: auto) for EP group of ranks 0 (1 node x 1 ranks): the "
+                    "calibration here failed: rank 1 failed: RuntimeError: CUDA error (timing cuda, after 2.0 s); "
+                    "reference 2 ms per dispatch + combine at H 7168, 4096 tokens/rank, top-8, bf16; "
+                    f"2026-11-27T10:00:00+00:00 ({evidence_file}; delete it to measure again)")
+
+
+def test_the_first_failure_stays_and_replaces_the_unfinished_entry(evidence_file):
+    path = str(evidence_file)
+    started = _failure(f"{evidence.UNFINISHED}: started 2026-11-27T10:00:00+00:00", reference_ms=None)
+    evidence.write(path, started)
+    assert evidence.read(path)[0].faster == "reference"
+    assert evidence.write_failure(path, _failure("rank 1 failed: RuntimeError: fault"))
+    assert not evidence.write_failure(path, _failure("rank 0 failed: RuntimeError: connection reset by peer"))
+    (entry,) = evidence.read(path)
+    assert entry.failure == "rank 1 failed: RuntimeError: fault"
+    assert evidence.reusable(path, started) == (entry, "")  # the same slot: a later job reuses the failure
+
+
+def test_entries_are_kept_per_shape_and_the_buffers_shape_comes_first(evidence_file):
+    path = str(evidence_file)
+    small = dataclasses.replace(_measurement(cuda_ms=3.0), shape={**SHAPE, "hidden": 1024},
+                                date="2026-11-28T10:00:00+00:00")
+    evidence.write(path, _measurement(cuda_ms=1.0))
+    evidence.write(path, small)  # newer, another shape: beside the first
+    here = evidence.identity_here("cpu")
+    assert len(evidence.read(path)) == 2
+    assert evidence.find(1, 4, here, path)[0].shape["hidden"] == 1024  # no shape asked: the newest
+    assert evidence.find(1, 4, here, path, shape={"hidden": 7168, "experts": 256})[0].cuda_ms == 1.0
+    found, why = evidence.reusable(path, dataclasses.replace(small, shape={**SHAPE, "hidden": 2048}))
+    assert found is None and why == "the entry of 2026-11-28T10:00:00+00:00 was made with hidden 1024, here 2048"
+
+
+def test_a_schema_1_file_is_still_read(evidence_file):
+    entry = _measurement().to_json()
+    del entry["failure"]
+    evidence_file.write_text(json.dumps({"schema": "hybrid-ep-auto-evidence/1", "measurements": [entry]}))
+    (m,) = evidence.read(str(evidence_file))
+    assert m.failure is None and m.faster == "cuda"

@@ -98,11 +98,11 @@ def test_segment_and_imex_check_only_where_the_domain_spans_hosts():
 
 
 def test_calibration_runs_one_ep_group_on_its_16_hosts():
-    text = render.render(load(GB200, "dispatcher.calibrate=true"))
-    start = text.index("-m hybrid_ep.bench --calibrate")
+    text = render.render(load(GB200))  # as shipped: it calibrates
+    start = text.index(" --calibrate --reuse ")
     step = text[text.rindex("srun ", 0, start):text.index("\n\n", start)]
     assert step.startswith("srun --nodes=16 --ntasks-per-node=4 ")  # 64 ranks, hosts of 4
-    assert 'eval "$FABRIC_CHECK"' in step and step.endswith("--ranks-per-node 64 --device cuda")
+    assert 'eval "$FABRIC_CHECK"' in step and "--ranks-per-node 64 --device cuda --time-limit 300" in step
 
 
 def test_the_benchmark_tells_each_run_its_domain():

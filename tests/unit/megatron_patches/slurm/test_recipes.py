@@ -77,21 +77,56 @@ def test_rendered_pretrain_script_sets_the_environment():
     assert "--hidden 7168" in bench and "--experts 256" in bench and "--topk 8" in bench
 
 
-def test_calibration_runs_first_on_one_ep_group_and_training_follows_it():
-    """dispatcher.calibrate: hybrid-ep-bench --calibrate on one EP group's ranks at the buffer's
-    shape, into the job's evidence file, which the training step's auto reads."""
-    plain = render.render(cli.load_checked(path_of("deepseek_v3"), []))
-    assert "--calibrate" not in plain and "HYBRID_EP_AUTO_EVIDENCE" not in plain
-    text = render.render(cli.load_checked(path_of("deepseek_v3"), ["dispatcher.calibrate=true"]))
-    export = 'export HYBRID_EP_AUTO_EVIDENCE="$OUT_DIR/auto-evidence.json"'
-    calibrate = text.index("-m hybrid_ep.bench --calibrate")
-    assert text.index(export) < calibrate < text.index("-m megatron_patches.pretrain_gpt")
+EVIDENCE = 'export HYBRID_EP_AUTO_EVIDENCE="results/{name}/auto-evidence.json"'
+
+
+@pytest.mark.parametrize("name", PRETRAIN)
+def test_every_gpu_recipe_as_shipped_calibrates_first_and_keeps_its_evidence(name):
+    """As shipped, every pretraining recipe first runs hybrid-ep-bench --calibrate --reuse on one EP
+    group's ranks, bounded (--time-limit, and Slurm's --time on the step), its evidence beside the
+    recipe's results where the next job finds it, and cannot end the job (`|| echo`); training follows
+    and reads the same file. dispatcher.calibrate=false drops the step, not the file."""
+    text = render.render(cli.load_checked(path_of(name), []))
+    export = EVIDENCE.format(name=name)
+    calibrate = text.index(" --calibrate --reuse ")
     step = text[text.rindex("srun ", 0, calibrate):text.index("\n\n", calibrate)]
-    assert step.startswith("srun --nodes=8 --ntasks-per-node=8 ")  # EP 64 = 8 nodes x 8
-    assert step.endswith("--hidden 7168 --tokens 4096 --experts 320 --topk 8 --dtype bf16 --ranks-per-node 8 "
-                         "--device cuda")  # 320: 5 balancer slots per rank x EP 64
-    tiny = render.render(cli.load_checked(path_of("tiny_moe"), ["dispatcher.calibrate=true"]))
-    assert "srun --nodes=1 --ntasks-per-node=2 " in tiny[tiny.index(export):]  # EP 2 on one node
+    assert text.index(export) < calibrate < text.index("-m megatron_patches.pretrain_gpt")
+    assert " --relative=0 --kill-on-bad-exit=1 --time=8 " in step  # 300 s, rounded up, + 3 min
+    assert "-m hybrid_ep.bench" in step and "--device cuda --time-limit 300 \\\n" in step
+    assert step.endswith('  || echo "hybrid-ep: the calibration step ended with status $?; training starts, auto '
+                         'following $HYBRID_EP_AUTO_EVIDENCE where it holds an entry (a failure keeps reference), else '
+                         'its rule"')
+    assert text.count("srun ") == 2 and text.count("--kill-on-bad-exit=1 --time=") == 1
+    off = render.render(cli.load_checked(path_of(name), ["dispatcher.calibrate=false"]))
+    assert "--calibrate" not in off and export in off
+
+
+def test_calibration_runs_the_dispatchers_shape_on_one_ep_group():
+    """At the buffer's shape, on the group's hosts: deepseek_v3's EP 64 as 8 nodes x 8, 320 experts
+    (5 balancer slots per rank x EP 64); tiny_moe's EP 2 on one node."""
+    text = render.render(cli.load_checked(path_of("deepseek_v3"), []))
+    calibrate = text.index(" --calibrate --reuse ")
+    step = text[text.rindex("srun ", 0, calibrate):text.index("\n\n", calibrate)]
+    assert step.startswith("srun --nodes=8 --ntasks-per-node=8 ")
+    assert ("--calibrate --reuse --hidden 7168 --tokens 4096 --experts 320 --topk 8 --dtype bf16 --ranks-per-node 8 "
+            "--device cuda --time-limit 300") in step
+    tiny = render.render(cli.load_checked(path_of("tiny_moe"), ["dispatcher.calibrate_time_limit_s=90"]))
+    assert "srun --nodes=1 --ntasks-per-node=2 --relative=0 --kill-on-bad-exit=1 --time=5 " in tiny  # 2 + 3 min
+    assert "--time-limit 90" in tiny
+    for sets in (["dispatcher.backend=cuda"], ["dispatcher.type=alltoall", "balancer.interval=0"]):
+        assert "--calibrate" not in render.render(cli.load_checked(path_of("tiny_moe"), sets))
+
+
+def test_the_dry_run_says_what_will_be_measured(capsys):
+    assert cli.main([path_of("deepseek_v3"), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert ("hybrid-ep-launch: deepseek_v3: calibration before training: one EP group of 64 ranks (8 hosts x 8) times "
+            "reference against cuda at H 7168, 4096 tokens/rank, top-8, bf16, 320 experts, within 300 s; evidence "
+            "results/deepseek_v3/auto-evidence.json, reused while device, versions, topology and shape match "
+            "(dispatcher.calibrate=false skips it)") in err
+    assert cli.main([path_of("tiny_moe"), "--set", "dispatcher.calibrate=false"]) == 0
+    assert ("tiny_moe: no calibration (dispatcher.calibrate is false): auto follows "
+            "results/tiny_moe/auto-evidence.json where it holds an entry, else its rule") in capsys.readouterr().err
 
 
 def test_container_fields_are_optional_and_rendered(capsys):
@@ -204,12 +239,13 @@ SLURM_STAND_IN = textwrap.dedent('''
 ''')
 
 
-def _slurm_stand_in(tmp_path, monkeypatch):
+def _slurm_stand_in(tmp_path, monkeypatch, srun: str = 'echo "srun $*"'):
+    """sbatch on PATH (SLURM_STAND_IN), its srun stub the bash of `srun`."""
     bin_dir = tmp_path / "bin"
     (bin_dir / "stubs").mkdir(parents=True)
     sbatch = bin_dir / "sbatch"
     sbatch.write_text(f"#!{sys.executable}\n{SLURM_STAND_IN}")
-    for name, body in [("srun", 'echo "srun $*"'), ("scontrol", "echo node1")]:
+    for name, body in [("srun", srun), ("scontrol", "echo node1")]:
         (bin_dir / "stubs" / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / "stubs" / name).chmod(0o755)
     sbatch.chmod(0o755)
@@ -242,6 +278,23 @@ def test_submitted_job_finds_its_log_folder(name, workdir, tmp_path, monkeypatch
     assert "srun --nodes=" in log.read_text()  # the script ran to its srun line
     if workdir:
         assert not (submit_dir / "results").exists()  # nothing resolved from the submission folder
+
+
+@pytest.mark.parametrize("name", PRETRAIN)
+def test_a_failing_calibration_never_ends_the_job(name, tmp_path, monkeypatch, capsys):
+    """Every GPU recipe, submitted as shipped, under `set -euo pipefail`: the calibration step fails
+    (its srun exits 7, as a step whose tasks crashed or ran out of time does) and the job goes on to
+    its training step, saying so in its log."""
+    _slurm_stand_in(tmp_path, monkeypatch, srun='echo "srun $*"; case "$*" in *--calibrate*) exit 7;; esac')
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main([path_of(name), "--submit", "--script", str(tmp_path / "job.sbatch"), *site_sets(name)])
+    assert rc == 0 and "Submitted batch job 77" in capsys.readouterr().out
+    log = (tmp_path / "results" / name / "slurm-77.out").read_text().splitlines()
+    calibration = next(i for i, line in enumerate(log) if "--calibrate --reuse" in line)
+    assert log[calibration + 1] == ("hybrid-ep: the calibration step ended with status 7; training starts, auto "
+                                    f"following results/{name}/auto-evidence.json where it holds an entry (a failure "
+                                    "keeps reference), else its rule")
+    assert "-m megatron_patches.pretrain_gpt" in log[calibration + 2]  # the training step ran, and was the last
 
 
 def test_a_missing_log_folder_fails_the_stand_in_as_it_fails_slurm(tmp_path, monkeypatch):

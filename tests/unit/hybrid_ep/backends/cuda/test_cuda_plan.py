@@ -17,6 +17,7 @@ from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.agreement import expert_out_block_bytes
 from hybrid_ep.backends.cuda.arena import call_bytes
 from hybrid_ep.backends.cuda.backend import memory_plan
+from hybrid_ep.backends.cuda.errors import SetupError
 from hybrid_ep.backends.cuda.layout import (
     AGREE_WORDS,
     MAX_TOPK,
@@ -569,7 +570,8 @@ def test_fabric_handles_only_after_a_successful_probe(single_rank_group, monkeyp
     never = _FabricExt("")
     assert registered._handle_kind(never, single_rank_group, 0) == registered.IPC and never.probes == 0
     monkeypatch.setenv("HYBRID_EP_HANDLE", "nvlink")
-    with pytest.raises(ValueError, match="HYBRID_EP_HANDLE must be auto, ipc or fabric"):
+    with pytest.raises(SetupError, match="rank 0 failed probing fabric handles \\(HYBRID_EP_HANDLE\\): ValueError: "
+                                         "HYBRID_EP_HANDLE must be auto, ipc or fabric"):
         registered._handle_kind(never, single_rank_group, 0)
 
 
@@ -585,8 +587,8 @@ def test_a_node_across_hosts_without_fabric_handles_is_refused_by_name(monkeypat
     monkeypatch.setattr(registered.dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(registered.dist, "get_rank", lambda group=None: 0)
 
-    def gather(out, mine, group=None):
-        out[:] = [(refused if r == 3 else "", hosts[r]) for r in range(4)]
+    def gather(out, mine, group=None):  # every rank's outcome of the probe step (SetupStep): none failed
+        out[:] = [(None, ("auto", refused if r == 3 else "", hosts[r])) for r in range(4)]
 
     monkeypatch.setattr(registered.dist, "all_gather_object", gather)
     with pytest.raises(RuntimeError, match=r"EP ranks 0..3 \(ranks_per_node=4\) share an NVLink domain across 2 "
@@ -627,8 +629,8 @@ def _exchange_on_rank(ranks_per_node: int):
     from hybrid_ep.backends.cuda.registered import RegisteredBuffers
 
     ext = _HandleExt(dist.get_rank())
-    buffers = RegisteredBuffers.exchanged(ext, 64, dist.group.WORLD, dist.get_rank(), torch.device("cpu"),
-                                          ranks_per_node)
+    config = BufferConfig(128, 8, 4, 4, ranks_per_node).validate()
+    buffers = RegisteredBuffers.exchanged(ext, config, dist.group.WORLD, dist.get_rank(), torch.device("cpu"))
     table = buffers.tables[0].tolist()
     buffers._opened, buffers._owned = [], []  # nothing real to free
     return ext.opened, table
