@@ -151,17 +151,19 @@ bench "bench fp8 store runs" "${SHORT_LEASE_FP8_S:-30}" bench_fp8_runs HYBRID_EP
 bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
     --emulate 8 "${dsv3[@]}" --dtype bf16 --sms 1 2
 # The direct combine's designs the timing model judges (its predictions of each are committed
-# before the run), W = 8, 1 and 2 SMs per rank, by what the predictions rank first: token stages
-# (HYBRID_EP_COMBINE_STAGE=token) with each hand-off, the named hand-off, the converged and
-# elected waits, 8 reducer warps, at the seed shape and the DeepSeek-V3-like one; then the seed
-# shape alone; each into combine_variants/<variant>_<shape>/. What the budget leaves out is said.
-variants=("token_named seed COMBINE_STAGE=token REDUCER_WAIT=named"
-    "token_named dsv3 COMBINE_STAGE=token REDUCER_WAIT=named"
-    "token_named_r8 seed COMBINE_STAGE=token REDUCER_WAIT=named REDUCER_WARPS=8"
+# before the run: benchmarks/results/predicted-8dc6462/), W = 8, 1 and 2 SMs per rank, by what
+# the predictions rank first: the proposed default (token stages, the named hand-off, 8 reducer
+# warps), the same with 4, the converged wait with 8 (whose hand-off price is still an estimate),
+# then token stages with each hand-off, the named hand-off, the elected wait, at the seed shape
+# and the DeepSeek-V3-like one; then the seed shape alone; each into
+# combine_variants/<variant>_<shape>/. What the budget leaves out is said.
+variants=("token_named_r8 seed COMBINE_STAGE=token REDUCER_WAIT=named REDUCER_WARPS=8"
     "token_named_r8 dsv3 COMBINE_STAGE=token REDUCER_WAIT=named REDUCER_WARPS=8"
+    "token_named seed COMBINE_STAGE=token REDUCER_WAIT=named"
+    "token_named dsv3 COMBINE_STAGE=token REDUCER_WAIT=named"
+    "converged_r8 seed REDUCER_WAIT=converged REDUCER_WARPS=8" "converged_r8 dsv3 REDUCER_WAIT=converged REDUCER_WARPS=8"
     "token seed COMBINE_STAGE=token" "token dsv3 COMBINE_STAGE=token"
     "named seed REDUCER_WAIT=named" "named dsv3 REDUCER_WAIT=named"
-    "converged_r8 seed REDUCER_WAIT=converged REDUCER_WARPS=8" "converged_r8 dsv3 REDUCER_WAIT=converged REDUCER_WARPS=8"
     "r8_elect seed REDUCER_WARPS=8 REDUCER_WAIT=elect" "r8_elect dsv3 REDUCER_WARPS=8 REDUCER_WAIT=elect"
     "token_converged seed COMBINE_STAGE=token REDUCER_WAIT=converged"
     "named_r8 seed REDUCER_WAIT=named REDUCER_WARPS=8" "converged seed REDUCER_WAIT=converged"
@@ -179,8 +181,10 @@ for v in "${variants[@]}"; do
 done
 # Where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), at the bench's own
 # point (1 SM per rank, the GPU's own clocks: gpu_check.sh's ncu stage): fp8's dispatch, which no
-# ncu reading has read, and the combine the predictions rank first (token stages, the named hand-off)
-HYBRID_EP_COMBINE_STAGE=token HYBRID_EP_REDUCER_WAIT=named GPU_CHECK_NCU_DTYPE=fp8 GPU_CHECK_NCU_SMS=1 \
+# ncu reading has read, and the combine the predictions rank first (token stages, the named
+# hand-off, 8 reducer warps)
+HYBRID_EP_COMBINE_STAGE=token HYBRID_EP_REDUCER_WAIT=named HYBRID_EP_REDUCER_WARPS=8 \
+    GPU_CHECK_NCU_DTYPE=fp8 GPU_CHECK_NCU_SMS=1 \
     stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 if fits test "${SHORT_LEASE_TEST_S:-200}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
