@@ -45,7 +45,8 @@
 # build/gpu-prebuilt); GPU_CHECK_DEEPEP_WHEEL (default build/deepep/deep_ep-*.whl);
 # GPU_CHECK_PROCESSES_ARGS (the processes stage's points as hybrid_ep.bench.processes flags; default
 # every layout the build serves, bf16 and fp8); GPU_CHECK_NCU_DTYPE (the ncu stage's rows, bf16 or
-# fp8; default bf16).
+# fp8; default bf16); GPU_CHECK_NCU_SMS (the ncu stage's SMs per rank, default 1: the bench's point);
+# GPU_CHECK_TEST_K (the test stage's tests: a pytest -k expression; default every GPU test).
 set -uo pipefail
 
 usage() {
@@ -194,9 +195,9 @@ build() {
 }
 
 run_tests() {
-    say "GPU tests (log: gpu_tests.log, at most $(left) s)"
+    say "GPU tests${GPU_CHECK_TEST_K:+ -k '$GPU_CHECK_TEST_K'} (log: gpu_tests.log, at most $(left) s)"
     bounded "$(left)" "$py" -m pytest -m "gpu or multigpu" -v -rfEs -p no:cacheprovider --timeout=120 \
-        --maxfail=10 --junitxml="$results/gpu_tests.xml" \
+        --maxfail=10 --junitxml="$results/gpu_tests.xml" ${GPU_CHECK_TEST_K:+-k "$GPU_CHECK_TEST_K"} \
         tests/gpu/test_cuda_emulation.py tests/gpu/test_reference_nccl.py tests/unit/hybrid_ep/balancer/test_loop.py \
         tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py tests/unit/hybrid_ep/verify/test_oracle.py \
         tests/unit/hybrid_ep/backends/cuda/test_cuda_plan.py tests/gpu/test_cuda_arena.py \
@@ -289,20 +290,25 @@ run_bench_dsv3() {
 # told otherwise).
 ncu_path=${HYBRID_EP_DATA_PATH:-direct}
 ncu_dtype=${GPU_CHECK_NCU_DTYPE:-bf16}  # the dispatched rows' dtype (fp8: rows and their scales)
+# SMs per rank: the bench's own point (its kernels at 1 SM per rank, the clocks it runs at: ncu's
+# --clock-control none; ncu's default locks the base clock, 1.5 GHz on the H200 against 1.98)
+ncu_sms=${GPU_CHECK_NCU_SMS:-1}
 if [ "$ncu_path" = receive ]; then ncu_kernels=(dispatch_receive_kernel combine_receive_kernel)
 else ncu_kernels=(dispatch_direct_kernel combine_direct_kernel); fi
 
 run_ncu() {
     # Each call of emulated_check launches dispatch, combine, dispatch (handle reuse); skip the
     # first call's three and profile the second call's dispatch and combine.
-    say "ncu on ${ncu_kernels[0]} and ${ncu_kernels[1]} ($ncu_path path), W=8 H=8192 T=4096 K=8 E=16 $ncu_dtype (log: ncu.log)"
+    say "ncu on ${ncu_kernels[0]} and ${ncu_kernels[1]} ($ncu_path path), W=8 H=8192 T=4096 K=8 E=16 $ncu_dtype," \
+        "$ncu_sms SM(s) per rank, the GPU's own clocks (log: ncu.log)"
     HYBRID_EP_DATA_PATH=$ncu_path bounded "$(( $(left) - 40 > 30 ? $(left) - 40 : 30 ))" ncu --target-processes all \
+        --clock-control none \
         --kernel-name "regex:${ncu_kernels[0]}|${ncu_kernels[1]}" \
         --launch-skip 3 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section SourceCounters --export "$results/ncu" --force-overwrite \
         "$py" -m harness.emulated_check -w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 \
-        --dtype "$ncu_dtype" --calls 2 --no-check > "$results/ncu.log" 2>&1
+        --dtype "$ncu_dtype" --sms "$ncu_sms" --calls 2 --no-check > "$results/ncu.log" 2>&1
     local rc=$?
     if [ -f "$results/ncu.ncu-rep" ]; then  # the post-processing has the 40 s kept above
         bounded "$(left)" ncu --import "$results/ncu.ncu-rep" --page details > "$results/ncu_details.txt" 2>&1

@@ -3,23 +3,26 @@
 # (540) seconds after it starts, the build included (the device runs one command for at most 10
 # minutes; the machine's start is outside it): the extension builds in the background while the
 # microbenchmarks run (the carried build of scripts/prebuild_gpu.sh in seconds when it fits the
-# checkout and loads, else a build here), then the GPU tests, then what no run has measured on
-# today's kernels: the DeepSeek-V3-like layer on the direct path (E=256, top-8, H=7168, 4096 tokens
-# per rank, W=8, default settings, with the bytes each rank's buffer holds in its JSON), fp8
-# dispatch at W=8 (direct path, 1 and 2 SMs per rank: fp8 must reach bf16's tokens/s), ncu's warp
-# samples by source line of the direct dispatch and combine (gpu_check.sh ncu), W=8 ranks as 8
-# processes under MPS with no arena_bytes beside the emulation, plain and through peer memory
-# (gpu_check.sh processes: oracle, path per call, GB/s/SM), and its seed point again with 3
-# direct-combine stages per pipeline (HYBRID_EP_DIRECT_COMBINE_STAGES=3), the benchmark (direct
-# path + W=8 as 2 and 4 nodes), DeepEP beside hybrid-ep (8 processes on the GPU under MPS, the carried DeepEP
-# wheel); then what the last run measured: the DeepSeek-V3-like layer on the receive path, the
-# receive path's single-node sweep, and last the racecheck probe (docs/benchmarks/racecheck.md;
-# its table is copied into the summary). After ncu: one NVLink domain of 36 ranks emulated
-# (seed and DeepSeek-V3-like shapes, direct path).
+# checkout and loads, else a build here; among them the hand-offs the timing model prices,
+# H_converged and H_named, the token stage's loads C_gather_1 / C_gather_8, and fp8's stores
+# C_direct_1_fp8 / C_direct_2_fp8), then the decisions: the oracle on every direct-combine variant
+# and combination the lease times and on the dispatch's store runs (gpu_check.sh test with
+# GPU_CHECK_TEST_K), the same run's seed bf16 baseline, fp8 dispatch with a row a store and with
+# store runs (fp8 must reach 1.6x bf16's tokens/s), the DeepSeek-V3-like layer (E=256, top-8,
+# H=7168), all at W=8 on the direct path, 1 and 2 SMs per rank, then the direct combine's variants
+# at both shapes, 1 and 2 SMs per rank, by what the committed predictions rank first, and ncu's
+# warp samples by source line of fp8's dispatch and the first-ranked combine at the bench's own
+# point (1 SM per rank, the GPU's clocks: gpu_check.sh ncu); then the GPU tests, the process
+# bench's emulation points alone (the 2026-11-28 runs' illegal memory access), one NVLink domain of
+# 36 ranks emulated (seed and DeepSeek-V3-like shapes, direct path), W=8 ranks as 8 processes under
+# MPS beside the emulation (gpu_check.sh processes) and its seed point with 3 direct-combine stages,
+# the benchmark (direct path + W=8 as 2 and 4 nodes), DeepEP beside hybrid-ep, the DeepSeek-V3-like
+# layer on the receive path and the racecheck probe, as the time allows.
 # Every part is bounded by
 # its budget and by what is left before the end (a part with under 30 s left is not run, and the
-# summary says so); the logs of all parts are packed into OUT/logs_short_lease.tgz beside
-# OUT/summary.txt (the device returns at most 8 files).
+# summary says so); after every part the logs so far are packed into OUT/logs_short_lease.tgz
+# beside OUT/summary.txt (the device returns at most 8 files), so a call cut short still returns
+# what ran.
 #
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh "$OUT"
 #   GPU_CHECK_COMMIT=<short hash> bash scripts/gpu_short_lease.sh --second "$OUT"
@@ -36,10 +39,11 @@
 #
 # Budgets (seconds) per part, and what each took or is expected to take (docs/benchmarks/cuda.md,
 # "A lease of 15 device-minutes"): SHORT_LEASE_BUILD_S (240; the carried build about 10, a build
-# here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_TEST_S (180; 89-91 on an H100,
-# over 107 on the H200), SHORT_LEASE_BENCH_S (170), SHORT_LEASE_RECEIVE_S (90; 20-25 measured),
-# SHORT_LEASE_FP8_S (60), SHORT_LEASE_DSV3_S (45 for each of the two paths), SHORT_LEASE_VARIANTS_S (110, the
-# combine's variants together), SHORT_LEASE_NCU_S (100; the
+# here 50-90 measured), SHORT_LEASE_MICRO_S (150; 23-26 measured), SHORT_LEASE_ORACLE_S (90; the
+# variants' and store runs' oracle tests), SHORT_LEASE_TEST_S (200; 137 on the H200 on 2026-11-28),
+# SHORT_LEASE_BENCH_S (100), SHORT_LEASE_SEED_S (30), SHORT_LEASE_FP8_S (30, each of fp8's two points;
+# 12 measured), SHORT_LEASE_DSV3_S (30 for each of the two paths; 13 measured), SHORT_LEASE_VARIANTS_S
+# (220, the combine's variants together: about 13 s a variant and shape at 1 and 2 SMs), SHORT_LEASE_NCU_S (100; the
 # profiled call about 20 s inside ncu), SHORT_LEASE_DOMAIN_S (30 for each shape of the 36-rank
 # domain), SHORT_LEASE_EMULATION_ALONE_S (100; the process
 # bench's emulation points alone, launches blocking, without and with MPS, then memcheck),
@@ -57,11 +61,19 @@ r=$(mktemp -d)
 if [ "$call" = second ]; then end=${SHORT_LEASE_END_S:-270}; else end=${SHORT_LEASE_END_S:-540}; fi
 export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a} PYTHONUNBUFFERED=1
 export HYBRID_EP_TIMEOUT_S=${HYBRID_EP_TIMEOUT_S:-20}
-note() { echo "short_lease [$call call, $(date +%T), ${SECONDS} s]: $*" | tee -a "$r/summary.txt"; }
+# pack: every log so far into OUT's archive (written aside, then moved: a call killed while it
+# packs leaves the last whole archive), after every part and at the exit, so that a call cut short
+# still returns what ran.
 pack() {
-    if [ "$call" = second ]; then tar czf "$out/logs_second_call.tgz" -C "$r" .
-    else tar czf "$out/logs_short_lease.tgz" -C "$r" .; fi
-    cp "$r/summary.txt" "$out/summary.txt"
+    local archive=$out/logs_short_lease.tgz
+    [ "$call" = second ] && archive=$out/logs_second_call.tgz
+    tar czf "$archive.part" -C "$r" . 2>/dev/null && mv -f "$archive.part" "$archive"
+    cp "$r/summary.txt" "$out/summary.txt" 2>/dev/null
+}
+line() { echo "short_lease [$call call, $(date +%T), ${SECONDS} s]: $*" | tee -a "$r/summary.txt"; }
+note() {  # a part's line in the summary, then the logs packed
+    line "$@"
+    pack
 }
 trap pack EXIT
 # fits PART BUDGET: true with $s = the part's seconds, its budget cut to what is left before
@@ -71,7 +83,7 @@ fits() {
     s=$((end - 10 - SECONDS))
     [ "$2" -lt "$s" ] && s=$2
     [ "$s" -ge 30 ] && return 0
-    note "$1 not run: $((end - SECONDS)) s left of $end"
+    line "$1 not run: $((end - SECONDS)) s left of $end"
     return 1
 }
 # bench PART BUDGET FOLDER [VAR=VALUE ...] -- FLAGS: one hybrid_ep.bench run into FOLDER/ and FOLDER.log
@@ -117,18 +129,67 @@ note "build exit $?: $(grep -m1 -oE '(using the carried build|building hybrid_ep
 # hosts need; registered.py's probe): the reason it cannot, or that it can
 note "fabric probe: $(python3 -c 'from hybrid_ep.backends.cuda.layout import compiled as ext
 print(ext.fabric_probe(0) or "a fabric allocation was created and exported")' 2>&1 | tail -1)"
+# Decisions first (what the committed predictions score and the designs they judge: the direct
+# combine's default, fp8's store design). The oracle on every combine variant and combination the
+# lease times, and on the dispatch's store runs, before any of them is timed.
+if fits oracle "${SHORT_LEASE_ORACLE_S:-90}"; then
+    GPU_CHECK_TEST_K="direct_combine_variants or store_runs" GPU_CHECK_BUDGET_S=$s \
+        bash scripts/gpu_check.sh test "$r/oracle" > "$r/oracle_stage.out" 2>&1
+    note "oracle exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/oracle/gpu_tests.log" | tail -1)"
+fi
+shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
+dsv3=(--hidden 7168 --tokens 4096 --topk 8 --experts 256)
+# The same run's bf16 baseline at the seed shape (the variants and fp8 are read against it), then
+# fp8's dispatch (it must reach 1.6x bf16's tokens/s) with a row a store and with store runs
+# (HYBRID_EP_STORE_RUNS=1: whichever C_direct_2_fp8 favours), then the DeepSeek-V3-like layer.
+note "seed bf16, fp8 and fp8 with store runs, DeepSeek-V3-like: W=8 direct path, 1 and 2 SMs per rank"
+bench "bench seed" "${SHORT_LEASE_SEED_S:-30}" bench_seed HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 8 "${shape[@]}" --dtype bf16 --sms 1 2
+bench "bench fp8" "${SHORT_LEASE_FP8_S:-30}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+bench "bench fp8 store runs" "${SHORT_LEASE_FP8_S:-30}" bench_fp8_runs HYBRID_EP_STORE_RUNS=1 -- \
+    --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
+bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
+    --emulate 8 "${dsv3[@]}" --dtype bf16 --sms 1 2
+# The direct combine's designs the timing model judges (its predictions of each are committed
+# before the run: benchmarks/results/predicted-8dc6462/), W = 8, 1 and 2 SMs per rank, by what
+# the predictions rank first: the proposed default (token stages, the named hand-off, 8 reducer
+# warps), the same with 4, the converged wait with 8 (whose hand-off price is still an estimate),
+# then token stages with each hand-off, the named hand-off, the elected wait, at the seed shape
+# and the DeepSeek-V3-like one; then the seed shape alone; each into
+# combine_variants/<variant>_<shape>/. What the budget leaves out is said.
+variants=("token_named_r8 seed COMBINE_STAGE=token REDUCER_WAIT=named REDUCER_WARPS=8"
+    "token_named_r8 dsv3 COMBINE_STAGE=token REDUCER_WAIT=named REDUCER_WARPS=8"
+    "token_named seed COMBINE_STAGE=token REDUCER_WAIT=named"
+    "token_named dsv3 COMBINE_STAGE=token REDUCER_WAIT=named"
+    "converged_r8 seed REDUCER_WAIT=converged REDUCER_WARPS=8" "converged_r8 dsv3 REDUCER_WAIT=converged REDUCER_WARPS=8"
+    "token seed COMBINE_STAGE=token" "token dsv3 COMBINE_STAGE=token"
+    "named seed REDUCER_WAIT=named" "named dsv3 REDUCER_WAIT=named"
+    "r8_elect seed REDUCER_WARPS=8 REDUCER_WAIT=elect" "r8_elect dsv3 REDUCER_WARPS=8 REDUCER_WAIT=elect"
+    "token_converged seed COMBINE_STAGE=token REDUCER_WAIT=converged"
+    "named_r8 seed REDUCER_WAIT=named REDUCER_WARPS=8" "converged seed REDUCER_WAIT=converged"
+    "token_elect_r8 seed COMBINE_STAGE=token REDUCER_WAIT=elect REDUCER_WARPS=8")
+variants_end=$((SECONDS + ${SHORT_LEASE_VARIANTS_S:-220}))
+mkdir -p "$r/combine_variants"
+for v in "${variants[@]}"; do
+    read -r name on settings <<< "$v"
+    [ "$SECONDS" -lt "$variants_end" ] || { line "combine $name $on not run: the variants' budget is spent"; continue; }
+    if [ "$on" = seed ]; then flags=("${shape[@]}"); else flags=("${dsv3[@]}"); fi
+    env_settings=()
+    for setting in $settings; do env_settings+=("HYBRID_EP_$setting"); done
+    bench "combine $name $on" "$((variants_end - SECONDS))" "combine_variants/${name}_$on" HYBRID_EP_DATA_PATH=direct \
+        "${env_settings[@]}" -- --emulate 8 "${flags[@]}" --dtype bf16 --sms 1 2
+done
+# Where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), at the bench's own
+# point (1 SM per rank, the GPU's own clocks: gpu_check.sh's ncu stage): fp8's dispatch, which no
+# ncu reading has read, and the combine the predictions rank first (token stages, the named
+# hand-off, 8 reducer warps)
+HYBRID_EP_COMBINE_STAGE=token HYBRID_EP_REDUCER_WAIT=named HYBRID_EP_REDUCER_WARPS=8 \
+    GPU_CHECK_NCU_DTYPE=fp8 GPU_CHECK_NCU_SMS=1 \
+    stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 if fits test "${SHORT_LEASE_TEST_S:-200}"; then
     GPU_CHECK_BUDGET_S=$s bash scripts/gpu_check.sh test "$r/test" > "$r/test_stage.out" 2>&1
     note "test exit $?: $(grep -E '^=+ .*(passed|failed|error)' "$r/test/gpu_tests.log" | tail -1)"
 fi
-# In the order of what a lease must settle: correctness (the tests above; the process bench's
-# illegal memory access, below), then the speed the committed predictions score and the designs
-# they judge (the DeepSeek-V3-like layer, fp8, the direct combine's variants, ncu of fp8's
-# dispatch, the model's one miss among the direct kernels), then the processes (8 processes under
-# MPS beside the emulation, plain and through peer memory, bf16 and fp8, every timed call's path
-# kept, with the oracle on the direct path between processes; then the seed point with fewer
-# direct-combine stages), the bench across nodes, DeepEP beside it, and what earlier runs measured
-# if time is left.
 # The illegal memory access of both 2026-11-28 runs (the process bench's plain emulation of seed
 # fp8, right after seed bf16 through peer memory, in the bench's own process; the CPU model and a
 # fresh process of `bench --emulate 8 --dtype fp8` run clean): the emulation points alone, no
@@ -156,38 +217,6 @@ if fits "emulation alone" "${SHORT_LEASE_EMULATION_ALONE_S:-100}"; then
         grep -m8 -E 'Invalid|ERROR SUMMARY|^=+ +at |^processes ' "$r/emulation_alone/memcheck.log" >> "$r/summary.txt"
     fi
 fi
-note "DeepSeek-V3-like layer, W=8, 4096 tokens per rank, direct path, 1 and 2 SMs per rank (bench_dsv3_direct/)"
-bench "bench dsv3 direct" "${SHORT_LEASE_DSV3_S:-30}" bench_dsv3_direct HYBRID_EP_DATA_PATH=direct -- \
-    --emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2
-shape=(--hidden 8192 --tokens 4096 --topk 8 --experts 16)
-note "fp8 dispatch, W=8 direct path, 1 and 2 SMs per rank (bench_fp8/)"
-bench "bench fp8" "${SHORT_LEASE_FP8_S:-30}" bench_fp8 -- --emulate 8 "${shape[@]}" --dtype fp8 --sms 1 2
-# The direct combine's designs the timing model judges (its predictions of each are committed
-# before the run): every lane's own converged stage wait, 8 reducer warps a pipeline, the elected
-# stage wait, 8 warps with it, and 3 stages a pipeline (a combine that slows with fewer stages
-# waits on its loads), W = 8, 1 SM per rank (2 SMs took 0.50 of 1 SM's time in every run), seed
-# shape, and the DeepSeek-V3-like one where the wait or the warps change; each into
-# combine_variants/<variant>_<shape>/.
-dsv3=(--hidden 7168 --tokens 4096 --topk 8 --experts 256)
-variants=("converged seed HYBRID_EP_REDUCER_WAIT=converged" "converged dsv3 HYBRID_EP_REDUCER_WAIT=converged"
-    "r8 seed HYBRID_EP_REDUCER_WARPS=8" "r8 dsv3 HYBRID_EP_REDUCER_WARPS=8"
-    "elect seed HYBRID_EP_REDUCER_WAIT=elect" "r8_elect seed HYBRID_EP_REDUCER_WARPS=8 HYBRID_EP_REDUCER_WAIT=elect"
-    "r8_elect dsv3 HYBRID_EP_REDUCER_WARPS=8 HYBRID_EP_REDUCER_WAIT=elect"
-    "stages3 seed HYBRID_EP_DIRECT_COMBINE_STAGES=3")
-variants_end=$((SECONDS + ${SHORT_LEASE_VARIANTS_S:-110}))
-mkdir -p "$r/combine_variants"
-for v in "${variants[@]}"; do
-    read -r name on settings <<< "$v"
-    [ "$SECONDS" -lt "$variants_end" ] || { note "combine $name $on not run: the variants' budget is spent"; continue; }
-    if [ "$on" = seed ]; then flags=("${shape[@]}"); else flags=("${dsv3[@]}"); fi
-    # shellcheck disable=SC2086  # the variant's settings are words
-    bench "combine $name $on" "$((variants_end - SECONDS))" "combine_variants/${name}_$on" HYBRID_EP_DATA_PATH=direct \
-        $settings -- --emulate 8 "${flags[@]}" --dtype bf16 --sms 1
-done
-# where the direct kernels' warps stall, by source line (ncu/ncu_lines_*.txt), with fp8 rows: the
-# timing model prices fp8's dispatch at 0.71-0.73 of its time and no ncu reading of it exists (two
-# runs read the bf16 kernels)
-GPU_CHECK_NCU_DTYPE=fp8 stage ncu "${SHORT_LEASE_NCU_S:-100}" ncu
 # One NVLink domain of 36 ranks (a GB200 NVL36) emulated on this GPU, the direct path, seed shape
 # (E = 72) and DeepSeek-V3-like (E = 288), 1 and 2 SMs per rank: GB/s/SM beside the 8-rank points
 note "one domain of 36 ranks, direct path, 1 and 2 SMs per rank (bench_domain36_{seed,dsv3}/)"

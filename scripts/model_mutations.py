@@ -48,6 +48,11 @@ RINGS_NODES = "tests/model/test_combine_rings_model.py::test_several_nodes_calls
 # The hazards the weakened model reproduces (tests/model/test_hazards_model.py).
 HAZARD_CREDITS = "tests/model/test_hazards_model.py::test_the_combines_last_credits_land_before_the_next_call"
 HAZARD_STAGES = "tests/model/test_hazards_model.py::test_the_direct_dispatch_keeps_an_even_stage_count"
+# The direct combine's knob combinations the lease times: token stages with every lane observing and
+# with a named barrier, one node; the named hand-off on route stages, two nodes.
+LEASE_VARIANTS = "tests/model/test_kernels_model.py::test_every_combination_the_lease_times_gives_the_oracle_result"
+LEASE_TOKEN = f"{LEASE_VARIANTS}[token-None-None-1] {LEASE_VARIANTS}[token-named-8-1]"
+LEASE_NAMED = f"{LEASE_VARIANTS}[route-named-None-2] {LEASE_VARIANTS}[token-named-None-1]"
 # The direct path on several nodes: calls that wrap its staging and node-partial rings many times.
 DIRECT_NODES = ("tests/model/test_hierarchy_direct_model.py::"
                 "test_calls_that_wrap_the_rdma_rings_many_times_match_the_oracle")
@@ -183,7 +188,7 @@ MUTATIONS = (
              "finished blocks is not reset, so the next call's last block never publishes done)",
              "csrc/kernels/skeleton.cuh", "  *blocks_done = 0;\n", ""),
     Mutation("direct-combine-weight-dropped", "a route summed without its routing weight (apply_probs)",
-             "csrc/kernels/combine_direct.cuh", "          weight = tab.weight[q][j];", "          weight = 1.f;"),
+             "csrc/kernels/combine_direct.cuh", "        weight = tab.weight[q][j];", "        weight = 1.f;"),
     Mutation("layout-mask-counted-before-read", "a missing __syncwarp (an expert's lane mask turned into its count "
              "before every lane read it)", "csrc/kernels/count.cuh",
              "    __syncwarp();  // every lane has read the masks before they become counts\n", ""),
@@ -292,6 +297,26 @@ MUTATIONS = (
              "csrc/kernels/combine_direct.cuh", "      d.pipeline_ring(p).init(1, R);",
              "      d.pipeline_ring(p).init(1, kReducerWarpsNarrow);",
              tests="tests/model/test_kernels_model.py::test_eight_reducer_warps_add_the_widest_segments"),
+    # The direct combine's token stages (HYBRID_EP_COMBINE_STAGE=token) and its named hand-off
+    # (HYBRID_EP_REDUCER_WAIT=named), against the combinations the GPU lease times.
+    Mutation("token-stage-freed-before-summed", "a stage freed before every reader is done with it (a token "
+             "stage released before its reducers summed its parts: the load warp refills it under them)",
+             "csrc/kernels/combine_direct.cuh",
+             "    const int n = (it.flags & kNoBytes) ? 0 : tp.n;\n",
+             "    const int n = (it.flags & kNoBytes) ? 0 : tp.n;\n"
+             "    if (lane == 0) ring.consumer_release(p);\n",
+             tests=LEASE_TOKEN),
+    Mutation("token-stage-expects-a-part-short", "a missing wait (a token stage's expected bytes one part short: "
+             "its phase may complete before its last part lands)", "csrc/kernels/combine_direct.cuh",
+             "((static_cast<uint32_t>(n) - in_wire) * d.in_bytes +",
+             "((static_cast<uint32_t>(n) - 1 - in_wire) * d.in_bytes +", tests=LEASE_TOKEN),
+    Mutation("token-segment-for-one-part", "a stage overrun (a token stage's segment sized for one part, not the "
+             "call's top-k: its parts run past the stage)", "csrc/kernels/combine_direct.cuh",
+             "stage_bytes / (static_cast<uint32_t>(K > 0 ? K : 1) * elem)", "stage_bytes / elem",
+             tests=LEASE_TOKEN),
+    Mutation("named-hand-off-without-its-barrier", "warps reading a stage only their group's waiter waited for, "
+             "with no barrier after its wait (HYBRID_EP_REDUCER_WAIT=named without the bar.sync)",
+             "csrc/kernels/segments.cuh", "  dev::named_barrier_sync(id, threads);\n", "", tests=LEASE_NAMED),
     Mutation("bad-route-of-the-last-rank", "ranks naming another rank's bad route than the lowest",
              "csrc/kernels/count.cuh", "for (int s = 0; s < W && sh.bad_rank < 0; ++s) {",
              "for (int s = 0; s < W; ++s) {", tests="tests/model/test_routing_device.py"),
@@ -369,7 +394,7 @@ def _first_failure(output: str) -> tuple[str, str]:
 
 def _run_tests(root: str, tests: str, timeout_s: int) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": root, "HYBRID_EP_TIMEOUT_S": "5"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", tests],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests.split()],
                           cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc.returncode, proc.stdout + proc.stderr
 

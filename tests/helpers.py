@@ -7,6 +7,15 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The direct combine's knob combinations the GPU lease times (scripts/gpu_short_lease.sh, its
+# combine variants), each checked against the oracle on the CPU model (tests/model) and on the GPU
+# (tests/gpu) before it is timed: (HYBRID_EP_COMBINE_STAGE, HYBRID_EP_REDUCER_WAIT,
+# HYBRID_EP_REDUCER_WARPS), None the default (route, observe, 4). The first is CI's.
+LEASE_COMBINE_VARIANTS = (("token", "named", "8"), ("route", "converged", "8"), ("route", "elect", "8"),
+                          ("route", "named", None), ("route", "named", "8"), ("token", None, None),
+                          ("token", "converged", None), ("token", "converged", "8"), ("token", "elect", None),
+                          ("token", "elect", "8"), ("token", "named", None))
+
 
 def checkout_env(**extra: str) -> dict[str, str]:
     """os.environ with this checkout and its tests/ (the harnesses) first on PYTHONPATH, and

@@ -67,6 +67,9 @@ inline void bind_common(py::module_& m) {
   m.attr("REDUCER_WAIT_OBSERVE") = kReducerWaitObserve;
   m.attr("REDUCER_WAIT_ELECT") = kReducerWaitElect;
   m.attr("REDUCER_WAIT_CONVERGED") = kReducerWaitConverged;
+  m.attr("REDUCER_WAIT_NAMED") = kReducerWaitNamed;
+  m.attr("COMBINE_STAGE_ROUTE") = kCombineStageRoute;
+  m.attr("COMBINE_STAGE_TOKEN") = kCombineStageToken;
   m.attr("REDUCER_WARPS_NARROW") = kReducerWarpsNarrow;
   m.attr("REDUCER_WARPS_WIDE") = kReducerWarpsWide;
   m.attr("DIRECT_STORE_THREADS") = kDirectStoreWarps;
@@ -166,9 +169,9 @@ inline void bind_common(py::module_& m) {
                   RW(LaunchArgs, store_groups) RW(LaunchArgs, wire_dtype) RW(LaunchArgs, seg_cols)
                       RW(LaunchArgs, host_stages) RW(LaunchArgs, host_stage_bytes) RW(LaunchArgs, host_out_stages)
                           RW(LaunchArgs, src_stages) RW(LaunchArgs, src_stage_bytes) RW(LaunchArgs, reducer_wait)
-                              RW(LaunchArgs, reducer_warps) RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns)
-                                  RW(LaunchArgs, abort_flag) RW(LaunchArgs, error) RW(LaunchArgs, bad_route)
-                                      RW(LaunchArgs, num_sms)
+                              RW(LaunchArgs, reducer_warps) RW(LaunchArgs, combine_stage) RW(LaunchArgs, store_runs)
+                                  RW(LaunchArgs, info_read) RW(LaunchArgs, timeout_ns) RW(LaunchArgs, abort_flag)
+                                      RW(LaunchArgs, error) RW(LaunchArgs, bad_route) RW(LaunchArgs, num_sms)
       .def("set_rank",
            [](HostLaunchArgs& self, int i, const RankArgs& r) {
              if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");

@@ -39,10 +39,20 @@ constexpr int kDirectCombinePipelines = 2;  // pipelines of a combine_direct blo
 // kReducerWaitElect they rely on the agreement's __syncwarp, which orders lane 0's acquire before
 // their reads. With kReducerWaitConverged every lane waits (bounded) itself, the warp converged,
 // and a vote of lanes that arrive together gives the verdict: no lane runs a wait loop while the
-// others stand at a collective.
+// others stand at a collective. With kReducerWaitNamed one thread of the whole reducer group
+// waits (bounded) and the group meets at a named barrier (bar.sync), which hands every warp the
+// stage and the verdict at once (Hybrid-EP's hand-off): no warp_uniform, no lane observes.
 constexpr int kReducerWaitObserve = 0;
 constexpr int kReducerWaitElect = 1;
 constexpr int kReducerWaitConverged = 2;
+constexpr int kReducerWaitNamed = 3;
+// What one stage of a direct-combine pipeline holds (LaunchArgs::combine_stage; the host picks it
+// from HYBRID_EP_COMBINE_STAGE, a design under measurement): one route's row segment
+// (kCombineStageRoute: a hand-off per route row) or every part of one token's column segment
+// (kCombineStageToken: the load warp issues the token's parts under one expected-bytes arrival,
+// the reducers wait once, sum the parts, store the segment and release the stage once).
+constexpr int kCombineStageRoute = 0;
+constexpr int kCombineStageToken = 1;
 // Reducer warps per pipeline of a combine_direct block (LaunchArgs::reducer_warps; the host picks
 // it from HYBRID_EP_REDUCER_WARPS, a design under measurement): a segment of up to
 // kCombineMaxSegCols columns spread over 4 warps (8 vectors a thread, 162 registers)
@@ -421,10 +431,13 @@ struct LaunchArgs {
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)
   int32_t src_stages;       // combine: stages of partials the source sums, and their bytes (seg_cols of wire_dtype)
   int32_t src_stage_bytes;
-  int32_t reducer_wait;                         // combine_direct: kReducerWait{Observe,Elect,Converged}
+  int32_t reducer_wait;                         // combine_direct: kReducerWait{Observe,Elect,Converged,Named}
   int32_t reducer_warps = kReducerWarpsNarrow;  // combine_direct: kReducerWarpsNarrow or kReducerWarpsWide
-  int32_t info_read;                            // count: the host reads its info before it launches the dispatch kernel
-                                                // (dynamic size): a bad route is reported there, not in bad_route
+  int32_t combine_stage = kCombineStageRoute;   // combine_direct: kCombineStage{Route,Token}
+  int32_t store_runs = 0;  // dispatch_direct: a stage's consecutive rows bound for consecutive rows of one
+                           // destination leave as one bulk store (1), or every row alone (0)
+  int32_t info_read;       // count: the host reads its info before it launches the dispatch kernel
+                           // (dynamic size): a bad route is reported there, not in bad_route
   uint64_t timeout_ns;
   uint64_t abort_flag;  // device i32: set by the first failing wait; every wait polls it
   uint64_t error;       // ErrorRecord* in mapped pinned host memory

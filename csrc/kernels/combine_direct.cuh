@@ -13,6 +13,12 @@
 //                     apply_probs its routing weight there), then bulk-load every part's
 //                     segment into the pipeline's ring;
 //   the others        add a token's parts in fp32 registers and write its row, rounded once.
+// A stage holds one route's row segment (kCombineStageRoute: a hand-off per route row, the group
+// keeping the segment's sum in registers across the stages), or every part of one token's column
+// segment (kCombineStageToken, LaunchArgs::combine_stage: the load warp's lanes issue the parts
+// under one expected-bytes arrival; the reducers wait once, sum the parts, write the segment and
+// release the stage once). The reducers learn a stage is full as LaunchArgs::reducer_wait says
+// (kernels/segments.cuh): each warp on its own, or the group through one waiter and a named barrier.
 // At the start block 0 publishes this rank's expert_out and probs and every block reads those of
 // every rank of its node (bounded waits); at the end the last block of this rank tells every
 // rank of its node that its reads ended, and block 0 waits until every one said so (only then
@@ -123,10 +129,24 @@ struct FwdPut {
   int32_t node, chunk, rows;
 };
 
+// A token stage's parts (kCombineStageToken), beside its PartItem (the segment: row, slot, col0,
+// cols, flags): how many, which are node partials in the wire dtype (bit k), and their weights.
+// Part k lies at k * DirectCombine::part_bytes of the stage.
+struct TokenParts {
+  int32_t n;
+  uint32_t wire;
+  float weight[kMaxTopK];
+};
+
+// The named barrier of pipeline p's reducer group (kReducerWaitNamed; 0 is __syncthreads').
+__device__ __forceinline__ uint32_t reducer_barrier(int p) { return 1u + static_cast<uint32_t>(p); }
+
 struct DirectCombineShared {
   uint64_t full[kPipelines][kMaxStages], empty[kPipelines][kMaxStages];
   uint64_t put_full[kPipelines][kPutStages], put_empty[kPipelines][kPutStages];
   PartItem items[kPipelines][kMaxStages];
+  TokenParts token_parts[kPipelines][kMaxStages];
+  int verdict[kPipelines][2];  // kReducerWaitNamed: the waiter's verdict on a stage, by the item's parity
   FwdPut puts[kPipelines][kPutStages];
   DirectCombineTable tables[kPipelines];
   // each expert host's expert_out and probs (by local index on this node), this process's addresses
@@ -137,12 +157,28 @@ static_assert(sizeof(DirectCombineShared) <= kStaticSmemReserve,
               "the combine_direct kernel's static shared memory outgrew the launch plans' reserve");
 
 // What every role of a block needs to know about the call.
+// The columns of a token stage's segment: K parts of it, each of the widest element, fill at most
+// `stage_bytes`; a multiple of a round of the reducer group (a vector per thread) where one fits,
+// so a row cut into segments leaves no thread idle but in its last segment (7168 bf16 columns at
+// 4 warps, 32 KiB stages of 8 parts: 2048, 2048, 2048, 1024), else a multiple of 8 columns (whole
+// 16-byte vectors of every dtype). The row's whole width where it fits.
+__host__ __device__ inline int token_segment_cols(int C, int K, uint32_t elem, uint32_t stage_bytes, int reducer_warps,
+                                                  int vector) {
+  const int most = static_cast<int>(stage_bytes / (static_cast<uint32_t>(K > 0 ? K : 1) * elem)) / 8 * 8;
+  const int round = reducer_warps * 32 * vector;
+  const int seg = most >= round ? most / round * round : most;
+  return C <= seg ? C : seg;
+}
+
 template <typename Rdma>
 struct DirectCombine : KernelCall {
-  int L, T, K, C, seg_cols, segments, chunk, stages;
+  int L, T, K, C;
+  bool token_stage;  // kCombineStageToken: a stage holds every part of a token's segment
+  int seg_cols, segments, chunk, stages;
   PeerRing node_part;             // the node-partial rings (kernels/peer_ring.cuh)
   uint32_t in_bytes, wire_bytes;  // element sizes
-  uint32_t stage_bytes;           // a stage holds a segment of either
+  uint32_t stage_bytes;           // a stage holds a segment of either (token stage: K parts of one)
+  uint32_t part_bytes;            // token stage: where part k starts (k * part_bytes), a segment of the widest
   DirectCombineShared& sh;
   uint8_t* data;  // [kPipelines][stages][stage_bytes] segments
   Hierarchy<Rdma> h;
@@ -150,9 +186,16 @@ struct DirectCombine : KernelCall {
   __device__ DirectCombine(const KernelCall& k, DirectCombineShared& shared, uint8_t* smem, uint32_t elem_size,
                            uint32_t wire_size)
       : KernelCall(k), L(k.geo.local_experts), T(k.a.num_tokens), K(k.a.topk), C(k.args.row_elems),
-        seg_cols(k.args.seg_cols), segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens),
-        stages(k.args.src_stages), node_part(peer_rings::node_part(k.geo)), in_bytes(elem_size), wire_bytes(wire_size),
-        stage_bytes(static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)), sh(shared), data(smem),
+        token_stage(k.args.combine_stage == kCombineStageToken),
+        seg_cols(token_stage ? token_segment_cols(C, K, max(elem_size, wire_size),
+                                                  static_cast<uint32_t>(k.args.src_stage_bytes), k.args.reducer_warps,
+                                                  vector_cols(k.args.dtype))
+                             : k.args.seg_cols),
+        segments((C + seg_cols - 1) / seg_cols), chunk(k.args.chunk_tokens), stages(k.args.src_stages),
+        node_part(peer_rings::node_part(k.geo)), in_bytes(elem_size), wire_bytes(wire_size),
+        stage_bytes(token_stage ? static_cast<uint32_t>(k.args.src_stage_bytes)
+                                : static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)),
+        part_bytes(static_cast<uint32_t>(seg_cols) * max(elem_size, wire_size)), sh(shared), data(smem),
         h(make_hierarchy<Rdma>(k.geo, k.a)) {}
 
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
@@ -229,6 +272,56 @@ __device__ bool direct_combine_parts(const DirectCombine<Rdma>& d, const Ring& r
   return true;
 }
 
+// The lanes of a load warp, a token stage: every part of one row segment in one stage (`head`
+// the segment; part(k, weight, wire) gives part k's row in global memory, its weight and whether
+// it is in the wire dtype). Every lane waits for the stage itself (the warp converged, a ballot
+// gives the verdict: no lane in a wait loop while the others stand at a collective); lane k < n
+// writes part k's weight, lane 0 the header and, once the warp's weights are written, arrives
+// with the stage's expected bytes; then lane k issues part k's bulk load, so a token's parts go
+// out from n threads side by side under one arrival. A segment without parts gets a stage
+// without bytes: the reducers write zeros. False on a stop (every lane alike).
+template <typename Rdma, typename Part>
+__device__ bool direct_combine_token_stage(const DirectCombine<Rdma>& d, const Ring& ring, PartItem* items,
+                                           TokenParts* token_parts, uint8_t* data, PipeState& produced,
+                                           const PartItem& head, int n, int lane, Part part) {
+  const bool acquired = !d.stopped() && ring.producer_acquire(d.args, produced);
+  if (__ballot_sync(0xffffffffu, !acquired) != 0) return false;
+  const int stage = produced.stage;
+  TokenParts& tp = token_parts[stage];
+  float weight = 1.f;
+  bool wire = false;
+  const uint8_t* row = lane < n ? part(lane, weight, wire) : nullptr;
+  const uint32_t wires = __ballot_sync(0xffffffffu, lane < n && wire);
+  if (lane < n) tp.weight[lane] = weight;
+  if (lane == 0) {
+    PartItem& it = items[stage];
+    it = head;
+    it.flags = kFirstPart | kLastPart | (n == 0 ? kNoBytes : 0);
+    tp.n = n;
+    tp.wire = wires;
+  }
+  __syncwarp();  // every lane's weight written before lane 0's arrival publishes the stage
+  if (lane == 0) {
+    if (n == 0) {
+      ring.producer_commit(produced);
+    } else {
+      const uint32_t in_wire = static_cast<uint32_t>(__popc(wires));
+      dev::mbar_arrive_expect_tx(&ring.full[stage],
+                                 static_cast<uint32_t>(head.cols) *
+                                     ((static_cast<uint32_t>(n) - in_wire) * d.in_bytes + in_wire * d.wire_bytes));
+    }
+  }
+  __syncwarp();  // the stage's expected bytes before any of its parts lands
+  if (lane < n) {
+    const uint32_t elem = wire ? d.wire_bytes : d.in_bytes;
+    dev::bulk_g2s(data + static_cast<size_t>(stage) * d.stage_bytes + static_cast<size_t>(lane) * d.part_bytes,
+                  row + static_cast<int64_t>(head.col0) * elem, static_cast<uint32_t>(head.cols) * elem,
+                  &ring.full[stage]);
+  }
+  produced.advance(ring.stages);
+  return true;
+}
+
 // An own chunk c (lane i: token t0 + i): its routes on this node and, with several nodes, one
 // node partial per other node it reaches, once each of those nodes' rail peers put the chunk.
 template <typename Rdma>
@@ -302,10 +395,12 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable
 
 // A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, lane 0
 // loads them, token by token and segment by segment.
-template <typename Rdma>
+template <typename Rdma, int S>
 __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int lane) {
+  constexpr bool kToken = S == kCombineStageToken;
   DirectCombineTable& tab = d.sh.tables[pipeline];
   PartItem* items = d.sh.items[pipeline];
+  TokenParts* token_parts = d.sh.token_parts[pipeline];
   uint8_t* data = d.stage_data(pipeline);
   const Hierarchy<Rdma>& h = d.h;
   PipeState produced;
@@ -319,26 +414,32 @@ __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, 
     ok = forwarded ? forwarded_parts(d, tab, n, c, lane, rows) : own_parts(d, tab, c, lane);
     if (!ok) break;
     __syncwarp();
-    if (lane == 0) dev::fence_proxy_async();  // the parts (acquired above or at the setup) are read by bulk loads
+    // the parts (acquired above or at the setup) are read by bulk loads: every issuing lane's
+    if (lane == 0 || kToken) dev::fence_proxy_async();
     const int t0 = c * d.chunk, tokens = forwarded ? max(rows, 1) : min(d.T, t0 + d.chunk) - t0;
-    for (int q = 0; q < tokens && ok && lane == 0; ++q) {
+    // Each lane that issues loads: lane 0 every part of a route stage, lane j part j of a token stage.
+    for (int q = 0; q < tokens && ok && (lane == 0 || kToken); ++q) {
+      const auto part = [&](int j, float& weight, bool& wire) -> const uint8_t* {
+        weight = tab.weight[q][j];
+        const int host = tab.host[q][j];
+        if (host >= kNodePart) {
+          wire = true;
+          return h.rdma.local(d.node_row_off(h.R.node_part_rows_in, host - kNodePart, c, tab.row[q][j]));
+        }
+        return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
+               static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
+      };
+      const int parts = forwarded && rows == 0 ? 0 : tab.parts[q];
       for (int g = 0; g < (forwarded && rows == 0 ? 1 : d.segments) && ok; ++g) {
         const int col0 = g * d.seg_cols, cols = forwarded && rows == 0 ? 0 : min(d.seg_cols, d.C - col0);
         const bool end = q == tokens - 1 && g == d.segments - 1;
         const PartItem head = forwarded ? PartItem{c, FwdTag{n, q, rows}.pack(), col0, cols, 0, 1.f}
                                         : PartItem{t0 + q, end ? kChunkEnd : 0, col0, cols, 0, 1.f};
-        ok = direct_combine_parts(
-            d, ring, items, data, produced, head, forwarded && rows == 0 ? 0 : tab.parts[q],
-            [&](int j, float& weight, bool& wire) -> const uint8_t* {
-              weight = tab.weight[q][j];
-              const int host = tab.host[q][j];
-              if (host >= kNodePart) {
-                wire = true;
-                return h.rdma.local(d.node_row_off(h.R.node_part_rows_in, host - kNodePart, c, tab.row[q][j]));
-              }
-              return reinterpret_cast<const uint8_t*>(d.sh.rows[host]) +
-                     static_cast<int64_t>(tab.row[q][j]) * d.C * d.in_bytes;
-            });
+        if constexpr (kToken) {
+          ok = direct_combine_token_stage(d, ring, items, token_parts, data, produced, head, parts, lane, part);
+        } else {
+          ok = direct_combine_parts(d, ring, items, data, produced, head, parts, part);
+        }
       }
     }
     ok = warp_uniform(ok);  // the table is rewritten for the next unit only after lane 0 read it
@@ -346,27 +447,76 @@ __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, 
   if (lane == 0) finish_loads(d, ring, items, data, d.stage_bytes / d.seg_cols, produced, ok);
 }
 
-// A pipeline's reducer warp: each row's parts summed in fp32 registers (node partials read in the
-// wire dtype). An own token's row is written to y, rounded once, and after its chunk's last
-// segment one thread gives the chunk's node-partial slots back to the other nodes' rail peers:
-// this warp waited for every load of the chunk on its stage's full barrier, so they landed and
-// the release is due at once (the receive path's load warp, which does not wait for its loads,
-// defers it: DeferredReleases, kernels/pipeline.cuh). A forwarded row's node partial is
-// written, rounded once to the wire dtype, into the node-partial ring, and after its chunk's last
+// How a reducer warp of pipeline `pipeline` learns that stage p is full: on its own (lane 0 and
+// the warp's agreement, or every lane: warp_consumer_wait), or with its whole group through one
+// waiter and the pipeline's named barrier (kReducerWaitNamed: group_consumer_wait). Every thread
+// of the group calls it.
+template <typename Rdma, int R>
+__device__ __forceinline__ bool reducer_stage_wait(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring,
+                                                   const PipeState& p, int gt, int lane) {
+  if (d.args.reducer_wait == kReducerWaitNamed)
+    return group_consumer_wait(d, ring, p, gt, reducer_barrier(pipeline), R * 32, d.sh.verdict[pipeline]);
+  return warp_consumer_wait(d, ring, p, lane, d.args.reducer_wait);
+}
+
+// After a segment's sum is written (y, or a node partial in the node-partial ring): after an own
+// chunk's last segment one thread gives the chunk's node-partial slots back to the other nodes'
+// rail peers (this warp waited for every load of the chunk on its stage's full barrier, so they
+// landed and the release is due at once; the receive path's load warp, which does not wait for
+// its loads, defers it: DeferredReleases, kernels/pipeline.cuh); after a forwarded chunk's last
 // row each warp fences its stores and hands the chunk to the put warp (one of the put ring's R
-// arrivals).
+// arrivals). False where the put ring's wait gave up (the block stopped).
+template <typename Rdma>
+__device__ bool segment_written(const DirectCombine<Rdma>& d, int pipeline, const PartItem& it, PipeState& produced,
+                                RingReleases<Rdma>& releases, int gt, int lane) {
+  const Hierarchy<Rdma>& h = d.h;
+  if (!FwdTag::is(it.slot)) {
+    if (h.multi() && it.slot == kChunkEnd && gt == 0) {
+      const int c = it.row / d.chunk;
+      for (int n = 0; n < h.topo.N; ++n)
+        if (n != h.node)
+          releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, c), d.call, c);
+    }
+    return true;
+  }
+  const FwdTag f = FwdTag::of(it.slot);
+  if (!f.completes(it.col0 + it.cols, d.C)) return true;
+  __threadfence();  // this thread's node partials, before the transport reads them
+  const Ring put = d.put_ring(pipeline);
+  if (!warp_producer_acquire(d, put, produced, lane)) return false;
+  if (gt == 0) d.sh.puts[pipeline][produced.stage] = FwdPut{f.node, it.row, f.rows};
+  __syncwarp();
+  if (lane == 0) put.producer_commit(produced);
+  produced.advance(put.stages);
+  return true;
+}
+
+// Where a segment's sum goes: an own token's row of y (Elem), or a forwarded row's node partial,
+// rounded once to the wire dtype, in the node-partial ring (nullptr for a chunk without rows).
+template <typename Rdma, typename Out>
+__device__ uint8_t* segment_out(const DirectCombine<Rdma>& d, const PartItem& it) {
+  if (!FwdTag::is(it.slot))
+    return reinterpret_cast<uint8_t*>(d.a.y) + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Out);
+  const FwdTag f = FwdTag::of(it.slot);
+  if (f.rows == 0) return nullptr;
+  return d.h.rdma.local(d.node_row_off(d.h.R.node_part_rows_out, f.node, it.row, f.q)) +
+         static_cast<int64_t>(it.col0) * sizeof(Out);
+}
+
+// A pipeline's reducer warp, route stages: each row's parts summed in fp32 registers (node
+// partials read in the wire dtype), a stage each. An own token's row is written to y, rounded
+// once; a forwarded row's node partial, rounded once to the wire dtype, into the node-partial
+// ring (segment_written: what follows each).
 template <typename Rdma, typename Elem, typename Wire, int R>
 __device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt, int lane) {
-  auto* y = reinterpret_cast<uint8_t*>(d.a.y);
-  const Hierarchy<Rdma>& h = d.h;
   const PartItem* items = d.sh.items[pipeline];
   const uint8_t* data = d.stage_data(pipeline);
-  const Ring put = d.put_ring(pipeline);
+  const bool named = d.args.reducer_wait == kReducerWaitNamed;
   PipeState produced;
   SegmentAcc<Elem, R> acc;
-  RingReleases<Rdma> releases(h.rdma);  // this thread's node-partial credits (quieted as it goes)
+  RingReleases<Rdma> releases(d.h.rdma);  // this thread's node-partial credits (quieted as it goes)
   for (PipeState p;; p.advance(ring.stages)) {
-    if (!warp_consumer_wait(d, ring, p, lane, d.args.reducer_wait)) break;
+    if (!reducer_stage_wait<Rdma, R>(d, pipeline, ring, p, gt, lane)) break;
     const PartItem it = items[p.stage];
     if (it.flags & kEndOfWork) break;
     const uint8_t* in = data + static_cast<size_t>(p.stage) * d.stage_bytes;
@@ -381,27 +531,45 @@ __device__ void direct_combine_reduce(const DirectCombine<Rdma>& d, int pipeline
     if (lane == 0) ring.consumer_release(p);  // one of the group's R arrivals
     if (!(it.flags & kLastPart)) continue;
     if (!FwdTag::is(it.slot)) {
-      acc.template store<Elem>(y + (static_cast<int64_t>(it.row) * d.C + it.col0) * sizeof(Elem), it.cols, gt);
-      if (h.multi() && it.slot == kChunkEnd && gt == 0) {
-        const int c = it.row / d.chunk;
-        for (int n = 0; n < h.topo.N; ++n)
-          if (n != h.node)
-            releases.reader_release(h.rail_peer(n), d.node_word_off(h.R.node_part_credit, h.node, c), d.call, c);
-      }
-      continue;
+      acc.template store<Elem>(segment_out<Rdma, Elem>(d, it), it.cols, gt);
+    } else if (uint8_t* out = segment_out<Rdma, Wire>(d, it)) {
+      acc.template store<Wire>(out, it.cols, gt);
     }
-    const FwdTag f = FwdTag::of(it.slot);
-    if (f.rows > 0)
-      acc.template store<Wire>(h.rdma.local(d.node_row_off(h.R.node_part_rows_out, f.node, it.row, f.q)) +
-                                   static_cast<int64_t>(it.col0) * sizeof(Wire),
-                               it.cols, gt);
-    if (!f.completes(it.col0 + it.cols, d.C)) continue;
-    __threadfence();  // this thread's node partials, before the transport reads them
-    if (!warp_producer_acquire(d, put, produced, lane)) break;
-    if (gt == 0) d.sh.puts[pipeline][produced.stage] = FwdPut{f.node, it.row, f.rows};
+    // A warp whose put-ring wait gave up goes on to the group's next wait, which says stop to
+    // every warp at once (a group meeting at a named barrier leaves its loop together).
+    if (!segment_written(d, pipeline, it, produced, releases, gt, lane) && !named) break;
+  }
+}
+
+// A pipeline's reducer warp, token stages: each stage holds every part of one row segment
+// (TokenParts), summed vector by vector straight from the stage into the segment's output
+// (sum_parts, kernels/segments.cuh), then released once; segment_written says what follows.
+template <typename Rdma, typename Elem, typename Wire, int R>
+__device__ void direct_combine_reduce_tokens(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int gt,
+                                             int lane) {
+  const PartItem* items = d.sh.items[pipeline];
+  const TokenParts* token_parts = d.sh.token_parts[pipeline];
+  const uint8_t* data = d.stage_data(pipeline);
+  dev::assume_shared(data);
+  const bool named = d.args.reducer_wait == kReducerWaitNamed;
+  PipeState produced;
+  RingReleases<Rdma> releases(d.h.rdma);  // this thread's node-partial credits (quieted as it goes)
+  for (PipeState p;; p.advance(ring.stages)) {
+    if (!reducer_stage_wait<Rdma, R>(d, pipeline, ring, p, gt, lane)) break;
+    const PartItem it = items[p.stage];
+    if (it.flags & kEndOfWork) break;
+    const TokenParts& tp = token_parts[p.stage];
+    const uint8_t* in = data + static_cast<size_t>(p.stage) * d.stage_bytes;
+    const int n = (it.flags & kNoBytes) ? 0 : tp.n;
+    if (!FwdTag::is(it.slot)) {
+      sum_parts<Elem, Wire, Elem, R * 32>(in, d.part_bytes, n, tp.wire, tp.weight, it.cols,
+                                          segment_out<Rdma, Elem>(d, it), gt);
+    } else if (uint8_t* out = segment_out<Rdma, Wire>(d, it)) {
+      sum_parts<Elem, Wire, Wire, R * 32>(in, d.part_bytes, n, tp.wire, tp.weight, it.cols, out, gt);
+    }
     __syncwarp();
-    if (lane == 0) put.producer_commit(produced);
-    produced.advance(put.stages);
+    if (lane == 0) ring.consumer_release(p);  // one of the group's R arrivals, after the warp's reads
+    if (!segment_written(d, pipeline, it, produced, releases, gt, lane) && !named) break;
   }
 }
 
@@ -434,7 +602,9 @@ __device__ void forward_put(const DirectCombine<Rdma>& d, int lane) {
   if (lane == 0) h.rdma.quiet();
 }
 
-template <typename Rdma, typename Elem, typename Wire, int R>
+// S: the stage kind (kCombineStageRoute or kCombineStageToken), an instantiation each, so neither
+// reducer's registers weigh on the other's.
+template <typename Rdma, typename Elem, typename Wire, int R, int S>
 __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
     combine_direct_kernel(const __grid_constant__ LaunchArgs args) {
   using B = DirectCombineBlock<R>;
@@ -484,11 +654,16 @@ __global__ void __launch_bounds__(DirectCombineBlock<R>::kThreads, 1)
     const Ring ring = d.pipeline_ring(pipeline);
     const RoleSpan<DirectCombineRole> role = B::roles().of(warp % B::kPipelineWarps);
     switch (role.role) {
-      case DirectCombineRole::kLoad: direct_combine_load(d, pipeline, ring, lane); break;
-      case DirectCombineRole::kReduce:
-        direct_combine_reduce<Rdma, Elem, Wire, R>(d, pipeline, ring,
-                                                   role.thread_index(tid - pipeline * B::kPipelineWarps * 32), lane);
+      case DirectCombineRole::kLoad: direct_combine_load<Rdma, S>(d, pipeline, ring, lane); break;
+      case DirectCombineRole::kReduce: {
+        const int gt = role.thread_index(tid - pipeline * B::kPipelineWarps * 32);
+        if constexpr (S == kCombineStageToken) {
+          direct_combine_reduce_tokens<Rdma, Elem, Wire, R>(d, pipeline, ring, gt, lane);
+        } else {
+          direct_combine_reduce<Rdma, Elem, Wire, R>(d, pipeline, ring, gt, lane);
+        }
         break;
+      }
     }
   }
   if (!roles_done(d)) return;
@@ -509,9 +684,11 @@ __host__ __device__ inline size_t combine_direct_stage_bytes(const LaunchArgs& a
 
 template <typename Rdma, typename Elem, typename Wire, int R>
 LaunchStatus launch_combine_direct_warps(const LaunchArgs& args, uint64_t stream) {
-  return dev::launch_cooperative(combine_direct_kernel<Rdma, Elem, Wire, R>, args.num_ranks * args.num_sms,
-                                 DirectCombineBlock<R>::kThreads, combine_direct_stage_bytes(args), stream, args,
-                                 "combine_direct");
+  const auto kernel = args.combine_stage == kCombineStageToken
+                          ? combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageToken>
+                          : combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageRoute>;
+  return dev::launch_cooperative(kernel, args.num_ranks * args.num_sms, DirectCombineBlock<R>::kThreads,
+                                 combine_direct_stage_bytes(args), stream, args, "combine_direct");
 }
 
 template <typename Rdma, typename Elem, typename Wire>
@@ -529,10 +706,24 @@ inline const char* check_reducer_warps(const LaunchArgs& args) {
   return nullptr;
 }
 
+// The launchers' check of the stage kind and the hand-off the host chose: nullptr if the kernel
+// has them, else the error's text. A token stage holds the parts of a segment of 8 columns or
+// more for any top-k (kMaxTopK parts of the widest element, fp32).
+inline const char* check_combine_stage(const LaunchArgs& args) {
+  if (args.reducer_wait < kReducerWaitObserve || args.reducer_wait > kReducerWaitNamed)
+    return "combine: reducer_wait must be one of kReducerWait{Observe,Elect,Converged,Named}";
+  if (args.combine_stage != kCombineStageRoute && args.combine_stage != kCombineStageToken)
+    return "combine: combine_stage must be kCombineStageRoute or kCombineStageToken";
+  if (args.combine_stage == kCombineStageToken && args.src_stage_bytes < kMaxTopK * 8 * 4)
+    return "combine: a token stage must hold kMaxTopK parts of 8 fp32 columns (src_stage_bytes >= 512)";
+  return nullptr;
+}
+
 template <typename Rdma>
 LaunchStatus launch_combine_direct_with(const LaunchArgs& args, uint64_t stream) {
   if (const char* bad = check_segment_cols(args)) return bad;
   if (const char* bad = check_reducer_warps(args)) return bad;
+  if (const char* bad = check_combine_stage(args)) return bad;
   // The node partials' dtype matters only with several nodes: one node instantiates the pair once.
   const bool fp32_wire = args.geo.num_nodes > 1 && args.wire_dtype == kFloat32;
   switch (args.dtype) {

@@ -39,10 +39,10 @@ int combine_direct_max_blocks_per_sm(size_t smem, int reducer_warps) {
   using namespace combine_direct_impl;
   if (reducer_warps == kReducerWarpsWide)
     return dev::max_active_blocks(
-        combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsWide>,
+        combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsWide, kCombineStageRoute>,
         DirectCombineBlock<kReducerWarpsWide>::kThreads, smem);
   return dev::max_active_blocks(
-      combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsNarrow>,
+      combine_direct_kernel<LoopbackTransport, __nv_bfloat16, __nv_bfloat16, kReducerWarpsNarrow, kCombineStageRoute>,
       DirectCombineBlock<kReducerWarpsNarrow>::kThreads, smem);
 }
 

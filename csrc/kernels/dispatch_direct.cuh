@@ -95,6 +95,14 @@ struct RouteTable {
   uint8_t dest[kChunkTokens][kMaxTopK];
 };
 
+// Whether row i of a unit has a route to row p of destination dst (a chunk's consecutive tokens
+// of one expert take consecutive rows there: their ordinals follow each other).
+__device__ __forceinline__ bool routes_to(const RouteTable& tab, int i, int dst, int p) {
+  for (int q = 0; q < tab.targets[i]; ++q)
+    if (tab.dest[i][q] == dst && tab.row[i][q] == p) return true;
+  return false;
+}
+
 struct DirectDispatchShared {
   uint64_t full[kMaxStages], empty[kMaxStages];
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
@@ -400,7 +408,10 @@ __device__ __forceinline__ int direct_store_groups_in_flight(const LaunchArgs& a
 }
 
 // Warps 2-3 (lane 0): every other stage each (the FIFO's items which, which + kStoreWarps,
-// ...), stored once per target of its rows, then released once its stores have read it. A
+// ...), stored once per target of its rows, then released once its stores have read it. With
+// LaunchArgs::store_runs, a stage's consecutive rows bound for consecutive rows of one rank of
+// this node leave as one bulk store (fp8's 8 KiB rows, two to a stage: a store of 8 KiB or less
+// took an H200's store thread 147.6 ns whatever its bytes). A
 // thread stores all of a stage's targets, as the microbenchmarks' 1 load + 8 stores per stage
 // does, so a stage waits for one thread's stores, and each thread wakes once per kStoreWarps
 // stages. With several nodes each thread tells the RDMA warp when it is done with a unit (the
@@ -411,9 +422,10 @@ template <typename Rdma>
 __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
   StoreQueue queue(d.fifo.ring, direct_store_groups_in_flight(d.args, d.stages), which, kStoreWarps);
   const bool multi = d.h.multi();
-  PipeState item, table, done;        // item: every item of the FIFO
-  struct Unit {};                     // the done ring's arrivals come in unit order
-  DeferredReleases<Unit, 1> pending;  // a unit's done arrival, once its store groups landed
+  const bool runs = d.args.store_runs != 0;  // whole rows only: a segment's stage holds one row
+  PipeState item, table, done;               // item: every item of the FIFO
+  struct Unit {};                            // the done ring's arrivals come in unit order
+  DeferredReleases<Unit, 1> pending;         // a unit's done arrival, once its store groups landed
   // The arrival once the pending unit's groups landed, but for the newest `in_flight` (the
   // staged rows, before the RDMA warp's generic reads).
   auto arrive_pending = [&](int in_flight) -> bool {
@@ -459,11 +471,16 @@ __device__ void store_routes(const DirectDispatch<Rdma>& d, int which) {
         const int i = it.first + r - u0;
         for (int q = 0; q < tab.targets[i]; ++q) {
           const int p = tab.row[i][q], dst = tab.dest[i][q];
+          int run = 1;  // rows in this store
+          if (runs && dst < kStagedTarget) {
+            if (r > 0 && routes_to(tab, i - 1, dst, p - 1)) continue;  // the store of the row before holds it
+            while (r + run < it.rows && routes_to(tab, i + run, dst, p + run)) ++run;
+          }
           uint8_t* to =
               dst >= kStagedTarget
                   ? d.h.rdma.local(d.h.staged_off(d.h.R.staged_rows_out, dst - kStagedTarget, c, p, d.row_bytes))
                   : reinterpret_cast<uint8_t*>(d.sh.rows[dst]) + static_cast<int64_t>(p) * d.row_bytes;
-          dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, it.bytes);
+          dev::bulk_s2g(to + it.offset, d.fifo.slot(item) + r * it.bytes, static_cast<uint32_t>(run) * it.bytes);
         }
       }
       queue.commit();

@@ -188,6 +188,24 @@ __device__ __forceinline__ bool warp_consumer_wait(const Call& d, const Ring& ri
   return true;
 }
 
+// A reducer group learns that a stage is full with one waiter and a named barrier
+// (kReducerWaitNamed, Hybrid-EP's hand-off): group thread 0 waits (bounded) and writes the
+// verdict into `verdict` (the word of this item's parity: the next item's verdict is written
+// only after every thread passed this item's barrier and read this one's), then the group's
+// `threads` threads meet at named barrier `id`, whose bar.sync orders the waiter's acquire of the
+// stage and its verdict before every thread's reads. Every thread of the group calls it; all
+// return the same answer, so no thread leaves a loop another still runs (bar.sync is not bounded).
+template <typename Call>
+__device__ __forceinline__ bool group_consumer_wait(const Call& d, const Ring& ring, const PipeState& p, int gt,
+                                                    uint32_t id, uint32_t threads, volatile int* verdict) {
+  volatile int* word = verdict + (p.count & 1u);
+  if (gt == 0) *word = !d.stopped() && ring.consumer_wait(d.args, p) && !d.stopped();
+  dev::named_barrier_sync(id, threads);
+  if (*word != 0) return true;
+  d.stop();
+  return false;
+}
+
 // The same for a stage the warp is about to write (a producer of a data-less ring).
 template <typename Call>
 __device__ __forceinline__ bool warp_producer_acquire(const Call& d, const Ring& ring, const PipeState& p, int lane) {
@@ -331,6 +349,63 @@ struct SegmentAcc {
       if (i < rounds) add_to<kKind>(v[i], x[i], w);
   }
 };
+
+// ---- a token's parts in one stage ------------------------------------------------------------
+
+// Every part of one row segment, in one stage (the direct combine's token stage): part k's
+// `cols` columns at in + k * part_bytes, in In, or in Wire where bit k of `wire` is set (a node
+// partial), weighted by weight[k]. Thread gt of a group of kThreads adds the 16-byte vectors gt,
+// gt + kThreads, ... of the segment (whole vectors: the launchers check vector_cols): for each,
+// the parts in their order, element by element in fp32, the product with the weight rounded
+// before the sum (no fused multiply-add), as the oracle and SegmentAcc sum, then writes it to
+// out rounded once to Out. No part: zeros. The accumulator is one vector, not the segment's
+// (SegmentAcc holds a whole segment across stages), and the loop runs to each thread's own last
+// vector: no vector is clamped at any width. The parts' loads go kPartBatch at a time, so their
+// latencies overlap.
+template <typename In, typename Wire, typename Out, int kThreads>
+__device__ __forceinline__ void sum_parts(const uint8_t* in, uint32_t part_bytes, int n, uint32_t wire,
+                                          const float* weight, int cols, uint8_t* out, int gt) {
+  using V = Vec16<In>;
+  constexpr int kCols = V::kCols;
+  constexpr int kPartBatch = 4;
+  const int vectors = cols / kCols;
+  for (int j = gt; j < vectors; j += kThreads) {
+    float acc[kCols] = {};
+    for (int k0 = 0; k0 < n; k0 += kPartBatch) {
+      float x[kPartBatch][kCols];
+#pragma unroll
+      for (int b = 0; b < kPartBatch; ++b) {
+        const int k = k0 + b;
+        if (k >= n) continue;
+        const uint8_t* part = in + static_cast<size_t>(k) * part_bytes;
+        if (std::is_same<Wire, In>::value || !((wire >> k) & 1u)) {
+          V::load(part + static_cast<size_t>(j) * 16, x[b]);
+        } else {
+#pragma unroll
+          for (int q = 0; q < kCols / 4; ++q)
+            Quad<Wire>::load(part + (static_cast<size_t>(j) * kCols + 4 * q) * sizeof(Wire), x[b] + 4 * q);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kPartBatch; ++b) {
+        const int k = k0 + b;
+        if (k >= n) continue;
+        const float w = weight[k];
+        if (k == 0) {
+#pragma unroll
+          for (int e = 0; e < kCols; ++e) acc[e] = w * x[b][e];
+        } else if (w == 1.f) {
+#pragma unroll
+          for (int e = 0; e < kCols; ++e) acc[e] += x[b][e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < kCols; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, x[b][e]));
+        }
+      }
+    }
+    store_cols<Out, kCols>(out + static_cast<size_t>(j) * kCols * sizeof(Out), acc);
+  }
+}
 
 // ---- load threads -----------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@
 // Variants: how the waiting lane waits (Wait), how the rest of its warp learns it (Agree),
 // and `spinners` more warps that wait, the same way, on a barrier that completes only at the
 // end (the idle roles of a kernel). A bar.sync kernel measures a named barrier among 2-4 warps.
+// With kNamed the receiving side is a group of kNamedGroupWarps warps (B and the warps after it),
+// as the direct combine's reducer group: an elected lane of B waits, then the group's bar.sync.
 #pragma once
 #include <cstdint>
 
@@ -30,7 +32,13 @@ enum class Agree : int {
   kConverged = 3,    // every lane waits itself, the warp converged, then a vote of lanes that
                      // arrive together (the direct combine's kReducerWaitConverged); the
                      // sender's warp __syncwarp's, lane 0 arrives
+  kNamed = 4,        // B's group: an elected lane of B waits, then bar.sync among the group's
+                     // warps (the direct combine's kReducerWaitNamed); A waits and both send as
+                     // kElect does
 };
+
+constexpr int kNamedGroupWarps = 4;         // a reducer group of the direct combine
+constexpr uint32_t kNamedGroupBarrier = 2;  // the group's bar.sync (1 is bar.sync's own kernel's)
 
 constexpr int kHandoffMaxSpinners = 8;
 
@@ -65,7 +73,8 @@ __device__ __forceinline__ bool wait_phase(const HandoffArgs& a, uint64_t* bar, 
 // failed wait it returns false without observing, and the loops go on: every later wait gives
 // up at once, so control flow stays warp-uniform and the kernel ends.
 template <Wait W, Agree G>
-__device__ __forceinline__ bool receive(const HandoffArgs& a, uint64_t* bar, uint32_t parity, int lane) {
+__device__ __forceinline__ bool receive(const HandoffArgs& a, uint64_t* bar, uint32_t parity, int lane,
+                                        bool lead = true) {
   if constexpr (G == Agree::kLane) {
     return wait_phase<W>(a, bar, parity);
   } else if constexpr (G == Agree::kWarpUniform) {
@@ -77,6 +86,11 @@ __device__ __forceinline__ bool receive(const HandoffArgs& a, uint64_t* bar, uin
   } else if constexpr (G == Agree::kConverged) {
     const bool ok = wait_phase<W>(a, bar, parity);
     return __ballot_sync(0xffffffffu, !ok) == 0;
+  } else if constexpr (G == Agree::kNamed) {  // a warp of B's group: B's elected lane waits, all meet
+    bool ok = true;
+    if (lead && dev::elect_one()) ok = wait_phase<W>(a, bar, parity);
+    dev::named_barrier_sync(kNamedGroupBarrier, 32 * kNamedGroupWarps);
+    return ok;
   } else {
     bool ok = true;
     if (dev::elect_one()) ok = wait_phase<W>(a, bar, parity);
@@ -90,7 +104,7 @@ template <Agree G>
 __device__ __forceinline__ void send(HandoffShared& sh, uint64_t* bar, int lane, bool stamp) {
   bool sender = lane == 0;
   if constexpr (G == Agree::kWarpUniform || G == Agree::kConverged) __syncwarp();
-  if constexpr (G == Agree::kElect) sender = dev::elect_one();
+  if constexpr (G == Agree::kElect || G == Agree::kNamed) sender = dev::elect_one();
   if (sender) {
     if (stamp) sh.sent_at = cycles();
     dev::mbar_arrive(bar);
@@ -98,7 +112,7 @@ __device__ __forceinline__ void send(HandoffShared& sh, uint64_t* bar, int lane,
 }
 
 template <Wait W, Agree G>
-__global__ void __launch_bounds__(32 * (2 + kHandoffMaxSpinners), 1)
+__global__ void __launch_bounds__(32 * (1 + kNamedGroupWarps + kHandoffMaxSpinners), 1)
     handoff_kernel(const __grid_constant__ HandoffArgs a) {
   HandoffShared& sh = dev::block_shared<HandoffShared>();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -110,12 +124,14 @@ __global__ void __launch_bounds__(32 * (2 + kHandoffMaxSpinners), 1)
   }
   __syncthreads();
   const bool takes_part = G != Agree::kLane || lane == 0;
+  constexpr Agree kA = G == Agree::kNamed ? Agree::kElect : G;       // A is one warp
+  constexpr int kGroup = G == Agree::kNamed ? kNamedGroupWarps : 1;  // B's warps
   if (warp == 0 && takes_part) {
     const SpanClock clock = SpanClock::start();
     const uint64_t c0 = cycles(), t0 = dev::global_timer_ns();
     for (int i = 0; i < a.iterations; ++i) {
-      send<G>(sh, &sh.ping, lane, true);
-      receive<W, G>(a, &sh.pong, static_cast<uint32_t>(i) & 1u, lane);
+      send<kA>(sh, &sh.ping, lane, true);
+      receive<W, kA>(a, &sh.pong, static_cast<uint32_t>(i) & 1u, lane);
     }
     const uint64_t c1 = cycles(), t1 = dev::global_timer_ns();
     if (lane == 0) {
@@ -138,7 +154,9 @@ __global__ void __launch_bounds__(32 * (2 + kHandoffMaxSpinners), 1)
       a.out[0] = sum;
       a.out[1] = least;
     }
-  } else if (warp >= 2 && warp < 2 + a.spinners && lane == 0) {
+  } else if (warp > 1 && warp < 1 + kGroup) {  // the rest of B's group meets it at each bar.sync
+    for (int i = 0; i < a.iterations; ++i) receive<W, G>(a, &sh.ping, static_cast<uint32_t>(i) & 1u, lane, false);
+  } else if (warp >= 1 + kGroup && warp < 1 + kGroup + a.spinners && lane == 0) {
     wait_phase<W>(a, &sh.stop, 0);
   }
   __syncthreads();

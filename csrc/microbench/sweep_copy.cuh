@@ -30,6 +30,8 @@ struct TmaCase {
   bool l2_source;
   int store_threads = 1;  // kMix: store threads taking alternate stages (1 or 2)
   bool table = false;     // kMix: destinations read from a route table in shared memory
+  int parts = 1;          // kLoad: copies per stage under one arrival
+  int part_lanes = 1;     // kLoad with parts > 1: the lanes issuing them
 };
 
 inline const char* tma_mode_name(TmaMode m) {
@@ -53,6 +55,8 @@ inline TmaArgs tma_args(const Bench& b, const TmaCase& c) {
   a.depth = c.depth;
   a.store_threads = c.store_threads;
   a.table = c.table ? 1 : 0;
+  a.parts = c.parts;
+  a.part_lanes = c.part_lanes;
   a.random_rows = c.random_rows;
   a.copy_bytes = c.copy_bytes;
   const size_t per_copy = static_cast<size_t>(c.copy_bytes) * (c.mode == TmaMode::kMix ? 1 + c.fanout : 1);
@@ -121,6 +125,8 @@ inline void print_tma(const TmaCase& c, const TmaArgs& a, const TmaRun& r, int r
       .add("pipelines", c.pipelines)
       .add("store_threads", c.store_threads)
       .add("table", c.table)
+      .add("parts", c.parts)
+      .add("part_lanes", c.part_lanes)
       .add("rows", c.random_rows ? "random" : "sequential")
       .add("source", c.l2_source ? "l2" : "hbm")
       .add("copies_per_pipeline", a.copies)
@@ -243,6 +249,20 @@ inline std::vector<TmaCase> tma_cases(const Bench& b) {
         c.table = table;
         cases.push_back(c);
       }
+  // The direct combine's token stage (HYBRID_EP_COMBINE_STAGE=token): a stage of 32 KiB holds
+  // a token's 8 parts of 4 KiB (top-8, 2048 bf16 columns), loaded under one expected-bytes
+  // arrival, on 2 pipelines of 3 stages (the H200's shared memory), issued by one lane or by
+  // 8: whether a thread's time per copy (the copy-size sweep: 2-32 KiB loads each took one
+  // thread about 211 ns) binds the parts, and whether lanes of one warp each have their own.
+  for (int lanes : {1, 8}) {
+    TmaCase c = with("gather", Kind{TmaMode::kLoad, 1});
+    c.copy_bytes = 32768;
+    c.stages = 3;
+    c.pipelines = 2;
+    c.parts = 8;
+    c.part_lanes = lanes;
+    cases.push_back(c);
+  }
   return cases;
 }
 

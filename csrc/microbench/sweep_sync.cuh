@@ -34,7 +34,8 @@ inline const char* agree_name(Agree g) {
   return g == Agree::kLane          ? "lane"
          : g == Agree::kWarpUniform ? "warp_uniform"
          : g == Agree::kElect       ? "elect"
-                                    : "converged";
+         : g == Agree::kConverged   ? "converged"
+                                    : "named";
 }
 
 using HandoffKernel = void (*)(HandoffArgs);
@@ -44,7 +45,8 @@ HandoffKernel handoff_kernel_for(Agree g) {
   return g == Agree::kLane          ? handoff_kernel<W, Agree::kLane>
          : g == Agree::kWarpUniform ? handoff_kernel<W, Agree::kWarpUniform>
          : g == Agree::kElect       ? handoff_kernel<W, Agree::kElect>
-                                    : handoff_kernel<W, Agree::kConverged>;
+         : g == Agree::kConverged   ? handoff_kernel<W, Agree::kConverged>
+                                    : handoff_kernel<W, Agree::kNamed>;
 }
 
 inline HandoffKernel handoff_kernel_for(Wait w, Agree g) {
@@ -62,7 +64,7 @@ inline Bench::Result run_handoff(Bench& b, const HandoffCase& c, int iterations)
   a.iterations = iterations;
   a.spinners = c.spinners;
   a.out = b.out();
-  const int threads = 32 * (2 + c.spinners);
+  const int threads = 32 * ((c.agree == Agree::kNamed ? 1 + kNamedGroupWarps : 2) + c.spinners);
   return b.run(handoff_kernel_for(c.wait, c.agree), 1, threads, 0, a, 8, "handoff");
 }
 
@@ -78,7 +80,7 @@ inline void measure_handoff(Bench& b) {
                                                      {Wait::kProject, 0}};
   for (int spinners : quick ? std::vector<int>{0, 8} : std::vector<int>{0, 2, 8})
     for (const auto& [w, hint] : waits) cases.push_back({w, hint, Agree::kLane, spinners});
-  for (Agree g : {Agree::kWarpUniform, Agree::kElect, Agree::kConverged})
+  for (Agree g : {Agree::kWarpUniform, Agree::kElect, Agree::kConverged, Agree::kNamed})
     for (const auto& [w, hint] : {std::pair<Wait, uint32_t>{Wait::kBare, 0}, {Wait::kHint, 1000}, {Wait::kProject, 0}})
       cases.push_back({w, hint, g, 0});
   for (const HandoffCase& c : cases) {

@@ -3,7 +3,11 @@
 // store-group release of the send and expand stores).
 //
 // A block runs `pipelines` independent pipelines, each on `stages` stages of `copy_bytes`:
-//   - kLoad: one thread issues bulk loads, reusing a stage once its previous load landed;
+//   - kLoad: one thread issues bulk loads, reusing a stage once its previous load landed; with
+//     `parts` > 1 (the direct combine's token stage) a stage of copy_bytes takes `parts` copies
+//     of copy_bytes / parts, each from a row of its own, under one expected-bytes arrival, issued
+//     by lane 0 alone or by `part_lanes` lanes (lane l: parts l, l + part_lanes, ...); every lane
+//     of the pipeline's warp waits for the stage's previous round itself, as the kernel's load warp;
 //   - kStore: one thread issues bulk stores (one group each) from its stages, letting `depth`
 //     groups still read (wait_group.read depth), then waits for every write;
 //   - kMix: dispatch's send: a load thread fills the stages, a store thread stores each stage
@@ -43,6 +47,8 @@ struct TmaArgs {
   int depth;          // store groups left reading: 0 .. 7
   int store_threads;  // kMix: 1, or 2 taking alternate stages
   int table;          // kMix: destinations read from a route table in shared memory (fanout <= 8)
+  int parts;          // kLoad: copies per stage under one arrival (1: one copy of copy_bytes)
+  int part_lanes;     // kLoad with parts > 1: the lanes that issue them (1 .. 32)
   int random_rows;
   uint32_t copy_bytes;  // a multiple of 16
   uint32_t copies;      // per pipeline: loads (kLoad, kMix) or stores (kStore)
@@ -94,6 +100,25 @@ __device__ __forceinline__ void tma_load_only(const TmaArgs& a, const StageRing&
     ring.load(p, tma_src(a, pipe, i), a.copy_bytes);
   }
   ring.drain(a.la, PipeState{}, p);
+}
+
+__device__ __forceinline__ void tma_load_gather(const TmaArgs& a, const StageRing& ring, int pipe, int lane) {
+  const uint32_t part = a.copy_bytes / static_cast<uint32_t>(a.parts);
+  const uint64_t rows = a.src_rows * static_cast<uint64_t>(a.parts);  // of `part` bytes each
+  PipeState p;
+  for (uint32_t i = 0; i < a.copies; ++i, p.advance(a.stages)) {
+    const bool ok = p.count < static_cast<uint32_t>(a.stages) ||
+                    mbar_wait(a.la, &ring.ring.full[p.stage], p.phase ^ 1u, 0, 0, kSiteNone, kWaitedForData);
+    if (__ballot_sync(0xffffffffu, !ok) != 0) break;
+    if (lane == 0) dev::mbar_arrive_expect_tx(&ring.ring.full[p.stage], a.copy_bytes);
+    __syncwarp();  // the expected bytes before any part lands
+    for (int k = lane; lane < a.part_lanes && k < a.parts; k += a.part_lanes) {
+      const uint64_t row = tma_row(a, pipe, i * static_cast<uint32_t>(a.parts) + k, rows);
+      dev::bulk_g2s(ring.slot(p) + static_cast<size_t>(k) * part, a.src + (blockIdx.x * rows + row) * part, part,
+                    &ring.ring.full[p.stage]);
+    }
+  }
+  if (lane == 0) ring.drain(a.la, PipeState{}, p);
 }
 
 __device__ __forceinline__ void tma_store_only(const TmaArgs& a, const StageRing& ring, int pipe) {
@@ -181,7 +206,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   const bool mix = a.mode == static_cast<int>(TmaMode::kMix);
   const int per_pipe = mix ? 1 + tma_store_threads(a) : 1;  // kMix: the load warp, then the store warps
   const int pipe = warp / per_pipe;
-  if (lane == 0 && pipe < a.pipelines) {
+  const bool gather = a.mode == static_cast<int>(TmaMode::kLoad) && a.parts > 1;
+  if (gather && pipe < a.pipelines) {  // every lane of the pipeline's warp
+    const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0, kSiteNone},
+                         smem + static_cast<size_t>(pipe) * a.stages * a.copy_bytes, static_cast<int>(a.copy_bytes)};
+    tma_load_gather(a, ring, pipe, lane);
+  } else if (lane == 0 && pipe < a.pipelines) {
     const StageRing ring{Ring{sh.full[pipe], sh.empty[pipe], a.stages, 0, 0, kSiteNone},
                          smem + static_cast<size_t>(pipe) * a.stages * a.copy_bytes, static_cast<int>(a.copy_bytes)};
     if (a.mode == static_cast<int>(TmaMode::kLoad)) {

@@ -407,6 +407,8 @@ def run_config(args, s: dict) -> dict:
             "direct_combine_stages": launch.direct_combine_stages_override(),
             "reducer_wait": launch.reducer_wait_override(),  # None: "observe"
             "reducer_warps": launch.reducer_warps_override(),  # None: 4
+            "combine_stage": launch.combine_stage_override(),  # None: "route"
+            "store_runs": launch.store_runs_override(),  # None: 0
             "data_path_override": os.environ.get(launch.DATA_PATH_ENV) or None}  # None: direct where it runs
 
 
@@ -475,6 +477,8 @@ def format_table(doc: dict) -> str:
                 else f" | HYBRID_EP_DIRECT_COMBINE_STAGES={c['direct_combine_stages']}")
              + ("" if c.get("reducer_wait") is None else f" | HYBRID_EP_REDUCER_WAIT={c['reducer_wait']}")
              + ("" if c.get("reducer_warps") is None else f" | HYBRID_EP_REDUCER_WARPS={c['reducer_warps']}")
+             + ("" if c.get("combine_stage") is None else f" | HYBRID_EP_COMBINE_STAGE={c['combine_stage']}")
+             + ("" if c.get("store_runs") is None else f" | HYBRID_EP_STORE_RUNS={c['store_runs']}")
              + ("" if c.get("data_path_override") is None else f" | HYBRID_EP_DATA_PATH={c['data_path_override']}"),
              f"{'W':>3} {'path':>7} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} "
              f"{'of copy':>8} {'comb ms':>9} {'GB/s/SM':>8} {'moved/SM':>8} {'of copy':>8} {'held GiB':>8}"

@@ -15,6 +15,7 @@ import torch
 from harness.emulated import GroupCache, buffer_key, check_emulated, check_emulated_autograd, on_device
 from harness.faults import ranks_absent
 from harness.hierarchy_cases import feature_cases, topology_cases
+from helpers import LEASE_COMBINE_VARIANTS
 from hybrid_ep.fp8 import FP8_DTYPE
 from hybrid_ep.verify.cases import Case, make_rank_inputs
 from hybrid_ep.verify.compare import assert_combine_close, assert_dispatch_matches
@@ -83,19 +84,22 @@ def test_sm_count_per_call_gives_identical_results(num_sms, path):
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("stages, wait, warps", [("2", None, None), (None, "elect", None), (None, None, "8"),
-                                                 (None, "converged", None)])
-def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, warps, nodes):
-    """The direct combine's measurement knobs the lease times without checking outputs
-    (HYBRID_EP_DIRECT_COMBINE_STAGES: the fewest stages; HYBRID_EP_REDUCER_WAIT=elect: lane 0's
-    wait and the warp's __syncwarp alone, =converged: every lane's own wait;
-    HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer warps) give the oracle's sums on the
-    GPU, one node and two; rows of 7168 bf16 columns, top-8, so each token's parts wrap the rings."""
+@pytest.mark.parametrize("stages, stage, wait, warps",
+                         [("2", None, None, None), (None, None, "elect", None), (None, None, None, "8"),
+                          (None, None, "converged", None)] + [(None, *v) for v in LEASE_COMBINE_VARIANTS])
+def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, stage, wait, warps, nodes):
+    """The direct combine's measurement knobs the lease times without checking outputs, each alone
+    and in every combination the lease times (HYBRID_EP_DIRECT_COMBINE_STAGES: the fewest stages;
+    HYBRID_EP_COMBINE_STAGE=token: a stage per token segment; HYBRID_EP_REDUCER_WAIT=elect: lane 0's
+    wait and the warp's __syncwarp alone, =converged: every lane's own wait, =named: one waiter per
+    reducer group and a named barrier; HYBRID_EP_REDUCER_WARPS=8: each segment over 8 reducer warps)
+    give the oracle's sums on the GPU, one node and two; rows of 7168 bf16 columns, top-8, so each
+    token's parts wrap the rings."""
     from harness.emulated import emulated_group_for
     from hybrid_ep.backends.cuda import launch
 
-    for name, value in ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
-                        (launch.REDUCER_WARPS_ENV, warps)):
+    for name, value in ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.COMBINE_STAGE_ENV, stage),
+                        (launch.REDUCER_WAIT_ENV, wait), (launch.REDUCER_WARPS_ENV, warps)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
@@ -107,8 +111,32 @@ def test_direct_combine_variants_match_the_oracle(monkeypatch, stages, wait, war
             check_emulated(group, dataclasses.replace(case, seed=seed), num_sms=1)
         [args] = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
         assert stages is None or args.src_stages == int(stages)
+        assert args.combine_stage == launch.COMBINE_STAGES[stage or "route"]
         assert args.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
         assert args.reducer_warps == int(warps or launch.REDUCER_WARPS_NARROW)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.bfloat16])
+def test_store_runs_match_the_oracle(monkeypatch, dtype, nodes):
+    """HYBRID_EP_STORE_RUNS=1 (the direct dispatch's runs of consecutive rows as one bulk store,
+    which the lease times for fp8) gives the oracle's rows on the GPU: fp8 rows of 8 KiB two to a
+    stage, bf16 rows of 256 bytes 32 to a stage, few experts so runs are common."""
+    from hybrid_ep.backends.cuda import launch
+    from harness.emulated import emulated_group_for
+
+    monkeypatch.setenv(launch.STORE_RUNS_ENV, "1")
+    hidden = 8192 if dtype == FP8_DTYPE else 128
+    case = _case(4, hidden=hidden, dtype=dtype, topk=2, num_experts=4, tokens=(500, 17, 0, 129),
+                 ranks_per_node=4 // nodes)
+    group = emulated_group_for(case, "cuda", data_path="direct")  # a buffer of its own: knobs are read at its making
+    try:
+        for seed in (0, 1):
+            check_emulated(group, dataclasses.replace(case, seed=seed), num_sms=1)
+        [args] = [a for key, a in group.engine._launch_cache.items() if key[0] == "dispatch_direct"]
+        assert args.store_runs == 1
     finally:
         group.close()
 

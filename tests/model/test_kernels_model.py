@@ -29,6 +29,7 @@ from harness.emulated import (
 )
 from harness.emulated_check import main as emulated_check_main
 from harness.faults import ranks_absent
+from helpers import LEASE_COMBINE_VARIANTS
 from hybrid_ep.backends.cuda import launch
 from hybrid_ep.backends.cuda.emulation import EmulatedGroup
 from hybrid_ep.backends.cuda.engine import RoutingError
@@ -575,6 +576,19 @@ def test_every_store_queue_depth_gives_the_oracle_result(monkeypatch, groups, pa
             group.close()
 
 
+def _direct_combines_checked(case):
+    """The LaunchArgs of every direct combine a group of `case` launched, the oracle matched
+    under each seed of SEEDS (direct path, 1 SM per rank)."""
+    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
+    try:
+        for seed in SEEDS:
+            model.set_seed(seed)
+            check_emulated(group, dataclasses.replace(case, seed=seed))
+        return [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
+    finally:
+        group.close()
+
+
 def _set_knobs(monkeypatch, knobs):
     for name, value in knobs:
         if value is None:
@@ -597,20 +611,107 @@ def test_the_direct_combine_variants_give_the_oracle_result(monkeypatch, stages,
     the bounded loop). Every launch takes what was asked."""
     _set_knobs(monkeypatch, ((launch.DIRECT_COMBINE_STAGES_ENV, stages), (launch.REDUCER_WAIT_ENV, wait),
                              (launch.REDUCER_WARPS_ENV, warps)))
-    case = _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes)
-    group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
-    try:
-        for seed in SEEDS:
-            model.set_seed(seed)
-            check_emulated(group, dataclasses.replace(case, seed=seed))
-        combines = [a for key, a in group.engine._launch_cache.items() if key[0] == "combine_direct"]
-        assert combines
+    combines = _direct_combines_checked(_case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3, ranks_per_node=4 // nodes))
+    assert combines
+    for a in combines:
+        assert stages is None or a.src_stages == int(stages)
+        assert a.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
+        assert a.reducer_warps == int(warps or launch.REDUCER_WARPS_NARROW)
+
+
+# Each combination the GPU lease times (helpers.LEASE_COMBINE_VARIANTS) takes about 40 s on the
+# model: CI runs the first (token stages, the named hand-off, 8 warps), --full every one.
+LEASE_VARIANTS = [LEASE_COMBINE_VARIANTS[0]] + [pytest.param(*v, marks=pytest.mark.slow)
+                                                 for v in LEASE_COMBINE_VARIANTS[1:]]
+# What each combination meets: odd token counts and a rank without tokens; routes clipped by
+# num_out_tokens with an fp8 dispatch at top-8; rows of 7168 columns (token stages of 2048, 2048,
+# 2048, 1024 columns at top-3) with routing weights applied and, across nodes, an fp32 wire.
+LEASE_COMBINE_CASES = {
+    "odd tokens": _case(4, hidden=2048, tokens=(9, 0, 17, 4), topk=3),
+    "clipped fp8 top-8": _case(4, num_experts=16, num_out_tokens=37, hidden=512, dtype=FP8_DTYPE, topk=8,
+                               tokens=(33, 17, 1, 0)),
+    "7168 weighted": _case(4, hidden=7168, tokens=(5, 0, 9, 3), topk=3, apply_probs=True,
+                           wire_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("stage, wait, warps", LEASE_VARIANTS)
+def test_every_combination_the_lease_times_gives_the_oracle_result(monkeypatch, stage, wait, warps, nodes):
+    """Each knob combination of the direct combine the GPU lease times, not only each knob alone:
+    route or token stages, every hand-off (observe, converged, elect, one waiter and a named
+    barrier per reducer group), 4 or 8 reducer warps, one node and two, under both seeds, on each
+    case of LEASE_COMBINE_CASES. Every launch takes what was asked; a token stage holds 32 KiB."""
+    _set_knobs(monkeypatch, ((launch.DIRECT_COMBINE_STAGES_ENV, None), (launch.COMBINE_STAGE_ENV, stage),
+                             (launch.REDUCER_WAIT_ENV, wait), (launch.REDUCER_WARPS_ENV, warps)))
+    for name, base in LEASE_COMBINE_CASES.items():
+        combines = _direct_combines_checked(dataclasses.replace(base, ranks_per_node=4 // nodes))
+        assert combines, name
         for a in combines:
-            assert stages is None or a.src_stages == int(stages)
+            assert a.combine_stage == launch.COMBINE_STAGES[stage]
             assert a.reducer_wait == launch.REDUCER_WAITS[wait or "observe"]
             assert a.reducer_warps == int(warps or launch.REDUCER_WARPS_NARROW)
+            assert stage == "route" or a.src_stage_bytes == launch.TOKEN_STAGE_BYTES
+
+
+def _one_source_dispatch(monkeypatch, runs: str, expert_of) -> tuple[list[torch.Tensor], int]:
+    """Rank 0's 64 tokens of 128 bf16 columns (32 rows to a FIFO stage) dispatched at top-1 to
+    experts expert_of(t) of 2 ranks (one each), direct path, with HYBRID_EP_STORE_RUNS=runs:
+    each rank's received rows and the bulk copies the call made."""
+    monkeypatch.setenv(launch.STORE_RUNS_ENV, runs)
+    group = EmulatedGroup(2, 128, 64, 2, num_sms_dispatch=1, num_sms_combine=1, device="cpu", data_path="direct")
+    try:
+        gen = torch.Generator().manual_seed(5)
+        xs = [torch.randn(64, 128, generator=gen).to(torch.bfloat16), torch.zeros(0, 128, dtype=torch.bfloat16)]
+        idx = [torch.tensor([[expert_of(t)] for t in range(64)]), torch.zeros(0, 1, dtype=torch.int64)]
+        model.set_seed(0)
+        before = model.stats()["copies"]
+        res = group.dispatch(xs, idx)
+        group.synchronize()
+        return [r.tokens.clone() for r in res], model.stats()["copies"] - before
     finally:
         group.close()
+
+
+def test_store_runs_merge_exactly_the_rows_that_follow_each_other(monkeypatch):
+    """A run is a stage's consecutive rows bound for consecutive rows of one rank, and nothing
+    else: tokens alternating between the two ranks' experts (consecutive rows there, but not
+    consecutive in a stage) take a store each, as without runs; tokens all to one expert take one
+    store per stage of 32 rows, 62 fewer for 64 tokens. The received rows are the same."""
+    alternate = [_one_source_dispatch(monkeypatch, runs, lambda t: t % 2) for runs in ("0", "1")]
+    assert alternate[1][1] == alternate[0][1]
+    one = [_one_source_dispatch(monkeypatch, runs, lambda t: 1) for runs in ("0", "1")]
+    assert one[0][1] - one[1][1] == 64 - 2
+    for (rows0, _), (rows1, _) in (alternate, one):
+        assert all(torch.equal(a, b) for a, b in zip(rows0, rows1))
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_store_runs_give_the_oracle_result_in_fewer_stores(monkeypatch, nodes):
+    """HYBRID_EP_STORE_RUNS=1: the direct dispatch stores a stage's consecutive rows bound for
+    consecutive rows of one rank as one bulk store. fp8 rows of 8 KiB (two to a stage) and bf16
+    rows of 256 bytes (32 to a stage) to few experts, so runs are common; routes clipped by
+    num_out_tokens end a run where the rows end. The same results as a row a store, in fewer
+    bulk copies (the model counts them: stats()["copies"])."""
+    cases = (_case(4, num_experts=4, hidden=8192, dtype=FP8_DTYPE, topk=2, tokens=(17, 5, 0, 9)),
+             _case(4, num_experts=4, hidden=128, topk=2, num_out_tokens=21, tokens=(64, 17, 0, 33)))
+    copies = {}
+    for runs in ("0", "1"):
+        _set_knobs(monkeypatch, ((launch.STORE_RUNS_ENV, runs),))
+        copies[runs] = 0
+        for base in cases:
+            case = dataclasses.replace(base, ranks_per_node=4 // nodes)
+            group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
+            try:
+                model.set_seed(0)
+                before = model.stats()["copies"]
+                check_emulated(group, case)
+                copies[runs] += model.stats()["copies"] - before
+                [a] = [a for key, a in group.engine._launch_cache.items() if key[0] == "dispatch_direct"]
+                assert a.store_runs == int(runs)
+            finally:
+                group.close()
+    assert copies["1"] < copies["0"]
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -57,6 +58,8 @@ def machine(tmp_path):
 echo "python3 $* | ARCHS=$HYBRID_EP_CUDA_ARCHS PYTHONPATH=$PYTHONPATH" \
      "DIRECT_COMBINE_STAGES=${HYBRID_EP_DIRECT_COMBINE_STAGES:-}" \
      "REDUCER_WAIT=${HYBRID_EP_REDUCER_WAIT:-} REDUCER_WARPS=${HYBRID_EP_REDUCER_WARPS:-}" \
+     "COMBINE_STAGE=${HYBRID_EP_COMBINE_STAGE:-} STORE_RUNS=${HYBRID_EP_STORE_RUNS:-}" \
+     "TEST_K=${GPU_CHECK_TEST_K:-}" \
      "DATA_PATH=${HYBRID_EP_DATA_PATH:-} STORE_GROUPS=${HYBRID_EP_STORE_GROUPS:-}" >> "$CALLS"
 case "$*" in
   *"-m pip"*) echo "NETWORK pip via python" >> "$CALLS"; exit 1 ;;
@@ -410,6 +413,8 @@ def test_bench_and_ncu_stages(machine):
     assert "--launch-skip 3 --launch-count 2" in ncu[0]
     assert ncu[0].endswith("PATH_ENV=direct")  # the emulation's own path, said out loud
     assert "-w 8 --hidden 8192 --tokens 4096 --topk 8 --experts 16 --dtype bf16" in ncu[0]  # the default rows
+    # the bench's own point: 1 SM per rank, at the GPU's clocks (not ncu's locked base clock)
+    assert "--clock-control none" in ncu[0] and "--sms 1 --calls 2" in ncu[0]
     assert ncu[1].startswith(f"ncu --import {results}/ncu.ncu-rep --page details")
     assert "--section SourceCounters" in ncu[0]
     for kernel in ("dispatch_direct_kernel", "combine_direct_kernel"):
@@ -697,15 +702,47 @@ def test_racecheck_probe_stage_fails_on_a_wrong_control_or_a_wrong_value(machine
     assert not any(v.startswith("FAILED") for v in others)
 
 
+def _lease_variants() -> list[tuple[str, str, dict[str, str]]]:
+    """(name, shape, {knob: value}) of each combine variant gpu_short_lease.sh times, read from
+    the script."""
+    text = Path(REPO, "scripts", "gpu_short_lease.sh").read_text()
+    block = text[text.index("variants=("):text.index("variants_end=")]
+    out = []
+    for entry in re.findall(r'"([^"]+)"', block):
+        name, shape, *settings = entry.split()
+        out.append((name, shape, dict(setting.split("=") for setting in settings)))
+    return out
+
+
+def test_every_combine_variant_the_lease_times_passes_the_oracle_first():
+    """Each knob combination the lease times is one the oracle tests run, on the CPU model and on
+    the GPU (helpers.LEASE_COMBINE_VARIANTS), and the lease's oracle stage selects those tests."""
+    from helpers import LEASE_COMBINE_VARIANTS
+
+    tested = {(stage or "route", wait or "observe", warps or "4") for stage, wait, warps in LEASE_COMBINE_VARIANTS}
+    tested |= {("route", "converged", "4"), ("route", "elect", "4"), ("route", "observe", "8")}  # each knob alone
+    variants = _lease_variants()
+    assert len(variants) >= 12
+    for name, shape, knobs in variants:
+        assert shape in ("seed", "dsv3"), name
+        assert set(knobs) <= {"COMBINE_STAGE", "REDUCER_WAIT", "REDUCER_WARPS"}, name
+        combo = (knobs.get("COMBINE_STAGE", "route"), knobs.get("REDUCER_WAIT", "observe"),
+                 knobs.get("REDUCER_WARPS", "4"))
+        assert combo in tested, (name, combo)
+    text = Path(REPO, "scripts", "gpu_short_lease.sh").read_text()
+    assert 'GPU_CHECK_TEST_K="direct_combine_variants or store_runs"' in text
+
+
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): the whole lease script
 def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
-    """scripts/gpu_short_lease.sh in the order of what a lease must settle: the tests, the process
-    bench's emulation points alone, the speed the predictions score and the designs they judge
-    (the DeepSeek-V3-like layer on the direct path, fp8, the direct combine's variants, ncu's lines
-    of fp8's dispatch), the processes (8 processes beside the emulation, every layout, bf16 and
-    fp8; then the seed point with 3 direct-combine stages), the bench's sweeps, DeepEP beside
-    hybrid-ep, then what earlier runs measured (the DeepSeek-V3-like layer on the receive path, the
-    racecheck probe); logs packed for the device."""
+    """scripts/gpu_short_lease.sh in the order of what a lease must settle: the decisions first
+    (the microbenchmarks, the oracle on the variants the lease times, the seed bf16 baseline, fp8
+    with a row a store and with store runs, the DeepSeek-V3-like layer, the combine's variants at
+    both shapes and 1 and 2 SMs per rank, ncu at the bench's point), then the GPU tests, the process
+    bench's emulation points alone, one domain of 36 ranks, the processes (8 processes beside the
+    emulation, every layout, bf16 and fp8; then the seed point with 3 direct-combine stages), the
+    bench's sweeps, DeepEP beside hybrid-ep, then what earlier runs measured (the
+    DeepSeek-V3-like layer on the receive path, the racecheck probe); logs packed after every part."""
     import tarfile
 
     _, results, run = machine
@@ -722,56 +759,76 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
     assert "--pool none" not in processes[3] and "--dtypes bf16 fp8" in processes[3]
     assert "--nodes 1 --shapes seed --sms 1" in processes[4]
     assert "DIRECT_COMBINE_STAGES=3 " in processes[4] and "DIRECT_COMBINE_STAGES= " in processes[3]
-    benches = [line for line in calls.splitlines()
-               if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
-    # the DeepSeek-V3-like layer on the direct path, fp8, the combine's eight variants, the bench
-    # stage's three sweeps (one node, 2 and 4 nodes), hybrid-ep beside DeepEP, the DeepSeek-V3-like
-    # layer on the receive path
-    assert len(benches) == 15, benches
-    variants, benches = benches[2:10], benches[:2] + benches[10:]
-    assert "--backends cuda deepep" in benches[5]
-    for line, path in ((benches[0], "direct"), (benches[6], "receive")):
-        assert "--emulate 8 --hidden 7168 --tokens 4096 --topk 8 --experts 256 --dtype bf16 --sms 1 2" in line
-        assert f"bench_dsv3_{path}" in line and line.endswith(f"DATA_PATH={path} STORE_GROUPS=")
-    assert "--dtype fp8 --sms 1 2" in benches[1] and "--emulate 8 " in benches[1]
-    for line in benches:  # the defaults everywhere but in the variants
-        assert "DIRECT_COMBINE_STAGES= REDUCER_WAIT= REDUCER_WARPS= " in line, line
-    settings = {"converged": "REDUCER_WAIT=converged REDUCER_WARPS= ",
-                "r8": "REDUCER_WAIT= REDUCER_WARPS=8", "elect": "REDUCER_WAIT=elect REDUCER_WARPS= ",
-                "r8_elect": "REDUCER_WAIT=elect REDUCER_WARPS=8", "stages3": "DIRECT_COMBINE_STAGES=3 REDUCER_WAIT= "}
+    bench_lines = [line for line in calls.splitlines()
+                   if line.startswith("python3 -m hybrid_ep.bench") and "bench.processes" not in line]
+
+    def bench(folder: str) -> str:  # the one bench run into FOLDER (the stub echoes "ARGS | ENV")
+        [line] = [line for line in bench_lines if f"/{folder} | " in line]
+        return line
+
     shapes = {"seed": "--hidden 8192 --tokens 4096 --topk 8 --experts 16",
               "dsv3": "--hidden 7168 --tokens 4096 --topk 8 --experts 256"}
-    named = [("converged", "seed"), ("converged", "dsv3"), ("r8", "seed"), ("r8", "dsv3"), ("elect", "seed"),
-             ("r8_elect", "seed"), ("r8_elect", "dsv3"), ("stages3", "seed")]
-    for line, (name, shape) in zip(variants, named):  # one SM per rank, bf16, the direct path
-        assert f"combine_variants/{name}_{shape}" in line and settings[name] in line, line
-        assert f"--emulate 8 {shapes[shape]} --dtype bf16 --sms 1 " in line and "DATA_PATH=direct " in line, line
-    assert all(line.endswith("STORE_GROUPS=") for line in benches)  # the default queue everywhere
+    defaults = "DIRECT_COMBINE_STAGES= REDUCER_WAIT= REDUCER_WARPS= COMBINE_STAGE= STORE_RUNS= "
+    for folder, shape, dtype in (("bench_seed", "seed", "bf16"), ("bench_fp8", "seed", "fp8"),
+                                 ("bench_fp8_runs", "seed", "fp8"), ("bench_dsv3_direct", "dsv3", "bf16")):
+        line = bench(folder)
+        assert f"--emulate 8 {shapes[shape]} --dtype {dtype} --sms 1 2" in line, line
+        assert (defaults.replace("STORE_RUNS= ", "STORE_RUNS=1 ") if folder == "bench_fp8_runs" else defaults) in line
+    assert bench("bench_dsv3_receive").endswith("DATA_PATH=receive STORE_GROUPS=")
+    variants = _lease_variants()
+    for name, shape, knobs in variants:  # both SM counts, bf16, the direct path, what each sets
+        line = bench(f"combine_variants/{name}_{shape}")
+        assert f"--emulate 8 {shapes[shape]} --dtype bf16 --sms 1 2 " in line and "DATA_PATH=direct " in line, line
+        for knob in ("COMBINE_STAGE", "REDUCER_WAIT", "REDUCER_WARPS"):
+            assert f"{knob}={knobs.get(knob, '')} " in line, (knob, line)
     summary = (results / "summary.txt").read_text()
-    order = ["micro exit", "build exit", "test exit", "emulation alone, no MPS", "emulation alone, under MPS",
-             "emulation alone, memcheck", "bench dsv3 direct exit", "bench fp8 exit", "combine converged seed exit",
-             "combine stages3 seed exit", "ncu exit", "processes exit", "processes, 3 combine stages exit",
-             "bench exit", "deepep exit",
-             "bench dsv3 receive exit", "racecheck probe exit"]
+    first, last = variants[0], variants[-1]
+    order = ["micro exit", "build exit", "oracle exit", "bench seed exit", "bench fp8 exit",
+             "bench fp8 store runs exit", "bench dsv3 direct exit", f"combine {first[0]} {first[1]} exit",
+             f"combine {last[0]} {last[1]} exit",
+             "ncu exit", "test exit", "emulation alone, no MPS", "emulation alone, under MPS",
+             "emulation alone, memcheck", "processes exit", "processes, 3 combine stages exit", "bench exit",
+             "deepep exit", "bench dsv3 receive exit", "racecheck probe exit"]
     at = [summary.index(step) for step in order]
     assert at == sorted(at), summary
     assert "build exit 0: no carried build at build/gpu-prebuilt: building here" in summary
-    [deepep] = [line for line in benches if "--backends cuda deepep" in line]  # 8 processes on the GPU, MPS
+    # the oracle stage: the variants' and the store runs' GPU tests alone
+    [oracle] = [line for line in calls.splitlines() if "-m pytest" in line and "TEST_K=direct_combine" in line]
+    assert "-k direct_combine_variants or store_runs" in oracle
+    deepep = next(line for line in calls.splitlines() if "--backends cuda deepep" in line)  # 8 processes, MPS
     assert "--device cuda -w 8 --backends cuda deepep --hidden 8192 --tokens 4096 --topk 8 --experts 16" in deepep
     assert "--sms 2 8" in deepep and "mps-control -d" in calls and "mps-control quit" in calls
     assert "deepep exit 0: no DeepEP wheel at build/deepep/deep_ep-*.whl: hybrid-ep alone" in summary
     with tarfile.open(results / "logs_short_lease.tgz") as packed:
         names = packed.getnames()
-    for log in ("./bench_fp8.log", "./bench_dsv3_direct.log", "./combine_variants/r8_dsv3.log",
+    for log in ("./bench_seed.log", "./bench_fp8.log", "./bench_fp8_runs.log", "./bench_dsv3_direct.log",
+                f"./combine_variants/{last[0]}_{last[1]}.log", "./oracle/gpu_check_summary.txt",
                 "./bench_dsv3_receive.log", "./summary.txt",
                 "./deepep/bench_deepep.log", "./deepep/gpu_check_summary.txt", "./processes/processes.log",
                 "./processes_3_stages/processes.log", "./emulation_alone/no_mps.log",
                 "./emulation_alone/mps/processes.log", "./emulation_alone/memcheck.log"):
         assert log in names, names
+    assert not (results / "logs_short_lease.tgz.part").exists()
     assert "-m harness.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
     assert "regex:dispatch_direct_kernel|combine_direct_kernel" in profiled and "SourceCounters" in profiled
-    assert "--dtype fp8 " in profiled  # the lease reads fp8's dispatch, which no run has read
+    assert "--dtype fp8 " in profiled and "--sms 1 " in profiled  # fp8's dispatch at the bench's point
+    assert "--clock-control none" in profiled
+
+
+def test_short_lease_packs_its_logs_after_every_part(machine):
+    """A call killed between parts still returns what ran: the archive is written after each
+    part (a part's own log in it once its line is in the summary)."""
+    import tarfile
+
+    _, results, run = machine
+    results.mkdir()
+    proc, _ = run(str(results), script="gpu_short_lease.sh", SHORT_LEASE_END_S="45")
+    summary = (results / "summary.txt").read_text()
+    assert "micro exit" in summary
+    with tarfile.open(results / "logs_short_lease.tgz") as packed:
+        names = packed.getnames()
+    assert "./micro_stage.out" in names and "./summary.txt" in names, names
 
 
 @pytest.mark.slow  # the full tier (scripts/test.sh --full): waits out a budget
@@ -783,8 +840,11 @@ def test_short_lease_ends_in_its_time_and_says_which_parts_it_left_out(machine):
     proc, calls = run(str(results), script="gpu_short_lease.sh", SHORT_LEASE_END_S="50", PYTEST_HANGS="1")
     assert time.monotonic() - start < 50
     summary = (results / "summary.txt").read_text()
-    assert "test exit 137" in summary or "test not run" in summary  # (on a loaded machine the first parts are slow)
-    for part in ("processes", "bench", "bench fp8", "bench dsv3 direct", "deepep", "racecheck probe"):
+    # the first tests the lease runs, the oracle on the combine's variants (on a loaded machine the
+    # first parts are slow)
+    assert "oracle exit 137" in summary or "oracle not run" in summary
+    for part in ("bench seed", "bench fp8", "bench dsv3 direct", "test", "processes", "bench", "deepep",
+                 "racecheck probe"):
         assert f"{part} not run: " in summary and " s left of 50" in summary, part
     assert "-m hybrid_ep.bench" not in calls
 

@@ -97,6 +97,7 @@ def _predict(args) -> int:
               "store_groups": launch.store_groups_override(),
               "direct_combine_stages": launch.direct_combine_stages_override(),
               "reducer_wait": launch.reducer_wait_override(), "reducer_warps": launch.reducer_warps_override(),
+              "combine_stage": launch.combine_stage_override(), "store_runs": launch.store_runs_override(),
               "readings": {name: readings.READINGS[name] for name in tables if name != "table"},
               "constants_file": os.path.relpath(args.constants), "device_modelled": table.device,
               "commit": commit}

@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import json
 
+from tools.microbench.constants import table as micro_table
+from tools.microbench.records import Lines
+
 from . import constants
 
 ROW_BYTES = 16384  # the microbenchmarks' copies and reduced rows: 16 KiB
+HALF_ROW_BYTES = 8192  # the copy-size sweep's copies below one thread's issue interval (C_load_8k, C_store_8k)
 REQUEST_BYTES = 32  # a write request on the L1TEX-to-crossbar path: one sector
 
 
 def _values(doc: dict) -> tuple[dict, dict]:
-    """({name: value}, {name: clock MHz}) of micro.json's constants that ran and are ok."""
+    """({name: value}, {name: clock MHz}) of micro.json's constants that ran and are ok. A
+    constant named after the file was written (tools/microbench/constants.py) is read from its
+    lines, where the file holds them."""
     rows = [c for c in doc["constants"] if c.get("ok") and c.get("value") is not None]
+    named = {c["name"] for c in doc["constants"]}
+    if isinstance(doc.get("measurements"), dict):
+        lines = Lines(doc["device"], doc["measurements"])
+        rows += [c for c in micro_table(lines)
+                 if c["name"] not in named and c.get("ok") and c.get("value") is not None]
     return {c["name"]: float(c["value"]) for c in rows}, {c["name"]: c.get("clock_mhz") for c in rows}
 
 
@@ -40,7 +51,14 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
             out[name] = (round(value, 2), f"{where}: {how}")
 
     g = v.get
-    put("barrier_ns", g("B_bar_sync4", 0), "B_bar_sync4, bar.sync among 4 warps", "B_bar_sync4")
+    named = (f". The model's named hand-off (an elected lane's wait, then bar.sync: H_project + this) gives "
+             f"{g('H_project', 0) + g('B_bar_sync4', 0):.1f} against H_named {g('H_named', 0):.1f}"
+             if "H_named" in v and "H_project" in v else "")
+    put("barrier_ns", g("B_bar_sync4", 0), f"B_bar_sync4, bar.sync among 4 warps{named}", "B_bar_sync4")
+    put("collective_ns", g("H_converged", 0) - g("H_project", 0),
+        f"H_converged {g('H_converged', 0):.1f} (a whole warp's hand-off: every lane waits with mbar_wait, the "
+        f"warp converged, then a vote) less H_project {g('H_project', 0):.1f} (a lane's wait alone): the vote of "
+        "lanes that arrive together", "H_converged", "H_project")
     put("wake_ns", g("H_project", 0),
         f"H_project, an mbarrier hand-off one way with the kernels' mbar_wait, lane 0 (bare try_wait "
         f"{g('H_bare', 0):.1f}, hinted {g('H_hint', 0):.1f}). A whole warp's stage wait (mbar_wait, warp_uniform, "
@@ -64,25 +82,44 @@ def measured(doc: dict, table: constants.Table, label: str = "micro.json") -> di
         f"F_acquire {g('F_acquire', 0):.1f} (st.release.sys -> ld.acquire.sys polls between 2 SMs, one way) less "
         f"the release it includes (release_ns, X_sys_0 {g('X_sys_0', 0):.1f})", "F_acquire", "X_sys_0")
     put("fence_proxy_ns", g("X_proxy", 0), "X_proxy, fence.proxy.async after a shared store", "X_proxy")
-    if "C_load" in v:
-        put("g2s_latency_ns", g("L_load_hbm", 0) - ROW_BYTES / v["C_load"],
+    # The SM's load rate: C_load_4p, four threads' loads (one thread's are bound by its copies'
+    # issue interval, C_load_8k: a copy of 2-32 KiB took it as long); before that constant, C_load.
+    load_rate, load_rate_name = (v["C_load_4p"], "C_load_4p") if "C_load_4p" in v else (v.get("C_load"), "C_load")
+    if load_rate:
+        put("g2s_latency_ns", g("L_load_hbm", 0) - ROW_BYTES / load_rate,
             f"L_load_hbm {g('L_load_hbm', 0):.1f} (a 16 KiB bulk load from HBM, issue -> mbarrier complete) less its "
-            f"bytes through the engine at C_load {v['C_load']:.2f} bytes/ns (loads alone)", "L_load_hbm")
+            f"bytes through the engine at {load_rate_name} {load_rate:.2f} bytes/ns", "L_load_hbm")
     if "C_store" in v:
         put("s2g_read_latency_ns", g("L_store_read", 0) - ROW_BYTES / v["C_store"],
             f"L_store_read {g('L_store_read', 0):.1f} (a 16 KiB bulk store, issue -> wait_group.read 0) less its "
             f"bytes at C_store {v['C_store']:.2f} bytes/ns (stores alone)", "L_store_read")
-    if "C_load" in v:
-        put("g2s_l2_latency_ns", g("L_load_l2", 0) - ROW_BYTES / v["C_load"],
+    if load_rate:
+        put("g2s_l2_latency_ns", g("L_load_l2", 0) - ROW_BYTES / load_rate,
             f"L_load_l2 {g('L_load_l2', 0):.1f} (a 16 KiB bulk load, L2-hot) less its bytes through the engine at "
-            f"C_load {v['C_load']:.2f} bytes/ns", "L_load_l2")
+            f"{load_rate_name} {load_rate:.2f} bytes/ns", "L_load_l2")
     # The engine's two directions run side by side (timing.h, "bulk copies"): each at its rate
     # alone. One load + 2, 4, 8 stores per stage (C_mix2/4/8, bytes loaded and stored) then take
     # the stores' time at C_store, 3-13 % under the measured; one calendar for both would be
     # 7-24 % over it (the 2026-11-27 H200 run).
-    put("engine_load_bytes_per_ns", g("C_load", 0),
-        f"C_load {g('C_load', 0):.2f} GB/s, bulk loads alone (16 KiB, 8 stages, one SM): the engine's load "
-        "direction", "C_load")
+    if "C_load_4p" in v:
+        put("engine_load_bytes_per_ns", g("C_load_4p", 0),
+            f"C_load_4p {g('C_load_4p', 0):.2f} GB/s, bulk loads alone from 4 threads (4 pipelines of 3 stages of "
+            f"16 KiB, one SM): the engine's load direction, at least (one thread's loads, C_load {g('C_load', 0):.2f}, "
+            "are bound by its issue interval)", "C_load_4p")
+    else:
+        put("engine_load_bytes_per_ns", g("C_load", 0),
+            f"C_load {g('C_load', 0):.2f} GB/s, bulk loads alone (16 KiB, 8 stages, one SM): the engine's load "
+            "direction", "C_load")
+    put("load_issue_interval_ns", HALF_ROW_BYTES / g("C_load_8k", 1),
+        f"C_load_8k {g('C_load_8k', 0):.2f} GB/s: one thread's bulk loads of 8 KiB (8 stages, one SM), "
+        f"{HALF_ROW_BYTES / g('C_load_8k', 1):.1f} ns each, as its copies of 2 to 32 KiB (the copy-size sweep) and "
+        f"of 16 KiB (C_load {g('C_load', 0):.2f}: {ROW_BYTES / g('C_load', 1):.1f} ns): a time per copy of the "
+        "issuing thread, not of the engine (two threads' 16 KiB loads, 2 pipelines, moved twice one's bytes)",
+        "C_load_8k", "C_load")
+    put("store_issue_interval_ns", HALF_ROW_BYTES / g("C_store_8k", 1),
+        f"C_store_8k {g('C_store_8k', 0):.2f} GB/s: one thread's bulk stores of 8 KiB (4 groups reading, one SM), "
+        f"{HALF_ROW_BYTES / g('C_store_8k', 1):.1f} ns each, as its stores of 2 and 4 KiB; taken per issuing thread, "
+        "as the loads' (whether two store threads share it is C_direct_2_fp8's to say)", "C_store_8k")
     put("engine_store_bytes_per_ns", g("C_store", 0),
         f"C_store {g('C_store', 0):.2f} GB/s, bulk stores alone (16 KiB, 4 groups reading, one SM): the engine's "
         "store direction, which plain store requests take too", "C_store")

@@ -99,7 +99,8 @@ def shape_differences(predicted: dict, measured: dict) -> list[str]:
     p, m = predicted["metadata"]["config"], measured["metadata"]["config"]
     differ = [f"{k} {p.get(k)} against {m.get(k, 0 if k == 'seed' else None)}" for k in SHAPE_KEYS
               if p.get(k) != m.get(k, 0 if k == "seed" else None)]
-    for k, default in (("reducer_wait", launch.REDUCER_WAIT_DEFAULT), ("reducer_warps", launch.REDUCER_WARPS_NARROW)):
+    for k, default in (("reducer_wait", launch.REDUCER_WAIT_DEFAULT), ("reducer_warps", launch.REDUCER_WARPS_NARROW),
+                       ("combine_stage", launch.COMBINE_STAGE_DEFAULT), ("store_runs", 0)):
         a, b = p.get(k) or default, m.get(k) or default
         if a != b:
             differ.append(f"{k} {a} against {b}")

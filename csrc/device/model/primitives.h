@@ -118,6 +118,7 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
     uint32_t arrived[16];
     uint32_t generation[16];
     uint32_t stamp[16][2];  // the timing model's word of a generation's arrivals, by its parity
+    uint32_t threads[16];   // the count the generation's first arrival named
   };
   NamedBarriers& b = block_shared<NamedBarriers>();
   const uint64_t launch = 0x6e616d6564626172ull ^ model::launch_serial();
@@ -131,20 +132,30 @@ inline void named_barrier_sync(uint32_t id, uint32_t threads, const char* file =
   id &= 15u;
   const uint32_t generation = __atomic_load_n(&b.generation[id], __ATOMIC_RELAXED);
   // The timing model: each arrival stamps its generation's word, so every thread runs on after
-  // the latest arrival of its generation, whichever the schedule brought last. A word per
+  // the latest arrival of its generation, whichever the schedule brought last, plus the
+  // barrier's cost (barrier_ns: micro M1's bar.sync among 4 warps). A word per
   // parity: a thread that passed may arrive at the next generation before a waiter of this one
   // sees it pass, and that arrival is not this generation's; none arrives at the one after
   // before every waiter of this one went on.
   const uint32_t* stamp = &b.stamp[id][generation & 1u];
   model::note_flag_write(stamp, {file, line});
-  if (__atomic_add_fetch(&b.arrived[id], 1u, __ATOMIC_ACQ_REL) == threads) {
+  if (__atomic_load_n(&b.arrived[id], __ATOMIC_RELAXED) == 0) {
+    __atomic_store_n(&b.threads[id], threads, __ATOMIC_RELAXED);
+  } else if (__atomic_load_n(&b.threads[id], __ATOMIC_RELAXED) != threads) {
+    model::named_barrier_mismatch(id, __atomic_load_n(&b.threads[id], __ATOMIC_RELAXED), threads, {file, line});
+  }
+  const uint32_t arrived = __atomic_add_fetch(&b.arrived[id], 1u, __ATOMIC_ACQ_REL);
+  if (arrived == threads) {
     __atomic_store_n(&b.arrived[id], 0u, __ATOMIC_RELAXED);
     __atomic_store_n(&b.generation[id], generation + 1u, __ATOMIC_RELEASE);
-    model::note_flag_seen(stamp, {file, line});
+    model::note_named_barrier(stamp, {file, line});
     return;
   }
-  while (static_cast<uint32_t>(model::poll(&b.generation[id], 4, {file, line})) == generation) {}
-  model::note_flag_seen(stamp, {file, line});
+  const uint64_t since = model::timer_ns();
+  while (static_cast<uint32_t>(model::poll(&b.generation[id], 4, {file, line})) == generation)
+    if (model::timer_ns() - since > model::kNamedBarrierBoundNs)
+      model::named_barrier_stuck(id, __atomic_load_n(&b.arrived[id], __ATOMIC_RELAXED), threads, {file, line});
+  model::note_named_barrier(stamp, {file, line});
 }
 
 inline void sleep_ns(uint32_t) {}  // polls give way to the other threads anyway

@@ -71,6 +71,14 @@ const char* collective_name(Collective kind);
 enum class PollKind : int { kAcquire = 0, kRelaxed = 1, kVolatile = 2 };
 uint64_t poll(const volatile void* p, size_t bytes, Site site, PollKind kind = PollKind::kAcquire);
 uint64_t timer_ns();
+// A named barrier's checks (device/model/primitives.h, dev::named_barrier_sync): the threads
+// of one generation name the same count, and none waits longer than kNamedBarrierBoundNs of
+// virtual time, past every bounded wait of a kernel (2 x HYBRID_EP_TIMEOUT_S, 200 s by
+// default): a participant that exited or waits elsewhere would hang the GPU (bar.sync is not
+// bounded), so the launch stops with where the waiter is. Each fails the launch.
+constexpr uint64_t kNamedBarrierBoundNs = 1000ull * 1000 * 1000 * 1000;
+void named_barrier_stuck(uint32_t id, uint32_t arrived, uint32_t threads, Site site);
+void named_barrier_mismatch(uint32_t id, uint32_t first, uint32_t threads, Site site);
 
 // ---- fences -------------------------------------------------------------------------------
 // Checked, not only timed: fence.acq_rel / fence.sc (gpu or system scope) acquires what the
@@ -86,6 +94,9 @@ void fence_proxy(Site site);
 // compiler atomic the race check sees.
 void note_flag_write(const volatile void* p, Site site);  // release stores, reductions, relaxed stores
 void note_flag_seen(const volatile void* p, Site site);   // a value read without a poll (no yield)
+// A named barrier passed: its generation's arrivals stamped `stamp` (note_flag_write); the thread
+// runs on after the latest of them plus the barrier's cost, its warp reconverged.
+void note_named_barrier(const volatile void* stamp, Site site);
 void note_atomic(const volatile void* p, Site site);
 void note_fence(Fence kind);
 // A pair of 16-bit floats converted to or from fp32: the kernels' reduction loops convert every

@@ -51,6 +51,8 @@ enum Which {
   kAcquireWithoutProxyFence,
   kStaticPlusDynamicSmem,
   kAssumeSharedGlobal,
+  kNamedBarrierParticipantExits,
+  kNamedBarrierCountMismatch,
 };
 
 // Static shared memory that, with the launch's dynamic size for kStaticPlusDynamicSmem, is over
@@ -228,6 +230,12 @@ __global__ void selftest_kernel(const Args args) {
       dev::assume_shared(smem);
       if (tid == 0) dev::assume_shared(args.global);
       break;
+    case kNamedBarrierParticipantExits:              // warp 1 leaves before the named barrier of warps 0-1: warp 0
+      if (tid < 32) dev::named_barrier_sync(1, 64);  // waits forever (on a GPU: a hang)
+      break;
+    case kNamedBarrierCountMismatch:  // warps 0 and 1 meet at barrier 1 but name different counts
+      if (tid < 64) dev::named_barrier_sync(1, tid < 32 ? 64 : 96);
+      break;
     default: break;
   }
 }
@@ -258,6 +266,8 @@ const std::map<std::string, int>& names() {
       {"acquire_without_proxy_fence", kAcquireWithoutProxyFence},
       {"static_plus_dynamic_smem", kStaticPlusDynamicSmem},
       {"assume_shared_global", kAssumeSharedGlobal},
+      {"named_barrier_participant_exits", kNamedBarrierParticipantExits},
+      {"named_barrier_count_mismatch", kNamedBarrierCountMismatch},
   };
   return n;
 }

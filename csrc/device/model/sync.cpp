@@ -162,6 +162,18 @@ uint64_t poll(const volatile void* p, size_t bytes, Site site, PollKind kind) {
   return v;
 }
 
+void named_barrier_stuck(uint32_t id, uint32_t arrived, uint32_t threads, Site site) {
+  fail("named barrier " + std::to_string(id) + " (" + site_text(site) + "): " + std::to_string(arrived) + " of " +
+       std::to_string(threads) + " threads arrived and no other came for " +
+       std::to_string(kNamedBarrierBoundNs / 1000000000ull) +
+       " s of virtual time: a participant exited or waits elsewhere (bar.sync waits unbounded on a GPU)");
+}
+
+void named_barrier_mismatch(uint32_t id, uint32_t first, uint32_t threads, Site site) {
+  fail("named barrier " + std::to_string(id) + " (" + site_text(site) + "): a thread arrives for " +
+       std::to_string(threads) + " threads where this generation's first arrival named " + std::to_string(first));
+}
+
 void fence_acquire(Fence kind, Site site) {
   note_fence(kind);
   Launch* L = g_launch;

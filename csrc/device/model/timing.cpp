@@ -573,6 +573,18 @@ void Timer::barrier(const std::vector<int>& participants, Site site) {
   path_.release(shared);
 }
 
+// A named barrier: the thread runs on after its generation's latest arrival (every arrival stamped
+// `stamp`) plus the barrier's cost. Like __syncthreads it ends any divergence of the warp: the
+// next collective finds it converged.
+void Timer::named_barrier(int th, const volatile void* stamp, Site site) {
+  settle(th, false);
+  clocks_[th].waited = false;
+  auto it = flags_.find(stamp);
+  const Origin dep = it == flags_.end() ? Origin{} : it->second;
+  resolve(th, clocks_[th].t + c_.barrier_ns, dep, c_.barrier_ns, category("named barrier", site), nullptr);
+  spin_end(th);
+}
+
 // A collective whose lanes come from different paths, some from an mbarrier wait and some not,
 // ends a divergence: the waiting lane ran its loop while the others stood here, and the warp
 // reconverges (reconverge_ns, micro M1: an elected lane's wait and the __syncwarp after it against
@@ -697,6 +709,11 @@ void Timer::copy_issue(int th, size_t copy, int block, bool g2s, const void* gme
   advance(th, c_.issue_ns);
   CopyTime& ct = copies_[copy];
   set(ct.issued, here(th, category(g2s ? "bulk load" : "bulk store", site)));
+  // The thread's copies of a direction start through the engine an issue interval apart; the
+  // thread itself goes on (a wait for the copy waits for it).
+  double& next = g2s ? clocks_[th].next_load : clocks_[th].next_store;
+  ct.issued.t = std::max(ct.issued.t, next);
+  next = ct.issued.t + (g2s ? c_.load_issue_interval_ns : c_.store_issue_interval_ns);
   ct.duration = g2s ? bytes / c_.engine_load_bytes_per_ns : c_.store_copy_ns + bytes / c_.engine_store_bytes_per_ns;
   if (g2s) {
     const double hit = read_hit(gmem, bytes);

@@ -39,8 +39,8 @@
 //   - device memory: one calendar for the launch (every SM, every rank of the emulation: one
 //     GPU's bandwidth for all, an upper bound on the sharing), which the misses and every
 //     global write go through, bulk copies from their start through the engine on;
-//   - __syncthreads, warp collectives: every participant runs on at the last arrival's time
-//     plus the barrier's cost;
+//   - __syncthreads, named barriers (bar.sync), warp collectives: every participant runs on at the
+//     last arrival's time plus the barrier's cost (a bar.sync's is __syncthreads', barrier_ns);
 //   - mbarriers: a phase completes at the latest of its arrivals and of the bulk loads that
 //     completed bytes on it; a try_wait that finds it complete ends at that time plus the
 //     wake-up (a try_wait that fails costs the thread nothing: how often a thread spins depends
@@ -57,7 +57,10 @@
 //     rank (one queue pair per peer delivers in order); its signal is stamped then; a quiet ends
 //     when the acknowledgement of the thread's last op is back (another latency). The NIC's
 //     reads and writes of device memory are not put on its calendar;
-//   - bulk copies: the issuing thread pays the issue; the bytes go through the SM's copy
+//   - bulk copies: the issuing thread pays the issue; a thread's copies of one direction start
+//     through the engine at least an issue interval apart (load_issue_interval_ns,
+//     store_issue_interval_ns: the microbenchmarks' one thread moved copies of 8 KiB in the
+//     time of 16); the bytes go through the SM's copy
 //     engine, one calendar per direction (loads come in from the crossbar, stores and plain
 //     store requests go out to it: the two run side by side, as the microbenchmarks' mixes of
 //     one load and 2-8 stores show), first come (by issue time) first served, a
@@ -98,7 +101,7 @@ namespace hybrid_ep::model::timing {
 // counts and the fractions.
 #define HYBRID_EP_TIMING_COSTS(X)                                                                                     \
   X(launch_ns, "a launch's fixed cost, added to its last thread's end")                                               \
-  X(barrier_ns, "__syncthreads: the last arrival -> every thread of the block runs on")                               \
+  X(barrier_ns, "__syncthreads or a named barrier (bar.sync): the last arrival -> every participant runs on")         \
   X(collective_ns, "a warp collective (__syncwarp, __shfl_sync, __ballot_sync): the last lane -> all run on")         \
   X(reconverge_ns,                                                                                                    \
     "a warp collective that some of its lanes, not all, reach from an mbarrier wait since the warp's last "           \
@@ -122,6 +125,12 @@ namespace hybrid_ep::model::timing {
   X(engine_load_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk load (global -> shared)")            \
   X(engine_store_bytes_per_ns, "an SM's copy engine (TMA): bytes per ns of a bulk store (shared -> global)")          \
   X(store_copy_ns, "a bulk store's fixed time on its SM's copy engine beside its bytes (docs/dev/request_path.md)")   \
+  X(load_issue_interval_ns,                                                                                           \
+    "a thread's bulk loads: the least time from one's start through the copy engine to its next's (one thread's "     \
+    "copies of 2-32 KiB each took as long, whatever their bytes)")                                                    \
+  X(store_issue_interval_ns,                                                                                          \
+    "a thread's bulk stores: the least time from one's start through the copy engine to its next's (one thread's "    \
+    "stores of 8 KiB or less each took as long)")                                                                     \
   X(request_ns,                                                                                                       \
     "a write request (a 32-byte sector) of a plain global store on its SM's L1TEX-to-crossbar path, which the "       \
     "bulk stores take as well (the copy engine's store calendar): one per store under 16 bytes, half per 16-byte "    \
@@ -358,6 +367,7 @@ class Timer {
   // `th` is the thread's index in the launch (block * threads + thread).
   void barrier(const std::vector<int>& participants, Site site);
   void collective(const std::vector<int>& lanes, Collective kind, Site site);
+  void named_barrier(int th, const volatile void* stamp, Site site);  // its generation's arrivals stamped `stamp`
   void mbar_init(const void* bar);
   void arrive(int th, const void* bar, Site site);
   void phase_complete(const void* bar);
@@ -404,6 +414,7 @@ class Timer {
     Group open;
     std::vector<std::pair<int, double>> nic_seen;  // per rank put to: when its last posted op is seen there
     Origin nic_acked;                              // when the acknowledgement of its last posted op is back
+    double next_load = 0, next_store = 0;          // the earliest start of its next bulk load, bulk store
   };
   struct CopyTime {
     Origin issued;  // t: when its bytes may start through the engine; where it came from

@@ -21,6 +21,12 @@ void note_flag_seen(const volatile void* p, Site site) {
   each_timer(L->timers, [&](timing::Timer& timer) { timer.poll(thread_index(*L, L->current), p, true, shared, site); });
 }
 
+void note_named_barrier(const volatile void* stamp, Site site) {
+  Launch* L = g_launch;
+  if (L == nullptr || L->timers.empty() || L->current == nullptr) return;
+  each_timer(L->timers, [&](timing::Timer& timer) { timer.named_barrier(thread_index(*L, L->current), stamp, site); });
+}
+
 void note_atomic(const volatile void* p, Site site) {
   Launch* L = g_launch;
   if (L == nullptr || L->timers.empty() || L->current == nullptr) return;

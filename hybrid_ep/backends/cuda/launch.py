@@ -264,18 +264,22 @@ REDUCER_WAIT_ENV = "HYBRID_EP_REDUCER_WAIT"
 # How a direct-combine reducer warp learns that a stage is full (csrc/common/params.h): lane 0
 # waits and the warp agrees, then the other lanes observe the phase themselves ("observe", the
 # default) or rely on the agreement's __syncwarp ("elect"); or every lane waits itself, the warp
-# converged, and a vote gives the verdict ("converged").
+# converged, and a vote gives the verdict ("converged"); or one thread of the reducer group waits
+# and the group meets at a named barrier ("named", Hybrid-EP's hand-off).
 REDUCER_WAIT_OBSERVE: int = compiled.REDUCER_WAIT_OBSERVE
 REDUCER_WAIT_ELECT: int = compiled.REDUCER_WAIT_ELECT
 REDUCER_WAIT_CONVERGED: int = compiled.REDUCER_WAIT_CONVERGED
-REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT, "converged": REDUCER_WAIT_CONVERGED}
+REDUCER_WAIT_NAMED: int = compiled.REDUCER_WAIT_NAMED
+REDUCER_WAITS = {"observe": REDUCER_WAIT_OBSERVE, "elect": REDUCER_WAIT_ELECT, "converged": REDUCER_WAIT_CONVERGED,
+                 "named": REDUCER_WAIT_NAMED}
 REDUCER_WAIT_DEFAULT = "observe"
 
 
 def reducer_wait_override(environ=None) -> str | None:
-    """HYBRID_EP_REDUCER_WAIT: "observe", "elect" or "converged", for timing the direct combine's
-    reducers with and without every lane's own observation of each stage, and with every lane's
-    own wait (docs/benchmarks/cuda.md); None when unset."""
+    """HYBRID_EP_REDUCER_WAIT: "observe", "elect", "converged" or "named", for timing the direct
+    combine's reducers with and without every lane's own observation of each stage, with every
+    lane's own wait, and with one waiter per reducer group and a named barrier
+    (docs/benchmarks/cuda.md); None when unset."""
     raw = _env_raw(REDUCER_WAIT_ENV, environ)
     if raw is not None and raw not in REDUCER_WAITS:
         raise ValueError(f"{REDUCER_WAIT_ENV} must be one of {', '.join(REDUCER_WAITS)}, got {raw!r}")
@@ -298,6 +302,51 @@ def reducer_warps_override(environ=None) -> int | None:
     if raw is not None and raw not in {str(w) for w in REDUCER_WARPS}:
         raise ValueError(f"{REDUCER_WARPS_ENV} must be one of {', '.join(map(str, REDUCER_WARPS))}, got {raw!r}")
     return None if raw is None else int(raw)
+
+
+COMBINE_STAGE_ENV = "HYBRID_EP_COMBINE_STAGE"
+# What one stage of a direct-combine pipeline holds (csrc/common/params.h): one route's row
+# segment ("route", the default until a GPU run's sweep decides), or every part of one token's
+# column segment ("token": one hand-off per token segment, not per route row).
+COMBINE_STAGES = {"route": compiled.COMBINE_STAGE_ROUTE, "token": compiled.COMBINE_STAGE_TOKEN}
+COMBINE_STAGE_DEFAULT = "route"
+# A token stage's bytes: top-8 bf16 parts of 2048 columns (4 segments of an 8192-column row), 3
+# stages a pipeline in an H200's shared memory; the kernel sizes the segment from the call's top-k
+# (combine_direct.cuh, token_segment_cols).
+TOKEN_STAGE_BYTES = 32 * 1024
+
+
+def combine_stage_override(environ=None) -> str | None:
+    """HYBRID_EP_COMBINE_STAGE: "route" or "token", for timing the direct combine with a stage
+    per route row against a stage per token segment (docs/benchmarks/cuda.md); None when unset."""
+    raw = _env_raw(COMBINE_STAGE_ENV, environ)
+    if raw is not None and raw not in COMBINE_STAGES:
+        raise ValueError(f"{COMBINE_STAGE_ENV} must be one of {', '.join(COMBINE_STAGES)}, got {raw!r}")
+    return raw
+
+
+STORE_RUNS_ENV = "HYBRID_EP_STORE_RUNS"
+
+
+def store_runs_override(environ=None) -> int | None:
+    """HYBRID_EP_STORE_RUNS: 1 has the direct dispatch store a stage's consecutive rows that go
+    to consecutive rows of one destination as one bulk store (fp8's 8 KiB rows, two to a stage:
+    fewer, wider stores), 0 every row alone (the default until a GPU run's C_direct_2_fp8
+    decides); None when unset (docs/benchmarks/cuda.md)."""
+    return _int_from_env(STORE_RUNS_ENV, 0, 1, environ)
+
+
+def token_stage_shape(cols: int, in_bytes: int, smem_per_block: int,
+                      max_stages: int = MAX_STAGES) -> DirectCombineShape:
+    """The direct combine's rings with token stages: stages of TOKEN_STAGE_BYTES, as many as the
+    shared memory holds, split between its two pipelines. seg_cols stays the route stages' (the
+    launchers' check); the kernel cuts each row into segments whose top-k parts fill a stage."""
+    route = direct_combine_shape(cols, in_bytes, smem_per_block, max_stages)
+    stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (DIRECT_COMBINE_PIPELINES * TOKEN_STAGE_BYTES))
+    if stages < 2:
+        raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 direct-combine token "
+                         f"stages of {TOKEN_STAGE_BYTES} B per pipeline")
+    return DirectCombineShape(seg_cols=route.seg_cols, stages=stages, stage_bytes=TOKEN_STAGE_BYTES)
 
 
 def store_groups(stages: int, override: int | None = None) -> int:
@@ -370,6 +419,7 @@ def _dispatch_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name
     fifo = direct_fifo_shape(row_bytes_of(row_elems, dtype_name), s.smem_per_block)
     a.fifo_stages, a.stage_bytes, a.rows_per_stage = fifo.stages, fifo.stage_bytes, fifo.rows_per_stage
     a.store_groups = direct_store_groups(fifo.stages, fifo.stage_bytes, s.store_groups_override)
+    a.store_runs = s.store_runs_override or 0
     return s.ext.dispatch_direct_max_blocks_per_sm(fifo.smem_bytes)
 
 
@@ -391,9 +441,12 @@ def _combine_direct_pipeline(s: "LaunchSettings", a, row_elems: int, dtype_name:
     (several nodes: a stage holds a node partial in the wire dtype too)."""
     wire_bytes = ELEM_BYTES[wire_name] if wire_name and s.num_nodes > 1 else 0
     a.wire_dtype = s.ext.DTYPE_CODES[wire_name or dtype_name]
-    shape = direct_combine_shape(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
-                                 max_stages=s.direct_combine_stages_override or MAX_STAGES)
+    stage = s.combine_stage_override or COMBINE_STAGE_DEFAULT
+    shaped = token_stage_shape if stage == "token" else direct_combine_shape
+    shape = shaped(row_elems, max(ELEM_BYTES[dtype_name], wire_bytes), s.smem_per_block,
+                   max_stages=s.direct_combine_stages_override or MAX_STAGES)
     a.seg_cols, a.src_stages, a.src_stage_bytes = shape.seg_cols, shape.stages, shape.stage_bytes
+    a.combine_stage = COMBINE_STAGES[stage]
     a.reducer_wait = REDUCER_WAITS[s.reducer_wait_override or REDUCER_WAIT_DEFAULT]
     a.reducer_warps = s.reducer_warps_override or REDUCER_WARPS_NARROW
     return s.ext.combine_direct_max_blocks_per_sm(shape.smem_bytes, a.reducer_warps)
@@ -428,6 +481,8 @@ class LaunchSettings:
         self.direct_combine_stages_override = direct_combine_stages_override()  # HYBRID_EP_DIRECT_COMBINE_STAGES
         self.reducer_wait_override = reducer_wait_override()  # HYBRID_EP_REDUCER_WAIT, the same
         self.reducer_warps_override = reducer_warps_override()  # HYBRID_EP_REDUCER_WARPS, the same
+        self.combine_stage_override = combine_stage_override()  # HYBRID_EP_COMBINE_STAGE, the same
+        self.store_runs_override = store_runs_override()  # HYBRID_EP_STORE_RUNS, the same
         self.cache: dict[tuple, object] = {}
 
     def shapes(self, num_sms: int) -> dict:

@@ -77,7 +77,8 @@ void handoff(const char* name, uint32_t hint, int spinners) {
   a.iterations = 20;
   a.spinners = spinners;
   a.out = env.out.data();
-  const char* err = dev::launch_cooperative(handoff_kernel<W, G>, 1, 32 * (2 + spinners), 0, 0, a);
+  const int receivers = G == Agree::kNamed ? kNamedGroupWarps : 1;  // B's warps
+  const char* err = dev::launch_cooperative(handoff_kernel<W, G>, 1, 32 * (1 + receivers + spinners), 0, 0, a);
   report(name, err, env).add("out", words(env, 5)).print();
 }
 
@@ -89,6 +90,8 @@ void run_handoff() {
   handoff<Wait::kBare, Agree::kWarpUniform>("handoff bare warp_uniform", 0, 0);
   handoff<Wait::kBare, Agree::kElect>("handoff bare elect", 0, 0);
   handoff<Wait::kHint, Agree::kElect>("handoff hint elect", 1000, 2);
+  handoff<Wait::kProject, Agree::kConverged>("handoff project converged", 0, 0);
+  handoff<Wait::kProject, Agree::kNamed>("handoff project named", 0, 2);
 }
 
 void run_barrier() {
@@ -105,7 +108,7 @@ void run_barrier() {
 
 // One TMA run at a model's size: 256-byte copies, rows numbered in their first word.
 void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipelines, int stages, int depth,
-         bool random, int store_threads = 1, bool table = false) {
+         bool random, int store_threads = 1, bool table = false, int parts = 1, int part_lanes = 1) {
   constexpr uint32_t kBytes = 256;
   constexpr uint64_t kRows = 64;  // per block and region, a power of two
   Env env;
@@ -123,6 +126,8 @@ void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipe
   a.depth = depth;
   a.store_threads = store_threads;
   a.table = table ? 1 : 0;
+  a.parts = parts;
+  a.part_lanes = part_lanes;
   a.random_rows = random;
   a.copy_bytes = kBytes;
   a.copies = 12;
@@ -154,6 +159,9 @@ void tma(const std::string& name, TmaMode mode, int fanout, int blocks, int pipe
 void run_tma() {
   tma("tma load", TmaMode::kLoad, 1, 2, 1, 4, 0, false);
   tma("tma load 4 pipelines random", TmaMode::kLoad, 1, 1, 4, 2, 0, true);
+  // the direct combine's token stage: 8 parts a stage under one arrival, from lane 0 or from 8 lanes
+  tma("tma gather 8 parts, 1 lane", TmaMode::kLoad, 1, 2, 2, 3, 0, false, 1, false, 8, 1);
+  tma("tma gather 8 parts, 8 lanes, random", TmaMode::kLoad, 1, 1, 2, 3, 0, true, 1, false, 8, 8);
   tma("tma store depth 0", TmaMode::kStore, 1, 1, 1, 4, 0, false);
   tma("tma store depth 7, 2 pipelines", TmaMode::kStore, 1, 2, 2, 3, 7, false);
   tma("tma mix k=1 depth 3", TmaMode::kMix, 1, 1, 1, 4, 3, false);

@@ -364,16 +364,51 @@ def test_direct_combine_stages_old_name_raises_naming_the_new_one(new):
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("observe", "observe"), ("elect", "elect"),
-                                       ("converged", "converged")])
+                                       ("converged", "converged"), ("named", "named")])
 def test_reducer_wait_override_reads_its_variable(raw, want):
     env = {} if raw is None else {launch.REDUCER_WAIT_ENV: raw}
     assert launch.reducer_wait_override(env) == want
 
 
 def test_reducer_wait_override_names_the_variable_and_its_choices():
-    with pytest.raises(ValueError, match="HYBRID_EP_REDUCER_WAIT must be one of observe, elect, converged, got 'lane'"):
+    with pytest.raises(ValueError,
+                       match="HYBRID_EP_REDUCER_WAIT must be one of observe, elect, converged, named, got 'lane'"):
         launch.reducer_wait_override({launch.REDUCER_WAIT_ENV: "lane"})
-    assert sorted(launch.REDUCER_WAITS.values()) == [0, 1, 2]  # params.h's codes, distinct
+    assert sorted(launch.REDUCER_WAITS.values()) == [0, 1, 2, 3]  # params.h's codes, distinct
+
+
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("route", "route"), ("token", "token")])
+def test_combine_stage_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.COMBINE_STAGE_ENV: raw}
+    assert launch.combine_stage_override(env) == want
+
+
+def test_combine_stage_override_names_the_variable_and_its_choices():
+    with pytest.raises(ValueError, match="HYBRID_EP_COMBINE_STAGE must be one of route, token, got 'segment'"):
+        launch.combine_stage_override({launch.COMBINE_STAGE_ENV: "segment"})
+    assert sorted(launch.COMBINE_STAGES.values()) == [0, 1]  # params.h's codes, distinct
+
+
+@pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("0", 0), ("1", 1)])
+def test_store_runs_override_reads_its_variable(raw, want):
+    env = {} if raw is None else {launch.STORE_RUNS_ENV: raw}
+    assert launch.store_runs_override(env) == want
+
+
+@pytest.mark.parametrize("raw", ["2", "yes"])
+def test_store_runs_override_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"HYBRID_EP_STORE_RUNS must be an integer from 0 to 1, got {raw!r}"):
+        launch.store_runs_override({launch.STORE_RUNS_ENV: raw})
+
+
+def test_token_stages_are_32_kib_three_a_pipeline_on_an_h200():
+    """A token stage holds top-8 bf16 parts of 2048 columns: 32 KiB, three a pipeline in 227 KiB of
+    shared memory; the route stages' segment width is kept for the launchers' check."""
+    shape = launch.token_stage_shape(8192, 2, 227 * 1024)
+    assert (shape.stage_bytes, shape.stages, shape.seg_cols) == (32768, 3, 8192)
+    assert launch.token_stage_shape(7168, 2, 227 * 1024, max_stages=2).stages == 2
+    with pytest.raises(ValueError, match="fewer than 2 direct-combine token stages"):
+        launch.token_stage_shape(8192, 2, 100 * 1024)
 
 
 @pytest.mark.parametrize("raw, want", [(None, None), ("", None), ("4", 4), ("8", 8)])
