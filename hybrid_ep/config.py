@@ -42,7 +42,7 @@ class BufferConfig:
     peer_memory_bytes: int | None = None
     # Chunks (of kChunkTokens tokens) one rank may have in a peer's ring before it waits for the
     # peer to free one: every ring of rows between ranks (receive rows, partial sums, RDMA
-    # staging) holds this many chunks per peer, so the memory held is bounded independently of
+    # staging rings) holds this many chunks per peer, so the memory held is bounded independently of
     # the routing, and a call that routes more rows to one rank takes more turns of its ring.
     ring_chunks: int = 8
     # The widest value the rings' rows carry: dispatched rows and the combine's partial sums between

@@ -232,7 +232,7 @@ inline void arena_capsule_destructor(PyObject* capsule) {
 // bytes, a None tensor and a 0 address, so that every kind of call of one layout has its
 // tensors at the same positions: a dispatch's rows, scales, probs, the scales absent without
 // fp8). Each tensor starts on the next `align` boundary of the block, the rule of arena.py's
-// _call_layout (which sizes the blocks for memory plans without the extension;
+// _block_places (which sizes the blocks for memory plans without the extension;
 // tests/model/test_arena.py holds the two equal). Built once per kind of call (arena.py caches
 // it per hidden and dtype), so a call of any output size converts no lists.
 struct ArenaLayout {

@@ -19,7 +19,7 @@
 // peers over RDMA) up to kFullDepthWriters of them, not with the EP size.
 //
 // Host code only (the bindings); the kernels receive the offsets in Geometry. Beside them, the
-// layout of a call's workspace (CallLayout): where one rank's per-call tensors lie in its part.
+// layout of a call's workspace (WorkspaceLayout): where one rank's per-call tensors lie in its part.
 #pragma once
 #include <cstdint>
 #include <stdexcept>
@@ -222,9 +222,9 @@ inline BufferLayouts buffer_layouts(const BufferShape& s) {
 // (bytes from the part's start; -1 where the data path has none). The part is sized for
 // max_tokens tokens and `topk` routes, so it depends only on the engine, K and the path:
 // rank i's part of a call starts at i * bytes. The handle keeps the part for the combine.
-struct CallLayout {
+struct WorkspaceLayout {
   int64_t info = -1;        // InfoLayout tensor (i64)
-  int64_t send_slot = -1;   // [T, W] i32
+  int64_t send_ord = -1;    // [T, W] i32
   int64_t row_pos = -1;     // receive path: [W, max_tokens, kd] i32
   int64_t recv_spans = -1;  // receive path: [W, max_chunks, 2] i32
   int64_t fwd_slots = -1;   // several nodes: [N, max_chunks * kChunkTokens, G] i32
@@ -240,9 +240,9 @@ inline constexpr int64_t kCallAlign = 128;  // every tensor of a part starts on 
 // direct: the direct path's route rows; receive: the receive path's row positions and
 // chunk spans. A layout with both serves a dispatch that chooses its path after the layout
 // kernel (the engine's per-call fallback when the arena can not hold the output).
-inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct, bool receive) {
+inline WorkspaceLayout workspace_layout(const Geometry& g, int32_t kd, int32_t topk, bool direct, bool receive) {
   if (topk < 0 || topk > kMaxTopK) throw std::invalid_argument("topk out of range for a call layout");
-  CallLayout l;
+  WorkspaceLayout l;
   int64_t at = 0;
   auto place = [&at](int64_t& field, int64_t bytes) {
     field = at;
@@ -251,7 +251,7 @@ inline CallLayout call_layout(const Geometry& g, int32_t kd, int32_t topk, bool 
   const int64_t W = g.world_size, T = g.max_tokens, N = g.num_nodes, G = g.ranks_per_node;
   const int64_t chunks = static_cast<int64_t>(g.reg.max_chunks);
   place(l.info, g.info.total * 8);
-  place(l.send_slot, T * W * 4);
+  place(l.send_ord, T * W * 4);
   if (receive) {
     place(l.row_pos, W * T * kd * 4);
     place(l.recv_spans, W * chunks * 2 * 4);

@@ -149,12 +149,12 @@ inline void bind_common(py::module_& m) {
   py::class_<RankArgs>(m, "RankArgs", py::module_local())
       .def(py::init([] { return RankArgs{}; })) RW(RankArgs, rank) RW(RankArgs, absent) RW(RankArgs, num_tokens)
           RW(RankArgs, topk) RW(RankArgs, peers) RW(RankArgs, x) RW(RankArgs, x_scales) RW(RankArgs, topk_idx)
-              RW(RankArgs, topk_weights) RW(RankArgs, send_slot) RW(RankArgs, entry_ord) RW(RankArgs, info)
+              RW(RankArgs, topk_weights) RW(RankArgs, send_ord) RW(RankArgs, entry_ord) RW(RankArgs, info)
                   RW(RankArgs, out) RW(RankArgs, out_scales) RW(RankArgs, out_probs) RW(RankArgs, row_pos)
                       RW(RankArgs, recv_spans) RW(RankArgs, fwd_slots) RW(RankArgs, fwd_rows) RW(RankArgs, rdma_regions)
                           RW(RankArgs, rdma_base) RW(RankArgs, rdma_pes) RW(RankArgs, num_out_rows)
                               RW(RankArgs, expert_out) RW(RankArgs, probs) RW(RankArgs, y) RW(RankArgs, route_rows)
-                                  RW(RankArgs, arena_bases) RW(RankArgs, fwd_routes)
+                                  RW(RankArgs, peer_bases) RW(RankArgs, fwd_routes)
       .def_property(
           "agree", [](const RankArgs& r) { return std::vector<int32_t>(r.agree, r.agree + kAgreeWords); },
           [](RankArgs& r, const std::vector<int32_t>& v) {
@@ -181,18 +181,18 @@ inline void bind_common(py::module_& m) {
         if (i < 0 || i >= kMaxLaunchRanks) throw py::index_error("rank slot out of range");
         return self.rank(i);
       });
-  py::class_<CallLayout>(m, "CallLayout", py::module_local())
-      .def_readonly("info", &CallLayout::info)
-      .def_readonly("send_slot", &CallLayout::send_slot)
-      .def_readonly("row_pos", &CallLayout::row_pos)
-      .def_readonly("recv_spans", &CallLayout::recv_spans)
-      .def_readonly("fwd_slots", &CallLayout::fwd_slots)
-      .def_readonly("fwd_rows", &CallLayout::fwd_rows)
-      .def_readonly("fwd_routes", &CallLayout::fwd_routes)
-      .def_readonly("entry_ord", &CallLayout::entry_ord)
-      .def_readonly("route_rows", &CallLayout::route_rows)
-      .def_readonly("bytes", &CallLayout::bytes);
-  m.def("call_layout", &call_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
+  py::class_<WorkspaceLayout>(m, "WorkspaceLayout", py::module_local())
+      .def_readonly("info", &WorkspaceLayout::info)
+      .def_readonly("send_ord", &WorkspaceLayout::send_ord)
+      .def_readonly("row_pos", &WorkspaceLayout::row_pos)
+      .def_readonly("recv_spans", &WorkspaceLayout::recv_spans)
+      .def_readonly("fwd_slots", &WorkspaceLayout::fwd_slots)
+      .def_readonly("fwd_rows", &WorkspaceLayout::fwd_rows)
+      .def_readonly("fwd_routes", &WorkspaceLayout::fwd_routes)
+      .def_readonly("entry_ord", &WorkspaceLayout::entry_ord)
+      .def_readonly("route_rows", &WorkspaceLayout::route_rows)
+      .def_readonly("bytes", &WorkspaceLayout::bytes);
+  m.def("workspace_layout", &workspace_layout, py::arg("geo"), py::arg("kd"), py::arg("topk"), py::arg("direct"),
         py::arg("receive"), "where one rank's per-call tensors of a dispatch lie in its part of the call's workspace");
   m.attr("CALL_ALIGN") = kCallAlign;
   // The seam's struct sequences (SeamTypes): ext.DispatchInputs(num_tokens=..., topk=..., ...),
@@ -214,13 +214,13 @@ inline void bind_common(py::module_& m) {
       .def("dispatch_count", &HostPath::dispatch_count, py::arg("args"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("read"),
            "inputs: a DispatchInputs (one rank), or a list of one per rank")
-      // The arena blocks' overload first: the other takes any object and names what it is not.
-      .def("dispatch_rows", &HostPath::dispatch_rows_into, py::arg("args"), py::arg("direct"), py::arg("stream"),
-           py::arg("workspace"), py::arg("layout"), py::arg("outputs"),
-           "outputs: the arena blocks an ArenaTaken holds (direct only; returns their OutputTensors: one, or a list "
-           "of one per rank), or a DispatchOutputs (one rank) or a list of one per rank")
       .def("dispatch_rows", &HostPath::dispatch_rows, py::arg("args"), py::arg("direct"), py::arg("stream"),
-           py::arg("workspace"), py::arg("layout"), py::arg("outputs"))
+           py::arg("workspace"), py::arg("layout"), py::arg("outputs"),
+           "outputs: a DispatchOutputs (one rank) or a list of one per rank")
+      .def("dispatch_rows_into", &HostPath::dispatch_rows_into, py::arg("args"), py::arg("stream"),
+           py::arg("workspace"), py::arg("layout"), py::arg("taken"),
+           "the direct path into the arena blocks an ArenaTaken holds; returns their OutputTensors (one, or a list "
+           "of one per rank)")
       .def("dispatch", &HostPath::dispatch, py::arg("args"), py::arg("direct"), py::arg("stream"), py::arg("workspace"),
            py::arg("layout"), py::arg("rows"), py::arg("inputs"), py::arg("outputs"),
            "inputs, outputs: a DispatchInputs and a DispatchOutputs (one rank), or lists of one per rank")
@@ -233,10 +233,10 @@ inline void bind_common(py::module_& m) {
       "off: HostPath calls fill the arguments but launch nothing (host-time measurement only)");
   m.def("launches_enabled", [] { return launches_enabled(); });
   m.def(
-      "launch_counts",
+      "launches_made",
       [] {
         py::dict d;
-        for (int k = 0; k < static_cast<int>(Kernel::kinds); ++k) d[kKernelNames[k]] = launch_counts()[k];
+        for (int k = 0; k < static_cast<int>(Kernel::kinds); ++k) d[kKernelNames[k]] = launches_made()[k];
         return d;
       },
       "the kernel launches HostPath calls made so far, per kernel (with launches off too)");

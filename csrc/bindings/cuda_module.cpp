@@ -75,7 +75,7 @@ py::tuple device_properties(int device) {
 // stream after the kernel (cudaFreeAsync once it is queued): it lives exactly as long as the
 // launch in stream order, and a launch on another stream never shares it. A graph would replay
 // the copy from host memory it does not own, so a capture is refused by name.
-std::shared_ptr<void> stage_on_device(const void* src, size_t bytes, uint64_t stream_id) {
+std::shared_ptr<void> copy_on_device(const void* src, size_t bytes, uint64_t stream_id) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t asked = cudaStreamIsCapturing(stream, &capture);
@@ -101,7 +101,7 @@ std::shared_ptr<void> stage_on_device(const void* src, size_t bytes, uint64_t st
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hybrid-ep CUDA kernels and NVLink transport";
-  bindings::rank_staging() = bindings::RankStaging{&stage_on_device};
+  bindings::more_ranks_copy() = bindings::MoreRanksCopy{&copy_on_device};
   bindings::bind_common(m);
   m.attr("IS_MODEL") = false;
   m.def("device_properties", &device_properties);

@@ -44,9 +44,9 @@ inline bool& launches_enabled() {
 }
 
 // The kernel launches the HostPath calls made, per kernel (indexed by Kernel), counted with
-// launches on or off: tests/model/test_launch_count.py asserts how many each call makes. One
+// launches on or off: tests/model/test_launches_made.py asserts how many each call makes. One
 // table per module.
-inline uint64_t (&launch_counts()) [static_cast<int>(Kernel::kinds)] {
+inline uint64_t (&launches_made()) [static_cast<int>(Kernel::kinds)] {
   static uint64_t counts[static_cast<int>(Kernel::kinds)] = {};
   return counts;
 }
@@ -58,16 +58,16 @@ inline uint64_t (&launch_counts()) [static_cast<int>(Kernel::kinds)] {
 // and no other launch shares it. Each module sets its own (cuda_module.cpp: cudaMallocAsync and
 // cudaFreeAsync on the launch's stream, refusing CUDA graph capture by name; model_module.cpp:
 // host memory, the model's launches running inside the call).
-struct RankStaging {
-  std::shared_ptr<void> (*stage)(const void* src, size_t bytes, uint64_t stream) = nullptr;
+struct MoreRanksCopy {
+  std::shared_ptr<void> (*copy)(const void* src, size_t bytes, uint64_t stream) = nullptr;
 };
-inline RankStaging& rank_staging() {
-  static RankStaging staging;
-  return staging;
+inline MoreRanksCopy& more_ranks_copy() {
+  static MoreRanksCopy copy;
+  return copy;
 }
 
 // A launch's arguments as the host holds them: the kernel's LaunchArgs, its first
-// kInlineLaunchRanks ranks inline, and the ranks past those, staged in device memory for each
+// kInlineLaunchRanks ranks inline, and the ranks past those, copied to device memory for each
 // launch (an emulated launch of more than 16 ranks; a production launch holds one).
 struct HostLaunchArgs : LaunchArgs {
   static constexpr int kMoreRanks = kMaxLaunchRanks - kInlineLaunchRanks;
@@ -77,15 +77,15 @@ struct HostLaunchArgs : LaunchArgs {
   RankArgs& rank(int i) { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
   const RankArgs& rank(int i) const { return i < kInlineLaunchRanks ? ranks[i] : more[i - kInlineLaunchRanks]; }
 
-  // The ranks past the inline ones staged for one launch on `stream` (more_ranks points at
+  // The ranks past the inline ones copied for one launch on `stream` (more_ranks points at
   // them; null and 0 where the launch has none): the block lives while the pointer returned does.
-  std::shared_ptr<void> stage_more_ranks(uint64_t stream) {
+  std::shared_ptr<void> copy_more_ranks(uint64_t stream) {
     const int extra = num_ranks - kInlineLaunchRanks;
     if (extra <= 0) {
       more_ranks = 0;
       return nullptr;
     }
-    std::shared_ptr<void> block = rank_staging().stage(more, sizeof(RankArgs) * static_cast<size_t>(extra), stream);
+    std::shared_ptr<void> block = more_ranks_copy().copy(more, sizeof(RankArgs) * static_cast<size_t>(extra), stream);
     more_ranks = reinterpret_cast<uint64_t>(block.get());
     return block;
   }
@@ -98,7 +98,7 @@ using Launcher = LaunchStatus (*)(const LaunchArgs&, uint64_t);
 // and waiting for its lock while another thread's launch runs) until a peer's kernel runs, and
 // that peer may first need this process's Python threads (the chunk server of peer memory).
 inline LaunchStatus launch_staged(Launcher launcher, HostLaunchArgs& a, uint64_t stream) {
-  const std::shared_ptr<void> more = a.stage_more_ranks(stream);
+  const std::shared_ptr<void> more = a.copy_more_ranks(stream);
   LaunchStatus status;
   {
     py::gil_scoped_release unlocked;
@@ -110,7 +110,7 @@ inline LaunchStatus launch_staged(Launcher launcher, HostLaunchArgs& a, uint64_t
 
 // A HostPath call's launch: counted, then launched where launches are on.
 inline void launch_checked(Launcher launcher, HostLaunchArgs& host, uint64_t stream, Kernel kernel) {
-  ++launch_counts()[static_cast<int>(kernel)];
+  ++launches_made()[static_cast<int>(kernel)];
   if (!launches_enabled()) return;
   check_launch(launch_staged(launcher, host, stream), kernel);
 }
@@ -151,7 +151,7 @@ class __attribute__((visibility("hidden"))) PerRank {
 // per launch shape; the launchers copy them when they launch.
 class __attribute__((visibility("hidden"))) HostPath {
  public:
-  // Each rank's arena_bases (its own table: a virtual rank of the emulation may see its peers'
+  // Each rank's peer_bases (its own table: a virtual rank of the emulation may see its peers'
   // memory at other addresses than another does) is in ranks[i]. seam: the module's seam
   // types, which the calls read per rank and make (OutputTensors, the calls on arena blocks).
   // one_rank: made for one rank (production), whose calls return one struct, not a list.
@@ -188,7 +188,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // is the static output size, or -1 (the count kernel computes it). read: the caller reads
   // the info (needed, bad_route) before it launches the dispatch kernel, and raises a bad
   // routing itself (LaunchArgs::info_read). in: DispatchInputs.
-  void dispatch_count(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+  void dispatch_count(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l, int64_t rows,
                       py::handle in, bool read) {
     count_of(a, stream, workspace, l, rows, PerRank<DispatchInputs>(seam_->dispatch_inputs, in, "inputs"), read);
   }
@@ -196,7 +196,7 @@ class __attribute__((visibility("hidden"))) HostPath {
   // The dispatch kernel, after dispatch_count on the same arguments: every rank's outputs
   // and the rest of its part (route rows on the direct path, else row positions and chunk
   // spans; forwarded chunks with several nodes). out: DispatchOutputs.
-  void dispatch_rows(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l,
+  void dispatch_rows(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l,
                      py::handle out) {
     const PerRank<DispatchOutputs> outs(seam_->dispatch_outputs, out, "outputs");
     rows_of(a, direct, stream, workspace, l, outs.size(), [&outs](size_t i) { return outs[i]; });
@@ -204,9 +204,8 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The same into the arena blocks `taken` holds, one per rank (the engine's arena_take; the
   // direct path only), then the blocks' tensors (output_tensors).
-  py::object dispatch_rows_into(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace,
-                                const CallLayout& l, ArenaTaken& taken) {
-    if (!direct) throw py::value_error("dispatch_rows: arena blocks take the direct path");
+  py::object dispatch_rows_into(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l,
+                                ArenaTaken& taken) {
     check_blocks(taken, taken.size());
     rows_of(a, true, stream, workspace, l, taken.size(), [&taken](size_t i) { return block_outputs(taken, i); });
     return output_tensors(taken);
@@ -215,8 +214,8 @@ class __attribute__((visibility("hidden"))) HostPath {
   // A dispatch whose output size is known before the count kernel (static size, or a
   // handle's): both kernels in one call. The outputs are read before the count kernel
   // launches: a bad one launches neither.
-  void dispatch(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                py::handle in, py::handle out) {
+  void dispatch(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l,
+                int64_t rows, py::handle in, py::handle out) {
     const PerRank<DispatchInputs> ins(seam_->dispatch_inputs, in, "inputs");
     const PerRank<DispatchOutputs> given(seam_->dispatch_outputs, out, "outputs");
     if (ins.size() != given.size()) throw py::value_error("dispatch: one output per input");
@@ -230,8 +229,8 @@ class __attribute__((visibility("hidden"))) HostPath {
   // A direct dispatch of known size into the arena blocks `taken` holds, one per rank (the
   // engine's arena_take): both kernels, then the blocks' tensors (output_tensors).
   // One call instead of the addresses, the launch and the tensors one by one.
-  py::object dispatch_into(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
-                           py::handle in, ArenaTaken& taken) {
+  py::object dispatch_into(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l,
+                           int64_t rows, py::handle in, ArenaTaken& taken) {
     const PerRank<DispatchInputs> ins(seam_->dispatch_inputs, in, "inputs");
     check_blocks(taken, ins.size());
     count_of(a, stream, workspace, l, rows, ins, false);
@@ -249,10 +248,10 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.absent = static_cast<int32_t>((absent_ >> i) & 1);
       r.num_tokens = c.num_tokens;
       r.topk = c.topk;
-      r.send_slot = at_offset(c.part, c.layout.send_slot);
+      r.send_ord = at_offset(c.part, c.layout.send_ord);
       r.info = at_offset(c.part, c.layout.info);
       if (direct) r.topk_idx = c.topk_idx;
-      else r.arena_bases = 0;
+      else r.peer_bases = 0;
       set_row_tables(r, direct, c.part, c.layout);
       r.expert_out = c.expert_out;
       r.probs = c.probs;
@@ -273,7 +272,7 @@ class __attribute__((visibility("hidden"))) HostPath {
     return n;
   }
 
-  void count_of(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const CallLayout& l, int64_t rows,
+  void count_of(HostLaunchArgs& a, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l, int64_t rows,
                 const PerRank<DispatchInputs>& in, bool read) {
     const size_t n = check_count(in.size());
     a.info_read = read ? 1 : 0;
@@ -288,7 +287,7 @@ class __attribute__((visibility("hidden"))) HostPath {
       r.x_scales = d.x_scales;
       r.topk_idx = d.topk_idx;
       r.topk_weights = d.topk_weights;
-      r.send_slot = at_offset(part, l.send_slot);
+      r.send_ord = at_offset(part, l.send_ord);
       r.entry_ord = at_offset(part, l.entry_ord);
       r.info = at_offset(part, l.info);
       r.num_out_rows = rows;
@@ -300,7 +299,7 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The row tables dispatch wrote into a rank's part of the workspace and combine reads back:
   // route rows (direct path) or row positions and receive spans, and the forwarded chunks.
-  static void set_row_tables(RankArgs& r, bool direct, uint64_t part, const CallLayout& l) {
+  static void set_row_tables(RankArgs& r, bool direct, uint64_t part, const WorkspaceLayout& l) {
     if (direct) {
       r.route_rows = at_offset(part, l.route_rows);
       r.fwd_routes = at_offset(part, l.fwd_routes);
@@ -314,7 +313,7 @@ class __attribute__((visibility("hidden"))) HostPath {
 
   // The dispatch kernel on n ranks' outputs, rank i's from out(i) (a DispatchOutputs).
   template <typename Out>
-  void rows_of(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const CallLayout& l, size_t n,
+  void rows_of(HostLaunchArgs& a, bool direct, uint64_t stream, uint64_t workspace, const WorkspaceLayout& l, size_t n,
                Out&& out) {
     const uint64_t absent = absent_ | absent_after_count_;
     check_count(n);
@@ -356,7 +355,7 @@ class __attribute__((visibility("hidden"))) HostPath {
     return std::move(made);
   }
 
-  std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, arena_bases, agree; the rest zero
+  std::vector<RankArgs> fixed_;  // rank, peers, rdma_regions, rdma_base, rdma_pes, peer_bases, agree; the rest zero
   const SeamTypes* seam_;        // the module's, alive for good
   const bool one_rank_;
   uint64_t absent_ = 0, absent_after_count_ = 0;  // set_absent

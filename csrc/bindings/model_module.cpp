@@ -241,14 +241,14 @@ void set_timing(const py::object& costs) {
 // A launch's ranks past the inline ones: a block of host memory, the model's device memory, per
 // launch; the model's launches run inside the call, so the copy is made at once. Counted, so a
 // test sees each launch take its own block and give it back.
-std::atomic<uint64_t> g_staged_made{0}, g_staged_live{0};
-std::shared_ptr<void> stage_on_host(const void* src, size_t bytes, uint64_t /*stream*/) {
+std::atomic<uint64_t> g_more_ranks_made{0}, g_more_ranks_live{0};
+std::shared_ptr<void> copy_on_host(const void* src, size_t bytes, uint64_t /*stream*/) {
   void* block = ::operator new(bytes);
   std::memcpy(block, src, bytes);
-  ++g_staged_made;
-  ++g_staged_live;
+  ++g_more_ranks_made;
+  ++g_more_ranks_live;
   return std::shared_ptr<void>(block, [](void* q) {
-    --g_staged_live;
+    --g_more_ranks_live;
     ::operator delete(q);
   });
 }
@@ -257,7 +257,7 @@ std::shared_ptr<void> stage_on_host(const void* src, size_t bytes, uint64_t /*st
 
 PYBIND11_MODULE(_model, m) {
   m.doc() = "hybrid-ep kernels on the CPU model of the device layer";
-  bindings::rank_staging() = bindings::RankStaging{&stage_on_host};
+  bindings::more_ranks_copy() = bindings::MoreRanksCopy{&copy_on_host};
   bindings::bind_common(m);
   m.attr("IS_MODEL") = true;
   m.def("device_properties",
@@ -289,9 +289,9 @@ PYBIND11_MODULE(_model, m) {
       "[(address, bytes)] of the model's persistent allocations now: registered buffers opened or owned, error "
       "records, mapped peer memory (a test counts what a setup left behind)");
   m.def(
-      "rank_staging_blocks",
-      [] { return py::dict(py::arg("made") = g_staged_made.load(), py::arg("live") = g_staged_live.load()); },
-      "the blocks launches past the inline ranks staged their other ranks in: made so far, live now (one per "
+      "more_ranks_blocks",
+      [] { return py::dict(py::arg("made") = g_more_ranks_made.load(), py::arg("live") = g_more_ranks_live.load()); },
+      "the blocks launches past the inline ranks copied their other ranks to: made so far, live now (one per "
       "launch, given back when it ends)");
   m.def("fabric_probe", [](int) { return std::string("the CPU model has no fabric handles"); });
   bindings::bind_peer_memory<bindings::ModelPeerMemory>(m);

@@ -8,7 +8,7 @@
 //
 //   DispatchInputs   num_tokens, topk, x, x_scales, topk_idx, topk_weights
 //   DispatchOutputs  num_rows, rows, scales, probs
-//   CombineInputs    num_tokens, topk, part, layout (a CallLayout), topk_idx, expert_out,
+//   CombineInputs    num_tokens, topk, part, layout (a WorkspaceLayout), topk_idx, expert_out,
 //                    probs, y, num_rows
 //   OutputTensors    rows, scales, probs (tensors; scales None without fp8; made here only)
 //
@@ -42,7 +42,7 @@ struct DispatchOutputs {
 struct CombineInputs {
   int32_t num_tokens, topk;
   uint64_t part;
-  CallLayout layout;
+  WorkspaceLayout layout;
   uint64_t topk_idx, expert_out, probs, y;
   int64_t num_rows;
 };
@@ -75,7 +75,7 @@ class __attribute__((visibility("hidden"))) SeamTypes {
             {HYBRID_EP_SEQ_INT(CombineInputs, num_tokens, "T, the rank's tokens"),
              HYBRID_EP_SEQ_INT(CombineInputs, topk, "K, its routes per token"),
              HYBRID_EP_SEQ_INT(CombineInputs, part, "address of the rank's part of its dispatch's workspace"),
-             {"layout", "that workspace's CallLayout", &read_layout},
+             {"layout", "that workspace's WorkspaceLayout", &read_layout},
              HYBRID_EP_SEQ_INT(CombineInputs, topk_idx,
                                "address of the routing's experts [T, K] (direct path), else 0"),
              HYBRID_EP_SEQ_INT(CombineInputs, expert_out, "address of the expert outputs [R, C]"),
@@ -96,9 +96,9 @@ class __attribute__((visibility("hidden"))) SeamTypes {
   static void read_layout(const StructSeqType& t, PyObject* o, Py_ssize_t i, CombineInputs& c) {
     PyObject* layout = PyStructSequence_GET_ITEM(o, i);
     try {
-      c.layout = py::cast<const CallLayout&>(py::handle(layout));
+      c.layout = py::cast<const WorkspaceLayout&>(py::handle(layout));
     } catch (const py::cast_error&) {
-      throw py::type_error(t.field(i) + ": a CallLayout (call_layout()), got " + Py_TYPE(layout)->tp_name);
+      throw py::type_error(t.field(i) + ": a WorkspaceLayout (workspace_layout()), got " + Py_TYPE(layout)->tp_name);
     }
   }
 };

@@ -258,7 +258,7 @@ struct RegLayout {
 };
 
 // A rank's tensors of the running call that its peers write (dispatch) or read (combine) on
-// the direct path: offsets from the rank's arena base (RankArgs::arena_bases), published with
+// the direct path: offsets from the rank's arena base (RankArgs::peer_bases), published with
 // the call once the tensors exist.
 struct PeerTensors {
   uint64_t call;
@@ -368,7 +368,7 @@ struct RankArgs {
   uint64_t x_scales;           // [T, H/128] f32 (fp8 only)
   uint64_t topk_idx;           // [T, K] i64
   uint64_t topk_weights;       // [T, K] f32
-  uint64_t send_slot;          // [T, W] i32: position of token t in the rows sent to d, -1 if none
+  uint64_t send_ord;           // [T, W] i32: position of token t in the rows sent to d, -1 if none
   uint64_t entry_ord;          // [T, K] i32: ordinal of (t, k) among this rank's tokens of expert e
   uint64_t info;               // InfoLayout tensor (i64)
   uint64_t out;                // [R, H] dispatch output
@@ -389,7 +389,7 @@ struct RankArgs {
   uint64_t y;                  // [T, C] combine output
   uint64_t route_rows;         // direct path: [T, K] i32 output row of each route at its expert's rank, -1 if none
                                // (dispatch writes it, combine reads it: the handle's)
-  uint64_t arena_bases;        // direct path: device u64 [W], where each rank's arena starts in this process
+  uint64_t peer_bases;         // direct path: device u64 [W], where each rank's peer memory starts in this process
                                // (every published tensor offset is relative to it; 0 in single-process emulation)
   uint64_t fwd_routes;         // direct path, several nodes: [N, max_chunks * kChunkTokens, fwd_route_width] i32:
                                // the routes to this node of each token forwarded for the rail peer on node n,

@@ -439,7 +439,7 @@ __device__ bool credits_before_waiting(const Combine<Rdma>& d, const Ring& ring,
 template <typename Rdma>
 __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState& produced,
                              SourceCredits<Rdma>& credits, int c, int lane) {
-  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* send_ord = reinterpret_cast<const int32_t*>(d.a.send_ord);
   const Hierarchy<Rdma>& h = d.h;
   const int G = h.topo.G, N = h.topo.N, first = h.first_local();
   SrcTable& tab = d.sh.src_table;
@@ -467,7 +467,7 @@ __device__ bool src_load_own(const Combine<Rdma>& d, const Ring& ring, PipeState
   // node's ring, q its ordinal among the chunk's tokens for that node). The table keeps q.
   int parts = 0;
   const bool mine = t < t1;
-  const int32_t* slots = send_slot + static_cast<int64_t>(mine ? t : t0) * d.W;
+  const int32_t* slots = send_ord + static_cast<int64_t>(mine ? t : t0) * d.W;
   for (int g = 0; g < G; ++g) {
     const bool goes = mine && slots[first + g] >= 0;
     const unsigned mask = __ballot_sync(0xffffffffu, goes);

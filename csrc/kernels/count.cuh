@@ -160,7 +160,7 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
   const int W = c.W, E = c.E, L = c.L, N = c.N, G = c.G, T = c.T, K = c.K, cols = c.cols;
   const int lane = tid & 31, warp = tid >> 5;
   const auto* idx = reinterpret_cast<const int64_t*>(c.a.topk_idx);
-  auto* send_slot = reinterpret_cast<int32_t*>(c.a.send_slot);
+  auto* send_ord = reinterpret_cast<int32_t*>(c.a.send_ord);
   auto* entry_ord = reinterpret_cast<int32_t*>(c.a.entry_ord);
   int32_t* warp_cnt = c.warp_cnt;
   int32_t* carry = c.carry;
@@ -258,7 +258,7 @@ __device__ void tally(const CountCall<Rdma>& c, int tid) {
         for (int d = base; d < min(W, base + 64); ++d) {
           const bool goes = (dmask >> (d - base)) & 1;
           const unsigned bal = __ballot_sync(full, goes);
-          if (valid) send_slot[static_cast<int64_t>(t) * W + d] = goes ? lanes_of[E + d] + __popc(bal & lt_mask) : -1;
+          if (valid) send_ord[static_cast<int64_t>(t) * W + d] = goes ? lanes_of[E + d] + __popc(bal & lt_mask) : -1;
         }
       }
     }

@@ -5,7 +5,7 @@
 // still touches its tensors.
 //
 // Addresses cross processes as offsets from each rank's arena base, the table
-// RankArgs::arena_bases of where every rank's arena starts in this process (all 0 in
+// RankArgs::peer_bases of where every rank's arena starts in this process (all 0 in
 // single-process emulation, where every tensor is addressable as it is).
 #pragma once
 #include "common/state.cuh"
@@ -22,7 +22,7 @@ struct PeerView {
 };
 
 __device__ __forceinline__ uint64_t arena_base(const RankArgs& a, int r) {
-  return reinterpret_cast<const uint64_t*>(a.arena_bases)[r];
+  return reinterpret_cast<const uint64_t*>(a.peer_bases)[r];
 }
 __device__ __forceinline__ PeerTensors* peer_tensors(const RankView& view, int r, int kind) {
   return reinterpret_cast<PeerTensors*>(view.base(r) + view.geo.reg.direct_tensors) + kind;

@@ -115,7 +115,7 @@ __device__ __forceinline__ void store_entry(MetaEntry* p, int j, int ordinal, fl
 // index on this node, slot) of each of its rows (with several nodes also (kStagedTarget + node, staged slot)
 // of each other node it reaches: a token reaches at most K ranks, so at most K targets),
 // and per destination the chunk's slots [first, first + rows).
-struct SendTable {
+struct ChunkDestinations {
   int32_t ndest[kChunkTokens];
   uint8_t dest_rank[kChunkTokens][kMaxTopK];
   int32_t dest_slot[kChunkTokens][kMaxTopK];
@@ -135,7 +135,7 @@ struct DispatchShared {
   uint64_t meta_full[kMetaSlots], meta_empty[kMetaSlots];
   uint64_t table_full[kTableSlots], table_empty[kTableSlots];
   uint64_t staged_full[kStagedSlots], staged_empty[kStagedSlots];  // several nodes: warp 1 -> warps 8-11
-  SendTable send;
+  ChunkDestinations send;
   ExpandTable tables[kTableSlots];
   BlockControl ctl;
 };
@@ -251,11 +251,11 @@ struct Dispatch : KernelCall {
   // The lanes (tokens t0 + lane < t1) of an own chunk that go to node n: a token's staged slot
   // there is its ordinal among them. Every lane calls it.
   __device__ unsigned staged_mask(int t0, int t1, int n, int lane) const {
-    const auto* send_slot = reinterpret_cast<const int32_t*>(a.send_slot);
+    const auto* send_ord = reinterpret_cast<const int32_t*>(a.send_ord);
     const int t = t0 + lane;
     bool goes = false;
     if (t < t1)
-      for (int g = 0; g < h.topo.G; ++g) goes |= send_slot[static_cast<int64_t>(t) * W + n * h.topo.G + g] >= 0;
+      for (int g = 0; g < h.topo.G; ++g) goes |= send_ord[static_cast<int64_t>(t) * W + n * h.topo.G + g] >= 0;
     return __ballot_sync(0xffffffffu, goes);
   }
   __device__ int send_chunks() const { return (T + chunk - 1) / chunk; }
@@ -406,7 +406,7 @@ __device__ void write_entries(const Dispatch<Rdma>& d, int dst, int source, int 
 // store warp).
 template <typename Rdma>
 __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
-  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* send_ord = reinterpret_cast<const int32_t*>(d.a.send_ord);
   const auto* idx = reinterpret_cast<const int64_t*>(d.a.topk_idx);
   const auto* weights = reinterpret_cast<const float*>(d.a.topk_weights);
   const auto* ords = reinterpret_cast<const int32_t*>(d.a.entry_ord);
@@ -431,7 +431,7 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
       TokenMeta* tm = nullptr;
       if (lane < rows) {
         if (su.node < 0) {
-          s = send_slot[static_cast<int64_t>(t) * W + first + g];
+          s = send_ord[static_cast<int64_t>(t) * W + first + g];
         } else {
           tm = d.h.token_meta(meta, lane, d.h.R.token_meta_bytes);
           s = d.h.token_slots(tm)[g];
@@ -455,10 +455,10 @@ __device__ void send_meta(const Dispatch<Rdma>& d, int tw, int lane) {
 
 template <typename Rdma>
 __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
-  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* send_ord = reinterpret_cast<const int32_t*>(d.a.send_ord);
   auto* fwd_slots = reinterpret_cast<int32_t*>(d.a.fwd_slots);
   auto* fwd_rows = reinterpret_cast<int32_t*>(d.a.fwd_rows);
-  SendTable& tab = d.sh.send;
+  ChunkDestinations& tab = d.sh.send;
   const int W = d.W, G = d.G, first = d.h.first_local();
   const bool multi = d.h.multi();
   const unsigned below = (1u << lane) - 1u;
@@ -535,7 +535,7 @@ __device__ void send_store(const Dispatch<Rdma>& d, int lane) {
     const int32_t* slots = nullptr;
     if (lane < rows) {
       if (su.node < 0) {
-        slots = send_slot + static_cast<int64_t>(su.u0 + lane) * W + first;
+        slots = send_ord + static_cast<int64_t>(su.u0 + lane) * W + first;
       } else {
         slots = d.h.token_slots(d.h.token_meta(d.fwd_meta(su), lane, d.h.R.token_meta_bytes));
         // The handle keeps where each forwarded row went: combine sums their partials here.
@@ -775,7 +775,7 @@ __device__ void expand_store(const Dispatch<Rdma>& d) {
 template <typename Rdma>
 __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
   const Hierarchy<Rdma>& h = d.h;
-  const auto* send_slot = reinterpret_cast<const int32_t*>(d.a.send_slot);
+  const auto* send_ord = reinterpret_cast<const int32_t*>(d.a.send_ord);
   const int N = h.topo.N;
   const int own = (d.send_chunks() - d.b + d.nb - 1) / d.nb;  // this block's own chunks
   // the block's abort word read once per warp (warp_uniform): the body's ballots and puts are warp-wide
@@ -794,7 +794,7 @@ __device__ void rdma_send(const Dispatch<Rdma>& d, int w, int lane) {
       d.stop();
       break;
     }
-    h.stage_routing(d.a, d.K, d.scale_cols, n, c, mask, lane, static_cast<int64_t>(t0) + lane, send_slot);
+    h.stage_routing(d.a, d.K, d.scale_cols, n, c, mask, lane, static_cast<int64_t>(t0) + lane, send_ord);
     // The chunk's rows are staged for every node once warp 1 committed it: round j / slots.
     const PipeState st{j % kStagedSlots, static_cast<uint32_t>(j / kStagedSlots) & 1u, static_cast<uint32_t>(j)};
     if (lane == 0) ok = !d.stopped() && d.staged_fifo.consumer_wait(d.args, st);

@@ -78,10 +78,10 @@ struct Hierarchy {
   // The staging ring's writer (both dispatches; its slot acquired by the caller). One warp, lane i
   // with token t of this rank's chunk c, `mask` the lanes whose token goes to node n: each such
   // token's routing at its ordinal among them in the chunk's slot of node n's ring (with
-  // `send_slot`, [T, W], also its receive slot at each rank there; the direct path has none),
+  // `send_ord`, [T, W], also its receive slot at each rank there; the direct path has none),
   // and the chunk's row count in the header. Returns the chunk's routing.
   __device__ uint8_t* stage_routing(const RankArgs& a, int K, int scale_cols, int n, int c, unsigned mask, int lane,
-                                    int64_t t, const int32_t* send_slot) const {
+                                    int64_t t, const int32_t* send_ord) const {
     const auto* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
     const auto* weights = reinterpret_cast<const float*>(a.topk_weights);
     const auto* ords = reinterpret_cast<const int32_t*>(a.entry_ord);
@@ -95,9 +95,9 @@ struct Hierarchy {
         tm->ordinal[k] = real ? ords[t * K + k] : 0;
         tm->weight[k] = real ? weights[t * K + k] : 0.f;
       }
-      if (send_slot != nullptr) {
+      if (send_ord != nullptr) {
         int32_t* slots = token_slots(tm);
-        for (int g = 0; g < topo.G; ++g) slots[g] = send_slot[t * topo.W + n * topo.G + g];
+        for (int g = 0; g < topo.G; ++g) slots[g] = send_ord[t * topo.W + n * topo.G + g];
       }
       float* scales = token_scales(tm);
       for (int i = 0; i < scale_cols; ++i) scales[i] = x_scales[t * scale_cols + i];

@@ -4,7 +4,7 @@ Every rank derives the same transfer list from (old, new) placements, so no size
 exchanged: a new slot whose expert changed takes its contents from a slot that held that
 expert before, on its own rank when there is one (a local copy), else from a holder chosen
 to spread the sends (fewest sends so far, then lowest slot id). Sources are read into
-staging buffers before any slot is written, so swaps and cycles are safe. The remote part
+scratch buffers before any slot is written, so swaps and cycles are safe. The remote part
 is one `all_to_all_single` over the EP group per dtype for all layers together; the
 tensors are written with `copy_`, never re-created, so optimizer references and captured
 CUDA graphs stay valid. Gradient storage of every rewritten slot is zeroed.

@@ -23,11 +23,11 @@ Paths: `receive`, `direct` (ranks in one process: outputs from PyTorch's allocat
 reads expert_out where it lies) and `peer`: the direct path as ranks in separate processes
 take it (EmulatedGroup(separate_processes=True): each rank's peer memory of memfd chunks
 mapped at addresses of its own, the agreement's words set on calls that read, blocks taken from peer
-memory, expert_out in the rank's combine staging block). Peer memory is pre-sized
+memory, expert_out in the rank's expert-out block). Peer memory is pre-sized
 (PEER_BYTES) and the pairs are the static calls the agreement's ledger holds, which launch
 both dispatch kernels in one call without a host read; the ledger is set back before each
 pair, outside the timing, since with launches off no read can refresh it (a call the ledger
-does not hold reads once: tests/model/test_launch_count.py counts both).
+does not hold reads once: tests/model/test_launches_made.py counts both).
 
 The outputs (megabytes per rank) come from glibc's heap, not a fresh mmap per call
 (steady_cpu_heap): on a GPU the caching allocator serves them with no system call, while
@@ -245,7 +245,11 @@ class _HostClock:
 
     def dispatch_rows(self, *args):
         self.marks["rows_launch"] = time.thread_time_ns()
-        return self._host.dispatch_rows(*args)  # blocks of peer memory: their tensors
+        return self._host.dispatch_rows(*args)
+
+    def dispatch_rows_into(self, *args):
+        self.marks["rows_launch"] = time.thread_time_ns()
+        return self._host.dispatch_rows_into(*args)  # blocks of peer memory: their tensors
 
     def __getattr__(self, name):
         return getattr(self._host, name)

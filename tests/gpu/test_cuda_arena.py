@@ -93,7 +93,7 @@ def test_combines_on_two_streams_take_the_expert_out_block_in_turn():
     """One process, two virtual ranks (separate processes emulated): two combines of one direct
     dispatch's handles, with expert_outs outside peer memory, on two streams issued back to
     back. Both copy into each rank's one expert-out block; the second stream waits on the device
-    for an event recorded after the first's kernel (staging.StreamOrder), so the second copy never
+    for an event recorded after the first's kernel (expert_out_order.StreamOrder), so the second copy never
     overwrites rows
     the first kernel's peers still read, and the kernels' call numbers stay in order. The
     first combine is made long (1 SM, 2048 tokens of H=4096 per rank) so that without that

@@ -124,8 +124,8 @@ def test_store_runs_match_the_oracle(monkeypatch, dtype, nodes):
     """HYBRID_EP_STORE_RUNS=1 (the direct dispatch's runs of consecutive rows as one bulk store,
     which the lease times for fp8) gives the oracle's rows on the GPU: fp8 rows of 8 KiB two to a
     stage, bf16 rows of 256 bytes 32 to a stage, few experts so runs are common."""
-    from hybrid_ep.backends.cuda import launch
     from harness.emulated import emulated_group_for
+    from hybrid_ep.backends.cuda import launch
 
     monkeypatch.setenv(launch.STORE_RUNS_ENV, "1")
     hidden = 8192 if dtype == FP8_DTYPE else 128

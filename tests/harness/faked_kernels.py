@@ -162,12 +162,13 @@ class GlooKernels:
     # -- the dispatch kernel ----------------------------------------------------------------
 
     def dispatch_rows(self, args, direct, stream, ptr, layout, outputs):
-        """outputs: the rank's ext.DispatchOutputs, or the arena block an ext.ArenaTaken holds
-        (then its ext.OutputTensors come back), as the extension's HostPath.dispatch_rows."""
-        if isinstance(outputs, self.engine.ext.DispatchOutputs):
-            self._rows(args, direct, ptr, outputs)
-            return None
-        return self._rows_into(args, ptr, outputs)
+        """outputs: the rank's ext.DispatchOutputs, as the extension's HostPath.dispatch_rows."""
+        self._rows(args, direct, ptr, outputs)
+
+    def dispatch_rows_into(self, args, stream, ptr, layout, taken):
+        """The arena block an ext.ArenaTaken holds; its ext.OutputTensors come back, as the
+        extension's HostPath.dispatch_rows_into."""
+        return self._rows_into(args, ptr, taken)
 
     def dispatch(self, args, direct, stream, ptr, layout, static_rows, inputs, outputs):
         self._layout(args, ptr, layout, static_rows, inputs)

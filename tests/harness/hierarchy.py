@@ -41,12 +41,12 @@ class ForwardPlan:
     num_chunks: int  # C
     forwarders: list[ForwarderPlan]  # one per rank
     node_slot: list[torch.Tensor]  # per source: int32 [T, N] staging slot at node n's forwarder, -1 if none
-    send_slot: list[torch.Tensor]  # per source: int64 [T, W] receive slot at rank d, -1 if not sent there
+    send_ord: list[torch.Tensor]  # per source: int64 [T, W] ordinal among the rows sent to d (its slot), -1: none
 
 
-def send_slots(table: SendTable, world_size: int) -> torch.Tensor:
+def send_ords(table: SendTable, world_size: int) -> torch.Tensor:
     """int64 [T, W]: the ordinal of token t among the rows the source sends to rank d, -1 if
-    none: the table's rows are in (rank, token) order, so a row's slot is its index minus the
+    none: the table's rows are in (rank, token) order, so a row's ordinal is its index minus the
     first row of its rank."""
     rows = table.send_token_idx_S
     dest = torch.repeat_interleave(torch.arange(world_size, device=rows.device), table.send_counts_W)
@@ -93,8 +93,8 @@ def forward_plan(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig, ch
     for s, idx in enumerate(topk_idx_per_rank):
         idx = idx.cpu()
         routing = normalize_routing(idx.shape[0], E, idx.device, topk_idx=idx)
-        send_slot = send_slots(send_table(routing, config), W)
-        to_node = (send_slot >= 0).view(-1, N, G).any(dim=2)
+        send_ord = send_ords(send_table(routing, config), W)
+        to_node = (send_ord >= 0).view(-1, N, G).any(dim=2)
         to_node[:, config.node_of(s)] = False  # the source's own node is reached over NVLink directly
         slot_TN = _staging_slots(to_node, C, chunk_tokens)
         for n in range(N):
@@ -104,9 +104,9 @@ def forward_plan(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig, ch
             f, sn, slots = n * G + s % G, config.node_of(s), slot_TN[tokens, n]
             staged_rows[f, sn] = torch.bincount(tokens // chunk_tokens, minlength=C).to(torch.int32)
             staged_token[f, sn, slots] = tokens.to(torch.int32)
-            fwd_slots[f, sn, slots] = send_slot[tokens, n * G:(n + 1) * G].to(torch.int32)
+            fwd_slots[f, sn, slots] = send_ord[tokens, n * G:(n + 1) * G].to(torch.int32)
         node_slots.append(slot_TN.to(torch.int32))
-        all_send_slots.append(send_slot)
+        all_send_slots.append(send_ord)
     forwarders = [ForwarderPlan(f, staged_rows[f], staged_token[f], fwd_slots[f]) for f in range(W)]
     return ForwardPlan(chunk_tokens, C, forwarders, node_slots, all_send_slots)
 

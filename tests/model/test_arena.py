@@ -13,7 +13,7 @@ import torch
 from hybrid_ep.backends.cuda import arena as arena_mod
 from hybrid_ep.backends.cuda import load_extension
 from hybrid_ep.backends.cuda.arena import ALIGN, Arena, aligned, arena_blocks, call_bytes, call_tensors
-from hybrid_ep.backends.cuda.staging import StreamOrder
+from hybrid_ep.backends.cuda.expert_out_order import StreamOrder
 from hybrid_ep.config import BufferConfig
 from hybrid_ep.routing import max_output_rows
 
@@ -94,7 +94,7 @@ def test_call_tensors_take_call_bytes_or_nothing(region):
     _, a = region
     R, H = 3, 128
     need = call_bytes(R, H, torch.bfloat16, fp8=False)
-    assert need == 3 * ALIGN + ALIGN  # rows 768 bytes, probs 12: no combine room any more (staging.py)
+    assert need == 3 * ALIGN + ALIGN  # rows 768 bytes, probs 12: no combine room any more (expert_out_order.py)
     out, scales, probs = call_tensors(a, R, H, torch.bfloat16, False)
     assert out.shape == (R, H) and probs.shape == (R,) and scales is None
     assert probs.data_ptr() == out.data_ptr() + 3 * ALIGN
@@ -133,7 +133,7 @@ def test_the_extensions_block_layout_is_call_bytes_for_any_rows(dtype, fp8):
     """The extension places a block's tensors by the rule call_bytes sizes them with (both
     homes of the rule agree), for any number of rows, none included."""
     ext = load_extension("cpu")
-    layout = arena_mod.call_layout(ext, 384, dtype, fp8)
+    layout = arena_mod.block_layout(ext, 384, dtype, fp8)
     for rows in (0, 1, 3, 255, 256, 1000):
         assert layout.nbytes(rows) == call_bytes(rows, 384, dtype, fp8)
 
@@ -226,7 +226,7 @@ def test_expected_rows_are_the_mean_times_the_imbalance_plus_the_padding_bound()
 
 
 def test_the_stream_order_waits_only_where_the_stream_changes():
-    """staging.StreamOrder with recording hooks: a user on the last user's stream enqueues no
+    """expert_out_order.StreamOrder with recording hooks: a user on the last user's stream enqueues no
     wait; one on another stream waits for the marker recorded after the last user; the
     first user waits for nothing."""
     log = []

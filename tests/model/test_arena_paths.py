@@ -18,7 +18,7 @@ import torch
 from harness.emulated import check_emulated, emulated_group_for, on_device
 from hybrid_ep import logs
 from hybrid_ep.backends.cuda.arena import call_bytes
-from hybrid_ep.backends.cuda.staging import StreamOrder
+from hybrid_ep.backends.cuda.expert_out_order import StreamOrder
 from hybrid_ep.verify.cases import Case, make_rank_inputs
 from hybrid_ep.verify.compare import assert_combine_close
 from hybrid_ep.verify.oracle import combine_oracle, dispatch_oracle

@@ -336,9 +336,15 @@ class _AfterRead:
         self.mode.counting = True
 
     def dispatch_rows(self, *args):
+        return self._launch(self.host.dispatch_rows, args)
+
+    def dispatch_rows_into(self, *args):
+        return self._launch(self.host.dispatch_rows_into, args)  # blocks of peer memory: their tensors
+
+    def _launch(self, launch, args):
         self.mode.counting = False
         self.launches += 1
-        return self.host.dispatch_rows(*args)  # blocks of peer memory: their tensors
+        return launch(*args)
 
     def set_agree(self, *args):  # before the count kernel (peer memory)
         self.host.set_agree(*args)
@@ -422,7 +428,7 @@ def test_host_path_checks_its_rank_count(group):
     args = e._launch_args(1, "float32", H, "combine_receive", "float32")
     with pytest.raises(ValueError, match=rf"this host path drives {W} rank\(s\), got 1"):
         e.host.combine(args, False, 0, [e.ext.CombineInputs(num_tokens=T, topk=K, part=0,
-                                                            layout=e.ext.call_layout(e.geo, 2, K, False, True),
+                                                            layout=e.ext.workspace_layout(e.geo, 2, K, False, True),
                                                             topk_idx=0, expert_out=0, probs=0, y=0, num_rows=0)])
 
 
@@ -431,7 +437,7 @@ def test_the_seams_structs_are_struct_sequences_built_by_name(group):
     (bindings/seam.h): built by field name, in any order, and read by name; a field missing,
     unknown or given by position is an error naming the struct and its fields."""
     ext = group.engine.ext
-    layout = ext.call_layout(group.engine.geo, 2, K, False, True)
+    layout = ext.workspace_layout(group.engine.geo, 2, K, False, True)
     assert set(ext.DispatchInputs.__match_args__) == {"num_tokens", "topk", "x", "x_scales", "topk_idx",
                                                       "topk_weights"}
     d = ext.DispatchInputs(topk_weights=4, topk_idx=3, x_scales=2, x=1, topk=K, num_tokens=T)
@@ -460,7 +466,7 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
     outputs are bad launches neither kernel."""
     e, ext = group.engine, group.engine.ext
     name = re.escape(ext.__name__)
-    layout = ext.call_layout(e.geo, 2, K, False, True)
+    layout = ext.workspace_layout(e.geo, 2, K, False, True)
     combine = e._launch_args(1, "float32", H, "combine_receive", "float32")
     dispatch = e._launch_args(1, "float32", H, "dispatch_receive")
     def dispatch_inputs(**fields):
@@ -476,7 +482,7 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
         return ext.CombineInputs(**{**values, **fields})
 
     ext.set_launches_enabled(False)  # nothing below may get as far as a launch; none runs if one did
-    before = ext.launch_counts()
+    before = ext.launches_made()
     try:
         with pytest.raises(TypeError, match=rf"^inputs\[0\]: a {name}\.CombineInputs \("
                                             r"num_tokens, topk, part, layout, topk_idx, expert_out, probs, y, "
@@ -487,8 +493,8 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
             e.host.dispatch(dispatch, False, 0, 0, layout, STATIC, [good_in] * W, [good_out, good_in])
         with pytest.raises(TypeError, match=rf"^{name}\.CombineInputs\.y: an int, got float$"):
             e.host.combine(combine, False, 0, [combine_inputs(y=512.0)] * W)
-        with pytest.raises(TypeError, match=rf"^{name}\.CombineInputs\.layout: a CallLayout \(call_layout\(\)\), "
-                                            r"got int$"):
+        with pytest.raises(TypeError, match=rf"^{name}\.CombineInputs\.layout: a WorkspaceLayout "
+                                            r"\(workspace_layout\(\)\), got int$"):
             e.host.combine(combine, False, 0, [combine_inputs(layout=0)] * W)
         with pytest.raises(TypeError, match=rf"^{name}\.DispatchInputs\.x: an int, got Tensor$"):
             e.host.dispatch_count(dispatch, 0, 0, layout, STATIC, [dispatch_inputs(x=torch.zeros(1))] * W, False)
@@ -498,7 +504,7 @@ def test_the_host_path_names_the_struct_and_field_it_can_not_read(group):
         with pytest.raises(OverflowError, match=rf"^{name}\.DispatchOutputs\.rows: -64 is out of range of uint64$"):
             e.host.dispatch(dispatch, False, 0, 0, layout, STATIC, [good_in] * W,
                             [good_out, ext.DispatchOutputs(num_rows=T, rows=-64, scales=0, probs=128)])
-        assert ext.launch_counts() == before
+        assert ext.launches_made() == before
     finally:
         ext.set_launches_enabled(True)
 
@@ -609,7 +615,7 @@ def test_bench_host_dynamic_mode_times_both_windows(tmp_path):
 @pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
 def test_fp8_outputs_in_peer_memory_are_the_receive_paths(static):
     """fp8 rows, their scales and probs in blocks of peer memory (the one order of a
-    dispatch's outputs: HostPath.dispatch_into, or dispatch_rows on the blocks after the read)
+    dispatch's outputs: HostPath.dispatch_into, or dispatch_rows_into on the blocks after the read)
     hold what the receive path's outputs from PyTorch's allocator hold."""
     from hybrid_ep.fp8 import quantize_fp8
 

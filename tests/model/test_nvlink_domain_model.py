@@ -64,11 +64,11 @@ def test_a_launch_past_its_inline_ranks_reads_the_rest_from_device_memory():
     (kInlineLaunchRanks): ranks 16 and 17, on the second domain, run from the copy in device memory
     and forward and receive through their rail peers. Each launch stages them in a block of its
     own, given back when it ends (on a GPU: on the launch's stream), so no launch reads another's."""
-    blocks, launches = model.rank_staging_blocks(), model.stats()["launches"]
+    blocks, launches = model.more_ranks_blocks(), model.stats()["launches"]
     _run(_case(2, 9), "direct")
-    made = model.rank_staging_blocks()["made"] - blocks["made"]
+    made = model.more_ranks_blocks()["made"] - blocks["made"]
     assert made == model.stats()["launches"] - launches >= 4  # count, dispatch, combine, redispatch
-    assert model.rank_staging_blocks()["live"] == 0
+    assert model.more_ranks_blocks()["live"] == 0
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ namespace hybrid_ep::model::timing {
   X(count_route_pair_instructions,                                                                                    \
     "warp instructions per pair of a token's routes (kCountRoutePair): the duplicate check")                          \
   X(count_dest_instructions,                                                                                          \
-    "warp instructions per destination rank of a tile (kCountDest): two ballots, its count, a send_slot store")       \
+    "warp instructions per destination rank of a tile (kCountDest): two ballots, its count, a send_ord store")        \
   X(count_node_instructions, "warp instructions per destination node of a tile (kCountNode): a ballot and its count") \
   X(count_scan_column_instructions,                                                                                   \
     "warp instructions per counter column a lane scans over the warps' counts (kCountScanColumn, the tally warps "    \

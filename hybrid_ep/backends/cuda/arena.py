@@ -14,7 +14,7 @@ csrc/bindings/arena.h): a direct dispatch takes one block per rank and makes its
 every call, and in Python that (a tensor over the block through the array interface, a view
 per dtype, an as_strided per tensor) cost more host time than the rest of the call; there
 one call takes every driven rank's block and hands each tensor to torch as a DLPack capsule.
-What a block holds is decided here (call_bytes, call_layout, cached per rows and dtype).
+What a block holds is decided here (call_bytes, block_layout, cached per rows and dtype).
 
 A block is returned to the arena when the last tensor viewing it dies. Blocks are reused in
 the order of the stream they were allocated on (as torch's caching allocator reuses its
@@ -79,7 +79,7 @@ def _from_dlpack():
 def _layout(views: list[tuple[int, torch.dtype] | None], ext):
     """The extension's ArenaLayout of tensors (columns, 0 for 1-D; dtype; None: absent, no
     bytes and a None tensor) of any number of rows on one block, each starting on the next
-    ALIGN boundary (as _call_layout places them)."""
+    ALIGN boundary (as _block_places places them)."""
     specs: list[tuple[int, int, int, int] | None] = []
     for view in views:
         if view is None:
@@ -186,13 +186,13 @@ def _call_specs(rows: int, hidden: int, dtype: torch.dtype,
     order of a dispatch's outputs: the rows, the fp8 scales (None, absent, without fp8) and the
     probs (ext.OutputTensors' fields). What a layer in flight keeps in the arena until its
     backward; its combine copies an expert_out from outside peer memory into the rank's one
-    expert-out block (staging.py), not into room of its own."""
+    expert-out block (expert_out_order.py), not into room of its own."""
     return [((rows, hidden), dtype), ((rows, hidden // FP8_BLOCK), torch.float32) if fp8 else None,
             ((rows,), torch.float32)]
 
 
 @functools.lru_cache(maxsize=64)
-def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
+def _block_places(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
     """Byte offset of each of _call_specs' tensors in the call's one block, and its bytes."""
     at, places = 0, []
     for spec in _call_specs(rows, hidden, dtype, fp8):
@@ -208,7 +208,7 @@ def _call_layout(rows: int, hidden: int, dtype: torch.dtype, fp8: bool):
 
 
 @functools.lru_cache(maxsize=64)
-def call_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
+def block_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
     """The extension's ArenaLayout of one direct dispatch's block (_call_specs, for any
     number of rows), made once per (hidden, dtype): a call hands it to ext.ArenaTaken as it is."""
     return _layout([None if spec is None else (spec[0][1] if len(spec[0]) == 2 else 0, spec[1])
@@ -218,7 +218,7 @@ def call_layout(ext, hidden: int, dtype: torch.dtype, fp8: bool):
 def call_bytes(rows: int, hidden: int, dtype: torch.dtype, fp8: bool = False) -> int:
     """Arena bytes one direct dispatch of `rows` output rows takes on one rank, as long as its
     outputs or its handle live (in training: until the layer's backward)."""
-    return _call_layout(rows, hidden, dtype, fp8)[1]
+    return _block_places(rows, hidden, dtype, fp8)[1]
 
 
 def expected_rows(tokens: int, topk: int, imbalance: float, local_experts: int, pad_multiple: int = 1,
@@ -245,7 +245,7 @@ def call_tensors(arena: Arena, rows: int, hidden: int, dtype: torch.dtype, fp8: 
     """(rows [R, H], scales [R, H / 128] or None, probs [R]) of one direct dispatch, on one
     arena block, or None when it does not fit. The block returns when the last of them dies.
     The engine takes every rank's block in one call instead (arena_take)."""
-    return arena.core.block(call_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
+    return arena.core.block(block_layout(arena.ext, hidden, dtype, fp8), rows, stream, arena.capturing())
 
 
 def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.dtype, fp8: bool,
@@ -254,11 +254,11 @@ def arena_take(arenas: list[Arena], rows: list[int], hidden: int, dtype: torch.d
     one call into the extension, their tensors not made yet: an ext.ArenaTaken whose
     `addresses()` give each block's (rows, scales, probs) addresses (scales 0 without fp8) and
     whose `tensors()` make its (rows, scales, probs) tensors (scales None without fp8) after
-    the launch (the engine has HostPath.dispatch_into or dispatch_rows do both, the tensors as
+    the launch (the engine has HostPath.dispatch_into or dispatch_rows_into do both, the tensors as
     ext.OutputTensors); its `failed` is the index of the first arena that can not hold its
     block (then none is taken), else -1. limits: per arena, the bytes from its base its block
     must end within (the part every peer has mapped), else anywhere."""
-    return arenas[0].ext.ArenaTaken([a.core for a in arenas], call_layout(arenas[0].ext, hidden, dtype, fp8), rows,
+    return arenas[0].ext.ArenaTaken([a.core for a in arenas], block_layout(arenas[0].ext, hidden, dtype, fp8), rows,
                                     stream, arenas[0].capturing(), limits or [])
 
 

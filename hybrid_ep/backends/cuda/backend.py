@@ -36,7 +36,7 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
     it starts with, peer_memory_bytes rounded up to peer_memory.CHUNK) and grows to the peak of live
     direct outputs plus one expert-out block, in CHUNK steps. The per-call part says by how much
     a call can make it grow: its output (dispatch_out, the worst case), the expert-out block of
-    an expert_out from outside peer memory (peer_staging) and the rounding of a growth
+    an expert_out from outside peer memory (expert_out_block) and the rounding of a growth
     (peer_rounding, less than a CHUNK). dtype: of the rows dispatched (x's; bf16 as in training),
     which sizes a call's output and, at the width of the expert output (bf16 for fp8 rows), its
     expert-out block."""
@@ -57,7 +57,8 @@ def memory_plan(config: BufferConfig, name: str = "cuda", peer_held: int | None 
                             "memory while the output or its handle lives (the receive path's: from PyTorch's "
                             "allocator)"))
     width = str(combine_dtype_for(dtype)).removeprefix("torch.")
-    specs.append(BufferSpec("peer_staging", agreement.expert_out_block_bytes(worst_rows, config.hidden_dim, dtype, fp8),
+    block = agreement.expert_out_block_bytes(worst_rows, config.hidden_dim, dtype, fp8)
+    specs.append(BufferSpec("expert_out_block", block,
                             False, f"one per rank, sized by the largest direct call so far, held from then on: the "
                             f"expert-out block, where a direct combine copies a {width} expert_out that lies "
                             "outside peer memory (in training: the experts' output)"))

@@ -2,8 +2,8 @@
 
 Inside a capture nothing may read back to the host, grow or map memory, or wait on an event:
 the agreement takes the path its ledger holds or the receive path (agreement.py), the arena
-keeps every block it hands out for the graph's replays (arena.py), and the combine staging's
-stream order records nothing (staging.py). The CPU tests fake a capture by replacing
+keeps every block it hands out for the graph's replays (arena.py), and the expert-out block's
+stream order records nothing (expert_out_order.py). The CPU tests fake a capture by replacing
 `capturing` here.
 """
 

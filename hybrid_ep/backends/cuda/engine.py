@@ -13,7 +13,7 @@ Static mode (num_out_tokens) never reads anything back, so it can be captured in
 The host path per call: Python checks the arguments and allocates what the caller gets
 (output rows, scales, probs: where paths.py puts them, blocks of peer memory on a direct call
 of ranks in separate processes, else PyTorch's allocator; combine's y; a direct combine's
-expert_out from outside peer memory is copied into the rank's expert-out block, staging.py) and
+expert_out from outside peer memory is copied into the rank's expert-out block, expert_out_order.py) and
 one workspace for the call's per-rank tables (CallWorkspace, reused once nothing refers to it);
 one call into the extension (ext.HostPath, the rank's part a struct sequence, a named tuple, of
 the extension's: ext.DispatchInputs, DispatchOutputs, CombineInputs) then fills the rank's
@@ -49,11 +49,11 @@ from . import launch
 from .agreement import Agreement, expert_out_width, peer_bases
 from .arena import aligned
 from .errors import PHASE_TEXT, PIPE_SITE_TEXT, KernelErrors, RoutingError, bad_route_error
+from .expert_out_order import StreamOrder
 from .layout import BAD_ROUTE_WORDS, COMPILED_CONSTANTS, MAX_TOPK, buffer_layouts, compiled, info_layout
 from .model_hooks import ModelHooks, spans
 from .paths import AllocatorOutputs, PeerOutputs
 from .registered import LoopbackRegions, NvshmemRegions
-from .staging import StreamOrder
 from .workspace import CallWorkspace, CudaReceiveTable, CudaSendTable, EngineShape, RankDispatch, WorkspacePool
 
 __all__ = ["CudaReceiveTable", "CudaSendTable", "Engine", "RankDispatch", "RoutingError", "check_extension"]
@@ -212,7 +212,7 @@ class Engine:
         else:
             self.outputs = AllocatorOutputs(self.data_path == "direct")
             self.bases_tables = [torch.zeros(config.world_size, dtype=torch.int64, device=device)] * len(ranks)
-        self.expert_out_order = StreamOrder(device)  # users of the expert-out blocks (staging.py)
+        self.expert_out_order = StreamOrder(device)  # users of the expert-out blocks (expert_out_order.py)
         self.expert_out_copies = 0  # combines that copied into an expert-out block (tests)
         self.expert_out_copied_bytes = 0  # the bytes those copies moved
         # per driven rank: (tensor, block) addresses of the expert_out_view lent for its next combine
@@ -233,7 +233,7 @@ class Engine:
         fixed = []
         for i, r in enumerate(ranks):
             ra = ext.RankArgs()
-            ra.rank, ra.peers, ra.arena_bases = r, tables[i].data_ptr(), self.bases_tables[i].data_ptr()
+            ra.rank, ra.peers, ra.peer_bases = r, tables[i].data_ptr(), self.bases_tables[i].data_ptr()
             self._set_transport(ra, i)
             fixed.append(ra)
         self.host = self._host_path(fixed)
@@ -492,7 +492,7 @@ class Engine:
         if taken is not None:  # the launch, then the blocks' tensors, in one call
             if declared is not None:
                 model.note(declared + self._output_spans(self._block_outputs(rows, taken), dtype))
-            made = self.host.dispatch_rows(args, True, stream, call.ptr, call.layout, taken)
+            made = self.host.dispatch_rows_into(args, stream, call.ptr, call.layout, taken)
         else:
             outputs, made = self._outputs(rows, dtype, fp8)
             if declared is not None:

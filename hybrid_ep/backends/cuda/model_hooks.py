@@ -6,7 +6,7 @@ object (Engine.model), so that production's path reads past it in one line:
 - the test hook that launches some ranks' kernels absent (AbsentRanks, set by
   tests/harness/faults.py: ranks_absent), as a crashed peer would be.
 
-The launch counters the tests read are the extension's (ext.launch_counts)."""
+The launch counters the tests read are the extension's (ext.launches_made)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The per-call workspace of a dispatch and the handle's views of it.
 
 A dispatch's count and dispatch kernels write every driven rank's per-call tables (counts,
-send slots, ordinals, row positions or route rows: csrc CallLayout) into one workspace
+send slots, ordinals, row positions or route rows: csrc WorkspaceLayout) into one workspace
 allocation, rank i's part in row i. The handle keeps the workspace; its tables are views made
 when first read (CudaSendTable, CudaReceiveTable). A workspace nothing refers to any more
 serves a later call of the same layout (WorkspacePool).
@@ -23,7 +23,7 @@ KEPT_WORKSPACES = 2
 
 
 class CallWorkspace:
-    """The per-rank tables of one dispatch call (csrc CallLayout): one allocation of
+    """The per-rank tables of one dispatch call (csrc WorkspaceLayout): one allocation of
     [ranks, layout.bytes / 8] int64, rank i's part in row i. The call's handles keep it; the
     engine hands it to a later call once nothing refers to it any more (Engine._workspace)."""
 
@@ -94,7 +94,7 @@ class CudaSendTable:
     @functools.cached_property
     def send_slot_TW(self) -> torch.Tensor:
         """int32 position of token t among the rows sent to d, -1 if none."""
-        return self.call.int32(self.part, self.call.layout.send_slot, (self.num_tokens, self.world_size))
+        return self.call.int32(self.part, self.call.layout.send_ord, (self.num_tokens, self.world_size))
 
     @functools.cached_property
     def entry_ord_TK(self) -> torch.Tensor:
@@ -223,7 +223,7 @@ class WorkspacePool:
 
     def __init__(self, ext, geo, kd: int, num_ranks: int, device: torch.device):
         self.ext, self.geo, self.kd, self.num_ranks, self.device = ext, geo, kd, num_ranks, device
-        # (K, route rows, receive tables) -> ext.CallLayout, and the last workspaces of each
+        # (K, route rows, receive tables) -> ext.WorkspaceLayout, and the last workspaces of each
         self.layouts: dict[tuple[int, bool, bool], object] = {}
         self.kept: dict[tuple[int, bool, bool], list[CallWorkspace]] = {}
 
@@ -241,7 +241,7 @@ class WorkspacePool:
                 return ws
         layout = self.layouts.get(key)
         if layout is None:
-            layout = self.layouts[key] = self.ext.call_layout(self.geo, self.kd, topk, direct, receive)
+            layout = self.layouts[key] = self.ext.workspace_layout(self.geo, self.kd, topk, direct, receive)
         ws = CallWorkspace(self.num_ranks, layout, self.device, stream)
         kept.append(ws)
         if len(kept) > KEPT_WORKSPACES:

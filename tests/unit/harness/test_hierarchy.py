@@ -59,7 +59,7 @@ def test_plan_matches_traffic_model(case):
             assert torch.equal(plan.node_slot[s][tokens, cfg.node_of(f.rank)].to(torch.int64), slots)
             # Forwarded to exactly the ranks of f's node the token is routed to, into its slot there.
             node_ranks = slice(cfg.node_of(f.rank) * G, (cfg.node_of(f.rank) + 1) * G)
-            assert torch.equal(f.fwd_slots[sn][used].to(torch.int64), plan.send_slot[s][tokens, node_ranks])
+            assert torch.equal(f.fwd_slots[sn][used].to(torch.int64), plan.send_ord[s][tokens, node_ranks])
             assert bool((f.fwd_slots[sn][~used] == -1).all())
 
 
@@ -79,8 +79,8 @@ def _simulate_dispatch(cfg: BufferConfig, plan, xs, idx) -> list[torch.Tensor]:
     for s in range(W):
         for d in range(W):
             if cfg.node_of(d) == cfg.node_of(s):
-                for t in (plan.send_slot[s][:, d] >= 0).nonzero()[:, 0].tolist():
-                    put(d, s, int(plan.send_slot[s][t, d]), t)
+                for t in (plan.send_ord[s][:, d] >= 0).nonzero()[:, 0].tolist():
+                    put(d, s, int(plan.send_ord[s][t, d]), t)
     for f in plan.forwarders:
         for sn in range(cfg.num_nodes):
             s = sn * G + f.rank % G

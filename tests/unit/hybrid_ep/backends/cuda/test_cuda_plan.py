@@ -177,7 +177,7 @@ def test_outputs_are_not_held_and_peer_memory_starts_empty():
     # bf16 rows by default: the rows, their fp32 probs, alignment
     assert not out.registered and out.nbytes == call_bytes(worst, 8192, torch.bfloat16)
     assert worst * (8192 * 2 + 4) <= out.nbytes < worst * (8192 * 2 + 4) + 1024
-    assert sizes["peer_staging"] == worst * 8192 * 2 and sizes["peer_rounding"] == CHUNK  # bf16 expert_out rows
+    assert sizes["expert_out_block"] == worst * 8192 * 2 and sizes["peer_rounding"] == CHUNK  # bf16 expert_out rows
     assert plan.workspace_bytes == out.nbytes + worst * 8192 * 2 + CHUNK
     assert plan.held_bytes == plan.registered_bytes == sum(plan.held_by_region().values())
     presized = memory_plan(BufferConfig(8192, 4096, 16, 8, 8, peer_memory_bytes=CHUNK + 1).validate())
@@ -191,7 +191,7 @@ def test_the_expert_out_block_is_sized_for_the_expert_output_of_the_rows_dispatc
     bf16 and fp8 (the experts compute in bf16); the output block, the rows as dispatched."""
     sizes = memory_plan(_cfg(), dtype=dtype).as_dict()
     worst = 8 * 4096 * 2
-    assert sizes["peer_staging"] == expert_out_block_bytes(worst, 8192, dtype) == worst * 8192 * value_bytes
+    assert sizes["expert_out_block"] == expert_out_block_bytes(worst, 8192, dtype) == worst * 8192 * value_bytes
     assert sizes["dispatch_out"] >= worst * 8192 * dtype.itemsize
 
 
@@ -202,7 +202,7 @@ def test_the_expert_out_block_at_deepseek_v3s_shape_is_half_the_fp32_one():
     balanced call (4096 x 8 rows: 0.47 GB, not 0.94)."""
     cfg = BufferConfig(7168, 4096, 256, 8, 8).validate()
     worst = max_output_rows(cfg, min(cfg.experts_per_rank, MAX_TOPK))  # the plan's worst case
-    bf16 = memory_plan(cfg).as_dict()["peer_staging"]
+    bf16 = memory_plan(cfg).as_dict()["expert_out_block"]
     assert bf16 == worst * 7168 * 2 and bf16 <= (worst * 7168 * 4 + worst * 4) / 2
     balanced = 4096 * 8
     assert expert_out_block_bytes(balanced, 7168) == balanced * 7168 * 2 == 469_762_048

@@ -1,5 +1,5 @@
 """Launches past the 16 ranks a kernel's parameters hold (the single-GPU emulation of 18 ranks):
-each launch stages the other ranks in a block of its own on its stream (cudaMallocAsync, freed
+each launch copies the other ranks to a block of its own on its stream (cudaMallocAsync, freed
 after the kernel on that stream), so calls on two streams each read their own; a CUDA graph
 capture of such a launch is refused by name (the copy from host memory would not be replayed)."""
 

@@ -8,7 +8,7 @@ agreement's ledger holds launches both kernels and makes its blocks' tensors in 
 sets no agreement words; a dispatch that reads first sets each driven rank's words (no launch),
 and a call of known size that the ledger does not hold takes the dynamic sequence (one read).
 
-Counted: kernel launches by the extension's own table (ext.launch_counts: what the HostPath
+Counted: kernel launches by the extension's own table (ext.launches_made: what the HostPath
 calls launched, per kernel), calls into ext.HostPath by a proxy, and host reads of tensor
 values (Tensor.tolist and Tensor.numpy, and aten's _local_scalar_dense behind item(), int(),
 bool()): on a GPU each such read is a host synchronisation with the device; here the tensors
@@ -92,7 +92,7 @@ def counting(engine, monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, read)
-    before = ext.launch_counts()
+    before = ext.launches_made()
     host = engine.host
     engine.host = _HostCalls(host, calls)
     try:
@@ -101,7 +101,7 @@ def counting(engine, monkeypatch):
     finally:
         engine.host = host
         monkeypatch.undo()
-    after = ext.launch_counts()
+    after = ext.launches_made()
     got.launches = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     got.host_calls, got.reads = dict(calls), dict(reads)
 
@@ -170,7 +170,7 @@ def test_dynamic_dispatch_reads_once_between_its_two_launches(path, monkeypatch)
             res = group.dispatch(xs, idx, ws)
         assert res[0].handle.data_path == ("receive" if path == "receive" else "direct")
         assert dispatched.launches == {"count": 1, dispatch_kernel: 1}
-        calls = {"dispatch_count": 1, "dispatch_rows": 1}
+        calls = {"dispatch_count": 1, "dispatch_rows_into" if path == "peer" else "dispatch_rows": 1}
         assert dispatched.host_calls == ({"set_agree": W, **calls} if path == "peer" else calls)
         assert dispatched.reads == {"tolist": 1}  # the sizes (and the agreement's words) in one read
         with counting(group.engine, monkeypatch) as combined:
