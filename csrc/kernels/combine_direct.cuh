@@ -683,19 +683,18 @@ __host__ __device__ inline size_t combine_direct_stage_bytes(const LaunchArgs& a
 }
 
 template <typename Rdma, typename Elem, typename Wire, int R>
-LaunchStatus launch_combine_direct_warps(const LaunchArgs& args, uint64_t stream) {
-  const auto kernel = args.combine_stage == kCombineStageToken
-                          ? combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageToken>
-                          : combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageRoute>;
-  return dev::launch_cooperative(kernel, args.num_ranks * args.num_sms, DirectCombineBlock<R>::kThreads,
-                                 combine_direct_stage_bytes(args), stream, args, "combine_direct");
+KernelChoice combine_direct_kernel_warps(const LaunchArgs& args) {
+  const KernelFn kernel = args.combine_stage == kCombineStageToken
+                              ? &combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageToken>
+                              : &combine_direct_kernel<Rdma, Elem, Wire, R, kCombineStageRoute>;
+  return {kernel, DirectCombineBlock<R>::kThreads, nullptr};
 }
 
 template <typename Rdma, typename Elem, typename Wire>
-LaunchStatus launch_combine_direct_typed(const LaunchArgs& args, uint64_t stream) {
+KernelChoice combine_direct_kernel_typed(const LaunchArgs& args) {
   return args.reducer_warps == kReducerWarpsWide
-             ? launch_combine_direct_warps<Rdma, Elem, Wire, kReducerWarpsWide>(args, stream)
-             : launch_combine_direct_warps<Rdma, Elem, Wire, kReducerWarpsNarrow>(args, stream);
+             ? combine_direct_kernel_warps<Rdma, Elem, Wire, kReducerWarpsWide>(args)
+             : combine_direct_kernel_warps<Rdma, Elem, Wire, kReducerWarpsNarrow>(args);
 }
 
 // The launchers' check of the reducer warps the host chose: nullptr if they are an instantiated
@@ -719,22 +718,23 @@ inline const char* check_combine_stage(const LaunchArgs& args) {
   return nullptr;
 }
 
+// The kernel of the call's dtype, wire dtype, reducer warps and stage kind, and its block size
+// (kernels/direct.cu launches it), or why the arguments have none.
 template <typename Rdma>
-LaunchStatus launch_combine_direct_with(const LaunchArgs& args, uint64_t stream) {
-  if (const char* bad = check_segment_cols(args)) return bad;
-  if (const char* bad = check_reducer_warps(args)) return bad;
-  if (const char* bad = check_combine_stage(args)) return bad;
+KernelChoice combine_direct_kernel_for(const LaunchArgs& args) {
+  for (const char* bad : {check_segment_cols(args), check_reducer_warps(args), check_combine_stage(args)})
+    if (bad != nullptr) return {nullptr, 0, bad};
   // The node partials' dtype matters only with several nodes: one node instantiates the pair once.
   const bool fp32_wire = args.geo.num_nodes > 1 && args.wire_dtype == kFloat32;
   switch (args.dtype) {
-    case kFloat32: return launch_combine_direct_typed<Rdma, float, float>(args, stream);
+    case kFloat32: return combine_direct_kernel_typed<Rdma, float, float>(args);
     case kBFloat16:
-      return fp32_wire ? launch_combine_direct_typed<Rdma, __nv_bfloat16, float>(args, stream)
-                       : launch_combine_direct_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args, stream);
+      return fp32_wire ? combine_direct_kernel_typed<Rdma, __nv_bfloat16, float>(args)
+                       : combine_direct_kernel_typed<Rdma, __nv_bfloat16, __nv_bfloat16>(args);
     case kFloat16:
-      return fp32_wire ? launch_combine_direct_typed<Rdma, __half, float>(args, stream)
-                       : launch_combine_direct_typed<Rdma, __half, __half>(args, stream);
-    default: return "combine: unsupported dtype code";
+      return fp32_wire ? combine_direct_kernel_typed<Rdma, __half, float>(args)
+                       : combine_direct_kernel_typed<Rdma, __half, __half>(args);
+    default: return {nullptr, 0, "combine: unsupported dtype code"};
   }
 }
 

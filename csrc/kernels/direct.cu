@@ -31,8 +31,12 @@ size_t combine_direct_smem_bytes(const LaunchArgs& args) {
 }
 
 LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream) {
-  if (uses_nvshmem(args)) return launch_combine_direct_nvshmem(args, stream);
-  return combine_direct_impl::launch_combine_direct_with<LoopbackTransport>(args, stream);
+  const KernelChoice k = uses_nvshmem(args) ? combine_direct_kernel_nvshmem(args)
+                                            : combine_direct_impl::combine_direct_kernel_for<LoopbackTransport>(args);
+  if (k.refused != nullptr) return k.refused;
+  if (k.kernel == nullptr) return kNoNvshmem;
+  return dev::launch_cooperative(k.kernel, args.num_ranks * args.num_sms, k.threads, combine_direct_smem_bytes(args),
+                                 stream, args, "combine_direct");
 }
 
 int combine_direct_max_blocks_per_sm(size_t smem, int reducer_warps) {

@@ -21,8 +21,8 @@ LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t str
 
 KernelFn dispatch_direct_kernel_nvshmem() { return &dispatch_direct_impl::dispatch_direct_kernel<NvshmemTransport>; }
 
-LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream) {
-  return combine_direct_impl::launch_combine_direct_with<NvshmemTransport>(args, stream);
+KernelChoice combine_direct_kernel_nvshmem(const LaunchArgs& args) {
+  return combine_direct_impl::combine_direct_kernel_for<NvshmemTransport>(args);
 }
 
 }  // namespace hybrid_ep

@@ -32,12 +32,19 @@ LaunchStatus launch_combine_direct(const LaunchArgs& args, uint64_t stream);
 
 // The NVSHMEM instantiations (kernels_nvshmem.cu, built only where the build found NVSHMEM).
 // Every other launch uses the loopback transport, which a single node never calls. The count and
-// direct dispatch launchers, which start every production dispatch, take the NVSHMEM kernel itself
-// (its address from kernels_nvshmem.cu) and launch it in one frame; the others call its launcher.
+// the direct path's launchers, which production's calls take, get the NVSHMEM kernel itself (its
+// address from kernels_nvshmem.cu) and launch it in one frame; the receive path's call its launcher.
 inline bool uses_nvshmem(const LaunchArgs& args) {
   return args.geo.num_nodes > 1 && args.geo.transport == kTransportNvshmem;
 }
 using KernelFn = void (*)(LaunchArgs);
+// A kernel and its block's threads as a launcher picks them from the arguments; refused: why the
+// arguments have none (a null kernel without a refusal: the build lacks the transport).
+struct KernelChoice {
+  KernelFn kernel = nullptr;
+  int threads = 0;
+  LaunchStatus refused = nullptr;
+};
 constexpr LaunchStatus kNoNvshmem =
     "this build of hybrid_ep has no NVSHMEM transport (rebuild with the nvidia-nvshmem wheel installed)";
 #ifdef HYBRID_EP_WITH_NVSHMEM
@@ -45,13 +52,13 @@ KernelFn count_kernel_nvshmem();
 KernelFn dispatch_direct_kernel_nvshmem();
 LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
 LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs& args, uint64_t stream);
-LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs& args, uint64_t stream);
+KernelChoice combine_direct_kernel_nvshmem(const LaunchArgs& args);
 #else
 inline KernelFn count_kernel_nvshmem() { return nullptr; }
 inline KernelFn dispatch_direct_kernel_nvshmem() { return nullptr; }
 inline LaunchStatus launch_dispatch_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
 inline LaunchStatus launch_combine_receive_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
-inline LaunchStatus launch_combine_direct_nvshmem(const LaunchArgs&, uint64_t) { return kNoNvshmem; }
+inline KernelChoice combine_direct_kernel_nvshmem(const LaunchArgs&) { return {}; }
 #endif
 
 // Shared memory (bytes) each kernel asks for with these arguments.

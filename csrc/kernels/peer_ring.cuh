@@ -4,7 +4,7 @@
 // the warps of a block: a kernel asks it for a chunk's slot, the words that tag the chunk, the
 // writer's acquire of a slot and its publish, the reader's wait for a chunk (each side's wait
 // names the ring's phase for that side in a timeout record) and its release, and never writes
-// those out itself (tests/unit/csrc/kernels/test_peer_ring_waits.py keeps it so).
+// those out itself (tests/tools/test_peer_ring_waits.py keeps it so).
 //
 // The rings (their memory: csrc/bindings/buffer_layout.h builds it from this list):
 //   recv        dispatch, receive path: a source's rows, routing entries and fp8 scales in each

@@ -14,7 +14,7 @@ otherwise enforce on the cluster, after the queue wait:
 - balancer slots cover every expert; slots are checked only when the balancer is on
   (interval > 0: it has no slots otherwise); the balancer runs only inside hybrid_ep and
   with ETP 1 (the hybrid_ep dispatcher itself runs ETP > 1, over the ETP x EP group; the
-  balancer refuses it, megatron_patches/dispatcher.py); dispatcher, precision, GPU type from
+  balancer refuses it, megatron_patches/manager.py); dispatcher, precision, GPU type from
   known sets;
 - rows of a multiple of 16 bytes for hybrid_ep (model.hidden_size at the precision's
   element size; bench.hidden at bench.dtype), as every hybrid_ep backend requires;
@@ -335,7 +335,7 @@ def _balancer(recipe, problems):
     etp = recipe["parallelism.etp"]
     if recipe[b + "interval"] > 0 and recipe["dispatcher.type"] == "hybrid_ep" and etp > 1:
         # The dispatcher runs ETP > 1 (over the ETP x EP group); the balancer does not, and
-        # refuses it when the dispatcher is built (megatron_patches/dispatcher.py).
+        # refuses it when the dispatcher is built (megatron_patches/manager.py).
         problems.append((b + "interval", f"the expert balancer with parallelism.etp {etp} (expert tensor "
                                          "parallelism): use parallelism.etp 1 with the balancer, or turn the "
                                          "balancer off (balancer.interval 0; hybrid_ep runs ETP > 1 without it)"))
