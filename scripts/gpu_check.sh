@@ -201,6 +201,7 @@ run_tests() {
         tests/gpu/test_cuda_emulation.py tests/gpu/test_reference_nccl.py tests/unit/hybrid_ep/balancer/test_loop.py \
         tests/unit/hybrid_ep/backends/cuda/test_nvshmem_transport.py tests/unit/hybrid_ep/verify/test_oracle.py \
         tests/unit/hybrid_ep/backends/cuda/test_cuda_plan.py tests/gpu/test_cuda_arena.py \
+        tests/gpu/test_launch_more_ranks.py tests/faults tests/unit/megatron_patches/test_te_grouped_rows.py \
         > "$results/gpu_tests.log" 2>&1
     local rc=$?
     say "pytest exit $rc: $(tail -1 "$results/gpu_tests.log")"

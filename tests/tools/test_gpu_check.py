@@ -204,6 +204,20 @@ def test_test_stage_builds_in_place_for_sm90a_then_runs_the_gpu_tests(machine):
     assert "pytest exit 0" in proc.stdout
 
 
+def test_every_file_with_gpu_tests_is_in_the_test_stage():
+    """A test marked gpu or multigpu runs only where the lease's test stage names its file (or
+    its folder): a new GPU test left out of the list would never run."""
+    repo = Path(REPO)
+    text = (repo / "scripts" / "gpu_check.sh").read_text()
+    named = re.search(r'run_tests\(\) \{.*?"\$py" -m pytest (.*?)> "\$results/gpu_tests.log"', text, re.S).group(1)
+    listed = set(re.findall(r"tests/[\w/]+(?:\.py)?", named))
+    marked = sorted(str(f.relative_to(repo)) for f in (repo / "tests").rglob("test_*.py")
+                    if f.parent.name != "tools" and re.search(r"mark\.(gpu|multigpu)\b", f.read_text()))
+    assert len(marked) >= 10, marked
+    missing = [f for f in marked if f not in listed and not any(f.startswith(d.rstrip("/") + "/") for d in listed)]
+    assert not missing, f"GPU tests the lease's test stage does not run: {missing}"
+
+
 def test_fresh_extension_is_not_rebuilt_and_a_changed_source_is(machine):
     repo, results, run = machine
     run("build", str(results))
