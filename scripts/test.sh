@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, CI): environment, lint of the whole tree (scripts/lint.sh --all), nvcc
-# compile check of csrc/, then pytest with the 25 slowest tests listed at the end.
+# The test command (README, CI): environment, lint of the whole tree (scripts/lint.sh --all), then
+# pytest with the 25 slowest tests listed at the end, and beside it the nvcc compile check of csrc/.
 # Extra arguments go to pytest (e.g. -m unit: CONTRIBUTING.md lists the tiers).
 # Without a -m of its own, pytest runs the CI tier, -m "not slow": every test but those that
 # run for tens of seconds each (training loops, sanitized builds, long searches), which CI's 15
@@ -30,7 +30,13 @@ if ! PYTHON="$py" bash "$repo/scripts/lint.sh" --all; then
     [ "${HYBRID_EP_LINT:-strict}" = warn ] || { echo "test.sh: lint findings above (scripts/lint.sh --all)" >&2; exit 1; }
     echo "test.sh: the lint findings above do not fail this run (HYBRID_EP_LINT=warn)" >&2
 fi
-PYTHON="$py" bash "$repo/scripts/compile_csrc.sh"
+# The nvcc compile check runs beside pytest at the lowest priority (nice 19): it takes the CPU the
+# tests leave idle (their waits on deadlines, peers and spawned ranks) instead of a span of its
+# own before them; its lines are printed after pytest's, and its failure fails the run.
+compile_log=$(mktemp)
+trap 'rm -f "$compile_log"' EXIT
+PYTHON="$py" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
+compile_pid=$!
 # which Megatron-Core the megatron tests run against (docs/megatron.md#versions)
 echo "test.sh: $("$py" -W ignore -m megatron_patches.versions 2>/dev/null || echo "Megatron-Core is not importable")" >&2
 cd "$repo"
@@ -42,6 +48,10 @@ echo "test.sh: $tier_name" >&2
 set +e
 "$py" -m pytest --timeout=600 --durations=25 "${xdist[@]}" "${tier[@]}" "$@"
 rc=$?
+wait "$compile_pid"
+compile_rc=$?
 set -e
+cat "$compile_log"
+if [ "$compile_rc" -ne 0 ]; then echo "test.sh: the nvcc compile check failed (its lines above)" >&2; exit 1; fi
 if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests; that is a failure" >&2; exit 1; fi
 exit "$rc"
