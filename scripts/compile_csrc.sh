@@ -14,7 +14,7 @@
 # builds them again; --list prints what is compiled and what is left to setup.py.
 #
 # The files compile in parallel, HYBRID_EP_COMPILE_JOBS at a time (default: the number of CPUs),
-# and each file's lines are printed in the sources' order once all have finished.
+# and each file's lines are printed in the order they started once all have finished.
 #
 # A check that passed leaves a stamp named by a digest of everything it read (every file under
 # csrc/, these scripts, the compiler's version, the archs, the host includes, NVSHMEM's source)
@@ -150,7 +150,13 @@ if [ -n "$link_only" ]; then
     exit 0
 fi
 
-todo=("${sources[@]}" $microbench)
+# the linked microbenchmarks first, then the kernels' sources, widest first: the largest jobs
+# start at once, so the last one to finish is a small one
+todo=($microbench)
+for src in csrc/kernels/kernels_nvshmem.cu csrc/kernels/direct.cu; do
+    for s in "${sources[@]}"; do [ "$s" = "$src" ] && todo+=("$s"); done
+done
+for s in "${sources[@]}"; do [[ " ${todo[*]} " == *" $s "* ]] || todo+=("$s"); done
 if [ "${#todo[@]}" -eq 0 ]; then echo "compile_csrc: no CUDA sources under csrc/, nothing to compile"; exit 0; fi
 cache=${HYBRID_EP_COMPILE_CACHE:-$HOME/.cache/hybrid-ep/compile-check}
 stamp=""

@@ -24,19 +24,19 @@ if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
 fi
 [ -n "${HYBRID_EP_TEST_WORKERS:-}" ] || [ "$workers" -le 4 ] || workers=4
 py=$(bash "$repo/scripts/env.sh")
+# The nvcc compile check runs beside the lint and pytest at the lowest priority (nice 19): it takes
+# the CPU they leave idle (their waits on deadlines, peers and spawned ranks) instead of a span of its
+# own before them; its lines are printed after pytest's, and its failure fails the run.
+compile_log=$(mktemp)
+PYTHON="$py" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
+compile_pid=$!
+trap 'kill "$compile_pid" 2>/dev/null; rm -f "$compile_log"' EXIT  # a run that stops early stops it
 # The whole tree is ruff- and clang-format-clean, and a finding anywhere fails the run
 # (CONTRIBUTING.md); HYBRID_EP_LINT=warn prints the findings and goes on, for a local run.
 if ! PYTHON="$py" bash "$repo/scripts/lint.sh" --all; then
     [ "${HYBRID_EP_LINT:-strict}" = warn ] || { echo "test.sh: lint findings above (scripts/lint.sh --all)" >&2; exit 1; }
     echo "test.sh: the lint findings above do not fail this run (HYBRID_EP_LINT=warn)" >&2
 fi
-# The nvcc compile check runs beside pytest at the lowest priority (nice 19): it takes the CPU the
-# tests leave idle (their waits on deadlines, peers and spawned ranks) instead of a span of its
-# own before them; its lines are printed after pytest's, and its failure fails the run.
-compile_log=$(mktemp)
-trap 'rm -f "$compile_log"' EXIT
-PYTHON="$py" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
-compile_pid=$!
 # which Megatron-Core the megatron tests run against (docs/megatron.md#versions)
 echo "test.sh: $("$py" -W ignore -m megatron_patches.versions 2>/dev/null || echo "Megatron-Core is not importable")" >&2
 cd "$repo"
