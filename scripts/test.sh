@@ -3,7 +3,7 @@
 # pytest with the 25 slowest tests listed at the end, and beside it the nvcc compile check of csrc/.
 # Extra arguments go to pytest (e.g. -m unit: CONTRIBUTING.md lists the tiers).
 # Without a -m of its own, pytest runs the CI tier, -m "not slow": every test but those that
-# run for tens of seconds each (training loops, sanitized builds, long searches), which CI's 15
+# run for tens of seconds each (training loops, sanitized builds, long searches), which CI's 20
 # minutes on 2 cores do not hold. --full (first argument) runs them too: before landing a change
 # under csrc/ or the balancer, and before a GPU lease (CONTRIBUTING.md).
 # pytest runs on HYBRID_EP_TEST_WORKERS processes (pytest-xdist; default: the CPUs, at most 4,
