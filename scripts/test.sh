@@ -52,6 +52,8 @@ wait "$compile_pid"
 compile_rc=$?
 set -e
 cat "$compile_log"
-if [ "$compile_rc" -ne 0 ]; then echo "test.sh: the nvcc compile check failed (its lines above)" >&2; exit 1; fi
-if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests; that is a failure" >&2; exit 1; fi
+# the verdict on stdout, where a log that keeps one stream still shows which part failed
+echo "test.sh: pytest exit $rc, nvcc compile check exit $compile_rc"
+if [ "$compile_rc" -ne 0 ]; then echo "test.sh: the nvcc compile check failed (its lines above)"; exit 1; fi
+if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests; that is a failure"; exit 1; fi
 exit "$rc"

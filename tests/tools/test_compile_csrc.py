@@ -106,6 +106,22 @@ def test_a_passed_check_is_not_repeated_until_a_source_changes(tmp_path):
     assert "nothing changed" not in still.stdout and "failed to compile: csrc/kernels/k1.cu" in still.stderr
 
 
+def test_a_cache_that_cannot_be_written_does_not_fail_a_passed_check(tmp_path):
+    """A read-only cache (CI's restored home, a full disk): the check passes, says the stamp is
+    missing, and the next run compiles again."""
+    root = _tree(tmp_path / "tree", {"csrc/kernels/k0.cu": GOOD_CU})
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(STUB_NVCC)
+    nvcc.chmod(0o755)
+    cache = tmp_path / "not-a-folder"
+    cache.write_text("a file where the cache's folder would be\n")  # mkdir -p fails, as for root
+    stub = {"NVCC": str(nvcc), "PYTHON": "false", "HYBRID_EP_COMPILE_CACHE": str(cache)}
+    first, again = _compile(root, 1, **stub), _compile(root, 1, **stub)
+    assert first.returncode == again.returncode == 0, first.stdout + first.stderr
+    assert f"compile_csrc: passed, but no stamp could be written in {cache}" in first.stdout
+    assert "compile_csrc: 1 file(s) compiled with stub nvcc 1.0" in again.stdout
+
+
 def test_a_bad_job_count_is_refused(tmp_path):
     env = {**os.environ, "NVCC": "/bin/true", "HYBRID_EP_COMPILE_JOBS": "0"}
     run = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
