@@ -52,6 +52,9 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "dispatch_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs, "
                                        "the data path's row moves per destination row x the destination bytes",
          "combine_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs",
+         "dispatch_written_gbps_per_sm": "GB/s per SM (1e9 bytes/s): rows the dispatch writes (dispatch_rows_written) "
+                                         "x row bytes / time / SMs: what the SMs' store path carried, against the "
+                                         "microbenchmarks' C_store",
          "data_path": "direct (each route's row straight to and from its final row; outputs from PyTorch's "
                       "allocator) or receive (through bounded receive rings, partial sums pushed back); "
                       "direct+receive: some timed dispatches took the receive path",
@@ -168,11 +171,29 @@ def _inputs(W, T, H, E, K, dtype, routing, seed, dev, zipf_exponent=1.2, nodes=1
     return idxs, [x.to(dtype) for x in x32], [None] * W
 
 
+def dispatch_rows_written(path: str, recv_rows: int, out_rows: int, rdma_rows: int = 0) -> int:
+    """Rows a dispatch's SMs write, all ranks: on the direct path one per route (out_rows), on
+    the receive path one per token and destination rank into the receive ring first (recv_rows);
+    across nodes each row crossing them once more, into the RDMA staging ring. Every one passes
+    its SM's store path, whose rate the microbenchmarks measure alone (C_store): that rate times
+    recv_rows / these rows bounds the dispatch's destination GB/s per SM (write_ceiling)."""
+    return out_rows + rdma_rows + (recv_rows if path != "direct" else 0)
+
+
+def write_ceiling_gbps_per_sm(store_gbps_per_sm: float, recv_rows: int, written_rows: int) -> float:
+    """The most destination GB/s per SM (the bench's unit) a dispatch that writes `written_rows`
+    rows can reach when its SMs store at `store_gbps_per_sm` and do nothing else: a routing that
+    puts several of a token's experts on one rank is credited fewer rows than the direct path
+    writes, and no schedule of the kernel's warps passes this."""
+    return store_gbps_per_sm * recv_rows / written_rows
+
+
 def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes, dispatch_rw,
-                    combine_rw, copy_bps) -> dict:
+                    combine_rw, copy_bps, written_rows) -> dict:
     """One row of emulated.json's runs (every number field has its entry in UNITS): W ranks on
-    `nodes` nodes at `sms` SMs per rank, median times in ms, rows, bytes per row and bytes the
-    kernels read + write per call, against a device copy of copy_bps bytes/s."""
+    `nodes` nodes at `sms` SMs per rank, median times in ms, rows, bytes per row, bytes the
+    kernels read + write per call, against a device copy of copy_bps bytes/s, and the rows the
+    dispatch writes (dispatch_rows_written)."""
     row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": sms * W, "dispatch_ms": d_ms,
            "combine_ms": c_ms, "recv_rows": recv_rows, "out_rows": out_rows, "rdma_rows": rdma}
     for op, ms, dest, rw in (("dispatch", d_ms, recv_rows * row_bytes, dispatch_rw),
@@ -181,6 +202,7 @@ def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_by
         row[f"{op}_rw_gbps"] = rw / (ms * 1e-3) / 1e9
         row[f"{op}_moved_gbps_per_sm"] = row[f"{op}_rw_gbps"] / (W * sms)
         row[f"{op}_copy_fraction"] = rw / (ms * 1e-3) / copy_bps
+    row["dispatch_written_gbps_per_sm"] = written_rows * row_bytes / (d_ms * 1e-3) / (W * sms) / 1e9
     if nodes > 1:
         row.update(rdma_fields(W, sms, d_ms, c_ms, rdma, row_bytes, comb_bytes))
     return row
@@ -260,6 +282,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
     # token read once and written once per route; combine reads each route's row and writes
     # each token's.
     path = handles[0].data_path  # every rank's is the same
+    written_rows = dispatch_rows_written(path, recv_rows, out_rows, rdma)
     if path == "direct":
         dispatch_rw = (W * T + out_rows) * row_bytes
         combine_rw = (out_rows + W * T) * comb_bytes
@@ -279,7 +302,7 @@ def _sweep_one_world(W, args, H, T, E, K, dtype, sms_list, warmup, iters, flush,
         c_ms = _median_ms(lambda: group.combine(expert_outs, handles, num_sms=sms), warmup, iters, flush)
         group.synchronize()
         row = measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes,
-                              dispatch_rw, combine_rw, copy_bps)
+                              dispatch_rw, combine_rw, copy_bps, written_rows)
         flush_l2 = None if flush is None else flush.zero_
         kernels = {"dispatch": profiled_kernels(lambda: group.dispatch(xs, idxs, scales=scales, num_sms=sms),
                                                 KERNEL_CALLS, flush_l2),

@@ -885,6 +885,14 @@ def test_predict_then_validate(tmp_path, capsys):
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
     assert row["data_path"] == doc["metadata"]["config"]["data_path"] == "direct"  # the bench's on one node
+    # the direct path writes one row per route: the table's store rate x rows received / routes bounds it
+    store = doc["constants"]["engine_store_bytes_per_ns"]["value"]
+    assert row["dispatch_write_ceiling_gbps_per_sm"] == pytest.approx(store * row["recv_rows"] / row["out_rows"])
+    assert row["dispatch_written_gbps_per_sm"] == pytest.approx(
+        row["dispatch_dest_gbps_per_sm"] * row["out_rows"] / row["recv_rows"])
+    assert printed.splitlines()[1].split()[8] == "ceiling"
+    assert float(printed.splitlines()[2].split()[6]) == pytest.approx(row["dispatch_write_ceiling_gbps_per_sm"],
+                                                                      abs=0.05)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert doc["metadata"]["config"]["commit"] == (head or None)
     assert doc["constants"]["wake_ns"]["source"] == constants.load_table().constants["wake_ns"].source
@@ -920,6 +928,38 @@ def test_predict_then_validate(tmp_path, capsys):
     measured["metadata"]["config"].update(reducer_warps=made, reducer_wait="observe")
     (tmp_path / "emulated.json").write_text(json.dumps(measured))
     assert timing_cli.main(["validate", str(out / "predicted.json"), str(tmp_path / "emulated.json")]) == 0
+
+
+def _committed_predictions():
+    """Every predicted.json-like file under benchmarks/results/predicted-*/ (one per point)."""
+    root = os.path.join(REPO, "benchmarks", "results")
+    for folder in sorted(os.listdir(root)):
+        if folder.startswith("predicted-"):
+            for name in sorted(os.listdir(os.path.join(root, folder))):
+                if name.endswith(".json"):
+                    yield f"{folder}/{name}", os.path.join(root, folder, name)
+
+
+def test_no_committed_prediction_passes_the_ceiling_its_writes_put_on_the_dispatch():
+    """A dispatch writes every row it hands out through its SMs' store path: at the table's
+    store rate, rows received / rows written bounds its GB/s per SM whatever its schedule. A
+    model that predicts past it prices a store below what the microbenchmarks measured."""
+    from hybrid_ep.bench.emulated import dispatch_rows_written, write_ceiling_gbps_per_sm
+
+    checked = 0
+    for name, path in _committed_predictions():
+        with open(path) as f:
+            doc = json.load(f)
+        if not doc.get("predicted") or "engine_store_bytes_per_ns" not in doc.get("constants", {}):
+            continue
+        store = doc["constants"]["engine_store_bytes_per_ns"]["value"]
+        for row in doc["runs"]:
+            data_path = row.get("data_path", doc["metadata"]["config"].get("data_path", report.RECEIVE))
+            written = dispatch_rows_written(data_path, row["recv_rows"], row["out_rows"], row.get("rdma_rows") or 0)
+            ceiling = write_ceiling_gbps_per_sm(store, row["recv_rows"], written)
+            assert row["dispatch_dest_gbps_per_sm"] < ceiling, (name, row["sms_per_rank"], ceiling)
+            checked += 1
+    assert checked >= 40  # predicted-8dc6462 alone holds 20 files of 2 points
 
 
 def test_the_table_names_the_model_tokens_given_or_the_default_rule():

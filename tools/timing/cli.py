@@ -180,7 +180,8 @@ def _predicted_rows(args, tables: dict, path: str, nodes: int, worlds: list[int]
             def row_of(i: int, sms=sms) -> dict:
                 row = report.predicted_row(W, nodes, sms, ns[(sms, "dispatch")][i] / 1e6,
                                            ns[(sms, "combine")][i] / 1e6, recv, out_rows,
-                                           _row_bytes(args.hidden, args.dtype), 2 * args.hidden, rdma)
+                                           _row_bytes(args.hidden, args.dtype), 2 * args.hidden, rdma, path=path,
+                                           store_bytes_per_ns=costs[i]["engine_store_bytes_per_ns"])
                 row["kernels_ms"] = report.kernels_ms(ns, sms, table=i)
                 return row
 

@@ -20,6 +20,11 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
                        "named as the bench's kernels_ms names them), the count kernel apart from the dispatch kernel",
          "dispatch_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
          "combine_dest_gbps_per_sm": "GB/s per SM (destination bytes / predicted time)",
+         "dispatch_written_gbps_per_sm": "GB/s per SM (rows the dispatch writes x row bytes / predicted time), "
+                                         "the bench's field of the same name",
+         "dispatch_write_ceiling_gbps_per_sm": "GB/s per SM in dispatch_dest_gbps_per_sm's unit: the table's "
+                                               "engine_store_bytes_per_ns x rows received / rows the dispatch "
+                                               "writes, the most any schedule of these writes reaches",
          "data_path": "the kernels' data path: direct (rows straight to their final row) or receive",
          "model_tokens": "tokens per rank the CPU model ran at (the prediction is on the line through them)",
          "constants": "the timing table the prediction used: value, unit, source per constant",
@@ -28,16 +33,22 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
 
 
 def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: float, recv_rows: int,
-                  out_rows: int, row_bytes: int, comb_bytes: int, rdma_rows: int | None = None) -> dict:
+                  out_rows: int, row_bytes: int, comb_bytes: int, rdma_rows: int | None = None, *,
+                  path: str = RECEIVE, store_bytes_per_ns: float | None = None) -> dict:
     """A predicted point as the bench's row has it; with several nodes the rows crossing them
-    (`rdma_rows`, the traffic model's) and their GB/s per SM, the bench's RDMA measure."""
-    from hybrid_ep.bench.emulated import rdma_fields
+    (`rdma_rows`, the traffic model's) and their GB/s per SM, the bench's RDMA measure; with the
+    table's store rate, the ceiling the rows the dispatch writes on `path` put on it."""
+    from hybrid_ep.bench.emulated import dispatch_rows_written, rdma_fields, write_ceiling_gbps_per_sm
 
     row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": W * sms, "dispatch_ms": dispatch_ms,
            "combine_ms": combine_ms, "recv_rows": recv_rows, "out_rows": out_rows}
     for op, ms, dest in (("dispatch", dispatch_ms, recv_rows * row_bytes), ("combine", combine_ms,
                                                                                recv_rows * comb_bytes)):
         row[f"{op}_dest_gbps_per_sm"] = dest / (ms * 1e-3) / (W * sms) / 1e9
+    written = dispatch_rows_written(path, recv_rows, out_rows, rdma_rows or 0)
+    row["dispatch_written_gbps_per_sm"] = written * row_bytes / (dispatch_ms * 1e-3) / (W * sms) / 1e9
+    if store_bytes_per_ns is not None:  # bytes/ns: GB/s
+        row["dispatch_write_ceiling_gbps_per_sm"] = write_ceiling_gbps_per_sm(store_bytes_per_ns, recv_rows, written)
     if nodes > 1 and rdma_rows is not None:
         row["rdma_rows"] = rdma_rows
         row.update(rdma_fields(W, sms, dispatch_ms, combine_ms, rdma_rows, row_bytes, comb_bytes))
@@ -69,23 +80,26 @@ def format_predicted(doc: dict) -> str:
              f"H={c['hidden']} T={c['tokens_per_rank']} K={c['topk']} E={c['experts']} {c['dtype']} {c['routing']}"
              f" | {c.get('data_path', RECEIVE)} path"
              + ("" if c.get("store_groups") is None else f" | HYBRID_EP_STORE_GROUPS={c['store_groups']}"),
-             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'comb ms':>9} "
-             f"{'GB/s/SM':>8}" + ("" if nodes == 1 else f" {'RDMA GB/s/SM disp / comb':>25}")]
+             f"{'W':>3} {'SMs/rank':>8} {'SMs':>5} {'disp ms':>9} {'count ms':>9} {'GB/s/SM':>8} {'ceiling':>8} "
+             f"{'comb ms':>9} {'GB/s/SM':>8}" + ("" if nodes == 1 else f" {'RDMA GB/s/SM disp / comb':>25}")]
     for r in doc["runs"]:
         count = r.get("kernels_ms", {}).get("dispatch", {}).get("count_kernel")
+        ceiling = r.get("dispatch_write_ceiling_gbps_per_sm")  # predictions made before it was kept: none
         rdma = ("" if "dispatch_rdma_gbps_per_sm" not in r else
                 f" {r['dispatch_rdma_gbps_per_sm']:>15.1f} / {r['combine_rdma_gbps_per_sm']:>6.1f}")
         lines.append(f"{r['world_size']:>3} {r['sms_per_rank']:>8} {r['total_sms']:>5} {r['dispatch_ms']:>9.3f} "
                      + (f"{count:>9.3f} " if count is not None else f"{'-':>9} ")
-                     + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} {r['combine_ms']:>9.3f} "
-                     f"{r['combine_dest_gbps_per_sm']:>8.1f}" + rdma)
+                     + f"{r['dispatch_dest_gbps_per_sm']:>8.1f} "
+                     + (f"{ceiling:>8.1f} " if ceiling is not None else f"{'-':>8} ")
+                     + f"{r['combine_ms']:>9.3f} {r['combine_dest_gbps_per_sm']:>8.1f}" + rdma)
         for name, alt in r.get("readings", {}).items():  # the same runs under a reading of the store cost
             lines.append(f"{'':>3} {'':>8} {'':>5} {alt['dispatch_ms']:>9.3f} {'':>9} "
-                         f"{alt['dispatch_dest_gbps_per_sm']:>8.1f} {alt['combine_ms']:>9.3f} "
+                         f"{alt['dispatch_dest_gbps_per_sm']:>8.1f} {'':>8} {alt['combine_ms']:>9.3f} "
                          f"{alt['combine_dest_gbps_per_sm']:>8.1f}  reading {name}")
     lines.append("predicted ms: kernel time only (dispatch: the count and dispatch kernels, without the host's read "
                  "of the row count between them; count ms: its count kernel's part); GB/s/SM: rows received x "
-                 "row bytes / predicted time / all SMs")
+                 "row bytes / predicted time / all SMs; ceiling: the most GB/s/SM the rows the dispatch writes "
+                 "allow at the table's store rate (engine_store_bytes_per_ns), whatever the kernel's schedule")
     return "\n".join(lines)
 
 
