@@ -30,7 +30,9 @@ py=$(bash "$repo/scripts/env.sh")
 compile_log=$(mktemp)
 PYTHON="$py" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
 compile_pid=$!
-trap 'kill "$compile_pid" 2>/dev/null; rm -f "$compile_log"' EXIT  # a run that stops early stops it
+# A run that stops early stops it. Under set -e a failing command in the EXIT trap becomes the
+# run's exit status: kill fails once the check has finished, so it may not fail the trap.
+trap 'kill "$compile_pid" 2>/dev/null || true; rm -f "$compile_log"' EXIT
 # The whole tree is ruff- and clang-format-clean, and a finding anywhere fails the run
 # (CONTRIBUTING.md); HYBRID_EP_LINT=warn prints the findings and goes on, for a local run.
 if ! PYTHON="$py" bash "$repo/scripts/lint.sh" --all; then
