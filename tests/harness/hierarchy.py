@@ -89,7 +89,7 @@ def forward_plan(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig, ch
     staged_rows = torch.zeros(W, N, C, dtype=torch.int32)
     staged_token = torch.full((W, N, Q), -1, dtype=torch.int32)
     fwd_slots = torch.full((W, N, Q, G), -1, dtype=torch.int32)
-    node_slots, all_send_slots = [], []
+    node_slots, all_send_ords = [], []
     for s, idx in enumerate(topk_idx_per_rank):
         idx = idx.cpu()
         routing = normalize_routing(idx.shape[0], E, idx.device, topk_idx=idx)
@@ -106,9 +106,9 @@ def forward_plan(topk_idx_per_rank: list[torch.Tensor], config: BufferConfig, ch
             staged_token[f, sn, slots] = tokens.to(torch.int32)
             fwd_slots[f, sn, slots] = send_ord[tokens, n * G:(n + 1) * G].to(torch.int32)
         node_slots.append(slot_TN.to(torch.int32))
-        all_send_slots.append(send_ord)
+        all_send_ords.append(send_ord)
     forwarders = [ForwarderPlan(f, staged_rows[f], staged_token[f], fwd_slots[f]) for f in range(W)]
-    return ForwardPlan(chunk_tokens, C, forwarders, node_slots, all_send_slots)
+    return ForwardPlan(chunk_tokens, C, forwarders, node_slots, all_send_ords)
 
 
 def forwarded_rows(plan: ForwardPlan, config: BufferConfig) -> torch.Tensor:

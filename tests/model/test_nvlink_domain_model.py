@@ -62,7 +62,7 @@ def test_one_domain_of_36_ranks_on_the_direct_path_matches_the_oracle():
 def test_a_launch_past_its_inline_ranks_reads_the_rest_from_device_memory():
     """2 domains of 9, 18 ranks in one emulated launch, whose parameters hold 16 ranks
     (kInlineLaunchRanks): ranks 16 and 17, on the second domain, run from the copy in device memory
-    and forward and receive through their rail peers. Each launch stages them in a block of its
+    and forward and receive through their rail peers. Each launch copies them into a block of its
     own, given back when it ends (on a GPU: on the launch's stream), so no launch reads another's."""
     blocks, launches = model.more_ranks_blocks(), model.stats()["launches"]
     _run(_case(2, 9), "direct")

@@ -226,7 +226,7 @@ def return_row_values(engine: Engine, values_R: torch.Tensor, routing: Routing, 
     """
     width_all, step = value_columns(engine.config)
     vals, cols = row_value_columns(engine, 0, values_R, recv)
-    full = torch.zeros(send.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=engine.device)
+    full = torch.zeros(send.send_ord_TW.shape[0], width_all, dtype=torch.float32, device=engine.device)
     ones = torch.ones(recv.num_rows, dtype=torch.float32, device=engine.device)
     for c0 in range(0, width_all, step):
         width = min(step, width_all - c0)

@@ -128,7 +128,7 @@ class EmulatedEngine(Engine):
         """backend.return_row_values for every rank, each column slice one combine of all."""
         width_all, step = value_columns(self.config)
         per_rank = [row_value_columns(self, i, v, recv) for i, (v, recv) in enumerate(zip(values, recvs))]
-        full = [torch.zeros(s.send_slot_TW.shape[0], width_all, dtype=torch.float32, device=self.device) for s in sends]
+        full = [torch.zeros(s.send_ord_TW.shape[0], width_all, dtype=torch.float32, device=self.device) for s in sends]
         ones = [torch.ones(recv.num_rows, dtype=torch.float32, device=self.device) for recv in recvs]
         for c0 in range(0, width_all, step):
             width = min(step, width_all - c0)

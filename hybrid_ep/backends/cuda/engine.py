@@ -6,7 +6,7 @@ all W virtual ranks of a group in one process and one launch (emulation.Emulated
 subclass that takes lists of the ranks' tensors and hands HostPath a list of structs). Both run
 the call sequence written here; only the per-rank steps (marshalling, outputs, results) differ.
 
-Per dispatch: the count kernel (counts, send slots, ordinals, count exchange, offsets),
+Per dispatch: the count kernel (counts, send ordinals, entry ordinals, count exchange, offsets),
 then, in dynamic mode only, one host read of the output size, then the dispatch kernel.
 Static mode (num_out_tokens) never reads anything back, so it can be captured in a graph.
 

@@ -1,7 +1,7 @@
 """The per-call workspace of a dispatch and the handle's views of it.
 
 A dispatch's count and dispatch kernels write every driven rank's per-call tables (counts,
-send slots, ordinals, row positions or route rows: csrc WorkspaceLayout) into one workspace
+send and entry ordinals, row positions or route rows: csrc WorkspaceLayout) into one workspace
 allocation, rank i's part in row i. The handle keeps the workspace; its tables are views made
 when first read (CudaSendTable, CudaReceiveTable). A workspace nothing refers to any more
 serves a later call of the same layout (WorkspacePool).
@@ -92,7 +92,7 @@ class CudaSendTable:
         return "receive" if self.topk_idx_TK is None else "direct"
 
     @functools.cached_property
-    def send_slot_TW(self) -> torch.Tensor:
+    def send_ord_TW(self) -> torch.Tensor:
         """int32 position of token t among the rows sent to d, -1 if none."""
         return self.call.int32(self.part, self.call.layout.send_ord, (self.num_tokens, self.world_size))
 
