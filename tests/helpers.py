@@ -85,3 +85,23 @@ def assert_migration_kept_output(before, after, bf16: bool) -> None:
         torch.testing.assert_close(after, before, rtol=ulp, atol=ulp * float(before.abs().max()))
     else:
         torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
+
+
+def numbers_without_units(doc: dict) -> set[str]:
+    """Keys of the number fields outside `metadata` that no key on their path has a unit for."""
+    units, missing = doc["metadata"]["units"], set()
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key != "metadata":
+                    walk(item, path + (key,))
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, path)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not any(key in units for key in path):
+                missing.add(path[-1])
+
+    walk(doc, ())
+    return missing

@@ -28,7 +28,7 @@ from ..dtypes import DISPATCH_BY_NAME
 from ..fp8 import FP8_DTYPE, quantize_fp8
 from ..metadata import gpu_sm_clock_mhz, metadata
 from ..synthetic import default_group_limit, derived_seed, iter_rank_routings
-from ..traffic.model import count_tables, row_counts
+from ..traffic.model import count_tables, dispatch_rows_written, row_counts
 from ..wording import plural
 from .host_profile import profile_pairs
 from .kernel_times import profiled_kernels
@@ -52,9 +52,9 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "dispatch_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs, "
                                        "the data path's row moves per destination row x the destination bytes",
          "combine_moved_gbps_per_sm": "GB/s per SM (1e9 bytes/s): bytes the kernels read + write / time / SMs",
-         "dispatch_written_gbps_per_sm": "GB/s per SM (1e9 bytes/s): rows the dispatch writes (dispatch_rows_written) "
-                                         "x row bytes / time / SMs: what the SMs' store path carried, against the "
-                                         "microbenchmarks' C_store",
+         "dispatch_written_gbps_per_sm": "GB/s per SM (1e9 bytes/s): rows the dispatch writes "
+                                         "(traffic.model.dispatch_rows_written) x row bytes / time / SMs: what the "
+                                         "SMs' store path carried, against the microbenchmarks' C_store",
          "data_path": "direct (each route's row straight to and from its final row; outputs from PyTorch's "
                       "allocator) or receive (through bounded receive rings, partial sums pushed back); "
                       "direct+receive: some timed dispatches took the receive path",
@@ -169,23 +169,6 @@ def _inputs(W, T, H, E, K, dtype, routing, seed, dev, zipf_exponent=1.2, nodes=1
         pairs = [quantize_fp8(x) for x in x32]
         return idxs, [p[0] for p in pairs], [p[1] for p in pairs]
     return idxs, [x.to(dtype) for x in x32], [None] * W
-
-
-def dispatch_rows_written(path: str, recv_rows: int, out_rows: int, rdma_rows: int = 0) -> int:
-    """Rows a dispatch's SMs write, all ranks: on the direct path one per route (out_rows), on
-    the receive path one per token and destination rank into the receive ring first (recv_rows);
-    across nodes each row crossing them once more, into the RDMA staging ring. Every one passes
-    its SM's store path, whose rate the microbenchmarks measure alone (C_store): that rate times
-    recv_rows / these rows bounds the dispatch's destination GB/s per SM (write_ceiling)."""
-    return out_rows + rdma_rows + (recv_rows if path != "direct" else 0)
-
-
-def write_ceiling_gbps_per_sm(store_gbps_per_sm: float, recv_rows: int, written_rows: int) -> float:
-    """The most destination GB/s per SM (the bench's unit) a dispatch that writes `written_rows`
-    rows can reach when its SMs store at `store_gbps_per_sm` and do nothing else: a routing that
-    puts several of a token's experts on one rank is credited fewer rows than the direct path
-    writes, and no schedule of the kernel's warps passes this."""
-    return store_gbps_per_sm * recv_rows / written_rows
 
 
 def measurement_row(W, nodes, sms, d_ms, c_ms, recv_rows, out_rows, rdma, row_bytes, comb_bytes, dispatch_rw,

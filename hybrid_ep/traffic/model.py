@@ -112,6 +112,23 @@ def rank_traffic(op: str, rank: int, counts: RowCounts, row_bytes: int) -> Traff
     )
 
 
+def dispatch_rows_written(path: str, recv_rows: int, out_rows: int, rdma_rows: int = 0) -> int:
+    """Rows a dispatch's SMs write, all ranks: on the direct path one per route (out_rows), on
+    the receive path one per token and destination rank into the receive ring first (recv_rows);
+    across nodes each row crossing them once more, into the RDMA staging ring. Every one passes
+    its SM's store path, whose rate the microbenchmarks measure alone (C_store): that rate times
+    recv_rows / these rows bounds the dispatch's destination GB/s per SM (write_ceiling_gbps_per_sm)."""
+    return out_rows + rdma_rows + (recv_rows if path != "direct" else 0)
+
+
+def write_ceiling_gbps_per_sm(store_gbps_per_sm: float, recv_rows: int, written_rows: int) -> float:
+    """The most destination GB/s per SM (the bench's unit, algorithm bytes) a dispatch that writes `written_rows`
+    rows can reach when its SMs store at `store_gbps_per_sm` and do nothing else: a routing that
+    puts several of a token's experts on one rank is credited fewer rows than the direct path
+    writes, and no schedule of the kernel's warps passes this."""
+    return store_gbps_per_sm * recv_rows / written_rows
+
+
 def dispatch_row_bytes(hidden_dim: int, dtype: torch.dtype) -> int:
     from ..fp8 import is_fp8, num_scale_blocks
 

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from helpers import numbers_without_units
 from hybrid_ep.backends.cuda import launch
 from tools.timing import cli as timing_cli
 from tools.timing import constants, fit, points, predict, report
@@ -882,6 +883,7 @@ def test_predict_then_validate(tmp_path, capsys):
         doc = json.load(f)
     assert doc["predicted"] is True and doc["metadata"]["tool"] == "python -m tools.timing predict"
     assert all("predicted" in doc["metadata"]["units"][k] for k in ("dispatch_ms", "combine_ms"))
+    assert numbers_without_units(doc) == set()
     (row,) = doc["runs"]
     assert row["model_tokens"] == [32, 64] and row["recv_rows"] > 0 and row["dispatch_ms"] > 0
     assert row["data_path"] == doc["metadata"]["config"]["data_path"] == "direct"  # the bench's on one node
@@ -931,7 +933,7 @@ def test_predict_then_validate(tmp_path, capsys):
 
 
 def _committed_predictions():
-    """Every predicted.json-like file under benchmarks/results/predicted-*/ (one per point)."""
+    """(name, path) of every predicted JSON under benchmarks/results/predicted-*/ (one per variant and shape)."""
     root = os.path.join(REPO, "benchmarks", "results")
     for folder in sorted(os.listdir(root)):
         if folder.startswith("predicted-"):
@@ -944,7 +946,7 @@ def test_no_committed_prediction_passes_the_ceiling_its_writes_put_on_the_dispat
     """A dispatch writes every row it hands out through its SMs' store path: at the table's
     store rate, rows received / rows written bounds its GB/s per SM whatever its schedule. A
     model that predicts past it prices a store below what the microbenchmarks measured."""
-    from hybrid_ep.bench.emulated import dispatch_rows_written, write_ceiling_gbps_per_sm
+    from hybrid_ep.traffic.model import dispatch_rows_written, write_ceiling_gbps_per_sm
 
     checked = 0
     for name, path in _committed_predictions():
@@ -986,6 +988,7 @@ def test_predict_runs_the_direct_path_across_nodes_by_default(tmp_path):
         assert (doc["metadata"]["config"]["data_path"], doc["metadata"]["config"]["nodes"]) == (path, 2)
         (run,) = doc["runs"]
         assert run["data_path"] == path and run["dispatch_ms"] > 0 and run["combine_ms"] > 0
+        assert run["rdma_rows"] > 0 and numbers_without_units(doc) == set()  # the rows crossing nodes too
         kernels[path] = set(run["kernels_ms"]["dispatch"]) | set(run["kernels_ms"]["combine"])
     assert kernels["direct"] == {"count_kernel", "dispatch_direct_kernel", "combine_direct_kernel"}
     assert {"dispatch_receive_kernel", "combine_receive_kernel"} <= kernels["receive"]

@@ -105,7 +105,7 @@ def _predict(args) -> int:
         config["kernels_built_from"] = commit
         config["annotations"] = annotations
         config["model_commit"] = _checkout_commit()
-    doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.UNITS),
+    doc = {"metadata": metadata(f"{PROG} predict", device_type="cpu", config=config, units=report.units()),
            "predicted": True, "command": " ".join([PROG] + sys.argv[1:]),
            "constants": {n: vars(c) for n, c in table.constants.items()},
            "runs": rows, "elapsed_s": time.monotonic() - started, **_usage()}

@@ -29,7 +29,18 @@ UNITS = {"world_size": "ranks", "nodes": "nodes", "sms_per_rank": "SMs", "total_
          "model_tokens": "tokens per rank the CPU model ran at (the prediction is on the line through them)",
          "constants": "the timing table the prediction used: value, unit, source per constant",
          "readings": "per reading of the store cost (tools/timing/readings.py: its values in place of the "
-                     "table's), the same fields predicted from the same runs of the model"}
+                     "table's), the same fields predicted from the same runs of the model",
+         "count_tokens": "tokens per rank of the count kernel's own run (--count-run)",
+         "elapsed_s": "s (wall time of the prediction)", "cpu_s": "s (CPU time of the predicting process)",
+         "peak_rss_mb": "MB (its peak resident memory)"}
+
+
+def units() -> dict:
+    """predicted.json's units: UNITS and, for the rows crossing nodes, the bench's own entries
+    (predicted_row writes those fields with the bench's rdma_fields)."""
+    from hybrid_ep.bench.emulated import UNITS as BENCH
+
+    return UNITS | {key: BENCH[key] for key in ("rdma_rows", "dispatch_rdma_gbps_per_sm", "combine_rdma_gbps_per_sm")}
 
 
 def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: float, recv_rows: int,
@@ -38,7 +49,8 @@ def predicted_row(W: int, nodes: int, sms: int, dispatch_ms: float, combine_ms: 
     """A predicted point as the bench's row has it; with several nodes the rows crossing them
     (`rdma_rows`, the traffic model's) and their GB/s per SM, the bench's RDMA measure; with the
     table's store rate, the ceiling the rows the dispatch writes on `path` put on it."""
-    from hybrid_ep.bench.emulated import dispatch_rows_written, rdma_fields, write_ceiling_gbps_per_sm
+    from hybrid_ep.bench.emulated import rdma_fields
+    from hybrid_ep.traffic.model import dispatch_rows_written, write_ceiling_gbps_per_sm
 
     row = {"world_size": W, "nodes": nodes, "sms_per_rank": sms, "total_sms": W * sms, "dispatch_ms": dispatch_ms,
            "combine_ms": combine_ms, "recv_rows": recv_rows, "out_rows": out_rows}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybrid_ep
-from helpers import checkout_env
+from helpers import checkout_env, numbers_without_units
 from hybrid_ep.bench import cli, main, plot
 from hybrid_ep.bench.plot import plot_per_rank, plot_vs_sms
 from hybrid_ep.bench.report import config_line, format_table
@@ -217,29 +217,9 @@ def test_printouts_count_in_the_singular_for_one():
 # --------------------------------------------------------------------------- review mends
 
 
-def _numbers_without_units(doc: dict) -> set[str]:
-    """Keys of the number fields outside `metadata` that no key on their path has a unit for."""
-    units, missing = doc["metadata"]["units"], set()
-
-    def walk(value, path):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key != "metadata":
-                    walk(item, path + (key,))
-        elif isinstance(value, list):
-            for item in value:
-                walk(item, path)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not any(key in units for key in path):
-                missing.add(path[-1])
-
-    walk(doc, ())
-    return missing
-
-
 def test_results_json_gives_every_number_a_unit(tmp_path, capsys):
     _, _, doc = _run(tmp_path, capsys, "units", "-w", "2", "--backends", "reference")
-    assert _numbers_without_units(doc) == set()
+    assert numbers_without_units(doc) == set()
     assert "rows" in doc["metadata"]["units"]  # the rows each rank receives
 
 
