@@ -27,12 +27,16 @@ py=$(bash "$repo/scripts/env.sh")
 # The nvcc compile check runs beside the lint and pytest at the lowest priority (nice 19): it takes
 # the CPU they leave idle (their waits on deadlines, peers and spawned ranks) instead of a span of its
 # own before them; its lines are printed after pytest's, and its failure fails the run.
+# In a process group of its own (setsid), so that a run that stops early (a lint finding, a
+# signal) stops the check's nvcc jobs with it, not only their shell.
 compile_log=$(mktemp)
-PYTHON="$py" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
+own_group=()
+if command -v setsid >/dev/null; then own_group=(setsid); fi
+PYTHON="$py" "${own_group[@]}" nice -n 19 bash "$repo/scripts/compile_csrc.sh" > "$compile_log" 2>&1 &
 compile_pid=$!
-# A run that stops early stops it. Under set -e a failing command in the EXIT trap becomes the
-# run's exit status: kill fails once the check has finished, so it may not fail the trap.
-trap 'kill "$compile_pid" 2>/dev/null || true; rm -f "$compile_log"' EXIT
+# Under set -e a failing command in the EXIT trap becomes the run's exit status: kill fails once
+# the check has finished, so it may not fail the trap.
+trap 'kill -- -"$compile_pid" 2>/dev/null || kill "$compile_pid" 2>/dev/null || true; rm -f "$compile_log"' EXIT
 # The whole tree is ruff- and clang-format-clean, and a finding anywhere fails the run
 # (CONTRIBUTING.md); HYBRID_EP_LINT=warn prints the findings and goes on, for a local run.
 if ! PYTHON="$py" bash "$repo/scripts/lint.sh" --all; then
