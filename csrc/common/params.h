@@ -425,7 +425,8 @@ struct LaunchArgs {
   int32_t store_groups;    // bulk-store groups whose stages stay held while they read (every FIFO
                            // with stores: dispatch send and expand, combine expert host)
   int32_t wire_dtype;      // combine: DType of the partial sums between ranks (kFloat32 or dtype)
-  int32_t seg_cols;        // combine: columns per stage (the whole row up to 8192, else a multiple of 8)
+  int32_t seg_cols;        // combine: columns per route stage (the whole row up to 8192, else a multiple of 8);
+                           // token stages size their own (combine_direct.cuh, token_segment_cols)
   int32_t host_stages;     // combine: stages of expert-output segments (seg_cols of dtype each), and their bytes
   int32_t host_stage_bytes;
   int32_t host_out_stages;  // combine: stages of partials the expert host stores (seg_cols of wire_dtype)

@@ -156,7 +156,6 @@ struct DirectCombineShared {
 static_assert(sizeof(DirectCombineShared) <= kStaticSmemReserve,
               "the combine_direct kernel's static shared memory outgrew the launch plans' reserve");
 
-// What every role of a block needs to know about the call.
 // The columns of a token stage's segment: K parts of it, each of the widest element, fill at most
 // `stage_bytes`; a multiple of a round of the reducer group (a vector per thread) where one fits,
 // so a row cut into segments leaves no thread idle but in its last segment (7168 bf16 columns at
@@ -170,6 +169,7 @@ __host__ __device__ inline int token_segment_cols(int C, int K, uint32_t elem, u
   return C <= seg ? C : seg;
 }
 
+// What every role of a block needs to know about the call.
 template <typename Rdma>
 struct DirectCombine : KernelCall {
   int L, T, K, C;
@@ -393,8 +393,9 @@ __device__ bool forwarded_parts(const DirectCombine<Rdma>& d, DirectCombineTable
   return true;
 }
 
-// A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, lane 0
-// loads them, token by token and segment by segment.
+// A pipeline's load warp: lane i lists token i's parts of each of the pipeline's units, and they
+// are loaded token by token and segment by segment: by lane 0 into a stage per part (route
+// stages), or by lane k for part k into one stage per token segment (token stages).
 template <typename Rdma, int S>
 __device__ void direct_combine_load(const DirectCombine<Rdma>& d, int pipeline, const Ring& ring, int lane) {
   constexpr bool kToken = S == kCombineStageToken;
@@ -715,6 +716,8 @@ inline const char* check_combine_stage(const LaunchArgs& args) {
     return "combine: combine_stage must be kCombineStageRoute or kCombineStageToken";
   if (args.combine_stage == kCombineStageToken && args.src_stage_bytes < kMaxTopK * 8 * 4)
     return "combine: a token stage must hold kMaxTopK parts of 8 fp32 columns (src_stage_bytes >= 512)";
+  if (args.combine_stage == kCombineStageToken && args.src_stage_bytes % 16 != 0)
+    return "combine: a token stage's bytes must be a multiple of 16 (bulk copies into it start 16-byte aligned)";
   return nullptr;
 }
 

@@ -4,7 +4,8 @@
 // into stages of their own; a group of kGroupWarps warps holds the segment in fp32 registers
 // (thread i of the group: 16-byte vectors i, i + kGroupThreads, ...), adds each part as it arrives and
 // hands the finished segment to the caller. Each warp of the group waits for a stage and
-// releases it itself: the ring's empty barrier counts kGroupWarps arrivals.
+// releases it itself, the ring's empty barrier counting kGroupWarps arrivals; with the named
+// hand-off (kReducerWaitNamed) group thread 0 waits for the whole group and a bar.sync passes it on.
 //
 // Call: anything with args (LaunchArgs), seg_cols, stop() and stopped().
 #pragma once

@@ -766,10 +766,24 @@ def test_the_direct_combine_refuses_a_reducer_warp_count_it_was_not_built_for(mo
     another count (the variable's check bypassed) is refused by the launcher with the reason,
     not run as one of the two."""
     monkeypatch.setattr(launch, "reducer_warps_override", lambda environ=None: 6)
+    _direct_combine_refused(r"reducer_warps must be 4 or 8")
+
+
+def test_the_direct_combine_refuses_token_stages_bulk_copies_cannot_align_to(monkeypatch):
+    """A token stage's parts are bulk-loaded to offsets within it, which must start 16-byte
+    aligned: a plan whose stage bytes are not a multiple of 16 is refused by the launcher with
+    the reason (the kernel used to take it)."""
+    monkeypatch.setattr(launch, "combine_stage_override", lambda environ=None: "token")
+    monkeypatch.setattr(launch, "TOKEN_STAGE_BYTES", 32 * 1024 + 8)
+    _direct_combine_refused(r"a token stage's bytes must be a multiple of 16")
+
+
+def _direct_combine_refused(reason: str) -> None:
+    """A two-rank call on the direct path whose combine launch the launcher refuses with `reason`."""
     case = _case(2, hidden=2048, tokens=(9, 4))
     group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
     try:
-        with pytest.raises(RuntimeError, match=r"reducer_warps must be 4 or 8"):
+        with pytest.raises(RuntimeError, match=reason):
             check_emulated(group, case)
     finally:
         group.close()

@@ -340,12 +340,14 @@ def token_stage_shape(cols: int, in_bytes: int, smem_per_block: int,
                       max_stages: int = MAX_STAGES) -> DirectCombineShape:
     """The direct combine's rings with token stages: stages of TOKEN_STAGE_BYTES, as many as the
     shared memory holds, split between its two pipelines. seg_cols stays the route stages' (the
-    launchers' check); the kernel cuts each row into segments whose top-k parts fill a stage."""
+    launchers check it whatever the stage; LaunchArgs::seg_cols); the kernel cuts each row into
+    segments whose top-k parts fill a stage."""
     route = direct_combine_shape(cols, in_bytes, smem_per_block, max_stages)
     stages = min(max_stages, (smem_per_block - STATIC_SMEM_RESERVE) // (DIRECT_COMBINE_PIPELINES * TOKEN_STAGE_BYTES))
     if stages < 2:
         raise ValueError(f"shared memory per block ({smem_per_block} B) holds fewer than 2 direct-combine token "
-                         f"stages of {TOKEN_STAGE_BYTES} B per pipeline")
+                         f"stages of {TOKEN_STAGE_BYTES} B per pipeline ({COMBINE_STAGE_ENV}=token; route stages "
+                         f"fit: unset it)")
     return DirectCombineShape(seg_cols=route.seg_cols, stages=stages, stage_bytes=TOKEN_STAGE_BYTES)
 
 
