@@ -695,23 +695,23 @@ def test_store_runs_give_the_oracle_result_in_fewer_stores(monkeypatch, nodes):
     bulk copies (the model counts them: stats()["copies"])."""
     cases = (_case(4, num_experts=4, hidden=8192, dtype=FP8_DTYPE, topk=2, tokens=(17, 5, 0, 9)),
              _case(4, num_experts=4, hidden=128, topk=2, num_out_tokens=21, tokens=(64, 17, 0, 33)))
-    copies = {}
+    copies = {}  # (runs, case) -> bulk copies of the call
     for runs in ("0", "1"):
         _set_knobs(monkeypatch, ((launch.STORE_RUNS_ENV, runs),))
-        copies[runs] = 0
-        for base in cases:
+        for i, base in enumerate(cases):
             case = dataclasses.replace(base, ranks_per_node=4 // nodes)
             group = emulated_group_for(case, "cpu", num_sms_dispatch=1, num_sms_combine=1, data_path="direct")
             try:
                 model.set_seed(0)
                 before = model.stats()["copies"]
                 check_emulated(group, case)
-                copies[runs] += model.stats()["copies"] - before
+                copies[runs, i] = model.stats()["copies"] - before
                 [a] = [a for key, a in group.engine._launch_cache.items() if key[0] == "dispatch_direct"]
                 assert a.store_runs == int(runs)
             finally:
                 group.close()
-    assert copies["1"] < copies["0"]
+    for i in range(len(cases)):  # each case merges rows: fp8's two a stage as bf16's 32
+        assert copies["1", i] < copies["0", i], (i, copies)
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
