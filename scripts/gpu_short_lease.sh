@@ -63,11 +63,15 @@ export HYBRID_EP_CUDA_ARCHS=${HYBRID_EP_CUDA_ARCHS:-90a} PYTHONUNBUFFERED=1
 export HYBRID_EP_TIMEOUT_S=${HYBRID_EP_TIMEOUT_S:-20}
 # pack: every log so far into OUT's archive (written aside, then moved: a call killed while it
 # packs leaves the last whole archive), after every part and at the exit, so that a call cut short
-# still returns what ran.
+# still returns what ran. ncu's report is left out (tens of MB, each pack again; its tables are
+# text beside it). tar's exit 1 (a file changed while read: the build in the background still
+# writes) leaves a whole archive; a worse one leaves the last and no .part in OUT.
 pack() {
-    local archive=$out/logs_short_lease.tgz
+    local archive=$out/logs_short_lease.tgz rc
     [ "$call" = second ] && archive=$out/logs_second_call.tgz
-    tar czf "$archive.part" -C "$r" . 2>/dev/null && mv -f "$archive.part" "$archive"
+    tar czf "$archive.part" --exclude='*.ncu-rep' -C "$r" . 2>/dev/null
+    rc=$?
+    if [ "$rc" -le 1 ]; then mv -f "$archive.part" "$archive"; else rm -f "$archive.part"; fi
     cp "$r/summary.txt" "$out/summary.txt" 2>/dev/null
 }
 line() { echo "short_lease [$call call, $(date +%T), ${SECONDS} s]: $*" | tee -a "$r/summary.txt"; }

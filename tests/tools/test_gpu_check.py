@@ -822,6 +822,7 @@ def test_short_lease_runs_every_part_in_order_and_packs_the_logs(machine):
                 "./processes_3_stages/processes.log", "./emulation_alone/no_mps.log",
                 "./emulation_alone/mps/processes.log", "./emulation_alone/memcheck.log"):
         assert log in names, names
+    assert [n for n in names if n.endswith(".ncu-rep")] == [] and "./ncu/ncu_details.txt" in names
     assert not (results / "logs_short_lease.tgz.part").exists()
     assert "-m harness.soak" not in calls  # the second call's
     [profiled] = [line for line in calls.splitlines() if line.startswith("ncu ") and "--export" in line]
